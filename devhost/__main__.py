@@ -1,0 +1,125 @@
+"""Local Functions host for machines without Core Tools: ``python -m devhost [--port 7071] [APP_DIR]``.
+
+Loads function_app.py through the real Python worker (azure-functions-runtime), serves every HTTP
+function under host.json's route prefix on 127.0.0.1, and stops quickly on Ctrl+C or SIGTERM.
+A dev tool: excluded from deployment by .funcignore.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from . import config
+from .proxy import Host
+from .routes import routes_from_metadata
+from .worker import Worker, WorkerError
+
+log = logging.getLogger("devhost")
+
+
+class _FrontServer(uvicorn.Server):
+    # The host owns signal handling (see serve()); uvicorn must not install its own handlers.
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = logging.DEBUG if verbose else logging.WARNING
+    # The runtime and the worker's uvicorn log every request at INFO; keep that for --verbose.
+    for name in ("azure_functions_worker", "azure_functions_runtime", "azure.functions",
+                 "uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(name).setLevel(quiet)
+
+
+async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
+    worker = Worker(app_dir, host="127.0.0.1")
+    try:
+        await worker.init()
+        _configure_logging(verbose)  # again: the worker's uvicorn.Config has just reset logging
+        await worker.load()
+    except WorkerError as exc:
+        log.error("The function app failed to load.\n%s", exc)
+        await worker.stop()
+        return 1
+
+    prefix = config.route_prefix(app_dir)
+    routes = routes_from_metadata(worker.metadata, prefix)
+    app = Host(worker, routes)
+    server = _FrontServer(uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, server_header=False,
+        date_header=False, lifespan="off", timeout_graceful_shutdown=2, timeout_keep_alive=30))
+
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stopping.is_set():  # a second Ctrl+C: leave now
+            os._exit(130)
+        log.info("%s received, stopping", signal.Signals(signum).name)
+        stopping.set()
+        server.should_exit = True
+
+    # Installed after the worker's server started, so these replace the handlers its uvicorn set.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    if serving.done():
+        await worker.stop()
+        return 1
+    bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+    for route in routes:
+        methods = ",".join(sorted(route.methods)) or "ANY"
+        print(f"  {route.name}: [{methods}] http://{host}:{bound}/{prefix + '/' if prefix else ''}{route.template}",
+              file=sys.stderr)
+    print(f"devhost listening on http://{host}:{bound}", flush=True)
+    try:
+        await serving
+    finally:
+        await app.aclose()
+        await worker.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devhost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("app_dir", nargs="?", default=".", help="folder holding function_app.py (default: .)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 7071),
+                        help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)")
+    parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
+    args = parser.parse_args(argv)
+    app_dir = Path(args.app_dir).resolve()
+    _configure_logging(args.verbose)
+    if not (app_dir / "function_app.py").exists():
+        log.error("no function_app.py in %s", app_dir)
+        return 2
+    try:
+        applied = config.apply_local_settings(app_dir)
+        config.route_prefix(app_dir)
+    except config.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    if applied:
+        log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
+    os.chdir(app_dir)
+    try:
+        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Session servers: the scripted upstream and the app on the local host, both real processes."""
+from __future__ import annotations
+
+import pytest
+
+from servers import App, Upstream
+
+# A recognisable key: tests check it never leaks into responses or logs.
+TEST_KEY = "sk-test-SECRET-4f9c2a7e1b"
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    server = Upstream()
+    yield server
+    server.stop()
+
+
+def app_env(upstream: Upstream, **overrides: str) -> dict[str, str]:
+    env = {"OPENAI_BASE_URL": upstream.base_url, "OPENAI_API_KEY": TEST_KEY, "OPENAI_MODEL": "gpt-test",
+           "UPSTREAM_MAX_RETRIES": "0"}
+    env.update(overrides)
+    return env
+
+
+@pytest.fixture(scope="session")
+def app(upstream):
+    server = App(app_env(upstream))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_app(upstream):
+    """Start another app instance with settings of the test's own; stopped after the test."""
+    started: list[App] = []
+
+    def start(**overrides: str) -> App:
+        server = App(app_env(upstream, **overrides))
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

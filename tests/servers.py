@@ -1,0 +1,116 @@
+"""Start the project's servers for real, as the user would, and talk HTTP to them."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+
+
+class Served:
+    """A server started as a subprocess; its stderr is kept in a file for log assertions."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT,
+                 timeout: float = 60.0):
+        self.log_file = tempfile.NamedTemporaryFile(prefix="served-", suffix=".log", delete=False)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_"))}
+        full_env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=self.log_file, stdin=subprocess.DEVNULL, text=True)
+        self.url = self._wait_ready(timeout)
+        # Keep draining stdout so the child never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def _wait_ready(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read():
+            for line in self.proc.stdout:
+                m = READY.search(line)
+                if m:
+                    found.append(m.group(1))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"server did not start: {' '.join(self.proc.args)}\n{self.log()}")
+        return found[0]
+
+    def log(self) -> str:
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 5.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.log())
+            if m or time.monotonic() > deadline:
+                assert m, f"log never matched {pattern!r}:\n{self.log()[-3000:]}"
+                return m
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Upstream(Served):
+    """The scripted OpenAI-compatible server (fakeupstream/)."""
+
+    def __init__(self, *extra: str):
+        super().__init__(["-m", "fakeupstream", "--port", "0", *extra])
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def requests(self) -> list[dict]:
+        return self.http.get("/_scripted/requests").json()
+
+    def streams(self) -> list[dict]:
+        return self.http.get("/_scripted/streams").json()
+
+    def clear(self) -> None:
+        self.http.delete("/_scripted/requests").raise_for_status()
+
+    def wait_stream_end(self, scenario: str, timeout: float = 5.0) -> dict:
+        """The latest stream record of ``scenario`` once it has ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            records = [s for s in self.streams() if s["scenario"] == scenario]
+            if records and records[-1]["ended_at"] is not None:
+                return records[-1]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no ended stream for {scenario!r}: {records}")
+            time.sleep(0.02)
+
+
+class App(Served):
+    """function_app.py served through the local host (devhost/) on the real runtime."""
+
+    def __init__(self, env: dict[str, str], app_dir: Path = ROOT):
+        super().__init__(["-m", "devhost", "--port", "0", str(app_dir)], env=env)
+
+    @property
+    def chat_url(self) -> str:
+        return self.url + "/api/chat"
