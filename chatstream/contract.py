@@ -130,7 +130,12 @@ def validate_chat_request(data: object) -> ChatRequest:
         raise invalid_request(message, param) from None
 
 
+# curl -d sends application/x-www-form-urlencoded unless told otherwise; a JSON body is never valid
+# form data for this endpoint, so that type (and none at all) is read as JSON. Anything else is 415.
+_ACCEPTED_AS_JSON = {"", "application/json", "application/x-www-form-urlencoded"}
+
+
 def require_json_content_type(content_type: str | None) -> None:
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+    if media not in _ACCEPTED_AS_JSON and not (media.startswith("application/") and media.endswith("+json")):
         raise ApiError(415, "unsupported_media_type", "send the body as Content-Type: application/json")

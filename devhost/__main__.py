@@ -48,6 +48,7 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
         await worker.init()
         _configure_logging(verbose)  # again: the worker's uvicorn.Config has just reset logging
         await worker.load()
+        _configure_logging(verbose)  # and once more: the worker's server configures it when it starts
     except WorkerError as exc:
         log.error("The function app failed to load.\n%s", exc)
         await worker.stop()

@@ -1,0 +1,288 @@
+"""The ASGI app: routing, scenario choice, recording, and stream playback.
+
+A plain ASGI callable (no framework) so that the per-chunk path is just
+"sleep until the deadline, send pre-built bytes". It runs under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import parse_qsl
+
+from . import scenarios as sc
+from .scenarios import Cadence, Request, Scenario
+
+MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
+_DEPLOYMENT_PATH = re.compile(r"^/openai/deployments/([^/]+)/chat/completions$")
+_MODELS_CREATED = 1_700_000_000
+_JSON = (b"content-type", b"application/json")
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+class DeliberateReset(Exception):
+    """Raised mid-body on purpose: uvicorn then closes the socket without ending the chunked body."""
+
+
+class _QuietResets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], DeliberateReset))
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, body: dict, headers: list | None = None):
+        self.status, self.body, self.headers = status, body, headers or []
+
+
+def _invalid(message: str, param: str | None = None, code: str | None = None) -> _ApiError:
+    return _ApiError(400, sc.error_body(message, "invalid_request_error", code, param))
+
+
+async def _send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive) -> bytes | None:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+class FakeUpstream:
+    """The ASGI app. `requests` and `streams` are the records served under /_scripted/."""
+
+    def __init__(self, default_scenario: str = "echo", cadence: Cadence | None = None,
+                 max_records: int = 10_000):
+        self.scenarios: dict[str, Scenario] = sc.scenarios_with(cadence or Cadence())
+        if default_scenario not in self.scenarios:
+            raise ValueError(f"unknown scenario {default_scenario!r}")
+        self.default_scenario = default_scenario
+        self.requests: deque[dict] = deque(maxlen=max_records)
+        self.streams: deque[dict] = deque(maxlen=max_records)
+        self._ids = itertools.count(1)
+        self._models = {"object": "list", "data": [
+            {"id": name, "object": "model", "created": _MODELS_CREATED, "owned_by": "fakeupstream"}
+            for name in self.scenarios]}
+        logging.getLogger("uvicorn.error").addFilter(_QuietResets())
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if path.startswith("/_scripted/"):
+            body = await _read_body(receive)
+            if body is not None:
+                await self._control(send, method, path, body)
+            return
+
+        received_at = time.time()
+        body = await _read_body(receive)
+        if body is None:
+            return
+        record = self._record(scope, body, received_at)
+        rid = [(b"x-request-id", record["id"].encode())]
+        query = record["query"]
+        try:
+            if method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
+                await self._chat(receive, send, record, deployment=None)
+            elif method == "POST" and (m := _DEPLOYMENT_PATH.match(path)) and "api-version" in query:
+                await self._chat(receive, send, record, deployment=m.group(1))
+            elif path.startswith("/openai/"):
+                await _send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
+            elif method == "GET" and path in ("/v1/models", "/models"):
+                await _send_json(send, 200, self._models, rid)
+            else:
+                raise _ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+        except _ApiError as e:
+            await _send_json(send, e.status, e.body, rid + e.headers)
+
+    def _record(self, scope, body: bytes, received_at: float) -> dict:
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            name, value = k.decode("latin-1").lower(), v.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        record = {
+            "id": f"req_{next(self._ids)}",
+            "method": scope["method"],
+            "path": scope["path"],
+            "query": dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)),
+            "headers": headers,
+            "json": parsed,
+            "received_at": received_at,
+        }
+        self.requests.append(record)
+        return record
+
+    async def _control(self, send, method: str, path: str, body: bytes) -> None:
+        if path == "/_scripted/requests" and method == "GET":
+            await _send_json(send, 200, list(self.requests))
+        elif path == "/_scripted/requests" and method == "DELETE":
+            self.requests.clear()
+            self.streams.clear()
+            await _send_json(send, 200, {"cleared": True})
+        elif path == "/_scripted/streams" and method == "GET":
+            await _send_json(send, 200, list(self.streams))
+        elif path == "/_scripted/default" and method in ("GET", "POST"):
+            if method == "POST":
+                try:
+                    name = json.loads(body)["scenario"]
+                except (ValueError, KeyError, TypeError):
+                    name = None
+                if name not in self.scenarios:
+                    await _send_json(send, 400, sc.error_body(
+                        f"Unknown scenario {name!r}. Known: {', '.join(self.scenarios)}",
+                        "invalid_request_error", "unknown_scenario", "scenario"))
+                    return
+                self.default_scenario = name
+            await _send_json(send, 200, {"scenario": self.default_scenario})
+        else:
+            await _send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+
+    # ---------------------------------------------------------- chat completions
+
+    def _pick(self, body: dict, deployment: str | None) -> str:
+        """Scenario: the model (or deployment) name, else a [scenario:NAME] marker, else the default."""
+        model = body.get("model") or deployment
+        if isinstance(model, str) and model in self.scenarios:
+            return model
+        found = MARKER.search(_last_user_text(body["messages"]))
+        if found:
+            if found.group(1) not in self.scenarios:
+                raise _invalid(f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. "
+                               f"Known: {', '.join(self.scenarios)}", "messages", "unknown_scenario")
+            return found.group(1)
+        return self.default_scenario
+
+    async def _chat(self, receive, send, record: dict, deployment: str | None) -> None:
+        body = record["json"]
+        if not isinstance(body, dict):
+            raise _invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
+                           "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)")
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+        n = body.get("n") or 1
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+            raise _invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
+
+        name = self._pick(body, deployment)
+        scn = self.scenarios[name]
+        model = deployment or (body["model"] if isinstance(body.get("model"), str) else name)
+        if scn.error:
+            raise self._scenario_error(scn, model, record["headers"])
+
+        stream = bool(body.get("stream"))
+        options = body.get("stream_options")
+        req = Request(
+            model=model, n=n, prompt_tokens=sc.count_prompt_tokens(messages),
+            include_usage=stream and isinstance(options, dict) and options.get("include_usage") is True,
+        )
+        deltas = sc.word_deltas(sc.echo_text(_last_user_text(messages))) if name == "echo" else None
+        rid = [(b"x-request-id", record["id"].encode())]
+        if not stream:
+            await _send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
+            return
+        await self._play(receive, send, record["id"], name, sc.stream_plan(scn, req, deltas), rid)
+
+    @staticmethod
+    def _scenario_error(scn: Scenario, model: str, headers: dict) -> _ApiError:
+        err = scn.error
+        key = headers.get("api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
+        message = err.message.format(model=model, key=sc.mask_key(key))
+        if err.code == "invalid_api_key" and not key:
+            message = ("You didn't provide an API key. You need to provide your API key in an "
+                       "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        extra = []
+        if err.retry_after_s is not None:
+            extra = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode()),
+                     (b"retry-after-ms", str(round(err.retry_after_s * 1000)).encode())]
+        return _ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
+
+    # ------------------------------------------------------------------ playback
+
+    async def _play(self, receive, send, request_id: str, name: str, plan: list, headers: list) -> None:
+        """Send the plan's frames at their deadlines; record how the stream ended."""
+        record = {"request_id": request_id, "scenario": name, "started_at": time.time(),
+                  "ended_at": None, "outcome": None}
+        self.streams.append(record)
+        task = asyncio.current_task()
+        finished = disconnected = False
+
+        async def watch_for_disconnect() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:
+                disconnected = True
+                task.cancel()
+
+        watcher = asyncio.create_task(watch_for_disconnect())
+        outcome = "error"
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [_SSE, *headers]})
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for at, item in plan:
+                delay = start + at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if item is sc.RESET:
+                    outcome = "reset"
+                    raise DeliberateReset(f"scenario {name}: connection dropped on purpose")
+                if item is sc.STALL:
+                    await loop.create_future()  # until the watcher cancels us
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+            finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            outcome = "completed"
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise  # server shutdown: outcome "error"
+            task.uncancel()
+            outcome = "client_disconnected"
+        finally:
+            finished = True
+            watcher.cancel()
+            record["ended_at"] = time.time()
+            record["outcome"] = outcome
+
+
+def _last_user_text(messages: list) -> str:
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            return sc.message_text(m.get("content"))
+    return ""
+
+
+def create_app(default_scenario: str = "echo", cadence: Cadence | None = None,
+               max_records: int = 10_000) -> FakeUpstream:
+    """A new app with its own records. `cadence` configures the `cadence` scenario."""
+    return FakeUpstream(default_scenario, cadence, max_records)

@@ -1,0 +1,43 @@
+"""A small app for testing the local host itself (not deployed anywhere)."""
+import asyncio
+import os
+from pathlib import Path
+
+import azure.functions as func
+from azurefunctions.extensions.http.fastapi import JSONResponse, Request, StreamingResponse
+
+app = func.FunctionApp(http_auth_level=func.AuthLevel.ANONYMOUS)
+
+
+@app.route(route="env/{name}", methods=["GET"])
+async def env(req: Request) -> JSONResponse:
+    name = req.path_params["name"]
+    return JSONResponse({"name": name, "value": os.environ.get(name)})
+
+
+@app.route(route="echo/{*rest}", methods=["GET", "POST"])
+async def echo(req: Request) -> JSONResponse:
+    return JSONResponse({"method": req.method, "path": req.url.path, "rest": req.path_params.get("rest"),
+                         "query": dict(req.query_params), "body": (await req.body()).decode(),
+                         "invocation_id": req.headers.get("x-ms-invocation-id")})
+
+
+@app.route(route="ticks", methods=["GET"])
+async def ticks(req: Request) -> StreamingResponse:
+    """One line every 100 ms until the caller leaves; writes a marker file when cleanup runs."""
+    marker = Path(req.query_params["marker"])
+
+    async def lines():
+        try:
+            for i in range(600):
+                yield f"tick {i}\n".encode()
+                await asyncio.sleep(0.1)
+        finally:
+            marker.write_text("closed")
+
+    return StreamingResponse(lines(), media_type="text/plain")
+
+
+@app.route(route="boom", methods=["GET"])
+async def boom(req: Request) -> JSONResponse:
+    raise RuntimeError("boom")
