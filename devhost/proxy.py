@@ -8,21 +8,26 @@ import asyncio
 import logging
 import time
 import uuid
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
-import httpx
-
+from .forward import Forwarder, WorkerConnectionError
 from .routes import Route, match
 from .worker import Worker
 
 log = logging.getLogger("devhost")
 
-INVOCATION_HEADER = "x-ms-invocation-id"
-# Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded in either direction.
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"})
+INVOCATION_HEADER = b"x-ms-invocation-id"
+# Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded in either direction; the framing headers
+# are set by whoever writes the next hop.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
+                        b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
+NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host"}
 # How long a failed invocation waits for the worker's own error response before the host answers.
 FAILED_INVOCATION_GRACE = 1.0
+
+
+class ClientGone(Exception):
+    """The caller hung up before the request body was read."""
 
 
 class Host:
@@ -31,20 +36,18 @@ class Host:
     def __init__(self, worker: Worker, routes: list[Route]):
         self.worker = worker
         self.routes = routes
-        self.client = httpx.AsyncClient(
-            base_url=worker.http_uri or "http://127.0.0.1", timeout=httpx.Timeout(None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000))
+        uri = urlsplit(worker.http_uri or "http://127.0.0.1:9")
+        self.forwarder = Forwarder(uri.hostname, uri.port)
+        self.started = time.monotonic()
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        self.forwarder.close()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
         if scope["type"] != "http":
+            return
+        if scope["path"] == "/_devhost/stats":
+            await _json(send, self.stats())
             return
         route, params, allowed = match(self.routes, scope["path"], scope["method"])
         if route is None:
@@ -53,20 +56,29 @@ class Host:
             return
         await self._invoke(route, params, scope, receive, send)
 
+    def stats(self) -> dict:
+        """For leak tests: what this process holds right now."""
+        import os
+        return {"tasks": len(asyncio.all_tasks()), "open_fds": len(os.listdir("/proc/self/fd")),
+                "idle_worker_connections": len(self.forwarder._idle)}
+
     async def _invoke(self, route: Route, params, scope, receive, send):
         invocation_id = str(uuid.uuid4())
         started = time.perf_counter()
         # A caller must never choose the invocation id (it would pair its request with another
         # invocation): drop theirs and hop-by-hop headers, add ours.
-        headers = [(k, v) for k, v in scope["headers"]
-                   if k.decode("latin-1").lower() not in HOP_BY_HOP | {INVOCATION_HEADER, "host"}]
-        headers.append((INVOCATION_HEADER.encode(), invocation_id.encode()))
+        headers = [(k.lower(), v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
+        caller_framing = {k.lower(): v for k, v in scope["headers"]
+                          if k.lower() in (b"content-length", b"transfer-encoding")}
+        headers.append((INVOCATION_HEADER, invocation_id.encode()))
         raw_query = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
-        target += b"?" + raw_query if raw_query else b""
+        if raw_query:
+            target += b"?" + raw_query
         host = dict(scope["headers"]).get(b"host", b"localhost").decode("latin-1")
-        url = f"{scope.get('scheme', 'http')}://{host}{scope['path']}" + (f"?{raw_query.decode('latin-1')}" if raw_query else "")
+        url = f"{scope.get('scheme', 'http')}://{host}{target.decode('latin-1')}"
 
+        has_body = b"content-length" in caller_framing or b"transfer-encoding" in caller_framing
         body_done = asyncio.Event()
         disconnected = asyncio.Event()
 
@@ -83,18 +95,25 @@ class Host:
                     return
 
         async def watch_disconnect():
-            await body_done.wait()
+            if has_body:
+                await body_done.wait()
             while (await receive())["type"] != "http.disconnect":
                 pass
             disconnected.set()
 
         log.info("Executing 'Functions.%s' (Id=%s)", route.name, invocation_id)
-        request = self.client.build_request(
-            scope["method"], target.decode("latin-1"), headers=headers, content=request_body())
-        forward = asyncio.ensure_future(self.client.send(request, stream=True))
+        try:
+            exchange = await self.forwarder.send(
+                scope["method"], target, headers, request_body() if has_body else None,
+                chunked=has_body and b"content-length" not in caller_framing)
+        except OSError as exc:
+            log.error("cannot reach the worker's HTTP server: %s", exc)
+            await _plain(send, 502)
+            return
+        forward = asyncio.ensure_future(exchange.start())
         invocation = asyncio.ensure_future(self.worker.invoke(
             invocation_id, route.function_id, route.trigger_param, method=scope["method"], url=url,
-            headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers},
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers},
             query=dict(parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True)), params=params))
         watcher = asyncio.ensure_future(watch_disconnect())
         gone = asyncio.ensure_future(disconnected.wait())
@@ -102,8 +121,10 @@ class Host:
         try:
             response = await self._await_response(forward, invocation, gone)
             if response is None:
-                outcome = "Failed" if not disconnected.is_set() else "Cancelled (caller disconnected)"
-                if not disconnected.is_set():
+                if disconnected.is_set():
+                    outcome = "Cancelled (caller disconnected)"
+                else:
+                    outcome = "Failed"
                     await _plain(send, 500)
                 return
             relay = asyncio.ensure_future(self._relay(response, send))
@@ -114,16 +135,15 @@ class Host:
             await asyncio.gather(relay, return_exceptions=True)
         except ClientGone:
             outcome = "Cancelled (caller disconnected)"
-        except httpx.HTTPError as exc:
+        except WorkerConnectionError as exc:
             outcome = "Failed"
-            log.error("forwarding to the worker failed: %r", exc)
+            log.error("forwarding to the worker failed: %s", exc)
             await _plain(send, 502)
         finally:
             for task in (forward, watcher, gone):
                 task.cancel()
-            if forward.done() and not forward.cancelled() and forward.exception() is None:
-                await forward.result().aclose()
-            if invocation.done() and not invocation.cancelled():
+            exchange.close()
+            if invocation.done():
                 self._log_invocation(route, invocation_id, invocation)
             else:
                 invocation.add_done_callback(lambda t: self._log_invocation(route, invocation_id, t))
@@ -133,30 +153,28 @@ class Host:
     async def _await_response(self, forward, invocation, gone):
         """The worker's response, or None when the host must answer itself (failed invocation the
         worker never paired with the request) or the caller is gone."""
-        while True:
-            done, _ = await asyncio.wait({forward, invocation, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if forward in done:
-                return forward.result()
-            if gone in done:
-                return None
-            if invocation in done:
-                if not invocation.cancelled() and invocation.exception() is None \
-                        and invocation.result().result.status == invocation.result().result.Success:
-                    # Success: the worker has (or will have) the response; wait for it alone.
-                    done, _ = await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    return forward.result() if forward in done else None
-                try:
-                    return await asyncio.wait_for(asyncio.shield(forward), FAILED_INVOCATION_GRACE)
-                except TimeoutError:
-                    return None
+        done, _ = await asyncio.wait({forward, invocation, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if forward in done:
+            return forward.result()
+        if gone in done:
+            return None
+        if not invocation.cancelled() and invocation.exception() is None \
+                and invocation.result().result.status == invocation.result().result.Success:
+            # Success: the worker has (or will have) the response; wait for it alone.
+            done, _ = await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return forward.result() if forward in done else None
+        done, _ = await asyncio.wait({forward, gone}, timeout=FAILED_INVOCATION_GRACE,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        return forward.result() if forward in done else None
 
-    async def _relay(self, response: httpx.Response, send) -> None:
-        headers = [(k, v) for k, v in response.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    @staticmethod
+    async def _relay(response, send) -> None:
+        headers = [(k, v) for k, v in response.headers if k.lower() not in HOP_BY_HOP]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         try:
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:  # the worker dropped the connection mid-body
+        except WorkerConnectionError as exc:  # the worker dropped the connection mid-body
             log.warning("worker response ended early: %s", exc)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -173,11 +191,15 @@ class Host:
                       result.exception.message)
 
 
-class ClientGone(Exception):
-    """The caller hung up before the request body was read."""
-
-
 async def _plain(send, status: int, headers=()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-length", b"0"), *headers]})
     await send({"type": "http.response.body", "body": b""})
+
+
+async def _json(send, payload: dict) -> None:
+    import json
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
