@@ -55,11 +55,15 @@ def _retry_after(exc: openai.APIStatusError) -> dict[str, str]:
     return {}
 
 
-def from_upstream(exc: BaseException, model: str) -> ApiError:
-    """Map an exception raised by the openai SDK (or its transport) to what the caller sees."""
+def from_upstream(exc: BaseException, model: str, midstream: bool = False) -> ApiError:
+    """Map an exception raised by the openai SDK (or its transport) to what the caller sees.
+    ``midstream``: text has already been sent (the status is then only informative)."""
     if isinstance(exc, openai.APITimeoutError):
         return ApiError(504, "upstream_timeout", "the model did not answer in time", retryable=True)
     if isinstance(exc, openai.APIConnectionError):
+        if midstream:
+            return ApiError(502, "upstream_disconnected", "the connection to the model server was lost",
+                            retryable=True)
         return ApiError(503, "upstream_unavailable", "could not reach the model server", retryable=True)
     if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
         # Our credentials, not the caller's: say so without the upstream's details (they may

@@ -127,7 +127,7 @@ async def relay(client: openai.AsyncOpenAI, request: ChatRequest, settings: Sett
         yield Failed(exc.error)
     except (openai.APIError, ValueError) as exc:
         ended = True
-        error = errors.from_upstream(exc, record.model)
+        error = errors.from_upstream(exc, record.model, midstream=record.first_delta_at is not None)
         record.error = error.type
         yield Failed(error)
     finally:

@@ -24,7 +24,8 @@ class WorkerConnectionError(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self):
+    def __init__(self, pool: list["_Connection"]):
+        self.pool = pool  # the idle list this connection sits in between requests
         self.transport: asyncio.Transport | None = None
         self.response: WorkerResponse | None = None
         self.lost = False
@@ -40,6 +41,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self.lost = True
+        if self in self.pool:  # the worker closed an idle keep-alive connection
+            self.pool.remove(self)
         if self.response is not None:
             self.response.lost(exc)
         if self._can_write is not None and not self._can_write.done():
@@ -167,7 +170,7 @@ class Forwarder:
                 return conn
             conn.transport.close()
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Connection, self.host, self.port)
+        _, conn = await loop.create_connection(lambda: _Connection(self._idle), self.host, self.port)
         return conn
 
     def release(self, conn: _Connection, reusable: bool) -> None:

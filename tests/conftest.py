@@ -6,7 +6,7 @@ import pytest
 from servers import App, Upstream
 
 # A recognisable key: tests check it never leaks into responses or logs.
-TEST_KEY = "sk-test-SECRET-4f9c2a7e1b"
+TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"
 
 
 @pytest.fixture(scope="session")

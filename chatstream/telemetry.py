@@ -1,0 +1,253 @@
+"""OpenTelemetry for chat streams: one span and a few metrics per request.
+
+The app calls this module in three places::
+
+    telemetry.configure()                      # once, at start-up (function_app.py)
+    stream = telemetry.start_stream(model)     # when a request starts (ChatEndpoint.__call__)
+    stream.end(record)                         # when its stream is over (endpoint._finish)
+
+``record`` is the request's ``relay.StreamRecord``. The span ``chat.stream`` starts in
+``start_stream`` and ends in ``end``, so its duration is the stream's; ``end`` also records the
+metrics. Spans and metrics go to the global OpenTelemetry providers (``trace.get_tracer`` /
+``metrics.get_meter``): with no SDK configured those are no-ops, so the calls cost next to nothing.
+
+Export to Application Insights only happens when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is set:
+either the Python worker already configured azure-monitor-opentelemetry
+(``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY=true``, what infra/ deploys) or ``configure()`` does
+it. The azure monitor package is imported only then, never at import time.
+
+Telemetry never breaks a request: errors here are logged and swallowed. Prompts, completions and
+keys are never recorded. docs/observability.md lists what is emitted and how to query it."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from opentelemetry import metrics, trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+except ImportError:  # pragma: no cover - opentelemetry-api comes with azure-monitor-opentelemetry
+    metrics = trace = None
+
+log = logging.getLogger("chatstream")
+
+SPAN_NAME = "chat.stream"
+METRIC_TTFD = "chat.stream.time_to_first_delta"
+METRIC_DURATION = "chat.stream.duration"
+METRIC_DELTAS = "chat.stream.deltas"
+METRIC_TOKENS = "chat.stream.tokens"
+
+# Span attributes beyond the gen_ai.* semantic conventions.
+ATTR_TTFD = "chat.time_to_first_delta_ms"
+ATTR_DURATION = "chat.duration_ms"
+ATTR_DELTAS = "chat.deltas"
+ATTR_DISCONNECTED = "chat.disconnected"
+ATTR_OUTCOME = "chat.outcome"
+
+# Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
+# count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
+_MS_BUCKETS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000, 300_000,
+               600_000, 1_800_000)
+_MAX_MODEL_CHARS = 128  # a caller picks the model name; keep attribute values bounded
+
+ENV_CONNECTION_STRING = "APPLICATIONINSIGHTS_CONNECTION_STRING"
+ENV_WORKER_TELEMETRY = "PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY"
+
+_configured_by_app = False
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def configure(environ: Mapping[str, str] = os.environ) -> str:
+    """Set up export to Application Insights if asked to. Returns how telemetry leaves the process:
+
+    - ``"off"``: no ``APPLICATIONINSIGHTS_CONNECTION_STRING``; nothing is imported or exported;
+    - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true, so the Functions
+      Python worker has called ``configure_azure_monitor`` before loading the app; doing it again
+      would export everything twice;
+    - ``"app"``: this call ran ``configure_azure_monitor()`` (connection string and, for Entra
+      ingestion, ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` come from the environment).
+
+    Never raises: a broken telemetry setup must not stop the app."""
+    global _configured_by_app
+    if not (environ.get(ENV_CONNECTION_STRING) or "").strip():
+        return "off"
+    if _true(environ.get(ENV_WORKER_TELEMETRY)):
+        return "worker"
+    if _configured_by_app:
+        return "app"
+    try:
+        from azure.monitor.opentelemetry import configure_azure_monitor
+    except ImportError:
+        log.warning("%s is set but azure-monitor-opentelemetry is not installed: no telemetry export",
+                    ENV_CONNECTION_STRING)
+        return "off"
+    try:
+        configure_azure_monitor()
+    except Exception as exc:  # never log the message: it may quote the connection string
+        log.warning("could not configure Azure Monitor export (%s): no telemetry export", type(exc).__name__)
+        return "off"
+    _configured_by_app = True
+    return "app"
+
+
+def _histogram(meter, name: str, description: str):
+    try:
+        return meter.create_histogram(name, unit="ms", description=description,
+                                      explicit_bucket_boundaries_advisory=_MS_BUCKETS)
+    except TypeError:  # opentelemetry-api older than 1.23 has no bucket advice
+        return meter.create_histogram(name, unit="ms", description=description)
+
+
+class _Instruments:
+    def __init__(self) -> None:
+        meter = metrics.get_meter(__name__)
+        self.ttfd = _histogram(meter, METRIC_TTFD, "Time from the request to the first delta sent")
+        self.duration = _histogram(meter, METRIC_DURATION, "Time from the request to the end of its stream")
+        self.deltas = meter.create_counter(
+            METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
+        self.tokens = meter.create_counter(
+            METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)")
+
+
+_instruments: _Instruments | None = None
+# A proxy until an SDK provider is installed (by the worker, configure(), or a test); then it
+# delegates to that provider.
+_tracer = trace.get_tracer(__name__) if trace is not None else None
+
+
+def _get_instruments() -> _Instruments:
+    global _instruments
+    if _instruments is None:
+        _instruments = _Instruments()
+    return _instruments
+
+
+class StreamTelemetry:
+    """One request's span, from ``start_stream`` to ``end``. ``end`` may be called more than once;
+    only the first call counts."""
+
+    __slots__ = ("_span", "_ended")
+
+    def __init__(self, span) -> None:
+        self._span = span
+        self._ended = False
+
+    @property
+    def span(self):
+        return self._span
+
+    def end(self, record: Any) -> None:
+        """Finish the span and record the metrics from ``record`` (a ``relay.StreamRecord``)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._span is None:
+            return
+        end_ns = time.time_ns()
+        try:
+            _record_stream(self._span, record)
+        except Exception:
+            log.warning("chat stream telemetry failed", exc_info=True)
+        finally:
+            try:
+                self._span.end(end_time=end_ns)
+            except Exception:
+                log.warning("chat stream span did not end", exc_info=True)
+
+
+def start_stream(model: str) -> StreamTelemetry:
+    """Start the ``chat.stream`` span of one request. It is not made the current span (the stream
+    outlives the code that starts it); it takes the current context as its parent."""
+    if _tracer is None:
+        return StreamTelemetry(None)
+    try:
+        span = _tracer.start_span(
+            SPAN_NAME, kind=SpanKind.INTERNAL,
+            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)})
+    except Exception:
+        log.warning("chat stream span did not start", exc_info=True)
+        span = None
+    return StreamTelemetry(span)
+
+
+def _model(model: str | None) -> str:
+    return (model or "")[:_MAX_MODEL_CHARS]
+
+
+def outcome(record: Any) -> str:
+    """``disconnected`` (the caller hung up first), ``failed`` (an error ended it, before or after
+    the headers), or ``completed``."""
+    if record.disconnected:
+        return "disconnected"
+    return "failed" if record.error else "completed"
+
+
+def _is_failure(record: Any) -> bool:
+    """An error that is ours or the upstream's. A request the caller got wrong (4xx other than 429)
+    and a caller hanging up are not failures."""
+    if not record.error:
+        return False
+    status = record.status
+    return status == 200 or status == 429 or status >= 500
+
+
+def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
+    if not isinstance(usage, Mapping):
+        return None, None
+
+    def count(*names: str) -> int | None:
+        for name in names:
+            value = usage.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    return count("prompt_tokens", "input_tokens"), count("completion_tokens", "output_tokens")
+
+
+def _record_stream(span, record: Any) -> None:
+    line = record.as_log()
+    model = _model(record.model)
+    ttfd_ms, duration_ms = line["ttfd_ms"], line["duration_ms"]
+    input_tokens, output_tokens = _tokens(record.usage)
+    result = outcome(record)
+
+    attributes: dict[str, Any] = {
+        "gen_ai.request.model": model,
+        "http.response.status_code": record.status,
+        ATTR_DELTAS: record.deltas,
+        ATTR_DISCONNECTED: bool(record.disconnected),
+        ATTR_OUTCOME: result,
+        ATTR_DURATION: duration_ms,
+    }
+    if record.finish_reason:
+        attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
+    if input_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = input_tokens
+    if output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = output_tokens
+    if ttfd_ms is not None:
+        attributes[ATTR_TTFD] = ttfd_ms
+    if record.error:
+        attributes["error.type"] = record.error
+    span.set_attributes(attributes)
+    if _is_failure(record):
+        span.set_status(Status(StatusCode.ERROR, record.error))
+
+    inst = _get_instruments()
+    by_model = {"model": model}
+    inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
+    if ttfd_ms is not None:
+        inst.ttfd.record(ttfd_ms, by_model)
+    if record.deltas:
+        inst.deltas.add(record.deltas, by_model)
+    if input_tokens:
+        inst.tokens.add(input_tokens, {**by_model, "gen_ai.token.type": "input"})
+    if output_tokens:
+        inst.tokens.add(output_tokens, {**by_model, "gen_ai.token.type": "output"})
