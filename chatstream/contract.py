@@ -55,6 +55,11 @@ class ChatRequest(BaseModel):
             raise ValueError("give either 'prompt' or 'messages', not both and not neither")
         return self
 
+    def to_params(self, default_model: str) -> dict:
+        """The chat.completions parameters for this request (always streamed, with usage)."""
+        return {"model": self.model or default_model, "messages": self.upstream_messages(), "stream": True,
+                "stream_options": {"include_usage": True}, **self.sampling()}
+
     def upstream_messages(self) -> list[dict]:
         if self.prompt is not None:
             return [{"role": "user", "content": self.prompt}]

@@ -1,25 +1,27 @@
-"""POST /api/chat over HTTP: read and validate the request, start the relay, and choose the
-response by the status rule.
+"""The two endpoints over HTTP: read and check the request, run the pipeline's before-steps, start
+the shared relay, and choose the response by the status rule.
 
 Status rule: the response headers wait for the first delta, or for the first heartbeat, whichever
 comes first. Until then a failure is a real HTTP status with a JSON error body; after it, the final
-``error`` event. Once the headers are out without content, ``: keep-alive`` comments go out every
-``HEARTBEAT_SECONDS`` until the first delta."""
+error event. Once the headers are out without content, ``: keep-alive`` comments go out every
+``HEARTBEAT_SECONDS`` until the first delta. A caller that hangs up at any point closes the upstream.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import openai
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import contract, sse
+from . import contract, errors, openai_contract, sse
 from .errors import ApiError
-from .relay import StreamRecord, relay
+from .pipeline import CallRequest, Pipeline, Rejection, StepFailed
+from .relay import Chunk, Event, Failed, StreamRecord, relay
 from .settings import Settings
 
 log = logging.getLogger("chatstream")
@@ -38,11 +40,6 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status,
-                        headers={"Cache-Control": "no-store", **error.headers})
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -65,36 +62,56 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _finish(record: StreamRecord) -> None:
-    log.info(json.dumps(record.as_log(), ensure_ascii=False))
+class Endpoint:
+    """One endpoint: ``parse`` turns the body into a CallRequest; ``encode`` and ``error_body`` speak
+    the endpoint's wire format. Everything else (limits, pipeline, relay, status rule) is shared."""
 
+    name = "chat"
 
-class ChatEndpoint:
-    def __init__(self, settings: Settings, client: openai.AsyncOpenAI):
+    def __init__(self, settings: Settings, client: openai.AsyncOpenAI, pipeline: Pipeline | None = None):
         self.settings = settings
         self.client = client
+        self.pipeline = pipeline or Pipeline()
 
+    # -- what differs between endpoints
+    def parse(self, data: object) -> CallRequest:
+        raise NotImplementedError
+
+    def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]:
+        raise NotImplementedError
+
+    def error_response(self, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status,
+                            headers={"Cache-Control": "no-store", **error.headers})
+
+    # -- shared
     async def __call__(self, request: Request) -> Response:
-        record = StreamRecord(model=self.settings.openai_model)
+        record = StreamRecord(model=self.settings.default_model, endpoint=self.name)
         try:
             contract.require_json_content_type(request.headers.get("content-type"))
             raw = await read_body(request, self.settings.max_body_bytes)
-            chat = contract.validate_chat_request(contract.parse_json_body(raw))
+            call = self.parse(contract.parse_json_body(raw))
+            record.model = call.params["model"]
+            self._check_model(record.model)
             if not self.settings.upstream_configured:
                 raise ApiError(503, "not_configured",
-                               "no model upstream is configured: set OPENAI_API_KEY or OPENAI_BASE_URL")
+                               "no model upstream is configured: set OPENAI_API_KEY, OPENAI_BASE_URL or "
+                               "AZURE_OPENAI_ENDPOINT")
+            await self.pipeline.run_before(call)
+            record.model = call.params["model"]
+        except (Rejection, StepFailed) as exc:
+            return self._refuse(record, exc.error)
         except ApiError as error:
-            record.status, record.error = error.status, error.type
-            _finish(record)
-            return error_response(error)
-        record.model = chat.model or self.settings.openai_model
+            return self._refuse(record, error)
+        if not call.params.get("stream"):
+            return await self._complete(request, call, record)
 
-        events = self._guarded(relay(self.client, chat, self.settings, record), record)
+        encode = self.encoder(call)
+        events = self._guarded(relay(self.client, call.params, self.settings, record, self.pipeline), record)
         first = asyncio.ensure_future(anext(events))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            await asyncio.wait({first, gone}, timeout=self.settings.heartbeat,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({first, gone}, timeout=self.settings.heartbeat, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
         if not first.done():
@@ -104,15 +121,24 @@ class ChatEndpoint:
                 await asyncio.gather(first, return_exceptions=True)
                 await events.aclose()
                 return Response(status_code=499)
-            return EventStreamResponse(self._body(first, events), headers=SSE_HEADERS)
-        event = first.result()
-        if isinstance(event, sse.Failed):
-            record.status = event.error.status
+        elif isinstance(first.result(), Failed):
+            record.status = first.result().error.status
             await events.aclose()
-            return error_response(event.error)
-        return EventStreamResponse(self._body(first, events), headers=SSE_HEADERS)
+            return self.error_response(first.result().error)
+        return EventStreamResponse(self._body(first, events, encode), headers=SSE_HEADERS)
 
-    async def _body(self, first: asyncio.Future, events: AsyncIterator[sse.Event]) -> AsyncIterator[bytes]:
+    def _check_model(self, model: str) -> None:
+        allowed = self.settings.allowed_models
+        if allowed and model not in allowed:
+            raise ApiError(400, "model_not_allowed",
+                           f"model {model!r} is not allowed here; use one of: {', '.join(allowed)}", "model")
+
+    def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
+        record.status, record.error = error.status, error.type
+        self._finish(record)
+        return self.error_response(error)
+
+    async def _body(self, first: asyncio.Future, events: AsyncIterator[Event], encode) -> AsyncIterator[bytes]:
         try:
             if not first.done():
                 yield sse.KEEP_ALIVE  # the headers go out now; say so to proxies at once
@@ -120,9 +146,13 @@ class ChatEndpoint:
                     await asyncio.wait({first}, timeout=self.settings.heartbeat)
                     if not first.done():
                         yield sse.KEEP_ALIVE
-            yield sse.encode(first.result())
+            data = encode(first.result())
+            if data:
+                yield data
             async for event in events:
-                yield sse.encode(event)
+                data = encode(event)
+                if data:
+                    yield data
         finally:
             if not first.done():
                 first.cancel()
@@ -131,20 +161,115 @@ class ChatEndpoint:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
-    @staticmethod
-    async def _guarded(events: AsyncIterator[sse.Event], record: StreamRecord) -> AsyncIterator[sse.Event]:
+    async def _guarded(self, events: AsyncIterator[Event], record: StreamRecord) -> AsyncIterator[Event]:
         """Ends every stream with exactly one Done or Failed, even on a bug of ours, and writes the
         one log line per request when the stream is over."""
         try:
             try:
                 async for event in events:
                     yield event
-                    if not isinstance(event, sse.Delta):
+                    if not isinstance(event, Chunk):
                         return
             except Exception:
                 log.exception("chat stream failed (model=%s)", record.model)
                 record.error = "internal_error"
-                yield sse.Failed(ApiError(500, "internal_error", "the stream failed unexpectedly", retryable=True))
+                yield Failed(ApiError(500, "internal_error", "the stream failed unexpectedly", retryable=True))
         finally:
             await events.aclose()
-            _finish(record)
+            self._finish(record)
+
+    def _finish(self, record: StreamRecord) -> None:
+        log.info(json.dumps(record.as_log(), ensure_ascii=False))
+        if self.pipeline.wants_result:
+            self.pipeline.run_after(record.result())
+
+    async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
+        raise ApiError(400, "invalid_request", "this endpoint only streams")  # pragma: no cover
+
+
+class ChatEndpoint(Endpoint):
+    """POST /api/chat: our own small contract (docs/api.md)."""
+
+    name = "chat"
+
+    def parse(self, data: object) -> CallRequest:
+        request = contract.validate_chat_request(data)
+        return CallRequest(request.to_params(self.settings.default_model), self.name)
+
+    def encoder(self, call: CallRequest):
+        return sse.encode_chat
+
+
+class OpenAIEndpoint(Endpoint):
+    """POST /api/v1/chat/completions: OpenAI's wire format, streamed or not."""
+
+    name = "openai"
+
+    def parse(self, data: object) -> CallRequest:
+        request = openai_contract.validate(data)
+        params = request.model_dump(exclude_none=True)
+        params.setdefault("model", self.settings.default_model)
+        if params.get("stream"):
+            # Usage is always asked for (the log line needs it); the caller gets it only if asked.
+            params["_include_usage"] = bool((params.get("stream_options") or {}).get("include_usage"))
+            params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
+        return CallRequest(params, self.name)
+
+    def encoder(self, call: CallRequest):
+        include_usage = call.params.pop("_include_usage", False)
+        return lambda event: sse.encode_openai(event, include_usage)
+
+    def error_response(self, error: ApiError) -> JSONResponse:
+        return JSONResponse(openai_contract.error_body(error), status_code=openai_contract.status_for(error),
+                            headers={"Cache-Control": "no-store", **error.headers})
+
+    async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
+        """A non-streamed completion: the upstream's JSON, its text through the pipeline's text steps."""
+        call.params.pop("stream", None)
+        task = asyncio.ensure_future(self.client.chat.completions.with_raw_response.create(**call.params))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, timeout=self.settings.total_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        try:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if gone.done():
+                    record.status, record.disconnected = 499, True
+                    return Response(status_code=499)
+                raise ApiError(504, "total_timeout", "the completion hit its total time limit", retryable=True)
+            try:
+                raw = task.result()
+            except (openai.APIError, ValueError) as exc:
+                raise errors.from_upstream(exc, record.model) from None
+            body = json.loads(raw.http_response.content)
+            record.usage = body.get("usage")
+            texts = await self._filter_choices(body)
+            record.finish_reason = next((c.get("finish_reason") for c in body.get("choices", [])
+                                         if c.get("index", 0) == 0), None)
+            if record.texts is None and self.pipeline.wants_result:
+                record.texts = {i: [t] for i, t in texts.items()}
+            return JSONResponse(body, headers={"Cache-Control": "no-store"})
+        except ApiError as error:
+            record.status, record.error = openai_contract.status_for(error), error.type
+            return self.error_response(error)
+        except (StepFailed,) as exc:
+            record.status, record.error = 500, exc.error.type
+            return self.error_response(exc.error)
+        finally:
+            self._finish(record)
+
+    async def _filter_choices(self, body: dict) -> dict[int, str]:
+        texts = {}
+        for choice in body.get("choices", []):
+            message = choice.get("message") or {}
+            content = message.get("content")
+            if isinstance(content, str):
+                text_filter = self.pipeline.text_filter()
+                if text_filter is not None:
+                    content = await text_filter.feed(content) + await text_filter.flush()
+                    message["content"] = content
+                texts[choice.get("index", 0)] = content
+        return texts

@@ -1,10 +1,13 @@
-"""Upstream chunks → stream events: one ``Delta`` per non-empty content delta, then exactly one
-``Done`` or ``Failed``.
+"""Upstream chunks → stream events, shared by both endpoints: ``Chunk`` for each upstream chunk worth
+forwarding (its text already through the pipeline's text steps), then exactly one ``Done`` or
+``Failed``.
 
-Rules: chunks with empty ``choices`` (Azure's filter frames, the usage chunk) are skipped; nothing
-after the chunk with a ``finish_reason`` is forwarded, only the usage chunk that follows is read,
-for at most ``usage_wait`` seconds; every wait on the upstream is bounded (first token, idle, total);
-the upstream response is closed however the generator ends, including when the caller hangs up."""
+Rules: chunks with empty ``choices`` (Azure's filter frames, the usage chunk) are not forwarded;
+chunks before the first one with content (the role chunk) are held and sent with it, so that the
+status rule can wait for real content; nothing a choice sends after its ``finish_reason`` is
+forwarded, and once every choice has finished only the usage chunk is read, for at most
+``usage_wait`` seconds; every wait on the upstream is bounded (first token, idle, total); the
+upstream response is closed however the generator ends, including when the caller hangs up."""
 from __future__ import annotations
 
 import asyncio
@@ -16,15 +19,39 @@ import anyio
 import openai
 
 from . import errors
-from .contract import ChatRequest
+from .pipeline import ModerationStop, Pipeline, StepFailed, StreamResult, TextFilter
 from .settings import Settings
-from .sse import Delta, Done, Event, Failed
+from .upstream import UpstreamStream
+
+
+@dataclass(slots=True)
+class Chunk:
+    data: dict  # an OpenAI chat.completion.chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: str | None  # choice 0's
+    finish_reasons: dict[int, str]
+    usage: dict | None
+    model: str | None
+    id: str | None
+    created: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: errors.ApiError
+
+
+Event = Chunk | Done | Failed
 
 
 @dataclass
 class StreamRecord:
-    """What the end-of-request log line reports."""
+    """What the end-of-request log line (and the after-steps) report."""
     model: str
+    endpoint: str = "chat"
     started: float = field(default_factory=time.perf_counter)
     first_delta_at: float | None = None
     deltas: int = 0
@@ -33,14 +60,21 @@ class StreamRecord:
     error: str | None = None
     status: int = 200
     disconnected: bool = False
+    texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
 
     def as_log(self) -> dict:
         now = time.perf_counter()
         ttfd = None if self.first_delta_at is None else round((self.first_delta_at - self.started) * 1000, 1)
-        return {"event": "chat_stream", "model": self.model, "status": self.status, "ttfd_ms": ttfd,
-                "duration_ms": round((now - self.started) * 1000, 1), "deltas": self.deltas,
+        return {"event": "chat_stream", "endpoint": self.endpoint, "model": self.model, "status": self.status,
+                "ttfd_ms": ttfd, "duration_ms": round((now - self.started) * 1000, 1), "deltas": self.deltas,
                 "finish_reason": self.finish_reason, "usage": self.usage, "error": self.error,
                 "disconnected": self.disconnected}
+
+    def result(self) -> StreamResult:
+        log = self.as_log()
+        return StreamResult(self.endpoint, self.model, {i: "".join(t) for i, t in (self.texts or {}).items()},
+                            self.finish_reason, self.usage, log["ttfd_ms"], log["duration_ms"], self.deltas,
+                            self.disconnected, self.error, self.status)
 
 
 class _Expired(Exception):
@@ -48,80 +82,119 @@ class _Expired(Exception):
         self.error = error
 
 
-def _usage(chunk) -> dict | None:
-    usage = getattr(chunk, "usage", None)
-    return usage.model_dump(exclude_none=True) if usage is not None else None
+def _has_substance(delta: dict) -> bool:
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
+                or delta.get("function_call"))
 
 
-async def relay(client: openai.AsyncOpenAI, request: ChatRequest, settings: Settings,
-                record: StreamRecord) -> AsyncIterator[Event]:
+async def relay(client: openai.AsyncOpenAI, params: dict, settings: Settings, record: StreamRecord,
+                pipeline: Pipeline | None = None) -> AsyncIterator[Event]:
     loop = asyncio.get_running_loop()
     started = loop.time()
     total_deadline = started + settings.total_timeout
     deadline = min(total_deadline, started + settings.first_token_timeout)
     limit_error = errors.ApiError(504, "upstream_timeout", "no first token within the time limit", retryable=True)
-    stream = None
+    choices_wanted = params.get("n") or 1
+    filters: dict[int, TextFilter | None] = {}
+    make_filter = pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
+    if pipeline is not None and pipeline.wants_result:
+        record.texts = {}
+    finished: dict[int, str] = {}
+    held: list[dict] = []  # chunks before the first one with content
+    stream: UpstreamStream | None = None
     ended = False  # a Done or Failed was produced
-    model = id_ = None
-
-    async def next_chunk(it):
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await anext(it)
-        except TimeoutError:
-            raise _Expired(limit_error) from None
+    model = id_ = created = None
 
     try:
         try:
             async with asyncio.timeout_at(deadline):
-                stream = await client.chat.completions.create(
-                    model=record.model, messages=request.upstream_messages(), stream=True,
-                    stream_options={"include_usage": True}, **request.sampling())
+                stream = await UpstreamStream.open(client, params)
         except TimeoutError:
             raise _Expired(limit_error) from None
-        it = aiter(stream)
-        finish = None
-        while finish is None:
+        chunks = aiter(stream)
+        while len(finished) < choices_wanted:
             try:
-                chunk = await next_chunk(it)
+                async with asyncio.timeout_at(deadline):
+                    data = await anext(chunks)
+            except TimeoutError:
+                raise _Expired(limit_error) from None
             except StopAsyncIteration:
+                if finished:  # a choice never finished but the stream ended cleanly
+                    break
                 raise _Expired(errors.ApiError(502, "upstream_incomplete",
                                                "the model server ended the stream without a finish reason",
                                                retryable=True)) from None
-            model = chunk.model or model
-            id_ = chunk.id or id_
-            if chunk.usage is not None:
-                record.usage = _usage(chunk)
-            if not chunk.choices:
+            model = data.get("model") or model
+            id_ = data.get("id") or id_
+            created = data.get("created") or created
+            if data.get("usage"):
+                record.usage = data["usage"]
+            choices = data.get("choices")
+            if not choices:
                 continue
-            choice = chunk.choices[0]
-            text = choice.delta.content if choice.delta is not None else None
-            if text:
-                if record.first_delta_at is None:
-                    record.first_delta_at = time.perf_counter()
-                    limit_error = errors.ApiError(504, "upstream_timeout",
-                                                  "the model stopped sending within the idle limit",
-                                                  retryable=True)
+            substance = finishing = False
+            kept = []
+            for choice in choices:
+                index = choice.get("index", 0)
+                if index in finished:
+                    continue  # nothing after a choice's finish_reason is forwarded
+                delta = choice.get("delta") or {}
+                reason = choice.get("finish_reason")
+                if make_filter is not None:
+                    if index not in filters:
+                        filters[index] = make_filter()
+                    text = delta.get("content")
+                    if text:
+                        delta["content"] = text = await filters[index].feed(text)
+                    if reason:
+                        tail = await filters[index].flush()
+                        if tail:
+                            delta["content"] = (delta.get("content") or "") + tail
+                    if "content" in delta and not delta["content"] and not reason and not _has_substance(delta):
+                        if len(delta) == 1:
+                            continue  # everything was held back: nothing to send for this choice
+                if record.texts is not None and delta.get("content"):
+                    record.texts.setdefault(index, []).append(delta["content"])
+                if reason:
+                    finished[index] = reason
+                substance = substance or _has_substance(delta)
+                finishing = finishing or bool(reason)
+                kept.append(choice)
+            if not kept:
+                continue
+            if len(kept) != len(choices):
+                data = {**data, "choices": kept}
+            if not substance and not finishing and record.first_delta_at is None:
+                held.append(data)
+                continue
+            if record.first_delta_at is None:
+                record.first_delta_at = time.perf_counter()
+                limit_error = errors.ApiError(504, "upstream_timeout",
+                                              "the model stopped sending within the idle limit", retryable=True)
+                for early in held:
+                    yield Chunk(early)
+                held.clear()
+            if substance:
                 record.deltas += 1
-                yield Delta(text)
-                deadline = min(total_deadline, loop.time() + settings.idle_timeout)
-                if deadline == total_deadline:
-                    limit_error = errors.ApiError(504, "total_timeout", "the stream hit its total time limit",
-                                                  retryable=False)
-            finish = choice.finish_reason
-        record.finish_reason = finish
+            yield Chunk(data)
+            deadline = min(total_deadline, loop.time() + settings.idle_timeout)
+            if deadline == total_deadline:
+                limit_error = errors.ApiError(504, "total_timeout", "the stream hit its total time limit",
+                                              retryable=False)
+        record.finish_reason = finished.get(0) or next(iter(finished.values()), None)
         # Only the usage chunk may follow; wait for it briefly, forward nothing.
         deadline = min(total_deadline, loop.time() + settings.usage_wait)
         try:
             while record.usage is None:
-                chunk = await next_chunk(it)
-                if chunk.usage is not None:
-                    record.usage = _usage(chunk)
-        except (StopAsyncIteration, _Expired, openai.APIError, ValueError):
+                async with asyncio.timeout_at(deadline):
+                    data = await anext(chunks)
+                if data.get("usage"):
+                    record.usage = data["usage"]
+        except (StopAsyncIteration, TimeoutError, openai.APIError, ValueError):
             pass  # no usage is not a failure: the answer is complete
         ended = True
-        yield Done(finish, record.usage, model, id_)
-    except _Expired as exc:
+        yield Done(record.finish_reason, dict(finished), record.usage, model, id_, created)
+    except (_Expired, StepFailed, ModerationStop) as exc:
         ended = True
         record.error = exc.error.type
         yield Failed(exc.error)

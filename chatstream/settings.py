@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 
 class SettingsError(Exception):
@@ -16,10 +16,23 @@ class SettingsError(Exception):
 class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
 
-    # Upstream (any OpenAI-compatible server).
+    # Upstream: OpenAI or any OpenAI-compatible server...
     openai_api_key: SecretStr | None = Field(None, alias="OPENAI_API_KEY")
     openai_base_url: str | None = Field(None, alias="OPENAI_BASE_URL")
     openai_model: str = Field("gpt-4o-mini", alias="OPENAI_MODEL", min_length=1)
+    # ...or Azure OpenAI (chosen when AZURE_OPENAI_ENDPOINT is set): with AZURE_OPENAI_API_KEY if
+    # set, otherwise Entra ID through azure-identity's DefaultAzureCredential.
+    azure_openai_endpoint: str | None = Field(None, alias="AZURE_OPENAI_ENDPOINT")
+    azure_openai_deployment: str | None = Field(None, alias="AZURE_OPENAI_DEPLOYMENT", min_length=1)
+    azure_openai_api_version: str = Field("2024-10-21", alias="AZURE_OPENAI_API_VERSION", min_length=1)
+    azure_openai_api_key: SecretStr | None = Field(None, alias="AZURE_OPENAI_API_KEY")
+    # Models a request may name (comma-separated); empty: any.
+    allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
+
+    # Built-in pipeline steps (see chatstream/pipeline.py).
+    system_prompt: str | None = Field(None, alias="SYSTEM_PROMPT")
+    max_prompt_chars: int | None = Field(None, alias="MAX_PROMPT_CHARS", gt=0)
+    blocked_terms: tuple[str, ...] = Field((), alias="BLOCKED_TERMS")
 
     # Time limits, in seconds.
     upstream_connect_timeout: float = Field(10.0, alias="UPSTREAM_CONNECT_TIMEOUT_SECONDS", gt=0, le=120)
@@ -33,7 +46,14 @@ class Settings(BaseModel):
     # Request limits.
     max_body_bytes: int = Field(1_048_576, alias="MAX_BODY_BYTES", gt=0, le=100 * 1_048_576)
 
-    @field_validator("openai_base_url")
+    @field_validator("allowed_models", "blocked_terms", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        if isinstance(value, str):
+            return tuple(t.strip() for t in value.split(",") if t.strip())
+        return value
+
+    @field_validator("openai_base_url", "azure_openai_endpoint")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value in (None, ""):
@@ -42,22 +62,41 @@ class Settings(BaseModel):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
 
-    @field_validator("openai_api_key", mode="before")
+    @field_validator("openai_api_key", "azure_openai_api_key", "system_prompt", mode="before")
     @classmethod
     def _blank_is_unset(cls, value):
         return None if value in (None, "") else value
 
+    @model_validator(mode="after")
+    def _azure_needs_a_deployment(self):
+        if self.azure_openai_endpoint and not self.azure_openai_deployment:
+            raise ValueError("AZURE_OPENAI_ENDPOINT is set, so AZURE_OPENAI_DEPLOYMENT is required")
+        return self
+
+    @property
+    def upstream_kind(self) -> str:
+        """``azure`` (Azure OpenAI), ``openai`` (OpenAI or a compatible server) or ``none``."""
+        if self.azure_openai_endpoint:
+            return "azure"
+        if self.openai_api_key is not None or self.openai_base_url is not None:
+            return "openai"
+        return "none"
+
     @property
     def upstream_configured(self) -> bool:
-        return self.openai_api_key is not None or self.openai_base_url is not None
+        return self.upstream_kind != "none"
+
+    @property
+    def default_model(self) -> str:
+        return self.azure_openai_deployment if self.upstream_kind == "azure" else self.openai_model
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
         names = {f.alias for f in cls.model_fields.values() if f.alias}
-        values = {k: v for k, v in environ.items() if k in names and (v != "" or k == "OPENAI_API_KEY")}
+        values = {k: v for k, v in environ.items() if k in names and v != ""}
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
             # pydantic's own text would echo the input; a key must never reach a log.
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
             raise SettingsError(f"invalid app settings: {problems}") from None

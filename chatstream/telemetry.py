@@ -46,6 +46,11 @@ ATTR_DURATION = "chat.duration_ms"
 ATTR_DELTAS = "chat.deltas"
 ATTR_DISCONNECTED = "chat.disconnected"
 ATTR_OUTCOME = "chat.outcome"
+# Application Insights drops http.* and error.type from a dependency's customDimensions, and
+# stores the finish reasons array as text: these carry the same facts in a form Kusto reads easily.
+ATTR_STATUS = "chat.status"
+ATTR_ERROR = "chat.error"
+ATTR_FINISH_REASON = "chat.finish_reason"
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
@@ -221,6 +226,7 @@ def _record_stream(span, record: Any) -> None:
     attributes: dict[str, Any] = {
         "gen_ai.request.model": model,
         "http.response.status_code": record.status,
+        ATTR_STATUS: record.status,
         ATTR_DELTAS: record.deltas,
         ATTR_DISCONNECTED: bool(record.disconnected),
         ATTR_OUTCOME: result,
@@ -228,6 +234,7 @@ def _record_stream(span, record: Any) -> None:
     }
     if record.finish_reason:
         attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
+        attributes[ATTR_FINISH_REASON] = record.finish_reason
     if input_tokens is not None:
         attributes["gen_ai.usage.input_tokens"] = input_tokens
     if output_tokens is not None:
@@ -235,7 +242,7 @@ def _record_stream(span, record: Any) -> None:
     if ttfd_ms is not None:
         attributes[ATTR_TTFD] = ttfd_ms
     if record.error:
-        attributes["error.type"] = record.error
+        attributes["error.type"] = attributes[ATTR_ERROR] = record.error
     span.set_attributes(attributes)
     if _is_failure(record):
         span.set_status(Status(StatusCode.ERROR, record.error))
