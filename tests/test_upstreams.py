@@ -1,0 +1,103 @@
+"""The three upstream kinds: OpenAI-compatible (the rest of the suite), Azure OpenAI with a key
+(through the local host), and Azure OpenAI with Entra ID (the client built by chatstream.upstream,
+with a credential that hands out known tokens, talking HTTP to the scripted upstream)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from azure.core.credentials import AccessToken
+
+from chat import chat, prompt
+from chatstream.settings import Settings
+from chatstream.upstream import ENTRA_SCOPE, UpstreamStream, make_client
+from fakeupstream.scenarios import TEXTS
+from servers import App
+
+
+def test_azure_openai_with_a_key(upstream):
+    app = App({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal",
+               "AZURE_OPENAI_API_KEY": "azure-key-123", "AZURE_OPENAI_API_VERSION": "2024-10-21"})
+    try:
+        result = chat(app.chat_url, {"prompt": "hi"})
+    finally:
+        app.stop()
+    assert result.status == 200
+    assert result.text == TEXTS["normal"]
+    sent = upstream.requests()[-1]
+    assert sent["path"] == "/openai/deployments/normal/chat/completions"
+    assert sent["query"] == {"api-version": "2024-10-21"}
+    assert sent["headers"]["api-key"] == "azure-key-123"
+    assert "authorization" not in sent["headers"]
+
+
+class TokenCredential:
+    """Hands out token-1, token-2, ... each valid for ``lifetime`` seconds, counting the calls."""
+
+    def __init__(self, lifetime: int):
+        self.lifetime = lifetime
+        self.calls: list[tuple[str, ...]] = []
+
+    async def get_token(self, *scopes, **kwargs) -> AccessToken:
+        self.calls.append(scopes)
+        return AccessToken(f"token-{len(self.calls)}", int(time.time()) + self.lifetime)
+
+    async def close(self) -> None:
+        pass
+
+
+async def _two_requests(upstream, credential) -> list[str]:
+    settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal"})
+    client = make_client(settings, credential=credential)
+    for _ in range(2):
+        stream = await UpstreamStream.open(client, {"model": "normal", "stream": True,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        text = ""
+        async for chunk in stream:
+            for choice in chunk["choices"]:
+                text += choice["delta"].get("content") or ""
+        assert text == TEXTS["normal"]
+    await client.close()
+    return [r["headers"].get("authorization") for r in upstream.requests()[-2:]]
+
+
+def test_entra_token_is_sent_and_cached(upstream):
+    credential = TokenCredential(lifetime=3600)
+    seen = asyncio.run(_two_requests(upstream, credential))
+    assert seen == ["Bearer token-1", "Bearer token-1"], "a valid token is reused"
+    assert credential.calls == [(ENTRA_SCOPE,)]
+    assert "api-key" not in upstream.requests()[-1]["headers"]
+
+
+def test_entra_token_near_expiry_is_refreshed(upstream):
+    credential = TokenCredential(lifetime=60)  # inside azure-core's refresh window (5 min)
+    seen = asyncio.run(_two_requests(upstream, credential))
+    assert seen == ["Bearer token-1", "Bearer token-2"]
+    assert len(credential.calls) == 2
+
+
+@pytest.fixture(scope="module")
+def allowlisted(upstream):
+    from conftest import app_env
+    app = App(app_env(upstream, ALLOWED_MODELS="gpt-test, normal"))
+    yield app
+    app.stop()
+
+
+def test_model_allowlist(allowlisted, upstream):
+    before = len(upstream.requests())
+    result = chat(allowlisted.chat_url, {**prompt("normal"), "model": "slow"})
+    assert result.status == 400
+    error = result.body["error"]
+    assert error["type"] == "model_not_allowed" and error["param"] == "model"
+    assert "gpt-test, normal" in error["message"]
+    assert len(upstream.requests()) == before
+    assert chat(allowlisted.chat_url, {**prompt("normal"), "model": "normal"}).text == TEXTS["normal"]
+
+    import httpx
+    r = httpx.post(allowlisted.url + "/api/v1/chat/completions", timeout=10,
+                   json={"model": "slow", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_allowed"
+    models = httpx.get(allowlisted.url + "/api/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["gpt-test", "normal"]
