@@ -177,10 +177,10 @@ class Pipeline:
     def from_settings(cls, settings) -> "Pipeline":
         """The built-in steps that SYSTEM_PROMPT, MAX_PROMPT_CHARS and BLOCKED_TERMS switch on."""
         pipeline = cls()
+        if settings.max_prompt_chars:  # first: it measures the caller's input, not our system prompt
+            pipeline.before(max_prompt_chars(settings.max_prompt_chars))
         if settings.system_prompt:
             pipeline.before(system_prompt(settings.system_prompt))
-        if settings.max_prompt_chars:
-            pipeline.before(max_prompt_chars(settings.max_prompt_chars))
         if settings.blocked_terms:
             terms = list(settings.blocked_terms)
             pipeline.text(lambda: Redactor(terms))
