@@ -5,7 +5,7 @@
 Streams synthetic model output (words of 3-8 letters, some CJK, punctuation, split into deltas the
 way tokenizers do: a leading space, long words in two pieces) through
 
-* none:  the per-delta work of the app without a guard, the SSE frame (``chatstream.sse.encode``);
+* none:  the per-delta work of the app without a guard, the SSE frame (``chatstream.sse.encode_chat``);
 * guard: ``Redactor.feed`` with 100 blocked terms, then the SSE frame of what it released;
 * feed:  ``Redactor.feed`` alone,
 
@@ -24,7 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chatstream.guard import Redactor, redact_whole  # noqa: E402
-from chatstream.sse import Delta, encode  # noqa: E402
+from chatstream.relay import Chunk  # noqa: E402
+from chatstream.sse import encode_chat  # noqa: E402
+
+
+def frame(text: str) -> bytes | None:
+    return encode_chat(Chunk({"choices": [{"index": 0, "delta": {"content": text}}]}))
 
 LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 WEIGHTS = [12.7, 9.1, 8.2, 7.5, 7.0, 6.7, 6.3, 6.1, 6.0, 4.3, 4.0, 2.8, 2.8, 2.4, 2.4, 2.2, 2.0, 2.0, 1.9,
@@ -96,7 +101,7 @@ def time_per_delta(deltas: list[str], terms: list[str], rounds: int) -> dict[str
     for _ in range(rounds):  # interleaved, so drift in machine speed hits every column alike
         for d in deltas:
             t0 = clock()
-            encode(Delta(d))
+            frame(d)
             samples["none"].append((clock() - t0) / 1000)
 
         redactor = Redactor(terms)
@@ -104,7 +109,7 @@ def time_per_delta(deltas: list[str], terms: list[str], rounds: int) -> dict[str
             t0 = clock()
             out = redactor.feed(d)
             if out:
-                encode(Delta(out))
+                frame(out)
             samples["guard"].append((clock() - t0) / 1000)
         redactor.flush()
 
