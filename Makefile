@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv client clean
+.PHONY: serve test venv client client-mono clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -18,8 +18,16 @@ venv: $(STAMP)
 serve: $(STAMP)
 	@PORT=$(PORT) scripts/serve
 
-test: $(STAMP)
+test: $(STAMP) client-mono
 	$(PY) -m pytest
+
+# The C# client: with the .NET SDK where it exists, otherwise Mono's mcs (installs mono-devel).
+client:
+	bash client_cs/build.sh
+
+# The tests build and run the client with Mono, as the only toolchain these machines can install.
+client-mono:
+	CHAT_BUILD_WITH=mcs bash client_cs/build.sh
 
 clean:
 	rm -rf $(VENV) devhost/_generated client_cs/bin client_cs/obj

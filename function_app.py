@@ -7,12 +7,14 @@ import logging
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import JSONResponse, Request, Response
 
+from chatstream import telemetry
 from chatstream.endpoint import ChatEndpoint, OpenAIEndpoint
 from chatstream.pipeline import Pipeline
 from chatstream.settings import Settings
 from chatstream.upstream import make_client
 
 settings = Settings.from_env()  # a bad value stops the app here, with a message naming the setting
+telemetry.configure()  # Application Insights export, only when APPLICATIONINSIGHTS_CONNECTION_STRING is set
 if not settings.upstream_configured:
     logging.getLogger("chatstream").warning(
         "no upstream configured: set OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")

@@ -18,7 +18,7 @@ import openai
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import contract, errors, openai_contract, sse
+from . import contract, errors, openai_contract, sse, telemetry
 from .errors import ApiError
 from .pipeline import CallRequest, Pipeline, Rejection, StepFailed
 from .relay import Chunk, Event, Failed, StreamRecord, relay
@@ -87,6 +87,7 @@ class Endpoint:
     # -- shared
     async def __call__(self, request: Request) -> Response:
         record = StreamRecord(model=self.settings.default_model, endpoint=self.name)
+        telemetry.begin(record)
         try:
             contract.require_json_content_type(request.headers.get("content-type"))
             raw = await read_body(request, self.settings.max_body_bytes)
@@ -180,6 +181,7 @@ class Endpoint:
 
     def _finish(self, record: StreamRecord) -> None:
         log.info(json.dumps(record.as_log(), ensure_ascii=False))
+        telemetry.finish(record)
         if self.pipeline.wants_result:
             self.pipeline.run_after(record.result())
 

@@ -61,6 +61,7 @@ class StreamRecord:
     status: int = 200
     disconnected: bool = False
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
+    telemetry: object = field(default=None, repr=False)  # the span handle (chatstream.telemetry)
 
     def as_log(self) -> dict:
         now = time.perf_counter()
@@ -182,15 +183,15 @@ async def relay(client: openai.AsyncOpenAI, params: dict, settings: Settings, re
                 limit_error = errors.ApiError(504, "total_timeout", "the stream hit its total time limit",
                                               retryable=False)
         record.finish_reason = finished.get(0) or next(iter(finished.values()), None)
-        # Only the usage chunk may follow; wait for it briefly, forward nothing.
+        # Only the usage chunk may follow; wait for it briefly, forward nothing. Reading on to
+        # [DONE] (within the same wait) lets the SDK reuse the connection for the next request.
         deadline = min(total_deadline, loop.time() + settings.usage_wait)
         try:
-            while record.usage is None:
-                async with asyncio.timeout_at(deadline):
-                    data = await anext(chunks)
-                if data.get("usage"):
-                    record.usage = data["usage"]
-        except (StopAsyncIteration, TimeoutError, openai.APIError, ValueError):
+            async with asyncio.timeout_at(deadline):
+                async for data in chunks:
+                    if data.get("usage"):
+                        record.usage = data["usage"]
+        except (TimeoutError, openai.APIError, ValueError):
             pass  # no usage is not a failure: the answer is complete
         ended = True
         yield Done(record.finish_reason, dict(finished), record.usage, model, id_, created)

@@ -2,13 +2,14 @@
 
 The app calls this module in three places::
 
-    telemetry.configure()                      # once, at start-up (function_app.py)
-    stream = telemetry.start_stream(model)     # when a request starts (ChatEndpoint.__call__)
-    stream.end(record)                         # when its stream is over (endpoint._finish)
+    telemetry.configure()          # once, at start-up (function_app.py)
+    telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
+    telemetry.finish(record)       # when its stream is over (Endpoint._finish)
 
-``record`` is the request's ``relay.StreamRecord``. The span ``chat.stream`` starts in
-``start_stream`` and ends in ``end``, so its duration is the stream's; ``end`` also records the
-metrics. Spans and metrics go to the global OpenTelemetry providers (``trace.get_tracer`` /
+``record`` is the request's ``relay.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
+ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. (``begin``
+returns the request's ``StreamTelemetry``; ``start_stream(model)`` / ``StreamTelemetry.end(record)``
+are the same without the bookkeeping, for callers that keep the handle themselves.) Spans and metrics go to the global OpenTelemetry providers (``trace.get_tracer`` /
 ``metrics.get_meter``): with no SDK configured those are no-ops, so the calls cost next to nothing.
 
 Export to Application Insights only happens when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is set:
@@ -46,6 +47,7 @@ ATTR_DURATION = "chat.duration_ms"
 ATTR_DELTAS = "chat.deltas"
 ATTR_DISCONNECTED = "chat.disconnected"
 ATTR_OUTCOME = "chat.outcome"
+ATTR_ENDPOINT = "chat.endpoint"
 # Application Insights drops http.* and error.type from a dependency's customDimensions, and
 # stores the finish reasons array as text: these carry the same facts in a form Kusto reads easily.
 ATTR_STATUS = "chat.status"
@@ -75,8 +77,8 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true, so the Functions
       Python worker has called ``configure_azure_monitor`` before loading the app; doing it again
       would export everything twice;
-    - ``"app"``: this call ran ``configure_azure_monitor()`` (connection string and, for Entra
-      ingestion, ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` come from the environment).
+    - ``"app"``: this call ran ``configure_azure_monitor()`` with the connection string (for Entra
+      ingestion the exporter reads ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` itself).
 
     Never raises: a broken telemetry setup must not stop the app."""
     global _configured_by_app
@@ -93,7 +95,8 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
                     ENV_CONNECTION_STRING)
         return "off"
     try:
-        configure_azure_monitor()
+        # The exporter reads APPLICATIONINSIGHTS_AUTHENTICATION_STRING from the process environment.
+        configure_azure_monitor(connection_string=environ[ENV_CONNECTION_STRING].strip())
     except Exception as exc:  # never log the message: it may quote the connection string
         log.warning("could not configure Azure Monitor export (%s): no telemetry export", type(exc).__name__)
         return "off"
@@ -166,19 +169,35 @@ class StreamTelemetry:
                 log.warning("chat stream span did not end", exc_info=True)
 
 
-def start_stream(model: str) -> StreamTelemetry:
+def start_stream(model: str, endpoint: str | None = None) -> StreamTelemetry:
     """Start the ``chat.stream`` span of one request. It is not made the current span (the stream
     outlives the code that starts it); it takes the current context as its parent."""
     if _tracer is None:
         return StreamTelemetry(None)
+    attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)}
+    if endpoint:
+        attributes[ATTR_ENDPOINT] = endpoint
     try:
-        span = _tracer.start_span(
-            SPAN_NAME, kind=SpanKind.INTERNAL,
-            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)})
+        span = _tracer.start_span(SPAN_NAME, kind=SpanKind.INTERNAL, attributes=attributes)
     except Exception:
         log.warning("chat stream span did not start", exc_info=True)
         span = None
     return StreamTelemetry(span)
+
+
+def begin(record: Any) -> StreamTelemetry:
+    """``start_stream`` for the request that ``record`` (a fresh ``relay.StreamRecord``) describes;
+    the handle travels on the record until ``finish``."""
+    record.telemetry = start_stream(record.model, getattr(record, "endpoint", None))
+    return record.telemetry
+
+
+def finish(record: Any) -> None:
+    """End the span started by ``begin(record)`` and record the metrics. Only the first call counts;
+    a record that never went through ``begin`` is ignored."""
+    stream = getattr(record, "telemetry", None)
+    if stream is not None:
+        stream.end(record)
 
 
 def _model(model: str | None) -> str:
@@ -223,6 +242,7 @@ def _record_stream(span, record: Any) -> None:
     input_tokens, output_tokens = _tokens(record.usage)
     result = outcome(record)
 
+    endpoint = getattr(record, "endpoint", None)
     attributes: dict[str, Any] = {
         "gen_ai.request.model": model,
         "http.response.status_code": record.status,
@@ -232,6 +252,8 @@ def _record_stream(span, record: Any) -> None:
         ATTR_OUTCOME: result,
         ATTR_DURATION: duration_ms,
     }
+    if endpoint:
+        attributes[ATTR_ENDPOINT] = endpoint
     if record.finish_reason:
         attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
         attributes[ATTR_FINISH_REASON] = record.finish_reason
@@ -248,7 +270,7 @@ def _record_stream(span, record: Any) -> None:
         span.set_status(Status(StatusCode.ERROR, record.error))
 
     inst = _get_instruments()
-    by_model = {"model": model}
+    by_model = {"model": model, "endpoint": endpoint} if endpoint else {"model": model}
     inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)

@@ -1,0 +1,152 @@
+using System;
+using System.Collections.Generic;
+using System.IO;
+using System.Text;
+
+namespace ChatCli
+{
+    /// <summary>Command-line options, with defaults taken from the environment.</summary>
+    public sealed class Options
+    {
+        public const string DefaultUrl = "http://localhost:7071/api/chat";
+
+        public string Url;
+        public string Key;
+        public string System;
+        public string Model;
+        public bool Stats;
+        public bool Help;
+        public string Prompt;
+
+        public const string Usage =
+@"usage: chat [--url URL] [--key KEY] [--system TEXT] [--model NAME] [--stats] PROMPT...
+
+Sends PROMPT to the chat endpoint and prints the reply as it streams in.
+The words of PROMPT are joined with single spaces. With no PROMPT words and
+standard input redirected, the prompt is read from standard input.
+
+options:
+  --url URL       endpoint to POST to (env CHAT_URL, default " + DefaultUrl + @")
+  --key KEY       function key, sent as the x-functions-key header (env FUNCTION_KEY)
+  --system TEXT   add a system message; the request then carries ""messages""
+                  (system + user) instead of ""prompt""
+  --model NAME    ask for a specific model
+  --stats         print timings, delta count, finish reason and token usage to stderr
+  -h, --help      show this help and exit 0
+  --              end of options; everything after it is prompt text
+Options may also be written --name=VALUE.
+
+stdout receives exactly the model's text followed by one newline (UTF-8, no BOM).
+Diagnostics go to stderr.
+
+exit codes:
+  0    the reply finished normally (event: done)
+  1    the stream ended with an error event, or ended without done/error
+  2    the server answered with an HTTP error status before the stream
+  3    could not connect to the server
+  64   bad command-line arguments (EX_USAGE)
+  130  cancelled with Ctrl+C (the HTTP request is aborted)
+  141  stdout was closed by its reader, e.g. `chat ... | head -1` (the request is aborted)";
+
+        /// <summary>Thrown for bad command-line arguments; Program maps it to exit code 64.</summary>
+        public sealed class UsageException : Exception
+        {
+            public UsageException(string message) : base(message) { }
+        }
+
+        /// <summary>
+        /// Parses the arguments. <paramref name="env"/> looks up environment variables and
+        /// <paramref name="stdin"/> supplies redirected standard input (null when stdin is a terminal).
+        /// </summary>
+        public static Options Parse(string[] args, Func<string, string> env, Func<string> stdin)
+        {
+            var o = new Options();
+            o.Url = NonEmpty(env("CHAT_URL")) ?? DefaultUrl;
+            o.Key = NonEmpty(env("FUNCTION_KEY"));
+            var words = new List<string>();
+            bool optionsEnded = false;
+
+            for (int i = 0; i < args.Length; i++)
+            {
+                string a = args[i];
+                if (optionsEnded || a == "-" || !a.StartsWith("-", StringComparison.Ordinal))
+                {
+                    words.Add(a);
+                    continue;
+                }
+                if (a == "--") { optionsEnded = true; continue; }
+
+                string name = a;
+                string inlineValue = null;
+                int eq = a.IndexOf('=');
+                if (a.StartsWith("--", StringComparison.Ordinal) && eq > 2)
+                {
+                    name = a.Substring(0, eq);
+                    inlineValue = a.Substring(eq + 1);
+                }
+
+                switch (name)
+                {
+                    case "-h":
+                    case "--help":
+                        if (inlineValue != null) throw new UsageException("--help takes no value");
+                        o.Help = true;
+                        break;
+                    case "--stats":
+                        if (inlineValue != null) throw new UsageException("--stats takes no value");
+                        o.Stats = true;
+                        break;
+                    case "--url":
+                        o.Url = TakeValue(args, ref i, name, inlineValue);
+                        break;
+                    case "--key":
+                        o.Key = TakeValue(args, ref i, name, inlineValue);
+                        break;
+                    case "--system":
+                        o.System = TakeValue(args, ref i, name, inlineValue);
+                        break;
+                    case "--model":
+                        o.Model = TakeValue(args, ref i, name, inlineValue);
+                        break;
+                    default:
+                        throw new UsageException("unknown option: " + a);
+                }
+            }
+
+            if (o.Help) return o;
+
+            Uri uri;
+            if (!Uri.TryCreate(o.Url, UriKind.Absolute, out uri) ||
+                (uri.Scheme != "http" && uri.Scheme != "https"))
+                throw new UsageException("--url must be an absolute http:// or https:// URL: " + o.Url);
+
+            if (words.Count > 0)
+            {
+                o.Prompt = string.Join(" ", words);
+            }
+            else
+            {
+                string text = stdin == null ? null : stdin();
+                // A trailing line break is how `echo hi | chat` ends its input, not part of the prompt.
+                if (text != null) text = text.TrimEnd('\r', '\n');
+                o.Prompt = text;
+            }
+            if (string.IsNullOrWhiteSpace(o.Prompt))
+                throw new UsageException("no prompt given (pass PROMPT words or pipe the prompt on stdin)");
+            return o;
+        }
+
+        static string TakeValue(string[] args, ref int i, string name, string inlineValue)
+        {
+            if (inlineValue != null) return inlineValue;
+            if (i + 1 >= args.Length) throw new UsageException(name + " needs a value");
+            i++;
+            return args[i];
+        }
+
+        static string NonEmpty(string s)
+        {
+            return string.IsNullOrEmpty(s) ? null : s;
+        }
+    }
+}

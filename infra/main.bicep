@@ -1,0 +1,157 @@
+// Entry point for `azd up`: one resource group holding the chat function app and what it needs.
+// Parameters come from infra/main.parameters.json, which maps them to azd environment values
+// (`azd env set NAME VALUE`). docs/deploy.md explains each choice.
+targetScope = 'subscription'
+
+@minLength(1)
+@maxLength(64)
+@description('Name of the azd environment. Names the resource group and seeds every resource name.')
+param environmentName string
+
+@minLength(1)
+@description('Region for all resources. It must offer the Flex Consumption plan (az functionapp list-flexconsumption-locations).')
+param location string
+
+@allowed([
+  'azureOpenAI'
+  'openAI'
+])
+@description('Where completions come from: an Azure OpenAI account created here and reached keylessly with the app identity, or OpenAI (or any OpenAI-compatible server) with an API key kept in Key Vault.')
+param upstream string = 'azureOpenAI'
+
+@description('Model name. In azureOpenAI mode the model deployed in the account; in openAI mode the default OPENAI_MODEL.')
+param modelName string = 'gpt-4o-mini'
+
+@description('Model version to deploy (azureOpenAI mode).')
+param modelVersion string = '2024-07-18'
+
+@description('Deployment name in the Azure OpenAI account (azureOpenAI mode). Empty: the model name.')
+param deploymentName string = ''
+
+@allowed([
+  'GlobalStandard'
+  'Standard'
+  'DataZoneStandard'
+])
+@description('Deployment type of the model (azureOpenAI mode).')
+param deploymentSku string = 'GlobalStandard'
+
+@minValue(1)
+@description('Capacity of the model deployment, in units of 1,000 tokens per minute (azureOpenAI mode).')
+param deploymentCapacity int = 10
+
+@description('Region of the Azure OpenAI account, when the model is not offered in the app region. Empty: same as location.')
+param openAiLocation string = ''
+
+@description('AZURE_OPENAI_API_VERSION for the app (azureOpenAI mode).')
+param azureOpenAiApiVersion string = '2024-10-21'
+
+@secure()
+@description('OpenAI API key (openAI mode). Stored as a Key Vault secret; the app setting only references it.')
+param openAiApiKey string = ''
+
+@description('OPENAI_BASE_URL (openAI mode): another OpenAI-compatible server. Empty: api.openai.com.')
+param openAiBaseUrl string = ''
+
+@description('Object id of the person or pipeline running azd (AZURE_PRINCIPAL_ID). Gets data-plane access for trying things out; empty: none.')
+param principalId string = ''
+
+@allowed([
+  'User'
+  'ServicePrincipal'
+])
+@description('Kind of principalId.')
+param principalType string = 'User'
+
+@minValue(1)
+@maxValue(1000)
+@description('Most instances the app scales out to.')
+param maximumInstanceCount int = 100
+
+@allowed([
+  512
+  2048
+  4096
+])
+@description('Memory of each instance, in MB.')
+param instanceMemoryMB int = 2048
+
+@minValue(1)
+@maxValue(1000)
+@description('Concurrent HTTP invocations per instance. Streams mostly wait on the model, so one instance can carry many.')
+param httpPerInstanceConcurrency int = 16
+
+// The app's own time limits (app settings, see README "Settings"). host.json sets
+// "functionTimeout": "00:30:00"; the whole stream must end before it (test_infra checks this).
+@minValue(1)
+@maxValue(1740)
+@description('TOTAL_TIMEOUT_SECONDS: longest stream. Stays below host.json functionTimeout (30 min = 1800 s).')
+param totalTimeoutSeconds int = 600
+
+@minValue(1)
+@maxValue(1740)
+@description('FIRST_TOKEN_TIMEOUT_SECONDS: request sent to first delta.')
+param firstTokenTimeoutSeconds int = 120
+
+@minValue(1)
+@maxValue(1740)
+@description('IDLE_TIMEOUT_SECONDS: longest silence between upstream chunks.')
+param idleTimeoutSeconds int = 60
+
+@minValue(1)
+@maxValue(200)
+@description('HEARTBEAT_SECONDS: keep-alive interval while waiting for the first token; under the 230 s idle cut-off of Azure\'s front end.')
+param heartbeatSeconds int = 15
+
+var resourceToken = toLower(uniqueString(subscription().id, environmentName, location))
+var tags = {
+  'azd-env-name': environmentName
+}
+
+resource rg 'Microsoft.Resources/resourceGroups@2024-03-01' = {
+  name: 'rg-${environmentName}'
+  location: location
+  tags: tags
+}
+
+module app 'resources.bicep' = {
+  name: 'chatstream-resources'
+  scope: rg
+  params: {
+    location: location
+    tags: tags
+    resourceToken: resourceToken
+    upstream: upstream
+    modelName: modelName
+    modelVersion: modelVersion
+    deploymentName: empty(deploymentName) ? modelName : deploymentName
+    deploymentSku: deploymentSku
+    deploymentCapacity: deploymentCapacity
+    openAiLocation: empty(openAiLocation) ? location : openAiLocation
+    azureOpenAiApiVersion: azureOpenAiApiVersion
+    openAiApiKey: openAiApiKey
+    openAiBaseUrl: openAiBaseUrl
+    principalId: principalId
+    principalType: principalType
+    maximumInstanceCount: maximumInstanceCount
+    instanceMemoryMB: instanceMemoryMB
+    httpPerInstanceConcurrency: httpPerInstanceConcurrency
+    totalTimeoutSeconds: totalTimeoutSeconds
+    firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
+    idleTimeoutSeconds: idleTimeoutSeconds
+    heartbeatSeconds: heartbeatSeconds
+  }
+}
+
+// Names and URLs only: nothing here is a key, a secret or a connection string.
+output AZURE_LOCATION string = location
+output AZURE_TENANT_ID string = tenant().tenantId
+output AZURE_RESOURCE_GROUP string = rg.name
+output AZURE_FUNCTION_APP_NAME string = app.outputs.functionAppName
+output CHAT_URL string = app.outputs.chatUrl
+output CHAT_UPSTREAM string = upstream
+output AZURE_OPENAI_ENDPOINT string = app.outputs.azureOpenAiEndpoint
+output AZURE_OPENAI_DEPLOYMENT string = app.outputs.azureOpenAiDeployment
+output AZURE_KEY_VAULT_NAME string = app.outputs.keyVaultName
+output APPLICATIONINSIGHTS_NAME string = app.outputs.applicationInsightsName
+output AZURE_MANAGED_IDENTITY_CLIENT_ID string = app.outputs.identityClientId

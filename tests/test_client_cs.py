@@ -1,0 +1,535 @@
+"""The C# console client (client_cs/), built with Mono's mcs and run with `mono`.
+
+Two kinds of tests:
+- against the real function app (`app` fixture) and the scripted upstream (`upstream`), choosing a
+  scenario with a `[scenario:NAME]` marker in the prompt;
+- against a tiny canned HTTP server in this file, which records request headers and bodies and
+  answers with hand-written SSE bytes (CRLF, comments, multi-line data, error endings, ...).
+
+The whole module is skipped when Mono cannot be installed on this machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT_DIR = ROOT / "client_cs"
+EXE = CLIENT_DIR / "bin" / "chat.exe"
+
+# Building may have to apt-get install mono-devel first (minutes, once per machine); every
+# client run below has its own short subprocess timeout, so nothing can hang for this long.
+pytestmark = pytest.mark.timeout(900)
+
+EXIT_OK, EXIT_STREAM_ERROR, EXIT_HTTP_ERROR, EXIT_CONNECT = 0, 1, 2, 3
+EXIT_USAGE, EXIT_CANCELLED = 64, 130
+
+STATS_LINES = [
+    r"^stats: time to first delta: \d+ ms$",
+    r"^stats: total time: \d+ ms$",
+    r"^stats: deltas: \d+$",
+    r"^stats: finish reason: \S+$",
+    r"^stats: tokens: (unknown|prompt \d+, completion \d+, total \d+)$",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# building and running the client
+
+
+@pytest.fixture(scope="session")
+def chat_exe() -> Path:
+    """Builds client_cs/bin/chat.exe with mcs once per session (build.sh installs Mono if needed)."""
+    env = dict(os.environ, CHAT_BUILD_WITH="mcs")
+    try:
+        proc = subprocess.run(["bash", str(CLIENT_DIR / "build.sh")], env=env, capture_output=True,
+                              text=True, timeout=840, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.skip("client_cs: building with mcs (and installing mono-devel) took too long")
+    if shutil.which("mono") is None or shutil.which("mcs") is None:
+        pytest.skip("client_cs: Mono (mono-devel) is not installed and could not be installed "
+                    f"with apt-get:\n{proc.stdout}\n{proc.stderr}")
+    assert proc.returncode == 0, f"build.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    assert EXE.is_file()
+    return EXE
+
+
+def _client_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_URL", "FUNCTION_KEY")}
+    env.update(extra or {})
+    return env
+
+
+def run_chat(exe: Path, *args: str, stdin: bytes | None = None, env: dict | None = None,
+             timeout: float = 30) -> subprocess.CompletedProcess:
+    """Runs the client to completion; stdout/stderr are bytes. stdin is /dev/null unless given."""
+    return subprocess.run(
+        ["mono", str(exe), *args],
+        input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True, env=_client_env(env), timeout=timeout)
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------------------------------
+# a canned SSE server, independent of the app
+
+
+class CannedServer:
+    """HTTP server on 127.0.0.1 that records each request and answers with `self.response`.
+
+    `response` is (status, content_type, parts): parts is a list of bytes written one at a time
+    with a flush (chunked transfer encoding), or the string "STALL" for "wait until the client
+    hangs up". The time at which a stalled client hung up is put in `disconnects`.
+    """
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.disconnects: list[float] = []
+        self.response = (200, "text/event-stream; charset=utf-8", [b"event: done\ndata: {}\n\n"])
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                length = int(self.headers.get("content-length", "0"))
+                body = self.rfile.read(length)
+                server.requests.append({"path": self.path, "headers": dict(self.headers.items()),
+                                        "lower_headers": {k.lower(): v for k, v in self.headers.items()},
+                                        "body": body, "json": json.loads(body)})
+                status, ctype, parts = server.response
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for part in parts:
+                        if part == "STALL":
+                            self._wait_for_hangup()
+                            return
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        self.wfile.flush()
+                        time.sleep(0.01)
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    server.disconnects.append(time.monotonic())
+                self.close_connection = True
+
+            def _wait_for_hangup(self):
+                sock = self.connection
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    readable, _, _ = select.select([sock], [], [], 0.02)
+                    if readable:
+                        try:
+                            if sock.recv(1024) == b"":
+                                break
+                        except OSError:
+                            break
+                else:
+                    return
+                server.disconnects.append(time.monotonic())
+                self.close_connection = True
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/api/chat"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, parts, status: int = 200, content_type: str = "text/event-stream; charset=utf-8"):
+        self.requests.clear()
+        self.disconnects.clear()
+        self.response = (status, content_type, [p.encode() if isinstance(p, str) and p != "STALL" else p
+                                             for p in parts])
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def canned():
+    server = CannedServer()
+    yield server
+    server.close()
+
+
+def delta(text: str) -> str:
+    return "data: " + json.dumps({"delta": text}) + "\n\n"
+
+
+DONE = 'event: done\ndata: {"finish_reason": "stop", "usage": {"prompt_tokens": 1, ' \
+       '"completion_tokens": 2, "total_tokens": 3}, "model": "m1", "id": "r1"}\n\n'
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+
+def test_help_exits_0_and_explains_everything(chat_exe):
+    proc = run_chat(chat_exe, "--help")
+    assert proc.returncode == EXIT_OK
+    text = proc.stdout.decode()
+    for word in ("--url", "--key", "--system", "--model", "--stats", "CHAT_URL", "FUNCTION_KEY",
+                 "x-functions-key", "64", "130"):
+        assert word in text
+
+
+@pytest.mark.parametrize("args", [
+    ["--bogus", "hi"],
+    ["--url"],
+    ["--url", "not a url", "hi"],
+    [],  # no prompt words and an empty stdin
+])
+def test_bad_arguments_exit_64_with_usage_on_stderr(chat_exe, args):
+    proc = run_chat(chat_exe, *args)
+    assert proc.returncode == EXIT_USAGE
+    assert proc.stdout == b""
+    assert b"usage: chat" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# against the canned server: request shape and SSE parsing
+
+
+def test_key_prompt_and_headers_are_sent(chat_exe, canned):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "--key", "K-123", "hello", "big", "world")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"ok\n"
+    [req] = canned.requests
+    assert req["lower_headers"]["x-functions-key"] == "K-123"
+    assert req["lower_headers"]["content-type"].startswith("application/json")
+    assert req["json"] == {"prompt": "hello big world"}
+
+
+def test_environment_defaults_for_url_and_key(chat_exe, canned):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "hi", env={"CHAT_URL": canned.url, "FUNCTION_KEY": "from-env"})
+    assert proc.returncode == EXIT_OK, proc.stderr
+    [req] = canned.requests
+    assert req["lower_headers"]["x-functions-key"] == "from-env"
+
+
+def test_no_key_no_header(chat_exe, canned):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "x-functions-key" not in canned.requests[0]["lower_headers"]
+
+
+def test_system_sends_messages_and_model(chat_exe, canned):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "--system", "Be terse / \"exact\" 🙂",
+                    "--model", "gpt-x", "What", "now?")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert canned.requests[0]["json"] == {
+        "messages": [{"role": "system", "content": "Be terse / \"exact\" 🙂"},
+                     {"role": "user", "content": "What now?"}],
+        "model": "gpt-x",
+    }
+
+
+def test_prompt_from_stdin(chat_exe, canned):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, stdin="line 1\nzwei 🙂\n".encode())
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert canned.requests[0]["json"] == {"prompt": "line 1\nzwei 🙂"}
+
+
+def test_crlf_comments_multiline_data_and_unknown_fields(chat_exe, canned):
+    canned.answer([
+        ": keep-alive\r\n\r\n",
+        'data: {"delta":\r\ndata:  "line 1\\n"}\r\n\r\n',       # two data lines joined with \n
+        "id: 7\r\nretry: 1000\r\nfoo: bar\r\n",                   # fields with no data: nothing
+        "\r\n",
+        'data:{"delta": "\\n\\nline 3 \\u00e9\\ud83d\\ude80"}\r\n',  # no space after the colon
+        ": a comment inside an event\r\n\r\n",
+        "event: future-thing\r\ndata: {}\r\n\r\n",               # unknown event types are ignored
+        DONE.replace("\n", "\r\n"),
+    ])
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == "line 1\n\n\nline 3 é🚀\n".encode()
+
+
+def test_character_split_across_chunks(chat_exe, canned):
+    raw = ("data: " + json.dumps({"delta": "🙂中é"}, ensure_ascii=False) + "\n\n").encode()
+    canned.answer([raw[i:i + 1] for i in range(len(raw))] + [DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == "🙂中é\n".encode()
+
+
+def test_error_event_exits_1_with_message(chat_exe, canned):
+    canned.answer([delta("partial"),
+                   'event: error\ndata: {"error": {"type": "upstream_error", '
+                   '"message": "the model broke", "retryable": true}}\n\n'])
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR
+    assert proc.stdout == b"partial\n"
+    assert b"the model broke" in proc.stderr
+
+
+def test_stream_without_done_exits_1_and_says_so(chat_exe, canned):
+    canned.answer([delta("partial"), 'event: done\ndata: {"finish_reason": "stop"}\n'])  # no blank line
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR
+    assert proc.stdout == b"partial\n"
+    assert b"without a done or error event" in proc.stderr
+
+
+def test_http_error_exits_2_with_status_and_message(chat_exe, canned):
+    body = json.dumps({"error": {"type": "invalid_request", "message": "prompt is too long",
+                                 "param": "prompt"}})
+    canned.answer([body], status=400, content_type="application/json")
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR
+    assert proc.stdout == b""
+    assert b"400" in proc.stderr and b"prompt is too long" in proc.stderr
+
+
+def test_stats_on_stderr(chat_exe, canned):
+    canned.answer([delta("a"), delta("b"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"ab\n"
+    lines = proc.stderr.decode().splitlines()
+    for pattern in STATS_LINES:
+        assert any(re.match(pattern, line) for line in lines), (pattern, lines)
+    assert "stats: deltas: 2" in lines
+    assert "stats: finish reason: stop" in lines
+    assert "stats: tokens: prompt 1, completion 2, total 3" in lines
+
+
+def test_done_members_in_any_order_and_unknown_members(chat_exe, canned):
+    canned.answer(['data: {"extra": [1, {"a": null}], "delta": "x"}\n\n',
+                   'event: done\ndata: {"id": "r2", "future": {"b": [true]}, "usage": {"total_tokens": 9, '
+                   '"prompt_tokens": 4, "completion_tokens": 5}, "model": "m2", "finish_reason": "length"}\n\n'])
+    proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"x\n"
+    lines = proc.stderr.decode().splitlines()
+    assert "stats: finish reason: length" in lines
+    assert "stats: tokens: prompt 4, completion 5, total 9" in lines
+    assert "stats: model: m2 (id r2)" in lines
+
+
+def test_connection_refused_exits_3(chat_exe):
+    proc = run_chat(chat_exe, "--url", f"http://127.0.0.1:{closed_port()}/api/chat", "hi")
+    assert proc.returncode == EXIT_CONNECT
+    assert b"could not connect" in proc.stderr
+
+
+def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
+    canned.answer([delta("first ")] + [delta("more ")] * 300 + [DONE])  # about 3 s of deltas
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env())
+    try:
+        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
+        proc.stdout.close()  # like `chat ... | head -c 5`
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141
+    assert wait_for(lambda: canned.disconnects, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl+C. Mono installs its SIGINT handler (which runs Console.CancelKeyPress) only when stdin
+# and stdout are both terminals. Without a terminal, SIGINT kills the process at once: the
+# kernel then closes the socket, so the server still sees the client go away.
+
+
+def _read_until_text(fd: int, timeout: float = 15) -> bytes:
+    """Reads from fd until some reply text (not just terminal escape codes) has arrived."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([fd], [], [], 0.1)
+        if readable:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed its end of the terminal
+                chunk = b""
+            if not chunk:
+                break
+            buf += chunk
+            if re.sub(rb"\x1b(\[[0-9;?]*[A-Za-z]|[=>])", b"", buf).strip():
+                return buf
+    raise AssertionError(f"no reply text within {timeout} s: {buf!r}")
+
+
+def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, canned):
+    canned.answer([delta("first"), "STALL"])
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env())
+    try:
+        assert _read_until_text(proc.stdout.fileno()) == b"first"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGINT  # what Mono really does here (see client_cs/README.md)
+    assert wait_for(lambda: canned.disconnects, 2)
+    assert canned.disconnects[0] - sent < 2
+
+
+def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
+    """With a terminal, CancelKeyPress runs: the request is aborted, stats printed, exit 130."""
+    canned.answer([delta("first"), "STALL"])
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+    os.close(slave)
+    try:
+        assert b"first" in _read_until_text(master)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert proc.returncode == EXIT_CANCELLED, stderr
+    assert "chat: cancelled" in stderr
+    assert "stats: finish reason: cancelled" in stderr
+    assert wait_for(lambda: canned.disconnects, 2)
+    assert canned.disconnects[0] - sent < 2
+
+
+# ---------------------------------------------------------------------------------------------
+# against the function app and the scripted upstream
+
+
+def _texts():
+    from fakeupstream.scenarios import TEXTS
+    return TEXTS
+
+
+@pytest.mark.parametrize("scenario", ["normal", "split_utf8"])
+def test_app_exact_text(chat_exe, app, scenario):
+    proc = run_chat(chat_exe, "--url", app.chat_url, f"[scenario:{scenario}] go")
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    assert proc.stdout == (_texts()[scenario] + "\n").encode("utf-8")
+
+
+def test_app_echo(chat_exe, app):
+    from fakeupstream.scenarios import echo_text
+    prompt = "[scenario:echo] Grüße 🙂 \"quoted\" / slash"
+    proc = run_chat(chat_exe, "--url", app.chat_url, prompt)
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    assert proc.stdout == (echo_text(prompt) + "\n").encode("utf-8")
+
+
+def test_app_echo_with_system_message(chat_exe, app):
+    from fakeupstream.scenarios import echo_text
+    prompt = "[scenario:echo] hello"
+    proc = run_chat(chat_exe, "--url", app.chat_url, "--system", "be brief", prompt)
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    assert proc.stdout == (echo_text(prompt) + "\n").encode("utf-8")
+
+
+def test_app_stats(chat_exe, app):
+    proc = run_chat(chat_exe, "--url", app.chat_url, "--stats", "[scenario:slow] go")
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    lines = proc.stderr.decode().splitlines()
+    for pattern in STATS_LINES:
+        assert any(re.match(pattern, line) for line in lines), (pattern, lines)
+    assert "stats: finish reason: stop" in lines
+    assert "stats: deltas: 10" in lines
+
+
+def test_app_error_midstream_exits_1(chat_exe, app):
+    proc = run_chat(chat_exe, "--url", app.chat_url, "[scenario:error_midstream] go")
+    assert proc.returncode == EXIT_STREAM_ERROR
+    assert b"the stream ended with an error" in proc.stderr
+
+
+def test_app_rate_limited_exits_2(chat_exe, app):
+    proc = run_chat(chat_exe, "--url", app.chat_url, "[scenario:rate_limited] go")
+    assert proc.returncode == EXIT_HTTP_ERROR
+    assert proc.stdout == b""
+    assert b"HTTP 429" in proc.stderr
+
+
+def _wait_disconnected(upstream, scenario: str, timeout: float):
+    def found():
+        return [s for s in upstream.streams()
+                if s.get("scenario") == scenario and s.get("outcome") == "client_disconnected"]
+    return wait_for(found, timeout)
+
+
+@pytest.mark.parametrize("scenario", ["slow", "stall"])
+def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario):
+    upstream.clear()
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env())
+    try:
+        _read_until_text(proc.stdout.fileno())
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # No terminal: Mono does not run CancelKeyPress and SIGINT ends the process at once.
+    assert proc.returncode == -signal.SIGINT
+    assert _wait_disconnected(upstream, scenario, 2), upstream.streams()
+
+
+def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, upstream):
+    upstream.clear()
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+    os.close(slave)
+    try:
+        _read_until_text(master)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert proc.returncode == EXIT_CANCELLED
+    assert _wait_disconnected(upstream, "stall", 2), upstream.streams()

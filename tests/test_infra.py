@@ -1,0 +1,637 @@
+"""The deployment template (azure.yaml, infra/*.bicep), checked without Azure or the Bicep CLI.
+
+Every .bicep file is parsed with the tree-sitter Bicep grammar and must parse cleanly. The security
+and platform facts are then read from the parse tree, never from raw text, so a line that is
+commented out does not count: a small evaluator turns declarations into Python values, and follows
+variables, parameters (by their defaults or a chosen mode), ``concat``, ``union`` and ``?:``, so the
+app settings are checked exactly as each upstream mode would produce them.
+
+Each check is a plain function that raises AssertionError. ``test_check_catches`` breaks the
+templates on purpose, one fact at a time, and requires the matching check to fail; so none of these
+checks can pass vacuously."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+tree_sitter = pytest.importorskip("tree_sitter")
+tree_sitter_bicep = pytest.importorskip("tree_sitter_bicep")
+
+ROOT = Path(__file__).resolve().parent.parent
+INFRA = ROOT / "infra"
+
+STORAGE_BLOB_DATA_OWNER = "b7e6dc6d-f1e8-4753-8033-0f276bb0955b"
+MONITORING_METRICS_PUBLISHER = "3913510d-42f4-4e42-8a64-420c390055eb"
+COGNITIVE_SERVICES_OPENAI_USER = "5e0bd9bd-7b93-4f28-af87-19fc36ad61bd"
+KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
+MODES = ("azureOpenAI", "openAI")
+AZURE_FRONT_END_IDLE_SECONDS = 230  # Azure's load balancer drops an HTTP response silent this long
+
+PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bicep → Python values
+# ---------------------------------------------------------------------------------------------
+
+class Symbolic(str):
+    """A value only known at deployment (a resource property, an interpolation): its source text."""
+
+
+def _named(node) -> list:
+    return [c for c in node.named_children if c.type != "comment"]
+
+
+@dataclass
+class Decl:
+    kind: str  # param | var | resource | module | output
+    name: str
+    node: object  # the declaration node
+    decorators: dict = field(default_factory=dict)  # name -> list of argument nodes
+    type: str | None = None  # resource/module type string, param/output type
+    condition: object = None  # the `if (...)` expression node of a conditional resource/module
+    body: object = None  # value node: the object of a resource/module, a var/output/param default
+
+
+@dataclass
+class Template:
+    path: str
+    source: bytes
+    tree: object
+    decls: dict  # name -> Decl
+    outputs: dict  # name -> Decl (outputs have their own namespace)
+
+    @property
+    def code(self) -> str:
+        """The source with every comment blanked out."""
+        text = bytearray(self.source)
+        stack = [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            if node.type == "comment":
+                text[node.start_byte:node.end_byte] = b" " * (node.end_byte - node.start_byte)
+            stack.extend(node.children)
+        return text.decode()
+
+    def of(self, kind: str) -> dict:
+        return {n: d for n, d in self.decls.items() if d.kind == kind}
+
+    def resources(self, type_prefix: str) -> list[Decl]:
+        return [d for d in self.of("resource").values() if d.type.split("@")[0] == type_prefix]
+
+
+def parse_errors(tree) -> list[str]:
+    found, stack = [], [tree.root_node]
+    while stack:
+        node = stack.pop()
+        if node.is_error or node.is_missing:
+            found.append(f"{node.type} at line {node.start_point[0] + 1}: {node.text[:60]!r}")
+        stack.extend(node.children)
+    return found
+
+
+def load_template(path: str, source: bytes) -> Template:
+    tree = PARSER.parse(source)
+    decls, outputs, decorators = {}, {}, {}
+    for node in _named(tree.root_node):
+        if node.type == "decorators":
+            for dec in _named(node):
+                call = _named(dec)[0]
+                if call.type == "call_expression":
+                    fn, args = _named(call)
+                    decorators[fn.text.decode()] = _named(args)
+                else:
+                    decorators[call.text.decode()] = []
+            continue
+        kind = {"parameter_declaration": "param", "variable_declaration": "var",
+                "resource_declaration": "resource", "module_declaration": "module",
+                "output_declaration": "output"}.get(node.type)
+        if kind is None:
+            decorators = {}
+            continue
+        parts = _named(node)
+        decl = Decl(kind, parts[0].text.decode(), node, decorators)
+        decorators = {}
+        if kind in ("resource", "module"):
+            decl.type = string_value(parts[1])
+            body = parts[-1]
+            if body.type == "if_statement":
+                decl.condition, body = _named(body)
+            decl.body = body
+        elif kind in ("param", "output"):
+            decl.type = parts[1].text.decode()
+            decl.body = parts[2] if len(parts) > 2 else None
+        else:
+            decl.body = parts[1]
+        (outputs if kind == "output" else decls)[decl.name] = decl
+    return Template(path, source, tree, decls, outputs)
+
+
+def string_value(node) -> str | Symbolic:
+    parts = []
+    for child in _named(node):
+        if child.type == "string_content":
+            parts.append(child.text.decode())
+        elif child.type == "escape_sequence":
+            parts.append({"\\'": "'", "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\$": "$"}
+                         .get(child.text.decode(), child.text.decode()))
+        else:  # an interpolation
+            return Symbolic(node.text.decode())
+    return "".join(parts)
+
+
+class Evaluator:
+    """Evaluates Bicep expressions of one template. ``env`` gives parameter values; a parameter
+    missing there takes its default. Anything that needs Azure stays Symbolic."""
+
+    def __init__(self, template: Template, **env):
+        self.t = template
+        self.env = env
+
+    def __call__(self, node):
+        return self.eval(node)
+
+    def param(self, name: str):
+        if name in self.env:
+            return self.env[name]
+        decl = self.t.decls[name]
+        return self.eval(decl.body) if decl.body is not None else Symbolic(name)
+
+    def eval(self, node):
+        kind = node.type
+        if kind == "string":
+            return string_value(node)
+        if kind == "number":
+            return int(node.text.decode())
+        if kind == "boolean":
+            return node.text.decode() == "true"
+        if kind == "null":
+            return None
+        if kind == "array":
+            return [self.eval(item) for item in _named(node)]
+        if kind == "object":
+            result = {}
+            for prop in _named(node):
+                if prop.type != "object_property":
+                    continue
+                parts = _named(prop)
+                key = parts[0]
+                name = key.text.decode() if key.type == "identifier" else string_value(key)
+                result[name] = self.eval(parts[-1]) if len(parts) > 1 else None
+            return result
+        if kind == "parenthesized_expression":
+            return self.eval(_named(node)[0])
+        if kind == "identifier":
+            name = node.text.decode()
+            decl = self.t.decls.get(name)
+            if decl is None:
+                return Symbolic(name)
+            if decl.kind == "var":
+                return self.eval(decl.body)
+            if decl.kind == "param":
+                return self.param(name)
+            return Symbolic(name)  # a resource or module symbol
+        if kind == "unary_expression":
+            operand = self.eval(_named(node)[0])
+            if node.children[0].type == "!":
+                return not self._truth(operand)
+            return Symbolic(node.text.decode())
+        if kind == "binary_expression":
+            left, right = (self.eval(n) for n in _named(node))
+            op = next(c.type for c in node.children if not c.is_named)
+            if isinstance(left, Symbolic) or isinstance(right, Symbolic):
+                return Symbolic(node.text.decode())
+            return {"==": lambda: left == right, "!=": lambda: left != right,
+                    "&&": lambda: left and right, "||": lambda: left or right,
+                    "<": lambda: left < right, ">": lambda: left > right,
+                    "+": lambda: left + right}.get(op, lambda: Symbolic(node.text.decode()))()
+        if kind == "ternary_expression":
+            cond, then, other = _named(node)
+            test = self.eval(cond)
+            return self.eval(then) if self._truth(test) else self.eval(other)
+        if kind == "call_expression":
+            fn, args = _named(node)
+            name, values = fn.text.decode(), [self.eval(a) for a in _named(args)]
+            if name == "concat" and all(isinstance(v, list) for v in values):
+                return [x for v in values for x in v]
+            if name == "union" and all(isinstance(v, dict) for v in values):
+                return {k: x for v in values for k, x in v.items()}
+            if name == "empty" and not any(isinstance(v, Symbolic) for v in values):
+                return not values[0]
+            if name == "string" and not isinstance(values[0], Symbolic):
+                return str(values[0]).lower() if isinstance(values[0], bool) else str(values[0])
+            return Symbolic(node.text.decode())
+        return Symbolic(node.text.decode())
+
+    @staticmethod
+    def _truth(value) -> bool:
+        assert not isinstance(value, Symbolic), f"condition depends on a deployment value: {value}"
+        return bool(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The deployment as a whole
+# ---------------------------------------------------------------------------------------------
+
+class Infra:
+    """azure.yaml, infra/main.parameters.json and every infra/*.bicep, from ``files`` (relative
+    path -> bytes), so tests can check deliberately broken copies."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.templates = {p: load_template(p, s) for p, s in files.items() if p.endswith(".bicep")}
+
+    @classmethod
+    def from_disk(cls) -> "Infra":
+        files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
+        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json"):
+            files[extra] = (ROOT / extra).read_bytes()
+        return cls(files)
+
+    def broken(self, path: str, old: str, new: str) -> "Infra":
+        text = self.files[path].decode()
+        assert text.count(old) == 1, f"mutation target must occur once in {path}: {old!r}"
+        return Infra({**self.files, path: text.replace(old, new).encode()})
+
+    @property
+    def main(self) -> Template:
+        return self.templates["infra/main.bicep"]
+
+    @property
+    def resources(self) -> Template:
+        return self.templates["infra/resources.bicep"]
+
+    def main_defaults(self) -> dict:
+        ev = Evaluator(self.main)
+        return {n: ev.param(n) for n in self.main.of("param")}
+
+    def module_env(self, **overrides) -> dict:
+        """The parameters main.bicep passes to resources.bicep, main's defaults filled in."""
+        module = self.main.of("module")["app"]
+        params = Evaluator(self.main, **overrides).eval(module.body)["params"]
+        assert module.type == "resources.bicep"
+        return params
+
+    def app_settings(self, upstream: str, **overrides) -> dict:
+        env = self.module_env(upstream=upstream, **overrides)
+        ev = Evaluator(self.resources, **env)
+        site = self.one("Microsoft.Web/sites")
+        settings = ev.eval(site.body)["properties"]["siteConfig"]["appSettings"]
+        assert isinstance(settings, list), settings
+        names = [s["name"] for s in settings]
+        assert len(names) == len(set(names)), f"duplicate app settings: {names}"
+        return {s["name"]: s["value"] for s in settings}
+
+    def one(self, type_prefix: str) -> Decl:
+        found = self.resources.resources(type_prefix)
+        assert len(found) == 1, f"expected one {type_prefix}, found {[d.name for d in found]}"
+        return found[0]
+
+    def body(self, decl: Decl, upstream: str = "azureOpenAI", **overrides) -> dict:
+        """A resource's body as deployed by main.bicep with its defaults (and ``upstream``)."""
+        return Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides)).eval(decl.body)
+
+    def role_assignments(self) -> list[dict]:
+        """Every role assignment: its scope symbol, role id, principal source text, condition."""
+        found = []
+        for decl in self.resources.resources("Microsoft.Authorization/roleAssignments"):
+            body = self.body(decl)
+            props = body["properties"]
+            role = props["roleDefinitionId"]
+            m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
+                             str(role))
+            assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
+            role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
+                if m.group(1) in self.resources.decls else m.group(1)
+            found.append({"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
+                          "principal": str(props["principalId"]),
+                          "condition": decl.condition.text.decode() if decl.condition else None})
+        return found
+
+
+def _has_role(infra: Infra, scope: str, role: str, principal: str = "identity.properties.principalId") -> dict:
+    for ra in infra.role_assignments():
+        if ra["scope"] == scope and ra["role"] == role and ra["principal"] == principal:
+            return ra
+    raise AssertionError(f"no role assignment {role} on {scope} for {principal}: {infra.role_assignments()}")
+
+
+def _host_timeout_seconds(infra: Infra) -> int:
+    value = json.loads(infra.files["host.json"])["functionTimeout"]
+    h, m, s = (int(x) for x in value.split(":"))
+    return h * 3600 + m * 60 + s
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------
+
+def check_parses(infra: Infra) -> None:
+    assert infra.templates, "no .bicep files under infra/"
+    for path, t in infra.templates.items():
+        errors = parse_errors(t.tree)
+        assert not errors, f"{path} does not parse: {errors[:5]}"
+
+
+def check_no_key_based_storage(infra: Infra) -> None:
+    storage = infra.one("Microsoft.Storage/storageAccounts")
+    props = infra.body(storage)["properties"]
+    assert props.get("allowSharedKeyAccess") is False, "storage must refuse shared keys"
+    for path, t in infra.templates.items():
+        code = t.code
+        assert not re.search(r"\blist(Keys|AccountSas|ServiceSas)\s*\(|\.listKeys\s*\(", code), \
+            f"{path} reads storage keys"
+        assert "AccountKey" not in code, f"{path} builds an AccountKey connection string"
+    for mode in MODES:
+        settings = infra.app_settings(mode)
+        assert settings.get("AzureWebJobsStorage__accountName") == "storage.name", settings
+        assert settings.get("AzureWebJobsStorage__credential") == "managedidentity", "host storage via identity"
+        assert settings.get("AzureWebJobsStorage__clientId") == "identity.properties.clientId"
+        assert "AzureWebJobsStorage" not in settings, "a connection-string AzureWebJobsStorage"
+    deployment = infra.body(infra.one("Microsoft.Web/sites"))["properties"]["functionAppConfig"]["deployment"]
+    storage_cfg = deployment["storage"]
+    assert storage_cfg["type"] == "blobContainer"
+    assert storage_cfg["authentication"] == {"type": "UserAssignedIdentity",
+                                             "userAssignedIdentityResourceId": "identity.id"}, storage_cfg
+
+
+def check_blob_owner_role(infra: Infra) -> None:
+    ra = _has_role(infra, "storage", STORAGE_BLOB_DATA_OWNER)
+    assert ra["condition"] is None, "the storage role must always be assigned"
+
+
+def check_https_and_tls(infra: Infra) -> None:
+    site = infra.body(infra.one("Microsoft.Web/sites"))["properties"]
+    assert site.get("httpsOnly") is True, "httpsOnly"
+    assert site["siteConfig"].get("minTlsVersion") == "1.2", "minTlsVersion"
+    assert site["siteConfig"].get("ftpsState") == "Disabled", "ftpsState"
+    storage = infra.body(infra.one("Microsoft.Storage/storageAccounts"))["properties"]
+    assert storage.get("minimumTlsVersion") == "TLS1_2", "storage minimumTlsVersion"
+    assert storage.get("supportsHttpsTrafficOnly") is True, "storage HTTPS only"
+    policies = {d.name: infra.body(d) for d in
+                infra.resources.resources("Microsoft.Web/sites/basicPublishingCredentialsPolicies")}
+    assert {p["name"]: p["properties"]["allow"] for p in policies.values()} == {"ftp": False, "scm": False}
+
+
+SECRET_NAME = re.compile(r"secret|password|connection_?string|api_?key|access_?key|account_?key|sas", re.I)
+SECRET_EXPR = re.compile(r"\blist\w*\s*\(|\.list\w*\s*\(|ConnectionString|InstrumentationKey|secretUri|"
+                         r"\bvalue\b|primaryKey|secondaryKey", re.I)
+
+
+def check_no_secrets_in_outputs(infra: Infra) -> None:
+    for path, t in infra.templates.items():
+        secure = {n for n, d in t.of("param").items() if "secure" in d.decorators}
+        for name, out in t.outputs.items():
+            expr = out.body.text.decode()
+            assert not SECRET_NAME.search(name), f"{path}: output {name} is named like a secret"
+            assert not SECRET_EXPR.search(expr), f"{path}: output {name} exposes {expr}"
+            used = set(re.findall(r"\b\w+\b", expr))
+            assert not used & secure, f"{path}: output {name} uses a @secure() parameter"
+            assert "secure" not in out.decorators
+
+
+def check_azure_openai_keyless(infra: Infra) -> None:
+    account = infra.one("Microsoft.CognitiveServices/accounts")
+    assert account.condition is not None and account.condition.text.decode() == "(useAzureOpenAI)"
+    props = infra.body(account)["properties"]
+    assert props.get("disableLocalAuth") is True, "the Azure OpenAI account must refuse API keys"
+    assert props.get("customSubDomainName"), "Entra auth needs a custom subdomain"
+    deployment = infra.body(infra.one("Microsoft.CognitiveServices/accounts/deployments"))
+    assert deployment["sku"]["capacity"] == infra.main_defaults()["deploymentCapacity"]
+    assert deployment["properties"]["model"]["name"] == infra.main_defaults()["modelName"]
+    ra = _has_role(infra, "openAi", COGNITIVE_SERVICES_OPENAI_USER)
+    assert ra["condition"] == "(useAzureOpenAI)"
+    settings = infra.app_settings("azureOpenAI")
+    assert settings.get("AZURE_OPENAI_ENDPOINT") == "openAi.properties.endpoint", settings
+    assert settings.get("AZURE_OPENAI_DEPLOYMENT") == infra.main_defaults()["modelName"], settings
+    assert settings.get("AZURE_OPENAI_API_VERSION") == infra.main_defaults()["azureOpenAiApiVersion"], settings
+    assert settings.get("AZURE_CLIENT_ID") == "identity.properties.clientId", \
+        "AZURE_CLIENT_ID makes DefaultAzureCredential use the user-assigned identity"
+    assert "OPENAI_API_KEY" not in settings and "AZURE_OPENAI_API_KEY" not in settings
+
+
+def check_key_vault_mode(infra: Infra) -> None:
+    vault = infra.one("Microsoft.KeyVault/vaults")
+    assert vault.condition is not None and vault.condition.text.decode() == "(useKeyVault)"
+    assert infra.body(vault)["properties"].get("enableRbacAuthorization") is True
+    ra = _has_role(infra, "keyVault", KEY_VAULT_SECRETS_USER)
+    assert ra["condition"] == "(useKeyVault)"
+    site = infra.body(infra.one("Microsoft.Web/sites"))
+    assert site["properties"].get("keyVaultReferenceIdentity") == "identity.id", \
+        "Key Vault references must resolve with the user-assigned identity"
+    settings = infra.app_settings("openAI")
+    assert settings.get("OPENAI_API_KEY") == \
+        "'@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})'", settings
+    assert "OPENAI_BASE_URL" not in settings
+    assert infra.app_settings("openAI", openAiBaseUrl="http://x/v1").get("OPENAI_BASE_URL") == "http://x/v1"
+    assert "AZURE_OPENAI_ENDPOINT" not in settings
+    for t in (infra.main, infra.resources):
+        assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, f"{t.path}: openAiApiKey must be @secure()"
+
+
+def check_flex_consumption_python(infra: Infra) -> None:
+    plan = infra.body(infra.one("Microsoft.Web/serverfarms"))
+    assert plan["sku"] == {"name": "FC1", "tier": "FlexConsumption"}, plan["sku"]
+    assert plan["properties"].get("reserved") is True, "Linux plan"
+    site = infra.body(infra.one("Microsoft.Web/sites"))
+    assert site["kind"] == "functionapp,linux"
+    assert site["properties"]["serverFarmId"] == "plan.id"
+    runtime = site["properties"]["functionAppConfig"]["runtime"]
+    assert runtime == {"name": "python", "version": "3.13"}, f"Python 3.13 on Flex Consumption: {runtime}"
+    assert site["identity"]["type"] == "UserAssigned"
+    assert list(site["identity"]["userAssignedIdentities"]) == ["'${identity.id}'"]
+    for mode in MODES:  # settings Flex Consumption rejects or ignores (runtime lives in functionAppConfig)
+        settings = infra.app_settings(mode)
+        for name in ("FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_EXTENSION_VERSION", "WEBSITE_RUN_FROM_PACKAGE",
+                     "WEBSITE_CONTENTSHARE", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING"):
+            assert name not in settings, f"{name} is not for Flex Consumption"
+
+
+def check_app_insights_identity(infra: Infra) -> None:
+    appi = infra.body(infra.one("Microsoft.Insights/components"))["properties"]
+    assert appi.get("DisableLocalAuth") is True, "Application Insights must take Entra-authenticated telemetry only"
+    assert appi.get("WorkspaceResourceId") == "logAnalytics.id", "workspace-based (Log Analytics)"
+    infra.one("Microsoft.OperationalInsights/workspaces")
+    _has_role(infra, "appInsights", MONITORING_METRICS_PUBLISHER)
+    for mode in MODES:
+        settings = infra.app_settings(mode)
+        assert settings.get("APPLICATIONINSIGHTS_CONNECTION_STRING") == "appInsights.properties.ConnectionString"
+        assert settings.get("APPLICATIONINSIGHTS_AUTHENTICATION_STRING") == \
+            "'ClientId=${identity.properties.clientId};Authorization=AAD'", "App Insights via the identity"
+        assert settings.get("PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY") == "true"
+        assert settings.get("OTEL_TRACES_SAMPLER") == "always_on", "every stream's span is kept"
+
+
+def check_time_limits(infra: Infra) -> None:
+    """The app's limits are set explicitly, pass the app's own validation, and end before the
+    host's functionTimeout; the heartbeat beats Azure's idle cut-off."""
+    from chatstream.settings import Settings
+
+    function_timeout = _host_timeout_seconds(infra)
+    params = infra.main.of("param")
+    for name in ("totalTimeoutSeconds", "firstTokenTimeoutSeconds", "idleTimeoutSeconds"):
+        (top,) = params[name].decorators["maxValue"]
+        assert int(top.text) < function_timeout, f"{name} may reach functionTimeout"
+    (beat,) = params["heartbeatSeconds"].decorators["maxValue"]
+    assert int(beat.text) < AZURE_FRONT_END_IDLE_SECONDS, "a heartbeat may come too late for Azure's front end"
+    defaults = infra.main_defaults()
+    assert defaults["totalTimeoutSeconds"] < function_timeout, "TOTAL_TIMEOUT_SECONDS reaches functionTimeout"
+    assert defaults["firstTokenTimeoutSeconds"] <= defaults["totalTimeoutSeconds"]
+    for mode in MODES:
+        settings = infra.app_settings(mode)
+        for name in ("UPSTREAM_CONNECT_TIMEOUT_SECONDS", "FIRST_TOKEN_TIMEOUT_SECONDS", "IDLE_TIMEOUT_SECONDS",
+                     "TOTAL_TIMEOUT_SECONDS", "HEARTBEAT_SECONDS", "USAGE_WAIT_SECONDS", "UPSTREAM_MAX_RETRIES"):
+            assert name in settings, f"{name} must be set explicitly"
+        assert settings["TOTAL_TIMEOUT_SECONDS"] == str(defaults["totalTimeoutSeconds"])
+        # Values only Azure knows get a stand-in of the right shape; then the app's own validation.
+        stand_ins = {"AZURE_OPENAI_ENDPOINT": "https://oai-example.openai.azure.com/",
+                     "OPENAI_API_KEY": "sk-resolved-from-key-vault"}
+        concrete = {k: stand_ins.get(k, v) for k, v in settings.items()
+                    if not isinstance(v, Symbolic) or k in stand_ins}
+        parsed = Settings.from_env(concrete)
+        assert parsed.upstream_kind == {"azureOpenAI": "azure", "openAI": "openai"}[mode]
+        assert parsed.default_model == defaults["modelName"]
+        assert parsed.total_timeout < function_timeout
+        assert parsed.first_token_timeout <= parsed.total_timeout
+        assert parsed.heartbeat < AZURE_FRONT_END_IDLE_SECONDS
+
+
+def check_parameters(infra: Infra) -> None:
+    params = infra.main.of("param")
+    for name in ("location", "modelName", "deploymentCapacity", "upstream", "openAiLocation"):
+        assert name in params, f"main.bicep lacks parameter {name}"
+    (allowed,) = params["upstream"].decorators["allowed"]
+    assert Evaluator(infra.main).eval(allowed) == list(MODES)
+    assert infra.main.decls["location"].body is None, "region is chosen at deployment (azd asks)"
+    scopes = [n for n in _named(infra.main.tree.root_node) if n.type == "target_scope_assignment"]
+    assert [string_value(_named(n)[0]) for n in scopes] == ["subscription"], "main.bicep creates the resource group"
+    values = json.loads(infra.files["infra/main.parameters.json"])["parameters"]
+    unknown = set(values) - set(params)
+    assert not unknown, f"main.parameters.json sets unknown parameters {unknown}"
+    assert values["environmentName"]["value"] == "${AZURE_ENV_NAME}"
+    assert values["location"]["value"] == "${AZURE_LOCATION}"
+    # Every module parameter is declared in resources.bicep and every required one is passed.
+    passed = set(infra.module_env())
+    declared = infra.resources.of("param")
+    assert passed <= set(declared), passed - set(declared)
+    required = {n for n, d in declared.items() if d.body is None}
+    assert required <= passed, f"resources.bicep parameters not passed: {required - passed}"
+
+
+def check_azure_yaml(infra: Infra) -> None:
+    project = yaml.safe_load(infra.files["azure.yaml"])
+    assert isinstance(project, dict) and project.get("name")
+    services = project["services"]
+    assert len(services) == 1, services
+    (name, service), = services.items()
+    assert service.get("host") == "function", f"azd service {name} must deploy to a function app"
+    assert service.get("language") in ("python", "py"), f"azd service {name} must be python"
+    assert (ROOT / service.get("project", ".") / "function_app.py").exists()
+    infra_cfg = project.get("infra", {})
+    assert infra_cfg.get("provider", "bicep") == "bicep"
+    assert f"{infra_cfg.get('path', 'infra')}/{infra_cfg.get('module', 'main')}.bicep" in infra.templates
+    tags = infra.body(infra.one("Microsoft.Web/sites"))["tags"]
+    assert tags.get("azd-service-name") == name, f"the function app must be tagged azd-service-name={name}: {tags}"
+
+
+CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
+          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode,
+          check_flex_consumption_python, check_app_insights_identity, check_time_limits,
+          check_parameters, check_azure_yaml]
+
+
+@pytest.fixture(scope="module")
+def infra() -> Infra:
+    return Infra.from_disk()
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_template(infra, check):
+    check(infra)
+
+
+# Each entry breaks one fact in a copy of the templates; the named check must then fail.
+R, M = "infra/resources.bicep", "infra/main.bicep"
+BREAKAGES = [
+    ("syntax error", R, "  kind: 'OpenAI'\n", "  kind: 'OpenAI'\n  }}\n", check_parses),
+    ("shared keys allowed", R, "allowSharedKeyAccess: false", "allowSharedKeyAccess: true",
+     check_no_key_based_storage),
+    ("shared-key setting commented out", R, "    allowSharedKeyAccess: false\n",
+     "    // allowSharedKeyAccess: false\n", check_no_key_based_storage),
+    ("AccountKey connection string", R, "    value: storage.name\n",
+     "    value: 'DefaultEndpointsProtocol=https;AccountName=${storage.name};AccountKey=${storage.listKeys().keys[0].value}'\n",
+     check_no_key_based_storage),
+    ("deployment container read with a connection string", R, "type: 'UserAssignedIdentity'",
+     "type: 'StorageAccountConnectionString'", check_no_key_based_storage),
+    ("host storage without identity", R, "value: 'managedidentity'", "value: 'none'", check_no_key_based_storage),
+    ("blob owner role on the wrong principal", R,
+     "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
+     "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
+     "    principalId: identity.properties.principalId",
+     "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
+     "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
+     "    principalId: principalId", check_blob_owner_role),
+    ("blob reader instead of owner", R, "var storageBlobDataOwnerRole = 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'",
+     "var storageBlobDataOwnerRole = '2a2b9908-6ea1-4ae2-8e65-a410df84e7d1'", check_blob_owner_role),
+    ("http allowed", R, "httpsOnly: true", "httpsOnly: false", check_https_and_tls),
+    ("TLS 1.0", R, "      minTlsVersion: '1.2'", "      minTlsVersion: '1.0'", check_https_and_tls),
+    ("FTPS on", R, "ftpsState: 'Disabled'", "ftpsState: 'FtpsOnly'", check_https_and_tls),
+    ("storage TLS 1.0", R, "minimumTlsVersion: 'TLS1_2'", "minimumTlsVersion: 'TLS1_0'", check_https_and_tls),
+    ("connection string output", R, "output identityClientId string = identity.properties.clientId",
+     "output identityClientId string = appInsights.properties.ConnectionString", check_no_secrets_in_outputs),
+    ("listKeys output", M, "output AZURE_TENANT_ID string = tenant().tenantId",
+     "output AZURE_TENANT_ID string = listKeys(rg.id, '2023-01-01').keys[0].value", check_no_secrets_in_outputs),
+    ("secure parameter output", M, "output CHAT_UPSTREAM string = upstream",
+     "output CHAT_UPSTREAM string = openAiApiKey", check_no_secrets_in_outputs),
+    ("OpenAI User role missing", R, "var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'",
+     "var cognitiveServicesOpenAIUserRole = 'a001fd3d-188f-4b5d-821b-7da978bf7442'", check_azure_openai_keyless),
+    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true", "disableLocalAuth: false", check_azure_openai_keyless),
+    ("no AZURE_CLIENT_ID", R, "    name: 'AZURE_CLIENT_ID'\n", "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
+     check_azure_openai_keyless),
+    ("Key Vault Secrets User missing", R, "var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'",
+     "var keyVaultSecretsUserRole = '21090545-7ca7-4776-b22c-e363652d74d2'", check_key_vault_mode),
+    ("key as a plain app setting", R,
+     "useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''",
+     "openAiApiKey", check_key_vault_mode),
+    ("Key Vault reference without the user identity", R, "    keyVaultReferenceIdentity: identity.id\n", "",
+     check_key_vault_mode),
+    ("key not @secure", M, "@secure()\n", "", check_key_vault_mode),
+    ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),
+    ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
+    ("worker runtime app setting", R, "    name: 'USAGE_WAIT_SECONDS'\n", "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
+     check_flex_consumption_python),
+    ("App Insights local auth", R, "DisableLocalAuth: true", "DisableLocalAuth: false", check_app_insights_identity),
+    ("spans sampled", R, "value: 'always_on'", "value: 'microsoft.rate_limited'", check_app_insights_identity),
+    ("App Insights without identity", R, "value: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
+     "value: ''", check_app_insights_identity),
+    ("total timeout at functionTimeout", M, "param totalTimeoutSeconds int = 600", "param totalTimeoutSeconds int = 1800",
+     check_time_limits),
+    ("total timeout may exceed functionTimeout", M, "@maxValue(1740)\n@description('TOTAL",
+     "@maxValue(3600)\n@description('TOTAL", check_time_limits),
+    ("total timeout not set", R, "    name: 'TOTAL_TIMEOUT_SECONDS'\n", "    name: 'TOTAL_TIMEOUT'\n",
+     check_time_limits),
+    ("heartbeat past the idle cut-off", M, "@maxValue(200)", "@maxValue(300)", check_time_limits),
+    ("no capacity parameter", M, "param deploymentCapacity int = 10", "var deploymentCapacity = 10",
+     check_parameters),
+    ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
+    ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
+    ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
+]
+
+
+@pytest.mark.parametrize("what,path,old,new,check", BREAKAGES, ids=[b[0] for b in BREAKAGES])
+def test_check_catches(infra, what, path, old, new, check):
+    broken = infra.broken(path, old, new)
+    with pytest.raises((AssertionError, yaml.YAMLError)):
+        check(broken)
+
+
+def test_templates_parse_with_the_installed_grammar():
+    """tree-sitter-bicep 1.1.0 loads with the installed tree-sitter (ABI) and rejects bad Bicep."""
+    assert not parse_errors(PARSER.parse(b"param x string = 'a'\n"))
+    assert parse_errors(PARSER.parse(b"resource x 'a@1' = {\n  name: \n"))

@@ -1,0 +1,504 @@
+"""chatstream/telemetry.py: the ``chat.stream`` span and the stream metrics, read back from the
+OpenTelemetry SDK's in-memory span exporter and metric reader installed as the global providers.
+
+Two layers:
+- ``telemetry`` driven directly with ``relay.StreamRecord``s (what ``endpoint._finish`` hands it);
+- end to end: the real ``ChatEndpoint`` served by uvicorn on 127.0.0.1 in this process (the exporter
+  has to live in the app's process), talking to the real scripted upstream (``fakeupstream``, a
+  subprocess), called over HTTP, including a caller that hangs up mid-stream. These run once the
+  hook is wired into chatstream/endpoint.py, and are skipped until then.
+
+Each test uses a model name of its own, so spans and metric points of other tests never mix in."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from httpx_sse import EventSource
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import chatstream.endpoint
+from chatstream import telemetry
+from chatstream.relay import StreamRecord
+from servers import ROOT
+
+SPANS = InMemorySpanExporter()
+READER = InMemoryMetricReader()
+
+
+def _install_providers() -> None:
+    """Install SDK providers once per process (OpenTelemetry allows setting them only once)."""
+    if isinstance(trace.get_tracer_provider(), TracerProvider) and getattr(trace.get_tracer_provider(),
+                                                                           "_chatstream_test", False):
+        return
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(SPANS))
+    tracer_provider._chatstream_test = True
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[READER]))
+    if not getattr(trace.get_tracer_provider(), "_chatstream_test", False):
+        pytest.skip("another OpenTelemetry tracer provider is already installed in this process")
+
+
+@pytest.fixture
+def otel():
+    _install_providers()
+    return SPANS, READER
+
+
+@pytest.fixture
+def model() -> str:
+    return f"test-model-{uuid.uuid4().hex[:8]}"
+
+
+def spans_of(model: str) -> list:
+    return [s for s in SPANS.get_finished_spans() if s.attributes.get("gen_ai.request.model") == model]
+
+
+def points_of(model: str) -> dict[str, list]:
+    """Metric name -> data points whose ``model`` attribute is ``model`` (cumulative values)."""
+    found: dict[str, list] = {}
+    data = READER.get_metrics_data()
+    for resource_metrics in data.resource_metrics if data else ():
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    if point.attributes.get("model") == model:
+                        found.setdefault(metric.name, []).append(point)
+    return found
+
+
+def counter_value(points: list, **attrs) -> int:
+    matching = [p for p in points if all(p.attributes.get(k) == v for k, v in attrs.items())]
+    assert all(isinstance(p, NumberDataPoint) for p in matching)
+    return sum(p.value for p in matching)
+
+
+def finished_record(model: str, *, ttfd: float = 0.05, deltas: int = 3) -> StreamRecord:
+    record = StreamRecord(model=model)
+    record.first_delta_at = record.started + ttfd
+    record.deltas = deltas
+    record.finish_reason = "stop"
+    record.usage = {"prompt_tokens": 9, "completion_tokens": deltas, "total_tokens": 9 + deltas}
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# The module on its own
+# ---------------------------------------------------------------------------------------------
+
+def test_completed_stream_gives_one_span_with_gen_ai_attributes(otel, model):
+    stream = telemetry.start_stream(model)
+    record = finished_record(model)
+    time.sleep(0.12)
+    stream.end(record)
+
+    (span,) = spans_of(model)
+    assert span.name == "chat.stream"
+    assert span.kind is SpanKind.INTERNAL
+    assert span.status.status_code is StatusCode.UNSET
+    a = span.attributes
+    assert a["gen_ai.operation.name"] == "chat"
+    assert a["chat.endpoint"] == "chat"
+    assert a["gen_ai.request.model"] == model
+    assert a["gen_ai.response.finish_reasons"] == ("stop",)
+    assert a["gen_ai.usage.input_tokens"] == 9
+    assert a["gen_ai.usage.output_tokens"] == 3
+    assert a["http.response.status_code"] == a["chat.status"] == 200
+    assert a["chat.finish_reason"] == "stop"
+    assert a["chat.deltas"] == 3
+    assert a["chat.disconnected"] is False
+    assert a["chat.outcome"] == "completed"
+    assert a["chat.time_to_first_delta_ms"] == pytest.approx(50.0, abs=0.11)
+    assert a["chat.duration_ms"] >= 120
+    assert "error.type" not in a and "chat.error" not in a
+    # The span lasts from start_stream to end: the stream's duration.
+    assert (span.end_time - span.start_time) / 1e6 == pytest.approx(a["chat.duration_ms"], abs=20)
+
+
+def test_completed_stream_records_metrics(otel, model):
+    telemetry.start_stream(model).end(finished_record(model, ttfd=0.25, deltas=4))
+
+    points = points_of(model)
+    (ttfd,) = points["chat.stream.time_to_first_delta"]
+    assert isinstance(ttfd, HistogramDataPoint)
+    assert ttfd.count == 1 and ttfd.sum == pytest.approx(250.0, abs=0.11)
+    (duration,) = points["chat.stream.duration"]
+    assert duration.count == 1 and duration.sum >= 0
+    assert duration.attributes == {"model": model, "endpoint": "chat", "status": 200, "outcome": "completed"}
+    assert counter_value(points["chat.stream.deltas"]) == 4
+    assert counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "input"}) == 9
+    assert counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "output"}) == 4
+
+
+def test_metrics_add_up_over_streams(otel, model):
+    for ttfd in (0.1, 0.3):
+        telemetry.start_stream(model).end(finished_record(model, ttfd=ttfd, deltas=2))
+    points = points_of(model)
+    (ttfd,) = points["chat.stream.time_to_first_delta"]
+    assert ttfd.count == 2 and ttfd.sum == pytest.approx(400.0, abs=0.2)
+    assert ttfd.min == pytest.approx(100.0, abs=0.11) and ttfd.max == pytest.approx(300.0, abs=0.11)
+    assert counter_value(points["chat.stream.deltas"]) == 4
+
+
+def test_caller_hanging_up_is_marked_disconnected_not_failed(otel, model):
+    stream = telemetry.start_stream(model)
+    record = StreamRecord(model=model)
+    record.first_delta_at = record.started + 0.01
+    record.deltas = 2
+    record.disconnected = True
+    stream.end(record)
+
+    (span,) = spans_of(model)
+    assert span.attributes["chat.disconnected"] is True
+    assert span.attributes["chat.outcome"] == "disconnected"
+    assert "gen_ai.response.finish_reasons" not in span.attributes
+    assert "gen_ai.usage.output_tokens" not in span.attributes
+    assert span.status.status_code is StatusCode.UNSET
+    (duration,) = points_of(model)["chat.stream.duration"]
+    assert duration.attributes["outcome"] == "disconnected"
+
+
+def test_hang_up_before_the_first_token(otel, model):
+    record = StreamRecord(model=model)
+    record.status, record.disconnected = 499, True
+    telemetry.start_stream(model).end(record)
+    (span,) = spans_of(model)
+    assert span.attributes["http.response.status_code"] == 499
+    assert span.attributes["chat.disconnected"] is True
+    assert "chat.time_to_first_delta_ms" not in span.attributes
+    assert "chat.stream.time_to_first_delta" not in points_of(model)
+
+
+@pytest.mark.parametrize("status,error,failed", [
+    (200, "upstream_timeout", True),      # failed after the headers: the final error event
+    (502, "upstream_error", True),
+    (429, "rate_limited", True),
+    (400, "invalid_request", False),      # the caller's mistake, not ours
+    (503, "not_configured", True),
+])
+def test_errors(otel, model, status, error, failed):
+    record = StreamRecord(model=model)
+    record.status, record.error = status, error
+    telemetry.start_stream(model).end(record)
+    (span,) = spans_of(model)
+    assert span.attributes["error.type"] == span.attributes["chat.error"] == error
+    assert span.attributes["chat.status"] == status
+    assert span.attributes["chat.outcome"] == "failed"
+    assert span.status.status_code is (StatusCode.ERROR if failed else StatusCode.UNSET)
+
+
+def test_model_named_by_the_request_replaces_the_default(otel, model):
+    stream = telemetry.start_stream("the-default-model")
+    record = finished_record(model)
+    stream.end(record)
+    (span,) = spans_of(model)
+    assert span.attributes["gen_ai.request.model"] == model
+
+
+def test_end_counts_once(otel, model):
+    stream = telemetry.start_stream(model)
+    record = finished_record(model)
+    stream.end(record)
+    stream.end(record)
+    assert len(spans_of(model)) == 1
+    assert counter_value(points_of(model)["chat.stream.deltas"]) == 3
+
+
+def test_begin_and_finish_keep_the_handle_for_the_app(otel, model):
+    record = StreamRecord(model=model, endpoint="openai")
+    telemetry.begin(record)
+    record.deltas, record.finish_reason = 2, "stop"
+    telemetry.finish(record)
+    telemetry.finish(record)  # a second call is ignored
+    (span,) = spans_of(model)
+    assert span.attributes["chat.endpoint"] == "openai"
+    assert points_of(model)["chat.stream.deltas"][0].attributes == {"model": model, "endpoint": "openai"}
+
+
+def test_finish_without_begin_is_ignored(otel, model):
+    telemetry.finish(finished_record(model))
+    assert spans_of(model) == []
+
+
+def test_broken_record_still_ends_the_span_and_never_raises(otel, model, caplog):
+    class Broken:
+        model = "x"
+
+        def as_log(self):
+            raise RuntimeError("boom")
+
+    stream = telemetry.start_stream(model)
+    stream.end(Broken())  # must not raise
+    (span,) = spans_of(model)
+    assert span.end_time is not None
+    assert "chat stream telemetry failed" in caplog.text
+
+
+def test_odd_usage_shapes(otel, model):
+    record = finished_record(model)
+    record.usage = {"prompt_tokens": True, "completion_tokens": "7"}
+    telemetry.start_stream(model).end(record)
+    (span,) = spans_of(model)
+    assert "gen_ai.usage.input_tokens" not in span.attributes
+    assert "gen_ai.usage.output_tokens" not in span.attributes
+
+
+def test_what_application_insights_receives(otel, model):
+    """The installed azure-monitor exporter's own conversion (private functions, so skipped if they
+    move): the span becomes a dependency named chat.stream of type InProc whose customDimensions hold
+    the attributes docs/observability.md queries; a histogram becomes one customMetrics row per
+    interval with sum, count, min and max, and no buckets (so percentiles come from the span)."""
+    trace_exporter = pytest.importorskip("azure.monitor.opentelemetry.exporter.export.trace._exporter")
+    metric_exporter = pytest.importorskip("azure.monitor.opentelemetry.exporter.export.metrics._exporter")
+    to_dependency = getattr(trace_exporter, "_convert_span_to_envelope", None)
+    to_metric = getattr(metric_exporter, "_convert_point_to_envelope", None)
+    if to_dependency is None or to_metric is None:
+        pytest.skip("the exporter's private conversion functions moved")
+    telemetry.start_stream(model).end(finished_record(model, ttfd=0.05))
+
+    (span,) = spans_of(model)
+    envelope = to_dependency(span)
+    data = envelope.data.base_data
+    assert envelope.data.base_type == "RemoteDependencyData"
+    assert (data.name, data.type, data.success) == ("chat.stream", "InProc", True)
+    dims = data.properties
+    assert dims["gen_ai.request.model"] == model
+    assert dims["chat.time_to_first_delta_ms"] == "50.0"
+    assert dims["chat.status"] == "200" and dims["chat.finish_reason"] == "stop"
+    assert dims["gen_ai.usage.output_tokens"] == "3" and dims["chat.disconnected"] == "False"
+
+    data = READER.get_metrics_data()
+    rows = {}
+    for resource_metrics in data.resource_metrics:
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    if point.attributes.get("model") == model:
+                        envelope = to_metric(point, metric.name, resource_metrics.resource, scope.scope)
+                        rows[metric.name] = (envelope.data.base_data.metrics[0], envelope.data.base_data.properties)
+    row, dims = rows["chat.stream.time_to_first_delta"]
+    assert (row.name, row.value, row.count, row.min, row.max) == ("chat.stream.time_to_first_delta", 50.0, 1, 50.0, 50.0)
+    assert dims == {"model": model, "endpoint": "chat"}
+
+
+def test_no_sdk_means_no_cost_and_no_error():
+    """Without any provider installed (a fresh process) the calls are harmless no-ops, and importing
+    the module pulls in neither the SDK nor azure monitor."""
+    code = (
+        "import sys\n"
+        "from chatstream import telemetry\n"
+        "from chatstream.relay import StreamRecord\n"
+        "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
+        "assert 'opentelemetry.sdk' not in sys.modules\n"
+        "assert telemetry.configure({}) == 'off'\n"
+        "s = telemetry.start_stream('m'); r = StreamRecord(model='m'); r.deltas = 1; s.end(r)\n"
+        "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# configure()
+# ---------------------------------------------------------------------------------------------
+
+CONNECTION = "InstrumentationKey=00000000-0000-0000-0000-000000000000;IngestionEndpoint=https://example.invalid/"
+
+
+@pytest.fixture
+def fake_azure_monitor(monkeypatch):
+    """A stand-in azure.monitor.opentelemetry that records calls (the real one would install
+    global providers and start exporting)."""
+    import types
+
+    calls = []
+    module = types.ModuleType("azure.monitor.opentelemetry")
+    module.configure_azure_monitor = lambda **kwargs: calls.append(kwargs)
+    monkeypatch.setitem(sys.modules, "azure.monitor.opentelemetry", module)
+    monkeypatch.setattr(telemetry, "_configured_by_app", False)
+    return calls
+
+
+def test_configure_off_without_connection_string(fake_azure_monitor):
+    assert telemetry.configure({}) == "off"
+    assert telemetry.configure({"APPLICATIONINSIGHTS_CONNECTION_STRING": "  "}) == "off"
+    assert fake_azure_monitor == []
+
+
+def test_configure_leaves_it_to_the_worker(fake_azure_monitor):
+    env = {"APPLICATIONINSIGHTS_CONNECTION_STRING": CONNECTION, "PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY": "true"}
+    assert telemetry.configure(env) == "worker"
+    assert fake_azure_monitor == []
+
+
+def test_configure_sets_up_azure_monitor_once(fake_azure_monitor):
+    env = {"APPLICATIONINSIGHTS_CONNECTION_STRING": CONNECTION}
+    assert telemetry.configure(env) == "app"
+    assert telemetry.configure(env) == "app"
+    assert fake_azure_monitor == [{"connection_string": CONNECTION}]
+
+
+def test_configure_failure_does_not_stop_the_app_or_leak_the_string(fake_azure_monitor, monkeypatch, caplog):
+    def fail(**kwargs):
+        raise ValueError(f"bad connection string {CONNECTION}")
+
+    monkeypatch.setattr(sys.modules["azure.monitor.opentelemetry"], "configure_azure_monitor", fail)
+    assert telemetry.configure({"APPLICATIONINSIGHTS_CONNECTION_STRING": CONNECTION}) == "off"
+    assert "ValueError" in caplog.text and "InstrumentationKey" not in caplog.text
+
+
+def test_configure_without_the_package(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "azure.monitor.opentelemetry", None)  # import fails
+    monkeypatch.setattr(telemetry, "_configured_by_app", False)
+    assert telemetry.configure({"APPLICATIONINSIGHTS_CONNECTION_STRING": CONNECTION}) == "off"
+    assert "not installed" in caplog.text
+
+
+def test_the_real_azure_monitor_distro_accepts_the_call():
+    """configure_azure_monitor exists with the keyword arguments the worker and we rely on."""
+    import inspect
+
+    from azure.monitor.opentelemetry import configure_azure_monitor
+    doc = inspect.getdoc(configure_azure_monitor) or ""
+    for keyword in ("connection_string", "credential", "logger_name"):
+        assert keyword in doc
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real endpoint over HTTP, in this process
+# ---------------------------------------------------------------------------------------------
+
+WIRED = hasattr(chatstream.endpoint, "telemetry")
+needs_wiring = pytest.mark.skipif(not WIRED, reason="chatstream/endpoint.py does not call telemetry yet "
+                                                    "(see docs/observability.md, 'Wiring')")
+
+
+class InProcessApp:
+    """ChatEndpoint as the /api/chat route, served by uvicorn on 127.0.0.1:<free port> in a thread."""
+
+    def __init__(self, upstream_base_url: str):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        from chatstream.endpoint import ChatEndpoint
+        from chatstream.settings import Settings
+        from chatstream.upstream import make_client
+
+        settings = Settings.from_env({"OPENAI_BASE_URL": upstream_base_url, "OPENAI_API_KEY": "sk-test",
+                                      "OPENAI_MODEL": "gpt-test", "UPSTREAM_MAX_RETRIES": "0"})
+        endpoint = ChatEndpoint(settings, make_client(settings))
+
+        async def chat(request):  # a function, so Starlette passes the Request
+            return await endpoint(request)
+
+        api = Starlette(routes=[Route("/api/chat", chat, methods=["POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/api/chat"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def inproc(upstream):
+    app = InProcessApp(upstream.base_url)
+    yield app
+    app.stop()
+
+
+def wait_for_span(model: str, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        found = spans_of(model)
+        if found or time.monotonic() > deadline:
+            assert len(found) == 1, f"expected one chat.stream span for {model}, got {len(found)}"
+            return found[0]
+        time.sleep(0.02)
+
+
+@needs_wiring
+def test_streamed_request_end_to_end(otel, model, inproc):
+    body = {"prompt": "[scenario:normal] tell me something", "model": model}
+    events = []
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", inproc.url, json=body) as response:
+            assert response.status_code == 200
+            for sse in EventSource(response).iter_sse():
+                events.append((sse.event, json.loads(sse.data)))
+    deltas = [d for e, d in events if e == "message"]
+    (done,) = [d for e, d in events if e == "done"]
+
+    span = wait_for_span(model)
+    a = span.attributes
+    assert a["chat.deltas"] == len(deltas) == 10
+    assert a["gen_ai.response.finish_reasons"] == (done["finish_reason"],)
+    assert a["gen_ai.usage.input_tokens"] == done["usage"]["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == done["usage"]["completion_tokens"]
+    assert a["chat.disconnected"] is False and a["chat.outcome"] == "completed"
+    assert a["http.response.status_code"] == 200
+    assert 0 < a["chat.time_to_first_delta_ms"] < a["chat.duration_ms"]
+    # The normal scenario spreads 10 deltas 10 ms apart: the span covers the whole stream.
+    assert (span.end_time - span.start_time) / 1e6 >= 90
+    # Nothing of the conversation is recorded.
+    assert not any("tell me" in str(v) or "Hello" in str(v) for v in a.values())
+
+    points = points_of(model)
+    (ttfd,) = points["chat.stream.time_to_first_delta"]
+    assert ttfd.count == 1 and ttfd.sum == pytest.approx(a["chat.time_to_first_delta_ms"], abs=0.2)
+    assert counter_value(points["chat.stream.deltas"]) == 10
+    assert counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "output"}) == \
+        done["usage"]["completion_tokens"]
+
+
+@needs_wiring
+def test_caller_hanging_up_end_to_end(otel, model, inproc):
+    body = {"prompt": "[scenario:stall] wait", "model": model}
+    got = []
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", inproc.url, json=body) as response:
+            assert response.status_code == 200
+            for sse in EventSource(response).iter_sse():
+                got.append(sse.event)
+                break  # hang up after the first delta: the upstream then stalls forever
+    assert got == ["message"]
+
+    span = wait_for_span(model)
+    assert span.attributes["chat.disconnected"] is True
+    assert span.attributes["chat.outcome"] == "disconnected"
+    assert span.attributes["chat.deltas"] >= 1
+    assert span.status.status_code is StatusCode.UNSET
+    (duration,) = points_of(model)["chat.stream.duration"]
+    assert duration.attributes["outcome"] == "disconnected"
+
+
+@needs_wiring
+def test_rejected_request_end_to_end(otel, model, inproc):
+    response = httpx.post(inproc.url, json={"prompt": "[scenario:rate_limited] hi", "model": model}, timeout=30)
+    assert response.status_code == 429
+    span = wait_for_span(model)
+    assert span.attributes["error.type"] == "rate_limited"
+    assert span.status.status_code is StatusCode.ERROR
