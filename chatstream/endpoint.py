@@ -186,7 +186,8 @@ class Endpoint:
             self.pipeline.run_after(record.result())
 
     async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
-        raise ApiError(400, "invalid_request", "this endpoint only streams")  # pragma: no cover
+        """A non-streamed answer; only endpoints whose contract allows ``stream: false`` have one."""
+        raise NotImplementedError
 
 
 class ChatEndpoint(Endpoint):
@@ -211,15 +212,15 @@ class OpenAIEndpoint(Endpoint):
         request = openai_contract.validate(data)
         params = request.model_dump(exclude_none=True)
         params.setdefault("model", self.settings.default_model)
+        include_usage = False
         if params.get("stream"):
             # Usage is always asked for (the log line needs it); the caller gets it only if asked.
-            params["_include_usage"] = bool((params.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((params.get("stream_options") or {}).get("include_usage"))
             params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
-        return CallRequest(params, self.name)
+        return CallRequest(params, self.name, include_usage)
 
     def encoder(self, call: CallRequest):
-        include_usage = call.params.pop("_include_usage", False)
-        return lambda event: sse.encode_openai(event, include_usage)
+        return lambda event: sse.encode_openai(event, call.include_usage)
 
     def error_response(self, error: ApiError) -> JSONResponse:
         return JSONResponse(openai_contract.error_body(error), status_code=openai_contract.status_for(error),

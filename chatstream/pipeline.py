@@ -52,6 +52,7 @@ class CallRequest:
     sampling options, ``stream``...), and which endpoint it came through (``chat`` or ``openai``)."""
     params: dict[str, Any]
     endpoint: str
+    include_usage: bool = False  # the caller asked for the usage chunk (OpenAI endpoint, streamed)
 
     @property
     def messages(self) -> list[dict]:

@@ -36,14 +36,12 @@ namespace ChatCli
                 try { stdout.Flush(); }
                 catch (IOException) { } // stdout already closed, e.g. `chat --help | head -1`
             }
-            if (code == ExitCancelled)
-            {
-                // Mono runs Console.CancelKeyPress on a thread of its own, and returning from
-                // Main waits for that thread; now and then (about 1 run in 50 here) that wait
-                // never ends. Environment.Exit does not wait for other threads.
-                Environment.Exit(code);
-            }
-            return code;
+            // Environment.Exit does not wait for other threads. Returning from Main does, and under
+            // Mono that wait now and then never ended: after Ctrl+C (Console.CancelKeyPress runs on
+            // a thread of its own; about 1 run in 50 here) and, rarely, on a loaded machine after a
+            // normal end too. So every path leaves this way.
+            Environment.Exit(code);
+            return code; // not reached
         }
 
         static async Task<int> RunAsync(string[] args, TextWriter stdout, TextWriter stderr)
