@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv client client-mono clean
+.PHONY: serve test venv client client-mono bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -29,5 +29,21 @@ client:
 client-mono:
 	CHAT_BUILD_WITH=mcs bash client_cs/build.sh
 
+# Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
+BENCH_VENV := bench/.venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): bench/requirements.txt
+	@if [ ! -x $(BENCH_VENV)/bin/python ]; then py=$$(scripts/find-python) && "$$py" -m venv $(BENCH_VENV); fi
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -r bench/requirements.txt
+	@touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	bench/run.sh $(BENCH_ARGS)
+
+bench-profile: $(STAMP) $(BENCH_STAMP)
+	bench/profile.sh $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) devhost/_generated client_cs/bin client_cs/obj
+	rm -rf $(VENV) devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) bench/out

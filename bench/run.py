@@ -1,0 +1,555 @@
+"""Side-by-side streaming benchmark: the scripted upstream reached directly, through this app
+(devhost on the real Python worker) and through the LiteLLM proxy, in one interleaved run.
+
+    bench/run.sh [--quick] [options]      (what `make bench` runs; see bench/README.md)
+
+Writes bench/out/results.json (every stream), then the section of docs/benchmarks.md between the
+side-by-side markers and docs/benchmarks.png (bench/report.py). Every process it starts listens on
+127.0.0.1 only, every loop is bounded, and everything it started is stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(1, str(ROOT))
+
+import procstat  # noqa: E402
+import report  # noqa: E402
+from fakeupstream.scenarios import cadence_text  # noqa: E402  (stdlib only: safe in this venv)
+
+APP_PY = ROOT / ".venv" / "bin" / "python"
+BENCH_PY = Path(sys.executable)
+LITELLM_BIN = BENCH_PY.parent / "litellm"
+HOST = "127.0.0.1"
+READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
+PATHS = ("direct", "app", "litellm")
+MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
+LITELLM_ALIAS = "bench-model"  # bench/litellm.yaml: bench-model -> openai/cadence
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
+
+
+def _clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """A minimal environment: nothing from the caller's shell (app settings, proxies, API keys,
+    telemetry connection strings) reaches a server, only what the benchmark sets."""
+    env = {k: os.environ[k] for k in KEEP_ENV if k in os.environ}
+    env.update({"PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+    env.update(extra)
+    return env
+
+
+class Server:
+    """A process we started; stdout+stderr go to a log file under bench/out/."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], out: Path, cwd: Path = ROOT):
+        self.name = name
+        self.log_path = out / f"{name}.log"
+        self.log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=self.log_file)
+        self.pid = self.proc.pid
+        self.url: str | None = None
+
+    def wait_ready_line(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read():
+            for raw in self.proc.stdout:
+                self.log_file.write(raw)
+                m = READY.search(raw.decode(errors="replace"))
+                if m and not found:
+                    found.append(m.group(1))
+                    break
+            for raw in self.proc.stdout:  # keep draining so the child never blocks on a full pipe
+                self.log_file.write(raw)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.05)
+        if not found:
+            raise RuntimeError(f"{self.name} did not start; log: {self.log_path}\n{self.tail()}")
+        self.url = found[0]
+        return self.url
+
+    def wait_http(self, url: str, timeout: float) -> None:
+        threading.Thread(target=lambda: [self.log_file.write(r) for r in self.proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with _opener.open(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not become ready at {url}; log: {self.log_path}\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        self.log_file.flush()
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log_file.close()
+
+
+class Upstream(Server):
+    def records(self) -> tuple[list[dict], list[dict]]:
+        get = lambda p: json.loads(_opener.open(self.url + p, timeout=30).read())  # noqa: E731
+        return get("/_scripted/requests"), get("/_scripted/streams")
+
+    def clear(self) -> None:
+        _opener.open(urllib.request.Request(self.url + "/_scripted/requests", method="DELETE"), timeout=30).read()
+
+
+class LoadGen:
+    """One load-generator process (bench/loadgen.py --serve)."""
+
+    def __init__(self, out: Path, index: int):
+        self.proc = subprocess.Popen([str(BENCH_PY), str(BENCH / "loadgen.py"), "--serve"], cwd=ROOT,
+                                     env=_clean_env({}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(out / f"loadgen{index}.log", "wb"))
+        hello = json.loads(self.proc.stdout.readline())
+        self.pid = hello["pid"]
+        self.loop = hello["loop"]
+
+    def send(self, cmd: dict) -> None:
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a load generator died; see bench/out/loadgen*.log")
+        result = json.loads(line)
+        if "fatal" in result:
+            raise RuntimeError(f"load generator failed: {result['fatal']}")
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ------------------------------------------------------------------------------------ bench
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.servers: dict[str, Server] = {}
+        self.loadgens: list[LoadGen] = []
+        self.targets: dict[str, dict] = {}
+        self.results: dict = {"phases": [], "waves": []}
+        self.expected_chars = len(cadence_text(args.deltas))
+        self.sampler: procstat.RssSampler | None = None
+        self.serving_pid: dict[str, int | None] = {}
+
+    # -- set-up
+
+    def start(self) -> None:
+        a = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        log("starting the scripted upstream")
+        up = Upstream("upstream", [str(APP_PY), "-m", "fakeupstream", "--port", "0", "--scenario", "cadence",
+                                   "--first-token-ms", str(a.first_token_ms), "--interval-ms", str(a.interval_ms),
+                                   "--deltas", str(a.deltas), "--max-records", "20000"],
+                      _clean_env({}), self.out)
+        self.servers["upstream"] = up
+        up.wait_ready_line(60)
+        base = up.url + "/v1"
+
+        log("starting the app (devhost on the real Python worker)")
+        app = Server("app", [str(APP_PY), "-m", "devhost", "--port", "0", str(ROOT)],
+                     _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}),
+                     self.out)
+        self.servers["app"] = app
+        app.wait_ready_line(90)
+
+        key = "sk-bench-" + secrets.token_hex(16)
+        if "litellm" in self.paths:
+            port = _free_port()
+            log(f"starting LiteLLM ({LITELLM_BIN.name} --config bench/litellm.yaml --port {port} --num_workers 1)")
+            env = _clean_env({
+                "BENCH_UPSTREAM_BASE": base, "LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR",
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MODE": "PRODUCTION",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DISABLE_ADMIN_UI": "True",
+            })
+            ll = Server("litellm", [str(LITELLM_BIN), "--config", str(BENCH / "litellm.yaml"), "--port", str(port),
+                                    "--host", HOST, "--num_workers", "1"], env, self.out, cwd=self.out)
+            self.servers["litellm"] = ll
+            ll.url = f"http://{HOST}:{port}"
+            ll.wait_http(ll.url + "/health/liveliness", 240)
+
+        hp = lambda u: u.split("//", 1)[1]  # noqa: E731
+        self.targets = {
+            "direct": {"kind": "openai", "path": "/v1/chat/completions", "model": MODEL, "url": base + "/chat/completions"},
+            "app": {"kind": "app", "path": "/api/chat", "url": app.url + "/api/chat"},
+            "litellm": {"kind": "openai", "path": "/v1/chat/completions", "model": LITELLM_ALIAS,
+                        "headers": {"Authorization": f"Bearer {key}"},
+                        "url": (self.servers["litellm"].url if "litellm" in self.servers else "http://x") + "/v1/chat/completions"},
+        }
+        for name, t in self.targets.items():
+            server = self.servers["upstream" if name == "direct" else name] if name in self.paths else None
+            if server is None:
+                continue
+            t["host"], port = HOST, int(hp(server.url).split(":")[1])
+            t["port"], t["hostport"] = port, f"{HOST}:{port}"
+        # The serving process whose CPU and memory count for each path (the upstream's never does).
+        self.serving_pid = {"direct": None, "app": app.pid,
+                            "litellm": self.servers["litellm"].pid if "litellm" in self.servers else None}
+        roots = {"upstream": up.pid, "app": app.pid}
+        if "litellm" in self.servers:
+            roots["litellm"] = self.servers["litellm"].pid
+        log(f"starting {a.client_procs} load generator process(es)")
+        self.loadgens = [LoadGen(self.out, i) for i in range(a.client_procs)]
+        roots.update({f"client{i}": g.pid for i, g in enumerate(self.loadgens)})
+        self.sampler = procstat.RssSampler(roots)
+        self.sampler.start()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(p for p in PATHS if p in self.args.paths)
+
+    def stop(self) -> None:
+        if self.sampler:
+            self.sampler.stop()
+        for g in self.loadgens:
+            g.stop()
+        for name in ("litellm", "app", "upstream"):
+            if name in self.servers:
+                self.servers[name].stop()
+
+    # -- one wave
+
+    def wave(self, phase: str, path: str, n: int, ramp: float, *, probe: bool = False, engine: str = "raw",
+             timeout: float = 60.0, settle: float = 0.05, record: bool = True, wave_no: int = 0) -> dict:
+        target = self.targets[path]
+        gens = self.loadgens[:1] if n == 1 else self.loadgens
+        items = [[i, f"bench {phase}-{path}-{wave_no}-{i}", ramp * i / n] for i in range(n)]
+        trees = {name: procstat.descendants(pid) for name, pid in self._cpu_roots(path).items()}
+        cpu0 = {name: procstat.cpu_seconds(pids) for name, pids in trees.items()}
+        busy0, total0 = procstat.machine_busy_seconds()
+        t0 = time.perf_counter()
+        start_at = t0 + (0.15 if len(gens) > 1 else 0.0)  # lets every process start the ramp together
+        for k, g in enumerate(gens):
+            g.send({"target": target, "items": items[k::len(gens)], "start_at": start_at, "expected": self.args.deltas,
+                    "expected_chars": self.expected_chars, "probe": probe, "timeout": timeout, "engine": engine})
+        replies = [g.receive() for g in gens]
+        t_done = time.perf_counter()
+        time.sleep(settle)  # include the servers' clean-up of the last streams in the CPU reading
+        t1 = time.perf_counter()
+        trees = {name: procstat.descendants(pid) for name, pid in self._cpu_roots(path).items()}
+        cpu1 = {name: procstat.cpu_seconds(pids) for name, pids in trees.items()}
+        busy1, total1 = procstat.machine_busy_seconds()
+        records = [r for reply in replies for r in reply["records"]]
+        w = {
+            "phase": phase, "path": path, "n": n, "ramp_s": ramp, "probe": probe, "engine": engine,
+            "wave": wave_no, "t0": t0, "t_done": t_done, "t1": t1, "wall_s": t_done - start_at,
+            "cpu_s": {name: cpu1[name] - cpu0[name] for name in cpu0},
+            "client_cpu_s": sum(r["client_cpu_s"] for r in replies),
+            "client_procs": len(gens),
+            "machine_busy_s": busy1 - busy0, "machine_total_s": total1 - total0,
+            "peak_rss": {name: self.sampler.peak(name, t0, t1) for name in self.sampler.roots},
+            "records": records,
+        }
+        if record:
+            self.results["waves"].append(w)
+        return w
+
+    def _cpu_roots(self, path: str) -> dict[str, int]:
+        roots = {"upstream": self.servers["upstream"].pid}
+        if self.serving_pid.get(path):
+            roots["server"] = self.serving_pid[path]
+        return roots
+
+    # -- phases
+
+    def run(self) -> None:
+        a = self.args
+        self.results["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.results["meta"] = metadata(self)
+        started = time.perf_counter()
+
+        self.results["quiet"] = self.wait_quiet(a.wait_quiet, a.quiet_cores)
+        log("warm-up (not measured)")
+        for path in self.paths:
+            for _ in range(3):
+                w = self.wave("warmup", path, 1, 0, record=False)
+                if not w["records"][0]["ok"]:
+                    raise RuntimeError(f"warm-up stream via {path} failed: {w['records'][0]['error']}; "
+                                       f"see bench/out/*.log")
+            self.wave("warmup", path, min(50, max(a.levels)), 0.05, record=False, settle=0.3)
+        self._collect_upstream("warmup", keep=False)
+
+        for level in a.levels:
+            t_phase = time.perf_counter()
+            if level == 1:
+                log(f"1 stream at a time: {a.trials} full streams per path, round-robin")
+                for r in range(a.trials):
+                    for path in _rotate(self.paths, r):
+                        self.wave("c1", path, 1, 0, wave_no=r, settle=a.gap)
+                if a.probes:
+                    log(f"1 stream at a time: {a.probes} first-delta probes per path (hang up after the first delta)")
+                    for r in range(a.probes):
+                        for path in _rotate(self.paths, r):
+                            self.wave("c1probe", path, 1, 0, probe=True, wave_no=r, settle=a.gap)
+            else:
+                waves = a.waves.get(level, 1)
+                ramp = min(a.max_ramp, level * a.stagger_ms / 1000)
+                log(f"{level} concurrent streams: {waves} wave(s) per path, opened over {ramp:.2f} s, round-robin")
+                for r in range(waves):
+                    for path in _rotate(self.paths, r):
+                        w = self.wave(f"c{level}", path, level, ramp, wave_no=r, settle=a.settle,
+                                      timeout=a.stream_timeout)
+                        ok = sum(x["ok"] for x in w["records"])
+                        log(f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s")
+            self.results["phases"].append({"level": level, "wall_s": time.perf_counter() - t_phase})
+            self._collect_upstream(f"c{level}")
+
+        if a.client_check and "direct" in self.paths:
+            level = max(a.levels)
+            ramp = min(a.max_ramp, level * a.stagger_ms / 1000)
+            log(f"client check: direct path, {level} streams, httpx engine vs raw sockets")
+            for engine in ("httpx", "raw"):
+                self.wave(f"client-{engine}", "direct", level, ramp, engine=engine, settle=a.settle,
+                          timeout=a.stream_timeout)
+            self._collect_upstream("client")
+
+        self.results["hwm"] = {name: procstat.hwm_bytes(procstat.descendants(pid))
+                               for name, pid in self.sampler.roots.items()}
+        self.results["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.results["wall_s"] = time.perf_counter() - started
+        self.results["config"] = {k: v for k, v in vars(a).items() if k != "waves"} | {
+            "waves": {str(k): v for k, v in a.waves.items()}, "expected_chars": self.expected_chars,
+            "loadgen_loop": self.loadgens[0].loop}
+
+    def other_load(self, seconds: float = 2.0) -> float:
+        """Cores kept busy by processes that are not ours, averaged over ``seconds``."""
+        ours = [os.getpid(), *self.sampler.roots.values()]
+        def sample():
+            busy, _ = procstat.machine_busy_seconds()
+            mine = sum(procstat.tree_cpu_seconds(pid) for pid in ours)
+            return busy, mine, time.perf_counter()
+        b0, m0, t0 = sample()
+        time.sleep(seconds)
+        b1, m1, t1 = sample()
+        return max(0.0, ((b1 - b0) - (m1 - m0)) / (t1 - t0))
+
+    def wait_quiet(self, limit_s: float, cores: float) -> dict:
+        """Wait (at most ``limit_s``) until other processes use less than ``cores`` cores."""
+        deadline = time.monotonic() + limit_s
+        load = self.other_load()
+        while load >= cores and time.monotonic() < deadline:
+            log(f"the machine is busy with other work ({load:.2f} cores); waiting for it to calm down")
+            load = self.other_load(5.0)
+        if load >= cores:
+            log(f"going ahead on a busy machine ({load:.2f} cores of other load): the figures will be noisier")
+        return {"other_load_cores_at_start": load, "threshold": cores}
+
+    def _collect_upstream(self, phase: str, keep: bool = True) -> None:
+        """Line the streams up with the upstream's records (by the marker in the prompt)."""
+        up = self.servers["upstream"]
+        requests, streams = up.records()
+        up.clear()
+        if not keep:
+            return
+        started = {s["request_id"]: s["started_at"] for s in streams}
+        by_marker = {}
+        for req in requests:
+            try:
+                marker = req["json"]["messages"][-1]["content"]
+            except (KeyError, IndexError, TypeError):
+                continue
+            by_marker[marker] = (req["received_at"], started.get(req["id"]))
+        for w in self.results["waves"]:
+            for rec in w["records"]:
+                if rec["marker"] in by_marker and "up_received" not in rec:
+                    rec["up_received"], rec["up_started"] = by_marker[rec["marker"]]
+
+
+def _rotate(seq, r):
+    r %= len(seq)
+    return tuple(seq[r:]) + tuple(seq[:r])
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _versions(python: Path, names: list[str]) -> dict:
+    code = ("import importlib.metadata as m, json, sys\n"
+            "out = {'python': sys.version.split()[0]}\n"
+            f"for n in {names!r}:\n"
+            "    try: out[n] = m.version(n)\n"
+            "    except m.PackageNotFoundError: out[n] = None\n"
+            "print(json.dumps(out))")
+    try:
+        return json.loads(subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return {}
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def metadata(bench: Bench) -> dict:
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!docs"))
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(), "cpu_model": procstat.cpu_model(), "kernel": platform.release(),
+        "loadavg_before": os.getloadavg(),
+        "commit": commit + ("+local-changes" if dirty else ""),
+        "app_venv": _versions(APP_PY, ["openai", "uvicorn", "azure-functions-runtime", "azure-functions",
+                                       "azurefunctions-extensions-http-fastapi", "fastapi", "starlette",
+                                       "httpx", "httpx2", "uvloop"]),
+        "bench_venv": _versions(BENCH_PY, ["litellm", "openai", "uvicorn", "fastapi", "aiohttp", "httpx", "uvloop"]),
+        "netns": os.environ.get("BENCH_NETNS") == "1",
+        "app_local_settings": _applied_local_settings(bench),
+    }
+
+
+def _applied_local_settings(bench: Bench) -> list[str]:
+    """Names that devhost took from local.settings.json (the benchmark's environment has none)."""
+    app = bench.servers.get("app")
+    if app is None:
+        return []
+    m = re.search(r"local\.settings\.json: applied (.*)", app.tail(200_000))
+    return [x.strip() for x in m.group(1).split(",")] if m else []
+
+
+def _loopback_up() -> None:
+    """Inside a fresh network namespace (bench/run.sh) only `lo` exists, and it is down."""
+    import fcntl
+    import socket
+    import struct
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        ifr = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, ifr)[:18])[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 0x1))  # SIOCSIFFLAGS |= IFF_UP
+    finally:
+        s.close()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Side-by-side streaming benchmark (see bench/README.md).")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny counts, levels 1 and 20")
+    p.add_argument("--levels", default="1,100,1000", help="concurrency levels (default 1,100,1000)")
+    p.add_argument("--trials", type=int, default=40, help="full streams per path at 1 stream (default 40)")
+    p.add_argument("--probes", type=int, default=160,
+                   help="extra first-delta probes per path at 1 stream (default 160)")
+    p.add_argument("--waves", default="100:4,1000:1", help="waves per path per level (default 100:4,1000:1)")
+    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,app,litellm")
+    p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
+    p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
+    p.add_argument("--max-ramp", type=float, default=0.5, help="longest ramp to open a wave (default 0.5 s)")
+    p.add_argument("--gap", type=float, default=0.05, help="pause after each single-stream trial (s)")
+    p.add_argument("--settle", type=float, default=1.0, help="pause after each concurrent wave (s)")
+    p.add_argument("--stream-timeout", type=float, default=120.0, help="per-stream limit in waves (s)")
+    p.add_argument("--no-client-check", dest="client_check", action="store_false",
+                   help="skip the httpx-vs-raw client check on the direct path")
+    p.add_argument("--wait-quiet", type=float, default=120.0,
+                   help="wait up to this long (s) for other load to drop before measuring (default 120)")
+    p.add_argument("--quiet-cores", type=float, default=0.3,
+                   help="other load (cores) counted as quiet (default 0.3)")
+    p.add_argument("--first-token-ms", type=float, default=100)
+    p.add_argument("--interval-ms", type=float, default=20)
+    p.add_argument("--deltas", type=int, default=40)
+    p.add_argument("--out", default=str(BENCH / "out"))
+    p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--png", default=str(ROOT / "docs" / "benchmarks.png"))
+    p.add_argument("--no-docs", dest="docs", action="store_false", help="results.json only")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
+        a.settle, a.wait_quiet = 0.3, 0.0
+        if a.doc == str(ROOT / "docs" / "benchmarks.md"):  # a smoke run never overwrites the real figures
+            a.doc, a.png = str(Path(a.out) / "benchmarks-quick.md"), str(Path(a.out) / "benchmarks-quick.png")
+    a.levels = sorted({int(x) for x in str(a.levels).split(",") if x})
+    a.waves = {int(k): int(v) for k, v in (x.split(":") for x in str(a.waves).split(",") if x)}
+    a.paths = tuple(x for x in a.paths.split(",") if x)
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("BENCH_NETNS") == "1":
+        _loopback_up()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # inherited by every server we start
+    if not APP_PY.exists():
+        log(f"{APP_PY} is missing: run `make venv` (or `make bench`) first")
+        return 2
+    bench = Bench(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        bench.start()
+        bench.run()
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    finally:
+        bench.stop()
+    out = Path(args.out)
+    results_path = out / "results.json"
+    results_path.write_text(json.dumps(bench.results, separators=(",", ":")))
+    log(f"raw results: {results_path} ({bench.results['wall_s']:.0f} s of measurement)")
+    summary = report.summarize(bench.results)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.docs:
+        report.write_markdown(summary, Path(args.doc), Path(args.png))
+        report.write_plot(summary, Path(args.png), Path(args.doc))
+        log(f"wrote {args.doc} (side-by-side section) and {args.png}")
+    print(report.console_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
