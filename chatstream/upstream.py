@@ -50,47 +50,49 @@ def entra_token_provider(credential=None):
     return get_bearer_token_provider(credential or DefaultAzureCredential(), ENTRA_SCOPE)
 
 
-class UpstreamStream:
+class UpstreamStream(openai.AsyncStream[dict]):
     """One streamed chat completion: ``async for chunk in stream`` yields each ``data:`` payload
-    as a dict until ``[DONE]``; ``close()`` drops the connection (stopping the generation)."""
+    as a dict until ``[DONE]``; ``close()`` drops the connection (stopping the generation).
 
-    def __init__(self, response):
-        self._response = response  # the SDK's AsyncAPIResponse (raw HTTP, typed errors done)
+    The request goes through the SDK's documented low-level ``client.post`` (retries, timeouts,
+    typed errors, Azure's deployment URLs and auth all apply); ``create()`` would first run its
+    type-driven transform over the parameters, about 1 ms per request here for plain dicts that
+    need none."""
 
     @classmethod
     async def open(cls, client: openai.AsyncOpenAI, params: dict) -> "UpstreamStream":
-        manager = client.chat.completions.with_streaming_response.create(**params)
-        return cls(await manager.__aenter__())
+        return await client.post("/chat/completions", body=params, cast_to=object, stream=True, stream_cls=cls)
 
-    async def __aiter__(self) -> AsyncIterator[dict]:
+    async def __stream__(self) -> AsyncIterator[dict]:
         data: list[str] = []
+        done = False
         try:
-            async for line in self._response.iter_lines():
+            async for line in self.response.aiter_lines():
+                if done:
+                    continue  # read to the end of the body, so the connection can be reused
                 if line.startswith("data:"):
                     data.append(line[6:] if line.startswith("data: ") else line[5:])
                 elif line == "" and data:  # an event is complete
                     payload = "\n".join(data)
                     data.clear()
                     if payload == "[DONE]":
-                        return
+                        done = True
+                        continue
                     chunk = json.loads(payload)
                     if isinstance(chunk, dict) and chunk.get("error") and "choices" not in chunk:
-                        raise _stream_error(self._response, chunk["error"])
+                        raise _stream_error(self.response, chunk["error"])
                     yield chunk
                 # comments (":"), "event:" and "id:" lines carry nothing for chat completions
         except _TIMEOUT_ERRORS as exc:
-            raise openai.APITimeoutError(request=self._response.http_response.request) from exc
+            raise openai.APITimeoutError(request=self.response.request) from exc
         except _TRANSPORT_ERRORS as exc:
-            raise openai.APIConnectionError(request=self._response.http_response.request) from exc
-
-    async def close(self) -> None:
-        await self._response.close()
+            raise openai.APIConnectionError(request=self.response.request) from exc
 
 
 def _stream_error(response, error) -> openai.APIError:
     message = error.get("message") if isinstance(error, dict) else None
     return openai.APIError(message if isinstance(message, str) else "An error occurred during streaming",
-                           response.http_response.request, body=error)
+                           response.request, body=error)
 
 
 def _http_errors(name: str) -> tuple[type[Exception], ...]:
