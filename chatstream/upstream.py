@@ -64,29 +64,56 @@ class UpstreamStream(openai.AsyncStream[dict]):
         return await client.post("/chat/completions", body=params, cast_to=object, stream=True, stream_cls=cls)
 
     async def __stream__(self) -> AsyncIterator[dict]:
-        data: list[str] = []
-        done = False
+        framer = SSEFramer()
         try:
-            async for line in self.response.aiter_lines():
-                if done:
+            async for piece in self.response.aiter_bytes():
+                if framer.done:
                     continue  # read to the end of the body, so the connection can be reused
-                if line.startswith("data:"):
-                    data.append(line[6:] if line.startswith("data: ") else line[5:])
-                elif line == "" and data:  # an event is complete
-                    payload = "\n".join(data)
-                    data.clear()
-                    if payload == "[DONE]":
-                        done = True
-                        continue
+                for payload in framer.feed(piece):
                     chunk = json.loads(payload)
                     if isinstance(chunk, dict) and chunk.get("error") and "choices" not in chunk:
                         raise _stream_error(self.response, chunk["error"])
                     yield chunk
-                # comments (":"), "event:" and "id:" lines carry nothing for chat completions
         except _TIMEOUT_ERRORS as exc:
             raise openai.APITimeoutError(request=self.response.request) from exc
         except _TRANSPORT_ERRORS as exc:
             raise openai.APIConnectionError(request=self.response.request) from exc
+
+
+class SSEFramer:
+    """Server-sent events on bytes: ``feed(piece)`` returns the ``data`` of each event completed by
+    ``piece`` (data lines joined with LF), up to ``[DONE]``. Lines end with LF, CRLF or CR, also
+    when a CRLF is split between pieces; comments, ``event:`` and ``id:`` lines carry nothing for
+    chat completions. It works on bytes so that json.loads gets whole UTF-8 text however the network
+    split it, and so that no text or line layer costs two more generators per chunk (as httpx's
+    would), which matters at thousands of chunks per second."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[bytes] = []
+        self._cr = False  # the last piece ended with CR: an LF starting the next one belongs to it
+        self.done = False
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        if self._cr and piece.startswith(b"\n"):
+            piece = piece[1:]
+        self._cr = piece.endswith(b"\r")
+        buffer = self._buffer + piece
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, self._buffer = buffer.split(b"\n")
+        events = []
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif not line and self._data:  # a blank line ends the event
+                payload = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+                self._data = []
+                if payload == b"[DONE]":
+                    self.done = True
+                    break
+                events.append(payload)
+        return events
 
 
 def _stream_error(response, error) -> openai.APIError:

