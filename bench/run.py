@@ -198,7 +198,7 @@ class Bench:
         base = up.url + "/v1"
 
         log("starting the app (devhost on the real Python worker)")
-        app = Server("app", [str(APP_PY), "-m", "devhost", "--port", "0", str(ROOT)],
+        app = Server("app", [str(APP_PY), "-m", "devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
                      _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}),
                      self.out)
         self.servers["app"] = app

@@ -96,16 +96,12 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
 
 
 def _loop_factory(choice: str):
-    """uvloop (from uvicorn[standard]) makes the host, the worker's server and the app, which share
-    this one loop, about 20% cheaper per request here; ``--loop asyncio`` is the stock loop."""
+    """The host, the worker's server and the app share one loop. uvloop (from uvicorn[standard])
+    cut about 1 ms off a single request's time to first delta here, but cost 50% more CPU per
+    delta at 1,000 concurrent streams (docs/benchmarks.md), so asyncio's own loop is the default."""
     if choice == "asyncio":
         return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
+    import uvloop
     return uvloop.new_event_loop
 
 
@@ -115,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 7071),
                         help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)")
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
-    parser.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                        help="event loop: uvloop when installed (auto, the default), or asyncio's own")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="event loop: asyncio's own (the default, as the Azure worker), or uvloop")
     args = parser.parse_args(argv)
     app_dir = Path(args.app_dir).resolve()
     _configure_logging(args.verbose)

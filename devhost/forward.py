@@ -160,6 +160,7 @@ class Forwarder:
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
         self._idle: list[_Connection] = []
+        self._spare: asyncio.Future | None = None
         self._host_header = f"{host}:{port}".encode()
 
     async def _connect(self) -> _Connection:
@@ -167,11 +168,34 @@ class Forwarder:
         while self._idle:
             conn = self._idle.pop()
             if not conn.lost and now - conn.idle_since < IDLE_REUSE:
+                if not self._idle:
+                    self._open_spare()
                 return conn
             conn.transport.close()
+        conn = await self._new_connection()
+        self._open_spare()
+        return conn
+
+    async def _new_connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(lambda: _Connection(self._idle), self.host, self.port)
         return conn
+
+    def _open_spare(self) -> None:
+        """Connect one idle connection ahead, off the request's path: a request whose caller hangs
+        up cannot give its connection back, and connecting costs ~0.3 ms of the next request's
+        time to first byte otherwise."""
+        if self._spare is not None and not self._spare.done():
+            return
+
+        async def connect():
+            try:
+                conn = await self._new_connection()
+            except OSError:
+                return
+            self.release(conn, reusable=True)
+
+        self._spare = asyncio.ensure_future(connect())
 
     def release(self, conn: _Connection, reusable: bool) -> None:
         conn.response = None
@@ -198,7 +222,9 @@ class Forwarder:
         return exchange
 
     def close(self) -> None:
-        for conn in self._idle:
+        if self._spare is not None:
+            self._spare.cancel()
+        for conn in list(self._idle):
             conn.transport.close()
         self._idle.clear()
 

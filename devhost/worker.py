@@ -5,6 +5,7 @@ InvocationRequest per HTTP request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import types
 import uuid
@@ -107,6 +108,8 @@ class Worker:
         return await runtime.invocation_request(self._message(invocation_request=request))
 
     async def stop(self) -> None:
+        # Cancelling the worker's uvicorn makes it log a CancelledError traceback; it is ours.
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
         for task in self._server_tasks:
             task.cancel()
         await asyncio.gather(*self._server_tasks, return_exceptions=True)
