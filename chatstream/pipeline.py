@@ -100,6 +100,13 @@ class ModerationStop(Exception):
         self.error = ApiError(400, "content_filter", f"stopped by moderation: {reason}", retryable=False)
 
 
+async def _call(step, arg) -> None:
+    """Run a step that may be sync or async."""
+    result = step(arg)
+    if inspect.isawaitable(result):
+        await result
+
+
 def _name(step) -> str:
     return getattr(step, "__qualname__", None) or type(step).__name__
 
@@ -199,9 +206,7 @@ class Pipeline:
     async def run_before(self, call: CallRequest) -> None:
         for step in self._before:
             try:
-                result = step(call)
-                if inspect.isawaitable(result):
-                    await result
+                await _call(step, call)
             except Rejection:
                 raise
             except Exception:
@@ -224,9 +229,7 @@ class Pipeline:
     async def _after_steps(self, result: StreamResult) -> None:
         for step in self._after:
             try:
-                out = step(result)
-                if inspect.isawaitable(out):
-                    await out
+                await _call(step, result)
             except Exception:
                 log.exception("pipeline after-step %s failed", _name(step))
 

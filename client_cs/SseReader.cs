@@ -68,24 +68,6 @@ namespace ChatCli
             }
         }
 
-        /// <summary>Synchronous variant of <see cref="ReadEventAsync"/>.</summary>
-        public SseEvent ReadEvent()
-        {
-            while (true)
-            {
-                string line = reader.ReadLine();
-                if (line == null) return null;
-
-                if (line.Length == 0)
-                {
-                    SseEvent ev = Dispatch();
-                    if (ev != null) return ev;
-                    continue;
-                }
-                ProcessLine(line);
-            }
-        }
-
         void ProcessLine(string line)
         {
             if (line[0] == ':') return; // comment, e.g. a keep-alive
