@@ -63,8 +63,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class Endpoint:
-    """One endpoint: ``parse`` turns the body into a CallRequest; ``encode`` and ``error_body`` speak
-    the endpoint's wire format. Everything else (limits, pipeline, relay, status rule) is shared."""
+    """One endpoint: ``parse`` turns the body into a CallRequest; ``encoder`` and ``error_response``
+    speak the endpoint's wire format. Everything else (limits, pipeline, relay, status rule) is
+    shared."""
 
     name = "chat"
 
@@ -93,13 +94,13 @@ class Endpoint:
             raw = await read_body(request, self.settings.max_body_bytes)
             call = self.parse(contract.parse_json_body(raw))
             record.model = call.params["model"]
-            self._check_model(record.model)
             if not self.settings.upstream_configured:
                 raise ApiError(503, "not_configured",
                                "no model upstream is configured: set OPENAI_API_KEY, OPENAI_BASE_URL or "
                                "AZURE_OPENAI_ENDPOINT")
             await self.pipeline.run_before(call)
             record.model = call.params["model"]
+            self._check_model(record.model)  # after the before-steps: they may choose the model
         except (Rejection, StepFailed) as exc:
             return self._refuse(record, exc.error)
         except ApiError as error:

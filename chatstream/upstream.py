@@ -95,6 +95,8 @@ class SSEFramer:
         self.done = False
 
     def feed(self, piece: bytes) -> list[bytes]:
+        if not piece:
+            return []
         if self._cr and piece.startswith(b"\n"):
             piece = piece[1:]
         self._cr = piece.endswith(b"\r")

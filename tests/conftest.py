@@ -1,9 +1,17 @@
 """Session servers: the scripted upstream and the app on the local host, both real processes."""
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from servers import App, Upstream
+
+# CI replays the same examples every run (a landing must not depend on the draw); locally each run
+# explores new ones.
+settings.register_profile("ci", derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 # A recognisable key: tests check it never leaks into responses or logs.
 TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"

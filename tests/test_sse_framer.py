@@ -45,6 +45,13 @@ def test_any_split_gives_the_same_events(events, eol, comments, data):
     assert framer.done
 
 
+def test_an_empty_piece_between_cr_and_lf_changes_nothing():
+    framer = SSEFramer()
+    assert framer.feed(b'data: {"a":1}\r') == []
+    assert framer.feed(b"") == []
+    assert framer.feed(b'\ndata: {"b":2}\r\n\r\n') == [b'{"a":1}\n{"b":2}']
+
+
 def test_crlf_split_between_pieces_is_one_line_end():
     framer = SSEFramer()
     assert framer.feed(b'data: {"a":1}\r') == []
