@@ -74,6 +74,7 @@ class FakeUpstream:
         self.requests: deque[dict] = deque(maxlen=max_records)
         self.streams: deque[dict] = deque(maxlen=max_records)
         self._ids = itertools.count(1)
+        self.received = 0  # API requests ever received (the record lists keep only the latest)
         self._models = {"object": "list", "data": [
             {"id": name, "object": "model", "created": _MODELS_CREATED, "owned_by": "fakeupstream"}
             for name in self.scenarios]}
@@ -139,6 +140,7 @@ class FakeUpstream:
             "received_at": received_at,
         }
         self.requests.append(record)
+        self.received += 1
         return record
 
     async def _control(self, send, method: str, path: str, body: bytes) -> None:
@@ -148,6 +150,8 @@ class FakeUpstream:
             self.requests.clear()
             self.streams.clear()
             await _send_json(send, 200, {"cleared": True})
+        elif path == "/_scripted/count" and method == "GET":
+            await _send_json(send, 200, {"requests": self.received})
         elif path == "/_scripted/streams" and method == "GET":
             await _send_json(send, 200, list(self.streams))
         elif path == "/_scripted/default" and method in ("GET", "POST"):

@@ -87,6 +87,10 @@ class Upstream(Served):
     def requests(self) -> list[dict]:
         return self.http.get("/_scripted/requests").json()
 
+    def count(self) -> int:
+        """How many API requests the upstream has received so far (cheap, unlike requests())."""
+        return self.http.get("/_scripted/count").json()["requests"]
+
     def streams(self) -> list[dict]:
         return self.http.get("/_scripted/streams").json()
 
