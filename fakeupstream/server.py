@@ -97,7 +97,8 @@ class FakeUpstream:
         if path.startswith("/_scripted/"):
             body = await _read_body(receive)
             if body is not None:
-                await self._control(send, method, path, body)
+                query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+                await self._control(send, method, path, body, query)
             return
 
         received_at = time.time()
@@ -143,9 +144,11 @@ class FakeUpstream:
         self.received += 1
         return record
 
-    async def _control(self, send, method: str, path: str, body: bytes) -> None:
+    async def _control(self, send, method: str, path: str, body: bytes, query: dict[str, str]) -> None:
         if path == "/_scripted/requests" and method == "GET":
-            await _send_json(send, 200, list(self.requests))
+            records = list(self.requests)
+            last = query.get("last", "")
+            await _send_json(send, 200, records[-int(last):] if last.isdigit() and int(last) else records)
         elif path == "/_scripted/requests" and method == "DELETE":
             self.requests.clear()
             self.streams.clear()

@@ -84,8 +84,9 @@ class Upstream(Served):
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def requests(self) -> list[dict]:
-        return self.http.get("/_scripted/requests").json()
+    def requests(self, last: int | None = None) -> list[dict]:
+        """The recorded API requests, oldest first (only the ``last`` N when given)."""
+        return self.http.get("/_scripted/requests", params={"last": last} if last else None).json()
 
     def count(self) -> int:
         """How many API requests the upstream has received so far (cheap, unlike requests())."""

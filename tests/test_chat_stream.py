@@ -78,7 +78,7 @@ def test_upstream_asked_to_stream_with_usage_and_got_the_prompt(app, upstream):
                          {"role": "user", "content": "[scenario:normal] Bonjour, ça va? 🙂"}],
             "temperature": 0.5, "top_p": 0.9, "max_tokens": 50, "seed": 7, "stop": ["END"]}
     assert chat(app.chat_url, body).status == 200
-    sent = upstream.requests()[-1]
+    sent = upstream.requests(last=1)[-1]
     assert sent["path"] == "/v1/chat/completions"
     assert sent["json"]["stream"] is True
     assert sent["json"]["stream_options"] == {"include_usage": True}
@@ -91,7 +91,7 @@ def test_upstream_asked_to_stream_with_usage_and_got_the_prompt(app, upstream):
 
 def test_prompt_becomes_one_user_message_and_model_is_passed(app, upstream):
     assert chat(app.chat_url, {"prompt": "[scenario:echo] hi there", "model": "my-model"}).status == 200
-    sent = upstream.requests()[-1]["json"]
+    sent = upstream.requests(last=1)[-1]["json"]
     assert sent["messages"] == [{"role": "user", "content": "[scenario:echo] hi there"}]
     assert sent["model"] == "my-model"
 
@@ -120,24 +120,24 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("body,param", BAD_BODIES)
 def test_invalid_requests_get_400_and_never_reach_upstream(app, upstream, body, param):
-    before = len(upstream.requests())
+    before = upstream.count()
     result = chat(app.chat_url, body)
     assert result.status == 400, result.raw
     error = result.body["error"]
     assert error["type"] == "invalid_request"
     assert error["message"]
     assert error.get("param") == param
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b'{"prompt": "\xff\xfe"}', b'{"prompt": "\\ud800"}',
                                      b'{"prompt": NaN}', b"[" * 100_000 + b"]" * 100_000])
 def test_malformed_bodies_get_400(app, upstream, content):
-    before = len(upstream.requests())
+    before = upstream.count()
     result = chat(app.chat_url, content=content)
     assert result.status == 400, result.raw
     assert result.body["error"]["type"] == "invalid_request"
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
 
 
 def test_wrong_content_type_is_415(app):

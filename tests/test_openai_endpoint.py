@@ -42,7 +42,7 @@ def test_no_usage_chunk_unless_asked(sdk, upstream):
     chunks = list(sdk.chat.completions.create(model="gpt-test", messages=user("normal"), stream=True))
     assert all(c.usage is None for c in chunks)
     assert all(c.choices for c in chunks)
-    assert upstream.requests()[-1]["json"]["stream_options"] == {"include_usage": True}, \
+    assert upstream.requests(last=1)[-1]["json"]["stream_options"] == {"include_usage": True}, \
         "usage is still asked of the upstream, for the log line"
 
 
@@ -70,7 +70,7 @@ def test_streamed_tool_call_deltas_are_reassembled_by_the_sdk(sdk, upstream):
     assert call.function.name == TOOL_CALL_NAME
     assert call.function.arguments == TOOL_CALL_ARGUMENTS
     assert final.choices[0].finish_reason == "tool_calls"
-    sent = upstream.requests()[-1]["json"]
+    sent = upstream.requests(last=1)[-1]["json"]
     assert sent["tools"] == [WEATHER_TOOL] and sent["tool_choice"] == "auto"
 
 
@@ -101,12 +101,12 @@ def test_rate_limit_raises_rate_limit_error(sdk):
     ({"n": 0}, "n"),
 ])
 def test_malformed_request_raises_bad_request_error(sdk, upstream, kwargs, param):
-    before = len(upstream.requests())
+    before = upstream.count()
     with pytest.raises(openai.BadRequestError) as info:
         sdk.chat.completions.create(model="gpt-test", messages=user("normal"), stream=True, **kwargs)
     assert info.value.body["param"] == param
     assert info.value.body["type"] == "invalid_request_error"
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
 
 
 def test_unknown_model_raises_not_found(sdk):

@@ -65,27 +65,27 @@ def test_redaction_in_a_non_streamed_completion(piped):
 def test_system_prompt_is_prepended(piped, upstream):
     chat(piped.chat_url, {"messages": [{"role": "system", "content": "Caller's own system message."},
                                        {"role": "user", "content": "[scenario:echo] hi"}]})
-    sent = upstream.requests()[-1]["json"]["messages"]
+    sent = upstream.requests(last=1)[-1]["json"]["messages"]
     assert sent[0] == {"role": "system", "content": SYSTEM}
     assert sent[1] == {"role": "system", "content": "Caller's own system message."}
 
 
 def test_long_prompt_is_413_before_any_upstream_call(piped, upstream):
-    before = len(upstream.requests())
+    before = upstream.count()
     result = chat(piped.chat_url, {"prompt": "x" * 301})
     assert result.status == 413
     assert result.body["error"]["type"] == "prompt_too_long"
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
     assert chat(piped.chat_url, {"prompt": "[scenario:echo] " + "x" * 250}).status == 200
 
 
 def test_rejection_by_a_before_step(piped, upstream):
-    before = len(upstream.requests())
+    before = upstream.count()
     result = chat(piped.chat_url, {"prompt": "[reject] please"})
     assert result.status == 422
     assert result.body["error"] == {"type": "policy", "message": "this request is refused by policy",
                                     "retryable": False}
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
 
 
 def test_failing_before_step_is_a_500_naming_it(piped):

@@ -22,7 +22,7 @@ def tag() -> str:
 
 def sent_with(upstream, marker: str) -> list[dict]:
     """The upstream requests whose last message contains ``marker``."""
-    return [r for r in upstream.requests()
+    return [r for r in upstream.requests(last=50)
             if r["json"] and marker in r["json"]["messages"][-1]["content"]]
 
 
@@ -127,7 +127,7 @@ def test_upstream_errors_before_the_stream_are_statuses(app, upstream, scenario,
     if scenario == "model_not_found":
         assert "'gpt-test'" in error["message"] and error["param"] == "model"
     if scenario == "bad_request":
-        upstream_message = [r for r in upstream.requests() if r["json"]][-1]
+        upstream_message = [r for r in upstream.requests(last=5) if r["json"]][-1]
         assert error["message"] and upstream_message
 
 
@@ -343,7 +343,7 @@ def _read_rest(s: socket.socket) -> bytes:
 
 
 def test_oversized_body_is_413_before_it_is_read(app, upstream):
-    before = len(upstream.requests())
+    before = upstream.count()
     head = (b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"content-length: 5000000\r\n\r\n")
     parts = [b"{" + b" " * 9999] + [b" " * 10000] * 499
@@ -351,7 +351,7 @@ def test_oversized_body_is_413_before_it_is_read(app, upstream):
     assert response.startswith(b"HTTP/1.1 413"), response[:200]
     assert b'"type":"request_too_large"' in response
     assert sent < 1_000_000, f"{sent} bytes were sent before the 413"
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
 
 
 def test_oversized_chunked_body_is_413(app):

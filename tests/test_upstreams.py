@@ -25,7 +25,7 @@ def test_azure_openai_with_a_key(upstream):
         app.stop()
     assert result.status == 200
     assert result.text == TEXTS["normal"]
-    sent = upstream.requests()[-1]
+    sent = upstream.requests(last=1)[-1]
     assert sent["path"] == "/openai/deployments/normal/chat/completions"
     assert sent["query"] == {"api-version": "2024-10-21"}
     assert sent["headers"]["api-key"] == "azure-key-123"
@@ -59,7 +59,7 @@ async def _two_requests(upstream, credential) -> list[str]:
                 text += choice["delta"].get("content") or ""
         assert text == TEXTS["normal"]
     await client.close()
-    return [r["headers"].get("authorization") for r in upstream.requests()[-2:]]
+    return [r["headers"].get("authorization") for r in upstream.requests(last=2)]
 
 
 def test_entra_token_is_sent_and_cached(upstream):
@@ -67,7 +67,7 @@ def test_entra_token_is_sent_and_cached(upstream):
     seen = asyncio.run(_two_requests(upstream, credential))
     assert seen == ["Bearer token-1", "Bearer token-1"], "a valid token is reused"
     assert credential.calls == [(ENTRA_SCOPE,)]
-    assert "api-key" not in upstream.requests()[-1]["headers"]
+    assert "api-key" not in upstream.requests(last=1)[-1]["headers"]
 
 
 def test_entra_token_near_expiry_is_refreshed(upstream):
@@ -86,13 +86,13 @@ def allowlisted(upstream):
 
 
 def test_model_allowlist(allowlisted, upstream):
-    before = len(upstream.requests())
+    before = upstream.count()
     result = chat(allowlisted.chat_url, {**prompt("normal"), "model": "slow"})
     assert result.status == 400
     error = result.body["error"]
     assert error["type"] == "model_not_allowed" and error["param"] == "model"
     assert "gpt-test, normal" in error["message"]
-    assert len(upstream.requests()) == before
+    assert upstream.count() == before
     assert chat(allowlisted.chat_url, {**prompt("normal"), "model": "normal"}).text == TEXTS["normal"]
 
     import httpx
