@@ -1,0 +1,62 @@
+"""`make serve`'s script on a machine with nothing configured: it starts the scripted upstream and
+the app on the local host, the README's curl line gets a streamed answer, and Ctrl+C stops both."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+
+from fakeupstream.scenarios import echo_text
+from servers import ROOT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_nothing_configured_answers_the_readme_curl():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OPENAI_", "AZURE_OPENAI_"))}
+    env["PORT"] = str(port)
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        output = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            output.append(line)
+            if "devhost listening" in line:
+                break
+        assert any("No upstream configured" in line for line in output), output
+        # curl -N -X POST localhost:PORT/api/chat -d '{"prompt":"hi"}' (form content type, as curl sends)
+        r = httpx.post(f"http://127.0.0.1:{port}/api/chat", content=b'{"prompt":"hi"}',
+                       headers={"content-type": "application/x-www-form-urlencoded"}, timeout=20)
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+        deltas = [line[6:] for line in r.text.splitlines() if line.startswith("data: {\"delta\"")]
+        assert "".join(json.loads(d)["delta"] for d in deltas) == echo_text("hi")
+        assert "event: done" in r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C goes to the whole foreground group
+        proc.wait(timeout=15)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the whole group (app and scripted upstream) is gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("make serve left processes running after Ctrl+C")
+    with socket.socket() as s:  # and the app's port is free again
+        s.bind(("127.0.0.1", port))
