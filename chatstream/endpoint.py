@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import contract, errors, openai_contract, sse, telemetry
 from .errors import ApiError
-from .pipeline import CallRequest, Pipeline, Rejection, StepFailed
+from .pipeline import CallRequest, ModerationStop, Pipeline, Rejection, StepFailed
 from .relay import Chunk, Event, Failed, StreamRecord, relay
 from .settings import Settings
 
@@ -85,6 +85,10 @@ class Endpoint:
         return JSONResponse(error.body(), status_code=error.status,
                             headers={"Cache-Control": "no-store", **error.headers})
 
+    def status_of(self, error: ApiError) -> int:
+        """The HTTP status this endpoint answers ``error`` with."""
+        return error.status
+
     # -- shared
     async def __call__(self, request: Request) -> Response:
         record = StreamRecord(model=self.settings.default_model, endpoint=self.name)
@@ -105,6 +109,9 @@ class Endpoint:
             return self._refuse(record, exc.error)
         except ApiError as error:
             return self._refuse(record, error)
+        except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
+            log.exception("chat request failed before the stream (model=%s)", record.model)
+            return self._refuse(record, ApiError(500, "internal_error", "the request failed unexpectedly"))
         if not call.params.get("stream"):
             return await self._complete(request, call, record)
 
@@ -124,7 +131,7 @@ class Endpoint:
                 await events.aclose()
                 return Response(status_code=499)
         elif isinstance(first.result(), Failed):
-            record.status = first.result().error.status
+            record.status = self.status_of(first.result().error)
             await events.aclose()
             return self.error_response(first.result().error)
         return EventStreamResponse(self._body(first, events, encode), headers=SSE_HEADERS)
@@ -136,7 +143,7 @@ class Endpoint:
                            f"model {model!r} is not allowed here; use one of: {', '.join(allowed)}", "model")
 
     def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
-        record.status, record.error = error.status, error.type
+        record.status, record.error = self.status_of(error), error.type
         self._finish(record)
         return self.error_response(error)
 
@@ -227,6 +234,9 @@ class OpenAIEndpoint(Endpoint):
         return JSONResponse(openai_contract.error_body(error), status_code=openai_contract.status_for(error),
                             headers={"Cache-Control": "no-store", **error.headers})
 
+    def status_of(self, error: ApiError) -> int:
+        return openai_contract.status_for(error)
+
     async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
         """A non-streamed completion: the upstream's JSON, its text through the pipeline's text steps."""
         call.params.pop("stream", None)
@@ -243,32 +253,36 @@ class OpenAIEndpoint(Endpoint):
                 if gone.done():
                     record.status, record.disconnected = 499, True
                     return Response(status_code=499)
-                raise ApiError(504, "total_timeout", "the completion hit its total time limit", retryable=True)
+                raise ApiError(504, "total_timeout", "the completion hit its total time limit", retryable=False)
             try:
                 raw = task.result()
+                body = json.loads(raw.http_response.content)
+                if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+                    raise ValueError("the completion is not an object with choices")
             except (openai.APIError, ValueError) as exc:
                 raise errors.from_upstream(exc, record.model) from None
-            body = json.loads(raw.http_response.content)
             record.usage = body.get("usage")
             texts = await self._filter_choices(body)
-            record.finish_reason = next((c.get("finish_reason") for c in body.get("choices", [])
-                                         if c.get("index", 0) == 0), None)
+            record.finish_reason = next((c.get("finish_reason") for c in body["choices"]
+                                         if isinstance(c, dict) and c.get("index", 0) == 0), None)
             if record.texts is None and self.pipeline.wants_result:
                 record.texts = {i: [t] for i, t in texts.items()}
             return JSONResponse(body, headers={"Cache-Control": "no-store"})
         except ApiError as error:
-            record.status, record.error = openai_contract.status_for(error), error.type
+            record.status, record.error = self.status_of(error), error.type
             return self.error_response(error)
-        except (StepFailed,) as exc:
-            record.status, record.error = 500, exc.error.type
+        except (StepFailed, ModerationStop) as exc:
+            record.status, record.error = self.status_of(exc.error), exc.error.type
             return self.error_response(exc.error)
         finally:
             self._finish(record)
 
     async def _filter_choices(self, body: dict) -> dict[int, str]:
         texts = {}
-        for choice in body.get("choices", []):
-            message = choice.get("message") or {}
+        for choice in body["choices"]:
+            if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+                continue
+            message = choice["message"]
             content = message.get("content")
             if isinstance(content, str):
                 text_filter = self.pipeline.text_filter()

@@ -57,7 +57,7 @@ class OpenAIChatRequest(BaseModel):
     def _messages_have_roles(cls, messages: list[dict]) -> list[dict]:
         for i, message in enumerate(messages):
             role = message.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):

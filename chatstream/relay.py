@@ -83,6 +83,13 @@ class _Expired(Exception):
         self.error = error
 
 
+def _well_formed(choice) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta") or {}
+    return isinstance(delta, dict) and isinstance(delta.get("content") or "", str)
+
+
 def _has_substance(delta: dict) -> bool:
     return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
                 or delta.get("function_call"))
@@ -133,6 +140,8 @@ async def relay(client: openai.AsyncOpenAI, params: dict, settings: Settings, re
             choices = data.get("choices")
             if not choices:
                 continue
+            if not isinstance(choices, list) or not all(map(_well_formed, choices)):
+                raise ValueError("a chunk's choices are not objects with a delta object")
             substance = finishing = False
             kept = []
             for choice in choices:

@@ -71,7 +71,9 @@ class UpstreamStream(openai.AsyncStream[dict]):
                     continue  # read to the end of the body, so the connection can be reused
                 for payload in framer.feed(piece):
                     chunk = json.loads(payload)
-                    if isinstance(chunk, dict) and chunk.get("error") and "choices" not in chunk:
+                    if not isinstance(chunk, dict):
+                        raise ValueError("a chunk is not a JSON object")
+                    if chunk.get("error") and "choices" not in chunk:
                         raise _stream_error(self.response, chunk["error"])
                     yield chunk
         except _TIMEOUT_ERRORS as exc:

@@ -81,6 +81,7 @@ class WorkerResponse:
         self._error: Exception | None = None
         self._waiter: asyncio.Future | None = None
         self._paused = False
+        self._keep_alive = False
 
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes):
@@ -101,6 +102,8 @@ class WorkerResponse:
 
     def on_message_complete(self):
         self._complete = True
+        # Read it now: once feed_data returns, the parser has reset for the next message.
+        self._keep_alive = self._parser.should_keep_alive()
         self._wake()
 
     # -- fed by the connection
@@ -131,7 +134,9 @@ class WorkerResponse:
 
     @property
     def keep_alive(self) -> bool:
-        return self._complete and self._parser.should_keep_alive()
+        """The connection can carry another request: the response was complete, the worker did not
+        ask to close, and all of it was handed over (nothing buffered, reading not paused)."""
+        return self._complete and self._keep_alive and not self._chunks and not self._paused
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives; pieces waiting together are joined into one."""
@@ -161,6 +166,7 @@ class Forwarder:
         self.host, self.port = host, port
         self._idle: list[_Connection] = []
         self._spare: asyncio.Future | None = None
+        self.opened = 0  # connections made to the worker so far
         self._host_header = f"{host}:{port}".encode()
 
     async def _connect(self) -> _Connection:
@@ -179,6 +185,7 @@ class Forwarder:
     async def _new_connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(lambda: _Connection(self._idle), self.host, self.port)
+        self.opened += 1
         return conn
 
     def _open_spare(self) -> None:

@@ -60,7 +60,8 @@ class Host:
         """For leak tests: what this process holds right now."""
         import os
         return {"tasks": len(asyncio.all_tasks()), "open_fds": len(os.listdir("/proc/self/fd")),
-                "idle_worker_connections": len(self.forwarder._idle)}
+                "idle_worker_connections": len(self.forwarder._idle),
+                "worker_connections_opened": self.forwarder.opened}
 
     async def _invoke(self, route: Route, params, scope, receive, send):
         invocation_id = str(uuid.uuid4())

@@ -61,6 +61,7 @@ TOOL_CALL_ARGUMENT_DELTAS = ('{"', "location", '":"', "Paris", ", France", '","'
 TOOL_CALL_ARGUMENTS = "".join(TOOL_CALL_ARGUMENT_DELTAS)  # {"location":"Paris, France","unit":"celsius"}
 
 MALFORMED_LINE = b'data: {"id": "broken", not json\n\n'
+ODD_SHAPE_LINE = b'data: {"id": "odd", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": "text"}]}\n\n'
 MIDSTREAM_ERROR = {
     "error": {
         "message": "The server had an error while processing your request.",
@@ -169,6 +170,8 @@ _LIST = [
     Scenario("stall", "role + 2 deltas, then nothing until the client hangs up", STALL_DELTAS, end="stall"),
     Scenario("malformed", '2 deltas, then `data: {"id": "broken", not json`, then the body ends',
              MALFORMED_DELTAS, end="malformed"),
+    Scenario("odd_shape", "2 deltas, then valid JSON of the wrong shape (a delta that is a string), then the end",
+             MALFORMED_DELTAS, end="odd_shape"),
     Scenario("error_midstream", "2 deltas, then a `data: {\"error\":...}` frame, then the body ends",
              ERROR_MIDSTREAM_DELTAS, end="error_midstream"),
     Scenario("cadence", "benchmark stream: --deltas words, first after --first-token-ms, "
@@ -373,6 +376,8 @@ def _openai_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[t
         f.add(later, STALL)
     elif scn.end == "malformed":
         f.add(later, MALFORMED_LINE)
+    elif scn.end == "odd_shape":
+        f.add(later, ODD_SHAPE_LINE)
     elif scn.end == "error_midstream":
         f.add(later, b"data: " + _dumps(MIDSTREAM_ERROR).encode() + b"\n\n")
     else:

@@ -157,3 +157,16 @@ def test_stops_quickly_on_signal_even_mid_stream(upstream, sig):
     with socket.socket() as s:  # the port is free again
         port = int(server.url.rsplit(":", 1)[1])
         s.bind(("127.0.0.1", port))
+
+
+def test_connections_to_the_worker_are_reused(probe):
+    with httpx.Client(timeout=10) as client:
+        for _ in range(3):  # warm: the pool and its spare connection
+            assert client.get(probe.url + "/api/echo/x").status_code == 200
+        before = client.get(probe.url + "/_devhost/stats").json()
+        for _ in range(20):
+            assert client.get(probe.url + "/api/echo/x").status_code == 200
+        after = client.get(probe.url + "/_devhost/stats").json()
+    assert after["idle_worker_connections"] >= 1
+    assert after["worker_connections_opened"] - before["worker_connections_opened"] <= 1, (before, after)
+    assert after["open_fds"] <= before["open_fds"] + 1, (before, after)

@@ -133,3 +133,18 @@ def test_function_key_in_query_is_accepted(app):
                    json={"model": "gpt-test", "messages": user("normal")}, timeout=10)
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == TEXTS["normal"]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": ["user"], "content": "x"}],
+    [{"role": {"a": 1}, "content": "x"}],
+    [{"role": "user", "content": 5}],
+    ["not an object"],
+])
+def test_odd_messages_are_400_not_500(app, upstream, messages):
+    before = upstream.count()
+    r = httpx.post(app.url + "/api/v1/chat/completions", json={"model": "gpt-test", "messages": messages},
+                   timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert upstream.count() == before

@@ -145,6 +145,7 @@ def test_upstream_refusing_connections_is_503(start_app):
 @pytest.mark.parametrize("scenario,type_", [
     ("reset", "upstream_disconnected"),
     ("malformed", "upstream_malformed"),
+    ("odd_shape", "upstream_malformed"),
     ("error_midstream", "upstream_error"),
 ])
 def test_mid_stream_faults_end_with_one_error_event(app, scenario, type_):
