@@ -148,7 +148,9 @@ async def relay(client: openai.AsyncOpenAI, params: dict, settings: Settings, re
                 index = choice.get("index", 0)
                 if index in finished:
                     continue  # nothing after a choice's finish_reason is forwarded
-                delta = choice.get("delta") or {}
+                delta = choice.get("delta")
+                if delta is None:  # attach it, so released text written below is forwarded
+                    delta = choice["delta"] = {}
                 reason = choice.get("finish_reason")
                 if make_filter is not None:
                     if index not in filters:
