@@ -4,7 +4,6 @@ Before the first delta an ApiError becomes an HTTP status with a JSON body; afte
 ``error`` event of the stream. Messages are written for the caller and never carry a secret."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import openai
@@ -25,9 +24,6 @@ class ApiError(Exception):
             error["param"] = self.param
         error["retryable"] = self.retryable
         return {"error": error}
-
-    def json_bytes(self) -> bytes:
-        return json.dumps(self.body(), ensure_ascii=False).encode()
 
 
 def invalid_request(message: str, param: str | None = None) -> ApiError:

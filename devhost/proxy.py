@@ -38,7 +38,6 @@ class Host:
         self.routes = routes
         uri = urlsplit(worker.http_uri or "http://127.0.0.1:9")
         self.forwarder = Forwarder(uri.hostname, uri.port)
-        self.started = time.monotonic()
 
     async def aclose(self) -> None:
         self.forwarder.close()

@@ -38,10 +38,6 @@ class Worker:
             raise WorkerError(f"{what} failed: {exc.message}\n{exc.stack_trace}".rstrip())
         return response
 
-    async def start(self) -> None:
-        await self.init()
-        await self.load()
-
     async def init(self) -> None:
         """WorkerInitRequest: index function_app.py and start the worker's HTTP server."""
         import azure_functions_runtime as runtime

@@ -11,7 +11,6 @@ Two layers:
 Each test uses a model name of its own, so spans and metric points of other tests never mix in."""
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
