@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: serve test venv client client-mono bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
-	@if [ ! -x $(PY) ]; then py=$$(scripts/find-python) && "$$py" -m venv $(VENV); fi
+	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	@touch $(STAMP)
@@ -16,7 +16,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 venv: $(STAMP)
 
 serve: $(STAMP)
-	@PORT=$(PORT) scripts/serve
+	@PORT=$(PORT) tools/scripts/serve
 
 test: $(STAMP) client-mono
 	$(PY) -m pytest
@@ -30,20 +30,20 @@ client-mono:
 	CHAT_BUILD_WITH=mcs bash client_cs/build.sh
 
 # Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
-BENCH_VENV := bench/.venv
+BENCH_VENV := tools/bench/.venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-$(BENCH_STAMP): bench/requirements.txt
-	@if [ ! -x $(BENCH_VENV)/bin/python ]; then py=$$(scripts/find-python) && "$$py" -m venv $(BENCH_VENV); fi
+$(BENCH_STAMP): tools/bench/requirements.txt
+	@if [ ! -x $(BENCH_VENV)/bin/python ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(BENCH_VENV); fi
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q -r bench/requirements.txt
+	$(BENCH_VENV)/bin/python -m pip install -q -r tools/bench/requirements.txt
 	@touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)
-	bench/run.sh $(BENCH_ARGS)
+	tools/bench/run.sh $(BENCH_ARGS)
 
 bench-profile: $(STAMP) $(BENCH_STAMP)
-	bench/profile.sh $(BENCH_ARGS)
+	tools/bench/profile.sh $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) bench/out
+	rm -rf $(VENV) tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out

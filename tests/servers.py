@@ -74,10 +74,10 @@ class Served:
 
 
 class Upstream(Served):
-    """The scripted OpenAI-compatible server (fakeupstream/)."""
+    """The scripted OpenAI-compatible server (tools/fakeupstream/)."""
 
     def __init__(self, *extra: str):
-        super().__init__(["-m", "fakeupstream", "--port", "0", *extra])
+        super().__init__(["-m", "tools.fakeupstream", "--port", "0", *extra])
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
     @property
@@ -111,10 +111,10 @@ class Upstream(Served):
 
 
 class App(Served):
-    """function_app.py served through the local host (devhost/) on the real runtime."""
+    """function_app.py served through the local host (tools/devhost/) on the real runtime."""
 
     def __init__(self, env: dict[str, str], app_dir: Path = ROOT):
-        super().__init__(["-m", "devhost", "--port", "0", str(app_dir)], env=env)
+        super().__init__(["-m", "tools.devhost", "--port", "0", str(app_dir)], env=env)
 
     @property
     def chat_url(self) -> str:

@@ -442,7 +442,7 @@ def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
 
 
 def _texts():
-    from fakeupstream.scenarios import TEXTS
+    from tools.fakeupstream.scenarios import TEXTS
     return TEXTS
 
 
@@ -454,7 +454,7 @@ def test_app_exact_text(chat_exe, app, scenario):
 
 
 def test_app_echo(chat_exe, app):
-    from fakeupstream.scenarios import echo_text
+    from tools.fakeupstream.scenarios import echo_text
     prompt = "[scenario:echo] Grüße 🙂 \"quoted\" / slash"
     proc = run_chat(chat_exe, "--url", app.chat_url, prompt)
     assert proc.returncode == EXIT_OK, proc.stderr.decode()
@@ -462,7 +462,7 @@ def test_app_echo(chat_exe, app):
 
 
 def test_app_echo_with_system_message(chat_exe, app):
-    from fakeupstream.scenarios import echo_text
+    from tools.fakeupstream.scenarios import echo_text
     prompt = "[scenario:echo] hello"
     proc = run_chat(chat_exe, "--url", app.chat_url, "--system", "be brief", prompt)
     assert proc.returncode == EXIT_OK, proc.stderr.decode()

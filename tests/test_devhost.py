@@ -1,4 +1,4 @@
-"""The local host (devhost/) on the real runtime: routing, settings, invocation ids, hang-ups,
+"""The local host (tools/devhost/) on the real runtime: routing, settings, invocation ids, hang-ups,
 start-up failures and stopping."""
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_chat_hang_up_closes_the_upstream_within_a_second(app, upstream):
 
 
 def _run_devhost(app_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "devhost", "--port", "0", str(app_dir)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(app_dir)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env={"PATH": "/usr/bin:/bin",
                                                                                "PYTHONPATH": str(ROOT)})
 
@@ -122,7 +122,7 @@ def test_app_without_streaming_enabled_fails_to_load_like_under_func():
 
 
 def test_bad_setting_stops_the_app_with_a_message_naming_it(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "devhost", "--port", "0", str(ROOT)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
                                  "IDLE_TIMEOUT_SECONDS": "soon", "OPENAI_API_KEY": "sk-never-printed-123"})

@@ -1,4 +1,4 @@
-"""fakeupstream, started for real (`python -m fakeupstream --port 0`) and spoken to over HTTP."""
+"""fakeupstream, started for real (`python -m tools.fakeupstream --port 0`) and spoken to over HTTP."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from fakeupstream import (
+from tools.fakeupstream import (
     AFTER_FINISH_EXTRA,
     COMPLETION_TOKENS,
     NAMES,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def start(*args: str, log: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fakeupstream", "--port", "0", *args],
+        [sys.executable, "-m", "tools.fakeupstream", "--port", "0", *args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
     )
     if not select.select([proc.stdout], [], [], 15)[0]:
@@ -369,7 +369,7 @@ def test_scenario_choice_order_and_records(server):
 
 
 def test_cli_refuses_other_hosts():
-    r = subprocess.run([sys.executable, "-m", "fakeupstream", "--host", "0.0.0.0"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tools.fakeupstream", "--host", "0.0.0.0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=10)
     assert r.returncode == 2 and "127.0.0.1 only" in r.stderr and r.stdout == ""
 

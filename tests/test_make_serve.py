@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from fakeupstream.scenarios import echo_text
+from tools.fakeupstream.scenarios import echo_text
 from servers import ROOT
 
 
@@ -26,7 +26,7 @@ def test_serve_with_nothing_configured_answers_the_readme_curl():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OPENAI_", "AZURE_OPENAI_"))}
     env["PORT"] = str(port)
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve")], cwd=ROOT, env=env,
+    proc = subprocess.Popen(["bash", str(ROOT / "tools" / "scripts" / "serve")], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from fakeupstream.scenarios import (AFTER_FINISH_EXTRA, TEXTS, TOOL_CALL_ARGUMENTS, TOOL_CALL_NAME,
+from tools.fakeupstream.scenarios import (AFTER_FINISH_EXTRA, TEXTS, TOOL_CALL_ARGUMENTS, TOOL_CALL_NAME,
                                     choice_text)
 
 WEATHER_TOOL = {"type": "function", "function": {

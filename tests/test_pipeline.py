@@ -12,7 +12,7 @@ import pytest
 from chat import chat, prompt
 from chatstream.guard import redact_whole
 from conftest import app_env
-from fakeupstream.scenarios import TEXTS
+from tools.fakeupstream.scenarios import TEXTS
 from servers import ROOT, App
 
 TERMS = ["reply.\n\nIt", "🚀 and 👍", "テキスト、中文", "café", "語のテ", "ñandú"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from chat import chat, prompt
-from fakeupstream.scenarios import TEXTS
+from tools.fakeupstream.scenarios import TEXTS
 
 
 def tag() -> str:

@@ -6,7 +6,7 @@ import httpx
 
 from chat import prompt
 from conftest import TEST_KEY, app_env
-from fakeupstream.scenarios import NAMES
+from tools.fakeupstream.scenarios import NAMES
 from servers import App
 
 

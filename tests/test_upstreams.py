@@ -12,7 +12,7 @@ from azure.core.credentials import AccessToken
 from chat import chat, prompt
 from chatstream.settings import Settings
 from chatstream.upstream import ENTRA_SCOPE, UpstreamStream, make_client
-from fakeupstream.scenarios import TEXTS
+from tools.fakeupstream.scenarios import TEXTS
 from servers import App
 
 

@@ -1,4 +1,4 @@
-"""python -m fakeupstream [--port 0] [--scenario echo] [--first-token-ms 100 --interval-ms 20 --deltas 40]"""
+"""python -m tools.fakeupstream [--port 0] [--scenario echo] [--first-token-ms 100 --interval-ms 20 --deltas 40]"""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fakeupstream", description="Scripted OpenAI-compatible server.")
+    p = argparse.ArgumentParser(prog="python -m tools.fakeupstream", description="Scripted OpenAI-compatible server.")
     p.add_argument("--host", default=HOST, help="only 127.0.0.1 is accepted")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
     p.add_argument("--scenario", default="echo", choices=NAMES, help="default scenario (default: echo)")

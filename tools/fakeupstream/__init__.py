@@ -1,6 +1,6 @@
 """fakeupstream: a scripted OpenAI-compatible chat-completions server (dev and test tool).
 
-    python -m fakeupstream --port 0 --scenario echo     # prints "fakeupstream listening on http://127.0.0.1:PORT"
+    python -m tools.fakeupstream --port 0 --scenario echo     # prints "fakeupstream listening on http://127.0.0.1:PORT"
 
 or in-process: `fakeupstream.app` / `fakeupstream.create_app(...)` (ASGI). See README.md.
 """

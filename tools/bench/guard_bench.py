@@ -1,6 +1,6 @@
 """Benchmark of the output guard (chatstream/guard.py). A script, not a test:
 
-    .venv/bin/python bench/guard_bench.py [--deltas 20000] [--rounds 5] [--seed 1]
+    .venv/bin/python tools/bench/guard_bench.py [--deltas 20000] [--rounds 5] [--seed 1]
 
 Streams synthetic model output (words of 3-8 letters, some CJK, punctuation, split into deltas the
 way tokenizers do: a leading space, long words in two pieces) through
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from chatstream.guard import Redactor, redact_whole  # noqa: E402
 from chatstream.relay import Chunk  # noqa: E402

@@ -1,4 +1,4 @@
-"""Local Functions host for machines without Core Tools: ``python -m devhost [--port 7071] [APP_DIR]``.
+"""Local Functions host for machines without Core Tools: ``python -m tools.devhost [--port 7071] [APP_DIR]``.
 
 Loads function_app.py through the real Python worker (azure-functions-runtime), serves every HTTP
 function under host.json's route prefix on 127.0.0.1, and stops quickly on Ctrl+C or SIGTERM.
@@ -106,7 +106,7 @@ def _loop_factory(choice: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m devhost", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.devhost", description=__doc__.split("\n\n")[0])
     parser.add_argument("app_dir", nargs="?", default=".", help="folder holding function_app.py (default: .)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 7071),
                         help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)")

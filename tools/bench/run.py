@@ -1,10 +1,10 @@
 """Side-by-side streaming benchmark: the scripted upstream reached directly, through this app
 (devhost on the real Python worker) and through the LiteLLM proxy, in one interleaved run.
 
-    bench/run.sh [--quick] [options]      (what `make bench` runs; see bench/README.md)
+    tools/bench/run.sh [--quick] [options]      (what `make bench` runs; see tools/bench/README.md)
 
-Writes bench/out/results.json (every stream), then the section of docs/benchmarks.md between the
-side-by-side markers and docs/benchmarks.png (bench/report.py). Every process it starts listens on
+Writes tools/bench/out/results.json (every stream), then the section of docs/benchmarks.md between the
+side-by-side markers and docs/benchmarks.png (tools/bench/report.py). Every process it starts listens on
 127.0.0.1 only, every loop is bounded, and everything it started is stopped at the end.
 """
 from __future__ import annotations
@@ -26,13 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+ROOT = BENCH.parents[1]
 sys.path.insert(0, str(BENCH))
 sys.path.insert(1, str(ROOT))
 
 import procstat  # noqa: E402
 import report  # noqa: E402
-from fakeupstream.scenarios import cadence_text  # noqa: E402  (stdlib only: safe in this venv)
+from tools.fakeupstream.scenarios import cadence_text  # noqa: E402  (stdlib only: safe in this venv)
 
 APP_PY = ROOT / ".venv" / "bin" / "python"
 BENCH_PY = Path(sys.executable)
@@ -41,7 +41,7 @@ HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
 PATHS = ("direct", "app", "litellm")
 MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
-LITELLM_ALIAS = "bench-model"  # bench/litellm.yaml: bench-model -> openai/cadence
+LITELLM_ALIAS = "bench-model"  # tools/bench/litellm.yaml: bench-model -> openai/cadence
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
 
@@ -63,7 +63,7 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 class Server:
-    """A process we started; stdout+stderr go to a log file under bench/out/."""
+    """A process we started; stdout+stderr go to a log file under tools/bench/out/."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], out: Path, cwd: Path = ROOT):
         self.name = name
@@ -136,7 +136,7 @@ class Upstream(Server):
 
 
 class LoadGen:
-    """One load-generator process (bench/loadgen.py --serve)."""
+    """One load-generator process (tools/bench/loadgen.py --serve)."""
 
     def __init__(self, out: Path, index: int):
         self.proc = subprocess.Popen([str(BENCH_PY), str(BENCH / "loadgen.py"), "--serve"], cwd=ROOT,
@@ -153,7 +153,7 @@ class LoadGen:
     def receive(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("a load generator died; see bench/out/loadgen*.log")
+            raise RuntimeError("a load generator died; see tools/bench/out/loadgen*.log")
         result = json.loads(line)
         if "fatal" in result:
             raise RuntimeError(f"load generator failed: {result['fatal']}")
@@ -189,7 +189,7 @@ class Bench:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
         log("starting the scripted upstream")
-        up = Upstream("upstream", [str(APP_PY), "-m", "fakeupstream", "--port", "0", "--scenario", "cadence",
+        up = Upstream("upstream", [str(APP_PY), "-m", "tools.fakeupstream", "--port", "0", "--scenario", "cadence",
                                    "--first-token-ms", str(a.first_token_ms), "--interval-ms", str(a.interval_ms),
                                    "--deltas", str(a.deltas), "--max-records", "20000"],
                       _clean_env({}), self.out)
@@ -198,7 +198,7 @@ class Bench:
         base = up.url + "/v1"
 
         log("starting the app (devhost on the real Python worker)")
-        app = Server("app", [str(APP_PY), "-m", "devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
+        app = Server("app", [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
                      _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}),
                      self.out)
         self.servers["app"] = app
@@ -207,7 +207,7 @@ class Bench:
         key = "sk-bench-" + secrets.token_hex(16)
         if "litellm" in self.paths:
             port = _free_port()
-            log(f"starting LiteLLM ({LITELLM_BIN.name} --config bench/litellm.yaml --port {port} --num_workers 1)")
+            log(f"starting LiteLLM ({LITELLM_BIN.name} --config tools/bench/litellm.yaml --port {port} --num_workers 1)")
             env = _clean_env({
                 "BENCH_UPSTREAM_BASE": base, "LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR",
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MODE": "PRODUCTION",
@@ -316,7 +316,7 @@ class Bench:
                 w = self.wave("warmup", path, 1, 0, record=False)
                 if not w["records"][0]["ok"]:
                     raise RuntimeError(f"warm-up stream via {path} failed: {w['records'][0]['error']}; "
-                                       f"see bench/out/*.log")
+                                       f"see tools/bench/out/*.log")
             self.wave("warmup", path, min(50, max(a.levels)), 0.05, record=False, settle=0.3)
         self._collect_upstream("warmup", keep=False)
 
@@ -465,7 +465,7 @@ def _applied_local_settings(bench: Bench) -> list[str]:
 
 
 def _loopback_up() -> None:
-    """Inside a fresh network namespace (bench/run.sh) only `lo` exists, and it is down."""
+    """Inside a fresh network namespace (tools/bench/run.sh) only `lo` exists, and it is down."""
     import fcntl
     import socket
     import struct
@@ -479,7 +479,7 @@ def _loopback_up() -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Side-by-side streaming benchmark (see bench/README.md).")
+    p = argparse.ArgumentParser(description="Side-by-side streaming benchmark (see tools/bench/README.md).")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny counts, levels 1 and 20")
     p.add_argument("--levels", default="1,100,1000", help="concurrency levels (default 1,100,1000)")
     p.add_argument("--trials", type=int, default=40, help="full streams per path at 1 stream (default 40)")

@@ -1,7 +1,7 @@
-"""Load generator for the side-by-side benchmark (bench/run.py drives it; see bench/README.md).
+"""Load generator for the side-by-side benchmark (tools/bench/run.py drives it; see tools/bench/README.md).
 
 One process runs waves of SSE streams and reports, per stream, when each content delta was parsed.
-bench/run.py keeps one or two of these processes alive (``--serve``: one JSON command per stdin
+tools/bench/run.py keeps one or two of these processes alive (``--serve``: one JSON command per stdin
 line, one JSON result per stdout line) and splits each wave between them.
 
 Two engines, the same SSE parsing:

@@ -1,12 +1,12 @@
 """Where the serving process's CPU goes: py-spy against the app (devhost) during 100-stream waves.
 
-    bench/profile.sh [--target app|litellm] [--streams 100] [--seconds 20] [--rate 100] [--probe]
+    tools/bench/profile.sh [--target app|litellm] [--streams 100] [--seconds 20] [--rate 100] [--probe]
 
-Starts the scripted upstream and the target like bench/run.py does, warms up, then records twice
+Starts the scripted upstream and the target like tools/bench/run.py does, warms up, then records twice
 while waves of ``--streams`` concurrent streams run back to back (bounded by ``--seconds``):
-  bench/out/profile-<target>.svg       flamegraph (open it in a browser)
-  bench/out/profile-<target>-top.txt   self and inclusive samples per package and per function
-  bench/out/profile-<target>.raw.txt   collapsed stacks (the input of the -top.txt file)
+  tools/bench/out/profile-<target>.svg       flamegraph (open it in a browser)
+  tools/bench/out/profile-<target>-top.txt   self and inclusive samples per package and per function
+  tools/bench/out/profile-<target>.raw.txt   collapsed stacks (the input of the -top.txt file)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(BENCH))
 import run  # noqa: E402
 
 PYSPY = Path(sys.executable).parent / "py-spy"
-SCAFFOLD = re.compile(r"(<frozen runpy>|devhost/__main__\.py|asyncio/(runners|base_events|events)\.py)\)$")
+SCAFFOLD = re.compile(r"(<frozen runpy>|tools/devhost/__main__\.py|asyncio/(runners|base_events|events)\.py)\)$")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     tag = a.target + ("-probe" if a.probe else "")
     if not PYSPY.exists():
-        print(f"{PYSPY} is missing: run `make bench` (bench/requirements.txt installs py-spy)", file=sys.stderr)
+        print(f"{PYSPY} is missing: run `make bench` (tools/bench/requirements.txt installs py-spy)", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
