@@ -1,7 +1,7 @@
 """Output guard: blocked terms in the model's output are replaced while the text streams.
 
-Operators list terms in ``BLOCKED_TERMS`` (comma-separated, case-sensitive, see
-:func:`parse_blocked_terms`). Every occurrence in the model's output becomes ``[redacted]``, however the
+Operators list terms in ``BLOCKED_TERMS`` (comma-separated, case-sensitive; settings.py splits the
+list). Every occurrence in the model's output becomes ``[redacted]``, however the
 upstream happens to split the text into deltas.
 
 The definition (what :func:`redact_whole` computes for a whole text)
@@ -69,7 +69,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable
 
-__all__ = ["REPLACEMENT", "ModerationGate", "Redactor", "parse_blocked_terms", "redact_whole"]
+__all__ = ["REPLACEMENT", "ModerationGate", "Redactor", "redact_whole"]
 
 REPLACEMENT = "[redacted]"
 
@@ -77,14 +77,6 @@ REPLACEMENT = "[redacted]"
 # string) is present when a term ends at the node. Dicts keep the walk on C-level lookups.
 _END = ""
 _Node = dict
-
-
-def parse_blocked_terms(value: str | None) -> list[str]:
-    """The terms of a ``BLOCKED_TERMS`` setting: split on commas, surrounding whitespace stripped,
-    empty items dropped (so ``"foo, bar,,"`` is ``["foo", "bar"]``). A term cannot contain a comma."""
-    if not value:
-        return []
-    return [term.strip() for term in value.split(",") if term.strip()]
 
 
 def _terms(terms: Iterable[str]) -> list[str]:

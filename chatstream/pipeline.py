@@ -1,4 +1,4 @@
-"""Steps around the model call, shared by both endpoints.
+"""Steps around the model call, shared by every endpoint.
 
 Declare them in function_app.py::
 
@@ -13,12 +13,13 @@ Declare them in function_app.py::
     @pipeline.after                                  # after the stream: never delays the caller
     async def store(result: StreamResult) -> None: ...
 
-- A before-step gets the ``CallRequest`` (``params`` are the OpenAI chat-completions parameters about
-  to be sent) and may change it, or raise ``Rejection(status, message)`` for a 4xx before any
+- A before-step gets the ``CallRequest`` (``params`` are the upstream API's parameters about to be
+  sent) and may change it, or raise ``Rejection(status, message)`` for a 4xx before any
   upstream call. Sync or async.
 - A text step is any object with ``feed(text) -> str`` and ``flush() -> str``: it sees the text as it
   flows and returns what may be released now, holding back only what it must (``flush`` releases
-  the rest when the choice finishes). A factory makes one per stream and choice.
+  the rest when the choice finishes). A factory makes one per stream, choice and text: the content,
+  the refusal and each tool call's arguments are filtered apart.
 - ``pipeline.moderate(check, every=N)``: an async ``check(text_so_far)`` called every N released
   characters; returning ``False`` or a reason string stops the stream (upstream closed, final
   ``error`` event of type ``content_filter``).
@@ -35,8 +36,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import ApiError
+from .errors import ApiError, ModerationStop, Rejection, StepFailed
 from .guard import ModerationGate, Redactor
+from .record import StreamResult
+
+__all__ = ["CallRequest", "ModerationStop", "Pipeline", "Rejection", "StepFailed", "StreamResult", "TextFilter",
+           "TextStep", "max_prompt_chars", "prompt_chars", "system_prompt"]
 
 log = logging.getLogger("chatstream")
 
@@ -46,10 +51,11 @@ class TextStep(Protocol):
     def flush(self) -> str: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CallRequest:
-    """The call about to be made: ``params`` for chat.completions.create (``model``, ``messages``,
-    sampling options, ``stream``...), and which endpoint it came through (``chat`` or ``openai``)."""
+    """The call about to be made: ``params``, the body for the upstream API (for chat completions:
+    ``model``, ``messages``, sampling options, ``stream``...; for responses: ``model``, ``input``,
+    ``instructions``...), and which endpoint it came through (``chat``, ``openai``, ``responses``)."""
     params: dict[str, Any]
     endpoint: str
     include_usage: bool = False  # the caller asked for the usage chunk (OpenAI endpoint, streamed)
@@ -57,47 +63,6 @@ class CallRequest:
     @property
     def messages(self) -> list[dict]:
         return self.params["messages"]
-
-
-@dataclass(frozen=True)
-class StreamResult:
-    """What an after-step sees. ``texts`` holds each choice's released text (index → text)."""
-    endpoint: str
-    model: str
-    texts: dict[int, str]
-    finish_reason: str | None
-    usage: dict | None
-    ttfd_ms: float | None
-    duration_ms: float
-    deltas: int
-    disconnected: bool
-    error: str | None
-    status: int
-
-    @property
-    def text(self) -> str:
-        return self.texts.get(0, "")
-
-
-class Rejection(Exception):
-    """Raised by a before-step: the caller gets ``status`` with a JSON error body."""
-
-    def __init__(self, status: int, message: str, type: str = "rejected", param: str | None = None):
-        super().__init__(message)
-        self.error = ApiError(status, type, message, param)
-
-
-class StepFailed(Exception):
-    def __init__(self, step: str):
-        super().__init__(step)
-        self.step = step
-        self.error = ApiError(500, "pipeline_error", f"the pipeline step {step!r} failed", retryable=False)
-
-
-class ModerationStop(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.error = ApiError(400, "content_filter", f"stopped by moderation: {reason}", retryable=False)
 
 
 async def _call(step, arg) -> None:
@@ -176,8 +141,7 @@ class Pipeline:
         return step
 
     def moderate(self, check: Callable[[str], Awaitable[Any]], every: int = 200):
-        if every <= 0:
-            raise ValueError("every must be > 0")
+        ModerationGate(check, every)  # checks ``every`` now, not at the first stream
         self._moderation = (check, every)
         return check
 
@@ -207,7 +171,7 @@ class Pipeline:
         for step in self._before:
             try:
                 await _call(step, call)
-            except Rejection:
+            except ApiError:  # Rejection, or any error a step chose to answer with
                 raise
             except Exception:
                 log.exception("pipeline before-step %s failed", _name(step))
@@ -238,22 +202,47 @@ class Pipeline:
 
 def system_prompt(text: str):
     def prepend_system_prompt(call: CallRequest) -> None:
-        call.params["messages"] = [{"role": "system", "content": text}, *call.messages]
+        if "messages" in call.params:
+            call.params["messages"] = [{"role": "system", "content": text}, *call.messages]
+        else:  # the Responses API: in front of the caller's instructions
+            instructions = call.params.get("instructions")
+            call.params["instructions"] = f"{text}\n\n{instructions}" if instructions else text
     return prepend_system_prompt
 
 
-def _chars(content) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):  # content parts: count the text ones
-        return sum(len(p.get("text", "")) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+# The request fields whose text reaches the model (chat completions and responses). Within them
+# every string counts, except the values of these keys, which name structure rather than carry text.
+PROMPT_FIELDS = ("messages", "tools", "functions", "tool_choice", "function_call", "prediction",
+                 "response_format", "input", "instructions", "text", "prompt")
+_STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "call_id", "detail", "status", "strict"})
+
+
+def prompt_chars(params: dict) -> int:
+    """The characters of caller text in ``params`` that reach the model (docs/pipeline.md)."""
+    return sum(_count(params.get(field)) for field in PROMPT_FIELDS)
+
+
+_SCHEMA_KEYS = frozenset({"parameters", "schema", "json_schema"})  # JSON schemas: their property names count too
+
+
+def _count(value, in_schema: bool = False) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum((len(k) if in_schema else 0)
+                   + (_count(v, in_schema or k in _SCHEMA_KEYS) if in_schema or k not in _STRUCTURE_KEYS else 0)
+                   for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_count(v, in_schema) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return len(repr(value))  # a number where text belongs still reaches the model as text
     return 0
 
 
 def max_prompt_chars(limit: int):
     def reject_long_prompts(call: CallRequest) -> None:
-        total = sum(_chars(m.get("content")) for m in call.messages if isinstance(m, dict))
+        total = prompt_chars(call.params)
         if total > limit:
             raise Rejection(413, f"the prompt has {total} characters; the limit is {limit}", "prompt_too_long",
-                            "messages")
+                            "messages" if "messages" in call.params else "input")
     return reject_long_prompts

@@ -6,7 +6,7 @@ The app calls this module in three places::
     telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
     telemetry.finish(record)       # when its stream is over (Endpoint._finish)
 
-``record`` is the request's ``relay.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
+``record`` is the request's ``record.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
 ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. (``begin``
 returns the request's ``StreamTelemetry``; ``start_stream(model)`` / ``StreamTelemetry.end(record)``
 are the same without the bookkeeping, for callers that keep the handle themselves.) Spans and metrics go to the global OpenTelemetry providers (``trace.get_tracer`` /
@@ -25,13 +25,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
 
-try:
-    from opentelemetry import metrics, trace
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-except ImportError:  # pragma: no cover - opentelemetry-api comes with azure-monitor-opentelemetry
-    metrics = trace = None
+
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from .record import StreamRecord
 
 log = logging.getLogger("chatstream")
 
@@ -58,7 +57,8 @@ ATTR_FINISH_REASON = "chat.finish_reason"
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
 _MS_BUCKETS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000, 300_000,
                600_000, 1_800_000)
-_MAX_MODEL_CHARS = 128  # a caller picks the model name; keep attribute values bounded
+_MAX_MODEL_CHARS = 128
+OTHER_MODEL = "(other)"  # the metric dimension for models the app refused  # a caller picks the model name; keep attribute values bounded
 
 ENV_CONNECTION_STRING = "APPLICATIONINSIGHTS_CONNECTION_STRING"
 ENV_WORKER_TELEMETRY = "PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY"
@@ -126,7 +126,7 @@ class _Instruments:
 _instruments: _Instruments | None = None
 # A proxy until an SDK provider is installed (by the worker, configure(), or a test); then it
 # delegates to that provider.
-_tracer = trace.get_tracer(__name__) if trace is not None else None
+_tracer = trace.get_tracer(__name__)
 
 
 def _get_instruments() -> _Instruments:
@@ -146,12 +146,8 @@ class StreamTelemetry:
         self._span = span
         self._ended = False
 
-    @property
-    def span(self):
-        return self._span
-
-    def end(self, record: Any) -> None:
-        """Finish the span and record the metrics from ``record`` (a ``relay.StreamRecord``)."""
+    def end(self, record: StreamRecord) -> None:
+        """Finish the span and record the metrics from ``record``."""
         if self._ended:
             return
         self._ended = True
@@ -172,8 +168,6 @@ class StreamTelemetry:
 def start_stream(model: str, endpoint: str | None = None) -> StreamTelemetry:
     """Start the ``chat.stream`` span of one request. It is not made the current span (the stream
     outlives the code that starts it); it takes the current context as its parent."""
-    if _tracer is None:
-        return StreamTelemetry(None)
     attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)}
     if endpoint:
         attributes[ATTR_ENDPOINT] = endpoint
@@ -185,26 +179,25 @@ def start_stream(model: str, endpoint: str | None = None) -> StreamTelemetry:
     return StreamTelemetry(span)
 
 
-def begin(record: Any) -> StreamTelemetry:
-    """``start_stream`` for the request that ``record`` (a fresh ``relay.StreamRecord``) describes;
-    the handle travels on the record until ``finish``."""
-    record.telemetry = start_stream(record.model, getattr(record, "endpoint", None))
+def begin(record: StreamRecord) -> StreamTelemetry:
+    """``start_stream`` for the request that ``record`` (a fresh one) describes; the handle travels
+    on the record until ``finish``."""
+    record.telemetry = start_stream(record.model, record.endpoint)
     return record.telemetry
 
 
-def finish(record: Any) -> None:
+def finish(record: StreamRecord) -> None:
     """End the span started by ``begin(record)`` and record the metrics. Only the first call counts;
     a record that never went through ``begin`` is ignored."""
-    stream = getattr(record, "telemetry", None)
-    if stream is not None:
-        stream.end(record)
+    if record.telemetry is not None:
+        record.telemetry.end(record)
 
 
 def _model(model: str | None) -> str:
     return (model or "")[:_MAX_MODEL_CHARS]
 
 
-def outcome(record: Any) -> str:
+def outcome(record: StreamRecord) -> str:
     """``disconnected`` (the caller hung up first), ``failed`` (an error ended it, before or after
     the headers), or ``completed``."""
     if record.disconnected:
@@ -212,7 +205,7 @@ def outcome(record: Any) -> str:
     return "failed" if record.error else "completed"
 
 
-def _is_failure(record: Any) -> bool:
+def _is_failure(record: StreamRecord) -> bool:
     """An error that is ours or the upstream's. A request the caller got wrong (4xx other than 429)
     and a caller hanging up are not failures."""
     if not record.error:
@@ -235,15 +228,14 @@ def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
     return count("prompt_tokens", "input_tokens"), count("completion_tokens", "output_tokens")
 
 
-def _record_stream(span, record: Any) -> None:
-    line = record.as_log()
+def _record_stream(span, record: StreamRecord) -> None:
     model = _model(record.model)
-    ttfd_ms, duration_ms = line["ttfd_ms"], line["duration_ms"]
+    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
     input_tokens, output_tokens = _tokens(record.usage)
     result = outcome(record)
 
-    endpoint = getattr(record, "endpoint", None)
-    attributes: dict[str, Any] = {
+    endpoint = record.endpoint
+    attributes: dict[str, str | int | float | bool] = {
         "gen_ai.request.model": model,
         "http.response.status_code": record.status,
         ATTR_STATUS: record.status,
@@ -270,7 +262,9 @@ def _record_stream(span, record: Any) -> None:
         span.set_status(Status(StatusCode.ERROR, record.error))
 
     inst = _get_instruments()
-    by_model = {"model": model, "endpoint": endpoint} if endpoint else {"model": model}
+    # A caller chooses the model name: only one the app (and its upstream) accepted may become a
+    # metric dimension, or anyone could create unbounded series.
+    by_model = {"model": model if record.model_accepted else OTHER_MODEL, "endpoint": endpoint}
     inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)

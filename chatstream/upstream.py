@@ -1,5 +1,5 @@
-"""The upstream: an OpenAI or Azure OpenAI client built from the settings, and its chat stream
-read as raw chunks.
+"""The upstream: an OpenAI or Azure OpenAI client built from the settings, its streams read as raw
+chunks, and its non-streamed answers.
 
 The openai SDK does the request: retries (honouring ``retry-after``), timeouts, typed errors, Azure
 URLs and Entra ID tokens. The stream's chunks are decoded here with ``json.loads`` instead of the
@@ -9,16 +9,27 @@ dicts keep every field the upstream sent (Azure's filter results, new fields) fo
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 
 import openai
 
+from .errors import UpstreamMalformed, invalid_request
 from .settings import Settings
+from .sse import SSEFramer
 
 # Sent when the upstream needs no key (a local vLLM/Ollama/LM Studio behind OPENAI_BASE_URL); the
 # SDK refuses to start without one.
 NO_KEY = "not-needed"
 ENTRA_SCOPE = "https://cognitiveservices.azure.com/.default"
+# Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
+# plain path segment may go there ("." or ".." would change the path the SDK builds).
+_DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_model_name(settings: Settings, model: str) -> None:
+    if settings.upstream_kind == "azure" and not _DEPLOYMENT_NAME.fullmatch(model):
+        raise invalid_request(f"model {model!r} is not a valid Azure OpenAI deployment name", "model")
 
 
 def make_client(settings: Settings, credential=None) -> openai.AsyncOpenAI:
@@ -51,8 +62,9 @@ def entra_token_provider(credential=None):
 
 
 class UpstreamStream(openai.AsyncStream[dict]):
-    """One streamed chat completion: ``async for chunk in stream`` yields each ``data:`` payload
-    as a dict until ``[DONE]``; ``close()`` drops the connection (stopping the generation).
+    """One streamed call (chat completions or responses): ``async for data in stream`` yields each
+    ``data:`` payload as a dict until ``[DONE]`` or the end of the body; ``close()`` drops the
+    connection (stopping the generation).
 
     The request goes through the SDK's documented low-level ``client.post`` (retries, timeouts,
     typed errors, Azure's deployment URLs and auth all apply); ``create()`` would first run its
@@ -60,8 +72,8 @@ class UpstreamStream(openai.AsyncStream[dict]):
     need none."""
 
     @classmethod
-    async def open(cls, client: openai.AsyncOpenAI, params: dict) -> "UpstreamStream":
-        return await client.post("/chat/completions", body=params, cast_to=object, stream=True, stream_cls=cls)
+    async def open(cls, client: openai.AsyncOpenAI, path: str, params: dict) -> "UpstreamStream":
+        return await client.post(path, body=params, cast_to=object, stream=True, stream_cls=cls)
 
     async def __stream__(self) -> AsyncIterator[dict]:
         framer = SSEFramer()
@@ -70,54 +82,34 @@ class UpstreamStream(openai.AsyncStream[dict]):
                 if framer.done:
                     continue  # read to the end of the body, so the connection can be reused
                 for payload in framer.feed(piece):
-                    chunk = json.loads(payload)
-                    if not isinstance(chunk, dict):
-                        raise ValueError("a chunk is not a JSON object")
-                    if chunk.get("error") and "choices" not in chunk:
-                        raise _stream_error(self.response, chunk["error"])
-                    yield chunk
+                    yield _decode(self.response, payload)
         except _TIMEOUT_ERRORS as exc:
             raise openai.APITimeoutError(request=self.response.request) from exc
         except _TRANSPORT_ERRORS as exc:
             raise openai.APIConnectionError(request=self.response.request) from exc
 
 
-class SSEFramer:
-    """Server-sent events on bytes: ``feed(piece)`` returns the ``data`` of each event completed by
-    ``piece`` (data lines joined with LF), up to ``[DONE]``. Lines end with LF, CRLF or CR, also
-    when a CRLF is split between pieces; comments, ``event:`` and ``id:`` lines carry nothing for
-    chat completions. It works on bytes so that json.loads gets whole UTF-8 text however the network
-    split it, and so that no text or line layer costs two more generators per chunk (as httpx's
-    would), which matters at thousands of chunks per second."""
+def _decode(response, payload: bytes) -> dict:
+    try:
+        data = json.loads(payload)
+    except ValueError:  # not JSON, or not UTF-8
+        raise UpstreamMalformed() from None
+    if not isinstance(data, dict):
+        raise UpstreamMalformed()
+    if data.get("error") and "choices" not in data and "type" not in data:  # chat completions' error event
+        raise _stream_error(response, data["error"])
+    return data
 
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._data: list[bytes] = []
-        self._cr = False  # the last piece ended with CR: an LF starting the next one belongs to it
-        self.done = False
 
-    def feed(self, piece: bytes) -> list[bytes]:
-        if not piece:
-            return []
-        if self._cr and piece.startswith(b"\n"):
-            piece = piece[1:]
-        self._cr = piece.endswith(b"\r")
-        buffer = self._buffer + piece
-        if b"\r" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *lines, self._buffer = buffer.split(b"\n")
-        events = []
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-            elif not line and self._data:  # a blank line ends the event
-                payload = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
-                self._data = []
-                if payload == b"[DONE]":
-                    self.done = True
-                    break
-                events.append(payload)
-        return events
+async def complete(client: openai.AsyncOpenAI, path: str, params: dict) -> dict:
+    """One non-streamed call: the upstream's JSON object."""
+    try:
+        body = await client.post(path, body=params, cast_to=object)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UpstreamMalformed("the model server sent a malformed answer") from None
+    if not isinstance(body, dict):  # the SDK hands back text when the body is not JSON
+        raise UpstreamMalformed("the model server sent a malformed answer")
+    return body
 
 
 def _stream_error(response, error) -> openai.APIError:

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstream.upstream import SSEFramer
+from chatstream.sse import SSEFramer
 
 payloads = st.lists(st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3),
                     min_size=0, max_size=6)

@@ -2,11 +2,10 @@
 OpenTelemetry SDK's in-memory span exporter and metric reader installed as the global providers.
 
 Two layers:
-- ``telemetry`` driven directly with ``relay.StreamRecord``s (what ``endpoint._finish`` hands it);
-- end to end: the real ``ChatEndpoint`` served by uvicorn on 127.0.0.1 in this process (the exporter
+- ``telemetry`` driven directly with ``record.StreamRecord``s (what ``endpoint._finish`` hands it);
+- end to end: the app's real /api/chat endpoint served by uvicorn on 127.0.0.1 in this process (the exporter
   has to live in the app's process), talking to the real scripted upstream (``fakeupstream``, a
-  subprocess), called over HTTP, including a caller that hangs up mid-stream. These run once the
-  hook is wired into chatstream/endpoint.py, and are skipped until then.
+  subprocess), called over HTTP, including a caller that hangs up mid-stream.
 
 Each test uses a model name of its own, so spans and metric points of other tests never mix in."""
 from __future__ import annotations
@@ -29,9 +28,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-import chatstream.endpoint
 from chatstream import telemetry
-from chatstream.relay import StreamRecord
+from chatstream.record import StreamRecord
 from servers import ROOT
 
 SPANS = InMemorySpanExporter()
@@ -87,7 +85,7 @@ def counter_value(points: list, **attrs) -> int:
 
 
 def finished_record(model: str, *, ttfd: float = 0.05, deltas: int = 3) -> StreamRecord:
-    record = StreamRecord(model=model)
+    record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.first_delta_at = record.started + ttfd
     record.deltas = deltas
     record.finish_reason = "stop"
@@ -155,7 +153,7 @@ def test_metrics_add_up_over_streams(otel, model):
 
 def test_caller_hanging_up_is_marked_disconnected_not_failed(otel, model):
     stream = telemetry.start_stream(model)
-    record = StreamRecord(model=model)
+    record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.first_delta_at = record.started + 0.01
     record.deltas = 2
     record.disconnected = True
@@ -172,7 +170,7 @@ def test_caller_hanging_up_is_marked_disconnected_not_failed(otel, model):
 
 
 def test_hang_up_before_the_first_token(otel, model):
-    record = StreamRecord(model=model)
+    record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.status, record.disconnected = 499, True
     telemetry.start_stream(model).end(record)
     (span,) = spans_of(model)
@@ -190,7 +188,7 @@ def test_hang_up_before_the_first_token(otel, model):
     (503, "not_configured", True),
 ])
 def test_errors(otel, model, status, error, failed):
-    record = StreamRecord(model=model)
+    record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.status, record.error = status, error
     telemetry.start_stream(model).end(record)
     (span,) = spans_of(model)
@@ -218,7 +216,7 @@ def test_end_counts_once(otel, model):
 
 
 def test_begin_and_finish_keep_the_handle_for_the_app(otel, model):
-    record = StreamRecord(model=model, endpoint="openai")
+    record = StreamRecord(endpoint="openai", model=model, model_accepted=True)
     telemetry.begin(record)
     record.deltas, record.finish_reason = 2, "stop"
     telemetry.finish(record)
@@ -300,11 +298,11 @@ def test_no_sdk_means_no_cost_and_no_error():
     code = (
         "import sys\n"
         "from chatstream import telemetry\n"
-        "from chatstream.relay import StreamRecord\n"
+        "from chatstream.record import StreamRecord\n"
         "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
         "assert 'opentelemetry.sdk' not in sys.modules\n"
         "assert telemetry.configure({}) == 'off'\n"
-        "s = telemetry.start_stream('m'); r = StreamRecord(model='m'); r.deltas = 1; s.end(r)\n"
+        "s = telemetry.start_stream('m'); r = StreamRecord(endpoint='chat', model='m'); r.deltas = 1; s.end(r)\n"
         "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -381,26 +379,22 @@ def test_the_real_azure_monitor_distro_accepts_the_call():
 # End to end: the real endpoint over HTTP, in this process
 # ---------------------------------------------------------------------------------------------
 
-WIRED = hasattr(chatstream.endpoint, "telemetry")
-needs_wiring = pytest.mark.skipif(not WIRED, reason="chatstream/endpoint.py does not call telemetry yet "
-                                                    "(see docs/observability.md, 'Wiring')")
 
 
 class InProcessApp:
-    """ChatEndpoint as the /api/chat route, served by uvicorn on 127.0.0.1:<free port> in a thread."""
+    """The app's /api/chat endpoint as the route, served by uvicorn on 127.0.0.1:<free port> in a thread."""
 
     def __init__(self, upstream_base_url: str):
         import uvicorn
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        from chatstream.endpoint import ChatEndpoint
+        from chatstream.app import create_app
         from chatstream.settings import Settings
-        from chatstream.upstream import make_client
 
         settings = Settings.from_env({"OPENAI_BASE_URL": upstream_base_url, "OPENAI_API_KEY": "sk-test",
                                       "OPENAI_MODEL": "gpt-test", "UPSTREAM_MAX_RETRIES": "0"})
-        endpoint = ChatEndpoint(settings, make_client(settings))
+        endpoint = create_app(settings).chat
 
         async def chat(request):  # a function, so Starlette passes the Request
             return await endpoint(request)
@@ -439,7 +433,6 @@ def wait_for_span(model: str, timeout: float = 5.0):
         time.sleep(0.02)
 
 
-@needs_wiring
 def test_streamed_request_end_to_end(otel, model, inproc):
     body = {"prompt": "[scenario:normal] tell me something", "model": model}
     events = []
@@ -473,7 +466,6 @@ def test_streamed_request_end_to_end(otel, model, inproc):
         done["usage"]["completion_tokens"]
 
 
-@needs_wiring
 def test_caller_hanging_up_end_to_end(otel, model, inproc):
     body = {"prompt": "[scenario:stall] wait", "model": model}
     got = []
@@ -494,7 +486,6 @@ def test_caller_hanging_up_end_to_end(otel, model, inproc):
     assert duration.attributes["outcome"] == "disconnected"
 
 
-@needs_wiring
 def test_rejected_request_end_to_end(otel, model, inproc):
     response = httpx.post(inproc.url, json={"prompt": "[scenario:rate_limited] hi", "model": model}, timeout=30)
     assert response.status_code == 429

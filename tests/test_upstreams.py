@@ -51,7 +51,7 @@ async def _two_requests(upstream, credential) -> list[str]:
     settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal"})
     client = make_client(settings, credential=credential)
     for _ in range(2):
-        stream = await UpstreamStream.open(client, {"model": "normal", "stream": True,
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "normal", "stream": True,
                                                     "messages": [{"role": "user", "content": "hi"}]})
         text = ""
         async for chunk in stream:

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from . import scenarios as sc
+from .params import chat_param_problem
 from .scenarios import Cadence, Request, Scenario
 
 MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
@@ -196,6 +197,9 @@ class FakeUpstream:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+        problem = chat_param_problem(body)
+        if problem:
+            raise _invalid(*problem)
         n = body.get("n") or 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
             raise _invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")

@@ -8,10 +8,9 @@ import os
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import Request, Response
 
-from chatstream.endpoint import ChatEndpoint, OpenAIEndpoint
+from chatstream.app import create_app
 from chatstream.pipeline import CallRequest, Pipeline, Rejection, StreamResult
 from chatstream.settings import Settings
-from chatstream.upstream import make_client
 
 settings = Settings.from_env()
 pipeline = Pipeline.from_settings(settings)  # SYSTEM_PROMPT, MAX_PROMPT_CHARS, BLOCKED_TERMS
@@ -56,17 +55,15 @@ async def record_result(result: StreamResult) -> None:
         f.write(json.dumps(dataclasses.asdict(result), ensure_ascii=False) + "\n")
 
 
-client = make_client(settings)
-chat_endpoint = ChatEndpoint(settings, client, pipeline)
-openai_endpoint = OpenAIEndpoint(settings, client, pipeline)
+chat_app = create_app(settings, pipeline)
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
 
 @app.route(route="chat", methods=["POST"])
 async def chat(req: Request) -> Response:
-    return await chat_endpoint(req)
+    return await chat_app.chat(req)
 
 
 @app.route(route="v1/chat/completions", methods=["POST"])
 async def chat_completions(req: Request) -> Response:
-    return await openai_endpoint(req)
+    return await chat_app.chat_completions(req)

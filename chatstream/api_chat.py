@@ -1,16 +1,25 @@
-"""The request contract of POST /api/chat: one typed, validated request, or a 4xx ApiError.
+"""POST /api/chat, our own small API: its request contract, its events and its errors (docs/api.md).
 
-Body: ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}`` (never both), plus
-optional ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop``. See docs/api.md."""
+Request: ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}`` (never both), plus
+optional ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop``; strict: unknown
+fields are refused. Always streamed: ``data: {"delta": "..."}`` per piece of text, then exactly one
+``event: done`` or ``event: error``. Errors: ``{"error": {"type", "message", "param"?, "retryable"}}``."""
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
                       model_validator)
 
+from fastapi.responses import JSONResponse
+
+from . import sse
+from .completions import CompletionStream
 from .errors import ApiError, invalid_request
+from .pipeline import CallRequest, Pipeline
+from .record import StreamRecord
+from .settings import Settings
+from .stream import Chunk, Done, Event
 
 MAX_MESSAGES = 1000
 MAX_STOP = 4
@@ -70,41 +79,6 @@ class ChatRequest(BaseModel):
         return self.model_dump(include={"temperature", "top_p", "max_tokens", "seed", "stop"}, exclude_none=True)
 
 
-def _has_lone_surrogate(value) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    return False
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_body(raw: bytes) -> object:
-    """Strict JSON: UTF-8 only, no NaN/Infinity, no lone surrogates, bounded nesting."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise invalid_request("the body is not valid UTF-8") from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise invalid_request("the body is nested too deeply") from None
-    except ValueError as exc:
-        raise invalid_request(f"the body is not valid JSON: {exc}") from None
-    if _has_lone_surrogate(data):
-        raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
-    return data
-
-
 def _param(loc: tuple, error_type: str) -> str | None:
     """The caller's field path (``messages[0].role``) from a pydantic error location, which also
     holds union member tags such as ``str`` or ``list[...]`` that the caller never wrote."""
@@ -135,12 +109,38 @@ def validate_chat_request(data: object) -> ChatRequest:
         raise invalid_request(message, param) from None
 
 
-# curl -d sends application/x-www-form-urlencoded unless told otherwise; a JSON body is never valid
-# form data for this endpoint, so that type (and none at all) is read as JSON. Anything else is 415.
-_ACCEPTED_AS_JSON = {"", "application/json", "application/x-www-form-urlencoded"}
+def chat_text(chunk: dict) -> str | None:
+    """Choice 0's content in a chunk, if any."""
+    for choice in chunk["choices"]:
+        if choice.get("index", 0) == 0:
+            delta = choice.get("delta")
+            return delta.get("content") if delta else None
+    return None
 
 
-def require_json_content_type(content_type: str | None) -> None:
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media not in _ACCEPTED_AS_JSON and not (media.startswith("application/") and media.endswith("+json")):
-        raise ApiError(415, "unsupported_media_type", "send the body as Content-Type: application/json")
+def encode(event: Event) -> bytes | None:
+    if isinstance(event, Chunk):
+        text = chat_text(event.data)
+        return sse.event({"delta": text}) if text else None
+    if isinstance(event, Done):
+        return sse.event({"finish_reason": event.finish_reason, "usage": event.usage, "model": event.model,
+                          "id": event.id}, b"done")
+    return sse.event(event.error.body(), b"error")
+
+
+class ChatApi:
+    name = "chat"
+    path = "/chat/completions"
+    completes = False  # always streamed
+
+    def parse(self, data: object, settings: Settings) -> CallRequest:
+        return CallRequest(params=validate_chat_request(data).to_params(settings.default_model), endpoint=self.name)
+
+    def protocol(self, call: CallRequest, pipeline: Pipeline, record: StreamRecord) -> CompletionStream:
+        return CompletionStream(pipeline, record)
+
+    def encoder(self, call: CallRequest):
+        return encode
+
+    def error_response(self, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

@@ -1,0 +1,136 @@
+"""POST /api/v1/chat/completions and GET /api/v1/models: OpenAI's chat-completions API, for the
+OpenAI SDKs and the tools built on them (docs/openai.md). Its request contract, its events and its
+errors, in OpenAI's shapes.
+
+Forward-compatible: the relay checks only the fields it reads or limits (``model``, ``messages``,
+``stream``, ``stream_options``, ``n``); every other field goes to the upstream unchanged, and the
+upstream's own 400 comes back as a 400 with its message. Errors are
+``{"error": {"message", "type", "param", "code"}}`` with the statuses the SDKs map to their
+exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 RateLimitError, 5xx)."""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from . import sse
+from .completions import CompletionStream, filter_completion
+from .errors import ApiError, invalid_request
+from .pipeline import CallRequest, Pipeline
+from .record import StreamRecord
+from .settings import Settings
+from .stream import Chunk, Done, Event
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+OPENAI_DONE = b"data: [DONE]\n\n"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+
+
+class OpenAIChatRequest(BaseModel):
+    """The fields the relay reads or limits; any other field is kept and passed on as it came."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=1000)]
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=8)] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_have_roles(cls, messages: list[dict]) -> list[dict]:
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            if not isinstance(role, str) or role not in ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
+            content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise ValueError(f"messages[{i}].content must be a string, an array of parts, or null")
+        return messages
+
+
+def validate(data: object) -> OpenAIChatRequest:
+    if not isinstance(data, dict):
+        raise invalid_request("the body must be a JSON object")
+    try:
+        return OpenAIChatRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
+        param = loc[0] if loc else None
+        message = first["msg"].removeprefix("Value error, ")
+        raise invalid_request(f"{param}: {message}" if param else message, param) from None
+
+
+_TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}
+
+
+def error_body(error: ApiError) -> dict:
+    """Our ApiError in OpenAI's error shape; ``code`` carries our error type."""
+    if error.status in _TYPE_BY_STATUS:
+        kind = _TYPE_BY_STATUS[error.status]
+    elif error.status >= 500:
+        kind = "server_error"
+    else:
+        kind = "invalid_request_error"
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.type}}
+
+
+def status_for(error: ApiError) -> int:
+    # The SDKs raise NotFoundError for 404: an unknown model is a 404 on OpenAI's API.
+    return 404 if error.type == "model_not_found" else error.status
+
+
+def encode(event: Event, include_usage: bool) -> bytes:
+    if isinstance(event, Chunk):
+        return sse.event(event.data)
+    if isinstance(event, Done):
+        if include_usage:
+            return sse.event({"id": event.id, "object": "chat.completion.chunk", "created": event.created,
+                              "model": event.model, "choices": [], "usage": event.usage}) + OPENAI_DONE
+        return OPENAI_DONE
+    return sse.event(error_body(event.error))
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=status_for(error), headers=error.headers)
+
+
+class OpenAIChatApi:
+    name = "openai"
+    path = "/chat/completions"
+    completes = True
+
+    def parse(self, data: object, settings: Settings) -> CallRequest:
+        validate(data)
+        params = dict(data)  # as the caller sent it: fields we do not read pass through unchanged
+        if params.get("model") is None:
+            params["model"] = settings.default_model
+        include_usage = False
+        if params.get("stream"):
+            # Usage is always asked for (the log line needs it); the caller gets it only if asked.
+            include_usage = bool((params.get("stream_options") or {}).get("include_usage"))
+            params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
+        return CallRequest(params=params, endpoint=self.name, include_usage=include_usage)
+
+    def protocol(self, call: CallRequest, pipeline: Pipeline, record: StreamRecord) -> CompletionStream:
+        return CompletionStream(pipeline, record, call.params.get("n") or 1)
+
+    def encoder(self, call: CallRequest):
+        return lambda event: encode(event, call.include_usage)
+
+    error_response = staticmethod(error_response)
+    completion = staticmethod(filter_completion)
+
+
+def models_list(names) -> dict:
+    return {"object": "list", "data": [model_object(name) for name in names]}
+
+
+def model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "chatstream"}

@@ -1,0 +1,194 @@
+"""Chat completions as the upstream sends them, through the pipeline's text steps: each streamed
+chunk (``CompletionStream.feed``) and a whole non-streamed completion (``filter_completion``).
+
+Every text the model returns goes through the text steps (``BLOCKED_TERMS`` and your own): the
+content, the refusal, and each tool call's arguments, each with a filter of its own per choice, so
+the guard is right however the upstream splits any of them. Filtering never changes the upstream's
+dicts: it returns new ones.
+
+Stream rules: chunks with empty ``choices`` (Azure's filter frames, the usage chunk) are not
+forwarded; nothing a choice sends after its ``finish_reason`` is forwarded; a chunk is *output*
+(what the status rule and the delta count wait for) when it carries text, a refusal or a tool call,
+or finishes a choice."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .errors import UpstreamMalformed
+from .pipeline import Pipeline, TextFilter
+from .record import StreamRecord
+from .stream import Done, Fed
+
+TEXT_FIELDS = ("content", "refusal")
+
+
+def _well_formed(choice) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta") or {}
+    return (isinstance(delta, dict) and all(isinstance(delta.get(f) or "", str) for f in TEXT_FIELDS)
+            and isinstance(delta.get("tool_calls") or [], list))
+
+
+def _has_substance(delta: dict) -> bool:
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
+                or delta.get("function_call"))
+
+
+def _empty_call(call) -> bool:
+    """A tool-call fragment left with nothing to say once its arguments were held back."""
+    return isinstance(call, dict) and set(call) <= {"index", "function"} and \
+        not (call.get("function") or {}).get("arguments") and set(call.get("function") or {}) <= {"arguments"}
+
+
+class ChoiceFilters:
+    """The text filters of one choice, one per text channel: ``content``, ``refusal`` and
+    ``("tool", i)`` for the arguments of tool call ``i``."""
+
+    def __init__(self, make: Callable[[], TextFilter]):
+        self._make = make
+        self._filters: dict[object, TextFilter] = {}
+
+    async def feed(self, channel, text: str) -> str:
+        if channel not in self._filters:
+            self._filters[channel] = self._make()
+        return await self._filters[channel].feed(text)
+
+    async def flush_into(self, delta: dict) -> None:
+        """The choice finished: what each filter held goes into ``delta`` (a new dict of ours)."""
+        for channel, text_filter in self._filters.items():
+            tail = await text_filter.flush()
+            if not tail:
+                continue
+            if isinstance(channel, tuple):
+                delta["tool_calls"] = [*(delta.get("tool_calls") or []),
+                                       {"index": channel[1], "function": {"arguments": tail}}]
+            else:
+                delta[channel] = (delta.get(channel) or "") + tail
+
+    async def filter_call(self, call):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("arguments"), str) or not function["arguments"]:
+            return call
+        arguments = await self.feed(("tool", call.get("index", 0)), function["arguments"])
+        return {**call, "function": {**function, "arguments": arguments}}
+
+    async def filter_delta(self, delta: dict, final: bool) -> dict:
+        """A new delta with every text through the filters (and, when ``final``, what they held)."""
+        new = dict(delta)
+        for field in TEXT_FIELDS:
+            if delta.get(field):
+                new[field] = await self.feed(field, delta[field])
+        if delta.get("tool_calls"):
+            calls = [await self.filter_call(c) for c in delta["tool_calls"]]
+            new["tool_calls"] = [c for c in calls if not _empty_call(c)]
+            if not new["tool_calls"]:
+                del new["tool_calls"]
+        if final:
+            await self.flush_into(new)
+        return new
+
+
+class CompletionStream:
+    """One streamed chat completion: ``feed`` each upstream chunk, forward what it returns."""
+
+    def __init__(self, pipeline: Pipeline, record: StreamRecord, choices: int = 1):
+        self._make_filter = pipeline.text_filter if pipeline.filters_text else None
+        self._filters: dict[int, ChoiceFilters] = {}
+        self._record = record
+        self._wanted = choices
+        self.finished: dict[int, str] = {}
+        self.model = self.id = self.created = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) >= self._wanted
+
+    def note(self, data: dict) -> None:
+        """What every chunk may carry: the ids, and the usage (the last chunk, after the finish)."""
+        self.model = data.get("model") or self.model
+        self.id = data.get("id") or self.id
+        self.created = data.get("created") or self.created
+        if data.get("usage"):
+            self._record.usage = data["usage"]
+
+    async def feed(self, data: dict) -> Fed:
+        self.note(data)
+        choices = data.get("choices")
+        if not choices:
+            return Fed(None)
+        if not isinstance(choices, list) or not all(map(_well_formed, choices)):
+            raise UpstreamMalformed("a chunk's choices are not objects with a delta object")
+        kept, substance, finishing = [], False, False
+        for choice in choices:
+            new = await self._choice(choice)
+            if new is not None:
+                kept.append(new)
+                substance = substance or _has_substance(new["delta"])
+                finishing = finishing or bool(new.get("finish_reason"))
+        if not kept:
+            return Fed(None)
+        return Fed({**data, "choices": kept}, output=substance or finishing, delta=substance)
+
+    async def _choice(self, choice: dict) -> dict | None:
+        index = choice.get("index", 0)
+        if index in self.finished:
+            return None  # nothing after a choice's finish_reason is forwarded
+        delta = choice.get("delta") or {}
+        reason = choice.get("finish_reason")
+        if self._make_filter is not None:
+            filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
+            if not reason and _has_substance(delta) and not _has_substance(filtered) and \
+                    set(filtered) <= {*TEXT_FIELDS, "tool_calls"}:
+                return None  # everything was held back: nothing to send for this choice
+            delta = filtered
+        self._record.keep_text(index, delta.get("content") or "")
+        if reason:
+            self.finished[index] = reason
+        return {**choice, "delta": delta}
+
+    def _choice_filters(self, index: int) -> ChoiceFilters:
+        if index not in self._filters:
+            self._filters[index] = ChoiceFilters(self._make_filter)
+        return self._filters[index]
+
+    def summary(self) -> Done:
+        return Done(self.finished.get(0), dict(self.finished), self._record.usage, self.model, self.id, self.created)
+
+
+async def filter_completion(body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
+    """A whole chat.completion with each choice's texts through the text steps (a new dict)."""
+    if not isinstance(body.get("choices"), list):
+        raise UpstreamMalformed("the completion is not an object with choices")
+    record.usage = body.get("usage")
+    choices = []
+    for choice in body["choices"]:
+        if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
+            choice = {**choice, "message": await _filter_message(choice["message"], pipeline)}
+            if choice.get("index", 0) == 0:
+                record.finish_reason = choice.get("finish_reason")
+            record.keep_text(choice.get("index", 0), choice["message"].get("content") or "")
+        choices.append(choice)
+    return {**body, "choices": choices}
+
+
+async def _whole(pipeline: Pipeline, text: str) -> str:
+    text_filter = pipeline.text_filter()
+    return await text_filter.feed(text) + await text_filter.flush()
+
+
+async def _filter_message(message: dict, pipeline: Pipeline) -> dict:
+    if not pipeline.filters_text:
+        return message
+    new = dict(message)
+    for field in TEXT_FIELDS:
+        if isinstance(message.get(field), str):
+            new[field] = await _whole(pipeline, message[field])
+    if isinstance(message.get("tool_calls"), list):
+        new["tool_calls"] = []
+        for call in message["tool_calls"]:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                call = {**call, "function": {**function, "arguments": await _whole(pipeline, function["arguments"])}}
+            new["tool_calls"].append(call)
+    return new

@@ -1,0 +1,80 @@
+"""The time limits of one stream, and which error each one raises.
+
+- first token: from the request until the first output (``FIRST_TOKEN_TIMEOUT_SECONDS``);
+- idle: between two upstream chunks once output has started (``IDLE_TIMEOUT_SECONDS``);
+- total: the whole stream, however slowly the caller reads (``TOTAL_TIMEOUT_SECONDS``).
+
+Every wait on the upstream goes through ``wait``, bounded by the limit in force. The total limit is
+also checked on every chunk (chunks already buffered arrive without a wait), and the stream core
+arms ``on_total`` so that a stream parked behind a caller who stopped reading is closed at the
+limit all the same."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from .errors import TimeLimit
+from .settings import Settings
+
+T = TypeVar("T")
+
+
+def first_token_expired() -> TimeLimit:
+    return TimeLimit("upstream_timeout", "no first token within the time limit")
+
+
+def idle_expired() -> TimeLimit:
+    return TimeLimit("upstream_timeout", "the model stopped sending within the idle limit")
+
+
+def total_expired() -> TimeLimit:
+    return TimeLimit("total_timeout", "the stream hit its total time limit")
+
+
+class TimeLimits:
+    def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop | None = None):
+        self.loop = loop or asyncio.get_running_loop()
+        now = self.loop.time()
+        self.total_at = now + settings.total_timeout
+        self.deadline = min(self.total_at, now + settings.first_token_timeout)
+        self.idle = settings.idle_timeout
+        self.usage_wait = settings.usage_wait
+        self.output_started = False
+        self.waiting = False  # inside ``wait``: the limit in force ends that wait by itself
+
+    def error(self) -> TimeLimit:
+        """The error for the limit in force now."""
+        if not self.output_started:
+            return first_token_expired()
+        return total_expired() if self.deadline >= self.total_at else idle_expired()
+
+    def check_total(self) -> None:
+        if self.loop.time() >= self.total_at:
+            raise total_expired()
+
+    def got_output(self) -> None:
+        """Output went to the caller: from now on the idle limit runs between chunks."""
+        self.output_started = True
+        self.deadline = min(self.total_at, self.loop.time() + self.idle)
+
+    def got_chunk(self) -> None:
+        if self.output_started:
+            self.deadline = min(self.total_at, self.loop.time() + self.idle)
+
+    def finishing(self) -> None:
+        """Every choice has finished: only the usage is still awaited, briefly."""
+        self.deadline = min(self.total_at, self.loop.time() + self.usage_wait)
+
+    async def wait(self, awaitable: Awaitable[T]) -> T:
+        self.waiting = True
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await awaitable
+        except TimeoutError:
+            raise self.error() from None
+        finally:
+            self.waiting = False
+
+    def on_total(self, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        return self.loop.call_at(self.total_at, callback)

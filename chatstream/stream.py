@@ -1,0 +1,169 @@
+"""The stream core, shared by every API: upstream chunks in, events out: ``Chunk`` for each chunk
+worth forwarding (already through the pipeline's text steps), then exactly one ``Done`` or
+``Failed``.
+
+What it guarantees whatever the API: chunks before the first output (a role chunk, say) are held
+and sent with it, so that the status rule can wait for real output; every wait on the upstream is
+bounded by the time limits (limits.py), and the total limit holds even when the caller stops
+reading; a failure of any kind ends the stream with one ``Failed`` (a bug of ours is logged with
+its traceback and reported as ``internal_error``, never blamed on the upstream); the upstream
+response is closed however the stream ends, including when the caller hangs up.
+
+What differs per upstream API (chat completions, responses) is the ``protocol``: it filters each
+chunk (``feed`` → ``Fed``), says when the answer is complete (``done``), reads what comes after
+(``note``, e.g. the usage) and sums the stream up (``summary``)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+
+from .errors import UPSTREAM_ERRORS, ApiError, from_upstream
+from .limits import TimeLimits
+from .record import StreamRecord
+from .upstream import UpstreamStream
+
+log = logging.getLogger("chatstream")
+
+
+@dataclass(slots=True)
+class Chunk:
+    data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: str | None  # choice 0's (for responses: the response's status)
+    finish_reasons: dict[int, str]
+    usage: dict | None
+    model: str | None
+    id: str | None
+    created: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: ApiError
+
+
+Event = Chunk | Done | Failed
+
+
+@dataclass(frozen=True, slots=True)
+class Fed:
+    """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
+    is output (the status rule waits for output), and whether it counts as a delta."""
+    data: dict | None
+    output: bool = False
+    delta: bool = False
+
+
+class StreamProtocol(Protocol):
+    @property
+    def done(self) -> bool: ...  # the answer is complete
+    @property
+    def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
+    async def feed(self, data: dict) -> Fed: ...
+    def note(self, data: dict) -> None: ...
+    def summary(self) -> Done: ...
+
+
+def incomplete() -> ApiError:
+    return ApiError(502, "upstream_incomplete", "the model server ended the stream without a finish reason",
+                    retryable=True)
+
+
+async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: StreamProtocol,
+                limits: TimeLimits, record: StreamRecord) -> AsyncIterator[Event]:
+    stream: UpstreamStream | None = None
+    watchdog = None
+    ended = False
+    try:
+        stream = await limits.wait(open_stream())
+        watchdog = limits.on_total(lambda: _close_parked(stream, limits))
+        async for chunk in _forward(aiter(stream), protocol, limits, record):
+            yield chunk
+        await _read_rest(aiter(stream), protocol, limits)
+        done = protocol.summary()
+        record.finish_reason = done.finish_reason
+        ended = True
+        yield done
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the one final event
+        ended = True
+        yield Failed(_failure(exc, record))
+    finally:
+        if not ended:
+            record.disconnected = True
+        if watchdog is not None:
+            watchdog.cancel()
+        if stream is not None:
+            # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
+            # connection must still be closed (that is what stops the paid generation).
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+
+
+async def _forward(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits,
+                   record: StreamRecord) -> AsyncIterator[Chunk]:
+    held: list[dict] = []  # chunks before the first output
+    while not protocol.done:
+        try:
+            data = await limits.wait(anext(chunks))
+        except StopAsyncIteration:
+            if protocol.finished:  # a choice never finished but the stream ended cleanly
+                return
+            raise incomplete() from None
+        limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
+        fed = await protocol.feed(data)
+        if fed.data is None:
+            continue
+        if record.first_delta_at is None:
+            if not fed.output:
+                held.append(fed.data)
+                continue
+            record.first_delta_at = time.perf_counter()
+            limits.got_output()
+            for early in held:
+                yield Chunk(early)
+        if fed.delta:
+            record.deltas += 1
+        yield Chunk(fed.data)
+        limits.check_total()  # the caller may have read slowly while we were parked at yield
+        limits.got_chunk()
+
+
+async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits) -> None:
+    """After the answer is complete, read on briefly for what follows it (the usage), and to the end
+    of the body so the SDK can reuse the connection. Missing it is not a failure."""
+    limits.finishing()
+    try:
+        async with asyncio.timeout_at(limits.deadline):
+            async for data in chunks:
+                protocol.note(data)
+    except (TimeoutError, ApiError, *UPSTREAM_ERRORS):
+        pass
+
+
+def _close_parked(stream: UpstreamStream, limits: TimeLimits) -> None:
+    """At the total limit: a stream parked behind a caller who stopped reading is not waiting on the
+    upstream (that wait would expire by itself), so close the upstream now; the core reports the
+    limit when the caller reads again."""
+    if not limits.waiting:
+        asyncio.ensure_future(stream.close())
+
+
+def _failure(exc: Exception, record: StreamRecord) -> ApiError:
+    if isinstance(exc, ApiError):
+        error = exc
+    elif isinstance(exc, UPSTREAM_ERRORS):
+        error = from_upstream(exc, record.model, midstream=record.first_delta_at is not None)
+    else:
+        log.exception("chat stream failed (endpoint=%s)", record.endpoint)
+        error = ApiError(500, "internal_error", "the stream failed unexpectedly", retryable=True)
+    record.error = error.type
+    return error
