@@ -10,8 +10,14 @@ logs it with its traceback and answers 500 ``internal_error``. Malformed data fr
 never one of those: the upstream code raises ``UpstreamMalformed`` for it."""
 from __future__ import annotations
 
+import logging
+
 import openai
 from azure.core.exceptions import ClientAuthenticationError
+
+from .record import log_safe
+
+log = logging.getLogger("chatstream")
 
 
 class ApiError(Exception):
@@ -116,6 +122,9 @@ def from_upstream(exc: BaseException, model: str, midstream: bool = False) -> Ap
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ClientAuthenticationError):
+        # Not a bug and not the caller's: one line with the credential's own account of what it
+        # tried (it names credential types, never a secret), no traceback.
+        log.warning("could not get an Entra ID token for Azure OpenAI: %s", log_safe(exc.message or str(exc)))
         return ApiError(503, "upstream_auth_unavailable",
                         "the app could not get an Entra ID token for Azure OpenAI", retryable=True)
     if isinstance(exc, openai.APITimeoutError):

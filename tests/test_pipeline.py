@@ -11,7 +11,7 @@ import pytest
 
 from chat import chat, prompt
 from chatstream.guard import redact_whole
-from conftest import app_env
+from helpers import app_env
 from tools.fakeupstream.scenarios import TEXTS
 from servers import ROOT, App
 
@@ -137,3 +137,23 @@ def test_after_step_sees_the_result_without_delaying_the_caller(piped, results_f
     assert recorded["usage"]["total_tokens"] > 0
     assert recorded["disconnected"] is False and recorded["status"] == 200
     assert recorded["ttfd_ms"] is not None
+
+
+def test_a_before_step_turning_streaming_off_on_api_chat_is_a_json_error(piped):
+    """Latent bug (core reshape): this reached a NotImplementedError, a plain-text 500 with no log line."""
+    result = chat(piped.chat_url, {"prompt": "[stream-off] hi"})
+    assert result.status == 500
+    assert result.body["error"]["type"] == "pipeline_error"
+    assert "streaming off" in result.body["error"]["message"]
+    piped.wait_log(r'"status": 500[^\n]*"error": "pipeline_error"')
+
+
+def test_a_before_step_adding_an_unknown_parameter_to_a_non_streamed_call_is_a_json_error(piped, upstream):
+    """Latent bug (core reshape): the SDK's create() raised a TypeError nothing caught. Now the parameter
+    reaches the upstream like any other, and the upstream's 400 comes back in OpenAI's shape."""
+    r = httpx.post(piped.url + "/api/v1/chat/completions", timeout=20,
+                   json={"messages": [{"role": "user", "content": "[add-param] [scenario:normal] hi"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "bogus_param"
+    assert upstream.requests(last=1)[0]["json"]["bogus_param"] == 1
+    piped.wait_log(r'"endpoint": "openai"[^\n]*"status": 400[^\n]*"error": "invalid_request"')

@@ -23,6 +23,10 @@ def refuse_marked_requests(call: CallRequest) -> None:
         raise RuntimeError("a bug in a before-step")
     if "[reject]" in last:
         raise Rejection(422, "this request is refused by policy", "policy")
+    if "[stream-off]" in last:  # /api/chat cannot answer unstreamed: a JSON 500, not a crash
+        call.params["stream"] = False
+    if "[add-param]" in last:  # an unknown parameter goes to the upstream, whose 400 comes back
+        call.params["bogus_param"] = 1
 
 
 class BombFilter:
