@@ -404,6 +404,13 @@ def test_stored_foreground_response_and_unknown_ids(client, server):
     assert ei.value.param == "store"
 
 
+def test_unknown_parameter_is_a_400(server):
+    r = post(server, {"model": "normal", "input": INPUT, "messages": []})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "Unknown parameter: 'messages'.", "type": "invalid_request_error",
+                                  "param": "messages", "code": "unknown_parameter"}}
+
+
 # ------------------------------------------------------------ azure, records, switch
 
 

@@ -142,6 +142,17 @@ def responses_scenarios_with(cadence: Cadence) -> dict[str, ResponsesScenario]:
 
 # ------------------------------------------------------------------------ input
 
+#: The create parameters OpenAI knows: CreateResponse in its published OpenAPI spec, plus the ones the
+#: `openai` SDK (3.x) sends beyond it. Any other top-level field is a 400 `unknown_parameter`.
+KNOWN_RESPONSES_PARAMS = frozenset({
+    "background", "context_management", "conversation", "include", "input", "instructions",
+    "max_output_tokens", "max_tool_calls", "metadata", "model", "moderation", "parallel_tool_calls",
+    "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options", "temperature", "text",
+    "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
+    "access_programs", "background_options", "image",  # in the SDK's ResponseCreateParams
+})
+
 
 def _content_text(content: Any) -> str:
     """Text of a message's content: a string, or parts with a `text` (input_text, output_text)."""
@@ -646,6 +657,9 @@ class ResponsesApi:
         if not isinstance(body, dict):
             raise _invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
                            "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)")
+        for name in body:
+            if name not in KNOWN_RESPONSES_PARAMS:
+                raise _invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise _invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
         input_ = body.get("input")
