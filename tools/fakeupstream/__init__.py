@@ -1,4 +1,4 @@
-"""fakeupstream: a scripted OpenAI-compatible chat-completions server (dev and test tool).
+"""fakeupstream: a scripted OpenAI-compatible server, chat completions and Responses (dev and test tool).
 
     python -m tools.fakeupstream --port 0 --scenario echo     # prints "fakeupstream listening on http://127.0.0.1:PORT"
 
@@ -19,6 +19,17 @@ from .scenarios import (
     choice_text,
     echo_text,
 )
+from .responses import (
+    FAILED_ERROR,
+    FUNCTION_CALL_ARGUMENTS,
+    FUNCTION_CALL_ID,
+    FUNCTION_CALL_NAME,
+    REASONING_SUMMARY,
+    RESPONSES_NAMES,
+    RESPONSES_OUTPUT_TOKENS,
+    RESPONSES_REASONING_TOKENS,
+    RESPONSES_TEXTS,
+)
 from .server import FakeUpstream, create_app
 
 app = create_app()
@@ -27,4 +38,7 @@ __all__ = [
     "AFTER_FINISH_EXTRA", "COMPLETION_TOKENS", "NAMES", "SCENARIOS", "TEXTS", "TOOL_CALL_ARGUMENTS",
     "TOOL_CALL_ID", "TOOL_CALL_NAME", "Cadence", "FakeUpstream", "app", "cadence_text", "choice_text",
     "create_app", "echo_text",
+    # the Responses API (responses.py)
+    "FAILED_ERROR", "FUNCTION_CALL_ARGUMENTS", "FUNCTION_CALL_ID", "FUNCTION_CALL_NAME", "REASONING_SUMMARY",
+    "RESPONSES_NAMES", "RESPONSES_OUTPUT_TOKENS", "RESPONSES_REASONING_TOKENS", "RESPONSES_TEXTS",
 ]

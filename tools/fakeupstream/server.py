@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 
 from . import scenarios as sc
 from .params import chat_param_problem
+from .responses import ResponsesApi
 from .scenarios import Cadence, Request, Scenario
 
 MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
@@ -67,7 +68,7 @@ class FakeUpstream:
     """The ASGI app. `requests` and `streams` are the records served under /_scripted/."""
 
     def __init__(self, default_scenario: str = "echo", cadence: Cadence | None = None,
-                 max_records: int = 10_000):
+                 max_records: int = 10_000, responses: bool = True):
         self.scenarios: dict[str, Scenario] = sc.scenarios_with(cadence or Cadence())
         if default_scenario not in self.scenarios:
             raise ValueError(f"unknown scenario {default_scenario!r}")
@@ -76,6 +77,8 @@ class FakeUpstream:
         self.streams: deque[dict] = deque(maxlen=max_records)
         self._ids = itertools.count(1)
         self.received = 0  # API requests ever received (the record lists keep only the latest)
+        # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
+        self.responses = ResponsesApi(self, cadence, max_records) if responses else None
         self._models = {"object": "list", "data": [
             {"id": name, "object": "model", "created": _MODELS_CREATED, "owned_by": "fakeupstream"}
             for name in self.scenarios]}
@@ -114,6 +117,8 @@ class FakeUpstream:
                 await self._chat(receive, send, record, deployment=None)
             elif method == "POST" and (m := _DEPLOYMENT_PATH.match(path)) and "api-version" in query:
                 await self._chat(receive, send, record, deployment=m.group(1))
+            elif self.responses and (route := self.responses.route(method, path)):
+                await self.responses.handle(route, receive, send, record)
             elif path.startswith("/openai/"):
                 await _send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
             elif method == "GET" and path in ("/v1/models", "/models"):
@@ -294,6 +299,7 @@ def _last_user_text(messages: list) -> str:
 
 
 def create_app(default_scenario: str = "echo", cadence: Cadence | None = None,
-               max_records: int = 10_000) -> FakeUpstream:
-    """A new app with its own records. `cadence` configures the `cadence` scenario."""
-    return FakeUpstream(default_scenario, cadence, max_records)
+               max_records: int = 10_000, responses: bool = True) -> FakeUpstream:
+    """A new app with its own records. `cadence` configures the `cadence` scenario.
+    `responses=False` answers the Responses API's routes with 404."""
+    return FakeUpstream(default_scenario, cadence, max_records, responses)
