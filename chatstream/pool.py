@@ -1,8 +1,8 @@
 """A pool of upstreams (issue #14): which entry serves a request, in which order they are tried, and
 what each attempt's outcome does to the entry (429 cooldowns, a circuit breaker for failing ones).
 
-Pure logic: no HTTP, no settings object, no clock or randomness of its own (both are injected), so
-it is tested in-process with a fake clock. It runs on one asyncio loop, so it has no locks; nothing
+Pure logic: no HTTP, no settings object; the clock and the random source are injectable, so it is
+tested in-process with a fake clock. It runs on one asyncio loop, so it has no locks; nothing
 here awaits.
 
 The request path uses it like this (see docs/pool.md)::
@@ -25,7 +25,9 @@ The request path uses it like this (see docs/pool.md)::
             ... relay the stream; report a later failure on the same attempt ...
             break
     else:
-        wait = pool.retry_after(model)          # every entry cooling down: 429 with Retry-After
+        # No candidate got through: the last attempt's error (as errors.from_upstream maps it), or,
+        # when there was no candidate at all, pool.unavailable(model): 429 / 503 with Retry-After.
+        ...
 
 Cooldowns (after a 429) are kept per entry *and deployment*: Azure OpenAI and OpenAI limit each
 deployment or model separately, so one model's 429 says nothing about another's. The breaker

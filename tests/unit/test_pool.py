@@ -629,3 +629,20 @@ def test_a_report_after_release_is_not_taken_for_the_probe():
     assert pool.state()[0]["state"] == "half_open" and pool.state()[0]["probing"]
     probe.report(SERVER_ERROR)
     assert pool.state()[0]["state"] == "open" and pool.state()[0]["until"] == pytest.approx(10)
+
+
+def test_the_examples_in_docs_pool_md_are_valid():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "pool.md").read_text()
+    examples = [block for block in re.findall(r"```json\n(.*?)```", text, re.S) if block.lstrip().startswith("[")]
+    assert len(examples) == 2
+    ptu = parse_upstreams(examples[0], {"AOAI_WESTUS3_KEY": SECRET})
+    assert [(e.name, e.priority, e.weight, e.auth) for e in ptu] == [
+        ("ptu-swedencentral", 1, 1.0, "entra"), ("paygo-eastus2", 2, 2.0, "entra"), ("paygo-westus3", 2, 1.0, "key")]
+    pool, _ = make_pool(*ptu)
+    assert names(pool.candidates("gpt-4o"))[0] == "ptu-swedencentral"
+    assert "ptu-swedencentral" not in names(pool.candidates("gpt-4o-mini"))
+    last_resort = parse_upstreams(examples[1], {"OPENAI_API_KEY": SECRET})
+    assert [e.deployment("gpt-4o") for e in last_resort] == ["prod-gpt4o", "prod-gpt4o", "gpt-4o"]
