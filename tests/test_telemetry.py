@@ -141,6 +141,18 @@ def test_completed_stream_records_metrics(otel, model):
     assert counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "output"}) == 4
 
 
+def test_refused_models_are_not_metric_dimensions(otel, model):
+    """A caller chooses the model name: one the app refused (ALLOWED_MODELS, or the upstream said it
+    does not exist) must not create a metric series of its own (hardening item 9)."""
+    record = finished_record(model)
+    record.model_accepted = False
+    telemetry.start_stream(model).end(record)
+    assert points_of(model) == {}, "a refused model name became a metric dimension"
+    assert points_of(telemetry.OTHER_MODEL)["chat.stream.duration"]
+    (span,) = spans_of(model)  # the span still says what was asked (bounded in length)
+    assert span.attributes["gen_ai.request.model"] == model
+
+
 def test_metrics_add_up_over_streams(otel, model):
     for ttfd in (0.1, 0.3):
         telemetry.start_stream(model).end(finished_record(model, ttfd=ttfd, deltas=2))
