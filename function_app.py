@@ -10,6 +10,7 @@ from azurefunctions.extensions.http.fastapi import JSONResponse, Request, Respon
 from chatstream import telemetry
 from chatstream.endpoint import ChatEndpoint, OpenAIEndpoint
 from chatstream.pipeline import Pipeline
+from chatstream.playground_page import Playground
 from chatstream.settings import Settings
 from chatstream.upstream import make_client
 
@@ -28,6 +29,7 @@ pipeline = Pipeline.from_settings(settings)
 
 chat_endpoint = ChatEndpoint(settings, client, pipeline)
 openai_endpoint = OpenAIEndpoint(settings, client, pipeline)
+playground_page = Playground.from_settings(settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
@@ -50,3 +52,10 @@ async def models(req: Request) -> JSONResponse:
     names = settings.allowed_models or (settings.default_model,)
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "chatstream"} for name in names]})
+
+
+@app.route(route="playground/{file?}", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)
+async def playground(req: Request) -> Response:
+    """GET /api/playground: a browser page for trying the API (docs/playground.md); 404 when disabled.
+    The page needs no key; every API call it makes does."""
+    return playground_page(req.path_params.get("file"), req.url.path)
