@@ -109,7 +109,9 @@ async function httpErrorMessage(response) {
   }
   const retryAfter = response.headers.get("Retry-After");
   if (retryAfter) text += /^\d+$/.test(retryAfter) ? ` (Retry-After: ${retryAfter} s)` : ` (Retry-After: ${retryAfter})`;
-  if (response.status === 401) text += " This app needs its function key: enter it under Function key and send again.";
+  if (response.status === 401) {
+    text += `${/[.)]$/.test(text) ? "" : "."} This app needs its function key: enter it under Function key and send again.`;
+  }
   return text;
 }
 
@@ -342,9 +344,12 @@ function main() {
         signal: controller.signal,
       }));
       if (!response.ok) {
-        if (response.status === 401) showKeyBox();
         turn.state = "failed";
         showError(await httpErrorMessage(response));
+        if (response.status === 401) {
+          showKeyBox();
+          ui.key.focus();
+        }
         return;
       }
       const reader = response.body.getReader();
