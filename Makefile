@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv client client-mono bench bench-profile clean
+.PHONY: serve test venv client client-mono chromium bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -18,7 +18,7 @@ venv: $(STAMP)
 serve: $(STAMP)
 	@PORT=$(PORT) tools/scripts/serve
 
-test: $(STAMP) client-mono
+test: $(STAMP) client-mono chromium
 	$(PY) -m pytest
 
 # The C# client: with the .NET SDK where it exists, otherwise Mono's mcs (installs mono-devel).
@@ -28,6 +28,15 @@ client:
 # The tests build and run the client with Mono, as the only toolchain these machines can install.
 client-mono:
 	CHAT_BUILD_WITH=mcs bash client_cs/build.sh
+
+# The playground's browser tests drive Debian's Chromium through Playwright (never `playwright
+# install`): apt-get installs it when missing, refreshing the package lists if the first try fails.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "chromium not found; installing it with apt-get" >&2; \
+	  sudo=$$([ "$$(id -u)" -ne 0 ] && echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y -qq chromium >/dev/null || \
+	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq chromium >/dev/null; }; }
 
 # Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
 BENCH_VENV := tools/bench/.venv

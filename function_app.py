@@ -9,6 +9,7 @@ from azurefunctions.extensions.http.fastapi import Request, Response
 from chatstream import telemetry
 from chatstream.app import create_app
 from chatstream.pipeline import Pipeline
+from chatstream.playground_page import Playground
 from chatstream.settings import Settings
 
 settings = Settings.from_env()  # a bad value stops the app here, with a message naming the setting
@@ -20,6 +21,7 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 #   def tag(call): call.params["user"] = "web"
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
+playground_page = Playground.from_settings(settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
@@ -52,3 +54,10 @@ async def model(req: Request) -> Response:
 async def not_found(req: Request) -> Response:
     """Every other path under /api/v1/: a 404 in OpenAI's error shape."""
     return await chat_app.not_found(req)
+
+
+@app.route(route="playground/{file?}", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)
+async def playground(req: Request) -> Response:
+    """GET /api/playground: a browser page for trying the API (docs/playground.md); 404 when disabled.
+    The page needs no key; every API call it makes does."""
+    return playground_page(req.path_params.get("file"), req.url.path)

@@ -46,6 +46,10 @@ class Settings(BaseModel):
     # Request limits.
     max_body_bytes: int = Field(1_048_576, alias="MAX_BODY_BYTES", gt=0, le=100 * 1_048_576)
 
+    # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
+    # running locally, off in Azure; true or false decides either way.
+    playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
+
     @field_validator("allowed_models", "blocked_terms", mode="before")
     @classmethod
     def _comma_list(cls, value):

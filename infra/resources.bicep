@@ -328,6 +328,12 @@ var commonSettings = [
     name: 'MAX_BODY_BYTES'
     value: '1048576'
   }
+  {
+    // The browser playground (GET /api/playground) stays off in Azure; 'true' serves it there
+    // (docs/playground.md). Every API call it makes still needs the function key.
+    name: 'PLAYGROUND_ENABLED'
+    value: 'false'
+  }
 ]
 
 var azureOpenAISettings = [

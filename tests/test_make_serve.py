@@ -38,6 +38,8 @@ def test_serve_with_nothing_configured_answers_the_readme_curl():
             if "devhost listening" in line:
                 break
         assert any("No upstream configured" in line for line in output), output
+        assert f"Playground: http://localhost:{port}/api/playground\n" in output, output
+        assert httpx.get(f"http://127.0.0.1:{port}/api/playground").status_code == 200
         # curl -N -X POST localhost:PORT/api/chat -d '{"prompt":"hi"}' (form content type, as curl sends)
         r = httpx.post(f"http://127.0.0.1:{port}/api/chat", content=b'{"prompt":"hi"}',
                        headers={"content-type": "application/x-www-form-urlencoded"}, timeout=20)

@@ -53,6 +53,9 @@ RESET_DELTAS = ("Partial answer, ", "the connection ", "drops after this")
 STALL_DELTAS = ("Thinking", " about it…")
 MALFORMED_DELTAS = ("Before the ", "broken line ")
 ERROR_MIDSTREAM_DELTAS = ("Started fine, ", "then failed ")
+# For pages that show replies: markup a page must show as text and never run.
+HTML_DELTAS = ("Markup, shown as text: ", "<img src=x onerror=alert(1)>", " <script>window.__xss = 1</script>",
+               ' <b>not bold</b> &amp; <a href="javascript:alert(2)">no link</a>')
 CADENCE_WORDS = ("lorem ", "ipsum ", "dolor ", "sit ", "amet ", "consectetur ", "adipiscing ", "elit ")
 
 TOOL_CALL_ID = "call_fakeupstream0001"
@@ -152,6 +155,10 @@ _LIST = [
              NORMAL_DELTAS),
     Scenario("slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)",
              SLOW_DELTAS, first_s=0.2, interval_s=0.2),
+    Scenario("slow_normal", "the `normal` text (newlines, emoji, CJK), 10 deltas 150 ms apart",
+             NORMAL_DELTAS, first_s=0.15, interval_s=0.15),
+    Scenario("html", "a reply with HTML markup (`<img src=x onerror=alert(1)>`, a script tag) to be shown as text",
+             HTML_DELTAS),
     Scenario("split_utf8", "network writes cut inside UTF-8 characters and inside `data:`, 20 ms apart",
              SPLIT_UTF8_DELTAS, split_writes=True),
     Scenario("azure_filters", "Azure frames: prompt_filter_results first, content_filter_results, "

@@ -1,0 +1,475 @@
+"""The browser playground, GET /api/playground (chatstream/playground_page.py, chatstream/playground/).
+
+Over HTTP: when it is served (PLAYGROUND_ENABLED, else on locally and off in Azure), which files,
+with which headers, and that the route needs no function key. In a browser: Debian's headless
+Chromium, driven through Playwright's sync API (no browser download), against the app on the local
+host and the scripted upstream, finding every control by its accessible name as a screen reader
+would. Each browser test also checks that the page asked no other origin for anything and logged no
+console errors."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from chatstream import playground_page
+from chatstream.settings import Settings, SettingsError
+from servers import ROOT
+from tools.fakeupstream.scenarios import COMPLETION_TOKENS, TEXTS, count_prompt_tokens, echo_text
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+ASSETS = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "text/css; charset=utf-8",
+          "favicon.svg": "image/svg+xml"}
+SCREENSHOT = ROOT / "docs" / "playground.png"
+
+
+# ------------------------------------------------------------------------------- the decision
+
+
+@pytest.mark.parametrize("environ,on", [
+    ({}, True),                                               # make serve, func start, the tests' app
+    ({"WEBSITE_HOSTNAME": "localhost:7071", "AZURE_FUNCTIONS_ENVIRONMENT": "Development"}, True),  # func start
+    ({"WEBSITE_INSTANCE_ID": "8a3f"}, False),                 # in Azure
+    ({"WEBSITE_SITE_NAME": "func-abc"}, False),
+    ({"WEBSITE_SITE_NAME": "func-abc", "PLAYGROUND_ENABLED": "true"}, True),
+    ({"WEBSITE_INSTANCE_ID": "8a3f", "PLAYGROUND_ENABLED": "1"}, True),
+    ({"PLAYGROUND_ENABLED": "false"}, False),
+    ({"PLAYGROUND_ENABLED": "False"}, False),
+    ({"PLAYGROUND_ENABLED": "0"}, False),
+    ({"PLAYGROUND_ENABLED": ""}, True),                       # empty is unset
+])
+def test_enabled_locally_off_in_azure_and_the_setting_decides(environ, on):
+    assert playground_page.enabled(Settings.from_env(environ), environ) is on
+
+
+def test_a_bad_setting_stops_the_app_naming_it():
+    with pytest.raises(SettingsError, match="PLAYGROUND_ENABLED"):
+        Settings.from_env({"PLAYGROUND_ENABLED": "maybe"})
+
+
+def test_infra_turns_it_off_in_azure():
+    from test_infra import MODES, Infra
+    infra = Infra.from_disk()
+    for mode in MODES:
+        assert infra.app_settings(mode).get("PLAYGROUND_ENABLED") == "false", mode
+
+
+# ------------------------------------------------------------------------------- over HTTP
+
+
+def test_page_and_files_with_strict_headers(app):
+    page = httpx.get(app.url + "/api/playground")
+    assert page.status_code == 200
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+    csp = {d.split()[0]: d.split()[1:] for d in page.headers["content-security-policy"].split("; ")}
+    assert csp["default-src"] == ["'self'"] and csp["connect-src"] == ["'self'"]
+    assert csp["script-src"] == ["'self'"] and csp["style-src"] == ["'self'"], "no inline script or style"
+    assert csp["frame-ancestors"] == ["'none'"] and csp["base-uri"] == ["'none'"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["cache-control"] == "no-store"
+    assert "<script" not in page.text.replace('<script src="playground/playground.js" defer></script>', "")
+    assert " style=" not in page.text and "<style" not in page.text and "//" not in re.sub(r"<!--.*?-->", "", page.text)
+    for name, content_type in ASSETS.items():
+        r = httpx.get(f"{app.url}/api/playground/{name}")
+        assert r.status_code == 200, name
+        assert r.headers["content-type"] == content_type
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["cache-control"] == "no-store"
+        assert r.content == (ROOT / "chatstream" / "playground" / name).read_bytes()
+    # With a trailing slash the page's relative URLs would miss: sent back to /api/playground.
+    r = httpx.get(app.url + "/api/playground/")
+    assert r.status_code == 308 and r.headers["location"] == "../playground"
+
+
+@pytest.mark.parametrize("path", ["index.html", "nope.js", "PLAYGROUND.JS", "..%2Ffunction_app.py",
+                                  "%2e%2e%2f%2e%2e%2fhost.json", "..%5C..%5Chost.json", "playground.js%00",
+                                  "favicon.svg/x", "%2e%2e"])
+def test_only_known_files(app, path):
+    r = httpx.get(f"{app.url}/api/playground/{path}")
+    assert r.status_code == 404, path
+    assert b"def " not in r.content and b"extensionBundle" not in r.content
+
+
+def test_the_page_needs_no_key_and_the_api_does():
+    """The route is anonymous in the function metadata the host reads; every other route keeps the
+    app's default (function keys). The local hosts check no keys, so this is where it shows."""
+    code = ("import json, function_app\n"
+            "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
+            "                  for f in function_app.app.get_functions()}))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "PLAYGROUND_"))}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    bindings = json.loads(out.splitlines()[-1])
+    assert bindings["playground"]["authLevel"] == "ANONYMOUS"
+    assert bindings["playground"]["methods"] == ["GET"]
+    others = {name: b["authLevel"] for name, b in bindings.items() if name != "playground"}
+    assert others and set(others.values()) == {"FUNCTION"}, others
+
+
+def test_404_when_disabled_by_the_setting(start_app):
+    off = start_app(PLAYGROUND_ENABLED="false")
+    for path in ("/api/playground", "/api/playground/playground.js", "/api/playground/playground.css"):
+        assert httpx.get(off.url + path).status_code == 404, path
+    assert httpx.get(off.url + "/api/v1/models").status_code == 200, "only the page is off"
+
+
+def test_the_model_text_only_ever_becomes_text():
+    """No HTML sink in the script: the model's text goes through text nodes only."""
+    source = (ROOT / "chatstream" / "playground" / "playground.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
+                 "createContextualFragment", "DOMParser", "http://", "https://", "localStorage"):
+        assert sink not in source, sink
+
+
+# ------------------------------------------------------------------------------- in a browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("chromium is not installed: `make chromium` installs Debian's package (make test does)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+class Page:
+    """One browser tab on the playground, with everything it requested and logged."""
+
+    def __init__(self, browser, app):
+        from playwright.sync_api import expect
+
+        self.expect = expect
+        self.origin = app.url
+        self.context = browser.new_context(viewport={"width": 1100, "height": 720})
+        self.page = self.context.new_page()
+        self.requests: list = []
+        self.console: list[str] = []  # errors and warnings
+        self.page_errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r))
+        self.page.on("console", lambda m: m.type in ("error", "warning") and self.console.append(m.text))
+        self.page.on("pageerror", lambda e: self.page_errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+
+    def open(self) -> "Page":
+        response = self.page.goto(self.origin + "/api/playground")
+        assert response.status == 200
+        self.expect(self.page.get_by_role("combobox", name="Model")).to_have_value("gpt-test")  # models loaded
+        return self
+
+    # the page's parts, by accessible name
+    @property
+    def prompt(self):
+        return self.page.get_by_role("textbox", name="Prompt", exact=True)
+
+    @property
+    def answer(self):
+        return self.page.get_by_role("region", name="Answer")
+
+    @property
+    def send_button(self):
+        return self.page.get_by_role("button", name="Send")
+
+    @property
+    def stop_button(self):
+        return self.page.get_by_role("button", name="Stop")
+
+    @property
+    def alert(self):
+        return self.page.get_by_role("alert")
+
+    @property
+    def stats(self):
+        return self.page.get_by_role("status")
+
+    def ask(self, text: str) -> None:
+        """Type the prompt and press Enter (Shift+Enter would add a line)."""
+        self.prompt.fill(text)
+        self.prompt.press("Enter")
+
+    def wait_ready(self, timeout: float = 10) -> None:
+        self.expect(self.send_button).to_be_enabled(timeout=timeout * 1000)
+        self.expect(self.stop_button).to_be_disabled()
+
+    def chat_requests(self) -> list:
+        return [r for r in self.requests if r.url.endswith("/api/v1/chat/completions")]
+
+    def assert_clean(self, expected_console: str | None = None) -> None:
+        """Nothing from another origin, no script errors, no dialogs; no console error or warning but
+        the browser's own note on an expected HTTP error status."""
+        origin = urlsplit(self.origin)
+        foreign = [r.url for r in self.requests if urlsplit(r.url)[:2] != origin[:2]]
+        assert not foreign, foreign
+        assert not self.page_errors, self.page_errors
+        assert not self.dialogs, self.dialogs
+        unexpected = [m for m in self.console if not (expected_console and re.search(expected_console, m))]
+        assert not unexpected, unexpected
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def tab(browser, app):
+    page = Page(browser, app).open()
+    yield page
+    page.close()
+
+
+def _wait_stream_open(upstream, scenario: str, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [s for s in upstream.streams() if s["scenario"] == scenario and s["ended_at"] is None]
+        if running:
+            return running[-1]
+        assert time.monotonic() < deadline, f"no open {scenario} stream"
+        time.sleep(0.02)
+
+
+def test_answer_grows_as_the_deltas_arrive_and_ends_exact(tab, upstream, tmp_path):
+    """A slow scripted stream (10 deltas, 150 ms apart) watched from the page: the Answer grows, each
+    observation longer than the last and a prefix of the final text, which is the scripted text
+    exactly (blank lines, quotes, a backslash, emoji, CJK). Then the stats line."""
+    page = tab.page
+    page.get_by_role("textbox", name="System prompt").fill("Answer in plain text.")
+    tab.ask("[scenario:normal] Hi! Show me some text.")  # an earlier turn, for the screenshot
+    tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+    tab.wait_ready()
+
+    tab.ask("[scenario:slow_normal] Once more, slowly?")
+    expected = TEXTS["slow_normal"]
+    seen: list[tuple[float, str]] = []
+    shot = tmp_path / "playground.png"
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        text = tab.answer.text_content()
+        if not seen or text != seen[-1][1]:
+            seen.append((time.monotonic(), text))
+        if not shot.exists() and len(text) > len(expected) // 2:
+            page.screenshot(path=shot)  # mid-stream, for docs/playground.md
+        if text == expected:
+            break
+        time.sleep(0.05)
+    texts = [t for _, t in seen if t]
+    assert texts[-1] == expected
+    assert len(texts) >= 5, f"the answer did not grow in steps: {len(texts)} observations"
+    assert all(len(a) < len(b) for a, b in zip(texts, texts[1:])), "each observation longer than the last"
+    assert all(expected.startswith(t) for t in texts)
+    grown = [at for at, t in seen if t]
+    assert grown[-1] - grown[0] > 0.6, "all the text appeared at once"
+    tab.wait_ready()
+    assert tab.answer.text_content() == expected  # nothing after the end
+    assert tab.answer.evaluate("el => getComputedStyle(el).whiteSpace") == "pre-wrap"  # newlines shown
+    assert tab.answer.evaluate("el => el.getAttribute('aria-live')") == "polite"
+    stats = tab.stats.text_content()
+    usage = upstream.requests(last=1)[0]["json"]["messages"]
+    assert re.search(r"First delta \d+ ms · 10 deltas, \d+\.\d/s · ", stats), stats
+    assert f"tokens: {count_prompt_tokens(usage)} prompt, {COMPLETION_TOKENS['slow_normal']} completion" in stats
+    assert stats.endswith("finish: stop"), stats
+    body = tab.chat_requests()[-1].post_data_json
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "gpt-test"
+    assert shot.exists()
+    if os.environ.get("PLAYGROUND_SCREENSHOT") == "1":
+        shutil.copyfile(shot, SCREENSHOT)
+    tab.assert_clean()
+
+
+@pytest.mark.parametrize("scenario,how", [("stall", "button"), ("stall_first", "button"), ("stall", "Escape")])
+def test_stop_closes_the_upstream_at_once_and_the_page_is_ready_again(tab, upstream, scenario, how):
+    """Stop (or Esc in the prompt) aborts the fetch; the app closes the upstream (the scripted server
+    records the hang-up within a second). With text shown (stall) it stays, marked stopped; before
+    any text (stall_first: the app has not even sent headers yet) the prompt comes back. Then the
+    next prompt works."""
+    prompt = f"[scenario:{scenario}] take your time"
+    tab.ask(prompt)
+    if TEXTS[scenario]:
+        tab.expect(tab.answer).to_have_text(TEXTS[scenario])
+    _wait_stream_open(upstream, scenario)
+    tab.expect(tab.send_button).to_be_disabled()
+    clicked = time.time()
+    if how == "button":
+        tab.stop_button.click()
+    else:
+        tab.prompt.press("Escape")
+    record = upstream.wait_stream_end(scenario, timeout=5)
+    assert record["outcome"] == "client_disconnected"
+    assert record["ended_at"] - clicked < 1.0, record["ended_at"] - clicked
+    tab.wait_ready()
+    tab.expect(tab.page.get_by_text("Stopped.", exact=True)).to_be_visible()
+    if TEXTS[scenario]:
+        assert tab.answer.text_content() == TEXTS[scenario]
+        tab.expect(tab.prompt).to_have_value("")
+    else:
+        tab.expect(tab.prompt).to_have_value(prompt)
+    tab.expect(tab.prompt).to_be_focused()
+
+    tab.ask("[scenario:normal] and now?")
+    tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+    tab.wait_ready()
+    messages = upstream.requests(last=1)[0]["json"]["messages"]
+    earlier = [{"role": "user", "content": prompt}, {"role": "assistant", "content": TEXTS[scenario]}]
+    assert messages == (earlier if TEXTS[scenario] else []) + [{"role": "user", "content": "[scenario:normal] and now?"}]
+    tab.assert_clean()
+
+
+def test_second_turn_sends_the_conversation_and_new_chat_starts_over(tab, upstream):
+    page = tab.page
+    page.get_by_role("textbox", name="System prompt").fill("Be brief.\nUse plain words.")
+    page.get_by_role("spinbutton", name="Temperature").fill("0.5")
+    first = "[scenario:echo] What is 2+2?\nAnswer in one word."
+    tab.prompt.fill("[scenario:echo] What is 2+2?")
+    tab.prompt.press("Shift+Enter")  # a new line, not a send
+    tab.prompt.press_sequentially("Answer in one word.")
+    tab.expect(tab.prompt).to_have_value(first)
+    assert tab.chat_requests() == []
+    tab.send_button.click()
+    tab.expect(tab.answer).to_have_text(echo_text(first))
+    tab.wait_ready()
+
+    second = "[scenario:normal] And 3+3?"
+    tab.ask(second)
+    tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+    tab.wait_ready()
+    sent = upstream.requests(last=1)[0]["json"]
+    assert sent["messages"] == [
+        {"role": "system", "content": "Be brief.\nUse plain words."},
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": echo_text(first)},
+        {"role": "user", "content": second},
+    ]
+    assert sent["temperature"] == 0.5
+    conversation = page.get_by_role("region", name="Conversation")
+    assert echo_text(first) in conversation.text_content()  # the first turn stays on screen
+
+    page.get_by_role("button", name="New chat").click()
+    tab.expect(tab.answer).to_have_text("")
+    assert echo_text(first) not in conversation.text_content()
+    tab.ask("[scenario:normal] fresh start")
+    tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+    tab.wait_ready()
+    assert upstream.requests(last=1)[0]["json"]["messages"] == [
+        {"role": "system", "content": "Be brief.\nUse plain words."},
+        {"role": "user", "content": "[scenario:normal] fresh start"},
+    ]
+    tab.assert_clean()
+
+
+def test_errors_are_shown_and_partial_text_is_kept(tab):
+    """A 429 before the stream: its OpenAI-shaped message with Retry-After, and the prompt back in
+    the box. An error event after some text: the text stays, marked cut off, with the reason."""
+    prompt = "[scenario:rate_limited] hello"
+    tab.ask(prompt)
+    tab.expect(tab.alert).to_contain_text("429 rate_limited: Rate limit reached for gpt-test")
+    tab.expect(tab.alert).to_contain_text("(Retry-After: 1 s)")
+    tab.wait_ready()
+    tab.expect(tab.answer).to_have_text("")
+    tab.expect(tab.prompt).to_have_value(prompt)
+
+    tab.ask("[scenario:error_midstream] hello")
+    tab.expect(tab.alert).to_contain_text("Stream error: ")
+    tab.expect(tab.alert).to_contain_text("(upstream_error)")
+    tab.wait_ready()
+    assert tab.answer.text_content() == TEXTS["error_midstream"]
+    tab.expect(tab.page.get_by_text("Cut off: the answer is incomplete.")).to_be_visible()
+    assert tab.stats.text_content().endswith("finish: none")
+    # Chromium itself notes every HTTP error status in the console; nothing else is allowed.
+    tab.assert_clean(expected_console=r"^Failed to load resource: the server responded with a status of 429")
+
+
+def test_markup_in_the_answer_is_shown_as_text_and_runs_nothing(tab):
+    tab.page.evaluate("() => { window.__xss = undefined; }")
+    tab.ask("[scenario:html] show me markup")
+    tab.expect(tab.answer).to_have_text(TEXTS["html"])
+    tab.wait_ready()
+    assert "<img src=x onerror=alert(1)>" in tab.answer.text_content()
+    assert tab.answer.locator("*").count() == 0, "no element was made from the text"
+    assert tab.page.locator("img, script:not([src])").count() == 0
+    tab.page.wait_for_timeout(300)  # an onerror would have fired by now
+    assert tab.page.evaluate("() => window.__xss") is None
+    tab.assert_clean()  # includes: no dialog (alert) opened
+
+
+def test_function_key_asked_for_on_401_kept_in_the_tab_and_sent_only_as_a_header(browser, app, upstream):
+    """The local host checks no keys, so the first chat request is answered 401 in the browser (as
+    the Functions host would, with an empty body); everything else reaches the app."""
+    tab = Page(browser, app)
+    refused: list[str] = []
+
+    def first_refused(route):
+        if not refused:
+            refused.append(route.request.url)
+            route.fulfill(status=401, body="")
+        else:
+            route.continue_()
+
+    tab.context.route("**/api/v1/chat/completions", first_refused)
+    try:
+        tab.open()
+        key_field = tab.page.get_by_label("Function key")
+        tab.expect(key_field).to_be_hidden()
+        tab.ask("[scenario:normal] hi")
+        tab.expect(tab.alert).to_have_text("401 Unauthorized. This app needs its function key: "
+                                           "enter it under Function key and send again.")
+        tab.expect(key_field).to_be_visible()
+        tab.expect(key_field).to_be_focused()
+        key_field.fill("k3y-in-header-only")
+        key_field.press("Enter")
+        tab.expect(tab.prompt).to_be_focused()
+        assert tab.page.evaluate("() => sessionStorage.getItem('chatstream.functionKey')") == "k3y-in-header-only"
+        tab.send_button.click()
+        tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+        tab.wait_ready()
+        last = tab.chat_requests()[-1]
+        assert last.headers["x-functions-key"] == "k3y-in-header-only"
+        models = [r for r in tab.requests if r.url.endswith("/api/v1/models")]
+        assert models[-1].headers.get("x-functions-key") == "k3y-in-header-only", "models reloaded with the key"
+        assert all("k3y" not in r.url for r in tab.requests), "never in a URL"
+        assert upstream.requests(last=1)[0]["json"]["messages"][-1]["content"] == "[scenario:normal] hi"
+        tab.page.reload()
+        tab.expect(key_field).to_have_value("k3y-in-header-only")  # kept for this tab
+        tab.assert_clean(expected_console=r"^Failed to load resource: the server responded with a status of 401")
+    finally:
+        tab.close()
+
+
+def test_sse_parser_any_split_any_line_ending(tab):
+    """The page's parser, fed the same stream cut at every byte (inside CRLF and inside multi-byte
+    characters), with CRLF, CR and LF line endings, comments and multi-line data."""
+    events = tab.page.evaluate("""() => {
+        const text = ": keep-alive\\r\\n\\r\\ndata: {\\"a\\":\\"日本🙂\\"}\\r\\n\\r\\n" +
+                     "event: x\\rdata: one\\rdata: two\\r\\rdata: [DONE]\\n\\n" + "data: incomplete";
+        const bytes = new TextEncoder().encode(text);
+        const results = new Set();
+        for (let cut = 0; cut <= bytes.length; cut++) {
+            for (const step of [1, 3, bytes.length]) {
+                const parser = new SseParser();
+                const out = [...parser.push(bytes.slice(0, cut))];
+                for (let i = cut; i < bytes.length; i += step) out.push(...parser.push(bytes.slice(i, i + step)));
+                out.push(...parser.end());
+                results.add(JSON.stringify(out));
+            }
+        }
+        return [...results];
+    }""")
+    assert len(events) == 1, events
+    assert json.loads(events[0]) == [
+        {"event": "message", "data": '{"a":"日本🙂"}'},
+        {"event": "x", "data": "one\ntwo"},
+        {"event": "message", "data": "[DONE]"},
+    ]
+    tab.assert_clean()
