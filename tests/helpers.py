@@ -1,6 +1,9 @@
 """Helpers shared by the test modules (fixtures stay in conftest.py)."""
 from __future__ import annotations
 
+import threading
+import time
+
 # A recognisable key: tests check it never leaks into responses or logs.
 TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"
 
@@ -11,3 +14,43 @@ def app_env(upstream, **overrides: str) -> dict[str, str]:
            "UPSTREAM_MAX_RETRIES": "0"}
     env.update(overrides)
     return env
+
+
+class InProcessApp:
+    """The app's endpoints (create_app) served by uvicorn on 127.0.0.1:<free port> in a thread of the
+    test process: no local host, no worker. For tests that need the app's objects in their own process
+    (telemetry's in-memory exporter) or many requests cheaply (the hostile-input fuzzing)."""
+
+    def __init__(self, upstream_base_url: str, **settings: str):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        from chatstream.app import create_app
+        from chatstream.settings import Settings
+
+        values = {"OPENAI_BASE_URL": upstream_base_url, "OPENAI_API_KEY": "sk-test", "OPENAI_MODEL": "gpt-test",
+                  "UPSTREAM_MAX_RETRIES": "0", **settings}
+        app = create_app(Settings.from_env(values))
+
+        def route(path: str, endpoint) -> Route:
+            async def handler(request):  # a function, so Starlette passes the Request
+                return await endpoint(request)
+            return Route(path, handler, methods=["POST"])
+
+        api = Starlette(routes=[route("/api/chat", app.chat), route("/api/v1/chat/completions", app.chat_completions)])
+        self.server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.chat_url = self.url + "/api/chat"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,5 +1,9 @@
-"""Thousands of generated bodies against the real endpoint: never a 5xx, never a hang, never an
-upstream request for a body that was refused, and every accepted one ends with one last event."""
+"""Thousands of generated bodies against the endpoint: never a 5xx, never a hang, never an upstream
+request for a body that was refused, and every accepted one ends with one last event.
+
+The thousands go to the app's endpoint served in this process (helpers.InProcessApp: the same
+create_app, without the local host and the worker in between, so each example costs milliseconds);
+a smaller sample goes through the local host on the real runtime, end to end."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from helpers import InProcessApp
 
 FIELDS = ["prompt", "messages", "model", "temperature", "top_p", "max_tokens", "seed", "stop"]
 
@@ -60,6 +66,13 @@ raw_bytes = st.one_of(st.binary(max_size=200), st.text(max_size=100).map(lambda 
 
 
 @pytest.fixture(scope="module")
+def inproc(upstream):
+    app = InProcessApp(upstream.base_url)
+    yield app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
 def client(upstream):
     # Accepted bodies are answered by the upstream's default scenario; `length` (4 quick deltas)
     # instead of `echo` (30 ms per word of the prompt) keeps thousands of examples fast.
@@ -85,13 +98,29 @@ def check(client, app, upstream, content: bytes, content_type: str = "applicatio
         assert upstream.count() == before, f"refused body reached the upstream: {content[:200]!r}"
 
 
+CONTENT_TYPES = ["application/json", "text/plain", "", "application/x-www-form-urlencoded",
+                 "multipart/form-data; boundary=x"]
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
-def test_generated_json_bodies(client, app, upstream, body):
-    check(client, app, upstream, json.dumps(body).encode())
+def test_generated_json_bodies(client, inproc, upstream, body):
+    check(client, inproc, upstream, json.dumps(body).encode())
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(content=raw_bytes, content_type=st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]))
-def test_generated_raw_bodies(client, app, upstream, content, content_type):
+@given(content=raw_bytes, content_type=st.sampled_from(CONTENT_TYPES))
+def test_generated_raw_bodies(client, inproc, upstream, content, content_type):
+    check(client, inproc, upstream, content, content_type)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies)
+def test_generated_json_bodies_through_the_local_host(client, app, upstream, body):
+    check(client, app, upstream, json.dumps(body).encode())
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(content=raw_bytes, content_type=st.sampled_from(CONTENT_TYPES))
+def test_generated_raw_bodies_through_the_local_host(client, app, upstream, content, content_type):
     check(client, app, upstream, content, content_type)

@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from chatstream import telemetry
 from chatstream.record import StreamRecord
+from helpers import InProcessApp
 from servers import ROOT
 
 SPANS = InMemorySpanExporter()
@@ -393,41 +394,6 @@ def test_the_real_azure_monitor_distro_accepts_the_call():
 
 
 
-class InProcessApp:
-    """The app's /api/chat endpoint as the route, served by uvicorn on 127.0.0.1:<free port> in a thread."""
-
-    def __init__(self, upstream_base_url: str):
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.routing import Route
-
-        from chatstream.app import create_app
-        from chatstream.settings import Settings
-
-        settings = Settings.from_env({"OPENAI_BASE_URL": upstream_base_url, "OPENAI_API_KEY": "sk-test",
-                                      "OPENAI_MODEL": "gpt-test", "UPSTREAM_MAX_RETRIES": "0"})
-        endpoint = create_app(settings).chat
-
-        async def chat(request):  # a function, so Starlette passes the Request
-            return await endpoint(request)
-
-        api = Starlette(routes=[Route("/api/chat", chat, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/api/chat"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def inproc(upstream):
     app = InProcessApp(upstream.base_url)
@@ -449,7 +415,7 @@ def test_streamed_request_end_to_end(otel, model, inproc):
     body = {"prompt": "[scenario:normal] tell me something", "model": model}
     events = []
     with httpx.Client(timeout=30) as client:
-        with client.stream("POST", inproc.url, json=body) as response:
+        with client.stream("POST", inproc.chat_url, json=body) as response:
             assert response.status_code == 200
             for sse in EventSource(response).iter_sse():
                 events.append((sse.event, json.loads(sse.data)))
@@ -482,7 +448,7 @@ def test_caller_hanging_up_end_to_end(otel, model, inproc):
     body = {"prompt": "[scenario:stall] wait", "model": model}
     got = []
     with httpx.Client(timeout=30) as client:
-        with client.stream("POST", inproc.url, json=body) as response:
+        with client.stream("POST", inproc.chat_url, json=body) as response:
             assert response.status_code == 200
             for sse in EventSource(response).iter_sse():
                 got.append(sse.event)
@@ -499,7 +465,7 @@ def test_caller_hanging_up_end_to_end(otel, model, inproc):
 
 
 def test_rejected_request_end_to_end(otel, model, inproc):
-    response = httpx.post(inproc.url, json={"prompt": "[scenario:rate_limited] hi", "model": model}, timeout=30)
+    response = httpx.post(inproc.chat_url, json={"prompt": "[scenario:rate_limited] hi", "model": model}, timeout=30)
     assert response.status_code == 429
     span = wait_for_span(model)
     assert span.attributes["error.type"] == "rate_limited"
