@@ -21,7 +21,9 @@ INVOCATION_HEADER = b"x-ms-invocation-id"
 # are set by whoever writes the next hop.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
-NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host"}
+# Expect: 100-continue is answered by the front server (it sends the interim 100 when the body is
+# first read); forwarded, it would make the worker send an interim response of its own.
+NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host", b"expect"}
 # How long a failed invocation waits for the worker's own error response before the host answers.
 FAILED_INVOCATION_GRACE = 1.0
 
