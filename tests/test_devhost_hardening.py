@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import uuid
 
 import h11
+import pytest
 
 from tools.fakeupstream.scenarios import echo_text
 
@@ -210,3 +212,246 @@ def test_forwarder_skips_interim_responses_and_never_reuses_an_unclean_connectio
     assert first == (200, b"first")
     assert second == (200, b"second"), "bytes after the answer are not part of it"
     assert third == (200, b"third"), "the connection that carried extra bytes was not reused"
+
+
+# ------------------------------------------------------------------------- limits on the front server
+
+LIMITS = {"DEVHOST_HEADER_TIMEOUT_SECONDS": "1.5", "DEVHOST_BODY_TIMEOUT_SECONDS": "1.5",
+          "DEVHOST_KEEPALIVE_TIMEOUT_SECONDS": "1.5"}
+
+
+@pytest.fixture(scope="module")
+def limited(upstream):
+    """The app with short front-server deadlines (1.5 s), so that the tests run in seconds."""
+    from conftest import app_env
+    from servers import App
+    server = App(app_env(upstream, **LIMITS))
+    yield server
+    server.stop()
+
+
+def _status_line(data: bytes) -> str:
+    return data.split(b"\r\n", 1)[0].decode("latin-1")
+
+
+def _read_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, float | None]:
+    """Everything the server sends until it closes the connection (or timeout); and when it closed."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            piece = s.recv(65536)
+        except socket.timeout:
+            break
+        except OSError:  # reset
+            return data, time.monotonic()
+        if not piece:
+            return data, time.monotonic()
+        data += piece
+    return data, None
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_oversized_headers_get_431_and_memory_stays_low(limited):
+    """Measured before the fix: a 16 MB header was accepted (200) and the host's peak RSS grew by
+    147 MB. Now the head is refused once it passes 64 KiB and the rest is discarded unread."""
+    pid = limited.proc.pid
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark to the current RSS
+    before = _peak_rss_kib(pid)
+    s = socket.create_connection(("127.0.0.1", _port(limited)), timeout=10)
+    sent = [0]
+
+    def send():
+        try:
+            s.sendall(b"GET /api/v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            piece = b"a" * 65536
+            for _ in range(256):  # 16 MiB
+                s.sendall(piece)
+                sent[0] += len(piece)
+            s.sendall(b"\r\n\r\n")
+        except OSError:
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    started = time.monotonic()
+    sender.start()
+    data, closed = _read_until_closed(s, 10)
+    sender.join(10)
+    s.close()
+    assert _status_line(data) == "HTTP/1.1 431 Request Header Fields Too Large", data[:300]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "request_header_fields_too_large"
+    assert closed is not None and closed - started < 5
+    growth = _peak_rss_kib(pid) - before
+    assert growth < 16 * 1024, f"peak RSS grew by {growth} KiB for a 16 MiB header"
+    # A header just under the limit still works.
+    answer, s = exchange(_port(limited), "GET", "/api/v1/models", [("x-pad", "b" * 60_000)])
+    s.close()
+    assert answer.status == 200, (answer.status, answer.error)
+
+
+def test_partial_header_connections_are_closed_by_the_header_deadline(limited):
+    """300 connections that never finish their headers (a slowloris) are all closed once the 1.5 s
+    header deadline passes; a normal caller is served meanwhile. Before: they stayed open."""
+    port = _port(limited)
+    conns = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /api/v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            conns.append(s)
+        opened = time.monotonic()
+        answer, s = exchange(port, "GET", "/api/v1/models", [])
+        s.close()
+        assert answer.status == 200
+        deadline = opened + 10
+        closed, statuses = 0, set()
+        for s in conns:
+            data, when = _read_until_closed(s, max(0.01, deadline - time.monotonic()))
+            if when is not None:
+                closed += 1
+                statuses.add(_status_line(data) if data else "")
+        elapsed = time.monotonic() - opened
+    finally:
+        for s in conns:
+            s.close()
+    assert closed == len(conns), f"{closed}/{len(conns)} closed after {elapsed:.1f} s"
+    assert statuses <= {"HTTP/1.1 408 Request Timeout"}, statuses
+    assert elapsed < 10
+
+
+def test_slow_headers_get_408_at_the_header_deadline(limited):
+    """Headers trickled one byte every 50 ms keep the connection busy but never finish: 408 after
+    the header deadline, whatever the pace."""
+    s = socket.create_connection(("127.0.0.1", _port(limited)), timeout=5)
+    head = b"GET /api/v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-Drip: " + b"d" * 400 + b"\r\n\r\n"
+    started = time.monotonic()
+    answered = b""
+    try:
+        for byte in head:
+            s.sendall(bytes([byte]))
+            time.sleep(0.05)
+            s.settimeout(0.001)
+            try:
+                answered += s.recv(4096)
+            except (socket.timeout, BlockingIOError):
+                pass
+            if answered or time.monotonic() - started > 8:
+                break
+    except OSError:
+        pass
+    data, closed = _read_until_closed(s, 5)
+    s.close()
+    answered += data
+    elapsed = time.monotonic() - started
+    assert _status_line(answered) == "HTTP/1.1 408 Request Timeout", answered[:200]
+    assert 1.3 < elapsed < 6, elapsed
+
+
+def test_slow_body_gets_408_at_the_body_deadline(limited):
+    """A body that does not arrive in time: 408 at the body deadline, the connection closed, and the
+    forwarded request dropped (the next caller is served normally)."""
+    port = _port(limited)
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    body = chat_body(f"[scenario:echo] slow body {uuid.uuid4().hex[:6]}")
+    s.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body[:10]))
+    started = time.monotonic()
+    for piece in body[10:20]:  # a byte every 100 ms: alive, but too slow
+        try:
+            s.sendall(bytes([piece]))
+        except OSError:
+            break
+        time.sleep(0.1)
+    data, closed = _read_until_closed(s, 8)
+    s.close()
+    assert _status_line(data) == "HTTP/1.1 408 Request Timeout", data[:200]
+    assert closed is not None and 1.3 < closed - started < 6, closed and closed - started
+    text = f"[scenario:echo] after slow body {uuid.uuid4().hex[:6]}"
+    answer, s = exchange(port, "POST", "/api/chat", JSON, chat_body(text))
+    s.close()
+    assert answer.status == 200 and answer.sse_text() == echo_text(text)
+
+
+def test_idle_keep_alive_connections_are_closed(limited):
+    answer, s = exchange(_port(limited), "GET", "/api/v1/models", [])
+    assert answer.status == 200
+    idle_from = time.monotonic()
+    data, closed = _read_until_closed(s, 8)
+    s.close()
+    assert data == b""
+    assert closed is not None and 1.3 < closed - idle_from < 5, closed and closed - idle_from
+
+
+def test_a_connection_that_sends_nothing_is_closed(limited):
+    s = socket.create_connection(("127.0.0.1", _port(limited)), timeout=5)
+    opened = time.monotonic()
+    data, closed = _read_until_closed(s, 8)
+    s.close()
+    assert data == b"", "nothing to answer: closed without a response"
+    assert closed is not None and closed - opened < 5
+
+
+H2C = [("connection", "Upgrade, HTTP2-Settings"), ("upgrade", "h2c"),
+       ("http2-settings", "AAMAAABkAAQCAAAAAAIAAAAA")]
+
+
+def test_h2c_upgrade_is_ignored_and_the_request_answered_over_http11(limited):
+    """What `curl --http2 -d ... http://` sends. Before: the body was never delivered (the parser
+    takes the bytes after an upgrade request's head for the new protocol) and the call hung."""
+    text = f"[scenario:echo] h2c {uuid.uuid4().hex[:6]}"
+    answer, s = exchange(_port(limited), "POST", "/api/chat", H2C + JSON, chat_body(text), timeout=8)
+    s.close()
+    assert answer.error is None and answer.status == 200, (answer.status, answer.error)
+    assert answer.sse_text() == echo_text(text)
+    assert answer.headers.get("connection") == "close"
+    answer, s = exchange(_port(limited), "GET", "/api/v1/models", H2C, timeout=8)
+    s.close()
+    assert answer.status == 200 and answer.error is None
+
+
+def test_websocket_upgrade_is_refused_with_a_plain_http_answer(limited):
+    """Before: 500 (the front server switched to WebSocket and the host does not speak it)."""
+    ws = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-version", "13"),
+          ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")]
+    for target, expected in (("/api/chat", 405), ("/api/v1/models", 200)):
+        answer, s = exchange(_port(limited), "GET", target, ws, timeout=8)
+        s.close()
+        assert answer.error is None and answer.status == expected, (target, answer.status, answer.error)
+        assert answer.headers.get("connection") == "close"
+
+
+def test_stats_answers_get_only(limited):
+    port = _port(limited)
+    answer, s = exchange(port, "GET", "/_devhost/stats", [])
+    s.close()
+    assert answer.status == 200 and "tasks" in json.loads(answer.body)
+    for method in ("POST", "DELETE", "PUT"):
+        answer, s = exchange(port, method, "/_devhost/stats", [])
+        s.close()
+        assert answer.status == 405 and answer.headers.get("allow") == "GET", (method, answer.status)
+
+
+def test_a_bad_limit_setting_stops_the_host_naming_it():
+    import subprocess
+    import sys
+
+    from servers import ROOT
+    for env, name in (({"DEVHOST_BODY_TIMEOUT_SECONDS": "soon"}, "DEVHOST_BODY_TIMEOUT_SECONDS"),
+                      ({"DEVHOST_MAX_HEADER_BYTES": "-1"}, "DEVHOST_MAX_HEADER_BYTES")):
+        result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60,
+                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
+        assert result.returncode == 2, result.stderr
+        assert name in result.stderr
+    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--header-timeout", "0", str(ROOT)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and "--header-timeout" in result.stderr, result.stderr

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from . import config
+from .front import protocol_class
 from .proxy import Host
 from .routes import routes_from_metadata
 from .worker import Worker, WorkerError
@@ -42,7 +43,8 @@ def _configure_logging(verbose: bool) -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
-async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
+async def serve(app_dir: Path, host: str, port: int, verbose: bool,
+                front: config.FrontSettings = config.FrontSettings()) -> int:
     worker = Worker(app_dir, host="127.0.0.1")
     try:
         await worker.init()
@@ -57,9 +59,12 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
     prefix = config.route_prefix(app_dir)
     routes = routes_from_metadata(worker.metadata, prefix)
     app = Host(worker, routes)
+    # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
+    # declined and answered as plain HTTP requests.
     server = _FrontServer(uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False, server_header=False,
-        date_header=False, lifespan="off", timeout_graceful_shutdown=2, timeout_keep_alive=30))
+        date_header=False, lifespan="off", timeout_graceful_shutdown=2,
+        http=protocol_class(front), ws="none", timeout_keep_alive=front.keepalive_timeout))
 
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -113,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="event loop: asyncio's own (the default, as the Azure worker), or uvloop")
+    limits = parser.add_argument_group("limits of the front server (environment variable in brackets)")
+    limits.add_argument("--max-header-bytes", type=int, metavar="N",
+                        help="largest request line + headers, else 431 [DEVHOST_MAX_HEADER_BYTES] (65536)")
+    limits.add_argument("--header-timeout", type=float, metavar="S",
+                        help="seconds for a request's headers, else 408 [DEVHOST_HEADER_TIMEOUT_SECONDS] (10)")
+    limits.add_argument("--body-timeout", type=float, metavar="S",
+                        help="seconds for its body after the headers, else 408 [DEVHOST_BODY_TIMEOUT_SECONDS] (15)")
+    limits.add_argument("--keepalive-timeout", type=float, metavar="S",
+                        help="idle seconds before a connection is closed [DEVHOST_KEEPALIVE_TIMEOUT_SECONDS] (15)")
     args = parser.parse_args(argv)
     app_dir = Path(args.app_dir).resolve()
     _configure_logging(args.verbose)
@@ -120,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no function_app.py in %s", app_dir)
         return 2
     try:
+        front = config.front_settings(
+            max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
         applied = config.apply_local_settings(app_dir)
         config.route_prefix(app_dir)
     except config.ConfigError as exc:
@@ -129,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
     os.chdir(app_dir)
     try:
-        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose), loop_factory=_loop_factory(args.loop))
+        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose, front),
+                           loop_factory=_loop_factory(args.loop))
     except KeyboardInterrupt:
         return 130
 

@@ -48,6 +48,9 @@ class Host:
         if scope["type"] != "http":
             return
         if scope["path"] == "/_devhost/stats":
+            if scope["method"] != "GET":
+                await _plain(send, 405, [(b"allow", b"GET")])
+                return
             await _json(send, self.stats())
             return
         route, params, allowed = match(self.routes, scope["path"], scope["method"])
@@ -69,7 +72,11 @@ class Host:
         started = time.perf_counter()
         # A caller must never choose the invocation id (it would pair its request with another
         # invocation): drop theirs and hop-by-hop headers, add ours.
-        headers = [(k.lower(), v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
+        # So are the headers that the caller's Connection header names (RFC 9110 7.6.1), such as
+        # HTTP2-Settings of a declined h2c upgrade.
+        named = {t.strip().lower() for k, v in scope["headers"] if k.lower() == b"connection" for t in v.split(b",")}
+        headers = [(k.lower(), v) for k, v in scope["headers"]
+                   if k.lower() not in NOT_FORWARDED and k.lower() not in named]
         caller_framing = {k.lower(): v for k, v in scope["headers"]
                           if k.lower() in (b"content-length", b"transfer-encoding")}
         headers.append((INVOCATION_HEADER, invocation_id.encode()))
