@@ -455,3 +455,140 @@ def test_a_bad_limit_setting_stops_the_host_naming_it():
                             capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2 and "--header-timeout" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------------- cross-site callers
+
+def _served_devhost(*args: str, env: dict | None = None, app_dir=None):
+    from servers import ROOT, Served
+    return Served(["-m", "tools.devhost", "--port", "0", *args, str(app_dir or ROOT)], env=env)
+
+
+FORM = [("content-type", "application/x-www-form-urlencoded")]
+
+
+def test_cross_site_requests_are_refused_before_the_function_runs(app, upstream):
+    """What a web page can make a browser send to a developer's local host without a preflight: a
+    form-encoded POST (the app reads it as JSON, so `curl -d` works) with a foreign Origin. Before:
+    200 and a completion paid with the developer's key."""
+    port = _port(app)
+    before = upstream.count()
+    body = chat_body("[scenario:echo] from a web page")
+    for headers, method, target, payload in (
+        (FORM + [("origin", "https://evil.example")], "POST", "/api/chat", body),
+        (JSON + [("origin", "https://evil.example"), ("sec-fetch-site", "cross-site")], "POST", "/api/chat", body),
+        (FORM + [("origin", "null")], "POST", "/api/chat", body),  # sandboxed frames, file:// pages
+        (FORM + [("origin", f"http://rebound.example:{port}")], "POST", "/api/v1/chat/completions", body),
+        ([("origin", "http://localhost:3000")], "GET", "/api/v1/models", b""),  # another local port
+        ([("sec-fetch-site", "cross-site")], "GET", "/api/v1/models", b""),  # no Origin, but the browser says so
+        ([("sec-fetch-site", "same-site")], "GET", "/_devhost/stats", b""),
+    ):
+        answer, s = exchange(port, method, target, headers, payload)
+        s.close()
+        assert answer.status == 403, (headers, answer.status, answer.body[:200])
+        error = json.loads(answer.body)["error"]
+        assert error["type"] == "cross_origin_forbidden" and "CORS_ALLOWED_ORIGINS" in error["message"]
+        assert "access-control-allow-origin" not in answer.headers
+    assert upstream.count() == before, "a refused request reached the upstream"
+    # A refused preflight gets no CORS headers either.
+    answer, s = exchange(port, "OPTIONS", "/api/chat", [("origin", "https://evil.example"),
+                                                        ("access-control-request-method", "POST")])
+    s.close()
+    assert answer.status == 403 and "access-control-allow-origin" not in answer.headers
+
+
+def test_same_origin_and_origin_less_callers_are_served(app):
+    port = _port(app)
+    for headers in ([],  # curl -d '{...}'
+                    [("origin", f"http://127.0.0.1:{port}"), ("sec-fetch-site", "same-origin")],
+                    [("origin", f"http://localhost:{port}")],
+                    [("origin", f"HTTP://LOCALHOST:{port}")],
+                    [("sec-fetch-site", "none")]):  # typed into the address bar
+        text = f"[scenario:echo] same origin {uuid.uuid4().hex[:6]}"
+        answer, s = exchange(port, "POST", "/api/chat", FORM + headers, chat_body(text))
+        s.close()
+        assert answer.status == 200 and answer.sse_text() == echo_text(text), (headers, answer.status)
+        assert "access-control-allow-origin" not in answer.headers
+
+
+def test_allowed_origins_get_cors_headers_and_preflight_answers(upstream):
+    from conftest import app_env
+    server = _served_devhost(env=app_env(upstream, CORS_ALLOWED_ORIGINS="https://playground.example/, http://localhost:3000"))
+    try:
+        port = _port(server)
+        answer, s = exchange(port, "OPTIONS", "/api/v1/chat/completions", [
+            ("origin", "https://playground.example"), ("access-control-request-method", "POST"),
+            ("access-control-request-headers", "content-type, x-functions-key, authorization")])
+        s.close()
+        assert answer.status == 204, answer.status
+        h = answer.headers
+        assert h["access-control-allow-origin"] == "https://playground.example"
+        assert "POST" in h["access-control-allow-methods"]
+        allowed_headers = {x.strip().lower() for x in h["access-control-allow-headers"].split(",")}
+        assert {"content-type", "x-functions-key", "authorization"} <= allowed_headers
+        assert "origin" in h["vary"].lower() and int(h["access-control-max-age"]) > 0
+
+        text = f"[scenario:echo] allowed {uuid.uuid4().hex[:6]}"
+        answer, s = exchange(port, "POST", "/api/chat", JSON + [("origin", "http://localhost:3000")], chat_body(text))
+        s.close()
+        assert answer.status == 200 and answer.sse_text() == echo_text(text)
+        assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "origin" in answer.headers["vary"].lower()
+        # Also on the host's own answers (404 here), so that a page can read them.
+        answer, s = exchange(port, "GET", "/api/nope", [("origin", "http://localhost:3000")])
+        s.close()
+        assert answer.status == 404 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # Not listed: refused.
+        answer, s = exchange(port, "POST", "/api/chat", FORM + [("origin", "http://localhost:3001")], chat_body("x"))
+        s.close()
+        assert answer.status == 403
+    finally:
+        server.stop()
+
+
+def test_cors_flag_star_allows_any_origin(upstream):
+    from conftest import app_env
+    server = _served_devhost("--cors", "*", env=app_env(upstream))
+    try:
+        text = f"[scenario:echo] star {uuid.uuid4().hex[:6]}"
+        answer, s = exchange(_port(server), "POST", "/api/chat", FORM + [("origin", "https://anywhere.example")],
+                             chat_body(text))
+        s.close()
+        assert answer.status == 200 and answer.sse_text() == echo_text(text)
+        assert answer.headers["access-control-allow-origin"] == "*"
+    finally:
+        server.stop()
+
+
+def test_cors_from_local_settings_host_section_like_func(tmp_path):
+    """`func start` reads Host.CORS from local.settings.json; so does the local host."""
+    import shutil
+
+    from servers import ROOT
+    shutil.copy(ROOT / "tests" / "apps" / "probe" / "function_app.py", tmp_path)
+    (tmp_path / "local.settings.json").write_text(json.dumps({
+        "IsEncrypted": False, "Values": {}, "Host": {"CORS": "https://a.example"}}))
+    server = _served_devhost(app_dir=tmp_path)
+    try:
+        port = _port(server)
+        answer, s = exchange(port, "GET", "/api/echo/x", [("origin", "https://a.example")])
+        s.close()
+        assert answer.status == 200 and answer.headers["access-control-allow-origin"] == "https://a.example"
+        answer, s = exchange(port, "GET", "/api/echo/x", [("origin", "https://b.example")])
+        s.close()
+        assert answer.status == 403
+    finally:
+        server.stop()
+
+
+def test_a_malformed_cors_origin_stops_the_host_naming_the_setting():
+    import subprocess
+    import sys
+
+    from servers import ROOT
+    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                                 "CORS_ALLOWED_ORIGINS": "https://ok.example, not an origin"})
+    assert result.returncode == 2, result.stderr
+    assert "CORS_ALLOWED_ORIGINS" in result.stderr and "not an origin" in result.stderr

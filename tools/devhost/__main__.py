@@ -58,7 +58,7 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool,
 
     prefix = config.route_prefix(app_dir)
     routes = routes_from_metadata(worker.metadata, prefix)
-    app = Host(worker, routes)
+    app = Host(worker, routes, front.cors)
     # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
     # declined and answered as plain HTTP requests.
     server = _FrontServer(uvicorn.Config(
@@ -91,6 +91,8 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool,
         methods = ",".join(sorted(route.methods)) or "ANY"
         print(f"  {route.name}: [{methods}] http://{host}:{bound}/{prefix + '/' if prefix else ''}{route.template}",
               file=sys.stderr)
+    if front.cors.any_origin or front.cors.origins:
+        print(f"  CORS: browser pages from {front.cors.describe()} may call this host", file=sys.stderr)
     print(f"devhost listening on http://{host}:{bound}", flush=True)
     try:
         await serving
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="event loop: asyncio's own (the default, as the Azure worker), or uvloop")
+    parser.add_argument("--cors", metavar="ORIGINS",
+                        help="browser origins allowed to call the host besides its own, comma-separated, * for "
+                             "any (like func start --cors; default: $CORS_ALLOWED_ORIGINS, else "
+                             "local.settings.json Host.CORS, else none)")
     limits = parser.add_argument_group("limits of the front server (environment variable in brackets)")
     limits.add_argument("--max-header-bytes", type=int, metavar="N",
                         help="largest request line + headers, else 431 [DEVHOST_MAX_HEADER_BYTES] (65536)")
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
             body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
         applied = config.apply_local_settings(app_dir)
+        front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
     except config.ConfigError as exc:
         log.error("%s", exc)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .cors import CorsPolicy
 
 
 class ConfigError(Exception):
@@ -60,6 +62,7 @@ class FrontSettings:
     header_timeout: float = 10.0  # a request's head must be complete this long after its first byte (408)
     body_timeout: float = 15.0  # its body this long after the head (408)
     keepalive_timeout: float = 15.0  # an idle connection between requests is closed after this
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # browser origins allowed besides the host's own
 
 
 # environment variable → (field, type); the CLI flags of __main__ override these.
@@ -93,3 +96,21 @@ def _positive(name: str, raw, kind):
     if value is None or not value > 0 or value != value or value == float("inf"):
         raise ConfigError(f"{name} must be a positive {'whole ' if kind is int else ''}number")
     return value
+
+
+def with_cors(front: FrontSettings, app_dir: Path, flag: str | None, environ=os.environ) -> FrontSettings:
+    """``front`` with the CORS origins of the first of: the --cors flag, CORS_ALLOWED_ORIGINS (also
+    from local.settings.json Values), local.settings.json Host.CORS (what `func start` reads)."""
+    if flag is not None:
+        text, name = flag, "--cors"
+    elif environ.get("CORS_ALLOWED_ORIGINS"):
+        text, name = environ["CORS_ALLOWED_ORIGINS"], "CORS_ALLOWED_ORIGINS"
+    else:
+        path = app_dir / "local.settings.json"
+        host = _read_json(path).get("Host", {}) if path.exists() else {}
+        text = host.get("CORS", "") if isinstance(host, dict) else ""
+        text, name = ("" if text is None else str(text)), "local.settings.json Host.CORS"
+    try:
+        return replace(front, cors=CorsPolicy.parse(text, name))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
