@@ -204,7 +204,7 @@ def test_help_exits_0_and_explains_everything(chat_exe):
     assert proc.returncode == EXIT_OK
     text = proc.stdout.decode()
     for word in ("--url", "--key", "--system", "--model", "--stats", "CHAT_URL", "FUNCTION_KEY",
-                 "x-functions-key", "64", "130"):
+                 "x-functions-key", "64", "130", "--allow-insecure-key"):
         assert word in text
 
 
@@ -346,6 +346,75 @@ def test_done_members_in_any_order_and_unknown_members(chat_exe, canned):
     assert "stats: finish reason: length" in lines
     assert "stats: tokens: prompt 4, completion 5, total 9" in lines
     assert "stats: model: m2 (id r2)" in lines
+
+
+# ---------------------------------------------------------------------------------------------
+# the function key never goes over plain HTTP to another machine
+
+
+def own_address() -> str | None:
+    """A non-loopback IPv4 address of this machine, or None. A connection to it never leaves the
+    machine (the kernel routes it locally), and as every test server listens on 127.0.0.1 only, an
+    attempt is refused at once: exit 3 means "it tried", exit 2 with the message "it did not"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # UDP: picks the route, sends nothing
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def _connects_to_the_network(exe: Path, *args: str, env: dict | None = None) -> tuple[int, list[str]]:
+    """Runs the client under strace; its exit code and every connect() to an IP address."""
+    trace = Path(f"/tmp/chat-strace-{os.getpid()}-{time.monotonic_ns()}.txt")
+    try:
+        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), "mono", str(exe), *args],
+                              stdin=subprocess.DEVNULL, capture_output=True, env=_client_env(env), timeout=30)
+        lines = trace.read_text(errors="replace").splitlines() if trace.exists() else []
+    finally:
+        trace.unlink(missing_ok=True)
+    return proc.returncode, [line for line in lines if "AF_INET" in line]
+
+
+def test_key_over_plain_http_to_another_host_is_refused_before_any_connection(chat_exe):
+    address = own_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to stand for another host")
+    url = f"http://{address}:{closed_port()}/api/chat"
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-SECRET-123", "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR, proc.stderr  # 2: refused, nothing sent
+    err = proc.stderr.decode()
+    assert "refusing to send the function key" in err and "--allow-insecure-key" in err and address in err
+    assert "K-SECRET-123" not in err
+    assert proc.stdout == b""
+    # The key from the environment is protected the same way.
+    proc = run_chat(chat_exe, "--url", url, "hi", env={"FUNCTION_KEY": "K-SECRET-123"})
+    assert proc.returncode == EXIT_HTTP_ERROR and b"refusing to send the function key" in proc.stderr
+    # With the flag it really tries (this machine refuses the connection: exit 3), and so it does
+    # without a key (nothing to protect), or over https.
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-SECRET-123", "--allow-insecure-key", "hi")
+    assert proc.returncode == EXIT_CONNECT, proc.stderr
+    assert run_chat(chat_exe, "--url", url, "hi").returncode == EXIT_CONNECT
+    https = f"https://{address}:{closed_port()}/api/chat"
+    assert run_chat(chat_exe, "--url", https, "--key", "K", "hi").returncode == EXIT_CONNECT
+    # A name that would need a DNS query is refused before the query too.
+    proc = run_chat(chat_exe, "--url", "http://example.invalid/api/chat", "--key", "K", "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR and b"example.invalid" in proc.stderr, proc.stderr
+    if shutil.which("strace"):
+        code, connects = _connects_to_the_network(chat_exe, "--url", "http://example.invalid/api/chat",
+                                                  "--key", "K", "hi")
+        if code == EXIT_HTTP_ERROR:  # else strace could not trace here (ptrace not permitted)
+            assert connects == [], connects
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "LocalHost"])
+def test_key_goes_to_loopback_over_plain_http(chat_exe, canned, host):
+    canned.answer([delta("ok"), DONE])
+    url = canned.url.replace("127.0.0.1", host)
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-loop", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert canned.requests[-1]["lower_headers"]["x-functions-key"] == "K-loop"
 
 
 def test_connection_refused_exits_3(chat_exe):
