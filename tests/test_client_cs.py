@@ -445,6 +445,14 @@ def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
 # kernel then closes the socket, so the server still sees the client go away.
 
 
+def _sigint_default() -> None:
+    """Runs in each client child before exec: SIGINT back to its default action. Started in the
+    background (`make test &`, nohup, some CI runners), the test process has SIGINT ignored, an
+    ignored signal stays ignored across exec, and Mono would then never see the SIGINT these
+    tests send. (subprocess's restore_signals resets SIGPIPE and SIGXFSZ only.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _read_until_text(fd: int, timeout: float = 15) -> bytes:
     """Reads from fd until some reply text (not just terminal escape codes) has arrived."""
     buf = b""
@@ -468,7 +476,7 @@ def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, can
     canned.answer([delta("first"), "STALL"])
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+                            env=_client_env(), preexec_fn=_sigint_default)
     try:
         assert _read_until_text(proc.stdout.fileno()) == b"first"
         sent = time.monotonic()
@@ -487,7 +495,7 @@ def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
     canned.answer([delta("first"), "STALL"])
     master, slave = pty.openpty()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
     os.close(slave)
     try:
         assert b"first" in _read_until_text(master)
@@ -573,7 +581,7 @@ def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario)
     upstream.clear()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+                            env=_client_env(), preexec_fn=_sigint_default)
     try:
         _read_until_text(proc.stdout.fileno())
         proc.send_signal(signal.SIGINT)
@@ -590,7 +598,7 @@ def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, up
     upstream.clear()
     master, slave = pty.openpty()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
     os.close(slave)
     try:
         _read_until_text(master)
