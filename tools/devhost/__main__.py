@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no function_app.py in %s", app_dir)
         return 2
     try:
+        applied = config.apply_local_settings(app_dir)  # so Values may hold these settings too
         front = config.front_settings(
             max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
             body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
-        applied = config.apply_local_settings(app_dir)
         front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
     except config.ConfigError as exc:
