@@ -1,6 +1,7 @@
 using System;
 using System.Collections.Generic;
 using System.IO;
+using System.Net;
 using System.Text;
 
 namespace ChatCli
@@ -15,11 +16,13 @@ namespace ChatCli
         public string System;
         public string Model;
         public bool Stats;
+        public bool AllowInsecureKey;
         public bool Help;
         public string Prompt;
 
         public const string Usage =
-@"usage: chat [--url URL] [--key KEY] [--system TEXT] [--model NAME] [--stats] PROMPT...
+@"usage: chat [--url URL] [--key KEY] [--system TEXT] [--model NAME] [--stats]
+            [--allow-insecure-key] PROMPT...
 
 Sends PROMPT to the chat endpoint and prints the reply as it streams in.
 The words of PROMPT are joined with single spaces. With no PROMPT words and
@@ -27,7 +30,11 @@ standard input redirected, the prompt is read from standard input.
 
 options:
   --url URL       endpoint to POST to (env CHAT_URL, default " + DefaultUrl + @")
-  --key KEY       function key, sent as the x-functions-key header (env FUNCTION_KEY)
+  --key KEY       function key, sent as the x-functions-key header (env FUNCTION_KEY);
+                  over plain http:// only to a loopback address (localhost, 127.x.x.x, ::1)
+  --allow-insecure-key
+                  send the key over plain http:// to another host anyway (it travels
+                  in clear text)
   --system TEXT   add a system message; the request then carries ""messages""
                   (system + user) instead of ""prompt""
   --model NAME    ask for a specific model
@@ -42,7 +49,8 @@ Diagnostics go to stderr.
 exit codes:
   0    the reply finished normally (event: done)
   1    the stream ended with an error event, or ended without done/error
-  2    the server answered with an HTTP error status before the stream
+  2    the server answered with an HTTP error status before the stream, or the key
+       was not sent: plain http:// to a host that is not loopback (nothing was sent)
   3    could not connect to the server
   64   bad command-line arguments (EX_USAGE)
   130  cancelled with Ctrl+C (the HTTP request is aborted)
@@ -96,6 +104,10 @@ exit codes:
                         if (inlineValue != null) throw new UsageException("--stats takes no value");
                         o.Stats = true;
                         break;
+                    case "--allow-insecure-key":
+                        if (inlineValue != null) throw new UsageException("--allow-insecure-key takes no value");
+                        o.AllowInsecureKey = true;
+                        break;
                     case "--url":
                         o.Url = TakeValue(args, ref i, name, inlineValue);
                         break;
@@ -134,6 +146,28 @@ exit codes:
             if (string.IsNullOrWhiteSpace(o.Prompt))
                 throw new UsageException("no prompt given (pass PROMPT words or pipe the prompt on stdin)");
             return o;
+        }
+
+        /// <summary>
+        /// True when a function key sent to <paramref name="url"/> would cross a network in clear
+        /// text: plain http:// to a host that is not a loopback address. Decided from the URL alone,
+        /// before any name lookup, so a refused key never causes traffic.
+        /// </summary>
+        public static bool KeyWouldTravelInClear(Uri url)
+        {
+            return url.Scheme == Uri.UriSchemeHttp && !IsLoopbackHost(url);
+        }
+
+        /// <summary>localhost, 127.0.0.0/8 and ::1 (also written as ::ffff:127.x.x.x).</summary>
+        public static bool IsLoopbackHost(Uri url)
+        {
+            string host = url.DnsSafeHost; // an IPv6 address without its brackets
+            if (string.Equals(host, "localhost", StringComparison.OrdinalIgnoreCase)) return true;
+            IPAddress address;
+            if (url.HostNameType != UriHostNameType.IPv4 && url.HostNameType != UriHostNameType.IPv6) return false;
+            if (!IPAddress.TryParse(host, out address)) return false;
+            if (address.IsIPv4MappedToIPv6) address = address.MapToIPv4();
+            return IPAddress.IsLoopback(address);
         }
 
         static string TakeValue(string[] args, ref int i, string name, string inlineValue)

@@ -14,6 +14,7 @@ namespace ChatCli
         public const int ExitOk = 0;
         public const int ExitStreamError = 1;
         public const int ExitHttpError = 2;
+        public const int ExitKeyNotSent = 2;  // refused before any request: the key would travel in clear
         public const int ExitConnect = 3;
         public const int ExitUsage = 64;      // EX_USAGE from sysexits.h
         public const int ExitCancelled = 130; // 128 + SIGINT, as shells report Ctrl+C
@@ -66,6 +67,15 @@ namespace ChatCli
                 }
                 catch (IOException) { return ExitStdoutClosed; }
                 return ExitOk;
+            }
+
+            var url = new Uri(options.Url);
+            if (options.Key != null && !options.AllowInsecureKey && Options.KeyWouldTravelInClear(url))
+            {
+                stderr.WriteLine("chat: refusing to send the function key in clear text over http:// to " +
+                                 url.Host + ", which is not a loopback address. Use an https:// URL, or pass " +
+                                 "--allow-insecure-key to send it anyway.");
+                return ExitKeyNotSent;
             }
 
             var body = new ChatRequest { Model = options.Model };

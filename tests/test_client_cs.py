@@ -204,7 +204,7 @@ def test_help_exits_0_and_explains_everything(chat_exe):
     assert proc.returncode == EXIT_OK
     text = proc.stdout.decode()
     for word in ("--url", "--key", "--system", "--model", "--stats", "CHAT_URL", "FUNCTION_KEY",
-                 "x-functions-key", "64", "130"):
+                 "x-functions-key", "64", "130", "--allow-insecure-key"):
         assert word in text
 
 
@@ -348,6 +348,69 @@ def test_done_members_in_any_order_and_unknown_members(chat_exe, canned):
     assert "stats: model: m2 (id r2)" in lines
 
 
+# ---------------------------------------------------------------------------------------------
+# the function key never goes over plain HTTP to another machine
+
+
+def own_address() -> str:
+    """An address that is not a loopback address to the client's check (IPAddress.IsLoopback is false
+    for 0.0.0.0) but that Linux connects to on this machine itself (as 127.0.0.1), so no packet ever
+    leaves the loopback interface. Every test server listens on 127.0.0.1, and the port used is
+    closed, so an attempt is refused at once: exit 3 means "it tried", exit 2 with the message "it
+    did not"."""
+    return "0.0.0.0"
+
+
+def _connects_to_the_network(exe: Path, *args: str, env: dict | None = None) -> tuple[int, list[str]]:
+    """Runs the client under strace; its exit code and every connect() to an IP address."""
+    trace = Path(f"/tmp/chat-strace-{os.getpid()}-{time.monotonic_ns()}.txt")
+    try:
+        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), "mono", str(exe), *args],
+                              stdin=subprocess.DEVNULL, capture_output=True, env=_client_env(env), timeout=30)
+        lines = trace.read_text(errors="replace").splitlines() if trace.exists() else []
+    finally:
+        trace.unlink(missing_ok=True)
+    return proc.returncode, [line for line in lines if "AF_INET" in line]
+
+
+def test_key_over_plain_http_to_another_host_is_refused_before_any_connection(chat_exe):
+    address = own_address()
+    url = f"http://{address}:{closed_port()}/api/chat"
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-SECRET-123", "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR, proc.stderr  # 2: refused, nothing sent
+    err = proc.stderr.decode()
+    assert "refusing to send the function key" in err and "--allow-insecure-key" in err and address in err
+    assert "K-SECRET-123" not in err
+    assert proc.stdout == b""
+    # The key from the environment is protected the same way.
+    proc = run_chat(chat_exe, "--url", url, "hi", env={"FUNCTION_KEY": "K-SECRET-123"})
+    assert proc.returncode == EXIT_HTTP_ERROR and b"refusing to send the function key" in proc.stderr
+    # With the flag it really tries (this machine refuses the connection: exit 3), and so it does
+    # without a key (nothing to protect), or over https.
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-SECRET-123", "--allow-insecure-key", "hi")
+    assert proc.returncode == EXIT_CONNECT, proc.stderr
+    assert run_chat(chat_exe, "--url", url, "hi").returncode == EXIT_CONNECT
+    https = f"https://{address}:{closed_port()}/api/chat"
+    assert run_chat(chat_exe, "--url", https, "--key", "K", "hi").returncode == EXIT_CONNECT
+    # A name that would need a DNS query is refused before the query too.
+    proc = run_chat(chat_exe, "--url", "http://example.invalid/api/chat", "--key", "K", "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR and b"example.invalid" in proc.stderr, proc.stderr
+    if shutil.which("strace"):
+        code, connects = _connects_to_the_network(chat_exe, "--url", "http://example.invalid/api/chat",
+                                                  "--key", "K", "hi")
+        if code == EXIT_HTTP_ERROR:  # else strace could not trace here (ptrace not permitted)
+            assert connects == [], connects
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "LocalHost"])
+def test_key_goes_to_loopback_over_plain_http(chat_exe, canned, host):
+    canned.answer([delta("ok"), DONE])
+    url = canned.url.replace("127.0.0.1", host)
+    proc = run_chat(chat_exe, "--url", url, "--key", "K-loop", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert canned.requests[-1]["lower_headers"]["x-functions-key"] == "K-loop"
+
+
 def test_connection_refused_exits_3(chat_exe):
     proc = run_chat(chat_exe, "--url", f"http://127.0.0.1:{closed_port()}/api/chat", "hi")
     assert proc.returncode == EXIT_CONNECT
@@ -376,6 +439,14 @@ def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
 # kernel then closes the socket, so the server still sees the client go away.
 
 
+def _sigint_default() -> None:
+    """Runs in each client child before exec: SIGINT back to its default action. Started in the
+    background (`make test &`, nohup, some CI runners), the test process has SIGINT ignored, an
+    ignored signal stays ignored across exec, and Mono would then never see the SIGINT these
+    tests send. (subprocess's restore_signals resets SIGPIPE and SIGXFSZ only.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _read_until_text(fd: int, timeout: float = 15) -> bytes:
     """Reads from fd until some reply text (not just terminal escape codes) has arrived."""
     buf = b""
@@ -399,7 +470,7 @@ def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, can
     canned.answer([delta("first"), "STALL"])
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+                            env=_client_env(), preexec_fn=_sigint_default)
     try:
         assert _read_until_text(proc.stdout.fileno()) == b"first"
         sent = time.monotonic()
@@ -418,7 +489,7 @@ def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
     canned.answer([delta("first"), "STALL"])
     master, slave = pty.openpty()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
     os.close(slave)
     try:
         assert b"first" in _read_until_text(master)
@@ -504,7 +575,7 @@ def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario)
     upstream.clear()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+                            env=_client_env(), preexec_fn=_sigint_default)
     try:
         _read_until_text(proc.stdout.fileno())
         proc.send_signal(signal.SIGINT)
@@ -521,7 +592,7 @@ def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, up
     upstream.clear()
     master, slave = pty.openpty()
     proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env())
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
     os.close(slave)
     try:
         _read_until_text(master)

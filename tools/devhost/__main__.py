@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from . import config
+from .front import protocol_class
 from .proxy import Host
 from .routes import routes_from_metadata
 from .worker import Worker, WorkerError
@@ -42,7 +43,8 @@ def _configure_logging(verbose: bool) -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
-async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
+async def serve(app_dir: Path, host: str, port: int, verbose: bool,
+                front: config.FrontSettings = config.FrontSettings()) -> int:
     worker = Worker(app_dir, host="127.0.0.1")
     try:
         await worker.init()
@@ -56,10 +58,13 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
 
     prefix = config.route_prefix(app_dir)
     routes = routes_from_metadata(worker.metadata, prefix)
-    app = Host(worker, routes)
+    app = Host(worker, routes, front.cors)
+    # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
+    # declined and answered as plain HTTP requests.
     server = _FrontServer(uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False, server_header=False,
-        date_header=False, lifespan="off", timeout_graceful_shutdown=2, timeout_keep_alive=30))
+        date_header=False, lifespan="off", timeout_graceful_shutdown=2,
+        http=protocol_class(front), ws="none", timeout_keep_alive=front.keepalive_timeout))
 
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -86,6 +91,8 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool) -> int:
         methods = ",".join(sorted(route.methods)) or "ANY"
         print(f"  {route.name}: [{methods}] http://{host}:{bound}/{prefix + '/' if prefix else ''}{route.template}",
               file=sys.stderr)
+    if front.cors.any_origin or front.cors.origins:
+        print(f"  CORS: browser pages from {front.cors.describe()} may call this host", file=sys.stderr)
     print(f"devhost listening on http://{host}:{bound}", flush=True)
     try:
         await serving
@@ -113,6 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="event loop: asyncio's own (the default, as the Azure worker), or uvloop")
+    parser.add_argument("--cors", metavar="ORIGINS",
+                        help="browser origins allowed to call the host besides its own, comma-separated, * for "
+                             "any (like func start --cors; default: $CORS_ALLOWED_ORIGINS, else "
+                             "local.settings.json Host.CORS, else none)")
+    limits = parser.add_argument_group("limits of the front server (environment variable in brackets)")
+    limits.add_argument("--max-header-bytes", type=int, metavar="N",
+                        help="largest request line + headers, else 431 [DEVHOST_MAX_HEADER_BYTES] (65536)")
+    limits.add_argument("--header-timeout", type=float, metavar="S",
+                        help="seconds for a request's headers, else 408 [DEVHOST_HEADER_TIMEOUT_SECONDS] (10)")
+    limits.add_argument("--body-timeout", type=float, metavar="S",
+                        help="seconds for its body after the headers, else 408 [DEVHOST_BODY_TIMEOUT_SECONDS] (15)")
+    limits.add_argument("--keepalive-timeout", type=float, metavar="S",
+                        help="idle seconds before a connection is closed [DEVHOST_KEEPALIVE_TIMEOUT_SECONDS] (15)")
     args = parser.parse_args(argv)
     app_dir = Path(args.app_dir).resolve()
     _configure_logging(args.verbose)
@@ -120,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no function_app.py in %s", app_dir)
         return 2
     try:
-        applied = config.apply_local_settings(app_dir)
+        applied = config.apply_local_settings(app_dir)  # so Values may hold these settings too
+        front = config.front_settings(
+            max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
+        front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
     except config.ConfigError as exc:
         log.error("%s", exc)
@@ -129,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
     os.chdir(app_dir)
     try:
-        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose), loop_factory=_loop_factory(args.loop))
+        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose, front),
+                           loop_factory=_loop_factory(args.loop))
     except KeyboardInterrupt:
         return 130
 

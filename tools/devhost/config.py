@@ -1,9 +1,13 @@
-"""What `func start` reads from the app folder: local.settings.json Values and host.json's route prefix."""
+"""What `func start` reads from the app folder (local.settings.json Values, host.json's route prefix),
+and the host's own settings (the front server's limits)."""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .cors import CorsPolicy
 
 
 class ConfigError(Exception):
@@ -49,3 +53,64 @@ def route_prefix(app_dir: Path) -> str:
     http = _read_json(path).get("extensions", {}).get("http", {})
     prefix = http.get("routePrefix", "api") if isinstance(http, dict) else "api"
     return str(prefix).strip("/")
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    """The host's caller-facing HTTP/1.1 server: its limits (see front.py)."""
+    max_header_bytes: int = 64 * 1024  # request line + headers; more is refused with 431
+    header_timeout: float = 10.0  # a request's head must be complete this long after its first byte (408)
+    body_timeout: float = 15.0  # its body this long after the head (408)
+    keepalive_timeout: float = 15.0  # an idle connection between requests is closed after this
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # browser origins allowed besides the host's own
+
+
+# environment variable → (field, type); the CLI flags of __main__ override these.
+FRONT_ENV = {
+    "DEVHOST_MAX_HEADER_BYTES": ("max_header_bytes", int),
+    "DEVHOST_HEADER_TIMEOUT_SECONDS": ("header_timeout", float),
+    "DEVHOST_BODY_TIMEOUT_SECONDS": ("body_timeout", float),
+    "DEVHOST_KEEPALIVE_TIMEOUT_SECONDS": ("keepalive_timeout", float),
+}
+
+
+def front_settings(environ=os.environ, **flags) -> FrontSettings:
+    """FrontSettings from the environment, then from ``flags`` (None: not given). A value that is
+    not a positive number raises ConfigError naming the setting."""
+    values = {}
+    for name, (fieldname, kind) in FRONT_ENV.items():
+        raw = environ.get(name)
+        if raw not in (None, ""):
+            values[fieldname] = _positive(name, raw, kind)
+    for fieldname, value in flags.items():
+        if value is not None:
+            values[fieldname] = _positive("--" + fieldname.replace("_", "-"), value, type(value))
+    return FrontSettings(**values)
+
+
+def _positive(name: str, raw, kind):
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not value > 0 or value != value or value == float("inf"):
+        raise ConfigError(f"{name} must be a positive {'whole ' if kind is int else ''}number")
+    return value
+
+
+def with_cors(front: FrontSettings, app_dir: Path, flag: str | None, environ=os.environ) -> FrontSettings:
+    """``front`` with the CORS origins of the first of: the --cors flag, CORS_ALLOWED_ORIGINS (also
+    from local.settings.json Values), local.settings.json Host.CORS (what `func start` reads)."""
+    if flag is not None:
+        text, name = flag, "--cors"
+    elif environ.get("CORS_ALLOWED_ORIGINS"):
+        text, name = environ["CORS_ALLOWED_ORIGINS"], "CORS_ALLOWED_ORIGINS"
+    else:
+        path = app_dir / "local.settings.json"
+        host = _read_json(path).get("Host", {}) if path.exists() else {}
+        text = host.get("CORS", "") if isinstance(host, dict) else ""
+        text, name = ("" if text is None else str(text)), "local.settings.json Host.CORS"
+    try:
+        return replace(front, cors=CorsPolicy.parse(text, name))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

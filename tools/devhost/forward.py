@@ -38,6 +38,13 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes):
         if self.response is not None:
             self.response.feed(data)
+        else:
+            # Bytes on an idle connection belong to no request: a late part of an earlier answer.
+            # Handing them to the next request would give its caller someone else's answer.
+            self.lost = True
+            if self in self.pool:
+                self.pool.remove(self)
+            self.transport.close()
 
     def connection_lost(self, exc):
         self.lost = True
@@ -82,17 +89,37 @@ class WorkerResponse:
         self._waiter: asyncio.Future | None = None
         self._paused = False
         self._keep_alive = False
+        self._interim = False  # inside a 1xx interim response
+        self._trailing = False  # bytes came after the response was complete
 
     # -- httptools callbacks
+    def on_message_begin(self):
+        if self._complete:  # the worker sent more after the response: the connection is not clean
+            self._trailing = True
+
     def on_header(self, name: bytes, value: bytes):
         self.headers.append((name, value))
 
     def on_headers_complete(self):
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim response (100 Continue, 103 Early Hints) is never the answer: skip it and
+            # its (empty) message, and wait for the final one. 101 would switch protocols, which
+            # the host never asks for.
+            self.headers = []
+            if status == 101:
+                self._fail(WorkerConnectionError("the worker switched protocols (101)"))
+                self._conn.transport.close()
+                return
+            self._interim = True
+            return
+        self.status = status
         if not self.started.done():
             self.started.set_result(self)
 
     def on_body(self, body: bytes):
+        if self._trailing:
+            return
         self._chunks.append(bytes(body))
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused:
@@ -101,6 +128,11 @@ class WorkerResponse:
         self._wake()
 
     def on_message_complete(self):
+        if self._interim:
+            self._interim = False
+            return
+        if self._trailing:
+            return
         self._complete = True
         # Read it now: once feed_data returns, the parser has reset for the next message.
         self._keep_alive = self._parser.should_keep_alive()
@@ -134,9 +166,11 @@ class WorkerResponse:
 
     @property
     def keep_alive(self) -> bool:
-        """The connection can carry another request: the response was complete, the worker did not
-        ask to close, and all of it was handed over (nothing buffered, reading not paused)."""
-        return self._complete and self._keep_alive and not self._chunks and not self._paused
+        """The connection can carry another request: the final response was read to its end, the
+        worker did not ask to close, nothing followed it, and all of it was handed over (nothing
+        buffered, reading not paused)."""
+        return (self._complete and self._keep_alive and not self._trailing and not self._chunks
+                and not self._paused)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives; pieces waiting together are joined into one."""

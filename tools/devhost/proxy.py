@@ -5,11 +5,13 @@ dropped, which makes the worker's Starlette cancel the function's stream."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from urllib.parse import parse_qsl, urlsplit
 
+from . import cors
 from .forward import Forwarder, WorkerConnectionError
 from .routes import Route, match
 from .worker import Worker
@@ -21,7 +23,9 @@ INVOCATION_HEADER = b"x-ms-invocation-id"
 # are set by whoever writes the next hop.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
-NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host"}
+# Expect: 100-continue is answered by the front server (it sends the interim 100 when the body is
+# first read); forwarded, it would make the worker send an interim response of its own.
+NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host", b"expect"}
 # How long a failed invocation waits for the worker's own error response before the host answers.
 FAILED_INVOCATION_GRACE = 1.0
 
@@ -33,9 +37,10 @@ class ClientGone(Exception):
 class Host:
     """ASGI application serving every HTTP function of ``worker``."""
 
-    def __init__(self, worker: Worker, routes: list[Route]):
+    def __init__(self, worker: Worker, routes: list[Route], cors_policy: cors.CorsPolicy = cors.CorsPolicy()):
         self.worker = worker
         self.routes = routes
+        self.cors = cors_policy
         uri = urlsplit(worker.http_uri or "http://127.0.0.1:9")
         self.forwarder = Forwarder(uri.hostname, uri.port)
 
@@ -45,8 +50,24 @@ class Host:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
+        server = scope.get("server")
+        outcome, origin = cors.decide(self.cors, scope["headers"], server[1] if server else None)
+        if outcome == cors.REFUSE:
+            log.warning("refused %s %s from %s (not an allowed origin; see --cors)", scope["method"],
+                        scope["path"], repr(origin) if origin is not None else "another site")
+            await _json(send, cors.refusal_body(origin), 403)
+            return
+        if outcome == cors.SERVE_CORS:
+            if scope["method"] == "OPTIONS" and any(k.lower() == b"access-control-request-method"
+                                                    for k, _ in scope["headers"]):
+                await _plain(send, 204, cors.preflight_headers(self.cors, origin, scope["headers"]))
+                return
+            send = _adding_headers(send, cors.response_headers(self.cors, origin))
         if scope["path"] == "/_devhost/stats":
-            await _json(send, self.stats())
+            if scope["method"] != "GET":
+                await _plain(send, 405, [(b"allow", b"GET")])
+                return
+            await _json(send, json.dumps(self.stats()).encode())
             return
         route, params, allowed = match(self.routes, scope["path"], scope["method"])
         if route is None:
@@ -67,7 +88,11 @@ class Host:
         started = time.perf_counter()
         # A caller must never choose the invocation id (it would pair its request with another
         # invocation): drop theirs and hop-by-hop headers, add ours.
-        headers = [(k.lower(), v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
+        # So are the headers that the caller's Connection header names (RFC 9110 7.6.1), such as
+        # HTTP2-Settings of a declined h2c upgrade.
+        named = {t.strip().lower() for k, v in scope["headers"] if k.lower() == b"connection" for t in v.split(b",")}
+        headers = [(k.lower(), v) for k, v in scope["headers"]
+                   if k.lower() not in NOT_FORWARDED and k.lower() not in named]
         caller_framing = {k.lower(): v for k, v in scope["headers"]
                           if k.lower() in (b"content-length", b"transfer-encoding")}
         headers.append((INVOCATION_HEADER, invocation_id.encode()))
@@ -197,9 +222,16 @@ async def _plain(send, status: int, headers=()) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _json(send, payload: dict) -> None:
-    import json
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": 200,
+async def _json(send, body: bytes, status: int = 200) -> None:
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _adding_headers(send, extra: list[tuple[bytes, bytes]]):
+    """``send`` with ``extra`` headers added to the response head."""
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        await send(message)
+    return wrapped
