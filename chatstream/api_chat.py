@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator,
-                      model_validator)
-
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from . import sse
+from .body import validate_object
 from .completions import CompletionStream
-from .errors import ApiError, invalid_request
+from .errors import ApiError
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .settings import Settings
@@ -93,20 +92,16 @@ def _param(loc: tuple, error_type: str) -> str | None:
     return path or None
 
 
+def _describe(first: dict) -> tuple[str, str | None]:
+    param = _param(first["loc"], first["type"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown field {param!r}", param
+    message = first["msg"].removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
+
+
 def validate_chat_request(data: object) -> ChatRequest:
-    if not isinstance(data, dict):
-        raise invalid_request("the body must be a JSON object")
-    try:
-        return ChatRequest.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        param = _param(first["loc"], first["type"])
-        if first["type"] == "extra_forbidden":
-            message = f"unknown field {param!r}"
-        else:
-            message = first["msg"].removeprefix("Value error, ")
-            message = f"{param}: {message}" if param else message
-        raise invalid_request(message, param) from None
+    return validate_object(ChatRequest, data, _describe)
 
 
 def chat_text(chunk: dict) -> str | None:

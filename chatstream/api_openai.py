@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from . import sse
+from .body import validate_object
 from .completions import CompletionStream, filter_completion
-from .errors import ApiError, invalid_request
+from .errors import ApiError
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .settings import Settings
@@ -54,17 +55,15 @@ class OpenAIChatRequest(BaseModel):
         return messages
 
 
+def _describe(first: dict) -> tuple[str, str | None]:
+    loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
+    param = loc[0] if loc else None
+    message = first["msg"].removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
+
+
 def validate(data: object) -> OpenAIChatRequest:
-    if not isinstance(data, dict):
-        raise invalid_request("the body must be a JSON object")
-    try:
-        return OpenAIChatRequest.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
-        param = loc[0] if loc else None
-        message = first["msg"].removeprefix("Value error, ")
-        raise invalid_request(f"{param}: {message}" if param else message, param) from None
+    return validate_object(OpenAIChatRequest, data, _describe)
 
 
 _TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}

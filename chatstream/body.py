@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from .errors import ApiError, ClientGone, invalid_request
+
+M = TypeVar("M", bound=BaseModel)
 
 # curl -d sends application/x-www-form-urlencoded unless told otherwise; a JSON body is never valid
 # form data for these endpoints, so that type (and none at all) is read as JSON. Anything else is
@@ -80,3 +85,15 @@ def parse_json_body(raw: bytes) -> object:
     if _has_lone_surrogate(data):
         raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
     return data
+
+
+def validate_object(model: type[M], data: object, describe: Callable[[dict], tuple[str, str | None]]) -> M:
+    """``data`` as an API's request model, or a 400: ``describe`` turns pydantic's first error into
+    the API's (message, param)."""
+    if not isinstance(data, dict):
+        raise invalid_request("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe(exc.errors(include_url=False, include_input=False)[0])
+        raise invalid_request(message, param) from None

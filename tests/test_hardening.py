@@ -3,7 +3,6 @@ against the app on the local host and the scripted upstream. docs/reliability.md
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
 
@@ -12,7 +11,7 @@ import openai
 import pytest
 from azure.core.exceptions import ClientAuthenticationError
 
-from chat import chat, prompt
+from chat import chat
 from chatstream.guard import redact_whole
 from helpers import TEST_KEY
 from tools.fakeupstream.scenarios import TOOL_CALL_ARGUMENTS

@@ -240,30 +240,28 @@ function main() {
     showError("");
   }
 
+  /** One message of the conversation: who said it, and its text (as text, never as HTML). */
+  function messageElement(role, name, textContent) {
+    const message = document.createElement("div");
+    message.className = "msg " + role;
+    const who = document.createElement("span");
+    who.className = "who";
+    who.textContent = name;
+    const text = document.createElement("div");
+    text.className = "text";
+    text.textContent = textContent;
+    message.append(who, text);
+    return message;
+  }
+
   /** Moves the turn on screen, if it became part of the conversation, into the list above. */
   function archiveCurrent() {
     if (current && current.kept) {
       const item = document.createElement("li");
       item.className = "turn";
-      const user = document.createElement("div");
-      user.className = "msg user";
-      const userWho = document.createElement("span");
-      userWho.className = "who";
-      userWho.textContent = "You";
-      const userText = document.createElement("div");
-      userText.className = "text";
-      userText.textContent = current.question;
-      user.append(userWho, userText);
-      const assistant = document.createElement("div");
-      assistant.className = "msg assistant";
+      const user = messageElement("user", "You", current.question);
+      const assistant = messageElement("assistant", "Assistant", current.answer);
       assistant.dataset.state = current.state;
-      const who = document.createElement("span");
-      who.className = "who";
-      who.textContent = "Assistant";
-      const text = document.createElement("div");
-      text.className = "text";
-      text.textContent = current.answer;
-      assistant.append(who, text);
       const noteText = [ui.note.textContent, ui.error.textContent].filter(Boolean).join(" ");
       if (noteText) {
         const note = document.createElement("p");
