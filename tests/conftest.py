@@ -6,6 +6,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from helpers import app_env
 from servers import App, Upstream
 
 # CI replays the same examples every run (a landing must not depend on the draw); locally each run
@@ -13,22 +14,12 @@ from servers import App, Upstream
 settings.register_profile("ci", derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
-# A recognisable key: tests check it never leaks into responses or logs.
-TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"
-
 
 @pytest.fixture(scope="session")
 def upstream():
     server = Upstream()
     yield server
     server.stop()
-
-
-def app_env(upstream: Upstream, **overrides: str) -> dict[str, str]:
-    env = {"OPENAI_BASE_URL": upstream.base_url, "OPENAI_API_KEY": TEST_KEY, "OPENAI_MODEL": "gpt-test",
-           "UPSTREAM_MAX_RETRIES": "0"}
-    env.update(overrides)
-    return env
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 
 from chat import chat, prompt
 from chatstream.guard import redact_whole
-from conftest import app_env
+from helpers import app_env
 from tools.fakeupstream.scenarios import TEXTS
 from servers import ROOT, App
 

@@ -36,7 +36,7 @@ def ends_once(result) -> None:
 @pytest.fixture(scope="module")
 def tight(upstream):
     """An app with short limits: heartbeat 0.5 s, first token 2.5 s, idle 1 s."""
-    from conftest import app_env
+    from helpers import app_env
     from servers import App
     server = App(app_env(upstream, HEARTBEAT_SECONDS="0.5", FIRST_TOKEN_TIMEOUT_SECONDS="2.5",
                          IDLE_TIMEOUT_SECONDS="1", TOTAL_TIMEOUT_SECONDS="30"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from chat import prompt
-from conftest import TEST_KEY, app_env
+from helpers import TEST_KEY, app_env
 from tools.fakeupstream.scenarios import NAMES
 from servers import App
 

@@ -79,7 +79,7 @@ def test_entra_token_near_expiry_is_refreshed(upstream):
 
 @pytest.fixture(scope="module")
 def allowlisted(upstream):
-    from conftest import app_env
+    from helpers import app_env
     app = App(app_env(upstream, ALLOWED_MODELS="gpt-test, normal"))
     yield app
     app.stop()
