@@ -1,6 +1,7 @@
 """Helpers shared by test modules (import them from here; fixtures stay in conftest.py)."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,3 +17,9 @@ def app_env(upstream: Upstream, **overrides: str) -> dict[str, str]:
            "UPSTREAM_MAX_RETRIES": "0"}
     env.update(overrides)
     return env
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a property test in tests/unit: ``n`` keeps the unit tests within their
+    10 s budget; ``UNIT_EXAMPLES_SCALE=10`` (say) explores ten times as many examples."""
+    return max(1, round(n * float(os.environ.get("UNIT_EXAMPLES_SCALE", "1"))))
