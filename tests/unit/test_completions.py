@@ -210,7 +210,7 @@ def split_texts(draw):
     return text, split(text, draw(st.lists(st.integers(0, len(text)), max_size=12)))
 
 
-@settings(max_examples=examples(200), deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(channel=st.sampled_from(["content", "refusal", ("tool", 0)]), case=split_texts())
 def test_each_text_channel_is_redacted_for_any_chunking(channel, case):
     text, pieces = case
@@ -224,7 +224,7 @@ def test_each_text_channel_is_redacted_for_any_chunking(channel, case):
     assert channel_text(forwarded, channel) == redact_whole(text, TERMS)
 
 
-@settings(max_examples=examples(150), deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(cases=st.tuples(split_texts(), split_texts(), split_texts(), split_texts()), data=st.data())
 def test_channels_interleaved_are_redacted_apart(cases, data):
     """Content, refusal and two tool calls' arguments interleaved in one choice, each split its own
@@ -242,7 +242,7 @@ def test_channels_interleaved_are_redacted_apart(cases, data):
         assert channel_text(forwarded, channel) == redact_whole(text, TERMS), channel
 
 
-@settings(max_examples=examples(100), deadline=None)
+@settings(max_examples=examples(75), deadline=None)
 @given(first=split_texts(), second=split_texts(), data=st.data())
 def test_choices_are_redacted_apart(first, second, data):
     queues = {0: list(first[1]), 1: list(second[1])}

@@ -110,7 +110,7 @@ def proper_prefix_of_a_term(s: str, terms: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The main property: the same output for every split, and the invariant after every feed.
 
-@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_streaming_equals_whole_text_for_any_split(case):
     text, terms, deltas = case
@@ -149,7 +149,7 @@ def test_streaming_equals_whole_text_for_any_split(case):
     assert redactor.held == 0
 
 
-@settings(max_examples=examples(100), deadline=None)
+@settings(max_examples=examples(75), deadline=None)
 @given(streams(), st.data())
 def test_released_text_is_final_whatever_comes_next(case, data):
     """What one feed releases is a prefix of the output for the text so far plus ANY continuation:

@@ -29,7 +29,7 @@ def encode(events: list[dict], eol: bytes, comments: bool) -> bytes:
     return out + b"data: [DONE]" + eol + eol + b"data: {\"after\": \"done\"}" + eol + eol
 
 
-@settings(max_examples=examples(200), deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(events=payloads, eol=st.sampled_from([b"\n", b"\r\n", b"\r"]), comments=st.booleans(), data=st.data())
 def test_any_split_gives_the_same_events(events, eol, comments, data):
     raw = encode(events, eol, comments)
