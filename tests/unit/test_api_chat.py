@@ -161,7 +161,7 @@ def test_to_params_gives_new_messages_each_time():
     assert request.to_params("d")["messages"] == [USER]
 
 
-def test_the_adapter():
+async def test_the_adapter():
     api = ChatApi()
     settings = Settings.from_env({"OPENAI_API_KEY": "k", "OPENAI_MODEL": "gpt-x"})
     call = api.parse({"prompt": "hi", "seed": 1}, settings)
@@ -169,7 +169,9 @@ def test_the_adapter():
     assert call.params["model"] == "gpt-x" and call.params["stream"] is True and call.params["seed"] == 1
     assert (api.name, api.path, api.completes) == ("chat", "/chat/completions", False)
     protocol = api.protocol(call, Pipeline(), StreamRecord(endpoint="chat", model="gpt-x"))
-    assert isinstance(protocol, CompletionStream) and protocol._wanted == 1
+    assert isinstance(protocol, CompletionStream)
+    await protocol.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert protocol.done, "one choice"
     assert api.encoder(call) is encode
 
 

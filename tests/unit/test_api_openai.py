@@ -137,15 +137,18 @@ def test_a_non_streamed_call_is_left_alone():
     assert call.params["stream_options"] == {"include_usage": True} and call.include_usage is False
 
 
-def test_the_adapter():
+@pytest.mark.parametrize("n, choices", [(None, 1), (1, 1), (3, 3)])
+async def test_the_adapter_waits_for_n_choices(n, choices):
     api = OpenAIChatApi()
     assert (api.name, api.path, api.completes) == ("openai", "/chat/completions", True)
-    record = StreamRecord(endpoint="openai", model="m")
-    for n, wanted in ((None, 1), (1, 1), (3, 3)):
-        call = api.parse({"messages": [USER], "stream": True, **({} if n is None else {"n": n})}, SETTINGS)
-        protocol = api.protocol(call, Pipeline(), record)
-        assert isinstance(protocol, CompletionStream) and protocol._wanted == wanted
     assert api.completion is filter_completion
+    call = api.parse({"messages": [USER], "stream": True, **({} if n is None else {"n": n})}, SETTINGS)
+    protocol = api.protocol(call, Pipeline(), StreamRecord(endpoint="openai", model="m"))
+    assert isinstance(protocol, CompletionStream)
+    for index in range(choices):
+        assert not protocol.done
+        await protocol.feed({"choices": [{"index": index, "delta": {}, "finish_reason": "stop"}]})
+    assert protocol.done
 
 
 # -------------------------------------------------------------------------------------- errors

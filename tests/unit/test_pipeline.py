@@ -329,9 +329,12 @@ async def test_from_settings_orders_the_built_in_steps():
     assert await text_filter.feed("a foo b ba") + await text_filter.flush() == "a [redacted] b ba"
 
 
-def test_from_settings_with_nothing_set_is_empty():
+async def test_from_settings_with_nothing_set_does_nothing():
     pipeline = Pipeline.from_settings(Settings.from_env({}))
-    assert not pipeline.filters_text and not pipeline.wants_result and pipeline._before == []
+    assert not pipeline.filters_text and not pipeline.wants_result
+    c = call(messages=[{"role": "user", "content": "x" * 100_000}])
+    await pipeline.run_before(c)
+    assert c.params == call(messages=[{"role": "user", "content": "x" * 100_000}]).params
 
 
 # ------------------------------------------------------------------------------ system prompt

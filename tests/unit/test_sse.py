@@ -17,10 +17,10 @@ payloads = st.lists(st.dictionaries(st.sampled_from(["content", "role", "x"]), s
 
 def encode(events: list[dict], eol: bytes, comments: bool) -> bytes:
     out = b""
-    for i, event in enumerate(events):
+    for i, payload in enumerate(events):
         if comments:
             out += b": keep-alive" + eol + eol
-        text = json.dumps(event, ensure_ascii=False)
+        text = json.dumps(payload, ensure_ascii=False)
         if i % 3 == 2:  # some events as multi-line data (valid SSE; joined with LF)
             out += b"event: message" + eol + b"data:" + text[:1].encode() + eol
             out += b"data: " + text[1:].encode() + eol + eol
