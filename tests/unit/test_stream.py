@@ -282,8 +282,8 @@ async def test_malformed_choices_are_upstream_malformed(bad):
 @pytest.mark.xfail(strict=True, reason=(
     "bug: odd upstream data that passes _well_formed still crashes the protocol, so it is reported as "
     "500 internal_error (a bug of ours, logged with a traceback) instead of upstream_malformed: an "
-    "unhashable choice index (completions.py:304 'index in self.finished'), a tool call whose 'function' "
-    "is not an object (completions.py:210 _empty_call) or whose index is unhashable (completions.py:242), "
+    "unhashable choice index (completions.py:135 'index in self.finished'), a tool call whose 'function' "
+    "is not an object (completions.py:38 _empty_call) or whose index is unhashable (completions.py:73), "
     "the last two only with a text step"))
 @pytest.mark.parametrize("bad", [
     {"choices": [{"index": [0], "delta": {"content": "x"}}]},
