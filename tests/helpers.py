@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (fixtures stay in conftest.py)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,6 +15,12 @@ def app_env(upstream, **overrides: str) -> dict[str, str]:
            "UPSTREAM_MAX_RETRIES": "0"}
     env.update(overrides)
     return env
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a property test in tests/unit: ``n`` keeps the unit tests within their
+    10 s budget; ``UNIT_EXAMPLES_SCALE=10`` (say) explores ten times as many examples."""
+    return max(1, round(n * float(os.environ.get("UNIT_EXAMPLES_SCALE", "1"))))
 
 
 class InProcessApp:

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from chatstream.guard import REPLACEMENT, ModerationGate, Redactor, redact_whole
+from helpers import examples
 
 # A small alphabet so terms and text collide often, with multi-code-point and non-BMP characters:
 # a combining acute accent, a precomposed é, CJK, emoji with a skin-tone modifier, a newline.
@@ -109,7 +110,7 @@ def proper_prefix_of_a_term(s: str, terms: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The main property: the same output for every split, and the invariant after every feed.
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_streaming_equals_whole_text_for_any_split(case):
     text, terms, deltas = case
@@ -148,7 +149,7 @@ def test_streaming_equals_whole_text_for_any_split(case):
     assert redactor.held == 0
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(75), deadline=None)
 @given(streams(), st.data())
 def test_released_text_is_final_whatever_comes_next(case, data):
     """What one feed releases is a prefix of the output for the text so far plus ANY continuation:
@@ -168,7 +169,7 @@ def test_released_text_is_final_whatever_comes_next(case, data):
             assert redact_whole(seen + future, terms).startswith(released)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.text(alphabet=SMALL, max_size=60), st.lists(st.integers(0, 60), max_size=10))
 def test_no_terms_passes_everything_through_at_once(text, cuts):
     for terms in ([], [""], ["", ""]):

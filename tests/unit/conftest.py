@@ -1,0 +1,16 @@
+"""In-process unit tests: no servers. ``async def`` tests run on a fresh asyncio loop of their own."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    if inspect.iscoroutinefunction(pyfuncitem.obj):
+        args = {name: pyfuncitem.funcargs[name] for name in inspect.signature(pyfuncitem.obj).parameters}
+        asyncio.run(pyfuncitem.obj(**args))
+        return True
+    return None

@@ -1,0 +1,183 @@
+"""chatstream/body.py: the content type, the body size limit (413 as soon as it is known) and strict
+JSON, on a Starlette request fed from memory."""
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from chatstream.body import parse_json_body, read_body, require_json_content_type
+from chatstream.errors import ApiError, ClientGone
+
+
+def request(pieces: list[bytes], headers: dict[str, str] | None = None, disconnect: bool = False):
+    """A request whose body arrives in ``pieces``; ``received`` counts the ASGI messages read."""
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    if disconnect:
+        messages[-1]["more_body"] = True
+        messages.append({"type": "http.disconnect"})
+    received = []
+
+    async def receive():
+        message = messages[len(received)]
+        received.append(message)
+        return message
+
+    scope = {"type": "http", "method": "POST", "path": "/api/chat", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    return Request(scope, receive), received
+
+
+# ------------------------------------------------------------------------------ content type
+
+@pytest.mark.parametrize("content_type", [
+    None, "", "application/json", "Application/JSON; charset=utf-8", "application/x-www-form-urlencoded",
+    "application/merge-patch+json", " application/json ;charset=UTF-8",
+])
+def test_json_content_types_are_accepted(content_type):
+    require_json_content_type(content_type)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=x", "application/xml",
+                                          "text/json", "application/jsonx", "json"])
+def test_other_content_types_are_415(content_type):
+    with pytest.raises(ApiError) as info:
+        require_json_content_type(content_type)
+    assert (info.value.status, info.value.type) == (415, "unsupported_media_type")
+
+
+# ------------------------------------------------------------------------------------- size
+
+async def test_body_in_pieces_is_joined():
+    req, _ = request([b'{"a":', b"", b" 1}"])
+    assert await read_body(req, 100) == b'{"a": 1}'
+
+
+async def test_body_exactly_at_the_limit_is_read():
+    req, _ = request([b"x" * 5, b"x" * 5], {"content-length": "10"})
+    assert await read_body(req, 10) == b"x" * 10
+
+
+async def test_content_length_over_the_limit_is_413_before_reading_anything():
+    req, received = request([b"x" * 11], {"content-length": "11"})
+    with pytest.raises(ApiError) as info:
+        await read_body(req, 10)
+    assert (info.value.status, info.value.type) == (413, "request_too_large")
+    assert info.value.message == "the body exceeds 10 bytes"
+    assert received == []
+
+
+async def test_a_body_longer_than_announced_is_413_as_soon_as_it_passes_the_limit():
+    req, received = request([b"x" * 6, b"x" * 6, b"x" * 6], {"content-length": "5"})
+    with pytest.raises(ApiError) as info:
+        await read_body(req, 10)
+    assert info.value.status == 413
+    assert len(received) == 2, "the rest of the body is not read"
+
+
+@pytest.mark.parametrize("length", [None, "abc", "-1", ""])
+async def test_without_a_usable_content_length_the_stream_is_counted(length):
+    headers = {} if length is None else {"content-length": length}
+    req, received = request([b"x" * 8, b"x" * 8, b"x" * 8], headers)
+    with pytest.raises(ApiError) as info:
+        await read_body(req, 10)
+    assert info.value.status == 413 and len(received) == 2
+
+
+async def test_a_caller_hanging_up_while_sending_is_client_gone():
+    req, _ = request([b'{"a":'], disconnect=True)
+    with pytest.raises(ClientGone):
+        await read_body(req, 100)
+
+
+# ------------------------------------------------------------------------------ strict JSON
+
+def test_plain_json():
+    assert parse_json_body('{"a": [1, 2.5, "é", null, true]}'.encode()) == {"a": [1, 2.5, "é", None, True]}
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b'{"t": NaN}', b'{"t": Infinity}', b'{"t": -Infinity}', b"[1, NaN]"])
+def test_nan_and_infinity_are_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert (info.value.status, info.value.type) == (400, "invalid_request")
+    assert "is not valid JSON" in info.value.message
+
+
+@pytest.mark.parametrize("raw", [b'{"t": 1e999}', b'{"t": -1e999}', b"[1E400]", b'{"t": 123456789e400}'])
+def test_numbers_that_overflow_are_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400 and "out of range" in info.value.message
+
+
+def test_an_out_of_range_message_is_bounded():
+    with pytest.raises(ApiError) as info:
+        parse_json_body(b'{"t": ' + b"9" * 500 + b"e999}")
+    assert len(info.value.message) < 150
+
+
+def test_big_but_finite_numbers_and_tiny_ones_are_fine():
+    assert parse_json_body(b"[1e308, 1e-999, -0.0]") == [1e308, 0.0, -0.0]
+
+
+def test_an_integer_with_too_many_digits_is_400():
+    with pytest.raises(ApiError) as info:  # Python's int-from-string limit (4300 digits)
+        parse_json_body(b"[" + b"9" * 5000 + b"]")
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [b"", b"  ", b"{", b"{'a': 1}", b'{"a": 1,}', b"\xef\xbb\xbf{}", b'{"a":1} x'])
+def test_not_json_is_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400 and info.value.message.startswith("the body is not valid JSON")
+
+
+@pytest.mark.parametrize("raw", [b'{"a": "\xff"}', b'{"a": "\xed\xa0\x80"}', b"\xc3"])
+def test_not_utf8_is_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.message == "the body is not valid UTF-8"
+
+
+@pytest.mark.parametrize("raw", [rb'{"a": "\ud800"}', rb'{"a": ["x", {"b": "y\udfff"}]}', rb'{"\udc00": 1}',
+                                 rb'["\ude00\ud83d"]'])
+def test_lone_surrogate_escapes_are_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.message == "the body contains an unpaired UTF-16 surrogate escape"
+
+
+def test_a_surrogate_pair_is_one_character():
+    assert parse_json_body(rb'{"a": "\ud83d\ude00"}') == {"a": "😀"}
+
+
+def test_moderate_nesting_is_fine():
+    expected: list = []
+    for _ in range(99):
+        expected = [expected]
+    assert parse_json_body(b"[" * 100 + b"]" * 100) == expected
+
+
+@pytest.mark.parametrize("depth", [20_000, 200_000])
+def test_very_deep_nesting_is_400(depth):
+    with pytest.raises(ApiError) as info:
+        parse_json_body(b"[" * depth + b"]" * depth)
+    assert (info.value.status, info.value.message) == (400, "the body is nested too deeply")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "bug: a body nested ~500-9998 deep parses (json's C limit is ~10000), then _has_lone_surrogate "
+    "(chatstream/body.py:42-53, two Python frames per level) raises RecursionError, which "
+    "parse_json_body does not catch: the endpoint answers 500 internal_error to a 4 KB body"))
+@pytest.mark.parametrize("opening, closing", [(b"[", b"]"), (b'{"a":', b"}")])
+def test_nesting_between_the_python_and_the_c_limit_is_not_a_500(opening, closing):
+    depth = 2000
+    escaped = False
+    try:
+        parse_json_body(opening * depth + b"1" + closing * depth)
+    except ApiError as error:  # refusing it is fine, as a 400
+        assert error.status == 400
+    except RecursionError:  # not raised from here: its 1000-frame traceback takes pytest seconds to render
+        escaped = True
+    assert not escaped, "RecursionError escaped parse_json_body"

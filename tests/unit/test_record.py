@@ -1,0 +1,100 @@
+"""chatstream/record.py: the request's record, its one log line (which a caller's text must never
+split or disguise) and the result the after-steps see."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from chatstream.record import StreamRecord, StreamResult, log_safe
+
+# Characters that start a new line for some log reader, or hide part of a line.
+UNSAFE = ["\u0085", "\u2028", "\u2029", "\x9b", "\x7f", "\x80", "\x9f", "\u202a", "\u202b", "\u202c", "\u202d",
+          "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"]
+
+
+@pytest.mark.parametrize("char", UNSAFE)
+def test_log_line_escapes_characters_that_split_or_hide_a_line(char):
+    record = StreamRecord(endpoint="chat", model=f"evil{char}model")
+    record.failed(400, f"x{char}y")
+    line = record.log_line()
+    assert char not in line
+    assert len(line.splitlines()) == 1
+    assert f"\\u{ord(char):04x}" in line
+    assert json.loads(line)["model"] == f"evil{char}model", "the escapes are JSON escapes: the value reads back"
+
+
+def test_log_line_json_escapes_c0_controls():
+    record = StreamRecord(endpoint="chat", model="a\nb\rc\x1bd\x00")
+    line = record.log_line()
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\x00" not in line
+    assert json.loads(line)["model"] == "a\nb\rc\x1bd\x00"
+
+
+def test_log_line_keeps_ordinary_unicode_raw():
+    line = StreamRecord(endpoint="chat", model="modèle-中文-😀").log_line()
+    assert "modèle-中文-😀" in line
+
+
+def test_log_safe_on_its_own():
+    assert log_safe("plain") == "plain"
+    assert log_safe("a\u2028b\u202ec") == "a\\u2028b\\u202ec"
+
+
+def test_log_line_fields():
+    record = StreamRecord(endpoint="openai", model="m", started=time.perf_counter() - 1)
+    record.first_delta_at = record.started + 0.25
+    record.deltas, record.finish_reason, record.usage = 3, "stop", {"total_tokens": 9}
+    entry = json.loads(record.log_line())
+    assert list(entry) == ["event", "endpoint", "model", "status", "ttfd_ms", "duration_ms", "deltas",
+                           "finish_reason", "usage", "error", "disconnected"]
+    assert entry["event"] == "chat_stream" and entry["endpoint"] == "openai" and entry["status"] == 200
+    assert entry["ttfd_ms"] == 250.0 and entry["duration_ms"] >= 1000
+    assert (entry["deltas"], entry["finish_reason"], entry["usage"]) == (3, "stop", {"total_tokens": 9})
+    assert entry["error"] is None and entry["disconnected"] is False
+
+
+def test_ttfd_is_none_until_the_first_delta():
+    assert StreamRecord(endpoint="chat", model="m").ttfd_ms() is None
+
+
+def test_failed():
+    record = StreamRecord(endpoint="chat", model="m")
+    record.failed(504, "upstream_timeout")
+    assert (record.status, record.error) == (504, "upstream_timeout")
+
+
+def test_texts_are_kept_only_when_asked():
+    record = StreamRecord(endpoint="chat", model="m")
+    record.keep_text(0, "a")
+    assert record.texts is None and record.result().texts == {}
+    record.texts = {}
+    for index, text in ((0, "Hel"), (1, "x"), (0, ""), (0, "lo")):
+        record.keep_text(index, text)
+    assert record.texts == {0: ["Hel", "lo"], 1: ["x"]}
+
+
+def test_result():
+    record = StreamRecord(endpoint="chat", model="m", started=time.perf_counter() - 0.5)
+    record.texts = {}
+    record.keep_text(0, "Hello")
+    record.keep_text(0, " world")
+    record.keep_text(2, "other")
+    record.first_delta_at = record.started + 0.1
+    record.deltas, record.finish_reason, record.usage, record.disconnected = 2, "length", {"t": 1}, True
+    record.failed(502, "upstream_disconnected")
+    result = record.result()
+    assert isinstance(result, StreamResult)
+    assert result.texts == {0: "Hello world", 2: "other"} and result.text == "Hello world"
+    assert (result.endpoint, result.model, result.finish_reason, result.usage) == ("chat", "m", "length", {"t": 1})
+    assert (result.ttfd_ms, result.deltas, result.disconnected) == (100.0, 2, True)
+    assert (result.error, result.status) == ("upstream_disconnected", 502)
+    assert result.duration_ms >= 500
+    with pytest.raises(AttributeError):
+        result.status = 200  # frozen
+
+
+def test_result_text_without_choice_zero():
+    record = StreamRecord(endpoint="chat", model="m", texts={1: ["x"]})
+    assert record.result().text == ""

@@ -1,0 +1,119 @@
+"""chatstream/sse.py: writing our events (``event``, ``dumps``, ``KEEP_ALIVE``) and reading the
+upstream's (``SSEFramer``: any split of the bytes, LF, CRLF or CR line ends, multi-byte text, comments
+and multi-line data give the same events)."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chatstream.sse import KEEP_ALIVE, SSEFramer, dumps, event
+from helpers import examples
+
+payloads = st.lists(st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3),
+                    min_size=0, max_size=6)
+
+
+def encode(events: list[dict], eol: bytes, comments: bool) -> bytes:
+    out = b""
+    for i, payload in enumerate(events):
+        if comments:
+            out += b": keep-alive" + eol + eol
+        text = json.dumps(payload, ensure_ascii=False)
+        if i % 3 == 2:  # some events as multi-line data (valid SSE; joined with LF)
+            out += b"event: message" + eol + b"data:" + text[:1].encode() + eol
+            out += b"data: " + text[1:].encode() + eol + eol
+        else:
+            out += b"data: " + text.encode() + eol + eol
+    return out + b"data: [DONE]" + eol + eol + b"data: {\"after\": \"done\"}" + eol + eol
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(events=payloads, eol=st.sampled_from([b"\n", b"\r\n", b"\r"]), comments=st.booleans(), data=st.data())
+def test_any_split_gives_the_same_events(events, eol, comments, data):
+    raw = encode(events, eol, comments)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
+    pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    framer = SSEFramer()
+    out = []
+    for piece in pieces:
+        if not framer.done:
+            out += framer.feed(piece)
+    got = [json.loads(p) for p in out]
+    expected = [e for e in events]
+    # multi-line events come back with an LF inside the JSON text: still the same object
+    assert got == expected
+    assert framer.done
+
+
+def test_an_empty_piece_between_cr_and_lf_changes_nothing():
+    framer = SSEFramer()
+    assert framer.feed(b'data: {"a":1}\r') == []
+    assert framer.feed(b"") == []
+    assert framer.feed(b'\ndata: {"b":2}\r\n\r\n') == [b'{"a":1}\n{"b":2}']
+
+
+def test_crlf_split_between_pieces_is_one_line_end():
+    framer = SSEFramer()
+    assert framer.feed(b'data: {"a":1}\r') == []
+    assert framer.feed(b'\ndata: {"b":2}\r\n\r\n') == [b'{"a":1}\n{"b":2}']
+
+
+def test_an_empty_piece_and_a_piece_without_a_line_end_give_nothing():
+    framer = SSEFramer()
+    assert framer.feed(b"") == []
+    assert framer.feed(b'data: {"a":') == []
+    assert framer.feed(b'1}\n') == []  # the event ends only at the blank line
+    assert framer.feed(b"\n") == [b'{"a":1}']
+
+
+def test_data_without_a_space_after_the_colon_and_other_fields():
+    framer = SSEFramer()
+    assert framer.feed(b'id: 7\nevent: x\nretry: 5\ndata:{"a":1}\n\n: comment\n\n') == [b'{"a":1}']
+
+
+def test_nothing_after_done_and_done_is_remembered():
+    framer = SSEFramer()
+    assert framer.feed(b'data: {"a":1}\n\ndata: [DONE]\n\ndata: {"b":2}\n\n') == [b'{"a":1}']
+    assert framer.done
+
+
+# ------------------------------------------------------------------------------------- writing
+
+def test_dumps_is_compact_raw_utf8():
+    assert dumps({"a": "é中😀", "b": [1, None, True]}) == '{"a":"é中😀","b":[1,null,true]}'.encode()
+
+
+def test_dumps_escapes_a_lone_surrogate_instead_of_failing():
+    out = dumps({"delta": "a\ud800b"})
+    assert out == b'{"delta":"a\\ud800b"}'
+    assert json.loads(out) == {"delta": "a\ud800b"}
+
+
+def test_dumps_with_a_lone_surrogate_escapes_the_rest_too():
+    # The fallback is plain ASCII JSON: still valid, the other characters \u-escaped.
+    out = dumps({"delta": "é\udfff"})
+    out.decode("ascii")
+    assert json.loads(out) == {"delta": "é\udfff"}
+
+
+def test_event_without_a_name():
+    assert event({"delta": "hi"}) == b'data: {"delta":"hi"}\n\n'
+
+
+def test_event_with_a_name():
+    assert event({"finish_reason": "stop"}, b"done") == b'event: done\ndata: {"finish_reason":"stop"}\n\n'
+
+
+def test_an_event_is_one_data_line_whatever_the_text():
+    # JSON escapes line ends, so a text with LF, CR or CRLF never splits the data line.
+    out = event({"delta": "a\nb\rc\r\n\u2028"})
+    assert out.count(b"\n") == 2 and b"\r" not in out
+    framer = SSEFramer()
+    assert [json.loads(p) for p in framer.feed(out)] == [{"delta": "a\nb\rc\r\n\u2028"}]
+
+
+def test_keep_alive_is_a_comment():
+    assert KEEP_ALIVE == b": keep-alive\n\n"
+    assert SSEFramer().feed(KEEP_ALIVE) == []
