@@ -44,6 +44,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+MAX_DEPTH = 128  # JSON nesting a request may have: far beyond any API's, and bounded for our recursion
+
+
+def _too_deep(value) -> bool:
+    """Whether ``value`` nests deeper than MAX_DEPTH (iterative: it must not recurse itself)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > MAX_DEPTH:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def _has_lone_surrogate(value) -> bool:
     if isinstance(value, str):
         try:
@@ -82,18 +97,23 @@ def parse_json_body(raw: bytes) -> object:
         raise invalid_request("the body is nested too deeply") from None
     except ValueError as exc:
         raise invalid_request(f"the body is not valid JSON: {exc}") from None
+    if _too_deep(data):
+        raise invalid_request(f"the body is nested deeper than {MAX_DEPTH} levels")
     if _has_lone_surrogate(data):
         raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
     return data
 
 
 def validate_object(model: type[M], data: object, describe: Callable[[dict], tuple[str, str | None]]) -> M:
-    """``data`` as an API's request model, or a 400: ``describe`` turns pydantic's first error into
-    the API's (message, param)."""
+    """``data`` as an API's request model, or a 400: ``describe`` turns pydantic's error into the
+    API's (message, param). Of several errors, the first that is not a union branch's type mismatch
+    is the one that says what is wrong (for ``stop: ["a", ""]``: the empty item, not "not a string")."""
     if not isinstance(data, dict):
         raise invalid_request("the body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        message, param = describe(exc.errors(include_url=False, include_input=False)[0])
+        errors = exc.errors(include_url=False, include_input=False)
+        telling = [e for e in errors if not e["type"].endswith("_type")] if len(errors) > 1 else []
+        message, param = describe((telling or errors)[0])
         raise invalid_request(message, param) from None

@@ -22,12 +22,24 @@ from .stream import Done, Fed
 TEXT_FIELDS = ("content", "refusal")
 
 
+def _index_ok(item: dict) -> bool:
+    index = item.get("index", 0)
+    return isinstance(index, int) and not isinstance(index, bool)
+
+
+def _call_ok(call) -> bool:
+    return isinstance(call, dict) and _index_ok(call) and isinstance(call.get("function") or {}, dict)
+
+
 def _well_formed(choice) -> bool:
-    if not isinstance(choice, dict):
+    """The shape this module relies on; anything else is the upstream's malformed data."""
+    if not isinstance(choice, dict) or not _index_ok(choice):
         return False
     delta = choice.get("delta") or {}
     return (isinstance(delta, dict) and all(isinstance(delta.get(f) or "", str) for f in TEXT_FIELDS)
-            and isinstance(delta.get("tool_calls") or [], list))
+            and isinstance(delta.get("tool_calls") or [], list) and all(map(_call_ok, delta.get("tool_calls") or []))
+            and isinstance(delta.get("function_call") or {}, dict)
+            and isinstance(choice.get("finish_reason") or "", str))
 
 
 def _has_substance(delta: dict) -> bool:
@@ -63,6 +75,9 @@ class ChoiceFilters:
             if isinstance(channel, tuple):
                 delta["tool_calls"] = [*(delta.get("tool_calls") or []),
                                        {"index": channel[1], "function": {"arguments": tail}}]
+            elif channel == "function_call":
+                call = delta.get("function_call") or {}
+                delta["function_call"] = {**call, "arguments": (call.get("arguments") or "") + tail}
             else:
                 delta[channel] = (delta.get(channel) or "") + tail
 
@@ -73,12 +88,20 @@ class ChoiceFilters:
         arguments = await self.feed(("tool", call.get("index", 0)), function["arguments"])
         return {**call, "function": {**function, "arguments": arguments}}
 
+    async def filter_function_call(self, call: dict) -> dict:
+        """The legacy ``function_call`` (the ``functions`` API): its arguments are model output too."""
+        if not isinstance(call.get("arguments"), str) or not call["arguments"]:
+            return call
+        return {**call, "arguments": await self.feed("function_call", call["arguments"])}
+
     async def filter_delta(self, delta: dict, final: bool) -> dict:
         """A new delta with every text through the filters (and, when ``final``, what they held)."""
         new = dict(delta)
         for field in TEXT_FIELDS:
             if delta.get(field):
                 new[field] = await self.feed(field, delta[field])
+        if delta.get("function_call"):
+            new["function_call"] = await self.filter_function_call(delta["function_call"])
         if delta.get("tool_calls"):
             calls = [await self.filter_call(c) for c in delta["tool_calls"]]
             new["tool_calls"] = [c for c in calls if not _empty_call(c)]
@@ -184,6 +207,9 @@ async def _filter_message(message: dict, pipeline: Pipeline) -> dict:
     for field in TEXT_FIELDS:
         if isinstance(message.get(field), str):
             new[field] = await _whole(pipeline, message[field])
+    call = message.get("function_call")
+    if isinstance(call, dict) and isinstance(call.get("arguments"), str):
+        new["function_call"] = {**call, "arguments": await _whole(pipeline, call["arguments"])}
     if isinstance(message.get("tool_calls"), list):
         new["tool_calls"] = []
         for call in message["tool_calls"]:

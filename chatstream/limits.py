@@ -59,6 +59,7 @@ class TimeLimits:
         self.deadline = min(self.total_at, self.loop.time() + self.idle)
 
     def got_chunk(self) -> None:
+        """A chunk came from the upstream (whether or not anything of it is forwarded)."""
         if self.output_started:
             self.deadline = min(self.total_at, self.loop.time() + self.idle)
 

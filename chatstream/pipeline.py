@@ -181,7 +181,8 @@ class Pipeline:
         if not self.filters_text:
             return None
         gate = ModerationGate(self._moderation[0], self._moderation[1]) if self._moderation else None
-        return TextFilter([(_name(f), f()) for f in self._text], gate)
+        steps = [f() for f in self._text]
+        return TextFilter([(type(step).__qualname__, step) for step in steps], gate)
 
     def run_after(self, result: StreamResult) -> None:
         if not self._after:

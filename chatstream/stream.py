@@ -15,6 +15,7 @@ chunk (``feed`` → ``Fed``), says when the answer is complete (``done``), reads
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,9 +87,11 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
     try:
         stream = await limits.wait(open_stream())
         watchdog = limits.on_total(lambda: _close_parked(stream, limits))
-        async for chunk in _forward(aiter(stream), protocol, limits, record):
-            yield chunk
-        await _read_rest(aiter(stream), protocol, limits)
+        chunks = aiter(stream)
+        async with contextlib.aclosing(_forward(chunks, protocol, limits, record)) as forwarded:
+            async for chunk in forwarded:
+                yield chunk
+        await _read_rest(chunks, protocol, limits)
         done = protocol.summary()
         record.finish_reason = done.finish_reason
         ended = True
@@ -119,6 +122,7 @@ async def _forward(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits
                 return
             raise incomplete() from None
         limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
+        limits.got_chunk()  # the idle limit runs between upstream chunks, forwarded or not
         fed = await protocol.feed(data)
         if fed.data is None:
             continue
@@ -134,7 +138,6 @@ async def _forward(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits
             record.deltas += 1
         yield Chunk(fed.data)
         limits.check_total()  # the caller may have read slowly while we were parked at yield
-        limits.got_chunk()
 
 
 async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits) -> None:
@@ -149,12 +152,17 @@ async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limi
         pass
 
 
+_closing: set[asyncio.Future] = set()
+
+
 def _close_parked(stream: UpstreamStream, limits: TimeLimits) -> None:
     """At the total limit: a stream parked behind a caller who stopped reading is not waiting on the
     upstream (that wait would expire by itself), so close the upstream now; the core reports the
     limit when the caller reads again."""
     if not limits.waiting:
-        asyncio.ensure_future(stream.close())
+        task = asyncio.ensure_future(stream.close())
+        _closing.add(task)  # keep a reference until it is done (the loop holds only a weak one)
+        task.add_done_callback(_closing.discard)
 
 
 def _failure(exc: Exception, record: StreamRecord) -> ApiError:

@@ -116,10 +116,6 @@ def test_unknown_fields_are_refused_by_path(body, param):
     assert (error.param, error.message) == (param, f"unknown field {param!r}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: for a list 'stop', validate_chat_request (chatstream/api_chat.py:102) reports pydantic's first "
-    "error, which is the union's string branch: ['a', ''] and 5 strings both read 'stop: Input should be "
-    "a valid string' (param 'stop') instead of naming stop[1] or the 1-4 items rule"))
 @pytest.mark.parametrize("stop, param, says", [
     (["a", ""], "stop[1]", "at least 1 character"),
     (["a"] * 5, "stop", "at most 4 items"),

@@ -166,10 +166,6 @@ def test_very_deep_nesting_is_400(depth):
     assert (info.value.status, info.value.message) == (400, "the body is nested too deeply")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: a body nested ~500-9998 deep parses (json's C limit is ~10000), then _has_lone_surrogate "
-    "(chatstream/body.py:42-53, two Python frames per level) raises RecursionError, which "
-    "parse_json_body does not catch: the endpoint answers 500 internal_error to a 4 KB body"))
 @pytest.mark.parametrize("opening, closing", [(b"[", b"]"), (b'{"a":', b"}")])
 def test_nesting_between_the_python_and_the_c_limit_is_not_a_500(opening, closing):
     depth = 2000

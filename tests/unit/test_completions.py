@@ -256,10 +256,6 @@ def test_choices_are_redacted_apart(first, second, data):
     assert channel_text(forwarded, "content", 1) == redact_whole(second[0], TERMS)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the legacy function_call.arguments (the 'functions' API, which the OpenAI endpoint passes on) "
-    "is model output but goes through no text step (completions.py filter_delta/_filter_message handle "
-    "content, refusal and tool_calls only): BLOCKED_TERMS can be bypassed by asking for a function call"))
 async def test_legacy_function_call_arguments_are_redacted_too():
     stream = CompletionStream(redacting(), record())
     forwarded = await feed_all(stream, [chunk({"function_call": {"name": "f", "arguments": "a sec"}}),
@@ -317,9 +313,6 @@ async def test_filter_completion_without_choices_is_malformed(body):
         await filter_completion(body, redacting(), record())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a non-streamed message's legacy function_call.arguments is not redacted (completions.py "
-    "_filter_message), as in the stream"))
 async def test_filter_completion_redacts_legacy_function_call_arguments():
     body = {"choices": [{"index": 0, "finish_reason": "function_call", "message": {
         "role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "a secret"}}}]}

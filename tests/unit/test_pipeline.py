@@ -198,10 +198,6 @@ async def test_a_text_step_failing_in_flush_is_step_failed():
     assert info.value.step.endswith("BadFlush")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a text step is named after its factory (chatstream/pipeline.py:184 _name(f)), so the documented "
-    "form pipeline.text(lambda: MyFilter()) reports and logs '...<locals>.<lambda>' instead of MyFilter "
-    "(BLOCKED_TERMS' own step is 'Pipeline.from_settings.<locals>.<lambda>')"))
 async def test_a_text_step_made_by_a_lambda_is_named_by_the_step():
     pipeline = Pipeline()
     pipeline.text(lambda: Bomb())

@@ -279,12 +279,6 @@ async def test_malformed_choices_are_upstream_malformed(bad):
     assert run.upstream.closed == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: odd upstream data that passes _well_formed still crashes the protocol, so it is reported as "
-    "500 internal_error (a bug of ours, logged with a traceback) instead of upstream_malformed: an "
-    "unhashable choice index (completions.py:135 'index in self.finished'), a tool call whose 'function' "
-    "is not an object (completions.py:38 _empty_call) or whose index is unhashable (completions.py:73), "
-    "the last two only with a text step"))
 @pytest.mark.parametrize("bad", [
     {"choices": [{"index": [0], "delta": {"content": "x"}}]},
     {"choices": [{"index": {"i": 0}, "delta": {}}]},
@@ -467,10 +461,6 @@ async def test_slow_but_steady_chunks_do_not_trip_the_idle_limit():
     assert isinstance(events[-1], Done)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug or doc: limits.py says the idle limit runs 'between two upstream chunks', but stream.py:123-124 "
-    "skips got_chunk() for chunks that forward nothing (empty-choices frames, deltas a text step holds "
-    "back), so an upstream that keeps sending them times out as idle"))
 async def test_the_idle_limit_runs_between_upstream_chunks():
     script = [chunk({"content": "a"})]
     for _ in range(8):
