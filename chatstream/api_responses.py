@@ -50,10 +50,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from . import sse
 from .api_openai import error_response
 from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, from_upstream, invalid_request
+from .limits import TimeLimits
 from .pipeline import CallRequest, Pipeline, TextFilter
 from .record import StreamRecord
 from .settings import Settings
-from .stream import Chunk, Done, Event, Fed
+from .stream import Chunk, Done, Event, Failed, Fed, relay
+from .upstream import UpstreamStream
 
 log = logging.getLogger("chatstream")
 
@@ -130,11 +132,15 @@ def _text_field(part: dict) -> str | None:
 class ResponseStream:
     """One streamed response: ``feed`` each upstream event, forward what it returns."""
 
-    def __init__(self, pipeline: Pipeline, record: StreamRecord):
+    def __init__(self, pipeline: Pipeline, record: StreamRecord, resumed: bool = False):
         self._make_filter = pipeline.text_filter if pipeline.filters_text else None
         self._record = record
+        # A re-stream after ``starting_after``: its deltas are only the end of each text, so the full
+        # texts are the upstream's, through the text steps whole (as GET /responses/{id} gives them).
+        self._resumed = resumed
         self._filters: dict[tuple, TextFilter] = {}
         self._released: dict[tuple, str] = {}  # what the filters released, per channel
+        self._texts: dict[tuple, str] = {}  # each channel's full text, once done
         self._flushed: set[tuple] = set()
         self._pending: tuple[tuple, dict] | None = None  # a delta event waiting for the next event
         self._last_delta: dict[tuple, dict] = {}
@@ -224,20 +230,23 @@ class ResponseStream:
 
     async def _full(self, key: tuple, text: str) -> str:
         """The text of a whole part: what was released for it (its held tail flushed into its last
-        delta first), or, for a part that came without deltas, the text through a filter of its own."""
-        if key not in self._flushed:
-            self._flushed.add(key)
-            if key in self._filters:
+        delta first), or, for a part that came without deltas (or a resumed stream), the upstream's
+        text through filters of its own."""
+        if key not in self._texts:
+            if key in self._filters and key not in self._flushed:
                 tail = await self._filters[key].flush()
                 if tail:
                     self._released[key] += tail
                     self._carry(key, tail)
                     if key[0] == "c" and self._last_delta[key].get("type") == "response.output_text.delta":
                         self._keep(tail)
+            self._flushed.add(key)
+            if key in self._filters and not self._resumed:
+                self._texts[key] = self._released[key]
             else:
                 text_filter = self._make_filter()
-                self._released[key] = await text_filter.feed(text) + await text_filter.flush()
-        return self._released[key]
+                self._texts[key] = await text_filter.feed(text) + await text_filter.flush()
+        return self._texts[key]
 
     def _carry(self, key: tuple, tail: str) -> None:
         """Put a flushed tail into the channel's last delta: the one still pending, normally (its part
@@ -432,11 +441,14 @@ class RawStream(openai.AsyncStream[bytes]):
 
 class ResponseFollowUps:
     """GET/DELETE /api/v1/responses/{id}, POST …/{id}/cancel, GET …/{id}/input_items: relayed to the
-    upstream as they came (query parameters too, except the Functions key ``code``)."""
+    upstream as they came (query parameters too, except the Functions key ``code``). With text steps
+    on, the response objects (retrieve, cancel) have their output texts through them, and a re-stream
+    goes through ``ResponseStream``; without, a re-stream's bytes are passed on unchanged."""
 
-    def __init__(self, settings: Settings, client: ResponsesClient):
+    def __init__(self, settings: Settings, client: ResponsesClient, pipeline: Pipeline):
         self.settings = settings
         self.client = client
+        self.pipeline = pipeline
 
     async def retrieve(self, request: Request) -> Response:
         response_id = _response_id(request)
@@ -444,6 +456,8 @@ class ResponseFollowUps:
             return response_id
         query = _query(request)
         if str(query.get("stream", "")).lower() == "true":
+            if self.pipeline.filters_text:
+                return await self._restream_filtered(response_id, query)
             return await self._restream(response_id, query)
         return await self._call("get", f"/responses/{response_id}", query)
 
@@ -474,6 +488,11 @@ class ResponseFollowUps:
             return _error(error)
         if not isinstance(body, dict):
             return _error(UpstreamMalformed("the model server sent a malformed answer"))
+        if self.pipeline.filters_text and body.get("object") == "response":
+            try:
+                body = await filter_response(body, self.pipeline, StreamRecord(endpoint="responses", model=""))
+            except ApiError as error:
+                return _error(error)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     async def _restream(self, response_id: str, query: dict) -> Response:
@@ -486,6 +505,44 @@ class ResponseFollowUps:
             return _error(_follow_up_error(exc))
         give_up_at = asyncio.get_running_loop().time() + self.settings.total_timeout + WRITE_GRACE_SECONDS
         return EventStreamResponse(_relay_bytes(stream), give_up_at, headers=SSE_HEADERS)
+
+
+    async def _restream_filtered(self, response_id: str, query: dict) -> Response:
+        """A re-stream with the text steps on: the upstream's events through the stream core."""
+        from .endpoint import SSE_HEADERS, WRITE_GRACE_SECONDS, EventStreamResponse
+
+        record = StreamRecord(endpoint="responses", model="")
+        protocol = ResponseStream(self.pipeline, record, resumed=True)
+        limits = TimeLimits(self.settings)
+        opened = lambda: self.client.get(f"/responses/{response_id}", cast_to=object,  # noqa: E731
+                                         options={"params": query}, stream=True, stream_cls=UpstreamStream)
+        events = relay(opened, protocol, limits, record)
+        first = await anext(events)
+        if isinstance(first, Failed):
+            await events.aclose()
+            error = first.error
+            if error.type == "model_not_found":  # a 404 here is about the response, not a model
+                error = ApiError(404, "not_found", f"Response with id '{response_id}' not found.")
+            return _error(error)
+        return EventStreamResponse(_encoded(first, events, ResponseEncoder()),
+                                   limits.total_at + WRITE_GRACE_SECONDS, headers=SSE_HEADERS)
+
+
+async def _encoded(first: Event, events: AsyncIterator[Event], encode: ResponseEncoder) -> AsyncIterator[bytes]:
+    try:
+        data = encode(first)
+        if data:
+            yield data
+        if isinstance(first, Chunk):
+            async for event in events:
+                data = encode(event)
+                if data:
+                    yield data
+                if not isinstance(event, Chunk):
+                    return
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
 
 
 async def _relay_bytes(stream: RawStream) -> AsyncIterator[bytes]:

@@ -33,7 +33,7 @@ class ChatApp:
         # The Responses API: Azure's v1 paths, and a 501 from an upstream without the API (api_responses.py).
         responses_client = ResponsesClient(client, azure=settings.upstream_kind == "azure")
         self.responses = Endpoint(ResponsesApi(), settings, responses_client, pipeline)
-        self.response_follow_ups = ResponseFollowUps(settings, responses_client)
+        self.response_follow_ups = ResponseFollowUps(settings, responses_client, pipeline)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 WEATHER_TOOL = {"type": "function", "name": FUNCTION_CALL_NAME, "description": "Weather for a place",
                 "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
                                "required": ["location"]}}
-TERMS = ["scripted", "café", "日本語", "🙂🚀", "Paris"]
+TERMS = ["scripted", "café", "日本語", "🙂🚀", "Paris", "slowly", "hundred"]
 SYSTEM = "You are terse."
 
 
@@ -284,6 +284,23 @@ def test_blocked_terms_deltas_and_final_response_say_the_same(guarded):
     assert args == call.arguments == redact_whole(FUNCTION_CALL_ARGUMENTS, TERMS)
 
 
+def test_blocked_terms_hold_for_retrieve_and_a_resumed_stream(guarded):
+    want = redact_whole(RESPONSES_TEXTS["slow"], TERMS)
+    assert want != RESPONSES_TEXTS["slow"]
+    stream = guarded.responses.create(model="gpt-test", input=ask("slow"), stream=True, background=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len([e for e in seen if e.type == "response.output_text.delta"]) == 4:
+            break
+    stream.close()
+    rest = list(guarded.responses.retrieve(seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number))
+    assert deltas(seen) + deltas(rest) == want
+    assert rest[-1].type == "response.completed" and rest[-1].response.output_text == want
+    assert [e.sequence_number for e in rest][0] == seen[-1].sequence_number + 1
+    assert guarded.responses.retrieve(seen[0].response.id).output_text == want
+
+
 def test_system_prompt_goes_before_instructions_and_the_prompt_limit_counts_input(guarded, upstream):
     guarded.responses.create(model="gpt-test", input=ask("normal"), instructions="Answer in French.")
     assert upstream.requests(last=1)[0]["json"]["instructions"] == f"{SYSTEM}\n\nAnswer in French."
@@ -311,3 +328,13 @@ def test_azure_goes_through_the_v1_responses_path(start_app, upstream):
         response_id = events[-1].response.id
         assert client.responses.retrieve(response_id).output_text == RESPONSES_TEXTS["normal"]
         assert upstream.requests(last=1)[0]["path"] == f"/openai/v1/responses/{response_id}"
+
+
+def test_upstream_failed_and_incomplete_responses_are_forwarded_as_they_came(sdk):
+    failed = list(sdk.responses.create(model="gpt-test", input=ask("failed"), stream=True))
+    assert deltas(failed) == RESPONSES_TEXTS["failed"]
+    assert failed[-1].type == "response.failed" and failed[-1].response.error.code == "server_error"
+    incomplete = list(sdk.responses.create(model="gpt-test", input=ask("incomplete"), stream=True))
+    assert incomplete[-1].type == "response.incomplete"
+    assert incomplete[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert deltas(incomplete) == RESPONSES_TEXTS["incomplete"]
