@@ -109,15 +109,21 @@ def _delta_key(data: dict) -> tuple | None:
     or refusal, ``("a", output)`` for function-call arguments, ``("s", output, summary)`` for a
     reasoning summary part."""
     kind = data.get("type", "")
-    out = data.get("output_index", 0)
     if kind.startswith("response.function_call_arguments."):
-        return ("a", out)
+        return ("a", _index(data, "output_index"))
     if kind.startswith(("response.reasoning_summary_text.", "response.reasoning_summary_part.")):
-        return ("s", out, data.get("summary_index", 0))
+        return ("s", _index(data, "output_index"), _index(data, "summary_index"))
     if kind.startswith(("response.output_text.", "response.refusal.", "response.reasoning_text.",
                         "response.content_part.")):
-        return ("c", out, data.get("content_index", 0))
+        return ("c", _index(data, "output_index"), _index(data, "content_index"))
     return None
+
+
+def _index(data: dict, name: str) -> int:
+    value = data.get(name, 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UpstreamMalformed(f"the model server sent an event whose {name} is not a number")
+    return value
 
 
 def _text_field(part: dict) -> str | None:
@@ -172,6 +178,8 @@ class ResponseStream:
             raise UpstreamMalformed("the model server sent an event without a valid type")
         if kind == "error":
             raise _error_event(data)
+        if kind in TEXT_DELTAS and not isinstance(data.get("delta"), str):
+            raise UpstreamMalformed(f"the model server sent a {kind} event without a text delta")
         self.note(data)
         output = kind not in OPENING
         delta = kind in TEXT_DELTAS
@@ -198,7 +206,7 @@ class ResponseStream:
     async def _filtered(self, kind: str, data: dict) -> list[dict]:
         events = []
         key = _delta_key(data)
-        if kind in TEXT_DELTAS and key is not None and isinstance(data.get("delta"), str):
+        if kind in TEXT_DELTAS and key is not None:
             if key in self._flushed:  # a delta after its part was done: nothing more may go out
                 return self._release() + [{**data, "delta": ""}]
             text = await self._filter(key).feed(data["delta"])
@@ -275,7 +283,7 @@ class ResponseStream:
                 if field:
                     new = {**data, "part": {**data["part"], field: await self._full(key, data["part"][field])}}
         elif kind == "response.output_item.done" and isinstance(data.get("item"), dict):
-            new = {**data, "item": await self._item(data.get("output_index", 0), data["item"])}
+            new = {**data, "item": await self._item(_index(data, "output_index"), data["item"])}
         elif kind in TERMINAL and isinstance(data.get("response"), dict):
             new = {**data, "response": await self._response(data["response"])}
         return new

@@ -177,3 +177,29 @@ def test_encoder_names_each_event_and_ends_a_failure_with_the_next_sequence_numb
     tail = encode(Failed(ApiError(504, "idle_timeout", "the model went quiet")))
     assert tail == b'event: error\ndata: {"type":"error","sequence_number":6,"code":"idle_timeout",' \
                    b'"message":"the model went quiet","param":null}\n\n'
+
+
+def test_odd_upstream_events_are_upstream_malformed_not_a_bug_of_ours():
+    import pytest
+
+    from chatstream.errors import UpstreamMalformed
+
+    odd = [{"type": None}, {"type": "a\nb"}, {"type": "response.output_text.delta", "delta": 5},
+           {"type": "response.output_text.delta", "delta": "x", "output_index": [1]},
+           {"type": "response.output_item.done", "output_index": "1", "item": {}}]
+    for event in odd:
+        stream = ResponseStream(pipeline(), StreamRecord(endpoint="responses", model="m"))
+        with pytest.raises(UpstreamMalformed):
+            asyncio.run(stream.feed(event))
+
+
+def test_an_upstream_error_event_fails_the_stream():
+    import pytest
+
+    from chatstream.errors import ApiError
+
+    for event in ({"type": "error", "code": "server_error", "message": "boom"},
+                  {"type": "error", "error": {"type": "server_error", "message": "boom"}}):
+        with pytest.raises(ApiError) as info:
+            asyncio.run(ResponseStream(Pipeline(), StreamRecord(endpoint="responses", model="m")).feed(event))
+        assert info.value.type == "upstream_error" and "boom" in info.value.message
