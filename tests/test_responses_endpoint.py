@@ -39,7 +39,8 @@ def sdk(app):
 @pytest.fixture(scope="module")
 def guarded(upstream):
     """An app with the built-in pipeline steps on."""
-    server = App(app_env(upstream, BLOCKED_TERMS=",".join(TERMS), SYSTEM_PROMPT=SYSTEM, MAX_PROMPT_CHARS="200"))
+    server = App(app_env(upstream, BLOCKED_TERMS=",".join(TERMS), SYSTEM_PROMPT=SYSTEM, MAX_PROMPT_CHARS="200",
+                         IDLE_TIMEOUT_SECONDS="1"))
     client = sdk_for(server)
     yield client
     client.close()
@@ -299,6 +300,17 @@ def test_blocked_terms_hold_for_retrieve_and_a_resumed_stream(guarded):
     assert rest[-1].type == "response.completed" and rest[-1].response.output_text == want
     assert [e.sequence_number for e in rest][0] == seen[-1].sequence_number + 1
     assert guarded.responses.retrieve(seen[0].response.id).output_text == want
+
+
+def test_a_time_limit_after_output_ends_with_an_error_event_numbered_next(guarded, upstream):
+    started = time.monotonic()
+    events = list(guarded.responses.create(model="gpt-test", input=ask("stall"), stream=True))
+    assert time.monotonic() - started < 5
+    assert any(e.type == "response.output_text.delta" for e in events)
+    assert events[-1].type == "error" and events[-1].code == "upstream_timeout"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert stream_record(upstream, events[0].response.id)["outcome"] == "client_disconnected", \
+        "the stalled upstream was closed"
 
 
 def test_system_prompt_goes_before_instructions_and_the_prompt_limit_counts_input(guarded, upstream):
