@@ -40,7 +40,7 @@ def sdk(app):
 def guarded(upstream):
     """An app with the built-in pipeline steps on."""
     server = App(app_env(upstream, BLOCKED_TERMS=",".join(TERMS), SYSTEM_PROMPT=SYSTEM, MAX_PROMPT_CHARS="200",
-                         IDLE_TIMEOUT_SECONDS="1"))
+                         IDLE_TIMEOUT_SECONDS="1", ALLOWED_MODELS="gpt-test"))
     client = sdk_for(server)
     yield client
     client.close()
@@ -313,7 +313,7 @@ def test_a_time_limit_after_output_ends_with_an_error_event_numbered_next(guarde
         "the stalled upstream was closed"
 
 
-def test_system_prompt_goes_before_instructions_and_the_prompt_limit_counts_input(guarded, upstream):
+def test_system_prompt_prompt_limit_and_allowed_models(guarded, upstream):
     guarded.responses.create(model="gpt-test", input=ask("normal"), instructions="Answer in French.")
     assert upstream.requests(last=1)[0]["json"]["instructions"] == f"{SYSTEM}\n\nAnswer in French."
     before = upstream.count()
@@ -321,6 +321,9 @@ def test_system_prompt_goes_before_instructions_and_the_prompt_limit_counts_inpu
         guarded.responses.create(model="gpt-test", input=[{"role": "user", "content": "x" * 150}],
                                  instructions="y" * 60, stream=True)
     assert info.value.status_code == 413 and info.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as info:
+        guarded.responses.create(model="gpt-other", input="hi", stream=True)
+    assert info.value.body["code"] == "model_not_allowed"
     assert upstream.count() == before
 
 
