@@ -7,6 +7,8 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chatstream.guard import redact_whole
 from helpers import app_env
@@ -353,3 +355,30 @@ def test_upstream_failed_and_incomplete_responses_are_forwarded_as_they_came(sdk
     assert incomplete[-1].type == "response.incomplete"
     assert incomplete[-1].response.incomplete_details.reason == "max_output_tokens"
     assert deltas(incomplete) == RESPONSES_TEXTS["incomplete"]
+
+
+# ---------------------------------------------------------------------------------------- hostile input
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                      st.text(max_size=12))
+_json = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=6), c, max_size=3)),
+                     max_leaves=8)
+_fields = {"input": st.one_of(st.just(ask("normal")), st.lists(st.fixed_dictionaries(
+               {"role": st.sampled_from(["user", "assistant", "x"]), "content": st.one_of(st.text(max_size=10), _json)}),
+               max_size=2), _json),
+           "model": st.one_of(st.just("gpt-test"), _json), "instructions": _json, "stream": st.one_of(st.just(True), _json),
+           "background": _json, "tools": _json, "store": _json}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(st.fixed_dictionaries({}, optional=_fields), _json))
+def test_odd_bodies_are_never_a_5xx_and_every_stream_ends_with_a_last_event(app, body):
+    with httpx.stream("POST", f"{app.url}/api/v1/responses", json=body, timeout=15) as r:
+        raw = r.read()
+    assert r.status_code < 500, (r.status_code, raw[:300])
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        last = [line for line in raw.decode().split("\n") if line.startswith("event: ")][-1]
+        assert last in ("event: response.completed", "event: response.incomplete", "event: response.failed",
+                        "event: error"), raw[-300:]
+    else:
+        assert isinstance(r.json(), dict)
