@@ -359,15 +359,15 @@ def test_upstream_failed_and_incomplete_responses_are_forwarded_as_they_came(sdk
 
 # ---------------------------------------------------------------------------------------- hostile input
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
-                      st.text(max_size=12))
-_json = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=6), c, max_size=3)),
-                     max_leaves=8)
-_fields = {"input": st.one_of(st.just(ask("normal")), st.lists(st.fixed_dictionaries(
-               {"role": st.sampled_from(["user", "assistant", "x"]), "content": st.one_of(st.text(max_size=10), _json)}),
-               max_size=2), _json),
-           "model": st.one_of(st.just("gpt-test"), _json), "instructions": _json, "stream": st.one_of(st.just(True), _json),
-           "background": _json, "tools": _json, "store": _json}
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
+_json = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3),
+                                                   st.dictionaries(st.text(max_size=6), c, max_size=3)), max_leaves=8)
+_items = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
+                                         "content": st.one_of(st.text(max_size=10), _json)}), max_size=2)
+_fields = {"input": st.one_of(st.just(ask("normal")), _items, _json),
+           "model": st.one_of(st.just("gpt-test"), _json), "instructions": _json,
+           "stream": st.one_of(st.just(True), _json), "background": _json, "tools": _json, "store": _json}
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

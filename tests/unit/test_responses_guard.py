@@ -171,7 +171,8 @@ def test_encoder_names_each_event_and_ends_a_failure_with_the_next_sequence_numb
     encode = ResponseEncoder()
     a = {"type": "response.output_text.delta", "sequence_number": 4, "delta": "é"}
     b = {"type": "response.output_text.delta", "sequence_number": 5, "delta": "x"}
-    assert encode(Chunk(a)) == 'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n'.encode()
+    assert encode(Chunk(a)) == ('event: response.output_text.delta\n'
+                                'data: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n').encode()
     assert encode(Chunk({BATCH: [b]})).startswith(b"event: response.output_text.delta\ndata: ")
     assert encode(Done("completed", {}, None, None, None, None)) is None
     tail = encode(Failed(ApiError(504, "idle_timeout", "the model went quiet")))
