@@ -239,6 +239,13 @@ def test_retrieve_input_items_and_delete(sdk):
     assert created.id in info.value.body["message"]
 
 
+@pytest.mark.parametrize("client", ["sdk", "guarded"])
+def test_resuming_an_unknown_response_is_not_found(request, client):
+    """Both re-stream paths: bytes passed on (no text steps) and through ResponseStream (text steps)."""
+    with pytest.raises(openai.NotFoundError):
+        request.getfixturevalue(client).responses.retrieve("resp_unknown", stream=True, starting_after=3)
+
+
 def test_cancel_a_background_response(sdk):
     queued = sdk.responses.create(model="gpt-test", input=ask("slow"), background=True)
     assert queued.status == "queued"
