@@ -45,10 +45,11 @@ import anyio
 import openai
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from . import sse
 from .api_openai import error_response
+from .body import validate_object
 from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, from_upstream, invalid_request
 from .limits import TimeLimits
 from .pipeline import CallRequest, Pipeline, TextFilter
@@ -87,19 +88,17 @@ class ResponsesRequest(BaseModel):
     tools: list[Any] | None = None
 
 
+def _describe(first: dict) -> tuple[str, str | None]:
+    loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
+    param = loc[0] if loc else None
+    message = first["msg"].removeprefix("Value error, ")
+    if param == "input":
+        message = "must be a string or an array of input items"
+    return (f"{param}: {message}" if param else message), param
+
+
 def validate(data: object) -> ResponsesRequest:
-    if not isinstance(data, dict):
-        raise invalid_request("the body must be a JSON object")
-    try:
-        return ResponsesRequest.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
-        param = loc[0] if loc else None
-        message = first["msg"].removeprefix("Value error, ")
-        if param == "input":
-            message = "must be a string or an array of input items"
-        raise invalid_request(f"{param}: {message}" if param else message, param) from None
+    return validate_object(ResponsesRequest, data, _describe)
 
 
 # ---------------------------------------------------------------------------------------- text channels
