@@ -1,7 +1,7 @@
 """The function app: its routes. The logic lives in chatstream/ (docs: README.md, "Layout").
 
 A request's way: the route below → chatstream/endpoint.py (reads the request, runs the pipeline, the
-status rule) with the route's API adapter (api_chat.py, api_openai.py) → stream.py (the stream
+status rule) with the route's API adapter (api_chat.py, api_openai.py, api_responses.py) → stream.py (the stream
 core, time limits in limits.py) → upstream.py (the OpenAI / Azure OpenAI client)."""
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import Request, Response
@@ -36,6 +36,32 @@ async def chat(req: Request) -> Response:
 async def chat_completions(req: Request) -> Response:
     """POST /api/v1/chat/completions: the OpenAI wire format, for OpenAI SDKs (docs/openai.md)."""
     return await chat_app.chat_completions(req)
+
+
+@app.route(route="v1/responses", methods=["POST"])
+async def responses(req: Request) -> Response:
+    """POST /api/v1/responses: OpenAI's Responses API, streamed or not (docs/openai.md, "Responses")."""
+    return await chat_app.responses(req)
+
+
+@app.route(route="v1/responses/{response_id}", methods=["GET", "DELETE"])
+async def response(req: Request) -> Response:
+    """GET /api/v1/responses/{id} (also ?stream=true&starting_after=N) and DELETE: relayed upstream."""
+    if req.method == "DELETE":
+        return await chat_app.response_follow_ups.delete(req)
+    return await chat_app.response_follow_ups.retrieve(req)
+
+
+@app.route(route="v1/responses/{response_id}/cancel", methods=["POST"])
+async def cancel_response(req: Request) -> Response:
+    """POST /api/v1/responses/{id}/cancel: cancel a background response upstream."""
+    return await chat_app.response_follow_ups.cancel(req)
+
+
+@app.route(route="v1/responses/{response_id}/input_items", methods=["GET"])
+async def response_input_items(req: Request) -> Response:
+    """GET /api/v1/responses/{id}/input_items: the response's input items, from the upstream."""
+    return await chat_app.response_follow_ups.input_items(req)
 
 
 @app.route(route="v1/models", methods=["GET"])

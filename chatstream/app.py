@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from . import api_openai
 from .api_chat import ChatApi
 from .api_openai import OpenAIChatApi
+from .api_responses import ResponseFollowUps, ResponsesApi, ResponsesClient
 from .endpoint import ERROR_HEADERS, Endpoint
 from .errors import ApiError
 from .pipeline import Pipeline
@@ -29,6 +30,10 @@ class ChatApp:
         self.client = client
         self.chat = Endpoint(ChatApi(), settings, client, pipeline)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, client, pipeline)
+        # The Responses API: Azure's v1 paths, and a 501 from an upstream without the API (api_responses.py).
+        responses_client = ResponsesClient(client, azure=settings.upstream_kind == "azure")
+        self.responses = Endpoint(ResponsesApi(), settings, responses_client, pipeline)
+        self.response_follow_ups = ResponseFollowUps(settings, responses_client, pipeline)
 
     @property
     def model_names(self) -> tuple[str, ...]:
