@@ -100,6 +100,15 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=status_for(error), headers=error.headers)
 
 
+def passed_on(data: dict, settings: Settings) -> dict:
+    """The (already validated) request as the caller sent it: fields the relay does not read pass
+    through unchanged; only a missing model gets the default."""
+    params = dict(data)
+    if params.get("model") is None:
+        params["model"] = settings.default_model
+    return params
+
+
 class OpenAIChatApi:
     name = "openai"
     path = "/chat/completions"
@@ -107,9 +116,7 @@ class OpenAIChatApi:
 
     def parse(self, data: object, settings: Settings) -> CallRequest:
         validate(data)
-        params = dict(data)  # as the caller sent it: fields we do not read pass through unchanged
-        if params.get("model") is None:
-            params["model"] = settings.default_model
+        params = passed_on(data, settings)
         include_usage = False
         if params.get("stream"):
             # Usage is always asked for (the log line needs it); the caller gets it only if asked.

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from . import sse
-from .api_openai import error_response
+from .api_openai import error_response, passed_on
 from .body import validate_object
 from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, from_upstream, invalid_request
 from .limits import TimeLimits
@@ -373,10 +373,7 @@ class ResponsesApi:
 
     def parse(self, data: object, settings: Settings) -> CallRequest:
         validate(data)
-        params = dict(data)  # as the caller sent it: fields we do not read pass through unchanged
-        if params.get("model") is None:
-            params["model"] = settings.default_model
-        return CallRequest(params=params, endpoint=self.name)
+        return CallRequest(params=passed_on(data, settings), endpoint=self.name)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, record: StreamRecord) -> ResponseStream:
         return ResponseStream(pipeline, record)
