@@ -51,7 +51,7 @@ def test_deltas_arrive_as_generated_not_bunched(app):
     times = [t for t, e, _ in result.events if e == "message"]
     assert result.text == TEXTS["slow"]
     assert len(times) >= 8
-    assert times[0] < 1.0, f"first delta after {times[0]:.2f}s"
+    assert times[0] < 1.5, f"first delta after {times[0]:.2f}s"
     assert times[-1] - times[0] > 1.2, f"deltas bunched: {times}"
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert sum(1 for g in gaps if g > 0.1) >= len(gaps) - 1, f"gaps: {gaps}"

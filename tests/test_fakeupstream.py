@@ -323,8 +323,8 @@ def test_cadence_timing(server):
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[:-1]) == cadence_text(40)
     content_times = arrivals[1:]  # the first '"content":""' is the role chunk
     assert len(content_times) == 40
-    assert 0.09 <= content_times[0] < 0.4
-    assert 0.7 <= content_times[-1] - content_times[0] < 1.2  # 39 intervals of 20 ms
+    assert 0.09 <= content_times[0] < 0.8
+    assert 0.7 <= content_times[-1] - content_times[0] < 2.0  # 39 intervals of 20 ms, margin for load
 
 
 # ------------------------------------------------------ scenario choice and records

@@ -121,8 +121,8 @@ def test_after_step_sees_the_result_without_delaying_the_caller(piped, results_f
     started = time.monotonic()
     result = chat(piped.chat_url, prompt("normal", "after-step check"))
     caller_done = time.monotonic() - started
-    assert caller_done < 0.9, f"the caller waited {caller_done:.2f}s"
-    deadline = time.monotonic() + 5
+    assert caller_done < 2.0, f"the caller waited {caller_done:.2f}s (the after-step takes 3 s)"
+    deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         lines = results_file.read_text().splitlines() if results_file.exists() else []
         records = [json.loads(line) for line in lines]

@@ -73,9 +73,9 @@ def test_slow_first_token_gets_headers_then_keep_alives_then_an_error_event(tigh
     assert status == 200
     keep_alives = [t for t, line in lines if line.startswith(":")]
     assert len(keep_alives) >= 3, lines
-    assert keep_alives[0] < 1.0, "headers and the first keep-alive go out at the first heartbeat"
+    assert keep_alives[0] < 1.5, "headers and the first keep-alive go out at the first heartbeat"
     gaps = [b - a for a, b in zip(keep_alives, keep_alives[1:])]
-    assert all(0.3 < g < 1.0 for g in gaps), gaps
+    assert all(0.3 < g < 1.5 for g in gaps), gaps  # heartbeat 0.5 s, margin for a loaded machine
     assert [line for _, line in lines if line.startswith("event:")] == ["event: error"]
     last_t, last_line = [(t, line) for t, line in lines if line][-1]
     assert '"type":"upstream_timeout"' in last_line

@@ -54,7 +54,7 @@ pipeline.moderate(no_every_two, every=8)
 
 @pipeline.after
 async def record_result(result: StreamResult) -> None:
-    await asyncio.sleep(1.0)  # slow storage: must not delay the caller
+    await asyncio.sleep(3.0)  # slow storage: must not delay the caller
     with open(os.environ["PIPELINE_RESULTS"], "a", encoding="utf-8") as f:
         f.write(json.dumps(dataclasses.asdict(result), ensure_ascii=False) + "\n")
 
