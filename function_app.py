@@ -76,6 +76,13 @@ async def model(req: Request) -> Response:
     return await chat_app.model(req)
 
 
+@app.route(route="_pool", methods=["GET"])
+async def pool_state(req: Request) -> Response:
+    """GET /api/_pool: the upstream pool's state per entry (UPSTREAMS, docs/pool.md); never a key.
+    Function-key protected in Azure, like every route here."""
+    return await chat_app.pool_state(req)
+
+
 @app.route(route="v1/{*rest}")
 async def not_found(req: Request) -> Response:
     """Every other path under /api/v1/: a 404 in OpenAI's error shape."""

@@ -3,6 +3,8 @@ pipeline): ``create_app(settings, pipeline)`` gives the handler behind each rout
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 
 import openai
 from fastapi import Request
@@ -14,9 +16,9 @@ from .api_openai import OpenAIChatApi
 from .api_responses import ResponseFollowUps, ResponsesApi, ResponsesClient
 from .endpoint import ERROR_HEADERS, Endpoint
 from .errors import ApiError
+from .failover import Upstreams
 from .pipeline import Pipeline
 from .settings import Settings
-from .upstream import make_client
 
 log = logging.getLogger("chatstream")
 
@@ -24,10 +26,12 @@ log = logging.getLogger("chatstream")
 class ChatApp:
     """The handlers behind the routes of function_app.py."""
 
-    def __init__(self, settings: Settings, pipeline: Pipeline, client: openai.AsyncOpenAI):
+    def __init__(self, settings: Settings, pipeline: Pipeline, client: Upstreams | openai.AsyncOpenAI):
+        """``client``: the app's upstreams (failover.Upstreams), or one SDK client."""
         self.settings = settings
         self.pipeline = pipeline
-        self.client = client
+        self.upstreams = client if isinstance(client, Upstreams) else Upstreams.single(settings, client)
+        client = self.upstreams  # every endpoint shares the one pool
         self.chat = Endpoint(ChatApi(), settings, client, pipeline)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, client, pipeline)
         # The Responses API: Azure's v1 paths, and a 501 from an upstream without the API (api_responses.py).
@@ -37,7 +41,11 @@ class ChatApp:
 
     @property
     def model_names(self) -> tuple[str, ...]:
-        return self.settings.allowed_models or (self.settings.default_model,)
+        return self.settings.allowed_models or self.upstreams.model_names() or (self.settings.default_model,)
+
+    async def pool_state(self, request: Request) -> Response:
+        """GET /api/_pool: each upstream entry's state and counters (never a key)."""
+        return JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"})
 
     async def models(self, request: Request) -> Response:
         """GET /api/v1/models: the models a caller may name."""
@@ -61,8 +69,14 @@ class ChatApp:
 
 
 def create_app(settings: Settings, pipeline: Pipeline | None = None,
-               client: openai.AsyncOpenAI | None = None) -> ChatApp:
+               client: openai.AsyncOpenAI | None = None, environ: Mapping[str, str] | None = None) -> ChatApp:
+    """The app's handlers. With ``UPSTREAMS`` set, its pool with one client per entry (a bad value
+    raises SettingsError); else the single upstream, ``client`` or one made from the settings."""
     if not settings.upstream_configured:
-        log.warning("no upstream configured: set OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
+        log.warning("no upstream configured: set UPSTREAMS, OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
     pipeline = pipeline if pipeline is not None else Pipeline.from_settings(settings)
-    return ChatApp(settings, pipeline, client or make_client(settings))
+    upstreams = Upstreams.from_settings(settings, os.environ if environ is None else environ, client=client)
+    if upstreams.pooled:
+        log.info("upstream pool: %s", ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})"
+                                                for e in upstreams.pool.entries))
+    return ChatApp(settings, pipeline, upstreams)

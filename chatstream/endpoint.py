@@ -24,9 +24,10 @@ import openai
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import sse, telemetry, upstream
+from . import sse, telemetry
 from .body import parse_json_body, read_body, require_json_content_type
 from .errors import UPSTREAM_ERRORS, ApiError, ClientGone, StepFailed, from_upstream
+from .failover import Upstreams
 from .limits import TimeLimits, total_expired
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
@@ -101,10 +102,11 @@ async def _unless_gone(request: Request, work: Awaitable[T], timeout: float) -> 
 
 
 class Endpoint:
-    def __init__(self, api: Api, settings: Settings, client: openai.AsyncOpenAI, pipeline: Pipeline):
+    def __init__(self, api: Api, settings: Settings, upstreams: Upstreams | openai.AsyncOpenAI, pipeline: Pipeline):
+        """``upstreams``: the app's pool (failover.Upstreams), or one SDK client (a pool of one)."""
         self.api = api
         self.settings = settings
-        self.client = client
+        self.upstreams = upstreams if isinstance(upstreams, Upstreams) else Upstreams.single(settings, upstreams)
         self.pipeline = pipeline
 
     async def __call__(self, request: Request) -> Response:
@@ -131,7 +133,7 @@ class Endpoint:
         raw = await read_body(request, self.settings.max_body_bytes)
         call = self.api.parse(parse_json_body(raw), self.settings)
         record.model = call.params["model"]
-        if not self.settings.upstream_configured:
+        if not self.upstreams.configured:
             raise ApiError(503, "not_configured", "no model upstream is configured: set OPENAI_API_KEY, "
                                                   "OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
         await self.pipeline.run_before(call)
@@ -152,7 +154,7 @@ class Endpoint:
         if allowed and model not in allowed:
             raise ApiError(400, "model_not_allowed",
                            f"model {model!r} is not allowed here; use one of: {', '.join(allowed)}", "model")
-        upstream.check_model_name(self.settings, model)
+        self.upstreams.check_model(model)  # a model no upstream serves: 400, no upstream call
 
     def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
         response = self._error_response(error)
@@ -170,7 +172,7 @@ class Endpoint:
     async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
         """A non-streamed answer: the upstream's JSON, its texts through the pipeline's text steps."""
         try:
-            body = await _unless_gone(request, upstream.complete(self.client, self.api.path, call.params),
+            body = await _unless_gone(request, self.upstreams.complete(self.api.path, call.params, record),
                                       self.settings.total_timeout)
         except UPSTREAM_ERRORS as exc:
             raise from_upstream(exc, record.model) from None
@@ -181,7 +183,12 @@ class Endpoint:
     async def _stream(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
         limits = TimeLimits(self.settings)
         protocol = self.api.protocol(call, self.pipeline, record)
-        opened = lambda: upstream.UpstreamStream.open(self.client, self.api.path, call.params)  # noqa: E731
+        # The pool's walk up to the first output (failover.py); its protocol copies only look for
+        # that output: no text steps, their own record.
+        probe = lambda: self.api.protocol(call, Pipeline(), StreamRecord(endpoint=record.endpoint,  # noqa: E731
+                                                                          model=record.model))
+        opened = lambda: self.upstreams.open_first_output(self.api.path, call.params, probe, limits,  # noqa: E731
+                                                          record)
         events = self._finishing(relay(opened, protocol, limits, record), record)
         first = asyncio.ensure_future(anext(events))
         gone = asyncio.ensure_future(_wait_disconnect(request))

@@ -56,6 +56,8 @@ class StreamRecord:
     error: str | None = None
     status: int = 200
     disconnected: bool = False
+    upstream: str | None = None  # the pool entry that served the request (or the last one tried)
+    attempts: int = 0  # pool entries tried for it (1 without a failover)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
     telemetry: StreamTelemetry | None = field(default=None, repr=False)
 
@@ -76,7 +78,7 @@ class StreamRecord:
         return {"event": "chat_stream", "endpoint": self.endpoint, "model": self.model, "status": self.status,
                 "ttfd_ms": self.ttfd_ms(), "duration_ms": self.duration_ms(), "deltas": self.deltas,
                 "finish_reason": self.finish_reason, "usage": self.usage, "error": self.error,
-                "disconnected": self.disconnected}
+                "disconnected": self.disconnected, "upstream": self.upstream, "attempts": self.attempts}
 
     def log_line(self) -> str:
         return log_safe(json.dumps(self.as_log(), ensure_ascii=False))

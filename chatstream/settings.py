@@ -26,6 +26,12 @@ class Settings(BaseModel):
     azure_openai_deployment: str | None = Field(None, alias="AZURE_OPENAI_DEPLOYMENT", min_length=1)
     azure_openai_api_version: str = Field("2024-10-21", alias="AZURE_OPENAI_API_VERSION", min_length=1)
     azure_openai_api_key: SecretStr | None = Field(None, alias="AZURE_OPENAI_API_KEY")
+    # Several upstreams (docs/pool.md): a JSON list; when set it wins over the settings above.
+    upstreams: str | None = Field(None, alias="UPSTREAMS")
+    # Per pool entry: how long one entry may take to its first output before the request moves to
+    # the next candidate (within FIRST_TOKEN_TIMEOUT_SECONDS); unset: the whole first-token limit.
+    entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0,
+                                                    le=3600)
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
 
@@ -66,7 +72,7 @@ class Settings(BaseModel):
             raise ValueError("must start with http:// or https://")
         return value.rstrip("/")
 
-    @field_validator("openai_api_key", "azure_openai_api_key", "system_prompt", mode="before")
+    @field_validator("openai_api_key", "azure_openai_api_key", "system_prompt", "upstreams", mode="before")
     @classmethod
     def _blank_is_unset(cls, value):
         return None if value in (None, "") else value
@@ -76,6 +82,11 @@ class Settings(BaseModel):
         if self.azure_openai_endpoint and not self.azure_openai_deployment:
             raise ValueError("AZURE_OPENAI_ENDPOINT is set, so AZURE_OPENAI_DEPLOYMENT is required")
         return self
+
+    @property
+    def pooled(self) -> bool:
+        """``UPSTREAMS`` is set: the pool's entries replace the single-upstream settings."""
+        return self.upstreams is not None and bool(self.upstreams.strip())
 
     @property
     def upstream_kind(self) -> str:
@@ -88,7 +99,7 @@ class Settings(BaseModel):
 
     @property
     def upstream_configured(self) -> bool:
-        return self.upstream_kind != "none"
+        return self.pooled or self.upstream_kind != "none"
 
     @property
     def default_model(self) -> str:
@@ -99,8 +110,21 @@ class Settings(BaseModel):
         names = {f.alias for f in cls.model_fields.values() if f.alias}
         values = {k: v for k, v in environ.items() if k in names and v != ""}
         try:
-            return cls.model_validate(values)
+            settings = cls.model_validate(values)
         except ValidationError as exc:
             # pydantic's own text would echo the input; a key must never reach a log.
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
             raise SettingsError(f"invalid app settings: {problems}") from None
+        if settings.pooled:
+            settings.check_upstreams(environ)
+        return settings
+
+    def check_upstreams(self, environ: Mapping[str, str] = os.environ) -> None:
+        """Raise SettingsError if ``UPSTREAMS`` (or a key setting it names) is not usable: the
+        message names the setting and the entry, never a value."""
+        from .pool import PoolConfigError, parse_upstreams
+
+        try:
+            parse_upstreams(self.upstreams or "", environ)
+        except PoolConfigError as exc:
+            raise SettingsError(str(exc)) from None

@@ -39,6 +39,10 @@ METRIC_TTFD = "chat.stream.time_to_first_delta"
 METRIC_DURATION = "chat.stream.duration"
 METRIC_DELTAS = "chat.stream.deltas"
 METRIC_TOKENS = "chat.stream.tokens"
+# Per pool entry (dimension ``upstream``: entry names come from UPSTREAMS, so they are bounded).
+METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
+METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
+METRIC_UPSTREAM_COOLDOWNS = "chat.upstream.cooldowns"
 
 # Span attributes beyond the gen_ai.* semantic conventions.
 ATTR_TTFD = "chat.time_to_first_delta_ms"
@@ -52,6 +56,8 @@ ATTR_ENDPOINT = "chat.endpoint"
 ATTR_STATUS = "chat.status"
 ATTR_ERROR = "chat.error"
 ATTR_FINISH_REASON = "chat.finish_reason"
+ATTR_UPSTREAM = "chat.upstream"  # the pool entry that served the request (or the last one tried)
+ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
@@ -121,6 +127,13 @@ class _Instruments:
             METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
         self.tokens = meter.create_counter(
             METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)")
+        self.upstream_requests = meter.create_counter(
+            METRIC_UPSTREAM_REQUESTS, unit="{request}", description="Attempts sent to each upstream entry")
+        self.upstream_failovers = meter.create_counter(
+            METRIC_UPSTREAM_FAILOVERS, unit="{request}",
+            description="Attempts that moved the request to the next entry (dimension reason: the outcome)")
+        self.upstream_cooldowns = meter.create_counter(
+            METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down")
 
 
 _instruments: _Instruments | None = None
@@ -193,6 +206,16 @@ def finish(record: StreamRecord) -> None:
         record.telemetry.end(record)
 
 
+def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:
+    """Count one attempt (``requests``), failover (``failovers``) or cooldown (``cooldowns``) of the
+    pool entry ``upstream``. Never raises."""
+    try:
+        counter = getattr(_get_instruments(), f"upstream_{metric}")
+        counter.add(1, {"upstream": upstream, **dimensions})
+    except Exception:
+        log.warning("upstream telemetry failed", exc_info=True)
+
+
 def _model(model: str | None) -> str:
     return (model or "")[:_MAX_MODEL_CHARS]
 
@@ -257,6 +280,9 @@ def _record_stream(span, record: StreamRecord) -> None:
         attributes[ATTR_TTFD] = ttfd_ms
     if record.error:
         attributes["error.type"] = attributes[ATTR_ERROR] = record.error
+    if record.upstream:
+        attributes[ATTR_UPSTREAM] = record.upstream
+        attributes[ATTR_ATTEMPTS] = record.attempts
     span.set_attributes(attributes)
     if _is_failure(record):
         span.set_status(Status(StatusCode.ERROR, record.error))

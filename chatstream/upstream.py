@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import openai
 
 from .errors import UpstreamMalformed, invalid_request
 from .settings import Settings
 from .sse import SSEFramer
+
+if TYPE_CHECKING:
+    from .pool import Entry
 
 # Sent when the upstream needs no key (a local vLLM/Ollama/LM Studio behind OPENAI_BASE_URL); the
 # SDK refuses to start without one.
@@ -32,14 +36,18 @@ def check_model_name(settings: Settings, model: str) -> None:
         raise invalid_request(f"model {model!r} is not a valid Azure OpenAI deployment name", "model")
 
 
-def make_client(settings: Settings, credential=None) -> openai.AsyncOpenAI:
-    """The SDK client for the configured upstream. ``credential`` (an azure-identity async
-    credential) is only used for keyless Azure OpenAI; default: DefaultAzureCredential."""
+def _common(settings: Settings, max_retries: int) -> dict:
     # The relay enforces first-token, idle and total limits itself; the SDK's read timeout is only
     # a backstop in case a limit is missed, so it sits above both.
     read = max(settings.first_token_timeout, settings.idle_timeout) + 5
-    common = dict(max_retries=settings.upstream_max_retries,
-                  timeout=openai.Timeout(read, connect=settings.upstream_connect_timeout, write=30.0, pool=30.0))
+    return dict(max_retries=max_retries,
+                timeout=openai.Timeout(read, connect=settings.upstream_connect_timeout, write=30.0, pool=30.0))
+
+
+def make_client(settings: Settings, credential=None) -> openai.AsyncOpenAI:
+    """The SDK client for the configured upstream. ``credential`` (an azure-identity async
+    credential) is only used for keyless Azure OpenAI; default: DefaultAzureCredential."""
+    common = _common(settings, settings.upstream_max_retries)
     if settings.upstream_kind == "azure":
         if settings.azure_openai_api_key is not None:
             auth = {"api_key": settings.azure_openai_api_key.get_secret_value()}
@@ -51,6 +59,18 @@ def make_client(settings: Settings, credential=None) -> openai.AsyncOpenAI:
                                        api_version=settings.azure_openai_api_version, **auth, **common)
     key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else NO_KEY
     return openai.AsyncOpenAI(api_key=key, base_url=settings.openai_base_url, **common)
+
+
+def make_entry_client(entry: "Entry", settings: Settings, max_retries: int, token_provider=None) -> openai.AsyncOpenAI:
+    """The SDK client for one ``UPSTREAMS`` entry (chatstream/pool.py): its own URL and key, the
+    app's time limits, and ``max_retries`` (0 when the pool has other entries to move to).
+    ``token_provider``: the Entra ID token provider shared by keyless Azure entries."""
+    common = _common(settings, max_retries)
+    key = entry.api_key.get_secret_value() if entry.api_key is not None else None
+    if entry.kind == "azure":
+        auth = {"api_key": key} if key is not None else {"azure_ad_token_provider": token_provider or entra_token_provider()}
+        return openai.AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, **auth, **common)
+    return openai.AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
 
 
 def entra_token_provider(credential=None):
