@@ -1,0 +1,403 @@
+"""UPSTREAMS wired into the request path (issue #14, docs/pool.md): three scripted upstreams (three
+processes) behind one app started with UPSTREAMS; each upstream plays its own default scenario
+(requests carry no scenario marker), so one entry can fail while the others answer.
+
+The cooldown and breaker timings are also checked in-process with a clock the test controls
+(``Upstreams`` talking HTTP to the same scripted upstreams), and the weighted split with fake
+clients, so nothing here waits for a back-off."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import socket
+import time
+
+import httpx
+import pytest
+
+from chat import chat
+from chatstream.failover import Upstreams
+from chatstream.pipeline import Pipeline
+from chatstream.pool import Pool, parse_upstreams
+from chatstream.record import StreamRecord
+from chatstream.settings import Settings
+from chatstream.stream import Done, Failed, relay
+from chatstream.completions import CompletionStream
+from chatstream.limits import TimeLimits
+from helpers import TEST_KEY
+from servers import App, Upstream
+from tools.fakeupstream.scenarios import RESET_DELTAS, TEXTS
+
+NORMAL = TEXTS["normal"]
+HI = {"prompt": "hi"}  # no scenario marker: each upstream plays its default
+
+
+@pytest.fixture(scope="module")
+def three():
+    servers = [Upstream("--scenario", "normal") for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def ups(three):
+    """The three upstreams, each back on its default scenario ``normal``."""
+    for server in three:
+        server.http.post("/_scripted/default", json={"scenario": "normal"}).raise_for_status()
+    return three
+
+
+def play(server: Upstream, scenario: str) -> None:
+    server.http.post("/_scripted/default", json={"scenario": scenario}).raise_for_status()
+
+
+def entry(name: str, server: Upstream | str, **extra) -> dict:
+    url = server if isinstance(server, str) else server.base_url
+    return {"name": name, "base_url": url, **extra}
+
+
+def upstreams(*entries: dict) -> str:
+    return json.dumps(list(entries))
+
+
+def counts(*servers: Upstream) -> list[int]:
+    return [s.count() for s in servers]
+
+
+def refused_url() -> str:
+    """A local port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def log_record(app: App, pattern: str) -> dict:
+    line = app.wait_log(r'\{"event": "chat_stream"[^\n]*' + pattern + r'[^\n]*')
+    return json.loads(line.group(0))
+
+
+def pool_state(app: App) -> dict[str, dict]:
+    r = httpx.get(app.url + "/api/_pool", timeout=10)
+    assert r.status_code == 200
+    return {e["name"]: e for e in r.json()["upstreams"]}
+
+
+# ------------------------------------------------------------------------------------- over HTTP
+
+def test_priority_order_and_the_pool_route(ups, start_app):
+    a, b, c = ups
+    app = start_app(UPSTREAMS=upstreams(entry("c", c, priority=3), entry("a", a, priority=1, api_key_setting="A_KEY"),
+                                        entry("b", b, priority=2)), A_KEY=TEST_KEY)
+    before = counts(a, b, c)
+    for _ in range(3):
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [3, 0, 0]
+    assert a.requests(last=1)[-1]["headers"]["authorization"] == f"Bearer {TEST_KEY}"
+    record = log_record(app, r'"upstream": "a", "attempts": 1')
+    assert record["status"] == 200
+    r = httpx.get(app.url + "/api/_pool", timeout=10)
+    assert TEST_KEY not in r.text, "the status route never shows a key"
+    state = {e["name"]: e for e in r.json()["upstreams"]}
+    assert r.json()["source"] == "UPSTREAMS"
+    assert state["a"]["state"] == "ok" and state["a"]["key_setting"] == "A_KEY"
+    assert state["a"]["counters"]["requests"] == 3 and state["a"]["counters"]["successes"] == 3
+    assert state["b"]["counters"]["requests"] == 0
+
+
+def test_429_moves_the_request_on_and_cools_the_entry_down(ups, start_app):
+    a, b, c = ups
+    play(a, "rate_limited")  # retry-after: 1
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)))
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+    log_record(app, r'"upstream": "b", "attempts": 2')
+    assert pool_state(app)["a"]["state"] == "cooling_down"
+
+    # While it cools down the first entry is not called at all (streamed or not).
+    result = chat(app.chat_url, HI)
+    assert result.status == 200
+    r = httpx.post(app.url + "/api/v1/chat/completions", timeout=10,
+                   json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 3]
+
+    # Once the cooldown is over (Retry-After: 1) it is tried first again.
+    time.sleep(1.2)
+    play(a, "normal")
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 3]
+
+
+def test_5xx_and_503_fail_over_without_the_sdk_retrying_the_same_entry(ups, start_app):
+    a, b, c = ups
+    play(a, "server_error")
+    play(b, "overloaded")
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2),
+                                        entry("c", c, priority=3)),
+                    UPSTREAM_MAX_RETRIES="2")  # the SDK would retry each entry twice
+    before = counts(a, b, c)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 1, 1], "one call per entry"
+    log_record(app, r'"upstream": "c", "attempts": 3')
+    # Non-streamed calls fail over the same way, one whole call per entry.
+    r = httpx.post(app.url + "/api/v1/chat/completions", timeout=10,
+                   json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == NORMAL
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [2, 2, 2]
+    log_record(app, r'"endpoint": "openai"[^\n]*"upstream": "c", "attempts": 3')
+    state = pool_state(app)
+    assert state["a"]["consecutive_failures"] == 2 and state["a"]["counters"]["failovers"] == 2
+    assert state["a"]["state"] == "ok", "a 5xx is one failure; the third in a row opens the breaker"
+
+
+def test_refused_connection_opens_the_breaker_at_once(ups, start_app):
+    a, b, c = ups
+    app = start_app(UPSTREAMS=upstreams(entry("down", refused_url(), priority=1), entry("b", b, priority=2)))
+    before = counts(b)
+    for _ in range(3):
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL
+    assert counts(b)[0] - before[0] == 3
+    log_record(app, r'"upstream": "b", "attempts": 2')
+    log_record(app, r'"upstream": "b", "attempts": 1')  # the open entry is skipped
+    state = pool_state(app)["down"]
+    assert state["state"] == "open" and state["counters"]["requests"] == 1
+    assert "breaker open" in app.log()
+
+
+def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call(ups, start_app):
+    a, b, c = ups
+    play(a, "rate_limited")
+    play(b, "rate_limited")
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=1)))
+    first = chat(app.chat_url, HI)
+    assert first.status == 429, "the last entry's own 429 when every one was tried"
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 429
+    assert result.body["error"]["type"] == "rate_limited" and result.body["error"]["retryable"] is True
+    assert result.headers["retry-after"] == "1"
+    assert result.headers["x-should-retry"] == "false"
+    r = httpx.post(app.url + "/api/v1/chat/completions", timeout=10,
+                   json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert counts(a, b) == before, "no upstream was called"
+    log_record(app, r'"status": 429[^\n]*"attempts": 0')
+
+
+def test_a_failure_after_the_first_delta_ends_the_stream_on_its_entry(ups, start_app):
+    a, b, c = ups
+    play(a, "reset")  # 3 deltas, then the connection drops
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)))
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200
+    assert result.text == "".join(RESET_DELTAS)
+    assert result.terminal_events() == ["error"]
+    assert result.last[1]["error"]["type"] == "upstream_disconnected"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0], "no second entry is called"
+    log_record(app, r'"upstream": "a", "attempts": 1')
+    state = pool_state(app)["a"]
+    assert state["counters"]["failures"] == 1 and state["counters"]["failovers"] == 0
+
+
+def test_a_slow_first_token_moves_to_the_next_entry_within_the_first_token_limit(ups, start_app):
+    a, b, c = ups
+    play(a, "stall_first")
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+                    UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS="1", FIRST_TOKEN_TIMEOUT_SECONDS="10")
+    started = time.monotonic()
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert 1.0 <= time.monotonic() - started < 5
+    log_record(app, r'"upstream": "b", "attempts": 2')
+    a.wait_stream_end("stall_first")  # the stalled stream was closed
+
+
+def test_models_go_to_the_entries_that_serve_them(ups, start_app):
+    a, b, c = ups
+    app = start_app(UPSTREAMS=upstreams(
+        entry("a", a, models=["model-a"]),
+        entry("b", b, models=["model-b"]),
+        {"name": "c", "azure_endpoint": c.url, "api_key_setting": "C_KEY", "models": ["model-a", "model-c"],
+         "deployments": {"model-c": "deploy-c"}, "priority": 2}),
+        C_KEY="azure-key-c")
+    before = counts(a, b, c)
+    for model, where in (("model-b", b), ("model-a", a), ("model-c", c)):
+        result = chat(app.chat_url, {**HI, "model": model})
+        assert result.status == 200 and result.text == NORMAL, model
+        sent = where.requests(last=1)[-1]
+        assert sent["json"]["model"] == ("deploy-c" if where is c else model)
+    assert c.requests(last=1)[-1]["path"] == "/openai/deployments/deploy-c/chat/completions"
+    assert c.requests(last=1)[-1]["headers"]["api-key"] == "azure-key-c"
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 1, 1]
+
+    result = chat(app.chat_url, {**HI, "model": "model-z"})
+    assert result.status == 400
+    assert result.body["error"]["type"] == "model_not_allowed" and result.body["error"]["param"] == "model"
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 1, 1], "no upstream call"
+    models = httpx.get(app.url + "/api/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["model-a", "model-b", "model-c"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("not json", r"UPSTREAMS: not valid JSON"),
+    ('[{"name": "a", "base_url": "http://127.0.0.1:1/v1"}, {"name": "bad", "base_url": "http://x/v1", "weight": 0}]',
+     r'UPSTREAMS\[1\] \("bad"\): weight: Input should be greater than 0'),
+    ('[{"name": "k", "base_url": "http://x/v1", "api_key": "%s"}]' % TEST_KEY,
+     r'UPSTREAMS\[0\] \("k"\): api_key: unknown key \(a key never goes in UPSTREAMS'),
+    ('[{"name": "m", "base_url": "http://x/v1", "api_key_setting": "MISSING_KEY"}]',
+     r'UPSTREAMS\[0\] \("m"\): api_key_setting: the app setting MISSING_KEY is not set or empty'),
+])
+def test_a_bad_upstreams_value_stops_the_app_with_a_clear_message(ups, value, message):
+    with pytest.raises(RuntimeError) as failed:
+        App({"UPSTREAMS": value, "OPENAI_API_KEY": TEST_KEY})
+    text = str(failed.value)
+    assert "SettingsError" in text
+    assert re.search(message, text), text[-2000:]
+    assert TEST_KEY not in text, "never a key in the message"
+
+
+# ---------------------------------------------------------------------------- in-process wiring
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def in_process(env: dict[str, str], clock: Clock, **pool_args) -> Upstreams:
+    settings = Settings.from_env({"UPSTREAM_MAX_RETRIES": "0", **env})
+    return Upstreams.from_settings(settings, env, now=clock, **pool_args)
+
+
+def params(stream: bool = False) -> dict:
+    p = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        p["stream"] = True
+    return p
+
+
+async def stream_once(pool: Upstreams) -> tuple[object, StreamRecord]:
+    """One streamed request through the core, as the endpoint runs it; its final event."""
+    settings = pool.settings
+    record = StreamRecord(endpoint="chat", model="gpt-test")
+    limits = TimeLimits(settings)
+    protocol = CompletionStream(Pipeline(), record)
+    probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
+    final = None
+    async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits, record),
+                             protocol, limits, record):
+        final = event
+    return final, record
+
+
+def test_cooldown_follows_the_clock(ups):
+    a, b, c = ups
+    play(a, "rate_limited")
+    clock = Clock()
+    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2))}, clock)
+
+    async def run():
+        record = StreamRecord(endpoint="openai", model="gpt-test")
+        body = await pool.complete("/chat/completions", params(), record)
+        assert body["choices"][0]["message"]["content"] == NORMAL
+        assert (record.upstream, record.attempts) == ("b", 2)
+        before = counts(a)
+        clock.t += 0.9  # Retry-After: 1
+        final, record = await stream_once(pool)
+        assert isinstance(final, Done) and (record.upstream, record.attempts) == ("b", 1)
+        assert counts(a) == before, "a is not called while it cools down"
+        clock.t += 0.2
+        play(a, "normal")
+        final, record = await stream_once(pool)
+        assert isinstance(final, Done) and (record.upstream, record.attempts) == ("a", 1)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+
+    asyncio.run(run())
+
+
+def test_breaker_opens_after_failures_and_a_half_open_probe_closes_it(ups):
+    a, b, c = ups
+    play(a, "server_error")
+    clock = Clock()
+    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2))}, clock)
+
+    async def run():
+        for _ in range(3):  # three consecutive 500s open the breaker
+            final, record = await stream_once(pool)
+            assert isinstance(final, Done) and (record.upstream, record.attempts) == ("b", 2)
+        state = {e["name"]: e for e in pool.state()["upstreams"]}
+        assert state["a"]["state"] == "open"
+        before = counts(a)
+        final, record = await stream_once(pool)
+        assert (record.upstream, record.attempts) == ("b", 1) and counts(a) == before
+
+        clock.t += 5.0  # the first back-off: half-open, the next request probes a
+        play(a, "normal")
+        final, record = await stream_once(pool)
+        assert isinstance(final, Done) and (record.upstream, record.attempts) == ("a", 1)
+        state = {e["name"]: e for e in pool.state()["upstreams"]}
+        assert state["a"]["state"] == "ok" and state["a"]["counters"]["opens"] == 1
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+
+    asyncio.run(run())
+
+
+def test_every_entry_failing_answers_the_last_error(ups):
+    a, b, c = ups
+    play(a, "server_error")
+    play(b, "bad_request")  # not a failover: that answer, c is never called
+    clock = Clock()
+    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2),
+                                              entry("c", c, priority=3))}, clock)
+    before = counts(c)
+
+    async def run():
+        final, record = await stream_once(pool)
+        assert isinstance(final, Failed) and final.error.status == 400 and final.error.type == "invalid_request"
+        assert (record.upstream, record.attempts) == ("b", 2)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+
+    asyncio.run(run())
+    assert counts(c) == before
+
+
+class FakeClient:
+    """Stands in for the SDK client: answers every non-streamed call, counting them."""
+
+    def __init__(self, name: str, seen: list[str]):
+        self.name, self.seen = name, seen
+
+    async def post(self, path, *, body, cast_to):
+        self.seen.append(self.name)
+        return {"object": "chat.completion", "choices": []}
+
+
+def test_weights_split_first_attempts_within_a_priority():
+    entries = parse_upstreams(upstreams(entry("heavy", "http://h/v1", weight=3), entry("light", "http://l/v1"),
+                                        entry("spare", "http://s/v1", priority=2, weight=100)), {})
+    settings = Settings.from_env({})
+    seen: list[str] = []
+    pool = Upstreams(settings, Pool(entries, rng=random.Random(1414)),
+                     {e.name: FakeClient(e.name, seen) for e in entries}, pooled=True)
+
+    async def run():
+        for _ in range(800):
+            await pool.complete("/chat/completions", params(), StreamRecord(endpoint="openai", model="gpt-test"))
+
+    asyncio.run(run())
+    share = seen.count("heavy") / len(seen)
+    assert abs(share - 0.75) < 0.04, share
+    assert "spare" not in seen, "a lower priority only gets what the higher one cannot take"
