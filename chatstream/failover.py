@@ -65,6 +65,8 @@ def _log_event(event: PoolEvent) -> None:
     """The pool's changes as log lines and metrics."""
     if event.event == "cooldown":
         telemetry.upstream_event("cooldowns", event.entry)
+        if not event.seconds:  # the single upstream of the legacy settings never cools down
+            return
         log.warning("upstream %s: %s, cooling down %.1fs for %s", event.entry, event.reason, event.seconds or 0,
                     log_safe(event.deployment or ""))
     elif event.event == "open":
