@@ -291,16 +291,7 @@ def params(stream: bool = False) -> dict:
 
 async def stream_once(pool: Upstreams) -> tuple[object, StreamRecord]:
     """One streamed request through the core, as the endpoint runs it; its final event."""
-    settings = pool.settings
-    record = StreamRecord(endpoint="chat", model="gpt-test")
-    limits = TimeLimits(settings)
-    protocol = CompletionStream(Pipeline(), record)
-    probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
-    final = None
-    async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits, record),
-                             protocol, limits, record):
-        final = event
-    return final, record
+    return await stream_once_with(pool, StreamRecord(endpoint="chat", model="gpt-test"))
 
 
 def test_cooldown_follows_the_clock(ups):
@@ -401,3 +392,89 @@ def test_weights_split_first_attempts_within_a_priority():
     share = seen.count("heavy") / len(seen)
     assert abs(share - 0.75) < 0.04, share
     assert "spare" not in seen, "a lower priority only gets what the higher one cannot take"
+
+
+def test_the_request_first_token_limit_during_the_walk_counts_against_the_entry(ups):
+    a, b, c = ups
+    play(a, "stall_first")
+    clock = Clock()
+    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+                       "FIRST_TOKEN_TIMEOUT_SECONDS": "1"}, clock)
+    before = counts(b)
+
+    async def run():
+        final, record = await stream_once(pool)
+        assert isinstance(final, Failed) and final.error.type == "upstream_timeout"
+        assert (record.upstream, record.attempts) == ("a", 1)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+
+    asyncio.run(run())
+    assert counts(b) == before, "no time was left for b"
+    a.wait_stream_end("stall_first")  # the stalled stream was closed
+    state = {e["name"]: e for e in pool.state()["upstreams"]}
+    assert state["a"]["consecutive_failures"] == 1 and state["a"]["probing"] is False
+
+
+def test_per_entry_metrics_and_the_span_name_the_entry(ups):
+    from test_telemetry import READER, SPANS, _install_providers
+    from chatstream import telemetry
+
+    _install_providers()
+    a, b, c = ups
+    play(a, "rate_limited")
+    first, second = f"a-{time.monotonic_ns()}", f"b-{time.monotonic_ns()}"
+    pool = in_process({"UPSTREAMS": upstreams(entry(first, a, priority=1), entry(second, b, priority=2))}, Clock())
+
+    async def run():
+        record = StreamRecord(endpoint="chat", model=f"pool-model-{first}")
+        telemetry.begin(record)
+        final, _ = await stream_once_with(pool, record)
+        telemetry.finish(record)
+        assert isinstance(final, Done)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+        return record
+
+    record = asyncio.run(run())
+    (span,) = [s for s in SPANS.get_finished_spans() if s.attributes.get("gen_ai.request.model") == record.model]
+    assert span.attributes["chat.upstream"] == second and span.attributes["chat.attempts"] == 2
+
+    values: dict[tuple, int] = {}
+    data = READER.get_metrics_data()
+    for resource_metrics in data.resource_metrics:
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    if point.attributes.get("upstream") in (first, second):
+                        key = (metric.name, point.attributes["upstream"], point.attributes.get("reason"))
+                        values[key] = values.get(key, 0) + point.value
+    assert values == {
+        ("chat.upstream.requests", first, None): 1,
+        ("chat.upstream.requests", second, None): 1,
+        ("chat.upstream.failovers", first, "rate_limited"): 1,
+        ("chat.upstream.cooldowns", first, None): 1,
+    }
+
+
+async def stream_once_with(pool: Upstreams, record: StreamRecord):
+    limits = TimeLimits(pool.settings)
+    protocol = CompletionStream(Pipeline(), record)
+    probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
+    final = None
+    async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits, record),
+                             protocol, limits, record):
+        final = event
+    return final, record
+
+
+def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, start_app):
+    a, b, c = ups
+    play(a, "unauthorized")
+    app = start_app(UPSTREAMS=upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"),
+                                        entry("west", b, priority=2)), EAST_KEY=TEST_KEY)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 502 and result.body["error"]["type"] == "upstream_auth"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0]
+    app.wait_log(r"upstream east: authentication failed")
+    log_record(app, r'"status": 502[^\n]*"upstream": "east", "attempts": 1')
+    assert TEST_KEY not in app.log()
