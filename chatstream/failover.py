@@ -43,6 +43,9 @@ from .upstream import _DEPLOYMENT_NAME, UpstreamStream, check_model_name, comple
     make_client, make_entry_client
 
 log = logging.getLogger("chatstream")
+# asyncio may run a timer up to its clock resolution early: a cancellation this close to the
+# request's first-token deadline is that deadline.
+_TIMER_SLACK = 0.01
 
 # The single upstream of the legacy settings: outcomes are counted (pool state, telemetry) but never
 # hold a request back, so nothing changes for an app without UPSTREAMS.
@@ -263,7 +266,7 @@ class Upstreams:
             except asyncio.CancelledError:
                 # The request's own first-token limit (the core turns it into the error), or the
                 # caller hung up (says nothing about the entry).
-                if limits.loop.time() >= limits.deadline:
+                if limits.loop.time() >= limits.deadline - _TIMER_SLACK:
                     attempt.report(Outcome.first_token_timeout())
                 else:
                     attempt.release()

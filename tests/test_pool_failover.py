@@ -478,3 +478,31 @@ def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, sta
     app.wait_log(r"upstream east: authentication failed")
     log_record(app, r'"status": 502[^\n]*"upstream": "east", "attempts": 1')
     assert TEST_KEY not in app.log()
+
+
+def test_keyless_azure_entries_share_one_entra_credential(ups):
+    from test_upstreams import TokenCredential
+    from chatstream.upstream import ENTRA_SCOPE
+
+    a, b, c = ups
+    play(a, "server_error")
+    credential = TokenCredential(lifetime=3600)
+    env = {"UPSTREAMS": upstreams(
+        {"name": "east", "azure_endpoint": a.url, "priority": 1, "deployments": {"gpt-test": "dep-east"},
+         "models": ["gpt-test"]},
+        {"name": "west", "azure_endpoint": b.url, "priority": 2, "api_version": "2025-01-01-preview"})}
+    settings = Settings.from_env({"UPSTREAM_MAX_RETRIES": "0", **env})
+    pool = Upstreams.from_settings(settings, env, credential=credential)
+
+    async def run():
+        final, record = await stream_once(pool)
+        assert isinstance(final, Done) and (record.upstream, record.attempts) == ("west", 2)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+
+    asyncio.run(run())
+    east, west = a.requests(last=1)[-1], b.requests(last=1)[-1]
+    assert east["path"] == "/openai/deployments/dep-east/chat/completions"
+    assert west["path"] == "/openai/deployments/gpt-test/chat/completions"
+    assert west["query"] == {"api-version": "2025-01-01-preview"}
+    assert east["headers"]["authorization"] == west["headers"]["authorization"] == "Bearer token-1"
+    assert credential.calls == [(ENTRA_SCOPE,)], "one token for both entries"
