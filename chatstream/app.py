@@ -34,10 +34,12 @@ class ChatApp:
         client = self.upstreams  # every endpoint shares the one pool
         self.chat = Endpoint(ChatApi(), settings, client, pipeline)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, client, pipeline)
-        # The Responses API: Azure's v1 paths, and a 501 from an upstream without the API (api_responses.py).
-        responses_client = ResponsesClient(client, azure=settings.upstream_kind == "azure")
-        self.responses = Endpoint(ResponsesApi(), settings, responses_client, pipeline)
-        self.response_follow_ups = ResponseFollowUps(settings, responses_client, pipeline)
+        # The Responses API: Azure's v1 paths, and a 501 from an upstream without the API (api_responses.py);
+        # per pool entry, sharing the pool's health. A follow-up about a stored response asks each
+        # entry in turn (only the one that made the response knows its id).
+        responses = client.map_clients(lambda entry, sdk: ResponsesClient(sdk, azure=entry.kind == "azure"))
+        self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline)
+        self.response_follow_ups = ResponseFollowUps(settings, responses.each_entry(), pipeline)
 
     @property
     def model_names(self) -> tuple[str, ...]:

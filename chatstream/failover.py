@@ -142,6 +142,36 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
             return held
 
 
+class EachEntry:
+    """``get`` / ``post`` / ``delete`` for calls about something only the entry that made it knows
+    (a stored response's id): asked of each entry in priority order, health aside; a 404 or a
+    failed connection moves on to the next, and the last one's error is the answer. With one entry
+    it is that entry's client."""
+
+    def __init__(self, clients: list):
+        self.clients = clients
+
+    async def _each(self, method: str, path: str, kwargs: dict):
+        last: BaseException | None = None
+        for client in self.clients:
+            try:
+                return await getattr(client, method)(path, **kwargs)
+            except (openai.NotFoundError, openai.APIConnectionError) as exc:
+                last = exc
+        if last is None:
+            raise ApiError(503, "not_configured", "no model upstream is configured")
+        raise last
+
+    async def get(self, path: str, **kwargs):
+        return await self._each("get", path, kwargs)
+
+    async def post(self, path: str, **kwargs):
+        return await self._each("post", path, kwargs)
+
+    async def delete(self, path: str, **kwargs):
+        return await self._each("delete", path, kwargs)
+
+
 class Upstreams:
     """The pool and one SDK client per entry; shared by every endpoint of the app."""
 
@@ -189,6 +219,17 @@ class Upstreams:
     @property
     def configured(self) -> bool:
         return self.pool.configured
+
+    def map_clients(self, wrap: Callable[[Entry, Any], Any]) -> "Upstreams":
+        """The same pool (one health and one set of counters) with each entry's client wrapped,
+        e.g. in the Responses API's client (api_responses.ResponsesClient)."""
+        return Upstreams(self.settings, self.pool, {e.name: wrap(e, self.clients[e.name]) for e in self.pool.entries},
+                         self.pooled)
+
+    def each_entry(self) -> "EachEntry":
+        """A client for calls about something one entry holds (a stored response): see EachEntry."""
+        ordered = sorted(self.pool.entries, key=lambda e: e.priority)
+        return EachEntry([self.clients[e.name] for e in ordered])
 
     def model_names(self) -> tuple[str, ...] | None:
         """The models the entries list, when every entry lists its own; None: any model."""

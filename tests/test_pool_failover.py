@@ -15,6 +15,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from chat import chat
@@ -506,3 +507,29 @@ def test_keyless_azure_entries_share_one_entra_credential(ups):
     assert west["query"] == {"api-version": "2025-01-01-preview"}
     assert east["headers"]["authorization"] == west["headers"]["authorization"] == "Bearer token-1"
     assert credential.calls == [(ENTRA_SCOPE,)], "one token for both entries"
+
+
+def test_the_responses_api_fails_over_and_follow_ups_find_the_entry_that_holds_the_response(ups, start_app):
+    from tools.fakeupstream import RESPONSES_TEXTS
+
+    a, b, c = ups
+    play(a, "server_error")
+    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)))
+    sdk = openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0, timeout=20)
+    try:
+        before = counts(a, b)
+        events = list(sdk.responses.create(model="gpt-test", input="hello", stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == RESPONSES_TEXTS["normal"]
+        assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+        log_record(app, r'"endpoint": "responses"[^\n]*"upstream": "b", "attempts": 2')
+
+        created = sdk.responses.create(model="gpt-test", input="hello")
+        assert created.output_text == RESPONSES_TEXTS["normal"]
+        play(a, "normal")
+        again = sdk.responses.retrieve(created.id)  # a does not know it (404), b does
+        assert again.id == created.id and again.output_text == RESPONSES_TEXTS["normal"]
+        assert a.requests(last=1)[-1]["path"] == b.requests(last=1)[-1]["path"] == f"/v1/responses/{created.id}"
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve("resp_unknown_to_everyone")
+    finally:
+        sdk.close()

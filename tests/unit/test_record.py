@@ -48,11 +48,12 @@ def test_log_line_fields():
     record.deltas, record.finish_reason, record.usage = 3, "stop", {"total_tokens": 9}
     entry = json.loads(record.log_line())
     assert list(entry) == ["event", "endpoint", "model", "status", "ttfd_ms", "duration_ms", "deltas",
-                           "finish_reason", "usage", "error", "disconnected"]
+                           "finish_reason", "usage", "error", "disconnected", "upstream", "attempts"]
     assert entry["event"] == "chat_stream" and entry["endpoint"] == "openai" and entry["status"] == 200
     assert entry["ttfd_ms"] == 250.0 and entry["duration_ms"] >= 1000
     assert (entry["deltas"], entry["finish_reason"], entry["usage"]) == (3, "stop", {"total_tokens": 9})
     assert entry["error"] is None and entry["disconnected"] is False
+    assert entry["upstream"] is None and entry["attempts"] == 0  # no upstream entry tried yet
 
 
 def test_ttfd_is_none_until_the_first_delta():
