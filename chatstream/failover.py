@@ -128,17 +128,21 @@ async def _close(stream: UpstreamStream | None) -> None:
 
 
 async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
-    """Read ``stream`` up to its first output (as ``probe`` sees it); the chunks read."""
+    """Read ``stream`` up to its first output (as ``probe`` sees it); the chunks read. An answer
+    that is complete without output is the core's to judge, as with a single upstream; a stream that
+    ends before either is the entry's failure."""
     chunks = aiter(stream)
     held: list[dict] = []
     while True:
         try:
             data = await anext(chunks)
         except StopAsyncIteration:
+            if probe.finished:
+                return held
             raise incomplete() from None
         held.append(data)
         fed = await probe.feed(data)
-        if fed.data is not None and fed.output:
+        if (fed.data is not None and fed.output) or probe.done:
             return held
 
 

@@ -21,7 +21,7 @@ import pytest
 from chat import chat
 from chatstream.failover import Upstreams
 from chatstream.pipeline import Pipeline
-from chatstream.pool import Pool, parse_upstreams
+from chatstream.pool import Outcome, OutcomeKind, Pool, parse_upstreams
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Done, Failed, relay
@@ -533,3 +533,102 @@ def test_the_responses_api_fails_over_and_follow_ups_find_the_entry_that_holds_t
             sdk.responses.retrieve("resp_unknown_to_everyone")
     finally:
         sdk.close()
+
+
+# ------------------------------------------------------------------ the walk with scripted streams
+
+class ScriptedStream:
+    """Stands in for an UpstreamStream: yields ``chunks`` (then blocks forever if ``hang``)."""
+
+    def __init__(self, chunks: list[dict], hang: bool = False):
+        self.chunks, self.hang, self.closed = chunks, hang, False
+        self._iterator = self._run()
+
+    def __aiter__(self):
+        return self._iterator
+
+    async def _run(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.hang:
+            await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedClient:
+    def __init__(self, stream: ScriptedStream):
+        self.stream, self.calls = stream, 0
+
+    async def post(self, path, *, body, cast_to, stream=False, stream_cls=None):
+        self.calls += 1
+        return self.stream
+
+
+def chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+    delta = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    return {"id": "c1", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def scripted_pool(streams: dict[str, ScriptedStream], **settings_env: str) -> Upstreams:
+    names = list(streams)
+    entries = parse_upstreams(upstreams(*(entry(n, f"http://{n}/v1", priority=i) for i, n in enumerate(names))), {})
+    settings = Settings.from_env(settings_env)
+    return Upstreams(settings, Pool(entries, now=Clock()), {n: ScriptedClient(s) for n, s in streams.items()},
+                     pooled=True)
+
+
+def test_the_chunks_read_to_find_the_first_output_reach_the_core_in_order():
+    good = ScriptedStream([chunk(role=True), chunk("Hel"), chunk("lo"), chunk(finish="stop")])
+    empty = ScriptedStream([])  # ends before any output: the entry's failure, the request moves on
+    pool = scripted_pool({"empty": empty, "good": good})
+
+    async def run():
+        record = StreamRecord(endpoint="chat", model="gpt-test")
+        events = []
+        limits = TimeLimits(pool.settings)
+        probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
+        async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits,
+                                                                record),
+                                 CompletionStream(Pipeline(), record), limits, record):
+            events.append(event)
+        return events, record
+
+    events, record = asyncio.run(run())
+    assert [e.data["choices"][0]["delta"] for e in events[:-1]] == [{"role": "assistant"}, {"content": "Hel"},
+                                                                    {"content": "lo"}, {}]
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
+    assert (record.upstream, record.attempts, record.deltas) == ("good", 2, 2)
+    assert empty.closed and good.closed
+    state = {e["name"]: e for e in pool.state()["upstreams"]}
+    assert state["empty"]["counters"]["failovers"] == 1
+
+
+def test_a_caller_hanging_up_during_the_walk_closes_the_stream_and_frees_the_probe_slot():
+    hanging = ScriptedStream([chunk(role=True)], hang=True)
+    pool = scripted_pool({"slow": hanging})
+    clock = pool.pool._now
+    # Open the breaker, then let it go half-open: the next request is its probe.
+    attempt = pool.pool.acquire(pool.pool.entries[0], "gpt-test")
+    attempt.report(Outcome(OutcomeKind.CONNECT_FAILED))
+    clock.t += 5.0
+
+    async def run():
+        limits = TimeLimits(pool.settings)
+        record = StreamRecord(endpoint="chat", model="gpt-test")
+        probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
+        task = asyncio.ensure_future(pool.open_first_output("/chat/completions", params(True), probe, limits, record))
+        await asyncio.sleep(0.05)
+        assert pool.state()["upstreams"][0]["probing"] is True
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert hanging.closed
+    (state,) = pool.state()["upstreams"]
+    assert state["probing"] is False and state["state"] == "half_open", "a cancelled probe says nothing"
