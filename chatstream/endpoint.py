@@ -134,8 +134,8 @@ class Endpoint:
         call = self.api.parse(parse_json_body(raw), self.settings)
         record.model = call.params["model"]
         if not self.upstreams.configured:
-            raise ApiError(503, "not_configured", "no model upstream is configured: set OPENAI_API_KEY, "
-                                                  "OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
+            raise ApiError(503, "not_configured", "no model upstream is configured: set UPSTREAMS, "
+                                                  "OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
         await self.pipeline.run_before(call)
         model = call.params.get("model")
         if not isinstance(model, str) or not model:
