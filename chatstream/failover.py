@@ -291,8 +291,8 @@ class Upstreams:
         attempt.report(outcome)
         if outcome.failover:
             telemetry.upstream_event("failovers", attempt.entry.name, reason=outcome.kind.value)
-            log.info("upstream %s: %s before any output; trying the next entry", attempt.entry.name,
-                     outcome.kind.value)
+            log.info("upstream %s: %s before any output; the request moves on to the next free entry, if any",
+                     attempt.entry.name, outcome.kind.value)
         return outcome.failover
 
     async def open_first_output(self, path: str, params: dict, make_probe: Callable[[], StreamProtocol],

@@ -89,15 +89,17 @@ def pool_state(app: App) -> dict[str, dict]:
 
 # ------------------------------------------------------------------------------------- over HTTP
 
-def test_priority_order_and_the_pool_route(ups, start_app):
+def test_priority_order_and_the_pool_route(ups, start_app, upstream):
     a, b, c = ups
     app = start_app(UPSTREAMS=upstreams(entry("c", c, priority=3), entry("a", a, priority=1, api_key_setting="A_KEY"),
                                         entry("b", b, priority=2)), A_KEY=TEST_KEY)
     before = counts(a, b, c)
+    legacy_before = upstream.count()  # start_app also sets OPENAI_BASE_URL to this one: UPSTREAMS wins
     for _ in range(3):
         result = chat(app.chat_url, HI)
         assert result.status == 200 and result.text == NORMAL
     assert [n - m for n, m in zip(counts(a, b, c), before)] == [3, 0, 0]
+    assert upstream.count() == legacy_before
     assert a.requests(last=1)[-1]["headers"]["authorization"] == f"Bearer {TEST_KEY}"
     record = log_record(app, r'"upstream": "a", "attempts": 1')
     assert record["status"] == 200
