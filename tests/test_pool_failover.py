@@ -632,3 +632,23 @@ def test_a_caller_hanging_up_during_the_walk_closes_the_stream_and_frees_the_pro
     assert hanging.closed
     (state,) = pool.state()["upstreams"]
     assert state["probing"] is False and state["state"] == "half_open", "a cancelled probe says nothing"
+
+
+def test_settings_refuse_a_bad_upstreams_value_naming_the_entry_never_the_key():
+    from chatstream.settings import SettingsError
+
+    bad = upstreams(entry("east", "http://e/v1", api_key_setting="EAST_KEY"),
+                    {"name": "west", "base_url": "http://w/v1", "api_key": TEST_KEY, "weight": -1})
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env({"UPSTREAMS": bad, "EAST_KEY": TEST_KEY})
+    message = str(info.value)
+    assert 'UPSTREAMS[1] ("west"): api_key: unknown key' in message
+    assert 'UPSTREAMS[1] ("west"): weight: Input should be greater than 0' in message
+    assert TEST_KEY not in message
+
+    good = upstreams(entry("east", "http://e/v1", api_key_setting="EAST_KEY"))
+    settings = Settings.from_env({"UPSTREAMS": good, "EAST_KEY": TEST_KEY})
+    assert settings.pooled and settings.upstream_configured
+    with pytest.raises(SettingsError, match=r'UPSTREAMS\[0\] \("east"\): api_key_setting: the app setting EAST_KEY'):
+        Upstreams.from_settings(settings, {})  # the key setting gone by the time the app is built
+    assert not Settings.from_env({"UPSTREAMS": "  "}).pooled, "blank is unset: the single upstream settings"
