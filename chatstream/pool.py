@@ -217,9 +217,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
-def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
-    """``UPSTREAMS`` → its entries, each key read from the setting its ``api_key_setting`` names.
-    Raises PoolConfigError listing every problem found."""
+def _load(raw: str) -> list:
     try:
         data = json.loads(raw, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
@@ -231,11 +229,45 @@ def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
     if not data:
         raise PoolConfigError(f"{SETTING}: the list is empty (leave the setting out to use the single upstream "
                               "settings)")
+    return data
 
+
+def _key(spec: "_EntrySpec", where: str, environ: Mapping[str, str]) -> SecretStr | None:
+    """The entry's key from the setting it names; PoolConfigError (never quoting the value) if unusable."""
+    if spec.api_key_setting is None:
+        return None
+    value = environ.get(spec.api_key_setting, "")
+    if not value.strip():
+        raise PoolConfigError(f"{where}: api_key_setting: the app setting {spec.api_key_setting} is not set or empty")
+    if value.startswith(_KEY_VAULT_REFERENCE):
+        raise PoolConfigError(f"{where}: api_key_setting: the app setting {spec.api_key_setting} holds an unresolved "
+                              "Key Vault reference (check the app's identity can read the secret)")
+    return SecretStr(value)
+
+
+def _entry(spec: "_EntrySpec", key: SecretStr | None) -> Entry:
+    azure = spec.azure_endpoint is not None
+    return Entry(
+        name=spec.name,
+        kind="azure" if azure else "openai",
+        url=(spec.azure_endpoint or spec.base_url).rstrip("/"),
+        api_version=(spec.api_version or DEFAULT_API_VERSION) if azure else None,
+        api_key=key,
+        key_setting=spec.api_key_setting,
+        priority=spec.priority,
+        weight=spec.weight,
+        models=tuple(spec.models) if spec.models is not None else None,
+        deployments=dict(spec.deployments or {}),
+    )
+
+
+def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
+    """``UPSTREAMS`` → its entries, each key read from the setting its ``api_key_setting`` names.
+    Raises PoolConfigError listing every problem found."""
     problems: list[str] = []
     entries: list[Entry] = []
     names: dict[str, int] = {}
-    for index, item in enumerate(data):
+    for index, item in enumerate(_load(raw)):
         where = _where(index, item)
         if not isinstance(item, dict):
             problems.append(f"{where}: must be a JSON object")
@@ -251,29 +283,10 @@ def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
                             "ignoring case)")
             continue
         names[folded] = index
-        key = None
-        if spec.api_key_setting is not None:
-            value = environ.get(spec.api_key_setting, "")
-            if not value.strip():
-                problems.append(f"{where}: api_key_setting: the app setting {spec.api_key_setting} is not set or empty")
-                continue
-            if value.startswith(_KEY_VAULT_REFERENCE):
-                problems.append(f"{where}: api_key_setting: the app setting {spec.api_key_setting} holds an unresolved "
-                                "Key Vault reference (check the app's identity can read the secret)")
-                continue
-            key = SecretStr(value)
-        entries.append(Entry(
-            name=spec.name,
-            kind="azure" if spec.azure_endpoint is not None else "openai",
-            url=(spec.azure_endpoint or spec.base_url).rstrip("/"),
-            api_version=(spec.api_version or DEFAULT_API_VERSION) if spec.azure_endpoint is not None else None,
-            api_key=key,
-            key_setting=spec.api_key_setting,
-            priority=spec.priority,
-            weight=spec.weight,
-            models=tuple(spec.models) if spec.models is not None else None,
-            deployments=dict(spec.deployments or {}),
-        ))
+        try:
+            entries.append(_entry(spec, _key(spec, where, environ)))
+        except PoolConfigError as exc:
+            problems.append(str(exc))
     if problems:
         raise PoolConfigError("invalid app settings: " + "; ".join(problems))
     return entries

@@ -148,7 +148,7 @@ def test_wrong_content_type_is_415(app):
 
 def test_one_log_line_per_request(app):
     chat(app.chat_url, prompt("normal", "log me"))
-    line = app.wait_log(r'\{"event": "chat_stream"[^\n]*"deltas": %d[^\n]*' % len(NORMAL_DELTAS))
+    line = app.wait_log(r'\{"event": "chat_stream", "endpoint": "chat"[^\n]*"deltas": %d[^\n]*' % len(NORMAL_DELTAS))
     record = json.loads(line.group(0))
     assert record["model"] == "gpt-test"
     assert record["finish_reason"] == "stop"
