@@ -18,8 +18,11 @@ venv: $(STAMP)
 serve: $(STAMP)
 	@PORT=$(PORT) tools/scripts/serve
 
+# Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
+# on streams and timers, so this cuts its wall time by about half on two cores. Unit tests alone:
+# $(PY) -m pytest tests/unit
 test: $(STAMP) client-mono chromium
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3 --dist loadfile
 
 # The C# client: with the .NET SDK where it exists, otherwise Mono's mcs (installs mono-devel).
 client:

@@ -102,13 +102,13 @@ CONTENT_TYPES = ["application/json", "text/plain", "", "application/x-www-form-u
                  "multipart/form-data; boundary=x"]
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
 def test_generated_json_bodies(client, inproc, upstream, body):
     check(client, inproc, upstream, json.dumps(body).encode())
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(content=raw_bytes, content_type=st.sampled_from(CONTENT_TYPES))
 def test_generated_raw_bodies(client, inproc, upstream, content, content_type):
     check(client, inproc, upstream, content, content_type)

@@ -21,9 +21,11 @@ def tag() -> str:
 
 
 def sent_with(upstream, marker: str) -> list[dict]:
-    """The upstream requests whose last message contains ``marker``."""
+    """The chat requests whose last message contains ``marker`` (the shared upstream also records other
+    APIs' requests, which have no messages)."""
     return [r for r in upstream.requests(last=50)
-            if r["json"] and marker in r["json"]["messages"][-1]["content"]]
+            if isinstance(r["json"], dict) and r["json"].get("messages")
+            and marker in str(r["json"]["messages"][-1].get("content"))]
 
 
 def ends_once(result) -> None:
