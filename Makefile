@@ -53,6 +53,7 @@ $(BENCH_STAMP): tools/bench/requirements.txt
 
 bench: $(STAMP) $(BENCH_STAMP)
 	tools/bench/run.sh $(BENCH_ARGS)
+	$(PY) tools/bench/pool_bench.py
 
 bench-profile: $(STAMP) $(BENCH_STAMP)
 	tools/bench/profile.sh $(BENCH_ARGS)
