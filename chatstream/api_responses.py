@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from . import sse
 from .api_openai import error_response, passed_on
 from .body import validate_object
-from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, from_upstream, invalid_request
+from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, UpstreamReported, from_upstream, invalid_request
 from .limits import TimeLimits
 from .pipeline import CallRequest, Pipeline, TextFilter
 from .record import StreamRecord
@@ -316,8 +316,7 @@ def _error_event(data: dict) -> ApiError:
     """The upstream's ``error`` event (documented flat shape, or nested under ``error``)."""
     inner = data.get("error") if isinstance(data.get("error"), dict) else data
     message = inner.get("message")
-    message = message if isinstance(message, str) else "an error occurred during streaming"
-    return ApiError(502, "upstream_error", f"the model server reported an error: {message}", retryable=True)
+    return UpstreamReported(message if isinstance(message, str) else "an error occurred during streaming")
 
 
 # ---------------------------------------------------------------------------------------- encoding
@@ -507,6 +506,8 @@ class ResponseFollowUps:
                                            stream=True, stream_cls=RawStream)
         except UPSTREAM_ERRORS as exc:
             return _error(_follow_up_error(exc))
+        except ApiError as error:  # e.g. no upstream configured
+            return _error(error)
         give_up_at = asyncio.get_running_loop().time() + self.settings.total_timeout + WRITE_GRACE_SECONDS
         return EventStreamResponse(_relay_bytes(stream), give_up_at, headers=SSE_HEADERS)
 

@@ -1,7 +1,7 @@
 """One endpoint over HTTP, the same for every API: read and check the request, run the pipeline's
 before-steps, then either stream (through the stream core) or answer at once, and write the one log
 line, the span and the after-steps when the request is over. What differs per API (its request
-contract, its events, its errors) is the ``api`` adapter (api_chat.py, api_openai.py).
+contract, its events, its errors) is the ``api`` adapter (api_chat.py, api_openai.py, api_responses.py).
 
 Status rule: the response headers wait for the first output, or for the first heartbeat, whichever
 comes first. Until then a failure is a real HTTP status with the API's JSON error body; after it,
@@ -144,7 +144,9 @@ class Endpoint:
         self._check_model(model)  # after the before-steps: they may choose the model
         if not call.params.get("stream") and not self.api.completes:
             raise StepFailed("before", f"a before-step turned streaming off, which /api/{self.api.name} cannot do")
-        record.model_accepted = True
+        # A bounded set of names may become metric dimensions at once; any other only once the
+        # upstream has served it (its first output, or its completion): see telemetry.py.
+        record.model_accepted = bool(self.settings.allowed_models) or model == self.settings.default_model
         if self.pipeline.wants_result:
             record.texts = {}
         return call
@@ -176,6 +178,7 @@ class Endpoint:
                                       self.settings.total_timeout)
         except UPSTREAM_ERRORS as exc:
             raise from_upstream(exc, record.model) from None
+        record.model_accepted = True  # the upstream served it
         body = await self.api.completion(body, self.pipeline, record)
         self._finish(record)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})

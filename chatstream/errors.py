@@ -11,6 +11,7 @@ never one of those: the upstream code raises ``UpstreamMalformed`` for it."""
 from __future__ import annotations
 
 import logging
+import math
 
 import openai
 from azure.core.exceptions import ClientAuthenticationError
@@ -70,8 +71,8 @@ class ModerationStop(ApiError):
 class TimeLimit(ApiError):
     """One of the stream's time limits passed (chatstream/limits.py says which)."""
 
-    def __init__(self, type: str, message: str):
-        super().__init__(504, type, message, retryable=True)
+    def __init__(self, type: str, message: str, retryable: bool = True):
+        super().__init__(504, type, message, retryable=retryable)
 
 
 class UpstreamMalformed(ApiError):
@@ -79,6 +80,13 @@ class UpstreamMalformed(ApiError):
 
     def __init__(self, what: str = "the model server sent a malformed chunk"):
         super().__init__(502, "upstream_malformed", what, retryable=True)
+
+
+class UpstreamReported(ApiError):
+    """The upstream's stream carried an error event of its own (a server-side failure)."""
+
+    def __init__(self, message: str):
+        super().__init__(502, "upstream_error", f"the model server reported an error: {message}", retryable=True)
 
 
 class ClientGone(Exception):
@@ -110,9 +118,11 @@ def retry_after(headers) -> dict[str, str]:
         return {"Retry-After": headers["retry-after"]}
     if "retry-after-ms" in headers:
         try:
-            return {"Retry-After": str(max(1, round(float(headers["retry-after-ms"]) / 1000)))}
+            seconds = float(headers["retry-after-ms"]) / 1000
         except ValueError:
-            pass
+            return {}
+        if math.isfinite(seconds):  # rounded up: coming back a little early would meet the limit again
+            return {"Retry-After": str(max(1, math.ceil(seconds)))}
     return {}
 
 

@@ -32,7 +32,7 @@ import anyio
 import openai
 
 from . import telemetry
-from .errors import ApiError, UpstreamMalformed, invalid_request
+from .errors import ApiError, UpstreamMalformed, UpstreamReported, invalid_request
 from .limits import TimeLimits, first_token_expired
 from .pool import (Attempt, Entry, Outcome, OutcomeKind, Policy, Pool, PoolConfigError, PoolEvent, classify,
                    legacy_entry)
@@ -55,7 +55,8 @@ PASS_THROUGH = Policy(failure_threshold=2**31, open_on_connect_failure=False, co
 def outcome_of(exc: BaseException) -> Outcome:
     """``pool.classify`` plus our own errors for what the upstream sent: a malformed chunk and a
     stream that ended before any output are the server's failures."""
-    if isinstance(exc, UpstreamMalformed) or (isinstance(exc, ApiError) and exc.type == "upstream_incomplete"):
+    if isinstance(exc, (UpstreamMalformed, UpstreamReported)) or \
+            (isinstance(exc, ApiError) and exc.type == "upstream_incomplete"):
         return Outcome(OutcomeKind.SERVER_ERROR)
     if isinstance(exc, ApiError) and exc.type == "upstream_timeout":  # the per-entry first-token limit
         return Outcome.first_token_timeout()

@@ -29,7 +29,8 @@ def idle_expired() -> TimeLimit:
 
 
 def total_expired() -> TimeLimit:
-    return TimeLimit("total_timeout", "the stream hit its total time limit")
+    # Not retryable: the same request would hit the same limit again, generating (and paying) as long.
+    return TimeLimit("total_timeout", "the stream hit its total time limit", retryable=False)
 
 
 class TimeLimits:

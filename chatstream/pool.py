@@ -524,9 +524,7 @@ def classify(exc: BaseException, headers: Mapping[str, str] | None = None, *,
         return Outcome(OutcomeKind.TIMEOUT)
     if isinstance(exc, openai.APIError):  # an error event in the stream
         return Outcome(OutcomeKind.SERVER_ERROR)
-    if isinstance(exc, ValueError):  # a chunk that is not JSON, or not an object
-        return Outcome(OutcomeKind.SERVER_ERROR)
-    return Outcome(OutcomeKind.OTHER)
+    return Outcome(OutcomeKind.OTHER)  # a ValueError here would be a bug of ours, not the entry's health
 
 
 # --------------------------------------------------------------------------------------------
@@ -800,8 +798,11 @@ class Pool:
             else:
                 seconds = outcome.cooldown
             seconds = min(max(seconds, policy.cooldown_min), policy.cooldown_max)
+            # Expired cooldowns go now, not only when their name is asked for again: the names may
+            # be the callers' (an entry without ``models``), and must not pile up.
+            health.cooldowns = {d: u for d, u in health.cooldowns.items() if u > now}
             until = now + seconds
-            if until > health.cooldowns.get(attempt.deployment, -math.inf):
+            if seconds > 0 and until > health.cooldowns.get(attempt.deployment, -math.inf):
                 health.cooldowns[attempt.deployment] = until
             self._emit(PoolEvent(entry.name, "cooldown", outcome.kind.value, seconds, attempt.deployment))
         elif outcome.kind is OutcomeKind.SUCCESS:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .telemetry import StreamTelemetry
 
-# Characters that could forge or garble a log line: C0/C1 controls (JSON escapes only C0), Unicode
-# line and paragraph separators, and the bidirectional overrides.
-_UNSAFE_IN_LOGS = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
+# output has its C0 escaped already), Unicode line and paragraph separators, the bidi overrides.
+_UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def log_safe(text: str) -> str:
@@ -48,7 +48,7 @@ class StreamRecord:
     endpoint: str
     model: str
     started: float = field(default_factory=time.perf_counter)
-    model_accepted: bool = False  # the model passed ALLOWED_MODELS and the upstream did not refuse it
+    model_accepted: bool = False  # a bounded name (ALLOWED_MODELS, the default) or one the upstream served
     first_delta_at: float | None = None
     deltas: int = 0
     finish_reason: str | None = None

@@ -131,6 +131,7 @@ async def _forward(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits
                 held.append(fed.data)
                 continue
             record.first_delta_at = time.perf_counter()
+            record.model_accepted = True  # the upstream served the model: it may be a metric dimension
             limits.got_output()
             for early in held:
                 yield Chunk(early)

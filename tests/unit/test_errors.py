@@ -70,7 +70,8 @@ def test_every_error_is_an_api_error():
 
 def test_retry_after():
     assert retry_after(httpx2.Headers({"retry-after": "7"})) == {"Retry-After": "7"}
-    assert retry_after(httpx2.Headers({"retry-after-ms": "2400"})) == {"Retry-After": "2"}
+    assert retry_after(httpx2.Headers({"retry-after-ms": "2400"})) == {"Retry-After": "3"}  # rounded up
+    assert retry_after(httpx2.Headers({"retry-after-ms": "1e400"})) == {}  # infinite: no header, no crash
     assert retry_after(httpx2.Headers({"retry-after-ms": "10"})) == {"Retry-After": "1"}  # never 0
     assert retry_after(httpx2.Headers({"retry-after-ms": "soon"})) == {}
     assert retry_after(httpx2.Headers({})) == {}

@@ -424,7 +424,7 @@ def _connection_error(cause: BaseException, timeout: bool = False) -> openai.API
     (_connection_error(httpx2.ReadTimeout("slow"), timeout=True), OutcomeKind.TIMEOUT, True),
     (TimeoutError(), OutcomeKind.TIMEOUT, True),           # the relay's first-token limit
     (openai.APIError("overloaded", _request(), body=None), OutcomeKind.SERVER_ERROR, True),
-    (ValueError("not JSON"), OutcomeKind.SERVER_ERROR, True),
+    (ValueError("a bug of ours"), OutcomeKind.OTHER, False),
     (RuntimeError("a bug of ours"), OutcomeKind.OTHER, False),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_classify_sdk_exceptions(exc, kind, failover):
@@ -646,3 +646,14 @@ def test_the_examples_in_docs_pool_md_are_valid():
     assert "ptu-swedencentral" not in names(pool.candidates("gpt-4o-mini"))
     last_resort = parse_upstreams(examples[1], {"OPENAI_API_KEY": SECRET})
     assert [e.deployment("gpt-4o") for e in last_resort] == ["prod-gpt4o", "prod-gpt4o", "gpt-4o"]
+
+
+def test_an_error_event_in_the_stream_is_the_entrys_failure_for_every_api():
+    """Chat completions' error event arrives as openai.APIError; the Responses API's `error` event as
+    UpstreamReported: both move the request on and count against the entry (review finding: the
+    Responses one was OTHER, so it neither failed over nor counted)."""
+    from chatstream.errors import UpstreamReported
+    from chatstream.failover import outcome_of
+    for exc in (UpstreamReported("overloaded"), openai.APIError("overloaded", _request(), body=None)):
+        outcome = outcome_of(exc)
+        assert outcome.kind is OutcomeKind.SERVER_ERROR and outcome.failover

@@ -99,3 +99,11 @@ def test_result():
 def test_result_text_without_choice_zero():
     record = StreamRecord(endpoint="chat", model="m", texts={1: ["x"]})
     assert record.result().text == ""
+
+
+def test_log_safe_escapes_raw_newlines_in_caller_text_that_is_not_json():
+    """Some log lines carry a caller-chosen name as is (the pool's cooldown line names the model):
+    a newline there must not start a forged line (review finding)."""
+    from chatstream.record import log_safe
+    assert log_safe("gpt\n2025-01-01 INFO chatstream: forged\r\x00") == \
+        "gpt\\u000a2025-01-01 INFO chatstream: forged\\u000d\\u0000"

@@ -53,7 +53,7 @@ class Host:
         server = scope.get("server")
         outcome, origin = cors.decide(self.cors, scope["headers"], server[1] if server else None)
         if outcome == cors.REFUSE:
-            log.warning("refused %s %s from %s (not an allowed origin; see --cors)", scope["method"],
+            log.warning("refused %s %r from %s (not an allowed origin; see --cors)", scope["method"],
                         scope["path"], repr(origin) if origin is not None else "another site")
             await _json(send, cors.refusal_body(origin), 403)
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from urllib.parse import unquote
 
 _PARAM = re.compile(r"^\{(\*)?([A-Za-z_][A-Za-z0-9_]*)(?::[^}?]*)?(\?)?\}$")
 
@@ -89,7 +88,9 @@ def match(routes: list[Route], path: str, method: str) -> tuple[Route | None, di
         if not m:
             continue
         if route.allows(method):
-            params = {k: unquote(v) for k, v in m.groupdict().items() if v is not None}
+            # ``path`` is already percent-decoded once (by the front server), as the Functions host
+            # hands route values over: decoding again would turn a%2520b into "a b", not "a%20b".
+            params = {k: v for k, v in m.groupdict().items() if v is not None}
             return route, params, []
         allowed.extend(m for m in sorted(route.methods) if m not in allowed)
     return None, {}, allowed
