@@ -62,12 +62,16 @@ class Api(Protocol):
 class EventStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its event generator, even when the caller hung up
     while the generator was parked at ``yield`` (Starlette then only cancels the sending task), and
-    that gives up writing shortly after the stream's total limit, however slowly the caller reads."""
+    that gives up writing shortly after the stream's total limit, however slowly the caller reads.
+    ``on_close`` runs last in every case, also when Starlette never started the body (a caller gone
+    before the first write): a generator that never ran has no ``finally`` of its own to run."""
     media_type = "text/event-stream; charset=utf-8"
 
-    def __init__(self, content, give_up_at: float, **kwargs):
+    def __init__(self, content, give_up_at: float, on_close: Callable[[], Awaitable[None]] | None = None,
+                 **kwargs):
         super().__init__(content, **kwargs)
         self.give_up_at = give_up_at
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -78,6 +82,18 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                if self.on_close is not None:
+                    await self.on_close()
+
+
+async def _close_events(first: asyncio.Future, events: AsyncIterator[Event]) -> None:
+    """Stop waiting for the first event and close the event stream (the upstream with it); safe to
+    call more than once."""
+    with anyio.CancelScope(shield=True):
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        await events.aclose()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -199,11 +215,9 @@ class Endpoint:
             await asyncio.wait({first, gone}, timeout=self.settings.heartbeat, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if not first.done() and gone.done():  # the caller left while we waited for the first token
+        if gone.done():  # the caller left while we waited for the first token
             record.status = 499
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-            await events.aclose()
+            await _close_events(first, events)
             return Response(status_code=499)
         if first.done() and isinstance(first.result(), Failed):
             error = first.result().error
@@ -213,7 +227,8 @@ class Endpoint:
             await events.aclose()
             return response
         body = self._body(first, events, self.api.encoder(call))
-        return EventStreamResponse(body, limits.total_at + WRITE_GRACE_SECONDS, headers=SSE_HEADERS)
+        return EventStreamResponse(body, limits.total_at + WRITE_GRACE_SECONDS,
+                                   on_close=lambda: _close_events(first, events), headers=SSE_HEADERS)
 
     async def _body(self, first: asyncio.Future, events: AsyncIterator[Event], encode) -> AsyncIterator[bytes]:
         try:
@@ -231,12 +246,7 @@ class Endpoint:
                 if data:
                     yield data
         finally:
-            if not first.done():
-                first.cancel()
-                with anyio.CancelScope(shield=True):
-                    await asyncio.gather(first, return_exceptions=True)
-            with anyio.CancelScope(shield=True):
-                await events.aclose()
+            await _close_events(first, events)
 
     async def _finishing(self, events: AsyncIterator[Event], record: StreamRecord) -> AsyncIterator[Event]:
         """The core's events, up to the final one; the request's record is finished when they end."""
