@@ -11,7 +11,11 @@ import logging
 import os
 from types import ModuleType
 
-import grpc
+# The host starts its workers with fork+exec (uvloop forks rather than spawns); gRPC's fork handlers
+# are for children that keep using gRPC after fork, which ours never do (they exec at once).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
 
 # What the Functions host passes as --grpcMaxMessageLength (int.MaxValue): no practical limit.
 GRPC_MAX_MESSAGE = 2**31 - 1
