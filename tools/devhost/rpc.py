@@ -11,11 +11,7 @@ import logging
 import os
 from types import ModuleType
 
-# The host starts its workers with fork+exec (uvloop forks rather than spawns); gRPC's fork handlers
-# are for children that keep using gRPC after fork, which ours never do (they exec at once).
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import grpc  # noqa: E402
+import grpc
 
 # What the Functions host passes as --grpcMaxMessageLength (int.MaxValue): no practical limit.
 GRPC_MAX_MESSAGE = 2**31 - 1
