@@ -440,7 +440,7 @@ def _git(*args: str) -> str:
 
 def metadata(bench: Bench) -> dict:
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!docs"))
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!tools/bench", ":!docs"))
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cores": os.cpu_count(), "cpu_model": procstat.cpu_model(), "kernel": platform.release(),
