@@ -56,6 +56,56 @@ def parse_frame(frame: str) -> tuple[str, str]:
     return f"{m.group('func')} ({short})", area(file)
 
 
+# Stages of a request, for "where does the CPU go". A sample under the upstream request's open, or
+# under the reading of its response, belongs to that stage whatever it does inside; any other
+# sample goes to the stage of its innermost frame that matches one (frames below the event loop's
+# entry only).
+CONTEXT_STAGES = (
+    ("upstream request: open (openai SDK, httpx2, connect)", ("UpstreamStream.open",)),
+    ("upstream response: read chunks (httpx2, httpcore2, h11), SSE framing, json", ("UpstreamStream.__stream__",
+                                                                                   "AsyncStream.__aiter__")),
+)
+STAGES = (
+    ("socket writes (send syscalls)", ("_SelectorSocketTransport.write",)),
+    ("chatstream: endpoint, relay, SSE encoding, log line", ("/chatstream/", "/json/")),
+    ("gRPC: invocation messages", ("/grpc/", "tools/devhost/rpc.py", "Dispatcher.", "WorkerProcess.")),
+    ("runtime: invocation, pairing request and invocation", ("azure_functions_runtime",)),
+    ("devhost: routing, proxying, forwarding", ("tools/devhost/proxy.py", "tools/devhost/forward.py")),
+    ("HTTP server and framework: uvicorn, httptools, FastAPI, Starlette, anyio", ("/uvicorn/", "/starlette/",
+                                                                                  "/fastapi/", "httptools",
+                                                                                  "/anyio/")),
+    ("openai SDK, httpx2 (closing, other)", ("/openai/", "/httpx2/", "/httpcore2/", "/h11/")),
+    ("logging", ("/logging/",)),
+    ("event loop: select/epoll", ("selectors.py",)),
+    ("event loop: scheduling, transports, reads", ("/asyncio/",)),
+    ("other threads (gRPC poller, executor; mostly waiting)", ("threading.py", "concurrent/futures")),
+)
+
+
+def stages(raw: Path) -> list[tuple[str, float]]:
+    """Share of the samples per stage (STAGES), largest first."""
+    counts: Counter = Counter()
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f for f in stack.split(";") if f and not f.startswith(("process ", "thread "))]
+        k = 0
+        while k < len(frames) - 1 and SCAFFOLD.search(frames[k]):
+            k += 1
+        inner = ";".join(frames[k:])
+        stage = next((name for name, pats in CONTEXT_STAGES if any(p in inner for p in pats)), None)
+        for frame in ([] if stage else reversed(frames[k:])):
+            stage = next((name for name, pats in STAGES if any(p in frame for p in pats)), None)
+            if stage:
+                break
+        counts[stage or "other"] += n
+    return [(name, n / total) for name, n in counts.most_common()] if total else []
+
+
 def top_functions(raw: Path, limit: int = 35) -> str:
     self_fn, incl_fn, self_area, incl_area = Counter(), Counter(), Counter(), Counter()
     total = 0
@@ -82,6 +132,10 @@ def top_functions(raw: Path, limit: int = 35) -> str:
     if not total:
         return "no samples\n"
     out = [f"{total} samples (only samples where a thread was running Python or native code; idle waits excluded)", ""]
+    out.append("Samples by stage of the request (first matching rule in tools/bench/profile.py STAGES)")
+    for name, share in stages(raw):
+        out.append(f"  {100 * share:5.1f}%  {name}")
+    out.append("")
 
     def table(title, counter, k):
         out.append(title)
