@@ -31,6 +31,7 @@ param principalType string
 param maximumInstanceCount int
 param instanceMemoryMB int
 param httpPerInstanceConcurrency int
+param workerProcessCount int
 param totalTimeoutSeconds int
 param firstTokenTimeoutSeconds int
 param idleTimeoutSeconds int
@@ -319,6 +320,11 @@ var commonSettings = [
   {
     name: 'USAGE_WAIT_SECONDS'
     value: '2'
+  }
+  {
+    // Python worker processes per instance (one per vCPU); see docs/scaling.md.
+    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'
+    value: string(workerProcessCount)
   }
   {
     name: 'UPSTREAM_MAX_RETRIES'

@@ -249,7 +249,7 @@ class Infra:
     @classmethod
     def from_disk(cls) -> "Infra":
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
-        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json"):
+        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md"):
             files[extra] = (ROOT / extra).read_bytes()
         return cls(files)
 
@@ -257,6 +257,10 @@ class Infra:
         text = self.files[path].decode()
         assert text.count(old) == 1, f"mutation target must occur once in {path}: {old!r}"
         return Infra({**self.files, path: text.replace(old, new).encode()})
+
+    @property
+    def scaling_doc(self) -> str:
+        return self.files["docs/scaling.md"].decode()
 
     @property
     def main(self) -> Template:
@@ -523,6 +527,33 @@ def check_parameters(infra: Infra) -> None:
     assert required <= passed, f"resources.bicep parameters not passed: {required - passed}"
 
 
+def check_scaling_defaults(infra: Infra) -> None:
+    """Instance size, per-instance concurrency and worker processes are the ones docs/scaling.md
+    derives from the measurements (tools/bench/scaling.py writes its defaults block)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import scaling
+
+    expected = scaling.defaults_from_text(infra.scaling_doc)
+    defaults = infra.main_defaults()
+    assert defaults["instanceMemoryMB"] == expected["instanceMemoryMB"], (defaults["instanceMemoryMB"], expected)
+    assert defaults["httpPerInstanceConcurrency"] == expected["httpPerInstanceConcurrency"], \
+        f"httpPerInstanceConcurrency {defaults['httpPerInstanceConcurrency']} is not docs/scaling.md's {expected}"
+    assert defaults["workerProcessCount"] == expected["FUNCTIONS_WORKER_PROCESS_COUNT"], (defaults, expected)
+    params = infra.main.of("param")
+    (low,) = params["workerProcessCount"].decorators["minValue"]
+    (high,) = params["workerProcessCount"].decorators["maxValue"]
+    assert (int(low.text), int(high.text)) == (1, 10), "FUNCTIONS_WORKER_PROCESS_COUNT takes 1-10"
+    for mode in MODES:
+        settings = infra.app_settings(mode)
+        assert settings.get("FUNCTIONS_WORKER_PROCESS_COUNT") == str(expected["FUNCTIONS_WORKER_PROCESS_COUNT"]), \
+            "FUNCTIONS_WORKER_PROCESS_COUNT must be set from workerProcessCount"
+    site = infra.body(infra.one("Microsoft.Web/sites"))
+    scale = site["properties"]["functionAppConfig"]["scaleAndConcurrency"]
+    assert scale["instanceMemoryMB"] == expected["instanceMemoryMB"]
+    assert scale["triggers"]["http"]["perInstanceConcurrency"] == expected["httpPerInstanceConcurrency"]
+
+
 def check_azure_yaml(infra: Infra) -> None:
     project = yaml.safe_load(infra.files["azure.yaml"])
     assert isinstance(project, dict) and project.get("name")
@@ -542,7 +573,7 @@ def check_azure_yaml(infra: Infra) -> None:
 CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
           check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode,
           check_flex_consumption_python, check_app_insights_identity, check_time_limits,
-          check_parameters, check_azure_yaml]
+          check_parameters, check_scaling_defaults, check_azure_yaml]
 
 
 @pytest.fixture(scope="module")
@@ -621,6 +652,12 @@ BREAKAGES = [
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
+    ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 47",
+     "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
+    ("worker processes not set", R, "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
+     "    name: 'FUNCTIONS_WORKER_PROCESSES'\n", check_scaling_defaults),
+    ("worker processes out of range", M, "@maxValue(10)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT",
+     "@maxValue(16)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT", check_scaling_defaults),
 ]
 
 

@@ -180,7 +180,7 @@ class Stream(asyncio.Protocol):
 def _request(target: dict, marker: str) -> tuple[bytes, bytes]:
     """(path, body) of one request for ``target`` carrying ``marker`` in the user message."""
     if target["kind"] == APP:
-        body = {"prompt": marker}
+        body = {"prompt": marker, **({"model": target["model"]} if target.get("model") else {})}
     else:
         body = {"model": target["model"], "messages": [{"role": "user", "content": marker}],
                 "stream": True, "stream_options": {"include_usage": True}}

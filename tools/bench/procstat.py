@@ -41,14 +41,27 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """utime+stime+cutime+cstime summed over ``pids``, in seconds."""
+def cpu_seconds(pids: list[int], children: bool = True) -> float:
+    """utime+stime (+cutime+cstime with ``children``) summed over ``pids``, in seconds.
+    ``children=False`` is a process's own CPU (all its threads), without its reaped children."""
     ticks = 0
+    end = 15 if children else 13
     for pid in pids:
         fields = _stat_fields(pid)
         if fields:  # fields[11:15] = utime stime cutime cstime (stat fields 14-17)
-            ticks += sum(int(x) for x in fields[11:15])
+            ticks += sum(int(x) for x in fields[11:end])
     return ticks / CLK_TCK
+
+
+def cpu_groups(root: int, split: bool) -> dict[str, float]:
+    """CPU seconds of the tree under ``root`` ("server"); with ``split``, also the root's own
+    ("host") and its descendants' ("worker": the local host's worker processes)."""
+    tree = descendants(root)
+    out = {"server": cpu_seconds(tree)}
+    if split:
+        out["host"] = cpu_seconds([root], children=False)
+        out["worker"] = cpu_seconds([p for p in tree if p != root])
+    return out
 
 
 def tree_cpu_seconds(pid: int) -> float:

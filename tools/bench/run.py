@@ -1,5 +1,6 @@
 """Side-by-side streaming benchmark: the scripted upstream reached directly, through this app
-(devhost on the real Python worker) and through the LiteLLM proxy, in one interleaved run.
+(devhost on the real Python worker, with one and with two worker processes) and through the LiteLLM
+proxy, in one interleaved run.
 
     tools/bench/run.sh [--quick] [options]      (what `make bench` runs; see tools/bench/README.md)
 
@@ -32,16 +33,20 @@ sys.path.insert(1, str(ROOT))
 
 import procstat  # noqa: E402
 import report  # noqa: E402
-from tools.fakeupstream.scenarios import cadence_text  # noqa: E402  (stdlib only: safe in this venv)
+from tools.fakeupstream.scenarios import TEXTS, cadence_text  # noqa: E402  (stdlib only: safe in this venv)
 
 APP_PY = ROOT / ".venv" / "bin" / "python"
 BENCH_PY = Path(sys.executable)
 LITELLM_BIN = BENCH_PY.parent / "litellm"
 HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
-PATHS = ("direct", "app", "litellm")
+PATHS = ("direct", "app", "app2", "litellm")
+APP_WORKERS = {"app": 1, "app2": 2}  # FUNCTIONS_WORKER_PROCESS_COUNT of each app path
 MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
 LITELLM_ALIAS = "bench-model"  # tools/bench/litellm.yaml: bench-model -> openai/cadence
+# Short streams (the upstream's `normal` scenario: 10 deltas) next to the 40-delta ones at the same
+# concurrency tell the CPU per request from the CPU per delta.
+SHORT = {"model": "normal", "litellm_model": "bench-short", "deltas": 10, "chars": len(TEXTS["normal"])}
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
 
@@ -197,12 +202,16 @@ class Bench:
         up.wait_ready_line(60)
         base = up.url + "/v1"
 
-        log("starting the app (devhost on the real Python worker)")
-        app = Server("app", [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
-                     _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}),
-                     self.out)
-        self.servers["app"] = app
-        app.wait_ready_line(90)
+        for name in (p for p in APP_WORKERS if p in self.paths):
+            n = APP_WORKERS[name]
+            log(f"starting the app as {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''})")
+            self.servers[name] = Server(
+                name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
+                _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL,
+                            "FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}),
+                self.out)
+        for name in (p for p in APP_WORKERS if p in self.paths):
+            self.servers[name].wait_ready_line(120)
 
         key = "sk-bench-" + secrets.token_hex(16)
         if "litellm" in self.paths:
@@ -222,7 +231,8 @@ class Bench:
         hp = lambda u: u.split("//", 1)[1]  # noqa: E731
         self.targets = {
             "direct": {"kind": "openai", "path": "/v1/chat/completions", "model": MODEL, "url": base + "/chat/completions"},
-            "app": {"kind": "app", "path": "/api/chat", "url": app.url + "/api/chat"},
+            **{name: {"kind": "app", "path": "/api/chat", "url": self.servers[name].url + "/api/chat"}
+               for name in APP_WORKERS if name in self.servers},
             "litellm": {"kind": "openai", "path": "/v1/chat/completions", "model": LITELLM_ALIAS,
                         "headers": {"Authorization": f"Bearer {key}"},
                         "url": (self.servers["litellm"].url if "litellm" in self.servers else "http://x") + "/v1/chat/completions"},
@@ -234,11 +244,10 @@ class Bench:
             t["host"], port = HOST, int(hp(server.url).split(":")[1])
             t["port"], t["hostport"] = port, f"{HOST}:{port}"
         # The serving process whose CPU and memory count for each path (the upstream's never does).
-        self.serving_pid = {"direct": None, "app": app.pid,
-                            "litellm": self.servers["litellm"].pid if "litellm" in self.servers else None}
-        roots = {"upstream": up.pid, "app": app.pid}
-        if "litellm" in self.servers:
-            roots["litellm"] = self.servers["litellm"].pid
+        self.serving_pid = {name: self.servers[name].pid if name in self.servers else None for name in PATHS}
+        self.serving_pid["direct"] = None
+        roots = {"upstream": up.pid}
+        roots.update({name: self.servers[name].pid for name in PATHS if name in self.servers and name != "upstream"})
         log(f"starting {a.client_procs} load generator process(es)")
         self.loadgens = [LoadGen(self.out, i) for i in range(a.client_procs)]
         roots.update({f"client{i}": g.pid for i, g in enumerate(self.loadgens)})
@@ -254,35 +263,39 @@ class Bench:
             self.sampler.stop()
         for g in self.loadgens:
             g.stop()
-        for name in ("litellm", "app", "upstream"):
+        for name in ("litellm", "app2", "app", "upstream"):
             if name in self.servers:
                 self.servers[name].stop()
 
     # -- one wave
 
     def wave(self, phase: str, path: str, n: int, ramp: float, *, probe: bool = False, engine: str = "raw",
-             timeout: float = 60.0, settle: float = 0.05, record: bool = True, wave_no: int = 0) -> dict:
+             timeout: float = 60.0, settle: float = 0.05, record: bool = True, wave_no: int = 0,
+             short: bool = False) -> dict:
         target = self.targets[path]
+        expected, expected_chars = self.args.deltas, self.expected_chars
+        if short:  # the 10-delta stream (SHORT)
+            target = {**target, "model": SHORT["litellm_model"] if path == "litellm" else SHORT["model"]}
+            expected, expected_chars = SHORT["deltas"], SHORT["chars"]
         gens = self.loadgens[:1] if n == 1 else self.loadgens
         items = [[i, f"bench {phase}-{path}-{wave_no}-{i}", ramp * i / n] for i in range(n)]
-        trees = {name: procstat.descendants(pid) for name, pid in self._cpu_roots(path).items()}
-        cpu0 = {name: procstat.cpu_seconds(pids) for name, pids in trees.items()}
+        cpu0 = self._cpu(path)
         busy0, total0 = procstat.machine_busy_seconds()
         t0 = time.perf_counter()
         start_at = t0 + (0.15 if len(gens) > 1 else 0.0)  # lets every process start the ramp together
         for k, g in enumerate(gens):
-            g.send({"target": target, "items": items[k::len(gens)], "start_at": start_at, "expected": self.args.deltas,
-                    "expected_chars": self.expected_chars, "probe": probe, "timeout": timeout, "engine": engine})
+            g.send({"target": target, "items": items[k::len(gens)], "start_at": start_at, "expected": expected,
+                    "expected_chars": expected_chars, "probe": probe, "timeout": timeout, "engine": engine})
         replies = [g.receive() for g in gens]
         t_done = time.perf_counter()
         time.sleep(settle)  # include the servers' clean-up of the last streams in the CPU reading
         t1 = time.perf_counter()
-        trees = {name: procstat.descendants(pid) for name, pid in self._cpu_roots(path).items()}
-        cpu1 = {name: procstat.cpu_seconds(pids) for name, pids in trees.items()}
+        cpu1 = self._cpu(path)
         busy1, total1 = procstat.machine_busy_seconds()
         records = [r for reply in replies for r in reply["records"]]
         w = {
             "phase": phase, "path": path, "n": n, "ramp_s": ramp, "probe": probe, "engine": engine,
+            "short": short, "expected": expected,
             "wave": wave_no, "t0": t0, "t_done": t_done, "t1": t1, "wall_s": t_done - start_at,
             "cpu_s": {name: cpu1[name] - cpu0[name] for name in cpu0},
             "client_cpu_s": sum(r["client_cpu_s"] for r in replies),
@@ -295,11 +308,13 @@ class Bench:
             self.results["waves"].append(w)
         return w
 
-    def _cpu_roots(self, path: str) -> dict[str, int]:
-        roots = {"upstream": self.servers["upstream"].pid}
+    def _cpu(self, path: str) -> dict[str, float]:
+        """CPU seconds so far: the upstream's tree, the serving tree ("server"), and for the app
+        its host process ("host") and its worker processes ("worker") apart."""
+        out = {"upstream": procstat.tree_cpu_seconds(self.servers["upstream"].pid)}
         if self.serving_pid.get(path):
-            roots["server"] = self.serving_pid[path]
-        return roots
+            out.update(procstat.cpu_groups(self.serving_pid[path], split=path in APP_WORKERS))
+        return out
 
     # -- phases
 
@@ -323,14 +338,16 @@ class Bench:
         for level in a.levels:
             t_phase = time.perf_counter()
             if level == 1:
-                log(f"1 stream at a time: {a.trials} full streams per path, round-robin")
+                # One stream at a time only ever keeps one worker busy: app2 would repeat app.
+                single = tuple(p for p in self.paths if p != "app2" or "app" not in self.paths)
+                log(f"1 stream at a time: {a.trials} full streams per path ({', '.join(single)}), round-robin")
                 for r in range(a.trials):
-                    for path in _rotate(self.paths, r):
+                    for path in _rotate(single, r):
                         self.wave("c1", path, 1, 0, wave_no=r, settle=a.gap)
                 if a.probes:
                     log(f"1 stream at a time: {a.probes} first-delta probes per path (hang up after the first delta)")
                     for r in range(a.probes):
-                        for path in _rotate(self.paths, r):
+                        for path in _rotate(single, r):
                             self.wave("c1probe", path, 1, 0, probe=True, wave_no=r, settle=a.gap)
             else:
                 waves = a.waves.get(level, 1)
@@ -342,6 +359,15 @@ class Bench:
                                       timeout=a.stream_timeout)
                         ok = sum(x["ok"] for x in w["records"])
                         log(f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s")
+                if level == a.split_level and a.short_waves:
+                    log(f"{level} concurrent short streams ({SHORT['deltas']} deltas): {a.short_waves} wave(s) per "
+                        f"path, for the CPU per request apart from the CPU per delta")
+                    for r in range(a.short_waves):
+                        for path in _rotate(self.paths, r):
+                            w = self.wave(f"c{level}short", path, level, ramp, wave_no=r, settle=a.settle,
+                                          timeout=a.stream_timeout, short=True)
+                            ok = sum(x["ok"] for x in w["records"])
+                            log(f"  {path:8s} short wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s")
             self.results["phases"].append({"level": level, "wall_s": time.perf_counter() - t_phase})
             self._collect_upstream(f"c{level}")
 
@@ -440,13 +466,13 @@ def _git(*args: str) -> str:
 
 def metadata(bench: Bench) -> dict:
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench", ":!docs"))
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!tools/bench", ":!docs"))
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cores": os.cpu_count(), "cpu_model": procstat.cpu_model(), "kernel": platform.release(),
         "loadavg_before": os.getloadavg(),
         "commit": commit + ("+local-changes" if dirty else ""),
-        "app_venv": _versions(APP_PY, ["openai", "uvicorn", "azure-functions-runtime", "azure-functions",
+        "app_venv": _versions(APP_PY, ["openai", "uvicorn", "azure-functions-runtime", "azure-functions", "grpcio",
                                        "azurefunctions-extensions-http-fastapi", "fastapi", "starlette",
                                        "httpx", "httpx2", "uvloop"]),
         "bench_venv": _versions(BENCH_PY, ["litellm", "openai", "uvicorn", "fastapi", "aiohttp", "httpx", "uvloop"]),
@@ -481,12 +507,16 @@ def _loopback_up() -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Side-by-side streaming benchmark (see tools/bench/README.md).")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny counts, levels 1 and 20")
-    p.add_argument("--levels", default="1,100,1000", help="concurrency levels (default 1,100,1000)")
+    p.add_argument("--levels", default="1,10,100,300,1000", help="concurrency levels (default 1,10,100,300,1000)")
     p.add_argument("--trials", type=int, default=40, help="full streams per path at 1 stream (default 40)")
     p.add_argument("--probes", type=int, default=160,
                    help="extra first-delta probes per path at 1 stream (default 160)")
-    p.add_argument("--waves", default="100:4,1000:1", help="waves per path per level (default 100:4,1000:1)")
-    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,app,litellm")
+    p.add_argument("--waves", default="10:4,100:4,300:2,1000:1",
+                   help="waves per path per level (default 10:4,100:4,300:2,1000:1)")
+    p.add_argument("--split-level", type=int, default=100,
+                   help="level of the short-stream waves that split CPU per request / per delta (default 100)")
+    p.add_argument("--short-waves", type=int, default=2, help="short-stream waves per path there (default 2)")
+    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,app,app2,litellm")
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
     p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
     p.add_argument("--max-ramp", type=float, default=0.5, help="longest ramp to open a wave (default 0.5 s)")
@@ -509,6 +539,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.quick:
         a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
+        a.split_level, a.short_waves = 20, 1
         a.settle, a.wait_quiet = 0.3, 0.0
         if a.doc == str(ROOT / "docs" / "benchmarks.md"):  # a smoke run never overwrites the real figures
             a.doc, a.png = str(Path(a.out) / "benchmarks-quick.md"), str(Path(a.out) / "benchmarks-quick.png")
@@ -544,9 +575,8 @@ def main(argv=None) -> int:
     summary = report.summarize(bench.results)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.docs:
-        report.write_markdown(summary, Path(args.doc), Path(args.png))
-        report.write_plot(summary, Path(args.png), Path(args.doc))
-        log(f"wrote {args.doc} (side-by-side section) and {args.png}")
+        png2 = report.write_all(summary, Path(args.doc), Path(args.png))
+        log(f"wrote {args.doc} (side-by-side section), {args.png} and {png2}")
     print(report.console_table(summary))
     return 0
 

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=tools/bench/.venv/bin/python
-SCRIPT="${BENCH_SCRIPT:-bench/run.py}"   # tools/bench/profile.sh sets tools/bench/profile.py
+SCRIPT="${BENCH_SCRIPT:-tools/bench/run.py}"   # tools/bench/profile.sh sets tools/bench/profile.py
 if [ ! -x "$PY" ]; then echo "tools/bench/.venv is missing: run \`make bench\` (it creates it)" >&2; exit 2; fi
 if [ ! -x .venv/bin/python ]; then echo ".venv is missing: run \`make venv\` first" >&2; exit 2; fi
 if [ "${BENCH_NETNS:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev/null 2>&1 \

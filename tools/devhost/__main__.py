@@ -1,7 +1,9 @@
 """Local Functions host for machines without Core Tools: ``python -m tools.devhost [--port 7071] [APP_DIR]``.
 
-Loads function_app.py through the real Python worker (azure-functions-runtime), serves every HTTP
-function under host.json's route prefix on 127.0.0.1, and stops quickly on Ctrl+C or SIGTERM.
+Loads function_app.py through the real Python worker (azure-functions-runtime) in worker processes
+of its own (FUNCTIONS_WORKER_PROCESS_COUNT, default 1) driven over gRPC like the Functions host
+does, serves every HTTP function under host.json's route prefix on 127.0.0.1, and stops quickly,
+workers included, on Ctrl+C or SIGTERM.
 A dev tool: excluded from deployment by .funcignore.
 """
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 
 import uvicorn
 
-from . import config
+from . import config, logs
 from .front import protocol_class
 from .proxy import Host
 from .routes import routes_from_metadata
-from .worker import Worker, WorkerError
+from .worker import WorkerError, WorkerPool
 
 log = logging.getLogger("devhost")
 
@@ -33,32 +35,55 @@ class _FrontServer(uvicorn.Server):
         yield
 
 
-def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet = logging.DEBUG if verbose else logging.WARNING
-    # The runtime and the worker's uvicorn log every request at INFO; keep that for --verbose.
-    for name in ("azure_functions_worker", "azure_functions_runtime", "azure.functions",
-                 "uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "httpx2", "httpcore", "openai"):
-        logging.getLogger(name).setLevel(quiet)
+_configure_logging = logs.configure
 
 
-async def serve(app_dir: Path, host: str, port: int, verbose: bool,
-                front: config.FrontSettings = config.FrontSettings()) -> int:
-    worker = Worker(app_dir, host="127.0.0.1")
+async def serve(app_dir: Path, host: str, port: int, verbose: bool, workers: int = 1,
+                loop_choice: str = "asyncio", front: config.FrontSettings = config.FrontSettings()) -> int:
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    server: _FrontServer | None = None
+    pool = WorkerPool(app_dir, workers, loop=loop_choice, verbose=verbose)
+    pool_stop: asyncio.Future | None = None
+
+    def stop_pool() -> asyncio.Future:
+        nonlocal pool_stop
+        if pool_stop is None:
+            pool_stop = asyncio.ensure_future(pool.stop())
+        return pool_stop
+
+    def on_signal(signum: int) -> None:
+        if stopping.is_set():  # a second Ctrl+C: leave now
+            os._exit(130)
+        log.info("%s received, stopping", signal.Signals(signum).name)
+        stopping.set()
+        if server is not None:
+            server.should_exit = True
+        # The workers go at once: their streams end, so the front server has nothing to wait for.
+        stop_pool()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    starting = asyncio.ensure_future(pool.start())
+    interrupted = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    interrupted.cancel()
+    if not starting.done():  # stopped while the workers were starting
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await stop_pool()
+        return 0
     try:
-        await worker.init()
-        _configure_logging(verbose)  # again: the worker's uvicorn.Config has just reset logging
-        await worker.load()
-        _configure_logging(verbose)  # and once more: the worker's server configures it when it starts
+        starting.result()
     except WorkerError as exc:
         log.error("The function app failed to load.\n%s", exc)
-        await worker.stop()
+        await stop_pool()
         return 1
 
     prefix = config.route_prefix(app_dir)
-    routes = routes_from_metadata(worker.metadata, prefix)
-    app = Host(worker, routes, front.cors)
+    routes = routes_from_metadata(pool.metadata, prefix)
+    app = Host(pool, routes, front.cors)
     # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
     # declined and answered as plain HTTP requests.
     server = _FrontServer(uvicorn.Config(
@@ -66,25 +91,11 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool,
         date_header=False, lifespan="off", timeout_graceful_shutdown=2,
         http=protocol_class(front), ws="none", timeout_keep_alive=front.keepalive_timeout))
 
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-
-    def on_signal(signum: int) -> None:
-        if stopping.is_set():  # a second Ctrl+C: leave now
-            os._exit(130)
-        log.info("%s received, stopping", signal.Signals(signum).name)
-        stopping.set()
-        server.should_exit = True
-
-    # Installed after the worker's server started, so these replace the handlers its uvicorn set.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
     if serving.done():
-        await worker.stop()
+        await stop_pool()
         return 1
     bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
     for route in routes:
@@ -98,14 +109,14 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool,
         await serving
     finally:
         await app.aclose()
-        await worker.stop()
+        await stop_pool()
     return 0
 
 
 def _loop_factory(choice: str):
-    """The host, the worker's server and the app share one loop. uvloop (from uvicorn[standard])
-    cut about 1 ms off a single request's time to first delta here, but cost 50% more CPU per
-    delta at 1,000 concurrent streams (docs/benchmarks.md), so asyncio's own loop is the default."""
+    """The host's loop (the workers get the same choice). uvloop (from uvicorn[standard]) cut
+    about 1 ms off a single request's time to first delta here, but cost 50% more CPU per delta at
+    1,000 concurrent streams (docs/benchmarks.md), so asyncio's own loop is the default."""
     if choice == "asyncio":
         return None
     import uvloop
@@ -146,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
         front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
+        workers = config.worker_process_count()
     except config.ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
     os.chdir(app_dir)
     try:
-        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose, front),
+        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose, workers, args.loop, front),
                            loop_factory=_loop_factory(args.loop))
     except KeyboardInterrupt:
         return 130

@@ -114,3 +114,21 @@ def with_cors(front: FrontSettings, app_dir: Path, flag: str | None, environ=os.
         return replace(front, cors=CorsPolicy.parse(text, name))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+WORKER_PROCESS_COUNT = "FUNCTIONS_WORKER_PROCESS_COUNT"
+
+
+def worker_process_count(environ=os.environ) -> int:
+    """``FUNCTIONS_WORKER_PROCESS_COUNT``: how many worker processes the host runs (1-10, default 1),
+    as the Functions host reads it."""
+    raw = environ.get(WORKER_PROCESS_COUNT, "").strip()
+    if not raw:
+        return 1
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 10:
+        raise ConfigError(f"{WORKER_PROCESS_COUNT} must be a whole number from 1 to 10 (got {raw!r})")
+    return count

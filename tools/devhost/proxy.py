@@ -9,12 +9,12 @@ import json
 import logging
 import time
 import uuid
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 from . import cors
-from .forward import Forwarder, WorkerConnectionError
+from .forward import WorkerConnectionError
 from .routes import Route, match
-from .worker import Worker
+from .worker import WorkerPool, WorkerProcess
 
 log = logging.getLogger("devhost")
 
@@ -35,17 +35,15 @@ class ClientGone(Exception):
 
 
 class Host:
-    """ASGI application serving every HTTP function of ``worker``."""
+    """ASGI application serving every HTTP function of the worker processes in ``workers``."""
 
-    def __init__(self, worker: Worker, routes: list[Route], cors_policy: cors.CorsPolicy = cors.CorsPolicy()):
-        self.worker = worker
+    def __init__(self, workers: WorkerPool, routes: list[Route], cors_policy: cors.CorsPolicy = cors.CorsPolicy()):
+        self.workers = workers
         self.routes = routes
         self.cors = cors_policy
-        uri = urlsplit(worker.http_uri or "http://127.0.0.1:9")
-        self.forwarder = Forwarder(uri.hostname, uri.port)
 
     async def aclose(self) -> None:
-        self.forwarder.close()
+        pass  # the pool closes each worker's connections when it stops
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -67,7 +65,7 @@ class Host:
             if scope["method"] != "GET":
                 await _plain(send, 405, [(b"allow", b"GET")])
                 return
-            await _json(send, json.dumps(self.stats()).encode())
+            await _json(send, json.dumps(await self.workers.stats()).encode())
             return
         route, params, allowed = match(self.routes, scope["path"], scope["method"])
         if route is None:
@@ -76,14 +74,20 @@ class Host:
             return
         await self._invoke(route, params, scope, receive, send)
 
-    def stats(self) -> dict:
-        """For leak tests: what this process holds right now."""
-        import os
-        return {"tasks": len(asyncio.all_tasks()), "open_fds": len(os.listdir("/proc/self/fd")),
-                "idle_worker_connections": len(self.forwarder._idle),
-                "worker_connections_opened": self.forwarder.opened}
-
     async def _invoke(self, route: Route, params, scope, receive, send):
+        # The HTTP request and its invocation go to the same worker process.
+        worker = await self.workers.acquire()
+        if worker is None:
+            log.error("no worker process is ready to take 'Functions.%s'", route.name)
+            await _plain(send, 503)
+            return
+        worker.in_flight += 1
+        try:
+            await self._invoke_on(worker, route, params, scope, receive, send)
+        finally:
+            worker.in_flight -= 1
+
+    async def _invoke_on(self, worker: WorkerProcess, route: Route, params, scope, receive, send):
         invocation_id = str(uuid.uuid4())
         started = time.perf_counter()
         # A caller must never choose the invocation id (it would pair its request with another
@@ -128,7 +132,7 @@ class Host:
 
         log.info("Executing 'Functions.%s' (Id=%s)", route.name, invocation_id)
         try:
-            exchange = await self.forwarder.send(
+            exchange = await worker.forwarder.send(
                 scope["method"], target, headers, request_body() if has_body else None,
                 chunked=has_body and b"content-length" not in caller_framing)
         except OSError as exc:
@@ -136,7 +140,7 @@ class Host:
             await _plain(send, 502)
             return
         forward = asyncio.ensure_future(exchange.start())
-        invocation = asyncio.ensure_future(self.worker.invoke(
+        invocation = asyncio.ensure_future(worker.invoke(
             invocation_id, route.function_id, route.trigger_param, method=scope["method"], url=url,
             headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers},
             query=dict(parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True)), params=params))

@@ -41,3 +41,9 @@ async def ticks(req: Request) -> StreamingResponse:
 @app.route(route="boom", methods=["GET"])
 async def boom(req: Request) -> JSONResponse:
     raise RuntimeError("boom")
+
+
+@app.route(route="pid", methods=["GET"])
+async def pid(req: Request) -> JSONResponse:
+    """Which process ran the function (the local host runs it in a worker process)."""
+    return JSONResponse({"pid": os.getpid(), "ppid": os.getppid()})

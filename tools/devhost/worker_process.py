@@ -1,0 +1,290 @@
+"""A worker process of the local host, started by it the way the Functions host starts the Python
+worker:
+
+    python -m tools.devhost.worker_process --host 127.0.0.1 --port PORT --workerId ID --requestId ID
+        --grpcMaxMessageLength BYTES [--hostPid PID] [--loop asyncio|uvloop] [--verbose]
+
+It connects to the host's gRPC server, opens FunctionRpc.EventStream, introduces itself
+(StartStream with its worker id) and then answers every message with azure-functions-runtime's
+handlers, on its own event loop:
+
+* WorkerInitRequest: index function_app.py; with HTTP streaming the runtime starts the worker's
+  own HTTP server (uvicorn, on this loop) and returns its address in the ``HttpUri`` capability.
+  The response goes back once that server accepts connections.
+* FunctionsMetadataRequest, FunctionLoadRequest: the indexed functions.
+* InvocationRequest: one per HTTP request; the request itself reaches the worker's HTTP server
+  with the same ``x-ms-invocation-id``, and the runtime pairs the two.
+* WorkerStatusRequest: answered with this process's tasks, descriptors and memory (devhost's
+  /_devhost/stats).
+
+It exits when the host ends the stream, on WorkerTerminate or SIGTERM (within a second), and, on
+Linux, as soon as the host process dies. It ignores SIGINT: Ctrl+C in a terminal reaches the whole
+process group, and the host decides how its workers stop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import types
+from pathlib import Path
+
+import grpc
+
+from . import logs, protos, rpc
+
+log = logging.getLogger("devhost.worker")
+
+CONNECT_TIMEOUT = 30.0  # the host's gRPC server is up before the worker starts; this is a backstop
+LISTEN_TIMEOUT = 15.0  # the worker's HTTP server accepting connections after WorkerInitRequest
+EXIT_BACKSTOP = 1.0  # seconds from the decision to stop to a forced exit
+
+
+def _die_with_parent(host_pid: int | None) -> None:
+    """Linux: get SIGKILL when the host dies, however it dies (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if host_pid and os.getppid() != host_pid:  # the host died before prctl took effect
+        os._exit(1)
+
+
+class Dispatcher:
+    """One EventStream to the host; each message is handled in a task of its own."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.pb = protos.load()
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        self.server_tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.call = None
+        self.outbox: rpc.Outbox | None = None
+        self.handlers = {
+            "worker_init_request": (self._init, "worker_init_response"),
+            "functions_metadata_request": (self._runtime("functions_metadata_request"), "function_metadata_response"),
+            "function_load_request": (self._runtime("function_load_request"), "function_load_response"),
+            "invocation_request": (self._runtime("invocation_request"), "invocation_response"),
+            "function_environment_reload_request": (self._runtime("function_environment_reload_request"),
+                                                    "function_environment_reload_response"),
+            "worker_status_request": (self._status, "worker_status_response"),
+        }
+
+    # -- the stream
+
+    async def run(self) -> int:
+        a = self.args
+        channel = grpc.aio.insecure_channel(f"{a.host}:{a.port}", options=rpc.options(a.grpcMaxMessageLength))
+        try:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT)
+            except TimeoutError:
+                log.error("cannot reach the host's gRPC server at %s:%s", a.host, a.port)
+                return 1
+            self.call = channel.stream_stream(rpc.method_path(self.pb),
+                                              request_serializer=self.pb.StreamingMessage.SerializeToString,
+                                              response_deserializer=self.pb.StreamingMessage.FromString)()
+            self.outbox = rpc.Outbox(self.call.write)
+            self.outbox.start()
+            self.outbox.put(self.pb.StreamingMessage(request_id=a.requestId,
+                                                     start_stream=self.pb.StartStream(worker_id=a.workerId)))
+            reader = asyncio.ensure_future(self._read())
+            stop = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (reader, stop):
+                task.cancel()
+            return 0
+        finally:
+            await self._shutdown(channel)
+
+    async def _read(self) -> None:
+        eof = grpc.aio.EOF
+        handlers = self.handlers
+        while True:
+            try:
+                message = await self.call.read()
+            except grpc.RpcError:  # the host went away
+                return
+            if message is eof:
+                return
+            kind = message.WhichOneof("content")
+            if kind == "worker_terminate":
+                return
+            handler = handlers.get(kind)
+            if handler is None:
+                log.warning("ignoring a %s message from the host", kind)
+                continue
+            task = self.loop.create_task(self._dispatch(message, *handler))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _dispatch(self, message, handler, response_field: str) -> None:
+        try:
+            response = await handler(message)
+        except Exception as exc:  # a bug of ours or the runtime's: answer with a failure, never hang the host
+            log.exception("handling %s failed", message.WhichOneof("content"))
+            response = self._failure(response_field, message, exc)
+        self.outbox.put(self.pb.StreamingMessage(request_id=message.request_id, **{response_field: response}))
+
+    def _failure(self, response_field: str, message, exc: Exception):
+        pb = self.pb
+        result = pb.StatusResult(status=pb.StatusResult.Failure,
+                                 exception=pb.RpcException(message=f"{type(exc).__name__}: {exc}"))
+        response_type = type(getattr(pb.StreamingMessage(), response_field))
+        if response_field == "invocation_response":
+            return response_type(invocation_id=message.invocation_request.invocation_id, result=result)
+        if response_field == "function_load_response":
+            return response_type(function_id=message.function_load_request.function_id, result=result)
+        if "result" in response_type.DESCRIPTOR.fields_by_name:
+            return response_type(result=result)
+        return response_type()
+
+    def _request(self, message):
+        """What the runtime's handlers take: ``.request`` (the message) and ``.properties``."""
+        return types.SimpleNamespace(request=message, properties={"host": self.args.host, "protos": self.pb})
+
+    # -- handlers
+
+    def _runtime(self, name: str):
+        async def handle(message):
+            import azure_functions_runtime as runtime
+            return await getattr(runtime, name)(self._request(message))
+        return handle
+
+    async def _init(self, message):
+        import azure_functions_runtime as runtime
+
+        app = message.worker_init_request.function_app_directory
+        if app:
+            # The Python worker runs with the app folder as cwd and first on sys.path.
+            os.chdir(app)
+            if app not in sys.path:
+                sys.path.insert(0, app)
+        before = asyncio.all_tasks()
+        response = await runtime.worker_init_request(self._request(message))
+        # worker_init_request starts the worker's HTTP server as a task on this loop; hold on to
+        # it, so that stopping stops that server too.
+        self.server_tasks = asyncio.all_tasks() - before - self.tasks
+        uri = response.capabilities.get("HttpUri")
+        if response.result.status == response.result.Success and uri:
+            try:
+                await self._wait_listening(uri)
+            except TimeoutError:
+                response.result.status = response.result.Failure
+                response.result.exception.message = f"the worker's HTTP server at {uri} did not start"
+        # The worker's uvicorn has reset logging (its dictConfig) and installed its own signal
+        # handlers; put ours back.
+        logs.configure(self.args.verbose, worker=True)
+        self._install_signals()
+        return response
+
+    async def _wait_listening(self, uri: str) -> None:
+        host, port = uri.rsplit("//", 1)[1].rsplit(":", 1)
+        deadline = self.loop.time() + LISTEN_TIMEOUT
+        while True:
+            if any(t.done() for t in self.server_tasks):
+                raise TimeoutError  # the server task ended: it will never listen
+            try:
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.close()
+                return
+            except OSError:
+                if self.loop.time() > deadline:
+                    raise TimeoutError from None
+                await asyncio.sleep(0.01)
+
+    async def _status(self, message):
+        return self.pb.WorkerStatusResponse(devhost_figures=rpc.process_figures())
+
+    # -- stopping
+
+    def _install_signals(self) -> None:
+        self.loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    async def _shutdown(self, channel) -> None:
+        # Whatever hangs below, the process leaves within EXIT_BACKSTOP.
+        timer = threading.Timer(EXIT_BACKSTOP, os._exit, (0,))
+        timer.daemon = True
+        timer.start()
+        # Cancelling the worker's uvicorn makes it log a CancelledError traceback; it is ours.
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+        pending = [*self.server_tasks, *self.tasks]
+        for task in pending:
+            task.cancel()
+        if self.outbox is not None:
+            self.outbox.close()
+        if pending:
+            await asyncio.wait(pending, timeout=EXIT_BACKSTOP / 2)
+        if self.call is not None:
+            self.call.cancel()
+        await channel.close(grace=None)
+
+
+def _quiet_uvicorn_start() -> None:
+    """The worker's HTTP server is uvicorn with its default logging config, which logs four INFO
+    lines whenever it starts; start it at WARNING instead (the config's dict, edited in place, is
+    what uvicorn.Config uses by default)."""
+    from uvicorn.config import LOGGING_CONFIG
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        LOGGING_CONFIG.get("loggers", {}).get(name, {})["level"] = "WARNING"
+
+
+def _loop_factory(choice: str):
+    if choice == "asyncio":
+        return None
+    import uvloop
+    return uvloop.new_event_loop
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    # The Functions host's argument names (camelCase) for the ones it passes; the rest are ours.
+    p = argparse.ArgumentParser(prog="python -m tools.devhost.worker_process", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--workerId", required=True)
+    p.add_argument("--requestId", required=True)
+    p.add_argument("--grpcMaxMessageLength", type=int, default=rpc.GRPC_MAX_MESSAGE)
+    p.add_argument("--hostPid", type=int, default=None, help="exit when this process is gone (Linux)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    p.add_argument("--verbose", action="store_true")
+    args, _unknown = p.parse_known_args(argv)  # the Functions host may pass more; none matter here
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _die_with_parent(args.hostPid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logs.configure(args.verbose, worker=True)
+    if not args.verbose:
+        _quiet_uvicorn_start()
+    root = str(Path(__file__).resolve().parents[2])  # tools/devhost's package root stays importable
+    if root not in sys.path:
+        sys.path.insert(1, root)
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        dispatcher = Dispatcher(args)
+        # Until the worker's own server runs, SIGTERM just ends the process.
+        loop.add_signal_handler(signal.SIGTERM, dispatcher.stopping.set)
+        return await dispatcher.run()
+
+    try:
+        return asyncio.run(run(), loop_factory=_loop_factory(args.loop))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
