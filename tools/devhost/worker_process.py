@@ -182,10 +182,8 @@ class Dispatcher:
             except TimeoutError:
                 response.result.status = response.result.Failure
                 response.result.exception.message = f"the worker's HTTP server at {uri} did not start"
-        # The worker's uvicorn has reset logging (its dictConfig) and installed its own signal
-        # handlers; put ours back.
+        # The worker's uvicorn has reset logging (its dictConfig): put ours back.
         logs.configure(self.args.verbose, worker=True)
-        self._install_signals()
         return response
 
     async def _wait_listening(self, uri: str) -> None:
@@ -208,10 +206,6 @@ class Dispatcher:
 
     # -- stopping
 
-    def _install_signals(self) -> None:
-        self.loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
     async def _shutdown(self, channel) -> None:
         # Whatever hangs below, the process leaves within EXIT_BACKSTOP.
         timer = threading.Timer(EXIT_BACKSTOP, os._exit, (0,))
@@ -229,6 +223,22 @@ class Dispatcher:
         if self.call is not None:
             self.call.cancel()
         await channel.close(grace=None)
+
+
+def _own_signals() -> None:
+    """The worker's HTTP server is a uvicorn.Server, which installs its own SIGINT/SIGTERM handlers
+    while it serves (a Ctrl+C would then stop that server alone, leaving a worker that cannot take
+    requests). This process decides how it stops (see Dispatcher), so those handlers are not
+    installed here, as the host does for its own front server."""
+    import contextlib
+
+    import uvicorn
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    uvicorn.Server.capture_signals = capture_signals
 
 
 def _quiet_uvicorn_start() -> None:
@@ -267,6 +277,7 @@ def main(argv=None) -> int:
     _die_with_parent(args.hostPid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logs.configure(args.verbose, worker=True)
+    _own_signals()
     if not args.verbose:
         _quiet_uvicorn_start()
     root = str(Path(__file__).resolve().parents[2])  # tools/devhost's package root stays importable
@@ -276,7 +287,6 @@ def main(argv=None) -> int:
     async def run() -> int:
         loop = asyncio.get_running_loop()
         dispatcher = Dispatcher(args)
-        # Until the worker's own server runs, SIGTERM just ends the process.
         loop.add_signal_handler(signal.SIGTERM, dispatcher.stopping.set)
         return await dispatcher.run()
 
