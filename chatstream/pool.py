@@ -780,6 +780,24 @@ class Pool:
         if self._on_event is not None:
             self._on_event(event)
 
+    def _cool_down(self, health, deployment: str, outcome: Outcome, now: float) -> float:
+        """Put ``deployment`` of an entry out for the 429's wait (bounded by the policy); the seconds."""
+        policy = self.policy
+        if outcome.kind is OutcomeKind.QUOTA_EXHAUSTED:
+            seconds = policy.cooldown_max
+        elif outcome.cooldown is None:
+            seconds = policy.cooldown_default
+        else:
+            seconds = outcome.cooldown
+        seconds = min(max(seconds, policy.cooldown_min), policy.cooldown_max)
+        # Expired cooldowns go now, not only when their name is asked for again: the names may be
+        # the callers' (an entry without ``models``), and must not pile up.
+        health.cooldowns = {d: u for d, u in health.cooldowns.items() if u > now}
+        until = now + seconds
+        if seconds > 0 and until > health.cooldowns.get(deployment, -math.inf):
+            health.cooldowns[deployment] = until
+        return seconds
+
     def _record(self, attempt: Attempt, outcome: Outcome) -> None:
         entry, health, policy = attempt.entry, self._health[attempt.entry.name], self.policy
         now = self._now()
@@ -791,19 +809,7 @@ class Pool:
 
         if outcome.kind in _COOLDOWN:
             counters.cooldowns += 1
-            if outcome.kind is OutcomeKind.QUOTA_EXHAUSTED:
-                seconds = policy.cooldown_max
-            elif outcome.cooldown is None:
-                seconds = policy.cooldown_default
-            else:
-                seconds = outcome.cooldown
-            seconds = min(max(seconds, policy.cooldown_min), policy.cooldown_max)
-            # Expired cooldowns go now, not only when their name is asked for again: the names may
-            # be the callers' (an entry without ``models``), and must not pile up.
-            health.cooldowns = {d: u for d, u in health.cooldowns.items() if u > now}
-            until = now + seconds
-            if seconds > 0 and until > health.cooldowns.get(attempt.deployment, -math.inf):
-                health.cooldowns[attempt.deployment] = until
+            seconds = self._cool_down(health, attempt.deployment, outcome, now)
             self._emit(PoolEvent(entry.name, "cooldown", outcome.kind.value, seconds, attempt.deployment))
         elif outcome.kind is OutcomeKind.SUCCESS:
             counters.successes += 1
