@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
