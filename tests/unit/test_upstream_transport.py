@@ -1,0 +1,80 @@
+"""chatstream/upstream.py's aiohttp transport: connection errors come out as the SDK's types they had
+with httpx2 (a refused connection or a reset is APIConnectionError, not APITimeoutError), and the
+pool still tells a failure to connect from a lost connection. In-process loopback servers only."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import aiohttp
+import httpx2
+import openai
+
+from chatstream import pool
+from chatstream.upstream import AioHttpClient, UpstreamStream, _remapped
+
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+
+def _connect_timeout(cause: BaseException) -> httpx2.ConnectTimeout:
+    exc = httpx2.ConnectTimeout("x")
+    exc.__cause__ = cause
+    return exc
+
+
+def test_remapped_keeps_real_timeouts_and_restores_the_rest():
+    real = _connect_timeout(aiohttp.ConnectionTimeoutError("connect timed out"))
+    assert _remapped(real) is real
+    assert isinstance(_remapped(_connect_timeout(aiohttp.ServerDisconnectedError())), httpx2.RemoteProtocolError)
+    assert isinstance(_remapped(_connect_timeout(aiohttp.ClientOSError(104, "reset"))), httpx2.ReadError)
+
+
+async def _serve(mode: str):
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        if mode == "mid_body":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        if mode == "disconnect":
+            writer.close()
+            return
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST
+    return await asyncio.start_server(handler, "127.0.0.1", 0)
+
+
+async def _failure(port: int) -> BaseException:
+    client = openai.AsyncOpenAI(api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=5,
+                                http_client=AioHttpClient())
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        async for _ in stream:
+            pass
+    except Exception as exc:  # noqa: BLE001 -- the exception is the result
+        return exc
+    finally:
+        await client.close()
+    raise AssertionError("no error")
+
+
+async def test_refused_connection_is_a_connect_failure():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        exc = await _failure(port)
+    assert type(exc) is openai.APIConnectionError
+    assert pool.classify(exc).kind is pool.OutcomeKind.CONNECT_FAILED
+
+
+async def test_reset_or_disconnect_is_a_lost_connection():
+    for mode in ("before_headers", "mid_body", "disconnect"):
+        server = await _serve(mode)
+        try:
+            exc = await _failure(server.sockets[0].getsockname()[1])
+        finally:
+            server.close()
+        assert type(exc) is openai.APIConnectionError, (mode, exc)
+        assert pool.classify(exc).kind is pool.OutcomeKind.CONNECTION_LOST, mode
