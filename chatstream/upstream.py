@@ -9,10 +9,14 @@ dicts keep every field the upstream sent (Azure's filter results, new fields) fo
 
 The clients use the SDK's aiohttp transport (``openai.DefaultAioHttpClient``, the ``openai[aiohttp]``
 extra) instead of its default httpx2/httpcore2/h11 one: reading the upstream's body was most of the
-worker's CPU per delta. Measured here (interleaved A/B, fakeupstream): worker CPU per delta
-0.293 → 0.160 ms, and the 100-stream added time-to-first-delta p99 +1,372 → +699 ms.
+worker's CPU per delta. Measured here (tools/bench, direct+app, 3 interleaved runs each, 100
+streams, 1 worker): worker CPU per delta all-in 0.448 → 0.328 ms (fit: 5.9 → 4.1 ms/request +
+0.299 → 0.224 ms/delta), added time-to-first-delta p99 +1,446 → +1,089 ms (noisy), inter-delta gap
+p99 115 → 64 ms; 1 stream: worker 1.11 → 0.88 ms/delta, TTFD unchanged. (An earlier A/B: 0.293 →
+0.160 ms/delta, TTFD p99 +1,372 → +699 ms.)
 The SDK's adapter maps every other aiohttp connection error to httpx2.ConnectTimeout (a refused
-connection would become APITimeoutError, a reset mid-body a "connect failure" in chatstream/pool.py);
+connection would become APITimeoutError, a reset or disconnect before the response a timeout and a
+"connect failure" in chatstream/pool.py);
 ``_RemappingTransport`` below puts them back to what httpx2 raises (ConnectError, ReadError,
 RemoteProtocolError), keeping the aiohttp exception and its OS error in the cause chain."""
 from __future__ import annotations
