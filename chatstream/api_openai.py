@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from . import sse
 from .body import validate_object
 from .completions import CompletionStream, filter_completion
-from .errors import ApiError
+from .errors import ERROR_HEADERS, ApiError
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .settings import Settings
@@ -55,7 +55,8 @@ class OpenAIChatRequest(BaseModel):
         return messages
 
 
-def _describe(first: dict) -> tuple[str, str | None]:
+def describe(first: dict) -> tuple[str, str | None]:
+    """A pydantic error as OpenAI words it: the top-level field as ``param``, its message after it."""
     loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
     param = loc[0] if loc else None
     message = first["msg"].removeprefix("Value error, ")
@@ -63,7 +64,7 @@ def _describe(first: dict) -> tuple[str, str | None]:
 
 
 def validate(data: object) -> OpenAIChatRequest:
-    return validate_object(OpenAIChatRequest, data, _describe)
+    return validate_object(OpenAIChatRequest, data, describe)
 
 
 _TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}
@@ -97,7 +98,7 @@ def encode(event: Event, include_usage: bool) -> bytes:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=status_for(error), headers=error.headers)
+    return JSONResponse(error_body(error), status_code=status_for(error), headers={**error.headers, **ERROR_HEADERS})
 
 
 def passed_on(data: dict, settings: Settings) -> dict:

@@ -48,9 +48,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from . import sse
-from .api_openai import error_response, passed_on
+from .api_openai import describe, error_response, passed_on
 from .body import validate_object
-from .errors import UPSTREAM_ERRORS, ApiError, UpstreamMalformed, UpstreamReported, from_upstream, invalid_request
+from .errors import (UPSTREAM_ERRORS, ApiError, UpstreamMalformed, UpstreamReported, from_upstream, invalid_request,
+                     upstream_field)
 from .limits import TimeLimits
 from .pipeline import CallRequest, Pipeline, TextFilter
 from .record import StreamRecord
@@ -89,12 +90,10 @@ class ResponsesRequest(BaseModel):
 
 
 def _describe(first: dict) -> tuple[str, str | None]:
-    loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "function-", "constrained-"))]
-    param = loc[0] if loc else None
-    message = first["msg"].removeprefix("Value error, ")
-    if param == "input":
-        message = "must be a string or an array of input items"
-    return (f"{param}: {message}" if param else message), param
+    message, param = describe(first)
+    if param == "input":  # pydantic's union message would list its branches
+        message = "input: must be a string or an array of input items"
+    return message, param
 
 
 def validate(data: object) -> ResponsesRequest:
@@ -412,7 +411,7 @@ class ResponsesClient:
         try:
             return await self.client.post(path_sent, **kwargs)
         except openai.NotFoundError as exc:
-            if path == "/responses" and _error_code(exc) not in _MODEL_MISSING:
+            if path == "/responses" and upstream_field(exc, "code") not in _MODEL_MISSING:
                 raise no_responses_api() from None
             raise
 
@@ -423,13 +422,6 @@ class ResponsesClient:
     async def delete(self, path: str, **kwargs):
         path, kwargs = self._args(path, kwargs)
         return await self.client.delete(path, **kwargs)
-
-
-def _error_code(exc: openai.APIStatusError) -> str | None:
-    body = exc.body
-    inner = body.get("error", body) if isinstance(body, dict) else None
-    code = inner.get("code") if isinstance(inner, dict) else None
-    return code if isinstance(code, str) else None
 
 
 class RawStream(openai.AsyncStream[bytes]):
@@ -589,8 +581,4 @@ def _follow_up_error(exc: BaseException) -> ApiError:
 
 
 def _error(error: ApiError) -> Response:
-    from .endpoint import ERROR_HEADERS
-
-    response = error_response(error)
-    response.headers.update(ERROR_HEADERS)
-    return response
+    return error_response(error)

@@ -14,7 +14,7 @@ from . import api_openai
 from .api_chat import ChatApi
 from .api_openai import OpenAIChatApi
 from .api_responses import ResponseFollowUps, ResponsesApi, ResponsesClient
-from .endpoint import ERROR_HEADERS, Endpoint
+from .endpoint import Endpoint
 from .errors import ApiError
 from .failover import Upstreams
 from .pipeline import Pipeline
@@ -65,9 +65,7 @@ class ChatApp:
         return self.not_found_error(f"Invalid URL ({request.method} {request.url.path})", "not_found")
 
     def not_found_error(self, message: str, type: str) -> Response:
-        response = api_openai.error_response(ApiError(404, type, message))
-        response.headers.update(ERROR_HEADERS)
-        return response
+        return api_openai.error_response(ApiError(404, type, message))
 
 
 def create_app(settings: Settings, pipeline: Pipeline | None = None,

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import sse, telemetry
 from .body import parse_json_body, read_body, require_json_content_type
-from .errors import UPSTREAM_ERRORS, ApiError, ClientGone, StepFailed, from_upstream
+from .errors import ERROR_HEADERS, UPSTREAM_ERRORS, ApiError, ClientGone, StepFailed, from_upstream
 from .failover import Upstreams
 from .limits import TimeLimits, total_expired
 from .pipeline import CallRequest, Pipeline
@@ -38,7 +38,6 @@ log = logging.getLogger("chatstream")
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-ERROR_HEADERS = {"Cache-Control": "no-store", "x-should-retry": "false"}
 # Errors that mean the upstream did not take the model: the name must not become a metric dimension.
 _MODEL_REFUSED = {"model_not_found", "invalid_request"}
 # After the total limit, how long a response blocked by a caller who stopped reading may still try

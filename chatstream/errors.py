@@ -94,12 +94,31 @@ class ClientGone(Exception):
     report: it is logged and counted as a disconnect."""
 
 
+# Sent with every error response: the app has already spent its own upstream retries
+# (UPSTREAM_MAX_RETRIES), and the OpenAI SDKs would otherwise retry the whole chain again.
+ERROR_HEADERS = {"Cache-Control": "no-store", "x-should-retry": "false"}
+
+
+def http_errors(*names: str) -> tuple[type[BaseException], ...]:
+    """The named exception classes of the SDK's HTTP library (httpx2 in openai 3.x, httpx before)."""
+    import importlib
+    found = []
+    for module in ("httpx2", "httpx"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        found.extend(getattr(mod, n) for n in names if hasattr(mod, n))
+    return tuple(found)
+
+
 # What the upstream call can raise besides our own errors: the SDK's (and its transport's, mapped
 # by the SDK or by upstream.py), and azure-identity's when no Entra ID token can be had.
 UPSTREAM_ERRORS = (openai.APIError, ClientAuthenticationError)
 
 
-def _upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
+def upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
+    """A string field (``message``, ``param``, ``code``) of the upstream's error body, if any."""
     body = exc.body
     if isinstance(body, dict):
         inner = body.get("error", body)
@@ -109,7 +128,7 @@ def _upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
 
 
 def _upstream_message(exc: openai.APIStatusError) -> str:
-    return _upstream_field(exc, "message") or exc.message
+    return upstream_field(exc, "message") or exc.message
 
 
 def retry_after(headers) -> dict[str, str]:
@@ -154,7 +173,7 @@ def from_upstream(exc: BaseException, model: str, midstream: bool = False) -> Ap
         return ApiError(429, "rate_limited", _upstream_message(exc), retryable=True,
                         headers=retry_after(exc.response.headers))
     if isinstance(exc, openai.BadRequestError) or (isinstance(exc, openai.APIStatusError) and exc.status_code == 422):
-        return ApiError(400, "invalid_request", _upstream_message(exc), _upstream_field(exc, "param"))
+        return ApiError(400, "invalid_request", _upstream_message(exc), upstream_field(exc, "param"))
     if isinstance(exc, openai.APIStatusError):
         return ApiError(502, "upstream_error", f"the model server failed (HTTP {exc.status_code})",
                         retryable=exc.status_code >= 500 or exc.status_code in (408, 409))

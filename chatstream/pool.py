@@ -50,6 +50,8 @@ from urllib.parse import urlsplit
 import openai
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
+from .errors import http_errors
+
 SETTING = "UPSTREAMS"
 DEFAULT_API_VERSION = "2024-10-21"  # as AZURE_OPENAI_API_VERSION's default in settings.py
 LEGACY_NAME = "default"
@@ -470,19 +472,7 @@ def cooldown_from_headers(headers: Mapping[str, str], *, wall_now: float | None 
 
 # --- exceptions from the openai SDK ---------------------------------------------------------------
 
-def _http_classes(*names: str) -> tuple[type[BaseException], ...]:
-    import importlib
-    found = []
-    for module in ("httpx2", "httpx"):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        found.extend(getattr(mod, n) for n in names if hasattr(mod, n))
-    return tuple(found)
-
-
-_CONNECT_ERRORS = _http_classes("ConnectError", "ConnectTimeout") + (ConnectionRefusedError, socket.gaierror)
+_CONNECT_ERRORS = http_errors("ConnectError", "ConnectTimeout") + (ConnectionRefusedError, socket.gaierror)
 
 
 def _connect_failure(exc: BaseException) -> bool:

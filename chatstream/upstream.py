@@ -30,7 +30,7 @@ import aiohttp
 import httpx2
 import openai
 
-from .errors import UpstreamMalformed, invalid_request
+from .errors import UpstreamMalformed, http_errors, invalid_request
 from .settings import Settings
 from .sse import SSEFramer
 
@@ -209,18 +209,7 @@ def _stream_error(response, error) -> openai.APIError:
                            response.request, body=error)
 
 
-def _http_errors(name: str) -> tuple[type[Exception], ...]:
-    # The SDK's HTTP library (httpx2 in openai 3.x, httpx before) raises these while a body is
-    # read; the SDK maps them only inside its own decoder, so they are mapped the same way here.
-    import importlib
-    found = []
-    for module in ("httpx2", "httpx"):
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
-
-
-_TIMEOUT_ERRORS = _http_errors("TimeoutException")
-_TRANSPORT_ERRORS = _http_errors("TransportError")
+# The SDK's HTTP library raises these while a body is read; the SDK maps them only inside its own
+# decoder, so they are mapped the same way here.
+_TIMEOUT_ERRORS = http_errors("TimeoutException")
+_TRANSPORT_ERRORS = http_errors("TransportError")
