@@ -56,7 +56,7 @@ from .limits import TimeLimits
 from .pipeline import CallRequest, Pipeline, TextFilter
 from .record import StreamRecord
 from .settings import Settings
-from .stream import Chunk, Done, Event, Failed, Fed, relay
+from .stream import Chunk, Done, Event, Failed, Fed, encoded, relay
 from .upstream import UpstreamStream
 
 log = logging.getLogger("chatstream")
@@ -527,16 +527,8 @@ class ResponseFollowUps:
 
 async def _encoded(first: Event, events: AsyncIterator[Event], encode: ResponseEncoder) -> AsyncIterator[bytes]:
     try:
-        data = encode(first)
-        if data:
+        async for data in encoded(first, events, encode):
             yield data
-        if isinstance(first, Chunk):
-            async for event in events:
-                data = encode(event)
-                if data:
-                    yield data
-                if not isinstance(event, Chunk):
-                    return
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()

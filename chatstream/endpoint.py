@@ -32,7 +32,7 @@ from .limits import TimeLimits, total_expired
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .settings import Settings
-from .stream import Chunk, Event, Failed, StreamProtocol, relay
+from .stream import Chunk, Event, Failed, StreamProtocol, encoded, relay
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
@@ -237,13 +237,8 @@ class Endpoint:
                     await asyncio.wait({first}, timeout=self.settings.heartbeat)
                     if not first.done():
                         yield sse.KEEP_ALIVE
-            data = encode(first.result())
-            if data:
+            async for data in encoded(first.result(), events, encode):
                 yield data
-            async for event in events:
-                data = encode(event)
-                if data:
-                    yield data
         finally:
             await _close_events(first, events)
 

@@ -94,6 +94,7 @@ class PeekedStream:
     def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt):
         self._stream = stream
         self._peeked = peeked
+        self._replaying = 0  # peeked chunks not yet given again
         self._attempt = attempt
         self._closed = False
         self._iterator = self._chunks()  # one iterator, as AsyncStream: the core iterates it twice
@@ -101,9 +102,15 @@ class PeekedStream:
     def __aiter__(self) -> AsyncIterator[dict]:
         return self._iterator
 
+    @property
+    def ready(self) -> int:
+        """Chunks in hand (see UpstreamStream.ready)."""
+        return self._replaying + self._stream.ready
+
     async def _chunks(self) -> AsyncIterator[dict]:
         peeked, self._peeked = self._peeked, []
-        for data in peeked:
+        for i, data in enumerate(peeked, 1):
+            self._replaying = len(peeked) - i
             yield data
         try:
             async for data in self._stream:

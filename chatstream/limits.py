@@ -4,7 +4,8 @@
 - idle: between two upstream chunks once output has started (``IDLE_TIMEOUT_SECONDS``);
 - total: the whole stream, however slowly the caller reads (``TOTAL_TIMEOUT_SECONDS``).
 
-Every wait on the upstream goes through ``wait``, bounded by the limit in force. The total limit is
+Every wait on the upstream goes through ``wait``, bounded by the limit in force, with one timer per
+stream (see ``wait``). The total limit is
 also checked on every chunk (chunks already buffered arrive without a wait), and the stream core
 arms ``on_total`` so that a stream parked behind a caller who stopped reading is closed at the
 limit all the same."""
@@ -43,6 +44,10 @@ class TimeLimits:
         self.usage_wait = settings.usage_wait
         self.output_started = False
         self.waiting = False  # inside ``wait``: the limit in force ends that wait by itself
+        self._task: asyncio.Task | None = None  # the task inside ``wait``
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._fired = False  # the timer cancelled the waiting task
 
     def error(self) -> TimeLimit:
         """The error for the limit in force now."""
@@ -69,14 +74,50 @@ class TimeLimits:
         self.deadline = min(self.total_at, self.loop.time() + self.usage_wait)
 
     async def wait(self, awaitable: Awaitable[T]) -> T:
-        self.waiting = True
+        """``awaitable``'s result, or the error of the limit in force when it runs out first.
+
+        Like ``asyncio.timeout_at(self.deadline)``, but with one timer for the whole stream instead
+        of one per chunk: the deadline moves on with every chunk, and the timer, when it fires
+        before the current deadline, sleeps again until it. Per chunk that is two attribute writes
+        instead of a timer handle pushed into and cancelled from the loop's heap (measured: ~3% of
+        the worker's CPU at 100 streams)."""
+        task = asyncio.current_task()
+        cancelling = task.cancelling()
+        self._task, self.waiting = task, True
+        if self._timer is None or self._timer_at > self.deadline:
+            self._arm()
         try:
-            async with asyncio.timeout_at(self.deadline):
-                return await awaitable
-        except TimeoutError:
-            raise self.error() from None
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._fired:
+                self._fired = False
+                if task.uncancel() <= cancelling:  # our cancellation, not the caller's
+                    raise self.error() from None
+            raise
         finally:
-            self.waiting = False
+            self.waiting, self._task = False, None
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = self.deadline
+        self._timer = self.loop.call_at(self.deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._task is None:
+            return  # not waiting: the next wait arms the timer again
+        if self.loop.time() < self.deadline:
+            self._arm()  # the deadline moved on since the timer was set
+            return
+        self._fired = True
+        self._task.cancel()
+
+    def close(self) -> None:
+        """The stream is over: drop the timer (it holds the last waiting task until it fires)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def on_total(self, callback: Callable[[], None]) -> asyncio.TimerHandle:
         return self.loop.call_at(self.total_at, callback)

@@ -7,12 +7,17 @@ import json
 KEEP_ALIVE = b": keep-alive\n\n"
 
 
+# Built once: json.dumps with any option builds a new encoder per call.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_ESCAPED = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def dumps(payload) -> bytes:
     """Compact JSON in UTF-8 (raw, not \\u-escaped: smaller, and what OpenAI sends)."""
     try:
-        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return _COMPACT(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
-        return json.dumps(payload, separators=(",", ":")).encode("ascii")
+        return _ESCAPED(payload).encode("ascii")
 
 
 def event(payload, name: bytes | None = None) -> bytes:

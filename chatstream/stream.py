@@ -9,6 +9,10 @@ reading; a failure of any kind ends the stream with one ``Failed`` (a bug of our
 its traceback and reported as ``internal_error``, never blamed on the upstream); the upstream
 response is closed however the stream ends, including when the caller hangs up.
 
+When one read from the upstream brought several chunks (a backlog, under load), the chunks made of
+them are marked ``more``: the endpoint sends them in one write with the chunk that follows, which
+is already in hand (nothing that is ready waits for the network).
+
 What differs per upstream API (chat completions, responses) is the ``protocol``: it filters each
 chunk (``feed`` → ``Fed``), says when the answer is complete (``done``), reads what comes after
 (``note``, e.g. the usage) and sums the stream up (``summary``)."""
@@ -35,6 +39,7 @@ log = logging.getLogger("chatstream")
 @dataclass(slots=True)
 class Chunk:
     data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
+    more: bool = False  # the next event is already in hand: write this one together with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,30 @@ class StreamProtocol(Protocol):
     def summary(self) -> Done: ...
 
 
+async def encoded(first: Event, events: AsyncIterator[Event], encode: Callable[[Event], bytes | None]
+                  ) -> AsyncIterator[bytes]:
+    """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
+    chunks marked ``more`` joined with the events that follow them."""
+    pending: list[bytes] = []
+    event = first
+    while True:
+        data = encode(event)
+        if data:
+            pending.append(data)
+        last = not isinstance(event, Chunk)
+        if pending and (last or not event.more):
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
+            pending = []
+        if last:
+            return
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            if pending:
+                yield b"".join(pending)
+            return
+
+
 def incomplete() -> ApiError:
     return ApiError(502, "upstream_incomplete", "the model server ended the stream without a finish reason",
                     retryable=True)
@@ -87,11 +116,10 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
     try:
         stream = await limits.wait(open_stream())
         watchdog = limits.on_total(lambda: _close_parked(stream, limits))
-        chunks = aiter(stream)
-        async with contextlib.aclosing(_forward(chunks, protocol, limits, record)) as forwarded:
+        async with contextlib.aclosing(_forward(stream, protocol, limits, record)) as forwarded:
             async for chunk in forwarded:
                 yield chunk
-        await _read_rest(chunks, protocol, limits)
+        await _read_rest(aiter(stream), protocol, limits)
         done = protocol.summary()
         record.finish_reason = done.finish_reason
         ended = True
@@ -104,6 +132,7 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
             record.disconnected = True
         if watchdog is not None:
             watchdog.cancel()
+        limits.close()
         if stream is not None:
             # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
             # connection must still be closed (that is what stops the paid generation).
@@ -111,34 +140,49 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
                 await stream.close()
 
 
-async def _forward(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits,
+async def _forward(stream: UpstreamStream, protocol: StreamProtocol, limits: TimeLimits,
                    record: StreamRecord) -> AsyncIterator[Chunk]:
+    chunks = aiter(stream)
     held: list[dict] = []  # chunks before the first output
-    while not protocol.done:
-        try:
-            data = await limits.wait(anext(chunks))
-        except StopAsyncIteration:
-            if protocol.finished:  # a choice never finished but the stream ended cleanly
-                return
-            raise incomplete() from None
-        limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
-        limits.got_chunk()  # the idle limit runs between upstream chunks, forwarded or not
-        fed = await protocol.feed(data)
-        if fed.data is None:
-            continue
-        if record.first_delta_at is None:
-            if not fed.output:
-                held.append(fed.data)
+    ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
+    try:
+        while not protocol.done:
+            if ready is not None and not stream.ready:  # the next read may wait: send what we have
+                yield ready
+                ready = None
+                limits.check_total()  # the caller may have read slowly while we were parked at yield
+            try:
+                data = await limits.wait(anext(chunks))
+            except StopAsyncIteration:
+                if protocol.finished:  # a choice never finished but the stream ended cleanly
+                    break
+                raise incomplete() from None
+            limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
+            limits.got_chunk()  # the idle limit runs between upstream chunks, forwarded or not
+            fed = await protocol.feed(data)
+            if fed.data is None:
                 continue
-            record.first_delta_at = time.perf_counter()
-            record.model_accepted = True  # the upstream served the model: it may be a metric dimension
-            limits.got_output()
-            for early in held:
-                yield Chunk(early)
-        if fed.delta:
-            record.deltas += 1
-        yield Chunk(fed.data)
-        limits.check_total()  # the caller may have read slowly while we were parked at yield
+            if record.first_delta_at is None:
+                if not fed.output:
+                    held.append(fed.data)
+                    continue
+                record.first_delta_at = time.perf_counter()
+                record.model_accepted = True  # the upstream served the model: it may be a metric dimension
+                limits.got_output()
+                for early in held:
+                    yield Chunk(early, more=True)
+            if fed.delta:
+                record.deltas += 1
+            if ready is not None:
+                ready.more = True
+                yield ready
+            ready = Chunk(fed.data)
+    except Exception:
+        if ready is not None:  # what was made before the failure still goes out, then the error
+            yield ready
+        raise
+    if ready is not None:
+        yield ready
 
 
 async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits) -> None:

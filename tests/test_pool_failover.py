@@ -538,7 +538,9 @@ def test_the_responses_api_fails_over_and_follow_ups_find_the_entry_that_holds_t
 # ------------------------------------------------------------------ the walk with scripted streams
 
 class ScriptedStream:
-    """Stands in for an UpstreamStream: yields ``chunks`` (then blocks forever if ``hang``)."""
+    """Stands in for an UpstreamStream: yields ``chunks`` (then blocks forever if ``hang``), each
+    as a read of its own."""
+    ready = 0
 
     def __init__(self, chunks: list[dict], hang: bool = False):
         self.chunks, self.hang, self.closed = chunks, hang, False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -219,3 +220,63 @@ async def test_on_total_can_be_cancelled():
     limits.on_total(lambda: fired.append(1)).cancel()
     await asyncio.sleep(0.05)
     assert fired == []
+
+
+# One timer per stream (``wait`` re-arms it instead of a new asyncio.timeout per chunk).
+
+async def test_a_deadline_that_moved_on_is_waited_for_not_the_first_one():
+    limits = TimeLimits(settings(first=5, idle=0.2))
+    limits.got_output()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for _ in range(4):  # 0.6 s in all, each wait within the idle limit: the first timer fires mid-way
+        await limits.wait(asyncio.sleep(0.15))
+        limits.got_chunk()
+    with pytest.raises(TimeLimit) as info:
+        await limits.wait(asyncio.sleep(5))
+    assert info.value.message == idle_expired().message
+    assert 0.75 <= loop.time() - started < 2.0
+
+
+async def test_a_deadline_moved_earlier_is_armed_again():
+    limits = TimeLimits(settings(first=5, idle=0.05))
+    await limits.wait(asyncio.sleep(0))  # the timer is set for the first-token limit, 5 s away
+    limits.got_output()  # now the idle limit: 0.05 s
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(TimeLimit):
+        await limits.wait(asyncio.sleep(5))
+    assert loop.time() - started < 1
+
+
+async def test_the_caller_cancelling_a_wait_is_not_a_time_limit():
+    limits = TimeLimits(settings(first=0.2))
+    task = asyncio.ensure_future(limits.wait(asyncio.sleep(5)))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.3)  # the timer fires with nobody waiting: nothing happens
+    assert await limits.wait(asyncio.sleep(0, "next")) == "next"
+
+
+@pytest.mark.parametrize("limit_first", [True, False])
+async def test_a_cancellation_racing_the_limit_stays_a_cancellation(limit_first):
+    limits = TimeLimits(settings(first=0.05))
+    task = asyncio.ensure_future(limits.wait(asyncio.sleep(5)))
+    await asyncio.sleep(0.01)
+    time.sleep(0.06)  # the limit is due, but the loop cannot run its timer yet
+    if limit_first:
+        limits._fire()  # the timer's callback, then the caller's cancel, before the task runs again
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_close_drops_the_timer():
+    limits = TimeLimits(settings(first=5))
+    await limits.wait(asyncio.sleep(0))
+    assert limits._timer is not None
+    limits.close()
+    assert limits._timer is None
+    limits.close()  # twice is fine

@@ -19,7 +19,7 @@ from chatstream.limits import TimeLimits
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Done, Failed, relay
+from chatstream.stream import Chunk, Done, Failed, encoded, relay
 
 REQUEST = httpx2.Request("POST", "http://upstream.test/v1/chat/completions")
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -45,19 +45,21 @@ class Gate:
 
 class Upstream:
     """An in-memory upstream stream: iterating it plays the script (dicts are yielded, a ``Sleep`` or
-    ``Gate`` waits, an exception is raised); ``close()`` records that it was called."""
+    ``Gate`` waits, an exception is raised); ``close()`` records that it was called. Dicts that
+    follow each other in the script count as one read: ``ready`` says how many are still in hand."""
 
     def __init__(self, script):
         self.script = list(script)
         self.closed = 0
         self.read = 0
+        self.ready = 0
         self._iterator = self._play()
 
     def __aiter__(self):
         return self._iterator  # one iteration, however often the core asks (as the SDK's stream)
 
     async def _play(self):
-        for step in self.script:
+        for i, step in enumerate(self.script):
             if isinstance(step, Sleep):
                 await asyncio.sleep(step.seconds)
             elif isinstance(step, Gate):
@@ -66,7 +68,10 @@ class Upstream:
                 raise step
             else:
                 self.read += 1
+                after = self.script[i + 1:]
+                self.ready = next((n for n, x in enumerate(after) if not isinstance(x, dict)), len(after))
                 yield step
+        self.ready = 0
 
     async def close(self):
         self.closed += 1
@@ -562,3 +567,63 @@ async def test_the_upstream_is_closed_once_after_done():
     run = Run(NORMAL)
     await run.all()
     assert run.upstream.closed == 1 and not run.record.disconnected
+
+
+# ------------------------------------------------------------------------------ writes: chunks in hand go together
+
+def encode_text(event) -> bytes | None:
+    if isinstance(event, Chunk):
+        return "".join(c["delta"].get("content") or "" for c in event.data["choices"]).encode() or None
+    return b"|end" if isinstance(event, Done) else b"|failed"
+
+
+async def writes(run: Run) -> list[tuple[float, bytes]]:
+    """What the endpoint would write, and when (seconds from the start)."""
+    events = run.events()
+    start = time.monotonic()
+    first = await anext(events)
+    return [(time.monotonic() - start, data) async for data in encoded(first, events, encode_text)]
+
+
+async def test_chunks_read_together_are_written_together():
+    words = [chunk({"content": w}) for w in ("a", "b", "c")]
+    run = Run([ROLE, *words, Sleep(0.05), chunk({"content": "d"}), chunk({}, "stop"), usage_chunk()])
+    assert [data for _, data in await writes(run)] == [b"abc", b"d", b"|end"]
+
+
+async def test_each_chunk_of_its_own_read_is_written_alone():
+    run = Run([ROLE, chunk({"content": "a"}), Sleep(0.01), chunk({"content": "b"}), Sleep(0.01),
+               chunk({}, "stop"), Sleep(0.01), usage_chunk()])
+    assert [data for _, data in await writes(run)] == [b"a", b"b", b"|end"]
+
+
+async def test_what_is_in_hand_never_waits_for_the_next_read():
+    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), Sleep(0.5), chunk({"content": "c"}),
+               chunk({}, "stop"), usage_chunk()])
+    (at, data), *rest = await writes(run)
+    assert data == b"ab" and at < 0.25, f"written after {at:.3f} s: it waited for the upstream"
+    assert [data for _, data in rest] == [b"c", b"|end"]
+
+
+async def test_chunks_filtered_away_do_not_hold_back_what_is_in_hand():
+    # The usage chunk (no choices) is not forwarded: "b" must not wait for a chunk that never comes.
+    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk(choices=[]), Sleep(0.5),
+               chunk({}, "stop"), usage_chunk()])
+    (at, data), *_ = await writes(run)
+    assert data == b"ab" and at < 0.25
+
+
+async def test_a_failure_after_chunks_in_hand_writes_them_then_the_error():
+    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), {"choices": "not a list"}])
+    assert [data for _, data in await writes(run)] == [b"ab", b"|failed"]
+    assert run.record.deltas == 2
+
+
+async def test_the_finish_is_written_before_the_usage_wait():
+    run = Run([ROLE, chunk({"content": "a"}), chunk({}, "stop"), Sleep(0.4), usage_chunk()])
+    events = run.events()
+    start = time.monotonic()
+    out = encoded(await anext(events), events, encode_text)
+    assert await anext(out) == b"a"  # "a" and the finish chunk (which encodes to nothing) in one write
+    assert time.monotonic() - start < 0.2
+    assert await anext(out) == b"|end"

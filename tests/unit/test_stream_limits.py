@@ -21,6 +21,7 @@ def chunk(i: int) -> dict:
 
 class EndlessUpstream:
     """An upstream that always has the next chunk ready (as if buffered), and notes when it is closed."""
+    ready = 0  # each chunk is a read of its own (stream.py writes the chunks in hand together)
 
     def __init__(self, pause: float = 0.0):
         self.pause = pause

@@ -206,7 +206,8 @@ class Bench:
             n = APP_WORKERS[name]
             log(f"starting the app as {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''})")
             self.servers[name] = Server(
-                name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(), str(ROOT)],
+                name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(),
+                       str(BENCH / "floor" if a.floor else ROOT)],
                 _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL,
                             "FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}),
                 self.out)
@@ -536,6 +537,8 @@ def parse_args(argv=None):
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--png", default=str(ROOT / "docs" / "benchmarks.png"))
     p.add_argument("--no-docs", dest="docs", action="store_false", help="results.json only")
+    p.add_argument("--floor", action="store_true",
+                   help="serve tools/bench/floor/ (a bare aiohttp relay) as the app paths: the runtime's floor")
     a = p.parse_args(argv)
     if a.quick:
         a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
