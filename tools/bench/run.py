@@ -40,8 +40,10 @@ BENCH_PY = Path(sys.executable)
 LITELLM_BIN = BENCH_PY.parent / "litellm"
 HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
-PATHS = ("direct", "app", "app2", "litellm")
-APP_WORKERS = {"app": 1, "app2": 2}  # FUNCTIONS_WORKER_PROCESS_COUNT of each app path
+PATHS = ("direct", "floor", "app", "app2", "litellm")
+APP_WORKERS = {"floor": 1, "app": 1, "app2": 2}  # FUNCTIONS_WORKER_PROCESS_COUNT of each path served by devhost
+# The floor: tools/bench/floor/function_app.py, a bare aiohttp relay on the same host and runtime.
+APP_DIRS = {"floor": BENCH / "floor"}
 MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
 LITELLM_ALIAS = "bench-model"  # tools/bench/litellm.yaml: bench-model -> openai/cadence
 # Short streams (the upstream's `normal` scenario: 10 deltas) next to the 40-delta ones at the same
@@ -207,7 +209,7 @@ class Bench:
             log(f"starting the app as {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''})")
             self.servers[name] = Server(
                 name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(),
-                       str(BENCH / "floor" if a.floor else ROOT)],
+                       str(APP_DIRS.get(name, ROOT))],
                 _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL,
                             "FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}),
                 self.out)
@@ -517,7 +519,7 @@ def parse_args(argv=None):
     p.add_argument("--split-level", type=int, default=100,
                    help="level of the short-stream waves that split CPU per request / per delta (default 100)")
     p.add_argument("--short-waves", type=int, default=2, help="short-stream waves per path there (default 2)")
-    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,app,app2,litellm")
+    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,floor,app,app2,litellm")
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
     p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
     p.add_argument("--max-ramp", type=float, default=0.5, help="longest ramp to open a wave (default 0.5 s)")
@@ -537,8 +539,6 @@ def parse_args(argv=None):
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--png", default=str(ROOT / "docs" / "benchmarks.png"))
     p.add_argument("--no-docs", dest="docs", action="store_false", help="results.json only")
-    p.add_argument("--floor", action="store_true",
-                   help="serve tools/bench/floor/ (a bare aiohttp relay) as the app paths: the runtime's floor")
     a = p.parse_args(argv)
     if a.quick:
         a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
