@@ -78,3 +78,30 @@ async def test_reset_or_disconnect_is_a_lost_connection():
             server.close()
         assert type(exc) is openai.APIConnectionError, (mode, exc)
         assert pool.classify(exc).kind is pool.OutcomeKind.CONNECTION_LOST, mode
+
+
+class _Recording(httpx2.AsyncBaseTransport):
+    def __init__(self, body: bytes):
+        self.body, self.timeouts = body, []
+
+    async def handle_async_request(self, request):
+        self.timeouts.append(request.extensions.get("timeout"))
+        kind = "application/json" if self.body.startswith(b"{") else "text/event-stream"
+        return httpx2.Response(200, headers={"content-type": kind}, stream=httpx2.ByteStream(self.body),
+                               request=request)
+
+
+async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completion_keeps_all():
+    from chatstream.upstream import complete
+
+    recording = _Recording(CHUNK + b"data: [DONE]\n\n")
+    timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
+    client = openai.AsyncOpenAI(api_key="k", base_url="http://upstream.test/v1", timeout=timeout, max_retries=0,
+                                http_client=httpx2.AsyncClient(transport=recording))
+    stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+    assert [data async for data in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
+    recording.body = b'{"choices": []}'
+    assert await complete(client, "/chat/completions", {"model": "m"}) == {"choices": []}
+    streamed, completed = recording.timeouts
+    assert streamed == {"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}
+    assert completed == {"connect": 3.0, "read": 65.0, "write": 30.0, "pool": 30.0}
