@@ -266,9 +266,8 @@ class Bench:
             self.sampler.stop()
         for g in self.loadgens:
             g.stop()
-        for name in ("litellm", "app2", "app", "upstream"):
-            if name in self.servers:
-                self.servers[name].stop()
+        for name in sorted(self.servers, key=lambda n: n == "upstream"):  # the upstream last
+            self.servers[name].stop()
 
     # -- one wave
 
