@@ -138,6 +138,7 @@ class ResponseStream:
 
     def __init__(self, pipeline: Pipeline, record: StreamRecord, resumed: bool = False):
         self._make_filter = pipeline.text_filter if pipeline.filters_text else None
+        self.feed_waits = pipeline.moderates
         self._record = record
         # A re-stream after ``starting_after``: its deltas are only the end of each text, so the full
         # texts are the upstream's, through the text steps whole (as GET /responses/{id} gives them).
@@ -393,11 +394,16 @@ def no_responses_api() -> ApiError:
 class ResponsesClient:
     """The SDK client as the Responses API calls need it: for Azure OpenAI, the v1 API
     (``/openai/v1/responses``, no ``api-version``); an upstream 404 on creating a response that is not
-    about the model means the upstream lacks the API (501). Only ``get``, ``post`` and ``delete``."""
+    about the model means the upstream lacks the API (501). Only ``get``, ``post``, ``delete`` and the
+    client's ``timeout``."""
 
     def __init__(self, client: openai.AsyncOpenAI, azure: bool):
         self.client = client
         self.azure = azure
+
+    @property
+    def timeout(self):
+        return self.client.timeout
 
     def _args(self, path: str, kwargs: dict) -> tuple[str, dict]:
         if not self.azure:

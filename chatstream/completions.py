@@ -117,6 +117,7 @@ class CompletionStream:
 
     def __init__(self, pipeline: Pipeline, record: StreamRecord, choices: int = 1):
         self._make_filter = pipeline.text_filter if pipeline.filters_text else None
+        self.feed_waits = pipeline.moderates
         self._filters: dict[int, ChoiceFilters] = {}
         self._record = record
         self._wanted = choices

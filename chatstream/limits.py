@@ -89,13 +89,17 @@ class TimeLimits:
         try:
             return await awaitable
         except asyncio.CancelledError:
-            if self._fired:
-                self._fired = False
-                if task.uncancel() <= cancelling:  # our cancellation, not the caller's
-                    raise self.error() from None
+            if self._fired and self._take_back(task) <= cancelling:  # our cancellation, not the caller's
+                raise self.error() from None
             raise
         finally:
+            if self._fired:  # the timer fired, yet the wait ended another way: take its cancel back
+                self._take_back(task)
             self.waiting, self._task = False, None
+
+    def _take_back(self, task: asyncio.Task) -> int:
+        self._fired = False
+        return task.uncancel()
 
     def _arm(self) -> None:
         if self._timer is not None:

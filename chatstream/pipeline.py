@@ -164,6 +164,11 @@ class Pipeline:
         return bool(self._text) or self._moderation is not None
 
     @property
+    def moderates(self) -> bool:
+        """A moderation check runs on the text: filtering a chunk may wait on it (a network call)."""
+        return self._moderation is not None
+
+    @property
     def wants_result(self) -> bool:
         return bool(self._after)
 

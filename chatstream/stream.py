@@ -11,7 +11,8 @@ response is closed however the stream ends, including when the caller hangs up.
 
 When one read from the upstream brought several chunks (a backlog, under load), the chunks made of
 them are marked ``more``: the endpoint sends them in one write with the chunk that follows, which
-is already in hand (nothing that is ready waits for the network).
+is already in hand (nothing that is ready waits for the network, nor for a moderation check: with
+one, each chunk goes out on its own).
 
 What differs per upstream API (chat completions, responses) is the ``protocol``: it filters each
 chunk (``feed`` → ``Fed``), says when the answer is complete (``done``), reads what comes after
@@ -70,6 +71,7 @@ class Fed:
 
 
 class StreamProtocol(Protocol):
+    feed_waits: bool  # ``feed`` may wait (on a moderation check): chunks in hand are not held for it
     @property
     def done(self) -> bool: ...  # the answer is complete
     @property
@@ -147,7 +149,7 @@ async def _forward(stream: UpstreamStream, protocol: StreamProtocol, limits: Tim
     ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
     try:
         while not protocol.done:
-            if ready is not None and not stream.ready:  # the next read may wait: send what we have
+            if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
                 yield ready
                 ready = None
                 limits.check_total()  # the caller may have read slowly while we were parked at yield

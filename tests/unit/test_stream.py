@@ -627,3 +627,18 @@ async def test_the_finish_is_written_before_the_usage_wait():
     assert await anext(out) == b"a"  # "a" and the finish chunk (which encodes to nothing) in one write
     assert time.monotonic() - start < 0.2
     assert await anext(out) == b"|end"
+
+
+async def test_with_moderation_a_chunk_in_hand_does_not_wait_for_the_next_ones_check():
+    async def check(text):
+        if "b" in text:
+            await asyncio.sleep(0.5)  # the check of the second chunk is slow
+        return True
+
+    pipeline = Pipeline()
+    pipeline.moderate(check, every=1)
+    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk({}, "stop"), usage_chunk()],
+              pipeline=pipeline)
+    (at, data), *rest = await writes(run)
+    assert data == b"a" and at < 0.25, f"'a' written after {at:.3f} s: it waited for the check of 'b'"
+    assert [data for _, data in rest] == [b"b", b"|end"]

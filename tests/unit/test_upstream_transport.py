@@ -105,3 +105,26 @@ async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completio
     streamed, completed = recording.timeouts
     assert streamed == {"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}
     assert completed == {"connect": 3.0, "read": 65.0, "write": 30.0, "pool": 30.0}
+
+
+async def test_a_responses_stream_opens_through_the_responses_client_without_a_read_timeout():
+    from chatstream.api_responses import ResponsesClient
+
+    recording = _Recording(b'data: {"type":"response.created"}\n\ndata: [DONE]\n\n')
+    timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
+    sdk = openai.AsyncOpenAI(api_key="k", base_url="http://upstream.test/v1", timeout=timeout, max_retries=0,
+                             http_client=httpx2.AsyncClient(transport=recording))
+    stream = await UpstreamStream.open(ResponsesClient(sdk, azure=False), "/responses", {"model": "m", "stream": True})
+    assert [data async for data in stream] == [{"type": "response.created"}]
+    assert recording.timeouts == [{"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}]
+
+
+async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_settings():
+    class Minimal:  # a stand-in client: only post
+        async def post(self, path, **kwargs):
+            self.kwargs = kwargs
+            return "opened"
+
+    client = Minimal()
+    assert await UpstreamStream.open(client, "/chat/completions", {"model": "m"}) == "opened"
+    assert "options" not in client.kwargs
