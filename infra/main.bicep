@@ -81,7 +81,7 @@ param instanceMemoryMB int = 2048
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
-param httpPerInstanceConcurrency int = 40
+param httpPerInstanceConcurrency int = 50
 
 @minValue(1)
 @maxValue(10)

@@ -652,7 +652,7 @@ BREAKAGES = [
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
-    ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 40",
+    ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
      "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
     ("worker processes not set", R, "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
      "    name: 'FUNCTIONS_WORKER_PROCESSES'\n", check_scaling_defaults),
