@@ -5,10 +5,9 @@
 - total: the whole stream, however slowly the caller reads (``TOTAL_TIMEOUT_SECONDS``).
 
 Every wait on the upstream goes through ``wait``, bounded by the limit in force, with one timer per
-stream (see ``wait``). The total limit is
-also checked on every chunk (chunks already buffered arrive without a wait), and the stream core
-arms ``on_total`` so that a stream parked behind a caller who stopped reading is closed at the
-limit all the same."""
+stream (see ``wait``). The total limit is also checked on every chunk (chunks already buffered
+arrive without a wait), and the stream core arms ``on_total`` so that a stream parked behind a
+caller who stopped reading is closed at the limit all the same."""
 from __future__ import annotations
 
 import asyncio
