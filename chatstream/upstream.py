@@ -166,10 +166,11 @@ class UpstreamStream(openai.AsyncStream[dict]):
 
     @classmethod
     async def open(cls, client: openai.AsyncOpenAI, path: str, params: dict) -> "UpstreamStream":
+        extra = {}
         timeout = getattr(client, "timeout", None)
-        options = _without_read_limit(timeout) if isinstance(timeout, httpx2.Timeout) else {}
-        return await client.post(path, body=params, cast_to=object, stream=True, stream_cls=cls,
-                                 **({"options": options} if options else {}))
+        if isinstance(timeout, httpx2.Timeout):  # an SDK client (a stand-in may have no timeouts)
+            extra["options"] = {"timeout": _without_read_limit(timeout)}
+        return await client.post(path, body=params, cast_to=object, stream=True, stream_cls=cls, **extra)
 
     def __aiter__(self) -> AsyncIterator[dict]:
         # The stream's own generator: the SDK's __aiter__ wraps it in one more generator per chunk.
@@ -194,11 +195,11 @@ class UpstreamStream(openai.AsyncStream[dict]):
             raise openai.APIConnectionError(request=self.response.request) from exc
 
 
-def _without_read_limit(timeout: httpx2.Timeout) -> dict:
+def _without_read_limit(timeout: httpx2.Timeout) -> httpx2.Timeout:
     """The client's timeouts without the read one, for streams: the stream core bounds every read
     itself (limits.py), and aiohttp would re-arm a read timer on every chunk it receives (~2% of the
     worker's CPU at 100 streams). Non-streamed calls keep it as their backstop."""
-    return {"timeout": httpx2.Timeout(connect=timeout.connect, read=None, write=timeout.write, pool=timeout.pool)}
+    return httpx2.Timeout(connect=timeout.connect, read=None, write=timeout.write, pool=timeout.pool)
 
 
 def _decode(response, payload: bytes) -> dict:
