@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv client client-mono chromium bench bench-profile clean
+.PHONY: serve test venv client client-mono chromium azurite bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -21,7 +21,7 @@ serve: $(STAMP)
 # Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
 # on streams and timers, so this cuts its wall time by about half on two cores. Unit tests alone:
 # $(PY) -m pytest tests/unit
-test: $(STAMP) client-mono chromium
+test: $(STAMP) client-mono chromium azurite
 	$(PY) -m pytest -n 3 --dist loadfile
 
 # The C# client: with the .NET SDK where it exists, otherwise Mono's mcs (installs mono-devel).
@@ -41,6 +41,21 @@ chromium:
 	  $$sudo apt-get install -y -qq chromium >/dev/null || \
 	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq chromium >/dev/null; }; }
 
+# Azurite, the local Azure Storage (tools/azurite/): Node.js and npm from apt where missing, then the
+# version pinned in its package-lock.json with npm ci. `make test` starts its own; `make serve` starts
+# one when a setting needs the store.
+AZURITE := tools/azurite/node_modules/.bin/azurite
+$(AZURITE): tools/azurite/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "npm not found; installing nodejs and npm with apt-get" >&2; \
+	  sudo=$$([ "$$(id -u)" -ne 0 ] && echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y -qq nodejs npm >/dev/null || \
+	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq nodejs npm >/dev/null; }; }
+	cd tools/azurite && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(AZURITE)
+
+azurite: $(AZURITE)
+
 # Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
 BENCH_VENV := tools/bench/.venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
@@ -59,4 +74,4 @@ bench-profile: $(STAMP) $(BENCH_STAMP)
 	tools/bench/profile.sh $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out
+	rm -rf $(VENV) tools/azurite/node_modules tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import settings
 
 from helpers import app_env
-from servers import App, Upstream
+from servers import App, Azurite, Upstream
 
 # CI replays the same examples every run (a landing must not depend on the draw); locally each run
 # explores new ones.
@@ -41,3 +41,11 @@ def start_app(upstream):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    """A real Azurite for this test process (each xdist worker starts its own, in memory)."""
+    server = Azurite()
+    yield server
+    server.stop()

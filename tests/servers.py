@@ -28,9 +28,10 @@ class Served:
         full_env.update(env or {})
         self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                                      stderr=self.log_file, stdin=subprocess.DEVNULL, text=True)
+        self.stdout_lines: list[str] = []
         self.url = self._wait_ready(timeout)
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        # Keep draining stdout (kept in stdout_lines) so the child never blocks on a full pipe.
+        threading.Thread(target=lambda: self.stdout_lines.extend(self.proc.stdout), daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> str:
         found: list[str] = []
@@ -119,3 +120,17 @@ class App(Served):
     @property
     def chat_url(self) -> str:
         return self.url + "/api/chat"
+
+
+class Azurite(Served):
+    """A real Azurite (tools/azurite/), in memory, on free ports: the store the callers and
+    resumable-streams features share. ``connection_string`` is what the app takes as AzureWebJobsStorage."""
+
+    def __init__(self):
+        super().__init__(["-m", "tools.azurite", "--in-memory"])
+        deadline = time.monotonic() + 10
+        while not any(line.startswith("AzureWebJobsStorage=") for line in list(self.stdout_lines)):
+            assert time.monotonic() < deadline and self.proc.poll() is None, f"no connection string:\n{self.log()}"
+            time.sleep(0.02)
+        line = next(line for line in self.stdout_lines if line.startswith("AzureWebJobsStorage="))
+        self.connection_string = line.split("=", 1)[1].strip()
