@@ -1,9 +1,10 @@
 """The function app: its routes. The logic lives in chatstream/ (docs: README.md, "Layout").
 
 A request's way: the route below → chatstream/endpoint.py (reads the request, runs the pipeline, the
-status rule) with the route's API adapter (api_chat.py, api_openai.py, api_responses.py) → stream.py (the stream
-core, time limits in limits.py) → failover.py (the upstream pool: which entry, moving on before the first
-output) → upstream.py (the OpenAI / Azure OpenAI client)."""
+status rule) with the route's API adapter (chatstream/apis/) → stream.py (the stream core and its time
+limits) → upstreams/failover.py (the pool: which entry, moving on before the first output) →
+upstreams/clients.py (the OpenAI / Azure OpenAI client)."""
+
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import Request, Response
 

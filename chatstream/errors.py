@@ -1,57 +1,110 @@
-"""One error hierarchy for everything a caller can be told, and how upstream failures map to it.
+"""Everything a caller can be told went wrong, as one hierarchy::
 
-Every failure the app reports is an ``ApiError``: a status, a type, a message written for the caller,
-a retryable flag, and headers (``Retry-After``). Before the first output an endpoint answers it as an
-HTTP status with a JSON body; after it, as the final error event of the stream, each API adapter in
-its own wire format. Messages never carry a secret.
+    Exception
+    ├── ApiError                 a status, an ErrorKind, a message for the caller, retryable, headers
+    │   ├── Rejection            a before-step refused the request (its own 4xx)
+    │   ├── StepFailed           a pipeline step raised (500 pipeline_error)
+    │   ├── ModerationStop       the moderation check stopped the stream (content_filter)
+    │   ├── TimeLimit            first-token, idle or total limit passed (504)
+    │   ├── UpstreamMalformed    the upstream sent what its API does not allow (502)
+    │   └── UpstreamReported     the upstream's stream carried an error event (502)
+    └── ClientGone               the caller hung up: nobody to tell (logged as a disconnect)
 
-Anything else that escapes our code (a ``ValueError``, a ``TypeError``...) is a bug: the endpoint
-logs it with its traceback and answers 500 ``internal_error``. Malformed data from the upstream is
-never one of those: the upstream code raises ``UpstreamMalformed`` for it."""
+Before the first output an endpoint answers an ApiError as an HTTP status with the API's JSON body;
+after it, as the stream's final error event, each API in its own wire format. Messages never carry
+a secret. What the upstream SDK raises becomes an ApiError in one place, ``upstreams/outcomes.py``
+(``classify``), which also says what the failure means for the pool entry. Anything else that
+escapes our code is a bug: answered as 500 ``internal_error``, logged with its traceback."""
+
 from __future__ import annotations
 
-import logging
+import email.utils
+import importlib
 import math
+import time
+from collections.abc import Mapping
+from enum import StrEnum
 
-import openai
-from azure.core.exceptions import ClientAuthenticationError
 
-from .record import log_safe
+class ErrorKind(StrEnum):
+    """The ``type`` (/api/chat) or ``code`` (OpenAI shape) of every error the app reports."""
 
-log = logging.getLogger("chatstream")
+    INVALID_REQUEST = "invalid_request"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    REQUEST_TOO_LARGE = "request_too_large"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    REJECTED = "rejected"
+    CONTENT_FILTER = "content_filter"
+    PIPELINE_ERROR = "pipeline_error"
+    INTERNAL_ERROR = "internal_error"
+    NOT_CONFIGURED = "not_configured"
+    RATE_LIMITED = "rate_limited"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_AUTH = "upstream_auth"
+    UPSTREAM_AUTH_UNAVAILABLE = "upstream_auth_unavailable"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_DISCONNECTED = "upstream_disconnected"
+    UPSTREAM_INCOMPLETE = "upstream_incomplete"
+    UPSTREAM_MALFORMED = "upstream_malformed"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    RESPONSES_NOT_SUPPORTED = "responses_not_supported"
+    # Callers (CALLER_KEYS=required): OpenAI's own codes where OpenAI has one.
+    INVALID_API_KEY = "invalid_api_key"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    INSUFFICIENT_QUOTA = "insufficient_quota"
+    CALLER_STORE_UNAVAILABLE = "caller_store_unavailable"
+    # Resumable streams.
+    STREAM_LOST = "stream_lost"
+    STREAM_STORE_UNAVAILABLE = "stream_store_unavailable"
+
+
+_KINDS = frozenset(ErrorKind)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, type: str, message: str, param: str | None = None,
-                 retryable: bool = False, headers: dict[str, str] | None = None):
+    """``type``: an ErrorKind, or a string of a before-step's own (Rejection)."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        param: str | None = None,
+        retryable: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
-        self.type = type
+        self.type: str = ErrorKind(type) if type in _KINDS else type
         self.message = message
         self.param = param
         self.retryable = retryable
-        self.headers = headers or {}
+        self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> dict:
         """The error as /api/chat writes it: ``{"error": {"type", "message", "param"?, "retryable"}}``."""
-        error = {"type": self.type, "message": self.message}
+        error: dict[str, object] = {"type": str(self.type), "message": self.message}
         if self.param is not None:
             error["param"] = self.param
         error["retryable"] = self.retryable
         return {"error": error}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.status}, {self.type!r}, {self.message!r})"
+        return f"{type(self).__name__}({self.status}, {str(self.type)!r}, {self.message!r})"
 
 
 def invalid_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, "invalid_request", message, param)
+    return ApiError(400, ErrorKind.INVALID_REQUEST, message, param)
 
 
 class Rejection(ApiError):
     """Raised by a before-step: the caller gets ``status`` with a JSON error body."""
 
-    def __init__(self, status: int, message: str, type: str = "rejected", param: str | None = None):
+    def __init__(self, status: int, message: str, type: str = ErrorKind.REJECTED, param: str | None = None):
         super().__init__(status, type, message, param)
 
 
@@ -59,17 +112,17 @@ class StepFailed(ApiError):
     """A pipeline step raised (or left the request in a state the endpoint cannot serve)."""
 
     def __init__(self, step: str, message: str | None = None):
-        super().__init__(500, "pipeline_error", message or f"the pipeline step {step!r} failed")
+        super().__init__(500, ErrorKind.PIPELINE_ERROR, message or f"the pipeline step {step!r} failed")
         self.step = step
 
 
 class ModerationStop(ApiError):
     def __init__(self, reason: str):
-        super().__init__(400, "content_filter", f"stopped by moderation: {reason}")
+        super().__init__(400, ErrorKind.CONTENT_FILTER, f"stopped by moderation: {reason}")
 
 
 class TimeLimit(ApiError):
-    """One of the stream's time limits passed (chatstream/limits.py says which)."""
+    """One of the stream's time limits passed (stream.TimeLimits says which)."""
 
     def __init__(self, type: str, message: str, retryable: bool = True):
         super().__init__(504, type, message, retryable=retryable)
@@ -79,19 +132,44 @@ class UpstreamMalformed(ApiError):
     """The upstream sent data that is not what its API promises (not JSON, the wrong shape)."""
 
     def __init__(self, what: str = "the model server sent a malformed chunk"):
-        super().__init__(502, "upstream_malformed", what, retryable=True)
+        super().__init__(502, ErrorKind.UPSTREAM_MALFORMED, what, retryable=True)
 
 
 class UpstreamReported(ApiError):
     """The upstream's stream carried an error event of its own (a server-side failure)."""
 
     def __init__(self, message: str):
-        super().__init__(502, "upstream_error", f"the model server reported an error: {message}", retryable=True)
+        super().__init__(
+            502, ErrorKind.UPSTREAM_ERROR, f"the model server reported an error: {message}", retryable=True
+        )
 
 
 class ClientGone(Exception):
     """The caller hung up (while sending its body, or while waiting). Not an error of anyone's to
     report: it is logged and counted as a disconnect."""
+
+
+def first_token_expired() -> TimeLimit:
+    return TimeLimit(ErrorKind.UPSTREAM_TIMEOUT, "no first token within the time limit")
+
+
+def idle_expired() -> TimeLimit:
+    return TimeLimit(ErrorKind.UPSTREAM_TIMEOUT, "the model stopped sending within the idle limit")
+
+
+def total_expired() -> TimeLimit:
+    # Not retryable: the same request would hit the same limit again, generating (and paying) as long.
+    return TimeLimit(ErrorKind.TOTAL_TIMEOUT, "the stream hit its total time limit", retryable=False)
+
+
+def incomplete() -> ApiError:
+    return ApiError(
+        502, ErrorKind.UPSTREAM_INCOMPLETE, "the model server ended the stream without a finish reason", retryable=True
+    )
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, ErrorKind.INTERNAL_ERROR, "the request failed unexpectedly", retryable=True)
 
 
 # Sent with every error response: the app has already spent its own upstream retries
@@ -101,8 +179,7 @@ ERROR_HEADERS = {"Cache-Control": "no-store", "x-should-retry": "false"}
 
 def http_errors(*names: str) -> tuple[type[BaseException], ...]:
     """The named exception classes of the SDK's HTTP library (httpx2 in openai 3.x, httpx before)."""
-    import importlib
-    found = []
+    found: list[type[BaseException]] = []
     for module in ("httpx2", "httpx"):
         try:
             mod = importlib.import_module(module)
@@ -112,71 +189,76 @@ def http_errors(*names: str) -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-# What the upstream call can raise besides our own errors: the SDK's (and its transport's, mapped
-# by the SDK or by upstream.py), and azure-identity's when no Entra ID token can be had.
-UPSTREAM_ERRORS = (openai.APIError, ClientAuthenticationError)
+# --- Retry-After ------------------------------------------------------------------------------
+
+# A caller is never told to wait longer than this, whatever an upstream said.
+MAX_RETRY_AFTER = 3600
 
 
-def upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
-    """A string field (``message``, ``param``, ``code``) of the upstream's error body, if any."""
-    body = exc.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and isinstance(inner.get(name), str):
-            return inner[name]
-    return None
+def _number(value: str) -> float | None:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
-def _upstream_message(exc: openai.APIStatusError) -> str:
-    return upstream_field(exc, "message") or exc.message
+def parse_retry_after(headers: Mapping[str, str], wall_now: float | None = None) -> float | None:
+    """The seconds an upstream's ``Retry-After`` (delay-seconds or an HTTP-date) or
+    ``retry-after-ms`` ask for; None when neither says anything usable. Garbage, NaN, infinities and
+    negative values are nothing usable; 0 and a past date are 0 (the caller of this decides what a
+    zero means). Header names in any case."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    found: list[float] = []
+    raw = lower.get("retry-after")
+    if raw is not None:
+        seconds = _number(raw)
+        if seconds is None:
+            try:
+                when = email.utils.parsedate_to_datetime(raw)
+            except (TypeError, ValueError, IndexError, OverflowError):
+                when = None
+            if when is not None and when.tzinfo is not None:
+                seconds = when.timestamp() - (time.time() if wall_now is None else wall_now)
+                seconds = max(seconds, 0.0)
+        if seconds is not None and seconds >= 0:
+            found.append(seconds)
+    ms = _number(lower["retry-after-ms"]) if "retry-after-ms" in lower else None
+    if ms is not None and ms >= 0:
+        found.append(ms / 1000)
+    return max(found) if found else None
 
 
-def retry_after(headers) -> dict[str, str]:
-    """``Retry-After`` for the caller from an upstream response's headers, if it sent one."""
-    if "retry-after" in headers:
-        return {"Retry-After": headers["retry-after"]}
-    if "retry-after-ms" in headers:
-        try:
-            seconds = float(headers["retry-after-ms"]) / 1000
-        except ValueError:
-            return {}
-        if math.isfinite(seconds):  # rounded up: coming back a little early would meet the limit again
-            return {"Retry-After": str(max(1, math.ceil(seconds)))}
-    return {}
+def retry_after_headers(seconds: float | None, ms: bool = False) -> dict[str, str]:
+    """What a caller is told: ``Retry-After`` in whole seconds (rounded up, at least 1, at most
+    MAX_RETRY_AFTER), plus ``retry-after-ms`` when asked (the upstream gave one)."""
+    if seconds is None or not math.isfinite(seconds):
+        return {}
+    bounded = min(max(seconds, 0.0), float(MAX_RETRY_AFTER))
+    headers = {"Retry-After": str(max(1, math.ceil(bounded)))}
+    if ms:
+        headers["retry-after-ms"] = str(max(1, math.ceil(bounded * 1000)))
+    return headers
 
 
-def from_upstream(exc: BaseException, model: str, midstream: bool = False) -> ApiError:
-    """Map an exception from the upstream call (one of ``UPSTREAM_ERRORS``) to what the caller sees.
-    ``midstream``: output has already been sent (the status is then only informative)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ClientAuthenticationError):
-        # Not a bug and not the caller's: one line with the credential's own account of what it
-        # tried (it names credential types, never a secret), no traceback.
-        log.warning("could not get an Entra ID token for Azure OpenAI: %s", log_safe(exc.message or str(exc)))
-        return ApiError(503, "upstream_auth_unavailable",
-                        "the app could not get an Entra ID token for Azure OpenAI", retryable=True)
-    if isinstance(exc, openai.APITimeoutError):
-        return ApiError(504, "upstream_timeout", "the model did not answer in time", retryable=True)
-    if isinstance(exc, openai.APIConnectionError):
-        if midstream:
-            return ApiError(502, "upstream_disconnected", "the connection to the model server was lost",
-                            retryable=True)
-        return ApiError(503, "upstream_unavailable", "could not reach the model server", retryable=True)
-    if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
-        # Our credentials, not the caller's: say so without the upstream's details (they may
-        # quote part of the key).
-        return ApiError(502, "upstream_auth", "upstream authentication failed")
-    if isinstance(exc, openai.NotFoundError):
-        return ApiError(400, "model_not_found", f"model {model!r} is not available on the upstream", "model")
-    if isinstance(exc, openai.RateLimitError):
-        return ApiError(429, "rate_limited", _upstream_message(exc), retryable=True,
-                        headers=retry_after(exc.response.headers))
-    if isinstance(exc, openai.BadRequestError) or (isinstance(exc, openai.APIStatusError) and exc.status_code == 422):
-        return ApiError(400, "invalid_request", _upstream_message(exc), upstream_field(exc, "param"))
-    if isinstance(exc, openai.APIStatusError):
-        return ApiError(502, "upstream_error", f"the model server failed (HTTP {exc.status_code})",
-                        retryable=exc.status_code >= 500 or exc.status_code in (408, 409))
-    if isinstance(exc, openai.APIError):  # an error payload inside the stream
-        return ApiError(502, "upstream_error", f"the model server reported an error: {exc.message}", retryable=True)
-    raise TypeError(f"not an upstream error: {type(exc).__name__}")  # a bug of ours: the caller's 500
+# --- secrets ----------------------------------------------------------------------------------
+
+# Every upstream key the app was configured with, and every Entra ID token it obtained: an upstream
+# may quote them back (an error message repeating the Authorization header), so any upstream text
+# passed on to a caller or written to a log goes through ``redact`` first.
+_SECRETS: set[str] = set()
+_MIN_SECRET = 8  # shorter values would redact ordinary words (a test key like "x")
+REDACTED = "[redacted]"
+
+
+def register_secret(value: str | None) -> None:
+    if value and len(value) >= _MIN_SECRET:
+        _SECRETS.add(value)
+
+
+def redact(text: str) -> str:
+    """``text`` without any registered secret."""
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text

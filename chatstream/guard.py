@@ -64,6 +64,7 @@ concatenate deltas. A lone surrogate from the upstream passes through like any o
 The moderation hook (:class:`ModerationGate`) is a separate building block: it calls an async check
 every N released characters and tells its caller when to stop.
 """
+
 from __future__ import annotations
 
 import re
@@ -141,8 +142,9 @@ class Redactor:
             node[_END] = True
         self._longest = max(map(len, unique), default=0)
         # Finds the next character that begins some term; None when there are no terms.
-        self._starts = re.compile("[" + "".join(map(re.escape, sorted(self._root))) + "]").search \
-            if self._root else None
+        self._starts = (
+            re.compile("[" + "".join(map(re.escape, sorted(self._root))) + "]").search if self._root else None
+        )
         self._held = ""
 
     @property
@@ -175,6 +177,7 @@ class Redactor:
         """Run the scan over ``buf`` from 0. Unless ``final``, stop at the first scan position whose
         rest of ``buf`` is a proper prefix of a term. Returns (output, where it stopped)."""
         starts = self._starts
+        assert starts is not None, "only called with terms"
         root = self._root
         replacement = self._replacement
         n = len(buf)
@@ -187,16 +190,17 @@ class Redactor:
                     out.append(buf[q:])
                     q = n
                     break
-                out.append(buf[q:found.start()])
+                out.append(buf[q : found.start()])
                 q = found.start()
             # Walk the trie from q: `end` is where the longest term starting at q ends (0 if none).
             node = root
             j = q
             end = 0
             while j < n:
-                node = node.get(buf[j])
-                if node is None:
+                child = node.get(buf[j])
+                if child is None:
                     break
+                node = child
                 j += 1
                 if _END in node:
                     end = j
@@ -230,10 +234,11 @@ class ModerationGate:
     characters; that choice is the caller's.
     """
 
-    __slots__ = ("_check", "_checked", "_every", "_default_reason", "_parts", "_released", "_reason")
+    __slots__ = ("_check", "_checked", "_default_reason", "_every", "_parts", "_reason", "_released")
 
-    def __init__(self, check: Callable[[str], Awaitable[Verdict]], every: int,
-                 default_reason: str = "blocked by moderation") -> None:
+    def __init__(
+        self, check: Callable[[str], Awaitable[Verdict]], every: int, default_reason: str = "blocked by moderation"
+    ) -> None:
         if every < 1:
             raise ValueError("every must be at least 1")
         self._check = check
@@ -241,7 +246,7 @@ class ModerationGate:
         self._default_reason = default_reason
         self._parts: list[str] = []
         self._released = 0  # characters released so far
-        self._checked = 0   # characters covered by the last check
+        self._checked = 0  # characters covered by the last check
         self._reason: str | None = None
 
     @property

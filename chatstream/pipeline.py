@@ -27,6 +27,7 @@ Declare them in function_app.py::
 A step that raises is logged with its name; the caller gets a 500 ``pipeline_error`` status before
 the first delta, or a final ``error`` event after it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +40,21 @@ from typing import Any, Protocol
 from .errors import ApiError, ModerationStop, Rejection, StepFailed
 from .guard import ModerationGate, Redactor
 from .record import StreamResult
+from .settings import Settings
 
-__all__ = ["CallRequest", "ModerationStop", "Pipeline", "Rejection", "StepFailed", "StreamResult", "TextFilter",
-           "TextStep", "max_prompt_chars", "prompt_chars", "system_prompt"]
+__all__ = [
+    "CallRequest",
+    "ModerationStop",
+    "Pipeline",
+    "Rejection",
+    "StepFailed",
+    "StreamResult",
+    "TextFilter",
+    "TextStep",
+    "max_prompt_chars",
+    "prompt_chars",
+    "system_prompt",
+]
 
 log = logging.getLogger("chatstream")
 
@@ -56,6 +69,7 @@ class CallRequest:
     """The call about to be made: ``params``, the body for the upstream API (for chat completions:
     ``model``, ``messages``, sampling options, ``stream``...; for responses: ``model``, ``input``,
     ``instructions``...), and which endpoint it came through (``chat``, ``openai``, ``responses``)."""
+
     params: dict[str, Any]
     endpoint: str
     include_usage: bool = False  # the caller asked for the usage chunk (OpenAI endpoint, streamed)
@@ -120,33 +134,42 @@ class TextFilter:
 
 
 class Pipeline:
+    """The steps, and what they make the endpoints do: ``has_before`` (run the before-steps),
+    ``filters_text`` (text steps or moderation on the output), ``moderates`` (a moderation check:
+    filtering a chunk may wait on it, a network call), ``wants_result`` (after-steps)."""
+
     def __init__(self) -> None:
         self._before: list[Callable[[CallRequest], Any]] = []
         self._text: list[Callable[[], TextStep]] = []
         self._after: list[Callable[[StreamResult], Any]] = []
         self._moderation: tuple[Callable[[str], Awaitable[Any]], int] | None = None
         self._background: set[asyncio.Task] = set()
+        self.has_before = self.filters_text = self.moderates = self.wants_result = False
 
     # -- declaring steps
     def before(self, step: Callable[[CallRequest], Any]):
         self._before.append(step)
+        self.has_before = True
         return step
 
     def text(self, factory: Callable[[], TextStep]):
         self._text.append(factory)
+        self.filters_text = True
         return factory
 
     def after(self, step: Callable[[StreamResult], Any]):
         self._after.append(step)
+        self.wants_result = True
         return step
 
     def moderate(self, check: Callable[[str], Awaitable[Any]], every: int = 200):
         ModerationGate(check, every)  # checks ``every`` now, not at the first stream
         self._moderation = (check, every)
+        self.filters_text = self.moderates = True
         return check
 
     @classmethod
-    def from_settings(cls, settings) -> "Pipeline":
+    def from_settings(cls, settings: Settings) -> Pipeline:
         """The built-in steps that SYSTEM_PROMPT, MAX_PROMPT_CHARS and BLOCKED_TERMS switch on."""
         pipeline = cls()
         if settings.max_prompt_chars:  # first: it measures the caller's input, not our system prompt
@@ -159,19 +182,6 @@ class Pipeline:
         return pipeline
 
     # -- running them
-    @property
-    def filters_text(self) -> bool:
-        return bool(self._text) or self._moderation is not None
-
-    @property
-    def moderates(self) -> bool:
-        """A moderation check runs on the text: filtering a chunk may wait on it (a network call)."""
-        return self._moderation is not None
-
-    @property
-    def wants_result(self) -> bool:
-        return bool(self._after)
-
     async def run_before(self, call: CallRequest) -> None:
         for step in self._before:
             try:
@@ -206,6 +216,7 @@ class Pipeline:
 
 # ---------------------------------------------------------------------------- built-in steps
 
+
 def system_prompt(text: str):
     def prepend_system_prompt(call: CallRequest) -> None:
         if "messages" in call.params:
@@ -213,13 +224,25 @@ def system_prompt(text: str):
         else:  # the Responses API: in front of the caller's instructions
             instructions = call.params.get("instructions")
             call.params["instructions"] = f"{text}\n\n{instructions}" if instructions else text
+
     return prepend_system_prompt
 
 
 # The request fields whose text reaches the model (chat completions and responses). Within them
 # every string counts, except the values of these keys, which name structure rather than carry text.
-PROMPT_FIELDS = ("messages", "tools", "functions", "tool_choice", "function_call", "prediction",
-                 "response_format", "input", "instructions", "text", "prompt")
+PROMPT_FIELDS = (
+    "messages",
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "prediction",
+    "response_format",
+    "input",
+    "instructions",
+    "text",
+    "prompt",
+)
 _STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "call_id", "detail", "status", "strict"})
 
 
@@ -235,9 +258,11 @@ def _count(value, in_schema: bool = False) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, dict):
-        return sum((len(k) if in_schema else 0)
-                   + (_count(v, in_schema or k in _SCHEMA_KEYS) if in_schema or k not in _STRUCTURE_KEYS else 0)
-                   for k, v in value.items())
+        return sum(
+            (len(k) if in_schema else 0)
+            + (_count(v, in_schema or k in _SCHEMA_KEYS) if in_schema or k not in _STRUCTURE_KEYS else 0)
+            for k, v in value.items()
+        )
     if isinstance(value, list):
         return sum(_count(v, in_schema) for v in value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -249,6 +274,11 @@ def max_prompt_chars(limit: int):
     def reject_long_prompts(call: CallRequest) -> None:
         total = prompt_chars(call.params)
         if total > limit:
-            raise Rejection(413, f"the prompt has {total} characters; the limit is {limit}", "prompt_too_long",
-                            "messages" if "messages" in call.params else "input")
+            raise Rejection(
+                413,
+                f"the prompt has {total} characters; the limit is {limit}",
+                "prompt_too_long",
+                "messages" if "messages" in call.params else "input",
+            )
+
     return reject_long_prompts

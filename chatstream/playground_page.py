@@ -1,6 +1,7 @@
 """The browser playground: GET /api/playground serves one page (the files in chatstream/playground/)
 that talks to this app's own OpenAI-compatible API with relative URLs. Here: whether it is served at
 all, which files exist, and the headers they go out with. docs/playground.md."""
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,19 @@ FILES: dict[str | None, tuple[str, str]] = {
 AZURE_MARKERS = ("WEBSITE_INSTANCE_ID", "WEBSITE_SITE_NAME")
 
 # Own-origin files only: no inline script or style, no other origin, not framed, no forms posted.
-CONTENT_SECURITY_POLICY = "; ".join((
-    "default-src 'self'", "script-src 'self'", "style-src 'self'", "img-src 'self'", "connect-src 'self'",
-    "object-src 'none'", "base-uri 'none'", "form-action 'none'", "frame-ancestors 'none'"))
+CONTENT_SECURITY_POLICY = "; ".join(
+    (
+        "default-src 'self'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "img-src 'self'",
+        "connect-src 'self'",
+        "object-src 'none'",
+        "base-uri 'none'",
+        "form-action 'none'",
+        "frame-ancestors 'none'",
+    )
+)
 HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
@@ -58,7 +69,7 @@ class Playground:
         self._bodies = {key: (folder / name).read_bytes() for key, (name, _) in FILES.items()} if on else {}
 
     @classmethod
-    def from_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ) -> "Playground":
+    def from_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ) -> Playground:
         return cls(enabled(settings, environ))
 
     def __call__(self, file: str | None, path: str) -> Response:

@@ -1,16 +1,16 @@
-"""The record of one request: what the end-of-request log line, the telemetry and the after-steps
-report. The endpoint creates it, the stream core fills in what the stream did, and it is read once
-the request is over."""
+"""The record of one request: what its log line, its telemetry and the after-steps report.
+
+Each fact is written by the module that owns it, through a method: the endpoint (the model, a
+refusal, a hang-up), the pool (which entries were tried and why each failed), the stream core (the
+first output, the deltas, how the stream ended). It is read once the request is over."""
+
 from __future__ import annotations
 
 import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .telemetry import StreamTelemetry
+from typing import Protocol
 
 # Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
 # output has its C0 escaped already), Unicode line and paragraph separators, the bidi overrides.
@@ -23,9 +23,16 @@ def log_safe(text: str) -> str:
     return _UNSAFE_IN_LOGS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
+class Span(Protocol):
+    """The request's telemetry handle (telemetry.StreamTelemetry)."""
+
+    def end(self, record: StreamRecord) -> None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class StreamResult:
     """What an after-step sees. ``texts`` holds each choice's released text (index → text)."""
+
     endpoint: str
     model: str
     texts: dict[int, str]
@@ -37,6 +44,7 @@ class StreamResult:
     disconnected: bool
     error: str | None
     status: int
+    caller: str | None = None
 
     @property
     def text(self) -> str:
@@ -47,6 +55,8 @@ class StreamResult:
 class StreamRecord:
     endpoint: str
     model: str
+    request_id: str = ""  # x-request-id: the upstream's when it sent one, else the app's own
+    caller: str | None = None  # the caller key's name (CALLER_KEYS=required)
     started: float = field(default_factory=time.perf_counter)
     model_accepted: bool = False  # a bounded name (ALLOWED_MODELS, the default) or one the upstream served
     first_delta_at: float | None = None
@@ -58,8 +68,58 @@ class StreamRecord:
     disconnected: bool = False
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
+    attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
-    telemetry: StreamTelemetry | None = field(default=None, repr=False)
+    telemetry: Span | None = field(default=None, repr=False)
+    reported: bool = False  # its log line is written
+
+    # -- the endpoint's facts
+    def chose_model(self, model: str, accepted: bool) -> None:
+        """The model the request will use (after the before-steps); ``accepted``: a bounded name
+        that may become a metric dimension before the upstream serves it."""
+        self.model, self.model_accepted = model, accepted
+
+    def refused(self, status: int, error: str, model_refused: bool = False) -> None:
+        """The request ends with an error status (before any output)."""
+        self.status, self.error = status, error
+        if model_refused:
+            self.model_accepted = False
+
+    def hung_up(self, status: int | None = None) -> None:
+        """The caller left before the answer was over (499 when it left before the headers)."""
+        self.disconnected = True
+        if status is not None:
+            self.status = status
+
+    # -- the pool's facts
+    def attempting(self, entry: str) -> None:
+        self.upstream = entry
+        self.attempts += 1
+
+    def attempt_failed(self, entry: str, error: str) -> None:
+        self.attempt_errors.append({"upstream": entry, "error": error})
+
+    # -- the stream core's facts
+    def first_output(self) -> None:
+        """The upstream served the model: from here on, its name may be a metric dimension."""
+        self.first_delta_at = time.perf_counter()
+        self.model_accepted = True
+
+    def ended(self, finish_reason: str | None, usage: dict | None) -> None:
+        self.finish_reason, self.usage = finish_reason, usage
+
+    def failed(self, error: str) -> None:
+        self.error = error
+
+    def keep_text(self, index: int, text: str) -> None:
+        if self.texts is not None and text:
+            self.texts.setdefault(index, []).append(text)
+
+    # -- reading it
+    def report(self) -> bool:
+        """Mark the record reported: True the first time (write its log line then), False after."""
+        first, self.reported = not self.reported, True
+        return first
 
     def ttfd_ms(self) -> float | None:
         return None if self.first_delta_at is None else round((self.first_delta_at - self.started) * 1000, 1)
@@ -67,25 +127,44 @@ class StreamRecord:
     def duration_ms(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 1)
 
-    def failed(self, status: int, error: str) -> None:
-        self.status, self.error = status, error
-
-    def keep_text(self, index: int, text: str) -> None:
-        if self.texts is not None and text:
-            self.texts.setdefault(index, []).append(text)
-
     def as_log(self) -> dict:
-        return {"event": "chat_stream", "endpoint": self.endpoint, "model": self.model, "status": self.status,
-                "ttfd_ms": self.ttfd_ms(), "duration_ms": self.duration_ms(), "deltas": self.deltas,
-                "finish_reason": self.finish_reason, "usage": self.usage, "error": self.error,
-                "disconnected": self.disconnected, "upstream": self.upstream, "attempts": self.attempts}
+        line = {
+            "event": "chat_stream",
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "status": self.status,
+            "ttfd_ms": self.ttfd_ms(),
+            "duration_ms": self.duration_ms(),
+            "deltas": self.deltas,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "error": self.error,
+            "disconnected": self.disconnected,
+            "upstream": self.upstream,
+            "attempts": self.attempts,
+            "request_id": self.request_id or None,
+        }
+        if self.attempt_errors:
+            line["attempt_errors"] = self.attempt_errors
+        if self.caller is not None:
+            line["caller"] = self.caller
+        return line
 
     def log_line(self) -> str:
         return log_safe(json.dumps(self.as_log(), ensure_ascii=False))
 
     def result(self) -> StreamResult:
-        return StreamResult(endpoint=self.endpoint, model=self.model,
-                            texts={i: "".join(t) for i, t in (self.texts or {}).items()},
-                            finish_reason=self.finish_reason, usage=self.usage, ttfd_ms=self.ttfd_ms(),
-                            duration_ms=self.duration_ms(), deltas=self.deltas, disconnected=self.disconnected,
-                            error=self.error, status=self.status)
+        return StreamResult(
+            endpoint=self.endpoint,
+            model=self.model,
+            texts={i: "".join(t) for i, t in (self.texts or {}).items()},
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            ttfd_ms=self.ttfd_ms(),
+            duration_ms=self.duration_ms(),
+            deltas=self.deltas,
+            disconnected=self.disconnected,
+            error=self.error,
+            status=self.status,
+            caller=self.caller,
+        )

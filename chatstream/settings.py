@@ -1,5 +1,6 @@
 """App settings: environment variables (Azure app settings, or local.settings.json locally),
 read and validated once at start-up into one typed object."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,7 @@ class Settings(BaseModel):
     upstreams: str | None = Field(None, alias="UPSTREAMS")
     # Per pool entry: how long one entry may take to its first output before the request moves to
     # the next candidate (within FIRST_TOKEN_TIMEOUT_SECONDS); unset: the whole first-token limit.
-    entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0,
-                                                    le=3600)
+    entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0, le=3600)
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
 
@@ -103,10 +103,15 @@ class Settings(BaseModel):
 
     @property
     def default_model(self) -> str:
-        return self.azure_openai_deployment if self.upstream_kind == "azure" else self.openai_model
+        if self.upstream_kind == "azure" and self.azure_openai_deployment:  # required with the endpoint
+            return self.azure_openai_deployment
+        return self.openai_model
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """The settings from ``environ``: a bad value raises SettingsError naming the setting, never
+        quoting a value. (``UPSTREAMS`` and the upstream URLs are parsed once, into the upstream
+        entries, when the app is built: upstreams/config.py.)"""
         names = {f.alias for f in cls.model_fields.values() if f.alias}
         values = {k: v for k, v in environ.items() if k in names and v != ""}
         try:
@@ -115,16 +120,4 @@ class Settings(BaseModel):
             # pydantic's own text would echo the input; a key must never reach a log.
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
             raise SettingsError(f"invalid app settings: {problems}") from None
-        if settings.pooled:
-            settings.check_upstreams(environ)
         return settings
-
-    def check_upstreams(self, environ: Mapping[str, str] = os.environ) -> None:
-        """Raise SettingsError if ``UPSTREAMS`` (or a key setting it names) is not usable: the
-        message names the setting and the entry, never a value."""
-        from .pool import PoolConfigError, parse_upstreams
-
-        try:
-            parse_upstreams(self.upstreams or "", environ)
-        except PoolConfigError as exc:
-            raise SettingsError(str(exc)) from None

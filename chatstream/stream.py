@@ -4,43 +4,47 @@ worth forwarding (already through the pipeline's text steps), then exactly one `
 
 What it guarantees whatever the API: chunks before the first output (a role chunk, say) are held
 and sent with it, so that the status rule can wait for real output; every wait on the upstream is
-bounded by the time limits (limits.py), and the total limit holds even when the caller stops
+bounded by the time limits (``TimeLimits``), and the total limit holds even when the caller stops
 reading; a failure of any kind ends the stream with one ``Failed`` (a bug of ours is logged with
 its traceback and reported as ``internal_error``, never blamed on the upstream); the upstream
-response is closed however the stream ends, including when the caller hangs up.
+stream is closed however the stream ends, including when the caller hangs up.
 
 When one read from the upstream brought several chunks (a backlog, under load), the chunks made of
 them are marked ``more``: the endpoint sends them in one write with the chunk that follows, which
 is already in hand (nothing that is ready waits for the network, nor for a moderation check: with
 one, each chunk goes out on its own).
 
-What differs per upstream API (chat completions, responses) is the ``protocol``: it filters each
-chunk (``feed`` → ``Fed``), says when the answer is complete (``done``), reads what comes after
-(``note``, e.g. the usage) and sums the stream up (``summary``)."""
+The seams, typed: ``StreamProtocol`` is what differs per upstream API (chat completions,
+responses: apis/completions.py, apis/responses_stream.py); ``Upstream`` is what the core asks for a
+stream (upstreams/failover.py: the pool, opened up to the first output); ``UpstreamChunks`` is the
+stream it gets (upstreams/clients.py)."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import anyio
 
-from .errors import UPSTREAM_ERRORS, ApiError, from_upstream
-from .limits import TimeLimits
+from .errors import ApiError, TimeLimit, first_token_expired, idle_expired, incomplete, internal_error, total_expired
 from .record import StreamRecord
-from .upstream import UpstreamStream
+from .settings import Settings
 
 log = logging.getLogger("chatstream")
+T = TypeVar("T")
+
+# --- events -----------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class Chunk:
     data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
     more: bool = False  # the next event is already in hand: write this one together with it
+    batch: tuple[dict, ...] = ()  # further events released with ``data`` (a held delta, then this one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,7 @@ class Done:
     model: str | None
     id: str | None
     created: int | None
+    texts: dict[int, str] = field(default_factory=dict)  # what was generated (before text steps), per choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,66 +69,178 @@ Event = Chunk | Done | Failed
 @dataclass(frozen=True, slots=True)
 class Fed:
     """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
-    is output (the status rule waits for output), and whether it counts as a delta."""
+    is output (the status rule waits for output), whether it counts as a delta, and events released
+    with it (``batch``)."""
+
     data: dict | None
     output: bool = False
     delta: bool = False
+    batch: tuple[dict, ...] = ()
 
 
 class StreamProtocol(Protocol):
+    """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
+
     feed_waits: bool  # ``feed`` may wait (on a moderation check): chunks in hand are not held for it
+    released: dict[int, list[str]] | None  # what the text steps released per choice, when kept
+    generated: list[str] | None  # what the model generated (before the text steps), when kept
+
     @property
     def done(self) -> bool: ...  # the answer is complete
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
     async def feed(self, data: dict) -> Fed: ...
-    def note(self, data: dict) -> None: ...
+    def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
+    def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
 
 
-async def encoded(first: Event, events: AsyncIterator[Event], encode: Callable[[Event], bytes | None]
-                  ) -> AsyncIterator[bytes]:
-    """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
-    chunks marked ``more`` joined with the events that follow them."""
-    pending: list[bytes] = []
-    event = first
-    while True:
-        data = encode(event)
-        if data:
-            pending.append(data)
-        last = not isinstance(event, Chunk)
-        if pending and (last or not event.more):
-            yield pending[0] if len(pending) == 1 else b"".join(pending)
-            pending = []
-        if last:
-            return
+class UpstreamChunks(Protocol):
+    """An open upstream stream: its chunks as dicts, how many are already in hand, and closing it
+    (which stops the generation)."""
+
+    @property
+    def ready(self) -> int: ...
+    @property
+    def request_id(self) -> str | None: ...
+    def __aiter__(self) -> AsyncIterator[dict]: ...
+    async def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """What the core asks for a stream: one opened up to its first output, as ``protocol.probe()``
+    sees it (upstreams/failover.py), within the limits."""
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks: ...
+
+
+# --- time limits ------------------------------------------------------------------------------
+
+
+class TimeLimits:
+    """The time limits of one stream, and which error each one raises:
+
+    - first token: from the request until the first output (``FIRST_TOKEN_TIMEOUT_SECONDS``);
+    - idle: between two upstream chunks once output has started (``IDLE_TIMEOUT_SECONDS``);
+    - total: the whole stream, however slowly the caller reads (``TOTAL_TIMEOUT_SECONDS``).
+
+    Every wait on the upstream goes through ``wait``, bounded by the limit in force, with one timer
+    per stream. The total limit is also checked on every chunk (chunks already buffered arrive
+    without a wait), and ``on_total`` closes a stream parked behind a caller who stopped reading."""
+
+    def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop | None = None):
+        self.loop = loop or asyncio.get_running_loop()
+        now = self.loop.time()
+        self.total_at = now + settings.total_timeout
+        self.deadline = min(self.total_at, now + settings.first_token_timeout)
+        self.idle = settings.idle_timeout
+        self.usage_wait = settings.usage_wait
+        self.output_started = False
+        self.waiting = False  # inside ``wait``: the limit in force ends that wait by itself
+        self._task: asyncio.Task | None = None  # the task inside ``wait``
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._fired = False  # the timer cancelled the waiting task
+
+    def error(self) -> TimeLimit:
+        """The error for the limit in force now."""
+        if not self.output_started:
+            return first_token_expired()
+        return total_expired() if self.deadline >= self.total_at else idle_expired()
+
+    def check_total(self) -> None:
+        if self.loop.time() >= self.total_at:
+            raise total_expired()
+
+    def got_output(self) -> None:
+        """Output went to the caller: from now on the idle limit runs between chunks."""
+        self.output_started = True
+        self.deadline = min(self.total_at, self.loop.time() + self.idle)
+
+    def got_chunk(self) -> None:
+        """A chunk came from the upstream (whether or not anything of it is forwarded)."""
+        if self.output_started:
+            self.deadline = min(self.total_at, self.loop.time() + self.idle)
+
+    def finishing(self) -> None:
+        """Every choice has finished: only the usage is still awaited, briefly."""
+        self.deadline = min(self.total_at, self.loop.time() + self.usage_wait)
+
+    async def wait(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``'s result, or the error of the limit in force when it runs out first.
+
+        Like ``asyncio.timeout_at(self.deadline)``, but with one timer for the whole stream instead
+        of one per chunk: the deadline moves on with every chunk, and the timer, when it fires
+        before the current deadline, sleeps again until it (docs/benchmarks.md has the figures)."""
+        task = asyncio.current_task()
+        assert task is not None, "TimeLimits.wait runs in a task"
+        cancelling = task.cancelling()
+        self._task, self.waiting = task, True
+        if self._timer is None or self._timer_at > self.deadline:
+            self._arm()
         try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            if pending:
-                yield b"".join(pending)
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._fired and self._take_back(task) <= cancelling:  # our cancellation, not the caller's
+                raise self.error() from None
+            raise
+        finally:
+            if self._fired:  # the timer fired, yet the wait ended another way: take its cancel back
+                self._take_back(task)
+            self.waiting, self._task = False, None
+
+    def _take_back(self, task: asyncio.Task) -> int:
+        self._fired = False
+        return task.uncancel()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = self.deadline
+        self._timer = self.loop.call_at(self.deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._task is None:
+            return  # not waiting: the next wait arms the timer again
+        if self.loop.time() < self.deadline:
+            self._arm()  # the deadline moved on since the timer was set
             return
+        self._fired = True
+        self._task.cancel()
+
+    def close(self) -> None:
+        """The stream is over: drop the timer (it holds the last waiting task until it fires)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def on_total(self, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        return self.loop.call_at(self.total_at, callback)
 
 
-def incomplete() -> ApiError:
-    return ApiError(502, "upstream_incomplete", "the model server ended the stream without a finish reason",
-                    retryable=True)
+# --- the relay --------------------------------------------------------------------------------
 
 
-async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: StreamProtocol,
-                limits: TimeLimits, record: StreamRecord) -> AsyncIterator[Event]:
-    stream: UpstreamStream | None = None
+async def relay(
+    upstream: Upstream, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+) -> AsyncGenerator[Event]:
+    """The events of one streamed call: ``upstream.open`` up to the first output, then each chunk
+    through ``protocol``, then exactly one ``Done`` or ``Failed``."""
+    stream: UpstreamChunks | None = None
     watchdog = None
     ended = False
     try:
-        stream = await limits.wait(open_stream())
+        stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
         watchdog = limits.on_total(lambda: _close_parked(stream, limits))
         async with contextlib.aclosing(_forward(stream, protocol, limits, record)) as forwarded:
             async for chunk in forwarded:
                 yield chunk
         await _read_rest(aiter(stream), protocol, limits)
         done = protocol.summary()
-        record.finish_reason = done.finish_reason
+        record.ended(done.finish_reason, done.usage)
         ended = True
         yield done
     except Exception as exc:  # noqa: BLE001 - every failure becomes the one final event
@@ -131,7 +248,7 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
         yield Failed(_failure(exc, record))
     finally:
         if not ended:
-            record.disconnected = True
+            record.hung_up()
         if watchdog is not None:
             watchdog.cancel()
         limits.close()
@@ -142,10 +259,11 @@ async def relay(open_stream: Callable[[], Awaitable[UpstreamStream]], protocol: 
                 await stream.close()
 
 
-async def _forward(stream: UpstreamStream, protocol: StreamProtocol, limits: TimeLimits,
-                   record: StreamRecord) -> AsyncIterator[Chunk]:
+async def _forward(
+    stream: UpstreamChunks, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+) -> AsyncGenerator[Chunk]:
     chunks = aiter(stream)
-    held: list[dict] = []  # chunks before the first output
+    held: list[Chunk] = []  # chunks before the first output
     ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
     try:
         while not protocol.done:
@@ -164,21 +282,22 @@ async def _forward(stream: UpstreamStream, protocol: StreamProtocol, limits: Tim
             fed = await protocol.feed(data)
             if fed.data is None:
                 continue
+            chunk = Chunk(fed.data, batch=fed.batch)
             if record.first_delta_at is None:
                 if not fed.output:
-                    held.append(fed.data)
+                    held.append(chunk)
                     continue
-                record.first_delta_at = time.perf_counter()
-                record.model_accepted = True  # the upstream served the model: it may be a metric dimension
+                record.first_output()
                 limits.got_output()
                 for early in held:
-                    yield Chunk(early, more=True)
+                    early.more = True
+                    yield early
             if fed.delta:
                 record.deltas += 1
             if ready is not None:
                 ready.more = True
                 yield ready
-            ready = Chunk(fed.data)
+            ready = chunk
     except Exception:
         if ready is not None:  # what was made before the failure still goes out, then the error
             yield ready
@@ -189,20 +308,20 @@ async def _forward(stream: UpstreamStream, protocol: StreamProtocol, limits: Tim
 
 async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits) -> None:
     """After the answer is complete, read on briefly for what follows it (the usage), and to the end
-    of the body so the SDK can reuse the connection. Missing it is not a failure."""
+    of the body so the connection can be reused. Missing it is not a failure."""
     limits.finishing()
     try:
         async with asyncio.timeout_at(limits.deadline):
             async for data in chunks:
                 protocol.note(data)
-    except (TimeoutError, ApiError, *UPSTREAM_ERRORS):
+    except (TimeoutError, ApiError):  # a timeout, an error event or a broken connection after the answer
         pass
 
 
 _closing: set[asyncio.Future] = set()
 
 
-def _close_parked(stream: UpstreamStream, limits: TimeLimits) -> None:
+def _close_parked(stream: UpstreamChunks, limits: TimeLimits) -> None:
     """At the total limit: a stream parked behind a caller who stopped reading is not waiting on the
     upstream (that wait would expire by itself), so close the upstream now; the core reports the
     limit when the caller reads again."""
@@ -213,12 +332,37 @@ def _close_parked(stream: UpstreamStream, limits: TimeLimits) -> None:
 
 
 def _failure(exc: Exception, record: StreamRecord) -> ApiError:
+    """The upstream explains its own failures as ApiErrors (upstreams/failover.py); anything else
+    is a bug of ours."""
     if isinstance(exc, ApiError):
         error = exc
-    elif isinstance(exc, UPSTREAM_ERRORS):
-        error = from_upstream(exc, record.model, midstream=record.first_delta_at is not None)
     else:
         log.exception("chat stream failed (endpoint=%s)", record.endpoint)
-        error = ApiError(500, "internal_error", "the stream failed unexpectedly", retryable=True)
-    record.error = error.type
+        error = internal_error()
+    record.failed(error.type)
     return error
+
+
+async def encoded(
+    first: Event, events: AsyncIterator[Event], encode: Callable[[Event], bytes | None]
+) -> AsyncGenerator[bytes]:
+    """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
+    chunks marked ``more`` joined with the events that follow them."""
+    pending: list[bytes] = []
+    event = first
+    while True:
+        data = encode(event)
+        if data:
+            pending.append(data)
+        last = not isinstance(event, Chunk)
+        if pending and (not isinstance(event, Chunk) or not event.more):
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
+            pending = []
+        if last:
+            return
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            if pending:
+                yield b"".join(pending)
+            return

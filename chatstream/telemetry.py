@@ -7,10 +7,9 @@ The app calls this module in three places::
     telemetry.finish(record)       # when its stream is over (Endpoint._finish)
 
 ``record`` is the request's ``record.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
-ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. (``begin``
-returns the request's ``StreamTelemetry``; ``start_stream(model)`` / ``StreamTelemetry.end(record)``
-are the same without the bookkeeping, for callers that keep the handle themselves.) Spans and metrics go to the global OpenTelemetry providers (``trace.get_tracer`` /
-``metrics.get_meter``): with no SDK configured those are no-ops, so the calls cost next to nothing.
+ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. Spans and
+metrics go to the global OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with
+no SDK configured those are no-ops, so the calls cost next to nothing.
 
 Export to Application Insights only happens when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is set:
 either the Python worker already configured azure-monitor-opentelemetry
@@ -19,13 +18,13 @@ it. The azure monitor package is imported only then, never at import time.
 
 Telemetry never breaks a request: errors here are logged and swallowed. Prompts, completions and
 keys are never recorded. docs/observability.md lists what is emitted and how to query it."""
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 from collections.abc import Mapping
-
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -61,10 +60,11 @@ ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
-_MS_BUCKETS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000, 300_000,
-               600_000, 1_800_000)
+_MS_BUCKETS = (25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000, 120_000, 300_000, 600_000, 1_800_000)
 _MAX_MODEL_CHARS = 128
-OTHER_MODEL = "(other)"  # the metric dimension for models the app refused  # a caller picks the model name; keep attribute values bounded
+# The metric dimension for models the app refused: a caller picks the model name, and attribute
+# values must stay bounded.
+OTHER_MODEL = "(other)"
 
 ENV_CONNECTION_STRING = "APPLICATIONINSIGHTS_CONNECTION_STRING"
 ENV_WORKER_TELEMETRY = "PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY"
@@ -97,13 +97,14 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     try:
         from azure.monitor.opentelemetry import configure_azure_monitor
     except ImportError:
-        log.warning("%s is set but azure-monitor-opentelemetry is not installed: no telemetry export",
-                    ENV_CONNECTION_STRING)
+        log.warning(
+            "%s is set but azure-monitor-opentelemetry is not installed: no telemetry export", ENV_CONNECTION_STRING
+        )
         return "off"
     try:
         # The exporter reads APPLICATIONINSIGHTS_AUTHENTICATION_STRING from the process environment.
         configure_azure_monitor(connection_string=environ[ENV_CONNECTION_STRING].strip())
-    except Exception as exc:  # never log the message: it may quote the connection string
+    except Exception as exc:  # noqa: BLE001 - telemetry must never stop the app; never log the message: it may quote the connection string
         log.warning("could not configure Azure Monitor export (%s): no telemetry export", type(exc).__name__)
         return "off"
     _configured_by_app = True
@@ -112,8 +113,9 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
 
 def _histogram(meter, name: str, description: str):
     try:
-        return meter.create_histogram(name, unit="ms", description=description,
-                                      explicit_bucket_boundaries_advisory=_MS_BUCKETS)
+        return meter.create_histogram(
+            name, unit="ms", description=description, explicit_bucket_boundaries_advisory=_MS_BUCKETS
+        )
     except TypeError:  # opentelemetry-api older than 1.23 has no bucket advice
         return meter.create_histogram(name, unit="ms", description=description)
 
@@ -123,17 +125,21 @@ class _Instruments:
         meter = metrics.get_meter(__name__)
         self.ttfd = _histogram(meter, METRIC_TTFD, "Time from the request to the first delta sent")
         self.duration = _histogram(meter, METRIC_DURATION, "Time from the request to the end of its stream")
-        self.deltas = meter.create_counter(
-            METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
+        self.deltas = meter.create_counter(METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
         self.tokens = meter.create_counter(
-            METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)")
+            METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)"
+        )
         self.upstream_requests = meter.create_counter(
-            METRIC_UPSTREAM_REQUESTS, unit="{request}", description="Attempts sent to each upstream entry")
+            METRIC_UPSTREAM_REQUESTS, unit="{request}", description="Attempts sent to each upstream entry"
+        )
         self.upstream_failovers = meter.create_counter(
-            METRIC_UPSTREAM_FAILOVERS, unit="{request}",
-            description="Attempts that moved the request to the next entry (dimension reason: the outcome)")
+            METRIC_UPSTREAM_FAILOVERS,
+            unit="{request}",
+            description="Attempts that moved the request to the next entry (dimension reason: the outcome)",
+        )
         self.upstream_cooldowns = meter.create_counter(
-            METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down")
+            METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down"
+        )
 
 
 _instruments: _Instruments | None = None
@@ -153,7 +159,7 @@ class StreamTelemetry:
     """One request's span, from ``start_stream`` to ``end``. ``end`` may be called more than once;
     only the first call counts."""
 
-    __slots__ = ("_span", "_ended")
+    __slots__ = ("_ended", "_span")
 
     def __init__(self, span) -> None:
         self._span = span
@@ -258,7 +264,7 @@ def _record_stream(span, record: StreamRecord) -> None:
     result = outcome(record)
 
     endpoint = record.endpoint
-    attributes: dict[str, str | int | float | bool] = {
+    attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
         "gen_ai.request.model": model,
         "http.response.status_code": record.status,
         ATTR_STATUS: record.status,

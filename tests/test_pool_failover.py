@@ -19,14 +19,14 @@ import openai
 import pytest
 
 from chat import chat
-from chatstream.failover import Upstreams
+from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
-from chatstream.pool import Outcome, OutcomeKind, Pool, parse_upstreams
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Done, Failed, relay
-from chatstream.completions import CompletionStream
-from chatstream.limits import TimeLimits
+from chatstream.stream import Done, Failed, TimeLimits, relay
+from chatstream.upstreams.config import parse_upstreams
+from chatstream.upstreams.failover import Upstreams
+from chatstream.upstreams.pool import Pool
 from helpers import TEST_KEY
 from servers import App, Upstream
 from tools.fakeupstream.scenarios import RESET_DELTAS, TEXTS
@@ -280,7 +280,7 @@ class Clock:
 
 def in_process(env: dict[str, str], clock: Clock, **pool_args) -> Upstreams:
     settings = Settings.from_env({"UPSTREAM_MAX_RETRIES": "0", **env})
-    return Upstreams.from_settings(settings, env, now=clock, **pool_args)
+    return Upstreams.from_settings(settings, now=clock, **pool_args)
 
 
 def params(stream: bool = False) -> dict:
@@ -366,35 +366,6 @@ def test_every_entry_failing_answers_the_last_error(ups):
     assert counts(c) == before
 
 
-class FakeClient:
-    """Stands in for the SDK client: answers every non-streamed call, counting them."""
-
-    def __init__(self, name: str, seen: list[str]):
-        self.name, self.seen = name, seen
-
-    async def post(self, path, *, body, cast_to):
-        self.seen.append(self.name)
-        return {"object": "chat.completion", "choices": []}
-
-
-def test_weights_split_first_attempts_within_a_priority():
-    entries = parse_upstreams(upstreams(entry("heavy", "http://h/v1", weight=3), entry("light", "http://l/v1"),
-                                        entry("spare", "http://s/v1", priority=2, weight=100)), {})
-    settings = Settings.from_env({})
-    seen: list[str] = []
-    pool = Upstreams(settings, Pool(entries, rng=random.Random(1414)),
-                     {e.name: FakeClient(e.name, seen) for e in entries}, pooled=True)
-
-    async def run():
-        for _ in range(800):
-            await pool.complete("/chat/completions", params(), StreamRecord(endpoint="openai", model="gpt-test"))
-
-    asyncio.run(run())
-    share = seen.count("heavy") / len(seen)
-    assert abs(share - 0.75) < 0.04, share
-    assert "spare" not in seen, "a lower priority only gets what the higher one cannot take"
-
-
 def test_the_request_first_token_limit_during_the_walk_counts_against_the_entry(ups):
     a, b, c = ups
     play(a, "stall_first")
@@ -458,11 +429,8 @@ def test_per_entry_metrics_and_the_span_name_the_entry(ups):
 
 async def stream_once_with(pool: Upstreams, record: StreamRecord):
     limits = TimeLimits(pool.settings)
-    protocol = CompletionStream(Pipeline(), record)
-    probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
     final = None
-    async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits, record),
-                             protocol, limits, record):
+    async for event in relay(pool, "/chat/completions", params(True), CompletionStream(Pipeline()), limits, record):
         final = event
     return final, record
 
@@ -483,7 +451,7 @@ def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, sta
 
 def test_keyless_azure_entries_share_one_entra_credential(ups):
     from test_upstreams import TokenCredential
-    from chatstream.upstream import ENTRA_SCOPE
+    from chatstream.upstreams.clients import ENTRA_SCOPE
 
     a, b, c = ups
     play(a, "server_error")
@@ -493,7 +461,7 @@ def test_keyless_azure_entries_share_one_entra_credential(ups):
          "models": ["gpt-test"]},
         {"name": "west", "azure_endpoint": b.url, "priority": 2, "api_version": "2025-01-01-preview"})}
     settings = Settings.from_env({"UPSTREAM_MAX_RETRIES": "0", **env})
-    pool = Upstreams.from_settings(settings, env, credential=credential)
+    pool = Upstreams.from_settings(settings, credential=credential)
 
     async def run():
         final, record = await stream_once(pool)
@@ -536,121 +504,3 @@ def test_the_responses_api_fails_over_and_follow_ups_find_the_entry_that_holds_t
 
 
 # ------------------------------------------------------------------ the walk with scripted streams
-
-class ScriptedStream:
-    """Stands in for an UpstreamStream: yields ``chunks`` (then blocks forever if ``hang``), each
-    as a read of its own."""
-    ready = 0
-
-    def __init__(self, chunks: list[dict], hang: bool = False):
-        self.chunks, self.hang, self.closed = chunks, hang, False
-        self._iterator = self._run()
-
-    def __aiter__(self):
-        return self._iterator
-
-    async def _run(self):
-        for chunk in self.chunks:
-            yield chunk
-        if self.hang:
-            await asyncio.Event().wait()
-
-    async def close(self) -> None:
-        self.closed = True
-
-
-class ScriptedClient:
-    def __init__(self, stream: ScriptedStream):
-        self.stream, self.calls = stream, 0
-
-    async def post(self, path, *, body, cast_to, stream=False, stream_cls=None):
-        self.calls += 1
-        return self.stream
-
-
-def chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> dict:
-    delta = {"role": "assistant"} if role else {}
-    if content is not None:
-        delta["content"] = content
-    return {"id": "c1", "object": "chat.completion.chunk", "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
-
-def scripted_pool(streams: dict[str, ScriptedStream], **settings_env: str) -> Upstreams:
-    names = list(streams)
-    entries = parse_upstreams(upstreams(*(entry(n, f"http://{n}/v1", priority=i) for i, n in enumerate(names))), {})
-    settings = Settings.from_env(settings_env)
-    return Upstreams(settings, Pool(entries, now=Clock()), {n: ScriptedClient(s) for n, s in streams.items()},
-                     pooled=True)
-
-
-def test_the_chunks_read_to_find_the_first_output_reach_the_core_in_order():
-    good = ScriptedStream([chunk(role=True), chunk("Hel"), chunk("lo"), chunk(finish="stop")])
-    empty = ScriptedStream([])  # ends before any output: the entry's failure, the request moves on
-    pool = scripted_pool({"empty": empty, "good": good})
-
-    async def run():
-        record = StreamRecord(endpoint="chat", model="gpt-test")
-        events = []
-        limits = TimeLimits(pool.settings)
-        probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
-        async for event in relay(lambda: pool.open_first_output("/chat/completions", params(True), probe, limits,
-                                                                record),
-                                 CompletionStream(Pipeline(), record), limits, record):
-            events.append(event)
-        return events, record
-
-    events, record = asyncio.run(run())
-    assert [e.data["choices"][0]["delta"] for e in events[:-1]] == [{"role": "assistant"}, {"content": "Hel"},
-                                                                    {"content": "lo"}, {}]
-    assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
-    assert (record.upstream, record.attempts, record.deltas) == ("good", 2, 2)
-    assert empty.closed and good.closed
-    state = {e["name"]: e for e in pool.state()["upstreams"]}
-    assert state["empty"]["counters"]["failovers"] == 1
-
-
-def test_a_caller_hanging_up_during_the_walk_closes_the_stream_and_frees_the_probe_slot():
-    hanging = ScriptedStream([chunk(role=True)], hang=True)
-    pool = scripted_pool({"slow": hanging})
-    clock = pool.pool._now
-    # Open the breaker, then let it go half-open: the next request is its probe.
-    attempt = pool.pool.acquire(pool.pool.entries[0], "gpt-test")
-    attempt.report(Outcome(OutcomeKind.CONNECT_FAILED))
-    clock.t += 5.0
-
-    async def run():
-        limits = TimeLimits(pool.settings)
-        record = StreamRecord(endpoint="chat", model="gpt-test")
-        probe = lambda: CompletionStream(Pipeline(), StreamRecord(endpoint="chat", model="gpt-test"))  # noqa: E731
-        task = asyncio.ensure_future(pool.open_first_output("/chat/completions", params(True), probe, limits, record))
-        await asyncio.sleep(0.05)
-        assert pool.state()["upstreams"][0]["probing"] is True
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(run())
-    assert hanging.closed
-    (state,) = pool.state()["upstreams"]
-    assert state["probing"] is False and state["state"] == "half_open", "a cancelled probe says nothing"
-
-
-def test_settings_refuse_a_bad_upstreams_value_naming_the_entry_never_the_key():
-    from chatstream.settings import SettingsError
-
-    bad = upstreams(entry("east", "http://e/v1", api_key_setting="EAST_KEY"),
-                    {"name": "west", "base_url": "http://w/v1", "api_key": TEST_KEY, "weight": -1})
-    with pytest.raises(SettingsError) as info:
-        Settings.from_env({"UPSTREAMS": bad, "EAST_KEY": TEST_KEY})
-    message = str(info.value)
-    assert 'UPSTREAMS[1] ("west"): api_key: unknown key' in message
-    assert 'UPSTREAMS[1] ("west"): weight: Input should be greater than 0' in message
-    assert TEST_KEY not in message
-
-    good = upstreams(entry("east", "http://e/v1", api_key_setting="EAST_KEY"))
-    settings = Settings.from_env({"UPSTREAMS": good, "EAST_KEY": TEST_KEY})
-    assert settings.pooled and settings.upstream_configured
-    with pytest.raises(SettingsError, match=r'UPSTREAMS\[0\] \("east"\): api_key_setting: the app setting EAST_KEY'):
-        Upstreams.from_settings(settings, {})  # the key setting gone by the time the app is built
-    assert not Settings.from_env({"UPSTREAMS": "  "}).pooled, "blank is unset: the single upstream settings"

@@ -11,7 +11,7 @@ from azure.core.credentials import AccessToken
 
 from chat import chat, prompt
 from chatstream.settings import Settings
-from chatstream.upstream import ENTRA_SCOPE, UpstreamStream, make_client
+from chatstream.upstreams.clients import ENTRA_SCOPE, UpstreamStream, make_client
 from tools.fakeupstream.scenarios import TEXTS
 from servers import App
 

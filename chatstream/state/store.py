@@ -13,6 +13,7 @@ How the account is reached, as the Functions host itself reads the same settings
 
 Every call the request path makes here is bounded (``CALL_TIMEOUT``) and retried at most once, so
 that a slow or absent store fails a request within two seconds instead of holding it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,12 @@ STREAMS_CONTAINER = "chatstream-streams"
 CONNECTION = "AzureWebJobsStorage"
 # A request waits this long at most for one store call (one retry included), then fails closed.
 CALL_TIMEOUT = 1.8
-_CLIENT_OPTIONS: dict[str, Any] = {"retry_total": 1, "retry_backoff_factor": 0.1, "connection_timeout": 1.5,
-                                   "read_timeout": 1.5}
+_CLIENT_OPTIONS: dict[str, Any] = {
+    "retry_total": 1,
+    "retry_backoff_factor": 0.1,
+    "connection_timeout": 1.5,
+    "read_timeout": 1.5,
+}
 
 
 class StoreUnavailable(Exception):
@@ -58,8 +63,9 @@ class StorageConfig:
     client_id: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "StorageConfig | None":
+    def from_env(cls, environ: Mapping[str, str]) -> StorageConfig | None:
         """The storage the settings name; None when none is set."""
+
         def get(suffix: str = "") -> str | None:
             return (environ.get(CONNECTION + suffix) or "").strip() or None
 
@@ -109,11 +115,11 @@ class Store:
     def _table_service(self) -> TableServiceClient:
         if self._tables is None:
             if self.config.connection_string is not None:
-                self._tables = TableServiceClient.from_connection_string(self.config.connection_string,
-                                                                         **_CLIENT_OPTIONS)
+                self._tables = TableServiceClient.from_connection_string(
+                    self.config.connection_string, **_CLIENT_OPTIONS
+                )
             elif self.config.table_url is not None:
-                self._tables = TableServiceClient(self.config.table_url, credential=self._identity(),
-                                                  **_CLIENT_OPTIONS)
+                self._tables = TableServiceClient(self.config.table_url, credential=self._identity(), **_CLIENT_OPTIONS)
             else:
                 raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
         return self._tables
@@ -121,8 +127,7 @@ class Store:
     def _blob_service(self) -> BlobServiceClient:
         if self._blobs is None:
             if self.config.connection_string is not None:
-                self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string,
-                                                                       **_CLIENT_OPTIONS)
+                self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **_CLIENT_OPTIONS)
             elif self.config.blob_url is not None:
                 self._blobs = BlobServiceClient(self.config.blob_url, credential=self._identity(), **_CLIENT_OPTIONS)
             else:

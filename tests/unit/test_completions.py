@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstream.completions import CompletionStream, filter_completion
+from chatstream.apis.completions import CompletionStream, filter_completion
 from chatstream.errors import UpstreamMalformed
 from chatstream.guard import Redactor, redact_whole
 from chatstream.pipeline import Pipeline
@@ -72,7 +72,7 @@ def channel_text(forwarded: list[dict], channel, choice: int = 0) -> str:
 
 @pytest.mark.parametrize("pipeline", [Pipeline(), redacting()], ids=["plain", "redacting"])
 async def test_feed_never_changes_its_input_and_returns_new_dicts(pipeline):
-    stream = CompletionStream(pipeline, record())
+    stream = CompletionStream(pipeline)
     chunks = [
         chunk({"role": "assistant", "content": ""}),
         chunk({"content": "a sec"}),
@@ -94,14 +94,14 @@ async def test_feed_never_changes_its_input_and_returns_new_dicts(pipeline):
 
 
 async def test_without_text_steps_chunks_are_forwarded_as_they_came():
-    stream = CompletionStream(Pipeline(), record())
+    stream = CompletionStream(Pipeline())
     data = chunk({"content": "a secret"}, system_fingerprint="fp")
     fed = await stream.feed(data)
     assert fed.data == data and fed.output and fed.delta
 
 
 async def test_fed_flags():
-    stream = CompletionStream(Pipeline(), record(), choices=2)
+    stream = CompletionStream(Pipeline(), choices=2)
     assert (await stream.feed(chunk({"role": "assistant"}))).output is False
     assert (await stream.feed({"choices": []})).data is None
     fed = await stream.feed(chunk({}, "stop", index=1))
@@ -116,25 +116,24 @@ async def test_fed_flags():
 
 
 async def test_note_and_summary():
-    rec = record()
-    stream = CompletionStream(Pipeline(), rec)
+    stream = CompletionStream(Pipeline(), keep=True)
     stream.note({"id": "c1", "model": "m-1", "created": 5})
     stream.note({"id": "", "model": None, "choices": []})
     stream.note({"usage": {"total_tokens": 9}})
     await stream.feed(chunk({"content": "ab"}, "stop"))
     assert stream.summary() == Done("stop", {0: "stop"}, {"total_tokens": 9}, "m", "c1", 5)
-    assert rec.texts == {0: ["ab"]}
+    assert stream.released == {0: ["ab"]} and stream.generated == ["ab"]
 
 
 async def test_a_choice_held_back_entirely_is_not_sent_but_its_role_is():
-    stream = CompletionStream(redacting(), record())
+    stream = CompletionStream(redacting())
     assert (await stream.feed(chunk({"content": "sec"}))).data is None
     fed = await stream.feed(chunk({"role": "assistant", "content": "re"}))
     assert fed.data["choices"][0]["delta"] == {"role": "assistant", "content": ""} and not fed.output
 
 
 async def test_the_flushed_tail_goes_into_the_finishing_chunk_even_without_a_delta():
-    stream = CompletionStream(redacting(), record())
+    stream = CompletionStream(redacting())
     await stream.feed(chunk({"content": "a se"}))
     fed = await stream.feed({"choices": [{"index": 0, "finish_reason": "stop"}]})
     assert fed.data["choices"][0] == {"index": 0, "finish_reason": "stop", "delta": {"content": "se"}}
@@ -142,7 +141,7 @@ async def test_the_flushed_tail_goes_into_the_finishing_chunk_even_without_a_del
 
 
 async def test_a_tool_calls_held_arguments_are_flushed_as_a_fragment_of_that_call():
-    stream = CompletionStream(redacting(), record())
+    stream = CompletionStream(redacting())
     await stream.feed(chunk({"tool_calls": [tool_fragment("", 0, id="call_a", type="function"),
                                             tool_fragment("", 1, id="call_b", type="function")]}))
     fed = await stream.feed(chunk({"tool_calls": [tool_fragment("x se", 0), tool_fragment("cr", 1)]}))
@@ -153,11 +152,10 @@ async def test_a_tool_calls_held_arguments_are_flushed_as_a_fragment_of_that_cal
 
 
 async def test_released_content_is_kept_for_the_after_steps():
-    rec = record()
-    stream = CompletionStream(redacting(), rec, choices=2)
+    stream = CompletionStream(redacting(), choices=2, keep=True)
     await feed_all(stream, [chunk({"content": "a secret"}), chunk({"content": "b"}, index=1),
                             chunk({"content": " x se"}, "stop"), chunk({}, "stop", index=1)])
-    assert {i: "".join(t) for i, t in rec.texts.items()} == {0: "a [redacted] x se", 1: "b"}
+    assert {i: "".join(t) for i, t in stream.released.items()} == {0: "a [redacted] x se", 1: "b"}
 
 
 @pytest.mark.parametrize("bad", [
@@ -166,7 +164,7 @@ async def test_released_content_is_kept_for_the_after_steps():
 ])
 async def test_malformed_choices(bad):
     with pytest.raises(UpstreamMalformed):
-        await CompletionStream(Pipeline(), record()).feed(bad)
+        await CompletionStream(Pipeline()).feed(bad)
 
 
 # ---------------------------------------------------------- redaction for any chunking (hypothesis)
@@ -220,7 +218,7 @@ def test_each_text_channel_is_redacted_for_any_chunking(channel, case):
     chunks += [chunk(delta_for(channel, p)) for p in pieces]
     chunks.append(chunk({}, "stop"))
 
-    forwarded = drive(feed_all(CompletionStream(redacting(), record()), chunks))
+    forwarded = drive(feed_all(CompletionStream(redacting()), chunks))
     assert channel_text(forwarded, channel) == redact_whole(text, TERMS)
 
 
@@ -237,7 +235,7 @@ def test_channels_interleaved_are_redacted_apart(cases, data):
         chunks.append(chunk(delta_for(channel, queues[channel].pop(0))))
     chunks.append(chunk({}, "stop"))
 
-    forwarded = drive(feed_all(CompletionStream(redacting(), record()), chunks))
+    forwarded = drive(feed_all(CompletionStream(redacting()), chunks))
     for channel, (text, _) in zip(channels, cases):
         assert channel_text(forwarded, channel) == redact_whole(text, TERMS), channel
 
@@ -249,7 +247,7 @@ def test_choices_are_redacted_apart(first, second, data):
     chunks = [chunk({"content": queues[index].pop(0)}, index=index)
               for index in data.draw(interleavings([0, 1], [len(q) for q in queues.values()]))]
     chunks += [chunk({}, "stop", index=1), chunk({}, "stop", index=0)]
-    stream = CompletionStream(redacting(), record(), choices=2)
+    stream = CompletionStream(redacting(), choices=2)
     forwarded = drive(feed_all(stream, chunks))
     assert stream.done
     assert channel_text(forwarded, "content", 0) == redact_whole(first[0], TERMS)
@@ -257,7 +255,7 @@ def test_choices_are_redacted_apart(first, second, data):
 
 
 async def test_legacy_function_call_arguments_are_redacted_too():
-    stream = CompletionStream(redacting(), record())
+    stream = CompletionStream(redacting())
     forwarded = await feed_all(stream, [chunk({"function_call": {"name": "f", "arguments": "a sec"}}),
                                         chunk({"function_call": {"arguments": "ret b"}}),
                                         chunk({}, "function_call")])

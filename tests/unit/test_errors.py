@@ -1,20 +1,15 @@
-"""chatstream/errors.py: the one error hierarchy and how upstream failures map to it."""
+"""chatstream/errors.py: the one error hierarchy, the Retry-After parser, redaction."""
 from __future__ import annotations
 
+import email.utils
+import json
+import time
+
 import httpx2
-import openai
 import pytest
-from azure.core.exceptions import ClientAuthenticationError
 
-from chatstream.errors import (UPSTREAM_ERRORS, ApiError, ModerationStop, Rejection, StepFailed, TimeLimit,
-                               UpstreamMalformed, from_upstream, invalid_request, retry_after)
-
-REQUEST = httpx2.Request("POST", "http://upstream.test/v1/chat/completions")
-
-
-def status_error(cls, status: int, body=None, headers=None):
-    response = httpx2.Response(status, headers=headers or {}, request=REQUEST)
-    return cls("upstream said no", response=response, body=body)
+from chatstream.errors import (ApiError, ErrorKind, ModerationStop, Rejection, StepFailed, TimeLimit, UpstreamMalformed,
+                               invalid_request, parse_retry_after, redact, register_secret, retry_after_headers)
 
 
 # ------------------------------------------------------------------------------------ the shapes
@@ -68,101 +63,53 @@ def test_every_error_is_an_api_error():
 
 # ------------------------------------------------------------------------------- retry-after
 
+def caller_headers(headers: dict) -> dict:
+    """What a caller is told, from an upstream's headers (as outcomes.classify does)."""
+    lower = {k.lower() for k in headers}
+    return retry_after_headers(parse_retry_after(headers), ms="retry-after-ms" in lower)
+
+
 def test_retry_after():
-    assert retry_after(httpx2.Headers({"retry-after": "7"})) == {"Retry-After": "7"}
-    assert retry_after(httpx2.Headers({"retry-after-ms": "2400"})) == {"Retry-After": "3"}  # rounded up
-    assert retry_after(httpx2.Headers({"retry-after-ms": "1e400"})) == {}  # infinite: no header, no crash
-    assert retry_after(httpx2.Headers({"retry-after-ms": "10"})) == {"Retry-After": "1"}  # never 0
-    assert retry_after(httpx2.Headers({"retry-after-ms": "soon"})) == {}
-    assert retry_after(httpx2.Headers({})) == {}
-    # retry-after wins over retry-after-ms
-    assert retry_after(httpx2.Headers({"retry-after": "3", "retry-after-ms": "9000"})) == {"Retry-After": "3"}
+    assert caller_headers(httpx2.Headers({"retry-after": "7"})) == {"Retry-After": "7"}
+    # retry-after-ms: whole seconds rounded up (never 0), and the milliseconds passed on
+    assert caller_headers({"retry-after-ms": "2400"}) == {"Retry-After": "3", "retry-after-ms": "2400"}
+    assert caller_headers({"retry-after-ms": "10"}) == {"Retry-After": "1", "retry-after-ms": "10"}
+    assert caller_headers({"retry-after-ms": "1e400"}) == {}  # infinite: no header, no crash
+    assert caller_headers({"retry-after-ms": "soon"}) == {}
+    assert caller_headers({}) == {}
+    # both: the longer wait (coming back at the shorter one would meet the limit again)
+    assert caller_headers({"retry-after": "3", "retry-after-ms": "9000"}) == {"Retry-After": "9",
+                                                                               "retry-after-ms": "9000"}
 
 
-# --------------------------------------------------------------------------- from the upstream
-
-def test_our_own_errors_pass_through():
-    error = UpstreamMalformed()
-    assert from_upstream(error, "m") is error
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "-inf", "garbage", "é", "", "1e308e", "0x10"])
+def test_garbage_retry_after_is_nothing(value):
+    assert caller_headers({"Retry-After": value}) == {}
 
 
-def test_no_entra_token():
-    error = from_upstream(ClientAuthenticationError("no credential"), "m")
-    assert (error.status, error.type, error.retryable) == (503, "upstream_auth_unavailable", True)
+@pytest.mark.parametrize("value, expected", [("1e308", "3600"), ("99999999999", "3600"), ("0", "1"), ("0.2", "1"),
+                                             ("59.1", "60")])
+def test_retry_after_is_whole_seconds_within_bounds(value, expected):
+    assert caller_headers({"Retry-After": value}) == {"Retry-After": expected}
 
 
-def test_timeout():
-    error = from_upstream(openai.APITimeoutError(REQUEST), "m")
-    assert (error.status, error.type, error.retryable) == (504, "upstream_timeout", True)
+def test_retry_after_as_an_http_date_past_and_future():
+    future = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 28 <= int(caller_headers({"Retry-After": future})["Retry-After"]) <= 31
+    past = email.utils.formatdate(time.time() - 30, usegmt=True)
+    assert parse_retry_after({"Retry-After": past}) == 0.0
+    assert caller_headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00"}) == {}  # no zone: not a valid date
 
 
-def test_connection_before_and_after_output():
-    before = from_upstream(openai.APIConnectionError(request=REQUEST), "m")
-    after = from_upstream(openai.APIConnectionError(request=REQUEST), "m", midstream=True)
-    assert (before.status, before.type, before.retryable) == (503, "upstream_unavailable", True)
-    assert (after.status, after.type, after.retryable) == (502, "upstream_disconnected", True)
+def test_error_kinds_are_their_strings():
+    error = ApiError(429, "rate_limited", "m")
+    assert error.type is ErrorKind.RATE_LIMITED and error.type == "rate_limited"
+    assert json.dumps(error.body()) == '{"error": {"type": "rate_limited", "message": "m", "retryable": false}}'
+    assert Rejection(403, "no", "my_own_type").type == "my_own_type"  # a before-step's own type stays
 
 
-@pytest.mark.parametrize("cls, status", [(openai.AuthenticationError, 401), (openai.PermissionDeniedError, 403)])
-def test_our_credentials_refused_never_quote_the_upstream(cls, status):
-    exc = status_error(cls, status, body={"error": {"message": "Incorrect API key provided: sk-abc***xyz"}})
-    error = from_upstream(exc, "m")
-    assert (error.status, error.type, error.retryable) == (502, "upstream_auth", False)
-    assert "sk-" not in error.message
-
-
-def test_unknown_model():
-    error = from_upstream(status_error(openai.NotFoundError, 404), "gpt-x")
-    assert (error.status, error.type, error.param) == (400, "model_not_found", "model")
-    assert "'gpt-x'" in error.message
-
-
-def test_rate_limited_keeps_message_and_retry_after():
-    exc = status_error(openai.RateLimitError, 429, body={"error": {"message": "slow down"}},
-                       headers={"retry-after": "12"})
-    error = from_upstream(exc, "m")
-    assert (error.status, error.type, error.message, error.retryable) == (429, "rate_limited", "slow down", True)
-    assert error.headers == {"Retry-After": "12"}
-
-
-def test_bad_request_keeps_message_and_param():
-    exc = status_error(openai.BadRequestError, 400,
-                       body={"error": {"message": "temperature too high", "param": "temperature"}})
-    error = from_upstream(exc, "m")
-    assert (error.status, error.type, error.message, error.param) == (400, "invalid_request", "temperature too high",
-                                                                      "temperature")
-
-
-def test_unprocessable_is_a_bad_request_and_a_body_without_error_wrapper_is_read():
-    exc = status_error(openai.UnprocessableEntityError, 422, body={"message": "bad field", "param": 5})
-    error = from_upstream(exc, "m")
-    assert (error.status, error.type, error.message, error.param) == (400, "invalid_request", "bad field", None)
-
-
-def test_bad_request_without_a_body_uses_the_sdk_message():
-    error = from_upstream(status_error(openai.BadRequestError, 400, body="not json"), "m")
-    assert error.message == "upstream said no" and error.param is None
-
-
-@pytest.mark.parametrize("status, retryable", [(500, True), (503, True), (408, True), (409, True), (418, False)])
-def test_other_statuses(status, retryable):
-    error = from_upstream(status_error(openai.APIStatusError, status, body={"error": {"message": "secret detail"}}), "m")
-    assert (error.status, error.type, error.retryable) == (502, "upstream_error", retryable)
-    assert error.message == f"the model server failed (HTTP {status})"
-
-
-def test_an_error_event_inside_the_stream():
-    error = from_upstream(openai.APIError("overloaded", REQUEST, body=None), "m")
-    assert (error.status, error.type, error.retryable) == (502, "upstream_error", True)
-    assert error.message == "the model server reported an error: overloaded"
-
-
-def test_anything_else_is_a_bug():
-    with pytest.raises(TypeError, match="not an upstream error: ValueError"):
-        from_upstream(ValueError("x"), "m")
-
-
-def test_upstream_errors_tuple():
-    assert issubclass(openai.APIConnectionError, UPSTREAM_ERRORS)
-    assert issubclass(ClientAuthenticationError, UPSTREAM_ERRORS)
-    assert not issubclass(ApiError, UPSTREAM_ERRORS)
+def test_redact_removes_every_registered_secret():
+    register_secret("sk-unit-SECRET-1234567890")
+    register_secret("short")  # too short to redact safely: ignored
+    assert redact("Bearer sk-unit-SECRET-1234567890 was refused") == "Bearer [redacted] was refused"
+    assert redact("short words stay") == "short words stay"

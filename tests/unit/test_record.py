@@ -17,7 +17,7 @@ UNSAFE = ["\u0085", "\u2028", "\u2029", "\x9b", "\x7f", "\x80", "\x9f", "\u202a"
 @pytest.mark.parametrize("char", UNSAFE)
 def test_log_line_escapes_characters_that_split_or_hide_a_line(char):
     record = StreamRecord(endpoint="chat", model=f"evil{char}model")
-    record.failed(400, f"x{char}y")
+    record.refused(400, f"x{char}y")
     line = record.log_line()
     assert char not in line
     assert len(line.splitlines()) == 1
@@ -48,7 +48,7 @@ def test_log_line_fields():
     record.deltas, record.finish_reason, record.usage = 3, "stop", {"total_tokens": 9}
     entry = json.loads(record.log_line())
     assert list(entry) == ["event", "endpoint", "model", "status", "ttfd_ms", "duration_ms", "deltas",
-                           "finish_reason", "usage", "error", "disconnected", "upstream", "attempts"]
+                           "finish_reason", "usage", "error", "disconnected", "upstream", "attempts", "request_id"]
     assert entry["event"] == "chat_stream" and entry["endpoint"] == "openai" and entry["status"] == 200
     assert entry["ttfd_ms"] == 250.0 and entry["duration_ms"] >= 1000
     assert (entry["deltas"], entry["finish_reason"], entry["usage"]) == (3, "stop", {"total_tokens": 9})
@@ -60,9 +60,9 @@ def test_ttfd_is_none_until_the_first_delta():
     assert StreamRecord(endpoint="chat", model="m").ttfd_ms() is None
 
 
-def test_failed():
+def test_refused():
     record = StreamRecord(endpoint="chat", model="m")
-    record.failed(504, "upstream_timeout")
+    record.refused(504, "upstream_timeout")
     assert (record.status, record.error) == (504, "upstream_timeout")
 
 
@@ -84,7 +84,7 @@ def test_result():
     record.keep_text(2, "other")
     record.first_delta_at = record.started + 0.1
     record.deltas, record.finish_reason, record.usage, record.disconnected = 2, "length", {"t": 1}, True
-    record.failed(502, "upstream_disconnected")
+    record.refused(502, "upstream_disconnected")
     result = record.result()
     assert isinstance(result, StreamResult)
     assert result.texts == {0: "Hello world", 2: "other"} and result.text == "Hello world"

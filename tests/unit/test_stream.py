@@ -12,14 +12,16 @@ import httpx2
 import openai
 import pytest
 
-from chatstream.completions import CompletionStream
-from chatstream.errors import Rejection
+from chatstream.apis.completions import CompletionStream
+from chatstream.errors import ApiError, Rejection, UpstreamReported
 from chatstream.guard import Redactor
-from chatstream.limits import TimeLimits
+from chatstream.stream import TimeLimits
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Chunk, Done, Failed, encoded, relay
+
+from .stream_helpers import Opener
 
 REQUEST = httpx2.Request("POST", "http://upstream.test/v1/chat/completions")
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -102,7 +104,7 @@ class Run:
     def __init__(self, script, *, pipeline=None, choices=1, settings=None, protocol=None, open_stream=None):
         self.upstream = Upstream(script)
         self.record = StreamRecord(endpoint="openai", model="gpt-test")
-        self.protocol = protocol or CompletionStream(pipeline or Pipeline(), self.record, choices)
+        self.protocol = protocol or CompletionStream(pipeline or Pipeline(), choices)
         self.settings = settings or limits_settings()
         self.open_stream = open_stream or self._open
 
@@ -111,7 +113,7 @@ class Run:
 
     def events(self):
         self.limits = TimeLimits(self.settings)
-        return relay(self.open_stream, self.protocol, self.limits, self.record)
+        return relay(Opener(self.open_stream), "/chat/completions", {}, self.protocol, self.limits, self.record)
 
     async def all(self) -> list:
         return [event async for event in self.events()]
@@ -217,7 +219,8 @@ async def test_a_missing_usage_is_not_a_failure_and_waits_only_usage_wait():
 
 
 async def test_an_upstream_error_after_the_finish_is_ignored():
-    for tail in (openai.APIConnectionError(request=REQUEST), openai.APIError("late", REQUEST, body=None)):
+    # The upstream explains its failures as ApiErrors (upstreams/failover.py; test_failover.py has the SDK's).
+    for tail in (ApiError(502, "upstream_disconnected", "lost"), UpstreamReported("late")):
         run = Run([chunk({"content": "a"}), chunk({}, "stop"), tail])
         events = await run.all()
         assert isinstance(events[-1], Done) and run.record.error is None
@@ -306,9 +309,15 @@ async def test_a_malformed_chunk_after_output_is_still_malformed():
 
 
 async def test_an_error_event_inside_the_stream():
-    run = Run([chunk({"content": "a"}), openai.APIError("overloaded", REQUEST, body={"message": "overloaded"})])
+    run = Run([chunk({"content": "a"}), UpstreamReported("overloaded")])
     error = failure(await run.all())
     assert (error.status, error.type) == (502, "upstream_error")
+
+
+async def test_an_unexplained_exception_from_the_upstream_is_a_bug_of_ours():
+    run = Run([chunk({"content": "a"}), openai.APIConnectionError(request=REQUEST)])
+    error = failure(await run.all())
+    assert (error.status, error.type) == (500, "internal_error") and run.upstream.closed == 1
 
 
 class Bomb:
@@ -373,7 +382,7 @@ async def test_a_bug_in_the_protocol_is_internal_error_and_logged_with_its_trace
     script = [ROLE, chunk({"content": "boom"})] if before_output else \
         [ROLE, chunk({"content": "a"}), chunk({"content": "boom"})]
     run = Run(script + [chunk({}, "stop")])
-    run.protocol = BrokenProtocol(Pipeline(), run.record)
+    run.protocol = BrokenProtocol(Pipeline())
     with caplog.at_level(logging.ERROR, logger="chatstream"):
         events = await run.all()
     error = failure(events)
@@ -393,21 +402,14 @@ async def test_an_api_error_from_the_protocol_is_passed_as_it_is():
             raise rejection
 
     run = Run([chunk({"content": "a"})])
-    run.protocol = Refusing(Pipeline(), run.record)
+    run.protocol = Refusing(Pipeline())
     assert failure(await run.all()) is rejection
 
 
 # ----------------------------------------------------------------------- connection failures
 
-async def test_connection_lost_before_output_is_upstream_unavailable():
-    run = Run([ROLE, openai.APIConnectionError(request=REQUEST)])
-    error = failure(await run.all())
-    assert (error.status, error.type) == (503, "upstream_unavailable")
-    assert run.upstream.closed == 1
-
-
-async def test_connection_lost_after_output_is_upstream_disconnected():
-    run = Run([ROLE, chunk({"content": "a"}), openai.APIConnectionError(request=REQUEST)])
+async def test_a_failure_after_output_ends_with_the_chunks_made_then_the_error():
+    run = Run([ROLE, chunk({"content": "a"}), ApiError(502, "upstream_disconnected", "lost")])
     events = await run.all()
     error = failure(events)
     assert (error.status, error.type) == (502, "upstream_disconnected")
@@ -416,7 +418,7 @@ async def test_connection_lost_after_output_is_upstream_disconnected():
 
 async def test_opening_the_stream_fails():
     async def refuse():
-        raise openai.APIConnectionError(request=REQUEST)
+        raise ApiError(503, "upstream_unavailable", "could not reach the model server")
 
     run = Run([], open_stream=refuse)
     error = failure(await run.all())

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from chatstream.completions import CompletionStream
-from chatstream.limits import TimeLimits
+from chatstream.apis.completions import CompletionStream
+from chatstream.stream import TimeLimits
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Chunk, Failed, relay
+
+from .stream_helpers import Opener
 
 
 def chunk(i: int) -> dict:
@@ -51,7 +53,7 @@ def start(upstream: EndlessUpstream, total: float):
     async def open_stream():
         return upstream
 
-    return relay(open_stream, CompletionStream(Pipeline(), record), limits, record), record
+    return relay(Opener(open_stream), "/chat/completions", {}, CompletionStream(Pipeline()), limits, record), record
 
 
 def test_a_caller_that_stops_reading_does_not_keep_the_upstream_open_past_the_total_limit():

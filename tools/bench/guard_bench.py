@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from chatstream.guard import Redactor, redact_whole  # noqa: E402
 from chatstream.stream import Chunk  # noqa: E402
-from chatstream.api_chat import encode as encode_chat  # noqa: E402
+from chatstream.apis.chat import encode as encode_chat  # noqa: E402
 
 
 def frame(text: str) -> bytes | None:

@@ -4,21 +4,21 @@ Request: ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}`` (
 optional ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop``; strict: unknown
 fields are refused. Always streamed: ``data: {"delta": "..."}`` per piece of text, then exactly one
 ``event: done`` or ``event: error``. Errors: ``{"error": {"type", "message", "param"?, "retryable"}}``."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from . import sse
-from .body import validate_object
+from ..errors import ApiError
+from ..http import event, validate_object
+from ..pipeline import CallRequest, Pipeline
+from ..record import StreamRecord
+from ..stream import Chunk, Done, Event
 from .completions import CompletionStream
-from .errors import ApiError
-from .pipeline import CallRequest, Pipeline
-from .record import StreamRecord
-from .settings import Settings
-from .stream import Chunk, Done, Event
 
 MAX_MESSAGES = 1000
 MAX_STOP = 4
@@ -65,8 +65,13 @@ class ChatRequest(BaseModel):
 
     def to_params(self, default_model: str) -> dict:
         """The chat.completions parameters for this request (always streamed, with usage)."""
-        return {"model": self.model or default_model, "messages": self.upstream_messages(), "stream": True,
-                "stream_options": {"include_usage": True}, **self.sampling()}
+        return {
+            "model": self.model or default_model,
+            "messages": self.upstream_messages(),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.sampling(),
+        }
 
     def upstream_messages(self) -> list[dict]:
         if self.prompt is not None:
@@ -113,14 +118,15 @@ def chat_text(chunk: dict) -> str | None:
     return None
 
 
-def encode(event: Event) -> bytes | None:
-    if isinstance(event, Chunk):
-        text = chat_text(event.data)
-        return sse.event({"delta": text}) if text else None
-    if isinstance(event, Done):
-        return sse.event({"finish_reason": event.finish_reason, "usage": event.usage, "model": event.model,
-                          "id": event.id}, b"done")
-    return sse.event(event.error.body(), b"error")
+def encode(item: Event) -> bytes | None:
+    if isinstance(item, Chunk):
+        text = chat_text(item.data)
+        return event({"delta": text}) if text else None
+    if isinstance(item, Done):
+        return event(
+            {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}, b"done"
+        )
+    return event(item.error.body(), b"error")
 
 
 class ChatApi:
@@ -128,14 +134,17 @@ class ChatApi:
     path = "/chat/completions"
     completes = False  # always streamed
 
-    def parse(self, data: object, settings: Settings) -> CallRequest:
-        return CallRequest(params=validate_chat_request(data).to_params(settings.default_model), endpoint=self.name)
+    def parse(self, data: object, default_model: str) -> CallRequest:
+        return CallRequest(params=validate_chat_request(data).to_params(default_model), endpoint=self.name)
 
-    def protocol(self, call: CallRequest, pipeline: Pipeline, record: StreamRecord) -> CompletionStream:
-        return CompletionStream(pipeline, record)
+    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
+        return CompletionStream(pipeline, 1, keep)
 
-    def encoder(self, call: CallRequest):
+    def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]:
         return encode
 
-    def error_response(self, error: ApiError) -> JSONResponse:
+    def error_response(self, error: ApiError) -> Response:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def completion(self, body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
+        raise AssertionError("/api/chat is always streamed")

@@ -1,11 +1,11 @@
-"""chatstream/body.py: the content type, the body size limit (413 as soon as it is known) and strict
+"""chatstream/http.py: reading a body (the content type, the body size limit (413 as soon as it is known) and strict
 JSON, on a Starlette request fed from memory."""
 from __future__ import annotations
 
 import pytest
 from starlette.requests import Request
 
-from chatstream.body import parse_json_body, read_body, require_json_content_type
+from chatstream.http import parse_json_body, read_body, require_json_content_type
 from chatstream.errors import ApiError, ClientGone
 
 

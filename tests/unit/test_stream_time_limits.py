@@ -8,7 +8,8 @@ import time
 import pytest
 
 from chatstream.errors import TimeLimit
-from chatstream.limits import TimeLimits, first_token_expired, idle_expired, total_expired
+from chatstream.errors import first_token_expired, idle_expired, total_expired
+from chatstream.stream import TimeLimits
 from chatstream.settings import Settings
 
 

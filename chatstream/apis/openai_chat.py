@@ -7,6 +7,7 @@ Forward-compatible: the relay checks only the fields it reads or limits (``model
 upstream's own 400 comes back as a 400 with its message. Errors are
 ``{"error": {"message", "type", "param", "code"}}`` with the statuses the SDKs map to their
 exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 RateLimitError, 5xx)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -14,14 +15,11 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from . import sse
-from .body import validate_object
+from ..errors import ERROR_HEADERS, ApiError, ErrorKind
+from ..http import event, validate_object
+from ..pipeline import CallRequest, Pipeline
+from ..stream import Chunk, Done, Event
 from .completions import CompletionStream, filter_completion
-from .errors import ERROR_HEADERS, ApiError
-from .pipeline import CallRequest, Pipeline
-from .record import StreamRecord
-from .settings import Settings
-from .stream import Chunk, Done, Event
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 OPENAI_DONE = b"data: [DONE]\n\n"
@@ -34,6 +32,7 @@ class StreamOptions(BaseModel):
 
 class OpenAIChatRequest(BaseModel):
     """The fields the relay reads or limits; any other field is kept and passed on as it came."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=1000)]
@@ -82,32 +81,35 @@ def error_body(error: ApiError) -> dict:
 
 
 def status_for(error: ApiError) -> int:
-    # The SDKs raise NotFoundError for 404: an unknown model is a 404 on OpenAI's API.
-    return 404 if error.type == "model_not_found" else error.status
+    # The SDKs raise NotFoundError for 404: an unknown model is a 404 on OpenAI's API (on /api/chat
+    # it is a 400: docs/api.md).
+    return 404 if error.type == ErrorKind.MODEL_NOT_FOUND else error.status
 
 
-def encode(event: Event, include_usage: bool) -> bytes:
-    if isinstance(event, Chunk):
-        return sse.event(event.data)
-    if isinstance(event, Done):
+def encode(item: Event, include_usage: bool) -> bytes:
+    if isinstance(item, Chunk):
+        return event(item.data)
+    if isinstance(item, Done):
         if include_usage:
-            return sse.event({"id": event.id, "object": "chat.completion.chunk", "created": event.created,
-                              "model": event.model, "choices": [], "usage": event.usage}) + OPENAI_DONE
+            return (
+                event(
+                    {
+                        "id": item.id,
+                        "object": "chat.completion.chunk",
+                        "created": item.created,
+                        "model": item.model,
+                        "choices": [],
+                        "usage": item.usage,
+                    }
+                )
+                + OPENAI_DONE
+            )
         return OPENAI_DONE
-    return sse.event(error_body(event.error))
+    return event(error_body(item.error))
 
 
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=status_for(error), headers={**error.headers, **ERROR_HEADERS})
-
-
-def passed_on(data: dict, settings: Settings) -> dict:
-    """The (already validated) request as the caller sent it: fields the relay does not read pass
-    through unchanged; only a missing model gets the default."""
-    params = dict(data)
-    if params.get("model") is None:
-        params["model"] = settings.default_model
-    return params
 
 
 class OpenAIChatApi:
@@ -115,9 +117,13 @@ class OpenAIChatApi:
     path = "/chat/completions"
     completes = True
 
-    def parse(self, data: object, settings: Settings) -> CallRequest:
+    def parse(self, data: object, default_model: str) -> CallRequest:
         validate(data)
-        params = passed_on(data, settings)
+        assert isinstance(data, dict)  # validate refuses anything else
+        # Fields the relay does not read pass through unchanged; only a missing model gets the default.
+        params = dict(data)
+        if params.get("model") is None:
+            params["model"] = default_model
         include_usage = False
         if params.get("stream"):
             # Usage is always asked for (the log line needs it); the caller gets it only if asked.
@@ -125,8 +131,8 @@ class OpenAIChatApi:
             params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
         return CallRequest(params=params, endpoint=self.name, include_usage=include_usage)
 
-    def protocol(self, call: CallRequest, pipeline: Pipeline, record: StreamRecord) -> CompletionStream:
-        return CompletionStream(pipeline, record, call.params.get("n") or 1)
+    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
+        return CompletionStream(pipeline, call.params.get("n") or 1, keep)
 
     def encoder(self, call: CallRequest):
         return lambda event: encode(event, call.include_usage)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from chatstream.api_chat import MAX_MESSAGES, ChatApi, chat_text, encode, validate_chat_request
-from chatstream.completions import CompletionStream
+from chatstream.apis.chat import MAX_MESSAGES, ChatApi, chat_text, encode, validate_chat_request
+from chatstream.apis.completions import CompletionStream
 from chatstream.errors import ApiError, TimeLimit
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
@@ -160,11 +160,11 @@ def test_to_params_gives_new_messages_each_time():
 async def test_the_adapter():
     api = ChatApi()
     settings = Settings.from_env({"OPENAI_API_KEY": "k", "OPENAI_MODEL": "gpt-x"})
-    call = api.parse({"prompt": "hi", "seed": 1}, settings)
+    call = api.parse({"prompt": "hi", "seed": 1}, settings.default_model)
     assert call.endpoint == "chat" and call.include_usage is False
     assert call.params["model"] == "gpt-x" and call.params["stream"] is True and call.params["seed"] == 1
     assert (api.name, api.path, api.completes) == ("chat", "/chat/completions", False)
-    protocol = api.protocol(call, Pipeline(), StreamRecord(endpoint="chat", model="gpt-x"))
+    protocol = api.protocol(call, Pipeline(), False)
     assert isinstance(protocol, CompletionStream)
     await protocol.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     assert protocol.done, "one choice"

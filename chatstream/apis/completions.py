@@ -10,14 +10,15 @@ Stream rules: chunks with empty ``choices`` (Azure's filter frames, the usage ch
 forwarded; nothing a choice sends after its ``finish_reason`` is forwarded; a chunk is *output*
 (what the status rule and the delta count wait for) when it carries text, a refusal or a tool call,
 or finishes a choice."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import UpstreamMalformed
-from .pipeline import Pipeline, TextFilter
-from .record import StreamRecord
-from .stream import Done, Fed
+from ..errors import UpstreamMalformed
+from ..pipeline import Pipeline, TextFilter
+from ..record import StreamRecord
+from ..stream import Done, Fed
 
 TEXT_FIELDS = ("content", "refusal")
 
@@ -36,34 +37,43 @@ def _well_formed(choice) -> bool:
     if not isinstance(choice, dict) or not _index_ok(choice):
         return False
     delta = choice.get("delta") or {}
-    return (isinstance(delta, dict) and all(isinstance(delta.get(f) or "", str) for f in TEXT_FIELDS)
-            and isinstance(delta.get("tool_calls") or [], list) and all(map(_call_ok, delta.get("tool_calls") or []))
-            and isinstance(delta.get("function_call") or {}, dict)
-            and isinstance(choice.get("finish_reason") or "", str))
+    return (
+        isinstance(delta, dict)
+        and all(isinstance(delta.get(f) or "", str) for f in TEXT_FIELDS)
+        and isinstance(delta.get("tool_calls") or [], list)
+        and all(map(_call_ok, delta.get("tool_calls") or []))
+        and isinstance(delta.get("function_call") or {}, dict)
+        and isinstance(choice.get("finish_reason") or "", str)
+    )
 
 
 def _has_substance(delta: dict) -> bool:
-    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
-                or delta.get("function_call"))
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal") or delta.get("function_call"))
 
 
 def _empty_call(call) -> bool:
     """A tool-call fragment left with nothing to say once its arguments were held back."""
-    return isinstance(call, dict) and set(call) <= {"index", "function"} and \
-        not (call.get("function") or {}).get("arguments") and set(call.get("function") or {}) <= {"arguments"}
+    return (
+        isinstance(call, dict)
+        and set(call) <= {"index", "function"}
+        and not (call.get("function") or {}).get("arguments")
+        and set(call.get("function") or {}) <= {"arguments"}
+    )
 
 
 class ChoiceFilters:
     """The text filters of one choice, one per text channel: ``content``, ``refusal`` and
     ``("tool", i)`` for the arguments of tool call ``i``."""
 
-    def __init__(self, make: Callable[[], TextFilter]):
+    def __init__(self, make: Callable[[], TextFilter | None]):
         self._make = make
         self._filters: dict[object, TextFilter] = {}
 
     async def feed(self, channel, text: str) -> str:
         if channel not in self._filters:
-            self._filters[channel] = self._make()
+            made = self._make()
+            assert made is not None, "a text filter is made only when the pipeline filters text"
+            self._filters[channel] = made
         return await self._filters[channel].feed(text)
 
     async def flush_into(self, delta: dict) -> None:
@@ -73,8 +83,10 @@ class ChoiceFilters:
             if not tail:
                 continue
             if isinstance(channel, tuple):
-                delta["tool_calls"] = [*(delta.get("tool_calls") or []),
-                                       {"index": channel[1], "function": {"arguments": tail}}]
+                delta["tool_calls"] = [
+                    *(delta.get("tool_calls") or []),
+                    {"index": channel[1], "function": {"arguments": tail}},
+                ]
             elif channel == "function_call":
                 call = delta.get("function_call") or {}
                 delta["function_call"] = {**call, "arguments": (call.get("arguments") or "") + tail}
@@ -83,7 +95,11 @@ class ChoiceFilters:
 
     async def filter_call(self, call):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("arguments"), str) or not function["arguments"]:
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("arguments"), str)
+            or not function["arguments"]
+        ):
             return call
         arguments = await self.feed(("tool", call.get("index", 0)), function["arguments"])
         return {**call, "function": {**function, "arguments": arguments}}
@@ -113,16 +129,25 @@ class ChoiceFilters:
 
 
 class CompletionStream:
-    """One streamed chat completion: ``feed`` each upstream chunk, forward what it returns."""
+    """One streamed chat completion: ``feed`` each upstream chunk, forward what it returns.
+    ``keep``: keep what the text steps released per choice (for the after-steps), and what the model
+    generated (choice 0's text, before the text steps: what a partial stream is charged for)."""
 
-    def __init__(self, pipeline: Pipeline, record: StreamRecord, choices: int = 1):
-        self._make_filter = pipeline.text_filter if pipeline.filters_text else None
-        self.feed_waits = pipeline.moderates
+    def __init__(self, pipeline: Pipeline | None, choices: int = 1, keep: bool = False):
+        self._pipeline = pipeline
+        self._make_filter = pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
+        self.feed_waits = pipeline is not None and pipeline.moderates
         self._filters: dict[int, ChoiceFilters] = {}
-        self._record = record
         self._wanted = choices
         self.finished: dict[int, str] = {}
         self.model = self.id = self.created = None
+        self.usage: dict | None = None
+        self.released: dict[int, list[str]] | None = {} if keep else None
+        self.generated: list[str] | None = [] if keep else None
+
+    def probe(self) -> CompletionStream:
+        """The same kind of stream without text steps (the pool's look for the first output)."""
+        return CompletionStream(None, self._wanted)
 
     @property
     def done(self) -> bool:
@@ -134,7 +159,7 @@ class CompletionStream:
         self.id = data.get("id") or self.id
         self.created = data.get("created") or self.created
         if data.get("usage"):
-            self._record.usage = data["usage"]
+            self.usage = data["usage"]
 
     async def feed(self, data: dict) -> Fed:
         self.note(data)
@@ -160,44 +185,65 @@ class CompletionStream:
             return None  # nothing after a choice's finish_reason is forwarded
         delta = choice.get("delta") or {}
         reason = choice.get("finish_reason")
+        if self.generated is not None and index == 0:
+            self.generated.append(_generated(delta))
         if self._make_filter is not None:
             filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
-            if not reason and _has_substance(delta) and not _has_substance(filtered) and \
-                    set(filtered) <= {*TEXT_FIELDS, "tool_calls"}:
+            if (
+                not reason
+                and _has_substance(delta)
+                and not _has_substance(filtered)
+                and set(filtered) <= {*TEXT_FIELDS, "tool_calls"}
+            ):
                 return None  # everything was held back: nothing to send for this choice
             delta = filtered
-        self._record.keep_text(index, delta.get("content") or "")
+        if self.released is not None and delta.get("content"):
+            self.released.setdefault(index, []).append(delta["content"])
         if reason:
             self.finished[index] = reason
         return {**choice, "delta": delta}
 
     def _choice_filters(self, index: int) -> ChoiceFilters:
         if index not in self._filters:
+            assert self._make_filter is not None
             self._filters[index] = ChoiceFilters(self._make_filter)
         return self._filters[index]
 
     def summary(self) -> Done:
-        return Done(self.finished.get(0), dict(self.finished), self._record.usage, self.model, self.id, self.created)
+        return Done(self.finished.get(0), dict(self.finished), self.usage, self.model, self.id, self.created)
+
+
+def _generated(delta: dict) -> str:
+    """Everything the model generated in a delta: text, refusal and tool-call arguments."""
+    parts = [delta.get("content") or "", delta.get("refusal") or ""]
+    for call in delta.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            parts.append(function["arguments"])
+    return "".join(parts)
 
 
 async def filter_completion(body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
     """A whole chat.completion with each choice's texts through the text steps (a new dict)."""
     if not isinstance(body.get("choices"), list):
         raise UpstreamMalformed("the completion is not an object with choices")
-    record.usage = body.get("usage")
     choices = []
+    finish_reason = None
     for choice in body["choices"]:
         if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
             choice = {**choice, "message": await _filter_message(choice["message"], pipeline)}
             if choice.get("index", 0) == 0:
-                record.finish_reason = choice.get("finish_reason")
+                finish_reason = choice.get("finish_reason")
             record.keep_text(choice.get("index", 0), choice["message"].get("content") or "")
         choices.append(choice)
+    usage = body.get("usage")
+    record.ended(finish_reason, usage if isinstance(usage, dict) else None)
     return {**body, "choices": choices}
 
 
 async def _whole(pipeline: Pipeline, text: str) -> str:
     text_filter = pipeline.text_filter()
+    assert text_filter is not None
     return await text_filter.feed(text) + await text_filter.flush()
 
 

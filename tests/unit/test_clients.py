@@ -11,8 +11,8 @@ import aiohttp
 import httpx2
 import openai
 
-from chatstream import pool
-from chatstream.upstream import AioHttpClient, UpstreamStream, _remapped
+from chatstream.upstreams.outcomes import OutcomeKind, classify
+from chatstream.upstreams.clients import AioHttpClient, UpstreamStream, _remapped
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 
@@ -66,7 +66,7 @@ async def test_refused_connection_is_a_connect_failure():
         port = s.getsockname()[1]  # bound, not listening: refused
         exc = await _failure(port)
     assert type(exc) is openai.APIConnectionError
-    assert pool.classify(exc).kind is pool.OutcomeKind.CONNECT_FAILED
+    assert classify(exc).outcome.kind is OutcomeKind.CONNECT_FAILED
 
 
 async def test_reset_or_disconnect_is_a_lost_connection():
@@ -77,7 +77,7 @@ async def test_reset_or_disconnect_is_a_lost_connection():
         finally:
             server.close()
         assert type(exc) is openai.APIConnectionError, (mode, exc)
-        assert pool.classify(exc).kind is pool.OutcomeKind.CONNECTION_LOST, mode
+        assert classify(exc).outcome.kind is OutcomeKind.CONNECTION_LOST, mode
 
 
 class _Recording(httpx2.AsyncBaseTransport):
@@ -92,7 +92,7 @@ class _Recording(httpx2.AsyncBaseTransport):
 
 
 async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completion_keeps_all():
-    from chatstream.upstream import complete
+    from chatstream.upstreams.clients import complete
 
     recording = _Recording(CHUNK + b"data: [DONE]\n\n")
     timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
@@ -101,14 +101,14 @@ async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completio
     stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
     assert [data async for data in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
     recording.body = b'{"choices": []}'
-    assert await complete(client, "/chat/completions", {"model": "m"}) == {"choices": []}
+    assert await complete(client, "/chat/completions", {"model": "m"}) == ({"choices": []}, None)
     streamed, completed = recording.timeouts
     assert streamed == {"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}
     assert completed == {"connect": 3.0, "read": 65.0, "write": 30.0, "pool": 30.0}
 
 
 async def test_a_responses_stream_opens_through_the_responses_client_without_a_read_timeout():
-    from chatstream.api_responses import ResponsesClient
+    from chatstream.upstreams.clients import ResponsesClient
 
     recording = _Recording(b'data: {"type":"response.created"}\n\ndata: [DONE]\n\n')
     timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
@@ -120,11 +120,13 @@ async def test_a_responses_stream_opens_through_the_responses_client_without_a_r
 
 
 async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_settings():
-    class Minimal:  # a stand-in client: only post
+    class Minimal:  # a stand-in client: no SDK timeouts
+        timeout = None
+
         async def post(self, path, **kwargs):
             self.kwargs = kwargs
             return "opened"
 
     client = Minimal()
     assert await UpstreamStream.open(client, "/chat/completions", {"model": "m"}) == "opened"
-    assert "options" not in client.kwargs
+    assert "timeout" not in client.kwargs["options"]  # None would mean "no timeout at all" to the SDK

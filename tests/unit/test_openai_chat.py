@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from chatstream.api_openai import (OPENAI_DONE, ROLES, OpenAIChatApi, encode, error_body, error_response,
+from chatstream.apis.openai_chat import (OPENAI_DONE, ROLES, OpenAIChatApi, encode, error_body, error_response,
                                    model_object, models_list, status_for, validate)
-from chatstream.completions import CompletionStream, filter_completion
+from chatstream.apis.completions import CompletionStream, filter_completion
 from chatstream.errors import ApiError, StepFailed, TimeLimit, invalid_request
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
@@ -91,7 +91,7 @@ UNCHECKED = {
 def test_unknown_and_unchecked_fields_pass_unchanged_including_nulls():
     body = {"messages": [USER], "model": "m", **UNCHECKED}
     before = copy.deepcopy(body)
-    call = OpenAIChatApi().parse(body, SETTINGS)
+    call = OpenAIChatApi().parse(body, SETTINGS.default_model)
     assert call.params == before
     assert body == before, "the caller's body is not changed"
     assert call.params is not body
@@ -99,15 +99,15 @@ def test_unknown_and_unchecked_fields_pass_unchanged_including_nulls():
 
 def test_nulls_for_the_checked_fields_mean_unset():
     call = OpenAIChatApi().parse({"messages": [USER], "model": None, "stream": None, "stream_options": None,
-                                  "n": None}, SETTINGS)
+                                  "n": None}, SETTINGS.default_model)
     assert call.params["model"] == "gpt-default"
     assert call.params["stream"] is None and call.params["stream_options"] is None and call.params["n"] is None
     assert call.include_usage is False
 
 
 def test_the_default_model_fills_in_a_missing_one():
-    assert OpenAIChatApi().parse({"messages": [USER]}, SETTINGS).params["model"] == "gpt-default"
-    assert OpenAIChatApi().parse({"messages": [USER], "model": "mine"}, SETTINGS).params["model"] == "mine"
+    assert OpenAIChatApi().parse({"messages": [USER]}, SETTINGS.default_model).params["model"] == "gpt-default"
+    assert OpenAIChatApi().parse({"messages": [USER], "model": "mine"}, SETTINGS.default_model).params["model"] == "mine"
 
 
 @pytest.mark.parametrize("options, include_usage", [
@@ -118,7 +118,7 @@ def test_streamed_calls_always_ask_for_usage_but_pass_it_on_only_if_asked(option
     body = {"messages": [USER], "stream": True}
     if options is not None:
         body["stream_options"] = options
-    call = OpenAIChatApi().parse(body, SETTINGS)
+    call = OpenAIChatApi().parse(body, SETTINGS.default_model)
     assert call.params["stream_options"] == {**(options or {}), "include_usage": True}
     assert call.include_usage is include_usage
     assert call.endpoint == "openai"
@@ -126,14 +126,14 @@ def test_streamed_calls_always_ask_for_usage_but_pass_it_on_only_if_asked(option
 
 def test_other_stream_options_are_kept_and_the_callers_dict_is_not_changed():
     options = {"include_usage": False, "future_option": 1}
-    call = OpenAIChatApi().parse({"messages": [USER], "stream": True, "stream_options": options}, SETTINGS)
+    call = OpenAIChatApi().parse({"messages": [USER], "stream": True, "stream_options": options}, SETTINGS.default_model)
     assert call.params["stream_options"] == {"include_usage": True, "future_option": 1}
     assert options == {"include_usage": False, "future_option": 1}
 
 
 def test_a_non_streamed_call_is_left_alone():
     call = OpenAIChatApi().parse({"messages": [USER], "stream": False, "stream_options": {"include_usage": True}},
-                                 SETTINGS)
+                                 SETTINGS.default_model)
     assert call.params["stream_options"] == {"include_usage": True} and call.include_usage is False
 
 
@@ -142,8 +142,8 @@ async def test_the_adapter_waits_for_n_choices(n, choices):
     api = OpenAIChatApi()
     assert (api.name, api.path, api.completes) == ("openai", "/chat/completions", True)
     assert api.completion is filter_completion
-    call = api.parse({"messages": [USER], "stream": True, **({} if n is None else {"n": n})}, SETTINGS)
-    protocol = api.protocol(call, Pipeline(), StreamRecord(endpoint="openai", model="m"))
+    call = api.parse({"messages": [USER], "stream": True, **({} if n is None else {"n": n})}, SETTINGS.default_model)
+    protocol = api.protocol(call, Pipeline(), False)
     assert isinstance(protocol, CompletionStream)
     for index in range(choices):
         assert not protocol.done
@@ -220,8 +220,8 @@ def test_failed_is_an_error_event_without_done():
 
 def test_the_adapters_encoder_follows_the_call():
     api = OpenAIChatApi()
-    asked = api.parse({"messages": [USER], "stream": True, "stream_options": {"include_usage": True}}, SETTINGS)
-    not_asked = api.parse({"messages": [USER], "stream": True}, SETTINGS)
+    asked = api.parse({"messages": [USER], "stream": True, "stream_options": {"include_usage": True}}, SETTINGS.default_model)
+    not_asked = api.parse({"messages": [USER], "stream": True}, SETTINGS.default_model)
     assert api.encoder(asked)(DONE) == encode(DONE, True)
     assert api.encoder(not_asked)(DONE) == OPENAI_DONE
 

@@ -11,7 +11,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstream.api_responses import BATCH, ResponseEncoder, ResponseStream, filter_response
+from chatstream.apis.responses_stream import ResponseEncoder, ResponseStream, filter_response
 from chatstream.guard import Redactor, redact_whole
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
@@ -84,18 +84,16 @@ def script(text_chunks: list[str], arg_chunks: list[str], summary_chunks: list[s
     return [{**e, "sequence_number": i} for i, e in enumerate(events)]
 
 
-async def run(events: list[dict], p: Pipeline) -> tuple[list[dict], ResponseStream, StreamRecord]:
-    record = StreamRecord(endpoint="responses", model="m")
-    record.texts = {}
-    stream = ResponseStream(p, record)
+async def run(events: list[dict], p: Pipeline) -> tuple[list[dict], ResponseStream]:
+    stream = ResponseStream(p, keep=True)
     out = []
     for event in events:
         assert not stream.done
         fed = await stream.feed(event)
         if fed.data is not None:
-            out.extend(fed.data.get(BATCH) or [fed.data])
+            out.extend([fed.data, *fed.batch])
     assert stream.done
-    return out, stream, record
+    return out, stream
 
 
 def joined(events: list[dict], kind: str, output_index: int) -> str:
@@ -109,7 +107,7 @@ def test_deltas_and_every_full_text_are_the_same_redacted_text(data):
     text_chunks, arg_chunks, summary_chunks = cuts(data.draw, text), cuts(data.draw, args), cuts(data.draw, summary)
     events = script(text_chunks, arg_chunks, summary_chunks)
     before = copy.deepcopy(events)
-    out, stream, record = asyncio.run(run(events, pipeline()))
+    out, stream = asyncio.run(run(events, pipeline()))
     assert events == before, "the upstream's dicts are not changed"
     assert [e["sequence_number"] for e in out] == [e["sequence_number"] for e in events], \
         "every event, in order, with its own number"
@@ -132,7 +130,7 @@ def test_deltas_and_every_full_text_are_the_same_redacted_text(data):
         assert item[0]["summary"][0]["text"] == want_summary
         assert item[1]["content"][0]["text"] == want_text
         assert item[2]["arguments"] == want_args
-    assert "".join(record.texts.get(0, [])) == want_text
+    assert "".join(stream.released.get(0, [])) == want_text
     assert stream.summary().usage["total_tokens"] == 3
 
     body = by_type["response.completed"][0]["response"]
@@ -145,14 +143,13 @@ def test_deltas_and_every_full_text_are_the_same_redacted_text(data):
 
 def test_without_text_steps_events_pass_unchanged_and_at_once():
     events = script(["Hello ", "secret ", "world"], ['{"a":', '1}'], ["think"])
-    out, _, _ = asyncio.run(run(events, Pipeline()))
+    out, _ = asyncio.run(run(events, Pipeline()))
     assert out == events and all(a is b for a, b in zip(out, events))
 
 
 def test_opening_events_are_not_output_and_the_terminal_status_is_the_finish_reason():
     events = script(["Hi"], ["{}"], ["s"])
-    record = StreamRecord(endpoint="responses", model="m")
-    stream = ResponseStream(Pipeline(), record)
+    stream = ResponseStream(Pipeline())
 
     async def feed_all():
         return [await stream.feed(e) for e in events]
@@ -173,7 +170,7 @@ def test_encoder_names_each_event_and_ends_a_failure_with_the_next_sequence_numb
     b = {"type": "response.output_text.delta", "sequence_number": 5, "delta": "x"}
     assert encode(Chunk(a)) == ('event: response.output_text.delta\n'
                                 'data: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n').encode()
-    assert encode(Chunk({BATCH: [b]})).startswith(b"event: response.output_text.delta\ndata: ")
+    assert encode(Chunk(b)).startswith(b"event: response.output_text.delta\ndata: ")
     assert encode(Done("completed", {}, None, None, None, None)) is None
     tail = encode(Failed(ApiError(504, "idle_timeout", "the model went quiet")))
     assert tail == b'event: error\ndata: {"type":"error","sequence_number":6,"code":"idle_timeout",' \
@@ -189,7 +186,7 @@ def test_odd_upstream_events_are_upstream_malformed_not_a_bug_of_ours():
            {"type": "response.output_text.delta", "delta": "x", "output_index": [1]},
            {"type": "response.output_item.done", "output_index": "1", "item": {}}]
     for event in odd:
-        stream = ResponseStream(pipeline(), StreamRecord(endpoint="responses", model="m"))
+        stream = ResponseStream(pipeline())
         with pytest.raises(UpstreamMalformed):
             asyncio.run(stream.feed(event))
 
@@ -202,5 +199,5 @@ def test_an_upstream_error_event_fails_the_stream():
     for event in ({"type": "error", "code": "server_error", "message": "boom"},
                   {"type": "error", "error": {"type": "server_error", "message": "boom"}}):
         with pytest.raises(ApiError) as info:
-            asyncio.run(ResponseStream(Pipeline(), StreamRecord(endpoint="responses", model="m")).feed(event))
+            asyncio.run(ResponseStream(Pipeline()).feed(event))
         assert info.value.type == "upstream_error" and "boom" in info.value.message

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstream.sse import KEEP_ALIVE, SSEFramer, dumps, event
+from chatstream.http import KEEP_ALIVE, SSEFramer, dumps, event
 from helpers import examples
 
 payloads = st.lists(st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3),

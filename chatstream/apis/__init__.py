@@ -1,0 +1,1 @@
+"""One module per wire format, each behind the endpoint's ``Api`` protocol (endpoint.py)."""

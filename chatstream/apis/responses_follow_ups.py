@@ -1,0 +1,180 @@
+"""The calls about a stored response: ``GET /api/v1/responses/{id}`` (also re-streamed with
+``?stream=true&starting_after=N``), ``DELETE``, ``POST …/{id}/cancel`` and ``GET …/{id}/input_items``.
+
+Only the upstream entry that made a response knows its id, so each call asks the entries in priority
+order, moving on past a 404, a 429, a 5xx, a failed connection or a timeout (``Upstreams.each``).
+Each obeys the app's time limits (an answer within the first-token limit, a re-stream within the
+idle and total limits), ends when the caller hangs up (closing the upstream), and writes one log
+line. Only the query parameters OpenAI defines for the call are passed on (never the Functions key).
+With text steps on, response objects have their texts through them, and a re-stream goes through the
+stream core with a ``ResponseStream`` (as every re-stream does, so it gets the same final events)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .. import telemetry
+from ..endpoint import finishing, stream_response, unless_gone
+from ..errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, internal_error, invalid_request
+from ..http import EventStreamResponse
+from ..pipeline import Pipeline
+from ..record import StreamRecord
+from ..settings import Settings
+from ..stream import StreamProtocol, TimeLimits, UpstreamChunks, relay
+from ..upstreams.clients import SdkClient
+from ..upstreams.failover import Upstreams
+from .openai_chat import error_response
+from .responses_stream import ResponseEncoder, ResponseStream, filter_response
+
+log = logging.getLogger("chatstream")
+
+RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
+# The query parameters OpenAI defines for each call; any other is dropped (the Functions key `code`
+# among them, in any case).
+_QUERY = {
+    "retrieve": frozenset({"include", "include[]", "include_obfuscation", "stream", "starting_after"}),
+    "input_items": frozenset({"after", "before", "include", "include[]", "limit", "order"}),
+    "cancel": frozenset(),
+    "delete": frozenset(),
+}
+
+
+class _Stored:
+    """A stored response's event stream, from whichever entry holds it (``stream.Upstream``)."""
+
+    def __init__(self, upstreams: Upstreams, query: dict, attempt_timeout: float):
+        self.upstreams, self.query, self.attempt_timeout = upstreams, query, attempt_timeout
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        return await self.upstreams.reopen(path, self.query, protocol, self.attempt_timeout)
+
+
+class ResponseFollowUps:
+    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline):
+        self.settings = settings
+        self.upstreams = upstreams
+        self.pipeline = pipeline
+        # One entry's share of the wait for an answer; the whole wait is the first-token limit.
+        self.attempt_timeout = min(
+            settings.entry_first_token_timeout or settings.first_token_timeout, settings.first_token_timeout
+        )
+
+    async def retrieve(self, request: Request) -> Response:
+        query = _query(request, "retrieve")
+        if str(query.get("stream", "")).lower() == "true":
+            return await self._handle(
+                request, "retrieve", lambda rid, record: self._restream(request, rid, query, record)
+            )
+        return await self._call(request, "retrieve", "get", "", query)
+
+    async def delete(self, request: Request) -> Response:
+        return await self._call(request, "delete", "delete", "", _query(request, "delete"))
+
+    async def cancel(self, request: Request) -> Response:
+        return await self._call(request, "cancel", "post", "/cancel", _query(request, "cancel"))
+
+    async def input_items(self, request: Request) -> Response:
+        return await self._call(request, "input_items", "get", "/input_items", _query(request, "input_items"))
+
+    async def _call(self, request: Request, operation: str, method: str, suffix: str, query: dict) -> Response:
+        async def answer(response_id: str, record: StreamRecord) -> Response:
+            path = f"/responses/{response_id}{suffix}"
+
+            async def call(client: SdkClient) -> Any:
+                return await getattr(client, method)(path, cast_to=object, options={"params": query})
+
+            limit = min(self.settings.first_token_timeout, self.settings.total_timeout)
+            body = await unless_gone(request, self.upstreams.each(call, self.attempt_timeout), limit)
+            if not isinstance(body, dict):
+                raise ApiError(
+                    502, ErrorKind.UPSTREAM_MALFORMED, "the model server sent a malformed answer", retryable=True
+                )
+            if self.pipeline.filters_text and body.get("object") == "response":
+                body = await filter_response(body, self.pipeline, StreamRecord(endpoint="responses", model=""))
+            record.ended(body.get("status") if isinstance(body.get("status"), str) else None, None)
+            return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
+
+        return await self._handle(request, operation, answer)
+
+    async def _handle(self, request: Request, operation: str, answer) -> Response:
+        """One follow-up: the id checked, ``answer`` run, one log line, errors in OpenAI's shape."""
+        record = StreamRecord(endpoint=f"responses.{operation}", model="", request_id=uuid.uuid4().hex)
+        telemetry.begin(record)
+        streaming = False
+        try:
+            response_id = request.path_params.get("response_id", "")
+            if not RESPONSE_ID.fullmatch(response_id):
+                raise invalid_request("the response id must look like resp_… (letters, digits, _ and -)", "response_id")
+            response = await answer(response_id, record)
+            streaming = isinstance(response, EventStreamResponse)  # its log line comes when it ends
+            return response
+        except ClientGone:
+            record.hung_up(499)
+            return Response(status_code=499)
+        except ApiError as error:
+            return self._refuse(record, error)
+        except Exception:  # a bug of ours
+            log.exception("a response follow-up failed (%s)", operation)
+            return self._refuse(record, internal_error())
+        finally:
+            if not streaming:
+                _finish(record)
+
+    def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
+        response = error_response(error)
+        response.headers.update(ERROR_HEADERS)
+        response.headers["x-request-id"] = record.request_id
+        record.refused(response.status_code, error.type)
+        return response
+
+    async def _restream(self, request: Request, response_id: str, query: dict, record: StreamRecord) -> Response:
+        """A stored response's events again, after ``starting_after``: through the stream core."""
+        limits = TimeLimits(self.settings)
+        protocol = ResponseStream(self.pipeline if self.pipeline.filters_text else None, resumed=True)
+        events = finishing(
+            relay(
+                _Stored(self.upstreams, query, self.attempt_timeout),
+                f"/responses/{response_id}",
+                {},
+                protocol,
+                limits,
+                record,
+            ),
+            lambda: _finish(record),
+        )
+        return await stream_response(
+            request,
+            events,
+            ResponseEncoder(),
+            limits,
+            record,
+            self.settings.heartbeat,
+            lambda error: self._refuse(record, error),
+        )
+
+
+def _finish(record: StreamRecord) -> None:
+    if record.report():
+        log.info(record.log_line())
+        telemetry.finish(record)
+
+
+def _query(request: Request, operation: str) -> dict:
+    allowed = _QUERY[operation]
+    query: dict[str, Any] = {}
+    for key, value in request.query_params.multi_items():
+        if key not in allowed:
+            continue
+        if key in query:
+            query[key] = [*query[key], value] if isinstance(query[key], list) else [query[key], value]
+        else:
+            query[key] = value
+    return query

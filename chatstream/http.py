@@ -1,0 +1,240 @@
+"""What is HTTP, the same for every API: reading a request body (the content type, the size limit,
+strict JSON, a request model), server-sent events in both directions (``SSEFramer`` reads the
+upstream's, ``event`` writes ours), and the event-stream response that always closes its events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .errors import ApiError, ClientGone, ErrorKind, invalid_request
+
+log = logging.getLogger("chatstream")
+M = TypeVar("M", bound=BaseModel)
+
+# --- reading a request ------------------------------------------------------------------------
+
+# curl -d sends application/x-www-form-urlencoded unless told otherwise; a JSON body is never valid
+# form data for these endpoints, so that type (and none at all) is read as JSON. Anything else is
+# 415. (Cross-site form posts are refused by origin, before this: docs/deploy.md.)
+_ACCEPTED_AS_JSON = {"", "application/json", "application/x-www-form-urlencoded"}
+MAX_DEPTH = 128  # JSON nesting a request may have: far beyond any API's, and bounded for our recursion
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The request's body as strict JSON: 415 for another content type, 413 as soon as the body is
+    known to exceed ``limit`` (the rest is not read), 400 for anything that is not strict JSON. A
+    caller that hangs up while sending it raises ``ClientGone``."""
+    require_json_content_type(request.headers.get("content-type"))
+    return parse_json_body(await read_body(request, limit))
+
+
+def require_json_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media not in _ACCEPTED_AS_JSON and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, ErrorKind.UNSUPPORTED_MEDIA_TYPE, "send the body as Content-Type: application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` (the rest is not read)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return bytes(body)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, ErrorKind.REQUEST_TOO_LARGE, f"the body exceeds {limit} bytes")
+
+
+def _too_deep(value: object) -> bool:
+    """Whether ``value`` nests deeper than MAX_DEPTH (iterative: it must not recurse itself)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > MAX_DEPTH:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON syntax, but no JSON encoder can send it on
+        raise ValueError(f"the number {text[:32]} is out of range")
+    return value
+
+
+def parse_json_body(raw: bytes) -> object:
+    """Strict JSON: UTF-8 only, no NaN/Infinity (nor numbers that overflow to it), no lone
+    surrogates, bounded nesting."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid_request("the body is not valid UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+    except RecursionError:
+        raise invalid_request("the body is nested too deeply") from None
+    except ValueError as exc:
+        raise invalid_request(f"the body is not valid JSON: {exc}") from None
+    if _too_deep(data):
+        raise invalid_request(f"the body is nested deeper than {MAX_DEPTH} levels")
+    if _has_lone_surrogate(data):
+        raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
+    return data
+
+
+def validate_object(model: type[M], data: object, describe: Callable[[dict], tuple[str, str | None]]) -> M:
+    """``data`` as an API's request model, or a 400: ``describe`` turns pydantic's error into the
+    API's (message, param). Of several errors, the first that is not a union branch's type mismatch
+    is the one that says what is wrong (for ``stop: ["a", ""]``: the empty item, not "not a string")."""
+    if not isinstance(data, dict):
+        raise invalid_request("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        telling = [e for e in errors if not e["type"].endswith("_type")] if len(errors) > 1 else []
+        message, param = describe(dict((telling or errors)[0]))
+        raise invalid_request(message, param) from None
+
+
+# --- server-sent events -----------------------------------------------------------------------
+
+KEEP_ALIVE = b": keep-alive\n\n"
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+# Built once: json.dumps with any option builds a new encoder per call.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_ESCAPED = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def dumps(payload: Any) -> bytes:
+    """Compact JSON in UTF-8 (raw, not \\u-escaped: smaller, and what OpenAI sends)."""
+    try:
+        return _COMPACT(payload).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
+        return _ESCAPED(payload).encode("ascii")
+
+
+def event(payload: Any, name: bytes | None = None) -> bytes:
+    """One event: ``data: <json>`` (with ``event: <name>`` first when named)."""
+    head = b"event: " + name + b"\ndata: " if name else b"data: "
+    return head + dumps(payload) + b"\n\n"
+
+
+class SSEFramer:
+    """Server-sent events on bytes: ``feed(piece)`` returns the ``data`` of each event completed by
+    ``piece`` (data lines joined with LF), up to ``[DONE]``. Lines end with LF, CRLF or CR, also
+    when a CRLF is split between pieces; comments, ``event:`` and ``id:`` lines carry nothing the
+    relay reads. It works on bytes so that json.loads gets whole UTF-8 text however the network
+    split it, and so that no text or line layer costs two more generators per chunk (as httpx's
+    would), which matters at thousands of chunks per second."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[bytes] = []
+        self._cr = False  # the last piece ended with CR: an LF starting the next one belongs to it
+        self.done = False
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        if not piece:
+            return []
+        if self._cr and piece.startswith(b"\n"):
+            piece = piece[1:]
+        self._cr = piece.endswith(b"\r")
+        buffer = self._buffer + piece
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, self._buffer = buffer.split(b"\n")
+        events = []
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+            elif not line and self._data:  # a blank line ends the event
+                payload = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+                self._data = []
+                if payload == b"[DONE]":
+                    self.done = True
+                    break
+                events.append(payload)
+        return events
+
+
+# After the total limit, how long a response blocked by a caller who stopped reading may still try
+# to write its final event before the connection is dropped.
+WRITE_GRACE_SECONDS = 2.0
+
+
+class EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its event generator, even when the caller hung up
+    while the generator was parked at ``yield`` (Starlette then only cancels the sending task), and
+    that gives up writing shortly after the stream's total limit, however slowly the caller reads.
+    ``on_close`` runs last in every case, also when Starlette never started the body (a caller gone
+    before the first write): a generator that never ran has no ``finally`` of its own to run."""
+
+    media_type = "text/event-stream; charset=utf-8"
+
+    def __init__(
+        self,
+        content: AsyncIterable[bytes],
+        give_up_at: float,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
+        self.content = content
+        self.give_up_at = give_up_at
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.timeout_at(self.give_up_at + WRITE_GRACE_SECONDS):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            log.warning("a caller stopped reading past the total time limit; dropping its connection")
+        finally:
+            with anyio.CancelScope(shield=True):
+                close = getattr(self.content, "aclose", None)
+                if close is not None:
+                    await close()
+                if self.on_close is not None:
+                    await self.on_close()

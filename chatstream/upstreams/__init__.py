@@ -1,0 +1,1 @@
+"""The upstreams: their clients, the UPSTREAMS pool and its health, and failover between them."""

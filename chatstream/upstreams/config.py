@@ -1,0 +1,357 @@
+"""``UPSTREAMS``: the schema of one upstream entry, and the setting parsed into entries (once, at
+start-up). The single-upstream settings (``OPENAI_*`` / ``AZURE_OPENAI_*``) describe one entry the
+same way (``single_entry``), so the rest of the app sees one kind of upstream either way."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
+
+from ..settings import Settings
+
+SETTING = "UPSTREAMS"
+DEFAULT_API_VERSION = "2024-10-21"  # as AZURE_OPENAI_API_VERSION's default in settings.py
+SINGLE_NAME = "default"
+# Bounds on the setting: each entry gets an SDK client with its own connection pool, so a long list
+# costs start-up time and memory (1,000 entries took 23 s and 912 MB); no real pool needs more.
+MAX_ENTRIES = 64
+MAX_CHARS = 256 * 1024
+MAX_DEPTH = 8  # a list of entry objects holding lists and maps: three levels are all a valid value uses
+
+
+class PoolConfigError(Exception):
+    """``UPSTREAMS`` (or a setting it names) has a value the app cannot run with. The message names
+    the setting and the entry, never a value that could be a key."""
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Entry:
+    """One upstream of the pool. ``api_key`` is the resolved key (masked in every repr); ``auth``
+    says how to authenticate: ``key``, ``entra`` (Azure without a key) or ``none``."""
+
+    name: str
+    kind: Literal["openai", "azure"]
+    url: str  # base_url (openai) or azure_endpoint (azure), without a trailing slash
+    api_version: str | None = None  # azure only
+    api_key: SecretStr | None = field(default=None, repr=False)
+    key_setting: str | None = None  # the app setting the key came from (safe to log)
+    priority: int = 1
+    weight: float = 1.0
+    models: tuple[str, ...] | None = None  # None: serves any model
+    deployments: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def auth(self) -> Literal["key", "entra", "none"]:
+        if self.api_key is not None:
+            return "key"
+        return "entra" if self.kind == "azure" else "none"
+
+    @property
+    def base_url(self) -> str | None:
+        return self.url if self.kind == "openai" else None
+
+    @property
+    def azure_endpoint(self) -> str | None:
+        return self.url if self.kind == "azure" else None
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def __repr__(self) -> str:  # never the key, nor credentials a legacy URL might carry
+        return (
+            f"Entry({self.name!r}, {self.kind}, {display_url(self.url)!r}, auth={self.auth}, "
+            f"priority={self.priority}, weight={self.weight}, models={self.models!r})"
+        )
+
+    def deployment(self, model: str) -> str:
+        """The name sent upstream for ``model``: for Azure OpenAI the deployment it maps to
+        (the model name itself when unmapped), otherwise the model name."""
+        return self.deployments.get(model, model)
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_SETTING_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_KEY_VAULT_REFERENCE = "@Microsoft.KeyVault("
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=_NAME)]
+NonEmpty = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class _EntrySpec(BaseModel):
+    """One element of UPSTREAMS as written by the user."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: Name
+    base_url: str | None = None
+    azure_endpoint: str | None = None
+    api_version: NonEmpty | None = None
+    api_key_setting: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=_SETTING_NAME)] | None = (
+        None
+    )
+    priority: int = Field(1, ge=0, le=1000)
+    weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    models: list[NonEmpty] | None = Field(None, min_length=1)
+    deployments: dict[NonEmpty, NonEmpty] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _EntrySpec:
+        if (self.base_url is None) == (self.azure_endpoint is None):
+            raise ValueError(
+                "needs exactly one of base_url (OpenAI or a compatible server) and azure_endpoint (Azure OpenAI)"
+            )
+        for key in ("base_url", "azure_endpoint"):
+            value = getattr(self, key)
+            if value is not None and url_problem(value):
+                raise ValueError(f"{key}: {url_problem(value)}")
+        if self.base_url is not None:
+            for key in ("api_version", "deployments"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}: only for an azure_endpoint entry")
+        if self.models is not None and len(set(self.models)) != len(self.models):
+            raise ValueError("models: a model is listed twice")
+        if self.deployments and self.models is not None:
+            unserved = sorted(set(self.deployments) - set(self.models))
+            if unserved:
+                raise ValueError(f"deployments: maps {', '.join(map(repr, unserved))}, which models does not list")
+        return self
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with an upstream URL, without quoting it (it could carry credentials)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises on a bad port
+    except ValueError:
+        return "is not a valid URL"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// URL with a host"
+    if parts.username is not None or parts.password is not None:
+        return "must not carry credentials (use api_key_setting)"
+    if parts.query or parts.fragment:
+        return "must not have a query or a fragment"
+    if any(c.isspace() for c in url):
+        return "must not contain spaces"
+    del port
+    return None
+
+
+_PATTERN_HINTS = {
+    "name": "use letters, digits, '.', '_' and '-', starting with a letter or digit",
+    "api_key_setting": "must be the name of an app setting (letters, digits and '_')",
+}
+
+
+def _where(index: int, item: object) -> str:
+    name = item.get("name") if isinstance(item, dict) else None
+    if isinstance(name, str) and name and len(name) <= 64 and name.isprintable():
+        return f"{SETTING}[{index}] ({json.dumps(name)})"
+    return f"{SETTING}[{index}]"
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    """pydantic's errors as ``field: message``, never with the input (it could be a key)."""
+    out = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = ".".join(str(p) for p in error["loc"])
+        msg = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "string_pattern_mismatch":
+            msg = _PATTERN_HINTS.get(loc, msg)
+        if error["type"] == "extra_forbidden":
+            msg = "unknown key"
+            if loc in ("api_key", "key", "apiKey"):
+                msg += (
+                    " (a key never goes in UPSTREAMS: put it in its own app setting and name that setting "
+                    "in api_key_setting)"
+                )
+        out.append(f"{loc}: {msg}" if loc else msg)
+    return out
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the key {json.dumps(key)} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _depth(raw: str) -> int:
+    """How deep ``raw``'s brackets nest, outside strings (so that a value nested thousands deep is
+    refused before the JSON parser recurses into it)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _load(raw: str) -> list:
+    if len(raw) > MAX_CHARS:
+        raise PoolConfigError(f"{SETTING}: longer than {MAX_CHARS} characters")
+    if _depth(raw) > MAX_DEPTH:
+        raise PoolConfigError(f"{SETTING}: nested deeper than {MAX_DEPTH} levels")
+    try:
+        data = json.loads(raw, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise PoolConfigError(
+            f"{SETTING}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    except ValueError as exc:  # from the hooks: the message is ours and quotes no value
+        raise PoolConfigError(f"{SETTING}: not valid JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise PoolConfigError(f"{SETTING}: must be a JSON list of upstream objects")
+    if not data:
+        raise PoolConfigError(
+            f"{SETTING}: the list is empty (leave the setting out to use the single upstream settings)"
+        )
+    if len(data) > MAX_ENTRIES:
+        raise PoolConfigError(f"{SETTING}: {len(data)} entries; at most {MAX_ENTRIES}")
+    return data
+
+
+def _key(spec: _EntrySpec, where: str, environ: Mapping[str, str]) -> SecretStr | None:
+    """The entry's key from the setting it names; PoolConfigError (never quoting the value) if unusable."""
+    if spec.api_key_setting is None:
+        return None
+    value = environ.get(spec.api_key_setting, "")
+    if not value.strip():
+        raise PoolConfigError(f"{where}: api_key_setting: the app setting {spec.api_key_setting} is not set or empty")
+    if value.startswith(_KEY_VAULT_REFERENCE):
+        raise PoolConfigError(
+            f"{where}: api_key_setting: the app setting {spec.api_key_setting} holds an unresolved "
+            "Key Vault reference (check the app's identity can read the secret)"
+        )
+    return SecretStr(value)
+
+
+def _entry(spec: _EntrySpec, key: SecretStr | None) -> Entry:
+    azure = spec.azure_endpoint is not None
+    return Entry(
+        name=spec.name,
+        kind="azure" if azure else "openai",
+        url=(spec.azure_endpoint or spec.base_url or "").rstrip("/"),  # one of the two: _consistent
+        api_version=(spec.api_version or DEFAULT_API_VERSION) if azure else None,
+        api_key=key,
+        key_setting=spec.api_key_setting,
+        priority=spec.priority,
+        weight=spec.weight,
+        models=tuple(spec.models) if spec.models is not None else None,
+        deployments=dict(spec.deployments or {}),
+    )
+
+
+def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
+    """``UPSTREAMS`` → its entries, each key read from the setting its ``api_key_setting`` names.
+    Raises PoolConfigError listing every problem found."""
+    problems: list[str] = []
+    entries: list[Entry] = []
+    names: dict[str, int] = {}
+    for index, item in enumerate(_load(raw)):
+        where = _where(index, item)
+        if not isinstance(item, dict):
+            problems.append(f"{where}: must be a JSON object")
+            continue
+        try:
+            spec = _EntrySpec.model_validate(item)
+        except ValidationError as exc:
+            problems.extend(f"{where}: {p}" for p in _problems(exc))
+            continue
+        folded = spec.name.casefold()
+        if folded in names:
+            problems.append(
+                f"{where}: name: the same name as {SETTING}[{names[folded]}] (names must be unique, ignoring case)"
+            )
+            continue
+        names[folded] = index
+        try:
+            entries.append(_entry(spec, _key(spec, where, environ)))
+        except PoolConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise PoolConfigError("invalid app settings: " + "; ".join(problems))
+    return entries
+
+
+def entries(settings: Settings, environ: Mapping[str, str]) -> tuple[Entry, ...]:
+    """The upstream entries the settings describe: ``UPSTREAMS``' (each key read from the setting its
+    ``api_key_setting`` names in ``environ``), else the one of the single-upstream settings; none when
+    nothing is configured. Raises PoolConfigError naming the setting, never quoting a value."""
+    if settings.pooled:
+        return tuple(parse_upstreams(settings.upstreams or "", environ))
+    for name, url in (
+        ("OPENAI_BASE_URL", settings.openai_base_url),
+        ("AZURE_OPENAI_ENDPOINT", settings.azure_openai_endpoint),
+    ):
+        problem = url_problem(url) if url is not None else None
+        if problem:
+            raise PoolConfigError(f"invalid app settings: {name}: {problem}")
+    key = settings.azure_openai_api_key if settings.upstream_kind == "azure" else settings.openai_api_key
+    entry = single_entry(
+        settings.upstream_kind,
+        base_url=settings.openai_base_url,
+        endpoint=settings.azure_openai_endpoint,
+        api_version=settings.azure_openai_api_version,
+        api_key=key,
+    )
+    return (entry,) if entry is not None else ()
+
+
+def single_entry(
+    kind: str,
+    *,
+    base_url: str | None = None,
+    endpoint: str | None = None,
+    api_version: str | None = None,
+    api_key: SecretStr | None = None,
+) -> Entry | None:
+    """The one entry the single-upstream settings describe (``kind`` as Settings.upstream_kind:
+    ``openai``, ``azure`` or ``none``); None for ``none``. It serves any model, so a request may
+    name another model (or Azure deployment) as before."""
+    if kind == "azure":
+        if not endpoint:
+            raise PoolConfigError("AZURE_OPENAI_ENDPOINT: required for an Azure OpenAI upstream")
+        return Entry(
+            name=SINGLE_NAME,
+            kind="azure",
+            url=endpoint.rstrip("/"),
+            api_version=api_version or DEFAULT_API_VERSION,
+            api_key=api_key,
+        )
+    if kind == "openai":
+        # No base_url: the SDK's default, api.openai.com.
+        return Entry(
+            name=SINGLE_NAME, kind="openai", url=(base_url or "https://api.openai.com/v1").rstrip("/"), api_key=api_key
+        )
+    return None
+
+
+def display_url(url: str) -> str:
+    """The URL without any user:password or query (``UPSTREAMS`` refuses them; OPENAI_BASE_URL is
+    checked the same way at start-up, and this is the second line of defence)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=netloc, query="", fragment="").geturl()

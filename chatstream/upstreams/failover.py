@@ -1,0 +1,397 @@
+"""The upstreams in the request path: the pool (pool.py) with one SDK client per entry.
+
+For a streamed request, ``open`` walks the candidates: per entry it opens the stream and reads it
+until the API's protocol (a probe of it, without text steps) says the first output came. A 429,
+408/409, 5xx, a connection failure, an error event or a malformed chunk, or the per-entry
+first-token limit moves the request to the next entry; anything else (400, 401/403, 404 …) is the
+answer, as with a single upstream. The stream it returns replays the chunks it read and then goes
+on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
+output the request stays on its entry; a later failure is the stream's final error event, and
+counts against that entry's health. Failures reach the core already explained (``classify``): an
+``ApiError`` for the caller, the ``Outcome`` for the entry.
+
+The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
+Non-streamed calls walk the candidates the same way, one whole call per entry.
+
+Without ``UPSTREAMS`` the single-upstream settings form a pool of one entry, ``default``: it has no
+breaker, and it cools down only for as long as its own 429 asked (health.SINGLE)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import anyio
+
+from .. import telemetry
+from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, retry_after_headers
+from ..record import StreamRecord, log_safe
+from ..settings import Settings, SettingsError
+from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
+from . import config
+from .clients import (
+    ResponsesClient,
+    SdkClient,
+    UpstreamStream,
+    check_deployment_name,
+    complete,
+    entra_token_provider,
+    make_client,
+)
+from .config import Entry
+from .health import SINGLE
+from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify
+from .pool import Attempt, Pool, PoolEvent
+
+log = logging.getLogger("chatstream")
+T = TypeVar("T")
+# asyncio may run a timer up to its clock resolution early: a cancellation this close to the
+# request's first-token deadline is that deadline.
+_TIMER_SLACK = 0.01
+
+
+def _log_event(event: PoolEvent) -> None:
+    """The pool's changes as log lines and metrics."""
+    if event.event == "cooldown":
+        telemetry.upstream_event("cooldowns", event.entry)
+        log.warning(
+            "upstream %s: %s, cooling down %.1fs for %s",
+            event.entry,
+            event.reason,
+            event.seconds or 0,
+            log_safe(event.deployment or ""),
+        )
+    elif event.event == "open":
+        log.warning("upstream %s: %s, skipped for %.1fs (breaker open)", event.entry, event.reason, event.seconds or 0)
+    elif event.event == "closed":
+        log.info("upstream %s: answered again (breaker closed)", event.entry)
+    elif event.reason == OutcomeKind.QUOTA_EXHAUSTED:
+        log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", event.entry)
+    else:
+        log.error(
+            "upstream %s: authentication failed: check its key (api_key_setting) or, for Entra ID, "
+            "the app identity's role on that resource",
+            event.entry,
+        )
+
+
+class PeekedStream:
+    """An upstream stream whose first chunks were already read (up to the first output): iterating
+    it gives those chunks again, then the rest of the stream. A failure after them is reported to
+    the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
+    core as the ApiError it means."""
+
+    def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
+        self._stream = stream
+        self._peeked = peeked
+        self._replaying = 0  # peeked chunks not yet given again
+        self._attempt = attempt
+        self._model = model
+        self._closed = False
+        self._iterator = self._chunks()  # one iterator, as AsyncStream: the core iterates it twice
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self._iterator
+
+    @property
+    def ready(self) -> int:
+        """Chunks in hand (see UpstreamStream.ready)."""
+        return self._replaying + self._stream.ready
+
+    @property
+    def request_id(self) -> str | None:
+        return self._stream.request_id
+
+    async def _chunks(self) -> AsyncIterator[dict]:
+        peeked, self._peeked = self._peeked, []
+        for i, data in enumerate(peeked, 1):
+            self._replaying = len(peeked) - i
+            yield data
+        try:
+            async for data in self._stream:
+                yield data
+        except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+            failure = classify(exc, self._model, midstream=True)
+            if not self._closed and self._attempt is not None:
+                self._attempt.report(failure.outcome)
+            raise failure.error from None
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._stream.close()
+
+
+async def _close(stream: UpstreamStream | None) -> None:
+    if stream is not None:
+        with anyio.CancelScope(shield=True):
+            await stream.close()
+
+
+async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
+    """Read ``stream`` up to its first output (as ``probe`` sees it); the chunks read. An answer
+    that is complete without output is the core's to judge, as with a single upstream; a stream that
+    ends before either is the entry's failure."""
+    chunks = aiter(stream)
+    held: list[dict] = []
+    while True:
+        try:
+            data = await anext(chunks)
+        except StopAsyncIteration:
+            if probe.finished:
+                return held
+            raise incomplete() from None
+        held.append(data)
+        fed = await probe.feed(data)
+        if (fed.data is not None and fed.output) or probe.done:
+            return held
+
+
+class Upstreams:
+    """The pool and one client per entry; shared by every endpoint of the app (``stream.Upstream``)."""
+
+    def __init__(self, settings: Settings, pool: Pool, clients: Mapping[str, SdkClient], pooled: bool):
+        self.settings = settings
+        self.pool = pool
+        self.clients = dict(clients)
+        self.pooled = pooled  # from UPSTREAMS (else the single-upstream settings)
+        self.configured = bool(pool.entries)
+        self._azure = any(e.kind == "azure" for e in pool.entries)
+        self._closer: AsyncIterator[None] | None = None
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, environ: Mapping[str, str] | None = None, credential: Any = None, **pool_args: Any
+    ) -> Upstreams:
+        """The entries of the settings (``UPSTREAMS``, or the single upstream; a bad value raises
+        SettingsError naming the setting and the entry), each with a client. ``environ``: where the
+        keys ``api_key_setting`` names are read (default: the process environment); ``credential``:
+        for Entra ID (default: DefaultAzureCredential); ``pool_args``: ``now``, ``rng``, ``policy``."""
+        pool_args.setdefault("on_event", _log_event)
+        try:
+            entries = config.entries(settings, os.environ if environ is None else environ)
+        except config.PoolConfigError as exc:
+            raise SettingsError(str(exc)) from None
+        if not settings.pooled:
+            pool_args.setdefault("policy", SINGLE)
+        # With somewhere else to go, the SDK must not retry the same entry first (honouring a
+        # Retry-After of up to minutes): the pool moves the request on instead.
+        retries = settings.upstream_max_retries if len(entries) == 1 else 0
+        provider = None
+        if any(e.kind == "azure" and e.api_key is None for e in entries):
+            provider = entra_token_provider(credential)
+        clients = {e.name: make_client(e, settings, retries, provider) for e in entries}
+        return cls(settings, Pool(entries, **pool_args), clients, pooled=settings.pooled)
+
+    def for_responses(self) -> Upstreams:
+        """The same pool (one health, one set of counters) with each client as the Responses API
+        calls it (Azure's v1 paths)."""
+        clients = {
+            e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure")  # type: ignore[arg-type]
+            for e in self.pool.entries
+        }
+        return Upstreams(self.settings, self.pool, clients, self.pooled)
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+
+    def _close_with_the_loop(self) -> None:
+        """Close the clients when the event loop shuts down: ``asyncio.run`` (the worker's, a
+        test's) closes every async generator still open on its loop, and this one's ``finally``
+        closes the clients, whose aiohttp sessions would otherwise warn at exit. The Functions
+        runtime has no shutdown hook for an app."""
+
+        async def closer() -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                await self.close()
+
+        self._closer = closer()
+        self._closer_started = asyncio.ensure_future(anext(self._closer))
+
+    # --- before any call ---------------------------------------------------------------------
+
+    def model_names(self) -> tuple[str, ...] | None:
+        """The models the entries list, when every entry lists its own; None: any model."""
+        if not self.pooled or any(e.models is None for e in self.pool.entries):
+            return None
+        return tuple(dict.fromkeys(m for e in self.pool.entries for m in e.models or ()))
+
+    def check_model(self, model: str) -> None:
+        """400 for a model no entry serves, or one that cannot be an Azure deployment name."""
+        if self.pooled and not self.pool.serves(model):
+            raise ApiError(
+                400, ErrorKind.MODEL_NOT_ALLOWED, f"model {model!r} is not served by any upstream here", "model"
+            )
+        if self._azure:
+            for entry in self.pool.entries:
+                if entry.serves(model) and entry.kind == "azure":
+                    check_deployment_name(entry.deployment(model))
+
+    def _unavailable(self, model: str) -> ApiError:
+        """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
+        blocked = self.pool.unavailable(model)
+        headers = retry_after_headers(blocked.retry_after if blocked else 1.0)
+        if blocked is not None and blocked.reason == "rate_limited":
+            return ApiError(
+                429,
+                ErrorKind.RATE_LIMITED,
+                "the upstream serving this model is rate limited; retry later"
+                if not self.pooled
+                else "every upstream serving this model is rate limited; retry later",
+                retryable=True,
+                headers=headers,
+            )
+        return ApiError(
+            503,
+            ErrorKind.UPSTREAM_UNAVAILABLE,
+            "no upstream serving this model is available now; retry later",
+            retryable=True,
+            headers=headers,
+        )
+
+    def _attempts(self, model: str, record: StreamRecord) -> Iterator[tuple[Entry, Attempt, bool]]:
+        """(entry, attempt, is_last) for each candidate that can still take the request."""
+        if self._closer is None:
+            self._close_with_the_loop()
+        candidates = self.pool.candidates(model)
+        if not candidates:
+            raise self._unavailable(model)
+        for i, entry in enumerate(candidates):
+            attempt = self.pool.acquire(entry, model)
+            if attempt is None:
+                continue
+            record.attempting(entry.name)
+            telemetry.upstream_event("requests", entry.name)
+            yield entry, attempt, i == len(candidates) - 1
+
+    def _failed(self, attempt: Attempt, failure: Classified, record: StreamRecord) -> bool:
+        """Report a failed attempt; whether the request moves to the next entry."""
+        attempt.report(failure.outcome)
+        record.attempt_failed(attempt.entry.name, failure.error.type)
+        if failure.outcome.failover and len(self.pool.entries) > 1:
+            telemetry.upstream_event("failovers", attempt.entry.name, reason=failure.outcome.kind.value)
+            log.info(
+                "upstream %s: %s before any output; the request moves on to the next free entry, if any",
+                attempt.entry.name,
+                failure.outcome.kind.value,
+            )
+        return failure.outcome.failover
+
+    def _entry_deadline(self, limits: TimeLimits, last: bool) -> float | None:
+        """When this entry's first output is due, if before the request's own first-token deadline."""
+        per_entry = self.settings.entry_first_token_timeout
+        if per_entry is None or last:
+            return None
+        at = limits.loop.time() + per_entry
+        return at if at < limits.deadline else None
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        """The first entry, in the pool's order, whose stream reaches its first output; else the
+        last failure (or 429/503 with Retry-After when no entry could be tried)."""
+        model = params["model"]
+        last: Classified | None = None
+        for entry, attempt, is_last in self._attempts(model, record):
+            stream = None
+            try:
+                async with asyncio.timeout_at(self._entry_deadline(limits, is_last)):
+                    stream = await UpstreamStream.open(
+                        self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
+                    )
+                    peeked = await _peek(stream, protocol.probe())
+            except asyncio.CancelledError:
+                # The request's own first-token limit (the core turns it into the error), or the
+                # caller hung up (says nothing about the entry).
+                if limits.loop.time() >= limits.deadline - _TIMER_SLACK:
+                    attempt.report(TIMED_OUT)
+                else:
+                    attempt.release()
+                await _close(stream)
+                raise
+            except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+                await _close(stream)
+                last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
+                if self._failed(attempt, last, record):
+                    continue
+                raise last.error from None
+            attempt.report(SUCCESS)
+            record.request_id = stream.request_id or record.request_id
+            return PeekedStream(stream, peeked, attempt, model)
+        if last is None:
+            raise self._unavailable(model)
+        raise last.error
+
+    async def complete(self, path: str, params: dict, record: StreamRecord) -> dict:
+        """A non-streamed call: the first entry that answers it, in the pool's order."""
+        model = params["model"]
+        last: Classified | None = None
+        for entry, attempt, _ in self._attempts(model, record):
+            try:
+                body, request_id = await complete(
+                    self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
+                )
+            except asyncio.CancelledError:
+                attempt.release()
+                raise
+            except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+                last = classify(exc, model)
+                if self._failed(attempt, last, record):
+                    continue
+                raise last.error from None
+            attempt.report(SUCCESS)
+            record.request_id = request_id or record.request_id
+            return body
+        if last is None:
+            raise self._unavailable(model)
+        raise last.error
+
+    async def each(self, call: Callable[[SdkClient], Awaitable[T]], attempt_timeout: float) -> T:
+        """``call`` on each entry in priority order, health aside, for something only the entry that
+        made it knows (a stored response): a 404, 429, 5xx, a connection failure or ``attempt_timeout``
+        moves on to the next. The answer is the first success; else a 404 when every entry said
+        404, or the last other failure."""
+        ordered = sorted(self.pool.entries, key=lambda e: e.priority)
+        failure: Classified | None = None
+        not_found: Classified | None = None
+        for entry in ordered:
+            try:
+                async with asyncio.timeout(attempt_timeout):
+                    return await call(self.clients[entry.name])
+            except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+                found = classify(exc)
+                if found.outcome.kind is OutcomeKind.CLIENT_ERROR and found.outcome.status == 404:
+                    not_found = found
+                elif found.outcome.failover or found.error.type == ErrorKind.UPSTREAM_TIMEOUT:
+                    failure = found
+                else:
+                    raise found.error from None
+        if failure is None and not_found is None:
+            raise ApiError(503, ErrorKind.NOT_CONFIGURED, "no model upstream is configured")
+        raise (failure or not_found).error  # type: ignore[union-attr]
+
+    async def reopen(self, path: str, query: dict, protocol: StreamProtocol, attempt_timeout: float) -> UpstreamChunks:
+        """The event stream of something one entry holds (a stored response), from the first entry
+        that has it (``each``), read up to its first output."""
+
+        async def one(client: SdkClient) -> UpstreamChunks:
+            stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
+            try:
+                peeked = await _peek(stream, protocol.probe())
+            except BaseException:
+                await _close(stream)
+                raise
+            return PeekedStream(stream, peeked, None, "")
+
+        return await self.each(one, attempt_timeout)
+
+    def state(self) -> dict:
+        """What GET /api/_pool shows: never a key, only the name of the setting holding it."""
+        return {"source": "UPSTREAMS" if self.pooled else "single", "upstreams": self.pool.state()}

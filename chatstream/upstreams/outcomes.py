@@ -1,0 +1,282 @@
+"""What a failed upstream call means, in one place: ``classify(exc)`` gives what the caller is told
+(an ``ApiError``) and what the pool records for the entry (an ``Outcome``: cooldown, breaker,
+failover). Every upstream failure goes through it, streamed or not, and so do our own errors about
+what the upstream sent (a malformed chunk, a stream that ended early)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import openai
+from azure.core.exceptions import ClientAuthenticationError
+
+from ..errors import (
+    ApiError,
+    ErrorKind,
+    TimeLimit,
+    first_token_expired,
+    http_errors,
+    internal_error,
+    invalid_request,
+    parse_retry_after,
+    redact,
+    retry_after_headers,
+)
+from ..record import log_safe
+
+log = logging.getLogger("chatstream")
+
+# What the upstream call can raise besides our own errors: the SDK's (and its transport's, mapped
+# by the SDK or by clients.py), and azure-identity's when no Entra ID token can be had.
+UPSTREAM_ERRORS = (openai.APIError, ClientAuthenticationError)
+
+
+class OutcomeKind(StrEnum):
+    SUCCESS = "success"  # the first delta arrived (or the call succeeded)
+    RATE_LIMITED = "rate_limited"  # 429: this entry's deployment cools down
+    QUOTA_EXHAUSTED = "quota_exhausted"  # 429 insufficient_quota (billing): cools down for the maximum
+    CONNECT_FAILED = "connect_failed"  # no connection (refused, DNS, TLS, connect timeout): nothing was sent
+    CONNECTION_LOST = "connection_lost"  # connected, then the connection broke
+    TIMEOUT = "timeout"  # no answer / first token in time
+    SERVER_ERROR = "server_error"  # 5xx, 408, 409, an error event or a malformed chunk from the server
+    AUTH_ERROR = "auth_error"  # 401/403: our configuration (key, role), not the entry's health
+    CLIENT_ERROR = "client_error"  # other 4xx (400, 404, 413, 422 …): the request's problem
+    OTHER = "other"  # not an upstream failure (a bug of ours): no effect on the entry
+
+
+FAILOVER = frozenset(
+    {
+        OutcomeKind.RATE_LIMITED,
+        OutcomeKind.QUOTA_EXHAUSTED,
+        OutcomeKind.CONNECT_FAILED,
+        OutcomeKind.CONNECTION_LOST,
+        OutcomeKind.TIMEOUT,
+        OutcomeKind.SERVER_ERROR,
+    }
+)
+HEALTH_FAILURE = frozenset(
+    {OutcomeKind.CONNECT_FAILED, OutcomeKind.CONNECTION_LOST, OutcomeKind.TIMEOUT, OutcomeKind.SERVER_ERROR}
+)
+COOLDOWN = frozenset({OutcomeKind.RATE_LIMITED, OutcomeKind.QUOTA_EXHAUSTED})
+# The server answered: a probe that gets one of these proves the entry reachable.
+ANSWERED = frozenset(
+    {
+        OutcomeKind.SUCCESS,
+        OutcomeKind.RATE_LIMITED,
+        OutcomeKind.QUOTA_EXHAUSTED,
+        OutcomeKind.AUTH_ERROR,
+        OutcomeKind.CLIENT_ERROR,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt on an entry came to. ``cooldown``: for a 429, the seconds its headers ask
+    for (None when they said nothing usable). ``failover``: the request goes on to the next
+    candidate (only before the first output); ``config_problem``: worth an error log naming the
+    entry (our key or role is wrong, or the account has no quota left)."""
+
+    kind: OutcomeKind
+    status: int | None = None
+    cooldown: float | None = None
+    failover: bool = field(init=False)
+    config_problem: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "failover", self.kind in FAILOVER)
+        object.__setattr__(self, "config_problem", self.kind in (OutcomeKind.AUTH_ERROR, OutcomeKind.QUOTA_EXHAUSTED))
+
+
+SUCCESS = Outcome(OutcomeKind.SUCCESS)
+TIMED_OUT = Outcome(OutcomeKind.TIMEOUT)
+
+
+def outcome_of_status(status: int, headers: Mapping[str, str] | None = None, code: str | None = None) -> Outcome:
+    """An HTTP error status (and, for 429, its headers and the error's ``code``)."""
+    if status == 429:
+        if code == "insufficient_quota":
+            return Outcome(OutcomeKind.QUOTA_EXHAUSTED, status)
+        return Outcome(OutcomeKind.RATE_LIMITED, status, cooldown_from_headers(headers or {}))
+    if status in (401, 403):
+        return Outcome(OutcomeKind.AUTH_ERROR, status)
+    if status >= 500 or status in (408, 409):
+        return Outcome(OutcomeKind.SERVER_ERROR, status)
+    if 400 <= status < 500:
+        return Outcome(OutcomeKind.CLIENT_ERROR, status)
+    return Outcome(OutcomeKind.OTHER, status)
+
+
+# --- 429 headers ------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def _duration(value: str) -> float | None:
+    """``12``, ``0.5`` (Azure: seconds) or ``6m0s``, ``1s``, ``20ms`` (OpenAI: a duration)."""
+    value = value.strip()
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    pos, seconds = 0, 0.0
+    for match in _DURATION.finditer(value):
+        if match.start() != pos:
+            return None
+        seconds += float(match.group(1)) * _UNIT[match.group(2)]
+        pos = match.end()
+    return seconds if 0 < pos == len(value) else None
+
+
+def cooldown_from_headers(headers: Mapping[str, str], wall_now: float | None = None) -> float | None:
+    """Seconds a 429's headers ask to wait: the largest of ``Retry-After`` (seconds or HTTP-date),
+    ``retry-after-ms`` and ``x-ratelimit-reset-requests`` / ``x-ratelimit-reset-tokens`` (seconds
+    on Azure, a duration such as ``6m0s`` on OpenAI). A 429 does not say which limit tripped, so
+    the latest one is the only wait sure to be past it. Values that are not finite and positive are
+    ignored (Azure sends ``0`` and ``-1`` as placeholders; a past date is no wait either): None
+    when nothing usable is left, and the pool uses its default."""
+    found = [parse_retry_after(headers, wall_now) or 0.0]
+    lower = {k.lower(): v for k, v in headers.items()}
+    for name in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"):
+        seconds = _duration(lower[name]) if name in lower else None
+        if seconds is not None and seconds == seconds and seconds != float("inf"):
+            found.append(seconds)
+    longest = max(found)
+    return longest if longest > 0 else None
+
+
+# --- exceptions --------------------------------------------------------------------------------
+
+_CONNECT_ERRORS = (*http_errors("ConnectError", "ConnectTimeout"), ConnectionRefusedError, socket.gaierror)
+
+
+def _connect_failure(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, _CONNECT_ERRORS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
+    """A string field (``message``, ``param``, ``code``) of the upstream's error body, if any; a
+    message never with a key the app holds."""
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get(name), str):
+            return redact(inner[name])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    error: ApiError  # what the caller is told
+    outcome: Outcome  # what the pool records for the entry
+
+
+def classify(exc: BaseException, model: str = "", *, midstream: bool = False) -> Classified:
+    """An exception from an upstream call (opening it, reading it, or our own error about what it
+    sent) → what the caller is told and what the entry's health records. ``midstream``: output has
+    already been sent (the status is then only informative). Anything that is not about the
+    upstream is a bug of ours: 500, and no effect on the entry."""
+    if isinstance(exc, ApiError):
+        return Classified(exc, _own_outcome(exc))
+    if isinstance(exc, ClientAuthenticationError):
+        # Not a bug and not the caller's: one line with the credential's own account of what it
+        # tried (it names credential types, never a secret), no traceback.
+        log.warning("could not get an Entra ID token for Azure OpenAI: %s", log_safe(redact(exc.message or str(exc))))
+        return Classified(
+            ApiError(
+                503,
+                ErrorKind.UPSTREAM_AUTH_UNAVAILABLE,
+                "the app could not get an Entra ID token for Azure OpenAI",
+                retryable=True,
+            ),
+            Outcome(OutcomeKind.OTHER),
+        )
+    if isinstance(exc, openai.APIStatusError):
+        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc))
+        return Classified(_status_error(exc, model, outcome), outcome)
+    if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
+        kind = OutcomeKind.CONNECT_FAILED if _connect_failure(exc) else OutcomeKind.TIMEOUT
+        return Classified(
+            ApiError(504, ErrorKind.UPSTREAM_TIMEOUT, "the model did not answer in time", retryable=True), Outcome(kind)
+        )
+    if isinstance(exc, openai.APIConnectionError):
+        if _connect_failure(exc):
+            return Classified(
+                ApiError(503, ErrorKind.UPSTREAM_UNAVAILABLE, "could not reach the model server", retryable=True),
+                Outcome(OutcomeKind.CONNECT_FAILED),
+            )
+        message = (
+            "the connection to the model server was lost"
+            if midstream
+            else "the model server cut the connection before its first output"
+        )
+        return Classified(
+            ApiError(502, ErrorKind.UPSTREAM_DISCONNECTED, message, retryable=True),
+            Outcome(OutcomeKind.CONNECTION_LOST),
+        )
+    if isinstance(exc, TimeoutError):  # the per-entry first-token limit
+        return Classified(first_token_expired(), TIMED_OUT)
+    if isinstance(exc, openai.APIError):  # an error payload inside the stream
+        return Classified(
+            ApiError(
+                502,
+                ErrorKind.UPSTREAM_ERROR,
+                f"the model server reported an error: {redact(exc.message)}",
+                retryable=True,
+            ),
+            Outcome(OutcomeKind.SERVER_ERROR),
+        )
+    return Classified(internal_error(), Outcome(OutcomeKind.OTHER))
+
+
+def _own_outcome(error: ApiError) -> Outcome:
+    if error.type in (ErrorKind.UPSTREAM_MALFORMED, ErrorKind.UPSTREAM_ERROR, ErrorKind.UPSTREAM_INCOMPLETE):
+        return Outcome(OutcomeKind.SERVER_ERROR)
+    if isinstance(error, TimeLimit) and error.type == ErrorKind.UPSTREAM_TIMEOUT:  # a first-token limit
+        return TIMED_OUT
+    return Outcome(OutcomeKind.OTHER)
+
+
+def _code(exc: openai.APIStatusError) -> str | None:
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) else upstream_field(exc, "code")
+
+
+def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> ApiError:
+    status = exc.status_code
+    message = upstream_field(exc, "message") or redact(exc.message)
+    if status in (401, 403):
+        # Our credentials, not the caller's: said without the upstream's details.
+        return ApiError(502, ErrorKind.UPSTREAM_AUTH, "upstream authentication failed")
+    if status == 404:
+        return ApiError(400, ErrorKind.MODEL_NOT_FOUND, f"model {model!r} is not available on the upstream", "model")
+    if status == 429:
+        headers = exc.response.headers
+        wait = parse_retry_after(headers)
+        return ApiError(
+            429,
+            ErrorKind.RATE_LIMITED,
+            message,
+            retryable=True,
+            headers=retry_after_headers(wait, ms="retry-after-ms" in headers),
+        )
+    if status in (400, 422):
+        return invalid_request(message, upstream_field(exc, "param"))
+    return ApiError(
+        502,
+        ErrorKind.UPSTREAM_ERROR,
+        f"the model server failed (HTTP {status})",
+        retryable=status >= 500 or status in (408, 409),
+    )
