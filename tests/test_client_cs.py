@@ -557,7 +557,8 @@ def test_app_error_midstream_exits_1(chat_exe, app):
 
 
 def test_app_rate_limited_exits_2(chat_exe, app):
-    proc = run_chat(chat_exe, "--url", app.chat_url, "[scenario:rate_limited] go")
+    # A model of its own: the app's single upstream cools a model down for its 429's Retry-After.
+    proc = run_chat(chat_exe, "--url", app.chat_url, "--model", "gpt-cs-rate-limited", "[scenario:rate_limited] go")
     assert proc.returncode == EXIT_HTTP_ERROR
     assert proc.stdout == b""
     assert b"HTTP 429" in proc.stderr

@@ -219,11 +219,9 @@ def test_keyless_azure_without_a_token_is_a_503_that_says_so(upstream, caplog):
 
     from chatstream.app import create_app
     from chatstream.settings import Settings
-    from chatstream.upstreams.clients import make_client
-
     settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal",
                                   "UPSTREAM_MAX_RETRIES": "0"})
-    chat_app = create_app(settings, client=make_client(settings, credential=NoTokenCredential()))
+    chat_app = create_app(settings, credential=NoTokenCredential())
 
     async def run() -> list[httpx.Response]:
         async def chat_route(request):

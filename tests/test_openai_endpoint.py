@@ -89,7 +89,8 @@ def test_two_choices_are_kept_apart(sdk):
 
 def test_rate_limit_raises_rate_limit_error(sdk):
     with pytest.raises(openai.RateLimitError) as info:
-        sdk.chat.completions.create(model="gpt-test", messages=user("rate_limited"), stream=True)
+        # A model of its own: the app's single upstream cools that model down for the 429's Retry-After.
+        sdk.chat.completions.create(model="gpt-rate-limited", messages=user("rate_limited"), stream=True)
     assert info.value.status_code == 429
     assert info.value.response.headers["retry-after"] == "1"
     assert info.value.body["code"] == "rate_limited"

@@ -378,6 +378,7 @@ def test_errors_are_shown_and_partial_text_is_kept(tab):
     tab.wait_ready()
     tab.expect(tab.answer).to_have_text("")
     tab.expect(tab.prompt).to_have_value(prompt)
+    time.sleep(1.1)  # the app's single upstream keeps the 429's Retry-After (1 s) for that model: wait it out
 
     tab.ask("[scenario:error_midstream] hello")
     tab.expect(tab.alert).to_contain_text("Stream error: ")

@@ -127,7 +127,8 @@ def test_fields_the_relay_does_not_read_reach_the_upstream_unchanged(sdk, upstre
 def test_rate_limit_raises_rate_limit_error_with_retry_after(sdk):
     for stream in (True, False):
         with pytest.raises(openai.RateLimitError) as info:
-            sdk.responses.create(model="gpt-test", input=ask("rate_limited"), stream=stream)
+            # A model of its own: the single upstream cools it down for the 429's Retry-After.
+            sdk.responses.create(model=f"gpt-rate-limited-{stream}", input=ask("rate_limited"), stream=stream)
         assert info.value.status_code == 429
         assert info.value.response.headers["retry-after"] == "1"
         assert info.value.body["type"] == "rate_limit_error"

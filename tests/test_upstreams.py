@@ -11,7 +11,8 @@ from azure.core.credentials import AccessToken
 
 from chat import chat, prompt
 from chatstream.settings import Settings
-from chatstream.upstreams.clients import ENTRA_SCOPE, UpstreamStream, make_client
+from chatstream.upstreams.clients import ENTRA_SCOPE, UpstreamStream, entra_token_provider, make_client
+from chatstream.upstreams.config import entries
 from tools.fakeupstream.scenarios import TEXTS
 from servers import App
 
@@ -49,7 +50,8 @@ class TokenCredential:
 
 async def _two_requests(upstream, credential) -> list[str]:
     settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal"})
-    client = make_client(settings, credential=credential)
+    (entry,) = entries(settings, {})
+    client = make_client(entry, settings, settings.upstream_max_retries, entra_token_provider(credential))
     for _ in range(2):
         stream = await UpstreamStream.open(client, "/chat/completions", {"model": "normal", "stream": True,
                                                     "messages": [{"role": "user", "content": "hi"}]})

@@ -285,7 +285,7 @@ class ResponsesClient:
     (``/openai/v1/responses``, no ``api-version``); an upstream 404 on creating a response that is not
     about the model means the upstream lacks the API (501)."""
 
-    def __init__(self, client: openai.AsyncOpenAI, azure: bool):
+    def __init__(self, client: SdkClient, azure: bool):
         self.client = client
         self.azure = azure
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from typing import Any, TypeVar
 
 import anyio
+import openai
 
 from .. import telemetry
 from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, retry_after_headers
@@ -43,7 +44,7 @@ from .clients import (
 )
 from .config import Entry
 from .health import SINGLE
-from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify
+from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field
 from .pool import Attempt, Pool, PoolEvent
 
 log = logging.getLogger("chatstream")
@@ -189,7 +190,7 @@ class Upstreams:
         """The same pool (one health, one set of counters) with each client as the Responses API
         calls it (Azure's v1 paths)."""
         clients = {
-            e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure")  # type: ignore[arg-type]
+            e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure")
             for e in self.pool.entries
         }
         return Upstreams(self.settings, self.pool, clients, self.pooled)
@@ -360,22 +361,24 @@ class Upstreams:
         404, or the last other failure."""
         ordered = sorted(self.pool.entries, key=lambda e: e.priority)
         failure: Classified | None = None
-        not_found: Classified | None = None
+        not_found: ApiError | None = None
         for entry in ordered:
             try:
                 async with asyncio.timeout(attempt_timeout):
                     return await call(self.clients[entry.name])
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 found = classify(exc)
-                if found.outcome.kind is OutcomeKind.CLIENT_ERROR and found.outcome.status == 404:
-                    not_found = found
+                if isinstance(exc, openai.NotFoundError):  # not this entry's: the next one may hold it
+                    not_found = ApiError(404, ErrorKind.NOT_FOUND, upstream_field(exc, "message") or "not found")
                 elif found.outcome.failover or found.error.type == ErrorKind.UPSTREAM_TIMEOUT:
                     failure = found
                 else:
                     raise found.error from None
-        if failure is None and not_found is None:
-            raise ApiError(503, ErrorKind.NOT_CONFIGURED, "no model upstream is configured")
-        raise (failure or not_found).error  # type: ignore[union-attr]
+        if failure is not None:
+            raise failure.error
+        if not_found is not None:
+            raise not_found
+        raise ApiError(503, ErrorKind.NOT_CONFIGURED, "no model upstream is configured")
 
     async def reopen(self, path: str, query: dict, protocol: StreamProtocol, attempt_timeout: float) -> UpstreamChunks:
         """The event stream of something one entry holds (a stored response), from the first entry
