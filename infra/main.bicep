@@ -76,17 +76,14 @@ param maximumInstanceCount int = 100
 @description('Memory of each instance, in MB.')
 param instanceMemoryMB int = 2048
 
-// Sized from measurements, not guessed: docs/scaling.md (tools/bench/scaling.py recomputes it from
-// `make bench`, and tests/test_infra.py checks these defaults against that document).
+// Sized from measurements, not guessed: docs/scaling.md (tools/bench/scaling.py computes it from the
+// benchmark figures in docs/benchmarks.md, and tests/test_infra.py checks these defaults against it).
+// Flex Consumption runs one Python worker per instance (FUNCTIONS_WORKER_PROCESS_COUNT is not valid
+// on that plan), so the instance size buys the host a core, not a second event loop.
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
 param httpPerInstanceConcurrency int = 50
-
-@minValue(1)
-@maxValue(10)
-@description('FUNCTIONS_WORKER_PROCESS_COUNT: Python worker processes per instance, one per vCPU (docs/scaling.md).')
-param workerProcessCount int = 1
 
 // The app's own time limits (app settings, see README "Settings"). host.json sets
 // "functionTimeout": "00:30:00"; the whole stream must end before it (test_infra checks this).
@@ -143,7 +140,6 @@ module app 'resources.bicep' = {
     maximumInstanceCount: maximumInstanceCount
     instanceMemoryMB: instanceMemoryMB
     httpPerInstanceConcurrency: httpPerInstanceConcurrency
-    workerProcessCount: workerProcessCount
     totalTimeoutSeconds: totalTimeoutSeconds
     firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
     idleTimeoutSeconds: idleTimeoutSeconds

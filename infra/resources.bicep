@@ -31,7 +31,6 @@ param principalType string
 param maximumInstanceCount int
 param instanceMemoryMB int
 param httpPerInstanceConcurrency int
-param workerProcessCount int
 param totalTimeoutSeconds int
 param firstTokenTimeoutSeconds int
 param idleTimeoutSeconds int
@@ -322,11 +321,6 @@ var commonSettings = [
     value: '2'
   }
   {
-    // Python worker processes per instance (one per vCPU); see docs/scaling.md.
-    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'
-    value: string(workerProcessCount)
-  }
-  {
     name: 'UPSTREAM_MAX_RETRIES'
     value: '2'
   }
@@ -391,7 +385,6 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
     siteConfig: {
       minTlsVersion: '1.2'
       scmMinTlsVersion: '1.2'
-      ftpsState: 'Disabled'
       appSettings: concat(commonSettings, useAzureOpenAI ? azureOpenAISettings : openAISettings)
     }
     functionAppConfig: {
@@ -430,7 +423,8 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
   ]
 }
 
-// No basic-auth publishing: FTP is off, and deployments (azd, Core Tools) use Entra tokens.
+// No basic-auth publishing: deployments (azd, Core Tools) use Entra tokens. (siteConfig.ftpsState is
+// not set: Flex Consumption does not support FTPS and lists the property as deprecated.)
 resource ftpBasicAuth 'Microsoft.Web/sites/basicPublishingCredentialsPolicies@2024-04-01' = {
   parent: functionApp
   name: 'ftp'

@@ -30,6 +30,21 @@ MONITORING_METRICS_PUBLISHER = "3913510d-42f4-4e42-8a64-420c390055eb"
 COGNITIVE_SERVICES_OPENAI_USER = "5e0bd9bd-7b93-4f28-af87-19fc36ad61bd"
 KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 MODES = ("azureOpenAI", "openAI")
+
+# Functions app settings reference, "Flex Consumption plan deprecations" (ms.date 2025-12-22): app
+# settings and site properties that are not valid, or have moved, on that plan.
+FLEX_DEPRECATED_SETTINGS = (
+    "ENABLE_ORYX_BUILD", "FUNCTIONS_EXTENSION_VERSION", "FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_WORKER_RUNTIME_VERSION",
+    "FUNCTIONS_MAX_HTTP_CONCURRENCY", "FUNCTIONS_WORKER_PROCESS_COUNT", "FUNCTIONS_WORKER_DYNAMIC_CONCURRENCY_ENABLED",
+    "SCM_DO_BUILD_DURING_DEPLOYMENT", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING", "WEBSITE_CONTENTOVERVNET",
+    "WEBSITE_CONTENTSHARE", "WEBSITE_DNS_SERVER", "WEBSITE_MAX_DYNAMIC_APPLICATION_SCALE_OUT",
+    "WEBSITE_NODE_DEFAULT_VERSION", "WEBSITE_RUN_FROM_PACKAGE", "WEBSITE_SKIP_CONTENTSHARE_VALIDATION",
+    "WEBSITE_VNET_ROUTE_ALL")
+FLEX_DEPRECATED_PROPERTIES = (
+    "alwaysOn", "containerSize", "dnsConfiguration", "ftpsState", "isReserved", "IsXenon", "javaVersion",
+    "linuxFxVersion", "netFrameworkVersion", "powerShellVersion", "functionAppScaleLimit", "preWarmedInstanceCount",
+    "use32BitWorkerProcess", "vnetBackupRestoreEnabled", "vnetContentShareEnabled", "vnetImagePullEnabled",
+    "vnetRouteAllEnabled", "windowsFxVersion")
 AZURE_FRONT_END_IDLE_SECONDS = 230  # Azure's load balancer drops an HTTP response silent this long
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
@@ -249,7 +264,8 @@ class Infra:
     @classmethod
     def from_disk(cls) -> "Infra":
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
-        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md"):
+        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md",
+                      "docs/benchmarks.md"):
             files[extra] = (ROOT / extra).read_bytes()
         return cls(files)
 
@@ -373,7 +389,6 @@ def check_https_and_tls(infra: Infra) -> None:
     site = infra.body(infra.one("Microsoft.Web/sites"))["properties"]
     assert site.get("httpsOnly") is True, "httpsOnly"
     assert site["siteConfig"].get("minTlsVersion") == "1.2", "minTlsVersion"
-    assert site["siteConfig"].get("ftpsState") == "Disabled", "ftpsState"
     storage = infra.body(infra.one("Microsoft.Storage/storageAccounts"))["properties"]
     assert storage.get("minimumTlsVersion") == "TLS1_2", "storage minimumTlsVersion"
     assert storage.get("supportsHttpsTrafficOnly") is True, "storage HTTPS only"
@@ -450,10 +465,14 @@ def check_flex_consumption_python(infra: Infra) -> None:
     assert site["identity"]["type"] == "UserAssigned"
     assert list(site["identity"]["userAssignedIdentities"]) == ["'${identity.id}'"]
     for mode in MODES:  # settings Flex Consumption rejects or ignores (runtime lives in functionAppConfig)
-        settings = infra.app_settings(mode)
-        for name in ("FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_EXTENSION_VERSION", "WEBSITE_RUN_FROM_PACKAGE",
-                     "WEBSITE_CONTENTSHARE", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING"):
-            assert name not in settings, f"{name} is not for Flex Consumption"
+        settings = {name.upper() for name in infra.app_settings(mode)}
+        for name in FLEX_DEPRECATED_SETTINGS:
+            assert name not in settings, f"{name} is not valid on Flex Consumption (app settings reference)"
+        props = infra.body(infra.one("Microsoft.Web/sites"), mode)["properties"]
+        for where, values in (("properties", props), ("siteConfig", props.get("siteConfig", {}))):
+            present = {k.lower() for k in values}
+            for name in FLEX_DEPRECATED_PROPERTIES:
+                assert name.lower() not in present, f"{where}.{name} is deprecated on Flex Consumption"
 
 
 def check_app_insights_identity(infra: Infra) -> None:
@@ -528,26 +547,25 @@ def check_parameters(infra: Infra) -> None:
 
 
 def check_scaling_defaults(infra: Infra) -> None:
-    """Instance size, per-instance concurrency and worker processes are the ones docs/scaling.md
-    derives from the measurements (tools/bench/scaling.py writes its defaults block)."""
+    """docs/scaling.md's generated section is what tools/bench/scaling.py computes from the benchmark
+    figures of record (docs/benchmarks.md), for one worker per instance as Flex runs it; infra's
+    instance size and per-instance concurrency are the defaults it states."""
     import sys
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     import scaling
 
+    section, computed = scaling.table(scaling.summary_from_benchmarks(infra.files["docs/benchmarks.md"].decode()))
+    assert scaling.section_in(infra.scaling_doc) == section, \
+        "docs/scaling.md's generated section is not what tools/bench/scaling.py computes from docs/benchmarks.md"
+    assert scaling.WORKERS_PER_INSTANCE == 1, "Flex Consumption runs one Python worker per instance"
     expected = scaling.defaults_from_text(infra.scaling_doc)
+    assert expected == computed, (expected, computed)
+    assert set(expected) == {"instanceMemoryMB", "httpPerInstanceConcurrency"}, expected
     defaults = infra.main_defaults()
     assert defaults["instanceMemoryMB"] == expected["instanceMemoryMB"], (defaults["instanceMemoryMB"], expected)
     assert defaults["httpPerInstanceConcurrency"] == expected["httpPerInstanceConcurrency"], \
         f"httpPerInstanceConcurrency {defaults['httpPerInstanceConcurrency']} is not docs/scaling.md's {expected}"
-    assert defaults["workerProcessCount"] == expected["FUNCTIONS_WORKER_PROCESS_COUNT"], (defaults, expected)
-    params = infra.main.of("param")
-    (low,) = params["workerProcessCount"].decorators["minValue"]
-    (high,) = params["workerProcessCount"].decorators["maxValue"]
-    assert (int(low.text), int(high.text)) == (1, 10), "FUNCTIONS_WORKER_PROCESS_COUNT takes 1-10"
-    for mode in MODES:
-        settings = infra.app_settings(mode)
-        assert settings.get("FUNCTIONS_WORKER_PROCESS_COUNT") == str(expected["FUNCTIONS_WORKER_PROCESS_COUNT"]), \
-            "FUNCTIONS_WORKER_PROCESS_COUNT must be set from workerProcessCount"
+    assert "workerProcessCount" not in infra.main.of("param"), "no worker-process parameter on Flex Consumption"
     site = infra.body(infra.one("Microsoft.Web/sites"))
     scale = site["properties"]["functionAppConfig"]["scaleAndConcurrency"]
     assert scale["instanceMemoryMB"] == expected["instanceMemoryMB"]
@@ -611,7 +629,6 @@ BREAKAGES = [
      "var storageBlobDataOwnerRole = '2a2b9908-6ea1-4ae2-8e65-a410df84e7d1'", check_blob_owner_role),
     ("http allowed", R, "httpsOnly: true", "httpsOnly: false", check_https_and_tls),
     ("TLS 1.0", R, "      minTlsVersion: '1.2'", "      minTlsVersion: '1.0'", check_https_and_tls),
-    ("FTPS on", R, "ftpsState: 'Disabled'", "ftpsState: 'FtpsOnly'", check_https_and_tls),
     ("storage TLS 1.0", R, "minimumTlsVersion: 'TLS1_2'", "minimumTlsVersion: 'TLS1_0'", check_https_and_tls),
     ("connection string output", R, "output identityClientId string = identity.properties.clientId",
      "output identityClientId string = appInsights.properties.ConnectionString", check_no_secrets_in_outputs),
@@ -636,6 +653,12 @@ BREAKAGES = [
     ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
     ("worker runtime app setting", R, "    name: 'USAGE_WAIT_SECONDS'\n", "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
      check_flex_consumption_python),
+    ("worker process count on Flex", R, "    name: 'UPSTREAM_MAX_RETRIES'\n",
+     "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n", check_flex_consumption_python),
+    ("ftpsState on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      ftpsState: 'Disabled'\n",
+     check_flex_consumption_python),
+    ("alwaysOn on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      alwaysOn: false\n",
+     check_flex_consumption_python),
     ("App Insights local auth", R, "DisableLocalAuth: true", "DisableLocalAuth: false", check_app_insights_identity),
     ("spans sampled", R, "value: 'always_on'", "value: 'microsoft.rate_limited'", check_app_insights_identity),
     ("App Insights without identity", R, "value: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
@@ -654,10 +677,10 @@ BREAKAGES = [
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
     ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
      "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
-    ("worker processes not set", R, "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
-     "    name: 'FUNCTIONS_WORKER_PROCESSES'\n", check_scaling_defaults),
-    ("worker processes out of range", M, "@maxValue(10)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT",
-     "@maxValue(16)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT", check_scaling_defaults),
+    ("scaling table edited by hand", "docs/scaling.md", "| **50** |", "| **60** |", check_scaling_defaults),
+    ("benchmark figures changed, scaling not recomputed", "docs/benchmarks.md",
+     "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.188 |", "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.250 |",
+     check_scaling_defaults),
 ]
 
 
