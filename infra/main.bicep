@@ -112,6 +112,11 @@ var tags = {
   'azd-env-name': environmentName
 }
 
+// openAI mode with an empty key would deploy an app that answers every call with an upstream auth
+// error: stop the deployment instead, saying what to set.
+var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)
+var openAiKeyMissingMessage = 'CHAT_UPSTREAM=openAI needs an OpenAI API key: run `azd env set OPENAI_API_KEY <key>` (parameter openAiApiKey), or use CHAT_UPSTREAM=azureOpenAI.'
+
 resource rg 'Microsoft.Resources/resourceGroups@2024-03-01' = {
   name: 'rg-${environmentName}'
   location: location
@@ -133,7 +138,7 @@ module app 'resources.bicep' = {
     deploymentCapacity: deploymentCapacity
     openAiLocation: empty(openAiLocation) ? location : openAiLocation
     azureOpenAiApiVersion: azureOpenAiApiVersion
-    openAiApiKey: openAiApiKey
+    openAiApiKey: openAiKeyMissing ? fail(openAiKeyMissingMessage) : openAiApiKey
     openAiBaseUrl: openAiBaseUrl
     principalId: principalId
     principalType: principalType

@@ -58,6 +58,10 @@ class Symbolic(str):
     """A value only known at deployment (a resource property, an interpolation): its source text."""
 
 
+class DeploymentFails(Exception):
+    """The template's own ``fail(...)`` was reached: the deployment stops with this message."""
+
+
 def _named(node) -> list:
     return [c for c in node.named_children if c.type != "comment"]
 
@@ -231,6 +235,8 @@ class Evaluator:
             return self.eval(then) if self._truth(test) else self.eval(other)
         if kind == "call_expression":
             fn, args = _named(node)
+            if fn.type != "identifier":  # a method call such as environment().suffixes or x.list()
+                return Symbolic(node.text.decode())
             name, values = fn.text.decode(), [self.eval(a) for a in _named(args)]
             if name == "concat" and all(isinstance(v, list) for v in values):
                 return [x for v in values for x in v]
@@ -238,6 +244,8 @@ class Evaluator:
                 return {k: x for v in values for k, x in v.items()}
             if name == "empty" and not any(isinstance(v, Symbolic) for v in values):
                 return not values[0]
+            if name == "fail" and values and not isinstance(values[0], Symbolic):
+                raise DeploymentFails(values[0])
             if name == "string" and not isinstance(values[0], Symbolic):
                 return str(values[0]).lower() if isinstance(values[0], bool) else str(values[0])
             return Symbolic(node.text.decode())
@@ -265,7 +273,7 @@ class Infra:
     def from_disk(cls) -> "Infra":
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
         for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md",
-                      "docs/benchmarks.md"):
+                      "docs/benchmarks.md", "docs/deploy.md", "function_app.py"):
             files[extra] = (ROOT / extra).read_bytes()
         return cls(files)
 
@@ -291,7 +299,10 @@ class Infra:
         return {n: ev.param(n) for n in self.main.of("param")}
 
     def module_env(self, **overrides) -> dict:
-        """The parameters main.bicep passes to resources.bicep, main's defaults filled in."""
+        """The parameters main.bicep passes to resources.bicep, main's defaults filled in. In openAI
+        mode a stand-in key is given unless the caller gives one (main.bicep refuses an empty key)."""
+        if overrides.get("upstream") == "openAI":
+            overrides.setdefault("openAiApiKey", "sk-stand-in")
         module = self.main.of("module")["app"]
         params = Evaluator(self.main, **overrides).eval(module.body)["params"]
         assert module.type == "resources.bicep"
@@ -453,6 +464,20 @@ def check_key_vault_mode(infra: Infra) -> None:
         assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, f"{t.path}: openAiApiKey must be @secure()"
 
 
+def check_openai_key_required(infra: Infra) -> None:
+    """openAI mode without a key stops the deployment with a message that says what to set; the
+    default mode never needs one."""
+    try:
+        infra.module_env(upstream="openAI", openAiApiKey="")
+        raise AssertionError("openAI mode with an empty key deploys")
+    except DeploymentFails as refused:
+        assert "OPENAI_API_KEY" in str(refused) and "azd env set" in str(refused), refused
+    assert infra.module_env(upstream="openAI", openAiApiKey="sk-x")["openAiApiKey"] == "sk-x"
+    assert infra.module_env(upstream="azureOpenAI", openAiApiKey="")["openAiApiKey"] == ""
+    values = json.loads(infra.files["infra/main.parameters.json"])["parameters"]
+    assert values["openAiApiKey"]["value"] == "${OPENAI_API_KEY}", values.get("openAiApiKey")
+
+
 def check_flex_consumption_python(infra: Infra) -> None:
     plan = infra.body(infra.one("Microsoft.Web/serverfarms"))
     assert plan["sku"] == {"name": "FC1", "tier": "FlexConsumption"}, plan["sku"]
@@ -572,6 +597,46 @@ def check_scaling_defaults(infra: Infra) -> None:
     assert scale["triggers"]["http"]["perInstanceConcurrency"] == expected["httpPerInstanceConcurrency"]
 
 
+def _routes(source: str) -> list[tuple[str, str]]:
+    """(route, auth level) of every ``@app.route`` in function_app.py; the app's default applies
+    where a route names none."""
+    import ast
+    tree = ast.parse(source)
+    default = "FUNCTION"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "FunctionApp":
+            for kw in node.keywords:
+                if kw.arg == "http_auth_level":
+                    default = kw.value.attr
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "attr", None) == "route":
+                    kws = {kw.arg: kw.value for kw in dec.keywords}
+                    level = kws["auth_level"].attr if "auth_level" in kws else default
+                    found.append((kws["route"].value, level))
+    return found
+
+
+def check_deploy_doc_keys(infra: Infra) -> None:
+    """docs/deploy.md says which routes need the function key: every anonymous route of
+    function_app.py is named in its key section, with when it is served."""
+    routes = _routes(infra.files["function_app.py"].decode())
+    assert routes and any(level == "FUNCTION" for _, level in routes), routes
+    prefix = json.loads(infra.files["host.json"])["extensions"]["http"]["routePrefix"]
+    doc = infra.files["docs/deploy.md"].decode()
+    section = doc[doc.index("## The function key"):]
+    section = section[:section.index("\n## ", 1)]
+    assert not re.search(r"every (call|request) needs a key", section, re.I), \
+        "docs/deploy.md says every call needs a key, but some routes are anonymous"
+    for route, level in routes:
+        if level == "ANONYMOUS":
+            path = f"/{prefix}/" + re.sub(r"/?\{[^}]*\?\}$", "", route)
+            assert f"`GET {path}`" in section or f"`{path}`" in section, f"deploy.md does not name anonymous {path}"
+    assert "anonymous" in section and "404" in section and "PLAYGROUND_ENABLED" in section, section
+
+
 def check_azure_yaml(infra: Infra) -> None:
     project = yaml.safe_load(infra.files["azure.yaml"])
     assert isinstance(project, dict) and project.get("name")
@@ -589,9 +654,9 @@ def check_azure_yaml(infra: Infra) -> None:
 
 
 CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
-          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode,
+          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode, check_openai_key_required,
           check_flex_consumption_python, check_app_insights_identity, check_time_limits,
-          check_parameters, check_scaling_defaults, check_azure_yaml]
+          check_parameters, check_scaling_defaults, check_azure_yaml, check_deploy_doc_keys]
 
 
 @pytest.fixture(scope="module")
@@ -649,6 +714,8 @@ BREAKAGES = [
     ("Key Vault reference without the user identity", R, "    keyVaultReferenceIdentity: identity.id\n", "",
      check_key_vault_mode),
     ("key not @secure", M, "@secure()\n", "", check_key_vault_mode),
+    ("empty key deploys", M, "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
+     "var openAiKeyMissing = false", check_openai_key_required),
     ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),
     ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
     ("worker runtime app setting", R, "    name: 'USAGE_WAIT_SECONDS'\n", "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
@@ -675,6 +742,10 @@ BREAKAGES = [
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
+    ("deploy.md: every call needs a key", "docs/deploy.md", "so in Azure each call needs a key, with one",
+     "so every call needs a key, with one", check_deploy_doc_keys),
+    ("another anonymous route, not in deploy.md", "function_app.py", '@app.route(route="_pool", methods=["GET"])',
+     '@app.route(route="_pool", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)', check_deploy_doc_keys),
     ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
      "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
     ("scaling table edited by hand", "docs/scaling.md", "| **50** |", "| **60** |", check_scaling_defaults),
