@@ -60,8 +60,22 @@ param principalId string = ''
   'User'
   'ServicePrincipal'
 ])
-@description('Kind of principalId.')
+@description('Kind of principalId (AZURE_PRINCIPAL_TYPE): User for a person, ServicePrincipal for a pipeline signed in as one. A wrong kind fails the role assignments.')
 param principalType string = 'User'
+
+@description('Network isolation (VNET_ENABLED): a virtual network the app is integrated with, and storage, Azure OpenAI and Key Vault reachable only through private endpoints there. Off: public endpoints, identity-only access.')
+param vnetEnabled bool = false
+
+@description('Zone redundancy (AZURE_ZONE_REDUNDANT): a zone-redundant Flex Consumption plan (at least two always-ready instances) and zone-redundant storage. The region must offer it.')
+param zoneRedundant bool = false
+
+@description('Key Vault purge protection (AZURE_KEY_VAULT_PURGE_PROTECTION, openAI mode): on for production; it cannot be turned off again and it stops `azd down --purge` from purging the vault.')
+param keyVaultPurgeProtection bool = false
+
+@minValue(7)
+@maxValue(90)
+@description('Days a deleted Key Vault (and its secret) can be recovered.')
+param keyVaultSoftDeleteRetentionDays int = 90
 
 @minValue(1)
 @maxValue(1000)
@@ -149,6 +163,10 @@ module app 'resources.bicep' = {
     firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
     idleTimeoutSeconds: idleTimeoutSeconds
     heartbeatSeconds: heartbeatSeconds
+    vnetEnabled: vnetEnabled
+    zoneRedundant: zoneRedundant
+    keyVaultPurgeProtection: keyVaultPurgeProtection
+    keyVaultSoftDeleteRetentionDays: keyVaultSoftDeleteRetentionDays
   }
 }
 
@@ -164,3 +182,7 @@ output AZURE_OPENAI_DEPLOYMENT string = app.outputs.azureOpenAiDeployment
 output AZURE_KEY_VAULT_NAME string = app.outputs.keyVaultName
 output APPLICATIONINSIGHTS_NAME string = app.outputs.applicationInsightsName
 output AZURE_MANAGED_IDENTITY_CLIENT_ID string = app.outputs.identityClientId
+// The app's own state, for running it locally against Azure (AzureWebJobsStorage__tableServiceUri, __blobServiceUri).
+output AZURE_STORAGE_ACCOUNT_NAME string = app.outputs.storageAccountName
+output AZURE_STORAGE_TABLE_ENDPOINT string = app.outputs.storageTableEndpoint
+output AZURE_STORAGE_BLOB_ENDPOINT string = app.outputs.storageBlobEndpoint

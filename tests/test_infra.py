@@ -29,6 +29,12 @@ STORAGE_BLOB_DATA_OWNER = "b7e6dc6d-f1e8-4753-8033-0f276bb0955b"
 MONITORING_METRICS_PUBLISHER = "3913510d-42f4-4e42-8a64-420c390055eb"
 COGNITIVE_SERVICES_OPENAI_USER = "5e0bd9bd-7b93-4f28-af87-19fc36ad61bd"
 KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
+STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
+STORAGE_TABLE_DATA_CONTRIBUTOR = "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3"
+# The app's own state in the host's storage account (names the app code uses).
+APP_TABLES = ("chatstreamCallers", "chatstreamLimits", "chatstreamUsage", "chatstreamResponses", "chatstreamStreams")
+STREAMS_CONTAINER = "chatstream-streams"
+DEPLOYER = "deployer-object-id"  # a stand-in principalId
 MODES = ("azureOpenAI", "openAI")
 
 # Functions app settings reference, "Flex Consumption plan deprecations" (ms.date 2025-12-22): app
@@ -75,6 +81,7 @@ class Decl:
     type: str | None = None  # resource/module type string, param/output type
     condition: object = None  # the `if (...)` expression node of a conditional resource/module
     body: object = None  # value node: the object of a resource/module, a var/output/param default
+    loop: tuple | None = None  # `[for (item, index) in items: ...]`: (item name, index name or None, items node)
 
 
 @dataclass
@@ -139,6 +146,13 @@ def load_template(path: str, source: bytes) -> Template:
         if kind in ("resource", "module"):
             decl.type = string_value(parts[1])
             body = parts[-1]
+            if body.type == "for_statement":
+                head, items, body = _named(body)
+                if head.type == "for_loop_parameters":
+                    names = [c.text.decode() for c in _named(head)]
+                    decl.loop = (names[0], names[1] if len(names) > 1 else None, items)
+                else:
+                    decl.loop = (head.text.decode(), None, items)
             if body.type == "if_statement":
                 decl.condition, body = _named(body)
             decl.body = body
@@ -168,9 +182,13 @@ class Evaluator:
     """Evaluates Bicep expressions of one template. ``env`` gives parameter values; a parameter
     missing there takes its default. Anything that needs Azure stays Symbolic."""
 
-    def __init__(self, template: Template, **env):
+    def __init__(self, template: Template, locals_: dict | None = None, **env):
         self.t = template
         self.env = env
+        self.locals = locals_ or {}  # loop variables
+
+    def with_locals(self, **names) -> "Evaluator":
+        return Evaluator(self.t, {**self.locals, **names}, **self.env)
 
     def __call__(self, node):
         return self.eval(node)
@@ -205,8 +223,16 @@ class Evaluator:
             return result
         if kind == "parenthesized_expression":
             return self.eval(_named(node)[0])
+        if kind == "subscript_expression":  # `appTables[i]`: one instance of a looped resource
+            base, index = _named(node)
+            value = self.eval(index)
+            if base.type == "identifier" and isinstance(value, int):
+                return Symbolic(f"{base.text.decode()}[{value}]")
+            return Symbolic(node.text.decode())
         if kind == "identifier":
             name = node.text.decode()
+            if name in self.locals:
+                return self.locals[name]
             decl = self.t.decls.get(name)
             if decl is None:
                 return Symbolic(name)
@@ -242,6 +268,10 @@ class Evaluator:
                 return [x for v in values for x in v]
             if name == "union" and all(isinstance(v, dict) for v in values):
                 return {k: x for v in values for k, x in v.items()}
+            if name == "length" and (isinstance(values[0], (list, dict)) or type(values[0]) is str):
+                return len(values[0])
+            if name == "range" and all(type(v) is int for v in values):
+                return list(range(values[0], values[0] + values[1]))
             if name == "empty" and not any(isinstance(v, Symbolic) for v in values):
                 return not values[0]
             if name == "fail" and values and not isinstance(values[0], Symbolic):
@@ -327,22 +357,40 @@ class Infra:
         """A resource's body as deployed by main.bicep with its defaults (and ``upstream``)."""
         return Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides)).eval(decl.body)
 
-    def role_assignments(self) -> list[dict]:
-        """Every role assignment: its scope symbol, role id, principal source text, condition."""
-        found = []
-        for decl in self.resources.resources("Microsoft.Authorization/roleAssignments"):
-            body = self.body(decl)
-            props = body["properties"]
-            role = props["roleDefinitionId"]
-            m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
-                             str(role))
-            assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
-            role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
-                if m.group(1) in self.resources.decls else m.group(1)
-            found.append({"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
-                          "principal": str(props["principalId"]),
-                          "condition": decl.condition.text.decode() if decl.condition else None})
-        return found
+    def instances(self, decl: Decl, upstream: str = "azureOpenAI", template: Template | None = None,
+                  deployed_only: bool = True, **overrides) -> list[dict]:
+        """Each instance of a declaration (one, or one per loop item), evaluated with main.bicep's
+        defaults, ``upstream`` and ``overrides``; with ``deployed_only``, none whose condition is false."""
+        template = template or self.resources
+        ev = Evaluator(template, **self.module_env(upstream=upstream, **overrides))
+        if decl.loop:
+            item, index, items = decl.loop
+            values = ev.eval(items)
+            assert isinstance(values, list), f"{decl.name}: loop over {values}"
+            scopes = [ev.with_locals(**{item: v, **({index: i} if index else {})}) for i, v in enumerate(values)]
+        else:
+            scopes = [ev]
+        return [scope.eval(decl.body) for scope in scopes
+                if not deployed_only or decl.condition is None or Evaluator._truth(scope.eval(decl.condition))]
+
+    def role_assignments(self, upstream: str = "azureOpenAI", deployed_only: bool = False, **overrides) -> list[dict]:
+        """Every role assignment (each loop instance apart): its scope symbol, role id, principal
+        source text, condition; with ``deployed_only``, those deployed with these parameters."""
+        return [self._role_assignment(decl, body)
+                for decl in self.resources.resources("Microsoft.Authorization/roleAssignments")
+                for body in self.instances(decl, upstream, deployed_only=deployed_only, **overrides)]
+
+    def _role_assignment(self, decl: Decl, body: dict) -> dict:
+        props = body["properties"]
+        role = props["roleDefinitionId"]
+        m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
+                         str(role))
+        assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
+        role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
+            if m.group(1) in self.resources.decls else m.group(1)
+        return {"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
+                "principal": str(props["principalId"]), "principalType": props.get("principalType"),
+                "condition": decl.condition.text.decode() if decl.condition else None}
 
 
 def _has_role(infra: Infra, scope: str, role: str, principal: str = "identity.properties.principalId") -> dict:
@@ -637,6 +685,166 @@ def check_deploy_doc_keys(infra: Infra) -> None:
     assert "anonymous" in section and "404" in section and "PLAYGROUND_ENABLED" in section, section
 
 
+def _azd_value(infra: Infra, param: str) -> str:
+    return json.loads(infra.files["infra/main.parameters.json"])["parameters"][param]["value"]
+
+
+def _private_links(infra: Infra, mode: str, **overrides) -> dict:
+    """groupId -> params of each private-link.bicep module deployed in ``mode``."""
+    found = {}
+    for decl in infra.resources.of("module").values():
+        if decl.type == "private-link.bicep":
+            for body in infra.instances(decl, mode, **overrides):
+                found[body["params"]["groupId"]] = body["params"]
+    return found
+
+
+def check_private_network(infra: Infra) -> None:
+    """vnetEnabled (off by default): a virtual network with the app's subnet delegated for Flex
+    Consumption, and storage, Azure OpenAI and Key Vault with public access off, each reached through
+    a private endpoint with its private DNS zone. Off: public endpoints, identity-only access."""
+    assert infra.main_defaults()["vnetEnabled"] is False, "network isolation is off by default"
+    assert _azd_value(infra, "vnetEnabled") == "${VNET_ENABLED=false}"
+    vnet_decl = infra.one("Microsoft.Network/virtualNetworks")
+    site_decl = infra.one("Microsoft.Web/sites")
+    services = {"storage": infra.one("Microsoft.Storage/storageAccounts"),
+                "openAi": infra.one("Microsoft.CognitiveServices/accounts"),
+                "keyVault": infra.one("Microsoft.KeyVault/vaults")}
+    expected_links = {"blob": ("storage.id", "privatelink.blob."), "queue": ("storage.id", "privatelink.queue."),
+                      "table": ("storage.id", "privatelink.table."),
+                      "account": ("openAi.id", "privatelink.openai.azure.com"),
+                      "vault": ("keyVault.id", "privatelink.vaultcore.azure.net")}
+    for mode in MODES:
+        in_use = ["storage", "openAi" if mode == "azureOpenAI" else "keyVault"]
+        # Off: nothing private, every service public (identity-only access is checked elsewhere).
+        assert not infra.instances(vnet_decl, mode) and not _private_links(infra, mode)
+        assert infra.body(site_decl, mode)["properties"].get("virtualNetworkSubnetId") is None
+        for name in in_use:
+            assert infra.body(services[name], mode)["properties"]["publicNetworkAccess"] == "Enabled", name
+        # On.
+        (vnet,) = infra.instances(vnet_decl, mode, vnetEnabled=True)
+        subnets = {s["name"]: s["properties"] for s in vnet["properties"]["subnets"]}
+        app_subnet = Evaluator(infra.resources).eval(infra.resources.decls["appSubnetName"].body)
+        pe_subnet = Evaluator(infra.resources).eval(infra.resources.decls["privateEndpointSubnetName"].body)
+        assert [d["properties"]["serviceName"] for d in subnets[app_subnet].get("delegations", [])] == \
+            ["Microsoft.App/environments"], "Flex Consumption integrates with a subnet delegated to Microsoft.App/environments"
+        assert subnets[pe_subnet].get("privateEndpointNetworkPolicies") == "Disabled"
+        subnet_ref = infra.body(site_decl, mode, vnetEnabled=True)["properties"].get("virtualNetworkSubnetId")
+        assert isinstance(subnet_ref, str) and "subnets/${appSubnetName}" in subnet_ref, subnet_ref
+        for name in in_use:
+            props = infra.body(services[name], mode, vnetEnabled=True)["properties"]
+            assert props["publicNetworkAccess"] == "Disabled", f"{name} stays public with vnetEnabled"
+            assert props["networkAcls"]["defaultAction"] == "Deny", name
+        links = _private_links(infra, mode, vnetEnabled=True)
+        wanted = {"blob", "queue", "table", "account" if mode == "azureOpenAI" else "vault"}
+        assert set(links) == wanted, (mode, sorted(links))
+        for group, params in links.items():
+            target, zone = expected_links[group]
+            assert params["targetId"] == target, (group, params["targetId"])
+            assert zone in params["zoneName"], (group, params["zoneName"])
+            assert "privateEndpointSubnetName" in str(params["subnetId"]) and params["virtualNetworkId"] == "vnet.id"
+    link = infra.templates["infra/private-link.bicep"]
+    kinds = {d.type.split("@")[0]: Evaluator(link).eval(d.body) for d in link.of("resource").values()}
+    zone_link = kinds["Microsoft.Network/privateDnsZones/virtualNetworkLinks"]["properties"]
+    assert zone_link["registrationEnabled"] is False and zone_link["virtualNetwork"]["id"] == "virtualNetworkId"
+    connection = kinds["Microsoft.Network/privateEndpoints"]["properties"]["privateLinkServiceConnections"][0]
+    assert connection["properties"] == {"privateLinkServiceId": "targetId", "groupIds": ["groupId"]}, connection
+    (config,) = kinds["Microsoft.Network/privateEndpoints/privateDnsZoneGroups"]["properties"]["privateDnsZoneConfigs"]
+    assert config["properties"]["privateDnsZoneId"] == "zone.id"
+    assert kinds["Microsoft.Network/privateDnsZones"]["name"] == "zoneName"
+
+
+def check_diagnostics(infra: Infra) -> None:
+    """Resource logs and metrics of the Function App, storage (account, blob and table services),
+    Azure OpenAI and Key Vault go to the Log Analytics workspace, which takes no keys."""
+    workspace = infra.body(infra.one("Microsoft.OperationalInsights/workspaces"))["properties"]
+    assert workspace.get("features", {}).get("disableLocalAuth") is True, "Log Analytics with local (key) auth off"
+    wanted = {"azureOpenAI": {"functionApp", "storage", "blobService", "tableService", "openAi"},
+              "openAI": {"functionApp", "storage", "blobService", "tableService", "keyVault"}}
+    for mode in MODES:
+        settings = {}
+        for decl in infra.resources.resources("Microsoft.Insights/diagnosticSettings"):
+            for body in infra.instances(decl, mode):
+                settings[str(body["scope"])] = body["properties"]
+        assert set(settings) == wanted[mode], (mode, sorted(settings))
+        for scope, props in settings.items():
+            assert props["workspaceId"] == "logAnalytics.id", scope
+            assert all(m["enabled"] for m in props.get("metrics", [])) and props.get("metrics"), f"{scope}: metrics"
+            logs = {entry.get("category") or entry.get("categoryGroup") for entry in props.get("logs", []) if entry["enabled"]}
+            needed = {"functionApp": {"FunctionAppLogs"}, "storage": set(), "blobService": {"StorageWrite", "StorageDelete"},
+                      "tableService": {"StorageWrite", "StorageDelete"}, "openAi": {"allLogs"}, "keyVault": {"allLogs"}}[scope]
+            assert needed <= logs, (scope, logs)
+
+
+def check_hardening(infra: Infra) -> None:
+    """Key Vault purge protection is a choice (off by default, for `azd down --purge`) with 90 days of
+    soft delete; Azure OpenAI makes no outbound calls; deleted blobs and containers are kept a week;
+    zone redundancy is a parameter that takes the plan and the storage together."""
+    defaults = infra.main_defaults()
+    assert defaults["keyVaultPurgeProtection"] is False and defaults["keyVaultSoftDeleteRetentionDays"] == 90
+    assert defaults["zoneRedundant"] is False
+    assert _azd_value(infra, "keyVaultPurgeProtection") == "${AZURE_KEY_VAULT_PURGE_PROTECTION=false}"
+    assert _azd_value(infra, "zoneRedundant") == "${AZURE_ZONE_REDUNDANT=false}"
+    vault = infra.one("Microsoft.KeyVault/vaults")
+    props = infra.body(vault, "openAI")["properties"]
+    assert props["softDeleteRetentionInDays"] == 90 and props.get("enablePurgeProtection") is None, props
+    assert infra.body(vault, "openAI", keyVaultPurgeProtection=True)["properties"]["enablePurgeProtection"] is True
+    oai = infra.body(infra.one("Microsoft.CognitiveServices/accounts"))["properties"]
+    assert oai.get("restrictOutboundNetworkAccess") is True and oai.get("allowedFqdnList") == [], oai
+    blob = infra.body(infra.one("Microsoft.Storage/storageAccounts/blobServices"))["properties"]
+    for policy in ("deleteRetentionPolicy", "containerDeleteRetentionPolicy"):
+        assert blob[policy]["enabled"] is True and blob[policy]["days"] >= 1, (policy, blob.get(policy))
+    plan, storage = infra.one("Microsoft.Web/serverfarms"), infra.one("Microsoft.Storage/storageAccounts")
+    assert infra.body(plan)["properties"].get("zoneRedundant") is False
+    assert infra.body(storage)["sku"]["name"] == "Standard_LRS"
+    assert infra.body(plan, zoneRedundant=True)["properties"]["zoneRedundant"] is True
+    assert infra.body(storage, zoneRedundant=True)["sku"]["name"] == "Standard_ZRS", "zone-redundant plan, ZRS storage"
+
+
+def check_principal_type(infra: Infra) -> None:
+    """The deploying principal's kind is a parameter (User by default, ServicePrincipal for a pipeline),
+    mapped for azd, and every role assignment to that principal uses it."""
+    (allowed,) = infra.main.of("param")["principalType"].decorators["allowed"]
+    assert Evaluator(infra.main).eval(allowed) == ["User", "ServicePrincipal"]
+    assert infra.main_defaults()["principalType"] == "User"
+    assert _azd_value(infra, "principalType") == "${AZURE_PRINCIPAL_TYPE=User}"
+    assert _azd_value(infra, "principalId") == "${AZURE_PRINCIPAL_ID}"
+    for mode in MODES:
+        for kind in ("User", "ServicePrincipal"):
+            ras = infra.role_assignments(mode, deployed_only=True, principalId=DEPLOYER, principalType=kind)
+            mine = [ra for ra in ras if ra["principal"] == DEPLOYER]
+            assert mine and all(ra["principalType"] == kind for ra in mine), (mode, kind, mine)
+            assert all(ra["principalType"] == "ServicePrincipal" for ra in ras if ra["principal"] != DEPLOYER)
+        assert not [ra for ra in infra.role_assignments(mode, deployed_only=True) if ra["principal"] == ""], \
+            "no role assignment for an empty principalId"
+
+
+def check_app_state_storage(infra: Infra) -> None:
+    """The app's own state: its tables and stream-log container exist in the host's storage account,
+    the app identity (and the deployer) get Table Data Contributor on each table and Blob Data
+    Contributor on the container, no wider, and the app settings give the service URIs."""
+    tables = [b["name"] for b in infra.instances(infra.one("Microsoft.Storage/storageAccounts/tableServices/tables"))]
+    assert tables == list(APP_TABLES), tables
+    containers = {infra.body(d)["name"]: d.name for d in
+                  infra.resources.resources("Microsoft.Storage/storageAccounts/blobServices/containers")}
+    assert STREAMS_CONTAINER in containers, containers
+    table_decl = infra.one("Microsoft.Storage/storageAccounts/tableServices/tables").name
+    table_scopes = {f"{table_decl}[{i}]" for i in range(len(APP_TABLES))}
+    for mode in MODES:
+        ras = infra.role_assignments(mode, deployed_only=True, principalId=DEPLOYER)
+        for principal in ("identity.properties.principalId", DEPLOYER):
+            mine = [ra for ra in ras if ra["principal"] == principal]
+            tables_granted = {ra["scope"] for ra in mine if ra["role"] == STORAGE_TABLE_DATA_CONTRIBUTOR}
+            assert tables_granted == table_scopes, (principal, tables_granted)
+            assert {ra["scope"] for ra in mine if ra["role"] == STORAGE_BLOB_DATA_CONTRIBUTOR} == \
+                {containers[STREAMS_CONTAINER]}, principal
+        settings = infra.app_settings(mode)
+        assert settings.get("AzureWebJobsStorage__tableServiceUri") == "storage.properties.primaryEndpoints.table"
+        assert settings.get("AzureWebJobsStorage__blobServiceUri") == "storage.properties.primaryEndpoints.blob"
+        assert settings.get("AzureWebJobsStorage__credential") == "managedidentity"
+        assert settings.get("AzureWebJobsStorage__clientId") == "identity.properties.clientId"
+
+
 def check_azure_yaml(infra: Infra) -> None:
     project = yaml.safe_load(infra.files["azure.yaml"])
     assert isinstance(project, dict) and project.get("name")
@@ -656,7 +864,8 @@ def check_azure_yaml(infra: Infra) -> None:
 CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
           check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode, check_openai_key_required,
           check_flex_consumption_python, check_app_insights_identity, check_time_limits,
-          check_parameters, check_scaling_defaults, check_azure_yaml, check_deploy_doc_keys]
+          check_parameters, check_scaling_defaults, check_azure_yaml, check_deploy_doc_keys, check_private_network,
+          check_diagnostics, check_hardening, check_principal_type, check_app_state_storage]
 
 
 @pytest.fixture(scope="module")
@@ -703,7 +912,8 @@ BREAKAGES = [
      "output CHAT_UPSTREAM string = openAiApiKey", check_no_secrets_in_outputs),
     ("OpenAI User role missing", R, "var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'",
      "var cognitiveServicesOpenAIUserRole = 'a001fd3d-188f-4b5d-821b-7da978bf7442'", check_azure_openai_keyless),
-    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true", "disableLocalAuth: false", check_azure_openai_keyless),
+    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true\n    // The account itself",
+     "disableLocalAuth: false\n    // The account itself", check_azure_openai_keyless),
     ("no AZURE_CLIENT_ID", R, "    name: 'AZURE_CLIENT_ID'\n", "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
      check_azure_openai_keyless),
     ("Key Vault Secrets User missing", R, "var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'",
@@ -748,6 +958,51 @@ BREAKAGES = [
      '@app.route(route="_pool", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)', check_deploy_doc_keys),
     ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
      "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
+    ("network isolation on by default", M, "param vnetEnabled bool = false", "param vnetEnabled bool = true",
+     check_private_network),
+    ("app subnet not delegated for Flex", R, "serviceName: 'Microsoft.App/environments'",
+     "serviceName: 'Microsoft.Web/serverFarms'", check_private_network),
+    ("no table private endpoint", R, "groupId: 'table'", "groupId: 'file'", check_private_network),
+    ("Azure OpenAI public with vnetEnabled", R,
+     "    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'\n    networkAcls: {\n"
+     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth",
+     "    publicNetworkAccess: 'Enabled'\n    networkAcls: {\n"
+     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth", check_private_network),
+    ("private zone not linked to the network", "infra/private-link.bicep", "      id: virtualNetworkId\n",
+     "      id: subnetId\n", check_private_network),
+    ("workspace keys allowed", R, "      disableLocalAuth: true\n", "      disableLocalAuth: false\n", check_diagnostics),
+    ("Key Vault logs sent nowhere", R, "  name: 'to-log-analytics'\n  scope: keyVault\n",
+     "  name: 'to-log-analytics'\n  scope: appInsights\n", check_diagnostics),
+    ("function app logs left out", R, "category: 'FunctionAppLogs'", "category: 'AppServiceHTTPLogs'",
+     check_diagnostics),
+    ("Azure OpenAI may call out", R, "restrictOutboundNetworkAccess: true", "restrictOutboundNetworkAccess: false",
+     check_hardening),
+    ("purge protection always on", R, "enablePurgeProtection: keyVaultPurgeProtection ? true : null",
+     "enablePurgeProtection: true", check_hardening),
+    ("soft delete a week", M, "param keyVaultSoftDeleteRetentionDays int = 90",
+     "param keyVaultSoftDeleteRetentionDays int = 7", check_hardening),
+    ("zone-redundant plan on LRS storage", R, "name: zoneRedundant ? 'Standard_ZRS' : 'Standard_LRS'",
+     "name: 'Standard_LRS'", check_hardening),
+    ("no container delete retention", R, "    containerDeleteRetentionPolicy: {\n      enabled: true",
+     "    containerDeleteRetentionPolicy: {\n      enabled: false", check_hardening),
+    ("principalType not mapped for azd", "infra/main.parameters.json", '"${AZURE_PRINCIPAL_TYPE=User}"', '"User"',
+     check_principal_type),
+    ("deployer's table roles always as a user", R, "    principalId: principalId\n    principalType: principalType\n  }\n}]",
+     "    principalId: principalId\n    principalType: 'User'\n  }\n}]", check_principal_type),
+    ("table role on the whole account", R,
+     "  scope: appTables[i]\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+     "    principalId: identity.properties.principalId",
+     "  scope: storage\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+     "    principalId: identity.properties.principalId", check_app_state_storage),
+    ("a table missing", R, "  'chatstreamUsage'\n", "", check_app_state_storage),
+    ("deployer's stream-log container role missing", R,
+     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (!empty(principalId))",
+     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (false)",
+     check_app_state_storage),
+    ("no table service URI for the app", R, "name: 'AzureWebJobsStorage__tableServiceUri'",
+     "name: 'AzureWebJobsStorage__tableUri'", check_app_state_storage),
     ("scaling table edited by hand", "docs/scaling.md", "| **50** |", "| **60** |", check_scaling_defaults),
     ("benchmark figures changed, scaling not recomputed", "docs/benchmarks.md",
      "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.188 |", "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.250 |",
