@@ -381,10 +381,10 @@ resource vnet 'Microsoft.Network/virtualNetworks@2024-05-01' = if (vnetEnabled) 
     }
     subnets: [
       {
-        // One address per instance: a /24 leaves room for about 250 instances.
+        // Room for maximumInstanceCount's ceiling (1,000) should each instance take an address.
         name: appSubnetName
         properties: {
-          addressPrefix: '10.0.0.0/24'
+          addressPrefix: '10.0.0.0/22'
           delegations: [
             {
               name: 'flex-consumption'
@@ -398,7 +398,7 @@ resource vnet 'Microsoft.Network/virtualNetworks@2024-05-01' = if (vnetEnabled) 
       {
         name: privateEndpointSubnetName
         properties: {
-          addressPrefix: '10.0.1.0/24'
+          addressPrefix: '10.0.4.0/24'
           privateEndpointNetworkPolicies: 'Disabled'
         }
       }
