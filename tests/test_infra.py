@@ -3,8 +3,11 @@
 Every .bicep file is parsed with the tree-sitter Bicep grammar and must parse cleanly. The security
 and platform facts are then read from the parse tree, never from raw text, so a line that is
 commented out does not count: a small evaluator turns declarations into Python values, and follows
-variables, parameters (by their defaults or a chosen mode), ``concat``, ``union`` and ``?:``, so the
-app settings are checked exactly as each upstream mode would produce them.
+variables, parameters (by their defaults or a chosen mode), ``concat``, ``union``, ``?:``, resource
+loops and ``fail(...)``, so the app settings, role assignments and private endpoints are checked
+exactly as each upstream mode and option would produce them. Beside the templates, the checks read
+the docs whose statements depend on them (docs/scaling.md, docs/deploy.md) and function_app.py's
+routes.
 
 Each check is a plain function that raises AssertionError. ``test_check_catches`` breaks the
 templates on purpose, one fact at a time, and requires the matching check to fail; so none of these
@@ -357,12 +360,12 @@ class Infra:
         """A resource's body as deployed by main.bicep with its defaults (and ``upstream``)."""
         return Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides)).eval(decl.body)
 
-    def instances(self, decl: Decl, upstream: str = "azureOpenAI", template: Template | None = None,
-                  deployed_only: bool = True, **overrides) -> list[dict]:
-        """Each instance of a declaration (one, or one per loop item), evaluated with main.bicep's
-        defaults, ``upstream`` and ``overrides``; with ``deployed_only``, none whose condition is false."""
-        template = template or self.resources
-        ev = Evaluator(template, **self.module_env(upstream=upstream, **overrides))
+    def instances(self, decl: Decl, upstream: str = "azureOpenAI", deployed_only: bool = True,
+                  **overrides) -> list[dict]:
+        """Each instance of a resources.bicep declaration (one, or one per loop item), evaluated with
+        main.bicep's defaults, ``upstream`` and ``overrides``; with ``deployed_only``, none whose
+        condition is false."""
+        ev = Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides))
         if decl.loop:
             item, index, items = decl.loop
             values = ev.eval(items)
