@@ -74,7 +74,7 @@ param keyVaultPurgeProtection bool = false
 
 @minValue(7)
 @maxValue(90)
-@description('Days a deleted Key Vault (and its secret) can be recovered.')
+@description('Days a deleted Key Vault (and its secret) can be recovered (AZURE_KEY_VAULT_SOFT_DELETE_DAYS). Fixed when the vault is created: an existing vault keeps its own.')
 param keyVaultSoftDeleteRetentionDays int = 90
 
 @minValue(1)

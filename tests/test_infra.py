@@ -788,6 +788,7 @@ def check_hardening(infra: Infra) -> None:
     assert defaults["zoneRedundant"] is False
     assert _azd_value(infra, "keyVaultPurgeProtection") == "${AZURE_KEY_VAULT_PURGE_PROTECTION=false}"
     assert _azd_value(infra, "zoneRedundant") == "${AZURE_ZONE_REDUNDANT=false}"
+    assert _azd_value(infra, "keyVaultSoftDeleteRetentionDays") == "${AZURE_KEY_VAULT_SOFT_DELETE_DAYS=90}"
     vault = infra.one("Microsoft.KeyVault/vaults")
     props = infra.body(vault, "openAI")["properties"]
     assert props["softDeleteRetentionInDays"] == 90 and props.get("enablePurgeProtection") is None, props
