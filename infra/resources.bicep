@@ -669,9 +669,12 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
       }
     }
   }
-  // The host must be able to reach its storage and its upstream when it first starts.
+  // The host must be able to reach its storage and its upstream when it first starts, and the app
+  // its own state (role assignments can still take minutes to apply after this).
   dependsOn: [
     storageBlobOwner
+    appTableContributor
+    streamsContributor
     appInsightsPublisher
     openAiUser
     keyVaultSecretsUser
