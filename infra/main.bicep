@@ -60,8 +60,22 @@ param principalId string = ''
   'User'
   'ServicePrincipal'
 ])
-@description('Kind of principalId.')
+@description('Kind of principalId (AZURE_PRINCIPAL_TYPE): User for a person, ServicePrincipal for a pipeline signed in as one. A wrong kind fails the role assignments.')
 param principalType string = 'User'
+
+@description('Network isolation (VNET_ENABLED): a virtual network the app is integrated with, and storage, Azure OpenAI and Key Vault reachable only through private endpoints there. Off: public endpoints, identity-only access.')
+param vnetEnabled bool = false
+
+@description('Zone redundancy (AZURE_ZONE_REDUNDANT): a zone-redundant Flex Consumption plan (at least two always-ready instances) and zone-redundant storage. The region must offer it.')
+param zoneRedundant bool = false
+
+@description('Key Vault purge protection (AZURE_KEY_VAULT_PURGE_PROTECTION, openAI mode): on for production; it cannot be turned off again and it stops `azd down --purge` from purging the vault.')
+param keyVaultPurgeProtection bool = false
+
+@minValue(7)
+@maxValue(90)
+@description('Days a deleted Key Vault (and its secret) can be recovered (AZURE_KEY_VAULT_SOFT_DELETE_DAYS). Fixed when the vault is created: an existing vault keeps its own.')
+param keyVaultSoftDeleteRetentionDays int = 90
 
 @minValue(1)
 @maxValue(1000)
@@ -76,17 +90,14 @@ param maximumInstanceCount int = 100
 @description('Memory of each instance, in MB.')
 param instanceMemoryMB int = 2048
 
-// Sized from measurements, not guessed: docs/scaling.md (tools/bench/scaling.py recomputes it from
-// `make bench`, and tests/test_infra.py checks these defaults against that document).
+// Sized from measurements, not guessed: docs/scaling.md (tools/bench/scaling.py computes it from the
+// benchmark figures in docs/benchmarks.md, and tests/test_infra.py checks these defaults against it).
+// Flex Consumption runs one Python worker per instance (FUNCTIONS_WORKER_PROCESS_COUNT is not valid
+// on that plan), so the instance size buys the host a core, not a second event loop.
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
 param httpPerInstanceConcurrency int = 50
-
-@minValue(1)
-@maxValue(10)
-@description('FUNCTIONS_WORKER_PROCESS_COUNT: Python worker processes per instance, one per vCPU (docs/scaling.md).')
-param workerProcessCount int = 1
 
 // The app's own time limits (app settings, see README "Settings"). host.json sets
 // "functionTimeout": "00:30:00"; the whole stream must end before it (test_infra checks this).
@@ -115,6 +126,11 @@ var tags = {
   'azd-env-name': environmentName
 }
 
+// openAI mode with an empty key would deploy an app that answers every call with an upstream auth
+// error: stop the deployment instead, saying what to set.
+var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)
+var openAiKeyMissingMessage = 'CHAT_UPSTREAM=openAI needs an OpenAI API key: run `azd env set OPENAI_API_KEY <key>` (parameter openAiApiKey), or use CHAT_UPSTREAM=azureOpenAI.'
+
 resource rg 'Microsoft.Resources/resourceGroups@2024-03-01' = {
   name: 'rg-${environmentName}'
   location: location
@@ -136,18 +152,21 @@ module app 'resources.bicep' = {
     deploymentCapacity: deploymentCapacity
     openAiLocation: empty(openAiLocation) ? location : openAiLocation
     azureOpenAiApiVersion: azureOpenAiApiVersion
-    openAiApiKey: openAiApiKey
+    openAiApiKey: openAiKeyMissing ? fail(openAiKeyMissingMessage) : openAiApiKey
     openAiBaseUrl: openAiBaseUrl
     principalId: principalId
     principalType: principalType
     maximumInstanceCount: maximumInstanceCount
     instanceMemoryMB: instanceMemoryMB
     httpPerInstanceConcurrency: httpPerInstanceConcurrency
-    workerProcessCount: workerProcessCount
     totalTimeoutSeconds: totalTimeoutSeconds
     firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
     idleTimeoutSeconds: idleTimeoutSeconds
     heartbeatSeconds: heartbeatSeconds
+    vnetEnabled: vnetEnabled
+    zoneRedundant: zoneRedundant
+    keyVaultPurgeProtection: keyVaultPurgeProtection
+    keyVaultSoftDeleteRetentionDays: keyVaultSoftDeleteRetentionDays
   }
 }
 
@@ -163,3 +182,7 @@ output AZURE_OPENAI_DEPLOYMENT string = app.outputs.azureOpenAiDeployment
 output AZURE_KEY_VAULT_NAME string = app.outputs.keyVaultName
 output APPLICATIONINSIGHTS_NAME string = app.outputs.applicationInsightsName
 output AZURE_MANAGED_IDENTITY_CLIENT_ID string = app.outputs.identityClientId
+// The app's own state, for running it locally against Azure (AzureWebJobsStorage__tableServiceUri, __blobServiceUri).
+output AZURE_STORAGE_ACCOUNT_NAME string = app.outputs.storageAccountName
+output AZURE_STORAGE_TABLE_ENDPOINT string = app.outputs.storageTableEndpoint
+output AZURE_STORAGE_BLOB_ENDPOINT string = app.outputs.storageBlobEndpoint

@@ -5,6 +5,13 @@
 // Azure OpenAI (keyless) or to Key Vault (the OpenAI key). The storage account refuses shared keys
 // and the Azure OpenAI account refuses API keys, so no account key or key-bearing connection string
 // exists anywhere, and none is ever read here.
+//
+// The same storage account keeps the app's own state: its tables and the stream-log container
+// below, reached by the app's clients with the same identity (AzureWebJobsStorage__tableServiceUri
+// and __blobServiceUri). With vnetEnabled, storage, Azure OpenAI and Key Vault refuse public
+// network access and are reached through private endpoints in a virtual network the app is
+// integrated with; otherwise they stay public, identity-only. Every resource that logs sends its
+// logs and metrics to the Log Analytics workspace.
 
 param location string
 param tags object
@@ -31,18 +38,41 @@ param principalType string
 param maximumInstanceCount int
 param instanceMemoryMB int
 param httpPerInstanceConcurrency int
-param workerProcessCount int
 param totalTimeoutSeconds int
 param firstTokenTimeoutSeconds int
 param idleTimeoutSeconds int
 param heartbeatSeconds int
+param vnetEnabled bool
+param zoneRedundant bool
+param keyVaultPurgeProtection bool
+param keyVaultSoftDeleteRetentionDays int
 
 var useAzureOpenAI = upstream == 'azureOpenAI'
 var useKeyVault = upstream == 'openAI'
 var deploymentContainerName = 'app-package'
 
+// The app's own state (the app creates them too where it may, e.g. on Azurite): tables for caller
+// keys, rate-limit and budget counters, the usage ledger, response ids and resumable streams, and a
+// container for the resumable streams' event logs.
+var appTableNames = [
+  'chatstreamCallers'
+  'chatstreamLimits'
+  'chatstreamUsage'
+  'chatstreamResponses'
+  'chatstreamStreams'
+]
+var streamsContainerName = 'chatstream-streams'
+var deleteRetentionDays = 7
+
+// Private network (vnetEnabled): the app's subnet is delegated to Microsoft.App/environments, as
+// Flex Consumption's virtual network integration requires; the private endpoints have their own.
+var appSubnetName = 'app'
+var privateEndpointSubnetName = 'private-endpoints'
+
 // Built-in role definition ids (the same in every tenant).
 var storageBlobDataOwnerRole = 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'
+var storageBlobDataContributorRole = 'ba92f5b4-2d11-453d-a403-e96b0029c9fe'
+var storageTableDataContributorRole = '0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3'
 var monitoringMetricsPublisherRole = '3913510d-42f4-4e42-8a64-420c390055eb'
 var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'
 var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'
@@ -65,6 +95,10 @@ resource logAnalytics 'Microsoft.OperationalInsights/workspaces@2023-09-01' = {
       name: 'PerGB2018'
     }
     retentionInDays: 30
+    features: {
+      // Queries and ingestion with Entra tokens only, no workspace keys.
+      disableLocalAuth: true
+    }
   }
 }
 
@@ -92,7 +126,8 @@ resource appInsightsPublisher 'Microsoft.Authorization/roleAssignments@2022-04-0
   }
 }
 
-// ---- Storage: host state (AzureWebJobsStorage) and the deployment package, identity access only ----
+// ---- Storage: host state (AzureWebJobsStorage), the deployment package and the app's own state,
+// identity access only ----
 
 resource storage 'Microsoft.Storage/storageAccounts@2023-05-01' = {
   name: 'st${resourceToken}'
@@ -100,7 +135,8 @@ resource storage 'Microsoft.Storage/storageAccounts@2023-05-01' = {
   tags: tags
   kind: 'StorageV2'
   sku: {
-    name: 'Standard_LRS'
+    // A zone-redundant Flex Consumption plan needs zone-redundant storage for its host state.
+    name: zoneRedundant ? 'Standard_ZRS' : 'Standard_LRS'
   }
   properties: {
     allowSharedKeyAccess: false
@@ -108,13 +144,28 @@ resource storage 'Microsoft.Storage/storageAccounts@2023-05-01' = {
     allowBlobPublicAccess: false
     minimumTlsVersion: 'TLS1_2'
     supportsHttpsTrafficOnly: true
-    publicNetworkAccess: 'Enabled'
+    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'
+    networkAcls: {
+      defaultAction: vnetEnabled ? 'Deny' : 'Allow'
+      bypass: vnetEnabled ? 'None' : 'AzureServices'
+    }
   }
 }
 
 resource blobService 'Microsoft.Storage/storageAccounts/blobServices@2023-05-01' = {
   parent: storage
   name: 'default'
+  properties: {
+    // A deleted blob or container (a stream log, the package) can be restored for a week.
+    deleteRetentionPolicy: {
+      enabled: true
+      days: deleteRetentionDays
+    }
+    containerDeleteRetentionPolicy: {
+      enabled: true
+      days: deleteRetentionDays
+    }
+  }
 }
 
 resource deploymentContainer 'Microsoft.Storage/storageAccounts/blobServices/containers@2023-05-01' = {
@@ -125,6 +176,7 @@ resource deploymentContainer 'Microsoft.Storage/storageAccounts/blobServices/con
   }
 }
 
+// The Functions host needs Blob Data Owner on the account (its keys, locks and the package).
 resource storageBlobOwner 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
   name: guid(storage.id, identity.id, storageBlobDataOwnerRole)
   scope: storage
@@ -132,6 +184,70 @@ resource storageBlobOwner 'Microsoft.Authorization/roleAssignments@2022-04-01' =
     roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)
     principalId: identity.properties.principalId
     principalType: 'ServicePrincipal'
+  }
+}
+
+// The app's own state. Each role is scoped to what the app uses: one assignment per table (Azure
+// RBAC accepts a single table as scope) and the stream-log container. The app identity's container
+// role stays even though the host's account-wide Blob Data Owner covers it today, so narrowing the
+// host's role later does not cut the app off.
+resource streamsContainer 'Microsoft.Storage/storageAccounts/blobServices/containers@2023-05-01' = {
+  parent: blobService
+  name: streamsContainerName
+  properties: {
+    publicAccess: 'None'
+  }
+}
+
+resource tableService 'Microsoft.Storage/storageAccounts/tableServices@2023-05-01' = {
+  parent: storage
+  name: 'default'
+}
+
+resource appTables 'Microsoft.Storage/storageAccounts/tableServices/tables@2023-05-01' = [for tableName in appTableNames: {
+  parent: tableService
+  name: tableName
+}]
+
+resource appTableContributor 'Microsoft.Authorization/roleAssignments@2022-04-01' = [for i in range(0, length(appTableNames)): {
+  name: guid(appTables[i].id, identity.id, storageTableDataContributorRole)
+  scope: appTables[i]
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)
+    principalId: identity.properties.principalId
+    principalType: 'ServicePrincipal'
+  }
+}]
+
+resource streamsContributor 'Microsoft.Authorization/roleAssignments@2022-04-01' = {
+  name: guid(streamsContainer.id, identity.id, storageBlobDataContributorRole)
+  scope: streamsContainer
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataContributorRole)
+    principalId: identity.properties.principalId
+    principalType: 'ServicePrincipal'
+  }
+}
+
+// The person or pipeline running azd gets the same access, to run the app locally against these
+// tables and container (from outside the virtual network only while vnetEnabled is off).
+resource appTableContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = [for i in range(0, length(appTableNames)): if (!empty(principalId)) {
+  name: guid(appTables[i].id, principalId, storageTableDataContributorRole)
+  scope: appTables[i]
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)
+    principalId: principalId
+    principalType: principalType
+  }
+}]
+
+resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (!empty(principalId)) {
+  name: guid(streamsContainer.id, principalId, storageBlobDataContributorRole)
+  scope: streamsContainer
+  properties: {
+    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataContributorRole)
+    principalId: principalId
+    principalType: principalType
   }
 }
 
@@ -147,8 +263,14 @@ resource openAi 'Microsoft.CognitiveServices/accounts@2024-10-01' = if (useAzure
   }
   properties: {
     customSubDomainName: 'oai-${resourceToken}'
-    publicNetworkAccess: 'Enabled'
+    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'
+    networkAcls: {
+      defaultAction: vnetEnabled ? 'Deny' : 'Allow'
+    }
     disableLocalAuth: true
+    // The account itself calls out nowhere (no data sources, no web fetches).
+    restrictOutboundNetworkAccess: true
+    allowedFqdnList: []
   }
 }
 
@@ -203,8 +325,15 @@ resource keyVault 'Microsoft.KeyVault/vaults@2023-07-01' = if (useKeyVault) {
     }
     enableRbacAuthorization: true
     enableSoftDelete: true
-    softDeleteRetentionInDays: 7
-    publicNetworkAccess: 'Enabled'
+    softDeleteRetentionInDays: keyVaultSoftDeleteRetentionDays
+    // Purge protection cannot be turned off once on, and it blocks `azd down --purge`; the property
+    // only accepts true, so it is left out (null) when off.
+    enablePurgeProtection: keyVaultPurgeProtection ? true : null
+    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'
+    networkAcls: {
+      defaultAction: vnetEnabled ? 'Deny' : 'Allow'
+      bypass: 'AzureServices'
+    }
   }
 }
 
@@ -238,6 +367,118 @@ resource keyVaultOfficerForDeployer 'Microsoft.Authorization/roleAssignments@202
   }
 }
 
+// ---- Private network (vnetEnabled): the app's subnet, private endpoints and private DNS zones ----
+
+resource vnet 'Microsoft.Network/virtualNetworks@2024-05-01' = if (vnetEnabled) {
+  name: 'vnet-${resourceToken}'
+  location: location
+  tags: tags
+  properties: {
+    addressSpace: {
+      addressPrefixes: [
+        '10.0.0.0/16'
+      ]
+    }
+    subnets: [
+      {
+        // Room for maximumInstanceCount's ceiling (1,000) should each instance take an address.
+        name: appSubnetName
+        properties: {
+          addressPrefix: '10.0.0.0/22'
+          delegations: [
+            {
+              name: 'flex-consumption'
+              properties: {
+                serviceName: 'Microsoft.App/environments'
+              }
+            }
+          ]
+        }
+      }
+      {
+        name: privateEndpointSubnetName
+        properties: {
+          addressPrefix: '10.0.4.0/24'
+          privateEndpointNetworkPolicies: 'Disabled'
+        }
+      }
+    ]
+  }
+}
+
+var appSubnetId = vnetEnabled ? '${vnet.id}/subnets/${appSubnetName}' : ''
+var privateEndpointSubnetId = vnetEnabled ? '${vnet.id}/subnets/${privateEndpointSubnetName}' : ''
+
+module storageBlobPrivateLink 'private-link.bicep' = if (vnetEnabled) {
+  name: 'private-link-blob'
+  params: {
+    name: 'pe-blob-${resourceToken}'
+    location: location
+    tags: tags
+    virtualNetworkId: vnet.id
+    subnetId: privateEndpointSubnetId
+    targetId: storage.id
+    groupId: 'blob'
+    zoneName: 'privatelink.blob.${environment().suffixes.storage}'
+  }
+}
+
+module storageQueuePrivateLink 'private-link.bicep' = if (vnetEnabled) {
+  name: 'private-link-queue'
+  params: {
+    name: 'pe-queue-${resourceToken}'
+    location: location
+    tags: tags
+    virtualNetworkId: vnet.id
+    subnetId: privateEndpointSubnetId
+    targetId: storage.id
+    groupId: 'queue'
+    zoneName: 'privatelink.queue.${environment().suffixes.storage}'
+  }
+}
+
+module storageTablePrivateLink 'private-link.bicep' = if (vnetEnabled) {
+  name: 'private-link-table'
+  params: {
+    name: 'pe-table-${resourceToken}'
+    location: location
+    tags: tags
+    virtualNetworkId: vnet.id
+    subnetId: privateEndpointSubnetId
+    targetId: storage.id
+    groupId: 'table'
+    zoneName: 'privatelink.table.${environment().suffixes.storage}'
+  }
+}
+
+module openAiPrivateLink 'private-link.bicep' = if (vnetEnabled && useAzureOpenAI) {
+  name: 'private-link-openai'
+  params: {
+    name: 'pe-oai-${resourceToken}'
+    location: location
+    tags: tags
+    virtualNetworkId: vnet.id
+    subnetId: privateEndpointSubnetId
+    targetId: openAi.id
+    groupId: 'account'
+    zoneName: 'privatelink.openai.azure.com'
+  }
+}
+
+module keyVaultPrivateLink 'private-link.bicep' = if (vnetEnabled && useKeyVault) {
+  name: 'private-link-vault'
+  params: {
+    name: 'pe-kv-${resourceToken}'
+    location: location
+    tags: tags
+    virtualNetworkId: vnet.id
+    subnetId: privateEndpointSubnetId
+    targetId: keyVault.id
+    groupId: 'vault'
+    zoneName: 'privatelink.vaultcore.azure.net'
+  }
+}
+
 // ---- The function app: Flex Consumption, Python 3.13 ----
 
 resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
@@ -251,6 +492,8 @@ resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
   }
   properties: {
     reserved: true
+    // Zone redundancy: the platform keeps at least two always-ready instances (billed as such).
+    zoneRedundant: zoneRedundant
   }
 }
 
@@ -268,6 +511,16 @@ var commonSettings = [
   {
     name: 'AzureWebJobsStorage__clientId'
     value: identity.properties.clientId
+  }
+  {
+    // The app's own clients (azure-data-tables, azure-storage-blob) read these two with the
+    // credential and client id above; they end with '/'.
+    name: 'AzureWebJobsStorage__tableServiceUri'
+    value: storage.properties.primaryEndpoints.table
+  }
+  {
+    name: 'AzureWebJobsStorage__blobServiceUri'
+    value: storage.properties.primaryEndpoints.blob
   }
   {
     name: 'APPLICATIONINSIGHTS_CONNECTION_STRING'
@@ -320,11 +573,6 @@ var commonSettings = [
   {
     name: 'USAGE_WAIT_SECONDS'
     value: '2'
-  }
-  {
-    // Python worker processes per instance (one per vCPU); see docs/scaling.md.
-    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'
-    value: string(workerProcessCount)
   }
   {
     name: 'UPSTREAM_MAX_RETRIES'
@@ -388,10 +636,11 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
     serverFarmId: plan.id
     httpsOnly: true
     keyVaultReferenceIdentity: identity.id
+    // Flex Consumption sends all outbound traffic through the integrated subnet.
+    virtualNetworkSubnetId: vnetEnabled ? appSubnetId : null
     siteConfig: {
       minTlsVersion: '1.2'
       scmMinTlsVersion: '1.2'
-      ftpsState: 'Disabled'
       appSettings: concat(commonSettings, useAzureOpenAI ? azureOpenAISettings : openAISettings)
     }
     functionAppConfig: {
@@ -420,17 +669,26 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
       }
     }
   }
-  // The host must be able to reach its storage and its upstream when it first starts.
+  // The host must be able to reach its storage and its upstream when it first starts, and the app
+  // its own state (role assignments can still take minutes to apply after this).
   dependsOn: [
     storageBlobOwner
+    appTableContributor
+    streamsContributor
     appInsightsPublisher
     openAiUser
     keyVaultSecretsUser
     deploymentContainer
+    storageBlobPrivateLink
+    storageQueuePrivateLink
+    storageTablePrivateLink
+    openAiPrivateLink
+    keyVaultPrivateLink
   ]
 }
 
-// No basic-auth publishing: FTP is off, and deployments (azd, Core Tools) use Entra tokens.
+// No basic-auth publishing: deployments (azd, Core Tools) use Entra tokens. (siteConfig.ftpsState is
+// not set: Flex Consumption does not support FTPS and lists the property as deprecated.)
 resource ftpBasicAuth 'Microsoft.Web/sites/basicPublishingCredentialsPolicies@2024-04-01' = {
   parent: functionApp
   name: 'ftp'
@@ -447,6 +705,133 @@ resource scmBasicAuth 'Microsoft.Web/sites/basicPublishingCredentialsPolicies@20
   }
 }
 
+// ---- Diagnostic settings: resource logs and metrics to the Log Analytics workspace ----
+
+resource functionAppDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = {
+  name: 'to-log-analytics'
+  scope: functionApp
+  properties: {
+    workspaceId: logAnalytics.id
+    logs: [
+      {
+        category: 'FunctionAppLogs'
+        enabled: true
+      }
+    ]
+    metrics: [
+      {
+        category: 'AllMetrics'
+        enabled: true
+      }
+    ]
+  }
+}
+
+// The account itself has metrics only; its logs are per service. Writes and deletes are logged
+// (who changed which table entity or blob); reads, by far the most records, are not (add
+// 'StorageRead' to investigate access).
+resource storageDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = {
+  name: 'to-log-analytics'
+  scope: storage
+  properties: {
+    workspaceId: logAnalytics.id
+    metrics: [
+      {
+        category: 'Transaction'
+        enabled: true
+      }
+    ]
+  }
+}
+
+resource blobDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = {
+  name: 'to-log-analytics'
+  scope: blobService
+  properties: {
+    workspaceId: logAnalytics.id
+    logs: [
+      {
+        category: 'StorageWrite'
+        enabled: true
+      }
+      {
+        category: 'StorageDelete'
+        enabled: true
+      }
+    ]
+    metrics: [
+      {
+        category: 'Transaction'
+        enabled: true
+      }
+    ]
+  }
+}
+
+resource tableDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = {
+  name: 'to-log-analytics'
+  scope: tableService
+  properties: {
+    workspaceId: logAnalytics.id
+    logs: [
+      {
+        category: 'StorageWrite'
+        enabled: true
+      }
+      {
+        category: 'StorageDelete'
+        enabled: true
+      }
+    ]
+    metrics: [
+      {
+        category: 'Transaction'
+        enabled: true
+      }
+    ]
+  }
+}
+
+resource openAiDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = if (useAzureOpenAI) {
+  name: 'to-log-analytics'
+  scope: openAi
+  properties: {
+    workspaceId: logAnalytics.id
+    logs: [
+      {
+        categoryGroup: 'allLogs'
+        enabled: true
+      }
+    ]
+    metrics: [
+      {
+        category: 'AllMetrics'
+        enabled: true
+      }
+    ]
+  }
+}
+
+resource keyVaultDiagnostics 'Microsoft.Insights/diagnosticSettings@2021-05-01-preview' = if (useKeyVault) {
+  name: 'to-log-analytics'
+  scope: keyVault
+  properties: {
+    workspaceId: logAnalytics.id
+    logs: [
+      {
+        categoryGroup: 'allLogs'
+        enabled: true
+      }
+    ]
+    metrics: [
+      {
+        category: 'AllMetrics'
+        enabled: true
+      }
+    ]
+  }
+}
+
 output functionAppName string = functionApp.name
 output chatUrl string = 'https://${functionApp.properties.defaultHostName}/api/chat'
 output azureOpenAiEndpoint string = useAzureOpenAI ? openAi.properties.endpoint : ''
@@ -454,3 +839,6 @@ output azureOpenAiDeployment string = useAzureOpenAI ? deploymentName : ''
 output keyVaultName string = useKeyVault ? keyVault.name : ''
 output applicationInsightsName string = appInsights.name
 output identityClientId string = identity.properties.clientId
+output storageAccountName string = storage.name
+output storageTableEndpoint string = storage.properties.primaryEndpoints.table
+output storageBlobEndpoint string = storage.properties.primaryEndpoints.blob

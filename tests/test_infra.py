@@ -3,8 +3,11 @@
 Every .bicep file is parsed with the tree-sitter Bicep grammar and must parse cleanly. The security
 and platform facts are then read from the parse tree, never from raw text, so a line that is
 commented out does not count: a small evaluator turns declarations into Python values, and follows
-variables, parameters (by their defaults or a chosen mode), ``concat``, ``union`` and ``?:``, so the
-app settings are checked exactly as each upstream mode would produce them.
+variables, parameters (by their defaults or a chosen mode), ``concat``, ``union``, ``?:``, resource
+loops and ``fail(...)``, so the app settings, role assignments and private endpoints are checked
+exactly as each upstream mode and option would produce them. Beside the templates, the checks read
+the docs whose statements depend on them (docs/scaling.md, docs/deploy.md) and function_app.py's
+routes.
 
 Each check is a plain function that raises AssertionError. ``test_check_catches`` breaks the
 templates on purpose, one fact at a time, and requires the matching check to fail; so none of these
@@ -29,7 +32,28 @@ STORAGE_BLOB_DATA_OWNER = "b7e6dc6d-f1e8-4753-8033-0f276bb0955b"
 MONITORING_METRICS_PUBLISHER = "3913510d-42f4-4e42-8a64-420c390055eb"
 COGNITIVE_SERVICES_OPENAI_USER = "5e0bd9bd-7b93-4f28-af87-19fc36ad61bd"
 KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
+STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
+STORAGE_TABLE_DATA_CONTRIBUTOR = "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3"
+# The app's own state in the host's storage account (names the app code uses).
+APP_TABLES = ("chatstreamCallers", "chatstreamLimits", "chatstreamUsage", "chatstreamResponses", "chatstreamStreams")
+STREAMS_CONTAINER = "chatstream-streams"
+DEPLOYER = "deployer-object-id"  # a stand-in principalId
 MODES = ("azureOpenAI", "openAI")
+
+# Functions app settings reference, "Flex Consumption plan deprecations" (ms.date 2025-12-22): app
+# settings and site properties that are not valid, or have moved, on that plan.
+FLEX_DEPRECATED_SETTINGS = (
+    "ENABLE_ORYX_BUILD", "FUNCTIONS_EXTENSION_VERSION", "FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_WORKER_RUNTIME_VERSION",
+    "FUNCTIONS_MAX_HTTP_CONCURRENCY", "FUNCTIONS_WORKER_PROCESS_COUNT", "FUNCTIONS_WORKER_DYNAMIC_CONCURRENCY_ENABLED",
+    "SCM_DO_BUILD_DURING_DEPLOYMENT", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING", "WEBSITE_CONTENTOVERVNET",
+    "WEBSITE_CONTENTSHARE", "WEBSITE_DNS_SERVER", "WEBSITE_MAX_DYNAMIC_APPLICATION_SCALE_OUT",
+    "WEBSITE_NODE_DEFAULT_VERSION", "WEBSITE_RUN_FROM_PACKAGE", "WEBSITE_SKIP_CONTENTSHARE_VALIDATION",
+    "WEBSITE_VNET_ROUTE_ALL")
+FLEX_DEPRECATED_PROPERTIES = (
+    "alwaysOn", "containerSize", "dnsConfiguration", "ftpsState", "isReserved", "IsXenon", "javaVersion",
+    "linuxFxVersion", "netFrameworkVersion", "powerShellVersion", "functionAppScaleLimit", "preWarmedInstanceCount",
+    "use32BitWorkerProcess", "vnetBackupRestoreEnabled", "vnetContentShareEnabled", "vnetImagePullEnabled",
+    "vnetRouteAllEnabled", "windowsFxVersion")
 AZURE_FRONT_END_IDLE_SECONDS = 230  # Azure's load balancer drops an HTTP response silent this long
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
@@ -41,6 +65,10 @@ PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
 
 class Symbolic(str):
     """A value only known at deployment (a resource property, an interpolation): its source text."""
+
+
+class DeploymentFails(Exception):
+    """The template's own ``fail(...)`` was reached: the deployment stops with this message."""
 
 
 def _named(node) -> list:
@@ -56,6 +84,7 @@ class Decl:
     type: str | None = None  # resource/module type string, param/output type
     condition: object = None  # the `if (...)` expression node of a conditional resource/module
     body: object = None  # value node: the object of a resource/module, a var/output/param default
+    loop: tuple | None = None  # `[for (item, index) in items: ...]`: (item name, index name or None, items node)
 
 
 @dataclass
@@ -120,6 +149,13 @@ def load_template(path: str, source: bytes) -> Template:
         if kind in ("resource", "module"):
             decl.type = string_value(parts[1])
             body = parts[-1]
+            if body.type == "for_statement":
+                head, items, body = _named(body)
+                if head.type == "for_loop_parameters":
+                    names = [c.text.decode() for c in _named(head)]
+                    decl.loop = (names[0], names[1] if len(names) > 1 else None, items)
+                else:
+                    decl.loop = (head.text.decode(), None, items)
             if body.type == "if_statement":
                 decl.condition, body = _named(body)
             decl.body = body
@@ -149,9 +185,13 @@ class Evaluator:
     """Evaluates Bicep expressions of one template. ``env`` gives parameter values; a parameter
     missing there takes its default. Anything that needs Azure stays Symbolic."""
 
-    def __init__(self, template: Template, **env):
+    def __init__(self, template: Template, locals_: dict | None = None, **env):
         self.t = template
         self.env = env
+        self.locals = locals_ or {}  # loop variables
+
+    def with_locals(self, **names) -> "Evaluator":
+        return Evaluator(self.t, {**self.locals, **names}, **self.env)
 
     def __call__(self, node):
         return self.eval(node)
@@ -186,8 +226,16 @@ class Evaluator:
             return result
         if kind == "parenthesized_expression":
             return self.eval(_named(node)[0])
+        if kind == "subscript_expression":  # `appTables[i]`: one instance of a looped resource
+            base, index = _named(node)
+            value = self.eval(index)
+            if base.type == "identifier" and isinstance(value, int):
+                return Symbolic(f"{base.text.decode()}[{value}]")
+            return Symbolic(node.text.decode())
         if kind == "identifier":
             name = node.text.decode()
+            if name in self.locals:
+                return self.locals[name]
             decl = self.t.decls.get(name)
             if decl is None:
                 return Symbolic(name)
@@ -216,13 +264,21 @@ class Evaluator:
             return self.eval(then) if self._truth(test) else self.eval(other)
         if kind == "call_expression":
             fn, args = _named(node)
+            if fn.type != "identifier":  # a method call such as environment().suffixes or x.list()
+                return Symbolic(node.text.decode())
             name, values = fn.text.decode(), [self.eval(a) for a in _named(args)]
             if name == "concat" and all(isinstance(v, list) for v in values):
                 return [x for v in values for x in v]
             if name == "union" and all(isinstance(v, dict) for v in values):
                 return {k: x for v in values for k, x in v.items()}
+            if name == "length" and (isinstance(values[0], (list, dict)) or type(values[0]) is str):
+                return len(values[0])
+            if name == "range" and all(type(v) is int for v in values):
+                return list(range(values[0], values[0] + values[1]))
             if name == "empty" and not any(isinstance(v, Symbolic) for v in values):
                 return not values[0]
+            if name == "fail" and values and not isinstance(values[0], Symbolic):
+                raise DeploymentFails(values[0])
             if name == "string" and not isinstance(values[0], Symbolic):
                 return str(values[0]).lower() if isinstance(values[0], bool) else str(values[0])
             return Symbolic(node.text.decode())
@@ -249,7 +305,8 @@ class Infra:
     @classmethod
     def from_disk(cls) -> "Infra":
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
-        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md"):
+        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md",
+                      "docs/benchmarks.md", "docs/deploy.md", "function_app.py"):
             files[extra] = (ROOT / extra).read_bytes()
         return cls(files)
 
@@ -275,7 +332,10 @@ class Infra:
         return {n: ev.param(n) for n in self.main.of("param")}
 
     def module_env(self, **overrides) -> dict:
-        """The parameters main.bicep passes to resources.bicep, main's defaults filled in."""
+        """The parameters main.bicep passes to resources.bicep, main's defaults filled in. In openAI
+        mode a stand-in key is given unless the caller gives one (main.bicep refuses an empty key)."""
+        if overrides.get("upstream") == "openAI":
+            overrides.setdefault("openAiApiKey", "sk-stand-in")
         module = self.main.of("module")["app"]
         params = Evaluator(self.main, **overrides).eval(module.body)["params"]
         assert module.type == "resources.bicep"
@@ -300,22 +360,40 @@ class Infra:
         """A resource's body as deployed by main.bicep with its defaults (and ``upstream``)."""
         return Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides)).eval(decl.body)
 
-    def role_assignments(self) -> list[dict]:
-        """Every role assignment: its scope symbol, role id, principal source text, condition."""
-        found = []
-        for decl in self.resources.resources("Microsoft.Authorization/roleAssignments"):
-            body = self.body(decl)
-            props = body["properties"]
-            role = props["roleDefinitionId"]
-            m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
-                             str(role))
-            assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
-            role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
-                if m.group(1) in self.resources.decls else m.group(1)
-            found.append({"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
-                          "principal": str(props["principalId"]),
-                          "condition": decl.condition.text.decode() if decl.condition else None})
-        return found
+    def instances(self, decl: Decl, upstream: str = "azureOpenAI", deployed_only: bool = True,
+                  **overrides) -> list[dict]:
+        """Each instance of a resources.bicep declaration (one, or one per loop item), evaluated with
+        main.bicep's defaults, ``upstream`` and ``overrides``; with ``deployed_only``, none whose
+        condition is false."""
+        ev = Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides))
+        if decl.loop:
+            item, index, items = decl.loop
+            values = ev.eval(items)
+            assert isinstance(values, list), f"{decl.name}: loop over {values}"
+            scopes = [ev.with_locals(**{item: v, **({index: i} if index else {})}) for i, v in enumerate(values)]
+        else:
+            scopes = [ev]
+        return [scope.eval(decl.body) for scope in scopes
+                if not deployed_only or decl.condition is None or Evaluator._truth(scope.eval(decl.condition))]
+
+    def role_assignments(self, upstream: str = "azureOpenAI", deployed_only: bool = False, **overrides) -> list[dict]:
+        """Every role assignment (each loop instance apart): its scope symbol, role id, principal
+        source text, condition; with ``deployed_only``, those deployed with these parameters."""
+        return [self._role_assignment(decl, body)
+                for decl in self.resources.resources("Microsoft.Authorization/roleAssignments")
+                for body in self.instances(decl, upstream, deployed_only=deployed_only, **overrides)]
+
+    def _role_assignment(self, decl: Decl, body: dict) -> dict:
+        props = body["properties"]
+        role = props["roleDefinitionId"]
+        m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
+                         str(role))
+        assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
+        role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
+            if m.group(1) in self.resources.decls else m.group(1)
+        return {"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
+                "principal": str(props["principalId"]), "principalType": props.get("principalType"),
+                "condition": decl.condition.text.decode() if decl.condition else None}
 
 
 def _has_role(infra: Infra, scope: str, role: str, principal: str = "identity.properties.principalId") -> dict:
@@ -373,7 +451,6 @@ def check_https_and_tls(infra: Infra) -> None:
     site = infra.body(infra.one("Microsoft.Web/sites"))["properties"]
     assert site.get("httpsOnly") is True, "httpsOnly"
     assert site["siteConfig"].get("minTlsVersion") == "1.2", "minTlsVersion"
-    assert site["siteConfig"].get("ftpsState") == "Disabled", "ftpsState"
     storage = infra.body(infra.one("Microsoft.Storage/storageAccounts"))["properties"]
     assert storage.get("minimumTlsVersion") == "TLS1_2", "storage minimumTlsVersion"
     assert storage.get("supportsHttpsTrafficOnly") is True, "storage HTTPS only"
@@ -438,6 +515,20 @@ def check_key_vault_mode(infra: Infra) -> None:
         assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, f"{t.path}: openAiApiKey must be @secure()"
 
 
+def check_openai_key_required(infra: Infra) -> None:
+    """openAI mode without a key stops the deployment with a message that says what to set; the
+    default mode never needs one."""
+    try:
+        infra.module_env(upstream="openAI", openAiApiKey="")
+        raise AssertionError("openAI mode with an empty key deploys")
+    except DeploymentFails as refused:
+        assert "OPENAI_API_KEY" in str(refused) and "azd env set" in str(refused), refused
+    assert infra.module_env(upstream="openAI", openAiApiKey="sk-x")["openAiApiKey"] == "sk-x"
+    assert infra.module_env(upstream="azureOpenAI", openAiApiKey="")["openAiApiKey"] == ""
+    values = json.loads(infra.files["infra/main.parameters.json"])["parameters"]
+    assert values["openAiApiKey"]["value"] == "${OPENAI_API_KEY}", values.get("openAiApiKey")
+
+
 def check_flex_consumption_python(infra: Infra) -> None:
     plan = infra.body(infra.one("Microsoft.Web/serverfarms"))
     assert plan["sku"] == {"name": "FC1", "tier": "FlexConsumption"}, plan["sku"]
@@ -450,10 +541,14 @@ def check_flex_consumption_python(infra: Infra) -> None:
     assert site["identity"]["type"] == "UserAssigned"
     assert list(site["identity"]["userAssignedIdentities"]) == ["'${identity.id}'"]
     for mode in MODES:  # settings Flex Consumption rejects or ignores (runtime lives in functionAppConfig)
-        settings = infra.app_settings(mode)
-        for name in ("FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_EXTENSION_VERSION", "WEBSITE_RUN_FROM_PACKAGE",
-                     "WEBSITE_CONTENTSHARE", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING"):
-            assert name not in settings, f"{name} is not for Flex Consumption"
+        settings = {name.upper() for name in infra.app_settings(mode)}
+        for name in FLEX_DEPRECATED_SETTINGS:
+            assert name not in settings, f"{name} is not valid on Flex Consumption (app settings reference)"
+        props = infra.body(infra.one("Microsoft.Web/sites"), mode)["properties"]
+        for where, values in (("properties", props), ("siteConfig", props.get("siteConfig", {}))):
+            present = {k.lower() for k in values}
+            for name in FLEX_DEPRECATED_PROPERTIES:
+                assert name.lower() not in present, f"{where}.{name} is deprecated on Flex Consumption"
 
 
 def check_app_insights_identity(infra: Infra) -> None:
@@ -528,30 +623,230 @@ def check_parameters(infra: Infra) -> None:
 
 
 def check_scaling_defaults(infra: Infra) -> None:
-    """Instance size, per-instance concurrency and worker processes are the ones docs/scaling.md
-    derives from the measurements (tools/bench/scaling.py writes its defaults block)."""
+    """docs/scaling.md's generated section is what tools/bench/scaling.py computes from the benchmark
+    figures of record (docs/benchmarks.md), for one worker per instance as Flex runs it; infra's
+    instance size and per-instance concurrency are the defaults it states."""
     import sys
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     import scaling
 
+    section, computed = scaling.table(scaling.summary_from_benchmarks(infra.files["docs/benchmarks.md"].decode()))
+    assert scaling.section_in(infra.scaling_doc) == section, \
+        "docs/scaling.md's generated section is not what tools/bench/scaling.py computes from docs/benchmarks.md"
+    assert scaling.WORKERS_PER_INSTANCE == 1, "Flex Consumption runs one Python worker per instance"
     expected = scaling.defaults_from_text(infra.scaling_doc)
+    assert expected == computed, (expected, computed)
+    assert set(expected) == {"instanceMemoryMB", "httpPerInstanceConcurrency"}, expected
     defaults = infra.main_defaults()
     assert defaults["instanceMemoryMB"] == expected["instanceMemoryMB"], (defaults["instanceMemoryMB"], expected)
     assert defaults["httpPerInstanceConcurrency"] == expected["httpPerInstanceConcurrency"], \
         f"httpPerInstanceConcurrency {defaults['httpPerInstanceConcurrency']} is not docs/scaling.md's {expected}"
-    assert defaults["workerProcessCount"] == expected["FUNCTIONS_WORKER_PROCESS_COUNT"], (defaults, expected)
-    params = infra.main.of("param")
-    (low,) = params["workerProcessCount"].decorators["minValue"]
-    (high,) = params["workerProcessCount"].decorators["maxValue"]
-    assert (int(low.text), int(high.text)) == (1, 10), "FUNCTIONS_WORKER_PROCESS_COUNT takes 1-10"
-    for mode in MODES:
-        settings = infra.app_settings(mode)
-        assert settings.get("FUNCTIONS_WORKER_PROCESS_COUNT") == str(expected["FUNCTIONS_WORKER_PROCESS_COUNT"]), \
-            "FUNCTIONS_WORKER_PROCESS_COUNT must be set from workerProcessCount"
+    assert "workerProcessCount" not in infra.main.of("param"), "no worker-process parameter on Flex Consumption"
     site = infra.body(infra.one("Microsoft.Web/sites"))
     scale = site["properties"]["functionAppConfig"]["scaleAndConcurrency"]
     assert scale["instanceMemoryMB"] == expected["instanceMemoryMB"]
     assert scale["triggers"]["http"]["perInstanceConcurrency"] == expected["httpPerInstanceConcurrency"]
+
+
+def _routes(source: str) -> list[tuple[str, str]]:
+    """(route, auth level) of every ``@app.route`` in function_app.py; the app's default applies
+    where a route names none."""
+    import ast
+    tree = ast.parse(source)
+    default = "FUNCTION"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "FunctionApp":
+            for kw in node.keywords:
+                if kw.arg == "http_auth_level":
+                    default = kw.value.attr
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "attr", None) == "route":
+                    kws = {kw.arg: kw.value for kw in dec.keywords}
+                    level = kws["auth_level"].attr if "auth_level" in kws else default
+                    found.append((kws["route"].value, level))
+    return found
+
+
+def check_deploy_doc_keys(infra: Infra) -> None:
+    """docs/deploy.md says which routes need the function key: every anonymous route of
+    function_app.py is named in its key section, with when it is served."""
+    routes = _routes(infra.files["function_app.py"].decode())
+    assert routes and any(level == "FUNCTION" for _, level in routes), routes
+    prefix = json.loads(infra.files["host.json"])["extensions"]["http"]["routePrefix"]
+    doc = infra.files["docs/deploy.md"].decode()
+    section = doc[doc.index("## The function key"):]
+    section = section[:section.index("\n## ", 1)]
+    assert not re.search(r"every (call|request) needs a key", section, re.I), \
+        "docs/deploy.md says every call needs a key, but some routes are anonymous"
+    for route, level in routes:
+        if level == "ANONYMOUS":
+            path = f"/{prefix}/" + re.sub(r"/?\{[^}]*\?\}$", "", route)
+            assert f"`GET {path}`" in section or f"`{path}`" in section, f"deploy.md does not name anonymous {path}"
+    assert "anonymous" in section and "404" in section and "PLAYGROUND_ENABLED" in section, section
+
+
+def _azd_value(infra: Infra, param: str) -> str:
+    return json.loads(infra.files["infra/main.parameters.json"])["parameters"][param]["value"]
+
+
+def _private_links(infra: Infra, mode: str, **overrides) -> dict:
+    """groupId -> params of each private-link.bicep module deployed in ``mode``."""
+    found = {}
+    for decl in infra.resources.of("module").values():
+        if decl.type == "private-link.bicep":
+            for body in infra.instances(decl, mode, **overrides):
+                found[body["params"]["groupId"]] = body["params"]
+    return found
+
+
+def check_private_network(infra: Infra) -> None:
+    """vnetEnabled (off by default): a virtual network with the app's subnet delegated for Flex
+    Consumption, and storage, Azure OpenAI and Key Vault with public access off, each reached through
+    a private endpoint with its private DNS zone. Off: public endpoints, identity-only access."""
+    assert infra.main_defaults()["vnetEnabled"] is False, "network isolation is off by default"
+    assert _azd_value(infra, "vnetEnabled") == "${VNET_ENABLED=false}"
+    vnet_decl = infra.one("Microsoft.Network/virtualNetworks")
+    site_decl = infra.one("Microsoft.Web/sites")
+    services = {"storage": infra.one("Microsoft.Storage/storageAccounts"),
+                "openAi": infra.one("Microsoft.CognitiveServices/accounts"),
+                "keyVault": infra.one("Microsoft.KeyVault/vaults")}
+    expected_links = {"blob": ("storage.id", "privatelink.blob."), "queue": ("storage.id", "privatelink.queue."),
+                      "table": ("storage.id", "privatelink.table."),
+                      "account": ("openAi.id", "privatelink.openai.azure.com"),
+                      "vault": ("keyVault.id", "privatelink.vaultcore.azure.net")}
+    for mode in MODES:
+        in_use = ["storage", "openAi" if mode == "azureOpenAI" else "keyVault"]
+        # Off: nothing private, every service public (identity-only access is checked elsewhere).
+        assert not infra.instances(vnet_decl, mode) and not _private_links(infra, mode)
+        assert infra.body(site_decl, mode)["properties"].get("virtualNetworkSubnetId") is None
+        for name in in_use:
+            assert infra.body(services[name], mode)["properties"]["publicNetworkAccess"] == "Enabled", name
+        # On.
+        (vnet,) = infra.instances(vnet_decl, mode, vnetEnabled=True)
+        subnets = {s["name"]: s["properties"] for s in vnet["properties"]["subnets"]}
+        app_subnet = Evaluator(infra.resources).eval(infra.resources.decls["appSubnetName"].body)
+        pe_subnet = Evaluator(infra.resources).eval(infra.resources.decls["privateEndpointSubnetName"].body)
+        assert [d["properties"]["serviceName"] for d in subnets[app_subnet].get("delegations", [])] == \
+            ["Microsoft.App/environments"], "Flex Consumption integrates with a subnet delegated to Microsoft.App/environments"
+        assert subnets[pe_subnet].get("privateEndpointNetworkPolicies") == "Disabled"
+        subnet_ref = infra.body(site_decl, mode, vnetEnabled=True)["properties"].get("virtualNetworkSubnetId")
+        assert isinstance(subnet_ref, str) and "subnets/${appSubnetName}" in subnet_ref, subnet_ref
+        for name in in_use:
+            props = infra.body(services[name], mode, vnetEnabled=True)["properties"]
+            assert props["publicNetworkAccess"] == "Disabled", f"{name} stays public with vnetEnabled"
+            assert props["networkAcls"]["defaultAction"] == "Deny", name
+        links = _private_links(infra, mode, vnetEnabled=True)
+        wanted = {"blob", "queue", "table", "account" if mode == "azureOpenAI" else "vault"}
+        assert set(links) == wanted, (mode, sorted(links))
+        for group, params in links.items():
+            target, zone = expected_links[group]
+            assert params["targetId"] == target, (group, params["targetId"])
+            assert zone in params["zoneName"], (group, params["zoneName"])
+            assert "privateEndpointSubnetName" in str(params["subnetId"]) and params["virtualNetworkId"] == "vnet.id"
+    link = infra.templates["infra/private-link.bicep"]
+    kinds = {d.type.split("@")[0]: Evaluator(link).eval(d.body) for d in link.of("resource").values()}
+    zone_link = kinds["Microsoft.Network/privateDnsZones/virtualNetworkLinks"]["properties"]
+    assert zone_link["registrationEnabled"] is False and zone_link["virtualNetwork"]["id"] == "virtualNetworkId"
+    connection = kinds["Microsoft.Network/privateEndpoints"]["properties"]["privateLinkServiceConnections"][0]
+    assert connection["properties"] == {"privateLinkServiceId": "targetId", "groupIds": ["groupId"]}, connection
+    (config,) = kinds["Microsoft.Network/privateEndpoints/privateDnsZoneGroups"]["properties"]["privateDnsZoneConfigs"]
+    assert config["properties"]["privateDnsZoneId"] == "zone.id"
+    assert kinds["Microsoft.Network/privateDnsZones"]["name"] == "zoneName"
+
+
+def check_diagnostics(infra: Infra) -> None:
+    """Resource logs and metrics of the Function App, storage (account, blob and table services),
+    Azure OpenAI and Key Vault go to the Log Analytics workspace, which takes no keys."""
+    workspace = infra.body(infra.one("Microsoft.OperationalInsights/workspaces"))["properties"]
+    assert workspace.get("features", {}).get("disableLocalAuth") is True, "Log Analytics with local (key) auth off"
+    wanted = {"azureOpenAI": {"functionApp", "storage", "blobService", "tableService", "openAi"},
+              "openAI": {"functionApp", "storage", "blobService", "tableService", "keyVault"}}
+    for mode in MODES:
+        settings = {}
+        for decl in infra.resources.resources("Microsoft.Insights/diagnosticSettings"):
+            for body in infra.instances(decl, mode):
+                settings[str(body["scope"])] = body["properties"]
+        assert set(settings) == wanted[mode], (mode, sorted(settings))
+        for scope, props in settings.items():
+            assert props["workspaceId"] == "logAnalytics.id", scope
+            assert all(m["enabled"] for m in props.get("metrics", [])) and props.get("metrics"), f"{scope}: metrics"
+            logs = {entry.get("category") or entry.get("categoryGroup") for entry in props.get("logs", []) if entry["enabled"]}
+            needed = {"functionApp": {"FunctionAppLogs"}, "storage": set(), "blobService": {"StorageWrite", "StorageDelete"},
+                      "tableService": {"StorageWrite", "StorageDelete"}, "openAi": {"allLogs"}, "keyVault": {"allLogs"}}[scope]
+            assert needed <= logs, (scope, logs)
+
+
+def check_hardening(infra: Infra) -> None:
+    """Key Vault purge protection is a choice (off by default, for `azd down --purge`) with 90 days of
+    soft delete; Azure OpenAI makes no outbound calls; deleted blobs and containers are kept a week;
+    zone redundancy is a parameter that takes the plan and the storage together."""
+    defaults = infra.main_defaults()
+    assert defaults["keyVaultPurgeProtection"] is False and defaults["keyVaultSoftDeleteRetentionDays"] == 90
+    assert defaults["zoneRedundant"] is False
+    assert _azd_value(infra, "keyVaultPurgeProtection") == "${AZURE_KEY_VAULT_PURGE_PROTECTION=false}"
+    assert _azd_value(infra, "zoneRedundant") == "${AZURE_ZONE_REDUNDANT=false}"
+    assert _azd_value(infra, "keyVaultSoftDeleteRetentionDays") == "${AZURE_KEY_VAULT_SOFT_DELETE_DAYS=90}"
+    vault = infra.one("Microsoft.KeyVault/vaults")
+    props = infra.body(vault, "openAI")["properties"]
+    assert props["softDeleteRetentionInDays"] == 90 and props.get("enablePurgeProtection") is None, props
+    assert infra.body(vault, "openAI", keyVaultPurgeProtection=True)["properties"]["enablePurgeProtection"] is True
+    oai = infra.body(infra.one("Microsoft.CognitiveServices/accounts"))["properties"]
+    assert oai.get("restrictOutboundNetworkAccess") is True and oai.get("allowedFqdnList") == [], oai
+    blob = infra.body(infra.one("Microsoft.Storage/storageAccounts/blobServices"))["properties"]
+    for policy in ("deleteRetentionPolicy", "containerDeleteRetentionPolicy"):
+        assert blob[policy]["enabled"] is True and blob[policy]["days"] >= 1, (policy, blob.get(policy))
+    plan, storage = infra.one("Microsoft.Web/serverfarms"), infra.one("Microsoft.Storage/storageAccounts")
+    assert infra.body(plan)["properties"].get("zoneRedundant") is False
+    assert infra.body(storage)["sku"]["name"] == "Standard_LRS"
+    assert infra.body(plan, zoneRedundant=True)["properties"]["zoneRedundant"] is True
+    assert infra.body(storage, zoneRedundant=True)["sku"]["name"] == "Standard_ZRS", "zone-redundant plan, ZRS storage"
+
+
+def check_principal_type(infra: Infra) -> None:
+    """The deploying principal's kind is a parameter (User by default, ServicePrincipal for a pipeline),
+    mapped for azd, and every role assignment to that principal uses it."""
+    (allowed,) = infra.main.of("param")["principalType"].decorators["allowed"]
+    assert Evaluator(infra.main).eval(allowed) == ["User", "ServicePrincipal"]
+    assert infra.main_defaults()["principalType"] == "User"
+    assert _azd_value(infra, "principalType") == "${AZURE_PRINCIPAL_TYPE=User}"
+    assert _azd_value(infra, "principalId") == "${AZURE_PRINCIPAL_ID}"
+    for mode in MODES:
+        for kind in ("User", "ServicePrincipal"):
+            ras = infra.role_assignments(mode, deployed_only=True, principalId=DEPLOYER, principalType=kind)
+            mine = [ra for ra in ras if ra["principal"] == DEPLOYER]
+            assert mine and all(ra["principalType"] == kind for ra in mine), (mode, kind, mine)
+            assert all(ra["principalType"] == "ServicePrincipal" for ra in ras if ra["principal"] != DEPLOYER)
+        assert not [ra for ra in infra.role_assignments(mode, deployed_only=True) if ra["principal"] == ""], \
+            "no role assignment for an empty principalId"
+
+
+def check_app_state_storage(infra: Infra) -> None:
+    """The app's own state: its tables and stream-log container exist in the host's storage account,
+    the app identity (and the deployer) get Table Data Contributor on each table and Blob Data
+    Contributor on the container, no wider, and the app settings give the service URIs."""
+    tables = [b["name"] for b in infra.instances(infra.one("Microsoft.Storage/storageAccounts/tableServices/tables"))]
+    assert tables == list(APP_TABLES), tables
+    containers = {infra.body(d)["name"]: d.name for d in
+                  infra.resources.resources("Microsoft.Storage/storageAccounts/blobServices/containers")}
+    assert STREAMS_CONTAINER in containers, containers
+    table_decl = infra.one("Microsoft.Storage/storageAccounts/tableServices/tables").name
+    table_scopes = {f"{table_decl}[{i}]" for i in range(len(APP_TABLES))}
+    for mode in MODES:
+        ras = infra.role_assignments(mode, deployed_only=True, principalId=DEPLOYER)
+        for principal in ("identity.properties.principalId", DEPLOYER):
+            mine = [ra for ra in ras if ra["principal"] == principal]
+            tables_granted = {ra["scope"] for ra in mine if ra["role"] == STORAGE_TABLE_DATA_CONTRIBUTOR}
+            assert tables_granted == table_scopes, (principal, tables_granted)
+            assert {ra["scope"] for ra in mine if ra["role"] == STORAGE_BLOB_DATA_CONTRIBUTOR} == \
+                {containers[STREAMS_CONTAINER]}, principal
+        settings = infra.app_settings(mode)
+        assert settings.get("AzureWebJobsStorage__tableServiceUri") == "storage.properties.primaryEndpoints.table"
+        assert settings.get("AzureWebJobsStorage__blobServiceUri") == "storage.properties.primaryEndpoints.blob"
+        assert settings.get("AzureWebJobsStorage__credential") == "managedidentity"
+        assert settings.get("AzureWebJobsStorage__clientId") == "identity.properties.clientId"
 
 
 def check_azure_yaml(infra: Infra) -> None:
@@ -571,9 +866,10 @@ def check_azure_yaml(infra: Infra) -> None:
 
 
 CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
-          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode,
+          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode, check_openai_key_required,
           check_flex_consumption_python, check_app_insights_identity, check_time_limits,
-          check_parameters, check_scaling_defaults, check_azure_yaml]
+          check_parameters, check_scaling_defaults, check_azure_yaml, check_deploy_doc_keys, check_private_network,
+          check_diagnostics, check_hardening, check_principal_type, check_app_state_storage]
 
 
 @pytest.fixture(scope="module")
@@ -611,7 +907,6 @@ BREAKAGES = [
      "var storageBlobDataOwnerRole = '2a2b9908-6ea1-4ae2-8e65-a410df84e7d1'", check_blob_owner_role),
     ("http allowed", R, "httpsOnly: true", "httpsOnly: false", check_https_and_tls),
     ("TLS 1.0", R, "      minTlsVersion: '1.2'", "      minTlsVersion: '1.0'", check_https_and_tls),
-    ("FTPS on", R, "ftpsState: 'Disabled'", "ftpsState: 'FtpsOnly'", check_https_and_tls),
     ("storage TLS 1.0", R, "minimumTlsVersion: 'TLS1_2'", "minimumTlsVersion: 'TLS1_0'", check_https_and_tls),
     ("connection string output", R, "output identityClientId string = identity.properties.clientId",
      "output identityClientId string = appInsights.properties.ConnectionString", check_no_secrets_in_outputs),
@@ -621,7 +916,8 @@ BREAKAGES = [
      "output CHAT_UPSTREAM string = openAiApiKey", check_no_secrets_in_outputs),
     ("OpenAI User role missing", R, "var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'",
      "var cognitiveServicesOpenAIUserRole = 'a001fd3d-188f-4b5d-821b-7da978bf7442'", check_azure_openai_keyless),
-    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true", "disableLocalAuth: false", check_azure_openai_keyless),
+    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true\n    // The account itself",
+     "disableLocalAuth: false\n    // The account itself", check_azure_openai_keyless),
     ("no AZURE_CLIENT_ID", R, "    name: 'AZURE_CLIENT_ID'\n", "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
      check_azure_openai_keyless),
     ("Key Vault Secrets User missing", R, "var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'",
@@ -632,9 +928,17 @@ BREAKAGES = [
     ("Key Vault reference without the user identity", R, "    keyVaultReferenceIdentity: identity.id\n", "",
      check_key_vault_mode),
     ("key not @secure", M, "@secure()\n", "", check_key_vault_mode),
+    ("empty key deploys", M, "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
+     "var openAiKeyMissing = false", check_openai_key_required),
     ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),
     ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
     ("worker runtime app setting", R, "    name: 'USAGE_WAIT_SECONDS'\n", "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
+     check_flex_consumption_python),
+    ("worker process count on Flex", R, "    name: 'UPSTREAM_MAX_RETRIES'\n",
+     "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n", check_flex_consumption_python),
+    ("ftpsState on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      ftpsState: 'Disabled'\n",
+     check_flex_consumption_python),
+    ("alwaysOn on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      alwaysOn: false\n",
      check_flex_consumption_python),
     ("App Insights local auth", R, "DisableLocalAuth: true", "DisableLocalAuth: false", check_app_insights_identity),
     ("spans sampled", R, "value: 'always_on'", "value: 'microsoft.rate_limited'", check_app_insights_identity),
@@ -652,12 +956,61 @@ BREAKAGES = [
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
+    ("deploy.md: every call needs a key", "docs/deploy.md", "so in Azure each call needs a key, with one",
+     "so every call needs a key, with one", check_deploy_doc_keys),
+    ("another anonymous route, not in deploy.md", "function_app.py", '@app.route(route="_pool", methods=["GET"])',
+     '@app.route(route="_pool", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)', check_deploy_doc_keys),
     ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
      "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
-    ("worker processes not set", R, "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
-     "    name: 'FUNCTIONS_WORKER_PROCESSES'\n", check_scaling_defaults),
-    ("worker processes out of range", M, "@maxValue(10)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT",
-     "@maxValue(16)\n@description('FUNCTIONS_WORKER_PROCESS_COUNT", check_scaling_defaults),
+    ("network isolation on by default", M, "param vnetEnabled bool = false", "param vnetEnabled bool = true",
+     check_private_network),
+    ("app subnet not delegated for Flex", R, "serviceName: 'Microsoft.App/environments'",
+     "serviceName: 'Microsoft.Web/serverFarms'", check_private_network),
+    ("no table private endpoint", R, "groupId: 'table'", "groupId: 'file'", check_private_network),
+    ("Azure OpenAI public with vnetEnabled", R,
+     "    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'\n    networkAcls: {\n"
+     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth",
+     "    publicNetworkAccess: 'Enabled'\n    networkAcls: {\n"
+     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth", check_private_network),
+    ("private zone not linked to the network", "infra/private-link.bicep", "      id: virtualNetworkId\n",
+     "      id: subnetId\n", check_private_network),
+    ("workspace keys allowed", R, "      disableLocalAuth: true\n", "      disableLocalAuth: false\n", check_diagnostics),
+    ("Key Vault logs sent nowhere", R, "  name: 'to-log-analytics'\n  scope: keyVault\n",
+     "  name: 'to-log-analytics'\n  scope: appInsights\n", check_diagnostics),
+    ("function app logs left out", R, "category: 'FunctionAppLogs'", "category: 'AppServiceHTTPLogs'",
+     check_diagnostics),
+    ("Azure OpenAI may call out", R, "restrictOutboundNetworkAccess: true", "restrictOutboundNetworkAccess: false",
+     check_hardening),
+    ("purge protection always on", R, "enablePurgeProtection: keyVaultPurgeProtection ? true : null",
+     "enablePurgeProtection: true", check_hardening),
+    ("soft delete a week", M, "param keyVaultSoftDeleteRetentionDays int = 90",
+     "param keyVaultSoftDeleteRetentionDays int = 7", check_hardening),
+    ("zone-redundant plan on LRS storage", R, "name: zoneRedundant ? 'Standard_ZRS' : 'Standard_LRS'",
+     "name: 'Standard_LRS'", check_hardening),
+    ("no container delete retention", R, "    containerDeleteRetentionPolicy: {\n      enabled: true",
+     "    containerDeleteRetentionPolicy: {\n      enabled: false", check_hardening),
+    ("principalType not mapped for azd", "infra/main.parameters.json", '"${AZURE_PRINCIPAL_TYPE=User}"', '"User"',
+     check_principal_type),
+    ("deployer's table roles always as a user", R, "    principalId: principalId\n    principalType: principalType\n  }\n}]",
+     "    principalId: principalId\n    principalType: 'User'\n  }\n}]", check_principal_type),
+    ("table role on the whole account", R,
+     "  scope: appTables[i]\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+     "    principalId: identity.properties.principalId",
+     "  scope: storage\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+     "    principalId: identity.properties.principalId", check_app_state_storage),
+    ("a table missing", R, "  'chatstreamUsage'\n", "", check_app_state_storage),
+    ("deployer's stream-log container role missing", R,
+     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (!empty(principalId))",
+     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (false)",
+     check_app_state_storage),
+    ("no table service URI for the app", R, "name: 'AzureWebJobsStorage__tableServiceUri'",
+     "name: 'AzureWebJobsStorage__tableUri'", check_app_state_storage),
+    ("scaling table edited by hand", "docs/scaling.md", "| **50** |", "| **60** |", check_scaling_defaults),
+    ("benchmark figures changed, scaling not recomputed", "docs/benchmarks.md",
+     "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.188 |", "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.250 |",
+     check_scaling_defaults),
 ]
 
 

@@ -1,39 +1,57 @@
 """How many concurrent streams one Flex Consumption instance holds, what that costs, and the same
-load on LiteLLM containers: recomputed from a benchmark run (tools/bench/out/summary.json).
+load on LiteLLM containers: recomputed from the benchmark figures of record.
 
-    python tools/bench/scaling.py [tools/bench/out/summary.json] [--write docs/scaling.md]
+    python tools/bench/scaling.py [docs/benchmarks.md | tools/bench/out/summary.json] [--write [docs/scaling.md]]
+
+The input is, by default, the generated section of docs/benchmarks.md (what `make bench` last
+wrote, committed with the code), so docs/scaling.md can be recomputed on any checkout and
+tests/test_infra.py can check that it was. A summary.json from a run (tools/bench/out/, not
+committed) works too; its unrounded figures may move the last digit of a table cell.
 
 Only the section of docs/scaling.md between the scaling markers is rewritten (with --write); the
 reasoning around it is prose. Every input is measured by `make bench` except the ones named in
 ASSUMED and PRICES below, which come from the cited pages or are stated assumptions.
 
 The model (docs/scaling.md explains it):
-  * CPU: a stream costs R ms (per request) + T × D ms (per delta, T deltas) of CPU. N streams of
-    duration S seconds keep N × (R + T·D) / S ms of CPU busy per second. An instance with C vCPU
-    holds N while that stays under UTILIZATION × C × 1000 ms/s.
+  * Flex Consumption runs one Python worker process per instance: FUNCTIONS_WORKER_PROCESS_COUNT is
+    not valid on that plan (Functions app settings reference, "Flex Consumption plan deprecations").
+    One worker runs one event loop, so it uses at most one core, whatever the instance size.
+  * CPU: a stream costs R ms (per request) + T × D ms (per delta, T deltas) of CPU in the worker, and
+    the host's share on top. N streams of S seconds keep N × (R + T·D) / S ms of CPU busy per second.
+    An instance holds N while the worker's share stays under UTILIZATION × 1 core and the worker's
+    plus the host's stays under UTILIZATION × its vCPU.
   * Memory: the idle processes plus N × memory per stream stay under the instance's memory.
-  * Burst: streams arriving together on one worker queue their per-request CPU: B streams add about
-    B × R ms to the last one's time to first delta.
+  * Burst: streams arriving together queue their per-request CPU on the one worker: B streams add
+    about B × R ms to the last one's time to first delta.
   * Cost: Flex Consumption bills on-demand instances per GB-second of instance memory while they
-    execute, plus executions; an instance full of streams is billed as one.
+    execute, plus executions; an instance full of streams is billed as one. The default instance
+    size is the one with the lowest cost per typical stream.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from report import LABEL  # noqa: E402  (the row labels docs/benchmarks.md is written with)
+
 START = "<!-- scaling:table:start -->"
 END = "<!-- scaling:table:end -->"
+BENCH_START = "<!-- bench:side-by-side:start -->"
+BENCH_END = "<!-- bench:side-by-side:end -->"
 
 # Flex Consumption instance sizes: memory (MB) → vCPU. Source: Microsoft Learn, "Azure Functions Flex
 # Consumption plan hosting", instance memory table (MicrosoftDocs/azure-docs, articles/azure-functions/
-# flex-consumption-plan.md, commit 809ed6c "Clarifying Flex Consumption quotas").
+# flex-consumption-plan.md, commit 809ed6c "Clarifying Flex Consumption quotas"). 512 MB (0.25 vCPU)
+# is left out: the real Functions host's own memory was not measured, and there it would matter.
 INSTANCES = {2048: 1.0, 4096: 2.0}
+WORKERS_PER_INSTANCE = 1  # Flex Consumption: FUNCTIONS_WORKER_PROCESS_COUNT is "not valid" there
 PLATFORM_BUFFER_MB = 272  # same page: extra memory the platform adds for itself, not billed
 
 PRICES = {
@@ -66,98 +84,177 @@ STREAMS = {  # (deltas, seconds): one delta ≈ one output token
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
 def load(path: Path) -> dict:
-    return json.loads(path.read_text())
+    """A summary (the subset this script reads) from a summary.json or from docs/benchmarks.md."""
+    text = path.read_text(encoding="utf-8")
+    return json.loads(text) if path.suffix == ".json" else summary_from_benchmarks(text)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _pair(cell: str) -> dict | None:
+    m = re.fullmatch(r"\(?([\d.]+) / ([\d.]+)\)?", cell)
+    return {"per_request_ms": float(m.group(1)), "per_delta_ms": float(m.group(2))} if m else None
+
+
+def summary_from_benchmarks(text: str) -> dict:
+    """The figures scaling needs, read back from the section `make bench` writes in
+    docs/benchmarks.md (tools/bench/report.py): run date and commit, the CPU split per request and
+    per delta, and the peak memory of each path at each concurrency."""
+    if BENCH_START not in text or BENCH_END not in text:
+        raise SystemExit("docs/benchmarks.md has no generated side-by-side section (run `make bench`)")
+    section = text[text.index(BENCH_START):text.index(BENCH_END)]
+    path_of = {label: path for path, label in LABEL.items()}
+    meta = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d UTC) · .*?app commit `([0-9a-f]+)`", section, re.M)
+    if not meta:
+        raise SystemExit("docs/benchmarks.md: no run date and app commit in the side-by-side section")
+    summary: dict = {"meta": {"date": meta.group(1), "commit": meta.group(2)}, "rows": {}, "cpu_split": {}}
+    heading = re.search(r"^### CPU per request and per delta \((\d+) concurrent streams\)$", section, re.M)
+    table = None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            table = "split" if heading and line == heading.group(0) else \
+                "concurrency" if line == "### Concurrency" else None
+            continue
+        if not line.startswith("| ") or line.startswith("|---"):
+            continue
+        cells = _cells(line)
+        if table == "concurrency" and cells[0].replace(",", "").isdigit() and cells[1] in path_of:
+            rss = re.fullmatch(r"(\d+) MB", cells[9])
+            if rss:  # the direct path's figure is the upstream's, in brackets: not a path of ours
+                level = int(cells[0].replace(",", ""))
+                summary["rows"].setdefault(level, {})[path_of[cells[1]]] = {"peak_rss_mb": float(rss.group(1))}
+        elif table == "split" and cells[0] in path_of:
+            groups = {g: _pair(c) for g, c in zip(("host", "worker", "server"), cells[1:4])}
+            entry = {"level": int(heading.group(1)), **{g: v for g, v in groups.items() if v}}
+            summary["cpu_split"][path_of[cells[0]]] = entry
+    return summary
 
 
 def figures(summary: dict) -> dict:
-    """The measured inputs: CPU per request / per delta (ms) and memory of the app and of LiteLLM."""
+    """The measured inputs: CPU per request / per delta (ms) of the one-worker app (and of the
+    two-worker run, for plans that honour FUNCTIONS_WORKER_PROCESS_COUNT), memory, LiteLLM's CPU."""
     split = summary.get("cpu_split") or {}
     rows = {int(k): v for k, v in summary["rows"].items()}
-    out = {"split_level": None}
+    out: dict = {"split_level": None}
     app = split.get("app") or {}
     if "worker" in app:
         out["split_level"] = app["level"]
         out["worker"] = app["worker"]
         out["host"] = app.get("host")
+    app2 = split.get("app2") or {}
+    if "worker" in app2 and "host" in app2:
+        out["worker2"], out["host2"] = app2["worker"], app2["host"]
     ll = split.get("litellm") or {}
     if "server" in ll:
         out["litellm"] = ll["server"]
     levels = sorted(rows)
-    for path in ("app", "app2", "litellm"):
+    for path in ("app", "app2"):
         pts = [(lv, rows[lv][path]["peak_rss_mb"]) for lv in levels if path in rows[lv]]
         if len(pts) >= 2:
             (l0, m0), (l1, m1) = pts[0], pts[-1]
             out[f"{path}_rss_idle_mb"] = m0
             out[f"{path}_mb_per_stream"] = max(0.0, (m1 - m0) / (l1 - l0))
-    big = rows.get(max(levels), {}).get("app2")
-    if big:
-        out["app2_peak_mb"] = big["peak_rss_mb"]
-        out["big_level"] = max(levels)
+            out[f"{path}_big_level"] = l1
     return out
 
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
 
 def per_stream_cpu_ms(cpu: dict, deltas: int) -> float:
     return cpu["per_request_ms"] + deltas * cpu["per_delta_ms"]
 
 
 def capacity(cpu_ms_per_s: float, vcpu: float, utilization: float) -> int:
-    """Streams whose CPU fits in the instance's share of its vCPU."""
+    """Streams whose CPU fits in the given share of ``vcpu`` cores."""
     return int(utilization * vcpu * 1000 / cpu_ms_per_s)
+
+
+def instance_capacity(worker: dict, with_host: dict, deltas: int, seconds: float, vcpu: float,
+                      workers: int, a=ASSUMED) -> dict:
+    """Streams one instance holds by CPU: each worker is one event loop (at most one core), and the
+    workers and the host together share the instance's vCPU."""
+    by_worker = workers * capacity(per_stream_cpu_ms(worker, deltas) / seconds, min(1.0, vcpu), a["utilization"])
+    by_instance = capacity(per_stream_cpu_ms(with_host, deltas) / seconds, vcpu, a["utilization"])
+    return {"worker": by_worker, "instance": by_instance, "cpu": min(by_worker, by_instance)}
+
+
+def cost_per_million(mem_mb: int, per_instance: int, seconds: float, prices=PRICES) -> float:
+    """$ per million streams of ``seconds`` each, instances kept full, on demand."""
+    return 1e6 * seconds * (mem_mb / 1024) / per_instance * prices["flex_gb_s"] + prices["flex_per_million_executions"]
 
 
 def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
     f = figures(summary)
     if "worker" not in f:
-        raise SystemExit("summary.json has no CPU split for the app (run `make bench`, which includes "
-                         "the short-stream waves)")
+        raise SystemExit("the benchmark figures have no CPU split for the app (run `make bench`, which "
+                         "includes the short-stream waves)")
     worker, host = f["worker"], f.get("host")
     with_host = {k: worker[k] + (host[k] if host else 0.0) for k in ("per_request_ms", "per_delta_ms")}
-    mb_stream = max(f.get("app2_mb_per_stream", 0.0), f.get("app_mb_per_stream", 0.0))
+    mb_stream = f.get("app_mb_per_stream", 0.0)
     idle_mb = f.get("app_rss_idle_mb", 150.0)
+    meta = summary["meta"]
     L = []
     L.append(f"Inputs, measured by `make bench` at {f['split_level']} concurrent streams "
-             f"({summary['meta']['date']}, app commit `{summary['meta']['commit']}`): worker "
-             f"{worker['per_request_ms']:.2f} ms CPU per request + {worker['per_delta_ms']:.3f} ms per delta; the "
-             f"local host (Python, standing in for the Functions host) "
+             f"({meta['date']}, app commit `{meta['commit']}`; read from docs/benchmarks.md), one worker "
+             f"process: worker {worker['per_request_ms']:.2f} ms CPU per request + {worker['per_delta_ms']:.3f} ms "
+             f"per delta; the local host (Python, standing in for the Functions host) "
              + (f"{host['per_request_ms']:.2f} ms + {host['per_delta_ms']:.3f} ms" if host else "not measured")
-             + f"; memory {mb_stream * 1024:.0f} kB per open stream (host and workers, from the peak RSS at "
-               f"{f.get('big_level', '?'):,} streams), {idle_mb:.0f} MB for the idle processes. "
+             + f"; memory {mb_stream * 1024:.0f} kB per open stream (host and worker, from the peak RSS at "
+               f"{f.get('app_big_level', 0):,} streams), {idle_mb:.0f} MB for the idle processes. "
                f"Assumed: CPU kept under {a['utilization']:.0%} busy, memory under {a['memory_headroom']:.0%} of the "
-               f"instance.")
+               f"instance. Flex Consumption runs {WORKERS_PER_INSTANCE} Python worker per instance.")
     L.append("")
-    L.append("| instance | stream | CPU per stream (worker / + host) | streams per instance by CPU: worker only / "
-             "worker + host | by memory | burst within +100 ms TTFD (per worker) |")
-    L.append("|---|---|---|---|---|---|")
-    recommended = {}
+    L.append("| instance | stream | CPU per stream (worker / + host) | by the worker's one core | "
+             "by the instance's vCPU (worker + host) | by memory | streams per instance | "
+             "$ per million streams | burst within +100 ms TTFD |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
+    held: dict = {}
     for mem, vcpu in INSTANCES.items():
-        workers = max(1, math.ceil(vcpu))
         for name, (deltas, seconds) in STREAMS.items():
-            w_ms = per_stream_cpu_ms(worker, deltas)
-            h_ms = per_stream_cpu_ms(with_host, deltas)
-            n_w = capacity(w_ms / seconds, vcpu, a["utilization"])
-            n_h = capacity(h_ms / seconds, vcpu, a["utilization"])
-            n_mem = int((a["memory_headroom"] * mem - idle_mb * workers) / mb_stream) if mb_stream else 10**6
+            cap = instance_capacity(worker, with_host, deltas, seconds, vcpu, WORKERS_PER_INSTANCE, a)
+            n_mem = int((a["memory_headroom"] * mem - idle_mb) / mb_stream) if mb_stream else 10**6
+            holds = max(1, min(cap["cpu"], n_mem))
+            per_million = cost_per_million(mem, holds, seconds, prices)
             burst = int(a["ttfd_budget_ms"] / worker["per_request_ms"])
-            L.append(f"| {mem:,} MB, {vcpu:g} vCPU, {workers} worker{'s' if workers > 1 else ''} | {name}: {deltas} deltas "
-                     f"in {seconds:g} s | {w_ms:.0f} / {h_ms:.0f} ms | {n_w:,} / {n_h:,} | {n_mem:,} | {burst} |")
-            recommended[(mem, name)] = {"cpu": n_h, "cpu_worker_only": n_w, "memory": n_mem, "workers": workers}
+            held[(mem, name)] = {"streams": holds, "per_million": per_million}
+            L.append(f"| {mem:,} MB, {vcpu:g} vCPU, {WORKERS_PER_INSTANCE} worker | {name}: {deltas} deltas in "
+                     f"{seconds:g} s | {per_stream_cpu_ms(worker, deltas):.0f} / "
+                     f"{per_stream_cpu_ms(with_host, deltas):.0f} ms | {cap['worker']:,} | {cap['instance']:,} | "
+                     f"{n_mem:,} | **{holds:,}** | ${per_million:,.2f} | {burst} |")
     L.append("")
 
-    # The defaults: 2,048 MB, sized for the typical stream with the host counted (the conservative
-    # figure), never above what memory allows.
-    default_mem = 2048
-    rec = recommended[(default_mem, "typical")]
-    per_instance = max(1, min(rec["cpu"], rec["memory"]))
-    defaults = {"instanceMemoryMB": default_mem, "httpPerInstanceConcurrency": per_instance,
-                "FUNCTIONS_WORKER_PROCESS_COUNT": rec["workers"]}
-    short = recommended[(default_mem, "short")]
-    L.append(f"Defaults that follow (set in `infra/main.bicep`): `instanceMemoryMB` {default_mem}, "
-             f"`httpPerInstanceConcurrency` {per_instance} (typical streams, host counted), "
-             f"`FUNCTIONS_WORKER_PROCESS_COUNT` {rec['workers']} (one per vCPU). For traffic of mostly short "
-             f"streams use {max(1, min(short['cpu'], short['memory']))}; on 4,096 MB instances "
-             f"{max(1, min(recommended[(4096, 'typical')]['cpu'], recommended[(4096, 'typical')]['memory']))} with "
-             f"`FUNCTIONS_WORKER_PROCESS_COUNT` 2.")
+    # The defaults: the instance size whose typical stream costs least (the smaller one on a tie),
+    # holding as many streams as CPU and memory allow with the host counted.
+    default_mem = min(INSTANCES, key=lambda m: (round(held[(m, "typical")]["per_million"], 6), m))
+    per_instance = held[(default_mem, "typical")]["streams"]
+    others = [m for m in INSTANCES if m != default_mem]
+    defaults = {"instanceMemoryMB": default_mem, "httpPerInstanceConcurrency": per_instance}
+    cheaper = "; ".join(
+        f"{m:,} MB instances hold {held[(m, 'typical')]['streams']} typical streams at "
+        f"{held[(m, 'typical')]['per_million'] / held[(default_mem, 'typical')]['per_million'] - 1:+.0%} per stream"
+        for m in others)
+    L.append(f"Defaults that follow (set in `infra/main.bicep`): `instanceMemoryMB` {default_mem}, the size whose "
+             f"typical stream costs least, and `httpPerInstanceConcurrency` {per_instance} (typical streams, host "
+             f"counted). For traffic of mostly short streams use {held[(default_mem, 'short')]['streams']}; "
+             f"{cheaper}.")
+    if "worker2" in f:
+        two = instance_capacity(f["worker2"], {k: f["worker2"][k] + f["host2"][k] for k in with_host},
+                                STREAMS["typical"][0], STREAMS["typical"][1], 2.0, 2, a)
+        L.append("")
+        L.append(f"On plans that honour `FUNCTIONS_WORKER_PROCESS_COUNT` (Elastic Premium, Dedicated), one worker "
+                 f"per vCPU: a 2-vCPU instance with 2 workers holds {two['cpu']} typical streams by CPU, from the "
+                 f"same run's two-worker figures (worker {f['worker2']['per_request_ms']:.2f} ms + "
+                 f"{f['worker2']['per_delta_ms']:.3f} ms, host {f['host2']['per_request_ms']:.2f} ms + "
+                 f"{f['host2']['per_delta_ms']:.3f} ms). Not the Flex Consumption template's case.")
     L.append("")
 
     # Instances and cost, typical streams.
@@ -192,7 +289,7 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
         else:
             ll_cells = "– | –"
         L.append(f"| {n:,} concurrent streams | {inst:,} | ${app_cost:,.2f} | {ll_cells} |")
-    per_million = 1e6 * seconds * gb / per_instance * prices["flex_gb_s"] + prices["flex_per_million_executions"]
+    per_million = cost_per_million(default_mem, per_instance, seconds, prices)
     if ll_per:
         ll_million = 1e6 * seconds / ll_per * (a["litellm_container_vcpu"] * prices["aca_vcpu_s"]
                                                + a["litellm_container_gib"] * prices["aca_gib_s"]) \
@@ -203,10 +300,13 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
     L.append(f"| per million streams (instances kept full) | {per_instance} streams per instance | "
              f"${per_million:,.2f} | {ll_m} |")
     L.append("")
-    defaults_json = json.dumps(defaults, sort_keys=True)
-    L.append(f"<!-- scaling:defaults {defaults_json} -->")
+    L.append(f"<!-- scaling:defaults {json.dumps(defaults, sort_keys=True)} -->")
     return "\n".join(L), defaults
 
+
+# ---------------------------------------------------------------------------------------------
+# docs/scaling.md
+# ---------------------------------------------------------------------------------------------
 
 def write(doc: Path, section: str) -> None:
     text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Scaling\n\n{START}\n{END}\n"
@@ -214,6 +314,11 @@ def write(doc: Path, section: str) -> None:
         text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
     text = text[:text.index(START)] + f"{START}\n{section}\n{END}" + text[text.index(END) + len(END):]
     doc.write_text(text, encoding="utf-8")
+
+
+def section_in(text: str) -> str:
+    """The generated section of docs/scaling.md, between the markers."""
+    return text[text.index(START) + len(START):text.index(END)].strip("\n")
 
 
 def defaults_in(doc: Path) -> dict:
@@ -229,11 +334,12 @@ def defaults_from_text(text: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("summary", nargs="?", default=str(HERE / "out" / "summary.json"))
+    p.add_argument("source", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"),
+                   help="docs/benchmarks.md (default: the figures of record) or a run's summary.json")
     p.add_argument("--write", nargs="?", const=str(ROOT / "docs" / "scaling.md"), default=None,
                    help="rewrite the generated section of this file (default docs/scaling.md)")
     args = p.parse_args(argv)
-    section, defaults = table(load(Path(args.summary)))
+    section, defaults = table(load(Path(args.source)))
     if args.write:
         write(Path(args.write), section)
         print(f"wrote the scaling section of {args.write}", file=sys.stderr)
