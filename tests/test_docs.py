@@ -174,3 +174,46 @@ def test_the_settings_check_reports_what_to_add():
     assert default_matches("(any)", ()) and default_matches("– (OpenAI's own API)", None)
     assert not default_matches("15", 10.0) and not default_matches("–", 10.0)
     assert not default_matches("`gpt-4o`", "gpt-4o-mini") and not default_matches("10", None)
+
+
+# ------------------------------------------------------------------------- the local host's settings
+
+DEVHOST_README = ROOT / "tools" / "devhost" / "README.md"
+
+
+def test_devhost_readme_limits_match_its_config_and_help():
+    """tools/devhost/README.md's settings table: every DEVHOST_* variable of tools/devhost/config.py
+    with its default and the flag that `python -m tools.devhost --help` pairs with it."""
+    from dataclasses import fields
+
+    from tools.devhost.config import FRONT_ENV, FrontSettings
+
+    defaults = {f.name: f.default for f in fields(FrontSettings)}
+    help_text = subprocess.run([sys.executable, "-m", "tools.devhost", "--help"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"}).stdout
+    flags = {m.group(2): m.group(1) for m in re.finditer(r"(--[a-z-]+) \w+\s+.*?\[([A-Z_]+)\]", help_text)}
+    tables = [(header, rows) for header, rows in _tables(DEVHOST_README.read_text(encoding="utf-8"))
+              if [h.lower() for h in header][:3] == ["environment variable", "flag", "default"]]
+    assert tables, "tools/devhost/README.md has no `| environment variable | flag | default | meaning |` table"
+    rows = {}
+    for _, table in tables:
+        for cells in table:
+            for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", cells[0]):
+                rows[name] = cells
+    problems = []
+    for name, (field_name, _kind) in FRONT_ENV.items():
+        default = defaults[field_name]
+        if name not in rows:
+            problems.append(f"tools/devhost/README.md has no row for {name}: add\n"
+                            f"    | `{name}` | `{flags.get(name, '--?')}` | {suggested_cell(default)} | <meaning> |")
+            continue
+        if flags.get(name) and f"`{flags[name]}`" not in rows[name][1]:
+            problems.append(f"tools/devhost/README.md: {name}'s flag is {flags[name]} (--help), not {rows[name][1]}")
+        if not default_matches(rows[name][2], default):
+            problems.append(f"tools/devhost/README.md: {name}'s default is {suggested_cell(default)} "
+                            f"(FrontSettings.{field_name}), not {rows[name][2]!r}")
+    for name in rows:
+        if name.startswith("DEVHOST_") and name not in FRONT_ENV:
+            problems.append(f"tools/devhost/README.md lists {name}, which tools/devhost/config.py does not read")
+    assert flags, f"no [VARIABLE] found in the host's --help:\n{help_text}"
+    assert not problems, "\n".join(problems)
