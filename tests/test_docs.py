@@ -217,3 +217,85 @@ def test_devhost_readme_limits_match_its_config_and_help():
             problems.append(f"tools/devhost/README.md lists {name}, which tools/devhost/config.py does not read")
     assert flags, f"no [VARIABLE] found in the host's --help:\n{help_text}"
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------- server-sent event samples
+
+def _markdown_files():
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "client_cs" / "README.md",
+            *sorted((ROOT / "tools").glob("*/README.md"))]
+
+
+def _chat_samples() -> dict[str, str]:
+    """Every fenced block in the docs that shows an /api/chat stream (it has a `data: {"delta"` line)."""
+    samples = {}
+    for path in _markdown_files():
+        text = path.read_text(encoding="utf-8")
+        for n, block in enumerate(re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)):
+            if re.search(r'^data: \{"delta"', block, re.M):
+                samples[f"{path.relative_to(ROOT)} (block {n + 1})"] = block
+    return samples
+
+
+def sse_problems(text: str) -> list[str]:
+    """What in an /api/chat stream differs from how the app writes one: JSON other than compact
+    (no spaces after separators, raw UTF-8), a comment after the first data line, or a last event
+    other than `done` or `error`."""
+    problems = []
+    seen_data = False
+    events = [e for e in re.split(r"\n\n+", text.replace("\r\n", "\n").strip("\n")) if e]
+    for event in events:
+        for line in event.split("\n"):
+            if line.startswith(":"):
+                if seen_data:
+                    problems.append(f"comment {line!r} after the first data line: the app sends keep-alives "
+                                    f"only while it waits for the first output")
+            elif line.startswith("data: "):
+                seen_data = True
+                payload = line[len("data: "):]
+                compact = json.dumps(json.loads(payload), ensure_ascii=False, separators=(",", ":"))
+                if payload != compact:
+                    problems.append(f"{line!r} is not written as the app writes JSON: data: {compact}")
+    if not events or not re.match(r"event: (done|error)\ndata: ", events[-1]):
+        problems.append(f"the last event is not `event: done` or `event: error`: {events[-1:]!r}")
+    return problems
+
+
+def test_sse_samples_in_the_docs_are_written_as_the_app_writes_them(start_app):
+    """The app's own stream first (keep-alives while the first token is slow, compact JSON), then
+    every sample of one in the docs against the same rules."""
+    app = start_app(HEARTBEAT_SECONDS="0.05")
+    import httpx
+    r = httpx.post(app.chat_url, json={"prompt": "[scenario:slow] sample"}, timeout=20)
+    assert r.status_code == 200
+    assert r.text.startswith(": keep-alive\n\n"), r.text[:200]
+    assert re.search(r'^data: \{"delta":"[^"]+"\}$', r.text, re.M), r.text[:300]
+    assert sse_problems(r.text) == [], r.text
+    samples = _chat_samples()
+    assert samples, "no /api/chat stream sample found in the docs"
+    problems = {name: sse_problems(block) for name, block in samples.items()}
+    assert not any(problems.values()), "\n".join(f"{name}: {p}" for name, ps in problems.items() for p in ps)
+
+
+# ------------------------------------------------------------------------- counted and named things
+
+def test_playground_docs_name_every_file_it_serves():
+    files = sorted(p.name for p in (ROOT / "chatstream" / "playground").iterdir() if p.is_file())
+    readme_layout = _section(README.read_text(encoding="utf-8"), "Layout")
+    playground_md = (ROOT / "docs" / "playground.md").read_text(encoding="utf-8")
+    for name in files:
+        assert name in readme_layout, f"README.md's layout does not name chatstream/playground/{name}"
+        assert name in playground_md, f"docs/playground.md does not name chatstream/playground/{name}"
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    for m in re.finditer(rf"\b({'|'.join(words)}|\d+) (?:[\w-]+ )?files\b", playground_md):
+        count = int(m.group(1)) if m.group(1).isdigit() else words.index(m.group(1)) + 1
+        assert count == len(files), f"docs/playground.md says {m.group(0)!r}; chatstream/playground has {files}"
+
+
+def test_readme_tests_section_states_no_figure_that_changes_with_every_commit():
+    """How many tests there are and how long they take change with every commit: README leaves them
+    out (a script that measured them could write them)."""
+    section = _section(README.read_text(encoding="utf-8"), "Tests")
+    figures = re.findall(r"\b\d[\d,.]* (?:tests|test cases)\b|\b(?:about|in) \d[\d.]* ?(?:s|seconds|minutes)\b",
+                         section)
+    assert not figures, f"README.md's Tests section states {figures}"
