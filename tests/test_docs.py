@@ -299,3 +299,13 @@ def test_readme_tests_section_states_no_figure_that_changes_with_every_commit():
     figures = re.findall(r"\b\d[\d,.]* (?:tests|test cases)\b|\b(?:about|in) \d[\d.]* ?(?:s|seconds|minutes)\b",
                          section)
     assert not figures, f"README.md's Tests section states {figures}"
+
+
+def test_readme_scenarios_exist_in_the_scripted_upstream():
+    from tools.fakeupstream.scenarios import SCENARIOS
+    rows = [rows for header, rows in _tables(README.read_text(encoding="utf-8"))
+            if header and "[scenario:" in header[0]]
+    assert rows, "README.md has no `[scenario:NAME]` table"
+    named = [_name(cells[0]) for cells in rows[0]]
+    unknown = [name for name in named if name not in SCENARIOS]
+    assert not unknown, f"README.md names scenarios that tools/fakeupstream does not have: {unknown}"
