@@ -5,9 +5,13 @@ size of a request head (``h11_max_incomplete_event_size`` is read by the h11 pro
 deadline for a head or a body, and arms its keep-alive timer only after a response, so a connection
 that never completes a request stays open forever. This subclass adds, per connection:
 
-- a head size limit: once more than ``max_header_bytes`` arrived and the head is still incomplete,
-  ``431`` and the connection is closed. Counted per read from the socket, so at most one read
-  (256 KiB) more than the limit is ever buffered;
+- a head size limit: a request line and headers (blank line included) of more than
+  ``max_header_bytes`` get ``431`` and the connection is closed, however the bytes are split into
+  reads and whatever request came before them on the connection. The parser is never fed more
+  than ``max_header_bytes`` of one head: each read is fed in slices that end where a head or a
+  body ends (llhttp wants CRLF line ends, so a head and a chunked body both end at the first
+  ``\r\n\r\n``; a content-length body after that many bytes), so every head is counted from its
+  own first byte;
 - a head deadline (``header_timeout``), counted from the connection's opening or from the first
   byte of a later request: ``408``, or a silent close when nothing was sent at all;
 - a body deadline (``body_timeout``) from the end of the head to the end of the body: ``408`` when no
@@ -82,7 +86,9 @@ class FrontProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._phase = "head"  # head: reading a request's head; body: its body; idle: between requests
-        self._head_bytes = 0  # bytes read since the current head began (per read, see above)
+        self._head_bytes = 0  # bytes of the current head fed to the parser so far
+        self._body_left: int | None = None  # of a content-length body; None: chunked or no body
+        self._tail = b""  # the last 3 bytes fed, for a blank line split across reads
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
         self._after_upgrade: _DeclinedUpgradeBody | _Ignore | None = None  # takes over from the parser
@@ -170,40 +176,73 @@ class FrontProtocol(HttpToolsProtocol):
             except httptools.HttpParserError:
                 self.transport.close()
             return
-        if self._phase == "idle":  # the first byte of the next request
-            self._phase = "head"
-            self._head_bytes = 0
-            self._arm(self.settings.header_timeout, self._head_timeout)
-        if self._phase == "head":
-            self._head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            self._upgrade_declined(data[exc.args[0]:])
-            return
-        except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
-            return
-        if (self._phase == "head" and self._head_bytes > self.settings.max_header_bytes
-                and not self._refused and not self.transport.is_closing()):
-            self._refuse(431, "Request Header Fields Too Large", "request_header_fields_too_large",
-                         f"the request line and headers exceed {self.settings.max_header_bytes} bytes")
+        pos = 0
+        while pos < len(data) and not self._refused and not self.transport.is_closing():
+            if self._phase == "idle":  # the first byte of the next request
+                self._begin_head()
+            if self._phase == "head":
+                room = self.settings.max_header_bytes - self._head_bytes
+                if room <= 0:  # the limit is reached and the head goes on
+                    self._refuse(431, "Request Header Fields Too Large", "request_header_fields_too_large",
+                                 f"the request line and headers exceed {self.settings.max_header_bytes} bytes")
+                    return
+                stop = min(self._after_blank_line(data, pos), pos + room)
+                self._head_bytes += stop - pos
+            elif self._body_left:
+                stop = pos + min(self._body_left, len(data) - pos)
+                self._body_left -= stop - pos
+            else:  # a chunked body ends with a blank line
+                stop = self._after_blank_line(data, pos)
+            piece = data if pos == 0 and stop == len(data) else memoryview(data)[pos:stop]
+            self._tail = (self._tail + bytes(piece[-3:]))[-3:]
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade as exc:
+                self._upgrade_declined(data[pos + exc.args[0]:])
+                return
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            pos = stop
+
+    def _begin_head(self) -> None:
+        self._phase = "head"
+        self._head_bytes = 0
+        self._body_left = None
+        self._unset_keepalive_if_required()  # armed if the previous answer was complete
+        self._arm(self.settings.header_timeout, self._head_timeout)
+
+    def _after_blank_line(self, data: bytes, pos: int) -> int:
+        """The index just past the first ``\r\n\r\n`` that ends in ``data[pos:]`` (it may begin in
+        the bytes fed before), or ``len(data)``."""
+        joined = self._tail + data[pos:pos + 3]
+        found = joined.find(b"\r\n\r\n")
+        if found != -1:
+            return pos + found + 4 - len(self._tail)
+        found = data.find(b"\r\n\r\n", pos)
+        return len(data) if found == -1 else found + 4
 
     # -- parser callbacks
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._phase != "head":
-            self._phase = "head"
-            self._arm(self.settings.header_timeout, self._head_timeout)
+        if self._phase != "head":  # data_received feeds a new head from its start: not expected
+            self._begin_head()
 
     def on_headers_complete(self) -> None:
         self._disarm()
         self._phase = "body"
         upgrade = self.parser.should_upgrade()
         super().on_headers_complete()
+        # llhttp has checked the framing: a request with Transfer-Encoding is chunked; one with a
+        # valid Content-Length has that many bytes of body; one with neither has none.
+        self._body_left = None
+        if not any(name == b"transfer-encoding" for name, _ in self.headers):
+            for name, value in self.headers:
+                if name == b"content-length":
+                    self._body_left = int(value)
         if upgrade:
             # Answered over HTTP/1.1; the parser stops at an upgrade, so the connection ends here.
             self.cycle.keep_alive = False
@@ -224,6 +263,7 @@ class FrontProtocol(HttpToolsProtocol):
         self._disarm()
         self._phase = "idle"
         self._head_bytes = 0
+        self._body_left = None
         super().on_message_complete()
         if self.cycle is not None and self.cycle.response_complete and not self.pipeline:
             self._arm_keepalive()  # answered before the body had all arrived
