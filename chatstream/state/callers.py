@@ -127,7 +127,7 @@ class Caller:
                 "token_budget": self.token_budget, "budget_period": self.budget_period,
                 "models": list(self.models) if self.models is not None else None,
                 "expires_at": _iso(self.expires_at), "created_at": _iso(self.created_at),
-                "key_hint": "…" + self.key_hint}
+                "key_hint": self.key_hint}
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -43,7 +43,9 @@ async def bounded(awaitable: Awaitable[T], timeout: float = CALL_TIMEOUT) -> T:
         if exc.status_code in _OUTCOMES:
             raise
         raise StoreDown(f"the store failed (HTTP {exc.status_code})") from None
-    except StoreUnavailable:
+    except StoreDown:
         raise
+    except StoreUnavailable as exc:  # store.py's own (a table it could not create)
+        raise StoreDown(str(exc)) from None
     except (AzureError, OSError, TimeoutError) as exc:
         raise StoreDown(f"the store did not answer ({type(exc).__name__})") from None
