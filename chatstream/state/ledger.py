@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -146,7 +146,7 @@ class Ledger:
         return [sums[k] for k in sorted(sums)]
 
 
-def totals(rows: list[Mapping[str, Any]]) -> dict[str, int]:
+def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """The sums over usage rows (the admin API's ``total``)."""
     return {f: sum(int(r[f]) for r in rows) for f in ("prompt_tokens", "completion_tokens", "total_tokens",
                                                          "requests")}

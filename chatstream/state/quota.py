@@ -127,10 +127,10 @@ class _Lease:
 
     # --- what reservations do ----------------------------------------------------------------
 
-    def advance(self, window: str) -> None:
+    def advance(self, window: str | None) -> None:
         """Move to ``window`` unless the lease is already there or later: what was held belonged to
         the window that ended."""
-        if self.window != window and not _newer(self.window, window):
+        if window is not None and self.window != window and not _newer(self.window, window):
             self.window = window
             self.balance = 0
             self.debt = 0
@@ -153,12 +153,12 @@ class _Lease:
                 self.give_back(need, future.result())  # granted just as the reservation gave up
             raise
 
-    def give_back(self, amount: int, window: str) -> None:
+    def give_back(self, amount: int, window: str | None) -> None:
         if amount > 0 and window == self.window:  # a window that is over needs nothing back
             self.balance += amount
             self.kick()
 
-    def charge_extra(self, amount: int, window: str) -> None:
+    def charge_extra(self, amount: int, window: str | None) -> None:
         if amount > 0 and window == self.window:
             used = min(self.balance, amount)
             self.balance -= used
