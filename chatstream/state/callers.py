@@ -316,16 +316,17 @@ class CallerRegistry:
                 return None
 
         self.store_reads += 1
-        try:
+        asked = self.clock()  # the answer is kept from when it was asked for: a key revoked after that
+        try:                  # stops working at most cache_seconds after its revocation, exactly
             caller = await bounded(read())
         except StoreDown as exc:
             log.warning("caller store: key check failed: %s", exc)
             raise store_unavailable() from None
-        self._remember(key_hash, caller)
+        self._remember(key_hash, caller, asked)
         return caller
 
-    def _remember(self, key_hash: str, caller: Caller | None) -> None:
-        self._cache[key_hash] = (self.clock() + self.cache_seconds, caller)
+    def _remember(self, key_hash: str, caller: Caller | None, asked: float) -> None:
+        self._cache[key_hash] = (asked + self.cache_seconds, caller)
         self._cache.move_to_end(key_hash)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
