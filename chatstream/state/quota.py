@@ -333,6 +333,7 @@ class Reservation:
         self.parts = parts
         self.headers = headers  # OpenAI's x-ratelimit-* headers for the answer (empty without limits)
         self.state = "held"
+        self.at = quota.clock()  # for Quota.settle_elsewhere (a background response settled later)
 
     async def settle(self, charged_tokens: int) -> None:
         """Charge ``charged_tokens`` (prompt + completion) instead of what was reserved: the rest goes
@@ -476,6 +477,30 @@ class Quota:
                         f"Rate limit reached for caller {caller.name!r} on {_LIMIT_NAME[kind]}: Limit {lease.limit}, "
                         f"Used {lease.limit - lease.remaining()}, Requested {requested}. "
                         f"Please try again in {wait}s.", retryable=True, headers=headers)
+
+    async def settle_elsewhere(self, caller: Caller, reserved: int, at: float, charged: int) -> None:
+        """Settle a reservation that this object does not hold: one made ``at`` (its ``Reservation.at``)
+        for ``reserved`` tokens on any instance, and left as spent (a background response, whose usage
+        shows up later, maybe on another instance): the difference to ``charged`` is given back or taken,
+        in the windows the reservation was in if they are still current (a minute that is over, or a
+        budget day or month that is over, needs nothing). Call it once per reservation (``Owners.
+        first_charge`` says which instance does)."""
+        difference = max(0, int(charged)) - reserved
+        parts = []
+        for kind, limit in (("tpm", caller.tokens_per_minute), ("budget", caller.token_budget)):
+            if limit and difference:
+                lease = self._lease(caller, kind, limit)
+                window = self.window_of(kind, at, lease.period)
+                lease.advance(self.window_of(kind, self.clock(), lease.period))
+                if lease.window == window:
+                    if difference < 0:
+                        lease.give_back(-difference, window)
+                    else:
+                        lease.charge_extra(difference, window)
+                    parts.append(lease)
+        flights = [lease.flight for lease in parts if lease.flight is not None]
+        if flights:
+            await asyncio.wait(flights, timeout=CALL_TIMEOUT)
 
     async def flush(self, timeout: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

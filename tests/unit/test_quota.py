@@ -309,3 +309,24 @@ async def test_staggered_arrivals_with_settles_never_overshoot(azurite, seed):
     finally:
         for s in stores:
             await s.close()
+
+
+async def test_a_background_reservation_is_settled_later_by_another_instance(azurite):
+    who = caller(tokens_per_minute=10_000, token_budget=50_000, budget_period="day")
+    a, b = store(azurite), store(azurite)
+    clock = Clock()
+    qa, qb = Quota(a, "a", clock), Quota(b, "b", clock)
+    try:
+        r = await qa.reserve(who, 4_000)  # the background response starts on instance a...
+        clock.now += 5
+        await qb.settle_elsewhere(who, 4_000, r.at, 1_500)  # ...and its usage shows up on instance b
+        assert await taken(azurite, who, "budget") == 1_500
+        assert await taken(azurite, who, "tpm") == 1_500
+        clock.now += 60  # a minute later only the budget's day is still current
+        r2 = await qa.reserve(who, 1_000)
+        await qb.settle_elsewhere(who, 1_000, r2.at - 60, 2_000)  # reserved in the minute that is over
+        assert await taken(azurite, who, "budget") == 3_500
+        assert await taken(azurite, who, "tpm") == 1_000  # this minute's row holds r2's reservation
+    finally:
+        await a.close()
+        await b.close()
