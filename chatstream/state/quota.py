@@ -59,7 +59,7 @@ from .store import CALL_TIMEOUT, LIMITS_TABLE, Store
 log = logging.getLogger("chatstream")
 
 WINDOW_SECONDS = 60
-RESERVE_TIMEOUT = 1.9  # a reservation that needs the store answers within this, or 503
+RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store answers within this (1.8 s), or 503
 MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
 _HEADER_SUFFIX = {"tpm": "tokens", "rpm": "requests"}
 _LIMIT_NAME = {"tpm": "tokens per min (TPM)", "rpm": "requests per min (RPM)"}
@@ -339,7 +339,7 @@ class Reservation:
         """Charge ``charged_tokens`` (prompt + completion) instead of what was reserved: the rest goes
         back to the store, or more is taken (beyond the limit if need be: the tokens were spent).
         Idempotent (a second call, or one after ``release``, does nothing). Waits for the store at
-        most ``CALL_TIMEOUT``; never raises (what the store did not take is retried)."""
+        most 2 s; never raises (what the store did not take is retried)."""
         if self.state != "held":
             return
         self.state = "settled"
@@ -364,8 +364,8 @@ class Reservation:
 
     async def _wait(self) -> None:
         flights = [lease.flight for lease, _, _ in self.parts if lease.flight is not None]
-        if flights:
-            await asyncio.wait(flights, timeout=CALL_TIMEOUT)
+        if flights:  # a flight's own bound is CALL_TIMEOUT: this sees how it ended
+            await asyncio.wait(flights, timeout=CALL_TIMEOUT + 0.2)
 
 
 class Quota:
