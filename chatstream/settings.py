@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -56,12 +57,25 @@ class Settings(BaseModel):
     # running locally, off in Azure; true or false decides either way.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
 
+    # Callers (docs/callers.md): ``off`` (anyone with the function key, as before) or ``required``
+    # (every model route needs a caller key). A revoked or rotated key stops working on every
+    # instance within CALLER_CACHE_SECONDS. DEFAULT_MAX_OUTPUT_TOKENS: the output cap a request that
+    # names none reserves, and gets added to its upstream request (chatstream/tokens.py).
+    caller_keys: Literal["off", "required"] = Field("off", alias="CALLER_KEYS")
+    caller_cache_seconds: float = Field(10.0, alias="CALLER_CACHE_SECONDS", gt=0, le=30)
+    default_max_output_tokens: int = Field(4096, alias="DEFAULT_MAX_OUTPUT_TOKENS", ge=1, le=1_000_000)
+
     @field_validator("allowed_models", "blocked_terms", mode="before")
     @classmethod
     def _comma_list(cls, value):
         if isinstance(value, str):
             return tuple(t.strip() for t in value.split(",") if t.strip())
         return value
+
+    @field_validator("caller_keys", mode="before")
+    @classmethod
+    def _lower(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("openai_base_url", "azure_openai_endpoint")
     @classmethod
