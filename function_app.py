@@ -102,30 +102,25 @@ async def playground(req: Request) -> Response:
 # route that starts with "admin"). AuthLevel.ADMIN: in Azure only the host's master key opens it; the
 # local hosts (func start, tools/devhost) check no key. Needs the app's storage (AzureWebJobsStorage);
 # without it these routes answer 503 naming the setting, and the rest of the app runs as before.
-from chatstream.manage import Manage
-
-manage = Manage.from_settings(settings)
-
-
 @app.route(route="manage/callers", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_callers(req: Request) -> Response:
     """GET /api/manage/callers lists the callers; POST creates one and answers its key, this once."""
-    return await manage.callers(req)
+    return await chat_app.manage.callers(req)
 
 
 @app.route(route="manage/callers/{name}", methods=["GET", "PATCH", "DELETE"], auth_level=func.AuthLevel.ADMIN)
 async def manage_caller(req: Request) -> Response:
     """GET, PATCH or DELETE /api/manage/callers/{name}: one caller (never its key)."""
-    return await manage.caller(req)
+    return await chat_app.manage.caller(req)
 
 
 @app.route(route="manage/callers/{name}/rotate", methods=["POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_rotate(req: Request) -> Response:
     """POST /api/manage/callers/{name}/rotate: a new key (answered this once); the old one stops working."""
-    return await manage.rotate(req)
+    return await chat_app.manage.rotate(req)
 
 
 @app.route(route="manage/usage", methods=["GET"], auth_level=func.AuthLevel.ADMIN)
 async def manage_usage(req: Request) -> Response:
     """GET /api/manage/usage?caller=&from=&to=: tokens and requests by caller, model and day."""
-    return await manage.usage(req)
+    return await chat_app.manage.usage(req)

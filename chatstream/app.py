@@ -4,6 +4,7 @@ its own pipeline): ``create_app(settings, pipeline)`` gives the handler behind e
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,8 +18,10 @@ from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
+from .manage import Manage
 from .pipeline import Pipeline
 from .settings import Settings
+from .state.shared import SharedState
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -27,17 +30,32 @@ log = logging.getLogger("chatstream")
 class ChatApp:
     """The handlers behind the routes of function_app.py."""
 
-    def __init__(self, settings: Settings, pipeline: Pipeline, upstreams: Upstreams):
+    def __init__(self, settings: Settings, pipeline: Pipeline, upstreams: Upstreams, state: SharedState | None):
         self.settings = settings
         self.pipeline = pipeline
         self.upstreams = upstreams  # one pool for every endpoint
-        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline)
-        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline)
+        self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
+        accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
+        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting)
+        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
-        self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline)
-        self.response_follow_ups = ResponseFollowUps(settings, responses, pipeline)
+        self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting)
+        self.response_follow_ups = ResponseFollowUps(settings, responses, pipeline, accounting)
+        self.manage = Manage(state)
+        self.accounting = accounting
         self.model_names = settings.allowed_models or upstreams.model_names() or (settings.default_model,)
+
+    async def authenticated(self, request: Request) -> Response | None:
+        """With caller keys required, a 401 for a request without a valid key (the routes without a
+        body: models); None when it may go on."""
+        if self.accounting is None:
+            return None
+        try:
+            await self.accounting.authenticate(request.headers)
+        except ApiError as error:
+            return openai_chat.error_response(error)
+        return None
 
     async def pool_state(self, request: Request) -> Response:
         """GET /api/_pool: each upstream entry's state and counters (never a key)."""
@@ -45,10 +63,13 @@ class ChatApp:
 
     async def models(self, request: Request) -> Response:
         """GET /api/v1/models: the models a caller may name."""
-        return JSONResponse(openai_chat.models_list(self.model_names))
+        return await self.authenticated(request) or JSONResponse(openai_chat.models_list(self.model_names))
 
     async def model(self, request: Request) -> Response:
         """GET /api/v1/models/{model}: one of them, or OpenAI's 404."""
+        refused = await self.authenticated(request)
+        if refused is not None:
+            return refused
         name = request.path_params.get("model", "")
         if name in self.model_names:
             return JSONResponse(openai_chat.model_object(name))
@@ -65,6 +86,8 @@ class ChatApp:
     async def close(self) -> None:
         """Close the upstream clients (their connection pools), when the app shuts down."""
         await self.upstreams.close()
+        if self.state is not None:
+            await self.state.close()
 
 
 def create_app(
@@ -80,10 +103,11 @@ def create_app(
     if not settings.upstream_configured:
         log.warning("no upstream configured: set UPSTREAMS, OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
     pipeline = pipeline if pipeline is not None else Pipeline.from_settings(settings)
+    environ = os.environ if environ is None else environ
     upstreams = Upstreams.from_settings(settings, environ, credential=credential)
     if upstreams.pooled:
         log.info(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
-    return ChatApp(settings, pipeline, upstreams)
+    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ))

@@ -32,6 +32,7 @@ from .http import KEEP_ALIVE, EventStreamResponse, read_json
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .settings import Settings
+from .state.accounting import Accounting, Admission
 from .stream import Chunk, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
@@ -46,6 +47,10 @@ class Api(Protocol):
     """What an API adapter provides (apis/chat.py, apis/openai_chat.py, apis/responses.py)."""
 
     name: str
+
+    @property
+    def owns(self) -> str | None: ...  # what a call creates that belongs to its caller (``response``), if any
+
     path: str  # the upstream path it calls: /chat/completions, /responses
     completes: bool  # it has a non-streamed form
 
@@ -89,31 +94,39 @@ async def unless_gone(request: Request, work: Awaitable[T], limit: float) -> T:
 
 
 class Endpoint:
-    def __init__(self, api: Api, settings: Settings, upstreams: Upstreams, pipeline: Pipeline):
+    def __init__(
+        self, api: Api, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, accounting: Accounting | None
+    ):
         self.api = api
         self.settings = settings
         self.upstreams = upstreams
         self.pipeline = pipeline
+        self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
         record = StreamRecord(endpoint=self.api.name, model=self.default_model, request_id=uuid.uuid4().hex)
         telemetry.begin(record)
+        admission: Admission | None = None
         try:
+            caller = await self.accounting.authenticate(request.headers) if self.accounting else None
             call = await self._prepare(request, record)
+            if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
+                record.caller = caller.name
+                admission = await self.accounting.admit(caller, call, record)
             if call.params.get("stream"):
-                return await self._stream(request, call, record)
-            return await self._complete(request, call, record)
+                return await self._stream(request, call, record, admission)
+            return await self._complete(request, call, record, admission)
         except ClientGone:
             record.hung_up(499)  # nginx's "client closed request"
-            self._finish(record)
+            self._finish(record, admission)
             return Response(status_code=499)
         except ApiError as error:
-            return self._refuse(record, error)
+            return self._refuse(record, error, admission)
         except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
             log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
-            return self._refuse(record, internal_error())
+            return self._refuse(record, internal_error(), admission)
 
     async def _prepare(self, request: Request, record: StreamRecord) -> CallRequest:
         """The request, read, checked and through the before-steps; or an ApiError."""
@@ -146,19 +159,21 @@ class Endpoint:
         record.chose_model(model, bool(self.allowed) or model == self.default_model)
         return call
 
-    def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
-        response = self._error_response(error, record)
+    def _refuse(self, record: StreamRecord, error: ApiError, admission: Admission | None = None) -> Response:
+        response = self._error_response(error, record, admission)
         record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
-        self._finish(record)
+        self._finish(record, admission)
         return response
 
-    def _error_response(self, error: ApiError, record: StreamRecord) -> Response:
+    def _error_response(self, error: ApiError, record: StreamRecord, admission: Admission | None) -> Response:
         response = self.api.error_response(error)
-        response.headers.update(ERROR_HEADERS)
-        response.headers["x-request-id"] = record.request_id
+        response.headers.update({**ERROR_HEADERS, **error.headers})  # a limit of ours may allow a retry
+        response.headers.update(_headers(record, admission))
         return response
 
-    async def _complete(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
+    async def _complete(
+        self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
+    ) -> Response:
         """A non-streamed answer: the upstream's JSON, its texts through the pipeline's text steps."""
         work = self.upstreams.complete(self.api.path, call.params, record)
         body = await unless_gone(request, work, self.settings.total_timeout)
@@ -166,36 +181,53 @@ class Endpoint:
         if self.pipeline.wants_result:
             record.texts = {}
         body = await self.api.completion(body, self.pipeline, record)
-        self._finish(record)
-        return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
+        if admission is not None and isinstance(body.get("id"), str):
+            await self._claim(admission, body["id"], call)
+        self._finish(record, admission)
+        return JSONResponse(body, headers={"Cache-Control": "no-store", **_headers(record, admission)})
 
-    async def _stream(self, request: Request, call: CallRequest, record: StreamRecord) -> Response:
+    async def _stream(
+        self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
+    ) -> Response:
         limits = TimeLimits(self.settings)
-        protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result)
+        protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
         events = finishing(
             relay(self.upstreams, self.api.path, call.params, protocol, limits, record),
-            lambda: self._finish_stream(protocol, record),
+            lambda: self._finish_stream(protocol, record, admission),
         )
-        return await stream_response(
+        response = await stream_response(
             request,
             events,
             self.api.encoder(call),
             limits,
             record,
             self.settings.heartbeat,
-            lambda error: self._error_response(error, record),
+            lambda error: self._error_response(error, record, admission),
+            _headers(record, admission),
         )
+        if admission is not None and protocol.id:  # the id came with the first events
+            await self._claim(admission, protocol.id, call)
+        return response
 
-    def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord) -> None:
+    async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
+        """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
+        if self.accounting is not None and self.api.owns is not None:
+            await self.accounting.claim(self.api.owns, created, admission, bool(call.params.get("background")))
+
+    def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None) -> None:
         if protocol.released is not None:
             record.texts = protocol.released
-        self._finish(record)
+        self._finish(record, admission, protocol.generated)
 
-    def _finish(self, record: StreamRecord) -> None:
+    def _finish(
+        self, record: StreamRecord, admission: Admission | None = None, generated: list[str] | None = None
+    ) -> None:
         if not record.report():
             return
         log.info(record.log_line())
         telemetry.finish(record)
+        if self.accounting is not None:
+            self.accounting.charge(admission, record, generated)
         if self.pipeline.wants_result:
             self.pipeline.run_after(record.result())
 
@@ -212,6 +244,11 @@ async def finishing(events: AsyncGenerator[Event], on_end: Callable[[], None]) -
         on_end()
 
 
+def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
+    """The headers every answer carries: its request id, and the caller's rate-limit headers."""
+    return {"x-request-id": record.request_id, **(admission.headers if admission is not None else {})}
+
+
 async def stream_response(
     request: Request,
     events: AsyncGenerator[Event],
@@ -220,6 +257,7 @@ async def stream_response(
     record: StreamRecord,
     heartbeat: float,
     error_response: Callable[[ApiError], Response],
+    headers: dict[str, str],
 ) -> Response:
     """The status rule over a stream of events: wait for the first event or the first heartbeat; a
     failure before then is ``error_response``, a caller gone meanwhile a 499; else the event stream,
@@ -245,7 +283,7 @@ async def stream_response(
         _body(first, events, encode, heartbeat),
         limits.total_at,
         on_close=lambda: _close_events(first, events),
-        headers={"x-request-id": record.request_id},
+        headers={**headers, "x-request-id": record.request_id},  # the upstream's id, once it is known
     )
 
 

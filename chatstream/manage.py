@@ -9,26 +9,25 @@ hosts (``func start``, tools/devhost) check no key at all.
 Every answer is JSON with ``Cache-Control: no-store``; errors are OpenAI-shaped
 (``{"error": {"message", "type", "param", "code"}}``). A key appears in exactly two answers: the 201
 of a create and the answer of a rotate; never in a list, a read, an error or a log line."""
+
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from .api_openai import error_response
-from .body import parse_json_body, read_body, require_json_content_type
+from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, invalid_request
-from .settings import Settings
-from .state.callers import NAME_PATTERN, CallerRegistry
-from .state.ledger import MAX_USAGE_DAYS, Ledger, totals
-from .state.store import Store, StoreConfigError, store_from_env
+from .http import parse_json_body, read_body, require_json_content_type
+from .state.callers import NAME_PATTERN
+from .state.ledger import MAX_USAGE_DAYS, totals
+from .state.shared import SharedState
 
 log = logging.getLogger("chatstream")
 
@@ -42,35 +41,22 @@ def _json(body: Any, status: int = 200) -> JSONResponse:
 
 
 class Manage:
-    """The admin API's handlers: each takes the request and returns a JSONResponse."""
+    """The admin API's handlers: each takes the request and returns a JSONResponse. Without the app's
+    storage (``state`` None) every one answers 503 naming the setting; the rest of the app runs."""
 
-    def __init__(self, registry: CallerRegistry | None, ledger: Ledger | None, clock: Callable[[], float] = time.time,
-                 unavailable: str | None = None):
-        self.registry = registry  # the request path should authenticate with this same registry
-        self.ledger = ledger
+    def __init__(self, state: SharedState | None, clock: Callable[[], float] = time.time):
+        self.state = state
         self.clock = clock
-        self._unavailable = unavailable
 
-    @classmethod
-    def from_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ,
-                      store: Store | None = None) -> Manage:
-        """Handlers on the app's store (``AzureWebJobsStorage``), or on ``store`` when the app already
-        has one; without any, every handler answers 503 saying which setting is missing."""
-        if store is None:
-            try:
-                store = store_from_env(environ)
-            except StoreConfigError as exc:  # named in every answer; the rest of the app still runs
-                log.error("the admin API is off: %s", exc)
-                return cls(None, None, unavailable=str(exc))
-        if store is None:
-            return cls(None, None, unavailable="AzureWebJobsStorage is not set: callers need the app's storage")
-        return cls(CallerRegistry(store, settings.caller_cache_seconds), Ledger(store))
-
-    async def _answer(self, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
-        if self.registry is None or self.ledger is None:
-            return error_response(ApiError(503, "caller_store_not_configured", self._unavailable or "no store"))
+    async def _answer(self, handler: Callable[[SharedState], Awaitable[JSONResponse]]) -> JSONResponse:
+        if self.state is None:
+            return error_response(
+                ApiError(
+                    503, "caller_store_not_configured", "AzureWebJobsStorage is not set: callers need the app's storage"
+                )
+            )
         try:
-            return await handler()
+            return await handler(self.state)
         except ApiError as error:
             return error_response(error)
         except ClientGone:
@@ -100,45 +86,52 @@ class Manage:
     # --- one handler per operation ------------------------------------------------------------
 
     async def create(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            caller, key = await self.registry.create(await self._body(request))  # type: ignore[union-attr]
+        async def run(state: SharedState) -> JSONResponse:
+            caller, key = await state.registry.create(await self._body(request))
             return _json({**caller.public(), "key": key}, 201)
+
         return await self._answer(run)
 
     async def list(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            callers = await self.registry.list()  # type: ignore[union-attr]
+        async def run(state: SharedState) -> JSONResponse:
+            callers = await state.registry.list()
             return _json({"object": "list", "data": [c.public() for c in callers]})
+
         return await self._answer(run)
 
     async def get(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            return _json((await self.registry.get(_name(request))).public())  # type: ignore[union-attr]
+        async def run(state: SharedState) -> JSONResponse:
+            return _json((await state.registry.get(_name(request))).public())
+
         return await self._answer(run)
 
     async def update(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
+        async def run(state: SharedState) -> JSONResponse:
             name = _name(request)
-            caller = await self.registry.update(name, await self._body(request))  # type: ignore[union-attr]
+            caller = await state.registry.update(name, await self._body(request))
             return _json(caller.public())
+
         return await self._answer(run)
 
     async def delete(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            caller = await self.registry.delete(_name(request))  # type: ignore[union-attr]
+        async def run(state: SharedState) -> JSONResponse:
+            caller = await state.registry.delete(_name(request))
             return _json({"object": "caller.deleted", "name": caller.name, "deleted": True})
+
         return await self._answer(run)
 
     async def rotate(self, request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            caller, key = await self.registry.rotate(_name(request))  # type: ignore[union-attr]
+        async def run(state: SharedState) -> JSONResponse:
+            caller, key = await state.registry.rotate(_name(request))
             return _json({**caller.public(), "key": key})
+
         return await self._answer(run)
 
     async def usage(self, request: Request) -> JSONResponse:
         """``GET /api/manage/usage?caller=&from=YYYY-MM-DD&to=YYYY-MM-DD``: tokens and requests by
         caller, model and UTC day (default: the 30 days up to today; at most 366 days)."""
-        async def run() -> JSONResponse:
+
+        async def run(state: SharedState) -> JSONResponse:
             query = request.query_params
             caller = query.get("caller") or None
             if caller is not None and not NAME_PATTERN.fullmatch(caller):
@@ -150,9 +143,18 @@ class Manage:
                 raise invalid_request("from: must not be after to", "from")
             if (end - start).days + 1 > MAX_USAGE_DAYS:
                 raise invalid_request(f"from: a query covers at most {MAX_USAGE_DAYS} days", "from")
-            rows = await self.ledger.usage(caller, start, end)  # type: ignore[union-attr]
-            return _json({"object": "usage", "caller": caller, "from": start.isoformat(), "to": end.isoformat(),
-                          "data": rows, "total": totals(rows)})
+            rows = await state.ledger.usage(caller, start, end)
+            return _json(
+                {
+                    "object": "usage",
+                    "caller": caller,
+                    "from": start.isoformat(),
+                    "to": end.isoformat(),
+                    "data": rows,
+                    "total": totals(rows),
+                }
+            )
+
         return await self._answer(run)
 
 

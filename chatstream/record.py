@@ -68,6 +68,7 @@ class StreamRecord:
     disconnected: bool = False
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
+    answered: bool = False  # an upstream took the request (answered 200): from then on it may cost tokens
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
     telemetry: Span | None = field(default=None, repr=False)
@@ -95,6 +96,9 @@ class StreamRecord:
     def attempting(self, entry: str) -> None:
         self.upstream = entry
         self.attempts += 1
+
+    def upstream_answered(self) -> None:
+        self.answered = True
 
     def attempt_failed(self, entry: str, error: str) -> None:
         self.attempt_errors.append({"upstream": entry, "error": error})

@@ -81,10 +81,14 @@ class Fed:
 class StreamProtocol(Protocol):
     """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
 
-    feed_waits: bool  # ``feed`` may wait (on a moderation check): chunks in hand are not held for it
-    released: dict[int, list[str]] | None  # what the text steps released per choice, when kept
-    generated: list[str] | None  # what the model generated (before the text steps), when kept
-
+    @property
+    def feed_waits(self) -> bool: ...  # ``feed`` may wait (on a moderation check): chunks in hand are not held
+    @property
+    def released(self) -> dict[int, list[str]] | None: ...  # what the text steps released per choice, if kept
+    @property
+    def generated(self) -> list[str] | None: ...  # what the model generated (before the text steps), if kept
+    @property
+    def id(self) -> str | None: ...  # the answer's id, once the upstream said it
     @property
     def done(self) -> bool: ...  # the answer is complete
     @property

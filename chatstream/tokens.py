@@ -26,6 +26,7 @@ Chat prompts follow OpenAI's published formula (3 tokens per message, 1 more whe
 3 to prime the reply; tools as in OpenAI's cookbook); the Responses API publishes none, so its
 prompts are counted the same way, an estimate that the upstream's reported usage replaces at settle.
 Images count a fixed estimate (``IMAGE_TOKENS``); audio and files are not counted."""
+
 from __future__ import annotations
 
 import json
@@ -118,9 +119,27 @@ def _image_tokens(part: Mapping) -> int:
 
 # Keys of an item or content part that carry no text the model reads as tokens (or whose size is not
 # tokens: base64 images, audio, files).
-_NOT_TEXT = frozenset({"type", "id", "call_id", "status", "detail", "image_url", "file_id", "file_data",
-                       "file_url", "filename", "data", "format", "input_audio", "audio", "annotations",
-                       "logprobs", "encrypted_content"})
+_NOT_TEXT = frozenset(
+    {
+        "type",
+        "id",
+        "call_id",
+        "status",
+        "detail",
+        "image_url",
+        "file_id",
+        "file_data",
+        "file_url",
+        "filename",
+        "data",
+        "format",
+        "input_audio",
+        "audio",
+        "annotations",
+        "logprobs",
+        "encrypted_content",
+    }
+)
 
 
 def _content_tokens(model: str | None, content: Any) -> int:
@@ -161,8 +180,11 @@ def _chat_messages(model: str | None, messages: list) -> int:
                 for call in value:
                     function = call.get("function") if isinstance(call, Mapping) else None
                     if isinstance(function, Mapping):
-                        total += 3 + count_text(model, _str(function.get("name"))) + \
-                            count_text(model, _str(function.get("arguments")))
+                        total += (
+                            3
+                            + count_text(model, _str(function.get("name")))
+                            + count_text(model, _str(function.get("arguments")))
+                        )
     return total + 3  # every reply is primed with <|start|>assistant<|message|>
 
 

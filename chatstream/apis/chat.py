@@ -131,6 +131,7 @@ def encode(item: Event) -> bytes | None:
 
 class ChatApi:
     name = "chat"
+    owns: str | None = None
     path = "/chat/completions"
     completes = False  # always streamed
 

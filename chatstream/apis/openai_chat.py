@@ -114,6 +114,7 @@ def error_response(error: ApiError) -> JSONResponse:
 
 class OpenAIChatApi:
     name = "openai"
+    owns: str | None = None
     path = "/chat/completions"
     completes = True
 

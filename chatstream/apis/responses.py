@@ -54,6 +54,7 @@ def validate(data: object) -> ResponsesRequest:
 
 class ResponsesApi:
     name = "responses"
+    owns: str | None = "response"  # a stored or background response is its caller's (follow-ups check it)
     path = "/responses"
     completes = True
 

@@ -26,6 +26,8 @@ from ..http import EventStreamResponse
 from ..pipeline import Pipeline
 from ..record import StreamRecord
 from ..settings import Settings
+from ..state.accounting import Accounting
+from ..state.callers import Caller
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks, relay
 from ..upstreams.clients import SdkClient
 from ..upstreams.failover import Upstreams
@@ -58,10 +60,11 @@ class _Stored:
 
 
 class ResponseFollowUps:
-    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline):
+    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, accounting: Accounting | None):
         self.settings = settings
         self.upstreams = upstreams
         self.pipeline = pipeline
+        self.accounting = accounting  # CALLER_KEYS=required: a response is read, changed only by its caller
         # One entry's share of the wait for an answer; the whole wait is the first-token limit.
         self.attempt_timeout = min(
             settings.entry_first_token_timeout or settings.first_token_timeout, settings.first_token_timeout
@@ -71,7 +74,7 @@ class ResponseFollowUps:
         query = _query(request, "retrieve")
         if str(query.get("stream", "")).lower() == "true":
             return await self._handle(
-                request, "retrieve", lambda rid, record: self._restream(request, rid, query, record)
+                request, "retrieve", lambda rid, record, caller: self._restream(request, rid, query, record)
             )
         return await self._call(request, "retrieve", "get", "", query)
 
@@ -85,7 +88,7 @@ class ResponseFollowUps:
         return await self._call(request, "input_items", "get", "/input_items", _query(request, "input_items"))
 
     async def _call(self, request: Request, operation: str, method: str, suffix: str, query: dict) -> Response:
-        async def answer(response_id: str, record: StreamRecord) -> Response:
+        async def answer(response_id: str, record: StreamRecord, caller: Caller | None) -> Response:
             path = f"/responses/{response_id}{suffix}"
 
             async def call(client: SdkClient) -> Any:
@@ -100,6 +103,8 @@ class ResponseFollowUps:
             if self.pipeline.filters_text and body.get("object") == "response":
                 body = await filter_response(body, self.pipeline, StreamRecord(endpoint="responses", model=""))
             record.ended(body.get("status") if isinstance(body.get("status"), str) else None, None)
+            if self.accounting is not None and caller is not None:
+                await self._account(operation, response_id, body, record, caller)
             return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
 
         return await self._handle(request, operation, answer)
@@ -110,10 +115,15 @@ class ResponseFollowUps:
         telemetry.begin(record)
         streaming = False
         try:
+            caller = await self.accounting.authenticate(request.headers) if self.accounting else None
             response_id = request.path_params.get("response_id", "")
             if not RESPONSE_ID.fullmatch(response_id):
                 raise invalid_request("the response id must look like resp_… (letters, digits, _ and -)", "response_id")
-            response = await answer(response_id, record)
+            if caller is not None and self.accounting is not None:
+                record.caller = caller.name
+                if not await self.accounting.owned(caller, "response", response_id):  # not revealed to others
+                    raise ApiError(404, ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.")
+            response = await answer(response_id, record, caller)
             streaming = isinstance(response, EventStreamResponse)  # its log line comes when it ends
             return response
         except ClientGone:
@@ -127,6 +137,16 @@ class ResponseFollowUps:
         finally:
             if not streaming:
                 _finish(record)
+
+    async def _account(
+        self, operation: str, response_id: str, body: dict, record: StreamRecord, caller: Caller
+    ) -> None:
+        """A deleted response is no one's any more; one read back finished is charged, once."""
+        assert self.accounting is not None
+        if operation == "delete" and body.get("deleted"):
+            await self.accounting.forget("response", response_id)
+        elif body.get("object") == "response":
+            await self.accounting.charge_seen(caller, "response", response_id, body, record)
 
     def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
         response = error_response(error)
@@ -158,6 +178,7 @@ class ResponseFollowUps:
             record,
             self.settings.heartbeat,
             lambda error: self._refuse(record, error),
+            {},
         )
 
 

@@ -6,6 +6,7 @@ authorization failure) becomes ``StoreDown``. The outcomes a caller of the store
 (404 not found, 409 exists, 412 modified, a transaction refused for one of those) pass through as
 the SDK raised them. Nothing is remembered about a failure: the next call tries again, so the app
 recovers by itself when the store returns."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +30,19 @@ class StoreDown(StoreUnavailable):
 
 def store_unavailable() -> ApiError:
     """What a caller sees when the store is slow or down: nothing was started, nothing charged."""
-    return ApiError(503, "caller_store_unavailable",
-                    "the app's caller store did not answer in time; nothing was charged, try again",
-                    retryable=True, headers={"Retry-After": "2"})
+    return ApiError(
+        503,
+        "caller_store_unavailable",
+        "the app's caller store did not answer in time; nothing was charged, try again",
+        retryable=True,
+        headers={"Retry-After": "2"},
+    )
 
 
-async def bounded(awaitable: Awaitable[T], timeout: float = CALL_TIMEOUT) -> T:
-    """Await one store operation within ``timeout`` seconds; an outage raises ``StoreDown``."""
+async def bounded(awaitable: Awaitable[T], limit: float = CALL_TIMEOUT) -> T:
+    """Await one store operation within ``limit`` seconds; an outage raises ``StoreDown``."""
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(limit):
             return await awaitable
     except HttpResponseError as exc:
         if exc.status_code in _OUTCOMES:

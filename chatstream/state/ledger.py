@@ -9,6 +9,7 @@ Table ``chatstreamUsage``, one partition per caller:
 
 ``record`` is one bounded store call; what it raises (503 ``caller_store_unavailable``) the caller may
 retry with the same ``Charge``: it is idempotent."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,6 +47,7 @@ def _key_part(text: str) -> str:
 class Charge:
     """One request's charge. ``at`` is fixed when the Charge is made: record the same object again
     to retry."""
+
     caller: str
     model: str
     request_id: str
@@ -83,11 +85,18 @@ class Ledger:
         partition = _key_part(charge.caller)
         request = _key_part(charge.request_id)
         row = f"t|{charge._time_key()}|{request}"
-        entity = {"PartitionKey": partition, "RowKey": row, "caller": charge.caller, "model": charge.model,
-                  "request_id": charge.request_id, "endpoint": charge.endpoint,
-                  "prompt_tokens": _int64(charge.prompt_tokens),
-                  "completion_tokens": _int64(charge.completion_tokens), "ended": charge.ended,
-                  "at": charge.at.astimezone(UTC).isoformat()}
+        entity = {
+            "PartitionKey": partition,
+            "RowKey": row,
+            "caller": charge.caller,
+            "model": charge.model,
+            "request_id": charge.request_id,
+            "endpoint": charge.endpoint,
+            "prompt_tokens": _int64(charge.prompt_tokens),
+            "completion_tokens": _int64(charge.completion_tokens),
+            "ended": charge.ended,
+            "at": charge.at.astimezone(UTC).isoformat(),
+        }
         marker = {"PartitionKey": partition, "RowKey": f"r|{request}", "row": row}
 
         async def write() -> None:
@@ -105,8 +114,9 @@ class Ledger:
             raise store_unavailable() from None
         return True
 
-    async def usage(self, caller: str | None = None, start: date | None = None,
-                    end: date | None = None) -> list[dict[str, Any]]:
+    async def usage(
+        self, caller: str | None = None, start: date | None = None, end: date | None = None
+    ) -> list[dict[str, Any]]:
         """Prompt and completion tokens, and requests (with how they ended), by caller, model and UTC
         day, for the days ``start`` to ``end`` inclusive (default: the last 30 days up to today)."""
         end = end or datetime.now(UTC).date()
@@ -126,9 +136,19 @@ class Ledger:
             async for row in table.query_entities(query, parameters=parameters, select=fields):
                 day = row["RowKey"][2:10]
                 key = (row.get("caller", ""), row.get("model", ""), f"{day[:4]}-{day[4:6]}-{day[6:]}")
-                entry = sums.setdefault(key, {"caller": key[0], "model": key[1], "day": key[2], "prompt_tokens": 0,
-                                              "completion_tokens": 0, "total_tokens": 0, "requests": 0,
-                                              "ended": {}})
+                entry = sums.setdefault(
+                    key,
+                    {
+                        "caller": key[0],
+                        "model": key[1],
+                        "day": key[2],
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "total_tokens": 0,
+                        "requests": 0,
+                        "ended": {},
+                    },
+                )
                 prompt, completion = _int(row.get("prompt_tokens")), _int(row.get("completion_tokens"))
                 entry["prompt_tokens"] += prompt
                 entry["completion_tokens"] += completion
@@ -148,5 +168,4 @@ class Ledger:
 
 def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """The sums over usage rows (the admin API's ``total``)."""
-    return {f: sum(int(r[f]) for r in rows) for f in ("prompt_tokens", "completion_tokens", "total_tokens",
-                                                         "requests")}
+    return {f: sum(int(r[f]) for r in rows) for f in ("prompt_tokens", "completion_tokens", "total_tokens", "requests")}

@@ -36,38 +36,27 @@ Every store call here is bounded: a reservation that needs the store and does no
 ``RESERVE_TIMEOUT`` fails with 503 ``caller_store_unavailable`` (nothing reserved); capacity that could
 not be given back is retried with a backoff of 1 s doubling to 30 s. Nothing else is remembered about
 an outage: the next reservation tries again."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
-
-from azure.core import MatchConditions
-from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
-from azure.data.tables import EdmType, EntityProperty, UpdateMode
 
 from ..errors import ApiError
 from .callers import Caller
-from .calls import StoreDown, bounded, store_unavailable
-from .store import CALL_TIMEOUT, LIMITS_TABLE, Store
+from .calls import store_unavailable
+from .leases import WINDOW_SECONDS, Lease, Refused, window_of
+from .store import CALL_TIMEOUT, Store
 
 log = logging.getLogger("chatstream")
 
-WINDOW_SECONDS = 60
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store answers within this (1.8 s), or 503
-MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
 _HEADER_SUFFIX = {"tpm": "tokens", "rpm": "requests"}
 _LIMIT_NAME = {"tpm": "tokens per min (TPM)", "rpm": "requests per min (RPM)"}
-
-
-def _newer(a: str | None, b: str | None) -> bool:
-    """Whether window ``a`` comes after window ``b`` (windows of one kind compare as strings)."""
-    return a is not None and b is not None and len(a) == len(b) and a[:1] == b[:1] and a > b
 
 
 def seconds_to_next_minute(now: float) -> float:
@@ -88,245 +77,12 @@ def duration(seconds: float) -> str:
     return f"{int(minutes)}m{text}" if minutes else text
 
 
-class _Refused(Exception):
-    def __init__(self, lease: _Lease):
-        super().__init__(lease.kind)
-        self.lease = lease
-
-
-class _Waiter:
-    __slots__ = ("future", "need")
-
-    def __init__(self, need: int, future: asyncio.Future):
-        self.need = need
-        self.future = future
-
-
-class _Lease:
-    """One counter (a caller's tpm, rpm or budget) as this instance holds it."""
-
-    def __init__(self, quota: Quota, partition: str, kind: str):
-        self.quota = quota
-        self.partition = partition
-        self.kind = kind
-        self.limit = 0
-        self.period = "total"  # the budget's (day, month, total)
-        self.window: str | None = None
-        self.balance = 0  # granted to this instance, not assigned to any reservation
-        self.debt = 0  # charged beyond what was reserved, not yet added to the row
-        self.waiters: deque[_Waiter] = deque()
-        self.flight: asyncio.Task | None = None
-        self.retry: asyncio.TimerHandle | None = None
-        self.backoff = 1.0
-        # The row as this instance last read or wrote it.
-        self.known = False
-        self.exists = False
-        self.row_window: str | None = None
-        self.row_taken = 0
-        self.etag: str | None = None
-
-    # --- what reservations do ----------------------------------------------------------------
-
-    def advance(self, window: str | None) -> None:
-        """Move to ``window`` unless the lease is already there or later: what was held belonged to
-        the window that ended."""
-        if window is not None and self.window != window and not _newer(self.window, window):
-            self.window = window
-            self.balance = 0
-            self.debt = 0
-
-    async def acquire(self, need: int, window: str) -> str:
-        """``need`` units of this counter; the window they were granted in. Raises ``_Refused`` when
-        the limit leaves no room, an ApiError 503 when the store does not answer."""
-        self.advance(window)
-        if not self.waiters and self.balance >= need:
-            self.balance -= need
-            return self.window  # type: ignore[return-value]
-        waiter = _Waiter(need, asyncio.get_running_loop().create_future())
-        self.waiters.append(waiter)
-        self.kick()
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.give_back(need, future.result())  # granted just as the reservation gave up
-            raise
-
-    def give_back(self, amount: int, window: str | None) -> None:
-        if amount > 0 and window == self.window:  # a window that is over needs nothing back
-            self.balance += amount
-            self.kick()
-
-    def charge_extra(self, amount: int, window: str | None) -> None:
-        if amount > 0 and window == self.window:
-            used = min(self.balance, amount)
-            self.balance -= used
-            self.debt += amount - used
-            if self.debt:
-                self.kick()
-
-    def remaining(self) -> int:
-        taken = self.row_taken if self.exists and self.row_window == self.window else 0
-        return max(0, self.limit - taken) + self.balance
-
-    # --- the single flight ------------------------------------------------------------------
-
-    def kick(self) -> None:
-        if self.flight is None:
-            self.flight = asyncio.ensure_future(self._run())
-
-    def _pending(self) -> list[_Waiter]:
-        return [w for w in self.waiters if not w.future.done()]
-
-    def _serve_from_balance(self) -> None:
-        if not self.balance or not self.waiters:
-            return
-        keep: deque[_Waiter] = deque()
-        for waiter in self.waiters:
-            if waiter.future.done():
-                continue
-            if waiter.need <= self.balance:
-                self.balance -= waiter.need
-                waiter.future.set_result(self.window)
-            else:
-                keep.append(waiter)
-        self.waiters = keep
-
-    def _has_work(self) -> bool:
-        return bool(self._pending()) or self.debt > 0 or self.balance > 0
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                self._serve_from_balance()
-                if not self._has_work():
-                    return
-                try:
-                    await bounded(self._exchange())
-                    self.backoff = 1.0
-                except StoreDown as exc:
-                    self.known = False
-                    self._fail(store_unavailable())
-                    if self.balance or self.debt:
-                        self._retry_later()
-                    log.warning("caller limits: a %s counter exchange failed: %s", self.kind, exc)
-                    return
-        finally:
-            self.flight = None
-
-    def _fail(self, error: ApiError) -> None:
-        for waiter in self.waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(error)
-        self.waiters.clear()
-
-    def _retry_later(self) -> None:
-        if self.retry is None:
-            def again() -> None:
-                self.retry = None
-                if self.flight is None and self._has_work():
-                    self.kick()
-
-            self.retry = asyncio.get_running_loop().call_later(self.backoff, again)
-            self.backoff = min(self.backoff * 2, 30.0)
-
-    async def _exchange(self) -> None:
-        """One grant/return: read if needed, compute, one conditional write; a conflict re-reads."""
-        self.advance(self.quota.window_of(self.kind, self.quota.clock(), self.period))
-        fresh = False
-        for _ in range(MAX_ATTEMPTS):
-            if not self.known:
-                await self._read()
-                fresh = True
-            if self.exists and _newer(self.row_window, self.window):
-                self.advance(self.row_window)  # another instance's clock is a little ahead: follow it
-            current = self.row_taken if self.exists and self.row_window == self.window else 0
-            window, balance, debt = self.window, self.balance, self.debt
-            waiters = self._pending()
-            room = max(0, self.limit - current) + balance
-            chosen: list[_Waiter] = []
-            total = 0
-            for waiter in waiters:
-                if total + waiter.need <= room:
-                    chosen.append(waiter)
-                    total += waiter.need
-            if len(chosen) < len(waiters) and not fresh:
-                self.known = False  # refuse only on what the store says now
-                continue
-            taken = max(0, current + total - balance + debt)
-            # The balance and debt this write settles leave the lease while it is in flight, so that
-            # nothing serves a reservation from capacity that is on its way back to the store.
-            self.balance -= balance
-            self.debt -= debt
-            try:
-                if taken != current:
-                    await self._write(taken, window)
-            except (ResourceModifiedError, ResourceExistsError, ResourceNotFoundError):
-                self._restore(window, balance, debt)
-                self.quota.conflicts += 1
-                self.known = False
-                continue
-            except BaseException:  # the bound ran out, or the store failed: nothing was settled
-                self._restore(window, balance, debt)
-                raise
-            picked = {id(w) for w in chosen}
-            for waiter in chosen:
-                if waiter.future.done():  # it gave up meanwhile: its share comes back
-                    self.give_back(waiter.need, window)
-                else:
-                    waiter.future.set_result(window)
-            for waiter in waiters:
-                if id(waiter) not in picked and not waiter.future.done():
-                    waiter.future.set_exception(_Refused(self))
-            handled = {id(w) for w in waiters}
-            self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
-            return
-        raise StoreDown("the counter kept changing under this instance")
-
-    def _restore(self, window: str | None, balance: int, debt: int) -> None:
-        if self.window == window:
-            self.balance += balance
-            self.debt += debt
-
-    async def _table(self):
-        return await self.quota.store.table(LIMITS_TABLE)
-
-    async def _read(self) -> None:
-        table = await self._table()
-        self.quota.reads += 1
-        try:
-            row = await table.get_entity(self.partition, self.kind)
-        except ResourceNotFoundError:
-            self.exists, self.row_window, self.row_taken, self.etag = False, None, 0, None
-        else:
-            taken = row.get("taken", 0)
-            self.exists, self.row_window, self.etag = True, row.get("window"), row.metadata["etag"]
-            self.row_taken = int(taken.value if isinstance(taken, EntityProperty) else taken)
-        self.known = True
-
-    async def _write(self, taken: int, window: str | None) -> None:
-        table = await self._table()
-        entity = {"PartitionKey": self.partition, "RowKey": self.kind, "window": window,
-                  "taken": EntityProperty(taken, EdmType.INT64), "limit": EntityProperty(self.limit, EdmType.INT64),
-                  "by": self.quota.instance_id}
-        self.quota.writes += 1
-        if self.exists:
-            answer = await table.update_entity(entity, mode=UpdateMode.REPLACE, etag=self.etag,
-                                               match_condition=MatchConditions.IfNotModified)
-        else:
-            answer = await table.create_entity(entity)
-        self.exists, self.row_window, self.row_taken, self.etag = True, window, taken, answer["etag"]
-
-    def idle(self) -> bool:
-        return self.flight is None and not self.waiters and not self.balance and not self.debt
-
-
 class Reservation:
     """What one request holds: settle it once its usage is known, or release it if it never ran."""
 
-    def __init__(self, quota: Quota, caller: Caller, tokens: int, parts: list[tuple[_Lease, int, str]],
-                 headers: dict[str, str]):
+    def __init__(
+        self, quota: Quota, caller: Caller, tokens: int, parts: list[tuple[Lease, int, str]], headers: dict[str, str]
+    ):
         self.quota = quota
         self.caller = caller
         self.tokens = tokens
@@ -375,28 +131,20 @@ class Quota:
         self.store = store
         self.instance_id = instance_id
         self.clock = clock
-        self._leases: dict[tuple[str, str], _Lease] = {}
+        self._leases: dict[tuple[str, str], Lease] = {}
         self._pruned_at = ""
         # Store calls made (docs/callers.md's figures and the tests read them).
         self.reads = 0
         self.writes = 0
         self.conflicts = 0
 
-    @staticmethod
-    def window_of(kind: str, now: float, period: str = "total") -> str:
-        if kind != "budget":
-            return f"{int(now // WINDOW_SECONDS):010d}"
-        if period == "day":
-            return datetime.fromtimestamp(now, UTC).strftime("d%Y%m%d")
-        if period == "month":
-            return datetime.fromtimestamp(now, UTC).strftime("m%Y%m")
-        return "total"
+    window_of = staticmethod(window_of)
 
-    def _lease(self, caller: Caller, kind: str, limit: int) -> _Lease:
+    def _lease(self, caller: Caller, kind: str, limit: int) -> Lease:
         key = (caller.limits_partition, kind)
         lease = self._leases.get(key)
         if lease is None:
-            lease = self._leases[key] = _Lease(self, caller.limits_partition, kind)
+            lease = self._leases[key] = Lease(self, caller.limits_partition, kind)
         lease.limit = limit  # an admin's change applies from the next request
         if kind == "budget":
             lease.period = caller.budget_period
@@ -446,7 +194,7 @@ class Quota:
             raise self._refusal(caller, tokens, [r for r in results if not isinstance(r, str)], leases, now)
         return Reservation(self, caller, tokens, granted, self._headers(leases, now))
 
-    def _headers(self, leases: list[tuple[_Lease, int]], now: float) -> dict[str, str]:
+    def _headers(self, leases: list[tuple[Lease, int]], now: float) -> dict[str, str]:
         headers: dict[str, str] = {}
         reset = duration(seconds_to_next_minute(now))
         for lease, _ in leases:
@@ -462,7 +210,7 @@ class Quota:
             if isinstance(error, ApiError):
                 return error  # the store did not answer
         for error in errors:
-            if not isinstance(error, _Refused):
+            if not isinstance(error, Refused):
                 raise error  # a bug of ours: the endpoint's 500
         kinds = {error.lease.kind for error in errors}
         if "budget" in kinds:
@@ -473,10 +221,15 @@ class Quota:
         wait = retry_after(now)
         requested = tokens if kind == "tpm" else 1
         headers = {"Retry-After": str(wait), "x-should-retry": "true", **self._headers(leases, now)}
-        return ApiError(429, "rate_limit_exceeded",
-                        f"Rate limit reached for caller {caller.name!r} on {_LIMIT_NAME[kind]}: Limit {lease.limit}, "
-                        f"Used {lease.limit - lease.remaining()}, Requested {requested}. "
-                        f"Please try again in {wait}s.", retryable=True, headers=headers)
+        return ApiError(
+            429,
+            "rate_limit_exceeded",
+            f"Rate limit reached for caller {caller.name!r} on {_LIMIT_NAME[kind]}: Limit {lease.limit}, "
+            f"Used {lease.limit - lease.remaining()}, Requested {requested}. "
+            f"Please try again in {wait}s.",
+            retryable=True,
+            headers=headers,
+        )
 
     async def settle_elsewhere(self, caller: Caller, reserved: int, at: float, charged: int) -> None:
         """Settle a reservation that this object does not hold: one made ``at`` (its ``Reservation.at``)
@@ -502,10 +255,10 @@ class Quota:
         if flights:
             await asyncio.wait(flights, timeout=CALL_TIMEOUT)
 
-    async def flush(self, timeout: float = 5.0) -> bool:
+    async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if
-        it got there within ``timeout``."""
-        deadline = time.monotonic() + timeout
+        it got there within ``within`` seconds."""
+        deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             flights = [lease.flight for lease in self._leases.values() if lease.flight is not None]
             if flights:
@@ -525,22 +278,32 @@ class Quota:
 
 
 def _too_large(caller: Caller, tokens: int, now: float) -> ApiError:
-    return ApiError(429, "rate_limit_exceeded",
-                    f"Request too large for caller {caller.name!r} on tokens per min (TPM): "
-                    f"Limit {caller.tokens_per_minute}, Requested {tokens}. Lower max_tokens (or shorten the "
-                    f"prompt) so that prompt + max_tokens fits the limit.",
-                    headers={"x-should-retry": "false", "x-ratelimit-limit-tokens": str(caller.tokens_per_minute),
-                             "x-ratelimit-reset-tokens": duration(seconds_to_next_minute(now))})
+    return ApiError(
+        429,
+        "rate_limit_exceeded",
+        f"Request too large for caller {caller.name!r} on tokens per min (TPM): "
+        f"Limit {caller.tokens_per_minute}, Requested {tokens}. Lower max_tokens (or shorten the "
+        f"prompt) so that prompt + max_tokens fits the limit.",
+        headers={
+            "x-should-retry": "false",
+            "x-ratelimit-limit-tokens": str(caller.tokens_per_minute),
+            "x-ratelimit-reset-tokens": duration(seconds_to_next_minute(now)),
+        },
+    )
 
 
-def _over_budget(caller: Caller, tokens: int, lease: _Lease | None) -> ApiError:
+def _over_budget(caller: Caller, tokens: int, lease: Lease | None) -> ApiError:
     period = {"day": "today (UTC)", "month": "this month (UTC)", "total": "in total"}[caller.budget_period]
     budget = caller.token_budget
     if lease is None:
-        message = (f"This request may need {tokens} tokens (prompt + max_tokens), more than the whole token "
-                   f"budget of caller {caller.name!r} ({budget} {period}): lower max_tokens.")
+        message = (
+            f"This request may need {tokens} tokens (prompt + max_tokens), more than the whole token "
+            f"budget of caller {caller.name!r} ({budget} {period}): lower max_tokens."
+        )
     else:
         left = lease.remaining()
-        message = (f"Caller {caller.name!r} has {left} of its {budget} budget tokens left {period}; this request "
-                   f"may need {tokens} (prompt + max_tokens). Lower max_tokens, or ask for a larger budget.")
+        message = (
+            f"Caller {caller.name!r} has {left} of its {budget} budget tokens left {period}; this request "
+            f"may need {tokens} (prompt + max_tokens). Lower max_tokens, or ask for a larger budget."
+        )
     return ApiError(429, "insufficient_quota", message, headers={"x-should-retry": "false"})

@@ -189,10 +189,7 @@ class Upstreams:
     def for_responses(self) -> Upstreams:
         """The same pool (one health, one set of counters) with each client as the Responses API
         calls it (Azure's v1 paths)."""
-        clients = {
-            e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure")
-            for e in self.pool.entries
-        }
+        clients = {e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure") for e in self.pool.entries}
         return Upstreams(self.settings, self.pool, clients, self.pooled)
 
     async def close(self) -> None:
@@ -307,6 +304,7 @@ class Upstreams:
                     stream = await UpstreamStream.open(
                         self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
                     )
+                    record.upstream_answered()
                     peeked = await _peek(stream, protocol.probe())
             except asyncio.CancelledError:
                 # The request's own first-token limit (the core turns it into the error), or the
@@ -348,6 +346,7 @@ class Upstreams:
                     continue
                 raise last.error from None
             attempt.report(SUCCESS)
+            record.upstream_answered()
             record.request_id = request_id or record.request_id
             return body
         if last is None:

@@ -14,6 +14,8 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from chatstream.manage import Manage
+from chatstream.settings import SettingsError
+from chatstream.state.shared import SharedState
 from chatstream.settings import Settings
 from chatstream.state.ledger import Charge, Ledger
 from chatstream.state.store import StorageConfig, Store
@@ -30,13 +32,15 @@ def app_for(manage: Manage) -> Starlette:
 
 class Admin:
     def __init__(self, azurite):
-        self.store = Store(StorageConfig(connection_string=azurite.connection_string))
-        self.manage = Manage.from_settings(Settings.from_env({}), {}, store=self.store)
+        env = {"AzureWebJobsStorage": azurite.connection_string}
+        self.state = SharedState.from_settings(Settings.from_env(env), env)
+        self.store = self.state.store
+        self.manage = Manage(self.state)
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(self.manage)), base_url="http://app")
 
     async def close(self):
         await self.http.aclose()
-        await self.store.close()
+        await self.state.close()
 
 
 def name() -> str:
@@ -79,7 +83,7 @@ async def test_the_lifecycle_over_http(azurite, caplog):
         rotated = await http.post(f"/api/manage/callers/{who}/rotate")
         assert rotated.status_code == 200 and rotated.json()["key"] != key
         keys.append(rotated.json()["key"])
-        assert (await admin.manage.registry.authenticate(keys[1])).name == who
+        assert (await admin.state.registry.authenticate(keys[1])).name == who
 
         deleted = await http.delete(f"/api/manage/callers/{who}")
         assert deleted.json() == {"object": "caller.deleted", "name": who, "deleted": True}
@@ -155,14 +159,14 @@ async def test_usage(azurite):
 
 
 async def test_without_a_store_every_route_answers_503_naming_the_setting():
-    manage = Manage.from_settings(Settings.from_env({}), {})
+    manage = Manage(SharedState.from_settings(Settings.from_env({}), {}))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(manage)), base_url="http://app") as http:
         for response in (await http.get("/api/manage/callers"), await http.post("/api/manage/callers", json={}),
                          await http.get("/api/manage/usage")):
             error = openai_error(response, 503, "caller_store_not_configured")
             assert "AzureWebJobsStorage" in error["message"]
-    bad = Manage.from_settings(Settings.from_env({}), {"AzureWebJobsStorage__tableServiceUri": "http://x"})
-    assert bad.registry is None and "AzureWebJobsStorage__tableServiceUri" in (bad._unavailable or "")
+    with pytest.raises(SettingsError, match="AzureWebJobsStorage__tableServiceUri"):  # refused at start-up
+        SharedState.from_settings(Settings.from_env({}), {"AzureWebJobsStorage__tableServiceUri": "http://x"})
 
 
 def test_the_key_is_in_no_answer_but_create_and_rotate():
