@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -106,7 +105,8 @@ class Endpoint:
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
-        record = StreamRecord(endpoint=self.api.name, model=self.default_model, request_id=uuid.uuid4().hex)
+        record = StreamRecord(endpoint=self.api.name, model=self.default_model)
+        record.request_id = record.id  # until the upstream says its own
         telemetry.begin(record)
         admission: Admission | None = None
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +57,7 @@ class StreamRecord:
     endpoint: str
     model: str
     request_id: str = ""  # x-request-id: the upstream's when it sent one, else the app's own
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the app's own, unique whatever the upstream says
     caller: str | None = None  # the caller key's name (CALLER_KEYS=required)
     started: float = field(default_factory=time.perf_counter)
     model_accepted: bool = False  # a bounded name (ALLOWED_MODELS, the default) or one the upstream served

@@ -56,6 +56,8 @@ ATTR_STATUS = "chat.status"
 ATTR_ERROR = "chat.error"
 ATTR_FINISH_REASON = "chat.finish_reason"
 ATTR_UPSTREAM = "chat.upstream"  # the pool entry that served the request (or the last one tried)
+ATTR_CALLER = "chat.caller"  # the caller key's name (CALLER_KEYS=required): admin-made, so bounded
+ATTR_REQUEST_ID = "chat.request_id"  # x-request-id: the upstream's, else the app's own
 ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
@@ -289,6 +291,10 @@ def _record_stream(span, record: StreamRecord) -> None:
     if record.upstream:
         attributes[ATTR_UPSTREAM] = record.upstream
         attributes[ATTR_ATTEMPTS] = record.attempts
+    if record.caller:
+        attributes[ATTR_CALLER] = record.caller
+    if record.request_id:
+        attributes[ATTR_REQUEST_ID] = record.request_id
     span.set_attributes(attributes)
     if _is_failure(record):
         span.set_status(Status(StatusCode.ERROR, record.error))
@@ -297,6 +303,8 @@ def _record_stream(span, record: StreamRecord) -> None:
     # A caller chooses the model name: only one the app (and its upstream) accepted may become a
     # metric dimension, or anyone could create unbounded series.
     by_model = {"model": model if record.model_accepted else OTHER_MODEL, "endpoint": endpoint}
+    if record.caller:  # caller names are made by an admin: a bounded dimension
+        by_model["caller"] = record.caller
     inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)

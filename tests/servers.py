@@ -134,3 +134,9 @@ class Azurite(Served):
             time.sleep(0.02)
         line = next(line for line in self.stdout_lines if line.startswith("AzureWebJobsStorage="))
         self.connection_string = line.split("=", 1)[1].strip()
+
+    @property
+    def node_pid(self) -> int:
+        """The Azurite process itself (the launcher's child): signal it to stop or resume the store."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return int(children[0])

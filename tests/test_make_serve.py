@@ -38,6 +38,7 @@ def test_serve_with_nothing_configured_answers_the_readme_curl():
             if "devhost listening" in line:
                 break
         assert any("No upstream configured" in line for line in output), output
+        assert not any("Azurite" in line for line in output), "the plain first run starts no store"
         assert f"Playground: http://localhost:{port}/api/playground\n" in output, output
         assert httpx.get(f"http://127.0.0.1:{port}/api/playground").status_code == 200
         # curl -N -X POST localhost:PORT/api/chat -d '{"prompt":"hi"}' (form content type, as curl sends)
@@ -62,3 +63,48 @@ def test_serve_with_nothing_configured_answers_the_readme_curl():
         raise AssertionError("make serve left processes running after Ctrl+C")
     with socket.socket() as s:  # and the app's port is free again
         s.bind(("127.0.0.1", port))
+
+
+def _serve(env: dict, port: int) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen(["bash", str(ROOT / "tools" / "scripts" / "serve")], cwd=ROOT, env={**env, "PORT": str(port)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        output.append(line)
+        if "devhost listening" in line or not line:
+            break
+    return proc, output
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_serve_with_caller_keys_starts_azurite_and_callers_survive_a_restart(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "AzureWebJobsStorage"))}
+    env.update(CALLER_KEYS="required", AZURITE_LOCATION=str(tmp_path / "store"))
+    port = _free_port()
+    proc, output = _serve(env, port)
+    try:
+        assert any("CALLER_KEYS=required needs the app's storage" in line for line in output), output
+        created = httpx.post(f"http://127.0.0.1:{port}/api/manage/callers", json={"name": "survivor"}, timeout=30)
+        assert created.status_code == 201, created.text
+        key = created.json()["key"]
+    finally:
+        _stop(proc)
+    assert any((tmp_path / "store").iterdir()), "the store keeps its data on disk"
+    proc, output = _serve(env, port)
+    try:
+        answer = httpx.post(f"http://127.0.0.1:{port}/api/v1/chat/completions", headers={"api-key": key},
+                            json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert answer.status_code == 200, "the caller made before the restart is still there"
+    finally:
+        _stop(proc)

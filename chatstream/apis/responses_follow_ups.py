@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
 from typing import Any
 
 from fastapi import Request
@@ -111,7 +110,11 @@ class ResponseFollowUps:
 
     async def _handle(self, request: Request, operation: str, answer) -> Response:
         """One follow-up: the id checked, ``answer`` run, one log line, errors in OpenAI's shape."""
-        record = StreamRecord(endpoint=f"responses.{operation}", model="", request_id=uuid.uuid4().hex)
+        record = StreamRecord(
+            endpoint=f"responses.{operation}",
+            model="",
+        )
+        record.request_id = record.id
         telemetry.begin(record)
         streaming = False
         try:

@@ -170,7 +170,8 @@ class Accounting:
         charge = Charge(
             caller=admission.caller.name,
             model=record.model,
-            request_id=record.request_id,
+            request_id=record.id,
+            upstream_id=record.request_id,
             endpoint=record.endpoint,
             prompt_tokens=prompt,
             completion_tokens=completion,

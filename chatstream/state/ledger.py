@@ -55,6 +55,7 @@ class Charge:
     prompt_tokens: int
     completion_tokens: int
     ended: str  # completed, disconnected, timeout, failed, cancelled, background, incomplete...
+    upstream_id: str = ""  # the upstream's x-request-id (request_id is the app's own, unique)
     at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
@@ -91,6 +92,7 @@ class Ledger:
             "caller": charge.caller,
             "model": charge.model,
             "request_id": charge.request_id,
+            "upstream_id": charge.upstream_id,
             "endpoint": charge.endpoint,
             "prompt_tokens": _int64(charge.prompt_tokens),
             "completion_tokens": _int64(charge.completion_tokens),

@@ -23,6 +23,8 @@ from .registry import CallerRegistry
 from .store import Store, StoreConfigError, store_from_env
 
 log = logging.getLogger("chatstream")
+# azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
+logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 
 
 @dataclass
