@@ -476,3 +476,30 @@ def test_sse_parser_any_split_any_line_ending(tab):
         {"event": "message", "data": "[DONE]"},
     ]
     tab.assert_clean()
+
+
+def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_tab_only(browser, upstream, azurite,
+                                                                                        start_app):
+    app = start_app(AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required")
+    created = httpx.post(app.url + "/api/manage/callers", json={"name": f"page-{os.getpid()}-{time.time_ns()}"},
+                         timeout=30)
+    key = created.json()["key"]
+    page = Page(browser, app)
+    try:
+        assert page.page.goto(app.url + "/api/playground").status == 200
+        caller_key = page.page.get_by_label("Caller key")
+        page.expect(caller_key).to_be_visible()  # the models list answered 401 invalid_api_key
+        page.expect(page.page.get_by_label("Function key")).to_be_hidden()
+        caller_key.fill(key)
+        caller_key.press("Enter")
+        page.expect(page.page.get_by_role("combobox", name="Model")).to_have_value("gpt-test")
+        page.ask("[scenario:echo] keyed")
+        page.expect(page.answer).to_have_text(echo_text("[scenario:echo] keyed"))
+        sent = page.chat_requests()[-1].all_headers()
+        assert sent["authorization"] == f"Bearer {key}" and "x-functions-key" not in sent
+        storage = page.page.evaluate("() => [JSON.stringify(sessionStorage), JSON.stringify(localStorage), "
+                                     "document.cookie]")
+        assert key in storage[0] and key not in storage[1] and key not in storage[2]
+        page.assert_clean(expected_console=r"status of 401")
+    finally:
+        page.close()

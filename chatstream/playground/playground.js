@@ -66,42 +66,49 @@ class SseParser {
 
 // ------------------------------------------------------------------ the API
 
+// Two keys, each kept in this tab only (sessionStorage): the Functions key (x-functions-key, the
+// platform's gate in Azure) and the caller key (Authorization: Bearer, when the app requires caller keys).
 const KEY_ITEM = "chatstream.functionKey";
+const CALLER_ITEM = "chatstream.callerKey";
 
-function storedKey() {
+function stored(item) {
   try {
-    return sessionStorage.getItem(KEY_ITEM) || "";
+    return sessionStorage.getItem(item) || "";
   } catch {
     return "";
   }
 }
 
-function storeKey(key) {
+function store(item, key) {
   try {
-    if (key) sessionStorage.setItem(KEY_ITEM, key);
-    else sessionStorage.removeItem(KEY_ITEM);
+    if (key) sessionStorage.setItem(item, key);
+    else sessionStorage.removeItem(item);
   } catch {
     // storage refused (private mode): the key then lives as long as the input field's text
   }
 }
 
-/** Options for fetch() to this app: the function key only as a header, never followed elsewhere. */
+/** Options for fetch() to this app: the keys only as headers, never followed elsewhere. */
 function apiInit(init = {}) {
   const headers = { ...(init.headers || {}) };
-  const key = storedKey();
+  const key = stored(KEY_ITEM);
   if (key) headers["x-functions-key"] = key;
+  const caller = stored(CALLER_ITEM);
+  if (caller) headers["authorization"] = `Bearer ${caller}`;
   return { ...init, headers, cache: "no-store", credentials: "same-origin", redirect: "error" };
 }
 
-/** A readable message for a non-2xx answer (OpenAI's error shape when the body has it). */
-async function httpErrorMessage(response) {
+/** A non-2xx answer: a readable message (OpenAI's error shape when the body has it), and which key a
+ *  401 asks for: "caller" (the app's own 401, invalid_api_key) or "function" (the host's). */
+async function httpError(response) {
   let text = `${response.status} ${response.statusText}`.trim();
+  let code = null;
   try {
     const body = await response.json();
     const error = body && body.error;
     if (error && typeof error.message === "string") {
-      const kind = error.code || error.type;
-      text = `${response.status}${kind ? " " + kind : ""}: ${error.message}`;
+      code = error.code || error.type;
+      text = `${response.status}${code ? " " + code : ""}: ${error.message}`;
       if (error.param) text += ` (param: ${error.param})`;
     }
   } catch {
@@ -109,10 +116,17 @@ async function httpErrorMessage(response) {
   }
   const retryAfter = response.headers.get("Retry-After");
   if (retryAfter) text += /^\d+$/.test(retryAfter) ? ` (Retry-After: ${retryAfter} s)` : ` (Retry-After: ${retryAfter})`;
+  let wants = null;
   if (response.status === 401) {
-    text += `${/[.)]$/.test(text) ? "" : "."} This app needs its function key: enter it under Function key and send again.`;
+    wants = code === "invalid_api_key" ? "caller" : "function";
+    const where = wants === "caller" ? "a caller key: enter it under Caller key" : "its function key: enter it under Function key";
+    text += `${/[.)]$/.test(text) ? "" : "."} This app needs ${where} and send again.`;
   }
-  return text;
+  return { text, wants };
+}
+
+async function httpErrorMessage(response) {
+  return (await httpError(response)).text;
 }
 
 function streamErrorMessage(error) {
@@ -142,6 +156,7 @@ function main() {
   const ui = {
     model: $("model"), temperature: $("temperature"), system: $("system"),
     keyBox: $("key-box"), key: $("key"), forgetKey: $("forget-key"), newChat: $("new-chat"),
+    callerKeyBox: $("caller-key-box"), callerKey: $("caller-key"), forgetCallerKey: $("forget-caller-key"),
     modelsNote: $("models-note"), conversation: $("conversation"), empty: $("empty"), turns: $("turns"),
     questionBox: $("question-box"), question: $("question"), answerBox: $("answer-box"),
     answerWho: $("answer-who"), answer: $("answer"), note: $("answer-note"), stats: $("stats"),
@@ -153,29 +168,36 @@ function main() {
   let controller = null; // aborts the running request
   let follow = true; // keep the newest text in view, unless the reader scrolled up
 
-  // -- function key (only asked for when the API answers 401, i.e. in Azure)
-  function showKeyBox() {
-    ui.keyBox.hidden = false;
+  // -- keys (each only asked for when the API answers 401 for it)
+  const keyFields = {
+    function: { box: ui.keyBox, input: ui.key, forget: ui.forgetKey, item: KEY_ITEM },
+    caller: { box: ui.callerKeyBox, input: ui.callerKey, forget: ui.forgetCallerKey, item: CALLER_ITEM },
+  };
+  function showKeyBox(which = "function") {
+    keyFields[which].box.hidden = false;
+    return keyFields[which].input;
   }
-  if (storedKey()) {
-    ui.key.value = storedKey();
-    showKeyBox();
+  for (const [which, field] of Object.entries(keyFields)) {
+    if (stored(field.item)) {
+      field.input.value = stored(field.item);
+      showKeyBox(which);
+    }
+    const use = () => {
+      if (field.input.value.trim() === stored(field.item)) return;
+      store(field.item, field.input.value.trim());
+      loadModels();
+    };
+    field.input.addEventListener("change", use);
+    field.box.addEventListener("submit", (event) => {
+      event.preventDefault(); // Enter in a key field: use it, and go back to the prompt
+      use();
+      ui.prompt.focus();
+    });
+    field.forget.addEventListener("click", () => {
+      field.input.value = "";
+      store(field.item, "");
+    });
   }
-  function useKey() {
-    if (ui.key.value.trim() === storedKey()) return;
-    storeKey(ui.key.value.trim());
-    loadModels();
-  }
-  ui.key.addEventListener("change", useKey);
-  ui.keyBox.addEventListener("submit", (event) => {
-    event.preventDefault(); // Enter in the key field: use it, and go back to the prompt
-    useKey();
-    ui.prompt.focus();
-  });
-  ui.forgetKey.addEventListener("click", () => {
-    ui.key.value = "";
-    storeKey("");
-  });
 
   // -- models
   function fillModels(ids, note) {
@@ -191,8 +213,9 @@ function main() {
     try {
       const response = await fetch("v1/models", apiInit());
       if (response.status === 401) {
-        showKeyBox();
-        fillModels([], "The API wants the function key: enter it above.");
+        const { wants } = await httpError(response);
+        showKeyBox(wants);
+        fillModels([], `The API wants ${wants === "caller" ? "a caller key" : "the function key"}: enter it above.`);
         return;
       }
       if (!response.ok) {
@@ -343,11 +366,9 @@ function main() {
       }));
       if (!response.ok) {
         turn.state = "failed";
-        showError(await httpErrorMessage(response));
-        if (response.status === 401) {
-          showKeyBox();
-          ui.key.focus();
-        }
+        const { text, wants } = await httpError(response);
+        showError(text);
+        if (wants) showKeyBox(wants).focus();
         return;
       }
       const reader = response.body.getReader();
