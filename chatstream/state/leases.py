@@ -21,6 +21,12 @@ log = logging.getLogger("chatstream")
 
 WINDOW_SECONDS = 60
 MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
+# A lone request (no other waiting) takes one more request's worth for the next one, and the instance
+# keeps what it holds this long before giving it back, so that sequential traffic does not pay a store
+# write per request. Bounded: at most HOLD_SHARE of the limit, for HOLD_SECONDS, minute windows only
+# (a budget's capacity held by an instance that dies would stay lost until the period ends).
+HOLD_SECONDS = 1.0
+HOLD_SHARE = 0.1
 
 
 class LeaseOwner(Protocol):
@@ -80,6 +86,8 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 1.0
+        self.hold_until = 0.0  # the balance is kept, not given back, until then
+        self.hold_timer: asyncio.TimerHandle | None = None
         # The row as this instance last read or wrote it.
         self.known = False
         self.exists = False
@@ -156,7 +164,22 @@ class Lease:
         self.waiters = keep
 
     def _has_work(self) -> bool:
-        return bool(self._pending()) or self.debt > 0 or self.balance > 0
+        holding = asyncio.get_running_loop().time() < self.hold_until
+        return bool(self._pending()) or self.debt > 0 or (self.balance > 0 and not holding)
+
+    def _hold(self) -> None:
+        """Keep the balance for HOLD_SECONDS, then give it back (a timer kicks the flight)."""
+        self.hold_until = asyncio.get_running_loop().time() + HOLD_SECONDS
+        if self.hold_timer is None:
+            self.hold_timer = asyncio.get_running_loop().call_later(HOLD_SECONDS + 0.01, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self.hold_timer = None
+        left = self.hold_until - asyncio.get_running_loop().time()
+        if left > 0:
+            self.hold_timer = asyncio.get_running_loop().call_later(left + 0.01, self._hold_over)
+        elif self.balance:
+            self.kick()
 
     async def _run(self) -> None:
         try:
@@ -217,7 +240,10 @@ class Lease:
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            taken = max(0, current + total - balance + debt)
+            extra = 0
+            if self.kind != "budget" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
+                extra = max(0, min(chosen[0].need, int(self.limit * HOLD_SHARE), room - total))
+            taken = max(0, current + total + extra - balance + debt)
             # The balance and debt this write settles leave the lease while it is in flight, so that
             # nothing serves a reservation from capacity that is on its way back to the store.
             self.balance -= balance
@@ -233,6 +259,9 @@ class Lease:
             except BaseException:  # the bound ran out, or the store failed: nothing was settled
                 self._restore(window, balance, debt)
                 raise
+            if extra and self.window == window:
+                self.balance += extra
+                self._hold()
             picked = {id(w) for w in chosen}
             for waiter in chosen:
                 if waiter.future.done():  # it gave up meanwhile: its share comes back

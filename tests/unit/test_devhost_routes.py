@@ -78,3 +78,15 @@ def test_precedence_does_not_depend_on_declaration_order(templates, path, expect
         functions = [function(f"f{i}", t) for i, t in enumerate(order)]
         route, _, _ = match(routes_from_metadata(functions, "api"), path, "GET")
         assert route is not None and route.template == expected, (order, route and route.template)
+
+
+def test_routes_the_functions_host_keeps_for_itself_are_in_error_here_too(caplog):
+    """As in Azure: a route that starts with `admin` (or `runtime`) puts its function in error, even
+    under the `api` prefix, so a local run shows what a deployment would (the app's admin API is
+    under /api/manage for that reason)."""
+    functions = [function("admin_callers", "admin/callers"), function("hooks", "Runtime/x"),
+                 function("manage", "manage/callers"), function("administer", "administer")]
+    with caplog.at_level("ERROR", logger="devhost"):
+        names = [r.name for r in routes_from_metadata(functions, "api")]
+    assert names == ["manage"]
+    assert sum("conflicts with one or more built in routes" in r.getMessage() for r in caplog.records) == 3

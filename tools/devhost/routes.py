@@ -11,8 +11,15 @@ the path but not the method is skipped (the next one may take the request); 405 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
+
+log = logging.getLogger("devhost")
+# The Functions host keeps these route prefixes for its own APIs (its admin API, extension webhooks)
+# and puts any function whose route starts with one "in error", whatever the routePrefix
+# (azure-functions-host ScriptHost's route validation; issues #1781, #7634): so does this host.
+RESERVED_PREFIXES = ("admin", "runtime")
 
 _PARAM = re.compile(r"^\{(\*)?([A-Za-z_][A-Za-z0-9_]*)(?::[^}?]*)?(\?)?\}$")
 
@@ -73,6 +80,10 @@ def routes_from_metadata(metadata, prefix: str) -> list[Route]:
             if binding.get("type") != "httpTrigger":
                 continue
             template = binding.get("route") or fn.name
+            if template.strip("/").lower().startswith(RESERVED_PREFIXES):
+                log.error("The following 1 functions are in error: %s: The specified route conflicts with one or "
+                          "more built in routes.", fn.name)
+                continue
             methods = frozenset(m.upper() for m in binding.get("methods") or ())
             routes.append(Route(fn.function_id, fn.name, binding["name"], methods, template,
                                 _compile(prefix, template), _precedence(prefix, template)))
