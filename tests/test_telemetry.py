@@ -126,6 +126,18 @@ def test_completed_stream_gives_one_span_with_gen_ai_attributes(otel, model):
     assert (span.end_time - span.start_time) / 1e6 == pytest.approx(a["chat.duration_ms"], abs=20)
 
 
+def test_a_callers_request_names_the_caller_and_the_request_id(otel, model):
+    record = finished_record(model)
+    record.caller, record.request_id = "team-a", "req_42"
+    telemetry.start_stream(model).end(record)
+    (span,) = spans_of(model)
+    assert span.attributes["chat.caller"] == "team-a" and span.attributes["chat.request_id"] == "req_42"
+    tokens = points_of(model)["chat.stream.tokens"]
+    assert counter_value(tokens, caller="team-a", **{"gen_ai.token.type": "input"}) == 9
+    (duration,) = points_of(model)["chat.stream.duration"]
+    assert duration.attributes["caller"] == "team-a"
+
+
 def test_completed_stream_records_metrics(otel, model):
     telemetry.start_stream(model).end(finished_record(model, ttfd=0.25, deltas=4))
 

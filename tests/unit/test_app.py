@@ -1,0 +1,80 @@
+"""chatstream/app.py in-process: what create_app builds from the settings, the small routes (models,
+the 404 under /api/v1, the pool's state) and closing the clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from chatstream.app import create_app
+from chatstream.settings import Settings, SettingsError
+
+
+def client_for(app) -> httpx.AsyncClient:
+    async def models(request):
+        return await app.models(request)
+
+    async def model(request):
+        return await app.model(request)
+
+    async def missing(request):
+        return await app.not_found(request)
+
+    async def pool(request):
+        return await app.pool_state(request)
+
+    routes = [Route("/api/v1/models", models), Route("/api/v1/models/{model}", model),
+              Route("/api/_pool", pool), Route("/api/v1/{rest:path}", missing, methods=["GET", "POST"])]
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=Starlette(routes=routes)), base_url="http://app")
+
+
+async def test_models_and_the_404s_are_openais():
+    app = create_app(Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_MODEL": "m-1"}), environ={})
+    async with client_for(app) as client:
+        assert (await client.get("/api/v1/models")).json()["data"][0]["id"] == "m-1"
+        assert (await client.get("/api/v1/models/m-1")).json()["id"] == "m-1"
+        gone = await client.get("/api/v1/models/nope")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        other = await client.post("/api/v1/embeddings")
+        assert other.status_code == 404 and other.json()["error"]["type"] == "invalid_request_error"
+    await app.close()
+
+
+async def test_the_pool_state_never_shows_a_key_or_a_credential():
+    env = {"UPSTREAMS": json.dumps([{"name": "a", "base_url": "http://a.test/v1", "api_key_setting": "A_KEY"}]),
+           "A_KEY": "sk-app-SECRET-1234567890"}
+    app = create_app(Settings.from_env(env), environ=env)
+    async with client_for(app) as client:
+        state = (await client.get("/api/_pool")).text
+    assert "SECRET" not in state and '"key_setting":"A_KEY"' in state
+    await app.close()
+
+
+def test_a_bad_upstream_url_stops_the_app_naming_the_setting_never_the_value():
+    for env in ({"OPENAI_BASE_URL": "http://user:SECRET@up.test/v1"}, {"OPENAI_BASE_URL": "http://up.test/v1?api-key=SECRET"}):
+        with pytest.raises(SettingsError) as caught:
+            create_app(Settings.from_env(env), environ=env)
+        assert "OPENAI_BASE_URL" in str(caught.value) and "SECRET" not in str(caught.value)
+
+
+def test_caller_keys_without_a_store_stop_the_app_saying_what_to_set():
+    with pytest.raises(SettingsError, match="CALLER_KEYS=required needs the app's storage: set AzureWebJobsStorage"):
+        create_app(Settings.from_env({"CALLER_KEYS": "required"}), environ={"CALLER_KEYS": "required"})
+
+
+def test_the_clients_are_closed_with_the_loop_that_used_them():
+    """asyncio.run closes the async generators left on its loop: the app's closer among them."""
+    app = create_app(Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}), environ={})
+    client = app.upstreams.clients["default"]
+
+    async def use():
+        app.upstreams._close_with_the_loop()
+        await asyncio.sleep(0)
+
+    asyncio.run(use())
+    assert client.is_closed()
