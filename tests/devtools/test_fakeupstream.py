@@ -28,7 +28,7 @@ from tools.fakeupstream import (
     choice_text,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"fakeupstream listening on http://127\.0\.0\.1:(\d+)\n")
 USER = [{"role": "user", "content": "Tell me something nice"}]  # 4 prompt "tokens" (words)
 
