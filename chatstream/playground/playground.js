@@ -1,14 +1,19 @@
 // The chat playground: talks to this app's own OpenAI-compatible API with relative URLs
 // (v1/models, v1/chat/completions), reads the streamed answer with fetch + ReadableStream and a
 // small server-sent-events parser, and shows it as text: the model's text only ever goes into text
-// nodes, never into HTML.
+// nodes, never into HTML. When the app makes the stream resumable (it answers with `x-stream-id`), a
+// dropped connection is picked up again (streams/ID with Last-Event-ID), so is a reload of the page
+// mid-answer (the stream id, the last event id and the text so far are kept in sessionStorage), and
+// Stop asks the app to cancel the stream (a hang-up no longer stops it).
 "use strict";
 
 // ------------------------------------------------------------------ server-sent events
 
 /** Bytes in, events out. Lines may end in CRLF, CR or LF; a read may end inside a line, between a
  *  CR and its LF, or inside a multi-byte UTF-8 character. Comments (":") are skipped; an event
- *  without a terminating blank line when the stream ends is dropped, as the EventSource rules say. */
+ *  without a terminating blank line when the stream ends is dropped, as the EventSource rules say.
+ *  Each event comes with the value of its own "id:" line (unlike EventSource's lastEventId, which an
+ *  event without one inherits), so that an event is only ever counted by the id it was sent with. */
 class SseParser {
   constructor() {
     this.decoder = new TextDecoder("utf-8");
@@ -16,9 +21,10 @@ class SseParser {
     this.skipLF = false; // the last read ended with CR: a LF starting the next one belongs to it
     this.data = [];
     this.event = "";
+    this.id = ""; // this event's own "id:" line ("" without one)
   }
 
-  /** Feed one read's bytes; returns the events completed by them: [{event, data}]. */
+  /** Feed one read's bytes; returns the events completed by them: [{event, data, id}]. */
   push(bytes) {
     return this.text(this.decoder.decode(bytes, { stream: true }));
   }
@@ -49,9 +55,12 @@ class SseParser {
 
   line(line, events) {
     if (line === "") {
-      if (this.data.length > 0) events.push({ event: this.event || "message", data: this.data.join("\n") });
+      if (this.data.length > 0) {
+        events.push({ event: this.event || "message", data: this.data.join("\n"), id: this.id });
+      }
       this.data = [];
       this.event = "";
+      this.id = "";
       return;
     }
     if (line[0] === ":") return;
@@ -61,6 +70,7 @@ class SseParser {
     if (value[0] === " ") value = value.slice(1);
     if (field === "data") this.data.push(value);
     else if (field === "event") this.event = value;
+    else if (field === "id" && !value.includes("\0")) this.id = value;
   }
 }
 
@@ -135,18 +145,123 @@ function streamErrorMessage(error) {
   return `Stream error: ${message}${kind ? ` (${kind})` : ""}`;
 }
 
+// ------------------------------------------------------------------ resumable streams
+
+// When the app answers with `x-stream-id` (RESUMABLE_STREAMS=on), every event carries an `id:` and
+// the stream outlives its connection: streams/ID with `Last-Event-ID: N` replays what came after
+// event N and follows the rest; streams/ID/cancel stops it. While such a stream runs, the tab keeps
+// in sessionStorage (one item, written at most every SAVE_EVERY_MS and when the page is hidden or
+// unloaded) what a reload needs: the stream id, the id of the last event shown and the text shown up
+// to that event, which are always written together, the question and the conversation before it.
+const STREAM_ITEM = "chatstream.stream";
+const STREAM_ID = /^[A-Za-z0-9_-]{16,128}$/;
+const EVENT_ID = /^[0-9]{1,15}$/;
+const SAVE_EVERY_MS = 250;
+// The wait before each reconnection attempt. An attempt that brings new events starts the count
+// again; when the last one fails too, the answer is left cut off. While the browser says it is offline,
+// the page waits for it to be online again before it tries (that uses up no attempt).
+const RECONNECT_DELAYS_MS = [250, 1000, 2000, 4000, 8000];
+// Statuses of streams/ID worth another attempt; any other error status ends the turn.
+const RETRY_STATUSES = new Set([408, 429, 500, 502, 503, 504]);
+// After Stop, how long the page keeps reading for the stream's last event (finish_reason
+// "cancelled") before it lets go of the connection; and how long the cancel call may take.
+const STOP_WAIT_MS = 3000;
+const CANCEL_TIMEOUT_MS = 5000;
+
+function streamIdOf(response) {
+  const id = response.headers.get("x-stream-id");
+  return id !== null && STREAM_ID.test(id) ? id : null;
+}
+
+/** An event's id as a number, or null when it has none (or not a decimal one). */
+function eventNumber(id) {
+  return EVENT_ID.test(id) ? Number(id) : null;
+}
+
+function streamUrl(streamId, action = "") {
+  return `streams/${encodeURIComponent(streamId)}${action}`;
+}
+
+function isMessage(m) {
+  return m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
+}
+
+/** What an earlier page of this tab kept of a stream it was reading, or null. */
+function savedStream() {
+  let saved;
+  try {
+    saved = JSON.parse(sessionStorage.getItem(STREAM_ITEM) || "null");
+  } catch {
+    return null;
+  }
+  const valid = saved && typeof saved === "object" && typeof saved.streamId === "string" && STREAM_ID.test(saved.streamId) &&
+    Number.isSafeInteger(saved.lastEventId) && saved.lastEventId >= 0 && typeof saved.question === "string" &&
+    typeof saved.answer === "string" && Number.isSafeInteger(saved.deltas) && Number.isSafeInteger(saved.reconnects) &&
+    Array.isArray(saved.history) && saved.history.length % 2 === 0 && saved.history.every(isMessage);
+  return valid ? saved : null;
+}
+
+function pause(ms, signal) {
+  return new Promise((resolve, reject) => {
+    if (signal.aborted) return reject(new DOMException("stopped", "AbortError"));
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(new DOMException("stopped", "AbortError"));
+    };
+    const timer = setTimeout(() => {
+      signal.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+/** Resolves at once when the browser is online, else when it is online again. */
+function whenOnline(signal) {
+  if (navigator.onLine) return Promise.resolve();
+  return new Promise((resolve, reject) => {
+    const online = () => {
+      signal.removeEventListener("abort", onAbort);
+      resolve();
+    };
+    const onAbort = () => {
+      window.removeEventListener("online", online);
+      reject(new DOMException("stopped", "AbortError"));
+    };
+    window.addEventListener("online", online, { once: true });
+    signal.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+/** Asks the app to stop a stream: true when it said yes (2xx). 404: unknown, expired or over. */
+async function cancelStream(streamId) {
+  const timeout = new AbortController();
+  const timer = setTimeout(() => timeout.abort(), CANCEL_TIMEOUT_MS);
+  try {
+    const response = await fetch(streamUrl(streamId, "/cancel"), apiInit({ method: "POST", signal: timeout.signal }));
+    return response.ok;
+  } catch {
+    return false;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 // ------------------------------------------------------------------ the page
 
 function formatStats(turn) {
   const parts = [];
-  if (turn.firstAt !== null) parts.push(`First delta ${Math.round(turn.firstAt - turn.startedAt)} ms`);
-  if (turn.deltas > 1 && turn.lastAt > turn.firstAt) {
+  // A turn picked up after a reload has no timings from before it: only its counts are shown.
+  const timed = turn.timed && turn.firstAt !== null;
+  if (timed) parts.push(`First delta ${Math.round(turn.firstAt - turn.startedAt)} ms`);
+  if (timed && turn.deltas > 1 && turn.lastAt > turn.firstAt) {
     const rate = (turn.deltas - 1) / ((turn.lastAt - turn.firstAt) / 1000);
     parts.push(`${turn.deltas} deltas, ${rate.toFixed(1)}/s`);
   } else {
     parts.push(`${turn.deltas} ${turn.deltas === 1 ? "delta" : "deltas"}`);
   }
   if (turn.usage) parts.push(`tokens: ${turn.usage.prompt_tokens} prompt, ${turn.usage.completion_tokens} completion`);
+  if (turn.reconnects > 0) parts.push(`reconnected ${turn.reconnects}×`);
   parts.push(`finish: ${turn.finish || "none"}`);
   return parts.join(" · ");
 }
@@ -165,7 +280,9 @@ function main() {
 
   const history = []; // earlier turns as chat messages: {role: "user" | "assistant", content}
   let current = null; // the turn on screen: {question, answer, state, ...}
-  let controller = null; // aborts the running request
+  let controller = null; // aborts the running request (and the wait before the next attempt)
+  let running = null; // the turn whose answer is being read
+  let unloading = false; // the page is going away (reload, close): keep what a reload needs
   let follow = true; // keep the newest text in view, unless the reader scrolled up
 
   // -- keys (each only asked for when the API answers 401 for it)
@@ -302,6 +419,8 @@ function main() {
   }
 
   function newChat() {
+    // A resumable stream goes on when the connection closes: the app is asked to stop it.
+    if (running && running.streamId && !running.stopping) cancelStream(running.streamId);
     if (controller) controller.abort();
     history.length = 0;
     ui.turns.replaceChildren();
@@ -321,6 +440,14 @@ function main() {
   }
 
   // -- one turn
+  function newTurn(question) {
+    return {
+      question, answer: "", state: "streaming", kept: false, history: history.slice(),
+      startedAt: performance.now(), timed: true, firstAt: null, lastAt: null, deltas: 0, usage: null, finish: null,
+      streamId: null, lastEventId: 0, reconnects: 0, stopping: false, reading: false, stopTimer: null,
+    };
+  }
+
   async function send() {
     const text = ui.prompt.value;
     if (controller || text.trim() === "") return;
@@ -342,10 +469,7 @@ function main() {
     if (ui.model.value) body.model = ui.model.value;
     if (temperature !== undefined) body.temperature = temperature;
 
-    const turn = {
-      question: text, answer: "", state: "streaming", kept: false,
-      startedAt: performance.now(), firstAt: null, lastAt: null, deltas: 0, usage: null, finish: null,
-    };
+    const turn = newTurn(text);
     current = turn;
     ui.question.textContent = text;
     ui.questionBox.hidden = false;
@@ -354,40 +478,91 @@ function main() {
     follow = true;
     grown();
 
+    await readAnswer(turn, (signal) => fetch("v1/chat/completions", apiInit({
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify(body),
+      signal,
+    })));
+  }
+
+  /** streams/ID from after the last event shown. */
+  function resumeRequest(turn) {
+    return (signal) => fetch(streamUrl(turn.streamId), apiInit({
+      headers: { "last-event-id": String(turn.lastEventId) },
+      signal,
+    }));
+  }
+
+  /** Reads a turn's answer to its end: from the response of `request`, then, while the stream is
+   *  resumable and its last event has not come, from streams/ID after each dropped connection. */
+  async function readAnswer(turn, request) {
     controller = new AbortController();
+    running = turn;
+    const signal = controller.signal;
     setBusy(true);
     let ended = null; // "done" | "error" | null (the stream stopped without saying how)
+    let failure = ""; // why the last connection of a resumable stream ended early
+    let attempts = 0; // reconnection attempts since the last one that brought events
     try {
-      const response = await fetch("v1/chat/completions", apiInit({
-        method: "POST",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify(body),
-        signal: controller.signal,
-      }));
-      if (!response.ok) {
-        turn.state = "failed";
-        const { text, wants } = await httpError(response);
-        showError(text);
-        if (wants) showKeyBox(wants).focus();
-        return;
-      }
-      const reader = response.body.getReader();
-      const parser = new SseParser();
-      while (ended === null) {
-        const { value, done } = await reader.read();
-        const events = done ? parser.end() : parser.push(value);
-        for (const event of events) {
-          ended = handle(event.data, turn);
-          if (ended !== null) break;
+      while (true) {
+        let response = null;
+        try {
+          response = await request(signal);
+        } catch (err) {
+          if (err.name === "AbortError" || !turn.streamId) throw err;
+          failure = err.message;
         }
-        if (done) break;
+        if (response !== null && !response.ok) {
+          if (!(turn.streamId && RETRY_STATUSES.has(response.status))) {
+            const { text, wants } = await httpError(response);
+            turn.state = turn.answer === "" ? "failed" : "cut-off";
+            showError(turn.streamId ? `The answer could not be resumed: ${text}` : text);
+            if (wants) showKeyBox(wants).focus();
+            return;
+          }
+          failure = await httpErrorMessage(response);
+        } else if (response !== null) {
+          if (turn.streamId === null) {
+            turn.streamId = streamIdOf(response);
+            save(turn);
+          }
+          if (turn === current) ui.note.textContent = "";
+          const before = turn.lastEventId;
+          try {
+            ended = await readEvents(response, turn);
+          } catch (err) {
+            if (err.name === "AbortError" || !turn.streamId) throw err;
+            failure = err.message;
+          }
+          if (ended !== null || !turn.streamId) break;
+          if (turn.lastEventId > before) attempts = 0;
+          if (failure === "") failure = "the connection ended before the last event";
+        }
+        if (turn.stopping || attempts >= RECONNECT_DELAYS_MS.length) break;
+        if (turn === current) ui.note.textContent = "Connection lost: reconnecting…";
+        await pause(RECONNECT_DELAYS_MS[attempts], signal);
+        if (!navigator.onLine) {
+          if (turn === current) ui.note.textContent = "Offline: waiting for the network to reconnect…";
+          await whenOnline(signal);
+        }
+        attempts += 1;
+        turn.reconnects += 1;
+        failure = "";
+        request = resumeRequest(turn);
       }
-      if (ended !== null) reader.cancel().catch(() => {});
-      if (ended === "done") {
-        turn.state = "done";
+      if (turn.stopping) {
+        turn.state = "stopped";
+      } else if (ended === "done") {
+        turn.state = turn.finish === "cancelled" ? "stopped" : "done";
       } else {
         turn.state = "cut-off";
-        if (ended === null) showError("Stream error: the stream ended without its last event.");
+        if (ended === null && turn.streamId) {
+          showError(`Stream error: the connection was lost and ${attempts} ${attempts === 1 ? "attempt" : "attempts"} ` +
+                    `to reconnect failed (${failure}).`);
+        } else if (ended === null) {
+          showError("Stream error: the stream ended without its last event.");
+        }
       }
     } catch (err) {
       if (err.name === "AbortError") {
@@ -397,10 +572,131 @@ function main() {
         showError(turn.deltas > 0 ? `Stream error: ${err.message}` : `Could not reach the app: ${err.message}`);
       }
     } finally {
+      clearTimeout(turn.stopTimer);
       controller = null;
-      setBusy(false);
-      finishTurn(turn);
+      running = null;
+      if (!unloading) {
+        forgetStream();
+        setBusy(false);
+        finishTurn(turn);
+      }
     }
+  }
+
+  /** One connection's events, each shown once: returns "done", "error" or null (no last event). */
+  async function readEvents(response, turn) {
+    const reader = response.body.getReader();
+    const parser = new SseParser();
+    let ended = null;
+    turn.reading = true;
+    try {
+      while (ended === null) {
+        const { value, done } = await reader.read();
+        const events = done ? parser.end() : parser.push(value);
+        for (const event of events) {
+          const id = turn.streamId ? eventNumber(event.id) : null;
+          if (id !== null && id <= turn.lastEventId) continue; // shown already: a replay from too early
+          ended = handle(event.data, turn);
+          if (id !== null) turn.lastEventId = id;
+          if (ended !== null) break;
+        }
+        if (events.length > 0) saveSoon(turn);
+        if (done) break;
+      }
+    } finally {
+      turn.reading = false;
+    }
+    if (ended !== null) reader.cancel().catch(() => {});
+    return ended;
+  }
+
+  // -- what a reload needs (see STREAM_ITEM)
+  let saveTimer = null;
+
+  function save(turn) {
+    if (!turn.streamId || turn.stopping) return;
+    store(STREAM_ITEM, JSON.stringify({
+      streamId: turn.streamId, lastEventId: turn.lastEventId, answer: turn.answer, question: turn.question,
+      history: turn.history, deltas: turn.deltas, usage: turn.usage, finish: turn.finish, reconnects: turn.reconnects,
+    }));
+  }
+
+  function saveSoon(turn) {
+    if (!turn.streamId || saveTimer !== null) return;
+    saveTimer = setTimeout(() => {
+      saveTimer = null;
+      if (running === turn) save(turn);
+    }, SAVE_EVERY_MS);
+  }
+
+  function forgetStream() {
+    clearTimeout(saveTimer);
+    saveTimer = null;
+    store(STREAM_ITEM, "");
+  }
+
+  window.addEventListener("pagehide", () => {
+    unloading = true;
+    if (running) save(running);
+  });
+  window.addEventListener("pageshow", (event) => {
+    if (event.persisted) unloading = false;
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState === "hidden" && running) save(running);
+  });
+
+  /** After a reload mid-answer: the conversation and the question back on screen, with the text
+   *  shown so far, and the stream followed from the last event shown. */
+  function resumeSaved() {
+    const saved = savedStream();
+    if (saved === null) {
+      forgetStream();
+      return;
+    }
+    for (let i = 0; i < saved.history.length; i += 2) {
+      const item = document.createElement("li");
+      item.className = "turn";
+      item.append(messageElement("user", "You", saved.history[i].content),
+                  messageElement("assistant", "Assistant", saved.history[i + 1].content));
+      ui.turns.append(item);
+    }
+    history.push(...saved.history);
+    ui.empty.hidden = true;
+    const turn = newTurn(saved.question);
+    Object.assign(turn, {
+      answer: saved.answer, deltas: saved.deltas, usage: saved.usage || null, finish: saved.finish || null,
+      streamId: saved.streamId, lastEventId: saved.lastEventId, reconnects: saved.reconnects + 1, timed: false,
+    });
+    current = turn;
+    ui.question.textContent = turn.question;
+    ui.questionBox.hidden = false;
+    ui.answerWho.hidden = false;
+    ui.answer.append(document.createTextNode(turn.answer)); // text, never markup
+    ui.note.textContent = "Reconnecting…";
+    grown();
+    readAnswer(turn, resumeRequest(turn));
+  }
+
+  /** Stop: a resumable stream is cancelled by the app (a hang-up would not stop it), and read to its
+   *  last event (finish_reason "cancelled") for a moment; the text on screen stays as it was. Any
+   *  other stream, or a second Stop, aborts the request. */
+  function stop() {
+    const turn = running;
+    if (!controller) return;
+    if (!turn || !turn.streamId || turn.stopping) {
+      controller.abort();
+      return;
+    }
+    turn.stopping = true;
+    forgetStream();
+    if (turn === current) ui.note.textContent = "Stopping…";
+    const request = controller;
+    cancelStream(turn.streamId).then((cancelled) => {
+      if (controller !== request) return; // over meanwhile
+      if (!cancelled || !turn.reading) request.abort();
+      else turn.stopTimer = setTimeout(() => request.abort(), STOP_WAIT_MS);
+    });
   }
 
   /** One event's data: returns "done", "error", or null (more to come). */
@@ -428,7 +724,7 @@ function main() {
   }
 
   function append(text, turn) {
-    if (turn !== current) return;
+    if (turn !== current || turn.stopping) return; // after Stop the text stays as it was
     const now = performance.now();
     if (turn.firstAt === null) turn.firstAt = now;
     turn.lastAt = now;
@@ -468,15 +764,14 @@ function main() {
       event.preventDefault();
       send();
     } else if (event.key === "Escape" && controller) {
-      controller.abort();
+      stop();
     }
   });
-  ui.stop.addEventListener("click", () => {
-    if (controller) controller.abort();
-  });
+  ui.stop.addEventListener("click", stop);
   ui.newChat.addEventListener("click", newChat);
 
   loadModels();
+  resumeSaved();
 }
 
 main();
