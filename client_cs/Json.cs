@@ -50,6 +50,7 @@ namespace ChatCli
         [DataMember(Name = "usage")] public Usage Usage;
         [DataMember(Name = "model")] public string Model;
         [DataMember(Name = "id")] public string Id;
+        [DataMember(Name = "stream_id")] public string StreamId; // resumable streams only
     }
 
     [DataContract]

@@ -1,6 +1,8 @@
 using System;
 using System.Collections.Generic;
+using System.Globalization;
 using System.IO;
+using System.Linq;
 using System.Net;
 using System.Text;
 
@@ -19,14 +21,23 @@ namespace ChatCli
         public bool AllowInsecureKey;
         public bool Help;
         public string Prompt;
+        public string Resume;      // --resume ID: continue that stream instead of sending a prompt
+        public long LastEventId;   // --last-event-id N: with --resume, from after event N
+        public int Retries = 5;    // --retries N: reconnection attempts in a row
 
         public const string Usage =
 @"usage: chat [--url URL] [--key KEY] [--system TEXT] [--model NAME] [--stats]
-            [--allow-insecure-key] PROMPT...
+            [--retries N] [--allow-insecure-key] PROMPT...
+       chat --resume ID [--last-event-id N] [--url URL] [--key KEY] [--stats] [--retries N]
 
 Sends PROMPT to the chat endpoint and prints the reply as it streams in.
 The words of PROMPT are joined with single spaces. With no PROMPT words and
 standard input redirected, the prompt is read from standard input.
+
+When the app makes the stream resumable (RESUMABLE_STREAMS=on: it answers with
+an x-stream-id header), a connection that drops before the last event is opened
+again with Last-Event-ID, so the reply is printed exactly once; Ctrl+C asks the
+app to cancel the stream.
 
 options:
   --url URL       endpoint to POST to (env CHAT_URL, default " + DefaultUrl + @")
@@ -38,7 +49,15 @@ options:
   --system TEXT   add a system message; the request then carries ""messages""
                   (system + user) instead of ""prompt""
   --model NAME    ask for a specific model
-  --stats         print timings, delta count, finish reason and token usage to stderr
+  --stats         print timings, delta count, finish reason and token usage to stderr,
+                  and each lost connection and reconnection as it happens
+  --retries N     reconnection attempts in a row before giving up (default 5, 0 to 100;
+                  waits 0.5, 1, 2, 4, 8 s before them); an attempt that brings new
+                  events starts the count again
+  --resume ID     continue the resumable stream ID (from a run that was cut off, which
+                  prints its id) instead of sending a prompt: print it from the start
+  --last-event-id N
+                  with --resume: print only what comes after event N
   -h, --help      show this help and exit 0
   --              end of options; everything after it is prompt text
 Options may also be written --name=VALUE.
@@ -48,12 +67,15 @@ Diagnostics go to stderr.
 
 exit codes:
   0    the reply finished normally (event: done)
-  1    the stream ended with an error event, or ended without done/error
-  2    the server answered with an HTTP error status before the stream, or the key
-       was not sent: plain http:// to a host that is not loopback (nothing was sent)
+  1    the stream ended with an error event, or ended without done/error (and
+       could not be resumed), or the app cancelled it (finish reason cancelled)
+  2    the server answered with an HTTP error status before the stream (404 for
+       --resume: an unknown or expired stream), or the key was not sent: plain
+       http:// to a host that is not loopback (nothing was sent)
   3    could not connect to the server
   64   bad command-line arguments (EX_USAGE)
-  130  cancelled with Ctrl+C (the HTTP request is aborted)
+  130  cancelled with Ctrl+C (the HTTP request is aborted; a resumable stream is
+       cancelled with POST streams/ID/cancel)
   141  stdout was closed by its reader, e.g. `chat ... | head -1` (the request is aborted)";
 
         /// <summary>Thrown for bad command-line arguments; Program maps it to exit code 64.</summary>
@@ -73,6 +95,7 @@ exit codes:
             o.Key = NonEmpty(env("FUNCTION_KEY"));
             var words = new List<string>();
             bool optionsEnded = false;
+            bool lastEventIdGiven = false;
 
             for (int i = 0; i < args.Length; i++)
             {
@@ -120,6 +143,18 @@ exit codes:
                     case "--model":
                         o.Model = TakeValue(args, ref i, name, inlineValue);
                         break;
+                    case "--resume":
+                        o.Resume = TakeValue(args, ref i, name, inlineValue);
+                        if (!ChatClient.IsStreamId(o.Resume))
+                            throw new UsageException("--resume needs a stream id (the x-stream-id of a resumable stream): " + o.Resume);
+                        break;
+                    case "--last-event-id":
+                        o.LastEventId = TakeNumber(args, ref i, name, inlineValue, 0, 999999999999999L);
+                        lastEventIdGiven = true;
+                        break;
+                    case "--retries":
+                        o.Retries = (int)TakeNumber(args, ref i, name, inlineValue, 0, 100);
+                        break;
                     default:
                         throw new UsageException("unknown option: " + a);
                 }
@@ -131,6 +166,15 @@ exit codes:
             if (!Uri.TryCreate(o.Url, UriKind.Absolute, out uri) ||
                 (uri.Scheme != "http" && uri.Scheme != "https"))
                 throw new UsageException("--url must be an absolute http:// or https:// URL: " + o.Url);
+
+            if (lastEventIdGiven && o.Resume == null) throw new UsageException("--last-event-id goes with --resume");
+            if (o.Resume != null)
+            {
+                // The stream has its prompt already; stdin is not read.
+                if (words.Count > 0 || o.System != null || o.Model != null)
+                    throw new UsageException("--resume continues a stream: it takes no prompt, --system or --model");
+                return o;
+            }
 
             if (words.Count > 0)
             {
@@ -176,6 +220,16 @@ exit codes:
             if (i + 1 >= args.Length) throw new UsageException(name + " needs a value");
             i++;
             return args[i];
+        }
+
+        static long TakeNumber(string[] args, ref int i, string name, string inlineValue, long min, long max)
+        {
+            string text = TakeValue(args, ref i, name, inlineValue);
+            long n;
+            if (text.Length == 0 || text.Length > 15 || !text.All(c => c >= '0' && c <= '9') ||
+                !long.TryParse(text, NumberStyles.None, CultureInfo.InvariantCulture, out n) || n < min || n > max)
+                throw new UsageException(name + " needs a whole number from " + min + " to " + max + ": " + text);
+            return n;
         }
 
         static string NonEmpty(string s)

@@ -78,31 +78,40 @@ namespace ChatCli
                 return ExitKeyNotSent;
             }
 
-            var body = new ChatRequest { Model = options.Model };
-            if (options.System != null)
+            ChatRequest body = null;
+            if (options.Resume == null)
             {
-                body.Messages = new List<ChatMessage>
+                body = new ChatRequest { Model = options.Model };
+                if (options.System != null)
                 {
-                    new ChatMessage { Role = "system", Content = options.System },
-                    new ChatMessage { Role = "user", Content = options.Prompt },
-                };
-            }
-            else
-            {
-                body.Prompt = options.Prompt;
+                    body.Messages = new List<ChatMessage>
+                    {
+                        new ChatMessage { Role = "system", Content = options.System },
+                        new ChatMessage { Role = "user", Content = options.Prompt },
+                    };
+                }
+                else
+                {
+                    body.Prompt = options.Prompt;
+                }
             }
 
-            // Ctrl+C cancels the token, which aborts the HTTP request so the server stops
-            // generating. A second Ctrl+C, if the first one has not ended the run yet, exits at once.
+            // Ctrl+C cancels the token, which aborts the HTTP request (and, for a resumable stream,
+            // leads to POST streams/ID/cancel below: a hang-up no longer stops the generation).
+            // A second Ctrl+C, if the first one has not ended the run yet, exits at once.
             var cts = new CancellationTokenSource();
             int ctrlC = 0;
-            Console.CancelKeyPress += (sender, e) =>
+            Action interrupt = () =>
             {
-                e.Cancel = true;
                 if (Interlocked.Exchange(ref ctrlC, 1) == 1) Environment.Exit(ExitCancelled);
                 // Cancel on a pool thread: cancelling runs the callbacks, which can resume the
                 // stream loop on this very thread, and the handler should return at once.
                 ThreadPool.QueueUserWorkItem(_ => cts.Cancel());
+            };
+            Console.CancelKeyPress += (sender, e) =>
+            {
+                e.Cancel = true;
+                interrupt();
             };
 
             var clock = Stopwatch.StartNew();
@@ -110,9 +119,19 @@ namespace ChatCli
             bool wroteText = false;
             bool stdoutClosed = false;
             ChatResult result;
+            string cancelFailure = null;
             using (var client = new ChatClient(options.Url, options.Key))
             {
-                result = await client.StreamAsync(body, delta =>
+                client.MaxReconnects = options.Retries;
+                if (options.Stats) client.Log = note => stderr.WriteLine("chat: " + note);
+                client.StreamStarted = id =>
+                {
+                    // Mono runs Console.CancelKeyPress only when stdin and stdout are both terminals;
+                    // otherwise SIGINT ends the process at once, and a resumable stream would go on
+                    // until the app gives it up. So for those, Mono's own UnixSignal catches SIGINT.
+                    if (Console.IsInputRedirected || Console.IsOutputRedirected) MonoSignals.OnSigint(interrupt);
+                };
+                Action<string> onDelta = delta =>
                 {
                     if (firstDelta == null) firstDelta = clock.Elapsed;
                     if (stdoutClosed) return;
@@ -129,7 +148,18 @@ namespace ChatCli
                         stdoutClosed = true;
                         cts.Cancel();
                     }
-                }, cts.Token).ConfigureAwait(false);
+                };
+                if (options.Resume != null)
+                {
+                    client.StreamStarted(options.Resume);
+                    result = await client.ResumeAsync(options.Resume, options.LastEventId, onDelta, cts.Token).ConfigureAwait(false);
+                }
+                else
+                {
+                    result = await client.StreamAsync(body, onDelta, cts.Token).ConfigureAwait(false);
+                }
+                if ((result.Outcome == Outcome.Cancelled || stdoutClosed) && result.StreamId != null)
+                    cancelFailure = await client.CancelAsync(result.StreamId, TimeSpan.FromSeconds(3)).ConfigureAwait(false);
             }
             TimeSpan total = clock.Elapsed;
             if (stdoutClosed) return ExitStdoutClosed;
@@ -144,27 +174,40 @@ namespace ChatCli
                 stdout.Flush();
             }
 
-            if (options.Stats && streamed) PrintStats(stderr, result, firstDelta, total);
+            if (options.Stats && (streamed || result.StreamId != null)) PrintStats(stderr, result, firstDelta, total);
 
+            // How to go on with a stream that ended early (the app keeps it for a while).
+            string resumeHint = result.StreamId == null ? "" :
+                " To continue it: chat --resume " + result.StreamId +
+                (result.LastEventId > 0 ? " --last-event-id " + result.LastEventId.ToString(CultureInfo.InvariantCulture) : "");
             switch (result.Outcome)
             {
                 case Outcome.Done:
+                    if (result.Done.FinishReason == "cancelled")
+                    {
+                        stderr.WriteLine("chat: the app cancelled the stream before its end (finish reason cancelled)");
+                        return ExitStreamError;
+                    }
                     return ExitOk;
                 case Outcome.StreamError:
                     stderr.WriteLine("chat: the stream ended with an error: " + Describe(result.Error, result.Message));
                     return ExitStreamError;
                 case Outcome.Truncated:
-                    stderr.WriteLine("chat: " + result.Message);
+                    stderr.WriteLine("chat: " + result.Message + (resumeHint.Length == 0 ? "" : "." + resumeHint));
                     return ExitStreamError;
                 case Outcome.HttpError:
                     stderr.WriteLine("chat: HTTP " + result.HttpStatus +
                                      (string.IsNullOrEmpty(result.HttpReason) ? "" : " " + result.HttpReason) +
-                                     ": " + Describe(result.Error, result.Message));
+                                     ": " + Describe(result.Error, result.Message) +
+                                     (options.Resume != null && result.HttpStatus == 404 ? " (the stream is unknown or has expired)" : ""));
                     return ExitHttpError;
                 case Outcome.ConnectFailed:
                     stderr.WriteLine("chat: could not connect to " + options.Url + ": " + result.Message);
                     return ExitConnect;
                 case Outcome.Cancelled:
+                    if (result.StreamId != null && cancelFailure != null)
+                        stderr.WriteLine("chat: could not cancel stream " + result.StreamId + ": " + cancelFailure +
+                                         " (the app gives up a stream that nobody reads after RESUME_ABANDON_SECONDS)");
                     stderr.WriteLine("chat: cancelled");
                     return ExitCancelled;
                 default:
@@ -219,6 +262,13 @@ namespace ChatCli
                 stderr.WriteLine("stats: tokens: prompt " + Count(usage.PromptTokens) +
                                  ", completion " + Count(usage.CompletionTokens) +
                                  ", total " + Count(usage.TotalTokens));
+
+            if (result.StreamId != null)
+            {
+                stderr.WriteLine("stats: stream id: " + result.StreamId + " (last event " +
+                                 result.LastEventId.ToString(inv) + ")");
+                stderr.WriteLine("stats: reconnects: " + result.Reconnects.ToString(inv));
+            }
 
             if (result.Outcome == Outcome.Done && !string.IsNullOrEmpty(result.Done.Model))
                 stderr.WriteLine("stats: model: " + result.Done.Model +

@@ -14,6 +14,8 @@ namespace ChatCli
         public string Data;
         /// <summary>The last event ID seen so far on the stream (may be empty).</summary>
         public string LastEventId;
+        /// <summary>This event's own "id:" value, or null when it had no "id:" line.</summary>
+        public string Id;
 
         public override string ToString()
         {
@@ -36,6 +38,7 @@ namespace ChatCli
         readonly StringBuilder data = new StringBuilder();
         string eventType = "";
         string lastEventId = "";
+        string eventId; // this event's own "id:" value
 
         public SseReader(TextReader reader)
         {
@@ -97,7 +100,7 @@ namespace ChatCli
                     data.Append(value).Append('\n');
                     break;
                 case "id":
-                    if (value.IndexOf('\0') < 0) lastEventId = value;
+                    if (value.IndexOf('\0') < 0) lastEventId = eventId = value;
                     break;
                 case "retry":
                     int ms;
@@ -115,6 +118,7 @@ namespace ChatCli
             {
                 // Nothing to dispatch: a blank line after only "event:"/"id:" lines or comments.
                 eventType = "";
+                eventId = null;
                 return null;
             }
             data.Length -= 1; // the "\n" appended after the last data line
@@ -123,9 +127,11 @@ namespace ChatCli
                 Type = eventType.Length == 0 ? "message" : eventType,
                 Data = data.ToString(),
                 LastEventId = lastEventId,
+                Id = eventId,
             };
             data.Clear();
             eventType = "";
+            eventId = null;
             return ev;
         }
 
