@@ -452,10 +452,10 @@ def test_function_key_asked_for_on_401_kept_in_the_tab_and_sent_only_as_a_header
 
 def test_sse_parser_any_split_any_line_ending(tab):
     """The page's parser, fed the same stream cut at every byte (inside CRLF and inside multi-byte
-    characters), with CRLF, CR and LF line endings, comments and multi-line data."""
+    characters), with CRLF, CR and LF line endings, comments, multi-line data and event ids."""
     events = tab.page.evaluate("""() => {
-        const text = ": keep-alive\\r\\n\\r\\ndata: {\\"a\\":\\"日本🙂\\"}\\r\\n\\r\\n" +
-                     "event: x\\rdata: one\\rdata: two\\r\\rdata: [DONE]\\n\\n" + "data: incomplete";
+        const text = ": keep-alive\\r\\n\\r\\nid: 7\\r\\ndata: {\\"a\\":\\"日本🙂\\"}\\r\\n\\r\\n" +
+                     "event: x\\rdata: one\\rid: 8\\rdata: two\\r\\rdata: [DONE]\\n\\n" + "data: incomplete";
         const bytes = new TextEncoder().encode(text);
         const results = new Set();
         for (let cut = 0; cut <= bytes.length; cut++) {
@@ -471,9 +471,9 @@ def test_sse_parser_any_split_any_line_ending(tab):
     }""")
     assert len(events) == 1, events
     assert json.loads(events[0]) == [
-        {"event": "message", "data": '{"a":"日本🙂"}'},
-        {"event": "x", "data": "one\ntwo"},
-        {"event": "message", "data": "[DONE]"},
+        {"event": "message", "data": '{"a":"日本🙂"}', "id": "7"},
+        {"event": "x", "data": "one\ntwo", "id": "8"},
+        {"event": "message", "data": "[DONE]", "id": ""},  # an event's own id only, never inherited
     ]
     tab.assert_clean()
 
