@@ -171,13 +171,20 @@ namespace ChatCli
                 if (result.LastEventId > before) failures = 0;
                 if (failures >= MaxReconnects)
                 {
+                    // Given up: whatever the last attempt met (no connection, a 503, another drop),
+                    // the answer is cut off, and the app may still have the rest.
+                    if (result.Outcome == Outcome.HttpError && result.Error != null && !string.IsNullOrEmpty(result.Error.Message))
+                        result.Message += ": " + result.Error.Message;
+                    result.Outcome = Outcome.Truncated;
+                    result.Error = null;
                     if (MaxReconnects > 0)
                         result.Message += " (" + MaxReconnects + " reconnection " + (MaxReconnects == 1 ? "attempt" : "attempts") + " failed)";
                     return result;
                 }
                 TimeSpan delay = Backoff[Math.Min(failures, Backoff.Length - 1)];
                 failures++;
-                Log("connection lost after event " + result.LastEventId.ToString(CultureInfo.InvariantCulture) + ": " +
+                string what = result.Reconnects == 0 || result.LastEventId > before ? "connection lost" : "reconnection failed";
+                Log(what + " after event " + result.LastEventId.ToString(CultureInfo.InvariantCulture) + ": " +
                     result.Message + "; reconnecting in " + delay.TotalSeconds.ToString("0.0", CultureInfo.InvariantCulture) +
                     " s (attempt " + failures + " of " + MaxReconnects + ")");
                 try

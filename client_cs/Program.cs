@@ -126,6 +126,7 @@ namespace ChatCli
                 if (options.Stats) client.Log = note => stderr.WriteLine("chat: " + note);
                 client.StreamStarted = id =>
                 {
+                    if (options.Stats) stderr.WriteLine("chat: resumable stream " + id);
                     // Mono runs Console.CancelKeyPress only when stdin and stdout are both terminals;
                     // otherwise SIGINT ends the process at once, and a resumable stream would go on
                     // until the app gives it up. So for those, Mono's own UnixSignal catches SIGINT.

@@ -18,6 +18,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -114,6 +115,12 @@ class CannedServer:
         self.requests: list[dict] = []
         self.disconnects: list[float] = []
         self.response = (200, "text/event-stream; charset=utf-8", [b"event: done\ndata: {}\n\n"])
+        # A resumable stream (see `resumable`): the POST's x-stream-id, the answers of the successive
+        # GET streams/ID requests, and what was asked of streams/ID and streams/ID/cancel.
+        self.stream_id: str | None = None
+        self.resumes: list[tuple[int, str, list]] = []
+        self.gets: list[dict] = []
+        self.cancels: list[dict] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -125,18 +132,40 @@ class CannedServer:
             def do_POST(self):
                 length = int(self.headers.get("content-length", "0"))
                 body = self.rfile.read(length)
-                server.requests.append({"path": self.path, "headers": dict(self.headers.items()),
-                                        "lower_headers": {k.lower(): v for k, v in self.headers.items()},
-                                        "body": body, "json": json.loads(body)})
-                status, ctype, parts = server.response
+                record = {"path": self.path, "headers": dict(self.headers.items()), "at": time.monotonic(),
+                          "lower_headers": {k.lower(): v for k, v in self.headers.items()}, "body": body}
+                if self.path.endswith("/cancel"):
+                    server.cancels.append(record)
+                    self._answer(202, "application/json", [b'{"cancelled": true}'])
+                    return
+                server.requests.append(dict(record, json=json.loads(body)))
+                self._answer(*server.response, stream_id=server.stream_id)
+
+            def do_GET(self):
+                server.gets.append({"path": self.path, "at": time.monotonic(),
+                                    "lower_headers": {k.lower(): v for k, v in self.headers.items()}})
+                if server.resumes:
+                    self._answer(*server.resumes.pop(0))
+                else:
+                    self._answer(404, "application/json", [b'{"error": {"type": "not_found", "message": "no such stream"}}'])
+
+            def _answer(self, status, ctype, parts, stream_id=None):
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Transfer-Encoding", "chunked")
+                if stream_id:
+                    self.send_header("x-stream-id", stream_id)
                 self.end_headers()
                 try:
                     for part in parts:
                         if part == "STALL":
                             self._wait_for_hangup()
+                            return
+                        if part == "CUT":  # the connection drops: a reset, the chunked body unfinished
+                            self.wfile.flush()
+                            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                            self.connection.close()
+                            self.close_connection = True
                             return
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
                         self.wfile.flush()
@@ -172,12 +201,28 @@ class CannedServer:
     def answer(self, parts, status: int = 200, content_type: str = "text/event-stream; charset=utf-8"):
         self.requests.clear()
         self.disconnects.clear()
-        self.response = (status, content_type, [p.encode() if isinstance(p, str) and p != "STALL" else p
-                                             for p in parts])
+        self.gets.clear()
+        self.cancels.clear()
+        self.stream_id = None
+        self.resumes = []
+        self.response = (status, content_type, _encode(parts))
+
+    def resumable(self, stream_id: str, parts, resumes=()):
+        """The POST answers with x-stream-id and `parts`; the successive GET streams/ID with `resumes`
+        (each a list of parts, or an int: that status), then 404."""
+        self.answer(parts)
+        self.stream_id = stream_id
+        self.resumes = [(r, "application/json", [b'{"error": {"type": "x", "message": "unavailable"}}'])
+                        if isinstance(r, int) else (200, "text/event-stream; charset=utf-8", _encode(r))
+                        for r in resumes]
 
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _encode(parts) -> list:
+    return [p.encode() if isinstance(p, str) and p not in ("STALL", "CUT") else p for p in parts]
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +391,203 @@ def test_done_members_in_any_order_and_unknown_members(chat_exe, canned):
     assert "stats: finish reason: length" in lines
     assert "stats: tokens: prompt 4, completion 5, total 9" in lines
     assert "stats: model: m2 (id r2)" in lines
+
+
+# ---------------------------------------------------------------------------------------------
+# resumable streams (RESUMABLE_STREAMS=on), against the canned server: a POST answered with
+# x-stream-id and numbered events, dropped ("CUT": a reset in the middle of the chunked body), then
+# GET /api/streams/ID answered as each test scripts it
+
+
+SID = "s7Kq2_mZ-0bX9aR4tY1uVw"
+
+
+def ev(n: int, text: str) -> str:
+    return f"id: {n}\n" + delta(text)
+
+
+def done_ev(n: int, finish: str = "stop") -> str:
+    return f"id: {n}\n" + DONE.replace('"finish_reason": "stop"', f'"finish_reason": "{finish}"')
+
+
+def test_resumable_drop_reconnects_with_last_event_id_and_prints_each_delta_once(chat_exe, canned):
+    """Cut inside event 4: the client asks streams/ID with Last-Event-ID: 3 (the last whole event);
+    the replay starts too early (from 2), and what was printed already is skipped by its id."""
+    canned.resumable(SID, [ev(1, "a"), ev(2, "b"), ev(3, "c"), 'id: 4\ndata: {"delta": "d', "CUT"],
+                     resumes=[[ev(2, "b"), ev(3, "c"), ev(4, "d"), ev(5, "e"), done_ev(6)]])
+    proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"abcde\n"
+    [get] = canned.gets
+    assert get["path"] == f"/api/streams/{SID}"
+    assert get["lower_headers"]["last-event-id"] == "3"
+    err = proc.stderr.decode().splitlines()
+    assert f"chat: resumable stream {SID}" in err
+    assert any(re.match(r"^chat: connection lost after event 3: the connection broke .*; reconnecting in 0\.5 s "
+                        r"\(attempt 1 of 5\)$", line) for line in err), err
+    assert f"stats: stream id: {SID} (last event 6)" in err
+    assert "stats: reconnects: 1" in err and "stats: deltas: 5" in err and "stats: finish reason: stop" in err
+    assert canned.cancels == []
+
+
+def test_without_a_stream_id_a_drop_is_not_retried(chat_exe, canned):
+    """No x-stream-id (RESUMABLE_STREAMS off): as before, a cut-off answer, exit 1, no GET."""
+    canned.answer([ev(1, "a"), "CUT"])
+    proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR
+    assert proc.stdout == b"a\n"
+    assert canned.gets == []
+    assert "the connection broke before a done or error event" in proc.stderr.decode()
+    assert "--resume" not in proc.stderr.decode() and "stats: stream id" not in proc.stderr.decode()
+
+
+def test_reconnection_attempts_are_bounded_with_backoff(chat_exe, canned):
+    """Every attempt fails (503, a refused body): --retries 2 gives up after two, 0.5 s and 1 s apart,
+    exits 1 and says how to continue the stream."""
+    canned.resumable(SID, [ev(1, "a"), ev(2, "b"), "CUT"], resumes=[503, [ev(2, "b"), "CUT"], [ev(3, "never")]])
+    started = time.monotonic()
+    proc = run_chat(chat_exe, "--url", canned.url, "--retries", "2", "--stats", "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR, proc.stderr
+    assert proc.stdout == b"ab\n"
+    err = proc.stderr.decode()
+    assert len(canned.gets) == 2 and [g["lower_headers"]["last-event-id"] for g in canned.gets] == ["2", "2"]
+    assert canned.gets[0]["at"] - started >= 0.5 and canned.gets[1]["at"] - canned.gets[0]["at"] >= 1.0
+    assert "reconnecting in 0.5 s (attempt 1 of 2)" in err and "reconnecting in 1.0 s (attempt 2 of 2)" in err and "reconnection failed after event 2: HTTP 503" in err
+    assert "(2 reconnection attempts failed)" in err
+    assert f"To continue it: chat --resume {SID} --last-event-id 2" in err
+    assert "stats: reconnects: 2" in err
+    # Without --stats the attempts are silent; the end says the same.
+    canned.resumable(SID, [ev(1, "a"), "CUT"], resumes=[503])
+    proc = run_chat(chat_exe, "--url", canned.url, "--retries", "1", "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR and proc.stdout == b"a\n"
+    assert "reconnecting" not in proc.stderr.decode() and f"--resume {SID} --last-event-id 1" in proc.stderr.decode()
+
+
+def test_an_attempt_that_brings_events_starts_the_count_again(chat_exe, canned):
+    """Four drops in one answer with --retries 1: each reconnection brings new events, so none of
+    them counts against the next."""
+    canned.resumable(SID, [ev(1, "a"), "CUT"], resumes=[
+        [ev(2, "b"), "CUT"], [ev(3, "c"), 'id: 4\ndata: {"del', "CUT"], [ev(4, "d"), "CUT"], [ev(5, "e"), done_ev(6)]])
+    proc = run_chat(chat_exe, "--url", canned.url, "--retries", "1", "--stats", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"abcde\n"
+    assert [g["lower_headers"]["last-event-id"] for g in canned.gets] == ["1", "2", "3", "4"]
+    assert "stats: reconnects: 4" in proc.stderr.decode().splitlines()
+
+
+def test_a_stream_that_is_gone_is_not_retried(chat_exe, canned):
+    """404 on streams/ID (expired, or another caller's): no more attempts, exit 2."""
+    canned.resumable(SID, [ev(1, "a"), "CUT"], resumes=[])
+    proc = run_chat(chat_exe, "--url", canned.url, "hi")
+    assert proc.returncode == EXIT_HTTP_ERROR, proc.stderr
+    assert proc.stdout == b"a\n"
+    assert len(canned.gets) == 1 and b"HTTP 404" in proc.stderr
+
+
+def test_resume_by_id_from_the_start_or_after_an_event(chat_exe, canned):
+    canned.resumable(SID, [], resumes=[[ev(1, "a"), ev(2, "b"), done_ev(3)], [ev(3, "c"), done_ev(4)]])
+    proc = run_chat(chat_exe, "--url", canned.url, "--resume", SID)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"ab\n"
+    proc = run_chat(chat_exe, "--url", canned.url, f"--resume={SID}", "--last-event-id", "2", "--stats")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"c\n"
+    assert canned.requests == [], "no prompt was sent"
+    assert [g["path"] for g in canned.gets] == [f"/api/streams/{SID}"] * 2
+    assert "last-event-id" not in canned.gets[0]["lower_headers"]  # from the start
+    assert canned.gets[1]["lower_headers"]["last-event-id"] == "2"
+    assert f"stats: stream id: {SID} (last event 4)" in proc.stderr.decode().splitlines()
+    # Unknown or expired: 404, exit 2, said so.
+    proc = run_chat(chat_exe, "--url", canned.url, "--resume", SID)
+    assert proc.returncode == EXIT_HTTP_ERROR and proc.stdout == b""
+    assert b"HTTP 404" in proc.stderr and b"unknown or has expired" in proc.stderr
+
+
+def test_resume_keeps_the_key_and_the_query_and_sends_the_key_only_as_before(chat_exe, canned):
+    canned.resumable(SID, [], resumes=[[ev(1, "a"), done_ev(2)]])
+    proc = run_chat(chat_exe, "--url", canned.url + "?code=Q1", "--key", "K-9", "--resume", SID)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    [get] = canned.gets
+    assert get["path"] == f"/api/streams/{SID}?code=Q1" and get["lower_headers"]["x-functions-key"] == "K-9"
+
+
+@pytest.mark.parametrize("args", [
+    ["--resume", "../../etc", "hi"][:2],
+    ["--resume", "short"],
+    ["--resume", SID, "hi"],
+    ["--resume", SID, "--system", "s"],
+    ["--last-event-id", "3", "hi"],
+    ["--resume", SID, "--last-event-id", "-1"],
+    ["--resume", SID, "--last-event-id", "1e3"],
+    ["--retries", "101", "hi"],
+    ["--retries", "x", "hi"],
+])
+def test_bad_resume_arguments_exit_64(chat_exe, args):
+    proc = run_chat(chat_exe, *args)
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert b"usage: chat" in proc.stderr
+
+
+def test_a_cancelled_end_exits_1_and_says_so(chat_exe, canned):
+    """Cancelled by someone else (another client, or the app after nobody read it): not a normal end."""
+    canned.resumable(SID, [ev(1, "a"), done_ev(2, finish="cancelled")])
+    proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
+    assert proc.returncode == EXIT_STREAM_ERROR
+    assert proc.stdout == b"a\n"
+    assert "stats: finish reason: cancelled" in proc.stderr.decode().splitlines()
+    assert b"cancelled the stream before its end" in proc.stderr
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
+    """A hang-up no longer stops a resumable stream, so Ctrl+C sends POST streams/ID/cancel, then
+    exits 130. Also under Mono without a terminal, where Console.CancelKeyPress never runs: once the
+    stream is resumable, the client catches SIGINT itself (Mono.Posix's UnixSignal)."""
+    canned.resumable(SID, [ev(1, "first"), "STALL"])
+    if terminal:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"], stdin=slave,
+                                stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
+        os.close(slave)
+        out = master
+    else:
+        proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_client_env(), preexec_fn=_sigint_default)
+        out = proc.stdout.fileno()
+    try:
+        assert b"first" in _read_until_text(out)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if terminal:
+            os.close(master)
+    assert proc.returncode == EXIT_CANCELLED, stderr
+    [cancel] = canned.cancels
+    assert cancel["path"] == f"/api/streams/{SID}/cancel" and cancel["at"] - sent < 2
+    assert "chat: cancelled" in stderr and "stats: finish reason: cancelled" in stderr
+    assert "could not cancel" not in stderr
+    assert wait_for(lambda: canned.disconnects, 2)
+
+
+def test_closed_stdout_cancels_a_resumable_stream(chat_exe, canned):
+    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env())
+    try:
+        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
+        proc.stdout.close()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141
+    assert [c["path"] for c in canned.cancels] == [f"/api/streams/{SID}/cancel"]
 
 
 # ---------------------------------------------------------------------------------------------
