@@ -5,8 +5,8 @@ Bytes pass both ways unchanged. A *cut* is armed by the request line it waits fo
 ``b"POST /api/chat "``): the connection that next sends it is reset (RST, as a dropped network or a
 recycled instance looks to a client) once ``after`` bytes of the answer have been passed on, wherever
 that falls: inside the headers, an event, a UTF-8 character or a chunk's framing. Cuts are used in the
-order they were added, one per matching request. ``refuse(seconds)`` resets every new connection for
-a while (the app unreachable). Threads only: usable from sync tests and Playwright's sync API."""
+order they were added, one per matching request. ``drop()`` resets every open connection at once;
+``refuse(seconds)`` resets every new connection for a while (the app unreachable). Threads only: usable from sync tests and Playwright's sync API."""
 from __future__ import annotations
 
 import re
@@ -32,6 +32,8 @@ class CutProxy:
         self.cut_at: list[float] = []  # time.time() of each cut made
         self.refused = 0  # connections reset while refusing
         self.requests: list[bytes] = []  # the first line of every request seen, in order
+        self._open: set[socket.socket] = set()  # client sockets being served
+        self._drops = 0  # drop() calls so far: a connection older than the last one is reset
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -48,9 +50,16 @@ class CutProxy:
         with self._lock:
             self._refuse_until = time.monotonic() + seconds
 
+    def drop(self) -> int:
+        """Reset every open connection (within 50 ms); returns how many there were."""
+        with self._lock:
+            self._drops += 1
+            return len(self._open)
+
     def close(self) -> None:
         self._closed = True
         self.listener.close()
+        self.drop()
 
     # ------------------------------------------------------------------------------------------
 
@@ -75,10 +84,18 @@ class CutProxy:
             _reset(client)
             return
         server.settimeout(None)
+        with self._lock:
+            self._open.add(client)
+            drops = self._drops
         budget: int | None = None  # bytes of the answer still to pass before the cut
+        cut = False
         try:
             while True:
-                readable, _, _ = select.select([client, server], [], [], 60)
+                readable, _, _ = select.select([client, server], [], [], 0.05)
+                if self._drops != drops:
+                    self.cut_at.append(time.time())
+                    cut = True
+                    break
                 if not readable:
                     continue
                 if client in readable:
@@ -101,17 +118,23 @@ class CutProxy:
                     if budget is not None and len(data) >= budget:
                         client.sendall(data[:budget])
                         self.cut_at.append(time.time())
-                        _reset(client)
-                        _reset(server)
-                        return
+                        cut = True
+                        break
                     client.sendall(data)
                     if budget is not None:
                         budget -= len(data)
         except OSError:
             pass
-        for s in (client, server):
+        finally:
+            with self._lock:
+                self._open.discard(client)
+        # A cut resets the client's side, as a dropped network or a recycled instance looks to a
+        # client; the app's side just closes (the app sees a hang-up). Otherwise both close as usual.
+        if cut:
+            _reset(client)
+        for sock in (client, server) if not cut else (server,):
             try:
-                s.close()
+                sock.close()
             except OSError:
                 pass
 

@@ -847,3 +847,148 @@ def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, up
         os.close(master)
     assert proc.returncode == EXIT_CANCELLED
     assert _wait_disconnected(upstream, "stall", 2), upstream.streams()
+
+
+# ---------------------------------------------------------------------------------------------
+# resumable streams against the function app (RESUMABLE_STREAMS=on, on Azurite)
+
+
+@pytest.fixture(scope="module")
+def resumable(upstream, azurite):
+    from helpers import app_env
+    from servers import App
+    server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cut(resumable):
+    """A proxy in front of the resumable app (tests/cut_proxy.py) that drops chosen connections."""
+    from urllib.parse import urlsplit
+
+    from cut_proxy import CutProxy
+    proxy = CutProxy(urlsplit(resumable.url).port)
+    yield proxy
+    proxy.close()
+
+
+def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
+    """The upstream's requests whose last message is ``prompt``, each with its stream record."""
+    streams = {s["request_id"]: s for s in upstream.streams()}
+    return [(r, streams.get(r["id"])) for r in upstream.requests()
+            if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt]
+
+
+def _ran_to_its_end(upstream, prompt: str) -> None:
+    """One upstream request for the prompt, not cut short by any of the client's drops or hang-ups."""
+    calls = _upstream_calls(upstream, prompt)
+    assert len(calls) == 1, calls
+    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == calls[0][0]["id"]
+                               and s["ended_at"] is not None], 5)
+    assert record and record[0]["outcome"] == "completed", record
+
+
+def _read_stream_id(stderr_fd: int, timeout: float = 15) -> str:
+    """The id from the client's `chat: resumable stream ID` line (--stats), read from its stderr."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([stderr_fd], [], [], 0.1)[0]:
+            chunk = os.read(stderr_fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            m = re.search(rb"chat: resumable stream ([A-Za-z0-9_-]{22})\n", buf)
+            if m:
+                return m.group(1).decode()
+    raise AssertionError(f"no stream id on stderr: {buf!r}")
+
+
+@pytest.mark.parametrize("drops", [1, 3])
+def test_app_resumable_drop_reconnects_and_prints_the_answer_once(chat_exe, cut, upstream, drops):
+    """The proxy resets the client's connection mid-answer (and then its resumed ones): the client
+    reconnects with Last-Event-ID by itself, says so with --stats, and prints exactly the text."""
+    cut.cut(b"POST /api/chat ", 420)  # the headers and the first events of `slow`, and a piece of one
+    for _ in range(drops - 1):
+        cut.cut(b"GET /api/streams/", 260)
+    prompt = f"[scenario:slow] drop {drops} {time.time_ns()}"
+    proc = run_chat(chat_exe, "--url", cut.url + "/api/chat", "--stats", prompt)
+    err = proc.stderr.decode()
+    assert proc.returncode == EXIT_OK, err
+    assert proc.stdout == (_texts()["slow"] + "\n").encode()
+    assert len(cut.cut_at) == drops and cut.pending_cuts() == 0
+    lines = err.splitlines()
+    lost = [line for line in lines if re.match(r"^chat: (connection lost|reconnection failed) after event \d+: ", line)]
+    assert len(lost) >= drops, lines
+    reconnects = int(next(line for line in lines if line.startswith("stats: reconnects: ")).split()[-1])
+    assert reconnects == len(lost) and "stats: finish reason: stop" in lines and "stats: deltas: 10" in lines
+    _ran_to_its_end(upstream, prompt)
+
+
+def test_app_resume_by_id_after_the_client_was_killed(chat_exe, resumable, upstream):
+    """A client killed mid-answer (SIGKILL: nothing sent) leaves the stream going; `--resume ID`
+    prints it whole, `--last-event-id N` only what came after event N."""
+    prompt = f"[scenario:slow] killed {time.time_ns()}"
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_client_env())
+    try:
+        stream_id = _read_stream_id(proc.stderr.fileno())
+        _read_until_text(proc.stdout.fileno())
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    whole = run_chat(chat_exe, "--url", resumable.chat_url, "--resume", stream_id)
+    assert whole.returncode == EXIT_OK, whole.stderr
+    assert whole.stdout == (_texts()["slow"] + "\n").encode()
+    rest = run_chat(chat_exe, "--url", resumable.chat_url, "--resume", stream_id, "--last-event-id", "4", "--stats")
+    assert rest.returncode == EXIT_OK, rest.stderr
+    assert whole.stdout.endswith(rest.stdout) and 0 < len(rest.stdout) < len(whole.stdout)
+    assert "stats: reconnects: 0" in rest.stderr.decode().splitlines()
+    _ran_to_its_end(upstream, prompt)
+    gone = run_chat(chat_exe, "--url", resumable.chat_url, "--resume", "A" * 22)
+    assert gone.returncode == EXIT_HTTP_ERROR and b"HTTP 404" in gone.stderr, gone.stderr
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_exe, resumable, upstream, terminal):
+    """Ctrl+C: the client calls streams/ID/cancel (a hang-up alone would not stop the stream), the app
+    closes the upstream within a second, the stream ends with finish_reason cancelled; exit 130. With
+    a terminal through Console.CancelKeyPress, without one through Mono.Posix's UnixSignal."""
+    prompt = f"[scenario:slow] interrupted {terminal} {time.time_ns()}"
+    args = ["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt]
+    if terminal:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(),
+                                preexec_fn=_sigint_default)
+        os.close(slave)
+        out = master
+    else:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_client_env(), preexec_fn=_sigint_default)
+        out = proc.stdout.fileno()
+    try:
+        stream_id = _read_stream_id(proc.stderr.fileno())
+        _read_until_text(out)
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if terminal:
+            os.close(master)
+    assert proc.returncode == EXIT_CANCELLED, stderr
+    assert "chat: cancelled" in stderr and "could not cancel" not in stderr
+    [(request, _)] = _upstream_calls(upstream, prompt)
+    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == request["id"]
+                               and s["ended_at"] is not None], 5)
+    assert record and record[0]["outcome"] == "client_disconnected", record
+    assert record[0]["ended_at"] - sent < 1.5, record[0]["ended_at"] - sent  # within 1 s of the cancel call
+    replay = run_chat(chat_exe, "--url", resumable.chat_url, "--resume", stream_id, "--stats")
+    assert replay.returncode == EXIT_STREAM_ERROR, replay.stderr
+    assert "stats: finish reason: cancelled" in replay.stderr.decode().splitlines()
+    assert _texts()["slow"].encode().startswith(replay.stdout.rstrip(b"\n"))

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,7 +23,9 @@ import pytest
 
 from chatstream import playground_page
 from chatstream.settings import Settings, SettingsError
-from servers import ROOT
+from cut_proxy import CutProxy
+from helpers import app_env
+from servers import ROOT, App
 from tools.fakeupstream.scenarios import COMPLETION_TOKENS, TEXTS, count_prompt_tokens, echo_text
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -312,6 +315,9 @@ def test_stop_closes_the_upstream_at_once_and_the_page_is_ready_again(tab, upstr
     assert record["outcome"] == "client_disconnected"
     assert record["ended_at"] - clicked < 1.0, record["ended_at"] - clicked
     tab.wait_ready()
+    # Not resumable (no x-stream-id): Stop is the hang-up it always was, nothing kept for a reload.
+    assert not [r.url for r in tab.requests if "/api/streams/" in r.url]
+    assert tab.page.evaluate("() => sessionStorage.getItem('chatstream.stream')") is None
     tab.expect(tab.page.get_by_text("Stopped.", exact=True)).to_be_visible()
     if TEXTS[scenario]:
         assert tab.answer.text_content() == TEXTS[scenario]
@@ -503,3 +509,250 @@ def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_ta
         page.assert_clean(expected_console=r"status of 401")
     finally:
         page.close()
+
+
+# ------------------------------------------------------------------------------- resumable streams
+# An app with RESUMABLE_STREAMS=on on Azurite: the chat answer carries x-stream-id and numbered
+# events; the page resumes it after a reload and after a dropped connection, and Stop cancels it.
+
+# Chromium's own console note on a connection the test dropped.
+DROPPED = r"^Failed to load resource: net::ERR_(CONNECTION_RESET|INCOMPLETE_CHUNKED_ENCODING|EMPTY_RESPONSE)"
+
+
+@pytest.fixture(scope="module")
+def resumable(upstream, azurite):
+    server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cut(resumable):
+    """A proxy in front of the resumable app (tests/cut_proxy.py) that drops connections on demand."""
+    proxy = CutProxy(urlsplit(resumable.url).port)
+    yield proxy
+    proxy.close()
+
+
+def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
+    """The upstream's requests whose last message is ``prompt``, each with its stream record."""
+    streams = {s["request_id"]: s for s in upstream.streams()}
+    return [(r, streams.get(r["id"])) for r in upstream.requests()
+            if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt]
+
+
+def _watch_answer(tab, until, timeout: float = 15) -> list[str]:
+    """Every different text of the Answer until ``until(text)`` is true."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = tab.answer.text_content()
+        if not seen or text != seen[-1]:
+            seen.append(text)
+        if until(text):
+            return seen
+        time.sleep(0.03)
+    raise AssertionError(f"the answer never got there: {seen}")
+
+
+def _resumes(tab) -> list:
+    return [r for r in tab.requests if re.search(r"/api/streams/[A-Za-z0-9_-]{22}$", r.url)]
+
+
+def _stream_id(tab) -> str:
+    response = tab.chat_requests()[-1].response()
+    stream_id = response.all_headers().get("x-stream-id")
+    assert stream_id and re.fullmatch(r"[A-Za-z0-9_-]{22}", stream_id), response.headers
+    return stream_id
+
+
+def _finished_cleanly(tab, upstream, prompt: str, expected: str) -> None:
+    """The answer is exactly the scripted text, the page keeps nothing for a reload, and the upstream
+    saw one request for it that ran to its end (no hang-up reached it)."""
+    assert tab.answer.text_content() == expected
+    assert tab.page.evaluate("() => sessionStorage.getItem('chatstream.stream')") is None
+    calls = _upstream_calls(upstream, prompt)
+    assert len(calls) == 1, calls
+    assert calls[0][1] is not None and calls[0][1]["outcome"] == "completed", calls[0][1]
+
+
+def test_resumable_a_reload_mid_answer_completes_the_answer_exactly_once(browser, resumable, upstream):
+    """Reload while the answer streams: the new page shows the conversation, the question and the text
+    so far from sessionStorage, asks streams/ID with Last-Event-ID, and ends with exactly the scripted
+    text: every observation a prefix of it, nothing twice. The upstream saw one request, which ran to
+    its end. The next turn sends the resumed answer as it was shown."""
+    tab = Page(browser, resumable).open()
+    try:
+        tab.ask("[scenario:normal] an earlier turn")
+        tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+        tab.wait_ready()
+        prompt = f"[scenario:slow_normal] reload me {time.time_ns()}"
+        expected = TEXTS["slow_normal"]
+        tab.ask(prompt)
+        before = _watch_answer(tab, lambda t: len(t) >= len(expected) // 3)
+        stream_id = _stream_id(tab)
+        assert tab.answer.text_content() != expected, "too late: the answer was complete before the reload"
+        kept = tab.page.evaluate("() => JSON.parse(sessionStorage.getItem('chatstream.stream'))")
+        assert kept["streamId"] == stream_id and kept["question"] == prompt
+        assert expected.startswith(kept["answer"]) and kept["lastEventId"] >= 1
+
+        tab.page.reload()
+        tab.expect(tab.page.locator("#question")).to_have_text(prompt)
+        after = _watch_answer(tab, lambda t: t == expected)
+        tab.wait_ready()
+        assert all(expected.startswith(t) for t in before + after), before + after
+        assert all(len(a) <= len(b) for a, b in zip(after, after[1:])), after
+        _finished_cleanly(tab, upstream, prompt, expected)
+        [resume] = _resumes(tab)
+        assert resume.method == "GET" and resume.url.endswith(f"/api/streams/{stream_id}")
+        assert int(resume.all_headers()["last-event-id"]) >= kept["lastEventId"]
+        stats = tab.stats.text_content()
+        assert "reconnected 1×" in stats and stats.endswith("finish: stop"), stats
+        conversation = tab.page.get_by_role("region", name="Conversation")
+        assert TEXTS["normal"] in conversation.text_content(), "the earlier turn is back on screen"
+
+        tab.ask("[scenario:echo] and next?")
+        tab.expect(tab.answer).to_have_text(echo_text("[scenario:echo] and next?"))
+        tab.wait_ready()
+        assert upstream.requests(last=1)[0]["json"]["messages"] == [
+            {"role": "user", "content": "[scenario:normal] an earlier turn"},
+            {"role": "assistant", "content": TEXTS["normal"]},
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": expected},
+            {"role": "user", "content": "[scenario:echo] and next?"},
+        ]
+        tab.assert_clean()
+    finally:
+        tab.close()
+
+
+@pytest.mark.parametrize("drops", [1, 3])
+def test_resumable_a_dropped_connection_is_resumed_by_the_page(browser, cut, upstream, drops):
+    """The proxy resets the page's connection in the middle of the answer (the first cut inside the
+    chat completions response, the next ones inside the resumed ones): the page reconnects by itself
+    with Last-Event-ID, each time from the last event it showed, and the answer is exact."""
+    tab = Page(browser, SimpleNamespace(url=cut.url)).open()
+    try:
+        cut.cut(b"POST /api/v1/chat/completions ", 900)  # the headers, a first event or two, and a piece
+        for _ in range(drops - 1):
+            cut.cut(b"GET /api/streams/", 600)
+        prompt = f"[scenario:slow_normal] drop me {drops} {time.time_ns()}"
+        expected = TEXTS["slow_normal"]
+        tab.ask(prompt)
+        seen = _watch_answer(tab, lambda t: t == expected)
+        tab.wait_ready()
+        assert all(expected.startswith(t) for t in seen), seen
+        assert len(cut.cut_at) == drops and cut.pending_cuts() == 0
+        _finished_cleanly(tab, upstream, prompt, expected)
+        resumes = _resumes(tab)
+        assert len(resumes) >= drops
+        ids = [int(r.all_headers()["last-event-id"]) for r in resumes]
+        assert ids == sorted(ids) and ids[0] >= 1, ids
+        stats = tab.stats.text_content()
+        assert f"reconnected {len(resumes)}×" in stats and stats.endswith("finish: stop"), stats
+        tab.expect(tab.page.locator("#answer-note")).to_have_text("")
+        tab.assert_clean(expected_console=DROPPED)
+    finally:
+        tab.close()
+
+
+def test_resumable_offline_for_a_moment_then_the_page_goes_on(browser, cut, upstream):
+    """The browser goes offline (CDP network emulation: it fails new requests but leaves a running
+    one alone) and the connection drops (the proxy resets it): the page says it waits, sends nothing
+    while offline, and picks the answer up when the browser is online again."""
+    tab = Page(browser, SimpleNamespace(url=cut.url)).open()
+    try:
+        prompt = f"[scenario:slow_normal] offline {time.time_ns()}"
+        expected = TEXTS["slow_normal"]
+        tab.ask(prompt)
+        _watch_answer(tab, lambda t: len(t) >= len(expected) // 4)
+        tab.context.set_offline(True)
+        assert cut.drop() >= 1
+        tab.expect(tab.page.get_by_text("Offline: waiting for the network to reconnect…")).to_be_visible()
+        shown = tab.answer.text_content()
+        time.sleep(1.0)
+        assert _resumes(tab) == [], "no attempt while offline"
+        assert tab.answer.text_content() == shown and expected.startswith(shown)
+        tab.context.set_offline(False)
+        _watch_answer(tab, lambda t: t == expected)
+        tab.wait_ready()
+        _finished_cleanly(tab, upstream, prompt, expected)
+        assert len(_resumes(tab)) == 1
+        tab.assert_clean(expected_console=DROPPED)
+    finally:
+        tab.close()
+
+
+def test_resumable_stop_cancels_the_stream_and_the_upstream_is_closed(browser, resumable, upstream):
+    """Stop no longer just hangs up (that would not stop a resumable stream): it POSTs
+    streams/ID/cancel; the app closes the upstream request at once, the stream ends with
+    finish_reason "cancelled", the text on screen stays as it was at Stop, marked Stopped."""
+    tab = Page(browser, resumable).open()
+    try:
+        prompt = f"[scenario:slow] stop me {time.time_ns()}"
+        tab.ask(prompt)
+        _watch_answer(tab, lambda t: len(t.split()) >= 3)
+        stream_id = _stream_id(tab)
+        clicked = time.time()
+        tab.stop_button.click()
+        shown = tab.answer.text_content()
+        tab.wait_ready()
+        tab.expect(tab.page.get_by_text("Stopped.", exact=True)).to_be_visible()
+        assert tab.answer.text_content() == shown and TEXTS["slow"].startswith(shown) and shown != TEXTS["slow"]
+        assert tab.stats.text_content().endswith("finish: cancelled"), tab.stats.text_content()
+        [(request, record)] = _upstream_calls(upstream, prompt)
+        assert record["ended_at"] is not None and record["outcome"] == "client_disconnected", record
+        assert record["ended_at"] - clicked < 1.5, record["ended_at"] - clicked  # 1 s after the cancel call
+        cancels = [r for r in tab.requests if r.url.endswith(f"/api/streams/{stream_id}/cancel")]
+        assert [r.method for r in cancels] == ["POST"]
+        assert tab.page.evaluate("() => sessionStorage.getItem('chatstream.stream')") is None
+        # What the app kept: the stream ends cancelled, then [DONE].
+        replay = httpx.get(f"{resumable.url}/api/streams/{stream_id}", timeout=10)
+        datas = [line[6:] for line in replay.text.splitlines() if line.startswith("data: ")]
+        assert datas[-1] == "[DONE]"
+        assert json.loads(datas[-2])["choices"][0]["finish_reason"] == "cancelled", datas[-2:]
+        # And the page goes on: the next prompt is answered, with the stopped turn in the conversation.
+        tab.ask("[scenario:normal] after the stop")
+        tab.expect(tab.answer).to_have_text(TEXTS["normal"])
+        tab.wait_ready()
+        assert {"role": "assistant", "content": shown} in upstream.requests(last=1)[0]["json"]["messages"]
+        tab.assert_clean()
+    finally:
+        tab.close()
+
+
+def test_resumable_with_caller_keys_the_resume_and_the_cancel_carry_the_key(browser, upstream, azurite, start_app):
+    """With CALLER_KEYS=required, streams/ID and streams/ID/cancel need the stream's own caller key:
+    the page sends it with both (and another caller gets 404)."""
+    app = start_app(AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required", RESUMABLE_STREAMS="on")
+    keys = [httpx.post(app.url + "/api/manage/callers", json={"name": f"resume-{i}-{os.getpid()}-{time.time_ns()}"},
+                       timeout=30).json()["key"] for i in range(2)]
+    tab = Page(browser, app)
+    try:
+        assert tab.page.goto(app.url + "/api/playground").status == 200
+        caller_key = tab.page.get_by_label("Caller key")
+        caller_key.fill(keys[0])
+        caller_key.press("Enter")
+        tab.expect(tab.page.get_by_role("combobox", name="Model")).to_have_value("gpt-test")
+        prompt = f"[scenario:slow_normal] keyed reload {time.time_ns()}"
+        tab.ask(prompt)
+        _watch_answer(tab, lambda t: len(t) >= len(TEXTS["slow_normal"]) // 3)
+        stream_id = _stream_id(tab)
+        assert httpx.get(f"{app.url}/api/streams/{stream_id}", headers={"authorization": f"Bearer {keys[1]}"},
+                         timeout=10).status_code == 404, "another caller's stream"
+        tab.page.reload()
+        _watch_answer(tab, lambda t: t == TEXTS["slow_normal"])
+        tab.wait_ready()
+        [resume] = _resumes(tab)
+        assert resume.all_headers()["authorization"] == f"Bearer {keys[0]}"
+
+        tab.ask(f"[scenario:slow] keyed stop {time.time_ns()}")
+        _watch_answer(tab, lambda t: len(t.split()) >= 2)
+        tab.stop_button.click()
+        tab.wait_ready()
+        assert tab.stats.text_content().endswith("finish: cancelled"), tab.stats.text_content()
+        [cancel] = [r for r in tab.requests if r.url.endswith("/cancel")]
+        assert cancel.all_headers()["authorization"] == f"Bearer {keys[0]}"
+        tab.assert_clean(expected_console=r"status of 401")
+    finally:
+        tab.close()
