@@ -527,7 +527,7 @@ function main() {
             turn.streamId = streamIdOf(response);
             save(turn);
           }
-          if (turn === current) ui.note.textContent = "";
+          if (turn === current && !turn.stopping) ui.note.textContent = "";
           const before = turn.lastEventId;
           try {
             ended = await readEvents(response, turn);
