@@ -110,7 +110,7 @@ class ResumeConfig:
     # stop: set it above the relay's own total limit.
     max_stream_seconds: float = 660.0
     fast_flush_seconds: float = 0.1  # a reader on another instance follows: one write per 100 ms at most
-    checkpoint_seconds: float = 2.0  # nobody elsewhere follows: one write per 2 s at most
+    checkpoint_seconds: float = 5.0  # nobody elsewhere follows: one write per 5 s at most
     flush_bytes: int = 512 * 1024  # ...or as soon as this much waits
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
     poll_seconds: float = 0.1  # a remote reader polls the blob this often while it grows...
@@ -120,7 +120,9 @@ class ResumeConfig:
     heartbeat_seconds: float = 1.5
     lease_seconds: float = 4.5  # a producing instance whose heartbeat is older is dead
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
-    past_end_wait_seconds: float = 3.0  # Last-Event-ID past what is stored of a live stream: wait this long
+    # Last-Event-ID past what is stored of a live stream elsewhere: wait at most this long for the
+    # producer to store it, or for its heartbeat to prove the id was never handed out (two beats).
+    past_end_wait_seconds: float = 5.0
     max_readers: int = 256  # readers this instance serves at once
     max_readers_per_stream: int = 16
     max_producers: int = 1000
@@ -270,11 +272,12 @@ class Producer:
         self._fast = False
         self._writer_idle = False  # the writer waits with nothing pending (an append must wake it)
         self._uncertain: list[tuple[int, int, bool]] = []  # unanswered writes: (events, bytes, with end)
-        self._last_write = -1e9
+        self._last_write = self._started  # the first checkpoint is one interval in
         self._attached = 1  # the original caller, then readers here
         self._caller_here = True
         self._alone_since = 0.0
-        self._remote_read_at = 0.0
+        self._remote_read_at = 0.0  # the last sign of a reader elsewhere (abandonment)
+        self._remote_follow_at = 0.0  # the last sign of a reader elsewhere still following (fast writes)
         self._done = asyncio.Event()  # the background writer has finished (stored or given up)
 
     # -- the producer's side ------------------------------------------------------------------
@@ -366,7 +369,7 @@ class Producer:
     def _keep(self, event: bytes) -> None:
         if self._end_kept:
             return  # after the kept end (over the size limit, or forced end): the live caller only
-        if self._size + len(event) > self._cfg.max_stream_bytes:
+        if self._size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
             log.warning("stream %s is over %d bytes: it is not resumable past event %d", self.id,
                         self._cfg.max_stream_bytes, self._last_id - 1)
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
@@ -414,7 +417,7 @@ class Producer:
 
     def _tick(self, now: float, now_wall: float) -> None:
         """Every inbox tick: fast writes while a remote reader follows; abandonment; the time cap."""
-        fast = now_wall - self._remote_read_at < self._cfg.read_fresh_seconds
+        fast = now_wall - self._remote_follow_at < self._cfg.read_fresh_seconds
         if fast and not self._fast:
             self._kick.set()
         self._fast = fast
@@ -818,16 +821,7 @@ class StreamLog:
                 await self._register_reader(entity, stream_id, nonce)
                 registered = True
             if after > tail.last_id and tail.end is None and entity.get("state") == "live":
-                # Past what is stored: the producer may not have written it yet (it writes within
-                # inbox_seconds of seeing this reader). Wait a little, then say so.
-                deadline = asyncio.get_running_loop().time() + self.config.past_end_wait_seconds
-                while after > tail.last_id and tail.end is None:
-                    if asyncio.get_running_loop().time() > deadline:
-                        if await self._producer_alive(entity, None):
-                            raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream")
-                        break  # the producer is dead: the reader says stream_lost
-                    await asyncio.sleep(self.config.poll_seconds)
-                    first += tail.feed(await self._read_blob(stream_id, tail.offset))
+                first += await self._check_past_end(stream_id, entity, after, tail)
             if tail.end == _END and after > tail.last_id:
                 raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream ({tail.last_id})")
         except BaseException:
@@ -837,6 +831,44 @@ class StreamLog:
         return self._reader(stream_id, route,
                             lambda: self._follow_remote(stream_id, entity, route, after, tail, first, nonce,
                                                                registered))
+
+    async def _check_past_end(self, stream_id: str, entity: dict, after: int, tail: _Tail) -> bytes:
+        """Last-Event-ID ``after`` is past what is stored of a live stream. Either the producer has
+        not written it yet (it does within inbox_seconds of seeing this reader), or the id was never
+        handed out: wait for the stored log to reach it, or for a heartbeat composed after the
+        client got ``after`` (two beats after the first one read here) to show the producer's last
+        id. BadLastEventId only when proven; otherwise the reader follows (and skips to ``after``).
+        Returns what was read meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.past_end_wait_seconds
+        next_beat_check = loop.time()
+        first_beat: int | None = None
+        read = b""
+        while after > tail.last_id and tail.end is None and loop.time() < deadline:
+            if loop.time() >= next_beat_check:
+                next_beat_check = loop.time() + min(0.5, self.config.heartbeat_seconds / 2)
+                row = await self._instance_row(entity)
+                if row is None or float(row.get("lease_until", 0)) + _SKEW < time.time():
+                    break  # its instance is gone: the reader will say stream_lost
+                beat = int(row.get("beat") or 0)
+                if first_beat is None:
+                    first_beat = beat
+                elif beat >= first_beat + 2:
+                    listed = _listed(row)
+                    if stream_id in listed and after > listed[stream_id]:
+                        raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream "
+                                             f"({listed[stream_id]})")
+                    break  # handed out, or no longer stored (the reader tells which)
+            await asyncio.sleep(self.config.poll_seconds)
+            read += tail.feed(await self._read_blob(stream_id, tail.offset))
+        return read
+
+    async def _instance_row(self, entity: dict) -> Any:
+        instance = entity.get("instance")
+        try:
+            return await self._call_table(lambda t: t.get_entity(f"i-{instance}", _ALIVE_ROW))
+        except ResourceNotFoundError:
+            return None
 
     async def _follow_remote(self, stream_id: str, entity: dict, route: Route, after: int, tail: _Tail,
                              first: bytes, nonce: str, registered: bool) -> AsyncIterator[bytes]:
@@ -856,19 +888,30 @@ class StreamLog:
                 await asyncio.sleep(poll)
                 now = loop.time()
                 try:
+                    # Every read is handed out before any other store call: nothing read is lost.
                     out = tail.feed(await self._read_blob(stream_id, tail.offset))
-                    if now >= next_state and tail.end is None:
+                    if out:
+                        poll, idle = cfg.poll_seconds, 0
+                        yield out
+                    else:
+                        idle += 1
+                        if idle >= 5:
+                            poll = min(cfg.max_poll_seconds, poll * 1.5)
+                    if tail.end is not None:
+                        break
+                    if now >= next_state:
                         next_state = now + cfg.state_seconds
-                        alive = await self._producer_alive(entity, watch)
-                        if alive is False:  # one more read: what it stored before it died
-                            out += tail.feed(await self._read_blob(stream_id, tail.offset))
+                        if not await self._producer_alive(entity, watch):
+                            # Nobody stores it any more: one more read for what was stored last.
+                            out = tail.feed(await self._read_blob(stream_id, tail.offset))
+                            if out:
+                                yield out
                             if tail.end is None:
-                                if out:
-                                    yield out
                                 yield self._error(route, "stream_lost", "the stream's producer was lost",
                                                   True, tail.cursor + 1)
                                 return
-                    if registered and now >= next_refresh and tail.end is None:
+                            break
+                    if registered and now >= next_refresh:
                         next_refresh = now + cfg.read_refresh_seconds
                         await self._register_reader(entity, stream_id, nonce)
                     failing_since = None
@@ -878,14 +921,6 @@ class StreamLog:
                         yield self._error(route, "store_unavailable", "the stream's store is unavailable",
                                           True, tail.cursor + 1)
                         return
-                    continue
-                if out:
-                    poll, idle = cfg.poll_seconds, 0
-                    yield out
-                else:
-                    idle += 1
-                    if idle >= 5:
-                        poll = min(cfg.max_poll_seconds, poll * 1.5)
             if tail.end == _LOST and not (tail.cursor == tail.last_id and tail.cursor > after):
                 yield self._error(route, "stream_lost", "the stream was lost before its end", True,
                                   tail.cursor + 1)
@@ -928,11 +963,7 @@ class StreamLog:
         longer lists it (it ended, and its end marker is in the blob; or it stopped being stored).
         The caller reads the blob once more: no end marker then means the stream is lost.
         StoreUnavailable when the store cannot tell."""
-        instance = entity.get("instance")
-        try:
-            row = await self._call_table(lambda t: t.get_entity(f"i-{instance}", _ALIVE_ROW))
-        except ResourceNotFoundError:
-            row = None
+        row = await self._instance_row(entity)
         now = time.time()
         if row is None:
             alive = now - float(entity.get("created", 0)) < 2 * self.config.lease_seconds
@@ -942,7 +973,7 @@ class StreamLog:
             alive = (watch.saw(row.get("beat"), self.config.lease_seconds + _SKEW)
                      and float(row.get("lease_until", 0)) + 10 * self.config.lease_seconds >= now)
         if alive and row is not None and float(row.get("at", 0)) > float(entity.get("created", 0)):
-            alive = entity["PartitionKey"] in str(row.get("streams") or "").split()
+            alive = entity["PartitionKey"] in _listed(row)
         return alive
 
     async def _register_reader(self, entity: dict, stream_id: str, nonce: str) -> None:
@@ -952,8 +983,11 @@ class StreamLog:
         await self._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE))
 
     def _forget_reader(self, entity: dict, stream_id: str, nonce: str) -> None:
-        pk, rk = f"i-{entity['instance']}", f"r-{stream_id}-{nonce}"
-        self._spawn(self._quietly(lambda: self._call_table(lambda t: t.delete_entity(pk, rk))))
+        """The reader left: say when (the abandonment clock starts then); the producer deletes the row."""
+        now = time.time()
+        row = {"PartitionKey": f"i-{entity['instance']}", "RowKey": f"r-{stream_id}-{nonce}", "read_at": now,
+               "left": True, "expires": now + 2 * self.config.abandon_seconds + 60.0}
+        self._spawn(self._quietly(lambda: self._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE))))
 
     # -- the instance's background work ------------------------------------------------------
 
@@ -985,9 +1019,11 @@ class StreamLog:
         while True:
             now = time.time()
             self._beat += 1
-            # ``streams``: the streams this instance is storing right now, at ``at`` (its own clock,
-            # the clock of their ``created``): one that is not listed any more ended or was lost.
-            storing = " ".join(p.id for p in self._producers.values() if p._resumable and not p._done.is_set())
+            # ``streams``: "id:last_id ..." of the streams this instance is storing right now, at
+            # ``at`` (its own clock, the clock of their ``created``): one that is not listed any more
+            # ended or was lost; ``last_id`` is the last id handed out to its live caller.
+            storing = " ".join(f"{p.id}:{p._last_id}" for p in self._producers.values()
+                               if p._resumable and not p._done.is_set())
             row = {"PartitionKey": f"i-{self.instance}", "RowKey": _ALIVE_ROW, "beat": self._beat, "at": now,
                    "lease_until": now + cfg.lease_seconds, "expires": now + cfg.lease_seconds + 60.0,
                    "streams": storing}
@@ -1028,21 +1064,25 @@ class StreamLog:
         async def query(table: TableClient) -> list[Any]:
             found = table.query_entities("PartitionKey eq @pk and RowKey gt @lo",
                                          parameters={"pk": f"i-{self.instance}", "lo": "b"},
-                                         select=["RowKey", "read_at"])
+                                         select=["RowKey", "read_at", "left"])
             return [row async for row in found]
         return await self._call_table(query)
 
     def _deliver(self, row: Any, now_wall: float) -> None:
+        """One inbox row: a cancel; a remote reader following (``read_at``) or gone (``left``)."""
         key: str = row["RowKey"]
         producer = self._producers.get(key[2:24])
-        if key.startswith("c-"):
-            if producer is not None:
-                producer._request_stop("cancelled")
+        done = key.startswith("c-") or producer is None or bool(row.get("left"))
+        if key.startswith("c-") and producer is not None:
+            producer._request_stop("cancelled")
+        elif key.startswith("r-") and producer is not None:
+            read_at = min(float(row.get("read_at") or 0), now_wall)
+            producer._remote_read_at = max(producer._remote_read_at, read_at)
+            if not row.get("left"):
+                producer._remote_follow_at = max(producer._remote_follow_at, read_at)
+        if done:  # read once: delete it (also what is left of streams no longer here)
             pk = f"i-{self.instance}"
             self._spawn(self._quietly(lambda: self._call_table(lambda t: t.delete_entity(pk, key))))
-        elif key.startswith("r-") and producer is not None:
-            read_at = float(row.get("read_at") or 0)
-            producer._remote_read_at = max(producer._remote_read_at, min(read_at, now_wall))
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -1081,7 +1121,7 @@ class StreamLog:
     async def _quietly(call: Callable[[], Awaitable[Any]]) -> None:
         try:
             await call()
-        except Exception as exc:  # best effort: a row left behind expires and is swept
+        except Exception as exc:  # noqa: BLE001  # best effort: a row left behind expires and is swept
             log.debug("resumable streams: %s", exc)
 
     async def _call_table(self, op: Callable[[TableClient], Awaitable[T]], timeout: float = CALL_TIMEOUT) -> T:
@@ -1093,6 +1133,15 @@ class StreamLog:
         if self._container is None:
             self._container = await self.store.container(STREAMS_CONTAINER)
         return await _bounded(op(self._container))
+
+
+def _listed(row: Any) -> dict[str, int]:
+    """The streams an instance's heartbeat row lists as being stored, with their last ids."""
+    listed = {}
+    for token in str(row.get("streams") or "").split():
+        stream_id, _, last = token.partition(":")
+        listed[stream_id] = int(last) if last.isdigit() else 0
+    return listed
 
 
 class _Liveness:

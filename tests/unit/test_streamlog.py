@@ -83,13 +83,16 @@ async def open_when_visible(streams: StreamLog, stream_id: str, after, caller=No
     """open_reader on another instance, retried while the new stream's row is not written yet (and,
     when ``busy``, on a 503 as a client would)."""
     deadline = time.monotonic() + limit
+    pause = 0.02
     while True:
         try:
             return await streams.open_reader(stream_id, after, caller)
         except (StoreUnavailable if busy else StreamNotFound, StreamNotFound):
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.05 if busy else 0.02)
+            await asyncio.sleep(pause)
+            if busy:  # back off as a client would
+                pause = min(1.0, pause * 2)
 
 
 # -- ids, Last-Event-ID, append ------------------------------------------------------------------
@@ -223,7 +226,7 @@ async def read_all_first(reader) -> bytes:
 
 
 async def test_unknown_malformed_and_past_the_end_are_clear_errors(azurite):
-    async with instances(azurite, 2, past_end_wait_seconds=0.6) as (a, b):
+    async with instances(azurite, 2) as (a, b):
         for streams in (a, b):
             with pytest.raises(StreamNotFound):
                 await streams.open_reader(new_stream_id(), None, None)
@@ -241,9 +244,9 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors(azurite):
             await a.open_reader(producer.id, 4, None)
         await open_when_visible(b, producer.id, None)
         started = time.monotonic()
-        with pytest.raises(BadLastEventId):  # live, elsewhere: past what is stored after a short wait
+        with pytest.raises(BadLastEventId):  # live, elsewhere: proven by the producer's heartbeat
             await b.open_reader(producer.id, 50, None)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 5
         # 3 is the last id: a legitimate resume waits for it to be stored, then follows.
         reader = await b.open_reader(producer.id, 3, None)
         await produce(producer, [delta(3)])
@@ -514,9 +517,12 @@ async def test_200_concurrent_streams_with_drops_and_resumes(azurite):
     rng = random.Random(21)
     baseline = len(asyncio.all_tasks())
     resumes = {"here": 0, "elsewhere": 0}
-    # The emulator shares two cores with everything else here: a producer tolerates a slow store for
-    # longer than by default (the store failing is test_a_store_that_dies_...'s subject, not this one's).
-    async with instances(azurite, 2, give_up_seconds=30) as (a, b):
+    # About 100 of these streams are followed from the other instance at a time, each costing ~20
+    # store calls a second at the default 100 ms cadence: more than the emulator and this process
+    # manage on two cores shared with other test runs. This test is about exact answers under
+    # concurrency, so it follows at 250 ms and tolerates a slow store for longer (the lag and the
+    # store failing are other tests' subjects).
+    async with instances(azurite, 2, give_up_seconds=30, fast_flush_seconds=0.25, poll_seconds=0.25) as (a, b):
         async def one(k: int) -> None:
             await asyncio.sleep(k * 0.01)  # arrivals spread over 2 s
             producer = a.start(rng.choice(["chat", "openai"]), f"caller{k % 7}")
@@ -570,3 +576,163 @@ async def test_200_concurrent_streams_with_drops_and_resumes(azurite):
         assert not a._producers and a._readers == b._readers == 0
     await asyncio.sleep(0.1)
     assert len(asyncio.all_tasks()) == baseline
+
+
+# -- endings this module writes itself -------------------------------------------------------
+
+async def test_a_stream_that_ends_without_its_final_event_is_stored_as_lost(azurite):
+    async with instances(azurite, 2) as (a, b):
+        producer = a.start("openai", None)
+        producer.append(b'data: {"choices":[]}\n\n')
+        producer.finish()  # no final event: the relay died, say
+        assert await producer.wait_stored(10)
+        for streams in (a, b):
+            events = events_of(await read_all(await streams.open_reader(producer.id, None, None)))
+            assert [n for n, _ in events] == [1, 2]
+            assert json.loads(events[1][1][6:])["error"]["code"] == "stream_lost"  # OpenAI's shape
+
+
+async def test_an_openai_error_chunk_ends_the_stream_without_done(azurite):
+    async with instances(azurite, 2) as (a, b):
+        producer = a.start("openai", None)
+        error = sse.event({"error": {"message": "boom", "type": "server_error", "param": None,
+                                     "code": "upstream_error"}})
+        live = await produce(producer, [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'], final=error)
+        assert await producer.wait_stored(10)
+        assert await read_all(await b.open_reader(producer.id, None, None)) == live
+        assert b"[DONE]" not in live and live.endswith(error)
+
+
+async def test_a_producer_that_stops_being_stored_is_lost_for_readers_elsewhere(azurite):
+    async with instances(azurite, 2) as (a, b):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        assert (await anext(reader)).startswith(b"id: 1\n")
+        producer._give_up("a test")  # its instance lives on; it just no longer stores this stream
+        started = time.monotonic()
+        rest = await read_all(reader, limit=10)
+        assert b'"stream_lost"' in rest and time.monotonic() - started < 5
+        here = await a.open_reader(producer.id, None, None)  # on its own instance it is still whole
+        await produce(producer, [delta(1)])
+        assert await read_all(here) == numbered([delta(0), delta(1), DONE])
+
+
+async def test_a_producer_past_its_time_cap_is_ended_and_asked_to_stop(azurite):
+    async with instances(azurite, 1, max_stream_seconds=0.5) as (a,):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        async with asyncio.timeout(3):
+            await producer.stop_requested.wait()
+        assert producer.stop_reason == "timeout"
+        assert producer.append(delta(1)).startswith(b"id: 3\n")  # the live caller is not cut off
+        producer.append(DONE, final=True)
+        producer.finish()
+        assert await producer.wait_stored(10)
+        stored = events_of(await read_all(await a.open_reader(producer.id, None, None)))
+        assert [n for n, _ in stored] == [1, 2] and b'"stream_lost"' in stored[1][1]
+
+
+def test_settings():
+    from chatstream.settings import Settings, SettingsError
+    default = Settings.from_env({})
+    assert (default.resumable_streams, default.resume_abandon_seconds, default.resume_ttl_seconds) == (False, 30, 600)
+    on = Settings.from_env({"RESUMABLE_STREAMS": "on", "RESUME_ABANDON_SECONDS": "5", "RESUME_TTL_SECONDS": "60",
+                            "TOTAL_TIMEOUT_SECONDS": "100"})
+    assert on.resumable_streams is True and Settings.from_env({"RESUMABLE_STREAMS": "off"}).resumable_streams is False
+    config = ResumeConfig.from_settings(on)
+    assert (config.abandon_seconds, config.ttl_seconds, config.max_stream_seconds) == (5, 60, 160)
+    for name, bad in [("RESUMABLE_STREAMS", "maybe"), ("RESUME_ABANDON_SECONDS", "0"), ("RESUME_TTL_SECONDS", "-1"),
+                      ("RESUME_TTL_SECONDS", "x")]:
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env({name: bad})
+
+
+# -- what a stream costs --------------------------------------------------------------------
+
+def count_calls(streams: StreamLog, tally: dict) -> None:
+    """Count this log's store calls by operation (the real calls, to the real Azurite)."""
+    for name in ("_call_table", "_call_blob"):
+        original = getattr(streams, name)
+
+        async def counted(op, *args, original=original, **kwargs):
+            def probe(client):
+                call = op(client)
+                tally[call.__qualname__.split(".")[-1]] = tally.get(call.__qualname__.split(".")[-1], 0) + 1
+                return call
+            return await original(probe, *args, **kwargs)
+        setattr(streams, name, counted)
+
+
+async def test_storage_operations_of_a_typical_answer(azurite):
+    """A 10 s answer of 500 deltas, once with nobody reading it elsewhere, once followed by a
+    reader on another instance: the store calls each makes (per stream; the instance's heartbeat
+    and inbox are shared by all its streams)."""
+    async with instances(azurite, 3, ttl_seconds=1.0, sweep_every=3600) as (quiet_log, followed_log, b):
+        tallies = [{}, {}, {}]
+        for streams, tally in zip((quiet_log, followed_log, b), tallies):
+            count_calls(streams, tally)
+        quiet, followed = quiet_log.start("chat", None), followed_log.start("chat", None)
+        reader = await open_when_visible(b, followed.id, None)
+        body = [delta(i) for i in range(500)]
+        started = time.monotonic()
+        got, *_ = await asyncio.gather(read_all(reader, limit=30), produce(quiet, body, gap=0.02),
+                                       produce(followed, body, gap=0.02))
+        took = time.monotonic() - started
+        assert got == numbered(body + [DONE])
+        assert await quiet.wait_stored(10) and await followed.wait_stored(10)
+        await asyncio.sleep(1.2)
+        swept = {}
+        count_calls(b, swept)
+        assert await b.sweep_once() >= 2
+        per_instance = {"upsert_entity", "query"}  # the instance's heartbeat and inbox
+        print(f"\n{took:.1f} s, 500 deltas: quiet producer {tallies[0]}; followed producer {tallies[1]}; "
+              f"the reader elsewhere {tallies[2]}; one sweep of both {swept}")
+        quiet_ops = sum(n for op, n in tallies[0].items() if op not in per_instance)
+        assert tallies[0]["append_block"] <= took / 2 + 2 and quiet_ops <= 12
+        assert tallies[1]["append_block"] <= took / 0.1 + 3
+
+
+class _NoLog:
+    """The same relay loop without resumability: append returns the bytes."""
+    id = "-"
+
+    def append(self, data: bytes, *, final: bool = False) -> bytes:
+        return data
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not os.environ.get("STREAMLOG_FIGURES"), reason="figures for docs/resumable.md: STREAMLOG_FIGURES=1")
+async def test_figures_producer_cpu(azurite):
+    """CPU the producer side adds: append() alone, and 20 concurrent 500-delta streams (10 s) with
+    their background writes and the instance's heartbeat and inbox, against the same loop without."""
+    producer = _NoLog()
+    async with instances(azurite, 1) as (a,):
+        p = a.start("chat", None)
+        events = [delta(i) for i in range(100_000)]
+        started = time.process_time()
+        for event in events:
+            p.append(event)
+        append_us = (time.process_time() - started) / len(events) * 1e6
+        p.append(DONE, final=True)
+        p.finish()
+        await p.wait_stored(30)
+
+        async def run(make) -> float:
+            body = [delta(i) for i in range(500)]
+            started = time.process_time()
+            producers = [make() for _ in range(20)]
+            await asyncio.gather(*(produce(x, body, gap=0.02) for x in producers))
+            for x in producers:
+                if hasattr(x, "wait_stored"):
+                    assert await x.wait_stored(30)
+            return time.process_time() - started
+
+        without = await run(lambda: producer)
+        with_log = await run(lambda: a.start("chat", None))
+    per_event = (with_log - without) / (20 * 501) * 1000
+    print(f"\nappend(): {append_us:.1f} µs per event; 20 streams x 500 deltas over 10 s: {without:.2f} s CPU "
+          f"without the log, {with_log:.2f} s with it: +{per_event:.3f} ms per event, "
+          f"+{(with_log - without) / 20 * 1000:.1f} ms per stream")
