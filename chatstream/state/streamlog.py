@@ -113,8 +113,11 @@ class ResumeConfig:
     checkpoint_seconds: float = 5.0  # nobody elsewhere follows: one write per 5 s at most
     flush_bytes: int = 512 * 1024  # ...or as soon as this much waits
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
-    poll_seconds: float = 0.1  # a remote reader polls the blob this often while it grows...
-    max_poll_seconds: float = 0.5  # ...slowing to this while it does not
+    # A remote reader polls the blob every poll_seconds after new bytes (about the producer's write
+    # cadence, so it locks onto it), a third of that after an empty read while bytes flow (so a
+    # write that lands just after a poll waits ~33 ms, not 100), then slower to max_poll_seconds.
+    poll_seconds: float = 0.1
+    max_poll_seconds: float = 0.5
     state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
     inbox_seconds: float = 0.5  # a producing instance reads its inbox (cancels, remote readers) this often
     heartbeat_seconds: float = 1.5
@@ -895,8 +898,8 @@ class StreamLog:
                         yield out
                     else:
                         idle += 1
-                        if idle >= 5:
-                            poll = min(cfg.max_poll_seconds, poll * 1.5)
+                        poll = (cfg.poll_seconds / 3 if idle <= 3 else
+                                min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3)))
                     if tail.end is not None:
                         break
                     if now >= next_state:

@@ -442,6 +442,8 @@ async def test_a_store_that_dies_never_stalls_the_live_stream(azurite):
             async with asyncio.timeout(8):  # the next write fails, then give_up_seconds later it stops
                 while producer.resumable:
                     await asyncio.sleep(0.1)
+            print(f"\nstore down: the producer stopped storing after {time.perf_counter() - started:.1f} s "
+                  f"(give_up_seconds=1)")
             # A reader here still gets everything, from memory.
             await produce(producer, [])
             assert await read_all(reader_a) == numbered([delta(i) for i in range(200)] + [DONE])
