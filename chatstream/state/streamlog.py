@@ -14,7 +14,8 @@ What is stored (``chatstreamStreams`` table, ``chatstream-streams`` container):
   created, state (``live`` / ``ended`` / ``lost``), last id, size, ``expires`` (what the sweeper
   and the readers go by);
 - per producing instance (process), partition ``i-{instance}``: the heartbeat row ``alive``
-  (lease, beat) that tells a slow producer from a dead one, and the inbox of that instance:
+  (lease, beat, and the streams it is storing with their last ids) that tells a slow producer from
+  a dead one and a live stream from a lost one, and the inbox of that instance:
   ``c-{id}`` (cancel this stream) and ``r-{id}-{reader}`` (a reader on another instance is
   following this stream, at ``read_at``). The instance reads its inbox with one query every
   ``inbox_seconds``, whatever the number of its streams.
@@ -253,6 +254,7 @@ class Producer:
         self.owner = owner
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
+        self._tag = stream_id[:6] + "…"  # for logs: the id itself is the capability when caller keys are off
         self._log = streams
         self._cfg = streams.config
         self._loop = asyncio.get_running_loop()
@@ -373,7 +375,7 @@ class Producer:
         if self._end_kept:
             return  # after the kept end (over the size limit, or forced end): the live caller only
         if self._size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
-            log.warning("stream %s is over %d bytes: it is not resumable past event %d", self.id,
+            log.warning("stream %s is over %d bytes: it is not resumable past event %d", self._tag,
                         self._cfg.max_stream_bytes, self._last_id - 1)
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
@@ -416,7 +418,7 @@ class Producer:
         if self.stop_reason is None and not self._final_by_caller:
             self.stop_reason = reason
             self.stop_requested.set()
-            log.info("stream %s: stop requested (%s)", self.id, reason)
+            log.info("stream %s: stop requested (%s)", self._tag, reason)
 
     def _tick(self, now: float, now_wall: float) -> None:
         """Every inbox tick: fast writes while a remote reader follows; abandonment; the time cap."""
@@ -427,7 +429,7 @@ class Producer:
         if self._end_kept:
             return
         if now - self._started > self._cfg.max_stream_seconds:
-            log.warning("stream %s ran past %.0f s without finishing: ended here", self.id,
+            log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag,
                         self._cfg.max_stream_seconds)
             self._request_stop("timeout")
             self._end_with_error("the stream ran past its time limit")
@@ -444,7 +446,7 @@ class Producer:
                 if await self._create():
                     await self._write_all()
             except Exception:  # a bug of ours must not take the live stream with it
-                log.exception("stream %s: storing failed", self.id)
+                log.exception("stream %s: storing failed", self._tag)
                 self._give_up("internal error")
             self._done.set()
             # Not stored (given up): readers here, cancel and abandonment still need it until its end.
@@ -575,7 +577,7 @@ class Producer:
             except StoreUnavailable:
                 # The blob has its end marker: readers end right; only the deletion comes later.
                 if self._loop.time() > deadline:
-                    log.warning("stream %s: its end could not be recorded; it is deleted later", self.id)
+                    log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
                     return
                 await asyncio.sleep(0.5)
 
@@ -583,7 +585,7 @@ class Producer:
         if not self._resumable:
             return
         self._resumable = False
-        log.warning("stream %s is not resumable: %s", self.id, why)
+        log.warning("stream %s is not resumable: %s", self._tag, why)
         self._log._spawn(self._log._mark_lost(self.id))
 
 
@@ -676,6 +678,8 @@ class StreamLog:
         """The events of ``stream_id`` after event ``after`` (None: from the start), then the live
         ones to the final event. Raises before anything is sent (see the class docstring)."""
         check_stream_id(stream_id)
+        if self._closed:
+            raise StoreUnavailable("the stream log is closed")
         if after is not None and (not isinstance(after, int) or after < 0 or after >= 10 ** 15):
             raise BadLastEventId("Last-Event-ID must be a non-negative integer of at most 15 digits")
         if self._readers >= self.config.max_readers or \
