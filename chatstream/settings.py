@@ -53,6 +53,14 @@ class Settings(BaseModel):
     # Request limits.
     max_body_bytes: int = Field(1_048_576, alias="MAX_BODY_BYTES", gt=0, le=100 * 1_048_576)
 
+    # Resumable streams (docs/resumable.md): off (default) or on. With on, every streamed /api/chat
+    # and /api/v1/chat/completions response is kept in the store (AzureWebJobsStorage) and can be
+    # resumed from any instance; a stream nobody reads for RESUME_ABANDON_SECONDS is cancelled; a
+    # finished one is deleted RESUME_TTL_SECONDS after its end.
+    resumable_streams: bool = Field(False, alias="RESUMABLE_STREAMS")
+    resume_abandon_seconds: float = Field(30.0, alias="RESUME_ABANDON_SECONDS", gt=0, le=3600)
+    resume_ttl_seconds: float = Field(600.0, alias="RESUME_TTL_SECONDS", gt=0, le=7 * 86400)
+
     # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
     # running locally, off in Azure; true or false decides either way.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
