@@ -313,6 +313,16 @@ namespace ChatCli
                                 id = long.Parse(ev.Id, CultureInfo.InvariantCulture);
                                 if (id <= result.LastEventId) continue; // handled already: a replay from too early
                             }
+                            if (result.StreamId != null && ev.Type == "error" && IsReaderFailure(ev.Data))
+                            {
+                                // Not the stream's end: the app could not read it from its store just
+                                // now. Its id is the next event's, so it is not counted; the next attempt
+                                // asks again from the last event handled.
+                                result.Outcome = Outcome.Truncated;
+                                result.Message = "the app could not read the stream from its store (store_unavailable)";
+                                lost = true;
+                                break;
+                            }
                             bool last = Handle(ev, result, onDelta);
                             if (id >= 0) result.LastEventId = id;
                             if (last) break;
@@ -374,6 +384,14 @@ namespace ChatCli
                 return true;
             }
             return false; // other event types are ignored, so the server can add some later
+        }
+
+        /// <summary>An error event that ends one reading of a resumable stream, not the stream.</summary>
+        static bool IsReaderFailure(string data)
+        {
+            var envelope = Json.TryRead<ErrorEnvelope>(data);
+            return envelope != null && envelope.Error != null &&
+                   (envelope.Error.Type == "store_unavailable" || envelope.Error.Code == "store_unavailable");
         }
 
         static bool IsWorthAnotherTry(int status)

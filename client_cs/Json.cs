@@ -57,6 +57,7 @@ namespace ChatCli
     public sealed class ErrorDetail
     {
         [DataMember(Name = "type")] public string Type;
+        [DataMember(Name = "code")] public string Code;
         [DataMember(Name = "message")] public string Message;
         [DataMember(Name = "param")] public string Param;
         [DataMember(Name = "retryable")] public bool? Retryable;

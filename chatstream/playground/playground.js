@@ -178,6 +178,17 @@ function eventNumber(id) {
   return EVENT_ID.test(id) ? Number(id) : null;
 }
 
+/** An error event that ends one reading of a resumable stream, not the stream: `store_unavailable`. */
+function readerFailed(data) {
+  if (!data.includes("store_unavailable")) return false;
+  try {
+    const error = JSON.parse(data).error;
+    return Boolean(error) && (error.code === "store_unavailable" || error.type === "store_unavailable");
+  } catch {
+    return false;
+  }
+}
+
 function streamUrl(streamId, action = "") {
   return `streams/${encodeURIComponent(streamId)}${action}`;
 }
@@ -596,6 +607,11 @@ function main() {
         for (const event of events) {
           const id = turn.streamId ? eventNumber(event.id) : null;
           if (id !== null && id <= turn.lastEventId) continue; // shown already: a replay from too early
+          if (turn.streamId && readerFailed(event.data)) {
+            // Not the stream's end: the app could not read it from its store just now. Its id is the
+            // next event's, so it is not counted; the next attempt asks again from the last one shown.
+            throw new Error("the app could not read the stream from its store (store_unavailable)");
+          }
           ended = handle(event.data, turn);
           if (id !== null) turn.lastEventId = id;
           if (ended !== null) break;
