@@ -78,6 +78,19 @@ async def model(req: Request) -> Response:
     return await chat_app.model(req)
 
 
+@app.route(route="streams/{stream_id}", methods=["GET"])
+async def resume_stream(req: Request) -> Response:
+    """GET /api/streams/{id} (Last-Event-ID: N): a resumable stream's events after N, then live
+    (RESUMABLE_STREAMS=on; docs/resumable.md)."""
+    return await chat_app.resume_stream(req)
+
+
+@app.route(route="streams/{stream_id}/cancel", methods=["POST"])
+async def cancel_stream(req: Request) -> Response:
+    """POST /api/streams/{id}/cancel: stop a resumable stream (its upstream closed within a second)."""
+    return await chat_app.cancel_stream(req)
+
+
 @app.route(route="_pool", methods=["GET"])
 async def pool_state(req: Request) -> Response:
     """GET /api/_pool: the upstream pool's state per entry (UPSTREAMS, docs/pool.md); never a key.

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .apis import openai_chat
+from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
 from .apis.responses import ResponsesApi
@@ -20,8 +20,11 @@ from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
 from .manage import Manage
 from .pipeline import Pipeline
-from .settings import Settings
+from .resumable import Resumable, encode_error
+from .settings import Settings, SettingsError
+from .state.accounting import Accounting
 from .state.shared import SharedState
+from .state.streamlog import ResumeConfig, StreamLog
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -36,8 +39,9 @@ class ChatApp:
         self.upstreams = upstreams  # one pool for every endpoint
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
-        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting)
-        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting)
+        self.streams = _resumable(settings, state, accounting)  # RESUMABLE_STREAMS=on
+        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams)
+        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
         self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting)
@@ -83,11 +87,40 @@ class ChatApp:
             ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
         )
 
+    async def resume_stream(self, request: Request) -> Response:
+        """GET /api/streams/{stream_id}: a resumable stream again, after Last-Event-ID."""
+        return await self.streams.resume(request) if self.streams else _streams_off()
+
+    async def cancel_stream(self, request: Request) -> Response:
+        """POST /api/streams/{stream_id}/cancel: stop a resumable stream, wherever it is produced."""
+        return await self.streams.cancel(request) if self.streams else _streams_off()
+
     async def close(self) -> None:
-        """Close the upstream clients (their connection pools), when the app shuts down."""
+        """Close the upstream clients (their connection pools) and the stores, when the app shuts down."""
         await self.upstreams.close()
+        if self.streams is not None:
+            await self.streams.close()
         if self.state is not None:
             await self.state.close()
+
+
+def _resumable(settings: Settings, state: SharedState | None, accounting: Accounting | None) -> Resumable | None:
+    if not settings.resumable_streams:
+        return None
+    if state is None:
+        raise SettingsError(
+            "invalid app settings: RESUMABLE_STREAMS=on needs the app's storage: set "
+            "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
+        )
+    encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
+    log_ = StreamLog(state.store, encode_error(encoders), ResumeConfig.from_settings(settings))
+    return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
+
+
+def _streams_off() -> Response:
+    return openai_chat.error_response(
+        ApiError(404, ErrorKind.NOT_FOUND, "resumable streams are off (RESUMABLE_STREAMS)")
+    )
 
 
 def create_app(

@@ -30,8 +30,10 @@ from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, 
 from .http import KEEP_ALIVE, EventStreamResponse, read_json
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
+from .resumable import Resumable
 from .settings import Settings
 from .state.accounting import Accounting, Admission
+from .state.streamlog import Route
 from .stream import Chunk, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
@@ -94,13 +96,20 @@ async def unless_gone(request: Request, work: Awaitable[T], limit: float) -> T:
 
 class Endpoint:
     def __init__(
-        self, api: Api, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, accounting: Accounting | None
+        self,
+        api: Api,
+        settings: Settings,
+        upstreams: Upstreams,
+        pipeline: Pipeline,
+        accounting: Accounting | None,
+        resumable: Resumable | None = None,
     ):
         self.api = api
         self.settings = settings
         self.upstreams = upstreams
         self.pipeline = pipeline
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
+        self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
@@ -195,19 +204,48 @@ class Endpoint:
             relay(self.upstreams, self.api.path, call.params, protocol, limits, record),
             lambda: self._finish_stream(protocol, record, admission),
         )
+        encode = self.api.encoder(call)
+        headers = _headers(record, admission)
+        respond = self._resumable(call, protocol, encode, limits, record, headers)
         response = await stream_response(
             request,
             events,
-            self.api.encoder(call),
+            encode,
             limits,
             record,
             self.settings.heartbeat,
             lambda error: self._error_response(error, record, admission),
-            _headers(record, admission),
+            headers,
+            respond,
         )
         if admission is not None and protocol.id:  # the id came with the first events
             await self._claim(admission, protocol.id, call)
         return response
+
+    def _resumable(
+        self,
+        call: CallRequest,
+        protocol: StreamProtocol,
+        encode: Callable[[Event], bytes | None],
+        limits: TimeLimits,
+        record: StreamRecord,
+        headers: dict[str, str],
+    ) -> Callable[[asyncio.Future, AsyncGenerator[Event]], Response | None] | None:
+        """With RESUMABLE_STREAMS=on, how a streamed /api/chat or chat-completions answer is made once its
+        first event is in hand: produced by a task of its own, resumable (resumable.py)."""
+        resumable = self.resumable
+        if resumable is None or self.api.name not in ("chat", "openai"):
+            return None
+        route: Route = "chat" if self.api.name == "chat" else "openai"
+
+        def answer(first: asyncio.Future, events: AsyncGenerator[Event]) -> Response | None:
+            producer = resumable.start(route, record)
+            if producer is None:
+                return None  # this instance is full: streamed as usual
+            call.stream_id = record.stream_id = producer.id
+            return resumable.respond(producer, first, events, encode, protocol, limits, record, headers)
+
+        return answer
 
     async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
@@ -258,6 +296,7 @@ async def stream_response(
     heartbeat: float,
     error_response: Callable[[ApiError], Response],
     headers: dict[str, str],
+    respond: Callable[[asyncio.Future, AsyncGenerator[Event]], Response | None] | None = None,
 ) -> Response:
     """The status rule over a stream of events: wait for the first event or the first heartbeat; a
     failure before then is ``error_response``, a caller gone meanwhile a 499; else the event stream,
@@ -279,6 +318,9 @@ async def stream_response(
         record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
         await events.aclose()
         return response
+    answer = respond(first, events) if respond is not None else None  # a resumable stream's answer
+    if answer is not None:
+        return answer
     return EventStreamResponse(
         _body(first, events, encode, heartbeat),
         limits.total_at,

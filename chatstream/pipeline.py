@@ -73,6 +73,7 @@ class CallRequest:
     params: dict[str, Any]
     endpoint: str
     include_usage: bool = False  # the caller asked for the usage chunk (OpenAI endpoint, streamed)
+    stream_id: str | None = None  # a resumable stream's id (RESUMABLE_STREAMS=on), once it has one
 
     @property
     def messages(self) -> list[dict]:

@@ -71,6 +71,8 @@ class StreamRecord:
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
     answered: bool = False  # an upstream took the request (answered 200): from then on it may cost tokens
+    stream_id: str | None = None  # a resumable stream's id
+    stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
     telemetry: Span | None = field(default=None, repr=False)
@@ -90,6 +92,8 @@ class StreamRecord:
 
     def hung_up(self, status: int | None = None) -> None:
         """The caller left before the answer was over (499 when it left before the headers)."""
+        if self.finish_reason == "cancelled":
+            return  # a resumable stream stopped on purpose (stopped): not a hang-up
         self.disconnected = True
         if status is not None:
             self.status = status
@@ -110,6 +114,12 @@ class StreamRecord:
         """The upstream served the model: from here on, its name may be a metric dimension."""
         self.first_delta_at = time.perf_counter()
         self.model_accepted = True
+
+    def stopped(self, reason: str) -> None:
+        """A resumable stream was cancelled (``cancelled``) or abandoned (``abandoned``): it ends with
+        finish_reason ``cancelled``."""
+        self.finish_reason = "cancelled"
+        self.stop_reason = reason
 
     def ended(self, finish_reason: str | None, usage: dict | None) -> None:
         self.finish_reason, self.usage = finish_reason, usage
@@ -154,6 +164,10 @@ class StreamRecord:
             line["attempt_errors"] = self.attempt_errors
         if self.caller is not None:
             line["caller"] = self.caller
+        if self.stream_id is not None:
+            line["stream_id"] = self.stream_id
+        if self.stop_reason is not None:
+            line["stop_reason"] = self.stop_reason
         return line
 
     def log_line(self) -> str:

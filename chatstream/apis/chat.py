@@ -118,15 +118,16 @@ def chat_text(chunk: dict) -> str | None:
     return None
 
 
-def encode(item: Event) -> bytes | None:
+def encode(item: Event, stream_id: str | None = None) -> bytes | None:
+    """One event as /api/chat writes it; a resumable stream's final event also carries its id."""
     if isinstance(item, Chunk):
         text = chat_text(item.data)
         return event({"delta": text}) if text else None
     if isinstance(item, Done):
-        return event(
-            {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}, b"done"
-        )
-    return event(item.error.body(), b"error")
+        done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
+        return event({**done, "stream_id": stream_id} if stream_id else done, b"done")
+    body = item.error.body()
+    return event({**body, "stream_id": stream_id} if stream_id else body, b"error")
 
 
 class ChatApi:
@@ -142,7 +143,7 @@ class ChatApi:
         return CompletionStream(pipeline, 1, keep)
 
     def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]:
-        return encode
+        return lambda item: encode(item, call.stream_id)
 
     def error_response(self, error: ApiError) -> Response:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

@@ -90,6 +90,15 @@ def encode(item: Event, include_usage: bool) -> bytes:
     if isinstance(item, Chunk):
         return event(item.data)
     if isinstance(item, Done):
+        if item.finish_reason == "cancelled":  # a resumable stream stopped: its choices end "cancelled"
+            stopped = {
+                "id": item.id,
+                "object": "chat.completion.chunk",
+                "created": item.created,
+                "model": item.model,
+                "choices": [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons],
+            }
+            return event(stopped) + OPENAI_DONE
         if include_usage:
             return (
                 event(

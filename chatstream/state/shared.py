@@ -43,11 +43,15 @@ class SharedState:
         except StoreConfigError as exc:
             raise SettingsError(f"invalid app settings: {exc}") from None
         if store is None:
-            if settings.caller_keys == "required":
-                raise SettingsError(
-                    "invalid app settings: CALLER_KEYS=required needs the app's storage: set "
-                    "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-                )
+            for needs, on in (
+                ("CALLER_KEYS=required", settings.caller_keys == "required"),
+                ("RESUMABLE_STREAMS=on", settings.resumable_streams),
+            ):
+                if on:
+                    raise SettingsError(
+                        f"invalid app settings: {needs} needs the app's storage: set "
+                        "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
+                    )
             return None
         log.info("shared state: %s", store.config.describe())
         registry = CallerRegistry(store, settings.caller_cache_seconds)

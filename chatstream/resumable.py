@@ -1,0 +1,268 @@
+"""Resumable streams in the request path (``RESUMABLE_STREAMS=on``, docs/resumable.md): a streamed
+``/api/chat`` or ``/api/v1/chat/completions`` answer is produced by a task of its own, numbered and
+kept by the stream log (state/streamlog.py), and the caller is one reader of it. So a hang-up no longer
+stops the generation: it goes on and is stored, and ``GET /api/streams/{id}`` with ``Last-Event-ID``
+continues it on any instance. ``POST /api/streams/{id}/cancel`` stops it, and so does nobody reading it
+for ``RESUME_ABANDON_SECONDS``: the upstream is closed and the stream ends with ``finish_reason``
+``cancelled``.
+
+The status rule is the same as for any stream: until the first output (or the first heartbeat) a
+failure is an HTTP status, and a caller that leaves then stops it (there is no stream id to resume
+yet); after it, every event has an ``id:`` line and the answer has ``x-stream-id``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .errors import ERROR_HEADERS, ApiError, ErrorKind
+from .http import KEEP_ALIVE, EventStreamResponse
+from .record import StreamRecord
+from .state.accounting import Accounting
+from .state.store import StoreUnavailable
+from .state.streamlog import (
+    EncodeError,
+    Producer,
+    Route,
+    StreamLog,
+    StreamLogError,
+    TooManyStreams,
+    parse_last_event_id,
+)
+from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
+
+log = logging.getLogger("chatstream")
+
+Encode = Callable[[Event], bytes | None]
+
+
+class Resumable:
+    """The producing side (``respond``) and the two routes (``resume``, ``cancel``)."""
+
+    def __init__(self, streams: StreamLog, heartbeat: float, total_timeout: float, accounting: Accounting | None):
+        self.streams = streams
+        self.heartbeat = heartbeat
+        self.total_timeout = total_timeout  # a resumed stream follows its producer, bounded by the same limit
+        self.accounting = accounting  # caller keys: a stream is resumed or cancelled by its own caller only
+        self._producing: set[asyncio.Task] = set()
+
+    # --- producing ------------------------------------------------------------------------------
+
+    def start(self, route: Route, record: StreamRecord) -> Producer | None:
+        """A new stream's producer, or None when this instance produces too many (then the answer
+        streams as usual, without resumability)."""
+        try:
+            return self.streams.start(route, record.caller)
+        except TooManyStreams:
+            log.warning("resumable streams: this instance is full; a stream goes without resumability")
+            return None
+
+    def respond(
+        self,
+        producer: Producer,
+        first: asyncio.Future,
+        events: AsyncGenerator[Event],
+        encode: Encode,
+        protocol: StreamProtocol,
+        limits: TimeLimits,
+        record: StreamRecord,
+        headers: dict[str, str],
+    ) -> Response:
+        """The answer once the first event is in hand or on its way: its producer runs as a task of
+        its own, and this response reads what it appends."""
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        task = asyncio.create_task(self._produce(producer, first, events, encode, protocol, record, out))
+        self._producing.add(task)
+        task.add_done_callback(self._producing.discard)
+        return EventStreamResponse(
+            _live(first, out, self.heartbeat),
+            limits.total_at,
+            on_close=lambda: _gone(producer, out),
+            headers={**headers, "x-request-id": record.request_id, "x-stream-id": producer.id},
+        )
+
+    async def _produce(
+        self,
+        producer: Producer,
+        first: asyncio.Future,
+        events: AsyncGenerator[Event],
+        encode: Encode,
+        protocol: StreamProtocol,
+        record: StreamRecord,
+        out: asyncio.Queue[bytes | None],
+    ) -> None:
+        """Every event to the log (and to the live caller while it reads), to the final one; a stop
+        (cancel, abandonment) closes the upstream and ends the stream ``cancelled``."""
+        stop = asyncio.ensure_future(producer.stop_requested.wait())
+        try:
+            pending = first
+            batch: list[bytes] = []
+            while True:
+                await asyncio.wait({pending, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    await _stopped(pending, events, record, protocol, encode, producer, out)
+                    return
+                item = pending.result()
+                data = encode(item)
+                if data:
+                    batch.append(data)
+                final = not isinstance(item, Chunk)
+                if batch and (final or not item.more):
+                    out.put_nowait(producer.append(b"".join(batch), final=final))
+                    batch = []
+                if final:
+                    return
+                pending = asyncio.ensure_future(anext(events))
+        except Exception:
+            log.exception("resumable stream %s: the producer failed", producer.id[:6])
+        finally:
+            stop.cancel()
+            producer.finish()
+            out.put_nowait(None)
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+
+    # --- the routes -------------------------------------------------------------------------------
+
+    async def resume(self, request: Request) -> Response:
+        """``GET /api/streams/{id}``: the events after ``Last-Event-ID`` (or ``?last_event_id``), then
+        the live ones to the final event."""
+        try:
+            caller = await self._caller(request)
+            after = parse_last_event_id(request.headers.get("last-event-id"), request.query_params.get("last_event_id"))
+            reader = await self.streams.open_reader(request.path_params.get("stream_id", ""), after, caller)
+        except (ApiError, StreamLogError, StoreUnavailable) as error:
+            return _error(error)
+        give_up = asyncio.get_running_loop().time() + self.total_timeout
+        return EventStreamResponse(_with_keep_alives(reader, self.heartbeat), give_up, on_close=reader.aclose)
+
+    async def cancel(self, request: Request) -> Response:
+        """``POST /api/streams/{id}/cancel``: the stream's producer, wherever it runs, stops within a
+        second; the stream ends ``cancelled``."""
+        stream_id = request.path_params.get("stream_id", "")
+        try:
+            caller = await self._caller(request)
+            live = await self.streams.cancel(stream_id, caller)
+        except (ApiError, StreamLogError, StoreUnavailable) as error:
+            return _error(error)
+        return JSONResponse(
+            {"id": stream_id, "object": "stream.cancel", "cancelled": live}, headers={"Cache-Control": "no-store"}
+        )
+
+    async def _caller(self, request: Request) -> str | None:
+        if self.accounting is None:
+            return None  # without caller keys the stream id is the capability
+        return (await self.accounting.authenticate(request.headers)).name
+
+    async def close(self) -> None:
+        await self.streams.close()
+
+
+async def _stopped(
+    pending: asyncio.Future,
+    events: AsyncGenerator[Event],
+    record: StreamRecord,
+    protocol: StreamProtocol,
+    encode: Encode,
+    producer: Producer,
+    out: asyncio.Queue[bytes | None],
+) -> None:
+    """Cancelled or abandoned: close the upstream now, then the final event, ``cancelled``."""
+    record.stopped(producer.stop_reason or "cancelled")
+    pending.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(pending, return_exceptions=True)
+        await events.aclose()  # the relay closes the upstream connection: the generation stops
+    done = Done(
+        "cancelled",
+        {0: "cancelled"},
+        None,
+        protocol_field(protocol, "model"),
+        protocol.id,
+        protocol_field(protocol, "created"),
+    )
+    data = encode(done)
+    if data:
+        out.put_nowait(producer.append(data, final=True))
+
+
+def protocol_field(protocol: StreamProtocol, name: str):
+    return getattr(protocol, name, None)
+
+
+async def _live(first: asyncio.Future, out: asyncio.Queue[bytes | None], heartbeat: float) -> AsyncIterator[bytes]:
+    """What the original caller reads: keep-alives until the first output, then what the producer
+    appends, as it appends it."""
+    if not first.done():
+        yield KEEP_ALIVE  # the headers go out now; say so to proxies at once
+        while not first.done() and out.empty():
+            await asyncio.wait({first}, timeout=heartbeat)
+            if not first.done() and out.empty():
+                yield KEEP_ALIVE
+    while (data := await out.get()) is not None:
+        yield data
+
+
+async def _gone(producer: Producer, out: asyncio.Queue[bytes | None]) -> None:
+    """The original caller's answer is over (read to the end, or it hung up): the stream goes on."""
+    producer.caller_gone()
+
+
+async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> AsyncIterator[bytes]:
+    """A reader's bytes, with a keep-alive comment whenever nothing came for ``heartbeat`` seconds (a
+    resumed stream may wait long for the producer)."""
+    pending = asyncio.ensure_future(anext(reader))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                data = pending.result()
+            except StopAsyncIteration:
+                return
+            yield data
+            pending = asyncio.ensure_future(anext(reader))
+    finally:
+        pending.cancel()
+
+
+_KINDS = {
+    404: ErrorKind.NOT_FOUND,
+    400: ErrorKind.INVALID_REQUEST,
+    429: ErrorKind.RATE_LIMITED,
+    503: ErrorKind.STREAM_STORE_UNAVAILABLE,
+}
+
+
+def _error(error: Exception) -> Response:
+    """An error of the stream routes. A stream's route is not known before it is found, so the body
+    is both shapes at once: /api/chat's (``type``, ``message``, ``retryable``) and OpenAI's
+    (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind."""
+    if isinstance(error, ApiError):
+        status, kind, message, retryable = error.status, str(error.type), error.message, error.retryable
+    elif isinstance(error, StoreUnavailable):
+        status, kind, message, retryable = 503, str(ErrorKind.STREAM_STORE_UNAVAILABLE), str(error), True
+    else:
+        status = getattr(error, "status", 400)
+        kind, message, retryable = str(_KINDS.get(status, ErrorKind.INVALID_REQUEST)), str(error), status >= 429
+    body = {"error": {"message": message, "type": kind, "code": kind, "param": None, "retryable": retryable}}
+    return JSONResponse(body, status_code=status, headers=ERROR_HEADERS)
+
+
+def encode_error(encoders: dict[str, Encode]) -> EncodeError:
+    """The stream log's encoder for an error event it writes itself (``stream_lost``): in the route's
+    format, as the route's own encoder writes a final error."""
+
+    def encode(route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes:
+        kind = ErrorKind.STREAM_LOST if type == "stream_lost" else ErrorKind.STREAM_STORE_UNAVAILABLE
+        data = encoders[route](Failed(ApiError(502, kind, message, retryable=retryable)))
+        return data or b""
+
+    return encode
