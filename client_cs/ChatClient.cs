@@ -319,7 +319,7 @@ namespace ChatCli
                                 // now. Its id is the next event's, so it is not counted; the next attempt
                                 // asks again from the last event handled.
                                 result.Outcome = Outcome.Truncated;
-                                result.Message = "the app could not read the stream from its store (store_unavailable)";
+                                result.Message = "the app could not read the stream from its store (stream_store_unavailable)";
                                 lost = true;
                                 break;
                             }
@@ -391,7 +391,7 @@ namespace ChatCli
         {
             var envelope = Json.TryRead<ErrorEnvelope>(data);
             return envelope != null && envelope.Error != null &&
-                   (envelope.Error.Type == "store_unavailable" || envelope.Error.Code == "store_unavailable");
+                   (envelope.Error.Type == "stream_store_unavailable" || envelope.Error.Code == "stream_store_unavailable");
         }
 
         static bool IsWorthAnotherTry(int status)

@@ -178,12 +178,13 @@ function eventNumber(id) {
   return EVENT_ID.test(id) ? Number(id) : null;
 }
 
-/** An error event that ends one reading of a resumable stream, not the stream: `store_unavailable`. */
+/** An error event that ends one reading of a resumable stream, not the stream:
+ *  `stream_store_unavailable` (the app could not read the stream from its store for a while). */
 function readerFailed(data) {
-  if (!data.includes("store_unavailable")) return false;
+  if (!data.includes("stream_store_unavailable")) return false;
   try {
     const error = JSON.parse(data).error;
-    return Boolean(error) && (error.code === "store_unavailable" || error.type === "store_unavailable");
+    return Boolean(error) && (error.code === "stream_store_unavailable" || error.type === "stream_store_unavailable");
   } catch {
     return false;
   }
@@ -610,7 +611,7 @@ function main() {
           if (turn.streamId && readerFailed(event.data)) {
             // Not the stream's end: the app could not read it from its store just now. Its id is the
             // next event's, so it is not counted; the next attempt asks again from the last one shown.
-            throw new Error("the app could not read the stream from its store (store_unavailable)");
+            throw new Error("the app could not read the stream from its store (stream_store_unavailable)");
           }
           ended = handle(event.data, turn);
           if (id !== null) turn.lastEventId = id;
