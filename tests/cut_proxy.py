@@ -1,7 +1,9 @@
 """A TCP proxy in front of the app that drops connections mid-answer, as a network does: the tests of
 the clients' reconnection (tests/test_playground.py, tests/test_client_cs.py) point a client at it.
 
-Bytes pass both ways unchanged. A *cut* is armed by the request line it waits for (e.g.
+Bytes pass both ways unchanged, but for one header: an ``Origin`` naming the proxy is rewritten to
+the app's own (the local host serves browser requests from its own origin only, and to the page, the
+proxy is the app). A *cut* is armed by the request line it waits for (e.g.
 ``b"POST /api/chat "``): the connection that next sends it is reset (RST, as a dropped network or a
 recycled instance looks to a client) once ``after`` bytes of the answer have been passed on, wherever
 that falls: inside the headers, an event, a UTF-8 character or a chunk's framing. Cuts are used in the
@@ -26,6 +28,8 @@ class CutProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        self._origin = re.compile(rb"(\r\norigin: *)http://(127\.0\.0\.1|localhost):%d\r\n" % self.port, re.I)
+        self._target_origin = b"http://127.0.0.1:%d" % target_port
         self._lock = threading.Lock()
         self._cuts: list[tuple[bytes, int]] = []
         self._refuse_until = 0.0
@@ -110,7 +114,7 @@ class CutProxy:
                                     budget = after
                                     del self._cuts[i]
                                     break
-                    server.sendall(data)
+                    server.sendall(self._origin.sub(lambda m: m.group(1) + self._target_origin + b"\r\n", data))
                 if server in readable:
                     data = server.recv(65536)
                     if not data:
