@@ -16,11 +16,8 @@ models ``openai/gpt-4o``), lower-cased, then
   (``o1``, ``o3``, ``o4-mini``...), ``gpt-oss``, and any name we do not know (an Azure deployment
   name, a local model), because that is what every current OpenAI model uses.
 
-Cost (measured on the 2-core development machine, docs/callers.md): importing ``bpe_openai`` and
-building o200k_base takes about 1.3 s the first time (the package builds every table's metadata at
-import), cl100k_base another 0.1 s: ``preload()`` does it once, at start-up, off the request path.
-After that a count costs about 1 µs for a short string and 75 µs per 1,000 characters of English
-(1 MiB, the largest body, about 90 ms of CPU).
+Building the tables is slow (about a second): ``preload()`` does it once at start-up, off the request
+path; a count after that is microseconds (figures in docs/callers.md).
 
 Chat prompts follow OpenAI's published formula (3 tokens per message, 1 more when it has a ``name``,
 3 to prime the reply; tools as in OpenAI's cookbook); the Responses API publishes none, so its
