@@ -756,3 +756,39 @@ def test_resumable_with_caller_keys_the_resume_and_the_cancel_carry_the_key(brow
         tab.assert_clean(expected_console=r"status of 401")
     finally:
         tab.close()
+
+
+def test_resumable_store_unavailable_and_an_early_replay_show_each_event_once(browser, app):
+    """Answers made in the browser (Playwright routes), for what the app does rarely: the first
+    response ends with `stream_store_unavailable` (the app could not read its store just then), which
+    ends that reading, not the answer, and whose id is not counted; the resumed one starts earlier than
+    asked. The page asks again after event 2 and shows every event once."""
+    sid = "s7Kq2_mZ-0bX9aR4tY1uVw"
+
+    def chunk(n: int, text: str | None, finish: str | None = None) -> str:
+        delta = {"content": text} if text is not None else {}
+        return f"id: {n}\ndata: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+    unavailable = 'id: 3\ndata: {"error": {"message": "the stream\'s store is unavailable", ' \
+                  '"type": "stream_store_unavailable", "code": "stream_store_unavailable", "retryable": true}}\n\n'
+    first = chunk(1, "one ") + chunk(2, "two ") + unavailable
+    resumed = chunk(2, "two ") + chunk(3, "three") + chunk(4, None, "stop") + "id: 5\ndata: [DONE]\n\n"
+    tab = Page(browser, app)
+    tab.context.route("**/api/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"content-type": "text/event-stream", "x-stream-id": sid}, body=first))
+    tab.context.route(f"**/api/streams/{sid}", lambda route: route.fulfill(
+        status=200, headers={"content-type": "text/event-stream"}, body=resumed))
+    try:
+        tab.open()
+        tab.ask("[scenario:normal] anything")
+        tab.wait_ready()
+        assert tab.answer.text_content() == "one two three"
+        [resume] = _resumes(tab)
+        assert resume.all_headers()["last-event-id"] == "2"
+        stats = tab.stats.text_content()
+        assert "3 deltas" in stats and "reconnected 1×" in stats and stats.endswith("finish: stop"), stats
+        assert tab.page.locator("#error").text_content() == "", "no error shown"
+        tab.assert_clean()
+    finally:
+        tab.close()
