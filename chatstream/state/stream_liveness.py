@@ -1,0 +1,72 @@
+"""Whether a stream produced on another instance is still being stored, as a reader there tells it:
+the producing instance's heartbeat row (its lease, its beat, the streams it lists), read by the
+lease time or, for a reader that ``watch``es, by the reader's own clock."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from azure.core.exceptions import ResourceNotFoundError
+
+from .stream_calls import StreamStore
+from .stream_format import ALIVE_ROW
+
+SKEW = 1.0  # seconds of wall-clock difference tolerated between instances for a lease
+
+
+def listed(row: Any) -> dict[str, int]:
+    """The streams an instance's heartbeat row lists as being stored, with their last ids."""
+    found = {}
+    for token in str(row.get("streams") or "").split():
+        stream_id, _, last = token.partition(":")
+        found[stream_id] = int(last) if last.isdigit() else 0
+    return found
+
+
+class Liveness:
+    """A remote reader's view of the producer's heartbeat: dead when the beat has not changed for
+    a lease, by the reader's own clock (so a skewed clock cannot make a live producer look dead)."""
+
+    def __init__(self) -> None:
+        self.beat: Any = None
+        self.changed_at = time.monotonic()
+
+    def saw(self, beat: Any, lease: float) -> bool:
+        now = time.monotonic()
+        if beat != self.beat:
+            self.beat, self.changed_at = beat, now
+            return True
+        return now - self.changed_at <= lease
+
+
+async def instance_row(streams: StreamStore, entity: dict) -> Any:
+    """The heartbeat row of the instance that produces the stream ``entity`` (None: there is none)."""
+    instance = entity.get("instance")
+    try:
+        return await streams._call_table(lambda t: t.get_entity(f"i-{instance}", ALIVE_ROW))
+    except ResourceNotFoundError:
+        return None
+
+
+async def producer_alive(streams: StreamStore, entity: dict, watch: Liveness | None) -> bool:
+    """False if nobody is storing the stream any more: its instance's heartbeat stopped (by this
+    reader's clock when it ``watch``es, else by the lease time), or the instance's last beat no
+    longer lists it (it ended, and its end marker is in the blob; or it stopped being stored).
+    The caller reads the blob once more: no end marker then means the stream is lost.
+    StoreUnavailable when the store cannot tell."""
+    config = streams.config
+    row = await instance_row(streams, entity)
+    now = time.time()
+    if row is None:
+        alive = now - float(entity.get("created", 0)) < 2 * config.lease_seconds
+    elif watch is None:
+        alive = float(row.get("lease_until", 0)) + SKEW >= now
+    else:  # long past its lease (beyond any skew), or no new beat for a lease by our clock
+        alive = (
+            watch.saw(row.get("beat"), config.lease_seconds + SKEW)
+            and float(row.get("lease_until", 0)) + 10 * config.lease_seconds >= now
+        )
+    if alive and row is not None and float(row.get("at", 0)) > float(entity.get("created", 0)):
+        alive = entity["PartitionKey"] in listed(row)
+    return alive

@@ -1,0 +1,236 @@
+"""Following a stream produced on another instance (``RemoteReaders``): the stream's entity and
+stored log, polled as it grows; the reader's row in the producer's inbox (so the producer writes
+fast and knows it is read); the producer's liveness; a Last-Event-ID past what is stored yet."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+from azure.data.tables import UpdateMode
+from azure.storage.blob.aio import ContainerClient
+
+from .store import StoreUnavailable
+from .stream_calls import StreamStore, quietly
+from .stream_config import ResumeConfig
+from .stream_errors import BadLastEventId, StreamNotFound
+from .stream_format import END, LOST, STREAM_ROW, Tail, error_event
+from .stream_ids import ROUTES, Route
+from .stream_liveness import SKEW, Liveness, instance_row, listed, producer_alive
+from .stream_readers import Events
+
+
+@dataclass
+class RemoteRead:
+    """One reader here of a stream stored elsewhere: what it follows, from where, and its row
+    (``nonce``) in the producing instance's inbox once ``registered``."""
+
+    stream_id: str
+    entity: dict
+    route: Route
+    after: int
+    tail: Tail
+    nonce: str
+    registered: bool = False
+
+
+class _Cadence:
+    """When a remote reader next polls the blob (``poll``), checks the producer, says it still reads."""
+
+    def __init__(self, config: ResumeConfig, now: float):
+        self._cfg = config
+        self.poll = config.poll_seconds
+        self._idle = 0
+        self._next_state = now + config.state_seconds
+        self._next_refresh = now + config.read_refresh_seconds
+
+    def read(self, got: bool) -> None:
+        """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
+        cfg = self._cfg
+        if got:
+            self.poll, self._idle = cfg.poll_seconds, 0
+        else:
+            self._idle += 1
+            idle = self._idle
+            self.poll = (
+                cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
+            )
+
+    def state_due(self, now: float) -> bool:
+        if now >= self._next_state:
+            self._next_state = now + self._cfg.state_seconds
+            return True
+        return False
+
+    def refresh_due(self, now: float) -> bool:
+        if now >= self._next_refresh:
+            self._next_refresh = now + self._cfg.read_refresh_seconds
+            return True
+        return False
+
+
+class RemoteReaders:
+    """The readers of streams that are not produced here, for one stream log."""
+
+    def __init__(self, streams: StreamStore):
+        self._log = streams
+
+    async def open(self, stream_id: str, after: int, caller: str | None) -> tuple[Route, Callable[[], Events]]:
+        """The stream's route and its events after ``after``; raises before anything is read out."""
+        entity = await self.stream_entity(stream_id, caller)
+        route: Route = entity["route"] if entity.get("route") in ROUTES else "chat"
+        tail = Tail(after)
+        first = tail.feed(await self._read_blob(stream_id, 0))
+        at = RemoteRead(stream_id, entity, route, after, tail, secrets.token_hex(4))
+        try:
+            if tail.end is None and entity.get("state") == "live":
+                await self._register(at)
+                at.registered = True
+            if after > tail.last_id and tail.end is None and entity.get("state") == "live":
+                first += await self._check_past_end(stream_id, entity, after, tail)
+            if tail.end == END and after > tail.last_id:
+                raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream ({tail.last_id})")
+        except BaseException:
+            if at.registered:
+                self._forget(at)
+            raise
+        return route, lambda: self._follow(at, first)
+
+    async def stream_entity(self, stream_id: str, caller: str | None) -> dict:
+        try:
+            entity = await self._log._call_table(lambda t: t.get_entity(stream_id, STREAM_ROW))
+        except ResourceNotFoundError:
+            raise StreamNotFound("no such stream") from None
+        if entity.get("expires", 0) < time.time():
+            raise StreamNotFound("no such stream")
+        owner = entity.get("owner")
+        if owner is not None and owner != caller:
+            raise StreamNotFound("no such stream")
+        return dict(entity)
+
+    async def _check_past_end(self, stream_id: str, entity: dict, after: int, tail: Tail) -> bytes:
+        """Last-Event-ID ``after`` is past what is stored of a live stream. Either the producer has
+        not written it yet (it does within inbox_seconds of seeing this reader), or the id was never
+        handed out: wait for the stored log to reach it, or for a heartbeat composed after the
+        client got ``after`` (two beats after the first one read here) to show the producer's last
+        id. BadLastEventId only when proven; otherwise the reader follows (and skips to ``after``).
+        Returns what was read meanwhile."""
+        config = self._log.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.past_end_wait_seconds
+        next_beat_check = loop.time()
+        first_beat: int | None = None
+        read = b""
+        while after > tail.last_id and tail.end is None and loop.time() < deadline:
+            if loop.time() >= next_beat_check:
+                next_beat_check = loop.time() + min(0.5, config.heartbeat_seconds / 2)
+                row = await instance_row(self._log, entity)
+                if row is None or float(row.get("lease_until", 0)) + SKEW < time.time():
+                    break  # its instance is gone: the reader will say stream_lost
+                beat = int(row.get("beat") or 0)
+                if first_beat is None:
+                    first_beat = beat
+                elif beat >= first_beat + 2:
+                    stored = listed(row)
+                    if stream_id in stored and after > stored[stream_id]:
+                        raise BadLastEventId(
+                            f"Last-Event-ID {after} is past the end of the stream ({stored[stream_id]})"
+                        )
+                    break  # handed out, or no longer stored (the reader tells which)
+            await asyncio.sleep(config.poll_seconds)
+            read += tail.feed(await self._read_blob(stream_id, tail.offset))
+        return read
+
+    async def _follow(self, at: RemoteRead, first: bytes) -> Events:
+        loop = asyncio.get_running_loop()
+        cfg = self._log.config
+        tail = at.tail
+        try:
+            if first:
+                yield first
+            cadence = _Cadence(cfg, loop.time())
+            failing_since: float | None = None
+            watch = Liveness()
+            while tail.end is None:
+                await asyncio.sleep(cadence.poll)
+                now = loop.time()
+                try:
+                    # Every read is handed out before any other store call: nothing read is lost.
+                    out = tail.feed(await self._read_blob(at.stream_id, tail.offset))
+                    cadence.read(bool(out))
+                    if out:
+                        yield out
+                    if tail.end is not None:
+                        break
+                    if cadence.state_due(now) and not await producer_alive(self._log, at.entity, watch):
+                        # Nobody stores it any more: one more read for what was stored last.
+                        out = tail.feed(await self._read_blob(at.stream_id, tail.offset))
+                        if out:
+                            yield out
+                        if tail.end is None:
+                            yield self._error(at.route, "stream_lost", "the stream's producer was lost", tail.cursor)
+                            return
+                        break
+                    if at.registered and cadence.refresh_due(now):
+                        await self._register(at)
+                    failing_since = None
+                except (StoreUnavailable, HttpResponseError):
+                    failing_since = failing_since or now
+                    if now - failing_since > cfg.give_up_seconds:
+                        yield self._error(
+                            at.route, "store_unavailable", "the stream's store is unavailable", tail.cursor
+                        )
+                        return
+            if tail.end == LOST and not (tail.cursor == tail.last_id and tail.cursor > at.after):
+                yield self._error(at.route, "stream_lost", "the stream was lost before its end", tail.cursor)
+        finally:
+            if at.registered:
+                self._forget(at)
+
+    def _error(self, route: Route, type: str, message: str, cursor: int) -> bytes:
+        """The retryable error event that ends a reader whose client has every event up to ``cursor``."""
+        return error_event(self._log.encode_error, route, type, message, True, cursor + 1)
+
+    async def _read_blob(self, stream_id: str, offset: int) -> bytes:
+        """The blob's bytes from ``offset`` (b"" when it has no more, or does not exist yet)."""
+
+        async def read(container: ContainerClient) -> bytes:
+            download = await container.get_blob_client(stream_id).download_blob(offset=offset)
+            return await download.readall()
+
+        try:
+            return await self._log._call_blob(read)
+        except ResourceNotFoundError:
+            return b""
+        except HttpResponseError as exc:
+            if exc.status_code == 416:  # nothing past offset (Azure; Azurite answers empty)
+                return b""
+            raise StoreUnavailable(f"the store failed (HTTP {exc.status_code})") from None
+
+    async def _register(self, at: RemoteRead) -> None:
+        now = time.time()
+        row = {
+            "PartitionKey": f"i-{at.entity['instance']}",
+            "RowKey": f"r-{at.stream_id}-{at.nonce}",
+            "read_at": now,
+            "expires": now + 2 * self._log.config.abandon_seconds + 60.0,
+        }
+        await self._log._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE))
+
+    def _forget(self, at: RemoteRead) -> None:
+        """The reader left: say when (the abandonment clock starts then); the producer deletes the row."""
+        now = time.time()
+        row = {
+            "PartitionKey": f"i-{at.entity['instance']}",
+            "RowKey": f"r-{at.stream_id}-{at.nonce}",
+            "read_at": now,
+            "left": True,
+            "expires": now + 2 * self._log.config.abandon_seconds + 60.0,
+        }
+        self._log._spawn(
+            quietly(lambda: self._log._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE)))
+        )
