@@ -253,7 +253,8 @@ def _error(error: Exception) -> Response:
         status = getattr(error, "status", 400)
         kind, message, retryable = str(_KINDS.get(status, ErrorKind.INVALID_REQUEST)), str(error), status >= 429
     body = {"error": {"message": message, "type": kind, "code": kind, "param": None, "retryable": retryable}}
-    return JSONResponse(body, status_code=status, headers=ERROR_HEADERS)
+    headers = {"Cache-Control": "no-store", "Retry-After": "1"} if retryable else ERROR_HEADERS
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def encode_error(encoders: dict[str, Encode]) -> EncodeError:

@@ -912,7 +912,7 @@ def _read_stream_id(stderr_fd: int, timeout: float = 15) -> str:
             if not chunk:
                 break
             buf += chunk
-            m = re.search(rb"chat: resumable stream ([A-Za-z0-9_-]{22})\n", buf)
+            m = re.search(rb"chat: resumable stream ([A-Za-z0-9_-]{30})\n", buf)
             if m:
                 return m.group(1).decode()
     raise AssertionError(f"no stream id on stderr: {buf!r}")

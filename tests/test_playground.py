@@ -556,13 +556,13 @@ def _watch_answer(tab, until, timeout: float = 15) -> list[str]:
 
 
 def _resumes(tab) -> list:
-    return [r for r in tab.requests if re.search(r"/api/streams/[A-Za-z0-9_-]{22}$", r.url)]
+    return [r for r in tab.requests if re.search(r"/api/streams/[A-Za-z0-9_-]{30}$", r.url)]
 
 
 def _stream_id(tab) -> str:
     response = tab.chat_requests()[-1].response()
     stream_id = response.all_headers().get("x-stream-id")
-    assert stream_id and re.fullmatch(r"[A-Za-z0-9_-]{22}", stream_id), response.headers
+    assert stream_id and re.fullmatch(r"[A-Za-z0-9_-]{30}", stream_id), response.headers
     return stream_id
 
 

@@ -37,6 +37,8 @@ class StreamStore(Protocol):
 
     async def _call_blob(self, op: Callable[[ContainerClient], Awaitable[T]]) -> T: ...
 
+    async def _read_range(self, stream_id: str, offset: int) -> bytes: ...
+
 
 def unavailable(exc: BaseException) -> bool:
     """A store failure (vs an answer such as 404/409/412 the caller handles)."""

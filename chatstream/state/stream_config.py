@@ -24,6 +24,7 @@ class ResumeConfig:
     # write that lands just after a poll waits ~33 ms, not 100), then slower to max_poll_seconds.
     poll_seconds: float = 0.1
     max_poll_seconds: float = 0.5
+    young_poll_seconds: float = 0.2  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
     inbox_seconds: float = 0.5  # a producing instance reads its inbox (cancels, remote readers) this often
     heartbeat_seconds: float = 1.5

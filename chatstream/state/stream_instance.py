@@ -20,6 +20,7 @@ from azure.data.tables.aio import TableClient
 from .store import CALL_TIMEOUT, StoreUnavailable
 from .stream_calls import StreamStore, quietly
 from .stream_format import ALIVE_ROW, STREAM_ROW
+from .stream_ids import ID_LENGTH
 from .stream_producer import Producer
 
 log = logging.getLogger("chatstream")
@@ -166,7 +167,7 @@ class InstanceWork:
     def _deliver(self, row: Any, now_wall: float) -> None:
         """One inbox row: a cancel; a remote reader following (``read_at``) or gone (``left``)."""
         key: str = row["RowKey"]
-        producer = self._producers.get(key[2:24])
+        producer = self._producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{nonce}
         done = key.startswith("c-") or producer is None or bool(row.get("left"))
         if key.startswith("c-") and producer is not None:
             producer._request_stop("cancelled")

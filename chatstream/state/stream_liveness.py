@@ -8,9 +8,10 @@ import time
 from typing import Any
 
 from azure.core.exceptions import ResourceNotFoundError
+from azure.data.tables import UpdateMode
 
-from .stream_calls import StreamStore
-from .stream_format import ALIVE_ROW
+from .stream_calls import StreamStore, quietly
+from .stream_format import ALIVE_ROW, STREAM_ROW
 
 SKEW = 1.0  # seconds of wall-clock difference tolerated between instances for a lease
 
@@ -70,3 +71,15 @@ async def producer_alive(streams: StreamStore, entity: dict, watch: Liveness | N
     if alive and row is not None and float(row.get("at", 0)) > float(entity.get("created", 0)):
         alive = entity["PartitionKey"] in listed(row)
     return alive
+
+
+async def mark_lost(streams: StreamStore, stream_id: str) -> None:
+    """Record that nobody stores ``stream_id`` any more (its producer gave up, or died: a reader
+    found out): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
+    fields = {
+        "PartitionKey": stream_id,
+        "RowKey": STREAM_ROW,
+        "state": "lost",
+        "expires": time.time() + streams.config.ttl_seconds,
+    }
+    await quietly(lambda: streams._call_table(lambda t: t.update_entity(fields, mode=UpdateMode.MERGE)))

@@ -12,15 +12,14 @@ from dataclasses import dataclass
 
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
-from azure.storage.blob.aio import ContainerClient
 
 from .store import StoreUnavailable
 from .stream_calls import StreamStore, quietly
 from .stream_config import ResumeConfig
 from .stream_errors import BadLastEventId, StreamNotFound
 from .stream_format import END, LOST, STREAM_ROW, Tail, error_event
-from .stream_ids import ROUTES, Route
-from .stream_liveness import SKEW, Liveness, instance_row, listed, producer_alive
+from .stream_ids import ROUTES, Route, started_at
+from .stream_liveness import SKEW, Liveness, instance_row, listed, mark_lost, producer_alive
 from .stream_readers import Events
 
 
@@ -101,10 +100,19 @@ class RemoteReaders:
         return route, lambda: self._follow(at, first)
 
     async def stream_entity(self, stream_id: str, caller: str | None) -> dict:
-        try:
-            entity = await self._log._call_table(lambda t: t.get_entity(stream_id, STREAM_ROW))
-        except ResourceNotFoundError:
-            raise StreamNotFound("no such stream") from None
+        """The stream's record, once it is written: its producer writes it in the background as the
+        stream starts (the id goes out at once), so for a stream started less than ``give_up_seconds``
+        ago (it retries that long) a missing record is waited for."""
+        config = self._log.config
+        young_until = started_at(stream_id) + config.give_up_seconds + SKEW
+        while True:
+            try:
+                entity = await self._log._call_table(lambda t: t.get_entity(stream_id, STREAM_ROW))
+                break
+            except ResourceNotFoundError:
+                if time.time() + config.young_poll_seconds > young_until or started_at(stream_id) > time.time() + SKEW:
+                    raise StreamNotFound("no such stream") from None
+            await asyncio.sleep(config.young_poll_seconds)
         if entity.get("expires", 0) < time.time():
             raise StreamNotFound("no such stream")
         owner = entity.get("owner")
@@ -172,6 +180,7 @@ class RemoteReaders:
                         if out:
                             yield out
                         if tail.end is None:
+                            self._log._spawn(mark_lost(self._log, at.stream_id))  # deleted after the TTL
                             yield self._error(at.route, "stream_lost", "the stream's producer was lost", tail.cursor)
                             return
                         break
@@ -181,8 +190,9 @@ class RemoteReaders:
                 except (StoreUnavailable, HttpResponseError):
                     failing_since = failing_since or now
                     if now - failing_since > cfg.give_up_seconds:
-                        yield self._error(
-                            at.route, "store_unavailable", "the stream's store is unavailable", tail.cursor
+                        # Not an event of the stream: no id, so a client asks again after tail.cursor.
+                        yield self._log.encode_error(
+                            at.route, "store_unavailable", "the stream's store is unavailable", True, tail.cursor + 1
                         )
                         return
             if tail.end == LOST and not (tail.cursor == tail.last_id and tail.cursor > at.after):
@@ -197,19 +207,7 @@ class RemoteReaders:
 
     async def _read_blob(self, stream_id: str, offset: int) -> bytes:
         """The blob's bytes from ``offset`` (b"" when it has no more, or does not exist yet)."""
-
-        async def read(container: ContainerClient) -> bytes:
-            download = await container.get_blob_client(stream_id).download_blob(offset=offset)
-            return await download.readall()
-
-        try:
-            return await self._log._call_blob(read)
-        except ResourceNotFoundError:
-            return b""
-        except HttpResponseError as exc:
-            if exc.status_code == 416:  # nothing past offset (Azure; Azurite answers empty)
-                return b""
-            raise StoreUnavailable(f"the store failed (HTTP {exc.status_code})") from None
+        return await self._log._read_range(stream_id, offset)
 
     async def _register(self, at: RemoteRead) -> None:
         now = time.time()

@@ -18,10 +18,11 @@ from azure.core.exceptions import HttpResponseError, ResourceExistsError, Resour
 from azure.data.tables import UpdateMode
 
 from .store import StoreUnavailable
-from .stream_calls import StreamStore, quietly
+from .stream_calls import StreamStore
 from .stream_format import BLOCK_LIMIT, BLOCKS_LIMIT, END, LOST, STREAM_ROW
 from .stream_ids import Route
 from .stream_kept import KeptEvents
+from .stream_liveness import mark_lost
 
 log = logging.getLogger("chatstream")
 
@@ -243,11 +244,4 @@ class StreamWriter:
                 await asyncio.sleep(0.5)
 
     async def _mark_lost(self) -> None:
-        now = time.time()
-        fields = {
-            "PartitionKey": self.id,
-            "RowKey": STREAM_ROW,
-            "state": "lost",
-            "expires": now + self._cfg.ttl_seconds,
-        }
-        await quietly(lambda: self._log._call_table(lambda t: t.update_entity(fields, mode=UpdateMode.MERGE)))
+        await mark_lost(self._log, self.id)

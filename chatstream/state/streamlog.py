@@ -45,7 +45,7 @@ from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from .store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, Store, StoreUnavailable
+from .store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, Store, StoreUnavailable
 from .stream_calls import bounded
 from .stream_config import ResumeConfig
 from .stream_errors import (
@@ -57,7 +57,7 @@ from .stream_errors import (
     TooManyStreams,
 )
 from .stream_format import BLOCK_LIMIT, BLOCKS_LIMIT, EncodeError
-from .stream_ids import ROUTES, Route, StopReason, check_stream_id, new_stream_id, parse_last_event_id
+from .stream_ids import ROUTES, Route, StopReason, check_stream_id, new_stream_id, parse_last_event_id, started_at
 from .stream_instance import InstanceWork
 from .stream_producer import Producer
 from .stream_readers import Reader, ReaderSlots, follow_local
@@ -83,6 +83,7 @@ __all__ = [
     "check_stream_id",
     "new_stream_id",
     "parse_last_event_id",
+    "started_at",
 ]
 
 T = TypeVar("T")
@@ -124,6 +125,7 @@ class StreamLog:
         self._slots = ReaderSlots()
         self._table: TableClient | None = None
         self._container: ContainerClient | None = None
+        self._reads: BlobReads | None = None
         self._closed = False
         self._work = InstanceWork(self, self._producers)  # heartbeat, inbox, sweeper
         self._remote = RemoteReaders(self)
@@ -235,6 +237,12 @@ class StreamLog:
         if self._table is None:
             self._table = await self.store.table(STREAMS_TABLE)
         return await bounded(op(self._table), limit)
+
+    async def _read_range(self, stream_id: str, offset: int) -> bytes:
+        """The stream's stored bytes from ``offset`` (a remote reader's poll: the cheap path)."""
+        if self._reads is None:
+            self._reads = await self.store.blob_reads(STREAMS_CONTAINER)
+        return await bounded(self._reads.read(stream_id, offset))
 
     async def _call_blob(self, op: Callable[[ContainerClient], Awaitable[T]]) -> T:
         if self._container is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
-from chatstream import sse  # noqa: E402
+from chatstream import http as sse  # noqa: E402
 from chatstream.state.store import StorageConfig, Store  # noqa: E402
 from chatstream.state.streamlog import StreamLog  # noqa: E402
 

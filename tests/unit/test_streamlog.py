@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from chatstream import sse
+from chatstream import http as sse
 from chatstream.state.store import STREAMS_TABLE, StorageConfig, Store, StoreUnavailable
 from chatstream.state.streamlog import (BadLastEventId, InvalidStreamId, ResumeConfig, StreamLog, StreamNotFound,
-                                        TooManyReaders, check_stream_id, new_stream_id, parse_last_event_id)
+                                        TooManyReaders, check_stream_id, new_stream_id, parse_last_event_id,
+                                        started_at)
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("streamlog_peer.py")
@@ -99,9 +100,10 @@ async def open_when_visible(streams: StreamLog, stream_id: str, after, caller=No
 
 def test_ids_are_128_bit_url_safe_and_anything_else_is_refused():
     ids = {new_stream_id() for _ in range(1000)}
-    assert len(ids) == 1000 and all(len(i) == 22 and check_stream_id(i) == i for i in ids)
-    for bad in ["", "../../etc/passwd", "a/b", "x" * 21, "x" * 23, "%2e%2e%2f" + "x" * 13, "x" * 21 + "/",
-                "x" * 21 + "\n", "x" * 21 + "é", None, 12]:
+    assert len(ids) == 1000 and all(len(i) == 30 and check_stream_id(i) == i for i in ids)
+    assert all(abs(started_at(i) - time.time()) < 5 for i in ids) and len({i[8:] for i in ids}) == 1000
+    for bad in ["", "../../etc/passwd", "a/b", "x" * 29, "x" * 31, "%2e%2e%2f" + "x" * 21, "x" * 29 + "/",
+                "x" * 29 + "\n", "x" * 29 + "é", None, 12]:
         with pytest.raises(InvalidStreamId):
             check_stream_id(bad)  # type: ignore[arg-type]
     assert issubclass(InvalidStreamId, StreamNotFound) and StreamNotFound.status == 404
@@ -227,13 +229,16 @@ async def read_all_first(reader) -> bytes:
 
 async def test_unknown_malformed_and_past_the_end_are_clear_errors(azurite):
     async with instances(azurite, 2) as (a, b):
+        unknown = new_stream_id(time.time() - 3600)  # an hour old: no record means none, at once
         for streams in (a, b):
+            started = time.monotonic()
             with pytest.raises(StreamNotFound):
-                await streams.open_reader(new_stream_id(), None, None)
+                await streams.open_reader(unknown, None, None)
             with pytest.raises(InvalidStreamId):
-                await streams.open_reader("../" + "x" * 19, None, None)
+                await streams.open_reader("../" + "x" * 27, None, None)
             with pytest.raises(StreamNotFound):
-                await streams.cancel(new_stream_id(), None)
+                await streams.cancel(unknown, None)
+            assert time.monotonic() - started < 1
             for after in (-1, 10 ** 15, 2 ** 70):
                 with pytest.raises(BadLastEventId):
                     await streams.open_reader(new_stream_id(), after, None)
@@ -256,6 +261,12 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors(azurite):
             with pytest.raises(BadLastEventId):  # finished: past its last event (5)
                 await streams.open_reader(producer.id, 6, None)
             assert await read_all(await streams.open_reader(producer.id, 5, None)) == b""
+    # Started just now: its record may still be on its way, so it is waited for (give_up_seconds + 1 s skew).
+    async with instances(azurite, 1, give_up_seconds=1.0) as (c,):
+        started = time.monotonic()
+        with pytest.raises(StreamNotFound):
+            await c.open_reader(new_stream_id(), None, None)
+        assert 1.5 < time.monotonic() - started < 1 + 1 + 2
 
 
 # -- cancel, abandonment, death ------------------------------------------------------------------
@@ -451,7 +462,7 @@ async def test_a_store_that_dies_never_stalls_the_live_stream(azurite):
             started = time.monotonic()
             tail = await read_all(reader_b, limit=20)
             assert b'"store_unavailable"' in tail or b'"stream_lost"' in tail
-            print(f"\nstore down: the remote reader ended with {events_of(tail)[-1][1][:60]!r} "
+            print(f"\nstore down: the remote reader ended with {tail.rsplit(b'\n\n', 2)[-2][:60]!r} "
                   f"after {time.monotonic() - started:.1f} s")
             started = time.monotonic()
             with pytest.raises(StoreUnavailable):  # opening: 503 within the call bound
