@@ -57,6 +57,7 @@ namespace ChatCli
         readonly HttpClient http;
         readonly Uri url;
         readonly string key;
+        readonly string callerKey;
 
         /// <summary>Failed reconnection attempts in a row before giving up (0: never reconnect).
         /// An attempt that brings new events starts the count again.</summary>
@@ -68,10 +69,13 @@ namespace ChatCli
         /// <summary>Called with the stream id as soon as a resumable stream's headers are in.</summary>
         public Action<string> StreamStarted = delegate { };
 
-        public ChatClient(string url, string key)
+        /// <param name="key">the function key (x-functions-key), or null</param>
+        /// <param name="callerKey">the caller key (Authorization: Bearer), or null</param>
+        public ChatClient(string url, string key, string callerKey)
         {
             this.url = new Uri(url);
             this.key = key;
+            this.callerKey = callerKey;
             var handler = new HttpClientHandler();
             handler.AllowAutoRedirect = false;
             http = new HttpClient(handler);
@@ -149,6 +153,7 @@ namespace ChatCli
             // unfinished response drops the socket instead of draining it.
             request.Headers.ConnectionClose = true;
             if (!string.IsNullOrEmpty(key)) request.Headers.TryAddWithoutValidation("x-functions-key", key);
+            if (!string.IsNullOrEmpty(callerKey)) request.Headers.TryAddWithoutValidation("Authorization", "Bearer " + callerKey);
             return request;
         }
 

@@ -15,6 +15,7 @@ namespace ChatCli
 
         public string Url;
         public string Key;
+        public string CallerKey;   // --caller-key KEY: sent as Authorization: Bearer KEY
         public string System;
         public string Model;
         public bool Stats;
@@ -26,9 +27,10 @@ namespace ChatCli
         public int Retries = 5;    // --retries N: reconnection attempts in a row
 
         public const string Usage =
-@"usage: chat [--url URL] [--key KEY] [--system TEXT] [--model NAME] [--stats]
-            [--retries N] [--allow-insecure-key] PROMPT...
-       chat --resume ID [--last-event-id N] [--url URL] [--key KEY] [--stats] [--retries N]
+@"usage: chat [--url URL] [--key KEY] [--caller-key KEY] [--system TEXT] [--model NAME]
+            [--stats] [--retries N] [--allow-insecure-key] PROMPT...
+       chat --resume ID [--last-event-id N] [--url URL] [--key KEY] [--caller-key KEY]
+            [--stats] [--retries N] [--allow-insecure-key]
 
 Sends PROMPT to the chat endpoint and prints the reply as it streams in.
 The words of PROMPT are joined with single spaces. With no PROMPT words and
@@ -43,8 +45,13 @@ options:
   --url URL       endpoint to POST to (env CHAT_URL, default " + DefaultUrl + @")
   --key KEY       function key, sent as the x-functions-key header (env FUNCTION_KEY);
                   over plain http:// only to a loopback address (localhost, 127.x.x.x, ::1)
+  --caller-key KEY
+                  caller key (the app's CALLER_KEYS=required), sent as the header
+                  Authorization: Bearer KEY on every request, resumes and cancel included
+                  (env CALLER_KEY); over plain http:// only to a loopback address, like --key.
+                  Both keys may be given
   --allow-insecure-key
-                  send the key over plain http:// to another host anyway (it travels
+                  send the keys over plain http:// to another host anyway (they travel
                   in clear text)
   --system TEXT   add a system message; the request then carries ""messages""
                   (system + user) instead of ""prompt""
@@ -70,8 +77,9 @@ exit codes:
   1    the stream ended with an error event, or ended without done/error (and
        could not be resumed), or the app cancelled it (finish reason cancelled)
   2    the server answered with an HTTP error status before the stream (404 for
-       --resume: an unknown or expired stream), or the key was not sent: plain
-       http:// to a host that is not loopback (nothing was sent)
+       --resume: an unknown or expired stream; 401: no caller key or a wrong
+       one), or a key was not sent: plain http:// to a host that is not
+       loopback (nothing was sent)
   3    could not connect to the server
   64   bad command-line arguments (EX_USAGE)
   130  cancelled with Ctrl+C (the HTTP request is aborted; a resumable stream is
@@ -93,6 +101,7 @@ exit codes:
             var o = new Options();
             o.Url = NonEmpty(env("CHAT_URL")) ?? DefaultUrl;
             o.Key = NonEmpty(env("FUNCTION_KEY"));
+            o.CallerKey = NonEmpty(env("CALLER_KEY"));
             var words = new List<string>();
             bool optionsEnded = false;
             bool lastEventIdGiven = false;
@@ -137,6 +146,9 @@ exit codes:
                     case "--key":
                         o.Key = TakeValue(args, ref i, name, inlineValue);
                         break;
+                    case "--caller-key":
+                        o.CallerKey = TakeValue(args, ref i, name, inlineValue);
+                        break;
                     case "--system":
                         o.System = TakeValue(args, ref i, name, inlineValue);
                         break;
@@ -156,11 +168,18 @@ exit codes:
                         o.Retries = (int)TakeNumber(args, ref i, name, inlineValue, 0, 100);
                         break;
                     default:
-                        throw new UsageException("unknown option: " + a);
+                        // The name only: the value of a mistyped --name=VALUE may be a key.
+                        throw new UsageException("unknown option: " + name);
                 }
             }
 
             if (o.Help) return o;
+
+            // It goes into a header as it is: no empty key, no spaces or control characters (which
+            // could end the header). The message never shows the key.
+            if (o.CallerKey != null && !IsHeaderToken(o.CallerKey))
+                throw new UsageException("--caller-key (or CALLER_KEY) must be a non-empty key of printable " +
+                                         "ASCII characters without spaces");
 
             Uri uri;
             if (!Uri.TryCreate(o.Url, UriKind.Absolute, out uri) ||
@@ -200,6 +219,12 @@ exit codes:
         public static bool KeyWouldTravelInClear(Uri url)
         {
             return url.Scheme == Uri.UriSchemeHttp && !IsLoopbackHost(url);
+        }
+
+        /// <summary>Printable ASCII without spaces: what a key may be to go into a header as it is.</summary>
+        static bool IsHeaderToken(string s)
+        {
+            return s.Length > 0 && s.All(c => c > ' ' && c < (char)127);
         }
 
         /// <summary>localhost, 127.0.0.0/8 and ::1 (also written as ::ffff:127.x.x.x).</summary>

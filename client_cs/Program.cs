@@ -70,11 +70,14 @@ namespace ChatCli
             }
 
             var url = new Uri(options.Url);
-            if (options.Key != null && !options.AllowInsecureKey && Options.KeyWouldTravelInClear(url))
+            bool functionKey = options.Key != null, callerKey = options.CallerKey != null;
+            if ((functionKey || callerKey) && !options.AllowInsecureKey && Options.KeyWouldTravelInClear(url))
             {
-                stderr.WriteLine("chat: refusing to send the function key in clear text over http:// to " +
+                string which = functionKey && callerKey ? "the function key and the caller key" :
+                               functionKey ? "the function key" : "the caller key";
+                stderr.WriteLine("chat: refusing to send " + which + " in clear text over http:// to " +
                                  url.Host + ", which is not a loopback address. Use an https:// URL, or pass " +
-                                 "--allow-insecure-key to send it anyway.");
+                                 "--allow-insecure-key to send " + (functionKey && callerKey ? "them" : "it") + " anyway.");
                 return ExitKeyNotSent;
             }
 
@@ -120,7 +123,7 @@ namespace ChatCli
             bool stdoutClosed = false;
             ChatResult result;
             string cancelFailure = null;
-            using (var client = new ChatClient(options.Url, options.Key))
+            using (var client = new ChatClient(options.Url, options.Key, options.CallerKey))
             {
                 client.MaxReconnects = options.Retries;
                 if (options.Stats) client.Log = note => stderr.WriteLine("chat: " + note);

@@ -69,7 +69,7 @@ def chat_exe() -> Path:
 
 
 def _client_env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_URL", "FUNCTION_KEY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CHAT_URL", "FUNCTION_KEY", "CALLER_KEY")}
     env.update(extra or {})
     return env
 
@@ -249,7 +249,8 @@ def test_help_exits_0_and_explains_everything(chat_exe):
     assert proc.returncode == EXIT_OK
     text = proc.stdout.decode()
     for word in ("--url", "--key", "--system", "--model", "--stats", "CHAT_URL", "FUNCTION_KEY",
-                 "x-functions-key", "64", "130", "--allow-insecure-key"):
+                 "x-functions-key", "64", "130", "--allow-insecure-key", "--caller-key", "CALLER_KEY",
+                 "Authorization: Bearer KEY"):
         assert word in text
 
 
@@ -666,6 +667,95 @@ def test_key_goes_to_loopback_over_plain_http(chat_exe, canned, host):
     assert canned.requests[-1]["lower_headers"]["x-functions-key"] == "K-loop"
 
 
+# ---------------------------------------------------------------------------------------------
+# the caller key (CALLER_KEYS=required): Authorization: Bearer on every request, under the key rule
+
+
+CALLER_KEY = "csk-" + "C" * 43  # the shape of the app's caller keys; the canned server takes any
+
+
+def test_caller_key_goes_as_bearer_on_the_post_and_the_resumes_next_to_the_function_key(chat_exe, canned):
+    canned.resumable(SID, [ev(1, "a"), "CUT"], resumes=[[ev(2, "b"), "CUT"], [ev(3, "c"), done_ev(4)]])
+    proc = run_chat(chat_exe, "--url", canned.url, "--key", "K-1", "--caller-key", CALLER_KEY, "--stats", "hi")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stdout == b"abc\n"
+    sent = [canned.requests[0]["lower_headers"]] + [g["lower_headers"] for g in canned.gets]
+    assert len(sent) == 3
+    for headers in sent:
+        assert headers["authorization"] == f"Bearer {CALLER_KEY}" and headers["x-functions-key"] == "K-1"
+    assert CALLER_KEY.encode() not in proc.stderr
+    # From the environment, alone, and for --resume too; no Authorization header without one.
+    canned.resumable(SID, [], resumes=[[ev(1, "a"), done_ev(2)]])
+    proc = run_chat(chat_exe, "--url", canned.url, "--resume", SID, env={"CALLER_KEY": CALLER_KEY})
+    assert proc.returncode == EXIT_OK, proc.stderr
+    [get] = canned.gets
+    assert get["lower_headers"]["authorization"] == f"Bearer {CALLER_KEY}"
+    assert "x-functions-key" not in get["lower_headers"]
+    canned.answer([delta("ok"), DONE])
+    assert run_chat(chat_exe, "--url", canned.url, "hi").returncode == EXIT_OK
+    assert "authorization" not in canned.requests[0]["lower_headers"]
+
+
+def test_caller_key_goes_on_the_cancel_call(chat_exe, canned):
+    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env({"CALLER_KEY": CALLER_KEY}))
+    try:
+        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
+        proc.stdout.close()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141
+    [cancel] = canned.cancels
+    assert cancel["path"] == f"/api/streams/{SID}/cancel"
+    assert cancel["lower_headers"]["authorization"] == f"Bearer {CALLER_KEY}"
+
+
+def test_caller_key_over_plain_http_to_another_host_is_refused_with_nothing_sent(chat_exe):
+    """As the function key (test_key_over_plain_http_to_another_host_...): exit 2 and the message, where an
+    attempt would be exit 3; under strace no connect() at all; the key in no output, --stats or not."""
+    url = f"http://{own_address()}:{closed_port()}/api/chat"
+    for args, env, which in [
+        (["--caller-key", CALLER_KEY], None, "the caller key"),
+        ([], {"CALLER_KEY": CALLER_KEY}, "the caller key"),
+        (["--caller-key", CALLER_KEY, "--key", "K-SECRET-123"], None, "the function key and the caller key"),
+    ]:
+        proc = run_chat(chat_exe, "--url", url, *args, "--stats", "hi", env=env)
+        assert proc.returncode == EXIT_HTTP_ERROR, proc.stderr
+        err = proc.stderr.decode()
+        assert f"refusing to send {which} in clear text over http:// to {own_address()}" in err, err
+        assert "--allow-insecure-key" in err
+        assert CALLER_KEY not in err and "K-SECRET-123" not in err and proc.stdout == b""
+    proc = run_chat(chat_exe, "--url", url, "--caller-key", CALLER_KEY, "--allow-insecure-key", "--stats", "hi")
+    assert proc.returncode == EXIT_CONNECT, proc.stderr
+    assert CALLER_KEY.encode() not in proc.stderr + proc.stdout
+    if shutil.which("strace"):
+        code, connects = _connects_to_the_network(chat_exe, "--url", "http://example.invalid/api/chat",
+                                                  "--caller-key", CALLER_KEY, "--stats", "hi")
+        if code == EXIT_HTTP_ERROR:  # else strace could not trace here (ptrace not permitted)
+            assert connects == [], connects
+
+
+@pytest.mark.parametrize("key", ["", "csk-with space", "csk-line\nX-Injected: 1", "csk-é"])
+def test_a_caller_key_that_cannot_be_a_header_exits_64_without_showing_it(chat_exe, canned, key):
+    canned.answer([delta("ok"), DONE])
+    proc = run_chat(chat_exe, "--url", canned.url, "--caller-key", key, "hi")
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert b"--caller-key (or CALLER_KEY) must be" in proc.stderr
+    if key:
+        assert key.encode() not in proc.stderr
+    assert canned.requests == []
+
+
+def test_a_mistyped_option_does_not_echo_its_value(chat_exe):
+    proc = run_chat(chat_exe, f"--caller-keys={CALLER_KEY}", "hi")
+    assert proc.returncode == EXIT_USAGE
+    assert b"unknown option: --caller-keys\n" in proc.stderr and CALLER_KEY.encode() not in proc.stderr
+
+
 def test_connection_refused_exits_3(chat_exe):
     proc = run_chat(chat_exe, "--url", f"http://127.0.0.1:{closed_port()}/api/chat", "hi")
     assert proc.returncode == EXIT_CONNECT
@@ -1005,3 +1095,126 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
     assert replay.returncode == EXIT_STREAM_ERROR, replay.stderr
     assert "stats: finish reason: cancelled" in replay.stderr.decode().splitlines()
     assert _texts()["slow"].encode().startswith(replay.stdout.rstrip(b"\n"))
+
+
+# ---------------------------------------------------------------------------------------------
+# caller keys against the function app (CALLER_KEYS=required, on Azurite; docs/callers.md)
+
+
+def _callers_app(upstream, azurite, **extra: str):
+    from helpers import app_env
+    from servers import App
+    return App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required", **extra))
+
+
+@pytest.fixture(scope="module")
+def keyed(upstream, azurite):
+    server = _callers_app(upstream, azurite)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_resumable(upstream, azurite):
+    server = _callers_app(upstream, azurite, RESUMABLE_STREAMS="on")
+    yield server
+    server.stop()
+
+
+def _new_caller_key(app) -> str:
+    """A new caller's key, from the admin API, as an operator makes one."""
+    import secrets
+
+    import httpx
+    response = httpx.post(app.url + "/api/manage/callers", json={"name": f"cs-{secrets.token_hex(4)}"}, timeout=30)
+    assert response.status_code == 201, response.text
+    return response.json()["key"]
+
+
+def test_app_with_caller_keys_streams_only_with_a_caller_key(chat_exe, keyed, upstream):
+    key = _new_caller_key(keyed)
+    proc = run_chat(chat_exe, "--url", keyed.chat_url, "--caller-key", key, "--stats", "[scenario:normal] go")
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    assert proc.stdout == (_texts()["normal"] + "\n").encode()
+    assert "stats: finish reason: stop" in proc.stderr.decode().splitlines()
+    assert key.encode() not in proc.stderr
+    proc = run_chat(chat_exe, "--url", keyed.chat_url, "[scenario:echo] grüße", env={"CALLER_KEY": key})
+    assert proc.returncode == EXIT_OK, proc.stderr.decode()
+    before = upstream.count()
+    # No key, an unknown one of the right shape, something else: 401, exit 2, and no upstream call.
+    for args in ([], ["--caller-key", "csk-" + "x" * 43], ["--caller-key", "not-a-key"]):
+        proc = run_chat(chat_exe, "--url", keyed.chat_url, *args, "--stats", "[scenario:normal] go")
+        err = proc.stderr.decode()
+        assert proc.returncode == EXIT_HTTP_ERROR, err
+        assert proc.stdout == b""
+        assert "chat: HTTP 401 Unauthorized: Incorrect API key provided" in err, err
+        assert key not in err and "x" * 43 not in err
+    assert upstream.count() == before
+    # A function key is not a caller key (the local host checks none; the app wants the caller key).
+    proc = run_chat(chat_exe, "--url", keyed.chat_url, "--key", key, "[scenario:normal] go")
+    assert proc.returncode == EXIT_HTTP_ERROR and b"HTTP 401" in proc.stderr
+
+
+@pytest.fixture
+def keyed_cut(keyed_resumable):
+    from urllib.parse import urlsplit
+
+    from cut_proxy import CutProxy
+    proxy = CutProxy(urlsplit(keyed_resumable.url).port)
+    yield proxy
+    proxy.close()
+
+
+def test_app_with_caller_keys_resumes_a_dropped_stream_with_the_caller_key(chat_exe, keyed_resumable, keyed_cut,
+                                                                           upstream):
+    """CALLER_KEYS=required and RESUMABLE_STREAMS=on: GET streams/ID wants the caller key of the POST. The
+    proxy resets the answer twice; the client resumes with its key and prints exactly the text. The stream
+    is its caller's: another caller's key gets 404, no key 401."""
+    key = _new_caller_key(keyed_resumable)
+    keyed_cut.cut(b"POST /api/chat ", 420)
+    keyed_cut.cut(b"GET /api/streams/", 260)
+    prompt = f"[scenario:slow] keyed drop {time.time_ns()}"
+    proc = run_chat(chat_exe, "--url", keyed_cut.url + "/api/chat", "--caller-key", key, "--stats", prompt)
+    err = proc.stderr.decode()
+    assert proc.returncode == EXIT_OK, err
+    assert proc.stdout == (_texts()["slow"] + "\n").encode()
+    assert len(keyed_cut.cut_at) == 2 and keyed_cut.pending_cuts() == 0
+    lines = err.splitlines()
+    assert int(next(line for line in lines if line.startswith("stats: reconnects: ")).split()[-1]) >= 2
+    assert "stats: finish reason: stop" in lines and key not in err
+    _ran_to_its_end(upstream, prompt)
+    stream_id = re.search(r"^stats: stream id: ([A-Za-z0-9_-]+) ", err, re.M).group(1)
+    again = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id, env={"CALLER_KEY": key})
+    assert again.returncode == EXIT_OK and again.stdout == proc.stdout, again.stderr
+    other = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id,
+                     "--caller-key", _new_caller_key(keyed_resumable))
+    assert other.returncode == EXIT_HTTP_ERROR and b"HTTP 404" in other.stderr, other.stderr
+    nobody = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id)
+    assert nobody.returncode == EXIT_HTTP_ERROR and b"HTTP 401" in nobody.stderr, nobody.stderr
+
+
+def test_app_with_caller_keys_sigint_cancels_with_the_caller_key(chat_exe, keyed_resumable, upstream):
+    """POST streams/ID/cancel wants the caller key too: without a terminal (Mono.Posix's UnixSignal) the
+    client cancels the stream, and the upstream is closed."""
+    key = _new_caller_key(keyed_resumable)
+    prompt = f"[scenario:slow] keyed interrupted {time.time_ns()}"
+    proc = subprocess.Popen(["mono", str(chat_exe), "--url", keyed_resumable.chat_url, "--stats", prompt],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_client_env({"CALLER_KEY": key}), preexec_fn=_sigint_default)
+    try:
+        _read_stream_id(proc.stderr.fileno())
+        _read_until_text(proc.stdout.fileno())
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        stderr = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_CANCELLED, stderr
+    assert "chat: cancelled" in stderr and "could not cancel" not in stderr and key not in stderr
+    [(request, _)] = _upstream_calls(upstream, prompt)
+    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == request["id"]
+                               and s["ended_at"] is not None], 5)
+    assert record and record[0]["outcome"] == "client_disconnected", record
+    assert record[0]["ended_at"] - sent < 1.5, record[0]["ended_at"] - sent
