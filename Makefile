@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv client client-mono chromium azurite bench bench-profile clean
+.PHONY: serve test lint venv client client-mono chromium azurite bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -21,8 +21,15 @@ serve: $(STAMP)
 # Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
 # on streams and timers, so this cuts its wall time by about half on two cores. Unit tests alone:
 # $(PY) -m pytest tests/unit
-test: $(STAMP) client-mono chromium azurite
+test: lint client-mono chromium azurite
 	$(PY) -m pytest -n 3 --dist loadfile
+
+# The linter (ruff: rules and format, ruff.toml) over every Python file here, and the type checker
+# (pyright, standard mode, pyrightconfig.json) over the app: chatstream/ and function_app.py.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 
 # The C# client: with the .NET SDK where it exists, otherwise Mono's mcs (installs mono-devel).
 client:
