@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from . import worker_fix
 from .apis import openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
@@ -100,6 +101,7 @@ def create_app(
     upstream. ``environ``: where the keys UPSTREAMS names are read (default: the process
     environment); ``credential``: an azure-identity async credential for Entra ID (default:
     DefaultAzureCredential)."""
+    worker_fix.apply()  # the Python worker's per-request leak (worker_fix.py); only inside that worker
     if not settings.upstream_configured:
         log.warning("no upstream configured: set UPSTREAMS, OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
     pipeline = pipeline if pipeline is not None else Pipeline.from_settings(settings)
