@@ -77,6 +77,7 @@ class ResponsesScenario:
     # "stall" (silence until the client hangs up).
     end: str = "completed"
     opening: bool = True  # False: no event at all (stall_first)
+    items: bool = True  # False: the opening events only, then the end (reset_first)
     split_writes: bool = False
     error: HttpError | None = None
 
@@ -112,7 +113,12 @@ _LIST = [
     _RS("reset", "3 deltas, then the connection is dropped mid-body", sc.RESET_DELTAS, end="reset"),
     _RS("stall_first", "headers, then nothing at all until the client hangs up", opening=False, end="stall"),
     _RS("stall", "opening events + 2 deltas, then nothing until the client hangs up", sc.STALL_DELTAS, end="stall"),
+    _RS("reset_first", "the opening events, then the connection drops before any output", end="reset",
+        items=False),
+    _RS("hang", "no answer at all, not even headers, streamed or not, until the client hangs up", end="hang"),
     _RS("rate_limited", "429 rate_limit_exceeded, retry-after: 1", error=_CHAT["rate_limited"].error),
+    *(_RS(name, _CHAT[name].summary, error=_CHAT[name].error)
+      for name in ("key_in_error_400", "key_in_error_404", "key_in_error_429")),
     _RS("bad_request", "400 invalid_request_error, param `input`", error=replace(
         _CHAT["bad_request"].error, message="Invalid 'input': scripted bad request.", param="input")),
     _RS("unauthorized", "401 invalid_api_key, message shows the masked key", error=_CHAT["unauthorized"].error),
@@ -312,6 +318,9 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
     else:
         s.emit(0.0, "response.created", response=ctx.response("in_progress"))
     s.emit(t, "response.in_progress", response=ctx.response("in_progress"))
+    if not scn.items:
+        s.add(t + scn.interval_s, RESET if end == "reset" else STALL)
+        return s.steps
 
     clock = iter(t + scn.first_s + k * scn.interval_s for k in range(10**9))
     last = t
@@ -618,6 +627,9 @@ class ResponsesApi:
             if action == "create":
                 await self._create(receive, send, record, rid)
                 return
+            if self.app.follow_up_scenario is not None:
+                await self._follow_up_scenario(receive, record, response_id or "")
+                return
             run = self.store.get(response_id or "")
             if run is None:
                 raise _not_found(response_id or "")
@@ -636,6 +648,15 @@ class ResponsesApi:
                 await send_json(send, 200, self._input_items(run, record["query"]), rid)
         except ApiError as e:
             await send_json(send, e.status, e.body, rid + e.headers)
+
+    async def _follow_up_scenario(self, receive, record: dict, response_id: str) -> None:
+        """What a test set with /_scripted/follow_ups: its error, or no answer (hang)."""
+        name = self.app.follow_up_scenario
+        if name == "hang":
+            await self.app.hang(receive, record["id"], name, api="responses", response_id=response_id)
+            return
+        err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
+        raise ApiError(err.status, err.body, err.headers)
 
     # ---------------------------------------------------------------- create
 
@@ -679,6 +700,9 @@ class ResponsesApi:
         if scn.error:
             err = self.app._scenario_error(scn, body["model"], record["headers"])
             raise ApiError(err.status, err.body, err.headers)
+        if scn.end == "hang":
+            await self.app.hang(receive, record["id"], name, api="responses")
+            return
 
         ctx = Context(model=body["model"], body=body, background=background,
                       input_tokens=count_input_tokens(input_, body.get("instructions")))
