@@ -19,6 +19,7 @@ from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
+from .http import with_request_id
 from .manage import Manage
 from .pipeline import Pipeline
 from .settings import Settings
@@ -55,16 +56,17 @@ class ChatApp:
         try:
             await self.accounting.authenticate(request.headers)
         except ApiError as error:
-            return openai_chat.error_response(error)
+            return with_request_id(openai_chat.error_response(error))
         return None
 
     async def pool_state(self, request: Request) -> Response:
         """GET /api/_pool: each upstream entry's state and counters (never a key)."""
-        return JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"})
+        return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
 
     async def models(self, request: Request) -> Response:
         """GET /api/v1/models: the models a caller may name."""
-        return await self.authenticated(request) or JSONResponse(openai_chat.models_list(self.model_names))
+        refused = await self.authenticated(request)
+        return refused or with_request_id(JSONResponse(openai_chat.models_list(self.model_names)))
 
     async def model(self, request: Request) -> Response:
         """GET /api/v1/models/{model}: one of them, or OpenAI's 404."""
@@ -73,15 +75,17 @@ class ChatApp:
             return refused
         name = request.path_params.get("model", "")
         if name in self.model_names:
-            return JSONResponse(openai_chat.model_object(name))
-        return openai_chat.error_response(
-            ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist")
+            return with_request_id(JSONResponse(openai_chat.model_object(name)))
+        return with_request_id(
+            openai_chat.error_response(ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist"))
         )
 
     async def not_found(self, request: Request) -> Response:
         """Any other path under /api/v1/: OpenAI's 404, so SDK callers see a clear NotFoundError."""
-        return openai_chat.error_response(
-            ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
+        return with_request_id(
+            openai_chat.error_response(
+                ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
+            )
         )
 
     async def close(self) -> None:

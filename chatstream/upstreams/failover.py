@@ -44,7 +44,7 @@ from .clients import (
 )
 from .config import Entry
 from .health import SINGLE
-from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field
+from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field, upstream_request_id
 from .pool import Attempt, Pool, PoolEvent
 
 log = logging.getLogger("chatstream")
@@ -317,6 +317,7 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
+                record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
                 if self._failed(attempt, last, record):
                     continue
@@ -341,6 +342,7 @@ class Upstreams:
                 attempt.release()
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+                record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(exc, model)
                 if self._failed(attempt, last, record):
                     continue
