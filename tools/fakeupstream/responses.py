@@ -628,7 +628,7 @@ class ResponsesApi:
                 await self._create(receive, send, record, rid)
                 return
             if self.app.follow_up_scenario is not None:
-                await self._follow_up_scenario(receive, record, response_id or "")
+                await self._follow_up_scenario(receive, send, record, action, response_id or "", rid)
                 return
             run = self.store.get(response_id or "")
             if run is None:
@@ -649,11 +649,21 @@ class ResponsesApi:
         except ApiError as e:
             await send_json(send, e.status, e.body, rid + e.headers)
 
-    async def _follow_up_scenario(self, receive, record: dict, response_id: str) -> None:
-        """What a test set with /_scripted/follow_ups: its error, or no answer (hang)."""
+    async def _follow_up_scenario(self, receive, send, record: dict, action: str, response_id: str,
+                                  rid: list) -> None:
+        """What a test set with /_scripted/follow_ups: its error, no answer (hang), or (reset) a
+        re-stream of the events logged so far that then drops the connection."""
         name = self.app.follow_up_scenario
         if name == "hang":
             await self.app.hang(receive, record["id"], name, api="responses", response_id=response_id)
+            return
+        if name == "reset":
+            run = self.store.get(response_id)
+            if run is None or action != "retrieve" or record["query"].get("stream", "").lower() != "true":
+                raise _not_found(response_id)
+            after = int(record["query"].get("starting_after") or -1)
+            logged = [frame(e, False) for e in run.events[max(0, after + 1):]]
+            await self._stream(receive, send, record, run, _timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
             return
         err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
         raise ApiError(err.status, err.body, err.headers)

@@ -336,7 +336,7 @@ class FakeUpstream:
 
 # What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.
 FOLLOW_UP_SCENARIOS = ("rate_limited", "server_error", "overloaded", "key_in_error_400", "key_in_error_404",
-                       "key_in_error_429", "hang")
+                       "key_in_error_429", "hang", "reset")
 
 
 def _json_field(body: bytes, name: str | None) -> Any:
