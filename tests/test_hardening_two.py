@@ -253,3 +253,34 @@ def test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log(upst
     assert not leaked, f"the key reached the caller in {len(leaked)} calls: {leaked}"
     assert "chat_stream" in app.log() and TEST_KEY[8:] not in app.log()
     assert quoted >= 15, "the upstream's messages reach the caller, without the key"
+
+
+# ------------------------------------------------------------------ 8. a client that retries on its own
+
+AISDK = ROOT / "tests" / "clients" / "aisdk"
+
+
+@pytest.fixture(scope="module")
+def aisdk() -> list[str]:
+    """The Vercel AI SDK (tests/clients/aisdk, pinned by its package-lock.json): the command that runs
+    one generateText call."""
+    if not (AISDK / "node_modules" / "ai").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=AISDK, check=True,
+                       timeout=300)
+    return ["node", str(AISDK / "generate.mjs")]
+
+
+def test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries(start_app, upstream, error_headers, aisdk):
+    """The AI SDK (4.x) retries a 429 twice with its own backoff (2 s, then 4 s), whatever
+    x-should-retry and Retry-After say. While the upstream's Retry-After runs, the app answers 429
+    with the time left and calls no upstream, so the SDK's retries cost nothing upstream."""
+    app = start_app(UPSTREAM_MAX_RETRIES="1")
+    error_headers({"retry-after": "8"})  # longer than the SDK's whole backoff (6 s)
+    before = upstream.count()
+    run = subprocess.run([*aisdk, app.url + "/api/v1", "[scenario:rate_limited] hi"], capture_output=True,
+                         text=True, timeout=120)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False and result["statuses"] == [429, 429, 429], result  # three app requests
+    assert upstream.count() - before == 2, "1 + UPSTREAM_MAX_RETRIES upstream calls for the one SDK call"
+    lines = [line for line in log_lines(app) if line["endpoint"] == "openai"]
+    assert [(line["status"], line["attempts"]) for line in lines] == [(429, 1), (429, 0), (429, 0)]
