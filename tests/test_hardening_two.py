@@ -284,3 +284,50 @@ def test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries(start_app, upst
     assert upstream.count() - before == 2, "1 + UPSTREAM_MAX_RETRIES upstream calls for the one SDK call"
     lines = [line for line in log_lines(app) if line["endpoint"] == "openai"]
     assert [(line["status"], line["attempts"]) for line in lines] == [(429, 1), (429, 0), (429, 0)]
+
+
+# -------------------------------------------------------------- 12. a base URL that carries credentials
+
+@pytest.mark.parametrize("setting, value", [
+    ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1?api-key=SECRETVALUE"),
+    ("OPENAI_BASE_URL", "http://user:SECRETVALUE@127.0.0.1:9/v1"),
+    ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1#SECRETVALUE"),
+    ("AZURE_OPENAI_ENDPOINT", "https://user:SECRETVALUE@example.openai.azure.com"),
+    ("AZURE_OPENAI_ENDPOINT", "https://example.openai.azure.com/?api-key=SECRETVALUE"),
+])
+def test_a_base_url_with_credentials_stops_the_app_naming_the_setting_never_the_value(setting, value):
+    env = {setting: value, "OPENAI_API_KEY": TEST_KEY, "AZURE_OPENAI_DEPLOYMENT": "gpt-test"}
+    try:
+        app = App(env)
+    except RuntimeError as failed:
+        text = str(failed)
+        assert "SettingsError" in text and f"invalid app settings: {setting}:" in text, text[-2000:]
+        assert "SECRETVALUE" not in text and TEST_KEY not in text
+        return
+    try:
+        pool = httpx.get(app.url + "/api/_pool", timeout=10).text
+        answer = httpx.post(app.chat_url, json={"prompt": "hi"}, timeout=10)
+    finally:
+        app.stop()
+    pytest.fail(f"the app started: /api/_pool showed {pool!r}; /api/chat answered {answer.status_code}")
+
+
+# ---------------------------------------------------------------------------- 16. UPSTREAMS' bounds
+
+@pytest.mark.parametrize("value, message", [
+    ("[" * 30_000 + "]" * 30_000, "UPSTREAMS: nested deeper than 8 levels"),
+    (json.dumps([{"name": f"e{i}", "base_url": f"http://127.0.0.1:9/v{i}"} for i in range(65)]),
+     "UPSTREAMS: 65 entries; at most 64"),
+])  # MAX_CHARS (256 KiB) is above what one environment variable can hold here: tests/unit/test_upstreams_config.py
+def test_upstreams_beyond_its_documented_bounds_stops_the_app_naming_the_setting(value, message):
+    started = time.monotonic()
+    try:
+        app = App({"UPSTREAMS": value})
+    except RuntimeError as failed:
+        text = str(failed)
+        assert "SettingsError" in text and message in text, text[-2000:]
+        assert "RecursionError" not in text
+        assert time.monotonic() - started < 30
+        return
+    app.stop()
+    pytest.fail("the app started")
