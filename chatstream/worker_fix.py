@@ -1,5 +1,8 @@
-"""A workaround for a memory leak of the Python worker that runs the app (``azure-functions-runtime``,
-what Azure runs for Python 3.13), applied when the app is built (``app.create_app``).
+"""Workarounds for two faults of the Python worker that runs the app (``azure-functions-runtime``,
+what Azure runs for Python 3.13, with the ``azurefunctions-extensions-http-fastapi`` extension for
+HTTP streaming), applied when the app is built (``app.create_app``), inside that worker only.
+
+1. A memory leak (``apply``).
 
 The leak: ``azure_functions_runtime/http_v2.py``, class ``HttpCoordinator`` (the singleton
 ``http_coordinator``). Every HTTP-streaming invocation adds an ``AsyncContextReference`` (two
@@ -15,7 +18,15 @@ entry after that: ``invocation_request`` (``handle_event.py``) calls ``set_http_
 returns without awaiting, so by the time the HTTP server's handler wakes up and takes the response,
 the invocation is over. It is applied only inside that worker (the module is loaded), only to the
 versions read and measured here (``CHECKED``), and only when the class still has the shape it was
-written for; otherwise it logs why it was not applied."""
+written for; otherwise it logs why it was not applied.
+
+2. A path with a line feed never reaches the function (``route_any_path``). The extension's
+``WebApp.route`` (``azurefunctions/extensions/http/fastapi/web.py``) registers the worker's one HTTP
+route as ``/{path:path}``, whose regular expression (Starlette's path convertor, ``.*``) does not
+match a line feed: a request whose URL has ``%0A`` (``GET /api/v1/responses/resp_a%0D%0Ab``) gets
+FastAPI's own ``{"detail": "Not Found"}``, and the invocation the host started for it waits for its
+request forever. That route is made to match any path (``re.DOTALL``), so such a request reaches
+its function, which answers it (400 for a malformed id, OpenAI's 404 for an unknown path)."""
 
 from __future__ import annotations
 
@@ -27,6 +38,8 @@ from typing import Any
 log = logging.getLogger("chatstream")
 
 RUNTIME = "azure_functions_runtime"
+EXTENSION = "azurefunctions.extensions.http.fastapi"
+ANY_PATH = "/{path:path}"
 # The versions whose HttpCoordinator was read and found leaking (1.3.0 is the newest released when
 # this was written). A newer version is left alone, with a warning: check whether it still leaks.
 CHECKED = ((1, 0, 0), (1, 3, 0))
@@ -39,11 +52,13 @@ def _version(text: str) -> tuple[int, int, int] | None:
 
 
 def apply(modules: dict[str, Any] | None = None) -> bool:
-    """Install the workaround in the running worker; True when it is in place (now or before)."""
+    """Install both workarounds in the running worker; True when the leak's is in place (now or
+    before)."""
     modules = sys.modules if modules is None else modules
     http_v2 = modules.get(f"{RUNTIME}.http_v2")
     if http_v2 is None:
         return False  # not running in that worker (unit tests, another host): nothing to fix
+    route_any_path(modules)
     version_module = modules.get(f"{RUNTIME}.version")
     text = str(getattr(version_module, "VERSION", ""))
     version = _version(text)
@@ -73,4 +88,25 @@ def apply(modules: dict[str, Any] | None = None) -> bool:
 
     setattr(await_http_response_async, _MARK, True)
     coordinator.await_http_response_async = await_http_response_async
+    return True
+
+
+def route_any_path(modules: dict[str, Any]) -> bool:
+    """Make the worker's HTTP route match every path (2. above); True when it does (now or before)."""
+    web_app = getattr(modules.get(f"{EXTENSION}.web"), "WebApp", None)
+    original = getattr(web_app, "route", None)
+    if web_app is None or original is None:
+        return False  # not the FastAPI extension: nothing of this applies
+    if getattr(original, _MARK, False):
+        return True
+
+    def route(self, func):
+        registered = original(self, func)
+        for each in getattr(getattr(getattr(self, "web_app", None), "router", None), "routes", ()):
+            if getattr(each, "path", None) == ANY_PATH and isinstance(getattr(each, "path_regex", None), re.Pattern):
+                each.path_regex = re.compile(each.path_regex.pattern, each.path_regex.flags | re.DOTALL)
+        return registered
+
+    setattr(route, _MARK, True)
+    web_app.route = route
     return True

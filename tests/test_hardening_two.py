@@ -331,3 +331,20 @@ def test_upstreams_beyond_its_documented_bounds_stops_the_app_naming_the_setting
         return
     app.stop()
     pytest.fail("the app started")
+
+
+# -------------------------------------------------------------------- 17. every /api/v1/ error is OpenAI's
+
+@pytest.mark.parametrize("path", [
+    "/api/v1/responses/resp_a%0D%0Ab", "/api/v1/responses/resp_a%0Ab/cancel", "/api/v1/responses/resp_a%0Ab/input_items",
+    "/api/v1/responses/resp_%0A", "/api/v1/models/gpt%0Atest", "/api/v1/x%0Ay", "/api/v1/chat/completions%0A",
+    "/api/v1/responses/resp_a%00b", "/api/v1/responses/resp_a%2Fb"])
+def test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds(plain_app, upstream, path):
+    before = upstream.count()
+    for method in ("GET", "POST", "DELETE"):
+        r = httpx.request(method, plain_app.url + path, timeout=10)
+        assert r.status_code in (400, 404), (method, path, r.status_code, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", r.text
+        assert r.headers["x-request-id"]
+    assert upstream.count() == before, "no id with a control character reaches the upstream"

@@ -78,3 +78,11 @@ def test_precedence_does_not_depend_on_declaration_order(templates, path, expect
         functions = [function(f"f{i}", t) for i, t in enumerate(order)]
         route, _, _ = match(routes_from_metadata(functions, "api"), path, "GET")
         assert route is not None and route.template == expected, (order, route and route.template)
+
+
+def test_a_line_feed_in_the_path_still_reaches_a_route_as_in_asp_net():
+    """Issue #23 item 17: a catch-all takes any character, %0A decoded to a line feed too."""
+    assert _reached(OPENAI, "/api/v1/x\ny", "GET")[0] == "openai_catch_all"
+    assert _reached(OPENAI, "/api/v1/chat/completions\n", "POST")[0] == "openai_catch_all"
+    name, params, _ = _reached(OPENAI, "/api/v1/models/a\r\nb", "GET")
+    assert (name, params) == ("openai_model", {"id": "a\r\nb"})

@@ -7,6 +7,8 @@ import logging
 import types
 
 import pytest
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from chatstream import worker_fix
 
@@ -77,3 +79,30 @@ def test_not_applied_outside_the_worker_nor_to_unchecked_versions(runtime, caplo
     assert not getattr(original, worker_fix._MARK, False)
     odd = {**runtime, "azure_functions_runtime.http_v2": types.SimpleNamespace()}
     assert worker_fix.apply(odd) is False
+
+
+def test_the_workers_http_route_matches_a_path_with_a_line_feed():
+    """Issue #23 item 17: the FastAPI extension's one route, /{path:path}, did not match a line feed
+    (FastAPI answered {"detail": "Not Found"} and the function never ran)."""
+    from azurefunctions.extensions.http.fastapi import web
+    from starlette.testclient import TestClient
+
+    original = web.WebApp.route
+    try:
+        def serve() -> TestClient:
+            app = web.WebApp()
+
+            @app.route
+            async def catch_all(request: Request):
+                return JSONResponse({"path": request.scope["path"]})
+
+            return TestClient(app.get_app())
+
+        assert serve().get("/api/v1/x%0Ay").json() == {"detail": "Not Found"}, "the fault, as installed"
+        assert worker_fix.route_any_path({"azurefunctions.extensions.http.fastapi.web": web}) is True
+        assert worker_fix.route_any_path({"azurefunctions.extensions.http.fastapi.web": web}) is True
+        assert serve().get("/api/v1/x%0Ay").json() == {"path": "/api/v1/x\ny"}
+        assert serve().get("/api/v1/models").json() == {"path": "/api/v1/models"}
+        assert worker_fix.route_any_path({}) is False
+    finally:
+        web.WebApp.route = original
