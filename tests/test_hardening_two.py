@@ -348,3 +348,27 @@ def test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds(pla
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", r.text
         assert r.headers["x-request-id"]
     assert upstream.count() == before, "no id with a control character reaches the upstream"
+
+
+# ------------------------------------------------------------------ 18. the clients closed at shutdown
+
+def test_a_process_that_builds_the_app_and_serves_requests_exits_without_unclosed_sessions(upstream):
+    """The app served in a process of its own (uvicorn, as tests/helpers.InProcessApp does), a streamed
+    and a non-streamed request, then the server stops and the process exits: aiohttp must not report
+    an unclosed client session or connector (the upstream clients are closed with the loop)."""
+    script = "\n".join([
+        "import sys",
+        f"sys.path[:0] = [{str(APP_ROOT)!r}, {str(ROOT / 'tests')!r}]",
+        "import httpx",
+        "from helpers import InProcessApp",
+        f"app = InProcessApp({upstream.base_url!r})",
+        "streamed = httpx.post(app.chat_url, json={'prompt': '[scenario:normal] hi'}, timeout=20)",
+        "whole = httpx.post(app.url + '/api/v1/chat/completions', timeout=20,",
+        "                   json={'model': 'gpt-test', 'messages': [{'role': 'user', 'content': 'hi'}]})",
+        "print(streamed.status_code, whole.status_code)",
+        "app.stop()",
+    ])
+    run = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=APP_ROOT)
+    assert run.returncode == 0 and run.stdout.split() == ["200", "200"], run.stdout + run.stderr
+    assert "Unclosed" not in run.stderr, run.stderr
