@@ -372,3 +372,24 @@ def test_a_process_that_builds_the_app_and_serves_requests_exits_without_unclose
                          cwd=APP_ROOT)
     assert run.returncode == 0 and run.stdout.split() == ["200", "200"], run.stdout + run.stderr
     assert "Unclosed" not in run.stderr, run.stderr
+
+
+# ------------------------------------------------------------------ 14. a spoken answer's transcript
+
+AUDIO_TERMS = ["Spoken: the", "scripted"]  # the first spans two deltas ("Spoken: " + "the scripted ")
+
+
+def test_blocked_terms_are_redacted_in_an_audio_transcript(upstream):
+    from chatstream.guard import redact_whole
+    from tools.fakeupstream import RESPONSES_TEXTS
+
+    app = App(app_env(upstream, BLOCKED_TERMS=",".join(AUDIO_TERMS)))
+    try:
+        r = httpx.post(app.url + "/api/v1/responses", json=response("audio", stream=True), timeout=20)
+    finally:
+        app.stop()
+    events = [json.loads(m) for m in re.findall(r"^data: (.*)$", r.text, re.M)]
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio.transcript.delta")
+    assert transcript == redact_whole(RESPONSES_TEXTS["audio"], AUDIO_TERMS) == "[redacted] [redacted] answer, out loud."
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), "no event added or dropped"
+    assert events[-1]["type"] == "response.completed"

@@ -45,6 +45,8 @@ REASONING_SUMMARY_DELTAS = (
 )
 REASONING_SUMMARY = "".join(REASONING_SUMMARY_DELTAS)
 REASONING_ANSWER_DELTAS = ("After some thought: ", "the answer ", "is 42. ", "🙂")
+AUDIO_CHUNK = "UklGRiQAAABXQVZFZm10IBAAAAABAAEA"  # base64 of a few bytes of a WAV header
+AUDIO_TRANSCRIPT_DELTAS = ("Spoken: ", "the scripted ", "answer, ", "out loud.")
 
 FUNCTION_CALL_ID = sc.TOOL_CALL_ID
 FUNCTION_CALL_NAME = sc.TOOL_CALL_NAME
@@ -70,7 +72,8 @@ class ResponsesScenario:
     deltas: tuple[str, ...] = ()  # output text deltas (function_call: argument fragments)
     first_s: float = 0.01  # first delta, after the opening events at 0
     interval_s: float = 0.01
-    # "message" | "function_call" | "reasoning" (a reasoning item with a summary, then a message)
+    # "message" | "function_call" | "reasoning" (a reasoning item with a summary, then a message) |
+    # "audio" (audio chunks and their transcript: response.audio.delta / .transcript.delta)
     kind: str = "message"
     # How it ends: "completed", "incomplete" (response.incomplete), "failed" (response.failed),
     # "error_event" / "error_event_nested" (an `error` event), "reset" (drop the connection),
@@ -102,6 +105,8 @@ _LIST = [
         FUNCTION_CALL_ARGUMENT_DELTAS, kind="function_call"),
     _RS("reasoning", "a `reasoning` item whose summary is streamed, then the message",
         REASONING_ANSWER_DELTAS, kind="reasoning"),
+    _RS("audio", "a spoken answer: response.audio.delta chunks, each with its response.audio.transcript.delta",
+        AUDIO_TRANSCRIPT_DELTAS, kind="audio"),
     _RS("incomplete", "text cut mid-word, then `response.incomplete` (reason max_output_tokens)",
         sc.LENGTH_DELTAS, end="incomplete"),
     _RS("failed", "2 deltas, then `response.failed` with `response.error` (server_error)",
@@ -347,6 +352,8 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         t = last
 
     index = len(s.output)
+    if scn.kind == "audio":
+        return _audio(s, scn, ctx, t, index, deltas, clock)
     if scn.kind == "function_call":
         fc_id = _new_id("fc_")
         s.emit(t, "response.output_item.added", output_index=index, item=_function_item(fc_id, "in_progress", ""))
@@ -404,6 +411,28 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         s.add(later, RESET)
     else:  # stall
         s.add(later, STALL)
+    return s.steps
+
+
+def _audio(s: _Script, scn: ResponsesScenario, ctx: Context, t: float, index: int, deltas: tuple[str, ...],
+           clock) -> list[tuple[float, Any]]:
+    """A spoken answer: audio chunks with their transcript (`response.audio.transcript.delta`). As in
+    the API's types, the transcript is in those events only: no output item carries it."""
+    msg_id = _new_id("msg_")
+    s.emit(t, "response.output_item.added", output_index=index, item=_message_item(msg_id, "in_progress", None))
+    last = t
+    for piece in deltas:
+        last = next(clock)
+        s.emit(last, "response.audio.delta", delta=AUDIO_CHUNK)
+        s.emit(last, "response.audio.transcript.delta", delta=piece)
+    s.emit(last, "response.audio.done")
+    s.emit(last, "response.audio.transcript.done")
+    item = {**_message_item(msg_id, "completed", None)}
+    s.emit(last, "response.output_item.done", output_index=index, item=item)
+    s.output.append(item)
+    s.output_tokens += len(deltas)
+    s.emit(last, "response.completed", response=ctx.response(
+        "completed", s.output, usage=ctx.usage(s.output_tokens, 0), completed_at=ctx.created_at + round(last)))
     return s.steps
 
 
