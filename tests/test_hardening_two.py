@@ -393,3 +393,36 @@ def test_blocked_terms_are_redacted_in_an_audio_transcript(upstream):
     assert transcript == redact_whole(RESPONSES_TEXTS["audio"], AUDIO_TERMS) == "[redacted] [redacted] answer, out loud."
     assert [e["sequence_number"] for e in events] == list(range(len(events))), "no event added or dropped"
     assert events[-1]["type"] == "response.completed"
+
+
+# ------------------------------------------------------------------------- 15. MAX_PROMPT_CHARS and ids
+
+LONG_ID = "x" * 5_000
+LONG_IDS = {
+    "responses call_id": ("/api/v1/responses", {"model": "gpt-test", "input": [
+        {"type": "function_call_output", "call_id": "call_" + LONG_ID, "output": "ok"}]}),
+    "responses item id": ("/api/v1/responses", {"model": "gpt-test", "input": [
+        {"type": "message", "role": "user", "id": "msg_" + LONG_ID, "content": "hi"}]}),
+    "responses item_reference": ("/api/v1/responses", {"model": "gpt-test", "input": [
+        {"type": "item_reference", "id": "msg_" + LONG_ID}]}),
+    "chat tool_call_id": ("/api/v1/chat/completions", {"model": "gpt-test", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_" + LONG_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_" + LONG_ID, "content": "ok"}]}),
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_limited(upstream):
+    server = App(app_env(upstream, MAX_PROMPT_CHARS="1000"))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("name", sorted(LONG_IDS))
+def test_max_prompt_chars_counts_the_ids_a_caller_sends(prompt_limited, upstream, name):
+    path, body = LONG_IDS[name]
+    before = upstream.count()
+    r = httpx.post(prompt_limited.url + path, json=body, timeout=20)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long", r.text
+    assert upstream.count() == before
