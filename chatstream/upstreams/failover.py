@@ -234,13 +234,12 @@ class Upstreams:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
         blocked = self.pool.unavailable(model)
         headers = retry_after_headers(blocked.retry_after if blocked else 1.0)
+        which = "every upstream" if self.pooled else "the upstream"
         if blocked is not None and blocked.reason == "rate_limited":
             return ApiError(
                 429,
                 ErrorKind.RATE_LIMITED,
-                "the upstream serving this model is rate limited; retry later"
-                if not self.pooled
-                else "every upstream serving this model is rate limited; retry later",
+                f"{which} serving this model is rate limited; retry later",
                 retryable=True,
                 headers=headers,
             )
