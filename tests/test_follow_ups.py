@@ -324,3 +324,17 @@ def test_only_the_query_parameters_openai_defines_reach_the_upstream(app, upstre
         assert r.status_code == 200, r.text
         assert upstream.requests(last=1)[-1]["query"] == forwarded
     assert not any(v in json.dumps(upstream.requests(last=5)) for v in secret.values())
+
+
+# ------------------------------------------------------------------ 13. who can reach a stored response
+
+def test_without_callers_the_function_key_reaches_any_stored_response(app, upstream):
+    """docs/openai.md, "Who can read, cancel or delete a stored response": without CALLER_KEYS the
+    follow-ups act on any response the upstream account holds, even one made by another program."""
+    elsewhere = upstream.http.post("/v1/responses", json={"model": "gpt-test", "input": "[scenario:slow] hi",
+                                                          "background": True}).json()
+    base = f"{app.url}/api/v1/responses/{elsewhere['id']}"
+    assert httpx.get(base, timeout=10).json()["id"] == elsewhere["id"]
+    assert httpx.get(base + "/input_items", timeout=10).json()["data"][0]["content"][0]["text"] == "[scenario:slow] hi"
+    assert httpx.post(base + "/cancel", timeout=10).json()["status"] == "cancelled"
+    assert httpx.delete(base, timeout=10).json()["deleted"] is True
