@@ -53,4 +53,5 @@ def test_the_worker_does_not_grow_per_request(app):
     before = worker_rss_kb(app)
     asyncio.run(mixed_requests(app.url, REQUESTS))
     grown = (worker_rss_kb(app) - before) * 1024
+    print(f"worker RSS: {before} kB after the warm-up, +{grown / REQUESTS:.0f} B per request over {REQUESTS}")
     assert grown / REQUESTS <= MAX_BYTES_PER_REQUEST, f"the worker grew {grown / REQUESTS:.0f} B per request"
