@@ -49,6 +49,17 @@ def wait_log_line(app: App, **expected) -> dict:
         time.sleep(0.05)
 
 
+def hang_record_since(upstream: Upstream, since: float) -> dict:
+    """The scripted upstream's record of a ``hang`` answer started after ``since``, once it has ended."""
+    deadline = time.monotonic() + 5
+    while True:
+        found = [s for s in upstream.streams() if s["scenario"] == "hang" and s["started_at"] >= since - 0.2]
+        if found and found[-1]["ended_at"] is not None:
+            return found[-1]
+        assert time.monotonic() < deadline, f"no ended hang since {since}: {found}"
+        time.sleep(0.02)
+
+
 def set_error_headers(upstream: Upstream, headers: dict[str, str]) -> None:
     upstream.http.post("/_scripted/error_headers", json=headers).raise_for_status()
 
@@ -66,7 +77,7 @@ def test_non_streamed_calls_at_the_total_limit_are_a_504_total_timeout(start_app
     app = start_app(TOTAL_TIMEOUT_SECONDS="2")
     for path, body, endpoint in (("/api/v1/chat/completions", completion("hang"), "openai"),
                                  ("/api/v1/responses", response("hang"), "responses")):
-        started = time.monotonic()
+        started, sent = time.monotonic(), time.time()
         r = httpx.post(app.url + path, json=body, timeout=20)
         elapsed = time.monotonic() - started
         assert r.status_code == 504, (path, r.status_code, r.text)
@@ -75,7 +86,25 @@ def test_non_streamed_calls_at_the_total_limit_are_a_504_total_timeout(start_app
         assert 1.9 <= elapsed < 4, elapsed
         line = wait_log_line(app, endpoint=endpoint, status=504)
         assert line["error"] == "total_timeout" and line["disconnected"] is False
-        assert upstream.wait_stream_end("hang")["outcome"] == "client_disconnected", "the upstream call was closed"
+        assert hang_record_since(upstream, sent)["outcome"] == "client_disconnected", "the upstream call was closed"
+
+
+def test_a_caller_hanging_up_on_a_non_streamed_call_is_still_a_499_that_closes_the_upstream(start_app, upstream):
+    """The other side of item 5: a real hang-up is still told apart from the total limit."""
+    import socket
+
+    app = start_app(TOTAL_TIMEOUT_SECONDS="20")
+    host, port = app.url.removeprefix("http://").split(":")
+    body = json.dumps(completion("hang")).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /api/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.5)
+        hung_up = time.time()
+    record = hang_record_since(upstream, hung_up - 0.5)
+    assert record["outcome"] == "client_disconnected" and record["ended_at"] - hung_up < 1.0
+    line = wait_log_line(app, endpoint="openai", status=499)
+    assert line["disconnected"] is True
 
 
 # ----------------------------------------------------------------- 6. a 200 that dies before the first token
