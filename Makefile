@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv client client-mono chromium azurite bench bench-profile clean
+.PHONY: serve test lint venv client client-mono chromium azurite aisdk bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
@@ -21,7 +21,7 @@ serve: $(STAMP)
 # Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
 # on streams and timers, so this cuts its wall time by about half on two cores. Unit tests alone:
 # $(PY) -m pytest tests/unit
-test: lint client-mono chromium azurite
+test: lint client-mono chromium azurite aisdk
 	$(PY) -m pytest -n 3 --dist loadfile
 
 # The linter (ruff: rules and format, ruff.toml) over every Python file here, and the type checker
@@ -63,6 +63,15 @@ $(AZURITE): tools/azurite/package-lock.json
 
 azurite: $(AZURITE)
 
+# The Vercel AI SDK as a test client (tests/clients/aisdk/), pinned by its package-lock.json; npm as
+# for Azurite.
+AISDK := tests/clients/aisdk/node_modules/ai/package.json
+$(AISDK): tests/clients/aisdk/package-lock.json $(AZURITE)
+	cd tests/clients/aisdk && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(AISDK)
+
+aisdk: $(AISDK)
+
 # Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
 BENCH_VENV := tools/bench/.venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
@@ -81,4 +90,4 @@ bench-profile: $(STAMP) $(BENCH_STAMP)
 	tools/bench/profile.sh $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) tools/azurite/node_modules tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out
+	rm -rf $(VENV) tools/azurite/node_modules tests/clients/aisdk/node_modules tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out

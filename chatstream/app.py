@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from . import worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
@@ -18,6 +19,7 @@ from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
+from .http import with_request_id
 from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
@@ -58,16 +60,17 @@ class ChatApp:
         try:
             await self.accounting.authenticate(request.headers)
         except ApiError as error:
-            return openai_chat.error_response(error)
+            return with_request_id(openai_chat.error_response(error))
         return None
 
     async def pool_state(self, request: Request) -> Response:
         """GET /api/_pool: each upstream entry's state and counters (never a key)."""
-        return JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"})
+        return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
 
     async def models(self, request: Request) -> Response:
         """GET /api/v1/models: the models a caller may name."""
-        return await self.authenticated(request) or JSONResponse(openai_chat.models_list(self.model_names))
+        refused = await self.authenticated(request)
+        return refused or with_request_id(JSONResponse(openai_chat.models_list(self.model_names)))
 
     async def model(self, request: Request) -> Response:
         """GET /api/v1/models/{model}: one of them, or OpenAI's 404."""
@@ -76,24 +79,26 @@ class ChatApp:
             return refused
         name = request.path_params.get("model", "")
         if name in self.model_names:
-            return JSONResponse(openai_chat.model_object(name))
-        return openai_chat.error_response(
-            ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist")
+            return with_request_id(JSONResponse(openai_chat.model_object(name)))
+        return with_request_id(
+            openai_chat.error_response(ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist"))
         )
 
     async def not_found(self, request: Request) -> Response:
         """Any other path under /api/v1/: OpenAI's 404, so SDK callers see a clear NotFoundError."""
-        return openai_chat.error_response(
-            ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
+        return with_request_id(
+            openai_chat.error_response(
+                ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
+            )
         )
 
     async def resume_stream(self, request: Request) -> Response:
         """GET /api/streams/{stream_id}: a resumable stream again, after Last-Event-ID."""
-        return await self.streams.resume(request) if self.streams else _streams_off()
+        return with_request_id(await self.streams.resume(request) if self.streams else _streams_off())
 
     async def cancel_stream(self, request: Request) -> Response:
         """POST /api/streams/{stream_id}/cancel: stop a resumable stream, wherever it is produced."""
-        return await self.streams.cancel(request) if self.streams else _streams_off()
+        return with_request_id(await self.streams.cancel(request) if self.streams else _streams_off())
 
     async def close(self) -> None:
         """Close the upstream clients (their connection pools) and the stores, when the app shuts down."""
@@ -133,6 +138,7 @@ def create_app(
     upstream. ``environ``: where the keys UPSTREAMS names are read (default: the process
     environment); ``credential``: an azure-identity async credential for Entra ID (default:
     DefaultAzureCredential)."""
+    worker_fix.apply()  # the Python worker's per-request leak (worker_fix.py); only inside that worker
     if not settings.upstream_configured:
         log.warning("no upstream configured: set UPSTREAMS, OPENAI_API_KEY, OPENAI_BASE_URL or AZURE_OPENAI_ENDPOINT")
     pipeline = pipeline if pipeline is not None else Pipeline.from_settings(settings)

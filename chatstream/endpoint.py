@@ -79,8 +79,10 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_gone(request: Request, work: Awaitable[T], limit: float) -> T:
-    """``work``'s result, or ``ClientGone`` if the caller hangs up first, or the total limit."""
+async def unless_gone(
+    request: Request, work: Awaitable[T], limit: float, expired: Callable[[], ApiError] = total_expired
+) -> T:
+    """``work``'s result, or ``ClientGone`` if the caller hangs up first, or ``expired()`` at ``limit``."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
@@ -91,7 +93,7 @@ async def unless_gone(request: Request, work: Awaitable[T], limit: float) -> T:
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone() if gone.done() and not gone.cancelled() else total_expired()
+    raise ClientGone() if gone.done() and not gone.cancelled() else expired()
 
 
 class Endpoint:

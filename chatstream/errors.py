@@ -140,7 +140,7 @@ class UpstreamReported(ApiError):
 
     def __init__(self, message: str):
         super().__init__(
-            502, ErrorKind.UPSTREAM_ERROR, f"the model server reported an error: {message}", retryable=True
+            502, ErrorKind.UPSTREAM_ERROR, f"the model server reported an error: {redact(message)}", retryable=True
         )
 
 

@@ -8,19 +8,21 @@ import asyncio
 import json
 import logging
 import math
+import uuid
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 
 log = logging.getLogger("chatstream")
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", bound=Response)
 
 # --- reading a request ------------------------------------------------------------------------
 
@@ -135,6 +137,14 @@ def validate_object(model: type[M], data: object, describe: Callable[[dict], tup
         telling = [e for e in errors if not e["type"].endswith("_type")] if len(errors) > 1 else []
         message, param = describe(dict((telling or errors)[0]))
         raise invalid_request(message, param) from None
+
+
+def with_request_id(response: R) -> R:
+    """Every answer carries ``x-request-id``: the one it has (the upstream's, or the request's own in
+    its log line), else a new one, so that a caller's report can be matched with the app's logs."""
+    if "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = uuid.uuid4().hex
+    return response
 
 
 # --- server-sent events -----------------------------------------------------------------------

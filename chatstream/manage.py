@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, invalid_request
-from .http import parse_json_body, read_body, require_json_content_type
+from .http import parse_json_body, read_body, require_json_content_type, with_request_id
 from .state.callers import NAME_PATTERN
 from .state.ledger import MAX_USAGE_DAYS, totals
 from .state.shared import SharedState
@@ -49,6 +49,9 @@ class Manage:
         self.clock = clock
 
     async def _answer(self, handler: Callable[[SharedState], Awaitable[JSONResponse]]) -> JSONResponse:
+        return with_request_id(await self._answered(handler))
+
+    async def _answered(self, handler: Callable[[SharedState], Awaitable[JSONResponse]]) -> JSONResponse:
         if self.state is None:
             return error_response(
                 ApiError(

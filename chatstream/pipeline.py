@@ -230,7 +230,8 @@ def system_prompt(text: str):
 
 
 # The request fields whose text reaches the model (chat completions and responses). Within them
-# every string counts, except the values of these keys, which name structure rather than carry text.
+# every string counts, ids included (a caller chooses them, and the model sees a tool call's id),
+# except the values of these keys: closed sets of names the upstream checks (docs/pipeline.md).
 PROMPT_FIELDS = (
     "messages",
     "tools",
@@ -244,7 +245,7 @@ PROMPT_FIELDS = (
     "text",
     "prompt",
 )
-_STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "call_id", "detail", "status", "strict"})
+_STRUCTURE_KEYS = frozenset({"role", "type", "detail", "status", "strict"})
 
 
 def prompt_chars(params: dict) -> int:

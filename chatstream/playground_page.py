@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fastapi.responses import Response
 
+from .http import with_request_id
 from .settings import Settings
 
 FOLDER = Path(__file__).parent / "playground"
@@ -74,6 +75,9 @@ class Playground:
 
     def __call__(self, file: str | None, path: str) -> Response:
         """``file``: the route parameter (None for the page itself); ``path``: the request's path."""
+        return with_request_id(self._answer(file, path))
+
+    def _answer(self, file: str | None, path: str) -> Response:
         if not self.enabled or file not in FILES:
             return Response(status_code=404, headers={"Cache-Control": "no-store"})
         if file is None and path.endswith("/"):

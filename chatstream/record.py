@@ -7,11 +7,14 @@ first output, the deltas, how the stream ended). It is read once the request is 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from .errors import redact
 
 # Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
 # output has its C0 escaped already), Unicode line and paragraph separators, the bidi overrides.
@@ -20,8 +23,25 @@ _UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066
 
 def log_safe(text: str) -> str:
     """``text`` (already JSON, or any caller-chosen string) with every character that could start a
-    new log line or hide part of one escaped as ``\\uXXXX``."""
-    return _UNSAFE_IN_LOGS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    new log line or hide part of one escaped as ``\\uXXXX``, and without any upstream key or token."""
+    return _UNSAFE_IN_LOGS.sub(lambda m: f"\\u{ord(m.group()):04x}", redact(text))
+
+
+class _Redacting(logging.Filter):
+    """On the app's logger: no upstream key or Entra ID token in any message or traceback it writes
+    (an upstream may quote them in an error message that ends up in an exception)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+logging.getLogger("chatstream").addFilter(_Redacting())
 
 
 class Span(Protocol):

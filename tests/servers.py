@@ -14,6 +14,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+# The app's code for App(): this tree, or another checkout of the project
+# (CHATSTREAM_APP_ROOT=/path/to/checkout: run a test of this tree against that code, e.g. to check
+# that it fails on the code before a fix). The scripted upstream always comes from this tree.
+APP_ROOT = Path(os.environ.get("CHATSTREAM_APP_ROOT") or ROOT).resolve()
 READY = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
 
@@ -24,7 +28,9 @@ class Served:
                  timeout: float = 60.0):
         self.log_file = tempfile.NamedTemporaryFile(prefix="served-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_"))}
-        full_env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+        full_env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(cwd)})
+        if cwd != ROOT:
+            full_env["PYTHONDONTWRITEBYTECODE"] = "1"  # leave the other checkout as it is
         full_env.update(env or {})
         self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                                      stderr=self.log_file, stdin=subprocess.DEVNULL, text=True)
@@ -115,7 +121,9 @@ class App(Served):
     """function_app.py served through the local host (tools/devhost/) on the real runtime."""
 
     def __init__(self, env: dict[str, str], app_dir: Path = ROOT):
-        super().__init__(["-m", "tools.devhost", "--port", "0", str(app_dir)], env=env)
+        root = APP_ROOT if app_dir == ROOT else ROOT
+        super().__init__(["-m", "tools.devhost", "--port", "0", str(root if app_dir == ROOT else app_dir)],
+                         env=env, cwd=root)
 
     @property
     def chat_url(self) -> str:

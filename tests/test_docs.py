@@ -309,3 +309,16 @@ def test_readme_scenarios_exist_in_the_scripted_upstream():
     named = [_name(cells[0]) for cells in rows[0]]
     unknown = [name for name in named if name not in SCENARIOS]
     assert not unknown, f"README.md names scenarios that tools/fakeupstream does not have: {unknown}"
+
+
+def test_openai_md_says_who_can_read_cancel_or_delete_a_stored_response():
+    """Issue #23 item 13: plainly, with and without callers. The behaviour it states is tested:
+    test_follow_ups.py::test_without_callers_the_function_key_reaches_any_stored_response and
+    test_callers.py::test_a_response_belongs_to_the_caller_that_created_it."""
+    text = (ROOT / "docs" / "openai.md").read_text()
+    heading = "### Who can read, cancel or delete a stored response"
+    assert heading in text, f"docs/openai.md needs a section {heading!r}"
+    section = text.split(heading, 1)[1].split("\n### ", 1)[0]
+    for claim in ("function key", "**any** response id", "same OpenAI or Azure OpenAI account",
+                  "CALLER_KEYS=required", "`404`", '"store": false'):
+        assert claim in section, f"the section should say {claim!r}"

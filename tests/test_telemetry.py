@@ -481,3 +481,24 @@ def test_rejected_request_end_to_end(otel, model, inproc):
     span = wait_for_span(model)
     assert span.attributes["error.type"] == "rate_limited"
     assert span.status.status_code is StatusCode.ERROR
+
+
+def test_the_span_has_the_request_id_the_caller_got(otel, model, inproc, upstream):
+    """Issue #23 item 9: ``x-request-id`` (the upstream's when it sent one, else the app's own) is on
+    the answer, in the log line and on the span, so a caller's report can be found."""
+    streamed = httpx.post(inproc.chat_url, json={"prompt": "[scenario:normal] hi", "model": model}, timeout=30)
+    assert streamed.status_code == 200
+    assert streamed.headers["x-request-id"] == upstream.requests(last=1)[-1]["id"]
+    assert wait_for_span(model).attributes["chat.request_id"] == streamed.headers["x-request-id"]
+
+    upstream_refused = httpx.post(inproc.chat_url, json={"prompt": "[scenario:bad_request] hi"}, timeout=30)
+    assert upstream_refused.status_code == 400
+    assert upstream_refused.headers["x-request-id"] == upstream.requests(last=1)[-1]["id"], "the upstream's"
+    refused = httpx.post(inproc.chat_url, json={"prompt": ""}, timeout=30)
+    assert refused.status_code == 400 and len(refused.headers["x-request-id"]) == 32  # the app's own
+    for answer in (upstream_refused, refused):
+        request_id = answer.headers["x-request-id"]
+        deadline = time.monotonic() + 5
+        while not [s for s in SPANS.get_finished_spans() if s.attributes.get("chat.request_id") == request_id]:
+            assert time.monotonic() < deadline, f"no span with chat.request_id {request_id}"
+            time.sleep(0.02)

@@ -20,7 +20,16 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import telemetry
 from ..endpoint import finishing, stream_response, unless_gone
-from ..errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, internal_error, invalid_request
+from ..errors import (
+    ERROR_HEADERS,
+    ApiError,
+    ClientGone,
+    ErrorKind,
+    first_token_expired,
+    internal_error,
+    invalid_request,
+    total_expired,
+)
 from ..http import EventStreamResponse
 from ..pipeline import Pipeline
 from ..record import StreamRecord
@@ -93,8 +102,11 @@ class ResponseFollowUps:
             async def call(client: SdkClient) -> Any:
                 return await getattr(client, method)(path, cast_to=object, options={"params": query})
 
-            limit = min(self.settings.first_token_timeout, self.settings.total_timeout)
-            body = await unless_gone(request, self.upstreams.each(call, self.attempt_timeout), limit)
+            first_token, total = self.settings.first_token_timeout, self.settings.total_timeout
+            expired = first_token_expired if first_token < total else total_expired
+            body = await unless_gone(
+                request, self.upstreams.each(call, self.attempt_timeout), min(first_token, total), expired
+            )
             if not isinstance(body, dict):
                 raise ApiError(
                     502, ErrorKind.UPSTREAM_MALFORMED, "the model server sent a malformed answer", retryable=True

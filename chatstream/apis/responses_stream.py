@@ -12,7 +12,9 @@ still answer an early failure with an HTTP status. The stream is done at ``respo
 
 Text steps (``BLOCKED_TERMS`` and your own) see every text the model streams: each content part's
 text or refusal (per ``output_index``/``content_index``), each function call's arguments, each
-reasoning summary part and reasoning text. The repeated full texts (``response.output_text.done``,
+reasoning summary part and reasoning text, and a spoken answer's transcript
+(``response.audio.transcript.delta``; its ``.done`` event carries no text, the held tail goes out in
+the last delta). The repeated full texts (``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, the terminal ``response``, the
 non-streamed response) are replaced by what was released for that part, so a reader of the deltas and
 a reader of the final object see the same text. To give a filter's held-back tail a place in the
@@ -42,6 +44,7 @@ TEXT_DELTAS = frozenset(
         "response.reasoning_text.delta",
         "response.function_call_arguments.delta",
         "response.reasoning_summary_text.delta",
+        "response.audio.transcript.delta",
     }
 )
 _EVENT_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
@@ -52,6 +55,8 @@ def _delta_key(data: dict) -> tuple | None:
     or refusal, ``("a", output)`` for function-call arguments, ``("s", output, summary)`` for a
     reasoning summary part."""
     kind = data.get("type", "")
+    if kind.startswith("response.audio.transcript."):  # one spoken answer per response: no index
+        return ("t",)
     if kind.startswith("response.function_call_arguments."):
         return ("a", _index(data, "output_index"))
     if kind.startswith(("response.reasoning_summary_text.", "response.reasoning_summary_part.")):
@@ -234,7 +239,9 @@ class ResponseStream:
         key = _delta_key(data)
         new = data
         if key is not None:
-            if kind in (
+            if kind == "response.audio.transcript.done":  # no text of its own: the held tail goes out now
+                await self._full(key, "")
+            elif kind in (
                 "response.output_text.done",
                 "response.reasoning_text.done",
                 "response.reasoning_summary_text.done",
@@ -253,6 +260,8 @@ class ResponseStream:
         elif kind == "response.output_item.done" and isinstance(data.get("item"), dict):
             new = {**data, "item": await self._item(_index(data, "output_index"), data["item"])}
         elif kind in TERMINAL and isinstance(data.get("response"), dict):
+            if ("t",) in self._filters:  # a transcript that never got its done event
+                await self._full(("t",), "")
             new = {**data, "response": await self._response(data["response"])}
         return new
 

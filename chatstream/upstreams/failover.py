@@ -44,7 +44,7 @@ from .clients import (
 )
 from .config import Entry
 from .health import SINGLE
-from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field
+from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field, upstream_request_id
 from .pool import Attempt, Pool, PoolEvent
 
 log = logging.getLogger("chatstream")
@@ -234,13 +234,12 @@ class Upstreams:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
         blocked = self.pool.unavailable(model)
         headers = retry_after_headers(blocked.retry_after if blocked else 1.0)
+        which = "every upstream" if self.pooled else "the upstream"
         if blocked is not None and blocked.reason == "rate_limited":
             return ApiError(
                 429,
                 ErrorKind.RATE_LIMITED,
-                "the upstream serving this model is rate limited; retry later"
-                if not self.pooled
-                else "every upstream serving this model is rate limited; retry later",
+                f"{which} serving this model is rate limited; retry later",
                 retryable=True,
                 headers=headers,
             )
@@ -317,6 +316,7 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
+                record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
                 if self._failed(attempt, last, record):
                     continue
@@ -341,6 +341,7 @@ class Upstreams:
                 attempt.release()
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+                record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(exc, model)
                 if self._failed(attempt, last, record):
                     continue

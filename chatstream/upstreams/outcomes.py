@@ -177,6 +177,12 @@ def upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
     return None
 
 
+def upstream_request_id(exc: BaseException) -> str | None:
+    """The ``x-request-id`` of an upstream's error answer, if it sent one (the SDK's ``request_id``)."""
+    request_id = getattr(exc, "request_id", None)
+    return request_id if isinstance(request_id, str) and request_id else None
+
+
 @dataclass(frozen=True, slots=True)
 class Classified:
     error: ApiError  # what the caller is told
@@ -212,20 +218,7 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
             ApiError(504, ErrorKind.UPSTREAM_TIMEOUT, "the model did not answer in time", retryable=True), Outcome(kind)
         )
     if isinstance(exc, openai.APIConnectionError):
-        if _connect_failure(exc):
-            return Classified(
-                ApiError(503, ErrorKind.UPSTREAM_UNAVAILABLE, "could not reach the model server", retryable=True),
-                Outcome(OutcomeKind.CONNECT_FAILED),
-            )
-        message = (
-            "the connection to the model server was lost"
-            if midstream
-            else "the model server cut the connection before its first output"
-        )
-        return Classified(
-            ApiError(502, ErrorKind.UPSTREAM_DISCONNECTED, message, retryable=True),
-            Outcome(OutcomeKind.CONNECTION_LOST),
-        )
+        return _connection_failure(exc, midstream)
     if isinstance(exc, TimeoutError):  # the per-entry first-token limit
         return Classified(first_token_expired(), TIMED_OUT)
     if isinstance(exc, openai.APIError):  # an error payload inside the stream
@@ -239,6 +232,24 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
             Outcome(OutcomeKind.SERVER_ERROR),
         )
     return Classified(internal_error(), Outcome(OutcomeKind.OTHER))
+
+
+def _connection_failure(exc: openai.APIConnectionError, midstream: bool) -> Classified:
+    """No connection at all (503: nothing was sent), or one the server cut (502: it answered, then
+    dropped it, before or after the first output)."""
+    if _connect_failure(exc):
+        return Classified(
+            ApiError(503, ErrorKind.UPSTREAM_UNAVAILABLE, "could not reach the model server", retryable=True),
+            Outcome(OutcomeKind.CONNECT_FAILED),
+        )
+    message = (
+        "the connection to the model server was lost"
+        if midstream
+        else "the model server cut the connection before its first output"
+    )
+    return Classified(
+        ApiError(502, ErrorKind.UPSTREAM_DISCONNECTED, message, retryable=True), Outcome(OutcomeKind.CONNECTION_LOST)
+    )
 
 
 def _own_outcome(error: ApiError) -> Outcome:

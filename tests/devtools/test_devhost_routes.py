@@ -90,3 +90,11 @@ def test_routes_the_functions_host_keeps_for_itself_are_in_error_here_too(caplog
         names = [r.name for r in routes_from_metadata(functions, "api")]
     assert names == ["manage"]
     assert sum("conflicts with one or more built in routes" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_a_line_feed_in_the_path_still_reaches_a_route_as_in_asp_net():
+    """Issue #23 item 17: a catch-all takes any character, %0A decoded to a line feed too."""
+    assert _reached(OPENAI, "/api/v1/x\ny", "GET")[0] == "openai_catch_all"
+    assert _reached(OPENAI, "/api/v1/chat/completions\n", "POST")[0] == "openai_catch_all"
+    name, params, _ = _reached(OPENAI, "/api/v1/models/a\r\nb", "GET")
+    assert (name, params) == ("openai_model", {"id": "a\r\nb"})

@@ -368,10 +368,10 @@ def test_system_prompt_goes_before_responses_instructions(instructions, expected
     # an image as a data URL counts by its URL; detail does not
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD", "detail": "high"}}]}]}, 26),
-    # tool calls: the arguments (and the function name); ids and types do not count
+    # tool calls: the arguments, the function name and the call's id (the model sees it); types do not count
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_123456", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]},
-                   {"role": "tool", "tool_call_id": "call_123456", "content": "42"}]}, 1 + 7 + 2),
+                   {"role": "tool", "tool_call_id": "call_123456", "content": "42"}]}, 11 + 1 + 7 + 11 + 2),
     # an assistant's refusal
     ({"messages": [{"role": "assistant", "refusal": "I can't"}]}, 7),
     # tools: name, description, and the whole parameter schema including property names
@@ -387,8 +387,12 @@ def test_system_prompt_goes_before_responses_instructions(instructions, expected
     ({"messages": [{"role": "user", "content": 12345}]}, 5),
     ({"messages": [{"role": "user", "content": 1.5}]}, 3),
     ({"messages": [{"role": "user", "content": True}]}, 0),
-    # structure never counts, whatever its length
-    ({"messages": [{"role": "x" * 50, "content": "a", "id": "y" * 50, "type": "z" * 50}]}, 1),
+    # structure (closed sets of names the upstream checks) never counts, whatever its length; ids do
+    ({"messages": [{"role": "x" * 50, "content": "a", "type": "z" * 50, "status": "s" * 9}]}, 1),
+    ({"messages": [{"role": "user", "content": "a", "id": "y" * 50}]}, 51),
+    # the Responses API's ids: an item's, a function call's call_id, an item_reference's
+    ({"input": [{"type": "function_call_output", "call_id": "c" * 30, "output": "ok"},
+                {"type": "item_reference", "id": "msg_1"}]}, 30 + 2 + 5),
     # tool_choice and response_format schemas
     ({"tool_choice": "auto"}, 4),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},

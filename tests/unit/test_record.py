@@ -107,3 +107,40 @@ def test_log_safe_escapes_raw_newlines_in_caller_text_that_is_not_json():
     from chatstream.record import log_safe
     assert log_safe("gpt\n2025-01-01 INFO chatstream: forged\r\x00") == \
         "gpt\\u000a2025-01-01 INFO chatstream: forged\\u000d\\u0000"
+
+
+def test_no_upstream_key_in_a_log_line_message_or_traceback(caplog):
+    """Issue #23 item 10: an upstream may quote its key in an error message that ends up in a log."""
+    import logging
+
+    from chatstream.errors import register_secret
+
+    secret = "sk-unit-LOGGED-0123456789"
+    register_secret(secret)
+    assert log_safe(f"upstream said: Bearer {secret}") == "upstream said: Bearer [redacted]"
+    log = logging.getLogger("chatstream")
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        log.warning("upstream error: %s", f"Authorization: Bearer {secret}")
+        try:
+            raise ValueError(f"quoted {secret}")
+        except ValueError:
+            log.exception("a failure")
+    text = caplog.text + "".join(r.exc_text or "" for r in caplog.records)
+    assert secret not in text and text.count("[redacted]") >= 2
+    assert "ValueError: quoted [redacted]" in text
+
+
+async def test_every_entra_id_token_is_registered_as_a_secret():
+    from chatstream.errors import redact
+    from chatstream.upstreams.clients import entra_token_provider
+
+    class Credential:
+        async def get_token(self, *scopes, **kwargs):
+            from azure.core.credentials import AccessToken
+            return AccessToken("eyJ0eXAiOiJKV1Qi.unit-entra-token", int(time.time()) + 3600)
+
+        async def close(self):
+            pass
+
+    token = await entra_token_provider(Credential())()
+    assert redact(f"Bearer {token}") == "Bearer [redacted]"

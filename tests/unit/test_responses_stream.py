@@ -201,3 +201,34 @@ def test_an_upstream_error_event_fails_the_stream():
         with pytest.raises(ApiError) as info:
             asyncio.run(ResponseStream(Pipeline()).feed(event))
         assert info.value.type == "upstream_error" and "boom" in info.value.message
+
+
+def audio_script(chunks: list[str], done: bool) -> list[dict]:
+    """A spoken answer: its transcript comes only in transcript deltas (the done event has no text)."""
+    base = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "output": [], "usage": None,
+            "status": "in_progress"}
+    events: list[dict] = [{"type": "response.created", "response": base},
+                          {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message"}}]
+    for chunk in chunks:
+        events += [{"type": "response.audio.delta", "delta": "AAAA"},
+                   {"type": "response.audio.transcript.delta", "delta": chunk}]
+    events += [{"type": "response.audio.done"}] + ([{"type": "response.audio.transcript.done"}] if done else [])
+    events += [{"type": "response.completed", "response": {**base, "status": "completed"}}]
+    return [{**e, "sequence_number": i} for i, e in enumerate(events)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_an_audio_transcript_is_redacted_for_any_chunking(data):
+    """Issue #23 item 14: response.audio.transcript.delta is a text the model streams."""
+    text = data.draw(texts)
+    events = audio_script(cuts(data.draw, text), done=data.draw(st.booleans()))
+    out, _ = asyncio.run(run(events, pipeline()))
+    assert "".join(e["delta"] for e in out if e["type"] == "response.audio.transcript.delta") == \
+        redact_whole(text, TERMS)
+    numbers = [e["sequence_number"] for e in out]
+    # Every event in order; a tail held until after another event rides in a copy of the last
+    # transcript delta, with that delta's number (nothing later is renumbered), as for every text.
+    assert list(dict.fromkeys(numbers)) == [e["sequence_number"] for e in events]
+    copies = [e for e in out if numbers.count(e["sequence_number"]) > 1]
+    assert all(e["type"] == "response.audio.transcript.delta" for e in copies)

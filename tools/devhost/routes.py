@@ -68,7 +68,8 @@ def _compile(prefix: str, template: str) -> re.Pattern:
             regex += f"(?:/(?P<{m.group(2)}>[^/]+))?"
         else:
             regex += f"/(?P<{m.group(2)}>[^/]+)"
-    return re.compile((regex or "/") + "/?", re.IGNORECASE)
+    # DOTALL: a catch-all takes any character, a line feed (%0A in the URL) too, as in ASP.NET routing.
+    return re.compile((regex or "/") + "/?", re.IGNORECASE | re.DOTALL)
 
 
 def routes_from_metadata(metadata, prefix: str) -> list[Route]:

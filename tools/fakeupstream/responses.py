@@ -45,6 +45,8 @@ REASONING_SUMMARY_DELTAS = (
 )
 REASONING_SUMMARY = "".join(REASONING_SUMMARY_DELTAS)
 REASONING_ANSWER_DELTAS = ("After some thought: ", "the answer ", "is 42. ", "🙂")
+AUDIO_CHUNK = "UklGRiQAAABXQVZFZm10IBAAAAABAAEA"  # base64 of a few bytes of a WAV header
+AUDIO_TRANSCRIPT_DELTAS = ("Spoken: ", "the scripted ", "answer, ", "out loud.")
 
 FUNCTION_CALL_ID = sc.TOOL_CALL_ID
 FUNCTION_CALL_NAME = sc.TOOL_CALL_NAME
@@ -70,13 +72,15 @@ class ResponsesScenario:
     deltas: tuple[str, ...] = ()  # output text deltas (function_call: argument fragments)
     first_s: float = 0.01  # first delta, after the opening events at 0
     interval_s: float = 0.01
-    # "message" | "function_call" | "reasoning" (a reasoning item with a summary, then a message)
+    # "message" | "function_call" | "reasoning" (a reasoning item with a summary, then a message) |
+    # "audio" (audio chunks and their transcript: response.audio.delta / .transcript.delta)
     kind: str = "message"
     # How it ends: "completed", "incomplete" (response.incomplete), "failed" (response.failed),
     # "error_event" / "error_event_nested" (an `error` event), "reset" (drop the connection),
     # "stall" (silence until the client hangs up).
     end: str = "completed"
     opening: bool = True  # False: no event at all (stall_first)
+    items: bool = True  # False: the opening events only, then the end (reset_first)
     split_writes: bool = False
     error: HttpError | None = None
 
@@ -101,6 +105,8 @@ _LIST = [
         FUNCTION_CALL_ARGUMENT_DELTAS, kind="function_call"),
     _RS("reasoning", "a `reasoning` item whose summary is streamed, then the message",
         REASONING_ANSWER_DELTAS, kind="reasoning"),
+    _RS("audio", "a spoken answer: response.audio.delta chunks, each with its response.audio.transcript.delta",
+        AUDIO_TRANSCRIPT_DELTAS, kind="audio"),
     _RS("incomplete", "text cut mid-word, then `response.incomplete` (reason max_output_tokens)",
         sc.LENGTH_DELTAS, end="incomplete"),
     _RS("failed", "2 deltas, then `response.failed` with `response.error` (server_error)",
@@ -112,7 +118,12 @@ _LIST = [
     _RS("reset", "3 deltas, then the connection is dropped mid-body", sc.RESET_DELTAS, end="reset"),
     _RS("stall_first", "headers, then nothing at all until the client hangs up", opening=False, end="stall"),
     _RS("stall", "opening events + 2 deltas, then nothing until the client hangs up", sc.STALL_DELTAS, end="stall"),
+    _RS("reset_first", "the opening events, then the connection drops before any output", end="reset",
+        items=False),
+    _RS("hang", "no answer at all, not even headers, streamed or not, until the client hangs up", end="hang"),
     _RS("rate_limited", "429 rate_limit_exceeded, retry-after: 1", error=_CHAT["rate_limited"].error),
+    *(_RS(name, _CHAT[name].summary, error=_CHAT[name].error)
+      for name in ("key_in_error_400", "key_in_error_404", "key_in_error_429")),
     _RS("bad_request", "400 invalid_request_error, param `input`", error=replace(
         _CHAT["bad_request"].error, message="Invalid 'input': scripted bad request.", param="input")),
     _RS("unauthorized", "401 invalid_api_key, message shows the masked key", error=_CHAT["unauthorized"].error),
@@ -312,6 +323,9 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
     else:
         s.emit(0.0, "response.created", response=ctx.response("in_progress"))
     s.emit(t, "response.in_progress", response=ctx.response("in_progress"))
+    if not scn.items:
+        s.add(t + scn.interval_s, RESET if end == "reset" else STALL)
+        return s.steps
 
     clock = iter(t + scn.first_s + k * scn.interval_s for k in range(10**9))
     last = t
@@ -338,6 +352,8 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         t = last
 
     index = len(s.output)
+    if scn.kind == "audio":
+        return _audio(s, scn, ctx, t, index, deltas, clock)
     if scn.kind == "function_call":
         fc_id = _new_id("fc_")
         s.emit(t, "response.output_item.added", output_index=index, item=_function_item(fc_id, "in_progress", ""))
@@ -395,6 +411,28 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         s.add(later, RESET)
     else:  # stall
         s.add(later, STALL)
+    return s.steps
+
+
+def _audio(s: _Script, scn: ResponsesScenario, ctx: Context, t: float, index: int, deltas: tuple[str, ...],
+           clock) -> list[tuple[float, Any]]:
+    """A spoken answer: audio chunks with their transcript (`response.audio.transcript.delta`). As in
+    the API's types, the transcript is in those events only: no output item carries it."""
+    msg_id = _new_id("msg_")
+    s.emit(t, "response.output_item.added", output_index=index, item=_message_item(msg_id, "in_progress", None))
+    last = t
+    for piece in deltas:
+        last = next(clock)
+        s.emit(last, "response.audio.delta", delta=AUDIO_CHUNK)
+        s.emit(last, "response.audio.transcript.delta", delta=piece)
+    s.emit(last, "response.audio.done")
+    s.emit(last, "response.audio.transcript.done")
+    item = {**_message_item(msg_id, "completed", None)}
+    s.emit(last, "response.output_item.done", output_index=index, item=item)
+    s.output.append(item)
+    s.output_tokens += len(deltas)
+    s.emit(last, "response.completed", response=ctx.response(
+        "completed", s.output, usage=ctx.usage(s.output_tokens, 0), completed_at=ctx.created_at + round(last)))
     return s.steps
 
 
@@ -618,6 +656,9 @@ class ResponsesApi:
             if action == "create":
                 await self._create(receive, send, record, rid)
                 return
+            if self.app.follow_up_scenario is not None:
+                await self._follow_up_scenario(receive, send, record, action, response_id or "", rid)
+                return
             run = self.store.get(response_id or "")
             if run is None:
                 raise _not_found(response_id or "")
@@ -636,6 +677,25 @@ class ResponsesApi:
                 await send_json(send, 200, self._input_items(run, record["query"]), rid)
         except ApiError as e:
             await send_json(send, e.status, e.body, rid + e.headers)
+
+    async def _follow_up_scenario(self, receive, send, record: dict, action: str, response_id: str,
+                                  rid: list) -> None:
+        """What a test set with /_scripted/follow_ups: its error, no answer (hang), or (reset) a
+        re-stream of the events logged so far that then drops the connection."""
+        name = self.app.follow_up_scenario
+        if name == "hang":
+            await self.app.hang(receive, record["id"], name, api="responses", response_id=response_id)
+            return
+        if name == "reset":
+            run = self.store.get(response_id)
+            if run is None or action != "retrieve" or record["query"].get("stream", "").lower() != "true":
+                raise _not_found(response_id)
+            after = int(record["query"].get("starting_after") or -1)
+            logged = [frame(e, False) for e in run.events[max(0, after + 1):]]
+            await self._stream(receive, send, record, run, _timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
+            return
+        err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
+        raise ApiError(err.status, err.body, err.headers)
 
     # ---------------------------------------------------------------- create
 
@@ -679,6 +739,9 @@ class ResponsesApi:
         if scn.error:
             err = self.app._scenario_error(scn, body["model"], record["headers"])
             raise ApiError(err.status, err.body, err.headers)
+        if scn.end == "hang":
+            await self.app.hang(receive, record["id"], name, api="responses")
+            return
 
         ctx = Context(model=body["model"], body=body, background=background,
                       input_tokens=count_input_tokens(input_, body.get("instructions")))

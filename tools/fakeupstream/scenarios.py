@@ -115,7 +115,7 @@ class HttpError:
     """An error answered before any stream starts (OpenAI's error body)."""
 
     status: int
-    message: str  # may use {model} and {key} (the masked API key)
+    message: str  # may use {model}, {key} (the masked API key) and {auth} (the credential header, as received)
     type: str
     code: str | None = None
     param: str | None = None
@@ -132,7 +132,8 @@ class Scenario:
     finish_reason: str = "stop"
     # How the stream ends: "done" (finish, usage, [DONE]); "after_finish" (finish, extra
     # content, usage, [DONE]); "reset" (drop the connection); "stall" (silence until the
-    # client hangs up); "malformed" / "error_midstream" (a bad line, then end the body).
+    # client hangs up); "malformed" / "error_midstream" (a bad line, then end the body); "hang" (no
+    # answer at all, streamed or not, until the client hangs up).
     end: str = "done"
     role_chunk: bool = True
     style: str = "openai"  # "openai" | "azure" | "tool_calls"
@@ -142,6 +143,10 @@ class Scenario:
     @property
     def text(self) -> str:
         return "".join(self.deltas)
+
+
+# An upstream (or a proxy in front of it) that repeats the request's credentials in its error message.
+KEY_IN_ERROR = "{what} (scripted): the request carried {{auth}}"
 
 
 def _err(status, message, type_, code=None, param=None, retry_after_s=None) -> HttpError:
@@ -175,6 +180,9 @@ _LIST = [
     Scenario("stall_first", "headers, then nothing at all until the client hangs up",
              role_chunk=False, end="stall"),
     Scenario("stall", "role + 2 deltas, then nothing until the client hangs up", STALL_DELTAS, end="stall"),
+    Scenario("reset_first", "the role chunk, then the connection drops before any content", end="reset"),
+    Scenario("hang", "no answer at all, not even headers, streamed or not, until the client hangs up",
+             role_chunk=False, end="hang"),
     Scenario("malformed", '2 deltas, then `data: {"id": "broken", not json`, then the body ends',
              MALFORMED_DELTAS, end="malformed"),
     Scenario("odd_shape", "2 deltas, then valid JSON of the wrong shape (a delta that is a string), then the end",
@@ -198,6 +206,13 @@ _LIST = [
     Scenario("model_not_found", "404 model_not_found", error=_err(
         404, "The model `{model}` does not exist or you do not have access to it.",
         "invalid_request_error", "model_not_found")),
+    Scenario("key_in_error_400", "400 whose message quotes the request's Authorization (or api-key) header",
+             error=_err(400, KEY_IN_ERROR.format(what="Invalid request"), "invalid_request_error")),
+    Scenario("key_in_error_404", "404 whose message quotes the request's Authorization (or api-key) header",
+             error=_err(404, KEY_IN_ERROR.format(what="Not found"), "invalid_request_error")),
+    Scenario("key_in_error_429", "429 whose message quotes the request's Authorization (or api-key) header",
+             error=_err(429, KEY_IN_ERROR.format(what="Rate limited"), "requests", "rate_limit_exceeded",
+                        retry_after_s=1)),
     Scenario("server_error", "500 server_error", error=_err(
         500, "The server had an error while processing your request. Sorry about that!", "server_error")),
     Scenario("overloaded", "503 server_error, retry-after: 1", error=_err(

@@ -76,6 +76,10 @@ class FakeUpstream:
         self.requests: deque[dict] = deque(maxlen=max_records)
         self.streams: deque[dict] = deque(maxlen=max_records)
         self._ids = itertools.count(1)
+        # Set by tests (/_scripted/follow_ups, /_scripted/error_headers): what every follow-up about a
+        # stored response plays instead of its answer, and the headers every error answer carries.
+        self.follow_up_scenario: str | None = None
+        self.error_headers: dict[str, str] = {}
         self.received = 0  # API requests ever received (the record lists keep only the latest)
         # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
         self.responses = ResponsesApi(self, cadence, max_records) if responses else None
@@ -176,6 +180,25 @@ class FakeUpstream:
                     return
                 self.default_scenario = name
             await _send_json(send, 200, {"scenario": self.default_scenario})
+        elif path == "/_scripted/follow_ups" and method in ("GET", "POST"):
+            if method == "POST":
+                name = _json_field(body, "scenario")
+                if name is not None and name not in FOLLOW_UP_SCENARIOS:
+                    await _send_json(send, 400, sc.error_body(
+                        f"Unknown follow-up scenario {name!r}. Known: {', '.join(FOLLOW_UP_SCENARIOS)}",
+                        "invalid_request_error", "unknown_scenario", "scenario"))
+                    return
+                self.follow_up_scenario = name
+            await _send_json(send, 200, {"scenario": self.follow_up_scenario})
+        elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
+            if method == "POST":
+                headers = _json_field(body, None)
+                if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+                    await _send_json(send, 400, sc.error_body("Send a JSON object of header names to strings.",
+                                                              "invalid_request_error"))
+                    return
+                self.error_headers = headers
+            await _send_json(send, 200, self.error_headers)
         else:
             await _send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
 
@@ -214,6 +237,9 @@ class FakeUpstream:
         model = deployment or (body["model"] if isinstance(body.get("model"), str) else name)
         if scn.error:
             raise self._scenario_error(scn, model, record["headers"])
+        if scn.end == "hang":
+            await self.hang(receive, record["id"], name)
+            return
 
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
@@ -228,11 +254,13 @@ class FakeUpstream:
             return
         await self._play(receive, send, record["id"], name, sc.stream_plan(scn, req, deltas), rid)
 
-    @staticmethod
-    def _scenario_error(scn: Scenario, model: str, headers: dict) -> _ApiError:
+    def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> _ApiError:
         err = scn.error
+        assert err is not None
         key = headers.get("api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-        message = err.message.format(model=model, key=sc.mask_key(key))
+        auth = (f"Authorization: {headers['authorization']}" if "authorization" in headers
+                else f"api-key: {headers.get('api-key', '')}")
+        message = err.message.format(model=model, key=sc.mask_key(key), auth=auth)
         if err.code == "invalid_api_key" and not key:
             message = ("You didn't provide an API key. You need to provide your API key in an "
                        "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -240,7 +268,22 @@ class FakeUpstream:
         if err.retry_after_s is not None:
             extra = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode()),
                      (b"retry-after-ms", str(round(err.retry_after_s * 1000)).encode())]
+        if self.error_headers:  # a test's own (any text, in UTF-8), instead of the scenario's
+            extra = [(k.lower().encode(), v.encode()) for k, v in self.error_headers.items()]
         return _ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
+
+    async def hang(self, receive, request_id: str, name: str, **fields: Any) -> None:
+        """No answer at all until the client hangs up (recorded as a stream that ends then)."""
+        record = {"request_id": request_id, "scenario": name, "started_at": time.time(),
+                  "ended_at": None, "outcome": None, **fields}
+        self.streams.append(record)
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            record["outcome"] = "client_disconnected"
+        finally:
+            record["outcome"] = record["outcome"] or "error"
+            record["ended_at"] = time.time()
 
     # ------------------------------------------------------------------ playback
 
@@ -289,6 +332,22 @@ class FakeUpstream:
             watcher.cancel()
             record["ended_at"] = time.time()
             record["outcome"] = outcome
+
+
+# What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.
+FOLLOW_UP_SCENARIOS = ("rate_limited", "server_error", "overloaded", "key_in_error_400", "key_in_error_404",
+                       "key_in_error_429", "hang", "reset")
+
+
+def _json_field(body: bytes, name: str | None) -> Any:
+    """``name`` of the JSON object ``body`` (None when absent or not JSON); the object itself for None."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if name is None:
+        return data
+    return data.get(name) if isinstance(data, dict) else None
 
 
 def _last_user_text(messages: list) -> str:
