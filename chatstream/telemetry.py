@@ -260,11 +260,16 @@ def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
 
 
 def _record_stream(span, record: StreamRecord) -> None:
+    span.set_attributes(_span_attributes(record))
+    if _is_failure(record):
+        span.set_status(Status(StatusCode.ERROR, record.error))
+    _record_metrics(record)
+
+
+def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool | tuple[str, ...]]:
     model = _model(record.model)
     ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
     input_tokens, output_tokens = _tokens(record.usage)
-    result = outcome(record)
-
     endpoint = record.endpoint
     attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
         "gen_ai.request.model": model,
@@ -272,7 +277,7 @@ def _record_stream(span, record: StreamRecord) -> None:
         ATTR_STATUS: record.status,
         ATTR_DELTAS: record.deltas,
         ATTR_DISCONNECTED: bool(record.disconnected),
-        ATTR_OUTCOME: result,
+        ATTR_OUTCOME: outcome(record),
         ATTR_DURATION: duration_ms,
     }
     if endpoint:
@@ -295,10 +300,13 @@ def _record_stream(span, record: StreamRecord) -> None:
         attributes[ATTR_CALLER] = record.caller
     if record.request_id:
         attributes[ATTR_REQUEST_ID] = record.request_id
-    span.set_attributes(attributes)
-    if _is_failure(record):
-        span.set_status(Status(StatusCode.ERROR, record.error))
+    return attributes
 
+
+def _record_metrics(record: StreamRecord) -> None:
+    model, endpoint, result = _model(record.model), record.endpoint, outcome(record)
+    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
+    input_tokens, output_tokens = _tokens(record.usage)
     inst = _get_instruments()
     # A caller chooses the model name: only one the app (and its upstream) accepted may become a
     # metric dimension, or anyone could create unbounded series.

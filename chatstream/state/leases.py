@@ -231,12 +231,7 @@ class Lease:
             window, balance, debt = self.window, self.balance, self.debt
             waiters = self._pending()
             room = max(0, self.limit - current) + balance
-            chosen: list[Waiter] = []
-            total = 0
-            for waiter in waiters:
-                if total + waiter.need <= room:
-                    chosen.append(waiter)
-                    total += waiter.need
+            chosen, total = _fitting(waiters, room)
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
@@ -262,19 +257,23 @@ class Lease:
             if extra and self.window == window:
                 self.balance += extra
                 self._hold()
-            picked = {id(w) for w in chosen}
-            for waiter in chosen:
-                if waiter.future.done():  # it gave up meanwhile: its share comes back
-                    self.give_back(waiter.need, window)
-                else:
-                    waiter.future.set_result(window)
-            for waiter in waiters:
-                if id(waiter) not in picked and not waiter.future.done():
-                    waiter.future.set_exception(Refused(self))
-            handled = {id(w) for w in waiters}
-            self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
+            self._answer(waiters, chosen, window)
             return
         raise StoreDown("the counter kept changing under this instance")
+
+    def _answer(self, waiters: list[Waiter], chosen: list[Waiter], window: str | None) -> None:
+        """After the write: the chosen waiters are admitted in ``window``, the others refused."""
+        picked = {id(w) for w in chosen}
+        for waiter in chosen:
+            if waiter.future.done():  # it gave up meanwhile: its share comes back
+                self.give_back(waiter.need, window)
+            else:
+                waiter.future.set_result(window)
+        for waiter in waiters:
+            if id(waiter) not in picked and not waiter.future.done():
+                waiter.future.set_exception(Refused(self))
+        handled = {id(w) for w in waiters}
+        self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
 
     def _restore(self, window: str | None, balance: int, debt: int) -> None:
         if self.window == window:
@@ -318,3 +317,14 @@ class Lease:
 
     def idle(self) -> bool:
         return self.flight is None and not self.waiters and not self.balance and not self.debt
+
+
+def _fitting(waiters: list[Waiter], room: int) -> tuple[list[Waiter], int]:
+    """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
+    chosen: list[Waiter] = []
+    total = 0
+    for waiter in waiters:
+        if total + waiter.need <= room:
+            chosen.append(waiter)
+            total += waiter.need
+    return chosen, total
