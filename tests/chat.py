@@ -1,4 +1,5 @@
 """A small test client for POST /api/chat: the events as they arrive, with their arrival times."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ class Result:
         return [e for _, e, _ in self.events if e in ("done", "error")]
 
 
-def chat(url: str, body=None, *, content: bytes | None = None, headers: dict | None = None,
-         timeout: float = 30.0) -> Result:
+def chat(
+    url: str, body=None, *, content: bytes | None = None, headers: dict | None = None, timeout: float = 30.0
+) -> Result:
     hdrs = {"content-type": "application/json", **(headers or {})}
     data = content if content is not None else json.dumps(body).encode()
     started = time.monotonic()

@@ -1,18 +1,19 @@
 """Session servers: the scripted upstream and the app on the local host, both real processes."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-from hypothesis import settings
-
 from helpers import app_env
+from hypothesis import settings
 from servers import App, Azurite, Upstream
 
 # CI replays the same examples every run (a landing must not depend on the draw); locally each run
 # explores new ones.
 settings.register_profile("ci", derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
 
 @pytest.fixture(scope="session")
 def upstream():

@@ -9,15 +9,16 @@ recycled instance looks to a client) once ``after`` bytes of the answer have bee
 that falls: inside the headers, an event, a UTF-8 character or a chunk's framing. Cuts are used in the
 order they were added, one per matching request. ``drop()`` resets every open connection at once;
 ``refuse(seconds)`` resets every new connection for a while (the app unreachable). Threads only: usable from sync tests and Playwright's sync API."""
+
 from __future__ import annotations
 
+import contextlib
 import re
 import select
 import socket
 import struct
 import threading
 import time
-
 
 REQUEST_LINE = re.compile(rb"((?:GET|POST|PUT|DELETE|HEAD|OPTIONS|PATCH) [^\r\n ]+ HTTP/1\.[01])\r\n")
 
@@ -137,10 +138,8 @@ class CutProxy:
         if cut:
             _reset(client)
         for sock in (client, server) if not cut else (server,):
-            try:
+            with contextlib.suppress(OSError):
                 sock.close()
-            except OSError:
-                pass
 
 
 def _reset(sock: socket.socket) -> None:

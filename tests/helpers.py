@@ -1,4 +1,5 @@
 """Helpers shared by the test modules (fixtures stay in conftest.py)."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,12 @@ TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"
 
 def app_env(upstream, **overrides: str) -> dict[str, str]:
     """App settings pointing at the scripted ``upstream`` (a servers.Upstream), plus ``overrides``."""
-    env = {"OPENAI_BASE_URL": upstream.base_url, "OPENAI_API_KEY": TEST_KEY, "OPENAI_MODEL": "gpt-test",
-           "UPSTREAM_MAX_RETRIES": "0"}
+    env = {
+        "OPENAI_BASE_URL": upstream.base_url,
+        "OPENAI_API_KEY": TEST_KEY,
+        "OPENAI_MODEL": "gpt-test",
+        "UPSTREAM_MAX_RETRIES": "0",
+    }
     env.update(overrides)
     return env
 
@@ -36,18 +41,23 @@ class InProcessApp:
         from chatstream.app import create_app
         from chatstream.settings import Settings
 
-        values = {"OPENAI_BASE_URL": upstream_base_url, "OPENAI_API_KEY": "sk-test", "OPENAI_MODEL": "gpt-test",
-                  "UPSTREAM_MAX_RETRIES": "0", **settings}
+        values = {
+            "OPENAI_BASE_URL": upstream_base_url,
+            "OPENAI_API_KEY": "sk-test",
+            "OPENAI_MODEL": "gpt-test",
+            "UPSTREAM_MAX_RETRIES": "0",
+            **settings,
+        }
         app = create_app(Settings.from_env(values))
 
         def route(path: str, endpoint) -> Route:
             async def handler(request):  # a function, so Starlette passes the Request
                 return await endpoint(request)
+
             return Route(path, handler, methods=["POST"])
 
         api = Starlette(routes=[route("/api/chat", app.chat), route("/api/v1/chat/completions", app.chat_completions)])
-        self.server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10

@@ -1,4 +1,5 @@
 """Start the project's servers for real, as the user would, and talk HTTP to them."""
+
 from __future__ import annotations
 
 import os
@@ -24,16 +25,22 @@ READY = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 class Served:
     """A server started as a subprocess; its stderr is kept in a file for log assertions."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT,
-                 timeout: float = 60.0):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 60.0):
         self.log_file = tempfile.NamedTemporaryFile(prefix="served-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_"))}
         full_env.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(cwd)})
         if cwd != ROOT:
             full_env["PYTHONDONTWRITEBYTECODE"] = "1"  # leave the other checkout as it is
         full_env.update(env or {})
-        self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                                     stderr=self.log_file, stdin=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=cwd,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         self.stdout_lines: list[str] = []
         self.url = self._wait_ready(timeout)
         # Keep draining stdout (kept in stdout_lines) so the child never blocks on a full pipe.
@@ -122,8 +129,9 @@ class App(Served):
 
     def __init__(self, env: dict[str, str], app_dir: Path = ROOT):
         root = APP_ROOT if app_dir == ROOT else ROOT
-        super().__init__(["-m", "tools.devhost", "--port", "0", str(root if app_dir == ROOT else app_dir)],
-                         env=env, cwd=root)
+        super().__init__(
+            ["-m", "tools.devhost", "--port", "0", str(root if app_dir == ROOT else app_dir)], env=env, cwd=root
+        )
 
     @property
     def chat_url(self) -> str:

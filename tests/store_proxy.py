@@ -1,6 +1,7 @@
 """A TCP proxy in front of Azurite's table service, for tests of a store that stops answering and
 comes back: ``forward`` passes bytes both ways; ``blackhole`` drops every open connection and accepts
 new ones without ever answering (a store that hangs). Runs on the test's own event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ class StoreProxy:
     @property
     def connection_string(self) -> str:
         """The connection string with its table endpoint through this proxy."""
-        return re.sub(r"TableEndpoint=http://127\.0\.0\.1:\d+/", f"TableEndpoint=http://127.0.0.1:{self.port}/",
-                      self.source)
+        return re.sub(
+            r"TableEndpoint=http://127\.0\.0\.1:\d+/", f"TableEndpoint=http://127.0.0.1:{self.port}/", self.source
+        )
 
     def set_mode(self, mode: str) -> None:
         assert mode in ("forward", "blackhole")

@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 from azure.data.tables import TableServiceClient
-
-from chatstream.tokens import count_prompt, count_text
 from helpers import TEST_KEY, app_env
 from servers import App, Azurite
+
+from chatstream.tokens import count_prompt, count_text
 from tools.fakeupstream.scenarios import NORMAL_DELTAS, TEXTS, count_prompt_tokens
 
 MODEL = "gpt-test"
@@ -52,7 +52,8 @@ def test_a_key_made_with_one_call_works_with_the_openai_sdk(keyed, upstream):
     name, key = create(keyed, tokens_per_minute=50_000)
     sdk = openai.OpenAI(api_key=key, base_url=keyed.url + "/api/v1", max_retries=0)
     raw = sdk.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "[scenario:echo] hi"}], stream=True)
+        model=MODEL, messages=[{"role": "user", "content": "[scenario:echo] hi"}], stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
     assert raw.headers["x-ratelimit-limit-tokens"] == "50000"
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 50_000
@@ -76,8 +77,12 @@ def test_a_model_the_caller_may_not_use_is_404_and_a_spent_budget_is_insufficien
     before = upstream.count()
     refused = httpx.post(keyed.url + "/api/v1/chat/completions", headers=headers, json=ask("hi"), timeout=30)
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
-    too_big = httpx.post(keyed.url + "/api/v1/chat/completions", headers=headers,
-                         json={**ask("hi"), "model": "gpt-other", "max_tokens": 6000}, timeout=30)
+    too_big = httpx.post(
+        keyed.url + "/api/v1/chat/completions",
+        headers=headers,
+        json={**ask("hi"), "model": "gpt-other", "max_tokens": 6000},
+        timeout=30,
+    )
     assert too_big.status_code == 429 and too_big.json()["error"]["code"] == "insufficient_quota"
     assert too_big.headers["x-should-retry"] == "false"
     assert upstream.count() == before, "a refused request is never sent upstream"
@@ -86,8 +91,12 @@ def test_a_model_the_caller_may_not_use_is_404_and_a_spent_budget_is_insufficien
 def test_a_response_belongs_to_the_caller_that_created_it(keyed):
     _, alice = create(keyed)
     _, bob = create(keyed)
-    created = httpx.post(keyed.url + "/api/v1/responses", headers={"api-key": alice},
-                         json={"model": MODEL, "input": "[scenario:normal] hi", "store": True}, timeout=30)
+    created = httpx.post(
+        keyed.url + "/api/v1/responses",
+        headers={"api-key": alice},
+        json={"model": MODEL, "input": "[scenario:normal] hi", "store": True},
+        timeout=30,
+    )
     assert created.status_code == 200, created.text
     rid = created.json()["id"]
     mine = httpx.get(f"{keyed.url}/api/v1/responses/{rid}", headers={"api-key": alice}, timeout=30)
@@ -95,7 +104,10 @@ def test_a_response_belongs_to_the_caller_that_created_it(keyed):
     for method in ("GET", "DELETE"):
         other = httpx.request(method, f"{keyed.url}/api/v1/responses/{rid}", headers={"api-key": bob}, timeout=30)
         assert other.status_code == 404 and other.json()["error"]["code"] == "not_found"
-    assert httpx.post(f"{keyed.url}/api/v1/responses/{rid}/cancel", headers={"api-key": bob}, timeout=30).status_code == 404
+    assert (
+        httpx.post(f"{keyed.url}/api/v1/responses/{rid}/cancel", headers={"api-key": bob}, timeout=30).status_code
+        == 404
+    )
 
 
 def test_a_revoked_key_stops_on_every_instance_within_the_cache_time(upstream, azurite, start_app):
@@ -103,7 +115,9 @@ def test_a_revoked_key_stops_on_every_instance_within_the_cache_time(upstream, a
     b = start_app(**callers_env(upstream, azurite, CALLER_CACHE_SECONDS="2"))
     name, key = create(a)
     headers = {"api-key": key}
-    assert httpx.post(b.url + "/api/v1/chat/completions", headers=headers, json=ask("hi"), timeout=30).status_code == 200
+    assert (
+        httpx.post(b.url + "/api/v1/chat/completions", headers=headers, json=ask("hi"), timeout=30).status_code == 200
+    )
     assert httpx.delete(f"{a.url}/api/manage/callers/{name}", timeout=30).status_code == 200
     revoked = time.monotonic()
     while True:
@@ -169,8 +183,12 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
         app = start_app(**callers_env(upstream, store))
         _, known = create(app, tokens_per_minute=100_000)
         _, new = create(app, tokens_per_minute=100_000)
-        assert httpx.post(app.url + "/api/v1/chat/completions", headers={"api-key": known}, json=ask("hi"),
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                app.url + "/api/v1/chat/completions", headers={"api-key": known}, json=ask("hi"), timeout=30
+            ).status_code
+            == 200
+        )
         time.sleep(2)  # what the instance held ahead (1 s) has gone back to the store: the next one needs it
         before = upstream.count()
         os.kill(store.node_pid, signal.SIGSTOP)  # a store that takes connections and never answers
@@ -178,8 +196,12 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
             answers = []
             for key in (known, new):  # a reservation needs the store; so does a key not seen yet
                 started = time.monotonic()
-                down = httpx.post(app.url + "/api/v1/chat/completions", headers={"api-key": key},
-                                  json=ask("hi", max_tokens=50), timeout=30)
+                down = httpx.post(
+                    app.url + "/api/v1/chat/completions",
+                    headers={"api-key": key},
+                    json=ask("hi", max_tokens=50),
+                    timeout=30,
+                )
                 answers.append((down, time.monotonic() - started))
         finally:
             os.kill(store.node_pid, signal.SIGCONT)
@@ -188,7 +210,9 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
             assert took < 2.5, took
         assert upstream.count() == before, "no stream started"
         for key in (known, new):
-            back = httpx.post(app.url + "/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30)
+            back = httpx.post(
+                app.url + "/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30
+            )
             assert back.status_code == 200, "it recovers by itself"
     finally:
         store.stop()
@@ -197,7 +221,8 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
 def ledger_rows(azurite, caller: str) -> dict[str, dict]:
     service = TableServiceClient.from_connection_string(azurite.connection_string)
     rows = service.get_table_client("chatstreamUsage").query_entities(
-        f"PartitionKey eq '{caller}' and RowKey ge 't|' and RowKey lt 't}}'")  # the charges, not their markers
+        f"PartitionKey eq '{caller}' and RowKey ge 't|' and RowKey lt 't}}'"
+    )  # the charges, not their markers
     return {row["upstream_id"]: {k: getattr(v, "value", v) for k, v in row.items()} for row in rows}
 
 
@@ -206,8 +231,15 @@ KINDS = ("complete", "stream", "hang_up", "timeout", "reset", "error", "refused"
 
 def mixed_body(i: int) -> dict:
     kind = KINDS[i % len(KINDS)]
-    scenario = {"complete": "normal", "stream": "normal", "hang_up": "slow", "timeout": "stall",
-                "reset": "reset", "error": "error_midstream", "refused": "normal"}[kind]
+    scenario = {
+        "complete": "normal",
+        "stream": "normal",
+        "hang_up": "slow",
+        "timeout": "stall",
+        "reset": "reset",
+        "error": "error_midstream",
+        "refused": "normal",
+    }[kind]
     body = ask(f"[scenario:{scenario}] request {i}", stream=kind != "complete")
     if kind == "refused":
         body["model"] = "gpt-not-mine"  # the caller may use MODEL only: 404, before any upstream call
@@ -227,6 +259,7 @@ async def mixed(url: str, key: str, n: int) -> list[tuple[int, str, str | None, 
     limits = httpx.Limits(max_connections=60)
     sem = asyncio.Semaphore(40)
     async with httpx.AsyncClient(timeout=60, limits=limits, headers={"api-key": key}) as client:
+
         async def one(i: int) -> tuple[int, str, str | None, str]:
             kind, body = KINDS[i % len(KINDS)], mixed_body(i)
             async with sem:
@@ -260,7 +293,10 @@ def test_the_ledger_charges_exactly_what_was_used_over_1000_mixed_requests(upstr
         body = mixed_body(i)
         if kind in ("complete", "stream"):  # exactly the upstream's reported usage
             assert (row["ended"], row["prompt_tokens"], row["completion_tokens"]) == (
-                "completed", count_prompt_tokens(body["messages"]), len(NORMAL_DELTAS)), row
+                "completed",
+                count_prompt_tokens(body["messages"]),
+                len(NORMAL_DELTAS),
+            ), row
             continue
         assert row["prompt_tokens"] == count_prompt(MODEL, body), "the prompt, counted with the model's tokenizer"
         if kind != "hang_up":  # the text actually generated (all of it reached the caller), counted the same way

@@ -1,12 +1,13 @@
 """POST /api/chat end to end: the real runtime behind the local host, the scripted upstream behind
 the app, bytes over HTTP."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from chat import chat, prompt
+
 from tools.fakeupstream.scenarios import AFTER_FINISH_EXTRA, NORMAL_DELTAS, TEXTS
 
 
@@ -74,9 +75,17 @@ def test_other_finish_reasons(app, scenario, reason):
 
 
 def test_upstream_asked_to_stream_with_usage_and_got_the_prompt(app, upstream):
-    body = {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": "[scenario:normal] Bonjour, ça va? 🙂"}],
-            "temperature": 0.5, "top_p": 0.9, "max_tokens": 50, "seed": 7, "stop": ["END"]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "[scenario:normal] Bonjour, ça va? 🙂"},
+        ],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "max_tokens": 50,
+        "seed": 7,
+        "stop": ["END"],
+    }
     assert chat(app.chat_url, body).status == 200
     sent = upstream.requests(last=1)[-1]
     assert sent["path"] == "/v1/chat/completions"
@@ -130,8 +139,17 @@ def test_invalid_requests_get_400_and_never_reach_upstream(app, upstream, body, 
     assert upstream.count() == before
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"", b'{"prompt": "\xff\xfe"}', b'{"prompt": "\\ud800"}',
-                                     b'{"prompt": NaN}', b"[" * 100_000 + b"]" * 100_000])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"",
+        b'{"prompt": "\xff\xfe"}',
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": NaN}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
 def test_malformed_bodies_get_400(app, upstream, content):
     before = upstream.count()
     result = chat(app.chat_url, content=content)
@@ -148,7 +166,9 @@ def test_wrong_content_type_is_415(app):
 
 def test_one_log_line_per_request(app):
     chat(app.chat_url, prompt("normal", "log me"))
-    line = app.wait_log(r'\{"event": "chat_stream", "endpoint": "chat"[^\n]*"deltas": %d[^\n]*' % len(NORMAL_DELTAS))
+    line = app.wait_log(
+        r'\{"event": "chat_stream", "endpoint": "chat"[^\n]*"deltas": ' + str(len(NORMAL_DELTAS)) + r"[^\n]*"
+    )
     record = json.loads(line.group(0))
     assert record["model"] == "gpt-test"
     assert record["finish_reason"] == "stop"

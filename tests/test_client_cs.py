@@ -8,6 +8,7 @@ Two kinds of tests:
 
 The whole module is skipped when Mono cannot be installed on this machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,13 +57,21 @@ def chat_exe() -> Path:
     """Builds client_cs/bin/chat.exe with mcs once per session (build.sh installs Mono if needed)."""
     env = dict(os.environ, CHAT_BUILD_WITH="mcs")
     try:
-        proc = subprocess.run(["bash", str(CLIENT_DIR / "build.sh")], env=env, capture_output=True,
-                              text=True, timeout=840, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            ["bash", str(CLIENT_DIR / "build.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=840,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         pytest.skip("client_cs: building with mcs (and installing mono-devel) took too long")
     if shutil.which("mono") is None or shutil.which("mcs") is None:
-        pytest.skip("client_cs: Mono (mono-devel) is not installed and could not be installed "
-                    f"with apt-get:\n{proc.stdout}\n{proc.stderr}")
+        pytest.skip(
+            "client_cs: Mono (mono-devel) is not installed and could not be installed "
+            f"with apt-get:\n{proc.stdout}\n{proc.stderr}"
+        )
     assert proc.returncode == 0, f"build.sh failed:\n{proc.stdout}\n{proc.stderr}"
     assert EXE.is_file()
     return EXE
@@ -74,13 +83,18 @@ def _client_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_chat(exe: Path, *args: str, stdin: bytes | None = None, env: dict | None = None,
-             timeout: float = 30) -> subprocess.CompletedProcess:
+def run_chat(
+    exe: Path, *args: str, stdin: bytes | None = None, env: dict | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
     """Runs the client to completion; stdout/stderr are bytes. stdin is /dev/null unless given."""
     return subprocess.run(
         ["mono", str(exe), *args],
-        input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True, env=_client_env(env), timeout=timeout)
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True,
+        env=_client_env(env),
+        timeout=timeout,
+    )
 
 
 def closed_port() -> int:
@@ -132,8 +146,13 @@ class CannedServer:
             def do_POST(self):
                 length = int(self.headers.get("content-length", "0"))
                 body = self.rfile.read(length)
-                record = {"path": self.path, "headers": dict(self.headers.items()), "at": time.monotonic(),
-                          "lower_headers": {k.lower(): v for k, v in self.headers.items()}, "body": body}
+                record = {
+                    "path": self.path,
+                    "headers": dict(self.headers.items()),
+                    "at": time.monotonic(),
+                    "lower_headers": {k.lower(): v for k, v in self.headers.items()},
+                    "body": body,
+                }
                 if self.path.endswith("/cancel"):
                     server.cancels.append(record)
                     self._answer(202, "application/json", [b'{"cancelled": true}'])
@@ -142,12 +161,19 @@ class CannedServer:
                 self._answer(*server.response, stream_id=server.stream_id)
 
             def do_GET(self):
-                server.gets.append({"path": self.path, "at": time.monotonic(),
-                                    "lower_headers": {k.lower(): v for k, v in self.headers.items()}})
+                server.gets.append(
+                    {
+                        "path": self.path,
+                        "at": time.monotonic(),
+                        "lower_headers": {k.lower(): v for k, v in self.headers.items()},
+                    }
+                )
                 if server.resumes:
                     self._answer(*server.resumes.pop(0))
                 else:
-                    self._answer(404, "application/json", [b'{"error": {"type": "not_found", "message": "no such stream"}}'])
+                    self._answer(
+                        404, "application/json", [b'{"error": {"type": "not_found", "message": "no such stream"}}']
+                    )
 
             def _answer(self, status, ctype, parts, stream_id=None):
                 self.send_response(status)
@@ -212,9 +238,12 @@ class CannedServer:
         (each a list of parts, or an int: that status), then 404."""
         self.answer(parts)
         self.stream_id = stream_id
-        self.resumes = [(r, "application/json", [b'{"error": {"type": "x", "message": "unavailable"}}'])
-                        if isinstance(r, int) else (200, "text/event-stream; charset=utf-8", _encode(r))
-                        for r in resumes]
+        self.resumes = [
+            (r, "application/json", [b'{"error": {"type": "x", "message": "unavailable"}}'])
+            if isinstance(r, int)
+            else (200, "text/event-stream; charset=utf-8", _encode(r))
+            for r in resumes
+        ]
 
     def close(self):
         self.httpd.shutdown()
@@ -236,8 +265,10 @@ def delta(text: str) -> str:
     return "data: " + json.dumps({"delta": text}) + "\n\n"
 
 
-DONE = 'event: done\ndata: {"finish_reason": "stop", "usage": {"prompt_tokens": 1, ' \
-       '"completion_tokens": 2, "total_tokens": 3}, "model": "m1", "id": "r1"}\n\n'
+DONE = (
+    'event: done\ndata: {"finish_reason": "stop", "usage": {"prompt_tokens": 1, '
+    '"completion_tokens": 2, "total_tokens": 3}, "model": "m1", "id": "r1"}\n\n'
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,18 +279,34 @@ def test_help_exits_0_and_explains_everything(chat_exe):
     proc = run_chat(chat_exe, "--help")
     assert proc.returncode == EXIT_OK
     text = proc.stdout.decode()
-    for word in ("--url", "--key", "--system", "--model", "--stats", "CHAT_URL", "FUNCTION_KEY",
-                 "x-functions-key", "64", "130", "--allow-insecure-key", "--caller-key", "CALLER_KEY",
-                 "Authorization: Bearer KEY"):
+    for word in (
+        "--url",
+        "--key",
+        "--system",
+        "--model",
+        "--stats",
+        "CHAT_URL",
+        "FUNCTION_KEY",
+        "x-functions-key",
+        "64",
+        "130",
+        "--allow-insecure-key",
+        "--caller-key",
+        "CALLER_KEY",
+        "Authorization: Bearer KEY",
+    ):
         assert word in text
 
 
-@pytest.mark.parametrize("args", [
-    ["--bogus", "hi"],
-    ["--url"],
-    ["--url", "not a url", "hi"],
-    [],  # no prompt words and an empty stdin
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--bogus", "hi"],
+        ["--url"],
+        ["--url", "not a url", "hi"],
+        [],  # no prompt words and an empty stdin
+    ],
+)
 def test_bad_arguments_exit_64_with_usage_on_stderr(chat_exe, args):
     proc = run_chat(chat_exe, *args)
     assert proc.returncode == EXIT_USAGE
@@ -299,12 +346,12 @@ def test_no_key_no_header(chat_exe, canned):
 
 def test_system_sends_messages_and_model(chat_exe, canned):
     canned.answer([delta("ok"), DONE])
-    proc = run_chat(chat_exe, "--url", canned.url, "--system", "Be terse / \"exact\" 🙂",
-                    "--model", "gpt-x", "What", "now?")
+    proc = run_chat(
+        chat_exe, "--url", canned.url, "--system", 'Be terse / "exact" 🙂', "--model", "gpt-x", "What", "now?"
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     assert canned.requests[0]["json"] == {
-        "messages": [{"role": "system", "content": "Be terse / \"exact\" 🙂"},
-                     {"role": "user", "content": "What now?"}],
+        "messages": [{"role": "system", "content": 'Be terse / "exact" 🙂'}, {"role": "user", "content": "What now?"}],
         "model": "gpt-x",
     }
 
@@ -317,16 +364,18 @@ def test_prompt_from_stdin(chat_exe, canned):
 
 
 def test_crlf_comments_multiline_data_and_unknown_fields(chat_exe, canned):
-    canned.answer([
-        ": keep-alive\r\n\r\n",
-        'data: {"delta":\r\ndata:  "line 1\\n"}\r\n\r\n',       # two data lines joined with \n
-        "id: 7\r\nretry: 1000\r\nfoo: bar\r\n",                   # fields with no data: nothing
-        "\r\n",
-        'data:{"delta": "\\n\\nline 3 \\u00e9\\ud83d\\ude80"}\r\n',  # no space after the colon
-        ": a comment inside an event\r\n\r\n",
-        "event: future-thing\r\ndata: {}\r\n\r\n",               # unknown event types are ignored
-        DONE.replace("\n", "\r\n"),
-    ])
+    canned.answer(
+        [
+            ": keep-alive\r\n\r\n",
+            'data: {"delta":\r\ndata:  "line 1\\n"}\r\n\r\n',  # two data lines joined with \n
+            "id: 7\r\nretry: 1000\r\nfoo: bar\r\n",  # fields with no data: nothing
+            "\r\n",
+            'data:{"delta": "\\n\\nline 3 \\u00e9\\ud83d\\ude80"}\r\n',  # no space after the colon
+            ": a comment inside an event\r\n\r\n",
+            "event: future-thing\r\ndata: {}\r\n\r\n",  # unknown event types are ignored
+            DONE.replace("\n", "\r\n"),
+        ]
+    )
     proc = run_chat(chat_exe, "--url", canned.url, "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == "line 1\n\n\nline 3 é🚀\n".encode()
@@ -334,16 +383,20 @@ def test_crlf_comments_multiline_data_and_unknown_fields(chat_exe, canned):
 
 def test_character_split_across_chunks(chat_exe, canned):
     raw = ("data: " + json.dumps({"delta": "🙂中é"}, ensure_ascii=False) + "\n\n").encode()
-    canned.answer([raw[i:i + 1] for i in range(len(raw))] + [DONE])
+    canned.answer([raw[i : i + 1] for i in range(len(raw))] + [DONE])
     proc = run_chat(chat_exe, "--url", canned.url, "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == "🙂中é\n".encode()
 
 
 def test_error_event_exits_1_with_message(chat_exe, canned):
-    canned.answer([delta("partial"),
-                   'event: error\ndata: {"error": {"type": "upstream_error", '
-                   '"message": "the model broke", "retryable": true}}\n\n'])
+    canned.answer(
+        [
+            delta("partial"),
+            'event: error\ndata: {"error": {"type": "upstream_error", '
+            '"message": "the model broke", "retryable": true}}\n\n',
+        ]
+    )
     proc = run_chat(chat_exe, "--url", canned.url, "hi")
     assert proc.returncode == EXIT_STREAM_ERROR
     assert proc.stdout == b"partial\n"
@@ -359,8 +412,7 @@ def test_stream_without_done_exits_1_and_says_so(chat_exe, canned):
 
 
 def test_http_error_exits_2_with_status_and_message(chat_exe, canned):
-    body = json.dumps({"error": {"type": "invalid_request", "message": "prompt is too long",
-                                 "param": "prompt"}})
+    body = json.dumps({"error": {"type": "invalid_request", "message": "prompt is too long", "param": "prompt"}})
     canned.answer([body], status=400, content_type="application/json")
     proc = run_chat(chat_exe, "--url", canned.url, "hi")
     assert proc.returncode == EXIT_HTTP_ERROR
@@ -382,9 +434,13 @@ def test_stats_on_stderr(chat_exe, canned):
 
 
 def test_done_members_in_any_order_and_unknown_members(chat_exe, canned):
-    canned.answer(['data: {"extra": [1, {"a": null}], "delta": "x"}\n\n',
-                   'event: done\ndata: {"id": "r2", "future": {"b": [true]}, "usage": {"total_tokens": 9, '
-                   '"prompt_tokens": 4, "completion_tokens": 5}, "model": "m2", "finish_reason": "length"}\n\n'])
+    canned.answer(
+        [
+            'data: {"extra": [1, {"a": null}], "delta": "x"}\n\n',
+            'event: done\ndata: {"id": "r2", "future": {"b": [true]}, "usage": {"total_tokens": 9, '
+            '"prompt_tokens": 4, "completion_tokens": 5}, "model": "m2", "finish_reason": "length"}\n\n',
+        ]
+    )
     proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == b"x\n"
@@ -414,8 +470,11 @@ def done_ev(n: int, finish: str = "stop") -> str:
 def test_resumable_drop_reconnects_with_last_event_id_and_prints_each_delta_once(chat_exe, canned):
     """Cut inside event 4: the client asks streams/ID with Last-Event-ID: 3 (the last whole event);
     the replay starts too early (from 2), and what was printed already is skipped by its id."""
-    canned.resumable(SID, [ev(1, "a"), ev(2, "b"), ev(3, "c"), 'id: 4\ndata: {"delta": "d', "CUT"],
-                     resumes=[[ev(2, "b"), ev(3, "c"), ev(4, "d"), ev(5, "e"), done_ev(6)]])
+    canned.resumable(
+        SID,
+        [ev(1, "a"), ev(2, "b"), ev(3, "c"), 'id: 4\ndata: {"delta": "d', "CUT"],
+        resumes=[[ev(2, "b"), ev(3, "c"), ev(4, "d"), ev(5, "e"), done_ev(6)]],
+    )
     proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == b"abcde\n"
@@ -424,8 +483,14 @@ def test_resumable_drop_reconnects_with_last_event_id_and_prints_each_delta_once
     assert get["lower_headers"]["last-event-id"] == "3"
     err = proc.stderr.decode().splitlines()
     assert f"chat: resumable stream {SID}" in err
-    assert any(re.match(r"^chat: connection lost after event 3: the connection broke .*; reconnecting in 0\.5 s "
-                        r"\(attempt 1 of 5\)$", line) for line in err), err
+    assert any(
+        re.match(
+            r"^chat: connection lost after event 3: the connection broke .*; reconnecting in 0\.5 s "
+            r"\(attempt 1 of 5\)$",
+            line,
+        )
+        for line in err
+    ), err
     assert f"stats: stream id: {SID} (last event 6)" in err
     assert "stats: reconnects: 1" in err and "stats: deltas: 5" in err and "stats: finish reason: stop" in err
     assert canned.cancels == []
@@ -434,8 +499,10 @@ def test_resumable_drop_reconnects_with_last_event_id_and_prints_each_delta_once
 def test_stream_store_unavailable_is_a_lost_connection_not_the_end(chat_exe, canned):
     """`stream_store_unavailable` ends one reading of the stream (the app could not reach its store), not the
     stream: its id is the next event's, so the client asks again after the last event it printed."""
-    unavailable = ('id: 3\nevent: error\ndata: {"error": {"type": "stream_store_unavailable", '
-                   '"message": "the stream\'s store is unavailable", "retryable": true}}\n\n')
+    unavailable = (
+        'id: 3\nevent: error\ndata: {"error": {"type": "stream_store_unavailable", '
+        '"message": "the stream\'s store is unavailable", "retryable": true}}\n\n'
+    )
     canned.resumable(SID, [ev(1, "a"), ev(2, "b"), unavailable], resumes=[[ev(3, "c"), done_ev(4)]])
     proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
@@ -466,7 +533,11 @@ def test_reconnection_attempts_are_bounded_with_backoff(chat_exe, canned):
     err = proc.stderr.decode()
     assert len(canned.gets) == 2 and [g["lower_headers"]["last-event-id"] for g in canned.gets] == ["2", "2"]
     assert canned.gets[0]["at"] - started >= 0.5 and canned.gets[1]["at"] - canned.gets[0]["at"] >= 1.0
-    assert "reconnecting in 0.5 s (attempt 1 of 2)" in err and "reconnecting in 1.0 s (attempt 2 of 2)" in err and "reconnection failed after event 2: HTTP 503" in err
+    assert (
+        "reconnecting in 0.5 s (attempt 1 of 2)" in err
+        and "reconnecting in 1.0 s (attempt 2 of 2)" in err
+        and "reconnection failed after event 2: HTTP 503" in err
+    )
     assert "(2 reconnection attempts failed)" in err
     assert f"To continue it: chat --resume {SID} --last-event-id 2" in err
     assert "stats: reconnects: 2" in err
@@ -480,8 +551,16 @@ def test_reconnection_attempts_are_bounded_with_backoff(chat_exe, canned):
 def test_an_attempt_that_brings_events_starts_the_count_again(chat_exe, canned):
     """Four drops in one answer with --retries 1: each reconnection brings new events, so none of
     them counts against the next."""
-    canned.resumable(SID, [ev(1, "a"), "CUT"], resumes=[
-        [ev(2, "b"), "CUT"], [ev(3, "c"), 'id: 4\ndata: {"del', "CUT"], [ev(4, "d"), "CUT"], [ev(5, "e"), done_ev(6)]])
+    canned.resumable(
+        SID,
+        [ev(1, "a"), "CUT"],
+        resumes=[
+            [ev(2, "b"), "CUT"],
+            [ev(3, "c"), 'id: 4\ndata: {"del', "CUT"],
+            [ev(4, "d"), "CUT"],
+            [ev(5, "e"), done_ev(6)],
+        ],
+    )
     proc = run_chat(chat_exe, "--url", canned.url, "--retries", "1", "--stats", "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == b"abcde\n"
@@ -525,17 +604,20 @@ def test_resume_keeps_the_key_and_the_query_and_sends_the_key_only_as_before(cha
     assert get["path"] == f"/api/streams/{SID}?code=Q1" and get["lower_headers"]["x-functions-key"] == "K-9"
 
 
-@pytest.mark.parametrize("args", [
-    ["--resume", "../../etc", "hi"][:2],
-    ["--resume", "short"],
-    ["--resume", SID, "hi"],
-    ["--resume", SID, "--system", "s"],
-    ["--last-event-id", "3", "hi"],
-    ["--resume", SID, "--last-event-id", "-1"],
-    ["--resume", SID, "--last-event-id", "1e3"],
-    ["--retries", "101", "hi"],
-    ["--retries", "x", "hi"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--resume", "../../etc", "hi"][:2],
+        ["--resume", "short"],
+        ["--resume", SID, "hi"],
+        ["--resume", SID, "--system", "s"],
+        ["--last-event-id", "3", "hi"],
+        ["--resume", SID, "--last-event-id", "-1"],
+        ["--resume", SID, "--last-event-id", "1e3"],
+        ["--retries", "101", "hi"],
+        ["--retries", "x", "hi"],
+    ],
+)
 def test_bad_resume_arguments_exit_64(chat_exe, args):
     proc = run_chat(chat_exe, *args)
     assert proc.returncode == EXIT_USAGE, proc.stderr
@@ -560,14 +642,25 @@ def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
     canned.resumable(SID, [ev(1, "first"), "STALL"])
     if terminal:
         master, slave = pty.openpty()
-        proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"], stdin=slave,
-                                stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
+        proc = subprocess.Popen(
+            ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
+            stdin=slave,
+            stdout=slave,
+            stderr=subprocess.PIPE,
+            env=_client_env(),
+            preexec_fn=_sigint_default,
+        )
         os.close(slave)
         out = master
     else:
-        proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_client_env(), preexec_fn=_sigint_default)
+        proc = subprocess.Popen(
+            ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_client_env(),
+            preexec_fn=_sigint_default,
+        )
         out = proc.stdout.fileno()
     try:
         assert b"first" in _read_until_text(out)
@@ -590,9 +683,13 @@ def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
 
 def test_closed_stdout_cancels_a_resumable_stream(chat_exe, canned):
     canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", canned.url, "hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+    )
     try:
         assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
         proc.stdout.close()
@@ -621,8 +718,13 @@ def _connects_to_the_network(exe: Path, *args: str, env: dict | None = None) -> 
     """Runs the client under strace; its exit code and every connect() to an IP address."""
     trace = Path(f"/tmp/chat-strace-{os.getpid()}-{time.monotonic_ns()}.txt")
     try:
-        proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), "mono", str(exe), *args],
-                              stdin=subprocess.DEVNULL, capture_output=True, env=_client_env(env), timeout=30)
+        proc = subprocess.run(
+            ["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), "mono", str(exe), *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=_client_env(env),
+            timeout=30,
+        )
         lines = trace.read_text(errors="replace").splitlines() if trace.exists() else []
     finally:
         trace.unlink(missing_ok=True)
@@ -652,8 +754,9 @@ def test_key_over_plain_http_to_another_host_is_refused_before_any_connection(ch
     proc = run_chat(chat_exe, "--url", "http://example.invalid/api/chat", "--key", "K", "hi")
     assert proc.returncode == EXIT_HTTP_ERROR and b"example.invalid" in proc.stderr, proc.stderr
     if shutil.which("strace"):
-        code, connects = _connects_to_the_network(chat_exe, "--url", "http://example.invalid/api/chat",
-                                                  "--key", "K", "hi")
+        code, connects = _connects_to_the_network(
+            chat_exe, "--url", "http://example.invalid/api/chat", "--key", "K", "hi"
+        )
         if code == EXIT_HTTP_ERROR:  # else strace could not trace here (ptrace not permitted)
             assert connects == [], connects
 
@@ -698,9 +801,13 @@ def test_caller_key_goes_as_bearer_on_the_post_and_the_resumes_next_to_the_funct
 
 def test_caller_key_goes_on_the_cancel_call(chat_exe, canned):
     canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env({"CALLER_KEY": CALLER_KEY}))
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", canned.url, "hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env({"CALLER_KEY": CALLER_KEY}),
+    )
     try:
         assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
         proc.stdout.close()
@@ -733,8 +840,9 @@ def test_caller_key_over_plain_http_to_another_host_is_refused_with_nothing_sent
     assert proc.returncode == EXIT_CONNECT, proc.stderr
     assert CALLER_KEY.encode() not in proc.stderr + proc.stdout
     if shutil.which("strace"):
-        code, connects = _connects_to_the_network(chat_exe, "--url", "http://example.invalid/api/chat",
-                                                  "--caller-key", CALLER_KEY, "--stats", "hi")
+        code, connects = _connects_to_the_network(
+            chat_exe, "--url", "http://example.invalid/api/chat", "--caller-key", CALLER_KEY, "--stats", "hi"
+        )
         if code == EXIT_HTTP_ERROR:  # else strace could not trace here (ptrace not permitted)
             assert connects == [], connects
 
@@ -764,9 +872,13 @@ def test_connection_refused_exits_3(chat_exe):
 
 def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
     canned.answer([delta("first ")] + [delta("more ")] * 300 + [DONE])  # about 3 s of deltas
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env())
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", canned.url, "hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+    )
     try:
         assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
         proc.stdout.close()  # like `chat ... | head -c 5`
@@ -813,9 +925,14 @@ def _read_until_text(fd: int, timeout: float = 15) -> bytes:
 
 def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, canned):
     canned.answer([delta("first"), "STALL"])
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "hi"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env(), preexec_fn=_sigint_default)
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", canned.url, "hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+        preexec_fn=_sigint_default,
+    )
     try:
         assert _read_until_text(proc.stdout.fileno()) == b"first"
         sent = time.monotonic()
@@ -833,8 +950,14 @@ def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
     """With a terminal, CancelKeyPress runs: the request is aborted, stats printed, exit 130."""
     canned.answer([delta("first"), "STALL"])
     master, slave = pty.openpty()
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
+        stdin=slave,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+        preexec_fn=_sigint_default,
+    )
     os.close(slave)
     try:
         assert b"first" in _read_until_text(master)
@@ -859,6 +982,7 @@ def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
 
 def _texts():
     from tools.fakeupstream.scenarios import TEXTS
+
     return TEXTS
 
 
@@ -871,7 +995,8 @@ def test_app_exact_text(chat_exe, app, scenario):
 
 def test_app_echo(chat_exe, app):
     from tools.fakeupstream.scenarios import echo_text
-    prompt = "[scenario:echo] Grüße 🙂 \"quoted\" / slash"
+
+    prompt = '[scenario:echo] Grüße 🙂 "quoted" / slash'
     proc = run_chat(chat_exe, "--url", app.chat_url, prompt)
     assert proc.returncode == EXIT_OK, proc.stderr.decode()
     assert proc.stdout == (echo_text(prompt) + "\n").encode("utf-8")
@@ -879,6 +1004,7 @@ def test_app_echo(chat_exe, app):
 
 def test_app_echo_with_system_message(chat_exe, app):
     from tools.fakeupstream.scenarios import echo_text
+
     prompt = "[scenario:echo] hello"
     proc = run_chat(chat_exe, "--url", app.chat_url, "--system", "be brief", prompt)
     assert proc.returncode == EXIT_OK, proc.stderr.decode()
@@ -911,17 +1037,24 @@ def test_app_rate_limited_exits_2(chat_exe, app):
 
 def _wait_disconnected(upstream, scenario: str, timeout: float):
     def found():
-        return [s for s in upstream.streams()
-                if s.get("scenario") == scenario and s.get("outcome") == "client_disconnected"]
+        return [
+            s for s in upstream.streams() if s.get("scenario") == scenario and s.get("outcome") == "client_disconnected"
+        ]
+
     return wait_for(found, timeout)
 
 
 @pytest.mark.parametrize("scenario", ["slow", "stall"])
 def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario):
     upstream.clear()
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env(), preexec_fn=_sigint_default)
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+        preexec_fn=_sigint_default,
+    )
     try:
         _read_until_text(proc.stdout.fileno())
         proc.send_signal(signal.SIGINT)
@@ -937,8 +1070,14 @@ def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario)
 def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, upstream):
     upstream.clear()
     master, slave = pty.openpty()
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default)
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
+        stdin=slave,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+        preexec_fn=_sigint_default,
+    )
     os.close(slave)
     try:
         _read_until_text(master)
@@ -960,6 +1099,7 @@ def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, up
 def resumable(upstream, azurite):
     from helpers import app_env
     from servers import App
+
     server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
     yield server
     server.stop()
@@ -971,6 +1111,7 @@ def cut(resumable):
     from urllib.parse import urlsplit
 
     from cut_proxy import CutProxy
+
     proxy = CutProxy(urlsplit(resumable.url).port)
     yield proxy
     proxy.close()
@@ -979,16 +1120,20 @@ def cut(resumable):
 def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
     """The upstream's requests whose last message is ``prompt``, each with its stream record."""
     streams = {s["request_id"]: s for s in upstream.streams()}
-    return [(r, streams.get(r["id"])) for r in upstream.requests()
-            if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt]
+    return [
+        (r, streams.get(r["id"]))
+        for r in upstream.requests()
+        if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt
+    ]
 
 
 def _ran_to_its_end(upstream, prompt: str) -> None:
     """One upstream request for the prompt, not cut short by any of the client's drops or hang-ups."""
     calls = _upstream_calls(upstream, prompt)
     assert len(calls) == 1, calls
-    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == calls[0][0]["id"]
-                               and s["ended_at"] is not None], 5)
+    record = wait_for(
+        lambda: [s for s in upstream.streams() if s["request_id"] == calls[0][0]["id"] and s["ended_at"] is not None], 5
+    )
     assert record and record[0]["outcome"] == "completed", record
 
 
@@ -1033,8 +1178,13 @@ def test_app_resume_by_id_after_the_client_was_killed(chat_exe, resumable, upstr
     """A client killed mid-answer (SIGKILL: nothing sent) leaves the stream going; `--resume ID`
     prints it whole, `--last-event-id N` only what came after event N."""
     prompt = f"[scenario:slow] killed {time.time_ns()}"
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_client_env())
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env(),
+    )
     try:
         stream_id = _read_stream_id(proc.stderr.fileno())
         _read_until_text(proc.stdout.fileno())
@@ -1064,13 +1214,20 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
     args = ["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt]
     if terminal:
         master, slave = pty.openpty()
-        proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(),
-                                preexec_fn=_sigint_default)
+        proc = subprocess.Popen(
+            args, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default
+        )
         os.close(slave)
         out = master
     else:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_client_env(), preexec_fn=_sigint_default)
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_client_env(),
+            preexec_fn=_sigint_default,
+        )
         out = proc.stdout.fileno()
     try:
         stream_id = _read_stream_id(proc.stderr.fileno())
@@ -1087,8 +1244,9 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr
     [(request, _)] = _upstream_calls(upstream, prompt)
-    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == request["id"]
-                               and s["ended_at"] is not None], 5)
+    record = wait_for(
+        lambda: [s for s in upstream.streams() if s["request_id"] == request["id"] and s["ended_at"] is not None], 5
+    )
     assert record and record[0]["outcome"] == "client_disconnected", record
     assert record[0]["ended_at"] - sent < 1.5, record[0]["ended_at"] - sent  # within 1 s of the cancel call
     replay = run_chat(chat_exe, "--url", resumable.chat_url, "--resume", stream_id, "--stats")
@@ -1104,6 +1262,7 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
 def _callers_app(upstream, azurite, **extra: str):
     from helpers import app_env
     from servers import App
+
     return App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required", **extra))
 
 
@@ -1126,6 +1285,7 @@ def _new_caller_key(app) -> str:
     import secrets
 
     import httpx
+
     response = httpx.post(app.url + "/api/manage/callers", json={"name": f"cs-{secrets.token_hex(4)}"}, timeout=30)
     assert response.status_code == 201, response.text
     return response.json()["key"]
@@ -1160,13 +1320,15 @@ def keyed_cut(keyed_resumable):
     from urllib.parse import urlsplit
 
     from cut_proxy import CutProxy
+
     proxy = CutProxy(urlsplit(keyed_resumable.url).port)
     yield proxy
     proxy.close()
 
 
-def test_app_with_caller_keys_resumes_a_dropped_stream_with_the_caller_key(chat_exe, keyed_resumable, keyed_cut,
-                                                                           upstream):
+def test_app_with_caller_keys_resumes_a_dropped_stream_with_the_caller_key(
+    chat_exe, keyed_resumable, keyed_cut, upstream
+):
     """CALLER_KEYS=required and RESUMABLE_STREAMS=on: GET streams/ID wants the caller key of the POST. The
     proxy resets the answer twice; the client resumes with its key and prints exactly the text. The stream
     is its caller's: another caller's key gets 404, no key 401."""
@@ -1186,8 +1348,15 @@ def test_app_with_caller_keys_resumes_a_dropped_stream_with_the_caller_key(chat_
     stream_id = re.search(r"^stats: stream id: ([A-Za-z0-9_-]+) ", err, re.M).group(1)
     again = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id, env={"CALLER_KEY": key})
     assert again.returncode == EXIT_OK and again.stdout == proc.stdout, again.stderr
-    other = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id,
-                     "--caller-key", _new_caller_key(keyed_resumable))
+    other = run_chat(
+        chat_exe,
+        "--url",
+        keyed_resumable.chat_url,
+        "--resume",
+        stream_id,
+        "--caller-key",
+        _new_caller_key(keyed_resumable),
+    )
     assert other.returncode == EXIT_HTTP_ERROR and b"HTTP 404" in other.stderr, other.stderr
     nobody = run_chat(chat_exe, "--url", keyed_resumable.chat_url, "--resume", stream_id)
     assert nobody.returncode == EXIT_HTTP_ERROR and b"HTTP 401" in nobody.stderr, nobody.stderr
@@ -1198,9 +1367,14 @@ def test_app_with_caller_keys_sigint_cancels_with_the_caller_key(chat_exe, keyed
     client cancels the stream, and the upstream is closed."""
     key = _new_caller_key(keyed_resumable)
     prompt = f"[scenario:slow] keyed interrupted {time.time_ns()}"
-    proc = subprocess.Popen(["mono", str(chat_exe), "--url", keyed_resumable.chat_url, "--stats", prompt],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_client_env({"CALLER_KEY": key}), preexec_fn=_sigint_default)
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", keyed_resumable.chat_url, "--stats", prompt],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_client_env({"CALLER_KEY": key}),
+        preexec_fn=_sigint_default,
+    )
     try:
         _read_stream_id(proc.stderr.fileno())
         _read_until_text(proc.stdout.fileno())
@@ -1214,7 +1388,8 @@ def test_app_with_caller_keys_sigint_cancels_with_the_caller_key(chat_exe, keyed
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr and key not in stderr
     [(request, _)] = _upstream_calls(upstream, prompt)
-    record = wait_for(lambda: [s for s in upstream.streams() if s["request_id"] == request["id"]
-                               and s["ended_at"] is not None], 5)
+    record = wait_for(
+        lambda: [s for s in upstream.streams() if s["request_id"] == request["id"] and s["ended_at"] is not None], 5
+    )
     assert record and record[0]["outcome"] == "client_disconnected", record
     assert record[0]["ended_at"] - sent < 1.5, record[0]["ended_at"] - sent

@@ -26,6 +26,7 @@ field's default: a value (``10`` for ``10.0``, ``gpt-4o-mini``, ``true``; digits
 ``,``), possibly followed by a note; or, when the field defaults to nothing (None, an empty list) or
 is required, ``–`` or a description in parentheses of what unset means (``(any)``).
 """
+
 from __future__ import annotations
 
 import json
@@ -66,16 +67,20 @@ def readme_settings() -> tuple[dict[str, str], list[str]]:
     """{setting: its default cell} from README's settings tables, and the problems found reading them."""
     rows: dict[str, str] = {}
     problems: list[str] = []
-    tables = [rows_ for header, rows_ in _tables(_section(README.read_text(encoding="utf-8"), "Settings"))
-              if [h.lower() for h in header] == HEADER]
+    tables = [
+        rows_
+        for header, rows_ in _tables(_section(README.read_text(encoding="utf-8"), "Settings"))
+        if [h.lower() for h in header] == HEADER
+    ]
     if not tables:
         problems.append("README.md has no `| setting | default | meaning |` table under '## Settings'")
     for table in tables:
         for cells in table:
             name = _name(cells[0])
             if name is None:
-                problems.append(f"README.md settings row {cells[0]!r}: the first cell must be one setting name "
-                                f"in backticks")
+                problems.append(
+                    f"README.md settings row {cells[0]!r}: the first cell must be one setting name in backticks"
+                )
             elif name in rows:
                 problems.append(f"README.md lists {name} twice in its settings tables")
             else:
@@ -133,8 +138,10 @@ def code_settings() -> tuple[dict[str, tuple[str, object]], list[str]]:
     for field_name, field in Settings.model_fields.items():
         alias = field.alias or (field.validation_alias if isinstance(field.validation_alias, str) else None)
         if not alias:
-            problems.append(f"Settings.{field_name} (chatstream/settings.py) has no alias: the app reads each "
-                            f"setting by its environment name, Field(..., alias=\"NAME\")")
+            problems.append(
+                f"Settings.{field_name} (chatstream/settings.py) has no alias: the app reads each "
+                f'setting by its environment name, Field(..., alias="NAME")'
+            )
             continue
         settings[alias] = (field_name, _code_default(field))
     return settings, problems
@@ -149,18 +156,21 @@ def test_readme_settings_tables_match_the_code():
             problems.append(
                 f"README.md has no row for {alias} (Settings.{field_name} in chatstream/settings.py). Add one to "
                 f"a `| setting | default | meaning |` table under '## Settings':\n"
-                f"    | `{alias}` | {suggested_cell(default)} | <what it does, and its limits> |")
+                f"    | `{alias}` | {suggested_cell(default)} | <what it does, and its limits> |"
+            )
         elif not default_matches(rows[alias], default):
             problems.append(
                 f"README.md gives {alias} the default {rows[alias]!r}; the code's is {default!r} "
                 f"(Settings.{field_name}). Write its default cell as: {suggested_cell(default)}"
-                + (" (or a description in parentheses of what unset means)" if _unset(default) else ""))
+                + (" (or a description in parentheses of what unset means)" if _unset(default) else "")
+            )
     for name in rows:
         if name not in settings:
             problems.append(
                 f"README.md's settings tables list {name}, which is no field of chatstream.settings.Settings. "
                 f"If the app reads it, make it a Settings field; if other code reads it, document it where "
-                f"that code is documented (see tests/test_docs.py's docstring); otherwise remove the row.")
+                f"that code is documented (see tests/test_docs.py's docstring); otherwise remove the row."
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -189,11 +199,20 @@ def test_devhost_readme_limits_match_its_config_and_help():
     from tools.devhost.config import FRONT_ENV, FrontSettings
 
     defaults = {f.name: f.default for f in fields(FrontSettings)}
-    help_text = subprocess.run([sys.executable, "-m", "tools.devhost", "--help"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"}).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+    ).stdout
     flags = {m.group(2): m.group(1) for m in re.finditer(r"(--[a-z-]+) \w+\s+.*?\[([A-Z_]+)\]", help_text)}
-    tables = [(header, rows) for header, rows in _tables(DEVHOST_README.read_text(encoding="utf-8"))
-              if [h.lower() for h in header][:3] == ["environment variable", "flag", "default"]]
+    tables = [
+        (header, rows)
+        for header, rows in _tables(DEVHOST_README.read_text(encoding="utf-8"))
+        if [h.lower() for h in header][:3] == ["environment variable", "flag", "default"]
+    ]
     assert tables, "tools/devhost/README.md has no `| environment variable | flag | default | meaning |` table"
     rows = {}
     for _, table in tables:
@@ -204,14 +223,18 @@ def test_devhost_readme_limits_match_its_config_and_help():
     for name, (field_name, _kind) in FRONT_ENV.items():
         default = defaults[field_name]
         if name not in rows:
-            problems.append(f"tools/devhost/README.md has no row for {name}: add\n"
-                            f"    | `{name}` | `{flags.get(name, '--?')}` | {suggested_cell(default)} | <meaning> |")
+            problems.append(
+                f"tools/devhost/README.md has no row for {name}: add\n"
+                f"    | `{name}` | `{flags.get(name, '--?')}` | {suggested_cell(default)} | <meaning> |"
+            )
             continue
         if flags.get(name) and f"`{flags[name]}`" not in rows[name][1]:
             problems.append(f"tools/devhost/README.md: {name}'s flag is {flags[name]} (--help), not {rows[name][1]}")
         if not default_matches(rows[name][2], default):
-            problems.append(f"tools/devhost/README.md: {name}'s default is {suggested_cell(default)} "
-                            f"(FrontSettings.{field_name}), not {rows[name][2]!r}")
+            problems.append(
+                f"tools/devhost/README.md: {name}'s default is {suggested_cell(default)} "
+                f"(FrontSettings.{field_name}), not {rows[name][2]!r}"
+            )
     for name in rows:
         if name.startswith("DEVHOST_") and name not in FRONT_ENV:
             problems.append(f"tools/devhost/README.md lists {name}, which tools/devhost/config.py does not read")
@@ -221,9 +244,14 @@ def test_devhost_readme_limits_match_its_config_and_help():
 
 # ------------------------------------------------------------------------- server-sent event samples
 
+
 def _markdown_files():
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "client_cs" / "README.md",
-            *sorted((ROOT / "tools").glob("*/README.md"))]
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "client_cs" / "README.md",
+        *sorted((ROOT / "tools").glob("*/README.md")),
+    ]
 
 
 def _chat_samples() -> dict[str, str]:
@@ -248,11 +276,13 @@ def sse_problems(text: str) -> list[str]:
         for line in event.split("\n"):
             if line.startswith(":"):
                 if seen_data:
-                    problems.append(f"comment {line!r} after the first data line: the app sends keep-alives "
-                                    f"only while it waits for the first output")
+                    problems.append(
+                        f"comment {line!r} after the first data line: the app sends keep-alives "
+                        f"only while it waits for the first output"
+                    )
             elif line.startswith("data: "):
                 seen_data = True
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 compact = json.dumps(json.loads(payload), ensure_ascii=False, separators=(",", ":"))
                 if payload != compact:
                     problems.append(f"{line!r} is not written as the app writes JSON: data: {compact}")
@@ -266,6 +296,7 @@ def test_sse_samples_in_the_docs_are_written_as_the_app_writes_them(start_app):
     every sample of one in the docs against the same rules."""
     app = start_app(HEARTBEAT_SECONDS="0.05")
     import httpx
+
     r = httpx.post(app.chat_url, json={"prompt": "[scenario:slow] sample"}, timeout=20)
     assert r.status_code == 200
     assert r.text.startswith(": keep-alive\n\n"), r.text[:200]
@@ -278,6 +309,7 @@ def test_sse_samples_in_the_docs_are_written_as_the_app_writes_them(start_app):
 
 
 # ------------------------------------------------------------------------- counted and named things
+
 
 def test_playground_docs_name_every_file_it_serves():
     files = sorted(p.name for p in (ROOT / "chatstream" / "playground").iterdir() if p.is_file())
@@ -296,15 +328,18 @@ def test_readme_tests_section_states_no_figure_that_changes_with_every_commit():
     """How many tests there are and how long they take change with every commit: README leaves them
     out (a script that measured them could write them)."""
     section = _section(README.read_text(encoding="utf-8"), "Tests")
-    figures = re.findall(r"\b\d[\d,.]* (?:tests|test cases)\b|\b(?:about|in) \d[\d.]* ?(?:s|seconds|minutes)\b",
-                         section)
+    figures = re.findall(
+        r"\b\d[\d,.]* (?:tests|test cases)\b|\b(?:about|in) \d[\d.]* ?(?:s|seconds|minutes)\b", section
+    )
     assert not figures, f"README.md's Tests section states {figures}"
 
 
 def test_readme_scenarios_exist_in_the_scripted_upstream():
     from tools.fakeupstream.scenarios import SCENARIOS
-    rows = [rows for header, rows in _tables(README.read_text(encoding="utf-8"))
-            if header and "[scenario:" in header[0]]
+
+    rows = [
+        rows for header, rows in _tables(README.read_text(encoding="utf-8")) if header and "[scenario:" in header[0]
+    ]
     assert rows, "README.md has no `[scenario:NAME]` table"
     named = [_name(cells[0]) for cells in rows[0]]
     unknown = [name for name in named if name not in SCENARIOS]
@@ -319,6 +354,12 @@ def test_openai_md_says_who_can_read_cancel_or_delete_a_stored_response():
     heading = "### Who can read, cancel or delete a stored response"
     assert heading in text, f"docs/openai.md needs a section {heading!r}"
     section = text.split(heading, 1)[1].split("\n### ", 1)[0]
-    for claim in ("function key", "**any** response id", "same OpenAI or Azure OpenAI account",
-                  "CALLER_KEYS=required", "`404`", '"store": false'):
+    for claim in (
+        "function key",
+        "**any** response id",
+        "same OpenAI or Azure OpenAI account",
+        "CALLER_KEYS=required",
+        "`404`",
+        '"store": false',
+    ):
         assert claim in section, f"the section should say {claim!r}"

@@ -3,6 +3,7 @@ items 2-4 and 11: they find the entry that holds the response past others' error
 time limits, close the upstream when the caller hangs up, log one line each, and pass on only the
 query parameters OpenAI defines. Over HTTP, against the app on the local host and scripted upstreams
 (``/_scripted/follow_ups`` makes an upstream answer every follow-up with a chosen failure)."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,8 @@ import time
 
 import httpx
 import pytest
-
 from helpers import app_env
 from servers import App, Upstream
-from tools.fakeupstream import RESPONSES_TEXTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,8 +46,11 @@ def events_of(body: str) -> list[dict]:
 
 def create(app: App, scenario: str | None, **extra) -> dict:
     """A response created through the app (``scenario`` None: each upstream plays its default)."""
-    r = httpx.post(app.url + "/api/v1/responses", timeout=20,
-                   json={"model": "gpt-test", "input": f"[scenario:{scenario}] hi" if scenario else "hi", **extra})
+    r = httpx.post(
+        app.url + "/api/v1/responses",
+        timeout=20,
+        json={"model": "gpt-test", "input": f"[scenario:{scenario}] hi" if scenario else "hi", **extra},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -67,6 +69,7 @@ def hang_records(server: Upstream, response_id: str) -> list[dict]:
 
 # ------------------------------------------------------------------------- 2. the entry that holds it
 
+
 @pytest.fixture(scope="module")
 def pair():
     a, b = Upstream("--scenario", "server_error"), Upstream("--scenario", "normal")
@@ -79,9 +82,19 @@ def pair():
 def pooled(pair):
     """a first, b second; a's 500 on every create sends each response to b."""
     a, b = pair
-    app = App(app_env(a, UPSTREAMS=json.dumps([{"name": "a", "base_url": a.base_url, "priority": 1},
-                                               {"name": "b", "base_url": b.base_url, "priority": 2}]),
-                      UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS="1", FIRST_TOKEN_TIMEOUT_SECONDS="10"))
+    app = App(
+        app_env(
+            a,
+            UPSTREAMS=json.dumps(
+                [
+                    {"name": "a", "base_url": a.base_url, "priority": 1},
+                    {"name": "b", "base_url": b.base_url, "priority": 2},
+                ]
+            ),
+            UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS="1",
+            FIRST_TOKEN_TIMEOUT_SECONDS="10",
+        )
+    )
     yield app
     app.stop()
     follow_ups(a, None)
@@ -141,10 +154,18 @@ def test_a_response_no_entry_holds_is_a_404_within_the_limits(pooled, pair):
 
 # ------------------------------------------------------------------------ 3. limits, hang-ups, log lines
 
+
 @pytest.fixture(scope="module")
 def limited(upstream):
-    app = App(app_env(upstream, TOTAL_TIMEOUT_SECONDS="8", FIRST_TOKEN_TIMEOUT_SECONDS="2",
-                      IDLE_TIMEOUT_SECONDS="3", UPSTREAM_MAX_RETRIES="2"))
+    app = App(
+        app_env(
+            upstream,
+            TOTAL_TIMEOUT_SECONDS="8",
+            FIRST_TOKEN_TIMEOUT_SECONDS="2",
+            IDLE_TIMEOUT_SECONDS="3",
+            UPSTREAM_MAX_RETRIES="2",
+        )
+    )
     yield app
     app.stop()
     follow_ups(upstream, None)
@@ -153,9 +174,13 @@ def limited(upstream):
 def test_follow_ups_obey_the_time_limits_and_log_one_line_each(limited, upstream):
     stored = create(limited, "normal")
     base = limited.url + "/api/v1/responses/" + stored["id"]
-    calls = [("retrieve", "GET", base, {}), ("cancel", "POST", base + "/cancel", {}),
-             ("delete", "DELETE", base, {}), ("input_items", "GET", base + "/input_items", {}),
-             ("retrieve", "GET", base, {"stream": "true", "starting_after": "1"})]
+    calls = [
+        ("retrieve", "GET", base, {}),
+        ("cancel", "POST", base + "/cancel", {}),
+        ("delete", "DELETE", base, {}),
+        ("input_items", "GET", base + "/input_items", {}),
+        ("retrieve", "GET", base, {"stream": "true", "starting_after": "1"}),
+    ]
     follow_ups(upstream, "hang")
     try:
         for operation, method, url, params in calls:
@@ -185,11 +210,17 @@ def hang_up_after(url: str, method: str, seconds: float) -> float:
     return hung_up
 
 
-@pytest.mark.parametrize("operation, method, suffix", [
-    ("retrieve", "GET", ""), ("cancel", "POST", "/cancel"), ("delete", "DELETE", ""),
-    ("input_items", "GET", "/input_items"), ("retrieve", "GET", "?stream=true&starting_after=1")])
-def test_a_hang_up_during_a_follow_up_closes_the_upstream_within_a_second(limited, upstream, operation, method,
-                                                                           suffix):
+@pytest.mark.parametrize(
+    "operation, method, suffix",
+    [
+        ("retrieve", "GET", ""),
+        ("cancel", "POST", "/cancel"),
+        ("delete", "DELETE", ""),
+        ("input_items", "GET", "/input_items"),
+        ("retrieve", "GET", "?stream=true&starting_after=1"),
+    ],
+)
+def test_a_hang_up_during_a_follow_up_closes_the_upstream_within_a_second(limited, upstream, operation, method, suffix):
     stored = create(limited, "normal")
     before = len(log_lines(limited, f"responses.{operation}"))
     follow_ups(upstream, "hang")
@@ -226,8 +257,11 @@ def plain(upstream):
 
 
 def resume(app: App, response_id: str, after: int | str, timeout: float = 20) -> httpx.Response:
-    return httpx.get(f"{app.url}/api/v1/responses/{response_id}", timeout=timeout,
-                     params={"stream": "true", "starting_after": str(after)})
+    return httpx.get(
+        f"{app.url}/api/v1/responses/{response_id}",
+        timeout=timeout,
+        params={"stream": "true", "starting_after": str(after)},
+    )
 
 
 @pytest.mark.parametrize("which", ["guarded", "plain"])
@@ -291,8 +325,9 @@ def test_a_hang_up_during_a_resume_closes_the_upstream_within_a_second(request, 
     # Mid-stream: the caller has read the first events.
     response_id = create(app, "slow", background=True)["id"]
     with httpx.Client(timeout=20) as client:
-        with client.stream("GET", f"{app.url}/api/v1/responses/{response_id}",
-                           params={"stream": "true", "starting_after": "0"}) as r:
+        with client.stream(
+            "GET", f"{app.url}/api/v1/responses/{response_id}", params={"stream": "true", "starting_after": "0"}
+        ) as r:
             assert r.status_code == 200
             next(r.iter_raw())
             hung_up = time.time()
@@ -310,15 +345,26 @@ def test_a_hang_up_during_a_resume_closes_the_upstream_within_a_second(request, 
 
 # ------------------------------------------------------------------------------ 11. query parameters
 
+
 def test_only_the_query_parameters_openai_defines_reach_the_upstream(app, upstream):
     stored = create(app, "normal")
     base = f"{app.url}/api/v1/responses/{stored['id']}"
     secret = {"code": "fn-key-1", "Code": "fn-key-2", "CODE": "fn-key-3", "cOdE": "fn-key-4"}
-    cases = [("GET", base, {"include[]": "message.output_text.logprobs", "foo": "bar"},
-              {"include[]": "message.output_text.logprobs"}),
-             ("GET", base + "/input_items", {"limit": "1", "order": "asc", "api-version": "x", "stream": "true"},
-              {"limit": "1", "order": "asc"}),
-             ("DELETE", base, {"force": "1"}, {})]
+    cases = [
+        (
+            "GET",
+            base,
+            {"include[]": "message.output_text.logprobs", "foo": "bar"},
+            {"include[]": "message.output_text.logprobs"},
+        ),
+        (
+            "GET",
+            base + "/input_items",
+            {"limit": "1", "order": "asc", "api-version": "x", "stream": "true"},
+            {"limit": "1", "order": "asc"},
+        ),
+        ("DELETE", base, {"force": "1"}, {}),
+    ]
     for method, url, params, forwarded in cases:
         r = httpx.request(method, url, params={**secret, **params}, timeout=10)
         assert r.status_code == 200, r.text
@@ -328,11 +374,13 @@ def test_only_the_query_parameters_openai_defines_reach_the_upstream(app, upstre
 
 # ------------------------------------------------------------------ 13. who can reach a stored response
 
+
 def test_without_callers_the_function_key_reaches_any_stored_response(app, upstream):
     """docs/openai.md, "Who can read, cancel or delete a stored response": without CALLER_KEYS the
     follow-ups act on any response the upstream account holds, even one made by another program."""
-    elsewhere = upstream.http.post("/v1/responses", json={"model": "gpt-test", "input": "[scenario:slow] hi",
-                                                          "background": True}).json()
+    elsewhere = upstream.http.post(
+        "/v1/responses", json={"model": "gpt-test", "input": "[scenario:slow] hi", "background": True}
+    ).json()
     base = f"{app.url}/api/v1/responses/{elsewhere['id']}"
     assert httpx.get(base, timeout=10).json()["id"] == elsewhere["id"]
     assert httpx.get(base + "/input_items", timeout=10).json()["data"][0]["content"][0]["text"] == "[scenario:slow] hi"

@@ -1,5 +1,6 @@
 """What an outside attack on the app found (issue: hardening, items 4-13), each proved over HTTP
 against the app on the local host and the scripted upstream. docs/reliability.md lists them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,10 @@ import httpx
 import openai
 import pytest
 from azure.core.exceptions import ClientAuthenticationError
-
 from chat import chat
-from chatstream.guard import redact_whole
 from helpers import TEST_KEY
+
+from chatstream.guard import redact_whole
 from tools.fakeupstream.scenarios import TOOL_CALL_ARGUMENTS
 
 
@@ -31,13 +32,17 @@ def post_json(url: str, raw: bytes) -> httpx.Response:
 
 # ----------------------------------------------------------------------------- 4. bad input is a 400
 
-@pytest.mark.parametrize("path,body", [
-    ("/api/chat", b'{"prompt": "hi", "temperature": 1e999}'),
-    ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi","x":1e999}]}'),
-    ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"logit_bias":{"1":-1e999}}'),
-    ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"tools":[{"x":1e400}]}'),
-    ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"response_format":{"t":2e308}}'),
-])
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/api/chat", b'{"prompt": "hi", "temperature": 1e999}'),
+        ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi","x":1e999}]}'),
+        ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"logit_bias":{"1":-1e999}}'),
+        ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"tools":[{"x":1e400}]}'),
+        ("/api/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"response_format":{"t":2e308}}'),
+    ],
+)
 def test_numbers_that_overflow_to_infinity_are_a_400_before_any_upstream_call(app, upstream, path, body):
     before = upstream.count()
     r = post_json(app.url + path, body)
@@ -48,10 +53,17 @@ def test_numbers_that_overflow_to_infinity_are_a_400_before_any_upstream_call(ap
 
 @pytest.fixture(scope="module")
 def azure_app(upstream):
-    from servers import App
     from helpers import app_env
-    server = App(app_env(upstream, AZURE_OPENAI_ENDPOINT=upstream.url, AZURE_OPENAI_DEPLOYMENT="normal",
-                         AZURE_OPENAI_API_KEY=TEST_KEY))
+    from servers import App
+
+    server = App(
+        app_env(
+            upstream,
+            AZURE_OPENAI_ENDPOINT=upstream.url,
+            AZURE_OPENAI_DEPLOYMENT="normal",
+            AZURE_OPENAI_API_KEY=TEST_KEY,
+        )
+    )
     yield server
     server.stop()
 
@@ -72,28 +84,46 @@ def test_azure_model_names_that_are_not_one_path_segment_are_a_400(azure_app, up
 
 LONG = "x" * 50_000
 BYPASSES = {
-    "tool_call_arguments": {"messages": [{"role": "user", "content": "hi"}, {
-        "role": "assistant", "content": None,
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": LONG}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+    "tool_call_arguments": {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": LONG}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+    },
     "refusal": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "refusal": LONG}]},
-    "image_data_url": {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + LONG}}]}]},
-    "tool_description": {"messages": [{"role": "user", "content": "hi"}],
-                         "tools": [{"type": "function", "function": {"name": "f", "description": LONG}}]},
-    "tool_schema_property_name": {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            LONG: {"type": "string"}}}}}]},
-    "prediction": {"messages": [{"role": "user", "content": "hi"}],
-                   "prediction": {"type": "content", "content": LONG}},
+    "image_data_url": {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + LONG}}]}
+        ]
+    },
+    "tool_description": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": LONG}}],
+    },
+    "tool_schema_property_name": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {LONG: {"type": "string"}}}},
+            }
+        ],
+    },
+    "prediction": {"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", "content": LONG}},
     "non_string_text_part": {"messages": [{"role": "user", "content": [{"type": "text", "text": [LONG]}]}]},
 }
 
 
 @pytest.fixture(scope="module")
 def limited_app(upstream):
-    from servers import App
     from helpers import app_env
+    from servers import App
+
     server = App(app_env(upstream, MAX_PROMPT_CHARS="100", MAX_BODY_BYTES=str(4 * 1024 * 1024)))
     yield server
     server.stop()
@@ -109,16 +139,20 @@ def test_max_prompt_chars_counts_every_text_that_reaches_the_model(limited_app, 
 
 
 def test_max_prompt_chars_still_lets_short_prompts_through(limited_app):
-    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "[scenario:normal] hi"}]}
+    body = {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "[scenario:normal] hi"}]
+    }
     assert httpx.post(limited_app.url + "/api/v1/chat/completions", json=body, timeout=20).status_code == 200
 
 
 # ----------------------------------------------------------------------------- 6. BLOCKED_TERMS everywhere
 
+
 @pytest.fixture(scope="module")
 def guarded_app(upstream):
-    from servers import App
     from helpers import app_env
+    from servers import App
+
     server = App(app_env(upstream, BLOCKED_TERMS="Paris,celsius"))
     yield server
     server.stop()
@@ -126,8 +160,12 @@ def guarded_app(upstream):
 
 def test_blocked_terms_are_redacted_in_streamed_tool_call_arguments(guarded_app):
     stream = sdk_for(guarded_app).chat.completions.create(model="tool_calls", messages=user("weather?"), stream=True)
-    arguments = "".join(tc.function.arguments or "" for chunk in stream if chunk.choices
-                        for tc in (chunk.choices[0].delta.tool_calls or []))
+    arguments = "".join(
+        tc.function.arguments or ""
+        for chunk in stream
+        if chunk.choices
+        for tc in (chunk.choices[0].delta.tool_calls or [])
+    )
     assert arguments == redact_whole(TOOL_CALL_ARGUMENTS, ["Paris", "celsius"])
     assert "Paris" not in arguments and "[redacted]" in arguments
 
@@ -146,12 +184,15 @@ def test_blocked_terms_are_redacted_in_non_streamed_tool_call_arguments(guarded_
 
 # ----------------------------------------------------------------------------- 8. hang-up during upload
 
+
 def test_a_hang_up_during_the_body_upload_is_a_disconnect_not_a_500(start_app):
     app = start_app()
     port = int(app.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: 100000\r\n\r\n{\"prompt\": \"")
+        s.sendall(
+            b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100000\r\n\r\n{"prompt": "'
+        )
         time.sleep(0.3)
     app.wait_log(r'"status": 499[^\n]*"disconnected": true')
     time.sleep(0.3)
@@ -161,8 +202,9 @@ def test_a_hang_up_during_the_body_upload_is_a_disconnect_not_a_500(start_app):
 
 # ----------------------------------------------------------------------------- 9. log injection
 
+
 def test_caller_chosen_text_cannot_forge_log_lines(app):
-    evil = "gpt\u0085\u2028INFO chatstream: {\"forged\": true}\u009b31m\u202e"
+    evil = 'gpt\u0085\u2028INFO chatstream: {"forged": true}\u009b31m\u202e'
     r = httpx.post(app.chat_url, json={"prompt": "[scenario:normal] hi", "model": evil}, timeout=20)
     r.read()
     line = app.wait_log(r'\{"event": "chat_stream"[^\n]*\\u0085[^\n]*').group(0)
@@ -173,6 +215,7 @@ def test_caller_chosen_text_cannot_forge_log_lines(app):
 
 
 # ----------------------------------------------------------------------------- 11. retries do not multiply
+
 
 def test_one_sdk_call_reaches_the_upstream_at_most_one_plus_the_apps_retries(start_app, upstream):
     app = start_app(UPSTREAM_MAX_RETRIES="2")
@@ -185,6 +228,7 @@ def test_one_sdk_call_reaches_the_upstream_at_most_one_plus_the_apps_retries(sta
 
 
 # ----------------------------------------------------------------------------- 13. unknown OpenAI routes
+
 
 def test_models_retrieve_and_unknown_routes_answer_in_openai_shape(app):
     client = sdk_for(app)
@@ -202,12 +246,15 @@ def test_models_retrieve_and_unknown_routes_answer_in_openai_shape(app):
 
 # ----------------------------------------------------------------------------- 10. keyless Azure, no token
 
+
 class NoTokenCredential:
     """DefaultAzureCredential when none of its sources works (no managed identity, no az login)."""
 
     async def get_token(self, *scopes, **kwargs):
-        raise ClientAuthenticationError("DefaultAzureCredential failed to retrieve a token from the included "
-                                        "credentials. Attempted credentials: ManagedIdentityCredential: no endpoint")
+        raise ClientAuthenticationError(
+            "DefaultAzureCredential failed to retrieve a token from the included "
+            "credentials. Attempted credentials: ManagedIdentityCredential: no endpoint"
+        )
 
     async def close(self) -> None:
         pass
@@ -219,8 +266,10 @@ def test_keyless_azure_without_a_token_is_a_503_that_says_so(upstream, caplog):
 
     from chatstream.app import create_app
     from chatstream.settings import Settings
-    settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal",
-                                  "UPSTREAM_MAX_RETRIES": "0"})
+
+    settings = Settings.from_env(
+        {"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal", "UPSTREAM_MAX_RETRIES": "0"}
+    )
     chat_app = create_app(settings, credential=NoTokenCredential())
 
     async def run() -> list[httpx.Response]:
@@ -230,11 +279,17 @@ def test_keyless_azure_without_a_token_is_a_503_that_says_so(upstream, caplog):
         async def completions_route(request):
             return await chat_app.chat_completions(request)
 
-        asgi = Starlette(routes=[Route("/api/chat", chat_route, methods=["POST"]),
-                                 Route("/api/v1/chat/completions", completions_route, methods=["POST"])])
+        asgi = Starlette(
+            routes=[
+                Route("/api/chat", chat_route, methods=["POST"]),
+                Route("/api/v1/chat/completions", completions_route, methods=["POST"]),
+            ]
+        )
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://app") as client:
-            return [await client.post("/api/chat", json={"prompt": "hi"}),
-                    await client.post("/api/v1/chat/completions", json={"messages": user("hi")})]
+            return [
+                await client.post("/api/chat", json={"prompt": "hi"}),
+                await client.post("/api/v1/chat/completions", json={"messages": user("hi")}),
+            ]
 
     with caplog.at_level("INFO", logger="chatstream"):
         chat_answer, openai_answer = asyncio.run(run())

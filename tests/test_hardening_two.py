@@ -2,10 +2,10 @@
 over HTTP against the app on the local host and the scripted upstream. The Responses follow-ups
 (items 2-4, 11) are in test_follow_ups.py, the worker's memory (item 1) in test_worker_memory.py.
 docs/reliability.md lists every item with its test."""
+
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from chat import chat, prompt
 from helpers import TEST_KEY, app_env
 from servers import APP_ROOT, ROOT, App, Upstream
@@ -73,16 +72,25 @@ def error_headers(upstream):
 
 # ------------------------------------------------------------------- 5. non-streamed calls at the total limit
 
+
 def test_non_streamed_calls_at_the_total_limit_are_a_504_total_timeout(start_app, upstream):
     app = start_app(TOTAL_TIMEOUT_SECONDS="2")
-    for path, body, endpoint in (("/api/v1/chat/completions", completion("hang"), "openai"),
-                                 ("/api/v1/responses", response("hang"), "responses")):
+    for path, body, endpoint in (
+        ("/api/v1/chat/completions", completion("hang"), "openai"),
+        ("/api/v1/responses", response("hang"), "responses"),
+    ):
         started, sent = time.monotonic(), time.time()
         r = httpx.post(app.url + path, json=body, timeout=20)
         elapsed = time.monotonic() - started
         assert r.status_code == 504, (path, r.status_code, r.text)
-        assert r.json() == {"error": {"message": "the stream hit its total time limit", "type": "server_error",
-                                      "param": None, "code": "total_timeout"}}
+        assert r.json() == {
+            "error": {
+                "message": "the stream hit its total time limit",
+                "type": "server_error",
+                "param": None,
+                "code": "total_timeout",
+            }
+        }
         assert 1.9 <= elapsed < 4, elapsed
         line = wait_log_line(app, endpoint=endpoint, status=504)
         assert line["error"] == "total_timeout" and line["disconnected"] is False
@@ -97,8 +105,10 @@ def test_a_caller_hanging_up_on_a_non_streamed_call_is_still_a_499_that_closes_t
     host, port = app.url.removeprefix("http://").split(":")
     body = json.dumps(completion("hang")).encode()
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /api/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST /api/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         time.sleep(0.5)
         hung_up = time.time()
     record = hang_record_since(upstream, hung_up - 0.5)
@@ -109,13 +119,16 @@ def test_a_caller_hanging_up_on_a_non_streamed_call_is_still_a_499_that_closes_t
 
 # ----------------------------------------------------------------- 6. a 200 that dies before the first token
 
+
 def test_an_upstream_that_answers_then_cuts_the_stream_before_any_output_is_a_502(app, upstream):
     result = chat(app.chat_url, prompt("reset_first"))
     assert result.status == 502, (result.status, result.body)
     assert result.body["error"]["type"] == "upstream_disconnected"
     assert result.body["error"]["message"] == "the model server cut the connection before its first output"
-    for path, body in (("/api/v1/chat/completions", completion("reset_first", stream=True)),
-                       ("/api/v1/responses", response("reset_first", stream=True))):
+    for path, body in (
+        ("/api/v1/chat/completions", completion("reset_first", stream=True)),
+        ("/api/v1/responses", response("reset_first", stream=True)),
+    ):
         r = httpx.post(app.url + path, json=body, timeout=20)
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_disconnected", (path, r.text)
 
@@ -123,8 +136,14 @@ def test_an_upstream_that_answers_then_cuts_the_stream_before_any_output_is_a_50
 def test_a_cut_before_the_first_output_still_fails_over(start_app):
     first, second = Upstream("--scenario", "reset_first"), Upstream("--scenario", "normal")
     try:
-        app = start_app(UPSTREAMS=json.dumps([{"name": "a", "base_url": first.base_url, "priority": 1},
-                                              {"name": "b", "base_url": second.base_url, "priority": 2}]))
+        app = start_app(
+            UPSTREAMS=json.dumps(
+                [
+                    {"name": "a", "base_url": first.base_url, "priority": 1},
+                    {"name": "b", "base_url": second.base_url, "priority": 2},
+                ]
+            )
+        )
         result = chat(app.chat_url, {"prompt": "hi"})
         assert result.status == 200 and result.terminal_events() == ["done"]
         line = wait_log_line(app, endpoint="chat", upstream="b")
@@ -137,8 +156,21 @@ def test_a_cut_before_the_first_output_still_fails_over(start_app):
 
 # --------------------------------------------------------------------------------- 7. Retry-After
 
-BAD_RETRY_AFTER = ["-5", "nan", "inf", "-inf", "1e308", "99999999999", "garbage", "é", "", "0x10",
-                   "Wed, 21 Oct 2015 07:28:00 GMT", "1.5e3", "2.5"]
+BAD_RETRY_AFTER = [
+    "-5",
+    "nan",
+    "inf",
+    "-inf",
+    "1e308",
+    "99999999999",
+    "garbage",
+    "é",
+    "",
+    "0x10",
+    "Wed, 21 Oct 2015 07:28:00 GMT",
+    "1.5e3",
+    "2.5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +185,12 @@ def plain_app(upstream):
 def test_a_caller_only_ever_gets_a_valid_retry_after(plain_app, error_headers, value):
     error_headers({"retry-after": value})
     model = f"model-{BAD_RETRY_AFTER.index(value)}"  # a cooldown of its own (the single upstream's is per model)
-    answers = [httpx.post(plain_app.url + "/api/v1/chat/completions", json=completion("rate_limited", model=model),
-                          timeout=20),
-               httpx.post(plain_app.chat_url, json={**prompt("rate_limited"), "model": model}, timeout=20)]
+    answers = [
+        httpx.post(
+            plain_app.url + "/api/v1/chat/completions", json=completion("rate_limited", model=model), timeout=20
+        ),
+        httpx.post(plain_app.chat_url, json={**prompt("rate_limited"), "model": model}, timeout=20),
+    ]
     for r in answers:  # the upstream's 429, then the upstream's or the app's own while it cools down
         assert r.status_code == 429
         retry_after = r.headers.get("retry-after")
@@ -164,8 +199,13 @@ def test_a_caller_only_ever_gets_a_valid_retry_after(plain_app, error_headers, v
             assert 1 <= int(retry_after) <= 3600
         assert "retry-after-ms" not in r.headers, "the upstream sent none"
     # Bounded, rounded up; a past date is "now": the least a caller is told, 1 s.
-    expected = {"1e308": "3600", "99999999999": "3600", "1.5e3": "1500", "2.5": "3",
-                "Wed, 21 Oct 2015 07:28:00 GMT": "1"}
+    expected = {
+        "1e308": "3600",
+        "99999999999": "3600",
+        "1.5e3": "1500",
+        "2.5": "3",
+        "Wed, 21 Oct 2015 07:28:00 GMT": "1",
+    }
     assert answers[0].headers.get("retry-after") == expected.get(value)
 
 
@@ -183,9 +223,17 @@ def test_a_zero_negative_or_past_retry_after_is_ignored_and_the_entry_cools_down
     """docs/pool.md: values <= 0 are ignored, and a 429 whose headers say nothing usable cools its
     entry down (for that model) for the default 10 s."""
     limited, spare = Upstream("--scenario", "rate_limited"), Upstream("--scenario", "normal")
-    app = App(app_env(limited, UPSTREAMS=json.dumps([
-        {"name": "a", "base_url": limited.base_url, "priority": 1},
-        {"name": "b", "base_url": spare.base_url, "priority": 2}])))
+    app = App(
+        app_env(
+            limited,
+            UPSTREAMS=json.dumps(
+                [
+                    {"name": "a", "base_url": limited.base_url, "priority": 1},
+                    {"name": "b", "base_url": spare.base_url, "priority": 2},
+                ]
+            ),
+        )
+    )
     try:
         for i, value in enumerate(["0", "-1", "Wed, 21 Oct 2015 07:28:00 GMT"]):
             set_error_headers(limited, {"retry-after": value})
@@ -205,6 +253,7 @@ def test_a_zero_negative_or_past_retry_after_is_ignored_and_the_entry_cools_down
 
 # ------------------------------------------------------------------------------------ 9. x-request-id
 
+
 def test_every_answer_carries_x_request_id_and_the_log_line_has_it(app, upstream):
     sdk = openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0)
     created = sdk.chat.completions.create(model="gpt-test", messages=user("[scenario:normal] hi"))
@@ -212,19 +261,22 @@ def test_every_answer_carries_x_request_id_and_the_log_line_has_it(app, upstream
     assert created._request_id == upstream_id, "the upstream's id, as the SDK exposes it"
     wait_log_line(app, endpoint="openai", request_id=upstream_id)
 
-    with sdk.chat.completions.with_streaming_response.create(model="gpt-test", messages=user("hi"),
-                                                            stream=True) as streamed:
+    with sdk.chat.completions.with_streaming_response.create(
+        model="gpt-test", messages=user("hi"), stream=True
+    ) as streamed:
         assert streamed.headers["x-request-id"] == upstream.requests(last=1)[-1]["id"]
     raw = sdk.responses.with_raw_response.create(model="gpt-test", input="hi")
     assert raw.headers["x-request-id"] == upstream.requests(last=1)[-1]["id"]
 
     # Answered without an upstream id: the app's own, in the log line too.
-    answers = [httpx.post(app.chat_url, json={"prompt": ""}, timeout=10),
-               httpx.post(app.url + "/api/v1/chat/completions", json={"messages": []}, timeout=10),
-               httpx.get(app.url + "/api/v1/models", timeout=10),
-               httpx.get(app.url + "/api/v1/nothing", timeout=10),
-               httpx.post(app.chat_url, json=prompt("rate_limited"), timeout=10),
-               httpx.get(app.url + "/api/v1/responses/resp_unknown", timeout=10)]
+    answers = [
+        httpx.post(app.chat_url, json={"prompt": ""}, timeout=10),
+        httpx.post(app.url + "/api/v1/chat/completions", json={"messages": []}, timeout=10),
+        httpx.get(app.url + "/api/v1/models", timeout=10),
+        httpx.get(app.url + "/api/v1/nothing", timeout=10),
+        httpx.post(app.chat_url, json=prompt("rate_limited"), timeout=10),
+        httpx.get(app.url + "/api/v1/responses/resp_unknown", timeout=10),
+    ]
     for r in answers:
         assert re.fullmatch(r"[0-9a-f]{32}|req_\d+", r.headers.get("x-request-id", "")), (r.request.url, r.headers)
     wait_log_line(app, endpoint="chat", status=400, request_id=answers[0].headers["x-request-id"])
@@ -241,6 +293,7 @@ def leaky_calls(base: str, scenario: str, n: int) -> list[tuple[str, httpx.Respo
     so that no 429 cooldown keeps a later call from reaching the upstream)."""
     out = []
     with httpx.Client(timeout=20) as client:
+
         def post(name: str, path: str, body: dict) -> None:
             out.append((name, client.post(base + path, json={**body, "model": f"m{n}-{len(out)}"})))
 
@@ -260,8 +313,14 @@ def leaky_calls(base: str, scenario: str, n: int) -> list[tuple[str, httpx.Respo
 
 @pytest.mark.parametrize("kind", ["openai", "azure"])
 def test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log(upstream, kind):
-    settings = {"azure": {"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "gpt-test",
-                          "AZURE_OPENAI_API_KEY": TEST_KEY}, "openai": {}}[kind]
+    settings = {
+        "azure": {
+            "AZURE_OPENAI_ENDPOINT": upstream.url,
+            "AZURE_OPENAI_DEPLOYMENT": "gpt-test",
+            "AZURE_OPENAI_API_KEY": TEST_KEY,
+        },
+        "openai": {},
+    }[kind]
     app = App(app_env(upstream, **settings))
     seen, quoted = [], 0
     try:
@@ -294,8 +353,7 @@ def aisdk() -> list[str]:
     """The Vercel AI SDK (tests/clients/aisdk, pinned by its package-lock.json): the command that runs
     one generateText call."""
     if not (AISDK / "node_modules" / "ai").is_dir():
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=AISDK, check=True,
-                       timeout=300)
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=AISDK, check=True, timeout=300)
     return ["node", str(AISDK / "generate.mjs")]
 
 
@@ -306,8 +364,9 @@ def test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries(start_app, upst
     app = start_app(UPSTREAM_MAX_RETRIES="1")
     error_headers({"retry-after": "8"})  # longer than the SDK's whole backoff (6 s)
     before = upstream.count()
-    run = subprocess.run([*aisdk, app.url + "/api/v1", "[scenario:rate_limited] hi"], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [*aisdk, app.url + "/api/v1", "[scenario:rate_limited] hi"], capture_output=True, text=True, timeout=120
+    )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["ok"] is False and result["statuses"] == [429, 429, 429], result  # three app requests
     assert upstream.count() - before == 2, "1 + UPSTREAM_MAX_RETRIES upstream calls for the one SDK call"
@@ -317,13 +376,17 @@ def test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries(start_app, upst
 
 # -------------------------------------------------------------- 12. a base URL that carries credentials
 
-@pytest.mark.parametrize("setting, value", [
-    ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1?api-key=SECRETVALUE"),
-    ("OPENAI_BASE_URL", "http://user:SECRETVALUE@127.0.0.1:9/v1"),
-    ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1#SECRETVALUE"),
-    ("AZURE_OPENAI_ENDPOINT", "https://user:SECRETVALUE@example.openai.azure.com"),
-    ("AZURE_OPENAI_ENDPOINT", "https://example.openai.azure.com/?api-key=SECRETVALUE"),
-])
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1?api-key=SECRETVALUE"),
+        ("OPENAI_BASE_URL", "http://user:SECRETVALUE@127.0.0.1:9/v1"),
+        ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1#SECRETVALUE"),
+        ("AZURE_OPENAI_ENDPOINT", "https://user:SECRETVALUE@example.openai.azure.com"),
+        ("AZURE_OPENAI_ENDPOINT", "https://example.openai.azure.com/?api-key=SECRETVALUE"),
+    ],
+)
 def test_a_base_url_with_credentials_stops_the_app_naming_the_setting_never_the_value(setting, value):
     env = {setting: value, "OPENAI_API_KEY": TEST_KEY, "AZURE_OPENAI_DEPLOYMENT": "gpt-test"}
     try:
@@ -343,11 +406,17 @@ def test_a_base_url_with_credentials_stops_the_app_naming_the_setting_never_the_
 
 # ---------------------------------------------------------------------------- 16. UPSTREAMS' bounds
 
-@pytest.mark.parametrize("value, message", [
-    ("[" * 30_000 + "]" * 30_000, "UPSTREAMS: nested deeper than 8 levels"),
-    (json.dumps([{"name": f"e{i}", "base_url": f"http://127.0.0.1:9/v{i}"} for i in range(65)]),
-     "UPSTREAMS: 65 entries; at most 64"),
-])  # MAX_CHARS (256 KiB) is above what one environment variable can hold here: tests/unit/test_upstreams_config.py
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("[" * 30_000 + "]" * 30_000, "UPSTREAMS: nested deeper than 8 levels"),
+        (
+            json.dumps([{"name": f"e{i}", "base_url": f"http://127.0.0.1:9/v{i}"} for i in range(65)]),
+            "UPSTREAMS: 65 entries; at most 64",
+        ),
+    ],
+)  # MAX_CHARS (256 KiB) is above what one environment variable can hold here: tests/unit/test_upstreams_config.py
 def test_upstreams_beyond_its_documented_bounds_stops_the_app_naming_the_setting(value, message):
     started = time.monotonic()
     try:
@@ -364,10 +433,21 @@ def test_upstreams_beyond_its_documented_bounds_stops_the_app_naming_the_setting
 
 # -------------------------------------------------------------------- 17. every /api/v1/ error is OpenAI's
 
-@pytest.mark.parametrize("path", [
-    "/api/v1/responses/resp_a%0D%0Ab", "/api/v1/responses/resp_a%0Ab/cancel", "/api/v1/responses/resp_a%0Ab/input_items",
-    "/api/v1/responses/resp_%0A", "/api/v1/models/gpt%0Atest", "/api/v1/x%0Ay", "/api/v1/chat/completions%0A",
-    "/api/v1/responses/resp_a%00b", "/api/v1/responses/resp_a%2Fb"])
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/responses/resp_a%0D%0Ab",
+        "/api/v1/responses/resp_a%0Ab/cancel",
+        "/api/v1/responses/resp_a%0Ab/input_items",
+        "/api/v1/responses/resp_%0A",
+        "/api/v1/models/gpt%0Atest",
+        "/api/v1/x%0Ay",
+        "/api/v1/chat/completions%0A",
+        "/api/v1/responses/resp_a%00b",
+        "/api/v1/responses/resp_a%2Fb",
+    ],
+)
 def test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds(plain_app, upstream, path):
     before = upstream.count()
     for method in ("GET", "POST", "DELETE"):
@@ -381,24 +461,28 @@ def test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds(pla
 
 # ------------------------------------------------------------------ 18. the clients closed at shutdown
 
+
 def test_a_process_that_builds_the_app_and_serves_requests_exits_without_unclosed_sessions(upstream):
     """The app served in a process of its own (uvicorn, as tests/helpers.InProcessApp does), a streamed
     and a non-streamed request, then the server stops and the process exits: aiohttp must not report
     an unclosed client session or connector (the upstream clients are closed with the loop)."""
-    script = "\n".join([
-        "import sys",
-        f"sys.path[:0] = [{str(APP_ROOT)!r}, {str(ROOT / 'tests')!r}]",
-        "import httpx",
-        "from helpers import InProcessApp",
-        f"app = InProcessApp({upstream.base_url!r})",
-        "streamed = httpx.post(app.chat_url, json={'prompt': '[scenario:normal] hi'}, timeout=20)",
-        "whole = httpx.post(app.url + '/api/v1/chat/completions', timeout=20,",
-        "                   json={'model': 'gpt-test', 'messages': [{'role': 'user', 'content': 'hi'}]})",
-        "print(streamed.status_code, whole.status_code)",
-        "app.stop()",
-    ])
-    run = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60,
-                         cwd=APP_ROOT)
+    script = "\n".join(
+        [
+            "import sys",
+            f"sys.path[:0] = [{str(APP_ROOT)!r}, {str(ROOT / 'tests')!r}]",
+            "import httpx",
+            "from helpers import InProcessApp",
+            f"app = InProcessApp({upstream.base_url!r})",
+            "streamed = httpx.post(app.chat_url, json={'prompt': '[scenario:normal] hi'}, timeout=20)",
+            "whole = httpx.post(app.url + '/api/v1/chat/completions', timeout=20,",
+            "                   json={'model': 'gpt-test', 'messages': [{'role': 'user', 'content': 'hi'}]})",
+            "print(streamed.status_code, whole.status_code)",
+            "app.stop()",
+        ]
+    )
+    run = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60, cwd=APP_ROOT
+    )
     assert run.returncode == 0 and run.stdout.split() == ["200", "200"], run.stdout + run.stderr
     assert "Unclosed" not in run.stderr, run.stderr
 
@@ -419,7 +503,9 @@ def test_blocked_terms_are_redacted_in_an_audio_transcript(upstream):
         app.stop()
     events = [json.loads(m) for m in re.findall(r"^data: (.*)$", r.text, re.M)]
     transcript = "".join(e["delta"] for e in events if e["type"] == "response.audio.transcript.delta")
-    assert transcript == redact_whole(RESPONSES_TEXTS["audio"], AUDIO_TERMS) == "[redacted] [redacted] answer, out loud."
+    assert (
+        transcript == redact_whole(RESPONSES_TEXTS["audio"], AUDIO_TERMS) == "[redacted] [redacted] answer, out loud."
+    )
     assert [e["sequence_number"] for e in events] == list(range(len(events))), "no event added or dropped"
     assert events[-1]["type"] == "response.completed"
 
@@ -428,16 +514,37 @@ def test_blocked_terms_are_redacted_in_an_audio_transcript(upstream):
 
 LONG_ID = "x" * 5_000
 LONG_IDS = {
-    "responses call_id": ("/api/v1/responses", {"model": "gpt-test", "input": [
-        {"type": "function_call_output", "call_id": "call_" + LONG_ID, "output": "ok"}]}),
-    "responses item id": ("/api/v1/responses", {"model": "gpt-test", "input": [
-        {"type": "message", "role": "user", "id": "msg_" + LONG_ID, "content": "hi"}]}),
-    "responses item_reference": ("/api/v1/responses", {"model": "gpt-test", "input": [
-        {"type": "item_reference", "id": "msg_" + LONG_ID}]}),
-    "chat tool_call_id": ("/api/v1/chat/completions", {"model": "gpt-test", "messages": [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_" + LONG_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_" + LONG_ID, "content": "ok"}]}),
+    "responses call_id": (
+        "/api/v1/responses",
+        {
+            "model": "gpt-test",
+            "input": [{"type": "function_call_output", "call_id": "call_" + LONG_ID, "output": "ok"}],
+        },
+    ),
+    "responses item id": (
+        "/api/v1/responses",
+        {"model": "gpt-test", "input": [{"type": "message", "role": "user", "id": "msg_" + LONG_ID, "content": "hi"}]},
+    ),
+    "responses item_reference": (
+        "/api/v1/responses",
+        {"model": "gpt-test", "input": [{"type": "item_reference", "id": "msg_" + LONG_ID}]},
+    ),
+    "chat tool_call_id": (
+        "/api/v1/chat/completions",
+        {
+            "model": "gpt-test",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "call_" + LONG_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_" + LONG_ID, "content": "ok"},
+            ],
+        },
+    ),
 }
 
 

@@ -4,27 +4,43 @@ request for a body that was refused, and every accepted one ends with one last e
 The thousands go to the app's endpoint served in this process (helpers.InProcessApp: the same
 create_app, without the local host and the worker in between, so each example costs milliseconds);
 a smaller sample goes through the local host on the real runtime, end to end."""
+
 from __future__ import annotations
 
 import json
 
 import httpx
 import pytest
+from helpers import InProcessApp
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from helpers import InProcessApp
-
 FIELDS = ["prompt", "messages", "model", "temperature", "top_p", "max_tokens", "seed", "stop"]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
-json_values = st.recursive(scalars, lambda children: st.one_of(
-    st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)), max_leaves=12)
-messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "", "USER"]),
-     "content": st.one_of(st.text(max_size=40), scalars)},
-    optional={"name": st.text(max_size=5)}), max_size=4)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
+)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "", "USER"]),
+            "content": st.one_of(st.text(max_size=40), scalars),
+        },
+        optional={"name": st.text(max_size=5)},
+    ),
+    max_size=4,
+)
 field_values = {
     "prompt": st.one_of(st.text(max_size=60), json_values),
     "messages": st.one_of(messages, json_values),
@@ -32,17 +48,31 @@ field_values = {
     "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), json_values),
     "top_p": st.one_of(st.floats(-0.5, 1.5, allow_nan=False), json_values),
     "max_tokens": st.one_of(st.integers(-5, 10**7), json_values),
-    "seed": st.one_of(st.integers(-2**65, 2**65), json_values),
+    "seed": st.one_of(st.integers(-(2**65), 2**65), json_values),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=6), json_values),
 }
 good_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() and "[scenario:" not in t)
 valid_bodies = st.one_of(
-    st.fixed_dictionaries({"prompt": good_text}, optional={
-        "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "max_tokens": st.integers(1, 4096),
-        "seed": st.integers(-2**63, 2**63 - 1), "stop": st.one_of(good_text, st.lists(good_text, min_size=1, max_size=4))}),
-    st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["system", "assistant"]), "content": st.text(max_size=20)}), max_size=3).flatmap(
-        lambda rest: st.just(rest + [{"role": "user", "content": "hello"}]))}),
+    st.fixed_dictionaries(
+        {"prompt": good_text},
+        optional={
+            "temperature": st.floats(0, 2),
+            "top_p": st.floats(0, 1),
+            "max_tokens": st.integers(1, 4096),
+            "seed": st.integers(-(2**63), 2**63 - 1),
+            "stop": st.one_of(good_text, st.lists(good_text, min_size=1, max_size=4)),
+        },
+    ),
+    st.fixed_dictionaries(
+        {
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["system", "assistant"]), "content": st.text(max_size=20)}
+                ),
+                max_size=3,
+            ).flatmap(lambda rest: st.just(rest + [{"role": "user", "content": "hello"}]))
+        }
+    ),
 )
 
 
@@ -98,8 +128,13 @@ def check(client, app, upstream, content: bytes, content_type: str = "applicatio
         assert upstream.count() == before, f"refused body reached the upstream: {content[:200]!r}"
 
 
-CONTENT_TYPES = ["application/json", "text/plain", "", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x"]
+CONTENT_TYPES = [
+    "application/json",
+    "text/plain",
+    "",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+]
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))

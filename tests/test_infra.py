@@ -12,6 +12,7 @@ routes.
 Each check is a plain function that raises AssertionError. ``test_check_catches`` breaks the
 templates on purpose, one fact at a time, and requires the matching check to fail; so none of these
 checks can pass vacuously."""
+
 from __future__ import annotations
 
 import json
@@ -43,17 +44,44 @@ MODES = ("azureOpenAI", "openAI")
 # Functions app settings reference, "Flex Consumption plan deprecations" (ms.date 2025-12-22): app
 # settings and site properties that are not valid, or have moved, on that plan.
 FLEX_DEPRECATED_SETTINGS = (
-    "ENABLE_ORYX_BUILD", "FUNCTIONS_EXTENSION_VERSION", "FUNCTIONS_WORKER_RUNTIME", "FUNCTIONS_WORKER_RUNTIME_VERSION",
-    "FUNCTIONS_MAX_HTTP_CONCURRENCY", "FUNCTIONS_WORKER_PROCESS_COUNT", "FUNCTIONS_WORKER_DYNAMIC_CONCURRENCY_ENABLED",
-    "SCM_DO_BUILD_DURING_DEPLOYMENT", "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING", "WEBSITE_CONTENTOVERVNET",
-    "WEBSITE_CONTENTSHARE", "WEBSITE_DNS_SERVER", "WEBSITE_MAX_DYNAMIC_APPLICATION_SCALE_OUT",
-    "WEBSITE_NODE_DEFAULT_VERSION", "WEBSITE_RUN_FROM_PACKAGE", "WEBSITE_SKIP_CONTENTSHARE_VALIDATION",
-    "WEBSITE_VNET_ROUTE_ALL")
+    "ENABLE_ORYX_BUILD",
+    "FUNCTIONS_EXTENSION_VERSION",
+    "FUNCTIONS_WORKER_RUNTIME",
+    "FUNCTIONS_WORKER_RUNTIME_VERSION",
+    "FUNCTIONS_MAX_HTTP_CONCURRENCY",
+    "FUNCTIONS_WORKER_PROCESS_COUNT",
+    "FUNCTIONS_WORKER_DYNAMIC_CONCURRENCY_ENABLED",
+    "SCM_DO_BUILD_DURING_DEPLOYMENT",
+    "WEBSITE_CONTENTAZUREFILECONNECTIONSTRING",
+    "WEBSITE_CONTENTOVERVNET",
+    "WEBSITE_CONTENTSHARE",
+    "WEBSITE_DNS_SERVER",
+    "WEBSITE_MAX_DYNAMIC_APPLICATION_SCALE_OUT",
+    "WEBSITE_NODE_DEFAULT_VERSION",
+    "WEBSITE_RUN_FROM_PACKAGE",
+    "WEBSITE_SKIP_CONTENTSHARE_VALIDATION",
+    "WEBSITE_VNET_ROUTE_ALL",
+)
 FLEX_DEPRECATED_PROPERTIES = (
-    "alwaysOn", "containerSize", "dnsConfiguration", "ftpsState", "isReserved", "IsXenon", "javaVersion",
-    "linuxFxVersion", "netFrameworkVersion", "powerShellVersion", "functionAppScaleLimit", "preWarmedInstanceCount",
-    "use32BitWorkerProcess", "vnetBackupRestoreEnabled", "vnetContentShareEnabled", "vnetImagePullEnabled",
-    "vnetRouteAllEnabled", "windowsFxVersion")
+    "alwaysOn",
+    "containerSize",
+    "dnsConfiguration",
+    "ftpsState",
+    "isReserved",
+    "IsXenon",
+    "javaVersion",
+    "linuxFxVersion",
+    "netFrameworkVersion",
+    "powerShellVersion",
+    "functionAppScaleLimit",
+    "preWarmedInstanceCount",
+    "use32BitWorkerProcess",
+    "vnetBackupRestoreEnabled",
+    "vnetContentShareEnabled",
+    "vnetImagePullEnabled",
+    "vnetRouteAllEnabled",
+    "windowsFxVersion",
+)
 AZURE_FRONT_END_IDLE_SECONDS = 230  # Azure's load balancer drops an HTTP response silent this long
 
 PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
@@ -62,6 +90,7 @@ PARSER = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bicep.language()))
 # ---------------------------------------------------------------------------------------------
 # Bicep → Python values
 # ---------------------------------------------------------------------------------------------
+
 
 class Symbolic(str):
     """A value only known at deployment (a resource property, an interpolation): its source text."""
@@ -103,7 +132,7 @@ class Template:
         while stack:
             node = stack.pop()
             if node.type == "comment":
-                text[node.start_byte:node.end_byte] = b" " * (node.end_byte - node.start_byte)
+                text[node.start_byte : node.end_byte] = b" " * (node.end_byte - node.start_byte)
             stack.extend(node.children)
         return text.decode()
 
@@ -137,9 +166,13 @@ def load_template(path: str, source: bytes) -> Template:
                 else:
                     decorators[call.text.decode()] = []
             continue
-        kind = {"parameter_declaration": "param", "variable_declaration": "var",
-                "resource_declaration": "resource", "module_declaration": "module",
-                "output_declaration": "output"}.get(node.type)
+        kind = {
+            "parameter_declaration": "param",
+            "variable_declaration": "var",
+            "resource_declaration": "resource",
+            "module_declaration": "module",
+            "output_declaration": "output",
+        }.get(node.type)
         if kind is None:
             decorators = {}
             continue
@@ -174,8 +207,11 @@ def string_value(node) -> str | Symbolic:
         if child.type == "string_content":
             parts.append(child.text.decode())
         elif child.type == "escape_sequence":
-            parts.append({"\\'": "'", "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\$": "$"}
-                         .get(child.text.decode(), child.text.decode()))
+            parts.append(
+                {"\\'": "'", "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\$": "$"}.get(
+                    child.text.decode(), child.text.decode()
+                )
+            )
         else:  # an interpolation
             return Symbolic(node.text.decode())
     return "".join(parts)
@@ -190,7 +226,7 @@ class Evaluator:
         self.env = env
         self.locals = locals_ or {}  # loop variables
 
-    def with_locals(self, **names) -> "Evaluator":
+    def with_locals(self, **names) -> Evaluator:
         return Evaluator(self.t, {**self.locals, **names}, **self.env)
 
     def __call__(self, node):
@@ -254,10 +290,15 @@ class Evaluator:
             op = next(c.type for c in node.children if not c.is_named)
             if isinstance(left, Symbolic) or isinstance(right, Symbolic):
                 return Symbolic(node.text.decode())
-            return {"==": lambda: left == right, "!=": lambda: left != right,
-                    "&&": lambda: left and right, "||": lambda: left or right,
-                    "<": lambda: left < right, ">": lambda: left > right,
-                    "+": lambda: left + right}.get(op, lambda: Symbolic(node.text.decode()))()
+            return {
+                "==": lambda: left == right,
+                "!=": lambda: left != right,
+                "&&": lambda: left and right,
+                "||": lambda: left or right,
+                "<": lambda: left < right,
+                ">": lambda: left > right,
+                "+": lambda: left + right,
+            }.get(op, lambda: Symbolic(node.text.decode()))()
         if kind == "ternary_expression":
             cond, then, other = _named(node)
             test = self.eval(cond)
@@ -294,6 +335,7 @@ class Evaluator:
 # The deployment as a whole
 # ---------------------------------------------------------------------------------------------
 
+
 class Infra:
     """azure.yaml, infra/main.parameters.json and every infra/*.bicep, from ``files`` (relative
     path -> bytes), so tests can check deliberately broken copies."""
@@ -303,14 +345,21 @@ class Infra:
         self.templates = {p: load_template(p, s) for p, s in files.items() if p.endswith(".bicep")}
 
     @classmethod
-    def from_disk(cls) -> "Infra":
+    def from_disk(cls) -> Infra:
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
-        for extra in ("azure.yaml", "infra/main.parameters.json", "host.json", "docs/scaling.md",
-                      "docs/benchmarks.md", "docs/deploy.md", "function_app.py"):
+        for extra in (
+            "azure.yaml",
+            "infra/main.parameters.json",
+            "host.json",
+            "docs/scaling.md",
+            "docs/benchmarks.md",
+            "docs/deploy.md",
+            "function_app.py",
+        ):
             files[extra] = (ROOT / extra).read_bytes()
         return cls(files)
 
-    def broken(self, path: str, old: str, new: str) -> "Infra":
+    def broken(self, path: str, old: str, new: str) -> Infra:
         text = self.files[path].decode()
         assert text.count(old) == 1, f"mutation target must occur once in {path}: {old!r}"
         return Infra({**self.files, path: text.replace(old, new).encode()})
@@ -360,8 +409,9 @@ class Infra:
         """A resource's body as deployed by main.bicep with its defaults (and ``upstream``)."""
         return Evaluator(self.resources, **self.module_env(upstream=upstream, **overrides)).eval(decl.body)
 
-    def instances(self, decl: Decl, upstream: str = "azureOpenAI", deployed_only: bool = True,
-                  **overrides) -> list[dict]:
+    def instances(
+        self, decl: Decl, upstream: str = "azureOpenAI", deployed_only: bool = True, **overrides
+    ) -> list[dict]:
         """Each instance of a resources.bicep declaration (one, or one per loop item), evaluated with
         main.bicep's defaults, ``upstream`` and ``overrides``; with ``deployed_only``, none whose
         condition is false."""
@@ -373,27 +423,39 @@ class Infra:
             scopes = [ev.with_locals(**{item: v, **({index: i} if index else {})}) for i, v in enumerate(values)]
         else:
             scopes = [ev]
-        return [scope.eval(decl.body) for scope in scopes
-                if not deployed_only or decl.condition is None or Evaluator._truth(scope.eval(decl.condition))]
+        return [
+            scope.eval(decl.body)
+            for scope in scopes
+            if not deployed_only or decl.condition is None or Evaluator._truth(scope.eval(decl.condition))
+        ]
 
     def role_assignments(self, upstream: str = "azureOpenAI", deployed_only: bool = False, **overrides) -> list[dict]:
         """Every role assignment (each loop instance apart): its scope symbol, role id, principal
         source text, condition; with ``deployed_only``, those deployed with these parameters."""
-        return [self._role_assignment(decl, body)
-                for decl in self.resources.resources("Microsoft.Authorization/roleAssignments")
-                for body in self.instances(decl, upstream, deployed_only=deployed_only, **overrides)]
+        return [
+            self._role_assignment(decl, body)
+            for decl in self.resources.resources("Microsoft.Authorization/roleAssignments")
+            for body in self.instances(decl, upstream, deployed_only=deployed_only, **overrides)
+        ]
 
     def _role_assignment(self, decl: Decl, body: dict) -> dict:
         props = body["properties"]
         role = props["roleDefinitionId"]
-        m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)",
-                         str(role))
+        m = re.fullmatch(r"subscriptionResourceId\('Microsoft\.Authorization/roleDefinitions', (\w+)\)", str(role))
         assert m, f"{decl.name}: roleDefinitionId must be subscriptionResourceId(...): {role}"
-        role_id = Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body) \
-            if m.group(1) in self.resources.decls else m.group(1)
-        return {"name": decl.name, "scope": str(body.get("scope")), "role": role_id,
-                "principal": str(props["principalId"]), "principalType": props.get("principalType"),
-                "condition": decl.condition.text.decode() if decl.condition else None}
+        role_id = (
+            Evaluator(self.resources).eval(self.resources.decls[m.group(1)].body)
+            if m.group(1) in self.resources.decls
+            else m.group(1)
+        )
+        return {
+            "name": decl.name,
+            "scope": str(body.get("scope")),
+            "role": role_id,
+            "principal": str(props["principalId"]),
+            "principalType": props.get("principalType"),
+            "condition": decl.condition.text.decode() if decl.condition else None,
+        }
 
 
 def _has_role(infra: Infra, scope: str, role: str, principal: str = "identity.properties.principalId") -> dict:
@@ -413,6 +475,7 @@ def _host_timeout_seconds(infra: Infra) -> int:
 # The checks
 # ---------------------------------------------------------------------------------------------
 
+
 def check_parses(infra: Infra) -> None:
     assert infra.templates, "no .bicep files under infra/"
     for path, t in infra.templates.items():
@@ -426,8 +489,9 @@ def check_no_key_based_storage(infra: Infra) -> None:
     assert props.get("allowSharedKeyAccess") is False, "storage must refuse shared keys"
     for path, t in infra.templates.items():
         code = t.code
-        assert not re.search(r"\blist(Keys|AccountSas|ServiceSas)\s*\(|\.listKeys\s*\(", code), \
+        assert not re.search(r"\blist(Keys|AccountSas|ServiceSas)\s*\(|\.listKeys\s*\(", code), (
             f"{path} reads storage keys"
+        )
         assert "AccountKey" not in code, f"{path} builds an AccountKey connection string"
     for mode in MODES:
         settings = infra.app_settings(mode)
@@ -438,8 +502,10 @@ def check_no_key_based_storage(infra: Infra) -> None:
     deployment = infra.body(infra.one("Microsoft.Web/sites"))["properties"]["functionAppConfig"]["deployment"]
     storage_cfg = deployment["storage"]
     assert storage_cfg["type"] == "blobContainer"
-    assert storage_cfg["authentication"] == {"type": "UserAssignedIdentity",
-                                             "userAssignedIdentityResourceId": "identity.id"}, storage_cfg
+    assert storage_cfg["authentication"] == {
+        "type": "UserAssignedIdentity",
+        "userAssignedIdentityResourceId": "identity.id",
+    }, storage_cfg
 
 
 def check_blob_owner_role(infra: Infra) -> None:
@@ -454,14 +520,19 @@ def check_https_and_tls(infra: Infra) -> None:
     storage = infra.body(infra.one("Microsoft.Storage/storageAccounts"))["properties"]
     assert storage.get("minimumTlsVersion") == "TLS1_2", "storage minimumTlsVersion"
     assert storage.get("supportsHttpsTrafficOnly") is True, "storage HTTPS only"
-    policies = {d.name: infra.body(d) for d in
-                infra.resources.resources("Microsoft.Web/sites/basicPublishingCredentialsPolicies")}
+    policies = {
+        d.name: infra.body(d)
+        for d in infra.resources.resources("Microsoft.Web/sites/basicPublishingCredentialsPolicies")
+    }
     assert {p["name"]: p["properties"]["allow"] for p in policies.values()} == {"ftp": False, "scm": False}
 
 
 SECRET_NAME = re.compile(r"secret|password|connection_?string|api_?key|access_?key|account_?key|sas", re.I)
-SECRET_EXPR = re.compile(r"\blist\w*\s*\(|\.list\w*\s*\(|ConnectionString|InstrumentationKey|secretUri|"
-                         r"\bvalue\b|primaryKey|secondaryKey", re.I)
+SECRET_EXPR = re.compile(
+    r"\blist\w*\s*\(|\.list\w*\s*\(|ConnectionString|InstrumentationKey|secretUri|"
+    r"\bvalue\b|primaryKey|secondaryKey",
+    re.I,
+)
 
 
 def check_no_secrets_in_outputs(infra: Infra) -> None:
@@ -491,8 +562,9 @@ def check_azure_openai_keyless(infra: Infra) -> None:
     assert settings.get("AZURE_OPENAI_ENDPOINT") == "openAi.properties.endpoint", settings
     assert settings.get("AZURE_OPENAI_DEPLOYMENT") == infra.main_defaults()["modelName"], settings
     assert settings.get("AZURE_OPENAI_API_VERSION") == infra.main_defaults()["azureOpenAiApiVersion"], settings
-    assert settings.get("AZURE_CLIENT_ID") == "identity.properties.clientId", \
+    assert settings.get("AZURE_CLIENT_ID") == "identity.properties.clientId", (
         "AZURE_CLIENT_ID makes DefaultAzureCredential use the user-assigned identity"
+    )
     assert "OPENAI_API_KEY" not in settings and "AZURE_OPENAI_API_KEY" not in settings
 
 
@@ -503,16 +575,20 @@ def check_key_vault_mode(infra: Infra) -> None:
     ra = _has_role(infra, "keyVault", KEY_VAULT_SECRETS_USER)
     assert ra["condition"] == "(useKeyVault)"
     site = infra.body(infra.one("Microsoft.Web/sites"))
-    assert site["properties"].get("keyVaultReferenceIdentity") == "identity.id", \
+    assert site["properties"].get("keyVaultReferenceIdentity") == "identity.id", (
         "Key Vault references must resolve with the user-assigned identity"
+    )
     settings = infra.app_settings("openAI")
-    assert settings.get("OPENAI_API_KEY") == \
-        "'@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})'", settings
+    assert (
+        settings.get("OPENAI_API_KEY") == "'@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})'"
+    ), settings
     assert "OPENAI_BASE_URL" not in settings
     assert infra.app_settings("openAI", openAiBaseUrl="http://x/v1").get("OPENAI_BASE_URL") == "http://x/v1"
     assert "AZURE_OPENAI_ENDPOINT" not in settings
     for t in (infra.main, infra.resources):
-        assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, f"{t.path}: openAiApiKey must be @secure()"
+        assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, (
+            f"{t.path}: openAiApiKey must be @secure()"
+        )
 
 
 def check_openai_key_required(infra: Infra) -> None:
@@ -560,8 +636,10 @@ def check_app_insights_identity(infra: Infra) -> None:
     for mode in MODES:
         settings = infra.app_settings(mode)
         assert settings.get("APPLICATIONINSIGHTS_CONNECTION_STRING") == "appInsights.properties.ConnectionString"
-        assert settings.get("APPLICATIONINSIGHTS_AUTHENTICATION_STRING") == \
-            "'ClientId=${identity.properties.clientId};Authorization=AAD'", "App Insights via the identity"
+        assert (
+            settings.get("APPLICATIONINSIGHTS_AUTHENTICATION_STRING")
+            == "'ClientId=${identity.properties.clientId};Authorization=AAD'"
+        ), "App Insights via the identity"
         assert settings.get("PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY") == "true"
         assert settings.get("OTEL_TRACES_SAMPLER") == "always_on", "every stream's span is kept"
 
@@ -583,15 +661,25 @@ def check_time_limits(infra: Infra) -> None:
     assert defaults["firstTokenTimeoutSeconds"] <= defaults["totalTimeoutSeconds"]
     for mode in MODES:
         settings = infra.app_settings(mode)
-        for name in ("UPSTREAM_CONNECT_TIMEOUT_SECONDS", "FIRST_TOKEN_TIMEOUT_SECONDS", "IDLE_TIMEOUT_SECONDS",
-                     "TOTAL_TIMEOUT_SECONDS", "HEARTBEAT_SECONDS", "USAGE_WAIT_SECONDS", "UPSTREAM_MAX_RETRIES"):
+        for name in (
+            "UPSTREAM_CONNECT_TIMEOUT_SECONDS",
+            "FIRST_TOKEN_TIMEOUT_SECONDS",
+            "IDLE_TIMEOUT_SECONDS",
+            "TOTAL_TIMEOUT_SECONDS",
+            "HEARTBEAT_SECONDS",
+            "USAGE_WAIT_SECONDS",
+            "UPSTREAM_MAX_RETRIES",
+        ):
             assert name in settings, f"{name} must be set explicitly"
         assert settings["TOTAL_TIMEOUT_SECONDS"] == str(defaults["totalTimeoutSeconds"])
         # Values only Azure knows get a stand-in of the right shape; then the app's own validation.
-        stand_ins = {"AZURE_OPENAI_ENDPOINT": "https://oai-example.openai.azure.com/",
-                     "OPENAI_API_KEY": "sk-resolved-from-key-vault"}
-        concrete = {k: stand_ins.get(k, v) for k, v in settings.items()
-                    if not isinstance(v, Symbolic) or k in stand_ins}
+        stand_ins = {
+            "AZURE_OPENAI_ENDPOINT": "https://oai-example.openai.azure.com/",
+            "OPENAI_API_KEY": "sk-resolved-from-key-vault",
+        }
+        concrete = {
+            k: stand_ins.get(k, v) for k, v in settings.items() if not isinstance(v, Symbolic) or k in stand_ins
+        }
         parsed = Settings.from_env(concrete)
         assert parsed.upstream_kind == {"azureOpenAI": "azure", "openAI": "openai"}[mode]
         assert parsed.default_model == defaults["modelName"]
@@ -627,20 +715,23 @@ def check_scaling_defaults(infra: Infra) -> None:
     figures of record (docs/benchmarks.md), for one worker per instance as Flex runs it; infra's
     instance size and per-instance concurrency are the defaults it states."""
     import sys
+
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     import scaling
 
     section, computed = scaling.table(scaling.summary_from_benchmarks(infra.files["docs/benchmarks.md"].decode()))
-    assert scaling.section_in(infra.scaling_doc) == section, \
+    assert scaling.section_in(infra.scaling_doc) == section, (
         "docs/scaling.md's generated section is not what tools/bench/scaling.py computes from docs/benchmarks.md"
+    )
     assert scaling.WORKERS_PER_INSTANCE == 1, "Flex Consumption runs one Python worker per instance"
     expected = scaling.defaults_from_text(infra.scaling_doc)
     assert expected == computed, (expected, computed)
     assert set(expected) == {"instanceMemoryMB", "httpPerInstanceConcurrency"}, expected
     defaults = infra.main_defaults()
     assert defaults["instanceMemoryMB"] == expected["instanceMemoryMB"], (defaults["instanceMemoryMB"], expected)
-    assert defaults["httpPerInstanceConcurrency"] == expected["httpPerInstanceConcurrency"], \
+    assert defaults["httpPerInstanceConcurrency"] == expected["httpPerInstanceConcurrency"], (
         f"httpPerInstanceConcurrency {defaults['httpPerInstanceConcurrency']} is not docs/scaling.md's {expected}"
+    )
     assert "workerProcessCount" not in infra.main.of("param"), "no worker-process parameter on Flex Consumption"
     site = infra.body(infra.one("Microsoft.Web/sites"))
     scale = site["properties"]["functionAppConfig"]["scaleAndConcurrency"]
@@ -652,6 +743,7 @@ def _routes(source: str) -> list[tuple[str, str]]:
     """(route, auth level) of every ``@app.route`` in function_app.py; the app's default applies
     where a route names none."""
     import ast
+
     tree = ast.parse(source)
     default = "FUNCTION"
     for node in ast.walk(tree):
@@ -677,10 +769,11 @@ def check_deploy_doc_keys(infra: Infra) -> None:
     assert routes and any(level == "FUNCTION" for _, level in routes), routes
     prefix = json.loads(infra.files["host.json"])["extensions"]["http"]["routePrefix"]
     doc = infra.files["docs/deploy.md"].decode()
-    section = doc[doc.index("## The function key"):]
-    section = section[:section.index("\n## ", 1)]
-    assert not re.search(r"every (call|request) needs a key", section, re.I), \
+    section = doc[doc.index("## The function key") :]
+    section = section[: section.index("\n## ", 1)]
+    assert not re.search(r"every (call|request) needs a key", section, re.I), (
         "docs/deploy.md says every call needs a key, but some routes are anonymous"
+    )
     for route, level in routes:
         if level == "ANONYMOUS":
             path = f"/{prefix}/" + re.sub(r"/?\{[^}]*\?\}$", "", route)
@@ -710,13 +803,18 @@ def check_private_network(infra: Infra) -> None:
     assert _azd_value(infra, "vnetEnabled") == "${VNET_ENABLED=false}"
     vnet_decl = infra.one("Microsoft.Network/virtualNetworks")
     site_decl = infra.one("Microsoft.Web/sites")
-    services = {"storage": infra.one("Microsoft.Storage/storageAccounts"),
-                "openAi": infra.one("Microsoft.CognitiveServices/accounts"),
-                "keyVault": infra.one("Microsoft.KeyVault/vaults")}
-    expected_links = {"blob": ("storage.id", "privatelink.blob."), "queue": ("storage.id", "privatelink.queue."),
-                      "table": ("storage.id", "privatelink.table."),
-                      "account": ("openAi.id", "privatelink.openai.azure.com"),
-                      "vault": ("keyVault.id", "privatelink.vaultcore.azure.net")}
+    services = {
+        "storage": infra.one("Microsoft.Storage/storageAccounts"),
+        "openAi": infra.one("Microsoft.CognitiveServices/accounts"),
+        "keyVault": infra.one("Microsoft.KeyVault/vaults"),
+    }
+    expected_links = {
+        "blob": ("storage.id", "privatelink.blob."),
+        "queue": ("storage.id", "privatelink.queue."),
+        "table": ("storage.id", "privatelink.table."),
+        "account": ("openAi.id", "privatelink.openai.azure.com"),
+        "vault": ("keyVault.id", "privatelink.vaultcore.azure.net"),
+    }
     for mode in MODES:
         in_use = ["storage", "openAi" if mode == "azureOpenAI" else "keyVault"]
         # Off: nothing private, every service public (identity-only access is checked elsewhere).
@@ -729,8 +827,9 @@ def check_private_network(infra: Infra) -> None:
         subnets = {s["name"]: s["properties"] for s in vnet["properties"]["subnets"]}
         app_subnet = Evaluator(infra.resources).eval(infra.resources.decls["appSubnetName"].body)
         pe_subnet = Evaluator(infra.resources).eval(infra.resources.decls["privateEndpointSubnetName"].body)
-        assert [d["properties"]["serviceName"] for d in subnets[app_subnet].get("delegations", [])] == \
-            ["Microsoft.App/environments"], "Flex Consumption integrates with a subnet delegated to Microsoft.App/environments"
+        assert [d["properties"]["serviceName"] for d in subnets[app_subnet].get("delegations", [])] == [
+            "Microsoft.App/environments"
+        ], "Flex Consumption integrates with a subnet delegated to Microsoft.App/environments"
         assert subnets[pe_subnet].get("privateEndpointNetworkPolicies") == "Disabled"
         subnet_ref = infra.body(site_decl, mode, vnetEnabled=True)["properties"].get("virtualNetworkSubnetId")
         assert isinstance(subnet_ref, str) and "subnets/${appSubnetName}" in subnet_ref, subnet_ref
@@ -762,8 +861,10 @@ def check_diagnostics(infra: Infra) -> None:
     Azure OpenAI and Key Vault go to the Log Analytics workspace, which takes no keys."""
     workspace = infra.body(infra.one("Microsoft.OperationalInsights/workspaces"))["properties"]
     assert workspace.get("features", {}).get("disableLocalAuth") is True, "Log Analytics with local (key) auth off"
-    wanted = {"azureOpenAI": {"functionApp", "storage", "blobService", "tableService", "openAi"},
-              "openAI": {"functionApp", "storage", "blobService", "tableService", "keyVault"}}
+    wanted = {
+        "azureOpenAI": {"functionApp", "storage", "blobService", "tableService", "openAi"},
+        "openAI": {"functionApp", "storage", "blobService", "tableService", "keyVault"},
+    }
     for mode in MODES:
         settings = {}
         for decl in infra.resources.resources("Microsoft.Insights/diagnosticSettings"):
@@ -773,9 +874,19 @@ def check_diagnostics(infra: Infra) -> None:
         for scope, props in settings.items():
             assert props["workspaceId"] == "logAnalytics.id", scope
             assert all(m["enabled"] for m in props.get("metrics", [])) and props.get("metrics"), f"{scope}: metrics"
-            logs = {entry.get("category") or entry.get("categoryGroup") for entry in props.get("logs", []) if entry["enabled"]}
-            needed = {"functionApp": {"FunctionAppLogs"}, "storage": set(), "blobService": {"StorageWrite", "StorageDelete"},
-                      "tableService": {"StorageWrite", "StorageDelete"}, "openAi": {"allLogs"}, "keyVault": {"allLogs"}}[scope]
+            logs = {
+                entry.get("category") or entry.get("categoryGroup")
+                for entry in props.get("logs", [])
+                if entry["enabled"]
+            }
+            needed = {
+                "functionApp": {"FunctionAppLogs"},
+                "storage": set(),
+                "blobService": {"StorageWrite", "StorageDelete"},
+                "tableService": {"StorageWrite", "StorageDelete"},
+                "openAi": {"allLogs"},
+                "keyVault": {"allLogs"},
+            }[scope]
             assert needed <= logs, (scope, logs)
 
 
@@ -819,8 +930,9 @@ def check_principal_type(infra: Infra) -> None:
             mine = [ra for ra in ras if ra["principal"] == DEPLOYER]
             assert mine and all(ra["principalType"] == kind for ra in mine), (mode, kind, mine)
             assert all(ra["principalType"] == "ServicePrincipal" for ra in ras if ra["principal"] != DEPLOYER)
-        assert not [ra for ra in infra.role_assignments(mode, deployed_only=True) if ra["principal"] == ""], \
+        assert not [ra for ra in infra.role_assignments(mode, deployed_only=True) if ra["principal"] == ""], (
             "no role assignment for an empty principalId"
+        )
 
 
 def check_app_state_storage(infra: Infra) -> None:
@@ -829,8 +941,10 @@ def check_app_state_storage(infra: Infra) -> None:
     Contributor on the container, no wider, and the app settings give the service URIs."""
     tables = [b["name"] for b in infra.instances(infra.one("Microsoft.Storage/storageAccounts/tableServices/tables"))]
     assert tables == list(APP_TABLES), tables
-    containers = {infra.body(d)["name"]: d.name for d in
-                  infra.resources.resources("Microsoft.Storage/storageAccounts/blobServices/containers")}
+    containers = {
+        infra.body(d)["name"]: d.name
+        for d in infra.resources.resources("Microsoft.Storage/storageAccounts/blobServices/containers")
+    }
     assert STREAMS_CONTAINER in containers, containers
     table_decl = infra.one("Microsoft.Storage/storageAccounts/tableServices/tables").name
     table_scopes = {f"{table_decl}[{i}]" for i in range(len(APP_TABLES))}
@@ -840,8 +954,9 @@ def check_app_state_storage(infra: Infra) -> None:
             mine = [ra for ra in ras if ra["principal"] == principal]
             tables_granted = {ra["scope"] for ra in mine if ra["role"] == STORAGE_TABLE_DATA_CONTRIBUTOR}
             assert tables_granted == table_scopes, (principal, tables_granted)
-            assert {ra["scope"] for ra in mine if ra["role"] == STORAGE_BLOB_DATA_CONTRIBUTOR} == \
-                {containers[STREAMS_CONTAINER]}, principal
+            assert {ra["scope"] for ra in mine if ra["role"] == STORAGE_BLOB_DATA_CONTRIBUTOR} == {
+                containers[STREAMS_CONTAINER]
+            }, principal
         settings = infra.app_settings(mode)
         assert settings.get("AzureWebJobsStorage__tableServiceUri") == "storage.properties.primaryEndpoints.table"
         assert settings.get("AzureWebJobsStorage__blobServiceUri") == "storage.properties.primaryEndpoints.blob"
@@ -854,7 +969,7 @@ def check_azure_yaml(infra: Infra) -> None:
     assert isinstance(project, dict) and project.get("name")
     services = project["services"]
     assert len(services) == 1, services
-    (name, service), = services.items()
+    ((name, service),) = services.items()
     assert service.get("host") == "function", f"azd service {name} must deploy to a function app"
     assert service.get("language") in ("python", "py"), f"azd service {name} must be python"
     assert (ROOT / service.get("project", ".") / "function_app.py").exists()
@@ -865,11 +980,28 @@ def check_azure_yaml(infra: Infra) -> None:
     assert tags.get("azd-service-name") == name, f"the function app must be tagged azd-service-name={name}: {tags}"
 
 
-CHECKS = [check_parses, check_no_key_based_storage, check_blob_owner_role, check_https_and_tls,
-          check_no_secrets_in_outputs, check_azure_openai_keyless, check_key_vault_mode, check_openai_key_required,
-          check_flex_consumption_python, check_app_insights_identity, check_time_limits,
-          check_parameters, check_scaling_defaults, check_azure_yaml, check_deploy_doc_keys, check_private_network,
-          check_diagnostics, check_hardening, check_principal_type, check_app_state_storage]
+CHECKS = [
+    check_parses,
+    check_no_key_based_storage,
+    check_blob_owner_role,
+    check_https_and_tls,
+    check_no_secrets_in_outputs,
+    check_azure_openai_keyless,
+    check_key_vault_mode,
+    check_openai_key_required,
+    check_flex_consumption_python,
+    check_app_insights_identity,
+    check_time_limits,
+    check_parameters,
+    check_scaling_defaults,
+    check_azure_yaml,
+    check_deploy_doc_keys,
+    check_private_network,
+    check_diagnostics,
+    check_hardening,
+    check_principal_type,
+    check_app_state_storage,
+]
 
 
 @pytest.fixture(scope="module")
@@ -886,131 +1018,342 @@ def test_template(infra, check):
 R, M = "infra/resources.bicep", "infra/main.bicep"
 BREAKAGES = [
     ("syntax error", R, "  kind: 'OpenAI'\n", "  kind: 'OpenAI'\n  }}\n", check_parses),
-    ("shared keys allowed", R, "allowSharedKeyAccess: false", "allowSharedKeyAccess: true",
-     check_no_key_based_storage),
-    ("shared-key setting commented out", R, "    allowSharedKeyAccess: false\n",
-     "    // allowSharedKeyAccess: false\n", check_no_key_based_storage),
-    ("AccountKey connection string", R, "    value: storage.name\n",
-     "    value: 'DefaultEndpointsProtocol=https;AccountName=${storage.name};AccountKey=${storage.listKeys().keys[0].value}'\n",
-     check_no_key_based_storage),
-    ("deployment container read with a connection string", R, "type: 'UserAssignedIdentity'",
-     "type: 'StorageAccountConnectionString'", check_no_key_based_storage),
+    ("shared keys allowed", R, "allowSharedKeyAccess: false", "allowSharedKeyAccess: true", check_no_key_based_storage),
+    (
+        "shared-key setting commented out",
+        R,
+        "    allowSharedKeyAccess: false\n",
+        "    // allowSharedKeyAccess: false\n",
+        check_no_key_based_storage,
+    ),
+    (
+        "AccountKey connection string",
+        R,
+        "    value: storage.name\n",
+        "    value: 'DefaultEndpointsProtocol=https;AccountName=${storage.name};AccountKey=${storage.listKeys().keys[0].value}'\n",
+        check_no_key_based_storage,
+    ),
+    (
+        "deployment container read with a connection string",
+        R,
+        "type: 'UserAssignedIdentity'",
+        "type: 'StorageAccountConnectionString'",
+        check_no_key_based_storage,
+    ),
     ("host storage without identity", R, "value: 'managedidentity'", "value: 'none'", check_no_key_based_storage),
-    ("blob owner role on the wrong principal", R,
-     "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
-     "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
-     "    principalId: identity.properties.principalId",
-     "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
-     "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
-     "    principalId: principalId", check_blob_owner_role),
-    ("blob reader instead of owner", R, "var storageBlobDataOwnerRole = 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'",
-     "var storageBlobDataOwnerRole = '2a2b9908-6ea1-4ae2-8e65-a410df84e7d1'", check_blob_owner_role),
+    (
+        "blob owner role on the wrong principal",
+        R,
+        "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
+        "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
+        "    principalId: identity.properties.principalId",
+        "guid(storage.id, identity.id, storageBlobDataOwnerRole)\n  scope: storage\n  properties: {\n"
+        "    roleDefinitionId: subscriptionResourceId('Microsoft.Authorization/roleDefinitions', storageBlobDataOwnerRole)\n"
+        "    principalId: principalId",
+        check_blob_owner_role,
+    ),
+    (
+        "blob reader instead of owner",
+        R,
+        "var storageBlobDataOwnerRole = 'b7e6dc6d-f1e8-4753-8033-0f276bb0955b'",
+        "var storageBlobDataOwnerRole = '2a2b9908-6ea1-4ae2-8e65-a410df84e7d1'",
+        check_blob_owner_role,
+    ),
     ("http allowed", R, "httpsOnly: true", "httpsOnly: false", check_https_and_tls),
     ("TLS 1.0", R, "      minTlsVersion: '1.2'", "      minTlsVersion: '1.0'", check_https_and_tls),
     ("storage TLS 1.0", R, "minimumTlsVersion: 'TLS1_2'", "minimumTlsVersion: 'TLS1_0'", check_https_and_tls),
-    ("connection string output", R, "output identityClientId string = identity.properties.clientId",
-     "output identityClientId string = appInsights.properties.ConnectionString", check_no_secrets_in_outputs),
-    ("listKeys output", M, "output AZURE_TENANT_ID string = tenant().tenantId",
-     "output AZURE_TENANT_ID string = listKeys(rg.id, '2023-01-01').keys[0].value", check_no_secrets_in_outputs),
-    ("secure parameter output", M, "output CHAT_UPSTREAM string = upstream",
-     "output CHAT_UPSTREAM string = openAiApiKey", check_no_secrets_in_outputs),
-    ("OpenAI User role missing", R, "var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'",
-     "var cognitiveServicesOpenAIUserRole = 'a001fd3d-188f-4b5d-821b-7da978bf7442'", check_azure_openai_keyless),
-    ("Azure OpenAI keys allowed", R, "disableLocalAuth: true\n    // The account itself",
-     "disableLocalAuth: false\n    // The account itself", check_azure_openai_keyless),
-    ("no AZURE_CLIENT_ID", R, "    name: 'AZURE_CLIENT_ID'\n", "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
-     check_azure_openai_keyless),
-    ("Key Vault Secrets User missing", R, "var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'",
-     "var keyVaultSecretsUserRole = '21090545-7ca7-4776-b22c-e363652d74d2'", check_key_vault_mode),
-    ("key as a plain app setting", R,
-     "useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''",
-     "openAiApiKey", check_key_vault_mode),
-    ("Key Vault reference without the user identity", R, "    keyVaultReferenceIdentity: identity.id\n", "",
-     check_key_vault_mode),
+    (
+        "connection string output",
+        R,
+        "output identityClientId string = identity.properties.clientId",
+        "output identityClientId string = appInsights.properties.ConnectionString",
+        check_no_secrets_in_outputs,
+    ),
+    (
+        "listKeys output",
+        M,
+        "output AZURE_TENANT_ID string = tenant().tenantId",
+        "output AZURE_TENANT_ID string = listKeys(rg.id, '2023-01-01').keys[0].value",
+        check_no_secrets_in_outputs,
+    ),
+    (
+        "secure parameter output",
+        M,
+        "output CHAT_UPSTREAM string = upstream",
+        "output CHAT_UPSTREAM string = openAiApiKey",
+        check_no_secrets_in_outputs,
+    ),
+    (
+        "OpenAI User role missing",
+        R,
+        "var cognitiveServicesOpenAIUserRole = '5e0bd9bd-7b93-4f28-af87-19fc36ad61bd'",
+        "var cognitiveServicesOpenAIUserRole = 'a001fd3d-188f-4b5d-821b-7da978bf7442'",
+        check_azure_openai_keyless,
+    ),
+    (
+        "Azure OpenAI keys allowed",
+        R,
+        "disableLocalAuth: true\n    // The account itself",
+        "disableLocalAuth: false\n    // The account itself",
+        check_azure_openai_keyless,
+    ),
+    (
+        "no AZURE_CLIENT_ID",
+        R,
+        "    name: 'AZURE_CLIENT_ID'\n",
+        "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
+        check_azure_openai_keyless,
+    ),
+    (
+        "Key Vault Secrets User missing",
+        R,
+        "var keyVaultSecretsUserRole = '4633458b-17de-408a-b874-0445c86b69e6'",
+        "var keyVaultSecretsUserRole = '21090545-7ca7-4776-b22c-e363652d74d2'",
+        check_key_vault_mode,
+    ),
+    (
+        "key as a plain app setting",
+        R,
+        "useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''",
+        "openAiApiKey",
+        check_key_vault_mode,
+    ),
+    (
+        "Key Vault reference without the user identity",
+        R,
+        "    keyVaultReferenceIdentity: identity.id\n",
+        "",
+        check_key_vault_mode,
+    ),
     ("key not @secure", M, "@secure()\n", "", check_key_vault_mode),
-    ("empty key deploys", M, "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
-     "var openAiKeyMissing = false", check_openai_key_required),
+    (
+        "empty key deploys",
+        M,
+        "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
+        "var openAiKeyMissing = false",
+        check_openai_key_required,
+    ),
     ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),
     ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
-    ("worker runtime app setting", R, "    name: 'USAGE_WAIT_SECONDS'\n", "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
-     check_flex_consumption_python),
-    ("worker process count on Flex", R, "    name: 'UPSTREAM_MAX_RETRIES'\n",
-     "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n", check_flex_consumption_python),
-    ("ftpsState on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      ftpsState: 'Disabled'\n",
-     check_flex_consumption_python),
-    ("alwaysOn on Flex", R, "      minTlsVersion: '1.2'\n", "      minTlsVersion: '1.2'\n      alwaysOn: false\n",
-     check_flex_consumption_python),
+    (
+        "worker runtime app setting",
+        R,
+        "    name: 'USAGE_WAIT_SECONDS'\n",
+        "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
+        check_flex_consumption_python,
+    ),
+    (
+        "worker process count on Flex",
+        R,
+        "    name: 'UPSTREAM_MAX_RETRIES'\n",
+        "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
+        check_flex_consumption_python,
+    ),
+    (
+        "ftpsState on Flex",
+        R,
+        "      minTlsVersion: '1.2'\n",
+        "      minTlsVersion: '1.2'\n      ftpsState: 'Disabled'\n",
+        check_flex_consumption_python,
+    ),
+    (
+        "alwaysOn on Flex",
+        R,
+        "      minTlsVersion: '1.2'\n",
+        "      minTlsVersion: '1.2'\n      alwaysOn: false\n",
+        check_flex_consumption_python,
+    ),
     ("App Insights local auth", R, "DisableLocalAuth: true", "DisableLocalAuth: false", check_app_insights_identity),
     ("spans sampled", R, "value: 'always_on'", "value: 'microsoft.rate_limited'", check_app_insights_identity),
-    ("App Insights without identity", R, "value: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
-     "value: ''", check_app_insights_identity),
-    ("total timeout at functionTimeout", M, "param totalTimeoutSeconds int = 600", "param totalTimeoutSeconds int = 1800",
-     check_time_limits),
-    ("total timeout may exceed functionTimeout", M, "@maxValue(1740)\n@description('TOTAL",
-     "@maxValue(3600)\n@description('TOTAL", check_time_limits),
-    ("total timeout not set", R, "    name: 'TOTAL_TIMEOUT_SECONDS'\n", "    name: 'TOTAL_TIMEOUT'\n",
-     check_time_limits),
+    (
+        "App Insights without identity",
+        R,
+        "value: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
+        "value: ''",
+        check_app_insights_identity,
+    ),
+    (
+        "total timeout at functionTimeout",
+        M,
+        "param totalTimeoutSeconds int = 600",
+        "param totalTimeoutSeconds int = 1800",
+        check_time_limits,
+    ),
+    (
+        "total timeout may exceed functionTimeout",
+        M,
+        "@maxValue(1740)\n@description('TOTAL",
+        "@maxValue(3600)\n@description('TOTAL",
+        check_time_limits,
+    ),
+    (
+        "total timeout not set",
+        R,
+        "    name: 'TOTAL_TIMEOUT_SECONDS'\n",
+        "    name: 'TOTAL_TIMEOUT'\n",
+        check_time_limits,
+    ),
     ("heartbeat past the idle cut-off", M, "@maxValue(200)", "@maxValue(300)", check_time_limits),
-    ("no capacity parameter", M, "param deploymentCapacity int = 10", "var deploymentCapacity = 10",
-     check_parameters),
+    ("no capacity parameter", M, "param deploymentCapacity int = 10", "var deploymentCapacity = 10", check_parameters),
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
-    ("deploy.md: every call needs a key", "docs/deploy.md", "so in Azure each call needs a key, with one",
-     "so every call needs a key, with one", check_deploy_doc_keys),
-    ("another anonymous route, not in deploy.md", "function_app.py", '@app.route(route="_pool", methods=["GET"])',
-     '@app.route(route="_pool", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)', check_deploy_doc_keys),
-    ("per-instance concurrency guessed", M, "param httpPerInstanceConcurrency int = 50",
-     "param httpPerInstanceConcurrency int = 16", check_scaling_defaults),
-    ("network isolation on by default", M, "param vnetEnabled bool = false", "param vnetEnabled bool = true",
-     check_private_network),
-    ("app subnet not delegated for Flex", R, "serviceName: 'Microsoft.App/environments'",
-     "serviceName: 'Microsoft.Web/serverFarms'", check_private_network),
+    (
+        "deploy.md: every call needs a key",
+        "docs/deploy.md",
+        "so in Azure each call needs a key, with one",
+        "so every call needs a key, with one",
+        check_deploy_doc_keys,
+    ),
+    (
+        "another anonymous route, not in deploy.md",
+        "function_app.py",
+        '@app.route(route="_pool", methods=["GET"])',
+        '@app.route(route="_pool", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)',
+        check_deploy_doc_keys,
+    ),
+    (
+        "per-instance concurrency guessed",
+        M,
+        "param httpPerInstanceConcurrency int = 50",
+        "param httpPerInstanceConcurrency int = 16",
+        check_scaling_defaults,
+    ),
+    (
+        "network isolation on by default",
+        M,
+        "param vnetEnabled bool = false",
+        "param vnetEnabled bool = true",
+        check_private_network,
+    ),
+    (
+        "app subnet not delegated for Flex",
+        R,
+        "serviceName: 'Microsoft.App/environments'",
+        "serviceName: 'Microsoft.Web/serverFarms'",
+        check_private_network,
+    ),
     ("no table private endpoint", R, "groupId: 'table'", "groupId: 'file'", check_private_network),
-    ("Azure OpenAI public with vnetEnabled", R,
-     "    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'\n    networkAcls: {\n"
-     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth",
-     "    publicNetworkAccess: 'Enabled'\n    networkAcls: {\n"
-     "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth", check_private_network),
-    ("private zone not linked to the network", "infra/private-link.bicep", "      id: virtualNetworkId\n",
-     "      id: subnetId\n", check_private_network),
-    ("workspace keys allowed", R, "      disableLocalAuth: true\n", "      disableLocalAuth: false\n", check_diagnostics),
-    ("Key Vault logs sent nowhere", R, "  name: 'to-log-analytics'\n  scope: keyVault\n",
-     "  name: 'to-log-analytics'\n  scope: appInsights\n", check_diagnostics),
-    ("function app logs left out", R, "category: 'FunctionAppLogs'", "category: 'AppServiceHTTPLogs'",
-     check_diagnostics),
-    ("Azure OpenAI may call out", R, "restrictOutboundNetworkAccess: true", "restrictOutboundNetworkAccess: false",
-     check_hardening),
-    ("purge protection always on", R, "enablePurgeProtection: keyVaultPurgeProtection ? true : null",
-     "enablePurgeProtection: true", check_hardening),
-    ("soft delete a week", M, "param keyVaultSoftDeleteRetentionDays int = 90",
-     "param keyVaultSoftDeleteRetentionDays int = 7", check_hardening),
-    ("zone-redundant plan on LRS storage", R, "name: zoneRedundant ? 'Standard_ZRS' : 'Standard_LRS'",
-     "name: 'Standard_LRS'", check_hardening),
-    ("no container delete retention", R, "    containerDeleteRetentionPolicy: {\n      enabled: true",
-     "    containerDeleteRetentionPolicy: {\n      enabled: false", check_hardening),
-    ("principalType not mapped for azd", "infra/main.parameters.json", '"${AZURE_PRINCIPAL_TYPE=User}"', '"User"',
-     check_principal_type),
-    ("deployer's table roles always as a user", R, "    principalId: principalId\n    principalType: principalType\n  }\n}]",
-     "    principalId: principalId\n    principalType: 'User'\n  }\n}]", check_principal_type),
-    ("table role on the whole account", R,
-     "  scope: appTables[i]\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
-     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
-     "    principalId: identity.properties.principalId",
-     "  scope: storage\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
-     "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
-     "    principalId: identity.properties.principalId", check_app_state_storage),
+    (
+        "Azure OpenAI public with vnetEnabled",
+        R,
+        "    publicNetworkAccess: vnetEnabled ? 'Disabled' : 'Enabled'\n    networkAcls: {\n"
+        "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth",
+        "    publicNetworkAccess: 'Enabled'\n    networkAcls: {\n"
+        "      defaultAction: vnetEnabled ? 'Deny' : 'Allow'\n    }\n    disableLocalAuth",
+        check_private_network,
+    ),
+    (
+        "private zone not linked to the network",
+        "infra/private-link.bicep",
+        "      id: virtualNetworkId\n",
+        "      id: subnetId\n",
+        check_private_network,
+    ),
+    (
+        "workspace keys allowed",
+        R,
+        "      disableLocalAuth: true\n",
+        "      disableLocalAuth: false\n",
+        check_diagnostics,
+    ),
+    (
+        "Key Vault logs sent nowhere",
+        R,
+        "  name: 'to-log-analytics'\n  scope: keyVault\n",
+        "  name: 'to-log-analytics'\n  scope: appInsights\n",
+        check_diagnostics,
+    ),
+    (
+        "function app logs left out",
+        R,
+        "category: 'FunctionAppLogs'",
+        "category: 'AppServiceHTTPLogs'",
+        check_diagnostics,
+    ),
+    (
+        "Azure OpenAI may call out",
+        R,
+        "restrictOutboundNetworkAccess: true",
+        "restrictOutboundNetworkAccess: false",
+        check_hardening,
+    ),
+    (
+        "purge protection always on",
+        R,
+        "enablePurgeProtection: keyVaultPurgeProtection ? true : null",
+        "enablePurgeProtection: true",
+        check_hardening,
+    ),
+    (
+        "soft delete a week",
+        M,
+        "param keyVaultSoftDeleteRetentionDays int = 90",
+        "param keyVaultSoftDeleteRetentionDays int = 7",
+        check_hardening,
+    ),
+    (
+        "zone-redundant plan on LRS storage",
+        R,
+        "name: zoneRedundant ? 'Standard_ZRS' : 'Standard_LRS'",
+        "name: 'Standard_LRS'",
+        check_hardening,
+    ),
+    (
+        "no container delete retention",
+        R,
+        "    containerDeleteRetentionPolicy: {\n      enabled: true",
+        "    containerDeleteRetentionPolicy: {\n      enabled: false",
+        check_hardening,
+    ),
+    (
+        "principalType not mapped for azd",
+        "infra/main.parameters.json",
+        '"${AZURE_PRINCIPAL_TYPE=User}"',
+        '"User"',
+        check_principal_type,
+    ),
+    (
+        "deployer's table roles always as a user",
+        R,
+        "    principalId: principalId\n    principalType: principalType\n  }\n}]",
+        "    principalId: principalId\n    principalType: 'User'\n  }\n}]",
+        check_principal_type,
+    ),
+    (
+        "table role on the whole account",
+        R,
+        "  scope: appTables[i]\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+        "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+        "    principalId: identity.properties.principalId",
+        "  scope: storage\n  properties: {\n    roleDefinitionId: subscriptionResourceId("
+        "'Microsoft.Authorization/roleDefinitions', storageTableDataContributorRole)\n"
+        "    principalId: identity.properties.principalId",
+        check_app_state_storage,
+    ),
     ("a table missing", R, "  'chatstreamUsage'\n", "", check_app_state_storage),
-    ("deployer's stream-log container role missing", R,
-     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (!empty(principalId))",
-     "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (false)",
-     check_app_state_storage),
-    ("no table service URI for the app", R, "name: 'AzureWebJobsStorage__tableServiceUri'",
-     "name: 'AzureWebJobsStorage__tableUri'", check_app_state_storage),
+    (
+        "deployer's stream-log container role missing",
+        R,
+        "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (!empty(principalId))",
+        "resource streamsContributorForDeployer 'Microsoft.Authorization/roleAssignments@2022-04-01' = if (false)",
+        check_app_state_storage,
+    ),
+    (
+        "no table service URI for the app",
+        R,
+        "name: 'AzureWebJobsStorage__tableServiceUri'",
+        "name: 'AzureWebJobsStorage__tableUri'",
+        check_app_state_storage,
+    ),
     ("scaling table edited by hand", "docs/scaling.md", "| **50** |", "| **60** |", check_scaling_defaults),
-    ("benchmark figures changed, scaling not recomputed", "docs/benchmarks.md",
-     "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.188 |", "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.250 |",
-     check_scaling_defaults),
+    (
+        "benchmark figures changed, scaling not recomputed",
+        "docs/benchmarks.md",
+        "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.188 |",
+        "| this app, 1 worker | 2.17 / 0.077 | 4.12 / 0.250 |",
+        check_scaling_defaults,
+    ),
 ]
 
 

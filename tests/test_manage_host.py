@@ -1,6 +1,7 @@
 """The admin API through the real local host (tools/devhost, the Python worker, function_app.py's
 routes) on a real Azurite: one POST creates a caller, GET lists it, and the key shows up only in the
 answer to the POST, never in a listing or the app's log."""
+
 from __future__ import annotations
 
 import secrets

@@ -1,25 +1,34 @@
 """POST /api/v1/chat/completions with the official openai SDK as the client, through the local host
 on the real runtime, against the scripted upstream."""
+
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
 
-from tools.fakeupstream.scenarios import (AFTER_FINISH_EXTRA, TEXTS, TOOL_CALL_ARGUMENTS, TOOL_CALL_NAME,
-                                    choice_text)
+from tools.fakeupstream.scenarios import AFTER_FINISH_EXTRA, TEXTS, TOOL_CALL_ARGUMENTS, TOOL_CALL_NAME, choice_text
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": TOOL_CALL_NAME, "description": "Weather for a place",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string"}, "unit": {"type": "string"}},
-                   "required": ["location"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": TOOL_CALL_NAME,
+        "description": "Weather for a place",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["location"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def sdk(app):
     # The function key goes in a header (or ?code=); the local host does not check it, Azure does.
-    client = openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0,
-                           default_headers={"x-functions-key": "test-key"})
+    client = openai.OpenAI(
+        base_url=app.url + "/api/v1", api_key="unused", max_retries=0, default_headers={"x-functions-key": "test-key"}
+    )
     yield client
     client.close()
 
@@ -29,8 +38,9 @@ def user(scenario: str, text: str = "hello") -> list[dict]:
 
 
 def test_streamed_text_and_usage(sdk):
-    stream = sdk.chat.completions.create(model="gpt-test", messages=user("normal"), stream=True,
-                                         stream_options={"include_usage": True})
+    stream = sdk.chat.completions.create(
+        model="gpt-test", messages=user("normal"), stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == TEXTS["normal"]
@@ -42,8 +52,9 @@ def test_no_usage_chunk_unless_asked(sdk, upstream):
     chunks = list(sdk.chat.completions.create(model="gpt-test", messages=user("normal"), stream=True))
     assert all(c.usage is None for c in chunks)
     assert all(c.choices for c in chunks)
-    assert upstream.requests(last=1)[-1]["json"]["stream_options"] == {"include_usage": True}, \
+    assert upstream.requests(last=1)[-1]["json"]["stream_options"] == {"include_usage": True}, (
         "usage is still asked of the upstream, for the log line"
+    )
 
 
 def test_nothing_after_finish_and_no_filter_frames(sdk):
@@ -63,8 +74,9 @@ def test_non_streamed_completion(sdk):
 
 
 def test_streamed_tool_call_deltas_are_reassembled_by_the_sdk(sdk, upstream):
-    with sdk.chat.completions.stream(model="gpt-test", messages=user("tool_calls", "weather in Paris?"),
-                                     tools=[WEATHER_TOOL], tool_choice="auto") as stream:
+    with sdk.chat.completions.stream(
+        model="gpt-test", messages=user("tool_calls", "weather in Paris?"), tools=[WEATHER_TOOL], tool_choice="auto"
+    ) as stream:
         final = stream.get_final_completion()
     call = final.choices[0].message.tool_calls[0]
     assert call.function.name == TOOL_CALL_NAME
@@ -106,10 +118,13 @@ def test_malformed_request_raises_bad_request_error(sdk, upstream):
     assert upstream.count() == before
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"temperature": 5}, "temperature"),
-    ({"extra_body": {"bogus": 1}}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"extra_body": {"bogus": 1}}, "bogus"),
+    ],
+)
 def test_fields_the_relay_does_not_read_are_the_upstreams_to_refuse(sdk, upstream, kwargs, param):
     before = upstream.count()
     with pytest.raises(openai.BadRequestError) as info:
@@ -119,20 +134,32 @@ def test_fields_the_relay_does_not_read_are_the_upstreams_to_refuse(sdk, upstrea
     assert upstream.count() == before + 1, "sent once, not retried by the SDK or the app"
 
 
-NEWER_PARAMS = {"prompt_cache_key": "user-42", "prompt_cache_retention": "24h", "safety_identifier": "h4sh",
-                "verbosity": "low", "web_search_options": {}, "audio": {"voice": "alloy", "format": "wav"},
-                "moderation": {"mode": "x"}, "functions": [{"name": "f", "parameters": {"type": "object"}}],
-                "function_call": "auto", "tool_choice": None}
+NEWER_PARAMS = {
+    "prompt_cache_key": "user-42",
+    "prompt_cache_retention": "24h",
+    "safety_identifier": "h4sh",
+    "verbosity": "low",
+    "web_search_options": {},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "moderation": {"mode": "x"},
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": "auto",
+    "tool_choice": None,
+}
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_newer_openai_parameters_reach_the_upstream_unchanged(sdk, upstream, stream):
     """Forward-compatible: fields the relay does not act on go to the upstream as they came (nulls
     included), so new SDK options (prompt_cache_key=, verbosity=...) work without an app release."""
-    result = sdk.chat.completions.create(model="gpt-test", messages=user("normal"), stream=stream,
-                                         extra_body=NEWER_PARAMS)
-    text = "".join(c.choices[0].delta.content or "" for c in result if c.choices) if stream \
+    result = sdk.chat.completions.create(
+        model="gpt-test", messages=user("normal"), stream=stream, extra_body=NEWER_PARAMS
+    )
+    text = (
+        "".join(c.choices[0].delta.content or "" for c in result if c.choices)
+        if stream
         else result.choices[0].message.content
+    )
     assert text == TEXTS["normal"]
     sent = upstream.requests(last=1)[0]["json"]
     for name, value in NEWER_PARAMS.items():
@@ -159,22 +186,28 @@ def test_models_list(sdk):
 
 
 def test_function_key_in_query_is_accepted(app):
-    r = httpx.post(app.url + "/api/v1/chat/completions", params={"code": "test-key"},
-                   json={"model": "gpt-test", "messages": user("normal")}, timeout=10)
+    r = httpx.post(
+        app.url + "/api/v1/chat/completions",
+        params={"code": "test-key"},
+        json={"model": "gpt-test", "messages": user("normal")},
+        timeout=10,
+    )
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == TEXTS["normal"]
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": ["user"], "content": "x"}],
-    [{"role": {"a": 1}, "content": "x"}],
-    [{"role": "user", "content": 5}],
-    ["not an object"],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": ["user"], "content": "x"}],
+        [{"role": {"a": 1}, "content": "x"}],
+        [{"role": "user", "content": 5}],
+        ["not an object"],
+    ],
+)
 def test_odd_messages_are_400_not_500(app, upstream, messages):
     before = upstream.count()
-    r = httpx.post(app.url + "/api/v1/chat/completions", json={"model": "gpt-test", "messages": messages},
-                   timeout=10)
+    r = httpx.post(app.url + "/api/v1/chat/completions", json={"model": "gpt-test", "messages": messages}, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert upstream.count() == before

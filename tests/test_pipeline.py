@@ -1,5 +1,6 @@
 """The pipeline around the model call, through the local host: built-in steps switched on by
 settings, and custom steps declared in a function_app.py (tests/apps/pipeline)."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from chat import chat, prompt
-from chatstream.guard import redact_whole
 from helpers import app_env
-from tools.fakeupstream.scenarios import TEXTS
 from servers import ROOT, App
+
+from chatstream.guard import redact_whole
+from tools.fakeupstream.scenarios import TEXTS
 
 TERMS = ["reply.\n\nIt", "🚀 and 👍", "テキスト、中文", "café", "語のテ", "ñandú"]
 SYSTEM = "You are terse. Réponds en français si on te parle français."
@@ -26,8 +27,16 @@ def results_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def piped(upstream, results_file):
-    app = App(app_env(upstream, SYSTEM_PROMPT=SYSTEM, MAX_PROMPT_CHARS="300", BLOCKED_TERMS=",".join(TERMS),
-                      PIPELINE_RESULTS=str(results_file)), app_dir=ROOT / "tests" / "apps" / "pipeline")
+    app = App(
+        app_env(
+            upstream,
+            SYSTEM_PROMPT=SYSTEM,
+            MAX_PROMPT_CHARS="300",
+            BLOCKED_TERMS=",".join(TERMS),
+            PIPELINE_RESULTS=str(results_file),
+        ),
+        app_dir=ROOT / "tests" / "apps" / "pipeline",
+    )
     yield app
     app.stop()
 
@@ -35,9 +44,15 @@ def piped(upstream, results_file):
 def openai_stream_text(app, scenario: str) -> tuple[str, list[dict]]:
     chunks = []
     with httpx.Client(timeout=20) as client:
-        with client.stream("POST", app.url + "/api/v1/chat/completions", json={
-                "model": "gpt-test", "stream": True,
-                "messages": [{"role": "user", "content": f"[scenario:{scenario}] hi"}]}) as r:
+        with client.stream(
+            "POST",
+            app.url + "/api/v1/chat/completions",
+            json={
+                "model": "gpt-test",
+                "stream": True,
+                "messages": [{"role": "user", "content": f"[scenario:{scenario}] hi"}],
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunks.append(json.loads(line[6:]))
@@ -57,14 +72,24 @@ def test_blocked_terms_are_redacted_whatever_the_chunking(piped, scenario):
 
 
 def test_redaction_in_a_non_streamed_completion(piped):
-    r = httpx.post(piped.url + "/api/v1/chat/completions", timeout=20, json={
-        "model": "gpt-test", "messages": [{"role": "user", "content": "[scenario:normal] hi"}]})
+    r = httpx.post(
+        piped.url + "/api/v1/chat/completions",
+        timeout=20,
+        json={"model": "gpt-test", "messages": [{"role": "user", "content": "[scenario:normal] hi"}]},
+    )
     assert r.json()["choices"][0]["message"]["content"] == redact_whole(TEXTS["normal"], TERMS)
 
 
 def test_system_prompt_is_prepended(piped, upstream):
-    chat(piped.chat_url, {"messages": [{"role": "system", "content": "Caller's own system message."},
-                                       {"role": "user", "content": "[scenario:echo] hi"}]})
+    chat(
+        piped.chat_url,
+        {
+            "messages": [
+                {"role": "system", "content": "Caller's own system message."},
+                {"role": "user", "content": "[scenario:echo] hi"},
+            ]
+        },
+    )
     sent = upstream.requests(last=1)[-1]["json"]["messages"]
     assert sent[0] == {"role": "system", "content": SYSTEM}
     assert sent[1] == {"role": "system", "content": "Caller's own system message."}
@@ -83,8 +108,11 @@ def test_rejection_by_a_before_step(piped, upstream):
     before = upstream.count()
     result = chat(piped.chat_url, {"prompt": "[reject] please"})
     assert result.status == 422
-    assert result.body["error"] == {"type": "policy", "message": "this request is refused by policy",
-                                    "retryable": False}
+    assert result.body["error"] == {
+        "type": "policy",
+        "message": "this request is refused by policy",
+        "retryable": False,
+    }
     assert upstream.count() == before
 
 
@@ -151,8 +179,11 @@ def test_a_before_step_turning_streaming_off_on_api_chat_is_a_json_error(piped):
 def test_a_before_step_adding_an_unknown_parameter_to_a_non_streamed_call_is_a_json_error(piped, upstream):
     """Latent bug (core reshape): the SDK's create() raised a TypeError nothing caught. Now the parameter
     reaches the upstream like any other, and the upstream's 400 comes back in OpenAI's shape."""
-    r = httpx.post(piped.url + "/api/v1/chat/completions", timeout=20,
-                   json={"messages": [{"role": "user", "content": "[add-param] [scenario:normal] hi"}]})
+    r = httpx.post(
+        piped.url + "/api/v1/chat/completions",
+        timeout=20,
+        json={"messages": [{"role": "user", "content": "[add-param] [scenario:normal] hi"}]},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "bogus_param"
     assert upstream.requests(last=1)[0]["json"]["bogus_param"] == 1

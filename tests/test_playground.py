@@ -6,6 +6,7 @@ Chromium, driven through Playwright's sync API (no browser download), against th
 host and the scripted upstream, finding every control by its accessible name as a screen reader
 would. Each browser test also checks that the page asked no other origin for anything and logged no
 console errors."""
+
 from __future__ import annotations
 
 import json
@@ -20,36 +21,49 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-
-from chatstream import playground_page
-from chatstream.settings import Settings, SettingsError
 from cut_proxy import CutProxy
 from helpers import app_env
 from servers import ROOT, App
+
+from chatstream import playground_page
+from chatstream.settings import Settings, SettingsError
 from tools.fakeupstream.scenarios import COMPLETION_TOKENS, TEXTS, count_prompt_tokens, echo_text
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
-ASSETS = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "text/css; charset=utf-8",
-          "favicon.svg": "image/svg+xml"}
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+ASSETS = {
+    "playground.js": "text/javascript; charset=utf-8",
+    "playground.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+}
 SCREENSHOT = ROOT / "docs" / "playground.png"
 
 
 # ------------------------------------------------------------------------------- the decision
 
 
-@pytest.mark.parametrize("environ,on", [
-    ({}, True),                                               # make serve, func start, the tests' app
-    ({"WEBSITE_HOSTNAME": "localhost:7071", "AZURE_FUNCTIONS_ENVIRONMENT": "Development"}, True),  # func start
-    ({"WEBSITE_INSTANCE_ID": "8a3f"}, False),                 # in Azure
-    ({"WEBSITE_SITE_NAME": "func-abc"}, False),
-    ({"WEBSITE_SITE_NAME": "func-abc", "PLAYGROUND_ENABLED": "true"}, True),
-    ({"WEBSITE_INSTANCE_ID": "8a3f", "PLAYGROUND_ENABLED": "1"}, True),
-    ({"PLAYGROUND_ENABLED": "false"}, False),
-    ({"PLAYGROUND_ENABLED": "False"}, False),
-    ({"PLAYGROUND_ENABLED": "0"}, False),
-    ({"PLAYGROUND_ENABLED": ""}, True),                       # empty is unset
-])
+@pytest.mark.parametrize(
+    "environ,on",
+    [
+        ({}, True),  # make serve, func start, the tests' app
+        ({"WEBSITE_HOSTNAME": "localhost:7071", "AZURE_FUNCTIONS_ENVIRONMENT": "Development"}, True),  # func start
+        ({"WEBSITE_INSTANCE_ID": "8a3f"}, False),  # in Azure
+        ({"WEBSITE_SITE_NAME": "func-abc"}, False),
+        ({"WEBSITE_SITE_NAME": "func-abc", "PLAYGROUND_ENABLED": "true"}, True),
+        ({"WEBSITE_INSTANCE_ID": "8a3f", "PLAYGROUND_ENABLED": "1"}, True),
+        ({"PLAYGROUND_ENABLED": "false"}, False),
+        ({"PLAYGROUND_ENABLED": "False"}, False),
+        ({"PLAYGROUND_ENABLED": "0"}, False),
+        ({"PLAYGROUND_ENABLED": ""}, True),  # empty is unset
+    ],
+)
 def test_enabled_locally_off_in_azure_and_the_setting_decides(environ, on):
     assert playground_page.enabled(Settings.from_env(environ), environ) is on
 
@@ -61,6 +75,7 @@ def test_a_bad_setting_stops_the_app_naming_it():
 
 def test_infra_turns_it_off_in_azure():
     from test_infra import MODES, Infra
+
     infra = Infra.from_disk()
     for mode in MODES:
         assert infra.app_settings(mode).get("PLAYGROUND_ENABLED") == "false", mode
@@ -92,9 +107,20 @@ def test_page_and_files_with_strict_headers(app):
     assert r.status_code == 308 and r.headers["location"] == "../playground"
 
 
-@pytest.mark.parametrize("path", ["index.html", "nope.js", "PLAYGROUND.JS", "..%2Ffunction_app.py",
-                                  "%2e%2e%2f%2e%2e%2fhost.json", "..%5C..%5Chost.json", "playground.js%00",
-                                  "favicon.svg/x", "%2e%2e"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "index.html",
+        "nope.js",
+        "PLAYGROUND.JS",
+        "..%2Ffunction_app.py",
+        "%2e%2e%2f%2e%2e%2fhost.json",
+        "..%5C..%5Chost.json",
+        "playground.js%00",
+        "favicon.svg/x",
+        "%2e%2e",
+    ],
+)
 def test_only_known_files(app, path):
     r = httpx.get(f"{app.url}/api/playground/{path}")
     assert r.status_code == 404, path
@@ -104,12 +130,15 @@ def test_only_known_files(app, path):
 def test_the_page_needs_no_key_and_the_api_does():
     """The route is anonymous in the function metadata the host reads; every other route keeps the
     app's default (function keys). The local hosts check no keys, so this is where it shows."""
-    code = ("import json, function_app\n"
-            "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
-            "                  for f in function_app.app.get_functions()}))")
+    code = (
+        "import json, function_app\n"
+        "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
+        "                  for f in function_app.app.get_functions()}))"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "PLAYGROUND_"))}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     bindings = json.loads(out.splitlines()[-1])
     assert bindings["playground"]["authLevel"] == "ANONYMOUS"
     assert bindings["playground"]["methods"] == ["GET"]
@@ -130,8 +159,19 @@ def test_404_when_disabled_by_the_setting(start_app):
 def test_the_model_text_only_ever_becomes_text():
     """No HTML sink in the script: the model's text goes through text nodes only."""
     source = (ROOT / "chatstream" / "playground" / "playground.js").read_text()
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
-                 "createContextualFragment", "DOMParser", "http://", "https://", "localStorage"):
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "new Function",
+        "createContextualFragment",
+        "DOMParser",
+        "http://",
+        "https://",
+        "localStorage",
+    ):
         assert sink not in source, sink
 
 
@@ -170,7 +210,7 @@ class Page:
         self.page.on("pageerror", lambda e: self.page_errors.append(str(e)))
         self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
 
-    def open(self) -> "Page":
+    def open(self) -> Page:
         response = self.page.goto(self.origin + "/api/playground")
         assert response.status == 200
         self.expect(self.page.get_by_role("combobox", name="Model")).to_have_value("gpt-test")  # models loaded
@@ -331,7 +371,9 @@ def test_stop_closes_the_upstream_at_once_and_the_page_is_ready_again(tab, upstr
     tab.wait_ready()
     messages = upstream.requests(last=1)[0]["json"]["messages"]
     earlier = [{"role": "user", "content": prompt}, {"role": "assistant", "content": TEXTS[scenario]}]
-    assert messages == (earlier if TEXTS[scenario] else []) + [{"role": "user", "content": "[scenario:normal] and now?"}]
+    assert messages == (earlier if TEXTS[scenario] else []) + [
+        {"role": "user", "content": "[scenario:normal] and now?"}
+    ]
     tab.assert_clean()
 
 
@@ -432,8 +474,9 @@ def test_function_key_asked_for_on_401_kept_in_the_tab_and_sent_only_as_a_header
         key_field = tab.page.get_by_label("Function key")
         tab.expect(key_field).to_be_hidden()
         tab.ask("[scenario:normal] hi")
-        tab.expect(tab.alert).to_have_text("401 Unauthorized. This app needs its function key: "
-                                           "enter it under Function key and send again.")
+        tab.expect(tab.alert).to_have_text(
+            "401 Unauthorized. This app needs its function key: enter it under Function key and send again."
+        )
         tab.expect(key_field).to_be_visible()
         tab.expect(key_field).to_be_focused()
         key_field.fill("k3y-in-header-only")
@@ -484,11 +527,13 @@ def test_sse_parser_any_split_any_line_ending(tab):
     tab.assert_clean()
 
 
-def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_tab_only(browser, upstream, azurite,
-                                                                                        start_app):
+def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_tab_only(
+    browser, upstream, azurite, start_app
+):
     app = start_app(AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required")
-    created = httpx.post(app.url + "/api/manage/callers", json={"name": f"page-{os.getpid()}-{time.time_ns()}"},
-                         timeout=30)
+    created = httpx.post(
+        app.url + "/api/manage/callers", json={"name": f"page-{os.getpid()}-{time.time_ns()}"}, timeout=30
+    )
     key = created.json()["key"]
     page = Page(browser, app)
     try:
@@ -503,8 +548,9 @@ def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_ta
         page.expect(page.answer).to_have_text(echo_text("[scenario:echo] keyed"))
         sent = page.chat_requests()[-1].all_headers()
         assert sent["authorization"] == f"Bearer {key}" and "x-functions-key" not in sent
-        storage = page.page.evaluate("() => [JSON.stringify(sessionStorage), JSON.stringify(localStorage), "
-                                     "document.cookie]")
+        storage = page.page.evaluate(
+            "() => [JSON.stringify(sessionStorage), JSON.stringify(localStorage), document.cookie]"
+        )
         assert key in storage[0] and key not in storage[1] and key not in storage[2]
         page.assert_clean(expected_console=r"status of 401")
     finally:
@@ -537,8 +583,11 @@ def cut(resumable):
 def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
     """The upstream's requests whose last message is ``prompt``, each with its stream record."""
     streams = {s["request_id"]: s for s in upstream.streams()}
-    return [(r, streams.get(r["id"])) for r in upstream.requests()
-            if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt]
+    return [
+        (r, streams.get(r["id"]))
+        for r in upstream.requests()
+        if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt
+    ]
 
 
 def _watch_answer(tab, until, timeout: float = 15) -> list[str]:
@@ -725,8 +774,12 @@ def test_resumable_with_caller_keys_the_resume_and_the_cancel_carry_the_key(brow
     """With CALLER_KEYS=required, streams/ID and streams/ID/cancel need the stream's own caller key:
     the page sends it with both (and another caller gets 404)."""
     app = start_app(AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required", RESUMABLE_STREAMS="on")
-    keys = [httpx.post(app.url + "/api/manage/callers", json={"name": f"resume-{i}-{os.getpid()}-{time.time_ns()}"},
-                       timeout=30).json()["key"] for i in range(2)]
+    keys = [
+        httpx.post(
+            app.url + "/api/manage/callers", json={"name": f"resume-{i}-{os.getpid()}-{time.time_ns()}"}, timeout=30
+        ).json()["key"]
+        for i in range(2)
+    ]
     tab = Page(browser, app)
     try:
         assert tab.page.goto(app.url + "/api/playground").status == 200
@@ -738,8 +791,12 @@ def test_resumable_with_caller_keys_the_resume_and_the_cancel_carry_the_key(brow
         tab.ask(prompt)
         _watch_answer(tab, lambda t: len(t) >= len(TEXTS["slow_normal"]) // 3)
         stream_id = _stream_id(tab)
-        assert httpx.get(f"{app.url}/api/streams/{stream_id}", headers={"authorization": f"Bearer {keys[1]}"},
-                         timeout=10).status_code == 404, "another caller's stream"
+        assert (
+            httpx.get(
+                f"{app.url}/api/streams/{stream_id}", headers={"authorization": f"Bearer {keys[1]}"}, timeout=10
+            ).status_code
+            == 404
+        ), "another caller's stream"
         tab.page.reload()
         _watch_answer(tab, lambda t: t == TEXTS["slow_normal"])
         tab.wait_ready()
@@ -767,18 +824,35 @@ def test_resumable_store_unavailable_and_an_early_replay_show_each_event_once(br
 
     def chunk(n: int, text: str | None, finish: str | None = None) -> str:
         delta = {"content": text} if text is not None else {}
-        return f"id: {n}\ndata: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+        return (
+            f"id: {n}\ndata: "
+            + json.dumps(
+                {
+                    "id": "c1",
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
+            )
+            + "\n\n"
+        )
 
-    unavailable = 'id: 3\ndata: {"error": {"message": "the stream\'s store is unavailable", ' \
-                  '"type": "stream_store_unavailable", "code": "stream_store_unavailable", "retryable": true}}\n\n'
+    unavailable = (
+        'id: 3\ndata: {"error": {"message": "the stream\'s store is unavailable", '
+        '"type": "stream_store_unavailable", "code": "stream_store_unavailable", "retryable": true}}\n\n'
+    )
     first = chunk(1, "one ") + chunk(2, "two ") + unavailable
     resumed = chunk(2, "two ") + chunk(3, "three") + chunk(4, None, "stop") + "id: 5\ndata: [DONE]\n\n"
     tab = Page(browser, app)
-    tab.context.route("**/api/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"content-type": "text/event-stream", "x-stream-id": sid}, body=first))
-    tab.context.route(f"**/api/streams/{sid}", lambda route: route.fulfill(
-        status=200, headers={"content-type": "text/event-stream"}, body=resumed))
+    tab.context.route(
+        "**/api/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200, headers={"content-type": "text/event-stream", "x-stream-id": sid}, body=first
+        ),
+    )
+    tab.context.route(
+        f"**/api/streams/{sid}",
+        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=resumed),
+    )
     try:
         tab.open()
         tab.ask("[scenario:normal] anything")

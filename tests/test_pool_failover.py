@@ -5,11 +5,11 @@ processes) behind one app started with UPSTREAMS; each upstream plays its own de
 The cooldown and breaker timings are also checked in-process with a clock the test controls
 (``Upstreams`` talking HTTP to the same scripted upstreams), and the weighted split with fake
 clients, so nothing here waits for a back-off."""
+
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import socket
 import time
@@ -17,18 +17,16 @@ import time
 import httpx
 import openai
 import pytest
-
 from chat import chat
+from helpers import TEST_KEY
+from servers import App, Upstream
+
 from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Done, Failed, TimeLimits, relay
-from chatstream.upstreams.config import parse_upstreams
 from chatstream.upstreams.failover import Upstreams
-from chatstream.upstreams.pool import Pool
-from helpers import TEST_KEY
-from servers import App, Upstream
 from tools.fakeupstream.scenarios import RESET_DELTAS, TEXTS
 
 NORMAL = TEXTS["normal"]
@@ -77,7 +75,7 @@ def refused_url() -> str:
 
 
 def log_record(app: App, pattern: str) -> dict:
-    line = app.wait_log(r'\{"event": "chat_stream"[^\n]*' + pattern + r'[^\n]*')
+    line = app.wait_log(r'\{"event": "chat_stream"[^\n]*' + pattern + r"[^\n]*")
     return json.loads(line.group(0))
 
 
@@ -89,10 +87,15 @@ def pool_state(app: App) -> dict[str, dict]:
 
 # ------------------------------------------------------------------------------------- over HTTP
 
+
 def test_priority_order_and_the_pool_route(ups, start_app, upstream):
     a, b, c = ups
-    app = start_app(UPSTREAMS=upstreams(entry("c", c, priority=3), entry("a", a, priority=1, api_key_setting="A_KEY"),
-                                        entry("b", b, priority=2)), A_KEY=TEST_KEY)
+    app = start_app(
+        UPSTREAMS=upstreams(
+            entry("c", c, priority=3), entry("a", a, priority=1, api_key_setting="A_KEY"), entry("b", b, priority=2)
+        ),
+        A_KEY=TEST_KEY,
+    )
     before = counts(a, b, c)
     legacy_before = upstream.count()  # start_app also sets OPENAI_BASE_URL to this one: UPSTREAMS wins
     for _ in range(3):
@@ -141,17 +144,21 @@ def test_5xx_and_503_fail_over_without_the_sdk_retrying_the_same_entry(ups, star
     a, b, c = ups
     play(a, "server_error")
     play(b, "overloaded")
-    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2),
-                                        entry("c", c, priority=3)),
-                    UPSTREAM_MAX_RETRIES="2")  # the SDK would retry each entry twice
+    app = start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2), entry("c", c, priority=3)),
+        UPSTREAM_MAX_RETRIES="2",
+    )  # the SDK would retry each entry twice
     before = counts(a, b, c)
     result = chat(app.chat_url, HI)
     assert result.status == 200 and result.text == NORMAL
     assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 1, 1], "one call per entry"
     log_record(app, r'"upstream": "c", "attempts": 3')
     # Non-streamed calls fail over the same way, one whole call per entry.
-    r = httpx.post(app.url + "/api/v1/chat/completions", timeout=10,
-                   json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        app.url + "/api/v1/chat/completions",
+        timeout=10,
+        json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == NORMAL
     assert [n - m for n, m in zip(counts(a, b, c), before)] == [2, 2, 2]
     log_record(app, r'"endpoint": "openai"[^\n]*"upstream": "c", "attempts": 3')
@@ -188,8 +195,11 @@ def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call
     assert result.body["error"]["type"] == "rate_limited" and result.body["error"]["retryable"] is True
     assert result.headers["retry-after"] == "1"
     assert result.headers["x-should-retry"] == "false"
-    r = httpx.post(app.url + "/api/v1/chat/completions", timeout=10,
-                   json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        app.url + "/api/v1/chat/completions",
+        timeout=10,
+        json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert counts(a, b) == before, "no upstream was called"
     log_record(app, r'"status": 429[^\n]*"attempts": 0')
@@ -214,8 +224,11 @@ def test_a_failure_after_the_first_delta_ends_the_stream_on_its_entry(ups, start
 def test_a_slow_first_token_moves_to_the_next_entry_within_the_first_token_limit(ups, start_app):
     a, b, c = ups
     play(a, "stall_first")
-    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
-                    UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS="1", FIRST_TOKEN_TIMEOUT_SECONDS="10")
+    app = start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+        UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS="1",
+        FIRST_TOKEN_TIMEOUT_SECONDS="10",
+    )
     started = time.monotonic()
     result = chat(app.chat_url, HI)
     assert result.status == 200 and result.text == NORMAL
@@ -226,12 +239,21 @@ def test_a_slow_first_token_moves_to_the_next_entry_within_the_first_token_limit
 
 def test_models_go_to_the_entries_that_serve_them(ups, start_app):
     a, b, c = ups
-    app = start_app(UPSTREAMS=upstreams(
-        entry("a", a, models=["model-a"]),
-        entry("b", b, models=["model-b"]),
-        {"name": "c", "azure_endpoint": c.url, "api_key_setting": "C_KEY", "models": ["model-a", "model-c"],
-         "deployments": {"model-c": "deploy-c"}, "priority": 2}),
-        C_KEY="azure-key-c")
+    app = start_app(
+        UPSTREAMS=upstreams(
+            entry("a", a, models=["model-a"]),
+            entry("b", b, models=["model-b"]),
+            {
+                "name": "c",
+                "azure_endpoint": c.url,
+                "api_key_setting": "C_KEY",
+                "models": ["model-a", "model-c"],
+                "deployments": {"model-c": "deploy-c"},
+                "priority": 2,
+            },
+        ),
+        C_KEY="azure-key-c",
+    )
     before = counts(a, b, c)
     for model, where in (("model-b", b), ("model-a", a), ("model-c", c)):
         result = chat(app.chat_url, {**HI, "model": model})
@@ -250,15 +272,24 @@ def test_models_go_to_the_entries_that_serve_them(ups, start_app):
     assert [m["id"] for m in models["data"]] == ["model-a", "model-b", "model-c"]
 
 
-@pytest.mark.parametrize("value, message", [
-    ("not json", r"UPSTREAMS: not valid JSON"),
-    ('[{"name": "a", "base_url": "http://127.0.0.1:1/v1"}, {"name": "bad", "base_url": "http://x/v1", "weight": 0}]',
-     r'UPSTREAMS\[1\] \("bad"\): weight: Input should be greater than 0'),
-    ('[{"name": "k", "base_url": "http://x/v1", "api_key": "%s"}]' % TEST_KEY,
-     r'UPSTREAMS\[0\] \("k"\): api_key: unknown key \(a key never goes in UPSTREAMS'),
-    ('[{"name": "m", "base_url": "http://x/v1", "api_key_setting": "MISSING_KEY"}]',
-     r'UPSTREAMS\[0\] \("m"\): api_key_setting: the app setting MISSING_KEY is not set or empty'),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("not json", r"UPSTREAMS: not valid JSON"),
+        (
+            '[{"name": "a", "base_url": "http://127.0.0.1:1/v1"}, {"name": "bad", "base_url": "http://x/v1", "weight": 0}]',
+            r'UPSTREAMS\[1\] \("bad"\): weight: Input should be greater than 0',
+        ),
+        (
+            '[{"name": "k", "base_url": "http://x/v1", "api_key": "' + TEST_KEY + '"}]',
+            r'UPSTREAMS\[0\] \("k"\): api_key: unknown key \(a key never goes in UPSTREAMS',
+        ),
+        (
+            '[{"name": "m", "base_url": "http://x/v1", "api_key_setting": "MISSING_KEY"}]',
+            r'UPSTREAMS\[0\] \("m"\): api_key_setting: the app setting MISSING_KEY is not set or empty',
+        ),
+    ],
+)
 def test_a_bad_upstreams_value_stops_the_app_with_a_clear_message(ups, value, message):
     with pytest.raises(RuntimeError) as failed:
         App({"UPSTREAMS": value, "OPENAI_API_KEY": TEST_KEY})
@@ -269,6 +300,7 @@ def test_a_bad_upstreams_value_stops_the_app_with_a_clear_message(ups, value, me
 
 
 # ---------------------------------------------------------------------------- in-process wiring
+
 
 class Clock:
     def __init__(self) -> None:
@@ -352,8 +384,9 @@ def test_every_entry_failing_answers_the_last_error(ups):
     play(a, "server_error")
     play(b, "bad_request")  # not a failover: that answer, c is never called
     clock = Clock()
-    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2),
-                                              entry("c", c, priority=3))}, clock)
+    pool = in_process(
+        {"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2), entry("c", c, priority=3))}, clock
+    )
     before = counts(c)
 
     async def run():
@@ -370,8 +403,13 @@ def test_the_request_first_token_limit_during_the_walk_counts_against_the_entry(
     a, b, c = ups
     play(a, "stall_first")
     clock = Clock()
-    pool = in_process({"UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
-                       "FIRST_TOKEN_TIMEOUT_SECONDS": "1"}, clock)
+    pool = in_process(
+        {
+            "UPSTREAMS": upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+            "FIRST_TOKEN_TIMEOUT_SECONDS": "1",
+        },
+        clock,
+    )
     before = counts(b)
 
     async def run():
@@ -389,6 +427,7 @@ def test_the_request_first_token_limit_during_the_walk_counts_against_the_entry(
 
 def test_per_entry_metrics_and_the_span_name_the_entry(ups):
     from test_telemetry import READER, SPANS, _install_providers
+
     from chatstream import telemetry
 
     _install_providers()
@@ -438,8 +477,10 @@ async def stream_once_with(pool: Upstreams, record: StreamRecord):
 def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, start_app):
     a, b, c = ups
     play(a, "unauthorized")
-    app = start_app(UPSTREAMS=upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"),
-                                        entry("west", b, priority=2)), EAST_KEY=TEST_KEY)
+    app = start_app(
+        UPSTREAMS=upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"), entry("west", b, priority=2)),
+        EAST_KEY=TEST_KEY,
+    )
     before = counts(a, b)
     result = chat(app.chat_url, HI)
     assert result.status == 502 and result.body["error"]["type"] == "upstream_auth"
@@ -451,15 +492,24 @@ def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, sta
 
 def test_keyless_azure_entries_share_one_entra_credential(ups):
     from test_upstreams import TokenCredential
+
     from chatstream.upstreams.clients import ENTRA_SCOPE
 
     a, b, c = ups
     play(a, "server_error")
     credential = TokenCredential(lifetime=3600)
-    env = {"UPSTREAMS": upstreams(
-        {"name": "east", "azure_endpoint": a.url, "priority": 1, "deployments": {"gpt-test": "dep-east"},
-         "models": ["gpt-test"]},
-        {"name": "west", "azure_endpoint": b.url, "priority": 2, "api_version": "2025-01-01-preview"})}
+    env = {
+        "UPSTREAMS": upstreams(
+            {
+                "name": "east",
+                "azure_endpoint": a.url,
+                "priority": 1,
+                "deployments": {"gpt-test": "dep-east"},
+                "models": ["gpt-test"],
+            },
+            {"name": "west", "azure_endpoint": b.url, "priority": 2, "api_version": "2025-01-01-preview"},
+        )
+    }
     settings = Settings.from_env({"UPSTREAM_MAX_RETRIES": "0", **env})
     pool = Upstreams.from_settings(settings, credential=credential)
 

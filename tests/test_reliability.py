@@ -1,6 +1,7 @@
 """Never hang, never leak, always end cleanly: hang-ups, time limits, the status rule, upstream
 faults, retries and load, each measured through the local host and the scripted upstream.
 docs/reliability.md lists these scenarios with the test that proves each."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ import uuid
 
 import httpx
 import pytest
-
 from chat import chat, prompt
+
 from tools.fakeupstream.scenarios import TEXTS
 
 
@@ -23,9 +24,13 @@ def tag() -> str:
 def sent_with(upstream, marker: str) -> list[dict]:
     """The chat requests whose last message contains ``marker`` (the shared upstream also records other
     APIs' requests, which have no messages)."""
-    return [r for r in upstream.requests(last=50)
-            if isinstance(r["json"], dict) and r["json"].get("messages")
-            and marker in str(r["json"]["messages"][-1].get("content"))]
+    return [
+        r
+        for r in upstream.requests(last=50)
+        if isinstance(r["json"], dict)
+        and r["json"].get("messages")
+        and marker in str(r["json"]["messages"][-1].get("content"))
+    ]
 
 
 def ends_once(result) -> None:
@@ -35,13 +40,22 @@ def ends_once(result) -> None:
 
 # ---------------------------------------------------------------------------------- time limits
 
+
 @pytest.fixture(scope="module")
 def tight(upstream):
     """An app with short limits: heartbeat 0.5 s, first token 2.5 s, idle 1 s."""
     from helpers import app_env
     from servers import App
-    server = App(app_env(upstream, HEARTBEAT_SECONDS="0.5", FIRST_TOKEN_TIMEOUT_SECONDS="2.5",
-                         IDLE_TIMEOUT_SECONDS="1", TOTAL_TIMEOUT_SECONDS="30"))
+
+    server = App(
+        app_env(
+            upstream,
+            HEARTBEAT_SECONDS="0.5",
+            FIRST_TOKEN_TIMEOUT_SECONDS="2.5",
+            IDLE_TIMEOUT_SECONDS="1",
+            TOTAL_TIMEOUT_SECONDS="30",
+        )
+    )
     yield server
     server.stop()
 
@@ -107,19 +121,25 @@ def test_total_limit_ends_a_live_stream(start_app):
 
 # ----------------------------------------------------------------------------- upstream failures
 
-@pytest.mark.parametrize("scenario,status,type_,retryable", [
-    ("rate_limited", 429, "rate_limited", True),
-    ("bad_request", 400, "invalid_request", False),
-    ("unauthorized", 502, "upstream_auth", False),
-    ("forbidden", 502, "upstream_auth", False),
-    ("model_not_found", 400, "model_not_found", False),
-    ("server_error", 502, "upstream_error", True),
-    ("overloaded", 502, "upstream_error", True),
-])
+
+@pytest.mark.parametrize(
+    "scenario,status,type_,retryable",
+    [
+        ("rate_limited", 429, "rate_limited", True),
+        ("bad_request", 400, "invalid_request", False),
+        ("unauthorized", 502, "upstream_auth", False),
+        ("forbidden", 502, "upstream_auth", False),
+        ("model_not_found", 400, "model_not_found", False),
+        ("server_error", 502, "upstream_error", True),
+        ("overloaded", 502, "upstream_error", True),
+    ],
+)
 def test_upstream_errors_before_the_stream_are_statuses(app, upstream, scenario, status, type_, retryable):
     # A 429 cools its model down on the app's single upstream (Retry-After): a model of its own.
-    result = chat(app.chat_url, {**prompt(scenario), "model": "gpt-rate-limited"} if scenario == "rate_limited"
-                  else prompt(scenario))
+    result = chat(
+        app.chat_url,
+        {**prompt(scenario), "model": "gpt-rate-limited"} if scenario == "rate_limited" else prompt(scenario),
+    )
     assert result.status == status, result.raw
     error = result.body["error"]
     assert error["type"] == type_
@@ -142,16 +162,22 @@ def test_upstream_refusing_connections_is_503(start_app):
     app = start_app(OPENAI_BASE_URL=f"http://127.0.0.1:{port}/v1")
     result = chat(app.chat_url, {"prompt": "hi"})
     assert result.status == 503
-    assert result.body["error"] == {"type": "upstream_unavailable", "message": "could not reach the model server",
-                                    "retryable": True}
+    assert result.body["error"] == {
+        "type": "upstream_unavailable",
+        "message": "could not reach the model server",
+        "retryable": True,
+    }
 
 
-@pytest.mark.parametrize("scenario,type_", [
-    ("reset", "upstream_disconnected"),
-    ("malformed", "upstream_malformed"),
-    ("odd_shape", "upstream_malformed"),
-    ("error_midstream", "upstream_error"),
-])
+@pytest.mark.parametrize(
+    "scenario,type_",
+    [
+        ("reset", "upstream_disconnected"),
+        ("malformed", "upstream_malformed"),
+        ("odd_shape", "upstream_malformed"),
+        ("error_midstream", "upstream_error"),
+    ],
+)
 def test_mid_stream_faults_end_with_one_error_event(app, scenario, type_):
     result = chat(app.chat_url, prompt(scenario))
     assert result.status == 200
@@ -164,6 +190,7 @@ def test_mid_stream_faults_end_with_one_error_event(app, scenario, type_):
 
 
 # ------------------------------------------------------------------------------------- retries
+
 
 def test_retries_before_the_first_delta_honour_retry_after(start_app, upstream):
     app = start_app(UPSTREAM_MAX_RETRIES="2")
@@ -199,6 +226,7 @@ def test_no_retry_once_content_was_sent(start_app, upstream):
 
 # ----------------------------------------------------------------------------------- hang-ups
 
+
 def test_hang_up_while_waiting_for_the_first_token_closes_the_upstream(app, upstream):
     marker = tag()
     with httpx.Client(timeout=10) as client:
@@ -207,8 +235,10 @@ def test_hang_up_while_waiting_for_the_first_token_closes_the_upstream(app, upst
         del response
         with socket.create_connection(("127.0.0.1", int(app.url.rsplit(":", 1)[1]))) as s:
             body = request.content
-            s.sendall(b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             deadline = time.monotonic() + 5
             while not sent_with(upstream, marker) and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -278,6 +308,7 @@ def test_two_hundred_dropped_streams_leave_nothing_behind(start_app, upstream):
 
 # ---------------------------------------------------------------------------------------- load
 
+
 def test_two_hundred_concurrent_streams_are_all_exact(app):
     async def one(client, i):
         scenario = ("normal", "split_utf8", "azure_filters", "slow")[i % 4]
@@ -285,6 +316,7 @@ def test_two_hundred_concurrent_streams_are_all_exact(app):
             assert r.status_code == 200
             text, last = [], None
             from httpx_sse import EventSource
+
             async for sse in EventSource(r).aiter_sse():
                 if sse.event == "message":
                     text.append(sse.json()["delta"])
@@ -305,6 +337,7 @@ def test_two_hundred_concurrent_streams_are_all_exact(app):
 
 
 # ------------------------------------------------------------------------------ hostile input
+
 
 def _raw_request(app, head: bytes, body_parts, pause: float = 0.0, timeout: float = 5.0) -> tuple[bytes, float, int]:
     """Send ``head`` then body parts; returns (response bytes, seconds to first response byte,
@@ -348,8 +381,7 @@ def _read_rest(s: socket.socket) -> bytes:
 
 def test_oversized_body_is_413_before_it_is_read(app, upstream):
     before = upstream.count()
-    head = (b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 5000000\r\n\r\n")
+    head = b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 5000000\r\n\r\n"
     parts = [b"{" + b" " * 9999] + [b" " * 10000] * 499
     response, seconds, sent = _raw_request(app, head, parts, pause=0.01)
     assert response.startswith(b"HTTP/1.1 413"), response[:200]
@@ -359,8 +391,7 @@ def test_oversized_body_is_413_before_it_is_read(app, upstream):
 
 
 def test_oversized_chunked_body_is_413(app):
-    head = (b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"transfer-encoding: chunked\r\n\r\n")
+    head = b"POST /api/chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
     parts = [b"%x\r\n%s\r\n" % (8192, b" " * 8192)] * 500  # 4 MiB offered
     response, _, sent = _raw_request(app, head, parts, pause=0.002)
     assert response.startswith(b"HTTP/1.1 413"), response[:200]

@@ -1,5 +1,6 @@
 """POST /api/v1/responses and its follow-ups with the official openai SDK as the client, through the
 local host on the real runtime, against the scripted upstream (its Responses API)."""
+
 from __future__ import annotations
 
 import time
@@ -7,28 +8,35 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import app_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from servers import App, Upstream
 
 from chatstream.guard import redact_whole
-from helpers import app_env
-from servers import App, Upstream
-from tools.fakeupstream import (FUNCTION_CALL_ARGUMENTS, FUNCTION_CALL_NAME, REASONING_SUMMARY,
-                                RESPONSES_TEXTS)
+from tools.fakeupstream import FUNCTION_CALL_ARGUMENTS, FUNCTION_CALL_NAME, REASONING_SUMMARY, RESPONSES_TEXTS
 
 pytestmark = pytest.mark.timeout(60)
 
-WEATHER_TOOL = {"type": "function", "name": FUNCTION_CALL_NAME, "description": "Weather for a place",
-                "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
-                               "required": ["location"]}}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": FUNCTION_CALL_NAME,
+    "description": "Weather for a place",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]},
+}
 TERMS = ["scripted", "café", "日本語", "🙂🚀", "Paris", "slowly", "hundred"]
 SYSTEM = "You are terse."
 
 
 def sdk_for(app: App) -> openai.OpenAI:
     # The function key goes in a header (or ?code=); the local host does not check it, Azure does.
-    return openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0, timeout=20,
-                         default_headers={"x-functions-key": "test-key"})
+    return openai.OpenAI(
+        base_url=app.url + "/api/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=20,
+        default_headers={"x-functions-key": "test-key"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +49,16 @@ def sdk(app):
 @pytest.fixture(scope="module")
 def guarded(upstream):
     """An app with the built-in pipeline steps on."""
-    server = App(app_env(upstream, BLOCKED_TERMS=",".join(TERMS), SYSTEM_PROMPT=SYSTEM, MAX_PROMPT_CHARS="200",
-                         IDLE_TIMEOUT_SECONDS="1", ALLOWED_MODELS="gpt-test"))
+    server = App(
+        app_env(
+            upstream,
+            BLOCKED_TERMS=",".join(TERMS),
+            SYSTEM_PROMPT=SYSTEM,
+            MAX_PROMPT_CHARS="200",
+            IDLE_TIMEOUT_SECONDS="1",
+            ALLOWED_MODELS="gpt-test",
+        )
+    )
     client = sdk_for(server)
     yield client
     client.close()
@@ -69,6 +85,7 @@ def stream_record(upstream: Upstream, response_id: str, timeout: float = 5.0) ->
 
 
 # ---------------------------------------------------------------------------------------- streaming
+
 
 @pytest.mark.parametrize("scenario", ["normal", "split_utf8"])
 def test_streamed_text_is_exact_with_usage(sdk, scenario):
@@ -97,8 +114,9 @@ def test_non_streamed_create(sdk):
 
 
 def test_function_call_with_streamed_arguments(sdk, upstream):
-    with sdk.responses.stream(model="gpt-test", input=ask("function_call", "weather in Paris?"),
-                              tools=[WEATHER_TOOL]) as stream:
+    with sdk.responses.stream(
+        model="gpt-test", input=ask("function_call", "weather in Paris?"), tools=[WEATHER_TOOL]
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert deltas(events, "response.function_call_arguments.delta") == FUNCTION_CALL_ARGUMENTS
@@ -114,8 +132,14 @@ def test_reasoning_events_are_forwarded(sdk):
 
 
 def test_fields_the_relay_does_not_read_reach_the_upstream_unchanged(sdk, upstream):
-    extra = {"prompt_cache_key": "user-42", "safety_identifier": "h4sh", "metadata": {"k": "v"},
-             "text": {"verbosity": "low"}, "store": True, "truncation": "auto"}
+    extra = {
+        "prompt_cache_key": "user-42",
+        "safety_identifier": "h4sh",
+        "metadata": {"k": "v"},
+        "text": {"verbosity": "low"},
+        "store": True,
+        "truncation": "auto",
+    }
     sdk.responses.create(model="gpt-test", input=ask("normal"), stream=True, extra_body=extra).close()
     sent = upstream.requests(last=1)[0]["json"]
     for name, value in extra.items():
@@ -123,6 +147,7 @@ def test_fields_the_relay_does_not_read_reach_the_upstream_unchanged(sdk, upstre
 
 
 # ---------------------------------------------------------------------------------------- errors
+
 
 def test_rate_limit_raises_rate_limit_error_with_retry_after(sdk):
     for stream in (True, False):
@@ -142,9 +167,13 @@ def test_upstream_bad_request_raises_bad_request_error(sdk):
 
 def test_what_the_relay_reads_is_checked_before_any_upstream_call(sdk, upstream):
     before = upstream.count()
-    for body, param in [({"input": 5}, "input"), ({"input": "x", "stream": "yes"}, "stream"),
-                        ({"input": "x", "instructions": ["a"]}, "instructions"),
-                        ({"input": "x", "background": 1}, "background"), ({"input": "x", "tools": {}}, "tools")]:
+    for body, param in [
+        ({"input": 5}, "input"),
+        ({"input": "x", "stream": "yes"}, "stream"),
+        ({"input": "x", "instructions": ["a"]}, "instructions"),
+        ({"input": "x", "background": 1}, "background"),
+        ({"input": "x", "tools": {}}, "tools"),
+    ]:
         with pytest.raises(openai.BadRequestError) as info:
             sdk.post("/responses", body={"model": "gpt-test", **body}, cast_to=object)
         assert info.value.body["param"] == param, body
@@ -177,6 +206,7 @@ def test_upstream_without_responses_api_is_501(start_app):
 
 
 # ---------------------------------------------------------------------------------------- hang-ups
+
 
 def test_hang_up_closes_a_foreground_upstream_within_a_second(sdk, upstream):
     stream = sdk.responses.create(model="gpt-test", input=ask("stall"), stream=True)
@@ -228,6 +258,7 @@ def test_a_background_response_completes_after_the_caller_hangs_up(sdk):
 
 # ---------------------------------------------------------------------------------------- follow-ups
 
+
 def test_retrieve_input_items_and_delete(sdk):
     created = sdk.responses.create(model="gpt-test", input=ask("normal", "first question"))
     again = sdk.responses.retrieve(created.id)
@@ -254,10 +285,16 @@ def test_cancel_a_background_response(sdk):
     assert cancelled.status == "cancelled"
 
 
-@pytest.mark.parametrize("response_id,status", [
-    ("not-a-response", 400), ("resp_a%20b", 400), ("resp_a.b", 400), ("resp_%2E%2E", 400),
-    ("resp_..%2Fx", 404),  # the host decodes %2F before routing: no route matches (OpenAI's 404)
-])
+@pytest.mark.parametrize(
+    "response_id,status",
+    [
+        ("not-a-response", 400),
+        ("resp_a%20b", 400),
+        ("resp_a.b", 400),
+        ("resp_%2E%2E", 400),
+        ("resp_..%2Fx", 404),  # the host decodes %2F before routing: no route matches (OpenAI's 404)
+    ],
+)
 def test_response_ids_are_checked_before_they_reach_a_url(app, upstream, response_id, status):
     before = upstream.count()
     r = httpx.get(f"{app.url}/api/v1/responses/{response_id}", timeout=10)
@@ -268,15 +305,21 @@ def test_response_ids_are_checked_before_they_reach_a_url(app, upstream, respons
 
 
 def test_the_functions_key_is_not_forwarded(app, upstream):
-    created = httpx.post(f"{app.url}/api/v1/responses", params={"code": "test-key"},
-                         json={"model": "gpt-test", "input": ask("normal")}, timeout=10).json()
-    r = httpx.get(f"{app.url}/api/v1/responses/{created['id']}/input_items",
-                  params={"code": "test-key", "limit": "1"}, timeout=10)
+    created = httpx.post(
+        f"{app.url}/api/v1/responses",
+        params={"code": "test-key"},
+        json={"model": "gpt-test", "input": ask("normal")},
+        timeout=10,
+    ).json()
+    r = httpx.get(
+        f"{app.url}/api/v1/responses/{created['id']}/input_items", params={"code": "test-key", "limit": "1"}, timeout=10
+    )
     assert r.status_code == 200 and len(r.json()["data"]) == 1
     assert upstream.requests(last=1)[0]["query"] == {"limit": "1"}
 
 
 # ---------------------------------------------------------------------------------------- pipeline
+
 
 def test_blocked_terms_deltas_and_final_response_say_the_same(guarded):
     want = redact_whole(RESPONSES_TEXTS["normal"], TERMS)
@@ -319,8 +362,9 @@ def test_a_time_limit_after_output_ends_with_an_error_event_numbered_next(guarde
     assert any(e.type == "response.output_text.delta" for e in events)
     assert events[-1].type == "error" and events[-1].code == "upstream_timeout"
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert stream_record(upstream, events[0].response.id)["outcome"] == "client_disconnected", \
+    assert stream_record(upstream, events[0].response.id)["outcome"] == "client_disconnected", (
         "the stalled upstream was closed"
+    )
 
 
 def test_system_prompt_prompt_limit_and_allowed_models(guarded, upstream):
@@ -328,8 +372,9 @@ def test_system_prompt_prompt_limit_and_allowed_models(guarded, upstream):
     assert upstream.requests(last=1)[0]["json"]["instructions"] == f"{SYSTEM}\n\nAnswer in French."
     before = upstream.count()
     with pytest.raises(openai.APIStatusError) as info:
-        guarded.responses.create(model="gpt-test", input=[{"role": "user", "content": "x" * 150}],
-                                 instructions="y" * 60, stream=True)
+        guarded.responses.create(
+            model="gpt-test", input=[{"role": "user", "content": "x" * 150}], instructions="y" * 60, stream=True
+        )
     assert info.value.status_code == 413 and info.value.body["param"] == "input"
     with pytest.raises(openai.BadRequestError) as info:
         guarded.responses.create(model="gpt-other", input="hi", stream=True)
@@ -339,9 +384,11 @@ def test_system_prompt_prompt_limit_and_allowed_models(guarded, upstream):
 
 # ---------------------------------------------------------------------------------------- Azure
 
+
 def test_azure_goes_through_the_v1_responses_path(start_app, upstream):
-    server = start_app(AZURE_OPENAI_ENDPOINT=upstream.url, AZURE_OPENAI_DEPLOYMENT="gpt-test",
-                       AZURE_OPENAI_API_KEY="azure-test-key")
+    server = start_app(
+        AZURE_OPENAI_ENDPOINT=upstream.url, AZURE_OPENAI_DEPLOYMENT="gpt-test", AZURE_OPENAI_API_KEY="azure-test-key"
+    )
     with sdk_for(server) as client:
         events = list(client.responses.create(input=ask("normal"), stream=True))
         assert deltas(events) == RESPONSES_TEXTS["normal"]
@@ -367,15 +414,33 @@ def test_upstream_failed_and_incomplete_responses_are_forwarded_as_they_came(sdk
 
 # ---------------------------------------------------------------------------------------- hostile input
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-_json = st.recursive(_scalars, lambda c: st.one_of(st.lists(c, max_size=3),
-                                                   st.dictionaries(st.text(max_size=6), c, max_size=3)), max_leaves=8)
-_items = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
-                                         "content": st.one_of(st.text(max_size=10), _json)}), max_size=2)
-_fields = {"input": st.one_of(st.just(ask("normal")), _items, _json),
-           "model": st.one_of(st.just("gpt-test"), _json), "instructions": _json,
-           "stream": st.one_of(st.just(True), _json), "background": _json, "tools": _json, "store": _json}
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+_json = st.recursive(
+    _scalars,
+    lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=6), c, max_size=3)),
+    max_leaves=8,
+)
+_items = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "x"]), "content": st.one_of(st.text(max_size=10), _json)}
+    ),
+    max_size=2,
+)
+_fields = {
+    "input": st.one_of(st.just(ask("normal")), _items, _json),
+    "model": st.one_of(st.just("gpt-test"), _json),
+    "instructions": _json,
+    "stream": st.one_of(st.just(True), _json),
+    "background": _json,
+    "tools": _json,
+    "store": _json,
+}
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -386,7 +451,11 @@ def test_odd_bodies_are_never_a_5xx_and_every_stream_ends_with_a_last_event(app,
     assert r.status_code < 500, (r.status_code, raw[:300])
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         last = [line for line in raw.decode().split("\n") if line.startswith("event: ")][-1]
-        assert last in ("event: response.completed", "event: response.incomplete", "event: response.failed",
-                        "event: error"), raw[-300:]
+        assert last in (
+            "event: response.completed",
+            "event: response.incomplete",
+            "event: response.failed",
+            "event: error",
+        ), raw[-300:]
     else:
         assert isinstance(r.json(), dict)

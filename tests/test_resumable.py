@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
-
 from helpers import app_env
 from servers import App, Upstream
+
 from tools.fakeupstream.scenarios import cadence_text
 
 DELTAS = 60  # the upstream's cadence stream: 60 words, the first after 100 ms, then one every 40 ms
@@ -97,8 +97,9 @@ def test_three_drops_in_one_answer(pair):
     stream_id, got = read_some(a.chat_url, {"prompt": "three drops"}, 5)
     for app in (b, a, b):  # read a few, hang up, go on elsewhere
         last = got[-1][0]
-        with httpx.stream("GET", f"{app.url}/api/streams/{stream_id}", headers={"Last-Event-ID": str(last)},
-                          timeout=30) as response:
+        with httpx.stream(
+            "GET", f"{app.url}/api/streams/{stream_id}", headers={"Last-Event-ID": str(last)}, timeout=30
+        ) as response:
             buffer = ""
             for piece in response.iter_text():
                 buffer += piece
@@ -128,7 +129,9 @@ def test_cancel_on_the_other_instance_closes_the_upstream_within_a_second(pair, 
     answer = httpx.post(f"{b.url}/api/streams/{stream_id}/cancel", timeout=30)
     assert answer.status_code == 200 and answer.json()["cancelled"] is True
     record = slow_upstream.wait_stream_end("cadence", timeout=5)
-    assert record["outcome"] == "client_disconnected" and record["ended_at"] - time.time() + time.monotonic() - asked < 1.0
+    assert (
+        record["outcome"] == "client_disconnected" and record["ended_at"] - time.time() + time.monotonic() - asked < 1.0
+    )
     final = events(resume(b, stream_id, None).text)[-1]
     assert final[1] == "done" and json.loads(final[2])["finish_reason"] == "cancelled"
 
@@ -148,8 +151,9 @@ def test_a_producer_that_dies_ends_every_reader_with_stream_lost(slow_upstream, 
     b = start_app(**resumable_env(slow_upstream, azurite, RESUME_TTL_SECONDS="3"))
     stream_id, first = read_some(a.chat_url, {"prompt": "kill the producer"}, 3)
     worker = httpx.get(a.url + "/_devhost/stats", timeout=10).json()["workers"][0]["pid"]
-    with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers={"Last-Event-ID": "3"},
-                      timeout=30) as response:
+    with httpx.stream(
+        "GET", f"{b.url}/api/streams/{stream_id}", headers={"Last-Event-ID": "3"}, timeout=30
+    ) as response:
         buffer = ""
         killed = None
         for piece in response.iter_text():
@@ -199,8 +203,10 @@ def test_a_resume_of_a_stream_still_starting_replays_it_from_the_start(pair):
 
 def test_with_caller_keys_only_the_streams_caller_resumes_or_cancels_it(slow_upstream, azurite, start_app):
     app = start_app(**resumable_env(slow_upstream, azurite, CALLER_KEYS="required"))
-    keys = [httpx.post(app.url + "/api/manage/callers", json={"name": f"r-{time.time_ns()}-{i}"},
-                       timeout=30).json()["key"] for i in range(2)]
+    keys = [
+        httpx.post(app.url + "/api/manage/callers", json={"name": f"r-{time.time_ns()}-{i}"}, timeout=30).json()["key"]
+        for i in range(2)
+    ]
     mine, theirs = ({"api-key": k} for k in keys)
     stream_id, first = read_some(app.chat_url, {"prompt": "mine"}, 2, headers=mine)
     assert resume(app, stream_id, 2, headers=theirs).status_code == 404
@@ -212,8 +218,11 @@ def test_with_caller_keys_only_the_streams_caller_resumes_or_cancels_it(slow_ups
 
 def worker_figures(app: App) -> dict:
     stats = httpx.get(app.url + "/_devhost/stats", timeout=10).json()
-    return {"in_flight": sum(w["in_flight"] for w in stats["workers"]), "tasks": stats["tasks"],
-            "open_fds": stats["open_fds"]}
+    return {
+        "in_flight": sum(w["in_flight"] for w in stats["workers"]),
+        "tasks": stats["tasks"],
+        "open_fds": stats["open_fds"],
+    }
 
 
 def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pair, azurite):
@@ -245,8 +254,9 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pair
             return stream_id, chat_text(got)
         other = apps[(i + 1) % 2]
         for _ in range(10):
-            response = await client.get(f"{other.url}/api/streams/{stream_id}",
-                                        headers={"Last-Event-ID": str(got[-1][0]) if got else "0"})
+            response = await client.get(
+                f"{other.url}/api/streams/{stream_id}", headers={"Last-Event-ID": str(got[-1][0]) if got else "0"}
+            )
             if response.status_code != 503:
                 break
             retried.append(i)
@@ -271,8 +281,10 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pair
     deadline = time.monotonic() + 15
     while True:
         after = [worker_figures(app) for app in (a, b)]
-        settled = all(x["in_flight"] == 0 and x["tasks"] <= y["tasks"] + 5 and x["open_fds"] <= y["open_fds"] + 10
-                      for x, y in zip(before, after, strict=True))
+        settled = all(
+            x["in_flight"] == 0 and x["tasks"] <= y["tasks"] + 5 and x["open_fds"] <= y["open_fds"] + 10
+            for x, y in zip(before, after, strict=True)
+        )
         if settled or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -282,7 +294,7 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pair
     deadline = time.monotonic() + 4 + 15
     while True:
         rows, blobs = stored(azurite, ids)
-        if not rows and not blobs or time.monotonic() > deadline:
+        if (not rows and not blobs) or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert not rows and not blobs, (len(rows), len(blobs))
@@ -294,9 +306,13 @@ def stored(azurite, ids: set[str]) -> tuple[list, list]:
     from azure.storage.blob import BlobServiceClient
 
     table = TableServiceClient.from_connection_string(azurite.connection_string).get_table_client("chatstreamStreams")
-    rows = [r for r in table.list_entities(select=["PartitionKey", "RowKey"])
-            if r["PartitionKey"] in ids or any(i in r["RowKey"] for i in ids)]
+    rows = [
+        r
+        for r in table.list_entities(select=["PartitionKey", "RowKey"])
+        if r["PartitionKey"] in ids or any(i in r["RowKey"] for i in ids)
+    ]
     container = BlobServiceClient.from_connection_string(azurite.connection_string).get_container_client(
-        "chatstream-streams")
+        "chatstream-streams"
+    )
     blobs = [blob.name for blob in container.list_blobs() if blob.name in ids]
     return rows, blobs

@@ -8,6 +8,7 @@ Two layers:
   subprocess), called over HTTP, including a caller that hangs up mid-stream.
 
 Each test uses a model name of its own, so spans and metric points of other tests never mix in."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import uuid
 
 import httpx
 import pytest
+from helpers import InProcessApp
 from httpx_sse import EventSource
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -26,11 +28,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from servers import ROOT
 
 from chatstream import telemetry
 from chatstream.record import StreamRecord
-from helpers import InProcessApp
-from servers import ROOT
 
 SPANS = InMemorySpanExporter()
 READER = InMemoryMetricReader()
@@ -38,8 +39,9 @@ READER = InMemoryMetricReader()
 
 def _install_providers() -> None:
     """Install SDK providers once per process (OpenTelemetry allows setting them only once)."""
-    if isinstance(trace.get_tracer_provider(), TracerProvider) and getattr(trace.get_tracer_provider(),
-                                                                           "_chatstream_test", False):
+    if isinstance(trace.get_tracer_provider(), TracerProvider) and getattr(
+        trace.get_tracer_provider(), "_chatstream_test", False
+    ):
         return
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(SPANS))
@@ -96,6 +98,7 @@ def finished_record(model: str, *, ttfd: float = 0.05, deltas: int = 3) -> Strea
 # ---------------------------------------------------------------------------------------------
 # The module on its own
 # ---------------------------------------------------------------------------------------------
+
 
 def test_completed_stream_gives_one_span_with_gen_ai_attributes(otel, model):
     stream = telemetry.start_stream(model)
@@ -204,13 +207,16 @@ def test_hang_up_before_the_first_token(otel, model):
     assert "chat.stream.time_to_first_delta" not in points_of(model)
 
 
-@pytest.mark.parametrize("status,error,failed", [
-    (200, "upstream_timeout", True),      # failed after the headers: the final error event
-    (502, "upstream_error", True),
-    (429, "rate_limited", True),
-    (400, "invalid_request", False),      # the caller's mistake, not ours
-    (503, "not_configured", True),
-])
+@pytest.mark.parametrize(
+    "status,error,failed",
+    [
+        (200, "upstream_timeout", True),  # failed after the headers: the final error event
+        (502, "upstream_error", True),
+        (429, "rate_limited", True),
+        (400, "invalid_request", False),  # the caller's mistake, not ours
+        (503, "not_configured", True),
+    ],
+)
 def test_errors(otel, model, status, error, failed):
     record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.status, record.error = status, error
@@ -312,7 +318,13 @@ def test_what_application_insights_receives(otel, model):
                         envelope = to_metric(point, metric.name, resource_metrics.resource, scope.scope)
                         rows[metric.name] = (envelope.data.base_data.metrics[0], envelope.data.base_data.properties)
     row, dims = rows["chat.stream.time_to_first_delta"]
-    assert (row.name, row.value, row.count, row.min, row.max) == ("chat.stream.time_to_first_delta", 50.0, 1, 50.0, 50.0)
+    assert (row.name, row.value, row.count, row.min, row.max) == (
+        "chat.stream.time_to_first_delta",
+        50.0,
+        1,
+        50.0,
+        50.0,
+    )
     assert dims == {"model": model, "endpoint": "chat"}
 
 
@@ -328,7 +340,8 @@ def test_no_sdk_means_no_cost_and_no_error():
         "assert telemetry.configure({}) == 'off'\n"
         "s = telemetry.start_stream('m'); r = StreamRecord(endpoint='chat', model='m'); r.deltas = 1; s.end(r)\n"
         "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
@@ -394,6 +407,7 @@ def test_the_real_azure_monitor_distro_accepts_the_call():
     import inspect
 
     from azure.monitor.opentelemetry import configure_azure_monitor
+
     doc = inspect.getdoc(configure_azure_monitor) or ""
     for keyword in ("connection_string", "credential", "logger_name"):
         assert keyword in doc
@@ -402,7 +416,6 @@ def test_the_real_azure_monitor_distro_accepts_the_call():
 # ---------------------------------------------------------------------------------------------
 # End to end: the real endpoint over HTTP, in this process
 # ---------------------------------------------------------------------------------------------
-
 
 
 @pytest.fixture(scope="module")
@@ -451,8 +464,10 @@ def test_streamed_request_end_to_end(otel, model, inproc):
     (ttfd,) = points["chat.stream.time_to_first_delta"]
     assert ttfd.count == 1 and ttfd.sum == pytest.approx(a["chat.time_to_first_delta_ms"], abs=0.2)
     assert counter_value(points["chat.stream.deltas"]) == 10
-    assert counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "output"}) == \
-        done["usage"]["completion_tokens"]
+    assert (
+        counter_value(points["chat.stream.tokens"], **{"gen_ai.token.type": "output"})
+        == done["usage"]["completion_tokens"]
+    )
 
 
 def test_caller_hanging_up_end_to_end(otel, model, inproc):

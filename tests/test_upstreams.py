@@ -1,6 +1,7 @@
 """The three upstream kinds: OpenAI-compatible (the rest of the suite), Azure OpenAI with a key
 (through the local host), and Azure OpenAI with Entra ID (the client built by chatstream.upstream,
 with a credential that hands out known tokens, talking HTTP to the scripted upstream)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,18 +9,24 @@ import time
 
 import pytest
 from azure.core.credentials import AccessToken
-
 from chat import chat, prompt
+from servers import App
+
 from chatstream.settings import Settings
 from chatstream.upstreams.clients import ENTRA_SCOPE, UpstreamStream, entra_token_provider, make_client
 from chatstream.upstreams.config import entries
 from tools.fakeupstream.scenarios import TEXTS
-from servers import App
 
 
 def test_azure_openai_with_a_key(upstream):
-    app = App({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal",
-               "AZURE_OPENAI_API_KEY": "azure-key-123", "AZURE_OPENAI_API_VERSION": "2024-10-21"})
+    app = App(
+        {
+            "AZURE_OPENAI_ENDPOINT": upstream.url,
+            "AZURE_OPENAI_DEPLOYMENT": "normal",
+            "AZURE_OPENAI_API_KEY": "azure-key-123",
+            "AZURE_OPENAI_API_VERSION": "2024-10-21",
+        }
+    )
     try:
         result = chat(app.chat_url, {"prompt": "hi"})
     finally:
@@ -53,8 +60,11 @@ async def _two_requests(upstream, credential) -> list[str]:
     (entry,) = entries(settings, {})
     client = make_client(entry, settings, settings.upstream_max_retries, entra_token_provider(credential))
     for _ in range(2):
-        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "normal", "stream": True,
-                                                    "messages": [{"role": "user", "content": "hi"}]})
+        stream = await UpstreamStream.open(
+            client,
+            "/chat/completions",
+            {"model": "normal", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        )
         text = ""
         async for chunk in stream:
             for choice in chunk["choices"]:
@@ -82,6 +92,7 @@ def test_entra_token_near_expiry_is_refreshed(upstream):
 @pytest.fixture(scope="module")
 def allowlisted(upstream):
     from helpers import app_env
+
     app = App(app_env(upstream, ALLOWED_MODELS="gpt-test, normal"))
     yield app
     app.stop()
@@ -98,8 +109,12 @@ def test_model_allowlist(allowlisted, upstream):
     assert chat(allowlisted.chat_url, {**prompt("normal"), "model": "normal"}).text == TEXTS["normal"]
 
     import httpx
-    r = httpx.post(allowlisted.url + "/api/v1/chat/completions", timeout=10,
-                   json={"model": "slow", "messages": [{"role": "user", "content": "hi"}]})
+
+    r = httpx.post(
+        allowlisted.url + "/api/v1/chat/completions",
+        timeout=10,
+        json={"model": "slow", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_allowed"
     models = httpx.get(allowlisted.url + "/api/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["gpt-test", "normal"]

@@ -1,6 +1,7 @@
 """Issue #23 item 1: the Python worker must not grow per request. The runtime's HttpCoordinator kept
 one entry per invocation forever (~2.1 KB a request); chatstream/worker_fix.py deletes it. Measured
 on the worker process itself (its RSS from /_devhost/stats), after a warm-up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ async def mixed_requests(base: str, count: int) -> None:
         assert r.status_code == 200, r.text
 
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=CONCURRENCY)) as client:
+
         async def lane(start: int) -> None:
             for i in range(start, count, CONCURRENCY):
                 await one(client, i)

@@ -143,7 +143,9 @@ class ChatApi:
         return CompletionStream(pipeline, 1, keep)
 
     def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]:
-        return lambda item: encode(item, call.stream_id)
+        if call.stream_id is None:
+            return encode
+        return lambda item: encode(item, call.stream_id)  # the final event names the resumable stream
 
     def error_response(self, error: ApiError) -> Response:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

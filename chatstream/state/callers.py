@@ -186,7 +186,7 @@ class CallerPatch(_Limits):
     """``PATCH /api/manage/callers/{name}``: the fields given change (``null`` removes a limit, the
     model list or the expiry); the name cannot change."""
 
-    budget_period: Period | None = None  # type: ignore[assignment]
+    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out (the base requires it)
 
 
 def _describe(exc: ValidationError) -> ApiError:

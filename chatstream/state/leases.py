@@ -111,7 +111,8 @@ class Lease:
         self.advance(window)
         if not self.waiters and self.balance >= need:
             self.balance -= need
-            return self.window  # type: ignore[return-value]
+            assert self.window is not None  # advance() just set it
+            return self.window
         waiter = Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()

@@ -1,5 +1,6 @@
 """The local host (tools/devhost/) on the real runtime: routing, settings, invocation ids, hang-ups,
 start-up failures and stopping."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from chat import prompt
 from servers import ROOT, App
 
@@ -24,9 +24,14 @@ PROBE = ROOT / "tests" / "apps" / "probe"
 def probe_dir(tmp_path_factory) -> Path:
     app_dir = tmp_path_factory.mktemp("probe")
     shutil.copy(PROBE / "function_app.py", app_dir)
-    (app_dir / "local.settings.json").write_text(json.dumps({
-        "IsEncrypted": False,
-        "Values": {"FROM_FILE": "file-value", "BOTH": "file-loses", "FUNCTIONS_WORKER_RUNTIME": "python"}}))
+    (app_dir / "local.settings.json").write_text(
+        json.dumps(
+            {
+                "IsEncrypted": False,
+                "Values": {"FROM_FILE": "file-value", "BOTH": "file-loses", "FUNCTIONS_WORKER_RUNTIME": "python"},
+            }
+        )
+    )
     return app_dir
 
 
@@ -108,9 +113,14 @@ def test_chat_hang_up_closes_the_upstream_within_a_second(app, upstream):
 
 
 def _run_devhost(app_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(app_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={"PATH": "/usr/bin:/bin",
-                                                                               "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--port", "0", str(app_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_app_without_streaming_enabled_fails_to_load_like_under_func():
@@ -122,10 +132,19 @@ def test_app_without_streaming_enabled_fails_to_load_like_under_func():
 
 
 def test_bad_setting_stops_the_app_with_a_message_naming_it(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                 "IDLE_TIMEOUT_SECONDS": "soon", "OPENAI_API_KEY": "sk-never-printed-123"})
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "IDLE_TIMEOUT_SECONDS": "soon",
+            "OPENAI_API_KEY": "sk-never-printed-123",
+        },
+    )
     assert result.returncode == 1
     assert "IDLE_TIMEOUT_SECONDS" in result.stderr
     assert "sk-never-printed-123" not in result.stderr + result.stdout

@@ -1,8 +1,10 @@
 """The local host (tools/devhost/) under hostile or unusual HTTP: Expect: 100-continue, oversized and
 slow requests, upgrades, cross-site callers. Every test talks to real processes over sockets.
 docs/reliability.md ("Local host and C# client hardening") lists these with what they prove."""
+
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -38,9 +40,18 @@ class Answer:
         return text
 
 
-def exchange(port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes = b"",
-             *, expect_continue: bool = False, timeout: float = 10.0, sock: socket.socket | None = None,
-             stop_after_first_data: bool = False) -> tuple[Answer, socket.socket]:
+def exchange(
+    port: int,
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+    body: bytes = b"",
+    *,
+    expect_continue: bool = False,
+    timeout: float = 10.0,
+    sock: socket.socket | None = None,
+    stop_after_first_data: bool = False,
+) -> tuple[Answer, socket.socket]:
     """One request over a raw socket, read with h11 (which knows interim 1xx responses). Returns the
     answer and the socket (still open, for the caller to close or reuse)."""
     s = sock or socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -107,6 +118,7 @@ JSON = [("content-type", "application/json")]
 
 # ------------------------------------------------------------------------- Expect: 100-continue
 
+
 def test_expect_100_continue_never_hands_a_caller_someone_elses_answer(app):
     """Callers A..E one after the other, A with Expect: 100-continue. Each must get exactly its own
     echo; before the fix A got the worker's interim 100 as its final answer, its connection to the
@@ -116,8 +128,7 @@ def test_expect_100_continue_never_hands_a_caller_someone_elses_answer(app):
     got = {}
     for name in "ABCDE":
         text = f"[scenario:echo] caller {name} {run}"
-        answer, s = exchange(port, "POST", "/api/chat", JSON, chat_body(text),
-                             expect_continue=(name == "A"), timeout=8)
+        answer, s = exchange(port, "POST", "/api/chat", JSON, chat_body(text), expect_continue=(name == "A"), timeout=8)
         s.close()
         got[name] = answer
     seen = {name: (answer.status, answer.error, answer.sse_text()) for name, answer in got.items()}
@@ -132,8 +143,16 @@ def test_expect_100_continue_never_hands_a_caller_someone_elses_answer(app):
 
 def test_expect_100_continue_caller_hang_up_still_closes_its_upstream(app, upstream):
     port = _port(app)
-    answer, s = exchange(port, "POST", "/api/chat", JSON, chat_body(f"[scenario:stall] {uuid.uuid4().hex}"),
-                         expect_continue=True, timeout=8, stop_after_first_data=True)
+    answer, s = exchange(
+        port,
+        "POST",
+        "/api/chat",
+        JSON,
+        chat_body(f"[scenario:stall] {uuid.uuid4().hex}"),
+        expect_continue=True,
+        timeout=8,
+        stop_after_first_data=True,
+    )
     try:
         assert answer.status == 200 and b"data: " in answer.body, (answer.status, answer.error, answer.body[:200])
     finally:
@@ -151,10 +170,12 @@ def test_expect_100_continue_caller_hang_up_still_closes_its_upstream(app, upstr
 
 # The forwarder against a scripted worker: interim responses and bytes after the answer.
 
+
 async def _scripted_worker(script: list[list[bytes]]):
     """A server on 127.0.0.1 answering the n-th request it reads (on any connection) with the pieces
     of script[n], written 50 ms apart."""
     import asyncio
+
     answers = iter(script)
 
     async def handle(reader, writer):
@@ -190,14 +211,22 @@ def test_forwarder_skips_interim_responses_and_never_reuses_an_unclean_connectio
     from tools.devhost.forward import Forwarder
 
     async def main():
-        server, port = await _scripted_worker([
-            [b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n", b"HTTP/1.1 100 Continue\r\n\r\n",
-             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", b"first"],
-            # a complete answer with a second one glued to it in the same write
-            [b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond"
-             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale"],
-            [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nthird"],
-        ])
+        server, port = await _scripted_worker(
+            [
+                [
+                    b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n",
+                    b"HTTP/1.1 100 Continue\r\n\r\n",
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n",
+                    b"first",
+                ],
+                # a complete answer with a second one glued to it in the same write
+                [
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond"
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale"
+                ],
+                [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nthird"],
+            ]
+        )
         forwarder = Forwarder("127.0.0.1", port)
         try:
             first = await _forward_once(forwarder)
@@ -216,8 +245,11 @@ def test_forwarder_skips_interim_responses_and_never_reuses_an_unclean_connectio
 
 # ------------------------------------------------------------------------- limits on the front server
 
-LIMITS = {"DEVHOST_HEADER_TIMEOUT_SECONDS": "1.5", "DEVHOST_BODY_TIMEOUT_SECONDS": "1.5",
-          "DEVHOST_KEEPALIVE_TIMEOUT_SECONDS": "1.5"}
+LIMITS = {
+    "DEVHOST_HEADER_TIMEOUT_SECONDS": "1.5",
+    "DEVHOST_BODY_TIMEOUT_SECONDS": "1.5",
+    "DEVHOST_KEEPALIVE_TIMEOUT_SECONDS": "1.5",
+}
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +257,7 @@ def limited(upstream):
     """The app with short front-server deadlines (1.5 s), so that the tests run in seconds."""
     from conftest import app_env
     from servers import App
+
     server = App(app_env(upstream, **LIMITS))
     yield server
     server.stop()
@@ -242,7 +275,7 @@ def _read_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, float |
         s.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             piece = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             break
         except OSError:  # reset
             return data, time.monotonic()
@@ -339,10 +372,8 @@ def test_slow_headers_get_408_at_the_header_deadline(limited):
             s.sendall(bytes([byte]))
             time.sleep(0.05)
             s.settimeout(0.001)
-            try:
+            with contextlib.suppress(TimeoutError, BlockingIOError):
                 answered += s.recv(4096)
-            except (socket.timeout, BlockingIOError):
-                pass
             if answered or time.monotonic() - started > 8:
                 break
     except OSError:
@@ -361,8 +392,10 @@ def test_slow_body_gets_408_at_the_body_deadline(limited):
     port = _port(limited)
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     body = chat_body(f"[scenario:echo] slow body {uuid.uuid4().hex[:6]}")
-    s.sendall(b"POST /api/chat HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n%s" % (len(body), body[:10]))
+    s.sendall(
+        b"POST /api/chat HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body[:10])
+    )
     started = time.monotonic()
     for piece in body[10:20]:  # a byte every 100 ms: alive, but too slow
         try:
@@ -399,8 +432,7 @@ def test_a_connection_that_sends_nothing_is_closed(limited):
     assert closed is not None and closed - opened < 5
 
 
-H2C = [("connection", "Upgrade, HTTP2-Settings"), ("upgrade", "h2c"),
-       ("http2-settings", "AAMAAABkAAQCAAAAAAIAAAAA")]
+H2C = [("connection", "Upgrade, HTTP2-Settings"), ("upgrade", "h2c"), ("http2-settings", "AAMAAABkAAQCAAAAAAIAAAAA")]
 
 
 def test_h2c_upgrade_is_ignored_and_the_request_answered_over_http11(limited):
@@ -419,8 +451,12 @@ def test_h2c_upgrade_is_ignored_and_the_request_answered_over_http11(limited):
 
 def test_websocket_upgrade_is_refused_with_a_plain_http_answer(limited):
     """Before: 500 (the front server switched to WebSocket and the host does not speak it)."""
-    ws = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-version", "13"),
-          ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")]
+    ws = [
+        ("connection", "Upgrade"),
+        ("upgrade", "websocket"),
+        ("sec-websocket-version", "13"),
+        ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+    ]
     for target, expected in (("/api/chat", 405), ("/api/v1/models", 200)):
         answer, s = exchange(_port(limited), "GET", target, ws, timeout=8)
         s.close()
@@ -444,23 +480,38 @@ def test_a_bad_limit_setting_stops_the_host_naming_it():
     import sys
 
     from servers import ROOT
-    for env, name in (({"DEVHOST_BODY_TIMEOUT_SECONDS": "soon"}, "DEVHOST_BODY_TIMEOUT_SECONDS"),
-                      ({"DEVHOST_MAX_HEADER_BYTES": "-1"}, "DEVHOST_MAX_HEADER_BYTES")):
-        result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
-                                capture_output=True, text=True, timeout=60,
-                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
+
+    for env, name in (
+        ({"DEVHOST_BODY_TIMEOUT_SECONDS": "soon"}, "DEVHOST_BODY_TIMEOUT_SECONDS"),
+        ({"DEVHOST_MAX_HEADER_BYTES": "-1"}, "DEVHOST_MAX_HEADER_BYTES"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
+        )
         assert result.returncode == 2, result.stderr
         assert name in result.stderr
-    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--header-timeout", "0", str(ROOT)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--header-timeout", "0", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 2 and "--header-timeout" in result.stderr, result.stderr
 
 
 # ------------------------------------------------------------------------- cross-site callers
 
+
 def _served_devhost(*args: str, env: dict | None = None, app_dir=None):
     from servers import ROOT, Served
+
     return Served(["-m", "tools.devhost", "--port", "0", *args, str(app_dir or ROOT)], env=env)
 
 
@@ -491,19 +542,22 @@ def test_cross_site_requests_are_refused_before_the_function_runs(app, upstream)
         assert "access-control-allow-origin" not in answer.headers
     assert upstream.count() == before, "a refused request reached the upstream"
     # A refused preflight gets no CORS headers either.
-    answer, s = exchange(port, "OPTIONS", "/api/chat", [("origin", "https://evil.example"),
-                                                        ("access-control-request-method", "POST")])
+    answer, s = exchange(
+        port, "OPTIONS", "/api/chat", [("origin", "https://evil.example"), ("access-control-request-method", "POST")]
+    )
     s.close()
     assert answer.status == 403 and "access-control-allow-origin" not in answer.headers
 
 
 def test_same_origin_and_origin_less_callers_are_served(app):
     port = _port(app)
-    for headers in ([],  # curl -d '{...}'
-                    [("origin", f"http://127.0.0.1:{port}"), ("sec-fetch-site", "same-origin")],
-                    [("origin", f"http://localhost:{port}")],
-                    [("origin", f"HTTP://LOCALHOST:{port}")],
-                    [("sec-fetch-site", "none")]):  # typed into the address bar
+    for headers in (
+        [],  # curl -d '{...}'
+        [("origin", f"http://127.0.0.1:{port}"), ("sec-fetch-site", "same-origin")],
+        [("origin", f"http://localhost:{port}")],
+        [("origin", f"HTTP://LOCALHOST:{port}")],
+        [("sec-fetch-site", "none")],
+    ):  # typed into the address bar
         text = f"[scenario:echo] same origin {uuid.uuid4().hex[:6]}"
         answer, s = exchange(port, "POST", "/api/chat", FORM + headers, chat_body(text))
         s.close()
@@ -513,12 +567,22 @@ def test_same_origin_and_origin_less_callers_are_served(app):
 
 def test_allowed_origins_get_cors_headers_and_preflight_answers(upstream):
     from conftest import app_env
-    server = _served_devhost(env=app_env(upstream, CORS_ALLOWED_ORIGINS="https://playground.example/, http://localhost:3000"))
+
+    server = _served_devhost(
+        env=app_env(upstream, CORS_ALLOWED_ORIGINS="https://playground.example/, http://localhost:3000")
+    )
     try:
         port = _port(server)
-        answer, s = exchange(port, "OPTIONS", "/api/v1/chat/completions", [
-            ("origin", "https://playground.example"), ("access-control-request-method", "POST"),
-            ("access-control-request-headers", "content-type, x-functions-key, authorization")])
+        answer, s = exchange(
+            port,
+            "OPTIONS",
+            "/api/v1/chat/completions",
+            [
+                ("origin", "https://playground.example"),
+                ("access-control-request-method", "POST"),
+                ("access-control-request-headers", "content-type, x-functions-key, authorization"),
+            ],
+        )
         s.close()
         assert answer.status == 204, answer.status
         h = answer.headers
@@ -548,11 +612,13 @@ def test_allowed_origins_get_cors_headers_and_preflight_answers(upstream):
 
 def test_cors_flag_star_allows_any_origin(upstream):
     from conftest import app_env
+
     server = _served_devhost("--cors", "*", env=app_env(upstream))
     try:
         text = f"[scenario:echo] star {uuid.uuid4().hex[:6]}"
-        answer, s = exchange(_port(server), "POST", "/api/chat", FORM + [("origin", "https://anywhere.example")],
-                             chat_body(text))
+        answer, s = exchange(
+            _port(server), "POST", "/api/chat", FORM + [("origin", "https://anywhere.example")], chat_body(text)
+        )
         s.close()
         assert answer.status == 200 and answer.sse_text() == echo_text(text)
         assert answer.headers["access-control-allow-origin"] == "*"
@@ -565,9 +631,11 @@ def test_cors_from_local_settings_host_section_like_func(tmp_path):
     import shutil
 
     from servers import ROOT
+
     shutil.copy(ROOT / "tests" / "apps" / "probe" / "function_app.py", tmp_path)
-    (tmp_path / "local.settings.json").write_text(json.dumps({
-        "IsEncrypted": False, "Values": {}, "Host": {"CORS": "https://a.example"}}))
+    (tmp_path / "local.settings.json").write_text(
+        json.dumps({"IsEncrypted": False, "Values": {}, "Host": {"CORS": "https://a.example"}})
+    )
     server = _served_devhost(app_dir=tmp_path)
     try:
         port = _port(server)
@@ -586,9 +654,18 @@ def test_a_malformed_cors_origin_stops_the_host_naming_the_setting():
     import sys
 
     from servers import ROOT
-    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                 "CORS_ALLOWED_ORIGINS": "https://ok.example, not an origin"})
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "CORS_ALLOWED_ORIGINS": "https://ok.example, not an origin",
+        },
+    )
     assert result.returncode == 2, result.stderr
     assert "CORS_ALLOWED_ORIGINS" in result.stderr and "not an origin" in result.stderr

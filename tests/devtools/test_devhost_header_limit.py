@@ -2,6 +2,7 @@
 (65,536 bytes, the default of DEVHOST_MAX_HEADER_BYTES) gets 431, and one within it is served,
 whether the head arrives in one write, in pieces, or pipelined behind another request. Raw sockets
 against the app on the local host; sizes are of the whole head, blank line included."""
+
 from __future__ import annotations
 
 import socket
@@ -90,9 +91,9 @@ CHAT = b'{"prompt":"[scenario:echo] pipelined"}'
 FIRST = {
     "without a body": b"GET /api/v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
     "with a content-length body": b"POST /api/chat HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                                  b"content-length: %d\r\n\r\n%s" % (len(CHAT), CHAT),
+    b"content-length: %d\r\n\r\n%s" % (len(CHAT), CHAT),
     "with a chunked body": b"POST /api/chat HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                           b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT),
+    b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT),
 }
 
 

@@ -2,6 +2,7 @@
 in a process of its own reached over gRPC, FUNCTIONS_WORKER_PROCESS_COUNT of them share the
 requests, a worker that dies is reported and replaced while the host keeps serving, and nothing
 outlives the host."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from servers import ROOT, App
 
 PROBE = ROOT / "tests" / "apps" / "probe"
@@ -106,8 +106,9 @@ def test_concurrent_streams_go_to_the_least_busy_worker(two, tmp_path):
     with httpx.Client(timeout=10) as client, contextlib.ExitStack() as streams:
         readers = []  # held: a line iterator that is dropped closes its response
         for i in range(4):
-            r = streams.enter_context(client.stream("GET", two.url + "/api/ticks",
-                                                    params={"marker": str(tmp_path / f"m{i}")}))
+            r = streams.enter_context(
+                client.stream("GET", two.url + "/api/ticks", params={"marker": str(tmp_path / f"m{i}")})
+            )
             readers.append(r.iter_lines())
             assert next(readers[-1]) == "tick 0"
         busy = {w["pid"]: w["in_flight"] for w in workers(two)}
@@ -138,8 +139,11 @@ def test_a_worker_that_dies_is_reported_and_restarted_and_its_streams_end(probe_
             app.wait_log(rf"worker \d \(pid {victim}\) exited \(killed by SIGKILL\)[^\n]*restarting it")
             # The other worker keeps serving meanwhile, and a new one takes the dead one's place.
             assert client.get(app.url + "/api/pid").status_code == 200
-            wait_for(lambda: len(workers(app)) == 2 and victim not in {w["pid"] for w in workers(app)},
-                     30, "the restarted worker")
+            wait_for(
+                lambda: len(workers(app)) == 2 and victim not in {w["pid"] for w in workers(app)},
+                30,
+                "the restarted worker",
+            )
             app.wait_log(r"worker \d \(pid \d+\) restarted; serving")
             served = {client.get(app.url + "/api/pid").json()["pid"] for _ in range(6)}
             assert served == set(children(app.proc.pid)) and victim not in served
@@ -190,10 +194,14 @@ def test_a_host_killed_outright_takes_its_workers_with_it(probe_dir):
 
 @pytest.mark.parametrize("value", ["0", "11", "two", "1.5"])
 def test_bad_worker_process_count_is_a_clear_error(value, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                 "FUNCTIONS_WORKER_PROCESS_COUNT": value})
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FUNCTIONS_WORKER_PROCESS_COUNT": value},
+    )
     assert result.returncode == 2
     assert "FUNCTIONS_WORKER_PROCESS_COUNT must be a whole number from 1 to 10" in result.stderr
     assert "listening" not in result.stdout

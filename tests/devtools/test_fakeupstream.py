@@ -38,7 +38,10 @@ pytestmark = pytest.mark.timeout(30)
 def start(*args: str, log: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tools.fakeupstream", "--port", "0", *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
     )
     if not select.select([proc.stdout], [], [], 15)[0]:
         proc.kill()
@@ -93,7 +96,8 @@ def stream_record(server: str, request_id: str, wait_s: float = 1.0) -> dict:
 
 def test_normal_stream_with_sdk_and_usage(client):
     stream = client.chat.completions.create(
-        model="normal", messages=USER, stream=True, stream_options={"include_usage": True})
+        model="normal", messages=USER, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == TEXTS["normal"]
@@ -102,7 +106,10 @@ def test_normal_stream_with_sdk_and_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == []
     assert chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
-        "prompt_tokens": 4, "completion_tokens": COMPLETION_TOKENS["normal"], "total_tokens": 14}
+        "prompt_tokens": 4,
+        "completion_tokens": COMPLETION_TOKENS["normal"],
+        "total_tokens": 14,
+    }
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
     assert {c.model for c in chunks} == {"normal"}
 
@@ -114,10 +121,24 @@ def test_raw_wire_format(server):
     evs = events(r.content)
     assert evs[-1] == "[DONE]"
     first, finish = evs[0], evs[-2]
-    head = {"id": first["id"], "object": "chat.completion.chunk", "created": first["created"],
-            "model": "normal", "system_fingerprint": "fp_fake"}
-    assert first == {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
-                                          "logprobs": None, "finish_reason": None}]}
+    head = {
+        "id": first["id"],
+        "object": "chat.completion.chunk",
+        "created": first["created"],
+        "model": "normal",
+        "system_fingerprint": "fp_fake",
+    }
+    assert first == {
+        **head,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": "", "refusal": None},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
     assert finish == {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]}
     deltas = [e["choices"][0]["delta"]["content"] for e in evs[1:-2]]
     assert len(deltas) == 10 and "".join(deltas) == TEXTS["normal"]
@@ -130,8 +151,10 @@ def test_n2_interleaves_choices(server):
     evs = events(post_raw(server, {"model": "normal", "messages": USER, "stream": True, "n": 2}).content)[:-1]
     indexes = [e["choices"][0]["index"] for e in evs]
     assert indexes == [0, 1] * (len(evs) // 2)
-    texts = ["".join(e["choices"][0]["delta"].get("content") or "" for e in evs if e["choices"][0]["index"] == i)
-             for i in (0, 1)]
+    texts = [
+        "".join(e["choices"][0]["delta"].get("content") or "" for e in evs if e["choices"][0]["index"] == i)
+        for i in (0, 1)
+    ]
     assert texts == [TEXTS["normal"], choice_text(TEXTS["normal"], 1)]
 
 
@@ -174,10 +197,14 @@ def test_split_utf8_arrives_cut_inside_characters(server):
 
 
 def test_azure_filters_with_azure_sdk(server):
-    with openai.AzureOpenAI(azure_endpoint=server, api_version="2024-10-21", api_key="azure-key-1234",
-                            max_retries=0, timeout=10) as az:
-        chunks = list(az.chat.completions.create(
-            model="azure_filters", messages=USER, stream=True, stream_options={"include_usage": True}))
+    with openai.AzureOpenAI(
+        azure_endpoint=server, api_version="2024-10-21", api_key="azure-key-1234", max_retries=0, timeout=10
+    ) as az:
+        chunks = list(
+            az.chat.completions.create(
+                model="azure_filters", messages=USER, stream=True, stream_options={"include_usage": True}
+            )
+        )
     first = chunks[0]
     assert first.choices == [] and first.model == ""
     assert first.model_extra["prompt_filter_results"][0]["prompt_index"] == 0
@@ -186,7 +213,9 @@ def test_azure_filters_with_azure_sdk(server):
     content = [c for c in chunks if c.choices and c.choices[0].delta and c.choices[0].delta.content]
     assert {c.model for c in content} == {"azure_filters"}  # the deployment name
     assert content[0].choices[0].model_extra["content_filter_results"]["hate"] == {
-        "filtered": False, "severity": "safe"}
+        "filtered": False,
+        "severity": "safe",
+    }
     assert any(c.choices and "content_filter_offsets" in c.choices[0].model_extra for c in chunks)
     assert chunks[-1].usage.completion_tokens == COMPLETION_TOKENS["azure_filters"]
 
@@ -215,13 +244,16 @@ def test_rate_limited_raises_with_retry_after(client):
     assert (err.type, err.code, err.param) == ("requests", "rate_limit_exceeded", None)
 
 
-@pytest.mark.parametrize("name, status, type_, code, param", [
-    ("bad_request", 400, "invalid_request_error", None, "messages"),
-    ("forbidden", 403, "request_forbidden", "unsupported_country_region_territory", None),
-    ("model_not_found", 404, "invalid_request_error", "model_not_found", None),
-    ("server_error", 500, "server_error", None, None),
-    ("overloaded", 503, "server_error", None, None),
-])
+@pytest.mark.parametrize(
+    "name, status, type_, code, param",
+    [
+        ("bad_request", 400, "invalid_request_error", None, "messages"),
+        ("forbidden", 403, "request_forbidden", "unsupported_country_region_territory", None),
+        ("model_not_found", 404, "invalid_request_error", "model_not_found", None),
+        ("server_error", 500, "server_error", None, None),
+        ("overloaded", 503, "server_error", None, None),
+    ],
+)
 def test_error_scenarios(server, name, status, type_, code, param):
     r = post_raw(server, {"model": name, "messages": USER, "stream": True})
     assert r.status_code == status
@@ -263,11 +295,15 @@ def test_midstream_error_and_malformed_line(client, server):
 
 
 def test_after_finish_sends_extra_content(server):
-    evs = events(post_raw(server, {"model": "after_finish", "messages": USER, "stream": True,
-                                   "stream_options": {"include_usage": True}}).content)
+    evs = events(
+        post_raw(
+            server,
+            {"model": "after_finish", "messages": USER, "stream": True, "stream_options": {"include_usage": True}},
+        ).content
+    )
     finish_at = next(i for i, e in enumerate(evs) if e["choices"] and e["choices"][0]["finish_reason"])
     before = "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[:finish_at])
-    after = "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[finish_at + 1:-2])
+    after = "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[finish_at + 1 : -2])
     assert (before, after) == (TEXTS["after_finish"], AFTER_FINISH_EXTRA)
     assert evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 2 and evs[-1] == "[DONE]"
 
@@ -345,8 +381,10 @@ def test_scenario_choice_order_and_records(server):
 
     assert httpx.post(f"{server}/_scripted/default", json={"scenario": "slow"}).json() == {"scenario": "slow"}
     try:
-        assert post_raw(server, {"model": "gpt-4o", "messages": USER}).json()["choices"][0]["message"][
-            "content"] == TEXTS["slow"]
+        assert (
+            post_raw(server, {"model": "gpt-4o", "messages": USER}).json()["choices"][0]["message"]["content"]
+            == TEXTS["slow"]
+        )
         assert post_raw(server, marked).json()["choices"][0]["finish_reason"] == "length"  # marker beats default
     finally:
         httpx.post(f"{server}/_scripted/default", json={"scenario": "echo"})
@@ -369,14 +407,28 @@ def test_scenario_choice_order_and_records(server):
 
 
 def test_cli_refuses_other_hosts():
-    r = subprocess.run([sys.executable, "-m", "tools.fakeupstream", "--host", "0.0.0.0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=10)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.fakeupstream", "--host", "0.0.0.0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert r.returncode == 2 and "127.0.0.1 only" in r.stderr and r.stdout == ""
 
 
 def test_cli_flags_and_quick_stop_with_open_stream(tmp_path):
-    proc, base = start("--scenario", "stall", "--deltas", "3", "--first-token-ms", "1", "--interval-ms", "1",
-                       log=tmp_path / "stderr.log")
+    proc, base = start(
+        "--scenario",
+        "stall",
+        "--deltas",
+        "3",
+        "--first-token-ms",
+        "1",
+        "--interval-ms",
+        "1",
+        log=tmp_path / "stderr.log",
+    )
     try:
         evs = events(post_raw(base, {"model": "cadence", "messages": USER, "stream": True}).content)
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[:-1]) == cadence_text(3)

@@ -9,8 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from servers import Upstream
+
 from tools.fakeupstream import (
     FAILED_ERROR,
     FUNCTION_CALL_ARGUMENTS,
@@ -85,19 +85,34 @@ def stream_record(server: str, request_id: str, wait_s: float = 1.0) -> dict:
 def test_stream_with_sdk_text_and_usage(client):
     events = list(client.responses.create(model="normal", input=INPUT, stream=True))
     assert_consecutive(events)
-    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress",
-                                            "response.output_item.added", "response.content_part.added"]
-    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
-                                             "response.output_item.done", "response.completed"]
+    assert [e.type for e in events[:4]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert [e.type for e in events[-4:]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert text_of(events) == RESPONSES_TEXTS["normal"] == TEXTS["normal"]
     done = events[-1].response
     assert (done.status, done.object, done.model, done.output_text) == (
-        "completed", "response", "normal", TEXTS["normal"])
+        "completed",
+        "response",
+        "normal",
+        TEXTS["normal"],
+    )
     assert done.id.startswith("resp_") and {e.response.id for e in events[:2]} == {done.id}
     assert done.usage.model_dump() == {
-        "input_tokens": 4, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
-                                                    "cache_write_tokens_details": None},
-        "output_tokens": 10, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14}
+        "input_tokens": 4,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "cache_write_tokens_details": None},
+        "output_tokens": 10,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 14,
+    }
     assert RESPONSES_OUTPUT_TOKENS["normal"] == 10
 
 
@@ -114,33 +129,55 @@ def test_raw_wire_format(server):
     assert created["response"]["status"] == "in_progress" and created["response"]["output"] == []
     assert created["response"]["usage"] is None
     msg_id = item_added["item"]["id"]
-    assert item_added == {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0,
-                          "item": {"id": msg_id, "type": "message", "status": "in_progress", "content": [],
-                                   "role": "assistant"}}
+    assert item_added == {
+        "type": "response.output_item.added",
+        "sequence_number": 2,
+        "output_index": 0,
+        "item": {"id": msg_id, "type": "message", "status": "in_progress", "content": [], "role": "assistant"},
+    }
     assert msg_id.startswith("msg_")
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
     part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
     assert part_added == {"type": "response.content_part.added", "sequence_number": 3, **where, "part": part}
     obfuscation = first_delta.pop("obfuscation")
     assert isinstance(obfuscation, str) and obfuscation
-    assert first_delta == {"type": "response.output_text.delta", "sequence_number": 4, **where,
-                           "delta": "Hello! This is the scripted **normal** reply.\n", "logprobs": []}
+    assert first_delta == {
+        "type": "response.output_text.delta",
+        "sequence_number": 4,
+        **where,
+        "delta": "Hello! This is the scripted **normal** reply.\n",
+        "logprobs": [],
+    }
     text = TEXTS["normal"]
-    assert evs[-4] == {"type": "response.output_text.done", "sequence_number": 14, **where, "text": text,
-                       "logprobs": []}
-    assert evs[-3] == {"type": "response.content_part.done", "sequence_number": 15, **where,
-                       "part": {**part, "text": text}}
-    done_item = {"id": msg_id, "type": "message", "status": "completed", "content": [{**part, "text": text}],
-                 "role": "assistant"}
-    assert evs[-2] == {"type": "response.output_item.done", "sequence_number": 16, "output_index": 0,
-                       "item": done_item}
+    assert evs[-4] == {
+        "type": "response.output_text.done",
+        "sequence_number": 14,
+        **where,
+        "text": text,
+        "logprobs": [],
+    }
+    assert evs[-3] == {
+        "type": "response.content_part.done",
+        "sequence_number": 15,
+        **where,
+        "part": {**part, "text": text},
+    }
+    done_item = {
+        "id": msg_id,
+        "type": "message",
+        "status": "completed",
+        "content": [{**part, "text": text}],
+        "role": "assistant",
+    }
+    assert evs[-2] == {"type": "response.output_item.done", "sequence_number": 16, "output_index": 0, "item": done_item}
     final = evs[-1]["response"]
     assert final["status"] == "completed" and final["output"] == [done_item]
     assert final["completed_at"] >= final["created_at"]
     assert "output_text" not in final  # an SDK convenience property, not on the wire
 
-    r = post(server, {"model": "normal", "input": INPUT, "stream": True,
-                      "stream_options": {"include_obfuscation": False}})
+    r = post(
+        server, {"model": "normal", "input": INPUT, "stream": True, "stream_options": {"include_obfuscation": False}}
+    )
     assert b"obfuscation" not in r.content
 
 
@@ -177,7 +214,12 @@ def test_function_call_streaming(client):
     assert_consecutive(events)
     added = next(e for e in events if e.type == "response.output_item.added").item
     assert (added.type, added.call_id, added.name, added.arguments, added.status) == (
-        "function_call", FUNCTION_CALL_ID, FUNCTION_CALL_NAME, "", "in_progress")
+        "function_call",
+        FUNCTION_CALL_ID,
+        FUNCTION_CALL_NAME,
+        "",
+        "in_progress",
+    )
     deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(deltas) == 10 and {e.item_id for e in deltas} == {added.id}
     assert "".join(e.delta for e in deltas) == FUNCTION_CALL_ARGUMENTS
@@ -256,8 +298,16 @@ def test_error_event_variants(client, server):
         list(client.responses.create(model="error_event_nested", input=INPUT, stream=True))
     evs = parse_sse(post(server, {"model": "error_event_nested", "input": INPUT, "stream": True}).content)
     assert_consecutive(evs)
-    assert evs[-1] == {"type": "error", "sequence_number": len(evs) - 1, "error": {
-        "type": "server_error", "code": "server_error", "message": evs[-1]["error"]["message"], "param": None}}
+    assert evs[-1] == {
+        "type": "error",
+        "sequence_number": len(evs) - 1,
+        "error": {
+            "type": "server_error",
+            "code": "server_error",
+            "message": evs[-1]["error"]["message"],
+            "param": None,
+        },
+    }
 
 
 def test_rate_limited_raises_with_retry_after(client):
@@ -351,8 +401,11 @@ def test_background_stream_resumed_with_starting_after(client, server):
 
 
 def test_background_poll_cancel_input_items_delete(client):
-    said = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": [{"type": "input_text", "text": "second"}]}]
+    said = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "input_text", "text": "second"}]},
+    ]
     queued = client.responses.create(model="slow", input=said, background=True)
     assert (queued.status, queued.background, queued.output) == ("queued", True, [])
     time.sleep(0.5)
@@ -366,8 +419,11 @@ def test_background_poll_cancel_input_items_delete(client):
     assert client.responses.cancel(queued.id).status == "cancelled"  # idempotent
 
     items = client.responses.input_items.list(queued.id)
-    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "second"), ("assistant", "ok"),
-                                                                 ("user", "first")]  # newest first
+    assert [(i.role, i.content[0].text) for i in items.data] == [
+        ("user", "second"),
+        ("assistant", "ok"),
+        ("user", "first"),
+    ]  # newest first
     assert [i.content[0].type for i in items.data] == ["input_text", "output_text", "input_text"]
     page = client.responses.input_items.list(queued.id, order="asc", limit=2)
     assert [i.content[0].text for i in page.data] == ["first", "ok"] and page.has_more
@@ -376,8 +432,12 @@ def test_background_poll_cancel_input_items_delete(client):
     client.responses.delete(queued.id)
     with pytest.raises(openai.NotFoundError) as ei:
         client.responses.retrieve(queued.id)
-    assert ei.value.body == {"message": f"Response with id '{queued.id}' not found.",
-                             "type": "invalid_request_error", "param": None, "code": None}
+    assert ei.value.body == {
+        "message": f"Response with id '{queued.id}' not found.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
 
 
 def test_stored_foreground_response_and_unknown_ids(client, server):
@@ -407,8 +467,14 @@ def test_stored_foreground_response_and_unknown_ids(client, server):
 def test_unknown_parameter_is_a_400(server):
     r = post(server, {"model": "normal", "input": INPUT, "messages": []})
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": "Unknown parameter: 'messages'.", "type": "invalid_request_error",
-                                  "param": "messages", "code": "unknown_parameter"}}
+    assert r.json() == {
+        "error": {
+            "message": "Unknown parameter: 'messages'.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "unknown_parameter",
+        }
+    }
 
 
 # ------------------------------------------------------------ azure, records, switch
@@ -416,20 +482,27 @@ def test_unknown_parameter_is_a_400(server):
 
 def test_azure_v1_path(server):
     httpx.delete(f"{server}/_scripted/requests")
-    with openai.AzureOpenAI(base_url=f"{server}/openai/v1/", api_key="azure-key-1234", api_version="preview",
-                            max_retries=0, timeout=10) as az:
+    with openai.AzureOpenAI(
+        base_url=f"{server}/openai/v1/", api_key="azure-key-1234", api_version="preview", max_retries=0, timeout=10
+    ) as az:
         events = list(az.responses.create(model="normal", input=INPUT, stream=True))
         assert text_of(events) == TEXTS["normal"]
         assert az.responses.retrieve(events[-1].response.id).status == "completed"
-    with openai.OpenAI(base_url=f"{server}/openai/v1", api_key="unused",
-                       default_headers={"api-key": "azure-key-5678"}, max_retries=0, timeout=10) as c:
+    with openai.OpenAI(
+        base_url=f"{server}/openai/v1",
+        api_key="unused",
+        default_headers={"api-key": "azure-key-5678"},
+        max_retries=0,
+        timeout=10,
+    ) as c:
         assert c.responses.create(model="function_call", input=INPUT).output[0].arguments == FUNCTION_CALL_ARGUMENTS
 
     records = httpx.get(f"{server}/_scripted/requests").json()
     assert [(r["method"], r["path"], r["query"]) for r in records] == [
         ("POST", "/openai/v1/responses", {"api-version": "preview"}),
         ("GET", f"/openai/v1/responses/{events[-1].response.id}", {"api-version": "preview"}),
-        ("POST", "/openai/v1/responses", {})]
+        ("POST", "/openai/v1/responses", {}),
+    ]
     assert records[0]["headers"]["api-key"] == "azure-key-1234"
     assert records[0]["json"] == {"model": "normal", "input": INPUT, "stream": True}
     assert records[2]["headers"]["api-key"] == "azure-key-5678"
@@ -449,6 +522,9 @@ def test_no_responses_switch():
             assert chat.choices[0].message.content == TEXTS["normal"]  # chat completions still work
         assert post(upstream.url, {"model": "normal", "input": INPUT}, "/openai/v1/responses").status_code == 404
         assert [r["path"] for r in upstream.requests()] == [
-            "/v1/responses", "/v1/chat/completions", "/openai/v1/responses"]
+            "/v1/responses",
+            "/v1/chat/completions",
+            "/openai/v1/responses",
+        ]
     finally:
         upstream.stop()

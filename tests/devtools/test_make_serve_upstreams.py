@@ -1,6 +1,7 @@
 """`make serve`'s script with only `UPSTREAMS` configured, in the environment or in
 local.settings.json: it starts no scripted upstream of its own, and the app answers from the
 upstream that `UPSTREAMS` names (a scripted one that the test starts)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-
 from servers import ROOT
 
 
@@ -31,11 +31,20 @@ def _serve_and_ask(script: Path, env: dict[str, str], upstream) -> list[str]:
     """Run ``script`` until the app listens, ask /api/chat a unique prompt, check that ``upstream``
     received it, stop with Ctrl+C; the script's output lines."""
     port = _free_port()
-    env = {**{k: v for k, v in os.environ.items()
-              if not k.startswith(("OPENAI_", "AZURE_OPENAI_")) and k != "UPSTREAMS"},
-           **env, "PORT": str(port)}
-    proc = subprocess.Popen(["bash", str(script)], cwd=script.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_")) and k != "UPSTREAMS"},
+        **env,
+        "PORT": str(port),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(script)],
+        cwd=script.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output: list[str] = []
     try:
         deadline = time.monotonic() + 60
@@ -48,8 +57,7 @@ def _serve_and_ask(script: Path, env: dict[str, str], upstream) -> list[str]:
         prompt = f"[scenario:echo] serve {uuid.uuid4().hex[:8]}"
         r = httpx.post(f"http://127.0.0.1:{port}/api/chat", json={"prompt": prompt}, timeout=20)
         assert r.status_code == 200 and "event: done" in r.text, r.text
-        received = [m["content"] for req in upstream.requests(last=20)
-                    for m in (req["json"] or {}).get("messages", [])]
+        received = [m["content"] for req in upstream.requests(last=20) for m in (req["json"] or {}).get("messages", [])]
         assert prompt in received, "the answer did not come from the upstream UPSTREAMS names"
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -73,7 +81,10 @@ def test_upstreams_in_local_settings_counts_as_configured(upstream, tmp_path):
             (tmp_path / "tools" / name).symlink_to(ROOT / "tools" / name)
     script = tmp_path / "tools" / "scripts" / "serve"
     script.symlink_to(ROOT / "tools" / "scripts" / "serve")
-    (tmp_path / "local.settings.json").write_text(json.dumps(
-        {"IsEncrypted": False, "Values": {"FUNCTIONS_WORKER_RUNTIME": "python", "UPSTREAMS": _upstreams(upstream)}}))
+    (tmp_path / "local.settings.json").write_text(
+        json.dumps(
+            {"IsEncrypted": False, "Values": {"FUNCTIONS_WORKER_RUNTIME": "python", "UPSTREAMS": _upstreams(upstream)}}
+        )
+    )
     output = _serve_and_ask(script, {}, upstream)
     assert not any("No upstream configured" in line for line in output), output

@@ -1,4 +1,5 @@
 """In-process unit tests: no servers. ``async def`` tests run on a fresh asyncio loop of their own."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """Shared by the unit tests of the stream core: an ``Upstream`` over a function that opens a stream."""
+
 from __future__ import annotations
 
 

@@ -6,6 +6,7 @@ Starts one /api/chat stream, prints ``stream <id>``, then appends EVENTS delta e
 INTERVAL_MS, each carrying ``t``: time.monotonic() when it was appended (the same clock as the
 test process on Linux), then the ``done`` event; prints ``stored`` once all is stored and exits.
 The test kills it (SIGKILL) to play a producer whose instance dies."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,9 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
-from chatstream import http as sse  # noqa: E402
-from chatstream.state.store import StorageConfig, Store  # noqa: E402
-from chatstream.state.streamlog import StreamLog  # noqa: E402
+from chatstream import http as sse  # noqa: E402 - after sys.path names the repository
+from chatstream.state.store import StorageConfig, Store  # noqa: E402 - after sys.path names the repository
+from chatstream.state.streamlog import StreamLog  # noqa: E402 - after sys.path names the repository
 
 
 def encode_error(route, type, message, retryable, next_id) -> bytes:

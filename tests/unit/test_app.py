@@ -28,8 +28,12 @@ def client_for(app) -> httpx.AsyncClient:
     async def pool(request):
         return await app.pool_state(request)
 
-    routes = [Route("/api/v1/models", models), Route("/api/v1/models/{model}", model),
-              Route("/api/_pool", pool), Route("/api/v1/{rest:path}", missing, methods=["GET", "POST"])]
+    routes = [
+        Route("/api/v1/models", models),
+        Route("/api/v1/models/{model}", model),
+        Route("/api/_pool", pool),
+        Route("/api/v1/{rest:path}", missing, methods=["GET", "POST"]),
+    ]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=Starlette(routes=routes)), base_url="http://app")
 
 
@@ -46,8 +50,10 @@ async def test_models_and_the_404s_are_openais():
 
 
 async def test_the_pool_state_never_shows_a_key_or_a_credential():
-    env = {"UPSTREAMS": json.dumps([{"name": "a", "base_url": "http://a.test/v1", "api_key_setting": "A_KEY"}]),
-           "A_KEY": "sk-app-SECRET-1234567890"}
+    env = {
+        "UPSTREAMS": json.dumps([{"name": "a", "base_url": "http://a.test/v1", "api_key_setting": "A_KEY"}]),
+        "A_KEY": "sk-app-SECRET-1234567890",
+    }
     app = create_app(Settings.from_env(env), environ=env)
     async with client_for(app) as client:
         state = (await client.get("/api/_pool")).text
@@ -56,7 +62,10 @@ async def test_the_pool_state_never_shows_a_key_or_a_credential():
 
 
 def test_a_bad_upstream_url_stops_the_app_naming_the_setting_never_the_value():
-    for env in ({"OPENAI_BASE_URL": "http://user:SECRET@up.test/v1"}, {"OPENAI_BASE_URL": "http://up.test/v1?api-key=SECRET"}):
+    for env in (
+        {"OPENAI_BASE_URL": "http://user:SECRET@up.test/v1"},
+        {"OPENAI_BASE_URL": "http://up.test/v1?api-key=SECRET"},
+    ):
         with pytest.raises(SettingsError) as caught:
             create_app(Settings.from_env(env), environ=env)
         assert "OPENAI_BASE_URL" in str(caught.value) and "SECRET" not in str(caught.value)

@@ -1,6 +1,7 @@
 """chatstream/state/callers.py against a real Azurite: the registry's admin operations, key checks
 cached per instance (and how fast a revoked or rotated key stops working on another instance),
 expiry, bad input naming the field, and keys that never reach a log, an error or the store."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,10 @@ from chatstream.state.callers import hash_key, key_from_headers
 from chatstream.state.registry import CallerRegistry
 from chatstream.state.store import CALLERS_TABLE, StorageConfig, Store
 
-DEAD_STORE = ("DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5;"
-              "TableEndpoint=http://127.0.0.1:9/devstoreaccount1;")
+DEAD_STORE = (
+    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5;"
+    "TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+)
 
 
 class Clock:
@@ -54,9 +57,16 @@ async def error_of(coro) -> ApiError:
 async def test_create_list_get_update_rotate_delete(stores):
     registry = CallerRegistry(stores(), cache_seconds=5)
     who = name()
-    caller, key = await registry.create({"name": who, "tokens_per_minute": 10_000, "requests_per_minute": 60,
-                                         "token_budget": 5_000_000, "budget_period": "month",
-                                         "models": ["gpt-4o-mini", "gpt-4o"]})
+    caller, key = await registry.create(
+        {
+            "name": who,
+            "tokens_per_minute": 10_000,
+            "requests_per_minute": 60,
+            "token_budget": 5_000_000,
+            "budget_period": "month",
+            "models": ["gpt-4o-mini", "gpt-4o"],
+        }
+    )
     assert key.startswith("csk-") and len(key) == 47 and caller.key_hint == key[-4:]
     assert (caller.tokens_per_minute, caller.requests_per_minute, caller.token_budget) == (10_000, 60, 5_000_000)
     assert caller.models == ("gpt-4o-mini", "gpt-4o") and caller.budget_period == "month"
@@ -134,8 +144,10 @@ async def test_a_revoked_or_rotated_key_stops_working_on_another_instance_within
         await asyncio.sleep(0.02)
     stopped_after = time.monotonic() - changed
     assert stopped_after <= cache + 0.1
-    print(f"\n{change}: the old key stopped on the other instance after {stopped_after * 1000:.0f} ms "
-          f"(cache {cache * 1000:.0f} ms)")
+    print(
+        f"\n{change}: the old key stopped on the other instance after {stopped_after * 1000:.0f} ms "
+        f"(cache {cache * 1000:.0f} ms)"
+    )
 
 
 async def test_an_update_reaches_another_instance_within_the_cache_time(stores):
@@ -166,42 +178,45 @@ async def test_expired_keys_are_refused_even_when_cached(stores):
 LONG = "x" * 10_000
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"name": "a", "colour": "red"}, "colour"),
-    ({"name": "a", "tokens_per_minute": -1}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": 0}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": 10**30}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": 1_000_000_001}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": "100"}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": True}, "tokens_per_minute"),
-    ({"name": "a", "tokens_per_minute": 1.5}, "tokens_per_minute"),
-    ({"name": "a", "requests_per_minute": 1_000_001}, "requests_per_minute"),
-    ({"name": "a", "requests_per_minute": -5}, "requests_per_minute"),
-    ({"name": "a", "token_budget": -5}, "token_budget"),
-    ({"name": "a", "token_budget": 10**13}, "token_budget"),
-    ({"name": "a", "budget_period": "week"}, "budget_period"),
-    ({"name": "a", "models": []}, "models"),
-    ({"name": "a", "models": ["m"] * 101}, "models"),
-    ({"name": "a", "models": ["m" * 257]}, "models"),
-    ({"name": "a", "models": ["a", "a"]}, "models"),
-    ({"name": "a", "models": ["a\nb"]}, "models"),
-    ({"name": "a", "models": "gpt-4o"}, "models"),
-    ({"name": "a", "expires_at": "tomorrow"}, "expires_at"),
-    ({"name": "a", "expires_at": "2030-01-01T00:00:00"}, "expires_at"),  # no time zone
-    ({"name": "a\nb"}, "name"),
-    ({"name": "a\x00"}, "name"),
-    ({"name": "a\u2028"}, "name"),
-    ({"name": LONG}, "name"),
-    ({"name": ""}, "name"),
-    ({"name": "-a"}, "name"),
-    ({"name": "a b"}, "name"),
-    ({"name": "ä"}, "name"),
-    ({"name": "a/b"}, "name"),
-    ({"name": None}, "name"),
-    ({"name": 5}, "name"),
-    ({}, "name"),
-    ({"name": "a", LONG: 1}, "x" * 64 + "…"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"name": "a", "colour": "red"}, "colour"),
+        ({"name": "a", "tokens_per_minute": -1}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": 0}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": 10**30}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": 1_000_000_001}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": "100"}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": True}, "tokens_per_minute"),
+        ({"name": "a", "tokens_per_minute": 1.5}, "tokens_per_minute"),
+        ({"name": "a", "requests_per_minute": 1_000_001}, "requests_per_minute"),
+        ({"name": "a", "requests_per_minute": -5}, "requests_per_minute"),
+        ({"name": "a", "token_budget": -5}, "token_budget"),
+        ({"name": "a", "token_budget": 10**13}, "token_budget"),
+        ({"name": "a", "budget_period": "week"}, "budget_period"),
+        ({"name": "a", "models": []}, "models"),
+        ({"name": "a", "models": ["m"] * 101}, "models"),
+        ({"name": "a", "models": ["m" * 257]}, "models"),
+        ({"name": "a", "models": ["a", "a"]}, "models"),
+        ({"name": "a", "models": ["a\nb"]}, "models"),
+        ({"name": "a", "models": "gpt-4o"}, "models"),
+        ({"name": "a", "expires_at": "tomorrow"}, "expires_at"),
+        ({"name": "a", "expires_at": "2030-01-01T00:00:00"}, "expires_at"),  # no time zone
+        ({"name": "a\nb"}, "name"),
+        ({"name": "a\x00"}, "name"),
+        ({"name": "a\u2028"}, "name"),
+        ({"name": LONG}, "name"),
+        ({"name": ""}, "name"),
+        ({"name": "-a"}, "name"),
+        ({"name": "a b"}, "name"),
+        ({"name": "ä"}, "name"),
+        ({"name": "a/b"}, "name"),
+        ({"name": None}, "name"),
+        ({"name": 5}, "name"),
+        ({}, "name"),
+        ({"name": "a", LONG: 1}, "x" * 64 + "…"),
+    ],
+)
 async def test_bad_admin_input_is_a_400_naming_the_field(stores, body, param):
     registry = CallerRegistry(stores())
     error = await error_of(registry.create(body))
@@ -219,12 +234,15 @@ async def test_a_duplicate_name_is_a_400_naming_the_field(stores):
     assert (await registry.get(who)).tokens_per_minute is None  # the first one stands
 
 
-@pytest.mark.parametrize(("patch", "param"), [
-    ({"name": "other"}, "name"),
-    ({"tokens_per_minute": -1}, "tokens_per_minute"),
-    ({"budget_period": "year"}, "budget_period"),
-    ({"key": "csk-x"}, "key"),
-])
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"name": "other"}, "name"),
+        ({"tokens_per_minute": -1}, "tokens_per_minute"),
+        ({"budget_period": "year"}, "budget_period"),
+        ({"key": "csk-x"}, "key"),
+    ],
+)
 async def test_bad_patches_are_400s_naming_the_field(stores, patch, param):
     registry = CallerRegistry(stores())
     who = name()
@@ -252,8 +270,12 @@ async def test_keys_never_reach_a_log_an_error_an_answer_or_the_store(stores, az
     rotated, new = await registry.rotate(who)
     keys.append(new)
     errors = [await error_of(registry.authenticate(key)), await error_of(registry.create({"name": who}))]
-    answers = [caller.public(), rotated.public(), (await registry.get(who)).public(),
-               [c.public() for c in await registry.list()]]
+    answers = [
+        caller.public(),
+        rotated.public(),
+        (await registry.get(who)).public(),
+        [c.public() for c in await registry.list()],
+    ]
     await registry.delete(who)
     errors.append(await error_of(registry.authenticate(new)))
     table = await store.table(CALLERS_TABLE)
@@ -262,7 +284,7 @@ async def test_keys_never_reach_a_log_an_error_an_answer_or_the_store(stores, az
     for k in keys:
         assert k not in text and k[4:] not in text
     assert hash_key(new) not in json.dumps(answers)  # the hash is the store's business only
-    assert f"\"key_hint\": \"{new[-4:]}\"" in json.dumps(answers)
+    assert f'"key_hint": "{new[-4:]}"' in json.dumps(answers)
 
 
 async def test_a_store_that_does_not_answer_is_a_503_within_two_seconds():

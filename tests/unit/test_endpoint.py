@@ -48,8 +48,12 @@ async def test_a_failure_before_the_first_output_is_a_status_with_the_apis_error
     async with serve(endpoint(OpenAIChatApi(), status_error(400, body={"error": {"message": "no"}}))) as client:
         response = await client.post("/x", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
     assert response.status_code == 400
-    assert response.json()["error"] == {"message": "no", "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_request"}
+    assert response.json()["error"] == {
+        "message": "no",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_request",
+    }
     assert response.headers["x-should-retry"] == "false" and response.headers["x-request-id"]
 
 
@@ -79,9 +83,12 @@ async def test_keep_alives_hold_the_headers_until_the_first_output_then_the_text
 
 
 async def test_a_completion_is_json_with_its_request_id(caplog):
-    answer = {"id": "c1", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
-                                                                    "message": {"role": "assistant", "content": "ok"}}],
-              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    answer = {
+        "id": "c1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
     with caplog.at_level(logging.INFO, logger="chatstream"):
         async with serve(endpoint(OpenAIChatApi(), answer)) as client:
             response = await client.post("/x", json={"messages": [{"role": "user", "content": "hi"}]})

@@ -1,4 +1,5 @@
 """chatstream/errors.py: the one error hierarchy, the Retry-After parser, redaction."""
+
 from __future__ import annotations
 
 import email.utils
@@ -8,11 +9,23 @@ import time
 import httpx2
 import pytest
 
-from chatstream.errors import (ApiError, ErrorKind, ModerationStop, Rejection, StepFailed, TimeLimit, UpstreamMalformed,
-                               invalid_request, parse_retry_after, redact, register_secret, retry_after_headers)
-
+from chatstream.errors import (
+    ApiError,
+    ErrorKind,
+    ModerationStop,
+    Rejection,
+    StepFailed,
+    TimeLimit,
+    UpstreamMalformed,
+    invalid_request,
+    parse_retry_after,
+    redact,
+    register_secret,
+    retry_after_headers,
+)
 
 # ------------------------------------------------------------------------------------ the shapes
+
 
 def test_body_without_param():
     error = ApiError(502, "upstream_error", "it failed", retryable=True)
@@ -23,8 +36,9 @@ def test_body_without_param():
 def test_body_with_param_keeps_the_order():
     body = invalid_request("bad", "messages[0].role").body()
     assert list(body["error"]) == ["type", "message", "param", "retryable"]
-    assert body == {"error": {"type": "invalid_request", "message": "bad", "param": "messages[0].role",
-                              "retryable": False}}
+    assert body == {
+        "error": {"type": "invalid_request", "message": "bad", "param": "messages[0].role", "retryable": False}
+    }
 
 
 def test_repr_names_status_and_type():
@@ -34,8 +48,13 @@ def test_repr_names_status_and_type():
 
 def test_rejection():
     error = Rejection(422, "refused by policy")
-    assert (error.status, error.type, error.message, error.param, error.retryable) == \
-        (422, "rejected", "refused by policy", None, False)
+    assert (error.status, error.type, error.message, error.param, error.retryable) == (
+        422,
+        "rejected",
+        "refused by policy",
+        None,
+        False,
+    )
     assert Rejection(413, "long", "prompt_too_long", "messages").body()["error"]["param"] == "messages"
 
 
@@ -63,6 +82,7 @@ def test_every_error_is_an_api_error():
 
 # ------------------------------------------------------------------------------- retry-after
 
+
 def caller_headers(headers: dict) -> dict:
     """What a caller is told, from an upstream's headers (as outcomes.classify does)."""
     lower = {k.lower() for k in headers}
@@ -78,8 +98,10 @@ def test_retry_after():
     assert caller_headers({"retry-after-ms": "soon"}) == {}
     assert caller_headers({}) == {}
     # both: the longer wait (coming back at the shorter one would meet the limit again)
-    assert caller_headers({"retry-after": "3", "retry-after-ms": "9000"}) == {"Retry-After": "9",
-                                                                               "retry-after-ms": "9000"}
+    assert caller_headers({"retry-after": "3", "retry-after-ms": "9000"}) == {
+        "Retry-After": "9",
+        "retry-after-ms": "9000",
+    }
 
 
 @pytest.mark.parametrize("value", ["-5", "nan", "inf", "-inf", "garbage", "é", "", "1e308e", "0x10"])
@@ -87,8 +109,9 @@ def test_garbage_retry_after_is_nothing(value):
     assert caller_headers({"Retry-After": value}) == {}
 
 
-@pytest.mark.parametrize("value, expected", [("1e308", "3600"), ("99999999999", "3600"), ("0", "1"), ("0.2", "1"),
-                                             ("59.1", "60")])
+@pytest.mark.parametrize(
+    "value, expected", [("1e308", "3600"), ("99999999999", "3600"), ("0", "1"), ("0.2", "1"), ("59.1", "60")]
+)
 def test_retry_after_is_whole_seconds_within_bounds(value, expected):
     assert caller_headers({"Retry-After": value}) == {"Retry-After": expected}
 

@@ -2,6 +2,7 @@
 play scripted streams (no HTTP). What the core gets when an entry fails before or after its first
 output, the walk across entries, the single upstream's own cooldown, and the follow-ups' search for the
 entry that holds a response."""
+
 from __future__ import annotations
 
 import asyncio
@@ -94,8 +95,12 @@ def chunk(content: str | None = None, finish: str | None = None, role: bool = Fa
     delta = {"role": "assistant"} if role else {}
     if content is not None:
         delta["content"] = content
-    return {"id": "c1", "object": "chat.completion.chunk", "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
 def params(stream: bool = True) -> dict:
@@ -110,14 +115,24 @@ def pooled(clients: dict[str, ScriptedClient], **settings_env: str) -> Upstreams
 
 def single(client: ScriptedClient, clock: Clock | None = None) -> Upstreams:
     settings = Settings.from_env({"OPENAI_BASE_URL": "http://up.test/v1"})
-    return Upstreams(settings, Pool(entries(settings, {}), now=clock or Clock(), policy=SINGLE), {"default": client},
-                     pooled=False)
+    return Upstreams(
+        settings, Pool(entries(settings, {}), now=clock or Clock(), policy=SINGLE), {"default": client}, pooled=False
+    )
 
 
 async def run(upstreams: Upstreams) -> tuple[list, StreamRecord]:
     record = StreamRecord(endpoint="chat", model="gpt-test")
-    events = [e async for e in relay(upstreams, "/chat/completions", params(), CompletionStream(Pipeline()),
-                                     TimeLimits(upstreams.settings), record)]
+    events = [
+        e
+        async for e in relay(
+            upstreams,
+            "/chat/completions",
+            params(),
+            CompletionStream(Pipeline()),
+            TimeLimits(upstreams.settings),
+            record,
+        )
+    ]
     return events, record
 
 
@@ -135,8 +150,12 @@ async def test_the_chunks_read_to_find_the_first_output_reach_the_core_in_order(
     empty = ScriptedStream([])  # ends before any output: the entry's failure, the request moves on
     upstreams = pooled({"empty": ScriptedClient(empty), "good": ScriptedClient(good)})
     events, record = await run(upstreams)
-    assert [e.data["choices"][0]["delta"] for e in events[:-1]] == [{"role": "assistant"}, {"content": "Hel"},
-                                                                    {"content": "lo"}, {}]
+    assert [e.data["choices"][0]["delta"] for e in events[:-1]] == [
+        {"role": "assistant"},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {},
+    ]
     assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
     assert (record.upstream, record.attempts, record.deltas) == ("good", 2, 2)
     assert record.attempt_errors == [{"upstream": "empty", "error": "upstream_incomplete"}], "every attempt's error"
@@ -158,8 +177,11 @@ async def test_a_connection_cut_before_any_output_is_said_as_such_and_fails_over
 
 
 async def test_failures_after_the_first_output_reach_the_core_explained_and_count_against_the_entry():
-    for tail, kind in ((lost(), "upstream_disconnected"), (openai.APIError("overloaded", REQUEST, body=None),
-                                                            "upstream_error"), (UpstreamReported("x"), "upstream_error")):
+    for tail, kind in (
+        (lost(), "upstream_disconnected"),
+        (openai.APIError("overloaded", REQUEST, body=None), "upstream_error"),
+        (UpstreamReported("x"), "upstream_error"),
+    ):
         stream = ScriptedStream([chunk("a"), tail])
         upstreams = pooled({"only": ScriptedClient(stream)})
         events, record = await run(upstreams)
@@ -191,8 +213,11 @@ async def test_a_caller_hanging_up_during_the_walk_closes_the_stream_and_frees_t
     attempt.report(Outcome(OutcomeKind.CONNECT_FAILED))
     clock.t += 5.0  # half-open: the next request is its probe
     record = StreamRecord(endpoint="chat", model="gpt-test")
-    task = asyncio.ensure_future(upstreams.open("/chat/completions", params(), CompletionStream(Pipeline()),
-                                                TimeLimits(upstreams.settings), record))
+    task = asyncio.ensure_future(
+        upstreams.open(
+            "/chat/completions", params(), CompletionStream(Pipeline()), TimeLimits(upstreams.settings), record
+        )
+    )
     await asyncio.sleep(0.05)
     assert upstreams.state()["upstreams"][0]["probing"] is True
     task.cancel()
@@ -204,12 +229,17 @@ async def test_a_caller_hanging_up_during_the_walk_closes_the_stream_and_frees_t
 
 
 async def test_weights_split_first_attempts_within_a_priority():
-    raw = json.dumps([{"name": "heavy", "base_url": "http://h/v1", "weight": 3},
-                      {"name": "light", "base_url": "http://l/v1"},
-                      {"name": "spare", "base_url": "http://s/v1", "priority": 2, "weight": 100}])
+    raw = json.dumps(
+        [
+            {"name": "heavy", "base_url": "http://h/v1", "weight": 3},
+            {"name": "light", "base_url": "http://l/v1"},
+            {"name": "spare", "base_url": "http://s/v1", "priority": 2, "weight": 100},
+        ]
+    )
     settings = Settings.from_env({"UPSTREAMS": raw})
-    clients = {e.name: ScriptedClient({"object": "chat.completion", "choices": []}, name=e.name)
-               for e in entries(settings, {})}
+    clients = {
+        e.name: ScriptedClient({"object": "chat.completion", "choices": []}, name=e.name) for e in entries(settings, {})
+    }
     upstreams = Upstreams(settings, Pool(entries(settings, {}), rng=random.Random(1414)), clients, pooled=True)
     for _ in range(800):
         await upstreams.complete("/chat/completions", params(False), StreamRecord(endpoint="openai", model="gpt-test"))
@@ -248,8 +278,13 @@ async def test_the_single_upstream_honours_its_own_retry_after_without_calling_i
 
 
 async def test_the_single_upstream_without_retry_after_is_tried_again_at_once_and_has_no_breaker():
-    client = ScriptedClient(status_error(429), status_error(500), status_error(500), status_error(500),
-                            ScriptedStream([chunk("ok", "stop")]))
+    client = ScriptedClient(
+        status_error(429),
+        status_error(500),
+        status_error(500),
+        status_error(500),
+        ScriptedStream([chunk("ok", "stop")]),
+    )
     upstreams = single(client)
     for status in (429, 502, 502, 502):
         events, _ = await run(upstreams)
@@ -261,8 +296,16 @@ async def test_the_single_upstream_without_retry_after_is_tried_again_at_once_an
 # --- follow-ups: the entry that holds the response -----------------------------------------------
 
 
-@pytest.mark.parametrize("first", [status_error(429, {"retry-after": "3"}), status_error(500), status_error(404),
-                                   openai.APIConnectionError(request=REQUEST), 5.0])
+@pytest.mark.parametrize(
+    "first",
+    [
+        status_error(429, {"retry-after": "3"}),
+        status_error(500),
+        status_error(404),
+        openai.APIConnectionError(request=REQUEST),
+        5.0,
+    ],
+)
 async def test_a_follow_up_reaches_the_entry_that_holds_the_response(first):
     holder = ScriptedClient({"id": "resp_1", "object": "response"})
     upstreams = pooled({"a": ScriptedClient(first), "b": holder})
@@ -275,8 +318,9 @@ async def test_a_follow_up_everyone_says_404_to_is_a_404_and_a_transient_failure
     with pytest.raises(ApiError) as info:
         await upstreams.each(lambda client: client.get("/responses/resp_1"), attempt_timeout=1)
     assert info.value.status in (400, 404)
-    upstreams = pooled({"a": ScriptedClient(status_error(429, {"retry-after": "3"})),
-                        "b": ScriptedClient(status_error(404))})
+    upstreams = pooled(
+        {"a": ScriptedClient(status_error(429, {"retry-after": "3"})), "b": ScriptedClient(status_error(404))}
+    )
     with pytest.raises(ApiError) as info:
         await upstreams.each(lambda client: client.get("/responses/resp_1"), attempt_timeout=1)
     assert info.value.status == 429, "the response may be on the entry that could not answer"

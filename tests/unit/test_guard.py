@@ -1,16 +1,17 @@
 """The output guard (chatstream/guard.py): the streaming redactor against the whole-text definition,
 for every split of the text, plus the hold-back invariant and the moderation gate."""
+
 from __future__ import annotations
 
 import asyncio
 import re
 
 import pytest
+from helpers import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from chatstream.guard import REPLACEMENT, ModerationGate, Redactor, redact_whole
-from helpers import examples
 
 # A small alphabet so terms and text collide often, with multi-code-point and non-BMP characters:
 # a combining acute accent, a precomposed é, CJK, emoji with a skin-tone modifier, a newline.
@@ -21,6 +22,7 @@ any_text = st.text(max_size=40)  # the whole of Unicode, lone surrogates include
 
 # ---------------------------------------------------------------------------------------------
 # Independent oracles, written differently from chatstream/guard.py on purpose.
+
 
 def regex_oracle(text: str, terms: list[str], replacement: str = REPLACEMENT) -> str:
     """The definition via ``re``: an alternation tries its branches in order, so with the terms
@@ -61,12 +63,14 @@ def split_at(text: str, cuts: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Strategies: a text, terms that mostly occur in it (plus nested and overlapping ones), a split.
 
+
 @st.composite
 def terms_for(draw, text: str) -> list[str]:
     terms: list[str] = []
     for _ in range(draw(st.integers(0, 7))):
-        kind = draw(st.sampled_from(["substring", "substring", "random", "longer", "prefix", "suffix",
-                                     "empty", "duplicate"]))
+        kind = draw(
+            st.sampled_from(["substring", "substring", "random", "longer", "prefix", "suffix", "empty", "duplicate"])
+        )
         if kind == "substring" and text:
             i = draw(st.integers(0, len(text) - 1))
             j = draw(st.integers(i + 1, min(len(text), i + 8)))
@@ -75,12 +79,12 @@ def terms_for(draw, text: str) -> list[str]:
             terms.append(draw(st.text(alphabet=SMALL, min_size=1, max_size=5)))
         elif kind in ("longer", "prefix", "suffix", "duplicate") and terms:
             term = draw(st.sampled_from(terms))
-            if kind == "longer":    # nested: the old term is a prefix of the new one
+            if kind == "longer":  # nested: the old term is a prefix of the new one
                 terms.append(term + draw(st.text(alphabet=SMALL, min_size=1, max_size=4)))
             elif kind == "prefix":  # nested the other way
                 terms.append(term[: draw(st.integers(0, len(term)))])
             elif kind == "suffix":  # overlapping: the end of one term begins another
-                terms.append(term[draw(st.integers(0, len(term))):] + draw(st.text(alphabet=SMALL, max_size=3)))
+                terms.append(term[draw(st.integers(0, len(term))) :] + draw(st.text(alphabet=SMALL, max_size=3)))
             else:
                 terms.append(term)
         elif kind == "empty":
@@ -110,6 +114,7 @@ def proper_prefix_of_a_term(s: str, terms: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The main property: the same output for every split, and the invariant after every feed.
 
+
 @settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_streaming_equals_whole_text_for_any_split(case):
@@ -134,7 +139,7 @@ def test_streaming_equals_whole_text_for_any_split(case):
         assert released == must_release
         assert redactor.held == len(seen) - stop
         # Weaker consequences, checked directly.
-        held_text = seen[len(seen) - redactor.held:]
+        held_text = seen[len(seen) - redactor.held :]
         if not any(t and t[0] in seen for t in terms):
             assert redactor.held == 0
         if held_text:
@@ -161,8 +166,8 @@ def test_released_text_is_final_whatever_comes_next(case, data):
         released += redactor.feed(delta)
         seen += delta
         futures = ["", data.draw(st.text(alphabet=SMALL, max_size=6))]
-        held_text = seen[len(seen) - redactor.held:]
-        completions = [t[len(held_text):] for t in terms if held_text and t.startswith(held_text)]
+        held_text = seen[len(seen) - redactor.held :]
+        completions = [t[len(held_text) :] for t in terms if held_text and t.startswith(held_text)]
         if completions:
             futures.append(data.draw(st.sampled_from(completions)))
         for future in futures:
@@ -182,6 +187,7 @@ def test_no_terms_passes_everything_through_at_once(text, cuts):
 
 # ---------------------------------------------------------------------------------------------
 # Examples.
+
 
 def stream(terms, deltas, replacement=REPLACEMENT):
     redactor = Redactor(terms, replacement)
@@ -203,20 +209,23 @@ def every_split(text):
     yield list(text)
 
 
-@pytest.mark.parametrize("terms, text, expected", [
-    (["abc", "bcd"], "abcd", "[redacted]d"),           # overlapping: the leftmost wins
-    (["ab", "abc"], "abcx", "[redacted]x"),            # nested: the longest wins
-    (["ab", "abcd"], "abcx", "[redacted]cx"),
-    (["ab", "abcd"], "abcd!", "[redacted]!"),
-    (["abc", "cde"], "abcde", "[redacted]de"),
-    (["aa"], "aaaaa", "[redacted][redacted]a"),
-    (["password"], "my password is password1", "my [redacted] is [redacted]1"),
-    (["密码"], "你的密码是", "你的[redacted]是"),
-    (["😀😀"], "a😀😀😀b", "a[redacted]😀b"),
-    (["e"], "cafe\u0301", "caf[redacted]\u0301"),        # code points, not graphemes
-    (["é"], "cafe\u0301 café", "cafe\u0301 caf[redacted]"),  # no normalisation
-    (["Secret"], "secret Secret", "secret [redacted]"),  # case-sensitive
-])
+@pytest.mark.parametrize(
+    "terms, text, expected",
+    [
+        (["abc", "bcd"], "abcd", "[redacted]d"),  # overlapping: the leftmost wins
+        (["ab", "abc"], "abcx", "[redacted]x"),  # nested: the longest wins
+        (["ab", "abcd"], "abcx", "[redacted]cx"),
+        (["ab", "abcd"], "abcd!", "[redacted]!"),
+        (["abc", "cde"], "abcde", "[redacted]de"),
+        (["aa"], "aaaaa", "[redacted][redacted]a"),
+        (["password"], "my password is password1", "my [redacted] is [redacted]1"),
+        (["密码"], "你的密码是", "你的[redacted]是"),
+        (["😀😀"], "a😀😀😀b", "a[redacted]😀b"),
+        (["e"], "cafe\u0301", "caf[redacted]\u0301"),  # code points, not graphemes
+        (["é"], "cafe\u0301 café", "cafe\u0301 caf[redacted]"),  # no normalisation
+        (["Secret"], "secret Secret", "secret [redacted]"),  # case-sensitive
+    ],
+)
 def test_examples_in_every_split(terms, text, expected):
     assert redact_whole(text, terms) == expected
     for deltas in every_split(text):
@@ -264,9 +273,9 @@ def test_text_that_cannot_begin_a_term_is_released_at_once():
     redactor = Redactor(["secret", "token"])
     assert redactor.feed("Hello, world! ") == "Hello, world! "
     assert redactor.held == 0
-    assert redactor.feed("a se") == "a "   # "se" may begin "secret"
+    assert redactor.feed("a se") == "a "  # "se" may begin "secret"
     assert redactor.held == 2
-    assert redactor.feed("a") == "sea"     # "sea" cannot
+    assert redactor.feed("a") == "sea"  # "sea" cannot
     assert redactor.held == 0
 
 
@@ -328,6 +337,7 @@ def test_a_single_string_is_not_taken_as_a_list_of_terms():
 # ---------------------------------------------------------------------------------------------
 # The moderation gate.
 
+
 class Recorder:
     def __init__(self, verdicts):
         self.calls: list[str] = []
@@ -349,11 +359,13 @@ def test_gate_checks_every_n_released_characters():
         assert check.calls[-1] == "abcdefghijklmnop"
         assert await gate.close() is None
         assert len(check.calls) == 3  # nothing new to check
+
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("verdict, reason", [(False, "blocked by moderation"), ("", "blocked by moderation"),
-                                             ("self-harm", "self-harm")])
+@pytest.mark.parametrize(
+    "verdict, reason", [(False, "blocked by moderation"), ("", "blocked by moderation"), ("self-harm", "self-harm")]
+)
 def test_gate_stops_with_a_reason(verdict, reason):
     async def run():
         check = Recorder([True, verdict])
@@ -365,6 +377,7 @@ def test_gate_stops_with_a_reason(verdict, reason):
         assert await gate.push("ghijkl") == reason  # stays stopped, no more calls
         assert await gate.close() == reason
         assert check.calls == ["abc", "abcdef"]
+
     asyncio.run(run())
 
 

@@ -1,18 +1,20 @@
 """chatstream/sse.py: writing our events (``event``, ``dumps``, ``KEEP_ALIVE``) and reading the
 upstream's (``SSEFramer``: any split of the bytes, LF, CRLF or CR line ends, multi-byte text, comments
 and multi-line data give the same events)."""
+
 from __future__ import annotations
 
 import json
 
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatstream.http import KEEP_ALIVE, SSEFramer, dumps, event
-from helpers import examples
 
-payloads = st.lists(st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3),
-                    min_size=0, max_size=6)
+payloads = st.lists(
+    st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3), min_size=0, max_size=6
+)
 
 
 def encode(events: list[dict], eol: bytes, comments: bool) -> bytes:
@@ -26,7 +28,7 @@ def encode(events: list[dict], eol: bytes, comments: bool) -> bytes:
             out += b"data: " + text[1:].encode() + eol + eol
         else:
             out += b"data: " + text.encode() + eol + eol
-    return out + b"data: [DONE]" + eol + eol + b"data: {\"after\": \"done\"}" + eol + eol
+    return out + b"data: [DONE]" + eol + eol + b'data: {"after": "done"}' + eol + eol
 
 
 @settings(max_examples=examples(150), deadline=None)
@@ -64,7 +66,7 @@ def test_an_empty_piece_and_a_piece_without_a_line_end_give_nothing():
     framer = SSEFramer()
     assert framer.feed(b"") == []
     assert framer.feed(b'data: {"a":') == []
-    assert framer.feed(b'1}\n') == []  # the event ends only at the blank line
+    assert framer.feed(b"1}\n") == []  # the event ends only at the blank line
     assert framer.feed(b"\n") == [b'{"a":1}']
 
 
@@ -80,6 +82,7 @@ def test_nothing_after_done_and_done_is_remembered():
 
 
 # ------------------------------------------------------------------------------------- writing
+
 
 def test_dumps_is_compact_raw_utf8():
     assert dumps({"a": "é中😀", "b": [1, None, True]}) == '{"a":"é中😀","b":[1,null,true]}'.encode()

@@ -1,5 +1,6 @@
 """chatstream/state/ledger.py and owners.py against a real Azurite: one row per charge, sums by
 caller, model and day, idempotent on the request id; ownership and the one first charge."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,23 +26,45 @@ def at(day: int, hour: int = 12) -> datetime:
     return datetime(2026, 11, day, hour, 0, 0, tzinfo=UTC)
 
 
-def charge(caller: str, model: str, when: datetime, prompt: int, completion: int, ended: str = "completed",
-           request_id: str | None = None) -> Charge:
-    return Charge(caller=caller, model=model, request_id=request_id or f"chatcmpl-{secrets.token_hex(6)}",
-                  endpoint="openai", prompt_tokens=prompt, completion_tokens=completion, ended=ended, at=when)
+def charge(
+    caller: str,
+    model: str,
+    when: datetime,
+    prompt: int,
+    completion: int,
+    ended: str = "completed",
+    request_id: str | None = None,
+) -> Charge:
+    return Charge(
+        caller=caller,
+        model=model,
+        request_id=request_id or f"chatcmpl-{secrets.token_hex(6)}",
+        endpoint="openai",
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        ended=ended,
+        at=when,
+    )
 
 
 async def test_usage_sums_by_caller_model_and_day(store):
     ledger = Ledger(store)
     a, b = f"a-{secrets.token_hex(3)}", f"b-{secrets.token_hex(3)}"
-    charges = [charge(a, "gpt-4o", at(3, 1), 10, 5), charge(a, "gpt-4o", at(3, 23), 7, 3, "disconnected"),
-               charge(a, "gpt-4o-mini", at(3), 100, 0, "failed"), charge(a, "gpt-4o", at(4), 1, 1),
-               charge(b, "gpt-4o", at(3), 50, 50, "timeout"), charge(a, "gpt-4o", at(9), 1000, 1000)]
+    charges = [
+        charge(a, "gpt-4o", at(3, 1), 10, 5),
+        charge(a, "gpt-4o", at(3, 23), 7, 3, "disconnected"),
+        charge(a, "gpt-4o-mini", at(3), 100, 0, "failed"),
+        charge(a, "gpt-4o", at(4), 1, 1),
+        charge(b, "gpt-4o", at(3), 50, 50, "timeout"),
+        charge(a, "gpt-4o", at(9), 1000, 1000),
+    ]
     assert all(await asyncio.gather(*(ledger.record(c) for c in charges)))
     rows = await ledger.usage(a, date(2026, 11, 3), date(2026, 11, 4))
     assert [(r["model"], r["day"], r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in rows] == [
-        ("gpt-4o", "2026-11-03", 17, 8, 2), ("gpt-4o", "2026-11-04", 1, 1, 1),
-        ("gpt-4o-mini", "2026-11-03", 100, 0, 1)]
+        ("gpt-4o", "2026-11-03", 17, 8, 2),
+        ("gpt-4o", "2026-11-04", 1, 1, 1),
+        ("gpt-4o-mini", "2026-11-03", 100, 0, 1),
+    ]
     assert rows[0]["ended"] == {"completed": 1, "disconnected": 1} and rows[0]["total_tokens"] == 25
     assert totals(rows) == {"prompt_tokens": 118, "completion_tokens": 9, "total_tokens": 127, "requests": 4}
     everyone = await ledger.usage(None, date(2026, 11, 3), date(2026, 11, 3))
@@ -60,14 +83,19 @@ async def test_recording_a_request_twice_adds_nothing(store):
     assert await ledger.record(later) is False
     rows = await ledger.usage(who, date(2026, 11, 1), date(2026, 11, 30))
     assert [(r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in rows] == [(10, 20, 1)]
-    results = await asyncio.gather(*(ledger.record(charge(who, "m", at(7), 1, 1, request_id="same"))
-                                     for _ in range(10)))
+    results = await asyncio.gather(
+        *(ledger.record(charge(who, "m", at(7), 1, 1, request_id="same")) for _ in range(10))
+    )
     assert results.count(True) == 1
 
 
 async def test_a_store_that_does_not_answer_is_a_503():
-    s = Store(StorageConfig(connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
-                            "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"))
+    s = Store(
+        StorageConfig(
+            connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+            "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+        )
+    )
     try:
         with pytest.raises(ApiError) as info:
             await Ledger(s).record(charge("x", "m", at(1), 1, 1))

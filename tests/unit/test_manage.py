@@ -1,6 +1,7 @@
 """chatstream/manage.py over HTTP, in process (httpx's ASGITransport over a Starlette app that mounts
 the handlers as function_app.py does), on a real Azurite: statuses, OpenAI-shaped errors, no-store,
 and the key only in the answers of create and rotate."""
+
 from __future__ import annotations
 
 import json
@@ -14,20 +15,20 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from chatstream.manage import Manage
-from chatstream.settings import SettingsError
-from chatstream.state.shared import SharedState
-from chatstream.settings import Settings
+from chatstream.settings import Settings, SettingsError
 from chatstream.state.ledger import Charge, Ledger
-from chatstream.state.store import StorageConfig, Store
+from chatstream.state.shared import SharedState
 
 
 def app_for(manage: Manage) -> Starlette:
-    return Starlette(routes=[
-        Route("/api/manage/callers", manage.callers, methods=["GET", "POST"]),
-        Route("/api/manage/callers/{name}", manage.caller, methods=["GET", "PATCH", "DELETE"]),
-        Route("/api/manage/callers/{name}/rotate", manage.rotate, methods=["POST"]),
-        Route("/api/manage/usage", manage.usage, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/api/manage/callers", manage.callers, methods=["GET", "POST"]),
+            Route("/api/manage/callers/{name}", manage.caller, methods=["GET", "PATCH", "DELETE"]),
+            Route("/api/manage/callers/{name}/rotate", manage.rotate, methods=["POST"]),
+            Route("/api/manage/usage", manage.usage, methods=["GET"]),
+        ]
+    )
 
 
 class Admin:
@@ -62,8 +63,9 @@ async def test_the_lifecycle_over_http(azurite, caplog):
     http = admin.http
     who = name()
     try:
-        created = await http.post("/api/manage/callers", json={"name": who, "tokens_per_minute": 1000,
-                                                                "models": ["gpt-4o-mini"]})
+        created = await http.post(
+            "/api/manage/callers", json={"name": who, "tokens_per_minute": 1000, "models": ["gpt-4o-mini"]}
+        )
         assert created.status_code == 201 and created.headers["cache-control"] == "no-store"
         key = created.json()["key"]
         assert key.startswith("csk-") and created.json()["name"] == who
@@ -95,21 +97,25 @@ async def test_the_lifecycle_over_http(azurite, caplog):
         await admin.close()
 
 
-@pytest.mark.parametrize(("body", "status", "code", "param"), [
-    (b'{"name": "a", "tokens_per_minute": -1}', 400, "invalid_request", "tokens_per_minute"),
-    (b'{"name": "a", "extra": 1}', 400, "invalid_request", "extra"),
-    (b'{"name": "a\\u0000b"}', 400, "invalid_request", "name"),
-    (b'{"name": "' + b"n" * 10_000 + b'"}', 400, "invalid_request", "name"),
-    (b'{"name": "a", "tokens_per_minute": 1e400}', 400, "invalid_request", None),
-    (b'[1, 2]', 400, "invalid_request", None),
-    (b'not json', 400, "invalid_request", None),
-    (b'{"name": "' + b"n" * 70_000 + b'"}', 413, "request_too_large", None),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b'{"name": "a", "tokens_per_minute": -1}', 400, "invalid_request", "tokens_per_minute"),
+        (b'{"name": "a", "extra": 1}', 400, "invalid_request", "extra"),
+        (b'{"name": "a\\u0000b"}', 400, "invalid_request", "name"),
+        (b'{"name": "' + b"n" * 10_000 + b'"}', 400, "invalid_request", "name"),
+        (b'{"name": "a", "tokens_per_minute": 1e400}', 400, "invalid_request", None),
+        (b"[1, 2]", 400, "invalid_request", None),
+        (b"not json", 400, "invalid_request", None),
+        (b'{"name": "' + b"n" * 70_000 + b'"}', 413, "request_too_large", None),
+    ],
+)
 async def test_bad_bodies(azurite, body, status, code, param):
     admin = Admin(azurite)
     try:
-        response = await admin.http.post("/api/manage/callers", content=body,
-                                         headers={"content-type": "application/json"})
+        response = await admin.http.post(
+            "/api/manage/callers", content=body, headers={"content-type": "application/json"}
+        )
         error = openai_error(response, status, code, param)
         assert len(error["message"]) < 300
     finally:
@@ -123,10 +129,12 @@ async def test_duplicates_content_types_and_unknown_callers(azurite):
     try:
         assert (await http.post("/api/manage/callers", json={"name": who})).status_code == 201
         openai_error(await http.post("/api/manage/callers", json={"name": who}), 400, "invalid_request", "name")
-        openai_error(await http.post("/api/manage/callers", content=b"name=x",
-                                     headers={"content-type": "text/plain"}), 415, "unsupported_media_type")
-        openai_error(await http.patch(f"/api/manage/callers/{who}", json={"name": "x"}), 400, "invalid_request",
-                     "name")
+        openai_error(
+            await http.post("/api/manage/callers", content=b"name=x", headers={"content-type": "text/plain"}),
+            415,
+            "unsupported_media_type",
+        )
+        openai_error(await http.patch(f"/api/manage/callers/{who}", json={"name": "x"}), 400, "invalid_request", "name")
         openai_error(await http.post("/api/manage/callers/nobody-here/rotate"), 404, "caller_not_found", "name")
         openai_error(await http.delete("/api/manage/callers/nobody-here"), 404, "caller_not_found", "name")
         openai_error(await http.get("/api/manage/callers/%0A"), 404, "caller_not_found", "name")
@@ -140,19 +148,35 @@ async def test_usage(azurite):
     try:
         ledger = Ledger(admin.store)
         for day, prompt, completion in ((1, 10, 20), (1, 1, 2), (2, 5, 5)):
-            await ledger.record(Charge(caller=who, model="gpt-4o", request_id=secrets.token_hex(6), endpoint="openai",
-                                       prompt_tokens=prompt, completion_tokens=completion, ended="completed",
-                                       at=datetime(2026, 10, day, 9, tzinfo=UTC)))
-        response = await admin.http.get("/api/manage/usage",
-                                        params={"caller": who, "from": "2026-10-01", "to": "2026-10-31"})
+            await ledger.record(
+                Charge(
+                    caller=who,
+                    model="gpt-4o",
+                    request_id=secrets.token_hex(6),
+                    endpoint="openai",
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    ended="completed",
+                    at=datetime(2026, 10, day, 9, tzinfo=UTC),
+                )
+            )
+        response = await admin.http.get(
+            "/api/manage/usage", params={"caller": who, "from": "2026-10-01", "to": "2026-10-31"}
+        )
         assert response.status_code == 200 and response.headers["cache-control"] == "no-store"
         body = response.json()
         assert [(r["day"], r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in body["data"]] == [
-            ("2026-10-01", 11, 22, 2), ("2026-10-02", 5, 5, 1)]
+            ("2026-10-01", 11, 22, 2),
+            ("2026-10-02", 5, 5, 1),
+        ]
         assert body["total"] == {"prompt_tokens": 16, "completion_tokens": 27, "total_tokens": 43, "requests": 3}
-        for params, param in (({"from": "yesterday"}, "from"), ({"to": "2026-13-01"}, "to"),
-                              ({"from": "2026-10-02", "to": "2026-10-01"}, "from"),
-                              ({"from": "2024-01-01", "to": "2026-01-01"}, "from"), ({"caller": "a b"}, "caller")):
+        for params, param in (
+            ({"from": "yesterday"}, "from"),
+            ({"to": "2026-13-01"}, "to"),
+            ({"from": "2026-10-02", "to": "2026-10-01"}, "from"),
+            ({"from": "2024-01-01", "to": "2026-01-01"}, "from"),
+            ({"caller": "a b"}, "caller"),
+        ):
             openai_error(await admin.http.get("/api/manage/usage", params=params), 400, "invalid_request", param)
     finally:
         await admin.close()
@@ -161,8 +185,11 @@ async def test_usage(azurite):
 async def test_without_a_store_every_route_answers_503_naming_the_setting():
     manage = Manage(SharedState.from_settings(Settings.from_env({}), {}))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(manage)), base_url="http://app") as http:
-        for response in (await http.get("/api/manage/callers"), await http.post("/api/manage/callers", json={}),
-                         await http.get("/api/manage/usage")):
+        for response in (
+            await http.get("/api/manage/callers"),
+            await http.post("/api/manage/callers", json={}),
+            await http.get("/api/manage/usage"),
+        ):
             error = openai_error(response, 503, "caller_store_not_configured")
             assert "AzureWebJobsStorage" in error["message"]
     with pytest.raises(SettingsError, match="AzureWebJobsStorage__tableServiceUri"):  # refused at start-up

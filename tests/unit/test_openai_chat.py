@@ -1,6 +1,7 @@
 """chatstream/api_openai.py: the OpenAI chat-completions contract (only ``model``, ``messages``,
 ``stream``, ``stream_options`` and ``n`` are checked; everything else passes unchanged), its error
 shapes and statuses, and the bytes its encoder writes."""
+
 from __future__ import annotations
 
 import copy
@@ -8,12 +9,21 @@ import json
 
 import pytest
 
-from chatstream.apis.openai_chat import (OPENAI_DONE, ROLES, OpenAIChatApi, encode, error_body, error_response,
-                                   model_object, models_list, status_for, validate)
 from chatstream.apis.completions import CompletionStream, filter_completion
+from chatstream.apis.openai_chat import (
+    OPENAI_DONE,
+    ROLES,
+    OpenAIChatApi,
+    encode,
+    error_body,
+    error_response,
+    model_object,
+    models_list,
+    status_for,
+    validate,
+)
 from chatstream.errors import ApiError, StepFailed, TimeLimit, invalid_request
 from chatstream.pipeline import Pipeline
-from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Chunk, Done, Failed
 
@@ -30,6 +40,7 @@ def refused(body) -> ApiError:
 
 # ------------------------------------------------------------------------------------ contract
 
+
 @pytest.mark.parametrize("role", sorted(ROLES))
 @pytest.mark.parametrize("content", ["hi", "", None, [], [{"type": "text", "text": "hi"}], [{"anything": 1}]])
 def test_valid_roles_and_contents(role, content):
@@ -40,36 +51,64 @@ def test_a_message_without_content_passes():
     validate({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]})
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({}, "messages", "messages: Field required"),
-    ({"messages": []}, "messages", "messages: List should have at least 1 item after validation, not 0"),
-    ({"messages": [USER] * 1001}, "messages", "messages: List should have at most 1000 items after validation, not 1001"),
-    ({"messages": "hi"}, "messages", "messages: Input should be a valid list"),
-    ({"messages": [1]}, "messages", "messages: Input should be a valid dictionary"),
-    ({"messages": [USER, {"content": "x"}]}, "messages",
-     "messages: messages[1].role must be one of assistant, developer, function, system, tool, user"),
-    ({"messages": [{"role": "bot", "content": "x"}]}, "messages",
-     "messages: messages[0].role must be one of assistant, developer, function, system, tool, user"),
-    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages",
-     "messages: messages[0].role must be one of assistant, developer, function, system, tool, user"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages",
-     "messages: messages[0].content must be a string, an array of parts, or null"),
-    ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages",
-     "messages: messages[0].content must be a string, an array of parts, or null"),
-    ({"messages": [USER], "model": ""}, "model", "model: String should have at least 1 character"),
-    ({"messages": [USER], "model": "m" * 257}, "model", "model: String should have at most 256 characters"),
-    ({"messages": [USER], "model": 5}, "model", "model: Input should be a valid string"),
-    ({"messages": [USER], "stream": "true"}, "stream", "stream: Input should be a valid boolean"),
-    ({"messages": [USER], "stream": 1}, "stream", "stream: Input should be a valid boolean"),
-    ({"messages": [USER], "stream_options": 5}, "stream_options",
-     "stream_options: Input should be a valid dictionary or instance of StreamOptions"),
-    ({"messages": [USER], "stream_options": {"include_usage": "yes"}}, "stream_options",
-     "stream_options: Input should be a valid boolean"),
-    ({"messages": [USER], "n": 0}, "n", "n: Input should be greater than or equal to 1"),
-    ({"messages": [USER], "n": 9}, "n", "n: Input should be less than or equal to 8"),
-    ({"messages": [USER], "n": 2.0}, "n", "n: Input should be a valid integer"),
-    ({"messages": [USER], "n": True}, "n", "n: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({}, "messages", "messages: Field required"),
+        ({"messages": []}, "messages", "messages: List should have at least 1 item after validation, not 0"),
+        (
+            {"messages": [USER] * 1001},
+            "messages",
+            "messages: List should have at most 1000 items after validation, not 1001",
+        ),
+        ({"messages": "hi"}, "messages", "messages: Input should be a valid list"),
+        ({"messages": [1]}, "messages", "messages: Input should be a valid dictionary"),
+        (
+            {"messages": [USER, {"content": "x"}]},
+            "messages",
+            "messages: messages[1].role must be one of assistant, developer, function, system, tool, user",
+        ),
+        (
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "messages",
+            "messages: messages[0].role must be one of assistant, developer, function, system, tool, user",
+        ),
+        (
+            {"messages": [{"role": ["user"], "content": "x"}]},
+            "messages",
+            "messages: messages[0].role must be one of assistant, developer, function, system, tool, user",
+        ),
+        (
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages",
+            "messages: messages[0].content must be a string, an array of parts, or null",
+        ),
+        (
+            {"messages": [{"role": "user", "content": {"text": "x"}}]},
+            "messages",
+            "messages: messages[0].content must be a string, an array of parts, or null",
+        ),
+        ({"messages": [USER], "model": ""}, "model", "model: String should have at least 1 character"),
+        ({"messages": [USER], "model": "m" * 257}, "model", "model: String should have at most 256 characters"),
+        ({"messages": [USER], "model": 5}, "model", "model: Input should be a valid string"),
+        ({"messages": [USER], "stream": "true"}, "stream", "stream: Input should be a valid boolean"),
+        ({"messages": [USER], "stream": 1}, "stream", "stream: Input should be a valid boolean"),
+        (
+            {"messages": [USER], "stream_options": 5},
+            "stream_options",
+            "stream_options: Input should be a valid dictionary or instance of StreamOptions",
+        ),
+        (
+            {"messages": [USER], "stream_options": {"include_usage": "yes"}},
+            "stream_options",
+            "stream_options: Input should be a valid boolean",
+        ),
+        ({"messages": [USER], "n": 0}, "n", "n: Input should be greater than or equal to 1"),
+        ({"messages": [USER], "n": 9}, "n", "n: Input should be less than or equal to 8"),
+        ({"messages": [USER], "n": 2.0}, "n", "n: Input should be a valid integer"),
+        ({"messages": [USER], "n": True}, "n", "n: Input should be a valid integer"),
+    ],
+)
 def test_the_checked_fields(body, param, message):
     error = refused(body)
     assert (error.param, error.message) == (param, message)
@@ -81,10 +120,18 @@ def test_the_body_must_be_an_object(body):
 
 
 UNCHECKED = {
-    "temperature": "hot", "top_p": -5, "max_tokens": "lots", "seed": 1.5, "stop": {"weird": True},
+    "temperature": "hot",
+    "top_p": -5,
+    "max_tokens": "lots",
+    "seed": 1.5,
+    "stop": {"weird": True},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": None, "response_format": None, "user": None, "metadata": {"k": None},
-    "some_future_field": {"nested": [1, None, "x"]}, "logit_bias": {"123": -100},
+    "tool_choice": None,
+    "response_format": None,
+    "user": None,
+    "metadata": {"k": None},
+    "some_future_field": {"nested": [1, None, "x"]},
+    "logit_bias": {"123": -100},
 }
 
 
@@ -98,8 +145,9 @@ def test_unknown_and_unchecked_fields_pass_unchanged_including_nulls():
 
 
 def test_nulls_for_the_checked_fields_mean_unset():
-    call = OpenAIChatApi().parse({"messages": [USER], "model": None, "stream": None, "stream_options": None,
-                                  "n": None}, SETTINGS.default_model)
+    call = OpenAIChatApi().parse(
+        {"messages": [USER], "model": None, "stream": None, "stream_options": None, "n": None}, SETTINGS.default_model
+    )
     assert call.params["model"] == "gpt-default"
     assert call.params["stream"] is None and call.params["stream_options"] is None and call.params["n"] is None
     assert call.include_usage is False
@@ -107,13 +155,21 @@ def test_nulls_for_the_checked_fields_mean_unset():
 
 def test_the_default_model_fills_in_a_missing_one():
     assert OpenAIChatApi().parse({"messages": [USER]}, SETTINGS.default_model).params["model"] == "gpt-default"
-    assert OpenAIChatApi().parse({"messages": [USER], "model": "mine"}, SETTINGS.default_model).params["model"] == "mine"
+    assert (
+        OpenAIChatApi().parse({"messages": [USER], "model": "mine"}, SETTINGS.default_model).params["model"] == "mine"
+    )
 
 
-@pytest.mark.parametrize("options, include_usage", [
-    (None, False), ({}, False), ({"include_usage": False}, False), ({"include_usage": None}, False),
-    ({"include_usage": True}, True),
-])
+@pytest.mark.parametrize(
+    "options, include_usage",
+    [
+        (None, False),
+        ({}, False),
+        ({"include_usage": False}, False),
+        ({"include_usage": None}, False),
+        ({"include_usage": True}, True),
+    ],
+)
 def test_streamed_calls_always_ask_for_usage_but_pass_it_on_only_if_asked(options, include_usage):
     body = {"messages": [USER], "stream": True}
     if options is not None:
@@ -126,14 +182,17 @@ def test_streamed_calls_always_ask_for_usage_but_pass_it_on_only_if_asked(option
 
 def test_other_stream_options_are_kept_and_the_callers_dict_is_not_changed():
     options = {"include_usage": False, "future_option": 1}
-    call = OpenAIChatApi().parse({"messages": [USER], "stream": True, "stream_options": options}, SETTINGS.default_model)
+    call = OpenAIChatApi().parse(
+        {"messages": [USER], "stream": True, "stream_options": options}, SETTINGS.default_model
+    )
     assert call.params["stream_options"] == {"include_usage": True, "future_option": 1}
     assert options == {"include_usage": False, "future_option": 1}
 
 
 def test_a_non_streamed_call_is_left_alone():
-    call = OpenAIChatApi().parse({"messages": [USER], "stream": False, "stream_options": {"include_usage": True}},
-                                 SETTINGS.default_model)
+    call = OpenAIChatApi().parse(
+        {"messages": [USER], "stream": False, "stream_options": {"include_usage": True}}, SETTINGS.default_model
+    )
     assert call.params["stream_options"] == {"include_usage": True} and call.include_usage is False
 
 
@@ -153,41 +212,52 @@ async def test_the_adapter_waits_for_n_choices(n, choices):
 
 # -------------------------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("error, status, kind", [
-    (invalid_request("bad", "messages"), 400, "invalid_request_error"),
-    (ApiError(413, "request_too_large", "big"), 413, "invalid_request_error"),
-    (ApiError(415, "unsupported_media_type", "json"), 415, "invalid_request_error"),
-    (ApiError(422, "rejected", "policy"), 422, "invalid_request_error"),
-    (ApiError(400, "model_not_found", "no model", "model"), 404, "invalid_request_error"),
-    (ApiError(400, "content_filter", "stopped"), 400, "invalid_request_error"),
-    (ApiError(401, "x", "m"), 401, "authentication_error"),
-    (ApiError(403, "x", "m"), 403, "permission_error"),
-    (ApiError(429, "rate_limited", "slow", retryable=True), 429, "rate_limit_error"),
-    (StepFailed("s"), 500, "server_error"),
-    (ApiError(502, "upstream_error", "m"), 502, "server_error"),
-    (ApiError(503, "upstream_unavailable", "m"), 503, "server_error"),
-    (TimeLimit("upstream_timeout", "m"), 504, "server_error"),
-])
+
+@pytest.mark.parametrize(
+    "error, status, kind",
+    [
+        (invalid_request("bad", "messages"), 400, "invalid_request_error"),
+        (ApiError(413, "request_too_large", "big"), 413, "invalid_request_error"),
+        (ApiError(415, "unsupported_media_type", "json"), 415, "invalid_request_error"),
+        (ApiError(422, "rejected", "policy"), 422, "invalid_request_error"),
+        (ApiError(400, "model_not_found", "no model", "model"), 404, "invalid_request_error"),
+        (ApiError(400, "content_filter", "stopped"), 400, "invalid_request_error"),
+        (ApiError(401, "x", "m"), 401, "authentication_error"),
+        (ApiError(403, "x", "m"), 403, "permission_error"),
+        (ApiError(429, "rate_limited", "slow", retryable=True), 429, "rate_limit_error"),
+        (StepFailed("s"), 500, "server_error"),
+        (ApiError(502, "upstream_error", "m"), 502, "server_error"),
+        (ApiError(503, "upstream_unavailable", "m"), 503, "server_error"),
+        (TimeLimit("upstream_timeout", "m"), 504, "server_error"),
+    ],
+)
 def test_error_shape_and_status(error, status, kind):
     assert status_for(error) == status
-    assert error_body(error) == {"error": {"message": error.message, "type": kind, "param": error.param,
-                                           "code": error.type}}
+    assert error_body(error) == {
+        "error": {"message": error.message, "type": kind, "param": error.param, "code": error.type}
+    }
 
 
 def test_error_response_carries_status_and_headers():
     response = error_response(ApiError(429, "rate_limited", "slow", retryable=True, headers={"Retry-After": "9"}))
     assert response.status_code == 429 and response.headers["retry-after"] == "9"
-    assert json.loads(response.body) == {"error": {"message": "slow", "type": "rate_limit_error", "param": None,
-                                                   "code": "rate_limited"}}
+    assert json.loads(response.body) == {
+        "error": {"message": "slow", "type": "rate_limit_error", "param": None, "code": "rate_limited"}
+    }
     assert error_response(ApiError(400, "model_not_found", "gone", "model")).status_code == 404
     assert OpenAIChatApi().error_response is error_response
 
 
 # ------------------------------------------------------------------------------------ encoding
 
-CHUNK = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m",
-         "choices": [{"index": 0, "delta": {"content": "hé"}, "finish_reason": None}],
-         "future": {"x": None}}
+CHUNK = {
+    "id": "c1",
+    "object": "chat.completion.chunk",
+    "created": 5,
+    "model": "m",
+    "choices": [{"index": 0, "delta": {"content": "hé"}, "finish_reason": None}],
+    "future": {"x": None},
+}
 DONE = Done("stop", {0: "stop"}, {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, "m-2024", "c1", 5)
 
 
@@ -207,26 +277,32 @@ def test_done_with_usage_sends_the_usage_chunk_first():
     data = encode(DONE, True)
     assert data.endswith(b"\n\ndata: [DONE]\n\n")
     usage_event = data[: -len(OPENAI_DONE)]
-    assert usage_event == (b'data: {"id":"c1","object":"chat.completion.chunk","created":5,"model":"m-2024",'
-                           b'"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}\n\n')
+    assert usage_event == (
+        b'data: {"id":"c1","object":"chat.completion.chunk","created":5,"model":"m-2024",'
+        b'"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}\n\n'
+    )
 
 
 def test_failed_is_an_error_event_without_done():
     data = encode(Failed(TimeLimit("upstream_timeout", "slow")), True)
-    assert data == (b'data: {"error":{"message":"slow","type":"server_error","param":null,'
-                    b'"code":"upstream_timeout"}}\n\n')
+    assert data == (
+        b'data: {"error":{"message":"slow","type":"server_error","param":null,"code":"upstream_timeout"}}\n\n'
+    )
     assert b"[DONE]" not in data
 
 
 def test_the_adapters_encoder_follows_the_call():
     api = OpenAIChatApi()
-    asked = api.parse({"messages": [USER], "stream": True, "stream_options": {"include_usage": True}}, SETTINGS.default_model)
+    asked = api.parse(
+        {"messages": [USER], "stream": True, "stream_options": {"include_usage": True}}, SETTINGS.default_model
+    )
     not_asked = api.parse({"messages": [USER], "stream": True}, SETTINGS.default_model)
     assert api.encoder(asked)(DONE) == encode(DONE, True)
     assert api.encoder(not_asked)(DONE) == OPENAI_DONE
 
 
 # -------------------------------------------------------------------------------------- models
+
 
 def test_models():
     assert model_object("m") == {"id": "m", "object": "model", "created": 0, "owned_by": "chatstream"}

@@ -1,5 +1,6 @@
 """chatstream/upstreams/outcomes.py: one classifier for every upstream failure: what the caller is
 told (the ApiError) and what the pool records for the entry (the Outcome)."""
+
 from __future__ import annotations
 
 import httpx2
@@ -14,6 +15,7 @@ from .upstream_helpers import outcome_of, status_error
 
 # --- classifying the SDK's exceptions ---------------------------------------------------------
 
+
 def _request():
     return httpx2.Request("POST", "http://up.test/v1/chat/completions")
 
@@ -24,28 +26,32 @@ def _connection_error(cause: BaseException, timeout: bool = False) -> openai.API
     return exc
 
 
-@pytest.mark.parametrize("exc, kind, failover", [
-    (status_error(429, {"retry-after": "5"}), OutcomeKind.RATE_LIMITED, True),
-    (status_error(500), OutcomeKind.SERVER_ERROR, True),
-    (status_error(502), OutcomeKind.SERVER_ERROR, True),
-    (status_error(503), OutcomeKind.SERVER_ERROR, True),
-    (status_error(408), OutcomeKind.SERVER_ERROR, True),
-    (status_error(409), OutcomeKind.SERVER_ERROR, True),
-    (status_error(400), OutcomeKind.CLIENT_ERROR, False),
-    (status_error(401), OutcomeKind.AUTH_ERROR, False),
-    (status_error(403), OutcomeKind.AUTH_ERROR, False),
-    (status_error(404), OutcomeKind.CLIENT_ERROR, False),
-    (status_error(422), OutcomeKind.CLIENT_ERROR, False),
-    (_connection_error(httpx2.ConnectError("refused")), OutcomeKind.CONNECT_FAILED, True),
-    (_connection_error(ConnectionRefusedError()), OutcomeKind.CONNECT_FAILED, True),
-    (_connection_error(httpx2.ConnectTimeout("slow"), timeout=True), OutcomeKind.CONNECT_FAILED, True),
-    (_connection_error(httpx2.ReadError("reset")), OutcomeKind.CONNECTION_LOST, True),
-    (_connection_error(httpx2.ReadTimeout("slow"), timeout=True), OutcomeKind.TIMEOUT, True),
-    (TimeoutError(), OutcomeKind.TIMEOUT, True),           # the relay's first-token limit
-    (openai.APIError("overloaded", _request(), body=None), OutcomeKind.SERVER_ERROR, True),
-    (ValueError("a bug of ours"), OutcomeKind.OTHER, False),
-    (RuntimeError("a bug of ours"), OutcomeKind.OTHER, False),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "exc, kind, failover",
+    [
+        (status_error(429, {"retry-after": "5"}), OutcomeKind.RATE_LIMITED, True),
+        (status_error(500), OutcomeKind.SERVER_ERROR, True),
+        (status_error(502), OutcomeKind.SERVER_ERROR, True),
+        (status_error(503), OutcomeKind.SERVER_ERROR, True),
+        (status_error(408), OutcomeKind.SERVER_ERROR, True),
+        (status_error(409), OutcomeKind.SERVER_ERROR, True),
+        (status_error(400), OutcomeKind.CLIENT_ERROR, False),
+        (status_error(401), OutcomeKind.AUTH_ERROR, False),
+        (status_error(403), OutcomeKind.AUTH_ERROR, False),
+        (status_error(404), OutcomeKind.CLIENT_ERROR, False),
+        (status_error(422), OutcomeKind.CLIENT_ERROR, False),
+        (_connection_error(httpx2.ConnectError("refused")), OutcomeKind.CONNECT_FAILED, True),
+        (_connection_error(ConnectionRefusedError()), OutcomeKind.CONNECT_FAILED, True),
+        (_connection_error(httpx2.ConnectTimeout("slow"), timeout=True), OutcomeKind.CONNECT_FAILED, True),
+        (_connection_error(httpx2.ReadError("reset")), OutcomeKind.CONNECTION_LOST, True),
+        (_connection_error(httpx2.ReadTimeout("slow"), timeout=True), OutcomeKind.TIMEOUT, True),
+        (TimeoutError(), OutcomeKind.TIMEOUT, True),  # the relay's first-token limit
+        (openai.APIError("overloaded", _request(), body=None), OutcomeKind.SERVER_ERROR, True),
+        (ValueError("a bug of ours"), OutcomeKind.OTHER, False),
+        (RuntimeError("a bug of ours"), OutcomeKind.OTHER, False),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_classify_sdk_exceptions(exc, kind, failover):
     outcome = outcome_of(exc)
     assert outcome.kind is kind
@@ -70,6 +76,7 @@ def test_an_error_event_in_the_stream_is_the_entrys_failure_for_every_api():
     UpstreamReported: both move the request on and count against the entry (review finding: the
     Responses one was OTHER, so it neither failed over nor counted)."""
     from chatstream.errors import UpstreamReported
+
     for exc in (UpstreamReported("overloaded"), openai.APIError("overloaded", _request(), body=None)):
         outcome = outcome_of(exc)
         assert outcome.kind is OutcomeKind.SERVER_ERROR and outcome.failover
@@ -146,8 +153,12 @@ def test_a_caller_only_ever_gets_a_valid_retry_after(value):
 def test_bad_request_keeps_message_and_param():
     exc = status_error(400, body={"error": {"message": "temperature too high", "param": "temperature"}})
     error = told(exc)
-    assert (error.status, error.type, error.message, error.param) == (400, "invalid_request", "temperature too high",
-                                                                      "temperature")
+    assert (error.status, error.type, error.message, error.param) == (
+        400,
+        "invalid_request",
+        "temperature too high",
+        "temperature",
+    )
 
 
 def test_unprocessable_is_a_bad_request_and_a_body_without_error_wrapper_is_read():

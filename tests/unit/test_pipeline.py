@@ -1,6 +1,7 @@
 """chatstream/pipeline.py in process: before-steps (sync or async, rejections, failures named), the
 text filter chain with its flush and the moderation gate, after-steps in the background, and the
 built-in steps (what ``prompt_chars`` counts, where ``system_prompt`` goes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +17,13 @@ from chatstream.settings import Settings
 
 
 def call(**params) -> CallRequest:
-    return CallRequest(params={"model": "m", "messages": [{"role": "user", "content": "hi"}], **params},
-                       endpoint="openai")
+    return CallRequest(
+        params={"model": "m", "messages": [{"role": "user", "content": "hi"}], **params}, endpoint="openai"
+    )
 
 
 # -------------------------------------------------------------------------------- before-steps
+
 
 async def test_before_steps_sync_and_async_run_in_order():
     pipeline = Pipeline()
@@ -72,11 +75,14 @@ async def test_any_api_error_from_a_step_passes():
 async def test_a_raising_before_step_is_step_failed_with_its_name_and_logged(asynchronous, caplog):
     pipeline = Pipeline()
     if asynchronous:
+
         async def tag_user(c):
             raise KeyError("user")
     else:
+
         def tag_user(c):
             raise KeyError("user")
+
     pipeline.before(tag_user)
     with caplog.at_level(logging.ERROR, logger="chatstream"), pytest.raises(StepFailed) as info:
         await pipeline.run_before(call())
@@ -101,6 +107,7 @@ async def test_a_callable_object_step_is_named_by_its_class():
 
 
 # ---------------------------------------------------------------------------------- text steps
+
 
 class Upper:
     def feed(self, text):
@@ -208,6 +215,7 @@ async def test_a_text_step_made_by_a_lambda_is_named_by_the_step():
 
 # ---------------------------------------------------------------------------------- moderation
 
+
 async def test_moderation_stops_with_its_reason():
     checked = []
 
@@ -268,6 +276,7 @@ def test_moderate_checks_every_at_once():
 
 # -------------------------------------------------------------------------------- after-steps
 
+
 def result():
     record = StreamRecord(endpoint="chat", model="m")
     record.texts = {0: ["hi"]}
@@ -313,6 +322,7 @@ def test_without_after_steps_nothing_is_scheduled():
 
 # ------------------------------------------------------------------------------ from settings
 
+
 async def test_from_settings_orders_the_built_in_steps():
     settings = Settings.from_env({"SYSTEM_PROMPT": "Be terse.", "MAX_PROMPT_CHARS": "3", "BLOCKED_TERMS": "foo,bar"})
     pipeline = Pipeline.from_settings(settings)
@@ -335,18 +345,27 @@ async def test_from_settings_with_nothing_set_does_nothing():
 
 # ------------------------------------------------------------------------------ system prompt
 
+
 def test_system_prompt_goes_first_in_messages():
     c = call(messages=[{"role": "system", "content": "caller's"}, {"role": "user", "content": "hi"}])
     original = c.params["messages"]
     system_prompt("Ours.")(c)
-    assert c.params["messages"] == [{"role": "system", "content": "Ours."}, {"role": "system", "content": "caller's"},
-                                    {"role": "user", "content": "hi"}]
+    assert c.params["messages"] == [
+        {"role": "system", "content": "Ours."},
+        {"role": "system", "content": "caller's"},
+        {"role": "user", "content": "hi"},
+    ]
     assert len(original) == 2, "the caller's list is not changed in place"
 
 
-@pytest.mark.parametrize("instructions, expected", [
-    (None, "Ours."), ("", "Ours."), ("Theirs.", "Ours.\n\nTheirs."),
-])
+@pytest.mark.parametrize(
+    "instructions, expected",
+    [
+        (None, "Ours."),
+        ("", "Ours."),
+        ("Theirs.", "Ours.\n\nTheirs."),
+    ],
+)
 def test_system_prompt_goes_before_responses_instructions(instructions, expected):
     params = {"model": "m", "input": "hi"}
     if instructions is not None:
@@ -358,58 +377,122 @@ def test_system_prompt_goes_before_responses_instructions(instructions, expected
 
 # ------------------------------------------------------------------------------- prompt_chars
 
-@pytest.mark.parametrize("params, chars", [
-    # message content: strings and text parts; role/type/name structure never counts
-    ({"messages": [{"role": "user", "content": "hello"}]}, 5),
-    ({"messages": [{"role": "system", "content": "ab"}, {"role": "user", "content": "cde"}]}, 5),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "de"}]}]}, 5),
-    ({"messages": [{"role": "user", "content": None}]}, 0),
-    ({"messages": [{"role": "user", "content": ""}]}, 0),
-    # an image as a data URL counts by its URL; detail does not
-    ({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD", "detail": "high"}}]}]}, 26),
-    # tool calls: the arguments, the function name and the call's id (the model sees it); types do not count
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_123456", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]},
-                   {"role": "tool", "tool_call_id": "call_123456", "content": "42"}]}, 11 + 1 + 7 + 11 + 2),
-    # an assistant's refusal
-    ({"messages": [{"role": "assistant", "refusal": "I can't"}]}, 7),
-    # tools: name, description, and the whole parameter schema including property names
-    ({"tools": [{"type": "function", "function": {"name": "get", "description": "dd", "strict": True, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]},
-     3 + 2 + len("type" "object" "properties" "city" "type" "string" "required" "city")),
-    # legacy functions count the same way
-    ({"functions": [{"name": "f", "parameters": {"properties": {"xy": {}}}}]}, 1 + len("properties" "xy")),
-    # predicted output
-    ({"prediction": {"type": "content", "content": "abcd"}}, 4),
-    ({"prediction": {"type": "content", "content": [{"type": "text", "text": "ab"}]}}, 2),
-    # non-string text where text belongs still reaches the model
-    ({"messages": [{"role": "user", "content": 12345}]}, 5),
-    ({"messages": [{"role": "user", "content": 1.5}]}, 3),
-    ({"messages": [{"role": "user", "content": True}]}, 0),
-    # structure (closed sets of names the upstream checks) never counts, whatever its length; ids do
-    ({"messages": [{"role": "x" * 50, "content": "a", "type": "z" * 50, "status": "s" * 9}]}, 1),
-    ({"messages": [{"role": "user", "content": "a", "id": "y" * 50}]}, 51),
-    # the Responses API's ids: an item's, a function call's call_id, an item_reference's
-    ({"input": [{"type": "function_call_output", "call_id": "c" * 30, "output": "ok"},
-                {"type": "item_reference", "id": "msg_1"}]}, 30 + 2 + 5),
-    # tool_choice and response_format schemas
-    ({"tool_choice": "auto"}, 4),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
-     len("name" "n" "schema" "type" "object")),
-    # the Responses API: input and instructions
-    ({"input": "hello", "instructions": "be brief"}, 5 + 8),
-    ({"input": [{"role": "user", "type": "message", "content": [{"type": "input_text", "text": "abc"}]}]}, 3),
-    # fields that are not prompt text never count
-    ({"model": "gpt-4o", "temperature": 0.5, "user": "someone", "metadata": {"k": "v"}, "stream": True}, 0),
-])
+
+@pytest.mark.parametrize(
+    "params, chars",
+    [
+        # message content: strings and text parts; role/type/name structure never counts
+        ({"messages": [{"role": "user", "content": "hello"}]}, 5),
+        ({"messages": [{"role": "system", "content": "ab"}, {"role": "user", "content": "cde"}]}, 5),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "de"}]}
+                ]
+            },
+            5,
+        ),
+        ({"messages": [{"role": "user", "content": None}]}, 0),
+        ({"messages": [{"role": "user", "content": ""}]}, 0),
+        # an image as a data URL counts by its URL; detail does not
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD", "detail": "high"}}
+                        ],
+                    }
+                ]
+            },
+            26,
+        ),
+        # tool calls: the arguments, the function name and the call's id (the model sees it); types do not count
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "call_123456", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_123456", "content": "42"},
+                ]
+            },
+            11 + 1 + 7 + 11 + 2,
+        ),
+        # an assistant's refusal
+        ({"messages": [{"role": "assistant", "refusal": "I can't"}]}, 7),
+        # tools: name, description, and the whole parameter schema including property names
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "get",
+                            "description": "dd",
+                            "strict": True,
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"city": {"type": "string"}},
+                                "required": ["city"],
+                            },
+                        },
+                    }
+                ]
+            },
+            3 + 2 + len("typeobjectpropertiescitytypestringrequiredcity"),
+        ),
+        # legacy functions count the same way
+        ({"functions": [{"name": "f", "parameters": {"properties": {"xy": {}}}}]}, 1 + len("propertiesxy")),
+        # predicted output
+        ({"prediction": {"type": "content", "content": "abcd"}}, 4),
+        ({"prediction": {"type": "content", "content": [{"type": "text", "text": "ab"}]}}, 2),
+        # non-string text where text belongs still reaches the model
+        ({"messages": [{"role": "user", "content": 12345}]}, 5),
+        ({"messages": [{"role": "user", "content": 1.5}]}, 3),
+        ({"messages": [{"role": "user", "content": True}]}, 0),
+        # structure (closed sets of names the upstream checks) never counts, whatever its length; ids do
+        ({"messages": [{"role": "x" * 50, "content": "a", "type": "z" * 50, "status": "s" * 9}]}, 1),
+        ({"messages": [{"role": "user", "content": "a", "id": "y" * 50}]}, 51),
+        # the Responses API's ids: an item's, a function call's call_id, an item_reference's
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c" * 30, "output": "ok"},
+                    {"type": "item_reference", "id": "msg_1"},
+                ]
+            },
+            30 + 2 + 5,
+        ),
+        # tool_choice and response_format schemas
+        ({"tool_choice": "auto"}, 4),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+            len("namenschematypeobject"),
+        ),
+        # the Responses API: input and instructions
+        ({"input": "hello", "instructions": "be brief"}, 5 + 8),
+        ({"input": [{"role": "user", "type": "message", "content": [{"type": "input_text", "text": "abc"}]}]}, 3),
+        # fields that are not prompt text never count
+        ({"model": "gpt-4o", "temperature": 0.5, "user": "someone", "metadata": {"k": "v"}, "stream": True}, 0),
+    ],
+)
 def test_prompt_chars(params, chars):
     assert prompt_chars(params) == chars
 
 
 def test_prompt_chars_sums_every_field():
-    params = {"messages": [{"role": "user", "content": "abc"}], "tools": [{"function": {"description": "de"}}],
-              "prediction": {"content": "f"}, "instructions": "g"}
+    params = {
+        "messages": [{"role": "user", "content": "abc"}],
+        "tools": [{"function": {"description": "de"}}],
+        "prediction": {"content": "f"},
+        "instructions": "g",
+    }
     assert prompt_chars(params) == 7
 
 

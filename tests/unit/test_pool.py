@@ -1,5 +1,6 @@
 """chatstream/pool.py in-process: UPSTREAMS validation, the order entries are tried in, 429
 cooldowns, the breaker, and classifying the openai SDK's exceptions. A fake clock drives time."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,6 +39,7 @@ from .upstream_helpers import (
 
 # --- order ------------------------------------------------------------------------------------
 
+
 def test_candidates_are_ordered_by_priority_lowest_first():
     pool, _ = make_pool(entry("openai", 3), entry("paygo-a", 2), entry("ptu", 1), entry("paygo-b", 2))
     for _ in range(20):
@@ -61,7 +63,7 @@ def test_weighted_order_is_sampling_without_replacement():
     draws = 5000
     orders = collections.Counter(tuple(names(pool.candidates("m"))) for _ in range(draws))
     assert all(len(set(order)) == 3 for order in orders)
-    assert abs(orders[("a", "b", "c")] / draws - 0.3) < 0.03, orders   # 3/5 · 1/2
+    assert abs(orders[("a", "b", "c")] / draws - 0.3) < 0.03, orders  # 3/5 · 1/2
 
 
 def test_models_route_to_the_entries_that_serve_them_with_the_deployment_mapping():
@@ -81,6 +83,7 @@ def test_models_route_to_the_entries_that_serve_them_with_the_deployment_mapping
 
 # --- 429 cooldowns ----------------------------------------------------------------------------
 
+
 def test_a_429_with_retry_after_takes_the_entry_out_for_that_long_then_back():
     pool, clock = make_pool(entry("ptu", 1), entry("paygo", 2))
     attempt(pool, "ptu", outcome=outcome_of(status_error(429, {"retry-after": "30"})))
@@ -98,22 +101,28 @@ def test_a_cooldown_is_per_deployment_not_per_entry():
     assert names(pool.candidates("gpt-4o-mini")) == ["azure", "other"]
 
 
-@pytest.mark.parametrize("headers, expected", [
-    ({"retry-after": "30"}, 30),
-    ({"Retry-After": "2.5"}, 2.5),
-    ({"retry-after-ms": "1500"}, 1.5),
-    ({"retry-after-ms": "1500", "retry-after": "2"}, 2),  # the largest
-    ({"x-ratelimit-reset-requests": "7"}, 7),                          # Azure: seconds
-    ({"x-ratelimit-reset-tokens": "12.5", "x-ratelimit-reset-requests": "1"}, 12.5),
-    ({"x-ratelimit-reset-tokens": "6m0s"}, 360),                        # OpenAI: a duration
-    ({"x-ratelimit-reset-requests": "1m30.5s"}, 90.5),
-    ({"x-ratelimit-reset-requests": "20ms", "retry-after-ms": "10"}, 0.02),
-    ({"x-ratelimit-reset-tokens": "0", "x-ratelimit-reset-requests": "-1"}, None),  # Azure's placeholders
-    ({"retry-after": "soon"}, None),
-    ({"retry-after": "nan"}, None),
-    ({"retry-after": "0"}, None),  # ignored, as docs/pool.md says: a 429 that asks for no wait cools for the default
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "headers, expected",
+    [
+        ({"retry-after": "30"}, 30),
+        ({"Retry-After": "2.5"}, 2.5),
+        ({"retry-after-ms": "1500"}, 1.5),
+        ({"retry-after-ms": "1500", "retry-after": "2"}, 2),  # the largest
+        ({"x-ratelimit-reset-requests": "7"}, 7),  # Azure: seconds
+        ({"x-ratelimit-reset-tokens": "12.5", "x-ratelimit-reset-requests": "1"}, 12.5),
+        ({"x-ratelimit-reset-tokens": "6m0s"}, 360),  # OpenAI: a duration
+        ({"x-ratelimit-reset-requests": "1m30.5s"}, 90.5),
+        ({"x-ratelimit-reset-requests": "20ms", "retry-after-ms": "10"}, 0.02),
+        ({"x-ratelimit-reset-tokens": "0", "x-ratelimit-reset-requests": "-1"}, None),  # Azure's placeholders
+        ({"retry-after": "soon"}, None),
+        ({"retry-after": "nan"}, None),
+        (
+            {"retry-after": "0"},
+            None,
+        ),  # ignored, as docs/pool.md says: a 429 that asks for no wait cools for the default
+        ({}, None),
+    ],
+)
 def test_cooldown_from_headers(headers, expected):
     assert cooldown_from_headers(headers, wall_now=0) == expected
 
@@ -126,14 +135,17 @@ def test_retry_after_as_an_http_date():
     assert cooldown_from_headers({"Retry-After": past}, wall_now=wall) is None  # ignored: the default applies
 
 
-@pytest.mark.parametrize("headers, seconds", [
-    ({"retry-after-ms": "4000"}, 4),
-    ({"x-ratelimit-reset-tokens": "20"}, 20),
-    ({}, 10),                               # no header: the default
-    ({"retry-after": "0"}, 10),             # no usable wait: the default (docs/pool.md)
-    ({"retry-after": "0.2"}, 1),            # the shortest cooldown
-    ({"retry-after": "86400"}, 300),        # capped (Azure asks for a day when a quota is spent)
-])
+@pytest.mark.parametrize(
+    "headers, seconds",
+    [
+        ({"retry-after-ms": "4000"}, 4),
+        ({"x-ratelimit-reset-tokens": "20"}, 20),
+        ({}, 10),  # no header: the default
+        ({"retry-after": "0"}, 10),  # no usable wait: the default (docs/pool.md)
+        ({"retry-after": "0.2"}, 1),  # the shortest cooldown
+        ({"retry-after": "86400"}, 300),  # capped (Azure asks for a day when a quota is spent)
+    ],
+)
 def test_the_pool_applies_cooldowns_with_a_default_a_floor_and_a_cap(headers, seconds):
     pool, clock = make_pool(entry("a"))
     attempt(pool, "a", outcome=outcome_of_status(429, headers))
@@ -173,6 +185,7 @@ def test_an_insufficient_quota_429_cools_down_for_the_maximum_and_is_a_config_pr
 
 
 # --- the breaker ------------------------------------------------------------------------------
+
 
 def test_three_consecutive_server_errors_open_the_breaker_and_a_success_resets_the_count():
     pool, _ = make_pool(entry("a"), entry("b", 2))
@@ -231,7 +244,7 @@ def test_only_one_probe_at_a_time():
     assert names(first) == names(second) == ["a", "b"]  # both requests see it free…
     probe = pool.acquire(first[0], "gpt-4o")
     assert probe is not None and probe.probe
-    assert pool.acquire(second[0], "gpt-4o") is None     # …only one gets the probe
+    assert pool.acquire(second[0], "gpt-4o") is None  # …only one gets the probe
     assert names(pool.candidates("gpt-4o")) == ["b"]
     state = pool.state()[0]
     assert state["state"] == "half_open" and state["probing"]
@@ -314,15 +327,15 @@ def test_a_probe_answered_with_a_429_closes_the_breaker_and_cools_the_deployment
 def test_attempts_started_before_the_breaker_opened_do_not_move_it():
     pool, clock = make_pool(entry("a"))
     slow = [attempt(pool, "a") for _ in range(3)]
-    attempt(pool, "a", outcome=CONNECT_FAILED)               # opens
-    slow[0].report(SUCCESS)                        # stale: stays open
+    attempt(pool, "a", outcome=CONNECT_FAILED)  # opens
+    slow[0].report(SUCCESS)  # stale: stays open
     assert pool.state()[0]["state"] == "open"
     clock.advance(5)
     probe = attempt(pool, "a")
-    slow[1].report(SERVER_ERROR)                             # stale: does not reopen, keeps the probe
+    slow[1].report(SERVER_ERROR)  # stale: does not reopen, keeps the probe
     assert pool.state()[0]["probing"]
     probe.report(SUCCESS)
-    slow[2].report(SERVER_ERROR)                             # stale (previous era): no count
+    slow[2].report(SERVER_ERROR)  # stale (previous era): no count
     assert pool.state()[0]["consecutive_failures"] == 0
 
 
@@ -341,7 +354,7 @@ def test_client_errors_and_auth_errors_do_not_touch_the_entrys_health():
 def test_a_mid_stream_failure_counts_against_the_entry_but_not_as_a_failover():
     pool, _ = make_pool(entry("a"))
     a = attempt(pool, "a")
-    a.report(SUCCESS)                 # the first delta
+    a.report(SUCCESS)  # the first delta
     a.report(Outcome(OutcomeKind.CONNECTION_LOST))
     counters = pool.state()[0]["counters"]
     assert counters == {"requests": 1, "successes": 1, "failures": 1, "failovers": 0, "cooldowns": 0, "opens": 0}
@@ -349,8 +362,16 @@ def test_a_mid_stream_failure_counts_against_the_entry_but_not_as_a_failover():
 
 
 def test_state_reports_each_entry_without_any_key():
-    ptu = Entry(name="ptu", kind="azure", url="https://ptu.openai.azure.com", api_version="2024-10-21",
-                api_key=None, priority=1, models=("gpt-4o",), deployments={"gpt-4o": "gpt4o-ptu"})
+    ptu = Entry(
+        name="ptu",
+        kind="azure",
+        url="https://ptu.openai.azure.com",
+        api_version="2024-10-21",
+        api_key=None,
+        priority=1,
+        models=("gpt-4o",),
+        deployments={"gpt-4o": "gpt4o-ptu"},
+    )
     openai_entry = single_entry("openai", api_key=SecretStr(SECRET), base_url="https://user:pw@api.openai.com/v1")
     pool, clock = make_pool(ptu, openai_entry)
     attempt(pool, "ptu", outcome=outcome_of_status(429, {"retry-after": "30"}))
@@ -358,9 +379,19 @@ def test_state_reports_each_entry_without_any_key():
     clock.advance(10)
     state = pool.state()
     assert state[0] == {
-        "name": "ptu", "kind": "azure", "url": "https://ptu.openai.azure.com", "auth": "entra", "key_setting": None,
-        "priority": 1, "weight": 1.0, "models": ["gpt-4o"], "state": "cooling_down", "until": 20.0, "probing": False,
-        "cooldowns": {"gpt4o-ptu": 20.0}, "consecutive_failures": 0,
+        "name": "ptu",
+        "kind": "azure",
+        "url": "https://ptu.openai.azure.com",
+        "auth": "entra",
+        "key_setting": None,
+        "priority": 1,
+        "weight": 1.0,
+        "models": ["gpt-4o"],
+        "state": "cooling_down",
+        "until": 20.0,
+        "probing": False,
+        "cooldowns": {"gpt4o-ptu": 20.0},
+        "consecutive_failures": 0,
         "counters": {"requests": 1, "successes": 0, "failures": 0, "failovers": 1, "cooldowns": 1, "opens": 0},
     }
     assert state[1]["auth"] == "key" and state[1]["consecutive_failures"] == 1
@@ -371,9 +402,16 @@ def test_state_reports_each_entry_without_any_key():
 
 # --- a property ---------------------------------------------------------------------------------
 
-OUTCOMES = [SUCCESS, SERVER_ERROR, CONNECT_FAILED, Outcome(OutcomeKind.TIMEOUT),
-            outcome_of_status(429, {"retry-after": "7"}), outcome_of_status(429, {}), outcome_of_status(400),
-            outcome_of_status(401)]
+OUTCOMES = [
+    SUCCESS,
+    SERVER_ERROR,
+    CONNECT_FAILED,
+    Outcome(OutcomeKind.TIMEOUT),
+    outcome_of_status(429, {"retry-after": "7"}),
+    outcome_of_status(429, {}),
+    outcome_of_status(400),
+    outcome_of_status(401),
+]
 
 step = st.one_of(
     st.tuples(st.just("advance"), st.floats(0, 400)),
@@ -384,8 +422,11 @@ step = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(priorities=st.lists(st.integers(0, 3), min_size=5, max_size=5), steps=st.lists(step, max_size=60),
-       seed=st.integers(0, 2**32))
+@given(
+    priorities=st.lists(st.integers(0, 3), min_size=5, max_size=5),
+    steps=st.lists(step, max_size=60),
+    seed=st.integers(0, 2**32),
+)
 def test_candidates_are_never_unavailable_entries_and_always_sorted_by_priority(priorities, steps, seed):
     entries = [entry(f"e{i}", p, weight=1 + i, models=None if i % 2 else ["m1"]) for i, p in enumerate(priorities)]
     pool, clock = make_pool(*entries, seed=seed)

@@ -1,6 +1,7 @@
 """chatstream/state/quota.py against a real Azurite: capacity leases per instance, exact admission
 under a burst split over two instances, slack given back, windows, budgets, and a store that stops
 answering (503 within 2 s, then recovery by itself)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,10 @@ from chatstream.state.store import LIMITS_TABLE, StorageConfig, Store
 # A fixed instant 17.3 s into a minute (and into a UTC day and month): windows do not move unless a
 # test moves the clock.
 T0 = 1_796_083_217.3
-DEAD_STORE = ("DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5;"
-              "TableEndpoint=http://127.0.0.1:9/devstoreaccount1;")
+DEAD_STORE = (
+    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5;"
+    "TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+)
 
 
 class Clock:
@@ -64,8 +67,7 @@ async def test_a_burst_of_200_over_two_instances_admits_exactly_the_limit(azurit
         for s in stores:  # the tables exist before the clock starts (an app's first call makes them)
             await s.table(LIMITS_TABLE)
         started = time.perf_counter()
-        results = await asyncio.gather(*(quotas[i % 2].reserve(who, 100) for i in range(200)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(quotas[i % 2].reserve(who, 100) for i in range(200)), return_exceptions=True)
         elapsed = time.perf_counter() - started
         admitted = [r for r in results if isinstance(r, Reservation)]
         refusals = [r for r in results if isinstance(r, ApiError)]
@@ -77,8 +79,10 @@ async def test_a_burst_of_200_over_two_instances_admits_exactly_the_limit(azurit
         writes = sum(q.writes for q in quotas)
         reads = sum(q.reads for q in quotas)
         conflicts = sum(q.conflicts for q in quotas)
-        print(f"\nburst: {len(admitted)} of 200 admitted ({len(admitted) * 100} tokens) in {elapsed * 1000:.0f} ms; "
-              f"store: {writes} writes ({conflicts} conflicts), {reads} reads")
+        print(
+            f"\nburst: {len(admitted)} of 200 admitted ({len(admitted) * 100} tokens) in {elapsed * 1000:.0f} ms; "
+            f"store: {writes} writes ({conflicts} conflicts), {reads} reads"
+        )
         assert writes + reads <= 20  # instead of one conditional write per request, retried on every conflict
     finally:
         for s in stores:
@@ -135,8 +139,11 @@ async def test_a_refused_request_takes_nothing(azurite):
         error = await refused(quota.reserve(who, 50))  # tokens refuse it; its request and budget go back
         assert error.type == "rate_limit_exceeded" and "tokens per min" in error.message
         assert await quota.flush()
-        assert (await taken(azurite, who, "rpm"), await taken(azurite, who, "tpm"),
-                await taken(azurite, who, "budget")) == (1, 80, 80)
+        assert (
+            await taken(azurite, who, "rpm"),
+            await taken(azurite, who, "tpm"),
+            await taken(azurite, who, "budget"),
+        ) == (1, 80, 80)
         await first.settle(80)
     finally:
         await s.close()
@@ -249,8 +256,11 @@ async def test_a_store_that_hangs_fails_within_two_seconds_and_recovery_is_autom
         # is served without the store; every other fails closed.
         served = [r for r in results if isinstance(r, Reservation)]
         assert len(served) <= 1
-        assert all(isinstance(r, ApiError) and r.status == 503 and r.type == "caller_store_unavailable"
-                   for r in results if r not in served), results
+        assert all(
+            isinstance(r, ApiError) and r.status == 503 and r.type == "caller_store_unavailable"
+            for r in results
+            if r not in served
+        ), results
         assert elapsed < 2.0
         for reservation in served:
             await reservation.release()
@@ -309,8 +319,10 @@ async def test_staggered_arrivals_with_settles_never_overshoot(azurite, seed):
         assert worst <= 10_000
         assert admitted > 10_000 // 300  # slack given back let more in than the limit / reservation
         assert await taken(azurite, who, "tpm") == spent
-        print(f"\nstaggered: {admitted} of 200 admitted, {sum(q.writes for q in quotas)} writes "
-              f"({sum(q.conflicts for q in quotas)} conflicts), {sum(q.reads for q in quotas)} reads")
+        print(
+            f"\nstaggered: {admitted} of 200 admitted, {sum(q.writes for q in quotas)} writes "
+            f"({sum(q.conflicts for q in quotas)} conflicts), {sum(q.reads for q in quotas)} reads"
+        )
     finally:
         for s in stores:
             await s.close()

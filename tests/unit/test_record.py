@@ -1,5 +1,6 @@
 """chatstream/record.py: the request's record, its one log line (which a caller's text must never
 split or disguise) and the result the after-steps see."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,24 @@ import pytest
 from chatstream.record import StreamRecord, StreamResult, log_safe
 
 # Characters that start a new line for some log reader, or hide part of a line.
-UNSAFE = ["\u0085", "\u2028", "\u2029", "\x9b", "\x7f", "\x80", "\x9f", "\u202a", "\u202b", "\u202c", "\u202d",
-          "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"]
+UNSAFE = [
+    "\u0085",
+    "\u2028",
+    "\u2029",
+    "\x9b",
+    "\x7f",
+    "\x80",
+    "\x9f",
+    "\u202a",
+    "\u202b",
+    "\u202c",
+    "\u202d",
+    "\u202e",
+    "\u2066",
+    "\u2067",
+    "\u2068",
+    "\u2069",
+]
 
 
 @pytest.mark.parametrize("char", UNSAFE)
@@ -47,8 +64,22 @@ def test_log_line_fields():
     record.first_delta_at = record.started + 0.25
     record.deltas, record.finish_reason, record.usage = 3, "stop", {"total_tokens": 9}
     entry = json.loads(record.log_line())
-    assert list(entry) == ["event", "endpoint", "model", "status", "ttfd_ms", "duration_ms", "deltas",
-                           "finish_reason", "usage", "error", "disconnected", "upstream", "attempts", "request_id"]
+    assert list(entry) == [
+        "event",
+        "endpoint",
+        "model",
+        "status",
+        "ttfd_ms",
+        "duration_ms",
+        "deltas",
+        "finish_reason",
+        "usage",
+        "error",
+        "disconnected",
+        "upstream",
+        "attempts",
+        "request_id",
+    ]
     assert entry["event"] == "chat_stream" and entry["endpoint"] == "openai" and entry["status"] == 200
     assert entry["ttfd_ms"] == 250.0 and entry["duration_ms"] >= 1000
     assert (entry["deltas"], entry["finish_reason"], entry["usage"]) == (3, "stop", {"total_tokens": 9})
@@ -105,8 +136,11 @@ def test_log_safe_escapes_raw_newlines_in_caller_text_that_is_not_json():
     """Some log lines carry a caller-chosen name as is (the pool's cooldown line names the model):
     a newline there must not start a forged line (review finding)."""
     from chatstream.record import log_safe
-    assert log_safe("gpt\n2025-01-01 INFO chatstream: forged\r\x00") == \
-        "gpt\\u000a2025-01-01 INFO chatstream: forged\\u000d\\u0000"
+
+    assert (
+        log_safe("gpt\n2025-01-01 INFO chatstream: forged\r\x00")
+        == "gpt\\u000a2025-01-01 INFO chatstream: forged\\u000d\\u0000"
+    )
 
 
 def test_no_upstream_key_in_a_log_line_message_or_traceback(caplog):
@@ -137,6 +171,7 @@ async def test_every_entra_id_token_is_registered_as_a_secret():
     class Credential:
         async def get_token(self, *scopes, **kwargs):
             from azure.core.credentials import AccessToken
+
             return AccessToken("eyJ0eXAiOiJKV1Qi.unit-entra-token", int(time.time()) + 3600)
 
         async def close(self):

@@ -3,6 +3,7 @@ as the text step: however the upstream splits a text into deltas, the deltas a c
 repeated full text (``output_text.done``, ``content_part.done``, ``output_item.done``, the terminal
 ``response``) and the non-streamed response all say ``redact_whole(text)``; sequence numbers and event
 order are the upstream's; the upstream's dicts are not changed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,47 +40,132 @@ def script(text_chunks: list[str], arg_chunks: list[str], summary_chunks: list[s
     """A Responses stream as OpenAI sends it: a reasoning item (summary), a message, a function call."""
     text, args, summary = "".join(text_chunks), "".join(arg_chunks), "".join(summary_chunks)
     reasoning = {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": summary}]}
-    message = {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
-               "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}]}
-    call = {"id": "fc_1", "type": "function_call", "status": "completed", "arguments": args, "call_id": "call_1",
-            "name": "get_weather"}
-    base = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "output": [], "usage": None,
-            "status": "in_progress"}
+    message = {
+        "id": "msg_1",
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}],
+    }
+    call = {
+        "id": "fc_1",
+        "type": "function_call",
+        "status": "completed",
+        "arguments": args,
+        "call_id": "call_1",
+        "name": "get_weather",
+    }
+    base = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "m",
+        "output": [],
+        "usage": None,
+        "status": "in_progress",
+    }
     events: list[dict] = [
         {"type": "response.created", "response": base},
         {"type": "response.in_progress", "response": base},
         {"type": "response.output_item.added", "output_index": 0, "item": {**reasoning, "summary": []}},
-        {"type": "response.reasoning_summary_part.added", "output_index": 0, "summary_index": 0, "item_id": "rs_1",
-         "part": {"type": "summary_text", "text": ""}},
-        *({"type": "response.reasoning_summary_text.delta", "output_index": 0, "summary_index": 0, "item_id": "rs_1",
-           "delta": d, "obfuscation": "xx"} for d in summary_chunks),
-        {"type": "response.reasoning_summary_text.done", "output_index": 0, "summary_index": 0, "item_id": "rs_1",
-         "text": summary},
-        {"type": "response.reasoning_summary_part.done", "output_index": 0, "summary_index": 0, "item_id": "rs_1",
-         "part": {"type": "summary_text", "text": summary}},
+        {
+            "type": "response.reasoning_summary_part.added",
+            "output_index": 0,
+            "summary_index": 0,
+            "item_id": "rs_1",
+            "part": {"type": "summary_text", "text": ""},
+        },
+        *(
+            {
+                "type": "response.reasoning_summary_text.delta",
+                "output_index": 0,
+                "summary_index": 0,
+                "item_id": "rs_1",
+                "delta": d,
+                "obfuscation": "xx",
+            }
+            for d in summary_chunks
+        ),
+        {
+            "type": "response.reasoning_summary_text.done",
+            "output_index": 0,
+            "summary_index": 0,
+            "item_id": "rs_1",
+            "text": summary,
+        },
+        {
+            "type": "response.reasoning_summary_part.done",
+            "output_index": 0,
+            "summary_index": 0,
+            "item_id": "rs_1",
+            "part": {"type": "summary_text", "text": summary},
+        },
         {"type": "response.output_item.done", "output_index": 0, "item": reasoning},
-        {"type": "response.output_item.added", "output_index": 1,
-         "item": {**message, "status": "in_progress", "content": []}},
-        {"type": "response.content_part.added", "output_index": 1, "content_index": 0, "item_id": "msg_1",
-         "part": {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}},
-        *({"type": "response.output_text.delta", "output_index": 1, "content_index": 0, "item_id": "msg_1",
-           "delta": d, "logprobs": []} for d in text_chunks),
-        {"type": "response.output_text.done", "output_index": 1, "content_index": 0, "item_id": "msg_1",
-         "text": text, "logprobs": []},
-        {"type": "response.content_part.done", "output_index": 1, "content_index": 0, "item_id": "msg_1",
-         "part": message["content"][0]},
+        {
+            "type": "response.output_item.added",
+            "output_index": 1,
+            "item": {**message, "status": "in_progress", "content": []},
+        },
+        {
+            "type": "response.content_part.added",
+            "output_index": 1,
+            "content_index": 0,
+            "item_id": "msg_1",
+            "part": {"type": "output_text", "annotations": [], "logprobs": [], "text": ""},
+        },
+        *(
+            {
+                "type": "response.output_text.delta",
+                "output_index": 1,
+                "content_index": 0,
+                "item_id": "msg_1",
+                "delta": d,
+                "logprobs": [],
+            }
+            for d in text_chunks
+        ),
+        {
+            "type": "response.output_text.done",
+            "output_index": 1,
+            "content_index": 0,
+            "item_id": "msg_1",
+            "text": text,
+            "logprobs": [],
+        },
+        {
+            "type": "response.content_part.done",
+            "output_index": 1,
+            "content_index": 0,
+            "item_id": "msg_1",
+            "part": message["content"][0],
+        },
         {"type": "response.output_item.done", "output_index": 1, "item": message},
-        {"type": "response.output_item.added", "output_index": 2, "item": {**call, "arguments": "",
-                                                                            "status": "in_progress"}},
-        *({"type": "response.function_call_arguments.delta", "output_index": 2, "item_id": "fc_1", "delta": d}
-          for d in arg_chunks),
-        {"type": "response.function_call_arguments.done", "output_index": 2, "item_id": "fc_1", "name": "get_weather",
-         "arguments": args},
+        {
+            "type": "response.output_item.added",
+            "output_index": 2,
+            "item": {**call, "arguments": "", "status": "in_progress"},
+        },
+        *(
+            {"type": "response.function_call_arguments.delta", "output_index": 2, "item_id": "fc_1", "delta": d}
+            for d in arg_chunks
+        ),
+        {
+            "type": "response.function_call_arguments.done",
+            "output_index": 2,
+            "item_id": "fc_1",
+            "name": "get_weather",
+            "arguments": args,
+        },
         {"type": "response.output_item.done", "output_index": 2, "item": call},
-        {"type": "response.completed", "response": {**base, "status": "completed",
-                                                    "output": [reasoning, message, call],
-                                                    "usage": {"input_tokens": 1, "output_tokens": 2,
-                                                              "total_tokens": 3}}},
+        {
+            "type": "response.completed",
+            "response": {
+                **base,
+                "status": "completed",
+                "output": [reasoning, message, call],
+                "usage": {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3},
+            },
+        },
     ]
     return [{**e, "sequence_number": i} for i, e in enumerate(events)]
 
@@ -109,8 +195,9 @@ def test_deltas_and_every_full_text_are_the_same_redacted_text(data):
     before = copy.deepcopy(events)
     out, stream = asyncio.run(run(events, pipeline()))
     assert events == before, "the upstream's dicts are not changed"
-    assert [e["sequence_number"] for e in out] == [e["sequence_number"] for e in events], \
+    assert [e["sequence_number"] for e in out] == [e["sequence_number"] for e in events], (
         "every event, in order, with its own number"
+    )
 
     want_text, want_args, want_summary = (redact_whole(t, TERMS) for t in (text, args, summary))
     by_type = {}
@@ -142,7 +229,7 @@ def test_deltas_and_every_full_text_are_the_same_redacted_text(data):
 
 
 def test_without_text_steps_events_pass_unchanged_and_at_once():
-    events = script(["Hello ", "secret ", "world"], ['{"a":', '1}'], ["think"])
+    events = script(["Hello ", "secret ", "world"], ['{"a":', "1}"], ["think"])
     out, _ = asyncio.run(run(events, Pipeline()))
     assert out == events and all(a is b for a, b in zip(out, events))
 
@@ -168,13 +255,20 @@ def test_encoder_names_each_event_and_ends_a_failure_with_the_next_sequence_numb
     encode = ResponseEncoder()
     a = {"type": "response.output_text.delta", "sequence_number": 4, "delta": "é"}
     b = {"type": "response.output_text.delta", "sequence_number": 5, "delta": "x"}
-    assert encode(Chunk(a)) == ('event: response.output_text.delta\n'
-                                'data: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n').encode()
+    assert (
+        encode(Chunk(a))
+        == (
+            "event: response.output_text.delta\n"
+            'data: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n'
+        ).encode()
+    )
     assert encode(Chunk(b)).startswith(b"event: response.output_text.delta\ndata: ")
     assert encode(Done("completed", {}, None, None, None, None)) is None
     tail = encode(Failed(ApiError(504, "idle_timeout", "the model went quiet")))
-    assert tail == b'event: error\ndata: {"type":"error","sequence_number":6,"code":"idle_timeout",' \
-                   b'"message":"the model went quiet","param":null}\n\n'
+    assert (
+        tail == b'event: error\ndata: {"type":"error","sequence_number":6,"code":"idle_timeout",'
+        b'"message":"the model went quiet","param":null}\n\n'
+    )
 
 
 def test_odd_upstream_events_are_upstream_malformed_not_a_bug_of_ours():
@@ -182,9 +276,13 @@ def test_odd_upstream_events_are_upstream_malformed_not_a_bug_of_ours():
 
     from chatstream.errors import UpstreamMalformed
 
-    odd = [{"type": None}, {"type": "a\nb"}, {"type": "response.output_text.delta", "delta": 5},
-           {"type": "response.output_text.delta", "delta": "x", "output_index": [1]},
-           {"type": "response.output_item.done", "output_index": "1", "item": {}}]
+    odd = [
+        {"type": None},
+        {"type": "a\nb"},
+        {"type": "response.output_text.delta", "delta": 5},
+        {"type": "response.output_text.delta", "delta": "x", "output_index": [1]},
+        {"type": "response.output_item.done", "output_index": "1", "item": {}},
+    ]
     for event in odd:
         stream = ResponseStream(pipeline())
         with pytest.raises(UpstreamMalformed):
@@ -196,8 +294,10 @@ def test_an_upstream_error_event_fails_the_stream():
 
     from chatstream.errors import ApiError
 
-    for event in ({"type": "error", "code": "server_error", "message": "boom"},
-                  {"type": "error", "error": {"type": "server_error", "message": "boom"}}):
+    for event in (
+        {"type": "error", "code": "server_error", "message": "boom"},
+        {"type": "error", "error": {"type": "server_error", "message": "boom"}},
+    ):
         with pytest.raises(ApiError) as info:
             asyncio.run(ResponseStream(Pipeline()).feed(event))
         assert info.value.type == "upstream_error" and "boom" in info.value.message
@@ -205,13 +305,24 @@ def test_an_upstream_error_event_fails_the_stream():
 
 def audio_script(chunks: list[str], done: bool) -> list[dict]:
     """A spoken answer: its transcript comes only in transcript deltas (the done event has no text)."""
-    base = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "output": [], "usage": None,
-            "status": "in_progress"}
-    events: list[dict] = [{"type": "response.created", "response": base},
-                          {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message"}}]
+    base = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "m",
+        "output": [],
+        "usage": None,
+        "status": "in_progress",
+    }
+    events: list[dict] = [
+        {"type": "response.created", "response": base},
+        {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message"}},
+    ]
     for chunk in chunks:
-        events += [{"type": "response.audio.delta", "delta": "AAAA"},
-                   {"type": "response.audio.transcript.delta", "delta": chunk}]
+        events += [
+            {"type": "response.audio.delta", "delta": "AAAA"},
+            {"type": "response.audio.transcript.delta", "delta": chunk},
+        ]
     events += [{"type": "response.audio.done"}] + ([{"type": "response.audio.transcript.done"}] if done else [])
     events += [{"type": "response.completed", "response": {**base, "status": "completed"}}]
     return [{**e, "sequence_number": i} for i, e in enumerate(events)]
@@ -224,8 +335,9 @@ def test_an_audio_transcript_is_redacted_for_any_chunking(data):
     text = data.draw(texts)
     events = audio_script(cuts(data.draw, text), done=data.draw(st.booleans()))
     out, _ = asyncio.run(run(events, pipeline()))
-    assert "".join(e["delta"] for e in out if e["type"] == "response.audio.transcript.delta") == \
-        redact_whole(text, TERMS)
+    assert "".join(e["delta"] for e in out if e["type"] == "response.audio.transcript.delta") == redact_whole(
+        text, TERMS
+    )
     numbers = [e["sequence_number"] for e in out]
     # Every event in order; a tail held until after another event rides in a copy of the last
     # transcript delta, with that delta's number (nothing later is renumbered), as for every text.

@@ -1,5 +1,6 @@
 """chatstream/settings.py: app settings from the environment, validated once, errors that name the
 setting and never its value."""
+
 from __future__ import annotations
 
 import pydantic
@@ -25,8 +26,16 @@ def test_unknown_variables_and_empty_values_are_ignored():
 
 
 def test_values_are_parsed_from_strings():
-    s = Settings.from_env({"OPENAI_API_KEY": "k", "FIRST_TOKEN_TIMEOUT_SECONDS": "2.5", "UPSTREAM_MAX_RETRIES": "0",
-                           "MAX_BODY_BYTES": "1000", "MAX_PROMPT_CHARS": "300", "USAGE_WAIT_SECONDS": "0"})
+    s = Settings.from_env(
+        {
+            "OPENAI_API_KEY": "k",
+            "FIRST_TOKEN_TIMEOUT_SECONDS": "2.5",
+            "UPSTREAM_MAX_RETRIES": "0",
+            "MAX_BODY_BYTES": "1000",
+            "MAX_PROMPT_CHARS": "300",
+            "USAGE_WAIT_SECONDS": "0",
+        }
+    )
     assert (s.first_token_timeout, s.upstream_max_retries, s.max_body_bytes) == (2.5, 0, 1000)
     assert s.max_prompt_chars == 300 and s.usage_wait == 0
 
@@ -38,15 +47,24 @@ def test_comma_lists_are_split_and_trimmed():
     assert Settings.from_env({"ALLOWED_MODELS": " , "}).allowed_models == ()
 
 
-@pytest.mark.parametrize("env, kind", [
-    ({}, "none"),
-    ({"OPENAI_API_KEY": "k"}, "openai"),
-    ({"OPENAI_BASE_URL": "http://localhost:8000/v1"}, "openai"),
-    ({"AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com", "AZURE_OPENAI_DEPLOYMENT": "d"}, "azure"),
-    # Azure wins when both are set.
-    ({"OPENAI_API_KEY": "k", "AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com", "AZURE_OPENAI_DEPLOYMENT": "d"},
-     "azure"),
-])
+@pytest.mark.parametrize(
+    "env, kind",
+    [
+        ({}, "none"),
+        ({"OPENAI_API_KEY": "k"}, "openai"),
+        ({"OPENAI_BASE_URL": "http://localhost:8000/v1"}, "openai"),
+        ({"AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com", "AZURE_OPENAI_DEPLOYMENT": "d"}, "azure"),
+        # Azure wins when both are set.
+        (
+            {
+                "OPENAI_API_KEY": "k",
+                "AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com",
+                "AZURE_OPENAI_DEPLOYMENT": "d",
+            },
+            "azure",
+        ),
+    ],
+)
 def test_upstream_kind(env, kind):
     s = Settings.from_env(env)
     assert s.upstream_kind == kind
@@ -54,8 +72,13 @@ def test_upstream_kind(env, kind):
 
 
 def test_default_model_is_the_deployment_on_azure():
-    s = Settings.from_env({"AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com", "AZURE_OPENAI_DEPLOYMENT": "dep",
-                           "OPENAI_MODEL": "ignored"})
+    s = Settings.from_env(
+        {
+            "AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com",
+            "AZURE_OPENAI_DEPLOYMENT": "dep",
+            "OPENAI_MODEL": "ignored",
+        }
+    )
     assert s.default_model == "dep"
     assert Settings.from_env({"OPENAI_API_KEY": "k", "OPENAI_MODEL": "m"}).default_model == "m"
 
@@ -66,8 +89,9 @@ def test_azure_needs_a_deployment():
 
 
 def test_urls_must_be_http_and_lose_their_trailing_slash():
-    s = Settings.from_env({"OPENAI_BASE_URL": "https://h/v1//", "AZURE_OPENAI_ENDPOINT": "http://a/",
-                           "AZURE_OPENAI_DEPLOYMENT": "d"})
+    s = Settings.from_env(
+        {"OPENAI_BASE_URL": "https://h/v1//", "AZURE_OPENAI_ENDPOINT": "http://a/", "AZURE_OPENAI_DEPLOYMENT": "d"}
+    )
     assert s.openai_base_url == "https://h/v1" and s.azure_openai_endpoint == "http://a"
     with pytest.raises(SettingsError, match="OPENAI_BASE_URL: .*http:// or https://"):
         Settings.from_env({"OPENAI_BASE_URL": "ftp://h"})
@@ -85,13 +109,25 @@ def test_keys_are_secret():
     assert s.openai_api_key.get_secret_value() == "sk-very-secret"
 
 
-@pytest.mark.parametrize("name, value", [
-    ("FIRST_TOKEN_TIMEOUT_SECONDS", "0"), ("FIRST_TOKEN_TIMEOUT_SECONDS", "3601"),
-    ("IDLE_TIMEOUT_SECONDS", "-1"), ("TOTAL_TIMEOUT_SECONDS", "86401"), ("HEARTBEAT_SECONDS", "201"),
-    ("USAGE_WAIT_SECONDS", "-0.1"), ("USAGE_WAIT_SECONDS", "61"), ("UPSTREAM_MAX_RETRIES", "11"),
-    ("UPSTREAM_CONNECT_TIMEOUT_SECONDS", "121"), ("MAX_BODY_BYTES", "0"), ("MAX_BODY_BYTES", str(100 * 1_048_576 + 1)),
-    ("MAX_PROMPT_CHARS", "0"), ("UPSTREAM_MAX_RETRIES", "two"), ("IDLE_TIMEOUT_SECONDS", "nan"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("FIRST_TOKEN_TIMEOUT_SECONDS", "0"),
+        ("FIRST_TOKEN_TIMEOUT_SECONDS", "3601"),
+        ("IDLE_TIMEOUT_SECONDS", "-1"),
+        ("TOTAL_TIMEOUT_SECONDS", "86401"),
+        ("HEARTBEAT_SECONDS", "201"),
+        ("USAGE_WAIT_SECONDS", "-0.1"),
+        ("USAGE_WAIT_SECONDS", "61"),
+        ("UPSTREAM_MAX_RETRIES", "11"),
+        ("UPSTREAM_CONNECT_TIMEOUT_SECONDS", "121"),
+        ("MAX_BODY_BYTES", "0"),
+        ("MAX_BODY_BYTES", str(100 * 1_048_576 + 1)),
+        ("MAX_PROMPT_CHARS", "0"),
+        ("UPSTREAM_MAX_RETRIES", "two"),
+        ("IDLE_TIMEOUT_SECONDS", "nan"),
+    ],
+)
 def test_out_of_range_values_name_the_setting(name, value):
     with pytest.raises(SettingsError) as info:
         Settings.from_env({name: value})
@@ -99,8 +135,10 @@ def test_out_of_range_values_name_the_setting(name, value):
     assert name in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["OPENAI_BASE_URL", "AZURE_OPENAI_ENDPOINT", "MAX_BODY_BYTES",
-                                  "IDLE_TIMEOUT_SECONDS", "UPSTREAM_MAX_RETRIES"])
+@pytest.mark.parametrize(
+    "name",
+    ["OPENAI_BASE_URL", "AZURE_OPENAI_ENDPOINT", "MAX_BODY_BYTES", "IDLE_TIMEOUT_SECONDS", "UPSTREAM_MAX_RETRIES"],
+)
 def test_an_error_never_echoes_the_value(name):
     secret = "sk-LEAKED-1234567890"
     with pytest.raises(SettingsError) as info:

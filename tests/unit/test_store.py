@@ -1,4 +1,5 @@
 """chatstream/state/store.py against a real Azurite: settings, clients, tables made on first use."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,14 @@ import time
 
 import pytest
 
-from chatstream.state.store import (CALLERS_TABLE, StorageConfig, Store, StoreConfigError, StoreUnavailable,
-                                    store_from_env)
+from chatstream.state.store import (
+    CALLERS_TABLE,
+    StorageConfig,
+    Store,
+    StoreConfigError,
+    StoreUnavailable,
+    store_from_env,
+)
 
 
 def test_no_storage_setting_means_no_store():
@@ -16,9 +23,13 @@ def test_no_storage_setting_means_no_store():
 
 
 def test_identity_based_settings_make_service_urls():
-    config = StorageConfig.from_env({"AzureWebJobsStorage__accountName": "acct",
-                                     "AzureWebJobsStorage__credential": "managedidentity",
-                                     "AzureWebJobsStorage__clientId": "id-1"})
+    config = StorageConfig.from_env(
+        {
+            "AzureWebJobsStorage__accountName": "acct",
+            "AzureWebJobsStorage__credential": "managedidentity",
+            "AzureWebJobsStorage__clientId": "id-1",
+        }
+    )
     assert config.table_url == "https://acct.table.core.windows.net"
     assert config.blob_url == "https://acct.blob.core.windows.net"
     assert (config.credential, config.client_id) == ("managedidentity", "id-1")
@@ -51,8 +62,12 @@ async def test_tables_and_the_container_are_made_on_first_use(azurite):
 
 async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     # A port nothing listens on: the connection is refused at once; retried once, then given up.
-    store = Store(StorageConfig(connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
-                                "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"))
+    store = Store(
+        StorageConfig(
+            connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+            "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+        )
+    )
     started = time.monotonic()
     try:
         with pytest.raises(StoreUnavailable):

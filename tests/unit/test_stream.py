@@ -2,6 +2,7 @@
 in-memory upstream, with ``completions.CompletionStream`` as the protocol. What it forwards and holds,
 the one final event (``Done`` or ``Failed``) for every way a stream can end, the time limits, and the
 upstream closed in every case."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +16,10 @@ import pytest
 from chatstream.apis.completions import CompletionStream
 from chatstream.errors import ApiError, Rejection, UpstreamReported
 from chatstream.guard import Redactor
-from chatstream.stream import TimeLimits
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Done, Failed, encoded, relay
+from chatstream.stream import Chunk, Done, Failed, TimeLimits, encoded, relay
 
 from .stream_helpers import Opener
 
@@ -28,8 +28,12 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
 def limits_settings(**values) -> Settings:
-    base = {"FIRST_TOKEN_TIMEOUT_SECONDS": 5, "IDLE_TIMEOUT_SECONDS": 5, "TOTAL_TIMEOUT_SECONDS": 10,
-            "USAGE_WAIT_SECONDS": 0.5}
+    base = {
+        "FIRST_TOKEN_TIMEOUT_SECONDS": 5,
+        "IDLE_TIMEOUT_SECONDS": 5,
+        "TOTAL_TIMEOUT_SECONDS": 10,
+        "USAGE_WAIT_SECONDS": 0.5,
+    }
     return Settings.model_validate({**base, **values})
 
 
@@ -70,7 +74,7 @@ class Upstream:
                 raise step
             else:
                 self.read += 1
-                after = self.script[i + 1:]
+                after = self.script[i + 1 :]
                 self.ready = next((n for n, x in enumerate(after) if not isinstance(x, dict)), len(after))
                 yield step
         self.ready = 0
@@ -80,18 +84,35 @@ class Upstream:
 
 
 def chunk(delta=None, finish=None, index=0, **extra) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "gpt-test-2024",
-            "choices": [{"index": index, "delta": delta or {}, "finish_reason": finish}], **extra}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "gpt-test-2024",
+        "choices": [{"index": index, "delta": delta or {}, "finish_reason": finish}],
+        **extra,
+    }
 
 
 def multi(*choices) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "gpt-test-2024",
-            "choices": [{"index": i, "delta": d, "finish_reason": f} for i, d, f in choices]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "gpt-test-2024",
+        "choices": [{"index": i, "delta": d, "finish_reason": f} for i, d, f in choices],
+    }
 
 
 def usage_chunk(usage=USAGE) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "gpt-test-2024",
-            "choices": [], "usage": usage}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "gpt-test-2024",
+        "choices": [],
+        "usage": usage,
+    }
 
 
 ROLE = chunk({"role": "assistant", "content": ""})
@@ -130,6 +151,7 @@ def failure(events):
 
 
 # ------------------------------------------------------------------------------ normal streams
+
 
 async def test_a_normal_stream():
     run = Run(NORMAL)
@@ -185,8 +207,14 @@ async def test_a_tool_call_and_a_refusal_are_output():
 
 
 async def test_azure_empty_choices_frames_are_dropped():
-    prompt_filter = {"id": "", "object": "", "created": 0, "model": "", "choices": [],
-                     "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}]}
+    prompt_filter = {
+        "id": "",
+        "object": "",
+        "created": 0,
+        "model": "",
+        "choices": [],
+        "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}],
+    }
     run = Run([prompt_filter, ROLE, chunk({"content": "a"}), {"choices": []}, chunk({}, "stop"), usage_chunk()])
     events = await run.all()
     assert all(e.data["choices"] for e in events if isinstance(e, Chunk))
@@ -195,8 +223,9 @@ async def test_azure_empty_choices_frames_are_dropped():
 
 
 async def test_unknown_fields_pass_through_and_the_input_is_not_changed():
-    extra = chunk({"content": "a", "future": 1}, system_fingerprint="fp_1",
-                  content_filter_results={"hate": {"filtered": False}})
+    extra = chunk(
+        {"content": "a", "future": 1}, system_fingerprint="fp_1", content_filter_results={"hate": {"filtered": False}}
+    )
     run = Run([extra, chunk({}, "stop")])
     events = await run.all()
     assert events[0].data == extra
@@ -209,8 +238,10 @@ async def test_usage_is_read_after_the_finish():
 
 
 async def test_a_missing_usage_is_not_a_failure_and_waits_only_usage_wait():
-    run = Run([chunk({"content": "a"}), chunk({}, "stop"), Sleep(5), usage_chunk()],
-              settings=limits_settings(USAGE_WAIT_SECONDS=0.05))
+    run = Run(
+        [chunk({"content": "a"}), chunk({}, "stop"), Sleep(5), usage_chunk()],
+        settings=limits_settings(USAGE_WAIT_SECONDS=0.05),
+    )
     started = time.monotonic()
     events = await run.all()
     assert time.monotonic() - started < 2
@@ -227,25 +258,44 @@ async def test_an_upstream_error_after_the_finish_is_ignored():
 
 
 async def test_nothing_after_the_finish_is_forwarded():
-    run = Run([chunk({"content": "a"}), chunk({"content": "b"}, "stop"), chunk({"content": "late"}),
-               chunk({}, "stop"), usage_chunk()])
+    run = Run(
+        [
+            chunk({"content": "a"}),
+            chunk({"content": "b"}, "stop"),
+            chunk({"content": "late"}),
+            chunk({}, "stop"),
+            usage_chunk(),
+        ]
+    )
     events = await run.all()
     assert texts(events) == ["a", "b"]
     assert events[-1].usage == USAGE, "the usage after them is still read"
 
 
 async def test_n2_interleaved_finishes():
-    run = Run([multi((0, {"role": "assistant"}, None), (1, {"role": "assistant"}, None)),
-               multi((1, {"content": "B"}, None)),
-               multi((0, {"content": "A"}, None), (1, {}, "length")),
-               multi((1, {"content": "late for 1"}, None), (0, {"content": "A2"}, None)),
-               multi((0, {}, "stop")),
-               usage_chunk()], choices=2)
+    run = Run(
+        [
+            multi((0, {"role": "assistant"}, None), (1, {"role": "assistant"}, None)),
+            multi((1, {"content": "B"}, None)),
+            multi((0, {"content": "A"}, None), (1, {}, "length")),
+            multi((1, {"content": "late for 1"}, None), (0, {"content": "A2"}, None)),
+            multi((0, {}, "stop")),
+            usage_chunk(),
+        ],
+        choices=2,
+    )
     events = await run.all()
     chunks = [e.data for e in events if isinstance(e, Chunk)]
     forwarded = [(c["index"], c["delta"].get("content"), c["finish_reason"]) for d in chunks for c in d["choices"]]
-    assert forwarded == [(0, None, None), (1, None, None), (1, "B", None), (0, "A", None), (1, None, "length"),
-                         (0, "A2", None), (0, None, "stop")]
+    assert forwarded == [
+        (0, None, None),
+        (1, None, None),
+        (1, "B", None),
+        (0, "A", None),
+        (1, None, "length"),
+        (0, "A2", None),
+        (0, None, "stop"),
+    ]
     done = events[-1]
     assert done.finish_reason == "stop" and done.finish_reasons == {0: "stop", 1: "length"}
     assert done.usage == USAGE
@@ -261,6 +311,7 @@ async def test_n2_ending_after_one_choice_finished_is_done():
 
 # ---------------------------------------------------------------------------------- failures
 
+
 async def test_a_stream_ending_without_a_finish_is_incomplete():
     run = Run([ROLE, chunk({"content": "a"})])
     events = await run.all()
@@ -275,11 +326,19 @@ async def test_an_empty_stream_is_incomplete():
     assert failure(await run.all()).type == "upstream_incomplete"
 
 
-@pytest.mark.parametrize("bad", [
-    {"choices": "abc"}, {"choices": {"0": {}}}, {"choices": [1]}, {"choices": [{"delta": "text"}]},
-    {"choices": [{"delta": {"content": 5}}]}, {"choices": [{"delta": {"refusal": ["x"]}}]},
-    {"choices": [{"delta": {"tool_calls": {"index": 0}}}]}, {"choices": [{"index": 0, "delta": {}}, "x"]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"choices": "abc"},
+        {"choices": {"0": {}}},
+        {"choices": [1]},
+        {"choices": [{"delta": "text"}]},
+        {"choices": [{"delta": {"content": 5}}]},
+        {"choices": [{"delta": {"refusal": ["x"]}}]},
+        {"choices": [{"delta": {"tool_calls": {"index": 0}}}]},
+        {"choices": [{"index": 0, "delta": {}}, "x"]},
+    ],
+)
 async def test_malformed_choices_are_upstream_malformed(bad):
     run = Run([ROLE, bad, chunk({}, "stop")])
     error = failure(await run.all())
@@ -287,12 +346,15 @@ async def test_malformed_choices_are_upstream_malformed(bad):
     assert run.upstream.closed == 1
 
 
-@pytest.mark.parametrize("bad", [
-    {"choices": [{"index": [0], "delta": {"content": "x"}}]},
-    {"choices": [{"index": {"i": 0}, "delta": {}}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": [0], "function": {"arguments": "{}"}}]}}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"choices": [{"index": [0], "delta": {"content": "x"}}]},
+        {"choices": [{"index": {"i": 0}, "delta": {}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": [0], "function": {"arguments": "{}"}}]}}]},
+    ],
+)
 async def test_odd_indexes_and_tool_calls_are_upstream_malformed(bad):
     pipeline = Pipeline()
     pipeline.text(lambda: Redactor(["secret"]))
@@ -349,8 +411,10 @@ async def test_moderation_stop_is_content_filter():
 
     pipeline = Pipeline()
     pipeline.moderate(check, every=1)
-    run = Run([ROLE, chunk({"content": "good "}), chunk({"content": "bad"}), chunk({"content": "more"}),
-               chunk({}, "stop")], pipeline=pipeline)
+    run = Run(
+        [ROLE, chunk({"content": "good "}), chunk({"content": "bad"}), chunk({"content": "more"}), chunk({}, "stop")],
+        pipeline=pipeline,
+    )
     events = await run.all()
     error = failure(events)
     assert (error.status, error.type, error.message) == (400, "content_filter", "stopped by moderation: no")
@@ -379,8 +443,11 @@ class BrokenProtocol(CompletionStream):
 
 @pytest.mark.parametrize("before_output", [True, False])
 async def test_a_bug_in_the_protocol_is_internal_error_and_logged_with_its_traceback(caplog, before_output):
-    script = [ROLE, chunk({"content": "boom"})] if before_output else \
-        [ROLE, chunk({"content": "a"}), chunk({"content": "boom"})]
+    script = (
+        [ROLE, chunk({"content": "boom"})]
+        if before_output
+        else [ROLE, chunk({"content": "a"}), chunk({"content": "boom"})]
+    )
     run = Run(script + [chunk({}, "stop")])
     run.protocol = BrokenProtocol(Pipeline())
     with caplog.at_level(logging.ERROR, logger="chatstream"):
@@ -407,6 +474,7 @@ async def test_an_api_error_from_the_protocol_is_passed_as_it_is():
 
 
 # ----------------------------------------------------------------------- connection failures
+
 
 async def test_a_failure_after_output_ends_with_the_chunks_made_then_the_error():
     run = Run([ROLE, chunk({"content": "a"}), ApiError(502, "upstream_disconnected", "lost")])
@@ -438,6 +506,7 @@ async def test_opening_the_stream_is_bounded_by_the_first_token_limit():
 
 # ------------------------------------------------------------------------------- time limits
 
+
 async def test_first_token_timeout():
     run = Run([ROLE, Sleep(5), chunk({"content": "late"})], settings=limits_settings(FIRST_TOKEN_TIMEOUT_SECONDS=0.05))
     started = time.monotonic()
@@ -451,8 +520,10 @@ async def test_first_token_timeout():
 
 
 async def test_idle_timeout_after_output():
-    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), Sleep(5), chunk({"content": "late"})],
-              settings=limits_settings(IDLE_TIMEOUT_SECONDS=0.05))
+    run = Run(
+        [ROLE, chunk({"content": "a"}), chunk({"content": "b"}), Sleep(5), chunk({"content": "late"})],
+        settings=limits_settings(IDLE_TIMEOUT_SECONDS=0.05),
+    )
     events = await run.all()
     error = failure(events)
     assert error.type == "upstream_timeout" and error.message == "the model stopped sending within the idle limit"
@@ -478,8 +549,9 @@ async def test_the_idle_limit_runs_between_upstream_chunks():
 
 
 async def test_the_total_limit_while_waiting_on_the_upstream():
-    run = Run([chunk({"content": "a"}), Sleep(5)],
-              settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1, IDLE_TIMEOUT_SECONDS=5))
+    run = Run(
+        [chunk({"content": "a"}), Sleep(5)], settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1, IDLE_TIMEOUT_SECONDS=5)
+    )
     error = failure(await run.all())
     assert (error.status, error.type) == (504, "total_timeout")
 
@@ -498,8 +570,11 @@ class SlowStep:
 async def test_the_total_limit_holds_for_buffered_chunks():
     pipeline = Pipeline()
     pipeline.text(SlowStep)
-    run = Run([chunk({"content": "a"}) for _ in range(100)] + [chunk({}, "stop")], pipeline=pipeline,
-              settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1))
+    run = Run(
+        [chunk({"content": "a"}) for _ in range(100)] + [chunk({}, "stop")],
+        pipeline=pipeline,
+        settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1),
+    )
     events = await run.all()
     assert failure(events).type == "total_timeout"
     assert len(texts(events)) < 20, "stopped well before the 100 buffered chunks"
@@ -507,8 +582,10 @@ async def test_the_total_limit_holds_for_buffered_chunks():
 
 
 async def test_the_total_limit_holds_for_a_caller_who_reads_slowly():
-    run = Run([chunk({"content": "a"}) for _ in range(100)] + [chunk({}, "stop")],
-              settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1))
+    run = Run(
+        [chunk({"content": "a"}) for _ in range(100)] + [chunk({}, "stop")],
+        settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1),
+    )
     events = []
     async for event in run.events():
         events.append(event)
@@ -518,8 +595,10 @@ async def test_the_total_limit_holds_for_a_caller_who_reads_slowly():
 
 
 async def test_a_stream_parked_behind_a_caller_who_stopped_reading_is_closed_at_the_total_limit():
-    run = Run([chunk({"content": "a"}) for _ in range(5)] + [chunk({}, "stop")],
-              settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1))
+    run = Run(
+        [chunk({"content": "a"}) for _ in range(5)] + [chunk({}, "stop")],
+        settings=limits_settings(TOTAL_TIMEOUT_SECONDS=0.1),
+    )
     events = run.events()
     assert isinstance(await anext(events), Chunk)
     await asyncio.sleep(0.25)  # the caller reads nothing past the limit
@@ -529,6 +608,7 @@ async def test_a_stream_parked_behind_a_caller_who_stopped_reading_is_closed_at_
 
 
 # ------------------------------------------------------------------------- the caller leaves
+
 
 async def test_a_caller_who_stops_early_closes_the_upstream():
     run = Run(NORMAL)
@@ -573,6 +653,7 @@ async def test_the_upstream_is_closed_once_after_done():
 
 # ------------------------------------------------------------------------------ writes: chunks in hand go together
 
+
 def encode_text(event) -> bytes | None:
     if isinstance(event, Chunk):
         return "".join(c["delta"].get("content") or "" for c in event.data["choices"]).encode() or None
@@ -594,14 +675,33 @@ async def test_chunks_read_together_are_written_together():
 
 
 async def test_each_chunk_of_its_own_read_is_written_alone():
-    run = Run([ROLE, chunk({"content": "a"}), Sleep(0.01), chunk({"content": "b"}), Sleep(0.01),
-               chunk({}, "stop"), Sleep(0.01), usage_chunk()])
+    run = Run(
+        [
+            ROLE,
+            chunk({"content": "a"}),
+            Sleep(0.01),
+            chunk({"content": "b"}),
+            Sleep(0.01),
+            chunk({}, "stop"),
+            Sleep(0.01),
+            usage_chunk(),
+        ]
+    )
     assert [data for _, data in await writes(run)] == [b"a", b"b", b"|end"]
 
 
 async def test_what_is_in_hand_never_waits_for_the_next_read():
-    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), Sleep(0.5), chunk({"content": "c"}),
-               chunk({}, "stop"), usage_chunk()])
+    run = Run(
+        [
+            ROLE,
+            chunk({"content": "a"}),
+            chunk({"content": "b"}),
+            Sleep(0.5),
+            chunk({"content": "c"}),
+            chunk({}, "stop"),
+            usage_chunk(),
+        ]
+    )
     (at, data), *rest = await writes(run)
     assert data == b"ab" and at < 0.25, f"written after {at:.3f} s: it waited for the upstream"
     assert [data for _, data in rest] == [b"c", b"|end"]
@@ -609,8 +709,17 @@ async def test_what_is_in_hand_never_waits_for_the_next_read():
 
 async def test_chunks_filtered_away_do_not_hold_back_what_is_in_hand():
     # The usage chunk (no choices) is not forwarded: "b" must not wait for a chunk that never comes.
-    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk(choices=[]), Sleep(0.5),
-               chunk({}, "stop"), usage_chunk()])
+    run = Run(
+        [
+            ROLE,
+            chunk({"content": "a"}),
+            chunk({"content": "b"}),
+            chunk(choices=[]),
+            Sleep(0.5),
+            chunk({}, "stop"),
+            usage_chunk(),
+        ]
+    )
     (at, data), *_ = await writes(run)
     assert data == b"ab" and at < 0.25
 
@@ -639,8 +748,9 @@ async def test_with_moderation_a_chunk_in_hand_does_not_wait_for_the_next_ones_c
 
     pipeline = Pipeline()
     pipeline.moderate(check, every=1)
-    run = Run([ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk({}, "stop"), usage_chunk()],
-              pipeline=pipeline)
+    run = Run(
+        [ROLE, chunk({"content": "a"}), chunk({"content": "b"}), chunk({}, "stop"), usage_chunk()], pipeline=pipeline
+    )
     (at, data), *rest = await writes(run)
     assert data == b"a" and at < 0.25, f"'a' written after {at:.3f} s: it waited for the check of 'b'"
     assert [data for _, data in rest] == [b"b", b"|end"]

@@ -1,28 +1,33 @@
 """The total time limit holds however slowly the caller reads (hardening item 7): the stream core
 parked at ``yield`` behind a caller who stopped reading still closes the upstream at the limit, and
 chunks that were already buffered do not carry the stream past it."""
+
 from __future__ import annotations
 
 import asyncio
 import time
 
 from chatstream.apis.completions import CompletionStream
-from chatstream.stream import TimeLimits
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Failed, relay
+from chatstream.stream import Chunk, Failed, TimeLimits, relay
 
 from .stream_helpers import Opener
 
 
 def chunk(i: int) -> dict:
-    return {"id": "c", "model": "m", "created": 1,
-            "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}
+    return {
+        "id": "c",
+        "model": "m",
+        "created": 1,
+        "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}],
+    }
 
 
 class EndlessUpstream:
     """An upstream that always has the next chunk ready (as if buffered), and notes when it is closed."""
+
     ready = 0  # each chunk is a read of its own (stream.py writes the chunks in hand together)
 
     def __init__(self, pause: float = 0.0):
@@ -42,8 +47,14 @@ class EndlessUpstream:
 
 
 def settings(total: float) -> Settings:
-    return Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "TOTAL_TIMEOUT_SECONDS": str(total),
-                              "IDLE_TIMEOUT_SECONDS": "30", "FIRST_TOKEN_TIMEOUT_SECONDS": "30"})
+    return Settings.from_env(
+        {
+            "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+            "TOTAL_TIMEOUT_SECONDS": str(total),
+            "IDLE_TIMEOUT_SECONDS": "30",
+            "FIRST_TOKEN_TIMEOUT_SECONDS": "30",
+        }
+    )
 
 
 def start(upstream: EndlessUpstream, total: float):
@@ -69,6 +80,7 @@ def test_a_caller_that_stops_reading_does_not_keep_the_upstream_open_past_the_to
         assert isinstance(last, Failed) and last.error.type == "total_timeout"
         await events.aclose()
         assert record.error == "total_timeout"
+
     asyncio.run(run())
 
 
@@ -84,4 +96,5 @@ def test_buffered_chunks_do_not_carry_a_stream_past_the_total_limit():
             await asyncio.sleep(0)
         assert time.monotonic() - started < 0.3 + 0.5
         await events.aclose()
+
     asyncio.run(run())

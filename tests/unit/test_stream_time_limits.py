@@ -1,5 +1,6 @@
 """chatstream/limits.py: which limit is in force in each phase of a stream, which error it raises, and
 ``wait``/``check_total``/``on_total`` on a real asyncio loop with tiny limits."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,15 +8,20 @@ import time
 
 import pytest
 
-from chatstream.errors import TimeLimit
-from chatstream.errors import first_token_expired, idle_expired, total_expired
-from chatstream.stream import TimeLimits
+from chatstream.errors import TimeLimit, first_token_expired, idle_expired, total_expired
 from chatstream.settings import Settings
+from chatstream.stream import TimeLimits
 
 
 def settings(first=1.0, idle=0.5, total=10.0, usage_wait=0.25) -> Settings:
-    return Settings.model_validate({"FIRST_TOKEN_TIMEOUT_SECONDS": first, "IDLE_TIMEOUT_SECONDS": idle,
-                                    "TOTAL_TIMEOUT_SECONDS": total, "USAGE_WAIT_SECONDS": usage_wait})
+    return Settings.model_validate(
+        {
+            "FIRST_TOKEN_TIMEOUT_SECONDS": first,
+            "IDLE_TIMEOUT_SECONDS": idle,
+            "TOTAL_TIMEOUT_SECONDS": total,
+            "USAGE_WAIT_SECONDS": usage_wait,
+        }
+    )
 
 
 class Clock:
@@ -29,9 +35,11 @@ class Clock:
 
 
 def test_the_three_errors():
-    for error, kind, retryable in ((first_token_expired(), "upstream_timeout", True),
-                                   (idle_expired(), "upstream_timeout", True),
-                                   (total_expired(), "total_timeout", False)):  # the same request would hit it again
+    for error, kind, retryable in (
+        (first_token_expired(), "upstream_timeout", True),
+        (idle_expired(), "upstream_timeout", True),
+        (total_expired(), "total_timeout", False),
+    ):  # the same request would hit it again
         assert isinstance(error, TimeLimit)
         assert (error.status, error.type, error.retryable) == (504, kind, retryable)
     assert first_token_expired().message == "no first token within the time limit"
@@ -40,6 +48,7 @@ def test_the_three_errors():
 
 
 # --------------------------------------------------------------------------- the deadline by phase
+
 
 def test_before_output_the_first_token_limit_is_in_force():
     clock = Clock()
@@ -117,6 +126,7 @@ def test_check_total():
 
 
 # ------------------------------------------------------------------------------ on a real loop
+
 
 async def test_the_running_loop_is_the_default():
     limits = TimeLimits(settings())
@@ -224,6 +234,7 @@ async def test_on_total_can_be_cancelled():
 
 
 # One timer per stream (``wait`` re-arms it instead of a new asyncio.timeout per chunk).
+
 
 async def test_a_deadline_that_moved_on_is_waited_for_not_the_first_one():
     limits = TimeLimits(settings(first=5, idle=0.2))

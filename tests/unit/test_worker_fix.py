@@ -1,5 +1,6 @@
 """chatstream/worker_fix.py on the runtime's own HttpCoordinator: an invocation's entry is gone once
 its response was taken, and the workaround applies only where it was checked."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,8 @@ async def one_invocation(coordinator, invocation_id: str) -> object:
 
 async def test_the_runtime_as_installed_leaks_an_entry_per_invocation(runtime):
     coordinator = runtime["azure_functions_runtime.http_v2"].HttpCoordinator.__new__(
-        runtime["azure_functions_runtime.http_v2"].HttpCoordinator)
+        runtime["azure_functions_runtime.http_v2"].HttpCoordinator
+    )
     coordinator.__init__()
     assert await one_invocation(coordinator, "inv-1") == "response"
     assert list(coordinator._context_references) == ["inv-1"], "the leak the workaround is for"
@@ -89,6 +91,7 @@ def test_the_workers_http_route_matches_a_path_with_a_line_feed():
 
     original = web.WebApp.route
     try:
+
         def serve() -> TestClient:
             app = web.WebApp()
 

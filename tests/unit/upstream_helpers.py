@@ -1,4 +1,5 @@
 """Shared by the unit tests of chatstream/upstreams/: a fake clock, entries, pools and SDK errors."""
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,15 @@ class Clock:
 
 
 def entry(name: str, priority: int = 1, weight: float = 1.0, models=None, **kw) -> Entry:
-    return Entry(name=name, kind=kw.pop("kind", "openai"), url=kw.pop("url", f"http://{name}.test/v1"),
-                 priority=priority, weight=weight, models=tuple(models) if models else None, **kw)
+    return Entry(
+        name=name,
+        kind=kw.pop("kind", "openai"),
+        url=kw.pop("url", f"http://{name}.test/v1"),
+        priority=priority,
+        weight=weight,
+        models=tuple(models) if models else None,
+        **kw,
+    )
 
 
 def make_pool(*entries: Entry, seed: int = 7, **policy) -> tuple[Pool, Clock]:
@@ -50,9 +58,15 @@ def attempt(pool: Pool, name: str, model: str = "gpt-4o", outcome: Outcome | Non
 def status_error(status: int, headers: dict | None = None, body: object = None) -> openai.APIStatusError:
     request = httpx2.Request("POST", "http://up.test/v1/chat/completions")
     response = httpx2.Response(status, headers=headers or {}, request=request)
-    cls = {429: openai.RateLimitError, 401: openai.AuthenticationError, 403: openai.PermissionDeniedError,
-           404: openai.NotFoundError, 400: openai.BadRequestError, 422: openai.UnprocessableEntityError,
-           409: openai.ConflictError}.get(status, openai.InternalServerError if status >= 500 else openai.APIStatusError)
+    cls = {
+        429: openai.RateLimitError,
+        401: openai.AuthenticationError,
+        403: openai.PermissionDeniedError,
+        404: openai.NotFoundError,
+        400: openai.BadRequestError,
+        422: openai.UnprocessableEntityError,
+        409: openai.ConflictError,
+    }.get(status, openai.InternalServerError if status >= 500 else openai.APIStatusError)
     return cls("upstream said no", response=response, body=body)
 
 

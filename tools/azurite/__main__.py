@@ -4,6 +4,7 @@ ports and print what the app needs to use it: ``python -m tools.azurite [--locat
 Prints one line ``azurite listening on http://127.0.0.1:<table port>``, then one line
 ``AzureWebJobsStorage=<connection string>``, and stays in the foreground until SIGTERM or Ctrl+C,
 which stop Azurite too. ``npm ci`` must have run (``make azurite``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,38 @@ def start(location: Path | None, timeout: float = 30.0) -> tuple[subprocess.Pope
     """Start Azurite on free loopback ports; the process and its service URLs once all three listen."""
     if not BINARY.exists():
         raise SystemExit(f"Azurite is not installed: run `make azurite` (npm ci in {HERE})")
-    args = [str(BINARY), "--skipApiVersionCheck", "--disableTelemetry", "--loose",
-            "--blobHost", "127.0.0.1", "--queueHost", "127.0.0.1", "--tableHost", "127.0.0.1",
-            "--blobPort", "0", "--queuePort", "0", "--tablePort", "0"]
+    args = [
+        str(BINARY),
+        "--skipApiVersionCheck",
+        "--disableTelemetry",
+        "--loose",
+        "--blobHost",
+        "127.0.0.1",
+        "--queueHost",
+        "127.0.0.1",
+        "--tableHost",
+        "127.0.0.1",
+        "--blobPort",
+        "0",
+        "--queuePort",
+        "0",
+        "--tablePort",
+        "0",
+    ]
     if location is None:
         args.append("--inMemoryPersistence")
     else:
         location.mkdir(parents=True, exist_ok=True)
         args += ["--location", str(location)]
     # Its own process group: a Ctrl+C at the terminal reaches us, and we stop it in order.
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     urls: dict[str, str] = {}
     ready = threading.Event()
 

@@ -6,6 +6,7 @@ does, serves every HTTP function under host.json's route prefix on 127.0.0.1, an
 workers included, on Ctrl+C or SIGTERM.
 A dev tool: excluded from deployment by .funcignore.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,15 @@ class _FrontServer(uvicorn.Server):
 _configure_logging = logs.configure
 
 
-async def serve(app_dir: Path, host: str, port: int, verbose: bool, workers: int = 1,
-                loop_choice: str = "asyncio", front: config.FrontSettings = config.FrontSettings()) -> int:
+async def serve(
+    app_dir: Path,
+    host: str,
+    port: int,
+    verbose: bool,
+    workers: int = 1,
+    loop_choice: str = "asyncio",
+    front: config.FrontSettings = config.FrontSettings(),
+) -> int:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     server: _FrontServer | None = None
@@ -86,13 +94,25 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool, workers: int
     app = Host(pool, routes, front.cors)
     # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
     # declined and answered as plain HTTP requests.
-    server = _FrontServer(uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, server_header=False,
-        date_header=False, lifespan="off", timeout_graceful_shutdown=2,
-        http=protocol_class(front), ws="none", timeout_keep_alive=front.keepalive_timeout))
+    server = _FrontServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            http=protocol_class(front),
+            ws="none",
+            timeout_keep_alive=front.keepalive_timeout,
+        )
+    )
 
     serving = asyncio.ensure_future(server.serve())
-    while not server.started and not serving.done():
+    while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn says started by a flag, not an event
         await asyncio.sleep(0.01)
     if serving.done():
         await stop_pool()
@@ -100,8 +120,10 @@ async def serve(app_dir: Path, host: str, port: int, verbose: bool, workers: int
     bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
     for route in routes:
         methods = ",".join(sorted(route.methods)) or "ANY"
-        print(f"  {route.name}: [{methods}] http://{host}:{bound}/{prefix + '/' if prefix else ''}{route.template}",
-              file=sys.stderr)
+        print(
+            f"  {route.name}: [{methods}] http://{host}:{bound}/{prefix + '/' if prefix else ''}{route.template}",
+            file=sys.stderr,
+        )
     if front.cors.any_origin or front.cors.origins:
         print(f"  CORS: browser pages from {front.cors.describe()} may call this host", file=sys.stderr)
     print(f"devhost listening on http://{host}:{bound}", flush=True)
@@ -120,30 +142,58 @@ def _loop_factory(choice: str):
     if choice == "asyncio":
         return None
     import uvloop
+
     return uvloop.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.devhost", description=__doc__.split("\n\n")[0])
     parser.add_argument("app_dir", nargs="?", default=".", help="folder holding function_app.py (default: .)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 7071),
-                        help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("PORT") or 7071),
+        help="port on 127.0.0.1 (default: $PORT or 7071; 0 picks a free one)",
+    )
     parser.add_argument("--verbose", action="store_true", help="also show the runtime's own logs")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                        help="event loop: asyncio's own (the default, as the Azure worker), or uvloop")
-    parser.add_argument("--cors", metavar="ORIGINS",
-                        help="browser origins allowed to call the host besides its own, comma-separated, * for "
-                             "any (like func start --cors; default: $CORS_ALLOWED_ORIGINS, else "
-                             "local.settings.json Host.CORS, else none)")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop: asyncio's own (the default, as the Azure worker), or uvloop",
+    )
+    parser.add_argument(
+        "--cors",
+        metavar="ORIGINS",
+        help="browser origins allowed to call the host besides its own, comma-separated, * for "
+        "any (like func start --cors; default: $CORS_ALLOWED_ORIGINS, else "
+        "local.settings.json Host.CORS, else none)",
+    )
     limits = parser.add_argument_group("limits of the front server (environment variable in brackets)")
-    limits.add_argument("--max-header-bytes", type=int, metavar="N",
-                        help="largest request line + headers, else 431 [DEVHOST_MAX_HEADER_BYTES] (65536)")
-    limits.add_argument("--header-timeout", type=float, metavar="S",
-                        help="seconds for a request's headers, else 408 [DEVHOST_HEADER_TIMEOUT_SECONDS] (10)")
-    limits.add_argument("--body-timeout", type=float, metavar="S",
-                        help="seconds for its body after the headers, else 408 [DEVHOST_BODY_TIMEOUT_SECONDS] (15)")
-    limits.add_argument("--keepalive-timeout", type=float, metavar="S",
-                        help="idle seconds before a connection is closed [DEVHOST_KEEPALIVE_TIMEOUT_SECONDS] (15)")
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        metavar="N",
+        help="largest request line + headers, else 431 [DEVHOST_MAX_HEADER_BYTES] (65536)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="S",
+        help="seconds for a request's headers, else 408 [DEVHOST_HEADER_TIMEOUT_SECONDS] (10)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="S",
+        help="seconds for its body after the headers, else 408 [DEVHOST_BODY_TIMEOUT_SECONDS] (15)",
+    )
+    limits.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        metavar="S",
+        help="idle seconds before a connection is closed [DEVHOST_KEEPALIVE_TIMEOUT_SECONDS] (15)",
+    )
     args = parser.parse_args(argv)
     app_dir = Path(args.app_dir).resolve()
     _configure_logging(args.verbose)
@@ -153,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         applied = config.apply_local_settings(app_dir)  # so Values may hold these settings too
         front = config.front_settings(
-            max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
-            body_timeout=args.body_timeout, keepalive_timeout=args.keepalive_timeout)
+            max_header_bytes=args.max_header_bytes,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            keepalive_timeout=args.keepalive_timeout,
+        )
         front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
         workers = config.worker_process_count()
@@ -165,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("local.settings.json: applied %s", ", ".join(sorted(applied)))
     os.chdir(app_dir)
     try:
-        return asyncio.run(serve(app_dir, "127.0.0.1", args.port, args.verbose, workers, args.loop, front),
-                           loop_factory=_loop_factory(args.loop))
+        return asyncio.run(
+            serve(app_dir, "127.0.0.1", args.port, args.verbose, workers, args.loop, front),
+            loop_factory=_loop_factory(args.loop),
+        )
     except KeyboardInterrupt:
         return 130
 

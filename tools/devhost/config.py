@@ -1,5 +1,6 @@
 """What `func start` reads from the app folder (local.settings.json Values, host.json's route prefix),
 and the host's own settings (the front server's limits)."""
+
 from __future__ import annotations
 
 import json
@@ -58,6 +59,7 @@ def route_prefix(app_dir: Path) -> str:
 @dataclass(frozen=True)
 class FrontSettings:
     """The host's caller-facing HTTP/1.1 server: its limits (see front.py)."""
+
     max_header_bytes: int = 64 * 1024  # request line + headers; more is refused with 431
     header_timeout: float = 10.0  # a request's head must be complete this long after its first byte (408)
     body_timeout: float = 15.0  # its body this long after the head (408)

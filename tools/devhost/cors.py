@@ -18,6 +18,7 @@ request relates to the page in ``Sec-Fetch-Site``. The rule:
 
 A DNS-rebinding page (another name resolving to 127.0.0.1) is caught by the same rule: its Origin
 carries its own name."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,15 @@ def canonical_origin(text: str) -> str | None:
     except ValueError:
         return None
     scheme = parts.scheme.lower()
-    if scheme not in DEFAULT_PORTS or not parts.hostname or parts.username is not None \
-            or parts.password is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
+    if (
+        scheme not in DEFAULT_PORTS
+        or not parts.hostname
+        or parts.username is not None
+        or parts.password is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
         return None
     host = parts.hostname.lower()
     if ":" in host:
@@ -52,7 +60,7 @@ class CorsPolicy:
     any_origin: bool = False
 
     @classmethod
-    def parse(cls, setting: str, name: str) -> "CorsPolicy":
+    def parse(cls, setting: str, name: str) -> CorsPolicy:
         """From a comma-separated list; raises ValueError naming ``name`` and the bad entry."""
         origins, any_origin = set(), False
         for item in (part.strip() for part in setting.split(",")):
@@ -91,8 +99,11 @@ def decide(policy: CorsPolicy, headers: list[tuple[bytes, bytes]], port: int | N
             return REFUSE, None
         return SERVE, None
     canonical = canonical_origin(origin)
-    if canonical is not None and port is not None and canonical in (f"http://127.0.0.1:{port}",
-                                                                     f"http://localhost:{port}"):
+    if (
+        canonical is not None
+        and port is not None
+        and canonical in (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+    ):
         return SERVE, origin
     if policy.any_origin or canonical in policy.origins:
         return SERVE_CORS, origin
@@ -103,17 +114,22 @@ def response_headers(policy: CorsPolicy, origin: str) -> list[tuple[bytes, bytes
     """Added to every answer to an allowed cross-origin request."""
     if policy.any_origin:
         return [(b"access-control-allow-origin", b"*"), (b"access-control-expose-headers", b"*")]
-    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-            (b"access-control-expose-headers", b"*")]
+    return [
+        (b"access-control-allow-origin", origin.encode("latin-1")),
+        (b"vary", b"Origin"),
+        (b"access-control-expose-headers", b"*"),
+    ]
 
 
 def preflight_headers(policy: CorsPolicy, origin: str, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The answer to an allowed preflight: the method and headers it asks for, cached 10 minutes."""
     asked = {k.lower(): v for k, v in headers}
-    out = [(b"access-control-allow-origin", b"*" if policy.any_origin else origin.encode("latin-1")),
-           (b"access-control-allow-methods", asked.get(b"access-control-request-method", b"POST")),
-           (b"access-control-max-age", PREFLIGHT_MAX_AGE),
-           (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers")]
+    out = [
+        (b"access-control-allow-origin", b"*" if policy.any_origin else origin.encode("latin-1")),
+        (b"access-control-allow-methods", asked.get(b"access-control-request-method", b"POST")),
+        (b"access-control-max-age", PREFLIGHT_MAX_AGE),
+        (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers"),
+    ]
     if asked.get(b"access-control-request-headers"):
         out.append((b"access-control-allow-headers", asked[b"access-control-request-headers"]))
     return out
@@ -121,7 +137,12 @@ def preflight_headers(policy: CorsPolicy, origin: str, headers: list[tuple[bytes
 
 def refusal_body(origin: str | None) -> bytes:
     who = f"origin {origin!r}" if origin is not None else "a page of another site"
-    return json.dumps({"error": {
-        "type": "cross_origin_forbidden",
-        "message": f"The local host refuses requests from {who}. To allow a browser origin, start it "
-                   f"with --cors ORIGIN or set CORS_ALLOWED_ORIGINS (comma-separated, * for any)."}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "type": "cross_origin_forbidden",
+                "message": f"The local host refuses requests from {who}. To allow a browser origin, start it "
+                f"with --cors ORIGIN or set CORS_ALLOWED_ORIGINS (comma-separated, * for any).",
+            }
+        }
+    ).encode()

@@ -6,6 +6,7 @@ reasons measured here: httpx sends the whole request body before it reads the re
 function's early answer (413 for a body over the limit) could not reach the caller until the body
 was all sent; and per-chunk costs of a general client (pool bookkeeping, stream wrappers) dominated
 the host's CPU under many concurrent streams. The real host forwards with YARP, which does both."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ class WorkerConnectionError(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: list["_Connection"]):
+    def __init__(self, pool: list[_Connection]):
         self.pool = pool  # the idle list this connection sits in between requests
         self.transport: asyncio.Transport | None = None
         self.response: WorkerResponse | None = None
@@ -169,8 +170,7 @@ class WorkerResponse:
         """The connection can carry another request: the final response was read to its end, the
         worker did not ask to close, nothing followed it, and all of it was handed over (nothing
         buffered, reading not paused)."""
-        return (self._complete and self._keep_alive and not self._trailing and not self._chunks
-                and not self._paused)
+        return self._complete and self._keep_alive and not self._trailing and not self._chunks and not self._paused
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives; pieces waiting together are joined into one."""
@@ -246,8 +246,14 @@ class Forwarder:
         else:
             conn.transport.close()
 
-    async def send(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]],
-                   body: AsyncIterator[bytes] | None, chunked: bool) -> "Exchange":
+    async def send(
+        self,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes] | None,
+        chunked: bool,
+    ) -> Exchange:
         conn = await self._connect()
         response = conn.response = WorkerResponse(conn)
         head = [method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", self._host_header, b"\r\n"]
@@ -303,8 +309,9 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
-        pump_ok = self.pump is None or (self.pump.done() and not self.pump.cancelled()
-                                       and self.pump.exception() is None)
+        pump_ok = self.pump is None or (
+            self.pump.done() and not self.pump.cancelled() and self.pump.exception() is None
+        )
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
         started = self.response.started

@@ -30,6 +30,7 @@ if the upgrade headers were absent, and the connection is closed after the answe
 ``ws="none"`` uvicorn never switches to WebSocket, so ``Upgrade: websocket`` gets the plain HTTP
 answer of its route, and ``Upgrade: h2c`` (``curl --http2`` on http://) an HTTP/1.1 one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,14 +46,16 @@ LINGER = 2.0  # seconds a refused connection keeps draining the caller's bytes b
 
 def _refusal(status: int, reason: str, kind: str, message: str) -> bytes:
     body = json.dumps({"error": {"type": kind, "message": message}}).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
 
 
 class _DeclinedUpgradeBody:
     """Reads the body of a request whose upgrade was declined, with the framing of its head."""
 
-    def __init__(self, protocol: "FrontProtocol", chunked: bool, length: int):
+    def __init__(self, protocol: FrontProtocol, chunked: bool, length: int):
         self.protocol = protocol
         self.done = False
         self.parser = httptools.HttpRequestParser(self)
@@ -118,8 +121,12 @@ class FrontProtocol(HttpToolsProtocol):
         elif self._head_bytes == 0:
             self.transport.close()  # nothing was asked: nothing to answer
         else:
-            self._refuse(408, "Request Timeout", "request_timeout",
-                         f"the request headers did not arrive within {self.settings.header_timeout:g} s")
+            self._refuse(
+                408,
+                "Request Timeout",
+                "request_timeout",
+                f"the request headers did not arrive within {self.settings.header_timeout:g} s",
+            )
 
     def _body_timeout(self) -> None:
         self._deadline = None
@@ -131,9 +138,13 @@ class FrontProtocol(HttpToolsProtocol):
             # it sends is dropped), and the caller gets the 408.
             cycle.disconnected = True
             cycle.message_event.set()
-            self._refuse(408, "Request Timeout", "request_timeout",
-                         f"the request body did not arrive within {self.settings.body_timeout:g} s",
-                         instead_of_answer=True)
+            self._refuse(
+                408,
+                "Request Timeout",
+                "request_timeout",
+                f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                instead_of_answer=True,
+            )
         else:
             self.transport.close()
 
@@ -183,8 +194,12 @@ class FrontProtocol(HttpToolsProtocol):
             if self._phase == "head":
                 room = self.settings.max_header_bytes - self._head_bytes
                 if room <= 0:  # the limit is reached and the head goes on
-                    self._refuse(431, "Request Header Fields Too Large", "request_header_fields_too_large",
-                                 f"the request line and headers exceed {self.settings.max_header_bytes} bytes")
+                    self._refuse(
+                        431,
+                        "Request Header Fields Too Large",
+                        "request_header_fields_too_large",
+                        f"the request line and headers exceed {self.settings.max_header_bytes} bytes",
+                    )
                     return
                 stop = min(self._after_blank_line(data, pos), pos + room)
                 self._head_bytes += stop - pos
@@ -198,7 +213,7 @@ class FrontProtocol(HttpToolsProtocol):
             try:
                 self.parser.feed_data(piece)
             except httptools.HttpParserUpgrade as exc:
-                self._upgrade_declined(data[pos + exc.args[0]:])
+                self._upgrade_declined(data[pos + exc.args[0] :])
                 return
             except httptools.HttpParserError:
                 msg = "Invalid HTTP request received."
@@ -217,7 +232,7 @@ class FrontProtocol(HttpToolsProtocol):
     def _after_blank_line(self, data: bytes, pos: int) -> int:
         """The index just past the first ``\r\n\r\n`` that ends in ``data[pos:]`` (it may begin in
         the bytes fed before), or ``len(data)``."""
-        joined = self._tail + data[pos:pos + 3]
+        joined = self._tail + data[pos : pos + 3]
         found = joined.find(b"\r\n\r\n")
         if found != -1:
             return pos + found + 4 - len(self._tail)
@@ -246,8 +261,11 @@ class FrontProtocol(HttpToolsProtocol):
         if upgrade:
             # Answered over HTTP/1.1; the parser stops at an upgrade, so the connection ends here.
             self.cycle.keep_alive = False
-            framing = {name: value.strip().lower() for name, value in self.headers
-                       if name in (b"content-length", b"transfer-encoding")}
+            framing = {
+                name: value.strip().lower()
+                for name, value in self.headers
+                if name in (b"content-length", b"transfer-encoding")
+            }
             chunked = b"chunked" in framing.get(b"transfer-encoding", b"")
             try:
                 length = int(framing.get(b"content-length", b"0"))

@@ -4,6 +4,7 @@ The runtime reads fields off real protobuf messages (``WhichOneof``, defaults fo
 field), so plain objects will not do. ``worker.proto`` holds our own minimal schema; it is compiled
 with grpcio-tools into ``_generated/`` on first use and whenever the .proto changes.
 """
+
 from __future__ import annotations
 
 import hashlib

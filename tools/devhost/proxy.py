@@ -2,6 +2,7 @@
 server with an ``x-ms-invocation-id`` header while sending the matching invocation, and relay the
 response back chunk by chunk, unbuffered. When the caller hangs up, the forwarded request is
 dropped, which makes the worker's Starlette cancel the function's stream."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,19 @@ log = logging.getLogger("devhost")
 INVOCATION_HEADER = b"x-ms-invocation-id"
 # Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded in either direction; the framing headers
 # are set by whoever writes the next hop.
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
-                        b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
 # Expect: 100-continue is answered by the front server (it sends the interim 100 when the body is
 # first read); forwarded, it would make the worker send an interim response of its own.
 NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host", b"expect"}
@@ -51,13 +63,18 @@ class Host:
         server = scope.get("server")
         outcome, origin = cors.decide(self.cors, scope["headers"], server[1] if server else None)
         if outcome == cors.REFUSE:
-            log.warning("refused %s %r from %s (not an allowed origin; see --cors)", scope["method"],
-                        scope["path"], repr(origin) if origin is not None else "another site")
+            log.warning(
+                "refused %s %r from %s (not an allowed origin; see --cors)",
+                scope["method"],
+                scope["path"],
+                repr(origin) if origin is not None else "another site",
+            )
             await _json(send, cors.refusal_body(origin), 403)
             return
         if outcome == cors.SERVE_CORS:
-            if scope["method"] == "OPTIONS" and any(k.lower() == b"access-control-request-method"
-                                                    for k, _ in scope["headers"]):
+            if scope["method"] == "OPTIONS" and any(
+                k.lower() == b"access-control-request-method" for k, _ in scope["headers"]
+            ):
                 await _plain(send, 204, cors.preflight_headers(self.cors, origin, scope["headers"]))
                 return
             send = _adding_headers(send, cors.response_headers(self.cors, origin))
@@ -95,10 +112,12 @@ class Host:
         # So are the headers that the caller's Connection header names (RFC 9110 7.6.1), such as
         # HTTP2-Settings of a declined h2c upgrade.
         named = {t.strip().lower() for k, v in scope["headers"] if k.lower() == b"connection" for t in v.split(b",")}
-        headers = [(k.lower(), v) for k, v in scope["headers"]
-                   if k.lower() not in NOT_FORWARDED and k.lower() not in named]
-        caller_framing = {k.lower(): v for k, v in scope["headers"]
-                          if k.lower() in (b"content-length", b"transfer-encoding")}
+        headers = [
+            (k.lower(), v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED and k.lower() not in named
+        ]
+        caller_framing = {
+            k.lower(): v for k, v in scope["headers"] if k.lower() in (b"content-length", b"transfer-encoding")
+        }
         headers.append((INVOCATION_HEADER, invocation_id.encode()))
         raw_query = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
@@ -133,17 +152,29 @@ class Host:
         log.info("Executing 'Functions.%s' (Id=%s)", route.name, invocation_id)
         try:
             exchange = await worker.forwarder.send(
-                scope["method"], target, headers, request_body() if has_body else None,
-                chunked=has_body and b"content-length" not in caller_framing)
+                scope["method"],
+                target,
+                headers,
+                request_body() if has_body else None,
+                chunked=has_body and b"content-length" not in caller_framing,
+            )
         except OSError as exc:
             log.error("cannot reach the worker's HTTP server: %s", exc)
             await _plain(send, 502)
             return
         forward = asyncio.ensure_future(exchange.start())
-        invocation = asyncio.ensure_future(worker.invoke(
-            invocation_id, route.function_id, route.trigger_param, method=scope["method"], url=url,
-            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers},
-            query=dict(parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True)), params=params))
+        invocation = asyncio.ensure_future(
+            worker.invoke(
+                invocation_id,
+                route.function_id,
+                route.trigger_param,
+                method=scope["method"],
+                url=url,
+                headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers},
+                query=dict(parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True)),
+                params=params,
+            )
+        )
         watcher = asyncio.ensure_future(watch_disconnect())
         gone = asyncio.ensure_future(disconnected.wait())
         outcome = "Succeeded"
@@ -176,8 +207,13 @@ class Host:
                 self._log_invocation(route, invocation_id, invocation)
             else:
                 invocation.add_done_callback(lambda t: self._log_invocation(route, invocation_id, t))
-            log.info("Executed 'Functions.%s' (%s, Id=%s, Duration=%dms)", route.name, outcome,
-                     invocation_id, (time.perf_counter() - started) * 1000)
+            log.info(
+                "Executed 'Functions.%s' (%s, Id=%s, Duration=%dms)",
+                route.name,
+                outcome,
+                invocation_id,
+                (time.perf_counter() - started) * 1000,
+            )
 
     async def _await_response(self, forward, invocation, gone):
         """The worker's response, or None when the host must answer itself (failed invocation the
@@ -187,13 +223,17 @@ class Host:
             return forward.result()
         if gone in done:
             return None
-        if not invocation.cancelled() and invocation.exception() is None \
-                and invocation.result().result.status == invocation.result().result.Success:
+        if (
+            not invocation.cancelled()
+            and invocation.exception() is None
+            and invocation.result().result.status == invocation.result().result.Success
+        ):
             # Success: the worker has (or will have) the response; wait for it alone.
             done, _ = await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
             return forward.result() if forward in done else None
-        done, _ = await asyncio.wait({forward, gone}, timeout=FAILED_INVOCATION_GRACE,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {forward, gone}, timeout=FAILED_INVOCATION_GRACE, return_when=asyncio.FIRST_COMPLETED
+        )
         return forward.result() if forward in done else None
 
     @staticmethod
@@ -216,26 +256,33 @@ class Host:
             return
         result = task.result().result
         if result.status != result.Success:
-            log.error("Executed 'Functions.%s' (Failed, Id=%s): %s", route.name, invocation_id,
-                      result.exception.message)
+            log.error(
+                "Executed 'Functions.%s' (Failed, Id=%s): %s", route.name, invocation_id, result.exception.message
+            )
 
 
 async def _plain(send, status: int, headers=()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", b"0"), *headers]})
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0"), *headers]})
     await send({"type": "http.response.body", "body": b""})
 
 
 async def _json(send, body: bytes, status: int = 200) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 def _adding_headers(send, extra: list[tuple[bytes, bytes]]):
     """``send`` with ``extra`` headers added to the response head."""
+
     async def wrapped(message):
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
+
     return wrapped

@@ -8,6 +8,7 @@ literal beats a parameter and a parameter beats a catch-all; a shorter template 
 that differs only by trailing optional segments; equal ones are ordered by template text. So a
 catch-all ``v1/{*rest}`` never hides ``v1/models``, declared before or after it. A route that matches
 the path but not the method is skipped (the next one may take the request); 405 only when none does."""
+
 from __future__ import annotations
 
 import json
@@ -82,12 +83,24 @@ def routes_from_metadata(metadata, prefix: str) -> list[Route]:
                 continue
             template = binding.get("route") or fn.name
             if template.strip("/").lower().startswith(RESERVED_PREFIXES):
-                log.error("The following 1 functions are in error: %s: The specified route conflicts with one or "
-                          "more built in routes.", fn.name)
+                log.error(
+                    "The following 1 functions are in error: %s: The specified route conflicts with one or "
+                    "more built in routes.",
+                    fn.name,
+                )
                 continue
             methods = frozenset(m.upper() for m in binding.get("methods") or ())
-            routes.append(Route(fn.function_id, fn.name, binding["name"], methods, template,
-                                _compile(prefix, template), _precedence(prefix, template)))
+            routes.append(
+                Route(
+                    fn.function_id,
+                    fn.name,
+                    binding["name"],
+                    methods,
+                    template,
+                    _compile(prefix, template),
+                    _precedence(prefix, template),
+                )
+            )
     return sorted(routes, key=lambda r: r.precedence)
 
 

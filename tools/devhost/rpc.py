@@ -4,6 +4,7 @@ single writer per stream, and the /proc figures each process reports for /_devho
 
 No generated gRPC stubs: the one method is registered and called through grpcio's generic
 handlers, with the message classes' own (de)serializers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,13 @@ def method_path(pb: ModuleType) -> str:
 
 
 def options(max_message: int = GRPC_MAX_MESSAGE) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message),
-            ("grpc.max_receive_message_length", max_message),
-            # Only loopback: no keep-alive pings, no proxies (a proxy setting of the shell must not
-            # route 127.0.0.1 anywhere else).
-            ("grpc.enable_http_proxy", 0)]
+    return [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+        # Only loopback: no keep-alive pings, no proxies (a proxy setting of the shell must not
+        # route 127.0.0.1 anywhere else).
+        ("grpc.enable_http_proxy", 0),
+    ]
 
 
 class Outbox:

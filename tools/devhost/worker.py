@@ -10,9 +10,11 @@ ready worker with the fewest requests in flight (round-robin among equals). A wo
 logged, its in-flight invocations fail (their callers see the response end), and it is restarted
 while the others keep serving.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -72,19 +74,25 @@ class RpcServer:
 
     async def start(self) -> None:
         pb = self.pb
-        handler = grpc.method_handlers_generic_handler(rpc.service_name(pb), {
-            "EventStream": grpc.stream_stream_rpc_method_handler(
-                self._event_stream, request_deserializer=pb.StreamingMessage.FromString,
-                response_serializer=pb.StreamingMessage.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            rpc.service_name(pb),
+            {
+                "EventStream": grpc.stream_stream_rpc_method_handler(
+                    self._event_stream,
+                    request_deserializer=pb.StreamingMessage.FromString,
+                    response_serializer=pb.StreamingMessage.SerializeToString,
+                )
+            },
+        )
         self._server = grpc.aio.server(options=rpc.options())
         self._server.add_generic_rpc_handlers((handler,))
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
 
-    def expect(self, worker: "WorkerProcess") -> None:
+    def expect(self, worker: WorkerProcess) -> None:
         self._expected[worker.worker_id] = worker
 
-    def forget(self, worker: "WorkerProcess") -> None:
+    def forget(self, worker: WorkerProcess) -> None:
         self._expected.pop(worker.worker_id, None)
 
     async def _event_stream(self, request_iterator, context) -> None:
@@ -108,8 +116,7 @@ class WorkerProcess:
 
     _ids = itertools.count(1)
 
-    def __init__(self, slot: int, app_dir: Path, server: RpcServer, *, loop: str = "asyncio",
-                 verbose: bool = False):
+    def __init__(self, slot: int, app_dir: Path, server: RpcServer, *, loop: str = "asyncio", verbose: bool = False):
         self.slot = slot
         self.app_dir = app_dir
         self.server = server
@@ -143,7 +150,7 @@ class WorkerProcess:
 
     # -- start
 
-    async def start(self, timeout: float = START_TIMEOUT) -> None:
+    async def start(self, timeout: float = START_TIMEOUT) -> None:  # noqa: ASYNC109 - a bound on the whole start, applied inside
         """Start the process and take it through init, metadata and load; raises WorkerError."""
         try:
             async with asyncio.timeout(timeout):
@@ -159,13 +166,30 @@ class WorkerProcess:
 
     async def _spawn(self) -> None:
         self.server.expect(self)
-        args = [sys.executable, "-m", "tools.devhost.worker_process", "--host", "127.0.0.1",
-                "--port", str(self.server.port), "--workerId", self.worker_id, "--requestId", self.request_id,
-                "--grpcMaxMessageLength", str(rpc.GRPC_MAX_MESSAGE), "--hostPid", str(os.getpid()),
-                "--loop", self.loop_choice, *(["--verbose"] if self.verbose else [])]
+        args = [
+            sys.executable,
+            "-m",
+            "tools.devhost.worker_process",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.server.port),
+            "--workerId",
+            self.worker_id,
+            "--requestId",
+            self.request_id,
+            "--grpcMaxMessageLength",
+            str(rpc.GRPC_MAX_MESSAGE),
+            "--hostPid",
+            str(os.getpid()),
+            "--loop",
+            self.loop_choice,
+            *(["--verbose"] if self.verbose else []),
+        ]
         # stdout joins the host's stderr: the host's stdout carries only its own "listening" line.
-        self.proc = await asyncio.create_subprocess_exec(*args, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL,
-                                                         stdout=sys.stderr.fileno())
+        self.proc = await asyncio.create_subprocess_exec(
+            *args, cwd=PACKAGE_ROOT, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno()
+        )
         self._watch_task = asyncio.ensure_future(self._watch_process())
         done, _ = await asyncio.wait({self._connected, self.exited}, return_when=asyncio.FIRST_COMPLETED)
         if self._connected not in done:
@@ -174,22 +198,32 @@ class WorkerProcess:
     async def _handshake(self) -> None:
         pb = self.pb
         app = str(self.app_dir)
-        init = (await self.request(worker_init_request=pb.WorkerInitRequest(
-            host_version=HOST_VERSION, function_app_directory=app, worker_directory=app))).worker_init_response
+        init = (
+            await self.request(
+                worker_init_request=pb.WorkerInitRequest(
+                    host_version=HOST_VERSION, function_app_directory=app, worker_directory=app
+                )
+            )
+        ).worker_init_response
         self._check(init, "WorkerInitRequest (indexing function_app.py)")
         self.http_uri = init.capabilities.get("HttpUri")
-        meta = (await self.request(functions_metadata_request=pb.FunctionsMetadataRequest(
-            function_app_directory=app))).function_metadata_response
+        meta = (
+            await self.request(functions_metadata_request=pb.FunctionsMetadataRequest(function_app_directory=app))
+        ).function_metadata_response
         self._check(meta, "FunctionsMetadataRequest")
         self.metadata = list(meta.function_metadata_results)
         for fn in self.metadata:
-            loaded = (await self.request(function_load_request=pb.FunctionLoadRequest(
-                function_id=fn.function_id, metadata=fn))).function_load_response
+            loaded = (
+                await self.request(
+                    function_load_request=pb.FunctionLoadRequest(function_id=fn.function_id, metadata=fn)
+                )
+            ).function_load_response
             self._check(loaded, f"FunctionLoadRequest({fn.name})")
         if self.metadata and not self.http_uri:
             raise WorkerError(
                 "the worker did not start its HTTP server: HTTP streaming is not enabled "
-                "(function_app.py must import azurefunctions.extensions.http.fastapi)")
+                "(function_app.py must import azurefunctions.extensions.http.fastapi)"
+            )
         if self.http_uri:
             uri = urlsplit(self.http_uri)
             self.forwarder = Forwarder(uri.hostname, uri.port)
@@ -261,17 +295,30 @@ class WorkerProcess:
         finally:
             self._pending.pop(request_id, None)
 
-    def invoke(self, invocation_id: str, function_id: str, trigger_param: str, *, method: str,
-               url: str, headers: dict[str, str], query: dict[str, str], params: dict[str, str]) -> asyncio.Future:
+    def invoke(
+        self,
+        invocation_id: str,
+        function_id: str,
+        trigger_param: str,
+        *,
+        method: str,
+        url: str,
+        headers: dict[str, str],
+        query: dict[str, str],
+        params: dict[str, str],
+    ) -> asyncio.Future:
         """Queue the InvocationRequest that matches a forwarded HTTP request, at once (not in a task
         step later: the gRPC hop is the slower of the two); the future gives the InvocationResponse
         (for a streamed response: once the function has returned it), or WorkerGone."""
         pb = self.pb
-        http = pb.RpcHttp(method=method, url=url, headers=headers, query=query, params=params,
-                          body=pb.TypedData(bytes=b""))
+        http = pb.RpcHttp(
+            method=method, url=url, headers=headers, query=query, params=params, body=pb.TypedData(bytes=b"")
+        )
         request = pb.InvocationRequest(
-            invocation_id=invocation_id, function_id=function_id,
-            input_data=[pb.ParameterBinding(name=trigger_param, data=pb.TypedData(http=http))])
+            invocation_id=invocation_id,
+            function_id=function_id,
+            input_data=[pb.ParameterBinding(name=trigger_param, data=pb.TypedData(http=http))],
+        )
         try:
             return self._send(invocation_id, pb.StreamingMessage(request_id=invocation_id, invocation_request=request))
         except WorkerGone as exc:
@@ -280,8 +327,9 @@ class WorkerProcess:
             return future
 
     async def status(self) -> dict:
-        response = await asyncio.wait_for(self.request(worker_status_request=self.pb.WorkerStatusRequest()),
-                                          STATUS_TIMEOUT)
+        response = await asyncio.wait_for(
+            self.request(worker_status_request=self.pb.WorkerStatusRequest()), STATUS_TIMEOUT
+        )
         return dict(response.worker_status_response.devhost_figures)
 
     # -- the end
@@ -303,10 +351,8 @@ class WorkerProcess:
 
     def _kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
 
     async def stop(self, grace: float = STOP_GRACE) -> None:
         """SIGTERM, then SIGKILL after ``grace``; returns once the process is gone."""
@@ -366,8 +412,12 @@ class WorkerPool:
                 raise WorkerError(f"{w.name} indexed different functions than worker 1")
         for w in workers:
             self._adopt(w)
-        log.info("%d worker process%s ready: %s", self.count, "" if self.count == 1 else "es",
-                 ", ".join(f"pid {w.pid} ({w.http_uri})" for w in workers))
+        log.info(
+            "%d worker process%s ready: %s",
+            self.count,
+            "" if self.count == 1 else "es",
+            ", ".join(f"pid {w.pid} ({w.http_uri})" for w in workers),
+        )
 
     def _adopt(self, worker: WorkerProcess) -> None:
         self.workers[worker.slot] = worker
@@ -384,8 +434,12 @@ class WorkerPool:
             return
         lived = time.monotonic() - worker.started_at
         self._crashes[worker.slot] = 0 if lived > STABLE_AFTER else self._crashes[worker.slot] + 1
-        log.error("%s exited (%s) after %.1f s; the requests it was serving have ended; restarting it",
-                  worker.name, _describe_exit(worker.exited.result()), lived)
+        log.error(
+            "%s exited (%s) after %.1f s; the requests it was serving have ended; restarting it",
+            worker.name,
+            _describe_exit(worker.exited.result()),
+            lived,
+        )
         if not any(w is not None and w.ready for w in self.workers):
             self._ready.clear()
         self._spawn_task(self._restart(worker.slot))
@@ -395,8 +449,11 @@ class WorkerPool:
             # The first restart is immediate; a worker that keeps exiting soon after starting waits longer each time.
             delay = RESTART_DELAYS[min(max(self._crashes[slot] - 1, 0), len(RESTART_DELAYS) - 1)]
             if delay:
-                log.warning("worker %d: waiting %.1f s before restarting it (it exited again soon after starting)",
-                            slot + 1, delay)
+                log.warning(
+                    "worker %d: waiting %.1f s before restarting it (it exited again soon after starting)",
+                    slot + 1,
+                    delay,
+                )
                 await asyncio.sleep(delay)
             if self._stopping:
                 return
@@ -433,7 +490,7 @@ class WorkerPool:
         self._rr += 1
         return tied[self._rr % len(tied)]
 
-    async def acquire(self, timeout: float = WAIT_FOR_WORKER) -> WorkerProcess | None:
+    async def acquire(self, timeout: float = WAIT_FOR_WORKER) -> WorkerProcess | None:  # noqa: ASYNC109 - a wait bound, applied inside
         """A ready worker, waiting up to ``timeout`` while none is (a restart in progress)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -458,12 +515,18 @@ class WorkerPool:
             figures = answer if isinstance(answer, dict) else {"pid": w.pid, "error": repr(answer)}
             figures.update(slot=w.slot + 1, in_flight=w.in_flight, http_uri=w.http_uri)
             workers.append(figures)
-        total = lambda key: host[key] + sum(w.get(key, 0) for w in workers)  # noqa: E731
+        total = lambda key: host[key] + sum(w.get(key, 0) for w in workers)  # noqa: E731 - a one-line helper, read where it is used
         forwarders = [w.forwarder for w in ready if w.forwarder is not None]
-        return {"tasks": total("tasks"), "open_fds": total("open_fds"), "rss_kb": total("rss_kb"),
-                "host": host, "workers": workers, "worker_restarts": self.restarts,
-                "idle_worker_connections": sum(len(f._idle) for f in forwarders),
-                "worker_connections_opened": sum(f.opened for f in forwarders)}
+        return {
+            "tasks": total("tasks"),
+            "open_fds": total("open_fds"),
+            "rss_kb": total("rss_kb"),
+            "host": host,
+            "workers": workers,
+            "worker_restarts": self.restarts,
+            "idle_worker_connections": sum(len(f._idle) for f in forwarders),
+            "worker_connections_opened": sum(f.opened for f in forwarders),
+        }
 
     # -- the end
 
@@ -473,6 +536,5 @@ class WorkerPool:
         self._ready.set()  # wake requests waiting for a worker: there will be none
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(w.stop() for w in self.workers if w is not None), *self._tasks,
-                             return_exceptions=True)
+        await asyncio.gather(*(w.stop() for w in self.workers if w is not None), *self._tasks, return_exceptions=True)
         await self.server.stop()

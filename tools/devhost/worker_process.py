@@ -21,6 +21,7 @@ It exits when the host ends the stream, on WorkerTerminate or SIGTERM (within a 
 Linux, as soon as the host process dies. It ignores SIGINT: Ctrl+C in a terminal reaches the whole
 process group, and the host decides how its workers stop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def _die_with_parent(host_pid: int | None) -> None:
         return
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -75,8 +77,10 @@ class Dispatcher:
             "functions_metadata_request": (self._runtime("functions_metadata_request"), "function_metadata_response"),
             "function_load_request": (self._runtime("function_load_request"), "function_load_response"),
             "invocation_request": (self._runtime("invocation_request"), "invocation_response"),
-            "function_environment_reload_request": (self._runtime("function_environment_reload_request"),
-                                                    "function_environment_reload_response"),
+            "function_environment_reload_request": (
+                self._runtime("function_environment_reload_request"),
+                "function_environment_reload_response",
+            ),
             "worker_status_request": (self._status, "worker_status_response"),
         }
 
@@ -91,13 +95,16 @@ class Dispatcher:
             except TimeoutError:
                 log.error("cannot reach the host's gRPC server at %s:%s", a.host, a.port)
                 return 1
-            self.call = channel.stream_stream(rpc.method_path(self.pb),
-                                              request_serializer=self.pb.StreamingMessage.SerializeToString,
-                                              response_deserializer=self.pb.StreamingMessage.FromString)()
+            self.call = channel.stream_stream(
+                rpc.method_path(self.pb),
+                request_serializer=self.pb.StreamingMessage.SerializeToString,
+                response_deserializer=self.pb.StreamingMessage.FromString,
+            )()
             self.outbox = rpc.Outbox(self.call.write)
             self.outbox.start()
-            self.outbox.put(self.pb.StreamingMessage(request_id=a.requestId,
-                                                     start_stream=self.pb.StartStream(worker_id=a.workerId)))
+            self.outbox.put(
+                self.pb.StreamingMessage(request_id=a.requestId, start_stream=self.pb.StartStream(worker_id=a.workerId))
+            )
             reader = asyncio.ensure_future(self._read())
             stop = asyncio.ensure_future(self.stopping.wait())
             await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -138,8 +145,9 @@ class Dispatcher:
 
     def _failure(self, response_field: str, message, exc: Exception):
         pb = self.pb
-        result = pb.StatusResult(status=pb.StatusResult.Failure,
-                                 exception=pb.RpcException(message=f"{type(exc).__name__}: {exc}"))
+        result = pb.StatusResult(
+            status=pb.StatusResult.Failure, exception=pb.RpcException(message=f"{type(exc).__name__}: {exc}")
+        )
         response_type = type(getattr(pb.StreamingMessage(), response_field))
         if response_field == "invocation_response":
             return response_type(invocation_id=message.invocation_request.invocation_id, result=result)
@@ -158,7 +166,9 @@ class Dispatcher:
     def _runtime(self, name: str):
         async def handle(message):
             import azure_functions_runtime as runtime
+
             return await getattr(runtime, name)(self._request(message))
+
         return handle
 
     async def _init(self, message):
@@ -246,6 +256,7 @@ def _quiet_uvicorn_start() -> None:
     lines whenever it starts; start it at WARNING instead (the config's dict, edited in place, is
     what uvicorn.Config uses by default)."""
     from uvicorn.config import LOGGING_CONFIG
+
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         LOGGING_CONFIG.get("loggers", {}).get(name, {})["level"] = "WARNING"
 
@@ -254,6 +265,7 @@ def _loop_factory(choice: str):
     if choice == "asyncio":
         return None
     import uvloop
+
     return uvloop.new_event_loop
 
 

@@ -1,10 +1,11 @@
 """python -m tools.fakeupstream [--port 0] [--scenario echo] [--first-token-ms 100 --interval-ms 20 --deltas 40]
-                             [--no-responses]"""
+[--no-responses]"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
@@ -36,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval-ms", type=float, default=20, help="cadence: between deltas")
     p.add_argument("--deltas", type=int, default=40, help="cadence: number of content deltas")
     p.add_argument("--max-records", type=int, default=10_000, help="requests/streams kept for /_scripted/")
-    p.add_argument("--no-responses", action="store_true",
-                   help="answer /v1/responses with 404, like a server without the Responses API")
+    p.add_argument(
+        "--no-responses",
+        action="store_true",
+        help="answer /v1/responses with 404, like a server without the Responses API",
+    )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     if args.host != HOST:
@@ -45,21 +49,25 @@ def main(argv: list[str] | None = None) -> int:
 
     # Streams still open at shutdown are cancelled after 0.3 s: that is expected, not worth a traceback.
     logging.getLogger("uvicorn.error").addFilter(
-        lambda r: not (r.exc_info and isinstance(r.exc_info[1], asyncio.CancelledError)))
-    app = create_app(args.scenario, Cadence(args.first_token_ms, args.interval_ms, args.deltas),
-                     args.max_records, responses=not args.no_responses)
+        lambda r: not (r.exc_info and isinstance(r.exc_info[1], asyncio.CancelledError))
+    )
+    app = create_app(
+        args.scenario,
+        Cadence(args.first_token_ms, args.interval_ms, args.deltas),
+        args.max_records,
+        responses=not args.no_responses,
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((HOST, args.port))
     except OSError as e:
         p.error(f"cannot bind {HOST}:{args.port}: {e}")
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
-                            backlog=4096, timeout_graceful_shutdown=0.3)  # type: ignore[arg-type]
-    try:
+    config = uvicorn.Config(
+        app, log_level=args.log_level, access_log=False, lifespan="on", backlog=4096, timeout_graceful_shutdown=0.3
+    )
+    with contextlib.suppress(KeyboardInterrupt):
         _Server(config).run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -1,16 +1,49 @@
 """The request parameters OpenAI's chat-completions API knows (CreateChatCompletionRequest in its
 published OpenAPI spec), and the checks it makes that tests rely on: an unknown parameter or an
 out-of-range temperature is a 400 naming the parameter, as OpenAI answers it."""
+
 from __future__ import annotations
 
-KNOWN_CHAT_PARAMS = frozenset({
-    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "messages", "metadata", "modalities", "model", "moderation", "n",
-    "parallel_tool_calls", "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_retention",
-    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store",
-    "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
-    "verbosity", "web_search_options",
-})
+KNOWN_CHAT_PARAMS = frozenset(
+    {
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "messages",
+        "metadata",
+        "modalities",
+        "model",
+        "moderation",
+        "n",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "seed",
+        "service_tier",
+        "stop",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "verbosity",
+        "web_search_options",
+    }
+)
 
 
 def chat_param_problem(body: dict) -> tuple[str, str, str] | None:
@@ -20,7 +53,10 @@ def chat_param_problem(body: dict) -> tuple[str, str, str] | None:
             return f"Unrecognized request argument supplied: {name}", name, "unknown_parameter"
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:
-        return (f"Invalid 'temperature': decimal {'above maximum' if temperature > 2 else 'below minimum'} value. "
-                f"Expected a value {'<= 2' if temperature > 2 else '>= 0'}, but got {temperature} instead.",
-                "temperature", "decimal_above_max_value" if temperature > 2 else "decimal_below_min_value")
+        return (
+            f"Invalid 'temperature': decimal {'above maximum' if temperature > 2 else 'below minimum'} value. "
+            f"Expected a value {'<= 2' if temperature > 2 else '>= 0'}, but got {temperature} instead.",
+            "temperature",
+            "decimal_above_max_value" if temperature > 2 else "decimal_below_min_value",
+        )
     return None

@@ -28,8 +28,9 @@ import secrets
 import string
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 from . import scenarios as sc
 from .scenarios import RESET, STALL, Cadence, HttpError
@@ -95,37 +96,80 @@ _CHAT = sc.SCENARIOS
 _LIST = [
     _RS("echo", "`You said: <last user input text>` in word deltas, 30 ms apart", first_s=0.03, interval_s=0.03),
     _RS("normal", "chat's `normal` text: blank lines, quotes, emoji, CJK; 10 deltas 10 ms apart", sc.NORMAL_DELTAS),
-    _RS("slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)", sc.SLOW_DELTAS,
-        first_s=0.2, interval_s=0.2),
-    _RS("split_utf8", "network writes cut inside `event:`, between the event and data lines, and inside "
-        "UTF-8 characters, 20 ms apart", sc.SPLIT_UTF8_DELTAS, split_writes=True),
-    _RS("cadence", "benchmark stream: --deltas words, first after --first-token-ms, then every --interval-ms",
-        sc.cadence_deltas(40), first_s=0.1, interval_s=0.02),
-    _RS("function_call", "one `function_call` item (get_weather), arguments streamed in 10 pieces",
-        FUNCTION_CALL_ARGUMENT_DELTAS, kind="function_call"),
-    _RS("reasoning", "a `reasoning` item whose summary is streamed, then the message",
-        REASONING_ANSWER_DELTAS, kind="reasoning"),
-    _RS("audio", "a spoken answer: response.audio.delta chunks, each with its response.audio.transcript.delta",
-        AUDIO_TRANSCRIPT_DELTAS, kind="audio"),
-    _RS("incomplete", "text cut mid-word, then `response.incomplete` (reason max_output_tokens)",
-        sc.LENGTH_DELTAS, end="incomplete"),
-    _RS("failed", "2 deltas, then `response.failed` with `response.error` (server_error)",
-        sc.ERROR_MIDSTREAM_DELTAS, end="failed"),
-    _RS("error_event", "2 deltas, then an `error` event as documented (code/message/param at the top)",
-        sc.ERROR_MIDSTREAM_DELTAS, end="error_event"),
-    _RS("error_event_nested", "2 deltas, then an `error` event as seen in the wild (an `error` object inside)",
-        sc.ERROR_MIDSTREAM_DELTAS, end="error_event_nested"),
+    _RS(
+        "slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)", sc.SLOW_DELTAS, first_s=0.2, interval_s=0.2
+    ),
+    _RS(
+        "split_utf8",
+        "network writes cut inside `event:`, between the event and data lines, and inside "
+        "UTF-8 characters, 20 ms apart",
+        sc.SPLIT_UTF8_DELTAS,
+        split_writes=True,
+    ),
+    _RS(
+        "cadence",
+        "benchmark stream: --deltas words, first after --first-token-ms, then every --interval-ms",
+        sc.cadence_deltas(40),
+        first_s=0.1,
+        interval_s=0.02,
+    ),
+    _RS(
+        "function_call",
+        "one `function_call` item (get_weather), arguments streamed in 10 pieces",
+        FUNCTION_CALL_ARGUMENT_DELTAS,
+        kind="function_call",
+    ),
+    _RS(
+        "reasoning",
+        "a `reasoning` item whose summary is streamed, then the message",
+        REASONING_ANSWER_DELTAS,
+        kind="reasoning",
+    ),
+    _RS(
+        "audio",
+        "a spoken answer: response.audio.delta chunks, each with its response.audio.transcript.delta",
+        AUDIO_TRANSCRIPT_DELTAS,
+        kind="audio",
+    ),
+    _RS(
+        "incomplete",
+        "text cut mid-word, then `response.incomplete` (reason max_output_tokens)",
+        sc.LENGTH_DELTAS,
+        end="incomplete",
+    ),
+    _RS(
+        "failed",
+        "2 deltas, then `response.failed` with `response.error` (server_error)",
+        sc.ERROR_MIDSTREAM_DELTAS,
+        end="failed",
+    ),
+    _RS(
+        "error_event",
+        "2 deltas, then an `error` event as documented (code/message/param at the top)",
+        sc.ERROR_MIDSTREAM_DELTAS,
+        end="error_event",
+    ),
+    _RS(
+        "error_event_nested",
+        "2 deltas, then an `error` event as seen in the wild (an `error` object inside)",
+        sc.ERROR_MIDSTREAM_DELTAS,
+        end="error_event_nested",
+    ),
     _RS("reset", "3 deltas, then the connection is dropped mid-body", sc.RESET_DELTAS, end="reset"),
     _RS("stall_first", "headers, then nothing at all until the client hangs up", opening=False, end="stall"),
     _RS("stall", "opening events + 2 deltas, then nothing until the client hangs up", sc.STALL_DELTAS, end="stall"),
-    _RS("reset_first", "the opening events, then the connection drops before any output", end="reset",
-        items=False),
+    _RS("reset_first", "the opening events, then the connection drops before any output", end="reset", items=False),
     _RS("hang", "no answer at all, not even headers, streamed or not, until the client hangs up", end="hang"),
     _RS("rate_limited", "429 rate_limit_exceeded, retry-after: 1", error=_CHAT["rate_limited"].error),
-    *(_RS(name, _CHAT[name].summary, error=_CHAT[name].error)
-      for name in ("key_in_error_400", "key_in_error_404", "key_in_error_429")),
-    _RS("bad_request", "400 invalid_request_error, param `input`", error=replace(
-        _CHAT["bad_request"].error, message="Invalid 'input': scripted bad request.", param="input")),
+    *(
+        _RS(name, _CHAT[name].summary, error=_CHAT[name].error)
+        for name in ("key_in_error_400", "key_in_error_404", "key_in_error_429")
+    ),
+    _RS(
+        "bad_request",
+        "400 invalid_request_error, param `input`",
+        error=replace(_CHAT["bad_request"].error, message="Invalid 'input': scripted bad request.", param="input"),
+    ),
     _RS("unauthorized", "401 invalid_api_key, message shows the masked key", error=_CHAT["unauthorized"].error),
     _RS("model_not_found", "404 model_not_found", error=_CHAT["model_not_found"].error),
     _RS("server_error", "500 server_error", error=_CHAT["server_error"].error),
@@ -139,15 +183,21 @@ RESPONSES_NAMES = tuple(RESPONSES_SCENARIOS)
 RESPONSES_TEXTS: dict[str, str] = {s.name: s.text for s in _LIST if s.name != "echo"}
 #: usage.output_tokens and usage.output_tokens_details.reasoning_tokens of a finished response.
 RESPONSES_REASONING_TOKENS: dict[str, int] = {
-    s.name: len(REASONING_SUMMARY_DELTAS) if s.kind == "reasoning" else 0 for s in _LIST if s.name != "echo"}
+    s.name: len(REASONING_SUMMARY_DELTAS) if s.kind == "reasoning" else 0 for s in _LIST if s.name != "echo"
+}
 RESPONSES_OUTPUT_TOKENS: dict[str, int] = {
-    s.name: len(s.deltas) + RESPONSES_REASONING_TOKENS[s.name] for s in _LIST if s.name != "echo"}
+    s.name: len(s.deltas) + RESPONSES_REASONING_TOKENS[s.name] for s in _LIST if s.name != "echo"
+}
 
 
 def responses_scenarios_with(cadence: Cadence) -> dict[str, ResponsesScenario]:
     out = dict(RESPONSES_SCENARIOS)
-    out["cadence"] = replace(out["cadence"], deltas=sc.cadence_deltas(cadence.deltas),
-                             first_s=cadence.first_token_ms / 1000, interval_s=cadence.interval_ms / 1000)
+    out["cadence"] = replace(
+        out["cadence"],
+        deltas=sc.cadence_deltas(cadence.deltas),
+        first_s=cadence.first_token_ms / 1000,
+        interval_s=cadence.interval_ms / 1000,
+    )
     return out
 
 
@@ -155,14 +205,44 @@ def responses_scenarios_with(cadence: Cadence) -> dict[str, ResponsesScenario]:
 
 #: The create parameters OpenAI knows: CreateResponse in its published OpenAPI spec, plus the ones the
 #: `openai` SDK (3.x) sends beyond it. Any other top-level field is a 400 `unknown_parameter`.
-KNOWN_RESPONSES_PARAMS = frozenset({
-    "background", "context_management", "conversation", "include", "input", "instructions",
-    "max_output_tokens", "max_tool_calls", "metadata", "model", "moderation", "parallel_tool_calls",
-    "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-    "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options", "temperature", "text",
-    "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
-    "access_programs", "background_options", "image",  # in the SDK's ResponseCreateParams
-})
+KNOWN_RESPONSES_PARAMS = frozenset(
+    {
+        "background",
+        "context_management",
+        "conversation",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "moderation",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "reasoning",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
+        "access_programs",
+        "background_options",
+        "image",  # in the SDK's ResponseCreateParams
+    }
+)
 
 
 def _content_text(content: Any) -> str:
@@ -212,8 +292,15 @@ def input_items(input_: Any) -> list[dict]:
             if isinstance(content, str):
                 kind = "output_text" if item["role"] == "assistant" else "input_text"
                 content = [{"type": kind, "text": content, **({"annotations": []} if kind == "output_text" else {})}]
-            items.append({"id": item.get("id") or _new_id("msg_"), "type": "message", "role": item["role"],
-                          "content": content, "status": item.get("status", "completed")})
+            items.append(
+                {
+                    "id": item.get("id") or _new_id("msg_"),
+                    "type": "message",
+                    "role": item["role"],
+                    "content": content,
+                    "status": item.get("status", "completed"),
+                }
+            )
         else:
             items.append({"id": _new_id("item_"), **item} if "id" not in item else dict(item))
     return items
@@ -233,26 +320,48 @@ class Context:
     id: str = field(default_factory=lambda: _new_id("resp_"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, status: str, output: list | None = None, *, usage: dict | None = None,
-                 error: dict | None = None, incomplete_details: dict | None = None,
-                 completed_at: int | None = None) -> dict:
+    def response(
+        self,
+        status: str,
+        output: list | None = None,
+        *,
+        usage: dict | None = None,
+        error: dict | None = None,
+        incomplete_details: dict | None = None,
+        completed_at: int | None = None,
+    ) -> dict:
         """A `response` object, in the field order the API sends (request parameters echoed)."""
         b = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": self.background, "completed_at": completed_at, "error": error,
-            "incomplete_details": incomplete_details, "instructions": b.get("instructions"),
-            "max_output_tokens": b.get("max_output_tokens"), "max_tool_calls": b.get("max_tool_calls"),
-            "model": self.model, "output": output if output is not None else [],
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": self.background,
+            "completed_at": completed_at,
+            "error": error,
+            "incomplete_details": incomplete_details,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "max_tool_calls": b.get("max_tool_calls"),
+            "model": self.model,
+            "output": output if output is not None else [],
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "previous_response_id": b.get("previous_response_id"), "prompt_cache_key": b.get("prompt_cache_key"),
+            "previous_response_id": b.get("previous_response_id"),
+            "prompt_cache_key": b.get("prompt_cache_key"),
             "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-            "safety_identifier": b.get("safety_identifier"), "service_tier": b.get("service_tier") or "default",
-            "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
+            "safety_identifier": b.get("safety_identifier"),
+            "service_tier": b.get("service_tier") or "default",
+            "store": b.get("store", True),
+            "temperature": b.get("temperature", 1.0),
             "text": b.get("text") or {"format": {"type": "text"}, "verbosity": "medium"},
-            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_logprobs": b.get("top_logprobs", 0), "top_p": b.get("top_p", 1.0),
-            "truncation": b.get("truncation", "disabled"), "usage": usage, "user": b.get("user"),
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
+            "top_logprobs": b.get("top_logprobs", 0),
+            "top_p": b.get("top_p", 1.0),
+            "truncation": b.get("truncation", "disabled"),
+            "usage": usage,
+            "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
 
@@ -276,13 +385,22 @@ def _text_part(text: str) -> dict:
 
 
 def _function_item(item_id: str, status: str, arguments: str) -> dict:
-    return {"id": item_id, "type": "function_call", "status": status, "arguments": arguments,
-            "call_id": FUNCTION_CALL_ID, "name": FUNCTION_CALL_NAME}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "arguments": arguments,
+        "call_id": FUNCTION_CALL_ID,
+        "name": FUNCTION_CALL_NAME,
+    }
 
 
 def _reasoning_item(item_id: str, summary: str | None) -> dict:
-    return {"id": item_id, "type": "reasoning",
-            "summary": [] if summary is None else [{"type": "summary_text", "text": summary}]}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [] if summary is None else [{"type": "summary_text", "text": summary}],
+    }
 
 
 # ---------------------------------------------------------------------- scripts
@@ -306,8 +424,9 @@ class _Script:
         self.steps.append((at, item))
 
 
-def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None = None,
-           end: str | None = None) -> list[tuple[float, Any]]:
+def script(
+    scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None = None, end: str | None = None
+) -> list[tuple[float, Any]]:
     """The timed events of one response. `deltas` overrides the scenario's (echo), `end` its ending."""
     deltas = scn.deltas if deltas is None else deltas
     end = end or scn.end
@@ -334,16 +453,40 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         rs_id = _new_id("rs_")
         index = len(s.output)
         s.emit(t, "response.output_item.added", output_index=index, item=_reasoning_item(rs_id, None))
-        s.emit(t, "response.reasoning_summary_part.added", item_id=rs_id, output_index=index, summary_index=0,
-               part={"type": "summary_text", "text": ""})
+        s.emit(
+            t,
+            "response.reasoning_summary_part.added",
+            item_id=rs_id,
+            output_index=index,
+            summary_index=0,
+            part={"type": "summary_text", "text": ""},
+        )
         for piece in REASONING_SUMMARY_DELTAS:
             last = next(clock)
-            s.emit(last, "response.reasoning_summary_text.delta", item_id=rs_id, output_index=index,
-                   summary_index=0, delta=piece)
-        s.emit(last, "response.reasoning_summary_text.done", item_id=rs_id, output_index=index,
-               summary_index=0, text=REASONING_SUMMARY)
-        s.emit(last, "response.reasoning_summary_part.done", item_id=rs_id, output_index=index,
-               summary_index=0, part={"type": "summary_text", "text": REASONING_SUMMARY})
+            s.emit(
+                last,
+                "response.reasoning_summary_text.delta",
+                item_id=rs_id,
+                output_index=index,
+                summary_index=0,
+                delta=piece,
+            )
+        s.emit(
+            last,
+            "response.reasoning_summary_text.done",
+            item_id=rs_id,
+            output_index=index,
+            summary_index=0,
+            text=REASONING_SUMMARY,
+        )
+        s.emit(
+            last,
+            "response.reasoning_summary_part.done",
+            item_id=rs_id,
+            output_index=index,
+            summary_index=0,
+            part={"type": "summary_text", "text": REASONING_SUMMARY},
+        )
         item = _reasoning_item(rs_id, REASONING_SUMMARY)
         s.emit(last, "response.output_item.done", output_index=index, item=item)
         s.output.append(item)
@@ -363,19 +506,29 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         arguments = "".join(deltas)
         partial = [*s.output, _function_item(fc_id, "in_progress", arguments)]
         done_events = [
-            ("response.function_call_arguments.done",
-             {"item_id": fc_id, "name": FUNCTION_CALL_NAME, "output_index": index, "arguments": arguments}),
+            (
+                "response.function_call_arguments.done",
+                {"item_id": fc_id, "name": FUNCTION_CALL_NAME, "output_index": index, "arguments": arguments},
+            ),
         ]
         final_item = _function_item(fc_id, "completed", arguments)
     else:
         msg_id = _new_id("msg_")
         s.emit(t, "response.output_item.added", output_index=index, item=_message_item(msg_id, "in_progress", None))
-        s.emit(t, "response.content_part.added", item_id=msg_id, output_index=index, content_index=0,
-               part=_text_part(""))
+        s.emit(
+            t, "response.content_part.added", item_id=msg_id, output_index=index, content_index=0, part=_text_part("")
+        )
         for piece in deltas:
             last = next(clock)
-            s.emit(last, "response.output_text.delta", item_id=msg_id, output_index=index, content_index=0,
-                   delta=piece, logprobs=[])
+            s.emit(
+                last,
+                "response.output_text.delta",
+                item_id=msg_id,
+                output_index=index,
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
         text = "".join(deltas)
         partial = [*s.output, _message_item(msg_id, "in_progress", text)]
         where = {"item_id": msg_id, "output_index": index, "content_index": 0}
@@ -395,18 +548,27 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
         usage = ctx.usage(s.output_tokens, s.reasoning_tokens)
         done_at = ctx.created_at + round(last)
         if end == "completed":
-            s.emit(last, "response.completed", response=ctx.response(
-                "completed", s.output, usage=usage, completed_at=done_at))
+            s.emit(
+                last,
+                "response.completed",
+                response=ctx.response("completed", s.output, usage=usage, completed_at=done_at),
+            )
         else:
-            s.emit(last, "response.incomplete", response=ctx.response(
-                "incomplete", s.output, usage=usage, incomplete_details=INCOMPLETE_DETAILS))
+            s.emit(
+                last,
+                "response.incomplete",
+                response=ctx.response("incomplete", s.output, usage=usage, incomplete_details=INCOMPLETE_DETAILS),
+            )
     elif end == "failed":
         s.emit(later, "response.failed", response=ctx.response("failed", partial, error=dict(FAILED_ERROR)))
     elif end == "error_event":
         s.emit(later, "error", code="server_error", message=ERROR_EVENT_MESSAGE, param=None)
     elif end == "error_event_nested":
-        s.emit(later, "error", error={"type": "server_error", "code": "server_error",
-                                      "message": ERROR_EVENT_MESSAGE, "param": None})
+        s.emit(
+            later,
+            "error",
+            error={"type": "server_error", "code": "server_error", "message": ERROR_EVENT_MESSAGE, "param": None},
+        )
     elif end == "reset":
         s.add(later, RESET)
     else:  # stall
@@ -414,8 +576,9 @@ def script(scn: ResponsesScenario, ctx: Context, deltas: tuple[str, ...] | None 
     return s.steps
 
 
-def _audio(s: _Script, scn: ResponsesScenario, ctx: Context, t: float, index: int, deltas: tuple[str, ...],
-           clock) -> list[tuple[float, Any]]:
+def _audio(
+    s: _Script, scn: ResponsesScenario, ctx: Context, t: float, index: int, deltas: tuple[str, ...], clock
+) -> list[tuple[float, Any]]:
     """A spoken answer: audio chunks with their transcript (`response.audio.transcript.delta`). As in
     the API's types, the transcript is in those events only: no output item carries it."""
     msg_id = _new_id("msg_")
@@ -431,8 +594,13 @@ def _audio(s: _Script, scn: ResponsesScenario, ctx: Context, t: float, index: in
     s.emit(last, "response.output_item.done", output_index=index, item=item)
     s.output.append(item)
     s.output_tokens += len(deltas)
-    s.emit(last, "response.completed", response=ctx.response(
-        "completed", s.output, usage=ctx.usage(s.output_tokens, 0), completed_at=ctx.created_at + round(last)))
+    s.emit(
+        last,
+        "response.completed",
+        response=ctx.response(
+            "completed", s.output, usage=ctx.usage(s.output_tokens, 0), completed_at=ctx.created_at + round(last)
+        ),
+    )
     return s.steps
 
 
@@ -473,8 +641,11 @@ def final_response(steps: list[tuple[float, Any]], start: dict) -> dict:
 
 # ------------------------------------------------------------------- the wire
 
-_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta",
-           "response.reasoning_summary_text.delta")
+_DELTAS = (
+    "response.output_text.delta",
+    "response.function_call_arguments.delta",
+    "response.reasoning_summary_text.delta",
+)
 _PAD = string.ascii_letters + string.digits
 _random = random.Random()
 
@@ -531,8 +702,9 @@ def _split_writes(stream: bytes) -> list[tuple[float, Any]]:
 class Run:
     """A stored response. Background runs generate their events in a task; streams follow them."""
 
-    def __init__(self, ctx: Context, scenario: str, items: list[dict], snapshot: dict, background: bool,
-                 streamable: bool):
+    def __init__(
+        self, ctx: Context, scenario: str, items: list[dict], snapshot: dict, background: bool, streamable: bool
+    ):
         self.ctx, self.scenario, self.input_items = ctx, scenario, items
         self.snapshot, self.background, self.streamable = snapshot, background, streamable
         self.events: list[dict] = []
@@ -613,8 +785,13 @@ PATH = re.compile(r"^(?:/v1|/openai/v1)?/responses(?:/([^/]+)(/cancel|/input_ite
 
 async def send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
     body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -645,8 +822,12 @@ class ResponsesApi:
         response_id, action = m.groups()
         if response_id is None:
             return ("create", None) if method == "POST" else None
-        key = {(None, "GET"): "retrieve", (None, "DELETE"): "delete",
-               ("/cancel", "POST"): "cancel", ("/input_items", "GET"): "input_items"}.get((action, method))
+        key = {
+            (None, "GET"): "retrieve",
+            (None, "DELETE"): "delete",
+            ("/cancel", "POST"): "cancel",
+            ("/input_items", "GET"): "input_items",
+        }.get((action, method))
         return (key, response_id) if key else None
 
     async def handle(self, route: tuple[str, str | None], receive, send, record: dict) -> None:
@@ -678,8 +859,7 @@ class ResponsesApi:
         except ApiError as e:
             await send_json(send, e.status, e.body, rid + e.headers)
 
-    async def _follow_up_scenario(self, receive, send, record: dict, action: str, response_id: str,
-                                  rid: list) -> None:
+    async def _follow_up_scenario(self, receive, send, record: dict, action: str, response_id: str, rid: list) -> None:
         """What a test set with /_scripted/follow_ups: its error, no answer (hang), or (reset) a
         re-stream of the events logged so far that then drops the connection."""
         name = self.app.follow_up_scenario
@@ -691,7 +871,7 @@ class ResponsesApi:
             if run is None or action != "retrieve" or record["query"].get("stream", "").lower() != "true":
                 raise _not_found(response_id)
             after = int(record["query"].get("starting_after") or -1)
-            logged = [frame(e, False) for e in run.events[max(0, after + 1):]]
+            logged = [frame(e, False) for e in run.events[max(0, after + 1) :]]
             await self._stream(receive, send, record, run, _timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
             return
         err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
@@ -706,8 +886,11 @@ class ResponsesApi:
         found = _MARKER.search(last_user_text(body.get("input")))
         if found:
             if found.group(1) not in self.scenarios:
-                raise _invalid(f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. "
-                               f"Known: {', '.join(self.scenarios)}", "input", "unknown_scenario")
+                raise _invalid(
+                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
+                    "input",
+                    "unknown_scenario",
+                )
             return found.group(1)
         default = self.app.default_scenario
         return default if default in self.scenarios else "echo"
@@ -715,8 +898,10 @@ class ResponsesApi:
     async def _create(self, receive, send, record: dict, rid: list) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
-                           "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)")
+            raise _invalid(
+                "We could not parse the JSON body of your request. (HINT: This likely means you "
+                "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
+            )
         for name in body:
             if name not in KNOWN_RESPONSES_PARAMS:
                 raise _invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
@@ -724,15 +909,22 @@ class ResponsesApi:
             raise _invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
         input_ = body.get("input")
         if input_ is not None and not isinstance(input_, (str, list)):
-            raise _invalid(f"Invalid type for 'input': expected one of a string or array of input items, "
-                           f"but got {type(input_).__name__} instead.", "input", "invalid_type")
+            raise _invalid(
+                f"Invalid type for 'input': expected one of a string or array of input items, "
+                f"but got {type(input_).__name__} instead.",
+                "input",
+                "invalid_type",
+            )
         background, stream = body.get("background") is True, body.get("stream") is True
         if background and body.get("store") is False:
             raise _invalid("Background mode requires store=true.", "store")
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.store:
-            raise _invalid(f"Previous response with id '{previous}' not found.", "previous_response_id",
-                           "previous_response_not_found")
+            raise _invalid(
+                f"Previous response with id '{previous}' not found.",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
 
         name = self._pick(body)
         scn = self.scenarios[name]
@@ -743,8 +935,12 @@ class ResponsesApi:
             await self.app.hang(receive, record["id"], name, api="responses")
             return
 
-        ctx = Context(model=body["model"], body=body, background=background,
-                      input_tokens=count_input_tokens(input_, body.get("instructions")))
+        ctx = Context(
+            model=body["model"],
+            body=body,
+            background=background,
+            input_tokens=count_input_tokens(input_, body.get("instructions")),
+        )
         deltas = sc.word_deltas(sc.echo_text(last_user_text(input_))) if name == "echo" else None
         options = body.get("stream_options")
         obfuscate = not (isinstance(options, dict) and options.get("include_obfuscation") is False)
@@ -787,14 +983,16 @@ class ResponsesApi:
             await send_json(send, 200, run.snapshot, rid)
             return
         if not run.background:
-            raise _invalid("This response cannot be streamed because it was not created with background=true.",
-                           "stream")
+            raise _invalid(
+                "This response cannot be streamed because it was not created with background=true.", "stream"
+            )
         after = query.get("starting_after", "")
         try:
             starting_after = int(after) if after else -1
         except ValueError:
-            raise _invalid(f"Invalid 'starting_after': {after!r}. Expected an integer.", "starting_after",
-                           "invalid_type") from None
+            raise _invalid(
+                f"Invalid 'starting_after': {after!r}. Expected an integer.", "starting_after", "invalid_type"
+            ) from None
         obfuscate = query.get("include_obfuscation", "true").lower() != "false"
         await self._stream(receive, send, record, run, run.follow(starting_after, obfuscate), rid)
 
@@ -809,7 +1007,7 @@ class ResponsesApi:
         after = query.get("after")
         if after:
             ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
+            items = items[ids.index(after) + 1 :] if after in ids else []
         try:
             limit = int(query.get("limit", 20))
         except ValueError:
@@ -817,8 +1015,13 @@ class ResponsesApi:
         if not 1 <= limit <= 100:
             raise _invalid("Invalid 'limit': expected an integer from 1 to 100.", "limit")
         page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     # -------------------------------------------------------------- playback
 
@@ -828,8 +1031,15 @@ class ResponsesApi:
         A client hanging up ends this stream only: a background run keeps generating."""
         from .server import DeliberateReset  # here: server imports this module
 
-        record = {"request_id": request["id"], "scenario": run.scenario, "started_at": time.time(),
-                  "ended_at": None, "outcome": None, "api": "responses", "response_id": run.ctx.id}
+        record = {
+            "request_id": request["id"],
+            "scenario": run.scenario,
+            "started_at": time.time(),
+            "ended_at": None,
+            "outcome": None,
+            "api": "responses",
+            "response_id": run.ctx.id,
+        }
         self.app.streams.append(record)
         task = asyncio.current_task()
         finished = disconnected = False

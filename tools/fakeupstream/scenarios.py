@@ -40,7 +40,7 @@ NORMAL_DELTAS = (
     "Last line, no trailing newline.",
 )
 SLOW_DELTAS = tuple(
-    w + " " for w in "This reply arrives slowly, one word every two hundred".split()
+    w + " " for w in ["This", "reply", "arrives", "slowly,", "one", "word", "every", "two", "hundred"]
 ) + ("milliseconds.",)
 SPLIT_UTF8_DELTAS = ("Grüße ", "🙂🚀 ", "日本語の", "テキスト ", "— ñandú, € 5 ", "ok 👍🏽")
 AZURE_DELTAS = ("Hello ", "from ", "Azure ", "OpenAI ", "— ça ", "marche 🙂")
@@ -54,8 +54,12 @@ STALL_DELTAS = ("Thinking", " about it…")
 MALFORMED_DELTAS = ("Before the ", "broken line ")
 ERROR_MIDSTREAM_DELTAS = ("Started fine, ", "then failed ")
 # For pages that show replies: markup a page must show as text and never run.
-HTML_DELTAS = ("Markup, shown as text: ", "<img src=x onerror=alert(1)>", " <script>window.__xss = 1</script>",
-               ' <b>not bold</b> &amp; <a href="javascript:alert(2)">no link</a>')
+HTML_DELTAS = (
+    "Markup, shown as text: ",
+    "<img src=x onerror=alert(1)>",
+    " <script>window.__xss = 1</script>",
+    ' <b>not bold</b> &amp; <a href="javascript:alert(2)">no link</a>',
+)
 CADENCE_WORDS = ("lorem ", "ipsum ", "dolor ", "sit ", "amet ", "consectetur ", "adipiscing ", "elit ")
 
 TOOL_CALL_ID = "call_fakeupstream0001"
@@ -64,7 +68,9 @@ TOOL_CALL_ARGUMENT_DELTAS = ('{"', "location", '":"', "Paris", ", France", '","'
 TOOL_CALL_ARGUMENTS = "".join(TOOL_CALL_ARGUMENT_DELTAS)  # {"location":"Paris, France","unit":"celsius"}
 
 MALFORMED_LINE = b'data: {"id": "broken", not json\n\n'
-ODD_SHAPE_LINE = b'data: {"id": "odd", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": "text"}]}\n\n'
+ODD_SHAPE_LINE = (
+    b'data: {"id": "odd", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": "text"}]}\n\n'
+)
 MIDSTREAM_ERROR = {
     "error": {
         "message": "The server had an error while processing your request.",
@@ -154,70 +160,164 @@ def _err(status, message, type_, code=None, param=None, retry_after_s=None) -> H
 
 
 _LIST = [
-    Scenario("echo", "`You said: <last user message>` in word deltas, 30 ms apart",
-             first_s=0.03, interval_s=0.03),
-    Scenario("normal", "multi-line text with blank lines, emoji, CJK, accents; 10 deltas 10 ms apart",
-             NORMAL_DELTAS),
-    Scenario("slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)",
-             SLOW_DELTAS, first_s=0.2, interval_s=0.2),
-    Scenario("slow_normal", "the `normal` text (newlines, emoji, CJK), 10 deltas 150 ms apart",
-             NORMAL_DELTAS, first_s=0.15, interval_s=0.15),
-    Scenario("html", "a reply with HTML markup (`<img src=x onerror=alert(1)>`, a script tag) to be shown as text",
-             HTML_DELTAS),
-    Scenario("split_utf8", "network writes cut inside UTF-8 characters and inside `data:`, 20 ms apart",
-             SPLIT_UTF8_DELTAS, split_writes=True),
-    Scenario("azure_filters", "Azure frames: prompt_filter_results first, content_filter_results, "
-             "content_filter_offsets and empty-choices frames after the finish",
-             AZURE_DELTAS, style="azure"),
+    Scenario("echo", "`You said: <last user message>` in word deltas, 30 ms apart", first_s=0.03, interval_s=0.03),
+    Scenario("normal", "multi-line text with blank lines, emoji, CJK, accents; 10 deltas 10 ms apart", NORMAL_DELTAS),
+    Scenario(
+        "slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)", SLOW_DELTAS, first_s=0.2, interval_s=0.2
+    ),
+    Scenario(
+        "slow_normal",
+        "the `normal` text (newlines, emoji, CJK), 10 deltas 150 ms apart",
+        NORMAL_DELTAS,
+        first_s=0.15,
+        interval_s=0.15,
+    ),
+    Scenario(
+        "html",
+        "a reply with HTML markup (`<img src=x onerror=alert(1)>`, a script tag) to be shown as text",
+        HTML_DELTAS,
+    ),
+    Scenario(
+        "split_utf8",
+        "network writes cut inside UTF-8 characters and inside `data:`, 20 ms apart",
+        SPLIT_UTF8_DELTAS,
+        split_writes=True,
+    ),
+    Scenario(
+        "azure_filters",
+        "Azure frames: prompt_filter_results first, content_filter_results, "
+        "content_filter_offsets and empty-choices frames after the finish",
+        AZURE_DELTAS,
+        style="azure",
+    ),
     Scenario("length", "text cut mid-word, finish_reason `length`", LENGTH_DELTAS, finish_reason="length"),
-    Scenario("content_filter", "text cut short, finish_reason `content_filter`",
-             CONTENT_FILTER_DELTAS, finish_reason="content_filter"),
-    Scenario("after_finish", "after the finish chunk, more content (AFTER_FINISH_EXTRA), then usage, [DONE]",
-             AFTER_FINISH_DELTAS, end="after_finish"),
-    Scenario("tool_calls", "one tool call streamed in pieces, finish_reason `tool_calls`",
-             TOOL_CALL_ARGUMENT_DELTAS, style="tool_calls", finish_reason="tool_calls"),
+    Scenario(
+        "content_filter",
+        "text cut short, finish_reason `content_filter`",
+        CONTENT_FILTER_DELTAS,
+        finish_reason="content_filter",
+    ),
+    Scenario(
+        "after_finish",
+        "after the finish chunk, more content (AFTER_FINISH_EXTRA), then usage, [DONE]",
+        AFTER_FINISH_DELTAS,
+        end="after_finish",
+    ),
+    Scenario(
+        "tool_calls",
+        "one tool call streamed in pieces, finish_reason `tool_calls`",
+        TOOL_CALL_ARGUMENT_DELTAS,
+        style="tool_calls",
+        finish_reason="tool_calls",
+    ),
     Scenario("reset", "3 deltas, then the connection is dropped mid-body", RESET_DELTAS, end="reset"),
-    Scenario("stall_first", "headers, then nothing at all until the client hangs up",
-             role_chunk=False, end="stall"),
+    Scenario("stall_first", "headers, then nothing at all until the client hangs up", role_chunk=False, end="stall"),
     Scenario("stall", "role + 2 deltas, then nothing until the client hangs up", STALL_DELTAS, end="stall"),
     Scenario("reset_first", "the role chunk, then the connection drops before any content", end="reset"),
-    Scenario("hang", "no answer at all, not even headers, streamed or not, until the client hangs up",
-             role_chunk=False, end="hang"),
-    Scenario("malformed", '2 deltas, then `data: {"id": "broken", not json`, then the body ends',
-             MALFORMED_DELTAS, end="malformed"),
-    Scenario("odd_shape", "2 deltas, then valid JSON of the wrong shape (a delta that is a string), then the end",
-             MALFORMED_DELTAS, end="odd_shape"),
-    Scenario("error_midstream", "2 deltas, then a `data: {\"error\":...}` frame, then the body ends",
-             ERROR_MIDSTREAM_DELTAS, end="error_midstream"),
-    Scenario("cadence", "benchmark stream: --deltas words, first after --first-token-ms, "
-             "then every --interval-ms", cadence_deltas(40), first_s=0.1, interval_s=0.02),
-    Scenario("rate_limited", "429 rate_limit_exceeded, retry-after: 1", error=_err(
-        429, "Rate limit reached for {model} in organization org-fakeupstream on requests per min (RPM): "
-        "Limit 3, Used 3, Requested 1. Please try again in 1s.", "requests", "rate_limit_exceeded",
-        retry_after_s=1)),
-    Scenario("bad_request", "400 invalid_request_error, param `messages`", error=_err(
-        400, "Invalid 'messages': scripted bad request.", "invalid_request_error", None, "messages")),
-    Scenario("unauthorized", "401 invalid_api_key, message shows the masked key", error=_err(
-        401, "Incorrect API key provided: {key}. You can find your API key at "
-        "https://platform.openai.com/account/api-keys.", "invalid_request_error", "invalid_api_key")),
-    Scenario("forbidden", "403 unsupported_country_region_territory", error=_err(
-        403, "Country, region, or territory not supported", "request_forbidden",
-        "unsupported_country_region_territory")),
-    Scenario("model_not_found", "404 model_not_found", error=_err(
-        404, "The model `{model}` does not exist or you do not have access to it.",
-        "invalid_request_error", "model_not_found")),
-    Scenario("key_in_error_400", "400 whose message quotes the request's Authorization (or api-key) header",
-             error=_err(400, KEY_IN_ERROR.format(what="Invalid request"), "invalid_request_error")),
-    Scenario("key_in_error_404", "404 whose message quotes the request's Authorization (or api-key) header",
-             error=_err(404, KEY_IN_ERROR.format(what="Not found"), "invalid_request_error")),
-    Scenario("key_in_error_429", "429 whose message quotes the request's Authorization (or api-key) header",
-             error=_err(429, KEY_IN_ERROR.format(what="Rate limited"), "requests", "rate_limit_exceeded",
-                        retry_after_s=1)),
-    Scenario("server_error", "500 server_error", error=_err(
-        500, "The server had an error while processing your request. Sorry about that!", "server_error")),
-    Scenario("overloaded", "503 server_error, retry-after: 1", error=_err(
-        503, "The engine is currently overloaded, please try again later", "server_error",
-        retry_after_s=1)),
+    Scenario(
+        "hang",
+        "no answer at all, not even headers, streamed or not, until the client hangs up",
+        role_chunk=False,
+        end="hang",
+    ),
+    Scenario(
+        "malformed",
+        '2 deltas, then `data: {"id": "broken", not json`, then the body ends',
+        MALFORMED_DELTAS,
+        end="malformed",
+    ),
+    Scenario(
+        "odd_shape",
+        "2 deltas, then valid JSON of the wrong shape (a delta that is a string), then the end",
+        MALFORMED_DELTAS,
+        end="odd_shape",
+    ),
+    Scenario(
+        "error_midstream",
+        '2 deltas, then a `data: {"error":...}` frame, then the body ends',
+        ERROR_MIDSTREAM_DELTAS,
+        end="error_midstream",
+    ),
+    Scenario(
+        "cadence",
+        "benchmark stream: --deltas words, first after --first-token-ms, then every --interval-ms",
+        cadence_deltas(40),
+        first_s=0.1,
+        interval_s=0.02,
+    ),
+    Scenario(
+        "rate_limited",
+        "429 rate_limit_exceeded, retry-after: 1",
+        error=_err(
+            429,
+            "Rate limit reached for {model} in organization org-fakeupstream on requests per min (RPM): "
+            "Limit 3, Used 3, Requested 1. Please try again in 1s.",
+            "requests",
+            "rate_limit_exceeded",
+            retry_after_s=1,
+        ),
+    ),
+    Scenario(
+        "bad_request",
+        "400 invalid_request_error, param `messages`",
+        error=_err(400, "Invalid 'messages': scripted bad request.", "invalid_request_error", None, "messages"),
+    ),
+    Scenario(
+        "unauthorized",
+        "401 invalid_api_key, message shows the masked key",
+        error=_err(
+            401,
+            "Incorrect API key provided: {key}. You can find your API key at "
+            "https://platform.openai.com/account/api-keys.",
+            "invalid_request_error",
+            "invalid_api_key",
+        ),
+    ),
+    Scenario(
+        "forbidden",
+        "403 unsupported_country_region_territory",
+        error=_err(
+            403,
+            "Country, region, or territory not supported",
+            "request_forbidden",
+            "unsupported_country_region_territory",
+        ),
+    ),
+    Scenario(
+        "model_not_found",
+        "404 model_not_found",
+        error=_err(
+            404,
+            "The model `{model}` does not exist or you do not have access to it.",
+            "invalid_request_error",
+            "model_not_found",
+        ),
+    ),
+    Scenario(
+        "key_in_error_400",
+        "400 whose message quotes the request's Authorization (or api-key) header",
+        error=_err(400, KEY_IN_ERROR.format(what="Invalid request"), "invalid_request_error"),
+    ),
+    Scenario(
+        "key_in_error_404",
+        "404 whose message quotes the request's Authorization (or api-key) header",
+        error=_err(404, KEY_IN_ERROR.format(what="Not found"), "invalid_request_error"),
+    ),
+    Scenario(
+        "key_in_error_429",
+        "429 whose message quotes the request's Authorization (or api-key) header",
+        error=_err(429, KEY_IN_ERROR.format(what="Rate limited"), "requests", "rate_limit_exceeded", retry_after_s=1),
+    ),
+    Scenario(
+        "server_error",
+        "500 server_error",
+        error=_err(500, "The server had an error while processing your request. Sorry about that!", "server_error"),
+    ),
+    Scenario(
+        "overloaded",
+        "503 server_error, retry-after: 1",
+        error=_err(503, "The engine is currently overloaded, please try again later", "server_error", retry_after_s=1),
+    ),
 ]
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _LIST}
 NAMES = tuple(SCENARIOS)
@@ -255,9 +355,7 @@ def message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
@@ -349,8 +447,15 @@ class _Frames:
 
     def __init__(self, req: Request):
         self.req = req
-        head = _dumps({"id": req.id, "object": "chat.completion.chunk", "created": req.created,
-                       "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT})
+        head = _dumps(
+            {
+                "id": req.id,
+                "object": "chat.completion.chunk",
+                "created": req.created,
+                "model": req.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+            }
+        )
         self.prefix = b"data: " + head[:-1].encode() + b',"choices":['
         self.suffix = b'],"usage":null}\n\n' if req.include_usage else b"]}\n\n"
         self.steps: list[tuple[float, Any]] = []
@@ -418,10 +523,12 @@ def _openai_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[t
 # Azure OpenAI's content-safety annotations (all "safe").
 _SAFE = {"filtered": False, "severity": "safe"}
 AZURE_CONTENT_FILTER_RESULTS = {"hate": _SAFE, "self_harm": _SAFE, "sexual": _SAFE, "violence": _SAFE}
-AZURE_PROMPT_FILTER_RESULTS = [{
-    "prompt_index": 0,
-    "content_filter_results": {**AZURE_CONTENT_FILTER_RESULTS, "jailbreak": {"filtered": False, "detected": False}},
-}]
+AZURE_PROMPT_FILTER_RESULTS = [
+    {
+        "prompt_index": 0,
+        "content_filter_results": {**AZURE_CONTENT_FILTER_RESULTS, "jailbreak": {"filtered": False, "detected": False}},
+    }
+]
 
 
 def _azure_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[tuple[float, Any]]:
@@ -429,17 +536,33 @@ def _azure_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[tu
     steps: list[tuple[float, Any]] = []
     extra = {"usage": None} if req.include_usage else {}
     anon = {"created": 0, "id": "", "model": "", "object": ""}  # Azure's id-less frames
-    real = {"created": req.created, "id": req.id, "model": req.model,
-            "object": "chat.completion.chunk", "system_fingerprint": SYSTEM_FINGERPRINT}
+    real = {
+        "created": req.created,
+        "id": req.id,
+        "model": req.model,
+        "object": "chat.completion.chunk",
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
     def frame(at: float, choices: list, base: dict, **more: Any) -> None:
         obj = {"choices": choices, **base, **more, **extra}
-        steps.append((at, b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
-                                                 sort_keys=True).encode() + b"\n\n"))
+        steps.append(
+            (
+                at,
+                b"data: "
+                + json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode()
+                + b"\n\n",
+            )
+        )
 
     def choice(i: int, delta: dict, finish: str | None = None, results: dict | None = None) -> dict:
-        return {"content_filter_results": {} if results is None else results, "delta": delta,
-                "finish_reason": finish, "index": i, "logprobs": None}
+        return {
+            "content_filter_results": {} if results is None else results,
+            "delta": delta,
+            "finish_reason": finish,
+            "index": i,
+            "logprobs": None,
+        }
 
     n = req.n
     frame(0.0, [], anon, prompt_filter_results=AZURE_PROMPT_FILTER_RESULTS)
@@ -455,9 +578,19 @@ def _azure_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[tu
         frame(t, [choice(i, {}, scn.finish_reason)], real)
     for i in range(n):
         size = len("".join(per_choice[i]))
-        frame(t, [{"content_filter_offsets": {"check_offset": 0, "start_offset": 0, "end_offset": size},
-                   "content_filter_results": AZURE_CONTENT_FILTER_RESULTS, "delta": {},
-                   "finish_reason": None, "index": i}], anon)
+        frame(
+            t,
+            [
+                {
+                    "content_filter_offsets": {"check_offset": 0, "start_offset": 0, "end_offset": size},
+                    "content_filter_results": AZURE_CONTENT_FILTER_RESULTS,
+                    "delta": {},
+                    "finish_reason": None,
+                    "index": i,
+                }
+            ],
+            anon,
+        )
     frame(t, [], anon)
     if req.include_usage:
         obj = {"choices": [], **real, "usage": usage(req, len(deltas))}
@@ -502,19 +635,35 @@ def completion_body(scn: Scenario, req: Request, deltas: tuple[str, ...] | None 
     deltas = scn.deltas if deltas is None else deltas
     choices = []
     for i in range(req.n):
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(_choice_deltas(deltas, i)),
-                                   "refusal": None, "annotations": []}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(_choice_deltas(deltas, i)),
+            "refusal": None,
+            "annotations": [],
+        }
         if scn.style == "tool_calls":
             call_id = TOOL_CALL_ID if i == 0 else f"{TOOL_CALL_ID}_{i}"
             message["content"] = None
-            message["tool_calls"] = [{"id": call_id, "type": "function",
-                                      "function": {"name": TOOL_CALL_NAME, "arguments": TOOL_CALL_ARGUMENTS}}]
+            message["tool_calls"] = [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": TOOL_CALL_NAME, "arguments": TOOL_CALL_ARGUMENTS},
+                }
+            ]
         choice = {"index": i, "message": message, "logprobs": None, "finish_reason": scn.finish_reason}
         if scn.style == "azure":
             choice["content_filter_results"] = AZURE_CONTENT_FILTER_RESULTS
         choices.append(choice)
-    body = {"id": req.id, "object": "chat.completion", "created": req.created, "model": req.model,
-            "choices": choices, "usage": usage(req, len(deltas)), "system_fingerprint": SYSTEM_FINGERPRINT}
+    body = {
+        "id": req.id,
+        "object": "chat.completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req, len(deltas)),
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
     if scn.style == "azure":
         body["prompt_filter_results"] = AZURE_PROMPT_FILTER_RESULTS
     return body

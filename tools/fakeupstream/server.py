@@ -48,8 +48,13 @@ def _invalid(message: str, param: str | None = None, code: str | None = None) ->
 
 async def _send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
     body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -67,8 +72,13 @@ async def _read_body(receive) -> bytes | None:
 class FakeUpstream:
     """The ASGI app. `requests` and `streams` are the records served under /_scripted/."""
 
-    def __init__(self, default_scenario: str = "echo", cadence: Cadence | None = None,
-                 max_records: int = 10_000, responses: bool = True):
+    def __init__(
+        self,
+        default_scenario: str = "echo",
+        cadence: Cadence | None = None,
+        max_records: int = 10_000,
+        responses: bool = True,
+    ):
         self.scenarios: dict[str, Scenario] = sc.scenarios_with(cadence or Cadence())
         if default_scenario not in self.scenarios:
             raise ValueError(f"unknown scenario {default_scenario!r}")
@@ -83,9 +93,13 @@ class FakeUpstream:
         self.received = 0  # API requests ever received (the record lists keep only the latest)
         # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
         self.responses = ResponsesApi(self, cadence, max_records) if responses else None
-        self._models = {"object": "list", "data": [
-            {"id": name, "object": "model", "created": _MODELS_CREATED, "owned_by": "fakeupstream"}
-            for name in self.scenarios]}
+        self._models = {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": _MODELS_CREATED, "owned_by": "fakeupstream"}
+                for name in self.scenarios
+            ],
+        }
         logging.getLogger("uvicorn.error").addFilter(_QuietResets())
 
     # ------------------------------------------------------------------ dispatch
@@ -158,7 +172,7 @@ class FakeUpstream:
         if path == "/_scripted/requests" and method == "GET":
             records = list(self.requests)
             last = query.get("last", "")
-            await _send_json(send, 200, records[-int(last):] if last.isdigit() and int(last) else records)
+            await _send_json(send, 200, records[-int(last) :] if last.isdigit() and int(last) else records)
         elif path == "/_scripted/requests" and method == "DELETE":
             self.requests.clear()
             self.streams.clear()
@@ -174,9 +188,16 @@ class FakeUpstream:
                 except (ValueError, KeyError, TypeError):
                     name = None
                 if name not in self.scenarios:
-                    await _send_json(send, 400, sc.error_body(
-                        f"Unknown scenario {name!r}. Known: {', '.join(self.scenarios)}",
-                        "invalid_request_error", "unknown_scenario", "scenario"))
+                    await _send_json(
+                        send,
+                        400,
+                        sc.error_body(
+                            f"Unknown scenario {name!r}. Known: {', '.join(self.scenarios)}",
+                            "invalid_request_error",
+                            "unknown_scenario",
+                            "scenario",
+                        ),
+                    )
                     return
                 self.default_scenario = name
             await _send_json(send, 200, {"scenario": self.default_scenario})
@@ -184,9 +205,16 @@ class FakeUpstream:
             if method == "POST":
                 name = _json_field(body, "scenario")
                 if name is not None and name not in FOLLOW_UP_SCENARIOS:
-                    await _send_json(send, 400, sc.error_body(
-                        f"Unknown follow-up scenario {name!r}. Known: {', '.join(FOLLOW_UP_SCENARIOS)}",
-                        "invalid_request_error", "unknown_scenario", "scenario"))
+                    await _send_json(
+                        send,
+                        400,
+                        sc.error_body(
+                            f"Unknown follow-up scenario {name!r}. Known: {', '.join(FOLLOW_UP_SCENARIOS)}",
+                            "invalid_request_error",
+                            "unknown_scenario",
+                            "scenario",
+                        ),
+                    )
                     return
                 self.follow_up_scenario = name
             await _send_json(send, 200, {"scenario": self.follow_up_scenario})
@@ -194,8 +222,11 @@ class FakeUpstream:
             if method == "POST":
                 headers = _json_field(body, None)
                 if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
-                    await _send_json(send, 400, sc.error_body("Send a JSON object of header names to strings.",
-                                                              "invalid_request_error"))
+                    await _send_json(
+                        send,
+                        400,
+                        sc.error_body("Send a JSON object of header names to strings.", "invalid_request_error"),
+                    )
                     return
                 self.error_headers = headers
             await _send_json(send, 200, self.error_headers)
@@ -212,16 +243,21 @@ class FakeUpstream:
         found = MARKER.search(_last_user_text(body["messages"]))
         if found:
             if found.group(1) not in self.scenarios:
-                raise _invalid(f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. "
-                               f"Known: {', '.join(self.scenarios)}", "messages", "unknown_scenario")
+                raise _invalid(
+                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
+                    "messages",
+                    "unknown_scenario",
+                )
             return found.group(1)
         return self.default_scenario
 
     async def _chat(self, receive, send, record: dict, deployment: str | None) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid("We could not parse the JSON body of your request. (HINT: This likely means you "
-                           "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)")
+            raise _invalid(
+                "We could not parse the JSON body of your request. (HINT: This likely means you "
+                "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
+            )
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
@@ -244,7 +280,9 @@ class FakeUpstream:
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
         req = Request(
-            model=model, n=n, prompt_tokens=sc.count_prompt_tokens(messages),
+            model=model,
+            n=n,
+            prompt_tokens=sc.count_prompt_tokens(messages),
             include_usage=stream and isinstance(options, dict) and options.get("include_usage") is True,
         )
         deltas = sc.word_deltas(sc.echo_text(_last_user_text(messages))) if name == "echo" else None
@@ -258,24 +296,37 @@ class FakeUpstream:
         err = scn.error
         assert err is not None
         key = headers.get("api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-        auth = (f"Authorization: {headers['authorization']}" if "authorization" in headers
-                else f"api-key: {headers.get('api-key', '')}")
+        auth = (
+            f"Authorization: {headers['authorization']}"
+            if "authorization" in headers
+            else f"api-key: {headers.get('api-key', '')}"
+        )
         message = err.message.format(model=model, key=sc.mask_key(key), auth=auth)
         if err.code == "invalid_api_key" and not key:
-            message = ("You didn't provide an API key. You need to provide your API key in an "
-                       "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            message = (
+                "You didn't provide an API key. You need to provide your API key in an "
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
         extra = []
         if err.retry_after_s is not None:
-            extra = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode()),
-                     (b"retry-after-ms", str(round(err.retry_after_s * 1000)).encode())]
+            extra = [
+                (b"retry-after", str(max(1, round(err.retry_after_s))).encode()),
+                (b"retry-after-ms", str(round(err.retry_after_s * 1000)).encode()),
+            ]
         if self.error_headers:  # a test's own (any text, in UTF-8), instead of the scenario's
             extra = [(k.lower().encode(), v.encode()) for k, v in self.error_headers.items()]
         return _ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
 
     async def hang(self, receive, request_id: str, name: str, **fields: Any) -> None:
         """No answer at all until the client hangs up (recorded as a stream that ends then)."""
-        record = {"request_id": request_id, "scenario": name, "started_at": time.time(),
-                  "ended_at": None, "outcome": None, **fields}
+        record = {
+            "request_id": request_id,
+            "scenario": name,
+            "started_at": time.time(),
+            "ended_at": None,
+            "outcome": None,
+            **fields,
+        }
         self.streams.append(record)
         try:
             while (await receive())["type"] != "http.disconnect":
@@ -289,8 +340,13 @@ class FakeUpstream:
 
     async def _play(self, receive, send, request_id: str, name: str, plan: list, headers: list) -> None:
         """Send the plan's frames at their deadlines; record how the stream ended."""
-        record = {"request_id": request_id, "scenario": name, "started_at": time.time(),
-                  "ended_at": None, "outcome": None}
+        record = {
+            "request_id": request_id,
+            "scenario": name,
+            "started_at": time.time(),
+            "ended_at": None,
+            "outcome": None,
+        }
         self.streams.append(record)
         task = asyncio.current_task()
         finished = disconnected = False
@@ -335,8 +391,16 @@ class FakeUpstream:
 
 
 # What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.
-FOLLOW_UP_SCENARIOS = ("rate_limited", "server_error", "overloaded", "key_in_error_400", "key_in_error_404",
-                       "key_in_error_429", "hang", "reset")
+FOLLOW_UP_SCENARIOS = (
+    "rate_limited",
+    "server_error",
+    "overloaded",
+    "key_in_error_400",
+    "key_in_error_404",
+    "key_in_error_429",
+    "hang",
+    "reset",
+)
 
 
 def _json_field(body: bytes, name: str | None) -> Any:
@@ -357,8 +421,9 @@ def _last_user_text(messages: list) -> str:
     return ""
 
 
-def create_app(default_scenario: str = "echo", cadence: Cadence | None = None,
-               max_records: int = 10_000, responses: bool = True) -> FakeUpstream:
+def create_app(
+    default_scenario: str = "echo", cadence: Cadence | None = None, max_records: int = 10_000, responses: bool = True
+) -> FakeUpstream:
     """A new app with its own records. `cadence` configures the `cadence` scenario.
     `responses=False` answers the Responses API's routes with 404."""
     return FakeUpstream(default_scenario, cadence, max_records, responses)

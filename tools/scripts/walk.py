@@ -8,6 +8,7 @@ the function it was first called from, so each is read once, where a reader foll
 meets it; the walk reads that tree depth first. A *move* is a step from one module to another, into
 a function or back out of it; a move into a module entered before is a *return*. Prints the modules
 in the order first entered, the moves and the returns (``--trace``: every move)."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 PACKAGE = str(ROOT / "chatstream") + "/"
 BODIES = {
     "chat": ("/api/chat", {"prompt": "[scenario:echo] hi"}),
-    "openai": ("/api/v1/chat/completions",
-               {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "[scenario:echo] hi"}]}),
+    "openai": (
+        "/api/v1/chat/completions",
+        {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "[scenario:echo] hi"}]},
+    ),
     "responses": ("/api/v1/responses", {"model": "gpt-test", "stream": True, "input": "[scenario:echo] hi"}),
 }
 
@@ -53,7 +56,7 @@ class Walk:
         code = frame.f_code
         mine = code if code.co_filename.startswith(PACKAGE) else None
         if mine is not None and mine not in self.module:
-            self.module[mine] = code.co_filename[len(PACKAGE):]
+            self.module[mine] = code.co_filename[len(PACKAGE) :]
             caller = next((c for _, c in reversed(self.stack) if c is not None), self.last)
             self.children.setdefault(caller, []).append(mine)
             self.children[mine] = []
@@ -93,8 +96,16 @@ async def serve(kind: str, upstream_url: str) -> Walk:
     from chatstream.app import create_app
     from chatstream.settings import Settings
 
-    app = create_app(Settings.from_env({"OPENAI_BASE_URL": upstream_url, "OPENAI_API_KEY": "sk-walk",
-                                        "OPENAI_MODEL": "gpt-test", "UPSTREAM_MAX_RETRIES": "0"}))
+    app = create_app(
+        Settings.from_env(
+            {
+                "OPENAI_BASE_URL": upstream_url,
+                "OPENAI_API_KEY": "sk-walk",
+                "OPENAI_MODEL": "gpt-test",
+                "UPSTREAM_MAX_RETRIES": "0",
+            }
+        )
+    )
     handlers = {"chat": app.chat, "openai": app.chat_completions, "responses": app.responses}
     path, body = BODIES[kind]
 
@@ -132,8 +143,11 @@ def main() -> None:
     if args.trace:
         for a, b, back in moves:
             print(f"  {a} -> {b}{'  (return)' if back else ''}")
-    print(json.dumps({"request": args.kind, "modules": len(visited), "moves": len(moves), "returns": returns,
-                      "order": visited}))
+    print(
+        json.dumps(
+            {"request": args.kind, "modules": len(visited), "moves": len(moves), "returns": returns, "order": visited}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The function app with custom pipeline steps, declared the way a user would in function_app.py.
 Used by tests/test_pipeline.py (not deployed)."""
+
 import asyncio
 import dataclasses
 import json

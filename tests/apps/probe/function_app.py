@@ -1,4 +1,5 @@
 """A small app for testing the local host itself (not deployed anywhere)."""
+
 import asyncio
 import os
 from pathlib import Path
@@ -17,9 +18,16 @@ async def env(req: Request) -> JSONResponse:
 
 @app.route(route="echo/{*rest}", methods=["GET", "POST"])
 async def echo(req: Request) -> JSONResponse:
-    return JSONResponse({"method": req.method, "path": req.url.path, "rest": req.path_params.get("rest"),
-                         "query": dict(req.query_params), "body": (await req.body()).decode(),
-                         "invocation_id": req.headers.get("x-ms-invocation-id")})
+    return JSONResponse(
+        {
+            "method": req.method,
+            "path": req.url.path,
+            "rest": req.path_params.get("rest"),
+            "query": dict(req.query_params),
+            "body": (await req.body()).decode(),
+            "invocation_id": req.headers.get("x-ms-invocation-id"),
+        }
+    )
 
 
 @app.route(route="ticks", methods=["GET"])
