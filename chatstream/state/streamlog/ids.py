@@ -10,7 +10,7 @@ import secrets
 import time
 from typing import Literal
 
-from .stream_errors import BadLastEventId, InvalidStreamId
+from .errors import BadLastEventId, InvalidStreamId
 
 Route = Literal["chat", "openai"]
 ROUTES: tuple[Route, ...] = ("chat", "openai")

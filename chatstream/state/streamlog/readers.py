@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 
-from .stream_config import ResumeConfig
-from .stream_format import EncodeError, error_event
-from .stream_ids import Route
-from .stream_producer import Producer
+from .config import ResumeConfig
+from .format import EncodeError, error_event
+from .ids import Route
+from .producer import Producer
 
 Events = AsyncGenerator[bytes, None]
 

@@ -17,11 +17,11 @@ from azure.core.exceptions import HttpResponseError, ResourceModifiedError, Reso
 from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 
-from .store import CALL_TIMEOUT, StoreUnavailable
-from .stream_calls import StreamStore, quietly
-from .stream_format import ALIVE_ROW, STREAM_ROW
-from .stream_ids import ID_LENGTH
-from .stream_producer import Producer
+from ..store import CALL_TIMEOUT, StoreUnavailable
+from .calls import StreamStore, quietly
+from .format import ALIVE_ROW, STREAM_ROW
+from .ids import ID_LENGTH
+from .producer import Producer
 
 log = logging.getLogger("chatstream")
 

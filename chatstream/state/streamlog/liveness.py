@@ -10,8 +10,8 @@ from typing import Any
 from azure.core.exceptions import ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from .stream_calls import StreamStore, quietly
-from .stream_format import ALIVE_ROW, STREAM_ROW
+from .calls import StreamStore, quietly
+from .format import ALIVE_ROW, STREAM_ROW
 
 SKEW = 1.0  # seconds of wall-clock difference tolerated between instances for a lease
 

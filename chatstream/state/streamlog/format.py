@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .stream_ids import Route
+from .ids import Route
 
 END = b": end"  # the log's last event is the route's final one
 LOST = b": lost"  # the log's last event is an error written here: the stream stopped being stored

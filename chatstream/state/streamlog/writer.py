@@ -17,12 +17,12 @@ from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from .store import StoreUnavailable
-from .stream_calls import StreamStore
-from .stream_format import BLOCK_LIMIT, BLOCKS_LIMIT, END, LOST, STREAM_ROW
-from .stream_ids import Route
-from .stream_kept import KeptEvents
-from .stream_liveness import mark_lost
+from ..store import StoreUnavailable
+from .calls import StreamStore
+from .format import BLOCK_LIMIT, BLOCKS_LIMIT, END, LOST, STREAM_ROW
+from .ids import Route
+from .kept import KeptEvents
+from .liveness import mark_lost
 
 log = logging.getLogger("chatstream")
 

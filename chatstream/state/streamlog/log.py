@@ -26,12 +26,11 @@ reader on another instance follows the stream, otherwise every ``checkpoint_seco
 whenever ``flush_bytes`` are waiting, the final event is in, or the caller has hung up). Readers on
 the producer's own instance are served from memory and woken on every append.
 
-This module is the interface (``StreamLog`` and what the integrator imports); its parts:
-stream_ids.py (routes, stream ids, Last-Event-ID), stream_errors.py, stream_config.py
-(``ResumeConfig``), stream_format.py (what is stored, ``EncodeError``, reading a stored log),
-stream_calls.py (bounded store calls), stream_producer.py with stream_kept.py and
-stream_writer.py (the producer side), stream_readers.py, stream_remote.py and stream_liveness.py
-(the reader side), stream_instance.py (heartbeat, inbox, sweeper)."""
+This package is the interface (``StreamLog`` here, and what the integrator imports from the
+package); its parts: ids.py (routes, stream ids, Last-Event-ID), errors.py, config.py
+(``ResumeConfig``), format.py (what is stored, ``EncodeError``, reading a stored log), calls.py
+(bounded store calls), producer.py with kept.py and writer.py (the producer side), readers.py,
+remote.py and liveness.py (the reader side), instance.py (heartbeat, inbox, sweeper)."""
 
 from __future__ import annotations
 
@@ -45,10 +44,10 @@ from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from .store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, Store, StoreUnavailable
-from .stream_calls import bounded
-from .stream_config import ResumeConfig
-from .stream_errors import (
+from ..store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, Store, StoreUnavailable
+from .calls import bounded
+from .config import ResumeConfig
+from .errors import (
     BadLastEventId,
     InvalidStreamId,
     StreamLogError,
@@ -56,12 +55,12 @@ from .stream_errors import (
     TooManyReaders,
     TooManyStreams,
 )
-from .stream_format import BLOCK_LIMIT, BLOCKS_LIMIT, EncodeError
-from .stream_ids import ROUTES, Route, StopReason, check_stream_id, new_stream_id, parse_last_event_id, started_at
-from .stream_instance import InstanceWork
-from .stream_producer import Producer
-from .stream_readers import Reader, ReaderSlots, follow_local
-from .stream_remote import RemoteReaders
+from .format import BLOCK_LIMIT, BLOCKS_LIMIT, EncodeError
+from .ids import ROUTES, Route, StopReason, check_stream_id, new_stream_id, parse_last_event_id, started_at
+from .instance import InstanceWork
+from .producer import Producer
+from .readers import Reader, ReaderSlots, follow_local
+from .remote import RemoteReaders
 
 __all__ = [
     "BLOCKS_LIMIT",

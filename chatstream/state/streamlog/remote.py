@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from .store import StoreUnavailable
-from .stream_calls import StreamStore, quietly
-from .stream_config import ResumeConfig
-from .stream_errors import BadLastEventId, StreamNotFound
-from .stream_format import END, LOST, STREAM_ROW, Tail, error_event
-from .stream_ids import ROUTES, Route, started_at
-from .stream_liveness import SKEW, Liveness, instance_row, listed, mark_lost, producer_alive
-from .stream_readers import Events
+from ..store import StoreUnavailable
+from .calls import StreamStore, quietly
+from .config import ResumeConfig
+from .errors import BadLastEventId, StreamNotFound
+from .format import END, LOST, STREAM_ROW, Tail, error_event
+from .ids import ROUTES, Route, started_at
+from .liveness import SKEW, Liveness, instance_row, listed, mark_lost, producer_alive
+from .readers import Events
 
 
 @dataclass

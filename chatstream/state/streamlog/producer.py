@@ -9,10 +9,10 @@ import asyncio
 import logging
 from typing import Protocol
 
-from .stream_format import BLOCK_LIMIT, is_comment
-from .stream_ids import Route, StopReason
-from .stream_kept import KeptEvents
-from .stream_writer import StreamWriter, WriterHost
+from .format import BLOCK_LIMIT, is_comment
+from .ids import Route, StopReason
+from .kept import KeptEvents
+from .writer import StreamWriter, WriterHost
 
 log = logging.getLogger("chatstream")
 

@@ -13,9 +13,9 @@ from azure.core.exceptions import AzureError, HttpResponseError
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from .store import CALL_TIMEOUT, StoreUnavailable
-from .stream_config import ResumeConfig
-from .stream_format import EncodeError
+from ..store import CALL_TIMEOUT, StoreUnavailable
+from .config import ResumeConfig
+from .format import EncodeError
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")

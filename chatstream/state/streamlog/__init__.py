@@ -1,0 +1,48 @@
+"""Resumable streams' storage layer (docs/resumable.md): ``StreamLog`` (log.py) and the names an
+integrator uses, from the modules of this package."""
+
+from .log import (
+    BLOCK_LIMIT,
+    BLOCKS_LIMIT,
+    ROUTES,
+    BadLastEventId,
+    EncodeError,
+    InvalidStreamId,
+    Producer,
+    Reader,
+    ResumeConfig,
+    Route,
+    StopReason,
+    StreamLog,
+    StreamLogError,
+    StreamNotFound,
+    TooManyReaders,
+    TooManyStreams,
+    check_stream_id,
+    new_stream_id,
+    parse_last_event_id,
+    started_at,
+)
+
+__all__ = [
+    "BLOCKS_LIMIT",
+    "BLOCK_LIMIT",
+    "ROUTES",
+    "BadLastEventId",
+    "EncodeError",
+    "InvalidStreamId",
+    "Producer",
+    "Reader",
+    "ResumeConfig",
+    "Route",
+    "StopReason",
+    "StreamLog",
+    "StreamLogError",
+    "StreamNotFound",
+    "TooManyReaders",
+    "TooManyStreams",
+    "check_stream_id",
+    "new_stream_id",
+    "parse_last_event_id",
+    "started_at",
+]
