@@ -32,6 +32,7 @@ from .state.streamlog import (
     StreamLog,
     StreamLogError,
     TooManyStreams,
+    log_tag,
     parse_last_event_id,
 )
 from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
@@ -119,7 +120,7 @@ class Resumable:
                     return
                 pending = asyncio.ensure_future(anext(events))
         except Exception:
-            log.exception("resumable stream %s: the producer failed", producer.id[:6])
+            log.exception("resumable stream %s: the producer failed", log_tag(producer.id))
         finally:
             stop.cancel()
             producer.finish()

@@ -30,6 +30,8 @@ class StreamStore(Protocol):
     instance: str
     encode_error: EncodeError
     _closed: bool
+    fast_writers: int  # producers here writing fast now (someone elsewhere follows them)
+    remote_readers: int  # readers here following a stream stored by another instance
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None: ...
 

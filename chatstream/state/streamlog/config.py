@@ -24,6 +24,12 @@ class ResumeConfig:
     # write that lands just after a poll waits ~33 ms, not 100), then slower to max_poll_seconds.
     poll_seconds: float = 0.1
     max_poll_seconds: float = 0.5
+    # Many streams followed at once: the instance's fast writes and remote polls are spread so that
+    # together they stay under write_rate and read_rate calls a second (each stream's interval grows
+    # with their number). A busy instance then answers later instead of timing out on its own CPU:
+    # a store call costs ~1-2 ms of it (docs/resumable.md), 1,000 fast writes a second would be 2 cores.
+    write_rate: float = 100.0
+    read_rate: float = 200.0
     young_poll_seconds: float = 0.2  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
     inbox_seconds: float = 0.5  # a producing instance reads its inbox (cancels, remote readers) this often

@@ -36,6 +36,12 @@ def started_at(stream_id: str) -> float:
     return int.from_bytes(base64.urlsafe_b64decode(stream_id[:8]), "big") / 1000
 
 
+def log_tag(stream_id: str) -> str:
+    """How logs name a stream: six of its random characters (the whole id is the capability to read
+    it when caller keys are off, so it is never logged)."""
+    return stream_id[8:14] + "…"
+
+
 def check_stream_id(stream_id: str) -> str:
     if not isinstance(stream_id, str) or _ID.fullmatch(stream_id) is None:
         raise InvalidStreamId("no such stream")

@@ -56,7 +56,7 @@ from .errors import (
     TooManyStreams,
 )
 from .format import BLOCK_LIMIT, BLOCKS_LIMIT, EncodeError
-from .ids import ROUTES, Route, StopReason, check_stream_id, new_stream_id, parse_last_event_id, started_at
+from .ids import ROUTES, Route, StopReason, check_stream_id, log_tag, new_stream_id, parse_last_event_id, started_at
 from .instance import InstanceWork
 from .producer import Producer
 from .readers import Reader, ReaderSlots, follow_local
@@ -80,6 +80,7 @@ __all__ = [
     "TooManyReaders",
     "TooManyStreams",
     "check_stream_id",
+    "log_tag",
     "new_stream_id",
     "parse_last_event_id",
     "started_at",
@@ -128,6 +129,8 @@ class StreamLog:
         self._closed = False
         self._work = InstanceWork(self, self._producers)  # heartbeat, inbox, sweeper
         self._remote = RemoteReaders(self)
+        self.fast_writers = 0  # see StreamStore
+        self.remote_readers = 0
 
     # -- the integrator's side ----------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import logging
 from typing import Protocol
 
 from .format import BLOCK_LIMIT, is_comment
-from .ids import Route, StopReason
+from .ids import Route, StopReason, log_tag
 from .kept import KeptEvents
 from .writer import StreamWriter, WriterHost
 
@@ -34,7 +34,7 @@ class Producer:
         self.owner = owner
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
-        self._tag = stream_id[:6] + "…"  # for logs: the id itself is the capability when caller keys are off
+        self._tag = log_tag(stream_id)
         self._log = streams
         self._cfg = streams.config
         self._loop = asyncio.get_running_loop()

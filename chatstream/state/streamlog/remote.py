@@ -157,6 +157,7 @@ class RemoteReaders:
         loop = asyncio.get_running_loop()
         cfg = self._log.config
         tail = at.tail
+        self._log.remote_readers += 1
         try:
             if first:
                 yield first
@@ -164,7 +165,7 @@ class RemoteReaders:
             failing_since: float | None = None
             watch = Liveness()
             while tail.end is None:
-                await asyncio.sleep(cadence.poll)
+                await asyncio.sleep(max(cadence.poll, self._log.remote_readers / cfg.read_rate))
                 now = loop.time()
                 try:
                     # Every read is handed out before any other store call: nothing read is lost.
@@ -198,6 +199,7 @@ class RemoteReaders:
             if tail.end == LOST and not (tail.cursor == tail.last_id and tail.cursor > at.after):
                 yield self._error(at.route, "stream_lost", "the stream was lost before its end", tail.cursor)
         finally:
+            self._log.remote_readers -= 1
             if at.registered:
                 self._forget(at)
 

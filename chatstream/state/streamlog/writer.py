@@ -67,7 +67,7 @@ class StreamWriter:
         self.done = asyncio.Event()
         self.kick = asyncio.Event()
         self.flush_now = False
-        self.fast = False
+        self._fast = False
         self.idle = False  # waiting with nothing pending (an append must wake it)
         self.stored = 0  # events in the blob
         self.stored_bytes = 0  # the blob's length
@@ -75,6 +75,24 @@ class StreamWriter:
         self._uncertain: list[tuple[int, int, bool]] = []  # unanswered writes: (events, bytes, with end)
         self._last_write = started  # the first checkpoint is one interval in
         self._end_marker_written = False
+
+    @property
+    def fast(self) -> bool:
+        """Writing every fast_flush_seconds (or slower when many do, ResumeConfig.write_rate)."""
+        return self._fast
+
+    @fast.setter
+    def fast(self, value: bool) -> None:
+        value = value and not self.done.is_set()
+        if value != self._fast:
+            self._log.fast_writers += 1 if value else -1
+            self._fast = value
+
+    def _interval(self) -> float:
+        cfg = self._cfg
+        if not self._fast:
+            return cfg.checkpoint_seconds
+        return max(cfg.fast_flush_seconds, self._log.fast_writers / cfg.write_rate)
 
     def nudge(self) -> None:
         """After an append: an idle writer starts its checkpoint wait now; a fast one, or one with
@@ -96,6 +114,7 @@ class StreamWriter:
                 await self._kept.changed()
         finally:
             self.done.set()
+            self.fast = False
 
     def give_up(self, why: str) -> None:
         if not self.resumable:
@@ -151,7 +170,7 @@ class StreamWriter:
                 self.give_up("the stream has too many blocks")
                 return
             now = self._loop.time()
-            due = self._last_write + (self._cfg.fast_flush_seconds if self.fast else self._cfg.checkpoint_seconds)
+            due = self._last_write + self._interval()
             urgent = kept.end or self.flush_now or kept.size - self.stored_bytes >= self._cfg.flush_bytes
             if pending and (urgent or now >= due):
                 self.flush_now = False
