@@ -19,10 +19,12 @@ serve: $(STAMP)
 	@PORT=$(PORT) tools/scripts/serve
 
 # Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
-# on streams and timers, so this cuts its wall time by about half on two cores. Unit tests alone:
-# $(PY) -m pytest tests/unit
+# on streams and timers, so this cuts its wall time by about half on two cores. Then the load tests
+# marked `alone` (200 resumable streams, a burst over two instances, the store stopped), one at a
+# time with nothing else running, so their margins hold. Unit tests alone: $(PY) -m pytest tests/unit
 test: lint client-mono chromium azurite aisdk
-	$(PY) -m pytest -n 3 --dist loadfile
+	$(PY) -m pytest -n 3 --dist loadfile -m "not alone"
+	$(PY) -m pytest -m alone
 
 # The linter (ruff: rules and format, ruff.toml) over every Python file here, and the type checker
 # (pyright, standard mode, pyrightconfig.json) over the app: chatstream/ and function_app.py.

@@ -208,7 +208,7 @@ class Endpoint:
         )
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
-        respond = self._resumable(call, protocol, encode, limits, record, headers)
+        respond = self._resumable(call, protocol, limits, record, headers)
         response = await stream_response(
             request,
             events,
@@ -228,7 +228,6 @@ class Endpoint:
         self,
         call: CallRequest,
         protocol: StreamProtocol,
-        encode: Callable[[Event], bytes | None],
         limits: TimeLimits,
         record: StreamRecord,
         headers: dict[str, str],
@@ -245,6 +244,7 @@ class Endpoint:
             if producer is None:
                 return None  # this instance is full: streamed as usual
             call.stream_id = record.stream_id = producer.id
+            encode = self.api.encoder(call)  # now with the stream's id (/api/chat's final event names it)
             return resumable.respond(producer, first, events, encode, protocol, limits, record, headers)
 
         return answer

@@ -159,6 +159,7 @@ async def burst(urls: list[str], key: str, body: dict, n: int) -> list[int]:
         return statuses
 
 
+@pytest.mark.alone
 def test_a_burst_over_two_instances_never_admits_more_than_the_limit(upstream, azurite, start_app):
     a = start_app(**callers_env(upstream, azurite, IDLE_TIMEOUT_SECONDS="120"))
     b = start_app(**callers_env(upstream, azurite, IDLE_TIMEOUT_SECONDS="120"))
@@ -177,6 +178,7 @@ def test_a_burst_over_two_instances_never_admits_more_than_the_limit(upstream, a
     print(f"burst: {admitted} admitted, {refused} refused in {time.monotonic() - started:.1f} s")
 
 
+@pytest.mark.alone
 def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, start_app):
     store = Azurite()
     try:

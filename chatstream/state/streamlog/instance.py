@@ -120,14 +120,20 @@ class InstanceWork:
                 "expires": now + cfg.lease_seconds + 60.0,
                 "streams": storing,
             }
+            # A beat is off the request path: it may take half a lease (a busy instance's calls are
+            # slow, and a missed lease reads as death elsewhere), and a failed one is tried again soon.
+            pause = cfg.heartbeat_seconds
             try:
-                await self._log._call_table(lambda t, row=row: t.upsert_entity(row, mode=UpdateMode.REPLACE))
+                await self._log._call_table(
+                    lambda t, row=row: t.upsert_entity(row, mode=UpdateMode.REPLACE), cfg.lease_seconds / 2
+                )
             except StoreUnavailable as exc:
                 log.warning("resumable streams: heartbeat failed: %s", exc)
+                pause = min(pause, 0.25)
             finally:
                 if self._beat_ready is not None and not self._beat_ready.done():
                     self._beat_ready.set_result(None)
-            await asyncio.sleep(cfg.heartbeat_seconds)
+            await asyncio.sleep(pause)
             # Linger a lease after the last stream, so that a next one needs no new first beat.
             if self._producers:
                 idle_since = None

@@ -4,6 +4,7 @@ lease time or, for a reader that ``watch``es, by the reader's own clock."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,9 @@ from azure.data.tables import UpdateMode
 
 from .calls import StreamStore, quietly
 from .format import ALIVE_ROW, STREAM_ROW
+from .ids import log_tag
+
+log = logging.getLogger("chatstream")
 
 SKEW = 1.0  # seconds of wall-clock difference tolerated between instances for a lease
 
@@ -68,7 +72,9 @@ async def producer_alive(streams: StreamStore, entity: dict, watch: Liveness | N
             watch.saw(row.get("beat"), config.lease_seconds + SKEW)
             and float(row.get("lease_until", 0)) + 10 * config.lease_seconds >= now
         )
-    if alive and row is not None and float(row.get("at", 0)) > float(entity.get("created", 0)):
+    if not alive:
+        log.warning("stream %s: its instance's heartbeat stopped", log_tag(entity["PartitionKey"]))
+    elif row is not None and float(row.get("at", 0)) > float(entity.get("created", 0)):
         alive = entity["PartitionKey"] in listed(row)
     return alive
 

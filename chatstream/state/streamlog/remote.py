@@ -222,7 +222,12 @@ class RemoteReaders:
         await self._log._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE))
 
     def _forget(self, at: RemoteRead) -> None:
-        """The reader left: say when (the abandonment clock starts then); the producer deletes the row."""
+        """The reader left: say when (the abandonment clock starts then); the producer deletes the row.
+        A reader that read the stream to its end deletes its row itself: nobody needs it any more."""
+        pk, rk = f"i-{at.entity['instance']}", f"r-{at.stream_id}-{at.nonce}"
+        if at.tail.end is not None:
+            self._log._spawn(quietly(lambda: self._log._call_table(lambda t: t.delete_entity(pk, rk))))
+            return
         now = time.time()
         row = {
             "PartitionKey": f"i-{at.entity['instance']}",
