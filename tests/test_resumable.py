@@ -313,7 +313,7 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pace
     assert settled, (before, after)
     # After the TTL and a sweep (every TTL / 4), nothing of them is left in the store.
     ids = {stream_id for stream_id, _ in done}
-    deadline = time.monotonic() + 12 + 15
+    deadline = time.monotonic() + 12 + 20
     while True:
         rows, blobs = stored(azurite, ids)
         if (not rows and not blobs) or time.monotonic() > deadline:

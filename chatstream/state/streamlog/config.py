@@ -61,6 +61,13 @@ class ResumeConfig:
         return max(0.2, min(5.0, self.abandon_seconds / 3))
 
     @property
+    def reader_row_seconds(self) -> float:
+        """How long a remote reader's inbox row outlives its last write: a few refreshes, and no
+        longer than the TTL needs (rows are gone a TTL after their streams), the producer reading
+        it within inbox_seconds."""
+        return min(2 * self.abandon_seconds + 60.0, max(self.ttl_seconds, 3 * self.read_refresh_seconds + 5.0))
+
+    @property
     def read_fresh_seconds(self) -> float:
         """A reader's ``read_at`` younger than this means it is following (fast writes)."""
         return 2 * self.read_refresh_seconds + 1.0

@@ -217,7 +217,7 @@ class RemoteReaders:
             "PartitionKey": f"i-{at.entity['instance']}",
             "RowKey": f"r-{at.stream_id}-{at.nonce}",
             "read_at": now,
-            "expires": now + 2 * self._log.config.abandon_seconds + 60.0,
+            "expires": now + self._log.config.reader_row_seconds,
         }
         await self._log._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE))
 
@@ -234,7 +234,7 @@ class RemoteReaders:
             "RowKey": f"r-{at.stream_id}-{at.nonce}",
             "read_at": now,
             "left": True,
-            "expires": now + 2 * self._log.config.abandon_seconds + 60.0,
+            "expires": now + self._log.config.reader_row_seconds,
         }
         self._log._spawn(
             quietly(lambda: self._log._call_table(lambda t: t.upsert_entity(row, mode=UpdateMode.REPLACE)))
