@@ -5,7 +5,9 @@ on this runtime must do, to tell the runtime's own cost per request and per delt
 POST /api/chat is relayed to OPENAI_BASE_URL with one shared aiohttp session per worker process, its
 connector **uncapped** (aiohttp's default connector allows 100 connections: at 300 and 1,000
 concurrent streams the floor would queue its upstream requests behind them, which measures that
-queue, not the runtime; the app's SDK transport takes 1,000). It sends the upstream the same request
+queue, not the runtime; the app's SDK transport takes 1,000). Idle connections are kept 4 s, under the
+upstream's (uvicorn's) 5 s: with aiohttp's default 15 s a request could take a connection the upstream
+was closing and fail (ServerDisconnectedError; the app's SDK keeps them 5 s and retries). It sends the upstream the same request
 the app sends (model, messages, ``stream``, ``stream_options.include_usage``), so the upstream does
 the same work for both. The upstream's bytes are split into events on blank lines; each ``data:``
 event is decoded and its text re-sent as ``{"delta": ...}`` (the JSON encoder built once), then
@@ -38,8 +40,8 @@ def _event(text: str) -> bytes:
 
 async def _relay(body: dict):
     global _session
-    if _session is None:  # no connection cap (limit=0): see the module docstring
-        _session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    if _session is None:  # no connection cap (limit=0); idle connections kept 4 s: see the module docstring
+        _session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
     payload = {"model": body.get("model") or os.environ.get("OPENAI_MODEL", "gpt-4o-mini"), "stream": True,
                "stream_options": {"include_usage": True},
                "messages": [{"role": "user", "content": body["prompt"]}]}
