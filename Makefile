@@ -66,7 +66,7 @@ $(BENCH_STAMP): tools/bench/requirements.txt
 	$(BENCH_VENV)/bin/python -m pip install -q -r tools/bench/requirements.txt
 	@touch $(BENCH_STAMP)
 
-bench: $(STAMP) $(BENCH_STAMP)
+bench: $(STAMP) $(BENCH_STAMP) azurite
 	tools/bench/run.sh $(BENCH_ARGS)
 	$(PY) tools/bench/pool_bench.py
 
