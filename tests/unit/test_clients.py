@@ -130,3 +130,35 @@ async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_setting
     client = Minimal()
     assert await UpstreamStream.open(client, "/chat/completions", {"model": "m"}) == "opened"
     assert "timeout" not in client.kwargs["options"]  # None would mean "no timeout at all" to the SDK
+
+
+async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
+    """From AioHttpClient the stream reads aiohttp's reader itself (AIOHTTP_BODY), the same events,
+    and the response is closed (its connection back in the pool) as soon as the body ends."""
+    from chatstream.upstreams.clients import AIOHTTP_BODY
+
+    body = CHUNK + b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n' + b"data: [DONE]\n\n"
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in (body[:10], body[10:70], body[70:]):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(api_key="k", base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+                                max_retries=0, timeout=5, http_client=AioHttpClient())
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        assert AIOHTTP_BODY in stream.response.extensions
+        got = [d["choices"][0]["delta"]["content"] async for d in stream]
+        assert got == ["a", "b"] and stream.response.is_closed
+        await stream.close()
+    finally:
+        await client.close()
+        server.close()
+
