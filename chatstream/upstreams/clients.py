@@ -126,13 +126,53 @@ def _remapped(exc: httpx2.ConnectTimeout) -> Exception:
 
 class AioHttpClient(openai.DefaultAioHttpClient):
     """``openai.DefaultAioHttpClient`` (the SDK's defaults, aiohttp underneath) with its errors
-    remapped (``_RemappingTransport``)."""
+    remapped (``_RemappingTransport``), and the URLs of its requests parsed once (``_merge_url``)."""
 
     def _init_transport(self, *args, **kwargs):
         return _RemappingTransport(super()._init_transport(*args, **kwargs))
 
     def _init_proxy_transport(self, *args, **kwargs):
         return _RemappingTransport(super()._init_proxy_transport(*args, **kwargs))
+
+    def _merge_url(self, url: httpx2.URL | str) -> httpx2.URL:
+        # The SDK hands every request's URL over as a string, parsed again here each time: the same
+        # few strings, so the parsed (immutable) URL is kept, for as long as the base URL stays.
+        if not isinstance(url, str):
+            return super()._merge_url(url)
+        cache = self.__dict__.setdefault("_chatstream_urls", {})
+        hit = cache.get(url)
+        if hit is not None and hit[0] is self._base_url:
+            return hit[1]
+        merged = super()._merge_url(url)
+        if len(cache) < _URL_CACHE_SIZE:
+            cache[url] = (self._base_url, merged)
+        return merged
+
+
+# Distinct URLs a client keeps parsed: a few per API and deployment; beyond this, parsed every time.
+_URL_CACHE_SIZE = 256
+
+
+class _PreparedUrls:
+    """The SDK client's ``_prepare_url`` (two URL parses per request: the path, then the join with
+    the base URL or the Azure endpoint) once per path, for as long as the base URL stays; the URL
+    objects are immutable. The paths are the API's (for Azure, with the deployment)."""
+
+    def _prepare_url(self, url: str) -> httpx2.URL:
+        cache = self.__dict__.setdefault("_chatstream_urls", {})
+        hit = cache.get(url)
+        base = self._base_url  # type: ignore[attr-defined]
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        prepared = super()._prepare_url(url)  # type: ignore[misc]
+        if len(cache) < _URL_CACHE_SIZE:
+            cache[url] = (base, prepared)
+        return prepared
+
+
+# The SDK's classes with _PreparedUrls, under the SDK's names (they go into the User-Agent header).
+_AsyncOpenAI = type("AsyncOpenAI", (_PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
+_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (_PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
 
 
 def make_client(
@@ -153,18 +193,16 @@ def make_client(
     register_secret(key)
     if entry.kind == "azure":
         if key is not None:
-            return openai.AsyncAzureOpenAI(
-                azure_endpoint=entry.url, api_version=entry.api_version, api_key=key, **common
-            )
+            return _AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, api_key=key, **common)
         # No azure_deployment: the SDK puts the request's model in the URL
         # (/openai/deployments/{model}/...), so a request may name another deployment.
-        return openai.AsyncAzureOpenAI(
+        return _AsyncAzureOpenAI(
             azure_endpoint=entry.url,
             api_version=entry.api_version,
             azure_ad_token_provider=token_provider or entra_token_provider(),
             **common,
         )
-    return openai.AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
+    return _AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
 
 
 def entra_token_provider(credential: Any = None) -> TokenProvider:
