@@ -184,39 +184,6 @@ class SSEFramer:
         buffer = self._buffer + piece
         if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if self._data or b"\n\n" not in buffer:
-            return self._lines(buffer)
-        # Whole events (each ends with a blank line): most are one ``data: `` line, taken as they are;
-        # what follows the last one stays in the buffer, read again with the next piece.
-        *texts, self._buffer = buffer.split(b"\n\n")
-        events = []
-        for text in texts:
-            if text.startswith(b"data: ") and b"\n" not in text:
-                payload: bytes | None = text[6:]
-            else:
-                payload = self._event(text)
-                if payload is None:
-                    continue
-            if payload == b"[DONE]":
-                self.done = True
-                break
-            events.append(payload)
-        return events
-
-    @staticmethod
-    def _event(text: bytes) -> bytes | None:
-        """The data of one whole event's lines (a blank line ends it), or None when it has none."""
-        data = [
-            line[6:] if line.startswith(b"data: ") else line[5:]
-            for line in text.split(b"\n")
-            if line.startswith(b"data:")
-        ]
-        if not data:
-            return None
-        return data[0] if len(data) == 1 else b"\n".join(data)
-
-    def _lines(self, buffer: bytes) -> list[bytes]:
-        """Line by line: an event's data lines are kept until the blank line that ends it."""
         *lines, self._buffer = buffer.split(b"\n")
         events = []
         for line in lines:
