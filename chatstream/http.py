@@ -176,6 +176,20 @@ class SSEFramer:
         self.done = False
 
     def feed(self, piece: bytes) -> list[bytes]:
+        if (
+            not self._buffer
+            and not self._data
+            and not self._cr
+            and piece.startswith(b"data: ")
+            and piece.endswith(b"\n\n")
+            and piece.count(b"\n") == 2
+            and b"\r" not in piece
+        ):  # the common piece: exactly one event of one data line
+            payload = piece[6:-2]
+            if payload == b"[DONE]":
+                self.done = True
+                return []
+            return [payload]
         if not piece:
             return []
         if self._cr and piece.startswith(b"\n"):
