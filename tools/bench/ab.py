@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         for key in ("cpu_stream_ms", "worker_stream_ms", "added_p50", "added_p99"):
             r = _ratios(rs, key)
             cells.append("–" if r is None else f"{r[0]:.2f}× [{r[1]:.2f}–{r[2]:.2f}]")
-        med = lambda key: pct([x[key] for x, _ in rs if x[key] is not None], 50)  # noqa: E731
+        med = lambda key, rs=rs: pct([x[key] for x, _ in rs if x[key] is not None], 50)  # noqa: E731
         other = pct([v for x, y in rs for v in (x["other"], y["other"]) if v is not None], 50)
         a_cells = f"{med('cpu_stream_ms') or 0:.2f} ms / {med('added_p50') or 0:.0f} / {med('added_p99') or 0:.0f} ms"
         other_cell = "–" if other is None else f"{other:.2f}"

@@ -570,10 +570,11 @@ def prepare_variant(name: str, spec: str, out: Path) -> dict:
                              capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(where)], input=tar, check=True)
         label = f"variant {name}: {commit}"
-        if kind == "patch":
-            patch = Path(arg).resolve()
-            subprocess.run(["git", "apply", "--directory=.", str(patch)], cwd=where, check=True)
-            label += f" + {patch.name}"
+        if kind == "patch":  # one or more patch files, joined with "+"
+            for one in arg.split("+"):
+                patch = Path(one).resolve()
+                subprocess.run(["git", "apply", str(patch)], cwd=where, check=True)
+                label += f" + {patch.name}"
         return {"dir": where, "label": label, "spec": spec}
     folder = Path(spec).resolve()
     if not (folder / "function_app.py").exists():
@@ -676,7 +677,7 @@ def parse_args(argv=None):
                         "RESUMABLE_STREAMS in the app); variants (--variant) are added to it")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC", dest="variants",
                    help="one more app path (1 worker) from another tree, in the same interleaved run: "
-                        "git:REF, patch:FILE (HEAD with FILE applied) or a folder; repeatable (A/B runs)")
+                        "git:REF, patch:FILE[+FILE...] (HEAD with the files applied) or a folder; repeatable (A/B)")
     p.add_argument("--extra-levels", default="1,100",
                    help="levels of the caller and resume paths (default 1,100: where their targets are)")
     p.add_argument("--keys-tpm", type=int, default=1_000_000_000,
