@@ -348,17 +348,33 @@ def defaults_from_text(text: str) -> dict:
     return json.loads(text[i:text.index(" -->", i)])
 
 
+def write_infra(bicep: Path, defaults: dict) -> None:
+    """Set the defaults of infra/main.bicep's parameters of the same names (what tests/test_infra.py
+    checks against docs/scaling.md)."""
+    text = bicep.read_text(encoding="utf-8")
+    for name, value in defaults.items():
+        text, n = re.subn(rf"^(param {name} int = )\d+$", rf"\g<1>{value}", text, flags=re.M)
+        if n != 1:
+            raise SystemExit(f"{bicep}: no single `param {name} int = ...` line to set")
+    bicep.write_text(text, encoding="utf-8")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="docs/benchmarks.md (default: the figures of record) or a run's summary.json")
     p.add_argument("--write", nargs="?", const=str(ROOT / "docs" / "scaling.md"), default=None,
                    help="rewrite the generated section of this file (default docs/scaling.md)")
+    p.add_argument("--infra", nargs="?", const=str(ROOT / "infra" / "main.bicep"), default=None,
+                   help="also set the defaults in this Bicep file (default infra/main.bicep)")
     args = p.parse_args(argv)
     section, defaults = table(load(Path(args.source)))
     if args.write:
         write(Path(args.write), section)
         print(f"wrote the scaling section of {args.write}", file=sys.stderr)
+    if args.infra:
+        write_infra(Path(args.infra), defaults)
+        print(f"set {', '.join(f'{k} {v}' for k, v in sorted(defaults.items()))} in {args.infra}", file=sys.stderr)
     print(section)
     return 0
 
