@@ -84,8 +84,10 @@ $(BENCH_STAMP): tools/bench/requirements.txt
 	$(BENCH_VENV)/bin/python -m pip install -q -r tools/bench/requirements.txt
 	@touch $(BENCH_STAMP)
 
-bench: $(STAMP) $(BENCH_STAMP)
+bench: $(STAMP) $(BENCH_STAMP) azurite
 	tools/bench/run.sh $(BENCH_ARGS)
+	@case " $(BENCH_ARGS) " in *" --quick "*|*" --no-docs "*) ;; \
+	  *) $(BENCH_VENV)/bin/python tools/bench/scaling.py --write --infra >/dev/null ;; esac
 	$(PY) tools/bench/pool_bench.py
 
 bench-profile: $(STAMP) $(BENCH_STAMP)

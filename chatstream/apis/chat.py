@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from ..errors import ApiError
-from ..http import event, validate_object
+from ..http import dumps, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event
@@ -122,7 +122,8 @@ def encode(item: Event, stream_id: str | None = None) -> bytes | None:
     """One event as /api/chat writes it; a resumable stream's final event also carries its id."""
     if isinstance(item, Chunk):
         text = chat_text(item.data)
-        return event({"delta": text}) if text else None
+        # event({"delta": text}), the same bytes, without a dict to build and walk for every delta
+        return b'data: {"delta":' + dumps(text) + b"}\n\n" if text else None
     if isinstance(item, Done):
         done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
         return event({**done, "stream_id": stream_id} if stream_id else done, b"done")

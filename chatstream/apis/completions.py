@@ -21,6 +21,8 @@ from ..record import StreamRecord
 from ..stream import Done, Fed
 
 TEXT_FIELDS = ("content", "refusal")
+_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._plain forwards as it came
+_NOTHING = Fed(None)
 
 
 def _index_ok(item: dict) -> bool:
@@ -166,6 +168,10 @@ class CompletionStream:
         choices = data.get("choices")
         if not choices:
             return Fed(None)
+        if self._make_filter is None and self.generated is None and self.released is None:
+            fed = self._plain(data, choices)
+            if fed is not None:
+                return fed
         if not isinstance(choices, list) or not all(map(_well_formed, choices)):
             raise UpstreamMalformed("a chunk's choices are not objects with a delta object")
         kept, substance, finishing = [], False, False
@@ -178,6 +184,30 @@ class CompletionStream:
         if not kept:
             return Fed(None)
         return Fed({**data, "choices": kept}, output=substance or finishing, delta=substance)
+
+    def _plain(self, data: dict, choices: object) -> Fed | None:
+        """The common chunk, without text steps or kept texts, decided without copying anything: one
+        choice, index 0, whose delta object holds nothing but ``role`` and ``content`` (a string or
+        null). It is forwarded as it came: what the general path would build is an equal copy. None:
+        not that shape; the general path decides (and checks the shape)."""
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        choice = choices[0]
+        if type(choice) is not dict:
+            return None
+        index = choice.get("index", 0)
+        delta = choice.get("delta")
+        reason = choice.get("finish_reason")
+        if type(index) is not int or index != 0 or type(delta) is not dict or not _PLAIN_DELTA.issuperset(delta):
+            return None
+        content = delta.get("content")
+        if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):
+            return None
+        if 0 in self.finished:
+            return _NOTHING  # nothing after a choice's finish_reason is forwarded
+        if reason:
+            self.finished[0] = reason
+        return Fed(data, output=bool(content or reason), delta=bool(content))
 
     async def _choice(self, choice: dict) -> dict | None:
         index = choice.get("index", 0)

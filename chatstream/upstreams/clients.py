@@ -16,6 +16,7 @@ connection is not taken for a timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,11 @@ from ..http import SSEFramer
 from ..settings import Settings
 from .config import Entry
 from .outcomes import upstream_field
+
+try:  # how the SDK's aiohttp adapter maps aiohttp's errors to httpx2's (used when a body is read directly)
+    from openai._vendor.httpx_aiohttp.transport import map_aiohttp_exceptions as _aiohttp_errors
+except ImportError:  # another SDK layout: bodies are read through httpx2, as before
+    _aiohttp_errors = None
 
 # Sent when the upstream needs no key (a local vLLM/Ollama/LM Studio behind OPENAI_BASE_URL); the
 # SDK refuses to start without one.
@@ -76,6 +82,11 @@ class _RemappingTransport(httpx2.AsyncBaseTransport):
             response = await self._inner.handle_async_request(request)
         except httpx2.ConnectTimeout as exc:
             raise _remapped(exc) from exc.__cause__
+        # The body as aiohttp reads it, for UpstreamStream: one iterator per piece instead of four
+        # generators (the adapter's, ours below, httpx2's bound stream and its aiter_raw).
+        body = getattr(response.stream, "_aiohttp_response", None)
+        if _aiohttp_errors is not None and isinstance(body, aiohttp.ClientResponse):
+            response.extensions[AIOHTTP_BODY] = body.content
         response.stream = _RemappingStream(response.stream)
         return response
 
@@ -98,6 +109,10 @@ class _RemappingStream(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+# The extension of a response from AioHttpClient that holds aiohttp's reader of its body.
+AIOHTTP_BODY = "chatstream.aiohttp_body"
+
+
 def _remapped(exc: httpx2.ConnectTimeout) -> Exception:
     cause = exc.__cause__
     if cause is None or isinstance(cause, (aiohttp.ServerTimeoutError, TimeoutError)):
@@ -111,13 +126,53 @@ def _remapped(exc: httpx2.ConnectTimeout) -> Exception:
 
 class AioHttpClient(openai.DefaultAioHttpClient):
     """``openai.DefaultAioHttpClient`` (the SDK's defaults, aiohttp underneath) with its errors
-    remapped (``_RemappingTransport``)."""
+    remapped (``_RemappingTransport``), and the URLs of its requests parsed once (``_merge_url``)."""
 
     def _init_transport(self, *args, **kwargs):
         return _RemappingTransport(super()._init_transport(*args, **kwargs))
 
     def _init_proxy_transport(self, *args, **kwargs):
         return _RemappingTransport(super()._init_proxy_transport(*args, **kwargs))
+
+    def _merge_url(self, url: httpx2.URL | str) -> httpx2.URL:
+        # The SDK hands every request's URL over as a string, parsed again here each time: the same
+        # few strings, so the parsed (immutable) URL is kept, for as long as the base URL stays.
+        if not isinstance(url, str):
+            return super()._merge_url(url)
+        cache = self.__dict__.setdefault("_chatstream_urls", {})
+        hit = cache.get(url)
+        if hit is not None and hit[0] is self._base_url:
+            return hit[1]
+        merged = super()._merge_url(url)
+        if len(cache) < _URL_CACHE_SIZE:
+            cache[url] = (self._base_url, merged)
+        return merged
+
+
+# Distinct URLs a client keeps parsed: a few per API and deployment; beyond this, parsed every time.
+_URL_CACHE_SIZE = 256
+
+
+class _PreparedUrls:
+    """The SDK client's ``_prepare_url`` (two URL parses per request: the path, then the join with
+    the base URL or the Azure endpoint) once per path, for as long as the base URL stays; the URL
+    objects are immutable. The paths are the API's (for Azure, with the deployment)."""
+
+    def _prepare_url(self, url: str) -> httpx2.URL:
+        cache = self.__dict__.setdefault("_chatstream_urls", {})
+        hit = cache.get(url)
+        base = self._base_url  # type: ignore[attr-defined]
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        prepared = super()._prepare_url(url)  # type: ignore[misc]
+        if len(cache) < _URL_CACHE_SIZE:
+            cache[url] = (base, prepared)
+        return prepared
+
+
+# The SDK's classes with _PreparedUrls, under the SDK's names (they go into the User-Agent header).
+_AsyncOpenAI = type("AsyncOpenAI", (_PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
+_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (_PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
 
 
 def make_client(
@@ -138,18 +193,16 @@ def make_client(
     register_secret(key)
     if entry.kind == "azure":
         if key is not None:
-            return openai.AsyncAzureOpenAI(
-                azure_endpoint=entry.url, api_version=entry.api_version, api_key=key, **common
-            )
+            return _AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, api_key=key, **common)
         # No azure_deployment: the SDK puts the request's model in the URL
         # (/openai/deployments/{model}/...), so a request may name another deployment.
-        return openai.AsyncAzureOpenAI(
+        return _AsyncAzureOpenAI(
             azure_endpoint=entry.url,
             api_version=entry.api_version,
             azure_ad_token_provider=token_provider or entra_token_provider(),
             **common,
         )
-    return openai.AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
+    return _AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
 
 
 def entra_token_provider(credential: Any = None) -> TokenProvider:
@@ -214,20 +267,40 @@ class UpstreamStream(openai.AsyncStream[dict]):
     async def __stream__(self) -> AsyncIterator[dict]:
         framer = SSEFramer()
         # Without a content coding (an event stream normally has none) the raw bytes are the body:
-        # one generator and one decoder call less per piece than aiter_bytes.
+        # one generator and one decoder call less per piece than aiter_bytes; from AioHttpClient,
+        # aiohttp's own reader of them, past the four generators of the layers between.
         coded = self.response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+        direct = None if coded or _aiohttp_errors is None else self.response.extensions.get(AIOHTTP_BODY)
+        if direct is not None and _aiohttp_errors is not None:
+            pieces, errors = direct.iter_any(), _aiohttp_errors()
+        else:
+            pieces = self.response.aiter_bytes() if coded else self.response.aiter_raw()
+            errors = contextlib.nullcontext()
         try:
-            async for piece in self.response.aiter_bytes() if coded else self.response.aiter_raw():
-                if framer.done:
-                    continue  # read to the end of the body, so the connection can be reused
-                payloads = framer.feed(piece)
-                for i, payload in enumerate(payloads, 1):
-                    self.ready = len(payloads) - i
-                    yield _decode(self.response, payload)
-        except _TIMEOUT_ERRORS as exc:
-            raise openai.APITimeoutError(request=self.response.request) from exc
-        except _TRANSPORT_ERRORS as exc:
-            raise openai.APIConnectionError(request=self.response.request) from exc
+            with errors:  # aiohttp's errors as httpx2's, as the SDK's adapter maps them
+                async for piece in pieces:
+                    if framer.done:
+                        continue  # read to the end of the body, so the connection can be reused
+                    payloads = framer.feed(piece)
+                    for i, payload in enumerate(payloads, 1):
+                        self.ready = len(payloads) - i
+                        yield _decode(self.response, payload)
+            if direct is not None:
+                await self.response.aclose()  # the body is over: the connection goes back, as aiter_raw does
+        except httpx2.ConnectTimeout as exc:  # read directly: first what _RemappingStream makes of it
+            try:
+                raise _remapped(exc) from exc.__cause__
+            except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as remapped:
+                raise _sdk_error(self.response, remapped) from remapped
+        except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as exc:
+            raise _sdk_error(self.response, exc) from exc
+
+
+def _sdk_error(response: httpx2.Response, exc: BaseException) -> openai.APIConnectionError:
+    """A read error of httpx2's as the SDK reports it (a timeout, or a lost connection)."""
+    if isinstance(exc, _TIMEOUT_ERRORS):
+        return openai.APITimeoutError(request=response.request)
+    return openai.APIConnectionError(request=response.request)
 
 
 def _without_read_limit(timeout: httpx2.Timeout) -> httpx2.Timeout:

@@ -230,3 +230,11 @@ def test_failed_with_a_param():
     data = encode(Failed(ApiError(400, "model_not_found", "no such model", "model")))
     assert json.loads(data.split(b"data: ", 1)[1]) == {
         "error": {"type": "model_not_found", "message": "no such model", "param": "model", "retryable": False}}
+
+
+@pytest.mark.parametrize("text", ["lorem ", 'a "quote" \\ back\nslash', "café 日本語 🙂", "\ud800 lone surrogate", "\x00\x1f"])
+def test_a_delta_event_is_the_json_of_its_object(text):
+    from chatstream.http import event
+
+    data = {"choices": [{"index": 0, "delta": {"content": text}}]}
+    assert encode(Chunk(data)) == event({"delta": text})

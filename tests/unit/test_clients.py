@@ -130,3 +130,73 @@ async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_setting
     client = Minimal()
     assert await UpstreamStream.open(client, "/chat/completions", {"model": "m"}) == "opened"
     assert "timeout" not in client.kwargs["options"]  # None would mean "no timeout at all" to the SDK
+
+
+async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
+    """From AioHttpClient the stream reads aiohttp's reader itself (AIOHTTP_BODY), the same events,
+    and the response is closed (its connection back in the pool) as soon as the body ends."""
+    from chatstream.upstreams.clients import AIOHTTP_BODY
+
+    body = CHUNK + b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n' + b"data: [DONE]\n\n"
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in (body[:10], body[10:70], body[70:]):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(api_key="k", base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+                                max_retries=0, timeout=5, http_client=AioHttpClient())
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        assert AIOHTTP_BODY in stream.response.extensions
+        got = [d["choices"][0]["delta"]["content"] async for d in stream]
+        assert got == ["a", "b"] and stream.response.is_closed
+        await stream.close()
+    finally:
+        await client.close()
+        server.close()
+
+
+def test_cached_urls_build_the_requests_the_sdk_builds():
+    """make_client's clients keep parsed URLs (chatstream's _PreparedUrls and AioHttpClient._merge_url):
+    every request is the one the SDK's own classes build, OpenAI and Azure (a deployment per model,
+    api-version), the second time too, and after the base URL changes."""
+    from openai._models import FinalRequestOptions
+    from pydantic import SecretStr
+
+    from chatstream.settings import Settings
+    from chatstream.upstreams.clients import make_client
+    from chatstream.upstreams.config import Entry
+
+    settings = Settings.from_env({"OPENAI_API_KEY": "sk-x"})
+    entries = [Entry(name="o", kind="openai", url="http://127.0.0.1:9/v1", api_key=SecretStr("sk-o")),
+               Entry(name="a", kind="azure", url="https://res.openai.azure.com", api_key=SecretStr("az-k"),
+                     api_version="2024-10-21")]
+
+    def shape(request: httpx2.Request) -> tuple:
+        headers = sorted((k, v) for k, v in request.headers.items() if k != "x-stainless-retry-count")
+        return request.method, str(request.url), headers, request.content, request.extensions.get("timeout")
+
+    for entry in entries:
+        ours = make_client(entry, settings, 2)
+        plain = (openai.AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, api_key="az-k",
+                                         max_retries=2, http_client=AioHttpClient(), timeout=ours.timeout)
+                 if entry.kind == "azure" else
+                 openai.AsyncOpenAI(api_key="sk-o", base_url=entry.url, max_retries=2, http_client=AioHttpClient(),
+                                    timeout=ours.timeout))
+        for round_ in range(3):
+            if round_ == 2:  # a new base URL: nothing parsed for the old one is used
+                ours.base_url = plain.base_url = str(plain.base_url).replace("127.0.0.1:9", "127.0.0.1:8")
+            for model in ("m1", "m2", "m1"):
+                for url in ("/chat/completions", "/responses"):
+                    def options():
+                        return FinalRequestOptions.construct(
+                            method="post", url=url, json_data={"model": model, "stream": True},
+                            idempotency_key="stainless-python-retry-1")
+                    assert shape(ours._build_request(options())) == shape(plain._build_request(options()))

@@ -100,6 +100,35 @@ async def test_without_text_steps_chunks_are_forwarded_as_they_came():
     assert fed.data == data and fed.output and fed.delta
 
 
+async def test_the_plain_path_gives_what_the_general_path_gives():
+    """Without text steps, the common chunk (one choice, a delta of role and content) is decided
+    without copying (``CompletionStream._plain``); kept texts (``keep=True``) take the general path:
+    the same events, flags and state either way, for plain and other shapes."""
+    chunks = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "a"}, logprobs=None),
+        chunk({"content": None}),
+        chunk({"role": "assistant"}),
+        {"id": "c1", "choices": [{"delta": {"content": "no index"}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "b"}, "content_filter_results": {}}]},
+        chunk({"content": "c", "refusal": None}),
+        chunk({"tool_calls": [tool_fragment("{}")]}),
+        {"id": "c1", "choices": [{"index": 0, "finish_reason": None}]},  # no delta: the general path makes one
+        chunk({"content": ""}, ""),
+        chunk({}, "stop"),
+        chunk({"content": "after the finish"}),
+        {"id": "c1", "choices": [], "usage": {"total_tokens": 3}},
+    ]
+    plain, general = CompletionStream(Pipeline()), CompletionStream(Pipeline(), keep=True)
+    for data in chunks:
+        fast, slow = await plain.feed(copy.deepcopy(data)), await general.feed(copy.deepcopy(data))
+        assert (fast.data, fast.output, fast.delta, fast.batch) == (slow.data, slow.output, slow.delta, slow.batch), data
+        assert plain.finished == general.finished and plain.done == general.done
+    assert plain.summary() == general.summary()
+    with pytest.raises(UpstreamMalformed):
+        await CompletionStream(Pipeline()).feed({"choices": [{"index": 0, "delta": {"content": 5}}]})
+
+
 async def test_fed_flags():
     stream = CompletionStream(Pipeline(), choices=2)
     assert (await stream.feed(chunk({"role": "assistant"}))).output is False

@@ -177,3 +177,92 @@ def test_nesting_between_the_python_and_the_c_limit_is_not_a_500(opening, closin
     except RecursionError:  # not raised from here: its 1000-frame traceback takes pytest seconds to render
         escaped = True
     assert not escaped, "RecursionError escaped parse_json_body"
+
+
+# --- EventStreamResponse: the body written by the response's own task --------------------------
+
+
+def _scope() -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "GET", "headers": []}
+
+
+async def test_the_head_and_the_first_event_go_out_in_the_response_task_itself():
+    """No task of its own for the body: by the first time the response's task yields to the loop,
+    the head and the first event are written; the disconnect listener is the started task."""
+    import asyncio
+
+    from chatstream.http import EventStreamResponse
+
+    sent, closed = [], []
+    gate = asyncio.Event()
+
+    async def body():
+        try:
+            yield b"data: 1\n\n"
+            await gate.wait()
+            yield b"data: 2\n\n"
+        finally:
+            closed.append("body")
+
+    async def on_close():
+        closed.append("on_close")
+
+    async def receive():
+        await asyncio.Event().wait()  # never a disconnect
+
+    async def send(message):
+        sent.append(message)
+
+    response = EventStreamResponse(body(), asyncio.get_running_loop().time() + 60, on_close)
+    task = asyncio.ensure_future(response(_scope(), receive, send))
+    await asyncio.sleep(0)  # one turn: the task ran up to its first real wait
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["body"] == b"data: 1\n\n"
+    gate.set()
+    await task
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert closed == ["body", "on_close"]
+
+
+async def test_a_caller_gone_while_the_body_waits_closes_it_and_a_write_error_is_raised_as_itself():
+    import asyncio
+
+    from chatstream.http import EventStreamResponse
+
+    closed = []
+    gone = asyncio.Event()
+
+    async def body():
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()  # parked: only the caller's disconnect ends this
+            yield b"never"
+        finally:
+            closed.append("body")
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    async def on_close():
+        closed.append("on_close")
+
+    response = EventStreamResponse(body(), asyncio.get_running_loop().time() + 60, on_close)
+    task = asyncio.ensure_future(response(_scope(), receive, send))
+    await asyncio.sleep(0.01)
+    gone.set()
+    await asyncio.wait_for(task, 2)
+    assert closed == ["body", "on_close"]
+
+    async def failing_send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("reset")
+
+    async def one():
+        yield b"data: 1\n\n"
+
+    with pytest.raises(OSError):
+        await EventStreamResponse(one(), asyncio.get_running_loop().time() + 60)(_scope(), receive, failing_send)

@@ -108,6 +108,8 @@ class Stream(asyncio.Protocol):
         self.t_sent = 0.0
         self.t_headers = None
         self.body_done = False
+        self.stream_id: str | None = None  # x-stream-id (RESUMABLE_STREAMS): what a reader elsewhere resumes
+        self.on_head = None  # called with the stream id once the head is in (the resume path's reader)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -130,8 +132,13 @@ class Stream(asyncio.Protocol):
                 self.status = int(lines[0].split(b" ", 2)[1])
                 for line in lines[1:]:
                     k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"transfer-encoding" and b"chunked" in v.lower():
+                    k = k.strip().lower()
+                    if k == b"transfer-encoding" and b"chunked" in v.lower():
                         self.chunked = True
+                    elif k == b"x-stream-id":
+                        self.stream_id = v.strip().decode("latin-1")
+                if self.on_head is not None and self.status == 200:
+                    self.on_head(self.stream_id)
                 if not data:
                     return
             if self.chunked:
@@ -222,17 +229,54 @@ def _record(i, marker, status, sse: SSE, t_sched, t_conn, t_open, t_sent, t_head
     }
 
 
+def _head(method: bytes, path: bytes, target: dict, body: bytes) -> bytes:
+    return (method + b" " + path + b" HTTP/1.1\r\nHost: " + target["hostport"].encode() + b"\r\n"
+            + (b"Content-Type: application/json\r\n" if body else b"") + b"Accept: text/event-stream\r\n"
+            + b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in target.get("headers", {}).items())
+            + (b"Content-Length: " + str(len(body)).encode() + b"\r\n" if body else b"")
+            + b"Connection: close\r\n\r\n")
+
+
+async def _follow(loop, target: dict, follow: dict, stream_id: str | None, timeout: float) -> dict:
+    """A reader of a resumable stream on another instance: GET the resume route with the stream's id
+    and read its events to the end; when each content delta was parsed (perf_counter)."""
+    if not stream_id:
+        return {"error": "no x-stream-id header", "times": [], "sent": None, "status": 0}
+    path = follow["path"].replace("{id}", stream_id).encode()
+    done = loop.create_future()
+    proto = Stream(_head(b"GET", path, {**follow, "headers": target.get("headers", {})}, b""), target["kind"], False, done)
+    transport = None
+    err = None
+    try:
+        async with asyncio.timeout(timeout):
+            transport, _ = await loop.create_connection(lambda: proto, follow["host"], follow["port"])
+            await done
+    except TimeoutError:
+        err = "timeout"
+    except OSError as exc:
+        err = f"connect: {exc.strerror or exc!r}"[:120]
+    finally:
+        if transport is not None:
+            transport.close()
+    if err is None and proto.status != 200:
+        err = f"http_{proto.status}" if proto.status else "no_response"
+    elif err is None and (proto.sse.error or not proto.sse.end):
+        err = proto.sse.error or "cut_off"
+    return {"error": err, "times": proto.sse.times, "sent": proto.t_sent or None, "status": proto.status}
+
+
 async def _raw_one(loop, target, i, marker, at, expected, probe, timeout, anchor) -> dict:
     delay = at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     path, body = _request(target, marker)
-    head = (b"POST " + path + b" HTTP/1.1\r\nHost: " + target["hostport"].encode() + b"\r\n"
-            b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-            + b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in target.get("headers", {}).items())
-            + b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
+    head = _head(b"POST", path, target, body)
     done = loop.create_future()
     proto = Stream(head + body, target["kind"], probe, done)
+    follow = target.get("follow")
+    reader: list[asyncio.Task] = []
+    if follow and i % max(1, follow.get("every", 10)) == 0:
+        proto.on_head = lambda sid: reader.append(loop.create_task(_follow(loop, target, follow, sid, timeout)))
     t_conn = time.perf_counter()
     t_open = None
     err = None
@@ -250,8 +294,17 @@ async def _raw_one(loop, target, i, marker, at, expected, probe, timeout, anchor
         if transport is not None:
             transport.close()
     t_close = time.perf_counter()
-    return _record(i, marker, proto.status, proto.sse, at, t_conn, t_open, proto.t_sent or None,
-                   proto.t_headers, t_close, err, anchor, expected, probe)
+    rec = _record(i, marker, proto.status, proto.sse, at, t_conn, t_open, proto.t_sent or None,
+                  proto.t_headers, t_close, err, anchor, expected, probe)
+    if proto.stream_id:
+        rec["stream_id"] = proto.stream_id
+    if reader:
+        got = await reader[0]
+        base = proto.t_sent
+        rec["follower"] = {"error": got["error"], "status": got["status"],
+                           "sent_ms": round((got["sent"] - base) * 1000, 3) if got["sent"] and base else None,
+                           "d": [round((t - base) * 1000, 3) for t in got["times"]] if base else []}
+    return rec
 
 
 async def _httpx_one(client, target, i, marker, at, expected, probe, timeout, anchor) -> dict:

@@ -152,22 +152,26 @@ def top_functions(raw: Path, limit: int = 35) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="py-spy profile of the app (or LiteLLM) under load")
-    p.add_argument("--target", choices=("app", "litellm"), default="app")
+    p.add_argument("--target", choices=("app", "floor", "keys", "litellm"), default="app",
+                   help="the path to profile (default app; floor: the bare relay, to compare)")
     p.add_argument("--streams", type=int, default=100, help="concurrent streams per wave (default 100)")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each recording (default 20 s)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second (default 100)")
     p.add_argument("--probe", action="store_true",
                    help="hang up after the first delta: profiles the request side (time to first delta) only")
+    p.add_argument("--short", action="store_true",
+                   help="10-delta streams (the upstream's `normal` scenario): mostly the per-request work")
     p.add_argument("--out", default=str(BENCH / "out"))
     a = p.parse_args(argv)
-    tag = a.target + ("-probe" if a.probe else "")
+    tag = a.target + ("-probe" if a.probe else "") + ("-short" if a.short else "") + (f"-{a.streams}" if a.streams != 100 else "")
     if not PYSPY.exists():
         print(f"{PYSPY} is missing: run `make bench` (tools/bench/requirements.txt installs py-spy)", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     bargs = run.parse_args(["--paths", f"direct,{a.target}", "--no-docs", "--out", str(out / "profile-run"),
-                            "--levels", str(a.streams), "--trials", "0", "--probes", "0", "--short-waves", "0"])
+                            "--levels", str(a.streams), "--trials", "0", "--probes", "0", "--short-waves", "0",
+                            "--extra-levels", str(a.streams), "--wait-quiet", "0"])
     if run.os.environ.get("BENCH_NETNS") == "1":
         run._loopback_up()
     bench = run.Bench(bargs)
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
     try:
         bench.start()
         pid = bench.serving_pid[a.target]
-        if a.target in run.APP_WORKERS:  # the host and its worker process, each with its own py-spy
+        if a.target in bench.app_paths:  # the host and its worker process, each with its own py-spy
             spied = {f"{tag}-host": (pid, False)}
             spied.update({f"{tag}-worker" + (f"{i + 1}" if i else ""): (w, False)
                           for i, w in enumerate(p for p in run.procstat.descendants(pid) if p != pid)})
@@ -198,7 +202,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             max_waves = math.ceil(a.seconds) + 5  # a bound, whatever happens to py-spy
             while any(s.poll() is None for s in spies) and waves < max_waves:
-                w = bench.wave("profile", a.target, a.streams, 0.1, record=False, settle=0.1, probe=a.probe)
+                w = bench.wave("profile", a.target, a.streams, 0.1, record=False, settle=0.1, probe=a.probe,
+                               short=a.short)
                 deltas += sum(len(r["d"]) for r in w["records"])
                 waves += 1
             for spy in spies:

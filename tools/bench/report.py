@@ -13,15 +13,30 @@ from pathlib import Path
 
 START = "<!-- bench:side-by-side:start -->"
 END = "<!-- bench:side-by-side:end -->"
-PATHS = ("direct", "floor", "app", "app2", "litellm")
+PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
 APPS = ("app", "app2")  # judged against the targets
-SPLIT = ("floor", "app", "app2")  # devhost: host and worker CPU apart
-LABEL = {"direct": "direct upstream", "floor": "floor: bare relay, 1 worker", "app": "this app, 1 worker", "app2": "this app, 2 workers",
-         "litellm": "LiteLLM proxy"}
-OWNER = {"direct": "upstream", "floor": "floor", "app": "app", "app2": "app2", "litellm": "litellm"}  # whose RSS counts
+LABEL = {"direct": "direct upstream", "floor": "floor: bare relay, 1 worker", "floor2": "floor: bare relay, 2 workers",
+         "app": "this app, 1 worker", "app2": "this app, 2 workers",
+         "keys": "app + callers (no limits), 1 worker", "keyslim": "app + callers (tokens/min limit), 1 worker",
+         "resume": "app + resumable streams, 1 worker", "litellm": "LiteLLM proxy"}
+# Whose RSS counts for each path (a server's name in the run); results.json's config has it for new runs.
+OWNER = {"direct": "upstream", "floor": "floor", "floor2": "floor2", "app": "app", "app2": "app2", "keys": "keys",
+         "keyslim": "keys", "resume": "resume", "litellm": "litellm"}
 MB = 1024 * 1024
 
-# The targets (tools/bench/README.md explains them): ms, MB, ms of CPU.
+# Issue #24: the app against the floor (a bare relay on the same host and runtime), in the same run.
+R_CPU_STREAM = 1.2  # CPU per stream (host + worker), at 100 and 300 streams, ≤ this × the floor's
+R_WORKER_DELTA = 1.2  # worker CPU per delta (the fit at 100 streams) ≤ this × the floor's
+R_TTFD = 1.3  # added TTFD p50 and p99 at 100 and 300 streams ≤ this × the floor's; p99 at 1,000 (2 workers)
+D_SINGLE_P50_MS = 1.5  # one stream: added TTFD p50 ≤ the floor's + this
+RATIO_LEVELS = (100, 300)
+# Issue #20 (callers, against the app without them): 1 stream p50 ≤ +2 ms, 100 streams p99 ≤ +10%.
+D_KEYS_P50_MS = 2.0
+R_KEYS_P99 = 1.1
+# Issue #21 (resumable streams, against the app without them): CPU per delta ≤ +15%.
+R_RESUME_DELTA = 1.15
+
+# Issue #16's absolute targets (ms, MB, ms of CPU), still shown for reference.
 T_ADDED_P50_MS = 3.0  # 1 stream, app
 T_ADDED_P99_MS = 10.0  # 1 stream, app
 T_LEVEL_P99_MS = {100: 100.0, 300: 400.0}  # added TTFD p99 at that concurrency, app (1 worker)
@@ -30,6 +45,11 @@ T_LEVEL_P99_MS_BIG = 2000.0
 T_RSS_MB = 400.0
 T_WORKER_REQUEST_MS = 1.5  # worker CPU per request at the split level (100 streams), app
 T_WORKER_DELTA_MS = 0.08  # worker CPU per delta there
+
+
+def label(p: str, s: dict | None = None) -> str:
+    labels = ((s or {}).get("config") or {}).get("labels") or {}
+    return labels.get(p) or LABEL.get(p, p)
 
 
 def pct(values, q: float):
@@ -83,10 +103,11 @@ def _stats(waves, first_s, interval_s, expected) -> dict:
     full_waves = [w for w in waves if not w["probe"]]
     deltas = sum(len(r["d"]) for r in full)
     cpu = lambda key: sum(w["cpu_s"].get(key, 0.0) for w in full_waves)  # noqa: E731
+    has = lambda key: any(key in w["cpu_s"] for w in full_waves)  # noqa: E731
+    per_1k = lambda key: cpu(key) / deltas * 1000 if deltas and has(key) else None  # noqa: E731
     wall = sum(w["wall_s"] * w["client_procs"] for w in full_waves)
-    busy = sum(w["machine_busy_s"] for w in full_waves)
-    ours = sum(sum(w["cpu_s"].values()) + w["client_cpu_s"] for w in full_waves)
-    span = sum(w["t1"] - w["t0"] for w in full_waves)  # the interval the machine reading covers
+    others = [_other_cores(w) for w in waves]
+    loads = [x for w in waves for x in w.get("loadavg1", ())]
     errors = Counter(r["error"] for r in full if not r["ok"])
     return {
         "streams": len(full), "completed": len(ok_full), "errors": sum(errors.values()),
@@ -97,19 +118,56 @@ def _stats(waves, first_s, interval_s, expected) -> dict:
         "gap": {q: pct(gaps, q) for q in (50, 99)},
         "delta_latency": {q: pct(lat, q) for q in (50, 95, 99)},
         "upstream_request_ms": {q: pct(upreq, q) for q in (50, 99)},
-        "cpu_per_1k": cpu("server") / deltas * 1000 if deltas and any("server" in w["cpu_s"] for w in full_waves) else None,
-        "cpu_host_per_1k": cpu("host") / deltas * 1000 if deltas and any("host" in w["cpu_s"] for w in full_waves) else None,
-        "cpu_worker_per_1k": cpu("worker") / deltas * 1000 if deltas and any("worker" in w["cpu_s"] for w in full_waves) else None,
+        "cpu_per_1k": per_1k("server"),
+        "cpu_host_per_1k": per_1k("host"),
+        "cpu_worker_per_1k": per_1k("worker"),
+        # CPU per stream (host + worker), ms: every full stream's share of the serving processes' CPU.
+        "cpu_per_stream_ms": cpu("server") / len(full) * 1000 if full and has("server") else None,
+        "cpu_worker_per_stream_ms": cpu("worker") / len(full) * 1000 if full and has("worker") else None,
+        "store_cpu_per_1k": per_1k("store"),
+        "reader_instance_cpu_per_1k": per_1k("reader_instance"),
         "upstream_cpu_per_1k": cpu("upstream") / deltas * 1000 if deltas else None,
         "client_cpu_per_1k": sum(w["client_cpu_s"] for w in full_waves) / deltas * 1000 if deltas else None,
         "client_util": sum(w["client_cpu_s"] for w in full_waves) / wall if wall else None,
-        "other_load_cores": max(0.0, (busy - ours) / span) if span else None,
+        "other_load_cores": max(others) if others and None not in others else None,
+        "other_load_median": pct(others, 50) if others and None not in others else None,
+        "loadavg1": [min(loads), max(loads)] if loads else None,
+        "follower": _follower(full),
         "peak_open": max((_peak_concurrency(w["records"]) for w in full_waves), default=0),
         "wall_s": max((w["wall_s"] for w in full_waves), default=None),
         "waves": len(full_waves),
         "late_start_ms_p99": pct([r["late_ms"] for r in full], 99),
         "connect_ms_p99": pct([r["connect_ms"] for r in full if r.get("connect_ms") is not None], 99),
     }
+
+
+def _other_cores(w: dict) -> float | None:
+    """Cores kept busy by other processes during a wave: the machine's busy CPU less everything the
+    benchmark ran (this script's process tree), over the wave's span. Older runs had no total of
+    their own: None."""
+    span = w["t1"] - w["t0"]
+    if "ours_cpu_s" not in w or span <= 0:
+        return None
+    return max(0.0, (w["machine_busy_s"] - w["ours_cpu_s"]) / span)
+
+
+def _follower(records: list[dict]) -> dict | None:
+    """Readers on another instance (the resume path): how far behind the writer's client each delta
+    reached the reader (ms), over the deltas the writer got after the reader asked; and their errors."""
+    followed = [r for r in records if r.get("follower")]
+    if not followed:
+        return None
+    lags, errors = [], Counter()
+    for r in followed:
+        f = r["follower"]
+        if f["error"]:
+            errors[f["error"]] += 1
+        sent = f.get("sent_ms")
+        for k, (w, rd) in enumerate(zip(r["d"], f["d"])):
+            if sent is not None and w >= sent:
+                lags.append(rd - w)
+    return {"readers": len(followed), "errors": dict(errors.most_common()), "lag_n": len(lags),
+            "lag": {q: pct(lags, q) for q in (50, 99)}}
 
 
 def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -146,7 +204,8 @@ def summarize(results: dict) -> dict:
     cfg = results["config"]
     first_s, interval_s, expected = cfg["first_token_ms"] / 1000, cfg["interval_ms"] / 1000, cfg["deltas"]
     waves = results["waves"]
-    paths = [p for p in PATHS if p in cfg["paths"]]
+    paths = [p for p in (*PATHS, *(name for name, _ in cfg.get("variants", []))) if p in cfg["paths"]]
+    owner = {**OWNER, **(cfg.get("owners") or {})}
     levels = cfg["levels"]
     rows: dict = {}
     for level in levels:
@@ -157,7 +216,7 @@ def summarize(results: dict) -> dict:
             if not sel:
                 continue
             s = _stats(sel, first_s, interval_s, expected)
-            s["peak_rss_mb"] = max(w["peak_rss"].get(OWNER[path], 0) for w in sel) / MB
+            s["peak_rss_mb"] = max(w["peak_rss"].get(owner.get(path, path), 0) for w in sel) / MB
             rows[level][path] = s
         base = rows[level].get("direct")
         for path, s in rows[level].items():
@@ -176,12 +235,158 @@ def summarize(results: dict) -> dict:
                "hwm_mb": {k: v / MB for k, v in results.get("hwm", {}).items()},
                "started": results.get("started"), "finished": results.get("finished"),
                "quiet": results.get("quiet")}
+    summary["load"] = machine_load(waves)
     summary["targets"] = targets(summary)
-    summary["floor_targets"] = targets(summary, "floor", "floor") if "floor" in paths else []
+    summary["other_targets"] = callers_targets(summary) + resume_targets(summary)
+    summary["targets16"] = targets16(summary)
+    summary["floor_targets16"] = targets16(summary, "floor", "floor2" if "floor2" in paths else "floor") \
+        if "floor" in paths else []
     return summary
 
 
-def targets(s: dict, one: str = "app", two: str = "app2") -> list[dict]:
+def machine_load(waves: list[dict]) -> dict | None:
+    """The machine's other load during the measured waves: cores busy with processes that are not the
+    benchmark's (median, 90th percentile, largest), and /proc/loadavg's 1-minute figure (all processes)."""
+    other = [x for w in waves if (x := _other_cores(w)) is not None]
+    loads = [x for w in waves for x in w.get("loadavg1", ())]
+    if not other:
+        return None
+    by_level: dict = {}
+    for w in waves:
+        x = _other_cores(w)
+        if x is not None:
+            by_level.setdefault(w["n"], []).append(x)
+    return {"waves": len(other), "other_median": pct(other, 50), "other_p90": pct(other, 90), "other_max": max(other),
+            "loadavg_min": min(loads) if loads else None, "loadavg_max": max(loads) if loads else None,
+            "loadavg_median": pct(loads, 50) if loads else None,
+            "by_level": {lv: {"median": pct(v, 50), "max": max(v)} for lv, v in sorted(by_level.items())}}
+
+
+def load_line(s: dict) -> str:
+    ld = s.get("load")
+    if not ld:
+        other = _other_load(s)
+        return f"other load on the machine during the waves: up to {other:.2f} cores" if other is not None else ""
+    return (f"other load on the machine during the waves (cores busy with processes not the benchmark's, "
+            f"{ld['waves']} waves): median {ld['other_median']:.2f}, 90th percentile {ld['other_p90']:.2f}, "
+            f"largest {ld['other_max']:.2f}; /proc/loadavg (1 min, everything) "
+            f"{ld['loadavg_min']:.2f}–{ld['loadavg_max']:.2f}, median {ld['loadavg_median']:.2f}")
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def targets(s: dict, app: str = "app", app2: str = "app2", floor: str = "floor", floor2: str = "floor2",
+            peer: str = "litellm") -> list[dict]:
+    """Issue #24's targets: the app against the floor in the same run. Each: what it asks, the app's
+    figure, the floor's, their ratio (or difference), met or not (None: not measured), LiteLLM's figure."""
+    rows, split = s["rows"], s.get("cpu_split") or {}
+    out = []
+
+    def add(key, what, level, path, a, f, limit, kind, fmt, peer_value=None):
+        if kind == "ratio":
+            rel = _ratio(a, f)
+            met = None if rel is None else rel <= limit
+            rel_text = "–" if rel is None else f"{rel:.2f}×"
+        else:  # a difference
+            rel = _sub(a, f)
+            met = None if rel is None else rel <= limit
+            rel_text = "–" if rel is None else f"{rel:+.2f} ms"
+        out.append({"key": key, "target": what, "level": level, "path": path, "app": a, "floor": f, "rel": rel,
+                    "rel_text": rel_text, "limit": limit, "met": met, "fmt": fmt, "peer": peer_value})
+
+    def row(level, path):
+        return rows.get(level, {}).get(path) or {}
+
+    for level in RATIO_LEVELS:
+        a, f, ll = row(level, app), row(level, floor), row(level, peer)
+        add(f"cpu_stream_{level}", f"CPU per stream (host + worker), {level} streams, ≤ {R_CPU_STREAM:g}× the floor's",
+            level, app, a.get("cpu_per_stream_ms"), f.get("cpu_per_stream_ms"), R_CPU_STREAM, "ratio", "{:.2f} ms",
+            ll.get("cpu_per_stream_ms"))
+    sa, sf, sl = (split.get(p) or {} for p in (app, floor, peer))
+    lvl = (sa or sf).get("level", 100)
+    add("worker_delta", f"worker CPU per delta ({lvl} streams, fit) ≤ {R_WORKER_DELTA:g}× the floor's", lvl, app,
+        (sa.get("worker") or {}).get("per_delta_ms"), (sf.get("worker") or {}).get("per_delta_ms"), R_WORKER_DELTA,
+        "ratio", "{:.3f} ms", (sl.get("server") or {}).get("per_delta_ms"))
+    for level in RATIO_LEVELS:
+        a, f, ll = row(level, app), row(level, floor), row(level, peer)
+        for q in (50, 99):
+            add(f"ttfd_{level}_p{q}", f"{level} streams, 1 worker: added TTFD p{q} ≤ {R_TTFD:g}× the floor's", level,
+                app, (a.get("added_ttfd") or {}).get(q), (f.get("added_ttfd") or {}).get(q), R_TTFD, "ratio", "{:.1f} ms",
+                (ll.get("added_ttfd") or {}).get(q))
+    a, f, ll = row(1, app), row(1, floor), row(1, peer)
+    add("single_p50", f"1 stream: added TTFD p50 ≤ the floor's + {D_SINGLE_P50_MS:g} ms", 1, app,
+        (a.get("added_ttfd") or {}).get(50), (f.get("added_ttfd") or {}).get(50), D_SINGLE_P50_MS, "diff", "{:.2f} ms",
+        (ll.get("added_ttfd") or {}).get(50))
+    big = T_LEVEL
+    a, f, ll = row(big, app2), row(big, floor2) or row(big, floor), row(big, peer)
+    if a:
+        done = a["errors"] == 0 and a["completed"] == a["streams"]
+        out.append({"key": "big_complete", "target": f"{big:,} streams, 2 workers: all complete", "level": big,
+                    "path": app2, "app": f"{a['completed']}/{a['streams']}", "floor":
+                    f"{f['completed']}/{f['streams']}" if f else None, "rel": None, "rel_text": "–", "limit": None,
+                    "met": done, "fmt": "{}", "peer": f"{ll['completed']}/{ll['streams']}" if ll else None})
+    add("big_p99", f"{big:,} streams, 2 workers: added TTFD p99 ≤ {R_TTFD:g}× the floor's (2 workers)", big, app2,
+        (a.get("added_ttfd") or {}).get(99), (f.get("added_ttfd") or {}).get(99), R_TTFD, "ratio", "{:.0f} ms",
+        (ll.get("added_ttfd") or {}).get(99))
+    if a:
+        out.append({"key": "big_rss", "target": f"{big:,} streams, 2 workers: peak memory < {T_RSS_MB:g} MB",
+                    "level": big, "path": app2, "app": a["peak_rss_mb"], "floor": f.get("peak_rss_mb"), "rel": None,
+                    "rel_text": "–", "limit": T_RSS_MB, "met": a["peak_rss_mb"] < T_RSS_MB, "fmt": "{:.0f} MB",
+                    "peer": ll.get("peak_rss_mb")})
+    return out
+
+
+def callers_targets(s: dict) -> list[dict]:
+    """Issue #20: the app with caller keys (a caller without limits, and one with a tokens/min limit)
+    against the app without them, in the same run."""
+    rows = s["rows"]
+    out = []
+    for path in ("keys", "keyslim"):
+        a, base = rows.get(1, {}).get(path), rows.get(1, {}).get("app")
+        if a and base:
+            d = _sub(a["added_ttfd"][50], base["added_ttfd"][50])
+            out.append({"key": f"{path}_p50", "path": path, "level": 1,
+                        "target": f"{label(path, s)}: 1 stream, added TTFD p50 ≤ the app's + {D_KEYS_P50_MS:g} ms",
+                        "measured": f"{_n(a['added_ttfd'][50], '{:+.2f}')} vs {_n(base['added_ttfd'][50], '{:+.2f}')} ms "
+                                    f"({_n(d, '{:+.2f}')} ms)", "met": None if d is None else d <= D_KEYS_P50_MS})
+        a, base = rows.get(100, {}).get(path), rows.get(100, {}).get("app")
+        if a and base:
+            r = _ratio(a["added_ttfd"][99], base["added_ttfd"][99])
+            out.append({"key": f"{path}_p99", "path": path, "level": 100,
+                        "target": f"{label(path, s)}: 100 streams, added TTFD p99 ≤ {R_KEYS_P99:g}× the app's",
+                        "measured": f"{_n(a['added_ttfd'][99])} vs {_n(base['added_ttfd'][99])} ms "
+                                    f"({_n(r, '{:.2f}')}×; {a['completed']}/{a['streams']} completed)",
+                        "met": None if r is None else (r <= R_KEYS_P99 and a["errors"] == 0)})
+    return out
+
+
+def resume_targets(s: dict) -> list[dict]:
+    """Issue #21: the app with RESUMABLE_STREAMS=on against the app without it; readers on a second
+    instance (their lag is reported, no limit is set)."""
+    split, rows = s.get("cpu_split") or {}, s["rows"]
+    r, base = (split.get("resume") or {}).get("server"), (split.get("app") or {}).get("server")
+    out = []
+    if r and base:
+        ratio = _ratio(r["per_delta_ms"], base["per_delta_ms"])
+        out.append({"key": "resume_delta", "path": "resume", "level": split["resume"]["level"],
+                    "target": f"resumable streams: CPU per delta (host + worker, fit) ≤ {R_RESUME_DELTA:g}× the app's",
+                    "measured": f"{r['per_delta_ms']:.3f} vs {base['per_delta_ms']:.3f} ms ({_n(ratio, '{:.2f}')}×)",
+                    "met": None if ratio is None else ratio <= R_RESUME_DELTA})
+    for level in sorted(rows):
+        f = (rows[level].get("resume") or {}).get("follower")
+        if f:
+            errs = ", ".join(f"{k}: {v}" for k, v in f["errors"].items()) or "none"
+            out.append({"key": f"resume_lag_{level}", "path": "resume", "level": level,
+                        "target": f"resumable streams, {level} stream{'s' if level > 1 else ''}: a reader on another "
+                                  f"instance, lag behind the writer's client p50 / p99",
+                        "measured": f"{_n(f['lag'][50])} / {_n(f['lag'][99])} ms over {f['lag_n']} deltas of "
+                                    f"{f['readers']} readers (errors: {errs})", "met": None})
+    return out
+
+
+def targets16(s: dict, one: str = "app", two: str = "app2") -> list[dict]:
     """Each target: what it asks, what was measured, met or not (None: not measured in this run).
     ``one``/``two``: the paths judged as the app with one and with two worker processes (the floor
     is judged by the same rules with its one worker for both)."""
@@ -240,15 +445,17 @@ def _met(v) -> str:
     return "–" if v is None else ("✅ yes" if v else "❌ no")
 
 
-SHORT_NAMES = {"ttfd_p50": "TTFD p50", "ttfd_p99": "TTFD p99", "level_p99_100": "p99", "level_p99_300": "p99",
+SHORT_NAMES = {"single_p50": "TTFD p50 vs floor", "ttfd_100_p50": "p50", "ttfd_100_p99": "p99", "ttfd_300_p50": "p50",
+               "ttfd_300_p99": "p99", "cpu_stream_100": "CPU/stream", "cpu_stream_300": "CPU/stream",
                "big_complete": "all complete", "big_p99": "p99", "big_rss": "memory",
-               "worker_request": "worker CPU/request", "worker_delta": "worker CPU/delta"}
+               "keys_p50": "p50 vs app", "keyslim_p50": "p50 vs app", "keys_p99": "p99 vs app",
+               "keyslim_p99": "p99 vs app"}
 
 
 def _row_targets(s: dict, level: int, path: str, ttfd: bool = False) -> str:
-    """The targets judged on one row: the single-stream TTFD ones (latency table) or the others."""
-    mine = [t for t in s["targets"] if t["level"] == level and t["path"] == path
-            and t["key"].startswith("ttfd") == ttfd and not t["key"].startswith("worker_")]
+    """The targets judged on one row: the single-stream ones (latency table) or the others."""
+    mine = [t for t in (*s["targets"], *(s.get("other_targets") or ())) if t["level"] == level and t["path"] == path
+            and t["key"] in SHORT_NAMES and (level == 1) == ttfd]
     if not mine:
         return "–"
     return "<br>".join(("✅ " if t["met"] else "❌ " if t["met"] is not None else "– ") + SHORT_NAMES.get(t["key"], t["key"])
@@ -279,15 +486,15 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
     L.append("_Generated by `make bench` (tools/bench/run.py); do not edit this section by hand._  ")
     L.append(f"{machine_line(s)}  ")
     m = s["meta"]
-    other = _other_load(s)
+    ld = s.get("load") or {}
+    other = ld.get("other_p90", _other_load(s))
     L.append(f"Upstream: scripted (`fakeupstream`, scenario `cadence`): first delta after {cfg['first_token_ms']:g} ms, "
              f"then one every {cfg['interval_ms']:g} ms, {cfg['deltas']} deltas. All paths in one run, "
              f"round-robin per trial/wave; {s['wall_s'] / 60:.1f} min of measurement"
              + (", in a private network namespace (loopback only)" if m.get("netns") else "")
-             + (f"; other load on the machine during the waves: up to {other:.2f} cores" if other is not None else "")
-             + ".")
+             + (f"; {load_line(s)}" if load_line(s) else "") + ".")
     if other is not None and other >= 0.3:
-        L.append(f"**The machine was busy with other work during this run** (up to {other:.2f} of its "
+        L.append(f"**The machine was busy with other work during this run** (90th percentile {other:.2f} of its "
                  f"{m['cores']} cores): every figure below is noisier, and the concurrent levels slower, than on "
                  f"a quiet machine.")
     if m.get("app_local_settings"):
@@ -300,19 +507,47 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
 
     L.append("### Targets")
     L.append("")
-    floor = {t["key"]: t for t in s.get("floor_targets") or []}
-    L.append("| target | measured (this app) | target met? | the floor: a bare relay, 1 worker (see below) |")
-    L.append("|---|---|---|---|")
-    for t in s["targets"]:
-        f = floor.get(t["key"])
-        L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} | "
-                 f"{f['measured'] + ' ' + _met(f['met']) if f else '–'} |")
+    L.append("Issue #24: this app against the floor (tools/bench/floor: a bare aiohttp relay, connector uncapped, on "
+             "the same host and runtime; see tools/bench/README.md, \"The floor\") and LiteLLM as the peer, all from "
+             "this run. \"Added\" TTFD is over the direct path; the 1,000-stream targets compare the 2-worker app "
+             "with the 2-worker floor.")
     L.append("")
-    if floor:
-        L.append("The floor is tools/bench/floor/function_app.py on the same host and runtime: one shared aiohttp "
-                 "session, each upstream line decoded and re-sent, nothing else (no SDK, validation, limits, "
-                 "pipeline, pool or log line). A target the floor misses cannot be met by any function on this "
-                 "runtime on this machine; the app's cost is judged by its distance from the floor.")
+    L.append("| target | this app | the floor | app ÷ floor (or app − floor) | target met? | LiteLLM |")
+    L.append("|---|---|---|---|---|---|")
+    for t in s["targets"]:
+        fmt = lambda v: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731
+        L.append(f"| {t['target']} | {fmt(t['app'])} | {fmt(t['floor'])} | {t['rel_text']} | {_met(t['met'])} | "
+                 f"{fmt(t['peer'])} |")
+    L.append("")
+    met = [t["met"] for t in s["targets"] if t["met"] is not None]
+    L.append(f"Met: {sum(met)} of {len(met)}.")
+    L.append("")
+    others = s.get("other_targets") or []
+    if others:
+        L.append("#### Caller keys (issue #20) and resumable streams (issue #21), against the app without them")
+        L.append("")
+        L.append("| target | measured | target met? |")
+        L.append("|---|---|---|")
+        for t in others:
+            L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} |")
+        L.append("")
+        if any(p in paths for p in ("keys", "keyslim")):
+            L.append(f"The caller paths run the app with `CALLER_KEYS=required` on Azurite (in memory), one caller "
+                     f"made through `POST /api/manage/callers` without limits and one with `tokens_per_minute` "
+                     f"{cfg.get('keys_tpm', 0):,} (never refuses here); requests carry `Authorization: Bearer <key>`. "
+                     f"Azurite's own CPU is not counted in the app's figures.")
+            L.append("")
+    old = s.get("targets16") or []
+    if old:
+        floor = {t["key"]: t for t in s.get("floor_targets16") or []}
+        L.append("#### Issue #16's absolute targets, for reference")
+        L.append("")
+        L.append("| target | this app | met? | the floor (1 worker; 2 at 1,000 streams) |")
+        L.append("|---|---|---|---|")
+        for t in old:
+            f = floor.get(t["key"])
+            L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} | "
+                     f"{f['measured'] + ' ' + _met(f['met']) if f else '–'} |")
         L.append("")
 
     if 1 in rows:
@@ -337,7 +572,7 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             t, a, u, d, ad, g = r["ttfd"], r["added_ttfd"], r["upstream_request_ms"], r["delta_latency"], r["added_delta"], r["gap"]
             added = "–" if p == "direct" else f"{_n(a[50], '{:+.2f}')} / {_n(a[95], '{:+.2f}')} / {_n(a[99], '{:+.2f}')} ms"
             addd = "–" if p == "direct" else f"{_n(ad[50], '{:+.2f}')} / {_n(ad[99], '{:+.2f}')} ms"
-            L.append(f"| {LABEL[p]} | {_n(t[50], '{:.2f}')} / {_n(t[95], '{:.2f}')} / {_n(t[99], '{:.2f}')} ms | {added} | "
+            L.append(f"| {label(p, s)} | {_n(t[50], '{:.2f}')} / {_n(t[95], '{:.2f}')} / {_n(t[99], '{:.2f}')} ms | {added} | "
                      f"{_n(u[50], '{:.2f}')} / {_n(u[99], '{:.2f}')} ms | {_n(d[50], '{:.2f}')} / {_n(d[99], '{:.2f}')} ms | "
                      f"{addd} | {_n(g[50], '{:.2f}')} / {_n(g[99], '{:.2f}')} ms | {_row_targets(s, 1, p, ttfd=True)} |")
         L.append("")
@@ -349,8 +584,9 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
              f"(raw asyncio sockets, {cfg.get('loadgen_loop', '?')} loop); waves per path: "
              + ", ".join(f"{k} streams × {v}" for k, v in cfg["waves"].items() if int(k) in levels)
              + ". CPU = utime+stime per 1,000 deltas delivered: for the app, its host process and its worker "
-               "processes apart (host + worker = total); for LiteLLM its process tree; the upstream's CPU is never "
-               "included (its own figure is in the direct row, in brackets). At 1 stream the figure includes the "
+               "processes apart (host + worker = total), and in brackets the CPU per stream (host + worker, ms); for "
+               "LiteLLM its process tree; the upstream's CPU is never included (its own figure is in the direct "
+               "row, in brackets). At 1 stream the figure includes the "
                "per-request cost spread over the stream's deltas. Peak RSS = largest VmRSS of the whole process "
                "tree (for the app: host and every worker) sampled every 25 ms during the waves.")
     L.append("")
@@ -371,11 +607,17 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
                        f"{_n(r['cpu_per_1k'], '{:.3f}')}")
             else:
                 cpu = _n(r["cpu_per_1k"], "{:.3f}")
+            if p != "direct" and r.get("cpu_per_stream_ms") is not None:
+                cpu += f" ({r['cpu_per_stream_ms']:.1f} ms/stream)"
+            if p in ("keys", "keyslim", "resume") and r.get("store_cpu_per_1k") is not None:
+                cpu += f" [Azurite +{r['store_cpu_per_1k']:.3f}]"
+            if r.get("reader_instance_cpu_per_1k") is not None:
+                cpu += f" [reader instance +{r['reader_instance_cpu_per_1k']:.3f}]"
             rss = f"({r['peak_rss_mb']:.0f} MB upstream)" if p == "direct" else f"{r['peak_rss_mb']:.0f} MB"
             errs = str(r["errors"]) + (f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})" if r["errors"] else "")
-            L.append(f"| {level:,} | {LABEL[p]} | {r['completed']}/{r['streams']} | {errs} | {r['peak_open']} | "
+            L.append(f"| {level:,} | {label(p, s)} | {r['completed']}/{r['streams']} | {errs} | {r['peak_open']} | "
                      f"{_n(t[50])} / {_n(t[99])} ms | {added} | {_n(g[50])} / {_n(g[99])} ms | {cpu} | {rss} | "
-                     f"{_row_targets(s, level, p) if p in APPS else '–'} |")
+                     f"{_row_targets(s, level, p)} |")
     L.append("")
 
     split = s.get("cpu_split") or {}
@@ -399,9 +641,9 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             if not r:
                 continue
             if p == "direct":
-                L.append(f"| {LABEL[p]} | – | – | – | ({fmt(r.get('upstream'))}) |")
+                L.append(f"| {label(p, s)} | – | – | – | ({fmt(r.get('upstream'))}) |")
             else:
-                L.append(f"| {LABEL[p]} | {fmt(r.get('host'))} | {fmt(r.get('worker'))} | {fmt(r.get('server'))} | "
+                L.append(f"| {label(p, s)} | {fmt(r.get('host'))} | {fmt(r.get('worker'))} | {fmt(r.get('server'))} | "
                          f"({fmt(r.get('upstream'))}) |")
         L.append("")
 
@@ -416,10 +658,10 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append("")
         L.append("| client | completed | TTFD p50 / p99 | inter-delta gap p50 / p99 | client CPU s per 1k deltas | client utilisation |")
         L.append("|---|---|---|---|---|---|")
-        for engine, label in (("raw", "raw asyncio sockets"), ("httpx", "httpx")):
+        for engine, name in (("raw", "raw asyncio sockets"), ("httpx", "httpx")):
             r = cc.get(engine)
             if r:
-                L.append(f"| {label} | {r['completed']}/{r['streams']} | {_n(r['ttfd'][50])} / {_n(r['ttfd'][99])} ms | "
+                L.append(f"| {name} | {r['completed']}/{r['streams']} | {_n(r['ttfd'][50])} / {_n(r['ttfd'][99])} ms | "
                          f"{_n(r['gap'][50])} / {_n(r['gap'][99])} ms | {_n(r['client_cpu_per_1k'], '{:.3f}')} | "
                          f"{_n(r['client_util'], '{:.2f}')} |")
         L.append("")
@@ -450,7 +692,18 @@ def write_markdown(s: dict, doc: Path, png: Path | None = None, png2: Path | Non
     doc.write_text(text, encoding="utf-8")
 
 
-COLORS = {"direct": "#7f7f7f", "floor": "#9467bd", "app": "#1f77b4", "app2": "#2ca02c", "litellm": "#d62728"}
+_COLORS = {"direct": "#7f7f7f", "floor": "#9467bd", "floor2": "#c5b0d5", "app": "#1f77b4", "app2": "#2ca02c",
+           "keys": "#ff7f0e", "keyslim": "#8c564b", "resume": "#e377c2", "litellm": "#d62728"}
+_SPARE = ("#17becf", "#bcbd22", "#393b79", "#637939", "#843c39")
+
+
+class _Colors(dict):
+    def __missing__(self, key):  # variants: the next spare colour
+        self[key] = _SPARE[len([k for k in self if k not in _COLORS]) % len(_SPARE)]
+        return self[key]
+
+
+COLORS = _Colors(_COLORS)
 
 
 def _log_axes(ax, levels) -> None:
@@ -481,7 +734,7 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
         for i, p in enumerate(single):
             vals = [c1[p][key][q] or 0 for q in qs]
             xs = [j + (i - (len(single) - 1) / 2) * width for j in range(len(qs))]
-            b = ax.bar(xs, vals, width, label=LABEL[p], color=COLORS[p])
+            b = ax.bar(xs, vals, width, label=label(p, s), color=COLORS[p])
             ax.bar_label(b, fmt="%.1f", fontsize=8)
         ax.set_xticks(range(len(qs)), [f"p{q}" for q in qs])
         for q, lim in (limits or {}).items():
@@ -506,7 +759,7 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
         ax.text(i - 0.2, (g50 or 0), f"{g50:.1f}" if g50 else "", ha="center", va="bottom", fontsize=8)
         ax.text(i + 0.2, (g99 or 0), f"{g99:.1f}" if g99 else "", ha="center", va="bottom", fontsize=8)
     ax.axhline(s["config"]["interval_ms"], color="green", ls="--", lw=1, label="upstream cadence")
-    ax.set_xticks(range(len(labels)), [f"{LABEL[p]}\np50 | p99" for p in labels], fontsize=8)
+    ax.set_xticks(range(len(labels)), [f"{label(p, s)}\np50 | p99" for p in labels], fontsize=8)
     ax.set_title("Inter-delta gap at the client (1 stream)", fontsize=10)
     ax.set_ylabel("ms")
     ax.legend(fontsize=8)
@@ -517,7 +770,7 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
         for q, style in ((50, "o-"), (99, "s--")):
             pts = [(x, rows[x][p]["ttfd"][q]) for x in xs if rows[x][p]["ttfd"][q] is not None]
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=COLORS[p], label=f"{LABEL[p]} p{q}")
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, color=COLORS[p], label=f"{label(p, s)} p{q}")
     _log_axes(ax, levels)
     ax.set_ylabel("ms")
     ax.set_title("Time to first delta vs concurrency (p50 solid, p99 dashed)", fontsize=10)
@@ -528,13 +781,13 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
     for i, p in enumerate(proxies):
         xs = [j + (i - (len(proxies) - 1) / 2) * width for j in range(len(levels))]
         r = [rows.get(lv, {}).get(p) for lv in levels]
-        if p in SPLIT:
+        if (rows.get(levels[-1], {}).get(p) or rows.get(levels[0], {}).get(p) or {}).get("cpu_host_per_1k") is not None:
             host = [(x or {}).get("cpu_host_per_1k") or 0 for x in r]
             worker = [(x or {}).get("cpu_worker_per_1k") or 0 for x in r]
-            ax.bar(xs, worker, width, color=COLORS[p], label=f"{LABEL[p]}: worker (solid) + host (hatched)")
+            ax.bar(xs, worker, width, color=COLORS[p], label=f"{label(p, s)}: worker (solid) + host (hatched)")
             ax.bar(xs, host, width, bottom=worker, color=COLORS[p], alpha=0.35, hatch="//")
         else:
-            ax.bar(xs, [(x or {}).get("cpu_per_1k") or 0 for x in r], width, color=COLORS[p], label=LABEL[p])
+            ax.bar(xs, [(x or {}).get("cpu_per_1k") or 0 for x in r], width, color=COLORS[p], label=label(p, s))
     ax.set_xticks(range(len(levels)), [f"{lv:,}" for lv in levels])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("CPU s / 1k deltas")
@@ -545,7 +798,7 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
     for p in proxies:
         pts = [(lv, rows[lv][p]["peak_rss_mb"]) for lv in levels if p in rows.get(lv, {})]
         if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=COLORS[p], label=LABEL[p])
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=COLORS[p], label=label(p, s))
     ax.set_xscale("log")
     ax.set_xticks(levels, [f"{lv:,}" for lv in levels])
     ax.axhline(T_RSS_MB, color="green", ls="--", lw=1, label=f"target < {T_RSS_MB:g} MB (2 workers, {T_LEVEL:,})")
@@ -577,7 +830,7 @@ def write_concurrency_plot(s: dict, png: Path) -> None:
         for p in paths:
             pts = [(lv, rows[lv][p]["ttfd"][q]) for lv in levels if p in rows.get(lv, {}) and rows[lv][p]["ttfd"][q]]
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=COLORS[p], label=LABEL[p], lw=2)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=COLORS[p], label=label(p, s), lw=2)
                 for x, y in pts:
                     ax.annotate(f"{y:,.0f}" if y >= 10 else f"{y:.1f}", (x, y), textcoords="offset points",
                                 xytext=(4, 4), fontsize=7, color=COLORS[p])
@@ -626,7 +879,13 @@ def console_table(s: dict) -> str:
         lines.append(f"  CPU split at {r['level']} streams, {p}: " + "; ".join(parts))
     lines.append("")
     for t in s["targets"]:
-        lines.append(f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '?'}] {t['target']}: {t['measured']}")
+        fmt = lambda v: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731
+        lines.append(f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '?'}] {t['target']}: "
+                     f"app {fmt(t['app'])}, floor {fmt(t['floor'])} ({t['rel_text']}); LiteLLM {fmt(t['peer'])}")
+    for t in s.get("other_targets") or ():
+        lines.append(f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '-'}] {t['target']}: {t['measured']}")
+    if s.get("load"):
+        lines.append("  " + load_line(s))
     return "\n".join(lines)
 
 

@@ -40,10 +40,23 @@ BENCH_PY = Path(sys.executable)
 LITELLM_BIN = BENCH_PY.parent / "litellm"
 HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
-PATHS = ("direct", "floor", "app", "app2", "litellm")
-APP_WORKERS = {"floor": 1, "app": 1, "app2": 2}  # FUNCTIONS_WORKER_PROCESS_COUNT of each path served by devhost
+# Every path the benchmark knows, in the order of its tables. DEFAULT_PATHS run by default; "resume"
+# only when asked for (--paths ...,resume), and extra app variants with --variant (A/B).
+PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
+DEFAULT_PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "litellm")
+# FUNCTIONS_WORKER_PROCESS_COUNT of each devhost server (a server per path, except keyslim: SERVER_OF).
+APP_WORKERS = {"floor": 1, "floor2": 2, "app": 1, "app2": 2, "keys": 1, "resume": 1}
 # The floor: tools/bench/floor/function_app.py, a bare aiohttp relay on the same host and runtime.
-APP_DIRS = {"floor": BENCH / "floor"}
+APP_DIRS = {"floor": BENCH / "floor", "floor2": BENCH / "floor"}
+# Paths served by another path's server: the app with CALLER_KEYS=required serves both caller paths,
+# one caller without limits ("keys") and one with a tokens_per_minute limit ("keyslim").
+SERVER_OF = {"keyslim": "keys"}
+# Paths that need the shared store (Azurite, started by the benchmark).
+STORE_PATHS = ("keys", "keyslim", "resume")
+# Paths run only at some levels by default (their targets are at 1 and 100 streams): --extra-levels.
+EXTRA_PATHS = ("keys", "keyslim", "resume")
+# Paths with two worker processes: left out at 1 stream (one stream keeps one worker busy).
+TWO_WORKERS = ("floor2", "app2")
 MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
 LITELLM_ALIAS = "bench-model"  # tools/bench/litellm.yaml: bench-model -> openai/cadence
 # Short streams (the upstream's `normal` scenario: 10 deltas) next to the 40-delta ones at the same
@@ -189,6 +202,10 @@ class Bench:
         self.expected_chars = len(cadence_text(args.deltas))
         self.sampler: procstat.RssSampler | None = None
         self.serving_pid: dict[str, int | None] = {}
+        # --variant NAME=SPEC: more app paths (one worker each), each from its own tree (A/B runs).
+        self.variants: dict[str, dict] = {name: prepare_variant(name, spec, self.out) for name, spec in args.variants}
+        self.app_workers = {**APP_WORKERS, **{name: 1 for name in self.variants}}
+        self.app_dirs = {**APP_DIRS, **{name: v["dir"] for name, v in self.variants.items()}}
 
     # -- set-up
 
@@ -204,16 +221,36 @@ class Bench:
         up.wait_ready_line(60)
         base = up.url + "/v1"
 
-        for name in (p for p in APP_WORKERS if p in self.paths):
-            n = APP_WORKERS[name]
-            log(f"starting the app as {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''})")
+        storage = None
+        if any(p in self.paths for p in STORE_PATHS):
+            log("starting Azurite (in memory) for the paths that need the shared store")
+            self.servers["azurite"] = az = Azurite("azurite", [str(APP_PY), "-m", "tools.azurite", "--in-memory"],
+                                                   _clean_env({}), self.out)
+            storage = az.wait_storage(60)
+
+        env = {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}
+        wanted = {self.server_of(p) for p in self.paths}
+        servers = [name for name in self.app_workers if name in wanted]
+        for name in servers:
+            n = self.app_workers[name]
+            extra = {"FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}
+            if name in STORE_PATHS:
+                extra["AzureWebJobsStorage"] = storage
+            if name == "keys":
+                extra["CALLER_KEYS"] = "required"
+            if name == "resume":
+                extra["RESUMABLE_STREAMS"] = "on"
+            where = self.app_dirs.get(name, ROOT)
+            log(f"starting {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''}"
+                + (f", app from {where}" if where != ROOT else "") + ")")
             self.servers[name] = Server(
                 name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(),
-                       str(APP_DIRS.get(name, ROOT))],
-                _clean_env({"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL,
-                            "FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}),
-                self.out)
-        for name in (p for p in APP_WORKERS if p in self.paths):
+                       str(where)], _clean_env({**env, **extra}), self.out)
+            if name == "resume":  # a second instance on the same store: the reader on another instance
+                self.servers["resume_b"] = Server(
+                    "resume_b", [str(APP_PY), "-m", "tools.devhost", "--port", "0", str(where)],
+                    _clean_env({**env, **extra}), self.out)
+        for name in [*servers, *(["resume_b"] if "resume_b" in self.servers else [])]:
             self.servers[name].wait_ready_line(120)
 
         key = "sk-bench-" + secrets.token_hex(16)
@@ -231,26 +268,44 @@ class Bench:
             ll.url = f"http://{HOST}:{port}"
             ll.wait_http(ll.url + "/health/liveliness", 240)
 
+        caller_keys = {}
+        if "keys" in self.servers:  # two callers, as an operator makes them: without and with a limit
+            caller_keys["keys"] = _create_caller(self.servers["keys"].url, "bench-nolimit", {})
+            caller_keys["keyslim"] = _create_caller(self.servers["keys"].url, "bench-limited",
+                                                    {"tokens_per_minute": a.keys_tpm})
+            log(f"made two callers on the keys app: one without limits, one with tokens_per_minute {a.keys_tpm:,}")
+
         hp = lambda u: u.split("//", 1)[1]  # noqa: E731
         self.targets = {
             "direct": {"kind": "openai", "path": "/v1/chat/completions", "model": MODEL, "url": base + "/chat/completions"},
-            **{name: {"kind": "app", "path": "/api/chat", "url": self.servers[name].url + "/api/chat"}
-               for name in APP_WORKERS if name in self.servers},
             "litellm": {"kind": "openai", "path": "/v1/chat/completions", "model": LITELLM_ALIAS,
                         "headers": {"Authorization": f"Bearer {key}"},
                         "url": (self.servers["litellm"].url if "litellm" in self.servers else "http://x") + "/v1/chat/completions"},
         }
+        for name in self.app_paths:
+            server = self.servers.get(self.server_of(name))
+            if server is None:
+                continue
+            self.targets[name] = {"kind": "app", "path": "/api/chat", "url": server.url + "/api/chat"}
+            if name in caller_keys:
+                self.targets[name]["headers"] = {"Authorization": f"Bearer {caller_keys[name]}"}
+        if "resume_b" in self.servers:
+            b = self.servers["resume_b"]
+            self.targets["resume"]["follow"] = {"host": HOST, "port": int(hp(b.url).split(":")[1]),
+                                                "hostport": hp(b.url), "path": a.resume_path,
+                                                "every": a.resume_follow_every}
         for name, t in self.targets.items():
-            server = self.servers["upstream" if name == "direct" else name] if name in self.paths else None
+            server = self.servers.get("upstream" if name == "direct" else self.server_of(name)) if name in self.paths else None
             if server is None:
                 continue
             t["host"], port = HOST, int(hp(server.url).split(":")[1])
             t["port"], t["hostport"] = port, f"{HOST}:{port}"
         # The serving process whose CPU and memory count for each path (the upstream's never does).
-        self.serving_pid = {name: self.servers[name].pid if name in self.servers else None for name in PATHS}
+        self.serving_pid = {name: self.servers[self.server_of(name)].pid if self.server_of(name) in self.servers
+                            else None for name in self.paths}
         self.serving_pid["direct"] = None
         roots = {"upstream": up.pid}
-        roots.update({name: self.servers[name].pid for name in PATHS if name in self.servers and name != "upstream"})
+        roots.update({name: s.pid for name, s in self.servers.items() if name != "upstream"})
         log(f"starting {a.client_procs} load generator process(es)")
         self.loadgens = [LoadGen(self.out, i) for i in range(a.client_procs)]
         roots.update({f"client{i}": g.pid for i, g in enumerate(self.loadgens)})
@@ -259,7 +314,21 @@ class Bench:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(p for p in PATHS if p in self.args.paths)
+        return tuple(p for p in (*PATHS, *self.variants) if p in self.args.paths)
+
+    @property
+    def app_paths(self) -> tuple[str, ...]:
+        """The paths served by devhost (the floor, the app and its variants), in table order."""
+        return tuple(p for p in self.paths if p in self.app_workers or p in SERVER_OF)
+
+    def server_of(self, path: str) -> str:
+        return SERVER_OF.get(path, path)
+
+    def levels_of(self, path: str) -> tuple[int, ...]:
+        """The levels ``path`` runs at: every level, or --extra-levels for the caller/resume paths."""
+        if path in EXTRA_PATHS:
+            return tuple(lv for lv in self.args.levels if lv in self.args.extra_levels)
+        return tuple(self.args.levels)
 
     def stop(self) -> None:
         if self.sampler:
@@ -282,7 +351,9 @@ class Bench:
         gens = self.loadgens[:1] if n == 1 else self.loadgens
         items = [[i, f"bench {phase}-{path}-{wave_no}-{i}", ramp * i / n] for i in range(n)]
         cpu0 = self._cpu(path)
+        ours0 = procstat.tree_cpu_seconds(os.getpid())  # this script, every server, the load generators
         busy0, total0 = procstat.machine_busy_seconds()
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         start_at = t0 + (0.15 if len(gens) > 1 else 0.0)  # lets every process start the ramp together
         for k, g in enumerate(gens):
@@ -294,6 +365,8 @@ class Bench:
         t1 = time.perf_counter()
         cpu1 = self._cpu(path)
         busy1, total1 = procstat.machine_busy_seconds()
+        ours1 = procstat.tree_cpu_seconds(os.getpid())
+        load1 = os.getloadavg()[0]
         records = [r for reply in replies for r in reply["records"]]
         w = {
             "phase": phase, "path": path, "n": n, "ramp_s": ramp, "probe": probe, "engine": engine,
@@ -303,6 +376,9 @@ class Bench:
             "client_cpu_s": sum(r["client_cpu_s"] for r in replies),
             "client_procs": len(gens),
             "machine_busy_s": busy1 - busy0, "machine_total_s": total1 - total0,
+            # Other load: the machine's busy CPU less everything this benchmark runs, per second of the
+            # wave; and /proc/loadavg's 1-minute figure (everything, ours included) before and after.
+            "ours_cpu_s": ours1 - ours0, "loadavg1": [load0, load1],
             "peak_rss": {name: self.sampler.peak(name, t0, t1) for name in self.sampler.roots},
             "records": records,
         }
@@ -315,7 +391,11 @@ class Bench:
         its host process ("host") and its worker processes ("worker") apart."""
         out = {"upstream": procstat.tree_cpu_seconds(self.servers["upstream"].pid)}
         if self.serving_pid.get(path):
-            out.update(procstat.cpu_groups(self.serving_pid[path], split=path in APP_WORKERS))
+            out.update(procstat.cpu_groups(self.serving_pid[path], split=path in self.app_paths))
+        if "azurite" in self.servers:  # the store's CPU: counted apart, never in the app's
+            out["store"] = procstat.tree_cpu_seconds(self.servers["azurite"].pid)
+        if path == "resume" and "resume_b" in self.servers:  # the instance serving the readers, apart
+            out["reader_instance"] = procstat.tree_cpu_seconds(self.servers["resume_b"].pid)
         return out
 
     # -- phases
@@ -334,14 +414,15 @@ class Bench:
                 if not w["records"][0]["ok"]:
                     raise RuntimeError(f"warm-up stream via {path} failed: {w['records'][0]['error']}; "
                                        f"see tools/bench/out/*.log")
-            self.wave("warmup", path, min(50, max(a.levels)), 0.05, record=False, settle=0.3)
+            self.wave("warmup", path, min(50, max(self.levels_of(path) or a.levels)), 0.05, record=False, settle=0.3)
         self._collect_upstream("warmup", keep=False)
 
         for level in a.levels:
             t_phase = time.perf_counter()
+            here = tuple(p for p in self.paths if level in self.levels_of(p))
             if level == 1:
-                # One stream at a time only ever keeps one worker busy: app2 would repeat app.
-                single = tuple(p for p in self.paths if p != "app2" or "app" not in self.paths)
+                # One stream at a time only ever keeps one worker busy: app2 (floor2) would repeat app (floor).
+                single = tuple(p for p in here if p not in TWO_WORKERS)
                 log(f"1 stream at a time: {a.trials} full streams per path ({', '.join(single)}), round-robin")
                 for r in range(a.trials):
                     for path in _rotate(single, r):
@@ -356,16 +437,17 @@ class Bench:
                 ramp = min(a.max_ramp, level * a.stagger_ms / 1000)
                 log(f"{level} concurrent streams: {waves} wave(s) per path, opened over {ramp:.2f} s, round-robin")
                 for r in range(waves):
-                    for path in _rotate(self.paths, r):
+                    for path in _rotate(here, r):
                         w = self.wave(f"c{level}", path, level, ramp, wave_no=r, settle=a.settle,
                                       timeout=a.stream_timeout)
                         ok = sum(x["ok"] for x in w["records"])
-                        log(f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s")
+                        log(f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s"
+                            f" (other load {_other(w):.2f} cores, loadavg {w['loadavg1'][1]:.2f})")
                 if level == a.split_level and a.short_waves:
                     log(f"{level} concurrent short streams ({SHORT['deltas']} deltas): {a.short_waves} wave(s) per "
                         f"path, for the CPU per request apart from the CPU per delta")
                     for r in range(a.short_waves):
-                        for path in _rotate(self.paths, r):
+                        for path in _rotate(here, r):
                             w = self.wave(f"c{level}short", path, level, ramp, wave_no=r, settle=a.settle,
                                           timeout=a.stream_timeout, short=True)
                             ok = sum(x["ok"] for x in w["records"])
@@ -388,15 +470,19 @@ class Bench:
         self.results["wall_s"] = time.perf_counter() - started
         self.results["config"] = {k: v for k, v in vars(a).items() if k != "waves"} | {
             "waves": {str(k): v for k, v in a.waves.items()}, "expected_chars": self.expected_chars,
-            "loadgen_loop": self.loadgens[0].loop}
+            "loadgen_loop": self.loadgens[0].loop,
+            "paths": list(self.paths), "variants": list(a.variants),
+            "labels": {name: v["label"] for name, v in self.variants.items()},
+            "owners": {p: self.server_of(p) for p in self.paths if p != "direct"} | {"direct": "upstream"},
+            "path_levels": {p: list(self.levels_of(p)) for p in self.paths},
+            "two_workers": [p for p in self.paths if self.app_workers.get(self.server_of(p)) == 2],
+            "keys_tpm": a.keys_tpm}
 
     def other_load(self, seconds: float = 2.0) -> float:
         """Cores kept busy by processes that are not ours, averaged over ``seconds``."""
-        ours = [os.getpid(), *self.sampler.roots.values()]
-        def sample():
+        def sample():  # this script's tree holds every process of the benchmark
             busy, _ = procstat.machine_busy_seconds()
-            mine = sum(procstat.tree_cpu_seconds(pid) for pid in ours)
-            return busy, mine, time.perf_counter()
+            return busy, procstat.tree_cpu_seconds(os.getpid()), time.perf_counter()
         b0, m0, t0 = sample()
         time.sleep(seconds)
         b1, m1, t1 = sample()
@@ -432,6 +518,74 @@ class Bench:
             for rec in w["records"]:
                 if rec["marker"] in by_marker and "up_received" not in rec:
                     rec["up_received"], rec["up_started"] = by_marker[rec["marker"]]
+
+
+class Azurite(Server):
+    """tools/azurite (in memory): prints its table URL, then ``AzureWebJobsStorage=...``."""
+
+    def wait_storage(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read():
+            for raw in self.proc.stdout:
+                self.log_file.write(raw)
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("AzureWebJobsStorage=") and not found:
+                    found.append(line.split("=", 1)[1])
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.05)
+        if not found:
+            raise RuntimeError(f"Azurite did not start (`make azurite` installs it); log: {self.log_path}\n{self.tail()}")
+        return found[0]
+
+
+def _create_caller(url: str, name: str, limits: dict) -> str:
+    """A caller made through the admin API (POST /api/manage/callers), as an operator makes one; its key."""
+    body = json.dumps({"name": name, **limits}).encode()
+    req = urllib.request.Request(url + "/api/manage/callers", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with _opener.open(req, timeout=30) as r:
+        return json.loads(r.read())["key"]
+
+
+def prepare_variant(name: str, spec: str, out: Path) -> dict:
+    """An app tree for an A/B path: ``git:REF`` (that commit of this repository, exported), ``patch:FILE``
+    (HEAD, exported, with FILE applied), or a folder holding function_app.py. The host (tools/devhost) and
+    the upstream stay this checkout's; the worker imports chatstream from the variant's folder."""
+    if name in PATHS or not re.fullmatch(r"[a-z][a-z0-9_]{0,15}", name):
+        raise SystemExit(f"--variant {name}=...: the name must be new, lower-case letters, digits, _")
+    kind, _, arg = spec.partition(":")
+    if kind in ("git", "patch"):
+        where = out / "variants" / name
+        subprocess.run(["rm", "-rf", str(where)], check=True)
+        where.mkdir(parents=True)
+        ref = arg if kind == "git" else "HEAD"
+        commit = _git("rev-parse", "--short", ref)
+        if not commit:
+            raise SystemExit(f"--variant {name}: no commit {ref!r}")
+        tar = subprocess.run(["git", "archive", commit, "function_app.py", "host.json", "chatstream"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(where)], input=tar, check=True)
+        label = f"variant {name}: {commit}"
+        if kind == "patch":  # one or more patch files, joined with "+"
+            for one in arg.split("+"):
+                patch = Path(one).resolve()
+                subprocess.run(["git", "apply", str(patch)], cwd=where, check=True)
+                label += f" + {patch.name}"
+        return {"dir": where, "label": label, "spec": spec}
+    folder = Path(spec).resolve()
+    if not (folder / "function_app.py").exists():
+        raise SystemExit(f"--variant {name}={spec}: git:REF, patch:FILE or a folder with function_app.py")
+    return {"dir": folder, "label": f"variant {name}: {folder}", "spec": spec}
+
+
+def _other(w: dict) -> float:
+    """Cores kept busy during a wave by processes that are not the benchmark's."""
+    span = w["t1"] - w["t0"]
+    return max(0.0, (w["machine_busy_s"] - w["ours_cpu_s"]) / span) if span > 0 else 0.0
 
 
 def _rotate(seq, r):
@@ -518,7 +672,20 @@ def parse_args(argv=None):
     p.add_argument("--split-level", type=int, default=100,
                    help="level of the short-stream waves that split CPU per request / per delta (default 100)")
     p.add_argument("--short-waves", type=int, default=2, help="short-stream waves per path there (default 2)")
-    p.add_argument("--paths", default=",".join(PATHS), help="subset of direct,floor,app,app2,litellm")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                   help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)}; `resume` needs "
+                        "RESUMABLE_STREAMS in the app); variants (--variant) are added to it")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC", dest="variants",
+                   help="one more app path (1 worker) from another tree, in the same interleaved run: "
+                        "git:REF, patch:FILE[+FILE...] (HEAD with the files applied) or a folder; repeatable (A/B)")
+    p.add_argument("--extra-levels", default="1,100",
+                   help="levels of the caller and resume paths (default 1,100: where their targets are)")
+    p.add_argument("--keys-tpm", type=int, default=1_000_000_000,
+                   help="tokens_per_minute of the limited caller (default 1e9: never refuses)")
+    p.add_argument("--resume-path", default="/api/streams/{id}",
+                   help="the resume route on the second instance ({id}: the x-stream-id header)")
+    p.add_argument("--resume-follow-every", type=int, default=10,
+                   help="one stream in this many gets a reader on the other instance (default 10)")
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
     p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
     p.add_argument("--max-ramp", type=float, default=0.5, help="longest ramp to open a wave (default 0.5 s)")
@@ -543,11 +710,19 @@ def parse_args(argv=None):
         a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
         a.split_level, a.short_waves = 20, 1
         a.settle, a.wait_quiet = 0.3, 0.0
+        a.extra_levels = "1,20"
         if a.doc == str(ROOT / "docs" / "benchmarks.md"):  # a smoke run never overwrites the real figures
             a.doc, a.png = str(Path(a.out) / "benchmarks-quick.md"), str(Path(a.out) / "benchmarks-quick.png")
     a.levels = sorted({int(x) for x in str(a.levels).split(",") if x})
     a.waves = {int(k): int(v) for k, v in (x.split(":") for x in str(a.waves).split(",") if x)}
-    a.paths = tuple(x for x in a.paths.split(",") if x)
+    a.variants = [tuple(v.split("=", 1)) for v in a.variants]
+    if any(len(v) != 2 for v in a.variants):
+        p.error("--variant NAME=SPEC")
+    a.paths = tuple(x for x in a.paths.split(",") if x) + tuple(name for name, _ in a.variants)
+    unknown = set(a.paths) - set(PATHS) - {name for name, _ in a.variants}
+    if unknown:
+        p.error(f"unknown paths: {', '.join(sorted(unknown))}")
+    a.extra_levels = sorted({int(x) for x in str(a.extra_levels).split(",") if x})
     return a
 
 

@@ -154,6 +154,9 @@ def figures(summary: dict) -> dict:
     ll = split.get("litellm") or {}
     if "server" in ll:
         out["litellm"] = ll["server"]
+    floor = split.get("floor") or {}
+    if "worker" in floor and "host" in floor:  # the bare relay of the same run (docs/benchmarks.md, "The floor")
+        out["floor_worker"], out["floor_host"] = floor["worker"], floor["host"]
     levels = sorted(rows)
     for path in ("app", "app2"):
         pts = [(lv, rows[lv][path]["peak_rss_mb"]) for lv in levels if path in rows[lv]]
@@ -246,6 +249,19 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
              f"typical stream costs least, and `httpPerInstanceConcurrency` {per_instance} (typical streams, host "
              f"counted). For traffic of mostly short streams use {held[(default_mem, 'short')]['streams']}; "
              f"{cheaper}.")
+    if "floor_worker" in f:
+        fw, fh = f["floor_worker"], f["floor_host"]
+        deltas, seconds = STREAMS["typical"]
+        f_with_host = {k: fw[k] + fh[k] for k in with_host}
+        fcap = instance_capacity(fw, f_with_host, deltas, seconds, INSTANCES[default_mem], WORKERS_PER_INSTANCE, a)
+        L.append("")
+        L.append(f"The floor, a bare relay on the same host and runtime in the same run (docs/benchmarks.md, \"The "
+                 f"floor\"): worker {fw['per_request_ms']:.2f} ms + {fw['per_delta_ms']:.3f} ms per delta, host "
+                 f"{fh['per_request_ms']:.2f} ms + {fh['per_delta_ms']:.3f} ms. A typical stream would cost its worker "
+                 f"{per_stream_cpu_ms(fw, deltas):.0f} ms ({per_stream_cpu_ms(f_with_host, deltas):.0f} ms with the "
+                 f"host) against this app's {per_stream_cpu_ms(worker, deltas):.0f} "
+                 f"({per_stream_cpu_ms(with_host, deltas):.0f}) ms, and a {default_mem:,} MB instance would hold "
+                 f"{fcap['cpu']} typical streams instead of {per_instance}: what no function on this runtime gets past.")
     if "worker2" in f:
         two = instance_capacity(f["worker2"], {k: f["worker2"][k] + f["host2"][k] for k in with_host},
                                 STREAMS["typical"][0], STREAMS["typical"][1], 2.0, 2, a)
@@ -332,17 +348,33 @@ def defaults_from_text(text: str) -> dict:
     return json.loads(text[i:text.index(" -->", i)])
 
 
+def write_infra(bicep: Path, defaults: dict) -> None:
+    """Set the defaults of infra/main.bicep's parameters of the same names (what tests/test_infra.py
+    checks against docs/scaling.md)."""
+    text = bicep.read_text(encoding="utf-8")
+    for name, value in defaults.items():
+        text, n = re.subn(rf"^(param {name} int = )\d+$", rf"\g<1>{value}", text, flags=re.M)
+        if n != 1:
+            raise SystemExit(f"{bicep}: no single `param {name} int = ...` line to set")
+    bicep.write_text(text, encoding="utf-8")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="docs/benchmarks.md (default: the figures of record) or a run's summary.json")
     p.add_argument("--write", nargs="?", const=str(ROOT / "docs" / "scaling.md"), default=None,
                    help="rewrite the generated section of this file (default docs/scaling.md)")
+    p.add_argument("--infra", nargs="?", const=str(ROOT / "infra" / "main.bicep"), default=None,
+                   help="also set the defaults in this Bicep file (default infra/main.bicep)")
     args = p.parse_args(argv)
     section, defaults = table(load(Path(args.source)))
     if args.write:
         write(Path(args.write), section)
         print(f"wrote the scaling section of {args.write}", file=sys.stderr)
+    if args.infra:
+        write_infra(Path(args.infra), defaults)
+        print(f"set {', '.join(f'{k} {v}' for k, v in sorted(defaults.items()))} in {args.infra}", file=sys.stderr)
     print(section)
     return 0
 
