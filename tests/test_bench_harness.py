@@ -37,8 +37,7 @@ async def _wave() -> dict:
     server = await asyncio.start_server(_handler, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     where = {"host": "127.0.0.1", "port": port, "hostport": f"127.0.0.1:{port}"}
-    target = {"kind": "app", "path": "/api/chat", **where,
-              "follow": {**where, "path": "/api/streams/{id}", "every": 2}}
+    target = {"kind": "app", "path": "/api/chat", **where, "follow": {**where, "path": "/api/streams/{id}", "every": 2}}
     items = [[0, "m0", 0], [1, "m1", 0]]
     try:
         return await loadgen.run_wave({"target": target, "items": items, "expected": 5, "expected_chars": 10})
@@ -57,17 +56,27 @@ def test_a_follower_reads_the_stream_the_writer_was_told_about_and_its_lag_is_su
 
 
 def _row(added50, added99, cpu_stream):
-    return {"added_ttfd": {50: added50, 95: None, 99: added99}, "cpu_per_stream_ms": cpu_stream,
-            "errors": 0, "completed": 10, "streams": 10, "peak_rss_mb": 300.0}
+    return {
+        "added_ttfd": {50: added50, 95: None, 99: added99},
+        "cpu_per_stream_ms": cpu_stream,
+        "errors": 0,
+        "completed": 10,
+        "streams": 10,
+        "peak_rss_mb": 300.0,
+    }
 
 
 def test_targets_judge_the_app_by_its_ratio_to_the_floor():
-    rows = {1: {"app": _row(7.0, 9.0, None), "floor": _row(6.0, 8.0, None)},
-            100: {"app": _row(120.0, 260.0, 12.0), "floor": _row(100.0, 200.0, 10.0)},
-            300: {"app": _row(500.0, 900.0, 13.0), "floor": _row(400.0, 800.0, 10.0)},
-            1000: {"app2": _row(1000.0, 2000.0, 9.0), "floor2": _row(900.0, 1800.0, 8.0)}}
-    split = {p: {"level": 100, "worker": {"per_request_ms": 3.0, "per_delta_ms": d}}
-             for p, d in (("app", 0.13), ("floor", 0.12))}
+    rows = {
+        1: {"app": _row(7.0, 9.0, None), "floor": _row(6.0, 8.0, None)},
+        100: {"app": _row(120.0, 260.0, 12.0), "floor": _row(100.0, 200.0, 10.0)},
+        300: {"app": _row(500.0, 900.0, 13.0), "floor": _row(400.0, 800.0, 10.0)},
+        1000: {"app2": _row(1000.0, 2000.0, 9.0), "floor2": _row(900.0, 1800.0, 8.0)},
+    }
+    split = {
+        p: {"level": 100, "worker": {"per_request_ms": 3.0, "per_delta_ms": d}}
+        for p, d in (("app", 0.13), ("floor", 0.12))
+    }
     got = {t["key"]: t for t in report.targets({"rows": rows, "cpu_split": split})}
     assert got["cpu_stream_100"]["met"] and not got["cpu_stream_300"]["met"]  # 1.2× and 1.3×
     assert got["ttfd_100_p50"]["met"] and got["ttfd_100_p99"]["met"] is True  # 1.2× and 1.3×

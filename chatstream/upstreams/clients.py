@@ -161,10 +161,10 @@ class _PreparedUrls:
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})
         hit = cache.get(url)
-        base = self._base_url  # type: ignore[attr-defined]
+        base = self._base_url  # type: ignore[attr-defined] - a mixin: the SDK client class has it
         if hit is not None and hit[0] is base:
             return hit[1]
-        prepared = super()._prepare_url(url)  # type: ignore[misc]
+        prepared = super()._prepare_url(url)  # type: ignore[misc] - the SDK client class after this mixin
         if len(cache) < _URL_CACHE_SIZE:
             cache[url] = (base, prepared)
         return prepared

@@ -1,6 +1,7 @@
 """chatstream/upstream.py's aiohttp transport: connection errors come out as the SDK's types they had
 with httpx2 (a refused connection or a reset is APIConnectionError, not APITimeoutError), and the
 pool still tells a failure to connect from a lost connection. In-process loopback servers only."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ import aiohttp
 import httpx2
 import openai
 
-from chatstream.upstreams.outcomes import OutcomeKind, classify
 from chatstream.upstreams.clients import AioHttpClient, UpstreamStream, _remapped
+from chatstream.upstreams.outcomes import OutcomeKind, classify
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 
@@ -34,8 +35,10 @@ async def _serve(mode: str):
     async def handler(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         if mode == "mid_body":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                         + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
+            )
             await writer.drain()
             await asyncio.sleep(0.05)
         if mode == "disconnect":
@@ -43,17 +46,19 @@ async def _serve(mode: str):
             return
         writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # RST
+
     return await asyncio.start_server(handler, "127.0.0.1", 0)
 
 
 async def _failure(port: int) -> BaseException:
-    client = openai.AsyncOpenAI(api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=5,
-                                http_client=AioHttpClient())
+    client = openai.AsyncOpenAI(
+        api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=5, http_client=AioHttpClient()
+    )
     try:
         stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
         async for _ in stream:
             pass
-    except Exception as exc:  # noqa: BLE001 -- the exception is the result
+    except Exception as exc:
         return exc
     finally:
         await client.close()
@@ -87,8 +92,9 @@ class _Recording(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request):
         self.timeouts.append(request.extensions.get("timeout"))
         kind = "application/json" if self.body.startswith(b"{") else "text/event-stream"
-        return httpx2.Response(200, headers={"content-type": kind}, stream=httpx2.ByteStream(self.body),
-                               request=request)
+        return httpx2.Response(
+            200, headers={"content-type": kind}, stream=httpx2.ByteStream(self.body), request=request
+        )
 
 
 async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completion_keeps_all():
@@ -96,8 +102,13 @@ async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completio
 
     recording = _Recording(CHUNK + b"data: [DONE]\n\n")
     timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
-    client = openai.AsyncOpenAI(api_key="k", base_url="http://upstream.test/v1", timeout=timeout, max_retries=0,
-                                http_client=httpx2.AsyncClient(transport=recording))
+    client = openai.AsyncOpenAI(
+        api_key="k",
+        base_url="http://upstream.test/v1",
+        timeout=timeout,
+        max_retries=0,
+        http_client=httpx2.AsyncClient(transport=recording),
+    )
     stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
     assert [data async for data in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
     recording.body = b'{"choices": []}'
@@ -112,8 +123,13 @@ async def test_a_responses_stream_opens_through_the_responses_client_without_a_r
 
     recording = _Recording(b'data: {"type":"response.created"}\n\ndata: [DONE]\n\n')
     timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
-    sdk = openai.AsyncOpenAI(api_key="k", base_url="http://upstream.test/v1", timeout=timeout, max_retries=0,
-                             http_client=httpx2.AsyncClient(transport=recording))
+    sdk = openai.AsyncOpenAI(
+        api_key="k",
+        base_url="http://upstream.test/v1",
+        timeout=timeout,
+        max_retries=0,
+        http_client=httpx2.AsyncClient(transport=recording),
+    )
     stream = await UpstreamStream.open(ResponsesClient(sdk, azure=False), "/responses", {"model": "m", "stream": True})
     assert [data async for data in stream] == [{"type": "response.created"}]
     assert recording.timeouts == [{"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}]
@@ -150,8 +166,13 @@ async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
         await reader.read()
 
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(api_key="k", base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
-                                max_retries=0, timeout=5, http_client=AioHttpClient())
+    client = openai.AsyncOpenAI(
+        api_key="k",
+        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+        max_retries=0,
+        timeout=5,
+        http_client=AioHttpClient(),
+    )
     try:
         stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
         assert AIOHTTP_BODY in stream.response.extensions
@@ -175,9 +196,16 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
     from chatstream.upstreams.config import Entry
 
     settings = Settings.from_env({"OPENAI_API_KEY": "sk-x"})
-    entries = [Entry(name="o", kind="openai", url="http://127.0.0.1:9/v1", api_key=SecretStr("sk-o")),
-               Entry(name="a", kind="azure", url="https://res.openai.azure.com", api_key=SecretStr("az-k"),
-                     api_version="2024-10-21")]
+    entries = [
+        Entry(name="o", kind="openai", url="http://127.0.0.1:9/v1", api_key=SecretStr("sk-o")),
+        Entry(
+            name="a",
+            kind="azure",
+            url="https://res.openai.azure.com",
+            api_key=SecretStr("az-k"),
+            api_version="2024-10-21",
+        ),
+    ]
 
     def shape(request: httpx2.Request) -> tuple:
         headers = sorted((k, v) for k, v in request.headers.items() if k != "x-stainless-retry-count")
@@ -185,18 +213,32 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
-        plain = (openai.AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, api_key="az-k",
-                                         max_retries=2, http_client=AioHttpClient(), timeout=ours.timeout)
-                 if entry.kind == "azure" else
-                 openai.AsyncOpenAI(api_key="sk-o", base_url=entry.url, max_retries=2, http_client=AioHttpClient(),
-                                    timeout=ours.timeout))
+        plain = (
+            openai.AsyncAzureOpenAI(
+                azure_endpoint=entry.url,
+                api_version=entry.api_version,
+                api_key="az-k",
+                max_retries=2,
+                http_client=AioHttpClient(),
+                timeout=ours.timeout,
+            )
+            if entry.kind == "azure"
+            else openai.AsyncOpenAI(
+                api_key="sk-o", base_url=entry.url, max_retries=2, http_client=AioHttpClient(), timeout=ours.timeout
+            )
+        )
         for round_ in range(3):
             if round_ == 2:  # a new base URL: nothing parsed for the old one is used
                 ours.base_url = plain.base_url = str(plain.base_url).replace("127.0.0.1:9", "127.0.0.1:8")
             for model in ("m1", "m2", "m1"):
                 for url in ("/chat/completions", "/responses"):
-                    def options():
+
+                    def options(url=url, model=model):
                         return FinalRequestOptions.construct(
-                            method="post", url=url, json_data={"model": model, "stream": True},
-                            idempotency_key="stainless-python-retry-1")
+                            method="post",
+                            url=url,
+                            json_data={"model": model, "stream": True},
+                            idempotency_key="stainless-python-retry-1",
+                        )
+
                     assert shape(ours._build_request(options())) == shape(plain._build_request(options()))

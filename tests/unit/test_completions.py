@@ -2,11 +2,13 @@
 never changes the upstream's dicts; ``BLOCKED_TERMS`` are redacted in the content, the refusal and the
 tool-call arguments, each right for any chunking (hypothesis); ``filter_completion`` does the same for a
 whole non-streamed answer."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,10 +18,9 @@ from chatstream.guard import Redactor, redact_whole
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.stream import Done
-from helpers import examples
 
 TERMS = ["secret", "sec", "cretin", "é😀"]
-PIECES = ["secret", "sec", "ret", "cre", "tin", "s", "e", "c", "r", "t", "i", "n", " ", "é", "😀", "x", "{\"a\":"]
+PIECES = ["secret", "sec", "ret", "cre", "tin", "s", "e", "c", "r", "t", "i", "n", " ", "é", "😀", "x", '{"a":']
 
 
 def redacting(terms=TERMS) -> Pipeline:
@@ -61,14 +62,18 @@ def channel_text(forwarded: list[dict], channel, choice: int = 0) -> str:
                 continue
             delta = c["delta"]
             if isinstance(channel, tuple):
-                out += [t["function"]["arguments"] for t in delta.get("tool_calls") or []
-                        if t.get("index") == channel[1] and (t.get("function") or {}).get("arguments")]
+                out += [
+                    t["function"]["arguments"]
+                    for t in delta.get("tool_calls") or []
+                    if t.get("index") == channel[1] and (t.get("function") or {}).get("arguments")
+                ]
             else:
                 out.append(delta.get(channel) or "")
     return "".join(out)
 
 
 # ---------------------------------------------------------------------- feed: new dicts only
+
 
 @pytest.mark.parametrize("pipeline", [Pipeline(), redacting()], ids=["plain", "redacting"])
 async def test_feed_never_changes_its_input_and_returns_new_dicts(pipeline):
@@ -77,7 +82,7 @@ async def test_feed_never_changes_its_input_and_returns_new_dicts(pipeline):
         chunk({"role": "assistant", "content": ""}),
         chunk({"content": "a sec"}),
         chunk({"tool_calls": [tool_fragment("", id="call_1", type="function")]}),
-        chunk({"tool_calls": [tool_fragment("{\"k\": \"secr")]}),
+        chunk({"tool_calls": [tool_fragment('{"k": "secr')]}),
         chunk({"refusal": "no sec"}),
         chunk({"content": "ret"}),
         {"id": "c1", "choices": [{"index": 0, "finish_reason": "stop"}]},  # no delta: one is made
@@ -122,7 +127,9 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
     plain, general = CompletionStream(Pipeline()), CompletionStream(Pipeline(), keep=True)
     for data in chunks:
         fast, slow = await plain.feed(copy.deepcopy(data)), await general.feed(copy.deepcopy(data))
-        assert (fast.data, fast.output, fast.delta, fast.batch) == (slow.data, slow.output, slow.delta, slow.batch), data
+        assert (fast.data, fast.output, fast.delta, fast.batch) == (slow.data, slow.output, slow.delta, slow.batch), (
+            data
+        )
         assert plain.finished == general.finished and plain.done == general.done
     assert plain.summary() == general.summary()
     with pytest.raises(UpstreamMalformed):
@@ -171,26 +178,49 @@ async def test_the_flushed_tail_goes_into_the_finishing_chunk_even_without_a_del
 
 async def test_a_tool_calls_held_arguments_are_flushed_as_a_fragment_of_that_call():
     stream = CompletionStream(redacting())
-    await stream.feed(chunk({"tool_calls": [tool_fragment("", 0, id="call_a", type="function"),
-                                            tool_fragment("", 1, id="call_b", type="function")]}))
+    await stream.feed(
+        chunk(
+            {
+                "tool_calls": [
+                    tool_fragment("", 0, id="call_a", type="function"),
+                    tool_fragment("", 1, id="call_b", type="function"),
+                ]
+            }
+        )
+    )
     fed = await stream.feed(chunk({"tool_calls": [tool_fragment("x se", 0), tool_fragment("cr", 1)]}))
-    assert fed.data["choices"][0]["delta"]["tool_calls"] == [tool_fragment("x ", 0)], \
+    assert fed.data["choices"][0]["delta"]["tool_calls"] == [tool_fragment("x ", 0)], (
         "a fragment left with nothing is dropped"
+    )
     fed = await stream.feed(chunk({}, "tool_calls"))
     assert fed.data["choices"][0]["delta"]["tool_calls"] == [tool_fragment("se", 0), tool_fragment("cr", 1)]
 
 
 async def test_released_content_is_kept_for_the_after_steps():
     stream = CompletionStream(redacting(), choices=2, keep=True)
-    await feed_all(stream, [chunk({"content": "a secret"}), chunk({"content": "b"}, index=1),
-                            chunk({"content": " x se"}, "stop"), chunk({}, "stop", index=1)])
+    await feed_all(
+        stream,
+        [
+            chunk({"content": "a secret"}),
+            chunk({"content": "b"}, index=1),
+            chunk({"content": " x se"}, "stop"),
+            chunk({}, "stop", index=1),
+        ],
+    )
     assert {i: "".join(t) for i, t in stream.released.items()} == {0: "a [redacted] x se", 1: "b"}
 
 
-@pytest.mark.parametrize("bad", [
-    {"choices": "x"}, {"choices": {"a": 1}}, {"choices": [None]}, {"choices": [{"delta": 1}]},
-    {"choices": [{"delta": {"content": {"text": "x"}}}]}, {"choices": [{"delta": {"tool_calls": "x"}}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"choices": "x"},
+        {"choices": {"a": 1}},
+        {"choices": [None]},
+        {"choices": [{"delta": 1}]},
+        {"choices": [{"delta": {"content": {"text": "x"}}}]},
+        {"choices": [{"delta": {"tool_calls": "x"}}]},
+    ],
+)
 async def test_malformed_choices(bad):
     with pytest.raises(UpstreamMalformed):
         await CompletionStream(Pipeline()).feed(bad)
@@ -258,8 +288,16 @@ def test_channels_interleaved_are_redacted_apart(cases, data):
     way: every channel comes out as its whole text redacted, as if it had been alone."""
     channels = ["content", "refusal", ("tool", 0), ("tool", 1)]
     queues = {ch: list(pieces) for ch, (_, pieces) in zip(channels, cases)}
-    chunks = [chunk({"tool_calls": [tool_fragment("", 0, id="a", type="function"),
-                                    tool_fragment("", 1, id="b", type="function")]})]
+    chunks = [
+        chunk(
+            {
+                "tool_calls": [
+                    tool_fragment("", 0, id="a", type="function"),
+                    tool_fragment("", 1, id="b", type="function"),
+                ]
+            }
+        )
+    ]
     for channel in data.draw(interleavings(channels, [len(q) for q in queues.values()])):
         chunks.append(chunk(delta_for(channel, queues[channel].pop(0))))
     chunks.append(chunk({}, "stop"))
@@ -273,8 +311,10 @@ def test_channels_interleaved_are_redacted_apart(cases, data):
 @given(first=split_texts(), second=split_texts(), data=st.data())
 def test_choices_are_redacted_apart(first, second, data):
     queues = {0: list(first[1]), 1: list(second[1])}
-    chunks = [chunk({"content": queues[index].pop(0)}, index=index)
-              for index in data.draw(interleavings([0, 1], [len(q) for q in queues.values()]))]
+    chunks = [
+        chunk({"content": queues[index].pop(0)}, index=index)
+        for index in data.draw(interleavings([0, 1], [len(q) for q in queues.values()]))
+    ]
     chunks += [chunk({}, "stop", index=1), chunk({}, "stop", index=0)]
     stream = CompletionStream(redacting(), choices=2)
     forwarded = drive(feed_all(stream, chunks))
@@ -285,25 +325,45 @@ def test_choices_are_redacted_apart(first, second, data):
 
 async def test_legacy_function_call_arguments_are_redacted_too():
     stream = CompletionStream(redacting())
-    forwarded = await feed_all(stream, [chunk({"function_call": {"name": "f", "arguments": "a sec"}}),
-                                        chunk({"function_call": {"arguments": "ret b"}}),
-                                        chunk({}, "function_call")])
-    arguments = "".join(c["delta"].get("function_call", {}).get("arguments", "")
-                        for d in forwarded for c in d["choices"])
+    forwarded = await feed_all(
+        stream,
+        [
+            chunk({"function_call": {"name": "f", "arguments": "a sec"}}),
+            chunk({"function_call": {"arguments": "ret b"}}),
+            chunk({}, "function_call"),
+        ],
+    )
+    arguments = "".join(
+        c["delta"].get("function_call", {}).get("arguments", "") for d in forwarded for c in d["choices"]
+    )
     assert arguments == "a [redacted] b"
 
 
 # ------------------------------------------------------------------- a whole (non-streamed) answer
 
 COMPLETION = {
-    "id": "chatcmpl-9", "object": "chat.completion", "model": "m-1",
+    "id": "chatcmpl-9",
+    "object": "chat.completion",
+    "model": "m-1",
     "choices": [
-        {"index": 0, "finish_reason": "tool_calls", "message": {
-            "role": "assistant", "content": "a secret here", "refusal": "no sec, no cretin",
-            "tool_calls": [{"id": "call_1", "type": "function",
-                            "function": {"name": "secret", "arguments": "{\"q\": \"secret\"}"}},
-                           {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
-                           "odd"]}},
+        {
+            "index": 0,
+            "finish_reason": "tool_calls",
+            "message": {
+                "role": "assistant",
+                "content": "a secret here",
+                "refusal": "no sec, no cretin",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "secret", "arguments": '{"q": "secret"}'},
+                    },
+                    {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+                    "odd",
+                ],
+            },
+        },
         {"index": 1, "finish_reason": "stop", "message": {"role": "assistant", "content": "é😀!"}},
         "not a choice",
     ],
@@ -319,8 +379,9 @@ async def test_filter_completion_redacts_every_text_and_leaves_the_input_alone()
     message = out["choices"][0]["message"]
     assert message["content"] == "a [redacted] here"
     assert message["refusal"] == "no [redacted], no [redacted]"
-    assert message["tool_calls"][0]["function"] == {"name": "secret", "arguments": "{\"q\": \"[redacted]\"}"}, \
+    assert message["tool_calls"][0]["function"] == {"name": "secret", "arguments": '{"q": "[redacted]"}'}, (
         "the function name is not text: only the arguments are redacted"
+    )
     assert message["tool_calls"][1:] == COMPLETION["choices"][0]["message"]["tool_calls"][1:]
     assert out["choices"][1]["message"]["content"] == "[redacted]!"
     assert out["choices"][2] == "not a choice"
@@ -341,7 +402,18 @@ async def test_filter_completion_without_choices_is_malformed(body):
 
 
 async def test_filter_completion_redacts_legacy_function_call_arguments():
-    body = {"choices": [{"index": 0, "finish_reason": "function_call", "message": {
-        "role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "a secret"}}}]}
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "function_call",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "function_call": {"name": "f", "arguments": "a secret"},
+                },
+            }
+        ]
+    }
     out = await filter_completion(body, redacting(), record())
     assert out["choices"][0]["message"]["function_call"]["arguments"] == "a [redacted]"

@@ -1,12 +1,13 @@
 """chatstream/http.py: reading a body (the content type, the body size limit (413 as soon as it is known) and strict
 JSON, on a Starlette request fed from memory."""
+
 from __future__ import annotations
 
 import pytest
 from starlette.requests import Request
 
-from chatstream.http import parse_json_body, read_body, require_json_content_type
 from chatstream.errors import ApiError, ClientGone
+from chatstream.http import parse_json_body, read_body, require_json_content_type
 
 
 def request(pieces: list[bytes], headers: dict[str, str] | None = None, disconnect: bool = False):
@@ -22,23 +23,39 @@ def request(pieces: list[bytes], headers: dict[str, str] | None = None, disconne
         received.append(message)
         return message
 
-    scope = {"type": "http", "method": "POST", "path": "/api/chat", "query_string": b"",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/chat",
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
     return Request(scope, receive), received
 
 
 # ------------------------------------------------------------------------------ content type
 
-@pytest.mark.parametrize("content_type", [
-    None, "", "application/json", "Application/JSON; charset=utf-8", "application/x-www-form-urlencoded",
-    "application/merge-patch+json", " application/json ;charset=UTF-8",
-])
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "",
+        "application/json",
+        "Application/JSON; charset=utf-8",
+        "application/x-www-form-urlencoded",
+        "application/merge-patch+json",
+        " application/json ;charset=UTF-8",
+    ],
+)
 def test_json_content_types_are_accepted(content_type):
     require_json_content_type(content_type)
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=x", "application/xml",
-                                          "text/json", "application/jsonx", "json"])
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "multipart/form-data; boundary=x", "application/xml", "text/json", "application/jsonx", "json"],
+)
 def test_other_content_types_are_415(content_type):
     with pytest.raises(ApiError) as info:
         require_json_content_type(content_type)
@@ -46,6 +63,7 @@ def test_other_content_types_are_415(content_type):
 
 
 # ------------------------------------------------------------------------------------- size
+
 
 async def test_body_in_pieces_is_joined():
     req, _ = request([b'{"a":', b"", b" 1}"])
@@ -90,6 +108,7 @@ async def test_a_caller_hanging_up_while_sending_is_client_gone():
 
 
 # ------------------------------------------------------------------------------ strict JSON
+
 
 def test_plain_json():
     assert parse_json_body('{"a": [1, 2.5, "é", null, true]}'.encode()) == {"a": [1, 2.5, "é", None, True]}
@@ -140,8 +159,9 @@ def test_not_utf8_is_400(raw):
     assert info.value.message == "the body is not valid UTF-8"
 
 
-@pytest.mark.parametrize("raw", [rb'{"a": "\ud800"}', rb'{"a": ["x", {"b": "y\udfff"}]}', rb'{"\udc00": 1}',
-                                 rb'["\ude00\ud83d"]'])
+@pytest.mark.parametrize(
+    "raw", [rb'{"a": "\ud800"}', rb'{"a": ["x", {"b": "y\udfff"}]}', rb'{"\udc00": 1}', rb'["\ude00\ud83d"]']
+)
 def test_lone_surrogate_escapes_are_400(raw):
     with pytest.raises(ApiError) as info:
         parse_json_body(raw)

@@ -9,6 +9,7 @@ TTFD p50 and p99 over the direct path's wave of the same round; the other load d
 A and B are path names (app, base, floor, a --variant name). At 1 stream the trials are pooled (one
 stream per wave says little): the ratio of B's added TTFD p50 to A's, over all trials and probes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from report import _other_cores, pct  # noqa: E402
+from report import _other_cores, pct  # noqa: E402 - after sys.path names the repository
 
 
 def _ttfd(w: dict, q: float) -> float | None:
@@ -29,9 +30,13 @@ def _ttfd(w: dict, q: float) -> float | None:
 def per_wave(w: dict, direct: dict | None) -> dict:
     n = len(w["records"])
     cpu = w["cpu_s"]
-    out = {"cpu_stream_ms": cpu.get("server", 0.0) / n * 1000 if n and "server" in cpu else None,
-           "worker_stream_ms": cpu.get("worker", 0.0) / n * 1000 if n and "worker" in cpu else None,
-           "other": _other_cores(w), "ok": sum(r["ok"] for r in w["records"]), "n": n}
+    out = {
+        "cpu_stream_ms": cpu.get("server", 0.0) / n * 1000 if n and "server" in cpu else None,
+        "worker_stream_ms": cpu.get("worker", 0.0) / n * 1000 if n and "worker" in cpu else None,
+        "other": _other_cores(w),
+        "ok": sum(r["ok"] for r in w["records"]),
+        "n": n,
+    }
     for q in (50, 99):
         own, base = _ttfd(w, q), _ttfd(direct, q) if direct else None
         out[f"added_p{q}"] = None if own is None or base is None else own - base
@@ -59,8 +64,16 @@ def _ratios(rows, key):
 
 def single(results: dict, a: str, b: str) -> dict | None:
     """1 stream: added TTFD p50 of each path (trials and probes pooled) against direct's."""
-    sel = lambda p: [r["ttfd_ms"] for w in results["waves"] if w["n"] == 1 and w["path"] == p  # noqa: E731
-                     and w["phase"] in ("c1", "c1probe") for r in w["records"] if r["ttfd_ms"] is not None]
+
+    def sel(p):
+        return [
+            r["ttfd_ms"]
+            for w in results["waves"]
+            if w["n"] == 1 and w["path"] == p and w["phase"] in ("c1", "c1probe")
+            for r in w["records"]
+            if r["ttfd_ms"] is not None
+        ]
+
     d, x, y = sel("direct"), sel(a), sel(b)
     if not (d and x and y):
         return None
@@ -76,31 +89,39 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     results = json.loads(Path(args.results).read_text())
     rows = pairs(results, args.a, args.b)
-    print(f"B = {args.b} against A = {args.a}: ratio B/A per pair of waves of the same round "
-          f"(median [lowest–highest] over the pairs)")
+    print(
+        f"B = {args.b} against A = {args.a}: ratio B/A per pair of waves of the same round "
+        f"(median [lowest–highest] over the pairs)"
+    )
     if args.md:
         print()
-        print("| streams | pairs | CPU per stream (host + worker) | worker CPU per stream | added TTFD p50 | "
-              "added TTFD p99 | A: CPU / p50 / p99 (medians) | other load (cores, median) |")
+        print(
+            "| streams | pairs | CPU per stream (host + worker) | worker CPU per stream | added TTFD p50 | "
+            "added TTFD p99 | A: CPU / p50 / p99 (medians) | other load (cores, median) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
     for n, rs in sorted(rows.items()):
         cells = []
         for key in ("cpu_stream_ms", "worker_stream_ms", "added_p50", "added_p99"):
             r = _ratios(rs, key)
             cells.append("–" if r is None else f"{r[0]:.2f}× [{r[1]:.2f}–{r[2]:.2f}]")
-        med = lambda key, rs=rs: pct([x[key] for x, _ in rs if x[key] is not None], 50)  # noqa: E731
+        med = lambda key, rs=rs: pct([x[key] for x, _ in rs if x[key] is not None], 50)  # noqa: E731 - a one-line helper
         other = pct([v for x, y in rs for v in (x["other"], y["other"]) if v is not None], 50)
         a_cells = f"{med('cpu_stream_ms') or 0:.2f} ms / {med('added_p50') or 0:.0f} / {med('added_p99') or 0:.0f} ms"
         other_cell = "–" if other is None else f"{other:.2f}"
         if args.md:
             print(f"| {n:,} | {len(rs)} | " + " | ".join(cells) + f" | {a_cells} | {other_cell} |")
         else:
-            print(f"{n:>6} streams, {len(rs)} pairs: CPU/stream {cells[0]}, worker {cells[1]}, added p50 {cells[2]}, "
-                  f"p99 {cells[3]}; A: {a_cells}; other load {other_cell}")
+            print(
+                f"{n:>6} streams, {len(rs)} pairs: CPU/stream {cells[0]}, worker {cells[1]}, added p50 {cells[2]}, "
+                f"p99 {cells[3]}; A: {a_cells}; other load {other_cell}"
+            )
     s = single(results, args.a, args.b)
     if s:
-        print(f"1 stream (pooled): added TTFD p50 {args.a} {s[50][0]:+.2f} ms, {args.b} {s[50][1]:+.2f} ms; "
-              f"p99 {s[99][0]:+.2f} / {s[99][1]:+.2f} ms")
+        print(
+            f"1 stream (pooled): added TTFD p50 {args.a} {s[50][0]:+.2f} ms, {args.b} {s[50][1]:+.2f} ms; "
+            f"p99 {s[99][0]:+.2f} / {s[99][1]:+.2f} ms"
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ way tokenizers do: a leading space, long words in two pieces) through
 and prints Markdown tables: microseconds per delta (median, p99, over all rounds), and how long the
 first character of each delta waits before it is released. Times include the timer call (~0.1 us).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +24,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from chatstream.guard import Redactor, redact_whole  # noqa: E402
-from chatstream.stream import Chunk  # noqa: E402
-from chatstream.apis.chat import encode as encode_chat  # noqa: E402
+from chatstream.apis.chat import encode as encode_chat
+from chatstream.guard import Redactor, redact_whole
+from chatstream.stream import Chunk
 
 
 def frame(text: str) -> bytes | None:
     return encode_chat(Chunk({"choices": [{"index": 0, "delta": {"content": text}}]}))
 
+
 LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
-WEIGHTS = [12.7, 9.1, 8.2, 7.5, 7.0, 6.7, 6.3, 6.1, 6.0, 4.3, 4.0, 2.8, 2.8, 2.4, 2.4, 2.2, 2.0, 2.0, 1.9,
-           1.5, 1.0, 0.8, 0.2, 0.2, 0.1, 0.1]
+WEIGHTS = [
+    12.7,
+    9.1,
+    8.2,
+    7.5,
+    7.0,
+    6.7,
+    6.3,
+    6.1,
+    6.0,
+    4.3,
+    4.0,
+    2.8,
+    2.8,
+    2.4,
+    2.4,
+    2.2,
+    2.0,
+    2.0,
+    1.9,
+    1.5,
+    1.0,
+    0.8,
+    0.2,
+    0.2,
+    0.1,
+    0.1,
+]
 
 
 def make_corpus(rng: random.Random, n_deltas: int) -> tuple[list[str], list[str]]:
@@ -45,23 +73,23 @@ def make_corpus(rng: random.Random, n_deltas: int) -> tuple[list[str], list[str]
     rng.shuffle(vocab)
 
     common = vocab[:400]  # vocab is shuffled: these are the most frequent words
-    terms = {w for w in rng.sample(common, 70) if w[0] < "\u4e00"}                 # single words
-    terms |= {w for w in rng.sample(common, 40) if w[0] >= "\u4e00"}               # CJK words
+    terms = {w for w in rng.sample(common, 70) if w[0] < "\u4e00"}  # single words
+    terms |= {w for w in rng.sample(common, 40) if w[0] >= "\u4e00"}  # CJK words
     terms |= {f"{rng.choice(latin[:400])} {rng.choice(latin[:400])}" for _ in range(20)}  # phrases
-    while len(terms) < 100:                                                        # never in the text
+    while len(terms) < 100:  # never in the text
         terms.add("".join(rng.choices(LETTERS, k=rng.randint(8, 16))))
     terms = sorted(terms)[:100]
 
     deltas: list[str] = []
     while len(deltas) < n_deltas:
         word = rng.choices(vocab, weights)[0]
-        if word[0] >= "\u4e00":       # CJK: no spaces, one or two characters per delta
+        if word[0] >= "\u4e00":  # CJK: no spaces, one or two characters per delta
             i = 0
             while i < len(word):
                 step = rng.randint(1, 2)
-                deltas.append(word[i:i + step])
+                deltas.append(word[i : i + step])
                 i += step
-        elif len(word) >= 6 and rng.random() < 0.3:   # a long word in two tokens
+        elif len(word) >= 6 and rng.random() < 0.3:  # a long word in two tokens
             cut = rng.randint(2, len(word) - 2)
             deltas += [" " + word[:cut], word[cut:]]
         else:
@@ -79,7 +107,7 @@ def cost_by_delta_size(text: str, terms: list[str], sizes: tuple[int, ...]) -> l
     clock = time.perf_counter_ns
     rows = []
     for size in sizes:
-        deltas = [text[i:i + size] for i in range(0, min(len(text), 20_000 * size), size)]
+        deltas = [text[i : i + size] for i in range(0, min(len(text), 20_000 * size), size)]
         redactor = Redactor(terms)
         times = []
         for d in deltas:
@@ -180,22 +208,31 @@ def main() -> None:
     first, last = waits(deltas, terms)
 
     mean_len = len(text) / len(deltas)
-    print(f"## Output guard: {len(deltas):,} deltas ({mean_len:.1f} characters on average, "
-          f"{sum(c >= chr(0x4E00) for c in text) / len(text):.0%} CJK), {len(terms)} blocked terms "
-          f"(longest {max(map(len, terms))}), {redacted} redactions, {args.rounds} rounds, "
-          f"Python {sys.version.split()[0]}\n")
+    print(
+        f"## Output guard: {len(deltas):,} deltas ({mean_len:.1f} characters on average, "
+        f"{sum(c >= chr(0x4E00) for c in text) / len(text):.0%} CJK), {len(terms)} blocked terms "
+        f"(longest {max(map(len, terms))}), {redacted} redactions, {args.rounds} rounds, "
+        f"Python {sys.version.split()[0]}\n"
+    )
     print("| per delta | median µs | p99 µs | mean µs |")
     print("|---|---:|---:|---:|")
-    for name, label in [("none", "no guard (SSE frame only)"), ("guard", "guard + SSE frame"),
-                        ("feed", "guard `feed` alone")]:
+    for name, label in [
+        ("none", "no guard (SSE frame only)"),
+        ("guard", "guard + SSE frame"),
+        ("feed", "guard `feed` alone"),
+    ]:
         values = sorted(samples[name])
-        print(f"| {label} | {statistics.median(values):.2f} | {percentile(values, 99):.2f} | "
-              f"{statistics.fmean(values):.2f} |")
+        print(
+            f"| {label} | {statistics.median(values):.2f} | {percentile(values, 99):.2f} | "
+            f"{statistics.fmean(values):.2f} |"
+        )
     added = statistics.median(samples["guard"]) - statistics.median(samples["none"])
     feed = samples["feed"][: len(deltas)]
     early, late = statistics.median(feed[:2000]), statistics.median(feed[-2000:])
-    print(f"\nAdded by the guard: {added:.2f} µs per delta (median). `feed`, first 2,000 deltas of the "
-          f"stream vs last 2,000: {early:.2f} vs {late:.2f} µs (no growth with the text so far).\n")
+    print(
+        f"\nAdded by the guard: {added:.2f} µs per delta (median). `feed`, first 2,000 deltas of the "
+        f"stream vs last 2,000: {early:.2f} vs {late:.2f} µs (no growth with the text so far).\n"
+    )
 
     print("| same text, equal deltas of | median µs per feed | ns per character |")
     print("|---:|---:|---:|")
@@ -208,16 +245,20 @@ def main() -> None:
             return f"| {label} | 0 | – | – |"
         values = sorted(values)
         same = sum(v == 0 for v in values) / len(values)
-        return (f"| {label} | {len(values):,} | {same:.1%} | "
-                f"{statistics.median(values):g} / {percentile(values, 99):g} / {values[-1]} |")
+        return (
+            f"| {label} | {len(values):,} | {same:.1%} | "
+            f"{statistics.median(values):g} / {percentile(values, 99):g} / {values[-1]} |"
+        )
 
     print("| non-empty deltas | count | released by their own feed | later deltas waited: median / p99 / max |")
     print("|---|---:|---:|---:|")
     for group, values in first.items():
         print(row(f"first character; {group}", values))
     print(row("last character (the whole delta out)", last))
-    print("\nA wait of 0 deltas adds only the `feed` time above; a wait of k deltas adds k upstream "
-          "inter-token gaps (the text is held because the next delta decides whether it is redacted).")
+    print(
+        "\nA wait of 0 deltas adds only the `feed` time above; a wait of k deltas adds k upstream "
+        "inter-token gaps (the text is held because the next delta decides whether it is redacted)."
+    )
     print(f"\n_run time {time.perf_counter() - started:.1f} s_")
 
     assert not any(first[CANNOT]), "a delta that could not begin a term was held back"

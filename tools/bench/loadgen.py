@@ -14,10 +14,12 @@ Times are ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux, the same clock in e
 ms after the request bytes were handed to the socket; ``sent_wall`` maps them to wall-clock time
 (``time.time()``) so that they can be lined up with the scripted upstream's records.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -31,7 +33,7 @@ OPENAI, APP = "openai", "app"
 class SSE:
     """Incremental SSE parser: counts content deltas (and when they were parsed) and the end."""
 
-    __slots__ = ("kind", "buf", "times", "chars", "end", "error")
+    __slots__ = ("buf", "chars", "end", "error", "kind", "times")
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -124,7 +126,7 @@ class Stream(asyncio.Protocol):
                 i = self.head.find(b"\r\n\r\n")
                 if i < 0:
                     return
-                head, data = self.head[:i], self.head[i + 4:]
+                head, data = self.head[:i], self.head[i + 4 :]
                 self.head = b""
                 self.in_body = True
                 self.t_headers = t
@@ -168,7 +170,7 @@ class Stream(asyncio.Protocol):
                 self.clen = size
             if len(buf) - pos < self.clen + 2:
                 break
-            self.sse.feed(buf[pos:pos + self.clen], t)
+            self.sse.feed(buf[pos : pos + self.clen], t)
             pos += self.clen + 2
             self.clen = None
         self.cbuf = buf[pos:]
@@ -189,19 +191,40 @@ def _request(target: dict, marker: str) -> tuple[bytes, bytes]:
     if target["kind"] == APP:
         body = {"prompt": marker, **({"model": target["model"]} if target.get("model") else {})}
     else:
-        body = {"model": target["model"], "messages": [{"role": "user", "content": marker}],
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": target["model"],
+            "messages": [{"role": "user", "content": marker}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
     return target["path"].encode(), json.dumps(body, separators=(",", ":")).encode()
 
 
-def _record(i, marker, status, sse: SSE, t_sched, t_conn, t_open, t_sent, t_headers, t_close, err, anchor,
-            expected: tuple[int, int | None], probe: bool) -> dict:
+def _record(
+    i,
+    marker,
+    status,
+    sse: SSE,
+    t_sched,
+    t_conn,
+    t_open,
+    t_sent,
+    t_headers,
+    t_close,
+    err,
+    anchor,
+    expected: tuple[int, int | None],
+    probe: bool,
+) -> dict:
     """``expected``: (content deltas, characters of text or None)."""
     times = sse.times
     n_expected, chars_expected = expected
-    ok = err is None and status == 200 and sse.error is None and (
-        bool(times) if probe else (sse.end and len(times) == n_expected
-                                   and chars_expected in (None, sse.chars)))
+    ok = (
+        err is None
+        and status == 200
+        and sse.error is None
+        and (bool(times) if probe else (sse.end and len(times) == n_expected and chars_expected in (None, sse.chars)))
+    )
     if ok or err is not None:
         error = err
     elif status != 200:
@@ -217,24 +240,38 @@ def _record(i, marker, status, sse: SSE, t_sched, t_conn, t_open, t_sent, t_head
     else:
         error = "wrong_text"
     return {
-        "i": i, "marker": marker, "ok": ok, "error": error, "status": status,
+        "i": i,
+        "marker": marker,
+        "ok": ok,
+        "error": error,
+        "status": status,
         "late_ms": round((t_conn - t_sched) * 1000, 3),
         "connect_ms": round((t_open - t_conn) * 1000, 3) if t_open else None,
         "headers_ms": round((t_headers - t_sent) * 1000, 3) if t_headers and t_sent else None,
         "ttfd_ms": round((times[0] - t_sent) * 1000, 3) if times else None,
         "d": [round((t - t_sent) * 1000, 3) for t in times],
-        "chars": sse.chars, "end": sse.end,
+        "chars": sse.chars,
+        "end": sse.end,
         "sent_wall": (t_sent + anchor) if t_sent else None,
-        "open": t_open or t_conn, "close": t_close,
+        "open": t_open or t_conn,
+        "close": t_close,
     }
 
 
 def _head(method: bytes, path: bytes, target: dict, body: bytes) -> bytes:
-    return (method + b" " + path + b" HTTP/1.1\r\nHost: " + target["hostport"].encode() + b"\r\n"
-            + (b"Content-Type: application/json\r\n" if body else b"") + b"Accept: text/event-stream\r\n"
-            + b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in target.get("headers", {}).items())
-            + (b"Content-Length: " + str(len(body)).encode() + b"\r\n" if body else b"")
-            + b"Connection: close\r\n\r\n")
+    return (
+        method
+        + b" "
+        + path
+        + b" HTTP/1.1\r\nHost: "
+        + target["hostport"].encode()
+        + b"\r\n"
+        + (b"Content-Type: application/json\r\n" if body else b"")
+        + b"Accept: text/event-stream\r\n"
+        + b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in target.get("headers", {}).items())
+        + (b"Content-Length: " + str(len(body)).encode() + b"\r\n" if body else b"")
+        + b"Connection: close\r\n\r\n"
+    )
 
 
 async def _follow(loop, target: dict, follow: dict, stream_id: str | None, timeout: float) -> dict:
@@ -244,7 +281,9 @@ async def _follow(loop, target: dict, follow: dict, stream_id: str | None, timeo
         return {"error": "no x-stream-id header", "times": [], "sent": None, "status": 0}
     path = follow["path"].replace("{id}", stream_id).encode()
     done = loop.create_future()
-    proto = Stream(_head(b"GET", path, {**follow, "headers": target.get("headers", {})}, b""), target["kind"], False, done)
+    proto = Stream(
+        _head(b"GET", path, {**follow, "headers": target.get("headers", {})}, b""), target["kind"], False, done
+    )
     transport = None
     err = None
     try:
@@ -294,16 +333,33 @@ async def _raw_one(loop, target, i, marker, at, expected, probe, timeout, anchor
         if transport is not None:
             transport.close()
     t_close = time.perf_counter()
-    rec = _record(i, marker, proto.status, proto.sse, at, t_conn, t_open, proto.t_sent or None,
-                  proto.t_headers, t_close, err, anchor, expected, probe)
+    rec = _record(
+        i,
+        marker,
+        proto.status,
+        proto.sse,
+        at,
+        t_conn,
+        t_open,
+        proto.t_sent or None,
+        proto.t_headers,
+        t_close,
+        err,
+        anchor,
+        expected,
+        probe,
+    )
     if proto.stream_id:
         rec["stream_id"] = proto.stream_id
     if reader:
         got = await reader[0]
         base = proto.t_sent
-        rec["follower"] = {"error": got["error"], "status": got["status"],
-                           "sent_ms": round((got["sent"] - base) * 1000, 3) if got["sent"] and base else None,
-                           "d": [round((t - base) * 1000, 3) for t in got["times"]] if base else []}
+        rec["follower"] = {
+            "error": got["error"],
+            "status": got["status"],
+            "sent_ms": round((got["sent"] - base) * 1000, 3) if got["sent"] and base else None,
+            "d": [round((t - base) * 1000, 3) for t in got["times"]] if base else [],
+        }
     return rec
 
 
@@ -333,8 +389,7 @@ async def _httpx_one(client, target, i, marker, at, expected, probe, timeout, an
     except Exception as exc:  # httpx errors: connection refused, reset, pool timeout...
         err = f"httpx: {type(exc).__name__}"
     t_close = time.perf_counter()
-    return _record(i, marker, status, sse, at, t_conn, None, t_sent, t_headers, t_close, err, anchor,
-                   expected, probe)
+    return _record(i, marker, status, sse, at, t_conn, None, t_sent, t_headers, t_close, err, anchor, expected, probe)
 
 
 async def run_wave(cmd: dict) -> dict:
@@ -351,20 +406,31 @@ async def run_wave(cmd: dict) -> dict:
     items = cmd["items"]
     if cmd.get("engine", "raw") == "httpx":
         import httpx
+
         n = len(items)
         limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
-            records = await asyncio.gather(*(
-                _httpx_one(client, target, i, marker, start_at + off, expected, probe, timeout, anchor)
-                for i, marker, off in items))
+            records = await asyncio.gather(
+                *(
+                    _httpx_one(client, target, i, marker, start_at + off, expected, probe, timeout, anchor)
+                    for i, marker, off in items
+                )
+            )
     else:
-        records = await asyncio.gather(*(
-            _raw_one(loop, target, i, marker, start_at + off, expected, probe, timeout, anchor)
-            for i, marker, off in items))
+        records = await asyncio.gather(
+            *(
+                _raw_one(loop, target, i, marker, start_at + off, expected, probe, timeout, anchor)
+                for i, marker, off in items
+            )
+        )
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    return {"records": records, "client_cpu_s": time.process_time() - cpu0,
-            "client_maxrss_kb": ru1.ru_maxrss, "ctx_switches": (ru1.ru_nvcsw - ru0.ru_nvcsw) + (ru1.ru_nivcsw - ru0.ru_nivcsw),
-            "pid": os.getpid()}
+    return {
+        "records": records,
+        "client_cpu_s": time.process_time() - cpu0,
+        "client_maxrss_kb": ru1.ru_maxrss,
+        "ctx_switches": (ru1.ru_nvcsw - ru0.ru_nvcsw) + (ru1.ru_nivcsw - ru0.ru_nivcsw),
+        "pid": os.getpid(),
+    }
 
 
 async def serve() -> None:
@@ -372,10 +438,8 @@ async def serve() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    try:  # imported up front, so that the first httpx wave does not start late
+    with contextlib.suppress(ImportError):  # imported up front, so that the first httpx wave does not start late
         importlib.import_module("httpx")
-    except ImportError:
-        pass
     out = sys.stdout
     out.write(json.dumps({"ready": True, "pid": os.getpid(), "loop": type(loop).__module__}) + "\n")
     out.flush()
@@ -404,6 +468,7 @@ def _run(coro, use_uvloop: bool):
     if use_uvloop:
         try:
             import uvloop
+
             return uvloop.run(coro)
         except ImportError:
             pass
@@ -429,18 +494,35 @@ def main(argv=None) -> int:
     if not args.url:
         p.error("--url or --serve")
     from urllib.parse import urlsplit
+
     u = urlsplit(args.url)
-    target = {"kind": args.kind, "host": u.hostname, "port": u.port, "hostport": u.netloc, "path": u.path,
-              "url": args.url, "model": args.model}
+    target = {
+        "kind": args.kind,
+        "host": u.hostname,
+        "port": u.port,
+        "hostport": u.netloc,
+        "path": u.path,
+        "url": args.url,
+        "model": args.model,
+    }
     items = [[i, f"loadgen {i}", args.ramp * i / max(1, args.n)] for i in range(args.n)]
-    result = _run(run_wave({"target": target, "items": items, "expected": args.expected,
-                            "engine": args.engine}), args.loop == "uvloop")
+    result = _run(
+        run_wave({"target": target, "items": items, "expected": args.expected, "engine": args.engine}),
+        args.loop == "uvloop",
+    )
     recs = result["records"]
     ttfd = sorted(r["ttfd_ms"] for r in recs if r["ttfd_ms"] is not None)
-    print(json.dumps({"ok": sum(r["ok"] for r in recs), "n": len(recs),
-                      "errors": sorted({r["error"] for r in recs if r["error"]}),
-                      "ttfd_p50_ms": ttfd[len(ttfd) // 2] if ttfd else None,
-                      "client_cpu_s": round(result["client_cpu_s"], 3)}))
+    print(
+        json.dumps(
+            {
+                "ok": sum(r["ok"] for r in recs),
+                "n": len(recs),
+                "errors": sorted({r["error"] for r in recs if r["error"]}),
+                "ttfd_p50_ms": ttfd[len(ttfd) // 2] if ttfd else None,
+                "client_cpu_s": round(result["client_cpu_s"], 3),
+            }
+        )
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ Three cases, sequential requests (one at a time, so the figures are latencies, n
   during cooldown the same pool inside the cooldown: the 429 entry is skipped without a call.
 The median and p90 of each, and the added time of a failover over one entry, are written between
 the markers in the doc (``make bench`` runs this after the side-by-side benchmark)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ BEGIN, END = "<!-- pool-bench:begin -->", "<!-- pool-bench:end -->"
 def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "UPSTREAM"))}
     full.update({"PYTHONPATH": str(ROOT), **(env or {})})
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -85,18 +93,26 @@ def run(requests: int) -> dict:
     healthy = [start(["-m", "tools.fakeupstream", "--port", "0", "--scenario", "echo"]) for _ in range(2)]
     apps = []
     try:
-        one, one_url = start(["-m", "tools.devhost", "--port", "0", "."],
-                             {"OPENAI_BASE_URL": healthy[0][1] + "/v1", "OPENAI_API_KEY": "sk-bench"})
+        one, one_url = start(
+            ["-m", "tools.devhost", "--port", "0", "."],
+            {"OPENAI_BASE_URL": healthy[0][1] + "/v1", "OPENAI_API_KEY": "sk-bench"},
+        )
         apps.append(one)
-        entries = [{"name": "first-429", "base_url": limited_url + "/v1", "priority": 1},
-                   {"name": "second", "base_url": healthy[0][1] + "/v1", "priority": 2},
-                   {"name": "third", "base_url": healthy[1][1] + "/v1", "priority": 3}]
-        pool, pool_url = start(["-m", "tools.devhost", "--port", "0", "."],
-                               {"UPSTREAMS": json.dumps(entries), "OPENAI_API_KEY": "sk-bench"})
+        entries = [
+            {"name": "first-429", "base_url": limited_url + "/v1", "priority": 1},
+            {"name": "second", "base_url": healthy[0][1] + "/v1", "priority": 2},
+            {"name": "third", "base_url": healthy[1][1] + "/v1", "priority": 3},
+        ]
+        pool, pool_url = start(
+            ["-m", "tools.devhost", "--port", "0", "."],
+            {"UPSTREAMS": json.dumps(entries), "OPENAI_API_KEY": "sk-bench"},
+        )
         apps.append(pool)
-        results = {"one entry": measure(one_url, requests, 0),
-                   "failover": measure(pool_url, requests, 1.2),   # past the 1 s cooldown each time
-                   "during cooldown": measure(pool_url, requests, 0)}
+        results = {
+            "one entry": measure(one_url, requests, 0),
+            "failover": measure(pool_url, requests, 1.2),  # past the 1 s cooldown each time
+            "during cooldown": measure(pool_url, requests, 0),
+        }
     finally:
         for proc in [*apps, limited, *(p for p, _ in healthy)]:
             proc.terminate()
@@ -106,12 +122,17 @@ def run(requests: int) -> dict:
 
 def render(figures: dict) -> str:
     base = figures["one entry"]["p50"]
-    lines = [BEGIN, "", f"_Written by `tools/bench/pool_bench.py` on {time.strftime('%Y-%m-%d')}; "
-             "sequential requests, scripted upstreams (echo) on 127.0.0.1, 2-core machine._", "",
-             "| case | requests | TTFD p50 | TTFD p90 | added p50 over one entry |", "|---|---|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        f"_Written by `tools/bench/pool_bench.py` on {time.strftime('%Y-%m-%d')}; "
+        "sequential requests, scripted upstreams (echo) on 127.0.0.1, 2-core machine._",
+        "",
+        "| case | requests | TTFD p50 | TTFD p90 | added p50 over one entry |",
+        "|---|---|---|---|---|",
+    ]
     for name, f in figures.items():
-        lines.append(f"| {name} | {f['n']} | {f['p50']:.1f} ms | {f['p90']:.1f} ms | "
-                     f"{f['p50'] - base:+.1f} ms |")
+        lines.append(f"| {name} | {f['n']} | {f['p50']:.1f} ms | {f['p90']:.1f} ms | {f['p50'] - base:+.1f} ms |")
     lines += ["", END]
     return "\n".join(lines)
 
@@ -127,7 +148,7 @@ def main() -> int:
     doc = Path(args.doc)
     text = doc.read_text(encoding="utf-8")
     if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + table + text[text.index(END) + len(END):]
+        text = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
     else:
         text = text.rstrip("\n") + "\n\n## What a failover costs\n\n" + table + "\n"
     doc.write_text(text, encoding="utf-8")

@@ -5,6 +5,7 @@ were waited for), from /proc/PID/stat; so a difference of two readings includes 
 even ones that ended in between. Memory: VmRSS (now) and VmHWM (the process's own peak) from
 /proc/PID/status, in bytes, summed over the tree.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def _stat_fields(pid: int) -> list[str] | None:
     except OSError:
         return None
     # comm may hold spaces and parentheses: split after the last ')'. fields[0] is the state (field 3).
-    return raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2 :].split()
 
 
 def descendants(pid: int) -> list[int]:

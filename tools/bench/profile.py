@@ -10,6 +10,7 @@ back (bounded by ``--seconds``); for the app, one py-spy on the host and one on 
   tools/bench/out/profile-<target>[-host|-worker]-top.txt   self and inclusive samples per package and per function
   tools/bench/out/profile-<target>[-host|-worker].raw.txt   collapsed stacks (the input of the -top.txt file)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,12 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import run  # noqa: E402
+import run  # noqa: E402 - after sys.path names the repository
 
 PYSPY = Path(sys.executable).parent / "py-spy"
-SCAFFOLD = re.compile(r"(<frozen runpy>|tools/devhost/(__main__|worker_process)\.py|asyncio/(runners|base_events|events)\.py)\)$")
+SCAFFOLD = re.compile(
+    r"(<frozen runpy>|tools/devhost/(__main__|worker_process)\.py|asyncio/(runners|base_events|events)\.py)\)$"
+)
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
@@ -39,7 +42,7 @@ def area(filename: str) -> str:
         return part.removesuffix(".py")
     root = str(run.ROOT) + "/"
     if f.startswith(root):
-        return f[len(root):].split("/", 1)[0].removesuffix(".py")
+        return f[len(root) :].split("/", 1)[0].removesuffix(".py")
     m = re.search(r"/lib/python3\.\d+/(.+)", f)
     if m:
         return "stdlib:" + m.group(1).split("/", 1)[0].removesuffix(".py")
@@ -62,8 +65,10 @@ def parse_frame(frame: str) -> tuple[str, str]:
 # entry only).
 CONTEXT_STAGES = (
     ("upstream request: open (openai SDK, httpx2, connect)", ("UpstreamStream.open",)),
-    ("upstream response: read chunks (httpx2, httpcore2, h11), SSE framing, json", ("UpstreamStream.__stream__",
-                                                                                   "AsyncStream.__aiter__")),
+    (
+        "upstream response: read chunks (httpx2, httpcore2, h11), SSE framing, json",
+        ("UpstreamStream.__stream__", "AsyncStream.__aiter__"),
+    ),
 )
 STAGES = (
     ("socket writes (send syscalls)", ("_SelectorSocketTransport.write",)),
@@ -71,9 +76,10 @@ STAGES = (
     ("gRPC: invocation messages", ("/grpc/", "tools/devhost/rpc.py", "Dispatcher.", "WorkerProcess.")),
     ("runtime: invocation, pairing request and invocation", ("azure_functions_runtime",)),
     ("devhost: routing, proxying, forwarding", ("tools/devhost/proxy.py", "tools/devhost/forward.py")),
-    ("HTTP server and framework: uvicorn, httptools, FastAPI, Starlette, anyio", ("/uvicorn/", "/starlette/",
-                                                                                  "/fastapi/", "httptools",
-                                                                                  "/anyio/")),
+    (
+        "HTTP server and framework: uvicorn, httptools, FastAPI, Starlette, anyio",
+        ("/uvicorn/", "/starlette/", "/fastapi/", "httptools", "/anyio/"),
+    ),
     ("openai SDK, httpx2 (closing, other)", ("/openai/", "/httpx2/", "/httpcore2/", "/h11/")),
     ("logging", ("/logging/",)),
     ("event loop: select/epoll", ("selectors.py",)),
@@ -98,7 +104,7 @@ def stages(raw: Path) -> list[tuple[str, float]]:
             k += 1
         inner = ";".join(frames[k:])
         stage = next((name for name, pats in CONTEXT_STAGES if any(p in inner for p in pats)), None)
-        for frame in ([] if stage else reversed(frames[k:])):
+        for frame in [] if stage else reversed(frames[k:]):
             stage = next((name for name, pats in STAGES if any(p in frame for p in pats)), None)
             if stage:
                 break
@@ -152,26 +158,59 @@ def top_functions(raw: Path, limit: int = 35) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="py-spy profile of the app (or LiteLLM) under load")
-    p.add_argument("--target", choices=("app", "floor", "keys", "litellm"), default="app",
-                   help="the path to profile (default app; floor: the bare relay, to compare)")
+    p.add_argument(
+        "--target",
+        choices=("app", "floor", "keys", "litellm"),
+        default="app",
+        help="the path to profile (default app; floor: the bare relay, to compare)",
+    )
     p.add_argument("--streams", type=int, default=100, help="concurrent streams per wave (default 100)")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each recording (default 20 s)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second (default 100)")
-    p.add_argument("--probe", action="store_true",
-                   help="hang up after the first delta: profiles the request side (time to first delta) only")
-    p.add_argument("--short", action="store_true",
-                   help="10-delta streams (the upstream's `normal` scenario): mostly the per-request work")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="hang up after the first delta: profiles the request side (time to first delta) only",
+    )
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="10-delta streams (the upstream's `normal` scenario): mostly the per-request work",
+    )
     p.add_argument("--out", default=str(BENCH / "out"))
     a = p.parse_args(argv)
-    tag = a.target + ("-probe" if a.probe else "") + ("-short" if a.short else "") + (f"-{a.streams}" if a.streams != 100 else "")
+    tag = (
+        a.target
+        + ("-probe" if a.probe else "")
+        + ("-short" if a.short else "")
+        + (f"-{a.streams}" if a.streams != 100 else "")
+    )
     if not PYSPY.exists():
         print(f"{PYSPY} is missing: run `make bench` (tools/bench/requirements.txt installs py-spy)", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    bargs = run.parse_args(["--paths", f"direct,{a.target}", "--no-docs", "--out", str(out / "profile-run"),
-                            "--levels", str(a.streams), "--trials", "0", "--probes", "0", "--short-waves", "0",
-                            "--extra-levels", str(a.streams), "--wait-quiet", "0"])
+    bargs = run.parse_args(
+        [
+            "--paths",
+            f"direct,{a.target}",
+            "--no-docs",
+            "--out",
+            str(out / "profile-run"),
+            "--levels",
+            str(a.streams),
+            "--trials",
+            "0",
+            "--probes",
+            "0",
+            "--short-waves",
+            "0",
+            "--extra-levels",
+            str(a.streams),
+            "--wait-quiet",
+            "0",
+        ]
+    )
     if run.os.environ.get("BENCH_NETNS") == "1":
         run._loopback_up()
     bench = run.Bench(bargs)
@@ -182,28 +221,53 @@ def main(argv=None) -> int:
         pid = bench.serving_pid[a.target]
         if a.target in bench.app_paths:  # the host and its worker process, each with its own py-spy
             spied = {f"{tag}-host": (pid, False)}
-            spied.update({f"{tag}-worker" + (f"{i + 1}" if i else ""): (w, False)
-                          for i, w in enumerate(p for p in run.procstat.descendants(pid) if p != pid)})
+            spied.update(
+                {
+                    f"{tag}-worker" + (f"{i + 1}" if i else ""): (w, False)
+                    for i, w in enumerate(p for p in run.procstat.descendants(pid) if p != pid)
+                }
+            )
         else:
             spied = {tag: (pid, True)}
-        run.log(f"warm-up; then py-spy on {a.target} ({', '.join(f'{k}: pid {p}' for k, (p, _) in spied.items())}) "
-                f"during {a.streams}-stream waves")
+        run.log(
+            f"warm-up; then py-spy on {a.target} ({', '.join(f'{k}: pid {p}' for k, (p, _) in spied.items())}) "
+            f"during {a.streams}-stream waves"
+        )
         for _ in range(3):
             bench.wave("warmup", a.target, 1, 0, record=False)
         bench.wave("warmup", a.target, a.streams, 0.1, record=False, settle=0.5)
         for fmt, suffix in (("flamegraph", ".svg"), ("raw", ".raw.txt")):
-            spies = [subprocess.Popen([str(PYSPY), "record", "--pid", str(p), "--duration", str(int(a.seconds)),
-                                       "--rate", str(a.rate), "--format", fmt, "-o", str(out / f"{name}{suffix}"),
-                                       "--full-filenames", *(["--subprocesses"] if sub else [])],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                     for name, (p, sub) in spied.items()]
+            spies = [
+                subprocess.Popen(
+                    [
+                        str(PYSPY),
+                        "record",
+                        "--pid",
+                        str(p),
+                        "--duration",
+                        str(int(a.seconds)),
+                        "--rate",
+                        str(a.rate),
+                        "--format",
+                        fmt,
+                        "-o",
+                        str(out / f"{name}{suffix}"),
+                        "--full-filenames",
+                        *(["--subprocesses"] if sub else []),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+                for name, (p, sub) in spied.items()
+            ]
             time.sleep(1.0)  # let py-spy attach
             deltas = waves = 0
             t0 = time.perf_counter()
             max_waves = math.ceil(a.seconds) + 5  # a bound, whatever happens to py-spy
             while any(s.poll() is None for s in spies) and waves < max_waves:
-                w = bench.wave("profile", a.target, a.streams, 0.1, record=False, settle=0.1, probe=a.probe,
-                               short=a.short)
+                w = bench.wave(
+                    "profile", a.target, a.streams, 0.1, record=False, settle=0.1, probe=a.probe, short=a.short
+                )
                 deltas += sum(len(r["d"]) for r in w["records"])
                 waves += 1
             for spy in spies:
@@ -212,8 +276,10 @@ def main(argv=None) -> int:
                 except subprocess.TimeoutExpired:
                     spy.kill()
                     msg = spy.communicate()[0].decode(errors="replace").strip()
-                run.log(f"{fmt}: {waves} waves, {deltas} deltas in {time.perf_counter() - t0:.0f} s; "
-                        f"{msg.splitlines()[-1] if msg else ''}")
+                run.log(
+                    f"{fmt}: {waves} waves, {deltas} deltas in {time.perf_counter() - t0:.0f} s; "
+                    f"{msg.splitlines()[-1] if msg else ''}"
+                )
             results.append((fmt, waves, deltas))
     finally:
         bench.stop()
@@ -222,9 +288,12 @@ def main(argv=None) -> int:
         raw = out / f"{name}.raw.txt"
         if not raw.exists():
             continue
-        head = (f"py-spy {a.rate} Hz on {name} (pid {p}), {a.seconds:g} s while {waves} waves of {a.streams} "
-                f"concurrent streams ran ({deltas} deltas"
-                + (", each stream hung up after its first delta" if a.probe else "") + ")\n\n")
+        head = (
+            f"py-spy {a.rate} Hz on {name} (pid {p}), {a.seconds:g} s while {waves} waves of {a.streams} "
+            f"concurrent streams ran ({deltas} deltas"
+            + (", each stream hung up after its first delta" if a.probe else "")
+            + ")\n\n"
+        )
         text = head + top_functions(raw)
         (out / f"{name}-top.txt").write_text(text)
         print(text)

@@ -4,6 +4,7 @@ docs/benchmarks-concurrency.png.
 
     tools/bench/.venv/bin/python tools/bench/report.py [tools/bench/out/results.json]    # redo the docs from a run
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,29 @@ START = "<!-- bench:side-by-side:start -->"
 END = "<!-- bench:side-by-side:end -->"
 PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
 APPS = ("app", "app2")  # judged against the targets
-LABEL = {"direct": "direct upstream", "floor": "floor: bare relay, 1 worker", "floor2": "floor: bare relay, 2 workers",
-         "app": "this app, 1 worker", "app2": "this app, 2 workers",
-         "keys": "app + callers (no limits), 1 worker", "keyslim": "app + callers (tokens/min limit), 1 worker",
-         "resume": "app + resumable streams, 1 worker", "litellm": "LiteLLM proxy"}
+LABEL = {
+    "direct": "direct upstream",
+    "floor": "floor: bare relay, 1 worker",
+    "floor2": "floor: bare relay, 2 workers",
+    "app": "this app, 1 worker",
+    "app2": "this app, 2 workers",
+    "keys": "app + callers (no limits), 1 worker",
+    "keyslim": "app + callers (tokens/min limit), 1 worker",
+    "resume": "app + resumable streams, 1 worker",
+    "litellm": "LiteLLM proxy",
+}
 # Whose RSS counts for each path (a server's name in the run); results.json's config has it for new runs.
-OWNER = {"direct": "upstream", "floor": "floor", "floor2": "floor2", "app": "app", "app2": "app2", "keys": "keys",
-         "keyslim": "keys", "resume": "resume", "litellm": "litellm"}
+OWNER = {
+    "direct": "upstream",
+    "floor": "floor",
+    "floor2": "floor2",
+    "app": "app",
+    "app2": "app2",
+    "keys": "keys",
+    "keyslim": "keys",
+    "resume": "resume",
+    "litellm": "litellm",
+}
 MB = 1024 * 1024
 
 # Issue #24: the app against the floor (a bare relay on the same host and runtime), in the same run.
@@ -98,23 +115,31 @@ def _stats(waves, first_s, interval_s, expected) -> dict:
     ttfd = [r["ttfd_ms"] for r in recs if r["ttfd_ms"] is not None and r["error"] is None]
     gaps = [b - a for r in ok_full for a, b in zip(r["d"], r["d"][1:])]
     lat = [x for r in ok_full for x in _delta_latencies(r, first_s, interval_s)]
-    upreq = [(r["up_received"] - r["sent_wall"]) * 1000 for r in recs
-             if r.get("up_received") is not None and r.get("sent_wall") is not None]
+    upreq = [
+        (r["up_received"] - r["sent_wall"]) * 1000
+        for r in recs
+        if r.get("up_received") is not None and r.get("sent_wall") is not None
+    ]
     full_waves = [w for w in waves if not w["probe"]]
     deltas = sum(len(r["d"]) for r in full)
-    cpu = lambda key: sum(w["cpu_s"].get(key, 0.0) for w in full_waves)  # noqa: E731
-    has = lambda key: any(key in w["cpu_s"] for w in full_waves)  # noqa: E731
-    per_1k = lambda key: cpu(key) / deltas * 1000 if deltas and has(key) else None  # noqa: E731
+    cpu = lambda key: sum(w["cpu_s"].get(key, 0.0) for w in full_waves)  # noqa: E731 - a one-line helper
+    has = lambda key: any(key in w["cpu_s"] for w in full_waves)  # noqa: E731 - a one-line helper
+    per_1k = lambda key: cpu(key) / deltas * 1000 if deltas and has(key) else None  # noqa: E731 - a one-line helper
     wall = sum(w["wall_s"] * w["client_procs"] for w in full_waves)
     others = [_other_cores(w) for w in waves]
     loads = [x for w in waves for x in w.get("loadavg1", ())]
     errors = Counter(r["error"] for r in full if not r["ok"])
     return {
-        "streams": len(full), "completed": len(ok_full), "errors": sum(errors.values()),
-        "error_kinds": dict(errors.most_common()), "probes": len(recs) - len(full),
-        "deltas": deltas, "expected_deltas": expected * len(full),
+        "streams": len(full),
+        "completed": len(ok_full),
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors.most_common()),
+        "probes": len(recs) - len(full),
+        "deltas": deltas,
+        "expected_deltas": expected * len(full),
         "ttfd_n": len(ttfd),
-        "ttfd": {q: pct(ttfd, q) for q in (50, 95, 99)}, "ttfd_max": max(ttfd) if ttfd else None,
+        "ttfd": {q: pct(ttfd, q) for q in (50, 95, 99)},
+        "ttfd_max": max(ttfd) if ttfd else None,
         "gap": {q: pct(gaps, q) for q in (50, 99)},
         "delta_latency": {q: pct(lat, q) for q in (50, 95, 99)},
         "upstream_request_ms": {q: pct(upreq, q) for q in (50, 99)},
@@ -163,11 +188,15 @@ def _follower(records: list[dict]) -> dict | None:
         if f["error"]:
             errors[f["error"]] += 1
         sent = f.get("sent_ms")
-        for k, (w, rd) in enumerate(zip(r["d"], f["d"])):
+        for _k, (w, rd) in enumerate(zip(r["d"], f["d"])):
             if sent is not None and w >= sent:
                 lags.append(rd - w)
-    return {"readers": len(followed), "errors": dict(errors.most_common()), "lag_n": len(lags),
-            "lag": {q: pct(lags, q) for q in (50, 99)}}
+    return {
+        "readers": len(followed),
+        "errors": dict(errors.most_common()),
+        "lag_n": len(lags),
+        "lag": {q: pct(lags, q) for q in (50, 99)},
+    }
 
 
 def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -192,8 +221,11 @@ def split_cpu(waves: list[dict], path: str, level: int) -> dict | None:
         return None
     out = {"level": level, "waves": len(sel)}
     for group in ("server", "host", "worker", "upstream"):
-        pts = [(len(w["records"]), sum(len(r["d"]) for r in w["records"]), w["cpu_s"][group])
-               for w in sel if group in w["cpu_s"]]
+        pts = [
+            (len(w["records"]), sum(len(r["d"]) for r in w["records"]), w["cpu_s"][group])
+            for w in sel
+            if group in w["cpu_s"]
+        ]
         fit = _fit(pts) if len(pts) == len(sel) else None
         if fit:
             out[group] = {"per_request_ms": fit[0] * 1000, "per_delta_ms": fit[1] * 1000}
@@ -219,10 +251,11 @@ def summarize(results: dict) -> dict:
             s["peak_rss_mb"] = max(w["peak_rss"].get(owner.get(path, path), 0) for w in sel) / MB
             rows[level][path] = s
         base = rows[level].get("direct")
-        for path, s in rows[level].items():
+        for s in rows[level].values():
             s["added_ttfd"] = {q: _sub(s["ttfd"][q], base["ttfd"][q]) if base else None for q in (50, 95, 99)}
-            s["added_delta"] = {q: _sub(s["delta_latency"][q], base["delta_latency"][q]) if base else None
-                                for q in (50, 95, 99)}
+            s["added_delta"] = {
+                q: _sub(s["delta_latency"][q], base["delta_latency"][q]) if base else None for q in (50, 95, 99)
+            }
     client = {}
     for engine in ("raw", "httpx"):
         sel = [w for w in waves if w["phase"] == f"client-{engine}"]
@@ -230,17 +263,27 @@ def summarize(results: dict) -> dict:
             client[engine] = _stats(sel, first_s, interval_s, expected)
     split_level = cfg.get("split_level", 100)
     split = {p: r for p in paths if (r := split_cpu(waves, p, split_level))}
-    summary = {"meta": results["meta"], "config": cfg, "wall_s": results["wall_s"], "levels": levels,
-               "paths": paths, "rows": rows, "client_check": client, "cpu_split": split,
-               "hwm_mb": {k: v / MB for k, v in results.get("hwm", {}).items()},
-               "started": results.get("started"), "finished": results.get("finished"),
-               "quiet": results.get("quiet")}
+    summary = {
+        "meta": results["meta"],
+        "config": cfg,
+        "wall_s": results["wall_s"],
+        "levels": levels,
+        "paths": paths,
+        "rows": rows,
+        "client_check": client,
+        "cpu_split": split,
+        "hwm_mb": {k: v / MB for k, v in results.get("hwm", {}).items()},
+        "started": results.get("started"),
+        "finished": results.get("finished"),
+        "quiet": results.get("quiet"),
+    }
     summary["load"] = machine_load(waves)
     summary["targets"] = targets(summary)
     summary["other_targets"] = callers_targets(summary) + resume_targets(summary)
     summary["targets16"] = targets16(summary)
-    summary["floor_targets16"] = targets16(summary, "floor", "floor2" if "floor2" in paths else "floor") \
-        if "floor" in paths else []
+    summary["floor_targets16"] = (
+        targets16(summary, "floor", "floor2" if "floor2" in paths else "floor") if "floor" in paths else []
+    )
     return summary
 
 
@@ -256,10 +299,16 @@ def machine_load(waves: list[dict]) -> dict | None:
         x = _other_cores(w)
         if x is not None:
             by_level.setdefault(w["n"], []).append(x)
-    return {"waves": len(other), "other_median": pct(other, 50), "other_p90": pct(other, 90), "other_max": max(other),
-            "loadavg_min": min(loads) if loads else None, "loadavg_max": max(loads) if loads else None,
-            "loadavg_median": pct(loads, 50) if loads else None,
-            "by_level": {lv: {"median": pct(v, 50), "max": max(v)} for lv, v in sorted(by_level.items())}}
+    return {
+        "waves": len(other),
+        "other_median": pct(other, 50),
+        "other_p90": pct(other, 90),
+        "other_max": max(other),
+        "loadavg_min": min(loads) if loads else None,
+        "loadavg_max": max(loads) if loads else None,
+        "loadavg_median": pct(loads, 50) if loads else None,
+        "by_level": {lv: {"median": pct(v, 50), "max": max(v)} for lv, v in sorted(by_level.items())},
+    }
 
 
 def load_line(s: dict) -> str:
@@ -267,18 +316,21 @@ def load_line(s: dict) -> str:
     if not ld:
         other = _other_load(s)
         return f"other load on the machine during the waves: up to {other:.2f} cores" if other is not None else ""
-    return (f"other load on the machine during the waves (cores busy with processes not the benchmark's, "
-            f"{ld['waves']} waves): median {ld['other_median']:.2f}, 90th percentile {ld['other_p90']:.2f}, "
-            f"largest {ld['other_max']:.2f}; /proc/loadavg (1 min, everything) "
-            f"{ld['loadavg_min']:.2f}–{ld['loadavg_max']:.2f}, median {ld['loadavg_median']:.2f}")
+    return (
+        f"other load on the machine during the waves (cores busy with processes not the benchmark's, "
+        f"{ld['waves']} waves): median {ld['other_median']:.2f}, 90th percentile {ld['other_p90']:.2f}, "
+        f"largest {ld['other_max']:.2f}; /proc/loadavg (1 min, everything) "
+        f"{ld['loadavg_min']:.2f}–{ld['loadavg_max']:.2f}, median {ld['loadavg_median']:.2f}"
+    )
 
 
 def _ratio(a, b):
     return None if a is None or b is None or b <= 0 else a / b
 
 
-def targets(s: dict, app: str = "app", app2: str = "app2", floor: str = "floor", floor2: str = "floor2",
-            peer: str = "litellm") -> list[dict]:
+def targets(
+    s: dict, app: str = "app", app2: str = "app2", floor: str = "floor", floor2: str = "floor2", peer: str = "litellm"
+) -> list[dict]:
     """Issue #24's targets: the app against the floor in the same run. Each: what it asks, the app's
     figure, the floor's, their ratio (or difference), met or not (None: not measured), LiteLLM's figure."""
     rows, split = s["rows"], s.get("cpu_split") or {}
@@ -293,48 +345,131 @@ def targets(s: dict, app: str = "app", app2: str = "app2", floor: str = "floor",
             rel = _sub(a, f)
             met = None if rel is None else rel <= limit
             rel_text = "–" if rel is None else f"{rel:+.2f} ms"
-        out.append({"key": key, "target": what, "level": level, "path": path, "app": a, "floor": f, "rel": rel,
-                    "rel_text": rel_text, "limit": limit, "met": met, "fmt": fmt, "peer": peer_value})
+        out.append(
+            {
+                "key": key,
+                "target": what,
+                "level": level,
+                "path": path,
+                "app": a,
+                "floor": f,
+                "rel": rel,
+                "rel_text": rel_text,
+                "limit": limit,
+                "met": met,
+                "fmt": fmt,
+                "peer": peer_value,
+            }
+        )
 
     def row(level, path):
         return rows.get(level, {}).get(path) or {}
 
     for level in RATIO_LEVELS:
         a, f, ll = row(level, app), row(level, floor), row(level, peer)
-        add(f"cpu_stream_{level}", f"CPU per stream (host + worker), {level} streams, ≤ {R_CPU_STREAM:g}× the floor's",
-            level, app, a.get("cpu_per_stream_ms"), f.get("cpu_per_stream_ms"), R_CPU_STREAM, "ratio", "{:.2f} ms",
-            ll.get("cpu_per_stream_ms"))
+        add(
+            f"cpu_stream_{level}",
+            f"CPU per stream (host + worker), {level} streams, ≤ {R_CPU_STREAM:g}× the floor's",
+            level,
+            app,
+            a.get("cpu_per_stream_ms"),
+            f.get("cpu_per_stream_ms"),
+            R_CPU_STREAM,
+            "ratio",
+            "{:.2f} ms",
+            ll.get("cpu_per_stream_ms"),
+        )
     sa, sf, sl = (split.get(p) or {} for p in (app, floor, peer))
     lvl = (sa or sf).get("level", 100)
-    add("worker_delta", f"worker CPU per delta ({lvl} streams, fit) ≤ {R_WORKER_DELTA:g}× the floor's", lvl, app,
-        (sa.get("worker") or {}).get("per_delta_ms"), (sf.get("worker") or {}).get("per_delta_ms"), R_WORKER_DELTA,
-        "ratio", "{:.3f} ms", (sl.get("server") or {}).get("per_delta_ms"))
+    add(
+        "worker_delta",
+        f"worker CPU per delta ({lvl} streams, fit) ≤ {R_WORKER_DELTA:g}× the floor's",
+        lvl,
+        app,
+        (sa.get("worker") or {}).get("per_delta_ms"),
+        (sf.get("worker") or {}).get("per_delta_ms"),
+        R_WORKER_DELTA,
+        "ratio",
+        "{:.3f} ms",
+        (sl.get("server") or {}).get("per_delta_ms"),
+    )
     for level in RATIO_LEVELS:
         a, f, ll = row(level, app), row(level, floor), row(level, peer)
         for q in (50, 99):
-            add(f"ttfd_{level}_p{q}", f"{level} streams, 1 worker: added TTFD p{q} ≤ {R_TTFD:g}× the floor's", level,
-                app, (a.get("added_ttfd") or {}).get(q), (f.get("added_ttfd") or {}).get(q), R_TTFD, "ratio", "{:.1f} ms",
-                (ll.get("added_ttfd") or {}).get(q))
+            add(
+                f"ttfd_{level}_p{q}",
+                f"{level} streams, 1 worker: added TTFD p{q} ≤ {R_TTFD:g}× the floor's",
+                level,
+                app,
+                (a.get("added_ttfd") or {}).get(q),
+                (f.get("added_ttfd") or {}).get(q),
+                R_TTFD,
+                "ratio",
+                "{:.1f} ms",
+                (ll.get("added_ttfd") or {}).get(q),
+            )
     a, f, ll = row(1, app), row(1, floor), row(1, peer)
-    add("single_p50", f"1 stream: added TTFD p50 ≤ the floor's + {D_SINGLE_P50_MS:g} ms", 1, app,
-        (a.get("added_ttfd") or {}).get(50), (f.get("added_ttfd") or {}).get(50), D_SINGLE_P50_MS, "diff", "{:.2f} ms",
-        (ll.get("added_ttfd") or {}).get(50))
+    add(
+        "single_p50",
+        f"1 stream: added TTFD p50 ≤ the floor's + {D_SINGLE_P50_MS:g} ms",
+        1,
+        app,
+        (a.get("added_ttfd") or {}).get(50),
+        (f.get("added_ttfd") or {}).get(50),
+        D_SINGLE_P50_MS,
+        "diff",
+        "{:.2f} ms",
+        (ll.get("added_ttfd") or {}).get(50),
+    )
     big = T_LEVEL
     a, f, ll = row(big, app2), row(big, floor2) or row(big, floor), row(big, peer)
     if a:
         done = a["errors"] == 0 and a["completed"] == a["streams"]
-        out.append({"key": "big_complete", "target": f"{big:,} streams, 2 workers: all complete", "level": big,
-                    "path": app2, "app": f"{a['completed']}/{a['streams']}", "floor":
-                    f"{f['completed']}/{f['streams']}" if f else None, "rel": None, "rel_text": "–", "limit": None,
-                    "met": done, "fmt": "{}", "peer": f"{ll['completed']}/{ll['streams']}" if ll else None})
-    add("big_p99", f"{big:,} streams, 2 workers: added TTFD p99 ≤ {R_TTFD:g}× the floor's (2 workers)", big, app2,
-        (a.get("added_ttfd") or {}).get(99), (f.get("added_ttfd") or {}).get(99), R_TTFD, "ratio", "{:.0f} ms",
-        (ll.get("added_ttfd") or {}).get(99))
+        out.append(
+            {
+                "key": "big_complete",
+                "target": f"{big:,} streams, 2 workers: all complete",
+                "level": big,
+                "path": app2,
+                "app": f"{a['completed']}/{a['streams']}",
+                "floor": f"{f['completed']}/{f['streams']}" if f else None,
+                "rel": None,
+                "rel_text": "–",
+                "limit": None,
+                "met": done,
+                "fmt": "{}",
+                "peer": f"{ll['completed']}/{ll['streams']}" if ll else None,
+            }
+        )
+    add(
+        "big_p99",
+        f"{big:,} streams, 2 workers: added TTFD p99 ≤ {R_TTFD:g}× the floor's (2 workers)",
+        big,
+        app2,
+        (a.get("added_ttfd") or {}).get(99),
+        (f.get("added_ttfd") or {}).get(99),
+        R_TTFD,
+        "ratio",
+        "{:.0f} ms",
+        (ll.get("added_ttfd") or {}).get(99),
+    )
     if a:
-        out.append({"key": "big_rss", "target": f"{big:,} streams, 2 workers: peak memory < {T_RSS_MB:g} MB",
-                    "level": big, "path": app2, "app": a["peak_rss_mb"], "floor": f.get("peak_rss_mb"), "rel": None,
-                    "rel_text": "–", "limit": T_RSS_MB, "met": a["peak_rss_mb"] < T_RSS_MB, "fmt": "{:.0f} MB",
-                    "peer": ll.get("peak_rss_mb")})
+        out.append(
+            {
+                "key": "big_rss",
+                "target": f"{big:,} streams, 2 workers: peak memory < {T_RSS_MB:g} MB",
+                "level": big,
+                "path": app2,
+                "app": a["peak_rss_mb"],
+                "floor": f.get("peak_rss_mb"),
+                "rel": None,
+                "rel_text": "–",
+                "limit": T_RSS_MB,
+                "met": a["peak_rss_mb"] < T_RSS_MB,
+                "fmt": "{:.0f} MB",
+                "peer": ll.get("peak_rss_mb"),
+            }
+        )
     return out
 
 
@@ -347,18 +482,31 @@ def callers_targets(s: dict) -> list[dict]:
         a, base = rows.get(1, {}).get(path), rows.get(1, {}).get("app")
         if a and base:
             d = _sub(a["added_ttfd"][50], base["added_ttfd"][50])
-            out.append({"key": f"{path}_p50", "path": path, "level": 1,
-                        "target": f"{label(path, s)}: 1 stream, added TTFD p50 ≤ the app's + {D_KEYS_P50_MS:g} ms",
-                        "measured": f"{_n(a['added_ttfd'][50], '{:+.2f}')} vs {_n(base['added_ttfd'][50], '{:+.2f}')} ms "
-                                    f"({_n(d, '{:+.2f}')} ms)", "met": None if d is None else d <= D_KEYS_P50_MS})
+            out.append(
+                {
+                    "key": f"{path}_p50",
+                    "path": path,
+                    "level": 1,
+                    "target": f"{label(path, s)}: 1 stream, added TTFD p50 ≤ the app's + {D_KEYS_P50_MS:g} ms",
+                    "measured": f"{_n(a['added_ttfd'][50], '{:+.2f}')} vs {_n(base['added_ttfd'][50], '{:+.2f}')} ms "
+                    f"({_n(d, '{:+.2f}')} ms)",
+                    "met": None if d is None else d <= D_KEYS_P50_MS,
+                }
+            )
         a, base = rows.get(100, {}).get(path), rows.get(100, {}).get("app")
         if a and base:
             r = _ratio(a["added_ttfd"][99], base["added_ttfd"][99])
-            out.append({"key": f"{path}_p99", "path": path, "level": 100,
-                        "target": f"{label(path, s)}: 100 streams, added TTFD p99 ≤ {R_KEYS_P99:g}× the app's",
-                        "measured": f"{_n(a['added_ttfd'][99])} vs {_n(base['added_ttfd'][99])} ms "
-                                    f"({_n(r, '{:.2f}')}×; {a['completed']}/{a['streams']} completed)",
-                        "met": None if r is None else (r <= R_KEYS_P99 and a["errors"] == 0)})
+            out.append(
+                {
+                    "key": f"{path}_p99",
+                    "path": path,
+                    "level": 100,
+                    "target": f"{label(path, s)}: 100 streams, added TTFD p99 ≤ {R_KEYS_P99:g}× the app's",
+                    "measured": f"{_n(a['added_ttfd'][99])} vs {_n(base['added_ttfd'][99])} ms "
+                    f"({_n(r, '{:.2f}')}×; {a['completed']}/{a['streams']} completed)",
+                    "met": None if r is None else (r <= R_KEYS_P99 and a["errors"] == 0),
+                }
+            )
     return out
 
 
@@ -370,19 +518,32 @@ def resume_targets(s: dict) -> list[dict]:
     out = []
     if r and base:
         ratio = _ratio(r["per_delta_ms"], base["per_delta_ms"])
-        out.append({"key": "resume_delta", "path": "resume", "level": split["resume"]["level"],
-                    "target": f"resumable streams: CPU per delta (host + worker, fit) ≤ {R_RESUME_DELTA:g}× the app's",
-                    "measured": f"{r['per_delta_ms']:.3f} vs {base['per_delta_ms']:.3f} ms ({_n(ratio, '{:.2f}')}×)",
-                    "met": None if ratio is None else ratio <= R_RESUME_DELTA})
+        out.append(
+            {
+                "key": "resume_delta",
+                "path": "resume",
+                "level": split["resume"]["level"],
+                "target": f"resumable streams: CPU per delta (host + worker, fit) ≤ {R_RESUME_DELTA:g}× the app's",
+                "measured": f"{r['per_delta_ms']:.3f} vs {base['per_delta_ms']:.3f} ms ({_n(ratio, '{:.2f}')}×)",
+                "met": None if ratio is None else ratio <= R_RESUME_DELTA,
+            }
+        )
     for level in sorted(rows):
         f = (rows[level].get("resume") or {}).get("follower")
         if f:
             errs = ", ".join(f"{k}: {v}" for k, v in f["errors"].items()) or "none"
-            out.append({"key": f"resume_lag_{level}", "path": "resume", "level": level,
-                        "target": f"resumable streams, {level} stream{'s' if level > 1 else ''}: a reader on another "
-                                  f"instance, lag behind the writer's client p50 / p99",
-                        "measured": f"{_n(f['lag'][50])} / {_n(f['lag'][99])} ms over {f['lag_n']} deltas of "
-                                    f"{f['readers']} readers (errors: {errs})", "met": None})
+            out.append(
+                {
+                    "key": f"resume_lag_{level}",
+                    "path": "resume",
+                    "level": level,
+                    "target": f"resumable streams, {level} stream{'s' if level > 1 else ''}: a reader on another "
+                    f"instance, lag behind the writer's client p50 / p99",
+                    "measured": f"{_n(f['lag'][50])} / {_n(f['lag'][99])} ms over {f['lag_n']} deltas of "
+                    f"{f['readers']} readers (errors: {errs})",
+                    "met": None,
+                }
+            )
     return out
 
 
@@ -400,38 +561,77 @@ def targets16(s: dict, one: str = "app", two: str = "app2") -> list[dict]:
     if app:
         for q, limit in ((50, T_ADDED_P50_MS), (99, T_ADDED_P99_MS)):
             v = app["added_ttfd"][q]
-            add(f"ttfd_p{q}", f"added TTFD p{q} ≤ {limit:g} ms over direct (1 stream)",
-                _ms(v), None if v is None else v <= limit, 1)
+            add(
+                f"ttfd_p{q}",
+                f"added TTFD p{q} ≤ {limit:g} ms over direct (1 stream)",
+                _ms(v),
+                None if v is None else v <= limit,
+                1,
+            )
     for level, limit in T_LEVEL_P99_MS.items():
         r = rows.get(level, {}).get(one)
         if r:
             v = r["added_ttfd"][99]
             ok = r["errors"] == 0 and v is not None and v <= limit
-            add(f"level_p99_{level}", f"{level} concurrent streams (1 worker): added TTFD p99 ≤ {limit:g} ms",
-                f"{_ms(v)} ({r['completed']}/{r['streams']} completed)", ok, level)
+            add(
+                f"level_p99_{level}",
+                f"{level} concurrent streams (1 worker): added TTFD p99 ≤ {limit:g} ms",
+                f"{_ms(v)} ({r['completed']}/{r['streams']} completed)",
+                ok,
+                level,
+            )
     big = rows.get(T_LEVEL, {}).get(two)
     if big:
-        add("big_complete", f"{T_LEVEL:,} concurrent streams, 2 worker processes: all complete",
+        add(
+            "big_complete",
+            f"{T_LEVEL:,} concurrent streams, 2 worker processes: all complete",
             f"{big['completed']}/{big['streams']} completed, {big['errors']} errors, peak {big['peak_open']} open at once",
-            big["errors"] == 0 and big["completed"] == big["streams"], T_LEVEL, two)
+            big["errors"] == 0 and big["completed"] == big["streams"],
+            T_LEVEL,
+            two,
+        )
         v = big["added_ttfd"][99]
-        add("big_p99", f"{T_LEVEL:,} concurrent streams, 2 worker processes: added TTFD p99 ≤ {T_LEVEL_P99_MS_BIG / 1000:g} s",
-            _ms(v, 0), None if v is None else v <= T_LEVEL_P99_MS_BIG, T_LEVEL, two)
-        add("big_rss", f"{T_LEVEL:,} concurrent streams, 2 worker processes: peak memory of all the app's processes "
-            f"< {T_RSS_MB:g} MB", f"{big['peak_rss_mb']:.0f} MB", big["peak_rss_mb"] < T_RSS_MB, T_LEVEL, two)
+        add(
+            "big_p99",
+            f"{T_LEVEL:,} concurrent streams, 2 worker processes: added TTFD p99 ≤ {T_LEVEL_P99_MS_BIG / 1000:g} s",
+            _ms(v, 0),
+            None if v is None else v <= T_LEVEL_P99_MS_BIG,
+            T_LEVEL,
+            two,
+        )
+        add(
+            "big_rss",
+            f"{T_LEVEL:,} concurrent streams, 2 worker processes: peak memory of all the app's processes "
+            f"< {T_RSS_MB:g} MB",
+            f"{big['peak_rss_mb']:.0f} MB",
+            big["peak_rss_mb"] < T_RSS_MB,
+            T_LEVEL,
+            two,
+        )
     split = s.get("cpu_split", {}).get(one, {}).get("worker")
     if split:
         lvl = s["cpu_split"][one]["level"]
         v = split["per_request_ms"]
-        add("worker_request", f"worker CPU per request ≤ {T_WORKER_REQUEST_MS:g} ms ({lvl} streams)",
-            f"{v:.2f} ms", v <= T_WORKER_REQUEST_MS, lvl)
+        add(
+            "worker_request",
+            f"worker CPU per request ≤ {T_WORKER_REQUEST_MS:g} ms ({lvl} streams)",
+            f"{v:.2f} ms",
+            v <= T_WORKER_REQUEST_MS,
+            lvl,
+        )
         v = split["per_delta_ms"]
-        add("worker_delta", f"worker CPU per delta ≤ {T_WORKER_DELTA_MS:g} ms ({lvl} streams)",
-            f"{v:.3f} ms", v <= T_WORKER_DELTA_MS, lvl)
+        add(
+            "worker_delta",
+            f"worker CPU per delta ≤ {T_WORKER_DELTA_MS:g} ms ({lvl} streams)",
+            f"{v:.3f} ms",
+            v <= T_WORKER_DELTA_MS,
+            lvl,
+        )
     return out
 
 
 # ------------------------------------------------------------------------------ formatting
+
 
 def _ms(v, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f} ms"
@@ -445,36 +645,55 @@ def _met(v) -> str:
     return "–" if v is None else ("✅ yes" if v else "❌ no")
 
 
-SHORT_NAMES = {"single_p50": "TTFD p50 vs floor", "ttfd_100_p50": "p50", "ttfd_100_p99": "p99", "ttfd_300_p50": "p50",
-               "ttfd_300_p99": "p99", "cpu_stream_100": "CPU/stream", "cpu_stream_300": "CPU/stream",
-               "big_complete": "all complete", "big_p99": "p99", "big_rss": "memory",
-               "keys_p50": "p50 vs app", "keyslim_p50": "p50 vs app", "keys_p99": "p99 vs app",
-               "keyslim_p99": "p99 vs app"}
+SHORT_NAMES = {
+    "single_p50": "TTFD p50 vs floor",
+    "ttfd_100_p50": "p50",
+    "ttfd_100_p99": "p99",
+    "ttfd_300_p50": "p50",
+    "ttfd_300_p99": "p99",
+    "cpu_stream_100": "CPU/stream",
+    "cpu_stream_300": "CPU/stream",
+    "big_complete": "all complete",
+    "big_p99": "p99",
+    "big_rss": "memory",
+    "keys_p50": "p50 vs app",
+    "keyslim_p50": "p50 vs app",
+    "keys_p99": "p99 vs app",
+    "keyslim_p99": "p99 vs app",
+}
 
 
 def _row_targets(s: dict, level: int, path: str, ttfd: bool = False) -> str:
     """The targets judged on one row: the single-stream ones (latency table) or the others."""
-    mine = [t for t in (*s["targets"], *(s.get("other_targets") or ())) if t["level"] == level and t["path"] == path
-            and t["key"] in SHORT_NAMES and (level == 1) == ttfd]
+    mine = [
+        t
+        for t in (*s["targets"], *(s.get("other_targets") or ()))
+        if t["level"] == level and t["path"] == path and t["key"] in SHORT_NAMES and (level == 1) == ttfd
+    ]
     if not mine:
         return "–"
-    return "<br>".join(("✅ " if t["met"] else "❌ " if t["met"] is not None else "– ") + SHORT_NAMES.get(t["key"], t["key"])
-                       for t in mine)
+    return "<br>".join(
+        ("✅ " if t["met"] else "❌ " if t["met"] is not None else "– ") + SHORT_NAMES.get(t["key"], t["key"])
+        for t in mine
+    )
 
 
 def machine_line(s: dict) -> str:
     m = s["meta"]
     av, bv = m.get("app_venv", {}), m.get("bench_venv", {})
-    return (f"{s['meta']['date']} · {m['cores']} cores, {m['cpu_model']} (Linux {m['kernel']}) · "
-            f"Python {av.get('python')} · app commit `{m['commit']}` · "
-            f"app: openai {av.get('openai')}, uvicorn {av.get('uvicorn')}, azure-functions-runtime "
-            f"{av.get('azure-functions-runtime')}, grpcio {av.get('grpcio')} · LiteLLM {bv.get('litellm')} "
-            f"(openai {bv.get('openai')}, uvicorn {bv.get('uvicorn')})")
+    return (
+        f"{s['meta']['date']} · {m['cores']} cores, {m['cpu_model']} (Linux {m['kernel']}) · "
+        f"Python {av.get('python')} · app commit `{m['commit']}` · "
+        f"app: openai {av.get('openai')}, uvicorn {av.get('uvicorn')}, azure-functions-runtime "
+        f"{av.get('azure-functions-runtime')}, grpcio {av.get('grpcio')} · LiteLLM {bv.get('litellm')} "
+        f"(openai {bv.get('openai')}, uvicorn {bv.get('uvicorn')})"
+    )
 
 
 def _other_load(s: dict) -> float | None:
-    other = [r[p]["other_load_cores"] for r in s["rows"].values() for p in r
-             if r[p].get("other_load_cores") is not None]
+    other = [
+        r[p]["other_load_cores"] for r in s["rows"].values() for p in r if r[p].get("other_load_cores") is not None
+    ]
     return max(other) if other else None
 
 
@@ -488,15 +707,20 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
     m = s["meta"]
     ld = s.get("load") or {}
     other = ld.get("other_p90", _other_load(s))
-    L.append(f"Upstream: scripted (`fakeupstream`, scenario `cadence`): first delta after {cfg['first_token_ms']:g} ms, "
-             f"then one every {cfg['interval_ms']:g} ms, {cfg['deltas']} deltas. All paths in one run, "
-             f"round-robin per trial/wave; {s['wall_s'] / 60:.1f} min of measurement"
-             + (", in a private network namespace (loopback only)" if m.get("netns") else "")
-             + (f"; {load_line(s)}" if load_line(s) else "") + ".")
+    L.append(
+        f"Upstream: scripted (`fakeupstream`, scenario `cadence`): first delta after {cfg['first_token_ms']:g} ms, "
+        f"then one every {cfg['interval_ms']:g} ms, {cfg['deltas']} deltas. All paths in one run, "
+        f"round-robin per trial/wave; {s['wall_s'] / 60:.1f} min of measurement"
+        + (", in a private network namespace (loopback only)" if m.get("netns") else "")
+        + (f"; {load_line(s)}" if load_line(s) else "")
+        + "."
+    )
     if other is not None and other >= 0.3:
-        L.append(f"**The machine was busy with other work during this run** (90th percentile {other:.2f} of its "
-                 f"{m['cores']} cores): every figure below is noisier, and the concurrent levels slower, than on "
-                 f"a quiet machine.")
+        L.append(
+            f"**The machine was busy with other work during this run** (90th percentile {other:.2f} of its "
+            f"{m['cores']} cores): every figure below is noisier, and the concurrent levels slower, than on "
+            f"a quiet machine."
+        )
     if m.get("app_local_settings"):
         L.append(f"Note: the app also took {', '.join(m['app_local_settings'])} from local.settings.json.")
     L.append("")
@@ -507,17 +731,21 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
 
     L.append("### Targets")
     L.append("")
-    L.append("Issue #24: this app against the floor (tools/bench/floor: a bare aiohttp relay, connector uncapped, on "
-             "the same host and runtime; see tools/bench/README.md, \"The floor\") and LiteLLM as the peer, all from "
-             "this run. \"Added\" TTFD is over the direct path; the 1,000-stream targets compare the 2-worker app "
-             "with the 2-worker floor.")
+    L.append(
+        "Issue #24: this app against the floor (tools/bench/floor: a bare aiohttp relay, connector uncapped, on "
+        'the same host and runtime; see tools/bench/README.md, "The floor") and LiteLLM as the peer, all from '
+        'this run. "Added" TTFD is over the direct path; the 1,000-stream targets compare the 2-worker app '
+        "with the 2-worker floor."
+    )
     L.append("")
     L.append("| target | this app | the floor | app ÷ floor (or app − floor) | target met? | LiteLLM |")
     L.append("|---|---|---|---|---|---|")
     for t in s["targets"]:
-        fmt = lambda v: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731
-        L.append(f"| {t['target']} | {fmt(t['app'])} | {fmt(t['floor'])} | {t['rel_text']} | {_met(t['met'])} | "
-                 f"{fmt(t['peer'])} |")
+        fmt = lambda v, t=t: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731 - a one-line helper
+        L.append(
+            f"| {t['target']} | {fmt(t['app'])} | {fmt(t['floor'])} | {t['rel_text']} | {_met(t['met'])} | "
+            f"{fmt(t['peer'])} |"
+        )
     L.append("")
     met = [t["met"] for t in s["targets"] if t["met"] is not None]
     L.append(f"Met: {sum(met)} of {len(met)}.")
@@ -532,10 +760,12 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} |")
         L.append("")
         if any(p in paths for p in ("keys", "keyslim")):
-            L.append(f"The caller paths run the app with `CALLER_KEYS=required` on Azurite (in memory), one caller "
-                     f"made through `POST /api/manage/callers` without limits and one with `tokens_per_minute` "
-                     f"{cfg.get('keys_tpm', 0):,} (never refuses here); requests carry `Authorization: Bearer <key>`. "
-                     f"Azurite's own CPU is not counted in the app's figures.")
+            L.append(
+                f"The caller paths run the app with `CALLER_KEYS=required` on Azurite (in memory), one caller "
+                f"made through `POST /api/manage/callers` without limits and one with `tokens_per_minute` "
+                f"{cfg.get('keys_tpm', 0):,} (never refuses here); requests carry `Authorization: Bearer <key>`. "
+                f"Azurite's own CPU is not counted in the app's figures."
+            )
             L.append("")
     old = s.get("targets16") or []
     if old:
@@ -546,8 +776,10 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append("|---|---|---|---|")
         for t in old:
             f = floor.get(t["key"])
-            L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} | "
-                     f"{f['measured'] + ' ' + _met(f['met']) if f else '–'} |")
+            L.append(
+                f"| {t['target']} | {t['measured']} | {_met(t['met'])} | "
+                f"{f['measured'] + ' ' + _met(f['met']) if f else '–'} |"
+            )
         L.append("")
 
     if 1 in rows:
@@ -555,43 +787,62 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append("### One stream at a time: latency")
         L.append("")
         n = {p: c1[p]["ttfd_n"] for p in c1}
-        L.append(f"Time to first delta (TTFD) = request bytes sent → first content delta parsed, client-side. "
-                 f"Samples per path: {', '.join(f'{p} {n[p]}' for p in n)} ({cfg['trials']} full streams + "
-                 f"{cfg['probes']} first-delta probes each; one stream at a time keeps one worker busy, so the "
-                 f"2-worker app is measured from 10 streams up). \"Added\" = the path's percentile minus the direct "
-                 f"path's. Per-delta latency = when the upstream was due to send delta k → parsed by the client "
-                 f"(all {cfg['deltas']} deltas of every full stream).")
+        L.append(
+            f"Time to first delta (TTFD) = request bytes sent → first content delta parsed, client-side. "
+            f"Samples per path: {', '.join(f'{p} {n[p]}' for p in n)} ({cfg['trials']} full streams + "
+            f"{cfg['probes']} first-delta probes each; one stream at a time keeps one worker busy, so the "
+            f'2-worker app is measured from 10 streams up). "Added" = the path\'s percentile minus the direct '
+            f"path's. Per-delta latency = when the upstream was due to send delta k → parsed by the client "
+            f"(all {cfg['deltas']} deltas of every full stream)."
+        )
         L.append("")
-        L.append("| path | TTFD p50 / p95 / p99 | added TTFD p50 / p95 / p99 | request reaches upstream p50 / p99 | "
-                 "per-delta latency p50 / p99 | added delay per delta p50 / p99 | inter-delta gap p50 / p99 | target met? |")
+        L.append(
+            "| path | TTFD p50 / p95 / p99 | added TTFD p50 / p95 / p99 | request reaches upstream p50 / p99 | "
+            "per-delta latency p50 / p99 | added delay per delta p50 / p99 | inter-delta gap p50 / p99 | target met? |"
+        )
         L.append("|---|---|---|---|---|---|---|---|")
         for p in paths:
             r = c1.get(p)
             if not r:
                 continue
-            t, a, u, d, ad, g = r["ttfd"], r["added_ttfd"], r["upstream_request_ms"], r["delta_latency"], r["added_delta"], r["gap"]
-            added = "–" if p == "direct" else f"{_n(a[50], '{:+.2f}')} / {_n(a[95], '{:+.2f}')} / {_n(a[99], '{:+.2f}')} ms"
+            t, a, u, d, ad, g = (
+                r["ttfd"],
+                r["added_ttfd"],
+                r["upstream_request_ms"],
+                r["delta_latency"],
+                r["added_delta"],
+                r["gap"],
+            )
+            added = (
+                "–" if p == "direct" else f"{_n(a[50], '{:+.2f}')} / {_n(a[95], '{:+.2f}')} / {_n(a[99], '{:+.2f}')} ms"
+            )
             addd = "–" if p == "direct" else f"{_n(ad[50], '{:+.2f}')} / {_n(ad[99], '{:+.2f}')} ms"
-            L.append(f"| {label(p, s)} | {_n(t[50], '{:.2f}')} / {_n(t[95], '{:.2f}')} / {_n(t[99], '{:.2f}')} ms | {added} | "
-                     f"{_n(u[50], '{:.2f}')} / {_n(u[99], '{:.2f}')} ms | {_n(d[50], '{:.2f}')} / {_n(d[99], '{:.2f}')} ms | "
-                     f"{addd} | {_n(g[50], '{:.2f}')} / {_n(g[99], '{:.2f}')} ms | {_row_targets(s, 1, p, ttfd=True)} |")
+            L.append(
+                f"| {label(p, s)} | {_n(t[50], '{:.2f}')} / {_n(t[95], '{:.2f}')} / {_n(t[99], '{:.2f}')} ms | {added} | "
+                f"{_n(u[50], '{:.2f}')} / {_n(u[99], '{:.2f}')} ms | {_n(d[50], '{:.2f}')} / {_n(d[99], '{:.2f}')} ms | "
+                f"{addd} | {_n(g[50], '{:.2f}')} / {_n(g[99], '{:.2f}')} ms | {_row_targets(s, 1, p, ttfd=True)} |"
+            )
         L.append("")
 
     L.append("### Concurrency")
     L.append("")
-    L.append(f"Each wave opens N streams over {cfg['stagger_ms']:g} ms per stream (at most {cfg['max_ramp']:g} s), "
-             f"one fresh TCP connection each, from {cfg['client_procs']} load-generator processes "
-             f"(raw asyncio sockets, {cfg.get('loadgen_loop', '?')} loop); waves per path: "
-             + ", ".join(f"{k} streams × {v}" for k, v in cfg["waves"].items() if int(k) in levels)
-             + ". CPU = utime+stime per 1,000 deltas delivered: for the app, its host process and its worker "
-               "processes apart (host + worker = total), and in brackets the CPU per stream (host + worker, ms); for "
-               "LiteLLM its process tree; the upstream's CPU is never included (its own figure is in the direct "
-               "row, in brackets). At 1 stream the figure includes the "
-               "per-request cost spread over the stream's deltas. Peak RSS = largest VmRSS of the whole process "
-               "tree (for the app: host and every worker) sampled every 25 ms during the waves.")
+    L.append(
+        f"Each wave opens N streams over {cfg['stagger_ms']:g} ms per stream (at most {cfg['max_ramp']:g} s), "
+        f"one fresh TCP connection each, from {cfg['client_procs']} load-generator processes "
+        f"(raw asyncio sockets, {cfg.get('loadgen_loop', '?')} loop); waves per path: "
+        + ", ".join(f"{k} streams × {v}" for k, v in cfg["waves"].items() if int(k) in levels)
+        + ". CPU = utime+stime per 1,000 deltas delivered: for the app, its host process and its worker "
+        "processes apart (host + worker = total), and in brackets the CPU per stream (host + worker, ms); for "
+        "LiteLLM its process tree; the upstream's CPU is never included (its own figure is in the direct "
+        "row, in brackets). At 1 stream the figure includes the "
+        "per-request cost spread over the stream's deltas. Peak RSS = largest VmRSS of the whole process "
+        "tree (for the app: host and every worker) sampled every 25 ms during the waves."
+    )
     L.append("")
-    L.append("| streams | path | completed | errors | peak open | TTFD p50 / p99 | added TTFD p50 / p99 | "
-             "inter-delta gap p50 / p99 | CPU s per 1k deltas: host + worker = total | peak RSS | target met? |")
+    L.append(
+        "| streams | path | completed | errors | peak open | TTFD p50 / p99 | added TTFD p50 / p99 | "
+        "inter-delta gap p50 / p99 | CPU s per 1k deltas: host + worker = total | peak RSS | target met? |"
+    )
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for level in levels:
         for p in paths:
@@ -603,8 +854,10 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             if p == "direct":
                 cpu = f"({_n(r['upstream_cpu_per_1k'], '{:.3f}')} upstream)"
             elif r.get("cpu_host_per_1k") is not None:
-                cpu = (f"{_n(r['cpu_host_per_1k'], '{:.3f}')} + {_n(r['cpu_worker_per_1k'], '{:.3f}')} = "
-                       f"{_n(r['cpu_per_1k'], '{:.3f}')}")
+                cpu = (
+                    f"{_n(r['cpu_host_per_1k'], '{:.3f}')} + {_n(r['cpu_worker_per_1k'], '{:.3f}')} = "
+                    f"{_n(r['cpu_per_1k'], '{:.3f}')}"
+                )
             else:
                 cpu = _n(r["cpu_per_1k"], "{:.3f}")
             if p != "direct" and r.get("cpu_per_stream_ms") is not None:
@@ -614,10 +867,14 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             if r.get("reader_instance_cpu_per_1k") is not None:
                 cpu += f" [reader instance +{r['reader_instance_cpu_per_1k']:.3f}]"
             rss = f"({r['peak_rss_mb']:.0f} MB upstream)" if p == "direct" else f"{r['peak_rss_mb']:.0f} MB"
-            errs = str(r["errors"]) + (f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})" if r["errors"] else "")
-            L.append(f"| {level:,} | {label(p, s)} | {r['completed']}/{r['streams']} | {errs} | {r['peak_open']} | "
-                     f"{_n(t[50])} / {_n(t[99])} ms | {added} | {_n(g[50])} / {_n(g[99])} ms | {cpu} | {rss} | "
-                     f"{_row_targets(s, level, p)} |")
+            errs = str(r["errors"]) + (
+                f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})" if r["errors"] else ""
+            )
+            L.append(
+                f"| {level:,} | {label(p, s)} | {r['completed']}/{r['streams']} | {errs} | {r['peak_open']} | "
+                f"{_n(t[50])} / {_n(t[99])} ms | {added} | {_n(g[50])} / {_n(g[99])} ms | {cpu} | {rss} | "
+                f"{_row_targets(s, level, p)} |"
+            )
     L.append("")
 
     split = s.get("cpu_split") or {}
@@ -625,17 +882,21 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         lvl = next(iter(split.values()))["level"]
         L.append(f"### CPU per request and per delta ({lvl} concurrent streams)")
         L.append("")
-        L.append(f"From the {lvl}-stream waves of {cfg['deltas']}-delta streams and, in the same run, "
-                 f"{cfg.get('short_waves', '?')} wave(s) per path of {lvl} 10-delta streams (the upstream's `normal` "
-                 f"scenario): a least-squares fit of CPU = requests × per-request + deltas × per-delta over those "
-                 f"waves, per process group. Per request covers everything a stream costs once (accepting the "
-                 f"connection, routing, the invocation, opening the upstream request, closing); per delta, relaying "
-                 f"one chunk. `/proc` CPU ticks are 10 ms, so single figures carry a few percent of noise.")
+        L.append(
+            f"From the {lvl}-stream waves of {cfg['deltas']}-delta streams and, in the same run, "
+            f"{cfg.get('short_waves', '?')} wave(s) per path of {lvl} 10-delta streams (the upstream's `normal` "
+            f"scenario): a least-squares fit of CPU = requests × per-request + deltas × per-delta over those "
+            f"waves, per process group. Per request covers everything a stream costs once (accepting the "
+            f"connection, routing, the invocation, opening the upstream request, closing); per delta, relaying "
+            f"one chunk. `/proc` CPU ticks are 10 ms, so single figures carry a few percent of noise."
+        )
         L.append("")
-        L.append("| path | host: ms per request / per delta | worker: ms per request / per delta | "
-                 "total: ms per request / per delta | (upstream: per request / per delta) |")
+        L.append(
+            "| path | host: ms per request / per delta | worker: ms per request / per delta | "
+            "total: ms per request / per delta | (upstream: per request / per delta) |"
+        )
         L.append("|---|---|---|---|---|")
-        fmt = lambda g: "–" if not g else f"{g['per_request_ms']:.2f} / {g['per_delta_ms']:.3f}"  # noqa: E731
+        fmt = lambda g: "–" if not g else f"{g['per_request_ms']:.2f} / {g['per_delta_ms']:.3f}"  # noqa: E731 - a one-line helper
         for p in paths:
             r = split.get(p)
             if not r:
@@ -643,8 +904,10 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             if p == "direct":
                 L.append(f"| {label(p, s)} | – | – | – | ({fmt(r.get('upstream'))}) |")
             else:
-                L.append(f"| {label(p, s)} | {fmt(r.get('host'))} | {fmt(r.get('worker'))} | {fmt(r.get('server'))} | "
-                         f"({fmt(r.get('upstream'))}) |")
+                L.append(
+                    f"| {label(p, s)} | {fmt(r.get('host'))} | {fmt(r.get('worker'))} | {fmt(r.get('server'))} | "
+                    f"({fmt(r.get('upstream'))}) |"
+                )
         L.append("")
 
     cc = s.get("client_check") or {}
@@ -652,48 +915,75 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         lvl = max(levels)
         L.append("### The load client itself (direct path)")
         L.append("")
-        L.append(f"The same {lvl:,}-stream wave against the upstream directly, with httpx (`AsyncClient`, pool limits "
-                 f"above the wave size) and with the raw-socket client used for every figure above. Client CPU is both "
-                 f"processes together; utilisation is per process (1.0 = one core busy).")
+        L.append(
+            f"The same {lvl:,}-stream wave against the upstream directly, with httpx (`AsyncClient`, pool limits "
+            f"above the wave size) and with the raw-socket client used for every figure above. Client CPU is both "
+            f"processes together; utilisation is per process (1.0 = one core busy)."
+        )
         L.append("")
-        L.append("| client | completed | TTFD p50 / p99 | inter-delta gap p50 / p99 | client CPU s per 1k deltas | client utilisation |")
+        L.append(
+            "| client | completed | TTFD p50 / p99 | inter-delta gap p50 / p99 | client CPU s per 1k deltas | client utilisation |"
+        )
         L.append("|---|---|---|---|---|---|")
         for engine, name in (("raw", "raw asyncio sockets"), ("httpx", "httpx")):
             r = cc.get(engine)
             if r:
-                L.append(f"| {name} | {r['completed']}/{r['streams']} | {_n(r['ttfd'][50])} / {_n(r['ttfd'][99])} ms | "
-                         f"{_n(r['gap'][50])} / {_n(r['gap'][99])} ms | {_n(r['client_cpu_per_1k'], '{:.3f}')} | "
-                         f"{_n(r['client_util'], '{:.2f}')} |")
+                L.append(
+                    f"| {name} | {r['completed']}/{r['streams']} | {_n(r['ttfd'][50])} / {_n(r['ttfd'][99])} ms | "
+                    f"{_n(r['gap'][50])} / {_n(r['gap'][99])} ms | {_n(r['client_cpu_per_1k'], '{:.3f}')} | "
+                    f"{_n(r['client_util'], '{:.2f}')} |"
+                )
         L.append("")
-    L.append("Client load during the waves (raw client, utilisation per process, 1.0 = one core): "
-             + "; ".join(f"{level:,} stream{'s' if level > 1 else ''}: " + ", ".join(
-                 f"{p} {_n(rows[level][p]['client_util'], '{:.2f}')}" for p in paths if p in rows[level])
-                 for level in levels) + ".")
+    L.append(
+        "Client load during the waves (raw client, utilisation per process, 1.0 = one core): "
+        + "; ".join(
+            f"{level:,} stream{'s' if level > 1 else ''}: "
+            + ", ".join(f"{p} {_n(rows[level][p]['client_util'], '{:.2f}')}" for p in paths if p in rows[level])
+            for level in levels
+        )
+        + "."
+    )
     L.append("")
-    L.append("How to read this, and the caveats: [tools/bench/README.md](../tools/bench/README.md). What the "
-             "figures mean for sizing in Azure: [scaling.md](scaling.md).")
+    L.append(
+        "How to read this, and the caveats: [tools/bench/README.md](../tools/bench/README.md). What the "
+        "figures mean for sizing in Azure: [scaling.md](scaling.md)."
+    )
     return "\n".join(L)
 
 
 def write_markdown(s: dict, doc: Path, png: Path | None = None, png2: Path | None = None) -> None:
     import os
+
     img = os.path.relpath(png, doc.parent) if png else "benchmarks.png"
     img2 = os.path.relpath(png2, doc.parent) if png2 else "benchmarks-concurrency.png"
     section = f"{START}\n{markdown(s, img, img2)}\n{END}"
     if doc.exists():
         text = doc.read_text(encoding="utf-8")
         if START in text and END in text and text.index(START) < text.index(END):
-            text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
+            text = text[: text.index(START)] + section + text[text.index(END) + len(END) :]
         else:
             text = text.rstrip("\n") + "\n\n" + section + "\n"
     else:
-        text = "# Benchmarks\n\nEach section is written by its own benchmark script; see tools/bench/README.md.\n\n" + section + "\n"
+        text = (
+            "# Benchmarks\n\nEach section is written by its own benchmark script; see tools/bench/README.md.\n\n"
+            + section
+            + "\n"
+        )
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text, encoding="utf-8")
 
 
-_COLORS = {"direct": "#7f7f7f", "floor": "#9467bd", "floor2": "#c5b0d5", "app": "#1f77b4", "app2": "#2ca02c",
-           "keys": "#ff7f0e", "keyslim": "#8c564b", "resume": "#e377c2", "litellm": "#d62728"}
+_COLORS = {
+    "direct": "#7f7f7f",
+    "floor": "#9467bd",
+    "floor2": "#c5b0d5",
+    "app": "#1f77b4",
+    "app2": "#2ca02c",
+    "keys": "#ff7f0e",
+    "keyslim": "#8c564b",
+    "resume": "#e377c2",
+    "litellm": "#d62728",
+}
 _SPARE = ("#17becf", "#bcbd22", "#393b79", "#637939", "#843c39")
 
 
@@ -708,6 +998,7 @@ COLORS = _Colors(_COLORS)
 
 def _log_axes(ax, levels) -> None:
     from matplotlib.ticker import FormatStrFormatter, LogLocator
+
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
@@ -720,6 +1011,7 @@ def _log_axes(ax, levels) -> None:
 
 def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -746,8 +1038,14 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
         ax.axhline(0, color="black", lw=0.5)
         ax.legend(fontsize=8)
 
-    bars(axes[0, 0], "added_ttfd", (50, 95, 99), "Added time to first delta vs direct (1 stream)", "ms",
-         {50: T_ADDED_P50_MS, 99: T_ADDED_P99_MS})
+    bars(
+        axes[0, 0],
+        "added_ttfd",
+        (50, 95, 99),
+        "Added time to first delta vs direct (1 stream)",
+        "ms",
+        {50: T_ADDED_P50_MS, 99: T_ADDED_P99_MS},
+    )
     bars(axes[0, 1], "added_delta", (50, 95, 99), "Added delay per delta vs direct (1 stream)", "ms")
 
     ax = axes[0, 2]  # inter-delta gaps at 1 stream, p50 and p99 (every gap is in results.json)
@@ -809,8 +1107,11 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
 
-    fig.suptitle("Streaming chat: direct upstream vs this app (devhost, real Python worker processes) vs LiteLLM proxy\n"
-                 + machine_line(s).replace("`", ""), fontsize=9)
+    fig.suptitle(
+        "Streaming chat: direct upstream vs this app (devhost, real Python worker processes) vs LiteLLM proxy\n"
+        + machine_line(s).replace("`", ""),
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
@@ -820,6 +1121,7 @@ def write_plot(s: dict, png: Path, doc: Path | None = None) -> None:
 def write_concurrency_plot(s: dict, png: Path) -> None:
     """TTFD p50 and p99 against concurrency, every path, with the targets."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -832,18 +1134,35 @@ def write_concurrency_plot(s: dict, png: Path) -> None:
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=COLORS[p], label=label(p, s), lw=2)
                 for x, y in pts:
-                    ax.annotate(f"{y:,.0f}" if y >= 10 else f"{y:.1f}", (x, y), textcoords="offset points",
-                                xytext=(4, 4), fontsize=7, color=COLORS[p])
+                    ax.annotate(
+                        f"{y:,.0f}" if y >= 10 else f"{y:.1f}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                        fontsize=7,
+                        color=COLORS[p],
+                    )
         if q == 99:  # the targets are added p99 over direct: draw them at direct + limit
-            marks = [(1, T_ADDED_P99_MS, "app"), *((lv, lim, "app") for lv, lim in T_LEVEL_P99_MS.items()),
-                     (T_LEVEL, T_LEVEL_P99_MS_BIG, "app2")]
+            marks = [
+                (1, T_ADDED_P99_MS, "app"),
+                *((lv, lim, "app") for lv, lim in T_LEVEL_P99_MS.items()),
+                (T_LEVEL, T_LEVEL_P99_MS_BIG, "app2"),
+            ]
         else:
             marks = [(1, T_ADDED_P50_MS, "app")]
         first = True
         for lv, lim, who in marks:
             if lv in direct and direct[lv][q] is not None:
-                ax.plot([lv], [direct[lv][q] + lim], "v", color=COLORS[who], ms=10, mfc="none", mew=2,
-                        label="target (direct + limit)" if first else None)
+                ax.plot(
+                    [lv],
+                    [direct[lv][q] + lim],
+                    "v",
+                    color=COLORS[who],
+                    ms=10,
+                    mfc="none",
+                    mew=2,
+                    label="target (direct + limit)" if first else None,
+                )
                 first = False
         _log_axes(ax, levels)
         ax.set_ylabel("ms (client-side, request sent → first content delta)")
@@ -858,32 +1177,43 @@ def write_concurrency_plot(s: dict, png: Path) -> None:
 
 def console_table(s: dict) -> str:
     lines = [machine_line(s).replace("`", ""), ""]
-    lines.append(f"{'streams':>7} {'path':8} {'done':>11} {'err':>4} {'open':>5} {'TTFD p50':>9} {'p99':>9} "
-                 f"{'+p50':>8} {'+p99':>8} {'gap p99':>8} {'host/1k':>7} {'wrkr/1k':>7} {'CPU/1k':>7} {'RSS MB':>7}")
+    lines.append(
+        f"{'streams':>7} {'path':8} {'done':>11} {'err':>4} {'open':>5} {'TTFD p50':>9} {'p99':>9} "
+        f"{'+p50':>8} {'+p99':>8} {'gap p99':>8} {'host/1k':>7} {'wrkr/1k':>7} {'CPU/1k':>7} {'RSS MB':>7}"
+    )
     for level in s["levels"]:
         for p in s["paths"]:
             r = s["rows"].get(level, {}).get(p)
             if not r:
                 continue
             a = r["added_ttfd"]
-            lines.append(f"{level:>7} {p:8} {r['completed']:>5}/{r['streams']:<5} {r['errors']:>4} {r['peak_open']:>5} "
-                         f"{_n(r['ttfd'][50]):>9} {_n(r['ttfd'][99]):>9} {_n(a[50], '{:+.1f}'):>8} {_n(a[99], '{:+.1f}'):>8} "
-                         f"{_n(r['gap'][99]):>8} {_n(r.get('cpu_host_per_1k'), '{:.3f}'):>7} "
-                         f"{_n(r.get('cpu_worker_per_1k'), '{:.3f}'):>7} "
-                         f"{_n(r['cpu_per_1k'] if p != 'direct' else r['upstream_cpu_per_1k'], '{:.3f}'):>7} "
-                         f"{r['peak_rss_mb']:>7.0f}")
+            lines.append(
+                f"{level:>7} {p:8} {r['completed']:>5}/{r['streams']:<5} {r['errors']:>4} {r['peak_open']:>5} "
+                f"{_n(r['ttfd'][50]):>9} {_n(r['ttfd'][99]):>9} {_n(a[50], '{:+.1f}'):>8} {_n(a[99], '{:+.1f}'):>8} "
+                f"{_n(r['gap'][99]):>8} {_n(r.get('cpu_host_per_1k'), '{:.3f}'):>7} "
+                f"{_n(r.get('cpu_worker_per_1k'), '{:.3f}'):>7} "
+                f"{_n(r['cpu_per_1k'] if p != 'direct' else r['upstream_cpu_per_1k'], '{:.3f}'):>7} "
+                f"{r['peak_rss_mb']:>7.0f}"
+            )
     lines.append("")
     for p, r in (s.get("cpu_split") or {}).items():
-        parts = [f"{g} {r[g]['per_request_ms']:.2f} ms/request + {r[g]['per_delta_ms']:.3f} ms/delta"
-                 for g in ("host", "worker", "server", "upstream") if g in r]
+        parts = [
+            f"{g} {r[g]['per_request_ms']:.2f} ms/request + {r[g]['per_delta_ms']:.3f} ms/delta"
+            for g in ("host", "worker", "server", "upstream")
+            if g in r
+        ]
         lines.append(f"  CPU split at {r['level']} streams, {p}: " + "; ".join(parts))
     lines.append("")
     for t in s["targets"]:
-        fmt = lambda v: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731
-        lines.append(f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '?'}] {t['target']}: "
-                     f"app {fmt(t['app'])}, floor {fmt(t['floor'])} ({t['rel_text']}); LiteLLM {fmt(t['peer'])}")
+        fmt = lambda v, t=t: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731 - a one-line helper
+        lines.append(
+            f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '?'}] {t['target']}: "
+            f"app {fmt(t['app'])}, floor {fmt(t['floor'])} ({t['rel_text']}); LiteLLM {fmt(t['peer'])}"
+        )
     for t in s.get("other_targets") or ():
-        lines.append(f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '-'}] {t['target']}: {t['measured']}")
+        lines.append(
+            f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '-'}] {t['target']}: {t['measured']}"
+        )
     if s.get("load"):
         lines.append("  " + load_line(s))
     return "\n".join(lines)

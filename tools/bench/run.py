@@ -8,6 +8,7 @@ Writes tools/bench/out/results.json (every stream), then the section of docs/ben
 side-by-side markers and docs/benchmarks.png (tools/bench/report.py). Every process it starts listens on
 127.0.0.1 only, every loop is bounded, and everything it started is stopped at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -31,8 +32,9 @@ ROOT = BENCH.parents[1]
 sys.path.insert(0, str(BENCH))
 sys.path.insert(1, str(ROOT))
 
-import procstat  # noqa: E402
-import report  # noqa: E402
+import procstat  # noqa: E402 - after sys.path names the repository
+import report  # noqa: E402 - after sys.path names the repository
+
 from tools.fakeupstream.scenarios import TEXTS, cadence_text  # noqa: E402  (stdlib only: safe in this venv)
 
 APP_PY = ROOT / ".venv" / "bin" / "python"
@@ -89,8 +91,9 @@ class Server:
         self.name = name
         self.log_path = out / f"{name}.log"
         self.log_file = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=self.log_file)
+        self.proc = subprocess.Popen(
+            args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log_file
+        )
         self.pid = self.proc.pid
         self.url: str | None = None
 
@@ -148,7 +151,7 @@ class Server:
 
 class Upstream(Server):
     def records(self) -> tuple[list[dict], list[dict]]:
-        get = lambda p: json.loads(_opener.open(self.url + p, timeout=30).read())  # noqa: E731
+        get = lambda p: json.loads(_opener.open(self.url + p, timeout=30).read())  # noqa: E731 - a one-line helper
         return get("/_scripted/requests"), get("/_scripted/streams")
 
     def clear(self) -> None:
@@ -159,9 +162,14 @@ class LoadGen:
     """One load-generator process (tools/bench/loadgen.py --serve)."""
 
     def __init__(self, out: Path, index: int):
-        self.proc = subprocess.Popen([str(BENCH_PY), str(BENCH / "loadgen.py"), "--serve"], cwd=ROOT,
-                                     env=_clean_env({}), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(out / f"loadgen{index}.log", "wb"))
+        self.proc = subprocess.Popen(
+            [str(BENCH_PY), str(BENCH / "loadgen.py"), "--serve"],
+            cwd=ROOT,
+            env=_clean_env({}),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(out / f"loadgen{index}.log", "wb"),
+        )
         hello = json.loads(self.proc.stdout.readline())
         self.pid = hello["pid"]
         self.loop = hello["loop"]
@@ -191,6 +199,7 @@ class LoadGen:
 
 # ------------------------------------------------------------------------------------ bench
 
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -213,10 +222,28 @@ class Bench:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
         log("starting the scripted upstream")
-        up = Upstream("upstream", [str(APP_PY), "-m", "tools.fakeupstream", "--port", "0", "--scenario", "cadence",
-                                   "--first-token-ms", str(a.first_token_ms), "--interval-ms", str(a.interval_ms),
-                                   "--deltas", str(a.deltas), "--max-records", "20000"],
-                      _clean_env({}), self.out)
+        up = Upstream(
+            "upstream",
+            [
+                str(APP_PY),
+                "-m",
+                "tools.fakeupstream",
+                "--port",
+                "0",
+                "--scenario",
+                "cadence",
+                "--first-token-ms",
+                str(a.first_token_ms),
+                "--interval-ms",
+                str(a.interval_ms),
+                "--deltas",
+                str(a.deltas),
+                "--max-records",
+                "20000",
+            ],
+            _clean_env({}),
+            self.out,
+        )
         self.servers["upstream"] = up
         up.wait_ready_line(60)
         base = up.url + "/v1"
@@ -224,8 +251,9 @@ class Bench:
         storage = None
         if any(p in self.paths for p in STORE_PATHS):
             log("starting Azurite (in memory) for the paths that need the shared store")
-            self.servers["azurite"] = az = Azurite("azurite", [str(APP_PY), "-m", "tools.azurite", "--in-memory"],
-                                                   _clean_env({}), self.out)
+            self.servers["azurite"] = az = Azurite(
+                "azurite", [str(APP_PY), "-m", "tools.azurite", "--in-memory"], _clean_env({}), self.out
+            )
             storage = az.wait_storage(60)
 
         env = {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "sk-bench-dummy", "OPENAI_MODEL": MODEL}
@@ -241,29 +269,70 @@ class Bench:
             if name == "resume":
                 extra["RESUMABLE_STREAMS"] = "on"
             where = self.app_dirs.get(name, ROOT)
-            log(f"starting {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''}"
-                + (f", app from {where}" if where != ROOT else "") + ")")
+            log(
+                f"starting {name} (devhost on the real Python worker, {n} worker process{'es' if n > 1 else ''}"
+                + (f", app from {where}" if where != ROOT else "")
+                + ")"
+            )
             self.servers[name] = Server(
-                name, [str(APP_PY), "-m", "tools.devhost", "--port", "0", *os.environ.get("BENCH_DEVHOST_ARGS", "").split(),
-                       str(where)], _clean_env({**env, **extra}), self.out)
+                name,
+                [
+                    str(APP_PY),
+                    "-m",
+                    "tools.devhost",
+                    "--port",
+                    "0",
+                    *os.environ.get("BENCH_DEVHOST_ARGS", "").split(),
+                    str(where),
+                ],
+                _clean_env({**env, **extra}),
+                self.out,
+            )
             if name == "resume":  # a second instance on the same store: the reader on another instance
                 self.servers["resume_b"] = Server(
-                    "resume_b", [str(APP_PY), "-m", "tools.devhost", "--port", "0", str(where)],
-                    _clean_env({**env, **extra}), self.out)
+                    "resume_b",
+                    [str(APP_PY), "-m", "tools.devhost", "--port", "0", str(where)],
+                    _clean_env({**env, **extra}),
+                    self.out,
+                )
         for name in [*servers, *(["resume_b"] if "resume_b" in self.servers else [])]:
             self.servers[name].wait_ready_line(120)
 
         key = "sk-bench-" + secrets.token_hex(16)
         if "litellm" in self.paths:
             port = _free_port()
-            log(f"starting LiteLLM ({LITELLM_BIN.name} --config tools/bench/litellm.yaml --port {port} --num_workers 1)")
-            env = _clean_env({
-                "BENCH_UPSTREAM_BASE": base, "LITELLM_MASTER_KEY": key, "LITELLM_LOG": "ERROR",
-                "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MODE": "PRODUCTION",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DISABLE_ADMIN_UI": "True",
-            })
-            ll = Server("litellm", [str(LITELLM_BIN), "--config", str(BENCH / "litellm.yaml"), "--port", str(port),
-                                    "--host", HOST, "--num_workers", "1"], env, self.out, cwd=self.out)
+            log(
+                f"starting LiteLLM ({LITELLM_BIN.name} --config tools/bench/litellm.yaml --port {port} --num_workers 1)"
+            )
+            env = _clean_env(
+                {
+                    "BENCH_UPSTREAM_BASE": base,
+                    "LITELLM_MASTER_KEY": key,
+                    "LITELLM_LOG": "ERROR",
+                    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                    "LITELLM_MODE": "PRODUCTION",
+                    "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1",
+                    "DISABLE_ADMIN_UI": "True",
+                }
+            )
+            ll = Server(
+                "litellm",
+                [
+                    str(LITELLM_BIN),
+                    "--config",
+                    str(BENCH / "litellm.yaml"),
+                    "--port",
+                    str(port),
+                    "--host",
+                    HOST,
+                    "--num_workers",
+                    "1",
+                ],
+                env,
+                self.out,
+                cwd=self.out,
+            )
             self.servers["litellm"] = ll
             ll.url = f"http://{HOST}:{port}"
             ll.wait_http(ll.url + "/health/liveliness", 240)
@@ -271,16 +340,27 @@ class Bench:
         caller_keys = {}
         if "keys" in self.servers:  # two callers, as an operator makes them: without and with a limit
             caller_keys["keys"] = _create_caller(self.servers["keys"].url, "bench-nolimit", {})
-            caller_keys["keyslim"] = _create_caller(self.servers["keys"].url, "bench-limited",
-                                                    {"tokens_per_minute": a.keys_tpm})
+            caller_keys["keyslim"] = _create_caller(
+                self.servers["keys"].url, "bench-limited", {"tokens_per_minute": a.keys_tpm}
+            )
             log(f"made two callers on the keys app: one without limits, one with tokens_per_minute {a.keys_tpm:,}")
 
-        hp = lambda u: u.split("//", 1)[1]  # noqa: E731
+        hp = lambda u: u.split("//", 1)[1]  # noqa: E731 - a one-line helper
         self.targets = {
-            "direct": {"kind": "openai", "path": "/v1/chat/completions", "model": MODEL, "url": base + "/chat/completions"},
-            "litellm": {"kind": "openai", "path": "/v1/chat/completions", "model": LITELLM_ALIAS,
-                        "headers": {"Authorization": f"Bearer {key}"},
-                        "url": (self.servers["litellm"].url if "litellm" in self.servers else "http://x") + "/v1/chat/completions"},
+            "direct": {
+                "kind": "openai",
+                "path": "/v1/chat/completions",
+                "model": MODEL,
+                "url": base + "/chat/completions",
+            },
+            "litellm": {
+                "kind": "openai",
+                "path": "/v1/chat/completions",
+                "model": LITELLM_ALIAS,
+                "headers": {"Authorization": f"Bearer {key}"},
+                "url": (self.servers["litellm"].url if "litellm" in self.servers else "http://x")
+                + "/v1/chat/completions",
+            },
         }
         for name in self.app_paths:
             server = self.servers.get(self.server_of(name))
@@ -291,18 +371,28 @@ class Bench:
                 self.targets[name]["headers"] = {"Authorization": f"Bearer {caller_keys[name]}"}
         if "resume_b" in self.servers:
             b = self.servers["resume_b"]
-            self.targets["resume"]["follow"] = {"host": HOST, "port": int(hp(b.url).split(":")[1]),
-                                                "hostport": hp(b.url), "path": a.resume_path,
-                                                "every": a.resume_follow_every}
+            self.targets["resume"]["follow"] = {
+                "host": HOST,
+                "port": int(hp(b.url).split(":")[1]),
+                "hostport": hp(b.url),
+                "path": a.resume_path,
+                "every": a.resume_follow_every,
+            }
         for name, t in self.targets.items():
-            server = self.servers.get("upstream" if name == "direct" else self.server_of(name)) if name in self.paths else None
+            server = (
+                self.servers.get("upstream" if name == "direct" else self.server_of(name))
+                if name in self.paths
+                else None
+            )
             if server is None:
                 continue
             t["host"], port = HOST, int(hp(server.url).split(":")[1])
             t["port"], t["hostport"] = port, f"{HOST}:{port}"
         # The serving process whose CPU and memory count for each path (the upstream's never does).
-        self.serving_pid = {name: self.servers[self.server_of(name)].pid if self.server_of(name) in self.servers
-                            else None for name in self.paths}
+        self.serving_pid = {
+            name: self.servers[self.server_of(name)].pid if self.server_of(name) in self.servers else None
+            for name in self.paths
+        }
         self.serving_pid["direct"] = None
         roots = {"upstream": up.pid}
         roots.update({name: s.pid for name, s in self.servers.items() if name != "upstream"})
@@ -340,9 +430,21 @@ class Bench:
 
     # -- one wave
 
-    def wave(self, phase: str, path: str, n: int, ramp: float, *, probe: bool = False, engine: str = "raw",
-             timeout: float = 60.0, settle: float = 0.05, record: bool = True, wave_no: int = 0,
-             short: bool = False) -> dict:
+    def wave(
+        self,
+        phase: str,
+        path: str,
+        n: int,
+        ramp: float,
+        *,
+        probe: bool = False,
+        engine: str = "raw",
+        timeout: float = 60.0,
+        settle: float = 0.05,
+        record: bool = True,
+        wave_no: int = 0,
+        short: bool = False,
+    ) -> dict:
         target = self.targets[path]
         expected, expected_chars = self.args.deltas, self.expected_chars
         if short:  # the 10-delta stream (SHORT)
@@ -357,8 +459,18 @@ class Bench:
         t0 = time.perf_counter()
         start_at = t0 + (0.15 if len(gens) > 1 else 0.0)  # lets every process start the ramp together
         for k, g in enumerate(gens):
-            g.send({"target": target, "items": items[k::len(gens)], "start_at": start_at, "expected": expected,
-                    "expected_chars": expected_chars, "probe": probe, "timeout": timeout, "engine": engine})
+            g.send(
+                {
+                    "target": target,
+                    "items": items[k :: len(gens)],
+                    "start_at": start_at,
+                    "expected": expected,
+                    "expected_chars": expected_chars,
+                    "probe": probe,
+                    "timeout": timeout,
+                    "engine": engine,
+                }
+            )
         replies = [g.receive() for g in gens]
         t_done = time.perf_counter()
         time.sleep(settle)  # include the servers' clean-up of the last streams in the CPU reading
@@ -369,16 +481,28 @@ class Bench:
         load1 = os.getloadavg()[0]
         records = [r for reply in replies for r in reply["records"]]
         w = {
-            "phase": phase, "path": path, "n": n, "ramp_s": ramp, "probe": probe, "engine": engine,
-            "short": short, "expected": expected,
-            "wave": wave_no, "t0": t0, "t_done": t_done, "t1": t1, "wall_s": t_done - start_at,
+            "phase": phase,
+            "path": path,
+            "n": n,
+            "ramp_s": ramp,
+            "probe": probe,
+            "engine": engine,
+            "short": short,
+            "expected": expected,
+            "wave": wave_no,
+            "t0": t0,
+            "t_done": t_done,
+            "t1": t1,
+            "wall_s": t_done - start_at,
             "cpu_s": {name: cpu1[name] - cpu0[name] for name in cpu0},
             "client_cpu_s": sum(r["client_cpu_s"] for r in replies),
             "client_procs": len(gens),
-            "machine_busy_s": busy1 - busy0, "machine_total_s": total1 - total0,
+            "machine_busy_s": busy1 - busy0,
+            "machine_total_s": total1 - total0,
             # Other load: the machine's busy CPU less everything this benchmark runs, per second of the
             # wave; and /proc/loadavg's 1-minute figure (everything, ours included) before and after.
-            "ours_cpu_s": ours1 - ours0, "loadavg1": [load0, load1],
+            "ours_cpu_s": ours1 - ours0,
+            "loadavg1": [load0, load1],
             "peak_rss": {name: self.sampler.peak(name, t0, t1) for name in self.sampler.roots},
             "records": records,
         }
@@ -402,7 +526,7 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
-        self.results["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.results["started"] = datetime.now(UTC).isoformat(timespec="seconds")
         self.results["meta"] = metadata(self)
         started = time.perf_counter()
 
@@ -412,8 +536,9 @@ class Bench:
             for _ in range(3):
                 w = self.wave("warmup", path, 1, 0, record=False)
                 if not w["records"][0]["ok"]:
-                    raise RuntimeError(f"warm-up stream via {path} failed: {w['records'][0]['error']}; "
-                                       f"see tools/bench/out/*.log")
+                    raise RuntimeError(
+                        f"warm-up stream via {path} failed: {w['records'][0]['error']}; see tools/bench/out/*.log"
+                    )
             self.wave("warmup", path, min(50, max(self.levels_of(path) or a.levels)), 0.05, record=False, settle=0.3)
         self._collect_upstream("warmup", keep=False)
 
@@ -438,18 +563,31 @@ class Bench:
                 log(f"{level} concurrent streams: {waves} wave(s) per path, opened over {ramp:.2f} s, round-robin")
                 for r in range(waves):
                     for path in _rotate(here, r):
-                        w = self.wave(f"c{level}", path, level, ramp, wave_no=r, settle=a.settle,
-                                      timeout=a.stream_timeout)
+                        w = self.wave(
+                            f"c{level}", path, level, ramp, wave_no=r, settle=a.settle, timeout=a.stream_timeout
+                        )
                         ok = sum(x["ok"] for x in w["records"])
-                        log(f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s"
-                            f" (other load {_other(w):.2f} cores, loadavg {w['loadavg1'][1]:.2f})")
+                        log(
+                            f"  {path:8s} wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s"
+                            f" (other load {_other(w):.2f} cores, loadavg {w['loadavg1'][1]:.2f})"
+                        )
                 if level == a.split_level and a.short_waves:
-                    log(f"{level} concurrent short streams ({SHORT['deltas']} deltas): {a.short_waves} wave(s) per "
-                        f"path, for the CPU per request apart from the CPU per delta")
+                    log(
+                        f"{level} concurrent short streams ({SHORT['deltas']} deltas): {a.short_waves} wave(s) per "
+                        f"path, for the CPU per request apart from the CPU per delta"
+                    )
                     for r in range(a.short_waves):
                         for path in _rotate(here, r):
-                            w = self.wave(f"c{level}short", path, level, ramp, wave_no=r, settle=a.settle,
-                                          timeout=a.stream_timeout, short=True)
+                            w = self.wave(
+                                f"c{level}short",
+                                path,
+                                level,
+                                ramp,
+                                wave_no=r,
+                                settle=a.settle,
+                                timeout=a.stream_timeout,
+                                short=True,
+                            )
                             ok = sum(x["ok"] for x in w["records"])
                             log(f"  {path:8s} short wave {r}: {ok}/{level} ok in {w['wall_s']:.1f} s")
             self.results["phases"].append({"level": level, "wall_s": time.perf_counter() - t_phase})
@@ -460,29 +598,36 @@ class Bench:
             ramp = min(a.max_ramp, level * a.stagger_ms / 1000)
             log(f"client check: direct path, {level} streams, httpx engine vs raw sockets")
             for engine in ("httpx", "raw"):
-                self.wave(f"client-{engine}", "direct", level, ramp, engine=engine, settle=a.settle,
-                          timeout=a.stream_timeout)
+                self.wave(
+                    f"client-{engine}", "direct", level, ramp, engine=engine, settle=a.settle, timeout=a.stream_timeout
+                )
             self._collect_upstream("client")
 
-        self.results["hwm"] = {name: procstat.hwm_bytes(procstat.descendants(pid))
-                               for name, pid in self.sampler.roots.items()}
-        self.results["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.results["hwm"] = {
+            name: procstat.hwm_bytes(procstat.descendants(pid)) for name, pid in self.sampler.roots.items()
+        }
+        self.results["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
         self.results["wall_s"] = time.perf_counter() - started
         self.results["config"] = {k: v for k, v in vars(a).items() if k != "waves"} | {
-            "waves": {str(k): v for k, v in a.waves.items()}, "expected_chars": self.expected_chars,
+            "waves": {str(k): v for k, v in a.waves.items()},
+            "expected_chars": self.expected_chars,
             "loadgen_loop": self.loadgens[0].loop,
-            "paths": list(self.paths), "variants": list(a.variants),
+            "paths": list(self.paths),
+            "variants": list(a.variants),
             "labels": {name: v["label"] for name, v in self.variants.items()},
             "owners": {p: self.server_of(p) for p in self.paths if p != "direct"} | {"direct": "upstream"},
             "path_levels": {p: list(self.levels_of(p)) for p in self.paths},
             "two_workers": [p for p in self.paths if self.app_workers.get(self.server_of(p)) == 2],
-            "keys_tpm": a.keys_tpm}
+            "keys_tpm": a.keys_tpm,
+        }
 
     def other_load(self, seconds: float = 2.0) -> float:
         """Cores kept busy by processes that are not ours, averaged over ``seconds``."""
+
         def sample():  # this script's tree holds every process of the benchmark
             busy, _ = procstat.machine_busy_seconds()
             return busy, procstat.tree_cpu_seconds(os.getpid()), time.perf_counter()
+
         b0, m0, t0 = sample()
         time.sleep(seconds)
         b1, m1, t1 = sample()
@@ -538,15 +683,18 @@ class Azurite(Server):
         while not found and time.monotonic() < deadline and self.proc.poll() is None:
             time.sleep(0.05)
         if not found:
-            raise RuntimeError(f"Azurite did not start (`make azurite` installs it); log: {self.log_path}\n{self.tail()}")
+            raise RuntimeError(
+                f"Azurite did not start (`make azurite` installs it); log: {self.log_path}\n{self.tail()}"
+            )
         return found[0]
 
 
 def _create_caller(url: str, name: str, limits: dict) -> str:
     """A caller made through the admin API (POST /api/manage/callers), as an operator makes one; its key."""
     body = json.dumps({"name": name, **limits}).encode()
-    req = urllib.request.Request(url + "/api/manage/callers", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/api/manage/callers", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     with _opener.open(req, timeout=30) as r:
         return json.loads(r.read())["key"]
 
@@ -566,8 +714,12 @@ def prepare_variant(name: str, spec: str, out: Path) -> dict:
         commit = _git("rev-parse", "--short", ref)
         if not commit:
             raise SystemExit(f"--variant {name}: no commit {ref!r}")
-        tar = subprocess.run(["git", "archive", commit, "function_app.py", "host.json", "chatstream"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
+        tar = subprocess.run(
+            ["git", "archive", commit, "function_app.py", "host.json", "chatstream"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(where)], input=tar, check=True)
         label = f"variant {name}: {commit}"
         if kind == "patch":  # one or more patch files, joined with "+"
@@ -595,18 +747,21 @@ def _rotate(seq, r):
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
 def _versions(python: Path, names: list[str]) -> dict:
-    code = ("import importlib.metadata as m, json, sys\n"
-            "out = {'python': sys.version.split()[0]}\n"
-            f"for n in {names!r}:\n"
-            "    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: out[n] = None\n"
-            "print(json.dumps(out))")
+    code = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = {'python': sys.version.split()[0]}\n"
+        f"for n in {names!r}:\n"
+        "    try: out[n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: out[n] = None\n"
+        "print(json.dumps(out))"
+    )
     try:
         return json.loads(subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout)
     except (OSError, ValueError, subprocess.TimeoutExpired):
@@ -624,13 +779,28 @@ def metadata(bench: Bench) -> dict:
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!tools/bench", ":!docs"))
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cores": os.cpu_count(), "cpu_model": procstat.cpu_model(), "kernel": platform.release(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(),
+        "cpu_model": procstat.cpu_model(),
+        "kernel": platform.release(),
         "loadavg_before": os.getloadavg(),
         "commit": commit + ("+local-changes" if dirty else ""),
-        "app_venv": _versions(APP_PY, ["openai", "uvicorn", "azure-functions-runtime", "azure-functions", "grpcio",
-                                       "azurefunctions-extensions-http-fastapi", "fastapi", "starlette",
-                                       "httpx", "httpx2", "uvloop"]),
+        "app_venv": _versions(
+            APP_PY,
+            [
+                "openai",
+                "uvicorn",
+                "azure-functions-runtime",
+                "azure-functions",
+                "grpcio",
+                "azurefunctions-extensions-http-fastapi",
+                "fastapi",
+                "starlette",
+                "httpx",
+                "httpx2",
+                "uvloop",
+            ],
+        ),
         "bench_venv": _versions(BENCH_PY, ["litellm", "openai", "uvicorn", "fastapi", "aiohttp", "httpx", "uvloop"]),
         "netns": os.environ.get("BENCH_NETNS") == "1",
         "app_local_settings": _applied_local_settings(bench),
@@ -651,6 +821,7 @@ def _loopback_up() -> None:
     import fcntl
     import socket
     import struct
+
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         ifr = struct.pack("16sH", b"lo", 0)
@@ -665,39 +836,75 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny counts, levels 1 and 20")
     p.add_argument("--levels", default="1,10,100,300,1000", help="concurrency levels (default 1,10,100,300,1000)")
     p.add_argument("--trials", type=int, default=40, help="full streams per path at 1 stream (default 40)")
-    p.add_argument("--probes", type=int, default=160,
-                   help="extra first-delta probes per path at 1 stream (default 160)")
-    p.add_argument("--waves", default="10:4,100:4,300:2,1000:1",
-                   help="waves per path per level (default 10:4,100:4,300:2,1000:1)")
-    p.add_argument("--split-level", type=int, default=100,
-                   help="level of the short-stream waves that split CPU per request / per delta (default 100)")
+    p.add_argument(
+        "--probes", type=int, default=160, help="extra first-delta probes per path at 1 stream (default 160)"
+    )
+    p.add_argument(
+        "--waves", default="10:4,100:4,300:2,1000:1", help="waves per path per level (default 10:4,100:4,300:2,1000:1)"
+    )
+    p.add_argument(
+        "--split-level",
+        type=int,
+        default=100,
+        help="level of the short-stream waves that split CPU per request / per delta (default 100)",
+    )
     p.add_argument("--short-waves", type=int, default=2, help="short-stream waves per path there (default 2)")
-    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
-                   help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)}; `resume` needs "
-                        "RESUMABLE_STREAMS in the app); variants (--variant) are added to it")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC", dest="variants",
-                   help="one more app path (1 worker) from another tree, in the same interleaved run: "
-                        "git:REF, patch:FILE[+FILE...] (HEAD with the files applied) or a folder; repeatable (A/B)")
-    p.add_argument("--extra-levels", default="1,100",
-                   help="levels of the caller and resume paths (default 1,100: where their targets are)")
-    p.add_argument("--keys-tpm", type=int, default=1_000_000_000,
-                   help="tokens_per_minute of the limited caller (default 1e9: never refuses)")
-    p.add_argument("--resume-path", default="/api/streams/{id}",
-                   help="the resume route on the second instance ({id}: the x-stream-id header)")
-    p.add_argument("--resume-follow-every", type=int, default=10,
-                   help="one stream in this many gets a reader on the other instance (default 10)")
+    p.add_argument(
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        help=f"subset of {','.join(PATHS)} (default {','.join(DEFAULT_PATHS)}; `resume` needs "
+        "RESUMABLE_STREAMS in the app); variants (--variant) are added to it",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        dest="variants",
+        help="one more app path (1 worker) from another tree, in the same interleaved run: "
+        "git:REF, patch:FILE[+FILE...] (HEAD with the files applied) or a folder; repeatable (A/B)",
+    )
+    p.add_argument(
+        "--extra-levels",
+        default="1,100",
+        help="levels of the caller and resume paths (default 1,100: where their targets are)",
+    )
+    p.add_argument(
+        "--keys-tpm",
+        type=int,
+        default=1_000_000_000,
+        help="tokens_per_minute of the limited caller (default 1e9: never refuses)",
+    )
+    p.add_argument(
+        "--resume-path",
+        default="/api/streams/{id}",
+        help="the resume route on the second instance ({id}: the x-stream-id header)",
+    )
+    p.add_argument(
+        "--resume-follow-every",
+        type=int,
+        default=10,
+        help="one stream in this many gets a reader on the other instance (default 10)",
+    )
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
     p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
     p.add_argument("--max-ramp", type=float, default=0.5, help="longest ramp to open a wave (default 0.5 s)")
     p.add_argument("--gap", type=float, default=0.05, help="pause after each single-stream trial (s)")
     p.add_argument("--settle", type=float, default=1.0, help="pause after each concurrent wave (s)")
     p.add_argument("--stream-timeout", type=float, default=120.0, help="per-stream limit in waves (s)")
-    p.add_argument("--no-client-check", dest="client_check", action="store_false",
-                   help="skip the httpx-vs-raw client check on the direct path")
-    p.add_argument("--wait-quiet", type=float, default=120.0,
-                   help="wait up to this long (s) for other load to drop before measuring (default 120)")
-    p.add_argument("--quiet-cores", type=float, default=0.3,
-                   help="other load (cores) counted as quiet (default 0.3)")
+    p.add_argument(
+        "--no-client-check",
+        dest="client_check",
+        action="store_false",
+        help="skip the httpx-vs-raw client check on the direct path",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=120.0,
+        help="wait up to this long (s) for other load to drop before measuring (default 120)",
+    )
+    p.add_argument("--quiet-cores", type=float, default=0.3, help="other load (cores) counted as quiet (default 0.3)")
     p.add_argument("--first-token-ms", type=float, default=100)
     p.add_argument("--interval-ms", type=float, default=20)
     p.add_argument("--deltas", type=int, default=40)

@@ -27,6 +27,7 @@ The model (docs/scaling.md explains it):
     execute, plus executions; an instance full of streams is billed as one. The default instance
     size is the one with the lowest cost per typical stream.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,6 +89,7 @@ STREAMS = {  # (deltas, seconds): one delta ≈ one output token
 # Inputs
 # ---------------------------------------------------------------------------------------------
 
+
 def load(path: Path) -> dict:
     """A summary (the subset this script reads) from a summary.json or from docs/benchmarks.md."""
     text = path.read_text(encoding="utf-8")
@@ -109,7 +111,7 @@ def summary_from_benchmarks(text: str) -> dict:
     per delta, and the peak memory of each path at each concurrency."""
     if BENCH_START not in text or BENCH_END not in text:
         raise SystemExit("docs/benchmarks.md has no generated side-by-side section (run `make bench`)")
-    section = text[text.index(BENCH_START):text.index(BENCH_END)]
+    section = text[text.index(BENCH_START) : text.index(BENCH_END)]
     path_of = {label: path for path, label in LABEL.items()}
     meta = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d UTC) · .*?app commit `([0-9a-f]+)`", section, re.M)
     if not meta:
@@ -119,8 +121,13 @@ def summary_from_benchmarks(text: str) -> dict:
     table = None
     for line in section.splitlines():
         if line.startswith("### "):
-            table = "split" if heading and line == heading.group(0) else \
-                "concurrency" if line == "### Concurrency" else None
+            table = (
+                "split"
+                if heading and line == heading.group(0)
+                else "concurrency"
+                if line == "### Concurrency"
+                else None
+            )
             continue
         if not line.startswith("| ") or line.startswith("|---"):
             continue
@@ -172,6 +179,7 @@ def figures(summary: dict) -> dict:
 # The model
 # ---------------------------------------------------------------------------------------------
 
+
 def per_stream_cpu_ms(cpu: dict, deltas: int) -> float:
     return cpu["per_request_ms"] + deltas * cpu["per_delta_ms"]
 
@@ -181,8 +189,9 @@ def capacity(cpu_ms_per_s: float, vcpu: float, utilization: float) -> int:
     return int(utilization * vcpu * 1000 / cpu_ms_per_s)
 
 
-def instance_capacity(worker: dict, with_host: dict, deltas: int, seconds: float, vcpu: float,
-                      workers: int, a=ASSUMED) -> dict:
+def instance_capacity(
+    worker: dict, with_host: dict, deltas: int, seconds: float, vcpu: float, workers: int, a=ASSUMED
+) -> dict:
     """Streams one instance holds by CPU: each worker is one event loop (at most one core), and the
     workers and the host together share the instance's vCPU."""
     by_worker = workers * capacity(per_stream_cpu_ms(worker, deltas) / seconds, min(1.0, vcpu), a["utilization"])
@@ -198,27 +207,33 @@ def cost_per_million(mem_mb: int, per_instance: int, seconds: float, prices=PRIC
 def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
     f = figures(summary)
     if "worker" not in f:
-        raise SystemExit("the benchmark figures have no CPU split for the app (run `make bench`, which "
-                         "includes the short-stream waves)")
+        raise SystemExit(
+            "the benchmark figures have no CPU split for the app (run `make bench`, which "
+            "includes the short-stream waves)"
+        )
     worker, host = f["worker"], f.get("host")
     with_host = {k: worker[k] + (host[k] if host else 0.0) for k in ("per_request_ms", "per_delta_ms")}
     mb_stream = f.get("app_mb_per_stream", 0.0)
     idle_mb = f.get("app_rss_idle_mb", 150.0)
     meta = summary["meta"]
     L = []
-    L.append(f"Inputs, measured by `make bench` at {f['split_level']} concurrent streams "
-             f"({meta['date']}, app commit `{meta['commit']}`; read from docs/benchmarks.md), one worker "
-             f"process: worker {worker['per_request_ms']:.2f} ms CPU per request + {worker['per_delta_ms']:.3f} ms "
-             f"per delta; the local host (Python, standing in for the Functions host) "
-             + (f"{host['per_request_ms']:.2f} ms + {host['per_delta_ms']:.3f} ms" if host else "not measured")
-             + f"; memory {mb_stream * 1024:.0f} kB per open stream (host and worker, from the peak RSS at "
-               f"{f.get('app_big_level', 0):,} streams), {idle_mb:.0f} MB for the idle processes. "
-               f"Assumed: CPU kept under {a['utilization']:.0%} busy, memory under {a['memory_headroom']:.0%} of the "
-               f"instance. Flex Consumption runs {WORKERS_PER_INSTANCE} Python worker per instance.")
+    L.append(
+        f"Inputs, measured by `make bench` at {f['split_level']} concurrent streams "
+        f"({meta['date']}, app commit `{meta['commit']}`; read from docs/benchmarks.md), one worker "
+        f"process: worker {worker['per_request_ms']:.2f} ms CPU per request + {worker['per_delta_ms']:.3f} ms "
+        f"per delta; the local host (Python, standing in for the Functions host) "
+        + (f"{host['per_request_ms']:.2f} ms + {host['per_delta_ms']:.3f} ms" if host else "not measured")
+        + f"; memory {mb_stream * 1024:.0f} kB per open stream (host and worker, from the peak RSS at "
+        f"{f.get('app_big_level', 0):,} streams), {idle_mb:.0f} MB for the idle processes. "
+        f"Assumed: CPU kept under {a['utilization']:.0%} busy, memory under {a['memory_headroom']:.0%} of the "
+        f"instance. Flex Consumption runs {WORKERS_PER_INSTANCE} Python worker per instance."
+    )
     L.append("")
-    L.append("| instance | stream | CPU per stream (worker / + host) | by the worker's one core | "
-             "by the instance's vCPU (worker + host) | by memory | streams per instance | "
-             "$ per million streams | burst within +100 ms TTFD |")
+    L.append(
+        "| instance | stream | CPU per stream (worker / + host) | by the worker's one core | "
+        "by the instance's vCPU (worker + host) | by memory | streams per instance | "
+        "$ per million streams | burst within +100 ms TTFD |"
+    )
     L.append("|---|---|---|---|---|---|---|---|---|")
     held: dict = {}
     for mem, vcpu in INSTANCES.items():
@@ -229,10 +244,12 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
             per_million = cost_per_million(mem, holds, seconds, prices)
             burst = int(a["ttfd_budget_ms"] / worker["per_request_ms"])
             held[(mem, name)] = {"streams": holds, "per_million": per_million}
-            L.append(f"| {mem:,} MB, {vcpu:g} vCPU, {WORKERS_PER_INSTANCE} worker | {name}: {deltas} deltas in "
-                     f"{seconds:g} s | {per_stream_cpu_ms(worker, deltas):.0f} / "
-                     f"{per_stream_cpu_ms(with_host, deltas):.0f} ms | {cap['worker']:,} | {cap['instance']:,} | "
-                     f"{n_mem:,} | **{holds:,}** | ${per_million:,.2f} | {burst} |")
+            L.append(
+                f"| {mem:,} MB, {vcpu:g} vCPU, {WORKERS_PER_INSTANCE} worker | {name}: {deltas} deltas in "
+                f"{seconds:g} s | {per_stream_cpu_ms(worker, deltas):.0f} / "
+                f"{per_stream_cpu_ms(with_host, deltas):.0f} ms | {cap['worker']:,} | {cap['instance']:,} | "
+                f"{n_mem:,} | **{holds:,}** | ${per_million:,.2f} | {burst} |"
+            )
     L.append("")
 
     # The defaults: the instance size whose typical stream costs least (the smaller one on a tie),
@@ -244,46 +261,62 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
     cheaper = "; ".join(
         f"{m:,} MB instances hold {held[(m, 'typical')]['streams']} typical streams at "
         f"{held[(m, 'typical')]['per_million'] / held[(default_mem, 'typical')]['per_million'] - 1:+.0%} per stream"
-        for m in others)
-    L.append(f"Defaults that follow (set in `infra/main.bicep`): `instanceMemoryMB` {default_mem}, the size whose "
-             f"typical stream costs least, and `httpPerInstanceConcurrency` {per_instance} (typical streams, host "
-             f"counted). For traffic of mostly short streams use {held[(default_mem, 'short')]['streams']}; "
-             f"{cheaper}.")
+        for m in others
+    )
+    L.append(
+        f"Defaults that follow (set in `infra/main.bicep`): `instanceMemoryMB` {default_mem}, the size whose "
+        f"typical stream costs least, and `httpPerInstanceConcurrency` {per_instance} (typical streams, host "
+        f"counted). For traffic of mostly short streams use {held[(default_mem, 'short')]['streams']}; "
+        f"{cheaper}."
+    )
     if "floor_worker" in f:
         fw, fh = f["floor_worker"], f["floor_host"]
         deltas, seconds = STREAMS["typical"]
         f_with_host = {k: fw[k] + fh[k] for k in with_host}
         fcap = instance_capacity(fw, f_with_host, deltas, seconds, INSTANCES[default_mem], WORKERS_PER_INSTANCE, a)
         L.append("")
-        L.append(f"The floor, a bare relay on the same host and runtime in the same run (docs/benchmarks.md, \"The "
-                 f"floor\"): worker {fw['per_request_ms']:.2f} ms + {fw['per_delta_ms']:.3f} ms per delta, host "
-                 f"{fh['per_request_ms']:.2f} ms + {fh['per_delta_ms']:.3f} ms. A typical stream would cost its worker "
-                 f"{per_stream_cpu_ms(fw, deltas):.0f} ms ({per_stream_cpu_ms(f_with_host, deltas):.0f} ms with the "
-                 f"host) against this app's {per_stream_cpu_ms(worker, deltas):.0f} "
-                 f"({per_stream_cpu_ms(with_host, deltas):.0f}) ms, and a {default_mem:,} MB instance would hold "
-                 f"{fcap['cpu']} typical streams instead of {per_instance}: what no function on this runtime gets past.")
+        L.append(
+            f'The floor, a bare relay on the same host and runtime in the same run (docs/benchmarks.md, "The '
+            f'floor"): worker {fw["per_request_ms"]:.2f} ms + {fw["per_delta_ms"]:.3f} ms per delta, host '
+            f"{fh['per_request_ms']:.2f} ms + {fh['per_delta_ms']:.3f} ms. A typical stream would cost its worker "
+            f"{per_stream_cpu_ms(fw, deltas):.0f} ms ({per_stream_cpu_ms(f_with_host, deltas):.0f} ms with the "
+            f"host) against this app's {per_stream_cpu_ms(worker, deltas):.0f} "
+            f"({per_stream_cpu_ms(with_host, deltas):.0f}) ms, and a {default_mem:,} MB instance would hold "
+            f"{fcap['cpu']} typical streams instead of {per_instance}: what no function on this runtime gets past."
+        )
     if "worker2" in f:
-        two = instance_capacity(f["worker2"], {k: f["worker2"][k] + f["host2"][k] for k in with_host},
-                                STREAMS["typical"][0], STREAMS["typical"][1], 2.0, 2, a)
+        two = instance_capacity(
+            f["worker2"],
+            {k: f["worker2"][k] + f["host2"][k] for k in with_host},
+            STREAMS["typical"][0],
+            STREAMS["typical"][1],
+            2.0,
+            2,
+            a,
+        )
         L.append("")
-        L.append(f"On plans that honour `FUNCTIONS_WORKER_PROCESS_COUNT` (Elastic Premium, Dedicated), one worker "
-                 f"per vCPU: a 2-vCPU instance with 2 workers holds {two['cpu']} typical streams by CPU, from the "
-                 f"same run's two-worker figures (worker {f['worker2']['per_request_ms']:.2f} ms + "
-                 f"{f['worker2']['per_delta_ms']:.3f} ms, host {f['host2']['per_request_ms']:.2f} ms + "
-                 f"{f['host2']['per_delta_ms']:.3f} ms). Not the Flex Consumption template's case.")
+        L.append(
+            f"On plans that honour `FUNCTIONS_WORKER_PROCESS_COUNT` (Elastic Premium, Dedicated), one worker "
+            f"per vCPU: a 2-vCPU instance with 2 workers holds {two['cpu']} typical streams by CPU, from the "
+            f"same run's two-worker figures (worker {f['worker2']['per_request_ms']:.2f} ms + "
+            f"{f['worker2']['per_delta_ms']:.3f} ms, host {f['host2']['per_request_ms']:.2f} ms + "
+            f"{f['host2']['per_delta_ms']:.3f} ms). Not the Flex Consumption template's case."
+        )
     L.append("")
 
     # Instances and cost, typical streams.
     deltas, seconds = STREAMS["typical"]
     gb = default_mem / 1024
-    L.append(f"Instances and cost for typical streams ({deltas} deltas in {seconds:g} s) at "
-             f"`httpPerInstanceConcurrency` {per_instance} on {default_mem:,} MB instances, on demand; next to "
-             f"LiteLLM containers ({a['litellm_container_vcpu']:g} vCPU, {a['litellm_container_gib']:g} GiB, one "
-             f"process each) sized the same way from LiteLLM's measured CPU. Prices: "
-             f"${prices['flex_gb_s']:.6f} per GB-s and ${prices['flex_per_million_executions']:.2f} per million "
-             f"executions (Flex Consumption); ${prices['aca_vcpu_s']:.6f} per vCPU-s, ${prices['aca_gib_s']:.6f} "
-             f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); free "
-             f"grants left out; sources and caveats below.")
+    L.append(
+        f"Instances and cost for typical streams ({deltas} deltas in {seconds:g} s) at "
+        f"`httpPerInstanceConcurrency` {per_instance} on {default_mem:,} MB instances, on demand; next to "
+        f"LiteLLM containers ({a['litellm_container_vcpu']:g} vCPU, {a['litellm_container_gib']:g} GiB, one "
+        f"process each) sized the same way from LiteLLM's measured CPU. Prices: "
+        f"${prices['flex_gb_s']:.6f} per GB-s and ${prices['flex_per_million_executions']:.2f} per million "
+        f"executions (Flex Consumption); ${prices['aca_vcpu_s']:.6f} per vCPU-s, ${prices['aca_gib_s']:.6f} "
+        f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); free "
+        f"grants left out; sources and caveats below."
+    )
     L.append("")
     L.append("| load | this app: instances | this app: $ per hour | LiteLLM: containers | LiteLLM: $ per hour |")
     L.append("|---|---|---|---|---|")
@@ -298,23 +331,35 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
         app_cost = inst * gb * 3600 * prices["flex_gb_s"] + execs_per_hour * prices["flex_per_million_executions"] / 1e6
         if ll_per:
             cont = math.ceil(n / max(1, ll_per))
-            ll_cost = cont * 3600 * (a["litellm_container_vcpu"] * prices["aca_vcpu_s"]
-                                     + a["litellm_container_gib"] * prices["aca_gib_s"]) \
+            ll_cost = (
+                cont
+                * 3600
+                * (
+                    a["litellm_container_vcpu"] * prices["aca_vcpu_s"]
+                    + a["litellm_container_gib"] * prices["aca_gib_s"]
+                )
                 + execs_per_hour * prices["aca_per_million_requests"] / 1e6
+            )
             ll_cells = f"{cont:,} | ${ll_cost:,.2f}"
         else:
             ll_cells = "– | –"
         L.append(f"| {n:,} concurrent streams | {inst:,} | ${app_cost:,.2f} | {ll_cells} |")
     per_million = cost_per_million(default_mem, per_instance, seconds, prices)
     if ll_per:
-        ll_million = 1e6 * seconds / ll_per * (a["litellm_container_vcpu"] * prices["aca_vcpu_s"]
-                                               + a["litellm_container_gib"] * prices["aca_gib_s"]) \
+        ll_million = (
+            1e6
+            * seconds
+            / ll_per
+            * (a["litellm_container_vcpu"] * prices["aca_vcpu_s"] + a["litellm_container_gib"] * prices["aca_gib_s"])
             + prices["aca_per_million_requests"]
+        )
         ll_m = f"{ll_per:,} streams per container | ${ll_million:,.2f}"
     else:
         ll_m = "– | –"
-    L.append(f"| per million streams (instances kept full) | {per_instance} streams per instance | "
-             f"${per_million:,.2f} | {ll_m} |")
+    L.append(
+        f"| per million streams (instances kept full) | {per_instance} streams per instance | "
+        f"${per_million:,.2f} | {ll_m} |"
+    )
     L.append("")
     L.append(f"<!-- scaling:defaults {json.dumps(defaults, sort_keys=True)} -->")
     return "\n".join(L), defaults
@@ -324,17 +369,18 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
 # docs/scaling.md
 # ---------------------------------------------------------------------------------------------
 
+
 def write(doc: Path, section: str) -> None:
     text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Scaling\n\n{START}\n{END}\n"
     if START not in text or END not in text:
         text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
-    text = text[:text.index(START)] + f"{START}\n{section}\n{END}" + text[text.index(END) + len(END):]
+    text = text[: text.index(START)] + f"{START}\n{section}\n{END}" + text[text.index(END) + len(END) :]
     doc.write_text(text, encoding="utf-8")
 
 
 def section_in(text: str) -> str:
     """The generated section of docs/scaling.md, between the markers."""
-    return text[text.index(START) + len(START):text.index(END)].strip("\n")
+    return text[text.index(START) + len(START) : text.index(END)].strip("\n")
 
 
 def defaults_in(doc: Path) -> dict:
@@ -345,7 +391,7 @@ def defaults_in(doc: Path) -> dict:
 def defaults_from_text(text: str) -> dict:
     marker = "<!-- scaling:defaults "
     i = text.index(marker) + len(marker)
-    return json.loads(text[i:text.index(" -->", i)])
+    return json.loads(text[i : text.index(" -->", i)])
 
 
 def write_infra(bicep: Path, defaults: dict) -> None:
@@ -361,12 +407,26 @@ def write_infra(bicep: Path, defaults: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("source", nargs="?", default=str(ROOT / "docs" / "benchmarks.md"),
-                   help="docs/benchmarks.md (default: the figures of record) or a run's summary.json")
-    p.add_argument("--write", nargs="?", const=str(ROOT / "docs" / "scaling.md"), default=None,
-                   help="rewrite the generated section of this file (default docs/scaling.md)")
-    p.add_argument("--infra", nargs="?", const=str(ROOT / "infra" / "main.bicep"), default=None,
-                   help="also set the defaults in this Bicep file (default infra/main.bicep)")
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=str(ROOT / "docs" / "benchmarks.md"),
+        help="docs/benchmarks.md (default: the figures of record) or a run's summary.json",
+    )
+    p.add_argument(
+        "--write",
+        nargs="?",
+        const=str(ROOT / "docs" / "scaling.md"),
+        default=None,
+        help="rewrite the generated section of this file (default docs/scaling.md)",
+    )
+    p.add_argument(
+        "--infra",
+        nargs="?",
+        const=str(ROOT / "infra" / "main.bicep"),
+        default=None,
+        help="also set the defaults in this Bicep file (default infra/main.bicep)",
+    )
     args = p.parse_args(argv)
     section, defaults = table(load(Path(args.source)))
     if args.write:

@@ -17,6 +17,7 @@ event is decoded and its text re-sent as ``{"delta": ...}`` (the JSON encoder bu
 Nothing else: no SDK, request validation, time limits, status rule (the response head goes out
 before the upstream answers), pipeline, pool, error handling, log line or telemetry. Not a
 template: it skips everything a caller relies on."""
+
 import json
 import os
 
@@ -42,9 +43,12 @@ async def _relay(body: dict):
     global _session
     if _session is None:  # no connection cap (limit=0); idle connections kept 4 s: see the module docstring
         _session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0))
-    payload = {"model": body.get("model") or os.environ.get("OPENAI_MODEL", "gpt-4o-mini"), "stream": True,
-               "stream_options": {"include_usage": True},
-               "messages": [{"role": "user", "content": body["prompt"]}]}
+    payload = {
+        "model": body.get("model") or os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": body["prompt"]}],
+    }
     async with _session.post(BASE + "/chat/completions", json=payload, headers=HEADERS) as resp:
         buffer = b""
         async for piece in resp.content.iter_any():
