@@ -820,7 +820,7 @@ def test_resumable_store_unavailable_and_an_early_replay_show_each_event_once(br
     response ends with `stream_store_unavailable` (the app could not read its store just then), which
     ends that reading, not the answer, and whose id is not counted; the resumed one starts earlier than
     asked. The page asks again after event 2 and shows every event once."""
-    sid = "s7Kq2_mZ-0bX9aR4tY1uVw"
+    sid = "AZrcT1m3s7Kq2_mZ-0bX9aR4tY1uVw"
 
     def chunk(n: int, text: str | None, finish: str | None = None) -> str:
         delta = {"content": text} if text is not None else {}
