@@ -42,10 +42,10 @@ BENCH_PY = Path(sys.executable)
 LITELLM_BIN = BENCH_PY.parent / "litellm"
 HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
-# Every path the benchmark knows, in the order of its tables. DEFAULT_PATHS run by default; "resume"
-# only when asked for (--paths ...,resume), and extra app variants with --variant (A/B).
+# Every path the benchmark knows, in the order of its tables. DEFAULT_PATHS run by default (all of
+# them), extra app variants with --variant (A/B).
 PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
-DEFAULT_PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "litellm")
+DEFAULT_PATHS = PATHS
 # FUNCTIONS_WORKER_PROCESS_COUNT of each devhost server (a server per path, except keyslim: SERVER_OF).
 APP_WORKERS = {"floor": 1, "floor2": 2, "app": 1, "app2": 2, "keys": 1, "resume": 1}
 # The floor: tools/bench/floor/function_app.py, a bare aiohttp relay on the same host and runtime.
