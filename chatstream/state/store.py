@@ -56,6 +56,11 @@ class StoreUnavailable(Exception):
     failure: whatever needed it fails closed. The message never carries a secret."""
 
 
+class NoSasAccess(StoreUnavailable):
+    """A SAS cannot be made with this identity (no role at the account that allows a user delegation
+    key): the cheap read path is not available, the SDK's is."""
+
+
 class StoreConfigError(Exception):
     """The storage settings cannot be used (the message names the setting, never a value)."""
 
@@ -287,5 +292,9 @@ class BlobReads:
             )
         except StoreUnavailable:
             raise
+        except HttpResponseError as exc:
+            if exc.status_code == 403:  # the identity may not ask for a user delegation key
+                raise NoSasAccess("no user delegation key for the stream container (HTTP 403)") from None
+            raise StoreUnavailable(f"no read access to the stream container (HTTP {exc.status_code})") from None
         except Exception as exc:  # noqa: BLE001 - any failure to get a key: the store is unavailable to us
             raise StoreUnavailable(f"no read access to the stream container ({type(exc).__name__})") from None

@@ -342,6 +342,28 @@ async def test_cancel_on_another_instance_reaches_the_producer_within_a_second(a
         await produce(local, [], final=cancelled)
 
 
+async def test_a_reader_elsewhere_reads_through_the_sdk_when_no_sas_can_be_made(azurite, caplog):
+    """Remote reads go through a read-only SAS (store.BlobReads); an identity that may not ask for a
+    user delegation key gets NoSasAccess, and the reader goes on through the SDK, the same bytes."""
+    from chatstream.state.store import BlobReads, NoSasAccess
+
+    async def refused(self, now):
+        raise NoSasAccess("no user delegation key for the stream container (HTTP 403)")
+
+    async with instances(azurite, 2) as (a, b):
+        original = BlobReads._make_sas
+        BlobReads._make_sas = refused
+        try:
+            producer = a.start("chat", None)
+            producer.append(delta(0))
+            reader = await open_when_visible(b, producer.id, None)
+            await produce(producer, [delta(i) for i in range(1, 20)])
+            assert await read_all(reader) == numbered([delta(i) for i in range(20)] + [DONE])
+        finally:
+            BlobReads._make_sas = original
+    assert any("read through the SDK" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_stream_nobody_reads_is_abandoned(azurite):
     async with instances(azurite, 2, abandon_seconds=1.0) as (a, b):
         producer = a.start("chat", None)

@@ -35,16 +35,18 @@ remote.py and liveness.py (the reader side), instance.py (heartbeat, inbox, swee
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from ..store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, Store, StoreUnavailable
+from ..store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, NoSasAccess, Store, StoreUnavailable
 from .calls import bounded
 from .config import ResumeConfig
 from .errors import (
@@ -87,6 +89,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("chatstream")
 
 
 class StreamLog:
@@ -126,6 +129,7 @@ class StreamLog:
         self._table: TableClient | None = None
         self._container: ContainerClient | None = None
         self._reads: BlobReads | None = None
+        self._sdk_reads = False  # no SAS with this identity: remote reads through the SDK
         self._closed = False
         self._work = InstanceWork(self, self._producers)  # heartbeat, inbox, sweeper
         self._remote = RemoteReaders(self)
@@ -242,9 +246,27 @@ class StreamLog:
 
     async def _read_range(self, stream_id: str, offset: int) -> bytes:
         """The stream's stored bytes from ``offset`` (a remote reader's poll: the cheap path)."""
-        if self._reads is None:
-            self._reads = await self.store.blob_reads(STREAMS_CONTAINER)
-        return await bounded(self._reads.read(stream_id, offset))
+        if not self._sdk_reads:
+            if self._reads is None:
+                self._reads = await self.store.blob_reads(STREAMS_CONTAINER)
+            try:
+                return await bounded(self._reads.read(stream_id, offset))
+            except NoSasAccess as exc:
+                log.warning("resumable streams: remote readers read through the SDK: %s", exc)
+                self._sdk_reads = True
+
+        async def read(container: ContainerClient) -> bytes:
+            download = await container.get_blob_client(stream_id).download_blob(offset=offset)
+            return await download.readall()
+
+        try:
+            return await self._call_blob(read)
+        except ResourceNotFoundError:
+            return b""
+        except HttpResponseError as exc:
+            if exc.status_code == 416:  # nothing past offset (Azure; Azurite answers empty)
+                return b""
+            raise StoreUnavailable(f"the store failed (HTTP {exc.status_code})") from None
 
     async def _call_blob(self, op: Callable[[ContainerClient], Awaitable[T]]) -> T:
         if self._container is None:
