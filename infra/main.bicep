@@ -97,7 +97,7 @@ param instanceMemoryMB int = 2048
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
-param httpPerInstanceConcurrency int = 77
+param httpPerInstanceConcurrency int = 72
 
 // The app's own time limits (app settings, see README "Settings"). host.json sets
 // "functionTimeout": "00:30:00"; the whole stream must end before it (test_infra checks this).
