@@ -113,7 +113,9 @@ def summary_from_benchmarks(text: str) -> dict:
         raise SystemExit("docs/benchmarks.md has no generated side-by-side section (run `make bench`)")
     section = text[text.index(BENCH_START) : text.index(BENCH_END)]
     path_of = {label: path for path, label in LABEL.items()}
-    meta = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d UTC) · .*?app commit `([0-9a-f]+)(?:\+local-changes)?`", section, re.M)
+    meta = re.search(
+        r"^(\d{4}-\d\d-\d\d \d\d:\d\d UTC) · .*?app commit `([0-9a-f]+)(?:\+local-changes)?`", section, re.M
+    )
     if not meta:
         raise SystemExit("docs/benchmarks.md: no run date and app commit in the side-by-side section")
     summary: dict = {"meta": {"date": meta.group(1), "commit": meta.group(2)}, "rows": {}, "cpu_split": {}}
