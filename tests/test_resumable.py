@@ -227,9 +227,12 @@ def worker_figures(app: App) -> dict:
 
 @pytest.fixture(scope="module")
 def paced_upstream():
-    """40 words 100 ms apart: 200 such streams at once are 2,000 deltas a second through the apps,
-    what this 2-core machine relays beside Azurite, the test client and other test files."""
-    server = Upstream("--scenario", "cadence", "--deltas", "40", "--interval-ms", "100")
+    """40 words 200 ms apart: 200 such streams at once are 1,000 deltas a second through the apps.
+    At 100 ms apart (2,000 a second) the two cores were saturated by the two instances, Azurite and
+    this client: Azurite then answered in seconds, heartbeats missed their lease, and a live
+    producer could be taken for dead (a stream_lost for a stream that ended well). This test is
+    about exactness and cleanup under load and drops, not the machine's ceiling (make bench is)."""
+    server = Upstream("--scenario", "cadence", "--deltas", "40", "--interval-ms", "200")
     yield server
     server.stop()
 
@@ -252,15 +255,16 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pace
     async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str]:
         apps = [a, b]
         got: list = []
-        await asyncio.sleep(i * 0.01)  # arrivals over 2 s (each stream lasts 4 s or more): all 200 at once
+        await asyncio.sleep(i * 0.01)  # arrivals over 2 s (each stream lasts 8 s or more): all 200 at once
         started_at = time.time()
         async with client.stream("POST", apps[i % 2].chat_url, json={"prompt": f"many {i}"}) as response:
             stream_id = response.headers["x-stream-id"]
             buffer = ""
             drop_after = rng.randint(1, deltas + 5)
             async for piece in response.aiter_text():
-                buffer += piece
-                got = events(buffer.rsplit("\n\n", 1)[0] + "\n\n") if "\n\n" in buffer else []
+                # Only the whole events that arrived now are parsed (this client shares the two cores).
+                whole, sep, buffer = (buffer + piece).rpartition("\n\n")
+                got += events(whole + sep) if sep else []
                 if len(got) >= drop_after:
                     got = got[:drop_after]
                     break
@@ -298,7 +302,9 @@ def test_200_concurrent_streams_with_random_drops_and_resumes_are_all_exact(pace
     done = asyncio.run(run())
     took = time.monotonic() - started
     assert all(text == cadence_text(deltas) for _, text in done)
-    print(f"\n{count} streams, {len(retried)} resumes retried after a 503, {took:.1f} s")
+    warned = [line for app in (a, b) for line in app.log().splitlines() if "WARNING" in line]
+    print(f"\n{count} streams, {len(retried)} resumes retried after a 503, {took:.1f} s, {len(warned)} warnings")
+    print("\n".join(warned[:10]))
     # Back to the baseline: no request in flight, no task or descriptor left behind.
     deadline = time.monotonic() + 15
     while True:

@@ -678,6 +678,57 @@ async def test_200_concurrent_streams_with_drops_and_resumes(azurite):
     assert len(asyncio.all_tasks()) == baseline
 
 
+async def test_the_readers_of_one_producer_share_its_heartbeat_reads(azurite):
+    """Twenty readers on B of twenty streams produced on A: B reads A's heartbeat row about once per
+    half state check for all of them (one read serves every reader that asks within it), not once
+    per reader per check (20 a second here)."""
+    async with instances(azurite, 2) as (a, b):
+        producers = [a.start("chat", None) for _ in range(20)]
+        readers = [await open_when_visible(b, p.id, None) for p in producers]
+        tally: dict = {}
+        count_calls(b, tally)
+        body = [delta(i) for i in range(30)]
+        started = time.monotonic()
+        got = await asyncio.gather(*(read_all(r) for r in readers), *(produce(p, body, gap=0.1) for p in producers))
+        took = time.monotonic() - started
+        assert all(g == numbered(body + [DONE]) for g in got[:20])
+        print(f"\n20 readers of one instance's streams for {took:.1f} s: {tally}")
+        assert took > 2.5
+        assert tally.get("get_entity", 0) <= took / (b.config.state_seconds / 2) + 3
+
+
+async def test_background_writes_and_polls_wait_their_turn(azurite):
+    """With bulk_calls=2, the producers' writes on A and the readers' polls on B are never more than
+    two at a time on either instance, and every answer is still exact: when the store is slow they
+    queue here, not in the store ahead of the heartbeat."""
+    async with instances(azurite, 2, bulk_calls=2) as (a, b):
+        most = {"a": 0, "b": 0}
+
+        def gauge(streams: StreamLog, name: str, key: str) -> None:
+            original = getattr(streams, name)
+            now = {"n": 0}
+
+            async def counted(*args, original=original, **kwargs):
+                gated = name == "_read_range" or "append_block" in repr(args[0].__code__.co_names)
+                now["n"] += gated
+                most[key] = max(most[key], now["n"])
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    now["n"] -= gated
+
+            setattr(streams, name, counted)
+
+        gauge(a, "_call_blob", "a")
+        gauge(b, "_read_range", "b")
+        producers = [a.start("openai", None) for _ in range(12)]
+        readers = [await open_when_visible(b, p.id, None) for p in producers]
+        body = [delta(i) for i in range(20)]
+        got = await asyncio.gather(*(read_all(r) for r in readers), *(produce(p, body, gap=0.05) for p in producers))
+        assert all(g == numbered(body + [DONE]) for g in got[:12])
+        assert 1 <= most["a"] <= 2 and 1 <= most["b"] <= 2, most
+
+
 # -- endings this module writes itself -------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ class StreamStore(Protocol):
     _closed: bool
     fast_writers: int  # producers here writing fast now (someone elsewhere follows them)
     remote_readers: int  # readers here following a stream stored by another instance
+    bulk: asyncio.Semaphore  # held by each background write and remote poll (ResumeConfig.bulk_calls)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None: ...
 

@@ -30,6 +30,11 @@ class ResumeConfig:
     # a store call costs ~1-2 ms of it (docs/resumable.md), 1,000 fast writes a second would be 2 cores.
     write_rate: float = 100.0
     read_rate: float = 200.0
+    # ...and at most this many of those writes and polls are in flight at once: when the store is
+    # slow they wait here, in turn, not in its queue where the heartbeat, the inbox and the
+    # resume routes' calls would wait behind them and time out (a lost heartbeat reads as a dead
+    # producer elsewhere). On Azure Storage (a few ms a call) 32 allow thousands of calls a second.
+    bulk_calls: int = 16
     young_poll_seconds: float = 0.2  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
     inbox_seconds: float = 0.5  # a producing instance reads its inbox (cancels, remote readers) this often

@@ -4,6 +4,7 @@ lease time or, for a reader that ``watch``es, by the reader's own clock."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from azure.core.exceptions import ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
 from .calls import StreamStore, quietly
+from .config import ResumeConfig
 from .format import ALIVE_ROW, STREAM_ROW
 from .ids import log_tag
 
@@ -45,23 +47,44 @@ class Liveness:
         return now - self.changed_at <= lease
 
 
-async def instance_row(streams: StreamStore, entity: dict) -> Any:
-    """The heartbeat row of the instance that produces the stream ``entity`` (None: there is none)."""
-    instance = entity.get("instance")
-    try:
-        return await streams._call_table(lambda t: t.get_entity(f"i-{instance}", ALIVE_ROW))
-    except ResourceNotFoundError:
-        return None
+class InstanceRows:
+    """The heartbeat rows of the instances that produce what this instance's remote readers
+    follow: one read of an instance's row serves every reader that asks within ``fresh`` seconds
+    (and every one that asks while it is under way), so a hundred readers of one producer cost one
+    read, not a hundred, each ``state_seconds``. A failed read is not kept."""
+
+    def __init__(self, streams: StreamStore, fresh: float):
+        self._log = streams
+        self._fresh = fresh
+        self._rows: dict[str, tuple[float, asyncio.Future]] = {}
+
+    async def get(self, instance: str) -> Any:
+        """The heartbeat row of ``instance`` (None: there is none). StoreUnavailable as for any read."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        held = self._rows.get(instance)
+        if held is None or (held[1].done() and (now - held[0] > self._fresh or held[1].exception() is not None)):
+            if len(self._rows) > 64:  # instances long gone (each recycled instance has a new name)
+                self._rows = {k: v for k, v in self._rows.items() if now - v[0] < 60.0}
+            held = (now, asyncio.ensure_future(self._read(instance)))
+            self._rows[instance] = held
+        # Shielded: a reader that leaves while the read is under way does not cancel it for the others.
+        return await asyncio.shield(held[1])
+
+    async def _read(self, instance: str) -> Any:
+        try:
+            return await self._log._call_table(lambda t: t.get_entity(f"i-{instance}", ALIVE_ROW))
+        except ResourceNotFoundError:
+            return None
 
 
-async def producer_alive(streams: StreamStore, entity: dict, watch: Liveness | None) -> bool:
+async def producer_alive(rows: InstanceRows, config: ResumeConfig, entity: dict, watch: Liveness | None) -> bool:
     """False if nobody is storing the stream any more: its instance's heartbeat stopped (by this
     reader's clock when it ``watch``es, else by the lease time), or the instance's last beat no
     longer lists it (it ended, and its end marker is in the blob; or it stopped being stored).
     The caller reads the blob once more: no end marker then means the stream is lost.
     StoreUnavailable when the store cannot tell."""
-    config = streams.config
-    row = await instance_row(streams, entity)
+    row = await rows.get(str(entity.get("instance")))
     now = time.time()
     if row is None:
         alive = now - float(entity.get("created", 0)) < 2 * config.lease_seconds

@@ -135,6 +135,7 @@ class StreamLog:
         self._remote = RemoteReaders(self)
         self.fast_writers = 0  # see StreamStore
         self.remote_readers = 0
+        self.bulk = asyncio.Semaphore(self.config.bulk_calls)
 
     # -- the integrator's side ----------------------------------------------------------------
 

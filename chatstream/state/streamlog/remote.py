@@ -19,7 +19,7 @@ from .config import ResumeConfig
 from .errors import BadLastEventId, StreamNotFound
 from .format import END, LOST, STREAM_ROW, Tail, error_event
 from .ids import ROUTES, Route, started_at
-from .liveness import SKEW, Liveness, instance_row, listed, mark_lost, producer_alive
+from .liveness import SKEW, InstanceRows, Liveness, listed, mark_lost, producer_alive
 from .readers import Events
 
 
@@ -77,6 +77,8 @@ class RemoteReaders:
 
     def __init__(self, streams: StreamStore):
         self._log = streams
+        # Fresh for half a state check: a reader's check sees a row read at most that long before.
+        self._rows = InstanceRows(streams, streams.config.state_seconds / 2)
 
     async def open(self, stream_id: str, after: int, caller: str | None) -> tuple[Route, Callable[[], Events]]:
         """The stream's route and its events after ``after``; raises before anything is read out."""
@@ -105,14 +107,18 @@ class RemoteReaders:
         ago (it retries that long) a missing record is waited for."""
         config = self._log.config
         young_until = started_at(stream_id) + config.give_up_seconds + SKEW
+        pause = config.young_poll_seconds
         while True:
             try:
                 entity = await self._log._call_table(lambda t: t.get_entity(stream_id, STREAM_ROW))
                 break
             except ResourceNotFoundError:
-                if time.time() + config.young_poll_seconds > young_until or started_at(stream_id) > time.time() + SKEW:
+                if time.time() + pause > young_until or started_at(stream_id) > time.time() + SKEW:
                     raise StreamNotFound("no such stream") from None
-            await asyncio.sleep(config.young_poll_seconds)
+            await asyncio.sleep(pause)
+            # Longer each time: a record that is late is late because the store is busy (its write
+            # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that.
+            pause = min(1.0, pause * 1.5)
         if entity.get("expires", 0) < time.time():
             raise StreamNotFound("no such stream")
         owner = entity.get("owner")
@@ -136,7 +142,7 @@ class RemoteReaders:
         while after > tail.last_id and tail.end is None and loop.time() < deadline:
             if loop.time() >= next_beat_check:
                 next_beat_check = loop.time() + min(0.5, config.heartbeat_seconds / 2)
-                row = await instance_row(self._log, entity)
+                row = await self._rows.get(str(entity.get("instance")))
                 if row is None or float(row.get("lease_until", 0)) + SKEW < time.time():
                     break  # its instance is gone: the reader will say stream_lost
                 beat = int(row.get("beat") or 0)
@@ -169,13 +175,15 @@ class RemoteReaders:
                 now = loop.time()
                 try:
                     # Every read is handed out before any other store call: nothing read is lost.
-                    out = tail.feed(await self._read_blob(at.stream_id, tail.offset))
+                    async with self._log.bulk:
+                        read = await self._read_blob(at.stream_id, tail.offset)
+                    out = tail.feed(read)
                     cadence.read(bool(out))
                     if out:
                         yield out
                     if tail.end is not None:
                         break
-                    if cadence.state_due(now) and not await producer_alive(self._log, at.entity, watch):
+                    if cadence.state_due(now) and not await producer_alive(self._rows, cfg, at.entity, watch):
                         # Nobody stores it any more: one more read for what was stored last.
                         out = tail.feed(await self._read_blob(at.stream_id, tail.offset))
                         if out:

@@ -147,7 +147,8 @@ class StreamWriter:
         for step in steps:
             while True:
                 try:
-                    await step()
+                    async with self._log.bulk:
+                        await step()
                     break
                 except ResourceExistsError:  # an earlier attempt landed
                     break
@@ -213,9 +214,10 @@ class StreamWriter:
         offset = self.stored_bytes
         attempt = (count, len(block), last)
         try:
-            await self._log._call_blob(
-                lambda c: c.get_blob_client(self.id).append_block(block, appendpos_condition=offset)
-            )
+            async with self._log.bulk:
+                await self._log._call_blob(
+                    lambda c: c.get_blob_client(self.id).append_block(block, appendpos_condition=offset)
+                )
         except StoreUnavailable:
             # No answer: it may still have landed. Every attempt since the last confirmed write is
             # at this same offset, so the store took at most one of them; the next one's 412 says which.
@@ -251,7 +253,8 @@ class StreamWriter:
         deadline = self._loop.time() + self._cfg.give_up_seconds
         while True:
             try:
-                await self._log._call_table(lambda t: t.update_entity(fields, mode=UpdateMode.MERGE))
+                async with self._log.bulk:
+                    await self._log._call_table(lambda t: t.update_entity(fields, mode=UpdateMode.MERGE))
                 return
             except ResourceNotFoundError:
                 return
