@@ -10,7 +10,7 @@ upstream sent (Azure's filter results, new fields) for pass-through.
 The clients use the SDK's aiohttp transport (``openai.DefaultAioHttpClient``, the ``openai[aiohttp]``
 extra) instead of its default httpx2 one: reading the upstream's body was most of the worker's CPU
 per delta (docs/benchmarks.md). The SDK's adapter maps every other aiohttp connection error to
-httpx2.ConnectTimeout; ``_RemappingTransport`` puts them back to what httpx2 raises (ConnectError,
+httpx2.ConnectTimeout; transport.py puts them back to what httpx2 raises (ConnectError,
 ReadError, RemoteProtocolError), keeping the aiohttp exception in the cause chain, so that a refused
 connection is not taken for a timeout."""
 
@@ -22,7 +22,6 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-import aiohttp
 import httpx2
 import openai
 
@@ -31,11 +30,7 @@ from ..http import SSEFramer
 from ..settings import Settings
 from .config import Entry
 from .outcomes import upstream_field
-
-try:  # how the SDK's aiohttp adapter maps aiohttp's errors to httpx2's (used when a body is read directly)
-    from openai._vendor.httpx_aiohttp.transport import map_aiohttp_exceptions as _aiohttp_errors
-except ImportError:  # another SDK layout: bodies are read through httpx2, as before
-    _aiohttp_errors = None
+from .transport import AIOHTTP_BODY, AioHttpClient, PreparedUrls, aiohttp_errors, remapped
 
 # Sent when the upstream needs no key (a local vLLM/Ollama/LM Studio behind OPENAI_BASE_URL); the
 # SDK refuses to start without one.
@@ -70,109 +65,9 @@ class SdkClient(Protocol):
 # --- building clients -------------------------------------------------------------------------
 
 
-class _RemappingTransport(httpx2.AsyncBaseTransport):
-    """Wraps the SDK's aiohttp transport: its ConnectTimeout for errors that are no timeout becomes
-    ConnectError (could not connect) or ReadError/RemoteProtocolError (connection lost)."""
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
-        self._inner = inner
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        try:
-            response = await self._inner.handle_async_request(request)
-        except httpx2.ConnectTimeout as exc:
-            raise _remapped(exc) from exc.__cause__
-        # The body as aiohttp reads it, for UpstreamStream: one iterator per piece instead of four
-        # generators (the adapter's, ours below, httpx2's bound stream and its aiter_raw).
-        body = getattr(response.stream, "_aiohttp_response", None)
-        if _aiohttp_errors is not None and isinstance(body, aiohttp.ClientResponse):
-            response.extensions[AIOHTTP_BODY] = body.content
-        response.stream = _RemappingStream(response.stream)
-        return response
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class _RemappingStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._inner:
-                yield chunk
-        except httpx2.ConnectTimeout as exc:
-            raise _remapped(exc) from exc.__cause__
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-# The extension of a response from AioHttpClient that holds aiohttp's reader of its body.
-AIOHTTP_BODY = "chatstream.aiohttp_body"
-
-
-def _remapped(exc: httpx2.ConnectTimeout) -> Exception:
-    cause = exc.__cause__
-    if cause is None or isinstance(cause, (aiohttp.ServerTimeoutError, TimeoutError)):
-        return exc  # a real timeout (aiohttp's connect timeout is a ServerTimeoutError)
-    if isinstance(cause, aiohttp.ClientConnectorError):
-        return httpx2.ConnectError(str(exc))
-    if isinstance(cause, aiohttp.ServerDisconnectedError):
-        return httpx2.RemoteProtocolError(str(exc))
-    return httpx2.ReadError(str(exc))
-
-
-class AioHttpClient(openai.DefaultAioHttpClient):
-    """``openai.DefaultAioHttpClient`` (the SDK's defaults, aiohttp underneath) with its errors
-    remapped (``_RemappingTransport``), and the URLs of its requests parsed once (``_merge_url``)."""
-
-    def _init_transport(self, *args, **kwargs):
-        return _RemappingTransport(super()._init_transport(*args, **kwargs))
-
-    def _init_proxy_transport(self, *args, **kwargs):
-        return _RemappingTransport(super()._init_proxy_transport(*args, **kwargs))
-
-    def _merge_url(self, url: httpx2.URL | str) -> httpx2.URL:
-        # The SDK hands every request's URL over as a string, parsed again here each time: the same
-        # few strings, so the parsed (immutable) URL is kept, for as long as the base URL stays.
-        if not isinstance(url, str):
-            return super()._merge_url(url)
-        cache = self.__dict__.setdefault("_chatstream_urls", {})
-        hit = cache.get(url)
-        if hit is not None and hit[0] is self._base_url:
-            return hit[1]
-        merged = super()._merge_url(url)
-        if len(cache) < _URL_CACHE_SIZE:
-            cache[url] = (self._base_url, merged)
-        return merged
-
-
-# Distinct URLs a client keeps parsed: a few per API and deployment; beyond this, parsed every time.
-_URL_CACHE_SIZE = 256
-
-
-class _PreparedUrls:
-    """The SDK client's ``_prepare_url`` (two URL parses per request: the path, then the join with
-    the base URL or the Azure endpoint) once per path, for as long as the base URL stays; the URL
-    objects are immutable. The paths are the API's (for Azure, with the deployment)."""
-
-    def _prepare_url(self, url: str) -> httpx2.URL:
-        cache = self.__dict__.setdefault("_chatstream_urls", {})
-        hit = cache.get(url)
-        base = self._base_url  # type: ignore[attr-defined] - a mixin: the SDK client class has it
-        if hit is not None and hit[0] is base:
-            return hit[1]
-        prepared = super()._prepare_url(url)  # type: ignore[misc] - the SDK client class after this mixin
-        if len(cache) < _URL_CACHE_SIZE:
-            cache[url] = (base, prepared)
-        return prepared
-
-
-# The SDK's classes with _PreparedUrls, under the SDK's names (they go into the User-Agent header).
-_AsyncOpenAI = type("AsyncOpenAI", (_PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
-_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (_PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
+# The SDK's classes with PreparedUrls, under the SDK's names (they go into the User-Agent header).
+_AsyncOpenAI = type("AsyncOpenAI", (PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
+_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
 
 
 def make_client(
@@ -270,9 +165,9 @@ class UpstreamStream(openai.AsyncStream[dict]):
         # one generator and one decoder call less per piece than aiter_bytes; from AioHttpClient,
         # aiohttp's own reader of them, past the four generators of the layers between.
         coded = self.response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-        direct = None if coded or _aiohttp_errors is None else self.response.extensions.get(AIOHTTP_BODY)
-        if direct is not None and _aiohttp_errors is not None:
-            pieces, errors = direct.iter_any(), _aiohttp_errors()
+        direct = None if coded or aiohttp_errors is None else self.response.extensions.get(AIOHTTP_BODY)
+        if direct is not None and aiohttp_errors is not None:
+            pieces, errors = direct.iter_any(), aiohttp_errors()
         else:
             pieces = self.response.aiter_bytes() if coded else self.response.aiter_raw()
             errors = contextlib.nullcontext()
@@ -289,9 +184,9 @@ class UpstreamStream(openai.AsyncStream[dict]):
                 await self.response.aclose()  # the body is over: the connection goes back, as aiter_raw does
         except httpx2.ConnectTimeout as exc:  # read directly: first what _RemappingStream makes of it
             try:
-                raise _remapped(exc) from exc.__cause__
-            except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as remapped:
-                raise _sdk_error(self.response, remapped) from remapped
+                raise remapped(exc) from exc.__cause__
+            except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as mapped:
+                raise _sdk_error(self.response, mapped) from mapped
         except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as exc:
             raise _sdk_error(self.response, exc) from exc
 

@@ -12,8 +12,9 @@ import aiohttp
 import httpx2
 import openai
 
-from chatstream.upstreams.clients import AioHttpClient, UpstreamStream, _remapped
+from chatstream.upstreams.clients import UpstreamStream
 from chatstream.upstreams.outcomes import OutcomeKind, classify
+from chatstream.upstreams.transport import AioHttpClient, remapped
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 
@@ -26,9 +27,9 @@ def _connect_timeout(cause: BaseException) -> httpx2.ConnectTimeout:
 
 def test_remapped_keeps_real_timeouts_and_restores_the_rest():
     real = _connect_timeout(aiohttp.ConnectionTimeoutError("connect timed out"))
-    assert _remapped(real) is real
-    assert isinstance(_remapped(_connect_timeout(aiohttp.ServerDisconnectedError())), httpx2.RemoteProtocolError)
-    assert isinstance(_remapped(_connect_timeout(aiohttp.ClientOSError(104, "reset"))), httpx2.ReadError)
+    assert remapped(real) is real
+    assert isinstance(remapped(_connect_timeout(aiohttp.ServerDisconnectedError())), httpx2.RemoteProtocolError)
+    assert isinstance(remapped(_connect_timeout(aiohttp.ClientOSError(104, "reset"))), httpx2.ReadError)
 
 
 async def _serve(mode: str):
@@ -151,7 +152,7 @@ async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_setting
 async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
     """From AioHttpClient the stream reads aiohttp's reader itself (AIOHTTP_BODY), the same events,
     and the response is closed (its connection back in the pool) as soon as the body ends."""
-    from chatstream.upstreams.clients import AIOHTTP_BODY
+    from chatstream.upstreams.transport import AIOHTTP_BODY
 
     body = CHUNK + b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n' + b"data: [DONE]\n\n"
 
@@ -185,7 +186,7 @@ async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
 
 
 def test_cached_urls_build_the_requests_the_sdk_builds():
-    """make_client's clients keep parsed URLs (chatstream's _PreparedUrls and AioHttpClient._merge_url):
+    """make_client's clients keep parsed URLs (chatstream's PreparedUrls and AioHttpClient._merge_url):
     every request is the one the SDK's own classes build, OpenAI and Azure (a deployment per model,
     api-version), the second time too, and after the base URL changes."""
     from openai._models import FinalRequestOptions

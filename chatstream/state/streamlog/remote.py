@@ -175,9 +175,7 @@ class RemoteReaders:
                 now = loop.time()
                 try:
                     # Every read is handed out before any other store call: nothing read is lost.
-                    async with self._log.bulk:
-                        read = await self._read_blob(at.stream_id, tail.offset)
-                    out = tail.feed(read)
+                    out = await self._poll(at)
                     cadence.read(bool(out))
                     if out:
                         yield out
@@ -185,7 +183,7 @@ class RemoteReaders:
                         break
                     if cadence.state_due(now) and not await producer_alive(self._rows, cfg, at.entity, watch):
                         # Nobody stores it any more: one more read for what was stored last.
-                        out = tail.feed(await self._read_blob(at.stream_id, tail.offset))
+                        out = await self._poll(at)
                         if out:
                             yield out
                         if tail.end is None:
@@ -210,6 +208,11 @@ class RemoteReaders:
             self._log.remote_readers -= 1
             if at.registered:
                 self._forget(at)
+
+    async def _poll(self, at: RemoteRead) -> bytes:
+        """The stream's new whole events, read in turn with this instance's other background calls."""
+        async with self._log.bulk:
+            return at.tail.feed(await self._read_blob(at.stream_id, at.tail.offset))
 
     def _error(self, route: Route, type: str, message: str, cursor: int) -> bytes:
         """The retryable error event that ends a reader whose client has every event up to ``cursor``."""
