@@ -12,6 +12,7 @@ from typing import Any
 from azure.core.exceptions import ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
+from ..store import StoreUnavailable
 from .calls import StreamStore, quietly
 from .config import ResumeConfig
 from .format import ALIVE_ROW, STREAM_ROW
@@ -66,7 +67,11 @@ class InstanceRows:
         if held is None or (held[1].done() and (now - held[0] > self._fresh or held[1].exception() is not None)):
             if len(self._rows) > 64:  # instances long gone (each recycled instance has a new name)
                 self._rows = {k: v for k, v in self._rows.items() if now - v[0] < 60.0}
-            held = (now, asyncio.ensure_future(self._read(instance)))
+            read = self._log._spawn(self._read(instance))
+            if read is None:
+                raise StoreUnavailable("the stream log is closed")
+            read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
+            held = (now, read)
             self._rows[instance] = held
         # Shielded: a reader that leaves while the read is under way does not cancel it for the others.
         return await asyncio.shield(held[1])
