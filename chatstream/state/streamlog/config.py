@@ -33,7 +33,7 @@ class ResumeConfig:
     # ...and at most this many of those writes and polls are in flight at once: when the store is
     # slow they wait here, in turn, not in its queue where the heartbeat, the inbox and the
     # resume routes' calls would wait behind them and time out (a lost heartbeat reads as a dead
-    # producer elsewhere). On Azure Storage (a few ms a call) 32 allow thousands of calls a second.
+    # producer elsewhere). On Azure Storage (a few ms a call) 16 allow a few thousand calls a second.
     bulk_calls: int = 16
     young_poll_seconds: float = 0.2  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
