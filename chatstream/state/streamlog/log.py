@@ -49,44 +49,13 @@ from azure.storage.blob.aio import ContainerClient
 from ..store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, NoSasAccess, Store, StoreUnavailable
 from .calls import bounded
 from .config import ResumeConfig
-from .errors import (
-    BadLastEventId,
-    InvalidStreamId,
-    StreamLogError,
-    StreamNotFound,
-    TooManyReaders,
-    TooManyStreams,
-)
-from .format import BLOCK_LIMIT, BLOCKS_LIMIT, EncodeError
-from .ids import ROUTES, Route, StopReason, check_stream_id, log_tag, new_stream_id, parse_last_event_id, started_at
+from .errors import BadLastEventId, StreamNotFound, TooManyReaders, TooManyStreams
+from .format import EncodeError
+from .ids import ROUTES, Route, check_stream_id, new_stream_id
 from .instance import InstanceWork
 from .producer import Producer
 from .readers import Reader, ReaderSlots, follow_local
 from .remote import RemoteReaders
-
-__all__ = [
-    "BLOCKS_LIMIT",
-    "BLOCK_LIMIT",
-    "ROUTES",
-    "BadLastEventId",
-    "EncodeError",
-    "InvalidStreamId",
-    "Producer",
-    "Reader",
-    "ResumeConfig",
-    "Route",
-    "StopReason",
-    "StreamLog",
-    "StreamLogError",
-    "StreamNotFound",
-    "TooManyReaders",
-    "TooManyStreams",
-    "check_stream_id",
-    "log_tag",
-    "new_stream_id",
-    "parse_last_event_id",
-    "started_at",
-]
 
 T = TypeVar("T")
 log = logging.getLogger("chatstream")
