@@ -231,6 +231,20 @@ def test_azure_without_api_version_is_404(server):
     assert r.json() == {"error": {"code": "404", "message": "Resource not found"}}
 
 
+def test_an_unknown_scenario_to_switch_to_is_a_400_that_lists_the_known_ones(server):
+    before = httpx.get(server + "/_scripted/default", timeout=5).json()
+    for path, body, kind in (
+        ("/_scripted/default", {"scenario": "nope"}, "scenario"),
+        ("/_scripted/default", [1], "scenario"),
+        ("/_scripted/follow_ups", {"scenario": "nope"}, "follow-up scenario"),
+    ):
+        r = httpx.post(server + path, json=body, timeout=5)
+        error = r.json()["error"]
+        assert r.status_code == 400 and (error["code"], error["param"]) == ("unknown_scenario", "scenario"), r.text
+        assert error["message"].startswith(f"Unknown {kind} ") and "Known: " in error["message"]
+    assert httpx.get(server + "/_scripted/default", timeout=5).json() == before  # unchanged
+
+
 # ------------------------------------------------------------------------ errors
 
 

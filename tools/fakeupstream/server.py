@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -183,21 +184,9 @@ class FakeUpstream:
             await _send_json(send, 200, list(self.streams))
         elif path == "/_scripted/default" and method in ("GET", "POST"):
             if method == "POST":
-                try:
-                    name = json.loads(body)["scenario"]
-                except (ValueError, KeyError, TypeError):
-                    name = None
+                name = _json_field(body, "scenario")
                 if name not in self.scenarios:
-                    await _send_json(
-                        send,
-                        400,
-                        sc.error_body(
-                            f"Unknown scenario {name!r}. Known: {', '.join(self.scenarios)}",
-                            "invalid_request_error",
-                            "unknown_scenario",
-                            "scenario",
-                        ),
-                    )
+                    await _unknown_scenario(send, "scenario", name, self.scenarios)
                     return
                 self.default_scenario = name
             await _send_json(send, 200, {"scenario": self.default_scenario})
@@ -205,16 +194,7 @@ class FakeUpstream:
             if method == "POST":
                 name = _json_field(body, "scenario")
                 if name is not None and name not in FOLLOW_UP_SCENARIOS:
-                    await _send_json(
-                        send,
-                        400,
-                        sc.error_body(
-                            f"Unknown follow-up scenario {name!r}. Known: {', '.join(FOLLOW_UP_SCENARIOS)}",
-                            "invalid_request_error",
-                            "unknown_scenario",
-                            "scenario",
-                        ),
-                    )
+                    await _unknown_scenario(send, "follow-up scenario", name, FOLLOW_UP_SCENARIOS)
                     return
                 self.follow_up_scenario = name
             await _send_json(send, 200, {"scenario": self.follow_up_scenario})
@@ -401,6 +381,12 @@ FOLLOW_UP_SCENARIOS = (
     "hang",
     "reset",
 )
+
+
+async def _unknown_scenario(send, kind: str, name: Any, known: Iterable[str]) -> None:
+    """The 400 for a scenario name the server does not know, listing the ones it does."""
+    message = f"Unknown {kind} {name!r}. Known: {', '.join(known)}"
+    await _send_json(send, 400, sc.error_body(message, "invalid_request_error", "unknown_scenario", "scenario"))
 
 
 def _json_field(body: bytes, name: str | None) -> Any:
