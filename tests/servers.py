@@ -138,6 +138,24 @@ class App(Served):
         return self.url + "/api/chat"
 
 
+def run_devhost(
+    env: dict[str, str] | None = None,
+    app_dir: Path = ROOT,
+    args: tuple[str, ...] = ("--port", "0"),
+    timeout: float = 60,
+) -> subprocess.CompletedProcess:
+    """Run the local host with nothing in its environment but ``env`` (and a PATH and PYTHONPATH),
+    to its exit: for the settings and apps that must stop it before it listens."""
+    return subprocess.run(
+        [sys.executable, "-m", "tools.devhost", *args, str(app_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+
+
 class Azurite(Served):
     """A real Azurite (tools/azurite/), in memory, on free ports: the store the callers and
     resumable-streams features share. ``connection_string`` is what the app takes as AzureWebJobsStorage."""

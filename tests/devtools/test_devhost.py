@@ -7,15 +7,13 @@ import json
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from chat import prompt
-from servers import ROOT, App
+from servers import ROOT, App, run_devhost
 
 PROBE = ROOT / "tests" / "apps" / "probe"
 
@@ -112,19 +110,8 @@ def test_chat_hang_up_closes_the_upstream_within_a_second(app, upstream):
     app.wait_log(r'"event": "chat_stream"[^\n]*"disconnected": true')
 
 
-def _run_devhost(app_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tools.devhost", "--port", "0", str(app_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-    )
-
-
 def test_app_without_streaming_enabled_fails_to_load_like_under_func():
-    result = _run_devhost(ROOT / "tests" / "apps" / "no_streaming")
+    result = run_devhost(app_dir=ROOT / "tests" / "apps" / "no_streaming")
     assert result.returncode == 1
     assert "FunctionLoadError" in result.stderr
     assert "Request" in result.stderr
@@ -132,19 +119,7 @@ def test_app_without_streaming_enabled_fails_to_load_like_under_func():
 
 
 def test_bad_setting_stops_the_app_with_a_message_naming_it(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
-            "IDLE_TIMEOUT_SECONDS": "soon",
-            "OPENAI_API_KEY": "sk-never-printed-123",
-        },
-    )
+    result = run_devhost({"IDLE_TIMEOUT_SECONDS": "soon", "OPENAI_API_KEY": "sk-never-printed-123"})
     assert result.returncode == 1
     assert "IDLE_TIMEOUT_SECONDS" in result.stderr
     assert "sk-never-printed-123" not in result.stderr + result.stdout

@@ -476,33 +476,16 @@ def test_stats_answers_get_only(limited):
 
 
 def test_a_bad_limit_setting_stops_the_host_naming_it():
-    import subprocess
-    import sys
-
-    from servers import ROOT
+    from servers import run_devhost
 
     for env, name in (
         ({"DEVHOST_BODY_TIMEOUT_SECONDS": "soon"}, "DEVHOST_BODY_TIMEOUT_SECONDS"),
         ({"DEVHOST_MAX_HEADER_BYTES": "-1"}, "DEVHOST_MAX_HEADER_BYTES"),
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
-        )
+        result = run_devhost(env)
         assert result.returncode == 2, result.stderr
         assert name in result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "tools.devhost", "--header-timeout", "0", str(ROOT)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-    )
+    result = run_devhost(args=("--header-timeout", "0"))
     assert result.returncode == 2 and "--header-timeout" in result.stderr, result.stderr
 
 
@@ -650,22 +633,8 @@ def test_cors_from_local_settings_host_section_like_func(tmp_path):
 
 
 def test_a_malformed_cors_origin_stops_the_host_naming_the_setting():
-    import subprocess
-    import sys
+    from servers import run_devhost
 
-    from servers import ROOT
-
-    result = subprocess.run(
-        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
-            "CORS_ALLOWED_ORIGINS": "https://ok.example, not an origin",
-        },
-    )
+    result = run_devhost({"CORS_ALLOWED_ORIGINS": "https://ok.example, not an origin"})
     assert result.returncode == 2, result.stderr
     assert "CORS_ALLOWED_ORIGINS" in result.stderr and "not an origin" in result.stderr

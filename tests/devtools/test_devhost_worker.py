@@ -10,14 +10,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from servers import ROOT, App
+from servers import ROOT, App, run_devhost
 
 PROBE = ROOT / "tests" / "apps" / "probe"
 
@@ -194,14 +192,7 @@ def test_a_host_killed_outright_takes_its_workers_with_it(probe_dir):
 
 @pytest.mark.parametrize("value", ["0", "11", "two", "1.5"])
 def test_bad_worker_process_count_is_a_clear_error(value, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "tools.devhost", "--port", "0", str(ROOT)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FUNCTIONS_WORKER_PROCESS_COUNT": value},
-    )
+    result = run_devhost({"FUNCTIONS_WORKER_PROCESS_COUNT": value})
     assert result.returncode == 2
     assert "FUNCTIONS_WORKER_PROCESS_COUNT must be a whole number from 1 to 10" in result.stderr
     assert "listening" not in result.stdout
