@@ -36,6 +36,19 @@ def cuts(draw, text: str) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def started_response() -> dict:
+    """The response object of the first events of a stream (a new one each time)."""
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "m",
+        "output": [],
+        "usage": None,
+        "status": "in_progress",
+    }
+
+
 def script(text_chunks: list[str], arg_chunks: list[str], summary_chunks: list[str]) -> list[dict]:
     """A Responses stream as OpenAI sends it: a reasoning item (summary), a message, a function call."""
     text, args, summary = "".join(text_chunks), "".join(arg_chunks), "".join(summary_chunks)
@@ -55,15 +68,7 @@ def script(text_chunks: list[str], arg_chunks: list[str], summary_chunks: list[s
         "call_id": "call_1",
         "name": "get_weather",
     }
-    base = {
-        "id": "resp_1",
-        "object": "response",
-        "created_at": 1,
-        "model": "m",
-        "output": [],
-        "usage": None,
-        "status": "in_progress",
-    }
+    base = started_response()
     events: list[dict] = [
         {"type": "response.created", "response": base},
         {"type": "response.in_progress", "response": base},
@@ -305,15 +310,7 @@ def test_an_upstream_error_event_fails_the_stream():
 
 def audio_script(chunks: list[str], done: bool) -> list[dict]:
     """A spoken answer: its transcript comes only in transcript deltas (the done event has no text)."""
-    base = {
-        "id": "resp_1",
-        "object": "response",
-        "created_at": 1,
-        "model": "m",
-        "output": [],
-        "usage": None,
-        "status": "in_progress",
-    }
+    base = started_response()
     events: list[dict] = [
         {"type": "response.created", "response": base},
         {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message"}},
