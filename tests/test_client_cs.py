@@ -11,6 +11,7 @@ The whole module is skipped when Mono cannot be installed on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -640,39 +641,12 @@ def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
     exits 130. Also under Mono without a terminal, where Console.CancelKeyPress never runs: once the
     stream is resumable, the client catches SIGINT itself (Mono.Posix's UnixSignal)."""
     canned.resumable(SID, [ev(1, "first"), "STALL"])
-    if terminal:
-        master, slave = pty.openpty()
-        proc = subprocess.Popen(
-            ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-            stdin=slave,
-            stdout=slave,
-            stderr=subprocess.PIPE,
-            env=_client_env(),
-            preexec_fn=_sigint_default,
-        )
-        os.close(slave)
-        out = master
-    else:
-        proc = subprocess.Popen(
-            ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=_client_env(),
-            preexec_fn=_sigint_default,
-        )
-        out = proc.stdout.fileno()
-    try:
+    with _interrupted_client(["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"], terminal) as (proc, out):
         assert b"first" in _read_until_text(out)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
         stderr = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if terminal:
-            os.close(master)
     assert proc.returncode == EXIT_CANCELLED, stderr
     [cancel] = canned.cancels
     assert cancel["path"] == f"/api/streams/{SID}/cancel" and cancel["at"] - sent < 2
@@ -904,6 +878,41 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def _interrupted_client(args: list[str], terminal: bool = False, env: dict | None = None):
+    """The C# client started for a test that interrupts it: its stdout a terminal (a pty) or a
+    pipe, SIGINT at its default action; yields the process and the descriptor its output is read
+    from; killed at the end if it still runs."""
+    master = None
+    if terminal:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(
+            args,
+            stdin=slave,
+            stdout=slave,
+            stderr=subprocess.PIPE,
+            env=env or _client_env(),
+            preexec_fn=_sigint_default,
+        )
+        os.close(slave)
+    else:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env or _client_env(),
+            preexec_fn=_sigint_default,
+        )
+    try:
+        yield proc, master if master is not None else proc.stdout.fileno()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if master is not None:
+            os.close(master)
+
+
 def _read_until_text(fd: int, timeout: float = 15) -> bytes:
     """Reads from fd until some reply text (not just terminal escape codes) has arrived."""
     buf = b""
@@ -925,22 +934,11 @@ def _read_until_text(fd: int, timeout: float = 15) -> bytes:
 
 def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, canned):
     canned.answer([delta("first"), "STALL"])
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", canned.url, "hi"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-        preexec_fn=_sigint_default,
-    )
-    try:
+    with _interrupted_client(["mono", str(chat_exe), "--url", canned.url, "hi"]) as (proc, _):
         assert _read_until_text(proc.stdout.fileno()) == b"first"
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == -signal.SIGINT  # what Mono really does here (see client_cs/README.md)
     assert wait_for(lambda: canned.disconnects, 2)
     assert canned.disconnects[0] - sent < 2
@@ -949,26 +947,13 @@ def test_sigint_without_terminal_kills_mono_and_server_sees_hangup(chat_exe, can
 def test_sigint_on_a_terminal_runs_the_handler_and_exits_130(chat_exe, canned):
     """With a terminal, CancelKeyPress runs: the request is aborted, stats printed, exit 130."""
     canned.answer([delta("first"), "STALL"])
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"],
-        stdin=slave,
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-        preexec_fn=_sigint_default,
-    )
-    os.close(slave)
-    try:
+    args = ["mono", str(chat_exe), "--url", canned.url, "--stats", "hi"]
+    with _interrupted_client(args, terminal=True) as (proc, master):
         assert b"first" in _read_until_text(master)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
         stderr = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr
     assert "stats: finish reason: cancelled" in stderr
@@ -1047,21 +1032,11 @@ def _wait_disconnected(upstream, scenario: str, timeout: float):
 @pytest.mark.parametrize("scenario", ["slow", "stall"])
 def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario):
     upstream.clear()
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-        preexec_fn=_sigint_default,
-    )
-    try:
-        _read_until_text(proc.stdout.fileno())
+    args = ["mono", str(chat_exe), "--url", app.chat_url, f"[scenario:{scenario}] go"]
+    with _interrupted_client(args) as (proc, out):
+        _read_until_text(out)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     # No terminal: Mono does not run CancelKeyPress and SIGINT ends the process at once.
     assert proc.returncode == -signal.SIGINT
     assert _wait_disconnected(upstream, scenario, 2), upstream.streams()
@@ -1069,24 +1044,11 @@ def test_app_sigint_mid_stream_stops_upstream(chat_exe, app, upstream, scenario)
 
 def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, upstream):
     upstream.clear()
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"],
-        stdin=slave,
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-        preexec_fn=_sigint_default,
-    )
-    os.close(slave)
-    try:
+    args = ["mono", str(chat_exe), "--url", app.chat_url, "[scenario:stall] go"]
+    with _interrupted_client(args, terminal=True) as (proc, master):
         _read_until_text(master)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
     assert proc.returncode == EXIT_CANCELLED
     assert _wait_disconnected(upstream, "stall", 2), upstream.streams()
 
@@ -1212,35 +1174,13 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
     a terminal through Console.CancelKeyPress, without one through Mono.Posix's UnixSignal."""
     prompt = f"[scenario:slow] interrupted {terminal} {time.time_ns()}"
     args = ["mono", str(chat_exe), "--url", resumable.chat_url, "--stats", prompt]
-    if terminal:
-        master, slave = pty.openpty()
-        proc = subprocess.Popen(
-            args, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=_client_env(), preexec_fn=_sigint_default
-        )
-        os.close(slave)
-        out = master
-    else:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=_client_env(),
-            preexec_fn=_sigint_default,
-        )
-        out = proc.stdout.fileno()
-    try:
+    with _interrupted_client(args, terminal) as (proc, out):
         stream_id = _read_stream_id(proc.stderr.fileno())
         _read_until_text(out)
         sent = time.time()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
         stderr = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if terminal:
-            os.close(master)
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr
     [(request, _)] = _upstream_calls(upstream, prompt)
@@ -1367,24 +1307,16 @@ def test_app_with_caller_keys_sigint_cancels_with_the_caller_key(chat_exe, keyed
     client cancels the stream, and the upstream is closed."""
     key = _new_caller_key(keyed_resumable)
     prompt = f"[scenario:slow] keyed interrupted {time.time_ns()}"
-    proc = subprocess.Popen(
+    with _interrupted_client(
         ["mono", str(chat_exe), "--url", keyed_resumable.chat_url, "--stats", prompt],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         env=_client_env({"CALLER_KEY": key}),
-        preexec_fn=_sigint_default,
-    )
-    try:
+    ) as (proc, _):
         _read_stream_id(proc.stderr.fileno())
         _read_until_text(proc.stdout.fileno())
         sent = time.time()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)
         stderr = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr and key not in stderr
     [(request, _)] = _upstream_calls(upstream, prompt)
