@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit
 
 import pytest
+from cut_proxy import CutProxy
 from helpers import app_env
 from hypothesis import settings
 from servers import App, Azurite, Upstream
@@ -42,6 +44,22 @@ def start_app(upstream):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def resumable(upstream, azurite):
+    """An app with RESUMABLE_STREAMS=on, on this process's Azurite (the clients' resumable tests)."""
+    server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cut(resumable):
+    """A proxy in front of the resumable app (tests/cut_proxy.py) that drops chosen connections."""
+    proxy = CutProxy(urlsplit(resumable.url).port)
+    yield proxy
+    proxy.close()
 
 
 @pytest.fixture(scope="session")

@@ -109,6 +109,15 @@ class Upstream(Served):
     def streams(self) -> list[dict]:
         return self.http.get("/_scripted/streams").json()
 
+    def calls_for(self, prompt: str) -> list[tuple[dict, dict | None]]:
+        """The requests whose last message is ``prompt``, each with its stream record (None: none)."""
+        streams = {s["request_id"]: s for s in self.streams()}
+        return [
+            (r, streams.get(r["id"]))
+            for r in self.requests()
+            if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt
+        ]
+
     def clear(self) -> None:
         self.http.delete("/_scripted/requests").raise_for_status()
 

@@ -1057,41 +1057,9 @@ def test_app_sigint_on_a_terminal_exits_130_and_stops_upstream(chat_exe, app, up
 # resumable streams against the function app (RESUMABLE_STREAMS=on, on Azurite)
 
 
-@pytest.fixture(scope="module")
-def resumable(upstream, azurite):
-    from helpers import app_env
-    from servers import App
-
-    server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cut(resumable):
-    """A proxy in front of the resumable app (tests/cut_proxy.py) that drops chosen connections."""
-    from urllib.parse import urlsplit
-
-    from cut_proxy import CutProxy
-
-    proxy = CutProxy(urlsplit(resumable.url).port)
-    yield proxy
-    proxy.close()
-
-
-def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
-    """The upstream's requests whose last message is ``prompt``, each with its stream record."""
-    streams = {s["request_id"]: s for s in upstream.streams()}
-    return [
-        (r, streams.get(r["id"]))
-        for r in upstream.requests()
-        if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt
-    ]
-
-
 def _ran_to_its_end(upstream, prompt: str) -> None:
     """One upstream request for the prompt, not cut short by any of the client's drops or hang-ups."""
-    calls = _upstream_calls(upstream, prompt)
+    calls = upstream.calls_for(prompt)
     assert len(calls) == 1, calls
     record = wait_for(
         lambda: [s for s in upstream.streams() if s["request_id"] == calls[0][0]["id"] and s["ended_at"] is not None], 5
@@ -1183,7 +1151,7 @@ def test_app_sigint_cancels_a_resumable_stream_and_the_upstream_is_closed(chat_e
         stderr = proc.stderr.read().decode()
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr
-    [(request, _)] = _upstream_calls(upstream, prompt)
+    [(request, _)] = upstream.calls_for(prompt)
     record = wait_for(
         lambda: [s for s in upstream.streams() if s["request_id"] == request["id"] and s["ended_at"] is not None], 5
     )
@@ -1319,7 +1287,7 @@ def test_app_with_caller_keys_sigint_cancels_with_the_caller_key(chat_exe, keyed
         stderr = proc.stderr.read().decode()
     assert proc.returncode == EXIT_CANCELLED, stderr
     assert "chat: cancelled" in stderr and "could not cancel" not in stderr and key not in stderr
-    [(request, _)] = _upstream_calls(upstream, prompt)
+    [(request, _)] = upstream.calls_for(prompt)
     record = wait_for(
         lambda: [s for s in upstream.streams() if s["request_id"] == request["id"] and s["ended_at"] is not None], 5
     )

@@ -21,9 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from cut_proxy import CutProxy
-from helpers import app_env
-from servers import ROOT, App
+from servers import ROOT
 
 from chatstream import playground_page
 from chatstream.settings import Settings, SettingsError
@@ -565,31 +563,6 @@ def test_with_caller_keys_required_the_page_asks_for_one_and_keeps_it_in_this_ta
 DROPPED = r"^Failed to load resource: net::ERR_(CONNECTION_RESET|INCOMPLETE_CHUNKED_ENCODING|EMPTY_RESPONSE)"
 
 
-@pytest.fixture(scope="module")
-def resumable(upstream, azurite):
-    server = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cut(resumable):
-    """A proxy in front of the resumable app (tests/cut_proxy.py) that drops connections on demand."""
-    proxy = CutProxy(urlsplit(resumable.url).port)
-    yield proxy
-    proxy.close()
-
-
-def _upstream_calls(upstream, prompt: str) -> list[tuple[dict, dict | None]]:
-    """The upstream's requests whose last message is ``prompt``, each with its stream record."""
-    streams = {s["request_id"]: s for s in upstream.streams()}
-    return [
-        (r, streams.get(r["id"]))
-        for r in upstream.requests()
-        if (r.get("json") or {}).get("messages", [{}])[-1].get("content") == prompt
-    ]
-
-
 def _watch_answer(tab, until, timeout: float = 15) -> list[str]:
     """Every different text of the Answer until ``until(text)`` is true."""
     seen: list[str] = []
@@ -620,7 +593,7 @@ def _finished_cleanly(tab, upstream, prompt: str, expected: str) -> None:
     saw one request for it that ran to its end (no hang-up reached it)."""
     assert tab.answer.text_content() == expected
     assert tab.page.evaluate("() => sessionStorage.getItem('chatstream.stream')") is None
-    calls = _upstream_calls(upstream, prompt)
+    calls = upstream.calls_for(prompt)
     assert len(calls) == 1, calls
     assert calls[0][1] is not None and calls[0][1]["outcome"] == "completed", calls[0][1]
 
@@ -749,7 +722,7 @@ def test_resumable_stop_cancels_the_stream_and_the_upstream_is_closed(browser, r
         tab.expect(tab.page.get_by_text("Stopped.", exact=True)).to_be_visible()
         assert tab.answer.text_content() == shown and TEXTS["slow"].startswith(shown) and shown != TEXTS["slow"]
         assert tab.stats.text_content().endswith("finish: cancelled"), tab.stats.text_content()
-        [(request, record)] = _upstream_calls(upstream, prompt)
+        [(request, record)] = upstream.calls_for(prompt)
         assert record["ended_at"] is not None and record["outcome"] == "client_disconnected", record
         assert record["ended_at"] - clicked < 1.5, record["ended_at"] - clicked  # 1 s after the cancel call
         cancels = [r for r in tab.requests if r.url.endswith(f"/api/streams/{stream_id}/cancel")]
