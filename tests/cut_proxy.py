@@ -5,10 +5,12 @@ Bytes pass both ways unchanged, but for one header: an ``Origin`` naming the pro
 the app's own (the local host serves browser requests from its own origin only, and to the page, the
 proxy is the app). A *cut* is armed by the request line it waits for (e.g.
 ``b"POST /api/chat "``): the connection that next sends it is reset (RST, as a dropped network or a
-recycled instance looks to a client) once ``after`` bytes of the answer have been passed on, wherever
-that falls: inside the headers, an event, a UTF-8 character or a chunk's framing. Cuts are used in the
-order they were added, one per matching request. ``drop()`` resets every open connection at once;
-``refuse(seconds)`` resets every new connection for a while (the app unreachable). Threads only: usable from sync tests and Playwright's sync API."""
+recycled instance looks to a client) once ``after`` bytes of the answer have been passed on and
+``HOLD_BEFORE_RESET`` has passed, wherever the bytes end: inside the headers, an event, a UTF-8
+character or a chunk's framing. Cuts are used in the order they were added, one per matching
+request. ``drop()`` resets every open connection at once; ``refuse(seconds)`` resets every new
+connection for a while (the app unreachable). Threads only: usable from sync tests and Playwright's
+sync API."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import struct
 import threading
 import time
 
+HOLD_BEFORE_RESET = 0.5  # seconds between a cut's last byte and its reset
 REQUEST_LINE = re.compile(rb"((?:GET|POST|PUT|DELETE|HEAD|OPTIONS|PATCH) [^\r\n ]+ HTTP/1\.[01])\r\n")
 
 
@@ -122,6 +125,11 @@ class CutProxy:
                         break
                     if budget is not None and len(data) >= budget:
                         client.sendall(data[:budget])
+                        # The reset a moment later, not at once: a browser discards what it received
+                        # but its page had not read yet when the connection errors (a ReadableStream
+                        # drops its queue), so on a loaded machine an instant reset could take back
+                        # the events just passed on. A network that stalls, then drops.
+                        time.sleep(HOLD_BEFORE_RESET)
                         self.cut_at.append(time.time())
                         cut = True
                         break
