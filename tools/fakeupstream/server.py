@@ -29,6 +29,12 @@ _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
+# A stream record keeps when the first CONTENT_TIMES chunks with text went out (content_sent_at), so
+# that a test can tell the relay's delay from the upstream's own.
+CONTENT_TIMES = 64
+_CONTENT = re.compile(rb'"content":"[^"]')
+
+
 class DeliberateReset(Exception):
     """Raised mid-body on purpose: uvicorn then closes the socket without ending the chunked body."""
 
@@ -326,8 +332,10 @@ class FakeUpstream:
             "started_at": time.time(),
             "ended_at": None,
             "outcome": None,
+            "content_sent_at": [],
         }
         self.streams.append(record)
+        sent_at = record["content_sent_at"]
         task = asyncio.current_task()
         finished = disconnected = False
 
@@ -355,6 +363,8 @@ class FakeUpstream:
                 if item is sc.STALL:
                     await loop.create_future()  # until the watcher cancels us
                 await send({"type": "http.response.body", "body": item, "more_body": True})
+                if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
+                    sent_at.append(time.time())
             finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "completed"
