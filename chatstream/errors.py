@@ -8,13 +8,22 @@
     │   ├── TimeLimit            first-token, idle or total limit passed (504)
     │   ├── UpstreamMalformed    the upstream sent what its API does not allow (502)
     │   └── UpstreamReported     the upstream's stream carried an error event (502)
-    └── ClientGone               the caller hung up: nobody to tell (logged as a disconnect)
+    ├── ClientGone               the caller hung up: nobody to tell (logged as a disconnect)
+    └── StoreError               the shared store (Azure Tables/Blobs), mapped once at its edge (state/store.py)
+        ├── StoreUnavailable     no usable answer: no connection, a 5xx, throttling, an authorization failure
+        │   └── StoreTimeout     no answer within the call's bound (the call may still be applied later)
+        ├── NotFound             the row or blob is not there
+        ├── AlreadyExists        an insert found the row (or blob) there
+        └── Modified             a condition failed: the ETag, or an append blob's position
 
 Before the first output an endpoint answers an ApiError as an HTTP status with the API's JSON body;
 after it, as the stream's final error event, each API in its own wire format. Messages never carry
 a secret. What the upstream SDK raises becomes an ApiError in one place, ``upstreams/outcomes.py``
-(``classify``), which also says what the failure means for the pool entry. Anything else that
-escapes our code is a bug: answered as 500 ``internal_error``, logged with its traceback."""
+(``classify``), which also says what the failure means for the pool entry. What the storage SDKs
+raise becomes a StoreError in one place, ``state/store.py``; the state layer answers the request
+path in domain results (``state/port.py``), and only the HTTP layer turns those into statuses.
+Anything else that escapes our code is a bug: answered as 500 ``internal_error``, logged with its
+traceback."""
 
 from __future__ import annotations
 
@@ -147,6 +156,31 @@ class UpstreamReported(ApiError):
 class ClientGone(Exception):
     """The caller hung up (while sending its body, or while waiting). Not an error of anyone's to
     report: it is logged and counted as a disconnect."""
+
+
+class StoreError(Exception):
+    """The shared store answered something other than success, or nothing. Raised only by
+    ``state/store.py``'s backends; the message never carries a key or a SAS."""
+
+
+class StoreUnavailable(StoreError):
+    """No usable answer: the store is down, slow past the bound, throttling, or refuses us."""
+
+
+class StoreTimeout(StoreUnavailable):
+    """No answer within the call's bound. A write may still land later: writes are idempotent."""
+
+
+class NotFound(StoreError):
+    """The row or blob does not exist."""
+
+
+class AlreadyExists(StoreError):
+    """An insert (or a blob create) found it there already."""
+
+
+class Modified(StoreError):
+    """A condition failed: the row's ETag changed, or an append blob is not at the expected length."""
 
 
 def first_token_expired() -> TimeLimit:

@@ -24,7 +24,7 @@ from .errors import ERROR_HEADERS, ApiError, ErrorKind
 from .http import KEEP_ALIVE, EventStreamResponse
 from .record import StreamRecord
 from .state.accounting import Accounting
-from .state.store import StoreUnavailable
+from .state.legacy_store import StoreUnavailable
 from .state.streamlog import (
     EncodeError,
     Producer,

@@ -16,7 +16,7 @@ from typing import TypeVar
 from azure.core.exceptions import AzureError, HttpResponseError
 
 from ..errors import ApiError
-from .store import CALL_TIMEOUT, StoreUnavailable
+from .legacy_store import CALL_TIMEOUT, StoreUnavailable
 
 T = TypeVar("T")
 

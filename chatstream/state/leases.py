@@ -15,7 +15,7 @@ from azure.data.tables import EdmType, EntityProperty, UpdateMode
 
 from ..errors import ApiError
 from .calls import StoreDown, bounded, store_unavailable
-from .store import LIMITS_TABLE, Store
+from .legacy_store import LIMITS_TABLE, Store
 
 log = logging.getLogger("chatstream")
 

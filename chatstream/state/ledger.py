@@ -23,7 +23,7 @@ from urllib.parse import quote
 from azure.data.tables import EdmType, EntityProperty, TableTransactionError
 
 from .calls import StoreDown, bounded, store_unavailable
-from .store import USAGE_TABLE, Store
+from .legacy_store import USAGE_TABLE, Store
 
 log = logging.getLogger("chatstream")
 

@@ -18,7 +18,7 @@ from azure.data.tables import UpdateMode
 
 from .calls import StoreDown, bounded, store_unavailable
 from .ledger import _key_part
-from .store import RESPONSES_TABLE, Store
+from .legacy_store import RESPONSES_TABLE, Store
 
 log = logging.getLogger("chatstream")
 

@@ -50,7 +50,7 @@ from ..errors import ApiError
 from .callers import Caller
 from .calls import store_unavailable
 from .leases import WINDOW_SECONDS, Lease, Refused, window_of
-from .store import CALL_TIMEOUT, Store
+from .legacy_store import CALL_TIMEOUT, Store
 
 log = logging.getLogger("chatstream")
 

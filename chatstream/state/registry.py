@@ -38,7 +38,7 @@ from .callers import (
     new_key,
 )
 from .calls import StoreDown, bounded, store_unavailable
-from .store import CALLERS_TABLE, LIMITS_TABLE, Store
+from .legacy_store import CALLERS_TABLE, LIMITS_TABLE, Store
 
 log = logging.getLogger("chatstream")
 

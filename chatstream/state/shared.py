@@ -17,10 +17,10 @@ from .. import tokens
 from ..settings import Settings, SettingsError
 from .accounting import Accounting
 from .ledger import Ledger
+from .legacy_store import Store, StoreConfigError, store_from_env
 from .owners import Owners
 from .quota import Quota
 from .registry import CallerRegistry
-from .store import Store, StoreConfigError, store_from_env
 
 log = logging.getLogger("chatstream")
 # azure-core logs every storage request and response at INFO: a line per counter exchange is noise.

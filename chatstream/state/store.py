@@ -1,32 +1,42 @@
-"""The storage every instance of the app shares: the Function App's own storage account
-(``AzureWebJobsStorage``), its tables and one blob container. Locally that is Azurite
-(tools/azurite/), started by ``make serve`` and ``make test``.
+"""The store's edge: what every part of the shared state asks of Azure Tables and Blobs, in one small
+interface (``Store``), and its two backends: the Function App's own storage account
+(``store_azure.AzureStore``, the azure SDKs; Azurite locally) and an in-process one
+(``store_memory.MemoryStore``, for unit tests). One contract suite runs against both
+(tests/store_contract.py), so a unit test on memory means what it says on Azurite.
 
-How the account is reached, as the Functions host itself reads the same settings:
+Every call is bounded in time (``timeout``, default ``CALL_TIMEOUT``) and raises only the store's
+own errors (errors.py: ``StoreError`` and its family): a backend maps what its SDK raises, once,
+where it enters. What a call answers:
 
-- ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or an
-  account key's); or
-- identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
-  ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
-  ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
-  azure-identity's DefaultAzureCredential (a developer's ``az login``).
+- rows: ``get`` a row or None; ``insert`` (AlreadyExists), ``replace`` and ``merge`` (the row must
+  exist: NotFound; with an ETag: Modified when it changed), ``upsert``, ``delete`` (quiet when the
+  row is not there; with an ETag: Modified when it changed), ``query`` (a partition
+  and a RowKey range, property conditions, a bound on the rows), ``batch`` (one partition, all or
+  nothing: the failing operation's error, with its ``index``);
+- blobs, in the app's one container: an append blob made once (``append_create``) and appended to
+  at an expected length (``append``: Modified when the blob is not that long: the fence of a stream's
+  single writer), read from an offset (``read``), and whole blobs written under a condition
+  (``put``/``get_blob``: an instance's journal); ``delete_blob`` is quiet when it is not there.
 
-Every call the request path makes here is bounded (``CALL_TIMEOUT``) and retried at most once, so
-that a slow or absent store fails a request within two seconds instead of holding it."""
+The store also keeps the time (``clock``): every answer's ``Date`` header says what the store's
+clock reads, so that everything that crosses instances (windows, expiries, the age of a stream) is
+decided on one clock, not on two machines' wall clocks.
+
+Table storage's limits are checked on every write, by both backends (Azurite does not enforce them
+all): a string property of at most 32,768 UTF-16 code units, at most 252 properties of our own, an
+entity under 1 MiB, keys of at most 1 KiB without ``/ \\ # ?`` or control characters. Breaking one
+is a bug of ours: ``ValueError``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
-import aiohttp
-from azure.core.exceptions import AzureError, HttpResponseError, ResourceExistsError
-from azure.data.tables.aio import TableClient, TableServiceClient
-from azure.storage.blob import ContainerSasPermissions, generate_container_sas
-from azure.storage.blob.aio import BlobServiceClient, ContainerClient
+from ..errors import StoreError
 
 # The tables and the container the app keeps its state in (infra/ creates them and scopes the app
 # identity's roles to them; on Azurite the app creates them).
@@ -36,37 +46,253 @@ USAGE_TABLE = "chatstreamUsage"
 RESPONSES_TABLE = "chatstreamResponses"
 STREAMS_TABLE = "chatstreamStreams"
 STREAMS_CONTAINER = "chatstream-streams"
+TABLES = (CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE, RESPONSES_TABLE, STREAMS_TABLE)
 
 CONNECTION = "AzureWebJobsStorage"
-# A request waits this long at most for one store call (one retry included), then fails closed.
+# A call on the request path waits this long at most for the store (one retry included).
 CALL_TIMEOUT = 1.8
-_CLIENT_OPTIONS: dict[str, Any] = {
-    "retry_total": 1,
-    "retry_backoff_factor": 0.1,
-    "connection_timeout": 1.5,
-    "read_timeout": 1.5,
-    # No proxy settings read from the environment on every call (a quarter of the SDK's CPU per call
-    # here); a Function App reaches its storage account directly.
-    "use_env_settings": False,
-}
 
-
-class StoreUnavailable(Exception):
-    """The store did not answer in time, or answered with a server error or an authorization
-    failure: whatever needed it fails closed. The message never carries a secret."""
-
-
-class NoSasAccess(StoreUnavailable):
-    """A SAS cannot be made with this identity (no role at the account that allows a user delegation
-    key): the cheap read path is not available, the SDK's is."""
+# Table storage's limits (https://learn.microsoft.com/rest/api/storageservices/understanding-the-table-service-data-model).
+MAX_STRING_UNITS = 32 * 1024  # 64 KiB of UTF-16
+MAX_PROPERTIES = 252  # besides PartitionKey, RowKey and Timestamp
+MAX_ENTITY_BYTES = 1024 * 1024
+MAX_KEY_CHARS = 1024
+MAX_BATCH = 100
+_BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 
 
 class StoreConfigError(Exception):
     """The storage settings cannot be used (the message names the setting, never a value)."""
 
 
+class Row(dict):
+    """A row as the store answered it: its properties (PartitionKey and RowKey included; numbers as
+    int or float) and its ETag."""
+
+    etag: str = ""
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any], etag: str) -> Row:
+        row = cls(values)
+        row.etag = etag
+        return row
+
+
+@dataclass(frozen=True)
+class Where:
+    """A query: one partition (or every one), RowKeys in [``rows_from``, ``rows_to``), properties
+    equal to / less than / at least the given values, the properties to answer (``select``; the
+    keys are always answered), at most ``limit`` rows (None: all, which a caller must bound)."""
+
+    partition: str | None = None
+    rows_from: str | None = None
+    rows_to: str | None = None
+    equal: Mapping[str, Any] = field(default_factory=dict)
+    less: Mapping[str, Any] = field(default_factory=dict)
+    at_least: Mapping[str, Any] = field(default_factory=dict)
+    select: tuple[str, ...] | None = None
+    limit: int | None = None
+
+    def matches(self, row: Mapping[str, Any]) -> bool:
+        """Whether ``row`` is one this query answers (the memory backend's filter, and a check)."""
+        key = row["RowKey"]
+        if self.partition is not None and row["PartitionKey"] != self.partition:
+            return False
+        if self.rows_from is not None and key < self.rows_from:
+            return False
+        if self.rows_to is not None and key >= self.rows_to:
+            return False
+        if any(row.get(name) != value for name, value in self.equal.items()):
+            return False
+        if any(name not in row or not row[name] < value for name, value in self.less.items()):
+            return False
+        return all(name in row and row[name] >= value for name, value in self.at_least.items())
+
+
+OpKind = Literal["insert", "replace", "merge", "upsert", "delete"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a ``batch``: ``replace``/``merge``/``delete`` with ``etag`` are conditional
+    (None: unconditional); ``delete`` needs only the keys in ``entity``."""
+
+    kind: OpKind
+    entity: Mapping[str, Any]
+    etag: str | None = None
+
+
+class StoreClock:
+    """The store's time: the store's ``Date`` (whole seconds) as its answers arrive, carried on this
+    process's monotonic clock. ``now()`` is seconds since 1970 by the store's clock, so instances
+    whose own clocks disagree by any amount still agree on it within about a second. Before the
+    first answer it is this machine's own clock (``wall``)."""
+
+    def __init__(self, wall: Any = time.time, monotonic: Any = time.monotonic):
+        self._monotonic = monotonic
+        self._base = wall() - monotonic()  # store time = monotonic + base
+        self._best: float | None = None  # the best sample of (store's Date - monotonic) lately
+        self._best_at = 0.0
+        self.observed = False  # an answer of the store has set it
+
+    def now(self) -> float:
+        return self._monotonic() + self._base
+
+    def observe(self, date_seconds: float) -> None:
+        """An answer said the store's clock read ``date_seconds`` (whole seconds, truncated) when it
+        was sent: the store's time is at least that now. So every sample is at most the true offset,
+        and the largest is the closest (a Date is up to a second behind, and the answer took its time
+        to arrive). The largest of the last minute is kept, so a store clock that steps back is
+        followed within a minute."""
+        mono = self._monotonic()
+        sample = date_seconds - mono
+        if self._best is None or sample >= self._best or mono - self._best_at > 60.0:
+            self._best, self._best_at = sample, mono
+            self._base = sample
+            self.observed = True
+
+
+def http_date_seconds(value: str | None) -> float | None:
+    """The seconds of an HTTP ``Date`` header (None when it is missing or garbage)."""
+    if not value:
+        return None
+    import email.utils
+
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        return None
+    seconds = when.timestamp()
+    return seconds if math.isfinite(seconds) else None
+
+
+class Store(Protocol):
+    """What the shared state asks of the store (see the module docstring)."""
+
+    clock: StoreClock
+
+    def describe(self) -> str: ...
+
+    async def get(
+        self, table: str, partition: str, row: str, *, select: Sequence[str] | None = None, timeout: float = ...
+    ) -> Row | None: ...
+    async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = ...) -> str: ...
+    async def replace(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = ...
+    ) -> str: ...
+    async def merge(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = ...
+    ) -> str: ...
+    async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = ...) -> str: ...
+    async def delete(
+        self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = ...
+    ) -> None: ...
+    async def query(self, table: str, where: Where, *, timeout: float = ...) -> list[Row]: ...
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = ...) -> list[str | None]: ...
+
+    async def append_create(self, name: str, *, timeout: float = ...) -> None: ...
+    async def append(self, name: str, data: bytes, *, at: int, timeout: float = ...) -> int: ...
+    async def read(self, name: str, offset: int = 0, *, timeout: float = ...) -> bytes: ...
+    async def size(self, name: str, *, timeout: float = ...) -> int | None: ...
+    async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = ...) -> str: ...
+    async def get_blob(self, name: str, *, timeout: float = ...) -> tuple[bytes, str] | None: ...
+    async def delete_blob(self, name: str, *, timeout: float = ...) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# ``put``'s etag for "only if the blob does not exist yet".
+NEW = "*new"
+
+
+def _units(text: str) -> int:
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+
+
+def check_key(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS or _BAD_KEY.search(value):
+        raise ValueError(f"{name}: not a valid table key")
+    return value
+
+
+def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
+    """Table storage's limits (module docstring): a ValueError for what the service would refuse."""
+    check_key("PartitionKey", entity.get("PartitionKey"))
+    check_key("RowKey", entity.get("RowKey"))
+    if keys_only:
+        return
+    own = [k for k in entity if k not in ("PartitionKey", "RowKey")]
+    if len(own) > MAX_PROPERTIES:
+        raise ValueError(f"an entity has at most {MAX_PROPERTIES} properties of our own")
+    size = 0
+    for name in own:
+        value = entity[name]
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ValueError("a property name is 1 to 255 characters")
+        if isinstance(value, str):
+            units = _units(value)
+            if units > MAX_STRING_UNITS:
+                raise ValueError(f"property {name!r} is over Table storage's 64 KiB ({units} UTF-16 units)")
+            size += 2 * units
+        elif isinstance(value, bool) or value is None:
+            size += 1
+        elif isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"property {name!r} is outside Int64")
+            size += 8
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"property {name!r} is not a finite number")
+            size += 8
+        else:
+            raise ValueError(f"property {name!r} has a type the store does not keep ({type(value).__name__})")
+        size += 2 * len(name)
+    if size > MAX_ENTITY_BYTES - 4096:
+        raise ValueError("an entity is over Table storage's 1 MiB")
+
+
+def clean(entity: Mapping[str, Any]) -> dict[str, Any]:
+    """``entity`` without None values (the store keeps no nulls), checked against the limits."""
+    out = {k: v for k, v in entity.items() if v is not None}
+    check_entity(out)
+    return out
+
+
+def check_batch(ops: Sequence[Op]) -> str:
+    """A batch's operations: 1 to 100, one partition, each row once; the partition."""
+    if not ops or len(ops) > MAX_BATCH:
+        raise ValueError(f"a batch has 1 to {MAX_BATCH} operations")
+    partitions = {op.entity.get("PartitionKey") for op in ops}
+    rows = [op.entity.get("RowKey") for op in ops]
+    if len(partitions) != 1 or len(set(rows)) != len(rows):
+        raise ValueError("a batch is one partition, each row once")
+    for op in ops:
+        check_entity(op.entity, keys_only=op.kind == "delete")
+    return str(next(iter(partitions)))
+
+
+def with_index(error: StoreError, index: int) -> StoreError:
+    """The error of a batch's failing operation, with which one it was (``error.index``)."""
+    error.index = index  # type: ignore[attr-defined] - an attribute of batch errors only
+    return error
+
+
+# --- the settings ------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class StorageConfig:
+    """How the account is reached, as the Functions host itself reads the same settings:
+
+    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
+      an account key's); or
+    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
+      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
+      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
+      azure-identity's DefaultAzureCredential (a developer's ``az login``)."""
+
     connection_string: str | None = None
     table_url: str | None = None
     blob_url: str | None = None
@@ -102,199 +328,16 @@ class StorageConfig:
         return f"{self.table_url or self.blob_url} (identity-based)"
 
 
-class Store:
-    """Clients for the app's tables and container, made on first use; a table (or the container)
-    is created the first time it is used when it does not exist yet and the identity may create it."""
-
-    def __init__(self, config: StorageConfig):
-        self.config = config
-        self._credential = None
-        self._tables: TableServiceClient | None = None
-        self._blobs: BlobServiceClient | None = None
-        self._ready: dict[str, asyncio.Future] = {}
-        self._reads: BlobReads | None = None
-
-    def _identity(self):
-        if self._credential is None:
-            from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
-
-            if (self.config.credential or "").lower() == "managedidentity":
-                self._credential = ManagedIdentityCredential(client_id=self.config.client_id)
-            else:
-                self._credential = DefaultAzureCredential()
-        return self._credential
-
-    def _table_service(self) -> TableServiceClient:
-        if self._tables is None:
-            if self.config.connection_string is not None:
-                self._tables = TableServiceClient.from_connection_string(
-                    self.config.connection_string, **_CLIENT_OPTIONS
-                )
-            elif self.config.table_url is not None:
-                self._tables = TableServiceClient(self.config.table_url, credential=self._identity(), **_CLIENT_OPTIONS)
-            else:
-                raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
-        return self._tables
-
-    def _blob_service(self) -> BlobServiceClient:
-        if self._blobs is None:
-            if self.config.connection_string is not None:
-                self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **_CLIENT_OPTIONS)
-            elif self.config.blob_url is not None:
-                self._blobs = BlobServiceClient(self.config.blob_url, credential=self._identity(), **_CLIENT_OPTIONS)
-            else:
-                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
-        return self._blobs
-
-    async def table(self, name: str) -> TableClient:
-        """The client of table ``name``, created in the account if missing."""
-        client = self._table_service().get_table_client(name)
-        await self._once(f"table:{name}", lambda: self._table_service().create_table(name))
-        return client
-
-    async def container(self, name: str = STREAMS_CONTAINER) -> ContainerClient:
-        client = self._blob_service().get_container_client(name)
-        await self._once(f"container:{name}", client.create_container)
-        return client
-
-    async def blob_reads(self, name: str = STREAMS_CONTAINER) -> BlobReads:
-        """The cheap reader of the container's blobs (``BlobReads``), made once."""
-        container = await self.container(name)
-        if self._reads is None:
-            self._reads = BlobReads(self._blob_service(), container, CALL_TIMEOUT)
-        return self._reads
-
-    async def _once(self, key: str, create) -> None:
-        """Create a table or container once per process; concurrent first users wait for the one
-        attempt. A failure is not remembered: the next use tries again."""
-        ready = self._ready.get(key)
-        if ready is None:
-            ready = self._ready[key] = asyncio.ensure_future(_create(create))
-            ready.add_done_callback(lambda f: f.exception() and self._ready.pop(key, None))
-        await asyncio.shield(ready)
-
-    async def close(self) -> None:
-        if self._reads is not None:
-            await self._reads.close()
-            self._reads = None
-        for client in (self._tables, self._blobs, self._credential):
-            if client is not None:
-                await client.close()
-        self._tables = self._blobs = self._credential = None
-        self._ready.clear()
-
-
-async def _create(create) -> None:
-    try:
-        async with asyncio.timeout(CALL_TIMEOUT):
-            await create()
-    except ResourceExistsError:
-        pass
-    except HttpResponseError as exc:
-        if exc.status_code == 403:  # may not create: infra/ made it (roles are scoped to it)
-            return
-        raise StoreUnavailable(f"the store refused to create a table or container (HTTP {exc.status_code})") from None
-    except (AzureError, OSError, TimeoutError) as exc:
-        raise StoreUnavailable(f"the store did not answer ({type(exc).__name__})") from None
-
-
 def store_from_env(environ: Mapping[str, str]) -> Store | None:
+    """The app's store from its settings (None when none is set). ``CHATSTREAM_STORE=memory``
+    (tests only) makes an in-process one, shared by everything in this process."""
+    if (environ.get("CHATSTREAM_STORE") or "").strip() == "memory":
+        from .store_memory import MemoryStore
+
+        return MemoryStore.shared()
     config = StorageConfig.from_env(environ)
-    return Store(config) if config is not None else None
+    if config is None:
+        return None
+    from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
 
-
-# -- reading a growing blob cheaply ------------------------------------------------------------
-#
-# Reading a growing blob from an offset, cheaply: a reader of a resumable stream produced on another
-# instance polls the stream's blob 10 to 30 times a second. Through the Azure SDK one such read costs
-# about 2.3 ms of CPU (its pipeline of policies and header models); a plain aiohttp GET with a SAS
-# costs about 0.6 ms (figures in docs/resumable.md), so a worker follows four times as many streams.
-#
-# The SAS is made by the SDK's own helper, never by hand: read-only, for the one container, from the
-# account key of a connection string, or from a user delegation key when the app signs in with its
-# identity (the Storage Blob Data roles infra/ grants allow asking for one). It is renewed well before
-# it expires. Everything else (writes, tables) stays on the SDK.
-
-SAS_LIFETIME = timedelta(hours=2)
-RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
-
-
-class BlobReads:
-    """``await reads.read(name, offset)``: the bytes of blob ``name`` from ``offset`` (b"" when it
-    has none there, or does not exist yet). StoreUnavailable on anything else, or after ``timeout``."""
-
-    def __init__(self, service: BlobServiceClient, container: ContainerClient, timeout: float):
-        self._service = service
-        self._container = container
-        self._timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._sas: str | None = None
-        self._renew_at = datetime.min.replace(tzinfo=UTC)
-        self._renewing: asyncio.Lock | None = None
-
-    async def read(self, name: str, offset: int) -> bytes:
-        sas = await self._current_sas()
-        url = f"{self._container.url}/{name}?{sas}"
-        headers = {"x-ms-range": f"bytes={offset}-", "x-ms-version": self._service.api_version}
-        try:
-            async with self._open().get(url, headers=headers) as response:
-                if response.status in (200, 206):
-                    return await response.read()
-                if response.status in (404, 416):  # not there yet; nothing past offset
-                    return b""
-                if response.status == 403:
-                    self._renew_at = datetime.min.replace(tzinfo=UTC)  # a SAS refused: make a new one
-                raise StoreUnavailable(f"the store failed (HTTP {response.status})")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise StoreUnavailable(f"the store did not answer ({type(exc).__name__})") from None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No connection cap (aiohttp's default of 100 would queue reads behind each other) and
-            # no proxy settings read per request (trust_env off), as the SDK's use_env_settings.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=self._timeout),
-            )
-        return self._session
-
-    async def _current_sas(self) -> str:
-        if self._sas is not None and datetime.now(UTC) < self._renew_at:
-            return self._sas
-        if self._renewing is None:
-            self._renewing = asyncio.Lock()
-        async with self._renewing:
-            now = datetime.now(UTC)
-            if self._sas is None or now >= self._renew_at:
-                self._sas = await self._make_sas(now)
-                self._renew_at = now + SAS_LIFETIME - RENEW_BEFORE
-        return self._sas
-
-    async def _make_sas(self, now: datetime) -> str:
-        start, expiry = now - timedelta(minutes=5), now + SAS_LIFETIME
-        permission = ContainerSasPermissions(read=True)
-        account, container = self._container.account_name, self._container.container_name
-        assert account is not None
-        key = getattr(self._service.credential, "account_key", None)
-        try:
-            if key is not None:
-                return generate_container_sas(
-                    account, container, account_key=key, permission=permission, start=start, expiry=expiry
-                )
-            delegation = await asyncio.wait_for(self._service.get_user_delegation_key(start, expiry), self._timeout)
-            return generate_container_sas(
-                account, container, user_delegation_key=delegation, permission=permission, start=start, expiry=expiry
-            )
-        except StoreUnavailable:
-            raise
-        except HttpResponseError as exc:
-            if exc.status_code == 403:  # the identity may not ask for a user delegation key
-                raise NoSasAccess("no user delegation key for the stream container (HTTP 403)") from None
-            raise StoreUnavailable(f"no read access to the stream container (HTTP {exc.status_code})") from None
-        except Exception as exc:  # noqa: BLE001 - any failure to get a key: the store is unavailable to us
-            raise StoreUnavailable(f"no read access to the stream container ({type(exc).__name__})") from None
+    return AzureStore(config)

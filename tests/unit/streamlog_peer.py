@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
 from chatstream import http as sse  # noqa: E402 - after sys.path names the repository
-from chatstream.state.store import StorageConfig, Store  # noqa: E402 - after sys.path names the repository
+from chatstream.state.legacy_store import StorageConfig, Store  # noqa: E402 - after sys.path names the repository
 from chatstream.state.streamlog import StreamLog  # noqa: E402 - after sys.path names the repository
 
 

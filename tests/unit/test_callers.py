@@ -14,8 +14,8 @@ import pytest
 
 from chatstream.errors import ApiError
 from chatstream.state.callers import hash_key, key_from_headers
+from chatstream.state.legacy_store import CALLERS_TABLE, StorageConfig, Store
 from chatstream.state.registry import CallerRegistry
-from chatstream.state.store import CALLERS_TABLE, StorageConfig, Store
 
 DEAD_STORE = (
     "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5;"

@@ -11,8 +11,8 @@ import pytest
 
 from chatstream.errors import ApiError
 from chatstream.state.ledger import Charge, Ledger, totals
+from chatstream.state.legacy_store import StorageConfig, Store
 from chatstream.state.owners import Owners
-from chatstream.state.store import StorageConfig, Store
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from store_proxy import StoreProxy
 
 from chatstream.errors import ApiError
 from chatstream.state.callers import Caller
+from chatstream.state.legacy_store import LIMITS_TABLE, StorageConfig, Store
 from chatstream.state.quota import Quota, Reservation
-from chatstream.state.store import LIMITS_TABLE, StorageConfig, Store
 
 # A fixed instant 17.3 s into a minute (and into a UTC day and month): windows do not move unless a
 # test moves the clock.

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from chatstream.state.store import (
+from chatstream.state.legacy_store import (
     CALLERS_TABLE,
     StorageConfig,
     Store,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from chatstream import http as sse
-from chatstream.state.store import STREAMS_TABLE, StorageConfig, Store, StoreUnavailable
+from chatstream.state.legacy_store import STREAMS_TABLE, StorageConfig, Store, StoreUnavailable
 from chatstream.state.streamlog import (
     BadLastEventId,
     InvalidStreamId,
@@ -345,7 +345,7 @@ async def test_cancel_on_another_instance_reaches_the_producer_within_a_second(a
 async def test_a_reader_elsewhere_reads_through_the_sdk_when_no_sas_can_be_made(azurite, caplog):
     """Remote reads go through a read-only SAS (store.BlobReads); an identity that may not ask for a
     user delegation key gets NoSasAccess, and the reader goes on through the SDK, the same bytes."""
-    from chatstream.state.store import BlobReads, NoSasAccess
+    from chatstream.state.legacy_store import BlobReads, NoSasAccess
 
     async def refused(self, now):
         raise NoSasAccess("no user delegation key for the stream container (HTTP 403)")

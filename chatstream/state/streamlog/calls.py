@@ -13,7 +13,7 @@ from azure.core.exceptions import AzureError, HttpResponseError
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from ..store import CALL_TIMEOUT, StoreUnavailable
+from ..legacy_store import CALL_TIMEOUT, StoreUnavailable
 from .config import ResumeConfig
 from .format import EncodeError
 

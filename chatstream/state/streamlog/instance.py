@@ -17,7 +17,7 @@ from azure.core.exceptions import HttpResponseError, ResourceModifiedError, Reso
 from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 
-from ..store import CALL_TIMEOUT, StoreUnavailable
+from ..legacy_store import CALL_TIMEOUT, StoreUnavailable
 from .calls import StreamStore, quietly
 from .format import ALIVE_ROW, STREAM_ROW
 from .ids import ID_LENGTH

@@ -12,7 +12,7 @@ from typing import Any
 from azure.core.exceptions import ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from ..store import StoreUnavailable
+from ..legacy_store import StoreUnavailable
 from .calls import StreamStore, quietly
 from .config import ResumeConfig
 from .format import ALIVE_ROW, STREAM_ROW

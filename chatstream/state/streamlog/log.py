@@ -46,7 +46,15 @@ from azure.data.tables import UpdateMode
 from azure.data.tables.aio import TableClient
 from azure.storage.blob.aio import ContainerClient
 
-from ..store import CALL_TIMEOUT, STREAMS_CONTAINER, STREAMS_TABLE, BlobReads, NoSasAccess, Store, StoreUnavailable
+from ..legacy_store import (
+    CALL_TIMEOUT,
+    STREAMS_CONTAINER,
+    STREAMS_TABLE,
+    BlobReads,
+    NoSasAccess,
+    Store,
+    StoreUnavailable,
+)
 from .calls import bounded
 from .config import ResumeConfig
 from .errors import BadLastEventId, StreamNotFound, TooManyReaders, TooManyStreams

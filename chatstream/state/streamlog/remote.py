@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from ..store import StoreUnavailable
+from ..legacy_store import StoreUnavailable
 from .calls import StreamStore, quietly
 from .config import ResumeConfig
 from .errors import BadLastEventId, StreamNotFound

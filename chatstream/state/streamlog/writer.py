@@ -17,7 +17,7 @@ from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceNotFoundError
 from azure.data.tables import UpdateMode
 
-from ..store import StoreUnavailable
+from ..legacy_store import StoreUnavailable
 from .calls import StreamStore
 from .format import BLOCK_LIMIT, BLOCKS_LIMIT, END, LOST, STREAM_ROW
 from .ids import Route

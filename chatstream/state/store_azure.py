@@ -1,0 +1,535 @@
+"""The ``Store`` (store.py) on the Function App's own storage account, through the azure SDKs
+(azure-data-tables, azure-storage-blob; Azurite locally): what they raise is mapped here, once, into
+the store's errors (``_mapped``), as httpx maps its transport's exceptions.
+
+The clients are made on first use; a table (or the container) is created the first time it is used
+when it does not exist yet and the identity may create it (infra/ makes them in Azure, and scopes the
+app identity's roles to them). Each client retries a failed call once, quickly, inside the call's
+bound. Every answer's ``Date`` tells the store's clock (``StoreClock``).
+
+Reading a growing blob from an offset is the one hot read (a reader of a resumable stream produced on
+another instance polls it 10 to 30 times a second): through the SDK one read costs about 2.3 ms of
+CPU (its pipeline of policies and header models), a plain aiohttp GET with a read-only SAS about
+0.6 ms, so it goes that way (``_BlobReads``). The SAS is made by the SDK's own helper, never by hand:
+from the account key of a connection string, or from a user delegation key when the app signs in
+with its identity; when the identity may not ask for one, reads go through the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiohttp
+from azure.core import MatchConditions
+from azure.core.exceptions import (
+    AzureError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceModifiedError,
+    ResourceNotFoundError,
+)
+from azure.data.tables import EdmType, EntityProperty, TableTransactionError, UpdateMode
+from azure.data.tables.aio import TableClient, TableServiceClient
+from azure.storage.blob import BlobType, ContainerSasPermissions, generate_container_sas
+from azure.storage.blob.aio import BlobServiceClient, ContainerClient
+
+from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from .store import (
+    CALL_TIMEOUT,
+    CONNECTION,
+    NEW,
+    STREAMS_CONTAINER,
+    Op,
+    Row,
+    StorageConfig,
+    StoreClock,
+    StoreConfigError,
+    Where,
+    check_batch,
+    check_key,
+    clean,
+    http_date_seconds,
+    with_index,
+)
+
+log = logging.getLogger("chatstream")
+# azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
+logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
+
+_CLIENT_OPTIONS: dict[str, Any] = {
+    "retry_total": 1,
+    "retry_backoff_factor": 0.1,
+    "connection_timeout": 1.5,
+    "read_timeout": 1.5,
+    # No proxy settings read from the environment on every call (a quarter of the SDK's CPU per call
+    # here); a Function App reaches its storage account directly.
+    "use_env_settings": False,
+}
+SAS_LIFETIME = timedelta(hours=2)
+RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
+
+
+@contextlib.asynccontextmanager
+async def _mapped(timeout: float, what: str = "call") -> AsyncIterator[None]:
+    """One store call within ``timeout`` seconds; whatever the SDK (or the network) raises becomes
+    the store's own error. The message never carries a URL (it may hold a SAS)."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except StoreError:
+        raise
+    except TimeoutError:
+        raise StoreTimeout(f"the store did not answer in time ({what})") from None
+    except ResourceExistsError:
+        raise AlreadyExists("it exists") from None
+    except ResourceModifiedError:
+        raise Modified("a condition failed") from None
+    except ResourceNotFoundError:
+        raise NotFound("not found") from None
+    except TableTransactionError as exc:  # a batch: which operation failed
+        raise with_index(_status_error(exc.status_code), exc.index) from None
+    except HttpResponseError as exc:
+        raise _status_error(exc.status_code) from None
+    except (AzureError, OSError, aiohttp.ClientError) as exc:
+        raise StoreUnavailable(f"the store did not answer ({type(exc).__name__})") from None
+
+
+def _status_error(status: int | None) -> StoreError:
+    if status == 404:
+        return NotFound("not found")
+    if status == 409:
+        return AlreadyExists("it exists")
+    if status == 412:
+        return Modified("a condition failed")
+    return StoreUnavailable(f"the store failed (HTTP {status})")
+
+
+def _to_store(entity: Mapping[str, Any]) -> dict[str, Any]:
+    """Our values as the SDK writes them: every int as Int64 (the SDK would pick Int32 for small
+    ones and refuse large ones), the rest as they are."""
+    return {
+        k: EntityProperty(v, EdmType.INT64) if type(v) is int and k not in ("PartitionKey", "RowKey") else v
+        for k, v in clean(entity).items()
+    }
+
+
+def _from_store(entity: Any) -> Row:
+    values = {k: (v.value if isinstance(v, EntityProperty) else v) for k, v in entity.items()}
+    return Row.of(values, entity.metadata.get("etag", ""))
+
+
+def _condition(etag: str | None) -> dict[str, Any]:
+    if etag is None:
+        return {"match_condition": MatchConditions.Unconditionally}
+    return {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+
+
+def _odata(where: Where) -> tuple[str, dict[str, Any]]:
+    parts: list[str] = []
+    parameters: dict[str, Any] = {}
+    if where.partition is not None:
+        parts.append("PartitionKey eq @pk")
+        parameters["pk"] = where.partition
+    if where.rows_from is not None:
+        parts.append("RowKey ge @lo")
+        parameters["lo"] = where.rows_from
+    if where.rows_to is not None:
+        parts.append("RowKey lt @hi")
+        parameters["hi"] = where.rows_to
+    for op, conditions in (("eq", where.equal), ("lt", where.less), ("ge", where.at_least)):
+        for i, (name, value) in enumerate(conditions.items()):
+            if not name.isidentifier():
+                raise ValueError(f"not a property name: {name!r}")
+            key = f"{op}{i}"
+            parts.append(f"{name} {op} @{key}")
+            parameters[key] = value
+    return " and ".join(parts) or "PartitionKey ne ''", parameters
+
+
+class AzureStore:
+    """The store on an Azure Storage account (module docstring)."""
+
+    def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
+        self.config = config
+        self.clock = clock or StoreClock()
+        self.calls: dict[str, int] = {}
+        self._credential = None
+        self._tables: TableServiceClient | None = None
+        self._blobs: BlobServiceClient | None = None
+        self._ready: dict[str, asyncio.Future] = {}
+        self._reads: _BlobReads | None = None
+        self._sdk_reads = False  # no SAS with this identity: reads through the SDK
+
+    def describe(self) -> str:
+        return self.config.describe()
+
+    # --- clients ------------------------------------------------------------------------------
+
+    def _observe(self, response: Any) -> None:
+        """Every answer: the store's clock, from its Date header."""
+        seconds = http_date_seconds(response.http_response.headers.get("Date"))
+        if seconds is not None:
+            self.clock.observe(seconds)
+
+    def _options(self) -> dict[str, Any]:
+        return {**_CLIENT_OPTIONS, "raw_response_hook": self._observe}
+
+    def _identity(self):
+        if self._credential is None:
+            from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
+
+            if (self.config.credential or "").lower() == "managedidentity":
+                self._credential = ManagedIdentityCredential(client_id=self.config.client_id)
+            else:
+                self._credential = DefaultAzureCredential()
+        return self._credential
+
+    def _table_service(self) -> TableServiceClient:
+        if self._tables is None:
+            if self.config.connection_string is not None:
+                self._tables = TableServiceClient.from_connection_string(
+                    self.config.connection_string, **self._options()
+                )
+            elif self.config.table_url is not None:
+                self._tables = TableServiceClient(self.config.table_url, credential=self._identity(), **self._options())
+            else:
+                raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
+        return self._tables
+
+    def _blob_service(self) -> BlobServiceClient:
+        if self._blobs is None:
+            if self.config.connection_string is not None:
+                self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **self._options())
+            elif self.config.blob_url is not None:
+                self._blobs = BlobServiceClient(self.config.blob_url, credential=self._identity(), **self._options())
+            else:
+                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
+        return self._blobs
+
+    async def _table(self, name: str) -> TableClient:
+        client = self._table_service().get_table_client(name)
+        await self._once(f"table:{name}", lambda: self._table_service().create_table(name))
+        return client
+
+    async def _container(self) -> ContainerClient:
+        client = self._blob_service().get_container_client(STREAMS_CONTAINER)
+        await self._once("container", client.create_container)
+        return client
+
+    async def _once(self, key: str, create) -> None:
+        """Create a table or the container once per process; concurrent first users wait for the
+        one attempt. A failure is not remembered: the next use tries again."""
+        ready = self._ready.get(key)
+        if ready is None:
+            ready = self._ready[key] = asyncio.ensure_future(self._create(create))
+            ready.add_done_callback(lambda f: f.exception() and self._ready.pop(key, None))
+        await asyncio.shield(ready)
+
+    @staticmethod
+    async def _create(create) -> None:
+        try:
+            async with _mapped(CALL_TIMEOUT, "create"):
+                await create()
+        except AlreadyExists:
+            pass
+        except StoreUnavailable as exc:
+            if "HTTP 403" in str(exc):  # may not create: infra/ made it (roles are scoped to it)
+                return
+            raise
+
+    def _count(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    # --- tables -------------------------------------------------------------------------------
+
+    async def get(
+        self,
+        table: str,
+        partition: str,
+        row: str,
+        *,
+        select: Sequence[str] | None = None,
+        timeout: float = CALL_TIMEOUT,
+    ) -> Row | None:
+        check_key("PartitionKey", partition)
+        check_key("RowKey", row)
+        self._count("get")
+        try:
+            async with _mapped(timeout, "get"):
+                client = await self._table(table)
+                keys = ["PartitionKey", "RowKey"]
+                found = await client.get_entity(partition, row, select=[*keys, *select] if select else None)
+        except NotFound:
+            return None
+        return _from_store(found)
+
+    async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
+        values = _to_store(entity)
+        self._count("insert")
+        async with _mapped(timeout, "insert"):
+            client = await self._table(table)
+            answer = await client.create_entity(values)
+        return answer["etag"]
+
+    async def replace(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> str:
+        return await self._update(table, entity, etag, UpdateMode.REPLACE, timeout)
+
+    async def merge(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> str:
+        return await self._update(table, entity, etag, UpdateMode.MERGE, timeout)
+
+    async def _update(
+        self, table: str, entity: Mapping[str, Any], etag: str | None, mode: UpdateMode, timeout: float
+    ) -> str:
+        values = _to_store(entity)
+        self._count("replace" if mode == UpdateMode.REPLACE else "merge")
+        async with _mapped(timeout, "update"):
+            client = await self._table(table)
+            answer = await client.update_entity(values, mode=mode, **_condition(etag))
+        return answer["etag"]
+
+    async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
+        values = _to_store(entity)
+        self._count("upsert")
+        async with _mapped(timeout, "upsert"):
+            client = await self._table(table)
+            answer = await client.upsert_entity(values, mode=UpdateMode.REPLACE)
+        return answer["etag"]
+
+    async def delete(
+        self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> None:
+        check_key("PartitionKey", partition)
+        check_key("RowKey", row)
+        self._count("delete")
+        async with _mapped(timeout, "delete"):
+            client = await self._table(table)
+            await client.delete_entity(partition, row, **_condition(etag))  # quiet on a missing row
+
+    async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
+        query, parameters = _odata(where)
+        self._count("query")
+        rows: list[Row] = []
+        async with _mapped(timeout, "query"):
+            client = await self._table(table)
+            page = min(1000, where.limit) if where.limit else 1000
+            found = client.query_entities(
+                query,
+                parameters=parameters,
+                select=["PartitionKey", "RowKey", *where.select] if where.select is not None else None,
+                results_per_page=page,
+            )
+            async for entity in found:
+                rows.append(_from_store(entity))
+                if where.limit is not None and len(rows) >= where.limit:
+                    break
+        return rows
+
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
+        check_batch(ops)
+        operations: list[Any] = []
+        for op in ops:
+            if op.kind == "insert":
+                operations.append(("create", _to_store(op.entity)))
+            elif op.kind == "upsert":
+                operations.append(("upsert", _to_store(op.entity), {"mode": UpdateMode.REPLACE}))
+            elif op.kind == "delete":
+                keys = {"PartitionKey": op.entity["PartitionKey"], "RowKey": op.entity["RowKey"]}
+                operations.append(("delete", keys, _condition(op.etag) if op.etag else {}))
+            else:
+                mode = UpdateMode.REPLACE if op.kind == "replace" else UpdateMode.MERGE
+                operations.append(("update", _to_store(op.entity), {"mode": mode, **_condition(op.etag)}))
+        self._count("batch")
+        async with _mapped(timeout, "batch"):
+            client = await self._table(table)
+            answers = await client.submit_transaction(operations)
+        return [answer.get("etag") for answer in answers]
+
+    # --- blobs --------------------------------------------------------------------------------
+
+    async def append_create(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
+        self._count("append_create")
+        try:
+            async with _mapped(timeout, "append_create"):
+                container = await self._container()
+                # If-None-Match: a create that timed out here and lands late must not empty the blob.
+                await container.get_blob_client(name).create_append_blob(match_condition=MatchConditions.IfMissing)
+        except Modified:
+            raise AlreadyExists("the blob exists") from None
+
+    async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
+        self._count("append")
+        async with _mapped(timeout, "append"):
+            container = await self._container()
+            answer = await container.get_blob_client(name).append_block(data, appendpos_condition=at)
+        del answer  # the append position condition held: the blob is now this long
+        return at + len(data)
+
+    async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
+        self._count("read")
+        if not self._sdk_reads:
+            if self._reads is None:
+                self._reads = _BlobReads(self._blob_service(), await self._container_ready(timeout), timeout)
+            try:
+                return await self._reads.read(name, offset, timeout)
+            except _NoSasAccess as exc:
+                log.warning("shared state: blobs are read through the SDK: %s", exc)
+                self._sdk_reads = True
+        try:
+            async with _mapped(timeout, "read"):
+                container = await self._container()
+                download = await container.get_blob_client(name).download_blob(offset=offset)
+                return await download.readall()
+        except NotFound:
+            return b""
+        except StoreUnavailable as exc:
+            if "HTTP 416" in str(exc):  # nothing past offset (Azure; Azurite answers empty)
+                return b""
+            raise
+
+    async def _container_ready(self, timeout: float) -> ContainerClient:
+        async with _mapped(timeout, "container"):
+            return await self._container()
+
+    async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
+        self._count("size")
+        try:
+            async with _mapped(timeout, "size"):
+                container = await self._container()
+                return (await container.get_blob_client(name).get_blob_properties()).size
+        except NotFound:
+            return None
+
+    async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
+        self._count("put")
+        if etag == NEW:
+            condition: dict[str, Any] = {"match_condition": MatchConditions.IfMissing}
+        elif etag is not None:
+            condition = {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+        else:
+            condition = {}
+        try:
+            async with _mapped(timeout, "put"):
+                container = await self._container()
+                answer = await container.get_blob_client(name).upload_blob(
+                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
+                )
+        except (AlreadyExists, NotFound):
+            raise Modified("the blob changed") from None
+        return answer["etag"]
+
+    async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
+        self._count("get_blob")
+        try:
+            async with _mapped(timeout, "get_blob"):
+                container = await self._container()
+                download = await container.get_blob_client(name).download_blob()
+                data = await download.readall()
+        except NotFound:
+            return None
+        return data, download.properties.etag
+
+    async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
+        self._count("delete_blob")
+        with contextlib.suppress(NotFound):
+            async with _mapped(timeout, "delete_blob"):
+                container = await self._container()
+                await container.delete_blob(name)
+
+    async def close(self) -> None:
+        if self._reads is not None:
+            await self._reads.close()
+            self._reads = None
+        for client in (self._tables, self._blobs, self._credential):
+            if client is not None:
+                await client.close()
+        self._tables = self._blobs = self._credential = None
+        self._ready.clear()
+
+
+class _NoSasAccess(StoreUnavailable):
+    """A SAS cannot be made with this identity (no role at the account that allows a user delegation
+    key): the cheap read path is not available, the SDK's is. Never leaves this module."""
+
+
+class _BlobReads:
+    """The bytes of a blob of the container from an offset, by a plain aiohttp GET with a read-only
+    container SAS (module docstring): b"" when it has none there or does not exist yet."""
+
+    def __init__(self, service: BlobServiceClient, container: ContainerClient, timeout: float):
+        self._service = service
+        self._container = container
+        self._timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._sas: str | None = None
+        self._renew_at = datetime.min.replace(tzinfo=UTC)
+        self._renewing: asyncio.Lock | None = None
+
+    async def read(self, name: str, offset: int, timeout: float) -> bytes:
+        sas = await self._current_sas()
+        url = f"{self._container.url}/{name}?{sas}"
+        headers = {"x-ms-range": f"bytes={offset}-", "x-ms-version": self._service.api_version}
+        async with _mapped(timeout, "read"), self._open().get(url, headers=headers) as response:
+            if response.status in (200, 206):
+                return await response.read()
+            if response.status in (404, 416):  # not there yet; nothing past offset
+                return b""
+            if response.status == 403:
+                self._renew_at = datetime.min.replace(tzinfo=UTC)  # a SAS refused: make a new one
+            raise StoreUnavailable(f"the store failed (HTTP {response.status})")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No connection cap (aiohttp's default of 100 would queue reads behind each other) and
+            # no proxy settings read per request (trust_env off), as the SDK's use_env_settings.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=self._timeout),
+            )
+        return self._session
+
+    async def _current_sas(self) -> str:
+        if self._sas is not None and datetime.now(UTC) < self._renew_at:
+            return self._sas
+        if self._renewing is None:
+            self._renewing = asyncio.Lock()
+        async with self._renewing:
+            now = datetime.now(UTC)
+            if self._sas is None or now >= self._renew_at:
+                self._sas = await self._make_sas(now)
+                self._renew_at = now + SAS_LIFETIME - RENEW_BEFORE
+        return self._sas
+
+    async def _make_sas(self, now: datetime) -> str:
+        start, expiry = now - timedelta(minutes=5), now + SAS_LIFETIME
+        permission = ContainerSasPermissions(read=True)
+        account, container = self._container.account_name, self._container.container_name
+        assert account is not None
+        key = getattr(self._service.credential, "account_key", None)
+        try:
+            if key is not None:
+                return generate_container_sas(
+                    account, container, account_key=key, permission=permission, start=start, expiry=expiry
+                )
+            delegation = await asyncio.wait_for(self._service.get_user_delegation_key(start, expiry), self._timeout)
+            return generate_container_sas(
+                account, container, user_delegation_key=delegation, permission=permission, start=start, expiry=expiry
+            )
+        except HttpResponseError as exc:
+            if exc.status_code == 403:  # the identity may not ask for a user delegation key
+                raise _NoSasAccess("no user delegation key for the stream container (HTTP 403)") from None
+            raise StoreUnavailable(f"no read access to the stream container (HTTP {exc.status_code})") from None
+        except Exception as exc:  # noqa: BLE001 - any failure to get a key: the store is unavailable to us
+            raise StoreUnavailable(f"no read access to the stream container ({type(exc).__name__})") from None
