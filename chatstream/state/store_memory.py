@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,6 +59,7 @@ class MemoryData:
     frozen: asyncio.Event | None = None  # set: running; cleared: frozen (see MemoryStore.freeze)
     queued: list[Callable[[], None]] = field(default_factory=list)  # writes to apply at thaw
     calls: dict[str, int] = field(default_factory=dict)
+    wall: Callable[[], float] = time.time  # the store's own clock: its answers carry it (a Date)
 
     def etag(self) -> str:
         self.version += 1
@@ -108,6 +110,9 @@ class MemoryStore:
         """Run ``work`` as the store would: after any failure put on it, within ``timeout``."""
         self.data.calls[op] = self.data.calls.get(op, 0) + 1
         await asyncio.sleep(0)  # a store call is never synchronous: let others run, as a real one does
+        # Its Date, to the microsecond (Azure's has whole seconds): unit tests run with leases of a
+        # fraction of a second. StoreClock's own tests cover whole seconds.
+        self.clock.observe(self.data.wall())
         fault = next((f for f in self.faults if f.applies(op, table)), None)
         if fault is not None:
             fault.times -= 1

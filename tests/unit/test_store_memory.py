@@ -44,3 +44,20 @@ async def test_a_frozen_store_applies_what_timed_out_when_it_thaws():
     await asyncio.sleep(0.05)
     a.thaw()
     assert await reading is not None  # the queued insert landed first, as a stopped server's backlog
+
+
+def test_the_store_clock_follows_whole_second_dates_from_below():
+    """Dates are whole seconds, truncated, and arrive late: the clock keeps the best sample, which is
+    never ahead of the store, and after answers spread over a second it is within 0.1 s of it."""
+    from chatstream.state.store import StoreClock
+
+    mono = [1000.0]
+    offset = 12345.678  # the store's time minus this machine's monotonic clock
+    clock = StoreClock(wall=lambda: mono[0] + offset - 30.0, monotonic=lambda: mono[0])  # our wall clock is 30 s off
+    assert abs(clock.now() - (mono[0] + offset)) > 29
+    for _ in range(40):
+        mono[0] += 0.027
+        store_time = mono[0] + offset
+        clock.observe(float(int(store_time - 0.004)))  # sent 4 ms ago, truncated
+        assert clock.now() <= mono[0] + offset + 1e-9
+    assert abs(clock.now() - (mono[0] + offset)) < 0.1

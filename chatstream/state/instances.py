@@ -1,0 +1,294 @@
+"""This process as one instance of the app in the shared store, and the other instances as it sees
+them: who is alive, who died, and who does the work that one instance does for all.
+
+- **Alive.** While this instance holds anything another instance may have to take over (a stream it
+  produces, capacity of a caller's limits, charges not yet written), it beats: one small row per
+  instance (table ``chatstreamStreams``, partition ``instances``, RowKey its id) rewritten every
+  ``beat_seconds`` with ``at``, the store's time (``StoreClock``: every instance reads the same clock,
+  whatever its own says). An instance whose ``at`` is older than ``lease_seconds`` by the store's time
+  is dead. The row is bounded by design: it lists nothing.
+- **Fenced.** An instance declared dead whose process was only slow finds its row gone (or taken)
+  at its next beat: this incarnation is over (``fenced`` is set; what it held was taken over), and
+  the process beats on under a new id.
+- **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free (its holder
+  stopped refreshing it for ``duty_seconds``), finds the dead instances (one query of the partition)
+  and hands each to the ``on_dead`` callbacks (the counters' recovery, the stream log's), then deletes
+  its row; and runs the periodic sweeps (``every``: expired streams, the ledger's retention). So
+  whatever the number of instances, a sweep costs one instance's work: the others read the duty
+  row, one point read each per ``duty_seconds``.
+
+Every store call here is bounded; a failed one is tried again at the next tick, and nothing here ends
+on an error (a background loop that died would take liveness with it): unexpected ones are logged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from .store import STREAMS_TABLE, Store, Where
+
+log = logging.getLogger("chatstream")
+
+PARTITION = "instances"
+DUTY = "~duty"  # sorts after every instance id (ids are [a-z0-9-])
+OnDead = Callable[[str], Awaitable[None]]
+
+
+def new_instance_id() -> str:
+    """A name for one incarnation of this process: readable in logs, unique across restarts."""
+    host = "".join(c for c in socket.gethostname().lower() if c.isalnum() or c == "-")[:24] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class InstanceTiming:
+    beat_seconds: float = 1.5
+    lease_seconds: float = 4.5  # no beat for this long (by the store's clock): dead
+    linger_seconds: float = 10.0  # beats go on this long after the last need (a next one needs no first beat)
+    duty_seconds: float = 10.0  # the duty holder's tick; a holder silent for 3 ticks loses it
+    fresh_seconds: float = 0.5  # one read of another instance's row serves every question for this long
+
+
+class Instances:
+    """This instance's heartbeat, its view of the others, and the duty (module docstring)."""
+
+    def __init__(self, store: Store, timing: InstanceTiming | None = None, instance_id: str | None = None):
+        self.store = store
+        self.timing = timing or InstanceTiming()
+        self.id = instance_id or new_instance_id()
+        self.fenced = asyncio.Event()  # set when an incarnation of this process was declared dead
+        self.fenced_ids: list[str] = []
+        self._needs = 0
+        self._idle_since: float | None = None
+        self._etag: str | None = None
+        self._beat = 0
+        self._beating: asyncio.Task | None = None
+        self._first: asyncio.Future | None = None
+        self._duty: asyncio.Task | None = None
+        self._on_dead: list[OnDead] = []
+        self._sweeps: list[tuple[float, Callable[[], Awaitable[None]], list[float]]] = []
+        self._rows: dict[str, tuple[float, asyncio.Future]] = {}
+        self._closed = False
+        self.recovered: list[str] = []  # instances this one found dead and handed over (tests, logs)
+
+    # --- being alive ---------------------------------------------------------------------------
+
+    def need(self) -> None:
+        """Something here needs this instance to be seen alive: beat (from now, if not yet)."""
+        self._needs += 1
+        self._idle_since = None
+        self._start()
+
+    def done(self) -> None:
+        self._needs = max(0, self._needs - 1)
+        if self._needs == 0:
+            self._idle_since = self.store.clock.now()
+
+    async def first_beat(self, within: float = 2.0) -> None:
+        """Wait (bounded) until this instance's row is in the store: nobody elsewhere can see
+        something of ours before they can see we are alive."""
+        self._start()
+        if self._first is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await asyncio.shield(self._first)
+
+    def _start(self) -> None:
+        if self._closed:
+            return
+        if self._beating is None or self._beating.done():
+            self._first = asyncio.get_running_loop().create_future()
+            self._beating = asyncio.ensure_future(self._beat_loop())
+        if self._duty is None or self._duty.done():
+            self._duty = asyncio.ensure_future(self._duty_loop())
+
+    async def _beat_loop(self) -> None:
+        timing = self.timing
+        while not self._closed:
+            pause = timing.beat_seconds
+            try:
+                await self._beat_once()
+            except StoreError as exc:
+                log.warning("instance %s: heartbeat failed: %s", self.id, exc)
+                pause = min(pause, 0.25)  # a missed beat reads as death elsewhere: try again soon
+            except Exception:  # a bug of ours must not stop the heartbeat
+                log.exception("instance %s: heartbeat failed", self.id)
+            finally:
+                if self._first is not None and not self._first.done():
+                    self._first.set_result(None)
+            await asyncio.sleep(pause)
+            idle = self._idle_since
+            if self._needs == 0 and idle is not None and self.store.clock.now() - idle > timing.linger_seconds:
+                await self._leave()
+                return
+
+    async def _beat_once(self) -> None:
+        self._beat += 1
+        row = {
+            "PartitionKey": PARTITION,
+            "RowKey": self.id,
+            "at": self.store.clock.now(),
+            "beat": self._beat,
+            "lease": self.timing.lease_seconds,
+        }
+        # The beat takes at most half a lease: a busy instance's calls are slow, and a missed lease
+        # reads as death elsewhere.
+        bound = self.timing.lease_seconds / 2
+        if self._etag is None:
+            try:
+                self._etag = await self.store.insert(STREAMS_TABLE, row, timeout=bound)
+            except AlreadyExists:  # our own insert landed, its answer lost: take the row over
+                self._etag = await self.store.replace(STREAMS_TABLE, row, timeout=bound)
+            return
+        try:
+            self._etag = await self.store.replace(STREAMS_TABLE, row, etag=self._etag, timeout=bound)
+        except (NotFound, Modified):
+            self._incarnate()
+
+    def _incarnate(self) -> None:
+        """This incarnation was declared dead (its row deleted or taken over by the duty holder):
+        what it held has been taken over. The process goes on as a new instance."""
+        old = self.id
+        self.fenced_ids.append(old)
+        self.id = new_instance_id()
+        self._etag = None
+        self.fenced.set()
+        log.warning("instance %s was declared dead elsewhere (it was too slow to beat); now %s", old, self.id)
+
+    async def _leave(self) -> None:
+        """Nothing is held here any more: the row goes (nobody needs to find us dead)."""
+        if self._etag is not None:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(STREAMS_TABLE, PARTITION, self.id, etag=self._etag)
+            self._etag = None
+
+    # --- the others ------------------------------------------------------------------------------
+
+    async def alive(self, instance: str) -> bool:
+        """Whether ``instance`` beat within its lease, by the store's clock. One read serves every
+        question about it for ``fresh_seconds``. StoreError when the store cannot tell."""
+        if instance == self.id:
+            return not self._closed
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        held = self._rows.get(instance)
+        if held is None or (held[1].done() and (now - held[0] > self.timing.fresh_seconds or held[1].exception())):
+            if len(self._rows) > 256:
+                self._rows = {k: v for k, v in self._rows.items() if now - v[0] < 60.0}
+            read = asyncio.ensure_future(self.store.get(STREAMS_TABLE, PARTITION, instance))
+            read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
+            held = (now, read)
+            self._rows[instance] = held
+        row = await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
+        return row is not None and self._fresh(row)
+
+    def _fresh(self, row: dict) -> bool:
+        lease = float(row.get("lease") or self.timing.lease_seconds)
+        return self.store.clock.now() - float(row.get("at") or 0.0) <= lease
+
+    # --- the duty ------------------------------------------------------------------------------
+
+    def on_dead(self, callback: OnDead) -> None:
+        """``callback(instance_id)`` for each instance found dead, on the duty holder; it must be
+        idempotent (it may run again for the same instance, if a holder died mid-way). The row of the
+        dead instance is deleted once every callback returned."""
+        self._on_dead.append(callback)
+
+    def every(self, seconds: float, sweep: Callable[[], Awaitable[None]]) -> None:
+        """Run ``sweep`` about every ``seconds`` on whichever instance holds the duty."""
+        self._sweeps.append((seconds, sweep, [0.0]))
+
+    async def _duty_loop(self) -> None:
+        etag: str | None = None
+        while not self._closed:
+            try:
+                etag = await self._duty_tick(etag)
+            except StoreError as exc:
+                log.warning("instance %s: the duty tick failed: %s", self.id, exc)
+            except Exception:  # a bug of ours must not stop the duty
+                log.exception("instance %s: the duty tick failed", self.id)
+            if (self._beating is None or self._beating.done()) and not self._sweeps:
+                return  # nothing to do here any more until something is needed again
+            await asyncio.sleep(self.timing.duty_seconds)
+
+    async def _duty_tick(self, etag: str | None) -> str | None:
+        """Hold the duty (refresh it, or take it when its holder went silent), then do it."""
+        now = self.store.clock.now()
+        row = {"PartitionKey": PARTITION, "RowKey": DUTY, "holder": self.id, "at": now}
+        if etag is not None:
+            try:
+                etag = await self.store.replace(STREAMS_TABLE, row, etag=etag)
+            except (NotFound, Modified):
+                etag = None  # another instance took it
+        if etag is None:
+            current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
+            if current is None:
+                try:
+                    etag = await self.store.insert(STREAMS_TABLE, row)
+                except AlreadyExists:
+                    return None
+            elif now - float(current.get("at") or 0.0) > 3 * self.timing.duty_seconds:
+                try:
+                    etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
+                except (NotFound, Modified):
+                    return None
+            else:
+                return None
+        await self._do_duty()
+        return etag
+
+    async def _do_duty(self) -> None:
+        rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)
+        for row in rows:
+            other = row["RowKey"]
+            if other == self.id or (self._fresh(row) and not row.get("taken_by")):
+                continue
+            await self._take_over(row)
+        loop = asyncio.get_running_loop()
+        for seconds, sweep, last in self._sweeps:
+            if loop.time() - last[0] >= seconds:
+                last[0] = loop.time()
+                try:
+                    await sweep()
+                except StoreError as exc:
+                    log.warning("instance %s: a sweep failed: %s", self.id, exc)
+                except Exception:  # logged; the next tick runs it again
+                    log.exception("instance %s: a sweep failed", self.id)
+
+    async def _take_over(self, row: dict) -> None:
+        """A dead instance: first its row is taken (a conditional write, so that if it was only slow
+        its next beat fails and it knows it was fenced), then what it held is handed to the
+        callbacks, then its row goes. A failure leaves the row taken: the next tick tries again."""
+        other = row["RowKey"]
+        etag = getattr(row, "etag", None)
+        if row.get("taken_by") != self.id:
+            taken = {"PartitionKey": PARTITION, "RowKey": other, "taken_by": self.id, "at": 0.0}
+            try:
+                etag = await self.store.replace(STREAMS_TABLE, taken, etag=etag)
+            except (NotFound, Modified):
+                return  # it beat meanwhile (alive after all), or another holder took it
+            log.warning("instance %s: instance %s stopped beating; taking over what it held", self.id, other)
+        try:
+            for callback in self._on_dead:
+                await callback(other)
+        except Exception:  # logged; its row stays taken, so the next tick tries again
+            log.exception("instance %s: taking over %s failed; trying again later", self.id, other)
+            return
+        with contextlib.suppress(StoreError):
+            await self.store.delete(STREAMS_TABLE, PARTITION, other, etag=etag)
+        self.recovered.append(other)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in (self._beating, self._duty):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._beating, self._duty) if t is not None), return_exceptions=True)
+        await self._leave()

@@ -1,0 +1,108 @@
+"""chatstream/state/instances.py on the in-process store: beats, liveness by the store's clock,
+fencing a slow instance, one duty holder, takeover of the dead."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from chatstream.state.instances import Instances, InstanceTiming
+from chatstream.state.store import StoreClock
+from chatstream.state.store_memory import MemoryData, MemoryStore
+
+FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=0.2, duty_seconds=0.05, fresh_seconds=0.0)
+
+
+def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST) -> Instances:
+    clock = StoreClock(wall=lambda: time.time() + skew)
+    return Instances(MemoryStore(data, clock), timing)
+
+
+async def test_an_instance_that_needs_it_beats_and_the_others_see_it_alive():
+    data = MemoryData()
+    a, b = instance(data), instance(data)
+    a.need()
+    await a.first_beat()
+    assert await b.alive(a.id)
+    assert not await b.alive("nobody-1-0")
+    await a.close()
+    assert not await b.alive(a.id)  # it left: its row went with it
+    await b.close()
+
+
+async def test_a_dead_instance_is_taken_over_once_and_its_row_goes():
+    data = MemoryData()
+    a, b, c = instance(data), instance(data), instance(data)
+    taken: list[tuple[str, str]] = []
+    for watcher in (b, c):
+        watcher.on_dead(lambda dead, w=watcher: _note(taken, w.id, dead))
+        watcher.need()
+    a.need()
+    await a.first_beat()
+    a._beating.cancel()  # killed: no more beats, no goodbye
+    dead = a.id
+    deadline = time.monotonic() + 3
+    while not taken and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    assert [d for _, d in taken] == [dead], taken  # exactly one holder took it over, once
+    assert not await b.alive(dead)
+    assert data.tables["chatstreamStreams"]["instances"].get(dead) is None
+    for x in (a, b, c):
+        await x.close()
+
+
+async def test_a_slow_instance_declared_dead_is_fenced_and_goes_on_under_a_new_id():
+    data = MemoryData()
+    a, b = instance(data), instance(data)
+    b.on_dead(lambda dead: asyncio.sleep(0))
+    b.need()
+    a.need()
+    await a.first_beat()
+    old = a.id
+    a._beating.cancel()  # frozen, as a process stopped by the OS
+    deadline = time.monotonic() + 3
+    while old not in b.recovered and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert old in b.recovered
+    a._beating = None  # it wakes up
+    a.need()
+    await asyncio.wait_for(a.fenced.wait(), 2)
+    assert a.fenced_ids == [old] and a.id != old
+    await asyncio.sleep(0.1)
+    assert await b.alive(a.id)
+    await a.close()
+    await b.close()
+
+
+async def test_clocks_thirty_seconds_apart_agree_on_who_is_alive():
+    data = MemoryData()
+    ahead, behind = instance(data, skew=30.0), instance(data, skew=-30.0)
+    ahead.need()
+    behind.need()
+    await ahead.first_beat()
+    await behind.first_beat()
+    await asyncio.sleep(0.2)
+    assert await behind.alive(ahead.id) and await ahead.alive(behind.id)
+    assert abs(ahead.store.clock.now() - behind.store.clock.now()) < 1.5
+    await ahead.close()
+    await behind.close()
+
+
+async def test_sweeps_run_on_one_instance_however_many_there_are():
+    data = MemoryData()
+    many = [instance(data) for _ in range(6)]
+    runs: list[str] = []
+    for x in many:
+        x.every(0.0, lambda x=x: _note(runs, x.id, "sweep"))
+        x.need()
+    await asyncio.sleep(0.6)
+    assert runs and len({who for who, _ in runs}) == 1
+    reads = data.calls.get("get", 0)
+    for x in many:
+        await x.close()
+    assert reads < 6 * 0.6 / 0.05 * 2  # a point read of the duty row per tick each, not a scan
+
+
+async def _note(into: list, who: str, what: str) -> None:
+    into.append((who, what))
