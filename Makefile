@@ -5,9 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv client client-mono chromium azurite aisdk bench bench-profile clean
+.PHONY: serve test lint venv client client-mono chromium azurite aisdk openai-node bench bench-profile clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt clients/python/pyproject.toml
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
@@ -22,7 +22,7 @@ serve: $(STAMP)
 # on streams and timers, so this cuts its wall time by about half on two cores. Then the load tests
 # marked `alone` (200 resumable streams, a burst over two instances, the store stopped), one at a
 # time with nothing else running, so their margins hold. Unit tests alone: $(PY) -m pytest tests/unit
-test: lint client-mono chromium azurite aisdk
+test: lint client-mono chromium azurite aisdk openai-node
 	$(PY) -m pytest -n 3 --dist loadfile -m "not alone"
 	$(PY) -m pytest -m alone
 
@@ -74,6 +74,14 @@ $(AISDK): tests/clients/aisdk/package-lock.json $(AZURITE)
 
 aisdk: $(AISDK)
 
+# The openai npm SDK as a test client (tests/clients/openai/), pinned by its package-lock.json.
+OPENAI_NODE := tests/clients/openai/node_modules/openai/package.json
+$(OPENAI_NODE): tests/clients/openai/package-lock.json $(AZURITE)
+	cd tests/clients/openai && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(OPENAI_NODE)
+
+openai-node: $(OPENAI_NODE)
+
 # Benchmarks (not part of make test): LiteLLM and plotting live in their own venv.
 BENCH_VENV := tools/bench/.venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
@@ -94,4 +102,4 @@ bench-profile: $(STAMP) $(BENCH_STAMP)
 	tools/bench/profile.sh $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) tools/azurite/node_modules tests/clients/aisdk/node_modules tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out
+	rm -rf $(VENV) tools/azurite/node_modules tests/clients/aisdk/node_modules tests/clients/openai/node_modules tools/devhost/_generated client_cs/bin client_cs/obj $(BENCH_VENV) tools/bench/out

@@ -1,5 +1,6 @@
 """A TCP proxy in front of the app that drops connections mid-answer, as a network does: the tests of
-the clients' reconnection (tests/test_playground.py, tests/test_client_cs.py) point a client at it.
+the clients' reconnection (tests/test_playground.py, tests/test_client_cs.py,
+tests/test_resuming_clients.py) point a client at it.
 
 Bytes pass both ways unchanged, but for one header: an ``Origin`` naming the proxy is rewritten to
 the app's own (the local host serves browser requests from its own origin only, and to the page, the
@@ -9,8 +10,8 @@ recycled instance looks to a client) once ``after`` bytes of the answer have bee
 ``HOLD_BEFORE_RESET`` has passed, wherever the bytes end: inside the headers, an event, a UTF-8
 character or a chunk's framing. Cuts are used in the order they were added, one per matching
 request. ``drop()`` resets every open connection at once; ``refuse(seconds)`` resets every new
-connection for a while (the app unreachable). Threads only: usable from sync tests and Playwright's
-sync API."""
+connection for a while (the app unreachable). ``responses`` records the status line of every
+answer. Threads only: usable from sync tests and Playwright's sync API."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 
 HOLD_BEFORE_RESET = 0.5  # seconds between a cut's last byte and its reset
 REQUEST_LINE = re.compile(rb"((?:GET|POST|PUT|DELETE|HEAD|OPTIONS|PATCH) [^\r\n ]+ HTTP/1\.[01])\r\n")
+STATUS_LINE = re.compile(rb"(?:^|\r\n)(HTTP/1\.[01] \d{3}[^\r\n]*)\r\n")
 
 
 class CutProxy:
@@ -40,6 +42,7 @@ class CutProxy:
         self.cut_at: list[float] = []  # time.time() of each cut made
         self.refused = 0  # connections reset while refusing
         self.requests: list[bytes] = []  # the first line of every request seen, in order
+        self.responses: list[tuple[float, bytes]] = []  # (time.time(), status line) of every answer seen
         self._open: set[socket.socket] = set()  # client sockets being served
         self._drops = 0  # drop() calls so far: a connection older than the last one is reset
         self._closed = False
@@ -123,6 +126,7 @@ class CutProxy:
                     data = server.recv(65536)
                     if not data:
                         break
+                    self.responses.extend((time.time(), line) for line in STATUS_LINE.findall(data))
                     if budget is not None and len(data) >= budget:
                         client.sendall(data[:budget])
                         # The reset a moment later, not at once: a browser discards what it received
