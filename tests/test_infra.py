@@ -1148,9 +1148,8 @@ def check_model_default(infra: Infra) -> None:
     assert _azd_value(infra, "modelVersion") == "${AZURE_OPENAI_MODEL_VERSION=" + defaults["modelVersion"] + "}"
 
 
-# Settings of the app (chatstream/settings.py) that the template owns, and the azd value that sets
-# each (its own parameter), or None when the template derives it from what it creates.
 def owned_settings(infra: Infra, mode: str = "azureOpenAI") -> dict:
+    """The settings the template owns (layer 4): {name: value} in ``mode``."""
     return dict(infra.settings_layers(mode)["templateSettings"])
 
 
@@ -1281,9 +1280,11 @@ def check_stream_log_lifecycle(infra: Infra) -> None:
     resumed (RESUME_TTL_SECONDS at most, after a stream of TOTAL_TIMEOUT_SECONDS at most)."""
     from chatstream.settings import Settings
 
-    (policy,) = [
+    policies = [
         infra.body(d) for d in infra.resources.resources("Microsoft.Storage/storageAccounts/managementPolicies")
     ]
+    assert len(policies) == 1, f"expected one lifecycle management policy on the storage account, found {len(policies)}"
+    (policy,) = policies
     assert policy["name"] == "default", policy["name"]
     rules = [r for r in policy["properties"]["policy"]["rules"] if r["enabled"]]
     rule = next(
