@@ -9,6 +9,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+# How RESUMABLE_STREAMS may be spelled, in any case: tools/scripts/serve reads it through Settings too,
+# so the two agree on what turns it on.
+SWITCH_ON = ("on", "true", "1", "yes")
+SWITCH_OFF = ("off", "false", "0", "no")
+
 
 class SettingsError(Exception):
     """A setting has a value the app cannot run with. The message names the setting, never its value
@@ -78,6 +83,16 @@ class Settings(BaseModel):
     def _comma_list(cls, value):
         if isinstance(value, str):
             return tuple(t.strip() for t in value.split(",") if t.strip())
+        return value
+
+    @field_validator("resumable_streams", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in SWITCH_ON or word in SWITCH_OFF:
+                return word in SWITCH_ON
+            raise ValueError(f"must be on or off (also {'/'.join(SWITCH_ON[1:])} or {'/'.join(SWITCH_OFF[1:])})")
         return value
 
     @field_validator("caller_keys", mode="before")

@@ -19,11 +19,29 @@ param location string
 @description('Where completions come from: an Azure OpenAI account created here and reached keylessly with the app identity, or OpenAI (or any OpenAI-compatible server) with an API key kept in Key Vault.')
 param upstream string = 'azureOpenAI'
 
+// The default model: a GA version that new customers can still deploy when this was checked. Azure
+// stops new deployments of a GA version 12 months after its release and retires it later; the
+// table of what was checked, and when, is in docs/deploy.md ("The model"), and tests/test_infra.py
+// fails once the default is past either date.
 @description('Model name. In azureOpenAI mode the model deployed in the account; in openAI mode the default OPENAI_MODEL.')
-param modelName string = 'gpt-4o-mini'
+param modelName string = 'gpt-5.4-mini'
 
 @description('Model version to deploy (azureOpenAI mode).')
-param modelVersion string = '2024-07-18'
+param modelVersion string = '2026-03-17'
+
+// OnceCurrentVersionExpired: the deployment keeps the version chosen here (the one its answers,
+// prices and limits were checked against) and Azure moves it to the default version only when this
+// one is retired, so a retirement changes the model instead of failing every request. The other
+// choices: OnceNewDefaultVersionAvailable (Azure's default: the version changes under a running
+// app whenever Azure names a new default) and NoAutoUpgrade (the deployment stops answering at
+// retirement).
+@allowed([
+  'OnceCurrentVersionExpired'
+  'OnceNewDefaultVersionAvailable'
+  'NoAutoUpgrade'
+])
+@description('versionUpgradeOption of the model deployment (azureOpenAI mode): when Azure may move it to another model version.')
+param modelVersionUpgradeOption string = 'OnceCurrentVersionExpired'
 
 @description('Deployment name in the Azure OpenAI account (azureOpenAI mode). Empty: the model name.')
 param deploymentName string = ''
@@ -43,14 +61,16 @@ param deploymentCapacity int = 10
 @description('Region of the Azure OpenAI account, when the model is not offered in the app region. Empty: same as location.')
 param openAiLocation string = ''
 
+// The GPT-5 family on the dated chat-completions API needs 2025-04-01-preview or later (max_completion_tokens,
+// reasoning models); 2024-10-21, the app's own default, predates it.
 @description('AZURE_OPENAI_API_VERSION for the app (azureOpenAI mode).')
-param azureOpenAiApiVersion string = '2024-10-21'
+param azureOpenAiApiVersion string = '2025-04-01-preview'
 
 @secure()
 @description('OpenAI API key (openAI mode). Stored as a Key Vault secret; the app setting only references it.')
 param openAiApiKey string = ''
 
-@description('OPENAI_BASE_URL (openAI mode): another OpenAI-compatible server. Empty: api.openai.com.')
+@description('OPENAI_BASE_URL (openAI mode): another OpenAI-compatible server. Empty: api.openai.com. A server that wants no key (vLLM inside the virtual network) needs no openAiApiKey.')
 param openAiBaseUrl string = ''
 
 @description('Object id of the person or pipeline running azd (AZURE_PRINCIPAL_ID). Gets data-plane access for trying things out; empty: none.')
@@ -66,6 +86,9 @@ param principalType string = 'User'
 @description('Network isolation (VNET_ENABLED): a virtual network the app is integrated with, and storage, Azure OpenAI and Key Vault reachable only through private endpoints there. Off: public endpoints, identity-only access.')
 param vnetEnabled bool = false
 
+@description('With vnetEnabled (VNET_NAT_GATEWAY): a NAT gateway with a static public IP, the app subnet\'s way out to the internet (api.openai.com, Application Insights ingestion). Off: the network has no way out; refused in openAI mode without OPENAI_BASE_URL.')
+param natGateway bool = true
+
 @description('Zone redundancy (AZURE_ZONE_REDUNDANT): a zone-redundant Flex Consumption plan (at least two always-ready instances) and zone-redundant storage. The region must offer it.')
 param zoneRedundant bool = false
 
@@ -77,9 +100,9 @@ param keyVaultPurgeProtection bool = false
 @description('Days a deleted Key Vault (and its secret) can be recovered (AZURE_KEY_VAULT_SOFT_DELETE_DAYS). Fixed when the vault is created: an existing vault keeps its own.')
 param keyVaultSoftDeleteRetentionDays int = 90
 
-@minValue(1)
+@minValue(40)
 @maxValue(1000)
-@description('Most instances the app scales out to.')
+@description('Most instances the app scales out to (Flex Consumption accepts 40 to 1000).')
 param maximumInstanceCount int = 100
 
 @allowed([
@@ -98,6 +121,23 @@ param instanceMemoryMB int = 2048
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
 param httpPerInstanceConcurrency int = 72
+
+// How a deployment (code or settings) replaces running instances. RollingUpdate (in preview on Flex
+// Consumption when this was written, docs/deploy.md) drains instances in batches: running streams
+// go on, the app's drain on SIGTERM (DRAIN_SECONDS) covers what is left. Recreate restarts every
+// instance at once.
+@allowed([
+  'RollingUpdate'
+  'Recreate'
+])
+@description('functionAppConfig.siteUpdateStrategy (AZURE_SITE_UPDATE_STRATEGY): RollingUpdate replaces instances in batches, Recreate all at once.')
+param siteUpdateStrategy string = 'RollingUpdate'
+
+// Every other setting of the app (README "Settings"): azd's CHAT_APP_SETTINGS, a JSON object, kept in
+// .azure/<env>/.env so that every `azd up` writes it again. docs/deploy.md ("App settings") says
+// what wins when the portal, this object and the template name the same setting.
+@description('App settings of chatstream/settings.py (CHAT_APP_SETTINGS), name to value, written over the template\'s defaults on every deployment. A list or object value (UPSTREAMS) is written as its JSON. Names the template sets from its own parameters are refused.')
+param appSettings object = {}
 
 // The app's own time limits (app settings, see README "Settings"). host.json sets
 // "functionTimeout": "00:30:00"; the whole stream must end before it (test_infra checks this).
@@ -126,10 +166,15 @@ var tags = {
   'azd-env-name': environmentName
 }
 
-// openAI mode with an empty key would deploy an app that answers every call with an upstream auth
-// error: stop the deployment instead, saying what to set.
-var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)
-var openAiKeyMissingMessage = 'CHAT_UPSTREAM=openAI needs an OpenAI API key: run `azd env set OPENAI_API_KEY <key>` (parameter openAiApiKey), or use CHAT_UPSTREAM=azureOpenAI.'
+// openAI mode against api.openai.com with an empty key would deploy an app that answers every call
+// with an upstream auth error: stop the deployment instead, saying what to set. A server of its own
+// (OPENAI_BASE_URL) may want no key.
+var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl)
+var openAiKeyMissingMessage = 'CHAT_UPSTREAM=openAI needs an OpenAI API key: run `azd env set OPENAI_API_KEY <key>` (parameter openAiApiKey), set OPENAI_BASE_URL to a server that wants none, or use CHAT_UPSTREAM=azureOpenAI.'
+
+// A private network without a NAT gateway has no way to api.openai.com.
+var noWayOut = vnetEnabled && !natGateway && upstream == 'openAI' && empty(openAiBaseUrl)
+var noWayOutMessage = 'VNET_ENABLED=true with CHAT_UPSTREAM=openAI reaches api.openai.com through the virtual network, which then needs its NAT gateway: keep VNET_NAT_GATEWAY=true (the default), or set OPENAI_BASE_URL to a server inside the network.'
 
 resource rg 'Microsoft.Resources/resourceGroups@2024-03-01' = {
   name: 'rg-${environmentName}'
@@ -147,6 +192,7 @@ module app 'resources.bicep' = {
     upstream: upstream
     modelName: modelName
     modelVersion: modelVersion
+    modelVersionUpgradeOption: modelVersionUpgradeOption
     deploymentName: empty(deploymentName) ? modelName : deploymentName
     deploymentSku: deploymentSku
     deploymentCapacity: deploymentCapacity
@@ -163,7 +209,10 @@ module app 'resources.bicep' = {
     firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
     idleTimeoutSeconds: idleTimeoutSeconds
     heartbeatSeconds: heartbeatSeconds
-    vnetEnabled: vnetEnabled
+    vnetEnabled: noWayOut ? fail(noWayOutMessage) : vnetEnabled
+    natGateway: natGateway
+    siteUpdateStrategy: siteUpdateStrategy
+    appSettings: appSettings
     zoneRedundant: zoneRedundant
     keyVaultPurgeProtection: keyVaultPurgeProtection
     keyVaultSoftDeleteRetentionDays: keyVaultSoftDeleteRetentionDays
@@ -186,3 +235,5 @@ output AZURE_MANAGED_IDENTITY_CLIENT_ID string = app.outputs.identityClientId
 output AZURE_STORAGE_ACCOUNT_NAME string = app.outputs.storageAccountName
 output AZURE_STORAGE_TABLE_ENDPOINT string = app.outputs.storageTableEndpoint
 output AZURE_STORAGE_BLOB_ENDPOINT string = app.outputs.storageBlobEndpoint
+// With VNET_ENABLED and its NAT gateway: the address the app's calls to the internet come from.
+output AZURE_OUTBOUND_IP string = app.outputs.outboundIpAddress

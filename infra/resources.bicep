@@ -10,8 +10,11 @@
 // below, reached by the app's clients with the same identity (AzureWebJobsStorage__tableServiceUri
 // and __blobServiceUri). With vnetEnabled, storage, Azure OpenAI and Key Vault refuse public
 // network access and are reached through private endpoints in a virtual network the app is
-// integrated with; otherwise they stay public, identity-only. Every resource that logs sends its
-// logs and metrics to the Log Analytics workspace.
+// integrated with, and a NAT gateway is its way out to the internet; otherwise they stay public,
+// identity-only. Every resource that logs sends its logs and metrics to the Log Analytics workspace.
+//
+// The app settings are not declared whole on the site: app-settings.bicep writes them from layers
+// ("App settings" below), so that a deployment keeps what it does not own.
 
 param location string
 param tags object
@@ -24,6 +27,7 @@ param resourceToken string
 param upstream string
 param modelName string
 param modelVersion string
+param modelVersionUpgradeOption string
 param deploymentName string
 param deploymentSku string
 param deploymentCapacity int
@@ -43,12 +47,18 @@ param firstTokenTimeoutSeconds int
 param idleTimeoutSeconds int
 param heartbeatSeconds int
 param vnetEnabled bool
+param natGateway bool
+param siteUpdateStrategy string
+param appSettings object
 param zoneRedundant bool
 param keyVaultPurgeProtection bool
 param keyVaultSoftDeleteRetentionDays int
 
 var useAzureOpenAI = upstream == 'azureOpenAI'
-var useKeyVault = upstream == 'openAI'
+// A key to keep: OpenAI's, or a compatible server's that wants one (a keyless one, e.g. vLLM inside
+// the virtual network, gets no vault).
+var useKeyVault = upstream == 'openAI' && !empty(openAiApiKey)
+var useNatGateway = vnetEnabled && natGateway
 var deploymentContainerName = 'app-package'
 
 // The app's own state (the app creates them too where it may, e.g. on Azurite): tables for caller
@@ -63,6 +73,10 @@ var appTableNames = [
 ]
 var streamsContainerName = 'chatstream-streams'
 var deleteRetentionDays = 7
+// The app deletes a stream's log RESUME_TTL_SECONDS (at most 7 days) after the stream ends; the
+// lifecycle rule below removes what it left behind (a producer that died before its clean-up) a day
+// after the longest a log may legitimately live.
+var streamLogLifetimeDays = 8
 
 // Private network (vnetEnabled): the app's subnet is delegated to Microsoft.App/environments, as
 // Flex Consumption's virtual network integration requires; the private endpoints have their own.
@@ -164,6 +178,42 @@ resource blobService 'Microsoft.Storage/storageAccounts/blobServices@2023-05-01'
     containerDeleteRetentionPolicy: {
       enabled: true
       days: deleteRetentionDays
+    }
+  }
+}
+
+// Stream logs the app did not delete itself (its instance died first) expire here, so none is kept,
+// and billed, for ever.
+resource lifecycle 'Microsoft.Storage/storageAccounts/managementPolicies@2023-05-01' = {
+  parent: storage
+  name: 'default'
+  properties: {
+    policy: {
+      rules: [
+        {
+          name: 'expire-stream-logs'
+          enabled: true
+          type: 'Lifecycle'
+          definition: {
+            filters: {
+              blobTypes: [
+                'appendBlob'
+                'blockBlob'
+              ]
+              prefixMatch: [
+                '${streamsContainerName}/'
+              ]
+            }
+            actions: {
+              baseBlob: {
+                delete: {
+                  daysAfterModificationGreaterThan: streamLogLifetimeDays
+                }
+              }
+            }
+          }
+        }
+      ]
     }
   }
 }
@@ -287,6 +337,7 @@ resource modelDeployment 'Microsoft.CognitiveServices/accounts/deployments@2024-
       name: modelName
       version: modelVersion
     }
+    versionUpgradeOption: modelVersionUpgradeOption
   }
 }
 
@@ -367,7 +418,41 @@ resource keyVaultOfficerForDeployer 'Microsoft.Authorization/roleAssignments@202
   }
 }
 
-// ---- Private network (vnetEnabled): the app's subnet, private endpoints and private DNS zones ----
+// ---- Private network (vnetEnabled): the app's subnet, its NAT gateway, private endpoints and
+// private DNS zones ----
+
+// The app subnet's way out to the internet (api.openai.com in openAI mode, Application Insights
+// ingestion in both), from one static address. Its idle timeout outlasts the app's longest silence
+// on an upstream connection (the first-token and idle limits), so a slow first token is not cut.
+resource natPublicIp 'Microsoft.Network/publicIPAddresses@2024-05-01' = if (useNatGateway) {
+  name: 'pip-nat-${resourceToken}'
+  location: location
+  tags: tags
+  sku: {
+    name: 'Standard'
+  }
+  properties: {
+    publicIPAllocationMethod: 'Static'
+    publicIPAddressVersion: 'IPv4'
+  }
+}
+
+resource nat 'Microsoft.Network/natGateways@2024-05-01' = if (useNatGateway) {
+  name: 'nat-${resourceToken}'
+  location: location
+  tags: tags
+  sku: {
+    name: 'Standard'
+  }
+  properties: {
+    idleTimeoutInMinutes: max(4, (max(firstTokenTimeoutSeconds, idleTimeoutSeconds) + 59) / 60)
+    publicIpAddresses: [
+      {
+        id: natPublicIp.id
+      }
+    ]
+  }
+}
 
 resource vnet 'Microsoft.Network/virtualNetworks@2024-05-01' = if (vnetEnabled) {
   name: 'vnet-${resourceToken}'
@@ -385,6 +470,9 @@ resource vnet 'Microsoft.Network/virtualNetworks@2024-05-01' = if (vnetEnabled) 
         name: appSubnetName
         properties: {
           addressPrefix: '10.0.0.0/22'
+          natGateway: useNatGateway ? {
+            id: nat.id
+          } : null
           delegations: [
             {
               name: 'flex-consumption'
@@ -423,20 +511,7 @@ module storageBlobPrivateLink 'private-link.bicep' = if (vnetEnabled) {
   }
 }
 
-module storageQueuePrivateLink 'private-link.bicep' = if (vnetEnabled) {
-  name: 'private-link-queue'
-  params: {
-    name: 'pe-queue-${resourceToken}'
-    location: location
-    tags: tags
-    virtualNetworkId: vnet.id
-    subnetId: privateEndpointSubnetId
-    targetId: storage.id
-    groupId: 'queue'
-    zoneName: 'privatelink.queue.${environment().suffixes.storage}'
-  }
-}
-
+// No queue endpoint: nothing here uses queues (HTTP triggers only; the host's state is in blobs).
 module storageTablePrivateLink 'private-link.bicep' = if (vnetEnabled) {
   name: 'private-link-table'
   params: {
@@ -479,6 +554,81 @@ module keyVaultPrivateLink 'private-link.bicep' = if (vnetEnabled && useKeyVault
   }
 }
 
+// ---- App settings ----
+//
+// Four layers, lowest first, written as the site's one `appsettings` resource on every deployment
+// (app-settings.bicep):
+//   1. templateDefaults: the template's choices for settings an operator may change;
+//   2. the settings the site has now (the portal's edits included): they win over the defaults, so
+//      a value set by hand stays;
+//   3. appSettings (azd CHAT_APP_SETTINGS): wins over the portal, and is written again by every
+//      `azd up`;
+//   4. templateSettings: what the template derives from the resources it creates and from its own
+//      parameters (identity, storage, telemetry, the upstream, the time limits); a deployment always
+//      writes these, and refuses them in appSettings, naming them.
+// A setting none of the layers names is kept as it is: a deployment never removes one (delete it
+// with `az functionapp config appsettings delete`).
+
+var templateDefaults = {
+  // Keep every span: azure-monitor-opentelemetry otherwise samples traces at 5 per second, and each
+  // stream is one chat.stream span (docs/observability.md).
+  OTEL_TRACES_SAMPLER: 'always_on'
+  // The host writes its diagnostic events to a table it creates in AzureWebJobsStorage, named by the
+  // month. A role for it would have to be account-wide, wider than the per-table roles the identity
+  // has; without one every write is a 403 in the logs. Off: the portal's diagnostic-events view stays
+  // empty, the host's own logs still reach Application Insights and Log Analytics.
+  AzureWebJobsFeatureFlags: 'DisableDiagnosticEventLogging'
+  UPSTREAM_CONNECT_TIMEOUT_SECONDS: '10'
+  USAGE_WAIT_SECONDS: '2'
+  UPSTREAM_MAX_RETRIES: '2'
+  MAX_BODY_BYTES: '1048576'
+  // The browser playground (GET /api/playground) and the operators' console (GET /api/console) stay
+  // off in Azure; 'true' serves them (docs/playground.md). Every API call they make still needs a key.
+  PLAYGROUND_ENABLED: 'false'
+  CONSOLE_ENABLED: 'false'
+}
+
+// The upstream settings of both modes are written in both, the unused ones empty (the app reads an
+// empty setting as unset): switching CHAT_UPSTREAM leaves nothing of the other mode behind. The
+// OpenAI key is a Key Vault reference: the platform resolves it with keyVaultReferenceIdentity, and
+// neither this template nor the site configuration ever holds the key itself. No Azure OpenAI key:
+// the account takes Entra tokens only.
+var templateSettings = {
+  // The host reaches storage and Application Insights with the identity; AZURE_CLIENT_ID makes
+  // DefaultAzureCredential in the app pick that same identity.
+  AzureWebJobsStorage__accountName: storage.name
+  AzureWebJobsStorage__credential: 'managedidentity'
+  AzureWebJobsStorage__clientId: identity.properties.clientId
+  // The app's own clients (azure-data-tables, azure-storage-blob) read these two with the credential
+  // and client id above; they end with '/'.
+  AzureWebJobsStorage__tableServiceUri: storage.properties.primaryEndpoints.table
+  AzureWebJobsStorage__blobServiceUri: storage.properties.primaryEndpoints.blob
+  APPLICATIONINSIGHTS_CONNECTION_STRING: appInsights.properties.ConnectionString
+  APPLICATIONINSIGHTS_AUTHENTICATION_STRING: 'ClientId=${identity.properties.clientId};Authorization=AAD'
+  // The Python worker configures azure-monitor-opentelemetry itself (host.json telemetryMode
+  // OpenTelemetry); chatstream/telemetry.py then only adds its spans and metrics.
+  PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY: 'true'
+  AZURE_CLIENT_ID: identity.properties.clientId
+  OPENAI_MODEL: useAzureOpenAI ? deploymentName : modelName
+  AZURE_OPENAI_ENDPOINT: useAzureOpenAI ? openAi.properties.endpoint : ''
+  AZURE_OPENAI_DEPLOYMENT: useAzureOpenAI ? deploymentName : ''
+  AZURE_OPENAI_API_VERSION: useAzureOpenAI ? azureOpenAiApiVersion : ''
+  AZURE_OPENAI_API_KEY: ''
+  OPENAI_API_KEY: useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''
+  OPENAI_BASE_URL: useAzureOpenAI ? '' : openAiBaseUrl
+  FIRST_TOKEN_TIMEOUT_SECONDS: string(firstTokenTimeoutSeconds)
+  IDLE_TIMEOUT_SECONDS: string(idleTimeoutSeconds)
+  TOTAL_TIMEOUT_SECONDS: string(totalTimeoutSeconds)
+  HEARTBEAT_SECONDS: string(heartbeatSeconds)
+}
+
+// An operator's setting the template owns would be overwritten by layer 4 on this and every later
+// deployment: refuse it, naming it, rather than drop it silently.
+var refusedSettings = intersection(objectKeys(appSettings), objectKeys(templateSettings))
+var refusedMessage = 'CHAT_APP_SETTINGS sets ${join(refusedSettings, ', ')}, which the template sets itself from its own parameters and resources: leave them out (docs/deploy.md, "App settings", says which azd value sets each).'
+// Values are written as text: a list or an object (UPSTREAMS) as its JSON.
+var operatorSettings = empty(refusedSettings) ? mapValues(appSettings, value => string(value)) : fail(refusedMessage)
+
 // ---- The function app: Flex Consumption, Python 3.13 ----
 
 resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
@@ -497,129 +647,7 @@ resource plan 'Microsoft.Web/serverfarms@2024-04-01' = {
   }
 }
 
-// Settings every mode gets. The host reaches storage and Application Insights with the identity;
-// AZURE_CLIENT_ID makes DefaultAzureCredential in the app pick that same identity.
-var commonSettings = [
-  {
-    name: 'AzureWebJobsStorage__accountName'
-    value: storage.name
-  }
-  {
-    name: 'AzureWebJobsStorage__credential'
-    value: 'managedidentity'
-  }
-  {
-    name: 'AzureWebJobsStorage__clientId'
-    value: identity.properties.clientId
-  }
-  {
-    // The app's own clients (azure-data-tables, azure-storage-blob) read these two with the
-    // credential and client id above; they end with '/'.
-    name: 'AzureWebJobsStorage__tableServiceUri'
-    value: storage.properties.primaryEndpoints.table
-  }
-  {
-    name: 'AzureWebJobsStorage__blobServiceUri'
-    value: storage.properties.primaryEndpoints.blob
-  }
-  {
-    name: 'APPLICATIONINSIGHTS_CONNECTION_STRING'
-    value: appInsights.properties.ConnectionString
-  }
-  {
-    name: 'APPLICATIONINSIGHTS_AUTHENTICATION_STRING'
-    value: 'ClientId=${identity.properties.clientId};Authorization=AAD'
-  }
-  {
-    // The Python worker configures azure-monitor-opentelemetry itself (host.json telemetryMode
-    // OpenTelemetry); chatstream/telemetry.py then only adds its spans and metrics.
-    name: 'PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY'
-    value: 'true'
-  }
-  {
-    // Keep every span: azure-monitor-opentelemetry otherwise samples traces at 5 per second, and
-    // each stream is one chat.stream span (docs/observability.md).
-    name: 'OTEL_TRACES_SAMPLER'
-    value: 'always_on'
-  }
-  {
-    name: 'AZURE_CLIENT_ID'
-    value: identity.properties.clientId
-  }
-  {
-    name: 'OPENAI_MODEL'
-    value: useAzureOpenAI ? deploymentName : modelName
-  }
-  {
-    name: 'UPSTREAM_CONNECT_TIMEOUT_SECONDS'
-    value: '10'
-  }
-  {
-    name: 'FIRST_TOKEN_TIMEOUT_SECONDS'
-    value: string(firstTokenTimeoutSeconds)
-  }
-  {
-    name: 'IDLE_TIMEOUT_SECONDS'
-    value: string(idleTimeoutSeconds)
-  }
-  {
-    name: 'TOTAL_TIMEOUT_SECONDS'
-    value: string(totalTimeoutSeconds)
-  }
-  {
-    name: 'HEARTBEAT_SECONDS'
-    value: string(heartbeatSeconds)
-  }
-  {
-    name: 'USAGE_WAIT_SECONDS'
-    value: '2'
-  }
-  {
-    name: 'UPSTREAM_MAX_RETRIES'
-    value: '2'
-  }
-  {
-    name: 'MAX_BODY_BYTES'
-    value: '1048576'
-  }
-  {
-    // The browser playground (GET /api/playground) stays off in Azure; 'true' serves it there
-    // (docs/playground.md). Every API call it makes still needs the function key.
-    name: 'PLAYGROUND_ENABLED'
-    value: 'false'
-  }
-]
-
-var azureOpenAISettings = [
-  {
-    name: 'AZURE_OPENAI_ENDPOINT'
-    value: useAzureOpenAI ? openAi.properties.endpoint : ''
-  }
-  {
-    name: 'AZURE_OPENAI_DEPLOYMENT'
-    value: deploymentName
-  }
-  {
-    name: 'AZURE_OPENAI_API_VERSION'
-    value: azureOpenAiApiVersion
-  }
-]
-
-// The value is a Key Vault reference: the platform resolves it with keyVaultReferenceIdentity,
-// and neither this template nor the site configuration ever holds the key itself.
-var openAISettings = concat([
-  {
-    name: 'OPENAI_API_KEY'
-    value: useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''
-  }
-], empty(openAiBaseUrl) ? [] : [
-  {
-    name: 'OPENAI_BASE_URL'
-    value: openAiBaseUrl
-  }
-])
-
-resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
+resource functionApp 'Microsoft.Web/sites@2024-11-01' = {
   name: 'func-${resourceToken}'
   location: location
   tags: union(tags, {
@@ -636,12 +664,16 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
     serverFarmId: plan.id
     httpsOnly: true
     keyVaultReferenceIdentity: identity.id
-    // Flex Consumption sends all outbound traffic through the integrated subnet.
+    // Flex Consumption sends the app's outbound traffic through the integrated subnet; allTraffic
+    // routes the platform's own calls for the app through it too, among them the resolution of Key
+    // Vault references at start-up, which a vault reachable only by its private endpoint needs.
     virtualNetworkSubnetId: vnetEnabled ? appSubnetId : null
+    outboundVnetRouting: vnetEnabled ? {
+      allTraffic: true
+    } : null
     siteConfig: {
       minTlsVersion: '1.2'
       scmMinTlsVersion: '1.2'
-      appSettings: concat(commonSettings, useAzureOpenAI ? azureOpenAISettings : openAISettings)
     }
     functionAppConfig: {
       deployment: {
@@ -667,6 +699,9 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
         name: 'python'
         version: '3.13'
       }
+      siteUpdateStrategy: {
+        type: siteUpdateStrategy
+      }
     }
   }
   // The host must be able to reach its storage and its upstream when it first starts, and the app
@@ -680,11 +715,23 @@ resource functionApp 'Microsoft.Web/sites@2024-04-01' = {
     keyVaultSecretsUser
     deploymentContainer
     storageBlobPrivateLink
-    storageQueuePrivateLink
     storageTablePrivateLink
     openAiPrivateLink
     keyVaultPrivateLink
   ]
+}
+
+module siteAppSettings 'app-settings.bicep' = {
+  name: 'app-settings'
+  params: {
+    appName: functionApp.name
+    // Read when this module runs, after the site exists (the pattern of the Azure Verified Modules'
+    // web/site, retainCurrentAppSettings).
+    currentAppSettings: list('${functionApp.id}/config/appsettings', '2024-11-01').properties
+    templateDefaults: templateDefaults
+    operatorSettings: operatorSettings
+    templateSettings: templateSettings
+  }
 }
 
 // No basic-auth publishing: deployments (azd, Core Tools) use Entra tokens. (siteConfig.ftpsState is
@@ -842,3 +889,5 @@ output identityClientId string = identity.properties.clientId
 output storageAccountName string = storage.name
 output storageTableEndpoint string = storage.properties.primaryEndpoints.table
 output storageBlobEndpoint string = storage.properties.primaryEndpoints.blob
+// With the NAT gateway: the one address the app's outbound calls come from (for an upstream's allow list).
+output outboundIpAddress string = useNatGateway ? natPublicIp.properties.ipAddress : ''

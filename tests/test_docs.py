@@ -25,6 +25,15 @@ A new setting of the app is a field of ``Settings`` and a row here. The default 
 field's default: a value (``10`` for ``10.0``, ``gpt-4o-mini``, ``true``; digits may be grouped with
 ``,``), possibly followed by a note; or, when the field defaults to nothing (None, an empty list) or
 is required, ``–`` or a description in parentheses of what unset means (``(any)``).
+
+The same settings and the deployment (infra/)
+---------------------------------------------
+Every setting of ``Settings`` reaches an Azure deployment and stays there across ``azd up``: either
+the template owns it (it derives it from its own parameters; docs/deploy.md's "App settings" table
+names the azd value that sets it, mapped in infra/main.parameters.json), or it passes unchanged
+through ``CHAT_APP_SETTINGS`` into the settings a deployment writes. So a new setting needs nothing
+in infra/ unless the template must own it. Whatever the template writes itself that is not the
+platform's (storage, telemetry, identity) is a setting of the app, or one announced below.
 """
 
 from __future__ import annotations
@@ -363,3 +372,91 @@ def test_openai_md_says_who_can_read_cancel_or_delete_a_stored_response():
         '"store": false',
     ):
         assert claim in section, f"the section should say {claim!r}"
+
+
+# ------------------------------------------------------------------------- settings and the deployment
+
+# Settings that this round's other work adds to chatstream/settings.py (each with its README row); the
+# deployment already writes CONSOLE_ENABLED=false, like PLAYGROUND_ENABLED. Once a name here is a field
+# of Settings it is checked like every other, and it can leave this list.
+ANNOUNCED_SETTINGS = {
+    "CONTINUE_ON_UPSTREAM_FAILURE",
+    "CONTINUE_MAX",
+    "DRAIN_SECONDS",
+    "CONSOLE_ENABLED",
+    "LEDGER_RETENTION_DAYS",
+}
+# What the template writes for the platform, not for the app (docs/deploy.md).
+PLATFORM_SETTINGS = re.compile(
+    r"AzureWebJobsStorage__\w+|APPLICATIONINSIGHTS_\w+|PYTHON_APPLICATIONINSIGHTS_\w+|OTEL_\w+|AZURE_CLIENT_ID|AzureWebJobsFeatureFlags"
+)
+
+
+def _owned_table(deploy_md: str) -> dict[str, str]:
+    """docs/deploy.md's "App settings" table of the settings the template owns: {name: its "set by" cell}."""
+    section = _section_any(deploy_md, "App settings")
+    tables = [rows for header, rows in _tables(section) if [h.lower() for h in header] == ["app setting", "set by"]]
+    assert tables, "docs/deploy.md's App settings section has no `| app setting | set by |` table"
+    owned = {}
+    for cells in tables[0]:
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", cells[0]):
+            owned[name] = cells[1]
+    return owned
+
+
+def _section_any(text: str, title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"no '## {title}' section"
+    return m.group(1)
+
+
+def test_every_setting_reaches_the_deployment_and_stays():
+    """README's settings tables, chatstream/settings.py and infra/ agree (see the docstring above)."""
+    from test_infra import Infra
+
+    infra = Infra.from_disk()
+    settings, problems = code_settings()
+    rows, _ = readme_settings()
+    deploy_md = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    owned_doc = _owned_table(deploy_md)
+    azd_values = {
+        m.group(1)
+        for entry in json.loads((ROOT / "infra" / "main.parameters.json").read_text())["parameters"].values()
+        for m in re.finditer(r"\$\{(\w+)", str(entry["value"]))
+    }
+    owned = {}
+    for mode in ("azureOpenAI", "openAI"):
+        owned.update(infra.settings_layers(mode)["templateSettings"])
+    for alias in sorted(set(settings) | set(rows)):
+        if alias in owned:
+            if alias not in owned_doc:
+                problems.append(
+                    f"infra/ sets {alias} itself, and docs/deploy.md's `| app setting | set by |` table does not say "
+                    f"what sets it (add a row, naming the azd value)"
+                )
+                continue
+            named = re.findall(r"`([A-Z][A-Z0-9_]*)`", owned_doc[alias]) if "azd `" in owned_doc[alias] else []
+            for value in named:
+                if value not in azd_values:
+                    problems.append(
+                        f"docs/deploy.md: {alias} is set by azd {value}, which infra/main.parameters.json does not map"
+                    )
+            continue
+        try:
+            written = infra.app_settings("azureOpenAI", appSettings={alias: "probe-value"})
+        except Exception as refused:  # the template refuses it, or its evaluation broke
+            problems.append(f"CHAT_APP_SETTINGS cannot set {alias}: {refused}")
+            continue
+        if written.get(alias) != "probe-value":
+            problems.append(f"CHAT_APP_SETTINGS={{{alias!r}: ...}} does not reach the app settings a deployment writes")
+    for mode in ("azureOpenAI", "openAI"):
+        layers = infra.settings_layers(mode)
+        for name in {**layers["templateDefaults"], **layers["templateSettings"]}:
+            if not PLATFORM_SETTINGS.fullmatch(name) and name not in settings and name not in ANNOUNCED_SETTINGS:
+                problems.append(
+                    f"infra/ writes {name}, which is no setting of chatstream/settings.py (nor the platform's)"
+                )
+    for name in owned_doc:
+        if name not in owned and not PLATFORM_SETTINGS.fullmatch(name):
+            problems.append(f"docs/deploy.md says infra/ owns {name}; it does not")
+    assert not problems, "\n".join(problems)

@@ -3,11 +3,12 @@
 Every .bicep file is parsed with the tree-sitter Bicep grammar and must parse cleanly. The security
 and platform facts are then read from the parse tree, never from raw text, so a line that is
 commented out does not count: a small evaluator turns declarations into Python values, and follows
-variables, parameters (by their defaults or a chosen mode), ``concat``, ``union``, ``?:``, resource
-loops and ``fail(...)``, so the app settings, role assignments and private endpoints are checked
-exactly as each upstream mode and option would produce them. Beside the templates, the checks read
-the docs whose statements depend on them (docs/scaling.md, docs/deploy.md) and function_app.py's
-routes.
+variables, parameters (by their defaults or a chosen mode), ``concat``, ``union``, ``mapValues``,
+``?:``, arithmetic, resource loops and ``fail(...)``, so the app settings, role assignments and
+private endpoints are checked exactly as each upstream mode and option would produce them, the app
+settings through the module that writes them (with the site's current settings as a test chooses).
+Beside the templates, the checks read the docs whose statements depend on them (docs/scaling.md,
+docs/deploy.md) and function_app.py's routes.
 
 Each check is a plain function that raises AssertionError. ``test_check_catches`` breaks the
 templates on purpose, one fact at a time, and requires the matching check to fail; so none of these
@@ -15,6 +16,7 @@ checks can pass vacuously."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from dataclasses import dataclass, field
@@ -201,17 +203,19 @@ def load_template(path: str, source: bytes) -> Template:
     return Template(path, source, tree, decls, outputs)
 
 
+def string_value_part(child) -> str:
+    """The text of one literal part of a string (its content or an escape sequence)."""
+    if child.type == "escape_sequence":
+        text = child.text.decode()
+        return {"\\'": "'", "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\$": "$"}.get(text, text)
+    return child.text.decode()
+
+
 def string_value(node) -> str | Symbolic:
     parts = []
     for child in _named(node):
-        if child.type == "string_content":
-            parts.append(child.text.decode())
-        elif child.type == "escape_sequence":
-            parts.append(
-                {"\\'": "'", "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\$": "$"}.get(
-                    child.text.decode(), child.text.decode()
-                )
-            )
+        if child.type in ("string_content", "escape_sequence"):
+            parts.append(string_value_part(child))
         else:  # an interpolation
             return Symbolic(node.text.decode())
     return "".join(parts)
@@ -229,6 +233,12 @@ class Evaluator:
     def with_locals(self, **names) -> Evaluator:
         return Evaluator(self.t, {**self.locals, **names}, **self.env)
 
+    def _call_lambda(self, node, *values):
+        """A ``lambda_expression`` node (``v => body``) applied to ``values``."""
+        *params, body = _named(node)
+        assert len(params) == len(values), node.text
+        return self.with_locals(**{p.text.decode(): v for p, v in zip(params, values, strict=True)}).eval(body)
+
     def __call__(self, node):
         return self.eval(node)
 
@@ -241,7 +251,14 @@ class Evaluator:
     def eval(self, node):
         kind = node.type
         if kind == "string":
-            return string_value(node)
+            value = string_value(node)
+            if isinstance(value, Symbolic):  # an interpolation: its value when every part is known
+                parts = [
+                    self.eval(_named(c)[0]) if c.type == "interpolation" else string_value_part(c) for c in _named(node)
+                ]
+                if not any(isinstance(p, (Symbolic, dict, list)) for p in parts):
+                    return "".join(str(p).lower() if isinstance(p, bool) else str(p) for p in parts)
+            return value
         if kind == "number":
             return int(node.text.decode())
         if kind == "boolean":
@@ -298,6 +315,9 @@ class Evaluator:
                 "<": lambda: left < right,
                 ">": lambda: left > right,
                 "+": lambda: left + right,
+                "-": lambda: left - right,
+                "*": lambda: left * right,
+                "/": lambda: left // right,  # Bicep divides integers to an integer
             }.get(op, lambda: Symbolic(node.text.decode()))()
         if kind == "ternary_expression":
             cond, then, other = _named(node)
@@ -307,7 +327,15 @@ class Evaluator:
             fn, args = _named(node)
             if fn.type != "identifier":  # a method call such as environment().suffixes or x.list()
                 return Symbolic(node.text.decode())
-            name, values = fn.text.decode(), [self.eval(a) for a in _named(args)]
+            name, arg_nodes = fn.text.decode(), _named(args)
+            if name == "mapValues":
+                mapped = self.eval(arg_nodes[0])
+                if isinstance(mapped, dict) and arg_nodes[1].type == "lambda_expression":
+                    return {k: self._call_lambda(arg_nodes[1], v) for k, v in mapped.items()}
+                return Symbolic(node.text.decode())
+            values = [self.eval(a) for a in arg_nodes]
+            if any(isinstance(v, Symbolic) for v in values) and name not in ("concat", "union", "string"):
+                return Symbolic(node.text.decode())
             if name == "concat" and all(isinstance(v, list) for v in values):
                 return [x for v in values for x in v]
             if name == "union" and all(isinstance(v, dict) for v in values):
@@ -321,7 +349,17 @@ class Evaluator:
             if name == "fail" and values and not isinstance(values[0], Symbolic):
                 raise DeploymentFails(values[0])
             if name == "string" and not isinstance(values[0], Symbolic):
+                if isinstance(values[0], (dict, list)):  # ARM writes an object or array as JSON
+                    return json.dumps(values[0], separators=(",", ":"))
                 return str(values[0]).lower() if isinstance(values[0], bool) else str(values[0])
+            if name == "objectKeys" and isinstance(values[0], dict):
+                return list(values[0])
+            if name == "intersection" and all(isinstance(v, list) for v in values):
+                return [x for x in values[0] if all(x in v for v in values[1:])]
+            if name == "join" and isinstance(values[0], list) and all(type(x) is str for x in values[0]):
+                return values[1].join(values[0])
+            if name in ("max", "min") and all(type(v) is int for v in values):
+                return (max if name == "max" else min)(values)
             return Symbolic(node.text.decode())
         return Symbolic(node.text.decode())
 
@@ -349,6 +387,7 @@ class Infra:
         files = {str(p.relative_to(ROOT)): p.read_bytes() for p in sorted(INFRA.rglob("*.bicep"))}
         for extra in (
             "azure.yaml",
+            "README.md",
             "infra/main.parameters.json",
             "host.json",
             "docs/scaling.md",
@@ -390,15 +429,31 @@ class Infra:
         assert module.type == "resources.bicep"
         return params
 
-    def app_settings(self, upstream: str, **overrides) -> dict:
-        env = self.module_env(upstream=upstream, **overrides)
-        ev = Evaluator(self.resources, **env)
-        site = self.one("Microsoft.Web/sites")
-        settings = ev.eval(site.body)["properties"]["siteConfig"]["appSettings"]
-        assert isinstance(settings, list), settings
-        names = [s["name"] for s in settings]
-        assert len(names) == len(set(names)), f"duplicate app settings: {names}"
-        return {s["name"]: s["value"] for s in settings}
+    @property
+    def settings_module(self) -> Template:
+        return self.templates["infra/app-settings.bicep"]
+
+    def settings_layers(self, upstream: str, **overrides) -> dict:
+        """The parameters resources.bicep passes to app-settings.bicep: the layers of the app settings."""
+        (decl,) = [d for d in self.resources.of("module").values() if d.type == "app-settings.bicep"]
+        return self.instances(decl, upstream, **overrides)[0]["params"]
+
+    def app_settings(self, upstream: str, current: dict | None = None, **overrides) -> dict:
+        """The app settings a deployment writes, {name: value}, onto a site whose settings are
+        ``current`` (none: a first deployment)."""
+        layers = self.settings_layers(upstream, **overrides)
+        assert "list(" in str(layers["currentAppSettings"]), layers["currentAppSettings"]
+        env = {**layers, "currentAppSettings": dict(current or {})}
+        (config,) = [
+            d
+            for d in self.settings_module.of("resource").values()
+            if d.type.split("@")[0] == "Microsoft.Web/sites/config"
+        ]
+        body = Evaluator(self.settings_module, **env).eval(config.body)
+        assert body["name"] == "appsettings", body["name"]
+        settings = body["properties"]
+        assert isinstance(settings, dict), settings
+        return settings
 
     def one(self, type_prefix: str) -> Decl:
         found = self.resources.resources(type_prefix)
@@ -565,7 +620,10 @@ def check_azure_openai_keyless(infra: Infra) -> None:
     assert settings.get("AZURE_CLIENT_ID") == "identity.properties.clientId", (
         "AZURE_CLIENT_ID makes DefaultAzureCredential use the user-assigned identity"
     )
-    assert "OPENAI_API_KEY" not in settings and "AZURE_OPENAI_API_KEY" not in settings
+    assert settings.get("OPENAI_API_KEY") == "" and settings.get("AZURE_OPENAI_API_KEY") == "", (
+        "no key in azureOpenAI mode (written empty, which the app reads as unset, so that nothing of the other "
+        "mode is left behind)"
+    )
 
 
 def check_key_vault_mode(infra: Infra) -> None:
@@ -582,9 +640,9 @@ def check_key_vault_mode(infra: Infra) -> None:
     assert (
         settings.get("OPENAI_API_KEY") == "'@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})'"
     ), settings
-    assert "OPENAI_BASE_URL" not in settings
+    assert settings.get("OPENAI_BASE_URL") == ""
     assert infra.app_settings("openAI", openAiBaseUrl="http://x/v1").get("OPENAI_BASE_URL") == "http://x/v1"
-    assert "AZURE_OPENAI_ENDPOINT" not in settings
+    assert settings.get("AZURE_OPENAI_ENDPOINT") == "" and settings.get("AZURE_OPENAI_DEPLOYMENT") == ""
     for t in (infra.main, infra.resources):
         assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, (
             f"{t.path}: openAiApiKey must be @secure()"
@@ -592,13 +650,14 @@ def check_key_vault_mode(infra: Infra) -> None:
 
 
 def check_openai_key_required(infra: Infra) -> None:
-    """openAI mode without a key stops the deployment with a message that says what to set; the
-    default mode never needs one."""
+    """openAI mode against api.openai.com without a key stops the deployment with a message that says
+    what to set; the default mode never needs one."""
     try:
         infra.module_env(upstream="openAI", openAiApiKey="")
         raise AssertionError("openAI mode with an empty key deploys")
     except DeploymentFails as refused:
         assert "OPENAI_API_KEY" in str(refused) and "azd env set" in str(refused), refused
+        assert "OPENAI_BASE_URL" in str(refused), "the message names the keyless alternative"
     assert infra.module_env(upstream="openAI", openAiApiKey="sk-x")["openAiApiKey"] == "sk-x"
     assert infra.module_env(upstream="azureOpenAI", openAiApiKey="")["openAiApiKey"] == ""
     values = json.loads(infra.files["infra/main.parameters.json"])["parameters"]
@@ -678,7 +737,9 @@ def check_time_limits(infra: Infra) -> None:
             "OPENAI_API_KEY": "sk-resolved-from-key-vault",
         }
         concrete = {
-            k: stand_ins.get(k, v) for k, v in settings.items() if not isinstance(v, Symbolic) or k in stand_ins
+            k: stand_ins[k] if isinstance(v, Symbolic) else v
+            for k, v in settings.items()
+            if not isinstance(v, Symbolic) or k in stand_ins
         }
         parsed = Settings.from_env(concrete)
         assert parsed.upstream_kind == {"azureOpenAI": "azure", "openAI": "openai"}[mode]
@@ -702,6 +763,15 @@ def check_parameters(infra: Infra) -> None:
     assert not unknown, f"main.parameters.json sets unknown parameters {unknown}"
     assert values["environmentName"]["value"] == "${AZURE_ENV_NAME}"
     assert values["location"]["value"] == "${AZURE_LOCATION}"
+    # An azd default is the Bicep default: `azd up` and `az deployment` deploy the same template.
+    defaults = infra.main_defaults()
+    for name, entry in values.items():
+        m = re.fullmatch(r"\$\{(\w+)=(.*)\}", str(entry["value"]))
+        if m:
+            want = defaults[name]
+            assert m.group(2) == (str(want).lower() if isinstance(want, bool) else str(want)), (
+                f"main.parameters.json gives {name} the azd default {m.group(2)!r}; main.bicep's is {want!r}"
+            )
     # Every module parameter is declared in resources.bicep and every required one is passed.
     passed = set(infra.module_env())
     declared = infra.resources.of("param")
@@ -762,9 +832,20 @@ def _routes(source: str) -> list[tuple[str, str]]:
     return found
 
 
+def _named_by(cell: str, path: str) -> bool:
+    """Whether one of the routes in backticks in ``cell`` (`/api/chat`, `GET /api/playground`,
+    `/api/v1/…`, `/api/playground/{file}`) is ``path`` or a prefix of it."""
+    for token in re.findall(r"`(?:GET |POST |PUT |PATCH |DELETE )?(/[^`]*)`", cell):
+        stem = token.split("{")[0].rstrip("…")
+        if path == stem.rstrip("/") or (stem.endswith("/") and path.startswith(stem)):
+            return True
+    return False
+
+
 def check_deploy_doc_keys(infra: Infra) -> None:
-    """docs/deploy.md says which routes need the function key: every anonymous route of
-    function_app.py is named in its key section, with when it is served."""
+    """docs/deploy.md's key section has a table of the routes and the key each takes: every route of
+    function_app.py is named in the row of its own auth level (the admin routes need the master key,
+    the anonymous ones say when they are served), and no sentence claims one key for every route."""
     routes = _routes(infra.files["function_app.py"].decode())
     assert routes and any(level == "FUNCTION" for _, level in routes), routes
     prefix = json.loads(infra.files["host.json"])["extensions"]["http"]["routePrefix"]
@@ -774,11 +855,20 @@ def check_deploy_doc_keys(infra: Infra) -> None:
     assert not re.search(r"every (call|request) needs a key", section, re.I), (
         "docs/deploy.md says every call needs a key, but some routes are anonymous"
     )
+    assert not re.search(r"every route\b[^.]*\bauth level `?function`?", section, re.I), (
+        "docs/deploy.md says every route has auth level function, but the admin routes are admin and some are anonymous"
+    )
+    rows = {r["auth level"].strip("`").upper(): r for r in _table(section, "routes")}
     for route, level in routes:
-        if level == "ANONYMOUS":
-            path = f"/{prefix}/" + re.sub(r"/?\{[^}]*\?\}$", "", route)
-            assert f"`GET {path}`" in section or f"`{path}`" in section, f"deploy.md does not name anonymous {path}"
-    assert "anonymous" in section and "404" in section and "PLAYGROUND_ENABLED" in section, section
+        path = f"/{prefix}/" + re.sub(r"/?\{[^}]*\?\}$", "", route)
+        assert level in rows, f"deploy.md's key table has no row for auth level {level.lower()} ({path})"
+        assert _named_by(rows[level]["routes"], path), (
+            f"deploy.md's key table does not name {path} in its `{level.lower()}` row: {rows[level]['routes']}"
+        )
+    if "ADMIN" in rows:
+        assert "master key" in rows["ADMIN"]["key"], "deploy.md: the admin routes need the master key"
+    if "ANONYMOUS" in rows:
+        assert "404" in rows["ANONYMOUS"]["key"] and "PLAYGROUND_ENABLED" in rows["ANONYMOUS"]["key"], rows["ANONYMOUS"]
 
 
 def _azd_value(infra: Infra, param: str) -> str:
@@ -810,7 +900,6 @@ def check_private_network(infra: Infra) -> None:
     }
     expected_links = {
         "blob": ("storage.id", "privatelink.blob."),
-        "queue": ("storage.id", "privatelink.queue."),
         "table": ("storage.id", "privatelink.table."),
         "account": ("openAi.id", "privatelink.openai.azure.com"),
         "vault": ("keyVault.id", "privatelink.vaultcore.azure.net"),
@@ -838,7 +927,8 @@ def check_private_network(infra: Infra) -> None:
             assert props["publicNetworkAccess"] == "Disabled", f"{name} stays public with vnetEnabled"
             assert props["networkAcls"]["defaultAction"] == "Deny", name
         links = _private_links(infra, mode, vnetEnabled=True)
-        wanted = {"blob", "queue", "table", "account" if mode == "azureOpenAI" else "vault"}
+        # No queue endpoint: the app and its host use blobs and tables only (HTTP triggers).
+        wanted = {"blob", "table", "account" if mode == "azureOpenAI" else "vault"}
         assert set(links) == wanted, (mode, sorted(links))
         for group, params in links.items():
             target, zone = expected_links[group]
@@ -980,6 +1070,281 @@ def check_azure_yaml(infra: Infra) -> None:
     assert tags.get("azd-service-name") == name, f"the function app must be tagged azd-service-name={name}: {tags}"
 
 
+# ---- issue #32: a deployment that stays right after the second `azd up` ----
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under a markdown heading (any level) up to the next heading of that level or higher."""
+    m = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.M)
+    assert m, f"no heading {heading!r}"
+    level = len(m.group(1))
+    rest = text[m.end() :]
+    end = re.search(rf"^#{{1,{level}}} ", rest, re.M)
+    return rest[: end.start()] if end else rest
+
+
+def _table(text: str, first_header: str) -> list[dict]:
+    """The rows of the first markdown table in ``text`` whose header starts with ``first_header``."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].lower() == first_header:
+            rows = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")), strict=False)))
+            return rows
+    raise AssertionError(f"no table whose first column is {first_header!r}")
+
+
+def _date(cell: str) -> datetime.date:
+    m = re.search(r"\d{4}-\d{2}-\d{2}", cell)
+    assert m, f"no date in {cell!r}"
+    return datetime.date.fromisoformat(m.group(0))
+
+
+def check_model_default(infra: Infra) -> None:
+    """The default model version is one Azure still lets a new customer deploy, by the dated table of
+    what was checked in docs/deploy.md ("The model"): GA, before the end of new deployments (12
+    months after release) and before its retirement, on the day of the check and today. The
+    deployment says explicitly when Azure may move it to another version."""
+    defaults = infra.main_defaults()
+    doc = infra.files["docs/deploy.md"].decode()
+    section = _section(doc, "The model")
+    checked = _date(re.search(r"[Cc]hecked (\d{4}-\d{2}-\d{2})", section).group(0))
+    rows = _table(section, "model")
+    row = next(
+        (
+            r
+            for r in rows
+            if r["model"].strip("`") == defaults["modelName"] and r["version"] == defaults["modelVersion"]
+        ),
+        None,
+    )
+    assert row, (
+        f"docs/deploy.md's model table has no row for the default {defaults['modelName']} {defaults['modelVersion']}"
+    )
+    assert row["lifecycle"] == "GA", row
+    until, retires = _date(row["new deployments until"]), _date(row["retirement"])
+    assert checked < until and checked < retires, f"the default was already past its dates when checked: {row}"
+    today = datetime.date.today()
+    assert today < until and today < retires, (
+        f"today ({today}) Azure no longer deploys {defaults['modelName']} {defaults['modelVersion']} for new "
+        f"customers ({row}): check the retirement schedule again, choose a current default in infra/main.bicep "
+        f"and infra/main.parameters.json, and update the table in docs/deploy.md"
+    )
+    deployment = infra.body(infra.one("Microsoft.CognitiveServices/accounts/deployments"))["properties"]
+    (allowed,) = infra.main.of("param")["modelVersionUpgradeOption"].decorators["allowed"]
+    assert set(Evaluator(infra.main).eval(allowed)) == {
+        "OnceCurrentVersionExpired",
+        "OnceNewDefaultVersionAvailable",
+        "NoAutoUpgrade",
+    }
+    assert deployment.get("versionUpgradeOption") == "OnceCurrentVersionExpired", (
+        "versionUpgradeOption must be set explicitly (the pinned version until it retires)"
+    )
+    assert _azd_value(infra, "modelName") == "${CHAT_MODEL=" + defaults["modelName"] + "}"
+    assert _azd_value(infra, "modelVersion") == "${AZURE_OPENAI_MODEL_VERSION=" + defaults["modelVersion"] + "}"
+
+
+def owned_settings(infra: Infra, mode: str = "azureOpenAI") -> dict:
+    """The settings the template owns (layer 4): {name: value} in ``mode``."""
+    return dict(infra.settings_layers(mode)["templateSettings"])
+
+
+def check_app_settings_layers(infra: Infra) -> None:
+    """The app settings are not declared whole on the site (a second `azd up` would drop what the
+    portal set): they are one `appsettings` resource written from layers: the template's defaults,
+    then the site's current settings (a portal edit stays), then the operator's CHAT_APP_SETTINGS
+    (written again by every `azd up`), then what the template owns. An owned name in
+    CHAT_APP_SETTINGS stops the deployment, naming it."""
+    for mode in MODES:
+        site = infra.body(infra.one("Microsoft.Web/sites"), mode)["properties"]
+        assert "appSettings" not in site["siteConfig"], (
+            "siteConfig.appSettings replaces every setting on each deployment"
+        )
+    layers = infra.settings_layers("azureOpenAI")
+    current = str(layers["currentAppSettings"])
+    assert "list(" in current and "functionApp.id" in current and "/config/appsettings" in current, current
+    assert "secure" in infra.settings_module.decls["currentAppSettings"].decorators, (
+        "the current settings may hold a key set by hand: a @secure() parameter stays out of the deployment history"
+    )
+    params = infra.main.of("param")
+    assert params["appSettings"].type == "object" and infra.main_defaults()["appSettings"] == {}
+    assert _azd_value(infra, "appSettings") == "${CHAT_APP_SETTINGS}"
+    by_hand = {"PLAYGROUND_ENABLED": "true", "SET_IN_THE_PORTAL": "1", "AZURE_CLIENT_ID": "tampered"}
+    kept = infra.app_settings("azureOpenAI", current=by_hand)
+    assert kept["PLAYGROUND_ENABLED"] == "true" and kept["SET_IN_THE_PORTAL"] == "1", "a portal edit is kept"
+    assert kept["AZURE_CLIENT_ID"] == "identity.properties.clientId", "what the template owns is written again"
+    operator = {
+        "PLAYGROUND_ENABLED": "false",
+        "CALLER_KEYS": "required",
+        "UPSTREAMS": [{"name": "a", "base_url": "http://x/v1"}],
+    }
+    written = infra.app_settings("azureOpenAI", current=by_hand, appSettings=operator)
+    assert written["PLAYGROUND_ENABLED"] == "false" and written["CALLER_KEYS"] == "required", "CHAT_APP_SETTINGS wins"
+    assert json.loads(written["UPSTREAMS"]) == operator["UPSTREAMS"], "a list is written as its JSON"
+    for name in ("TOTAL_TIMEOUT_SECONDS", "AZURE_OPENAI_ENDPOINT", "OPENAI_API_KEY"):
+        assert name in owned_settings(infra)
+        try:
+            infra.app_settings("azureOpenAI", appSettings={"CALLER_KEYS": "required", name: "x"})
+            raise AssertionError(f"CHAT_APP_SETTINGS overrides {name}, which the template owns")
+        except DeploymentFails as refused:
+            assert name in str(refused) and "CALLER_KEYS" not in str(refused), refused
+
+
+def check_rolling_update(infra: Infra) -> None:
+    """Instances are replaced in batches on a deployment (Flex Consumption's rolling update), by a
+    parameter that azd keeps; Recreate is the choice away from it."""
+    (allowed,) = infra.main.of("param")["siteUpdateStrategy"].decorators["allowed"]
+    assert set(Evaluator(infra.main).eval(allowed)) == {"RollingUpdate", "Recreate"}
+    config = infra.body(infra.one("Microsoft.Web/sites"))["properties"]["functionAppConfig"]
+    assert config.get("siteUpdateStrategy") == {"type": "RollingUpdate"}, config.get("siteUpdateStrategy")
+    assert _azd_value(infra, "siteUpdateStrategy") == "${AZURE_SITE_UPDATE_STRATEGY=RollingUpdate}"
+
+
+def check_outbound_network(infra: Infra) -> None:
+    """With vnetEnabled the app subnet leaves through a NAT gateway (a parameter, on by default) whose
+    idle timeout outlasts the app's first-token and idle limits; without it, openAI mode against
+    api.openai.com is refused at deployment. The platform's own calls for the app (Key Vault
+    references) go through the virtual network too."""
+    assert infra.main_defaults()["natGateway"] is True
+    assert _azd_value(infra, "natGateway") == "${VNET_NAT_GATEWAY=true}"
+    nat_decl = infra.one("Microsoft.Network/natGateways")
+    ip_decl = infra.one("Microsoft.Network/publicIPAddresses")
+    vnet_decl = infra.one("Microsoft.Network/virtualNetworks")
+    app_subnet = Evaluator(infra.resources).eval(infra.resources.decls["appSubnetName"].body)
+    site_decl = infra.one("Microsoft.Web/sites")
+    for mode in MODES:
+        assert not infra.instances(nat_decl, mode), "no NAT gateway without the virtual network"
+        assert infra.body(site_decl, mode)["properties"].get("outboundVnetRouting") is None
+        (nat,) = infra.instances(nat_decl, mode, vnetEnabled=True)
+        (ip,) = infra.instances(ip_decl, mode, vnetEnabled=True)
+        assert ip["sku"]["name"] == "Standard" and ip["properties"]["publicIPAllocationMethod"] == "Static", ip
+        assert nat["properties"]["publicIpAddresses"] == [{"id": "natPublicIp.id"}], nat
+        (vnet,) = infra.instances(vnet_decl, mode, vnetEnabled=True)
+        subnets = {sn["name"]: sn["properties"] for sn in vnet["properties"]["subnets"]}
+        assert subnets[app_subnet].get("natGateway") == {"id": "nat.id"}, subnets[app_subnet]
+        routing = infra.body(site_decl, mode, vnetEnabled=True)["properties"].get("outboundVnetRouting")
+        assert routing == {"allTraffic": True}, f"Key Vault references through the virtual network: {routing}"
+        for first_token, idle in ((120, 60), (1740, 60), (30, 900)):
+            (nat,) = infra.instances(
+                nat_decl, mode, vnetEnabled=True, firstTokenTimeoutSeconds=first_token, idleTimeoutSeconds=idle
+            )
+            minutes = nat["properties"]["idleTimeoutInMinutes"]
+            assert 4 <= minutes <= 120 and minutes * 60 >= max(first_token, idle), (first_token, idle, minutes)
+        assert not infra.instances(
+            nat_decl, mode, vnetEnabled=True, natGateway=False, openAiBaseUrl="http://10.0.5.4/v1"
+        )
+    try:
+        infra.module_env(upstream="openAI", vnetEnabled=True, natGateway=False)
+        raise AssertionError(
+            "vnetEnabled + openAI mode + no NAT gateway deploys an app that cannot reach api.openai.com"
+        )
+    except DeploymentFails as refused:
+        assert "VNET_NAT_GATEWAY" in str(refused) and "OPENAI_BASE_URL" in str(refused), refused
+    # A server inside the network needs no way out.
+    try:
+        infra.module_env(upstream="openAI", vnetEnabled=True, natGateway=False, openAiBaseUrl="http://10.0.5.4:8000/v1")
+    except DeploymentFails as refused:
+        raise AssertionError(f"a server inside the network is refused without a NAT gateway: {refused}") from None
+
+
+def check_scale_limits(infra: Infra) -> None:
+    """maximumInstanceCount is within what Flex Consumption accepts (40 to 1000)."""
+    param = infra.main.of("param")["maximumInstanceCount"]
+    (low,) = param.decorators["minValue"]
+    (high,) = param.decorators["maxValue"]
+    assert int(low.text) >= 40 and int(high.text) <= 1000, (low.text, high.text)
+    assert 40 <= infra.main_defaults()["maximumInstanceCount"] <= 1000
+
+
+def check_host_diagnostic_events(infra: Infra) -> None:
+    """The host's diagnostic-events table would need a table role on the whole account: the template
+    turns the feature off with its documented flag instead (or grants that role)."""
+    account_role = [
+        ra
+        for ra in infra.role_assignments()
+        if ra["scope"] == "storage" and ra["role"] == STORAGE_TABLE_DATA_CONTRIBUTOR and "identity" in ra["principal"]
+    ]
+    for mode in MODES:
+        flags = infra.app_settings(mode).get("AzureWebJobsFeatureFlags", "")
+        assert "DisableDiagnosticEventLogging" in flags.split(",") or account_role, (
+            "the host writes diagnostic events to a table its identity may not create (403s)"
+        )
+
+
+def check_stream_log_lifecycle(infra: Infra) -> None:
+    """A lifecycle rule deletes stream logs the app left behind, later than any stream may still be
+    resumed (RESUME_TTL_SECONDS at most, after a stream of TOTAL_TIMEOUT_SECONDS at most)."""
+    from chatstream.settings import Settings
+
+    policies = [
+        infra.body(d) for d in infra.resources.resources("Microsoft.Storage/storageAccounts/managementPolicies")
+    ]
+    assert len(policies) == 1, f"expected one lifecycle management policy on the storage account, found {len(policies)}"
+    (policy,) = policies
+    assert policy["name"] == "default", policy["name"]
+    rules = [r for r in policy["properties"]["policy"]["rules"] if r["enabled"]]
+    rule = next(
+        (r for r in rules if f"{STREAMS_CONTAINER}/" in r["definition"]["filters"].get("prefixMatch", [])), None
+    )
+    assert rule, f"no lifecycle rule on the {STREAMS_CONTAINER} container: {rules}"
+    assert "appendBlob" in rule["definition"]["filters"]["blobTypes"], "the stream logs are append blobs"
+    days = rule["definition"]["actions"]["baseBlob"]["delete"]["daysAfterModificationGreaterThan"]
+    ttl = next(m.le for m in Settings.model_fields["resume_ttl_seconds"].metadata if hasattr(m, "le"))
+    (total,) = infra.main.of("param")["totalTimeoutSeconds"].decorators["maxValue"]
+    assert days * 86400 > ttl + int(total.text), (days, ttl)
+
+
+def _scaling_figures(infra: Infra) -> tuple[int, str]:
+    """docs/scaling.md's default httpPerInstanceConcurrency and its cost per million typical streams."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import scaling
+
+    concurrency = scaling.defaults_from_text(infra.scaling_doc)["httpPerInstanceConcurrency"]
+    m = re.search(r"^\| per million streams \(instances kept full\) \| [^|]+ \| (\$[\d.]+) \|", infra.scaling_doc, re.M)
+    assert m, "docs/scaling.md has no per-million cost row"
+    return concurrency, m.group(1)
+
+
+def check_deploy_doc_scaling(infra: Infra) -> None:
+    """docs/deploy.md states docs/scaling.md's figures: httpPerInstanceConcurrency and the compute
+    cost per million typical streams."""
+    concurrency, cost = _scaling_figures(infra)
+    doc = infra.files["docs/deploy.md"].decode()
+    stated = re.findall(r"`httpPerInstanceConcurrency`[^|.\n]*?\((\d+)\)", doc)
+    assert stated and set(stated) == {str(concurrency)}, (
+        f"deploy.md: httpPerInstanceConcurrency {stated}, scaling.md {concurrency}"
+    )
+    costs = re.findall(r"(\$[\d.]+) per million typical streams", doc)
+    assert costs and set(costs) == {cost}, f"deploy.md: {costs} per million typical streams, scaling.md {cost}"
+
+
+def check_keyless_compatible_server(infra: Infra) -> None:
+    """openAI mode with OPENAI_BASE_URL deploys without a key (a server inside the network that wants
+    none): no vault, no key setting, the base URL set, and the app reads it as its upstream."""
+    from chatstream.settings import Settings
+
+    url = "http://10.0.5.4:8000/v1"
+    try:
+        env = infra.module_env(upstream="openAI", openAiApiKey="", openAiBaseUrl=url)
+    except DeploymentFails as refused:
+        raise AssertionError(f"a keyless server at OPENAI_BASE_URL is refused: {refused}") from None
+    assert env["openAiApiKey"] == ""
+    assert not infra.instances(infra.one("Microsoft.KeyVault/vaults"), "openAI", openAiApiKey="", openAiBaseUrl=url)
+    settings = infra.app_settings("openAI", openAiApiKey="", openAiBaseUrl=url)
+    assert settings["OPENAI_API_KEY"] == "" and settings["OPENAI_BASE_URL"] == url, settings
+    concrete = {k: v for k, v in settings.items() if not isinstance(v, Symbolic)}
+    parsed = Settings.from_env(concrete)
+    assert parsed.upstream_kind == "openai" and parsed.openai_base_url == url and parsed.openai_api_key is None
+    # With a key, a compatible server's key is kept in the vault like OpenAI's.
+    assert infra.instances(infra.one("Microsoft.KeyVault/vaults"), "openAI", openAiApiKey="k", openAiBaseUrl=url)
+
+
 CHECKS = [
     check_parses,
     check_no_key_based_storage,
@@ -1001,6 +1366,15 @@ CHECKS = [
     check_hardening,
     check_principal_type,
     check_app_state_storage,
+    check_model_default,
+    check_app_settings_layers,
+    check_rolling_update,
+    check_outbound_network,
+    check_scale_limits,
+    check_host_diagnostic_events,
+    check_stream_log_lifecycle,
+    check_deploy_doc_scaling,
+    check_keyless_compatible_server,
 ]
 
 
@@ -1042,8 +1416,8 @@ BREAKAGES = [
     (
         "AccountKey connection string",
         R,
-        "    value: storage.name\n",
-        "    value: 'DefaultEndpointsProtocol=https;AccountName=${storage.name};AccountKey=${storage.listKeys().keys[0].value}'\n",
+        "  AzureWebJobsStorage__accountName: storage.name\n",
+        "  AzureWebJobsStorage__accountName: 'DefaultEndpointsProtocol=https;AccountName=${storage.name};AccountKey=${storage.listKeys().keys[0].value}'\n",
         check_no_key_based_storage,
     ),
     (
@@ -1053,7 +1427,13 @@ BREAKAGES = [
         "type: 'StorageAccountConnectionString'",
         check_no_key_based_storage,
     ),
-    ("host storage without identity", R, "value: 'managedidentity'", "value: 'none'", check_no_key_based_storage),
+    (
+        "host storage without identity",
+        R,
+        "AzureWebJobsStorage__credential: 'managedidentity'",
+        "AzureWebJobsStorage__credential: 'none'",
+        check_no_key_based_storage,
+    ),
     (
         "blob owner role on the wrong principal",
         R,
@@ -1113,8 +1493,8 @@ BREAKAGES = [
     (
         "no AZURE_CLIENT_ID",
         R,
-        "    name: 'AZURE_CLIENT_ID'\n",
-        "    name: 'AZURE_CLIENT_ID_UNUSED'\n",
+        "  AZURE_CLIENT_ID: identity.properties.clientId\n",
+        "  AZURE_CLIENT_ID_UNUSED: identity.properties.clientId\n",
         check_azure_openai_keyless,
     ),
     (
@@ -1151,15 +1531,15 @@ BREAKAGES = [
     (
         "worker runtime app setting",
         R,
-        "    name: 'USAGE_WAIT_SECONDS'\n",
-        "    name: 'FUNCTIONS_WORKER_RUNTIME'\n",
+        "  USAGE_WAIT_SECONDS: '2'\n",
+        "  FUNCTIONS_WORKER_RUNTIME: 'python'\n",
         check_flex_consumption_python,
     ),
     (
         "worker process count on Flex",
         R,
-        "    name: 'UPSTREAM_MAX_RETRIES'\n",
-        "    name: 'FUNCTIONS_WORKER_PROCESS_COUNT'\n",
+        "  UPSTREAM_MAX_RETRIES: '2'\n",
+        "  FUNCTIONS_WORKER_PROCESS_COUNT: '2'\n",
         check_flex_consumption_python,
     ),
     (
@@ -1177,12 +1557,18 @@ BREAKAGES = [
         check_flex_consumption_python,
     ),
     ("App Insights local auth", R, "DisableLocalAuth: true", "DisableLocalAuth: false", check_app_insights_identity),
-    ("spans sampled", R, "value: 'always_on'", "value: 'microsoft.rate_limited'", check_app_insights_identity),
+    (
+        "spans sampled",
+        R,
+        "OTEL_TRACES_SAMPLER: 'always_on'",
+        "OTEL_TRACES_SAMPLER: 'microsoft.rate_limited'",
+        check_app_insights_identity,
+    ),
     (
         "App Insights without identity",
         R,
-        "value: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
-        "value: ''",
+        "APPLICATIONINSIGHTS_AUTHENTICATION_STRING: 'ClientId=${identity.properties.clientId};Authorization=AAD'",
+        "APPLICATIONINSIGHTS_AUTHENTICATION_STRING: ''",
         check_app_insights_identity,
     ),
     (
@@ -1202,8 +1588,8 @@ BREAKAGES = [
     (
         "total timeout not set",
         R,
-        "    name: 'TOTAL_TIMEOUT_SECONDS'\n",
-        "    name: 'TOTAL_TIMEOUT'\n",
+        "  TOTAL_TIMEOUT_SECONDS: string(totalTimeoutSeconds)\n",
+        "  TOTAL_TIMEOUT: string(totalTimeoutSeconds)\n",
         check_time_limits,
     ),
     ("heartbeat past the idle cut-off", M, "@maxValue(200)", "@maxValue(300)", check_time_limits),
@@ -1214,8 +1600,29 @@ BREAKAGES = [
     (
         "deploy.md: every call needs a key",
         "docs/deploy.md",
-        "so in Azure each call needs a key, with one",
-        "so every call needs a key, with one",
+        "In Azure the routes take these keys:",
+        "In Azure every call needs a key:",
+        check_deploy_doc_keys,
+    ),
+    (
+        "deploy.md: every route has auth level function",
+        "docs/deploy.md",
+        "In Azure the routes take these keys:",
+        "Every route of the app has auth level `function`. In Azure the routes take these keys:",
+        check_deploy_doc_keys,
+    ),
+    (
+        "deploy.md: the admin routes left out",
+        "docs/deploy.md",
+        "| `/api/manage/…` (the admin API",
+        "| the admin API (",
+        check_deploy_doc_keys,
+    ),
+    (
+        "another admin route, not in deploy.md",
+        "function_app.py",
+        '@app.route(route="_pool", methods=["GET"])',
+        '@app.route(route="admin/pool", methods=["GET"], auth_level=func.AuthLevel.ADMIN)',
         check_deploy_doc_keys,
     ),
     (
@@ -1355,8 +1762,8 @@ BREAKAGES = [
     (
         "no table service URI for the app",
         R,
-        "name: 'AzureWebJobsStorage__tableServiceUri'",
-        "name: 'AzureWebJobsStorage__tableUri'",
+        "  AzureWebJobsStorage__tableServiceUri: ",
+        "  AzureWebJobsStorage__tableUri: ",
         check_app_state_storage,
     ),
     (
@@ -1372,6 +1779,142 @@ BREAKAGES = [
         _SPLIT,
         _SPLIT.rsplit("/", 1)[0] + "/ 9.999 |",
         check_scaling_defaults,
+    ),
+    (
+        "a retired default model",
+        M,
+        "param modelVersion string = '2026-03-17'",
+        "param modelVersion string = '2024-07-18'",
+        check_model_default,
+    ),
+    (
+        "version upgrade left to Azure",
+        R,
+        "    versionUpgradeOption: modelVersionUpgradeOption\n",
+        "",
+        check_model_default,
+    ),
+    (
+        "settings declared whole",
+        R,
+        "      scmMinTlsVersion: '1.2'\n",
+        "      scmMinTlsVersion: '1.2'\n      appSettings: []\n",
+        check_app_settings_layers,
+    ),
+    (
+        "current settings not read",
+        R,
+        "currentAppSettings: list('${functionApp.id}/config/appsettings', '2024-11-01').properties",
+        "currentAppSettings: {}",
+        check_app_settings_layers,
+    ),
+    (
+        "defaults over the portal",
+        "infra/app-settings.bicep",
+        "union(templateDefaults, currentAppSettings, operatorSettings, templateSettings)",
+        "union(currentAppSettings, templateDefaults, operatorSettings, templateSettings)",
+        check_app_settings_layers,
+    ),
+    (
+        "owned settings silently overwritten",
+        R,
+        "empty(refusedSettings) ? mapValues(appSettings, value => string(value)) : fail(refusedMessage)",
+        "mapValues(appSettings, value => string(value))",
+        check_app_settings_layers,
+    ),
+    ("current settings in the history", "infra/app-settings.bicep", "@secure()\n", "", check_app_settings_layers),
+    (
+        "recreate on deploy",
+        M,
+        "param siteUpdateStrategy string = 'RollingUpdate'",
+        "param siteUpdateStrategy string = 'Recreate'",
+        check_rolling_update,
+    ),
+    (
+        "no NAT gateway on the app subnet",
+        R,
+        "          natGateway: useNatGateway ? {\n            id: nat.id\n          } : null\n",
+        "",
+        check_outbound_network,
+    ),
+    (
+        "NAT idle timeout shorter than the first token",
+        R,
+        "idleTimeoutInMinutes: max(4, (max(firstTokenTimeoutSeconds, idleTimeoutSeconds) + 59) / 60)",
+        "idleTimeoutInMinutes: 4",
+        check_outbound_network,
+    ),
+    (
+        "openAI in a closed network deploys",
+        M,
+        "var noWayOut = vnetEnabled && !natGateway && upstream == 'openAI' && empty(openAiBaseUrl)",
+        "var noWayOut = false",
+        check_outbound_network,
+    ),
+    ("Key Vault references outside the network", R, "allTraffic: true", "allTraffic: false", check_outbound_network),
+    (
+        "fewer than 40 instances allowed",
+        M,
+        "@minValue(40)\n@maxValue(1000)\n@description('Most instances",
+        "@minValue(1)\n@maxValue(1000)\n@description('Most instances",
+        check_scale_limits,
+    ),
+    (
+        "diagnostic events left on",
+        R,
+        "  AzureWebJobsFeatureFlags: 'DisableDiagnosticEventLogging'\n",
+        "",
+        check_host_diagnostic_events,
+    ),
+    ("a queue endpoint", R, "groupId: 'blob'", "groupId: 'queue'", check_private_network),
+    (
+        "stream logs expire before their TTL",
+        R,
+        "daysAfterModificationGreaterThan: streamLogLifetimeDays",
+        "daysAfterModificationGreaterThan: 1",
+        check_stream_log_lifecycle,
+    ),
+    (
+        "lifecycle rule on another container",
+        R,
+        "'${streamsContainerName}/'",
+        "'${deploymentContainerName}/'",
+        check_stream_log_lifecycle,
+    ),
+    (
+        "deploy.md: an old concurrency",
+        "docs/deploy.md",
+        "`httpPerInstanceConcurrency` (72)",
+        "`httpPerInstanceConcurrency` (50)",
+        check_deploy_doc_scaling,
+    ),
+    (
+        "deploy.md: an old cost",
+        "docs/deploy.md",
+        "($7.62 per million typical streams)",
+        "($10.80 per million typical streams)",
+        check_deploy_doc_scaling,
+    ),
+    (
+        "keyless server refused",
+        M,
+        "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl)",
+        "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
+        check_keyless_compatible_server,
+    ),
+    (
+        "a vault for no key",
+        R,
+        "var useKeyVault = upstream == 'openAI' && !empty(openAiApiKey)",
+        "var useKeyVault = upstream == 'openAI'",
+        check_keyless_compatible_server,
+    ),
+    (
+        "azd default differs from the Bicep default",
+        "infra/main.parameters.json",
+        '"${TOTAL_TIMEOUT_SECONDS=600}"',
+        '"${TOTAL_TIMEOUT_SECONDS=900}"',
+        check_parameters,
     ),
 ]
 

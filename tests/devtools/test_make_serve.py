@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
+import pytest
 from servers import ROOT
 
 from tools.fakeupstream.scenarios import echo_text
@@ -128,3 +131,41 @@ def test_serve_with_caller_keys_starts_azurite_and_callers_survive_a_restart(tmp
         assert answer.status_code == 200, "the caller made before the restart is still there"
     finally:
         _stop(proc)
+
+
+def _needs_store(cwd, **settings) -> tuple[int, str]:
+    """The script's own `needs_store` (the function, cut out of tools/scripts/serve), run in ``cwd``
+    with ``settings`` as the environment's: its exit code (0: start Azurite) and the reason it prints."""
+    script = (ROOT / "tools" / "scripts" / "serve").read_text(encoding="utf-8")
+    function = re.search(r"^needs_store\(\) \{\n.*?^\}\n", script, re.M | re.S)
+    assert function, "tools/scripts/serve has no needs_store function"
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AzureWebJobsStorage", "CALLER_KEYS", "RESUMABLE_"))
+    }
+    env.update(settings, PY=sys.executable, PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        ["bash", "-c", function.group(0) + "needs_store"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+    return run.returncode, run.stdout.strip()
+
+
+@pytest.mark.parametrize("value", ["on", "ON", "true", "True", "1", "yes", "off", "false", "0", "no", "No"])
+def test_serve_starts_the_store_for_every_spelling_the_app_turns_on(tmp_path, value):
+    """RESUMABLE_STREAMS means the same to make serve as to the app: on/true/1/yes (any case) start
+    Azurite, off/false/0/no do not, as the app's Settings read them."""
+    from chatstream.settings import Settings
+
+    on = Settings.from_env({"RESUMABLE_STREAMS": value}).resumable_streams
+    assert on == (value.lower() in ("on", "true", "1", "yes")), value
+    code, why = _needs_store(tmp_path, RESUMABLE_STREAMS=value)
+    assert (code == 0) == on, (value, code, why)
+    assert why == (f"RESUMABLE_STREAMS={value}" if on else ""), why
+
+
+def test_serve_starts_no_store_for_a_setting_the_app_refuses(tmp_path):
+    from chatstream.settings import Settings, SettingsError
+
+    with pytest.raises(SettingsError, match="RESUMABLE_STREAMS"):
+        Settings.from_env({"RESUMABLE_STREAMS": "maybe"})
+    assert _needs_store(tmp_path, RESUMABLE_STREAMS="maybe")[0] == 1
+    assert _needs_store(tmp_path, RESUMABLE_STREAMS="on", AzureWebJobsStorage="UseDevelopmentStorage=true")[0] == 1
