@@ -111,10 +111,11 @@ async def playground(req: Request) -> Response:
     return playground_page(req.path_params.get("file"), req.url.path)
 
 
-# The admin API for callers (docs/callers.md): /api/manage/... (the Functions host reserves every
-# route that starts with "admin"). AuthLevel.ADMIN: in Azure only the host's master key opens it; the
-# local hosts (func start, tools/devhost) check no key. Needs the app's storage (AzureWebJobsStorage);
-# without it these routes answer 503 naming the setting, and the rest of the app runs as before.
+# The admin API for callers, teams, prices and usage (docs/callers.md): /api/manage/... (the
+# Functions host reserves every route that starts with "admin"). AuthLevel.ADMIN: in Azure only the
+# host's master key opens it; the local hosts (func start, tools/devhost) check no key. Needs the
+# app's storage (AzureWebJobsStorage); without it these routes answer 503 naming the setting, and
+# the rest of the app runs as before.
 @app.route(route="manage/callers", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_callers(req: Request) -> Response:
     """GET /api/manage/callers lists the callers; POST creates one and answers its key, this once."""
@@ -133,7 +134,32 @@ async def manage_rotate(req: Request) -> Response:
     return await chat_app.manage.rotate(req)
 
 
+@app.route(route="manage/teams", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
+async def manage_teams(req: Request) -> Response:
+    """GET /api/manage/teams lists the teams; POST creates one (limits and budgets over its callers)."""
+    return await chat_app.manage.teams(req)
+
+
+@app.route(route="manage/teams/{name}", methods=["GET", "PATCH", "DELETE"], auth_level=func.AuthLevel.ADMIN)
+async def manage_team(req: Request) -> Response:
+    """GET, PATCH or DELETE /api/manage/teams/{name}: one team (a team with callers is not deleted)."""
+    return await chat_app.manage.team(req)
+
+
+@app.route(route="manage/prices", methods=["GET"], auth_level=func.AuthLevel.ADMIN)
+async def manage_prices(req: Request) -> Response:
+    """GET /api/manage/prices: every model's price (USD per million tokens)."""
+    return await chat_app.manage.prices(req)
+
+
+@app.route(route="manage/prices/{*model}", methods=["GET", "PUT", "DELETE"], auth_level=func.AuthLevel.ADMIN)
+async def manage_price(req: Request) -> Response:
+    """GET, PUT or DELETE /api/manage/prices/{model}: one model's price (input, cached input, output)."""
+    return await chat_app.manage.price(req)
+
+
 @app.route(route="manage/usage", methods=["GET"], auth_level=func.AuthLevel.ADMIN)
 async def manage_usage(req: Request) -> Response:
-    """GET /api/manage/usage?caller=&from=&to=: tokens and requests by caller, model and day."""
+    """GET /api/manage/usage?caller=&team=&model=&from=&to=: tokens, requests and cost by caller, team,
+    model and day (Accept: text/csv for CSV)."""
     return await chat_app.manage.usage(req)

@@ -15,6 +15,7 @@ from . import worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
+from .apis.refusals import authenticated
 from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
@@ -25,6 +26,7 @@ from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings, SettingsError
 from .state.accounting import Accounting
+from .state.callers import Caller, Team
 from .state.shared import SharedState
 from .state.streamlog import ResumeConfig, StreamLog
 from .upstreams.failover import Upstreams
@@ -51,17 +53,21 @@ class ChatApp:
         self.manage = Manage(state)
         self.accounting = accounting
         self.model_names = settings.allowed_models or upstreams.model_names() or (settings.default_model,)
+        self.models_listed = bool(settings.allowed_models or upstreams.model_names())  # others are refused
 
-    async def authenticated(self, request: Request) -> Response | None:
+    async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
         """With caller keys required, a 401 for a request without a valid key (the routes without a
-        body: models); None when it may go on."""
+        body: models), else None and the models this caller (and its team) may name."""
         if self.accounting is None:
-            return None
+            return None, self.model_names
         try:
-            await self.accounting.authenticate(request.headers)
+            caller = await authenticated(self.accounting, request.headers)
+            team = await self.accounting.registry.team_of(caller)
         except ApiError as error:
-            return with_request_id(openai_chat.error_response(error))
-        return None
+            return with_request_id(openai_chat.error_response(error)), ()
+        team = team if isinstance(team, Team) else None
+        names = _caller_models(self.model_names, self.models_listed, caller)
+        return None, tuple(m for m in names if team is None or team.allows(m))
 
     async def pool_state(self, request: Request) -> Response:
         """GET /api/_pool: each upstream entry's state and counters (never a key)."""
@@ -69,16 +75,16 @@ class ChatApp:
 
     async def models(self, request: Request) -> Response:
         """GET /api/v1/models: the models a caller may name."""
-        refused = await self.authenticated(request)
-        return refused or with_request_id(JSONResponse(openai_chat.models_list(self.model_names)))
+        refused, names = await self.authenticated(request)
+        return refused or with_request_id(JSONResponse(openai_chat.models_list(names)))
 
     async def model(self, request: Request) -> Response:
         """GET /api/v1/models/{model}: one of them, or OpenAI's 404."""
-        refused = await self.authenticated(request)
+        refused, names = await self.authenticated(request)
         if refused is not None:
             return refused
         name = request.path_params.get("model", "")
-        if name in self.model_names:
+        if name in names:
             return with_request_id(JSONResponse(openai_chat.model_object(name)))
         return with_request_id(
             openai_chat.error_response(ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist"))
@@ -109,6 +115,16 @@ class ChatApp:
             await self.state.close()
 
 
+def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tuple[str, ...]:
+    """The models a caller may name: the app's that its own list allows; when the app names no list
+    of its own (any model goes to the upstream), the caller's list itself."""
+    if caller.models is None:
+        return names
+    if listed:
+        return tuple(m for m in names if m in caller.models)
+    return caller.models
+
+
 def _resumable(settings: Settings, state: SharedState | None, accounting: Accounting | None) -> Resumable | None:
     if not settings.resumable_streams:
         return None
@@ -118,7 +134,11 @@ def _resumable(settings: Settings, state: SharedState | None, accounting: Accoun
             "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
         )
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
-    log_ = StreamLog(state.store, encode_error(encoders), ResumeConfig.from_settings(settings))
+    from .state.legacy_store import store_from_env  # the stream log's own store until it moves to the new edge
+
+    legacy = store_from_env(os.environ)
+    assert legacy is not None
+    log_ = StreamLog(legacy, encode_error(encoders), ResumeConfig.from_settings(settings))
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 

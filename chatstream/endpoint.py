@@ -25,7 +25,8 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from . import telemetry
+from . import telemetry, tokens
+from .apis.refusals import admitted, authenticated, rate_headers
 from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
 from .http import KEEP_ALIVE, EventStreamResponse, read_json
 from .pipeline import CallRequest, Pipeline
@@ -121,11 +122,11 @@ class Endpoint:
         telemetry.begin(record)
         admission: Admission | None = None
         try:
-            caller = await self.accounting.authenticate(request.headers) if self.accounting else None
+            caller = await authenticated(self.accounting, request.headers) if self.accounting else None
             call = await self._prepare(request, record)
             if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
-                record.caller = caller.name
-                admission = await self.accounting.admit(caller, call, record)
+                record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
+                admission = await admitted(self.accounting, caller, call, record)
             if call.params.get("stream"):
                 return await self._stream(request, call, record, admission)
             return await self._complete(request, call, record, admission)
@@ -163,6 +164,7 @@ class Endpoint:
                 "model",
             )
         self.upstreams.check_model(model)  # a model no upstream serves: 400, no upstream call
+        call.params = tokens.single_cap(call.params)  # one validated output cap: what is reserved is what is sent
         if not call.params.get("stream") and not self.api.completes:
             raise StepFailed("before", f"a before-step turned streaming off, which /api/{self.api.name} cannot do")
         # A bounded set of names may become metric dimensions at once; any other only once the
@@ -286,7 +288,7 @@ async def finishing(events: AsyncGenerator[Event], on_end: Callable[[], None]) -
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
     """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    return {"x-request-id": record.request_id, **(admission.headers if admission is not None else {})}
+    return {"x-request-id": record.request_id, **(rate_headers(admission.rates) if admission is not None else {})}
 
 
 async def stream_response(

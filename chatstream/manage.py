@@ -1,33 +1,36 @@
-"""The admin API for callers, under ``/api/manage/`` (docs/callers.md): create, list, read, change,
-delete callers, rotate a caller's key, read usage.
+"""The admin API, under ``/api/manage/`` (docs/callers.md): callers (create, list, read, change,
+delete, rotate a key), teams, prices, and usage (JSON, or CSV for finance).
 
 ``/api/admin/...`` would be the obvious path, but the Functions host refuses any route template that
 starts with ``admin`` (its own admin API's), even under the ``api`` prefix. function_app.py declares
 these routes with ``AuthLevel.ADMIN``: in Azure only the host's master key opens them; the local
 hosts (``func start``, tools/devhost) check no key at all.
 
-Every answer is JSON with ``Cache-Control: no-store``; errors are OpenAI-shaped
-(``{"error": {"message", "type", "param", "code"}}``). A key appears in exactly two answers: the 201
-of a create and the answer of a rotate; never in a list, a read, an error or a log line."""
+Every answer is JSON with ``Cache-Control: no-store`` (the usage also CSV, with ``Accept: text/csv``
+or ``?format=csv``); errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``),
+turned from the registry's answers (state/port.py) here. A key appears in exactly two answers: the
+201 of a create and the answer of a rotate; never in a list, a read, an error or a log line."""
 
 from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from .apis.openai_chat import error_response
-from .errors import ApiError, ClientGone, invalid_request
+from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
-from .state.callers import NAME_PATTERN
-from .state.ledger import MAX_USAGE_DAYS, totals
+from .state.callers import NAME_PATTERN, Caller, Team, usd
+from .state.counters import window_of
+from .state.ledger import MAX_USAGE_DAYS, as_csv, totals
+from .state.port import AdminUnavailable, Conflict, Invalid, Missing
 from .state.shared import SharedState
+from .state.store import LIMITS_TABLE, Where
 
 log = logging.getLogger("chatstream")
 
@@ -40,18 +43,29 @@ def _json(body: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=NO_STORE)
 
 
+def _admin_error(error: Exception) -> ApiError:
+    if isinstance(error, Invalid):
+        return invalid_request(error.message, error.param)
+    if isinstance(error, Missing):
+        return ApiError(404, f"{error.kind.split()[0]}_not_found", str(error)[:200], "name")
+    if isinstance(error, Conflict):
+        return ApiError(409, "conflict", str(error))
+    return ApiError(
+        503, ErrorKind.CALLER_STORE_UNAVAILABLE, "the app's store did not answer in time; try again", retryable=True
+    )
+
+
 class Manage:
-    """The admin API's handlers: each takes the request and returns a JSONResponse. Without the app's
+    """The admin API's handlers: each takes the request and returns a response. Without the app's
     storage (``state`` None) every one answers 503 naming the setting; the rest of the app runs."""
 
-    def __init__(self, state: SharedState | None, clock: Callable[[], float] = time.time):
+    def __init__(self, state: SharedState | None):
         self.state = state
-        self.clock = clock
 
-    async def _answer(self, handler: Callable[[SharedState], Awaitable[JSONResponse]]) -> JSONResponse:
+    async def _answer(self, handler: Callable[[SharedState], Awaitable[Response]]) -> Response:
         return with_request_id(await self._answered(handler))
 
-    async def _answered(self, handler: Callable[[SharedState], Awaitable[JSONResponse]]) -> JSONResponse:
+    async def _answered(self, handler: Callable[[SharedState], Awaitable[Response]]) -> Response:
         if self.state is None:
             return error_response(
                 ApiError(
@@ -62,6 +76,8 @@ class Manage:
             return await handler(self.state)
         except ApiError as error:
             return error_response(error)
+        except (Invalid, Missing, Conflict, AdminUnavailable) as error:
+            return error_response(_admin_error(error))
         except ClientGone:
             return error_response(invalid_request("the body was not sent completely"))
         except Exception:
@@ -74,11 +90,11 @@ class Manage:
 
     # --- routes that serve several methods (function_app.py) ----------------------------------
 
-    async def callers(self, request: Request) -> JSONResponse:
+    async def callers(self, request: Request) -> Response:
         """``/api/manage/callers``: GET lists, POST creates."""
         return await (self.create(request) if request.method == "POST" else self.list(request))
 
-    async def caller(self, request: Request) -> JSONResponse:
+    async def caller(self, request: Request) -> Response:
         """``/api/manage/callers/{name}``: GET, PATCH, DELETE."""
         if request.method == "PATCH":
             return await self.update(request)
@@ -86,71 +102,171 @@ class Manage:
             return await self.delete(request)
         return await self.get(request)
 
-    # --- one handler per operation ------------------------------------------------------------
+    async def teams(self, request: Request) -> Response:
+        """``/api/manage/teams``: GET lists, POST creates."""
+        return await (self.create_team(request) if request.method == "POST" else self.list_teams(request))
 
-    async def create(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
+    async def team(self, request: Request) -> Response:
+        """``/api/manage/teams/{name}``: GET, PATCH, DELETE."""
+        if request.method == "PATCH":
+            return await self.update_team(request)
+        if request.method == "DELETE":
+            return await self.delete_team(request)
+        return await self.get_team(request)
+
+    async def prices(self, request: Request) -> Response:
+        """``/api/manage/prices``: GET lists."""
+
+        async def run(state: SharedState) -> Response:
+            return _json({"object": "list", "data": [p.public() for p in await state.registry.list_prices()]})
+
+        return await self._answer(run)
+
+    async def price(self, request: Request) -> Response:
+        """``/api/manage/prices/{model}``: GET, PUT (USD per million tokens), DELETE."""
+        model = request.path_params.get("model") or ""
+
+        async def run(state: SharedState) -> Response:
+            if request.method == "PUT":
+                return _json((await state.registry.set_price(model, await self._body(request))).public())
+            if request.method == "DELETE":
+                price = await state.registry.delete_price(model)
+                return _json({"object": "price.deleted", "model": price.model, "deleted": True})
+            return _json((await state.registry.get_price(model)).public())
+
+        return await self._answer(run)
+
+    # --- callers ------------------------------------------------------------------------------
+
+    async def create(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
             caller, key = await state.registry.create(await self._body(request))
             return _json({**caller.public(), "key": key}, 201)
 
         return await self._answer(run)
 
-    async def list(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
+    async def list(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
             callers = await state.registry.list()
-            return _json({"object": "list", "data": [c.public() for c in callers]})
+            spent = await _budgets_now(state, callers)
+            return _json(
+                {"object": "list", "data": [{**c.public(), **spent.get(c.limits_partition, {})} for c in callers]}
+            )
 
         return await self._answer(run)
 
-    async def get(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
-            return _json((await state.registry.get(_name(request))).public())
+    async def get(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            caller = await state.registry.get(_name(request))
+            spent = await _budgets_now(state, [caller])
+            return _json({**caller.public(), **spent.get(caller.limits_partition, {})})
 
         return await self._answer(run)
 
-    async def update(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
+    async def update(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
             name = _name(request)
             caller = await state.registry.update(name, await self._body(request))
             return _json(caller.public())
 
         return await self._answer(run)
 
-    async def delete(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
+    async def delete(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
             caller = await state.registry.delete(_name(request))
             return _json({"object": "caller.deleted", "name": caller.name, "deleted": True})
 
         return await self._answer(run)
 
-    async def rotate(self, request: Request) -> JSONResponse:
-        async def run(state: SharedState) -> JSONResponse:
+    async def rotate(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
             caller, key = await state.registry.rotate(_name(request))
             return _json({**caller.public(), "key": key})
 
         return await self._answer(run)
 
-    async def usage(self, request: Request) -> JSONResponse:
-        """``GET /api/manage/usage?caller=&from=YYYY-MM-DD&to=YYYY-MM-DD``: tokens and requests by
-        caller, model and UTC day (default: the 30 days up to today; at most 366 days)."""
+    # --- teams --------------------------------------------------------------------------------
 
-        async def run(state: SharedState) -> JSONResponse:
+    async def create_team(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            return _json((await state.registry.create_team(await self._body(request))).public(), 201)
+
+        return await self._answer(run)
+
+    async def list_teams(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            teams = await state.registry.list_teams()
+            spent = await _budgets_now(state, teams)
+            return _json(
+                {"object": "list", "data": [{**t.public(), **spent.get(t.limits_partition, {})} for t in teams]}
+            )
+
+        return await self._answer(run)
+
+    async def get_team(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            team = await state.registry.get_team(_name(request))
+            spent = await _budgets_now(state, [team])
+            return _json({**team.public(), **spent.get(team.limits_partition, {})})
+
+        return await self._answer(run)
+
+    async def update_team(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            return _json((await state.registry.update_team(_name(request), await self._body(request))).public())
+
+        return await self._answer(run)
+
+    async def delete_team(self, request: Request) -> Response:
+        async def run(state: SharedState) -> Response:
+            team = await state.registry.delete_team(_name(request))
+            return _json({"object": "team.deleted", "name": team.name, "deleted": True})
+
+        return await self._answer(run)
+
+    # --- usage --------------------------------------------------------------------------------
+
+    async def usage(self, request: Request) -> Response:
+        """``GET /api/manage/usage?caller=&team=&model=&from=YYYY-MM-DD&to=YYYY-MM-DD``: tokens,
+        requests and cost by caller, team, model and UTC day (default: the 30 days up to today; at
+        most 366 days); CSV with ``Accept: text/csv`` or ``format=csv``."""
+
+        async def run(state: SharedState) -> Response:
             query = request.query_params
-            caller = query.get("caller") or None
-            if caller is not None and not NAME_PATTERN.fullmatch(caller):
-                raise invalid_request("caller: not a caller name", "caller")
-            today = datetime.fromtimestamp(self.clock(), UTC).date()
+            caller = _filter(query.get("caller"), "caller")
+            team = _filter(query.get("team"), "team")
+            model = query.get("model") or None
+            if model is not None and (len(model) > 256 or not model.isprintable()):
+                raise invalid_request("model: not a model name", "model")
+            today = datetime.fromtimestamp(state.store.clock.now(), UTC).date()
             end = _date(query.get("to"), "to") or today
-            start = _date(query.get("from"), "from") or end - timedelta(days=29)
+            start = _date(query.get("from"), "from") or max(date.min, end - timedelta(days=29))
             if start > end:
                 raise invalid_request("from: must not be after to", "from")
             if (end - start).days + 1 > MAX_USAGE_DAYS:
                 raise invalid_request(f"from: a query covers at most {MAX_USAGE_DAYS} days", "from")
-            rows = await state.ledger.usage(caller, start, end)
+            caller_id = None
+            if caller is not None:
+                try:
+                    caller_id = (await state.registry.get(caller)).id
+                except Missing:
+                    caller_id = None  # a deleted caller: its rows by name
+            rows = await state.ledger.usage(start, end, caller_id, team, model)
+            if caller is not None and caller_id is None:
+                rows = [r for r in rows if r["caller"] == caller]
+            if query.get("format") == "csv" or "text/csv" in (request.headers.get("accept") or ""):
+                name = f"usage-{start.isoformat()}-{end.isoformat()}.csv"
+                return Response(
+                    as_csv(rows),
+                    media_type="text/csv; charset=utf-8",
+                    headers={**NO_STORE, "Content-Disposition": f'attachment; filename="{name}"'},
+                )
             return _json(
                 {
                     "object": "usage",
                     "caller": caller,
+                    "team": team,
+                    "model": model,
                     "from": start.isoformat(),
                     "to": end.isoformat(),
                     "data": rows,
@@ -161,8 +277,37 @@ class Manage:
         return await self._answer(run)
 
 
+async def _budgets_now(state: SharedState, owners: list[Caller] | list[Team]) -> dict[str, dict[str, Any]]:
+    """How much of each budget is taken this period (spent, or held by a request in flight), from the
+    counter rows: ``token_budget_used``, ``spend_budget_used`` (USD)."""
+    wanted = [o for o in owners if o.token_budget or o.spend_budget]
+    if not wanted:
+        return {}
+    now = state.store.clock.now()
+    out: dict[str, dict[str, Any]] = {}
+    for row_key, field in (("tokens", "token_budget_used"), ("spend", "spend_budget_used")):
+        rows = await state.store.query(LIMITS_TABLE, Where(rows_from=row_key, rows_to=row_key + "!"), timeout=10.0)
+        found = {r["PartitionKey"]: r for r in rows}
+        for owner in wanted:
+            if (owner.token_budget if row_key == "tokens" else owner.spend_budget) is None:
+                continue
+            row = found.get(owner.limits_partition)
+            current = row is not None and row.get("window") == window_of(owner.budget_period, now)
+            taken = int(row.get("taken") or 0) if row is not None and current else 0
+            out.setdefault(owner.limits_partition, {})[field] = usd(taken) if row_key == "spend" else taken
+    return out
+
+
 def _name(request: Request) -> str:
     return request.path_params.get("name") or ""
+
+
+def _filter(value: str | None, param: str) -> str | None:
+    if not value:
+        return None
+    if not NAME_PATTERN.fullmatch(value):
+        raise invalid_request(f"{param}: not a {param} name", param)
+    return value
 
 
 def _date(value: str | None, param: str) -> date | None:

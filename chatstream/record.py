@@ -79,6 +79,9 @@ class StreamRecord:
     request_id: str = ""  # x-request-id: the upstream's when it sent one, else the app's own
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the app's own, unique whatever the upstream says
     caller: str | None = None  # the caller key's name (CALLER_KEYS=required)
+    caller_id: str | None = None  # ...its id (what it owns is owned by the id)
+    team: str | None = None  # ...its team's name
+    cost: int | None = None  # what it cost, in pico-USD (None: not charged, or the model has no price)
     started: float = field(default_factory=time.perf_counter)
     model_accepted: bool = False  # a bounded name (ALLOWED_MODELS, the default) or one the upstream served
     first_delta_at: float | None = None
@@ -184,6 +187,10 @@ class StreamRecord:
             line["attempt_errors"] = self.attempt_errors
         if self.caller is not None:
             line["caller"] = self.caller
+        if self.team is not None:
+            line["team"] = self.team
+        if self.cost is not None:
+            line["cost_usd"] = self.cost / 10**12
         if self.stream_id is not None:
             line["stream_id"] = self.stream_id
         if self.stop_reason is not None:

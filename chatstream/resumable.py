@@ -20,6 +20,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from .apis.refusals import authenticated
 from .errors import ERROR_HEADERS, ApiError, ErrorKind
 from .http import KEEP_ALIVE, EventStreamResponse
 from .record import StreamRecord
@@ -158,7 +159,7 @@ class Resumable:
     async def _caller(self, request: Request) -> str | None:
         if self.accounting is None:
             return None  # without caller keys the stream id is the capability
-        return (await self.accounting.authenticate(request.headers)).name
+        return (await authenticated(self.accounting, request.headers)).id
 
     async def close(self) -> None:
         await self.streams.close()

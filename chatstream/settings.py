@@ -77,6 +77,11 @@ class Settings(BaseModel):
     caller_keys: Literal["off", "required"] = Field("off", alias="CALLER_KEYS")
     caller_cache_seconds: float = Field(10.0, alias="CALLER_CACHE_SECONDS", gt=0, le=30)
     default_max_output_tokens: int = Field(4096, alias="DEFAULT_MAX_OUTPUT_TOKENS", ge=1, le=1_000_000)
+    # What a Responses request reserves for context it only references (a ``conversation``, an
+    # ``item_reference``, or a previous response whose size is not known yet), settled to the usage.
+    referenced_context_tokens: int = Field(16_384, alias="REFERENCED_CONTEXT_TOKENS", ge=0, le=10_000_000)
+    # How long the usage ledger keeps a charge, in days; 0: for ever (docs/callers.md says the cost).
+    ledger_retention_days: int = Field(0, alias="LEDGER_RETENTION_DAYS", ge=0, le=36_500)
 
     @field_validator("allowed_models", "blocked_terms", mode="before")
     @classmethod

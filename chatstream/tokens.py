@@ -31,6 +31,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .errors import invalid_request
+
 O200K = "o200k_base"
 CL100K = "cl100k_base"
 
@@ -265,12 +267,29 @@ def count_prompt(model: str | None, params: Mapping[str, Any]) -> int:
 
 
 CAP_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+MAX_OUTPUT_CAP = 1_000_000
+
+
+def single_cap(params: dict[str, Any]) -> dict[str, Any]:
+    """The request's output cap as one validated integer: every cap field it names must be an integer
+    from 1 to ``MAX_OUTPUT_CAP`` (a float, a string, ``1e9``, a bool: 400 naming the field), and when
+    it names several, each is set to the smallest, so that what the app reserves is what the
+    upstream gets, whichever field the upstream reads."""
+    given = {f: params[f] for f in CAP_FIELDS if params.get(f) is not None}
+    for name, value in given.items():
+        if type(value) is not int or not 1 <= value <= MAX_OUTPUT_CAP:
+            raise invalid_request(f"{name}: must be an integer from 1 to {MAX_OUTPUT_CAP}", name)
+    if len(set(given.values())) > 1:
+        smallest = min(given.values())
+        return {**params, **dict.fromkeys(given, smallest)}
+    return params
 
 
 def output_cap(params: Mapping[str, Any]) -> int | None:
-    """The output cap the request names (the largest, if it names several), or None."""
+    """The output cap the request names (the smallest, if it names several: ``single_cap`` makes
+    them one), or None."""
     caps = [v for f in CAP_FIELDS if type(v := params.get(f)) is int and v > 0]
-    return max(caps) if caps else None
+    return min(caps) if caps else None
 
 
 def choices(params: Mapping[str, Any]) -> int:

@@ -221,10 +221,9 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
 
 
 def ledger_rows(azurite, caller: str) -> dict[str, dict]:
+    """The caller's charges by the x-request-id its answers carried (one segment each here)."""
     service = TableServiceClient.from_connection_string(azurite.connection_string)
-    rows = service.get_table_client("chatstreamUsage").query_entities(
-        f"PartitionKey eq '{caller}' and RowKey ge 't|' and RowKey lt 't}}'"
-    )  # the charges, not their markers
+    rows = service.get_table_client("chatstreamUsage").query_entities("caller eq @c", parameters={"c": caller})
     return {row["upstream_id"]: {k: getattr(v, "value", v) for k, v in row.items()} for row in rows}
 
 
@@ -257,7 +256,9 @@ def delta_text(line: str) -> str:
 
 
 async def mixed(url: str, key: str, n: int) -> list[tuple[int, str, str | None, str]]:
-    """``n`` requests of every kind: (i, kind, x-request-id, the text the caller got)."""
+    """``n`` requests of every kind: (i, kind, x-request-id, the text the caller got). A ``hang_up``
+    whose answer ended before the caller could hang up (the idle limit fired first on a loaded
+    machine) comes back as ``hang_up_late``: it was a timeout, and is charged as one."""
     limits = httpx.Limits(max_connections=60)
     sem = asyncio.Semaphore(40)
     async with httpx.AsyncClient(timeout=60, limits=limits, headers={"api-key": key}) as client:
@@ -274,6 +275,9 @@ async def mixed(url: str, key: str, n: int) -> list[tuple[int, str, str | None, 
                         seen += delta_text(line)
                         if kind == "hang_up" and "arrives" in seen:
                             break  # hang up mid-stream
+                    else:
+                        if kind == "hang_up":
+                            kind = "hang_up_late"
                     return i, kind, response.headers.get("x-request-id"), seen
 
         return await asyncio.gather(*(one(i) for i in range(n)))
@@ -303,7 +307,7 @@ def test_the_ledger_charges_exactly_what_was_used_over_1000_mixed_requests(upstr
         assert row["prompt_tokens"] == count_prompt(MODEL, body), "the prompt, counted with the model's tokenizer"
         if kind != "hang_up":  # the text actually generated (all of it reached the caller), counted the same way
             assert row["completion_tokens"] == count_text(MODEL, seen) > 0, (kind, seen, row)
-            assert row["ended"] == ("timeout" if kind == "timeout" else "failed"), (kind, row)
+            assert row["ended"] == ("timeout" if kind in ("timeout", "hang_up_late") else "failed"), (kind, row)
         else:  # the relay may have read on a little after the caller hung up, never past the answer
             assert row["ended"] == "disconnected"
             assert count_text(MODEL, seen) <= row["completion_tokens"] <= count_text(MODEL, TEXTS["slow"])

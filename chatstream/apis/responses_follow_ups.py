@@ -36,10 +36,12 @@ from ..record import StreamRecord
 from ..settings import Settings
 from ..state.accounting import Accounting
 from ..state.callers import Caller
+from ..state.port import Unavailable
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks, relay
 from ..upstreams.clients import SdkClient
 from ..upstreams.failover import Upstreams
 from .openai_chat import error_response
+from .refusals import authenticated, store_unavailable
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
 log = logging.getLogger("chatstream")
@@ -130,13 +132,16 @@ class ResponseFollowUps:
         telemetry.begin(record)
         streaming = False
         try:
-            caller = await self.accounting.authenticate(request.headers) if self.accounting else None
+            caller = await authenticated(self.accounting, request.headers) if self.accounting else None
             response_id = request.path_params.get("response_id", "")
             if not RESPONSE_ID.fullmatch(response_id):
                 raise invalid_request("the response id must look like resp_… (letters, digits, _ and -)", "response_id")
             if caller is not None and self.accounting is not None:
                 record.caller = caller.name
-                if not await self.accounting.owned(caller, "response", response_id):  # not revealed to others
+                owned = await self.accounting.owned(caller, "response", response_id)
+                if isinstance(owned, Unavailable):
+                    raise store_unavailable()
+                if not owned:  # not revealed to others
                     raise ApiError(404, ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.")
             response = await answer(response_id, record, caller)
             streaming = isinstance(response, EventStreamResponse)  # its log line comes when it ends

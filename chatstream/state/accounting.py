@@ -1,68 +1,88 @@
-"""A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md).
+"""A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
+endpoints call, in the state's own words (port.py)::
 
-The endpoint calls this module three times per request::
+    found = await accounting.authenticate(request.headers)    # Caller | KeyRefused | Unavailable
+    admitted = await accounting.admit(caller, call, record)   # Admission | Refused | ModelRefused | ...
+    accounting.charge(admitted, record, generated)            # when the request is over (background)
 
-    caller = await accounting.authenticate(request.headers)    # 401 before the body is read
-    admission = await accounting.admit(caller, call, record)   # 404 model / 429 limits / 503 store
-    accounting.charge(admission, record, generated)            # when the request is over (background)
+``admit`` checks the model against the caller's and its team's, reserves against every limit of
+both (counters.py: all or nothing): one request; the prompt's tokens (counted with the model's
+tokenizer), the context a ``previous_response_id`` carries, plus the output cap (``max_tokens``,
+``max_completion_tokens`` or ``max_output_tokens``, one validated integer; ``DEFAULT_MAX_OUTPUT_TOKENS``,
+added to the upstream request, when the caller named none) times ``n``; and, where a spend budget
+applies, the most that may cost (prices.py). A model without a price cannot be used by a caller or
+team with a spend budget; for everyone else it costs $0 and shows as unpriced.
 
-``admit`` reserves the prompt's tokens (counted with the model's tokenizer) plus the output cap
-(``max_tokens``, ``max_completion_tokens`` or ``max_output_tokens``; ``DEFAULT_MAX_OUTPUT_TOKENS``,
-added to the upstream request, when the caller named none) times ``n``. ``charge`` settles it:
+``charge`` settles it, each segment of the answer (an answer continued on another upstream has
+several) one ledger row:
 
-- the upstream reported usage (a completed answer): exactly that usage;
-- the upstream took the request (answered 200) but the answer ended early (a hang-up, a time limit,
-  an upstream failure mid-stream): the counted prompt plus the tokens of the text actually generated
-  (before the text steps: what the model produced, not what the caller was shown);
-- no upstream took it (refused by us, or an upstream error status before any output): nothing; the
-  reservation is released and no ledger row is written.
+- the upstream reported usage: exactly that usage (cached prompt tokens priced as such);
+- the upstream took the request but the answer ended early (a hang-up, a time limit, an upstream
+  failure mid-stream): the counted prompt plus the tokens of the text actually generated (before
+  the text steps: what the model produced, not what the caller was shown), every choice;
+- no upstream took it: nothing; the reservation is released and no ledger row is written.
 
-Every charge is one ledger row. Settling and the ledger write run in the background: the caller's
-stream is never held for them."""
+The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
+never counted twice, whatever the store or the instance does meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .. import tokens
-from ..errors import ErrorKind
+from ..errors import ErrorKind, StoreError
 from ..pipeline import CallRequest
 from ..record import StreamRecord
-from .callers import Caller, key_from_headers
-from .ledger import Charge, Ledger
+from .callers import Caller, Limits, Team, key_from_headers
+from .counters import Counters, Reservation, Want
+from .journal import Journal, JournalEntry
+from .ledger import Charge, Ledger, day_of
 from .owners import Owners
-from .quota import Quota, Reservation
-from .registry import CallerRegistry
+from .port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
+from .prices import Price
+from .registry import Registry
 
 log = logging.getLogger("chatstream")
 
 _OVER = frozenset({"completed", "incomplete", "failed", "cancelled"})  # a response's final statuses
-_LEDGER_TRIES = 5  # a ledger row the store did not take is written again, 1 s, 2 s, 4 s… later
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """What the request refers to is not the caller's (or not there): a ``previous_response_id``."""
+
+    kind: str
+    id: str
 
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller, its reservation and the counted prompt."""
+    """What one admitted request holds: its caller and team, its reservation and the counted prompt."""
 
     caller: Caller
+    team: Team | None
     reservation: Reservation
     prompt_tokens: int
     model: str
+    price: Price | None
+    entry: JournalEntry | None
+    started: float
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
+    wants: list[Want] = field(default_factory=list)
 
     @property
-    def headers(self) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*`` headers, for the answer."""
-        return self.reservation.headers
+    def rates(self) -> dict[str, Rate]:
+        """The per-minute limits for OpenAI's ``x-ratelimit-*`` headers (``tokens``, ``requests``)."""
+        return self.reservation.rates
 
 
 def ended(record: StreamRecord) -> str:
-    """How a request ended, for its ledger row."""
+    """How a request ended, for its ledger row. A hang-up and a time limit can race: whichever the
+    request saw first is what it records (a caller gone before the limit fired is ``disconnected``)."""
     if record.disconnected:
         return "disconnected"
     if record.error in (ErrorKind.UPSTREAM_TIMEOUT, ErrorKind.TOTAL_TIMEOUT):
@@ -72,137 +92,331 @@ def ended(record: StreamRecord) -> str:
     return "failed" if record.error else "completed"
 
 
-def _usage_tokens(usage: Mapping | None) -> tuple[int, int] | None:
-    """(prompt, completion) from an upstream's usage (chat: prompt/completion_tokens; Responses:
-    input/output_tokens); None when it has neither."""
+@dataclass(frozen=True)
+class Used:
+    """One segment's usage: prompt (with how much of it was cached) and completion tokens."""
+
+    prompt: int
+    cached: int
+    completion: int
+    upstream: str | None = None
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+def usage_of(usage: Mapping | None) -> Used | None:
+    """An upstream's usage (chat: prompt/completion_tokens, prompt_tokens_details.cached_tokens;
+    Responses: input/output_tokens, input_tokens_details.cached_tokens); None when it has neither."""
     if not isinstance(usage, Mapping):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    if type(prompt) is int and type(completion) is int:
-        return prompt, completion
-    return None
+    if type(prompt) is not int or type(completion) is not int:
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    cached = cached if type(cached) is int and 0 <= cached <= prompt else 0
+    return Used(prompt, cached, completion)
+
+
+def _limit_wants(
+    limits: Limits, scope: str, owner: str, partition: str, model: str, tokens_need: int, spend_need: int
+) -> list[Want]:
+    wants: list[Want] = []
+
+    def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
+        if limit:
+            ref = LimitRef(scope, owner, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
+            wants.append(Want(partition, row, ref, limit, need, period))
+
+    want("rpm", "requests_per_minute", limits.requests_per_minute, 1, "minute")
+    want("tpm", "tokens_per_minute", limits.tokens_per_minute, tokens_need, "minute")
+    want("tokens", "token_budget", limits.token_budget, tokens_need, limits.budget_period)
+    want("spend", "spend_budget", limits.spend_budget, spend_need, limits.budget_period)
+    per_model = limits.model_limits.get(model)
+    if per_model is not None:
+        from .store import key_part
+
+        want(f"rpm@{key_part(model)}", "requests_per_minute", per_model.requests_per_minute, 1, "minute", model)
+        want(f"tpm@{key_part(model)}", "tokens_per_minute", per_model.tokens_per_minute, tokens_need, "minute", model)
+    return wants
 
 
 class Accounting:
-    def __init__(self, registry: CallerRegistry, quota: Quota, ledger: Ledger, owners: Owners, default_max_output: int):
+    def __init__(
+        self,
+        registry: Registry,
+        counters: Counters,
+        journal: Journal,
+        ledger: Ledger,
+        owners: Owners,
+        default_max_output: int,
+        referenced_context: int = 16_384,
+    ):
         self.registry = registry
-        self.quota = quota
+        self.counters = counters
+        self.journal = journal
         self.ledger = ledger
         self.owners = owners
         self.default_max_output = default_max_output
+        self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
 
-    async def authenticate(self, headers: Mapping[str, str]) -> Caller:
-        """The caller of a request's key (``Authorization: Bearer KEY`` or ``api-key: KEY``); 401."""
+    async def authenticate(self, headers: Mapping[str, str]) -> Caller | KeyRefused | Unavailable:
+        """The caller of a request's key (``Authorization: Bearer KEY`` or ``api-key: KEY``)."""
         return await self.registry.authenticate(key_from_headers(headers))
 
-    async def admit(self, caller: Caller, call: CallRequest, record: StreamRecord) -> Admission:
-        """The caller may use the model, and its limits hold this request: reserved. The output cap is
-        added to ``call.params`` when the request named none."""
+    async def admit(
+        self, caller: Caller, call: CallRequest, record: StreamRecord, endpoint: str | None = None
+    ) -> Admission | Refused | ModelRefused | Unavailable | Unknown:
+        """The caller and its team may use the model, and every limit of theirs holds this request:
+        reserved (module docstring). The output cap is added to ``call.params`` when the request
+        named none."""
         model = call.params["model"]
-        caller.require_model(model)
+        team = await self.registry.team_of(caller)
+        if isinstance(team, Unavailable):
+            return team
+        if not caller.allows(model):
+            return ModelRefused(model)
+        if team is not None and not team.allows(model):
+            return ModelRefused(model, scope="team")
+        price = await self.registry.price(model)
+        if isinstance(price, Unavailable):
+            return price
+        if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):
+            return ModelRefused(model, unpriced=True, scope="caller" if caller.spend_budget else "team")
+        context = await self._context(caller, call.params)
+        if isinstance(context, Unknown | Unavailable):
+            return context
         call.params = tokens.with_default_cap(call.params, self.default_max_output)
-        prompt = tokens.count_prompt(model, call.params)
-        needed = prompt + tokens.choices(call.params) * (tokens.output_cap(call.params) or self.default_max_output)
-        reservation = await self.quota.reserve(caller, needed)
-        return Admission(caller, reservation, prompt, model)
+        prompt = tokens.count_prompt(model, call.params) + context
+        output = tokens.choices(call.params) * (tokens.output_cap(call.params) or self.default_max_output)
+        spend = price.most(prompt, output) if price is not None else 0
+        wants = _limit_wants(caller, "caller", caller.name, caller.limits_partition, model, prompt + output, spend)
+        if team is not None:
+            wants += _limit_wants(team, "team", team.name, team.limits_partition, model, prompt + output, spend)
+        reserved = await self.counters.reserve(wants)
+        if not isinstance(reserved, Reservation):
+            return reserved
+        started = self.counters.clock()
+        entry = self.journal.open(
+            JournalEntry(
+                request_id=record.id,
+                caller=caller.name,
+                caller_id=caller.id,
+                team=team.name if team is not None else None,
+                team_id=team.id if team is not None else None,
+                model=model,
+                endpoint=endpoint or record.endpoint,
+                day=day_of(started),
+                prompt_tokens=prompt,
+                needs=reserved.needs,
+                kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in reserved.needs},
+                price=price,
+            )
+        )
+        return Admission(caller, team, reserved, prompt, model, price, entry, started, wants=wants)
 
-    def charge(self, admission: Admission | None, record: StreamRecord, generated: list[str] | None) -> None:
-        """Settle the admission once the request is over (see the module docstring): in the background."""
+    async def _context(self, caller: Caller, params: Mapping) -> int | Unknown | Unavailable:
+        """The tokens a Responses request carries by reference: a ``previous_response_id`` must be
+        the caller's own (its size is known once it finished); a ``conversation`` or an
+        ``item_reference`` reserves ``referenced_context`` (settled to the upstream's usage)."""
+        extra = 0
+        previous = params.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            try:
+                owned = await self.owners.owned("response", previous)
+            except StoreError:
+                return Unavailable()
+            if owned is None or not _mine(owned.caller_id, caller):
+                return Unknown("response", previous)
+            extra += owned.context or self.referenced_context
+        if params.get("conversation") or _references_items(params.get("input")):
+            extra += self.referenced_context
+        return extra
+
+    def progress(self, admission: Admission, generated) -> None:
+        """How the journal reads what the request has generated so far (its checkpoints)."""
+        if admission.entry is not None:
+            admission.entry.generated = generated
+
+    def charge(
+        self,
+        admission: Admission | None,
+        record: StreamRecord,
+        generated: Sequence[str] | None,
+        segments: Sequence[Used] | None = None,
+    ) -> None:
+        """Settle the admission once the request is over (module docstring): in the background."""
         if admission is None:
             return
-        task = asyncio.get_running_loop().create_task(self._charge(admission, record, generated))
+        task = asyncio.get_running_loop().create_task(self._charge(admission, record, generated, segments))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _used(
+        self, admission: Admission, record: StreamRecord, generated: Sequence[str] | None, segments
+    ) -> list[Used]:
+        if segments:
+            return list(segments)
+        reported = usage_of(record.usage)
+        if reported is not None:
+            return [Used(reported.prompt, reported.cached, reported.completion, record.upstream)]
+        if record.answered:
+            completion = tokens.count_text(admission.model, "".join(generated or ()))
+            return [Used(admission.prompt_tokens, 0, completion, record.upstream)]
+        return []
+
+    async def _charge(self, admission: Admission, record: StreamRecord, generated, segments) -> None:
+        if admission.background and admission.created is not None and usage_of(record.usage) is None:
+            self._hold_for_background(admission)
+            return  # it goes on upstream: charged when its usage is seen (charge_seen)
+        used = self._used(admission, record, generated, segments)
+        if not used:
+            admission.reservation.release()
+            if admission.entry is not None:
+                self.journal.drop(admission.entry)
+            return
+        price = admission.price
+        if price is not None:
+            current = await self.registry.price(admission.model)  # a price change applies from when it is made
+            if isinstance(current, Price):
+                price = current
+        how = ended(record)
+        charges = [
+            Charge(
+                caller=admission.caller.name,
+                caller_id=admission.caller.id,
+                team=admission.team.name if admission.team is not None else None,
+                team_id=admission.team.id if admission.team is not None else None,
+                model=record.model or admission.model,
+                endpoint=record.endpoint,
+                request_id=record.id,
+                segment=i,
+                day=day_of(admission.started),
+                upstream=u.upstream,
+                upstream_id=record.request_id,
+                prompt_tokens=u.prompt,
+                cached_tokens=u.cached,
+                completion_tokens=u.completion,
+                cost=price.cost(u.prompt, u.cached, u.completion) if price is not None else None,
+                ended=how,
+                author=self.counters.instance,
+            )
+            for i, u in enumerate(used)
+        ]
+        tokens_used = sum(u.total for u in used)
+        cost = sum(c.cost or 0 for c in charges)
+        spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
+        record.cost = cost if price is not None else None
+        settlement = admission.reservation.settle(spent)
+        amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
+        if admission.entry is not None:
+            self.journal.settle(admission.entry, charges, amounts, settlement)
+
+    def _hold_for_background(self, admission: Admission) -> None:
+        """A background response: what it reserved is spent until its usage is seen (conservative),
+        then corrected (``charge_seen``). Not in the ledger until then."""
+        spent = {w.key: w.need for w in admission.wants}
+        settlement = admission.reservation.settle(spent)
+        amounts = {f"{w.partition}/{w.row}": w.need for w in admission.wants if w.period != "minute"}
+        if admission.entry is not None:
+            self.journal.settle(admission.entry, [], amounts, settlement)
+
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
-        response's reservation stays held until its usage is seen (``charge_seen``)."""
-        reserved = admission.reservation.tokens if background else 0
-        await self.owners.claim(kind, created, admission.caller.name, reserved, admission.reservation.at)
+        response's reservation is recorded, to be corrected when its usage is seen."""
+        reserved = max((w.need for w in admission.wants if w.row in ("tokens", "tpm")), default=0) if background else 0
+        spend = max((w.need for w in admission.wants if w.row == "spend"), default=0) if background else 0
+        try:
+            await self.owners.claim(
+                kind, created, admission.caller.id, reserved, admission.started, reserved_spend=spend
+            )
+        except StoreError as exc:
+            log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background
 
-    async def owned(self, caller: Caller, kind: str, id: str) -> bool:
+    async def owned(self, caller: Caller, kind: str, id: str) -> bool | Unavailable:
         """Whether ``kind``/``id`` is ``caller``'s (follow-ups answer 404 to anyone else)."""
-        return await self.owners.owner(kind, id) == caller.name
+        try:
+            owned = await self.owners.owned(kind, id)
+        except StoreError:
+            return Unavailable()
+        return owned is not None and _mine(owned.caller_id, caller)
 
     async def forget(self, kind: str, id: str) -> None:
-        await self.owners.forget(kind, id)
+        try:
+            await self.owners.forget(kind, id)
+        except StoreError as exc:
+            log.warning("owners: %s could not be forgotten: %s", kind, exc)
 
     async def charge_seen(self, caller: Caller, kind: str, id: str, body: Mapping, record: StreamRecord) -> None:
-        """A stored response read back (a follow-up): when it is over and carries its usage, and nobody
-        charged it yet (on any instance), it is charged now: a background response."""
-        usage = _usage_tokens(body.get("usage")) if body.get("status") in _OVER else None
-        if usage is None or not await self.owners.first_charge(kind, id):
+        """A stored response read back (a follow-up): when it is over and carries its usage, its size
+        is kept (a continuation of it reserves that), and if nobody charged it yet (on any
+        instance), it is charged now: a background response."""
+        used = usage_of(body.get("usage")) if body.get("status") in _OVER else None
+        if used is None:
             return
-        reserved, at = await self.owners.held(kind, id)
-        prompt, completion = usage
-        await self.quota.settle_elsewhere(caller, reserved, at, prompt + completion)
-        await self.record(
-            Charge(
-                caller=caller.name,
-                model=str(body.get("model") or ""),
-                request_id=id,
-                endpoint=record.endpoint,
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                ended="background",
-            )
-        )
-
-    async def _charge(self, admission: Admission, record: StreamRecord, generated: list[str] | None) -> None:
-        reported = _usage_tokens(record.usage)
-        if admission.background and admission.created is not None:
-            if reported is None:
-                return  # it goes on upstream: charged when its usage is seen (charge_seen)
-            if not await self.owners.first_charge(*admission.created):
-                return  # a follow-up saw it complete first and charged it
-        if reported is not None:
-            prompt, completion = reported
-        elif record.answered:
-            prompt = admission.prompt_tokens
-            completion = tokens.count_text(admission.model, "".join(generated or ()))
-        else:
-            await admission.reservation.release()
-            return
-        await admission.reservation.settle(prompt + completion)
-        charge = Charge(
-            caller=admission.caller.name,
-            model=record.model,
-            request_id=record.id,
-            upstream_id=record.request_id,
-            endpoint=record.endpoint,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            ended=ended(record),
-        )
-        await self.record(charge)
-
-    async def record(self, charge: Charge) -> None:
-        """Write ``charge`` to the ledger, again later while the store does not take it."""
-        for attempt in range(_LEDGER_TRIES):
-            try:
-                await self.ledger.record(charge)
+        try:
+            await self.owners.set_context(kind, id, used.total)
+            if not await self.owners.first_charge(kind, id):
                 return
-            except Exception as exc:  # noqa: BLE001 - logged and retried; a charge must not be lost quietly
-                log.warning(
-                    "usage ledger: could not record %s's charge (%s); try %d of %d",
-                    charge.caller,
-                    type(exc).__name__,
-                    attempt + 1,
-                    _LEDGER_TRIES,
-                )
-                await asyncio.sleep(2**attempt)
-        log.error(
-            "usage ledger: %s's charge for request %s (%d tokens) is lost",
-            charge.caller,
-            charge.request_id,
-            charge.total_tokens,
+            owned = await self.owners.owned(kind, id)
+        except StoreError as exc:
+            log.warning("owners: a background response could not be charged now: %s", exc)
+            return
+        model = str(body.get("model") or "")
+        team = await self.registry.team_of(caller)
+        team = team if isinstance(team, Team) else None
+        price = await self.registry.price(model)
+        price = price if isinstance(price, Price) else None
+        cost = price.cost(used.prompt, used.cached, used.completion) if price is not None else None
+        started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
+        charge = Charge(
+            caller=caller.name,
+            caller_id=caller.id,
+            team=team.name if team is not None else None,
+            team_id=team.id if team is not None else None,
+            model=model,
+            endpoint=record.endpoint,
+            request_id=id,
+            day=day_of(started),
+            prompt_tokens=used.prompt,
+            cached_tokens=used.cached,
+            completion_tokens=used.completion,
+            cost=cost,
+            ended="background",
+            author=self.counters.instance,
         )
+        self.ledger.submit([charge])
+        tokens_diff = used.total - (owned.reserved if owned is not None else 0)
+        spend_diff = (cost or 0) - (owned.reserved_spend if owned is not None else 0)
+        corrections = _limit_wants(
+            caller, "caller", caller.name, caller.limits_partition, model, tokens_diff, spend_diff
+        )
+        if team is not None:
+            corrections += _limit_wants(team, "team", team.name, team.limits_partition, model, tokens_diff, spend_diff)
+        self.counters.adjust(corrections, started)
 
-    async def drain(self, within: float = 5.0) -> None:
-        """Wait for the charges in flight (tests, shutdown)."""
-        deadline = time.monotonic() + within
-        while self._background and time.monotonic() < deadline:
-            await asyncio.wait(list(self._background), timeout=max(0.0, deadline - time.monotonic()))
+    async def flush(self, within: float = 5.0) -> bool:
+        """Wait for the charges in flight to be settled and written everywhere (tests, shutdown)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while self._background and loop.time() < deadline:
+            await asyncio.wait(list(self._background), timeout=max(0.0, deadline - loop.time()))
+        left = max(0.0, deadline - loop.time())
+        ok = await self.journal.flush(left)
+        ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
+        return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
+
+    drain = flush
+
+
+def _mine(owner: str, caller: Caller) -> bool:
+    return owner == caller.id or owner == f"name:{caller.name}"  # rows claimed before ids by name
+
+
+def _references_items(items: object) -> bool:
+    return isinstance(items, list) and any(isinstance(i, Mapping) and i.get("type") == "item_reference" for i in items)

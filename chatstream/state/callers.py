@@ -1,54 +1,47 @@
-"""Callers: who may call the model routes, with their own keys and limits (docs/callers.md). Here: a
-caller, its key (made, hashed, read from a request), and what an admin may say about it (validated);
-the registry that keeps them is registry.py.
+"""Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
+and what an admin may say about them (validated). The registry that keeps them is registry.py.
 
-A caller has a name (admin-chosen), optional limits (tokens and requests per minute, a token budget
-per day, month or in total), optionally the models it may use and an expiry. Its key is shown once,
-when it is created or rotated; the store keeps only the key's SHA-256.
+A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
+and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
+key's SHA-256. A **team** has limits of its own, held over all of its callers together. Limits are
+tokens and requests per minute, a token budget and a spend budget (USD) per day, month or in total,
+and per model tokens and requests per minute (``model_limits``). A request must fit every limit of
+its caller and of its team, all or nothing (counters.py).
 
-Table ``chatstreamCallers``, one partition (``callers``), so that every change is one atomic
-entity-group transaction:
-
-- ``c|<name>``: the caller (limits, models, expiry, created, key hash and hint);
-- ``k|<sha256 of the key>``: the key index, holding a copy of the caller, so that authenticating a
-  key is one point read. Create, update, rotate and delete change both rows in one transaction,
-  the caller row under its ETag (two admins patching at once do not lose an update).
-
-``CallerRegistry.authenticate`` caches each answer (a caller, or "no such key") per instance for
-``cache_seconds``: a revoked or rotated key stops working on every instance within that time, and a
-key check costs a store read only once per key, instance and period."""
+Money is exact: USD amounts are read as decimals of at most 6 places and kept as integers of
+pico-dollars (10⁻¹² USD, ``PICO``), so that a price per token (USD per million tokens × 10⁶) and
+every cost are integers and sums are exact (prices.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
+import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from ..errors import ApiError, invalid_request
-
-log = logging.getLogger("chatstream")
+from .port import Invalid
 
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
-_KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")
+KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
-# The bounds of a caller's settings (docs/callers.md, "Limits").
+# The bounds of a caller's or a team's settings (docs/callers.md, "Limits").
 MAX_TOKENS_PER_MINUTE = 1_000_000_000
 MAX_REQUESTS_PER_MINUTE = 1_000_000
 MAX_TOKEN_BUDGET = 1_000_000_000_000
+MAX_SPEND_BUDGET = Decimal(1_000_000)  # USD
 MAX_MODELS = 100
+MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
-MAX_CACHED_KEYS = 10_000  # key answers (callers and "no such key") kept per instance, least recent dropped
-
-PARTITION = "callers"
+PICO = 10**12  # pico-dollars per USD
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
@@ -82,41 +75,94 @@ def key_from_headers(headers: Mapping[str, str]) -> str | None:
     return key.strip() if key and key.strip() else None
 
 
+def usd(pico: int | None) -> float | None:
+    """Pico-dollars as USD for an answer (exact: budgets and prices have at most 6 decimals)."""
+    return None if pico is None else float(Decimal(pico) / PICO)
+
+
+def usd_text(pico: int) -> str:
+    """Pico-dollars as an exact decimal USD string (12 places, for finance: CSV)."""
+    sign = "-" if pico < 0 else ""
+    whole, frac = divmod(abs(pico), PICO)
+    return f"{sign}{whole}.{frac:012d}"
+
+
+@dataclass(frozen=True)
+class ModelLimit:
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+
+    def public(self) -> dict[str, int | None]:
+        return {"tokens_per_minute": self.tokens_per_minute, "requests_per_minute": self.requests_per_minute}
+
+
 @dataclass(frozen=True, kw_only=True)
-class Caller:
+class Limits:
+    """What a caller and a team both have: the limits a request must fit, and the models it may use."""
+
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    token_budget: int | None = None
+    spend_budget: int | None = None  # pico-dollars
+    budget_period: Period = "total"
+    models: tuple[str, ...] | None = None
+    model_limits: Mapping[str, ModelLimit] = field(default_factory=dict)
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def public_limits(self) -> dict[str, Any]:
+        return {
+            "tokens_per_minute": self.tokens_per_minute,
+            "requests_per_minute": self.requests_per_minute,
+            "token_budget": self.token_budget,
+            "spend_budget": usd(self.spend_budget),
+            "budget_period": self.budget_period,
+            "models": list(self.models) if self.models is not None else None,
+            "model_limits": {m: limit.public() for m, limit in self.model_limits.items()} or None,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Team(Limits):
+    name: str
+    id: str  # made at creation: a team deleted and created again under its name starts afresh
+    created_at: datetime
+
+    @property
+    def limits_partition(self) -> str:
+        """Its counters' partition in ``chatstreamLimits`` (counters.py)."""
+        return f"team:{self.name}|{self.id}"
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "object": "team",
+            "name": self.name,
+            "id": self.id,
+            **self.public_limits(),
+            "created_at": iso(self.created_at),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Caller(Limits):
     """A caller as the request path sees it (never its key)."""
 
     name: str
     id: str  # made at creation: a caller deleted and created again under its name starts afresh
-    tokens_per_minute: int | None = None
-    requests_per_minute: int | None = None
-    token_budget: int | None = None
-    budget_period: Period = "total"
-    models: tuple[str, ...] | None = None
+    team: str | None = None
+    team_id: str | None = None
     expires_at: datetime | None = None
     created_at: datetime
     key_hint: str = ""  # the key's last 4 characters, to tell keys apart
 
     @property
     def limits_partition(self) -> str:
-        """Its counters' partition in ``chatstreamLimits`` (chatstream/state/quota.py)."""
+        """Its counters' partition in ``chatstreamLimits`` (counters.py)."""
         return f"{self.name}|{self.id}"
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
-
-    def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-    def require_model(self, model: str) -> None:
-        """A 404 ``model_not_found`` (OpenAI's answer for a model one may not use) unless allowed."""
-        if not self.allows(model):
-            raise ApiError(
-                404,
-                "model_not_found",
-                f"The model {model!r} does not exist or this caller does not have access to it.",
-                "model",
-            )
 
     def public(self) -> dict[str, Any]:
         """The caller as the admin API shows it: everything but the key (its last 4 characters only)."""
@@ -124,19 +170,53 @@ class Caller:
             "object": "caller",
             "name": self.name,
             "id": self.id,
-            "tokens_per_minute": self.tokens_per_minute,
-            "requests_per_minute": self.requests_per_minute,
-            "token_budget": self.token_budget,
-            "budget_period": self.budget_period,
-            "models": list(self.models) if self.models is not None else None,
-            "expires_at": _iso(self.expires_at),
-            "created_at": _iso(self.created_at),
+            "team": self.team,
+            **self.public_limits(),
+            "expires_at": iso(self.expires_at),
+            "created_at": iso(self.created_at),
             "key_hint": self.key_hint,
         }
 
 
-def _iso(value: datetime | None) -> str | None:
+def iso(value: datetime | None) -> str | None:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z") if value is not None else None
+
+
+# --- what an admin may say (validated) ----------------------------------------------------------
+
+
+def usd_amount(value: object, maximum: Decimal) -> Decimal:
+    """A USD amount as a decimal: a JSON number (not a string or a bool), at least 0, at most
+    ``maximum``, with at most 6 decimal places."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be a number")
+    amount = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+    if not amount.is_finite() or amount < 0:
+        raise ValueError("must be a non-negative number")
+    if amount > maximum:
+        raise ValueError(f"must be at most {maximum}")
+    exponent = amount.normalize().as_tuple().exponent
+    if isinstance(exponent, int) and exponent < -6:
+        raise ValueError("has more than 6 decimal places")
+    return amount
+
+
+def _names(models: list[str] | None) -> list[str] | None:
+    if models is None:
+        return None
+    for i, model in enumerate(models):
+        if _CONTROL.search(model) or model != model.strip():
+            raise ValueError(f"models[{i}] has control characters or surrounding spaces")
+    if len(set(models)) != len(models):
+        raise ValueError("names a model twice")
+    return models
+
+
+class ModelLimitSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens_per_minute: PositiveTokens | None = None
+    requests_per_minute: PositiveRequests | None = None
 
 
 class _Limits(BaseModel):
@@ -145,33 +225,39 @@ class _Limits(BaseModel):
     tokens_per_minute: PositiveTokens | None = None
     requests_per_minute: PositiveRequests | None = None
     token_budget: PositiveBudget | None = None
+    spend_budget: Any = None
     budget_period: Period = "total"
     models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    expires_at: AwareDatetime | None = None
+    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = None
+
+    @field_validator("spend_budget")
+    @classmethod
+    def _spend(cls, value: object) -> Decimal | None:
+        if value is None:
+            return None
+        amount = usd_amount(value, MAX_SPEND_BUDGET)
+        if amount <= 0:
+            raise ValueError("must be more than 0")
+        return amount
 
     @field_validator("models")
     @classmethod
     def _model_names(cls, models: list[str] | None) -> list[str] | None:
-        if models is None:
-            return None
-        for i, model in enumerate(models):
-            if _CONTROL.search(model) or model != model.strip():
-                raise ValueError(f"models[{i}] has control characters or surrounding spaces")
-        if len(set(models)) != len(models):
-            raise ValueError("names a model twice")
-        return models
+        return _names(models)
 
-    @field_validator("expires_at")
+    @field_validator("model_limits")
     @classmethod
-    def _in_range(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.year > 9000:
-            raise ValueError("must be before the year 9000")
-        return value
+    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
+        if limits is None:
+            return None
+        _names(list(limits))
+        for model, limit in limits.items():
+            if limit.tokens_per_minute is None and limit.requests_per_minute is None:
+                raise ValueError(f"[{model[:64]}] names no limit")
+        return limits
 
 
-class CallerSpec(_Limits):
-    """``POST /api/manage/callers``."""
-
+class _Name(BaseModel):
     name: str
 
     @field_validator("name", mode="before")
@@ -182,15 +268,51 @@ class CallerSpec(_Limits):
         return value
 
 
-class CallerPatch(_Limits):
+class _TeamName(BaseModel):
+    team: str | None = None
+
+    @field_validator("team", mode="before")
+    @classmethod
+    def _team(cls, value: object) -> object:
+        if isinstance(value, str) and not NAME_PATTERN.fullmatch(value):
+            raise ValueError("not a team name")
+        return value
+
+
+class _Expiry(BaseModel):
+    expires_at: AwareDatetime | None = None
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_range(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.year > 9000:
+            raise ValueError("must be before the year 9000")
+        return value
+
+
+class CallerSpec(_Limits, _Name, _TeamName, _Expiry):
+    """``POST /api/manage/callers``."""
+
+
+class CallerPatch(_Limits, _TeamName, _Expiry):
     """``PATCH /api/manage/callers/{name}``: the fields given change (``null`` removes a limit, the
-    model list or the expiry); the name cannot change."""
+    model list, the team or the expiry); the name cannot change."""
 
-    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out (the base requires it)
+    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
 
-def _describe(exc: ValidationError) -> ApiError:
-    """pydantic's first error as a 400 naming the field (never echoing the value)."""
+class TeamSpec(_Limits, _Name):
+    """``POST /api/manage/teams``."""
+
+
+class TeamPatch(_Limits):
+    """``PATCH /api/manage/teams/{name}``."""
+
+    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
+
+
+def describe(exc: ValidationError) -> Invalid:
+    """pydantic's first error, naming the field (never echoing the value)."""
     first = exc.errors(include_url=False, include_input=False)[0]
     loc = [str(p) for p in first["loc"]]
     param = loc[0] if loc else None
@@ -200,24 +322,55 @@ def _describe(exc: ValidationError) -> ApiError:
     if first["type"] == "extra_forbidden":
         message = "unknown field"
     elif len(loc) > 1:
-        message = f"[{']['.join(loc[1:])}]: {message}"
-    return invalid_request(f"{param}: {message}" if param else message, param)
+        message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
+    return Invalid(f"{param}: {message}" if param else message, param)
 
 
-def _validate(model: type[BaseModel], data: object) -> Any:
+def validate(model: type[BaseModel], data: object) -> Any:
     if not isinstance(data, Mapping):
-        raise invalid_request("the body must be a JSON object")
+        raise Invalid("the body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _describe(exc) from None
+        raise describe(exc) from None
 
 
-def invalid_key(expired: bool = False) -> ApiError:
-    """401 for a key that is unknown, revoked, rotated or expired; the message never carries the key."""
-    message = (
-        "This caller key has expired."
-        if expired
-        else "Incorrect API key provided: the caller key is unknown, revoked or rotated."
-    )
-    return ApiError(401, "invalid_api_key", message)
+def spend_pico(amount: Decimal | None) -> int | None:
+    return None if amount is None else int(amount * PICO)
+
+
+def model_limits_of(spec: Mapping[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
+    return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in (spec or {}).items()}
+
+
+# --- how they are stored ------------------------------------------------------------------------
+
+
+def limits_entity(limits: Limits) -> dict[str, Any]:
+    return {
+        "tokens_per_minute": limits.tokens_per_minute,
+        "requests_per_minute": limits.requests_per_minute,
+        "token_budget": limits.token_budget,
+        "spend_budget": limits.spend_budget,
+        "budget_period": limits.budget_period,
+        "models": json.dumps(list(limits.models)) if limits.models is not None else None,
+        "model_limits": json.dumps({m: lim.public() for m, lim in limits.model_limits.items()})
+        if limits.model_limits
+        else None,
+    }
+
+
+def limits_fields(entity: Mapping[str, Any]) -> dict[str, Any]:
+    models = entity.get("models")
+    model_limits = json.loads(entity["model_limits"]) if entity.get("model_limits") else {}
+    return {
+        "tokens_per_minute": entity.get("tokens_per_minute"),
+        "requests_per_minute": entity.get("requests_per_minute"),
+        "token_budget": entity.get("token_budget"),
+        "spend_budget": entity.get("spend_budget"),
+        "budget_period": entity.get("budget_period") or "total",
+        "models": tuple(json.loads(models)) if models else None,
+        "model_limits": {
+            m: ModelLimit(v.get("tokens_per_minute"), v.get("requests_per_minute")) for m, v in model_limits.items()
+        },
+    }

@@ -1,173 +1,409 @@
-"""The usage ledger: one row per charge, and usage summed by caller, model and day (docs/callers.md).
+"""The usage ledger: one row per charge, never lost and never twice, and usage summed by caller, team,
+model and day (docs/callers.md).
 
-Table ``chatstreamUsage``, one partition per caller:
+Table ``chatstreamUsage``, one partition per caller (``u:<caller id>``: a caller deleted and created
+again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the day the request
+started (UTC), the app's own request id, and the segment (an answer continued on another upstream is
+charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
+lost answer, another instance settling a dead one's request) adds nothing: an insert finds it there.
+A row holds the caller (name and id), its team, the model, the endpoint, the upstream entry, prompt,
+cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
+request ended, and who wrote it (an instance, or the one that took a dead one over).
 
-- ``t|<time, UTC, to the microsecond>|<request id>``: the charge (model, endpoint, prompt and
-  completion tokens, how the request ended), in time order, so that a period is one range query;
-- ``r|<request id>``: the id row, written in the same transaction, so that recording a request
-  twice (a retry after a lost answer, two instances seeing one background response) adds nothing.
-
-``record`` is one bounded store call; what it raises (503 ``caller_store_unavailable``) the caller may
-retry with the same ``Charge``: it is idempotent."""
+Charges are written in the background (``submit``): grouped per partition into entity-group
+transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not
+drop them; the journal keeps them if this instance dies meanwhile: journal.py)."""
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import contextlib
+import csv
+import io
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
-from urllib.parse import quote
 
-from azure.data.tables import EdmType, EntityProperty, TableTransactionError
-
-from .calls import StoreDown, bounded, store_unavailable
-from .legacy_store import USAGE_TABLE, Store
+from ..errors import AlreadyExists, StoreError
+from .callers import PICO, usd, usd_text
+from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 
 # How a charged request ended (the stream core's outcomes, and the refusal-free ones after it).
-ENDINGS = ("completed", "disconnected", "timeout", "failed", "cancelled", "background", "incomplete")
+ENDINGS = ("completed", "disconnected", "timeout", "failed", "cancelled", "background", "incomplete", "lost")
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
-USAGE_TIMEOUT = 10.0  # a usage query (admin only) may read many rows
-
-
-def _key_part(text: str) -> str:
-    """``text`` as part of a PartitionKey/RowKey: the characters the service refuses (``/ \\ # ?``,
-    control characters) and ``|`` (our separator) percent-encoded; a long one shortened with its
-    hash, so that two ids never share a key."""
-    encoded = quote(text, safe="-._~:;,=+!*()[]@$&' ")
-    if len(encoded) > 200:
-        encoded = encoded[:150] + "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    return encoded
+USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
+FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
 
 
 @dataclass(frozen=True, kw_only=True)
 class Charge:
-    """One request's charge. ``at`` is fixed when the Charge is made: record the same object again
-    to retry."""
+    """One charge: a request's (or one segment's) usage and cost."""
 
     caller: str
+    caller_id: str
     model: str
-    request_id: str
     endpoint: str
+    request_id: str
+    day: str  # YYYYMMDD, when the request started (UTC)
     prompt_tokens: int
     completion_tokens: int
-    ended: str  # completed, disconnected, timeout, failed, cancelled, background, incomplete...
-    upstream_id: str = ""  # the upstream's x-request-id (request_id is the app's own, unique)
-    at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    ended: str
+    cached_tokens: int = 0
+    cost: int | None = None  # pico-dollars; None: the model had no price
+    team: str | None = None
+    team_id: str | None = None
+    segment: int = 0
+    upstream: str | None = None  # the pool entry that served it
+    upstream_id: str = ""  # the upstream's x-request-id
+    at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    author: str = ""  # the instance that wrote it
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def _time_key(self) -> str:
-        return self.at.astimezone(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    @property
+    def partition(self) -> str:
+        return f"u:{self.caller_id}"
+
+    @property
+    def row_key(self) -> str:
+        return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
+
+    def entity(self) -> dict[str, Any]:
+        return {
+            "PartitionKey": self.partition,
+            "RowKey": self.row_key,
+            "caller": self.caller,
+            "caller_id": self.caller_id,
+            "team": self.team,
+            "team_id": self.team_id,
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "request_id": self.request_id,
+            "segment": self.segment,
+            "upstream": self.upstream,
+            "upstream_id": self.upstream_id,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cost": self.cost,
+            "ended": self.ended,
+            "at": self.at,
+            "author": self.author,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the journal (journal.py): everything, to write it again."""
+        return {k: v for k, v in self.entity().items() if k not in ("PartitionKey", "RowKey")} | {"day": self.day}
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Charge:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in values.items() if k in names})
 
 
-def _int64(value: int) -> EntityProperty:
-    return EntityProperty(int(value), EdmType.INT64)
-
-
-def _int(value: Any) -> int:
-    return int(value.value) if isinstance(value, EntityProperty) else int(value or 0)
+def day_of(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
 
 
 class Ledger:
     def __init__(self, store: Store):
         self.store = store
+        self._queue: list[tuple[Charge, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._writer: asyncio.Task | None = None
+        self._closed = False
+        self._outstanding: set[asyncio.Future] = set()
+        self.written = 0  # rows that landed (tests)
 
-    async def record(self, charge: Charge) -> bool:
-        """Write the charge; False if this request id was already recorded for this caller (then
-        nothing changes). Raises ApiError 503 ``caller_store_unavailable`` if the store fails."""
-        if charge.prompt_tokens < 0 or charge.completion_tokens < 0:
-            raise ValueError("token counts cannot be negative")
-        partition = _key_part(charge.caller)
-        request = _key_part(charge.request_id)
-        row = f"t|{charge._time_key()}|{request}"
-        entity = {
-            "PartitionKey": partition,
-            "RowKey": row,
-            "caller": charge.caller,
-            "model": charge.model,
-            "request_id": charge.request_id,
-            "upstream_id": charge.upstream_id,
-            "endpoint": charge.endpoint,
-            "prompt_tokens": _int64(charge.prompt_tokens),
-            "completion_tokens": _int64(charge.completion_tokens),
-            "ended": charge.ended,
-            "at": charge.at.astimezone(UTC).isoformat(),
-        }
-        marker = {"PartitionKey": partition, "RowKey": f"r|{request}", "row": row}
+    # --- writing ----------------------------------------------------------------------------
 
-        async def write() -> None:
-            table = await self.store.table(USAGE_TABLE)
-            await table.submit_transaction([("create", marker), ("create", entity)])
+    def submit(self, charges: Sequence[Charge]) -> asyncio.Future:
+        """Write ``charges`` in the background; the future is done once every one of them is in the
+        ledger (written now, or found there already). It is never given up on."""
+        done = asyncio.get_running_loop().create_future()
+        if not charges:
+            done.set_result(None)
+            return done
+        pieces = [asyncio.get_running_loop().create_future() for _ in charges]
+        for piece in pieces:
+            self._outstanding.add(piece)
+            piece.add_done_callback(self._outstanding.discard)
+        self._queue.extend(zip(charges, pieces, strict=True))
+        gathered = asyncio.gather(*pieces)
+        gathered.add_done_callback(lambda g: done.done() or done.set_result(None))
+        self._start()
+        return done
 
+    def _start(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_loop())
+
+    async def _write_loop(self) -> None:
+        backoff = 0.5
+        while not self._closed:
+            if not self._queue:
+                assert self._wake is not None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(FLUSH_SECONDS)  # let charges of the same moment share a transaction
+            batch, self._queue = self._queue, []
+            failed = await self._write_batch(batch)
+            if failed:
+                self._queue = failed + self._queue
+                log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", len(failed), backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+            else:
+                backoff = 0.5
+
+    async def _write_batch(self, batch: list[tuple[Charge, asyncio.Future]]) -> list[tuple[Charge, asyncio.Future]]:
+        """Write the charges, one transaction per partition and 100 rows; those that did not land."""
+        by_partition: dict[str, list[tuple[Charge, asyncio.Future]]] = {}
+        for item in batch:
+            by_partition.setdefault(item[0].partition, []).append(item)
+        failed: list[tuple[Charge, asyncio.Future]] = []
+        for items in by_partition.values():
+            unique: dict[str, tuple[Charge, list[asyncio.Future]]] = {}
+            for charge, future in items:
+                unique.setdefault(charge.row_key, (charge, []))[1].append(future)
+            rows = list(unique.values())
+            for start in range(0, len(rows), 100):
+                chunk = rows[start : start + 100]
+                try:
+                    await self._insert(chunk)
+                except StoreError:
+                    failed.extend((charge, f) for charge, futures in chunk for f in futures)
+                    continue
+                for _, futures in chunk:
+                    for f in futures:
+                        if not f.done():
+                            f.set_result(None)
+        return failed
+
+    async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:
+        """Insert the rows as one transaction; a row already there (written before, its answer lost)
+        is taken out and the rest tried again."""
+        chunk = list(chunk)
+        while chunk:
+            try:
+                await self.store.batch(USAGE_TABLE, [Op("insert", charge.entity()) for charge, _ in chunk])
+                self.written += len(chunk)
+                return
+            except AlreadyExists as exc:
+                index = getattr(exc, "index", 0)
+                chunk.pop(index if 0 <= index < len(chunk) else 0)
+
+    async def find(self, charge: Charge) -> Row | None:
+        """The charge's row as the ledger holds it (written by whoever came first)."""
+        return await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
+
+    async def write_now(self, charge: Charge) -> Row | None:
+        """Insert one charge now: None if it landed, else the row that was there already."""
         try:
-            await bounded(write())
-        except TableTransactionError as exc:
-            if exc.status_code == 409:
-                return False
-            raise
-        except StoreDown as exc:
-            log.warning("usage ledger: a charge was not recorded: %s", exc)
-            raise store_unavailable() from None
-        return True
+            await self.store.insert(USAGE_TABLE, charge.entity())
+            self.written += 1
+            return None
+        except AlreadyExists:
+            return await self.find(charge)
+
+    async def drain(self, within: float = 5.0) -> bool:
+        """Wait until every submitted charge has landed (tests, shutdown): True if they did in time."""
+        if self._outstanding:
+            await asyncio.wait(set(self._outstanding), timeout=within)
+        return not self._outstanding
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+
+    # --- reading ----------------------------------------------------------------------------
+
+    async def rows(
+        self,
+        start: date,
+        end: date,
+        caller_id: str | None = None,
+        team: str | None = None,
+        model: str | None = None,
+    ) -> list[Row]:
+        """The charges of the days ``start`` to ``end`` inclusive, optionally of one caller (by id),
+        team or model."""
+        equal: dict[str, Any] = {}
+        if team is not None:
+            equal["team"] = team
+        if model is not None:
+            equal["model"] = model
+        where = Where(
+            partition=f"u:{caller_id}" if caller_id is not None else None,
+            rows_from=f"{start:%Y%m%d}",
+            rows_to=_day_after(end),
+            equal=equal,
+            select=(
+                "caller",
+                "caller_id",
+                "team",
+                "model",
+                "prompt_tokens",
+                "cached_tokens",
+                "completion_tokens",
+                "cost",
+                "ended",
+            ),
+        )
+        return await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT)
 
     async def usage(
-        self, caller: str | None = None, start: date | None = None, end: date | None = None
+        self,
+        start: date,
+        end: date,
+        caller_id: str | None = None,
+        team: str | None = None,
+        model: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Prompt and completion tokens, and requests (with how they ended), by caller, model and UTC
-        day, for the days ``start`` to ``end`` inclusive (default: the last 30 days up to today)."""
-        end = end or datetime.now(UTC).date()
-        start = start or end - timedelta(days=29)
-        low = f"t|{start:%Y%m%d}"
-        high = f"t|{end + timedelta(days=1):%Y%m%d}"
-        query = "RowKey ge @lo and RowKey lt @hi"
-        parameters: dict[str, Any] = {"lo": low, "hi": high}
-        if caller is not None:
-            query = "PartitionKey eq @p and " + query
-            parameters["p"] = _key_part(caller)
-        fields = ["RowKey", "caller", "model", "prompt_tokens", "completion_tokens", "ended"]
+        """Tokens (prompt, cached, completion), requests (with how they ended) and cost by caller,
+        team, model and UTC day."""
+        return summarize(await self.rows(start, end, caller_id, team, model))
 
-        async def read() -> dict[tuple[str, str, str], dict[str, Any]]:
-            table = await self.store.table(USAGE_TABLE)
-            sums: dict[tuple[str, str, str], dict[str, Any]] = {}
-            async for row in table.query_entities(query, parameters=parameters, select=fields):
-                day = row["RowKey"][2:10]
-                key = (row.get("caller", ""), row.get("model", ""), f"{day[:4]}-{day[4:6]}-{day[6:]}")
-                entry = sums.setdefault(
-                    key,
-                    {
-                        "caller": key[0],
-                        "model": key[1],
-                        "day": key[2],
-                        "prompt_tokens": 0,
-                        "completion_tokens": 0,
-                        "total_tokens": 0,
-                        "requests": 0,
-                        "ended": {},
-                    },
-                )
-                prompt, completion = _int(row.get("prompt_tokens")), _int(row.get("completion_tokens"))
-                entry["prompt_tokens"] += prompt
-                entry["completion_tokens"] += completion
-                entry["total_tokens"] += prompt + completion
-                entry["requests"] += 1
-                ended = row.get("ended") or "unknown"
-                entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
-            return sums
-
-        try:
-            sums = await bounded(read(), USAGE_TIMEOUT)
-        except StoreDown as exc:
-            log.warning("usage ledger: a usage query failed: %s", exc)
-            raise store_unavailable() from None
-        return [sums[k] for k in sorted(sums)]
+    async def sweep(self, keep_days: int, now: float, limit: int = 1000) -> int:
+        """Delete the charges older than ``keep_days`` days (LEDGER_RETENTION_DAYS): at most ``limit``
+        rows per sweep; the number deleted."""
+        cutoff = datetime.fromtimestamp(now, UTC).date() - timedelta(days=keep_days)
+        old = await self.store.query(
+            USAGE_TABLE, Where(rows_to=f"{cutoff:%Y%m%d}", select=(), limit=limit), timeout=USAGE_TIMEOUT
+        )
+        by_partition: dict[str, list[Row]] = {}
+        for row in old:
+            by_partition.setdefault(row["PartitionKey"], []).append(row)
+        deleted = 0
+        for partition, rows in by_partition.items():
+            for start in range(0, len(rows), 100):
+                chunk = rows[start : start + 100]
+                ops = [Op("delete", {"PartitionKey": partition, "RowKey": r["RowKey"]}) for r in chunk]
+                await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
+                deleted += len(chunk)
+        return deleted
 
 
-def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+def _day_after(day: date) -> str:
+    if day >= date.max:
+        return "99999999~"
+    return f"{day + timedelta(days=1):%Y%m%d}"
+
+
+def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    sums: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for row in rows:
+        day = str(row["RowKey"])[:8]
+        key = (
+            f"{day[:4]}-{day[4:6]}-{day[6:]}",
+            str(row.get("caller") or ""),
+            str(row.get("team") or ""),
+            str(row.get("model") or ""),
+        )
+        entry = sums.setdefault(
+            key,
+            {
+                "day": key[0],
+                "caller": key[1],
+                "team": key[2] or None,
+                "model": key[3],
+                "prompt_tokens": 0,
+                "cached_tokens": 0,
+                "completion_tokens": 0,
+                "total_tokens": 0,
+                "requests": 0,
+                "unpriced_requests": 0,
+                "cost_picousd": 0,
+                "ended": {},
+            },
+        )
+        prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("completion_tokens") or 0)
+        entry["prompt_tokens"] += prompt
+        entry["cached_tokens"] += int(row.get("cached_tokens") or 0)
+        entry["completion_tokens"] += completion
+        entry["total_tokens"] += prompt + completion
+        entry["requests"] += 1
+        cost = row.get("cost")
+        if cost is None:
+            entry["unpriced_requests"] += 1
+        else:
+            entry["cost_picousd"] += int(cost)
+        ended = str(row.get("ended") or "unknown")
+        entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
+    out = []
+    for key in sorted(sums):
+        entry = sums[key]
+        entry["cost_usd"] = usd(entry["cost_picousd"])
+        out.append(entry)
+    return out
+
+
+_SUMMED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "requests",
+    "unpriced_requests",
+    "cost_picousd",
+)
+
+
+def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The sums over usage rows (the admin API's ``total``)."""
-    return {f: sum(int(r[f]) for r in rows) for f in ("prompt_tokens", "completion_tokens", "total_tokens", "requests")}
+    total: dict[str, Any] = {f: sum(int(r[f]) for r in rows) for f in _SUMMED}
+    total["cost_usd"] = usd(total["cost_picousd"])
+    return total
+
+
+CSV_COLUMNS = (
+    "day",
+    "caller",
+    "team",
+    "model",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "cost_usd",
+    "unpriced_requests",
+)
+
+
+def as_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Usage rows for finance: one line per day, caller, team and model; ``cost_usd`` an exact
+    decimal (12 places); a last line of totals."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(row, c) for c in CSV_COLUMNS])
+    total = totals(rows)
+    writer.writerow(["total", "", "", "", *(_csv_value(total, c) for c in CSV_COLUMNS[4:])])
+    return out.getvalue()
+
+
+def _csv_value(row: Mapping[str, Any], column: str) -> str:
+    if column == "cost_usd":
+        return usd_text(int(row["cost_picousd"]))
+    value = row.get(column)
+    text = "" if value is None else str(value)
+    # A cell a spreadsheet would run as a formula is quoted as text (caller names are ours; models are not).
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
+
+
+__all__ = ["ENDINGS", "MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "as_csv", "day_of", "summarize", "totals"]

@@ -1,138 +1,138 @@
 """What a caller creates belongs to it: a stored or background response (and a resumable stream) can
-be read, resumed, cancelled or deleted only by the caller that created it (docs/callers.md).
+be read, resumed, cancelled, deleted, or continued (``previous_response_id``) only by the caller that
+created it (docs/callers.md).
 
 Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``,
-``stream``), with ``caller`` and ``charged`` (a background response is charged once, when its usage
-is first seen: ``first_charge`` is true for exactly one call, whichever instance makes it). One
-partition per id spreads the load; every call is one or two point operations, bounded."""
+``stream``), with ``caller_id`` (the caller's id: a caller deleted and created again under its name
+owns nothing of the old one's), ``charged`` (a background response is charged once, when its usage is
+first seen: ``first_charge`` is true for exactly one call, whichever instance makes it), what a
+background response reserved, ``context`` (a finished response's input + output tokens: what a
+request that continues it carries, so that it reserves them) and ``expires`` (the duty deletes the
+row then: the object's own lifetime). One partition per id spreads the load; every call is one or
+two point operations, bounded."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from datetime import UTC, datetime
+from dataclasses import dataclass
 
-from azure.core import MatchConditions
-from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
-from azure.data.tables import UpdateMode
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from .store import RESPONSES_TABLE, Store, Where, key_part
 
-from .calls import StoreDown, bounded, store_unavailable
-from .ledger import _key_part
-from .legacy_store import RESPONSES_TABLE, Store
+# How long an owner row is kept: OpenAI keeps a stored response 30 days; a stream, its TTL.
+RESPONSE_LIFETIME = 30 * 86400.0
 
-log = logging.getLogger("chatstream")
+
+@dataclass(frozen=True)
+class Owned:
+    caller_id: str
+    context: int = 0  # tokens a continuation of it carries (0: not known)
+    reserved: int = 0  # a background response: the tokens it reserved...
+    reserved_spend: int = 0  # ...the money (pico-USD)...
+    reserved_at: float = 0.0  # ...and when
 
 
 class Owners:
     def __init__(self, store: Store):
         self.store = store
 
-    async def _call(self, operation):
+    async def claim(
+        self,
+        kind: str,
+        id: str,
+        caller_id: str,
+        reserved: int = 0,
+        at: float = 0.0,
+        lifetime: float = RESPONSE_LIFETIME,
+        reserved_spend: int = 0,
+    ) -> bool:
+        """Record that the caller ``caller_id`` created ``kind``/``id``. True if it is (now or
+        already) that caller's; False if another caller had claimed it (the claim is not changed).
+        StoreError when the store does not answer."""
+        now = self.store.clock.now()
+        entity = {
+            "PartitionKey": key_part(id),
+            "RowKey": kind,
+            "caller_id": caller_id,
+            "charged": False,
+            "reserved": reserved,
+            "reserved_spend": reserved_spend,
+            "reserved_at": at,
+            "created": now,
+            "expires": now + lifetime,
+        }
         try:
-            return await bounded(operation)
-        except StoreDown as exc:
-            log.warning("owners: a store call failed: %s", exc)
-            raise store_unavailable() from None
+            await self.store.insert(RESPONSES_TABLE, entity)
+            return True
+        except AlreadyExists:
+            row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
+            return row is not None and row.get("caller_id") == caller_id
 
-    async def claim(self, kind: str, id: str, caller: str, reserved: int = 0, at: float = 0.0) -> bool:
-        """Record that ``caller`` created ``kind``/``id`` (``reserved``, ``at``: a background response's
-        reservation, settled when its usage is seen: ``held``). True if it is (now or already) that
-        caller's; False if another caller had claimed it (the claim is not changed)."""
+    async def owned(self, kind: str, id: str) -> Owned | None:
+        """Who created ``kind``/``id`` (None: nobody claimed it). A route answers 404 to anyone else
+        (the object's existence is not revealed)."""
+        row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
+        if row is None:
+            return None
+        owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)  # rows before ids
+        if not owner:
+            return None
+        return Owned(
+            str(owner),
+            int(row.get("context") or 0),
+            int(row.get("reserved") or 0),
+            int(row.get("reserved_spend") or 0),
+            float(row.get("reserved_at") or 0.0),
+        )
 
-        async def write() -> bool:
-            table = await self.store.table(RESPONSES_TABLE)
-            try:
-                await table.create_entity(
-                    {
-                        "PartitionKey": _key_part(id),
-                        "RowKey": kind,
-                        "caller": caller,
-                        "charged": False,
-                        "reserved": reserved,
-                        "reserved_at": at,
-                        "created_at": datetime.now(UTC).isoformat(),
-                    }
-                )
-                return True
-            except ResourceExistsError:
-                row = await table.get_entity(_key_part(id), kind)
-                return row.get("caller") == caller
-
-        return await self._call(write())
-
-    async def owner(self, kind: str, id: str) -> str | None:
-        """The caller that created ``kind``/``id``, or None if nobody claimed it. A route answers 404
-        to anyone else (the object's existence is not revealed)."""
-
-        async def read() -> str | None:
-            table = await self.store.table(RESPONSES_TABLE)
-            try:
-                row = await table.get_entity(_key_part(id), kind, select=["caller"])
-            except ResourceNotFoundError:
-                return None
-            return row.get("caller") or None
-
-        return await self._call(read())
+    async def set_context(self, kind: str, id: str, tokens: int) -> None:
+        """A finished response's size (input + output tokens): what continuing it will carry."""
+        with contextlib.suppress(NotFound):
+            await self.store.merge(RESPONSES_TABLE, {"PartitionKey": key_part(id), "RowKey": kind, "context": tokens})
 
     async def first_charge(self, kind: str, id: str) -> bool:
         """True exactly once per ``kind``/``id`` across every instance: the caller that gets True
         records the charge; every later call (or a concurrent one that lost) gets False."""
-
-        async def mark() -> bool:
-            table = await self.store.table(RESPONSES_TABLE)
-            key = _key_part(id)
-            for _ in range(10):
-                try:
-                    row = await table.get_entity(key, kind)
-                except ResourceNotFoundError:
-                    try:  # never claimed (created before callers were on): the first mark wins
-                        await table.create_entity(
-                            {
-                                "PartitionKey": key,
-                                "RowKey": kind,
-                                "caller": "",
-                                "charged": True,
-                                "created_at": datetime.now(UTC).isoformat(),
-                            }
-                        )
-                        return True
-                    except ResourceExistsError:
-                        continue
-                if row.get("charged"):
-                    return False
-                try:
-                    await table.update_entity(
-                        {"PartitionKey": key, "RowKey": kind, "charged": True},
-                        mode=UpdateMode.MERGE,
-                        etag=row.metadata["etag"],
-                        match_condition=MatchConditions.IfNotModified,
-                    )
+        key = key_part(id)
+        for _ in range(10):
+            row = await self.store.get(RESPONSES_TABLE, key, kind)
+            if row is None:
+                now = self.store.clock.now()
+                try:  # never claimed (created before callers were on): the first mark wins
+                    entity = {
+                        "PartitionKey": key,
+                        "RowKey": kind,
+                        "charged": True,
+                        "created": now,
+                        "expires": now + RESPONSE_LIFETIME,
+                    }
+                    await self.store.insert(RESPONSES_TABLE, entity)
                     return True
-                except (ResourceModifiedError, ResourceNotFoundError):
+                except AlreadyExists:
                     continue
-            return False
-
-        return await self._call(mark())
-
-    async def held(self, kind: str, id: str) -> tuple[int, float]:
-        """The reservation a claim recorded: (tokens, when); (0, 0.0) when it recorded none."""
-
-        async def read() -> tuple[int, float]:
-            table = await self.store.table(RESPONSES_TABLE)
+            if row.get("charged"):
+                return False
             try:
-                row = await table.get_entity(_key_part(id), kind, select=["reserved", "reserved_at"])
-            except ResourceNotFoundError:
-                return 0, 0.0
-            return int(row.get("reserved") or 0), float(row.get("reserved_at") or 0.0)
-
-        return await self._call(read())
+                await self.store.merge(
+                    RESPONSES_TABLE, {"PartitionKey": key, "RowKey": kind, "charged": True}, etag=row.etag
+                )
+                return True
+            except (Modified, NotFound):
+                continue
+        return False
 
     async def forget(self, kind: str, id: str) -> None:
         """Drop the record (the object was deleted)."""
+        await self.store.delete(RESPONSES_TABLE, key_part(id), kind)
 
-        async def delete() -> None:
-            table = await self.store.table(RESPONSES_TABLE)
-            with contextlib.suppress(ResourceNotFoundError):
-                await table.delete_entity(_key_part(id), kind)
-
-        await self._call(delete())
+    async def sweep(self, now: float, limit: int = 1000) -> int:
+        """Delete the rows past their lifetime (the duty's sweep); the number deleted."""
+        old = await self.store.query(
+            RESPONSES_TABLE, Where(less={"expires": now}, select=(), limit=limit), timeout=20.0
+        )
+        deleted = 0
+        for row in old:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(RESPONSES_TABLE, row["PartitionKey"], row["RowKey"], etag=row.etag)
+                deleted += 1
+        return deleted

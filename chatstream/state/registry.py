@@ -1,379 +1,509 @@
-"""The registry of callers in the store (``CallerRegistry``): create, list, read, change, delete,
-rotate; and ``authenticate``, which the request path calls with every caller key (cached per instance
-for ``cache_seconds``: a revoked or rotated key stops working on every instance within that time, and
-a key check costs a store read only once per key, instance and period)."""
+"""The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
+creates, lists, reads, changes and deletes them (manage.py); the request path asks ``authenticate``
+for every caller key, ``team`` for its team and ``price`` for its model, each answer cached per
+instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
+every instance within that time, exactly, and cost a store read only once per key, team or model,
+instance and period.
+
+Table ``chatstreamCallers``:
+
+- partition ``callers``: ``c|<name>`` the caller (limits, models, team, expiry, created, key hash and
+  hint) and ``k|<sha256 of the key>`` the key index, holding a copy of the caller, so that a key check
+  is one point read. Create, update, rotate and delete change both rows in one entity-group
+  transaction, the caller row under its ETag (two admins patching at once do not lose an update).
+- partition ``teams``: ``t|<name>`` a team. A team that still has callers cannot be deleted.
+- partition ``prices``: ``p|<model>`` a model's price.
+
+Made-up keys cost nothing much: a key that cannot be one of ours is refused without a store read,
+and a well-shaped key this instance has not seen is looked up at most ``LOOKUPS_PER_SECOND`` times a
+second (a flood of made-up keys waits its turn, answered "unavailable, retry", instead of taking the
+store from the callers whose keys are known)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
-from azure.core import MatchConditions
-from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
-from azure.data.tables import EdmType, EntityProperty, TableTransactionError, UpdateMode
-
-from ..errors import ApiError, invalid_request
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from ..record import log_safe
 from .callers import (
-    _KEY_SHAPE,
-    MAX_CACHED_KEYS,
+    KEY_SHAPE,
     NAME_PATTERN,
-    PARTITION,
     Caller,
     CallerPatch,
     CallerSpec,
-    _iso,
-    _validate,
+    Team,
+    TeamPatch,
+    TeamSpec,
     hash_key,
-    invalid_key,
+    iso,
+    limits_entity,
+    limits_fields,
+    model_limits_of,
     new_key,
+    spend_pico,
+    validate,
 )
-from .calls import StoreDown, bounded, store_unavailable
-from .legacy_store import CALLERS_TABLE, LIMITS_TABLE, Store
+from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
+from .prices import Price, PriceSpec
+from .store import CALLERS_TABLE, LIMITS_TABLE, Op, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
+T = TypeVar("T")
+
+CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
+MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
+LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at most
+_TRIES = 5  # an admin change that meets another admin's: read again and reapply this often
 
 
-def _not_found(name: str) -> ApiError:
-    return ApiError(404, "caller_not_found", f"no caller named {log_safe(name)[:80]!r}", "name")
-
-
-def _int64(value: int | None) -> EntityProperty | None:
-    return EntityProperty(value, EdmType.INT64) if value is not None else None
-
-
-def _read_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    return int(value.value) if isinstance(value, EntityProperty) else int(value)
-
-
-def _entity(row_key: str, caller: Caller, key_hash: str) -> dict[str, Any]:
-    entity: dict[str, Any] = {
-        "PartitionKey": PARTITION,
+def _caller_entity(row_key: str, caller: Caller, key_hash: str) -> dict[str, Any]:
+    return {
+        "PartitionKey": CALLERS,
         "RowKey": row_key,
         "name": caller.name,
         "id": caller.id,
-        "tokens_per_minute": _int64(caller.tokens_per_minute),
-        "requests_per_minute": _int64(caller.requests_per_minute),
-        "token_budget": _int64(caller.token_budget),
-        "budget_period": caller.budget_period,
-        "models": json.dumps(list(caller.models)) if caller.models is not None else None,
-        "expires_at": _iso(caller.expires_at),
-        "created_at": _iso(caller.created_at),
+        "team": caller.team,
+        "team_id": caller.team_id,
+        **limits_entity(caller),
+        "expires_at": iso(caller.expires_at),
+        "created_at": iso(caller.created_at),
         "key_hash": key_hash,
         "key_hint": caller.key_hint,
     }
-    return {k: v for k, v in entity.items() if v is not None}
 
 
 def _caller(entity: Mapping[str, Any]) -> Caller:
-    models = entity.get("models")
     expires = entity.get("expires_at")
     return Caller(
         name=entity["name"],
         id=entity["id"],
-        tokens_per_minute=_read_int(entity.get("tokens_per_minute")),
-        requests_per_minute=_read_int(entity.get("requests_per_minute")),
-        token_budget=_read_int(entity.get("token_budget")),
-        budget_period=entity.get("budget_period") or "total",
-        models=tuple(json.loads(models)) if models else None,
+        team=entity.get("team") or None,
+        team_id=entity.get("team_id") or None,
+        **limits_fields(entity),
         expires_at=datetime.fromisoformat(expires) if expires else None,
         created_at=datetime.fromisoformat(entity["created_at"]),
         key_hint=entity.get("key_hint", ""),
     )
 
 
-def _caller_row(name: str) -> str:
-    return f"c|{name}"
+def _team_entity(team: Team) -> dict[str, Any]:
+    return {
+        "PartitionKey": TEAMS,
+        "RowKey": f"t|{team.name}",
+        "name": team.name,
+        "id": team.id,
+        **limits_entity(team),
+        "created_at": iso(team.created_at),
+    }
 
 
-def _key_row(key_hash: str) -> str:
-    return f"k|{key_hash}"
+def _team(entity: Mapping[str, Any]) -> Team:
+    return Team(
+        name=entity["name"],
+        id=entity["id"],
+        **limits_fields(entity),
+        created_at=datetime.fromisoformat(entity["created_at"]),
+    )
 
 
-_IF_MATCH = "match_condition"
+def _price_row(model: str) -> str:
+    return f"p|{key_part(model)}"
 
 
-class CallerRegistry:
-    """The callers and their keys, in the store; key checks cached per instance."""
+class _Cache:
+    """Answers kept per instance for ``seconds`` (from when they were asked for), one store read at
+    a time per key: concurrent first requests share it."""
 
-    def __init__(
-        self,
-        store: Store,
-        cache_seconds: float = 10.0,
-        clock: Callable[[], float] = time.time,
-        cache_size: int = MAX_CACHED_KEYS,
-    ):
-        self.store = store
-        self.cache_seconds = cache_seconds
+    def __init__(self, seconds: float, clock: Callable[[], float], size: int = MAX_CACHED):
+        self.seconds = seconds
         self.clock = clock
-        self.cache_size = cache_size
-        self._cache: OrderedDict[str, tuple[float, Caller | None]] = OrderedDict()
-        self._lookups: dict[str, asyncio.Future] = {}
-        self.store_reads = 0  # key lookups that reached the store (tests and docs/callers.md use it)
+        self.size = size
+        self._kept: OrderedDict[str, tuple[float, Any]] = OrderedDict()
+        self._pending: dict[str, asyncio.Future] = {}
 
-    # --- the request path -------------------------------------------------------------------
+    def fresh(self, key: str) -> tuple[bool, Any]:
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] > self.clock():
+            self._kept.move_to_end(key)
+            return True, kept[1]
+        return False, None
 
-    async def authenticate(self, key: str | None) -> Caller:
-        """The caller whose key this is, or 401 ``invalid_api_key`` (unknown, revoked, rotated,
-        expired); 503 ``caller_store_unavailable`` when the store must be asked and does not answer.
-        A key's answer, yes or no, is kept ``cache_seconds`` per instance."""
-        if not isinstance(key, str) or not _KEY_SHAPE.fullmatch(key):
-            raise invalid_key()  # not one of ours: no store read, nothing cached
-        key_hash = hash_key(key)
-        now = self.clock()
-        cached = self._cache.get(key_hash)
-        if cached is not None and cached[0] > now:
-            self._cache.move_to_end(key_hash)
-            caller = cached[1]
-        else:
-            caller = await self._lookup(key_hash)
-        if caller is None:
-            raise invalid_key()
-        if caller.expired(self.clock()):
-            raise invalid_key(expired=True)
-        return caller
-
-    async def _lookup(self, key_hash: str) -> Caller | None:
-        """One store read per key at a time: concurrent first requests with one key share it."""
-        pending = self._lookups.get(key_hash)
+    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        found, value = self.fresh(key)
+        if found:
+            return value
+        pending = self._pending.get(key)
         if pending is None:
-            pending = self._lookups[key_hash] = asyncio.ensure_future(self._read_key(key_hash))
-            pending.add_done_callback(lambda _: self._lookups.pop(key_hash, None))
+            pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
+            pending.add_done_callback(lambda _: self._pending.pop(key, None))
         return await asyncio.shield(pending)
 
-    async def _read_key(self, key_hash: str) -> Caller | None:
-        async def read() -> Caller | None:
-            table = await self.store.table(CALLERS_TABLE)
-            try:
-                return _caller(await table.get_entity(PARTITION, _key_row(key_hash)))
-            except ResourceNotFoundError:
-                return None
+    async def _read(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        asked = self.clock()  # kept from when it was asked for: a change after that takes effect
+        value = await read()  # at most ``seconds`` after it was made, exactly
+        self._kept[key] = (asked + self.seconds, value)
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+        return value
 
-        self.store_reads += 1
-        asked = self.clock()  # the answer is kept from when it was asked for: a key revoked after that
-        try:  # stops working at most cache_seconds after its revocation, exactly
-            caller = await bounded(read())
-        except StoreDown as exc:
-            log.warning("caller store: key check failed: %s", exc)
-            raise store_unavailable() from None
-        self._remember(key_hash, caller, asked)
+    def forget(self, key: str) -> None:
+        self._kept.pop(key, None)
+
+
+class Registry:
+    """Callers, teams and prices in the store (module docstring)."""
+
+    def __init__(self, store: Store, cache_seconds: float = 10.0, clock: Callable[[], float] | None = None):
+        self.store = store
+        self.clock = clock or store.clock.now
+        self.keys = _Cache(cache_seconds, self.clock)
+        self.teams = _Cache(cache_seconds, self.clock)
+        self.prices = _Cache(cache_seconds, self.clock)
+        self.store_reads = 0  # key lookups that reached the store (tests and docs/callers.md use it)
+        self._bucket = LOOKUPS_PER_SECOND
+        self._bucket_at = time.monotonic()
+
+    # --- the request path -----------------------------------------------------------------------
+
+    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
+        """The caller whose key this is; KeyRefused (unknown, revoked, rotated, expired); Unavailable
+        when the store must be asked and does not answer (or too many unknown keys are asked now)."""
+        if not isinstance(key, str) or not KEY_SHAPE.fullmatch(key):
+            return KeyRefused()  # not one of ours: no store read, nothing cached
+        key_hash = hash_key(key)
+        known, caller = self.keys.fresh(key_hash)
+        if not known:
+            if not self._may_look_up():
+                return Unavailable("too many unknown keys are being checked now")
+            try:
+                caller = await self.keys.get(key_hash, lambda: self._read_key(key_hash))
+            except StoreError as exc:
+                log.warning("caller store: key check failed: %s", exc)
+                return Unavailable()
+        if caller is None:
+            return KeyRefused()
+        if caller.expired(self.clock()):
+            return KeyRefused(expired=True)
         return caller
 
-    def _remember(self, key_hash: str, caller: Caller | None, asked: float) -> None:
-        self._cache[key_hash] = (asked + self.cache_seconds, caller)
-        self._cache.move_to_end(key_hash)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+    def _may_look_up(self) -> bool:
+        now = time.monotonic()
+        self._bucket = min(2 * LOOKUPS_PER_SECOND, self._bucket + (now - self._bucket_at) * LOOKUPS_PER_SECOND)
+        self._bucket_at = now
+        if self._bucket < 1:
+            return False
+        self._bucket -= 1
+        return True
 
-    def forget(self, key_hash: str) -> None:
-        self._cache.pop(key_hash, None)
+    async def _read_key(self, key_hash: str) -> Caller | None:
+        self.store_reads += 1
+        row = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}")
+        return _caller(row) if row is not None else None
+
+    async def team_of(self, caller: Caller) -> Team | Unavailable | None:
+        """The caller's team (None: it has none, or it is gone: a team with callers cannot be
+        deleted, so only a race leaves one without it), cached like keys."""
+        if caller.team is None:
+            return None
+        try:
+            team = await self.teams.get(caller.team, lambda: self._read_team(caller.team or ""))
+        except StoreError as exc:
+            log.warning("caller store: team read failed: %s", exc)
+            return Unavailable()
+        if team is None or team.id != caller.team_id:
+            log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
+            return None
+        return team
+
+    async def _read_team(self, name: str) -> Team | None:
+        row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}")
+        return _team(row) if row is not None else None
+
+    async def price(self, model: str) -> Price | Unavailable | None:
+        """The model's price (None: it has none), cached like keys."""
+        try:
+            return await self.prices.get(model, lambda: self._read_price(model))
+        except StoreError as exc:
+            log.warning("caller store: price read failed: %s", exc)
+            return Unavailable()
+
+    async def _read_price(self, model: str) -> Price | None:
+        row = await self.store.get(CALLERS_TABLE, PRICES, _price_row(model))
+        return Price.of(row) if row is not None else None
 
     # --- the admin API ------------------------------------------------------------------------
 
-    async def _admin(self, operation):
+    async def _admin(self, call: Awaitable[T]) -> T:
         try:
-            return await bounded(operation)
-        except StoreDown as exc:
-            log.warning("caller store: admin operation failed: %s", exc)
-            raise store_unavailable() from None
+            return await call
+        except (AlreadyExists, Modified, NotFound):
+            raise
+        except StoreError as exc:
+            log.warning("caller store: an admin operation failed: %s", exc)
+            raise AdminUnavailable(str(exc)) from None
+
+    def _future(self, expires_at: datetime | None) -> None:
+        if expires_at is not None and expires_at.timestamp() <= self.clock():
+            raise Invalid("expires_at: must be in the future", "expires_at")
+
+    async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
+        if name is None:
+            return None, None
+        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}"))
+        if row is None:
+            raise Invalid(f"team: no team named {name!r}", "team")
+        return name, row["id"]
 
     async def create(self, spec: object) -> tuple[Caller, str]:
-        """A new caller and its key (shown this once). 400 naming the field for bad input, 400
-        ``name`` when the name is taken."""
-        data: CallerSpec = _validate(CallerSpec, spec)
-        if data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
-            raise invalid_request("expires_at: must be in the future", "expires_at")
+        """A new caller and its key (shown this once)."""
+        data: CallerSpec = validate(CallerSpec, spec)
+        self._future(data.expires_at)
+        team, team_id = await self._team_ref(data.team)
         key = new_key()
         caller = Caller(
             name=data.name,
             id=secrets.token_hex(6),
+            team=team,
+            team_id=team_id,
             tokens_per_minute=data.tokens_per_minute,
             requests_per_minute=data.requests_per_minute,
             token_budget=data.token_budget,
+            spend_budget=spend_pico(data.spend_budget),
             budget_period=data.budget_period,
             models=tuple(data.models) if data.models is not None else None,
+            model_limits=model_limits_of(data.model_limits),
             expires_at=data.expires_at,
             created_at=datetime.fromtimestamp(self.clock(), UTC),
             key_hint=key[-4:],
         )
         key_hash = hash_key(key)
-
-        async def write() -> None:
-            table = await self.store.table(CALLERS_TABLE)
-            await table.submit_transaction(
-                [
-                    ("create", _entity(_caller_row(caller.name), caller, key_hash)),
-                    ("create", _entity(_key_row(key_hash), caller, key_hash)),
-                ]
-            )
-
+        ops = [
+            Op("insert", _caller_entity(f"c|{caller.name}", caller, key_hash)),
+            Op("insert", _caller_entity(f"k|{key_hash}", caller, key_hash)),
+        ]
         try:
-            await self._admin(write())
-        except TableTransactionError as exc:
-            if exc.status_code == 409:
-                raise invalid_request(f"name: a caller named {caller.name!r} already exists", "name") from None
-            raise
+            await self._admin(self.store.batch(CALLERS_TABLE, ops))
+        except AlreadyExists:
+            raise Invalid(f"name: a caller named {caller.name!r} already exists", "name") from None
+        self.keys.forget(key_hash)
         log.info("caller %s created (key …%s)", caller.name, caller.key_hint)
         return caller, key
 
     async def list(self) -> list[Caller]:
-        async def read() -> list[Caller]:
-            table = await self.store.table(CALLERS_TABLE)
-            rows = table.query_entities(
-                "PartitionKey eq @p and RowKey ge @lo and RowKey lt @hi",
-                parameters={"p": PARTITION, "lo": "c|", "hi": "c}"},
-            )
-            return [_caller(row) async for row in rows]
-
-        return sorted(await self._admin(read()), key=lambda c: c.name)
+        rows = await self._admin(
+            self.store.query(CALLERS_TABLE, Where(partition=CALLERS, rows_from="c|", rows_to="c}"), timeout=10.0)
+        )
+        return sorted((_caller(row) for row in rows), key=lambda c: c.name)
 
     async def _row(self, name: str) -> tuple[Caller, str, str]:
-        """The caller row: the caller, its key hash and its ETag; 404 when there is none."""
+        """The caller row: the caller, its key hash and its ETag; Missing when there is none."""
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise _not_found(name if isinstance(name, str) else "")
-
-        async def read():
-            table = await self.store.table(CALLERS_TABLE)
-            try:
-                return await table.get_entity(PARTITION, _caller_row(name))
-            except ResourceNotFoundError:
-                return None
-
-        row = await self._admin(read())
+            raise Missing("caller", log_safe(name if isinstance(name, str) else "")[:80])
+        row = await self._admin(self.store.get(CALLERS_TABLE, CALLERS, f"c|{name}"))
         if row is None:
-            raise _not_found(name)
-        return _caller(row), row["key_hash"], row.metadata["etag"]
+            raise Missing("caller", name)
+        return _caller(row), row["key_hash"], row.etag
 
     async def get(self, name: str) -> Caller:
         return (await self._row(name))[0]
 
     async def update(self, name: str, patch: object) -> Caller:
-        """Change the fields ``patch`` names; the key stays. Other instances see the change within
-        ``cache_seconds``."""
-        data: CallerPatch = _validate(CallerPatch, patch)
+        """Change the fields ``patch`` names; the key stays."""
+        data: CallerPatch = validate(CallerPatch, patch)
         given = data.model_fields_set
-        if "expires_at" in given and data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
-            raise invalid_request("expires_at: must be in the future", "expires_at")
-        for _ in range(5):  # another admin's change in between: read again and reapply
+        if "expires_at" in given:
+            self._future(data.expires_at)
+        for _ in range(_TRIES):
             caller, key_hash, etag = await self._row(name)
-            changes: dict[str, Any] = {f: getattr(data, f) for f in given}
-            if "models" in changes and changes["models"] is not None:
-                changes["models"] = tuple(changes["models"])
-            if changes.get("budget_period", "total") is None:
-                changes["budget_period"] = "total"
+            changes = _changes(data, given)
+            if "team" in given:
+                changes["team"], changes["team_id"] = await self._team_ref(data.team)
             updated = replace(caller, **changes)
-
-            async def write(updated=updated, key_hash=key_hash, etag=etag) -> None:
-                table = await self.store.table(CALLERS_TABLE)
-                await table.submit_transaction(
-                    [
-                        (
-                            "update",
-                            _entity(_caller_row(name), updated, key_hash),
-                            {"mode": UpdateMode.REPLACE, "etag": etag, _IF_MATCH: MatchConditions.IfNotModified},
-                        ),
-                        ("update", _entity(_key_row(key_hash), updated, key_hash), {"mode": UpdateMode.REPLACE}),
-                    ]
-                )
-
+            ops = [
+                Op("replace", _caller_entity(f"c|{name}", updated, key_hash), etag=etag),
+                Op("replace", _caller_entity(f"k|{key_hash}", updated, key_hash)),
+            ]
             try:
-                await self._admin(write())
-            except (TableTransactionError, ResourceModifiedError) as exc:
-                if getattr(exc, "status_code", None) in (404, 412):
-                    continue
-                raise
-            self.forget(key_hash)
+                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+            except (Modified, NotFound):
+                continue  # another admin's change in between: read again and reapply
+            self.keys.forget(key_hash)
             log.info("caller %s updated (%s)", name, ", ".join(sorted(given)) or "nothing")
             return updated
-        raise ApiError(409, "conflict", "the caller changed repeatedly while being updated; try again", "name")
+        raise Conflict("the caller changed repeatedly while being updated; try again")
 
     async def delete(self, name: str) -> Caller:
         """Remove the caller and its key (which stops working on every instance within
         ``cache_seconds``), and, best effort, its limit counters."""
-        for _ in range(5):
+        for _ in range(_TRIES):
             caller, key_hash, etag = await self._row(name)
-
-            async def write(key_hash=key_hash, etag=etag) -> None:
-                table = await self.store.table(CALLERS_TABLE)
-                await table.submit_transaction(
-                    [
-                        (
-                            "delete",
-                            {"PartitionKey": PARTITION, "RowKey": _caller_row(name)},
-                            {"etag": etag, _IF_MATCH: MatchConditions.IfNotModified},
-                        ),
-                        ("delete", {"PartitionKey": PARTITION, "RowKey": _key_row(key_hash)}),
-                    ]
-                )
-
+            ops = [
+                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"c|{name}"}, etag=etag),
+                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{key_hash}"}),
+            ]
             try:
-                await self._admin(write())
-            except TableTransactionError as exc:
-                if exc.status_code in (404, 412):
-                    continue
-                raise
-            self.forget(key_hash)
-            await self._drop_counters(caller)
+                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+            except (Modified, NotFound):
+                continue
+            self.keys.forget(key_hash)
+            await self._drop_counters(caller.limits_partition, caller.name)
             log.info("caller %s deleted", name)
             return caller
-        raise ApiError(409, "conflict", "the caller changed repeatedly while being deleted; try again", "name")
+        raise Conflict("the caller changed repeatedly while being deleted; try again")
 
-    async def _drop_counters(self, caller: Caller) -> None:
-        async def drop() -> None:
-            table = await self.store.table(LIMITS_TABLE)
-            rows = table.query_entities(
-                "PartitionKey eq @p", parameters={"p": caller.limits_partition}, select=["PartitionKey", "RowKey"]
-            )
-            async for row in rows:
-                with contextlib.suppress(ResourceNotFoundError):
-                    await table.delete_entity(row["PartitionKey"], row["RowKey"])
-
+    async def _drop_counters(self, partition: str, name: str) -> None:
+        """Harmless if it fails: a caller or team created again under this name gets a new id."""
         try:
-            await bounded(drop())
-        except StoreDown as exc:  # harmless: a caller created again under this name gets a new id
-            log.warning("caller %s deleted; its limit counters were left in the store: %s", caller.name, exc)
+            for row in await self.store.query(LIMITS_TABLE, Where(partition=partition, select=()), timeout=10.0):
+                await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
+        except StoreError as exc:
+            log.warning("%s deleted; its limit counters were left in the store: %s", name, exc)
 
     async def rotate(self, name: str) -> tuple[Caller, str]:
         """A new key for the caller; the old one stops working (on every instance within
         ``cache_seconds``). Limits, usage and counters stay."""
-        for _ in range(5):
+        for _ in range(_TRIES):
             caller, old_hash, etag = await self._row(name)
             key = new_key()
             new_hash = hash_key(key)
             rotated = replace(caller, key_hint=key[-4:])
-
-            async def write(rotated=rotated, old_hash=old_hash, new_hash=new_hash, etag=etag) -> None:
-                table = await self.store.table(CALLERS_TABLE)
-                await table.submit_transaction(
-                    [
-                        (
-                            "update",
-                            _entity(_caller_row(name), rotated, new_hash),
-                            {"mode": UpdateMode.REPLACE, "etag": etag, _IF_MATCH: MatchConditions.IfNotModified},
-                        ),
-                        ("delete", {"PartitionKey": PARTITION, "RowKey": _key_row(old_hash)}),
-                        ("create", _entity(_key_row(new_hash), rotated, new_hash)),
-                    ]
-                )
-
+            ops = [
+                Op("replace", _caller_entity(f"c|{name}", rotated, new_hash), etag=etag),
+                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{old_hash}"}),
+                Op("insert", _caller_entity(f"k|{new_hash}", rotated, new_hash)),
+            ]
             try:
-                await self._admin(write())
-            except TableTransactionError as exc:
-                if exc.status_code in (404, 409, 412):
-                    continue
-                raise
-            self.forget(old_hash)
+                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+            except (Modified, NotFound, AlreadyExists):
+                continue
+            self.keys.forget(old_hash)
             log.info("caller %s: key rotated (now …%s)", name, rotated.key_hint)
             return rotated, key
-        raise ApiError(409, "conflict", "the caller changed repeatedly while its key was rotated; try again", "name")
+        raise Conflict("the caller changed repeatedly while its key was rotated; try again")
+
+    # --- teams --------------------------------------------------------------------------------
+
+    async def create_team(self, spec: object) -> Team:
+        data: TeamSpec = validate(TeamSpec, spec)
+        team = Team(
+            name=data.name,
+            id=secrets.token_hex(6),
+            tokens_per_minute=data.tokens_per_minute,
+            requests_per_minute=data.requests_per_minute,
+            token_budget=data.token_budget,
+            spend_budget=spend_pico(data.spend_budget),
+            budget_period=data.budget_period,
+            models=tuple(data.models) if data.models is not None else None,
+            model_limits=model_limits_of(data.model_limits),
+            created_at=datetime.fromtimestamp(self.clock(), UTC),
+        )
+        try:
+            await self._admin(self.store.insert(CALLERS_TABLE, _team_entity(team)))
+        except AlreadyExists:
+            raise Invalid(f"name: a team named {team.name!r} already exists", "name") from None
+        self.teams.forget(team.name)
+        log.info("team %s created", team.name)
+        return team
+
+    async def list_teams(self) -> list[Team]:
+        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=TEAMS), timeout=10.0))
+        return sorted((_team(row) for row in rows), key=lambda t: t.name)
+
+    async def _team_row(self, name: str) -> tuple[Team, str]:
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise Missing("team", log_safe(name if isinstance(name, str) else "")[:80])
+        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}"))
+        if row is None:
+            raise Missing("team", name)
+        return _team(row), row.etag
+
+    async def get_team(self, name: str) -> Team:
+        return (await self._team_row(name))[0]
+
+    async def update_team(self, name: str, patch: object) -> Team:
+        data: TeamPatch = validate(TeamPatch, patch)
+        given = data.model_fields_set
+        for _ in range(_TRIES):
+            team, etag = await self._team_row(name)
+            updated = replace(team, **_changes(data, given))
+            try:
+                await self._admin(self.store.replace(CALLERS_TABLE, _team_entity(updated), etag=etag))
+            except (Modified, NotFound):
+                continue
+            self.teams.forget(name)
+            log.info("team %s updated (%s)", name, ", ".join(sorted(given)) or "nothing")
+            return updated
+        raise Conflict("the team changed repeatedly while being updated; try again")
+
+    async def delete_team(self, name: str) -> Team:
+        """Remove a team that has no callers (Conflict otherwise: move or delete them first)."""
+        team, etag = await self._team_row(name)
+        members = [c.name for c in await self.list() if c.team == name]
+        if members:
+            raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
+        try:
+            await self._admin(self.store.delete(CALLERS_TABLE, TEAMS, f"t|{name}", etag=etag))
+        except Modified:
+            raise Conflict("the team changed while being deleted; try again") from None
+        self.teams.forget(name)
+        await self._drop_counters(team.limits_partition, f"team {name}")
+        log.info("team %s deleted", name)
+        return team
+
+    # --- prices -------------------------------------------------------------------------------
+
+    async def set_price(self, model: str, spec: object) -> Price:
+        if (
+            not isinstance(model, str)
+            or not model
+            or len(model) > 256
+            or model != model.strip()
+            or not model.isprintable()
+        ):
+            raise Invalid("model: not a model name", "model")
+        data: PriceSpec = validate(PriceSpec, spec)
+        price = data.price(model, datetime.fromtimestamp(self.clock(), UTC))
+        entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **price.entity()}
+        await self._admin(self.store.upsert(CALLERS_TABLE, entity))
+        self.prices.forget(model)
+        log.info("price of %s set", log_safe(model)[:80])
+        return price
+
+    async def list_prices(self) -> list[Price]:
+        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=PRICES), timeout=10.0))
+        return sorted((Price.of(row) for row in rows), key=lambda p: p.model)
+
+    async def get_price(self, model: str) -> Price:
+        row = await self._admin(self.store.get(CALLERS_TABLE, PRICES, _price_row(model))) if model else None
+        if row is None:
+            raise Missing("price for model", log_safe(model)[:80])
+        return Price.of(row)
+
+    async def delete_price(self, model: str) -> Price:
+        price = await self.get_price(model)
+        await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _price_row(model)))
+        self.prices.forget(model)
+        return price
+
+
+def _changes(data: Any, given: set[str]) -> dict[str, Any]:
+    """A patch's fields as a caller's or team's values (``null`` removes; the period defaults)."""
+    changes: dict[str, Any] = {f: getattr(data, f) for f in given if f != "team"}
+    if "models" in changes and changes["models"] is not None:
+        changes["models"] = tuple(changes["models"])
+    if "spend_budget" in changes:
+        changes["spend_budget"] = spend_pico(changes["spend_budget"])
+    if "model_limits" in changes:
+        changes["model_limits"] = model_limits_of(changes["model_limits"])
+    if "budget_period" in changes and changes["budget_period"] is None:
+        changes["budget_period"] = "total"
+    return changes

@@ -1,37 +1,40 @@
 """The app's shared state, built once at start-up from the settings: the store (AzureWebJobsStorage),
-the callers' registry, their limits, the usage ledger and who owns what; ``accounting`` when
-``CALLER_KEYS=required``. Without a storage setting there is none, and the features that need it are
-refused at start-up with a message naming the setting."""
+this instance among the others, the registry (callers, teams, prices), the counters of their limits,
+the journal and the usage ledger, who owns what; ``accounting`` when ``CALLER_KEYS=required``.
+Without a storage setting there is none, and the features that need it are refused at start-up with
+a message naming the setting."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import tokens
 from ..settings import Settings, SettingsError
 from .accounting import Accounting
+from .counters import Counters
+from .instances import Instances
+from .journal import Journal, recover
 from .ledger import Ledger
-from .legacy_store import Store, StoreConfigError, store_from_env
 from .owners import Owners
-from .quota import Quota
-from .registry import CallerRegistry
+from .registry import Registry
+from .store import Store, StoreConfigError, store_from_env
 
 log = logging.getLogger("chatstream")
-# azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
-logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
+
+SWEEP_SECONDS = 300.0  # the duty's sweeps of old owner rows and, with a retention, old charges
 
 
 @dataclass
 class SharedState:
     store: Store
-    registry: CallerRegistry
-    quota: Quota
+    instances: Instances
+    registry: Registry
+    counters: Counters
+    journal: Journal
     ledger: Ledger
     owners: Owners
     accounting: Accounting | None  # CALLER_KEYS=required
@@ -53,17 +56,59 @@ class SharedState:
                         "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
                     )
             return None
-        log.info("shared state: %s", store.config.describe())
-        registry = CallerRegistry(store, settings.caller_cache_seconds)
-        # One id per process: the leases of limits are this instance's.
-        quota = Quota(store, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        log.info("shared state: %s", store.describe())
+        return cls.on(store, settings)
+
+    @classmethod
+    def on(cls, store: Store, settings: Settings, instances: Instances | None = None) -> SharedState:
+        """The shared state on ``store`` (one per instance; tests make several on one store)."""
+        instances = instances or Instances(store)
+        registry = Registry(store, settings.caller_cache_seconds)
         ledger, owners = Ledger(store), Owners(store)
+        journal = Journal(store, ledger, lambda: instances.id, on_busy=instances.need, on_idle=instances.done)
+        counters = Counters(
+            store, lambda: instances.id, before_first_hold=journal.note_counter, fenced=instances.fenced.is_set
+        )
+        journal.counters = counters
+        counters.on_applied = journal.changed
+
+        async def take_over(dead: str) -> None:
+            await recover(store, ledger, counters, dead, instances.id)
+
+        instances.on_dead(take_over)
+
+        async def sweep() -> None:
+            now = store.clock.now()
+            await owners.sweep(now)
+            if settings.ledger_retention_days:
+                deleted = await ledger.sweep(settings.ledger_retention_days, now)
+                if deleted:
+                    log.info(
+                        "usage ledger: %d charges older than %d days deleted", deleted, settings.ledger_retention_days
+                    )
+
+        instances.every(SWEEP_SECONDS, sweep)
         accounting = None
         if settings.caller_keys == "required":
-            accounting = Accounting(registry, quota, ledger, owners, settings.default_max_output_tokens)
+            accounting = Accounting(
+                registry,
+                counters,
+                journal,
+                ledger,
+                owners,
+                settings.default_max_output_tokens,
+                settings.referenced_context_tokens,
+            )
             # The tokenizer's tables take about a second to build: off the first request's path.
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
-        return cls(store, registry, quota, ledger, owners, accounting)
+        return cls(store, instances, registry, counters, journal, ledger, owners, accounting)
 
     async def close(self) -> None:
+        """A graceful stop: what this instance holds is settled and written, then everything closes."""
+        if self.accounting is not None:
+            await self.accounting.flush(within=10.0)
+        await self.counters.close()
+        await self.journal.close()
+        await self.ledger.close()
+        await self.instances.close()
         await self.store.close()

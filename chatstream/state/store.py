@@ -29,12 +29,14 @@ is a bug of ours: ``ValueError``."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+from urllib.parse import quote
 
 from ..errors import StoreError
 
@@ -134,6 +136,7 @@ class StoreClock:
         self._best: float | None = None  # the best sample of (store's Date - monotonic) lately
         self._best_at = 0.0
         self.observed = False  # an answer of the store has set it
+        self.answered_at = 0.0  # when the store last answered anything (this process's monotonic clock)
 
     def now(self) -> float:
         return self._monotonic() + self._base
@@ -145,6 +148,7 @@ class StoreClock:
         to arrive). The largest of the last minute is kept, so a store clock that steps back is
         followed within a minute."""
         mono = self._monotonic()
+        self.answered_at = mono
         sample = date_seconds - mono
         if self._best is None or sample >= self._best or mono - self._best_at > 60.0:
             self._best, self._best_at = sample, mono
@@ -258,6 +262,16 @@ def clean(entity: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in entity.items() if v is not None}
     check_entity(out)
     return out
+
+
+def key_part(text: str) -> str:
+    """``text`` as part of a PartitionKey/RowKey: the characters the service refuses (``/ \\ # ?``,
+    control characters), ``%`` and ``|`` (our separator) percent-encoded; a long one shortened with
+    its hash, so that two texts never share a key."""
+    encoded = quote(text, safe="-._~:;,=+!*()[]@$&' ")
+    if len(encoded) > 200:
+        encoded = encoded[:150] + "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return encoded
 
 
 def check_batch(ops: Sequence[Op]) -> str:

@@ -110,9 +110,6 @@ class MemoryStore:
         """Run ``work`` as the store would: after any failure put on it, within ``timeout``."""
         self.data.calls[op] = self.data.calls.get(op, 0) + 1
         await asyncio.sleep(0)  # a store call is never synchronous: let others run, as a real one does
-        # Its Date, to the microsecond (Azure's has whole seconds): unit tests run with leases of a
-        # fraction of a second. StoreClock's own tests cover whole seconds.
-        self.clock.observe(self.data.wall())
         fault = next((f for f in self.faults if f.applies(op, table)), None)
         if fault is not None:
             fault.times -= 1
@@ -135,7 +132,12 @@ class MemoryStore:
                 if write:
                     self.data.queued.append(lambda: _quietly(work))
                 raise StoreTimeout("the store did not answer in time (frozen)") from None
-        return work()
+        try:
+            return work()
+        finally:
+            # An answer, with its Date, to the microsecond (Azure's has whole seconds): unit tests run
+            # with leases of a fraction of a second. StoreClock's own tests cover whole seconds.
+            self.clock.observe(self.data.wall())
 
     # --- tables ------------------------------------------------------------------------------
 

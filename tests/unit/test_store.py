@@ -1,25 +1,26 @@
-"""chatstream/state/store.py against a real Azurite: settings, clients, tables made on first use."""
+"""chatstream/state/store.py: where the store is (the settings, as the Functions host reads them),
+and what the Azure backend does when nothing answers. The contract itself: tests/store_contract.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
-from chatstream.state.legacy_store import (
-    CALLERS_TABLE,
-    StorageConfig,
-    Store,
-    StoreConfigError,
-    StoreUnavailable,
-    store_from_env,
-)
+from chatstream.errors import StoreUnavailable
+from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError, store_from_env
+from chatstream.state.store_azure import AzureStore
+from chatstream.state.store_memory import MemoryStore
 
 
 def test_no_storage_setting_means_no_store():
     assert store_from_env({}) is None
     assert store_from_env({"AzureWebJobsStorage": "  "}) is None
+
+
+def test_the_in_process_store_is_for_tests_only_and_shared_in_the_process():
+    a, b = store_from_env({"CHATSTREAM_STORE": "memory"}), store_from_env({"CHATSTREAM_STORE": "memory"})
+    assert isinstance(a, MemoryStore) and isinstance(b, MemoryStore) and a.data is b.data
 
 
 def test_identity_based_settings_make_service_urls():
@@ -30,11 +31,12 @@ def test_identity_based_settings_make_service_urls():
             "AzureWebJobsStorage__clientId": "id-1",
         }
     )
+    assert config is not None
     assert config.table_url == "https://acct.table.core.windows.net"
     assert config.blob_url == "https://acct.blob.core.windows.net"
     assert (config.credential, config.client_id) == ("managedidentity", "id-1")
     explicit = StorageConfig.from_env({"AzureWebJobsStorage__tableServiceUri": "https://t.example/"})
-    assert explicit.table_url == "https://t.example/" and explicit.blob_url is None
+    assert explicit is not None and explicit.table_url == "https://t.example/" and explicit.blob_url is None
 
 
 def test_a_plain_http_service_uri_is_refused_naming_the_setting():
@@ -47,22 +49,9 @@ def test_describe_never_shows_the_key():
     assert "SECRETKEY" not in config.describe() and "a" in config.describe()
 
 
-async def test_tables_and_the_container_are_made_on_first_use(azurite):
-    store = Store(StorageConfig(connection_string=azurite.connection_string))
-    try:
-        tables = await asyncio.gather(*(store.table(CALLERS_TABLE) for _ in range(5)))
-        await tables[0].upsert_entity({"PartitionKey": "p", "RowKey": "r", "n": 1})
-        assert (await tables[1].get_entity("p", "r"))["n"] == 1
-        container = await store.container()
-        await container.upload_blob("b", b"x", overwrite=True)
-        assert await (await container.download_blob("b")).readall() == b"x"
-    finally:
-        await store.close()
-
-
 async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     # A port nothing listens on: the connection is refused at once; retried once, then given up.
-    store = Store(
+    store = AzureStore(
         StorageConfig(
             connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
             "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
@@ -71,7 +60,7 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     started = time.monotonic()
     try:
         with pytest.raises(StoreUnavailable):
-            await store.table(CALLERS_TABLE)
+            await store.get(CALLERS_TABLE, "p", "r")
     finally:
         await store.close()
     assert time.monotonic() - started < 2.0

@@ -1,0 +1,872 @@
+"""Limits that hold across every instance, under any burst, through timeouts and crashes
+(docs/callers.md): requests and tokens per minute, token and spend budgets, of callers and teams,
+overall and per model.
+
+Each limit is one counter row in ``chatstreamLimits`` (PartitionKey the caller's or team's
+``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>``,
+``tpm@<model>``) holding ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken``
+(what of that window is out: spent, or held by instances) and ``holds``: each holding instance's
+share, ``<instance>=<held>/<applied>/<exchange>``. A row whose window is older than now counts as
+empty: rows are reused, never piled up.
+
+**Capacity leases.** Each instance (``Counters``) holds a local balance per counter. A reservation
+is served from it without a store call; when it is short, the reservation waits while ONE exchange
+per counter and instance is in flight (single flight), asking for what all the waiting reservations
+need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
+(a reservation settled below what it reserved, a request released) goes back to the store by the
+same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``,
+at most ``HOLD_SHARE`` of the limit split over the instances holding it (so the idle capacity of all
+instances together stays under that share, however many there are).
+
+**Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
+When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
+back on a guess: the row is read again, and the entry says whether the write landed; if the row has
+not changed since, the same write (same ETag) is sent again, so at most one of them can land; if
+another write landed first, ours never will (its ETag is gone), and only then is it undone locally.
+Until that is known the counter waits (its reservations answer "unavailable"). So the row always
+equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
+
+**A dead instance gives back.** A budget's capacity held by an instance that dies is in its entry;
+the instance's journal (journal.py) lists its open reservations and unapplied charges. Whoever takes
+the instance over (instances.py) settles them at what was actually generated and removes the entry
+(``recover``): ``taken`` loses what the dead instance held and gains what it spent. Minute windows
+need nothing: they end. Charges enter a budget's row only once their ledger row is written
+(``Settlement.confirm``), in the order they were made (``applied`` is the last one in), so the
+recovery knows exactly which of the journal's charges the row already has.
+
+What is exact, and what is not: admission is exact per window (the store never grants past the
+limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
+take a row past its limit (the tokens were spent: the next request is refused);
+``x-ratelimit-remaining-*`` is an estimate (the row as last read or written, plus this instance's
+balance)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from .port import LimitRef, Rate, Refused, Unavailable
+from .store import CALL_TIMEOUT, LIMITS_TABLE, Row, Store
+
+log = logging.getLogger("chatstream")
+
+WINDOW_SECONDS = 60
+MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
+HOLD_SECONDS = 1.0
+HOLD_SHARE = 0.1
+RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
+SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
+Period = str  # "minute", "day", "month", "total"
+
+
+def window_of(period: Period, now: float) -> str:
+    if period == "minute":
+        return f"{int(now // WINDOW_SECONDS):010d}"
+    if period == "day":
+        return datetime.fromtimestamp(now, UTC).strftime("d%Y%m%d")
+    if period == "month":
+        return datetime.fromtimestamp(now, UTC).strftime("m%Y%m")
+    return "total"
+
+
+def seconds_to_next_minute(now: float) -> float:
+    return WINDOW_SECONDS - (now % WINDOW_SECONDS)
+
+
+def _newer(a: str | None, b: str | None) -> bool:
+    """Whether window ``a`` comes after window ``b`` (windows of one kind compare as strings)."""
+    return a is not None and b is not None and len(a) == len(b) and a[:1] == b[:1] and a > b
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a reservation needs of one counter: ``need`` of its ``limit`` in the current window."""
+
+    partition: str
+    row: str
+    ref: LimitRef
+    limit: int
+    need: int
+    period: Period  # minute, day, month, total
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.partition, self.row)
+
+
+@dataclass
+class Entry:
+    """One instance's share of a counter row: what it holds, the last charge of it applied, and its
+    last exchange's number."""
+
+    held: int = 0
+    applied: int = 0
+    exchange: int = 0
+
+    def text(self) -> str:
+        return f"{self.held}/{self.applied}/{self.exchange}"
+
+
+def parse_holds(text: str | None) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for item in (text or "").split():
+        name, _, values = item.partition("=")
+        parts = values.split("/")
+        if name and len(parts) == 3 and all(p.lstrip("-").isdigit() for p in parts):
+            entries[name] = Entry(int(parts[0]), int(parts[1]), int(parts[2]))
+    return entries
+
+
+def format_holds(entries: Mapping[str, Entry]) -> str:
+    return " ".join(f"{name}={entry.text()}" for name, entry in sorted(entries.items()))
+
+
+@dataclass
+class _Waiter:
+    need: int
+    future: asyncio.Future
+
+
+@dataclass
+class _Written:
+    """An exchange whose answer was lost: what it would have done, to find out whether it landed."""
+
+    etag: str | None  # the ETag it was conditioned on (None: an insert)
+    exchange: int
+    entity: dict
+    delta: int
+    debt: int
+    applied: list[tuple[int, int]]  # (seq, amount) charges it applied
+    waiters: list[_Waiter]
+    keep: int  # the balance this instance keeps after it
+    window: str
+    balance_out: int  # the balance it took out of the books while in flight
+
+
+@dataclass
+class _Staged:
+    seq: int
+    amount: int
+    window: str
+    confirmed: bool = False
+
+
+class Lease:
+    """One counter as this instance holds it (module docstring). Local books, in the counter's window:
+    ``held + debt == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in
+    the row as last written."""
+
+    def __init__(self, counters: Counters, partition: str, row: str):
+        self.counters = counters
+        self.partition = partition
+        self.row = row
+        self.limit = 0
+        self.period: Period = "minute"
+        self.ref: LimitRef | None = None
+        self.window: str | None = None
+        self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
+        self.held = 0
+        self.balance = 0
+        self.reserved = 0
+        self.debt = 0
+        self.staged: deque[_Staged] = deque()
+        self.seq = 0  # the last charge's number
+        self.applied = 0  # the last charge in the row
+        self.exchange = 0
+        self.waiters: deque[_Waiter] = deque()
+        self.flight: asyncio.Task | None = None
+        self.retry: asyncio.TimerHandle | None = None
+        self.backoff = 0.5
+        self.hold_until = 0.0
+        self.hold_timer: asyncio.TimerHandle | None = None
+        self.uncertain: _Written | None = None
+        # The row as this instance last read or wrote it.
+        self.known = False
+        self.row_etag: str | None = None
+        self.row_window: str | None = None
+        self.row_taken = 0
+        self.row_holds: dict[str, Entry] = {}
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.partition, self.row)
+
+    # --- what reservations do ------------------------------------------------------------------
+
+    def advance(self, window: str | None) -> None:
+        """Move to ``window`` unless the lease is already there or later: what was held belonged to
+        the window that ended (the row's next write starts the new one)."""
+        if window is not None and self.window != window and not _newer(self.window, window):
+            self.window = window
+            self._drop_books()
+
+    def _drop_books(self) -> None:
+        self.generation += 1
+        self.held = self.balance = self.reserved = self.debt = 0
+        self.staged.clear()
+        self.applied = 0
+
+    async def acquire(self, need: int, window: str) -> tuple[str, int]:
+        """``need`` of this counter: (the window, the books' generation) it was granted in. Raises
+        ``_Refused`` when the limit leaves no room, ``_Unavailable`` when the store does not tell."""
+        self.advance(window)
+        if not self.waiters and self.uncertain is None and self.balance >= need:
+            self.balance -= need
+            self.reserved += need
+            assert self.window is not None
+            return self.window, self.generation
+        waiter = _Waiter(need, asyncio.get_running_loop().create_future())
+        self.waiters.append(waiter)
+        self.kick()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.give_back(need, *future.result())  # granted just as the reservation gave up
+            raise
+
+    def give_back(self, amount: int, window: str, generation: int) -> None:
+        """A reservation's ``amount`` comes back unused."""
+        if amount > 0 and window == self.window and generation == self.generation:
+            self.reserved -= amount
+            self.balance += amount
+            self.kick()
+
+    def settle(self, reserved: int, spent: int, window: str, generation: int) -> _Staged | None:
+        """A reservation of ``reserved`` spent ``spent``: the rest comes back, a surplus is debt. The
+        charge is staged: it enters the row once confirmed (its ledger row written)."""
+        if window != self.window:
+            return None  # a window that is over needs nothing
+        if generation == self.generation:
+            self.reserved -= reserved
+            self.balance += reserved
+        # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
+        used = min(self.balance, spent)
+        self.balance -= used
+        over = spent - used
+        if self.period == "minute":
+            # A minute window is never taken over (it ends by itself): what was spent leaves the books
+            # here, without a write; only a surplus goes to the row (as an applied charge).
+            self.held -= used
+            if not over:
+                self.kick()
+                return None
+        self.debt += over
+        self.seq += 1
+        staged = _Staged(self.seq, spent if self.period != "minute" else over, window)
+        self.staged.append(staged)
+        self.kick()
+        return staged
+
+    def adjust(self, amount: int, window: str) -> None:
+        """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
+        whose usage was seen later, here or elsewhere. Enters the row with the next exchange."""
+        if amount and window == self.window:
+            self.debt += amount
+            self.seq += 1
+            self.staged.append(_Staged(self.seq, amount, window, confirmed=True))
+            self.kick()
+
+    def confirm(self, staged: _Staged) -> None:
+        staged.confirmed = True
+        if staged.window == self.window:
+            self.kick()
+
+    def remaining(self) -> int:
+        taken = self.row_taken if self.row_window == self.window else 0
+        return max(0, self.limit - taken) + self.balance
+
+    def idle(self) -> bool:
+        return (
+            self.flight is None
+            and not self.waiters
+            and not (self.held or self.balance or self.reserved or self.debt or self.staged)
+            and self.uncertain is None
+        )
+
+    # --- the single flight ------------------------------------------------------------------
+
+    def kick(self) -> None:
+        if self.flight is None and not self.counters.closed:
+            self.flight = asyncio.ensure_future(self._run())
+
+    def _pending(self) -> list[_Waiter]:
+        return [w for w in self.waiters if not w.future.done()]
+
+    def _serve_from_balance(self) -> None:
+        if self.uncertain is not None or not self.balance or not self.waiters:
+            return
+        keep: deque[_Waiter] = deque()
+        for waiter in self.waiters:
+            if waiter.future.done():
+                continue
+            if waiter.need <= self.balance:
+                self.balance -= waiter.need
+                self.reserved += waiter.need
+                waiter.future.set_result((self.window, self.generation))
+            else:
+                keep.append(waiter)
+        self.waiters = keep
+
+    def _applicable(self) -> list[_Staged]:
+        """The staged charges that may enter the row now: confirmed, in order (a charge waits for
+        every earlier one, so ``applied`` is a prefix)."""
+        out: list[_Staged] = []
+        for staged in self.staged:
+            if not staged.confirmed:
+                break
+            out.append(staged)
+        return out
+
+    def _has_work(self) -> bool:
+        holding = asyncio.get_running_loop().time() < self.hold_until
+        return (
+            self.uncertain is not None
+            or bool(self._pending())
+            or self.debt > 0
+            or bool(self._applicable())
+            or (self.balance > 0 and not holding)
+        )
+
+    def _hold(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.hold_until = loop.time() + HOLD_SECONDS
+        if self.hold_timer is None:
+            self.hold_timer = loop.call_later(HOLD_SECONDS + 0.01, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self.hold_timer = None
+        left = self.hold_until - asyncio.get_running_loop().time()
+        if left > 0:
+            self.hold_timer = asyncio.get_running_loop().call_later(left + 0.01, self._hold_over)
+        elif self.balance:
+            self.kick()
+
+    async def _run(self) -> None:
+        try:
+            while not self.counters.closed:
+                self._serve_from_balance()
+                if not self._has_work():
+                    return
+                try:
+                    await self._exchange()
+                    self.backoff = 0.5
+                except StoreError as exc:
+                    self.known = False
+                    self._fail(exc)
+                    self._retry_later()
+                    log.warning("limits: a %s counter exchange failed: %s", self.row, exc)
+                    return
+        except Exception:  # a bug of ours: the reservations waiting hear "unavailable", not nothing
+            log.exception("limits: a %s counter exchange failed", self.row)
+            self._fail(StoreError("internal error"))
+        finally:
+            self.flight = None
+
+    def _fail(self, error: BaseException) -> None:
+        for waiter in self.waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(_Unavailable(str(error)))
+        self.waiters.clear()
+
+    def _retry_later(self) -> None:
+        if self.retry is None and self._has_work():
+
+            def again() -> None:
+                self.retry = None
+                if self.flight is None and self._has_work():
+                    self.kick()
+
+            self.retry = asyncio.get_running_loop().call_later(self.backoff, again)
+            self.backoff = min(self.backoff * 2, 30.0)
+
+    async def _read(self) -> None:
+        self.counters.reads += 1
+        row = await self.counters.store.get(LIMITS_TABLE, self.partition, self.row, timeout=self.counters.timeout)
+        self._know(row)
+
+    def _know(self, row: Row | None) -> None:
+        if row is None:
+            self.row_etag, self.row_window, self.row_taken, self.row_holds = None, None, 0, {}
+        else:
+            self.row_etag = row.etag
+            self.row_window = row.get("window")
+            self.row_taken = int(row.get("taken") or 0)
+            self.row_holds = parse_holds(row.get("holds"))
+        self.known = True
+
+    async def _exchange(self) -> None:
+        """One grant/return/apply: resolve a lost answer first, read if needed, compute, one
+        conditional write; a conflict re-reads."""
+        counters = self.counters
+        if self.uncertain is not None:
+            await self._resolve()
+            if self.uncertain is not None:
+                return  # still unknown: the flight ends; a timer tries again
+        self.advance(window_of(self.period, counters.clock()))
+        fresh = False
+        for _ in range(MAX_ATTEMPTS):
+            if not self.known:
+                await self._read()
+                fresh = True
+            if self.row_etag is not None and _newer(self.row_window, self.window):
+                self.advance(self.row_window)  # another instance's clock is a little ahead: follow it
+            same = self.row_etag is not None and self.row_window == self.window
+            taken = self.row_taken if same else 0
+            holds = dict(self.row_holds) if same else {}
+            mine = holds.get(counters.instance)
+            if self.held and mine is None and same:
+                self._recovered_elsewhere()
+                continue
+            window = self.window
+            assert window is not None
+            waiters = self._pending()
+            if self.period != "minute" and self.held == 0 and waiters and counters.before_first_hold is not None:
+                # A budget's first capacity here: the journal lists the counter before the row says
+                # we hold some, so a takeover of this instance finds it.
+                await counters.before_first_hold(self.key, self.period)
+                waiters = self._pending()
+            room = max(0, self.limit - taken) + self.balance
+            chosen, total = _fitting(waiters, room)
+            if len(chosen) < len(waiters) and not fresh:
+                self.known = False  # refuse only on what the store says now
+                continue
+            holding = asyncio.get_running_loop().time() < self.hold_until
+            keep = self.balance if holding and not waiters else 0
+            extra = 0
+            if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
+                others = sum(1 for name, e in holds.items() if name != counters.instance and e.held > 0)
+                share = int(self.limit * HOLD_SHARE / (1 + others))
+                extra = max(0, min(chosen[0].need, share, room - total))
+                keep = max(keep, extra)
+            delta = total + keep - self.balance
+            applied = [(s.seq, s.amount) for s in self._applicable()]
+            spent = sum(amount for _, amount in applied)
+            debt = self.debt
+            if delta == 0 and debt == 0 and not applied and not chosen:
+                self._answer(waiters, chosen, window, self.generation)
+                return
+            exchange = self.exchange + 1
+            held = self.held + delta + debt - spent
+            entry = Entry(held, applied[-1][0] if applied else self.applied, exchange)
+            if held > 0:
+                holds[counters.instance] = entry
+            else:
+                holds.pop(counters.instance, None)  # nothing held here: nothing to take over
+            entity = {
+                "PartitionKey": self.partition,
+                "RowKey": self.row,
+                "window": window,
+                "taken": max(0, taken + delta + debt),
+                "limit": self.limit,
+                "holds": format_holds(holds),
+            }
+            written = _Written(
+                self.row_etag, exchange, entity, delta, debt, applied, chosen, keep, window, self.balance
+            )
+            # What this write settles leaves the books while it is in flight, so that nothing serves a
+            # reservation from capacity on its way back to the store (a give-back meanwhile stays).
+            self.balance -= written.balance_out
+            self.debt -= written.debt
+            try:
+                await self._write(written, same)
+            except (Modified, AlreadyExists, NotFound):
+                counters.conflicts += 1
+                self.known = False
+                self._undo(written)
+                continue
+            except StoreError:
+                self.uncertain = written  # did it land? ask the row before anything is given back
+                raise
+            self._landed(written, waiters)
+            if extra and keep:
+                self._hold()
+            return
+        raise StoreError("the counter kept changing under this instance")
+
+    async def _write(self, written: _Written, same: bool) -> None:
+        counters = self.counters
+        counters.writes += 1
+        self.exchange = written.exchange
+        if written.etag is None:
+            etag = await counters.store.insert(LIMITS_TABLE, written.entity, timeout=counters.timeout)
+        else:
+            etag = await counters.store.replace(
+                LIMITS_TABLE, written.entity, etag=written.etag, timeout=counters.timeout
+            )
+        self.row_etag, self.row_window = etag, written.window
+        self.row_taken, self.row_holds = written.entity["taken"], parse_holds(written.entity["holds"])
+        self.known = True
+
+    def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
+        """The write is in the row: the books follow it, the chosen waiters are served."""
+        if written.window != self.window:
+            return
+        self.held += written.delta + written.debt - sum(a for _, a in written.applied)
+        self.balance += written.keep
+        for seq, _ in written.applied:
+            if self.staged and self.staged[0].seq == seq:
+                self.staged.popleft()
+            self.applied = seq
+        if written.applied and self.counters.on_applied is not None:
+            self.counters.on_applied()
+        for waiter in written.waiters:
+            self.reserved += waiter.need
+        self._answer(waiters, written.waiters, written.window, self.generation)
+
+    def _undo(self, written: _Written) -> None:
+        """A write that did not land (and never will): what it took out comes back."""
+        if written.window == self.window:
+            self.balance += written.balance_out
+            self.debt += written.debt
+
+    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter], window: str, generation: int) -> None:
+        """After the write: the chosen waiters are admitted in ``window``, the others refused."""
+        picked = {id(w) for w in chosen}
+        for waiter in chosen:
+            if waiter.future.done():  # it gave up meanwhile: its share comes back
+                self.give_back(waiter.need, window, generation)
+            else:
+                waiter.future.set_result((window, generation))
+        for waiter in waiters:
+            if id(waiter) not in picked and not waiter.future.done():
+                waiter.future.set_exception(_Refused(self))
+        handled = {id(w) for w in waiters}
+        self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
+
+    async def _resolve(self) -> None:
+        """A write whose answer was lost: read the row; this instance's entry says whether it landed
+        (only this instance writes it, each time with the next exchange number). Not yet, with the
+        row unchanged since the write's condition: send the same write again (at most one of them can
+        land). The row changed and the entry does not show it: it never will (its ETag is gone): the
+        write is dropped and its waiters ask again."""
+        written = self.uncertain
+        assert written is not None
+        for _ in range(MAX_ATTEMPTS):
+            await self._read()
+            landed = self._shows(written)
+            if landed is None:  # unchanged: not applied (yet); the same write again
+                try:
+                    await self._write(written, True)
+                    landed = True
+                except (Modified, AlreadyExists, NotFound):
+                    continue  # something landed meanwhile (ours, late, perhaps): look again
+            self.uncertain = None
+            if landed:
+                self.counters.recovered_writes += 1
+                self._landed(written, written.waiters)
+            else:
+                self._undo(written)
+                for waiter in written.waiters:  # back to waiting: the next exchange serves them
+                    if not waiter.future.done():
+                        self.waiters.appendleft(waiter)
+            return
+        raise StoreError("the counter kept changing under this instance")
+
+    def _shows(self, written: _Written) -> bool | None:
+        """Whether the row as just read shows ``written``: True, False, or None when the row is
+        exactly as it was when the write was made (so it has not been applied, and may be sent again)."""
+        if self.row_etag == written.etag:
+            return None
+        if self.row_window != written.window:
+            return False
+        mine = self.row_holds.get(self.counters.instance)
+        if f"{self.counters.instance}=" in written.entity["holds"]:
+            return mine is not None and mine.exchange >= written.exchange
+        # The write took our entry out: gone now means it landed, unless a takeover took it out.
+        return mine is None and not self.counters.fenced()
+
+    def _recovered_elsewhere(self) -> None:
+        """Our entry is gone while we held: another instance took this instance over (we were too
+        slow to beat). What we held was settled there from our journal; these books start again."""
+        log.warning("limits: %s/%s was taken over from this instance elsewhere", self.partition, self.row)
+        self._drop_books()
+
+
+class _Refused(Exception):
+    def __init__(self, lease: Lease):
+        super().__init__(lease.row)
+        self.lease = lease
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _fitting(waiters: list[_Waiter], room: int) -> tuple[list[_Waiter], int]:
+    """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
+    chosen: list[_Waiter] = []
+    total = 0
+    for waiter in waiters:
+        if total + waiter.need <= room:
+            chosen.append(waiter)
+            total += waiter.need
+    return chosen, total
+
+
+@dataclass
+class Part:
+    """One counter of a reservation: the lease, what was reserved, and in which window and books."""
+
+    lease: Lease
+    need: int
+    window: str
+    generation: int
+
+
+@dataclass
+class Settlement:
+    """What ``Reservation.settle`` staged: per budget counter, its charge's number (for the journal);
+    ``confirm()`` once the charge's ledger row is written, and the charges enter the rows."""
+
+    staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> dict[str, int]:
+        return {f"{lease.partition}/{lease.row}": s.seq for lease, s in self.staged if lease.period != "minute"}
+
+    def confirm(self) -> None:
+        for lease, staged in self.staged:
+            lease.confirm(staged)
+
+
+class Reservation:
+    """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
+    it never ran."""
+
+    def __init__(self, counters: Counters, parts: list[Part], rates: dict[str, Rate]):
+        self.counters = counters
+        self.parts = parts
+        self.rates = rates  # for OpenAI's x-ratelimit-* headers (tokens, requests), when limited
+        self.state = "held"
+        self.at = counters.clock()
+
+    def settle(self, spent: Mapping[tuple[str, str], int]) -> Settlement:
+        """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
+        goes back; more is taken, past the limit if need be (it was spent). Once only."""
+        settlement = Settlement()
+        if self.state != "held":
+            return settlement
+        self.state = "settled"
+        for part in self.parts:
+            amount = part.need if part.lease.row.startswith("rpm") else max(0, int(spent.get(part.lease.key, 0)))
+            staged = part.lease.settle(part.need, amount, part.window, part.generation)
+            if staged is not None:
+                settlement.staged.append((part.lease, staged))
+                if part.lease.period == "minute":
+                    part.lease.confirm(staged)  # minute windows need no journal: they end by themselves
+        return settlement
+
+    def release(self) -> None:
+        """Nothing is charged: everything reserved (the request too) goes back."""
+        if self.state != "held":
+            return
+        self.state = "released"
+        for part in self.parts:
+            part.lease.give_back(part.need, part.window, part.generation)
+
+    @property
+    def needs(self) -> dict[str, int]:
+        """What it holds per budget counter, for the journal."""
+        return {f"{p.lease.partition}/{p.lease.row}": p.need for p in self.parts if p.lease.period != "minute"}
+
+
+class Counters:
+    """The limits of every caller and team, as this instance takes part in them (one per instance)."""
+
+    def __init__(
+        self,
+        store: Store,
+        instance: Callable[[], str] | str,
+        clock: Callable[[], float] | None = None,
+        before_first_hold: Callable[[tuple[str, str], str], Awaitable[None]] | None = None,
+        fenced: Callable[[], bool] | None = None,
+        timeout: float = SLOW_TIMEOUT,
+    ):
+        self.store = store
+        self._instance = instance
+        self.clock = clock or store.clock.now
+        self.before_first_hold = before_first_hold  # the journal notes a budget before we hold any of it
+        self.fenced = fenced or (lambda: False)
+        self.on_applied: Callable[[], None] | None = None  # charges entered a row (the journal may drop them)
+        self.timeout = timeout
+        self.closed = False
+        self._leases: dict[tuple[str, str], Lease] = {}
+        self._pruned_at = ""
+        # Store calls made (docs/callers.md's figures and the tests read them).
+        self.reads = 0
+        self.writes = 0
+        self.conflicts = 0
+        self.recovered_writes = 0  # lost answers found landed (never given back twice)
+
+    @property
+    def instance(self) -> str:
+        return self._instance() if callable(self._instance) else self._instance
+
+    def _lease(self, want: Want) -> Lease:
+        lease = self._leases.get(want.key)
+        if lease is None:
+            lease = self._leases[want.key] = Lease(self, want.partition, want.row)
+        lease.limit = want.limit  # an admin's change applies from the next request
+        lease.period = want.period
+        lease.ref = want.ref
+        return lease
+
+    def _prune(self, now: float) -> None:
+        """Once a minute: forget the leases that hold nothing (a counter used again re-reads)."""
+        minute = window_of("minute", now)
+        if minute != self._pruned_at:
+            self._pruned_at = minute
+            for key in [k for k, lease in self._leases.items() if lease.idle()]:
+                del self._leases[key]
+
+    async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
+        """Reserve each ``Want`` (one request and its tokens and money against every limit that
+        applies), all or nothing: a refusal by one gives back at once what the others reserved."""
+        now = self.clock()
+        for want in wants:
+            if want.need > want.limit:
+                return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
+        if not wants:
+            return Reservation(self, [], {})
+        self._prune(now)
+        leases = [(self._lease(w), w) for w in wants]
+        acquiring = [asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now))) for lease, w in leases]
+        asked = self.store.clock.answered_at
+        _, pending = await asyncio.wait(acquiring, timeout=RESERVE_TIMEOUT)
+        if pending and self.store.clock.answered_at > asked:  # the store answers, slowly: not down
+            _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*acquiring, return_exceptions=True)
+        parts = [
+            Part(lease, w.need, *task.result())
+            for (lease, w), task in zip(leases, acquiring, strict=True)
+            if not task.cancelled() and task.exception() is None
+        ]
+        if len(parts) == len(leases):
+            return Reservation(self, parts, self._rates(leases, now))
+        for part in parts:
+            part.lease.give_back(part.need, part.window, part.generation)
+        errors = [task.exception() for task in acquiring if not task.cancelled()]
+        refused = [e.lease for e in errors if isinstance(e, _Refused)]
+        if refused:
+            return self._refusal(refused, leases, now)
+        for error in errors:
+            if error is not None and not isinstance(error, _Unavailable):
+                raise error  # a bug of ours: the endpoint's 500
+        return Unavailable()
+
+    def _refusal(self, refused: list[Lease], leases: list[tuple[Lease, Want]], now: float) -> Refused:
+        order = {"spend": 0, "tokens": 1}
+        lease = min(refused, key=lambda lease: order.get(lease.row, 2))
+        want = next(w for lh, w in leases if lh is lease)
+        used = lease.limit - lease.remaining()
+        return Refused(want.ref, lease.limit, max(0, used), want.need, _retry(want, now))
+
+    def _rates(self, leases: list[tuple[Lease, Want]], now: float) -> dict[str, Rate]:
+        """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
+        reset = seconds_to_next_minute(now)
+        rates: dict[str, Rate] = {}
+        for lease, want in leases:
+            kind = {"tokens_per_minute": "tokens", "requests_per_minute": "requests"}.get(want.ref.kind)
+            if kind is None:
+                continue
+            rate = Rate(lease.limit, lease.remaining(), reset)
+            if kind not in rates or rate.remaining < rates[kind].remaining:
+                rates[kind] = rate
+        return rates
+
+    def adjust(self, wants: Sequence[Want], at: float) -> None:
+        """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
+        the windows it was made in when they are still current (``Lease.adjust``)."""
+        now = self.clock()
+        for want in wants:
+            if want.need and not want.row.startswith("rpm"):
+                lease = self._lease(want)
+                lease.advance(window_of(want.period, now))
+                lease.adjust(want.need, window_of(want.period, at))
+
+    def held_budgets(self) -> list[tuple[str, str, str]]:
+        """The budget counters this instance has books on: (partition, row, window), for the journal."""
+        return [
+            (lease.partition, lease.row, lease.window or "")
+            for lease in self._leases.values()
+            if lease.period != "minute"
+            and (lease.held or lease.balance or lease.reserved or lease.debt or lease.staged)
+        ]
+
+    def applied(self, key: str, seq: int) -> bool:
+        """Whether charge ``seq`` of budget counter ``key`` ("partition/row") is in its row (or needs
+        nothing any more: its window is over, or the counter was taken over)."""
+        partition, _, row = key.partition("/")
+        lease = self._leases.get((partition, row))
+        if lease is None or lease.applied >= seq:
+            return True
+        return not any(staged.seq == seq for staged in lease.staged)
+
+    async def recover(self, partition: str, row: str, dead: str, unapplied: Callable[[int], int]) -> bool:
+        """Take ``dead``'s entry out of a counter row: ``taken`` loses what it held and gains what it
+        spent beyond what the row already has (``unapplied(applied)``: its charges after the one
+        numbered ``applied``, and its open reservations at what they generated). True once done (or
+        nothing to do); a conflict re-reads."""
+        for _ in range(MAX_ATTEMPTS):
+            found = await self.store.get(LIMITS_TABLE, partition, row, timeout=self.timeout)
+            if found is None:
+                return True
+            holds = parse_holds(found.get("holds"))
+            entry = holds.pop(dead, None)
+            if entry is None:
+                return True
+            taken = max(0, int(found.get("taken") or 0) - entry.held + max(0, unapplied(entry.applied)))
+            entity = {**found, "taken": taken, "holds": format_holds(holds)}
+            try:
+                await self.store.replace(LIMITS_TABLE, entity, etag=found.etag, timeout=self.timeout)
+                return True
+            except (Modified, NotFound):
+                continue
+        return False
+
+    async def flush(self, within: float = 5.0) -> bool:
+        """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if
+        it got there within ``within`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while loop.time() < deadline:
+            flights = [lease.flight for lease in self._leases.values() if lease.flight is not None]
+            if flights:
+                await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
+                continue
+            busy = [
+                lease
+                for lease in self._leases.values()
+                if lease.balance or lease.debt or lease._applicable() or lease.uncertain
+            ]
+            if not busy:
+                return True
+            for lease in busy:
+                lease.hold_until = 0.0
+                lease.kick()
+            await asyncio.sleep(0.05)
+        return False
+
+    def held(self) -> int:
+        """Capacity this instance holds unassigned, summed over counters (diagnostics)."""
+        return sum(lease.balance for lease in self._leases.values())
+
+    async def close(self) -> None:
+        self.closed = True
+        flights = [lease.flight for lease in self._leases.values() if lease.flight is not None]
+        for flight in flights:
+            flight.cancel()
+        await asyncio.gather(*flights, return_exceptions=True)
+
+
+def _retry(want: Want, now: float) -> float | None:
+    return seconds_to_next_minute(now) if want.period == "minute" else None

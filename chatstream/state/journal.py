@@ -1,0 +1,419 @@
+"""This instance's durable memory of what it owes: its open reservations and the charges it has not
+written everywhere yet (``Journal``), and what another instance does with it when this one dies
+(``recover``).
+
+One blob per instance, ``instances/<id>.json`` in the app's container, rewritten (under its ETag) at
+most every ``JOURNAL_SECONDS`` while anything changed: per request its caller and team, model, what it
+reserved of each budget counter, and either how much it had generated at the last write (a
+checkpoint: an open request) or its charges and their numbers in each counter (a settled one); and
+the budget counters this instance holds capacity of (listed before it takes any: counters.py).
+
+A charge goes through three steps, in order: the journal lists it (so it is not lost if this
+instance dies), then its ledger row is written (ledger.py), then it enters the budget counters' rows
+(counters.py), after which it leaves the journal. So whoever takes a dead instance over knows, from
+its journal and the counter rows' ``applied`` numbers, exactly which charges each row has:
+
+1. it seals the journal (a conditional write: the dead instance, if it was only slow, cannot write it
+   again, and learns it was taken over);
+2. it writes every listed charge's ledger row that is not there yet, and for each open request a
+   charge of what it had generated at the last checkpoint (``ended: lost``), unless someone else
+   (a stream's takeover) charged that request already;
+3. in each counter the dead instance held, it takes the dead instance's share out and adds what
+   the row does not have yet (counters.Counters.recover); then the journal is deleted.
+
+Each step can be done again (by another instance, if this one dies mid-way) without adding twice.
+What is not recovered: a request admitted after the last journal write, at most ``JOURNAL_SECONDS``
+before the death (its reservation comes back; what it generated in that time is not charged), and
+charges made while the store could not be written at all, by an instance that then died."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import tokens
+from ..errors import Modified, StoreError
+from .counters import Counters, Settlement
+from .ledger import Charge, Ledger
+from .prices import Price
+from .store import NEW, Store
+
+log = logging.getLogger("chatstream")
+
+JOURNAL_SECONDS = 0.5
+
+
+def journal_name(instance: str) -> str:
+    return f"instances/{instance}.json"
+
+
+@dataclass
+class JournalEntry:
+    """One request in the journal."""
+
+    request_id: str
+    caller: str
+    caller_id: str
+    team: str | None
+    team_id: str | None
+    model: str
+    endpoint: str
+    day: str
+    prompt_tokens: int
+    needs: dict[str, int]  # "partition/row" -> reserved of that budget counter
+    kinds: dict[str, str]  # "partition/row" -> "tokens" | "spend"
+    price: Price | None = None
+    generated: Callable[[], str] | None = None  # the text so far (checkpoints)
+    counted_chars: int = 0
+    counted_tokens: int = 0
+    state: str = "open"  # open | settled
+    charges: list[Charge] = field(default_factory=list)
+    amounts: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> charged
+    seqs: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> the charge's number
+    settlement: Settlement | None = None
+    listed: bool = False  # it is in a written journal (as it was then)
+    journaled: bool = False  # its settled form is in a written journal
+    written: bool = False  # its ledger rows are in
+    orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+
+    def checkpoint(self) -> int:
+        """Completion tokens generated so far, counted on the text added since the last checkpoint."""
+        if self.generated is None:
+            return self.counted_tokens
+        text = self.generated()
+        if len(text) > self.counted_chars:
+            self.counted_tokens += tokens.count_text(self.model, text[self.counted_chars :])
+            self.counted_chars = len(text)
+        return self.counted_tokens
+
+    def document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "id": self.request_id,
+            "caller": self.caller,
+            "caller_id": self.caller_id,
+            "team": self.team,
+            "team_id": self.team_id,
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "day": self.day,
+            "prompt": self.prompt_tokens,
+            "needs": self.needs,
+            "kinds": self.kinds,
+            "price": self.price.entity() if self.price is not None else None,
+            "state": self.state,
+        }
+        if self.state == "open":
+            doc["generated"] = self.checkpoint()
+        else:
+            doc["charges"] = [c.as_dict() for c in self.charges]
+            doc["amounts"] = self.amounts
+            doc["seqs"] = self.seqs
+        return doc
+
+
+class Journal:
+    """This instance's journal (module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        ledger: Ledger,
+        instance: Callable[[], str],
+        interval: float = JOURNAL_SECONDS,
+        on_busy: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ):
+        self.store = store
+        self._on_busy = on_busy  # it holds something: this instance must be seen alive (instances.py)
+        self._on_idle = on_idle
+        self._busy = False
+        self.ledger = ledger
+        self._instance = instance
+        self.interval = interval
+        self.entries: dict[str, JournalEntry] = {}
+        self.counters: Counters | None = None  # set once both exist (shared.py)
+        self._noted: set[str] = set()  # budget counters in the last written journal
+        self._noting: dict[str, asyncio.Future] = {}
+        self._etag: str | None = None
+        self._name: str | None = None
+        self._dirty = asyncio.Event()
+        self._writer: asyncio.Task | None = None
+        self._closed = False
+        self.writes = 0
+        self.fenced = False
+
+    # --- what the request path tells it ----------------------------------------------------------
+
+    def open(self, entry: JournalEntry) -> JournalEntry:
+        self.entries[entry.request_id] = entry
+        self.changed()
+        return entry
+
+    def drop(self, entry: JournalEntry) -> None:
+        """A request that reserved nothing in the end (released): it leaves the journal."""
+        if self.entries.pop(entry.request_id, None) is not None:
+            self.changed()
+
+    def settle(
+        self, entry: JournalEntry, charges: list[Charge], amounts: dict[str, int], settlement: Settlement
+    ) -> None:
+        """The request is over: listed as settled, then its ledger rows, then the counters (module
+        docstring); all in the background."""
+        if entry.orphaned:
+            return
+        entry.state = "settled"
+        entry.charges = charges
+        entry.amounts = amounts
+        entry.settlement = settlement
+        entry.seqs = settlement.seqs
+        entry.generated = None
+        self.changed()
+
+    async def note_counter(self, key: tuple[str, str], period: str) -> None:
+        """Before this instance holds any of a budget counter: the journal lists it (written)."""
+        name = f"{key[0]}/{key[1]}"
+        if name in self._noted:
+            return
+        waiting = self._noting.get(name)
+        if waiting is None:
+            waiting = self._noting[name] = asyncio.get_running_loop().create_future()
+            self.changed()
+        await asyncio.shield(waiting)
+
+    def changed(self) -> None:
+        if not self._busy and (self.entries or self._noting):
+            self._busy = True
+            if self._on_busy is not None:
+                self._on_busy()
+        self._dirty.set()
+        if (self._writer is None or self._writer.done()) and not self._closed:
+            self._writer = asyncio.ensure_future(self._write_loop())
+
+    # --- writing it ------------------------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        backoff = self.interval
+        while not self._closed:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self._write_once()
+                backoff = self.interval
+            except StoreError as exc:
+                log.warning("journal: could not be written (%s); retrying", exc)
+                self._dirty.set()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            except Exception:  # a bug of ours must not stop the journal
+                log.exception("journal: writing failed")
+                self._dirty.set()
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.sleep(self.interval)
+            if self._open_entries():
+                self._dirty.set()  # open requests: their checkpoints go on
+
+    def _open_entries(self) -> bool:
+        return any(e.state == "open" and e.generated is not None for e in self.entries.values())
+
+    async def _write_once(self) -> None:
+        instance = self._instance()
+        name = journal_name(instance)
+        if name != self._name:  # a new incarnation (the old one was taken over): a new journal
+            self._name, self._etag = name, None
+        self._forget_done()
+        counters = self.counters
+        held = {f"{p}/{r}" for p, r, _ in counters.held_budgets()} if counters is not None else set()
+        noting = dict(self._noting)
+        listed = sorted(held | set(noting) | {k for e in self.entries.values() for k in e.needs})
+        if not self.entries and not listed:
+            if self._etag is not None:
+                with contextlib.suppress(StoreError):
+                    await self.store.delete_blob(name)
+                self._etag = None
+            self._noted = set()
+            self._release(noting)
+            if self._busy:
+                self._busy = False
+                if self._on_idle is not None:
+                    self._on_idle()
+            return
+        settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
+        in_doc = list(self.entries.values())
+        doc = {
+            "instance": instance,
+            "at": self.store.clock.now(),
+            "counters": listed,
+            "entries": [e.document() for e in self.entries.values()],
+        }
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        try:
+            self._etag = await self.store.put(name, data, etag=self._etag or NEW)
+        except Modified:
+            self._fenced()
+            return
+        self.writes += 1
+        self._noted = set(listed)
+        self._release(noting)
+        for entry in in_doc:
+            entry.listed = True
+        for entry in settled_now:
+            entry.journaled = True
+            self._to_ledger(entry)
+
+    def _release(self, noting: dict[str, asyncio.Future]) -> None:
+        for name, future in noting.items():
+            if self._noting.get(name) is future:
+                del self._noting[name]
+            if not future.done():
+                future.set_result(None)
+
+    def _to_ledger(self, entry: JournalEntry) -> None:
+        written = self.ledger.submit(entry.charges)
+
+        def landed(_: asyncio.Future) -> None:
+            entry.written = True
+            if entry.settlement is not None:
+                entry.settlement.confirm()  # now the counters may take the charges in
+            self.changed()
+
+        written.add_done_callback(landed)
+
+    def _forget_done(self) -> None:
+        """Settled requests whose ledger rows and counter charges are all in leave the journal."""
+        counters = self.counters
+        for key, entry in list(self.entries.items()):
+            if entry.state != "settled" or not entry.written:
+                continue
+            if counters is None or all(counters.applied(k, seq) for k, seq in entry.seqs.items()):
+                del self.entries[key]
+
+    def _fenced(self) -> None:
+        """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
+        listed is the taker's now; what came after goes on under the new incarnation's journal."""
+        self.fenced = True
+        log.warning("journal: sealed by another instance (this one was taken over); starting a new one")
+        for key, entry in list(self.entries.items()):
+            if entry.listed:  # the taker settled it from the sealed journal: not ours any more
+                entry.orphaned = True
+                del self.entries[key]
+        self._etag = None
+        self._noted = set()
+
+    async def flush(self, within: float = 5.0) -> bool:
+        """Wait until everything settled is written everywhere (tests, shutdown)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while loop.time() < deadline:
+            if not any(e.state == "settled" for e in self.entries.values()) and not self._dirty.is_set():
+                return True
+            self.changed()
+            await asyncio.sleep(0.05)
+        return False
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+
+
+# --- taking a dead instance over ------------------------------------------------------------------
+
+
+def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
+    """What a journal entry charges: its own charges when settled; for an open request, what it had
+    generated at its last checkpoint (``ended: lost``)."""
+    if entry.get("state") == "settled":
+        return [Charge.of(c) for c in entry.get("charges") or []]
+    price = Price.of(entry["price"]) if entry.get("price") else None
+    prompt, completion = int(entry.get("prompt") or 0), int(entry.get("generated") or 0)
+    return [
+        Charge(
+            caller=entry["caller"],
+            caller_id=entry["caller_id"],
+            team=entry.get("team"),
+            team_id=entry.get("team_id"),
+            model=entry["model"],
+            endpoint=entry["endpoint"],
+            request_id=entry["id"],
+            day=entry["day"],
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cost=price.cost(prompt, 0, completion) if price is not None else None,
+            ended="lost",
+            author=f"takeover:{dead}",
+        )
+    ]
+
+
+def _amounts_of(entry: dict[str, Any], charges: list[Charge]) -> dict[str, int]:
+    if entry.get("state") == "settled":
+        return {k: int(v) for k, v in (entry.get("amounts") or {}).items()}
+    out: dict[str, int] = {}
+    for key, kind in (entry.get("kinds") or {}).items():
+        if kind == "spend":
+            out[key] = sum(c.cost or 0 for c in charges)
+        else:
+            out[key] = sum(c.total_tokens for c in charges)
+    return out
+
+
+async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, taker: str) -> None:
+    """Take a dead instance's journal over (module docstring); safe to run again."""
+    name = journal_name(dead)
+    for _ in range(10):
+        found = await store.get_blob(name)
+        if found is None:
+            return  # nothing was owed (or a takeover finished already)
+        data, etag = found
+        doc = json.loads(data)
+        doc["sealed_by"] = taker
+        try:
+            await store.put(name, json.dumps(doc, separators=(",", ":")).encode(), etag=etag)
+            break
+        except Modified:
+            continue
+    else:
+        raise StoreError("the journal kept changing while it was being sealed")
+    entries = doc.get("entries") or []
+    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries whose counter charges are ours to bring in
+    for entry in entries:
+        charges = _charges_of(entry, dead)
+        mine = True
+        for charge in charges:
+            there = await ledger.write_now(charge)
+            if (
+                there is not None
+                and entry.get("state") != "settled"
+                and not str(there.get("author", "")).startswith("takeover:")
+            ):
+                mine = False  # someone else charged this request (a stream's takeover): its counters are theirs
+        if mine:
+            ours.append((entry, _amounts_of(entry, charges)))
+    for key in doc.get("counters") or []:
+        partition, _, row = key.partition("/")
+
+        def unapplied(applied: int, key: str = key) -> int:
+            total = 0
+            for entry, amounts in ours:
+                if key not in amounts:
+                    continue
+                if entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= applied:
+                    continue  # the row has it already
+                total += amounts[key]
+            return total
+
+        await counters.recover(partition, row, dead, unapplied)
+    with contextlib.suppress(StoreError):
+        await store.delete_blob(name)
+    log.info(
+        "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])
+    )

@@ -1,0 +1,118 @@
+"""What the shared state answers the request path and the admin API: domain results, in the state's
+own words. Only the HTTP layer (apis/refusals.py, manage.py, resumable.py) turns them into statuses,
+OpenAI's codes and messages, and headers.
+
+For a request (accounting.py)::
+
+    found = await accounting.authenticate(headers)     # Caller | KeyRefused | Unavailable
+    admitted = await accounting.admit(caller, call)    # Admission | Refused | ModelRefused | Unavailable
+    accounting.charge(admission, record, segments)     # in the background; never lost (journal.py)
+
+For the admin API (registry.py): the object, or ``Invalid`` (which field, why: never the value),
+``Missing``, ``Conflict``, ``Unavailable``, raised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+LimitKind = Literal["requests_per_minute", "tokens_per_minute", "token_budget", "spend_budget"]
+Scope = Literal["caller", "team"]
+
+
+@dataclass(frozen=True)
+class LimitRef:
+    """Which limit: of the caller or of its team (``owner`` names it), which kind, for which model
+    (per-model limits) and over which period (budgets)."""
+
+    scope: Scope
+    owner: str
+    kind: LimitKind
+    model: str | None = None
+    period: str | None = None  # day, month, total: budgets
+
+    @property
+    def per_minute(self) -> bool:
+        return self.kind in ("requests_per_minute", "tokens_per_minute")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A limit leaves no room for this request. ``value`` is the limit, ``used`` what is taken of
+    it as this instance knows now, ``requested`` what the request needs (tokens, requests, or
+    pico-USD for a spend budget); ``retry_after``: seconds until the minute turns (None for a budget:
+    not before the period ends); ``alone``: the request by itself is larger than the limit."""
+
+    limit: LimitRef
+    value: int
+    used: int
+    requested: int
+    retry_after: float | None = None
+    alone: bool = False
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """The store did not answer in time: nothing was reserved or charged."""
+
+    what: str = "the store did not answer in time"
+
+
+@dataclass(frozen=True)
+class KeyRefused:
+    """The key is unknown, revoked, rotated, or expired."""
+
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class ModelRefused:
+    """The caller (or its team) may not use this model; or it has a spend budget and the model has
+    no price, so its cost cannot be held."""
+
+    model: str
+    unpriced: bool = False
+    scope: Scope = "caller"
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One per-minute limit as an answer's ``x-ratelimit-*`` headers show it."""
+
+    limit: int
+    remaining: int
+    reset_seconds: float
+
+
+# --- the admin API's outcomes (raised) -------------------------------------------------------------
+
+
+class AdminError(Exception):
+    """What the admin API refuses, in the state's words (manage.py writes the HTTP answer)."""
+
+
+class Invalid(AdminError):
+    """Bad input: ``param`` names the field; the message never echoes the value."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class Missing(AdminError):
+    """No such caller, team or price."""
+
+    def __init__(self, kind: str, name: str):
+        super().__init__(f"no {kind} named {name!r}")
+        self.kind = kind
+        self.name = name
+
+
+class Conflict(AdminError):
+    """The change cannot be made now (a team that still has callers; repeated concurrent changes)."""
+
+
+class AdminUnavailable(AdminError):
+    """The store did not answer in time: nothing was changed (or the change may be retried: every
+    admin write is idempotent or conditional)."""

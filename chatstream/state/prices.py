@@ -1,0 +1,103 @@
+"""What a model costs (docs/callers.md, "Prices"): USD per million tokens for input, cached input
+and output, as the admin sets them (``PUT /api/manage/prices/{model}``), kept exactly.
+
+A price of at most 6 decimal places in USD per million tokens is an integer number of pico-dollars
+per token (× 10⁶), so every cost is an integer and every sum exact::
+
+    cost = (prompt - cached) × input + cached × cached_input + completion × output    (pico-USD)
+
+with the upstream's usage (``prompt_tokens_details.cached_tokens``; reasoning tokens are part of the
+completion). What a request reserves is its upper bound: every prompt token at the dearer of input
+and cached input, the output cap at the output price. ``{model}`` is the model name as callers send
+it (a deployment name for Azure OpenAI)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from .callers import PICO, iso, usd, usd_amount
+
+MAX_PRICE = Decimal(100_000)  # USD per million tokens
+PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class Price:
+    model: str
+    input: int  # pico-USD per token
+    cached_input: int
+    output: int
+    updated_at: datetime
+
+    def cost(self, prompt: int, cached: int, completion: int) -> int:
+        """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""
+        cached = min(max(cached, 0), max(prompt, 0))
+        return (max(prompt, 0) - cached) * self.input + cached * self.cached_input + max(completion, 0) * self.output
+
+    def most(self, prompt: int, completion: int) -> int:
+        """The most ``prompt`` and ``completion`` tokens may cost: what a request reserves."""
+        return max(prompt, 0) * max(self.input, self.cached_input) + max(completion, 0) * self.output
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "object": "price",
+            "model": self.model,
+            "input": usd(self.input * 10**6),
+            "cached_input": usd(self.cached_input * 10**6),
+            "output": usd(self.output * 10**6),
+            "unit": "USD per 1M tokens",
+            "updated_at": iso(self.updated_at),
+        }
+
+    def entity(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "input": self.input,
+            "cached_input": self.cached_input,
+            "output": self.output,
+            "updated_at": iso(self.updated_at),
+        }
+
+    @classmethod
+    def of(cls, entity: Mapping[str, Any]) -> Price:
+        return cls(
+            model=entity["model"],
+            input=int(entity["input"]),
+            cached_input=int(entity["cached_input"]),
+            output=int(entity["output"]),
+            updated_at=datetime.fromisoformat(entity["updated_at"]),
+        )
+
+
+class PriceSpec(BaseModel):
+    """``PUT /api/manage/prices/{model}``: USD per million tokens; ``cached_input`` defaults to ``input``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: Any
+    output: Any
+    cached_input: Any = None
+
+    @field_validator("input", "output", "cached_input")
+    @classmethod
+    def _amount(cls, value: object) -> Decimal | None:
+        return None if value is None else usd_amount(value, MAX_PRICE)
+
+    def price(self, model: str, now: datetime) -> Price:
+        def per_token(amount: Decimal) -> int:
+            return int(amount * PER_TOKEN)
+
+        cached = self.cached_input if self.cached_input is not None else self.input
+        return Price(
+            model=model,
+            input=per_token(self.input),
+            cached_input=per_token(cached),
+            output=per_token(self.output),
+            updated_at=now,
+        )
