@@ -204,6 +204,9 @@ class Endpoint:
     ) -> Response:
         limits = TimeLimits(self.settings)
         protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
+        if admission is not None and self.accounting is not None:
+            # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
+            self.accounting.progress(admission, lambda: "".join(protocol.generated or ()))
         events = finishing(
             relay(self.upstreams, self.api.path, call.params, protocol, limits, record),
             lambda: self._finish_stream(protocol, record, admission),

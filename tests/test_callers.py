@@ -309,6 +309,9 @@ def test_the_ledger_charges_exactly_what_was_used_over_1000_mixed_requests(upstr
             assert row["completion_tokens"] == count_text(MODEL, seen) > 0, (kind, seen, row)
             assert row["ended"] == ("timeout" if kind in ("timeout", "hang_up_late") else "failed"), (kind, row)
         else:  # the relay may have read on a little after the caller hung up, never past the answer
-            assert row["ended"] == "disconnected"
+            # A hang-up and the idle limit can race on a loaded machine (an upstream that falls silent
+            # just as the caller leaves): the row says whichever the app saw first; both charge the
+            # same, the prompt and what was generated (docs/callers.md).
+            assert row["ended"] in ("disconnected", "timeout"), row
             assert count_text(MODEL, seen) <= row["completion_tokens"] <= count_text(MODEL, TEXTS["slow"])
     assert not rows, f"no charge without a request: {list(rows)[:3]}"

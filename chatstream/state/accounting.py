@@ -28,6 +28,7 @@ never counted twice, whatever the store or the instance does meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from ..pipeline import CallRequest
 from ..record import StreamRecord
 from .callers import Caller, Limits, Team, key_from_headers
 from .counters import Counters, Reservation, Want
+from .instances import Instances
 from .journal import Journal, JournalEntry
 from .ledger import Charge, Ledger, day_of
 from .owners import Owners
@@ -154,7 +156,9 @@ class Accounting:
         owners: Owners,
         default_max_output: int,
         referenced_context: int = 16_384,
+        instances: Instances | None = None,
     ):
+        self.instances = instances
         self.registry = registry
         self.counters = counters
         self.journal = journal
@@ -166,6 +170,8 @@ class Accounting:
 
     async def authenticate(self, headers: Mapping[str, str]) -> Caller | KeyRefused | Unavailable:
         """The caller of a request's key (``Authorization: Bearer KEY`` or ``api-key: KEY``)."""
+        if self.instances is not None:
+            self.instances.serve()  # this instance takes its part in the duty from its first request
         return await self.registry.authenticate(key_from_headers(headers))
 
     async def admit(
@@ -311,6 +317,9 @@ class Accounting:
         cost = sum(c.cost or 0 for c in charges)
         spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
         record.cost = cost if price is not None else None
+        if admission.created is not None and usage_of(record.usage) is not None:
+            with contextlib.suppress(StoreError):  # what continuing it will carry, for its reservation
+                await self.owners.set_context(*admission.created, used[-1].total)
         settlement = admission.reservation.settle(spent)
         amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
         if admission.entry is not None:

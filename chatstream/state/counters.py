@@ -738,9 +738,12 @@ class Counters:
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
         acquiring = [asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now))) for lease, w in leases]
-        asked = self.store.clock.answered_at
+        clock = self.store.clock
+        asked = clock.answered_at
         _, pending = await asyncio.wait(acquiring, timeout=RESERVE_TIMEOUT)
-        if pending and self.store.clock.answered_at > asked:  # the store answers, slowly: not down
+        # Slow is not down: the store answered something meanwhile, or its answers have been slow
+        # lately (a busy store); one that answered quickly until it stopped answering is down.
+        if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
             _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
         for task in pending:
             task.cancel()

@@ -100,6 +100,12 @@ class Instances:
                 async with asyncio.timeout(within):
                     await asyncio.shield(self._first)
 
+    def serve(self) -> None:
+        """This instance is serving: it takes its part in the duty (finding the dead, sweeping),
+        whether or not it holds anything itself."""
+        if not self._closed and (self._duty is None or self._duty.done()):
+            self._duty = asyncio.ensure_future(self._duty_loop())
+
     def _start(self) -> None:
         if self._closed:
             return
@@ -150,7 +156,18 @@ class Instances:
         try:
             self._etag = await self.store.replace(STREAMS_TABLE, row, etag=self._etag, timeout=bound)
         except (NotFound, Modified):
-            self._incarnate()
+            # Taken over, or only a beat of ours whose answer was lost landing late: the row says.
+            current = await self.store.get(STREAMS_TABLE, PARTITION, self.id, timeout=bound)
+            if current is None or current.get("taken_by"):
+                self._incarnate()
+                return
+            self._etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag, timeout=bound)
+
+    def _can_judge(self) -> bool:
+        """Whether a silence of others means anything: only once no call of ours to the store has
+        failed for a whole lease and a beat (when the store itself stops answering, everyone falls
+        silent, and nobody is dead for it)."""
+        return self.store.clock.quiet_for() >= self.timing.lease_seconds + self.timing.beat_seconds
 
     def _incarnate(self) -> None:
         """This incarnation was declared dead (its row deleted or taken over by the duty holder):
@@ -172,8 +189,9 @@ class Instances:
     # --- the others ------------------------------------------------------------------------------
 
     async def alive(self, instance: str) -> bool:
-        """Whether ``instance`` beat within its lease, by the store's clock. One read serves every
-        question about it for ``fresh_seconds``. StoreError when the store cannot tell."""
+        """Whether ``instance`` beat within its lease, by the store's clock (and, right after the
+        store itself was out, alive: its silence says nothing). One read serves every question about
+        it for ``fresh_seconds``. StoreError when the store cannot tell."""
         if instance == self.id:
             return not self._closed
         loop = asyncio.get_running_loop()
@@ -187,6 +205,8 @@ class Instances:
             held = (now, read)
             self._rows[instance] = held
         row = await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
+        if row is not None and not self._fresh(row) and not row.get("taken_by") and not self._can_judge():
+            return True
         return row is not None and self._fresh(row)
 
     def _fresh(self, row: dict) -> bool:
@@ -214,7 +234,7 @@ class Instances:
                 log.warning("instance %s: the duty tick failed: %s", self.id, exc)
             except Exception:  # a bug of ours must not stop the duty
                 log.exception("instance %s: the duty tick failed", self.id)
-            if (self._beating is None or self._beating.done()) and not self._sweeps:
+            if (self._beating is None or self._beating.done()) and not self._sweeps and not self._on_dead:
                 return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
 
@@ -246,11 +266,13 @@ class Instances:
 
     async def _do_duty(self) -> None:
         rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)
+        judge = self._can_judge()
         for row in rows:
             other = row["RowKey"]
             if other == self.id or (self._fresh(row) and not row.get("taken_by")):
                 continue
-            await self._take_over(row)
+            if judge or row.get("taken_by") == self.id:
+                await self._take_over(row)
         loop = asyncio.get_running_loop()
         for seconds, sweep, last in self._sweeps:
             if loop.time() - last[0] >= seconds:

@@ -256,8 +256,12 @@ class Journal:
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
-            self._fenced()
-            return
+            # Sealed by a taker, or only a write of ours whose answer was lost landing late.
+            current = await self.store.get_blob(name)
+            if current is None or json.loads(current[0]).get("sealed_by"):
+                self._fenced()
+                return
+            self._etag = await self.store.put(name, data, etag=current[1])
         self.writes += 1
         self._noted = set(listed)
         self._release(noting)

@@ -162,7 +162,7 @@ class Ledger:
                 self._queue = failed + self._queue
                 log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", len(failed), backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+                backoff = min(backoff * 2, 10.0)
             else:
                 backoff = 0.5
 

@@ -60,6 +60,7 @@ T = TypeVar("T")
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
+ADMIN_TIMEOUT = 10.0  # an admin call is not on a request's path: it may wait for a busy store
 LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at most
 _TRIES = 5  # an admin change that meets another admin's: read again and reapply this often
 
@@ -206,7 +207,7 @@ class Registry:
 
     async def _read_key(self, key_hash: str) -> Caller | None:
         self.store_reads += 1
-        row = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}")
+        row = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=self.store.clock.patience())
         return _caller(row) if row is not None else None
 
     async def team_of(self, caller: Caller) -> Team | Unavailable | None:
@@ -225,7 +226,7 @@ class Registry:
         return team
 
     async def _read_team(self, name: str) -> Team | None:
-        row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}")
+        row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=self.store.clock.patience())
         return _team(row) if row is not None else None
 
     async def price(self, model: str) -> Price | Unavailable | None:
@@ -237,7 +238,7 @@ class Registry:
             return Unavailable()
 
     async def _read_price(self, model: str) -> Price | None:
-        row = await self.store.get(CALLERS_TABLE, PRICES, _price_row(model))
+        row = await self.store.get(CALLERS_TABLE, PRICES, _price_row(model), timeout=self.store.clock.patience())
         return Price.of(row) if row is not None else None
 
     # --- the admin API ------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class Registry:
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
             return None, None
-        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}"))
+        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=ADMIN_TIMEOUT))
         if row is None:
             raise Invalid(f"team: no team named {name!r}", "team")
         return name, row["id"]
@@ -291,7 +292,7 @@ class Registry:
             Op("insert", _caller_entity(f"k|{key_hash}", caller, key_hash)),
         ]
         try:
-            await self._admin(self.store.batch(CALLERS_TABLE, ops))
+            await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
         except AlreadyExists:
             raise Invalid(f"name: a caller named {caller.name!r} already exists", "name") from None
         self.keys.forget(key_hash)
@@ -300,7 +301,9 @@ class Registry:
 
     async def list(self) -> list[Caller]:
         rows = await self._admin(
-            self.store.query(CALLERS_TABLE, Where(partition=CALLERS, rows_from="c|", rows_to="c}"), timeout=10.0)
+            self.store.query(
+                CALLERS_TABLE, Where(partition=CALLERS, rows_from="c|", rows_to="c}"), timeout=ADMIN_TIMEOUT
+            )
         )
         return sorted((_caller(row) for row in rows), key=lambda c: c.name)
 
@@ -308,7 +311,7 @@ class Registry:
         """The caller row: the caller, its key hash and its ETag; Missing when there is none."""
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise Missing("caller", log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._admin(self.store.get(CALLERS_TABLE, CALLERS, f"c|{name}"))
+        row = await self._admin(self.store.get(CALLERS_TABLE, CALLERS, f"c|{name}", timeout=ADMIN_TIMEOUT))
         if row is None:
             raise Missing("caller", name)
         return _caller(row), row["key_hash"], row.etag
@@ -333,7 +336,7 @@ class Registry:
                 Op("replace", _caller_entity(f"k|{key_hash}", updated, key_hash)),
             ]
             try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
             except (Modified, NotFound):
                 continue  # another admin's change in between: read again and reapply
             self.keys.forget(key_hash)
@@ -351,7 +354,7 @@ class Registry:
                 Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{key_hash}"}),
             ]
             try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
             except (Modified, NotFound):
                 continue
             self.keys.forget(key_hash)
@@ -363,7 +366,9 @@ class Registry:
     async def _drop_counters(self, partition: str, name: str) -> None:
         """Harmless if it fails: a caller or team created again under this name gets a new id."""
         try:
-            for row in await self.store.query(LIMITS_TABLE, Where(partition=partition, select=()), timeout=10.0):
+            for row in await self.store.query(
+                LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
+            ):
                 await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
         except StoreError as exc:
             log.warning("%s deleted; its limit counters were left in the store: %s", name, exc)
@@ -382,7 +387,7 @@ class Registry:
                 Op("insert", _caller_entity(f"k|{new_hash}", rotated, new_hash)),
             ]
             try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops))
+                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
             except (Modified, NotFound, AlreadyExists):
                 continue
             self.keys.forget(old_hash)
@@ -407,7 +412,7 @@ class Registry:
             created_at=datetime.fromtimestamp(self.clock(), UTC),
         )
         try:
-            await self._admin(self.store.insert(CALLERS_TABLE, _team_entity(team)))
+            await self._admin(self.store.insert(CALLERS_TABLE, _team_entity(team), timeout=ADMIN_TIMEOUT))
         except AlreadyExists:
             raise Invalid(f"name: a team named {team.name!r} already exists", "name") from None
         self.teams.forget(team.name)
@@ -415,13 +420,13 @@ class Registry:
         return team
 
     async def list_teams(self) -> list[Team]:
-        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=TEAMS), timeout=10.0))
+        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=TEAMS), timeout=ADMIN_TIMEOUT))
         return sorted((_team(row) for row in rows), key=lambda t: t.name)
 
     async def _team_row(self, name: str) -> tuple[Team, str]:
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise Missing("team", log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}"))
+        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=ADMIN_TIMEOUT))
         if row is None:
             raise Missing("team", name)
         return _team(row), row.etag
@@ -436,7 +441,9 @@ class Registry:
             team, etag = await self._team_row(name)
             updated = replace(team, **_changes(data, given))
             try:
-                await self._admin(self.store.replace(CALLERS_TABLE, _team_entity(updated), etag=etag))
+                await self._admin(
+                    self.store.replace(CALLERS_TABLE, _team_entity(updated), etag=etag, timeout=ADMIN_TIMEOUT)
+                )
             except (Modified, NotFound):
                 continue
             self.teams.forget(name)
@@ -451,7 +458,7 @@ class Registry:
         if members:
             raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
         try:
-            await self._admin(self.store.delete(CALLERS_TABLE, TEAMS, f"t|{name}", etag=etag))
+            await self._admin(self.store.delete(CALLERS_TABLE, TEAMS, f"t|{name}", etag=etag, timeout=ADMIN_TIMEOUT))
         except Modified:
             raise Conflict("the team changed while being deleted; try again") from None
         self.teams.forget(name)
@@ -473,24 +480,28 @@ class Registry:
         data: PriceSpec = validate(PriceSpec, spec)
         price = data.price(model, datetime.fromtimestamp(self.clock(), UTC))
         entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **price.entity()}
-        await self._admin(self.store.upsert(CALLERS_TABLE, entity))
+        await self._admin(self.store.upsert(CALLERS_TABLE, entity, timeout=ADMIN_TIMEOUT))
         self.prices.forget(model)
         log.info("price of %s set", log_safe(model)[:80])
         return price
 
     async def list_prices(self) -> list[Price]:
-        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=PRICES), timeout=10.0))
+        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=PRICES), timeout=ADMIN_TIMEOUT))
         return sorted((Price.of(row) for row in rows), key=lambda p: p.model)
 
     async def get_price(self, model: str) -> Price:
-        row = await self._admin(self.store.get(CALLERS_TABLE, PRICES, _price_row(model))) if model else None
+        row = (
+            await self._admin(self.store.get(CALLERS_TABLE, PRICES, _price_row(model), timeout=ADMIN_TIMEOUT))
+            if model
+            else None
+        )
         if row is None:
             raise Missing("price for model", log_safe(model)[:80])
         return Price.of(row)
 
     async def delete_price(self, model: str) -> Price:
         price = await self.get_price(model)
-        await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _price_row(model)))
+        await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _price_row(model), timeout=ADMIN_TIMEOUT))
         self.prices.forget(model)
         return price
 

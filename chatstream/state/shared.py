@@ -98,6 +98,7 @@ class SharedState:
                 owners,
                 settings.default_max_output_tokens,
                 settings.referenced_context_tokens,
+                instances,
             )
             # The tokenizer's tables take about a second to build: off the first request's path.
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()

@@ -137,9 +137,28 @@ class StoreClock:
         self._best_at = 0.0
         self.observed = False  # an answer of the store has set it
         self.answered_at = 0.0  # when the store last answered anything (this process's monotonic clock)
+        self.failed_at = float("-inf")  # when a call last got no usable answer (same clock)
+        self.latency = 0.0  # how long the store's answers take lately (seconds, a moving average)
 
     def now(self) -> float:
         return self._monotonic() + self._base
+
+    def took(self, seconds: float) -> None:
+        """A call was answered after ``seconds``: a busy store answers late, a stopped one not at all."""
+        self.latency += 0.2 * (seconds - self.latency)
+
+    def patience(self, bound: float = CALL_TIMEOUT, busy: float = 8.0) -> float:
+        """How long a call on a request's path may wait: ``bound``, or ``busy`` while the store's
+        answers are slow lately (a busy store is not a stopped one)."""
+        return busy if self.latency > bound / 4 else bound
+
+    def failed(self) -> None:
+        """A call got no usable answer (the store is down or slow past a bound)."""
+        self.failed_at = self._monotonic()
+
+    def quiet_for(self) -> float:
+        """Seconds since a call last failed (infinite when none has)."""
+        return self._monotonic() - self.failed_at
 
     def observe(self, date_seconds: float) -> None:
         """An answer said the store's clock read ``date_seconds`` (whole seconds, truncated) when it
@@ -354,4 +373,6 @@ def store_from_env(environ: Mapping[str, str]) -> Store | None:
         return None
     from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
 
-    return AzureStore(config)
+    # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
+    offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
+    return AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)

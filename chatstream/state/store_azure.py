@@ -74,9 +74,28 @@ RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks
 
 
 @contextlib.asynccontextmanager
-async def _mapped(timeout: float, what: str = "call") -> AsyncIterator[None]:
+async def _mapped(timeout: float, what: str = "call", clock: StoreClock | None = None) -> AsyncIterator[None]:
     """One store call within ``timeout`` seconds; whatever the SDK (or the network) raises becomes
-    the store's own error. The message never carries a URL (it may hold a SAS)."""
+    the store's own error (an outage is noted on ``clock``). The message never carries a URL (it
+    may hold a SAS)."""
+    started = asyncio.get_running_loop().time()
+    try:
+        async with _errors(timeout, what):
+            yield
+    except StoreUnavailable:
+        if clock is not None:
+            clock.failed()
+        raise
+    except StoreError:
+        if clock is not None:  # an answer all the same (404, 409, 412)
+            clock.took(asyncio.get_running_loop().time() - started)
+        raise
+    if clock is not None:
+        clock.took(asyncio.get_running_loop().time() - started)
+
+
+@contextlib.asynccontextmanager
+async def _errors(timeout: float, what: str) -> AsyncIterator[None]:
     try:
         async with asyncio.timeout(timeout):
             yield
@@ -99,7 +118,7 @@ async def _mapped(timeout: float, what: str = "call") -> AsyncIterator[None]:
 
 
 def _status_error(status: int | None) -> StoreError:
-    if status == 404:
+    if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
         return NotFound("not found")
     if status == 409:
         return AlreadyExists("it exists")
@@ -232,7 +251,7 @@ class AzureStore:
     @staticmethod
     async def _create(create) -> None:
         try:
-            async with _mapped(CALL_TIMEOUT, "create"):
+            async with _errors(CALL_TIMEOUT, "create"):
                 await create()
         except AlreadyExists:
             pass
@@ -259,7 +278,7 @@ class AzureStore:
         check_key("RowKey", row)
         self._count("get")
         try:
-            async with _mapped(timeout, "get"):
+            async with _mapped(timeout, "get", self.clock):
                 client = await self._table(table)
                 keys = ["PartitionKey", "RowKey"]
                 found = await client.get_entity(partition, row, select=[*keys, *select] if select else None)
@@ -270,7 +289,7 @@ class AzureStore:
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
         values = _to_store(entity)
         self._count("insert")
-        async with _mapped(timeout, "insert"):
+        async with _mapped(timeout, "insert", self.clock):
             client = await self._table(table)
             answer = await client.create_entity(values)
         return answer["etag"]
@@ -290,7 +309,7 @@ class AzureStore:
     ) -> str:
         values = _to_store(entity)
         self._count("replace" if mode == UpdateMode.REPLACE else "merge")
-        async with _mapped(timeout, "update"):
+        async with _mapped(timeout, "update", self.clock):
             client = await self._table(table)
             answer = await client.update_entity(values, mode=mode, **_condition(etag))
         return answer["etag"]
@@ -298,7 +317,7 @@ class AzureStore:
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
         values = _to_store(entity)
         self._count("upsert")
-        async with _mapped(timeout, "upsert"):
+        async with _mapped(timeout, "upsert", self.clock):
             client = await self._table(table)
             answer = await client.upsert_entity(values, mode=UpdateMode.REPLACE)
         return answer["etag"]
@@ -309,7 +328,7 @@ class AzureStore:
         check_key("PartitionKey", partition)
         check_key("RowKey", row)
         self._count("delete")
-        async with _mapped(timeout, "delete"):
+        async with _mapped(timeout, "delete", self.clock):
             client = await self._table(table)
             await client.delete_entity(partition, row, **_condition(etag))  # quiet on a missing row
 
@@ -317,7 +336,7 @@ class AzureStore:
         query, parameters = _odata(where)
         self._count("query")
         rows: list[Row] = []
-        async with _mapped(timeout, "query"):
+        async with _mapped(timeout, "query", self.clock):
             client = await self._table(table)
             page = min(1000, where.limit) if where.limit else 1000
             found = client.query_entities(
@@ -347,7 +366,7 @@ class AzureStore:
                 mode = UpdateMode.REPLACE if op.kind == "replace" else UpdateMode.MERGE
                 operations.append(("update", _to_store(op.entity), {"mode": mode, **_condition(op.etag)}))
         self._count("batch")
-        async with _mapped(timeout, "batch"):
+        async with _mapped(timeout, "batch", self.clock):
             client = await self._table(table)
             answers = await client.submit_transaction(operations)
         return [answer.get("etag") for answer in answers]
@@ -357,7 +376,7 @@ class AzureStore:
     async def append_create(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         self._count("append_create")
         try:
-            async with _mapped(timeout, "append_create"):
+            async with _mapped(timeout, "append_create", self.clock):
                 container = await self._container()
                 # If-None-Match: a create that timed out here and lands late must not empty the blob.
                 await container.get_blob_client(name).create_append_blob(match_condition=MatchConditions.IfMissing)
@@ -366,7 +385,7 @@ class AzureStore:
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         self._count("append")
-        async with _mapped(timeout, "append"):
+        async with _mapped(timeout, "append", self.clock):
             container = await self._container()
             answer = await container.get_blob_client(name).append_block(data, appendpos_condition=at)
         del answer  # the append position condition held: the blob is now this long
@@ -376,32 +395,30 @@ class AzureStore:
         self._count("read")
         if not self._sdk_reads:
             if self._reads is None:
-                self._reads = _BlobReads(self._blob_service(), await self._container_ready(timeout), timeout)
+                self._reads = _BlobReads(
+                    self._blob_service(), await self._container_ready(timeout), timeout, self.clock
+                )
             try:
                 return await self._reads.read(name, offset, timeout)
             except _NoSasAccess as exc:
                 log.warning("shared state: blobs are read through the SDK: %s", exc)
                 self._sdk_reads = True
         try:
-            async with _mapped(timeout, "read"):
+            async with _mapped(timeout, "read", self.clock):
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob(offset=offset)
                 return await download.readall()
-        except NotFound:
+        except NotFound:  # no blob, or nothing past offset (Azure; Azurite answers empty)
             return b""
-        except StoreUnavailable as exc:
-            if "HTTP 416" in str(exc):  # nothing past offset (Azure; Azurite answers empty)
-                return b""
-            raise
 
     async def _container_ready(self, timeout: float) -> ContainerClient:
-        async with _mapped(timeout, "container"):
+        async with _mapped(timeout, "container", self.clock):
             return await self._container()
 
     async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
         self._count("size")
         try:
-            async with _mapped(timeout, "size"):
+            async with _mapped(timeout, "size", self.clock):
                 container = await self._container()
                 return (await container.get_blob_client(name).get_blob_properties()).size
         except NotFound:
@@ -416,7 +433,7 @@ class AzureStore:
         else:
             condition = {}
         try:
-            async with _mapped(timeout, "put"):
+            async with _mapped(timeout, "put", self.clock):
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
                     data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
@@ -428,7 +445,7 @@ class AzureStore:
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         self._count("get_blob")
         try:
-            async with _mapped(timeout, "get_blob"):
+            async with _mapped(timeout, "get_blob", self.clock):
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob()
                 data = await download.readall()
@@ -439,7 +456,7 @@ class AzureStore:
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         self._count("delete_blob")
         with contextlib.suppress(NotFound):
-            async with _mapped(timeout, "delete_blob"):
+            async with _mapped(timeout, "delete_blob", self.clock):
                 container = await self._container()
                 await container.delete_blob(name)
 
@@ -463,7 +480,8 @@ class _BlobReads:
     """The bytes of a blob of the container from an offset, by a plain aiohttp GET with a read-only
     container SAS (module docstring): b"" when it has none there or does not exist yet."""
 
-    def __init__(self, service: BlobServiceClient, container: ContainerClient, timeout: float):
+    def __init__(self, service: BlobServiceClient, container: ContainerClient, timeout: float, clock: StoreClock):
+        self.clock = clock
         self._service = service
         self._container = container
         self._timeout = timeout
@@ -476,7 +494,7 @@ class _BlobReads:
         sas = await self._current_sas()
         url = f"{self._container.url}/{name}?{sas}"
         headers = {"x-ms-range": f"bytes={offset}-", "x-ms-version": self._service.api_version}
-        async with _mapped(timeout, "read"), self._open().get(url, headers=headers) as response:
+        async with _mapped(timeout, "read", self.clock), self._open().get(url, headers=headers) as response:
             if response.status in (200, 206):
                 return await response.read()
             if response.status in (404, 416):  # not there yet; nothing past offset

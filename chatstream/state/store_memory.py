@@ -114,14 +114,17 @@ class MemoryStore:
         if fault is not None:
             fault.times -= 1
             if fault.mode == "unavailable":
+                self.clock.failed()
                 raise StoreUnavailable("the store failed (injected)")
             if fault.mode == "lose_answer":
                 work()
+                self.clock.failed()
                 raise StoreTimeout("the store did not answer in time (injected, applied)")
             await asyncio.sleep(min(fault.delay, timeout))
             if fault.delay > timeout:
                 if write:
                     work()
+                self.clock.failed()
                 raise StoreTimeout("the store did not answer in time (injected, slow)")
         frozen = self.data.frozen
         if frozen is not None and not frozen.is_set():
@@ -131,8 +134,10 @@ class MemoryStore:
             except TimeoutError:
                 if write:
                     self.data.queued.append(lambda: _quietly(work))
+                self.clock.failed()
                 raise StoreTimeout("the store did not answer in time (frozen)") from None
         try:
+            self.clock.took(0.0)
             return work()
         finally:
             # An answer, with its Date, to the microsecond (Azure's has whole seconds): unit tests run

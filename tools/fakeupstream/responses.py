@@ -12,7 +12,8 @@ response object the script ends with; a `background` request plays the script
 into a stored run that streams can follow (`GET /v1/responses/{id}?stream=true`).
 
 Token counting (deterministic, no tokenizer), as for chat:
-  * input_tokens = whitespace-separated words in `instructions` and all input text;
+  * input_tokens = whitespace-separated words in `instructions` and all input text, plus the
+    previous response's total_tokens when the request names one (`previous_response_id`);
   * output_tokens = text deltas + function-argument deltas + reasoning-summary
     deltas; reasoning_tokens = the reasoning-summary deltas.
 """
@@ -935,11 +936,16 @@ class ResponsesApi:
             await self.app.hang(receive, record["id"], name, api="responses")
             return
 
+        # As a real model does: a continued response carries what it continues (its input and output).
+        carried = 0
+        if previous is not None:
+            earlier = (getattr(self.store[previous], "snapshot", None) or {}).get("usage") or {}
+            carried = int(earlier.get("total_tokens") or 0)
         ctx = Context(
             model=body["model"],
             body=body,
             background=background,
-            input_tokens=count_input_tokens(input_, body.get("instructions")),
+            input_tokens=count_input_tokens(input_, body.get("instructions")) + carried,
         )
         deltas = sc.word_deltas(sc.echo_text(last_user_text(input_))) if name == "echo" else None
         options = body.get("stream_options")

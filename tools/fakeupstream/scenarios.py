@@ -12,7 +12,8 @@ Token counting (documented, deterministic, not a tokenizer):
     "token"; for tool_calls, the number of argument fragments), times n;
     extra deltas sent after the finish chunk (`after_finish`) are not counted.
   * prompt_tokens = number of whitespace-separated words in the text of all
-    request messages.
+    request messages; with `prompt_cache_key` in the request, half of them (rounded down)
+    are reported as `prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -388,6 +389,7 @@ class Request:
     n: int = 1
     include_usage: bool = False
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # with `prompt_cache_key`: half the prompt, as if it was cached
     id: str = ""
     created: int = 0
 
@@ -397,11 +399,14 @@ class Request:
 
 
 def usage(req: Request, completion_tokens: int) -> dict:
-    return {
+    body = {
         "prompt_tokens": req.prompt_tokens,
         "completion_tokens": completion_tokens * req.n,
         "total_tokens": req.prompt_tokens + completion_tokens * req.n,
     }
+    if req.cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens, "audio_tokens": 0}
+    return body
 
 
 # ------------------------------------------------------------- stream plans (wire)

@@ -265,10 +265,12 @@ class FakeUpstream:
 
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
+        prompt_tokens = sc.count_prompt_tokens(messages)
         req = Request(
             model=model,
             n=n,
-            prompt_tokens=sc.count_prompt_tokens(messages),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=prompt_tokens // 2 if isinstance(body.get("prompt_cache_key"), str) else 0,
             include_usage=stream and isinstance(options, dict) and options.get("include_usage") is True,
         )
         deltas = sc.word_deltas(sc.echo_text(_last_user_text(messages))) if name == "echo" else None

@@ -1,0 +1,318 @@
+"""Money, teams and limits per model, end to end (CALLER_KEYS=required, docs/callers.md): the app on the
+local host on a real Azurite against the scripted upstream; prices, teams and callers made through the
+admin API as an operator makes them. What is claimed about every instance is tested on two."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import uuid
+
+import httpx
+import pytest
+from azure.data.tables import TableServiceClient
+from helpers import app_env
+from servers import App
+
+from tools.fakeupstream.scenarios import NORMAL_DELTAS, count_prompt_tokens
+
+MODEL = "gpt-test"
+OTHER = "gpt-other"
+PICO = 10**12
+
+
+def env(upstream, azurite, **extra: str) -> dict[str, str]:
+    return app_env(upstream, AzureWebJobsStorage=azurite.connection_string, CALLER_KEYS="required", **extra)
+
+
+@pytest.fixture(scope="module")
+def keyed(upstream, azurite):
+    server = App(env(upstream, azurite))
+    yield server
+    server.stop()
+
+
+def admin(app: App, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, f"{app.url}/api/manage/{path}", json=body, timeout=30)
+
+
+def name(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def caller(app: App, **spec) -> tuple[str, str]:
+    who = spec.pop("name", name("c"))
+    made = admin(app, "POST", "callers", {"name": who, **spec})
+    assert made.status_code == 201, made.text
+    return who, made.json()["key"]
+
+
+def team(app: App, **spec) -> str:
+    which = spec.pop("name", name("t"))
+    made = admin(app, "POST", "teams", {"name": which, **spec})
+    assert made.status_code == 201, made.text
+    return which
+
+
+def ask(text: str, model: str = MODEL, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def chat(app: App, key: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60)
+
+
+def ledger(azurite, **equal: str) -> list[dict]:
+    from azure.core.exceptions import ResourceNotFoundError
+
+    service = TableServiceClient.from_connection_string(azurite.connection_string)
+    query = " and ".join(f"{k} eq @{k}" for k in equal)
+    try:
+        rows = list(service.get_table_client("chatstreamUsage").query_entities(query, parameters=equal))
+    except ResourceNotFoundError:  # nothing written yet: the app makes the table on first use
+        return []
+    return [{k: getattr(v, "value", v) for k, v in row.items()} for row in rows]
+
+
+def pico_per_token(usd_per_million: float) -> int:
+    return round(usd_per_million * 10**6)
+
+
+def test_prices_are_exact_validated_and_never_echo_a_bad_value(keyed):
+    model = name("m")
+    put = admin(keyed, "PUT", f"prices/{model}", {"input": 0.15, "output": 0.6})
+    assert put.status_code == 200, put.text
+    assert put.json()["cached_input"] == 0.15 and put.json()["output"] == 0.6  # cached_input defaults to input
+    assert admin(keyed, "GET", f"prices/{model}").json()["input"] == 0.15
+    assert any(p["model"] == model for p in admin(keyed, "GET", "prices").json()["data"])
+    for bad, param in (
+        ({"input": "0.15", "output": 1}, "input"),
+        ({"input": 0.1234567, "output": 1}, "input"),
+        ({"input": -1, "output": 1}, "input"),
+        ({"input": 1, "output": True}, "output"),
+        ({"input": 1}, "output"),
+        ({"input": 1, "output": 1, "typo": 1}, "typo"),
+    ):
+        refused = admin(keyed, "PUT", f"prices/{model}", bad)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == param, (bad, refused.text)
+        assert "0.1234567" not in error["message"] and "'0.15'" not in error["message"]
+    assert admin(keyed, "DELETE", f"prices/{model}").status_code == 200
+    assert admin(keyed, "GET", f"prices/{model}").status_code == 404
+
+
+def test_a_charge_costs_exactly_what_the_price_table_says_cached_tokens_included(keyed, azurite):
+    admin(keyed, "PUT", f"prices/{MODEL}", {"input": 2.5, "cached_input": 1.25, "output": 10})
+    who, key = caller(keyed, spend_budget=5)
+    body = ask("[scenario:normal] price this please", prompt_cache_key="k1", stream=True)
+    with httpx.stream(
+        "POST", f"{keyed.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        r.read()
+    prompt = count_prompt_tokens(body["messages"])
+    cached, completion = prompt // 2, len(NORMAL_DELTAS)
+    expected = (prompt - cached) * pico_per_token(2.5) + cached * pico_per_token(1.25) + completion * pico_per_token(10)
+    rows = _wait_rows(azurite, 1, caller=who)
+    assert (rows[0]["prompt_tokens"], rows[0]["cached_tokens"], rows[0]["completion_tokens"]) == (
+        prompt,
+        cached,
+        completion,
+    )
+    assert rows[0]["cost"] == expected
+    usage = admin(keyed, "GET", f"usage?caller={who}").json()
+    assert usage["total"]["cost_picousd"] == expected
+    assert usage["total"]["cost_usd"] == pytest.approx(expected / PICO)
+    csv = httpx.get(f"{keyed.url}/api/manage/usage?caller={who}", headers={"Accept": "text/csv"}, timeout=30)
+    assert csv.headers["content-type"].startswith("text/csv")
+    whole, frac = divmod(expected, PICO)
+    assert f"{whole}.{frac:012d}" in csv.text  # exact, for finance
+
+
+def test_an_unpriced_model_is_refused_with_a_money_budget_and_free_without(keyed, azurite, upstream):
+    model = name("unpriced")
+    _, budgeted = caller(keyed, spend_budget=1)
+    free, plain = caller(keyed)
+    before = upstream.count()
+    refused = chat(keyed, budgeted, ask("[scenario:normal] hi", model=model))
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_priced"
+    assert model in refused.json()["error"]["message"] and refused.json()["error"]["param"] == "model"
+    assert upstream.count() == before
+    assert chat(keyed, plain, ask("[scenario:normal] hi", model=model)).status_code == 200
+    rows = _wait_rows(azurite, 1, caller=free)
+    assert rows[0].get("cost") is None
+    usage = admin(keyed, "GET", f"usage?caller={free}").json()
+    assert usage["total"]["unpriced_requests"] == 1 and usage["total"]["cost_picousd"] == 0
+
+
+def test_a_per_model_limit_refuses_that_model_and_leaves_another_untouched(keyed, upstream):
+    _, key = caller(keyed, model_limits={OTHER: {"requests_per_minute": 2}})
+    for _ in range(2):
+        assert chat(keyed, key, ask("[scenario:normal] hi", model=OTHER)).status_code == 200
+    before = upstream.count()
+    third = chat(keyed, key, ask("[scenario:normal] hi", model=OTHER))
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_exceeded"
+    assert OTHER in third.json()["error"]["message"] and int(third.headers["Retry-After"]) >= 1
+    assert upstream.count() == before
+    for _ in range(5):
+        assert chat(keyed, key, ask("[scenario:normal] hi")).status_code == 200  # MODEL has no such limit
+
+
+def test_a_teams_limit_holds_over_its_callers_and_names_the_team_not_another_caller(keyed):
+    import time
+
+    squad = team(keyed, requests_per_minute=3)
+    first, one = caller(keyed, team=squad)
+    second, two = caller(keyed, team=squad)
+    for _ in range(3):  # a round that straddles a minute's turn (a loaded machine) is tried again
+        minute = int(time.time() // 60)
+        statuses = [chat(keyed, key, ask("[scenario:normal] hi")).status_code for key in (one, two, one, two)]
+        if int(time.time() // 60) == minute:
+            break
+        time.sleep(60 - time.time() % 60 + 0.5)
+    assert statuses.count(200) == 3 and statuses[-1] == 429, statuses
+    message = chat(keyed, two, ask("[scenario:normal] hi")).json()["error"]["message"]
+    assert squad in message and first not in message and second not in message
+    assert admin(keyed, "DELETE", f"teams/{squad}").status_code == 409  # it has callers
+    assert (
+        admin(keyed, "POST", "callers", {"name": name("c"), "team": "no-such-team"}).json()["error"]["param"] == "team"
+    )
+
+
+@pytest.mark.alone
+def test_a_team_spend_budget_holds_over_300_concurrent_requests_on_two_instances(upstream, azurite, start_app):
+    """Two callers of one team, 300 requests at once over two instances, a team budget that holds about
+    30 of them in flight: the ledger's costs never pass the budget, every refused request made no
+    upstream call, every admitted one is in the ledger with the cost the price table gives."""
+    a = start_app(**env(upstream, azurite))
+    b = start_app(**env(upstream, azurite))
+    model = name("priced")
+    admin(a, "PUT", f"prices/{model}", {"input": 1, "output": 10})
+    reserve_each = 0
+    marker = uuid.uuid4().hex
+    body = ask(f"[scenario:slow] {marker}", model=model, max_tokens=100, stream=True)
+    from chatstream.tokens import count_prompt
+
+    reserve_each = count_prompt(model, body) * pico_per_token(1) + 100 * pico_per_token(10)
+    budget_usd = round(30 * reserve_each / PICO, 6)
+    squad = team(a, spend_budget=budget_usd, budget_period="month")
+    keys = [caller(a, team=squad)[1], caller(a, team=squad)[1]]
+    statuses = asyncio.run(_burst([a.url, b.url], keys, body, 300))
+    admitted = statuses.count(200)
+    assert admitted + statuses.count(429) == 300, statuses
+    assert 20 <= admitted <= 30, admitted
+    sent = [r for r in upstream.requests(last=700) if marker in json.dumps(r.get("json"))]
+    assert len(sent) == admitted, "a refused request is never sent upstream"
+    rows = _wait_rows(azurite, admitted, team=squad)
+    prompt = count_prompt_tokens(body["messages"])
+    for row in rows:
+        assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+        assert row["prompt_tokens"] == prompt
+    assert sum(r["cost"] for r in rows) <= budget_usd * PICO
+
+
+async def _burst(urls: list[str], keys: list[str], body: dict, n: int) -> list[int]:
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> int:
+            url = urls[i % len(urls)] + "/api/v1/chat/completions"
+            async with client.stream("POST", url, json=body, headers={"api-key": keys[i % len(keys)]}) as response:
+                await response.aread()
+                return response.status_code
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_a_continued_response_reserves_what_it_carries(keyed, azurite):
+    """The probe: previous_response_id reserved only what the request itself contained, while the
+    upstream charged the whole conversation. Now the previous response's size is reserved: a chain of
+    continuations stops at the budget."""
+    who, key = caller(keyed, token_budget=1_000, budget_period="day")
+    previous = None
+    admitted = 0
+    for i in range(30):
+        body = {"model": MODEL, "input": f"[scenario:normal] turn {i}", "max_output_tokens": 20, "store": True}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        answer = httpx.post(f"{keyed.url}/api/v1/responses", headers={"api-key": key}, json=body, timeout=60)
+        if answer.status_code != 200:
+            assert answer.status_code == 429 and answer.json()["error"]["code"] == "insufficient_quota", answer.text
+            break
+        admitted += 1
+        previous = answer.json()["id"]
+    assert 2 <= admitted < 30
+    rows = _wait_rows(azurite, admitted, caller=who)
+    assert sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) <= 1_000
+
+
+def test_someone_elses_previous_response_is_not_found(keyed):
+    _, alice = caller(keyed)
+    _, bob = caller(keyed)
+    made = httpx.post(
+        f"{keyed.url}/api/v1/responses",
+        headers={"api-key": alice},
+        json={"model": MODEL, "input": "[scenario:normal] mine", "store": True},
+        timeout=60,
+    )
+    assert made.status_code == 200
+    stolen = httpx.post(
+        f"{keyed.url}/api/v1/responses",
+        headers={"api-key": bob},
+        json={"model": MODEL, "input": "go on", "previous_response_id": made.json()["id"]},
+        timeout=60,
+    )
+    assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("cap", [0.5, "100", 1e9, True, -1, 0])
+def test_an_output_cap_is_one_integer_or_refused(keyed, upstream, cap):
+    _, key = caller(keyed, token_budget=1_000_000)
+    before = upstream.count()
+    refused = chat(keyed, key, ask("hi", max_tokens=1, max_completion_tokens=cap))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_completion_tokens", refused.text
+    assert upstream.count() == before
+
+
+def test_two_output_caps_reach_the_upstream_as_the_smaller(keyed, upstream):
+    _, key = caller(keyed, token_budget=1_000_000)
+    marker = uuid.uuid4().hex
+    assert chat(keyed, key, ask(f"hi {marker}", max_tokens=7, max_completion_tokens=900)).status_code == 200
+    sent = next(r["json"] for r in upstream.requests(last=50) if marker in json.dumps(r.get("json")))
+    assert sent["max_tokens"] == 7 and sent["max_completion_tokens"] == 7
+
+
+def test_a_caller_made_again_under_its_name_starts_afresh(keyed, azurite):
+    who, key = caller(keyed)
+    made = httpx.post(
+        f"{keyed.url}/api/v1/responses",
+        headers={"api-key": key},
+        json={"model": MODEL, "input": "[scenario:normal] old", "store": True},
+        timeout=60,
+    )
+    _wait_rows(azurite, 1, caller=who)
+    assert admin(keyed, "DELETE", f"callers/{who}").status_code == 200
+    _, again = caller(keyed, name=who)
+    old = httpx.get(f"{keyed.url}/api/v1/responses/{made.json()['id']}", headers={"api-key": again}, timeout=30)
+    assert old.status_code == 404, "the old caller's response is not the new one's"
+    usage = admin(keyed, "GET", f"usage?caller={who}").json()
+    assert usage["total"]["requests"] == 0, "nor is its usage"
+
+
+def test_models_lists_what_the_caller_may_use(keyed):
+    _, key = caller(keyed, models=["gpt-a", "gpt-b"])
+    listed = httpx.get(f"{keyed.url}/api/v1/models", headers={"api-key": key}, timeout=30).json()
+    assert sorted(m["id"] for m in listed["data"]) == ["gpt-a", "gpt-b"]
+    assert httpx.get(f"{keyed.url}/api/v1/models/gpt-a", headers={"api-key": key}, timeout=30).status_code == 200
+    assert httpx.get(f"{keyed.url}/api/v1/models/{MODEL}", headers={"api-key": key}, timeout=30).status_code == 404
+
+
+def _wait_rows(azurite, n: int, timeout: float = 20.0, **equal: str) -> list[dict]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(rows := ledger(azurite, **equal)) < n:
+        assert time.monotonic() < deadline, f"{len(rows)} of {n} ledger rows"
+        time.sleep(0.2)
+    return rows
