@@ -404,6 +404,17 @@ def test_an_operator_runs_a_team_and_a_caller_from_the_page(browser, keyed):
         top = tab.row("Top callers by spend", caller)
         expect(top).to_contain_text(f"{team}3{total['total_tokens']:,}{usd(total['cost_usd'])}")
 
+        # --- a period the API refuses (400): its message, plainly; the view stays
+        page.get_by_label("From", exact=True).fill("2031-01-02")
+        page.get_by_label("To", exact=True).fill("2031-01-01")
+        expect(page.get_by_label("Period", exact=True)).to_have_value("custom")
+        page.get_by_role("button", name="Show").click()
+        expect(tab.banner).to_contain_text("400")
+        expect(tab.banner).to_contain_text(": from: must not be after to")
+        expect(legend).to_contain_text(model)  # what was shown stays
+        page.get_by_label("Period", exact=True).select_option("30")
+        expect(page.locator("#banner")).to_be_hidden()
+
         # --- the CSV, fetched with the headers and saved as a file
         with page.expect_download() as download:
             page.get_by_role("button", name="Download CSV").click()

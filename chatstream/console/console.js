@@ -578,7 +578,8 @@ async function savePrice(row, p) {
     await api(`manage/prices/${modelPath(model)}`, { method: "PUT", body });
     await refresh();
   } catch (e) {
-    error(e instanceof ApiError && e.param ? e.param : null, describe(e));
+    if (e instanceof ApiError && e.param && row.querySelector(`[data-param="${e.param}"]`)) error(e.param, e.message);
+    else error(null, describe(e));
   }
 }
 
@@ -785,7 +786,15 @@ async function downloadCsv() {
 // ------------------------------------------------------------------ start
 
 function start() {
-  for (const name of Object.keys(VIEWS)) $("tab-" + name).addEventListener("click", () => select(name));
+  const names = Object.keys(VIEWS);
+  for (const name of names) $("tab-" + name).addEventListener("click", () => select(name));
+  document.querySelector('[role="tablist"]').addEventListener("keydown", (event) => {
+    const step = { ArrowRight: 1, ArrowLeft: -1 }[event.key];
+    if (!step) return;
+    const next = names[(names.indexOf(current) + step + names.length) % names.length];
+    select(next);
+    $("tab-" + next).focus();
+  });
   $("retry").addEventListener("click", () => retryView && retryView());
   $("key-box").addEventListener("submit", (event) => {
     event.preventDefault();
