@@ -10,6 +10,7 @@ from azurefunctions.extensions.http.fastapi import Request, Response
 
 from chatstream import telemetry
 from chatstream.app import create_app
+from chatstream.console_page import Console
 from chatstream.pipeline import Pipeline
 from chatstream.playground_page import Playground
 from chatstream.settings import Settings
@@ -24,6 +25,7 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
 playground_page = Playground.from_settings(settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
+console_page = Console.from_settings(settings)  # the same rule, with CONSOLE_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
@@ -109,6 +111,13 @@ async def playground(req: Request) -> Response:
     """GET /api/playground: a browser page for trying the API (docs/playground.md); 404 when disabled.
     The page needs no key; every API call it makes does."""
     return playground_page(req.path_params.get("file"), req.url.path)
+
+
+@app.route(route="console/{file?}", methods=["GET"], auth_level=func.AuthLevel.ANONYMOUS)
+async def console(req: Request) -> Response:
+    """GET /api/console: the operators' page on the admin API below (docs/console.md); 404 when
+    disabled. The page needs no key; every admin call it makes needs the master key in Azure."""
+    return console_page(req.path_params.get("file"), req.url.path)
 
 
 # The admin API for callers, teams, prices and usage (docs/callers.md): /api/manage/... (the

@@ -69,6 +69,8 @@ class Settings(BaseModel):
     # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
     # running locally, off in Azure; true or false decides either way.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
+    # The operators' console, GET /api/console (chatstream/console_page.py): the same rule.
+    console_enabled: bool | None = Field(None, alias="CONSOLE_ENABLED")
 
     # Callers (docs/callers.md): ``off`` (anyone with the function key, as before) or ``required``
     # (every model route needs a caller key). A revoked or rotated key stops working on every

@@ -50,6 +50,8 @@ def test_serve_with_nothing_configured_answers_the_readme_curl():
         assert not any("Azurite" in line for line in output), "the plain first run starts no store"
         assert f"Playground: http://localhost:{port}/api/playground\n" in output, output
         assert httpx.get(f"http://127.0.0.1:{port}/api/playground").status_code == 200
+        assert f"Console: http://localhost:{port}/api/console\n" in output, output
+        assert httpx.get(f"http://127.0.0.1:{port}/api/console").status_code == 200
         # curl -N -X POST localhost:PORT/api/chat -d '{"prompt":"hi"}' (form content type, as curl sends)
         r = httpx.post(
             f"http://127.0.0.1:{port}/api/chat",
