@@ -383,8 +383,6 @@ ANNOUNCED_SETTINGS = {
     "CONTINUE_ON_UPSTREAM_FAILURE",
     "CONTINUE_MAX",
     "DRAIN_SECONDS",
-    "CONSOLE_ENABLED",
-    "LEDGER_RETENTION_DAYS",
 }
 # What the template writes for the platform, not for the app (docs/deploy.md).
 PLATFORM_SETTINGS = re.compile(
