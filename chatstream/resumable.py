@@ -59,7 +59,7 @@ class Resumable:
         """A new stream's producer, or None when this instance produces too many (then the answer
         streams as usual, without resumability)."""
         try:
-            return self.streams.start(route, record.caller)
+            return self.streams.start(route, record.caller_id)  # what a caller owns is its id's
         except TooManyStreams:
             log.warning("resumable streams: this instance is full; a stream goes without resumability")
             return None
