@@ -1,6 +1,6 @@
 """Resumable streams in the request path (``RESUMABLE_STREAMS=on``, docs/resumable.md): a streamed
 ``/api/chat`` or ``/api/v1/chat/completions`` answer is produced by a task of its own, numbered and
-kept by the stream log (state/streamlog.py), and the caller is one reader of it. So a hang-up no longer
+kept by the stream log (state/streamlog/), and the caller is one reader of it. So a hang-up no longer
 stops the generation: it goes on and is stored, and ``GET /api/streams/{id}`` with ``Last-Event-ID``
 continues it on any instance. ``POST /api/streams/{id}/cancel`` stops it, and so does nobody reading it
 for ``RESUME_ABANDON_SECONDS``: the upstream is closed and the stream ends with ``finish_reason``
