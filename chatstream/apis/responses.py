@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..http import validate_object
 from ..pipeline import CallRequest, Pipeline
+from ..record import StreamRecord
+from ..stream import StreamProtocol
+from ..upstreams.failover import Upstreams
 from .openai_chat import describe, error_response
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
@@ -74,3 +77,8 @@ class ResponsesApi:
 
     error_response = staticmethod(error_response)
     completion = staticmethod(filter_response)
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> None:
+        return None

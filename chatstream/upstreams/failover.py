@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -105,6 +105,11 @@ class PeekedStream:
     @property
     def request_id(self) -> str | None:
         return self._stream.request_id
+
+    @property
+    def entry(self) -> Entry | None:
+        """The pool entry this stream comes from (None for a follow-up's re-stream)."""
+        return self._attempt.entry if self._attempt is not None else None
 
     async def _chunks(self) -> AsyncIterator[dict]:
         peeked, self._peeked = self._peeked, []
@@ -251,11 +256,15 @@ class Upstreams:
             headers=headers,
         )
 
-    def _attempts(self, model: str, record: StreamRecord) -> Iterator[tuple[Entry, Attempt, bool]]:
-        """(entry, attempt, is_last) for each candidate that can still take the request."""
+    def _attempts(
+        self, model: str, record: StreamRecord, candidates: list[Entry] | None = None
+    ) -> Iterator[tuple[Entry, Attempt, bool]]:
+        """(entry, attempt, is_last) for each candidate (default: the pool's, in its order) that can
+        still take the request."""
         if self._closer is None:
             self._close_with_the_loop()
-        candidates = self.pool.candidates(model)
+        if candidates is None:
+            candidates = self.pool.candidates(model)
         if not candidates:
             raise self._unavailable(model)
         for i, entry in enumerate(candidates):
@@ -295,13 +304,48 @@ class Upstreams:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
         last failure (or 429/503 with Retry-After when no entry could be tried)."""
         model = params["model"]
+        return await self._walk(
+            path, model, lambda entry: params, protocol, limits, record, self._attempts(model, record)
+        )
+
+    async def open_next(
+        self,
+        path: str,
+        model: str,
+        request: Callable[[Entry], dict],
+        protocol: StreamProtocol,
+        limits: TimeLimits,
+        record: StreamRecord,
+        failed: Collection[str],
+    ) -> PeekedStream:
+        """The stream an answer goes on from after its upstream failed mid-answer (continuation.py):
+        the walk of ``open`` with ``request(entry)`` as each entry's parameters, the entries that did
+        not fail this answer (``failed``) first, then the others, each in the pool's order. When no
+        entry is free now (cooling down, breaker open) it waits for the soonest one: the core bounds
+        the whole of it by the limits."""
+        while not (candidates := self.pool.candidates(model)):
+            blocked = self.pool.unavailable(model)
+            await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
+        ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
+        return await self._walk(path, model, request, protocol, limits, record, self._attempts(model, record, ordered))
+
+    async def _walk(
+        self,
+        path: str,
+        model: str,
+        request: Callable[[Entry], dict],
+        protocol: StreamProtocol,
+        limits: TimeLimits,
+        record: StreamRecord,
+        attempts: Iterator[tuple[Entry, Attempt, bool]],
+    ) -> PeekedStream:
         last: Classified | None = None
-        for entry, attempt, is_last in self._attempts(model, record):
+        for entry, attempt, is_last in attempts:
             stream = None
             try:
                 async with asyncio.timeout_at(self._entry_deadline(limits, is_last)):
                     stream = await UpstreamStream.open(
-                        self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
+                        self.clients[entry.name], path, {**request(entry), "model": entry.deployment(model)}
                     )
                     record.upstream_answered()
                     peeked = await _peek(stream, protocol.probe())
