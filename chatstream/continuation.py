@@ -1,5 +1,7 @@
 """An answer whose upstream fails after output went to the caller goes on on another stream, and
 the caller gets every character once (``CONTINUE_ON_UPSTREAM_FAILURE``, docs/pool.md).
+``ResponsesReattach`` does it for a background response of the Responses API: the same stream again,
+exactly, from the entry that holds it.
 
 ``ChatContinuation`` is the stream core's ``Continuation`` for a streamed chat completion with one
 choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
@@ -38,7 +40,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import telemetry, tokens
-from .errors import ApiError
+from .errors import ApiError, ErrorKind
 from .record import Segment, StreamRecord
 from .stream import Done, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
@@ -226,18 +228,16 @@ class ChatContinuation:
     def feed(self, data: dict) -> Sequence[dict]:
         segment = self._segment
         if segment is None:
-            segment = self._segment = Segment(self.record.upstream)
+            segment = self._segment = Segment(self.record.upstream, request_id=self.record.request_id or None)
             self.record.segment(segment)
         usage = data.get("usage")
         if usage and isinstance(usage, dict):
             segment.usage = usage
         choices = data.get("choices")
-        if type(choices) is not list or len(choices) != 1:
-            return (data,)  # no choice (a usage or filter frame), or not ours to judge: the protocol's
-        choice = choices[0]
+        choice = choices[0] if type(choices) is list and len(choices) == 1 else None
         delta = choice.get("delta") if type(choice) is dict else None
-        if type(delta) is not dict:
-            return (data,)
+        if choice is None or type(delta) is not dict:  # no choice (a usage frame), or the protocol's to judge
+            return (data,) if self._seam is None else (self._named(data),)
         content = delta.get("content")
         if type(content) is not str:
             content = ""
@@ -282,13 +282,18 @@ class ChatContinuation:
             choice = {**choice, "delta": {**delta, "content": text}}
             if isinstance(choice.get("logprobs"), dict):
                 choice["logprobs"] = _trimmed_logprobs(choice["logprobs"], dropped)
-        new = {**data, "choices": [choice]}
+        new = self._named({**data, "choices": [choice]})
+        if choice.get("finish_reason"):
+            new["continued"] = list(self.continued)
+        return new
+
+    def _named(self, data: dict) -> dict:
+        """A continuation's chunk with the answer's id and created (a new dict)."""
+        new = dict(data)
         if self._id is not None:
             new["id"] = self._id
         if self._created is not None:
             new["created"] = self._created
-        if choice.get("finish_reason"):
-            new["continued"] = list(self.continued)
         return new
 
     def note(self, data: dict) -> None:
@@ -322,7 +327,7 @@ class ChatContinuation:
         )
         entry = stream.entry
         self._seam = Seam(known, dedupe=entry is None or entry.continuation != "prefix")
-        self._segment = Segment(entry.name if entry is not None else None)
+        self._segment = Segment(entry.name if entry is not None else None, request_id=stream.request_id)
         record.segment(self._segment)
         seam = {"from": failed, "to": self._segment.upstream, "after_chars": len(known), "reason": str(error.type)}
         self.continued.append(seam)
@@ -344,7 +349,13 @@ class ChatContinuation:
         usage = None
         for segment in self.record.segments:
             usage = add_usage(usage, segment.usage)
-        return replace(done, usage=usage, continued=tuple(self.continued))
+        return replace(
+            done,
+            usage=usage,
+            continued=tuple(self.continued),
+            id=self._id if isinstance(self._id, str) else done.id,
+            created=self._created if isinstance(self._created, int) else done.created,
+        )
 
 
 def _trimmed_logprobs(logprobs: dict, dropped: int) -> dict:
@@ -370,3 +381,73 @@ def chat_continuation(
     if most <= 0 or params.get("n") not in (None, 1):
         return None
     return ChatContinuation(upstreams, path, params, protocol, record, most)
+
+
+# --- the Responses API ---------------------------------------------------------------------------
+
+
+class ResponsesReattach:
+    """The stream core's ``Continuation`` for a streamed background response (``/api/v1/responses``
+    with ``background`` and ``stream``): the response goes on generating at its entry whatever
+    happens to our connection, so a connection lost (or silent past the idle limit, or ended early)
+    is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that same entry, N
+    the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to mend: an
+    event at or before N is dropped all the same. The terminal event carries ``continued``. Any other
+    response is not continued (a foreground one stops when its stream does, and chat models have no
+    prefill for a Responses ``input`` either)."""
+
+    def __init__(self, upstreams: Upstreams, probe, record: StreamRecord, most: int):
+        self.upstreams = upstreams
+        self.probe = probe  # a fresh protocol that reads a re-stream (``ResponseStream(None, resumed=True)``)
+        self.record = record
+        self.most = most
+        self.continued: list[dict] = []
+        self._last = -1  # the last sequence_number passed on
+        self._id: str | None = None
+        self._chars = 0  # text passed on (output_text deltas)
+        self._reopened = 0
+
+    def feed(self, data: dict) -> Sequence[dict]:
+        number = data.get("sequence_number")
+        if isinstance(number, int) and not isinstance(number, bool):
+            if number <= self._last:
+                return ()  # already passed on
+            self._last = number
+        response = data.get("response")
+        if self._id is None and isinstance(response, dict) and isinstance(response.get("id"), str):
+            self._id = response["id"]
+        if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
+            self._chars += len(data["delta"])
+        if self.continued and data.get("type") in _TERMINAL:
+            return ({**data, "continued": list(self.continued)},)
+        return (data,)
+
+    def note(self, data: dict) -> None:
+        pass
+
+    def may_continue(self, error: ApiError) -> bool:
+        return (
+            self._id is not None
+            and self._reopened < self.most
+            and may_continue(error)
+            and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
+        )
+
+    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
+        self._reopened += 1
+        entry = record.upstream
+        assert entry is not None and self._id is not None
+        query = {"stream": "true", "starting_after": str(self._last)}
+        stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, self.probe())
+        seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
+        self.continued.append(seam)
+        record.continued_on(seam)
+        telemetry.upstream_event("continuations", entry, reason=str(error.type))
+        log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
+        return stream
+
+    def summary(self, done: Done) -> Done:
+        return replace(done, continued=tuple(self.continued)) if self.continued else done
+
+
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

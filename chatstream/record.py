@@ -83,13 +83,20 @@ class Segment:
     usage: dict | None = None
     parts: list[str] = field(default_factory=list)  # ``text``, as it came
     answered: bool = True
+    request_id: str | None = None  # the upstream's x-request-id for it
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
     def as_dict(self) -> dict:
-        return {"upstream": self.upstream, "usage": self.usage, "text": self.text, "answered": self.answered}
+        return {
+            "upstream": self.upstream,
+            "usage": self.usage,
+            "text": self.text,
+            "answered": self.answered,
+            "request_id": self.request_id,
+        }
 
 
 @dataclass(kw_only=True)

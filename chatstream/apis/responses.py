@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from ..continuation import ResponsesReattach
 from ..http import validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
@@ -80,5 +81,8 @@ class ResponsesApi:
 
     def continuation(
         self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
-    ) -> None:
-        return None
+    ) -> ResponsesReattach | None:
+        """A background response's stream is re-attached where it dropped; no other is continued."""
+        if most <= 0 or call.params.get("background") is not True:
+            return None
+        return ResponsesReattach(upstreams, lambda: ResponseStream(None, resumed=True), record, most)

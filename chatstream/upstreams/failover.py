@@ -85,8 +85,16 @@ class PeekedStream:
     the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
     core as the ApiError it means."""
 
-    def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
+    def __init__(
+        self,
+        stream: UpstreamStream,
+        peeked: list[dict],
+        attempt: Attempt | None,
+        model: str,
+        entry: Entry | None = None,
+    ):
         self._stream = stream
+        self._entry = entry or (attempt.entry if attempt is not None else None)
         self._peeked = peeked
         self._replaying = 0  # peeked chunks not yet given again
         self._attempt = attempt
@@ -109,7 +117,7 @@ class PeekedStream:
     @property
     def entry(self) -> Entry | None:
         """The pool entry this stream comes from (None for a follow-up's re-stream)."""
-        return self._attempt.entry if self._attempt is not None else None
+        return self._entry
 
     async def _chunks(self) -> AsyncIterator[dict]:
         peeked, self._peeked = self._peeked, []
@@ -305,7 +313,7 @@ class Upstreams:
         last failure (or 429/503 with Retry-After when no entry could be tried)."""
         model = params["model"]
         return await self._walk(
-            path, model, lambda entry: params, protocol, limits, record, self._attempts(model, record)
+            path, model, lambda entry: params, protocol, limits, record, self._attempts(model, record), first=True
         )
 
     async def open_next(
@@ -327,7 +335,8 @@ class Upstreams:
             blocked = self.pool.unavailable(model)
             await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
         ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
-        return await self._walk(path, model, request, protocol, limits, record, self._attempts(model, record, ordered))
+        attempts = self._attempts(model, record, ordered)
+        return await self._walk(path, model, request, protocol, limits, record, attempts, first=False)
 
     async def _walk(
         self,
@@ -338,7 +347,10 @@ class Upstreams:
         limits: TimeLimits,
         record: StreamRecord,
         attempts: Iterator[tuple[Entry, Attempt, bool]],
+        first: bool,
     ) -> PeekedStream:
+        """The walk itself. ``first``: the answer's first stream, whose ``x-request-id`` the caller
+        gets (a continuation's stays on its segment)."""
         last: Classified | None = None
         for entry, attempt, is_last in attempts:
             stream = None
@@ -360,17 +372,34 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
-                record.request_id = upstream_request_id(exc) or record.request_id
+                if first:
+                    record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
                 if self._failed(attempt, last, record):
                     continue
                 raise last.error from None
             attempt.report(SUCCESS)
-            record.request_id = stream.request_id or record.request_id
+            if first:
+                record.request_id = stream.request_id or record.request_id
             return PeekedStream(stream, peeked, attempt, model)
         if last is None:
             raise self._unavailable(model)
         raise last.error
+
+    async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
+        """The event stream of something only entry ``name`` holds (a background response), again,
+        read up to its first output: on that entry whatever its health, since no other has it."""
+        stream = None
+        try:
+            stream = await UpstreamStream.open(self.clients[name], path, {}, method="get", query=query)
+            peeked = await _peek(stream, probe)
+        except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+            await _close(stream)
+            raise classify(exc).error from None
+        except BaseException:
+            await _close(stream)
+            raise
+        return PeekedStream(stream, peeked, None, "", self.pool.entry(name))
 
     async def complete(self, path: str, params: dict, record: StreamRecord) -> dict:
         """A non-streamed call: the first entry that answers it, in the pool's order."""

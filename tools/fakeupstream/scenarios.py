@@ -646,25 +646,35 @@ CONTINUE_MODES = ("restart", "tail", "exact")
 
 @dataclass(frozen=True)
 class Failure:
-    """Every streamed chat answer is cut after ``after`` deltas (text or tool-call fragments) and
-    ends as ``end`` does in the scenario table (``error_4xx``: an error event shaped like a 400)."""
+    """Streamed chat answers are cut after ``after`` deltas (text or tool-call fragments) and end as
+    ``end`` does in the scenario table (``error_4xx``: an error event shaped like a 400); the next
+    ``times`` of them (None: every one)."""
 
     after: int
     end: str = "reset"
+    times: int | None = None
 
     @classmethod
     def parse(cls, data: Any) -> Failure | None:
-        if not data:
+        if not data or not isinstance(data, dict):
             return None
-        after, end = data.get("after") if isinstance(data, dict) else None, data.get("end", "reset")
+        after, end, times = data.get("after"), data.get("end", "reset"), data.get("times")
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError("'after' must be a whole number of deltas, 0 or more")
         if end not in FAILURE_ENDS:
             raise ValueError(f"'end' must be one of {', '.join(FAILURE_ENDS)}")
-        return cls(after, end)
+        if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
+            raise ValueError("'times' must be a whole number of answers, 1 or more, or null")
+        return cls(after, end, times)
 
     def as_dict(self) -> dict:
-        return {"after": self.after, "end": self.end}
+        return {"after": self.after, "end": self.end, "times": self.times}
+
+    def spent(self) -> Failure | None:
+        """What is left of it once it cut one more answer."""
+        if self.times is None:
+            return self
+        return replace(self, times=self.times - 1) if self.times > 1 else None
 
     def applied(self, scn: Scenario, deltas: tuple[str, ...]) -> tuple[Scenario, tuple[str, ...]]:
         return replace(scn, end=self.end), deltas[: self.after]
@@ -673,8 +683,9 @@ class Failure:
 @dataclass(frozen=True)
 class GoingOn:
     """A request to go on with an answer: the conversation before it (``history``), the answer so far
-    (``partial``), the deltas of the whole answer as this server gives it (``full``), and whether it
-    asked for the rest exactly (``continue_final_message``)."""
+    (``partial``, all of it when the scenario failed after its whole text), the deltas of the whole
+    answer as this server gives it (``full``), and whether it asked for the rest exactly
+    (``continue_final_message``)."""
 
     history: list
     partial: str
@@ -704,7 +715,7 @@ def continuation_of(body: dict, answer: Any) -> GoingOn | None:
         return None
     full = tuple(answer(history))
     whole = "".join(full)
-    if not partial or len(partial) >= len(whole) or not whole.startswith(partial):
+    if not partial or not whole.startswith(partial):
         return None
     return GoingOn(history, partial, full, exact)
 

@@ -298,6 +298,7 @@ class FakeUpstream:
             deltas = self.continuation.deltas(going_on)
         if stream and self.failure is not None:
             scn, deltas = self.failure.applied(scn, scn.deltas if deltas is None else deltas)
+            self.failure = self.failure.spent()
         rid = [(b"x-request-id", record["id"].encode())]
         if not stream:
             await _send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
