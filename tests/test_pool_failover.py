@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import socket
+import subprocess
 import time
 
 import httpx
@@ -19,7 +21,7 @@ import openai
 import pytest
 from chat import chat
 from helpers import TEST_KEY
-from servers import App, Upstream
+from servers import ROOT, App, Upstream
 
 from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
@@ -777,3 +779,75 @@ def test_a_background_response_whose_stream_drops_is_re_attached_on_its_entry_ex
     assert reattached["query"]["stream"] == "true" and reattached["query"]["starting_after"] == str(delta_numbers[2])
     assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "only the entry that holds it"
     log_record(app, r'"endpoint": "responses"[^\n]*"continued"')
+
+
+def test_the_c_sharp_client_and_the_ai_sdk_read_a_continued_answer_as_one(ups, start_app):
+    """Two of the clients of the matrix against a continued answer: the C# console client
+    (/api/chat) and the Vercel AI SDK's streamText (/api/v1/chat/completions, usage included)."""
+    from test_client_cs import run_chat
+    from test_hardening_two import AISDK
+
+    a, b, c = ups
+    fail(a)
+    app = a_then_b(start_app, a, b)
+    exe = ROOT / "client_cs" / "bin" / "chat.exe"
+    if exe.is_file() and shutil.which("mono"):  # built by `make client-mono` (test_client_cs builds it too)
+        proc = run_chat(exe, "--url", app.chat_url, "--stats", "hi")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.decode() in (NORMAL, NORMAL + "\n")
+        assert b"finish reason: stop" in proc.stderr
+    if (AISDK / "node_modules" / "ai").is_dir():  # `make aisdk`
+        fail(a)
+        out = subprocess.run(
+            ["node", str(AISDK / "stream.mjs"), app.url + "/api/v1", "hi"], capture_output=True, text=True, timeout=60
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["ok"] and result["text"] == NORMAL and result["finishReason"] == "stop", result
+        assert result["usage"]["completionTokens"] > 0
+    assert len(log_records(app, r'"continued"')) == 2, "both answers were continued"
+
+
+def log_records(app: App, pattern: str) -> list[dict]:
+    return [json.loads(m) for m in re.findall(r'\{"event": "chat_stream"[^\n]*' + pattern + r"[^\n]*", app.log())]
+
+
+def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
+    from test_telemetry import READER, SPANS, _install_providers
+
+    from chatstream import telemetry
+    from chatstream.continuation import chat_continuation
+
+    _install_providers()
+    a, b, c = ups
+    fail(a)
+    first = f"a-{time.monotonic_ns()}"
+    pool = in_process({"UPSTREAMS": upstreams(entry(first, a, priority=1), entry("b", b, priority=2))}, Clock())
+
+    async def run():
+        record = StreamRecord(endpoint="chat", model=f"continued-{first}")
+        telemetry.begin(record)
+        protocol = CompletionStream(Pipeline())
+        continuation = chat_continuation(pool, "/chat/completions", params(True), protocol, record, 2)
+        limits = TimeLimits(pool.settings)
+        events = [
+            e async for e in relay(pool, "/chat/completions", params(True), protocol, limits, record, continuation)
+        ]
+        telemetry.finish(record)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+        return events, record
+
+    events, record = asyncio.run(run())
+    assert isinstance(events[-1], Done) and events[-1].continued[0]["from"] == first
+    (span,) = [s for s in SPANS.get_finished_spans() if s.attributes.get("gen_ai.request.model") == record.model]
+    assert span.attributes["chat.continuations"] == 1
+    assert json.loads(span.attributes["chat.continued"]) == list(events[-1].continued)
+    points = [
+        (point.attributes.get("reason"), point.value)
+        for resource_metrics in READER.get_metrics_data().resource_metrics
+        for scope in resource_metrics.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "chat.upstream.continuations"
+        for point in metric.data.data_points
+        if point.attributes.get("upstream") == first
+    ]
+    assert points == [("upstream_disconnected", 1)]

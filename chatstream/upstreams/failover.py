@@ -6,8 +6,11 @@ until the API's protocol (a probe of it, without text steps) says the first outp
 first-token limit moves the request to the next entry; anything else (400, 401/403, 404 …) is the
 answer, as with a single upstream. The stream it returns replays the chunks it read and then goes
 on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
-output the request stays on its entry; a later failure is the stream's final error event, and
-counts against that entry's health. Failures reach the core already explained (``classify``): an
+output the request stays on its entry; a later failure counts against that entry's health, and the
+answer either goes on on another stream (``open_next``: the same walk with the continuation's
+request, the entries that did not fail it first, waiting for a cooling entry when none is free;
+``reattach``: a background response again from its own entry; continuation.py) or ends with the
+final error event. Failures reach the core already explained (``classify``): an
 ``ApiError`` for the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
