@@ -851,3 +851,23 @@ def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
         if point.attributes.get("upstream") == first
     ]
     assert points == [("upstream_disconnected", 1)]
+
+
+def test_a_resumable_stream_continued_keeps_its_ids_and_a_resume_reads_the_same_answer(ups, start_app, azurite):
+    """With RESUMABLE_STREAMS=on the events of a continued answer go on numbering (1, 2, 3, …, one
+    done), and reading the stream again from an id before the seam gives the same text."""
+    a, b, c = ups
+    fail(a)
+    app = a_then_b(start_app, a, b, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on")
+    with httpx.stream("POST", app.chat_url, json=HI, timeout=30) as response:
+        stream_id = response.headers["x-stream-id"]
+        body = response.read().decode()
+    blocks = [dict(line.split(": ", 1) for line in b.split("\n") if ": " in line) for b in body.split("\n\n")]
+    numbered = [(int(f["id"]), f.get("event", "message"), json.loads(f["data"])) for f in blocks if "id" in f]
+    assert [n for n, _, _ in numbered] == list(range(1, len(numbered) + 1))
+    assert [e for _, e, _ in numbered if e != "message"] == ["done"]
+    assert "".join(d["delta"] for _, e, d in numbered if e == "message") == NORMAL
+    assert numbered[-1][2]["continued"][0]["to"] == "b" and numbered[-1][2]["stream_id"] == stream_id
+    again = httpx.get(f"{app.url}/api/streams/{stream_id}", headers={"Last-Event-ID": "2"}, timeout=30).text
+    rest = [json.loads(line[6:]) for line in again.split("\n") if line.startswith("data: ")]
+    assert "".join(d["delta"] for _, e, d in numbered[:2]) + "".join(r.get("delta", "") for r in rest) == NORMAL
