@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
+from .continuation import turned_off
 from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
 from .http import KEEP_ALIVE, EventStreamResponse, read_json
 from .pipeline import CallRequest, Pipeline
@@ -35,7 +36,7 @@ from .resumable import Resumable
 from .settings import Settings
 from .state.accounting import Accounting, Admission
 from .state.streamlog import Route
-from .stream import Chunk, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
+from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -61,6 +62,9 @@ class Api(Protocol):
     def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]: ...
     def error_response(self, error: ApiError) -> Response: ...
     async def completion(self, body: dict, pipeline: Pipeline, record: StreamRecord) -> dict: ...
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> Continuation | None: ...  # how a streamed answer goes on after its upstream failed mid-answer
 
 
 async def _close_events(first: asyncio.Future, events: AsyncGenerator[Event]) -> None:
@@ -207,8 +211,9 @@ class Endpoint:
         if admission is not None and self.accounting is not None:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
             self.accounting.progress(admission, lambda: "".join(protocol.generated or ()))
+        continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
         events = finishing(
-            relay(self.upstreams, self.api.path, call.params, protocol, limits, record),
+            relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation),
             lambda: self._finish_stream(protocol, record, admission),
         )
         encode = self.api.encoder(call)
@@ -228,6 +233,14 @@ class Endpoint:
         if admission is not None and protocol.id:  # the id came with the first events
             await self._claim(admission, protocol.id, call)
         return response
+
+    def _continuations(self, request: Request) -> int:
+        """How often a streamed answer may go on on another stream after its upstream failed
+        mid-answer: CONTINUE_MAX, unless CONTINUE_ON_UPSTREAM_FAILURE is off or the request says
+        ``x-chatstream-continue: off``."""
+        if not self.settings.continue_on_upstream_failure or turned_off(request.headers):
+            return 0
+        return self.settings.continue_max
 
     def _resumable(
         self,

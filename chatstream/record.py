@@ -72,6 +72,33 @@ class StreamResult:
         return self.texts.get(0, "")
 
 
+@dataclass(slots=True)
+class Segment:
+    """One upstream stream an answer was read from: the first, then one per continuation
+    (continuation.py). ``text``: what it generated for choice 0 before the text steps, a repeat the
+    seam dropped included (what the upstream charges for); ``usage``: what it reported, if anything
+    (a stream that failed mid-answer usually reports none); ``answered``: the upstream took it (200)."""
+
+    upstream: str | None
+    usage: dict | None = None
+    parts: list[str] = field(default_factory=list)  # ``text``, as it came
+    answered: bool = True
+    request_id: str | None = None  # the upstream's x-request-id for it
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def as_dict(self) -> dict:
+        return {
+            "upstream": self.upstream,
+            "usage": self.usage,
+            "text": self.text,
+            "answered": self.answered,
+            "request_id": self.request_id,
+        }
+
+
 @dataclass(kw_only=True)
 class StreamRecord:
     endpoint: str
@@ -97,6 +124,11 @@ class StreamRecord:
     stream_id: str | None = None  # a resumable stream's id
     stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
+    # A streamed chat answer read through a continuation plan (continuation.py): each upstream stream
+    # it was read from, and each seam (``{"from", "to", "after_chars", "reason"}``). ``usage`` is then
+    # the sum of the segments' usage. Empty for every other answer.
+    segments: list[Segment] = field(default_factory=list)
+    continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
     telemetry: Span | None = field(default=None, repr=False)
     reported: bool = False  # its log line is written
@@ -131,6 +163,15 @@ class StreamRecord:
 
     def attempt_failed(self, entry: str, error: str) -> None:
         self.attempt_errors.append({"upstream": entry, "error": error})
+
+    # -- the continuation's facts
+    def segment(self, segment: Segment) -> None:
+        """The answer is read from another upstream stream (its first, or a continuation)."""
+        self.segments.append(segment)
+
+    def continued_on(self, seam: dict) -> None:
+        """The answer went on on another stream after its upstream failed mid-answer."""
+        self.continued.append(seam)
 
     # -- the stream core's facts
     def first_output(self) -> None:
@@ -185,6 +226,8 @@ class StreamRecord:
         }
         if self.attempt_errors:
             line["attempt_errors"] = self.attempt_errors
+        if self.continued:
+            line["continued"] = self.continued
         if self.caller is not None:
             line["caller"] = self.caller
         if self.team is not None:

@@ -54,6 +54,10 @@ class Settings(BaseModel):
     heartbeat: float = Field(15.0, alias="HEARTBEAT_SECONDS", gt=0, le=200)
     usage_wait: float = Field(2.0, alias="USAGE_WAIT_SECONDS", ge=0, le=60)
     upstream_max_retries: int = Field(2, alias="UPSTREAM_MAX_RETRIES", ge=0, le=10)
+    # An answer whose upstream fails after output went to the caller goes on on the next healthy
+    # entry (chatstream/continuation.py, docs/pool.md), at most CONTINUE_MAX times per answer.
+    continue_on_upstream_failure: bool = Field(True, alias="CONTINUE_ON_UPSTREAM_FAILURE")
+    continue_max: int = Field(2, alias="CONTINUE_MAX", ge=0, le=10)
 
     # Request limits.
     max_body_bytes: int = Field(1_048_576, alias="MAX_BODY_BYTES", gt=0, le=100 * 1_048_576)

@@ -17,20 +17,33 @@ one, each chunk goes out on its own).
 The seams, typed: ``StreamProtocol`` is what differs per upstream API (chat completions,
 responses: apis/completions.py, apis/responses_stream.py); ``Upstream`` is what the core asks for a
 stream (upstreams/failover.py: the pool, opened up to the first output); ``UpstreamChunks`` is the
-stream it gets (upstreams/clients.py)."""
+stream it gets (upstreams/clients.py); ``Continuation`` (continuation.py), when the answer has one,
+sees every upstream chunk before the protocol and, when the upstream fails after output went to the
+caller, opens the next stream the answer goes on from (within the limits: its first output is due
+within the first-token limit, and all of it within the total one); the protocol and its text steps
+never see the seam."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import anyio
 
-from .errors import ApiError, TimeLimit, first_token_expired, idle_expired, incomplete, internal_error, total_expired
+from .errors import (
+    ApiError,
+    ErrorKind,
+    TimeLimit,
+    first_token_expired,
+    idle_expired,
+    incomplete,
+    internal_error,
+    total_expired,
+)
 from .record import StreamRecord
 from .settings import Settings
 
@@ -56,6 +69,7 @@ class Done:
     id: str | None
     created: int | None
     texts: dict[int, str] = field(default_factory=dict)  # what was generated (before text steps), per choice
+    continued: tuple[dict, ...] = ()  # the seams of a continued answer (continuation.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +134,20 @@ class Upstream(Protocol):
     ) -> UpstreamChunks: ...
 
 
+class Continuation(Protocol):
+    """How one answer goes on when its upstream fails after output went to the caller
+    (continuation.py): ``feed`` gets every upstream chunk before the protocol and gives what the
+    protocol is to see (the seam between two streams), ``note`` a chunk after the answer (the
+    usage); ``may_continue`` judges a failure, ``reopen`` opens the next stream (raising when none
+    could be had), ``summary`` completes the final event."""
+
+    def feed(self, data: dict) -> Sequence[dict]: ...
+    def note(self, data: dict) -> None: ...
+    def may_continue(self, error: ApiError) -> bool: ...
+    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
+    def summary(self, done: Done) -> Done: ...
+
+
 # --- time limits ------------------------------------------------------------------------------
 
 
@@ -138,10 +166,12 @@ class TimeLimits:
         self.loop = loop or asyncio.get_running_loop()
         now = self.loop.time()
         self.total_at = now + settings.total_timeout
-        self.deadline = min(self.total_at, now + settings.first_token_timeout)
+        self.first_token = settings.first_token_timeout
+        self.deadline = min(self.total_at, now + self.first_token)
         self.idle = settings.idle_timeout
         self.usage_wait = settings.usage_wait
         self.output_started = False
+        self.reopening = False  # the answer goes on on another stream: its first output is awaited
         self.waiting = False  # inside ``wait``: the limit in force ends that wait by itself
         self._task: asyncio.Task | None = None  # the task inside ``wait``
         self._timer: asyncio.TimerHandle | None = None
@@ -152,7 +182,9 @@ class TimeLimits:
         """The error for the limit in force now."""
         if not self.output_started:
             return first_token_expired()
-        return total_expired() if self.deadline >= self.total_at else idle_expired()
+        if self.deadline >= self.total_at:
+            return total_expired()
+        return first_token_expired() if self.reopening else idle_expired()
 
     def check_total(self) -> None:
         if self.loop.time() >= self.total_at:
@@ -161,7 +193,14 @@ class TimeLimits:
     def got_output(self) -> None:
         """Output went to the caller: from now on the idle limit runs between chunks."""
         self.output_started = True
+        self.reopening = False
         self.deadline = min(self.total_at, self.loop.time() + self.idle)
+
+    def continuing(self) -> None:
+        """The upstream failed mid-answer and the answer goes on on another stream: its first output
+        is due within the first-token limit (and the total one)."""
+        self.reopening = True
+        self.deadline = min(self.total_at, self.loop.time() + self.first_token)
 
     def got_chunk(self) -> None:
         """A chunk came from the upstream (whether or not anything of it is forwarded)."""
@@ -228,22 +267,41 @@ class TimeLimits:
 # --- the relay --------------------------------------------------------------------------------
 
 
+class _Current:
+    """The upstream stream an answer is being read from (a continuation replaces it)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream: UpstreamChunks | None = None
+
+
 async def relay(
-    upstream: Upstream, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    upstream: Upstream,
+    path: str,
+    params: dict,
+    protocol: StreamProtocol,
+    limits: TimeLimits,
+    record: StreamRecord,
+    continuation: Continuation | None = None,
 ) -> AsyncGenerator[Event]:
     """The events of one streamed call: ``upstream.open`` up to the first output, then each chunk
-    through ``protocol``, then exactly one ``Done`` or ``Failed``."""
-    stream: UpstreamChunks | None = None
+    through ``protocol`` (and, with a ``continuation``, on other streams after a failure mid-answer),
+    then exactly one ``Done`` or ``Failed``."""
+    current = _Current()
     watchdog = None
     ended = False
     try:
-        stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
-        watchdog = limits.on_total(lambda: _close_parked(stream, limits))
-        async with contextlib.aclosing(_forward(stream, protocol, limits, record)) as forwarded:
+        current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
+        watchdog = limits.on_total(lambda: _close_parked(current, limits))
+        async with contextlib.aclosing(_forward(current, protocol, limits, record, continuation)) as forwarded:
             async for chunk in forwarded:
                 yield chunk
-        await _read_rest(aiter(stream), protocol, limits)
+        assert current.stream is not None
+        await _read_rest(aiter(current.stream), protocol, limits, continuation)
         done = protocol.summary()
+        if continuation is not None:
+            done = continuation.summary(done)
         record.ended(done.finish_reason, done.usage)
         ended = True
         yield done
@@ -256,16 +314,22 @@ async def relay(
         if watchdog is not None:
             watchdog.cancel()
         limits.close()
-        if stream is not None:
+        if current.stream is not None:
             # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
             # connection must still be closed (that is what stops the paid generation).
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await current.stream.close()
 
 
 async def _forward(
-    stream: UpstreamChunks, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    current: _Current,
+    protocol: StreamProtocol,
+    limits: TimeLimits,
+    record: StreamRecord,
+    continuation: Continuation | None,
 ) -> AsyncGenerator[Chunk]:
+    stream = current.stream
+    assert stream is not None
     chunks = aiter(stream)
     held: list[Chunk] = []  # chunks before the first output
     ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
@@ -276,32 +340,44 @@ async def _forward(
                 ready = None
                 limits.check_total()  # the caller may have read slowly while we were parked at yield
             try:
-                data = await limits.wait(anext(chunks))
-            except StopAsyncIteration:
-                if protocol.finished:  # a choice never finished but the stream ended cleanly
+                raw = await limits.wait(anext(chunks))
+            except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a time limit
+                if isinstance(exc, ApiError):
+                    failure = exc
+                elif protocol.finished:  # a choice never finished but the stream ended cleanly
                     break
-                raise incomplete() from None
+                else:
+                    failure = incomplete()
+                if continuation is None or not limits.output_started or not continuation.may_continue(failure):
+                    raise failure from None
+                if ready is not None:  # what is in hand goes out before the wait for the next stream
+                    yield ready
+                    ready = None
+                stream = await _reopen(current, continuation, failure, limits, record)
+                chunks = aiter(stream)
+                continue
             limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
             limits.got_chunk()  # the idle limit runs between upstream chunks, forwarded or not
-            fed = await protocol.feed(data)
-            if fed.data is None:
-                continue
-            chunk = Chunk(fed.data, batch=fed.batch)
-            if record.first_delta_at is None:
-                if not fed.output:
-                    held.append(chunk)
+            for data in continuation.feed(raw) if continuation is not None else (raw,):
+                fed = await protocol.feed(data)
+                if fed.data is None:
                     continue
-                record.first_output()
-                limits.got_output()
-                for early in held:
-                    early.more = True
-                    yield early
-            if fed.delta:
-                record.deltas += 1
-            if ready is not None:
-                ready.more = True
-                yield ready
-            ready = chunk
+                chunk = Chunk(fed.data, batch=fed.batch)
+                if record.first_delta_at is None:
+                    if not fed.output:
+                        held.append(chunk)
+                        continue
+                    record.first_output()
+                    limits.got_output()
+                    for early in held:
+                        early.more = True
+                        yield early
+                if fed.delta:
+                    record.deltas += 1
+                if ready is not None:
+                    ready.more = True
+                    yield ready
+                ready = chunk
     except Exception:
         if ready is not None:  # what was made before the failure still goes out, then the error
             yield ready
@@ -310,7 +386,28 @@ async def _forward(
         yield ready
 
 
-async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits) -> None:
+async def _reopen(
+    current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits, record: StreamRecord
+) -> UpstreamChunks:
+    """The stream the answer goes on from after ``failure``; when none could be had, ``failure``
+    ends the answer (or the total limit, when that is what ran out)."""
+    failed, current.stream = current.stream, None
+    if failed is not None:
+        with anyio.CancelScope(shield=True):
+            await failed.close()  # a stalled stream still generates: stop it
+    limits.continuing()
+    try:
+        stream = await limits.wait(continuation.reopen(failure, limits, record))
+    except ApiError as exc:
+        raise (exc if exc.type == ErrorKind.TOTAL_TIMEOUT else failure) from None
+    current.stream = stream
+    limits.got_output()
+    return stream
+
+
+async def _read_rest(
+    chunks: AsyncIterator[dict], protocol: StreamProtocol, limits: TimeLimits, continuation: Continuation | None
+) -> None:
     """After the answer is complete, read on briefly for what follows it (the usage), and to the end
     of the body so the connection can be reused. Missing it is not a failure."""
     limits.finishing()
@@ -318,6 +415,8 @@ async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limi
         async with asyncio.timeout_at(limits.deadline):
             async for data in chunks:
                 protocol.note(data)
+                if continuation is not None:
+                    continuation.note(data)
     except (TimeoutError, ApiError):  # a timeout, an error event or a broken connection after the answer
         pass
 
@@ -325,12 +424,12 @@ async def _read_rest(chunks: AsyncIterator[dict], protocol: StreamProtocol, limi
 _closing: set[asyncio.Future] = set()
 
 
-def _close_parked(stream: UpstreamChunks, limits: TimeLimits) -> None:
+def _close_parked(current: _Current, limits: TimeLimits) -> None:
     """At the total limit: a stream parked behind a caller who stopped reading is not waiting on the
     upstream (that wait would expire by itself), so close the upstream now; the core reports the
     limit when the caller reads again."""
-    if not limits.waiting:
-        task = asyncio.ensure_future(stream.close())
+    if not limits.waiting and current.stream is not None:
+        task = asyncio.ensure_future(current.stream.close())
         _closing.add(task)  # keep a reference until it is done (the loop holds only a weak one)
         task.add_done_callback(_closing.discard)
 

@@ -21,6 +21,7 @@ keys are never recorded. docs/observability.md lists what is emitted and how to 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ METRIC_TOKENS = "chat.stream.tokens"
 METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
 METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
 METRIC_UPSTREAM_COOLDOWNS = "chat.upstream.cooldowns"
+METRIC_UPSTREAM_CONTINUATIONS = "chat.upstream.continuations"
 
 # Span attributes beyond the gen_ai.* semantic conventions.
 ATTR_TTFD = "chat.time_to_first_delta_ms"
@@ -59,6 +61,8 @@ ATTR_UPSTREAM = "chat.upstream"  # the pool entry that served the request (or th
 ATTR_CALLER = "chat.caller"  # the caller key's name (CALLER_KEYS=required): admin-made, so bounded
 ATTR_REQUEST_ID = "chat.request_id"  # x-request-id: the upstream's, else the app's own
 ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
+ATTR_CONTINUATIONS = "chat.continuations"  # how often the answer went on on another stream
+ATTR_CONTINUED = "chat.continued"  # those seams as JSON text: [{"from", "to", "after_chars", "reason"}]
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
@@ -142,6 +146,11 @@ class _Instruments:
         self.upstream_cooldowns = meter.create_counter(
             METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down"
         )
+        self.upstream_continuations = meter.create_counter(
+            METRIC_UPSTREAM_CONTINUATIONS,
+            unit="{answer}",
+            description="Answers that failed mid-answer on an entry and went on on another stream (dimension reason)",
+        )
 
 
 _instruments: _Instruments | None = None
@@ -215,8 +224,9 @@ def finish(record: StreamRecord) -> None:
 
 
 def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:
-    """Count one attempt (``requests``), failover (``failovers``) or cooldown (``cooldowns``) of the
-    pool entry ``upstream``. Never raises."""
+    """Count one attempt (``requests``), failover (``failovers``), cooldown (``cooldowns``) or
+    continuation elsewhere after a failure mid-answer (``continuations``) of the pool entry
+    ``upstream``. Never raises."""
     try:
         counter = getattr(_get_instruments(), f"upstream_{metric}")
         counter.add(1, {"upstream": upstream, **dimensions})
@@ -296,6 +306,9 @@ def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool
     if record.upstream:
         attributes[ATTR_UPSTREAM] = record.upstream
         attributes[ATTR_ATTEMPTS] = record.attempts
+    if record.continued:
+        attributes[ATTR_CONTINUATIONS] = len(record.continued)
+        attributes[ATTR_CONTINUED] = json.dumps(record.continued)
     if record.caller:
         attributes[ATTR_CALLER] = record.caller
     if record.request_id:

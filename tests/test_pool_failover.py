@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import socket
+import subprocess
 import time
 
 import httpx
@@ -19,7 +21,7 @@ import openai
 import pytest
 from chat import chat
 from helpers import TEST_KEY
-from servers import App, Upstream
+from servers import ROOT, App, Upstream
 
 from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
@@ -27,7 +29,13 @@ from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Done, Failed, TimeLimits, relay
 from chatstream.upstreams.failover import Upstreams
-from tools.fakeupstream.scenarios import RESET_DELTAS, TEXTS
+from tools.fakeupstream.scenarios import (
+    NORMAL_DELTAS,
+    RESET_DELTAS,
+    TEXTS,
+    TOOL_CALL_ARGUMENT_DELTAS,
+    count_prompt_tokens,
+)
 
 NORMAL = TEXTS["normal"]
 HI = {"prompt": "hi"}  # no scenario marker: each upstream plays its default
@@ -46,6 +54,8 @@ def ups(three):
     """The three upstreams, each back on its default scenario ``normal``."""
     for server in three:
         server.http.post("/_scripted/default", json={"scenario": "normal"}).raise_for_status()
+        server.http.post("/_scripted/failure", json={}).raise_for_status()
+        server.http.post("/_scripted/continuation", json={}).raise_for_status()
     return three
 
 
@@ -205,10 +215,12 @@ def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call
     log_record(app, r'"status": 429[^\n]*"attempts": 0')
 
 
-def test_a_failure_after_the_first_delta_ends_the_stream_on_its_entry(ups, start_app):
+def test_without_continuations_a_failure_after_the_first_delta_ends_the_stream_on_its_entry(ups, start_app):
     a, b, c = ups
     play(a, "reset")  # 3 deltas, then the connection drops
-    app = start_app(UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)))
+    app = start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)), CONTINUE_ON_UPSTREAM_FAILURE="off"
+    )
     before = counts(a, b)
     result = chat(app.chat_url, HI)
     assert result.status == 200
@@ -554,3 +566,308 @@ def test_the_responses_api_fails_over_and_follow_ups_find_the_entry_that_holds_t
 
 
 # ------------------------------------------------------------------ the walk with scripted streams
+
+
+# ------------------------------------------- an answer cut mid-stream goes on on the next entry
+
+CUT = "".join(NORMAL_DELTAS[:3])  # what the first entry sends before it fails
+
+
+def fail(server: Upstream, end: str = "reset", after: int = 3, **more) -> None:
+    """Every streamed answer of ``server`` (or the next ``times``) stops after ``after`` deltas."""
+    server.http.post("/_scripted/failure", json={"after": after, "end": end, **more}).raise_for_status()
+
+
+def going_on(server: Upstream, mode: str = "restart", **more) -> None:
+    """How ``server`` answers a request to go on with an answer."""
+    server.http.post("/_scripted/continuation", json={"mode": mode, **more}).raise_for_status()
+
+
+def a_then_b(start_app, a: Upstream, b: Upstream, b_extra: dict | None = None, **settings: str) -> App:
+    return start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2, **(b_extra or {}))), **settings
+    )
+
+
+@pytest.mark.parametrize(
+    "end, reason",
+    [("reset", "upstream_disconnected"), ("stall", "upstream_timeout"), ("error_midstream", "upstream_error")],
+)
+def test_an_answer_cut_after_three_deltas_goes_on_on_the_next_entry(ups, start_app, end, reason):
+    a, b, c = ups
+    fail(a, end)
+    app = a_then_b(start_app, a, b, IDLE_TIMEOUT_SECONDS="1")
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL, "the whole answer, each character once"
+    assert result.terminal_events() == ["done"]
+    done = result.last[1]
+    assert done["continued"] == [{"from": "a", "to": "b", "after_chars": len(CUT), "reason": reason}]
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+    sent = b.requests(last=1)[-1]["json"]
+    assert sent["messages"][:2] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": CUT}]
+    assert sent["messages"][2]["role"] == "user", "the instruction to go on"
+    record = log_record(app, r'"upstream": "b", "attempts": 2')
+    assert record["continued"] == done["continued"] and record["error"] is None
+    assert record["usage"] == done["usage"] and done["usage"]["completion_tokens"] > 0
+    state = pool_state(app)["a"]
+    assert state["counters"]["failures"] == (0 if end == "stall" else 1), "as without continuations"
+
+
+@pytest.mark.parametrize("mode", ["restart", "tail"])
+def test_a_continuation_that_repeats_the_answer_or_its_tail_leaves_no_duplicate(ups, start_app, mode):
+    a, b, c = ups
+    fail(a, after=5)
+    going_on(b, mode, tail=25)
+    app = a_then_b(start_app, a, b)
+    result = chat(app.chat_url, HI)
+    assert result.text == NORMAL and result.terminal_events() == ["done"]
+    assert result.last[1]["continued"][0]["after_chars"] == len("".join(NORMAL_DELTAS[:5]))
+
+
+def test_both_entries_failing_is_the_final_error_within_the_total_limit(ups, start_app):
+    a, b, c = ups
+    fail(a, "stall")
+    fail(b, "stall")
+    app = a_then_b(start_app, a, b, IDLE_TIMEOUT_SECONDS="1", TOTAL_TIMEOUT_SECONDS="8")
+    before = counts(a, b)
+    started = time.monotonic()
+    result = chat(app.chat_url, HI)
+    assert time.monotonic() - started < 8 + 2
+    assert result.text == CUT, "what went out once, nothing twice"
+    assert result.terminal_events() == ["error"] and result.last[1]["error"]["type"] == "upstream_timeout"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 1], "a, b, then a again: CONTINUE_MAX=2"
+    record = log_record(app, r'"error": "upstream_timeout"[^\n]*"attempts": 3')
+    assert [s["to"] for s in record["continued"]] == ["b", "a"]
+
+    fail(a, "reset")
+    fail(b, "reset")
+    result = chat(app.url + "/api/chat", HI, headers={"x-chatstream-continue": "off"})
+    assert result.text == CUT and result.last[1]["error"]["type"] == "upstream_disconnected"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [3, 1], "the header turns it off"
+
+
+def test_a_limit_of_ours_or_a_4xx_shaped_error_event_is_not_continued(ups, start_app):
+    a, b, c = ups
+    fail(a, "error_4xx")
+    app = a_then_b(start_app, a, b)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.text == CUT and result.last[1]["error"]["type"] == "upstream_error"
+    assert result.last[1]["error"]["retryable"] is False
+    play(a, "slow")  # 2 s in all
+    fail(a, "stall", after=9)
+    app = a_then_b(start_app, a, b, TOTAL_TIMEOUT_SECONDS="1.5")
+    result = chat(app.chat_url, HI)
+    assert result.last[1]["error"]["type"] == "total_timeout"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0]
+
+
+def test_a_term_blocked_across_the_seam_is_still_caught(ups, start_app):
+    a, b, c = ups
+    term = "🚀 and"  # the end of the fifth delta and the start of the sixth
+    cut = "".join(NORMAL_DELTAS[:5])
+    assert term not in cut and cut.endswith(term[0]) and NORMAL.count(term) == 1
+    fail(a, after=5)
+    app = a_then_b(start_app, a, b, BLOCKED_TERMS=term)
+    result = chat(app.chat_url, HI)
+    assert result.text == NORMAL.replace(term, "[redacted]")
+    assert result.last[1]["continued"][0]["to"] == "b"
+
+
+def test_a_tool_call_cut_mid_arguments_ends_with_the_error_and_no_finished_call(ups, start_app):
+    a, b, c = ups
+    play(a, "tool_calls")
+    fail(a, after=4)
+    app = a_then_b(start_app, a, b)
+    before = counts(a, b)
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "weather?"}], "stream": True}
+    with httpx.stream("POST", app.url + "/api/v1/chat/completions", json=body, timeout=20) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "upstream_disconnected"
+    assert not any(c["choices"][0].get("finish_reason") for c in events[:-1]), "never a finished call"
+    arguments = "".join(
+        call["function"].get("arguments") or ""
+        for chunk in events[:-1]
+        for call in chunk["choices"][0]["delta"].get("tool_calls") or ()
+    )
+    assert arguments == "".join(TOOL_CALL_ARGUMENT_DELTAS[:4])
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0], "not continued"
+
+
+def test_the_openai_sdk_gets_one_answer_its_usage_summed_and_where_it_was_continued(ups, start_app):
+    a, b, c = ups
+    fail(a)
+    app = a_then_b(start_app, a, b)
+    sdk = openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0, timeout=20)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        chunks = list(
+            sdk.chat.completions.create(
+                model="gpt-test", messages=messages, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == NORMAL
+        assert len({ch.id for ch in chunks}) == 1, "one answer, one id"
+        finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
+        seam = [{"from": "a", "to": "b", "after_chars": len(CUT), "reason": "upstream_disconnected"}]
+        assert (finish[0].model_extra or {})["continued"] == seam
+        usage_chunk = chunks[-1]
+        assert usage_chunk.choices == [] and (usage_chunk.model_extra or {})["continued"] == seam
+        b_usage = b.requests(last=1)[-1]["json"]
+        assert usage_chunk.usage is not None and usage_chunk.usage.prompt_tokens == count_prompt_tokens(
+            b_usage["messages"]
+        ), "a reported no usage: the sum is b's"
+        with sdk.chat.completions.stream(model="gpt-test", messages=messages) as stream:
+            for _ in stream:
+                pass
+            final = stream.get_final_completion()
+        assert final.choices[0].message.content == NORMAL and final.choices[0].finish_reason == "stop"
+    finally:
+        sdk.close()
+
+
+def test_an_entry_that_continues_a_prefix_gets_continue_final_message(ups, start_app):
+    a, b, c = ups
+    fail(a)
+    going_on(b, "restart", prefix=True)  # as vLLM: takes continue_final_message, and then goes on exactly
+    app = a_then_b(start_app, a, b, b_extra={"continue": "prefix"})
+    result = chat(app.chat_url, HI)
+    assert result.text == NORMAL and result.last[1]["continued"][0]["to"] == "b"
+    sent = b.requests(last=1)[-1]["json"]
+    assert sent["messages"][-1] == {"role": "assistant", "content": CUT}
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+
+
+def test_a_single_upstream_continues_on_itself(start_app):
+    own = Upstream("--scenario", "normal")
+    try:
+        fail(own, times=1)
+        app = start_app(OPENAI_BASE_URL=own.base_url)
+        result = chat(app.chat_url, HI)
+        assert result.text == NORMAL and result.last[1]["continued"] == [
+            {"from": "default", "to": "default", "after_chars": len(CUT), "reason": "upstream_disconnected"}
+        ]
+        assert own.count() == 2
+    finally:
+        own.stop()
+
+
+def test_a_background_response_whose_stream_drops_is_re_attached_on_its_entry_exactly(ups, start_app):
+    from tools.fakeupstream import RESPONSES_TEXTS
+
+    a, b, c = ups
+    fail(a, after=3, times=1)  # the create's stream drops after three deltas; the response goes on
+    app = a_then_b(start_app, a, b)
+    before = counts(a, b)
+    sdk = openai.OpenAI(base_url=app.url + "/api/v1", api_key="unused", max_retries=0, timeout=20)
+    try:
+        events = list(sdk.responses.create(model="gpt-test", input="hello", stream=True, background=True))
+    finally:
+        sdk.close()
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == RESPONSES_TEXTS["normal"]
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "every event once, in order"
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    (seam,) = (completed.model_extra or {})["continued"]
+    assert seam["from"] == seam["to"] == "a" and seam["reason"] == "upstream_disconnected"
+    reattached = a.requests(last=1)[-1]
+    assert reattached["method"] == "GET" and reattached["path"] == f"/v1/responses/{completed.response.id}"
+    delta_numbers = [e.sequence_number for e in events if e.type == "response.output_text.delta"]
+    assert reattached["query"]["stream"] == "true" and reattached["query"]["starting_after"] == str(delta_numbers[2])
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "only the entry that holds it"
+    log_record(app, r'"endpoint": "responses"[^\n]*"continued"')
+
+
+def test_the_c_sharp_client_and_the_ai_sdk_read_a_continued_answer_as_one(ups, start_app):
+    """Two of the clients of the matrix against a continued answer: the C# console client
+    (/api/chat) and the Vercel AI SDK's streamText (/api/v1/chat/completions, usage included)."""
+    from test_client_cs import run_chat
+    from test_hardening_two import AISDK
+
+    a, b, c = ups
+    fail(a)
+    app = a_then_b(start_app, a, b)
+    exe = ROOT / "client_cs" / "bin" / "chat.exe"
+    if exe.is_file() and shutil.which("mono"):  # built by `make client-mono` (test_client_cs builds it too)
+        proc = run_chat(exe, "--url", app.chat_url, "--stats", "hi")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.decode() in (NORMAL, NORMAL + "\n")
+        assert b"finish reason: stop" in proc.stderr
+    if (AISDK / "node_modules" / "ai").is_dir():  # `make aisdk`
+        fail(a)
+        out = subprocess.run(
+            ["node", str(AISDK / "stream_usage.mjs"), app.url + "/api/v1", "hi"], capture_output=True, text=True, timeout=60
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["ok"] and result["text"] == NORMAL and result["finishReason"] == "stop", result
+        assert result["usage"]["completionTokens"] > 0
+    assert len(log_records(app, r'"continued"')) == 2, "both answers were continued"
+
+
+def log_records(app: App, pattern: str) -> list[dict]:
+    return [json.loads(m) for m in re.findall(r'\{"event": "chat_stream"[^\n]*' + pattern + r"[^\n]*", app.log())]
+
+
+def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
+    from test_telemetry import READER, SPANS, _install_providers
+
+    from chatstream import telemetry
+    from chatstream.continuation import chat_continuation
+
+    _install_providers()
+    a, b, c = ups
+    fail(a)
+    first = f"a-{time.monotonic_ns()}"
+    pool = in_process({"UPSTREAMS": upstreams(entry(first, a, priority=1), entry("b", b, priority=2))}, Clock())
+
+    async def run():
+        record = StreamRecord(endpoint="chat", model=f"continued-{first}")
+        telemetry.begin(record)
+        protocol = CompletionStream(Pipeline())
+        continuation = chat_continuation(pool, "/chat/completions", params(True), protocol, record, 2)
+        limits = TimeLimits(pool.settings)
+        events = [
+            e async for e in relay(pool, "/chat/completions", params(True), protocol, limits, record, continuation)
+        ]
+        telemetry.finish(record)
+        await asyncio.gather(*(cl.close() for cl in pool.clients.values()))
+        return events, record
+
+    events, record = asyncio.run(run())
+    assert isinstance(events[-1], Done) and events[-1].continued[0]["from"] == first
+    (span,) = [s for s in SPANS.get_finished_spans() if s.attributes.get("gen_ai.request.model") == record.model]
+    assert span.attributes["chat.continuations"] == 1
+    assert json.loads(span.attributes["chat.continued"]) == list(events[-1].continued)
+    points = [
+        (point.attributes.get("reason"), point.value)
+        for resource_metrics in READER.get_metrics_data().resource_metrics
+        for scope in resource_metrics.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "chat.upstream.continuations"
+        for point in metric.data.data_points
+        if point.attributes.get("upstream") == first
+    ]
+    assert points == [("upstream_disconnected", 1)]
+
+
+def test_a_resumable_stream_continued_keeps_its_ids_and_a_resume_reads_the_same_answer(ups, start_app, azurite):
+    """With RESUMABLE_STREAMS=on the events of a continued answer go on numbering (1, 2, 3, …, one
+    done), and reading the stream again from an id before the seam gives the same text."""
+    a, b, c = ups
+    fail(a)
+    app = a_then_b(start_app, a, b, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on")
+    with httpx.stream("POST", app.chat_url, json=HI, timeout=30) as response:
+        stream_id = response.headers["x-stream-id"]
+        body = response.read().decode()
+    blocks = [dict(line.split(": ", 1) for line in b.split("\n") if ": " in line) for b in body.split("\n\n")]
+    numbered = [(int(f["id"]), f.get("event", "message"), json.loads(f["data"])) for f in blocks if "id" in f]
+    assert [n for n, _, _ in numbered] == list(range(1, len(numbered) + 1))
+    assert [e for _, e, _ in numbered if e != "message"] == ["done"]
+    assert "".join(d["delta"] for _, e, d in numbered if e == "message") == NORMAL
+    assert numbered[-1][2]["continued"][0]["to"] == "b" and numbered[-1][2]["stream_id"] == stream_id
+    again = httpx.get(f"{app.url}/api/streams/{stream_id}", headers={"Last-Event-ID": "2"}, timeout=30).text
+    rest = [json.loads(line[6:]) for line in again.split("\n") if line.startswith("data: ")]
+    assert "".join(d["delta"] for _, e, d in numbered[:2]) + "".join(r.get("delta", "") for r in rest) == NORMAL

@@ -5,6 +5,7 @@ docs/reliability.md lists these scenarios with the test that proves each."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import time
@@ -61,7 +62,8 @@ def tight(upstream):
 
 
 def test_stalled_upstream_ends_with_retryable_error_within_idle_limit(tight):
-    result = chat(tight.chat_url, prompt("stall"))
+    # Not continued (an answer that is: test_pool_failover.py's continuation tests).
+    result = chat(tight.chat_url, prompt("stall"), headers={"x-chatstream-continue": "off"})
     assert result.status == 200
     ends_once(result)
     event, data = result.last
@@ -217,11 +219,15 @@ def test_retries_are_bounded_by_the_first_token_limit(start_app, upstream):
 
 
 def test_no_retry_once_content_was_sent(start_app, upstream):
+    """No SDK retry after text went out. (With continuations on, the answer goes on with a request of
+    its own instead: test_pool_failover.py; here they are off for the request.)"""
     app = start_app(UPSTREAM_MAX_RETRIES="3")
     marker = tag()
-    result = chat(app.chat_url, prompt("reset", marker))
+    result = chat(app.chat_url, prompt("reset", marker), headers={"x-chatstream-continue": "off"})
     assert result.last[0] == "error"
     assert len(sent_with(upstream, marker)) == 1
+    carrying = [r for r in upstream.requests(last=50) if marker in json.dumps((r["json"] or {}).get("messages"))]
+    assert len(carrying) == 1, "no request at all after the first"
 
 
 # ----------------------------------------------------------------------------------- hang-ups

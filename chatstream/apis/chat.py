@@ -13,11 +13,13 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from ..continuation import ChatContinuation, chat_continuation
 from ..errors import ApiError
 from ..http import dumps, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
-from ..stream import Chunk, Done, Event
+from ..stream import Chunk, Done, Event, StreamProtocol
+from ..upstreams.failover import Upstreams
 from .completions import CompletionStream
 
 MAX_MESSAGES = 1000
@@ -126,6 +128,8 @@ def encode(item: Event, stream_id: str | None = None) -> bytes | None:
         return b'data: {"delta":' + dumps(text) + b"}\n\n" if text else None
     if isinstance(item, Done):
         done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
+        if item.continued:
+            done["continued"] = list(item.continued)
         return event({**done, "stream_id": stream_id} if stream_id else done, b"done")
     body = item.error.body()
     return event({**body, "stream_id": stream_id} if stream_id else body, b"error")
@@ -153,3 +157,8 @@ class ChatApi:
 
     async def completion(self, body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
         raise AssertionError("/api/chat is always streamed")
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> ChatContinuation | None:
+        return chat_continuation(upstreams, self.path, call.params, protocol, record, most)

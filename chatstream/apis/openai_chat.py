@@ -15,10 +15,13 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from ..continuation import ChatContinuation, chat_continuation
 from ..errors import ERROR_HEADERS, ApiError, ErrorKind
 from ..http import event, validate_object
 from ..pipeline import CallRequest, Pipeline
-from ..stream import Chunk, Done, Event
+from ..record import StreamRecord
+from ..stream import Chunk, Done, Event, StreamProtocol
+from ..upstreams.failover import Upstreams
 from .completions import CompletionStream, filter_completion
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -109,6 +112,7 @@ def encode(item: Event, include_usage: bool) -> bytes:
                         "model": item.model,
                         "choices": [],
                         "usage": item.usage,
+                        **({"continued": list(item.continued)} if item.continued else {}),
                     }
                 )
                 + OPENAI_DONE
@@ -149,6 +153,11 @@ class OpenAIChatApi:
 
     error_response = staticmethod(error_response)
     completion = staticmethod(filter_completion)
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> ChatContinuation | None:
+        return chat_continuation(upstreams, self.path, call.params, protocol, record, most)
 
 
 def models_list(names) -> dict:

@@ -22,8 +22,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from ..continuation import ResponsesReattach
 from ..http import validate_object
 from ..pipeline import CallRequest, Pipeline
+from ..record import StreamRecord
+from ..stream import StreamProtocol
+from ..upstreams.failover import Upstreams
 from .openai_chat import describe, error_response
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
@@ -74,3 +78,11 @@ class ResponsesApi:
 
     error_response = staticmethod(error_response)
     completion = staticmethod(filter_response)
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> ResponsesReattach | None:
+        """A background response's stream is re-attached where it dropped; no other is continued."""
+        if most <= 0 or call.params.get("background") is not True:
+            return None
+        return ResponsesReattach(upstreams, lambda: ResponseStream(None, resumed=True), record, most)

@@ -44,6 +44,10 @@ class Entry:
     weight: float = 1.0
     models: tuple[str, ...] | None = None  # None: serves any model
     deployments: Mapping[str, str] = field(default_factory=dict)
+    # How an answer cut short is continued on this entry (chatstream/continuation.py): ``prompt``, the
+    # text so far as an assistant message and an instruction to go on; ``prefix``, a true prefix
+    # continuation (``continue_final_message``: vLLM and other OpenAI-compatible servers).
+    continuation: Literal["prompt", "prefix"] = "prompt"
 
     @property
     def auth(self) -> Literal["key", "entra", "none"]:
@@ -98,6 +102,7 @@ class _EntrySpec(BaseModel):
     weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
     models: list[NonEmpty] | None = Field(None, min_length=1)
     deployments: dict[NonEmpty, NonEmpty] | None = None
+    continue_: Literal["prompt", "prefix"] = Field("prompt", alias="continue")
 
     @model_validator(mode="after")
     def _consistent(self) -> _EntrySpec:
@@ -109,6 +114,8 @@ class _EntrySpec(BaseModel):
             value = getattr(self, key)
             if value is not None and url_problem(value):
                 raise ValueError(f"{key}: {url_problem(value)}")
+        if self.azure_endpoint is not None and self.continue_ == "prefix":
+            raise ValueError("continue: prefix needs a server that accepts continue_final_message (a base_url entry)")
         if self.base_url is not None:
             for key in ("api_version", "deployments"):
                 if getattr(self, key) is not None:
@@ -261,6 +268,7 @@ def _entry(spec: _EntrySpec, key: SecretStr | None) -> Entry:
         weight=spec.weight,
         models=tuple(spec.models) if spec.models is not None else None,
         deployments=dict(spec.deployments or {}),
+        continuation=spec.continue_,
     )
 
 

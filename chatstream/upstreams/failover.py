@@ -6,8 +6,11 @@ until the API's protocol (a probe of it, without text steps) says the first outp
 first-token limit moves the request to the next entry; anything else (400, 401/403, 404 …) is the
 answer, as with a single upstream. The stream it returns replays the chunks it read and then goes
 on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
-output the request stays on its entry; a later failure is the stream's final error event, and
-counts against that entry's health. Failures reach the core already explained (``classify``): an
+output the request stays on its entry; a later failure counts against that entry's health, and the
+answer either goes on on another stream (``open_next``: the same walk with the continuation's
+request, the entries that did not fail it first, waiting for a cooling entry when none is free;
+``reattach``: a background response again from its own entry; continuation.py) or ends with the
+final error event. Failures reach the core already explained (``classify``): an
 ``ApiError`` for the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -85,8 +88,16 @@ class PeekedStream:
     the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
     core as the ApiError it means."""
 
-    def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
+    def __init__(
+        self,
+        stream: UpstreamStream,
+        peeked: list[dict],
+        attempt: Attempt | None,
+        model: str,
+        entry: Entry | None = None,
+    ):
         self._stream = stream
+        self._entry = entry or (attempt.entry if attempt is not None else None)
         self._peeked = peeked
         self._replaying = 0  # peeked chunks not yet given again
         self._attempt = attempt
@@ -105,6 +116,11 @@ class PeekedStream:
     @property
     def request_id(self) -> str | None:
         return self._stream.request_id
+
+    @property
+    def entry(self) -> Entry | None:
+        """The pool entry this stream comes from (None for a follow-up's re-stream)."""
+        return self._entry
 
     async def _chunks(self) -> AsyncIterator[dict]:
         peeked, self._peeked = self._peeked, []
@@ -251,11 +267,15 @@ class Upstreams:
             headers=headers,
         )
 
-    def _attempts(self, model: str, record: StreamRecord) -> Iterator[tuple[Entry, Attempt, bool]]:
-        """(entry, attempt, is_last) for each candidate that can still take the request."""
+    def _attempts(
+        self, model: str, record: StreamRecord, candidates: list[Entry] | None = None
+    ) -> Iterator[tuple[Entry, Attempt, bool]]:
+        """(entry, attempt, is_last) for each candidate (default: the pool's, in its order) that can
+        still take the request."""
         if self._closer is None:
             self._close_with_the_loop()
-        candidates = self.pool.candidates(model)
+        if candidates is None:
+            candidates = self.pool.candidates(model)
         if not candidates:
             raise self._unavailable(model)
         for i, entry in enumerate(candidates):
@@ -295,13 +315,52 @@ class Upstreams:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
         last failure (or 429/503 with Retry-After when no entry could be tried)."""
         model = params["model"]
+        return await self._walk(
+            path, model, lambda entry: params, protocol, limits, record, self._attempts(model, record), first=True
+        )
+
+    async def open_next(
+        self,
+        path: str,
+        model: str,
+        request: Callable[[Entry], dict],
+        protocol: StreamProtocol,
+        limits: TimeLimits,
+        record: StreamRecord,
+        failed: Collection[str],
+    ) -> PeekedStream:
+        """The stream an answer goes on from after its upstream failed mid-answer (continuation.py):
+        the walk of ``open`` with ``request(entry)`` as each entry's parameters, the entries that did
+        not fail this answer (``failed``) first, then the others, each in the pool's order. When no
+        entry is free now (cooling down, breaker open) it waits for the soonest one: the core bounds
+        the whole of it by the limits."""
+        while not (candidates := self.pool.candidates(model)):
+            blocked = self.pool.unavailable(model)
+            await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
+        ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
+        attempts = self._attempts(model, record, ordered)
+        return await self._walk(path, model, request, protocol, limits, record, attempts, first=False)
+
+    async def _walk(
+        self,
+        path: str,
+        model: str,
+        request: Callable[[Entry], dict],
+        protocol: StreamProtocol,
+        limits: TimeLimits,
+        record: StreamRecord,
+        attempts: Iterator[tuple[Entry, Attempt, bool]],
+        first: bool,
+    ) -> PeekedStream:
+        """The walk itself. ``first``: the answer's first stream, whose ``x-request-id`` the caller
+        gets (a continuation's stays on its segment)."""
         last: Classified | None = None
-        for entry, attempt, is_last in self._attempts(model, record):
+        for entry, attempt, is_last in attempts:
             stream = None
             try:
                 async with asyncio.timeout_at(self._entry_deadline(limits, is_last)):
                     stream = await UpstreamStream.open(
-                        self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
+                        self.clients[entry.name], path, {**request(entry), "model": entry.deployment(model)}
                     )
                     record.upstream_answered()
                     peeked = await _peek(stream, protocol.probe())
@@ -316,17 +375,34 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
-                record.request_id = upstream_request_id(exc) or record.request_id
+                if first:
+                    record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
                 if self._failed(attempt, last, record):
                     continue
                 raise last.error from None
             attempt.report(SUCCESS)
-            record.request_id = stream.request_id or record.request_id
+            if first:
+                record.request_id = stream.request_id or record.request_id
             return PeekedStream(stream, peeked, attempt, model)
         if last is None:
             raise self._unavailable(model)
         raise last.error
+
+    async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
+        """The event stream of something only entry ``name`` holds (a background response), again,
+        read up to its first output: on that entry whatever its health, since no other has it."""
+        stream = None
+        try:
+            stream = await UpstreamStream.open(self.clients[name], path, {}, method="get", query=query)
+            peeked = await _peek(stream, probe)
+        except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
+            await _close(stream)
+            raise classify(exc).error from None
+        except BaseException:
+            await _close(stream)
+            raise
+        return PeekedStream(stream, peeked, None, "", self.pool.entry(name))
 
     async def complete(self, path: str, params: dict, record: StreamRecord) -> dict:
         """A non-streamed call: the first entry that answers it, in the pool's order."""

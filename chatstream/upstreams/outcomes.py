@@ -222,6 +222,12 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
     if isinstance(exc, TimeoutError):  # the per-entry first-token limit
         return Classified(first_token_expired(), TIMED_OUT)
     if isinstance(exc, openai.APIError):  # an error payload inside the stream
+        status = event_status(exc.body)
+        if status is not None and _requests_fault(status):  # a 4xx-shaped event: the request's problem
+            return Classified(
+                ApiError(502, ErrorKind.UPSTREAM_ERROR, f"the model server refused the request: {redact(exc.message)}"),
+                Outcome(OutcomeKind.CLIENT_ERROR, status),
+            )
         return Classified(
             ApiError(
                 502,
@@ -229,9 +235,65 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
                 f"the model server reported an error: {redact(exc.message)}",
                 retryable=True,
             ),
-            Outcome(OutcomeKind.SERVER_ERROR),
+            Outcome(OutcomeKind.SERVER_ERROR, status),
         )
     return Classified(internal_error(), Outcome(OutcomeKind.OTHER))
+
+
+# An error event's ``type`` when it carries no status: OpenAI's error types, and the exception names
+# vLLM and other OpenAI-compatible servers put there.
+_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "badrequesterror": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "notfounderror": 404,
+    "rate_limit_error": 429,
+    "server_error": 500,
+    "internalservererror": 500,
+}
+
+
+def event_status(body: object) -> int | None:
+    """The HTTP status an error event's body is shaped like: its numeric ``code`` or ``status``
+    (vLLM sends ``"code": 400``), else what its ``type`` means; None when it says neither (a server
+    error, as OpenAI's own mid-stream errors)."""
+    if not isinstance(body, dict):
+        return None
+    for name in ("code", "status", "status_code"):
+        value = body.get(name)
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+            return value
+    kind = body.get("type")
+    return _TYPE_STATUS.get(kind.lower()) if isinstance(kind, str) else None
+
+
+def _requests_fault(status: int) -> bool:
+    return 400 <= status < 500 and status not in (408, 409, 429)
+
+
+# What an answer that already reached its caller may be continued after (continuation.py): the
+# upstream's own failures, never a time limit of the caller's, a moderation stop or a bug of ours.
+_CONTINUABLE = frozenset(
+    {
+        ErrorKind.UPSTREAM_DISCONNECTED,  # the connection broke
+        ErrorKind.UPSTREAM_ERROR,  # an error event shaped like a server error (retryable)
+        ErrorKind.UPSTREAM_TIMEOUT,  # no chunk within the idle limit
+        ErrorKind.UPSTREAM_MALFORMED,  # undecodable data
+        ErrorKind.UPSTREAM_INCOMPLETE,  # the body ended without a finish reason
+    }
+)
+
+
+def may_continue(error: ApiError) -> bool:
+    """Whether an answer that failed with ``error`` after output went to the caller may go on on
+    another entry: a lost connection, a 5xx-shaped error event, the idle limit, undecodable data or a
+    stream ended early; not the total limit, a caller's hang-up, a moderation stop, a 4xx-shaped error
+    event or a failure of ours."""
+    return error.retryable and error.type in _CONTINUABLE
 
 
 def _connection_failure(exc: openai.APIConnectionError, midstream: bool) -> Classified:

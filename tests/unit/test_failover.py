@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from chatstream.apis.completions import CompletionStream
+from chatstream.continuation import CONTINUE_PROMPT, chat_continuation
 from chatstream.errors import ApiError, UpstreamReported
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
@@ -64,6 +65,7 @@ class ScriptedClient:
 
     def __init__(self, *answers, name: str = ""):
         self.answers, self.calls, self.name = list(answers), 0, name
+        self.bodies: list[dict] = []  # what each post sent
 
     async def _next(self):
         self.calls += 1
@@ -76,6 +78,7 @@ class ScriptedClient:
         return answer
 
     async def post(self, path, **kwargs):
+        self.bodies.append(kwargs.get("body") or {})
         answer = await self._next()
         if isinstance(answer, dict) and kwargs.get("cast_to") is httpx2.Response:
             return httpx2.Response(200, json=answer, headers={"x-request-id": f"req-{self.name}"})
@@ -120,17 +123,20 @@ def single(client: ScriptedClient, clock: Clock | None = None) -> Upstreams:
     )
 
 
-async def run(upstreams: Upstreams) -> tuple[list, StreamRecord]:
+async def run(upstreams: Upstreams, continue_max: int = 0) -> tuple[list, StreamRecord]:
     record = StreamRecord(endpoint="chat", model="gpt-test")
+    protocol = CompletionStream(Pipeline())
+    continuation = chat_continuation(upstreams, "/chat/completions", params(), protocol, record, continue_max)
     events = [
         e
         async for e in relay(
             upstreams,
             "/chat/completions",
             params(),
-            CompletionStream(Pipeline()),
+            protocol,
             TimeLimits(upstreams.settings),
             record,
+            continuation,
         )
     ]
     return events, record
@@ -331,3 +337,79 @@ async def test_a_follow_up_stops_at_an_answer_that_is_about_the_request():
     with pytest.raises(ApiError) as info:
         await upstreams.each(lambda client: client.get("/responses/resp_1"), attempt_timeout=1)
     assert info.value.status == 400
+
+
+# --- going on after a failure mid-answer (continuation.py) ---------------------------------------
+
+
+def texts(events) -> str:
+    return "".join(
+        e.data["choices"][0]["delta"].get("content") or "" for e in events if not isinstance(e, (Done, Failed))
+    )
+
+
+async def test_an_answer_cut_mid_stream_goes_on_on_the_next_entry_and_the_first_one_counts_the_failure():
+    a = ScriptedClient(ScriptedStream([chunk(role=True), chunk("Hel"), chunk("lo, "), lost()]))
+    b = ScriptedClient(ScriptedStream([chunk(role=True), chunk("Hello, "), chunk("world"), chunk(finish="stop")]))
+    c = ScriptedClient(ScriptedStream([chunk("never", "stop")]))
+    upstreams = pooled({"a": a, "b": b, "c": c})
+    events, record = await run(upstreams, continue_max=2)
+    assert texts(events) == "Hello, world" and isinstance(events[-1], Done)
+    assert events[-1].continued == ({"from": "a", "to": "b", "after_chars": 7, "reason": "upstream_disconnected"},)
+    assert b.bodies[0]["messages"][1:] == [
+        {"role": "assistant", "content": "Hello, "},
+        {"role": "user", "content": CONTINUE_PROMPT},
+    ]
+    assert b.bodies[0]["model"] == "gpt-test" and c.calls == 0
+    state = {e["name"]: e for e in upstreams.state()["upstreams"]}
+    assert state["a"]["counters"]["failures"] == 1 and state["a"]["counters"]["failovers"] == 0
+    assert state["b"]["counters"]["successes"] == 1
+    assert (record.upstream, record.attempts) == ("b", 2)
+
+
+async def test_without_a_continuation_a_cut_answer_ends_as_before():
+    a = ScriptedClient(ScriptedStream([chunk("Hel"), lost()]))
+    b = ScriptedClient(ScriptedStream([chunk("never", "stop")]))
+    events, record = await run(pooled({"a": a, "b": b}), continue_max=0)
+    assert isinstance(events[-1], Failed) and events[-1].error.type == "upstream_disconnected" and b.calls == 0
+
+
+async def test_a_single_upstream_goes_on_on_itself():
+    client = ScriptedClient(
+        ScriptedStream([chunk("One, "), chunk("two, "), lost()]),
+        ScriptedStream([chunk("One, two, "), chunk("three."), chunk(finish="stop")]),
+    )
+    events, record = await run(single(client), continue_max=2)
+    assert texts(events) == "One, two, three." and events[-1].continued[0]["to"] == "default"
+    assert client.calls == 2 and client.bodies[1]["messages"][-2]["content"] == "One, two, "
+
+
+class CoolingStream(ScriptedStream):
+    """Before it fails, its entry gets a 429's cooldown (as if another request had just had one)."""
+
+    def __init__(self, chunks, upstreams: Upstreams, seconds: float):
+        super().__init__(chunks)
+        self.upstreams, self.seconds = upstreams, seconds
+
+    async def _run(self):
+        async for item in super()._run():
+            yield item
+        pool = self.upstreams.pool
+        attempt = pool.acquire(pool.entries[0], "gpt-test")
+        assert attempt is not None
+        attempt.report(Outcome(OutcomeKind.RATE_LIMITED, 429, cooldown=self.seconds))
+        raise lost()
+
+
+async def test_the_only_entry_is_waited_for_while_it_cools_down():
+    settings = Settings.from_env({"OPENAI_BASE_URL": "http://up.test/v1"})
+    client = ScriptedClient()
+    upstreams = Upstreams(settings, Pool(entries(settings, {}), policy=SINGLE), {"default": client}, pooled=False)
+    client.answers = [
+        CoolingStream([chunk("Wait "), chunk("for it")], upstreams, 0.5),
+        ScriptedStream([chunk("Wait for it"), chunk("..."), chunk(finish="stop")]),
+    ]
+    started = asyncio.get_running_loop().time()
+    events, _ = await run(upstreams, continue_max=1)
+    assert texts(events) == "Wait for it..." and isinstance(events[-1], Done)
+    assert asyncio.get_running_loop().time() - started >= 0.5, "not before the cooldown ended"

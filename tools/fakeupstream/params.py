@@ -46,10 +46,15 @@ KNOWN_CHAT_PARAMS = frozenset(
 )
 
 
-def chat_param_problem(body: dict) -> tuple[str, str, str] | None:
-    """(message, param, code) of the first problem OpenAI would answer with a 400, or None."""
+# What vLLM's OpenAI-compatible server also takes: a true prefix continuation of a final assistant message.
+PREFIX_PARAMS = frozenset({"continue_final_message", "add_generation_prompt"})
+
+
+def chat_param_problem(body: dict, prefix: bool = False) -> tuple[str, str, str] | None:
+    """(message, param, code) of the first problem OpenAI would answer with a 400, or None.
+    ``prefix``: the server also takes vLLM's ``continue_final_message`` and ``add_generation_prompt``."""
     for name in body:
-        if name not in KNOWN_CHAT_PARAMS:
+        if name not in KNOWN_CHAT_PARAMS and not (prefix and name in PREFIX_PARAMS):
             return f"Unrecognized request argument supplied: {name}", name, "unknown_parameter"
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:

@@ -747,6 +747,26 @@ class Run:
             self.add(event)
         self.finish()
 
+    async def follow_cut(self, obfuscate: bool, deltas: int) -> AsyncIterator[Any]:
+        """As ``follow`` from the start, one event per write, but the connection drops (RESET) after
+        ``deltas`` text deltas; the run goes on generating (a background response outlives it)."""
+        i = sent = 0
+        while True:
+            changed = self._changed
+            if i < len(self.events):
+                event = self.events[i]
+                i += 1
+                yield frame(event, obfuscate)
+                if event.get("type") == "response.output_text.delta":
+                    sent += 1
+                    if sent >= deltas:
+                        yield RESET
+                        return
+            elif self.done:
+                return
+            else:
+                await changed.wait()
+
     async def follow(self, after: int, obfuscate: bool) -> AsyncIterator[bytes]:
         """Frames of the events with sequence_number > after, live until the run is done."""
         i = max(0, after + 1)
@@ -958,7 +978,11 @@ class ResponsesApi:
             run = Run(ctx, name, items, ctx.response("queued"), background=True, streamable=stream)
             self._keep(run)
             run.task = asyncio.create_task(run.generate(steps))
-            if stream:
+            failure = self.app.failure  # /_scripted/failure: this stream drops, the response goes on
+            if stream and failure is not None and failure.end == "reset":
+                self.app.failure = failure.spent()
+                await self._stream(receive, send, record, run, run.follow_cut(obfuscate, failure.after), rid)
+            elif stream:
                 await self._stream(receive, send, record, run, run.follow(-1, obfuscate), rid)
             else:
                 await send_json(send, 200, run.snapshot, rid)

@@ -80,6 +80,15 @@ MIDSTREAM_ERROR = {
         "code": None,
     }
 }
+# A mid-stream error shaped like a 4xx: the request's problem, not the server's.
+MIDSTREAM_ERROR_4XX = {
+    "error": {
+        "message": "The request was refused while its answer was generated.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+}
 ECHO_PREFIX = "You said: "
 SYSTEM_FINGERPRINT = "fp_fake"
 SPLIT_WRITE_GAP_S = 0.02
@@ -512,6 +521,8 @@ def _openai_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[t
         f.add(later, ODD_SHAPE_LINE)
     elif scn.end == "error_midstream":
         f.add(later, b"data: " + _dumps(MIDSTREAM_ERROR).encode() + b"\n\n")
+    elif scn.end == "error_4xx":
+        f.add(later, b"data: " + _dumps(MIDSTREAM_ERROR_4XX).encode() + b"\n\n")
     else:
         for i in range(n):
             f.chunk(t, _finish_choice(i, scn.finish_reason))
@@ -630,6 +641,126 @@ def _coalesce(steps: list[tuple[float, Any]]) -> list[tuple[float, Any]]:
         else:
             out.append((at, item))
     return out
+
+
+# ------------------------------------------------- failures mid-answer, and going on after one
+
+FAILURE_ENDS = ("reset", "stall", "error_midstream", "error_4xx", "malformed")
+CONTINUE_MODES = ("restart", "tail", "exact")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Streamed chat answers are cut after ``after`` deltas (text or tool-call fragments) and end as
+    ``end`` does in the scenario table (``error_4xx``: an error event shaped like a 400); the next
+    ``times`` of them (None: every one)."""
+
+    after: int
+    end: str = "reset"
+    times: int | None = None
+
+    @classmethod
+    def parse(cls, data: Any) -> Failure | None:
+        if not data or not isinstance(data, dict):
+            return None
+        after, end, times = data.get("after"), data.get("end", "reset"), data.get("times")
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise ValueError("'after' must be a whole number of deltas, 0 or more")
+        if end not in FAILURE_ENDS:
+            raise ValueError(f"'end' must be one of {', '.join(FAILURE_ENDS)}")
+        if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
+            raise ValueError("'times' must be a whole number of answers, 1 or more, or null")
+        return cls(after, end, times)
+
+    def as_dict(self) -> dict:
+        return {"after": self.after, "end": self.end, "times": self.times}
+
+    def spent(self) -> Failure | None:
+        """What is left of it once it cut one more answer."""
+        if self.times is None:
+            return self
+        return replace(self, times=self.times - 1) if self.times > 1 else None
+
+    def applied(self, scn: Scenario, deltas: tuple[str, ...]) -> tuple[Scenario, tuple[str, ...]]:
+        return replace(scn, end=self.end), deltas[: self.after]
+
+
+@dataclass(frozen=True)
+class GoingOn:
+    """A request to go on with an answer: the conversation before it (``history``), the answer so far
+    (``partial``, all of it when the scenario failed after its whole text), the deltas of the whole
+    answer as this server gives it (``full``), and whether it asked for the rest exactly
+    (``continue_final_message``)."""
+
+    history: list
+    partial: str
+    full: tuple[str, ...]
+    exact: bool
+
+
+def continuation_of(body: dict, answer: Any) -> GoingOn | None:
+    """Whether ``body`` asks to go on with an answer: its last message is the assistant's, or the
+    assistant's followed by one user message (a chat model told to go on), and that assistant text is
+    the start of what this server answers the conversation before it with (``answer(history)``: the
+    deltas). None: an ordinary request."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return None
+    if messages[-1].get("role") == "assistant":
+        history, partial = messages[:-1], message_text(messages[-1].get("content"))
+        exact = body.get("continue_final_message") is True
+    elif (
+        messages[-1].get("role") == "user"
+        and len(messages) >= 2
+        and isinstance(messages[-2], dict)
+        and messages[-2].get("role") == "assistant"
+    ):
+        history, partial, exact = messages[:-2], message_text(messages[-2].get("content")), False
+    else:
+        return None
+    full = tuple(answer(history))
+    whole = "".join(full)
+    if not partial or not whole.startswith(partial):
+        return None
+    return GoingOn(history, partial, full, exact)
+
+
+@dataclass(frozen=True)
+class ContinueMode:
+    """How a request to go on is answered (``POST /_scripted/continuation``): ``restart`` from the
+    beginning (what chat models asked to go on often do), repeat the last ``tail`` characters of the
+    answer so far and go on (``tail``), or the rest only (``exact``, always with
+    ``continue_final_message``). ``prefix``: accept vLLM's ``continue_final_message`` and
+    ``add_generation_prompt`` (OpenAI answers them with a 400). The deltas are cut at word bounds,
+    not where the first answer's were."""
+
+    mode: str = "restart"
+    tail: int = 20
+    prefix: bool = False
+
+    @classmethod
+    def parse(cls, data: Any) -> ContinueMode:
+        data = data if isinstance(data, dict) else {}
+        mode, tail, prefix = data.get("mode", "restart"), data.get("tail", 20), data.get("prefix", False)
+        if mode not in CONTINUE_MODES:
+            raise ValueError(f"'mode' must be one of {', '.join(CONTINUE_MODES)}")
+        if not isinstance(tail, int) or isinstance(tail, bool) or tail < 1:
+            raise ValueError("'tail' must be a whole number of characters, 1 or more")
+        if not isinstance(prefix, bool):
+            raise ValueError("'prefix' must be true or false")
+        return cls(mode, tail, prefix)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "tail": self.tail, "prefix": self.prefix}
+
+    def deltas(self, going: GoingOn) -> tuple[str, ...]:
+        whole = "".join(going.full)
+        rest = whole[len(going.partial) :]
+        if going.exact or self.mode == "exact":
+            return word_deltas(rest)
+        if self.mode == "tail":
+            return word_deltas(going.partial[-self.tail :] + rest)
+        return word_deltas(whole)
 
 
 # ------------------------------------------------------------ non-streaming bodies

@@ -97,6 +97,10 @@ class FakeUpstream:
         # stored response plays instead of its answer, and the headers every error answer carries.
         self.follow_up_scenario: str | None = None
         self.error_headers: dict[str, str] = {}
+        # Set by tests (/_scripted/failure, /_scripted/continuation): every streamed chat answer cut
+        # after N deltas, and how a request to continue an answer is answered.
+        self.failure: sc.Failure | None = None
+        self.continuation = sc.ContinueMode()
         self.received = 0  # API requests ever received (the record lists keep only the latest)
         # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
         self.responses = ResponsesApi(self, cadence, max_records) if responses else None
@@ -204,6 +208,22 @@ class FakeUpstream:
                     return
                 self.follow_up_scenario = name
             await _send_json(send, 200, {"scenario": self.follow_up_scenario})
+        elif path == "/_scripted/failure" and method in ("GET", "POST"):
+            if method == "POST":
+                try:
+                    self.failure = sc.Failure.parse(_json_field(body, None))
+                except ValueError as exc:
+                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    return
+            await _send_json(send, 200, self.failure.as_dict() if self.failure else {})
+        elif path == "/_scripted/continuation" and method in ("GET", "POST"):
+            if method == "POST":
+                try:
+                    self.continuation = sc.ContinueMode.parse(_json_field(body, None))
+                except ValueError as exc:
+                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    return
+            await _send_json(send, 200, self.continuation.as_dict())
         elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
             if method == "POST":
                 headers = _json_field(body, None)
@@ -247,14 +267,16 @@ class FakeUpstream:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
-        problem = chat_param_problem(body)
+        problem = chat_param_problem(body, prefix=self.continuation.prefix)
         if problem:
             raise _invalid(*problem)
         n = body.get("n") or 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
             raise _invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
 
-        name = self._pick(body, deployment)
+        # A request to go on with an answer: the conversation before it picks the scenario.
+        going_on = sc.continuation_of(body, lambda history: self._answer(body, history, deployment)[1])
+        name = self._pick({**body, "messages": going_on.history} if going_on else body, deployment)
         scn = self.scenarios[name]
         model = deployment or (body["model"] if isinstance(body.get("model"), str) else name)
         if scn.error:
@@ -274,11 +296,25 @@ class FakeUpstream:
             include_usage=stream and isinstance(options, dict) and options.get("include_usage") is True,
         )
         deltas = sc.word_deltas(sc.echo_text(_last_user_text(messages))) if name == "echo" else None
+        if going_on is not None:
+            deltas = self.continuation.deltas(going_on)
+        if stream and self.failure is not None:
+            scn, deltas = self.failure.applied(scn, scn.deltas if deltas is None else deltas)
+            self.failure = self.failure.spent()
         rid = [(b"x-request-id", record["id"].encode())]
         if not stream:
             await _send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
             return
         await self._play(receive, send, record["id"], name, sc.stream_plan(scn, req, deltas), rid)
+
+    def _answer(self, body: dict, history: list, deployment: str | None) -> tuple[Scenario, tuple[str, ...]]:
+        """The scenario and the deltas this server would answer ``history`` with (for its text)."""
+        try:
+            name = self._pick({**body, "messages": history}, deployment)
+        except _ApiError:
+            return self.scenarios[self.default_scenario], ()
+        scn = self.scenarios[name]
+        return scn, sc.word_deltas(sc.echo_text(_last_user_text(history))) if name == "echo" else scn.deltas
 
     def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> _ApiError:
         err = scn.error

@@ -1,0 +1,453 @@
+"""An answer whose upstream fails after output went to the caller goes on on another stream, and
+the caller gets every character once (``CONTINUE_ON_UPSTREAM_FAILURE``, docs/pool.md).
+``ResponsesReattach`` does it for a background response of the Responses API: the same stream again,
+exactly, from the entry that holds it.
+
+``ChatContinuation`` is the stream core's ``Continuation`` for a streamed chat completion with one
+choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
+
+- **When.** Only after the first output, and only for a failure of the upstream's own
+  (``outcomes.may_continue``: a lost connection, a 5xx-shaped error event, the idle limit, undecodable
+  data, a body that ended without a finish); never for the total limit, a hang-up, a moderation stop
+  or a 4xx-shaped error event. At most ``CONTINUE_MAX`` times per answer. Not while a tool call, a
+  legacy function call or a refusal is part of the answer: arguments cannot be continued by prefill,
+  so the answer ends with the failure's final error event, as before (every SDK raises on it; none
+  is left holding a finished call with a cut JSON argument string).
+- **Where.** The next entry in the pool's order that has not failed this answer, then the ones that
+  did (so with one entry, the same one), each only when the pool lets it take a request, after its
+  cooldown if need be (``Upstreams.open_next``).
+- **The request.** The original one plus the text so far (choice 0's content before the text steps)
+  as an assistant message. An entry with ``"continue": "prefix"`` (vLLM and other servers with
+  ``continue_final_message``) gets that message as a true prefix to extend; any other gets
+  ``CONTINUE_PROMPT`` as a user message after it (chat models have no prefill). The output cap
+  (``max_tokens``, ``max_completion_tokens``) is lowered by the tokens already generated.
+- **The seam** (``Seam``). Models asked to go on often start again, or repeat the last words. The
+  continuation's first text is held while it could still be a repeat (it reads like a suffix of the
+  text so far that is at least ``MIN_OVERLAP`` characters long, or like the whole of it); then the
+  longest such suffix it starts with is dropped and the rest goes on. The hold is bounded by the
+  length of the text so far. A prefix continuation is passed on as it comes. Text steps (the guard)
+  see one text across the seam, on the raw deltas after it.
+- **The events.** The continuation's chunks keep the answer's ``id`` and ``created``; its role chunk
+  is dropped. Its chunk with the ``finish_reason`` and the final event carry ``continued``:
+  ``[{"from", "to", "after_chars", "reason"}]``; its usage is the sum of every stream's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from . import telemetry, tokens
+from .errors import ApiError, ErrorKind
+from .record import Segment, StreamRecord
+from .stream import Done, StreamProtocol, TimeLimits, UpstreamChunks
+from .upstreams.outcomes import may_continue
+
+if TYPE_CHECKING:
+    from .upstreams.config import Entry
+    from .upstreams.failover import Upstreams
+
+log = logging.getLogger("chatstream")
+
+# A caller turns continuations off for one request with this header set to ``off``.
+HEADER = "x-chatstream-continue"
+# What a chat model without prefill is told after the text so far.
+CONTINUE_PROMPT = (
+    "Your previous reply was cut off. Continue it exactly where it stopped: write only the rest, "
+    "starting with the very next character, without repeating anything already written and "
+    "without any remark about the interruption."
+)
+# A repeat shorter than this is not taken for one (unless it is the whole text so far): a
+# continuation that starts with a few characters the text so far ends with is more likely new text.
+MIN_OVERLAP = 8
+
+
+def turned_off(headers) -> bool:
+    """The request asks for no continuation (``x-chatstream-continue: off``)."""
+    return (headers.get(HEADER) or "").strip().lower() in ("off", "false", "0", "no")
+
+
+# --- the seam ---------------------------------------------------------------------------------
+
+
+def overlap(known: str, text: str) -> int:
+    """How many leading characters of ``text`` repeat the end of ``known``: the longest suffix of
+    ``known`` that ``text`` starts with, when it is all of ``known`` or at least ``MIN_OVERLAP``
+    characters; else 0."""
+    if known and text.startswith(known):
+        return len(known)
+    n = min(len(known), len(text))
+    if n < MIN_OVERLAP:
+        return 0
+    probe = text[:MIN_OVERLAP]
+    at = known.find(probe, len(known) - n)
+    while at != -1:  # the first fitting start is the longest suffix
+        if text.startswith(known[at:]):
+            return len(known) - at
+        at = known.find(probe, at + 1)
+    return 0
+
+
+class Seam:
+    """Where a continuation's text meets the text so far (``known``). ``feed`` takes each piece of
+    the continuation's text with what carries it (a chunk) and returns the pieces to pass on, each
+    with the text it now carries: while the continuation so far could still become a repeat of a
+    longer suffix of ``known`` (``MIN_OVERLAP``), everything is held; then the repeated part is
+    dropped (``overlap``) and the rest passed on. ``final``: nothing more comes (the answer finished,
+    or something else than text follows): decide now. With ``dedupe`` off (a true prefix
+    continuation) everything passes at once."""
+
+    def __init__(self, known: str, dedupe: bool = True):
+        self.known = known
+        self.deciding = dedupe and bool(known)
+        self.dropped = 0  # characters dropped as a repeat
+        self._held: list[tuple[object, str]] = []
+        self._text = ""
+        self._start = 0  # no repeat can start before this position of ``known``
+
+    @property
+    def holding(self) -> int:
+        """Characters held now."""
+        return len(self._text)
+
+    def feed(self, carrier: object, text: str, final: bool = False) -> list[tuple[object, str]]:
+        if not self.deciding:
+            return [(carrier, text)]
+        self._held.append((carrier, text))
+        self._text += text
+        if not final and self._could_grow():
+            return []
+        return self._decide()
+
+    def _could_grow(self) -> bool:
+        """Whether the held text is the start of a suffix of ``known`` longer than itself (one that
+        counts as a repeat): if so it may still turn out to be a repeat."""
+        known, held = self.known, self._text
+        at = known.find(held, self._start, len(known) - 1)  # ends before known's last character
+        if at == -1 or (at != 0 and len(known) - at < MIN_OVERLAP):
+            return False  # a later start would be shorter still
+        self._start = at
+        return True
+
+    def _decide(self) -> list[tuple[object, str]]:
+        drop = self.dropped = overlap(self.known, self._text)
+        out = []
+        for carrier, text in self._held:
+            if drop >= len(text):
+                drop -= len(text)
+                if text:
+                    continue  # all of it was a repeat
+            else:
+                text, drop = text[drop:], 0
+            out.append((carrier, text))
+        self._held, self._text, self.deciding = [], "", False
+        return out
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+
+def add_usage(total: dict | None, usage: dict | None) -> dict | None:
+    """Two usage objects added up: their numbers summed (nested ``*_details`` too); anything else
+    kept from the first that has it."""
+    if not isinstance(usage, dict):
+        return total
+    if total is None:
+        return dict(usage)
+    out = dict(total)
+    for key, value in usage.items():
+        mine = out.get(key)
+        if _number(value) and (_number(mine) or mine is None):
+            out[key] = (mine or 0) + value
+        elif isinstance(value, dict) and (isinstance(mine, dict) or mine is None):
+            out[key] = add_usage(mine, value)
+        elif mine is None:
+            out[key] = value
+    return out
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# --- chat completions -------------------------------------------------------------------------
+
+
+def continuation_request(params: dict, text: str, entry: Entry) -> dict:
+    """The continuation of ``params`` on ``entry``, after ``text`` (see the module docstring)."""
+    messages = [*params["messages"], {"role": "assistant", "content": text}]
+    request = {**params, "messages": messages}
+    if entry.continuation == "prefix":
+        request["continue_final_message"] = True
+        request["add_generation_prompt"] = False
+    else:
+        messages.append({"role": "user", "content": CONTINUE_PROMPT})
+    spent = None
+    for field in tokens.CAP_FIELDS:
+        cap = params.get(field)
+        if type(cap) is int and cap > 0:
+            spent = tokens.count_text(params.get("model"), text) if spent is None else spent
+            request[field] = max(1, cap - spent)
+    return request
+
+
+_SUBSTANCE = ("tool_calls", "function_call", "refusal")
+
+
+class ChatContinuation:
+    """The stream core's ``Continuation`` for one streamed chat completion with one choice."""
+
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        path: str,
+        params: dict,
+        protocol: StreamProtocol,
+        record: StreamRecord,
+        most: int,
+    ):
+        self.upstreams = upstreams
+        self.path = path
+        self.params = params
+        self.protocol = protocol
+        self.record = record
+        self.most = most
+        self.continued: list[dict] = []
+        self._reopened = 0
+        self._passed: list[str] = []  # choice 0's content so far, as the protocol got it (raw)
+        self._blocked: str | None = None  # what the answer holds that cannot be continued
+        self._segment: Segment | None = None
+        self._failed: set[str] = set()
+        self._seam: Seam | None = None  # on a continuation: its seam with the text so far
+        self._id: object = None  # the answer's id and created, from its first stream
+        self._created: object = None
+
+    # -- every chunk
+    def feed(self, data: dict) -> Sequence[dict]:
+        segment = self._segment
+        if segment is None:
+            segment = self._segment = Segment(self.record.upstream, request_id=self.record.request_id or None)
+            self.record.segment(segment)
+        usage = data.get("usage")
+        if usage and isinstance(usage, dict):
+            segment.usage = usage
+        choices = data.get("choices")
+        choice = choices[0] if type(choices) is list and len(choices) == 1 else None
+        delta = choice.get("delta") if type(choice) is dict else None
+        if choice is None or type(delta) is not dict:  # no choice (a usage frame), or the protocol's to judge
+            return (data,) if self._seam is None else (self._named(data),)
+        content = delta.get("content")
+        if type(content) is not str:
+            content = ""
+        if content:
+            segment.parts.append(content)
+        if self._blocked is None and (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")):
+            self._blocked = next(name for name in _SUBSTANCE if delta.get(name))
+        if self._seam is None:  # the first stream: as it came
+            if self._id is None:
+                self._id, self._created = data.get("id"), data.get("created")
+            if content:
+                self._passed.append(content)
+            return (data,)
+        return self._across(data, choice, delta, content)
+
+    def _across(self, data: dict, choice: dict, delta: dict, content: str) -> list[dict]:
+        """A chunk of a continuation: through the seam, with the answer's id."""
+        seam = self._seam
+        assert seam is not None
+        finish = choice.get("finish_reason")
+        other = any(delta.get(name) for name in _SUBSTANCE)
+        if not content and not finish and not other:
+            return []  # its role chunk, or nothing at all: the caller has had its role
+        pieces: list[tuple[object, str]] = []
+        if other and seam.deciding:  # something else than text: decide on the text held so far
+            pieces = seam.feed(None, "", final=True)
+        pieces += seam.feed(data, content, final=bool(finish or other))
+        out = []
+        for carrier, text in pieces:
+            if not isinstance(carrier, dict):
+                continue
+            out.append(self._rebuilt(carrier, text))
+            if text:
+                self._passed.append(text)
+        return out
+
+    def _rebuilt(self, data: dict, text: str) -> dict:
+        choice = data["choices"][0]
+        delta = choice["delta"]
+        if (delta.get("content") or "") != text:
+            dropped = len(delta.get("content") or "") - len(text)
+            choice = {**choice, "delta": {**delta, "content": text}}
+            if isinstance(choice.get("logprobs"), dict):
+                choice["logprobs"] = _trimmed_logprobs(choice["logprobs"], dropped)
+        new = self._named({**data, "choices": [choice]})
+        if choice.get("finish_reason"):
+            new["continued"] = list(self.continued)
+        return new
+
+    def _named(self, data: dict) -> dict:
+        """A continuation's chunk with the answer's id and created (a new dict)."""
+        new = dict(data)
+        if self._id is not None:
+            new["id"] = self._id
+        if self._created is not None:
+            new["created"] = self._created
+        return new
+
+    def note(self, data: dict) -> None:
+        usage = data.get("usage")
+        if self._segment is not None and usage and isinstance(usage, dict):
+            self._segment.usage = usage
+
+    # -- a failure
+    def may_continue(self, error: ApiError) -> bool:
+        if not may_continue(error) or self._reopened >= self.most:
+            return False
+        if self._blocked is not None:
+            log.info("an answer with a %s in it is not continued after %s", self._blocked, error.type)
+            return False
+        return True
+
+    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
+        self._reopened += 1
+        failed = self._segment.upstream if self._segment is not None else record.upstream
+        if failed is not None:
+            self._failed.add(failed)
+        known = "".join(self._passed)
+        stream = await self.upstreams.open_next(
+            self.path,
+            self.params["model"],
+            lambda entry: continuation_request(self.params, known, entry),
+            self.protocol,
+            limits,
+            record,
+            self._failed,
+        )
+        entry = stream.entry
+        self._seam = Seam(known, dedupe=entry is None or entry.continuation != "prefix")
+        self._segment = Segment(entry.name if entry is not None else None, request_id=stream.request_id)
+        record.segment(self._segment)
+        seam = {"from": failed, "to": self._segment.upstream, "after_chars": len(known), "reason": str(error.type)}
+        self.continued.append(seam)
+        record.continued_on(seam)
+        telemetry.upstream_event("continuations", failed or "", reason=str(error.type))
+        log.info(
+            "upstream %s: %s after %d characters; the answer goes on on %s",
+            failed,
+            error.type,
+            len(known),
+            self._segment.upstream,
+        )
+        return stream
+
+    # -- the end
+    def summary(self, done: Done) -> Done:
+        if not self.continued:
+            return done
+        usage = None
+        for segment in self.record.segments:
+            usage = add_usage(usage, segment.usage)
+        return replace(
+            done,
+            usage=usage,
+            continued=tuple(self.continued),
+            id=self._id if isinstance(self._id, str) else done.id,
+            created=self._created if isinstance(self._created, int) else done.created,
+        )
+
+
+def _trimmed_logprobs(logprobs: dict, dropped: int) -> dict:
+    """A chunk's logprobs without the tokens of the ``dropped`` characters it no longer carries."""
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return logprobs
+    kept, skipped = list(content), 0
+    while kept and isinstance(kept[0], dict) and isinstance(kept[0].get("token"), str):
+        size = len(kept[0]["token"])
+        if skipped + size > dropped:
+            break
+        skipped += size
+        kept.pop(0)
+    return {**logprobs, "content": kept}
+
+
+def chat_continuation(
+    upstreams: Upstreams, path: str, params: dict, protocol: StreamProtocol, record: StreamRecord, most: int
+) -> ChatContinuation | None:
+    """The continuation plan of a chat completion, when it can have one: streamed, ``n`` 1 (with
+    more choices an answer cannot be continued choice by choice: it fails as before)."""
+    if most <= 0 or params.get("n") not in (None, 1):
+        return None
+    return ChatContinuation(upstreams, path, params, protocol, record, most)
+
+
+# --- the Responses API ---------------------------------------------------------------------------
+
+
+class ResponsesReattach:
+    """The stream core's ``Continuation`` for a streamed background response (``/api/v1/responses``
+    with ``background`` and ``stream``): the response goes on generating at its entry whatever
+    happens to our connection, so a connection lost (or silent past the idle limit, or ended early)
+    is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that same entry, N
+    the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to mend: an
+    event at or before N is dropped all the same. The terminal event carries ``continued``. Any other
+    response is not continued (a foreground one stops when its stream does, and chat models have no
+    prefill for a Responses ``input`` either)."""
+
+    def __init__(self, upstreams: Upstreams, probe, record: StreamRecord, most: int):
+        self.upstreams = upstreams
+        self.probe = probe  # a fresh protocol that reads a re-stream (``ResponseStream(None, resumed=True)``)
+        self.record = record
+        self.most = most
+        self.continued: list[dict] = []
+        self._last = -1  # the last sequence_number passed on
+        self._id: str | None = None
+        self._chars = 0  # text passed on (output_text deltas)
+        self._reopened = 0
+
+    def feed(self, data: dict) -> Sequence[dict]:
+        number = data.get("sequence_number")
+        if isinstance(number, int) and not isinstance(number, bool):
+            if number <= self._last:
+                return ()  # already passed on
+            self._last = number
+        response = data.get("response")
+        if self._id is None and isinstance(response, dict) and isinstance(response.get("id"), str):
+            self._id = response["id"]
+        if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
+            self._chars += len(data["delta"])
+        if self.continued and data.get("type") in _TERMINAL:
+            return ({**data, "continued": list(self.continued)},)
+        return (data,)
+
+    def note(self, data: dict) -> None:
+        pass
+
+    def may_continue(self, error: ApiError) -> bool:
+        return (
+            self._id is not None
+            and self._reopened < self.most
+            and may_continue(error)
+            and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
+        )
+
+    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
+        self._reopened += 1
+        entry = record.upstream
+        assert entry is not None and self._id is not None
+        query = {"stream": "true", "starting_after": str(self._last)}
+        stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, self.probe())
+        seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
+        self.continued.append(seam)
+        record.continued_on(seam)
+        telemetry.upstream_event("continuations", entry, reason=str(error.type))
+        log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
+        return stream
+
+    def summary(self, done: Done) -> Done:
+        return replace(done, continued=tuple(self.continued)) if self.continued else done
+
+
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
