@@ -799,7 +799,10 @@ def test_the_c_sharp_client_and_the_ai_sdk_read_a_continued_answer_as_one(ups, s
     if (AISDK / "node_modules" / "ai").is_dir():  # `make aisdk`
         fail(a)
         out = subprocess.run(
-            ["node", str(AISDK / "stream_usage.mjs"), app.url + "/api/v1", "hi"], capture_output=True, text=True, timeout=60
+            ["node", str(AISDK / "stream_usage.mjs"), app.url + "/api/v1", "hi"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["ok"] and result["text"] == NORMAL and result["finishReason"] == "stop", result
