@@ -210,7 +210,7 @@ class Endpoint:
         protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
         if admission is not None and self.accounting is not None:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
-            self.accounting.progress(admission, lambda: "".join(protocol.generated or ()))
+            self.accounting.progress(admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()})
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
         events = finishing(
             relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation),
@@ -278,7 +278,7 @@ class Endpoint:
         self._finish(record, admission, protocol.generated)
 
     def _finish(
-        self, record: StreamRecord, admission: Admission | None = None, generated: list[str] | None = None
+        self, record: StreamRecord, admission: Admission | None = None, generated: dict[int, list[str]] | None = None
     ) -> None:
         if not record.report():
             return

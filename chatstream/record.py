@@ -121,6 +121,7 @@ class StreamRecord:
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
     answered: bool = False  # an upstream took the request (answered 200): from then on it may cost tokens
+    prompt_only: bool = False  # a non-streamed call cut short in flight: the upstream read (and bills) its prompt
     stream_id: str | None = None  # a resumable stream's id
     stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
@@ -157,6 +158,11 @@ class StreamRecord:
     def attempting(self, entry: str) -> None:
         self.upstream = entry
         self.attempts += 1
+
+    def cut_short(self) -> None:
+        """A non-streamed call in flight was abandoned (the caller hung up, a time limit): the
+        upstream has the prompt, and charges for it, though no answer came."""
+        self.prompt_only = True
 
     def upstream_answered(self) -> None:
         self.answered = True

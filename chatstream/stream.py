@@ -100,7 +100,9 @@ class StreamProtocol(Protocol):
     @property
     def released(self) -> dict[int, list[str]] | None: ...  # what the text steps released per choice, if kept
     @property
-    def generated(self) -> list[str] | None: ...  # what the model generated (before the text steps), if kept
+    def generated(
+        self,
+    ) -> dict[int, list[str]] | None: ...  # what the model generated per choice (before the text steps), if kept
     @property
     def id(self) -> str | None: ...  # the answer's id, once the upstream said it
     @property

@@ -316,3 +316,74 @@ def _wait_rows(azurite, n: int, timeout: float = 20.0, **equal: str) -> list[dic
         assert time.monotonic() < deadline, f"{len(rows)} of {n} ledger rows"
         time.sleep(0.2)
     return rows
+
+
+def test_every_choice_is_charged_when_an_answer_with_n_2_breaks_off(keyed, azurite):
+    """The probe: n = 2 and a reset counted choice 0's text only (8 of 47 tokens)."""
+    from chatstream.tokens import count_text
+
+    who, key = caller(keyed)
+    body = ask("[scenario:reset] two of them", n=2, stream=True)
+    texts: dict[int, str] = {}
+    with httpx.stream(
+        "POST", f"{keyed.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + (
+                        (choice.get("delta") or {}).get("content") or ""
+                    )
+    assert set(texts) == {0, 1} and all(texts.values())
+    row = _wait_rows(azurite, 1, caller=who)[0]
+    assert row["completion_tokens"] == count_text(MODEL, texts[0]) + count_text(MODEL, texts[1]), (row, texts)
+
+
+def test_a_non_streamed_call_abandoned_in_flight_is_charged_its_prompt(keyed, azurite):
+    """The probe: a caller that hung up on a non-streamed call after the upstream took its prompt left
+    no ledger row (a streamed one was charged the prompt)."""
+    from chatstream.tokens import count_prompt
+
+    who, key = caller(keyed)
+    body = ask("[scenario:hang] " + "long prompt " * 50)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{keyed.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=1.5)
+    row = _wait_rows(azurite, 1, caller=who)[0]
+    assert (row["prompt_tokens"], row["completion_tokens"], row["ended"]) == (
+        count_prompt(MODEL, body),
+        0,
+        "disconnected",
+    )
+
+
+def test_a_continued_answer_is_charged_per_segment(azurite):
+    """An answer whose upstream broke off after 3 deltas goes on (continuation.py): each segment is
+    one ledger row, the broken one at its prompt and what it generated, the continuation at its usage."""
+    from servers import Upstream
+
+    from chatstream.tokens import count_prompt
+
+    upstream = Upstream()
+    app = App(env(upstream, azurite))
+    try:
+        who, key = caller(app)
+        upstream.http.post("/_scripted/failure", json={"after": 3, "end": "reset", "times": 1}).raise_for_status()
+        body = ask("[scenario:normal] go on please", stream=True)
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            seen = "".join(
+                (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+                for line in r.iter_lines()
+                if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+            )
+        assert seen == "".join(NORMAL_DELTAS)
+        rows = sorted(_wait_rows(azurite, 2, caller=who), key=lambda r: r["segment"])
+        assert [r["segment"] for r in rows] == [0, 1] and {r["request_id"] for r in rows} == {rows[0]["request_id"]}
+        assert rows[0]["prompt_tokens"] == count_prompt(MODEL, body) and rows[0]["completion_tokens"] > 0
+        assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"]  # it carried the text so far
+        second = upstream.requests(last=1)[0]
+        assert rows[1]["upstream_id"] == second["id"] and rows[1]["completion_tokens"] > 0  # its own usage
+    finally:
+        app.stop()
+        upstream.stop()

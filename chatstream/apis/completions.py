@@ -133,7 +133,7 @@ class ChoiceFilters:
 class CompletionStream:
     """One streamed chat completion: ``feed`` each upstream chunk, forward what it returns.
     ``keep``: keep what the text steps released per choice (for the after-steps), and what the model
-    generated (choice 0's text, before the text steps: what a partial stream is charged for)."""
+    generated (each choice's text, before the text steps: what a partial stream is charged for)."""
 
     def __init__(self, pipeline: Pipeline | None, choices: int = 1, keep: bool = False):
         self._pipeline = pipeline
@@ -145,7 +145,7 @@ class CompletionStream:
         self.model = self.id = self.created = None
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
-        self.generated: list[str] | None = [] if keep else None
+        self.generated: dict[int, list[str]] | None = {} if keep else None
 
     def probe(self) -> CompletionStream:
         """The same kind of stream without text steps (the pool's look for the first output)."""
@@ -215,8 +215,8 @@ class CompletionStream:
             return None  # nothing after a choice's finish_reason is forwarded
         delta = choice.get("delta") or {}
         reason = choice.get("finish_reason")
-        if self.generated is not None and index == 0:
-            self.generated.append(_generated(delta))
+        if self.generated is not None:
+            self.generated.setdefault(index, []).append(_generated(delta))
         if self._make_filter is not None:
             filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
             if (

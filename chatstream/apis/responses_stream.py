@@ -96,7 +96,7 @@ class ResponseStream:
         self.feed_waits = pipeline is not None and pipeline.moderates
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
-        self.generated: list[str] | None = [] if keep else None
+        self.generated: dict[int, list[str]] | None = {0: []} if keep else None
         # A re-stream after ``starting_after``: its deltas are only the end of each text, so the full
         # texts are the upstream's, through the text steps whole (as GET /responses/{id} gives them).
         self._resumed = resumed
@@ -146,7 +146,7 @@ class ResponseStream:
         output = kind not in OPENING
         delta = kind in TEXT_DELTAS
         if self.generated is not None and kind in TEXT_DELTAS:
-            self.generated.append(data["delta"])
+            self.generated[0].append(data["delta"])
         if kind in TERMINAL:
             status = (data.get("response") or {}).get("status") if isinstance(data.get("response"), dict) else None
             self.status = status if isinstance(status, str) else kind.removeprefix("response.")

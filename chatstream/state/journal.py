@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +68,8 @@ class JournalEntry:
     needs: dict[str, int]  # "partition/row" -> reserved of that budget counter
     kinds: dict[str, str]  # "partition/row" -> "tokens" | "spend"
     price: Price | None = None
-    generated: Callable[[], str] | None = None  # the text so far (checkpoints)
-    counted_chars: int = 0
+    generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
+    counted_chars: dict[int, int] = field(default_factory=dict)
     counted_tokens: int = 0
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
@@ -85,10 +85,11 @@ class JournalEntry:
         """Completion tokens generated so far, counted on the text added since the last checkpoint."""
         if self.generated is None:
             return self.counted_tokens
-        text = self.generated()
-        if len(text) > self.counted_chars:
-            self.counted_tokens += tokens.count_text(self.model, text[self.counted_chars :])
-            self.counted_chars = len(text)
+        for choice, text in self.generated().items():
+            counted = self.counted_chars.get(choice, 0)
+            if len(text) > counted:
+                self.counted_tokens += tokens.count_text(self.model, text[counted:])
+                self.counted_chars[choice] = len(text)
         return self.counted_tokens
 
     def document(self) -> dict[str, Any]:

@@ -415,6 +415,7 @@ class Upstreams:
                 )
             except asyncio.CancelledError:
                 attempt.release()
+                record.cut_short()  # the caller left with the call in flight: the upstream has its prompt
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 record.request_id = upstream_request_id(exc) or record.request_id

@@ -158,7 +158,7 @@ async def test_note_and_summary():
     stream.note({"usage": {"total_tokens": 9}})
     await stream.feed(chunk({"content": "ab"}, "stop"))
     assert stream.summary() == Done("stop", {0: "stop"}, {"total_tokens": 9}, "m", "c1", 5)
-    assert stream.released == {0: ["ab"]} and stream.generated == ["ab"]
+    assert stream.released == {0: ["ab"]} and stream.generated == {0: ["ab"]}
 
 
 async def test_a_choice_held_back_entirely_is_not_sent_but_its_role_is():
