@@ -217,12 +217,13 @@ class Endpoint:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
             self.accounting.progress(admission, lambda: "".join(protocol.generated or ()))
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
-        events = finishing(
-            relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation),
-            lambda: self._finish_stream(protocol, record, admission),
-        )
-        if self.lifecycle is not None:
-            events = self.lifecycle.guard(events, self.lifecycle.register(record))
+
+        def finish(inner: AsyncGenerator[Event]) -> AsyncGenerator[Event]:
+            return finishing(inner, lambda: self._finish_stream(protocol, record, admission))
+
+        upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
+        # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
+        events = self.lifecycle.guard(upstream, record, finish) if self.lifecycle is not None else finish(upstream)
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
         respond = self._resumable(call, protocol, limits, record, headers)

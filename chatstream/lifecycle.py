@@ -166,42 +166,63 @@ class Lifecycle:
         self._changed.set()
         return stream
 
-    async def guard(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
-        """``events`` (a registered stream's) as the drain wants them: at the cut, the upstream closed
-        and one final ``instance_draining`` error instead of the rest; during a drain, the last
-        stream's final event waits for the ``on_drain`` callbacks. Costs one flag check per event."""
+    def guard(
+        self,
+        events: AsyncGenerator[Event],
+        record: StreamRecord,
+        finish: Callable[[AsyncGenerator[Event]], AsyncGenerator[Event]],
+    ) -> AsyncGenerator[Event]:
+        """A stream's events (``relay``'s) as the drain wants them, with ``finish`` (the endpoint's
+        record keeping: its log line and charge) in between: at the cut, the upstream closed and one
+        final ``instance_draining`` error instead of the rest (finished like any final event);
+        during a drain, the last stream's final event waits for the ``on_drain`` callbacks."""
+        stream = self.register(record)
+        return self._holding(finish(self._cutting(events, stream)), stream)
+
+    async def _cutting(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
         try:
             while True:
                 try:
                     item = None if stream.cut else await stream.next(events)
                 except StopAsyncIteration:
                     return
-                if item is None:  # the cut (cut_now has written it to the record)
-                    await events.aclose()  # closes the upstream; the record's line and charge are written
-                    final: Event = Failed(instance_draining())
-                    break
-                if isinstance(item, Chunk):
+                if item is None:  # the cut (cut_now has told the record)
+                    await events.aclose()  # the upstream is closed
+                    yield Failed(instance_draining())
+                    return
+                yield item
+                if not isinstance(item, Chunk):
+                    return
+        finally:
+            await events.aclose()
+
+    async def _holding(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
+        try:
+            async for item in events:
+                if not isinstance(item, Chunk):
+                    if self._holds(stream):
+                        await events.aclose()  # the stream's record (log line, charge) is written now
+                        await self._wait_settled()
                     yield item
-                    continue
-                final = item
-                await events.aclose()  # the event stream's end: its record is written now
-                break
-            await self._may_end(stream)
-            yield final
+                    return
+                yield item
         finally:
             self._streams.discard(stream)
             self._changed.set()
             await events.aclose()
 
-    async def _may_end(self, stream: Stream) -> None:
-        """A stream's final event is in hand. While draining, the last stream running holds it until
-        the ``on_drain`` callbacks are done: the host ends the worker once its last request is over."""
+    def _holds(self, stream: Stream) -> bool:
+        """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While
+        draining the last stream running does (the host ends the worker once its last request is
+        over), once its output has started (then no status answer follows the final event, so its
+        record may be written before it goes out)."""
         stream.ending = True
         self._changed.set()
-        if not self.draining.is_set() or stream.resumable:
-            return
-        if any(not s.ending and not s.resumable for s in self._streams):
-            return  # others still run: they keep the host waiting
+        if not self.draining.is_set() or stream.resumable or stream.record.first_delta_at is None:
+            return False
+        return not any(not s.ending and not s.resumable for s in self._streams)
+
+    async def _wait_settled(self) -> None:
         try:
             async with asyncio.timeout(AFTER_GRACE):
                 await self._settled.wait()

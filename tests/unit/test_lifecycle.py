@@ -39,10 +39,16 @@ async def events(count: int, every: float, record: StreamRecord, log: list[str])
     try:
         for i in range(count):
             await asyncio.sleep(every)
+            if i == 0:
+                record.first_output()  # as the stream core does
             yield Chunk({"i": i})
         yield done()
     finally:
         log.append("closed")
+
+
+def guarded(life: Lifecycle, stream, record: StreamRecord):
+    return life.guard(stream, record, lambda inner: inner)
 
 
 async def read_all(stream) -> list[tuple[float, Event]]:
@@ -83,7 +89,7 @@ def test_drain_seconds_defaults_to_20_and_is_checked():
 async def test_a_stream_that_ends_within_the_grace_ends_as_usual():
     life = Lifecycle(2, 30, signals=False)
     record, log = StreamRecord(endpoint="chat", model="m"), []
-    stream = life.guard(events(5, 0.05, record, log), life.register(record))
+    stream = guarded(life, events(5, 0.05, record, log), record)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.07)
     drain = life.drain()
@@ -97,7 +103,7 @@ async def test_at_the_end_of_the_grace_a_running_stream_ends_with_one_retryable_
     life = Lifecycle(0.2, 30, signals=False)
     record, log = StreamRecord(endpoint="chat", model="m"), []
     loop = asyncio.get_running_loop()
-    stream = life.guard(events(1000, 0.05, record, log), life.register(record))
+    stream = guarded(life, events(1000, 0.05, record, log), record)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.12)
     started = loop.time()
@@ -122,7 +128,7 @@ async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
         seen.extend(1 for s in life.running() if s.resumable)
 
     life.on_drain(hand_over)
-    stream = life.guard(events(10, 0.05, record, log), life.register(record))
+    stream = guarded(life, events(10, 0.05, record, log), record)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.02)
     await asyncio.wait_for(life.drain(), 3)
@@ -145,8 +151,7 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
     records = [StreamRecord(endpoint="chat", model="m") for _ in range(3)]
     lengths = [2, 1000, 1000]  # the first ends within the grace; the others are cut
     readers = [
-        asyncio.ensure_future(read_all(life.guard(events(n, 0.05, r, []), life.register(r))))
-        for n, r in zip(lengths, records)
+        asyncio.ensure_future(read_all(guarded(life, events(n, 0.05, r, []), r))) for n, r in zip(lengths, records)
     ]
     await asyncio.sleep(0.02)
     await asyncio.wait_for(life.drain(), 3)
@@ -222,6 +227,23 @@ async def test_a_cut_openai_stream_ends_with_one_error_chunk_in_openais_shape():
     assert stream.closed
 
 
+async def test_a_stream_cut_before_its_first_output_is_a_503_and_its_log_line_says_so(caplog):
+    stream = ScriptedStream([chunk(role=True)], hang=True)
+    upstreams = pooled({"a": ScriptedClient(stream)})
+    life = Lifecycle(0.1, 30, signals=False)
+    endpoint = Endpoint(ChatApi(), upstreams.settings, upstreams, Pipeline(), None, None, life)
+    asyncio.get_running_loop().call_later(0.2, life.drain)
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        async with serve(endpoint) as http:
+            response = await http.post("/x", json={"prompt": "hi"})
+    assert response.status_code == 503 and response.json()["error"]["type"] == "instance_draining"
+    assert response.headers["x-should-retry"] == "true" and stream.closed
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith('{"event"')]
+    assert [(line["status"], line["error"], line["disconnected"]) for line in lines] == [
+        (503, "instance_draining", False)
+    ]
+
+
 # --- the signal ---------------------------------------------------------------------------------
 
 
@@ -241,7 +263,7 @@ async def test_sigterm_starts_the_drain_and_goes_on_to_the_handler_that_was_ther
         life.closing(close)
         life.admit()  # the first request installs the handler
         record = StreamRecord(endpoint="chat", model="m")
-        reading = asyncio.ensure_future(read_all(life.guard(events(1000, 0.05, record, []), life.register(record))))
+        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
         await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait_for(life.drained.wait(), 3)
@@ -261,7 +283,7 @@ async def test_a_second_sigterm_goes_on_to_the_runtimes_handler_at_once():
         life = Lifecycle(0.5, 30)
         life.admit()
         record = StreamRecord(endpoint="chat", model="m")
-        reading = asyncio.ensure_future(read_all(life.guard(events(1000, 0.05, record, []), life.register(record))))
+        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
         await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.sleep(0.1)
