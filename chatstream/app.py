@@ -21,6 +21,7 @@ from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
 from .http import with_request_id
+from .lifecycle import Lifecycle
 from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
@@ -37,18 +38,30 @@ log = logging.getLogger("chatstream")
 class ChatApp:
     """The handlers behind the routes of function_app.py."""
 
-    def __init__(self, settings: Settings, pipeline: Pipeline, upstreams: Upstreams, state: SharedState | None):
+    def __init__(
+        self,
+        settings: Settings,
+        pipeline: Pipeline,
+        upstreams: Upstreams,
+        state: SharedState | None,
+        lifecycle: Lifecycle | None = None,
+    ):
         self.settings = settings
         self.pipeline = pipeline
         self.upstreams = upstreams  # one pool for every endpoint
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
         self.streams = _resumable(settings, state, accounting)  # RESUMABLE_STREAMS=on
-        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams)
-        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams)
+        # The drain on SIGTERM (lifecycle.py): on_drain() takes the hand-over and the charges; it ends
+        # with close().
+        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle(settings.drain_seconds)
+        self.lifecycle.closing(self.close)
+        life = self.lifecycle
+        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
+        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
-        self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting)
+        self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting, None, life)
         self.response_follow_ups = ResponseFollowUps(settings, responses, pipeline, accounting)
         self.manage = Manage(state)
         self.accounting = accounting
@@ -169,4 +182,5 @@ def create_app(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
-    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ))
+    lifecycle = Lifecycle.from_settings(settings.drain_seconds, environ)
+    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ), lifecycle)

@@ -30,6 +30,7 @@ from .apis.refusals import admitted, authenticated, rate_headers
 from .continuation import turned_off
 from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
 from .http import KEEP_ALIVE, EventStreamResponse, read_json
+from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .resumable import Resumable
@@ -110,6 +111,7 @@ class Endpoint:
         pipeline: Pipeline,
         accounting: Accounting | None,
         resumable: Resumable | None = None,
+        lifecycle: Lifecycle | None = None,
     ):
         self.api = api
         self.settings = settings
@@ -117,6 +119,7 @@ class Endpoint:
         self.pipeline = pipeline
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
+        self.lifecycle = lifecycle  # the drain on SIGTERM: no new stream, the running ones ended in time
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
@@ -126,6 +129,8 @@ class Endpoint:
         telemetry.begin(record)
         admission: Admission | None = None
         try:
+            if self.lifecycle is not None:
+                self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
             caller = await authenticated(self.accounting, request.headers) if self.accounting else None
             call = await self._prepare(request, record)
             if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
@@ -212,10 +217,13 @@ class Endpoint:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
             self.accounting.progress(admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()})
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
-        events = finishing(
-            relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation),
-            lambda: self._finish_stream(protocol, record, admission),
-        )
+
+        def finish(inner: AsyncGenerator[Event]) -> AsyncGenerator[Event]:
+            return finishing(inner, lambda: self._finish_stream(protocol, record, admission))
+
+        upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
+        # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
+        events = self.lifecycle.guard(upstream, record, finish) if self.lifecycle is not None else finish(upstream)
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
         respond = self._resumable(call, protocol, limits, record, headers)

@@ -69,6 +69,8 @@ class ErrorKind(StrEnum):
     # Resumable streams.
     STREAM_LOST = "stream_lost"
     STREAM_STORE_UNAVAILABLE = "stream_store_unavailable"
+    # The instance is shutting down (a deploy, a restart): lifecycle.py.
+    INSTANCE_DRAINING = "instance_draining"
 
 
 _KINDS = frozenset(ErrorKind)
@@ -199,6 +201,19 @@ def total_expired() -> TimeLimit:
 def incomplete() -> ApiError:
     return ApiError(
         502, ErrorKind.UPSTREAM_INCOMPLETE, "the model server ended the stream without a finish reason", retryable=True
+    )
+
+
+def instance_draining() -> ApiError:
+    """This instance is shutting down (lifecycle.py): a new request, or the rest of a stream cut at the
+    end of the drain, belongs on another instance. The SDKs may retry it (``x-should-retry: true``):
+    no upstream call was made for a refused request, and a retry reaches another instance."""
+    return ApiError(
+        503,
+        ErrorKind.INSTANCE_DRAINING,
+        "this instance is shutting down (a deploy or a restart): retry the request, another instance takes it",
+        retryable=True,
+        headers={"Retry-After": "1", "x-should-retry": "true"},
     )
 
 

@@ -148,8 +148,8 @@ class StreamRecord:
 
     def hung_up(self, status: int | None = None) -> None:
         """The caller left before the answer was over (499 when it left before the headers)."""
-        if self.finish_reason == "cancelled":
-            return  # a resumable stream stopped on purpose (stopped): not a hang-up
+        if self.finish_reason == "cancelled" or self.stop_reason == "draining":
+            return  # a resumable stream stopped on purpose (stopped), or cut by the drain: not a hang-up
         self.disconnected = True
         if status is not None:
             self.status = status
@@ -190,6 +190,10 @@ class StreamRecord:
         finish_reason ``cancelled``."""
         self.finish_reason = "cancelled"
         self.stop_reason = reason
+
+    def drained(self, error: str) -> None:
+        """The instance's drain cut the stream (lifecycle.py): it ends with ``error``, not as a hang-up."""
+        self.error, self.stop_reason = error, "draining"
 
     def ended(self, finish_reason: str | None, usage: dict | None) -> None:
         self.finish_reason, self.usage = finish_reason, usage

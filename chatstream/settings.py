@@ -70,6 +70,11 @@ class Settings(BaseModel):
     resume_abandon_seconds: float = Field(30.0, alias="RESUME_ABANDON_SECONDS", gt=0, le=3600)
     resume_ttl_seconds: float = Field(600.0, alias="RESUME_TTL_SECONDS", gt=0, le=7 * 86400)
 
+    # On SIGTERM (a deploy, a restart: chatstream/lifecycle.py) the streams running here go on this long
+    # (bounded by the Functions host's shutdown timeout); those still running then end with a
+    # retryable instance_draining error. At most 230: Azure ends an HTTP response at 230 s anyway.
+    drain_seconds: float = Field(20.0, alias="DRAIN_SECONDS", ge=0, le=230)
+
     # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
     # running locally, off in Azure; true or false decides either way.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")

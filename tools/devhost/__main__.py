@@ -2,8 +2,9 @@
 
 Loads function_app.py through the real Python worker (azure-functions-runtime) in worker processes
 of its own (FUNCTIONS_WORKER_PROCESS_COUNT, default 1) driven over gRPC like the Functions host
-does, serves every HTTP function under host.json's route prefix on 127.0.0.1, and stops quickly,
-workers included, on Ctrl+C or SIGTERM.
+does, serves every HTTP function under host.json's route prefix on 127.0.0.1, and stops on Ctrl+C
+or SIGTERM as the Functions host does on Azure: no new connection, the requests in flight get up to
+ASPNETCORE_SHUTDOWNTIMEOUTSECONDS (5 s) and the workers SIGTERM at once, then what is left is cut.
 A dev tool: excluded from deployment by .funcignore.
 """
 
@@ -47,6 +48,7 @@ async def serve(
     workers: int = 1,
     loop_choice: str = "asyncio",
     front: config.FrontSettings = config.FrontSettings(),
+    shutdown_timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> int:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -63,16 +65,29 @@ async def serve(
     def on_signal(signum: int) -> None:
         if stopping.is_set():  # a second Ctrl+C: leave now
             os._exit(130)
-        log.info("%s received, stopping", signal.Signals(signum).name)
         stopping.set()
-        if server is not None:
-            server.should_exit = True
-        # The workers go at once: their streams end, so the front server has nothing to wait for.
-        stop_pool()
+        if server is None:  # still starting: nothing is served yet
+            log.info("%s received, stopping", signal.Signals(signum).name)
+            stop_pool()
+            return
+        # As the Functions host on Azure (README.md, "Stopping"): the front server stops listening at
+        # once and lets the requests in flight run for the shutdown timeout, then cuts what is left
+        # (uvicorn's graceful shutdown, timeout_graceful_shutdown below); the workers get SIGTERM now,
+        # as the platform's container stop sends it, and are killed once the front server is done.
+        log.info(
+            "%s received: no new connections; requests in flight: %d, cut after %g s (%s); workers: SIGTERM",
+            signal.Signals(signum).name,
+            app.in_flight if app is not None else 0,
+            shutdown_timeout,
+            config.SHUTDOWN_TIMEOUT,
+        )
+        server.should_exit = True
+        pool.terminate()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    app: Host | None = None
     starting = asyncio.ensure_future(pool.start())
     interrupted = asyncio.ensure_future(stopping.wait())
     await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -92,6 +107,7 @@ async def serve(
     prefix = config.route_prefix(app_dir)
     routes = routes_from_metadata(pool.metadata, prefix)
     app = Host(pool, routes, front.cors)
+    logs.quiet_cut_requests()  # the shutdown timeout's cut is logged by the host, once per request
     # The front server's limits live in its protocol (front.py); ws="none": WebSocket upgrades are
     # declined and answered as plain HTTP requests.
     server = _FrontServer(
@@ -104,7 +120,7 @@ async def serve(
             server_header=False,
             date_header=False,
             lifespan="off",
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=shutdown_timeout,
             http=protocol_class(front),
             ws="none",
             timeout_keep_alive=front.keepalive_timeout,
@@ -211,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         front = config.with_cors(front, app_dir, args.cors)
         config.route_prefix(app_dir)
         workers = config.worker_process_count()
+        shutdown_timeout = config.shutdown_timeout()
     except config.ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -219,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(app_dir)
     try:
         return asyncio.run(
-            serve(app_dir, "127.0.0.1", args.port, args.verbose, workers, args.loop, front),
+            serve(app_dir, "127.0.0.1", args.port, args.verbose, workers, args.loop, front, shutdown_timeout),
             loop_factory=_loop_factory(args.loop),
         )
     except KeyboardInterrupt:

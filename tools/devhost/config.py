@@ -134,3 +134,19 @@ def worker_process_count(environ=os.environ) -> int:
     if not 1 <= count <= 10:
         raise ConfigError(f"{WORKER_PROCESS_COUNT} must be a whole number from 1 to 10 (got {raw!r})")
     return count
+
+
+SHUTDOWN_TIMEOUT = "ASPNETCORE_SHUTDOWNTIMEOUTSECONDS"
+DEFAULT_SHUTDOWN_TIMEOUT = 5  # ASP.NET Core's WebHostOptions.ShutdownTimeout, which the Functions host keeps
+
+
+def shutdown_timeout(environ=os.environ) -> int:
+    """``ASPNETCORE_SHUTDOWNTIMEOUTSECONDS``: the seconds the requests in flight get after SIGTERM
+    before their connections are cut (default 5), read as the Functions host reads it (ASP.NET Core's
+    web host: a whole number of seconds). A value the host would ignore is an error here."""
+    raw = environ.get(SHUTDOWN_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    if not raw.isdigit() or not raw.isascii() or int(raw) > 3600:
+        raise ConfigError(f"{SHUTDOWN_TIMEOUT} must be a whole number of seconds from 0 to 3600 (got {raw!r})")
+    return int(raw)

@@ -3,6 +3,7 @@ INFO for devhost and the app, the runtime's and the servers' own chatter only wi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -30,3 +31,17 @@ def configure(verbose: bool, worker: bool = False) -> None:
     # The runtime and the worker's uvicorn log every request at INFO; keep that for --verbose.
     for name in QUIET:
         logging.getLogger(name).setLevel(quiet)
+
+
+class _NotCutRequests(logging.Filter):
+    """uvicorn logs a traceback for every request task it cancels at the end of its graceful
+    shutdown (the host's shutdown timeout); the host logs those requests itself (``Executed … (Cancelled
+    …)``), so the tracebacks go."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
+def quiet_cut_requests() -> None:
+    logging.getLogger("uvicorn.error").addFilter(_NotCutRequests())

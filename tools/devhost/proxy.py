@@ -53,6 +53,7 @@ class Host:
         self.workers = workers
         self.routes = routes
         self.cors = cors_policy
+        self.in_flight = 0  # function requests being served now
 
     async def aclose(self) -> None:
         pass  # the pool closes each worker's connections when it stops
@@ -99,10 +100,12 @@ class Host:
             await _plain(send, 503)
             return
         worker.in_flight += 1
+        self.in_flight += 1
         try:
             await self._invoke_on(worker, route, params, scope, receive, send)
         finally:
             worker.in_flight -= 1
+            self.in_flight -= 1
 
     async def _invoke_on(self, worker: WorkerProcess, route: Route, params, scope, receive, send):
         invocation_id = str(uuid.uuid4())
@@ -199,6 +202,9 @@ class Host:
             outcome = "Failed"
             log.error("forwarding to the worker failed: %s", exc)
             await _plain(send, 502)
+        except asyncio.CancelledError:  # the host's shutdown timeout passed: the request is cut
+            outcome = "Cancelled (the host's shutdown timeout passed)"
+            raise
         finally:
             for task in (forward, watcher, gone):
                 task.cancel()

@@ -9,6 +9,11 @@ worker's HTTP server.
 ready worker with the fewest requests in flight (round-robin among equals). A worker that exits is
 logged, its in-flight invocations fail (their callers see the response end), and it is restarted
 while the others keep serving.
+
+Stopping, as on Azure (tools/devhost/README.md, "Stopping"): ``terminate()`` sends every worker
+SIGTERM at once, as the platform's container stop does (the Functions host itself sends a Python
+worker nothing: it declares no ``HandlesWorkerTerminateMessage``); the workers keep serving the
+requests they have. ``stop()``, once the host's own requests are over, kills what is left.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ log = logging.getLogger("devhost")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where `python -m tools.devhost.worker_process` resolves
 HOST_VERSION = "4.1040.0"
 START_TIMEOUT = 90.0  # process start, imports, indexing, the worker's HTTP server (2 workers on a busy 2-core box)
-STOP_GRACE = 0.5  # SIGTERM → SIGKILL
+# A worker still running when the host is done with its requests gets this long, then SIGKILL (the
+# Functions host kills a Python worker as soon as its own shutdown is over: Process.Kill).
+STOP_GRACE = 0.5
 WAIT_FOR_WORKER = 15.0  # a request arriving while no worker is ready (all restarting) waits this long
 STATUS_TIMEOUT = 2.0
 RESTART_DELAYS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after exits in quick succession (crash loop)
@@ -139,6 +146,7 @@ class WorkerProcess:
         self._stream_task: asyncio.Task | None = None
         self.exited: asyncio.Future = self._loop.create_future()  # result: the exit code
         self._stopping = False
+        self._terminated = False  # SIGTERM sent (terminate): stop() does not send it again
 
     @property
     def pid(self) -> int | None:
@@ -354,15 +362,26 @@ class WorkerProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
 
+    def terminate(self) -> None:
+        """SIGTERM now; the worker takes no new request from the host, and its exit is expected."""
+        self._stopping = True
+        self.ready = False
+        self.server.forget(self)
+        if not self._terminated:
+            self._terminated = True
+            self._kill(signal.SIGTERM)
+
     async def stop(self, grace: float = STOP_GRACE) -> None:
-        """SIGTERM, then SIGKILL after ``grace``; returns once the process is gone."""
+        """SIGTERM (unless ``terminate`` sent it), then SIGKILL after ``grace``; returns once the
+        process is gone."""
         self._stopping = True
         self.ready = False
         self.server.forget(self)
         if self.proc is None:
             return
         if self.proc.returncode is None:
-            self._kill(signal.SIGTERM)
+            if not self._terminated:
+                self._kill(signal.SIGTERM)
             try:
                 await asyncio.wait_for(asyncio.shield(self.exited), grace)
             except TimeoutError:
@@ -530,8 +549,19 @@ class WorkerPool:
 
     # -- the end
 
+    def terminate(self) -> None:
+        """SIGTERM to every worker process at once, and no restart from here on."""
+        self._stopping = True
+        self._ready.set()  # wake requests waiting for a worker: there will be none
+        for task in list(self._tasks):
+            task.cancel()
+        for w in self.workers:
+            if w is not None:
+                w.terminate()
+
     async def stop(self) -> None:
-        """Every worker gone (SIGTERM, SIGKILL after a grace period), then the gRPC server."""
+        """Every worker gone (SIGTERM unless terminate() sent it, SIGKILL after STOP_GRACE), then the
+        gRPC server."""
         self._stopping = True
         self._ready.set()  # wake requests waiting for a worker: there will be none
         for task in list(self._tasks):

@@ -17,8 +17,13 @@ handlers, on its own event loop:
 * WorkerStatusRequest: answered with this process's tasks, descriptors and memory (devhost's
   /_devhost/stats).
 
-It exits when the host ends the stream, on WorkerTerminate or SIGTERM (within a second), and, on
-Linux, as soon as the host process dies. It ignores SIGINT: Ctrl+C in a terminal reaches the whole
+It exits when the host ends the stream or sends WorkerTerminate (within a second), and, on Linux,
+as soon as the host process dies. SIGTERM is handled as by Azure's Python worker, which installs no
+handler of its own: the runtime's HTTP server (uvicorn, serving on this process's main thread)
+catches it, stops accepting connections, waits for the requests in flight without a limit of its
+own, then raises SIGTERM again, so that the process ends by it; before that server runs, SIGTERM
+ends the process at once. An app may chain a handler of its own in front of uvicorn's (the app's
+drain does: chatstream/lifecycle.py). SIGINT is ignored: Ctrl+C in a terminal reaches the whole
 process group, and the host decides how its workers stop.
 """
 
@@ -67,7 +72,6 @@ class Dispatcher:
         self.args = args
         self.pb = protos.load()
         self.loop = asyncio.get_running_loop()
-        self.stopping = asyncio.Event()
         self.server_tasks: set[asyncio.Task] = set()
         self.tasks: set[asyncio.Task] = set()
         self.call = None
@@ -105,11 +109,7 @@ class Dispatcher:
             self.outbox.put(
                 self.pb.StreamingMessage(request_id=a.requestId, start_stream=self.pb.StartStream(worker_id=a.workerId))
             )
-            reader = asyncio.ensure_future(self._read())
-            stop = asyncio.ensure_future(self.stopping.wait())
-            await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (reader, stop):
-                task.cancel()
+            await self._read()
             return 0
         finally:
             await self._shutdown(channel)
@@ -235,20 +235,13 @@ class Dispatcher:
         await channel.close(grace=None)
 
 
-def _own_signals() -> None:
-    """The worker's HTTP server is a uvicorn.Server, which installs its own SIGINT/SIGTERM handlers
-    while it serves (a Ctrl+C would then stop that server alone, leaving a worker that cannot take
-    requests). This process decides how it stops (see Dispatcher), so those handlers are not
-    installed here, as the host does for its own front server."""
-    import contextlib
+def _signals_as_on_azure() -> None:
+    """The worker's HTTP server is a uvicorn.Server, which catches SIGINT and SIGTERM while it
+    serves. SIGTERM it keeps, as in Azure's worker (see the module docstring); SIGINT stays ignored,
+    or a Ctrl+C would stop that server alone and leave a worker that cannot take requests."""
+    import uvicorn.server
 
-    import uvicorn
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    uvicorn.Server.capture_signals = capture_signals
+    uvicorn.server.HANDLED_SIGNALS = (signal.SIGTERM,)
 
 
 def _quiet_uvicorn_start() -> None:
@@ -289,7 +282,7 @@ def main(argv=None) -> int:
     _die_with_parent(args.hostPid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logs.configure(args.verbose, worker=True)
-    _own_signals()
+    _signals_as_on_azure()
     if not args.verbose:
         _quiet_uvicorn_start()
     root = str(Path(__file__).resolve().parents[2])  # tools/devhost's package root stays importable
@@ -297,10 +290,7 @@ def main(argv=None) -> int:
         sys.path.insert(1, root)
 
     async def run() -> int:
-        loop = asyncio.get_running_loop()
-        dispatcher = Dispatcher(args)
-        loop.add_signal_handler(signal.SIGTERM, dispatcher.stopping.set)
-        return await dispatcher.run()
+        return await Dispatcher(args).run()
 
     try:
         return asyncio.run(run(), loop_factory=_loop_factory(args.loop))

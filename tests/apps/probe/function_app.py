@@ -2,6 +2,8 @@
 
 import asyncio
 import os
+import signal
+import time
 from pathlib import Path
 
 import azure.functions as func
@@ -32,12 +34,14 @@ async def echo(req: Request) -> JSONResponse:
 
 @app.route(route="ticks", methods=["GET"])
 async def ticks(req: Request) -> StreamingResponse:
-    """One line every 100 ms until the caller leaves; writes a marker file when cleanup runs."""
+    """One line every 100 ms (``n`` of them, default 600) until the caller leaves; writes a marker
+    file when cleanup runs."""
     marker = Path(req.query_params["marker"])
+    count = int(req.query_params.get("n", "600"))
 
     async def lines():
         try:
-            for i in range(600):
+            for i in range(count):
                 yield f"tick {i}\n".encode()
                 await asyncio.sleep(0.1)
         finally:
@@ -55,3 +59,20 @@ async def boom(req: Request) -> JSONResponse:
 async def pid(req: Request) -> JSONResponse:
     """Which process ran the function (the local host runs it in a worker process)."""
     return JSONResponse({"pid": os.getpid(), "ppid": os.getppid()})
+
+
+@app.route(route="watch_sigterm", methods=["GET"])
+async def watch_sigterm(req: Request) -> JSONResponse:
+    """Chain a SIGTERM handler in front of the one in place (the runtime's, while its HTTP server
+    serves): it writes the time it ran to ``marker``, then hands the signal on."""
+    marker = Path(req.query_params["marker"])
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        marker.write_text(str(time.time()))
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, handler)
+    return JSONResponse({"previous": getattr(previous, "__qualname__", repr(previous))})

@@ -1,0 +1,335 @@
+"""The instance's end, as its streams see it: serving, then draining on SIGTERM, then gone.
+
+What Azure does (sources in tools/devhost/README.md, "Stopping"): a scale-in or a rolling update
+drains an instance without telling the app (the front end sends it no new request; the host waits
+for the requests in flight, HTTP ones up to 230 s). A restart, or a deploy that recreates the
+instances, sends SIGTERM: the Functions host stops accepting at once, gives the requests in flight
+its shutdown timeout (``ASPNETCORE_SHUTDOWNTIMEOUTSECONDS``, 5 s by default), cuts what is left
+and kills the worker (SIGKILL: the Python worker is sent no ``WorkerTerminate``); the container
+stop also sends the worker process SIGTERM, and that is the signal this module acts on. Neither
+the runtime nor the ``azure-functions`` library offers the app a shutdown hook.
+
+On SIGTERM the instance drains (``Lifecycle.drain``):
+
+1. ``draining`` is set: a new request to a model route gets ``503`` ``instance_draining``
+   (retryable, ``Retry-After: 1``, ``x-should-retry: true``) before any upstream call;
+2. the streams running here go on for the grace: ``DRAIN_SECONDS``, but never past the host's
+   shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the host cuts at its
+   timeout whatever the app does);
+3. then every stream still running that is not resumable ends with one final ``instance_draining``
+   error event in its route's format (``retryable: true``), its upstream closed and its record (log
+   line, charge) written as usual; resumable streams are left to the ``on_drain`` callbacks;
+4. the ``on_drain`` callbacks are awaited together, bounded (``CALLBACKS_WAIT``): the hand-over of
+   resumable streams and the settling of charges belong there. The last stream's final event waits
+   for them: the host kills the worker as soon as its last request is over;
+5. the ``closing`` callbacks (``ChatApp.close``: upstream clients, stores), then the signal goes on
+   to the handler that was there before: the runtime's (its HTTP server stops, and the process ends
+   by SIGTERM, as without the app's drain).
+
+The handler is chained in front of the runtime's at the first request (``admit``): the runtime's
+HTTP server installs its own when it starts serving, after the app is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from types import FrameType
+
+from .errors import ErrorKind, instance_draining
+from .record import StreamRecord
+from .stream import Chunk, Event, Failed
+
+log = logging.getLogger("chatstream")
+
+HOST_SHUTDOWN_TIMEOUT = "ASPNETCORE_SHUTDOWNTIMEOUTSECONDS"  # the Functions host's, read as it reads it
+HOST_DEFAULT_SHUTDOWN = 5.0  # ASP.NET Core's web host default, which the Functions host keeps
+AFTER_GRACE = 1.5  # of the host's timeout, kept for what follows the grace (the waits below, and margin)
+CUT_WAIT = 0.5  # the cut streams reach their final event (upstream closed, record written)
+CALLBACKS_WAIT = 0.75  # the on_drain callbacks, together
+CLOSE_WAIT = 0.5  # the closing callbacks, together
+
+Callback = Callable[[], Awaitable[None]]
+
+
+def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """The seconds the Functions host gives requests after SIGTERM: ``ASPNETCORE_SHUTDOWNTIMEOUTSECONDS``
+    when it is a whole number (what the host accepts), else its default, 5."""
+    raw = environ.get(HOST_SHUTDOWN_TIMEOUT, "").strip()
+    return float(raw) if raw.isascii() and raw.isdigit() else HOST_DEFAULT_SHUTDOWN
+
+
+class Stream:
+    """One stream running on this instance, as the drain sees it (``Lifecycle.register``)."""
+
+    __slots__ = ("_fired", "_task", "cut", "ending", "record")
+
+    def __init__(self, record: StreamRecord):
+        self.record = record
+        self.cut = False  # the grace is over: it ends now, with instance_draining
+        self.ending = False  # its final event is in hand
+        self._task: asyncio.Task | None = None  # the task waiting for its next event
+        self._fired = False  # the cut cancelled that task
+
+    @property
+    def resumable(self) -> bool:
+        """A resumable stream (it has an id): handed over at a drain, never cut here."""
+        return self.record.stream_id is not None
+
+    def cut_now(self) -> None:
+        self.cut = True
+        self.record.drained(ErrorKind.INSTANCE_DRAINING)
+        if self._task is not None and not self._fired:
+            self._fired = True
+            self._task.cancel()  # it waits on the upstream: the wait ends now (next() takes it back)
+
+    async def next(self, events: AsyncGenerator[Event]) -> Event | None:
+        """The next event, or None when the cut came while waiting for it. Like the time limits
+        (stream.TimeLimits.wait): the cut cancels the waiting task, and only that cancel is taken back."""
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        self._task = task
+        try:
+            return await anext(events)
+        except asyncio.CancelledError:
+            if self._fired and self._take_back(task) <= cancelling:
+                return None
+            raise
+        finally:
+            self._task = None
+            if self._fired:  # the cut came, yet the wait ended another way: take its cancel back
+                self._take_back(task)
+
+    def _take_back(self, task: asyncio.Task) -> int:
+        self._fired = False
+        return task.uncancel()
+
+
+class Lifecycle:
+    """See the module docstring. ``grace``: how long running streams go on once draining.
+    ``signals=False``: SIGTERM is not watched (in-process tests start the drain with ``drain()``)."""
+
+    def __init__(self, drain_seconds: float, host_timeout: float = HOST_DEFAULT_SHUTDOWN, *, signals: bool = True):
+        self.grace = max(0.0, min(drain_seconds, host_timeout - AFTER_GRACE))
+        self.signals = signals
+        self.draining = asyncio.Event()
+        self.drained = asyncio.Event()  # the drain is over (its callbacks awaited, the app closed)
+        self._streams: set[Stream] = set()
+        self._on_drain: list[Callback] = []
+        self._closing: list[Callback] = []
+        self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand
+        self._settled = asyncio.Event()  # the on_drain callbacks are done
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._installed = False
+        self._signalled = False
+        self._passed_on = False
+        self._previous: object = None  # the SIGTERM handler before ours
+
+    @classmethod
+    def from_settings(cls, drain_seconds: float, environ: Mapping[str, str] = os.environ) -> Lifecycle:
+        return cls(drain_seconds, host_shutdown_timeout(environ))
+
+    # --- what the app registers -----------------------------------------------------------------
+
+    def on_drain(self, callback: Callback) -> None:
+        """``await callback()`` once the grace is over and the cut streams have ended, before the
+        last stream's final event goes out (bounded, with the others, by ``CALLBACKS_WAIT``)."""
+        self._on_drain.append(callback)
+
+    def closing(self, callback: Callback) -> None:
+        """``await callback()`` at the very end of the drain (``ChatApp.close``)."""
+        self._closing.append(callback)
+
+    def running(self) -> list[Stream]:
+        """The streams running here now."""
+        return list(self._streams)
+
+    # --- the request path -----------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """A request begins: from the first one on, SIGTERM starts the drain (``install``); while
+        draining, a new request is refused with ``instance_draining`` (an ApiError)."""
+        if not self._installed:
+            self.install()
+        if self.draining.is_set():
+            raise instance_draining()
+
+    def register(self, record: StreamRecord) -> Stream:
+        stream = Stream(record)
+        self._streams.add(stream)
+        self._changed.set()
+        return stream
+
+    def guard(
+        self,
+        events: AsyncGenerator[Event],
+        record: StreamRecord,
+        finish: Callable[[AsyncGenerator[Event]], AsyncGenerator[Event]],
+    ) -> AsyncGenerator[Event]:
+        """A stream's events (``relay``'s) as the drain wants them, with ``finish`` (the endpoint's
+        record keeping: its log line and charge) in between: at the cut, the upstream closed and one
+        final ``instance_draining`` error instead of the rest (finished like any final event);
+        during a drain, the last stream's final event waits for the ``on_drain`` callbacks."""
+        stream = self.register(record)
+        return self._holding(finish(self._cutting(events, stream)), stream)
+
+    async def _cutting(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
+        try:
+            while True:
+                try:
+                    item = None if stream.cut else await stream.next(events)
+                except StopAsyncIteration:
+                    return
+                if item is None:  # the cut (cut_now has told the record)
+                    await events.aclose()  # the upstream is closed
+                    yield Failed(instance_draining())
+                    return
+                yield item
+                if not isinstance(item, Chunk):
+                    return
+        finally:
+            await events.aclose()
+
+    async def _holding(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
+        try:
+            async for item in events:
+                if not isinstance(item, Chunk):
+                    if self._holds(stream):
+                        await events.aclose()  # the stream's record (log line, charge) is written now
+                        await self._wait_settled()
+                    yield item
+                    return
+                yield item
+        finally:
+            self._streams.discard(stream)
+            self._changed.set()
+            await events.aclose()
+
+    def _holds(self, stream: Stream) -> bool:
+        """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While
+        draining the last stream running does (the host ends the worker once its last request is
+        over), once its output has started (then no status answer follows the final event, so its
+        record may be written before it goes out)."""
+        stream.ending = True
+        self._changed.set()
+        if not self.draining.is_set() or stream.resumable or stream.record.first_delta_at is None:
+            return False
+        return not any(not s.ending and not s.resumable for s in self._streams)
+
+    async def _wait_settled(self) -> None:
+        try:
+            async with asyncio.timeout(AFTER_GRACE):
+                await self._settled.wait()
+        except TimeoutError:
+            pass
+
+    # --- the signal -----------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Chain a SIGTERM handler in front of the one in place (the runtime's). Only from the main
+        thread, where signal handlers live; idempotent."""
+        if self._installed or not self.signals or threading.current_thread() is not threading.main_thread():
+            self._installed = True
+            return
+        self._installed = True
+        self._loop = asyncio.get_running_loop()
+        self._previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signalled:  # a second SIGTERM: the runtime's own handling, at once
+            self._pass_on(signum, frame)
+            return
+        self._signalled = True
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.drain)
+
+    def _pass_on(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """The signal to the handler that was there before ours (once), as if ours had never been."""
+        if self._passed_on:
+            return
+        self._passed_on = True
+        previous = self._previous
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            signal.raise_signal(signal.SIGTERM)  # the default action: the process ends
+
+    # --- the drain ------------------------------------------------------------------------------
+
+    def drain(self) -> asyncio.Task:
+        """Start draining (once; on SIGTERM, or directly); the task ends when the drain is over."""
+        if self._task is None:
+            self.draining.set()
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return self._task
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        log.warning(
+            "draining: %d stream(s) running get %.1f s (DRAIN_SECONDS, within the host's %s)",
+            len(self._streams),
+            self.grace,
+            HOST_SHUTDOWN_TIMEOUT,
+        )
+        await self._until(self._all_ending, started + self.grace)
+        cut = [s for s in self._streams if not s.ending and not s.resumable]
+        for stream in cut:
+            stream.cut_now()
+        if cut:
+            await self._until(self._all_ending, loop.time() + CUT_WAIT)
+        await _bounded("on_drain", self._on_drain, CALLBACKS_WAIT)
+        self._settled.set()
+        await self._until(lambda: not any(not s.resumable for s in self._streams), loop.time() + CUT_WAIT)
+        await _bounded("closing", self._closing, CLOSE_WAIT)
+        log.warning(
+            "drained in %.1f s: %d stream(s) ended instance_draining, %d still running (resumable)",
+            loop.time() - started,
+            len(cut),
+            len(self._streams),
+        )
+        self.drained.set()
+        if self._signalled:
+            self._pass_on()
+
+    def _all_ending(self) -> bool:
+        return all(s.ending or s.resumable for s in self._streams)
+
+    async def _until(self, condition: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``condition()`` (checked whenever a stream changes), or ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while not condition():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+            except TimeoutError:
+                return condition()
+        return True
+
+
+async def _bounded(what: str, callbacks: list[Callback], limit: float) -> None:
+    """Every callback, together, within ``limit``; a failure or an overrun is logged, never raised."""
+    if not callbacks:
+        return
+    tasks = [asyncio.ensure_future(callback()) for callback in callbacks]
+    done, pending = await asyncio.wait(tasks, timeout=limit)
+    for task in pending:
+        task.cancel()
+        log.error("drain: a %s callback did not finish within %.2f s; cancelled", what, limit)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("drain: a %s callback failed", what, exc_info=task.exception())
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,179 @@
+"""A deploy or a restart, end to end: SIGTERM to the local host (which delivers it as the Functions
+host and the platform do: tools/devhost/README.md, "Stopping") with 20 streams in flight through the
+real worker. Within the grace every stream finishes as usual; past it each one still running ends
+with exactly one retryable ``instance_draining`` event, its upstream closed; nothing hangs; the host
+leaves within its bound; a request during the drain is refused (by the host, or by the app with a
+retryable 503); DRAIN_SECONDS is checked at start-up (chatstream/lifecycle.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from chat import prompt
+from helpers import app_env
+from httpx_sse import EventSource
+from servers import App, Upstream, run_devhost
+
+from tools.fakeupstream.scenarios import SLOW_DELTAS, cadence_text
+
+STREAMS = 20
+SLOW_TEXT = "".join(SLOW_DELTAS)
+
+
+@pytest.fixture(scope="module")
+def long_upstream():
+    """The scripted upstream with a long ``cadence``: 200 words 50 ms apart (10 s)."""
+    server = Upstream("--deltas", "200", "--interval-ms", "50")
+    yield server
+    server.stop()
+
+
+class Reader(threading.Thread):
+    """One streamed request in a thread: its events as they arrive (or its status and body)."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.status: int | None = None
+        self.events: list[tuple[str, dict]] = []
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=30) as r:
+                self.status = r.status_code
+                for sse in EventSource(r).iter_sse():
+                    self.events.append((sse.event, json.loads(sse.data) if sse.data.startswith("{") else sse.data))
+                    self.first.set()
+        except Exception as exc:  # kept for the assertion
+            self.error = exc
+        self.first.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(d["delta"] for e, d in self.events if e == "message")
+
+    def finals(self) -> list[tuple[str, dict]]:
+        return [(e, d) for e, d in self.events if e in ("done", "error")]
+
+
+def start_streams(app: App, scenario: str, count: int = STREAMS) -> list[Reader]:
+    readers = [Reader(app.chat_url, prompt(scenario, f"stream {i}")) for i in range(count)]
+    for reader in readers:
+        assert reader.first.wait(30), "a stream never started"
+        assert reader.error is None and reader.status == 200, (reader.status, reader.error)
+    return readers
+
+
+def test_streams_that_can_finish_within_the_grace_finish_as_usual(upstream):
+    app = App(app_env(upstream, DRAIN_SECONDS="10", ASPNETCORE_SHUTDOWNTIMEOUTSECONDS="15"))
+    try:
+        readers = start_streams(app, "slow")  # 2 s each
+        sent = time.monotonic()
+        app.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # the host takes no new connection (Kestrel's way)
+            httpx.post(app.chat_url, json=prompt("slow"), timeout=5)
+        for reader in readers:
+            reader.join(15)
+        last_end = time.monotonic() - sent
+        app.proc.wait(15)
+        exited = time.monotonic() - sent
+    finally:
+        app.stop()
+    for reader in readers:
+        assert not reader.is_alive() and reader.error is None, reader.error
+        assert reader.text == SLOW_TEXT
+        assert [e for e, _ in reader.finals()] == ["done"] and reader.finals()[0][1]["finish_reason"] == "stop"
+    assert exited < last_end + 3.0, f"the host left {exited - last_end:.1f} s after its last stream ended"
+    assert "drained in" in app.log()
+
+
+def test_past_the_grace_each_stream_ends_with_one_retryable_instance_draining_event(long_upstream):
+    app = App(app_env(long_upstream, DRAIN_SECONDS="1"))  # the host's timeout: its default, 5 s
+    try:
+        readers = start_streams(app, "cadence")  # 10 s each
+        sent = time.monotonic()
+        app.proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(15)
+        app.proc.wait(15)
+        exited = time.monotonic() - sent
+    finally:
+        app.stop()
+    full = cadence_text(200)
+    for reader in readers:
+        assert not reader.is_alive(), "a stream hangs"
+        assert reader.error is None, reader.error
+        finals = reader.finals()
+        assert len(finals) == 1 and finals[-1] == reader.events[-1], reader.events[-3:]
+        event, data = finals[0]
+        assert event == "error" and data["error"]["type"] == "instance_draining" and data["error"]["retryable"]
+        assert reader.text and full.startswith(reader.text) and reader.text != full
+    assert exited < 1 + 4.0, f"the host left {exited:.1f} s after SIGTERM (grace 1 s)"
+    log = app.log()
+    assert log.count('"error": "instance_draining"') == STREAMS, "one log line each, with the reason"
+    assert '"disconnected": true' not in log
+    # Each upstream stream was closed at the cut (that is what stops the paid generation).
+    records = [s for s in long_upstream.streams() if s["scenario"] == "cadence"][-STREAMS:]
+    assert all(s["outcome"] == "client_disconnected" for s in records), [s["outcome"] for s in records]
+
+
+def test_a_worker_sent_sigterm_refuses_new_requests_with_a_retryable_503_and_finishes_its_streams(upstream):
+    """The platform's container stop signals the worker too; a request that still reaches it (here:
+    the host was not signalled) gets the app's answer before any upstream call."""
+    app = App(app_env(upstream, DRAIN_SECONDS="4"))
+    try:
+        worker = httpx.get(app.url + "/_devhost/stats", timeout=10).json()["workers"][0]["pid"]
+        readers = start_streams(app, "slow", 3)
+        calls = upstream.count()
+        os.kill(worker, signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(app.chat_url, json=prompt("slow", "late"), timeout=10)
+        assert upstream.count() == calls, "no upstream call for a refused request"
+        for reader in readers:
+            reader.join(15)
+        # Then the runtime's own handling: its server stops, the process ends by SIGTERM, the host
+        # starts another worker.
+        app.wait_log(rf"worker 1 \(pid {worker}\) exited \(killed by SIGTERM\)", timeout=15)
+    finally:
+        app.stop()
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "instance_draining" and refused.json()["error"]["retryable"]
+    assert refused.headers["retry-after"] == "1" and refused.headers["x-should-retry"] == "true"
+    for reader in readers:
+        assert reader.text == SLOW_TEXT and [e for e, _ in reader.finals()] == ["done"]
+
+
+def test_an_openai_stream_past_the_grace_ends_with_one_error_chunk(long_upstream):
+    app = App(app_env(long_upstream, DRAIN_SECONDS="1"))
+    body = {"model": "cadence", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    data: list[str] = []
+    try:
+        with httpx.stream("POST", app.url + "/api/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                    if len(data) == 3:
+                        app.proc.send_signal(signal.SIGTERM)
+        app.proc.wait(15)
+    finally:
+        app.stop()
+    errors = [json.loads(d) for d in data if d.startswith('{"error"')]
+    assert len(errors) == 1 and data[-1].startswith('{"error"') and "[DONE]" not in data
+    assert errors[0]["error"]["code"] == "instance_draining" and errors[0]["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("value", ["-1", "231", "soon"])
+def test_a_bad_drain_seconds_stops_the_app_naming_the_setting(value):
+    result = run_devhost({"DRAIN_SECONDS": value, "OPENAI_API_KEY": "sk-x"})
+    assert result.returncode == 1
+    assert "DRAIN_SECONDS" in result.stderr

@@ -1,0 +1,298 @@
+"""chatstream/lifecycle.py in-process: the drain's grace and its bound, the cut of a running stream
+(one final instance_draining event, the upstream closed, the record written), the last stream's
+final event held for the on_drain callbacks, bounded callbacks, the 503 for a new request, and the
+SIGTERM handler chained in front of the one in place. The end-to-end drain, through the local host
+and the real worker, is tests/test_drain.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from chatstream.apis.chat import ChatApi
+from chatstream.apis.openai_chat import OpenAIChatApi
+from chatstream.endpoint import Endpoint
+from chatstream.errors import ErrorKind
+from chatstream.lifecycle import AFTER_GRACE, CALLBACKS_WAIT, Lifecycle, host_shutdown_timeout
+from chatstream.pipeline import Pipeline
+from chatstream.record import StreamRecord
+from chatstream.settings import Settings, SettingsError
+from chatstream.stream import Chunk, Done, Event, Failed
+
+from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
+
+
+def done() -> Done:
+    return Done("stop", {0: "stop"}, None, "m", "id-1", 0)
+
+
+async def events(count: int, every: float, record: StreamRecord, log: list[str]):
+    """A stream of ``count`` chunks ``every`` seconds apart, then Done; what happened, in ``log``."""
+    try:
+        for i in range(count):
+            await asyncio.sleep(every)
+            if i == 0:
+                record.first_output()  # as the stream core does
+            yield Chunk({"i": i})
+        yield done()
+    finally:
+        log.append("closed")
+
+
+def guarded(life: Lifecycle, stream, record: StreamRecord):
+    return life.guard(stream, record, lambda inner: inner)
+
+
+async def read_all(stream) -> list[tuple[float, Event]]:
+    loop = asyncio.get_running_loop()
+    return [(loop.time(), item) async for item in stream]
+
+
+# --- the grace and its bound --------------------------------------------------------------------
+
+
+def test_the_grace_is_drain_seconds_within_the_hosts_shutdown_timeout():
+    assert Lifecycle(20, 5).grace == 5 - AFTER_GRACE  # the host cuts at 5 s, whatever the app does
+    assert Lifecycle(2, 30).grace == 2
+    assert Lifecycle(20, 1).grace == 0
+    assert Lifecycle(0, 30).grace == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(None, 5.0), ("", 5.0), ("25", 25.0), ("0", 0.0), ("2.5", 5.0), ("-3", 5.0), ("x", 5.0)]
+)
+def test_the_hosts_shutdown_timeout_is_read_as_the_host_reads_it(value, seconds):
+    environ = {} if value is None else {"ASPNETCORE_SHUTDOWNTIMEOUTSECONDS": value}
+    assert host_shutdown_timeout(environ) == seconds
+
+
+def test_drain_seconds_defaults_to_20_and_is_checked():
+    assert Settings.from_env({}).drain_seconds == 20
+    assert Settings.from_env({"DRAIN_SECONDS": "0"}).drain_seconds == 0
+    assert Settings.from_env({"DRAIN_SECONDS": "230"}).drain_seconds == 230
+    for bad in ("-1", "231", "soon", "nan"):
+        with pytest.raises(SettingsError, match="DRAIN_SECONDS"):
+            Settings.from_env({"DRAIN_SECONDS": bad})
+
+
+# --- streams during a drain ---------------------------------------------------------------------
+
+
+async def test_a_stream_that_ends_within_the_grace_ends_as_usual():
+    life = Lifecycle(2, 30, signals=False)
+    record, log = StreamRecord(endpoint="chat", model="m"), []
+    stream = guarded(life, events(5, 0.05, record, log), record)
+    reading = asyncio.ensure_future(read_all(stream))
+    await asyncio.sleep(0.07)
+    drain = life.drain()
+    items = [item for _, item in await reading]
+    assert [type(i) for i in items] == [Chunk] * 5 + [Done]
+    await asyncio.wait_for(drain, 2)
+    assert life.drained.is_set() and log == ["closed"] and record.error is None
+
+
+async def test_at_the_end_of_the_grace_a_running_stream_ends_with_one_retryable_instance_draining_event():
+    life = Lifecycle(0.2, 30, signals=False)
+    record, log = StreamRecord(endpoint="chat", model="m"), []
+    loop = asyncio.get_running_loop()
+    stream = guarded(life, events(1000, 0.05, record, log), record)
+    reading = asyncio.ensure_future(read_all(stream))
+    await asyncio.sleep(0.12)
+    started = loop.time()
+    await asyncio.wait_for(life.drain(), 3)
+    items = await reading
+    finals = [item for _, item in items if not isinstance(item, Chunk)]
+    assert len(finals) == 1 and isinstance(finals[0], Failed)
+    error = finals[0].error
+    assert error.type == ErrorKind.INSTANCE_DRAINING and error.retryable and error.status == 503
+    assert 0.15 < items[-1][0] - started < 1.0, "the cut comes at the end of the grace"
+    assert log == ["closed"], "the stream's upstream is closed at the cut"
+    assert record.error == "instance_draining" and not record.disconnected
+
+
+async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
+    life = Lifecycle(0.1, 30, signals=False)
+    record, log = StreamRecord(endpoint="chat", model="m"), []
+    record.stream_id = "s-1"
+    seen: list[int] = []
+
+    async def hand_over():
+        seen.extend(1 for s in life.running() if s.resumable)
+
+    life.on_drain(hand_over)
+    stream = guarded(life, events(10, 0.05, record, log), record)
+    reading = asyncio.ensure_future(read_all(stream))
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(life.drain(), 3)
+    assert seen == [1]
+    items = [item for _, item in await reading]
+    assert isinstance(items[-1], Done) and len(items) == 11
+
+
+async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
+    """The host kills the worker once its last request is over: the charges must be settled first."""
+    life = Lifecycle(0.2, 30, signals=False)
+    loop = asyncio.get_running_loop()
+    settled: list[float] = []
+
+    async def settle():
+        await asyncio.sleep(0.3)
+        settled.append(loop.time())
+
+    life.on_drain(settle)
+    records = [StreamRecord(endpoint="chat", model="m") for _ in range(3)]
+    lengths = [2, 1000, 1000]  # the first ends within the grace; the others are cut
+    readers = [
+        asyncio.ensure_future(read_all(guarded(life, events(n, 0.05, r, []), r))) for n, r in zip(lengths, records)
+    ]
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(life.drain(), 3)
+    ends = [items[-1][0] for items in await asyncio.gather(*readers)]
+    assert ends[0] < settled[0], "a stream ending while others run is not held"
+    assert max(ends) >= settled[0], "the last one's final event went out after the callbacks"
+    assert sorted(ends)[1] < settled[0], "only the last one is held"
+
+
+async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_ends(caplog):
+    life = Lifecycle(0, 30, signals=False)
+    closed: list[str] = []
+
+    async def fails():
+        raise RuntimeError("store down")
+
+    async def hangs():
+        await asyncio.Event().wait()
+
+    async def close():
+        closed.append("closed")
+
+    life.on_drain(fails)
+    life.on_drain(hangs)
+    life.closing(close)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with caplog.at_level(logging.ERROR, logger="chatstream"):
+        await asyncio.wait_for(life.drain(), 5)
+    assert loop.time() - started < CALLBACKS_WAIT + 1.0
+    assert closed == ["closed"] and life.drained.is_set()
+    assert "a on_drain callback failed" in caplog.text and "did not finish within" in caplog.text
+
+
+# --- through the endpoint -----------------------------------------------------------------------
+
+
+def serve(endpoint: Endpoint) -> httpx.AsyncClient:
+    async def handler(request):
+        return await endpoint(request)
+
+    app = Starlette(routes=[Route("/x", handler, methods=["POST"])])
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+
+
+async def test_a_new_request_while_draining_is_a_retryable_503_before_any_upstream_call():
+    client = ScriptedClient(ScriptedStream([chunk(role=True), chunk("hi", "stop")]))
+    upstreams = pooled({"a": client})
+    life = Lifecycle(1, 30, signals=False)
+    endpoint = Endpoint(ChatApi(), upstreams.settings, upstreams, Pipeline(), None, None, life)
+    await asyncio.wait_for(life.drain(), 3)
+    async with serve(endpoint) as http:
+        response = await http.post("/x", json={"prompt": "hi"})
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "instance_draining" and response.json()["error"]["retryable"]
+    assert response.headers["retry-after"] == "1"
+    assert response.headers["x-should-retry"] == "true", "an SDK may retry it: it reaches another instance"
+    assert client.calls == 0
+
+
+async def test_a_cut_openai_stream_ends_with_one_error_chunk_in_openais_shape():
+    stream = ScriptedStream([chunk(role=True), chunk("Hel"), chunk("lo")], hang=True)
+    upstreams = pooled({"a": ScriptedClient(stream)})
+    life = Lifecycle(0.1, 30, signals=False)
+    endpoint = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), None, None, life)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    asyncio.get_running_loop().call_later(0.3, life.drain)  # httpx's ASGI transport reads the whole body
+    async with serve(endpoint) as http:
+        response = await http.post("/x", json=body)
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(lines[-1])["error"]["code"] == "instance_draining"
+    assert sum('"error"' in line for line in lines) == 1 and "[DONE]" not in lines
+    assert stream.closed
+
+
+async def test_a_stream_cut_before_its_first_output_is_a_503_and_its_log_line_says_so(caplog):
+    stream = ScriptedStream([chunk(role=True)], hang=True)
+    upstreams = pooled({"a": ScriptedClient(stream)})
+    life = Lifecycle(0.1, 30, signals=False)
+    endpoint = Endpoint(ChatApi(), upstreams.settings, upstreams, Pipeline(), None, None, life)
+    asyncio.get_running_loop().call_later(0.2, life.drain)
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        async with serve(endpoint) as http:
+            response = await http.post("/x", json={"prompt": "hi"})
+    assert response.status_code == 503 and response.json()["error"]["type"] == "instance_draining"
+    assert response.headers["x-should-retry"] == "true" and stream.closed
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith('{"event"')]
+    assert [(line["status"], line["error"], line["disconnected"]) for line in lines] == [
+        (503, "instance_draining", False)
+    ]
+
+
+# --- the signal ---------------------------------------------------------------------------------
+
+
+async def test_sigterm_starts_the_drain_and_goes_on_to_the_handler_that_was_there_after_it():
+    calls: list[tuple[str, float]] = []
+    loop = asyncio.get_running_loop()
+
+    def runtimes_handler(signum, frame):  # the handler in place before ours: the runtime's (uvicorn's)
+        calls.append(("previous", loop.time()))
+
+    async def close():
+        calls.append(("closed", loop.time()))
+
+    before = signal.signal(signal.SIGTERM, runtimes_handler)
+    try:
+        life = Lifecycle(0.2, 30)
+        life.closing(close)
+        life.admit()  # the first request installs the handler
+        record = StreamRecord(endpoint="chat", model="m")
+        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(life.drained.wait(), 3)
+        await asyncio.sleep(0.05)
+        items = await reading
+        assert isinstance(items[-1][1], Failed)
+        assert [what for what, _ in calls] == ["closed", "previous"], "the runtime's handler runs once, last"
+        assert signal.getsignal(signal.SIGTERM) is runtimes_handler, "its handler is back in place"
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+async def test_a_second_sigterm_goes_on_to_the_runtimes_handler_at_once():
+    calls: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("previous"))
+    try:
+        life = Lifecycle(0.5, 30)
+        life.admit()
+        record = StreamRecord(endpoint="chat", model="m")
+        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert life.draining.is_set() and calls == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.05)
+        assert calls == ["previous"], "the second one is not held back"
+        await asyncio.wait_for(life.drained.wait(), 3)
+        await reading
+        assert calls == ["previous"], "and the end of the drain does not pass it on again"
+    finally:
+        signal.signal(signal.SIGTERM, before)
