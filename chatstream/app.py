@@ -56,6 +56,11 @@ class ChatApp:
         # with close().
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle(settings.drain_seconds)
         self.lifecycle.closing(self.close)
+        if accounting is not None:
+            # What this instance charged goes into the journal, the ledger and the counters now; what
+            # does not make it before the host kills the worker, another instance settles from the
+            # journal (state/journal.py).
+            self.lifecycle.on_drain(lambda: accounting.flush(within=0.7))
         life = self.lifecycle
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
