@@ -60,7 +60,10 @@ class ChatApp:
             # What this instance charged goes into the journal, the ledger and the counters now; what
             # does not make it before the host kills the worker, another instance settles from the
             # journal (state/journal.py).
-            self.lifecycle.on_drain(lambda: accounting.flush(within=0.7))
+            async def settle_charges() -> None:
+                await accounting.flush(within=0.7)
+
+            self.lifecycle.on_drain(settle_charges)
         life = self.lifecycle
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
