@@ -578,6 +578,10 @@ var templateDefaults = {
   // has; without one every write is a 403 in the logs. Off: the portal's diagnostic-events view stays
   // empty, the host's own logs still reach Application Insights and Log Analytics.
   AzureWebJobsFeatureFlags: 'DisableDiagnosticEventLogging'
+  // How long the Functions host lets requests run after SIGTERM (a restart, a Recreate deploy):
+  // ASP.NET Core's default is 5 s, which cuts the app's drain (DRAIN_SECONDS, 20 s) to 3.5 s.
+  // Not verified on Azure that the platform waits this long before it kills the container.
+  ASPNETCORE_SHUTDOWNTIMEOUTSECONDS: '25'
   UPSTREAM_CONNECT_TIMEOUT_SECONDS: '10'
   USAGE_WAIT_SECONDS: '2'
   UPSTREAM_MAX_RETRIES: '2'

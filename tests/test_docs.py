@@ -386,7 +386,7 @@ ANNOUNCED_SETTINGS = {
 }
 # What the template writes for the platform, not for the app (docs/deploy.md).
 PLATFORM_SETTINGS = re.compile(
-    r"AzureWebJobsStorage__\w+|APPLICATIONINSIGHTS_\w+|PYTHON_APPLICATIONINSIGHTS_\w+|OTEL_\w+|AZURE_CLIENT_ID|AzureWebJobsFeatureFlags"
+    r"AzureWebJobsStorage__\w+|APPLICATIONINSIGHTS_\w+|PYTHON_APPLICATIONINSIGHTS_\w+|OTEL_\w+|AZURE_CLIENT_ID|AzureWebJobsFeatureFlags|ASPNETCORE_SHUTDOWNTIMEOUTSECONDS"
 )
 
 
