@@ -16,7 +16,7 @@ import pytest
 from chatstream.state.callers import Caller, hash_key, key_from_headers
 from chatstream.state.port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price
-from chatstream.state.registry import Registry
+from chatstream.state.registry import LOOKUPS_PER_SECOND, Registry
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
@@ -217,6 +217,33 @@ async def test_a_patch_with_null_removes_a_limit_and_the_period_defaults():
     updated = await reg.update("a", {"tokens_per_minute": None, "budget_period": None})
     assert (updated.tokens_per_minute, updated.token_budget, updated.budget_period) == (None, 9, "total")
     assert (await reg.get("a")) == updated
+
+
+async def test_a_flood_of_made_up_keys_is_bounded_and_known_callers_still_get_in():
+    clock = Clock()
+    reg = registry(cache=10.0, clock=clock)
+    _, key = await reg.create({"name": "known"})
+    assert isinstance(await reg.authenticate(key), Caller)
+    clock.now += 10.5  # its cached answer is stale: the next check reads the store again
+    flood = await asyncio.gather(*(reg.authenticate(made_up()) for _ in range(300)))
+    assert reg.store_reads <= 1 + 2 * LOOKUPS_PER_SECOND  # the bucket, not one read per made-up key
+    assert sum(isinstance(f, Unavailable) for f in flood) >= 300 - 2 * LOOKUPS_PER_SECOND
+    assert all(isinstance(f, KeyRefused | Unavailable) for f in flood)
+    # The flood waits its turn; a caller this instance knows does not.
+    assert isinstance(await reg.authenticate(key), Caller)
+
+
+async def test_concurrent_first_checks_of_one_key_take_one_lookup_of_the_bucket():
+    """A caller's burst of 200 requests as its cached answer runs out (every ``cache_seconds``): one
+    store read, and none of them is refused as if it were a flood of made-up keys."""
+    clock = Clock()
+    reg = registry(cache=10.0, clock=clock)
+    _, key = await reg.create({"name": "busy"})
+    for _ in range(3):
+        burst = await asyncio.gather(*(reg.authenticate(key) for _ in range(200)))
+        assert all(isinstance(c, Caller) for c in burst), {type(c).__name__ for c in burst}
+        clock.now += 10.5
+    assert reg.store_reads == 3
 
 
 async def test_a_store_that_fails_is_unavailable_and_not_remembered():
