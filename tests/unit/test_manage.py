@@ -20,6 +20,7 @@ from chatstream.manage import Manage
 from chatstream.settings import Settings, SettingsError
 from chatstream.state.ledger import Charge
 from chatstream.state.shared import SharedState
+from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryStore
 
 from .state_helpers import account, admit, finish, settings, usage
@@ -364,6 +365,14 @@ async def test_a_store_that_fails_is_a_503_never_a_500():
         openai_error(await admin.http.get("/api/manage/callers/a"), 503, "caller_store_unavailable")
         store.inject(Fault("unavailable", frozenset({"query"})))
         openai_error(await admin.http.get("/api/manage/teams"), 503, "caller_store_unavailable")
+        # The counter rows of a caller with a budget, and the ledger, are read as the answer is made.
+        assert (await admin.http.post("/api/manage/callers", json={"name": "b", "token_budget": 5})).status_code == 201
+        store.inject(Fault("unavailable", frozenset({"query"}), table=LIMITS_TABLE))
+        openai_error(await admin.http.get("/api/manage/callers"), 503, "caller_store_unavailable")
+        store.inject(Fault("unavailable", frozenset({"query"}), table=LIMITS_TABLE))
+        openai_error(await admin.http.get("/api/manage/callers/b"), 503, "caller_store_unavailable")
+        store.inject(Fault("unavailable", frozenset({"query"}), table=USAGE_TABLE))
+        openai_error(await admin.http.get("/api/manage/usage"), 503, "caller_store_unavailable")
         store.inject(Fault("unavailable", frozenset({"upsert"})))
         openai_error(
             await admin.http.put("/api/manage/prices/m", json={"input": 1, "output": 1}),
