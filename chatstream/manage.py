@@ -243,7 +243,7 @@ class Manage:
                 raise invalid_request("model: not a model name", "model")
             today = datetime.fromtimestamp(state.store.clock.now(), UTC).date()
             end = _date(query.get("to"), "to") or today
-            start = _date(query.get("from"), "from") or max(date.min, end - timedelta(days=29))
+            start = _date(query.get("from"), "from") or end - min(timedelta(days=29), end - date.min)
             if start > end:
                 raise invalid_request("from: must not be after to", "from")
             if (end - start).days + 1 > MAX_USAGE_DAYS:

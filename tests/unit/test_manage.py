@@ -305,6 +305,7 @@ async def test_usage_at_the_ends_of_the_calendar_is_an_answer():
             {"from": "9999-01-01", "to": "9999-12-31"},
             {"to": "9999-12-31"},
             {"from": "0001-01-01", "to": "0001-01-01"},
+            {"to": "0001-01-05"},  # the default 30 days would start before the first day there is
         ):
             response = await admin.http.get("/api/manage/usage", params=params)
             assert response.status_code == 200, (params, response.text)
