@@ -4,12 +4,12 @@ created it (docs/callers.md).
 
 Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``,
 ``stream``), with ``caller_id`` (the caller's id: a caller deleted and created again under its name
-owns nothing of the old one's), ``charged`` (a background response is charged once, when its usage is
-first seen: ``first_charge`` is true for exactly one call, whichever instance makes it), what a
-background response reserved, ``context`` (a finished response's input + output tokens: what a
-request that continues it carries, so that it reserves them) and ``expires`` (the duty deletes the
-row then: the object's own lifetime). One partition per id spreads the load; every call is one or
-two point operations, bounded."""
+owns nothing of the old one's), ``charged`` (a response is charged once: by the request that
+created it, or, a background response, when its usage is first seen: ``first_charge`` is true for
+exactly one call, whichever instance makes it), what a background response reserved, ``context``
+(a finished response's input + output tokens: what a request that continues it carries, so that it
+reserves them) and ``expires`` (the duty deletes the row then: the object's own lifetime). One
+partition per id spreads the load; every call is one or two point operations, bounded."""
 
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ class Owners:
         at: float = 0.0,
         lifetime: float = RESPONSE_LIFETIME,
         reserved_spend: int = 0,
+        charged: bool = False,
     ) -> bool:
-        """Record that the caller ``caller_id`` created ``kind``/``id``. True if it is (now or
+        """Record that the caller ``caller_id`` created ``kind``/``id`` (``charged``: by the request
+        that created it, so that ``first_charge`` is never true for it). True if it is (now or
         already) that caller's; False if another caller had claimed it (the claim is not changed).
         StoreError when the store does not answer."""
         now = self.store.clock.now()
@@ -54,7 +56,7 @@ class Owners:
             "PartitionKey": key_part(id),
             "RowKey": kind,
             "caller_id": caller_id,
-            "charged": False,
+            "charged": charged,
             "reserved": reserved,
             "reserved_spend": reserved_spend,
             "reserved_at": at,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from chatstream import tokens
 from chatstream.state.accounting import Admission, Unknown, usage_of
 from chatstream.state.port import ModelRefused, Refused, Unavailable
@@ -304,6 +306,30 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     # Its size is kept: continuing it reserves it.
     follow, _ = await admit(acc_b, caller, previous_response_id="resp_bg", max_tokens=1)
     assert isinstance(follow, Admission) and follow.prompt_tokens >= 100
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+async def test_a_response_its_request_charged_is_not_charged_again_when_read_back(background):
+    """A stored response (or a background one streamed to its end) has its usage in the request
+    itself: charged then. Reading it back later (GET /responses/{id}, on any instance) adds nothing."""
+    data = account()
+    a, acc_a = instance(data, "a")
+    b, acc_b = instance(data, "b")
+    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
+    admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=background, stream=True)
+    assert isinstance(admitted, Admission)
+    await acc_a.claim("response", "resp_1", admitted, background=background)
+    finish(acc_a, admitted, rec, usage(40, 60))
+    assert await acc_a.flush(5)
+    body = {"status": "completed", "model": MODEL, "usage": {"input_tokens": 40, "output_tokens": 60}}
+    for acc in (acc_b, acc_a):
+        await acc.charge_seen(caller, "response", "resp_1", body, record())
+        assert await acc.flush(5)
+    [row] = ledger_rows(data)
+    assert (row["prompt_tokens"], row["completion_tokens"], row["request_id"]) == (40, 60, rec.id)
+    assert counter(data, caller.limits_partition, "tokens")["taken"] == 100
     await a.close()
     await b.close()
 
