@@ -142,6 +142,7 @@ class Journal:
         self._etag: str | None = None
         self._name: str | None = None
         self._dirty = asyncio.Event()
+        self._urgent = asyncio.Event()  # a request waits for the next write (note_counter): no pause first
         self._writer: asyncio.Task | None = None
         self._closed = False
         self.writes = 0
@@ -182,6 +183,7 @@ class Journal:
         waiting = self._noting.get(name)
         if waiting is None:
             waiting = self._noting[name] = asyncio.get_running_loop().create_future()
+            self._urgent.set()
             self.changed()
         await asyncio.shield(waiting)
 
@@ -201,6 +203,7 @@ class Journal:
         while not self._closed:
             await self._dirty.wait()
             self._dirty.clear()
+            self._urgent.clear()
             try:
                 await self._write_once()
                 backoff = self.interval
@@ -215,7 +218,9 @@ class Journal:
                 self._dirty.set()
                 await asyncio.sleep(1.0)
                 continue
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(TimeoutError):  # the pause between writes, unless a request waits
+                async with asyncio.timeout(self.interval):
+                    await self._urgent.wait()
             if self._open_entries():
                 self._dirty.set()  # open requests: their checkpoints go on
 

@@ -238,3 +238,25 @@ async def test_a_graceful_stop_settles_and_writes_everything_and_leaves_no_journ
     spent_exactly(data, caller, team, sum(37 + i for i in range(5)), sum(price.cost(30 + i, 0, 7) for i in range(5)))
     assert journal_doc(data, "instance-a") is None
     await b.close()
+
+
+async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_between_writes():
+    """A caller with a budget asks again once its last request is settled everywhere: the journal
+    must list the counter before this instance holds any of it, which takes one write (microseconds
+    here), not the rest of the journal's half-second pause."""
+    import time
+
+    data = account()
+    a, acc = instance(data, "instance-a", journal_seconds=0.5)  # the app's interval
+    caller, _ = await a.registry.create({"name": "c", "token_budget": 10**9})
+    tokens.count_text(MODEL, "the tokenizer's tables are built once")
+    waits = []
+    for i in range(2):
+        started = time.monotonic()
+        admitted, rec = await admit(acc, caller, f"request {i}")
+        waits.append(time.monotonic() - started)
+        assert isinstance(admitted, Admission)
+        finish(acc, admitted, rec, usage(10, 10))
+        assert await acc.flush(5)  # settled, written, applied: the journal was just written
+    assert max(waits) < 0.25, waits
+    await a.close()
