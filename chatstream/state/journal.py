@@ -144,6 +144,8 @@ class Journal:
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()  # a request waits for the next write (note_counter): no pause first
         self._writer: asyncio.Task | None = None
+        self._quiet = asyncio.Event()  # set while no write is in flight
+        self._quiet.set()
         self._closed = False
         self.writes = 0
         self.fenced = False
@@ -204,6 +206,7 @@ class Journal:
             await self._dirty.wait()
             self._dirty.clear()
             self._urgent.clear()
+            self._quiet.clear()
             try:
                 await self._write_once()
                 backoff = self.interval
@@ -218,6 +221,8 @@ class Journal:
                 self._dirty.set()
                 await asyncio.sleep(1.0)
                 continue
+            finally:
+                self._quiet.set()
             with contextlib.suppress(TimeoutError):  # the pause between writes, unless a request waits
                 async with asyncio.timeout(self.interval):
                     await self._urgent.wait()
@@ -316,18 +321,25 @@ class Journal:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         while loop.time() < deadline:
-            if not any(e.state == "settled" for e in self.entries.values()) and not self._dirty.is_set():
+            settled = any(e.state == "settled" for e in self.entries.values())
+            if not settled and not self._dirty.is_set() and self._quiet.is_set():  # entries leave in a write
                 return True
             self.changed()
             await asyncio.sleep(0.05)
         return False
 
     async def close(self) -> None:
+        """Stop the writer (the write in flight ends first) and write once more what is left: after a
+        flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
         if self._writer is not None:
+            if not self._writer.done():
+                await self._quiet.wait()  # a store call: bounded
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        with contextlib.suppress(StoreError):
+            await self._write_once()
 
 
 # --- taking a dead instance over ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE
-from chatstream.state.store_memory import MemoryData, MemoryStore
+from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 # 17.3 s into a minute (and a UTC day and month): a test that runs for less than 40 s stays in one
 # window of each, whatever the time of day it runs at.
@@ -51,14 +51,13 @@ def instance(
 
 
 async def kill(state: SharedState) -> None:
-    """The instance dies: its tasks stop where they are, nothing is flushed, nothing says goodbye."""
-    await state.counters.close()
-    await state.journal.close()
-    await state.ledger.close()
-    for task in (state.instances._beating, state.instances._duty):  # no _leave(): its row stays
-        if task is not None:
-            task.cancel()
-    state.instances._closed = True
+    """The instance dies: from now on none of its calls reaches the store (its tasks stop where they
+    are: nothing is flushed, nothing says goodbye)."""
+    store = state.store
+    assert isinstance(store, MemoryStore)
+    store.inject(Fault("unavailable", times=10**9))
+    for part in (state.counters, state.journal, state.ledger, state.instances):
+        await part.close()
 
 
 def call(text: str = "hello", model: str = MODEL, endpoint: str = "openai", **params: Any) -> CallRequest:

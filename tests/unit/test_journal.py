@@ -223,19 +223,33 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     await b.close()
 
 
-async def test_a_graceful_stop_settles_and_writes_everything_and_leaves_no_journal():
+@pytest.mark.parametrize(("answered", "blob_seconds", "counter_seconds"), [(5, 0.0, 0.0), (5, 0.2, 0.0), (0, 0.0, 0.2)])
+async def test_a_graceful_stop_settles_and_writes_everything_and_leaves_no_journal(
+    answered, blob_seconds, counter_seconds
+):
+    """Also when each journal write, or each counter write, takes a while: the stop waits for the
+    journal's write in flight, and its last word (nothing is owed: it goes) is written after the
+    counters gave back what they held."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
     team = (await b.registry.get_team("t")).limits_partition
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("slow", frozenset({"replace"}), table=LIMITS_TABLE, delay=counter_seconds, times=1000))
     done = []
-    for i in range(5):
+    for i in range(answered):
         r, rec = await admit(acc_a, caller, f"request {i}")
         assert isinstance(r, Admission)
         finish(acc_a, r, rec, usage(30 + i, 7))
         done.append(rec.id)
+    for _ in range(2):  # no upstream took these: released, nothing charged
+        r, rec = await admit(acc_a, caller, "never answered")
+        assert isinstance(r, Admission)
+        finish(acc_a, r, rec, None, answered=False)
+    a.store.inject(Fault("slow", frozenset({"put", "delete_blob"}), delay=blob_seconds, times=1000))
     await a.close()
     assert set(ledger_rows(data)) == set(done)
-    spent_exactly(data, caller, team, sum(37 + i for i in range(5)), sum(price.cost(30 + i, 0, 7) for i in range(5)))
+    tokens_ = sum(37 + i for i in range(answered))
+    spent_exactly(data, caller, team, tokens_, sum(price.cost(30 + i, 0, 7) for i in range(answered)))
     assert journal_doc(data, "instance-a") is None
     await b.close()
 
