@@ -18,6 +18,7 @@ from chatstream.state.counters import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import journal_name, recover
 from chatstream.state.ledger import Charge
+from chatstream.state.port import Unavailable
 from chatstream.state.prices import Price
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
@@ -274,3 +275,28 @@ async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_
         assert await acc.flush(5)  # settled, written, applied: the journal was just written
     assert max(waits) < 0.25, waits
     await a.close()
+
+
+async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_gives_it_back():
+    """The first write of a budget's hold lands but its answer is lost: until the row is read back
+    the instance does not know it holds anything, yet the journal must go on listing the counter;
+    if the instance dies meanwhile, the takeover gives the hold back."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    x, _ = await a.registry.create({"name": "x", "token_budget": 100_000})
+    y, _ = await a.registry.create({"name": "y"})
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("lose_answer", frozenset({"insert"}), table=LIMITS_TABLE))
+    lost, _ = await admit(acc_a, x, max_tokens=100)
+    assert isinstance(lost, Unavailable)  # the store may have taken it: not known yet
+    assert "instance-a" in (counter(data, x.limits_partition, "tokens").get("holds") or "")
+    writes = a.journal.writes
+    other, _ = await admit(acc_a, y)  # another request: the journal is written again meanwhile
+    assert isinstance(other, Admission)
+    await until(lambda: a.journal.writes > writes, what="a journal write")
+    await kill(a)  # before the lost answer is looked into
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    row = counter(data, x.limits_partition, "tokens")
+    assert not parse_holds(row.get("holds")) and row["taken"] == 0, row
+    await b.close()
