@@ -266,8 +266,12 @@ class Journal:
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
-            self._fenced()
-            return
+            found = await self.store.get_blob(name)
+            if found is None or json.loads(found[0]).get("sealed_by"):
+                self._fenced()  # sealed (or taken over and deleted) by another instance
+                return
+            # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
+            self._etag = await self.store.put(name, data, etag=found[1])
         self.writes += 1
         self._noted = set(listed)
         self._release(noting)

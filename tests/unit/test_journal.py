@@ -300,3 +300,38 @@ async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_
     row = counter(data, x.limits_partition, "tokens")
     assert not parse_holds(row.get("holds")) and row["taken"] == 0, row
     await b.close()
+
+
+@pytest.mark.parametrize("fault", ["lose_answer", "unavailable"])
+async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fault):
+    """A journal write lands but its answer is lost (or the delete of an empty journal fails): the
+    next write meets a blob it did not expect. That is this instance's own journal, not a takeover's
+    seal: nothing it listed may be dropped, every charge is written and counted."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
+    assert isinstance(a.store, MemoryStore)
+    if fault == "unavailable":  # a journal that went empty and could not be deleted
+        first, rec = await admit(acc_a, caller, "first")
+        assert isinstance(first, Admission)
+        a.store.inject(Fault("unavailable", frozenset({"delete_blob"})))
+        finish(acc_a, first, rec, usage(10, 10))
+        assert await acc_a.flush(5)
+        assert journal_doc(data, "instance-a") is not None  # left there
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    acc_a.progress(r1, lambda: GENERATED)
+    await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="listed")
+    if fault == "lose_answer":
+        lost = a.store.inject(Fault("lose_answer", frozenset({"put"})))
+        acc_a.progress(r1, lambda: GENERATED + " more")  # the next checkpoint's write: its answer is lost
+        await until(lambda: lost.times == 0, what="the lost write")
+    finish(acc_a, r1, rec1, usage(50, 20))
+    assert await acc_a.flush(5)
+    assert not a.journal.fenced
+    rows = ledger_rows(data)
+    assert rows[rec1.id]["ended"] == "completed" and rows[rec1.id]["author"] == "instance-a"
+    expected = 70 + (20 if fault == "unavailable" else 0)
+    assert counter(data, caller.limits_partition, "tokens")["taken"] == expected
+    await a.close()
+    assert journal_doc(data, "instance-a") is None
