@@ -14,9 +14,10 @@ partition per id spreads the load; every call is one or two point operations, bo
 from __future__ import annotations
 
 import contextlib
+import secrets
 from dataclasses import dataclass
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
 # How long an owner row is kept: OpenAI keeps a stored response 30 days; a stream, its TTL.
@@ -94,8 +95,10 @@ class Owners:
 
     async def first_charge(self, kind: str, id: str) -> bool:
         """True exactly once per ``kind``/``id`` across every instance: the caller that gets True
-        records the charge; every later call (or a concurrent one that lost) gets False."""
+        records the charge; every later call (or a concurrent one that lost) gets False. The mark
+        carries a token of this call's, so that a mark whose answer was lost is known for ours."""
         key = key_part(id)
+        mark = secrets.token_hex(8)
         for _ in range(10):
             row = await self.store.get(RESPONSES_TABLE, key, kind)
             if row is None:
@@ -105,6 +108,7 @@ class Owners:
                         "PartitionKey": key,
                         "RowKey": kind,
                         "charged": True,
+                        "charged_by": mark,
                         "created": now,
                         "expires": now + RESPONSE_LIFETIME,
                     }
@@ -112,14 +116,20 @@ class Owners:
                     return True
                 except AlreadyExists:
                     continue
+                except StoreUnavailable:
+                    continue  # landed or not: the row says
             if row.get("charged"):
-                return False
+                return row.get("charged_by") == mark  # ours, if a mark of ours landed with its answer lost
             try:
                 await self.store.merge(
-                    RESPONSES_TABLE, {"PartitionKey": key, "RowKey": kind, "charged": True}, etag=row.etag
+                    RESPONSES_TABLE,
+                    {"PartitionKey": key, "RowKey": kind, "charged": True, "charged_by": mark},
+                    etag=row.etag,
                 )
                 return True
             except (Modified, NotFound):
+                continue
+            except StoreUnavailable:
                 continue
         return False
 
