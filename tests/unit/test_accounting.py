@@ -18,6 +18,8 @@ from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 from .state_helpers import MODEL, account, admit, call, counter, finish, instance, record, until, usage
 
+pytestmark = pytest.mark.usefixtures("quick_ledger")
+
 
 def ledger_rows(data: MemoryData) -> list[dict]:
     return [values for partition in data.tables.get(USAGE_TABLE, {}).values() for values, _ in partition.values()]

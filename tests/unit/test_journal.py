@@ -26,6 +26,8 @@ from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 from .state_helpers import MODEL, account, admit, counter, finish, instance, kill, until, usage
 
+pytestmark = pytest.mark.usefixtures("quick_ledger")
+
 BUDGETS = {"token_budget": 1_000_000, "spend_budget": 10, "budget_period": "month"}
 GENERATED = "The quick brown fox jumps over the lazy dog, and then it runs off into the woods again."
 
@@ -265,14 +267,14 @@ async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_
     a, acc = instance(data, "instance-a", journal_seconds=0.5)  # the app's interval
     caller, _ = await a.registry.create({"name": "c", "token_budget": 10**9})
     tokens.count_text(MODEL, "the tokenizer's tables are built once")
-    waits = []
-    for i in range(2):
-        started = time.monotonic()
-        admitted, rec = await admit(acc, caller, f"request {i}")
-        waits.append(time.monotonic() - started)
-        assert isinstance(admitted, Admission)
-        finish(acc, admitted, rec, usage(10, 10))
-        assert await acc.flush(5)  # settled, written, applied: the journal was just written
+    first, rec = await admit(acc, caller, "first")
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(10, 10))
+    assert await acc.flush(5)  # settled, written, applied: the counter is idle, the journal just written
+    started = time.monotonic()
+    second, _ = await admit(acc, caller, "second")
+    waits = [time.monotonic() - started]
+    assert isinstance(second, Admission)
     assert max(waits) < 0.25, waits
     await a.close()
 

@@ -11,9 +11,13 @@ import io
 import secrets
 from datetime import UTC, date, datetime
 
+import pytest
+
 from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, totals
 from chatstream.state.store import USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
+
+pytestmark = pytest.mark.usefixtures("quick_ledger")
 
 
 def charge(

@@ -25,6 +25,8 @@ from chatstream.state.store_memory import Fault, MemoryStore
 
 from .state_helpers import account, admit, finish, settings, usage
 
+pytestmark = pytest.mark.usefixtures("quick_ledger")
+
 
 def app_for(manage: Manage) -> Starlette:
     return Starlette(
