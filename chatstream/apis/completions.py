@@ -133,7 +133,7 @@ class ChoiceFilters:
 class CompletionStream:
     """One streamed chat completion: ``feed`` each upstream chunk, forward what it returns.
     ``keep``: keep what the text steps released per choice (for the after-steps), and what the model
-    generated (choice 0's text, before the text steps: what a partial stream is charged for)."""
+    generated (every choice's, as it came, before the text steps: what a partial stream is charged for)."""
 
     def __init__(self, pipeline: Pipeline | None, choices: int = 1, keep: bool = False):
         self._pipeline = pipeline
@@ -215,7 +215,7 @@ class CompletionStream:
             return None  # nothing after a choice's finish_reason is forwarded
         delta = choice.get("delta") or {}
         reason = choice.get("finish_reason")
-        if self.generated is not None and index == 0:
+        if self.generated is not None:
             self.generated.append(_generated(delta))
         if self._make_filter is not None:
             filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))

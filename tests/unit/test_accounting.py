@@ -344,3 +344,27 @@ def test_usage_is_read_from_chat_and_responses_shapes_and_garbage_is_none():
     assert odd is not None and odd.cached == 0  # more cached than prompt: not believed
     for garbage in (None, [], {"prompt_tokens": "10", "completion_tokens": 5}, {"prompt_tokens": 1.5}, {}):
         assert usage_of(garbage) is None
+
+
+async def test_a_partial_stream_of_several_choices_is_charged_the_text_of_every_choice():
+    """n=2, the upstream cut mid-answer: what both choices generated is charged, not only choice 0's."""
+    from chatstream.apis.completions import CompletionStream
+
+    data = account()
+    state, acc = instance(data, "a")
+    caller, _ = await state.registry.create({"name": "c", "token_budget": 100_000})
+    admitted, rec = await admit(acc, caller, n=2)
+    assert isinstance(admitted, Admission)
+    stream = CompletionStream(None, choices=2, keep=True)
+    texts = {0: ["Once upon", " a time"], 1: ["There was", " a fox who ran", " far away"]}
+    for step in range(3):
+        for index, pieces in texts.items():
+            if step < len(pieces):
+                delta = {"content": pieces[step]}
+                await stream.feed({"id": "c1", "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
+    finish(acc, admitted, rec, None, generated=stream.generated, error="upstream_disconnected")
+    assert await acc.flush(5)
+    [row] = ledger_rows(data)
+    each = sum(tokens.count_text(MODEL, "".join(pieces)) for pieces in texts.values())
+    assert abs(row["completion_tokens"] - each) <= 2  # counted on the pieces as they came, interleaved
+    await state.close()
