@@ -204,6 +204,11 @@ class Endpoint:
     ) -> Response:
         limits = TimeLimits(self.settings)
         protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
+        pieces = protocol.generated
+        if admission is not None and self.accounting is not None and pieces is not None:
+            # What it has generated so far, for the journal's checkpoints: if this instance dies
+            # mid-answer, whoever takes it over charges that much (state/journal.py).
+            self.accounting.progress(admission, lambda: "".join(pieces))
         events = finishing(
             relay(self.upstreams, self.api.path, call.params, protocol, limits, record),
             lambda: self._finish_stream(protocol, record, admission),

@@ -6,6 +6,7 @@ and a slow instance whose journal was sealed stops owning what it had listed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -337,3 +338,63 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
     assert counter(data, caller.limits_partition, "tokens")["taken"] == expected
     await a.close()
     assert journal_doc(data, "instance-a") is None
+
+
+async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated():
+    """Through the endpoint: a streamed request checkpoints what it has generated into the journal
+    as it goes; the instance dies mid-answer; the takeover charges the prompt and those tokens."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from chatstream.apis.openai_chat import OpenAIChatApi
+    from chatstream.endpoint import Endpoint
+    from chatstream.pipeline import Pipeline
+
+    from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
+
+    pieces = [f" word{i}" for i in range(12)]
+
+    class Slow(ScriptedStream):
+        async def _run(self):
+            yield chunk(role=True)
+            for piece in pieces:
+                yield chunk(piece)
+                await asyncio.sleep(0.02)
+            await asyncio.Event().wait()  # the rest never comes: the instance dies first
+
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    caller, key = await a.registry.create({"name": "c", "token_budget": 100_000})
+    upstreams = pooled({"u": ScriptedClient(Slow([]))})
+    endpoint = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc_a)
+
+    async def handler(request):
+        return await endpoint(request)
+
+    app = Starlette(routes=[Route("/v1/chat/completions", handler, methods=["POST"])])
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "stream": True}
+    asking = asyncio.ensure_future(
+        http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+    )
+    generated = tokens.count_text(MODEL, "".join(pieces))
+
+    def checkpointed() -> bool:
+        doc = journal_doc(data, "instance-a") or {}
+        return any(e.get("generated") == generated for e in doc.get("entries") or [])
+
+    await until(checkpointed, what="the journal's checkpoint of everything generated")
+    await kill(a)
+    asking.cancel()
+    await asyncio.gather(asking, return_exceptions=True)
+    await http.aclose()
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    [row] = ledger_rows(data).values()
+    assert row["ended"] == "lost" and row["completion_tokens"] == generated
+    taken = counter(data, caller.limits_partition, "tokens")["taken"]
+    assert taken == row["prompt_tokens"] + generated and not parse_holds(
+        counter(data, caller.limits_partition, "tokens").get("holds")
+    )
+    await b.close()
