@@ -203,6 +203,7 @@ async def test_concurrent_patches_on_two_instances_lose_no_update():
         {"spend_budget": 4.25},
     ]
     await asyncio.gather(*((a, b)[i % 2].update("x", p) for i, p in enumerate(patches)))
+    assert data.calls["batch"] > 1 + len(patches)  # they met: some were refused by the ETag and redone
     final = await a.get("x")
     assert (final.tokens_per_minute, final.requests_per_minute, final.token_budget) == (111, 22, 3_333)
     assert final.models == ("m1",) and final.spend_budget == 4_250_000_000_000
