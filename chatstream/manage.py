@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from .apis.openai_chat import error_response
-from .errors import ApiError, ClientGone, ErrorKind, invalid_request
+from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
 from .state.callers import NAME_PATTERN, Caller, Team, usd
 from .state.counters import window_of
@@ -78,6 +78,9 @@ class Manage:
             return error_response(error)
         except (Invalid, Missing, Conflict, AdminUnavailable) as error:
             return error_response(_admin_error(error))
+        except StoreError as error:  # a read made here (usage, budgets taken), not by the registry
+            log.warning("admin API: the store did not answer: %s", error)
+            return error_response(_admin_error(AdminUnavailable(str(error))))
         except ClientGone:
             return error_response(invalid_request("the body was not sent completely"))
         except Exception:
@@ -240,7 +243,7 @@ class Manage:
                 raise invalid_request("model: not a model name", "model")
             today = datetime.fromtimestamp(state.store.clock.now(), UTC).date()
             end = _date(query.get("to"), "to") or today
-            start = _date(query.get("from"), "from") or max(date.min, end - timedelta(days=29))
+            start = _date(query.get("from"), "from") or end - min(timedelta(days=29), end - date.min)
             if start > end:
                 raise invalid_request("from: must not be after to", "from")
             if (end - start).days + 1 > MAX_USAGE_DAYS:

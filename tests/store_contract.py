@@ -141,6 +141,18 @@ async def a_batch_is_all_or_nothing(store: Store, p: str) -> None:
 
 
 @check
+async def a_batch_delete_of_a_row_that_is_not_there_fails_the_batch(store: Store, p: str) -> None:
+    # Unlike a single delete (quiet), Table storage refuses the whole transaction (404 for that one).
+    await store.insert(T, {"PartitionKey": p, "RowKey": "a", "n": 1})
+    with pytest.raises(NotFound) as failed:
+        await store.batch(
+            T, [Op("delete", {"PartitionKey": p, "RowKey": "a"}), Op("delete", {"PartitionKey": p, "RowKey": "gone"})]
+        )
+    assert getattr(failed.value, "index", None) == 1
+    assert await store.get(T, p, "a") is not None
+
+
+@check
 async def table_storage_limits_are_checked_before_any_call(store: Store, p: str) -> None:
     for entity in (
         {"PartitionKey": p, "RowKey": "a", "s": "x" * (32 * 1024 + 1)},

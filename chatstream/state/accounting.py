@@ -302,9 +302,16 @@ class Accounting:
         return []
 
     async def _charge(self, admission: Admission, record: StreamRecord, generated, segments) -> None:
-        if admission.background and admission.created is not None and usage_of(record.usage) is None:
+        # A background response that goes on upstream (no usage yet), or that was charged already where
+        # it was read back: held, and corrected when its usage is seen (charge_seen). Else charged now,
+        # and never again.
+        if (
+            admission.background
+            and admission.created is not None
+            and (usage_of(record.usage) is None or not await self._first_charge(*admission.created))
+        ):
             self._hold_for_background(admission)
-            return  # it goes on upstream: charged when its usage is seen (charge_seen)
+            return
         used = self._used(admission, record, generated, segments)
         if not used:
             admission.reservation.release()
@@ -351,6 +358,13 @@ class Accounting:
         if admission.entry is not None:
             self.journal.settle(admission.entry, charges, amounts, settlement)
 
+    async def _first_charge(self, kind: str, id: str) -> bool:
+        try:
+            return await self.owners.first_charge(kind, id)
+        except StoreError as exc:  # not known: held, so that reading it back later charges it once
+            log.warning("owners: a background response's charge could not be marked: %s", exc)
+            return False
+
     def _hold_for_background(self, admission: Admission) -> None:
         """A background response: what it reserved is spent until its usage is seen (conservative),
         then corrected (``charge_seen``). Not in the ledger until then."""
@@ -367,7 +381,13 @@ class Accounting:
         spend = max((w.need for w in admission.wants if w.row == "spend"), default=0) if background else 0
         try:
             await self.owners.claim(
-                kind, created, admission.caller.id, reserved, admission.started, reserved_spend=spend
+                kind,
+                created,
+                admission.caller.id,
+                reserved,
+                admission.started,
+                reserved_spend=spend,
+                charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
         except StoreError as exc:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)

@@ -797,12 +797,22 @@ class Counters:
                 lease.adjust(want.need, window_of(want.period, at))
 
     def held_budgets(self) -> list[tuple[str, str, str]]:
-        """The budget counters this instance has books on: (partition, row, window), for the journal."""
+        """The budget counters this instance has books on, or may hold some of in the row without
+        knowing it yet (a write in flight for waiting reservations, one whose answer was lost):
+        (partition, row, window), for the journal."""
         return [
             (lease.partition, lease.row, lease.window or "")
             for lease in self._leases.values()
             if lease.period != "minute"
-            and (lease.held or lease.balance or lease.reserved or lease.debt or lease.staged)
+            and (
+                lease.held
+                or lease.balance
+                or lease.reserved
+                or lease.debt
+                or lease.staged
+                or lease.waiters
+                or lease.uncertain is not None
+            )
         ]
 
     def applied(self, key: str, seq: int) -> bool:

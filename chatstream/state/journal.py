@@ -143,7 +143,10 @@ class Journal:
         self._etag: str | None = None
         self._name: str | None = None
         self._dirty = asyncio.Event()
+        self._urgent = asyncio.Event()  # a request waits for the next write (note_counter): no pause first
         self._writer: asyncio.Task | None = None
+        self._quiet = asyncio.Event()  # set while no write is in flight
+        self._quiet.set()
         self._closed = False
         self.writes = 0
         self.fenced = False
@@ -183,6 +186,7 @@ class Journal:
         waiting = self._noting.get(name)
         if waiting is None:
             waiting = self._noting[name] = asyncio.get_running_loop().create_future()
+            self._urgent.set()
             self.changed()
         await asyncio.shield(waiting)
 
@@ -202,6 +206,8 @@ class Journal:
         while not self._closed:
             await self._dirty.wait()
             self._dirty.clear()
+            self._urgent.clear()
+            self._quiet.clear()
             try:
                 await self._write_once()
                 backoff = self.interval
@@ -216,7 +222,11 @@ class Journal:
                 self._dirty.set()
                 await asyncio.sleep(1.0)
                 continue
-            await asyncio.sleep(self.interval)
+            finally:
+                self._quiet.set()
+            with contextlib.suppress(TimeoutError):  # the pause between writes, unless a request waits
+                async with asyncio.timeout(self.interval):
+                    await self._urgent.wait()
             if self._open_entries():
                 self._dirty.set()  # open requests: their checkpoints go on
 
@@ -257,12 +267,12 @@ class Journal:
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
-            # Sealed by a taker, or only a write of ours whose answer was lost landing late.
-            current = await self.store.get_blob(name)
-            if current is None or json.loads(current[0]).get("sealed_by"):
-                self._fenced()
+            found = await self.store.get_blob(name)
+            if found is None or json.loads(found[0]).get("sealed_by"):
+                self._fenced()  # sealed (or taken over and deleted) by another instance
                 return
-            self._etag = await self.store.put(name, data, etag=current[1])
+            # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
+            self._etag = await self.store.put(name, data, etag=found[1])
         self.writes += 1
         self._noted = set(listed)
         self._release(noting)
@@ -316,18 +326,25 @@ class Journal:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         while loop.time() < deadline:
-            if not any(e.state == "settled" for e in self.entries.values()) and not self._dirty.is_set():
+            settled = any(e.state == "settled" for e in self.entries.values())
+            if not settled and not self._dirty.is_set() and self._quiet.is_set():  # entries leave in a write
                 return True
             self.changed()
             await asyncio.sleep(0.05)
         return False
 
     async def close(self) -> None:
+        """Stop the writer (the write in flight ends first) and write once more what is left: after a
+        flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
         if self._writer is not None:
+            if not self._writer.done():
+                await self._quiet.wait()  # a store call: bounded
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        with contextlib.suppress(StoreError):
+            await self._write_once()
 
 
 # --- taking a dead instance over ------------------------------------------------------------------

@@ -4,19 +4,20 @@ created it (docs/callers.md).
 
 Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``,
 ``stream``), with ``caller_id`` (the caller's id: a caller deleted and created again under its name
-owns nothing of the old one's), ``charged`` (a background response is charged once, when its usage is
-first seen: ``first_charge`` is true for exactly one call, whichever instance makes it), what a
-background response reserved, ``context`` (a finished response's input + output tokens: what a
-request that continues it carries, so that it reserves them) and ``expires`` (the duty deletes the
-row then: the object's own lifetime). One partition per id spreads the load; every call is one or
-two point operations, bounded."""
+owns nothing of the old one's), ``charged`` (a response is charged once: by the request that
+created it, or, a background response, when its usage is first seen: ``first_charge`` is true for
+exactly one call, whichever instance makes it), what a background response reserved, ``context``
+(a finished response's input + output tokens: what a request that continues it carries, so that it
+reserves them) and ``expires`` (the duty deletes the row then: the object's own lifetime). One
+partition per id spreads the load; every call is one or two point operations, bounded."""
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 from dataclasses import dataclass
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
 # How long an owner row is kept: OpenAI keeps a stored response 30 days; a stream, its TTL.
@@ -45,8 +46,10 @@ class Owners:
         at: float = 0.0,
         lifetime: float = RESPONSE_LIFETIME,
         reserved_spend: int = 0,
+        charged: bool = False,
     ) -> bool:
-        """Record that the caller ``caller_id`` created ``kind``/``id``. True if it is (now or
+        """Record that the caller ``caller_id`` created ``kind``/``id`` (``charged``: by the request
+        that created it, so that ``first_charge`` is never true for it). True if it is (now or
         already) that caller's; False if another caller had claimed it (the claim is not changed).
         StoreError when the store does not answer."""
         now = self.store.clock.now()
@@ -54,7 +57,7 @@ class Owners:
             "PartitionKey": key_part(id),
             "RowKey": kind,
             "caller_id": caller_id,
-            "charged": False,
+            "charged": charged,
             "reserved": reserved,
             "reserved_spend": reserved_spend,
             "reserved_at": at,
@@ -92,8 +95,10 @@ class Owners:
 
     async def first_charge(self, kind: str, id: str) -> bool:
         """True exactly once per ``kind``/``id`` across every instance: the caller that gets True
-        records the charge; every later call (or a concurrent one that lost) gets False."""
+        records the charge; every later call (or a concurrent one that lost) gets False. The mark
+        carries a token of this call's, so that a mark whose answer was lost is known for ours."""
         key = key_part(id)
+        mark = secrets.token_hex(8)
         for _ in range(10):
             row = await self.store.get(RESPONSES_TABLE, key, kind)
             if row is None:
@@ -103,6 +108,7 @@ class Owners:
                         "PartitionKey": key,
                         "RowKey": kind,
                         "charged": True,
+                        "charged_by": mark,
                         "created": now,
                         "expires": now + RESPONSE_LIFETIME,
                     }
@@ -110,14 +116,20 @@ class Owners:
                     return True
                 except AlreadyExists:
                     continue
+                except StoreUnavailable:
+                    continue  # landed or not: the row says
             if row.get("charged"):
-                return False
+                return row.get("charged_by") == mark  # ours, if a mark of ours landed with its answer lost
             try:
                 await self.store.merge(
-                    RESPONSES_TABLE, {"PartitionKey": key, "RowKey": kind, "charged": True}, etag=row.etag
+                    RESPONSES_TABLE,
+                    {"PartitionKey": key, "RowKey": kind, "charged": True, "charged_by": mark},
+                    etag=row.etag,
                 )
                 return True
             except (Modified, NotFound):
+                continue
+            except StoreUnavailable:
                 continue
         return False
 

@@ -130,6 +130,11 @@ class _Cache:
         self._kept: OrderedDict[str, tuple[float, Any]] = OrderedDict()
         self._pending: dict[str, asyncio.Future] = {}
 
+    def known(self, key: str) -> bool:
+        """Whether ``key`` is being read now, or an earlier read found it (its answer may be stale)."""
+        kept = self._kept.get(key)
+        return key in self._pending or (kept is not None and kept[1] is not None)
+
     def fresh(self, key: str) -> tuple[bool, Any]:
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
@@ -183,7 +188,9 @@ class Registry:
         key_hash = hash_key(key)
         known, caller = self.keys.fresh(key_hash)
         if not known:
-            if not self._may_look_up():
+            # Only a key nobody is reading now and no read found counts against the bucket: a known
+            # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
+            if not self.keys.known(key_hash) and not self._may_look_up():
                 return Unavailable("too many unknown keys are being checked now")
             try:
                 caller = await self.keys.get(key_hash, lambda: self._read_key(key_hash))

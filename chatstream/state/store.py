@@ -12,7 +12,8 @@ where it enters. What a call answers:
   exist: NotFound; with an ETag: Modified when it changed), ``upsert``, ``delete`` (quiet when the
   row is not there; with an ETag: Modified when it changed), ``query`` (a partition
   and a RowKey range, property conditions, a bound on the rows), ``batch`` (one partition, all or
-  nothing: the failing operation's error, with its ``index``);
+  nothing: the failing operation's error, with its ``index``; a delete of a row that is not there
+  fails it, NotFound);
 - blobs, in the app's one container: an append blob made once (``append_create``) and appended to
   at an expected length (``append``: Modified when the blob is not that long: the fence of a stream's
   single writer), read from an offset (``read``), and whole blobs written under a condition

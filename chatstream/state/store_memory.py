@@ -249,6 +249,8 @@ class MemoryStore:
         def work() -> list[str | None]:
             for index, (kind, values, etag) in enumerate(prepared):  # all or nothing
                 try:
+                    if kind == "delete" and values["RowKey"] not in self._partition(table, values["PartitionKey"]):
+                        raise NotFound("no such row")  # quiet alone; in a transaction, Table storage refuses it
                     self._check(table, kind, values, etag)
                 except (AlreadyExists, Modified, NotFound) as error:
                     raise with_index(error, index) from None

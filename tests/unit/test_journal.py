@@ -1,0 +1,400 @@
+"""chatstream/state/journal.py on the in-process store: an instance dies with requests open and settled
+(its tasks stop, nothing is flushed), and another takes it over: every ledger row that was missing is
+written (an open request as ``lost``, at its last checkpoint), each budget counter row ends at exactly
+what was spent, a second takeover adds nothing, a request someone else charged is not charged again,
+and a slow instance whose journal was sealed stops owning what it had listed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from chatstream import tokens
+from chatstream.errors import StoreError
+from chatstream.state.accounting import Accounting, Admission
+from chatstream.state.callers import Caller
+from chatstream.state.counters import parse_holds
+from chatstream.state.instances import InstanceTiming
+from chatstream.state.journal import journal_name, recover
+from chatstream.state.ledger import Charge
+from chatstream.state.port import Unavailable
+from chatstream.state.prices import Price
+from chatstream.state.shared import SharedState
+from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
+from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
+
+from .state_helpers import MODEL, account, admit, counter, finish, instance, kill, until, usage
+
+pytestmark = pytest.mark.usefixtures("quick_ledger")
+
+BUDGETS = {"token_budget": 1_000_000, "spend_budget": 10, "budget_period": "month"}
+GENERATED = "The quick brown fox jumps over the lazy dog, and then it runs off into the woods again."
+
+
+async def setup(data: MemoryData) -> tuple[SharedState, Accounting, SharedState, Accounting, Caller, Price]:
+    a, acc_a = instance(data, "instance-a")
+    b, acc_b = instance(data, "instance-b")
+    price = await a.registry.set_price(MODEL, {"input": 1, "cached_input": 0.5, "output": 2})
+    await a.registry.create_team({"name": "t", **BUDGETS})
+    caller, _ = await a.registry.create({"name": "c", "team": "t", **BUDGETS})
+    return a, acc_a, b, acc_b, caller, price
+
+
+def ledger_rows(data: MemoryData) -> dict[str, dict]:
+    return {
+        values["request_id"]: values
+        for partition in data.tables.get(USAGE_TABLE, {}).values()
+        for values, _ in partition.values()
+    }
+
+
+def journal_doc(data: MemoryData, name: str) -> dict | None:
+    found = data.blobs.get(journal_name(name))
+    return json.loads(bytes(found[0])) if found else None
+
+
+def entry_of(data: MemoryData, name: str, request_id: str) -> dict | None:
+    doc = journal_doc(data, name) or {}
+    return next((e for e in doc.get("entries") or [] if e["id"] == request_id), None)
+
+
+def budget_rows(data: MemoryData, caller: Caller, team_partition: str) -> list[dict]:
+    return [counter(data, p, r) for p in (caller.limits_partition, team_partition) for r in ("tokens", "spend")]
+
+
+def spent_exactly(data: MemoryData, caller: Caller, team_partition: str, tokens_: int, cost: int) -> None:
+    """Every budget row of the caller and its team: nothing held, taken == what was spent."""
+    for row in budget_rows(data, caller, team_partition):
+        assert not parse_holds(row.get("holds")), row
+        assert row["taken"] == (cost if row["RowKey"] == "spend" else tokens_), row
+
+
+async def three_requests(data: MemoryData):
+    """On instance a: r1 settled and everywhere; r2 settled, in the journal, its ledger row not written
+    (the store refuses a's transactions); r3 open, its checkpoint in the journal."""
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    finish(acc_a, r1, rec1, usage(100, 50, cached=20))
+    assert await acc_a.flush(5)
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("unavailable", frozenset({"batch"}), table=USAGE_TABLE, times=10_000))
+    r2, rec2 = await admit(acc_a, caller, "two")
+    r3, rec3 = await admit(acc_a, caller, "three")
+    assert isinstance(r2, Admission) and isinstance(r3, Admission)
+    acc_a.progress(r3, lambda: {0: GENERATED})
+    finish(acc_a, r2, rec2, usage(200, 80))
+
+    def journaled() -> bool:
+        two, three = entry_of(data, "instance-a", rec2.id), entry_of(data, "instance-a", rec3.id)
+        return bool(two and two["state"] == "settled" and three and three.get("generated"))
+
+    await until(journaled, what="the journal lists r2 settled and r3's checkpoint")
+    await kill(a)
+    assert set(ledger_rows(data)) == {rec1.id}
+    held = parse_holds(counter(data, caller.limits_partition, "tokens")["holds"])
+    assert held["instance-a"].held >= r3.prompt_tokens + 4096  # r3's reservation stays in the row
+    generated = tokens.count_text(MODEL, GENERATED)
+    costs = (
+        price.cost(100, 20, 50),
+        price.cost(200, 0, 80),
+        price.cost(r3.prompt_tokens, 0, generated),
+    )
+    return a, b, caller, (rec1, rec2, rec3), (150, 280, r3.prompt_tokens + generated), costs
+
+
+async def test_a_dead_instance_is_recovered_exactly_and_a_second_takeover_adds_nothing():
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    rows = ledger_rows(data)
+    assert set(rows) == {rec1.id, rec2.id, rec3.id}
+    assert (rows[rec2.id]["prompt_tokens"], rows[rec2.id]["completion_tokens"]) == (200, 80)
+    assert rows[rec2.id]["author"] == "instance-a" and rows[rec2.id]["ended"] == "completed"
+    lost = rows[rec3.id]
+    assert lost["ended"] == "lost" and lost["author"] == "takeover:instance-a"
+    assert (lost["prompt_tokens"], lost["completion_tokens"]) == (
+        spent[2] - lost["completion_tokens"],
+        lost["completion_tokens"],
+    )
+    assert lost["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and lost["cost"] == costs[2]
+    assert [rows[r.id]["cost"] for r in (rec1, rec2, rec3)] == list(costs)
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    assert journal_doc(data, "instance-a") is None  # done: the journal goes
+    before = (dict(data.tables[LIMITS_TABLE]), len(rows))
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    assert len(ledger_rows(data)) == before[1]
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    await b.close()
+
+
+async def test_a_takeover_that_dies_midway_is_done_again_without_adding_twice():
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    assert isinstance(b.store, MemoryStore)
+    b.store.inject(Fault("unavailable", frozenset({"replace"}), table=LIMITS_TABLE, times=1))
+    with pytest.raises(StoreError):  # the ledger rows are written, the first counter row is not
+        await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    assert set(ledger_rows(data)) == {rec1.id, rec2.id, rec3.id}
+    doc = journal_doc(data, "instance-a")
+    assert doc is not None and doc["sealed_by"] == "instance-b"
+    c, _ = instance(data, "instance-c")  # the next duty holder does it again
+    await recover(c.store, c.ledger, c.counters, "instance-a", "instance-c")
+    assert len(ledger_rows(data)) == 3
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    await b.close()
+    await c.close()
+
+
+async def test_a_request_someone_else_charged_is_not_charged_again():
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    entry = entry_of(data, "instance-a", rec3.id)
+    assert entry is not None
+    # r3's stream was taken over elsewhere and charged there (its counters are that instance's).
+    theirs = Charge(
+        caller="c",
+        caller_id=caller.id,
+        model=MODEL,
+        endpoint="openai",
+        request_id=rec3.id,
+        day=entry["day"],
+        prompt_tokens=1,
+        completion_tokens=2,
+        ended="completed",
+        author="instance-z",
+    )
+    assert await b.ledger.write_now(theirs) is None
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    rows = ledger_rows(data)
+    assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 2
+    spent_exactly(data, caller, team, spent[0] + spent[1], costs[0] + costs[1])
+    await b.close()
+
+
+async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had_listed():
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    acc_a.progress(r1, lambda: {0: GENERATED})
+    await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
+    # a is only slow: b finds it dead and takes it over (r1 is charged as lost at its checkpoint).
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    lost = ledger_rows(data)[rec1.id]
+    assert lost["ended"] == "lost"
+    # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
+    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
+    await until(lambda: a.journal.fenced, what="a learns its journal was sealed")
+    r2, rec2 = await admit(acc_a, caller, "two")  # what comes after is a's, under a new journal
+    assert isinstance(r2, Admission)
+    finish(acc_a, r2, rec2, usage(10, 5))
+    assert await acc_a.flush(5)
+    rows = ledger_rows(data)
+    assert set(rows) == {rec1.id, rec2.id}
+    assert rows[rec1.id] == lost
+    cost = lost["cost"] + price.cost(10, 0, 5)
+    spent_exactly(data, caller, team, lost["prompt_tokens"] + lost["completion_tokens"] + 15, cost)
+    await a.close()
+    await b.close()
+
+
+async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
+    fast = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=0.05, fresh_seconds=0)
+    data = account()
+    a, acc_a = instance(data, "instance-a", fast)
+    b, acc_b = instance(data, "instance-b", fast)
+    await a.registry.create({"name": "c", "token_budget": 100_000, "budget_period": "day"})
+    caller = await a.registry.get("c")
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    acc_a.progress(r1, lambda: {0: GENERATED})
+    await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
+    b.instances.need()  # b is alive too (it holds something, or serves a stream)
+    await kill(a)
+    await until(lambda: "instance-a" in b.instances.recovered, what="b takes a over")
+    row = counter(data, caller.limits_partition, "tokens")
+    assert not parse_holds(row.get("holds"))
+    assert row["taken"] == r1.prompt_tokens + tokens.count_text(MODEL, GENERATED)
+    assert ledger_rows(data)[rec1.id]["ended"] == "lost"
+    b.instances.done()
+    await b.close()
+
+
+@pytest.mark.parametrize(("answered", "blob_seconds", "counter_seconds"), [(5, 0.0, 0.0), (5, 0.2, 0.0), (0, 0.0, 0.2)])
+async def test_a_graceful_stop_settles_and_writes_everything_and_leaves_no_journal(
+    answered, blob_seconds, counter_seconds
+):
+    """Also when each journal write, or each counter write, takes a while: the stop waits for the
+    journal's write in flight, and its last word (nothing is owed: it goes) is written after the
+    counters gave back what they held."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("slow", frozenset({"replace"}), table=LIMITS_TABLE, delay=counter_seconds, times=1000))
+    done = []
+    for i in range(answered):
+        r, rec = await admit(acc_a, caller, f"request {i}")
+        assert isinstance(r, Admission)
+        finish(acc_a, r, rec, usage(30 + i, 7))
+        done.append(rec.id)
+    for _ in range(2):  # no upstream took these: released, nothing charged
+        r, rec = await admit(acc_a, caller, "never answered")
+        assert isinstance(r, Admission)
+        finish(acc_a, r, rec, None, answered=False)
+    a.store.inject(Fault("slow", frozenset({"put", "delete_blob"}), delay=blob_seconds, times=1000))
+    await a.close()
+    assert set(ledger_rows(data)) == set(done)
+    tokens_ = sum(37 + i for i in range(answered))
+    spent_exactly(data, caller, team, tokens_, sum(price.cost(30 + i, 0, 7) for i in range(answered)))
+    assert journal_doc(data, "instance-a") is None
+    await b.close()
+
+
+async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_between_writes():
+    """The journal must list a budget counter before this instance holds any of it: one write
+    (microseconds here), not the rest of the journal's half-second pause after its last write (a
+    caller with a budget asking again once its previous request was settled everywhere, or just
+    after another caller's request, waited up to 0.5 s)."""
+    import time
+
+    data = account()
+    a, acc = instance(data, "instance-a", journal_seconds=0.5)  # the app's interval
+    one, _ = await a.registry.create({"name": "one", "token_budget": 10**9})
+    two, _ = await a.registry.create({"name": "two", "token_budget": 10**9})
+    tokens.count_text(MODEL, "the tokenizer's tables are built once")
+    first, _ = await admit(acc, one, "first")  # the journal is written for it, then pauses
+    assert isinstance(first, Admission)
+    started = time.monotonic()
+    second, _ = await admit(acc, two, "second")
+    waited = time.monotonic() - started
+    assert isinstance(second, Admission)
+    assert waited < 0.25, waited
+    await a.close()
+
+
+async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_gives_it_back():
+    """The first write of a budget's hold lands but its answer is lost: until the row is read back
+    the instance does not know it holds anything, yet the journal must go on listing the counter;
+    if the instance dies meanwhile, the takeover gives the hold back."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    x, _ = await a.registry.create({"name": "x", "token_budget": 100_000})
+    y, _ = await a.registry.create({"name": "y"})
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("lose_answer", frozenset({"insert"}), table=LIMITS_TABLE))
+    lost, _ = await admit(acc_a, x, max_tokens=100)
+    assert isinstance(lost, Unavailable)  # the store may have taken it: not known yet
+    assert "instance-a" in (counter(data, x.limits_partition, "tokens").get("holds") or "")
+    writes = a.journal.writes
+    other, _ = await admit(acc_a, y)  # another request: the journal is written again meanwhile
+    assert isinstance(other, Admission)
+    await until(lambda: a.journal.writes > writes, what="a journal write")
+    await kill(a)  # before the lost answer is looked into
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    row = counter(data, x.limits_partition, "tokens")
+    assert not parse_holds(row.get("holds")) and row["taken"] == 0, row
+    await b.close()
+
+
+@pytest.mark.parametrize("fault", ["lose_answer", "unavailable"])
+async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fault):
+    """A journal write lands but its answer is lost (or the delete of an empty journal fails): the
+    next write meets a blob it did not expect. That is this instance's own journal, not a takeover's
+    seal: nothing it listed may be dropped, every charge is written and counted."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
+    assert isinstance(a.store, MemoryStore)
+    if fault == "unavailable":  # a journal that went empty and could not be deleted
+        first, rec = await admit(acc_a, caller, "first")
+        assert isinstance(first, Admission)
+        a.store.inject(Fault("unavailable", frozenset({"delete_blob"})))
+        finish(acc_a, first, rec, usage(10, 10))
+        assert await acc_a.flush(5)
+        assert journal_doc(data, "instance-a") is not None  # left there
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    acc_a.progress(r1, lambda: {0: GENERATED})
+    await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="listed")
+    if fault == "lose_answer":
+        lost = a.store.inject(Fault("lose_answer", frozenset({"put"})))
+        acc_a.progress(r1, lambda: {0: GENERATED + " more"})  # the next checkpoint's write: its answer is lost
+        await until(lambda: lost.times == 0, what="the lost write")
+    finish(acc_a, r1, rec1, usage(50, 20))
+    assert await acc_a.flush(5)
+    assert not a.journal.fenced
+    rows = ledger_rows(data)
+    assert rows[rec1.id]["ended"] == "completed" and rows[rec1.id]["author"] == "instance-a"
+    expected = 70 + (20 if fault == "unavailable" else 0)
+    assert counter(data, caller.limits_partition, "tokens")["taken"] == expected
+    await a.close()
+    assert journal_doc(data, "instance-a") is None
+
+
+async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated():
+    """Through the endpoint: a streamed request checkpoints what it has generated into the journal
+    as it goes; the instance dies mid-answer; the takeover charges the prompt and those tokens."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from chatstream.apis.openai_chat import OpenAIChatApi
+    from chatstream.endpoint import Endpoint
+    from chatstream.pipeline import Pipeline
+
+    from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
+
+    pieces = [f" word{i}" for i in range(12)]
+
+    class Slow(ScriptedStream):
+        async def _run(self):
+            yield chunk(role=True)
+            for piece in pieces:
+                yield chunk(piece)
+                await asyncio.sleep(0.02)
+            await asyncio.Event().wait()  # the rest never comes: the instance dies first
+
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    caller, key = await a.registry.create({"name": "c", "token_budget": 100_000})
+    upstreams = pooled({"u": ScriptedClient(Slow([]))})
+    endpoint = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc_a)
+
+    async def handler(request):
+        return await endpoint(request)
+
+    app = Starlette(routes=[Route("/v1/chat/completions", handler, methods=["POST"])])
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "stream": True}
+    asking = asyncio.ensure_future(
+        http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+    )
+    generated = tokens.count_text(MODEL, "".join(pieces))
+
+    def checkpointed() -> bool:
+        doc = journal_doc(data, "instance-a") or {}
+        return any(e.get("generated") == generated for e in doc.get("entries") or [])
+
+    await until(checkpointed, what="the journal's checkpoint of everything generated")
+    await kill(a)
+    asking.cancel()
+    await asyncio.gather(asking, return_exceptions=True)
+    await http.aclose()
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    [row] = ledger_rows(data).values()
+    assert row["ended"] == "lost" and row["completion_tokens"] == generated
+    taken = counter(data, caller.limits_partition, "tokens")["taken"]
+    assert taken == row["prompt_tokens"] + generated and not parse_holds(
+        counter(data, caller.limits_partition, "tokens").get("holds")
+    )
+    await b.close()

@@ -1,0 +1,229 @@
+"""chatstream/state/ledger.py on the in-process store: one row per charge and segment, idempotent by
+(day, request id, segment), written in one transaction per partition, written again until it lands
+through a store that refuses or loses answers (none lost, none twice), usage summed exactly, the CSV
+for finance, and the retention sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import secrets
+from datetime import UTC, date, datetime
+
+import pytest
+
+from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, totals
+from chatstream.state.store import USAGE_TABLE
+from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
+
+pytestmark = pytest.mark.usefixtures("quick_ledger")
+
+
+def charge(
+    caller: str = "a",
+    model: str = "gpt-4o",
+    day: str = "20261103",
+    prompt: int = 10,
+    completion: int = 5,
+    ended: str = "completed",
+    request_id: str | None = None,
+    cost: int | None = 0,
+    cached: int = 0,
+    team: str | None = None,
+    segment: int = 0,
+) -> Charge:
+    return Charge(
+        caller=caller,
+        caller_id=f"id-{caller}",
+        team=team,
+        team_id=f"tid-{team}" if team else None,
+        model=model,
+        endpoint="openai",
+        request_id=request_id or secrets.token_hex(6),
+        day=day,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cost=cost,
+        ended=ended,
+        segment=segment,
+        author="instance-a",
+    )
+
+
+def rows(data: MemoryData) -> list[dict]:
+    return [values for partition in data.tables.get(USAGE_TABLE, {}).values() for values, _ in partition.values()]
+
+
+async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segment():
+    data = MemoryData()
+    ledger = Ledger(MemoryStore(data))
+    first = charge(request_id="resp_1/odd#id?\n", prompt=10, completion=20)
+    await ledger.submit([first])
+    await ledger.submit([first])  # a retry after a lost answer
+    await ledger.submit([charge(request_id="resp_1/odd#id?\n", prompt=99, completion=99)])  # seen again
+    await ledger.submit([charge(request_id="resp_1/odd#id?\n", segment=1, prompt=0, completion=7)])  # continued
+    assert await ledger.drain(5)
+    found = sorted(rows(data), key=lambda r: r["segment"])
+    assert [(r["request_id"], r["segment"], r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
+        ("resp_1/odd#id?\n", 0, 10, 20),
+        ("resp_1/odd#id?\n", 1, 0, 7),
+    ]
+    assert all(r["PartitionKey"] == "u:id-a" for r in found)
+    # Written now (a takeover): None when it landed, else the row that was there.
+    assert await ledger.write_now(charge(request_id="new")) is None
+    there = await ledger.write_now(charge(request_id="resp_1/odd#id?\n", prompt=1))
+    assert there is not None and there["prompt_tokens"] == 10 and there["author"] == "instance-a"
+    # 10 concurrent writes of one request: one row.
+    await asyncio.gather(*(ledger.submit([charge(request_id="same", day="20261104")]) for _ in range(10)))
+    assert await ledger.drain(5)
+    assert sum(1 for r in rows(data) if r["request_id"] == "same") == 1
+    await ledger.close()
+
+
+async def test_charges_are_batched_per_partition_in_transactions_of_100():
+    data = MemoryData()
+    ledger = Ledger(MemoryStore(data))
+    charges = [charge("a") for _ in range(150)] + [charge("b") for _ in range(30)] + [charge("c")]
+    done = [ledger.submit([c]) for c in charges]  # each request submits its own, at about one moment
+    await asyncio.gather(*done)
+    assert data.calls["batch"] == 2 + 1 + 1  # a: 100 + 50, b: 30, c: 1
+    assert data.calls.get("insert", 0) == 0
+    assert len(rows(data)) == 181 and ledger.written == 181
+    await ledger.close()
+
+
+async def test_charges_are_written_again_until_they_land_none_lost_none_twice():
+    """The store refuses a transaction, then applies one but loses its answer: every charge is in
+    the ledger exactly once afterwards, and each submit's future is done only then."""
+    data = MemoryData()
+    store = MemoryStore(data)
+    ledger = Ledger(store)
+    store.inject(Fault("unavailable", frozenset({"batch"}), table=USAGE_TABLE))
+    store.inject(Fault("lose_answer", frozenset({"batch"}), table=USAGE_TABLE))
+    charges = [charge(caller, request_id=f"r{i}") for i, caller in enumerate(["a", "b"] * 20)]
+    futures = [ledger.submit(charges[i : i + 5]) for i in range(0, 40, 5)]
+    await asyncio.sleep(0.3)
+    assert not any(f.done() for f in futures) and len(rows(data)) < 40  # not done before they landed
+    assert await ledger.drain(8)
+    assert all(f.done() for f in futures)
+    keys = sorted((r["caller"], r["request_id"]) for r in rows(data))
+    assert keys == sorted((c.caller, c.request_id) for c in charges)  # each once
+    assert not store.faults or all(f.times == 0 for f in store.faults)
+    await ledger.close()
+
+
+async def test_usage_sums_by_caller_team_model_and_day_exactly():
+    data = MemoryData()
+    ledger = Ledger(MemoryStore(data))
+    charges = [
+        charge("a", "gpt-4o", "20261103", 10, 5, cost=1_234_567, cached=4, team="search"),
+        charge("a", "gpt-4o", "20261103", 7, 3, "disconnected", cost=1, team="search"),
+        charge("a", "local", "20261103", 100, 0, "failed", cost=None, team="search"),  # unpriced
+        charge("a", "gpt-4o", "20261104", 1, 1, cost=100_000_000_000_000, team="search"),  # $100
+        charge("b", "gpt-4o", "20261103", 50, 50, "timeout", cost=3),
+        charge("a", "gpt-4o", "20261109", 1000, 1000, cost=5, team="search"),
+    ]
+    await ledger.submit(charges)
+    found = await ledger.usage(date(2026, 11, 3), date(2026, 11, 4), caller_id="id-a")
+    assert [(r["day"], r["model"], r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in found] == [
+        ("2026-11-03", "gpt-4o", 17, 8, 2),
+        ("2026-11-03", "local", 100, 0, 1),
+        ("2026-11-04", "gpt-4o", 1, 1, 1),
+    ]
+    first = found[0]
+    assert first["ended"] == {"completed": 1, "disconnected": 1} and first["total_tokens"] == 25
+    assert first["cached_tokens"] == 4 and first["team"] == "search" and first["caller"] == "a"
+    assert first["cost_picousd"] == 1_234_568 and first["cost_usd"] == 0.000001234568
+    assert found[1]["unpriced_requests"] == 1 and found[1]["cost_picousd"] == 0
+    total = totals(found)
+    assert total["requests"] == 4 and total["unpriced_requests"] == 1 and total["total_tokens"] == 127
+    assert total["cost_picousd"] == 100_000_000_000_000 + 1_234_568
+    assert total["cost_usd"] == 100.000001234568
+    everyone = await ledger.usage(date(2026, 11, 3), date(2026, 11, 3))
+    assert {(r["caller"], r["model"]) for r in everyone} == {("a", "gpt-4o"), ("a", "local"), ("b", "gpt-4o")}
+    team = await ledger.usage(date(2026, 11, 1), date(2026, 11, 30), team="search")
+    assert {r["caller"] for r in team} == {"a"} and sum(r["requests"] for r in team) == 5
+    model = await ledger.usage(date(2026, 11, 1), date(2026, 11, 30), model="local")
+    assert [(r["caller"], r["requests"]) for r in model] == [("a", 1)]
+    assert await ledger.usage(date(2026, 11, 5), date(2026, 11, 8), caller_id="id-a") == []
+    assert await ledger.usage(date(9999, 1, 1), date(9999, 12, 31)) == []  # the last days there are
+    assert await ledger.usage(date(1, 1, 1), date(1, 1, 1)) == []
+    await ledger.close()
+
+
+def test_a_sum_of_many_small_costs_is_exact():
+    costs = [1, 10**12 - 1, 333_333_333_333, 666_666_666_667] * 250
+    found = summarize(
+        [{"RowKey": "20261103|r|00", "caller": "a", "model": "m", "cost": c, "prompt_tokens": 1} for c in costs]
+    )
+    assert found[0]["cost_picousd"] == sum(costs) == 500 * 10**12
+    assert found[0]["cost_usd"] == 500.0
+
+
+def test_the_csv_has_exact_decimals_a_totals_line_and_no_formulas():
+    usage = summarize(
+        [
+            {
+                "RowKey": "20261103|r1|00",
+                "caller": "a",
+                "team": "search",
+                "model": "gpt-4o",
+                "prompt_tokens": 3,
+                "completion_tokens": 4,
+                "cost": 1_234_567,
+                "ended": "completed",
+            },
+            {
+                "RowKey": "20261103|r2|00",
+                "caller": "a",
+                "team": "search",
+                "model": '=HYPERLINK("x")',
+                "prompt_tokens": 1,
+                "cost": None,
+            },
+            {"RowKey": "20261104|r3|00", "caller": "b", "model": "+cmd", "cost": 10**14 + 1},
+            {"RowKey": "20261104|r4|00", "caller": "b", "model": "@sum", "cost": 0},
+            {"RowKey": "20261104|r5|00", "caller": "b", "model": "-2+3", "cost": 0},
+        ]
+    )
+    text = as_csv(usage)
+    assert text.endswith("\r\n")
+    lines = list(csv.reader(io.StringIO(text)))
+    assert lines[0] == [
+        "day", "caller", "team", "model", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
+        "total_tokens", "cost_usd", "unpriced_requests",
+    ]  # fmt: skip
+    by_model = {line[3]: line for line in lines[1:-1]}
+    assert by_model["gpt-4o"] == ["2026-11-03", "a", "search", "gpt-4o", "1", "3", "0", "4", "7", "0.000001234567", "0"]
+    assert by_model['\'=HYPERLINK("x")'][-2:] == ["0.000000000000", "1"]  # a formula is text
+    for quoted in ("'+cmd", "'@sum", "'-2+3"):
+        assert quoted in by_model
+    assert by_model["'+cmd"][9] == "100.000000000001"
+    assert lines[-1] == ["total", "", "", "", "5", "4", "0", "4", "8", "100.000001234568", "1"]
+    assert as_csv([]).splitlines()[-1] == "total,,,,0,0,0,0,0,0.000000000000,0"
+
+
+async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
+    data = MemoryData()
+    ledger = Ledger(MemoryStore(data))
+    now = datetime(2026, 11, 30, 12, tzinfo=UTC).timestamp()
+    old = [charge(c, day="20261020", request_id=f"old{i}{c}") for i in range(60) for c in ("a", "b")]
+    kept = [charge("a", day=d) for d in ("20261031", "20261101", "20261130")]
+    await ledger.submit(old + kept)
+    assert await ledger.sweep(30, now, limit=100) == 100  # the cutoff: 2026-10-31
+    assert await ledger.sweep(30, now, limit=100) == 20
+    assert await ledger.sweep(30, now) == 0
+    assert sorted(r["day"] if "day" in r else r["RowKey"][:8] for r in rows(data)) == [
+        "20261031",
+        "20261101",
+        "20261130",
+    ]
+    await ledger.close()
+
+
+def test_a_charge_round_trips_through_the_journal_form():
+    c = charge(request_id="r", cost=None, team="t", cached=3)
+    assert Charge.of(c.as_dict()) == c
+    assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"

@@ -1,0 +1,88 @@
+"""chatstream/state/owners.py on the in-process store: what a caller creates is its own (by id), and a
+background response is charged exactly once across every instance, whatever answers are lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from chatstream.errors import StoreError
+from chatstream.state.owners import Owners
+from chatstream.state.store import RESPONSES_TABLE
+from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
+
+
+async def test_what_a_caller_creates_belongs_to_it():
+    owners = Owners(MemoryStore())
+    assert await owners.owned("response", "resp_1") is None
+    assert await owners.claim("response", "resp_1", "alice-id") is True
+    assert await owners.claim("response", "resp_1", "alice-id") is True  # idempotent
+    assert await owners.claim("response", "resp_1", "bob-id") is False
+    owned = await owners.owned("response", "resp_1")
+    assert owned is not None and owned.caller_id == "alice-id"
+    assert await owners.owned("stream", "resp_1") is None  # kinds are apart
+    await owners.set_context("response", "resp_1", 1234)
+    owned = await owners.owned("response", "resp_1")
+    assert owned is not None and owned.context == 1234
+    await owners.set_context("response", "resp_nobody", 5)  # quiet
+    await owners.forget("response", "resp_1")
+    assert await owners.owned("response", "resp_1") is None
+    await owners.forget("response", "resp_1")
+    odd = "resp/odd#id?\n"
+    assert await owners.claim("response", odd, "alice-id") is True
+    assert (await owners.owned("response", odd)) is not None
+
+
+async def test_a_background_response_is_charged_once_across_instances():
+    data = MemoryData()
+    owners = [Owners(MemoryStore(data)), Owners(MemoryStore(data))]
+    await owners[0].claim("response", "resp_bg", "alice-id", reserved=500, at=10.0, reserved_spend=7)
+    results = await asyncio.gather(*(owners[i % 2].first_charge("response", "resp_bg") for i in range(20)))
+    assert results.count(True) == 1
+    assert await owners[1].first_charge("response", "resp_bg") is False
+    owned = await owners[0].owned("response", "resp_bg")
+    assert owned is not None and (owned.caller_id, owned.reserved, owned.reserved_spend) == ("alice-id", 500, 7)
+    # Charged by the request that made it: never charged again when seen.
+    await owners[0].claim("response", "resp_done", "alice-id", charged=True)
+    assert await owners[1].first_charge("response", "resp_done") is False
+    # Never claimed (made before callers were on): the first mark wins.
+    assert [await owners[0].first_charge("response", "resp_old") for _ in range(2)] == [True, False]
+
+
+@pytest.mark.parametrize("claimed", [True, False])
+async def test_a_first_charge_whose_answer_was_lost_is_still_the_first(claimed):
+    """The mark lands but its answer is lost: the caller that made it must still learn it is the
+    one that charges (else nobody ever does), and nobody else may."""
+    data = MemoryData()
+    store = MemoryStore(data)
+    owners, other = Owners(store), Owners(MemoryStore(data))
+    if claimed:
+        await owners.claim("response", "resp_bg", "alice-id")
+    store.inject(Fault("lose_answer", frozenset({"merge", "insert"}), table=RESPONSES_TABLE))
+    assert await owners.first_charge("response", "resp_bg") is True
+    assert await other.first_charge("response", "resp_bg") is False
+    assert await owners.first_charge("response", "resp_bg") is False
+
+
+async def test_a_store_that_fails_raises_the_stores_error():
+    store = MemoryStore()
+    owners = Owners(store)
+    store.inject(Fault("unavailable", times=3))
+    for call in (
+        owners.owned("response", "r"),
+        owners.claim("response", "r", "a"),
+        owners.first_charge("response", "r"),
+    ):
+        with pytest.raises(StoreError):
+            await call
+
+
+async def test_the_sweep_deletes_rows_past_their_lifetime():
+    store = MemoryStore()
+    owners = Owners(store)
+    now = store.clock.now()
+    await owners.claim("response", "short", "a", lifetime=10)
+    await owners.claim("stream", "long", "a", lifetime=1000)
+    assert await owners.sweep(now + 100) == 1
+    assert await owners.owned("response", "short") is None and await owners.owned("stream", "long") is not None
