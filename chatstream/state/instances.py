@@ -307,10 +307,13 @@ class Instances:
             await self.store.delete(STREAMS_TABLE, PARTITION, other, etag=etag)
         self.recovered.append(other)
 
-    async def close(self) -> None:
+    async def close(self, leave: bool = True) -> None:
+        """Stop beating; ``leave``: delete our row (nothing is owed). Without it the row ages and
+        the duty holder takes over what this instance still owes (its journal)."""
         self._closed = True
         for task in (self._beating, self._duty):
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(t for t in (self._beating, self._duty) if t is not None), return_exceptions=True)
-        await self._leave()
+        if leave:
+            await self._leave()

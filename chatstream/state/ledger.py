@@ -184,10 +184,33 @@ class Ledger:
                 except StoreError:
                     failed.extend((charge, f) for charge, futures in chunk for f in futures)
                     continue
+                except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
+                    log.exception("usage ledger: %d charge(s) cannot be written", len(chunk))
+                    failed.extend(await self._one_by_one(chunk))
+                    continue
                 for _, futures in chunk:
                     for f in futures:
                         if not f.done():
                             f.set_result(None)
+        return failed
+
+    async def _one_by_one(
+        self, chunk: list[tuple[Charge, list[asyncio.Future]]]
+    ) -> list[tuple[Charge, asyncio.Future]]:
+        """The rows of a batch that failed for a bug of ours, one at a time: the good ones land, a
+        bad one is logged and let go (it can never be written; it stays in the journal's log line)."""
+        failed: list[tuple[Charge, asyncio.Future]] = []
+        for charge, futures in chunk:
+            try:
+                await self._insert([(charge, futures)])
+            except StoreError:
+                failed.extend((charge, f) for f in futures)
+                continue
+            except Exception:
+                log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
         return failed
 
     async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:

@@ -158,8 +158,17 @@ class _Cache:
         self._kept[key] = (asked + self.seconds, value)
         self._kept.move_to_end(key)
         while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+            self._evict()
         return value
+
+    def _evict(self) -> None:
+        """The least recent "no such key" goes first: a flood of made-up keys does not push the
+        known callers out (their next request would pay a store read, and the flood's bucket)."""
+        for key, (_, value) in self._kept.items():
+            if value is None:
+                del self._kept[key]
+                return
+        self._kept.popitem(last=False)
 
     def forget(self, key: str) -> None:
         self._kept.pop(key, None)

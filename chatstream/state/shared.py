@@ -106,10 +106,10 @@ class SharedState:
 
     async def close(self) -> None:
         """A graceful stop: what this instance holds is settled and written, then everything closes."""
-        if self.accounting is not None:
-            await self.accounting.flush(within=10.0)
+        settled = await self.accounting.flush(within=10.0) if self.accounting is not None else True
         await self.counters.close()
         await self.journal.close()
         await self.ledger.close()
-        await self.instances.close()
+        # What could not be settled in time stays in the journal, for another instance to take over.
+        await self.instances.close(leave=settled and not self.journal.entries)
         await self.store.close()
