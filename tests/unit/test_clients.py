@@ -1,45 +1,55 @@
-"""chatstream/upstream.py's aiohttp transport: connection errors come out as the SDK's types they had
-with httpx2 (a refused connection or a reset is APIConnectionError, not APITimeoutError), and the
-pool still tells a failure to connect from a lost connection. In-process loopback servers only."""
+"""chatstream/upstreams/clients.py and transport.py: the SDK on our aiohttp transport through its
+public ``http_client``. Connection errors come out as the SDK's types they are (a refused connection
+or a reset is APIConnectionError, not APITimeoutError) and the pool tells a failure to connect from
+a lost connection; streams have no read timer, whole answers do; chunks are raw dicts; a body is read
+to its end and its connection reused; 1,000 connections; requests are the SDK's own; an entry
+without a key sends no Authorization header. In-process loopback servers only."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import struct
+import time
 
 import aiohttp
 import httpx2
 import openai
+import pytest
 
-from chatstream.upstreams.clients import UpstreamStream
+from chatstream.upstreams.clients import NoAuthClient, UpstreamStream
 from chatstream.upstreams.outcomes import OutcomeKind, classify
-from chatstream.upstreams.transport import AioHttpClient, remapped
+from chatstream.upstreams.transport import BODY, HttpClient, mapped
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-def _connect_timeout(cause: BaseException) -> httpx2.ConnectTimeout:
-    exc = httpx2.ConnectTimeout("x")
-    exc.__cause__ = cause
-    return exc
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
 
 
-def test_remapped_keeps_real_timeouts_and_restores_the_rest():
-    real = _connect_timeout(aiohttp.ConnectionTimeoutError("connect timed out"))
-    assert remapped(real) is real
-    assert isinstance(remapped(_connect_timeout(aiohttp.ServerDisconnectedError())), httpx2.RemoteProtocolError)
-    assert isinstance(remapped(_connect_timeout(aiohttp.ClientOSError(104, "reset"))), httpx2.ReadError)
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (aiohttp.ConnectionTimeoutError("connect timed out"), httpx2.ConnectTimeout),
+        (aiohttp.SocketTimeoutError("read timed out"), httpx2.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx2.RemoteProtocolError),
+        (aiohttp.ClientOSError(104, "reset"), httpx2.ReadError),
+        (aiohttp.ClientPayloadError("cut short"), httpx2.ReadError),
+        (aiohttp.InvalidURL("x"), httpx2.UnsupportedProtocol),
+    ],
+)
+def test_aiohttp_errors_become_the_httpx2_errors_they_are(raised, expected):
+    assert type(mapped(raised)) is expected
 
 
 async def _serve(mode: str):
     async def handler(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         if mode == "mid_body":
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
-            )
+            writer.write(HEAD + _chunked(CHUNK))
             await writer.drain()
             await asyncio.sleep(0.05)
         if mode == "disconnect":
@@ -51,10 +61,15 @@ async def _serve(mode: str):
     return await asyncio.start_server(handler, "127.0.0.1", 0)
 
 
-async def _failure(port: int) -> BaseException:
-    client = openai.AsyncOpenAI(
-        api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=5, http_client=AioHttpClient()
+def _client(port: int, **kw) -> openai.AsyncOpenAI:
+    kw.setdefault("timeout", 5)
+    return openai.AsyncOpenAI(
+        api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, http_client=HttpClient(), **kw
     )
+
+
+async def _failure(port: int) -> BaseException:
+    client = _client(port)
     try:
         stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
         async for _ in stream:
@@ -72,6 +87,7 @@ async def test_refused_connection_is_a_connect_failure():
         port = s.getsockname()[1]  # bound, not listening: refused
         exc = await _failure(port)
     assert type(exc) is openai.APIConnectionError
+    assert isinstance(exc.__cause__, httpx2.ConnectError)
     assert classify(exc).outcome.kind is OutcomeKind.CONNECT_FAILED
 
 
@@ -88,10 +104,11 @@ async def test_reset_or_disconnect_is_a_lost_connection():
 
 class _Recording(httpx2.AsyncBaseTransport):
     def __init__(self, body: bytes):
-        self.body, self.timeouts = body, []
+        self.body, self.timeouts, self.requests = body, [], []
 
     async def handle_async_request(self, request):
         self.timeouts.append(request.extensions.get("timeout"))
+        self.requests.append(request)
         kind = "application/json" if self.body.startswith(b"{") else "text/event-stream"
         return httpx2.Response(
             200, headers={"content-type": kind}, stream=httpx2.ByteStream(self.body), request=request
@@ -117,6 +134,39 @@ async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completio
     streamed, completed = recording.timeouts
     assert streamed == {"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}
     assert completed == {"connect": 3.0, "read": 65.0, "write": 30.0, "pool": 30.0}
+
+
+async def test_the_transport_times_the_reads_of_a_whole_answer_and_not_those_of_a_stream():
+    """Both answers stall 1 s after their head; the client's read timeout is 0.3 s: the whole
+    answer times out (APITimeoutError), the stream waits for its chunk (the core bounds it)."""
+    from chatstream.upstreams.clients import complete
+
+    async def handler(reader, writer):
+        request = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.readexactly(int(request.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        if b'"stream":true' in body.replace(b" ", b""):
+            writer.write(HEAD)
+            await writer.drain()
+            await asyncio.sleep(1.0)
+            writer.write(_chunked(CHUNK, b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        else:
+            await asyncio.sleep(1.0)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1], timeout=openai.Timeout(0.3, connect=3.0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APITimeoutError):
+            await complete(client, "/chat/completions", {"model": "m"})
+        assert time.monotonic() - started < 0.9
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        assert [d["choices"][0]["delta"]["content"] async for d in stream] == ["a"]
+    finally:
+        await client.close()
+        server.close()
 
 
 async def test_a_responses_stream_opens_through_the_responses_client_without_a_read_timeout():
@@ -149,46 +199,121 @@ async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_setting
     assert "timeout" not in client.kwargs["options"]  # None would mean "no timeout at all" to the SDK
 
 
-async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
-    """From AioHttpClient the stream reads aiohttp's reader itself (AIOHTTP_BODY), the same events,
-    and the response is closed (its connection back in the pool) as soon as the body ends."""
-    from chatstream.upstreams.transport import AIOHTTP_BODY
-
+async def test_a_body_is_read_directly_to_its_end_and_its_connection_reused():
+    """From our transport the stream reads the body's reader itself (BODY), the same events; the
+    body is read past [DONE] to its end, the response closed there, and the next stream goes over
+    the same connection."""
     body = CHUNK + b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n' + b"data: [DONE]\n\n"
+    connections = 0
 
     async def handler(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for piece in (body[:10], body[10:70], body[70:]):
-            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        nonlocal connections
+        connections += 1
+        while await reader.readuntil(b"\r\n\r\n"):
+            await reader.readexactly(2)  # the request's body ({} below)
+            writer.write(HEAD)
+            for piece in (body[:10], body[10:70], body[70:], b": after the end\n\n"):
+                writer.write(_chunked(piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
             await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        await reader.read()
 
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(
-        api_key="k",
-        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
-        max_retries=0,
-        timeout=5,
-        http_client=AioHttpClient(),
-    )
+    client = _client(server.sockets[0].getsockname()[1])
     try:
-        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
-        assert AIOHTTP_BODY in stream.response.extensions
-        got = [d["choices"][0]["delta"]["content"] async for d in stream]
-        assert got == ["a", "b"] and stream.response.is_closed
-        await stream.close()
+        for _ in range(2):
+            stream = await UpstreamStream.open(client, "/chat/completions", {})
+            assert BODY in stream.response.extensions
+            got = [d["choices"][0]["delta"]["content"] async for d in stream]
+            assert got == ["a", "b"] and stream.response.is_closed
+            await stream.close()
+        assert connections == 1
     finally:
         await client.close()
         server.close()
 
 
+async def test_a_thousand_connections_are_allowed_not_aiohttps_hundred():
+    """150 streams at once each get a connection of their own: the server holds every answer until
+    all 150 are open (aiohttp's default connector would queue the last 50)."""
+    count, opened = 150, 0
+    everyone = asyncio.Event()
+
+    async def handler(reader, writer):
+        nonlocal opened
+        await reader.readuntil(b"\r\n\r\n")
+        opened += 1
+        if opened == count:
+            everyone.set()
+        try:
+            await asyncio.wait_for(everyone.wait(), 10)
+        except TimeoutError:
+            writer.close()
+            return
+        writer.write(HEAD + _chunked(CHUNK, b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, backlog=count)
+    client = _client(server.sockets[0].getsockname()[1], timeout=20)
+
+    async def one() -> list:
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        return [d async for d in stream]
+
+    try:
+        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        assert opened == count
+        assert all(isinstance(r, list) and len(r) == 1 for r in results), results[:3]
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_an_entry_without_a_key_sends_no_authorization_header():
+    """NoAuthClient: streams, whole answers and follow-ups (get, delete) go without Authorization;
+    the key the SDK was given never leaves the process; other headers are kept."""
+    from chatstream.upstreams.clients import complete
+
+    recording = _Recording(b'{"choices": []}')
+    sdk = openai.AsyncOpenAI(
+        api_key="placeholder", base_url="http://upstream.test/v1", http_client=httpx2.AsyncClient(transport=recording)
+    )
+    client = NoAuthClient(sdk)
+    await complete(client, "/chat/completions", {"model": "m"})
+    await client.get("/responses/r1", cast_to=object, options={"params": {"include": "x"}, "headers": {"X-A": "1"}})
+    await client.delete("/responses/r1", cast_to=object)
+    recording.body = CHUNK + b"data: [DONE]\n\n"
+    stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+    assert len([d async for d in stream]) == 1
+    assert len(recording.requests) == 4
+    for request in recording.requests:
+        assert "authorization" not in request.headers
+        assert all(b"placeholder" not in value for _, value in request.headers.raw)
+    assert recording.requests[1].headers["x-a"] == "1" and recording.requests[1].url.params["include"] == "x"
+
+
+def test_the_sdks_url_method_has_the_shape_prepared_urls_overrides():
+    """PreparedUrls overrides the SDK's private ``_prepare_url(url: str) -> URL`` (no public hook
+    builds the URL): if the SDK renames it or changes its arguments, this fails, not production."""
+    from chatstream.upstreams.clients import PreparedUrls, _AsyncAzureOpenAI, _AsyncOpenAI
+
+    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
+        method = sdk_class._prepare_url
+        assert list(inspect.signature(method).parameters) == ["self", "url"], sdk_class
+    for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):
+        assert ours._prepare_url is PreparedUrls._prepare_url  # ahead of the SDK class in the MRO
+    client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
+    from openai._models import FinalRequestOptions
+
+    client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
+    assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
+
+
 def test_cached_urls_build_the_requests_the_sdk_builds():
-    """make_client's clients keep parsed URLs (chatstream's PreparedUrls and AioHttpClient._merge_url):
-    every request is the one the SDK's own classes build, OpenAI and Azure (a deployment per model,
-    api-version), the second time too, and after the base URL changes."""
+    """make_client's clients keep parsed URLs (PreparedUrls, HttpClient.build_request): every request
+    is the one the SDK's own classes build on the SDK's own httpx2 client, OpenAI and Azure (a
+    deployment per model, api-version), the second time too, and after the base URL changes."""
     from openai._models import FinalRequestOptions
     from pydantic import SecretStr
 
@@ -214,18 +339,23 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
+        assert isinstance(ours, openai.AsyncOpenAI) and isinstance(ours._client, HttpClient)
         plain = (
             openai.AsyncAzureOpenAI(
                 azure_endpoint=entry.url,
                 api_version=entry.api_version,
                 api_key="az-k",
                 max_retries=2,
-                http_client=AioHttpClient(),
+                http_client=openai.DefaultAsyncHttpx2Client(),
                 timeout=ours.timeout,
             )
             if entry.kind == "azure"
             else openai.AsyncOpenAI(
-                api_key="sk-o", base_url=entry.url, max_retries=2, http_client=AioHttpClient(), timeout=ours.timeout
+                api_key="sk-o",
+                base_url=entry.url,
+                max_retries=2,
+                http_client=openai.DefaultAsyncHttpx2Client(),
+                timeout=ours.timeout,
             )
         )
         for round_ in range(3):
@@ -243,3 +373,13 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
                         )
 
                     assert shape(ours._build_request(options())) == shape(plain._build_request(options()))
+
+
+def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():
+    from chatstream.settings import Settings
+    from chatstream.upstreams.clients import make_client
+    from chatstream.upstreams.config import Entry
+
+    settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
+    client = make_client(Entry(name="v", kind="openai", url="http://127.0.0.1:9/v1"), settings, 2)
+    assert isinstance(client, NoAuthClient) and client.timeout == client.client.timeout
