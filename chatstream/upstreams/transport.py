@@ -173,9 +173,12 @@ class HttpClient(httpx2.AsyncClient):
     ``AiohttpTransport`` unless given another transport, and every request through that transport
     (no proxy mounts of httpx2's own: the transport reads the environment's).
 
-    ``build_request`` keeps the parsed URL of each URL string and query the SDK hands it (the same
-    few per client; httpx2 would parse each twice per request), then builds the request as httpx2
-    does: a URL object is taken as it is."""
+    ``build_request`` builds the request httpx2 builds, for less: the parsed URL of each URL string
+    and query the SDK hands it is kept (the same few per client; httpx2 parses each twice per
+    request), and the SDK's headers are put after the client's own ones at once (httpx2 copies the
+    client's, then normalises and looks up every header of the request's twice more). Anything the
+    SDK does not send (cookies, params or extensions on the client, a body other than bytes) goes
+    the way httpx2 goes."""
 
     def __init__(self, transport: httpx2.AsyncBaseTransport | None = None) -> None:
         super().__init__(
@@ -186,15 +189,46 @@ class HttpClient(httpx2.AsyncClient):
         )
         self._parsed: dict[tuple[str, str | None], httpx2.URL] = {}
 
-    def build_request(self, method: str, url: httpx2.URL | str, *, params: Any = None, **kwargs: Any) -> httpx2.Request:
+    def build_request(
+        self,
+        method: str,
+        url: httpx2.URL | str,
+        *,
+        content: Any = None,
+        params: Any = None,
+        headers: Any = None,
+        timeout: Any = httpx2.USE_CLIENT_DEFAULT,
+        **others: Any,
+    ) -> httpx2.Request:
+        parsed = None
         if isinstance(url, str) and (params is None or isinstance(params, str)) and not self.params:
-            key = (url, params)
-            parsed = self._parsed.get(key)
-            if parsed is None:
-                parsed = httpx2.URL(url) if params is None else httpx2.URL(url, params=params)  # as httpx2.Request
-                if parsed.is_relative_url:  # merged with the client's base URL by httpx2, not kept
-                    return super().build_request(method, url, params=params, **kwargs)
-                if len(self._parsed) < URL_CACHE_SIZE:
-                    self._parsed[key] = parsed
-            url, params = parsed, None
-        return super().build_request(method, url, params=params, **kwargs)
+            parsed = self._url(url, params)
+        if parsed is not None:
+            url, params = parsed, None  # the URL object is taken as it is
+        if (
+            parsed is None
+            or not isinstance(headers, list)
+            or not isinstance(content, bytes | None)
+            or any(value is not None for value in others.values())  # data, files, json, cookies, extensions
+            or self.cookies
+        ):
+            return super().build_request(
+                method, url, content=content, params=params, headers=headers, timeout=timeout, **others
+            )
+        named = {name.lower() for name, _ in headers}
+        own = [(name, value) for name, value in self.headers.raw if name.lower().decode("latin-1") not in named]
+        limits = self.timeout if timeout is httpx2.USE_CLIENT_DEFAULT else httpx2.Timeout(timeout)
+        return httpx2.Request(
+            method, url, content=content, headers=own + headers, extensions={"timeout": limits.as_dict()}
+        )
+
+    def _url(self, url: str, params: str | None) -> httpx2.URL | None:
+        key = (url, params)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = httpx2.URL(url) if params is None else httpx2.URL(url, params=params)  # as httpx2.Request
+            if parsed.is_relative_url:  # merged with the client's base URL by httpx2
+                return None
+            if len(self._parsed) < URL_CACHE_SIZE:
+                self._parsed[key] = parsed
+        return parsed

@@ -334,8 +334,8 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
     ]
 
     def shape(request: httpx2.Request) -> tuple:
-        headers = sorted((k, v) for k, v in request.headers.items() if k != "x-stainless-retry-count")
-        return request.method, str(request.url), headers, request.content, request.extensions.get("timeout")
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"x-stainless-retry-count"]  # in order
+        return request.method, str(request.url), headers, request.content, request.extensions
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
@@ -373,6 +373,34 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
                         )
 
                     assert shape(ours._build_request(options())) == shape(plain._build_request(options()))
+
+
+def test_http_client_builds_the_request_httpx2_builds():
+    """HttpClient.build_request against httpx2's own, for what the SDK sends (pairs of headers,
+    bytes, a query string, a timeout) and for what it does not (a relative URL, dict headers, cookies
+    or params on the client, a JSON body, extensions): the same method, URL, headers in order (case
+    kept), body and extensions, the second time too."""
+    headers = [("accept", "application/json"), ("user-agent", "AsyncOpenAI/Python"), ("x-a", "1"), ("x-a", "2")]
+    calls = [
+        dict(method="POST", url="https://h.test/v1/chat/completions", content=b"{}", headers=headers, timeout=5.0),
+        dict(method="POST", url="https://h.test/openai/x", params="api-version=1", headers=headers, files=None),
+        dict(method="GET", url="https://h.test/v1/r?a=1", params="b=2", headers=headers, timeout=httpx2.Timeout(3)),
+        dict(method="GET", url="https://h.test/v1/r", headers={"Accept": "x"}),
+        dict(method="POST", url="https://h.test/v1/r", json={"a": 1}, headers=headers, extensions={"x": 1}),
+    ]
+
+    def shape(request: httpx2.Request) -> tuple:
+        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+
+    for setup in ({}, {"cookies": {"c": "1"}}, {"params": {"p": "1"}}, {"base_url": "https://base.test/x/"}):
+        ours = HttpClient(httpx2.MockTransport(lambda r: httpx2.Response(200)))
+        theirs = httpx2.AsyncClient(timeout=openai.DEFAULT_TIMEOUT, follow_redirects=True, trust_env=False)
+        for client in (ours, theirs):
+            for name, value in setup.items():
+                setattr(client, name, value)
+        relative = [dict(method="GET", url="/relative", headers=headers)] if "base_url" in setup else []
+        for call in (calls + relative) * 2:
+            assert shape(ours.build_request(**call)) == shape(theirs.build_request(**call)), (setup, call)
 
 
 def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():
