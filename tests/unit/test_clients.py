@@ -8,8 +8,10 @@ without a key sends no Authorization header. In-process loopback servers only.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import socket
+import ssl
 import struct
 import time
 
@@ -100,6 +102,67 @@ async def test_reset_or_disconnect_is_a_lost_connection():
             server.close()
         assert type(exc) is openai.APIConnectionError, (mode, exc)
         assert classify(exc).outcome.kind is OutcomeKind.CONNECTION_LOST, mode
+
+
+def _self_signed(directory) -> ssl.SSLContext:
+    """A server context with a certificate for 127.0.0.1 that no one trusts."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    return context
+
+
+async def test_an_untrusted_certificate_is_a_connect_failure_and_nothing_is_sent(tmp_path):
+    """TLS is verified (httpx2's trust): a server whose certificate no one signed is never sent
+    the request, and the pool takes it for a failure to connect."""
+    heads = []
+
+    async def handler(reader, writer):
+        with contextlib.suppress(Exception):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=_self_signed(tmp_path))
+    client = openai.AsyncOpenAI(
+        api_key="k",
+        base_url=f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+        max_retries=0,
+        timeout=5,
+        http_client=HttpClient(),
+    )
+    try:
+        with pytest.raises(openai.APIConnectionError) as caught:
+            await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+    finally:
+        await client.close()
+        server.close()
+    assert isinstance(caught.value.__cause__, httpx2.ConnectError) and heads == []
+    assert classify(caught.value).outcome.kind is OutcomeKind.CONNECT_FAILED
 
 
 class _Recording(httpx2.AsyncBaseTransport):
