@@ -128,7 +128,7 @@ class NoAuthClient:
     header, the SDK's own way (the header set to ``openai.omit`` in the request's options; the SDK
     refuses a request with no credentials otherwise)."""
 
-    def __init__(self, client: SdkClient) -> None:
+    def __init__(self, client: openai.AsyncOpenAI) -> None:
         self.client = client
 
     @property
@@ -146,6 +146,9 @@ class NoAuthClient:
 
     async def close(self) -> None:
         await self.client.close()
+
+    def is_closed(self) -> bool:
+        return self.client.is_closed()
 
 
 def _without_auth(kwargs: dict) -> dict:
