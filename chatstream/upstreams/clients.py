@@ -9,20 +9,23 @@ its public ``http_client`` parameter. Stream chunks are decoded here from the bo
 and raw dicts keep every field the upstream sent (Azure's filter results, new fields) for
 pass-through.
 
-One private part of the SDK is used, where nothing public serves: ``PreparedUrls`` keeps the SDK
-client's ``_prepare_url`` per path (below; requirements.txt pins the SDK's minor version and
-tests/unit/test_clients.py fails if that method changes shape)."""
+Two private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
+URLs its ``_prepare_url`` builds and the request options its ``post`` builds (``FinalRequestOptions``),
+which it would rebuild for every request (requirements.txt pins the SDK's minor version;
+tests/unit/test_clients.py fails if either changes shape, and checks every request against the
+SDK's own)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import httpx2
 import openai
+from openai._models import FinalRequestOptions  # private: see Reused
 
 from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
 from ..http import SSEFramer
@@ -64,14 +67,20 @@ class SdkClient(Protocol):
 # --- building clients -------------------------------------------------------------------------
 
 
-class PreparedUrls:
-    """The SDK client's ``_prepare_url`` (two URL parses per request: the path, then the join with
-    the base URL or the Azure endpoint, ~20 µs) once per path, for as long as the base URL stays;
-    the URL objects are immutable. The paths are the API's (for Azure, with the deployment).
+class Reused:
+    """What the SDK client builds anew for every request and can keep, as a mixin before the SDK's
+    class (both are private to the SDK: no public hook builds them):
 
-    Private to the SDK: no public hook builds the URL. openai is pinned to the minor version tested
-    (requirements.txt); test_clients.py checks the method's shape and that every request is the one
-    the SDK's own classes build."""
+    - ``_prepare_url``: the request URL (two URL parses: the path, then the join with the base URL
+      or the Azure endpoint), kept per path for as long as the base URL stays;
+    - ``post``'s request options (a pydantic model whose defaults are deep-copied each time, about
+      15% of the SDK's instructions per request): one per path and options is kept, and each call
+      gets a copy with its own body, which the SDK's ``request`` copies again before its retries (it
+      replaces, never changes, what the copies share). Anything else (files, raw content, options
+      that cannot be compared) goes through the SDK's own ``post``.
+
+    URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
+    test_clients.py checks the shapes relied on and that every request is the SDK's own."""
 
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})
@@ -84,10 +93,61 @@ class PreparedUrls:
             cache[url] = (base, prepared)
         return prepared
 
+    async def post(
+        self,
+        path: str,
+        *,
+        cast_to: Any,
+        body: Any = None,
+        content: Any = None,
+        files: Any = None,
+        options: Mapping[str, Any] = {},  # the SDK's signature; never changed here
+        stream: bool = False,
+        stream_cls: Any = None,
+    ) -> Any:
+        key = _frozen(path, options) if content is None and files is None and isinstance(body, dict | None) else None
+        cache = self.__dict__.setdefault("_chatstream_options", {})
+        kept = cache.get(key) if key is not None else None
+        if kept is None:
+            if key is None or len(cache) >= URL_CACHE_SIZE:
+                return await super().post(  # type: ignore[misc] - the SDK client class after this mixin
+                    path,
+                    cast_to=cast_to,
+                    body=body,
+                    content=content,
+                    files=files,
+                    options=options,
+                    stream=stream,
+                    stream_cls=stream_cls,
+                )
+            kept = cache[key] = FinalRequestOptions.construct(
+                method="post", url=path, json_data=None, content=None, files=None, **options
+            )
+        request = self.request  # type: ignore[attr-defined] - the SDK client's
+        return await request(cast_to, kept.model_copy(update={"json_data": body}), stream=stream, stream_cls=stream_cls)
 
-# The SDK's classes with PreparedUrls, under the SDK's names (they go into the User-Agent header).
-_AsyncOpenAI = type("AsyncOpenAI", (PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
-_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
+
+def _frozen(path: str, options: Mapping[str, Any]) -> tuple | None:
+    """``options`` as a key of the kept request options, or None if a value cannot be compared. A
+    value that is not hashable (an httpx2.Timeout) counts by identity: the kept options hold it, so
+    it stays alive (UpstreamStream.open passes the same one each time)."""
+    items: list = [path]
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            value = tuple(value.items())
+        try:
+            hash(value)
+        except TypeError:
+            if isinstance(value, tuple):
+                return None  # a list in a header or parameter
+            value = ("id", id(value))
+        items.append((name, value))
+    return tuple(items)
+
+
+# The SDK's classes with Reused, under the SDK's names (they go into the User-Agent header).
+_AsyncOpenAI = type("AsyncOpenAI", (Reused, openai.AsyncOpenAI), {"__module__": __name__})
+_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (Reused, openai.AsyncAzureOpenAI), {"__module__": __name__})
 
 
 def make_client(

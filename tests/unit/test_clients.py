@@ -356,25 +356,107 @@ async def test_an_entry_without_a_key_sends_no_authorization_header():
     assert recording.requests[1].headers["x-a"] == "1" and recording.requests[1].url.params["include"] == "x"
 
 
-def test_the_sdks_url_method_has_the_shape_prepared_urls_overrides():
-    """PreparedUrls overrides the SDK's private ``_prepare_url(url: str) -> URL`` (no public hook
-    builds the URL): if the SDK renames it or changes its arguments, this fails, not production."""
-    from chatstream.upstreams.clients import PreparedUrls, _AsyncAzureOpenAI, _AsyncOpenAI
-
-    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
-        method = sdk_class._prepare_url
-        assert list(inspect.signature(method).parameters) == ["self", "url"], sdk_class
-    for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):
-        assert ours._prepare_url is PreparedUrls._prepare_url  # ahead of the SDK class in the MRO
-    client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
+def test_the_sdk_parts_reused_keep_the_shape_relied_on():
+    """Reused overrides the SDK's private ``_prepare_url(url: str) -> URL`` and builds the private
+    ``FinalRequestOptions`` that its ``post`` builds, handing them to ``request`` (no public hook
+    does either): if the SDK renames or reshapes any of them, this fails, not production."""
+    from openai._base_client import AsyncAPIClient
     from openai._models import FinalRequestOptions
 
+    from chatstream.upstreams.clients import Reused, _AsyncAzureOpenAI, _AsyncOpenAI
+
+    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
+        assert list(inspect.signature(sdk_class._prepare_url).parameters) == ["self", "url"], sdk_class
+        assert sdk_class.post is AsyncAPIClient.post, "the SDK class builds its own post"
+    post = list(inspect.signature(AsyncAPIClient.post).parameters)
+    assert post == ["self", "path", "cast_to", "body", "content", "files", "options", "stream", "stream_cls"]
+    request = list(inspect.signature(AsyncAPIClient.request).parameters)
+    assert request == ["self", "cast_to", "options", "stream", "stream_cls"]
+    assert {"method", "url", "json_data", "content", "files", "timeout", "headers", "params"} <= set(
+        FinalRequestOptions.model_fields
+    )
+    post_source = inspect.getsource(AsyncAPIClient.post)
+    assert (
+        'FinalRequestOptions.construct(\n            method="post", url=path, json_data=body, content=content'
+        in post_source
+    )
+    assert "return await self.request(cast_to, opts, stream=stream, stream_cls=stream_cls)" in post_source
+    for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):  # ahead of the SDK class in the MRO
+        assert ours._prepare_url is Reused._prepare_url and ours.post is Reused.post
+    client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
 
 
+class _Answers(httpx2.AsyncBaseTransport):
+    """Records every request; answers 500 to the first of each path (so that the SDK retries), then
+    a stream or a JSON body."""
+
+    def __init__(self):
+        self.requests, self.seen = [], set()
+
+    async def handle_async_request(self, request):
+        self.requests.append(request)
+        if request.url.path not in self.seen:
+            self.seen.add(request.url.path)
+            return httpx2.Response(500, json={"error": {"message": "again"}}, request=request)
+        if b'"stream":true' in request.content:
+            body = CHUNK + b"data: [DONE]\n\n"
+            stream = httpx2.ByteStream(body)
+            return httpx2.Response(200, headers={"content-type": "text/event-stream"}, stream=stream, request=request)
+        return httpx2.Response(200, json={"choices": []}, request=request)
+
+
+async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
+    """Through post (streams, whole answers, retries after a 500, the Responses API's Azure paths, an
+    entry without a key, the body changing per call): every request our clients send is the one the
+    SDK's own classes send, and the options kept are left as they were built."""
+    from openai._models import FinalRequestOptions
+
+    from chatstream.upstreams.clients import NoAuthClient, ResponsesClient, _AsyncAzureOpenAI, _AsyncOpenAI, complete
+
+    timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
+    kinds = {
+        "openai": lambda cls, t: cls(api_key="sk-o", base_url="http://up.test/v1", **t),
+        "azure": lambda cls, t: cls(azure_endpoint="https://res.test", api_version="2024-10-21", api_key="az", **t),
+        "keyless": lambda cls, t: NoAuthClient(cls(api_key="not-needed", base_url="http://up.test/v1", **t)),
+    }
+    sdk_classes = {"openai": (_AsyncOpenAI, openai.AsyncOpenAI), "azure": (_AsyncAzureOpenAI, openai.AsyncAzureOpenAI)}
+
+    async def calls(client, azure: bool) -> None:
+        for model in ("m1", "m2", "m1"):
+            stream = await UpstreamStream.open(client, "/chat/completions", {"model": model, "stream": True})
+            assert [d async for d in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
+            assert await complete(client, "/chat/completions", {"model": model, "n": 2}) == ({"choices": []}, None)
+            responses = ResponsesClient(client, azure=azure)
+            stream = await UpstreamStream.open(responses, "/responses", {"model": model, "stream": True})
+            assert len([d async for d in stream]) == 1
+
+    def shape(request: httpx2.Request) -> tuple:
+        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+
+    for kind, build in kinds.items():
+        ours_class, sdk_class = sdk_classes.get(kind, sdk_classes["openai"])
+        sent = []
+        for cls in (ours_class, sdk_class):
+            answers = _Answers()
+            client = build(
+                cls, {"timeout": timeout, "max_retries": 2, "http_client": httpx2.AsyncClient(transport=answers)}
+            )
+            await calls(client, azure=kind == "azure")
+            sent.append([shape(r) for r in answers.requests])
+            kept = getattr(client, "client", client).__dict__.get("_chatstream_options", {})
+            for options in kept.values():  # as built: nothing set on the kept ones
+                given = {k: getattr(options, k) for k in options.model_fields_set - {"method", "url"}}
+                fresh = FinalRequestOptions.construct(method="post", url=options.url, **given)
+                assert options.json_data is None and options.method == "post"
+                assert repr(options) == repr(fresh) and options.model_fields_set == fresh.model_fields_set
+        ours, theirs = sent
+        assert len(ours) > 9 and ours == theirs, kind  # 9 calls, the first on each path retried
+
+
 def test_cached_urls_build_the_requests_the_sdk_builds():
-    """make_client's clients keep parsed URLs (PreparedUrls, HttpClient.build_request): every request
+    """make_client's clients keep parsed URLs (Reused, HttpClient.build_request): every request
     is the one the SDK's own classes build on the SDK's own httpx2 client, OpenAI and Azure (a
     deployment per model, api-version), the second time too, and after the base URL changes."""
     from openai._models import FinalRequestOptions
