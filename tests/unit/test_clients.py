@@ -333,6 +333,36 @@ async def test_a_thousand_connections_are_allowed_not_aiohttps_hundred():
         server.close()
 
 
+async def test_the_environments_proxy_is_used_and_no_proxy_honoured(monkeypatch):
+    """HTTP_PROXY (read when the transport is made, as httpx2 reads it) carries requests to other
+    hosts; a host NO_PROXY names is reached directly."""
+    lines = []
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines.append(head.split(b"\r\n")[0].decode())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    from chatstream.upstreams.clients import complete
+
+    try:
+        for base in ("http://up.test/v1", f"http://127.0.0.1:{port}/v1"):
+            client = openai.AsyncOpenAI(api_key="k", base_url=base, max_retries=0, timeout=5, http_client=HttpClient())
+            try:
+                assert await complete(client, "/chat/completions", {"model": "m"}) == ({}, None)
+            finally:
+                await client.close()
+    finally:
+        server.close()
+    assert lines == ["POST http://up.test/v1/chat/completions HTTP/1.1", "POST /v1/chat/completions HTTP/1.1"]
+
+
 async def test_an_entry_without_a_key_sends_no_authorization_header():
     """NoAuthClient: streams, whole answers and follow-ups (get, delete) go without Authorization;
     the key the SDK was given never leaves the process; other headers are kept."""
