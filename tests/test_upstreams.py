@@ -89,6 +89,37 @@ def test_entra_token_near_expiry_is_refreshed(upstream):
     assert len(credential.calls) == 2
 
 
+def test_a_server_that_takes_no_key_gets_no_authorization_header(upstream):
+    """OPENAI_BASE_URL without OPENAI_API_KEY (a vLLM server inside a VNet), then an UPSTREAMS entry
+    with a base_url and no api_key_setting: a streamed chat, a whole completion, a response and a
+    follow-up on it (GET) reach the scripted upstream with no Authorization header at all."""
+    import json
+
+    import httpx
+
+    for env in (
+        {"OPENAI_BASE_URL": upstream.base_url},
+        {"UPSTREAMS": json.dumps([{"name": "vllm", "base_url": upstream.base_url}])},
+    ):
+        upstream.clear()
+        app = App({**env, "OPENAI_MODEL": "gpt-test", "UPSTREAM_MAX_RETRIES": "0"})
+        try:
+            assert chat(app.chat_url, prompt("normal")).text == TEXTS["normal"]
+            whole = httpx.post(
+                app.url + "/api/v1/chat/completions",
+                timeout=20,
+                json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            created = httpx.post(app.url + "/api/v1/responses", timeout=20, json={"model": "gpt-test", "input": "hi"})
+            fetched = httpx.get(f"{app.url}/api/v1/responses/{created.json()['id']}", timeout=20)
+        finally:
+            app.stop()
+        assert (whole.status_code, created.status_code, fetched.status_code) == (200, 200, 200), fetched.text
+        sent = upstream.requests()
+        assert [r["method"] for r in sent] == ["POST", "POST", "POST", "GET"], env
+        assert [r["headers"].get("authorization") for r in sent] == [None] * 4, env
+
+
 @pytest.fixture(scope="module")
 def allowlisted(upstream):
     from helpers import app_env

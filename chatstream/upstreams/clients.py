@@ -3,37 +3,39 @@ Azure OpenAI with a key or Entra ID), their streams read as raw chunks, their wh
 Responses API's view of a client (``ResponsesClient``).
 
 The openai SDK does the request: retries (honouring ``retry-after``), timeouts, typed errors, Azure
-URLs and Entra ID tokens. Stream chunks are decoded here with ``json.loads`` instead of the SDK's
-typed models (building a ChatCompletionChunk costs ~30x more), and raw dicts keep every field the
-upstream sent (Azure's filter results, new fields) for pass-through.
+URLs and Entra ID tokens. It is given our HTTP client (transport.py: aiohttp underneath) through
+its public ``http_client`` parameter. Stream chunks are decoded here from the body's raw bytes with
+``json.loads`` instead of the SDK's typed models (building a ChatCompletionChunk costs ~30x more),
+and raw dicts keep every field the upstream sent (Azure's filter results, new fields) for
+pass-through.
 
-The clients use the SDK's aiohttp transport (``openai.DefaultAioHttpClient``, the ``openai[aiohttp]``
-extra) instead of its default httpx2 one: reading the upstream's body was most of the worker's CPU
-per delta (docs/benchmarks.md). The SDK's adapter maps every other aiohttp connection error to
-httpx2.ConnectTimeout; transport.py puts them back to what httpx2 raises (ConnectError,
-ReadError, RemoteProtocolError), keeping the aiohttp exception in the cause chain, so that a refused
-connection is not taken for a timeout."""
+Two private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
+URLs its ``_prepare_url`` builds and the request options its ``post`` builds (``FinalRequestOptions``),
+which it would rebuild for every request (requirements.txt pins the SDK's minor version;
+tests/unit/test_clients.py fails if either changes shape, and checks every request against the
+SDK's own)."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import httpx2
 import openai
+from openai._models import FinalRequestOptions  # private: see Reused
 
 from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
 from ..http import SSEFramer
 from ..settings import Settings
 from .config import Entry
 from .outcomes import upstream_field
-from .transport import AIOHTTP_BODY, AioHttpClient, PreparedUrls, aiohttp_errors, remapped
+from .transport import URL_CACHE_SIZE, HttpClient, body_reader
 
-# Sent when the upstream needs no key (a local vLLM/Ollama/LM Studio behind OPENAI_BASE_URL); the
-# SDK refuses to start without one.
+# The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
+# private network) gives it this one, which no request carries (NoAuthClient).
 NO_KEY = "not-needed"
 ENTRA_SCOPE = "https://cognitiveservices.azure.com/.default"
 # Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
@@ -65,23 +67,102 @@ class SdkClient(Protocol):
 # --- building clients -------------------------------------------------------------------------
 
 
-# The SDK's classes with PreparedUrls, under the SDK's names (they go into the User-Agent header).
-_AsyncOpenAI = type("AsyncOpenAI", (PreparedUrls, openai.AsyncOpenAI), {"__module__": __name__})
-_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (PreparedUrls, openai.AsyncAzureOpenAI), {"__module__": __name__})
+class Reused:
+    """What the SDK client builds anew for every request and can keep, as a mixin before the SDK's
+    class (both are private to the SDK: no public hook builds them):
+
+    - ``_prepare_url``: the request URL (two URL parses: the path, then the join with the base URL
+      or the Azure endpoint), kept per path for as long as the base URL stays;
+    - ``post``'s request options (a pydantic model whose defaults are deep-copied each time, about
+      15% of the SDK's instructions per request): one per path and options is kept, and each call
+      gets a copy with its own body, which the SDK's ``request`` copies again before its retries (it
+      replaces, never changes, what the copies share). Anything else (files, raw content, options
+      that cannot be compared) goes through the SDK's own ``post``.
+
+    URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
+    test_clients.py checks the shapes relied on and that every request is the SDK's own."""
+
+    def _prepare_url(self, url: str) -> httpx2.URL:
+        cache = self.__dict__.setdefault("_chatstream_urls", {})
+        hit = cache.get(url)
+        base = self._base_url  # type: ignore[attr-defined] - a mixin: the SDK client class has it
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        prepared = super()._prepare_url(url)  # type: ignore[misc] - the SDK client class after this mixin
+        if len(cache) < URL_CACHE_SIZE:
+            cache[url] = (base, prepared)
+        return prepared
+
+    async def post(
+        self,
+        path: str,
+        *,
+        cast_to: Any,
+        body: Any = None,
+        content: Any = None,
+        files: Any = None,
+        options: Mapping[str, Any] = {},  # the SDK's signature; never changed here
+        stream: bool = False,
+        stream_cls: Any = None,
+    ) -> Any:
+        key = _frozen(path, options) if content is None and files is None and isinstance(body, dict | None) else None
+        cache = self.__dict__.setdefault("_chatstream_options", {})
+        kept = cache.get(key) if key is not None else None
+        if kept is None:
+            if key is None or len(cache) >= URL_CACHE_SIZE:
+                return await super().post(  # type: ignore[misc] - the SDK client class after this mixin
+                    path,
+                    cast_to=cast_to,
+                    body=body,
+                    content=content,
+                    files=files,
+                    options=options,
+                    stream=stream,
+                    stream_cls=stream_cls,
+                )
+            kept = cache[key] = FinalRequestOptions.construct(
+                method="post", url=path, json_data=None, content=None, files=None, **options
+            )
+        request = self.request  # type: ignore[attr-defined] - the SDK client's
+        return await request(cast_to, kept.model_copy(update={"json_data": body}), stream=stream, stream_cls=stream_cls)
+
+
+def _frozen(path: str, options: Mapping[str, Any]) -> tuple | None:
+    """``options`` as a key of the kept request options, or None if a value cannot be compared. A
+    value that is not hashable (an httpx2.Timeout) counts by identity: the kept options hold it, so
+    it stays alive (UpstreamStream.open passes the same one each time)."""
+    items: list = [path]
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            value = tuple(value.items())
+        try:
+            hash(value)
+        except TypeError:
+            if isinstance(value, tuple):
+                return None  # a list in a header or parameter
+            value = ("id", id(value))
+        items.append((name, value))
+    return tuple(items)
+
+
+# The SDK's classes with Reused, under the SDK's names (they go into the User-Agent header).
+_AsyncOpenAI = type("AsyncOpenAI", (Reused, openai.AsyncOpenAI), {"__module__": __name__})
+_AsyncAzureOpenAI = type("AsyncAzureOpenAI", (Reused, openai.AsyncAzureOpenAI), {"__module__": __name__})
 
 
 def make_client(
     entry: Entry, settings: Settings, max_retries: int, token_provider: TokenProvider | None = None
-) -> openai.AsyncOpenAI:
+) -> SdkClient:
     """The SDK client for one upstream entry (``UPSTREAMS``, or the single upstream): its URL and key,
     the app's time limits, and ``max_retries`` (0 when the pool has other entries to move to). An
-    Azure entry without a key uses ``token_provider`` (Entra ID)."""
+    Azure entry without a key uses ``token_provider`` (Entra ID); any other entry without a key
+    sends no Authorization header (``NoAuthClient``)."""
     # The relay enforces first-token, idle and total limits itself; the SDK's read timeout is only
     # a backstop for non-streamed calls, so it sits above both.
     read = max(settings.first_token_timeout, settings.idle_timeout) + 5
     common: dict[str, Any] = dict(
         max_retries=max_retries,
-        http_client=AioHttpClient(),
+        http_client=HttpClient(),
         timeout=openai.Timeout(read, connect=settings.upstream_connect_timeout, write=30.0, pool=30.0),
     )
     key = entry.api_key.get_secret_value() if entry.api_key is not None else None
@@ -97,7 +178,43 @@ def make_client(
             azure_ad_token_provider=token_provider or entra_token_provider(),
             **common,
         )
-    return _AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
+    if key is None:
+        return NoAuthClient(_AsyncOpenAI(api_key=NO_KEY, base_url=entry.url, **common))
+    return _AsyncOpenAI(api_key=key, base_url=entry.url, **common)
+
+
+class NoAuthClient:
+    """An SDK client for an upstream that takes no key: every request goes without an Authorization
+    header, the SDK's own way (the header set to ``openai.omit`` in the request's options; the SDK
+    refuses a request with no credentials otherwise)."""
+
+    def __init__(self, client: openai.AsyncOpenAI) -> None:
+        self.client = client
+
+    @property
+    def timeout(self) -> float | httpx2.Timeout | None:
+        return self.client.timeout
+
+    async def post(self, path: str, **kwargs: Any) -> Any:
+        return await self.client.post(path, **_without_auth(kwargs))
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        return await self.client.get(path, **_without_auth(kwargs))
+
+    async def delete(self, path: str, **kwargs: Any) -> Any:
+        return await self.client.delete(path, **_without_auth(kwargs))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def is_closed(self) -> bool:
+        return self.client.is_closed()
+
+
+def _without_auth(kwargs: dict) -> dict:
+    options = dict(kwargs.get("options") or {})
+    options["headers"] = {**(options.get("headers") or {}), "Authorization": openai.omit}
+    return {**kwargs, "options": options}
 
 
 def entra_token_provider(credential: Any = None) -> TokenProvider:
@@ -127,15 +244,22 @@ def check_deployment_name(model: str) -> None:
 
 class UpstreamStream(openai.AsyncStream[dict]):
     """One streamed call (chat completions or responses): ``async for data in stream`` yields each
-    ``data:`` payload as a dict until ``[DONE]`` or the end of the body; ``close()`` drops the
-    connection (stopping the generation).
+    ``data:`` payload as a dict until ``[DONE]`` (the body is still read to its end, so that the
+    connection is reused), or the end of the body; ``close()`` drops the connection (stopping the
+    generation).
 
     The request goes through the SDK's documented low-level ``client.post`` (retries, timeouts,
-    typed errors, Azure's deployment URLs and auth all apply); ``create()`` would first run its
-    type-driven transform over the parameters, about 1 ms per request here for plain dicts that
-    need none."""
+    typed errors, Azure's deployment URLs and auth all apply), with this class as its ``stream_cls``;
+    ``create()`` would first run its type-driven transform over the parameters, about 1 ms per
+    request here for plain dicts that need none. The stream is the SDK's with its public iteration
+    (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes (from our
+    transport, its body's reader itself: two generators fewer per piece)."""
 
     ready = 0  # chunks already read from the upstream and not yet handed out (stream.py batches them)
+
+    def __init__(self, *, response: httpx2.Response, **sdk: Any) -> None:
+        super().__init__(response=response, **sdk)
+        self._chunks = self._read()
 
     @classmethod
     async def open(
@@ -143,8 +267,9 @@ class UpstreamStream(openai.AsyncStream[dict]):
     ) -> UpstreamStream:
         # The stream core bounds every read itself; aiohttp would re-arm a read timer per chunk.
         options: dict[str, Any] = {}
-        if isinstance(client.timeout, httpx2.Timeout):  # a client with no SDK timeouts keeps its own
-            options["timeout"] = _without_read_limit(client.timeout)
+        timeout = client.timeout
+        if isinstance(timeout, httpx2.Timeout):  # a client with no SDK timeouts keeps its own
+            options["timeout"] = _without_read_limit(timeout.connect, timeout.write, timeout.pool)
         if query:
             options["params"] = query
         if method == "get":
@@ -156,39 +281,30 @@ class UpstreamStream(openai.AsyncStream[dict]):
         return self.response.headers.get("x-request-id")
 
     def __aiter__(self) -> AsyncIterator[dict]:
-        # The stream's own generator: the SDK's __aiter__ wraps it in one more generator per chunk.
-        return self._iterator
+        return self._chunks
 
-    async def __stream__(self) -> AsyncIterator[dict]:
+    async def __anext__(self) -> dict:
+        return await anext(self._chunks)
+
+    async def _read(self) -> AsyncIterator[dict]:
+        response = self.response
         framer = SSEFramer()
-        # Without a content coding (an event stream normally has none) the raw bytes are the body:
-        # one generator and one decoder call less per piece than aiter_bytes; from AioHttpClient,
-        # aiohttp's own reader of them, past the four generators of the layers between.
-        coded = self.response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-        direct = None if coded or aiohttp_errors is None else self.response.extensions.get(AIOHTTP_BODY)
-        if direct is not None and aiohttp_errors is not None:
-            pieces, errors = direct.iter_any(), aiohttp_errors()
-        else:
-            pieces = self.response.aiter_bytes() if coded else self.response.aiter_raw()
-            errors = contextlib.nullcontext()
+        # Without a content coding (an event stream normally has none) the raw bytes are the body.
+        coded = response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+        direct = None if coded else body_reader(response)
+        pieces = direct or (response.aiter_bytes() if coded else response.aiter_raw())
         try:
-            with errors:  # aiohttp's errors as httpx2's, as the SDK's adapter maps them
-                async for piece in pieces:
-                    if framer.done:
-                        continue  # read to the end of the body, so the connection can be reused
-                    payloads = framer.feed(piece)
-                    for i, payload in enumerate(payloads, 1):
-                        self.ready = len(payloads) - i
-                        yield _decode(self.response, payload)
+            async for piece in pieces:
+                if framer.done:
+                    continue  # read to the end of the body, so the connection can be reused
+                payloads = framer.feed(piece)
+                for i, payload in enumerate(payloads, 1):
+                    self.ready = len(payloads) - i
+                    yield _decode(response, payload)
             if direct is not None:
-                await self.response.aclose()  # the body is over: the connection goes back, as aiter_raw does
-        except httpx2.ConnectTimeout as exc:  # read directly: first what _RemappingStream makes of it
-            try:
-                raise remapped(exc) from exc.__cause__
-            except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as mapped:
-                raise _sdk_error(self.response, mapped) from mapped
-        except _TIMEOUT_ERRORS + _TRANSPORT_ERRORS as exc:
-            raise _sdk_error(self.response, exc) from exc
+                await response.aclose()  # the body is over: the connection goes back, as aiter_raw does
+        except _READ_ERRORS as exc:
+            raise _sdk_error(response, exc) from exc
 
 
 def _sdk_error(response: httpx2.Response, exc: BaseException) -> openai.APIConnectionError:
@@ -198,9 +314,10 @@ def _sdk_error(response: httpx2.Response, exc: BaseException) -> openai.APIConne
     return openai.APIConnectionError(request=response.request)
 
 
-def _without_read_limit(timeout: httpx2.Timeout) -> httpx2.Timeout:
+@functools.cache
+def _without_read_limit(connect: float | None, write: float | None, pool: float | None) -> httpx2.Timeout:
     """The client's timeouts without the read one (non-streamed calls keep it as their backstop)."""
-    return httpx2.Timeout(connect=timeout.connect, read=None, write=timeout.write, pool=timeout.pool)
+    return httpx2.Timeout(connect=connect, read=None, write=write, pool=pool)
 
 
 def _decode(response: httpx2.Response, payload: bytes) -> dict:
@@ -234,7 +351,7 @@ async def complete(client: SdkClient, path: str, params: dict) -> tuple[dict, st
 # The SDK's HTTP library raises these while a body is read; the SDK maps them only inside its own
 # decoder, so they are mapped the same way here.
 _TIMEOUT_ERRORS = http_errors("TimeoutException")
-_TRANSPORT_ERRORS = http_errors("TransportError")
+_READ_ERRORS = _TIMEOUT_ERRORS + http_errors("TransportError")
 
 
 # --- the Responses API's view of a client ---------------------------------------------------
@@ -287,11 +404,3 @@ class ResponsesClient:
 
     async def close(self) -> None:
         pass  # the SDK client is closed by its owner
-
-
-class RawStream(openai.AsyncStream[bytes]):
-    """An upstream body passed on as it comes, bytes unchanged (a re-stream of a stored response)."""
-
-    async def __stream__(self) -> AsyncIterator[bytes]:
-        async for piece in self.response.aiter_bytes():
-            yield piece

@@ -1,119 +1,234 @@
-"""The HTTP transport under the openai SDK's clients: the SDK's aiohttp client (``AioHttpClient``,
-the ``openai[aiohttp]`` extra) with aiohttp's connection errors mapped back to what httpx2 raises
-(the SDK's adapter maps every one of them to httpx2.ConnectTimeout, so a refused connection would
-be taken for a timeout), the body's aiohttp reader handed to ``UpstreamStream`` (``AIOHTTP_BODY``),
-and request URLs parsed once per path (``PreparedUrls``, ``AioHttpClient._merge_url``)."""
+"""The HTTP layer under the openai SDK's clients, through its public ``http_client`` parameter: an
+httpx2 client (the SDK's defaults, ``openai.DefaultAsyncHttpx2Client``) on a transport of our own,
+``AiohttpTransport``, which sends with aiohttp (reading the upstream's body was most of the
+worker's CPU per delta with httpx2's own transport: docs/benchmarks.md).
+
+- aiohttp's errors become httpx2's, each as what it is (``mapped``): a refused connection is a
+  ConnectError, a cut one a ReadError or RemoteProtocolError, only a timer a timeout; the SDK
+  turns them into APIConnectionError / APITimeoutError, and the pool tells them apart.
+- 1,000 connections (the SDK's ``DEFAULT_CONNECTION_LIMITS``; aiohttp's own default is 100), idle
+  ones kept 5 s; no cookie jar (the httpx2 client keeps cookies, as over any transport); proxies
+  from HTTP(S)_PROXY / NO_PROXY, read once.
+- The body's reader is also in the response's extensions (``body_reader``), so that a stream can
+  read it without the generators of the layers between (httpx2's bound stream, ``aiter_raw``).
+- ``HttpClient.build_request`` parses each request URL (with its query) once per client."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+import ssl
+import urllib.request
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
 import httpx2
 import openai
 
-try:  # how the SDK's aiohttp adapter maps aiohttp's errors to httpx2's (used when a body is read directly)
-    from openai._vendor.httpx_aiohttp.transport import map_aiohttp_exceptions as aiohttp_errors
-except ImportError:  # another SDK layout: bodies are read through httpx2, as before
-    aiohttp_errors = None
-
-
-class _RemappingTransport(httpx2.AsyncBaseTransport):
-    """Wraps the SDK's aiohttp transport: its ConnectTimeout for errors that are no timeout becomes
-    ConnectError (could not connect) or ReadError/RemoteProtocolError (connection lost)."""
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
-        self._inner = inner
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        try:
-            response = await self._inner.handle_async_request(request)
-        except httpx2.ConnectTimeout as exc:
-            raise remapped(exc) from exc.__cause__
-        # The body as aiohttp reads it, for UpstreamStream: one iterator per piece instead of four
-        # generators (the adapter's, ours below, httpx2's bound stream and its aiter_raw).
-        body = getattr(response.stream, "_aiohttp_response", None)
-        if aiohttp_errors is not None and isinstance(body, aiohttp.ClientResponse):
-            response.extensions[AIOHTTP_BODY] = body.content
-        response.stream = _RemappingStream(response.stream)
-        return response
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class _RemappingStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._inner:
-                yield chunk
-        except httpx2.ConnectTimeout as exc:
-            raise remapped(exc) from exc.__cause__
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-# The extension of a response from AioHttpClient that holds aiohttp's reader of its body.
-AIOHTTP_BODY = "chatstream.aiohttp_body"
-
-
-def remapped(exc: httpx2.ConnectTimeout) -> Exception:
-    cause = exc.__cause__
-    if cause is None or isinstance(cause, (aiohttp.ServerTimeoutError, TimeoutError)):
-        return exc  # a real timeout (aiohttp's connect timeout is a ServerTimeoutError)
-    if isinstance(cause, aiohttp.ClientConnectorError):
-        return httpx2.ConnectError(str(exc))
-    if isinstance(cause, aiohttp.ServerDisconnectedError):
-        return httpx2.RemoteProtocolError(str(exc))
-    return httpx2.ReadError(str(exc))
-
-
-class AioHttpClient(openai.DefaultAioHttpClient):
-    """``openai.DefaultAioHttpClient`` (the SDK's defaults, aiohttp underneath) with its errors
-    remapped (``_RemappingTransport``), and the URLs of its requests parsed once (``_merge_url``)."""
-
-    def _init_transport(self, *args, **kwargs):
-        return _RemappingTransport(super()._init_transport(*args, **kwargs))
-
-    def _init_proxy_transport(self, *args, **kwargs):
-        return _RemappingTransport(super()._init_proxy_transport(*args, **kwargs))
-
-    def _merge_url(self, url: httpx2.URL | str) -> httpx2.URL:
-        # The SDK hands every request's URL over as a string, parsed again here each time: the same
-        # few strings, so the parsed (immutable) URL is kept, for as long as the base URL stays.
-        if not isinstance(url, str):
-            return super()._merge_url(url)
-        cache = self.__dict__.setdefault("_chatstream_urls", {})
-        hit = cache.get(url)
-        if hit is not None and hit[0] is self._base_url:
-            return hit[1]
-        merged = super()._merge_url(url)
-        if len(cache) < URL_CACHE_SIZE:
-            cache[url] = (self._base_url, merged)
-        return merged
-
-
-# Distinct URLs a client keeps parsed: a few per API and deployment; beyond this, parsed every time.
+# The extension of a response from AiohttpTransport that holds its body's reader.
+BODY = "chatstream.body"
+# Distinct request URLs a client keeps parsed: a few per API and deployment; beyond this, parsed
+# every time.
 URL_CACHE_SIZE = 256
 
 
-class PreparedUrls:
-    """The SDK client's ``_prepare_url`` (two URL parses per request: the path, then the join with
-    the base URL or the Azure endpoint) once per path, for as long as the base URL stays; the URL
-    objects are immutable. The paths are the API's (for Azure, with the deployment)."""
+def mapped(exc: aiohttp.ClientError) -> httpx2.TransportError:
+    """An aiohttp error as the httpx2 error it is (the SDK maps httpx2's; its retries and our pool's
+    outcomes depend on which one)."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # connecting, or waiting for a pooled connection
+        return httpx2.ConnectTimeout(message)
+    if isinstance(exc, aiohttp.ServerTimeoutError):  # a read timer (sock_read)
+        return httpx2.ReadTimeout(message)
+    if isinstance(exc, aiohttp.ClientProxyConnectionError | aiohttp.ClientHttpProxyError):
+        return httpx2.ProxyError(message)
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ServerFingerprintMismatch):
+        return httpx2.ConnectError(message)  # refused, DNS, TLS: nothing was sent
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientResponseError):
+        return httpx2.RemoteProtocolError(message)  # closed before or inside the answer's head, or a malformed one
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        return httpx2.UnsupportedProtocol(message)
+    return httpx2.ReadError(message)  # reset, or the body cut short (ClientOSError, ClientPayloadError)
 
-    def _prepare_url(self, url: str) -> httpx2.URL:
-        cache = self.__dict__.setdefault("_chatstream_urls", {})
-        hit = cache.get(url)
-        base = self._base_url  # type: ignore[attr-defined] - a mixin: the SDK client class has it
-        if hit is not None and hit[0] is base:
-            return hit[1]
-        prepared = super()._prepare_url(url)  # type: ignore[misc] - the SDK client class after this mixin
-        if len(cache) < URL_CACHE_SIZE:
-            cache[url] = (base, prepared)
-        return prepared
+
+class Body(httpx2.AsyncByteStream):
+    """An aiohttp response's body as httpx2 reads it, and as ``UpstreamStream`` reads it directly:
+    ``async for piece in body`` yields what each read brings (aiohttp's ``readany``), errors mapped.
+    ``aclose`` gives the connection back when the body was read to its end, else closes it (which
+    stops the upstream's generation)."""
+
+    __slots__ = ("_content", "_response")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self._content = response.content
+
+    def __aiter__(self) -> Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            piece = await self._content.readany()
+        except aiohttp.ClientError as exc:
+            raise mapped(exc) from exc
+        if not piece:
+            raise StopAsyncIteration
+        return piece
+
+    async def aclose(self) -> None:
+        if self._content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+def body_reader(response: httpx2.Response) -> Body | None:
+    """The body's reader of a response from AiohttpTransport (its raw bytes, before any content
+    decoding), to read directly; None for a response from another transport."""
+    body = response.extensions.get(BODY)
+    return body if isinstance(body, Body) else None
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx2's trust (SSL_CERT_FILE / SSL_CERT_DIR when set), one context for every client."""
+    return httpx2.create_ssl_context()
+
+
+class AiohttpTransport(httpx2.AsyncBaseTransport):
+    """httpx2's transport interface over one aiohttp session (made at the first request, on the
+    running loop). The request's ``timeout`` extension sets aiohttp's timers: ``connect`` the
+    socket's connect (TLS included), ``pool`` the wait for a connection and the connect together,
+    ``read`` each read (None for a stream: the stream core bounds reads itself); aiohttp has no
+    write timer."""
+
+    def __init__(self, limits: httpx2.Limits = openai.DEFAULT_CONNECTION_LIMITS) -> None:
+        self._limits = limits
+        self._proxies = urllib.request.getproxies()  # the environment's, as httpx2 would read them
+        self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self._limits.max_connections or 0,
+            keepalive_timeout=self._limits.keepalive_expiry,
+            ssl=_ssl_context(),
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,  # httpx2 decodes a content coding (aiter_bytes, aread)
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        return self._session
+
+    def _proxy(self, url: httpx2.URL) -> str | None:
+        if not self._proxies:
+            return None
+        origin = (url.scheme, url.host, url.port)
+        if origin not in self._proxy_of:
+            proxy = self._proxies.get(url.scheme) or self._proxies.get("all")
+            if proxy and urllib.request.proxy_bypass(url.host):  # NO_PROXY
+                proxy = None
+            self._proxy_of[origin] = proxy
+        return self._proxy_of[origin]
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        session = self._session or self._open()
+        timeout = request.extensions.get("timeout") or {}
+        content = await request.aread()
+        headers: Iterable[tuple[str, str]] = request.headers.multi_items()
+        try:
+            answer = await session.request(
+                request.method,
+                str(request.url),  # yarl keeps the URLs it parsed
+                headers=headers,  # pairs: a repeated header stays repeated
+                data=content or None,
+                allow_redirects=False,  # the httpx2 client follows them
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=timeout.get("pool"),
+                    sock_connect=timeout.get("connect"),
+                    sock_read=timeout.get("read"),
+                ),
+                proxy=self._proxy(request.url),
+            )
+        except aiohttp.ClientError as exc:
+            raise mapped(exc) from exc
+        body = Body(answer)
+        extensions: dict[str, Any] = {"http_version": b"HTTP/1.1", BODY: body}
+        if answer.reason:
+            extensions["reason_phrase"] = answer.reason.encode("ascii", "replace")
+        return httpx2.Response(
+            answer.status, headers=answer.raw_headers, stream=body, request=request, extensions=extensions
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class HttpClient(httpx2.AsyncClient):
+    """The httpx2 client the SDK is given: the SDK's defaults (``openai.DefaultAsyncHttpx2Client``'s), on
+    ``AiohttpTransport`` unless given another transport, and every request through that transport
+    (no proxy mounts of httpx2's own: the transport reads the environment's).
+
+    ``build_request`` builds the request httpx2 builds, for less: the parsed URL of each URL string
+    and query the SDK hands it is kept (the same few per client; httpx2 parses each twice per
+    request), and the SDK's headers are put after the client's own ones at once (httpx2 copies the
+    client's, then normalises and looks up every header of the request's twice more). Anything the
+    SDK does not send (cookies, params or extensions on the client, a body other than bytes) goes
+    the way httpx2 goes."""
+
+    def __init__(self, transport: httpx2.AsyncBaseTransport | None = None) -> None:
+        super().__init__(
+            transport=transport or AiohttpTransport(),
+            timeout=openai.DEFAULT_TIMEOUT,  # the SDK's defaults (it passes its own timeout with each request)
+            follow_redirects=True,
+            trust_env=False,
+        )
+        self._parsed: dict[tuple[str, str | None], httpx2.URL] = {}
+
+    def build_request(
+        self,
+        method: str,
+        url: httpx2.URL | str,
+        *,
+        content: Any = None,
+        params: Any = None,
+        headers: Any = None,
+        timeout: Any = httpx2.USE_CLIENT_DEFAULT,
+        **others: Any,
+    ) -> httpx2.Request:
+        parsed = None
+        if isinstance(url, str) and (params is None or isinstance(params, str)) and not self.params:
+            parsed = self._url(url, params)
+        if parsed is not None:
+            url, params = parsed, None  # the URL object is taken as it is
+        if (
+            parsed is None
+            or not isinstance(headers, list)
+            or not isinstance(content, bytes | None)
+            or any(value is not None for value in others.values())  # data, files, json, cookies, extensions
+            or self.cookies
+        ):
+            return super().build_request(
+                method, url, content=content, params=params, headers=headers, timeout=timeout, **others
+            )
+        named = {name.lower() for name, _ in headers}
+        own = [(name, value) for name, value in self.headers.raw if name.lower().decode("latin-1") not in named]
+        limits = self.timeout if timeout is httpx2.USE_CLIENT_DEFAULT else httpx2.Timeout(timeout)
+        return httpx2.Request(
+            method, url, content=content, headers=own + headers, extensions={"timeout": limits.as_dict()}
+        )
+
+    def _url(self, url: str, params: str | None) -> httpx2.URL | None:
+        key = (url, params)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = httpx2.URL(url) if params is None else httpx2.URL(url, params=params)  # as httpx2.Request
+            if parsed.is_relative_url:  # merged with the client's base URL by httpx2
+                return None
+            if len(self._parsed) < URL_CACHE_SIZE:
+                self._parsed[key] = parsed
+        return parsed

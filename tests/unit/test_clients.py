@@ -1,45 +1,57 @@
-"""chatstream/upstream.py's aiohttp transport: connection errors come out as the SDK's types they had
-with httpx2 (a refused connection or a reset is APIConnectionError, not APITimeoutError), and the
-pool still tells a failure to connect from a lost connection. In-process loopback servers only."""
+"""chatstream/upstreams/clients.py and transport.py: the SDK on our aiohttp transport through its
+public ``http_client``. Connection errors come out as the SDK's types they are (a refused connection
+or a reset is APIConnectionError, not APITimeoutError) and the pool tells a failure to connect from
+a lost connection; streams have no read timer, whole answers do; chunks are raw dicts; a body is read
+to its end and its connection reused; 1,000 connections; requests are the SDK's own; an entry
+without a key sends no Authorization header. In-process loopback servers only."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import socket
+import ssl
 import struct
+import time
 
 import aiohttp
 import httpx2
 import openai
+import pytest
 
-from chatstream.upstreams.clients import UpstreamStream
+from chatstream.upstreams.clients import NoAuthClient, UpstreamStream
 from chatstream.upstreams.outcomes import OutcomeKind, classify
-from chatstream.upstreams.transport import AioHttpClient, remapped
+from chatstream.upstreams.transport import BODY, HttpClient, mapped
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-def _connect_timeout(cause: BaseException) -> httpx2.ConnectTimeout:
-    exc = httpx2.ConnectTimeout("x")
-    exc.__cause__ = cause
-    return exc
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
 
 
-def test_remapped_keeps_real_timeouts_and_restores_the_rest():
-    real = _connect_timeout(aiohttp.ConnectionTimeoutError("connect timed out"))
-    assert remapped(real) is real
-    assert isinstance(remapped(_connect_timeout(aiohttp.ServerDisconnectedError())), httpx2.RemoteProtocolError)
-    assert isinstance(remapped(_connect_timeout(aiohttp.ClientOSError(104, "reset"))), httpx2.ReadError)
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (aiohttp.ConnectionTimeoutError("connect timed out"), httpx2.ConnectTimeout),
+        (aiohttp.SocketTimeoutError("read timed out"), httpx2.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx2.RemoteProtocolError),
+        (aiohttp.ClientOSError(104, "reset"), httpx2.ReadError),
+        (aiohttp.ClientPayloadError("cut short"), httpx2.ReadError),
+        (aiohttp.InvalidURL("x"), httpx2.UnsupportedProtocol),
+    ],
+)
+def test_aiohttp_errors_become_the_httpx2_errors_they_are(raised, expected):
+    assert type(mapped(raised)) is expected
 
 
 async def _serve(mode: str):
     async def handler(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         if mode == "mid_body":
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                + b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
-            )
+            writer.write(HEAD + _chunked(CHUNK))
             await writer.drain()
             await asyncio.sleep(0.05)
         if mode == "disconnect":
@@ -51,10 +63,15 @@ async def _serve(mode: str):
     return await asyncio.start_server(handler, "127.0.0.1", 0)
 
 
-async def _failure(port: int) -> BaseException:
-    client = openai.AsyncOpenAI(
-        api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=5, http_client=AioHttpClient()
+def _client(port: int, **kw) -> openai.AsyncOpenAI:
+    kw.setdefault("timeout", 5)
+    return openai.AsyncOpenAI(
+        api_key="k", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, http_client=HttpClient(), **kw
     )
+
+
+async def _failure(port: int) -> BaseException:
+    client = _client(port)
     try:
         stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
         async for _ in stream:
@@ -72,6 +89,7 @@ async def test_refused_connection_is_a_connect_failure():
         port = s.getsockname()[1]  # bound, not listening: refused
         exc = await _failure(port)
     assert type(exc) is openai.APIConnectionError
+    assert isinstance(exc.__cause__, httpx2.ConnectError)
     assert classify(exc).outcome.kind is OutcomeKind.CONNECT_FAILED
 
 
@@ -86,12 +104,74 @@ async def test_reset_or_disconnect_is_a_lost_connection():
         assert classify(exc).outcome.kind is OutcomeKind.CONNECTION_LOST, mode
 
 
+def _self_signed(directory) -> ssl.SSLContext:
+    """A server context with a certificate for 127.0.0.1 that no one trusts."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    return context
+
+
+async def test_an_untrusted_certificate_is_a_connect_failure_and_nothing_is_sent(tmp_path):
+    """TLS is verified (httpx2's trust): a server whose certificate no one signed is never sent
+    the request, and the pool takes it for a failure to connect."""
+    heads = []
+
+    async def handler(reader, writer):
+        with contextlib.suppress(Exception):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=_self_signed(tmp_path))
+    client = openai.AsyncOpenAI(
+        api_key="k",
+        base_url=f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+        max_retries=0,
+        timeout=5,
+        http_client=HttpClient(),
+    )
+    try:
+        with pytest.raises(openai.APIConnectionError) as caught:
+            await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+    finally:
+        await client.close()
+        server.close()
+    assert isinstance(caught.value.__cause__, httpx2.ConnectError) and heads == []
+    assert classify(caught.value).outcome.kind is OutcomeKind.CONNECT_FAILED
+
+
 class _Recording(httpx2.AsyncBaseTransport):
     def __init__(self, body: bytes):
-        self.body, self.timeouts = body, []
+        self.body, self.timeouts, self.requests = body, [], []
 
     async def handle_async_request(self, request):
         self.timeouts.append(request.extensions.get("timeout"))
+        self.requests.append(request)
         kind = "application/json" if self.body.startswith(b"{") else "text/event-stream"
         return httpx2.Response(
             200, headers={"content-type": kind}, stream=httpx2.ByteStream(self.body), request=request
@@ -117,6 +197,39 @@ async def test_a_stream_has_no_read_timeout_but_keeps_the_others_and_a_completio
     streamed, completed = recording.timeouts
     assert streamed == {"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}
     assert completed == {"connect": 3.0, "read": 65.0, "write": 30.0, "pool": 30.0}
+
+
+async def test_the_transport_times_the_reads_of_a_whole_answer_and_not_those_of_a_stream():
+    """Both answers stall 1 s after their head; the client's read timeout is 0.3 s: the whole
+    answer times out (APITimeoutError), the stream waits for its chunk (the core bounds it)."""
+    from chatstream.upstreams.clients import complete
+
+    async def handler(reader, writer):
+        request = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.readexactly(int(request.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        if b'"stream":true' in body.replace(b" ", b""):
+            writer.write(HEAD)
+            await writer.drain()
+            await asyncio.sleep(1.0)
+            writer.write(_chunked(CHUNK, b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        else:
+            await asyncio.sleep(1.0)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1], timeout=openai.Timeout(0.3, connect=3.0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APITimeoutError):
+            await complete(client, "/chat/completions", {"model": "m"})
+        assert time.monotonic() - started < 0.9
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        assert [d["choices"][0]["delta"]["content"] async for d in stream] == ["a"]
+    finally:
+        await client.close()
+        server.close()
 
 
 async def test_a_responses_stream_opens_through_the_responses_client_without_a_read_timeout():
@@ -149,46 +262,233 @@ async def test_a_client_without_sdk_timeouts_opens_a_stream_with_its_own_setting
     assert "timeout" not in client.kwargs["options"]  # None would mean "no timeout at all" to the SDK
 
 
-async def test_an_aiohttp_body_is_read_directly_and_released_at_its_end():
-    """From AioHttpClient the stream reads aiohttp's reader itself (AIOHTTP_BODY), the same events,
-    and the response is closed (its connection back in the pool) as soon as the body ends."""
-    from chatstream.upstreams.transport import AIOHTTP_BODY
-
+async def test_a_body_is_read_directly_to_its_end_and_its_connection_reused():
+    """From our transport the stream reads the body's reader itself (BODY), the same events; the
+    body is read past [DONE] to its end, the response closed there, and the next stream goes over
+    the same connection."""
     body = CHUNK + b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n' + b"data: [DONE]\n\n"
+    connections = 0
 
     async def handler(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for piece in (body[:10], body[10:70], body[70:]):
-            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        nonlocal connections
+        connections += 1
+        while await reader.readuntil(b"\r\n\r\n"):
+            await reader.readexactly(2)  # the request's body ({} below)
+            writer.write(HEAD)
+            for piece in (body[:10], body[10:70], body[70:], b": after the end\n\n"):
+                writer.write(_chunked(piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
             await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        await reader.read()
 
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(
-        api_key="k",
-        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
-        max_retries=0,
-        timeout=5,
-        http_client=AioHttpClient(),
-    )
+    client = _client(server.sockets[0].getsockname()[1])
     try:
-        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
-        assert AIOHTTP_BODY in stream.response.extensions
-        got = [d["choices"][0]["delta"]["content"] async for d in stream]
-        assert got == ["a", "b"] and stream.response.is_closed
-        await stream.close()
+        for _ in range(2):
+            stream = await UpstreamStream.open(client, "/chat/completions", {})
+            assert BODY in stream.response.extensions
+            got = [d["choices"][0]["delta"]["content"] async for d in stream]
+            assert got == ["a", "b"] and stream.response.is_closed
+            await stream.close()
+        assert connections == 1
     finally:
         await client.close()
         server.close()
 
 
+async def test_a_thousand_connections_are_allowed_not_aiohttps_hundred():
+    """150 streams at once each get a connection of their own: the server holds every answer until
+    all 150 are open (aiohttp's default connector would queue the last 50)."""
+    count, opened = 150, 0
+    everyone = asyncio.Event()
+
+    async def handler(reader, writer):
+        nonlocal opened
+        await reader.readuntil(b"\r\n\r\n")
+        opened += 1
+        if opened == count:
+            everyone.set()
+        try:
+            await asyncio.wait_for(everyone.wait(), 10)
+        except TimeoutError:
+            writer.close()
+            return
+        writer.write(HEAD + _chunked(CHUNK, b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, backlog=count)
+    client = _client(server.sockets[0].getsockname()[1], timeout=20)
+
+    async def one() -> list:
+        stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+        return [d async for d in stream]
+
+    try:
+        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        assert opened == count
+        assert all(isinstance(r, list) and len(r) == 1 for r in results), results[:3]
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_the_environments_proxy_is_used_and_no_proxy_honoured(monkeypatch):
+    """HTTP_PROXY (read when the transport is made, as httpx2 reads it) carries requests to other
+    hosts; a host NO_PROXY names is reached directly."""
+    lines = []
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines.append(head.split(b"\r\n")[0].decode())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    from chatstream.upstreams.clients import complete
+
+    try:
+        for base in ("http://up.test/v1", f"http://127.0.0.1:{port}/v1"):
+            client = openai.AsyncOpenAI(api_key="k", base_url=base, max_retries=0, timeout=5, http_client=HttpClient())
+            try:
+                assert await complete(client, "/chat/completions", {"model": "m"}) == ({}, None)
+            finally:
+                await client.close()
+    finally:
+        server.close()
+    assert lines == ["POST http://up.test/v1/chat/completions HTTP/1.1", "POST /v1/chat/completions HTTP/1.1"]
+
+
+async def test_an_entry_without_a_key_sends_no_authorization_header():
+    """NoAuthClient: streams, whole answers and follow-ups (get, delete) go without Authorization;
+    the key the SDK was given never leaves the process; other headers are kept."""
+    from chatstream.upstreams.clients import complete
+
+    recording = _Recording(b'{"choices": []}')
+    sdk = openai.AsyncOpenAI(
+        api_key="placeholder", base_url="http://upstream.test/v1", http_client=httpx2.AsyncClient(transport=recording)
+    )
+    client = NoAuthClient(sdk)
+    await complete(client, "/chat/completions", {"model": "m"})
+    await client.get("/responses/r1", cast_to=object, options={"params": {"include": "x"}, "headers": {"X-A": "1"}})
+    await client.delete("/responses/r1", cast_to=object)
+    recording.body = CHUNK + b"data: [DONE]\n\n"
+    stream = await UpstreamStream.open(client, "/chat/completions", {"model": "m", "stream": True})
+    assert len([d async for d in stream]) == 1
+    assert len(recording.requests) == 4
+    for request in recording.requests:
+        assert "authorization" not in request.headers
+        assert all(b"placeholder" not in value for _, value in request.headers.raw)
+    assert recording.requests[1].headers["x-a"] == "1" and recording.requests[1].url.params["include"] == "x"
+
+
+def test_the_sdk_parts_reused_keep_the_shape_relied_on():
+    """Reused overrides the SDK's private ``_prepare_url(url: str) -> URL`` and builds the private
+    ``FinalRequestOptions`` that its ``post`` builds, handing them to ``request`` (no public hook
+    does either): if the SDK renames or reshapes any of them, this fails, not production."""
+    from openai._base_client import AsyncAPIClient
+    from openai._models import FinalRequestOptions
+
+    from chatstream.upstreams.clients import Reused, _AsyncAzureOpenAI, _AsyncOpenAI
+
+    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
+        assert list(inspect.signature(sdk_class._prepare_url).parameters) == ["self", "url"], sdk_class
+        assert sdk_class.post is AsyncAPIClient.post, "the SDK class builds its own post"
+    post = list(inspect.signature(AsyncAPIClient.post).parameters)
+    assert post == ["self", "path", "cast_to", "body", "content", "files", "options", "stream", "stream_cls"]
+    request = list(inspect.signature(AsyncAPIClient.request).parameters)
+    assert request == ["self", "cast_to", "options", "stream", "stream_cls"]
+    assert {"method", "url", "json_data", "content", "files", "timeout", "headers", "params"} <= set(
+        FinalRequestOptions.model_fields
+    )
+    post_source = inspect.getsource(AsyncAPIClient.post)
+    assert (
+        'FinalRequestOptions.construct(\n            method="post", url=path, json_data=body, content=content'
+        in post_source
+    )
+    assert "return await self.request(cast_to, opts, stream=stream, stream_cls=stream_cls)" in post_source
+    for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):  # ahead of the SDK class in the MRO
+        assert ours._prepare_url is Reused._prepare_url and ours.post is Reused.post
+    client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
+    client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
+    assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
+
+
+class _Answers(httpx2.AsyncBaseTransport):
+    """Records every request; answers 500 to the first of each path (so that the SDK retries), then
+    a stream or a JSON body."""
+
+    def __init__(self):
+        self.requests, self.seen = [], set()
+
+    async def handle_async_request(self, request):
+        self.requests.append(request)
+        if request.url.path not in self.seen:
+            self.seen.add(request.url.path)
+            return httpx2.Response(500, json={"error": {"message": "again"}}, request=request)
+        if b'"stream":true' in request.content:
+            body = CHUNK + b"data: [DONE]\n\n"
+            stream = httpx2.ByteStream(body)
+            return httpx2.Response(200, headers={"content-type": "text/event-stream"}, stream=stream, request=request)
+        return httpx2.Response(200, json={"choices": []}, request=request)
+
+
+async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
+    """Through post (streams, whole answers, retries after a 500, the Responses API's Azure paths, an
+    entry without a key, the body changing per call): every request our clients send is the one the
+    SDK's own classes send, and the options kept are left as they were built."""
+    from openai._models import FinalRequestOptions
+
+    from chatstream.upstreams.clients import NoAuthClient, ResponsesClient, _AsyncAzureOpenAI, _AsyncOpenAI, complete
+
+    timeout = openai.Timeout(65.0, connect=3.0, write=30.0, pool=30.0)
+    kinds = {
+        "openai": lambda cls, t: cls(api_key="sk-o", base_url="http://up.test/v1", **t),
+        "azure": lambda cls, t: cls(azure_endpoint="https://res.test", api_version="2024-10-21", api_key="az", **t),
+        "keyless": lambda cls, t: NoAuthClient(cls(api_key="not-needed", base_url="http://up.test/v1", **t)),
+    }
+    sdk_classes = {"openai": (_AsyncOpenAI, openai.AsyncOpenAI), "azure": (_AsyncAzureOpenAI, openai.AsyncAzureOpenAI)}
+
+    async def calls(client, azure: bool) -> None:
+        for model in ("m1", "m2", "m1"):
+            stream = await UpstreamStream.open(client, "/chat/completions", {"model": model, "stream": True})
+            assert [d async for d in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
+            assert await complete(client, "/chat/completions", {"model": model, "n": 2}) == ({"choices": []}, None)
+            responses = ResponsesClient(client, azure=azure)
+            stream = await UpstreamStream.open(responses, "/responses", {"model": model, "stream": True})
+            assert len([d async for d in stream]) == 1
+
+    def shape(request: httpx2.Request) -> tuple:
+        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+
+    for kind, build in kinds.items():
+        ours_class, sdk_class = sdk_classes.get(kind, sdk_classes["openai"])
+        sent = []
+        for cls in (ours_class, sdk_class):
+            answers = _Answers()
+            client = build(
+                cls, {"timeout": timeout, "max_retries": 2, "http_client": httpx2.AsyncClient(transport=answers)}
+            )
+            await calls(client, azure=kind == "azure")
+            sent.append([shape(r) for r in answers.requests])
+            kept = getattr(client, "client", client).__dict__.get("_chatstream_options", {})
+            for options in kept.values():  # as built: nothing set on the kept ones
+                given = {k: getattr(options, k) for k in options.model_fields_set - {"method", "url"}}
+                fresh = FinalRequestOptions.construct(method="post", url=options.url, **given)
+                assert options.json_data is None and options.method == "post"
+                assert repr(options) == repr(fresh) and options.model_fields_set == fresh.model_fields_set
+        ours, theirs = sent
+        assert len(ours) > 9 and ours == theirs, kind  # 9 calls, the first on each path retried
+
+
 def test_cached_urls_build_the_requests_the_sdk_builds():
-    """make_client's clients keep parsed URLs (chatstream's PreparedUrls and AioHttpClient._merge_url):
-    every request is the one the SDK's own classes build, OpenAI and Azure (a deployment per model,
-    api-version), the second time too, and after the base URL changes."""
+    """make_client's clients keep parsed URLs (Reused, HttpClient.build_request): every request
+    is the one the SDK's own classes build on the SDK's own httpx2 client, OpenAI and Azure (a
+    deployment per model, api-version), the second time too, and after the base URL changes."""
     from openai._models import FinalRequestOptions
     from pydantic import SecretStr
 
@@ -209,23 +509,28 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
     ]
 
     def shape(request: httpx2.Request) -> tuple:
-        headers = sorted((k, v) for k, v in request.headers.items() if k != "x-stainless-retry-count")
-        return request.method, str(request.url), headers, request.content, request.extensions.get("timeout")
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"x-stainless-retry-count"]  # in order
+        return request.method, str(request.url), headers, request.content, request.extensions
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
+        assert isinstance(ours, openai.AsyncOpenAI) and isinstance(ours._client, HttpClient)
         plain = (
             openai.AsyncAzureOpenAI(
                 azure_endpoint=entry.url,
                 api_version=entry.api_version,
                 api_key="az-k",
                 max_retries=2,
-                http_client=AioHttpClient(),
+                http_client=openai.DefaultAsyncHttpx2Client(),
                 timeout=ours.timeout,
             )
             if entry.kind == "azure"
             else openai.AsyncOpenAI(
-                api_key="sk-o", base_url=entry.url, max_retries=2, http_client=AioHttpClient(), timeout=ours.timeout
+                api_key="sk-o",
+                base_url=entry.url,
+                max_retries=2,
+                http_client=openai.DefaultAsyncHttpx2Client(),
+                timeout=ours.timeout,
             )
         )
         for round_ in range(3):
@@ -243,3 +548,41 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
                         )
 
                     assert shape(ours._build_request(options())) == shape(plain._build_request(options()))
+
+
+def test_http_client_builds_the_request_httpx2_builds():
+    """HttpClient.build_request against httpx2's own, for what the SDK sends (pairs of headers,
+    bytes, a query string, a timeout) and for what it does not (a relative URL, dict headers, cookies
+    or params on the client, a JSON body, extensions): the same method, URL, headers in order (case
+    kept), body and extensions, the second time too."""
+    headers = [("accept", "application/json"), ("user-agent", "AsyncOpenAI/Python"), ("x-a", "1"), ("x-a", "2")]
+    calls = [
+        dict(method="POST", url="https://h.test/v1/chat/completions", content=b"{}", headers=headers, timeout=5.0),
+        dict(method="POST", url="https://h.test/openai/x", params="api-version=1", headers=headers, files=None),
+        dict(method="GET", url="https://h.test/v1/r?a=1", params="b=2", headers=headers, timeout=httpx2.Timeout(3)),
+        dict(method="GET", url="https://h.test/v1/r", headers={"Accept": "x"}),
+        dict(method="POST", url="https://h.test/v1/r", json={"a": 1}, headers=headers, extensions={"x": 1}),
+    ]
+
+    def shape(request: httpx2.Request) -> tuple:
+        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+
+    for setup in ({}, {"cookies": {"c": "1"}}, {"params": {"p": "1"}}, {"base_url": "https://base.test/x/"}):
+        ours = HttpClient(httpx2.MockTransport(lambda r: httpx2.Response(200)))
+        theirs = httpx2.AsyncClient(timeout=openai.DEFAULT_TIMEOUT, follow_redirects=True, trust_env=False)
+        for client in (ours, theirs):
+            for name, value in setup.items():
+                setattr(client, name, value)
+        relative = [dict(method="GET", url="/relative", headers=headers)] if "base_url" in setup else []
+        for call in (calls + relative) * 2:
+            assert shape(ours.build_request(**call)) == shape(theirs.build_request(**call)), (setup, call)
+
+
+def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():
+    from chatstream.settings import Settings
+    from chatstream.upstreams.clients import make_client
+    from chatstream.upstreams.config import Entry
+
+    settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
+    client = make_client(Entry(name="v", kind="openai", url="http://127.0.0.1:9/v1"), settings, 2)
+    assert isinstance(client, NoAuthClient) and client.timeout == client.client.timeout
