@@ -69,7 +69,7 @@ class Admission:
     caller: Caller
     team: Team | None
     reservation: Reservation
-    prompt_tokens: int
+    prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     model: str
     price: Price | None
     entry: JournalEntry | None
@@ -196,11 +196,13 @@ class Accounting:
             return price
         if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):
             return ModelRefused(model, unpriced=True, scope="caller" if caller.spend_budget else "team")
-        context = await self._context(caller, call.params)
-        if isinstance(context, Unknown | Unavailable):
-            return context
+        found = await self._context(caller, call.params)
+        if isinstance(found, Unknown | Unavailable):
+            return found
+        known, estimated = found
         call.params = tokens.with_default_cap(call.params, self.default_max_output)
-        prompt = tokens.count_prompt(model, call.params) + context
+        counted = tokens.count_prompt(model, call.params) + known  # what it carries for sure
+        prompt = counted + estimated  # ...and what it may carry: reserved, charged only as reported
         output = tokens.choices(call.params) * (tokens.output_cap(call.params) or self.default_max_output)
         spend = price.most(prompt, output) if price is not None else 0
         wants = _limit_wants(caller, "caller", caller.name, caller.limits_partition, model, prompt + output, spend)
@@ -220,19 +222,21 @@ class Accounting:
                 model=model,
                 endpoint=endpoint or record.endpoint,
                 day=day_of(started),
-                prompt_tokens=prompt,
+                prompt_tokens=counted,
                 needs=reserved.needs,
                 kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in reserved.needs},
                 price=price,
             )
         )
-        return Admission(caller, team, reserved, prompt, model, price, entry, started, wants=wants)
+        return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
-    async def _context(self, caller: Caller, params: Mapping) -> int | Unknown | Unavailable:
-        """The tokens a Responses request carries by reference: a ``previous_response_id`` must be
-        the caller's own (its size is known once it finished); a ``conversation`` or an
-        ``item_reference`` reserves ``referenced_context`` (settled to the upstream's usage)."""
-        extra = 0
+    async def _context(self, caller: Caller, params: Mapping) -> tuple[int, int] | Unknown | Unavailable:
+        """The tokens a Responses request carries by reference, (known, estimated): a
+        ``previous_response_id`` must be the caller's own, and its size is known once it finished; a
+        ``conversation`` or an ``item_reference``, or a previous response not finished yet, is
+        estimated as ``referenced_context``. Both are reserved; an answer that ends early without
+        the upstream's usage is charged the known part only."""
+        known = extra = 0
         previous = params.get("previous_response_id")
         if isinstance(previous, str) and previous:
             try:
@@ -241,10 +245,13 @@ class Accounting:
                 return Unavailable()
             if owned is None or not _mine(owned.caller_id, caller):
                 return Unknown("response", previous)
-            extra += owned.context or self.referenced_context
+            if owned.context:
+                known += owned.context
+            else:
+                extra += self.referenced_context
         if params.get("conversation") or _references_items(params.get("input")):
             extra += self.referenced_context
-        return extra
+        return known, extra
 
     def progress(self, admission: Admission, generated) -> None:
         """How the journal reads what the request has generated so far (its checkpoints)."""
