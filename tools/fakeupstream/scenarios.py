@@ -720,7 +720,9 @@ def continuation_of(body: dict, answer: Any) -> GoingOn | None:
         return None
     full = tuple(answer(history))
     whole = "".join(full)
-    if not partial or not whole.startswith(partial):
+    # Only a strict start of the answer is one cut short: a whole answer followed by a user message
+    # is an ordinary next turn of a conversation.
+    if not partial or not whole.startswith(partial) or partial == whole:
         return None
     return GoingOn(history, partial, full, exact)
 
