@@ -31,7 +31,9 @@ from .store import (
     with_index,
 )
 
-FaultMode = Literal["lose_answer", "unavailable", "slow"]
+# ``not_found``: the store answers 404 for the table itself (one deleted under the app, before the
+# edge re-creates it): an error that is not an outage, which no background loop may die of.
+FaultMode = Literal["lose_answer", "unavailable", "slow", "not_found"]
 
 
 @dataclass
@@ -118,6 +120,8 @@ class MemoryStore:
             fault.times -= 1
             if fault.mode == "unavailable":
                 raise StoreUnavailable("the store failed (injected)")
+            if fault.mode == "not_found":
+                raise NotFound("the table is not there (injected)")
             if fault.mode == "lose_answer":
                 work()
                 raise StoreTimeout("the store did not answer in time (injected, applied)")
