@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,9 @@ from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings, SettingsError
 from .state.accounting import Accounting
+from .state.instances import Instances
 from .state.shared import SharedState
+from .state.store import StoreClock, store_from_env
 from .state.streamlog import ResumeConfig, StreamLog
 from .upstreams.failover import Upstreams
 
@@ -35,13 +38,20 @@ log = logging.getLogger("chatstream")
 class ChatApp:
     """The handlers behind the routes of function_app.py."""
 
-    def __init__(self, settings: Settings, pipeline: Pipeline, upstreams: Upstreams, state: SharedState | None):
+    def __init__(
+        self,
+        settings: Settings,
+        pipeline: Pipeline,
+        upstreams: Upstreams,
+        state: SharedState | None,
+        environ: Mapping[str, str] | None = None,
+    ):
         self.settings = settings
         self.pipeline = pipeline
         self.upstreams = upstreams  # one pool for every endpoint
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
-        self.streams = _resumable(settings, state, accounting)  # RESUMABLE_STREAMS=on
+        self.streams = _resumable(settings, state, accounting, environ or os.environ)  # RESUMABLE_STREAMS=on
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
@@ -109,16 +119,22 @@ class ChatApp:
             await self.state.close()
 
 
-def _resumable(settings: Settings, state: SharedState | None, accounting: Accounting | None) -> Resumable | None:
+def _resumable(
+    settings: Settings, state: SharedState | None, accounting: Accounting | None, environ: Mapping[str, str]
+) -> Resumable | None:
     if not settings.resumable_streams:
         return None
-    if state is None:
+    store = store_from_env(environ) if state is not None else None
+    if store is None:
         raise SettingsError(
             "invalid app settings: RESUMABLE_STREAMS=on needs the app's storage: set "
             "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
         )
+    offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
+    if offset:  # tests only: this instance's own clock is that far off (the store's clock corrects it)
+        store.clock = StoreClock(wall=lambda: time.time() + offset)
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
-    log_ = StreamLog(state.store, encode_error(encoders), ResumeConfig.from_settings(settings))
+    log_ = StreamLog(store, Instances(store), encode_error(encoders), ResumeConfig.from_settings(settings))
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 
@@ -149,4 +165,4 @@ def create_app(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
-    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ))
+    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ), environ)
