@@ -959,7 +959,9 @@ async def test_a_handed_over_stream_is_taken_over_at_once_without_a_lease_to_wai
         async with asyncio.timeout(5):
             got = await anext(reader)
         started = time.monotonic()
-        assert await a.hand_over(producer.id) is True  # SIGTERM: A drains
+        ended = a.start("chat", None)
+        await produce(ended, [])
+        assert await a.drain() == 1  # SIGTERM: A hands over what it produces (the ended one needs none)
         assert producer.moved.is_set() and producer.stop_reason == "handed_over"
         assert await b.instances.alive(a.instances.id)  # A is alive: no lease expired
         got += await read_all(reader)
@@ -1029,6 +1031,22 @@ async def test_a_continued_stream_is_cancelled_abandoned_and_swept_like_any_othe
         assert events_of(got)[-1][1] == DONE[:-2] and len(events_of(got)) < 200
 
 
+async def test_a_stream_cancelled_while_its_producer_is_dead_is_not_generated_again():
+    calls: list[Claim] = []
+    async with instances(3, take_over=regenerating(calls=calls), **QUICK) as (a, b, c):
+        producer = a.start("chat", None, request={"deltas": 100})
+        producer.append(delta(0))
+        await (await open_when_visible(b, producer.id, None)).aclose()
+        kill(a)
+        await asyncio.sleep(LIFE.lease_seconds + 0.2)
+        assert await c.cancel(producer.id, None) is True  # nobody reads A's inbox: the record says it
+        events = events_of(await read_all(await b.open_reader(producer.id, None, None)))
+        # The takeover stopped at once: what was stored (delta 0, if it was), then the final event.
+        assert len(calls) == 1 and calls[0].producer.stop_reason == "cancelled"
+        assert [n for n, _ in events] == list(range(1, len(events) + 1)) and len(events) <= 2
+        assert events[-1][1] == DONE[:-2]
+
+
 # -- the lag behind the live caller, and what the docs name ----------------------------------------
 
 
@@ -1081,3 +1099,79 @@ def test_every_module_path_the_stream_logs_docs_name_exists():
             if not any((base / name).exists() for base in bases):
                 missing.append((path.name, name))
     assert not missing
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("STREAMLOG_FIGURES"), reason="a figure for docs/resumable.md")
+async def test_figures_takeover_at_the_default_timings():
+    """A producer killed at a random point of its beat, at the default lease (4.5 s), beat (1.5 s)
+    and state check (1 s): when the reader elsewhere gets new output (issue #30's target: 15 s)."""
+    waits = []
+    for _ in range(5):
+        data = MemoryData()
+        logs = []
+        for _ in range(2):
+            store = CountingStore(data, StoreClock())
+            logs.append(StreamLog(store, Instances(store), encode_error, take_over=regenerating(gap=0.02)))
+        a, b = logs
+        producer = a.start("chat", None, request={"deltas": 200})
+        for i in range(10):
+            producer.append(delta(i))
+        reader = await open_when_visible(b, producer.id, None)
+        async with asyncio.timeout(10):
+            await anext(reader)
+        await asyncio.sleep(random.uniform(1.0, 2.5))
+        kill(a)
+        killed = time.monotonic()
+        async with asyncio.timeout(30):
+            async for chunk in reader:
+                if any(n > 10 for n, _ in events_of(chunk)):
+                    break
+        waits.append(time.monotonic() - killed)
+        await reader.aclose()
+        for streams in logs:
+            await streams.close(timeout=0.3)
+            await streams.instances.close()
+    print(f"\ndefault timings: new output {', '.join(f'{w:.1f}' for w in waits)} s after the producer's death")
+
+
+class _NoLog:
+    """The same relay loop without resumability: append returns the bytes."""
+
+    def append(self, data: bytes, *, final: bool = False) -> bytes:
+        return data
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("STREAMLOG_FIGURES"), reason="a figure for docs/resumable.md")
+async def test_figures_producer_cpu_on_azurite(azurite):
+    """CPU the stream log adds to a 40-delta stream (20 ms apart, the bench's answer), 50 at once,
+    with nobody reading elsewhere: process CPU against the same loop without it, on Azurite
+    through the Azure SDK (the instance's beat and inbox included)."""
+    from chatstream.state.store import StorageConfig
+    from chatstream.state.store_azure import AzureStore
+
+    store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+    streams = StreamLog(store, Instances(store), encode_error)
+    body = [delta(i) for i in range(40)]
+
+    async def run(make) -> float:
+        started = time.process_time()
+        producers = [make() for _ in range(50)]
+        await asyncio.gather(*(produce(x, body, gap=0.02) for x in producers))
+        for x in producers:
+            if hasattr(x, "wait_stored"):
+                assert await x.wait_stored(30)
+        return time.process_time() - started
+
+    await run(lambda: streams.start("chat", None, request={"messages": [{"role": "user", "content": "hi"}]}))
+    without = await run(_NoLog)
+    with_log = await run(lambda: streams.start("chat", None, request={"messages": [{"role": "user", "content": "hi"}]}))
+    print(
+        f"\n50 streams x 40 deltas: {without * 1000:.0f} ms CPU without the log, {with_log * 1000:.0f} ms with it: "
+        f"+{(with_log - without) / 50 * 1000:.2f} ms per stream; store calls {store.calls}"
+    )
+    await streams.close()
+    await streams.instances.close()
+    await store.close()

@@ -65,8 +65,8 @@ class StreamLog:
     Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
     ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
-    ``stream_lost``. ``hand_over(stream_id)``: when this instance stops (SIGTERM), a reader elsewhere
-    takes the stream over at once.
+    ``stream_lost``. ``hand_over(stream_id)`` / ``drain()``: when this instance stops (SIGTERM), a
+    reader elsewhere takes the stream over at once.
 
     ``close()`` at shutdown. The store and ``instances`` stay the integrator's to close."""
 
@@ -218,6 +218,13 @@ class StreamLog:
         self._ctx.draining = True
         producer = self.producing(stream_id)
         return producer is not None and await producer.hand_over(timeout)
+
+    async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
+        """Hand every stream produced here over (``hand_over``), at once; how many were."""
+        self._ctx.draining = True
+        producers = [p for p in self._producers.values() if not p.moved.is_set()]
+        handed = await asyncio.gather(*(p.hand_over(timeout) for p in producers))
+        return sum(handed)
 
     # -- housekeeping ---------------------------------------------------------------------------
 

@@ -290,12 +290,18 @@ class Slot:
         if self._keeping is not None:
             self._keeping.cancel()
             self._keeping = None
-            self._ctx.later(lambda: self._ctx.store.delete(STREAMS_TABLE, self._stream_id, self._key, etag=self._etag))
+            self._ctx.later(self._give_back)
+
+    async def _give_back(self) -> None:
+        try:
+            await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, self._key, etag=self._etag)
+        except Modified:  # a refresh landed as it was cancelled: the row is still ours if it names us
+            await _give_back(self._ctx, self._stream_id, self._key, self._holder)
 
 
 def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
     until = ctx.now() + ctx.config.slot_seconds
-    return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until + 60.0}
+    return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until}
 
 
 async def _give_back(ctx: Context, stream_id: str, key: str, holder: str) -> None:
@@ -562,15 +568,21 @@ class _Following:
         deadline = loop.time() + cfg.past_end_wait_seconds
         next_check = loop.time() + cfg.state_seconds
         read = b""
-        while (
-            self.after > tail.last_id and tail.end is None and self._nonce not in tail.acks and loop.time() < deadline
-        ):
-            await asyncio.sleep(cfg.poll_seconds / 2)
-            read += await self._poll()
-            if loop.time() >= next_check:
-                next_check = loop.time() + cfg.state_seconds
-                if await producer_gone(ctx, record, tail):
-                    break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
+        try:
+            while (
+                self.after > tail.last_id
+                and tail.end is None
+                and self._nonce not in tail.acks
+                and loop.time() < deadline
+            ):
+                await asyncio.sleep(cfg.poll_seconds / 2)
+                read += await self._poll()
+                if loop.time() >= next_check:
+                    next_check = loop.time() + cfg.state_seconds
+                    if await producer_gone(ctx, record, tail):
+                        break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
+        except StoreError:
+            pass  # the store cannot tell now: the reader follows (and skips to its id)
         return read
 
 
