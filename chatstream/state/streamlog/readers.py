@@ -375,6 +375,7 @@ class _Following:
         self._nonce = nonce or secrets.token_hex(4)
         self._registered: str | None = record.instance if nonce is not None and record is not None else None
         self._done = False
+        self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._tag = log_tag(stream_id)
 
     async def events(self, first: bytes) -> Events:
@@ -463,7 +464,7 @@ class _Following:
                     if tail.end is not None:
                         break
                     if cadence.state_due(now):
-                        if await producer_gone(ctx, self.record, tail):
+                        if await producer_gone(ctx, self.record, tail, self._grew_at):
                             out, done = await self._producer_gone()
                             if out:
                                 yield out
@@ -498,7 +499,10 @@ class _Following:
         tail = self.tail
         assert tail is not None
         async with self._ctx.bulk:
-            out = tail.feed(await self._ctx.store.read(self.stream_id, tail.offset))
+            data = await self._ctx.store.read(self.stream_id, tail.offset)
+        out = tail.feed(data)
+        if data:
+            self._grew_at = asyncio.get_running_loop().time()
         self.cursor = max(self.cursor, tail.cursor)
         return out
 
@@ -579,7 +583,7 @@ class _Following:
                 read += await self._poll()
                 if loop.time() >= next_check:
                     next_check = loop.time() + cfg.state_seconds
-                    if await producer_gone(ctx, record, tail):
+                    if await producer_gone(ctx, record, tail, self._grew_at):
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
