@@ -376,6 +376,7 @@ class _Following:
         self._registered: str | None = record.instance if nonce is not None and record is not None else None
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
+        self._gone_at: float | None = None  # when it first found the producer gone
         self._tag = log_tag(stream_id)
 
     async def events(self, first: bytes) -> Events:
@@ -464,13 +465,20 @@ class _Following:
                     if tail.end is not None:
                         break
                     if cadence.state_due(now):
-                        if await producer_gone(ctx, self.record, tail, self._grew_at):
+                        if not await producer_gone(ctx, self.record, tail, self._grew_at):
+                            self._gone_at = None
+                        elif self._gone_at is None and not tail.handover:
+                            # Twice, a check apart: a producer renamed under load (Instances fenced
+                            # it) says so in the record meanwhile; a dead one stays gone.
+                            self._gone_at = now
+                        else:
+                            self._gone_at = None
                             out, done = await self._producer_gone()
                             if out:
                                 yield out
                             if done:
                                 return
-                        elif now - last_new > cfg.give_up_seconds:  # nothing for long: still stored?
+                        if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
                             last_new = now
                             self.record = await self._reread()
                             if self.record.state == "lost":
