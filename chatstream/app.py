@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -155,11 +156,8 @@ def _resumable(settings: Settings, state: SharedState | None, accounting: Accoun
             "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
         )
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
-    from .state.legacy_store import store_from_env  # the stream log's own store until it moves to the new edge
-
-    legacy = store_from_env(os.environ)
-    assert legacy is not None
-    log_ = StreamLog(legacy, encode_error(encoders), ResumeConfig.from_settings(settings))
+    # One store and one instance per process: the stream log beats with the callers' state (instances.py).
+    log_ = StreamLog(state.store, state.instances, encode_error(encoders), ResumeConfig.from_settings(settings))
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 

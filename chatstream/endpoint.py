@@ -266,7 +266,7 @@ class Endpoint:
         route: Route = "chat" if self.api.name == "chat" else "openai"
 
         def answer(first: asyncio.Future, events: AsyncGenerator[Event]) -> Response | None:
-            producer = resumable.start(route, record)
+            producer = resumable.start(route, record, call.params)
             if producer is None:
                 return None  # this instance is full: streamed as usual
             call.stream_id = record.stream_id = producer.id

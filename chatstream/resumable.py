@@ -8,13 +8,18 @@ for ``RESUME_ABANDON_SECONDS``: the upstream is closed and the stream ends with 
 
 The status rule is the same as for any stream: until the first output (or the first heartbeat) a
 failure is an HTTP status, and a caller that leaves then stops it (there is no stream id to resume
-yet); after it, every event has an ``id:`` line and the answer has ``x-stream-id``."""
+yet); after it, every event has an ``id:`` line and the answer has ``x-stream-id``.
+
+The stream log answers in domain errors (state/streamlog/errors.py); this module alone turns them
+into statuses and bodies (``_error``): not found 404, a bad Last-Event-ID 400, too many readers 429,
+the store unavailable 503 (with ``Retry-After``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -25,14 +30,18 @@ from .errors import ERROR_HEADERS, ApiError, ErrorKind
 from .http import KEEP_ALIVE, EventStreamResponse
 from .record import StreamRecord
 from .state.accounting import Accounting
-from .state.legacy_store import StoreUnavailable
 from .state.streamlog import (
+    MOVED,
+    BadLastEventId,
     EncodeError,
     Producer,
     Route,
     StreamLog,
     StreamLogError,
+    StreamNotFound,
+    TooManyReaders,
     TooManyStreams,
+    Unavailable,
     log_tag,
     parse_last_event_id,
 )
@@ -55,11 +64,13 @@ class Resumable:
 
     # --- producing ------------------------------------------------------------------------------
 
-    def start(self, route: Route, record: StreamRecord) -> Producer | None:
+    def start(self, route: Route, record: StreamRecord, params: Mapping[str, Any] | None = None) -> Producer | None:
         """A new stream's producer, or None when this instance produces too many (then the answer
-        streams as usual, without resumability)."""
+        streams as usual, without resumability). ``params``: the upstream request as the route
+        made it, stored for a continuation elsewhere."""
         try:
-            return self.streams.start(route, record.caller_id)  # what a caller owns is its id's
+            # Owned by the caller's id; the app's own request id (what its charges are keyed by).
+            return self.streams.start(route, record.caller_id, request=params, request_id=record.id)
         except TooManyStreams:
             log.warning("resumable streams: this instance is full; a stream goes without resumability")
             return None
@@ -138,7 +149,7 @@ class Resumable:
             caller = await self._caller(request)
             after = parse_last_event_id(request.headers.get("last-event-id"), request.query_params.get("last_event_id"))
             reader = await self.streams.open_reader(request.path_params.get("stream_id", ""), after, caller)
-        except (ApiError, StreamLogError, StoreUnavailable) as error:
+        except (ApiError, StreamLogError) as error:
             return _error(error)
         give_up = asyncio.get_running_loop().time() + self.total_timeout
         return EventStreamResponse(_with_keep_alives(reader, self.heartbeat), give_up, on_close=reader.aclose)
@@ -150,7 +161,7 @@ class Resumable:
         try:
             caller = await self._caller(request)
             live = await self.streams.cancel(stream_id, caller)
-        except (ApiError, StreamLogError, StoreUnavailable) as error:
+        except (ApiError, StreamLogError) as error:
             return _error(error)
         return JSONResponse(
             {"id": stream_id, "object": "stream.cancel", "cancelled": live}, headers={"Cache-Control": "no-store"}
@@ -163,6 +174,9 @@ class Resumable:
 
     async def close(self) -> None:
         await self.streams.close()
+        # The log's instance and store were made for it (app.py): they go with it.
+        await self.streams.instances.close()
+        await self.streams.store.close()
 
 
 async def _stopped(
@@ -174,12 +188,18 @@ async def _stopped(
     producer: Producer,
     out: asyncio.Queue[bytes | None],
 ) -> None:
-    """Cancelled or abandoned: close the upstream now, then the final event, ``cancelled``."""
-    record.stopped(producer.stop_reason or "cancelled")
+    """Cancelled or abandoned: close the upstream now, then the final event, ``cancelled``. Taken
+    over or handed over: the stream goes on elsewhere; the live caller is told to resume there."""
+    moved = producer.stop_reason in MOVED
+    if not moved:
+        record.stopped(producer.stop_reason or "cancelled")
     pending.cancel()
     with anyio.CancelScope(shield=True):
         await asyncio.gather(pending, return_exceptions=True)
         await events.aclose()  # the relay closes the upstream connection: the generation stops
+    if moved:
+        out.put_nowait(producer.moved_event())
+        return
     done = Done(
         "cancelled",
         {0: "cancelled"},
@@ -235,25 +255,24 @@ async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> A
         pending.cancel()
 
 
-_KINDS = {
-    404: ErrorKind.NOT_FOUND,
-    400: ErrorKind.INVALID_REQUEST,
-    429: ErrorKind.RATE_LIMITED,
-    503: ErrorKind.STREAM_STORE_UNAVAILABLE,
-}
+_STATUSES: tuple[tuple[type[StreamLogError], int, ErrorKind], ...] = (
+    (StreamNotFound, 404, ErrorKind.NOT_FOUND),
+    (BadLastEventId, 400, ErrorKind.INVALID_REQUEST),
+    (TooManyReaders, 429, ErrorKind.RATE_LIMITED),
+    (Unavailable, 503, ErrorKind.STREAM_STORE_UNAVAILABLE),
+)
 
 
-def _error(error: Exception) -> Response:
+def _error(error: ApiError | StreamLogError) -> Response:
     """An error of the stream routes. A stream's route is not known before it is found, so the body
     is both shapes at once: /api/chat's (``type``, ``message``, ``retryable``) and OpenAI's
     (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind."""
     if isinstance(error, ApiError):
         status, kind, message, retryable = error.status, str(error.type), error.message, error.retryable
-    elif isinstance(error, StoreUnavailable):
-        status, kind, message, retryable = 503, str(ErrorKind.STREAM_STORE_UNAVAILABLE), str(error), True
     else:
-        status = getattr(error, "status", 400)
-        kind, message, retryable = str(_KINDS.get(status, ErrorKind.INVALID_REQUEST)), str(error), status >= 429
+        found = ((s, k) for cls, s, k in _STATUSES if isinstance(error, cls))
+        status, kind = next(found, (400, ErrorKind.INVALID_REQUEST))
+        kind, message, retryable = str(kind), str(error), status >= 429
     body = {"error": {"message": message, "type": kind, "code": kind, "param": None, "retryable": retryable}}
     headers = {"Cache-Control": "no-store", "Retry-After": "1"} if retryable else ERROR_HEADERS
     return JSONResponse(body, status_code=status, headers=headers)

@@ -107,7 +107,9 @@ async def _errors(timeout: float, what: str) -> AsyncIterator[None]:
         raise AlreadyExists("it exists") from None
     except ResourceModifiedError:
         raise Modified("a condition failed") from None
-    except ResourceNotFoundError:
+    except ResourceNotFoundError as exc:
+        if _gone(exc):  # the table or container itself: re-created on the next call (AzureStore._observe)
+            raise StoreUnavailable(f"the store lost its {_gone(exc)} (re-created on the next call)") from None
         raise NotFound("not found") from None
     except TableTransactionError as exc:  # a batch: which operation failed
         raise with_index(_status_error(exc.status_code), exc.index) from None
@@ -115,6 +117,15 @@ async def _errors(timeout: float, what: str) -> AsyncIterator[None]:
         raise _status_error(exc.status_code) from None
     except (AzureError, OSError, aiohttp.ClientError) as exc:
         raise StoreUnavailable(f"the store did not answer ({type(exc).__name__})") from None
+
+
+_GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
+
+
+def _gone(exc: ResourceNotFoundError) -> str | None:
+    """``table`` or ``container`` when the call failed because that is not there (deleted under us)."""
+    code = getattr(exc, "error_code", None) or (getattr(exc.response, "headers", None) or {}).get("x-ms-error-code")
+    return _GONE.get(str(code))
 
 
 def _status_error(status: int | None) -> StoreError:
@@ -190,9 +201,12 @@ class AzureStore:
 
     def _observe(self, response: Any) -> None:
         """Every answer: the store's clock, from its Date header."""
-        seconds = http_date_seconds(response.http_response.headers.get("Date"))
+        headers = response.http_response.headers
+        seconds = http_date_seconds(headers.get("Date"))
         if seconds is not None:
             self.clock.observe(seconds)
+        if headers.get("x-ms-error-code") in _GONE:  # deleted under us: create it again on the next use
+            self._ready.clear()
 
     def _options(self) -> dict[str, Any]:
         return {**_CLIENT_OPTIONS, "raw_response_hook": self._observe}

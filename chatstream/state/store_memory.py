@@ -31,7 +31,9 @@ from .store import (
     with_index,
 )
 
-FaultMode = Literal["lose_answer", "unavailable", "slow"]
+# ``not_found``: the store answers 404 for the table itself (one deleted under the app, before the
+# edge re-creates it): an error that is not an outage, which no background loop may die of.
+FaultMode = Literal["lose_answer", "unavailable", "slow", "not_found"]
 
 
 @dataclass
@@ -116,6 +118,8 @@ class MemoryStore:
             if fault.mode == "unavailable":
                 self.clock.failed()
                 raise StoreUnavailable("the store failed (injected)")
+            if fault.mode == "not_found":
+                raise NotFound("the table is not there (injected)")
             if fault.mode == "lose_answer":
                 work()
                 self.clock.failed()

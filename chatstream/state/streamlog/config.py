@@ -1,11 +1,23 @@
-"""The tuning of resumable streams (``ResumeConfig``): the two settings (RESUME_ABANDON_SECONDS,
-RESUME_TTL_SECONDS), the producer's cap from TOTAL_TIMEOUT_SECONDS, and the cadences and limits
-docs/resumable.md measured with these defaults."""
+"""The tuning of resumable streams (``ResumeConfig``: the two settings RESUME_ABANDON_SECONDS and
+RESUME_TTL_SECONDS, the producer's cap from TOTAL_TIMEOUT_SECONDS, and the cadences and limits
+docs/resumable.md measured), and what the parts of one stream log share (``Context``: the store,
+this instance, the settings, the background tasks and the turn they take at the store)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
+
+from ...errors import StoreError
+from ..instances import Instances
+from ..store import Store
+from .format import EncodeError
+
+log = logging.getLogger("chatstream")
 
 
 @dataclass(frozen=True)
@@ -15,9 +27,13 @@ class ResumeConfig:
     # A producer not finished this long after it started is ended here (stream_lost) and asked to
     # stop: set it above the relay's own total limit.
     max_stream_seconds: float = 660.0
-    fast_flush_seconds: float = 0.1  # a reader on another instance follows: one write per 100 ms at most
-    checkpoint_seconds: float = 5.0  # nobody elsewhere follows: one write per 5 s at most
-    flush_bytes: int = 512 * 1024  # ...or as soon as this much waits
+    # How far the stored log may trail what the live caller got (what a takeover regenerates): one
+    # write every checkpoint_seconds, or as soon as flush_bytes wait; every fast_flush_seconds while
+    # a reader elsewhere follows, for read_fresh_seconds after the caller hung up (a resume is likely)
+    # and after a takeover.
+    fast_flush_seconds: float = 0.1
+    checkpoint_seconds: float = 5.0
+    flush_bytes: int = 512 * 1024
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
     # A remote reader polls the blob every poll_seconds after new bytes (about the producer's write
     # cadence, so it locks onto it), a third of that after an empty read while bytes flow (so a
@@ -26,26 +42,28 @@ class ResumeConfig:
     max_poll_seconds: float = 0.5
     # Many streams followed at once: the instance's fast writes and remote polls are spread so that
     # together they stay under write_rate and read_rate calls a second (each stream's interval grows
-    # with their number). A busy instance then answers later instead of timing out on its own CPU:
-    # a store call costs ~1-2 ms of it (docs/resumable.md), 1,000 fast writes a second would be 2 cores.
+    # with their number): a store call costs ~1-2 ms of CPU (docs/resumable.md).
     write_rate: float = 100.0
     read_rate: float = 200.0
     # ...and at most this many of those writes and polls are in flight at once: when the store is
-    # slow they wait here, in turn, not in its queue where the heartbeat, the inbox and the
-    # resume routes' calls would wait behind them and time out (a lost heartbeat reads as a dead
-    # producer elsewhere). On Azure Storage (a few ms a call) 16 allow a few thousand calls a second.
+    # slow they wait here, in turn, not in its queue ahead of the heartbeat, the inbox and the
+    # routes' own calls.
     bulk_calls: int = 16
-    young_poll_seconds: float = 0.2  # a reader elsewhere polls for the record of a stream just started
-    state_seconds: float = 1.0  # a remote reader checks the producer's lease this often
-    inbox_seconds: float = 0.5  # a producing instance reads its inbox (cancels, remote readers) this often
-    heartbeat_seconds: float = 1.5
-    lease_seconds: float = 4.5  # a producing instance whose heartbeat is older is dead
+    young_poll_seconds: float = 0.05  # a reader elsewhere polls for the record of a stream just started
+    state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
+    # A producing instance reads its inbox (cancels, readers elsewhere) every inbox_seconds, and
+    # every inbox_young_seconds while one of its streams is younger than young_seconds: a reader
+    # that comes with the stream's first events (a second screen, the bench's follower) is seen
+    # at once, so the lag behind the live caller stays short for short streams too.
+    inbox_seconds: float = 0.5
+    inbox_young_seconds: float = 0.1
+    young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
     # Last-Event-ID past what is stored of a live stream elsewhere: wait at most this long for the
-    # producer to store it, or for its heartbeat to prove the id was never handed out (two beats).
+    # producer to store it, or to acknowledge the reader with its last id.
     past_end_wait_seconds: float = 5.0
     max_readers: int = 256  # readers this instance serves at once
-    max_readers_per_stream: int = 16
+    max_readers_per_stream: int = 16  # readers of one stream, on all instances together (slots in the store)
     max_producers: int = 1000
     max_sweep: int = 1000  # rows one sweep deletes at most
     sweep_every: float | None = None  # seconds between sweeps; None: from the TTL (sweep_seconds)
@@ -62,19 +80,22 @@ class ResumeConfig:
 
     @property
     def read_refresh_seconds(self) -> float:
-        """How often a remote reader says it is still reading."""
+        """How often a reader says it is still reading (its inbox row, its slot)."""
         return max(0.2, min(5.0, self.abandon_seconds / 3))
 
     @property
     def reader_row_seconds(self) -> float:
-        """How long a remote reader's inbox row outlives its last write: a few refreshes, and no
-        longer than the TTL needs (rows are gone a TTL after their streams), the producer reading
-        it within inbox_seconds."""
+        """How long a reader's inbox row outlives its last write (then the sweep takes it)."""
         return min(2 * self.abandon_seconds + 60.0, max(self.ttl_seconds, 3 * self.read_refresh_seconds + 5.0))
 
     @property
+    def slot_seconds(self) -> float:
+        """A reader's slot is free this long after its last refresh (a reader that died)."""
+        return 3 * self.read_refresh_seconds + 1.0
+
+    @property
     def read_fresh_seconds(self) -> float:
-        """A reader's ``read_at`` younger than this means it is following (fast writes)."""
+        """A reader elsewhere seen within this long means it is following (fast writes)."""
         return 2 * self.read_refresh_seconds + 1.0
 
     @property
@@ -83,3 +104,65 @@ class ResumeConfig:
         if self.sweep_every is not None:
             return self.sweep_every
         return max(1.0, min(300.0, self.ttl_seconds / 4))
+
+
+class Context:
+    """What the parts of one stream log share: the store, this instance (``instances``: its id, its
+    heartbeat, the others' liveness), the settings, the error encoder, the turn background calls take
+    at the store (``bulk``), how many producers write fast and readers follow from the store here
+    (each one's cadence grows with their number), and the background tasks (none after close)."""
+
+    def __init__(self, store: Store, instances: Instances, config: ResumeConfig, encode_error: EncodeError):
+        self.store = store
+        self.instances = instances
+        self.config = config
+        self.encode_error = encode_error
+        self.bulk = asyncio.Semaphore(config.bulk_calls)
+        self.fast_writers = 0
+        self.remote_readers = 0
+        self.closed = False
+        self.draining = False  # this instance hands its streams over: it takes none over itself
+        self._tasks: set[asyncio.Task] = set()
+
+    def now(self) -> float:
+        """The store's time (seconds since 1970): every time that crosses instances is on it."""
+        return self.store.clock.now()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
+        """Run ``coro`` in the background (its error logged); None once closed (it is not run)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a reader collected outside the loop: nothing to run it on
+            loop = None
+        if self.closed or loop is None:
+            coro.close()
+            return None
+        task = loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def later(self, call: Callable[[], Awaitable[Any]]) -> None:
+        """A best-effort store call in the background (a row left behind expires and is swept)."""
+
+        async def run() -> None:
+            with contextlib.suppress(StoreError):
+                await call()
+
+        self.spawn(run())
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("resumable streams: a background task failed", exc_info=task.exception())
+
+    @property
+    def tasks(self) -> frozenset[asyncio.Task]:
+        return frozenset(self._tasks)
+
+    async def close(self) -> None:
+        self.closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,56 +1,106 @@
-"""The producer side of a resumable stream (``Producer``): numbers the events as the route appends
-them and keeps them in memory, without I/O; its ``StreamWriter`` stores them in the background.
-Also where a stop is requested: a cancel (from any instance), nobody reading for
+"""The producing side of a resumable stream (``Producer``): it numbers the events as the route appends
+them and keeps them in memory (no I/O: readers here are served from there), and stores them in the
+background (``_Writer``): the record and the blob at the start, then whole-event blocks appended at
+the expected position, at most every ``fast_flush_seconds`` while someone elsewhere follows, else
+every ``checkpoint_seconds``; the end marker and the record's end last.
+
+A producer stops storing when the store fails for ``give_up_seconds`` (it ends the stored log with a
+``stream_lost`` error as soon as the store lets it: the live stream goes on), and for good when its
+append finds someone else's bytes at its position: another instance took the stream over (``moved``
+is set, and ``stop_requested`` with ``taken_over``: the relay stops its upstream). ``hand_over``
+stores what it has with a ``: handover`` marker, for a reader elsewhere to take it over at once.
+
+Also where a stop is requested: a cancel (from any instance, via the inbox), nobody reading for
 ``abandon_seconds``, or the time cap."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
-from .format import BLOCK_LIMIT, is_comment
-from .ids import Route, StopReason, log_tag
-from .kept import KeptEvents
-from .writer import StreamWriter, WriterHost
+from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
+from ..store import NEW, STREAMS_TABLE
+from .config import Context
+from .format import (
+    BLOCK_LIMIT,
+    BLOCKS_LIMIT,
+    END,
+    HANDOVER,
+    LOST,
+    RECORD_ROW,
+    Record,
+    Route,
+    ack_marker,
+    error_event,
+    is_comment,
+    log_tag,
+    request_blob,
+)
 
 log = logging.getLogger("chatstream")
 
-
-class ProducerHost(WriterHost, Protocol):
-    """The stream log of a producer: it forgets the producer once its stream is over."""
-
-    def _release(self, producer: Producer) -> None: ...
+StopReason = Literal["cancelled", "abandoned", "timeout", "taken_over", "handed_over"]
+# The stream goes on elsewhere: the relay stops, and its live caller resumes with Last-Event-ID.
+MOVED: tuple[StopReason, ...] = ("taken_over", "handed_over")
 
 
 class Producer:
-    """One stream being produced on this instance. Made by ``StreamLog.start``; see its docstring
-    for the contract. ``stop_requested`` is set when the stream is cancelled (on any instance) or
-    abandoned; ``stop_reason`` says which."""
+    """One stream produced on this instance. Made by ``StreamLog.start`` (a new stream) or by a claim
+    (a stream taken over: its stored events are kept here, and ids go on after them); see
+    ``StreamLog`` for the request path's contract. ``stop_requested`` is set when the stream is
+    cancelled (on any instance), abandoned, past its time cap, or moved elsewhere; ``stop_reason``
+    says which. ``moved`` is set once the stream goes on elsewhere (taken over, handed over)."""
 
-    def __init__(self, streams: ProducerHost, stream_id: str, route: Route, owner: str | None):
-        self.id = stream_id
-        self.route: Route = route
-        self.owner = owner
+    def __init__(
+        self,
+        ctx: Context,
+        record: Record,
+        release: Callable[[Producer], None],
+        *,
+        stored: list[bytes] | None = None,
+        stored_bytes: int = 0,
+        large_request: str | None = None,
+    ):
+        continuing = stored is not None
+        self.id = record.stream_id
+        self.route: Route = record.route
+        self.owner = record.owner
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
-        self._tag = log_tag(stream_id)
-        self._log = streams
-        self._cfg = streams.config
+        self.moved = asyncio.Event()
+        # A continuation: the last id its predecessor stored; a client may have got ids past it
+        # from that producer (unstored, so unknown here), which are then not refused.
+        self.seam: int | None = len(stored) if continuing else None
+        self._ctx = ctx
+        self._cfg = ctx.config
+        self._tag = log_tag(self.id)
+        self._release = release
         self._loop = asyncio.get_running_loop()
-        self._started = self._loop.time()
-        self._last_id = 0  # ids handed out (to the live caller)
-        self._kept = KeptEvents(self._loop)
-        self._writer = StreamWriter(streams, self._kept, stream_id, route, owner, self._tag, self._started)
+        # Started by the store's clock: a continuation's cap counts from the stream's own start.
+        self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
+        self._born = self._loop.time()
+        self._events: list[bytes] = list(stored or [])  # events[i] has id i + 1
+        self._size = sum(map(len, self._events))
+        self._last_id = len(self._events)  # ids handed out (to the live caller)
+        self._end = False  # the final event is kept (the route's, or our error)
+        self._lost = False  # ...and it is our error (stored as ": lost")
+        self._waiters: list[asyncio.Future] = []
         self._final_by_caller = False
         self._finished = False
-        self._attached = 1  # the original caller, then readers here
-        self._caller_here = True
-        self._alone_since = 0.0
-        self._remote_read_at = 0.0  # the last sign of a reader elsewhere (abandonment)
-        self._remote_follow_at = 0.0  # the last sign of a reader elsewhere still following (fast writes)
+        self._handing_over = False
+        self._caller_here = not continuing  # the original caller (a continuation has none)
+        self._attached = int(self._caller_here)  # ...and the readers here
+        self._alone_since = self._loop.time()
+        self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
+        self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
+        self._acked: set[str] = set()
+        self._writer = _Writer(self, record, len(self._events), stored_bytes, large_request, continuing)
 
-    # -- the producer's side ------------------------------------------------------------------
+    # -- the request path's side --------------------------------------------------------------
 
     @property
     def last_id(self) -> int:
@@ -93,25 +143,24 @@ class Producer:
                 pieces.append(event)
                 self._keep(event)
             out = b"".join(pieces)
-        if final and not self._kept.end:
+        if final:
             self._final_by_caller = True
-            self._kept.end = True
-            self._writer.kick.set()
-        elif final:
-            self._final_by_caller = True
-        if self._kept.waiters:
-            self._kept.wake()
+            if not self._end and not self._handing_over:
+                self._end = True
+                self._writer.kick.set()
+        if self._waiters:
+            self._wake()
         self._writer.nudge()
         return out
 
     def caller_gone(self) -> None:
         """The original caller hung up: keep producing (the generation goes on and is stored), and
-        call ``finish`` as usual. Starts the abandonment clock once no reader is left."""
+        call ``finish`` as usual. Starts the abandonment clock once no reader is left; stores what is
+        in hand now and writes fast for a while (a resume elsewhere is likely)."""
         if self._caller_here:
             self._caller_here = False
-            self._detach()
-        self._writer.flush_now = True  # a resume is likely: store what is in hand now
-        self._writer.kick.set()
+            self.detach()
+        self._writer.hurry()
 
     def finish(self) -> None:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
@@ -120,26 +169,146 @@ class Producer:
         if self._finished:
             return
         self._finished = True
-        if not self._kept.end:
+        if not self._end:
             self._end_with_error("the stream ended without its final event")
         self._writer.kick.set()
 
-    async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
+    async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until the background writer is done; True if the whole stream is stored."""
         try:
             async with asyncio.timeout(timeout):
                 await self._writer.done.wait()
         except TimeoutError:
             return False
-        return self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
+        return self._writer.resumable and self._writer.stored == len(self._events) and self._end
 
-    # -- in-memory log ------------------------------------------------------------------------
+    async def hand_over(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
+        """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
+        another instance takes the stream over at once (no lease to wait for). Events appended from
+        now on go to the live caller only. True once the marker is stored."""
+        if self._end or not self._writer.resumable or self._writer.done.is_set():
+            return False
+        self._handing_over = True
+        self._writer.kick.set()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._writer.done.wait()
+        except TimeoutError:
+            return False
+        return self._writer.handed_over
+
+    def moved_event(self) -> bytes:
+        """What ends the live caller's answer once the stream goes on elsewhere: a retryable error
+        without an id, so its client resumes after the last id it got."""
+        return self._ctx.encode_error(
+            self.route, "stream_lost", "the stream goes on on another instance: resume it", True, self._last_id + 1
+        )
+
+    # -- what readers here use ------------------------------------------------------------------
+
+    def events_after(self, cursor: int) -> bytes:
+        """The kept events after id ``cursor`` (b"" when there are none yet)."""
+        return b"".join(self._events[cursor:]) if cursor < len(self._events) else b""
+
+    @property
+    def kept(self) -> int:
+        """The last id kept here."""
+        return len(self._events)
+
+    @property
+    def ended(self) -> bool:
+        """The final event is kept (the last of ``events_after``)."""
+        return self._end
+
+    @property
+    def ended_lost(self) -> bool:
+        """The final event kept is our ``stream_lost`` error."""
+        return self._lost
+
+    async def changed(self) -> None:
+        """Wait for the next change: an event kept, the end, a move."""
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    def attach(self) -> None:
+        self._attached += 1
+
+    def detach(self) -> None:
+        self._attached -= 1
+        if self._attached <= 0:
+            self._attached = 0
+            self._alone_since = self._loop.time()
+
+    # -- what the inbox delivers ----------------------------------------------------------------
+
+    def request_stop(self, reason: StopReason) -> None:
+        if self.stop_reason is None and not self._final_by_caller:
+            self.stop_reason = reason
+            self.stop_requested.set()
+            log.info("stream %s: stop requested (%s)", self._tag, reason)
+
+    def reader_elsewhere(self, read_at: float, following: bool, ack: str | None) -> None:
+        """A reader on another instance said it reads (at ``read_at``, the store's time), or left; it
+        may want an ack (``format.ack_marker``): stored with the next write, which is now."""
+        read_at = min(read_at, self._ctx.now())
+        self._remote_read_at = max(self._remote_read_at, read_at)
+        if following:
+            self._remote_follow_at = max(self._remote_follow_at, read_at)
+            self._writer.follow(True)
+        if ack is not None and ack not in self._acked:
+            self._acked.add(ack)
+            self._writer.ack(ack)
+
+    def repoint(self, instance: str) -> None:
+        """This instance goes on under a new id (it was declared dead while only slow): say so in
+        the record, unless the stream was taken over meanwhile."""
+        self._writer.repoint(instance)
+
+    def young(self) -> bool:
+        return self._loop.time() - self._born < self._cfg.young_seconds
+
+    def tick(self, now: float, now_store: float) -> None:
+        """Every inbox tick: fast writes while a reader elsewhere follows; abandonment; the time cap."""
+        cfg = self._cfg
+        self._writer.follow(now_store - self._remote_follow_at < cfg.read_fresh_seconds)
+        if self._end or self.moved.is_set():
+            return
+        if now - self._started > cfg.max_stream_seconds:
+            log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
+            self.request_stop("timeout")
+            self._end_with_error("the stream ran past its time limit")
+            return
+        if (
+            self._attached == 0
+            and now - self._alone_since >= cfg.abandon_seconds
+            and now_store - self._remote_read_at >= cfg.abandon_seconds
+        ):
+            self.request_stop("abandoned")
+
+    # -- the log's side -------------------------------------------------------------------------
+
+    @property
+    def storing(self) -> bool:
+        """Its writer still runs (stored or given up, it is done)."""
+        return not self._writer.done.is_set()
+
+    async def run(self) -> None:
+        """Store the stream; then stay known to the log until its end (readers here, cancels and
+        abandonment still need it when it is not stored any more)."""
+        try:
+            await self._writer.run()
+            while not self._end and not self.moved.is_set():
+                await self.changed()
+        finally:
+            self._release(self)
+
+    # -- in memory ------------------------------------------------------------------------------
 
     def _keep(self, event: bytes) -> None:
-        kept = self._kept
-        if kept.end:
-            return  # after the kept end (over the size limit, or forced end): the live caller only
-        if kept.size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
+        if self._end or self._handing_over or self.moved.is_set():
+            return  # the live caller only: past the kept end, or the stream is stored elsewhere now
+        if self._size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
             log.warning(
                 "stream %s is over %d bytes: it is not resumable past event %d",
                 self._tag,
@@ -148,71 +317,390 @@ class Producer:
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
-        kept.events.append(event)
-        kept.size += len(event)
+        self._events.append(event)
+        self._size += len(event)
 
     def _end_with_error(self, message: str) -> None:
-        kept = self._kept
-        number = len(kept.events) + 1
-        body = self._log.encode_error(self.route, "stream_lost", message, True, number)
-        event = b"id: %d\n%s" % (number, body)
-        kept.events.append(event)
-        kept.size += len(event)
+        number = len(self._events) + 1
+        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number)
+        self._events.append(event)
+        self._size += len(event)
         self._last_id = max(self._last_id, number)
-        kept.end = True
-        kept.lost = True
-        kept.wake()
+        self._end = True
+        self._lost = True
+        self._wake()
         self._writer.kick.set()
 
-    def _attach(self) -> None:
-        self._attached += 1
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
-    def _detach(self) -> None:
-        self._attached -= 1
-        if self._attached <= 0:
-            self._attached = 0
-            self._alone_since = self._loop.time()
-
-    def _request_stop(self, reason: StopReason) -> None:
-        if self.stop_reason is None and not self._final_by_caller:
-            self.stop_reason = reason
-            self.stop_requested.set()
-            log.info("stream %s: stop requested (%s)", self._tag, reason)
-
-    def _tick(self, now: float, now_wall: float) -> None:
-        """Every inbox tick: fast writes while a remote reader follows; abandonment; the time cap."""
-        fast = now_wall - self._remote_follow_at < self._cfg.read_fresh_seconds
-        if fast and not self._writer.fast:
-            self._writer.kick.set()
-        self._writer.fast = fast
-        if self._kept.end:
+    def _moved(self, reason: StopReason) -> None:
+        """The stream goes on elsewhere: nothing more is stored here; readers here follow the store."""
+        if self.moved.is_set():
             return
-        if now - self._started > self._cfg.max_stream_seconds:
-            log.warning(
-                "stream %s ran past %.0f s without finishing: ended here", self._tag, self._cfg.max_stream_seconds
-            )
-            self._request_stop("timeout")
-            self._end_with_error("the stream ran past its time limit")
-            return
-        if (
-            self._attached == 0
-            and now - self._alone_since >= self._cfg.abandon_seconds
-            and now_wall - self._remote_read_at >= self._cfg.abandon_seconds
-        ):
-            self._request_stop("abandoned")
+        self.moved.set()
+        if reason == "taken_over":
+            log.warning("stream %s was taken over by another instance: this producer stops", self._tag)
+        self.request_stop(reason)
+        self._wake()
 
-    # -- storing (its StreamWriter) -----------------------------------------------------------
 
-    @property
-    def _done(self) -> asyncio.Event:
-        """Set once the background writer has finished (stored or given up)."""
-        return self._writer.done
+@dataclass(frozen=True)
+class _Attempt:
+    """One append: the events it carries, its bytes, whether it ends the log or hands it over."""
 
-    async def _run(self) -> None:
+    count: int
+    block: bytes
+    end: bool
+    handover: bool
+    acks: tuple[str, ...]
+
+
+class _Fenced(Exception):
+    """The blob holds someone else's bytes at this producer's position: the stream was taken over."""
+
+
+class _Writer:
+    """Stores one producer's events (module docstring). ``kick`` wakes it; ``done`` is set once it
+    has finished (stored, given up, or moved); ``resumable`` turns False when it gives up."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        record: Record,
+        stored: int,
+        stored_bytes: int,
+        large_request: str | None,
+        continuing: bool,
+    ):
+        self._p = producer
+        self._ctx = producer._ctx
+        self._cfg = producer._cfg
+        self._loop = producer._loop
+        self.record = record
+        self._large_request = large_request
+        self._create_first = not continuing
+        self.resumable = True
+        self.handed_over = False
+        self.done = asyncio.Event()
+        self.kick = asyncio.Event()
+        self.stored = stored  # events in the blob
+        self.stored_bytes = stored_bytes  # the blob's length
+        self._stored_size = producer._size  # the bytes of the events in it (markers aside)
+        self._blocks = 0
+        self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
+        self._acks: list[str] = []
+        self._repoint_to: str | None = None
+        self._flush_now = False
+        self._fast = False
+        self._following = False
+        self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
+        self._idle = False
+        self._last_write = producer._started if not continuing else 0.0  # the first checkpoint is one interval in
+        self._end_written = False
+
+    # -- what the producer asks -----------------------------------------------------------------
+
+    def follow(self, following: bool) -> None:
+        """Whether a reader elsewhere follows the stream (fast writes while one does)."""
+        self._following = following
+        self._update_fast()
+
+    def hurry(self) -> None:
+        """Store what is in hand now, then write fast for a while."""
+        self._flush_now = True
+        self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
+        self._update_fast()
+        self.kick.set()
+
+    def _update_fast(self) -> None:
+        fast = (self._following or self._loop.time() < self._fast_until) and not self.done.is_set()
+        if fast != self._fast:
+            self._ctx.fast_writers += 1 if fast else -1
+            self._fast = fast
+            if fast:
+                self.kick.set()
+
+    def ack(self, nonce: str) -> None:
+        self._acks.append(nonce)
+        self.kick.set()
+
+    def repoint(self, instance: str) -> None:
+        self._repoint_to = instance
+        self.kick.set()
+
+    def nudge(self) -> None:
+        """After an append: an idle writer starts its checkpoint wait now; a fast one, or one with
+        ``flush_bytes`` waiting, writes."""
+        if self._idle or self._fast or self._unstored() >= self._cfg.flush_bytes:
+            self.kick.set()
+
+    def _unstored(self) -> int:
+        return self._p._size - self._stored_size
+
+    def _interval(self) -> float:
+        cfg = self._cfg
+        self._update_fast()
+        if not self._fast:
+            return cfg.checkpoint_seconds
+        return max(cfg.fast_flush_seconds, self._ctx.fast_writers / cfg.write_rate)
+
+    # -- the task -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        instances = self._ctx.instances
+        instances.need()
         try:
-            await self._writer.run()
+            try:
+                if not self._create_first or await self._create():
+                    await self._write_all()
+            except Exception:  # a bug of ours must not take the live stream with it
+                log.exception("stream %s: storing failed", self._p._tag)
+                self.give_up("internal error")
         finally:
-            self._log._release(self)
+            self.done.set()
+            self._update_fast()
+            instances.done()
 
-    def _give_up(self, why: str) -> None:
-        self._writer.give_up(why)
+    def give_up(self, why: str) -> None:
+        if not self.resumable:
+            return
+        self.resumable = False
+        log.warning("stream %s is not resumable: %s", self._p._tag, why)
+        self._ctx.spawn(self._store_lost())
+
+    async def _create(self) -> bool:
+        """The record (after this instance's first beat: nobody must see a stream before its
+        producer's lease), the large request's own blob before it, and the blob."""
+        ctx, store = self._ctx, self._ctx.store
+        deadline = self._loop.time() + self._cfg.give_up_seconds
+        await ctx.instances.first_beat()
+        # By the store's clock as the beat heard it (before any answer, this machine's own was used).
+        elapsed = self._loop.time() - self._p._started
+        self.record.created = ctx.now() - elapsed
+        self.record.expires = self.record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
+        self.record.instance = ctx.instances.id
+        row = self.record.row()
+
+        async def put_request() -> None:
+            if self._large_request is not None:
+                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                    await store.put(request_blob(self._p.id), self._large_request.encode(), etag=NEW)
+
+        async def insert() -> None:
+            try:
+                self.record.etag = await store.insert(STREAMS_TABLE, row)
+            except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
+                found = await store.get(STREAMS_TABLE, self._p.id, RECORD_ROW, select=("instance", "epoch"))
+                if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
+                    raise _Fenced() from None
+                self.record.etag = found.etag
+
+        async def create_blob() -> None:
+            with contextlib.suppress(AlreadyExists):
+                await store.append_create(self._p.id)
+
+        for step in (put_request, insert, create_blob):
+            while True:
+                try:
+                    async with ctx.bulk:
+                        await step()
+                    break
+                except _Fenced:
+                    self.give_up("its record is someone else's")
+                    return False
+                except StoreError as exc:
+                    if self._loop.time() > deadline:
+                        self.give_up(f"the store is unavailable ({exc})")
+                        return False
+                    await asyncio.sleep(0.25)
+        self._large_request = None
+        return True
+
+    async def _write_all(self) -> None:
+        p = self._p
+        failing_since: float | None = None
+        while True:
+            self.kick.clear()
+            if self._repoint_to is not None:
+                await self._repoint()
+            ending = p._end and not self._end_written
+            pending = len(p._events) > self.stored or ending or bool(self._acks) or p._handing_over
+            if not pending and p._end:
+                break
+            if self._blocks >= BLOCKS_LIMIT - 2:
+                self.give_up("the stream has too many blocks")
+                return
+            now = self._loop.time()
+            due = self._last_write + self._interval()
+            urgent = (
+                p._end
+                or self._flush_now
+                or p._handing_over
+                or bool(self._acks)
+                or self._unstored() >= self._cfg.flush_bytes
+            )
+            if pending and (urgent or now >= due):
+                self._flush_now = False
+                self._last_write = now
+                try:
+                    await self._write_block()
+                    failing_since = None
+                except _Fenced:
+                    p._moved("taken_over")
+                    return
+                except StoreError as exc:
+                    failing_since = failing_since or now
+                    if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
+                        self.give_up(str(exc))
+                        return
+                    await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
+                if self.handed_over:
+                    p._moved("handed_over")
+                    return
+                continue
+            self._idle = not pending
+            try:
+                async with asyncio.timeout(max(0.0, due - now) if pending else None):
+                    await self.kick.wait()
+            except TimeoutError:
+                pass
+            finally:
+                self._idle = False
+        await self._store_end()
+
+    def _compose(self) -> _Attempt:
+        p = self._p
+        first = self.stored
+        limit = min(BLOCK_LIMIT - 4096, self._cfg.max_stream_bytes + 64)
+        count, size = 0, 0
+        for event in p._events[first:]:
+            if count and size + len(event) > limit:
+                break
+            count += 1
+            size += len(event)
+        parts = p._events[first : first + count]
+        whole = first + count == len(p._events)
+        acks = tuple(self._acks) if whole else ()
+        parts.extend(ack_marker(nonce, first + count) for nonce in acks)
+        end = p._end and whole
+        handover = p._handing_over and whole and not end
+        if end:
+            parts.append((LOST if p._lost else END) + b"\n\n")
+        elif handover:
+            parts.append(HANDOVER + b"\n\n")
+        return _Attempt(count, b"".join(parts), end, handover, acks)
+
+    async def _write_block(self) -> None:
+        store = self._ctx.store
+        attempt = self._compose()
+        offset = self.stored_bytes
+        try:
+            async with self._ctx.bulk:
+                await store.append(self._p.id, attempt.block, at=offset)
+        except StoreUnavailable:
+            # No answer: it may still land. Every attempt since the last confirmed one is at this
+            # same offset, so the store takes at most one of them; the next one's answer says which.
+            self._uncertain.append(attempt)
+            raise
+        except Modified:
+            found = await store.read(self._p.id, offset)
+            landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
+            if landed is None:
+                raise _Fenced() from None
+            if len(found) > len(landed.block):
+                self._confirm(landed, offset)
+                raise _Fenced() from None
+            attempt = landed
+        self._confirm(attempt, offset)
+
+    def _confirm(self, attempt: _Attempt, offset: int) -> None:
+        self._uncertain.clear()
+        self._stored_size += sum(map(len, self._p._events[self.stored : self.stored + attempt.count]))
+        self.stored += attempt.count
+        self.stored_bytes = offset + len(attempt.block)
+        self._blocks += 1
+        self._acks = [a for a in self._acks if a not in attempt.acks]
+        self._end_written = self._end_written or attempt.end
+        self.handed_over = self.handed_over or attempt.handover
+
+    async def _repoint(self) -> None:
+        instance, self._repoint_to = self._repoint_to, None
+        assert instance is not None
+        fields = {"PartitionKey": self._p.id, "RowKey": RECORD_ROW, "instance": instance}
+        try:
+            self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
+            self.record.instance = instance
+        except (Modified, NotFound):
+            pass  # taken over meanwhile: the next append finds the fence
+        except StoreError:
+            self._repoint_to = self._repoint_to or instance  # again at the next turn
+
+    async def _store_end(self) -> None:
+        """The record says the stream is over (and expires a TTL from now). Only its producer of the
+        current epoch may: a conditional write. When it fails the end is still in the blob."""
+        p = self._p
+        now = self._ctx.now()
+        fields = {
+            "PartitionKey": p.id,
+            "RowKey": RECORD_ROW,
+            "state": "lost" if p._lost else "ended",
+            "finished": now,
+            "expires": now + self._cfg.ttl_seconds,
+            "last_id": len(p._events),
+            "size": self.stored_bytes,
+        }
+        deadline = self._loop.time() + self._cfg.give_up_seconds
+        while True:
+            try:
+                async with self._ctx.bulk:
+                    self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
+                return
+            except (Modified, NotFound):
+                return  # taken over after its end was stored: the taker records it
+            except StoreError:
+                if self._loop.time() > deadline:
+                    log.warning("stream %s: its end could not be recorded; it is deleted later", p._tag)
+                    return
+                await asyncio.sleep(0.5)
+
+    async def _store_lost(self) -> None:
+        """Given up: as soon as the store lets it (within the stream's cap), end the stored log with a
+        ``stream_lost`` error at the stored position, and record it lost: readers elsewhere end
+        there instead of waiting."""
+        p, ctx = self._p, self._ctx
+        deadline = self._loop.time() + self._cfg.max_stream_seconds
+        pause = 0.5
+        stored = False
+        while self._loop.time() < deadline and not ctx.closed:
+            try:
+                if not stored:
+                    message = "the stream stopped being stored"
+                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, self.stored + 1)
+                    try:
+                        await ctx.store.append(p.id, block + LOST + b"\n\n", at=self.stored_bytes)
+                    except Modified:
+                        # One of the writes whose answer was lost landed after all: from after it.
+                        found = await ctx.store.read(p.id, self.stored_bytes)
+                        landed = next((a for a in self._uncertain if found == a.block), None)
+                        if landed is None:
+                            return  # someone else's bytes there: taken over
+                        self._confirm(landed, self.stored_bytes)
+                        continue
+                    stored = True
+                fields = {
+                    "PartitionKey": p.id,
+                    "RowKey": RECORD_ROW,
+                    "state": "lost",
+                    "expires": ctx.now() + self._cfg.ttl_seconds,
+                }
+                await ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
+                return
+            except (Modified, NotFound):
+                return  # the record is someone else's now, or gone
+            except StoreError:
+                await asyncio.sleep(pause)
+                pause = min(5.0, pause * 2)

@@ -1,18 +1,65 @@
-"""The reader side of resumable streams on this instance: ``Reader`` (what ``open_reader`` returns),
-``ReaderSlots`` (the readers served here, counted for the limits) and ``follow_local`` (a stream
-produced here, served from its producer's memory and woken on every append). Following a stream
-produced elsewhere is stream_remote.py."""
+"""Readers of resumable streams on this instance: ``Readers.open`` (what ``StreamLog.open_reader``
+does) checks, takes a slot and returns a ``Reader``, which follows the stream to its final event
+wherever it is produced: from its producer's memory when that is here (woken on every append), else
+from the store (the blob polled as it grows, the reader registered in the producer's inbox so that
+it writes fast, its instance's liveness checked). A reader that finds the producer gone asks its
+log to take the stream over (``Streams.take_over``) and follows the continuation: one answer, ids
+going on, one final event.
+
+The limit of readers per stream holds across instances: each reader holds one of the stream's
+``max_readers_per_stream`` slot rows (partition ``{id}``, RowKeys ``slot-00``…), taken with an
+insert (or, when its holder stopped refreshing it, a conditional replace), so the check and the
+taking are one write."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Literal, Protocol
 
-from .config import ResumeConfig
-from .format import EncodeError, error_event
-from .ids import Route
+from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
+from ..store import STREAMS_TABLE, Where
+from . import inbox
+from .config import Context
+from .errors import BadLastEventId, StreamNotFound, TooManyReaders, Unavailable
+from .format import (
+    END,
+    LOST,
+    READER_FIELDS,
+    RECORD_ROW,
+    Record,
+    Route,
+    Tail,
+    check_after,
+    check_stream_id,
+    error_event,
+    log_tag,
+    started_at,
+)
 from .producer import Producer
+from .takeover import producer_gone
+
+log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
+# What a takeover came to: this instance produces it now ("here"), another one won it
+# ("elsewhere"), it ended, it cannot be continued ("lost"), or this instance does not take it
+# ("wait": draining, full; another instance will).
+TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
+
+
+class Streams(Protocol):
+    """What a reader needs of its stream log."""
+
+    def producing(self, stream_id: str) -> Producer | None:
+        """The stream's producer on this instance, unless the stream went on elsewhere."""
+        ...
+
+    async def take_over(self, stream_id: str) -> TakeOver: ...
 
 
 class Reader:
@@ -41,73 +88,524 @@ class Reader:
         self._release()
 
 
-class ReaderSlots:
-    """The readers this instance serves, in all (``total``) and per stream."""
+class Readers:
+    """The readers this instance serves (``total``: at most ``max_readers``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: Context, streams: Streams):
+        self._ctx = ctx
+        self._streams = streams
         self.total = 0
-        self._of: dict[str, int] = {}
 
-    def full(self, stream_id: str, config: ResumeConfig) -> bool:
-        """No room for one more reader of ``stream_id`` (max_readers, max_readers_per_stream)."""
-        return self.total >= config.max_readers or self._of.get(stream_id, 0) >= config.max_readers_per_stream
+    async def open(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
+        """The events of ``stream_id`` after ``after`` (None: from the start), then the live ones to
+        the final event. Raises before anything is sent: StreamNotFound (unknown, expired, another
+        caller's), BadLastEventId, TooManyReaders, Unavailable."""
+        ctx, cfg = self._ctx, self._ctx.config
+        check_stream_id(stream_id)
+        start = check_after(after)
+        if ctx.closed:
+            raise Unavailable("the stream log is closed")
+        if self.total >= cfg.max_readers:
+            raise TooManyReaders("too many readers on this instance")
+        self.total += 1  # counted from now (opens run at once), given back if it is not opened
+        try:
+            return await self._open(stream_id, start, caller)
+        except BaseException:
+            self.total -= 1
+            raise
 
-    def open(self, stream_id: str, route: Route, make: Callable[[], Events]) -> Reader:
-        """A reader of the events ``make`` gives, holding its slot until it is closed or its events end."""
-        self.total += 1
-        self._of[stream_id] = self._of.get(stream_id, 0) + 1
+    async def _open(self, stream_id: str, start: int, caller: str | None) -> Reader:
+        ctx = self._ctx
+        producer = self._streams.producing(stream_id)
+        if producer is not None:
+            if producer.owner is not None and producer.owner != caller:
+                raise StreamNotFound("no such stream")
+            past_seam = producer.seam is not None and start > producer.seam
+            if start > producer.last_id and not producer.ended_lost and not past_seam:
+                raise BadLastEventId(f"Last-Event-ID {start} is past the end of the stream ({producer.last_id})")
+            try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
+                slot = await Slot.take(ctx, stream_id)
+            except StoreError as exc:
+                raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+            following = _Following(ctx, self._streams, stream_id, producer.route, start, slot)
+            return self._reader(following, b"")
+        return await self._open_stored(stream_id, start, caller)
+
+    async def _open_stored(self, stream_id: str, after: int, caller: str | None) -> Reader:
+        """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
+        reader's row in the producer's inbox (at once), then Last-Event-ID checked."""
+        ctx = self._ctx
+        try:
+            record = await read_record(ctx, stream_id, caller)
+        except StoreError as exc:
+            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+        # The slot, the stored log and the inbox row at once: the producer writes what it holds as
+        # soon as it sees the row, so the reader follows closely from its first events.
+        live = record.state == "live"
+        nonce = secrets.token_hex(4)
+        steps: list[Awaitable] = [Slot.take(ctx, stream_id), ctx.store.read(stream_id)]
+        if live:
+            steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
+        answers = await asyncio.gather(*steps, return_exceptions=True)
+        slot = answers[0] if isinstance(answers[0], Slot) else None
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        registered = nonce if live else None
+        following = _Following(ctx, self._streams, stream_id, record.route, after, slot, record, registered)
+        try:
+            if failed is not None:
+                if isinstance(failed, StoreError):
+                    raise Unavailable(f"the stream's store is unavailable ({failed})") from None
+                raise failed
+            tail = following.tail = Tail(after)
+            first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
+            if after > tail.last_id:
+                if tail.end is None and live:
+                    first += await following.wait_past_end()
+                acked = tail.acks.get(nonce)
+                if not tail.past_seam(after) and (
+                    (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
+                ):
+                    raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream ({tail.last_id})")
+        except BaseException:
+            following.close()
+            raise
+        return self._reader(following, first)
+
+    def _reader(self, following: _Following, first: bytes) -> Reader:
+        """A reader of ``following``'s events, counted here until it is closed or its events end
+        (closed before it started, its slot and inbox row go too)."""
+        events = following.events(first)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                following.close()
                 self.total -= 1
-                left = self._of.get(stream_id, 1) - 1
-                if left > 0:
-                    self._of[stream_id] = left
-                else:
-                    self._of.pop(stream_id, None)
 
-        async def events() -> Events:
-            inner = make()
+        async def counted() -> Events:
             try:
-                async for chunk in inner:
+                async for chunk in events:
                     yield chunk
             finally:
                 try:
-                    await inner.aclose()
+                    await events.aclose()
                 finally:
                     release()
 
-        return Reader(route, events(), release)
+        return Reader(following.route, counted(), release)
 
 
-async def follow_local(producer: Producer, after: int, encode_error: EncodeError) -> Events:
-    """The events of a stream produced here after event ``after``, then the live ones to its end."""
-    cursor = after
-    kept = producer._kept
-    producer._attach()
-    try:
+async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
+    """The stream's record, once it is written: its producer writes it in the background as the
+    stream starts (the id goes out at once), so for a stream started less than ``give_up_seconds``
+    ago (by the store's clock, which every instance reads alike) a missing record is waited for.
+    StreamNotFound (none, expired, another caller's); StoreError when the store fails."""
+    cfg = ctx.config
+    born = started_at(stream_id) or ctx.now()  # 0: started before its producer heard the store's clock
+    young_until = born + cfg.give_up_seconds + 2.0  # two seconds: how far two readings of the store's clock differ
+    pause = cfg.young_poll_seconds
+    while True:
+        row = await ctx.store.get(STREAMS_TABLE, stream_id, RECORD_ROW, select=READER_FIELDS)
+        if row is not None:
+            break
+        now = ctx.now()
+        if now + pause > young_until or born > now + 2.0:
+            raise StreamNotFound("no such stream")
+        await asyncio.sleep(pause)
+        # Longer each time: a record that is late is late because the store is busy (its write
+        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that.
+        pause = min(1.0, pause * 1.5)
+    record = Record.of(row)
+    if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
+        raise StreamNotFound("no such stream")
+    return record
+
+
+class Slot:
+    """One of a stream's reader slots, held while the reader reads (refreshed every
+    ``read_refresh_seconds``; free ``slot_seconds`` after its holder stopped)."""
+
+    def __init__(self, ctx: Context, stream_id: str, key: str, holder: str, etag: str):
+        self._ctx = ctx
+        self._stream_id = stream_id
+        self._key = key
+        self._holder = holder
+        self._etag = etag
+        self._keeping = ctx.spawn(self._keep())
+
+    @classmethod
+    async def take(cls, ctx: Context, stream_id: str) -> Slot:
+        """A free slot: one insert into a random one; if it is taken, one look at them all, then two
+        free or expired ones at most, twice. TooManyReaders when none is left (or the others were
+        quicker: never one too many); StoreError. A write whose answer was lost may have taken a
+        slot: it is given back (its row names this holder)."""
+        store, cfg = ctx.store, ctx.config
+        holder = secrets.token_hex(6)
+        keys = [f"slot-{i:02d}" for i in range(cfg.max_readers_per_stream)]
+        random.shuffle(keys)
+
+        async def write(key: str, etag: str | None) -> Slot:
+            row = _slot_row(ctx, stream_id, key, holder)
+            try:
+                if etag is None:
+                    return cls(ctx, stream_id, key, holder, await store.insert(STREAMS_TABLE, row))
+                return cls(ctx, stream_id, key, holder, await store.replace(STREAMS_TABLE, row, etag=etag))
+            except StoreUnavailable:
+                ctx.later(lambda: _give_back(ctx, stream_id, key, holder))
+                raise
+
+        try:
+            return await write(keys[0], None)
+        except AlreadyExists:
+            pass
+        for _ in range(2):
+            where = Where(partition=stream_id, rows_from="slot-", rows_to="slot.", select=("until",))
+            held = {row["RowKey"]: row for row in await store.query(STREAMS_TABLE, where)}
+            now = ctx.now()
+            free = [k for k in keys if k not in held]
+            expired = [k for k in keys if k in held and float(held[k].get("until") or 0.0) < now]
+            if not free and not expired:
+                break
+            for key in (free + expired)[:2]:
+                try:
+                    return await write(key, held[key].etag if key in held else None)
+                except (AlreadyExists, Modified, NotFound):
+                    continue
+        raise TooManyReaders("too many readers of this stream")
+
+    async def _keep(self) -> None:
         while True:
-            count = len(kept.events)
-            if count > cursor:
-                chunk = b"".join(kept.events[cursor:count])
-                cursor = count
-                yield chunk
+            await asyncio.sleep(self._ctx.config.read_refresh_seconds)
+            try:
+                row = _slot_row(self._ctx, self._stream_id, self._key, self._holder)
+                self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
+            except (Modified, NotFound):
+                return  # it expired and was taken (this reader was too slow): it reads on
+            except StoreError:
                 continue
-            if kept.end:
-                if kept.lost and not (cursor == len(kept.events) and cursor > after):
-                    # The client is past what was kept: it still gets a final event.
-                    yield error_event(
-                        encode_error,
-                        producer.route,
-                        "stream_lost",
-                        "the stream was lost before its end",
-                        True,
-                        cursor + 1,
-                    )
-                return
-            await kept.changed()
-    finally:
-        producer._detach()
+
+    def release(self) -> None:
+        if self._keeping is not None:
+            self._keeping.cancel()
+            self._keeping = None
+            self._ctx.later(self._give_back)
+
+    async def _give_back(self) -> None:
+        try:
+            await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, self._key, etag=self._etag)
+        except Modified:  # a refresh landed as it was cancelled: the row is still ours if it names us
+            await _give_back(self._ctx, self._stream_id, self._key, self._holder)
+
+
+def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
+    until = ctx.now() + ctx.config.slot_seconds
+    return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until}
+
+
+async def _give_back(ctx: Context, stream_id: str, key: str, holder: str) -> None:
+    """Free the slot ``key`` if ``holder`` holds it (a conditional delete: never someone else's)."""
+    row = await ctx.store.get(STREAMS_TABLE, stream_id, key, select=("holder",))
+    if row is not None and row.get("holder") == holder:
+        await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=row.etag)
+
+
+class _Cadence:
+    """When a reader from the store next polls the blob (``poll``), checks the producer, says it
+    still reads."""
+
+    def __init__(self, ctx: Context, now: float):
+        self._cfg = ctx.config
+        self.poll = self._cfg.poll_seconds / 3  # a write is on its way (the reader just registered)
+        self._idle = 1
+        self._next_state = now + self._cfg.state_seconds
+        self._next_refresh = now + self._cfg.read_refresh_seconds
+
+    def read(self, got: bool) -> None:
+        """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
+        cfg = self._cfg
+        if got:
+            self.poll, self._idle = cfg.poll_seconds, 0
+        else:
+            self._idle += 1
+            idle = self._idle
+            self.poll = (
+                cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
+            )
+
+    def state_due(self, now: float) -> bool:
+        if now >= self._next_state:
+            self._next_state = now + self._cfg.state_seconds
+            return True
+        return False
+
+    def refresh_due(self, now: float) -> bool:
+        if now >= self._next_refresh:
+            self._next_refresh = now + self._cfg.read_refresh_seconds
+            return True
+        return False
+
+
+class _Following:
+    """One reader's way through a stream: from memory while its producer is here, from the store
+    otherwise, through any takeover (module docstring). ``cursor``: the last id the client has."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        streams: Streams,
+        stream_id: str,
+        route: Route,
+        after: int,
+        slot: Slot | None,
+        record: Record | None = None,
+        nonce: str | None = None,
+    ):
+        self._ctx = ctx
+        self._cfg = ctx.config
+        self._streams = streams
+        self.stream_id = stream_id
+        self.route: Route = route
+        self.after = after
+        self.cursor = after
+        self._slot = slot
+        self.record = record
+        self.tail: Tail | None = None
+        self._nonce = nonce or secrets.token_hex(4)
+        self._registered: str | None = record.instance if nonce is not None and record is not None else None
+        self._done = False
+        self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
+        self._gone_at: float | None = None  # when it first found the producer gone
+        self._tag = log_tag(stream_id)
+
+    async def events(self, first: bytes) -> Events:
+        try:
+            if first:
+                if self.tail is not None:
+                    self.cursor = max(self.cursor, self.tail.cursor)
+                yield first
+            while not self._done:
+                producer = self._streams.producing(self.stream_id)
+                source = self._from_memory(producer) if producer is not None else self._from_store()
+                try:
+                    async for chunk in source:
+                        yield chunk
+                finally:
+                    await source.aclose()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+        if self._registered is not None:
+            ended = self.tail is not None and self.tail.end is not None
+            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=ended))
+            self._registered = None
+
+    # -- from memory ----------------------------------------------------------------------------
+
+    async def _from_memory(self, producer: Producer) -> Events:
+        """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
+        producer.attach()
+        try:
+            while True:
+                kept = producer.kept
+                if kept > self.cursor:
+                    data = producer.events_after(self.cursor)
+                    self.cursor = kept
+                    yield data
+                    continue
+                if producer.ended:
+                    final = producer.events_after(kept - 1) if kept else b""
+                    ending = self._ending(producer.ended_lost, kept, final, producer.seam)
+                    self._done = True
+                    if ending:
+                        yield ending
+                    return
+                if producer.moved.is_set():
+                    log.info("stream %s: a reader here follows it on another instance now", self._tag)
+                    self.tail = self.record = None  # read both again from the store, after the cursor
+                    return
+                await producer.changed()
+        finally:
+            producer.detach()
+
+    # -- from the store -------------------------------------------------------------------------
+
+    async def _from_store(self) -> Events:
+        """Until the stream ends, or is produced here (taken over by this instance)."""
+        ctx, cfg = self._ctx, self._cfg
+        loop = asyncio.get_running_loop()
+        ctx.remote_readers += 1
+        failing_since: float | None = None
+        try:
+            if self.tail is None:
+                self.tail = Tail(self.cursor)
+            tail = self.tail
+            cadence = _Cadence(ctx, loop.time())
+            last_new = loop.time()
+            while tail.end is None:
+                if self._streams.producing(self.stream_id) is not None:
+                    return  # taken over here: from memory now
+                await asyncio.sleep(max(cadence.poll, ctx.remote_readers / cfg.read_rate))
+                now = loop.time()
+                try:
+                    if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
+                        self.record = await self._reread()
+                    await self._register(cadence.refresh_due(now))
+                    # Every read is handed out before any other store call: nothing read is lost.
+                    out = await self._poll()
+                    cadence.read(bool(out))
+                    if out:
+                        last_new = now
+                        yield out
+                    if tail.end is not None:
+                        break
+                    if cadence.state_due(now):
+                        if not await producer_gone(ctx, self.record, tail, self._grew_at):
+                            self._gone_at = None
+                        elif self._gone_at is None and not tail.handover:
+                            # Twice, a check apart: a producer renamed under load (Instances fenced
+                            # it) says so in the record meanwhile; a dead one stays gone.
+                            self._gone_at = now
+                        else:
+                            self._gone_at = None
+                            out, done = await self._producer_gone()
+                            if out:
+                                yield out
+                            if done:
+                                return
+                        if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
+                            last_new = now
+                            self.record = await self._reread()
+                            if self.record.state == "lost":
+                                self._done = True
+                                yield self._lost("the stream stopped being stored")
+                                return
+                    failing_since = None
+                except StoreError:
+                    failing_since = failing_since or now
+                    if now - failing_since > cfg.give_up_seconds:
+                        # Not an event of the stream: no id, so a client asks again after the cursor.
+                        self._done = True
+                        yield ctx.encode_error(
+                            self.route, "store_unavailable", "the stream's store is unavailable", True, self.cursor + 1
+                        )
+                        return
+            self._done = True
+            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + b"\n\n", tail.seam)
+            if ending:
+                yield ending
+        finally:
+            ctx.remote_readers -= 1
+
+    async def _poll(self) -> bytes:
+        """The stream's new whole events, read in turn with this instance's other background calls."""
+        tail = self.tail
+        assert tail is not None
+        async with self._ctx.bulk:
+            data = await self._ctx.store.read(self.stream_id, tail.offset)
+        out = tail.feed(data)
+        if data:
+            self._grew_at = asyncio.get_running_loop().time()
+        self.cursor = max(self.cursor, tail.cursor)
+        return out
+
+    async def _register(self, refresh: bool) -> None:
+        """Be in the inbox of the stream's producing instance: refreshed, and moved with the stream."""
+        record = self.record
+        if record is None or record.state != "live" or (self._registered == record.instance and not refresh):
+            return
+        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce, ack=True)
+        if self._registered is not None and self._registered != record.instance:
+            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=False))
+        self._registered = record.instance
+
+    async def _reread(self) -> Record:
+        row = await self._ctx.store.get(STREAMS_TABLE, self.stream_id, RECORD_ROW, select=READER_FIELDS)
+        if row is None:  # swept: its TTL passed (a record of nobody's, lost)
+            epoch = self.tail.epoch if self.tail is not None else 1
+            return Record(self.stream_id, self.route, None, "", epoch, 0.0, 0.0, state="lost")
+        return Record.of(row)
+
+    async def _producer_gone(self) -> tuple[bytes, bool]:
+        """Nobody produces the stream: what was stored last, then a takeover (or it went on
+        elsewhere meanwhile), else ``stream_lost``. (events to hand out, whether the reader is done)"""
+        out = await self._poll()  # one more read for what was stored last
+        tail = self.tail
+        assert tail is not None and self.record is not None
+        if tail.end is not None:
+            return out, False  # over after all: the loop reads its end
+        fresh = await self._reread()
+        if fresh.instance != self.record.instance or fresh.epoch != self.record.epoch or fresh.state == "ended":
+            self.record = fresh  # another producer since (follow it), or over (read on to the end)
+            return out, False
+        outcome = await self._streams.take_over(self.stream_id) if fresh.state == "live" else "lost"
+        if outcome == "lost":
+            log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
+            self._ctx.spawn(_mark_lost(self._ctx, self.stream_id))
+            self._done = True
+            return out + self._lost("the stream's producer was lost"), True
+        if outcome == "elsewhere":
+            self.record = await self._reread()
+        return out, False
+
+    def _lost(self, message: str) -> bytes:
+        return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.cursor + 1)
+
+    def _ending(self, lost: bool, last_id: int, final: bytes, seam: int | None) -> bytes:
+        """What a reader gets at the stream's end besides the events: the final event again for a
+        client past a takeover's seam that the continuation did not reach (it was handed ids the
+        dead producer never stored: it still gets its one final event), or our stream_lost error
+        when the log ended lost and the client is past its last event."""
+        if lost:
+            if self.cursor == last_id and self.cursor > self.after:
+                return b""  # it just got the lost event itself
+            return self._lost("the stream was lost before its end")
+        if seam is not None and self.after > seam and self.cursor == self.after and self.after >= last_id and final:
+            return final
+        return b""
+
+    async def wait_past_end(self) -> bytes:
+        """Last-Event-ID is past what is stored of a live stream: wait (bounded) until the stored log
+        reaches it, or the producer acks this reader with its last id, or it is gone. What was read
+        meanwhile is returned (the events after the cursor)."""
+        ctx, cfg = self._ctx, self._cfg
+        tail, record = self.tail, self.record
+        assert tail is not None and record is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.past_end_wait_seconds
+        next_check = loop.time() + cfg.state_seconds
+        read = b""
+        try:
+            while (
+                self.after > tail.last_id
+                and tail.end is None
+                and self._nonce not in tail.acks
+                and loop.time() < deadline
+            ):
+                await asyncio.sleep(cfg.poll_seconds / 2)
+                read += await self._poll()
+                if loop.time() >= next_check:
+                    next_check = loop.time() + cfg.state_seconds
+                    if await producer_gone(ctx, record, tail, self._grew_at):
+                        break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
+        except StoreError:
+            pass  # the store cannot tell now: the reader follows (and skips to its id)
+        return read
+
+
+async def _mark_lost(ctx: Context, stream_id: str) -> None:
+    """Record that nobody produces ``stream_id`` any more (a reader found out and no takeover is
+    possible): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
+    fields = {
+        "PartitionKey": stream_id,
+        "RowKey": RECORD_ROW,
+        "state": "lost",
+        "expires": ctx.now() + ctx.config.ttl_seconds,
+    }
+    with contextlib.suppress(StoreError):
+        await ctx.store.merge(STREAMS_TABLE, fields)

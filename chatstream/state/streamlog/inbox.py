@@ -1,0 +1,129 @@
+"""A producing instance's inbox: what other instances tell it about its streams, as rows in its own
+partition ``i-{instance}`` of ``chatstreamStreams``, which it reads with one query every
+``inbox_seconds`` (``inbox_young_seconds`` while a stream of its is young), whatever the number of
+its streams:
+
+- ``c-{id}``: cancel this stream (``cancel``);
+- ``r-{id}-{nonce}``: a reader on another instance follows this stream, at ``read_at`` (the store's
+  time), refreshed while it reads (``register``), ``left`` once it is gone (``leave``); ``ack``: it
+  wants to know the last id handed out (the producer stores ``: ack nonce L`` in the log).
+
+It also ticks the producers (fast writes, abandonment, the time cap) and, when this instance goes on
+under a new id (``Instances`` fenced it), has their records point at the new one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+
+from ...errors import StoreError
+from ..store import STREAMS_TABLE, Where
+from .config import Context
+from .format import ID_LENGTH, inbox_partition
+from .producer import Producer
+
+log = logging.getLogger("chatstream")
+
+
+class Inbox:
+    """The inbox of this instance for the producers of one stream log (module docstring)."""
+
+    def __init__(self, ctx: Context, producers: Mapping[str, Producer]):
+        self._ctx = ctx
+        self._producers = producers  # the log's own: the streams produced here, by id
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Read the inbox while this instance produces anything."""
+        if self._task is None or self._task.done():
+            self._task = self._ctx.spawn(self._loop())
+
+    async def _loop(self) -> None:
+        ctx, cfg = self._ctx, self._ctx.config
+        loop = asyncio.get_running_loop()
+        instance = ctx.instances.id
+        warned_at = -60.0
+        while self._producers:
+            now = loop.time()
+            try:
+                if ctx.instances.id != instance:  # fenced: this instance goes on under a new id
+                    instance = ctx.instances.id
+                    for producer in list(self._producers.values()):
+                        producer.repoint(instance)
+                for row in await self._read(instance):
+                    self._deliver(instance, row)
+            except Exception as exc:  # nothing stops the inbox: the next tick tries again
+                if now - warned_at > 10.0:
+                    warned_at = now
+                    if isinstance(exc, StoreError):
+                        log.warning("resumable streams: the inbox could not be read: %s", exc)
+                    else:
+                        log.exception("resumable streams: the inbox could not be read")
+            now_store = ctx.now()
+            young = False
+            for producer in list(self._producers.values()):
+                producer.tick(now, now_store)
+                young = young or producer.young()
+            await asyncio.sleep(cfg.inbox_young_seconds if young else cfg.inbox_seconds)
+
+    async def _read(self, instance: str) -> list:
+        where = Where(partition=inbox_partition(instance), rows_from="c", select=("read_at", "left", "ack"), limit=1000)
+        return await self._ctx.store.query(STREAMS_TABLE, where)
+
+    def _deliver(self, instance: str, row: Mapping) -> None:
+        """One inbox row: a cancel; a reader elsewhere following, wanting an ack, or gone."""
+        key: str = row["RowKey"]
+        producer = self._producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{nonce}
+        done = key.startswith("c-") or producer is None or bool(row.get("left"))
+        if producer is not None:
+            if key.startswith("c-"):
+                producer.request_stop("cancelled")
+            elif key.startswith("r-"):
+                nonce = key[3 + ID_LENGTH :]
+                producer.reader_elsewhere(
+                    float(row.get("read_at") or 0.0), not row.get("left"), nonce if row.get("ack") else None
+                )
+        if done:  # read once: delete it (also what is left of streams no longer here)
+            self._ctx.later(lambda: self._ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key))
+
+
+async def cancel(ctx: Context, instance: str, stream_id: str) -> None:
+    """Ask ``instance`` to stop its stream ``stream_id``. StoreError when the store fails."""
+    now = ctx.now()
+    row = {"PartitionKey": inbox_partition(instance), "RowKey": f"c-{stream_id}", "expires": now + 60.0}
+    await ctx.store.upsert(STREAMS_TABLE, row)
+
+
+async def register(ctx: Context, instance: str, stream_id: str, nonce: str, *, ack: bool = False) -> None:
+    """A reader here follows ``stream_id`` produced by ``instance`` (and wants an ack)."""
+    now = ctx.now()
+    row = {
+        "PartitionKey": inbox_partition(instance),
+        "RowKey": f"r-{stream_id}-{nonce}",
+        "read_at": now,
+        "expires": now + ctx.config.reader_row_seconds,
+        "ack": ack or None,
+    }
+    await ctx.store.upsert(STREAMS_TABLE, row)
+
+
+async def leave(ctx: Context, instance: str, stream_id: str, nonce: str, *, read_to_end: bool) -> None:
+    """The reader left: say when (the abandonment clock starts then; the producer deletes the row).
+    A reader that read the stream to its end deletes its row itself: nobody needs it any more."""
+    key = f"r-{stream_id}-{nonce}"
+    if read_to_end:
+        with contextlib.suppress(StoreError):
+            await ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key)
+        return
+    now = ctx.now()
+    row = {
+        "PartitionKey": inbox_partition(instance),
+        "RowKey": key,
+        "read_at": now,
+        "left": True,
+        "expires": now + ctx.config.reader_row_seconds,
+    }
+    with contextlib.suppress(StoreError):  # best effort: a row left behind expires and is swept
+        await ctx.store.upsert(STREAMS_TABLE, row)

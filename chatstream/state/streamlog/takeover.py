@@ -1,0 +1,197 @@
+"""Taking a stream over when its producer is gone: ``claim`` lets exactly one instance win a live
+stream whose producing instance is dead (``Instances``: no beat for a lease, by the store's clock)
+or that its producer handed over (``: handover`` in the log), and gives it what a continuation
+needs (``Claim``).
+
+The claim is two conditional writes: the record (instance → this one, epoch + 1, on its ETag: one
+winner), then the fence in the log (``: epoch E L`` appended at the stored end, on the append
+position: a producer that was only slow finds it at its next append and stops, ``Producer.moved``).
+What was stored before the fence is the stream so far; the new producer appends after it, ids
+going on from L + 1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ...errors import AlreadyExists, Modified, NotFound, StoreError
+from ..store import STREAMS_TABLE
+from .config import Context
+from .format import RECORD_ROW, Record, Route, Tail, epoch_marker, log_tag, request_blob, split_events
+from .producer import Producer
+
+log = logging.getLogger("chatstream")
+
+# Why no claim was made: the producer lives ("alive": follow it), another instance won it
+# ("elsewhere": read its record again), the stream is over ("ended": read on to its end), or it
+# cannot be continued ("impossible": no request stored, the store failing: stream_lost).
+Refusal = Literal["alive", "elsewhere", "ended", "impossible"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A stream taken over by this instance: what the request path needs to continue the answer.
+    ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
+    with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
+    request path must drive it to its end (``append``... ``finish``), as for a new stream."""
+
+    stream_id: str
+    route: Route
+    owner: str | None
+    request: bytes  # the route's params as JSON, as the original request stored them
+    request_id: str | None  # the app's request id of the original request (its charges)
+    events: bytes
+    last_id: int
+    epoch: int
+    producer: Producer
+
+
+MakeProducer = Callable[[Record, list[bytes], int], Producer]
+
+
+async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
+    """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
+    the store's clock. Not while the log grew within a lease (``grew_at``: when the reader last saw
+    it grow, on this process's clock: a growing log is proof of life whatever the beats say, and a
+    busy instance's beats are late), nor while the stream is younger than a lease (its producer's
+    first beat may still be on its way). StoreError when the store cannot tell."""
+    if tail.handover or not record.instance:
+        return True
+    lease = ctx.instances.timing.lease_seconds
+    if grew_at is not None and asyncio.get_running_loop().time() - grew_at < lease:
+        return False
+    if ctx.now() - record.created < lease:
+        return False
+    return not await ctx.instances.alive(record.instance)
+
+
+async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Refusal:
+    """Take ``stream_id`` over (module docstring). Never raises for the store: ``impossible``."""
+    store = ctx.store
+    tag = log_tag(stream_id)
+    try:
+        row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
+        if row is None:
+            return "impossible"
+        record = Record.of(row)
+        if record.state != "live":
+            return "ended"
+        tail = Tail(0)
+        stored = bytearray(await store.read(stream_id))
+        tail.feed(bytes(stored))
+        if tail.end is not None:
+            return "ended"
+        if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
+            return "alive"
+        request = record.request.encode() if record.request is not None else None
+        if request is None and record.request_stored:
+            found = await store.get_blob(request_blob(stream_id))
+            request = found[0] if found is not None else None
+        if request is None:
+            log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
+            return "impossible"
+    except StoreError as exc:
+        log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
+        return "impossible"
+    ctx.instances.need()  # we produce it from now on: this instance is seen alive first
+    try:
+        await ctx.instances.first_beat()
+        won = replace(record, instance=ctx.instances.id, epoch=record.epoch + 1)
+        try:
+            won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
+        except (Modified, NotFound):
+            return "elsewhere"
+        except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
+            log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
+            return "impossible"
+        fenced = await _fence(ctx, won, tail, stored)
+        if fenced is None:
+            return "impossible"
+        if fenced is False:
+            await _record_end(ctx, won, tail)
+            return "ended"
+        events = split_events(bytes(stored[: tail.offset]))
+        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)))
+        if won.cancelled:
+            producer.request_stop("cancelled")
+        log.warning(
+            "stream %s: its producer (%s) is gone; taken over here after event %d (epoch %d)",
+            tag,
+            record.instance,
+            tail.last_id,
+            won.epoch,
+        )
+        return Claim(
+            stream_id=stream_id,
+            route=won.route,
+            owner=won.owner,
+            request=request,
+            request_id=won.request_id,
+            events=b"".join(events),
+            last_id=tail.last_id,
+            epoch=won.epoch,
+            producer=producer,
+        )
+    finally:
+        ctx.instances.done()  # the producer holds its own need from here on
+
+
+async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
+    """Append the epoch marker at the stored end. True: fenced; False: the old producer stored the
+    end meanwhile (the stream is over); None: the store failed for ``give_up_seconds``. ``tail``
+    and ``stored`` grow with what the old producer still stored before the fence."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ctx.config.give_up_seconds
+    store = ctx.store
+    created = False
+    while loop.time() < deadline:
+        try:
+            await store.append(won.stream_id, epoch_marker(won.epoch, tail.last_id), at=tail.offset)
+            return True
+        except Modified:  # the old producer's last write landed: fence after it
+            more = await _quietly_read(ctx, won.stream_id, tail.offset)
+            if more:
+                stored.extend(more)
+                tail.feed(more)
+                if tail.end is not None:
+                    return False
+        except NotFound:  # it died before it made the blob
+            if created:
+                return None
+            created = True
+            try:
+                await store.append_create(won.stream_id)
+            except AlreadyExists:
+                pass
+            except StoreError:
+                await asyncio.sleep(0.25)
+        except StoreError:
+            await asyncio.sleep(0.25)
+    log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
+    return None
+
+
+async def _quietly_read(ctx: Context, stream_id: str, offset: int) -> bytes:
+    try:
+        return await ctx.store.read(stream_id, offset)
+    except StoreError:
+        return b""
+
+
+async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:
+    """The old producer stored its end but not its record's: say it, the record being ours now."""
+    now = ctx.now()
+    fields = {
+        "PartitionKey": won.stream_id,
+        "RowKey": RECORD_ROW,
+        "state": "lost" if tail.end == b": lost" else "ended",
+        "finished": now,
+        "expires": now + ctx.config.ttl_seconds,
+        "last_id": tail.last_id,
+    }
+    with contextlib.suppress(StoreError):  # else it expires later
+        await ctx.store.merge(STREAMS_TABLE, fields, etag=won.etag)

@@ -1,0 +1,183 @@
+"""Shared by the stream log's unit tests (test_streamlog.py, test_streamlog_takeover.py): instances on
+one in-process account, killing one, reading a log, producing a stream, and a request path's
+continuation for takeovers.
+
+Two "instances" are two StreamLogs, each with its own MemoryStore (its own clock) and its own
+Instances, on one MemoryData (one storage account): a reader on B has no producer in memory and
+reads the blob and the table as another machine would. An instance is killed by cancelling its
+tasks (no goodbye), slowed by faults on its own store, and the account frozen as SIGSTOP does to
+Azurite."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from chatstream import http as sse
+from chatstream.state.instances import Instances, InstanceTiming
+from chatstream.state.store import StoreClock, Where
+from chatstream.state.store_memory import MemoryData, MemoryStore
+from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+# Leases of a fraction of a second, so that deaths show within one: the same logic as 4.5 s.
+LIFE = InstanceTiming(beat_seconds=0.05, lease_seconds=0.4, linger_seconds=0.5, duty_seconds=0.05, fresh_seconds=0.0)
+# The cadences scaled down alike (the defaults' ratios).
+QUICK = {
+    "state_seconds": 0.1,
+    "inbox_seconds": 0.05,
+    "inbox_young_seconds": 0.02,
+    "poll_seconds": 0.02,
+    "max_poll_seconds": 0.05,
+    "young_poll_seconds": 0.02,
+    "fast_flush_seconds": 0.02,
+    "checkpoint_seconds": 0.5,
+    "give_up_seconds": 2.0,
+    "past_end_wait_seconds": 2.0,
+}
+
+
+def encode_error(route, type, message, retryable, next_id) -> bytes:
+    if route == "chat":
+        return sse.event({"error": {"type": type, "message": message, "retryable": retryable}}, b"error")
+    return sse.event({"error": {"message": message, "type": "server_error", "param": None, "code": type}})
+
+
+def delta(i: int) -> bytes:
+    return sse.event({"delta": f"w{i} 日本 🙂\n"})
+
+
+DONE = sse.event({"finish_reason": "stop", "usage": None}, b"done")
+
+
+def events_of(body: bytes) -> list[tuple[int, bytes]]:
+    """(id, the event without its id line) for each event of an SSE body; asserts every event has an id."""
+    out = []
+    for part in body.split(b"\n\n")[:-1]:
+        head, _, rest = part.partition(b"\n")
+        assert head.startswith(b"id: "), part
+        out.append((int(head[4:]), rest))
+    assert body.endswith(b"\n\n") or not body
+    return out
+
+
+def ids_in(stored: bytes) -> list[int]:
+    """The ids of the events of a stored log (our comment lines left out)."""
+    return [int(part[4 : part.index(b"\n")]) for part in stored.split(b"\n\n") if part.startswith(b"id: ")]
+
+
+def numbered(events: list[bytes], first: int = 1) -> bytes:
+    return b"".join(b"id: %d\n%s" % (first + i, e) for i, e in enumerate(events))
+
+
+class CountingStore(MemoryStore):
+    """The in-process store, counting this instance's calls by operation and blob (instrumentation
+    only: every call is the memory store's own)."""
+
+    def __init__(self, data: MemoryData, clock: StoreClock):
+        super().__init__(data, clock)
+        self.counts: dict[str, int] = {}
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def append(self, name: str, data: bytes, *, at: int, timeout: float = 1.8) -> int:
+        self._count(f"append:{name}")
+        self._count("append")
+        return await super().append(name, data, at=at, timeout=timeout)
+
+    async def query(self, table: str, where: Where, *, timeout: float = 1.8):
+        self._count("sweep" if where.less else "query")
+        return await super().query(table, where, timeout=timeout)
+
+    async def get(self, table, partition, row, *, select=None, timeout: float = 1.8):
+        self._count("get:instances" if partition == "instances" else "get")
+        return await super().get(table, partition, row, select=select, timeout=timeout)
+
+
+Hook = Any
+
+
+@contextlib.asynccontextmanager
+async def instances(
+    n: int = 2, *, data: MemoryData | None = None, skews=(), take_over: Hook = None, life=LIFE, **config
+):
+    """``n`` StreamLogs (instances) on one MemoryData; ``skews``: seconds each one's clock is off."""
+    data = data or MemoryData()
+    logs = []
+    for i in range(n):
+        skew = skews[i] if i < len(skews) else 0.0
+        store = CountingStore(data, StoreClock(wall=lambda skew=skew: time.time() + skew))
+        hook = take_over(i) if callable(take_over) and getattr(take_over, "per_instance", False) else take_over
+        logs.append(StreamLog(store, Instances(store, life), encode_error, ResumeConfig(**config), take_over=hook))
+    try:
+        yield logs
+    finally:
+        for streams in logs:
+            await streams.close(timeout=0.3)
+            await streams.instances.close()
+
+
+def kill(streams: StreamLog) -> None:
+    """The instance dies: its tasks stop where they are, nothing says goodbye."""
+    for task in streams.tasks:
+        task.cancel()
+    life = streams.instances
+    life._closed = True
+    for task in (life._beating, life._duty):
+        if task is not None:
+            task.cancel()
+
+
+async def read_all(reader, limit: float = 15.0) -> bytes:
+    out = []
+    async with asyncio.timeout(limit):
+        async for chunk in reader:
+            out.append(chunk)
+    return b"".join(out)
+
+
+async def open_when_visible(streams: StreamLog, stream_id: str, after, caller=None, limit: float = 3.0):
+    """open_reader on another instance, retried while the new stream's record is not written yet."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return await streams.open_reader(stream_id, after, caller)
+        except (StreamNotFound, Unavailable):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+async def produce(producer, events: list[bytes], gap: float = 0.01, final: bytes = DONE) -> bytes:
+    """Append ``events`` then ``final``; the bytes the live caller would have got."""
+    live = []
+    for event in events:
+        live.append(producer.append(event))
+        await asyncio.sleep(gap)
+    live.append(producer.append(final, final=True))
+    producer.finish()
+    return b"".join(live)
+
+
+def regenerating(deltas_of=lambda request: json.loads(request)["deltas"], gap: float = 0.01, calls=None):
+    """A request path's continuation for these tests: the stored request says how many deltas the
+    answer has, and the rest is regenerated exactly after the stored ones (as the scripted upstream
+    does): delta(i) for the event with id i + 1."""
+
+    async def hook(claim: Claim) -> None:
+        if calls is not None:
+            calls.append(claim)
+        for i in range(claim.last_id, deltas_of(claim.request)):
+            if claim.producer.stop_requested.is_set():
+                break
+            claim.producer.append(delta(i))
+            await asyncio.sleep(gap)
+        claim.producer.append(DONE, final=True)
+        claim.producer.finish()
+
+    return hook

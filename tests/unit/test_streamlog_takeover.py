@@ -1,0 +1,422 @@
+"""The stream log's fixes of issue #29 (rows within Table storage's limits, one clock, loops that
+survive) and issue #30's storage side (another instance takes a stream over when its producer dies,
+is fenced or drains), on the in-process store; and how closely a reader elsewhere follows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import time
+from dataclasses import replace
+
+import pytest
+
+from chatstream import http as sse
+from chatstream.state.instances import Instances
+from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
+from chatstream.state.store_memory import Fault, MemoryData
+from chatstream.state.streamlog import Claim, StreamLog, StreamNotFound, started_at
+
+from .streamlog_helpers import (
+    DONE,
+    LIFE,
+    QUICK,
+    ROOT,
+    CountingStore,
+    delta,
+    encode_error,
+    events_of,
+    ids_in,
+    instances,
+    kill,
+    numbered,
+    open_when_visible,
+    produce,
+    read_all,
+    regenerating,
+)
+
+# -- issue #29: bounded rows, one clock, loops that survive ---------------------------------------
+
+
+async def test_a_thousand_streams_on_one_instance_write_only_rows_within_table_storage_limits():
+    """The old heartbeat row listed every stream it stored (~35,000 characters at max_producers
+    1,000: over a property's 64 KiB, so the write was refused and the heartbeat task ended).
+    Liveness is now one row per instance that lists nothing; every row written stays in bounds."""
+    async with instances(2, **QUICK) as (a, b):
+        producers = [a.start("chat", f"caller{i}", request={"n": i}) for i in range(1000)]
+        for p in producers:
+            p.append(delta(0))
+        await asyncio.sleep(1.0)
+        data = a.store.data  # type: ignore[attr-defined]
+        rows = [values for partition in data.tables[STREAMS_TABLE].values() for values, _ in partition.values()]
+        for row in rows:
+            check_entity(row)  # what Table storage would refuse: none
+        instance_row = data.tables[STREAMS_TABLE]["instances"][a.instances.id][0]
+        assert set(instance_row) == {"PartitionKey", "RowKey", "at", "beat", "lease"}
+        assert await b.instances.alive(a.instances.id)
+        assert all(p.resumable for p in producers)
+        reader = await b.open_reader(producers[-1].id, None, "caller999")
+        await produce(producers[-1], [])
+        assert await read_all(reader) == numbered([delta(0), DONE])
+        for p in producers[:-1]:
+            await produce(p, [], gap=0)
+
+
+@pytest.mark.parametrize("skew", [30.0, -30.0])
+async def test_an_instance_whose_clock_is_thirty_seconds_off_is_read_like_any_other(skew):
+    """Everything that crosses instances is on the store's clock: a young stream of an instance
+    whose clock is 30 s ahead (or behind) is waited for, not answered 404; its liveness and its
+    expiry read the same on every instance. (Old code: the id carried the producer's own clock, so
+    a record not yet written was 404 at once; expiry and leases compared two machines' clocks.)"""
+    async with instances(2, skews=(skew, 0.0), **QUICK, ttl_seconds=1.0, sweep_every=3600) as (a, b):
+        await a.instances.first_beat()
+        slow_record = Fault("slow", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=1, delay=0.6)
+        producer = a.start("chat", None)
+        a.store.inject(slow_record)  # type: ignore[attr-defined] - the record lands 0.6 s late
+        started = time.monotonic()
+        reader = await b.open_reader(producer.id, None, None)  # waited for, not 404
+        assert 0.4 < time.monotonic() - started < 2.0
+        assert abs(started_at(producer.id) - time.time()) < 2.0  # the store's clock, not A's own
+        body = [delta(i) for i in range(30)]  # 0.6 s: longer than a lease, alive all along
+        rest = asyncio.ensure_future(produce(producer, body, gap=0.02))
+        assert await read_all(reader, limit=10) == numbered([*body, DONE])
+        await rest
+        assert await producer.wait_stored(5)
+        await asyncio.sleep(0.3)
+        assert await read_all(await b.open_reader(producer.id, None, None)) == numbered([*body, DONE])  # within its TTL
+        await asyncio.sleep(0.9)
+        for streams in (a, b):
+            with pytest.raises(StreamNotFound):  # past it, on both
+                await streams.open_reader(producer.id, None, None)
+
+
+async def test_background_loops_survive_errors_that_are_not_outages():
+    """The store answers 404 for its table for a while (it was deleted under the app; the edge
+    re-creates it on use): the inbox, the readers and the sweep go on and recover. (Old code: the
+    inbox and heartbeat loops ended on anything but StoreUnavailable, for good.)"""
+    async with instances(2, **QUICK, sweep_every=0.1) as (a, b):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reading = asyncio.ensure_future(read_all(await open_when_visible(b, producer.id, None)))
+        a.store.inject(Fault("not_found", ops=frozenset({"query"}), times=40))  # type: ignore[attr-defined] - inbox, duty
+        b.store.inject(Fault("not_found", ops=frozenset({"read", "get"}), times=5))  # type: ignore[attr-defined]
+        async with asyncio.timeout(5):  # until every injected answer was given
+            while any(f.times for s in (a, b) for f in s.store.faults):  # type: ignore[attr-defined]
+                await asyncio.sleep(0.05)
+        producer.append(delta(1))
+        assert await b.cancel(producer.id, None) is True  # the inbox reads again
+        async with asyncio.timeout(2):
+            await producer.stop_requested.wait()
+        await produce(producer, [], final=sse.event({"finish_reason": "cancelled"}, b"done"))
+        assert [n for n, _ in events_of(await reading)] == [1, 2, 3]
+
+
+# -- issue #30: another instance takes the stream over ---------------------------------------------
+
+
+async def test_a_dead_producer_is_taken_over_and_every_reader_gets_one_whole_answer():
+    calls: list[Claim] = []
+    async with instances(3, take_over=regenerating(calls=calls), **QUICK) as (a, b, c):
+        producer = a.start("chat", "alice", request={"deltas": 80}, request_id="req-1")
+        for i in range(30):
+            producer.append(delta(i))
+            await asyncio.sleep(0.01)
+        reader_b = await open_when_visible(b, producer.id, None, "alice")
+        reader_c = await open_when_visible(c, producer.id, 5, "alice")
+        got_b = b""
+        async with asyncio.timeout(5):
+            while len(events_of(got_b)) < 30:
+                got_b += await anext(reader_b)
+        kill(a)
+        killed = time.monotonic()
+        first_new = None
+        async with asyncio.timeout(10):
+            async for chunk in reader_b:
+                first_new = first_new or time.monotonic()
+                got_b += chunk
+        got_c = await read_all(reader_c)
+        expected = numbered([delta(i) for i in range(80)] + [DONE])
+        assert got_b == expected and got_c == expected[expected.index(b"id: 6\n") :]
+        assert len(calls) == 1 and calls[0].last_id == 30 and calls[0].owner == "alice"
+        assert calls[0].request_id == "req-1" and json.loads(calls[0].request) == {"deltas": 80}
+        assert calls[0].events == numbered([delta(i) for i in range(30)]) and calls[0].epoch == 2
+        assert first_new is not None
+        print(f"\nproducer killed: new output on the other instance after {first_new - killed:.2f} s (lease 0.4 s)")
+        assert first_new - killed < LIFE.lease_seconds + 1.5
+        late = await read_all(await c.open_reader(producer.id, None, "alice"))  # later, from the store
+        assert late == expected
+
+
+async def test_readers_on_two_instances_racing_for_a_dead_stream_claim_it_once():
+    calls: list[Claim] = []
+    async with instances(5, take_over=regenerating(calls=calls), **QUICK) as logs:
+        a, others = logs[0], logs[1:]
+        producer = a.start("openai", None, request={"deltas": 40})
+        for i in range(10):
+            producer.append(delta(i))
+        readers = [await open_when_visible(streams, producer.id, None) for streams in others for _ in range(2)]
+        await asyncio.sleep(0.3)
+        kill(a)
+        got = await asyncio.gather(*(read_all(r) for r in readers))
+        assert all(g == numbered([delta(i) for i in range(40)] + [DONE]) for g in got)
+        assert len(calls) == 1
+
+
+async def test_a_slow_producer_declared_dead_is_fenced_and_stores_nothing_after_the_takeover():
+    async with instances(2, take_over=regenerating(gap=0.005), **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 50})
+        for i in range(10):
+            producer.append(delta(i))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.3)  # the ten are stored
+        # A slows down (its beats time out, its appends take 1.2 s): B finds it dead and takes over
+        # while A's next append is still on its way; when it lands, its position is gone.
+        a.store.inject(Fault("slow", ops=frozenset({"replace", "insert"}), times=10**9, delay=0.5))  # type: ignore[attr-defined]
+        a.store.inject(Fault("slow", ops=frozenset({"append"}), times=10**9, delay=1.2))  # type: ignore[attr-defined]
+        for i in range(10, 20):
+            producer.append(delta(i))  # handed out to A's live caller; its write is the one fenced
+            await asyncio.sleep(0.01)
+        got = await read_all(reader, limit=10)
+        async with asyncio.timeout(5):
+            await producer.moved.wait()
+        assert producer.stop_reason == "taken_over" and producer.stop_requested.is_set()
+        assert got == numbered([delta(i) for i in range(50)] + [DONE])
+        blob = bytes(a.store.data.blobs[producer.id][0])  # type: ignore[attr-defined]
+        before, marker, after = blob.partition(b": epoch 2 ")
+        first, rest = ids_in(before), ids_in(after)
+        assert marker and first == list(range(1, len(first) + 1)) and len(first) <= 20
+        assert rest == list(range(len(first) + 1, 52))  # A wrote nothing after the fence: B's go on from it
+        assert b": epoch" not in after and after.endswith(b": end\n\n")
+        assert producer.moved_event().startswith(b"event: error\n")  # what A's live caller is told
+
+
+async def test_a_handed_over_stream_is_taken_over_at_once_without_a_lease_to_wait_for():
+    life = replace(LIFE, lease_seconds=5.0)
+    async with instances(2, take_over=regenerating(), life=life, **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 30})
+        for i in range(10):
+            producer.append(delta(i))
+        reader = await open_when_visible(b, producer.id, None)
+        async with asyncio.timeout(5):
+            got = await anext(reader)
+        started = time.monotonic()
+        ended = a.start("chat", None)
+        await produce(ended, [])
+        assert await a.drain() == 1  # SIGTERM: A hands over what it produces (the ended one needs none)
+        assert producer.moved.is_set() and producer.stop_reason == "handed_over"
+        assert await b.instances.alive(a.instances.id)  # A is alive: no lease expired
+        got += await read_all(reader)
+        print(f"\nhanded over: the reader elsewhere had the continuation {time.monotonic() - started:.2f} s later")
+        assert got == numbered([delta(i) for i in range(30)] + [DONE])
+        assert time.monotonic() - started < 2.0
+
+
+async def test_a_last_event_id_past_the_stored_end_of_a_dead_producer_gets_a_consistent_answer():
+    """The dead producer's caller had events 1..20; only 1..10 were stored (its writes trail by up
+    to a checkpoint). A resume after 15 gets 16.. of the continuation (which regenerates 11..);
+    a resume past the continuation's end gets its final event: one final event either way."""
+    async with instances(2, take_over=regenerating(), **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 30})
+        for i in range(10):
+            producer.append(delta(i))
+        producer.caller_gone()  # stores what is in hand now
+        await asyncio.sleep(0.3)
+        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        for i in range(10, 20):
+            producer.append(delta(i))
+        kill(a)
+        reader = await b.open_reader(producer.id, 15, None)
+        assert await read_all(reader) == numbered([delta(i) for i in range(15, 30)] + [DONE], 16)
+        past = await b.open_reader(producer.id, 40, None)
+        assert await read_all(past) == numbered([DONE], 31)
+
+
+async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_continued():
+    calls: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
+        producer = a.start("chat", None)  # no request: nothing to continue from
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.2)
+        kill(a)
+        events = events_of(await read_all(reader))
+        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+
+
+async def test_a_store_failing_during_the_takeover_ends_the_readers_with_one_final_error():
+    calls: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 10})
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.2)
+        b.store.inject(Fault("unavailable", ops=frozenset({"replace"}), table=STREAMS_TABLE, times=10**9))  # type: ignore[attr-defined]
+        kill(a)
+        events = events_of(await read_all(reader))
+        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+
+
+async def test_a_continued_stream_is_cancelled_abandoned_and_swept_like_any_other():
+    async with instances(3, take_over=regenerating(gap=0.05), **QUICK) as (a, b, c):
+        producer = a.start("chat", None, request={"deltas": 200})
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.2)
+        kill(a)
+        got = b""
+        async with asyncio.timeout(5):
+            while len(events_of(got)) < 5:
+                got += await anext(reader)
+        assert await c.cancel(producer.id, None) is True  # reaches the continuation on B
+        got += await read_all(reader)
+        assert events_of(got)[-1][1] == DONE[:-2] and len(events_of(got)) < 200
+
+
+async def test_a_stream_cancelled_while_its_producer_is_dead_is_not_generated_again():
+    calls: list[Claim] = []
+    async with instances(3, take_over=regenerating(calls=calls), **QUICK) as (a, b, c):
+        producer = a.start("chat", None, request={"deltas": 100})
+        producer.append(delta(0))
+        await (await open_when_visible(b, producer.id, None)).aclose()
+        kill(a)
+        await asyncio.sleep(LIFE.lease_seconds + 0.2)
+        assert await c.cancel(producer.id, None) is True  # nobody reads A's inbox: the record says it
+        events = events_of(await read_all(await b.open_reader(producer.id, None, None)))
+        # The takeover stopped at once: what was stored (delta 0, if it was), then the final event.
+        assert len(calls) == 1 and calls[0].producer.stop_reason == "cancelled"
+        assert [n for n, _ in events] == list(range(1, len(events) + 1)) and len(events) <= 2
+        assert events[-1][1] == DONE[:-2]
+
+
+# -- the lag behind the live caller, and what the docs name ----------------------------------------
+
+
+async def test_a_reader_elsewhere_follows_a_short_stream_closely_from_its_first_events():
+    """40-delta streams (20 ms apart) with a reader on another instance from their start, at the
+    default cadences: the producer reads its inbox every 100 ms while a stream is young, so it
+    writes fast at once (issue #34: short streams lagged ~1.3 s, the inbox being read every 0.5 s)."""
+    async with instances(2) as (a, b):
+        lags: list[float] = []
+
+        async def one(k: int) -> None:
+            await asyncio.sleep(k * 0.05)
+            producer = a.start("chat", None)
+            appended: dict[int, float] = {}
+            producer.append(delta(0))
+            appended[1] = time.monotonic()
+            reader = await open_when_visible(b, producer.id, None)
+
+            async def generate() -> None:
+                for i in range(1, 40):
+                    await asyncio.sleep(0.02)
+                    producer.append(delta(i))
+                    appended[i + 1] = time.monotonic()
+                producer.append(DONE, final=True)
+                producer.finish()
+
+            task = asyncio.ensure_future(generate())
+            async with asyncio.timeout(10):
+                async for chunk in reader:
+                    now = time.monotonic()
+                    lags.extend(now - appended[n] for n, _ in events_of(chunk) if n in appended)
+            await task
+
+        await asyncio.gather(*(one(k) for k in range(8)))
+        lags.sort()
+        p50, p99 = lags[len(lags) // 2], lags[int(len(lags) * 0.99)]
+        print(f"\nreader elsewhere, 8 streams of 40 deltas: lag p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
+        assert p99 < 0.45
+
+
+def test_every_module_path_the_stream_logs_docs_name_exists():
+    """Docstrings and docs/resumable.md name only modules that exist (resumable.py said
+    ``state/streamlog.py``, readers.py ``stream_remote.py``)."""
+    package = ROOT / "chatstream" / "state" / "streamlog"
+    texts = [*package.glob("*.py"), ROOT / "chatstream" / "resumable.py", ROOT / "docs" / "resumable.md"]
+    bases = [package, ROOT / "chatstream" / "state", ROOT / "chatstream", ROOT, ROOT / "tests"]
+    missing = []
+    for path in texts:
+        for name in re.findall(r"[\w/]+\.py\b", path.read_text()):
+            if not any((base / name).exists() for base in bases):
+                missing.append((path.name, name))
+    assert not missing
+
+
+@pytest.mark.skipif(not os.environ.get("STREAMLOG_FIGURES"), reason="a figure for docs/resumable.md")
+async def test_figures_takeover_at_the_default_timings():
+    """A producer killed at a random point of its beat, at the default lease (4.5 s), beat (1.5 s)
+    and state check (1 s): when the reader elsewhere gets new output (issue #30's target: 15 s)."""
+    waits = []
+    for _ in range(5):
+        data = MemoryData()
+        logs = []
+        for _ in range(2):
+            store = CountingStore(data, StoreClock())
+            logs.append(StreamLog(store, Instances(store), encode_error, take_over=regenerating(gap=0.02)))
+        a, b = logs
+        producer = a.start("chat", None, request={"deltas": 200})
+        for i in range(10):
+            producer.append(delta(i))
+        reader = await open_when_visible(b, producer.id, None)
+        async with asyncio.timeout(10):
+            await anext(reader)
+        await asyncio.sleep(random.uniform(1.0, 2.5))
+        kill(a)
+        killed = time.monotonic()
+        async with asyncio.timeout(30):
+            async for chunk in reader:
+                if any(n > 10 for n, _ in events_of(chunk)):
+                    break
+        waits.append(time.monotonic() - killed)
+        await reader.aclose()
+        for streams in logs:
+            await streams.close(timeout=0.3)
+            await streams.instances.close()
+    print(f"\ndefault timings: new output {', '.join(f'{w:.1f}' for w in waits)} s after the producer's death")
+
+
+class _NoLog:
+    """The same relay loop without resumability: append returns the bytes."""
+
+    def append(self, data: bytes, *, final: bool = False) -> bytes:
+        return data
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(not os.environ.get("STREAMLOG_FIGURES"), reason="a figure for docs/resumable.md")
+async def test_figures_producer_cpu_on_azurite(azurite):
+    """CPU the stream log adds to a 40-delta stream (20 ms apart, the bench's answer), 50 at once,
+    with nobody reading elsewhere: process CPU against the same loop without it, on Azurite
+    through the Azure SDK (the instance's beat and inbox included)."""
+    from chatstream.state.store import StorageConfig
+    from chatstream.state.store_azure import AzureStore
+
+    store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+    streams = StreamLog(store, Instances(store), encode_error)
+    body = [delta(i) for i in range(40)]
+
+    async def run(make) -> float:
+        started = time.process_time()
+        producers = [make() for _ in range(50)]
+        await asyncio.gather(*(produce(x, body, gap=0.02) for x in producers))
+        for x in producers:
+            if hasattr(x, "wait_stored"):
+                assert await x.wait_stored(30)
+        return time.process_time() - started
+
+    await run(lambda: streams.start("chat", None, request={"messages": [{"role": "user", "content": "hi"}]}))
+    without = await run(_NoLog)
+    with_log = await run(lambda: streams.start("chat", None, request={"messages": [{"role": "user", "content": "hi"}]}))
+    print(
+        f"\n50 streams x 40 deltas: {without * 1000:.0f} ms CPU without the log, {with_log * 1000:.0f} ms with it: "
+        f"+{(with_log - without) / 50 * 1000:.2f} ms per stream; store calls {store.calls}"
+    )
+    await streams.close()
+    await streams.instances.close()
+    await store.close()
