@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +29,7 @@ from .settings import Settings, SettingsError
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
-from .state.streamlog import ResumeConfig, StreamLog
+from .state.streamlog import Claim, ResumeConfig, StreamLog
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -68,6 +67,21 @@ class ChatApp:
         life = self.lifecycle
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
+        if self.streams is not None and settings.continue_on_upstream_failure:
+            # A stream whose producer was lost goes on here, on its route's endpoint (endpoint.take_over);
+            # with continuations off it cannot (its readers get stream_lost).
+            endpoints = {"chat": self.chat, "openai": self.chat_completions}
+            streams = self.streams
+
+            async def take_over(claim: Claim) -> None:
+                await endpoints[claim.route].take_over(claim)
+
+            streams.streams.on_take_over(take_over)
+
+            async def hand_over() -> None:  # SIGTERM: a reader elsewhere takes each stream over at once
+                await streams.streams.drain(timeout=0.7)
+
+            self.lifecycle.on_drain(hand_over)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
         self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting, None, life)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from . import telemetry, tokens
@@ -223,6 +223,28 @@ class ChatContinuation:
         self._seam: Seam | None = None  # on a continuation: its seam with the text so far
         self._id: object = None  # the answer's id and created, from its first stream
         self._created: object = None
+        self._lost_on: str | None = None  # a takeover: the entry of the stream the lost producer read
+
+    @classmethod
+    def resuming(
+        cls,
+        upstreams: Upstreams,
+        path: str,
+        params: dict,
+        protocol: StreamProtocol,
+        record: StreamRecord,
+        most: int,
+        known: Known,
+        lost_on: str | None,
+    ) -> ChatContinuation:
+        """The continuation of an answer another instance began and lost (a takeover): the caller
+        has ``known``; the first stream opened (``Resumed``) is already a continuation after it, and
+        ``most`` more may follow. ``lost_on``: the pool entry the lost producer was reading."""
+        plan = cls(upstreams, path, params, protocol, record, most + 1)
+        plan._passed = [known.text]
+        plan._id, plan._created = known.id, known.created
+        plan._lost_on = lost_on
+        return plan
 
     # -- every chunk
     def feed(self, data: dict) -> Sequence[dict]:
@@ -312,7 +334,7 @@ class ChatContinuation:
 
     async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
         self._reopened += 1
-        failed = self._segment.upstream if self._segment is not None else record.upstream
+        failed = self._segment.upstream if self._segment is not None else (self._lost_on or record.upstream)
         if failed is not None:
             self._failed.add(failed)
         known = "".join(self._passed)
@@ -371,6 +393,47 @@ def _trimmed_logprobs(logprobs: dict, dropped: int) -> dict:
         skipped += size
         kept.pop(0)
     return {**logprobs, "content": kept}
+
+
+@dataclass(frozen=True)
+class Known:
+    """What a stream stored before its producer was lost (a takeover, resumable.py): choice 0's text,
+    the answer's id and created, and what part of it cannot be continued (a tool call...), if any."""
+
+    text: str
+    id: str | None = None
+    created: int | None = None
+    blocked: str | None = None
+
+
+def known_from_chunks(chunks: Sequence[dict]) -> Known:
+    """``Known`` from chat.completion.chunks as the stream passed them on."""
+    text, answer_id, created, blocked = [], None, None, None
+    for chunk in chunks:
+        answer_id = answer_id or (chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+        created = created or (chunk.get("created") if isinstance(chunk.get("created"), int) else None)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict):
+                continue
+            if isinstance(delta.get("content"), str):
+                text.append(delta["content"])
+            blocked = blocked or next((name for name in _SUBSTANCE if delta.get(name)), None)
+    return Known("".join(text), answer_id, created, blocked)
+
+
+class Resumed:
+    """The stream core's ``Upstream`` for an answer another instance began (a takeover): its first
+    stream is already a continuation of the text so far (``ChatContinuation.resuming``)."""
+
+    def __init__(self, continuation: ChatContinuation, reason: ApiError):
+        self.continuation = continuation
+        self.reason = reason
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        return await self.continuation.reopen(self.reason, limits, record)
 
 
 def chat_continuation(

@@ -17,9 +17,10 @@ response carries ``x-request-id``: the upstream's when it sent one, else the app
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import anyio
 from fastapi import Request
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
-from .continuation import turned_off
+from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
 from .http import KEEP_ALIVE, EventStreamResponse, read_json
 from .lifecycle import Lifecycle
@@ -36,7 +37,8 @@ from .record import StreamRecord
 from .resumable import Resumable
 from .settings import Settings
 from .state.accounting import Accounting, Admission
-from .state.streamlog import Route
+from .state.callers import Caller
+from .state.streamlog import Claim, Route, started_at
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
@@ -45,6 +47,14 @@ T = TypeVar("T")
 
 # Errors that mean the upstream did not take the model: the name must not become a metric dimension.
 _MODEL_REFUSED = frozenset({ErrorKind.MODEL_NOT_FOUND, ErrorKind.INVALID_REQUEST})
+
+
+@runtime_checkable
+class Resumes(Protocol):
+    """An API whose streams can be taken over (apis/chat.py, apis/openai_chat.py): what its stored
+    events told the caller."""
+
+    def known(self, events: bytes) -> Known: ...
 
 
 class Api(Protocol):
@@ -266,7 +276,7 @@ class Endpoint:
         route: Route = "chat" if self.api.name == "chat" else "openai"
 
         def answer(first: asyncio.Future, events: AsyncGenerator[Event]) -> Response | None:
-            producer = resumable.start(route, record, call.params)
+            producer = resumable.start(route, record, {"params": call.params, "include_usage": call.include_usage})
             if producer is None:
                 return None  # this instance is full: streamed as usual
             call.stream_id = record.stream_id = producer.id
@@ -274,6 +284,65 @@ class Endpoint:
             return resumable.respond(producer, first, events, encode, protocol, limits, record, headers)
 
         return answer
+
+    async def take_over(self, claim: Claim) -> None:
+        """A resumable stream of this route whose producer was lost (its instance died, or handed
+        it over on SIGTERM): the answer goes on here, after what its log holds, on
+        ``claim.producer``; every reader, on any instance, follows the log (docs/resumable.md).
+
+        The request is the one the lost producer sent (stored with the stream); the text so far is
+        what the log shows the caller got; the continuation is opened as one of an upstream failure
+        mid-answer (continuation.py: the seam drops a repeat). With caller keys the stream's caller
+        is charged the lost part at what the log shows (segment 0) and the continuation at its
+        usage; a limit that refuses the continuation ends the stream with that refusal."""
+        stored = json.loads(claim.request)
+        call = CallRequest(
+            params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
+        )
+        call.stream_id = claim.stream_id
+        record = StreamRecord(endpoint=self.api.name, model=call.params.get("model") or self.default_model)
+        record.id = record.request_id = claim.request_id or record.id
+        record.stream_id = claim.stream_id
+        record.chose_model(record.model, True)
+        telemetry.begin(record)
+        encode = self.api.encoder(call)
+        protocol = self.api.protocol(call, self.pipeline, True)
+        admission: Admission | None = None
+        try:
+            known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
+            if known.blocked is not None:
+                raise ApiError(
+                    502, ErrorKind.STREAM_LOST, f"the answer's {known.blocked} cannot be continued", retryable=True
+                )
+            if self.accounting is not None and claim.owner is not None:
+                admission = await self._admit_taken_over(claim, call, record, known)
+                self.accounting.progress(
+                    admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
+                )
+            lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
+            plan = ChatContinuation.resuming(
+                self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None
+            )
+            limits = TimeLimits(self.settings)
+            upstream = relay(Resumed(plan, lost), self.api.path, call.params, protocol, limits, record, plan)
+        except ApiError as error:
+            upstream = _failed(error, record)
+        events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
+        assert self.resumable is not None
+        await self.resumable.produce(claim.producer, events, encode, protocol, record)
+
+    async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
+        """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
+        assert self.accounting is not None and claim.owner is not None
+        caller = await self.accounting.registry.caller_by_id(claim.owner)
+        if not isinstance(caller, Caller):
+            raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
+        record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
+        admission = await admitted(self.accounting, caller, call, record)
+        await self.accounting.charge_lost(
+            admission, started_at(claim.stream_id) or self.accounting.counters.clock(), known.text
+        )
+        return admission
 
     async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
@@ -308,6 +377,12 @@ async def finishing(events: AsyncGenerator[Event], on_end: Callable[[], None]) -
     finally:
         await events.aclose()
         on_end()
+
+
+async def _failed(error: ApiError, record: StreamRecord) -> AsyncGenerator[Event]:
+    """A stream of one final error event (a takeover that cannot go on)."""
+    record.failed(error.type)
+    yield Failed(error)
 
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:

@@ -99,6 +99,20 @@ class Resumable:
             headers={**headers, "x-request-id": record.request_id, "x-stream-id": producer.id},
         )
 
+    async def produce(
+        self,
+        producer: Producer,
+        events: AsyncGenerator[Event],
+        encode: Encode,
+        protocol: StreamProtocol,
+        record: StreamRecord,
+    ) -> None:
+        """Drive ``producer`` with ``events`` to their end with no live caller (a stream taken over
+        here: its readers follow the log): the same stops and final events as ``respond``'s."""
+        first = asyncio.ensure_future(anext(events))
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()  # nobody reads it: every reader reads the log
+        await self._produce(producer, first, events, encode, protocol, record, out)
+
     async def _produce(
         self,
         producer: Producer,
@@ -173,10 +187,7 @@ class Resumable:
         return (await authenticated(self.accounting, request.headers)).id
 
     async def close(self) -> None:
-        await self.streams.close()
-        # The log's instance and store were made for it (app.py): they go with it.
-        await self.streams.instances.close()
-        await self.streams.store.close()
+        await self.streams.close()  # its store and instance are the shared state's, closed with it
 
 
 async def _stopped(

@@ -7,15 +7,16 @@ fields are refused. Always streamed: ``data: {"delta": "..."}`` per piece of tex
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from ..continuation import ChatContinuation, chat_continuation
+from ..continuation import ChatContinuation, Known, chat_continuation
 from ..errors import ApiError
-from ..http import dumps, event, validate_object
+from ..http import SSEFramer, dumps, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
@@ -162,3 +163,15 @@ class ChatApi:
         self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
     ) -> ChatContinuation | None:
         return chat_continuation(upstreams, self.path, call.params, protocol, record, most)
+
+    def known(self, events: bytes) -> Known:
+        """What stored /api/chat events (a resumable stream's) told the caller: the text."""
+        text = []
+        for payload in SSEFramer().feed(events):
+            try:
+                delta = json.loads(payload).get("delta")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(delta, str):
+                text.append(delta)
+        return Known("".join(text))

@@ -10,14 +10,15 @@ exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 Rate
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from ..continuation import ChatContinuation, chat_continuation
+from ..continuation import ChatContinuation, Known, chat_continuation, known_from_chunks
 from ..errors import ERROR_HEADERS, ApiError, ErrorKind
-from ..http import event, validate_object
+from ..http import SSEFramer, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
@@ -158,6 +159,18 @@ class OpenAIChatApi:
         self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
     ) -> ChatContinuation | None:
         return chat_continuation(upstreams, self.path, call.params, protocol, record, most)
+
+    def known(self, events: bytes) -> Known:
+        """What stored chat-completions events (a resumable stream's) told the caller."""
+        chunks = []
+        for payload in SSEFramer().feed(events):
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(chunk, dict):
+                chunks.append(chunk)
+        return known_from_chunks(chunks)
 
 
 def models_list(names) -> dict:

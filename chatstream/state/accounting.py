@@ -77,6 +77,7 @@ class Admission:
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
+    segment_base: int = 0  # a stream taken over: its segment 0 is the lost producer's (``charge_lost``)
 
     @property
     def rates(self) -> dict[str, Rate]:
@@ -340,7 +341,7 @@ class Accounting:
                 model=record.model or admission.model,
                 endpoint=record.endpoint,
                 request_id=record.id,
-                segment=i,
+                segment=admission.segment_base + i,
                 day=day_of(admission.started),
                 upstream=u.upstream,
                 upstream_id=u.request_id or record.request_id,
@@ -380,6 +381,49 @@ class Accounting:
         amounts = {f"{w.partition}/{w.row}": w.need for w in admission.wants if w.period != "minute"}
         if admission.entry is not None:
             self.journal.settle(admission.entry, [], amounts, settlement)
+
+    async def charge_lost(self, admission: Admission, started: float, text: str) -> None:
+        """A resumable stream taken over here (its producer's instance died, or drained): the lost
+        producer's part of the answer is charged what the log shows it generated, as segment 0 of the
+        request, unless the dead instance's takeover (journal.py) charged it first; the continuation
+        is charged from segment 1 (``admission``). Never raises: on a store failure the journal's
+        takeover charges that part at its checkpoint."""
+        admission.segment_base = 1
+        caller, team, price = admission.caller, admission.team, admission.price
+        completion = tokens.count_text(admission.model, text)
+        prompt = admission.prompt_tokens
+        cost = price.cost(prompt, 0, completion) if price is not None else None
+        charge = Charge(
+            caller=caller.name,
+            caller_id=caller.id,
+            team=team.name if team is not None else None,
+            team_id=team.id if team is not None else None,
+            model=admission.model,
+            endpoint=admission.entry.endpoint if admission.entry is not None else "",
+            request_id=admission.entry.request_id if admission.entry is not None else "",
+            day=day_of(started),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cost=cost,
+            ended="lost",
+            author=self.counters.instance,
+        )
+        try:
+            there = await self.ledger.write_now(charge)
+        except StoreError as exc:
+            log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
+            return
+        if there is not None:
+            return  # charged already (the dead instance's takeover): its counters have it
+        spent = prompt + completion
+        corrections = _limit_wants(
+            caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost or 0
+        )
+        if team is not None:
+            corrections += _limit_wants(
+                team, "team", team.name, team.limits_partition, admission.model, spent, cost or 0
+            )
+        self.counters.adjust(corrections, started)
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background

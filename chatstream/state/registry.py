@@ -335,6 +335,19 @@ class Registry:
     async def get(self, name: str) -> Caller:
         return (await self._row(name))[0]
 
+    async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
+        """The caller with this id (None: gone), for a stream taken over (its record names its owner
+        by id). A scan of the callers: rare, and bounded by the number of callers."""
+        try:
+            rows = await self.store.query(
+                CALLERS_TABLE,
+                Where(partition=CALLERS, rows_from="c|", rows_to="c}", equal={"id": caller_id}),
+                timeout=self.store.clock.patience(),
+            )
+        except StoreError:
+            return Unavailable()
+        return _caller(rows[0]) if rows else None
+
     async def update(self, name: str, patch: object) -> Caller:
         """Change the fields ``patch`` names; the key stays."""
         data: CallerPatch = validate(CallerPatch, patch)
