@@ -177,3 +177,75 @@ def test_a_bad_drain_seconds_stops_the_app_naming_the_setting(value):
     result = run_devhost({"DRAIN_SECONDS": value, "OPENAI_API_KEY": "sk-x"})
     assert result.returncode == 1
     assert "DRAIN_SECONDS" in result.stderr
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_resumable_streams_are_handed_over_on_sigterm_and_none_is_lost(long_upstream, azurite, start_app):
+    """A deploy that recreates an instance, with resumable streams and caller keys: SIGTERM to A with
+    20 streams in flight. Past its grace A hands each stream over (a mark in its log) and tells its
+    live callers to resume; each client (openai-python's transport of clients/python, pointed at B)
+    resumes on B, which takes the stream over at once and goes on with the answer. Every answer is
+    exact, with one final event; the ledger holds every request."""
+    import openai
+    from chatstream_client import ResumingTransport
+
+    env = {
+        "AzureWebJobsStorage": azurite.connection_string,
+        "RESUMABLE_STREAMS": "on",
+        "CALLER_KEYS": "required",
+        "DRAIN_SECONDS": "1",
+    }
+    a = start_app(**app_env(long_upstream, **env, ASPNETCORE_SHUTDOWNTIMEOUTSECONDS="10"))
+    b = start_app(**app_env(long_upstream, **env))
+    name = f"drain-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    made = httpx.post(f"{a.url}/api/manage/callers", json={"name": name}, timeout=30)
+    assert made.status_code == 201, made.text
+    key = made.json()["key"]
+    texts: list[str | None] = [None] * STREAMS
+    finishes: list[list[str]] = [[] for _ in range(STREAMS)]
+    started = threading.Barrier(STREAMS + 1, timeout=60)
+
+    def one(i: int) -> None:
+        transport = ResumingTransport(streams_url=f"{b.url}/api/streams/{{id}}")
+        client = openai.OpenAI(
+            base_url=a.url + "/api/v1",
+            api_key=key,
+            http_client=httpx.Client(transport=transport, timeout=60),
+            max_retries=0,
+        )
+        text = ""
+        stream = client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": f"[scenario:cadence] {i}"}], stream=True
+        )
+        for n, chunk in enumerate(stream):
+            if n == 1:
+                started.wait()
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                if choice.finish_reason:
+                    finishes[i].append(choice.finish_reason)
+        texts[i] = text
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    a.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(120)
+    expected = cadence_text(200)
+    assert all(t == expected for t in texts), [None if t is None else len(t) for t in texts]
+    assert all(f == ["stop"] for f in finishes), finishes
+    assert a.proc.wait(30) is not None
+    service = __import__("azure.data.tables", fromlist=["TableServiceClient"]).TableServiceClient
+    table = service.from_connection_string(azurite.connection_string).get_table_client("chatstreamUsage")
+    deadline = time.monotonic() + 60
+    while True:  # each went on on B: its lost part (segment 0) and its continuation (1) are two rows
+        rows = list(table.query_entities("caller eq @c", parameters={"c": name}))
+        requests = {row["request_id"] for row in rows}
+        continued = {row["request_id"] for row in rows if int(getattr(row["segment"], "value", row["segment"])) >= 1}
+        if len(requests) == len(continued) == STREAMS:
+            break
+        assert time.monotonic() < deadline, f"{len(requests)} requests, {len(continued)} continued in the ledger"
+        time.sleep(0.5)

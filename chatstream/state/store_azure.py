@@ -409,9 +409,9 @@ class AzureStore:
         self._count("read")
         if not self._sdk_reads:
             if self._reads is None:
-                self._reads = _BlobReads(
-                    self._blob_service(), await self._container_ready(timeout), timeout, self.clock
-                )
+                container = await self._container_ready(timeout)
+                if self._reads is None:  # concurrent first reads: one reader (one session) for all
+                    self._reads = _BlobReads(self._blob_service(), container, timeout, self.clock)
             try:
                 return await self._reads.read(name, offset, timeout)
             except _NoSasAccess as exc:
