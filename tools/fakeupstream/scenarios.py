@@ -714,15 +714,15 @@ def continuation_of(body: dict, answer: Any) -> GoingOn | None:
         and len(messages) >= 2
         and isinstance(messages[-2], dict)
         and messages[-2].get("role") == "assistant"
+        # A user message naming a scenario is a conversation's next turn, not a request to go on.
+        and not re.search(r"\[scenario:", message_text(messages[-1].get("content")))
     ):
         history, partial, exact = messages[:-2], message_text(messages[-2].get("content")), False
     else:
         return None
     full = tuple(answer(history))
     whole = "".join(full)
-    # Only a strict start of the answer is one cut short: a whole answer followed by a user message
-    # is an ordinary next turn of a conversation.
-    if not partial or not whole.startswith(partial) or partial == whole:
+    if not partial or not whole.startswith(partial):
         return None
     return GoingOn(history, partial, full, exact)
 
