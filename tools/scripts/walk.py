@@ -1,13 +1,15 @@
 """Follow one request through chatstream/ as a reader would, and count the modules it enters.
 
-    .venv/bin/python tools/scripts/walk.py [chat|openai|responses] [--trace]
+    .venv/bin/python tools/scripts/walk.py [chat|openai|responses] [--keyed] [--resumable] [--trace]
 
 The request is served in-process by the app's own handler (create_app) against the scripted
 upstream (started here), streamed to its end. Every function of chatstream/ it runs is placed under
 the function it was first called from, so each is read once, where a reader following the calls
 meets it; the walk reads that tree depth first. A *move* is a step from one module to another, into
 a function or back out of it; a move into a module entered before is a *return*. Prints the modules
-in the order first entered, the moves and the returns (``--trace``: every move)."""
+in the order first entered, the moves and the returns (``--trace``: every move). ``--keyed``:
+with ``CALLER_KEYS=required`` and a caller with a token budget; ``--resumable``: with
+``RESUMABLE_STREAMS=on``; both on a real Azurite started here."""
 
 from __future__ import annotations
 
@@ -88,7 +90,9 @@ class Walk:
         return visited, moves
 
 
-async def serve(kind: str, upstream_url: str) -> Walk:
+async def serve(
+    kind: str, upstream_url: str, store: str | None = None, keyed: bool = False, resumable: bool = False
+) -> Walk:
     import httpx
     from starlette.applications import Starlette
     from starlette.routing import Route
@@ -96,24 +100,32 @@ async def serve(kind: str, upstream_url: str) -> Walk:
     from chatstream.app import create_app
     from chatstream.settings import Settings
 
-    app = create_app(
-        Settings.from_env(
-            {
-                "OPENAI_BASE_URL": upstream_url,
-                "OPENAI_API_KEY": "sk-walk",
-                "OPENAI_MODEL": "gpt-test",
-                "UPSTREAM_MAX_RETRIES": "0",
-            }
-        )
-    )
+    environ = {
+        "OPENAI_BASE_URL": upstream_url,
+        "OPENAI_API_KEY": "sk-walk",
+        "OPENAI_MODEL": "gpt-test",
+        "UPSTREAM_MAX_RETRIES": "0",
+    }
+    if store is not None:
+        environ["AzureWebJobsStorage"] = store
+    if keyed:
+        environ["CALLER_KEYS"] = "required"
+    if resumable:
+        environ["RESUMABLE_STREAMS"] = "on"
+    app = create_app(Settings.from_env(environ), environ=environ)
     handlers = {"chat": app.chat, "openai": app.chat_completions, "responses": app.responses}
     path, body = BODIES[kind]
+    headers = {}
+    if keyed:
+        assert app.state is not None
+        _, key = await app.state.registry.create({"name": "walk", "token_budget": 10_000_000, "budget_period": "month"})
+        headers = {"Authorization": f"Bearer {key}"}
 
     async def handler(request):
         return await handlers[kind](request)
 
     api = Starlette(routes=[Route(path, handler, methods=["POST"])])
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(api), base_url="http://walk") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(api), base_url="http://walk", headers=headers) as client:
         await client.post(path, json=body)  # warm-up: imports, clients, connections
         walk = Walk()
         sys.setprofile(walk.profile)
@@ -130,14 +142,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", nargs="?", default="openai", choices=sorted(BODIES))
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--keyed", action="store_true")
+    parser.add_argument("--resumable", action="store_true")
     args = parser.parse_args()
-    from servers import Upstream
+    from servers import Azurite, Upstream
 
     upstream = Upstream()
+    azurite = Azurite() if args.keyed or args.resumable else None
     try:
-        walk = asyncio.run(serve(args.kind, upstream.base_url))
+        store = azurite.connection_string if azurite is not None else None
+        walk = asyncio.run(serve(args.kind, upstream.base_url, store, args.keyed, args.resumable))
     finally:
         upstream.stop()
+        if azurite is not None:
+            azurite.stop()
     visited, moves = walk.read()
     returns = sum(1 for *_, back in moves if back)
     if args.trace:
