@@ -359,6 +359,8 @@ class Endpoint:
     ) -> None:
         if not record.report():
             return
+        if self.accounting is not None:
+            record.cost = self.accounting.cost_of(admission, record, generated)
         log.info(record.log_line())
         telemetry.finish(record)
         if self.accounting is not None:

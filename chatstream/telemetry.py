@@ -39,6 +39,7 @@ METRIC_TTFD = "chat.stream.time_to_first_delta"
 METRIC_DURATION = "chat.stream.duration"
 METRIC_DELTAS = "chat.stream.deltas"
 METRIC_TOKENS = "chat.stream.tokens"
+METRIC_COST = "chat.stream.cost"  # USD, by model, endpoint, caller and team (CALLER_KEYS=required, priced models)
 # Per pool entry (dimension ``upstream``: entry names come from UPSTREAMS, so they are bounded).
 METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
 METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
@@ -59,6 +60,8 @@ ATTR_ERROR = "chat.error"
 ATTR_FINISH_REASON = "chat.finish_reason"
 ATTR_UPSTREAM = "chat.upstream"  # the pool entry that served the request (or the last one tried)
 ATTR_CALLER = "chat.caller"  # the caller key's name (CALLER_KEYS=required): admin-made, so bounded
+ATTR_TEAM = "chat.team"  # its team's name: admin-made too
+ATTR_COST = "chat.cost_usd"  # what the request cost at the model's price (priced models only)
 ATTR_REQUEST_ID = "chat.request_id"  # x-request-id: the upstream's, else the app's own
 ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
 ATTR_CONTINUATIONS = "chat.continuations"  # how often the answer went on on another stream
@@ -132,6 +135,7 @@ class _Instruments:
         self.ttfd = _histogram(meter, METRIC_TTFD, "Time from the request to the first delta sent")
         self.duration = _histogram(meter, METRIC_DURATION, "Time from the request to the end of its stream")
         self.deltas = meter.create_counter(METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
+        self.cost = meter.create_counter(METRIC_COST, unit="USD", description="What requests cost at the model's price")
         self.tokens = meter.create_counter(
             METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)"
         )
@@ -311,6 +315,10 @@ def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool
         attributes[ATTR_CONTINUED] = json.dumps(record.continued)
     if record.caller:
         attributes[ATTR_CALLER] = record.caller
+    if record.team:
+        attributes[ATTR_TEAM] = record.team
+    if record.cost is not None:
+        attributes[ATTR_COST] = record.cost / 10**12
     if record.request_id:
         attributes[ATTR_REQUEST_ID] = record.request_id
     return attributes
@@ -324,8 +332,12 @@ def _record_metrics(record: StreamRecord) -> None:
     # A caller chooses the model name: only one the app (and its upstream) accepted may become a
     # metric dimension, or anyone could create unbounded series.
     by_model = {"model": model if record.model_accepted else OTHER_MODEL, "endpoint": endpoint}
-    if record.caller:  # caller names are made by an admin: a bounded dimension
+    if record.caller:  # caller and team names are made by an admin: bounded dimensions
         by_model["caller"] = record.caller
+    if record.team:
+        by_model["team"] = record.team
+    if record.cost:
+        inst.cost.add(record.cost / 10**12, by_model)
     inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)

@@ -141,6 +141,18 @@ def test_a_callers_request_names_the_caller_and_the_request_id(otel, model):
     assert duration.attributes["caller"] == "team-a"
 
 
+def test_a_teams_request_carries_its_team_and_cost(otel, model):
+    record = finished_record(model)
+    record.caller, record.team, record.cost = "search-prod", "search", 313_200_000  # pico-USD
+    telemetry.start_stream(model).end(record)
+    (span,) = spans_of(model)
+    assert span.attributes["chat.team"] == "search" and span.attributes["chat.cost_usd"] == pytest.approx(0.0003132)
+    points = points_of(model)
+    assert counter_value(points["chat.stream.tokens"], team="search", **{"gen_ai.token.type": "input"}) == 9
+    (cost,) = points["chat.stream.cost"]
+    assert cost.attributes["team"] == "search" and cost.value == pytest.approx(0.0003132)
+
+
 def test_completed_stream_records_metrics(otel, model):
     telemetry.start_stream(model).end(finished_record(model, ttfd=0.25, deltas=4))
 

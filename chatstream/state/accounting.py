@@ -275,6 +275,16 @@ class Accounting:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def cost_of(self, admission: Admission | None, record: StreamRecord, generated) -> int | None:
+        """What the request costs at the price it was admitted with (pico-USD; None: no price), for
+        its log line, span and metrics, before the charge itself is written in the background (which
+        prices it again, as of then: a price change applies from when it is made)."""
+        if admission is None or admission.price is None:
+            return None
+        segments = record.segments if record.continued else None
+        used = self._used(admission, record, generated, segments)
+        return sum(admission.price.cost(u.prompt, u.cached, u.completion) for u in used) if used else None
+
     def _used(
         self, admission: Admission, record: StreamRecord, generated: Mapping[int, Sequence[str]] | None, segments
     ) -> list[Used]:
