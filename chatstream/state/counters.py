@@ -6,7 +6,7 @@ Each limit is one counter row in ``chatstreamLimits`` (PartitionKey the caller's
 ``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>``,
 ``tpm@<model>``) holding ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken``
 (what of that window is out: spent, or held by instances) and ``holds``: each holding instance's
-share, ``<instance>=<held>/<applied>/<exchange>``. A row whose window is older than now counts as
+share, ``<instance>=<held>/<applied>/<exchange>/<idle>``. A row whose window is older than now counts as
 empty: rows are reused, never piled up.
 
 **Capacity leases.** Each instance (``Counters``) holds a local balance per counter. A reservation
@@ -15,8 +15,8 @@ per counter and instance is in flight (single flight), asking for what all the w
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
 (a reservation settled below what it reserved, a request released) goes back to the store by the
 same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``,
-at most ``HOLD_SHARE`` of the limit split over the instances holding it (so the idle capacity of all
-instances together stays under that share, however many there are).
+so far as the idle capacity of every instance together (each entry says what it keeps idle) stays
+under ``HOLD_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
@@ -107,9 +107,10 @@ class Entry:
     held: int = 0
     applied: int = 0
     exchange: int = 0
+    idle: int = 0  # of ``held``, what it keeps idle for a next request (the hold share)
 
     def text(self) -> str:
-        return f"{self.held}/{self.applied}/{self.exchange}"
+        return f"{self.held}/{self.applied}/{self.exchange}/{self.idle}"
 
 
 def parse_holds(text: str | None) -> dict[str, Entry]:
@@ -117,8 +118,8 @@ def parse_holds(text: str | None) -> dict[str, Entry]:
     for item in (text or "").split():
         name, _, values = item.partition("=")
         parts = values.split("/")
-        if name and len(parts) == 3 and all(p.lstrip("-").isdigit() for p in parts):
-            entries[name] = Entry(int(parts[0]), int(parts[1]), int(parts[2]))
+        if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
+            entries[name] = Entry(*(int(p) for p in parts))
     return entries
 
 
@@ -183,6 +184,7 @@ class Lease:
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
         self.hold_until = 0.0
+        self.hold_share = 0  # what this instance may keep idle while it holds (its share of HOLD_SHARE)
         self.hold_timer: asyncio.TimerHandle | None = None
         self.uncertain: _Written | None = None
         # The row as this instance last read or wrote it.
@@ -331,7 +333,7 @@ class Lease:
             or bool(self._pending())
             or self.debt > 0
             or bool(self._applicable())
-            or (self.balance > 0 and not holding)
+            or self.balance > (self.hold_share if holding else 0)
         )
 
     def _hold(self) -> None:
@@ -438,12 +440,15 @@ class Lease:
                 self.known = False  # refuse only on what the store says now
                 continue
             holding = asyncio.get_running_loop().time() < self.hold_until
-            keep = self.balance if holding and not waiters else 0
+            # While holding, at most this instance's share stays idle here (what came back beyond it goes).
+            keep = min(self.balance, self.hold_share) if holding and not waiters else 0
             extra = 0
             if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
-                others = sum(1 for name, e in holds.items() if name != counters.instance and e.held > 0)
-                share = int(self.limit * HOLD_SHARE / (1 + others))
+                # What all the instances keep idle together stays under HOLD_SHARE of the limit.
+                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
+                share = max(0, int(self.limit * HOLD_SHARE) - others)
                 extra = max(0, min(chosen[0].need, share, room - total))
+                self.hold_share = extra
                 keep = max(keep, extra)
             delta = total + keep - self.balance
             applied = [(s.seq, s.amount) for s in self._applicable()]
@@ -454,7 +459,7 @@ class Lease:
                 return
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
-            entry = Entry(held, applied[-1][0] if applied else self.applied, exchange)
+            entry = Entry(held, applied[-1][0] if applied else self.applied, exchange, keep)
             if held > 0:
                 holds[counters.instance] = entry
             else:
