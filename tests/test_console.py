@@ -373,13 +373,18 @@ def test_an_operator_runs_a_team_and_a_caller_from_the_page(browser, keyed):
 
         # --- calls with the key the page showed; the bars and the usage move
         assert call(keyed, key, model, 3) == [200, 200, 200]
-        usage = {}
-        deadline = time.monotonic() + 10
-        while not usage.get("data"):
-            assert time.monotonic() < deadline, "no usage in the ledger"
+        # The charges are written in the background, the ledger's rows before the counters: wait for
+        # all three in both before the page is asked.
+        deadline = time.monotonic() + 15
+        while True:
             usage = httpx.get(f"{keyed.url}/api/manage/usage", params={"caller": caller}).json()
-        total = usage["total"]
-        assert total["requests"] == 3 and total["cost_usd"] > 0
+            total = usage.get("total") or {}
+            used = httpx.get(f"{keyed.url}/api/manage/callers/{caller}").json().get("token_budget_used")
+            if total.get("requests") == 3 and used == total.get("total_tokens"):
+                break
+            assert time.monotonic() < deadline, (total, used)
+            time.sleep(0.2)
+        assert total["cost_usd"] > 0
         tab.tab("Teams and callers")
         expect(tab.row("Callers", caller)).to_contain_text(f"{total['total_tokens']:,} of 100,000")
         assert tab.meter(f"Token budget of caller {caller}") == total["total_tokens"]
