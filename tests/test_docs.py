@@ -493,3 +493,45 @@ def test_every_file_a_docstring_or_doc_names_exists():
             if not any((ROOT / base / match.group(1)).exists() for base in ("chatstream", "chatstream/state")):
                 missing.append(f"{source.relative_to(ROOT)} names {match.group(1)}")
     assert not missing, "\n".join(missing)
+
+
+# ------------------------------------------------------------------------- how long the docs are
+
+# The documents a user reads to use the app (the benchmarks, scaling and the maintainers' notes are
+# not among them). Together they stay short enough to be read: say a thing once, and link to it.
+USER_DOCS = [
+    "README.md",
+    "docs/api.md",
+    "docs/openai.md",
+    "docs/callers.md",
+    "docs/resumable.md",
+    "docs/deploy.md",
+    "docs/production.md",
+    "docs/playground.md",
+    "docs/pool.md",
+    "docs/pipeline.md",
+]
+USER_DOCS_MAX_WORDS = 20_000
+
+
+def words(data: bytes) -> int:
+    """Words as ``wc -w`` counts them: runs of characters between ASCII white space."""
+    return len(re.findall(rb"[^ \t\n\v\f\r]+", data))
+
+
+def test_the_user_docs_stay_within_their_word_budget():
+    counts = {name: words((ROOT / name).read_bytes()) for name in USER_DOCS}
+    total = sum(counts.values())
+    table = "\n".join(f"{count:7,} {name}" for name, count in sorted(counts.items(), key=lambda kv: -kv[1]))
+    print(f"\n{table}\n{total:7,} in all (at most {USER_DOCS_MAX_WORDS:,})")
+    assert total <= USER_DOCS_MAX_WORDS, (
+        f"the user-facing docs are {total:,} words, more than {USER_DOCS_MAX_WORDS:,}: shorten them (say a thing "
+        f"once and link to it; design notes go below the line or into the module's docstring)\n{table}"
+    )
+
+
+def test_words_are_counted_as_wc_counts_them():
+    assert words(b"") == 0 and words(b"  one\ttwo\n\nthree  ") == 3
+    assert words("`a|b` — ünï 日本語\r\n".encode()) == 4
+    wc = subprocess.run(["wc", "-w"], input=(ROOT / "README.md").read_bytes(), capture_output=True, timeout=30)
+    assert int(wc.stdout.split()[0]) == words((ROOT / "README.md").read_bytes())

@@ -183,7 +183,7 @@ def ack_marker(nonce: str, last_id: int) -> bytes:
 
 
 class EncodeError(Protocol):
-    """The integrator's encoder for an error event this package has to write (a stream that lost its
+    """The request path's encoder for an error event this package has to write (a stream that lost its
     producer, a store that failed...): one complete SSE event in ``route``'s format, without an
     ``id:`` line. ``type`` is ``stream_lost`` or ``store_unavailable``."""
 

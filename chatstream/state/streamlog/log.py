@@ -68,7 +68,7 @@ class StreamLog:
     ``stream_lost``. ``hand_over(stream_id)`` / ``drain()``: when this instance stops (SIGTERM), a
     reader elsewhere takes the stream over at once.
 
-    ``close()`` at shutdown. The store and ``instances`` stay the integrator's to close."""
+    ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
 
     def __init__(
         self,
