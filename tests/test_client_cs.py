@@ -656,7 +656,7 @@ def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
 
 
 def test_closed_stdout_cancels_a_resumable_stream(chat_exe, canned):
-    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
+    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 3000)] + ["STALL"])
     proc = subprocess.Popen(
         ["mono", str(chat_exe), "--url", canned.url, "hi"],
         stdin=subprocess.DEVNULL,
@@ -774,7 +774,7 @@ def test_caller_key_goes_as_bearer_on_the_post_and_the_resumes_next_to_the_funct
 
 
 def test_caller_key_goes_on_the_cancel_call(chat_exe, canned):
-    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 300)] + ["STALL"])
+    canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 3000)] + ["STALL"])
     proc = subprocess.Popen(
         ["mono", str(chat_exe), "--url", canned.url, "hi"],
         stdin=subprocess.DEVNULL,
@@ -845,7 +845,7 @@ def test_connection_refused_exits_3(chat_exe):
 
 
 def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
-    canned.answer([delta("first ")] + [delta("more ")] * 300 + [DONE])  # about 3 s of deltas
+    canned.answer([delta("first ")] + [delta("more ")] * 3000 + [DONE])  # about 30 s of deltas: more than the test waits
     proc = subprocess.Popen(
         ["mono", str(chat_exe), "--url", canned.url, "hi"],
         stdin=subprocess.DEVNULL,
