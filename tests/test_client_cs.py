@@ -845,7 +845,9 @@ def test_connection_refused_exits_3(chat_exe):
 
 
 def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
-    canned.answer([delta("first ")] + [delta("more ")] * 3000 + [DONE])  # about 30 s of deltas: more than the test waits
+    canned.answer(
+        [delta("first ")] + [delta("more ")] * 3000 + [DONE]
+    )  # about 30 s of deltas: more than the test waits
     proc = subprocess.Popen(
         ["mono", str(chat_exe), "--url", canned.url, "hi"],
         stdin=subprocess.DEVNULL,

@@ -453,6 +453,30 @@ async def test_a_reader_that_died_frees_its_slot():
         del reader
 
 
+async def test_a_held_slot_whose_refreshes_fail_is_refreshed_again_soon_and_stays_held():
+    """A busy store fails a reader's slot refreshes three times running: the slot is refreshed again
+    within a quarter interval of each failure, not an interval later, so it never expires under its reader
+    (at the old cadence it had 0.5 s left here: a little slower, and a reader elsewhere takes it)."""
+    async with instances(2, **QUICK, max_readers_per_stream=1, abandon_seconds=1.5) as (a, b):
+        cfg = b.config  # refresh every 0.5 s, the slot free 2.5 s after its last refresh
+        assert (cfg.read_refresh_seconds, cfg.slot_seconds) == (0.5, 2.5)
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        b.store.inject(Fault("unavailable", ops=frozenset({"replace"}), table=STREAMS_TABLE, times=3))  # type: ignore[attr-defined]
+        rows = b.store.data.tables[STREAMS_TABLE][producer.id]  # type: ignore[attr-defined]
+        least = cfg.slot_seconds
+        for _ in range(30):  # 3 s: the slot's time left never runs low (0.5 s left at worst before)
+            [(row, _etag)] = [held for key, held in rows.items() if key.startswith("slot-")]
+            least = min(least, row["until"] - time.time())
+            await asyncio.sleep(0.1)
+        assert least > 1.1, least
+        with pytest.raises(TooManyReaders):
+            await a.open_reader(producer.id, None, None)
+        await reader.aclose()
+        await produce(producer, [])
+
+
 async def test_writes_are_batched():
     """Nobody reading elsewhere: one write per checkpoint; a reader elsewhere: at most one per fast flush."""
     async with instances(2, **{**QUICK, "checkpoint_seconds": 1.0, "fast_flush_seconds": 0.05}) as (a, b):

@@ -276,15 +276,20 @@ class Slot:
         raise TooManyReaders("too many readers of this stream")
 
     async def _keep(self) -> None:
+        refresh = self._ctx.config.read_refresh_seconds
+        pause = refresh
         while True:
-            await asyncio.sleep(self._ctx.config.read_refresh_seconds)
+            await asyncio.sleep(pause)
             try:
                 row = _slot_row(self._ctx, self._stream_id, self._key, self._holder)
                 self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
+                pause = refresh
             except (Modified, NotFound):
                 return  # it expired and was taken (this reader was too slow): it reads on
             except StoreError:
-                continue
+                # Again soon, not a whole interval later: the slot outlives its last refresh by
+                # slot_seconds (about three intervals), and a busy store can fail two in a row.
+                pause = min(1.0, refresh / 4)
 
     def release(self) -> None:
         if self._keeping is not None:
