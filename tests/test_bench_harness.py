@@ -83,3 +83,28 @@ def test_targets_judge_the_app_by_its_ratio_to_the_floor():
     assert got["ttfd_300_p99"]["rel_text"] == "1.12×" and got["worker_delta"]["met"]
     assert got["single_p50"]["rel_text"] == "+1.00 ms" and got["single_p50"]["met"]
     assert got["big_complete"]["met"] and got["big_p99"]["met"] and got["big_rss"]["met"]
+
+
+def test_issue_34s_rows_are_all_there_and_say_not_measured_where_the_run_lacks_them():
+    rows = {
+        1: {p: {**_row(v, v, None), "peak_rss_mb": m} for p, v, m in (("app", 6.0, 170.0), ("keys", 7.0, 200.0))}
+        | {"keyslim": _row(6.5, 9.0, None), "keyteam": _row(6.4, 9.0, None)},
+        100: {"app": _row(200.0, 600.0, 14.0), "keys": _row(220.0, 630.0, 17.0), "keyslim": _row(230.0, 700.0, 17.0)},
+    }
+    split = {
+        p: {"level": 100, "worker": {"per_request_ms": r, "per_delta_ms": 0.1}}
+        for p, r in (("app", 4.0), ("keys", 4.8), ("keyslim", 5.0), ("keyteam", 5.5))
+    }
+    s = {"rows": rows, "cpu_split": split, "paths": ["app", "keys", "keyslim", "keyteam"]}
+    got = report.targets34(s)
+    assert len(got) == 10 and got[0]["target"] == "worker CPU per request, keyed (`CALLER_KEYS=required`)"
+    by = {t["key"]: t for t in got}
+    assert by["keyed_request"]["met"] and "+0.80 ms" in by["keyed_request"]["measured"]
+    assert by["keyed_p99"]["met"] and by["keyed_p99"]["measured"].startswith("1.05×")  # 630 / 600
+    assert by["keyed_limit_p50"]["met"] and by["keyed_memory"]["met"]  # +0.5 ms; +30 MB
+    for key in ("resume_cpu_stream", "reader_lag_p99", "cpu_vs_floor", "p99_vs_floor", "resume_p50", "cold_start"):
+        assert by[key]["measured"] == report.NOT_MEASURED and by[key]["met"] is None, key
+    team = {t["key"]: t for t in report.team_targets(s)}
+    assert team["keyteam_p50"]["met"] and team["keyteam_p50"]["measured"].endswith("(-0.10 ms)")
+    assert not team["keyteam_request"]["met"]  # 5.5 against 5.0 ms
+    assert team["keyteam_p99"]["measured"] == report.NOT_MEASURED and team["keyteam_p99"]["met"] is None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 START = "<!-- bench:side-by-side:start -->"
 END = "<!-- bench:side-by-side:end -->"
-PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
+PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "keyteam", "resume", "litellm")
 APPS = ("app", "app2")  # judged against the targets
 LABEL = {
     "direct": "direct upstream",
@@ -24,6 +24,7 @@ LABEL = {
     "app2": "this app, 2 workers",
     "keys": "app + callers (no limits), 1 worker",
     "keyslim": "app + callers (tokens/min limit), 1 worker",
+    "keyteam": "app + callers (team, money budget), 1 worker",
     "resume": "app + resumable streams, 1 worker",
     "litellm": "LiteLLM proxy",
 }
@@ -36,6 +37,7 @@ OWNER = {
     "app2": "app2",
     "keys": "keys",
     "keyslim": "keys",
+    "keyteam": "keys",
     "resume": "resume",
     "litellm": "litellm",
 }
@@ -261,6 +263,10 @@ def summarize(results: dict) -> dict:
         sel = [w for w in waves if w["phase"] == f"client-{engine}"]
         if sel:
             client[engine] = _stats(sel, first_s, interval_s, expected)
+    for level in levels:  # readers of the short (10-delta) streams too: "every stream length"
+        sel = [w for w in waves if w["phase"] == f"c{level}short" and w["path"] == "resume"]
+        if sel and "resume" in rows[level]:
+            rows[level]["resume"]["follower_short"] = _follower([r for w in sel for r in w["records"]])
     split_level = cfg.get("split_level", 100)
     split = {p: r for p in paths if (r := split_cpu(waves, p, split_level))}
     summary = {
@@ -276,8 +282,18 @@ def summarize(results: dict) -> dict:
         "started": results.get("started"),
         "finished": results.get("finished"),
         "quiet": results.get("quiet"),
+        "cold_start": {
+            name: {
+                "n": len(runs),
+                "s": pct([x["s"] for x in runs], 50),
+                "rss_mb": pct([x["rss_mb"] for x in runs], 50),
+            }
+            for name, runs in (results.get("cold_start") or {}).items()
+            if runs
+        },
     }
     summary["load"] = machine_load(waves)
+    summary["targets34"] = targets34(summary)
     summary["targets"] = targets(summary)
     summary["other_targets"] = callers_targets(summary) + resume_targets(summary)
     summary["targets16"] = targets16(summary)
@@ -507,6 +523,188 @@ def callers_targets(s: dict) -> list[dict]:
                     "met": None if r is None else (r <= R_KEYS_P99 and a["errors"] == 0),
                 }
             )
+    return out + team_targets(s)
+
+
+def team_targets(s: dict, path: str = "keyteam", base: str = "keyslim") -> list[dict]:
+    """Issue #31: the keyed path with a team and a money budget costs no more than the keyed path with
+    a token limit (keyteam against keyslim, same app, same run). Its three rows whenever a caller path
+    ran ("not measured" where the run lacks one of the two)."""
+    rows, split = s["rows"], s.get("cpu_split") or {}
+    if not any(p in (s.get("paths") or ()) for p in ("keys", "keyslim", path)):
+        return []
+    name = label(path, s)
+    a, b = rows.get(1, {}).get(path) or {}, rows.get(1, {}).get(base) or {}
+    d = _sub((a.get("added_ttfd") or {}).get(50), (b.get("added_ttfd") or {}).get(50))
+    p50 = (
+        f"{a['added_ttfd'][50]:+.2f} vs {b['added_ttfd'][50]:+.2f} ms ({d:+.2f} ms)" if d is not None else NOT_MEASURED
+    )
+    a, b = rows.get(100, {}).get(path) or {}, rows.get(100, {}).get(base) or {}
+    r = _ratio((a.get("added_ttfd") or {}).get(99), (b.get("added_ttfd") or {}).get(99))
+    p99 = (
+        f"{a['added_ttfd'][99]:.1f} vs {b['added_ttfd'][99]:.1f} ms ({r:.2f}×; {a['completed']}/{a['streams']} completed)"
+        if r is not None
+        else NOT_MEASURED
+    )
+    wa, wb = ((split.get(p) or {}).get("worker") or {} for p in (path, base))
+    dr = _sub(wa.get("per_request_ms"), wb.get("per_request_ms"))
+    lvl = (split.get(path) or split.get(base) or {}).get("level", 100)
+    req = (
+        f"{wa['per_request_ms']:.2f} vs {wb['per_request_ms']:.2f} ms ({dr:+.2f} ms)"
+        if dr is not None
+        else NOT_MEASURED
+    )
+    return [
+        {
+            "key": f"{path}_p50",
+            "path": path,
+            "level": 1,
+            "target": f"{name}: 1 stream, added TTFD p50 ≤ the token-limit caller's",
+            "measured": p50,
+            "met": None if d is None else d <= 0,
+        },
+        {
+            "key": f"{path}_p99",
+            "path": path,
+            "level": 100,
+            "target": f"{name}: 100 streams, added TTFD p99 ≤ the token-limit caller's",
+            "measured": p99,
+            "met": None if r is None else (r <= 1.0 and a["errors"] == 0),
+        },
+        {
+            "key": f"{path}_request",
+            "path": path,
+            "level": lvl,
+            "target": f"{name}: worker CPU per request ({lvl} streams, fit) ≤ the token-limit caller's",
+            "measured": req,
+            "met": None if dr is None else dr <= 0,
+        },
+    ]
+
+
+NOT_MEASURED = "not measured"
+
+
+def targets34(s: dict) -> list[dict]:
+    """Issue #34's table, its rows as the issue lists them: each with what was measured (or "not
+    measured" when the run lacks it), the target, and met or not (None: not measured)."""
+    rows, split = s["rows"], s.get("cpu_split") or {}
+    out = []
+
+    def row(level, path):
+        return rows.get(level, {}).get(path) or {}
+
+    def add(key, what, measured, target, met):
+        out.append({"key": key, "target": what, "measured": measured or NOT_MEASURED, "limit": target, "met": met})
+
+    def added(level, path, q):
+        return (row(level, path).get("added_ttfd") or {}).get(q)
+
+    wk, wa = ((split.get(p) or {}).get("worker") or {} for p in ("keys", "app"))
+    d = _sub(wk.get("per_request_ms"), wa.get("per_request_ms"))
+    add(
+        "keyed_request",
+        "worker CPU per request, keyed (`CALLER_KEYS=required`)",
+        d is not None
+        and f"{wk['per_request_ms']:.2f} against {wa['per_request_ms']:.2f} ms without keys ({d:+.2f} ms)",
+        "≤ +1 ms over the unkeyed path",
+        None if d is None else d <= 1.0,
+    )
+    r = _ratio(added(100, "keys", 99), added(100, "app", 99))
+    lim = _ratio(added(100, "keyslim", 99), added(100, "app", 99))
+    add(
+        "keyed_p99",
+        "added first-delta p99 at 100 streams, keyed",
+        r is not None
+        and f"{r:.2f}× the unkeyed app ({_n(added(100, 'keys', 99))} against {_n(added(100, 'app', 99))} ms)"
+        + (f"; {lim:.2f}× with a token limit" if lim is not None else ""),
+        "≤ 1.1×",
+        None if r is None else r <= 1.1,
+    )
+    d = _sub(added(1, "keyslim", 50), added(1, "app", 50))
+    add(
+        "keyed_limit_p50",
+        "1 stream, keyed with a limit: added first-delta p50",
+        d is not None
+        and f"{d:+.2f} ms over the unkeyed app ({added(1, 'keyslim', 50):+.2f} against {added(1, 'app', 50):+.2f} ms)",
+        "≤ +1 ms",
+        None if d is None else d <= 1.0,
+    )
+    cr, ca = row(100, "resume").get("cpu_per_stream_ms"), row(100, "app").get("cpu_per_stream_ms")
+    r = _ratio(cr, ca)
+    add(
+        "resume_cpu_stream",
+        "CPU per 40-delta stream, resumable (host + worker)",
+        r is not None and f"{cr:.1f} against {ca:.1f} ms ({(r - 1) * 100:+.0f}%; 100 streams)",
+        "≤ +15%",
+        None if r is None else r <= 1.15,
+    )
+    lags = {
+        n: (f.get("lag") or {}).get(99)
+        for n, f in (
+            ("40-delta", row(100, "resume").get("follower")),
+            ("10-delta", row(100, "resume").get("follower_short")),
+        )
+        if f
+    }
+    worst = max((v for v in lags.values() if v is not None), default=None)
+    add(
+        "reader_lag_p99",
+        "reader on another instance: lag behind the producer's caller at 100 streams, p99",
+        worst is not None and ", ".join(f"{_n(v, '{:,.0f}')} ms ({n} streams)" for n, v in lags.items()),
+        "≤ 250 ms for every stream length",
+        None if worst is None else worst <= 250,
+    )
+    rs = [
+        _ratio(row(lv, "app").get("cpu_per_stream_ms"), row(lv, "floor").get("cpu_per_stream_ms")) for lv in (100, 300)
+    ]
+    add(
+        "cpu_vs_floor",
+        "CPU per stream against the bare relay, 100 and 300 streams",
+        any(x is not None for x in rs) and " and ".join(_n(x, "{:.2f}×") for x in rs),
+        "≤ 1.2×",
+        None if None in rs else all(x <= 1.2 for x in rs),
+    )
+    rs = [_ratio(added(lv, "app", 99), added(lv, "floor", 99)) for lv in (100, 300)]
+    rs.append(_ratio(added(T_LEVEL, "app2", 99), added(T_LEVEL, "floor2", 99) or added(T_LEVEL, "floor", 99)))
+    add(
+        "p99_vs_floor",
+        "added first-delta p99 against the bare relay, 100 / 300 / 1,000 streams",
+        any(x is not None for x in rs) and " / ".join(_n(x, "{:.2f}×") for x in rs),
+        "≤ 1.3×",
+        None if None in rs else all(x <= 1.3 for x in rs),
+    )
+    r = _ratio(added(100, "resume", 50), added(100, "app", 50))
+    add(
+        "resume_p50",
+        "added first-delta p50 at 100 streams, resumable",
+        r is not None
+        and f"{r:.2f}× the app's ({_n(added(100, 'resume', 50), '{:+,.0f}')} against "
+        f"{_n(added(100, 'app', 50), '{:+,.0f}')} ms)",
+        "≤ 1.1×",
+        None if r is None else r <= 1.1,
+    )
+    cs = s.get("cold_start") or {}
+    app, pk = cs.get("app"), cs.get("packages")
+    d = _sub((app or {}).get("s"), (pk or {}).get("s"))
+    add(
+        "cold_start",
+        "cold start: `import function_app` on a quiet machine",
+        d is not None
+        and f"{app['s']:.2f} s and {app['rss_mb']:.0f} MB, against {pk['s']:.2f} s and {pk['rss_mb']:.0f} MB for "
+        f"the three packages alone ({d:+.2f} s; median of {app['n']})",
+        "≤ +0.3 s",
+        None if d is None else d <= 0.3,
+    )
+    mk, ma = row(1, "keys").get("peak_rss_mb"), row(1, "app").get("peak_rss_mb")
+    d = _sub(mk, ma)
+    add(
+        "keyed_memory",
+        "memory of one keyed instance (host + worker)",
+        d is not None and f"{mk:.0f} against {ma:.0f} MB unkeyed ({d:+.0f} MB; peak at 1 stream)",
+        "≤ +50 MB",
+        None if d is None else d <= 50,
+    )
     return out
 
 
@@ -660,6 +858,8 @@ SHORT_NAMES = {
     "keyslim_p50": "p50 vs app",
     "keys_p99": "p99 vs app",
     "keyslim_p99": "p99 vs app",
+    "keyteam_p50": "p50 vs keyslim",
+    "keyteam_p99": "p99 vs keyslim",
 }
 
 
@@ -697,48 +897,69 @@ def _other_load(s: dict) -> float | None:
     return max(other) if other else None
 
 
+REPRODUCE = """```bash
+make bench                                  # every path, interleaved, about 25 min on 2 cores: rewrites this section
+make bench BENCH_ARGS=--quick               # a smoke run (~3 min), tools/bench/out/ only
+tools/bench/run.sh --paths direct,app,keys,keyslim,keyteam --levels 1,100 --no-docs --out tools/bench/out/keys
+tools/bench/.venv/bin/python tools/bench/ab.py tools/bench/out/keys/results.json keyslim keyteam   # paired ratios
+tools/bench/.venv/bin/python tools/bench/report.py tools/bench/out/results.json                     # redraw from a run
+```"""
+
+
+def _targets_table(rows: list[dict], what: str = "measured") -> list[str]:
+    out = ["| target | measured | target met? |", "|---|---|---|"]
+    out += [f"| {t['target']} | {t[what]} | {_met(t['met'])} |" for t in rows]
+    return out
+
+
 def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concurrency.png") -> str:
     cfg, rows, levels, paths = s["config"], s["rows"], s["levels"], s["paths"]
     L = []
-    L.append("## Side-by-side: direct upstream vs this app (1 and 2 worker processes) vs LiteLLM")
+    L.append("## This round's figures")
     L.append("")
-    L.append("_Generated by `make bench` (tools/bench/run.py); do not edit this section by hand._  ")
+    L.append("_Generated by `make bench` (tools/bench/report.py from one run); do not edit this section by hand._  ")
     L.append(f"{machine_line(s)}  ")
     m = s["meta"]
     ld = s.get("load") or {}
     other = ld.get("other_p90", _other_load(s))
     L.append(
-        f"Upstream: scripted (`fakeupstream`, scenario `cadence`): first delta after {cfg['first_token_ms']:g} ms, "
-        f"then one every {cfg['interval_ms']:g} ms, {cfg['deltas']} deltas. All paths in one run, "
-        f"round-robin per trial/wave; {s['wall_s'] / 60:.1f} min of measurement"
-        + (", in a private network namespace (loopback only)" if m.get("netns") else "")
+        f"Upstream: scripted, first delta after {cfg['first_token_ms']:g} ms, then one every "
+        f"{cfg['interval_ms']:g} ms, {cfg['deltas']} deltas. Every path in one run, round-robin; "
+        f"{s['wall_s'] / 60:.1f} min of measurement"
+        + (", loopback only" if m.get("netns") else "")
         + (f"; {load_line(s)}" if load_line(s) else "")
-        + "."
+        + ". Definitions and caveats: [tools/bench/README.md](../tools/bench/README.md)."
     )
     if other is not None and other >= 0.3:
         L.append(
             f"**The machine was busy with other work during this run** (90th percentile {other:.2f} of its "
-            f"{m['cores']} cores): every figure below is noisier, and the concurrent levels slower, than on "
-            f"a quiet machine."
+            f"{m['cores']} cores): every figure below is noisier than on a quiet machine."
         )
     if m.get("app_local_settings"):
         L.append(f"Note: the app also took {', '.join(m['app_local_settings'])} from local.settings.json.")
     L.append("")
-    L.append(f"![side-by-side benchmark]({img})")
-    L.append("")
-    L.append(f"![time to first delta against concurrency]({img2})")
-    L.append("")
 
-    L.append("### Targets")
+    t34 = s.get("targets34") or []
+    if t34:
+        L.append("### Targets (issue #34)")
+        L.append("")
+        L.append("| path | measured | target | met? |")
+        L.append("|---|---|---|---|")
+        for t in t34:
+            L.append(f"| {t['target']} | {t['measured']} | {t['limit']} | {_met(t['met'])} |")
+        met = [t["met"] for t in t34 if t["met"] is not None]
+        L.append("")
+        L.append(f"Met: {sum(met)} of {len(met)} measured ({len(t34)} rows).")
+        L.append("")
+
+    L.append("### Against the floor (issue #24)")
     L.append("")
     L.append(
-        "Issue #24: this app against the floor (tools/bench/floor: a bare aiohttp relay, connector uncapped, on "
-        'the same host and runtime; see tools/bench/README.md, "The floor") and LiteLLM as the peer, all from '
-        'this run. "Added" TTFD is over the direct path; the 1,000-stream targets compare the 2-worker app '
-        "with the 2-worker floor."
+        'The floor: a bare aiohttp relay on the same host and runtime (tools/bench/README.md, "The floor"); '
+        "at 1,000 streams the 2-worker app against the 2-worker floor."
     )
     L.append("")
-    L.append("| target | this app | the floor | app ÷ floor (or app − floor) | target met? | LiteLLM |")
+    L.append("| target | this app | the floor | app ÷ floor (or app − floor) | met? | LiteLLM |")
     L.append("|---|---|---|---|---|---|")
     for t in s["targets"]:
         fmt = lambda v, t=t: "–" if v is None else (t["fmt"].format(v) if not isinstance(v, str) else v)  # noqa: E731 - a one-line helper
@@ -747,40 +968,37 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
             f"{fmt(t['peer'])} |"
         )
     L.append("")
-    met = [t["met"] for t in s["targets"] if t["met"] is not None]
-    L.append(f"Met: {sum(met)} of {len(met)}.")
-    L.append("")
     others = s.get("other_targets") or []
     if others:
-        L.append("#### Caller keys (issue #20) and resumable streams (issue #21), against the app without them")
+        L.append("### Callers, teams and resumable streams (issues #20, #21, #31)")
         L.append("")
-        L.append("| target | measured | target met? |")
-        L.append("|---|---|---|")
-        for t in others:
-            L.append(f"| {t['target']} | {t['measured']} | {_met(t['met'])} |")
+        L += _targets_table(others)
         L.append("")
-        if any(p in paths for p in ("keys", "keyslim")):
+        if any(p in paths for p in ("keys", "keyslim", "keyteam")):
             L.append(
-                f"The caller paths run the app with `CALLER_KEYS=required` on Azurite (in memory), one caller "
-                f"made through `POST /api/manage/callers` without limits and one with `tokens_per_minute` "
-                f"{cfg.get('keys_tpm', 0):,} (never refuses here); requests carry `Authorization: Bearer <key>`. "
-                f"Azurite's own CPU is not counted in the app's figures."
+                f"`CALLER_KEYS=required` on Azurite (in memory; its CPU not counted in the app's), callers made "
+                f"through `/api/manage`: one without limits (keys), one with `tokens_per_minute` "
+                f"{cfg.get('keys_tpm', 0):,} (keyslim), one in a team with `spend_budget` "
+                f"{cfg.get('team_spend', 1_000_000):,} USD on priced models (keyteam); none is ever refused here."
             )
             L.append("")
     old = s.get("targets16") or []
     if old:
         floor = {t["key"]: t for t in s.get("floor_targets16") or []}
-        L.append("#### Issue #16's absolute targets, for reference")
+        L.append("### Issue #16's absolute targets")
         L.append("")
-        L.append("| target | this app | met? | the floor (1 worker; 2 at 1,000 streams) |")
+        L.append("| target | this app | met? | the floor |")
         L.append("|---|---|---|---|")
         for t in old:
             f = floor.get(t["key"])
             L.append(
-                f"| {t['target']} | {t['measured']} | {_met(t['met'])} | "
-                f"{f['measured'] + ' ' + _met(f['met']) if f else '–'} |"
+                f"| {t['target']} | {t['measured']} | {_met(t['met'])} | {f['measured'] + ' ' + _met(f['met']) if f else '–'} |"
             )
         L.append("")
+    L.append(f"![side-by-side benchmark]({img})")
+    L.append("")
+    L.append(f"![time to first delta against concurrency]({img2})")
+    L.append("")
 
     if 1 in rows:
         c1 = rows[1]
@@ -788,12 +1006,8 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append("")
         n = {p: c1[p]["ttfd_n"] for p in c1}
         L.append(
-            f"Time to first delta (TTFD) = request bytes sent → first content delta parsed, client-side. "
-            f"Samples per path: {', '.join(f'{p} {n[p]}' for p in n)} ({cfg['trials']} full streams + "
-            f"{cfg['probes']} first-delta probes each; one stream at a time keeps one worker busy, so the "
-            f'2-worker app is measured from 10 streams up). "Added" = the path\'s percentile minus the direct '
-            f"path's. Per-delta latency = when the upstream was due to send delta k → parsed by the client "
-            f"(all {cfg['deltas']} deltas of every full stream)."
+            f"TTFD samples per path: {', '.join(f'{p} {n[p]}' for p in n)} ({cfg['trials']} full streams + "
+            f'{cfg["probes"]} first-delta probes). "Added" = minus the direct path\'s same percentile.'
         )
         L.append("")
         L.append(
@@ -827,16 +1041,11 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
     L.append("### Concurrency")
     L.append("")
     L.append(
-        f"Each wave opens N streams over {cfg['stagger_ms']:g} ms per stream (at most {cfg['max_ramp']:g} s), "
-        f"one fresh TCP connection each, from {cfg['client_procs']} load-generator processes "
-        f"(raw asyncio sockets, {cfg.get('loadgen_loop', '?')} loop); waves per path: "
+        "Waves per path: "
         + ", ".join(f"{k} streams × {v}" for k, v in cfg["waves"].items() if int(k) in levels)
-        + ". CPU = utime+stime per 1,000 deltas delivered: for the app, its host process and its worker "
-        "processes apart (host + worker = total), and in brackets the CPU per stream (host + worker, ms); for "
-        "LiteLLM its process tree; the upstream's CPU is never included (its own figure is in the direct "
-        "row, in brackets). At 1 stream the figure includes the "
-        "per-request cost spread over the stream's deltas. Peak RSS = largest VmRSS of the whole process "
-        "tree (for the app: host and every worker) sampled every 25 ms during the waves."
+        + ". CPU per 1,000 deltas: host + worker = total (ms per stream in brackets); the upstream's CPU is "
+        "never included (the direct row shows it); Azurite's and the reader instance's apart, in square "
+        "brackets. Peak RSS: every process of the path (host and workers)."
     )
     L.append("")
     L.append(
@@ -862,7 +1071,7 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
                 cpu = _n(r["cpu_per_1k"], "{:.3f}")
             if p != "direct" and r.get("cpu_per_stream_ms") is not None:
                 cpu += f" ({r['cpu_per_stream_ms']:.1f} ms/stream)"
-            if p in ("keys", "keyslim", "resume") and r.get("store_cpu_per_1k") is not None:
+            if p in ("keys", "keyslim", "keyteam", "resume") and r.get("store_cpu_per_1k") is not None:
                 cpu += f" [Azurite +{r['store_cpu_per_1k']:.3f}]"
             if r.get("reader_instance_cpu_per_1k") is not None:
                 cpu += f" [reader instance +{r['reader_instance_cpu_per_1k']:.3f}]"
@@ -883,12 +1092,8 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append(f"### CPU per request and per delta ({lvl} concurrent streams)")
         L.append("")
         L.append(
-            f"From the {lvl}-stream waves of {cfg['deltas']}-delta streams and, in the same run, "
-            f"{cfg.get('short_waves', '?')} wave(s) per path of {lvl} 10-delta streams (the upstream's `normal` "
-            f"scenario): a least-squares fit of CPU = requests × per-request + deltas × per-delta over those "
-            f"waves, per process group. Per request covers everything a stream costs once (accepting the "
-            f"connection, routing, the invocation, opening the upstream request, closing); per delta, relaying "
-            f"one chunk. `/proc` CPU ticks are 10 ms, so single figures carry a few percent of noise."
+            f"A least-squares fit of CPU = requests × per-request + deltas × per-delta over the {lvl}-stream "
+            f"waves of {cfg['deltas']}-delta and of 10-delta streams, per process group."
         )
         L.append("")
         L.append(
@@ -915,11 +1120,7 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         lvl = max(levels)
         L.append("### The load client itself (direct path)")
         L.append("")
-        L.append(
-            f"The same {lvl:,}-stream wave against the upstream directly, with httpx (`AsyncClient`, pool limits "
-            f"above the wave size) and with the raw-socket client used for every figure above. Client CPU is both "
-            f"processes together; utilisation is per process (1.0 = one core busy)."
-        )
+        L.append(f"The same {lvl:,}-stream wave on the direct path with httpx and with the raw-socket client.")
         L.append("")
         L.append(
             "| client | completed | TTFD p50 / p99 | inter-delta gap p50 / p99 | client CPU s per 1k deltas | client utilisation |"
@@ -934,20 +1135,9 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
                     f"{_n(r['client_util'], '{:.2f}')} |"
                 )
         L.append("")
-    L.append(
-        "Client load during the waves (raw client, utilisation per process, 1.0 = one core): "
-        + "; ".join(
-            f"{level:,} stream{'s' if level > 1 else ''}: "
-            + ", ".join(f"{p} {_n(rows[level][p]['client_util'], '{:.2f}')}" for p in paths if p in rows[level])
-            for level in levels
-        )
-        + "."
-    )
+    L.append("### How to reproduce")
     L.append("")
-    L.append(
-        "How to read this, and the caveats: [tools/bench/README.md](../tools/bench/README.md). What the "
-        "figures mean for sizing in Azure: [scaling.md](scaling.md)."
-    )
+    L.append(REPRODUCE)
     return "\n".join(L)
 
 
@@ -981,6 +1171,7 @@ _COLORS = {
     "app2": "#2ca02c",
     "keys": "#ff7f0e",
     "keyslim": "#8c564b",
+    "keyteam": "#bc8f8f",
     "resume": "#e377c2",
     "litellm": "#d62728",
 }

@@ -44,19 +44,23 @@ HOST = "127.0.0.1"
 READY = re.compile(r"listening on (http://127\.0\.0\.1:(\d+))")
 # Every path the benchmark knows, in the order of its tables. DEFAULT_PATHS run by default (all of
 # them), extra app variants with --variant (A/B).
-PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "resume", "litellm")
+PATHS = ("direct", "floor", "floor2", "app", "app2", "keys", "keyslim", "keyteam", "resume", "litellm")
 DEFAULT_PATHS = PATHS
-# FUNCTIONS_WORKER_PROCESS_COUNT of each devhost server (a server per path, except keyslim: SERVER_OF).
+# FUNCTIONS_WORKER_PROCESS_COUNT of each devhost server (a server per path, except keyslim and keyteam: SERVER_OF).
 APP_WORKERS = {"floor": 1, "floor2": 2, "app": 1, "app2": 2, "keys": 1, "resume": 1}
 # The floor: tools/bench/floor/function_app.py, a bare aiohttp relay on the same host and runtime.
 APP_DIRS = {"floor": BENCH / "floor", "floor2": BENCH / "floor"}
-# Paths served by another path's server: the app with CALLER_KEYS=required serves both caller paths,
-# one caller without limits ("keys") and one with a tokens_per_minute limit ("keyslim").
-SERVER_OF = {"keyslim": "keys"}
+# Paths served by another path's server: the app with CALLER_KEYS=required serves the three caller
+# paths, one caller without limits ("keys"), one with a tokens_per_minute limit ("keyslim") and one in
+# a team with a spend budget, on priced models ("keyteam", issue #31).
+SERVER_OF = {"keyslim": "keys", "keyteam": "keys"}
 # Paths that need the shared store (Azurite, started by the benchmark).
-STORE_PATHS = ("keys", "keyslim", "resume")
+STORE_PATHS = ("keys", "keyslim", "keyteam", "resume")
 # Paths run only at some levels by default (their targets are at 1 and 100 streams): --extra-levels.
-EXTRA_PATHS = ("keys", "keyslim", "resume")
+EXTRA_PATHS = ("keys", "keyslim", "keyteam", "resume")
+# The keyteam path's prices (USD per million tokens, docs/callers.md's example), set for both models the
+# benchmark asks for (the 40-delta `cadence` and the 10-delta `normal`).
+BENCH_PRICE = {"input": 0.15, "cached_input": 0.075, "output": 0.60}
 # Paths with two worker processes: left out at 1 stream (one stream keeps one worker busy).
 TWO_WORKERS = ("floor2", "app2")
 MODEL = "cadence"  # the upstream plays the `cadence` scenario for this model name
@@ -338,12 +342,18 @@ class Bench:
             ll.wait_http(ll.url + "/health/liveliness", 240)
 
         caller_keys = {}
-        if "keys" in self.servers:  # two callers, as an operator makes them: without and with a limit
-            caller_keys["keys"] = _create_caller(self.servers["keys"].url, "bench-nolimit", {})
-            caller_keys["keyslim"] = _create_caller(
-                self.servers["keys"].url, "bench-limited", {"tokens_per_minute": a.keys_tpm}
+        if "keys" in self.servers:  # three callers, as an operator makes them: without and with limits
+            url = self.servers["keys"].url
+            caller_keys["keys"] = _create_caller(url, "bench-nolimit", {})
+            caller_keys["keyslim"] = _create_caller(url, "bench-limited", {"tokens_per_minute": a.keys_tpm})
+            for model in (MODEL, SHORT["model"]):
+                _manage(url, "PUT", f"/prices/{model}", BENCH_PRICE)
+            _manage(url, "POST", "/teams", {"name": "bench-team", "spend_budget": a.team_spend})
+            caller_keys["keyteam"] = _create_caller(url, "bench-team-member", {"team": "bench-team"})
+            log(
+                f"made three callers on the keys app: one without limits, one with tokens_per_minute "
+                f"{a.keys_tpm:,}, one in a team with spend_budget {a.team_spend:,} USD (total) on priced models"
             )
-            log(f"made two callers on the keys app: one without limits, one with tokens_per_minute {a.keys_tpm:,}")
 
         hp = lambda u: u.split("//", 1)[1]  # noqa: E731 - a one-line helper
         self.targets = {
@@ -531,6 +541,9 @@ class Bench:
         started = time.perf_counter()
 
         self.results["quiet"] = self.wait_quiet(a.wait_quiet, a.quiet_cores)
+        if a.cold_starts:
+            log(f"cold start: `import function_app` against the three packages alone, {a.cold_starts} times each")
+            self.results["cold_start"] = cold_start(a.cold_starts)
         log("warm-up (not measured)")
         for path in self.paths:
             for _ in range(3):
@@ -619,6 +632,7 @@ class Bench:
             "path_levels": {p: list(self.levels_of(p)) for p in self.paths},
             "two_workers": [p for p in self.paths if self.app_workers.get(self.server_of(p)) == 2],
             "keys_tpm": a.keys_tpm,
+            "team_spend": a.team_spend,
         }
 
     def other_load(self, seconds: float = 2.0) -> float:
@@ -689,14 +703,55 @@ class Azurite(Server):
         return found[0]
 
 
-def _create_caller(url: str, name: str, limits: dict) -> str:
-    """A caller made through the admin API (POST /api/manage/callers), as an operator makes one; its key."""
-    body = json.dumps({"name": name, **limits}).encode()
+def _manage(url: str, method: str, route: str, body: dict) -> dict:
+    """One call of the admin API (/api/manage/...), as an operator makes it; its answer."""
     req = urllib.request.Request(
-        url + "/api/manage/callers", data=body, method="POST", headers={"Content-Type": "application/json"}
+        url + "/api/manage" + route,
+        data=json.dumps(body).encode(),
+        method=method,
+        headers={"Content-Type": "application/json"},
     )
     with _opener.open(req, timeout=30) as r:
-        return json.loads(r.read())["key"]
+        return json.loads(r.read())
+
+
+def _create_caller(url: str, name: str, fields: dict) -> str:
+    """A caller made through the admin API (POST /api/manage/callers); its key."""
+    return _manage(url, "POST", "/callers", {"name": name, **fields})["key"]
+
+
+# Cold start (issue #34): a fresh process imports the app as the worker does, against one that imports only
+# the three packages the app is built on (the Functions library, its FastAPI extension, the openai SDK).
+COLD_IMPORTS = {
+    "app": "import function_app",
+    "packages": "import azure.functions, azurefunctions.extensions.http.fastapi, openai",
+}
+COLD_CODE = (
+    "import json, resource, time\nt = time.perf_counter()\n{imports}\n"
+    "print(json.dumps({{'s': time.perf_counter() - t, "
+    "'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))"
+)
+
+
+def cold_start(times: int) -> dict:
+    """Seconds and peak RSS (MB) of ``times`` fresh imports of each of COLD_IMPORTS, alternating, with the
+    app's settings as the `app` path has them (no caller keys, no resumable streams)."""
+    env = _clean_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": "sk-bench-dummy"})
+    out: dict = {name: [] for name in COLD_IMPORTS}
+    for _ in range(times):
+        for name, imports in COLD_IMPORTS.items():
+            done = subprocess.run(
+                [str(APP_PY), "-c", COLD_CODE.format(imports=imports)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"cold start ({name}) failed:\n{done.stderr[-2000:]}")
+            out[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def prepare_variant(name: str, spec: str, out: Path) -> dict:
@@ -876,6 +931,12 @@ def parse_args(argv=None):
         help="tokens_per_minute of the limited caller (default 1e9: never refuses)",
     )
     p.add_argument(
+        "--team-spend",
+        type=int,
+        default=1_000_000,
+        help="spend_budget (USD, budget_period total) of the keyteam caller's team (default 1e6: never refuses)",
+    )
+    p.add_argument(
         "--resume-path",
         default="/api/streams/{id}",
         help="the resume route on the second instance ({id}: the x-stream-id header)",
@@ -885,6 +946,13 @@ def parse_args(argv=None):
         type=int,
         default=10,
         help="one stream in this many gets a reader on the other instance (default 10)",
+    )
+    p.add_argument(
+        "--cold-starts",
+        type=int,
+        default=7,
+        help="fresh `import function_app` processes timed before the waves, and as many of its packages alone "
+        "(default 7; 0: none)",
     )
     p.add_argument("--client-procs", type=int, default=2, help="load-generator processes (default 2)")
     p.add_argument("--stagger-ms", type=float, default=1.0, help="gap between stream starts (default 1 ms)")
@@ -917,6 +985,7 @@ def parse_args(argv=None):
         a.levels, a.trials, a.probes, a.waves = "1,20", 4, 6, "20:1"
         a.split_level, a.short_waves = 20, 1
         a.settle, a.wait_quiet = 0.3, 0.0
+        a.cold_starts = min(a.cold_starts, 2)
         a.extra_levels = "1,20"
         if a.doc == str(ROOT / "docs" / "benchmarks.md"):  # a smoke run never overwrites the real figures
             a.doc, a.png = str(Path(a.out) / "benchmarks-quick.md"), str(Path(a.out) / "benchmarks-quick.png")
