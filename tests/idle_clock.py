@@ -3,8 +3,10 @@ tests/unit): while such a test runs on ``IdleSkippingLoop``, a wait for a timer 
 ready (no callback, no I/O) ends at once, and the loop's time, ``time.monotonic()`` and
 ``time.time()`` move on by what was skipped. Work still takes its real time; only idleness is free,
 so timers, deadlines, leases and time limits fire in the order real time gives them, without
-waiting for them. A wait with no timer at all (for I/O or another thread only) blocks as usual: a
-test that waits on a thread or a socket while a timer runs must not be marked.
+waiting for them. A wait with no timer at all (for I/O or another thread only) blocks as usual, and
+nothing is skipped while a call of ``run_in_executor`` (``asyncio.to_thread``) runs; a test that
+waits on a socket, a process or a thread of its own (anyio's, Starlette's sync endpoints) while a
+timer runs must not be marked.
 
 Imported before anything imports chatstream (tests/conftest.py first, tests/unit/conftest.py), so
 that defaults bound at import (``StoreClock(wall=time.time, monotonic=time.monotonic)``,
@@ -45,11 +47,12 @@ class IdleSkippingLoop(asyncio.SelectorEventLoop):
         super().__init__()
         assert _wall_from is None, "one skipping loop at a time"
         _wall_from = _skipped
+        self._in_threads = 0  # run_in_executor calls not done: their thread works, the loop is not idle
         select = self._selector.select  # type: ignore[attr-defined]
 
         def skipping(timeout: float | None = None):
             global _skipped
-            if timeout is None or timeout <= 0:
+            if timeout is None or timeout <= 0 or self._in_threads:
                 return select(timeout)
             events = select(0)
             if not events:
@@ -60,6 +63,23 @@ class IdleSkippingLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return monotonic()
+
+    def run_in_executor(self, executor, func, *args):
+        future = super().run_in_executor(executor, func, *args)
+        self._in_threads += 1
+
+        def done(_: asyncio.Future) -> None:
+            self._in_threads -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    async def shutdown_default_executor(self, timeout: float | None = None) -> None:
+        self._in_threads += 1  # a thread joins the executor's threads meanwhile
+        try:
+            await super().shutdown_default_executor(timeout)
+        finally:
+            self._in_threads -= 1
 
     def close(self) -> None:
         global _wall_from
