@@ -21,7 +21,8 @@ serve: $(STAMP)
 # Three pytest workers, each module on one of them (its servers start once): the suite mostly waits
 # on streams and timers, so this cuts its wall time by about half on two cores. Then the load tests
 # marked `alone` (200 resumable streams, a burst over two instances, the store stopped), one at a
-# time with nothing else running, so their margins hold. Unit tests alone: $(PY) -m pytest tests/unit
+# time with nothing else running, so their margins hold. Unit tests alone, in this process on the
+# in-process store, their idle waits skipped (tests/idle_clock.py), ~15 s: $(PY) -m pytest tests/unit
 test: lint client-mono chromium azurite aisdk openai-node
 	$(PY) -m pytest -n 3 --dist loadfile -m "not alone"
 	$(PY) -m pytest -m alone

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
+import idle_clock  # noqa: F401 - before anything imports chatstream (tests/idle_clock.py)
 import pytest
 from cut_proxy import CutProxy
 from helpers import app_env

@@ -18,7 +18,9 @@ from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 from .state_helpers import MODEL, account, admit, call, counter, finish, instance, record, until, usage
 
-pytestmark = pytest.mark.usefixtures("quick_ledger")
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
 
 
 def ledger_rows(data: MemoryData) -> list[dict]:

@@ -419,8 +419,9 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
 
 
 class _Answers(httpx2.AsyncBaseTransport):
-    """Records every request; answers 500 to the first of each path (so that the SDK retries), then
-    a stream or a JSON body."""
+    """Records every request; answers 500 to the first of each path (so that the SDK retries, after
+    the 1 ms its retry-after-ms asks for: the SDK's own backoff is 0.5 s), then a stream or a JSON
+    body."""
 
     def __init__(self):
         self.requests, self.seen = [], set()
@@ -429,7 +430,8 @@ class _Answers(httpx2.AsyncBaseTransport):
         self.requests.append(request)
         if request.url.path not in self.seen:
             self.seen.add(request.url.path)
-            return httpx2.Response(500, json={"error": {"message": "again"}}, request=request)
+            headers = {"retry-after-ms": "1"}
+            return httpx2.Response(500, headers=headers, json={"error": {"message": "again"}}, request=request)
         if b'"stream":true' in request.content:
             body = CHUNK + b"data: [DONE]\n\n"
             stream = httpx2.ByteStream(body)

@@ -10,6 +10,7 @@ import asyncio
 
 import httpx2
 import openai
+import pytest
 from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +35,10 @@ from chatstream.stream import Chunk, Done, Failed, TimeLimits, relay
 from chatstream.upstreams.config import Entry
 from chatstream.upstreams.outcomes import classify
 from tools.fakeupstream.scenarios import TEXTS
+
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
 
 REQUEST = httpx2.Request("POST", "http://upstream.test/v1/chat/completions")
 # Every scripted answer but the benchmark's, which repeats eight words over and over: a repeat of

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import idle_clock  # waits with nothing to do skipped (tests/idle_clock.py)
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +16,10 @@ from chatstream.state.counters import Counters, Reservation, Want, parse_holds
 from chatstream.state.port import LimitRef, Refused, Unavailable
 from chatstream.state.store import LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
+
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
 
 T0 = 1_796_083_217.3  # 17.3 s into a minute, day and month: windows stay put unless a test moves them
 
@@ -184,7 +190,7 @@ def test_the_budget_row_equals_what_was_spent_whatever_answers_are_lost(steps, s
         assert found["taken"] - held == spent_total, (found, spent_total)
         assert all(c.recovered_writes >= 0 for c in two)
 
-    asyncio.run(run())
+    idle_clock.run(run())  # its waits skipped too, as the async tests here
 
 
 async def test_a_frozen_store_during_settles_leaves_the_row_equal_to_what_was_spent():

@@ -8,6 +8,7 @@ import json
 import logging
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -19,6 +20,10 @@ from chatstream.settings import Settings
 
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
 from .upstream_helpers import status_error
+
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
 
 
 def serve(endpoint: Endpoint) -> httpx.AsyncClient:

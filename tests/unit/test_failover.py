@@ -28,6 +28,10 @@ from chatstream.upstreams.pool import Pool
 
 from .upstream_helpers import Clock, status_error
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 REQUEST = httpx2.Request("POST", "http://up.test/v1/chat/completions")
 
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock
 from chatstream.state.store_memory import MemoryData, MemoryStore
+
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
 
 FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=0.2, duty_seconds=0.05, fresh_seconds=0.0)
 

@@ -17,7 +17,9 @@ from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, t
 from chatstream.state.store import USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
-pytestmark = pytest.mark.usefixtures("quick_ledger")
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
 
 
 def charge(

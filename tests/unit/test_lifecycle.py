@@ -29,6 +29,10 @@ from chatstream.stream import Chunk, Done, Event, Failed
 
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 
 def done() -> Done:
     return Done("stop", {0: "stop"}, None, "m", "id-1", 0)

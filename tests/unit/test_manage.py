@@ -25,7 +25,9 @@ from chatstream.state.store_memory import Fault, MemoryStore
 
 from .state_helpers import account, admit, finish, settings, usage
 
-pytestmark = pytest.mark.usefixtures("quick_ledger")
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
 
 
 def app_for(manage: Manage) -> Starlette:

@@ -23,6 +23,10 @@ from chatstream.stream import Chunk, Done, Failed, TimeLimits, encoded, relay
 
 from .stream_helpers import Opener
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 REQUEST = httpx2.Request("POST", "http://upstream.test/v1/chat/completions")
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 

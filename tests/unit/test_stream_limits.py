@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import idle_clock  # waits with nothing to do skipped (tests/idle_clock.py)
+
 from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
@@ -81,7 +83,7 @@ def test_a_caller_that_stops_reading_does_not_keep_the_upstream_open_past_the_to
         await events.aclose()
         assert record.error == "total_timeout"
 
-    asyncio.run(run())
+    idle_clock.run(run())
 
 
 def test_buffered_chunks_do_not_carry_a_stream_past_the_total_limit():
@@ -97,4 +99,4 @@ def test_buffered_chunks_do_not_carry_a_stream_past_the_total_limit():
         assert time.monotonic() - started < 0.3 + 0.5
         await events.aclose()
 
-    asyncio.run(run())
+    idle_clock.run(run())

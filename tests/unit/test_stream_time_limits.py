@@ -12,6 +12,10 @@ from chatstream.errors import TimeLimit, first_token_expired, idle_expired, tota
 from chatstream.settings import Settings
 from chatstream.stream import TimeLimits
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
+# leases fire in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 
 def settings(first=1.0, idle=0.5, total=10.0, usage_wait=0.25) -> Settings:
     return Settings.model_validate(

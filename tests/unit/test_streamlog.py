@@ -48,6 +48,10 @@ from .streamlog_helpers import (
     read_all,
 )
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): leases, cadences and
+# limits run in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 # -- ids, Last-Event-ID, append ------------------------------------------------------------------
 
 

@@ -39,6 +39,10 @@ from .streamlog_helpers import (
     regenerating,
 )
 
+# Waits with nothing to do are skipped, not slept (tests/idle_clock.py): leases, cadences and
+# limits run in the order real time gives them.
+pytestmark = pytest.mark.skips_idle_time
+
 # -- issue #29: bounded rows, one clock, loops that survive ---------------------------------------
 
 
@@ -390,6 +394,7 @@ class _NoLog:
 
 
 @pytest.mark.skipif(not os.environ.get("STREAMLOG_FIGURES"), reason="a figure for docs/resumable.md")
+@pytest.mark.skips_idle_time(False)  # real time: it waits on Azurite, another process
 async def test_figures_producer_cpu_on_azurite(azurite):
     """CPU the stream log adds to a 40-delta stream (20 ms apart, the bench's answer), 50 at once,
     with nobody reading elsewhere: process CPU against the same loop without it, on Azurite
