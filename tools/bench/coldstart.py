@@ -1,0 +1,138 @@
+"""Cold start: how long ``import function_app`` takes and how much memory it leaves, against the three
+packages the design card names alone. A script, not a test:
+
+    .venv/bin/python tools/bench/coldstart.py [--runs 9] [--no-bytecode-cache] [--modules]
+
+Each scenario is imported in fresh processes (``--runs`` each, interleaved, after one warm-up run per
+scenario that fills a bytecode cache in a temporary folder, as a deployed app has one):
+
+* card:  ``import azure.functions, azurefunctions.extensions.http.fastapi, openai``;
+* app:   ``import function_app`` with the default settings (an upstream is set: the app needs one);
+* keyed: the same with ``CALLER_KEYS=required`` and ``RESUMABLE_STREAMS=on``, the store set to
+  Azurite's well-known development account (nothing listens there: importing does not call it).
+  "after 1 count" is the process once it has counted one prompt's tokens as a keyed request does
+  (the tokenizer's tables loaded).
+
+Printed as a Markdown table: the import's wall time inside the process (median, lowest, highest),
+the process's RSS after it (median), and the medians' difference from the card's. The settings come
+only from the scenario (the caller's environment's app settings are dropped). ``--no-bytecode-cache``
+compiles the app's own modules in every run, as with PYTHONDONTWRITEBYTECODE and no ``__pycache__``;
+``--modules`` also lists the top-level modules each scenario loads beyond the card's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tools.azurite.__main__ import ACCOUNT, ACCOUNT_KEY  # noqa: E402 - after sys.path names the repository
+
+AZURITE = (
+    f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
+    f"BlobEndpoint=http://127.0.0.1:10000/{ACCOUNT};TableEndpoint=http://127.0.0.1:10002/{ACCOUNT};"
+)
+UPSTREAM = {"OPENAI_API_KEY": "coldstart", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+CARD = "import azure.functions, azurefunctions.extensions.http.fastapi, openai"
+COUNT = "from chatstream import tokens; tokens.count_text('gpt-4o-mini', 'How long is a piece of string?')"
+
+# name: (import statement, app settings, code run after the import whose RSS is shown too, or None)
+SCENARIOS: dict[str, tuple[str, dict[str, str], str | None]] = {
+    "card": (CARD, {}, None),
+    "app": ("import function_app", UPSTREAM, None),
+    "keyed": (
+        "import function_app",
+        {**UPSTREAM, "CALLER_KEYS": "required", "RESUMABLE_STREAMS": "on", "AzureWebJobsStorage": AZURITE},
+        COUNT,
+    ),
+}
+
+# What runs in each fresh process: time the import, read VmRSS, optionally run more and read it again.
+PROBE = r"""
+import json, sys, time
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+t0 = time.perf_counter()
+exec(sys.argv[1])
+took = time.perf_counter() - t0
+top = lambda m: ".".join(m.split(".")[: 2 if m.startswith("azure.") else 1])
+out = {"s": took, "rss": rss(), "modules": sorted({top(m) for m in sys.modules})}
+if sys.argv[2]:
+    exec(sys.argv[2])
+    out["rss_after"] = rss()
+print(json.dumps(out))
+"""
+
+# The environment kept from the caller's: what finds Python and its packages, nothing the app reads.
+KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+
+
+def run(name: str, pycache: str | None) -> dict:
+    statement, settings, after = SCENARIOS[name]
+    env = {k: v for k, v in os.environ.items() if k in KEEP}
+    env.update(settings)
+    if pycache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env["PYTHONPYCACHEPREFIX"] = pycache
+    cmd = [sys.executable, "-c", PROBE, statement, after or ""]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: the import failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=9, help="fresh processes per scenario (default 9)")
+    parser.add_argument("--no-bytecode-cache", action="store_true", help="compile the app's modules every run")
+    parser.add_argument("--modules", action="store_true", help="list the top-level modules beyond the card's")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="coldstart-pyc-") as tmp:
+        pycache = None if args.no_bytecode_cache else tmp
+        results: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
+        for name in SCENARIOS:  # warm-up: fills the bytecode cache and the page cache
+            run(name, pycache)
+        for _ in range(args.runs):
+            for name in SCENARIOS:
+                results[name].append(run(name, pycache))
+
+    mb = 1024 * 1024
+    card_s = statistics.median(r["s"] for r in results["card"])
+    card_rss = statistics.median(r["rss"] for r in results["card"])
+    print(f"{args.runs} fresh processes per scenario, Python {sys.version.split()[0]}, load {os.getloadavg()[0]:.2f}")
+    print()
+    print("| scenario | import s: median (low–high) | vs card | RSS MB | vs card | after 1 count |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        times = sorted(r["s"] for r in rows)
+        s, rss = statistics.median(times), statistics.median(r["rss"] for r in rows)
+        after = [r["rss_after"] for r in rows if "rss_after" in r]
+        after_txt = (
+            f"{statistics.median(after) / mb:.0f} MB (+{(statistics.median(after) - card_rss) / mb:.0f})"
+            if after
+            else "–"
+        )
+        print(
+            f"| {name} | {s:.3f} ({times[0]:.3f}–{times[-1]:.3f}) | {s - card_s:+.3f} | "
+            f"{rss / mb:.0f} | {(rss - card_rss) / mb:+.0f} | {after_txt} |"
+        )
+    if args.modules:
+        card_modules = set(results["card"][0]["modules"])
+        print()
+        for name, rows in results.items():
+            if name != "card":
+                print(f"{name}: beyond the card: {' '.join(sorted(set(rows[0]['modules']) - card_modules))}")
+
+
+if __name__ == "__main__":
+    main()
