@@ -1,7 +1,7 @@
 """Cold start: how long ``import function_app`` takes and how much memory it leaves, against the three
 packages the design card names alone. A script, not a test:
 
-    .venv/bin/python tools/bench/coldstart.py [--runs 9] [--no-bytecode-cache] [--modules]
+    .venv/bin/python tools/bench/coldstart.py [--runs 9] [--compare DIR] [--no-bytecode-cache] [--modules]
 
 Each scenario is imported in fresh processes (``--runs`` each, interleaved, after one warm-up run per
 scenario that fills a bytecode cache in a temporary folder, as a deployed app has one):
@@ -11,13 +11,19 @@ scenario that fills a bytecode cache in a temporary folder, as a deployed app ha
 * keyed: the same with ``CALLER_KEYS=required`` and ``RESUMABLE_STREAMS=on``, the store set to
   Azurite's well-known development account (nothing listens there: importing does not call it).
   "after 1 count" is the process once it has counted one prompt's tokens as a keyed request does
-  (the tokenizer's tables loaded).
+  (the tokenizer's tables loaded), and how long that count took (it waits for the tables when the
+  app's thread that builds them at start-up has not finished; the RSS right after the import may
+  or may not include them).
 
-Printed as a Markdown table: the import's wall time inside the process (median, lowest, highest),
-the process's RSS after it (median), and the medians' difference from the card's. The settings come
-only from the scenario (the caller's environment's app settings are dropped). ``--no-bytecode-cache``
-compiles the app's own modules in every run, as with PYTHONDONTWRITEBYTECODE and no ``__pycache__``;
-``--modules`` also lists the top-level modules each scenario loads beyond the card's.
+``--compare DIR`` also imports the app (app@DIR, keyed@DIR) from another checkout, e.g. a
+``git archive`` of the commit before a change, in the same interleaved rounds: before and after
+under the same load. Printed as a Markdown table: the import's wall time inside the process
+(median, lowest, highest), its CPU time (the process's, all threads; steadier than wall time on a
+busy machine), the process's RSS after it (median), and the medians' difference from the card's.
+The settings come only from the scenario (the caller's environment's app settings are dropped).
+``--no-bytecode-cache`` compiles the app's own modules in every run, as with PYTHONDONTWRITEBYTECODE
+and no ``__pycache__``; ``--modules`` also lists the top-level modules each scenario loads beyond
+the card's.
 """
 
 from __future__ import annotations
@@ -60,14 +66,15 @@ import json, sys, time
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 exec(sys.argv[1])
-took = time.perf_counter() - t0
+took, cpu = time.perf_counter() - t0, time.process_time() - c0
 top = lambda m: ".".join(m.split(".")[: 2 if m.startswith("azure.") else 1])
-out = {"s": took, "rss": rss(), "modules": sorted({top(m) for m in sys.modules})}
+out = {"s": took, "cpu": cpu, "rss": rss(), "modules": sorted({top(m) for m in sys.modules})}
 if sys.argv[2]:
+    t1 = time.perf_counter()
     exec(sys.argv[2])
-    out["rss_after"] = rss()
+    out["s_after"], out["rss_after"] = time.perf_counter() - t1, rss()
 print(json.dumps(out))
 """
 
@@ -75,8 +82,8 @@ print(json.dumps(out))
 KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
 
 
-def run(name: str, pycache: str | None) -> dict:
-    statement, settings, after = SCENARIOS[name]
+def run(name: str, pycache: str | None, root: Path = ROOT) -> dict:
+    statement, settings, after = SCENARIOS[name.split("@")[0]]
     env = {k: v for k, v in os.environ.items() if k in KEEP}
     env.update(settings)
     if pycache is None:
@@ -84,7 +91,7 @@ def run(name: str, pycache: str | None) -> dict:
     else:
         env["PYTHONPYCACHEPREFIX"] = pycache
     cmd = [sys.executable, "-c", PROBE, statement, after or ""]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise SystemExit(f"{name}: the import failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -95,36 +102,44 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=9, help="fresh processes per scenario (default 9)")
     parser.add_argument("--no-bytecode-cache", action="store_true", help="compile the app's modules every run")
     parser.add_argument("--modules", action="store_true", help="list the top-level modules beyond the card's")
+    parser.add_argument("--compare", type=Path, metavar="DIR", help="also import the app from this checkout")
     args = parser.parse_args()
 
+    roots = {name: ROOT for name in SCENARIOS}
+    if args.compare:
+        roots.update({f"{name}@{args.compare}": args.compare.resolve() for name in SCENARIOS if name != "card"})
     with tempfile.TemporaryDirectory(prefix="coldstart-pyc-") as tmp:
         pycache = None if args.no_bytecode_cache else tmp
-        results: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
-        for name in SCENARIOS:  # warm-up: fills the bytecode cache and the page cache
-            run(name, pycache)
+        results: dict[str, list[dict]] = {name: [] for name in roots}
+        for name, root in roots.items():  # warm-up: fills the bytecode cache and the page cache
+            run(name, pycache, root)
         for _ in range(args.runs):
-            for name in SCENARIOS:
-                results[name].append(run(name, pycache))
+            for name, root in roots.items():
+                results[name].append(run(name, pycache, root))
 
     mb = 1024 * 1024
     card_s = statistics.median(r["s"] for r in results["card"])
+    card_cpu = statistics.median(r["cpu"] for r in results["card"])
     card_rss = statistics.median(r["rss"] for r in results["card"])
     print(f"{args.runs} fresh processes per scenario, Python {sys.version.split()[0]}, load {os.getloadavg()[0]:.2f}")
     print()
-    print("| scenario | import s: median (low–high) | vs card | RSS MB | vs card | after 1 count |")
-    print("|---|---|---|---|---|---|")
+    print("| scenario | import s: median (low–high) | vs card | CPU s | vs card | RSS MB | vs card | after 1 count |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         times = sorted(r["s"] for r in rows)
         s, rss = statistics.median(times), statistics.median(r["rss"] for r in rows)
+        cpu = statistics.median(r["cpu"] for r in rows)
         after = [r["rss_after"] for r in rows if "rss_after" in r]
+        after_s = [r["s_after"] for r in rows if "s_after" in r]
         after_txt = (
-            f"{statistics.median(after) / mb:.0f} MB (+{(statistics.median(after) - card_rss) / mb:.0f})"
+            f"{statistics.median(after) / mb:.0f} MB (+{(statistics.median(after) - card_rss) / mb:.0f}), "
+            f"took {statistics.median(after_s) * 1000:.0f} ms"
             if after
             else "–"
         )
         print(
-            f"| {name} | {s:.3f} ({times[0]:.3f}–{times[-1]:.3f}) | {s - card_s:+.3f} | "
-            f"{rss / mb:.0f} | {(rss - card_rss) / mb:+.0f} | {after_txt} |"
+            f"| {name} | {s:.3f} ({times[0]:.3f}–{times[-1]:.3f}) | {s - card_s:+.3f} | {cpu:.3f} | "
+            f"{cpu - card_cpu:+.3f} | {rss / mb:.0f} | {(rss - card_rss) / mb:+.0f} | {after_txt} |"
         )
     if args.modules:
         card_modules = set(results["card"][0]["modules"])
