@@ -2,6 +2,7 @@
 packages the design card names alone. A script, not a test:
 
     .venv/bin/python tools/bench/coldstart.py [--runs 9] [--compare DIR] [--no-bytecode-cache] [--modules]
+    .venv/bin/python tools/bench/coldstart.py --served 20 [--compare DIR]
 
 Each scenario is imported in fresh processes (``--runs`` each, interleaved, after one warm-up run per
 scenario that fills a bytecode cache in a temporary folder, as a deployed app has one):
@@ -24,6 +25,12 @@ The settings come only from the scenario (the caller's environment's app setting
 ``--no-bytecode-cache`` compiles the app's own modules in every run, as with PYTHONDONTWRITEBYTECODE
 and no ``__pycache__``; ``--modules`` also lists the top-level modules each scenario loads beyond
 the card's.
+
+``--served N`` measures an instance instead: the app served by tools/devhost (one worker) against the
+scripted upstream, unkeyed, then keyed (``CALLER_KEYS=required``, a caller made through the admin
+API, Azurite in memory: ``make azurite``), then keyed + resumable; N streamed chat completions each,
+then the host's and the worker's RSS from ``/_devhost/stats`` and the worker's split into anonymous
+memory and file pages (clean pages of libraries and wheels, which the kernel drops under pressure).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,13 +105,78 @@ def run(name: str, pycache: str | None, root: Path = ROOT) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def served(trees: list[Path], requests: int) -> None:
+    """``--served``: each variant of the app from each tree, one at a time, on one upstream and store."""
+    import httpx
+
+    from tests.servers import Azurite, Served, Upstream
+
+    upstream, azurite = Upstream(), Azurite()
+    settings = {"OPENAI_BASE_URL": upstream.base_url, "OPENAI_API_KEY": "coldstart", "UPSTREAM_MAX_RETRIES": "0"}
+    keyed = {**settings, "CALLER_KEYS": "required", "AzureWebJobsStorage": azurite.connection_string}
+    variants = {"unkeyed": settings, "keyed": keyed, "keyed + resumable": {**keyed, "RESUMABLE_STREAMS": "on"}}
+    print(f"{requests} streamed completions per instance; MB; load {os.getloadavg()[0]:.2f}")
+    print()
+    print("| instance | host + worker | worker | worker: anonymous | worker: file pages |")
+    print("|---|---|---|---|---|")
+    try:
+        for tree in trees:
+            for name, env in variants.items():
+                app = Served(["-m", "tools.devhost", "--port", "0", str(tree)], env=env, cwd=tree, timeout=90)
+                try:
+                    headers = {}
+                    if env.get("CALLER_KEYS"):
+                        made = httpx.post(
+                            f"{app.url}/api/manage/callers", json={"name": f"c{time.time_ns()}"}, timeout=30
+                        )
+                        made.raise_for_status()
+                        headers["Authorization"] = f"Bearer {made.json()['key']}"
+                    with httpx.Client(timeout=60) as client:
+                        for i in range(requests):
+                            body = {
+                                "model": "gpt-4o-mini",
+                                "stream": True,
+                                "messages": [{"role": "user", "content": f"hi {i}"}],
+                            }
+                            with client.stream(
+                                "POST", f"{app.url}/api/v1/chat/completions", json=body, headers=headers
+                            ) as r:
+                                assert r.status_code == 200, r.read()
+                                for _ in r.iter_bytes():
+                                    pass
+                    time.sleep(1)  # what the requests left running in the background settles
+                    stats = httpx.get(f"{app.url}/_devhost/stats", timeout=10).json()
+                    (worker,) = stats["workers"]
+                    split = _smaps(worker["pid"])
+                    label = name if tree == ROOT else f"{name}@{tree}"
+                    print(
+                        f"| {label} | {stats['rss_kb'] / 1024:.0f} | {worker['rss_kb'] / 1024:.0f} | "
+                        f"{split['Anonymous'] / 1024:.0f} | {(split['Rss'] - split['Anonymous']) / 1024:.0f} |"
+                    )
+                finally:
+                    app.stop()
+    finally:
+        upstream.stop()
+        azurite.stop()
+
+
+def _smaps(pid: int) -> dict[str, int]:
+    """kB by field of /proc/PID/smaps_rollup (Rss, Anonymous...)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if v.strip().endswith("kB")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=9, help="fresh processes per scenario (default 9)")
     parser.add_argument("--no-bytecode-cache", action="store_true", help="compile the app's modules every run")
     parser.add_argument("--modules", action="store_true", help="list the top-level modules beyond the card's")
     parser.add_argument("--compare", type=Path, metavar="DIR", help="also import the app from this checkout")
+    parser.add_argument("--served", type=int, metavar="N", help="serve the app instead; N requests per instance")
     args = parser.parse_args()
+    if args.served:
+        served([ROOT, *([args.compare.resolve()] if args.compare else [])], args.served)
+        return
 
     roots = {name: ROOT for name in SCENARIOS}
     if args.compare:
