@@ -227,15 +227,16 @@ ERROR_HEADERS = {"Cache-Control": "no-store", "x-should-retry": "false"}
 
 
 def http_errors(*names: str) -> tuple[type[BaseException], ...]:
-    """The named exception classes of the SDK's HTTP library (httpx2 in openai 3.x, httpx before)."""
-    found: list[type[BaseException]] = []
+    """The named exception classes of the SDK's HTTP library (httpx2 in openai 3.x, httpx before):
+    the first of the two found, so that httpx, which only the tests use beside openai 3.x, is not
+    imported by the app."""
     for module in ("httpx2", "httpx"):
         try:
             mod = importlib.import_module(module)
         except ImportError:
             continue
-        found.extend(getattr(mod, n) for n in names if hasattr(mod, n))
-    return tuple(found)
+        return tuple(getattr(mod, n) for n in names if hasattr(mod, n))
+    return ()
 
 
 # --- Retry-After ------------------------------------------------------------------------------

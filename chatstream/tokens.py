@@ -5,7 +5,9 @@ text actually generated).
 The tokenizer is ``bpe-openai`` (PyPI): OpenAI's o200k_base and cl100k_base tables ship inside its
 wheel, so nothing is downloaded at run time (``tiktoken`` fetches its tables from the network on first
 use, which a locked-down Function App cannot do). Its counts are tiktoken's (tests/unit/test_tokens.py
-checks them against counts OpenAI published).
+checks them against counts OpenAI published). Counting uses its Rust extension alone (``_bindings``):
+the package's own ``__init__`` builds Python dicts of all three of its vocabularies for its
+tiktoken-style decoding API (about 60 MB and 0.4 s), which counting never reads.
 
 Which encoding (``encoding_for``): the part of the model name after the last ``/`` (routers name
 models ``openai/gpt-4o``), lower-cased, then
@@ -16,8 +18,10 @@ models ``openai/gpt-4o``), lower-cased, then
   (``o1``, ``o3``, ``o4-mini``...), ``gpt-oss``, and any name we do not know (an Azure deployment
   name, a local model), because that is what every current OpenAI model uses.
 
-Building the tables is slow (about a second): ``preload()`` does it once at start-up, off the request
-path; a count after that is microseconds (figures in docs/callers.md).
+An encoding's tables are built on its first use, once per process: o200k_base about 45 ms and 65 MB
+(half of it the wheel's pages, read once), cl100k_base 20 ms and 30 MB, so only the families in use
+cost memory. ``preload()`` builds o200k_base's at start-up, off the request path; a count after that
+is microseconds (figures in docs/callers.md).
 
 Chat prompts follow OpenAI's published formula (3 tokens per message, 1 more when it has a ``name``,
 3 to prime the reply; tools as in OpenAI's cookbook); the Responses API publishes none, so its
@@ -26,12 +30,18 @@ Images count a fixed estimate (``IMAGE_TOKENS``); audio and files are not counte
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
+import sys
 import threading
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .errors import invalid_request
+
+if TYPE_CHECKING:
+    from bpe_openai._bindings import PyTokenizer
 
 O200K = "o200k_base"
 CL100K = "cl100k_base"
@@ -43,12 +53,8 @@ _NOT_CL100K = ("gpt-4o", "gpt-4.", "gpt-4-o")  # gpt-4o*, gpt-4.1*, gpt-4.5*: o2
 # detail (765 for a 1024x1024 image). The size is not known without fetching it, so a fixed estimate.
 IMAGE_TOKENS = {"low": 85, "high": 765, "auto": 765}
 
-# Longer texts are counted in pieces (bpe-openai refuses 1,000,000 characters or 200,000 tokens at
-# once); pieces end before a space that follows a non-space, where no pre-token of o200k/cl100k can
-# span, so the sum is exact.
-_PIECE = 100_000
-
-_encodings: dict[str, Any] = {}
+_BINDINGS = "bpe_openai._bindings"
+_tokenizers: dict[str, PyTokenizer] = {}
 _lock = threading.Lock()
 
 
@@ -62,41 +68,42 @@ def encoding_name(model: str | None) -> str:
     return O200K
 
 
-def _load(name: str):
-    encoding = _encodings.get(name)
-    if encoding is None:
+def _bindings():
+    """bpe-openai's Rust extension, loaded from the package's folder without running the package's
+    ``__init__`` (see the module docstring); an ``import bpe_openai`` later finds it loaded."""
+    module = sys.modules.get(_BINDINGS)
+    if module is None:
+        package = importlib.util.find_spec("bpe_openai")  # finds the folder, runs nothing
+        folders = package.submodule_search_locations if package else None
+        spec = importlib.machinery.PathFinder.find_spec(_BINDINGS, folders) if folders else None
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{_BINDINGS} not found: is bpe-openai installed?")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[_BINDINGS] = module
+    return module
+
+
+def _load(name: str) -> PyTokenizer:
+    tokenizer = _tokenizers.get(name)
+    if tokenizer is None:
         with _lock:  # preload() may run in a thread while a request counts
-            encoding = _encodings.get(name)
-            if encoding is None:
-                from bpe_openai import get_encoding
-
-                encoding = _encodings[name] = get_encoding(name)
-    return encoding
+            tokenizer = _tokenizers.get(name)
+            if tokenizer is None:
+                tokenizer = _tokenizers[name] = _bindings().tokenizer_for_encoding(name)
+    return tokenizer
 
 
-def encoding_for(model: str | None):
-    """The bpe-openai ``Encoding`` for ``model``, loaded on first use and kept."""
+def encoding_for(model: str | None) -> PyTokenizer:
+    """The tokenizer of ``model``'s encoding (``encode``, ``count``), built on first use and kept."""
     return _load(encoding_name(model))
 
 
-def preload() -> None:
-    """Load both encodings now (about 1.4 s, once per process): call it at start-up, in a thread,
-    so that the first request does not pay for it."""
-    _load(O200K)
-    _load(CL100K)
-
-
-def _pieces(text: str) -> Iterable[str]:
-    start = 0
-    while len(text) - start > _PIECE:
-        cut = start + _PIECE
-        while cut > start + 1 and not (text[cut] == " " and not text[cut - 1].isspace()):
-            cut -= 1
-        if cut <= start + 1:  # no such space in the whole piece (one long "word"): cut anywhere
-            cut = start + _PIECE
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
+def preload(model: str | None = None) -> None:
+    """Build ``model``'s encoding now (unnamed: o200k_base, every current model's): call it at
+    start-up, in a thread, so that the first request does not pay for it. Another family's is built
+    on its first use."""
+    encoding_for(model)
 
 
 def count_text(model: str | None, text: str | None) -> int:
@@ -105,9 +112,10 @@ def count_text(model: str | None, text: str | None) -> int:
     if not text:
         return 0
     encoding = encoding_for(model)
-    if len(text) <= _PIECE:
-        return len(encoding.encode_ordinary(text))
-    return sum(len(encoding.encode_ordinary(piece)) for piece in _pieces(text))
+    try:
+        return encoding.count(text)
+    except UnicodeEncodeError:  # lone surrogates: counted as U+FFFD, as bpe-openai's encode_ordinary does
+        return encoding.count(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
 
 
 def _image_tokens(part: Mapping) -> int:

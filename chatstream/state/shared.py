@@ -100,7 +100,8 @@ class SharedState:
                 settings.referenced_context_tokens,
                 instances,
             )
-            # The tokenizer's tables take about a second to build: off the first request's path.
+            # o200k_base's tables (every current model's) off the first request's path; a model of
+            # another family builds its own on first use (tokens.py).
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
         return cls(store, instances, registry, counters, journal, ledger, owners, accounting)
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, TypeGuard
 
 import openai
-from azure.core.exceptions import ClientAuthenticationError
 
 from ..errors import (
     ApiError,
@@ -29,11 +30,17 @@ from ..errors import (
 )
 from ..record import log_safe
 
+if TYPE_CHECKING:
+    from azure.core.exceptions import ClientAuthenticationError
+
 log = logging.getLogger("chatstream")
 
-# What the upstream call can raise besides our own errors: the SDK's (and its transport's, mapped
-# by the SDK or by clients.py), and azure-identity's when no Entra ID token can be had.
-UPSTREAM_ERRORS = (openai.APIError, ClientAuthenticationError)
+
+def _no_entra_token(exc: BaseException) -> TypeGuard[ClientAuthenticationError]:
+    """azure-identity's error when no Entra ID token can be had. azure-core defines it and is imported
+    only with a setting that needs it (Entra ID, the store): not loaded, no such error exists."""
+    exceptions = sys.modules.get("azure.core.exceptions")
+    return exceptions is not None and isinstance(exc, exceptions.ClientAuthenticationError)
 
 
 class OutcomeKind(StrEnum):
@@ -196,7 +203,7 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
     upstream is a bug of ours: 500, and no effect on the entry."""
     if isinstance(exc, ApiError):
         return Classified(exc, _own_outcome(exc))
-    if isinstance(exc, ClientAuthenticationError):
+    if _no_entra_token(exc):
         # Not a bug and not the caller's: one line with the credential's own account of what it
         # tried (it names credential types, never a secret), no traceback.
         log.warning("could not get an Entra ID token for Azure OpenAI: %s", log_safe(redact(exc.message or str(exc))))
