@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from . import memory
 from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 
 log = logging.getLogger("chatstream")
@@ -147,6 +148,44 @@ def with_request_id(response: R) -> R:
     return response
 
 
+# After the total limit, how long a response blocked by a caller who stopped reading may still try
+# to write its final event before the connection is dropped.
+WRITE_GRACE_SECONDS = 2.0
+# A big JSON answer is written in pieces of this size.
+SLICE_BYTES = 64 * 1024
+
+
+class JsonAnswer(JSONResponse):
+    """A JSON answer that may be big (a non-streamed completion). Written in ``SLICE_BYTES`` pieces,
+    each once the server has taken the one before (an ASGI server waits before a write while its
+    buffer is full; one big write would be buffered whole, after the app is done with it), so that
+    the answer is over only when its caller has it, has hung up, or ``WRITE_GRACE_SECONDS`` past
+    ``give_up_at`` (a caller who stops reading holds it no longer than a stream). Then the memory it
+    took goes back to the operating system (memory.py)."""
+
+    def __init__(self, content: Any, give_up_at: float, headers: dict[str, str] | None = None):
+        super().__init__(content, headers=headers)
+        self.give_up_at = give_up_at
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body
+        try:
+            async with asyncio.timeout_at(self.give_up_at + WRITE_GRACE_SECONDS):
+                if len(body) <= SLICE_BYTES or scope["type"] != "http":
+                    await super().__call__(scope, receive, send)
+                    return
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                for start in range(0, len(body), SLICE_BYTES):
+                    await send(
+                        {"type": "http.response.body", "body": body[start : start + SLICE_BYTES], "more_body": True}
+                    )
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            log.warning("a caller stopped reading its answer past the total time limit; dropping its connection")
+        finally:
+            memory.released(len(body))
+
+
 # --- server-sent events -----------------------------------------------------------------------
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -221,11 +260,6 @@ class SSEFramer:
                     break
                 events.append(payload)
         return events
-
-
-# After the total limit, how long a response blocked by a caller who stopped reading may still try
-# to write its final event before the connection is dropped.
-WRITE_GRACE_SECONDS = 2.0
 
 
 class EventStreamResponse(StreamingResponse):
