@@ -75,40 +75,67 @@ SCOPE = {"type": "http", "method": "POST", "path": "/", "headers": []}
 
 
 def answer(chars: int, give_up_in: float = 60.0) -> http.JsonAnswer:
-    body = {"id": "x", "choices": [{"message": {"content": "é" * chars}}]}
+    body = {"id": "x", "choices": [{"message": {"content": "é" * chars}}]}  # made on the running loop
     return http.JsonAnswer(body, asyncio.get_running_loop().time() + give_up_in, headers={"x-request-id": "r"})
 
 
-def test_a_big_answer_goes_out_in_slices_with_its_length_then_is_released(monkeypatch):
+def written(response: http.JsonAnswer) -> tuple[dict, list[dict]]:
+    async def run():
+        server = Server()
+        await response(SCOPE, server.receive, server.send)
+        return server.messages
+
+    start, *bodies = asyncio.run(run())
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    assert all(m["type"] == "http.response.body" for m in bodies)
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    return dict(start["headers"]), bodies
+
+
+BIG = {
+    "id": "x",
+    "choices": [
+        {"index": 0, "message": {"content": 'é🙂"\n\u0001' * 40_000, "tool_calls": [{"arguments": "{}" * 50_000}]}},
+        {"index": 1, "message": {"content": "short", "refusal": None}},
+    ],
+    "usage": {"total_tokens": 3},
+}
+
+
+def test_a_big_answer_is_the_json_jsonresponse_writes_in_slices_with_its_length_then_is_released(monkeypatch):
     released: list[int] = []
     monkeypatch.setattr(memory, "released", released.append)
 
-    async def run():
-        response = answer(200_000)
-        server = Server()
-        await response(SCOPE, server.receive, server.send)
-        return response, server.messages
+    async def make():
+        return http.JsonAnswer(BIG, asyncio.get_running_loop().time() + 60, headers={"x-request-id": "r"})
 
-    response, messages = asyncio.run(run())
-    start, *pieces, end = messages
-    assert start["type"] == "http.response.start" and start["status"] == 200
-    headers = dict(start["headers"])
-    assert int(headers[b"content-length"]) == len(response.body)
-    assert all(len(p["body"]) <= http.SLICE_BYTES and p["more_body"] for p in pieces)
-    assert len(pieces) == -(-len(response.body) // http.SLICE_BYTES)
-    assert end == {"type": "http.response.body", "body": b"", "more_body": False}
-    assert json.loads(b"".join(p["body"] for p in pieces))["choices"][0]["message"]["content"] == "é" * 200_000
-    assert released == [len(response.body)]
+    response = asyncio.run(make())
+    headers, bodies = written(response)
+    whole = b"".join(m["body"] for m in bodies)
+    assert whole == json.dumps(BIG, ensure_ascii=False, separators=(",", ":")).encode()  # byte for byte
+    assert int(headers[b"content-length"]) == len(whole) == response.length
+    assert headers[b"content-type"] == b"application/json" and headers[b"x-request-id"] == b"r"
+    assert all(len(m["body"]) <= http.SLICE_BYTES for m in bodies) and len(bodies) > 5
+    assert released == [len(whole)]
 
 
 def test_a_small_answer_is_one_write():
-    async def run():
-        server = Server()
-        await answer(10)(SCOPE, server.receive, server.send)
-        return server.messages
+    async def make():
+        return http.JsonAnswer({"a": "b"}, asyncio.get_running_loop().time() + 60)
 
-    start, body = asyncio.run(run())
-    assert body["type"] == "http.response.body" and not body.get("more_body")
+    _, bodies = written(asyncio.run(make()))
+    assert bodies == [{"type": "http.response.body", "body": b'{"a":"b"}', "more_body": False}]
+
+
+def test_lone_surrogates_are_escaped_and_nan_is_refused_as_jsonresponse_refuses_it():
+    async def make(body):
+        return http.JsonAnswer(body, asyncio.get_running_loop().time() + 60)
+
+    body = {"short": "a\ud800", "long": "b\udc00" * 70_000}
+    _, bodies = written(asyncio.run(make(body)))
+    assert json.loads(b"".join(m["body"] for m in bodies)) == body
+    with pytest.raises(ValueError):
+        asyncio.run(make({"n": float("nan"), "long": "x" * 70_000}))
 
 
 def test_an_answer_is_released_when_its_caller_hangs_up(monkeypatch):
@@ -123,7 +150,7 @@ def test_an_answer_is_released_when_its_caller_hangs_up(monkeypatch):
         return response
 
     response = asyncio.run(run())
-    assert released == [len(response.body)]
+    assert released == [response.length]
 
 
 def test_a_caller_who_stops_reading_holds_the_answer_until_the_total_limit_and_the_grace(monkeypatch):
