@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from . import telemetry, tokens
 from .errors import ApiError, ErrorKind
-from .record import Segment, StreamRecord
+from .record import Segment, StreamRecord, TextParts
 from .stream import Done, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
 
@@ -216,7 +216,9 @@ class ChatContinuation:
         self.most = most
         self.continued: list[dict] = []
         self._reopened = 0
-        self._passed: list[str] = []  # choice 0's content so far, as the protocol got it (raw)
+        # choice 0's content so far, as the protocol got it (raw); None: the first stream's, which is
+        # its segment's text (kept once)
+        self._passed: TextParts | None = None
         self._blocked: str | None = None  # what the answer holds that cannot be continued
         self._segment: Segment | None = None
         self._failed: set[str] = set()
@@ -241,7 +243,7 @@ class ChatContinuation:
         has ``known``; the first stream opened (``Resumed``) is already a continuation after it, and
         ``most`` more may follow. ``lost_on``: the pool entry the lost producer was reading."""
         plan = cls(upstreams, path, params, protocol, record, most + 1)
-        plan._passed = [known.text]
+        plan._passed = TextParts([known.text])
         plan._id, plan._created = known.id, known.created
         plan._lost_on = lost_on
         return plan
@@ -270,7 +272,7 @@ class ChatContinuation:
         if self._seam is None:  # the first stream: as it came
             if self._id is None:
                 self._id, self._created = data.get("id"), data.get("created")
-            if content:
+            if content and self._passed is not None:  # a takeover's first stream: after what the log held
                 self._passed.append(content)
             return (data,)
         return self._across(data, choice, delta, content)
@@ -292,7 +294,7 @@ class ChatContinuation:
             if not isinstance(carrier, dict):
                 continue
             out.append(self._rebuilt(carrier, text))
-            if text:
+            if text and self._passed is not None:
                 self._passed.append(text)
         return out
 
@@ -337,6 +339,8 @@ class ChatContinuation:
         failed = self._segment.upstream if self._segment is not None else (self._lost_on or record.upstream)
         if failed is not None:
             self._failed.add(failed)
+        if self._passed is None:  # the first stream failed: the text so far is its segment's
+            self._passed = TextParts([self._segment.text] if self._segment is not None else [])
         known = "".join(self._passed)
         stream = await self.upstreams.open_next(
             self.path,

@@ -24,13 +24,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from . import telemetry, tokens
+from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
-from .http import KEEP_ALIVE, EventStreamResponse, read_json
+from .http import KEEP_ALIVE, EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
@@ -207,6 +207,7 @@ class Endpoint:
         self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
     ) -> Response:
         """A non-streamed answer: the upstream's JSON, its texts through the pipeline's text steps."""
+        give_up_at = asyncio.get_running_loop().time() + self.settings.total_timeout
         work = self.upstreams.complete(self.api.path, call.params, record)
         body = await unless_gone(request, work, self.settings.total_timeout)
         record.model_accepted = True  # the upstream served it
@@ -216,7 +217,7 @@ class Endpoint:
         if admission is not None and isinstance(body.get("id"), str):
             await self._claim(admission, body["id"], call)
         self._finish(record, admission)
-        return JSONResponse(body, headers={"Cache-Control": "no-store", **_headers(record, admission)})
+        return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **_headers(record, admission)})
 
     async def _stream(
         self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
@@ -437,6 +438,7 @@ async def stream_response(
 async def _body(
     first: asyncio.Future, events: AsyncGenerator[Event], encode: Callable[[Event], bytes | None], heartbeat: float
 ) -> AsyncGenerator[bytes]:
+    written = 0
     try:
         if not first.done():
             yield KEEP_ALIVE  # the headers go out now; say so to proxies at once
@@ -445,6 +447,8 @@ async def _body(
                 if not first.done():
                     yield KEEP_ALIVE
         async for data in encoded(first.result(), events, encode):
+            written += len(data)
             yield data
     finally:
         await _close_events(first, events)
+        memory.released(written)  # a big answer's memory goes back to the OS (memory.py)

@@ -5,11 +5,13 @@ upstream's, ``event`` writes ours), and the event-stream response that always cl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
+import re
 import uuid
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -18,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from . import memory
 from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 
 log = logging.getLogger("chatstream")
@@ -147,6 +150,106 @@ def with_request_id(response: R) -> R:
     return response
 
 
+# After the total limit, how long a response blocked by a caller who stopped reading may still try
+# to write its final event before the connection is dropped.
+WRITE_GRACE_SECONDS = 2.0
+# A big JSON answer is written in pieces of about this size; a longer string is escaped a slice of
+# this many characters at a time.
+SLICE_BYTES = 64 * 1024
+
+_NO_NAN = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def _skeleton(value: Any, long: list[str], mark: str) -> Any:
+    """``value`` with each string longer than SLICE_BYTES replaced by ``mark`` + its index in
+    ``long`` + ``mark`` (containers copied only on the way to one)."""
+    if type(value) is str:
+        if len(value) <= SLICE_BYTES:
+            return value
+        long.append(value)
+        return f"{mark}{len(long) - 1}{mark}"
+    if type(value) is dict:
+        copied = None
+        for key, item in value.items():
+            new = _skeleton(item, long, mark)
+            if new is not item:
+                copied = copied if copied is not None else dict(value)
+                copied[key] = new
+        return value if copied is None else copied
+    if type(value) is list:
+        items = [_skeleton(item, long, mark) for item in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
+
+
+def _escaped(text: str) -> Iterator[bytes]:
+    """A string's JSON text without its quotes, a slice at a time (escaping is per character)."""
+    for start in range(0, len(text), SLICE_BYTES):
+        yield dumps(text[start : start + SLICE_BYTES])[1:-1]
+
+
+class JsonAnswer(Response):
+    """A JSON answer that may be big (a non-streamed completion), as JSONResponse writes it but
+    without ever making its whole text: the object with its long strings replaced by markers is
+    encoded (small), and the long strings are escaped a slice at a time as they are written, so the
+    answer costs its object and little more, however long its text. Its length is known before (the
+    ``content-length`` header, as JSONResponse sends it).
+
+    Each piece is written once the server has taken the one before (an ASGI server waits before a
+    write while its buffer is full; one big write would be buffered whole, after the app is done
+    with it), so that the answer is over only when its caller has it, has hung up, or
+    ``WRITE_GRACE_SECONDS`` past ``give_up_at`` (a caller who stops reading holds it no longer than
+    a stream). Then the memory it took goes back to the operating system (memory.py)."""
+
+    media_type = "application/json"
+
+    def __init__(self, content: Any, give_up_at: float, headers: dict[str, str] | None = None):
+        self.give_up_at = give_up_at
+        long: list[str] = []
+        mark = "\x00" + uuid.uuid4().hex  # written \u0000 + 32 random hex digits: no text can hold it by chance
+        shape = _skeleton(content, long, mark)
+        try:
+            encoded = _NO_NAN(shape).encode("utf-8")  # NaN: a ValueError, as JSONResponse raises
+        except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
+            encoded = _ESCAPED(shape).encode("ascii")
+        escaped_mark = re.escape(dumps(mark)[1:-1])
+        parts = re.split(b'"' + escaped_mark + rb"(\d+)" + escaped_mark + b'"', encoded)
+        # parts: text, index, text, index, ..., text
+        self._parts: list[bytes | str] = [part if i % 2 == 0 else long[int(part)] for i, part in enumerate(parts)]
+        self.length = sum(
+            len(part) if isinstance(part, bytes) else 2 + sum(len(piece) for piece in _escaped(part))
+            for part in self._parts
+        )
+        super().__init__(None, 200, {**(headers or {}), "content-length": str(self.length)})
+
+    def pieces(self) -> Iterator[bytes]:
+        """The answer's bytes in pieces of about SLICE_BYTES."""
+        pending = bytearray()
+        for part in self._parts:
+            for piece in (part,) if isinstance(part, bytes) else itertools.chain((b'"',), _escaped(part), (b'"',)):
+                pending += piece
+                while len(pending) >= SLICE_BYTES:
+                    yield bytes(pending[:SLICE_BYTES])
+                    del pending[:SLICE_BYTES]
+        if pending:
+            yield bytes(pending)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.timeout_at(self.give_up_at + WRITE_GRACE_SECONDS):
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                more = self.pieces()
+                piece = next(more, b"")
+                for following in more:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    piece = following
+                await send({"type": "http.response.body", "body": piece, "more_body": False})
+        except TimeoutError:
+            log.warning("a caller stopped reading its answer past the total time limit; dropping its connection")
+        finally:
+            memory.released(self.length)
+
+
 # --- server-sent events -----------------------------------------------------------------------
 
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -221,11 +324,6 @@ class SSEFramer:
                     break
                 events.append(payload)
         return events
-
-
-# After the total limit, how long a response blocked by a caller who stopped reading may still try
-# to write its final event before the connection is dropped.
-WRITE_GRACE_SECONDS = 2.0
 
 
 class EventStreamResponse(StreamingResponse):

@@ -72,6 +72,43 @@ class StreamResult:
         return self.texts.get(0, "")
 
 
+# A delta shorter than this is joined with its neighbours when kept (TextParts); a longer one is
+# kept as it came, the same object wherever it is kept.
+SHARED_CHARS = 256
+JOIN_EVERY = 256  # short pieces joined into one string at a time
+
+
+class TextParts(list[str]):
+    """Text kept from a stream's deltas for as long as the stream lasts (what was generated, what a
+    continuation goes on after): ``"".join(parts)`` is the text. Runs of ``JOIN_EVERY`` short pieces
+    are joined into one string as they come: a string object costs ~50 bytes besides its characters,
+    so 4-character deltas kept one by one took 13 times their text, and their many small objects
+    kept the allocator's pools from being given back after the stream."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, parts: list[str] | tuple[str, ...] = ()):
+        super().__init__(parts)
+        self._run = 0  # the short pieces at the end, not joined yet
+
+    def append(self, piece: str) -> None:
+        if len(piece) >= SHARED_CHARS:
+            self._join()
+            super().append(piece)
+            return
+        super().append(piece)
+        self._run += 1
+        if self._run >= JOIN_EVERY:
+            self._join()
+
+    def _join(self) -> None:
+        run, self._run = self._run, 0
+        if run > 1:
+            joined = "".join(self[-run:])
+            del self[-run:]
+            super().append(joined)
+
+
 @dataclass(slots=True)
 class Segment:
     """One upstream stream an answer was read from: the first, then one per continuation
@@ -81,7 +118,7 @@ class Segment:
 
     upstream: str | None
     usage: dict | None = None
-    parts: list[str] = field(default_factory=list)  # ``text``, as it came
+    parts: list[str] = field(default_factory=TextParts)  # ``text``, as it came (kept compactly)
     answered: bool = True
     request_id: str | None = None  # the upstream's x-request-id for it
 

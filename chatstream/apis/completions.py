@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ..errors import UpstreamMalformed
 from ..pipeline import Pipeline, TextFilter
-from ..record import StreamRecord
+from ..record import StreamRecord, TextParts
 from ..stream import Done, Fed
 
 TEXT_FIELDS = ("content", "refusal")
@@ -216,7 +216,10 @@ class CompletionStream:
         delta = choice.get("delta") or {}
         reason = choice.get("finish_reason")
         if self.generated is not None:
-            self.generated.setdefault(index, []).append(_generated(delta))
+            kept = self.generated.get(index)
+            if kept is None:
+                kept = self.generated[index] = TextParts()
+            kept.append(_generated(delta))
         if self._make_filter is not None:
             filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
             if (
@@ -228,7 +231,10 @@ class CompletionStream:
                 return None  # everything was held back: nothing to send for this choice
             delta = filtered
         if self.released is not None and delta.get("content"):
-            self.released.setdefault(index, []).append(delta["content"])
+            kept = self.released.get(index)
+            if kept is None:
+                kept = self.released[index] = TextParts()
+            kept.append(delta["content"])
         if reason:
             self.finished[index] = reason
         return {**choice, "delta": delta}

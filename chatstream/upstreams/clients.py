@@ -339,13 +339,20 @@ def _decode(response: httpx2.Response, payload: bytes) -> dict:
 async def complete(client: SdkClient, path: str, params: dict) -> tuple[dict, str | None]:
     """One non-streamed call: the upstream's JSON object, and its ``x-request-id``."""
     response = await client.post(path, body=params, cast_to=httpx2.Response)
+    request_id = response.headers.get("x-request-id")
+    # An answer can be MBs: its bytes, their text and the parsed object are each as big, so each is
+    # dropped as soon as the next one is made (two of them at a time, not three).
+    raw = response.content
+    del response
     try:
-        body = json.loads(response.content)
-    except ValueError:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # what json.loads does with bytes
+        del raw
+        body = json.loads(text)
+    except ValueError:  # not JSON, or not in its encoding
         raise UpstreamMalformed("the model server sent a malformed answer") from None
     if not isinstance(body, dict):
         raise UpstreamMalformed("the model server sent a malformed answer")
-    return body, response.headers.get("x-request-id")
+    return body, request_id
 
 
 # The SDK's HTTP library raises these while a body is read; the SDK maps them only inside its own

@@ -431,6 +431,32 @@ def test_cli_refuses_other_hosts():
     assert r.returncode == 2 and "127.0.0.1 only" in r.stderr and r.stdout == ""
 
 
+def test_delta_chars_makes_each_cadence_delta_that_long_streamed_or_not(tmp_path):
+    proc, base = start(
+        "--deltas",
+        "5",
+        "--delta-chars",
+        "1000",
+        "--first-token-ms",
+        "1",
+        "--interval-ms",
+        "1",
+        log=tmp_path / "stderr.log",
+    )
+    try:
+        evs = events(post_raw(base, {"model": "cadence", "messages": USER, "stream": True}).content)
+        deltas = [e["choices"][0]["delta"].get("content") for e in evs[:-1]]
+        assert [len(d) for d in deltas if d] == [1000] * 5
+        assert "".join(d or "" for d in deltas) == cadence_text(5, 1000)
+        assert cadence_text(5, 1000).startswith("lorem lorem ")
+        whole = post_raw(base, {"model": "cadence", "messages": USER}).json()
+        assert whole["choices"][0]["message"]["content"] == cadence_text(5, 1000)
+        assert whole["usage"]["completion_tokens"] == 5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_cli_flags_and_quick_stop_with_open_stream(tmp_path):
     proc, base = start(
         "--scenario",

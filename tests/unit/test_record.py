@@ -179,3 +179,19 @@ async def test_every_entra_id_token_is_registered_as_a_secret():
 
     token = await entra_token_provider(Credential())()
     assert redact(f"Bearer {token}") == "Bearer [redacted]"
+
+
+def test_text_parts_keep_the_text_and_join_short_pieces_as_they_come():
+    from chatstream.record import JOIN_EVERY, SHARED_CHARS, TextParts
+
+    pieces = [f"w{i} " for i in range(10 * JOIN_EVERY + 7)]
+    long = "x" * SHARED_CHARS
+    parts = TextParts()
+    for i, piece in enumerate(pieces):
+        parts.append(piece)
+        if i == 100:
+            parts.append(long)
+    assert "".join(parts) == "".join(pieces[:101]) + long + "".join(pieces[101:])
+    assert len(parts) < 12 + JOIN_EVERY  # one per run of JOIN_EVERY short pieces, and the last run
+    assert any(p is long for p in parts)  # a long delta is kept as it came, not copied
+    assert "".join(TextParts(["a", "b"])) == "ab"

@@ -1,5 +1,5 @@
 """python -m tools.fakeupstream [--port 0] [--scenario echo] [--first-token-ms 100 --interval-ms 20 --deltas 40]
-[--no-responses]"""
+[--delta-chars 0] [--no-responses]"""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-token-ms", type=float, default=100, help="cadence: first content delta after")
     p.add_argument("--interval-ms", type=float, default=20, help="cadence: between deltas")
     p.add_argument("--deltas", type=int, default=40, help="cadence: number of content deltas")
+    p.add_argument("--delta-chars", type=int, default=0, help="cadence: each delta this many characters (0: words)")
     p.add_argument("--max-records", type=int, default=10_000, help="requests/streams kept for /_scripted/")
     p.add_argument(
         "--no-responses",
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = create_app(
         args.scenario,
-        Cadence(args.first_token_ms, args.interval_ms, args.deltas),
+        Cadence(args.first_token_ms, args.interval_ms, args.deltas, args.delta_chars),
         args.max_records,
         responses=not args.no_responses,
     )

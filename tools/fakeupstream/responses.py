@@ -195,7 +195,7 @@ def responses_scenarios_with(cadence: Cadence) -> dict[str, ResponsesScenario]:
     out = dict(RESPONSES_SCENARIOS)
     out["cadence"] = replace(
         out["cadence"],
-        deltas=sc.cadence_deltas(cadence.deltas),
+        deltas=sc.cadence_deltas(cadence.deltas, cadence.delta_chars),
         first_s=cadence.first_token_ms / 1000,
         interval_s=cadence.interval_ms / 1000,
     )

@@ -104,12 +104,14 @@ def word_deltas(text: str) -> tuple[str, ...]:
     return tuple(re.findall(r"\s*\S+\s*|\s+", text))
 
 
-def cadence_deltas(count: int) -> tuple[str, ...]:
-    return tuple(CADENCE_WORDS[i % len(CADENCE_WORDS)] for i in range(count))
+def cadence_deltas(count: int, chars: int = 0) -> tuple[str, ...]:
+    """``count`` short words; with ``chars``, each one repeated and cut to exactly that many characters."""
+    words = CADENCE_WORDS if not chars else tuple((w * (chars // len(w) + 1))[:chars] for w in CADENCE_WORDS)
+    return tuple(words[i % len(words)] for i in range(count))
 
 
-def cadence_text(count: int = 40) -> str:
-    return "".join(cadence_deltas(count))
+def cadence_text(count: int = 40, chars: int = 0) -> str:
+    return "".join(cadence_deltas(count, chars))
 
 
 def choice_text(text: str, index: int) -> str:
@@ -344,13 +346,14 @@ class Cadence:
     first_token_ms: float = 100
     interval_ms: float = 20
     deltas: int = 40
+    delta_chars: int = 0  # 0: the words as they are; else each delta this long (big answers)
 
 
 def scenarios_with(cadence: Cadence) -> dict[str, Scenario]:
     out = dict(SCENARIOS)
     out["cadence"] = replace(
         SCENARIOS["cadence"],
-        deltas=cadence_deltas(cadence.deltas),
+        deltas=cadence_deltas(cadence.deltas, cadence.delta_chars),
         first_s=cadence.first_token_ms / 1000,
         interval_s=cadence.interval_ms / 1000,
     )

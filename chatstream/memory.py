@@ -1,0 +1,83 @@
+"""Big answers' memory goes back to the operating system once they are over.
+
+A non-streamed answer of a few MB, or a long stream, is many allocations that Python hands back to
+the C allocator when the answer ends (or when its caller hangs up), but glibc's ``malloc`` keeps
+most of the freed memory in the process: it gives back only a free stretch at the top of its heap,
+and the pieces of a big answer are spread between objects that live on. Measured through the local
+host: eight callers who hung up on 4.9 MB answers left the worker 14 MB (non-streamed) to 34 MB
+(streamed) bigger for good; ``malloc_trim`` gives it back.
+
+``released(nbytes)`` is told by the responses (``http.py``) how much an answer that just ended
+wrote; once answers since the last trim add up to ``TRIM_AFTER_BYTES``, ``malloc_trim(0)`` runs
+``TRIM_DELAY_SECONDS`` later (long enough for the request's objects to be gone; the answers that
+end meanwhile share it). Small answers alone trigger it rarely (one per ~4 MB written). Where the C
+library has no ``malloc_trim`` (musl, macOS) nothing is done."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("chatstream")
+
+TRIM_AFTER_BYTES = 4 * 1024 * 1024
+TRIM_DELAY_SECONDS = 0.5
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """The C library's ``malloc_trim``, or None where it has none."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+class Trimmer:
+    """Counts what answers wrote and trims the C heap after enough of it (one per process)."""
+
+    def __init__(
+        self, trim: Callable[[int], int] | None, after: int = TRIM_AFTER_BYTES, delay: float = TRIM_DELAY_SECONDS
+    ):
+        self._trim = trim
+        self.after = after
+        self.delay = delay
+        self.pending = 0  # bytes written by answers that ended since the last trim
+        self.trims = 0
+        self._scheduled: asyncio.TimerHandle | None = None
+
+    def released(self, nbytes: int) -> None:
+        if self._trim is None:
+            return
+        self.pending += nbytes
+        if self.pending < self.after or self._scheduled is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (a test's direct call): at once
+            self.trim()
+            return
+        self._scheduled = loop.call_later(self.delay, self.trim)
+
+    def trim(self) -> None:
+        self._scheduled = None
+        self.pending = 0
+        if self._trim is None:
+            return
+        started = time.perf_counter()
+        self._trim(0)
+        self.trims += 1
+        log.debug("malloc_trim took %.1f ms", (time.perf_counter() - started) * 1000)
+
+
+_trimmer = Trimmer(_malloc_trim())
+
+
+def released(nbytes: int) -> None:
+    """An answer that wrote ``nbytes`` is over (written, or its caller gone)."""
+    _trimmer.released(nbytes)
