@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
+import signal
 
 import pytest
+from servers import Azurite
 from store_contract import CHECKS
 
-from chatstream.state.store import StorageConfig
+from chatstream.errors import StoreUnavailable
+from chatstream.state.store import LIMITS_TABLE, StorageConfig
 from chatstream.state.store_azure import AzureStore
 
 _prefix = itertools.count()
@@ -25,3 +30,32 @@ def test_the_contract(check, azurite):
             await store.close()
 
     asyncio.run(run())
+
+
+def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again_by_the_sdk():
+    """The store stopped (SIGSTOP) under a write conditioned on an ETag: the write times out
+    (unavailable: it may have landed) and the SDK does not resend it. Resent, the copy's 412 said
+    "someone else wrote" of our own landed write, and a counter exchange gave back twice what it held
+    (the frozen-store churn test, CI on 2026-12-03)."""
+    azurite = Azurite()
+
+    async def run() -> None:
+        store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        try:
+            etag = await store.insert(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 1})
+            loop = asyncio.get_running_loop()
+            os.kill(azurite.node_pid, signal.SIGSTOP)
+            loop.call_later(2.5, os.kill, azurite.node_pid, signal.SIGCONT)  # past the SDK's 1.5 s read timeout
+            with pytest.raises(StoreUnavailable):
+                await store.replace(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 2}, etag=etag, timeout=8)
+            await asyncio.sleep(2.5)
+            row = await store.get(LIMITS_TABLE, "p", "r")
+            assert row is not None and row["n"] == 2  # it landed once the store went on
+        finally:
+            os.kill(azurite.node_pid, signal.SIGCONT)
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        azurite.stop()

@@ -69,6 +69,12 @@ _CLIENT_OPTIONS: dict[str, Any] = {
     # here); a Function App reaches its storage account directly.
     "use_env_settings": False,
 }
+# A conditional write (an insert, a write under an ETag or an append position, a transaction) is
+# sent once: the SDK's retry after a timeout resends a request whose first try may have landed, and
+# the retry's 409/412 would then say "someone else wrote" of our own write (a counter exchange read
+# that way gave back capacity it had already given back). The caller decides after a timeout, by
+# reading (counters.py, journal.py); unconditional writes and reads keep the one retry.
+_ONCE: dict[str, Any] = {"retry_total": 0}
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 
@@ -305,7 +311,7 @@ class AzureStore:
         self._count("insert")
         async with _mapped(timeout, "insert", self.clock):
             client = await self._table(table)
-            answer = await client.create_entity(values)
+            answer = await client.create_entity(values, **_ONCE)
         return answer["etag"]
 
     async def replace(
@@ -325,7 +331,7 @@ class AzureStore:
         self._count("replace" if mode == UpdateMode.REPLACE else "merge")
         async with _mapped(timeout, "update", self.clock):
             client = await self._table(table)
-            answer = await client.update_entity(values, mode=mode, **_condition(etag))
+            answer = await client.update_entity(values, mode=mode, **_condition(etag), **(_ONCE if etag else {}))
         return answer["etag"]
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
@@ -344,7 +350,9 @@ class AzureStore:
         self._count("delete")
         async with _mapped(timeout, "delete", self.clock):
             client = await self._table(table)
-            await client.delete_entity(partition, row, **_condition(etag))  # quiet on a missing row
+            await client.delete_entity(
+                partition, row, **_condition(etag), **(_ONCE if etag else {})
+            )  # quiet on a missing row
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         query, parameters = _odata(where)
@@ -382,7 +390,7 @@ class AzureStore:
         self._count("batch")
         async with _mapped(timeout, "batch", self.clock):
             client = await self._table(table)
-            answers = await client.submit_transaction(operations)
+            answers = await client.submit_transaction(operations, **_ONCE)
         return [answer.get("etag") for answer in answers]
 
     # --- blobs --------------------------------------------------------------------------------
@@ -393,7 +401,9 @@ class AzureStore:
             async with _mapped(timeout, "append_create", self.clock):
                 container = await self._container()
                 # If-None-Match: a create that timed out here and lands late must not empty the blob.
-                await container.get_blob_client(name).create_append_blob(match_condition=MatchConditions.IfMissing)
+                await container.get_blob_client(name).create_append_blob(
+                    match_condition=MatchConditions.IfMissing, **_ONCE
+                )
         except Modified:
             raise AlreadyExists("the blob exists") from None
 
@@ -401,7 +411,7 @@ class AzureStore:
         self._count("append")
         async with _mapped(timeout, "append", self.clock):
             container = await self._container()
-            answer = await container.get_blob_client(name).append_block(data, appendpos_condition=at)
+            answer = await container.get_blob_client(name).append_block(data, appendpos_condition=at, **_ONCE)
         del answer  # the append position condition held: the blob is now this long
         return at + len(data)
 
@@ -450,7 +460,7 @@ class AzureStore:
             async with _mapped(timeout, "put", self.clock):
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
-                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
+                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition, **(_ONCE if condition else {})
                 )
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None
