@@ -14,7 +14,8 @@ is served from it without a store call; when it is short, the reservation waits 
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
 (a reservation settled below what it reserved, a request released) goes back to the store by the
-same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``
+same flight; a lone request takes one more request's worth for the next one (a budget's: two, as its charges
+enter the row only once their ledger rows are written), kept ``HOLD_SECONDS``
 from the last request it served (whose spending is taken again after that request, in the
 background: requests at a steady pace need no exchange before their upstream call), so far as the
 idle capacity of every instance together (each entry says what it keeps idle) stays under
@@ -460,7 +461,10 @@ class Lease:
                 keep = max(keep, min(self.hold_share, self._hold_room(holds, room), room))
             extra = 0
             if len(waiters) == 1 and chosen:  # a lone request: one more for the next
-                extra = max(0, min(chosen[0].need, self._hold_room(holds, room - total), room - total))
+                # A budget's charge enters the row (and fills the hold again) only once its ledger row
+                # is written: two requests' worth, so the next one need not wait for that.
+                ahead = chosen[0].need * (1 if self.period == "minute" else 2)
+                extra = max(0, min(ahead, self._hold_room(holds, room - total), room - total))
                 self.hold_share = extra
                 keep = max(keep, extra)
             delta = total + keep - self.balance

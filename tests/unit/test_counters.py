@@ -112,7 +112,7 @@ async def test_a_budget_at_a_steady_pace_needs_no_store_call_before_each_request
 async def test_a_budget_nearly_spent_keeps_at_most_a_tenth_of_what_is_left_idle():
     data = MemoryData()
     c = counters(data, "a")
-    got = await c.reserve([want("spend", 1000, 100, period="total")])  # 900 left after it: 90 may stay idle
+    got = await c.reserve([want("spend", 1000, 100, period="total")])  # 900 left: 90 may stay idle, not 200
     assert isinstance(got, Reservation)
     entry = parse_holds(row(data, "c|1", "spend")["holds"])["a"]
     assert entry.held == 100 + 90 and entry.idle == 90

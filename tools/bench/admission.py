@@ -220,6 +220,9 @@ def report(records: list[dict], log: Log) -> dict:
                 arrival_to_admitted_ms_p90=round(admits[int(0.9 * (n - 1))], 2),
             )
         result[path] = row
+    keyed = sum(1 for r in records if r["path"] != "app")
+    background = [w for _, _, w in calls if "Instances." not in w and "serve)" not in w]
+    result["keyed_store_calls_per_request_all"] = round(len(background) / max(1, keyed), 2)  # before and after
     durations: dict[str, list[float]] = {}
     for s, e, w in calls:
         durations.setdefault(w, []).append((e - s) * 1000)
