@@ -14,15 +14,11 @@ is served from it without a store call; when it is short, the reservation waits 
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
 (a reservation settled below what it reserved, a request released) goes back to the store by the
-same flight; a lone request takes one more request's worth for the next one (a budget's: two, as its charges
-enter the row only once their ledger rows are written), kept ``HOLD_SECONDS``
+same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``
 from the last request it served (whose spending is taken again after that request, in the
 background: requests at a steady pace need no exchange before their upstream call), so far as the
 idle capacity of every instance together (each entry says what it keeps idle) stays under
-``HOLD_SHARE`` of the limit, however many instances there are (a budget's, under ``HOLD_SHARE`` of
-what is left of it too: a request elsewhere is refused for capacity idle here only when it needs
-nearly all that is left, and for ``HOLD_SECONDS`` at most). A budget's hold is in this instance's
-entry like any capacity it holds: the journal lists the counter first, and a takeover gives it back.
+``HOLD_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
@@ -455,16 +451,18 @@ class Lease:
             holding = asyncio.get_running_loop().time() < self.hold_until
             # While holding, at most this instance's share stays idle here (what came back beyond it goes).
             keep = min(self.balance, self.hold_share) if holding and not waiters else 0
-            if holding and not waiters and (top_up or self.period != "minute"):
-                # The hold back to its size (a budget's with the write that applies its last charge),
-                # so far as the limit allows: the next request at this pace needs no exchange.
-                keep = max(keep, min(self.hold_share, self._hold_room(holds, room), room))
+            if top_up and holding and not waiters:
+                # The hold back to its size, so far as the limit and the other instances' idle shares
+                # allow (HOLD_SHARE): the next request at this pace needs no exchange.
+                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
+                share = max(0, int(self.limit * HOLD_SHARE) - others)
+                keep = max(keep, min(self.hold_share, share, room))
             extra = 0
-            if len(waiters) == 1 and chosen:  # a lone request: one more for the next
-                # A budget's charge enters the row (and fills the hold again) only once its ledger row
-                # is written: two requests' worth, so the next one need not wait for that.
-                ahead = chosen[0].need * (1 if self.period == "minute" else 2)
-                extra = max(0, min(ahead, self._hold_room(holds, room - total), room - total))
+            if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
+                # What all the instances keep idle together stays under HOLD_SHARE of the limit.
+                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
+                share = max(0, int(self.limit * HOLD_SHARE) - others)
+                extra = max(0, min(chosen[0].need, share, room - total))
                 self.hold_share = extra
                 keep = max(keep, extra)
             delta = total + keep - self.balance
@@ -512,14 +510,6 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _hold_room(self, holds: Mapping[str, Entry], left: int) -> int:
-        """What this instance may keep idle: what all the instances keep idle together stays under
-        ``HOLD_SHARE`` of the limit; a budget's, under ``HOLD_SHARE`` of what is ``left`` of it too
-        (a request elsewhere is refused for what sits idle here only when it is nearly all that is left)."""
-        others = sum(e.idle for name, e in holds.items() if name != self.counters.instance)
-        share = max(0, int(self.limit * HOLD_SHARE) - others)
-        return share if self.period == "minute" else min(share, int(max(0, left) * HOLD_SHARE))
-
     async def _write(self, written: _Written, same: bool) -> None:
         counters = self.counters
         counters.writes += 1
@@ -538,11 +528,8 @@ class Lease:
         """The write is in the row: the books follow it, the chosen waiters are served."""
         if written.window != self.window:
             return
-        was_held = self.held
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
         self.balance += written.keep
-        if was_held and not self.held and self.period != "minute" and self.counters.on_applied is not None:
-            self.counters.on_applied()  # a budget this instance holds nothing of now: the journal may say so
         for seq, _ in written.applied:
             if self.staged and self.staged[0].seq == seq:
                 self.staged.popleft()

@@ -92,35 +92,6 @@ async def test_requests_at_a_steady_pace_are_served_from_the_hold_without_a_stor
     assert row(data, "c|1", "tpm")["taken"] == 6 * 60  # exactly what was spent, once the hold is given back
 
 
-async def test_a_budget_at_a_steady_pace_needs_no_store_call_before_each_request_and_stays_exact():
-    data = MemoryData()
-    c = counters(data, "a")
-    before = []
-    for _ in range(6):  # a spend budget: each charge enters the row once confirmed (its ledger row written)
-        calls = sum(data.calls.values())
-        got = await c.reserve([want("spend", 1_000_000, 100, period="total")])
-        assert isinstance(got, Reservation)
-        before.append(sum(data.calls.values()) - calls)
-        got.settle({("c|1", "spend"): 60}).confirm()
-        await asyncio.sleep(0.05)  # the charge goes in, and the hold is filled again, with one write
-    assert before[0] > 0 and before[1:] == [0] * 5
-    assert await c.flush(3)
-    found = row(data, "c|1", "spend")
-    assert found["taken"] == 6 * 60 and not parse_holds(found.get("holds"))
-
-
-async def test_a_budget_nearly_spent_keeps_at_most_a_tenth_of_what_is_left_idle():
-    data = MemoryData()
-    c = counters(data, "a")
-    got = await c.reserve([want("spend", 1000, 100, period="total")])  # 900 left: 90 may stay idle, not 200
-    assert isinstance(got, Reservation)
-    entry = parse_holds(row(data, "c|1", "spend")["holds"])["a"]
-    assert entry.held == 100 + 90 and entry.idle == 90
-    got.release()
-    assert await c.flush(3)
-    assert row(data, "c|1", "spend")["taken"] == 0
-
-
 async def test_all_or_nothing_a_refusal_by_the_team_gives_back_what_the_caller_reserved():
     data = MemoryData()
     c = counters(data, "a")
