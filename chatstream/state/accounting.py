@@ -185,14 +185,14 @@ class Accounting:
         reserved (module docstring). The output cap is added to ``call.params`` when the request
         named none."""
         model = call.params["model"]
-        team = await self.registry.team_of(caller)
-        if isinstance(team, Unavailable):
-            return team
         if not caller.allows(model):
             return ModelRefused(model)
+        # The team and the price at once (each a store read only when its cached answer ran out).
+        team, price = await asyncio.gather(self.registry.team_of(caller), self.registry.price(model))
+        if isinstance(team, Unavailable):
+            return team
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
-        price = await self.registry.price(model)
         if isinstance(price, Unavailable):
             return price
         if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):

@@ -14,9 +14,11 @@ is served from it without a store call; when it is short, the reservation waits 
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
 (a reservation settled below what it reserved, a request released) goes back to the store by the
-same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``,
-so far as the idle capacity of every instance together (each entry says what it keeps idle) stays
-under ``HOLD_SHARE`` of the limit, however many instances there are.
+same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``
+from the last request it served (whose spending is taken again after that request, in the
+background: requests at a steady pace need no exchange before their upstream call), so far as the
+idle capacity of every instance together (each entry says what it keeps idle) stays under
+``HOLD_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
@@ -57,7 +59,7 @@ log = logging.getLogger("chatstream")
 
 WINDOW_SECONDS = 60
 MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
-HOLD_SECONDS = 1.0
+HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
 HOLD_SHARE = 0.1
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
 SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
@@ -186,6 +188,7 @@ class Lease:
         self.hold_until = 0.0
         self.hold_share = 0  # what this instance may keep idle while it holds (its share of HOLD_SHARE)
         self.hold_timer: asyncio.TimerHandle | None = None
+        self.top_up = False  # a request served from the hold settled: fill the hold again (in the background)
         self.uncertain: _Written | None = None
         # The row as this instance last read or wrote it.
         self.known = False
@@ -220,6 +223,8 @@ class Lease:
         if not self.waiters and self.uncertain is None and self.balance >= need:
             self.balance -= need
             self.reserved += need
+            if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
+                self._hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
             assert self.window is not None
             return self.window, self.generation
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
@@ -256,6 +261,8 @@ class Lease:
             # A minute window is never taken over (it ends by itself): what was spent leaves the books
             # here, without a write; only a surplus goes to the row (as an applied charge).
             self.held -= used
+            if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
+                self.top_up = True  # what it spent of the hold is taken again, after the request
             if not over:
                 self.kick()
                 return None
@@ -330,6 +337,7 @@ class Lease:
         holding = asyncio.get_running_loop().time() < self.hold_until
         return (
             self.uncertain is not None
+            or (self.top_up and holding)
             or bool(self._pending())
             or self.debt > 0
             or bool(self._applicable())
@@ -412,6 +420,7 @@ class Lease:
             if self.uncertain is not None:
                 return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
+        top_up, self.top_up = self.top_up, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
@@ -442,6 +451,12 @@ class Lease:
             holding = asyncio.get_running_loop().time() < self.hold_until
             # While holding, at most this instance's share stays idle here (what came back beyond it goes).
             keep = min(self.balance, self.hold_share) if holding and not waiters else 0
+            if top_up and holding and not waiters:
+                # The hold back to its size, so far as the limit and the other instances' idle shares
+                # allow (HOLD_SHARE): the next request at this pace needs no exchange.
+                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
+                share = max(0, int(self.limit * HOLD_SHARE) - others)
+                keep = max(keep, min(self.hold_share, share, room))
             extra = 0
             if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
                 # What all the instances keep idle together stays under HOLD_SHARE of the limit.

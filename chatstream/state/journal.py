@@ -46,6 +46,10 @@ from .store import NEW, Store
 log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
+# A budget counter stays listed this long after this instance last needed it: the next request of
+# the caller (or team) holds it again without a journal write first (note_counter). Listed without
+# holding costs a takeover one read of its row, nothing else.
+LISTED_SECONDS = 60.0
 
 
 def journal_name(instance: str) -> str:
@@ -139,6 +143,8 @@ class Journal:
         self.entries: dict[str, JournalEntry] = {}
         self.counters: Counters | None = None  # set once both exist (shared.py)
         self._noted: set[str] = set()  # budget counters in the last written journal
+        self._needed_at: dict[str, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
+        self._lapse: asyncio.TimerHandle | None = None
         self._noting: dict[str, asyncio.Future] = {}
         self._etag: str | None = None
         self._name: str | None = None
@@ -242,7 +248,8 @@ class Journal:
         counters = self.counters
         held = {f"{p}/{r}" for p, r, _ in counters.held_budgets()} if counters is not None else set()
         noting = dict(self._noting)
-        listed = sorted(held | set(noting) | {k for e in self.entries.values() for k in e.needs})
+        needed = held | set(noting) | {k for e in self.entries.values() for k in e.needs}
+        listed = sorted(self._listing(needed))
         if not self.entries and not listed:
             if self._etag is not None:
                 with contextlib.suppress(StoreError):
@@ -282,6 +289,26 @@ class Journal:
             entry.journaled = True
             self._to_ledger(entry)
 
+    def _listing(self, needed: set[str]) -> set[str]:
+        """The counters to list: those needed now, and those needed within ``LISTED_SECONDS`` (a
+        timer writes the journal again when the last of them lapses)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for key in needed:
+            self._needed_at[key] = now
+        for key in [k for k, at in self._needed_at.items() if now - at >= LISTED_SECONDS]:
+            del self._needed_at[key]
+        kept = set(self._needed_at) - needed
+        if kept and not self.entries and self._lapse is None and not self._closed:
+            lapse = min(self._needed_at[k] for k in kept) + LISTED_SECONDS - now
+
+            def lapsed() -> None:
+                self._lapse = None
+                self.changed()
+
+            self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
+        return needed | kept
+
     def _release(self, noting: dict[str, asyncio.Future]) -> None:
         for name, future in noting.items():
             if self._noting.get(name) is future:
@@ -320,6 +347,7 @@ class Journal:
                 del self.entries[key]
         self._etag = None
         self._noted = set()
+        self._needed_at.clear()
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
@@ -337,6 +365,9 @@ class Journal:
         """Stop the writer (the write in flight ends first) and write once more what is left: after a
         flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
+        self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
+        if self._lapse is not None:
+            self._lapse.cancel()
         if self._writer is not None:
             if not self._writer.done():
                 await self._quiet.wait()  # a store call: bounded

@@ -3,7 +3,8 @@ creates, lists, reads, changes and deletes them (manage.py); the request path as
 for every caller key, ``team`` for its team and ``price`` for its model, each answer cached per
 instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
 every instance within that time, exactly, and cost a store read only once per key, team or model,
-instance and period.
+instance and period (in the last ``AHEAD`` of it, a request that uses the answer has it read again in
+the background: a key, team or model in steady use is never read on a request's path).
 
 Table ``chatstreamCallers``:
 
@@ -59,6 +60,7 @@ log = logging.getLogger("chatstream")
 T = TypeVar("T")
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
+AHEAD = 0.2  # of an answer's time: in its last part, a request that uses it has it read again, in the background
 MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
 ADMIN_TIMEOUT = 10.0  # an admin call is not on a request's path: it may wait for a busy store
 LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at most
@@ -145,12 +147,29 @@ class _Cache:
     async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         found, value = self.fresh(key)
         if found:
+            self.ahead(key, read)
             return value
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
             pending.add_done_callback(lambda _: self._pending.pop(key, None))
         return await asyncio.shield(pending)
+
+    def ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
+        """An answer in the last ``AHEAD`` of its time is read again in the background, so that a key
+        (team, model) in steady use is never read on a request's path; the answer in use is still at
+        most ``seconds`` old (from when it was asked for)."""
+        kept = self._kept.get(key)
+        if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
+            return
+        pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
+
+        def done(future: asyncio.Future) -> None:
+            self._pending.pop(key, None)
+            if not future.cancelled() and future.exception() is not None:  # the next request reads it
+                log.warning("caller store: a cached answer could not be read again ahead: %s", future.exception())
+
+        pending.add_done_callback(done)
 
     async def _read(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         asked = self.clock()  # kept from when it was asked for: a change after that takes effect
@@ -196,7 +215,9 @@ class Registry:
             return KeyRefused()  # not one of ours: no store read, nothing cached
         key_hash = hash_key(key)
         known, caller = self.keys.fresh(key_hash)
-        if not known:
+        if known:
+            self.keys.ahead(key_hash, lambda: self._read_key(key_hash))
+        else:
             # Only a key nobody is reading now and no read found counts against the bucket: a known
             # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
             if not self.keys.known(key_hash) and not self._may_look_up():

@@ -82,6 +82,22 @@ async def test_settled_below_the_reservation_gives_back_and_a_lone_request_needs
     assert row(data, "c|1", "tpm")["taken"] == 30
 
 
+async def test_requests_at_a_steady_pace_are_served_from_the_hold_without_a_store_call_before_them():
+    data = MemoryData()
+    c = counters(data, "a")
+    before = []
+    for _ in range(6):  # one at a time, each settled before the next (a caller's sequential requests)
+        calls = sum(data.calls.values())
+        got = await c.reserve([want("tpm", 100_000, 100)])
+        assert isinstance(got, Reservation)
+        before.append(sum(data.calls.values()) - calls)
+        got.settle({("c|1", "tpm"): 60})
+        await asyncio.sleep(0.05)  # the hold is filled again after the request
+    assert before[0] > 0 and before[1:] == [0] * 5
+    assert await c.flush(3)
+    assert row(data, "c|1", "tpm")["taken"] == 6 * 60  # exactly what was spent, once the hold is given back
+
+
 async def test_all_or_nothing_a_refusal_by_the_team_gives_back_what_the_caller_reserved():
     data = MemoryData()
     c = counters(data, "a")

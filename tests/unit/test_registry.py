@@ -138,6 +138,26 @@ async def test_key_checks_are_cached_for_cache_seconds_negative_answers_too_and_
     assert reg.store_reads == 4
 
 
+async def test_a_key_in_steady_use_is_read_again_ahead_in_the_background_never_on_the_path():
+    data = MemoryData()
+    clock = Clock()
+    reg = registry(data, 10.0, clock)
+    _, key = await reg.create({"name": "a"})
+    assert isinstance(await reg.authenticate(key), Caller)
+    assert reg.store_reads == 1
+    for _ in range(5):  # a request every 3 s for 15 s: each answer from the cache
+        clock.now += 3
+        found = reg.keys.fresh(hash_key(key))
+        assert found[0], "fresh when the request comes: no read on its path"
+        assert isinstance(await reg.authenticate(key), Caller)
+        await asyncio.sleep(0)  # the read ahead (in the last 2 s of an answer's 10) runs in the background
+        await asyncio.sleep(0)
+    assert reg.store_reads == 2  # once per period, as before: ahead of time
+    await reg.delete("a")
+    clock.now += 10.01  # a change still takes effect within cache_seconds
+    assert isinstance(await reg.authenticate(key), KeyRefused)
+
+
 @pytest.mark.parametrize("change", ["delete", "rotate"])
 async def test_a_revoked_or_rotated_key_stops_on_another_instance_within_the_cache_time(change):
     data = MemoryData()
