@@ -451,17 +451,15 @@ class Lease:
             holding = asyncio.get_running_loop().time() < self.hold_until
             # While holding, at most this instance's share stays idle here (what came back beyond it goes).
             keep = min(self.balance, self.hold_share) if holding and not waiters else 0
+            # What all the instances keep idle together stays under HOLD_SHARE of the limit.
+            others = sum(e.idle for name, e in holds.items() if name != counters.instance)
+            share = max(0, int(self.limit * HOLD_SHARE) - others)
             if top_up and holding and not waiters:
                 # The hold back to its size, so far as the limit and the other instances' idle shares
-                # allow (HOLD_SHARE): the next request at this pace needs no exchange.
-                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
-                share = max(0, int(self.limit * HOLD_SHARE) - others)
+                # allow: the next request at this pace needs no exchange.
                 keep = max(keep, min(self.hold_share, share, room))
             extra = 0
             if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
-                # What all the instances keep idle together stays under HOLD_SHARE of the limit.
-                others = sum(e.idle for name, e in holds.items() if name != counters.instance)
-                share = max(0, int(self.limit * HOLD_SHARE) - others)
                 extra = max(0, min(chosen[0].need, share, room - total))
                 self.hold_share = extra
                 keep = max(keep, extra)
