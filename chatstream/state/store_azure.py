@@ -164,6 +164,11 @@ def _condition(etag: str | None) -> dict[str, Any]:
     return {"etag": etag, "match_condition": MatchConditions.IfNotModified}
 
 
+def _sent_once_if(etag: str | None) -> dict[str, Any]:
+    """``_condition``, and a write under an ETag sent once (``_ONCE``)."""
+    return _condition(etag) if etag is None else {**_condition(etag), **_ONCE}
+
+
 def _odata(where: Where) -> tuple[str, dict[str, Any]]:
     parts: list[str] = []
     parameters: dict[str, Any] = {}
@@ -331,7 +336,7 @@ class AzureStore:
         self._count("replace" if mode == UpdateMode.REPLACE else "merge")
         async with _mapped(timeout, "update", self.clock):
             client = await self._table(table)
-            answer = await client.update_entity(values, mode=mode, **_condition(etag), **(_ONCE if etag else {}))
+            answer = await client.update_entity(values, mode=mode, **_sent_once_if(etag))
         return answer["etag"]
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
@@ -350,9 +355,7 @@ class AzureStore:
         self._count("delete")
         async with _mapped(timeout, "delete", self.clock):
             client = await self._table(table)
-            await client.delete_entity(
-                partition, row, **_condition(etag), **(_ONCE if etag else {})
-            )  # quiet on a missing row
+            await client.delete_entity(partition, row, **_sent_once_if(etag))  # quiet on a missing row
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         query, parameters = _odata(where)
@@ -451,16 +454,16 @@ class AzureStore:
     async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
         self._count("put")
         if etag == NEW:
-            condition: dict[str, Any] = {"match_condition": MatchConditions.IfMissing}
+            condition: dict[str, Any] = {"match_condition": MatchConditions.IfMissing, **_ONCE}
         elif etag is not None:
-            condition = {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+            condition = {"etag": etag, "match_condition": MatchConditions.IfNotModified, **_ONCE}
         else:
             condition = {}
         try:
             async with _mapped(timeout, "put", self.clock):
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
-                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition, **(_ONCE if condition else {})
+                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
                 )
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None
