@@ -216,10 +216,7 @@ class CompletionStream:
         delta = choice.get("delta") or {}
         reason = choice.get("finish_reason")
         if self.generated is not None:
-            kept = self.generated.get(index)
-            if kept is None:
-                kept = self.generated[index] = TextParts()
-            kept.append(_generated(delta))
+            _kept(self.generated, index).append(_generated(delta))
         if self._make_filter is not None:
             filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
             if (
@@ -231,10 +228,7 @@ class CompletionStream:
                 return None  # everything was held back: nothing to send for this choice
             delta = filtered
         if self.released is not None and delta.get("content"):
-            kept = self.released.get(index)
-            if kept is None:
-                kept = self.released[index] = TextParts()
-            kept.append(delta["content"])
+            _kept(self.released, index).append(delta["content"])
         if reason:
             self.finished[index] = reason
         return {**choice, "delta": delta}
@@ -247,6 +241,14 @@ class CompletionStream:
 
     def summary(self) -> Done:
         return Done(self.finished.get(0), dict(self.finished), self.usage, self.model, self.id, self.created)
+
+
+def _kept(texts: dict[int, list[str]], index: int) -> list[str]:
+    """Choice ``index``'s kept text (a TextParts, made on its first delta)."""
+    kept = texts.get(index)
+    if kept is None:
+        kept = texts[index] = TextParts()
+    return kept
 
 
 def _generated(delta: dict) -> str:
