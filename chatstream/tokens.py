@@ -21,7 +21,7 @@ models ``openai/gpt-4o``), lower-cased, then
 An encoding's tables are built on its first use, once per process: o200k_base about 45 ms and 65 MB
 (half of it the wheel's pages, read once), cl100k_base 20 ms and 30 MB, so only the families in use
 cost memory. ``preload()`` builds o200k_base's at start-up, off the request path; a count after that
-is microseconds (figures in docs/callers.md).
+is microseconds (measured: 0.8 µs for 20 characters, 15 µs for 1,000).
 
 Chat prompts follow OpenAI's published formula (3 tokens per message, 1 more when it has a ``name``,
 3 to prime the reply; tools as in OpenAI's cookbook); the Responses API publishes none, so its
