@@ -20,11 +20,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiohttp
 from azure.core import MatchConditions
+from azure.core.credentials import AzureNamedKeyCredential
 from azure.core.exceptions import (
     AzureError,
     HttpResponseError,
@@ -34,7 +34,7 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import EdmType, EntityProperty, TableTransactionError, UpdateMode
 from azure.data.tables.aio import TableClient, TableServiceClient
-from azure.storage.blob import BlobType, ContainerSasPermissions, generate_container_sas
+from azure.storage.blob import BlobType
 from azure.storage.blob.aio import BlobServiceClient, ContainerClient
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
@@ -55,6 +55,7 @@ from .store import (
     http_date_seconds,
     with_index,
 )
+from .store_rest import NoRestAccess, Rest, status_error
 
 log = logging.getLogger("chatstream")
 # azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
@@ -75,8 +76,6 @@ _CLIENT_OPTIONS: dict[str, Any] = {
 # that way gave back capacity it had already given back). The caller decides after a timeout, by
 # reading (counters.py, journal.py); unconditional writes and reads keep the one retry.
 _ONCE: dict[str, Any] = {"retry_total": 0}
-SAS_LIFETIME = timedelta(hours=2)
-RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 
 
 @contextlib.asynccontextmanager
@@ -135,13 +134,7 @@ def _gone(exc: ResourceNotFoundError) -> str | None:
 
 
 def _status_error(status: int | None) -> StoreError:
-    if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
-        return NotFound("not found")
-    if status == 409:
-        return AlreadyExists("it exists")
-    if status == 412:
-        return Modified("a condition failed")
-    return StoreUnavailable(f"the store failed (HTTP {status})")
+    return status_error(status or 0)
 
 
 def _to_store(entity: Mapping[str, Any]) -> dict[str, Any]:
@@ -202,17 +195,24 @@ class AzureStore:
         self._tables: TableServiceClient | None = None
         self._blobs: BlobServiceClient | None = None
         self._ready: dict[str, asyncio.Future] = {}
-        self._reads: _BlobReads | None = None
-        self._sdk_reads = False  # no SAS with this identity: reads through the SDK
+        self._rest: Rest | None = None
+        self._sdk_only = False  # no REST access with these settings: everything through the SDK
 
     def describe(self) -> str:
         return self.config.describe()
 
+    def rest_off(self) -> None:
+        """Every call through the SDK from now on (tests and tools/bench/store_calls.py compare)."""
+        self._sdk_only = True
+
     # --- clients ------------------------------------------------------------------------------
 
     def _observe(self, response: Any) -> None:
+        """Every answer of the SDK: ``_observe_headers``."""
+        self._observe_headers(response.http_response.headers)
+
+    def _observe_headers(self, headers: Mapping[str, str]) -> None:
         """Every answer: the store's clock, from its Date header."""
-        headers = response.http_response.headers
         seconds = http_date_seconds(headers.get("Date"))
         if seconds is not None:
             self.clock.observe(seconds)
@@ -254,20 +254,54 @@ class AzureStore:
                 raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
         return self._blobs
 
+    def _cheap(self) -> Rest | None:
+        """The REST path (store_rest.py), or None when these settings allow only the SDK's."""
+        if self._sdk_only:
+            return None
+        if self._rest is None:
+            keyed = self.config.connection_string is not None  # an account key (or none at all: a SAS)
+            tables = self._table_service() if keyed or self.config.table_url else None
+            blobs = self._blob_service() if keyed or self.config.blob_url else None
+            table_key = tables.credential if keyed and tables is not None else None
+            blob_key = getattr(blobs.credential, "account_key", None) if keyed and blobs is not None else None
+            self._rest = Rest(
+                table_url=tables.url if tables is not None else None,
+                blob_url=blobs.url if blobs is not None else None,
+                container=STREAMS_CONTAINER,
+                blob_version=blobs.api_version if blobs is not None else "",
+                table_key=table_key if isinstance(table_key, AzureNamedKeyCredential) else None,
+                blob_key=(str(blobs.account_name), blob_key) if blobs is not None and blob_key else None,
+                identity=None if keyed else self._identity(),
+                observe=self._observe_headers,
+            )
+        return self._rest
+
+    def _no_rest(self, exc: NoRestAccess) -> None:
+        log.warning("shared state: the store is reached through the SDK only: %s", exc)
+        self._sdk_only = True
+
     async def _table(self, name: str) -> TableClient:
-        client = self._table_service().get_table_client(name)
+        await self._table_ready(name)
+        return self._table_service().get_table_client(name)
+
+    async def _table_ready(self, name: str) -> None:
         await self._once(f"table:{name}", lambda: self._table_service().create_table(name))
-        return client
 
     async def _container(self) -> ContainerClient:
-        client = self._blob_service().get_container_client(STREAMS_CONTAINER)
-        await self._once("container", client.create_container)
-        return client
+        await self._container_ready()
+        return self._blob_service().get_container_client(STREAMS_CONTAINER)
+
+    async def _container_ready(self) -> None:
+        await self._once(
+            "container", lambda: self._blob_service().get_container_client(STREAMS_CONTAINER).create_container()
+        )
 
     async def _once(self, key: str, create) -> None:
         """Create a table or the container once per process; concurrent first users wait for the
         one attempt. A failure is not remembered: the next use tries again."""
         ready = self._ready.get(key)
+        if ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None:
+            return
         if ready is None:
             ready = self._ready[key] = asyncio.ensure_future(self._create(create))
             ready.add_done_callback(lambda f: f.exception() and self._ready.pop(key, None))
@@ -304,6 +338,12 @@ class AzureStore:
         self._count("get")
         try:
             async with _mapped(timeout, "get", self.clock):
+                await self._table_ready(table)
+                if (rest := self._cheap()) is not None:
+                    try:
+                        return await rest.get(table, partition, row, select)
+                    except NoRestAccess as exc:
+                        self._no_rest(exc)
                 client = await self._table(table)
                 keys = ["PartitionKey", "RowKey"]
                 found = await client.get_entity(partition, row, select=[*keys, *select] if select else None)
@@ -312,11 +352,17 @@ class AzureStore:
         return _from_store(found)
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = _to_store(entity)
+        values = clean(entity)
         self._count("insert")
         async with _mapped(timeout, "insert", self.clock):
+            await self._table_ready(table)
+            if (rest := self._cheap()) is not None:
+                try:
+                    return await rest.insert(table, values)
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             client = await self._table(table)
-            answer = await client.create_entity(values, **_ONCE)
+            answer = await client.create_entity(_to_store(values), **_ONCE)
         return answer["etag"]
 
     async def replace(
@@ -332,19 +378,31 @@ class AzureStore:
     async def _update(
         self, table: str, entity: Mapping[str, Any], etag: str | None, mode: UpdateMode, timeout: float
     ) -> str:
-        values = _to_store(entity)
+        values = clean(entity)
         self._count("replace" if mode == UpdateMode.REPLACE else "merge")
         async with _mapped(timeout, "update", self.clock):
+            await self._table_ready(table)
+            if (rest := self._cheap()) is not None:
+                try:
+                    return await rest.update(table, values, etag, merge=mode == UpdateMode.MERGE)
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             client = await self._table(table)
-            answer = await client.update_entity(values, mode=mode, **_sent_once_if(etag))
+            answer = await client.update_entity(_to_store(values), mode=mode, **_sent_once_if(etag))
         return answer["etag"]
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = _to_store(entity)
+        values = clean(entity)
         self._count("upsert")
         async with _mapped(timeout, "upsert", self.clock):
+            await self._table_ready(table)
+            if (rest := self._cheap()) is not None:
+                try:
+                    return await rest.upsert(table, values)
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             client = await self._table(table)
-            answer = await client.upsert_entity(values, mode=UpdateMode.REPLACE)
+            answer = await client.upsert_entity(_to_store(values), mode=UpdateMode.REPLACE)
         return answer["etag"]
 
     async def delete(
@@ -354,6 +412,12 @@ class AzureStore:
         check_key("RowKey", row)
         self._count("delete")
         async with _mapped(timeout, "delete", self.clock):
+            await self._table_ready(table)
+            if (rest := self._cheap()) is not None:
+                try:
+                    return await rest.delete(table, partition, row, etag)  # quiet on a missing row
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             client = await self._table(table)
             await client.delete_entity(partition, row, **_sent_once_if(etag))  # quiet on a missing row
 
@@ -402,6 +466,12 @@ class AzureStore:
         self._count("append_create")
         try:
             async with _mapped(timeout, "append_create", self.clock):
+                await self._container_ready()
+                if (rest := self._cheap()) is not None:
+                    try:
+                        return await rest.append_create(name)
+                    except NoRestAccess as exc:
+                        self._no_rest(exc)
                 container = await self._container()
                 # If-None-Match: a create that timed out here and lands late must not empty the blob.
                 await container.get_blob_client(name).create_append_blob(
@@ -413,34 +483,32 @@ class AzureStore:
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         self._count("append")
         async with _mapped(timeout, "append", self.clock):
+            await self._container_ready()
+            if (rest := self._cheap()) is not None:
+                try:
+                    await rest.append(name, data, at)
+                    return at + len(data)  # the append position condition held: the blob is now this long
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             container = await self._container()
-            answer = await container.get_blob_client(name).append_block(data, appendpos_condition=at, **_ONCE)
-        del answer  # the append position condition held: the blob is now this long
+            await container.get_blob_client(name).append_block(data, appendpos_condition=at, **_ONCE)
         return at + len(data)
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         self._count("read")
-        if not self._sdk_reads:
-            if self._reads is None:
-                container = await self._container_ready(timeout)
-                if self._reads is None:  # concurrent first reads: one reader (one session) for all
-                    self._reads = _BlobReads(self._blob_service(), container, timeout, self.clock)
-            try:
-                return await self._reads.read(name, offset, timeout)
-            except _NoSasAccess as exc:
-                log.warning("shared state: blobs are read through the SDK: %s", exc)
-                self._sdk_reads = True
         try:
             async with _mapped(timeout, "read", self.clock):
+                await self._container_ready()
+                if (rest := self._cheap()) is not None:
+                    try:
+                        return await rest.read(name, offset)
+                    except NoRestAccess as exc:
+                        self._no_rest(exc)
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob(offset=offset)
                 return await download.readall()
         except NotFound:  # no blob, or nothing past offset (Azure; Azurite answers empty)
             return b""
-
-    async def _container_ready(self, timeout: float) -> ContainerClient:
-        async with _mapped(timeout, "container", self.clock):
-            return await self._container()
 
     async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
         self._count("size")
@@ -455,12 +523,20 @@ class AzureStore:
         self._count("put")
         if etag == NEW:
             condition: dict[str, Any] = {"match_condition": MatchConditions.IfMissing, **_ONCE}
+            headers = {"If-None-Match": "*"}
         elif etag is not None:
             condition = {"etag": etag, "match_condition": MatchConditions.IfNotModified, **_ONCE}
+            headers = {"If-Match": etag}
         else:
-            condition = {}
+            condition = headers = {}
         try:
             async with _mapped(timeout, "put", self.clock):
+                await self._container_ready()
+                if (rest := self._cheap()) is not None:
+                    try:
+                        return await rest.put(name, data, headers)  # sent once under a condition
+                    except NoRestAccess as exc:
+                        self._no_rest(exc)
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
                     data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
@@ -473,6 +549,12 @@ class AzureStore:
         self._count("get_blob")
         try:
             async with _mapped(timeout, "get_blob", self.clock):
+                await self._container_ready()
+                if (rest := self._cheap()) is not None:
+                    try:
+                        return await rest.get_blob(name)
+                    except NoRestAccess as exc:
+                        self._no_rest(exc)
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob()
                 data = await download.readall()
@@ -488,93 +570,11 @@ class AzureStore:
                 await container.delete_blob(name)
 
     async def close(self) -> None:
-        if self._reads is not None:
-            await self._reads.close()
-            self._reads = None
+        if self._rest is not None:
+            await self._rest.close()
+            self._rest = None
         for client in (self._tables, self._blobs, self._credential):
             if client is not None:
                 await client.close()
         self._tables = self._blobs = self._credential = None
         self._ready.clear()
-
-
-class _NoSasAccess(StoreUnavailable):
-    """A SAS cannot be made with this identity (no role at the account that allows a user delegation
-    key): the cheap read path is not available, the SDK's is. Never leaves this module."""
-
-
-class _BlobReads:
-    """The bytes of a blob of the container from an offset, by a plain aiohttp GET with a read-only
-    container SAS (module docstring): b"" when it has none there or does not exist yet."""
-
-    def __init__(self, service: BlobServiceClient, container: ContainerClient, timeout: float, clock: StoreClock):
-        self.clock = clock
-        self._service = service
-        self._container = container
-        self._timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._sas: str | None = None
-        self._renew_at = datetime.min.replace(tzinfo=UTC)
-        self._renewing: asyncio.Lock | None = None
-
-    async def read(self, name: str, offset: int, timeout: float) -> bytes:
-        sas = await self._current_sas()
-        url = f"{self._container.url}/{name}?{sas}"
-        headers = {"x-ms-range": f"bytes={offset}-", "x-ms-version": self._service.api_version}
-        async with _mapped(timeout, "read", self.clock), self._open().get(url, headers=headers) as response:
-            if response.status in (200, 206):
-                return await response.read()
-            if response.status in (404, 416):  # not there yet; nothing past offset
-                return b""
-            if response.status == 403:
-                self._renew_at = datetime.min.replace(tzinfo=UTC)  # a SAS refused: make a new one
-            raise StoreUnavailable(f"the store failed (HTTP {response.status})")
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No connection cap (aiohttp's default of 100 would queue reads behind each other) and
-            # no proxy settings read per request (trust_env off), as the SDK's use_env_settings.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=self._timeout),
-            )
-        return self._session
-
-    async def _current_sas(self) -> str:
-        if self._sas is not None and datetime.now(UTC) < self._renew_at:
-            return self._sas
-        if self._renewing is None:
-            self._renewing = asyncio.Lock()
-        async with self._renewing:
-            now = datetime.now(UTC)
-            if self._sas is None or now >= self._renew_at:
-                self._sas = await self._make_sas(now)
-                self._renew_at = now + SAS_LIFETIME - RENEW_BEFORE
-        return self._sas
-
-    async def _make_sas(self, now: datetime) -> str:
-        start, expiry = now - timedelta(minutes=5), now + SAS_LIFETIME
-        permission = ContainerSasPermissions(read=True)
-        account, container = self._container.account_name, self._container.container_name
-        assert account is not None
-        key = getattr(self._service.credential, "account_key", None)
-        try:
-            if key is not None:
-                return generate_container_sas(
-                    account, container, account_key=key, permission=permission, start=start, expiry=expiry
-                )
-            delegation = await asyncio.wait_for(self._service.get_user_delegation_key(start, expiry), self._timeout)
-            return generate_container_sas(
-                account, container, user_delegation_key=delegation, permission=permission, start=start, expiry=expiry
-            )
-        except HttpResponseError as exc:
-            if exc.status_code == 403:  # the identity may not ask for a user delegation key
-                raise _NoSasAccess("no user delegation key for the stream container (HTTP 403)") from None
-            raise StoreUnavailable(f"no read access to the stream container (HTTP {exc.status_code})") from None
-        except Exception as exc:  # noqa: BLE001 - any failure to get a key: the store is unavailable to us
-            raise StoreUnavailable(f"no read access to the stream container ({type(exc).__name__})") from None
