@@ -18,12 +18,16 @@ from chatstream.state.store_azure import AzureStore
 _prefix = itertools.count()
 
 
+@pytest.mark.parametrize("path", ["rest", "sdk"])
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
-def test_the_contract(check, azurite):
+def test_the_contract(check, path, azurite):
+    """On the REST path of the hot calls (store_rest.py) and on the SDK's alone (its fallback)."""
     import asyncio
 
     async def run():
         store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        if path == "sdk":
+            store.rest_off()
         try:
             await check(store, f"c{next(_prefix)}x{id(store) % 10000}")
         finally:

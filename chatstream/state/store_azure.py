@@ -205,6 +205,10 @@ class AzureStore:
         """Every call through the SDK from now on (tests and tools/bench/store_calls.py compare)."""
         self._sdk_only = True
 
+    def uses_rest(self) -> bool:
+        """Whether the hot calls go through the REST path (store_rest.py) with these settings."""
+        return not self._sdk_only
+
     # --- clients ------------------------------------------------------------------------------
 
     def _observe(self, response: Any) -> None:
