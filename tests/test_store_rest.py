@@ -17,7 +17,7 @@ from azure.data.tables import TableServiceClient
 from servers import Azurite
 
 from chatstream.errors import AlreadyExists, Modified, NotFound, StoreUnavailable
-from chatstream.state.store import LIMITS_TABLE, NEW, STREAMS_TABLE, StorageConfig, StoreClock
+from chatstream.state.store import LIMITS_TABLE, NEW, STREAMS_TABLE, Op, StorageConfig, StoreClock
 from chatstream.state.store_azure import AzureStore
 
 T = LIMITS_TABLE
@@ -269,5 +269,34 @@ def test_streams_rows_round_trip_on_the_streams_table(azurite):
             "state": "done",
             "bytes": 2**33,
         }
+
+    _run(azurite, body)
+
+
+def test_a_batch_writes_the_same_rows_as_the_sdks_and_answers_their_etags(azurite):
+    async def body(rest: AzureStore, sdk: AzureStore, p: str) -> None:
+        for store, tag in ((rest, "rest"), (sdk, "sdk")):
+            await store.insert(T, {"PartitionKey": f"{p}{tag}", "RowKey": "old", "n": 1})
+            etags = await store.batch(
+                T,
+                [
+                    Op("insert", {"PartitionKey": f"{p}{tag}", "RowKey": "a", **VALUES, "none": None}),
+                    Op("upsert", {"PartitionKey": f"{p}{tag}", "RowKey": "b", **VALUES}),
+                    Op("merge", {"PartitionKey": f"{p}{tag}", "RowKey": "old", "pico": 2**40}),
+                ],
+            )
+            for key, etag in zip(("a", "b", "old"), etags, strict=True):
+                assert etag and etag == (await sdk.get(T, f"{p}{tag}", key) or {}).etag
+            assert await store.batch(T, [Op("delete", {"PartitionKey": f"{p}{tag}", "RowKey": "old"})]) == [None]
+        for key in ("a", "b"):
+            assert _stored(azurite, f"{p}rest", key) == {
+                **_stored(azurite, f"{p}sdk", key),
+                "PartitionKey": (f"{p}rest", "str"),
+            }
+            assert dict(await rest.get(T, f"{p}rest", key) or {}) == {
+                "PartitionKey": f"{p}rest",
+                "RowKey": key,
+                **VALUES,
+            }
 
     _run(azurite, body)

@@ -146,6 +146,10 @@ def _to_store(entity: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cleaned(op: Op) -> Op:
+    return Op(op.kind, clean(op.entity), op.etag)
+
+
 def _from_store(entity: Any) -> Row:
     values = {k: (v.value if isinstance(v, EntityProperty) else v) for k, v in entity.items()}
     return Row.of(values, entity.metadata.get("etag", ""))
@@ -460,6 +464,12 @@ class AzureStore:
                 operations.append(("update", _to_store(op.entity), {"mode": mode, **_condition(op.etag)}))
         self._count("batch")
         async with _mapped(timeout, "batch", self.clock):
+            await self._table_ready(table)
+            if (rest := self._cheap()) is not None:
+                try:
+                    return await rest.batch(table, [op if op.kind == "delete" else _cleaned(op) for op in ops])
+                except NoRestAccess as exc:
+                    self._no_rest(exc)
             client = await self._table(table)
             answers = await client.submit_transaction(operations, **_ONCE)
         return [answer.get("etag") for answer in answers]

@@ -1,5 +1,6 @@
 """CPU per store call, in-process, on a real Azurite started here: N sequential calls of each hot kind
-(insert, get, replace under an ETag, merge, upsert, append_create, append, put, read) through
+(insert, get, replace under an ETag, merge, upsert, append_create, append, read, put, and a
+batch of one insert and of ten) through
 ``AzureStore``, timed with time.process_time (this process's CPU: the client side only).
 
     .venv/bin/python tools/bench/store_calls.py [--n 300] [--sdk]
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
-    from chatstream.state.store import LIMITS_TABLE, StorageConfig
+    from chatstream.state.store import LIMITS_TABLE, Op, StorageConfig
     from chatstream.state.store_azure import AzureStore
 
     store = AzureStore(StorageConfig(connection_string=connection))
@@ -63,6 +64,15 @@ async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
     async def read(i: int) -> None:
         await store.read(f"bench/{i}", 100)
 
+    async def batch(i: int) -> None:
+        entity = {"PartitionKey": f"b{i}", "RowKey": "c", **row}
+        await store.batch(LIMITS_TABLE, [Op("insert", entity)])
+
+    async def batch10(i: int) -> None:
+        await store.batch(
+            LIMITS_TABLE, [Op("insert", {"PartitionKey": f"t{i}", "RowKey": f"c{k}", **row}) for k in range(10)]
+        )
+
     async def put(i: int) -> None:
         await store.put(f"bench/j{i}", b"y" * 500)
 
@@ -77,6 +87,8 @@ async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
             ("append", append),
             ("read", read),
             ("put", put),
+            ("batch", batch),
+            ("batch10", batch10),
         ):
             await timed(name, make)
     finally:
