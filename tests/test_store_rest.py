@@ -17,7 +17,7 @@ from azure.data.tables import TableServiceClient
 from servers import Azurite
 
 from chatstream.errors import AlreadyExists, Modified, NotFound, StoreUnavailable
-from chatstream.state.store import LIMITS_TABLE, NEW, STREAMS_TABLE, Op, StorageConfig, StoreClock
+from chatstream.state.store import LIMITS_TABLE, NEW, STREAMS_TABLE, Op, StorageConfig, StoreClock, Where
 from chatstream.state.store_azure import AzureStore
 
 T = LIMITS_TABLE
@@ -298,5 +298,32 @@ def test_a_batch_writes_the_same_rows_as_the_sdks_and_answers_their_etags(azurit
                 "RowKey": key,
                 **VALUES,
             }
+
+    _run(azurite, body)
+
+
+def test_queries_answer_the_same_rows_as_the_sdks_across_pages(azurite):
+    async def body(rest: AzureStore, sdk: AzureStore, p: str) -> None:
+        for start in range(0, 1100, 100):  # past a page of 1,000: a continuation
+            ops = [
+                Op("insert", {"PartitionKey": p, "RowKey": f"r{i:05}", "pico": 2**40 + i, "x": i / 4, "ok": i % 2 == 0})
+                for i in range(start, start + 100)
+            ]
+            await rest.batch(T, ops)
+        await rest.insert(T, {"PartitionKey": p, "RowKey": "s'q", "s": "it's", "n": 1})
+        for where in (
+            Where(partition=p),
+            Where(partition=p, limit=1050),
+            Where(partition=p, rows_from="r00990", rows_to="r01010", select=("pico",)),
+            Where(partition=p, equal={"ok": True}, at_least={"pico": 2**40 + 1000}),
+            Where(partition=p, less={"x": 2.5}),
+            Where(partition=p, equal={"s": "it's"}),
+            Where(partition=p, at_least={"n": 1}, less={"n": 2}),
+        ):
+            got, want = await rest.query(T, where), await sdk.query(T, where)
+            assert [dict(r) for r in got] == [dict(r) for r in want] and [r.etag for r in got] == [r.etag for r in want]
+            assert got and all(r.etag for r in got)
+        assert len(await rest.query(T, Where(partition=p))) == 1101
+        assert len(await rest.query(T, Where(partition=p, limit=1050))) == 1050
 
     _run(azurite, body)

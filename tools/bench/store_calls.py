@@ -1,6 +1,6 @@
 """CPU per store call, in-process, on a real Azurite started here: N sequential calls of each hot kind
 (insert, get, replace under an ETag, merge, upsert, append_create, append, read, put, and a
-batch of one insert and of ten) through
+batch of one insert and of ten, a query of ten rows) through
 ``AzureStore``, timed with time.process_time (this process's CPU: the client side only).
 
     .venv/bin/python tools/bench/store_calls.py [--n 300] [--sdk]
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
-    from chatstream.state.store import LIMITS_TABLE, Op, StorageConfig
+    from chatstream.state.store import LIMITS_TABLE, Op, StorageConfig, Where
     from chatstream.state.store_azure import AzureStore
 
     store = AzureStore(StorageConfig(connection_string=connection))
@@ -73,6 +73,9 @@ async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
             LIMITS_TABLE, [Op("insert", {"PartitionKey": f"t{i}", "RowKey": f"c{k}", **row}) for k in range(10)]
         )
 
+    async def query(i: int) -> None:  # ten rows of one partition (a batch10's), three properties each
+        await store.query(LIMITS_TABLE, Where(partition=f"t{max(i, 0)}", rows_from="c", select=("n", "x", "ok")))
+
     async def put(i: int) -> None:
         await store.put(f"bench/j{i}", b"y" * 500)
 
@@ -89,6 +92,7 @@ async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
             ("put", put),
             ("batch", batch),
             ("batch10", batch10),
+            ("query", query),
         ):
             await timed(name, make)
     finally:
