@@ -36,15 +36,18 @@ def test_the_contract(check, path, azurite):
     asyncio.run(run())
 
 
-def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again_by_the_sdk():
+@pytest.mark.parametrize("path", ["rest", "sdk"])
+def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(path):
     """The store stopped (SIGSTOP) under a write conditioned on an ETag: the write times out
-    (unavailable: it may have landed) and the SDK does not resend it. Resent, the copy's 412 said
-    "someone else wrote" of our own landed write, and a counter exchange gave back twice what it held
-    (the frozen-store churn test, CI on 2026-12-03)."""
+    (unavailable: it may have landed) and neither path (store_rest.py, the SDK's) resends it. Resent,
+    the copy's 412 said "someone else wrote" of our own landed write, and a counter exchange gave
+    back twice what it held (the frozen-store churn test, CI on 2026-12-03)."""
     azurite = Azurite()
 
     async def run() -> None:
         store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        if path == "sdk":
+            store.rest_off()
         try:
             etag = await store.insert(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 1})
             loop = asyncio.get_running_loop()
