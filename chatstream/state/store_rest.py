@@ -48,7 +48,7 @@ from azure.data.tables import (
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from .store import Op, Row, with_index
+from .store import CONNECTION, Op, Row, StoreConfigError, with_index
 
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
@@ -254,7 +254,8 @@ class Rest:
         observe: Callable[[Mapping[str, str]], None],
     ):
         self._table_url = (table_url or "").rstrip("/")
-        self._container_url = f"{(blob_url or '').rstrip('/')}/{container}"
+        self._blob_url = (blob_url or "").rstrip("/")
+        self._container_url = f"{self._blob_url}/{container}"
         self._container = container
         self._blob_version = blob_version
         self._observe = observe
@@ -458,6 +459,8 @@ class Rest:
         again: bool = False,
         account: bool = False,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
+        if not self._table_url:
+            raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
         if self._table_sas is not None and self._batch_sas is not None:
             sas = self._batch_sas.token("$batch") if account else self._table_sas.token(table)
             query = f"{query}&{sas}" if query else sas
@@ -476,6 +479,8 @@ class Rest:
     async def _blob(
         self, method: str, name: str, query: str, headers: Mapping[str, str], body: bytes | None = None, *, again=False
     ) -> AsyncIterator[aiohttp.ClientResponse]:
+        if not self._blob_url:
+            raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
         if self._blob_sas is not None:
             sas = self._blob_sas.token(self._container)
             query = f"{query}&{sas}" if query else sas
