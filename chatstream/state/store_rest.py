@@ -1,8 +1,9 @@
 """The store's hot calls as plain REST requests (aiohttp), beside the SDK's clients (store_azure.py).
 
-A call through the azure SDKs costs 1.2 to 1.9 ms of CPU (azure-core's pipeline of policies and
-header models), a query or a batch 2.5 to 3.3 ms; the same request through one aiohttp session
-about 0.25 to 0.3 ms, a query or a batch 0.5 to 0.9 ms (tools/bench/store_calls.py on Azurite).
+A call through the azure SDKs costs 0.8 to 1.9 ms of CPU here (azure-core's pipeline of policies
+and header models), a query 1.1 to 1.3 ms, a batch of one 1.8 to 2.3 ms, of ten 4.4 to 5.1 ms; the
+same request through one aiohttp session 0.22 to 0.39 ms, a query 0.3 ms, a batch of one 0.45 to
+0.55 ms, of ten 0.85 ms (tools/bench/store_calls.py on Azurite, 300 calls of each).
 So the calls every request makes go this way: a row's get, insert, replace, merge, upsert and
 delete, a query (a producing instance reads its inbox up to 10 times a second), a batch, an
 append blob's create, appends and reads from an offset, a whole blob's put and get. A blob's size
