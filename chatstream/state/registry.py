@@ -137,6 +137,11 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and kept[1] is not None)
 
+    def holds(self, key: str) -> bool:
+        """Whether an answer for ``key`` is kept and still in its time (``get`` answers it at once)."""
+        kept = self._kept.get(key)
+        return kept is not None and kept[0] > self.clock()
+
     def fresh(self, key: str) -> tuple[bool, Any]:
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
@@ -265,6 +270,16 @@ class Registry:
     async def _read_team(self, name: str) -> Team | None:
         row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=self.store.clock.patience())
         return _team(row) if row is not None else None
+
+    async def team_and_price(
+        self, caller: Caller, model: str
+    ) -> tuple[Team | Unavailable | None, Price | Unavailable | None]:
+        """The caller's team and the model's price: one after the other when both are cached (no
+        task, no loop hop on the request's path), else both reads at once."""
+        if self.prices.holds(model) and (caller.team is None or self.teams.holds(caller.team)):
+            return await self.team_of(caller), await self.price(model)
+        team, price = await asyncio.gather(self.team_of(caller), self.price(model))
+        return team, price
 
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""
