@@ -187,8 +187,8 @@ class Accounting:
         model = call.params["model"]
         if not caller.allows(model):
             return ModelRefused(model)
-        # The team and the price at once (each a store read only when its cached answer ran out).
-        team, price = await asyncio.gather(self.registry.team_of(caller), self.registry.price(model))
+        # The team and the price (each a store read only when its cached answer ran out).
+        team, price = await self.registry.team_and_price(caller, model)
         if isinstance(team, Unavailable):
             return team
         if team is not None and not team.allows(model):

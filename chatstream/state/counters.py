@@ -216,17 +216,25 @@ class Lease:
         self.staged.clear()
         self.applied = 0
 
+    def take(self, need: int, window: str) -> tuple[str, int] | None:
+        """``need`` served from the balance at once, when it holds it and nobody waits before:
+        (the window, the books' generation), or None (``acquire`` waits for an exchange)."""
+        self.advance(window)
+        if self.waiters or self.uncertain is not None or self.balance < need:
+            return None
+        self.balance -= need
+        self.reserved += need
+        if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
+            self._hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+        assert self.window is not None
+        return self.window, self.generation
+
     async def acquire(self, need: int, window: str) -> tuple[str, int]:
         """``need`` of this counter: (the window, the books' generation) it was granted in. Raises
         ``_Refused`` when the limit leaves no room, ``_Unavailable`` when the store does not tell."""
-        self.advance(window)
-        if not self.waiters and self.uncertain is None and self.balance >= need:
-            self.balance -= need
-            self.reserved += need
-            if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
-                self._hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
-            assert self.window is not None
-            return self.window, self.generation
+        granted = self.take(need, window)
+        if granted is not None:
+            return granted
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()
@@ -755,7 +763,15 @@ class Counters:
             return Reservation(self, [], {})
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
-        acquiring = [asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now))) for lease, w in leases]
+        # What the balances hold is taken at once: a request they all serve needs no task, no loop hop.
+        granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
+        if None not in granted:
+            parts = [Part(lease, w.need, *g) for (lease, w), g in zip(leases, granted, strict=True) if g is not None]
+            return Reservation(self, parts, self._rates(leases, now))
+        acquiring: list[asyncio.Future[tuple[str, int]]] = [
+            _done(g) if g is not None else asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
+            for (lease, w), g in zip(leases, granted, strict=True)
+        ]
         clock = self.store.clock
         asked = clock.answered_at
         _, pending = await asyncio.wait(acquiring, timeout=RESERVE_TIMEOUT)
@@ -897,6 +913,12 @@ class Counters:
         for flight in flights:
             flight.cancel()
         await asyncio.gather(*flights, return_exceptions=True)
+
+
+def _done(granted: tuple[str, int]) -> asyncio.Future[tuple[str, int]]:
+    future: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+    future.set_result(granted)
+    return future
 
 
 def _retry(want: Want, now: float) -> float | None:

@@ -46,6 +46,10 @@ from .store import NEW, Store
 log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
+# A write that a request's change wakes (its entry opened, most often) waits this long first, unless a
+# request waits for it (note_counter): the request's upstream call goes out before the journal's
+# store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
+WAKE_DELAY = 0.02
 # A budget counter stays listed this long after this instance last needed it: the next request of
 # the caller (or team) holds it again without a journal write first (note_counter). Listed without
 # holding costs a takeover one read of its row, nothing else.
@@ -209,8 +213,16 @@ class Journal:
 
     async def _write_loop(self) -> None:
         backoff = self.interval
+        woken = True  # a new writer, or one that waited for a change: WAKE_DELAY first
         while not self._closed:
-            await self._dirty.wait()
+            if not self._dirty.is_set():
+                await self._dirty.wait()
+                woken = True
+            if woken and not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(WAKE_DELAY):
+                        await self._urgent.wait()
+            woken = False
             self._dirty.clear()
             self._urgent.clear()
             self._quiet.clear()

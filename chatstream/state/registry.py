@@ -61,6 +61,7 @@ T = TypeVar("T")
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 AHEAD = 0.2  # of an answer's time: in its last part, a request that uses it has it read again, in the background
+AHEAD_DELAY = 0.02  # ...starting this much later: the request's upstream call goes out first, not behind the read
 MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
 ADMIN_TIMEOUT = 10.0  # an admin call is not on a request's path: it may wait for a busy store
 LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at most
@@ -137,6 +138,11 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and kept[1] is not None)
 
+    def holds(self, key: str) -> bool:
+        """Whether an answer for ``key`` is kept and still in its time (``get`` answers it at once)."""
+        kept = self._kept.get(key)
+        return kept is not None and kept[0] > self.clock()
+
     def fresh(self, key: str) -> tuple[bool, Any]:
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
@@ -156,13 +162,14 @@ class _Cache:
         return await asyncio.shield(pending)
 
     def ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
-        """An answer in the last ``AHEAD`` of its time is read again in the background, so that a key
+        """An answer in the last ``AHEAD`` of its time is read again in the background (``AHEAD_DELAY``
+        after the request that found it, whose upstream call goes first), so that a key
         (team, model) in steady use is never read on a request's path; the answer in use is still at
         most ``seconds`` old (from when it was asked for)."""
         kept = self._kept.get(key)
         if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
             return
-        pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
+        pending = self._pending[key] = asyncio.ensure_future(self._read_later(key, read))
 
         def done(future: asyncio.Future) -> None:
             self._pending.pop(key, None)
@@ -170,6 +177,10 @@ class _Cache:
                 log.warning("caller store: a cached answer could not be read again ahead: %s", future.exception())
 
         pending.add_done_callback(done)
+
+    async def _read_later(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        await asyncio.sleep(AHEAD_DELAY)
+        return await self._read(key, read)
 
     async def _read(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         asked = self.clock()  # kept from when it was asked for: a change after that takes effect
@@ -265,6 +276,16 @@ class Registry:
     async def _read_team(self, name: str) -> Team | None:
         row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=self.store.clock.patience())
         return _team(row) if row is not None else None
+
+    async def team_and_price(
+        self, caller: Caller, model: str
+    ) -> tuple[Team | Unavailable | None, Price | Unavailable | None]:
+        """The caller's team and the model's price: one after the other when both are cached (no
+        task, no loop hop on the request's path), else both reads at once."""
+        if self.prices.holds(model) and (caller.team is None or self.teams.holds(caller.team)):
+            return await self.team_of(caller), await self.price(model)
+        team, price = await asyncio.gather(self.team_of(caller), self.price(model))
+        return team, price
 
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""

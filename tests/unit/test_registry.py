@@ -16,7 +16,7 @@ import pytest
 from chatstream.state.callers import Caller, hash_key, key_from_headers
 from chatstream.state.port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price
-from chatstream.state.registry import LOOKUPS_PER_SECOND, Registry
+from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
@@ -150,8 +150,8 @@ async def test_a_key_in_steady_use_is_read_again_ahead_in_the_background_never_o
         found = reg.keys.fresh(hash_key(key))
         assert found[0], "fresh when the request comes: no read on its path"
         assert isinstance(await reg.authenticate(key), Caller)
-        await asyncio.sleep(0)  # the read ahead (in the last 2 s of an answer's 10) runs in the background
-        await asyncio.sleep(0)
+        # the read ahead (in the last 2 s of an answer's 10) runs in the background
+        await asyncio.sleep(AHEAD_DELAY + 0.05)
     assert reg.store_reads == 2  # once per period, as before: ahead of time
     await reg.delete("a")
     clock.now += 10.01  # a change still takes effect within cache_seconds
