@@ -143,7 +143,11 @@ class Readers:
         # soon as it sees the row, so the reader follows closely from its first events.
         live = record.state == "live"
         nonce = secrets.token_hex(4)
-        steps: list[Awaitable] = [Slot.take(ctx, stream_id), ctx.store.read(stream_id)]
+        stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
+        steps: list[Awaitable] = [
+            Slot.take(ctx, stream_id),
+            ctx.store.read(stream_id) if stored is None else _now(stored),
+        ]
         if live:
             steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
         answers = await asyncio.gather(*steps, return_exceptions=True)
@@ -470,6 +474,10 @@ class _Following:
                     if tail.end is not None:
                         break
                     if cadence.state_due(now):
+                        if tail.offset == 0 and self.record.events is None:
+                            # Nothing stored yet: the stream may have ended with its log in the
+                            # record (its producer did not see this reader in time).
+                            self.record = await self._reread()
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
                         elif self._gone_at is None and not tail.handover:
@@ -508,11 +516,14 @@ class _Following:
             ctx.remote_readers -= 1
 
     async def _poll(self) -> bytes:
-        """The stream's new whole events, read in turn with this instance's other background calls."""
+        """The stream's new whole events, read in turn with this instance's other background calls
+        (from the record when the whole log is there)."""
         tail = self.tail
         assert tail is not None
-        async with self._ctx.bulk:
-            data = await self._ctx.store.read(self.stream_id, tail.offset)
+        data = _stored_log(self.record, tail.offset) if self.record is not None else None
+        if data is None:
+            async with self._ctx.bulk:
+                data = await self._ctx.store.read(self.stream_id, tail.offset)
         out = tail.feed(data)
         if data:
             self._grew_at = asyncio.get_running_loop().time()
@@ -545,7 +556,12 @@ class _Following:
         if tail.end is not None:
             return out, False  # over after all: the loop reads its end
         fresh = await self._reread()
-        if fresh.instance != self.record.instance or fresh.epoch != self.record.epoch or fresh.state == "ended":
+        if (
+            fresh.instance != self.record.instance
+            or fresh.epoch != self.record.epoch
+            or fresh.state == "ended"
+            or fresh.events is not None
+        ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
         outcome = await self._streams.take_over(self.stream_id) if fresh.state == "live" else "lost"
@@ -596,11 +612,22 @@ class _Following:
                 read += await self._poll()
                 if loop.time() >= next_check:
                     next_check = loop.time() + cfg.state_seconds
+                    if tail.offset == 0 and record.events is None:  # ended with its log in the record?
+                        record = self.record = await self._reread()
                     if await producer_gone(ctx, record, tail, self._grew_at):
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
         return read
+
+
+def _stored_log(record: Record, offset: int) -> bytes | None:
+    """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
+    return record.events.encode()[offset:] if record.events is not None else None
+
+
+async def _now(value: bytes) -> bytes:
+    return value
 
 
 async def _mark_lost(ctx: Context, stream_id: str) -> None:
