@@ -19,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from report import _other_cores, pct  # noqa: E402 - after sys.path names the repository
+from report import _follower, _other_cores, pct  # noqa: E402 - after sys.path names the repository
 
 
 def _ttfd(w: dict, q: float) -> float | None:
@@ -80,6 +80,28 @@ def single(results: dict, a: str, b: str) -> dict | None:
     return {q: (pct(x, q) - pct(d, q), pct(y, q) - pct(d, q)) for q in (50, 99)}
 
 
+def followers(results: dict, a: str, b: str) -> dict:
+    """Readers on another instance (paths served like resume): each path's reader lag p50/p99 per
+    level, every full wave's followed streams pooled (10-delta waves apart)."""
+    out: dict = {}
+    for short in (False, True):
+        for n in sorted({w["n"] for w in results["waves"] if not w["probe"]}):
+            row = {}
+            for p in (a, b):
+                recs = [
+                    r
+                    for w in results["waves"]
+                    if w["path"] == p and w["n"] == n and not w["probe"] and bool(w.get("short")) == short
+                    for r in w["records"]
+                ]
+                f = _follower(recs)
+                if f and f["lag_n"]:
+                    row[p] = f
+            if len(row) == 2:
+                out[(n, short)] = row
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results")
@@ -116,6 +138,14 @@ def main(argv=None) -> int:
                 f"{n:>6} streams, {len(rs)} pairs: CPU/stream {cells[0]}, worker {cells[1]}, added p50 {cells[2]}, "
                 f"p99 {cells[3]}; A: {a_cells}; other load {other_cell}"
             )
+    for (n, short), row in followers(results, args.a, args.b).items():
+        fa, fb = row[args.a], row[args.b]
+        print(
+            f"{n:>6} streams{' (10-delta)' if short else ''}: reader elsewhere, lag p50 / p99 "
+            f"{args.a} {fa['lag'][50]:.0f} / {fa['lag'][99]:.0f} ms, {args.b} {fb['lag'][50]:.0f} / "
+            f"{fb['lag'][99]:.0f} ms ({fa['lag_n']} / {fb['lag_n']} deltas; errors {fa['errors'] or 'none'} / "
+            f"{fb['errors'] or 'none'})"
+        )
     s = single(results, args.a, args.b)
     if s:
         print(

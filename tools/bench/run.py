@@ -56,6 +56,8 @@ APP_DIRS = {"floor": BENCH / "floor", "floor2": BENCH / "floor"}
 SERVER_OF = {"keyslim": "keys", "keyteam": "keys"}
 # Paths that need the shared store (Azurite, started by the benchmark).
 STORE_PATHS = ("keys", "keyslim", "keyteam", "resume")
+# Paths whose server wants caller keys (CALLER_KEYS=required), each with its own kind of caller.
+CALLER_PATHS = ("keys", "keyslim", "keyteam")
 # Paths run only at some levels by default (their targets are at 1 and 100 streams): --extra-levels.
 EXTRA_PATHS = ("keys", "keyslim", "keyteam", "resume")
 # The keyteam path's prices (USD per million tokens, docs/callers.md's example), set for both models the
@@ -219,6 +221,8 @@ class Bench:
         self.variants: dict[str, dict] = {name: prepare_variant(name, spec, self.out) for name, spec in args.variants}
         self.app_workers = {**APP_WORKERS, **{name: 1 for name in self.variants}}
         self.app_dirs = {**APP_DIRS, **{name: v["dir"] for name, v in self.variants.items()}}
+        # --like NAME=PATH: the variant is served as PATH is (its settings, store, callers, second instance).
+        self.like: dict[str, str] = dict(args.like)
 
     # -- set-up
 
@@ -253,7 +257,7 @@ class Bench:
         base = up.url + "/v1"
 
         storage = None
-        if any(p in self.paths for p in STORE_PATHS):
+        if any(self.kind_of(p) in STORE_PATHS for p in self.paths):
             log("starting Azurite (in memory) for the paths that need the shared store")
             self.servers["azurite"] = az = Azurite(
                 "azurite", [str(APP_PY), "-m", "tools.azurite", "--in-memory"], _clean_env({}), self.out
@@ -266,11 +270,12 @@ class Bench:
         for name in servers:
             n = self.app_workers[name]
             extra = {"FUNCTIONS_WORKER_PROCESS_COUNT": str(n)}
-            if name in STORE_PATHS:
+            kind = self.kind_of(name)
+            if kind in STORE_PATHS:
                 extra["AzureWebJobsStorage"] = storage
-            if name == "keys":
+            if kind in CALLER_PATHS:
                 extra["CALLER_KEYS"] = "required"
-            if name == "resume":
+            if kind == "resume":
                 extra["RESUMABLE_STREAMS"] = "on"
             where = self.app_dirs.get(name, ROOT)
             log(
@@ -292,14 +297,14 @@ class Bench:
                 _clean_env({**env, **extra}),
                 self.out,
             )
-            if name == "resume":  # a second instance on the same store: the reader on another instance
-                self.servers["resume_b"] = Server(
-                    "resume_b",
+            if kind == "resume":  # a second instance on the same store: the reader on another instance
+                self.servers[f"{name}_b"] = Server(
+                    f"{name}_b",
                     [str(APP_PY), "-m", "tools.devhost", "--port", "0", str(where)],
                     _clean_env({**env, **extra}),
                     self.out,
                 )
-        for name in [*servers, *(["resume_b"] if "resume_b" in self.servers else [])]:
+        for name in [*servers, *(f"{s}_b" for s in servers if f"{s}_b" in self.servers)]:
             self.servers[name].wait_ready_line(120)
 
         key = "sk-bench-" + secrets.token_hex(16)
@@ -344,16 +349,16 @@ class Bench:
         caller_keys = {}
         if "keys" in self.servers:  # three callers, as an operator makes them: without and with limits
             url = self.servers["keys"].url
-            caller_keys["keys"] = _create_caller(url, "bench-nolimit", {})
-            caller_keys["keyslim"] = _create_caller(url, "bench-limited", {"tokens_per_minute": a.keys_tpm})
-            for model in (MODEL, SHORT["model"]):
-                _manage(url, "PUT", f"/prices/{model}", BENCH_PRICE)
-            _manage(url, "POST", "/teams", {"name": "bench-team", "spend_budget": a.team_spend})
-            caller_keys["keyteam"] = _create_caller(url, "bench-team-member", {"team": "bench-team"})
+            for path in ("keys", "keyslim", "keyteam"):
+                caller_keys[path] = self._caller(url, path, path)
             log(
                 f"made three callers on the keys app: one without limits, one with tokens_per_minute "
                 f"{a.keys_tpm:,}, one in a team with spend_budget {a.team_spend:,} USD (total) on priced models"
             )
+        for name, kind in self.like.items():  # a variant served like a caller path: its own caller
+            if kind in CALLER_PATHS and name in self.servers:
+                caller_keys[name] = self._caller(self.servers[name].url, kind, name)
+                log(f"made the {kind} caller on variant {name}")
 
         hp = lambda u: u.split("//", 1)[1]  # noqa: E731 - a one-line helper
         self.targets = {
@@ -379,9 +384,11 @@ class Bench:
             self.targets[name] = {"kind": "app", "path": "/api/chat", "url": server.url + "/api/chat"}
             if name in caller_keys:
                 self.targets[name]["headers"] = {"Authorization": f"Bearer {caller_keys[name]}"}
-        if "resume_b" in self.servers:
-            b = self.servers["resume_b"]
-            self.targets["resume"]["follow"] = {
+        for name in self.paths:
+            if self.kind_of(name) != "resume" or f"{name}_b" not in self.servers:
+                continue
+            b = self.servers[f"{name}_b"]
+            self.targets[name]["follow"] = {
                 "host": HOST,
                 "port": int(hp(b.url).split(":")[1]),
                 "hostport": hp(b.url),
@@ -424,9 +431,25 @@ class Bench:
     def server_of(self, path: str) -> str:
         return SERVER_OF.get(path, path)
 
+    def kind_of(self, path: str) -> str:
+        """The path ``path`` is served as: itself, or for a variant what --like says (else ``app``)."""
+        return self.like.get(path, path)
+
+    def _caller(self, url: str, kind: str, name: str) -> str:
+        """The caller of a caller path (keys, keyslim, keyteam) made on the server at ``url``; its key."""
+        a = self.args
+        if kind == "keys":
+            return _create_caller(url, f"bench-nolimit-{name}", {})
+        if kind == "keyslim":
+            return _create_caller(url, f"bench-limited-{name}", {"tokens_per_minute": a.keys_tpm})
+        for model in (MODEL, SHORT["model"]):
+            _manage(url, "PUT", f"/prices/{model}", BENCH_PRICE)
+        _manage(url, "POST", "/teams", {"name": f"bench-team-{name}", "spend_budget": a.team_spend})
+        return _create_caller(url, f"bench-team-member-{name}", {"team": f"bench-team-{name}"})
+
     def levels_of(self, path: str) -> tuple[int, ...]:
         """The levels ``path`` runs at: every level, or --extra-levels for the caller/resume paths."""
-        if path in EXTRA_PATHS:
+        if self.kind_of(path) in EXTRA_PATHS:
             return tuple(lv for lv in self.args.levels if lv in self.args.extra_levels)
         return tuple(self.args.levels)
 
@@ -528,8 +551,8 @@ class Bench:
             out.update(procstat.cpu_groups(self.serving_pid[path], split=path in self.app_paths))
         if "azurite" in self.servers:  # the store's CPU: counted apart, never in the app's
             out["store"] = procstat.tree_cpu_seconds(self.servers["azurite"].pid)
-        if path == "resume" and "resume_b" in self.servers:  # the instance serving the readers, apart
-            out["reader_instance"] = procstat.tree_cpu_seconds(self.servers["resume_b"].pid)
+        if self.kind_of(path) == "resume" and f"{path}_b" in self.servers:  # the readers' instance, apart
+            out["reader_instance"] = procstat.tree_cpu_seconds(self.servers[f"{path}_b"].pid)
         return out
 
     # -- phases
@@ -920,6 +943,14 @@ def parse_args(argv=None):
         "git:REF, patch:FILE[+FILE...] (HEAD with the files applied) or a folder; repeatable (A/B)",
     )
     p.add_argument(
+        "--like",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help=f"serve variant NAME as PATH is served ({', '.join(STORE_PATHS)}): its settings, Azurite, its own "
+        "caller of that kind, and for resume its own second instance; A/B of those paths (ab.py NAME PATH)",
+    )
+    p.add_argument(
         "--extra-levels",
         default="1,100",
         help="levels of the caller and resume paths (default 1,100: where their targets are)",
@@ -995,6 +1026,9 @@ def parse_args(argv=None):
     if any(len(v) != 2 for v in a.variants):
         p.error("--variant NAME=SPEC")
     a.paths = tuple(x for x in a.paths.split(",") if x) + tuple(name for name, _ in a.variants)
+    a.like = [tuple(v.split("=", 1)) for v in a.like]
+    if any(len(v) != 2 or v[0] not in dict(a.variants) or v[1] not in STORE_PATHS for v in a.like):
+        p.error(f"--like NAME=PATH: NAME a --variant, PATH one of {', '.join(STORE_PATHS)}")
     unknown = set(a.paths) - set(PATHS) - {name for name, _ in a.variants}
     if unknown:
         p.error(f"unknown paths: {', '.join(sorted(unknown))}")
