@@ -165,7 +165,8 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        self._writer.hurry()
+        if not self._end:  # (read to its end: nothing more comes, and the end is written at once)
+            self._writer.hurry()
 
     def finish(self) -> None:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the

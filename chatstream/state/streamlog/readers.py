@@ -219,8 +219,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
             raise StreamNotFound("no such stream")
         await asyncio.sleep(pause)
         # Longer each time: a record that is late is late because the store is busy (its write
-        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that.
-        pause = min(1.0, pause * 1.5)
+        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that. But
+        # not past 0.1 s in the stream's first second, when the record is normally on its way.
+        pause = min(1.0 if now > born + 1.0 else 0.1, pause * 1.5)
     record = Record.of(row)
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
         raise StreamNotFound("no such stream")
@@ -328,6 +329,10 @@ class _Cadence:
         self._cfg = ctx.config
         self.poll = self._cfg.poll_seconds / 3  # a write is on its way (the reader just registered)
         self._idle = 1
+        # ...and until it comes, polls stay quick for as long as the producer may take to see this
+        # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
+        self._first_until = now + self._cfg.inbox_seconds + 0.5
+        self._got = False
         self._next_state = now + self._cfg.state_seconds
         self._next_refresh = now + self._cfg.read_refresh_seconds
 
@@ -335,7 +340,9 @@ class _Cadence:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
         cfg = self._cfg
         if got:
-            self.poll, self._idle = cfg.poll_seconds, 0
+            self.poll, self._idle, self._got = cfg.poll_seconds, 0, True
+        elif not self._got and asyncio.get_running_loop().time() < self._first_until:
+            self.poll = cfg.poll_seconds / 3
         else:
             self._idle += 1
             idle = self._idle
