@@ -520,7 +520,9 @@ class _Writer:
         for step in (put_request, insert):
             while True:
                 try:
-                    async with ctx.bulk:
+                    # The insert is the request's own (it makes the stream resumable, and a reader
+                    # elsewhere waits for it): it does not queue behind other streams' writes.
+                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
                         await step()
                     break
                 except _Fenced:
