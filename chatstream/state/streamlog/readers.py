@@ -463,6 +463,7 @@ class _Following:
             tail = self.tail
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
+            record_at = loop.time() + 3 * cfg.poll_seconds
             while tail.end is None:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -472,6 +473,11 @@ class _Following:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
                     await self._register(cadence.refresh_due(now))
+                    if tail.offset == 0 and self.record.events is None and now >= record_at:
+                        # Nothing stored yet: the stream may have ended with its whole log in the
+                        # record (its producer did not see this reader in time).
+                        record_at = now + 3 * cfg.poll_seconds
+                        self.record = await self._reread()
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
                     cadence.read(bool(out))
@@ -481,10 +487,6 @@ class _Following:
                     if tail.end is not None:
                         break
                     if cadence.state_due(now):
-                        if tail.offset == 0 and self.record.events is None:
-                            # Nothing stored yet: the stream may have ended with its log in the
-                            # record (its producer did not see this reader in time).
-                            self.record = await self._reread()
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
                         elif self._gone_at is None and not tail.handover:
