@@ -616,16 +616,22 @@ class _Writer:
 
     async def _write_block(self) -> None:
         store = self._ctx.store
-        if not self._blob:
-            async with self._ctx.bulk:
-                with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
-                    await store.append_create(self._p.id)
-            self._blob = True
         attempt = self._compose()
         offset = self.stored_bytes
         try:
             async with self._ctx.bulk:
-                await store.append(self._p.id, attempt.block, at=offset)
+                try:
+                    await store.append(self._p.id, attempt.block, at=offset)
+                except NotFound:
+                    # Not made yet (a reader elsewhere makes it as it registers, so the write it
+                    # waits for is one call): make it, then append.
+                    if self._blob:
+                        raise
+                    with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
+                        await store.append_create(self._p.id)
+                    self._blob = True
+                    await store.append(self._p.id, attempt.block, at=offset)
+            self._blob = True
         except StoreUnavailable:
             # No answer: it may still land. Every attempt since the last confirmed one is at this
             # same offset, so the store takes at most one of them; the next one's answer says which.

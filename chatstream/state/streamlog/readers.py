@@ -150,6 +150,8 @@ class Readers:
         ]
         if live:
             steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
+            if stored is None:
+                steps.append(_make_log(ctx, stream_id))
         answers = await asyncio.gather(*steps, return_exceptions=True)
         slot = answers[0] if isinstance(answers[0], Slot) else None
         failed = next((a for a in answers if isinstance(a, BaseException)), None)
@@ -633,6 +635,13 @@ class _Following:
 def _stored_log(record: Record, offset: int) -> bytes | None:
     """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
     return record.events.encode()[offset:] if record.events is not None else None
+
+
+async def _make_log(ctx: Context, stream_id: str) -> None:
+    """Make the live stream's blob as this reader registers, if its producer has not yet: its
+    first write for this reader is then one call. Best effort (the producer makes it otherwise)."""
+    with contextlib.suppress(StoreError):  # AlreadyExists among them
+        await ctx.store.append_create(stream_id)
 
 
 async def _now(value: bytes) -> bytes:
