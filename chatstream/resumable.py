@@ -124,30 +124,44 @@ class Resumable:
         out: asyncio.Queue[bytes | None],
     ) -> None:
         """Every event to the log (and to the live caller while it reads), to the final one; a stop
-        (cancel, abandonment) closes the upstream and ends the stream ``cancelled``."""
+        (cancel, abandonment) closes the upstream and ends the stream ``cancelled``. The relay is
+        awaited here directly (no task, no wait per event): a stop cancels this task where it waits,
+        as closing the upstream would."""
+        task = asyncio.current_task()
+        relaying = True
+
+        def on_stop(_: object) -> None:
+            if relaying and task is not None:
+                task.cancel()
+
         stop = asyncio.ensure_future(producer.stop_requested.wait())
+        stop.add_done_callback(on_stop)
         try:
-            pending = first
-            batch: list[bytes] = []
-            while True:
-                await asyncio.wait({pending, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if not pending.done():
-                    await _stopped(pending, events, record, protocol, encode, producer, out)
-                    return
-                item = pending.result()
-                data = encode(item)
-                if data:
-                    batch.append(data)
-                final = not isinstance(item, Chunk)
-                if batch and (final or not item.more):
-                    out.put_nowait(producer.append(b"".join(batch), final=final))
-                    batch = []
-                if final:
-                    return
-                pending = asyncio.ensure_future(anext(events))
+            try:
+                item = await first
+                batch: list[bytes] = []
+                while not producer.stop_requested.is_set():
+                    data = encode(item)
+                    if data:
+                        batch.append(data)
+                    final = not isinstance(item, Chunk)
+                    if batch and not (isinstance(item, Chunk) and item.more):
+                        out.put_nowait(producer.append(b"".join(batch), final=final))
+                        batch = []
+                    if final:
+                        relaying = False
+                        return
+                    item = await anext(events)
+            except asyncio.CancelledError:
+                if task is None or not producer.stop_requested.is_set() or task.cancelling() > 1:
+                    raise  # cancelled from elsewhere (shutdown), not by the stop
+                task.uncancel()
+            relaying = False
+            await _stopped(first, events, record, protocol, encode, producer, out)
         except Exception:
             log.exception("resumable stream %s: the producer failed", log_tag(producer.id))
         finally:
+            relaying = False
             stop.cancel()
             producer.finish()
             out.put_nowait(None)

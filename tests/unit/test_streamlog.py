@@ -313,7 +313,8 @@ async def test_a_finished_stream_expires_after_its_ttl_and_the_sweep_deletes_it(
             with pytest.raises(StreamNotFound):
                 await streams.open_reader(producer.id, None, None)
         data = a.store.data  # type: ignore[attr-defined] - the memory store's account
-        assert producer.id in data.blobs and f"{producer.id}.request" in data.blobs  # the large request's own blob
+        assert f"{producer.id}.request" in data.blobs  # the large request's own blob
+        assert producer.id not in data.blobs  # ended before its first write: its log is in the record
         await asyncio.sleep(0.1)
         assert await b.sweep_once() >= 1
         assert producer.id not in data.blobs and f"{producer.id}.request" not in data.blobs
@@ -497,6 +498,37 @@ async def test_writes_are_batched():
         print(f"\n150 events over {took:.1f} s: {counts[0]} blob writes nobody elsewhere, {counts[1]} followed")
         assert counts[0] <= took / 1.0 + 2
         assert took / 0.05 / 3 <= counts[1] <= took / 0.05 + 3
+
+
+async def test_a_short_stream_nobody_follows_is_stored_in_its_record_alone():
+    """Ended before its first write, with nobody elsewhere following: the record's insert and its
+    end, which carries the whole log; no blob. Read back exactly on both instances."""
+    async with instances(2, **QUICK) as (a, b):
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(40)], gap=0.001)
+        assert await producer.wait_stored(5)
+        assert a.store.counts.get(f"append:{producer.id}", 0) == 0  # type: ignore[attr-defined]
+        assert producer.id not in a.store.data.blobs  # type: ignore[attr-defined]
+        for streams in (a, b):
+            assert await read_all(await streams.open_reader(producer.id, None, None)) == live
+        assert await read_all(await b.open_reader(producer.id, 20, None)) == live[live.index(b"id: 21\n") :]
+
+
+async def test_a_reader_elsewhere_that_comes_as_a_short_stream_ends_gets_it_exactly():
+    """A reader elsewhere registered just before the end (seen or not by the producer): it gets the
+    whole stream, from the blob or from the record, and soon."""
+    for wait in (0.0, 0.01, 0.03, 0.06):
+        async with instances(2, **QUICK) as (a, b):
+            producer = a.start("chat", None)
+            body = [producer.append(delta(i)) for i in range(5)]
+            reader = await open_when_visible(b, producer.id, None)
+            drain = asyncio.ensure_future(read_all(reader, limit=5))
+            await asyncio.sleep(wait)
+            body.append(producer.append(DONE, final=True))
+            producer.finish()
+            started = time.monotonic()
+            assert await drain == b"".join(body)
+            assert time.monotonic() - started < 1.5
 
 
 # -- endings this package writes itself ----------------------------------------------------------

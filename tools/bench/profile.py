@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="py-spy profile of the app (or LiteLLM) under load")
     p.add_argument(
         "--target",
-        choices=("app", "floor", "keys", "litellm"),
+        choices=("app", "floor", "keys", "resume", "litellm"),
         default="app",
         help="the path to profile (default app; floor: the bare relay, to compare)",
     )

@@ -8,7 +8,8 @@ The design, one module per concept:
 - format.py — what is stored: the stream id (its start by the store's clock, 128 random bits),
   Last-Event-ID, the record (one row: route, owner, producing instance, epoch, expiry, the request a
   continuation needs), the event log (an append blob that *is* the SSE stream, with our markers:
-  end, lost, the epoch fence of a takeover, hand-over, acks), and ``Tail``, which reads it.
+  end, lost, the epoch fence of a takeover, hand-over, acks; made at the first write: a stream that
+  ends before it has its whole log in the record instead), and ``Tail``, which reads it.
 - producer.py — ``Producer``: numbers and keeps events in memory (no I/O), writes them in the
   background in whole-event blocks at the expected append position; a foreign byte at that position
   means it was taken over: it stops (``moved``). How far the log trails the live caller: at most

@@ -47,7 +47,7 @@ class ResumeConfig:
     read_rate: float = 200.0
     # ...and at most this many of those writes and polls are in flight at once: when the store is
     # slow they wait here, in turn, not in its queue ahead of the heartbeat, the inbox and the
-    # routes' own calls.
+    # routes' own calls. (A stream's record insert is the request's own: it does not wait here.)
     bulk_calls: int = 16
     young_poll_seconds: float = 0.05  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often

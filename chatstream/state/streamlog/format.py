@@ -16,7 +16,9 @@ comment lines of ours, which no reader passes on:
 
 The record, row ``stream`` of partition ``{id}`` in ``chatstreamStreams``: ``Record``. The request a
 continuation needs (the route's params as JSON) is in the record when small, else in the blob
-``{id}.request``."""
+``{id}.request``. The blob is made at the producer's first write: a stream that ends before it (one
+nobody elsewhere followed, shorter than a checkpoint) has its whole log in the record instead
+(``events``, written with its end), and no blob."""
 
 from __future__ import annotations
 
@@ -92,6 +94,12 @@ def check_after(after: int | None) -> int:
 
 RECORD_ROW = "stream"
 INLINE_REQUEST = 30_000  # characters of request JSON kept in the record itself (a property holds 32,768)
+INLINE_EVENTS = 30_000  # characters of a whole log kept in the record (``Record.events``) instead of a blob
+
+
+def text_units(text: str) -> int:
+    """UTF-16 code units (what a table property's limit counts)."""
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
 
 
 def request_blob(stream_id: str) -> str:
@@ -121,6 +129,9 @@ class Record:
     request: str | None = None  # the request JSON, when it is small enough to be here
     request_stored: bool = False  # ...or it is in the blob request_blob(id)
     cancelled: bool = False  # cancelled while nobody produced it: a takeover stops at once
+    # The whole log, end marker included, when the stream ended before its blob was made (then
+    # there is no blob): written with the record's end, never with ``row``.
+    events: str | None = None
     etag: str = ""
 
     def row(self) -> dict[str, Any]:
@@ -156,12 +167,13 @@ class Record:
             request=row.get("request"),
             request_stored=bool(row.get("request_blob")),
             cancelled=bool(row.get("cancelled")),
+            events=row.get("events"),
             etag=getattr(row, "etag", ""),
         )
 
 
-# What a reader reads of the record (never the request, which may be 60 KB).
-READER_FIELDS = ("route", "owner", "instance", "epoch", "created", "expires", "state")
+# What a reader reads of the record (never the request, which may be 60 KB; the log when it is there).
+READER_FIELDS = ("route", "owner", "instance", "epoch", "created", "expires", "state", "events")
 
 # --- the event log ----------------------------------------------------------------------------
 

@@ -66,7 +66,9 @@ class Inbox:
             for producer in list(self._producers.values()):
                 producer.tick(now, now_store)
                 young = young or producer.young()
-            await asyncio.sleep(cfg.inbox_young_seconds if young else cfg.inbox_seconds)
+            # Reads begin every interval, however long this one took (a busy loop, a slow store).
+            interval = cfg.inbox_young_seconds if young else cfg.inbox_seconds
+            await asyncio.sleep(max(0.2 * interval, now + interval - loop.time()))
 
     async def _read(self, instance: str) -> list:
         where = Where(partition=inbox_partition(instance), rows_from="c", select=("read_at", "left", "ack"), limit=1000)

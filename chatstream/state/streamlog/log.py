@@ -26,6 +26,7 @@ from .format import (
     log_tag,
     new_stream_id,
     request_blob,
+    text_units,
 )
 from .inbox import Inbox
 from .producer import Producer
@@ -110,7 +111,7 @@ class StreamLog:
         now = ctx.now()
         stream_id = new_stream_id(now if self.store.clock.observed else None)
         body = _request_json(request, stream_id)
-        inline = body is not None and len(body) <= INLINE_REQUEST and _units(body) <= INLINE_REQUEST
+        inline = body is not None and len(body) <= INLINE_REQUEST and text_units(body) <= INLINE_REQUEST
         record = Record(
             stream_id=stream_id,
             route=route,
@@ -297,8 +298,3 @@ def _request_json(request: Mapping[str, Any] | None, stream_id: str) -> str | No
     except (TypeError, ValueError) as exc:
         log.warning("stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc)
         return None
-
-
-def _units(text: str) -> int:
-    """UTF-16 code units (what a table property's limit counts)."""
-    return len(text.encode("utf-16-le", "surrogatepass")) // 2

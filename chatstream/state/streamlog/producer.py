@@ -1,8 +1,11 @@
 """The producing side of a resumable stream (``Producer``): it numbers the events as the route appends
 them and keeps them in memory (no I/O: readers here are served from there), and stores them in the
-background (``_Writer``): the record and the blob at the start, then whole-event blocks appended at
-the expected position, at most every ``fast_flush_seconds`` while someone elsewhere follows, else
-every ``checkpoint_seconds``; the end marker and the record's end last.
+background (``_Writer``): the record at the start, then whole-event blocks appended at the expected
+position (the blob made before the first), at most every ``fast_flush_seconds`` while someone
+elsewhere follows, else every ``checkpoint_seconds``; the end marker and the record's end last. A
+stream that ends before its first write, with nobody elsewhere following it by then (the inbox read
+once more after its end to tell), is stored by the record's end alone: its whole log in the record,
+no blob (two store calls in all).
 
 A producer stops storing when the store fails for ``give_up_seconds`` (it ends the stored log with a
 ``stream_lost`` error as soon as the store lets it: the live stream goes on), and for good when its
@@ -30,6 +33,7 @@ from .format import (
     BLOCKS_LIMIT,
     END,
     HANDOVER,
+    INLINE_EVENTS,
     LOST,
     RECORD_ROW,
     Record,
@@ -39,6 +43,7 @@ from .format import (
     is_comment,
     log_tag,
     request_blob,
+    text_units,
 )
 
 log = logging.getLogger("chatstream")
@@ -160,7 +165,8 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        self._writer.hurry()
+        if not self._end:  # (read to its end: nothing more comes, and the end is written at once)
+            self._writer.hurry()
 
     def finish(self) -> None:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
@@ -269,8 +275,10 @@ class Producer:
         return self._loop.time() - self._born < self._cfg.young_seconds
 
     def tick(self, now: float, now_store: float) -> None:
-        """Every inbox tick: fast writes while a reader elsewhere follows; abandonment; the time cap."""
+        """Every inbox tick (``now``: when its read began): fast writes while a reader elsewhere
+        follows; abandonment; the time cap."""
         cfg = self._cfg
+        self._writer.ticked(now)
         self._writer.follow(now_store - self._remote_follow_at < cfg.read_fresh_seconds)
         if self._end or self.moved.is_set():
             return
@@ -383,6 +391,10 @@ class _Writer:
         self.record = record
         self._large_request = large_request
         self._create_first = not continuing
+        self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
+        self._inline_tried = False
+        self._end_seen_at: float | None = None  # an ending writer waits for an inbox read begun after this
+        self._inbox_read = asyncio.Event()
         self.resumable = True
         self.handed_over = False
         self.done = asyncio.Event()
@@ -432,6 +444,11 @@ class _Writer:
         self._repoint_to = instance
         self.kick.set()
 
+    def ticked(self, began: float) -> None:
+        """The inbox was read (from ``began`` on) and what it held delivered."""
+        if self._end_seen_at is not None and began >= self._end_seen_at:
+            self._inbox_read.set()
+
     def nudge(self) -> None:
         """After an append: an idle writer starts its checkpoint wait now; a fast one, or one with
         ``flush_bytes`` waiting, writes."""
@@ -474,7 +491,8 @@ class _Writer:
 
     async def _create(self) -> bool:
         """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease), the large request's own blob before it, and the blob."""
+        producer's lease), the large request's own blob before it. The log's blob waits for the
+        first write (a takeover makes it when the stream's producer died before)."""
         ctx, store = self._ctx, self._ctx.store
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
@@ -499,14 +517,12 @@ class _Writer:
                     raise _Fenced() from None
                 self.record.etag = found.etag
 
-        async def create_blob() -> None:
-            with contextlib.suppress(AlreadyExists):
-                await store.append_create(self._p.id)
-
-        for step in (put_request, insert, create_blob):
+        for step in (put_request, insert):
             while True:
                 try:
-                    async with ctx.bulk:
+                    # The insert is the request's own (it makes the stream resumable, and a reader
+                    # elsewhere waits for it): it does not queue behind other streams' writes.
+                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
                         await step()
                     break
                 except _Fenced:
@@ -531,6 +547,10 @@ class _Writer:
             pending = len(p._events) > self.stored or ending or bool(self._acks) or p._handing_over
             if not pending and p._end:
                 break
+            if p._end and not self._blob and not self._inline_tried:
+                if await self._end_inline():
+                    return
+                continue
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self.give_up("the stream has too many blocks")
                 return
@@ -600,7 +620,18 @@ class _Writer:
         offset = self.stored_bytes
         try:
             async with self._ctx.bulk:
-                await store.append(self._p.id, attempt.block, at=offset)
+                try:
+                    await store.append(self._p.id, attempt.block, at=offset)
+                except NotFound:
+                    # Not made yet (a reader elsewhere makes it as it registers, so the write it
+                    # waits for is one call): make it, then append.
+                    if self._blob:
+                        raise
+                    with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
+                        await store.append_create(self._p.id)
+                    self._blob = True
+                    await store.append(self._p.id, attempt.block, at=offset)
+            self._blob = True
         except StoreUnavailable:
             # No answer: it may still land. Every attempt since the last confirmed one is at this
             # same offset, so the store takes at most one of them; the next one's answer says which.
@@ -639,12 +670,10 @@ class _Writer:
         except StoreError:
             self._repoint_to = self._repoint_to or instance  # again at the next turn
 
-    async def _store_end(self) -> None:
-        """The record says the stream is over (and expires a TTL from now). Only its producer of the
-        current epoch may: a conditional write. When it fails the end is still in the blob."""
+    def _end_fields(self) -> dict:
         p = self._p
         now = self._ctx.now()
-        fields = {
+        return {
             "PartitionKey": p.id,
             "RowKey": RECORD_ROW,
             "state": "lost" if p._lost else "ended",
@@ -653,6 +682,60 @@ class _Writer:
             "last_id": len(p._events),
             "size": self.stored_bytes,
         }
+
+    async def _end_inline(self) -> bool:
+        """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
+        is read once more after the end to tell), its whole log goes into the record with the
+        record's end, and no blob is made. False: write the blob as usual."""
+        p, cfg = self._p, self._cfg
+        self._inline_tried = True
+        if self._following or self._acks or p._handing_over:
+            return False
+        # A reader registered before the end is seen by an inbox read begun after it (its rows are
+        # delivered before the producers tick); one that came later reads this record first.
+        self._end_seen_at = self._loop.time()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(cfg.inbox_seconds + 1.0):
+                await self._inbox_read.wait()
+        if self._following or self._acks or p._handing_over or self.stored:
+            return False
+        block = b"".join(p._events) + (LOST if p._lost else END) + b"\n\n"
+        try:
+            text = block.decode()
+        except UnicodeDecodeError:
+            return False
+        if len(text) > INLINE_EVENTS or text_units(text) > INLINE_EVENTS:
+            return False
+        fields = {**self._end_fields(), "events": text, "size": len(block)}
+        deadline = self._loop.time() + cfg.give_up_seconds
+        unanswered = False
+        while True:
+            try:
+                async with self._ctx.bulk:
+                    self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
+                break
+            except (Modified, NotFound):
+                if unanswered:  # an earlier attempt landed (its answer lost) and changed the ETag
+                    break
+                p._moved("taken_over")  # the record is another producer's: nothing of this one is stored
+                return True
+            except StoreError as exc:
+                unanswered = unanswered or isinstance(exc, StoreUnavailable)
+                if self._loop.time() > deadline:
+                    self.give_up(f"the store is unavailable ({exc})")
+                    return True
+                await asyncio.sleep(0.5)
+        self.stored = len(p._events)
+        self.stored_bytes = len(block)
+        self._stored_size = p._size
+        self._end_written = True
+        return True
+
+    async def _store_end(self) -> None:
+        """The record says the stream is over (and expires a TTL from now). Only its producer of the
+        current epoch may: a conditional write. When it fails the end is still in the blob."""
+        p = self._p
+        fields = self._end_fields()
         deadline = self._loop.time() + self._cfg.give_up_seconds
         while True:
             try:
@@ -677,6 +760,18 @@ class _Writer:
         stored = False
         while self._loop.time() < deadline and not ctx.closed:
             try:
+                if not stored and not self._blob:  # nothing stored yet: the error goes into the record
+                    message = "the stream stopped being stored"
+                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, 1) + LOST + b"\n\n"
+                    fields = {
+                        "PartitionKey": p.id,
+                        "RowKey": RECORD_ROW,
+                        "state": "lost",
+                        "expires": ctx.now() + self._cfg.ttl_seconds,
+                        "events": block.decode(),
+                    }
+                    await ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
+                    return
                 if not stored:
                     message = "the stream stopped being stored"
                     block = error_event(ctx.encode_error, p.route, "stream_lost", message, self.stored + 1)

@@ -143,9 +143,15 @@ class Readers:
         # soon as it sees the row, so the reader follows closely from its first events.
         live = record.state == "live"
         nonce = secrets.token_hex(4)
-        steps: list[Awaitable] = [Slot.take(ctx, stream_id), ctx.store.read(stream_id)]
+        stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
+        steps: list[Awaitable] = [
+            Slot.take(ctx, stream_id),
+            ctx.store.read(stream_id) if stored is None else _now(stored),
+        ]
         if live:
             steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
+            if stored is None:
+                steps.append(_make_log(ctx, stream_id))
         answers = await asyncio.gather(*steps, return_exceptions=True)
         slot = answers[0] if isinstance(answers[0], Slot) else None
         failed = next((a for a in answers if isinstance(a, BaseException)), None)
@@ -215,8 +221,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
             raise StreamNotFound("no such stream")
         await asyncio.sleep(pause)
         # Longer each time: a record that is late is late because the store is busy (its write
-        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that.
-        pause = min(1.0, pause * 1.5)
+        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that. But
+        # not past 0.1 s in the stream's first second, when the record is normally on its way.
+        pause = min(1.0 if now > born + 1.0 else 0.1, pause * 1.5)
     record = Record.of(row)
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
         raise StreamNotFound("no such stream")
@@ -324,6 +331,10 @@ class _Cadence:
         self._cfg = ctx.config
         self.poll = self._cfg.poll_seconds / 3  # a write is on its way (the reader just registered)
         self._idle = 1
+        # ...and until it comes, polls stay quick for as long as the producer may take to see this
+        # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
+        self._first_until = now + self._cfg.inbox_seconds + 0.5
+        self._got = False
         self._next_state = now + self._cfg.state_seconds
         self._next_refresh = now + self._cfg.read_refresh_seconds
 
@@ -331,7 +342,9 @@ class _Cadence:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
         cfg = self._cfg
         if got:
-            self.poll, self._idle = cfg.poll_seconds, 0
+            self.poll, self._idle, self._got = cfg.poll_seconds, 0, True
+        elif not self._got and asyncio.get_running_loop().time() < self._first_until:
+            self.poll = cfg.poll_seconds / 3
         else:
             self._idle += 1
             idle = self._idle
@@ -452,6 +465,7 @@ class _Following:
             tail = self.tail
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
+            record_at = loop.time() + 3 * cfg.poll_seconds
             while tail.end is None:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -461,6 +475,11 @@ class _Following:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
                     await self._register(cadence.refresh_due(now))
+                    if tail.offset == 0 and self.record.events is None and now >= record_at:
+                        # Nothing stored yet: the stream may have ended with its whole log in the
+                        # record (its producer did not see this reader in time).
+                        record_at = now + 3 * cfg.poll_seconds
+                        self.record = await self._reread()
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
                     cadence.read(bool(out))
@@ -508,11 +527,14 @@ class _Following:
             ctx.remote_readers -= 1
 
     async def _poll(self) -> bytes:
-        """The stream's new whole events, read in turn with this instance's other background calls."""
+        """The stream's new whole events, read in turn with this instance's other background calls
+        (from the record when the whole log is there)."""
         tail = self.tail
         assert tail is not None
-        async with self._ctx.bulk:
-            data = await self._ctx.store.read(self.stream_id, tail.offset)
+        data = _stored_log(self.record, tail.offset) if self.record is not None else None
+        if data is None:
+            async with self._ctx.bulk:
+                data = await self._ctx.store.read(self.stream_id, tail.offset)
         out = tail.feed(data)
         if data:
             self._grew_at = asyncio.get_running_loop().time()
@@ -545,7 +567,12 @@ class _Following:
         if tail.end is not None:
             return out, False  # over after all: the loop reads its end
         fresh = await self._reread()
-        if fresh.instance != self.record.instance or fresh.epoch != self.record.epoch or fresh.state == "ended":
+        if (
+            fresh.instance != self.record.instance
+            or fresh.epoch != self.record.epoch
+            or fresh.state == "ended"
+            or fresh.events is not None
+        ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
         outcome = await self._streams.take_over(self.stream_id) if fresh.state == "live" else "lost"
@@ -596,11 +623,29 @@ class _Following:
                 read += await self._poll()
                 if loop.time() >= next_check:
                     next_check = loop.time() + cfg.state_seconds
+                    if tail.offset == 0 and record.events is None:  # ended with its log in the record?
+                        record = self.record = await self._reread()
                     if await producer_gone(ctx, record, tail, self._grew_at):
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
         return read
+
+
+def _stored_log(record: Record, offset: int) -> bytes | None:
+    """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
+    return record.events.encode()[offset:] if record.events is not None else None
+
+
+async def _make_log(ctx: Context, stream_id: str) -> None:
+    """Make the live stream's blob as this reader registers, if its producer has not yet: its
+    first write for this reader is then one call. Best effort (the producer makes it otherwise)."""
+    with contextlib.suppress(StoreError):  # AlreadyExists among them
+        await ctx.store.append_create(stream_id)
+
+
+async def _now(value: bytes) -> bytes:
+    return value
 
 
 async def _mark_lost(ctx: Context, stream_id: str) -> None:
