@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from azure.core import MatchConditions
@@ -78,6 +79,15 @@ _CLIENT_OPTIONS: dict[str, Any] = {
 # that way gave back capacity it had already given back). The caller decides after a timeout, by
 # reading (counters.py, journal.py); unconditional writes and reads keep the one retry.
 _ONCE: dict[str, Any] = {"retry_total": 0}
+
+T = TypeVar("T")
+
+
+class _Sdk(enum.Enum):
+    SDK = 0
+
+
+SDK: Final = _Sdk.SDK  # what ``AzureStore._by_rest`` answers when the SDK must make the call
 
 
 @contextlib.asynccontextmanager
@@ -166,6 +176,23 @@ def _condition(etag: str | None) -> dict[str, Any]:
 def _sent_once_if(etag: str | None) -> dict[str, Any]:
     """``_condition``, and a write under an ETag sent once (``_ONCE``)."""
     return _condition(etag) if etag is None else {**_condition(etag), **_ONCE}
+
+
+def _sdk_operations(ops: Sequence[Op]) -> list[Any]:
+    """A batch's operations as the SDK's ``submit_transaction`` takes them."""
+    operations: list[Any] = []
+    for op in ops:
+        if op.kind == "insert":
+            operations.append(("create", _to_store(op.entity)))
+        elif op.kind == "upsert":
+            operations.append(("upsert", _to_store(op.entity), {"mode": UpdateMode.REPLACE}))
+        elif op.kind == "delete":
+            keys = {"PartitionKey": op.entity["PartitionKey"], "RowKey": op.entity["RowKey"]}
+            operations.append(("delete", keys, _condition(op.etag) if op.etag else {}))
+        else:
+            mode = UpdateMode.REPLACE if op.kind == "replace" else UpdateMode.MERGE
+            operations.append(("update", _to_store(op.entity), {"mode": mode, **_condition(op.etag)}))
+    return operations
 
 
 def _odata(where: Where) -> tuple[str, dict[str, Any]]:
@@ -290,6 +317,16 @@ class AzureStore:
         log.warning("shared state: the store is reached through the SDK only: %s", exc)
         self._sdk_only = True
 
+    async def _by_rest(self, call: Callable[[Rest], Awaitable[T]]) -> T | _Sdk:
+        """``call`` on the REST path, or ``SDK`` when the SDK must make it: these settings allow only
+        the SDK's (found out here, once: from then on every call goes that way)."""
+        if (rest := self._cheap()) is not None:
+            try:
+                return await call(rest)
+            except NoRestAccess as exc:
+                self._no_rest(exc)
+        return SDK
+
     async def _table(self, name: str) -> TableClient:
         await self._table_ready(name)
         return self._table_service().get_table_client(name)
@@ -349,11 +386,8 @@ class AzureStore:
         try:
             async with _mapped(timeout, "get", self.clock):
                 await self._table_ready(table)
-                if (rest := self._cheap()) is not None:
-                    try:
-                        return await rest.get(table, partition, row, select)
-                    except NoRestAccess as exc:
-                        self._no_rest(exc)
+                if (answer := await self._by_rest(lambda rest: rest.get(table, partition, row, select))) is not SDK:
+                    return answer
                 client = await self._table(table)
                 keys = ["PartitionKey", "RowKey"]
                 found = await client.get_entity(partition, row, select=[*keys, *select] if select else None)
@@ -366,11 +400,8 @@ class AzureStore:
         self._count("insert")
         async with _mapped(timeout, "insert", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.insert(table, values)
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if (answer := await self._by_rest(lambda rest: rest.insert(table, values))) is not SDK:
+                return answer
             client = await self._table(table)
             answer = await client.create_entity(_to_store(values), **_ONCE)
         return answer["etag"]
@@ -392,11 +423,12 @@ class AzureStore:
         self._count("replace" if mode == UpdateMode.REPLACE else "merge")
         async with _mapped(timeout, "update", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.update(table, values, etag, merge=mode == UpdateMode.MERGE)
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if (
+                answer := await self._by_rest(
+                    lambda rest: rest.update(table, values, etag, merge=mode == UpdateMode.MERGE)
+                )
+            ) is not SDK:
+                return answer
             client = await self._table(table)
             answer = await client.update_entity(_to_store(values), mode=mode, **_sent_once_if(etag))
         return answer["etag"]
@@ -406,11 +438,8 @@ class AzureStore:
         self._count("upsert")
         async with _mapped(timeout, "upsert", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.upsert(table, values)
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if (answer := await self._by_rest(lambda rest: rest.upsert(table, values))) is not SDK:
+                return answer
             client = await self._table(table)
             answer = await client.upsert_entity(_to_store(values), mode=UpdateMode.REPLACE)
         return answer["etag"]
@@ -423,11 +452,8 @@ class AzureStore:
         self._count("delete")
         async with _mapped(timeout, "delete", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.delete(table, partition, row, etag)  # quiet on a missing row
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if (answer := await self._by_rest(lambda rest: rest.delete(table, partition, row, etag))) is not SDK:
+                return answer  # quiet on a missing row
             client = await self._table(table)
             await client.delete_entity(partition, row, **_sent_once_if(etag))  # quiet on a missing row
 
@@ -437,11 +463,12 @@ class AzureStore:
         rows: list[Row] = []
         async with _mapped(timeout, "query", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.query(table, odata_filter(query, parameters), where.select, where.limit)
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if (
+                answer := await self._by_rest(
+                    lambda rest: rest.query(table, odata_filter(query, parameters), where.select, where.limit)
+                )
+            ) is not SDK:
+                return answer
             client = await self._table(table)
             page = min(1000, where.limit) if where.limit else 1000
             found = client.query_entities(
@@ -458,28 +485,14 @@ class AzureStore:
 
     async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
         check_batch(ops)
-        operations: list[Any] = []
-        for op in ops:
-            if op.kind == "insert":
-                operations.append(("create", _to_store(op.entity)))
-            elif op.kind == "upsert":
-                operations.append(("upsert", _to_store(op.entity), {"mode": UpdateMode.REPLACE}))
-            elif op.kind == "delete":
-                keys = {"PartitionKey": op.entity["PartitionKey"], "RowKey": op.entity["RowKey"]}
-                operations.append(("delete", keys, _condition(op.etag) if op.etag else {}))
-            else:
-                mode = UpdateMode.REPLACE if op.kind == "replace" else UpdateMode.MERGE
-                operations.append(("update", _to_store(op.entity), {"mode": mode, **_condition(op.etag)}))
         self._count("batch")
         async with _mapped(timeout, "batch", self.clock):
             await self._table_ready(table)
-            if (rest := self._cheap()) is not None:
-                try:
-                    return await rest.batch(table, [op if op.kind == "delete" else _cleaned(op) for op in ops])
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            cleaned = [op if op.kind == "delete" else _cleaned(op) for op in ops]
+            if (answer := await self._by_rest(lambda rest: rest.batch(table, cleaned))) is not SDK:
+                return answer
             client = await self._table(table)
-            answers = await client.submit_transaction(operations, **_ONCE)
+            answers = await client.submit_transaction(_sdk_operations(ops), **_ONCE)
         return [answer.get("etag") for answer in answers]
 
     # --- blobs --------------------------------------------------------------------------------
@@ -489,11 +502,8 @@ class AzureStore:
         try:
             async with _mapped(timeout, "append_create", self.clock):
                 await self._container_ready()
-                if (rest := self._cheap()) is not None:
-                    try:
-                        return await rest.append_create(name)
-                    except NoRestAccess as exc:
-                        self._no_rest(exc)
+                if (answer := await self._by_rest(lambda rest: rest.append_create(name))) is not SDK:
+                    return answer
                 container = await self._container()
                 # If-None-Match: a create that timed out here and lands late must not empty the blob.
                 await container.get_blob_client(name).create_append_blob(
@@ -506,12 +516,8 @@ class AzureStore:
         self._count("append")
         async with _mapped(timeout, "append", self.clock):
             await self._container_ready()
-            if (rest := self._cheap()) is not None:
-                try:
-                    await rest.append(name, data, at)
-                    return at + len(data)  # the append position condition held: the blob is now this long
-                except NoRestAccess as exc:
-                    self._no_rest(exc)
+            if await self._by_rest(lambda rest: rest.append(name, data, at)) is not SDK:
+                return at + len(data)  # the append position condition held: the blob is now this long
             container = await self._container()
             await container.get_blob_client(name).append_block(data, appendpos_condition=at, **_ONCE)
         return at + len(data)
@@ -521,11 +527,8 @@ class AzureStore:
         try:
             async with _mapped(timeout, "read", self.clock):
                 await self._container_ready()
-                if (rest := self._cheap()) is not None:
-                    try:
-                        return await rest.read(name, offset)
-                    except NoRestAccess as exc:
-                        self._no_rest(exc)
+                if (answer := await self._by_rest(lambda rest: rest.read(name, offset))) is not SDK:
+                    return answer
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob(offset=offset)
                 return await download.readall()
@@ -554,11 +557,8 @@ class AzureStore:
         try:
             async with _mapped(timeout, "put", self.clock):
                 await self._container_ready()
-                if (rest := self._cheap()) is not None:
-                    try:
-                        return await rest.put(name, data, headers)  # sent once under a condition
-                    except NoRestAccess as exc:
-                        self._no_rest(exc)
+                if (answer := await self._by_rest(lambda rest: rest.put(name, data, headers))) is not SDK:
+                    return answer  # sent once under a condition
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
                     data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
@@ -572,11 +572,8 @@ class AzureStore:
         try:
             async with _mapped(timeout, "get_blob", self.clock):
                 await self._container_ready()
-                if (rest := self._cheap()) is not None:
-                    try:
-                        return await rest.get_blob(name)
-                    except NoRestAccess as exc:
-                        self._no_rest(exc)
+                if (answer := await self._by_rest(lambda rest: rest.get_blob(name))) is not SDK:
+                    return answer
                 container = await self._container()
                 download = await container.get_blob_client(name).download_blob()
                 data = await download.readall()
