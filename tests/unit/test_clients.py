@@ -554,12 +554,17 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
 
 def test_http_client_builds_the_request_httpx2_builds():
     """HttpClient.build_request against httpx2's own, for what the SDK sends (pairs of headers,
-    bytes, a query string, a timeout) and for what it does not (a relative URL, dict headers, cookies
-    or params on the client, a JSON body, extensions): the same method, URL, headers in order (case
-    kept), body and extensions, the second time too."""
+    bytes of other lengths or none, a query string, a timeout) and for what it does not (a relative
+    URL, dict headers, cookies or params on the client, a JSON body, extensions): the same method,
+    URL, headers in order (case kept), body and extensions, the second time too (from the kept
+    headers), and after a request sent changed its own."""
     headers = [("accept", "application/json"), ("user-agent", "AsyncOpenAI/Python"), ("x-a", "1"), ("x-a", "2")]
     calls = [
         dict(method="POST", url="https://h.test/v1/chat/completions", content=b"{}", headers=headers, timeout=5.0),
+        dict(method="POST", url="https://h.test/v1/chat/completions", content=b'{"model":"m"}', headers=headers),
+        dict(method="POST", url="https://h.test/v1/chat/completions", content=b"", headers=headers),
+        dict(method="POST", url="https://h.test/v1/chat/completions", headers=headers),
+        dict(method="GET", url="https://h.test/v1/chat/completions", headers=headers),
         dict(method="POST", url="https://h.test/openai/x", params="api-version=1", headers=headers, files=None),
         dict(method="GET", url="https://h.test/v1/r?a=1", params="b=2", headers=headers, timeout=httpx2.Timeout(3)),
         dict(method="GET", url="https://h.test/v1/r", headers={"Accept": "x"}),
@@ -578,6 +583,10 @@ def test_http_client_builds_the_request_httpx2_builds():
         relative = [dict(method="GET", url="/relative", headers=headers)] if "base_url" in setup else []
         for call in (calls + relative) * 2:
             assert shape(ours.build_request(**call)) == shape(theirs.build_request(**call)), (setup, call)
+    fresh = HttpClient(httpx2.MockTransport(lambda r: httpx2.Response(200)))
+    first = fresh.build_request(**calls[0])  # the one whose headers are kept
+    first.headers["x-changed"] = "by whoever sent it"  # a request's headers are its own
+    assert shape(fresh.build_request(**calls[0])) == shape(theirs.build_request(**calls[0]))
 
 
 def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():

@@ -1,19 +1,22 @@
 """Paired A/B figures from one interleaved run (tools/bench/run.py with --variant): for each level,
 each wave of path B is paired with the wave of path A of the same round (they ran next to each
 other, so the machine's drift hits both), and the pairs' ratios are summarised: median, and the
-lowest and highest pair. Per wave: CPU per stream (host + worker), the worker's alone, and the added
+lowest and highest pair, and a 95% bootstrap interval of the median (``ci``: the pairs resampled;
+a change is shown when that interval excludes 1.0). Per wave: CPU per stream (host + worker), the worker's alone, and the added
 TTFD p50 and p99 over the direct path's wave of the same round; the other load during the two waves.
 
     tools/bench/.venv/bin/python tools/bench/ab.py OUT/results.json A B [--md]
 
 A and B are path names (app, base, floor, a --variant name). At 1 stream the trials are pooled (one
-stream per wave says little): the ratio of B's added TTFD p50 to A's, over all trials and probes.
+stream per wave says little): B's added TTFD p50 and A's, over all trials and probes, and a 95%
+bootstrap interval of their difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -57,9 +60,19 @@ def pairs(results: dict, a: str, b: str) -> dict:
     return out
 
 
+BOOTSTRAP = 2000  # resamples for the 95% intervals (seeded: the same results give the same interval)
+
+
+def ci(values: list[float], statistic=lambda v: pct(v, 50)) -> tuple[float, float]:
+    """A 95% bootstrap interval of ``statistic`` (the median) over ``values``."""
+    rng = random.Random(34)
+    stats = sorted(statistic(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP))
+    return stats[int(0.025 * BOOTSTRAP)], stats[int(0.975 * BOOTSTRAP) - 1]
+
+
 def _ratios(rows, key):
     vals = [y[key] / x[key] for x, y in rows if x[key] and y[key] is not None and x[key] > 0]
-    return (pct(vals, 50), min(vals), max(vals), len(vals)) if vals else None
+    return (pct(vals, 50), min(vals), max(vals), len(vals), *ci(vals)) if vals else None
 
 
 def single(results: dict, a: str, b: str) -> dict | None:
@@ -77,7 +90,11 @@ def single(results: dict, a: str, b: str) -> dict | None:
     d, x, y = sel("direct"), sel(a), sel(b)
     if not (d and x and y):
         return None
-    return {q: (pct(x, q) - pct(d, q), pct(y, q) - pct(d, q)) for q in (50, 99)}
+    out = {q: (pct(x, q) - pct(d, q), pct(y, q) - pct(d, q)) for q in (50, 99)}
+    rng = random.Random(34)
+    diffs = sorted(pct(rng.choices(y, k=len(y)), 50) - pct(rng.choices(x, k=len(x)), 50) for _ in range(BOOTSTRAP))
+    out["ci"] = (diffs[int(0.025 * BOOTSTRAP)], diffs[int(0.975 * BOOTSTRAP) - 1])
+    return out
 
 
 def followers(results: dict, a: str, b: str) -> dict:
@@ -113,7 +130,7 @@ def main(argv=None) -> int:
     rows = pairs(results, args.a, args.b)
     print(
         f"B = {args.b} against A = {args.a}: ratio B/A per pair of waves of the same round "
-        f"(median [lowest–highest] over the pairs)"
+        f"(median, its 95% interval, [lowest–highest] over the pairs)"
     )
     if args.md:
         print()
@@ -126,7 +143,7 @@ def main(argv=None) -> int:
         cells = []
         for key in ("cpu_stream_ms", "worker_stream_ms", "added_p50", "added_p99"):
             r = _ratios(rs, key)
-            cells.append("–" if r is None else f"{r[0]:.2f}× [{r[1]:.2f}–{r[2]:.2f}]")
+            cells.append("–" if r is None else f"{r[0]:.2f}× ({r[4]:.2f}–{r[5]:.2f}) [{r[1]:.2f}–{r[2]:.2f}]")
         med = lambda key, rs=rs: pct([x[key] for x, _ in rs if x[key] is not None], 50)  # noqa: E731 - a one-line helper
         other = pct([v for x, y in rs for v in (x["other"], y["other"]) if v is not None], 50)
         a_cells = f"{med('cpu_stream_ms') or 0:.2f} ms / {med('added_p50') or 0:.0f} / {med('added_p99') or 0:.0f} ms"
@@ -150,7 +167,8 @@ def main(argv=None) -> int:
     if s:
         print(
             f"1 stream (pooled): added TTFD p50 {args.a} {s[50][0]:+.2f} ms, {args.b} {s[50][1]:+.2f} ms; "
-            f"p99 {s[99][0]:+.2f} / {s[99][1]:+.2f} ms"
+            f"p99 {s[99][0]:+.2f} / {s[99][1]:+.2f} ms; B − A p50 {s[50][1] - s[50][0]:+.2f} ms "
+            f"(95% interval {s['ci'][0]:+.2f} to {s['ci'][1]:+.2f})"
         )
     return 0
 
