@@ -120,7 +120,7 @@ param instanceMemoryMB int = 2048
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
-param httpPerInstanceConcurrency int = 90
+param httpPerInstanceConcurrency int = 60
 
 // How a deployment (code or settings) replaces running instances. RollingUpdate (in preview on Flex
 // Consumption when this was written, docs/deploy.md) drains instances in batches: running streams
