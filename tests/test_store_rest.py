@@ -9,8 +9,6 @@ import asyncio
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -329,32 +327,3 @@ def test_queries_answer_the_same_rows_as_the_sdks_across_pages(azurite):
         assert len(await rest.query(T, Where(partition=p, limit=1050))) == 1050
 
     _run(azurite, body)
-
-
-def test_a_store_of_rows_alone_never_loads_the_blob_sdk(azurite):
-    """Callers' state (rows only, the keyed path) never imports azure-storage-blob (about 15 MB of
-    the instance's memory); the first blob call does, and works. In a fresh process: this one has
-    the SDK loaded already."""
-    script = """
-import asyncio, sys
-from chatstream.state.store import LIMITS_TABLE, StorageConfig, Where
-from chatstream.state.store_azure import AzureStore
-
-async def main():
-    store = AzureStore(StorageConfig(connection_string=sys.argv[1]))
-    await store.upsert(LIMITS_TABLE, {"PartitionKey": "lazy", "RowKey": "r", "n": 1})
-    assert (await store.get(LIMITS_TABLE, "lazy", "r"))["n"] == 1
-    assert len(await store.query(LIMITS_TABLE, Where(partition="lazy"))) == 1
-    rows_only = "azure.storage.blob" not in sys.modules
-    await store.put("lazy-blob", b"x")
-    got = await store.get_blob("lazy-blob")
-    await store.close()
-    print(rows_only, got[0] if got else None, "azure.storage.blob" in sys.modules)
-
-asyncio.run(main())
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", script, azurite.connection_string], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "b'x'", "True"]

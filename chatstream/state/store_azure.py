@@ -2,9 +2,7 @@
 (azure-data-tables, azure-storage-blob; Azurite locally): what they raise is mapped here, once, into
 the store's errors (``_mapped``), as httpx maps its transport's exceptions.
 
-The clients are made on first use, and azure-storage-blob is imported at the first blob call: an
-instance that keeps only callers' state (rows) never loads it (14 MB less of a keyed instance's
-memory, measured); a table (or the container) is created the first time it is used
+The clients are made on first use; a table (or the container) is created the first time it is used
 when it does not exist yet and the identity may create it (infra/ makes them in Azure, and scopes the
 app identity's roles to them). Each client retries a failed call once, quickly, inside the call's
 bound. Every answer's ``Date`` tells the store's clock (``StoreClock``).
@@ -25,7 +23,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from azure.core import MatchConditions
@@ -39,9 +37,8 @@ from azure.core.exceptions import (
 )
 from azure.data.tables import EdmType, EntityProperty, TableTransactionError, UpdateMode
 from azure.data.tables.aio import TableClient, TableServiceClient
-
-if TYPE_CHECKING:  # imported where a blob is first used (AzureStore._blob_service)
-    from azure.storage.blob.aio import BlobServiceClient, ContainerClient
+from azure.storage.blob import BlobType
+from azure.storage.blob.aio import BlobServiceClient, ContainerClient
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -61,7 +58,7 @@ from .store import (
     http_date_seconds,
     with_index,
 )
-from .store_rest import BlobSide, NoRestAccess, Rest, odata_filter, status_error
+from .store_rest import NoRestAccess, Rest, odata_filter, status_error
 
 log = logging.getLogger("chatstream")
 # azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
@@ -286,9 +283,6 @@ class AzureStore:
 
     def _blob_service(self) -> BlobServiceClient:
         if self._blobs is None:
-            # Imported here: an instance that stores no blob never loads azure-storage-blob (~20 MB).
-            from azure.storage.blob.aio import BlobServiceClient
-
             if self.config.connection_string is not None:
                 self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **self._options())
             elif self.config.blob_url is not None:
@@ -304,20 +298,16 @@ class AzureStore:
         if self._rest is None:
             keyed = self.config.connection_string is not None  # an account key (or none at all: a SAS)
             tables = self._table_service() if keyed or self.config.table_url else None
+            blobs = self._blob_service() if keyed or self.config.blob_url else None
             table_key = tables.credential if keyed and tables is not None else None
-
-            def blob_side() -> BlobSide | None:  # at the first blob call (store_rest's Rest._blob_side)
-                if not (keyed or self.config.blob_url):
-                    return None
-                blobs = self._blob_service()
-                key = getattr(blobs.credential, "account_key", None) if keyed else None
-                return BlobSide(blobs.url, blobs.api_version, (str(blobs.account_name), key) if key else None)
-
+            blob_key = getattr(blobs.credential, "account_key", None) if keyed and blobs is not None else None
             self._rest = Rest(
                 table_url=tables.url if tables is not None else None,
-                blobs=blob_side,
+                blob_url=blobs.url if blobs is not None else None,
                 container=STREAMS_CONTAINER,
+                blob_version=blobs.api_version if blobs is not None else "",
                 table_key=table_key if isinstance(table_key, AzureNamedKeyCredential) else None,
+                blob_key=(str(blobs.account_name), blob_key) if blobs is not None and blob_key else None,
                 identity=None if keyed else self._identity(),
                 observe=self._observe_headers,
             )
@@ -571,7 +561,7 @@ class AzureStore:
                     return answer  # sent once under a condition
                 container = await self._container()
                 answer = await container.get_blob_client(name).upload_blob(
-                    data, blob_type="BlockBlob", overwrite=True, **condition
+                    data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
                 )
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None

@@ -33,7 +33,6 @@ import email.utils
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
@@ -47,6 +46,7 @@ from azure.data.tables import (
     generate_account_sas,
     generate_table_sas,
 )
+from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from .store import CONNECTION, Op, Row, StoreConfigError, with_index
@@ -235,16 +235,6 @@ class _Sas:
         self._tokens.pop(name, None)
 
 
-@dataclass(frozen=True)
-class BlobSide:
-    """What the REST path needs of the blob service: its URL, its API version, and the account's
-    name and key when it has one (a SAS is made of it; else the identity's token is sent)."""
-
-    url: str
-    version: str
-    key: tuple[str, str] | None
-
-
 class Rest:
     """The hot calls (module docstring) on one aiohttp session, uncapped: no connection limit
     (aiohttp's default of 100 would queue calls behind each other) and no proxy settings read per
@@ -256,16 +246,19 @@ class Rest:
         self,
         *,
         table_url: str | None,
-        blobs: Callable[[], BlobSide | None],
+        blob_url: str | None,
         container: str,
+        blob_version: str,
         table_key: AzureNamedKeyCredential | None,
+        blob_key: tuple[str, str] | None,
         identity: Any,
         observe: Callable[[Mapping[str, str]], None],
     ):
         self._table_url = (table_url or "").rstrip("/")
-        self._blobs: Callable[[], BlobSide | None] | None = blobs  # called at the first blob call
-        self._blob_url = self._container_url = self._blob_version = ""
+        self._blob_url = (blob_url or "").rstrip("/")
+        self._container_url = f"{self._blob_url}/{container}"
         self._container = container
+        self._blob_version = blob_version
         self._observe = observe
         self._session: aiohttp.ClientSession | None = None
         self._table_sas = self._blob_sas = self._batch_sas = None
@@ -285,25 +278,10 @@ class Rest:
 
             self._table_sas = _Sas(table_sas)
             self._batch_sas = _Sas(batch_sas)
-
-    def _blob_side(self) -> None:
-        """The blob service's URL, version and key, from ``blobs`` at the first blob call: an
-        instance that stores no blob (callers' state alone) never imports azure-storage-blob,
-        about 20 MB of its memory."""
-        if self._blobs is None:
-            return
-        side, self._blobs = self._blobs(), None
-        if side is None:
-            return
-        self._blob_url = side.url.rstrip("/")
-        self._container_url = f"{self._blob_url}/{self._container}"
-        self._blob_version = side.version
-        if side.key is not None:
-            account, account_key = side.key
+        if blob_key is not None:
+            account, account_key = blob_key
 
             def blob_sas(name: str, start: datetime, expiry: datetime) -> str:
-                from azure.storage.blob import ContainerSasPermissions, generate_container_sas
-
                 permission = ContainerSasPermissions(read=True, add=True, create=True, write=True)
                 return generate_container_sas(
                     account, name, account_key=account_key, permission=permission, start=start, expiry=expiry
@@ -502,7 +480,6 @@ class Rest:
     async def _blob(
         self, method: str, name: str, query: str, headers: Mapping[str, str], body: bytes | None = None, *, again=False
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        self._blob_side()
         if not self._blob_url:
             raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
         if self._blob_sas is not None:
