@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import pytest
 from servers import Azurite
@@ -36,12 +37,38 @@ def test_the_contract(check, path, azurite):
     asyncio.run(run())
 
 
+async def _row_replaced(store: AzureStore) -> tuple[Callable[[], Awaitable[object]], Callable[[], Awaitable[None]]]:
+    """A replace under the row's ETag, and what shows that it landed."""
+    etag = await store.insert(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 1})
+
+    async def landed() -> None:
+        row = await store.get(LIMITS_TABLE, "p", "r")
+        assert row is not None and row["n"] == 2  # it landed once the store went on
+
+    return lambda: store.replace(
+        LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 2}, etag=etag, timeout=8
+    ), landed
+
+
+async def _block_appended(store: AzureStore) -> tuple[Callable[[], Awaitable[object]], Callable[[], Awaitable[None]]]:
+    """An append at the blob's position, and what shows that it landed once."""
+    await store.append_create("once/log")
+
+    async def landed() -> None:
+        assert await store.read("once/log") == b"abc"  # landed once
+        assert store.calls["append"] == 1
+
+    return lambda: store.append("once/log", b"abc", at=0, timeout=8), landed
+
+
+@pytest.mark.parametrize("write", [_row_replaced, _block_appended], ids=["replace", "append"])
 @pytest.mark.parametrize("path", ["rest", "sdk"])
-def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(path):
-    """The store stopped (SIGSTOP) under a write conditioned on an ETag: the write times out
-    (unavailable: it may have landed) and neither path (store_rest.py, the SDK's) resends it. Resent,
-    the copy's 412 said "someone else wrote" of our own landed write, and a counter exchange gave
-    back twice what it held (the frozen-store churn test, CI on 2026-12-03)."""
+def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(path, write):
+    """The store stopped (SIGSTOP) under a write conditioned on an ETag or an append position: the
+    write times out (unavailable: it may have landed) and neither path (store_rest.py, the SDK's)
+    resends it. Resent, the copy's 412 said "someone else wrote" of our own landed write, and a
+    counter exchange gave back twice what it held (the frozen-store churn test, CI on 2026-12-03);
+    an append's copy would fail its position, or land twice."""
     azurite = Azurite()
 
     async def run() -> None:
@@ -49,15 +76,14 @@ def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(path):
         if path == "sdk":
             store.rest_off()
         try:
-            etag = await store.insert(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 1})
+            send, landed = await write(store)
             loop = asyncio.get_running_loop()
             os.kill(azurite.node_pid, signal.SIGSTOP)
             loop.call_later(2.5, os.kill, azurite.node_pid, signal.SIGCONT)  # past the SDK's 1.5 s read timeout
             with pytest.raises(StoreUnavailable):
-                await store.replace(LIMITS_TABLE, {"PartitionKey": "p", "RowKey": "r", "n": 2}, etag=etag, timeout=8)
+                await send()
             await asyncio.sleep(2.5)
-            row = await store.get(LIMITS_TABLE, "p", "r")
-            assert row is not None and row["n"] == 2  # it landed once the store went on
+            await landed()
         finally:
             os.kill(azurite.node_pid, signal.SIGCONT)
             await store.close()

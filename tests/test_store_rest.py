@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -229,32 +228,6 @@ def test_settings_without_an_account_key_use_the_sdk(azurite):
             await store.close()
 
     asyncio.run(run())
-
-
-def test_a_conditional_append_whose_answer_is_lost_is_sent_once():
-    """The store stopped (SIGSTOP) under an append at a position: the append times out (it may have
-    landed) and is not sent again (a second copy would fail the position, or land twice)."""
-    azurite = Azurite()
-
-    async def run() -> None:
-        store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
-        try:
-            await store.append_create("once/log")
-            os.kill(azurite.node_pid, signal.SIGSTOP)
-            asyncio.get_running_loop().call_later(2.5, os.kill, azurite.node_pid, signal.SIGCONT)
-            with pytest.raises(StoreUnavailable):
-                await store.append("once/log", b"abc", at=0, timeout=8)
-            await asyncio.sleep(2.5)
-            assert await store.read("once/log") == b"abc"  # landed once
-            assert store.calls["append"] == 1
-        finally:
-            os.kill(azurite.node_pid, signal.SIGCONT)
-            await store.close()
-
-    try:
-        asyncio.run(run())
-    finally:
-        azurite.stop()
 
 
 def test_streams_rows_round_trip_on_the_streams_table(azurite):
