@@ -58,7 +58,7 @@ from .store import (
     http_date_seconds,
     with_index,
 )
-from .store_rest import NoRestAccess, Rest, odata_filter, status_error
+from .store_rest import GONE, NoRestAccess, Rest, odata_filter, status_error
 
 log = logging.getLogger("chatstream")
 # azure-core logs every storage request and response at INFO: a line per counter exchange is noise.
@@ -129,24 +129,17 @@ async def _errors(timeout: float, what: str) -> AsyncIterator[None]:
             raise StoreUnavailable(f"the store lost its {_gone(exc)} (re-created on the next call)") from None
         raise NotFound("not found") from None
     except TableTransactionError as exc:  # a batch: which operation failed
-        raise with_index(_status_error(exc.status_code), exc.index) from None
+        raise with_index(status_error(exc.status_code), exc.index) from None
     except HttpResponseError as exc:
-        raise _status_error(exc.status_code) from None
+        raise status_error(exc.status_code) from None
     except (AzureError, OSError, aiohttp.ClientError) as exc:
         raise StoreUnavailable(f"the store did not answer ({type(exc).__name__})") from None
-
-
-_GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
 
 def _gone(exc: ResourceNotFoundError) -> str | None:
     """``table`` or ``container`` when the call failed because that is not there (deleted under us)."""
     code = getattr(exc, "error_code", None) or (getattr(exc.response, "headers", None) or {}).get("x-ms-error-code")
-    return _GONE.get(str(code))
-
-
-def _status_error(status: int | None) -> StoreError:
-    return status_error(status or 0)
+    return GONE.get(str(code))
 
 
 def _to_store(entity: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,7 +246,7 @@ class AzureStore:
         seconds = http_date_seconds(headers.get("Date"))
         if seconds is not None:
             self.clock.observe(seconds)
-        if headers.get("x-ms-error-code") in _GONE:  # deleted under us: create it again on the next use
+        if headers.get("x-ms-error-code") in GONE:  # deleted under us: create it again on the next use
             self._ready.clear()
 
     def _options(self) -> dict[str, Any]:

@@ -57,7 +57,8 @@ TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms
 TABLE_VERSION = "2019-02-02"
 # The SDK's own per-try bounds (store_azure's _CLIENT_OPTIONS): a connection in 1.5 s, each read 1.5 s.
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=1.5, sock_read=1.5)
-_GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
+# The error codes of a table or the container itself not there (deleted under us), and which it is.
+GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 _TABLE_HEADERS = {
     "x-ms-version": TABLE_VERSION,
     "DataServiceVersion": "3.0",
@@ -75,8 +76,8 @@ class Gone(StoreUnavailable):
     """The table or the container itself is not there (deleted under us): made again on next use."""
 
 
-def status_error(status: int) -> StoreError:
-    """The store's error for an answer's HTTP status."""
+def status_error(status: int | None) -> StoreError:
+    """The store's error for an answer's HTTP status (None: the SDK's error had none)."""
     if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
         return NotFound("not found")
     if status == 409:
@@ -179,6 +180,11 @@ def _failed_index(error: Mapping[str, Any]) -> int:
     text = str(message.get("value", "") if isinstance(message, Mapping) else message or "")
     head = text.split(":", 1)[0]
     return int(head) if head.isdigit() else 0
+
+
+def _missing(answer: aiohttp.ClientResponse, statuses: tuple[int, ...] = (404,)) -> bool:
+    """The row or blob asked for is not there (not the table or the container itself: ``GONE``)."""
+    return answer.status in statuses and answer.headers.get("x-ms-error-code") not in GONE
 
 
 def _entity_path(table: str, partition: str, row: str) -> str:
@@ -294,7 +300,7 @@ class Rest:
     async def get(self, table: str, partition: str, row: str, select: Sequence[str] | None) -> Row | None:
         query = f"$select={','.join(['PartitionKey', 'RowKey', *select])}" if select else ""
         async with self._table("GET", table, _entity_path(table, partition, row), query, again=True) as answer:
-            if answer.status == 404 and answer.headers.get("x-ms-error-code") not in _GONE:
+            if _missing(answer):
                 return None
             self._check(answer)
             return row_of(json.loads(await answer.read()), answer.headers.get("ETag", ""))
@@ -323,7 +329,7 @@ class Rest:
         headers = {**_TABLE_HEADERS, "If-Match": etag or "*"}
         path = _entity_path(table, partition, row)
         async with self._table("DELETE", table, path, "", headers, again=etag is None) as answer:
-            if answer.status == 404 and answer.headers.get("x-ms-error-code") not in _GONE:
+            if _missing(answer):
                 return
             self._check(answer)
 
@@ -379,7 +385,7 @@ class Rest:
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE_HEADERS, "Content-Type": f"multipart/mixed; boundary={batch}"}
         async with self._table("POST", table, "$batch", "", headers, b"".join(parts), account=True) as answer:
-            if answer.status >= 300 and answer.headers.get("x-ms-error-code") not in _GONE:
+            if answer.status >= 300 and answer.headers.get("x-ms-error-code") not in GONE:
                 raise with_index(status_error(answer.status), 0)  # the whole batch refused
             self._check(answer)
             content_type = answer.headers.get("Content-Type", "")
@@ -389,9 +395,9 @@ class Rest:
             return [etag for _, etag, _ in answers]
         status, _, error = failed or (0, None, {})
         code = str(error.get("code", ""))
-        if code in _GONE:
+        if code in GONE:
             self._observe({"x-ms-error-code": code})
-            raise Gone(f"the store lost its {_GONE[code]} (re-created on the next call)")
+            raise Gone(f"the store lost its {GONE[code]} (re-created on the next call)")
         raise with_index(status_error(status), _failed_index(error))
 
     # --- blobs --------------------------------------------------------------------------------
@@ -415,7 +421,7 @@ class Rest:
         async with self._blob("GET", name, "", {"x-ms-range": f"bytes={offset}-"}, again=True) as answer:
             if answer.status in (200, 206):
                 return await answer.read()
-            if answer.status in (404, 416) and answer.headers.get("x-ms-error-code") not in _GONE:
+            if _missing(answer, (404, 416)):  # 416: nothing past ``offset``
                 return b""
             self._check(answer)
             return b""
@@ -428,7 +434,7 @@ class Rest:
 
     async def get_blob(self, name: str) -> tuple[bytes, str] | None:
         async with self._blob("GET", name, "", {}, again=True) as answer:
-            if answer.status == 404 and answer.headers.get("x-ms-error-code") not in _GONE:
+            if _missing(answer):
                 return None
             self._check(answer)
             return await answer.read(), answer.headers.get("ETag", "")
@@ -527,7 +533,7 @@ class Rest:
     def _check(answer: aiohttp.ClientResponse) -> None:
         if answer.status < 300:
             return
-        gone = _GONE.get(answer.headers.get("x-ms-error-code", ""))
+        gone = GONE.get(answer.headers.get("x-ms-error-code", ""))
         if answer.status == 404 and gone:
             raise Gone(f"the store lost its {gone} (re-created on the next call)")
         raise status_error(answer.status)
