@@ -320,21 +320,19 @@ class AzureStore:
                 self._no_rest(exc)
         return SDK
 
-    async def _table(self, name: str) -> TableClient:
-        await self._table_ready(name)
+    def _table(self, name: str) -> TableClient:
+        """A table's SDK client (the caller has awaited ``_table_ready``)."""
         return self._table_service().get_table_client(name)
 
     async def _table_ready(self, name: str) -> None:
         await self._once(f"table:{name}", lambda: self._table_service().create_table(name))
 
-    async def _container(self) -> ContainerClient:
-        await self._container_ready()
+    def _container(self) -> ContainerClient:
+        """The container's SDK client (the caller has awaited ``_container_ready``)."""
         return self._blob_service().get_container_client(STREAMS_CONTAINER)
 
     async def _container_ready(self) -> None:
-        await self._once(
-            "container", lambda: self._blob_service().get_container_client(STREAMS_CONTAINER).create_container()
-        )
+        await self._once("container", lambda: self._container().create_container())
 
     async def _once(self, key: str, create) -> None:
         """Create a table or the container once per process; concurrent first users wait for the
@@ -381,7 +379,7 @@ class AzureStore:
                 await self._table_ready(table)
                 if (answer := await self._by_rest(lambda rest: rest.get(table, partition, row, select))) is not SDK:
                     return answer
-                client = await self._table(table)
+                client = self._table(table)
                 keys = ["PartitionKey", "RowKey"]
                 found = await client.get_entity(partition, row, select=[*keys, *select] if select else None)
         except NotFound:
@@ -395,7 +393,7 @@ class AzureStore:
             await self._table_ready(table)
             if (answer := await self._by_rest(lambda rest: rest.insert(table, values))) is not SDK:
                 return answer
-            client = await self._table(table)
+            client = self._table(table)
             answer = await client.create_entity(_to_store(values), **_ONCE)
         return answer["etag"]
 
@@ -422,7 +420,7 @@ class AzureStore:
                 )
             ) is not SDK:
                 return answer
-            client = await self._table(table)
+            client = self._table(table)
             answer = await client.update_entity(_to_store(values), mode=mode, **_sent_once_if(etag))
         return answer["etag"]
 
@@ -433,7 +431,7 @@ class AzureStore:
             await self._table_ready(table)
             if (answer := await self._by_rest(lambda rest: rest.upsert(table, values))) is not SDK:
                 return answer
-            client = await self._table(table)
+            client = self._table(table)
             answer = await client.upsert_entity(_to_store(values), mode=UpdateMode.REPLACE)
         return answer["etag"]
 
@@ -447,7 +445,7 @@ class AzureStore:
             await self._table_ready(table)
             if (answer := await self._by_rest(lambda rest: rest.delete(table, partition, row, etag))) is not SDK:
                 return answer  # quiet on a missing row
-            client = await self._table(table)
+            client = self._table(table)
             await client.delete_entity(partition, row, **_sent_once_if(etag))  # quiet on a missing row
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
@@ -462,7 +460,7 @@ class AzureStore:
                 )
             ) is not SDK:
                 return answer
-            client = await self._table(table)
+            client = self._table(table)
             page = min(1000, where.limit) if where.limit else 1000
             found = client.query_entities(
                 query,
@@ -484,7 +482,7 @@ class AzureStore:
             cleaned = [op if op.kind == "delete" else _cleaned(op) for op in ops]
             if (answer := await self._by_rest(lambda rest: rest.batch(table, cleaned))) is not SDK:
                 return answer
-            client = await self._table(table)
+            client = self._table(table)
             answers = await client.submit_transaction(_sdk_operations(ops), **_ONCE)
         return [answer.get("etag") for answer in answers]
 
@@ -497,7 +495,7 @@ class AzureStore:
                 await self._container_ready()
                 if (answer := await self._by_rest(lambda rest: rest.append_create(name))) is not SDK:
                     return answer
-                container = await self._container()
+                container = self._container()
                 # If-None-Match: a create that timed out here and lands late must not empty the blob.
                 await container.get_blob_client(name).create_append_blob(
                     match_condition=MatchConditions.IfMissing, **_ONCE
@@ -511,7 +509,7 @@ class AzureStore:
             await self._container_ready()
             if await self._by_rest(lambda rest: rest.append(name, data, at)) is not SDK:
                 return at + len(data)  # the append position condition held: the blob is now this long
-            container = await self._container()
+            container = self._container()
             await container.get_blob_client(name).append_block(data, appendpos_condition=at, **_ONCE)
         return at + len(data)
 
@@ -522,7 +520,7 @@ class AzureStore:
                 await self._container_ready()
                 if (answer := await self._by_rest(lambda rest: rest.read(name, offset))) is not SDK:
                     return answer
-                container = await self._container()
+                container = self._container()
                 download = await container.get_blob_client(name).download_blob(offset=offset)
                 return await download.readall()
         except NotFound:  # no blob, or nothing past offset (Azure; Azurite answers empty)
@@ -532,7 +530,8 @@ class AzureStore:
         self._count("size")
         try:
             async with _mapped(timeout, "size", self.clock):
-                container = await self._container()
+                await self._container_ready()
+                container = self._container()
                 return (await container.get_blob_client(name).get_blob_properties()).size
         except NotFound:
             return None
@@ -552,7 +551,7 @@ class AzureStore:
                 await self._container_ready()
                 if (answer := await self._by_rest(lambda rest: rest.put(name, data, headers))) is not SDK:
                     return answer  # sent once under a condition
-                container = await self._container()
+                container = self._container()
                 answer = await container.get_blob_client(name).upload_blob(
                     data, blob_type=BlobType.BLOCKBLOB, overwrite=True, **condition
                 )
@@ -567,7 +566,7 @@ class AzureStore:
                 await self._container_ready()
                 if (answer := await self._by_rest(lambda rest: rest.get_blob(name))) is not SDK:
                     return answer
-                container = await self._container()
+                container = self._container()
                 download = await container.get_blob_client(name).download_blob()
                 data = await download.readall()
         except NotFound:
@@ -578,8 +577,8 @@ class AzureStore:
         self._count("delete_blob")
         with contextlib.suppress(NotFound):
             async with _mapped(timeout, "delete_blob", self.clock):
-                container = await self._container()
-                await container.delete_blob(name)
+                await self._container_ready()
+                await self._container().delete_blob(name)
 
     async def close(self) -> None:
         if self._rest is not None:
