@@ -67,7 +67,8 @@ class ErrorKind(StrEnum):
     INSUFFICIENT_QUOTA = "insufficient_quota"
     CALLER_STORE_UNAVAILABLE = "caller_store_unavailable"
     # Resumable streams.
-    STREAM_LOST = "stream_lost"
+    STREAM_LOST = "stream_lost"  # the stream is over and could not be made whole: send again
+    STREAM_MOVED = "stream_moved"  # this reading ends, the stream goes on elsewhere: resume it
     STREAM_STORE_UNAVAILABLE = "stream_store_unavailable"
     # The instance is shutting down (a deploy, a restart): lifecycle.py.
     INSTANCE_DRAINING = "instance_draining"

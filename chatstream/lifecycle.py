@@ -13,12 +13,14 @@ On SIGTERM the instance drains (``Lifecycle.drain``):
 
 1. ``draining`` is set: a new request to a model route gets ``503`` ``instance_draining``
    (retryable, ``Retry-After: 1``, ``x-should-retry: true``) before any upstream call;
-2. the streams running here go on for the grace: ``DRAIN_SECONDS``, but never past the host's
-   shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the host cuts at its
-   timeout whatever the app does);
+2. the streams running here, resumable or not, go on for the grace: ``DRAIN_SECONDS``, but never
+   past the host's shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the
+   host cuts at its timeout whatever the app does); a stream that ends within it ends as usual;
 3. then every stream still running that is not resumable ends with one final ``instance_draining``
    error event in its route's format (``retryable: true``), its upstream closed and its record (log
-   line, charge) written as usual; resumable streams are left to the ``on_drain`` callbacks;
+   line, charge) written as usual; resumable streams are left to the ``on_drain`` callbacks (the
+   hand-over: their live callers get ``stream_moved`` and resume elsewhere; one not handed over in
+   time is taken over as after a crash);
 4. the ``on_drain`` callbacks are awaited together, bounded (``CALLBACKS_WAIT``): the hand-over of
    resumable streams and the settling of charges belong there. The last stream's final event waits
    for them: the host kills the worker as soon as its last request is over;
@@ -280,12 +282,12 @@ class Lifecycle:
             self.grace,
             HOST_SHUTDOWN_TIMEOUT,
         )
-        await self._until(self._all_ending, started + self.grace)
+        await self._until(self._all_ending, started + self.grace)  # resumable streams too: they may end here
         cut = [s for s in self._streams if not s.ending and not s.resumable]
         for stream in cut:
             stream.cut_now()
         if cut:
-            await self._until(self._all_ending, loop.time() + CUT_WAIT)
+            await self._until(self._cut_ending, loop.time() + CUT_WAIT)
         await _bounded("on_drain", self._on_drain, CALLBACKS_WAIT)
         self._settled.set()
         await self._until(lambda: not any(not s.resumable for s in self._streams), loop.time() + CUT_WAIT)
@@ -301,6 +303,9 @@ class Lifecycle:
             self._pass_on()
 
     def _all_ending(self) -> bool:
+        return all(s.ending for s in self._streams)
+
+    def _cut_ending(self) -> bool:
         return all(s.ending or s.resumable for s in self._streams)
 
     async def _until(self, condition: Callable[[], bool], deadline: float) -> bool:

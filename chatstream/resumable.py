@@ -303,12 +303,16 @@ def _error(error: ApiError | StreamLogError) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_LOG_ERRORS = {"stream_lost": ErrorKind.STREAM_LOST, "stream_moved": ErrorKind.STREAM_MOVED}
+
+
 def encode_error(encoders: dict[str, Encode]) -> EncodeError:
-    """The stream log's encoder for an error event it writes itself (``stream_lost``): in the route's
-    format, as the route's own encoder writes a final error."""
+    """The stream log's encoder for an error event it writes itself (``stream_lost``,
+    ``stream_moved``, ``store_unavailable``): in the route's format, as the route's own encoder
+    writes a final error."""
 
     def encode(route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes:
-        kind = ErrorKind.STREAM_LOST if type == "stream_lost" else ErrorKind.STREAM_STORE_UNAVAILABLE
+        kind = _LOG_ERRORS.get(type, ErrorKind.STREAM_STORE_UNAVAILABLE)
         data = encoders[route](Failed(ApiError(502, kind, message, retryable=retryable)))
         return data or b""
 

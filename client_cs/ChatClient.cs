@@ -321,10 +321,11 @@ namespace ChatCli
                             if (result.StreamId != null && ev.Type == "error" && IsReaderFailure(ev.Data))
                             {
                                 // Not the stream's end: the app could not read it from its store just
-                                // now. Its id is the next event's, so it is not counted; the next attempt
-                                // asks again from the last event handled.
+                                // now (stream_store_unavailable), or the instance producing it stops and
+                                // the stream goes on on another (stream_moved). It has no id; the next
+                                // attempt asks again from the last event handled.
                                 result.Outcome = Outcome.Truncated;
-                                result.Message = "the app could not read the stream from its store (stream_store_unavailable)";
+                                result.Message = "this reading of the stream ended (" + ReaderFailureType(ev.Data) + ")";
                                 lost = true;
                                 break;
                             }
@@ -391,12 +392,21 @@ namespace ChatCli
             return false; // other event types are ignored, so the server can add some later
         }
 
+        static readonly string[] ReaderEnds = { "stream_store_unavailable", "stream_moved" };
+
         /// <summary>An error event that ends one reading of a resumable stream, not the stream.</summary>
         static bool IsReaderFailure(string data)
         {
+            return ReaderFailureType(data) != null;
+        }
+
+        static string ReaderFailureType(string data)
+        {
             var envelope = Json.TryRead<ErrorEnvelope>(data);
-            return envelope != null && envelope.Error != null &&
-                   (envelope.Error.Type == "stream_store_unavailable" || envelope.Error.Code == "stream_store_unavailable");
+            if (envelope == null || envelope.Error == null) return null;
+            foreach (string kind in ReaderEnds)
+                if (envelope.Error.Type == kind || envelope.Error.Code == kind) return kind;
+            return null;
         }
 
         static bool IsWorthAnotherTry(int status)

@@ -497,19 +497,22 @@ def test_resumable_drop_reconnects_with_last_event_id_and_prints_each_delta_once
     assert canned.cancels == []
 
 
-def test_stream_store_unavailable_is_a_lost_connection_not_the_end(chat_exe, canned):
-    """`stream_store_unavailable` ends one reading of the stream (the app could not reach its store), not the
-    stream: its id is the next event's, so the client asks again after the last event it printed."""
+@pytest.mark.parametrize("kind", ["stream_store_unavailable", "stream_moved"])
+def test_a_reading_that_ends_is_a_lost_connection_not_the_end(chat_exe, canned, kind):
+    """`stream_store_unavailable` (the app could not reach its store) and `stream_moved` (the instance
+    stops; the stream goes on on another) end one reading of the stream, not the stream: the client asks
+    again after the last event it printed."""
     unavailable = (
-        'id: 3\nevent: error\ndata: {"error": {"type": "stream_store_unavailable", '
-        '"message": "the stream\'s store is unavailable", "retryable": true}}\n\n'
+        "event: error\ndata: "
+        + json.dumps({"error": {"type": kind, "message": "this reading ends", "retryable": True}})
+        + "\n\n"
     )
     canned.resumable(SID, [ev(1, "a"), ev(2, "b"), unavailable], resumes=[[ev(3, "c"), done_ev(4)]])
     proc = run_chat(chat_exe, "--url", canned.url, "--stats", "hi")
     assert proc.returncode == EXIT_OK, proc.stderr
     assert proc.stdout == b"abc\n"
     assert [g["lower_headers"]["last-event-id"] for g in canned.gets] == ["2"]
-    assert "(stream_store_unavailable); reconnecting in 0.5 s" in proc.stderr.decode()
+    assert f"({kind}); reconnecting in 0.5 s" in proc.stderr.decode()
 
 
 def test_without_a_stream_id_a_drop_is_not_retried(chat_exe, canned):

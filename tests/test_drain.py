@@ -249,3 +249,128 @@ def test_resumable_streams_are_handed_over_on_sigterm_and_none_is_lost(long_upst
             break
         assert time.monotonic() < deadline, f"{len(requests)} requests, {len(continued)} continued in the ledger"
         time.sleep(0.5)
+
+
+class DocsClient(threading.Thread):
+    """A streamed chat completion read as docs/api.md ("Resuming a stream") tells a client to: keep
+    the stream id and the last event id handled; when the body ends before ``[DONE]`` (a cut, or an
+    id-less ``stream_moved``/``stream_store_unavailable`` event), ``GET /api/streams/ID`` with
+    ``Last-Event-ID``; handle an event only if its own id is above the last one handled. Plain httpx
+    and a line parser: no SDK, no transport of ours."""
+
+    READING_ENDS = ("stream_moved", "stream_store_unavailable")
+
+    def __init__(self, url: str, resume_url: str, key: str, content: str):
+        super().__init__(daemon=True)
+        self.url, self.resume_url, self.content = url, resume_url, content
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.text, self.finishes, self.readings_ended, self.final_errors = "", [], [], []
+        self.stream_id: str | None = None
+        self.last = 0
+        self.deltas = 0
+        self.done = False
+        self.resumes = 0
+        self.start()
+
+    def run(self) -> None:
+        body = {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": self.content}]}
+        try:
+            with httpx.stream("POST", self.url, json=body, headers=self.headers, timeout=30) as r:
+                assert r.status_code == 200, r.read()
+                self.stream_id = r.headers["x-stream-id"]
+                self.read(r)
+        except httpx.TransportError:
+            pass
+        deadline = time.monotonic() + 90
+        while not self.done and self.stream_id and time.monotonic() < deadline and self.resumes < 30:
+            time.sleep(0.25)
+            self.resumes += 1
+            headers = {**self.headers, "Last-Event-ID": str(self.last)}
+            try:
+                with httpx.stream("GET", f"{self.resume_url}/{self.stream_id}", headers=headers, timeout=30) as r:
+                    if r.status_code in (408, 429) or r.status_code >= 500:
+                        continue
+                    assert r.status_code == 200, (r.status_code, r.read())
+                    self.read(r)
+            except httpx.TransportError:
+                continue
+
+    def read(self, response: httpx.Response) -> None:
+        event_id: int | None = None
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("data: "):
+                data = line[6:]
+                if event_id is not None and event_id <= self.last:
+                    continue  # handled already
+                if data == "[DONE]":
+                    self.done = True
+                    return
+                obj = json.loads(data)
+                if "error" in obj:
+                    kind = obj["error"].get("code") or obj["error"].get("type")  # OpenAI's shape: our kind is the code
+                    if event_id is None and kind in self.READING_ENDS:
+                        self.readings_ended.append(kind)
+                        return
+                    self.final_errors.append(obj["error"])
+                    self.done = True
+                    return
+                for choice in obj["choices"]:
+                    self.text += choice["delta"].get("content") or ""
+                    self.deltas += 1 if choice["delta"].get("content") else 0
+                    if choice.get("finish_reason"):
+                        self.finishes.append(choice["finish_reason"])
+                if event_id is not None:
+                    self.last = event_id
+            elif line == "":
+                event_id = None
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("deltas", [20, 200])
+def test_a_client_that_follows_the_docs_loses_nothing_to_a_sigterm(azurite, start_app, deltas):
+    """A restart or a deploy that recreates an instance: SIGTERM to C's host (the host's default
+    shutdown timeout, 5 s) with five resumable keyed streams in flight, each after its first deltas.
+    Answers that can finish within the grace (20 deltas, 1 s) finish on C, with nothing to resume;
+    longer ones (200 deltas, 10 s) are handed over at the grace's end: the live caller's reading
+    ends with ``stream_moved`` (never ``stream_lost``, which tells a client to send again), and a
+    client that does what docs/api.md says resumes on B and gets the exact answer, one ``stop``."""
+    upstream = Upstream("--deltas", str(deltas), "--interval-ms", "50")
+    try:
+        env = {"AzureWebJobsStorage": azurite.connection_string, "RESUMABLE_STREAMS": "on", "CALLER_KEYS": "required"}
+        b = start_app(**app_env(upstream, **env))
+        c = start_app(**app_env(upstream, **env))
+        made = httpx.post(f"{b.url}/api/manage/callers", json={"name": f"docs-{os.getpid()}-{deltas}"}, timeout=30)
+        assert made.status_code == 201, made.text
+        key = made.json()["key"]
+        clients = [
+            DocsClient(f"{c.url}/api/v1/chat/completions", f"{b.url}/api/streams", key, f"[scenario:cadence] {i}")
+            for i in range(5)
+        ]
+        deadline = time.monotonic() + 60
+        while not all(client.deltas >= 3 for client in clients):
+            assert time.monotonic() < deadline, [client.deltas for client in clients]
+            time.sleep(0.02)
+        c.proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(120)
+        expected = cadence_text(deltas)
+        for client in clients:
+            assert client.final_errors == [], client.final_errors
+            diverge = next((i for i, (x, y) in enumerate(zip(client.text, expected)) if x != y), None)
+            assert client.text == expected and client.finishes == ["stop"] and client.done, (
+                diverge,
+                client.text[(diverge or 0) - 40 : (diverge or 0) + 40],
+                client.last,
+                len(client.text),
+                client.finishes,
+                client.readings_ended,
+            )
+            assert set(client.readings_ended) <= {"stream_moved"}, client.readings_ended
+            if deltas == 20:
+                assert client.resumes == 0, "an answer that fits in the grace finishes where it started"
+        assert c.proc.wait(30) is not None
+    finally:
+        upstream.stop()

@@ -179,12 +179,14 @@ function eventNumber(id) {
 }
 
 /** An error event that ends one reading of a resumable stream, not the stream:
- *  `stream_store_unavailable` (the app could not read the stream from its store for a while). */
+ *  `stream_store_unavailable` (the app could not read the stream from its store for a while) or
+ *  `stream_moved` (the instance producing it stops; the stream goes on on another). */
+const READER_ENDS = ["stream_store_unavailable", "stream_moved"];
 function readerFailed(data) {
-  if (!data.includes("stream_store_unavailable")) return false;
+  if (!READER_ENDS.some((kind) => data.includes(kind))) return false;
   try {
     const error = JSON.parse(data).error;
-    return Boolean(error) && (error.code === "stream_store_unavailable" || error.type === "stream_store_unavailable");
+    return Boolean(error) && READER_ENDS.some((kind) => error.code === kind || error.type === kind);
   } catch {
     return false;
   }
@@ -609,9 +611,9 @@ function main() {
           const id = turn.streamId ? eventNumber(event.id) : null;
           if (id !== null && id <= turn.lastEventId) continue; // shown already: a replay from too early
           if (turn.streamId && readerFailed(event.data)) {
-            // Not the stream's end: the app could not read it from its store just now. Its id is the
-            // next event's, so it is not counted; the next attempt asks again from the last one shown.
-            throw new Error("the app could not read the stream from its store (stream_store_unavailable)");
+            // Not the stream's end: the app could not read it from its store just now, or the stream
+            // moved to another instance. It has no id; the next attempt asks again from the last one shown.
+            throw new Error("this reading of the stream ended; resuming it");
           }
           ended = handle(event.data, turn);
           if (id !== null) turn.lastEventId = id;

@@ -197,7 +197,8 @@ def ack_marker(nonce: str, last_id: int) -> bytes:
 class EncodeError(Protocol):
     """The request path's encoder for an error event this package has to write (a stream that lost its
     producer, a store that failed...): one complete SSE event in ``route``'s format, without an
-    ``id:`` line. ``type`` is ``stream_lost`` or ``store_unavailable``."""
+    ``id:`` line. ``type`` is ``stream_lost`` (the stream ends here), ``stream_moved`` (this reading
+    ends, the stream goes on elsewhere) or ``store_unavailable`` (this reading ends)."""
 
     def __call__(self, route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes: ...
 

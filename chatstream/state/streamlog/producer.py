@@ -204,10 +204,11 @@ class Producer:
         return self._writer.handed_over
 
     def moved_event(self) -> bytes:
-        """What ends the live caller's answer once the stream goes on elsewhere: a retryable error
-        without an id, so its client resumes after the last id it got."""
+        """What ends the live caller's answer once the stream goes on elsewhere: a retryable
+        ``stream_moved`` error without an id (it is not an event of the stream), so its client
+        resumes after the last id it got, as after a cut."""
         return self._ctx.encode_error(
-            self.route, "stream_lost", "the stream goes on on another instance: resume it", True, self._last_id + 1
+            self.route, "stream_moved", "the stream goes on on another instance: resume it", True, self._last_id + 1
         )
 
     # -- what readers here use ------------------------------------------------------------------
