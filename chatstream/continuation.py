@@ -226,6 +226,10 @@ class ChatContinuation:
         self._id: object = None  # the answer's id and created, from its first stream
         self._created: object = None
         self._lost_on: str | None = None  # a takeover: the entry of the stream the lost producer read
+        # The caller has its role chunk (the first stream's, or a taken-over log's): a continuation's
+        # is dropped. A takeover from a log without it passes the continuation's, as event 1 (chat
+        # completions number it: the ids must name the same event on every instance).
+        self._role_sent = True
 
     @classmethod
     def resuming(
@@ -246,6 +250,7 @@ class ChatContinuation:
         plan._passed = TextParts([known.text])
         plan._id, plan._created = known.id, known.created
         plan._lost_on = lost_on
+        plan._role_sent = known.role_sent
         return plan
 
     # -- every chunk
@@ -284,7 +289,10 @@ class ChatContinuation:
         finish = choice.get("finish_reason")
         other = any(delta.get(name) for name in _SUBSTANCE)
         if not content and not finish and not other:
-            return []  # its role chunk, or nothing at all: the caller has had its role
+            if self._role_sent or not delta.get("role"):
+                return []  # its role chunk, or nothing at all: the caller has had its role
+            self._role_sent = True
+            return [self._named(data)]
         pieces: list[tuple[object, str]] = []
         if other and seam.deciding:  # something else than text: decide on the text held so far
             pieces = seam.feed(None, "", final=True)
@@ -408,11 +416,12 @@ class Known:
     id: str | None = None
     created: int | None = None
     blocked: str | None = None
+    role_sent: bool = True  # chat completions: the stored chunks hold the role chunk
 
 
 def known_from_chunks(chunks: Sequence[dict]) -> Known:
     """``Known`` from chat.completion.chunks as the stream passed them on."""
-    text, answer_id, created, blocked = [], None, None, None
+    text, answer_id, created, blocked, role_sent = [], None, None, None, False
     for chunk in chunks:
         answer_id = answer_id or (chunk.get("id") if isinstance(chunk.get("id"), str) else None)
         created = created or (chunk.get("created") if isinstance(chunk.get("created"), int) else None)
@@ -420,10 +429,11 @@ def known_from_chunks(chunks: Sequence[dict]) -> Known:
             delta = choice.get("delta") if isinstance(choice, dict) else None
             if not isinstance(delta, dict):
                 continue
+            role_sent = role_sent or bool(delta.get("role"))
             if isinstance(delta.get("content"), str):
                 text.append(delta["content"])
             blocked = blocked or next((name for name in _SUBSTANCE if delta.get(name)), None)
-    return Known("".join(text), answer_id, created, blocked)
+    return Known("".join(text), answer_id, created, blocked, role_sent)
 
 
 class Resumed:

@@ -179,6 +179,60 @@ def test_a_producer_that_dies_is_taken_over_and_every_reader_gets_the_whole_answ
     assert chat_text(later) == cadence_text(DELTAS) and later[-1][1] == "done"
 
 
+def openai_text(evs) -> str:
+    text = ""
+    for _, _, data in evs:
+        if data.startswith("{"):
+            for choice in json.loads(data).get("choices") or ():
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("route", ["chat", "v1/chat/completions"])
+def test_a_producer_killed_before_it_stored_anything_is_taken_over_with_the_same_ids(
+    slow_upstream, azurite, start_app, route
+):
+    """The live caller read 3 events from A, then A is SIGKILLed before its log held any (it trails
+    the caller when nobody reads elsewhere): the caller resumes on B after id 3. B takes the stream
+    over from the empty log; its events must carry the ids the dead producer gave them (on chat
+    completions event 1 is the role chunk: a takeover that dropped its own ran one id behind and
+    the caller silently missed a delta). The caller's text is exact, with one final event."""
+    a = start_app(**resumable_env(slow_upstream, azurite, RESUME_TTL_SECONDS="30"))
+    b = start_app(**resumable_env(slow_upstream, azurite, RESUME_TTL_SECONDS="30"))
+    read_some(a.chat_url, {"prompt": "warm up"}, 1)  # A's store clients and tables ready: its record is stored
+    body = (
+        {"prompt": "kill before storing"}
+        if route == "chat"
+        else {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "kill before storing"}]}
+    )
+    got, buffer = [], ""
+    with httpx.stream("POST", f"{a.url}/api/{route}", json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        stream_id = response.headers["x-stream-id"]
+        for piece in response.iter_text():
+            buffer += piece
+            got = events(buffer.rsplit("\n\n", 1)[0] + "\n\n") if "\n\n" in buffer else []
+            if len(got) >= 3:
+                a.stop(signal.SIGKILL)  # the local host and its worker, at once
+                break
+    got = got[:3]
+    deadline = time.monotonic() + 60
+    while True:
+        answer = resume(b, stream_id, got[-1][0])
+        if answer.status_code == 200 and events(answer.text):
+            break
+        assert time.monotonic() < deadline, (answer.status_code, answer.text[-300:])
+        time.sleep(0.5)
+    rest = events(answer.text)
+    whole = got + rest
+    assert [e[0] for e in whole] == list(range(1, len(whole) + 1)), "ids go on, each once"
+    if route == "chat":
+        assert chat_text(whole) == cadence_text(DELTAS) and whole[-1][1] == "done"
+    else:
+        assert whole[-1][2] == "[DONE]", answer.text[-300:]
+        assert openai_text(whole) == cadence_text(DELTAS), (openai_text(got), openai_text(rest)[:80])
+
+
 def test_without_continuations_a_producer_that_dies_ends_every_reader_with_stream_lost(
     slow_upstream, azurite, start_app
 ):
