@@ -230,3 +230,61 @@ def test_instances_whose_clocks_are_30_s_apart_agree_on_the_minute(upstream, azu
         time.sleep(max(waits or [1]) + 0.5)  # a window turned during the round: the next one
     assert statuses.count(200) == 4, statuses
     assert len(waits) == 2 and abs(waits[0] - waits[1]) <= 2, waits
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("period", ["total", "month"])
+def test_a_killed_instances_requests_reach_the_usage_api(upstream, azurite, start_app, period):
+    """What operators see: a caller with a token budget (total, or by month) streams 4 answers on A
+    (max_tokens 2,000 each); A, which holds the duty, is SIGKILLed a few words in. B has served
+    nothing but the admin API. Within 20 s B's usage API (JSON and CSV) has the 4 requests, ``lost``,
+    at what they had generated, and B admits a request against the budget given back. (Before, B
+    never joined the duty without a keyed request of its own: 0 requests after 90 s.)"""
+    a = start_app(**env(upstream, azurite))
+    b = start_app(**env(upstream, azurite))
+    who, key, _ = caller(a, token_budget=20_000, budget_period=period)
+    marker = uuid.uuid4().hex
+    started = threading.Barrier(5, timeout=60)
+
+    def stream_on_a() -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                f"{a.url}/api/v1/chat/completions",
+                headers={"api-key": key},
+                json=ask(f"[scenario:slow] {marker}", stream=True, max_tokens=2_000),
+                timeout=30,
+            ) as response:
+                for n, _ in enumerate(response.iter_lines()):
+                    if n == 4:
+                        started.wait()
+        except (httpx.HTTPError, threading.BrokenBarrierError):
+            pass  # its instance was killed
+
+    streams = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(4)]
+    for thread in streams:
+        thread.start()
+    started.wait()
+    time.sleep(0.7)  # a journal write
+    a.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        usage = httpx.get(f"{b.url}/api/manage/usage", params={"caller": who}, timeout=30)
+        assert usage.status_code == 200, usage.text
+        total = usage.json()["total"]
+        if total.get("requests") == 4:
+            break
+        assert time.monotonic() - killed < 60, (usage.json(), ledger(azurite, who))
+        time.sleep(1)
+    print(f"in the usage API {time.monotonic() - killed:.1f} s after the kill: {total}")
+    # A held the duty (it answered the admin API first): B takes it once A's row is past its lease,
+    # not after 3 of the duty's ticks (30 s before). ~6 s here; the bound leaves room for a busy machine.
+    assert time.monotonic() - killed < 20
+    assert 0 < total["completion_tokens"] < 4 * 100, total
+    assert [row["ended"] for row in usage.json()["data"]] == [{"lost": 4}], usage.json()["data"]
+    csv = httpx.get(f"{b.url}/api/manage/usage", params={"caller": who, "format": "csv"}, timeout=30)
+    assert csv.status_code == 200 and f"total,,,,4,{total['prompt_tokens']}," in csv.text, csv.text
+    admitted = httpx.post(
+        f"{b.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi", max_tokens=15_000), timeout=30
+    )
+    assert admitted.status_code == 200, admitted.text

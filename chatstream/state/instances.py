@@ -52,7 +52,10 @@ class InstanceTiming:
     beat_seconds: float = 1.5
     lease_seconds: float = 4.5  # no beat for this long (by the store's clock): dead
     linger_seconds: float = 10.0  # beats go on this long after the last need (a next one needs no first beat)
-    duty_seconds: float = 10.0  # the duty holder's tick; a holder silent for 3 ticks loses it
+    # The duty's tick (the holder's work, the others' look at the duty row). The duty is free when its
+    # holder's own row is past its lease (a holder that beats: found within a lease and a tick, ~10 s),
+    # or when the holder did not refresh the duty for 3 ticks (one that does not beat).
+    duty_seconds: float = 5.0
     fresh_seconds: float = 0.5  # one read of another instance's row serves every question for this long
 
 
@@ -254,7 +257,9 @@ class Instances:
                     etag = await self.store.insert(STREAMS_TABLE, row)
                 except AlreadyExists:
                     return None
-            elif now - float(current.get("at") or 0.0) > 3 * self.timing.duty_seconds:
+            elif now - float(current.get("at") or 0.0) > 3 * self.timing.duty_seconds or await self._holder_dead(
+                current
+            ):
                 try:
                     etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
                 except (NotFound, Modified):
@@ -263,6 +268,16 @@ class Instances:
                 return None
         await self._do_duty()
         return etag
+
+    async def _holder_dead(self, duty: dict) -> bool:
+        """Whether the duty's holder is a dead instance: its own row past its lease (or taken over).
+        A holder without a row (it holds nothing, so it does not beat) is judged by the duty row's
+        age alone."""
+        holder = str(duty.get("holder") or "")
+        if not holder or holder == self.id or not self._can_judge():
+            return False
+        row = await self.store.get(STREAMS_TABLE, PARTITION, holder)
+        return row is not None and (bool(row.get("taken_by")) or not self._fresh(row))
 
     async def _do_duty(self) -> None:
         rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)

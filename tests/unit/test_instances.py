@@ -112,3 +112,31 @@ async def test_sweeps_run_on_one_instance_however_many_there_are():
 
 async def _note(into: list, who: str, what: str) -> None:
     into.append((who, what))
+
+
+async def test_a_dead_duty_holder_is_replaced_within_a_lease_and_a_tick_and_taken_over():
+    """The duty holder itself dies (it beat: it held something). Another instance takes the duty as
+    soon as the holder's row is past its lease, not after 3 of the duty's ticks, and takes the dead
+    holder over. (Here a tick is 1 s and the lease 0.3 s: before, the duty stayed with the dead
+    holder for 3 s.)"""
+    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=1.0, fresh_seconds=0)
+    data = MemoryData()
+    a = instance(data, timing=timing)
+    a.need()
+    await a.first_beat()
+    await asyncio.sleep(0.1)  # a's duty tick: it holds the duty
+    assert data.tables["chatstreamStreams"]["instances"]["~duty"][0]["holder"] == a.id
+    b = instance(data, timing=timing)
+    taken: list[str] = []
+    b.on_dead(lambda dead: _note(taken, b.id, dead))
+    b.serve()
+    await asyncio.sleep(0.1)
+    for task in (a._beating, a._duty):
+        task.cancel()  # killed
+    killed = time.monotonic()
+    while not taken and time.monotonic() - killed < 5:
+        await asyncio.sleep(0.02)
+    assert taken == [(b.id, a.id)] and time.monotonic() - killed < 0.3 + 1.0 + 0.5, (taken, time.monotonic() - killed)
+    assert data.tables["chatstreamStreams"]["instances"]["~duty"][0]["holder"] == b.id
+    await b.close()
+    await a.close(leave=False)
