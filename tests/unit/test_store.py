@@ -1,5 +1,6 @@
-"""chatstream/state/store.py: where the store is (the settings, as the Functions host reads them),
-and what the Azure backend does when nothing answers. The contract itself: tests/store_contract.py."""
+"""chatstream/state/store.py and store_env.py: where the store is (the settings, as the Functions
+host reads them), and what the Azure backend does when nothing answers. The contract itself:
+tests/store_contract.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import time
 import pytest
 
 from chatstream.errors import StoreUnavailable
-from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError, store_from_env
+from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
 from chatstream.state.store_azure import AzureStore
+from chatstream.state.store_env import store_from_env
 from chatstream.state.store_memory import MemoryStore
 
 
