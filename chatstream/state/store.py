@@ -7,8 +7,8 @@ contract suite runs against both (tests/store_contract.py), so a unit test on me
 says on Azurite.
 
 Every call is bounded in time (``timeout``, default ``CALL_TIMEOUT``) and raises only the store's
-own errors (errors.py: ``StoreError`` and its family): a backend maps what its SDK raises, once,
-where it enters. What a call answers:
+own errors (errors.py: ``StoreError`` and its family): a backend maps what its libraries raise,
+once, where it enters (store_azure's ``store_error``). What a call answers:
 
 - rows: ``get`` a row or None; ``insert`` (AlreadyExists), ``replace`` and ``merge`` (the row must
   exist: NotFound; with an ETag: Modified when it changed), ``upsert``, ``delete`` (quiet when the

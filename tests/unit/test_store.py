@@ -66,3 +66,25 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     finally:
         await store.close()
     assert time.monotonic() - started < 2.0
+
+
+def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
+    import aiohttp
+    from azure.core.exceptions import ServiceRequestError
+
+    from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
+    from chatstream.state.store_azure import Gone, store_error
+    from chatstream.state.store_rest import NoToken, Refused
+
+    assert isinstance(store_error(Refused(404, "ResourceNotFound")), NotFound)
+    assert isinstance(store_error(Refused(416, "InvalidRange")), NotFound)  # nothing past a blob's end
+    assert isinstance(store_error(Refused(404, "TableNotFound")), Gone)  # an outage: made again
+    assert isinstance(store_error(Refused(404, "ContainerNotFound")), StoreUnavailable)
+    assert isinstance(store_error(Refused(409, "EntityAlreadyExists")), AlreadyExists)
+    failed = store_error(Refused(412, "UpdateConditionNotSatisfied", index=3))
+    assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]
+    assert isinstance(store_error(Refused(503, "ServerBusy")), StoreUnavailable)
+    assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
+    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), ServiceRequestError("x"), NoToken("E")):
+        assert type(store_error(foreign)) is StoreUnavailable
+    assert store_error(ValueError("a bug of ours")) is None
