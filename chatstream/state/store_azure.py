@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
-from azure.core.exceptions import AzureError, HttpResponseError
+from azure.core.exceptions import AzureError, ClientAuthenticationError, HttpResponseError
 from azure.data.tables.aio import TableServiceClient
 from azure.storage.blob.aio import BlobServiceClient
 
@@ -79,8 +79,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         return exc
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
-    if isinstance(exc, NoToken):
-        return StoreUnavailable(f"no token for the store ({exc})")
+    if isinstance(exc, (NoToken, ClientAuthenticationError)):  # never a NotFound of the row asked for
+        return StoreUnavailable(f"no token for the store ({exc if isinstance(exc, NoToken) else type(exc).__name__})")
     if isinstance(exc, Refused):
         status, code, index = exc.status, exc.code, exc.index
     elif isinstance(exc, HttpResponseError) and exc.status_code is not None:

@@ -70,7 +70,7 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
 
 def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     import aiohttp
-    from azure.core.exceptions import ServiceRequestError
+    from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
     from chatstream.state.store_azure import Gone, store_error
@@ -87,4 +87,7 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
     for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), ServiceRequestError("x"), NoToken("E")):
         assert type(store_error(foreign)) is StoreUnavailable
+    refused = ClientAuthenticationError("no identity")
+    refused.status_code = 404  # the identity endpoint's answer, not the store's
+    assert type(store_error(refused)) is StoreUnavailable
     assert store_error(ValueError("a bug of ours")) is None
