@@ -9,7 +9,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from chatstream.state.ledger import Charge
-from chatstream.state.store import USAGE_TABLE, Op, store_from_env
+from chatstream.state.store import USAGE_TABLE, Op
+from chatstream.state.store_env import store_from_env
 
 TEAMS = ("search", "support", "web", "data", "mobile")
 # USD per 1M tokens (input, output), as pico-dollars per token: × 10⁶.

@@ -1,4 +1,4 @@
-"""The store's contract (tests/store_contract.py) on a real Azurite, through the azure SDKs."""
+"""The store's contract (tests/store_contract.py) on a real Azurite (state/store_azure.py)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,10 @@ from chatstream.state.store_azure import AzureStore
 _prefix = itertools.count()
 
 
-@pytest.mark.parametrize("path", ["rest", "sdk"])
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
-def test_the_contract(check, path, azurite):
-    """On the REST path of the hot calls (store_rest.py) and on the SDK's alone (its fallback)."""
-    import asyncio
-
+def test_the_contract(check, azurite):
     async def run():
         store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
-        if path == "sdk":
-            store.rest_off()
         try:
             await check(store, f"c{next(_prefix)}x{id(store) % 10000}")
         finally:
@@ -62,24 +56,21 @@ async def _block_appended(store: AzureStore) -> tuple[Callable[[], Awaitable[obj
 
 
 @pytest.mark.parametrize("write", [_row_replaced, _block_appended], ids=["replace", "append"])
-@pytest.mark.parametrize("path", ["rest", "sdk"])
-def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(path, write):
+def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(write):
     """The store stopped (SIGSTOP) under a write conditioned on an ETag or an append position: the
-    write times out (unavailable: it may have landed) and neither path (store_rest.py, the SDK's)
-    resends it. Resent, the copy's 412 said "someone else wrote" of our own landed write, and a
-    counter exchange gave back twice what it held (the frozen-store churn test, CI on 2026-12-03);
-    an append's copy would fail its position, or land twice."""
+    write times out (unavailable: it may have landed) and is not sent again (store_rest.py).
+    Resent, the copy's 412 said "someone else wrote" of our own landed write, and a counter
+    exchange gave back twice what it held (the frozen-store churn test, CI on 2026-12-03); an
+    append's copy would fail its position, or land twice."""
     azurite = Azurite()
 
     async def run() -> None:
         store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
-        if path == "sdk":
-            store.rest_off()
         try:
             send, landed = await write(store)
             loop = asyncio.get_running_loop()
             os.kill(azurite.node_pid, signal.SIGSTOP)
-            loop.call_later(2.5, os.kill, azurite.node_pid, signal.SIGCONT)  # past the SDK's 1.5 s read timeout
+            loop.call_later(2.5, os.kill, azurite.node_pid, signal.SIGCONT)  # past the 1.5 s read timeout
             with pytest.raises(StoreUnavailable):
                 await send()
             await asyncio.sleep(2.5)

@@ -21,7 +21,8 @@ from .journal import Journal, recover
 from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
-from .store import Store, StoreConfigError, store_from_env
+from .store import Store, StoreConfigError
+from .store_env import store_from_env
 
 log = logging.getLogger("chatstream")
 

@@ -1,12 +1,14 @@
 """The store's edge: what every part of the shared state asks of Azure Tables and Blobs, in one small
-interface (``Store``), and its two backends: the Function App's own storage account
-(``store_azure.AzureStore``, the azure SDKs; Azurite locally) and an in-process one
-(``store_memory.MemoryStore``, for unit tests). One contract suite runs against both
-(tests/store_contract.py), so a unit test on memory means what it says on Azurite.
+interface (``Store``), with its rows, queries and operations, and where the store is
+(``StorageConfig``). It imports no backend: the Function App's own storage account
+(``store_azure.AzureStore``; Azurite locally) and an in-process one (``store_memory.MemoryStore``,
+for unit tests) implement it, and ``store_env.store_from_env`` picks one from the settings. One
+contract suite runs against both (tests/store_contract.py), so a unit test on memory means what it
+says on Azurite.
 
 Every call is bounded in time (``timeout``, default ``CALL_TIMEOUT``) and raises only the store's
-own errors (errors.py: ``StoreError`` and its family): a backend maps what its SDK raises, once,
-where it enters. What a call answers:
+own errors (errors.py: ``StoreError`` and its family): a backend maps what its libraries raise,
+once, where it enters (store_azure's ``store_error``). What a call answers:
 
 - rows: ``get`` a row or None; ``insert`` (AlreadyExists), ``replace`` and ``merge`` (the row must
   exist: NotFound; with an ETag: Modified when it changed), ``upsert``, ``delete`` (quiet when the
@@ -49,7 +51,6 @@ USAGE_TABLE = "chatstreamUsage"
 RESPONSES_TABLE = "chatstreamResponses"
 STREAMS_TABLE = "chatstreamStreams"
 STREAMS_CONTAINER = "chatstream-streams"
-TABLES = (CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE, RESPONSES_TABLE, STREAMS_TABLE)
 
 CONNECTION = "AzureWebJobsStorage"
 # A call on the request path waits this long at most for the store (one retry included).
@@ -360,20 +361,3 @@ class StorageConfig:
                 return "the storage emulator on its default ports"
             return fields.get("TableEndpoint") or f"account {fields.get('AccountName', '?')}"
         return f"{self.table_url or self.blob_url} (identity-based)"
-
-
-def store_from_env(environ: Mapping[str, str]) -> Store | None:
-    """The app's store from its settings (None when none is set). ``CHATSTREAM_STORE=memory``
-    (tests only) makes an in-process one, shared by everything in this process."""
-    if (environ.get("CHATSTREAM_STORE") or "").strip() == "memory":
-        from .store_memory import MemoryStore
-
-        return MemoryStore.shared()
-    config = StorageConfig.from_env(environ)
-    if config is None:
-        return None
-    from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
-
-    # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
-    offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
-    return AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)

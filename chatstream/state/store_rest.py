@@ -1,31 +1,23 @@
-"""The store's hot calls as plain REST requests (aiohttp), beside the SDK's clients (store_azure.py).
+"""The store's calls as plain REST requests of the Table and Blob services, on one aiohttp session:
+the wire format (rows, queries, batches, blob headers) and the signing of each request. The Store
+itself (bounds, the store's clock, its errors) is store_azure.py.
 
-A call through the azure SDKs costs 0.8 to 1.9 ms of CPU here (azure-core's pipeline of policies
-and header models), a query 1.1 to 1.3 ms, a batch of one 1.8 to 2.3 ms, of ten 4.4 to 5.1 ms; the
-same request through one aiohttp session 0.22 to 0.39 ms, a query 0.3 ms, a batch of one 0.45 to
-0.55 ms, of ten 0.85 ms (tools/bench/store_calls.py on Azurite, 300 calls of each).
-So the calls every request makes go this way: a row's get, insert, replace, merge, upsert and
-delete, a query (a producing instance reads its inbox up to 10 times a second), a batch, an
-append blob's create, appends and reads from an offset, a whole blob's put and get. A blob's size
-and delete, and creating a table or the container stay on the SDK.
-
-Nothing is signed by hand. With an account key (a connection string; Azurite) requests carry SAS
+Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry SAS
 tokens made by the SDKs' own helpers (``generate_table_sas``, ``generate_container_sas``; for a
 batch, which is the account's ``$batch``, ``generate_account_sas`` for rows only), renewed well
-before they expire; with an identity, an OAuth token of the same credential the SDK clients
-use (``get_token``, kept until near its expiry). When neither is possible (a connection string
-without a key) ``NoRestAccess`` says so before anything is sent, and the store uses the SDK.
+before they expire; with a SAS in the connection string, that SAS as it is; with an identity, an
+OAuth token of azure-identity's credential (``get_token``, kept until near its expiry).
 
-Rows go as the SDK writes them (store_azure's ``_to_store``): every int an ``Edm.Int64`` (a string
-with its ``@odata.type``), a float an ``Edm.Double``, bools and strings as JSON; they come back as
-the SDK reads them (``row_of``), so a row written one way reads the same the other way
-(tests/test_store_rest.py). What the service answers is mapped here, once, into the store's errors;
-what aiohttp raises, by store_azure's ``_mapped`` around every call."""
+Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
+this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
+``@odata.type``), a float an ``Edm.Double``, bools and strings as JSON; they come back as the SDK
+reads them (``row_of``). An answer that is not a success raises ``Refused`` with its status and
+error code, an identity without a token ``NoToken``; store_azure's ``store_error`` maps them (and
+what aiohttp raises) into the store's errors."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import email
 import email.policy
@@ -48,17 +40,15 @@ from azure.data.tables import (
 )
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from .store import CONNECTION, Op, Row, StoreConfigError, with_index
+from .store import CONNECTION, Op, Row, StoreConfigError, Where
 
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
 TABLE_VERSION = "2019-02-02"
-# The SDK's own per-try bounds (store_azure's _CLIENT_OPTIONS): a connection in 1.5 s, each read 1.5 s.
+BLOB_VERSION = "2023-11-03"
+# Each try: a connection in 1.5 s, each read 1.5 s (the SDK clients' bounds before).
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=1.5, sock_read=1.5)
-# The error codes of a table or the container itself not there (deleted under us), and which it is.
-GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 _TABLE_HEADERS = {
     "x-ms-version": TABLE_VERSION,
     "DataServiceVersion": "3.0",
@@ -68,23 +58,17 @@ _TABLE_HEADERS = {
 _JSON = {**_TABLE_HEADERS, "Content-Type": "application/json"}
 
 
-class NoRestAccess(StoreUnavailable):
-    """No token can be made for these settings: use the SDK. Raised before anything is sent."""
+class NoToken(Exception):
+    """The identity gave no token (azure-identity's failure, whatever it raised: its ``__cause__``)."""
 
 
-class Gone(StoreUnavailable):
-    """The table or the container itself is not there (deleted under us): made again on next use."""
+class Refused(Exception):
+    """The service answered with an error: its HTTP ``status``, its ``x-ms-error-code`` and, for a
+    batch, which operation failed (``index``)."""
 
-
-def status_error(status: int | None) -> StoreError:
-    """The store's error for an answer's HTTP status (None: the SDK's error had none)."""
-    if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
-        return NotFound("not found")
-    if status == 409:
-        return AlreadyExists("it exists")
-    if status == 412:
-        return Modified("a condition failed")
-    return StoreUnavailable(f"the store failed (HTTP {status})")
+    def __init__(self, status: int, code: str | None, index: int | None = None):
+        super().__init__(f"HTTP {status} {code or ''}".strip())
+        self.status, self.code, self.index = status, code, index
 
 
 def entity_json(entity: Mapping[str, Any]) -> bytes:
@@ -104,19 +88,12 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
 
 
 def _typed(value: Any, edm: str | None) -> Any:
-    """A property as the SDK reads it (its _convert_to_entity), as our rows hold it."""
-    if edm is None or edm in ("Edm.String", "Edm.Int32", "Edm.Boolean"):
-        return value
+    """A property as our rows hold it: Int64 (sent as a string) an int, Double a float; strings,
+    bools and Int32 are JSON's own (the app writes no other type)."""
     if edm == "Edm.Int64":
         return int(value)
     if edm == "Edm.Double":
         return float(value)
-    if edm == "Edm.Binary":
-        return base64.b64decode(value)
-    if edm == "Edm.Guid":
-        return uuid.UUID(value)
-    if edm == "Edm.DateTime":
-        return datetime.fromisoformat(value)
     return value
 
 
@@ -155,22 +132,33 @@ def _batch_answers(content_type: str, data: bytes) -> list[tuple[int, str | None
     return answers
 
 
-def odata_filter(query: str, parameters: Mapping[str, Any]) -> str:
-    """``query`` with its ``@name`` parameters written in, as the SDK's query_entities writes them
-    (its _parameter_filter_substitution, for the types our rows hold)."""
-    words = query.split(" ")
-    for i, word in enumerate(words):
-        if word.startswith("@"):
-            value = parameters[word[1:]]
-            if value is True or value is False:
-                words[i] = str(value).lower()
-            elif isinstance(value, float):
-                words[i] = str(value)
-            elif isinstance(value, int):
-                words[i] = str(value) if value.bit_length() <= 32 else f"{value}L"
-            else:
-                words[i] = "'" + str(value).replace("'", "''") + "'"
-    return " ".join(words)
+def _literal(value: Any) -> str:
+    """A value in an OData filter, as the SDK's query_entities writes it for the types rows hold."""
+    if value is True or value is False:
+        return str(value).lower()
+    if isinstance(value, float):
+        return str(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 32 else f"{value}L"
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def odata_filter(where: Where) -> str:
+    """The OData ``$filter`` of a query (every partition when it names none)."""
+    parts: list[str] = []
+    for name, op, value in (
+        ("PartitionKey", "eq", where.partition),
+        ("RowKey", "ge", where.rows_from),
+        ("RowKey", "lt", where.rows_to),
+    ):
+        if value is not None:
+            parts.append(f"{name} {op} {_literal(value)}")
+    for op, conditions in (("eq", where.equal), ("lt", where.less), ("ge", where.at_least)):
+        for name, value in conditions.items():
+            if not name.isidentifier():
+                raise ValueError(f"not a property name: {name!r}")
+            parts.append(f"{name} {op} {_literal(value)}")
+    return " and ".join(parts) or "PartitionKey ne ''"
 
 
 def _failed_index(error: Mapping[str, Any]) -> int:
@@ -182,15 +170,20 @@ def _failed_index(error: Mapping[str, Any]) -> int:
     return int(head) if head.isdigit() else 0
 
 
-def _missing(answer: aiohttp.ClientResponse, statuses: tuple[int, ...] = (404,)) -> bool:
-    """The row or blob asked for is not there (not the table or the container itself: ``GONE``)."""
-    return answer.status in statuses and answer.headers.get("x-ms-error-code") not in GONE
-
-
 def _entity_path(table: str, partition: str, row: str) -> str:
     # As the SDK's _prepare_key: a quote doubled inside the key's quotes, then URL-encoded.
     pk, rk = (quote(key.replace("'", "''"), safe="") for key in (partition, row))
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
+
+
+def _check(answer: aiohttp.ClientResponse) -> None:
+    if answer.status >= 300:
+        raise Refused(answer.status, answer.headers.get("x-ms-error-code"))
+
+
+def _etag(answer: aiohttp.ClientResponse) -> str:
+    _check(answer)
+    return answer.headers.get("ETag", "")
 
 
 class _Bearer:
@@ -209,8 +202,8 @@ class _Bearer:
                 if self._token is None or datetime.now(UTC).timestamp() >= self._expires - 300:
                     try:
                         token = await self._credential.get_token(TOKEN_SCOPE)
-                    except Exception as exc:  # noqa: BLE001 - azure-identity's failures: no answer for us
-                        raise StoreUnavailable(f"no token for the store ({type(exc).__name__})") from None
+                    except Exception as exc:  # whatever azure-identity raises: no token
+                        raise NoToken(type(exc).__name__) from exc
                     self._token, self._expires = token.token, float(token.expires_on)
         # x-ms-date: the services want one on every request not signed by a SAS.
         return {"Authorization": f"Bearer {self._token}", "x-ms-date": email.utils.formatdate(usegmt=True)}
@@ -228,6 +221,11 @@ class _Sas:
         self._make = make
         self._tokens: dict[str, tuple[str, datetime]] = {}
 
+    @classmethod
+    def given(cls, sas: str) -> _Sas:
+        """The SAS of the settings, for every name."""
+        return cls(lambda name, start, expiry: sas)
+
     def token(self, name: str) -> str:
         now = datetime.now(UTC)
         found = self._tokens.get(name)
@@ -241,12 +239,38 @@ class _Sas:
         self._tokens.pop(name, None)
 
 
-class Rest:
-    """The hot calls (module docstring) on one aiohttp session, uncapped: no connection limit
-    (aiohttp's default of 100 would queue calls behind each other) and no proxy settings read per
-    request (trust_env off, as the SDK clients' use_env_settings=False).
+def _table_sas(key: AzureNamedKeyCredential) -> tuple[_Sas, _Sas]:
+    """A table's SAS and the account's for ``$batch`` (a table's is refused there: Azurite)."""
 
-    ``observe`` sees every answer's headers (the store's clock, a table or container gone)."""
+    def table(name: str, start: datetime, expiry: datetime) -> str:
+        permission = TableSasPermissions(read=True, add=True, update=True, delete=True)
+        return generate_table_sas(key, name, permission=permission, start=start, expiry=expiry)
+
+    def batch(name: str, start: datetime, expiry: datetime) -> str:
+        permission = AccountSasPermissions(read=True, add=True, update=True, delete=True)
+        return generate_account_sas(key, ResourceTypes(object=True), permission, start=start, expiry=expiry)
+
+    return _Sas(table), _Sas(batch)
+
+
+def _blob_sas(account: str, account_key: str) -> _Sas:
+    def container(name: str, start: datetime, expiry: datetime) -> str:
+        permission = ContainerSasPermissions(read=True, add=True, create=True, write=True, delete=True)
+        return generate_container_sas(
+            account, name, account_key=account_key, permission=permission, start=start, expiry=expiry
+        )
+
+    return _Sas(container)
+
+
+class Rest:
+    """The store's calls (module docstring) on one aiohttp session, uncapped: no connection limit
+    (aiohttp's default of 100 would queue calls behind each other) and no proxy settings read per
+    request (trust_env off). Each service is reached with what the settings give: an account key
+    (``table_key``, ``blob_key``), a SAS (``table_sas``, ``blob_sas``) or an identity
+    (``identity``, an azure-identity credential).
+
+    ``observe`` sees every answer's headers (the store's clock)."""
 
     def __init__(
         self,
@@ -254,61 +278,49 @@ class Rest:
         table_url: str | None,
         blob_url: str | None,
         container: str,
-        blob_version: str,
-        table_key: AzureNamedKeyCredential | None,
-        blob_key: tuple[str, str] | None,
-        identity: Any,
         observe: Callable[[Mapping[str, str]], None],
+        table_key: AzureNamedKeyCredential | None = None,
+        blob_key: tuple[str, str] | None = None,
+        table_sas: str | None = None,
+        blob_sas: str | None = None,
+        identity: Any = None,
     ):
         self._table_url = (table_url or "").rstrip("/")
         self._blob_url = (blob_url or "").rstrip("/")
         self._container_url = f"{self._blob_url}/{container}"
         self._container = container
-        self._blob_version = blob_version
         self._observe = observe
         self._session: aiohttp.ClientSession | None = None
-        self._table_sas = self._blob_sas = self._batch_sas = None
         self._bearer = _Bearer(identity) if identity is not None else None
+        self._tables: tuple[_Sas, _Sas] | None = None  # a table's SAS, the account's for $batch
         if table_key is not None:
-            key = table_key
-
-            def table_sas(name: str, start: datetime, expiry: datetime) -> str:
-                permission = TableSasPermissions(read=True, add=True, update=True, delete=True)
-                return generate_table_sas(key, name, permission=permission, start=start, expiry=expiry)
-
-            def batch_sas(name: str, start: datetime, expiry: datetime) -> str:
-                # $batch is the account's, not a table's: a table's SAS is refused there (Azurite).
-                permission = AccountSasPermissions(read=True, add=True, update=True, delete=True)
-                kinds = ResourceTypes(object=True)  # rows only
-                return generate_account_sas(key, kinds, permission, start=start, expiry=expiry)
-
-            self._table_sas = _Sas(table_sas)
-            self._batch_sas = _Sas(batch_sas)
+            self._tables = _table_sas(table_key)
+        elif table_sas:
+            self._tables = (_Sas.given(table_sas), _Sas.given(table_sas))
+        self._blobs: _Sas | None = None
         if blob_key is not None:
-            account, account_key = blob_key
-
-            def blob_sas(name: str, start: datetime, expiry: datetime) -> str:
-                permission = ContainerSasPermissions(read=True, add=True, create=True, write=True)
-                return generate_container_sas(
-                    account, name, account_key=account_key, permission=permission, start=start, expiry=expiry
-                )
-
-            self._blob_sas = _Sas(blob_sas)
+            self._blobs = _blob_sas(*blob_key)
+        elif blob_sas:
+            self._blobs = _Sas.given(blob_sas)
+        for url, signed, setting in (
+            (self._table_url, self._tables, "an AccountKey or a SharedAccessSignature for the tables"),
+            (self._blob_url, self._blobs, "an AccountKey or a SharedAccessSignature for the blobs"),
+        ):
+            if url and signed is None and self._bearer is None:
+                raise StoreConfigError(f"{CONNECTION}: the connection string has no {setting}")
 
     # --- rows ---------------------------------------------------------------------------------
 
-    async def get(self, table: str, partition: str, row: str, select: Sequence[str] | None) -> Row | None:
+    async def get(self, table: str, partition: str, row: str, select: Sequence[str] | None) -> Row:
         query = f"$select={','.join(['PartitionKey', 'RowKey', *select])}" if select else ""
         async with self._table("GET", table, _entity_path(table, partition, row), query, again=True) as answer:
-            if _missing(answer):
-                return None
-            self._check(answer)
+            _check(answer)
             return row_of(json.loads(await answer.read()), answer.headers.get("ETag", ""))
 
     async def insert(self, table: str, entity: Mapping[str, Any]) -> str:
         headers = {**_JSON, "Prefer": "return-no-content"}
         async with self._table("POST", table, table, "", headers, entity_json(entity)) as answer:
-            return self._etag(answer)
+            return _etag(answer)
 
     async def update(self, table: str, entity: Mapping[str, Any], etag: str | None, merge: bool) -> str:
         """Replace (or merge into) a row that must be there: under ``etag``, or any (If-Match: *)."""
@@ -316,35 +328,32 @@ class Rest:
         headers = {**_JSON, "If-Match": etag or "*"}
         method = "MERGE" if merge else "PUT"
         async with self._table(method, table, path, "", headers, entity_json(entity), again=etag is None) as answer:
-            return self._etag(answer)
+            return _etag(answer)
 
     async def upsert(self, table: str, entity: Mapping[str, Any]) -> str:
         """Insert or replace (a PUT without If-Match)."""
         path = _entity_path(table, entity["PartitionKey"], entity["RowKey"])
         async with self._table("PUT", table, path, "", _JSON, entity_json(entity), again=True) as answer:
-            return self._etag(answer)
+            return _etag(answer)
 
     async def delete(self, table: str, partition: str, row: str, etag: str | None) -> None:
-        """Quiet when the row is not there (as the SDK's delete_entity)."""
         headers = {**_TABLE_HEADERS, "If-Match": etag or "*"}
         path = _entity_path(table, partition, row)
         async with self._table("DELETE", table, path, "", headers, again=etag is None) as answer:
-            if _missing(answer):
-                return
-            self._check(answer)
+            _check(answer)
 
-    async def query(self, table: str, where: str, select: Sequence[str] | None, limit: int | None) -> list[Row]:
-        """The rows ``where`` (an OData filter: ``odata_filter``) answers, page by page (a
-        continuation after each), at most ``limit``."""
+    async def query(self, table: str, where: Where) -> list[Row]:
+        """The rows ``where`` answers, page by page (a continuation after each), at most its limit."""
+        limit = where.limit
         page = min(1000, limit) if limit else 1000
-        query = f"$filter={quote(where, safe='')}&$top={page}"
-        if select is not None:
-            query += f"&$select={','.join(['PartitionKey', 'RowKey', *select])}"
+        query = f"$filter={quote(odata_filter(where), safe='')}&$top={page}"
+        if where.select is not None:
+            query += f"&$select={','.join(['PartitionKey', 'RowKey', *where.select])}"
         rows: list[Row] = []
         going = ""
         while True:
             async with self._table("GET", table, f"{table}()", query + going, again=True) as answer:
-                self._check(answer)
+                _check(answer)
                 found = json.loads(await answer.read()).get("value") or []
                 after = answer.headers.get("x-ms-continuation-NextPartitionKey")
                 row_after = answer.headers.get("x-ms-continuation-NextRowKey")
@@ -361,8 +370,8 @@ class Rest:
     async def batch(self, table: str, ops: Sequence[Op]) -> list[str | None]:
         """An entity-group transaction (checked: store.check_batch): one multipart/mixed POST of
         the operations as the SDK sends them (the Table service's $batch format, written here: no
-        library makes it but the SDK's pipeline). Sent once; all or nothing: the failing
-        operation's error with its ``index``."""
+        library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
+        failing operation (``Refused.index``)."""
         batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
         parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
         for op in ops:
@@ -385,59 +394,55 @@ class Rest:
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE_HEADERS, "Content-Type": f"multipart/mixed; boundary={batch}"}
         async with self._table("POST", table, "$batch", "", headers, b"".join(parts), account=True) as answer:
-            if answer.status >= 300 and answer.headers.get("x-ms-error-code") not in GONE:
-                raise with_index(status_error(answer.status), 0)  # the whole batch refused
-            self._check(answer)
-            content_type = answer.headers.get("Content-Type", "")
-            answers = _batch_answers(content_type, await answer.read())
+            if answer.status >= 300:  # the whole batch refused
+                raise Refused(answer.status, answer.headers.get("x-ms-error-code"), 0)
+            answers = _batch_answers(answer.headers.get("Content-Type", ""), await answer.read())
         failed = next((found for found in answers if found[0] >= 300), None)
         if failed is None and len(answers) == len(ops):
             return [etag for _, etag, _ in answers]
         status, _, error = failed or (0, None, {})
-        code = str(error.get("code", ""))
-        if code in GONE:
-            self._observe({"x-ms-error-code": code})
-            raise Gone(f"the store lost its {GONE[code]} (re-created on the next call)")
-        raise with_index(status_error(status), _failed_index(error))
+        raise Refused(status, str(error.get("code", "")) or None, _failed_index(error))
 
     # --- blobs --------------------------------------------------------------------------------
 
     async def append_create(self, name: str) -> None:
-        """A new empty append blob; AlreadyExists when one is there (If-None-Match: *)."""
+        """A new empty append blob, only if none is there (If-None-Match: *): a create that timed
+        out and lands late must not empty the blob."""
         headers = {"x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         async with self._blob("PUT", name, "", headers, b"") as answer:
-            if answer.status in (409, 412):
-                raise AlreadyExists("the blob exists")
-            self._check(answer)
+            _check(answer)
 
     async def append(self, name: str, data: bytes, at: int) -> None:
-        """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
+        """``data`` at the end of an append blob that is ``at`` bytes long (412 when it is not)."""
         headers = {"x-ms-blob-condition-appendpos": str(at)}
         async with self._blob("PUT", name, "comp=appendblock", headers, data) as answer:
-            self._check(answer)
+            _check(answer)
 
     async def read(self, name: str, offset: int) -> bytes:
-        """The bytes from ``offset``: b"" when there are none there or no blob yet."""
+        """The bytes from ``offset`` (416 when there are none there: Azure; Azurite answers empty)."""
         async with self._blob("GET", name, "", {"x-ms-range": f"bytes={offset}-"}, again=True) as answer:
-            if answer.status in (200, 206):
-                return await answer.read()
-            if _missing(answer, (404, 416)):  # 416: nothing past ``offset``
-                return b""
-            self._check(answer)
-            return b""
+            _check(answer)
+            return await answer.read()
+
+    async def size(self, name: str) -> int:
+        async with self._blob("HEAD", name, "", {}, again=True) as answer:
+            _check(answer)
+            return int(answer.headers.get("Content-Length", "0"))
 
     async def put(self, name: str, data: bytes, condition: Mapping[str, str]) -> str:
         """A block blob's whole content, under ``condition`` (If-Match / If-None-Match headers)."""
         headers = {"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
         async with self._blob("PUT", name, "", headers, data, again=not condition) as answer:
-            return self._etag(answer)
+            return _etag(answer)
 
-    async def get_blob(self, name: str) -> tuple[bytes, str] | None:
+    async def get_blob(self, name: str) -> tuple[bytes, str]:
         async with self._blob("GET", name, "", {}, again=True) as answer:
-            if _missing(answer):
-                return None
-            self._check(answer)
+            _check(answer)
             return await answer.read(), answer.headers.get("ETag", "")
+
+    async def delete_blob(self, name: str) -> None:
+        async with self._blob("DELETE", name, "", {}, again=True) as answer:
+            _check(answer)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -468,18 +473,16 @@ class Rest:
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         if not self._table_url:
             raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
-        if self._table_sas is not None and self._batch_sas is not None:
-            sas = self._batch_sas.token("$batch") if account else self._table_sas.token(table)
-            query = f"{query}&{sas}" if query else sas
-            sent = headers
+        sas, name = None, "$batch" if account else table
+        if self._tables is not None:
+            sas = self._tables[1] if account else self._tables[0]
+            query = f"{query}&{sas.token(name)}" if query else sas.token(name)
         elif self._bearer is not None:
-            sent = {**headers, **await self._bearer.headers()}
-        else:
-            raise NoRestAccess("no account key or identity for the tables")
+            headers = {**headers, **await self._bearer.headers()}
         url = f"{self._table_url}/{path}?{query}" if query else f"{self._table_url}/{path}"
-        async with self._send(method, url, sent, body, again) as response:
-            if response.status == 403 and self._table_sas is not None and self._batch_sas is not None:
-                (self._batch_sas if account else self._table_sas).refused("$batch" if account else table)
+        async with self._send(method, url, headers, body, again) as response:
+            if response.status == 403 and sas is not None:
+                sas.refused(name)
             yield response
 
     @contextlib.asynccontextmanager
@@ -488,18 +491,16 @@ class Rest:
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         if not self._blob_url:
             raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
-        if self._blob_sas is not None:
-            sas = self._blob_sas.token(self._container)
+        headers = {**headers, "x-ms-version": BLOB_VERSION}
+        if self._blobs is not None:
+            sas = self._blobs.token(self._container)
             query = f"{query}&{sas}" if query else sas
-            sent = {**headers, "x-ms-version": self._blob_version}
         elif self._bearer is not None:
-            sent = {**headers, "x-ms-version": self._blob_version, **await self._bearer.headers()}
-        else:
-            raise NoRestAccess("no account key or identity for the blobs")
+            headers.update(await self._bearer.headers())
         url = f"{self._container_url}/{name}?{query}" if query else f"{self._container_url}/{name}"
-        async with self._send(method, url, sent, body, again) as response:
-            if response.status == 403 and self._blob_sas is not None:
-                self._blob_sas.refused(self._container)
+        async with self._send(method, url, headers, body, again) as response:
+            if response.status == 403 and self._blobs is not None:
+                self._blobs.refused(self._container)
             yield response
 
     @contextlib.asynccontextmanager
@@ -507,7 +508,11 @@ class Rest:
         self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, again: bool
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request; ``again``: sent a second time after a lost connection or a 5xx (a read or
-        an unconditional write; a conditional one is sent once: store_azure's ``_ONCE``)."""
+        an unconditional write). A conditional write (an insert, a write under an ETag or an append
+        position, a batch) is sent once: a copy sent after a timeout whose first try landed would
+        get a 409/412 that says "someone else wrote" of our own write (a counter exchange read that
+        way gave back capacity it had already given back). The caller decides after a timeout, by
+        reading (counters.py, journal.py)."""
         session = self._open()
         response: aiohttp.ClientResponse | None = None
         if again:
@@ -528,17 +533,3 @@ class Rest:
             yield response
         finally:
             response.release()
-
-    @staticmethod
-    def _check(answer: aiohttp.ClientResponse) -> None:
-        if answer.status < 300:
-            return
-        gone = GONE.get(answer.headers.get("x-ms-error-code", ""))
-        if answer.status == 404 and gone:
-            raise Gone(f"the store lost its {gone} (re-created on the next call)")
-        raise status_error(answer.status)
-
-    @classmethod
-    def _etag(cls, answer: aiohttp.ClientResponse) -> str:
-        cls._check(answer)
-        return answer.headers.get("ETag", "")

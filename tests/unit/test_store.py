@@ -1,5 +1,6 @@
-"""chatstream/state/store.py: where the store is (the settings, as the Functions host reads them),
-and what the Azure backend does when nothing answers. The contract itself: tests/store_contract.py."""
+"""chatstream/state/store.py and store_env.py: where the store is (the settings, as the Functions
+host reads them), and what the Azure backend does when nothing answers. The contract itself:
+tests/store_contract.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import time
 import pytest
 
 from chatstream.errors import StoreUnavailable
-from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError, store_from_env
+from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
 from chatstream.state.store_azure import AzureStore
+from chatstream.state.store_env import store_from_env
 from chatstream.state.store_memory import MemoryStore
 
 
@@ -64,3 +66,28 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     finally:
         await store.close()
     assert time.monotonic() - started < 2.0
+
+
+def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
+    import aiohttp
+    from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
+
+    from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
+    from chatstream.state.store_azure import Gone, store_error
+    from chatstream.state.store_rest import NoToken, Refused
+
+    assert isinstance(store_error(Refused(404, "ResourceNotFound")), NotFound)
+    assert isinstance(store_error(Refused(416, "InvalidRange")), NotFound)  # nothing past a blob's end
+    assert isinstance(store_error(Refused(404, "TableNotFound")), Gone)  # an outage: made again
+    assert isinstance(store_error(Refused(404, "ContainerNotFound")), StoreUnavailable)
+    assert isinstance(store_error(Refused(409, "EntityAlreadyExists")), AlreadyExists)
+    failed = store_error(Refused(412, "UpdateConditionNotSatisfied", index=3))
+    assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]
+    assert isinstance(store_error(Refused(503, "ServerBusy")), StoreUnavailable)
+    assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
+    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), ServiceRequestError("x"), NoToken("E")):
+        assert type(store_error(foreign)) is StoreUnavailable
+    refused = ClientAuthenticationError("no identity")
+    refused.status_code = 404  # the identity endpoint's answer, not the store's
+    assert type(store_error(refused)) is StoreUnavailable
+    assert store_error(ValueError("a bug of ours")) is None

@@ -398,7 +398,7 @@ class _NoLog:
 async def test_figures_producer_cpu_on_azurite(azurite):
     """CPU the stream log adds to a 40-delta stream (20 ms apart, the bench's answer), 50 at once,
     with nobody reading elsewhere: process CPU against the same loop without it, on Azurite
-    through the Azure SDK (the instance's beat and inbox included)."""
+    (the instance's beat and inbox included)."""
     from chatstream.state.store import StorageConfig
     from chatstream.state.store_azure import AzureStore
 

@@ -3,9 +3,7 @@
 batch of one insert and of ten, a query of ten rows) through
 ``AzureStore``, timed with time.process_time (this process's CPU: the client side only).
 
-    .venv/bin/python tools/bench/store_calls.py [--n 300] [--sdk]
-
-``--sdk``: the same calls with the REST path off (everything through the azure SDKs)."""
+    .venv/bin/python tools/bench/store_calls.py [--n 300]"""
 
 from __future__ import annotations
 
@@ -21,13 +19,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
+async def bench(connection: str, n: int) -> dict[str, float]:
     from chatstream.state.store import LIMITS_TABLE, Op, StorageConfig, Where
     from chatstream.state.store_azure import AzureStore
 
     store = AzureStore(StorageConfig(connection_string=connection))
-    if sdk and hasattr(store, "rest_off"):
-        store.rest_off()
     out: dict[str, float] = {}
     row = {"n": 7, "pico": 123_456_789_012_345, "x": 1.5, "ok": True, "s": "text"}
 
@@ -103,15 +99,12 @@ async def bench(connection: str, n: int, sdk: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=300)
-    parser.add_argument("--sdk", action="store_true")
     args = parser.parse_args()
     from servers import Azurite
 
     azurite = Azurite()
     try:
-        print(
-            json.dumps({"sdk" if args.sdk else "rest": asyncio.run(bench(azurite.connection_string, args.n, args.sdk))})
-        )
+        print(json.dumps(asyncio.run(bench(azurite.connection_string, args.n))))
     finally:
         azurite.stop()
 
