@@ -54,9 +54,15 @@ param deploymentName string = ''
 @description('Deployment type of the model (azureOpenAI mode).')
 param deploymentSku string = 'GlobalStandard'
 
+// Azure OpenAI counts a request against the deployment's tokens per minute as it arrives: its prompt
+// plus its output cap. With caller keys the app sends DEFAULT_MAX_OUTPUT_TOKENS (4,096, resources.bicep)
+// as the cap of a request that names none, so a typical request (1,000 prompt tokens) counts 5,096:
+// 250 units (250,000 TPM; gpt-5.4-mini GlobalStandard also gets 250 RPM) admit 49 such requests a
+// minute, 10 units 1. Tier 1 quota for gpt-5.4-mini GlobalStandard is 1,000 units per subscription
+// (docs/deploy.md, "Capacity"; tests/test_infra.py checks the figure there).
 @minValue(1)
 @description('Capacity of the model deployment, in units of 1,000 tokens per minute (azureOpenAI mode).')
-param deploymentCapacity int = 10
+param deploymentCapacity int = 250
 
 @description('Region of the Azure OpenAI account, when the model is not offered in the app region. Empty: same as location.')
 param openAiLocation string = ''
@@ -122,16 +128,17 @@ param instanceMemoryMB int = 2048
 @description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
 param httpPerInstanceConcurrency int = 60
 
-// How a deployment (code or settings) replaces running instances. RollingUpdate (in preview on Flex
-// Consumption when this was written, docs/deploy.md) drains instances in batches: running streams
-// go on, the app's drain on SIGTERM (DRAIN_SECONDS) covers what is left. Recreate restarts every
-// instance at once.
+// How a deployment (code or settings) replaces running instances. Recreate (the default) restarts
+// every instance at once: the app drains on SIGTERM (DRAIN_SECONDS) and, with RESUMABLE_STREAMS=on,
+// hands each running stream over to the caller's resume. RollingUpdate drains instances in batches;
+// Microsoft's site-updates page calls it a preview, not recommended for production apps, with HTTP
+// executions limited to 230 s during its drain (docs/production.md, "Deploy again").
 @allowed([
   'RollingUpdate'
   'Recreate'
 ])
-@description('functionAppConfig.siteUpdateStrategy (AZURE_SITE_UPDATE_STRATEGY): RollingUpdate replaces instances in batches, Recreate all at once.')
-param siteUpdateStrategy string = 'RollingUpdate'
+@description('functionAppConfig.siteUpdateStrategy (AZURE_SITE_UPDATE_STRATEGY): Recreate replaces every instance at once, RollingUpdate (preview) in batches.')
+param siteUpdateStrategy string = 'Recreate'
 
 // Every other setting of the app (README "Settings"): azd's CHAT_APP_SETTINGS, a JSON object, kept in
 // .azure/<env>/.env so that every `azd up` writes it again. docs/deploy.md ("App settings") says

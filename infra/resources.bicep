@@ -585,6 +585,9 @@ var templateDefaults = {
   UPSTREAM_CONNECT_TIMEOUT_SECONDS: '10'
   USAGE_WAIT_SECONDS: '2'
   UPSTREAM_MAX_RETRIES: '2'
+  // The output cap a request that names none is sent with, and reserves, under CALLER_KEYS=required:
+  // with the deployment's capacity it sets how many requests a minute the model admits (main.bicep).
+  DEFAULT_MAX_OUTPUT_TOKENS: '4096'
   MAX_BODY_BYTES: '1048576'
   // The browser playground (GET /api/playground) and the operators' console (GET /api/console) stay
   // off in Azure; 'true' serves them (docs/playground.md). Every API call they make still needs a key.

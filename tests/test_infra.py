@@ -393,6 +393,7 @@ class Infra:
             "docs/scaling.md",
             "docs/benchmarks.md",
             "docs/deploy.md",
+            "docs/production.md",
             "function_app.py",
         ):
             files[extra] = (ROOT / extra).read_bytes()
@@ -1194,14 +1195,56 @@ def check_app_settings_layers(infra: Infra) -> None:
             assert name in str(refused) and "CALLER_KEYS" not in str(refused), refused
 
 
-def check_rolling_update(infra: Infra) -> None:
-    """Instances are replaced in batches on a deployment (Flex Consumption's rolling update), by a
-    parameter that azd keeps; Recreate is the choice away from it."""
+def check_site_update_strategy(infra: Infra) -> None:
+    """A deployment restarts the instances with Recreate by default (the app's drain and hand-over
+    cover it); RollingUpdate, which Microsoft calls a preview not recommended for production, is the
+    choice away from it, by a parameter that azd keeps."""
     (allowed,) = infra.main.of("param")["siteUpdateStrategy"].decorators["allowed"]
     assert set(Evaluator(infra.main).eval(allowed)) == {"RollingUpdate", "Recreate"}
     config = infra.body(infra.one("Microsoft.Web/sites"))["properties"]["functionAppConfig"]
-    assert config.get("siteUpdateStrategy") == {"type": "RollingUpdate"}, config.get("siteUpdateStrategy")
-    assert _azd_value(infra, "siteUpdateStrategy") == "${AZURE_SITE_UPDATE_STRATEGY=RollingUpdate}"
+    assert config.get("siteUpdateStrategy") == {"type": "Recreate"}, config.get("siteUpdateStrategy")
+    assert _azd_value(infra, "siteUpdateStrategy") == "${AZURE_SITE_UPDATE_STRATEGY=Recreate}"
+    rolling = infra.body(infra.one("Microsoft.Web/sites"), siteUpdateStrategy="RollingUpdate")
+    assert rolling["properties"]["functionAppConfig"]["siteUpdateStrategy"] == {"type": "RollingUpdate"}
+
+
+# A typical request's prompt, for the capacity arithmetic (docs/deploy.md, "Capacity").
+TYPICAL_PROMPT_TOKENS = 1000
+# Requests a minute the default deployment must admit at the default output cap.
+MIN_REQUESTS_PER_MINUTE = 30
+
+
+def _tokens_per_minute(text: str, model: str) -> int:
+    m = re.search(r'"model_limits": \{"' + re.escape(model) + r'": \{"tokens_per_minute": (\d+)\}', text)
+    assert m, f"no model limit for {model}"
+    return int(m.group(1))
+
+
+def check_capacity(infra: Infra) -> None:
+    """Azure OpenAI counts prompt + output cap against the deployment's TPM as a request arrives: the
+    default capacity and the default output cap (DEFAULT_MAX_OUTPUT_TOKENS, written by the template)
+    admit a realistic rate, docs/deploy.md states that rate from the same figures, and the team
+    production.md creates fits in the deployment."""
+    capacity = infra.main_defaults()["deploymentCapacity"]
+    defaults = infra.settings_layers("azureOpenAI")["templateDefaults"]
+    assert "DEFAULT_MAX_OUTPUT_TOKENS" in defaults, "the template must state the output cap it sizes the capacity for"
+    cap = int(defaults["DEFAULT_MAX_OUTPUT_TOKENS"])
+    per_request = TYPICAL_PROMPT_TOKENS + cap
+    rate = capacity * 1000 // per_request
+    assert rate >= MIN_REQUESTS_PER_MINUTE, (
+        f"{capacity} units admit {rate} requests a minute at a {cap}-token cap (prompt {TYPICAL_PROMPT_TOKENS})"
+    )
+    section = " ".join(_section(infra.files["docs/deploy.md"].decode(), "Capacity: requests a minute").split())
+    stated = f"{capacity} × 1,000 ÷ ({TYPICAL_PROMPT_TOKENS:,} + {cap:,}) = **{rate}**"
+    assert stated in section, f"docs/deploy.md's capacity arithmetic must read {stated!r}"
+    production = " ".join(infra.files["docs/production.md"].decode().split())  # lines joined
+    model = infra.main_defaults()["modelName"]
+    team = _tokens_per_minute(production, model)
+    assert team <= capacity * 1000, f"production.md's team may use {team} TPM of a {capacity * 1000} TPM deployment"
+    assert (
+        f"AZURE_OPENAI_DEPLOYMENT_CAPACITY={capacity}" in production and f"about {rate} requests a minute" in production
+    )
+    assert f"about {team // per_request} requests" in production, "production.md: the team's requests in flight"
 
 
 def check_outbound_network(infra: Infra) -> None:
@@ -1368,7 +1411,8 @@ CHECKS = [
     check_app_state_storage,
     check_model_default,
     check_app_settings_layers,
-    check_rolling_update,
+    check_site_update_strategy,
+    check_capacity,
     check_outbound_network,
     check_scale_limits,
     check_host_diagnostic_events,
@@ -1598,7 +1642,13 @@ BREAKAGES = [
         check_time_limits,
     ),
     ("heartbeat past the idle cut-off", M, "@maxValue(200)", "@maxValue(300)", check_time_limits),
-    ("no capacity parameter", M, "param deploymentCapacity int = 10", "var deploymentCapacity = 10", check_parameters),
+    (
+        "no capacity parameter",
+        M,
+        "param deploymentCapacity int = 250",
+        "var deploymentCapacity = 250",
+        check_parameters,
+    ),
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
@@ -1829,11 +1879,47 @@ BREAKAGES = [
     ),
     ("current settings in the history", "infra/app-settings.bicep", "@secure()\n", "", check_app_settings_layers),
     (
-        "recreate on deploy",
+        "a preview update strategy by default",
         M,
-        "param siteUpdateStrategy string = 'RollingUpdate'",
         "param siteUpdateStrategy string = 'Recreate'",
-        check_rolling_update,
+        "param siteUpdateStrategy string = 'RollingUpdate'",
+        check_site_update_strategy,
+    ),
+    (
+        "azd's update strategy differs",
+        "infra/main.parameters.json",
+        '"${AZURE_SITE_UPDATE_STRATEGY=Recreate}"',
+        '"${AZURE_SITE_UPDATE_STRATEGY=RollingUpdate}"',
+        check_site_update_strategy,
+    ),
+    (
+        "two requests a minute",
+        M,
+        "param deploymentCapacity int = 250",
+        "param deploymentCapacity int = 10",
+        check_capacity,
+    ),
+    ("no template output cap", R, "  DEFAULT_MAX_OUTPUT_TOKENS: '4096'\n", "", check_capacity),
+    (
+        "a bigger cap, same capacity",
+        R,
+        "DEFAULT_MAX_OUTPUT_TOKENS: '4096'",
+        "DEFAULT_MAX_OUTPUT_TOKENS: '16384'",
+        check_capacity,
+    ),
+    (
+        "deploy.md: stale arithmetic",
+        "docs/deploy.md",
+        "= **49** requests",
+        "= **2** requests",
+        check_capacity,
+    ),
+    (
+        "production.md: a team larger than the deployment",
+        "docs/production.md",
+        '"tokens_per_minute": 150000',
+        '"tokens_per_minute": 400000',
+        check_capacity,
     ),
     (
         "no NAT gateway on the app subnet",
