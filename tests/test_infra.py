@@ -1113,6 +1113,8 @@ def check_azure_yaml(infra: Infra) -> None:
     assert f"{infra_cfg.get('path', 'infra')}/{infra_cfg.get('module', 'main')}.bicep" in infra.templates
     tags = infra.body(infra.one("Microsoft.Web/sites"))["tags"]
     assert tags.get("azd-service-name") == name, f"the function app must be tagged azd-service-name={name}: {tags}"
+    # CHAT_APP_SETTINGS is an object parameter: azd reads those from `azd env set` since 1.23.4.
+    assert project.get("requiredVersions", {}).get("azd") == ">= 1.23.4", project.get("requiredVersions")
 
 
 # ---- issue #32: a deployment that stays right after the second `azd up` ----
@@ -1758,6 +1760,7 @@ BREAKAGES = [
     ),
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
+    ("any azd version", "azure.yaml", 'azd: ">= 1.23.4"', 'azd: ">= 1.0.0"', check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
     (
         "deploy.md: every call needs a key",
