@@ -317,6 +317,43 @@ def test_sse_samples_in_the_docs_are_written_as_the_app_writes_them(start_app):
     assert not any(problems.values()), "\n".join(f"{name}: {p}" for name, ps in problems.items() for p in ps)
 
 
+def _sse_events(text: str) -> list[tuple[int, str, str]]:
+    """(id, event name, data) of each event with an id in an SSE text."""
+    found = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line and not line.startswith(":"))
+        if "id" in fields:
+            found.append((int(fields["id"]), fields.get("event", "message"), fields.get("data", "")))
+    return found
+
+
+def test_the_local_resumable_example_runs_as_written(upstream, azurite, tmp_path):
+    """docs/resumable.md's "Try it locally": its client block, run by bash against an app served as
+    its first block serves it, gets the whole answer across the cut, each event once, ending in done."""
+    import httpx
+    from helpers import app_env
+    from servers import App
+
+    section = _section((ROOT / "docs" / "resumable.md").read_text(encoding="utf-8"), "Try it locally")
+    serve, client = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert serve.startswith("RESUMABLE_STREAMS=on make serve"), serve
+    app = App(app_env(upstream, AzureWebJobsStorage=azurite.connection_string, RESUMABLE_STREAMS="on"))
+    try:
+        script = client.replace("localhost:7071", app.url.removeprefix("http://"))
+        run = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        whole = httpx.post(app.chat_url, json={"prompt": "[scenario:slow] hi"}, timeout=30).text
+    finally:
+        app.stop()
+    part = _sse_events((tmp_path / "part.txt").read_text(encoding="utf-8"))
+    rest = _sse_events(run.stdout)
+    ids = [i for i, _, _ in part + rest]
+    assert ids == list(range(1, len(ids) + 1)), f"a gap or a repeat across the cut: {ids}\n{run.stderr}"
+    assert rest and rest[-1][1] == "done", run.stdout[-500:]
+    text = "".join(json.loads(d)["delta"] for _, name, d in part + rest if name == "message")
+    expected = "".join(json.loads(d)["delta"] for _, name, d in _sse_events(whole) if name == "message")
+    assert text and text == expected, (text, expected)
+
+
 # ------------------------------------------------------------------------- counted and named things
 
 
