@@ -556,6 +556,27 @@ def words(data: bytes) -> int:
     return len(re.findall(rb"[^ \t\n\v\f\r]+", data))
 
 
+def test_defaults_quoted_in_prose_are_the_defaults():
+    """Wherever a doc quotes a setting with its default in brackets, `DRAIN_SECONDS` (20) or
+    `RESUME_TTL_SECONDS` (600 s), the figure is the app's default (chatstream/settings.py)."""
+    from chatstream.settings import Settings
+
+    defaults = {f.alias: f.default for f in Settings.model_fields.values()}
+    found, wrong = 0, []
+    for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"`([A-Z][A-Z0-9_]+)` \((\d[\d,.]*)(?: ?s| seconds)?[),;]", text):
+            name, figure = m.group(1), m.group(2)
+            if name not in defaults:
+                continue
+            found += 1
+            default = defaults[name]
+            if default is None or float(figure.replace(",", "")) != float(default):
+                wrong.append(f"{path.relative_to(ROOT)}: {m.group(0)} but the default is {default!r}")
+    assert found >= 5, f"only {found} quoted defaults found: is the pattern still right?"
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_user_docs_stay_within_their_word_budget():
     counts = {name: words((ROOT / name).read_bytes()) for name in USER_DOCS}
     total = sum(counts.values())
