@@ -8,9 +8,13 @@ STAMP := $(VENV)/.installed
 .PHONY: serve test lint venv client client-mono chromium azurite aisdk openai-node bench bench-profile clean
 
 $(STAMP): requirements.txt requirements-dev.txt clients/python/pyproject.toml
-	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && "$$py" -m venv $(VENV); fi
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && \
+	  echo "[1/3] creating $(VENV) with $$py" && "$$py" -m venv $(VENV); fi
+	@echo "[2/3] updating pip in $(VENV)"
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "[3/3] installing requirements-dev.txt into $(VENV): a few minutes the first time (quiet while pip works), again only when the requirements change"
+	@$(PY) -m pip install -q -r requirements-dev.txt
+	@echo "installed: $(VENV) is ready"
 	@touch $(STAMP)
 
 venv: $(STAMP)

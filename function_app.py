@@ -1,4 +1,4 @@
-"""The function app: its routes. The logic lives in chatstream/ (docs: README.md, "Layout").
+"""The function app: its routes. The logic lives in chatstream/ (docs: docs/maintainers.md, "Layout").
 
 A request's way: the route below → chatstream/endpoint.py (reads the request, runs the pipeline, the
 status rule) with the route's API adapter (chatstream/apis/) → stream.py (the stream core and its time

@@ -11,6 +11,8 @@ param appName string
 param currentAppSettings object
 
 param templateDefaults object
+@secure()
+@description('CHAT_APP_SETTINGS: secure, as it may hold a key (a pool entry\'s), and a module\'s parameters are kept in the deployment history.')
 param operatorSettings object
 param templateSettings object
 

@@ -54,21 +54,32 @@ param deploymentName string = ''
 @description('Deployment type of the model (azureOpenAI mode).')
 param deploymentSku string = 'GlobalStandard'
 
+// Azure OpenAI counts a request against the deployment's tokens per minute as it arrives: its prompt
+// plus its output cap. With caller keys the app sends DEFAULT_MAX_OUTPUT_TOKENS (4,096, resources.bicep)
+// as the cap of a request that names none, so a typical request (1,000 prompt tokens) counts 5,096:
+// 250 units (250,000 TPM; gpt-5.4-mini GlobalStandard also gets 250 RPM) admit 49 such requests a
+// minute, 10 units 1. Tier 1 quota for gpt-5.4-mini GlobalStandard is 1,000 units per subscription
+// (docs/deploy.md, "Capacity"; tests/test_infra.py checks the figure there).
 @minValue(1)
 @description('Capacity of the model deployment, in units of 1,000 tokens per minute (azureOpenAI mode).')
-param deploymentCapacity int = 10
+param deploymentCapacity int = 250
 
 @description('Region of the Azure OpenAI account, when the model is not offered in the app region. Empty: same as location.')
 param openAiLocation string = ''
 
-// The GPT-5 family on the dated chat-completions API needs 2025-04-01-preview or later (max_completion_tokens,
-// reasoning models); 2024-10-21, the app's own default, predates it.
+// The GPT-5 family on the dated chat-completions API needs 2025-04-01-preview, the newest dated version
+// (max_completion_tokens, reasoning models); the GA 2024-10-21 predates it. The app's own default is the
+// same (chatstream/settings.py; tests/test_infra.py checks). The GA v1 API (no api-version) would need
+// the app's Azure client to call /openai/v1: not done yet.
 @description('AZURE_OPENAI_API_VERSION for the app (azureOpenAI mode).')
 param azureOpenAiApiVersion string = '2025-04-01-preview'
 
 @secure()
 @description('OpenAI API key (openAI mode). Stored as a Key Vault secret; the app setting only references it.')
 param openAiApiKey string = ''
+
+@description('OPENAI_API_KEY_IN_VAULT (openAI mode): the key is kept and rotated in the Key Vault this template made (secret openai-api-key): the deployment needs no openAiApiKey and leaves the secret as it is.')
+param openAiKeyInVault bool = false
 
 @description('OPENAI_BASE_URL (openAI mode): another OpenAI-compatible server. Empty: api.openai.com. A server that wants no key (vLLM inside the virtual network) needs no openAiApiKey.')
 param openAiBaseUrl string = ''
@@ -100,9 +111,9 @@ param keyVaultPurgeProtection bool = false
 @description('Days a deleted Key Vault (and its secret) can be recovered (AZURE_KEY_VAULT_SOFT_DELETE_DAYS). Fixed when the vault is created: an existing vault keeps its own.')
 param keyVaultSoftDeleteRetentionDays int = 90
 
-@minValue(40)
+@minValue(1)
 @maxValue(1000)
-@description('Most instances the app scales out to (Flex Consumption accepts 40 to 1000).')
+@description('Most instances the app scales out to (AZURE_MAXIMUM_INSTANCE_COUNT; Flex Consumption accepts 1 to 1000): a small cap bounds the cost.')
 param maximumInstanceCount int = 100
 
 @allowed([
@@ -110,7 +121,7 @@ param maximumInstanceCount int = 100
   2048
   4096
 ])
-@description('Memory of each instance, in MB.')
+@description('Memory of each instance, in MB (AZURE_INSTANCE_MEMORY_MB).')
 param instanceMemoryMB int = 2048
 
 // Sized from measurements, not guessed: docs/scaling.md (tools/bench/scaling.py computes it from the
@@ -119,23 +130,33 @@ param instanceMemoryMB int = 2048
 // on that plan), so the instance size buys the host a core, not a second event loop.
 @minValue(1)
 @maxValue(1000)
-@description('Concurrent HTTP invocations (streams) per instance; docs/scaling.md derives it from the measured CPU per request and per delta.')
+@description('Concurrent HTTP invocations (streams) per instance (AZURE_HTTP_PER_INSTANCE_CONCURRENCY); docs/scaling.md derives it from the measured CPU per request and per delta.')
 param httpPerInstanceConcurrency int = 60
 
-// How a deployment (code or settings) replaces running instances. RollingUpdate (in preview on Flex
-// Consumption when this was written, docs/deploy.md) drains instances in batches: running streams
-// go on, the app's drain on SIGTERM (DRAIN_SECONDS) covers what is left. Recreate restarts every
-// instance at once.
+// Always-ready instances take HTTP requests without a cold start and are billed while idle (the
+// baseline rate); 0: every instance is on demand.
+@minValue(0)
+@maxValue(1000)
+@description('Always-ready instances for the HTTP triggers (AZURE_ALWAYS_READY_INSTANCES), billed while idle; 0: none.')
+param alwaysReadyInstances int = 0
+
+// How a deployment (code or settings) replaces running instances. Recreate (the default) restarts
+// every instance at once: the app drains on SIGTERM (DRAIN_SECONDS) and, with RESUMABLE_STREAMS=on,
+// hands each running stream over to the caller's resume. RollingUpdate drains instances in batches;
+// Microsoft's site-updates page calls it a preview, not recommended for production apps, with HTTP
+// executions limited to 230 s during its drain (docs/production.md, "Deploy again").
 @allowed([
   'RollingUpdate'
   'Recreate'
 ])
-@description('functionAppConfig.siteUpdateStrategy (AZURE_SITE_UPDATE_STRATEGY): RollingUpdate replaces instances in batches, Recreate all at once.')
-param siteUpdateStrategy string = 'RollingUpdate'
+@description('functionAppConfig.siteUpdateStrategy (AZURE_SITE_UPDATE_STRATEGY): Recreate replaces every instance at once, RollingUpdate (preview) in batches.')
+param siteUpdateStrategy string = 'Recreate'
 
 // Every other setting of the app (README "Settings"): azd's CHAT_APP_SETTINGS, a JSON object, kept in
-// .azure/<env>/.env so that every `azd up` writes it again. docs/deploy.md ("App settings") says
+// .azure/<env>/.env so that every `azd up` writes it again. Secure (here and in the modules it passes
+// through), so its values stay out of the deployment history: a pool entry may carry a key. docs/deploy.md ("App settings") says
 // what wins when the portal, this object and the template name the same setting.
+@secure()
 @description('App settings of chatstream/settings.py (CHAT_APP_SETTINGS), name to value, written over the template\'s defaults on every deployment. A list or object value (UPSTREAMS) is written as its JSON. Names the template sets from its own parameters are refused.')
 param appSettings object = {}
 
@@ -169,7 +190,7 @@ var tags = {
 // openAI mode against api.openai.com with an empty key would deploy an app that answers every call
 // with an upstream auth error: stop the deployment instead, saying what to set. A server of its own
 // (OPENAI_BASE_URL) may want no key.
-var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl)
+var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl) && !openAiKeyInVault
 var openAiKeyMissingMessage = 'CHAT_UPSTREAM=openAI needs an OpenAI API key: run `azd env set OPENAI_API_KEY <key>` (parameter openAiApiKey), set OPENAI_BASE_URL to a server that wants none, or use CHAT_UPSTREAM=azureOpenAI.'
 
 // A private network without a NAT gateway has no way to api.openai.com.
@@ -199,12 +220,14 @@ module app 'resources.bicep' = {
     openAiLocation: empty(openAiLocation) ? location : openAiLocation
     azureOpenAiApiVersion: azureOpenAiApiVersion
     openAiApiKey: openAiKeyMissing ? fail(openAiKeyMissingMessage) : openAiApiKey
+    openAiKeyInVault: openAiKeyInVault
     openAiBaseUrl: openAiBaseUrl
     principalId: principalId
     principalType: principalType
     maximumInstanceCount: maximumInstanceCount
     instanceMemoryMB: instanceMemoryMB
     httpPerInstanceConcurrency: httpPerInstanceConcurrency
+    alwaysReadyInstances: alwaysReadyInstances
     totalTimeoutSeconds: totalTimeoutSeconds
     firstTokenTimeoutSeconds: firstTokenTimeoutSeconds
     idleTimeoutSeconds: idleTimeoutSeconds

@@ -36,12 +36,14 @@ param azureOpenAiApiVersion string
 
 @secure()
 param openAiApiKey string
+param openAiKeyInVault bool
 param openAiBaseUrl string
 param principalId string
 param principalType string
 param maximumInstanceCount int
 param instanceMemoryMB int
 param httpPerInstanceConcurrency int
+param alwaysReadyInstances int
 param totalTimeoutSeconds int
 param firstTokenTimeoutSeconds int
 param idleTimeoutSeconds int
@@ -49,6 +51,7 @@ param heartbeatSeconds int
 param vnetEnabled bool
 param natGateway bool
 param siteUpdateStrategy string
+@secure()
 param appSettings object
 param zoneRedundant bool
 param keyVaultPurgeProtection bool
@@ -56,8 +59,11 @@ param keyVaultSoftDeleteRetentionDays int
 
 var useAzureOpenAI = upstream == 'azureOpenAI'
 // A key to keep: OpenAI's, or a compatible server's that wants one (a keyless one, e.g. vLLM inside
-// the virtual network, gets no vault).
-var useKeyVault = upstream == 'openAI' && !empty(openAiApiKey)
+// the virtual network, gets no vault). The deployment writes the secret only when it is given the
+// key; with openAiKeyInVault it is given none and leaves the secret as rotated in the vault.
+var useKeyVault = upstream == 'openAI' && (!empty(openAiApiKey) || openAiKeyInVault)
+var writeKeySecret = useKeyVault && !empty(openAiApiKey)
+var openAiKeySecretName = 'openai-api-key'
 var useNatGateway = vnetEnabled && natGateway
 var deploymentContainerName = 'app-package'
 
@@ -388,9 +394,9 @@ resource keyVault 'Microsoft.KeyVault/vaults@2023-07-01' = if (useKeyVault) {
   }
 }
 
-resource openAiKeySecret 'Microsoft.KeyVault/vaults/secrets@2023-07-01' = if (useKeyVault) {
+resource openAiKeySecret 'Microsoft.KeyVault/vaults/secrets@2023-07-01' = if (writeKeySecret) {
   parent: keyVault
-  name: 'openai-api-key'
+  name: openAiKeySecretName
   properties: {
     value: openAiApiKey
     contentType: 'OpenAI API key'
@@ -585,6 +591,9 @@ var templateDefaults = {
   UPSTREAM_CONNECT_TIMEOUT_SECONDS: '10'
   USAGE_WAIT_SECONDS: '2'
   UPSTREAM_MAX_RETRIES: '2'
+  // The output cap a request that names none is sent with, and reserves, under CALLER_KEYS=required:
+  // with the deployment's capacity it sets how many requests a minute the model admits (main.bicep).
+  DEFAULT_MAX_OUTPUT_TOKENS: '4096'
   MAX_BODY_BYTES: '1048576'
   // The browser playground (GET /api/playground) and the operators' console (GET /api/console) stay
   // off in Azure; 'true' serves them (docs/playground.md). Every API call they make still needs a key.
@@ -618,7 +627,9 @@ var templateSettings = {
   AZURE_OPENAI_DEPLOYMENT: useAzureOpenAI ? deploymentName : ''
   AZURE_OPENAI_API_VERSION: useAzureOpenAI ? azureOpenAiApiVersion : ''
   AZURE_OPENAI_API_KEY: ''
-  OPENAI_API_KEY: useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''
+  // Versionless: the platform reads the secret's latest version, so a rotation in the vault reaches the
+  // app (within a day, or at its next restart) without a deployment.
+  OPENAI_API_KEY: useKeyVault ? '@Microsoft.KeyVault(SecretUri=${keyVault.properties.vaultUri}secrets/${openAiKeySecretName})' : ''
   OPENAI_BASE_URL: useAzureOpenAI ? '' : openAiBaseUrl
   FIRST_TOKEN_TIMEOUT_SECONDS: string(firstTokenTimeoutSeconds)
   IDLE_TIMEOUT_SECONDS: string(idleTimeoutSeconds)
@@ -698,6 +709,13 @@ resource functionApp 'Microsoft.Web/sites@2024-11-01' = {
             perInstanceConcurrency: httpPerInstanceConcurrency
           }
         }
+        // The group 'http' covers every HTTP-triggered function (the app's only trigger).
+        alwaysReady: alwaysReadyInstances > 0 ? [
+          {
+            name: 'http'
+            instanceCount: alwaysReadyInstances
+          }
+        ] : []
       }
       runtime: {
         name: 'python'
@@ -736,6 +754,10 @@ module siteAppSettings 'app-settings.bicep' = {
     operatorSettings: operatorSettings
     templateSettings: templateSettings
   }
+  // The settings name the secret by its URI: it is written first.
+  dependsOn: [
+    openAiKeySecret
+  ]
 }
 
 // No basic-auth publishing: deployments (azd, Core Tools) use Entra tokens. (siteConfig.ftpsState is

@@ -1,4 +1,4 @@
-"""The operators' console, GET /api/console (chatstream/console_page.py, chatstream/console/).
+r"""The operators' console, GET /api/console (chatstream/console_page.py, chatstream/console/).
 
 Over HTTP: when it is served (CONSOLE_ENABLED, else on locally and off in Azure), which files, with
 which headers, their size, and that the route needs no key. In a browser (Debian's headless Chromium
@@ -11,7 +11,26 @@ over 90 days (seeded into the ledger) is on screen within a second of its answer
 The local host checks no keys, so the master key's 401 is made in the browser: a Playwright route in
 front of /api/manage/ answers 401 with an empty body (what the Functions host answers for a missing
 or wrong master key) unless the request carries the test's key, and passes it to the real app
-otherwise."""
+otherwise.
+
+`tests/test_console.py` (Chromium through Playwright with `executable_path`, as the playground's;
+`make chromium`), against the app on the local host with `CALLER_KEYS=required` on Azurite:
+
+| test | proves |
+|---|---|
+| `test_enabled_locally_off_in_azure_and_the_setting_decides`, `test_a_bad_setting_stops_the_app_naming_it`, `test_infra_turns_it_off_in_azure`, `test_404_when_disabled_by_the_setting` | when it is served |
+| `test_page_and_files_with_strict_headers`, `test_only_known_files`, `test_the_route_is_anonymous_and_get_only` | the files, their headers (the playground's CSP), no inline script or style, anonymous GET only |
+| `test_the_files_are_small_and_written_by_hand`, `test_the_api_text_only_ever_becomes_text` | the four files under 60 KB together (47 KB now); no HTML sink, no other origin |
+| `test_an_operator_runs_a_team_and_a_caller_from_the_page` | a price, a team and a caller made through the page (a refused price, a non-integer limit and a taken name: each message next to its field); the key shown once, copied, then gone from the page and the tab's storage; three calls with it; the caller's and the team's bars and the usage (chart, legend by team and by model, top callers) show exactly the API's tokens and cost; the CSV; an edit sends only what changed; rotate (old key `401` within seconds, new key works); a team with a caller refused (`409`); deletions |
+| `test_a_wrong_master_key_shows_the_error_and_the_right_one_is_kept_in_the_tab` | the local host checks no key, so a Playwright route in front of `/api/manage/` answers as the Functions host does (`401`, empty body) unless the request carries the test's master key, and passes it to the real app otherwise: the field appears, a wrong key is refused with a message, the right one loads every view, stays in `sessionStorage` across a reload, goes out only as the header, never in a URL; **Forget key** |
+| `test_without_the_store_every_view_says_so` | an app without storage: each view shows `503 caller_store_not_configured` and stays whole |
+| `test_a_store_that_stops_answering_is_shown_and_try_again_recovers` | Azurite paused (`SIGSTOP`): `503 caller_store_unavailable` shown; resumed, **Try again** brings the view back |
+| `test_the_csp_holds_and_markup_from_the_api_stays_text` | an inline `<script>`, an inline handler and a `javascript:` URL added to the page do not run (three CSP violations); a model named `<img src=x onerror=…>` is shown as those characters |
+| `test_the_usage_of_50_callers_over_90_days_is_on_screen_within_a_second` | 6,030 ledger rows (50 callers × 90 days, one or two models) written into Azurite as the Ledger writes them: from the admin API's answer to the view on screen (body parsed, both charts, legend, table, the next frame) under 1 s, by team and by model. Measured here: 70–190 ms; the admin API's own query of those rows takes about 1.5–2.5 s on Azurite |
+
+The screenshot above is written by the last test when `CONSOLE_SCREENSHOT=1` is set:
+`CONSOLE_SCREENSHOT=1 .venv/bin/python -m pytest tests/test_console.py -k 50_callers`.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,24 @@
-"""What an outside attack on the app found (issue: hardening, items 4-13), each proved over HTTP
-against the app on the local host and the scripted upstream. docs/reliability.md lists them."""
+r"""What an outside attack on the app found (issue: hardening, items 4-13), each proved over HTTP
+against the app on the local host and the scripted upstream.
+
+What broke, what happens now, and the test that holds it (each failed on the code before the fix):
+
+Each test below failed on the code before the fix (checked by running it against that commit).
+
+| # | what broke | what happens now | test |
+|---|---|---|---|
+| 4 | a number overflowing to infinity (`1e999`, anywhere in the body) was a 502 `upstream_malformed`; with Azure, `"model": "."` or `".."` was a 502 | both are 400 before any upstream call: JSON numbers must be finite; an Azure model must be one plain deployment-name segment (`[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`). Malformed upstream data raises its own `UpstreamMalformed`; a `ValueError` of ours is a logged 500 bug | `test_hardening.py::test_numbers_that_overflow_to_infinity_are_a_400_before_any_upstream_call`, `::test_azure_model_names_that_are_not_one_path_segment_are_a_400` |
+| 5 | `MAX_PROMPT_CHARS` bypassed through tool-call arguments, `refusal`, image data URLs, tool descriptions, `prediction`, non-string text parts | every caller text that reaches the model counts ([pipeline.md](docs/pipeline.md#what-max_prompt_chars-counts)) | `test_hardening.py::test_max_prompt_chars_counts_every_text_that_reaches_the_model` (7 vectors) |
+| 6 | `BLOCKED_TERMS` missed tool-call arguments and `refusal` | each has its own filter per choice, streamed and not; property-tested for any chunking | `test_hardening.py::test_blocked_terms_are_redacted_in_streamed_tool_call_arguments`, `::..._non_streamed_...`; `tests/unit/test_completions.py` |
+| 7 | a caller that stopped reading for 25 s of an 8 s `TOTAL_TIMEOUT_SECONDS` got `[DONE]` at 29 s | a watchdog closes the upstream at the limit even while the stream is parked behind the slow caller; chunks already buffered are checked against the limit; the response gives up writing 2 s after the limit | `tests/unit/test_stream_limits.py` (the upstream is closed within 0.5 s of the limit while the consumer reads nothing) |
+| 8 | a hang-up during the body upload was logged as a 500 with a traceback | a `ClientGone` disconnect: `status 499, "disconnected": true`, no traceback | `test_hardening.py::test_a_hang_up_during_the_body_upload_is_a_disconnect_not_a_500` |
+| 9 | `model: "gpt\u0085\u2028INFO ..."` went raw into the log; refused models became metric dimensions | C1 controls, U+2028/2029 and bidi overrides are escaped in every log line; only a model the app and its upstream accepted becomes the metric `model` dimension (others: `(other)`) | `test_hardening.py::test_caller_chosen_text_cannot_forge_log_lines`; `test_telemetry.py::test_refused_models_are_not_metric_dimensions` |
+| 10 | keyless Azure without a token: 500 with a traceback per request | 503 `upstream_auth_unavailable`, one warning line with the credential's message | `test_hardening.py::test_keyless_azure_without_a_token_is_a_503_that_says_so` |
+| 11 | one SDK call ending in `RateLimitError` reached the upstream 9 times | error responses carry `x-should-retry: false` (with `Retry-After`): 3 upstream calls with `UPSTREAM_MAX_RETRIES=2` | `test_hardening.py::test_one_sdk_call_reaches_the_upstream_at_most_one_plus_the_apps_retries` |
+| 12 | `prompt_cache_key`, `verbosity`, `safety_identifier`, ... were refused with 400 | fields the relay does not read go to the upstream unchanged; the upstream's 400 comes back with its message and `param` | `test_openai_endpoint.py::test_newer_openai_parameters_reach_the_upstream_unchanged`, `::test_fields_the_relay_does_not_read_are_the_upstreams_to_refuse` |
+| 13 | `models.retrieve(...)` and legacy `completions.create` got an empty 404 | `GET /api/v1/models/{id}`; a catch-all route answers other `/api/v1/` paths with OpenAI's 404 | `test_hardening.py::test_models_retrieve_and_unknown_routes_answer_in_openai_shape` |
+| core | a before-step setting `stream=False` on `/api/chat`, or adding an unknown parameter to a non-streamed `/api/v1` call, gave a plain-text 500 with no log line | a JSON `500 pipeline_error` / the upstream's 400, each with its log line and ended span | `test_pipeline.py::test_a_before_step_turning_streaming_off_on_api_chat_is_a_json_error`, `::test_a_before_step_adding_an_unknown_parameter_to_a_non_streamed_call_is_a_json_error` |
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,96 @@
-"""Hardening, round two (issue #23): what an outside probe and eleven real clients found, each proved
+r"""Hardening, round two (issue #23): what an outside probe and eleven real clients found, each proved
 over HTTP against the app on the local host and the scripted upstream. The Responses follow-ups
 (items 2-4, 11) are in test_follow_ups.py, the worker's memory (item 1) in test_worker_memory.py.
-docs/reliability.md lists every item with its test."""
+
+Every item, what happens now, and its test:
+
+Each test below fails on the code before its fix (commit 059c534) and passes now: checked by
+running the same test file against a checkout of that commit, `CHATSTREAM_APP_ROOT=/path/to/checkout
+.venv/bin/python -m pytest tests/<file>.py` (the app and its local host from the checkout, the
+scripted upstream from this tree), except where the row says it was checked by reading the old code.
+Tests are in `tests/test_hardening_two.py` unless named otherwise; `test_follow_ups.py` is
+`tests/test_follow_ups.py`.
+
+| # | what broke | what happens now | test |
+|---|---|---|---|
+| 1 | each worker grew ~2.1 KB per request, without bound (the Python worker's `HttpCoordinator`, below) | `chatstream/worker_fix.py` deletes the worker's entry for an invocation once its response is taken, for azure-functions-runtime 1.0.0–1.3.0 only. 20,000 mixed requests after a warm-up: +2,167 B per request before, +13 B now | `test_worker_memory.py::test_the_worker_does_not_grow_per_request`; `tests/unit/test_worker_fix.py` (on the runtime's own class) |
+| 2 | with `UPSTREAMS`, a follow-up stopped at the first entry's error: GET/resume/cancel/DELETE answered 429/502 while entry B held the response; with A stalled, 60 s | each entry in priority order, past 404, 429, 5xx, failed connections and no answer within its share (`UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS`): with A stalled, each follow-up costs A's share (1 s in the test) and no more | `test_follow_ups.py::test_a_follow_up_reaches_the_entry_that_holds_the_response` (A: 429, 500, 503, no answer), `::test_a_response_no_entry_holds_is_a_404_within_the_limits` |
+| 3 | follow-ups ignored the limits (504 after 31 s: three SDK attempts), did not watch for a hang-up, wrote no log line | an answer within `FIRST_TOKEN_TIMEOUT_SECONDS` (else `504 upstream_timeout`, one upstream call), the upstream closed < 1 s after a hang-up (`499`), one log line each (`responses.<operation>`, with `request_id`) | `test_follow_ups.py::test_follow_ups_obey_the_time_limits_and_log_one_line_each`, `::test_a_hang_up_during_a_follow_up_closes_the_upstream_within_a_second` (5 operations) |
+| 4 | resumes: with `BLOCKED_TERMS`, `starting_after` at or past the last event (38, 1000, 10^26) was a 502; without text steps an upstream reset or stall ended as a clean 200 (a stall after the SDK's 10 s read timeout); with text steps a hang-up before the first resumed event left the upstream open until the first-token limit | every re-stream goes through the stream core: past the end, an empty `200`; a reset, `error` `upstream_disconnected`; a stall, `error` `upstream_timeout` at `IDLE_TIMEOUT_SECONDS`; a hang-up closes the upstream < 1 s | `test_follow_ups.py::test_resuming_at_or_past_the_last_event_is_an_empty_stream_not_an_error[guarded]`, `::test_a_reset_during_a_resume_ends_with_an_error_event[plain]`, `::test_a_stall_during_a_resume_ends_with_an_error_event_at_the_idle_limit[plain]`, `::test_a_hang_up_during_a_resume_closes_the_upstream_within_a_second[guarded]` (the other variants held before and are kept) |
+| 5 | a non-streamed call reaching `TOTAL_TIMEOUT_SECONDS` answered an empty `499` and logged `"disconnected": true` | `504` `total_timeout` in OpenAI's shape, logged as such; the upstream call closed (`unless_gone` no longer takes its own cancellation of the disconnect watcher for a hang-up) | `test_non_streamed_calls_at_the_total_limit_are_a_504_total_timeout` |
+| 6 | an upstream that answered 200 and then cut the stream before the first output was "503 could not reach the model server" | `502` `upstream_disconnected`, "the model server cut the connection before its first output"; still a failover | `test_an_upstream_that_answers_then_cuts_the_stream_before_any_output_is_a_502`, `test_a_cut_before_the_first_output_still_fails_over` |
+| 7 | `Retry-After` passed through unchecked (`-5`, `nan`, `inf`, `1e308`, `99999999999`, `garbage`, `é`, past dates); `0`/negative/past cooled an entry 1 s where docs/pool.md said ignored | a caller gets whole seconds 1–3600 or no header, and `retry-after-ms` only where the upstream sent one; values ≤ 0, past dates and garbage are ignored for cooldowns (the 10 s default) | `test_a_caller_only_ever_gets_a_valid_retry_after` (13 values), `test_retry_after_ms_is_passed_on_where_the_upstream_gave_one`, `test_a_zero_negative_or_past_retry_after_is_ignored_and_the_entry_cools_down_ten_seconds` |
+| 8 | a client ignoring `x-should-retry` multiplied the retries: one Vercel AI SDK `generateText` made 3 × 3 upstream calls | the single upstream honours its own 429's `Retry-After` (429 with the seconds left, no upstream call): one AI SDK 4.x call (its own 2 s/4 s backoff) against `Retry-After: 8` and `UPSTREAM_MAX_RETRIES=1` makes 2 upstream calls (6 before) | `test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries` (the real SDK, `tests/clients/aisdk/`) |
+| 9 | no `x-request-id` | every answer has one (the upstream's, on its errors too, else the app's), as the log line's `request_id` and the span's `chat.request_id` | `test_every_answer_carries_x_request_id_and_the_log_line_has_it`; `test_telemetry.py::test_the_span_has_the_request_id_the_caller_got` (in-process: checked by reading the old code, which had no request id) |
+| 10 | an upstream quoting its `Authorization` header in a 400/404/429 message sent the key to the caller, in 25 endpoint/follow-up combinations | every configured key and Entra ID token is replaced by `[redacted]` in any upstream text passed on, and in every log line and traceback of the app's logger | `test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log[openai,azure]` (30 calls each: 25 leaked before); `tests/unit/test_record.py::test_no_upstream_key_in_a_log_line_message_or_traceback`, `::test_every_entra_id_token_is_registered_as_a_secret` |
+| 11 | follow-ups stripped only a lowercase `code`: `?Code=…` reached the upstream | only the query parameters OpenAI defines per call are passed on | `test_follow_ups.py::test_only_the_query_parameters_openai_defines_reach_the_upstream` |
+| 12 | `OPENAI_BASE_URL` with `?api-key=` showed the key on `/api/_pool`; with `user:pass@` the app started and answered 500s | checked at start-up like an `UPSTREAMS` entry (also `AZURE_OPENAI_ENDPOINT`): no user, password, query or fragment; the message names the setting, never the value | `test_a_base_url_with_credentials_stops_the_app_naming_the_setting_never_the_value` (5 values) |
+| 13 | docs/openai.md did not say who can read, cancel or delete a stored response | it does ("Who can read, cancel or delete a stored response"): anyone with the function key, for any id, without callers; only the creating caller with `CALLER_KEYS=required` | `test_docs.py::test_openai_md_says_who_can_read_cancel_or_delete_a_stored_response` (the old docs have no such section); the behaviour: `test_follow_ups.py::test_without_callers_the_function_key_reaches_any_stored_response`, `test_callers.py::test_a_response_belongs_to_the_caller_that_created_it` |
+| 14 | `BLOCKED_TERMS` missed `response.audio.transcript.delta` | the transcript goes through the text steps; its held tail goes out at `.transcript.done` | `test_blocked_terms_are_redacted_in_an_audio_transcript`; `tests/unit/test_responses_stream.py::test_an_audio_transcript_is_redacted_for_any_chunking` |
+| 15 | `MAX_PROMPT_CHARS` did not count ids (`call_id`, item ids, `tool_call_id`) | they count; what is only referenced (`previous_response_id`, `conversation`, `item_reference`, files) is listed in docs/pipeline.md as not countable | `test_max_prompt_chars_counts_the_ids_a_caller_sends` (4 requests with 5,000-character ids) |
+| 16 | `UPSTREAMS` 30,000 levels deep: a `RecursionError` not naming the setting; 1,000 entries: 23 s and 912 MB to start | at most 64 entries, 8 levels, 256 KiB, refused naming `UPSTREAMS` (docs/pool.md) | `test_upstreams_beyond_its_documented_bounds_stops_the_app_naming_the_setting`; `tests/unit/test_upstreams_config.py` (the 256 KiB bound: more than one environment variable holds on Linux) |
+| 17 | a response id with CR/LF (`%0D%0A`) got FastAPI's `{"detail":"Not Found"}` (the worker's HTTP route did not match a line feed; the invocation then waited forever), or the local host's empty 405/404 | the worker's route matches any path (`worker_fix.route_any_path`), the local host's catch-alls take any character: every answer under `/api/v1/` is OpenAI's shape (400 for a malformed id, 404 otherwise) | `test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds` (9 paths × 3 methods); `tests/unit/test_worker_fix.py::test_the_workers_http_route_matches_a_path_with_a_line_feed`, `tests/devtools/test_devhost_routes.py::test_a_line_feed_in_the_path_still_reaches_a_route_as_in_asp_net` |
+| 18 | processes that built the app printed aiohttp's "Unclosed client session" at exit | the upstream clients close with the event loop that used them | `test_a_process_that_builds_the_app_and_serves_requests_exits_without_unclosed_sessions` |
+| 19 | eight callers who did not read 4.9 MB answers and hung up left the worker 25–37 MB bigger for good on the streamed route (`/api/chat`; 3–14 MB non-streamed): the C allocator kept the freed answers | once answers that ended add up to 4 MB, `malloc_trim` gives the memory back (`chatstream/memory.py`); a non-streamed answer is written in 64 KB pieces the server takes one at a time (so it is over when its caller has it or has hung up, and is dropped past the total limit as a stream is), without ever building its whole text. Now: back within 1 MB of where it was at once after the hang-ups; while held, +14 MB (non-streamed) and +40 MB (streamed) for 39 MB of answers | `test_worker_memory.py::test_callers_who_do_not_read_big_answers_hold_them_once_and_give_them_back` (checked against d1e421c: +35 MB 15 s after the streamed ones); `tests/unit/test_memory.py` |
+
+The scripted upstream gained what these tests need (tools/fakeupstream/README.md): the scenarios
+`reset_first`, `hang`, `key_in_error_400`/`404`/`429` and (Responses) `audio`;
+`POST /_scripted/follow_ups` (what every follow-up plays instead of its answer: an error, no answer,
+or a re-stream that drops) and `POST /_scripted/error_headers` (a chosen `Retry-After`).
+
+### For the runtime's maintainers: `HttpCoordinator` keeps one entry per invocation
+
+To be filed at https://github.com/Azure/azure-functions-python-worker.
+
+**What.** With HTTP streaming (the `azurefunctions-extensions-http-fastapi` extension), every HTTP
+invocation leaves an `AsyncContextReference` (two `asyncio.Event`s and six fields, ~2.1 KB with its
+dict slot) in `HttpCoordinator._context_references`, keyed by its invocation id, and nothing removes
+it. A worker's memory grows with the number of requests it has served: measured through a local
+host on the real worker, +2,167 B per request over 20,000 requests (`GET` of a small JSON answer);
+an instance serving a million requests carries some 2 GB more.
+
+**Where.** `azure-functions-runtime` 1.3.0 (the newest release; Python 3.13),
+`azure_functions_runtime/http_v2.py`, class `HttpCoordinator` (the singleton `http_coordinator`):
+`set_http_request` and `get_http_request_async` add the entry; `_pop_http_request` and
+`_pop_http_response` set its `http_request` / `http_response` back to `None` but leave the entry in
+the dict. The same code is in `azure_functions_worker/http_v2.py` (the worker for Python ≤ 3.12).
+A fix: delete the entry in `await_http_response_async` once the response is popped (by then
+`invocation_request` has set the response and returned: it does not await after
+`set_http_response`).
+
+**Minimal reproduction** (no host needed; the runtime's own coordinator):
+
+```python
+import asyncio
+from azure_functions_runtime.http_v2 import http_coordinator
+
+
+async def invocation(i):
+    # what the worker's HTTP server (catch_all) and invocation_request do for one HTTP invocation
+    async def server_side():
+        http_coordinator.set_http_request(f"inv-{i}", object())
+        return await http_coordinator.await_http_response_async(f"inv-{i}")
+
+    async def function_side():
+        await http_coordinator.get_http_request_async(f"inv-{i}")
+        http_coordinator.set_http_response(f"inv-{i}", object())
+
+    await asyncio.gather(server_side(), function_side())
+
+
+async def main():
+    for i in range(10_000):
+        await invocation(i)
+    print(len(http_coordinator._context_references))  # 10000: every invocation is still there
+
+
+asyncio.run(main())
+```
+
+Or end to end: any HTTP-streaming function app on the worker, 20,000 `GET`s, and the worker's RSS
+grows about 2 KB per request. The app works around it in `chatstream/worker_fix.py` (checked
+versions only, and only inside that worker); remove the workaround once a fixed runtime ships.
+"""
 
 from __future__ import annotations
 

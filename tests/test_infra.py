@@ -393,6 +393,7 @@ class Infra:
             "docs/scaling.md",
             "docs/benchmarks.md",
             "docs/deploy.md",
+            "docs/production.md",
             "function_app.py",
         ):
             files[extra] = (ROOT / extra).read_bytes()
@@ -638,7 +639,8 @@ def check_key_vault_mode(infra: Infra) -> None:
     )
     settings = infra.app_settings("openAI")
     assert (
-        settings.get("OPENAI_API_KEY") == "'@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})'"
+        settings.get("OPENAI_API_KEY")
+        == "'@Microsoft.KeyVault(SecretUri=${keyVault.properties.vaultUri}secrets/${openAiKeySecretName})'"
     ), settings
     assert settings.get("OPENAI_BASE_URL") == ""
     assert infra.app_settings("openAI", openAiBaseUrl="http://x/v1").get("OPENAI_BASE_URL") == "http://x/v1"
@@ -647,6 +649,49 @@ def check_key_vault_mode(infra: Infra) -> None:
         assert "openAiApiKey" in t.decls and "secure" in t.decls["openAiApiKey"].decorators, (
             f"{t.path}: openAiApiKey must be @secure()"
         )
+
+
+def check_key_vault_secret_kept(infra: Infra) -> None:
+    """The deployment writes the key's secret only when it is given the key (azd OPENAI_API_KEY);
+    with OPENAI_API_KEY_IN_VAULT and no key it keeps the vault and its versionless reference and
+    writes no secret, so a rotation done in the vault survives the next `azd up`."""
+    assert infra.main_defaults()["openAiKeyInVault"] is False
+    assert _azd_value(infra, "openAiKeyInVault") == "${OPENAI_API_KEY_IN_VAULT=false}"
+    secret, vault = infra.one("Microsoft.KeyVault/vaults/secrets"), infra.one("Microsoft.KeyVault/vaults")
+    assert infra.instances(secret, "openAI"), "the key given is written"
+    kept = {"upstream": "openAI", "openAiApiKey": "", "openAiKeyInVault": True}
+    assert infra.instances(vault, **kept), "the vault stays when the key is kept in it"
+    assert not infra.instances(secret, **kept), "a deployment given no key rewrites the secret"
+    reference = infra.app_settings(**kept)["OPENAI_API_KEY"]
+    assert "secretUri" not in reference and "secrets/${openAiKeySecretName}" in reference, (
+        f"the reference must be versionless and not need the secret resource: {reference}"
+    )
+    assert infra.body(secret, "openAI")["name"] == Evaluator(infra.resources).eval(
+        infra.resources.decls["openAiKeySecretName"].body
+    )
+    (settings_module,) = [d for d in infra.resources.of("module").values() if d.type == "app-settings.bicep"]
+    assert "openAiKeySecret" in settings_module.body.text.decode().split("dependsOn")[-1], (
+        "the settings name the secret: written after it"
+    )
+
+
+def check_api_version(infra: Infra) -> None:
+    """One Azure OpenAI api-version in the app's default and the template's: the newest dated one (the
+    oldest that serves the GPT-5 family). A preview, and deploy.md says so, with the GA path."""
+    from chatstream.settings import Settings
+    from chatstream.upstreams.config import DEFAULT_API_VERSION
+
+    version = infra.main_defaults()["azureOpenAiApiVersion"]
+    app_default = Settings.model_fields["azure_openai_api_version"].default
+    assert version == app_default == DEFAULT_API_VERSION, (version, app_default, DEFAULT_API_VERSION)
+    assert _azd_value(infra, "azureOpenAiApiVersion") == "${AZURE_OPENAI_API_VERSION=" + version + "}"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}(-preview)?", version), version
+    row = next(
+        r for r in _table(infra.files["docs/deploy.md"].decode(), "azd value") if "API_VERSION" in r["azd value"]
+    )
+    assert row["default"] == f"`{version}`", row
+    if version.endswith("-preview"):
+        assert "It is a preview" in row["meaning"] and "v1" in row["meaning"], row["meaning"]
 
 
 def check_openai_key_required(infra: Infra) -> None:
@@ -1068,6 +1113,8 @@ def check_azure_yaml(infra: Infra) -> None:
     assert f"{infra_cfg.get('path', 'infra')}/{infra_cfg.get('module', 'main')}.bicep" in infra.templates
     tags = infra.body(infra.one("Microsoft.Web/sites"))["tags"]
     assert tags.get("azd-service-name") == name, f"the function app must be tagged azd-service-name={name}: {tags}"
+    # CHAT_APP_SETTINGS is an object parameter: azd reads those from `azd env set` since 1.23.4.
+    assert project.get("requiredVersions", {}).get("azd") == ">= 1.23.4", project.get("requiredVersions")
 
 
 # ---- issue #32: a deployment that stays right after the second `azd up` ----
@@ -1172,6 +1219,13 @@ def check_app_settings_layers(infra: Infra) -> None:
     )
     params = infra.main.of("param")
     assert params["appSettings"].type == "object" and infra.main_defaults()["appSettings"] == {}
+    # CHAT_APP_SETTINGS may hold a key (a pool entry's): secure wherever it is a parameter.
+    for template, name in (
+        (infra.main, "appSettings"),
+        (infra.resources, "appSettings"),
+        (infra.settings_module, "operatorSettings"),
+    ):
+        assert "secure" in template.decls[name].decorators, f"{template.path}: {name} must be @secure()"
     assert _azd_value(infra, "appSettings") == "${CHAT_APP_SETTINGS}"
     by_hand = {"PLAYGROUND_ENABLED": "true", "SET_IN_THE_PORTAL": "1", "AZURE_CLIENT_ID": "tampered"}
     kept = infra.app_settings("azureOpenAI", current=by_hand)
@@ -1194,14 +1248,56 @@ def check_app_settings_layers(infra: Infra) -> None:
             assert name in str(refused) and "CALLER_KEYS" not in str(refused), refused
 
 
-def check_rolling_update(infra: Infra) -> None:
-    """Instances are replaced in batches on a deployment (Flex Consumption's rolling update), by a
-    parameter that azd keeps; Recreate is the choice away from it."""
+def check_site_update_strategy(infra: Infra) -> None:
+    """A deployment restarts the instances with Recreate by default (the app's drain and hand-over
+    cover it); RollingUpdate, which Microsoft calls a preview not recommended for production, is the
+    choice away from it, by a parameter that azd keeps."""
     (allowed,) = infra.main.of("param")["siteUpdateStrategy"].decorators["allowed"]
     assert set(Evaluator(infra.main).eval(allowed)) == {"RollingUpdate", "Recreate"}
     config = infra.body(infra.one("Microsoft.Web/sites"))["properties"]["functionAppConfig"]
-    assert config.get("siteUpdateStrategy") == {"type": "RollingUpdate"}, config.get("siteUpdateStrategy")
-    assert _azd_value(infra, "siteUpdateStrategy") == "${AZURE_SITE_UPDATE_STRATEGY=RollingUpdate}"
+    assert config.get("siteUpdateStrategy") == {"type": "Recreate"}, config.get("siteUpdateStrategy")
+    assert _azd_value(infra, "siteUpdateStrategy") == "${AZURE_SITE_UPDATE_STRATEGY=Recreate}"
+    rolling = infra.body(infra.one("Microsoft.Web/sites"), siteUpdateStrategy="RollingUpdate")
+    assert rolling["properties"]["functionAppConfig"]["siteUpdateStrategy"] == {"type": "RollingUpdate"}
+
+
+# A typical request's prompt, for the capacity arithmetic (docs/deploy.md, "Capacity").
+TYPICAL_PROMPT_TOKENS = 1000
+# Requests a minute the default deployment must admit at the default output cap.
+MIN_REQUESTS_PER_MINUTE = 30
+
+
+def _tokens_per_minute(text: str, model: str) -> int:
+    m = re.search(r'"model_limits": \{"' + re.escape(model) + r'": \{"tokens_per_minute": (\d+)\}', text)
+    assert m, f"no model limit for {model}"
+    return int(m.group(1))
+
+
+def check_capacity(infra: Infra) -> None:
+    """Azure OpenAI counts prompt + output cap against the deployment's TPM as a request arrives: the
+    default capacity and the default output cap (DEFAULT_MAX_OUTPUT_TOKENS, written by the template)
+    admit a realistic rate, docs/deploy.md states that rate from the same figures, and the team
+    production.md creates fits in the deployment."""
+    capacity = infra.main_defaults()["deploymentCapacity"]
+    defaults = infra.settings_layers("azureOpenAI")["templateDefaults"]
+    assert "DEFAULT_MAX_OUTPUT_TOKENS" in defaults, "the template must state the output cap it sizes the capacity for"
+    cap = int(defaults["DEFAULT_MAX_OUTPUT_TOKENS"])
+    per_request = TYPICAL_PROMPT_TOKENS + cap
+    rate = capacity * 1000 // per_request
+    assert rate >= MIN_REQUESTS_PER_MINUTE, (
+        f"{capacity} units admit {rate} requests a minute at a {cap}-token cap (prompt {TYPICAL_PROMPT_TOKENS})"
+    )
+    section = " ".join(_section(infra.files["docs/deploy.md"].decode(), "Capacity: requests a minute").split())
+    stated = f"{capacity} × 1,000 ÷ ({TYPICAL_PROMPT_TOKENS:,} + {cap:,}) = **{rate}**"
+    assert stated in section, f"docs/deploy.md's capacity arithmetic must read {stated!r}"
+    production = " ".join(infra.files["docs/production.md"].decode().split())  # lines joined
+    model = infra.main_defaults()["modelName"]
+    team = _tokens_per_minute(production, model)
+    assert team <= capacity * 1000, f"production.md's team may use {team} TPM of a {capacity * 1000} TPM deployment"
+    assert (
+        f"AZURE_OPENAI_DEPLOYMENT_CAPACITY={capacity}" in production and f"about {rate} requests a minute" in production
+    )
+    assert f"about {team // per_request} requests" in production, "production.md: the team's requests in flight"
 
 
 def check_outbound_network(infra: Infra) -> None:
@@ -1252,12 +1348,25 @@ def check_outbound_network(infra: Infra) -> None:
 
 
 def check_scale_limits(infra: Infra) -> None:
-    """maximumInstanceCount is within what Flex Consumption accepts (40 to 1000)."""
+    """maximumInstanceCount takes what Flex Consumption accepts (1 to 1000: a small cap bounds the
+    cost); the sizing and the always-ready instances are azd values, with main.bicep's defaults."""
     param = infra.main.of("param")["maximumInstanceCount"]
     (low,) = param.decorators["minValue"]
     (high,) = param.decorators["maxValue"]
-    assert int(low.text) >= 40 and int(high.text) <= 1000, (low.text, high.text)
-    assert 40 <= infra.main_defaults()["maximumInstanceCount"] <= 1000
+    assert (int(low.text), int(high.text)) == (1, 1000), (low.text, high.text)
+    assert 1 <= infra.main_defaults()["maximumInstanceCount"] <= 1000
+    for name, azd in (
+        ("maximumInstanceCount", "AZURE_MAXIMUM_INSTANCE_COUNT"),
+        ("instanceMemoryMB", "AZURE_INSTANCE_MEMORY_MB"),
+        ("httpPerInstanceConcurrency", "AZURE_HTTP_PER_INSTANCE_CONCURRENCY"),
+        ("alwaysReadyInstances", "AZURE_ALWAYS_READY_INSTANCES"),
+    ):
+        assert _azd_value(infra, name) == "${" + f"{azd}={infra.main_defaults()[name]}" + "}", name
+    site = infra.one("Microsoft.Web/sites")
+    scale = infra.body(site)["properties"]["functionAppConfig"]["scaleAndConcurrency"]
+    assert scale["alwaysReady"] == [], "no always-ready instance by default"
+    scale = infra.body(site, alwaysReadyInstances=2)["properties"]["functionAppConfig"]["scaleAndConcurrency"]
+    assert scale["alwaysReady"] == [{"name": "http", "instanceCount": 2}], scale["alwaysReady"]
 
 
 def check_host_diagnostic_events(infra: Infra) -> None:
@@ -1354,6 +1463,8 @@ CHECKS = [
     check_azure_openai_keyless,
     check_key_vault_mode,
     check_openai_key_required,
+    check_key_vault_secret_kept,
+    check_api_version,
     check_flex_consumption_python,
     check_app_insights_identity,
     check_time_limits,
@@ -1368,7 +1479,8 @@ CHECKS = [
     check_app_state_storage,
     check_model_default,
     check_app_settings_layers,
-    check_rolling_update,
+    check_site_update_strategy,
+    check_capacity,
     check_outbound_network,
     check_scale_limits,
     check_host_diagnostic_events,
@@ -1512,7 +1624,7 @@ BREAKAGES = [
     (
         "key as a plain app setting",
         R,
-        "useKeyVault ? '@Microsoft.KeyVault(SecretUri=${openAiKeySecret.properties.secretUri})' : ''",
+        "useKeyVault ? '@Microsoft.KeyVault(SecretUri=${keyVault.properties.vaultUri}secrets/${openAiKeySecretName})' : ''",
         "openAiApiKey",
         check_key_vault_mode,
     ),
@@ -1523,13 +1635,54 @@ BREAKAGES = [
         "",
         check_key_vault_mode,
     ),
-    ("key not @secure", M, "@secure()\n", "", check_key_vault_mode),
+    (
+        "key not @secure",
+        M,
+        "@secure()\n@description('OpenAI API key",
+        "@description('OpenAI API key",
+        check_key_vault_mode,
+    ),
     (
         "empty key deploys",
         M,
         "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
         "var openAiKeyMissing = false",
         check_openai_key_required,
+    ),
+    (
+        "secret rewritten on every deployment",
+        R,
+        "'Microsoft.KeyVault/vaults/secrets@2023-07-01' = if (writeKeySecret)",
+        "'Microsoft.KeyVault/vaults/secrets@2023-07-01' = if (useKeyVault)",
+        check_key_vault_secret_kept,
+    ),
+    (
+        "a vault key mode that drops the vault",
+        R,
+        "(!empty(openAiApiKey) || openAiKeyInVault)",
+        "!empty(openAiApiKey)",
+        check_key_vault_secret_kept,
+    ),
+    (
+        "settings before the secret",
+        R,
+        "  dependsOn: [\n    openAiKeySecret\n  ]\n",
+        "",
+        check_key_vault_secret_kept,
+    ),
+    (
+        "two api-versions",
+        M,
+        "param azureOpenAiApiVersion string = '2025-04-01-preview'",
+        "param azureOpenAiApiVersion string = '2025-03-01-preview'",
+        check_api_version,
+    ),
+    (
+        "deploy.md silent on the preview",
+        "docs/deploy.md",
+        "It is a preview: ",
+        "",
+        check_api_version,
     ),
     ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),
     ("Python 3.11", R, "version: '3.13'", "version: '3.11'", check_flex_consumption_python),
@@ -1598,9 +1751,16 @@ BREAKAGES = [
         check_time_limits,
     ),
     ("heartbeat past the idle cut-off", M, "@maxValue(200)", "@maxValue(300)", check_time_limits),
-    ("no capacity parameter", M, "param deploymentCapacity int = 10", "var deploymentCapacity = 10", check_parameters),
+    (
+        "no capacity parameter",
+        M,
+        "param deploymentCapacity int = 250",
+        "var deploymentCapacity = 250",
+        check_parameters,
+    ),
     ("azd service tag mismatch", R, "'azd-service-name': 'api'", "'azd-service-name': 'web'", check_azure_yaml),
     ("not a function host", "azure.yaml", "host: function", "host: containerapp", check_azure_yaml),
+    ("any azd version", "azure.yaml", 'azd: ">= 1.23.4"', 'azd: ">= 1.0.0"', check_azure_yaml),
     ("azure.yaml not YAML", "azure.yaml", "services:\n", "services: [\n", check_azure_yaml),
     (
         "deploy.md: every call needs a key",
@@ -1827,13 +1987,76 @@ BREAKAGES = [
         "mapValues(appSettings, value => string(value))",
         check_app_settings_layers,
     ),
-    ("current settings in the history", "infra/app-settings.bicep", "@secure()\n", "", check_app_settings_layers),
     (
-        "recreate on deploy",
+        "current settings in the history",
+        "infra/app-settings.bicep",
+        "@secure()\n@description('The site",
+        "@description('The site",
+        check_app_settings_layers,
+    ),
+    (
+        "CHAT_APP_SETTINGS in the history",
         M,
-        "param siteUpdateStrategy string = 'RollingUpdate'",
+        "@secure()\n@description('App settings",
+        "@description('App settings",
+        check_app_settings_layers,
+    ),
+    (
+        "CHAT_APP_SETTINGS in the module's history",
+        "infra/app-settings.bicep",
+        "@secure()\n@description('CHAT_APP_SETTINGS",
+        "@description('CHAT_APP_SETTINGS",
+        check_app_settings_layers,
+    ),
+    (
+        "CHAT_APP_SETTINGS in resources' history",
+        R,
+        "@secure()\nparam appSettings object",
+        "param appSettings object",
+        check_app_settings_layers,
+    ),
+    (
+        "a preview update strategy by default",
+        M,
         "param siteUpdateStrategy string = 'Recreate'",
-        check_rolling_update,
+        "param siteUpdateStrategy string = 'RollingUpdate'",
+        check_site_update_strategy,
+    ),
+    (
+        "azd's update strategy differs",
+        "infra/main.parameters.json",
+        '"${AZURE_SITE_UPDATE_STRATEGY=Recreate}"',
+        '"${AZURE_SITE_UPDATE_STRATEGY=RollingUpdate}"',
+        check_site_update_strategy,
+    ),
+    (
+        "two requests a minute",
+        M,
+        "param deploymentCapacity int = 250",
+        "param deploymentCapacity int = 10",
+        check_capacity,
+    ),
+    ("no template output cap", R, "  DEFAULT_MAX_OUTPUT_TOKENS: '4096'\n", "", check_capacity),
+    (
+        "a bigger cap, same capacity",
+        R,
+        "DEFAULT_MAX_OUTPUT_TOKENS: '4096'",
+        "DEFAULT_MAX_OUTPUT_TOKENS: '16384'",
+        check_capacity,
+    ),
+    (
+        "deploy.md: stale arithmetic",
+        "docs/deploy.md",
+        "= **49** requests",
+        "= **2** requests",
+        check_capacity,
+    ),
+    (
+        "production.md: a team larger than the deployment",
+        "docs/production.md",
+        '"tokens_per_minute": 150000',
+        '"tokens_per_minute": 400000',
+        check_capacity,
     ),
     (
         "no NAT gateway on the app subnet",
@@ -1858,12 +2081,20 @@ BREAKAGES = [
     ),
     ("Key Vault references outside the network", R, "allTraffic: true", "allTraffic: false", check_outbound_network),
     (
-        "fewer than 40 instances allowed",
+        "at least 40 instances",
         M,
-        "@minValue(40)\n@maxValue(1000)\n@description('Most instances",
         "@minValue(1)\n@maxValue(1000)\n@description('Most instances",
+        "@minValue(40)\n@maxValue(1000)\n@description('Most instances",
         check_scale_limits,
     ),
+    (
+        "instance cap not an azd value",
+        "infra/main.parameters.json",
+        '"${AZURE_MAXIMUM_INSTANCE_COUNT=100}"',
+        '"100"',
+        check_scale_limits,
+    ),
+    ("always-ready not written", R, "instanceCount: alwaysReadyInstances", "instanceCount: 1", check_scale_limits),
     (
         "diagnostic events left on",
         R,
@@ -1903,14 +2134,14 @@ BREAKAGES = [
     (
         "keyless server refused",
         M,
-        "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl)",
+        "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey) && empty(openAiBaseUrl) && !openAiKeyInVault",
         "var openAiKeyMissing = upstream == 'openAI' && empty(openAiApiKey)",
         check_keyless_compatible_server,
     ),
     (
         "a vault for no key",
         R,
-        "var useKeyVault = upstream == 'openAI' && !empty(openAiApiKey)",
+        "var useKeyVault = upstream == 'openAI' && (!empty(openAiApiKey) || openAiKeyInVault)",
         "var useKeyVault = upstream == 'openAI'",
         check_keyless_compatible_server,
     ),

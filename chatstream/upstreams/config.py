@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints,
 from ..settings import Settings
 
 SETTING = "UPSTREAMS"
-DEFAULT_API_VERSION = "2024-10-21"  # as AZURE_OPENAI_API_VERSION's default in settings.py
+DEFAULT_API_VERSION = "2025-04-01-preview"  # as AZURE_OPENAI_API_VERSION's default in settings.py
 SINGLE_NAME = "default"
 # Bounds on the setting: each entry gets an SDK client with its own connection pool, so a long list
 # costs start-up time and memory (1,000 entries took 23 s and 912 MB); no real pool needs more.

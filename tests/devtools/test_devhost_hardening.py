@@ -1,6 +1,41 @@
-"""The local host (tools/devhost/) under hostile or unusual HTTP: Expect: 100-continue, oversized and
+r"""The local host (tools/devhost/) under hostile or unusual HTTP: Expect: 100-continue, oversized and
 slow requests, upgrades, cross-site callers. Every test talks to real processes over sockets.
-docs/reliability.md ("Local host and C# client hardening") lists these with what they prove."""
+
+Findings of an outside attack on the local host and on the C# client, and what each now does:
+
+Findings of an outside attack on the local host (`tools/devhost/`) and on the C# client, and what
+each now does. The front server's limits are settings of the host (environment variable or flag of
+`python -m tools.devhost`): `DEVHOST_MAX_HEADER_BYTES` / `--max-header-bytes` (65536),
+`DEVHOST_HEADER_TIMEOUT_SECONDS` / `--header-timeout` (10), `DEVHOST_BODY_TIMEOUT_SECONDS` /
+`--body-timeout` (15), `DEVHOST_KEEPALIVE_TIMEOUT_SECONDS` / `--keepalive-timeout` (15, was 30);
+allowed browser origins: `--cors` / `CORS_ALLOWED_ORIGINS` / local.settings.json `Host.CORS`. A bad
+value stops the host with exit 2 naming the setting ([tools/devhost/README.md](tools/devhost/README.md#settings)).
+The tests use 1.5 s deadlines. Tests are in
+`tests/devtools/test_devhost_hardening.py` unless named otherwise.
+
+uvicorn's httptools protocol, which the front server uses, has no head size limit
+(`h11_max_incomplete_event_size` is read by uvicorn's h11 protocol only), no head or body deadline,
+and starts its keep-alive timer only after a first response. `tools/devhost/front.py` subclasses it
+rather than switching to h11, which costs more CPU per request and per chunk.
+
+| item | behaviour | test |
+|---|---|---|
+| `Expect: 100-continue` | the front server sends the one interim `100 Continue`; `Expect` is not forwarded; an interim 1xx from the worker is skipped, never relayed as the answer; a worker connection is reused only when its final response was read to the end with nothing after it, and bytes arriving on an idle one close it. Before: the caller got the worker's `100` as its final answer, the connection went back to the pool mid-answer, and in a chain A→E caller D received C's text | `test_expect_100_continue_never_hands_a_caller_someone_elses_answer`, `test_expect_100_continue_caller_hang_up_still_closes_its_upstream`, `test_forwarder_skips_interim_responses_and_never_reuses_an_unclean_connection` |
+| oversized head | a request line + headers (blank line included) over 64 KiB (65,536 bytes): `431` JSON `request_header_fields_too_large`, connection closed, whether the head comes in one write, in pieces or pipelined behind another request (each read is fed to the parser in slices that end where a head or a body ends, so a head is counted from its own first byte and the parser is never fed more than 64 KiB of it); the rest of the upload is read and dropped for up to 2 s so that the caller gets the answer rather than a reset. Before: a 16 MiB header was a `200` and raised peak RSS by 147 MB; now a 64 MiB one is refused at once, +0.4 MB. Before the slicing, a head completed by the read that crossed the limit was served (a 65 KiB head in one write, or in pieces, was a `200`) | `test_oversized_headers_get_431_and_memory_stays_low`; `tests/devtools/test_devhost_header_limit.py`: 64 KiB + 1, 65 KiB and 128 KiB get `431`, 63 KiB, 64 KiB − 1 and 64 KiB are served, each in one write and in pieces, and pipelined behind a request without a body, with a length or chunked |
+| partial or slow headers | `408` when the head is not complete within the header deadline of its first byte (or of the connection's opening); a connection that sends nothing is closed without an answer. 300 partial-header connections: all closed with `408` 1.52 s after opening (before: none closed) | `test_partial_header_connections_are_closed_by_the_header_deadline`, `test_slow_headers_get_408_at_the_header_deadline`, `test_a_connection_that_sends_nothing_is_closed` |
+| slow body | `408` at the body deadline (1.50 s measured) when no answer has started: the application sees the caller as gone, so the forwarded request is dropped; otherwise the connection is closed | `test_slow_body_gets_408_at_the_body_deadline` |
+| idle keep-alive | closed after the keep-alive deadline (1.50 s measured), also when the answer came before the body had all arrived | `test_idle_keep_alive_connections_are_closed` |
+| h2c upgrade (`curl --http2` on http://) | answered over HTTP/1.1 with `connection: close`; the body of such a request (length or chunked) is read with its own framing, since llhttp hands every byte after an upgrade request's head to the new protocol. Before: the body never reached the function and the call hung until the caller gave up | `test_h2c_upgrade_is_ignored_and_the_request_answered_over_http11` |
+| WebSocket upgrade | declined (`ws="none"`): the route's plain HTTP answer (`405` on `/api/chat`), connection closed. Before: `500` | `test_websocket_upgrade_is_refused_with_a_plain_http_answer` |
+| `/_devhost/stats` | `GET` only, `405 Allow: GET` otherwise | `test_stats_answers_get_only` |
+| bad limit setting | exit 2 naming the variable or flag | `test_a_bad_limit_setting_stops_the_host_naming_it` |
+| cross-site browser requests | a foreign `Origin` (also `null`, another local port, a DNS-rebinding name), or `Sec-Fetch-Site: cross-site`/`same-site` without one: `403` JSON `cross_origin_forbidden` before the function runs (the upstream receives nothing). Before: a form-encoded POST from any page was a `200` completion | `test_cross_site_requests_are_refused_before_the_function_runs` |
+| same origin, no origin | `http://127.0.0.1:PORT` / `http://localhost:PORT` and callers without `Origin` (curl, SDKs) served as before, without CORS headers | `test_same_origin_and_origin_less_callers_are_served` |
+| allowed origins | `Access-Control-Allow-Origin` (+ `Vary: Origin`) on every answer, the host's own 404/405 included; preflights `204` with the asked method and headers, `Access-Control-Max-Age: 600`; `*` allows any origin; `Host.CORS` read like `func start`; a malformed origin stops the host naming the setting | `test_allowed_origins_get_cors_headers_and_preflight_answers`, `test_cors_flag_star_allows_any_origin`, `test_cors_from_local_settings_host_section_like_func`, `test_a_malformed_cors_origin_stops_the_host_naming_the_setting` |
+| route precedence | literal segments beat parameters, parameters beat catch-alls, shorter beats longer, independent of declaration order (as ASP.NET routing in the Functions host), so a coming `v1/{*rest}` never hides `v1/models`; a route matching the path but not the method lets the next one take it | `tests/devtools/test_devhost_routes.py` |
+| C# client: key over plain HTTP | the function key goes over `http://` only to `localhost`, `127.0.0.0/8` or `::1`; otherwise the client stops before any name lookup or connection, with a message on stderr and exit 2, unless `--allow-insecure-key`. Before: sent to any URL. The caller key (`--caller-key`, `CALLER_KEY`) follows the same rule | `test_client_cs.py::test_key_over_plain_http_to_another_host_is_refused_before_any_connection`, `test_client_cs.py::test_key_goes_to_loopback_over_plain_http`, `test_client_cs.py::test_caller_key_over_plain_http_to_another_host_is_refused_with_nothing_sent` |
+| C# client SIGINT tests in the background | the tests reset SIGINT to its default in each client child (a background `make test &` has it ignored, and exec keeps it so). With `trap '' INT`: 3 of 5 failed before, 5 pass now | `test_client_cs.py::test_sigint_*`, `test_client_cs.py::test_app_sigint_*` |
+"""
 
 from __future__ import annotations
 

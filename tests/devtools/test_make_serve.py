@@ -171,3 +171,27 @@ def test_serve_starts_no_store_for_a_setting_the_app_refuses(tmp_path):
         Settings.from_env({"RESUMABLE_STREAMS": "maybe"})
     assert _needs_store(tmp_path, RESUMABLE_STREAMS="maybe")[0] == 1
     assert _needs_store(tmp_path, RESUMABLE_STREAMS="on", AzureWebJobsStorage="UseDevelopmentStorage=true")[0] == 1
+
+
+def test_the_second_instance_hint_pastes_as_one_command():
+    """The hint `make serve` prints when it starts Azurite, pasted into a shell as printed, gives the
+    second instance the whole connection string (unquoted, its ';' ended the command there)."""
+    (line,) = [
+        line for line in (ROOT / "tools" / "scripts" / "serve").read_text().splitlines() if "A second instance" in line
+    ]
+    connection = "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a+b/c==;BlobEndpoint=http://127.0.0.1:1/d;"
+    printed = subprocess.run(
+        ["bash", "-c", f'storage="AzureWebJobsStorage={connection}"\n{line.strip()}'],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout
+    hint = printed.split(": ", 1)[1].strip()
+    assert hint.endswith(" make serve"), hint
+    pasted = subprocess.run(
+        ["bash", "-c", hint.removesuffix("make serve") + "bash -c 'echo \"$PORT $AzureWebJobsStorage\"'"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert pasted.stdout.strip() == f"7072 {connection}", (hint, pasted.stdout, pasted.stderr)

@@ -50,7 +50,7 @@ def test_a_valid_upstreams_value():
     assert (ptu.kind, ptu.url, ptu.api_version, ptu.auth) == (
         "azure",
         "https://ptu.openai.azure.com",
-        "2024-10-21",
+        "2025-04-01-preview",
         "entra",
     )
     assert ptu.models == ("gpt-4o",) and ptu.deployment("gpt-4o") == "gpt4o-ptu"

@@ -1,5 +1,5 @@
-"""What the upstream pool costs (docs/pool.md, "What a failover costs"): time to first delta through
-the app with one upstream, and with three where the first answers 429 (so every measured request
+"""What the upstream pool costs (docs/maintainers.md, "What a pool failover costs"): time to first
+delta through the app with one upstream, and with three where the first answers 429 (so every measured request
 fails over to the second), against the scripted upstreams on 127.0.0.1.
 
     .venv/bin/python tools/bench/pool_bench.py [--requests 30] [--doc docs/pool.md]
@@ -140,7 +140,7 @@ def render(figures: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=30)
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "pool.md"))
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "maintainers.md"))
     args = parser.parse_args()
     figures = run(args.requests)
     table = render(figures)
@@ -150,7 +150,7 @@ def main() -> int:
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
     else:
-        text = text.rstrip("\n") + "\n\n## What a failover costs\n\n" + table + "\n"
+        text = text.rstrip("\n") + "\n\n## What a pool failover costs\n\n" + table + "\n"
     doc.write_text(text, encoding="utf-8")
     return 0
 

@@ -939,19 +939,7 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
         L.append(f"Note: the app also took {', '.join(m['app_local_settings'])} from local.settings.json.")
     L.append("")
 
-    t34 = s.get("targets34") or []
-    if t34:
-        L.append("### Targets (issue #34)")
-        L.append("")
-        L.append("| path | measured | target | met? |")
-        L.append("|---|---|---|---|")
-        for t in t34:
-            L.append(f"| {t['target']} | {t['measured']} | {t['limit']} | {_met(t['met'])} |")
-        met = [t["met"] for t in t34 if t["met"] is not None]
-        L.append("")
-        L.append(f"Met: {sum(met)} of {len(met)} measured ({len(t34)} rows).")
-        L.append("")
-
+    # The issue targets (#34, #16) stay in summary.json and the console table, not in the doc.
     L.append("### Against the floor (issue #24)")
     L.append("")
     L.append(
@@ -982,19 +970,6 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
                 f"{cfg.get('team_spend', 1_000_000):,} USD on priced models (keyteam); none is ever refused here."
             )
             L.append("")
-    old = s.get("targets16") or []
-    if old:
-        floor = {t["key"]: t for t in s.get("floor_targets16") or []}
-        L.append("### Issue #16's absolute targets")
-        L.append("")
-        L.append("| target | this app | met? | the floor |")
-        L.append("|---|---|---|---|")
-        for t in old:
-            f = floor.get(t["key"])
-            L.append(
-                f"| {t['target']} | {t['measured']} | {_met(t['met'])} | {f['measured'] + ' ' + _met(f['met']) if f else '–'} |"
-            )
-        L.append("")
     L.append(f"![side-by-side benchmark]({img})")
     L.append("")
     L.append(f"![time to first delta against concurrency]({img2})")
@@ -1401,9 +1376,13 @@ def console_table(s: dict) -> str:
             f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '?'}] {t['target']}: "
             f"app {fmt(t['app'])}, floor {fmt(t['floor'])} ({t['rel_text']}); LiteLLM {fmt(t['peer'])}"
         )
-    for t in s.get("other_targets") or ():
+    for t in [*(s.get("other_targets") or ()), *(s.get("targets34") or ())]:
         lines.append(
             f"  [{'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '-'}] {t['target']}: {t['measured']}"
+        )
+    for t in s.get("targets16") or ():
+        lines.append(
+            f"  [#16 {'MET' if t['met'] else 'NOT MET' if t['met'] is not None else '-'}] {t['target']}: {t['measured']}"
         )
     if s.get("load"):
         lines.append("  " + load_line(s))

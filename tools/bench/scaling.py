@@ -398,13 +398,24 @@ def defaults_from_text(text: str) -> dict:
 
 def write_infra(bicep: Path, defaults: dict) -> None:
     """Set the defaults of infra/main.bicep's parameters of the same names (what tests/test_infra.py
-    checks against docs/scaling.md)."""
+    checks against docs/scaling.md), and their azd defaults in main.parameters.json beside it."""
     text = bicep.read_text(encoding="utf-8")
     for name, value in defaults.items():
         text, n = re.subn(rf"^(param {name} int = )\d+$", rf"\g<1>{value}", text, flags=re.M)
         if n != 1:
             raise SystemExit(f"{bicep}: no single `param {name} int = ...` line to set")
     bicep.write_text(text, encoding="utf-8")
+    parameters = bicep.with_name("main.parameters.json")
+    if parameters.exists():
+        text = parameters.read_text(encoding="utf-8")
+        for name, value in defaults.items():
+            # "name": {"value": "${AZD_NAME=60}"}: the default after "=" (main.bicep's, test_infra checks)
+            text, n = re.subn(
+                rf'("{name}": \{{\s*"value": "\$\{{\w+=)\d+(\}}")', rf"\g<1>{value}\g<2>", text, flags=re.M
+            )
+            if n > 1:
+                raise SystemExit(f"{parameters}: {name} mapped more than once")
+        parameters.write_text(text, encoding="utf-8")
 
 
 def main(argv=None) -> int:
