@@ -340,8 +340,10 @@ class Endpoint:
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
         admission = await admitted(self.accounting, caller, call, record)
+        lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
+        before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
-            admission, started_at(claim.stream_id) or self.accounting.counters.clock(), known.text
+            admission, started_at(claim.stream_id) or self.accounting.counters.clock(), lost.text, claim.epoch, before
         )
         return admission
 

@@ -288,3 +288,78 @@ def test_a_killed_instances_requests_reach_the_usage_api(upstream, azurite, star
         f"{b.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi", max_tokens=15_000), timeout=30
     )
     assert admitted.status_code == 200, admitted.text
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, start_app):
+    """A keyed resumable stream whose producer A dies, whose first taker B dies too, and which C
+    finishes: three producers, three upstream requests, and a ledger row for each producer's part
+    (before, both continuations were written as segment 1: one row lost). The reader gets every id
+    once and one final event; the budget row equals the ledger; nothing stays held."""
+    from servers import Upstream
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "120", "--interval-ms", "50")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
+        a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+        for app in (a, b, c):  # each instance warm (its store clients, the tables)
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json={"prompt": "warm"}, timeout=30)
+            assert warm.status_code == 200, warm.text
+        prompt = f"three producers {uuid.uuid4().hex}"
+        base = upstream.count()  # the upstream's requests so far: from here on, this stream's only
+        ids: list[int] = []
+        with httpx.stream(
+            "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": prompt}, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            stream_id = response.headers["x-stream-id"]
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                    if len(ids) == 3:
+                        break
+        a.stop(signal.SIGKILL)
+        finals: list[str] = []
+
+        def read_on(app, until) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not finals:
+                headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+                with httpx.stream("GET", f"{app.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                    if r.status_code != 200:
+                        time.sleep(0.5)
+                        continue
+                    for line in r.iter_lines():
+                        if line.startswith("id: ") and int(line[4:]) > ids[-1]:
+                            ids.append(int(line[4:]))
+                        elif line in ("event: done", "event: error"):
+                            finals.append(line[7:])
+                        if until():
+                            return
+                if until():
+                    return
+
+        # B's reader finds A dead and B takes over; once B has stored some of its own, B dies.
+        read_on(b, lambda: len(ids) >= 3 + 8 and upstream.count() >= base + 2)
+        assert not finals and upstream.count() == base + 2, (finals, ids)
+        b.stop(signal.SIGKILL)
+        read_on(c, lambda: bool(finals))  # C's reader finds B dead: C takes over and finishes
+        assert finals == ["done"], (finals, ids)
+        assert ids == list(range(1, len(ids) + 1)), ids
+        assert upstream.count() == base + 3
+        deadline = time.monotonic() + 60
+        while True:
+            rows = ledger(azurite, who)
+            # The stream's request: the one whose rows go past the first producer's block.
+            ours = {r["request_id"] for r in rows if int(r["segment"]) >= 20}
+            segments = sorted(int(r["segment"]) for r in rows if r["request_id"] in ours)
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if len(segments) == 3 and held == 0 and taken == spent(rows):
+                break
+            assert time.monotonic() < deadline, (segments, [(r["request_id"], r["segment"], r["ended"]) for r in rows])
+            time.sleep(0.5)
+        assert len(ours) == 1 and segments == [0, 20, 40], segments  # A's, B's, C's
+    finally:
+        upstream.stop()

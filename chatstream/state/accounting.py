@@ -77,12 +77,20 @@ class Admission:
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
-    segment_base: int = 0  # a stream taken over: its segment 0 is the lost producer's (``charge_lost``)
+    segment_base: int = 0  # a stream taken over: its segments are a block of their own (``charge_lost``)
 
     @property
     def rates(self) -> dict[str, Rate]:
         """The per-minute limits for OpenAI's ``x-ratelimit-*`` headers (``tokens``, ``requests``)."""
         return self.reservation.rates
+
+
+SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
+
+
+def segment_base(epoch: int) -> int:
+    """The first ledger segment of a resumable stream's ``epoch``-th producer (1: the original)."""
+    return (max(1, epoch) - 1) * SEGMENTS_PER_PRODUCER
 
 
 def ended(record: StreamRecord) -> str:
@@ -392,16 +400,24 @@ class Accounting:
         if admission.entry is not None:
             self.journal.settle(admission.entry, [], amounts, settlement)
 
-    async def charge_lost(self, admission: Admission, started: float, text: str) -> None:
-        """A resumable stream taken over here (its producer's instance died, or drained): the lost
-        producer's part of the answer is charged what the log shows it generated, as segment 0 of the
-        request, unless the dead instance's takeover (journal.py) charged it first; the continuation
-        is charged from segment 1 (``admission``). Never raises: on a store failure the journal's
-        takeover charges that part at its checkpoint."""
-        admission.segment_base = 1
+    async def charge_lost(
+        self, admission: Admission, started: float, text: str, epoch: int = 2, before: str = ""
+    ) -> None:
+        """A resumable stream taken over here (its producer's instance died, or drained), as its
+        ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
+        generated, after ``before``, the earlier producers' part) is charged as the first segment of
+        that producer's block, unless the dead instance's takeover (journal.py) charged it first; the
+        continuation here is charged from the first segment of its own block (``admission``). So
+        however many times a stream is taken over, each producer's segments are rows of their own.
+        Never raises: on a store failure the journal's takeover charges that part at its checkpoint.
+        Call it right after the admission (before any await): the journal lists the block with it."""
+        admission.segment_base = segment_base(epoch)
+        if admission.entry is not None:
+            admission.entry.segment = admission.segment_base
         caller, team, price = admission.caller, admission.team, admission.price
         completion = tokens.count_text(admission.model, text)
-        prompt = admission.prompt_tokens
+        # A producer after a takeover sent the answer so far along with the prompt.
+        prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
         cost = price.cost(prompt, 0, completion) if price is not None else None
         charge = Charge(
             caller=caller.name,
@@ -417,6 +433,7 @@ class Accounting:
             cost=cost,
             ended="lost",
             author=self.counters.instance,
+            segment=segment_base(epoch - 1),
         )
         try:
             there = await self.ledger.write_now(charge)

@@ -79,6 +79,7 @@ class JournalEntry:
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     counted_chars: dict[int, int] = field(default_factory=dict)
     counted_tokens: int = 0
+    segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> charged
@@ -116,6 +117,8 @@ class JournalEntry:
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
+        if self.segment:
+            doc["segment"] = self.segment
         if self.state == "open":
             doc["generated"] = self.checkpoint()
         else:
@@ -415,6 +418,7 @@ def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
             cost=price.cost(prompt, 0, completion) if price is not None else None,
             ended="lost",
             author=f"takeover:{dead}",
+            segment=int(entry.get("segment") or 0),
         )
     ]
 

@@ -212,6 +212,11 @@ def is_comment(part: bytes) -> bool:
     return all(line.startswith(b":") for line in part.split(b"\n"))
 
 
+def event_id(event: bytes) -> int:
+    """The id of one numbered event (as ``split_events`` gives them)."""
+    return int(event[4 : event.index(b"\n")])
+
+
 def split_events(data: bytes) -> list[bytes]:
     """The numbered events of stored bytes (whole events), each with its blank line; comments dropped."""
     return [part + b"\n\n" for part in data.split(b"\n\n") if part.startswith(b"id: ")]

@@ -21,7 +21,7 @@ from typing import Literal
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .format import RECORD_ROW, Record, Route, Tail, epoch_marker, log_tag, request_blob, split_events
+from .format import RECORD_ROW, Record, Route, Tail, epoch_marker, event_id, log_tag, request_blob, split_events
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
@@ -48,6 +48,7 @@ class Claim:
     last_id: int
     epoch: int
     producer: Producer
+    lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
 
 
 MakeProducer = Callable[[Record, list[bytes], int], Producer]
@@ -135,6 +136,7 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Ref
             last_id=tail.last_id,
             epoch=won.epoch,
             producer=producer,
+            lost_events=b"".join(e for e in events if tail.seam is None or event_id(e) > tail.seam),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
