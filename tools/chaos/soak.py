@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -64,7 +65,7 @@ KIND_WEIGHTS = (5, 3, 2)
 RESUMABLE = ("chat_completions", "chat")
 REQUEST_SECONDS = 120.0  # one request, all its reconnects included
 SETTLE_SECONDS = 150.0  # after the run: recoveries (a dead instance's duty) land within this
-MARKER = re.compile(r"chaos (k\d+-\d+-\d+)")
+MARKER = re.compile(r"chaos (k\d+-\d+-\d+-a\d+)")
 
 
 def log(message: str) -> None:
@@ -171,16 +172,49 @@ class Instance(Process):
 class Result:
     """One client request and how it ended."""
 
-    marker: str
+    marker: str  # of the request; each attempt's prompt carries marker-aN
     kind: str
     caller: str
     instance: int = -1
     status: int | None = None  # of the answer that started the stream (None: none did)
     refusals: list[str] = field(default_factory=list)  # before any stream: retried on another instance
+    attempts: list[str] = field(default_factory=list)  # the markers sent, one per attempt
     text: str = ""
     finals: list[str] = field(default_factory=list)  # "done", or "error:<type>"
     cut: str | None = None  # the exception that ended the reading
     outcome: str = ""
+    stream_id: str | None = None
+
+
+class Resumes(logging.Handler):
+    """What the resuming transports did (their log, chatstream_client): counts by kind, and each
+    stream's own lines (for the report of a lost one)."""
+
+    KINDS = (
+        (re.compile(r"cut after id"), "cut"),
+        (re.compile(r"resume answered (\d+)"), "resume answered {0}"),
+        (re.compile(r"reconnect failed"), "reconnect failed"),
+        (re.compile(r"giving up: (.*)"), "gave up: {0}"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: Counter[str] = Counter()
+        self.by_stream: dict[str, list[str]] = {}
+        self.guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        stream = re.search(r"stream (\S+?):? ", message)
+        with self.guard:
+            for pattern, kind in self.KINDS:
+                m = pattern.search(message)
+                if m:
+                    self.counts[kind.format(*m.groups())] += 1
+            if stream:
+                lines = self.by_stream.setdefault(stream.group(1), [])
+                if len(lines) < 30:
+                    lines.append(f"{time.strftime('%H:%M:%S')} {message}")
 
 
 class Soak:
@@ -202,6 +236,10 @@ class Soak:
         self.team: dict[str, Any] = {}
         self.connection_string = ""
         self.node_pid = 0
+        self.resumes = Resumes()
+        client_log = logging.getLogger("chatstream_client")
+        client_log.setLevel(logging.INFO)
+        client_log.addHandler(self.resumes)
 
     # --- the servers ------------------------------------------------------------------------------
 
@@ -282,14 +320,18 @@ class Soak:
 
     def set_up_callers(self) -> None:
         """A price; a team with a spend budget and two callers (one with its own spend budget); a
-        caller with a token budget; one with no limit. Budgets run out within a few minutes."""
+        caller with a token budget; one with no limit. Budgets sized to run out late in the run."""
+        scale = self.args.minutes * self.args.clients / 12  # about what a run of this size spends
+        team_budget = round(0.18 * scale, 6)
         self.manage("PUT", f"prices/{MODEL}", PRICE)
-        team = self.manage("POST", "teams", {"name": "chaos-team", "spend_budget": 0.25, "budget_period": "total"})
-        self.team = {"name": "chaos-team", "id": team["id"], "spend_budget": 0.25}
+        team = self.manage(
+            "POST", "teams", {"name": "chaos-team", "spend_budget": team_budget, "budget_period": "total"}
+        )
+        self.team = {"name": "chaos-team", "id": team["id"], "spend_budget": team_budget}
         specs = {
-            "chaos-a": {"team": "chaos-team", "spend_budget": 0.1, "budget_period": "total"},
+            "chaos-a": {"team": "chaos-team", "spend_budget": round(0.08 * scale, 6), "budget_period": "total"},
             "chaos-b": {"team": "chaos-team"},
-            "chaos-c": {"token_budget": 6000, "budget_period": "total"},
+            "chaos-c": {"token_budget": max(500, round(4500 * scale)), "budget_period": "total"},
             "chaos-d": {},
         }
         for name, spec in specs.items():
@@ -398,11 +440,14 @@ class Soak:
             with self.lock:
                 self.results.append(result)
             n += 1
+            if result.status is None:
+                time.sleep(rng.uniform(0.5, 1.5))  # refused (a budget spent): not in a tight loop
 
     def one(self, result: Result, rng: random.Random) -> None:
         key = self.callers[result.caller]["key"]
-        prompt = f"[scenario:cadence] chaos {result.marker}"
-        for _attempt in range(4):  # a refusal before the stream (retryable) is retried on another instance
+        for attempt in range(4):  # a refusal before the stream (retryable) is retried on another instance
+            result.attempts.append(f"{result.marker}-a{attempt}")
+            prompt = f"[scenario:cadence] chaos {result.attempts[-1]}"
             instance = self.pick(rng)
             result.instance = self.instances.index(instance)
 
@@ -439,13 +484,11 @@ class Soak:
             else:
                 stream = client.responses.create(model=MODEL, input=prompt, stream=True, max_output_tokens=MAX_TOKENS)
         except openai.APIStatusError as exc:
-            body = exc.body if isinstance(exc.body, dict) else {}
-            inner = body.get("error", body) if isinstance(body, dict) else {}
-            code = inner.get("code") or inner.get("type") if isinstance(inner, dict) else None
-            return f"{exc.status_code} {code}"
+            return refusal_of(exc.status_code, exc.response.text)
         except openai.APIConnectionError as exc:
             return f"connect {type(exc.__cause__ or exc).__name__}"
         result.status = 200
+        result.stream_id = stream.response.headers.get("x-stream-id")
         try:
             for item in stream:
                 if result.kind == "chat_completions":
@@ -460,11 +503,13 @@ class Soak:
                 elif item.type in ("error", "response.failed", "response.incomplete"):
                     code = getattr(item, "code", None) or item.type
                     result.finals.append(f"error:{code}")
+        except openai.APIConnectionError as exc:  # the transport gave up
+            result.cut = type(exc.__cause__ or exc).__name__
         except openai.APIError as exc:  # an error event in the stream
             body = exc.body if isinstance(exc.body, dict) else {}
             code = body.get("code") or body.get("type") or type(exc).__name__
             result.finals.append(f"error:{code}")
-        except (httpx.HTTPError, openai.APIConnectionError) as exc:
+        except httpx.HTTPError as exc:
             result.cut = type(exc).__name__
         return None
 
@@ -473,14 +518,9 @@ class Soak:
         try:
             with http.stream("POST", instance.url + "/api/chat", json=body, headers={"api-key": key}) as answer:
                 if answer.status_code != 200:
-                    answer.read()
-                    try:
-                        error = answer.json().get("error", {})
-                        code = error.get("code") or error.get("type")
-                    except ValueError:
-                        code = None
-                    return f"{answer.status_code} {code}"
+                    return refusal_of(answer.status_code, answer.read().decode(errors="replace"))
                 result.status = 200
+                result.stream_id = answer.headers.get("x-stream-id")
                 try:
                     for event, data in sse_events(answer):
                         if event == "message":
@@ -540,6 +580,7 @@ class Soak:
             "events": dict(sorted(self.events.items())),
             "outcomes": dict(sorted(outcomes.items())),
             "refusals_retried_or_final": dict(sorted(refusals.items())),
+            "resuming_transports": dict(sorted(self.resumes.counts.items())),
             "by_kind": {
                 kind: dict(sorted(Counter(r.outcome for r in self.results if r.kind == kind).items())) for kind in KINDS
             },
@@ -551,7 +592,11 @@ class Soak:
             "summary": summary,
             "examples": checks["examples"],
             "event_log": self.event_log,
-            "lost_requests": [r.__dict__ for r in self.results if r.outcome.startswith("lost")][:50],
+            "lost_requests": [
+                {**r.__dict__, "transport": self.resumes.by_stream.get(r.stream_id or "", [])}
+                for r in self.results
+                if r.outcome.startswith("lost")
+            ][:50],
         }
         (self.logs / "report.json").write_text(json.dumps(details, indent=2, default=str))
         print(json.dumps(summary, indent=2))
@@ -575,6 +620,16 @@ def sse_events(answer: httpx.Response):
             event = line[6:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].lstrip())
+
+
+def refusal_of(status: int, body: str) -> str:
+    """``<status> <the error's code>`` (or the body's start, when it is not the app's error JSON)."""
+    try:
+        error = json.loads(body).get("error")
+        code = (error.get("code") or error.get("type")) if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        code = None
+    return f"{status} {code or repr(body[:40])}"
 
 
 def retryable(refusal: str) -> bool:
@@ -693,14 +748,23 @@ class Checks:
             by_request.setdefault(str(row.get("request_id")), []).append(row)
         linked_requests: set[str] = set()
         counts: Counter[str] = Counter()
-        for result in soak.results:
-            calls = by_marker.get(result.marker, [])
+        attempts = [
+            (result, marker, i == len(result.attempts) - 1 and result.status is not None)
+            for result in soak.results
+            for i, marker in enumerate(result.attempts)
+        ]
+        for result, marker, answered in attempts:
+            calls = by_marker.get(marker, [])
             counts["upstream_calls"] += len(calls)
-            if result.status is None and calls:
-                self.fail("upstream_called_for_a_refused_request", result.marker)
+            index = result.attempts.index(marker)
+            refusal = result.refusals[index] if not answered and index < len(result.refusals) else ""
+            if calls and refusal[:1].isdigit():
+                self.fail("upstream_called_for_a_refused_request", {"marker": marker, "refusal": refusal})
+            elif calls and not answered:
+                counts["attempts_called_upstream_but_no_answer_reached_the_client"] += 1
             ids = {str(row["request_id"]) for c in calls for row in by_upstream_id.get(c["id"], [])}
             if len(ids) > 1:
-                self.fail("request_charged_under_several_ids", {"marker": result.marker, "ids": sorted(ids)})
+                self.fail("request_charged_under_several_ids", {"marker": marker, "ids": sorted(ids)})
             linked_requests |= ids
             rows = sorted((row for i in ids for row in by_request.get(i, [])), key=lambda r: r["RowKey"])
             if calls and not rows:
@@ -709,7 +773,7 @@ class Checks:
             if len(rows) != len(calls):
                 self.fail(
                     "segments_in_ledger_differ_from_upstream_calls",
-                    {"marker": result.marker, "calls": [c["id"] for c in calls], "rows": [r["RowKey"] for r in rows]},
+                    {"marker": marker, "calls": [c["id"] for c in calls], "rows": [r["RowKey"] for r in rows]},
                 )
             call_ids = {c["id"] for c in calls}
             unlinked_rows = [r for r in rows if str(r.get("upstream_id") or "") not in call_ids]
@@ -717,18 +781,18 @@ class Checks:
             for call in calls:
                 mine = [r for r in rows if r.get("upstream_id") == call["id"]]
                 if len(mine) > 1:
-                    self.fail("upstream_call_charged_twice", {"marker": result.marker, "call": call["id"]})
+                    self.fail("upstream_call_charged_twice", {"marker": marker, "call": call["id"]})
                 if mine:
-                    self.check_segment(result, call, streams.get(call["id"]) or {}, mine[0], counts)
+                    self.check_segment(marker, call, streams.get(call["id"]) or {}, mine[0], counts)
                 else:
                     unlinked_calls.append(call)
             # A segment lost with its instance is charged without the upstream's id: in call order.
             for call, row in zip(unlinked_calls, unlinked_rows, strict=False):
                 counts["segments_charged_without_upstream_id"] += 1
-                self.check_segment(result, call, streams.get(call["id"]) or {}, row, counts)
+                self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts)
             for row in rows:
                 if row.get("caller") != result.caller:
-                    self.fail("charged_to_another_caller", {"marker": result.marker, "row": row["RowKey"]})
+                    self.fail("charged_to_another_caller", {"marker": marker, "row": row["RowKey"]})
         unlinked = [r for r in ledger if str(r.get("request_id")) not in linked_requests]
         counts["ledger_rows"] = len(ledger)
         counts["ended_lost_rows"] = sum(1 for r in ledger if r.get("ended") == "lost")
@@ -740,10 +804,10 @@ class Checks:
                 orphans = len({r["request_id"] for r in unlinked if r.get("caller") == name})
                 missing = sum(
                     1
-                    for res in soak.results
+                    for res, marker, _ in attempts
                     if res.caller == name
-                    and by_marker.get(res.marker)
-                    and not any(by_upstream_id.get(c["id"]) for c in by_marker[res.marker])
+                    and by_marker.get(marker)
+                    and not any(by_upstream_id.get(c["id"]) for c in by_marker[marker])
                 )
                 if orphans != missing:
                     self.fail(
@@ -755,11 +819,11 @@ class Checks:
         self.check_budgets(ledger, limits)
         return {"failures": dict(self.failures), "examples": self.examples, "counts": dict(counts)}
 
-    def check_segment(self, result: Result, call: dict, stream: dict, row: dict, counts: Counter) -> None:
+    def check_segment(self, marker: str, call: dict, stream: dict, row: dict, counts: Counter) -> None:
         """One upstream call's charge: at the upstream's usage when the call completed and was
         settled so; otherwise (cut, stalled, its instance dead) at what the upstream sent on it,
         counted as the app counts text (chatstream.tokens)."""
-        where = {"marker": result.marker, "call": call["id"], "row": row["RowKey"], "ended": row.get("ended")}
+        where = {"marker": marker, "call": call["id"], "row": row["RowKey"], "ended": row.get("ended")}
         charged = int(row["completion_tokens"])
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else None
         if stream.get("outcome") == "completed" and row.get("upstream_id") == call["id"]:
