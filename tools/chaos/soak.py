@@ -599,6 +599,9 @@ class Soak:
             ][:50],
         }
         (self.logs / "report.json").write_text(json.dumps(details, indent=2, default=str))
+        with (self.logs / "results.jsonl").open("w") as out:  # every request, for a post-mortem
+            for r in self.results:
+                out.write(json.dumps({**r.__dict__, "text": len(r.text)}) + "\n")
         print(json.dumps(summary, indent=2))
         print(
             f"CHAOS {'PASSED' if summary['passed'] else 'FAILED'} seed={self.args.seed}; details: "
