@@ -3,7 +3,8 @@ of the app on it (tools/devhost, ``CALLER_KEYS=required``, ``RESUMABLE_STREAMS=o
 upstream answering 40 deltas 50 ms apart; a few callers and a team with money budgets. For
 ``--minutes`` (5), ``--clients`` (12) clients send chat completions (openai-python), ``/api/chat``
 (httpx) and Responses (openai-python) requests, every one through the project's resuming transport
-(clients/python), spread over the instances; every 8-15 s something goes wrong: an instance's host
+(clients/python), spread over the instances, resuming through a front door that sends each
+connection to a live instance (as the platform's load balancer does); every 8-15 s something goes wrong: an instance's host
 SIGKILLed or SIGTERMed (and started again), the store frozen (SIGSTOP of Azurite for 1-8 s), the
 upstream cutting (reset) or stalling a few answers.
 
@@ -24,6 +25,7 @@ is the machine's, so a replay hits the same plan, not always the same interleavi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -168,6 +170,52 @@ class Instance(Process):
         self.busy = threading.Lock()  # held from a signal to the restart
 
 
+class FrontDoor:
+    """The platform's load balancer, as resumes meet it: one address; each TCP connection is piped to
+    an instance that is up, chosen at random (a resume after a kill reaches a live instance, as
+    ``GET /api/streams/{id}`` on the app's one host name would in Azure)."""
+
+    def __init__(self, instances: list[Instance]):
+        self.instances = instances
+        self.rng = random.Random()
+        self.loop = asyncio.new_event_loop()
+        self.sock = socket.socket()
+        self.sock.bind((HOST, 0))
+        self.url = f"http://{HOST}:{self.sock.getsockname()[1]}"
+        ready = threading.Event()
+        threading.Thread(target=self.loop.run_until_complete, args=(self.serve(ready),), daemon=True).start()
+        ready.wait(10)
+
+    async def serve(self, ready: threading.Event) -> None:
+        server = await asyncio.start_server(self.pipe, sock=self.sock, backlog=1024)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    async def pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        live = [i for i in self.instances if i.up]
+        try:
+            if not live:
+                return
+            there = self.rng.choice(live)
+            to_reader, to_writer = await asyncio.wait_for(asyncio.open_connection(HOST, there.port), 5)
+        except (OSError, TimeoutError):
+            writer.close()
+            return
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, ConnectionError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, to_writer), copy(to_reader, writer), return_exceptions=True)
+
+
 @dataclass
 class Result:
     """One client request and how it ended."""
@@ -237,6 +285,7 @@ class Soak:
         self.connection_string = ""
         self.node_pid = 0
         self.resumes = Resumes()
+        self.front: FrontDoor
         client_log = logging.getLogger("chatstream_client")
         client_log.setLevel(logging.INFO)
         client_log.addHandler(self.resumes)
@@ -294,7 +343,9 @@ class Soak:
             if not instance.alive():
                 raise RuntimeError(f"{instance.name} did not start; its log: {instance.log_path}")
             instance.up = True
-        log(f"Azurite, the upstream ({self.upstream.url}) and 3 instances up; logs in {self.logs}")
+        self.front = FrontDoor(self.instances)
+        log(f"Azurite, the upstream ({self.upstream.url}), 3 instances and their front door ({self.front.url}) up")
+        log(f"logs in {self.logs}")
 
     def stop_servers(self) -> None:
         if self.node_pid:
@@ -450,11 +501,9 @@ class Soak:
             prompt = f"[scenario:cadence] chaos {result.attempts[-1]}"
             instance = self.pick(rng)
             result.instance = self.instances.index(instance)
-
-            def streams_url(url: httpx.URL, stream_id: str) -> str:
-                return f"{self.pick(rng).url}/api/streams/{stream_id}"
-
-            transport = ResumingTransport(backoff=Backoff(max_attempts=8, max_seconds=30), streams_url=streams_url)
+            transport = ResumingTransport(
+                backoff=Backoff(max_attempts=8, max_seconds=30), streams_url=f"{self.front.url}/api/streams/{{id}}"
+            )
             http = httpx.Client(transport=transport, timeout=httpx.Timeout(60, connect=5))
             try:
                 refusal = self.read(result, instance, http, key, prompt)
