@@ -642,7 +642,7 @@ class Soak:
             "examples": checks["examples"],
             "event_log": self.event_log,
             "lost_requests": [
-                {**r.__dict__, "transport": self.resumes.by_stream.get(r.stream_id or "", [])}
+                {**r.__dict__, **diverges(r.text), "transport": self.resumes.by_stream.get(r.stream_id or "", [])}
                 for r in self.results
                 if r.outcome.startswith("lost")
             ][:50],
@@ -672,6 +672,14 @@ def sse_events(answer: httpx.Response):
             event = line[6:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].lstrip())
+
+
+def diverges(text: str) -> dict[str, Any]:
+    """Where a text leaves the answer, with a few characters of each around it."""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(text, EXPECTED, strict=False)) if a != b), min(len(text), len(EXPECTED))
+    )
+    return {"diverges_at": at, "expected_there": EXPECTED[at : at + 30], "got_there": text[at : at + 30]}
 
 
 def refusal_of(status: int, body: str) -> str:
