@@ -1,0 +1,1 @@
+"""The chaos soak, ``make chaos``: soak.py."""
