@@ -201,6 +201,16 @@ async def test_prices_over_http():
             await http.put("/api/manage/prices/m", json={"input": -1, "output": 1}), 400, "invalid_request", "input"
         )
         openai_error(await http.put("/api/manage/prices/m", content=b"[]"), 400, "invalid_request")
+        for field in ("input", "output"):  # null is not a price (was a 500)
+            error = openai_error(
+                await http.put("/api/manage/prices/m", json={"input": 1, "output": 1, field: None}),
+                400,
+                "invalid_request",
+                field,
+            )
+            assert error["message"] == f"{field}: must be a number"
+        nulled = await http.put("/api/manage/prices/m", json={"input": 1, "output": 2, "cached_input": None})
+        assert nulled.status_code == 200 and nulled.json()["cached_input"] == 1  # null: the input price
         deleted = await http.delete("/api/manage/prices/gpt-4o-mini")
         assert deleted.json() == {"object": "price.deleted", "model": "gpt-4o-mini", "deleted": True}
         openai_error(await http.get("/api/manage/prices/gpt-4o-mini"), 404, "price_not_found", "name")
