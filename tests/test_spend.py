@@ -387,3 +387,50 @@ def test_a_continued_answer_is_charged_per_segment(azurite):
     finally:
         app.stop()
         upstream.stop()
+
+
+def test_a_price_raised_while_requests_stream_does_not_push_a_team_past_its_money_budget(keyed, azurite):
+    """The probe: a price raised x10 while admitted requests streamed took a team's money budget to
+    866% (reserved at the old price, charged at the new one). A request is charged at the price it
+    was admitted at; the change applies to the requests admitted after it."""
+    from chatstream.tokens import count_prompt
+
+    model = name("repriced")
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    body = ask(f"[scenario:slow] {uuid.uuid4().hex}", model=model, max_tokens=20, stream=True)
+    reserve_each = count_prompt(model, body) * pico_per_token(1) + 20 * pico_per_token(10)
+    squad = team(keyed, spend_budget=round(3 * reserve_each / PICO, 6), budget_period="month")
+    _, key = caller(keyed, team=squad)
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event() for _ in range(3)]
+
+            async def one(i: int) -> str:
+                async with client.stream(
+                    "POST", f"{keyed.url}/api/v1/chat/completions", headers={"api-key": key}, json=body
+                ) as r:
+                    assert r.status_code == 200, await r.aread()
+                    text = ""
+                    async for line in r.aiter_lines():
+                        started[i].set()  # admitted, and its upstream answering
+                        text += line
+                    return text
+
+            streams = [asyncio.create_task(one(i)) for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+            raised = await client.put(
+                f"{keyed.url}/api/manage/prices/{model}", json={"input": 10, "output": 100}, timeout=30
+            )
+            assert raised.status_code == 200, raised.text
+            return await asyncio.gather(*streams)
+
+    texts = asyncio.run(run())
+    assert all("[DONE]" in t for t in texts)
+    rows = _wait_rows(azurite, 3, team=squad)
+    for row in rows:  # each at the price it was admitted at
+        assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+    budget = round(3 * reserve_each / PICO, 6) * PICO
+    assert sum(r["cost"] for r in rows) <= budget
+    shown = admin(keyed, "GET", f"teams/{squad}").json()
+    assert shown["spend_budget_used"] <= shown["spend_budget"], shown

@@ -277,8 +277,8 @@ class Accounting:
 
     def cost_of(self, admission: Admission | None, record: StreamRecord, generated) -> int | None:
         """What the request costs at the price it was admitted with (pico-USD; None: no price), for
-        its log line, span and metrics, before the charge itself is written in the background (which
-        prices it again, as of then: a price change applies from when it is made)."""
+        its log line, span and metrics, before the charge itself, at that same price, is written in
+        the background (a price change applies to the requests admitted after it)."""
         if admission is None or admission.price is None:
             return None
         segments = record.segments if record.continued else None
@@ -336,11 +336,7 @@ class Accounting:
             if admission.entry is not None:
                 self.journal.drop(admission.entry)
             return
-        price = admission.price
-        if price is not None:
-            current = await self.registry.price(admission.model)  # a price change applies from when it is made
-            if isinstance(current, Price):
-                price = current
+        price = admission.price  # the price it was admitted (and reserved) at, as its log line says
         how = ended(record)
         charges = [
             Charge(

@@ -169,17 +169,25 @@ async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles
     await state.close()
 
 
-async def test_a_price_change_applies_from_when_it_is_made():
+async def test_a_price_change_applies_to_the_requests_admitted_after_it():
+    """A request is charged at the price it was admitted (and reserved) at: one in flight when the
+    price changes keeps the old one, the next request has the new one."""
     data = account()
     state, acc = instance(data, "a")
     await state.registry.set_price(MODEL, {"input": 1, "output": 1})
     caller, _ = await state.registry.create({"name": "c"})
-    admitted, rec = await admit(acc, caller)
-    assert isinstance(admitted, Admission)
+    before, rec = await admit(acc, caller)
+    assert isinstance(before, Admission)
     await state.registry.set_price(MODEL, {"input": 3, "output": 5})
-    finish(acc, admitted, rec, usage(10, 10))
+    after, rec_after = await admit(acc, caller)
+    assert isinstance(after, Admission)
+    finish(acc, before, rec, usage(10, 10))
+    finish(acc, after, rec_after, usage(10, 10))
     assert await acc.flush(5)
-    assert ledger_rows(data)[0]["cost"] == 10 * 3_000_000 + 10 * 5_000_000
+    assert sorted(r["cost"] for r in ledger_rows(data)) == [
+        10 * 1_000_000 + 10 * 1_000_000,
+        10 * 3_000_000 + 10 * 5_000_000,
+    ]
     await state.close()
 
 
