@@ -434,3 +434,44 @@ def test_a_price_raised_while_requests_stream_does_not_push_a_team_past_its_mone
     assert sum(r["cost"] for r in rows) <= budget
     shown = admin(keyed, "GET", f"teams/{squad}").json()
     assert shown["spend_budget_used"] <= shown["spend_budget"], shown
+
+
+def test_a_failed_continuation_is_charged_the_prompt_it_was_sent(azurite):
+    """The probe: an answer continued a -> b -> a where b failed too charged b's segment the original
+    prompt plus the text before it (40 tokens), while the request b was sent, with the instruction to
+    go on, counts 87. Every segment is charged what was sent to it and what it generated."""
+    from servers import Upstream
+
+    from chatstream.continuation import CONTINUE_PROMPT
+    from chatstream.tokens import count_prompt
+
+    upstream = Upstream()
+    app = App(env(upstream, azurite))
+    try:
+        who, key = caller(app)
+        upstream.http.post("/_scripted/failure", json={"after": 3, "end": "reset", "times": 2}).raise_for_status()
+        marker = uuid.uuid4().hex
+        body = ask(f"[scenario:normal] go on twice {marker}", stream=True)
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            seen = "".join(
+                (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+                for line in r.iter_lines()
+                if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+            )
+        assert seen == "".join(NORMAL_DELTAS)
+        sent = [r for r in upstream.requests(last=10) if marker in json.dumps(r.get("json"))]
+        assert len(sent) == 3, "the answer, a continuation that failed too, and the one that finished"
+        rows = sorted(_wait_rows(azurite, 3, caller=who), key=lambda r: r["segment"])
+        assert [r["segment"] for r in rows] == [0, 1, 2]
+        failed = sent[1]["json"]
+        assert failed["messages"][-1]["content"] == CONTINUE_PROMPT
+        assert rows[0]["prompt_tokens"] == count_prompt(MODEL, sent[0]["json"]) == count_prompt(MODEL, body)
+        assert rows[1]["prompt_tokens"] == count_prompt(MODEL, failed), "what was sent, the instruction included"
+        assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"] + rows[0]["completion_tokens"]
+        assert rows[0]["completion_tokens"] > 0 and rows[1]["completion_tokens"] > 0  # what each generated
+        assert rows[2]["upstream_id"] == sent[2]["id"] and rows[2]["completion_tokens"] > 0  # its own usage
+    finally:
+        app.stop()
+        upstream.stop()

@@ -252,6 +252,33 @@ async def test_segments_are_one_row_each():
     await state.close()
 
 
+async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
+    """A continuation that failed too reports no usage: its prompt is what its request carried (the
+    text so far and the instruction to go on), counted when it was sent; the first, the request's."""
+    from chatstream.record import Segment
+
+    data = account()
+    state, acc = instance(data, "a")
+    caller, _ = await state.registry.create({"name": "c"})
+    admitted, rec = await admit(acc, caller)
+    assert isinstance(admitted, Admission)
+    rec.upstream_answered()
+    first = Segment("a")
+    first.parts.append("Once upon a time")
+    failed = Segment("b", prompt_tokens=87)
+    failed.parts.append("Once upon")
+    last = Segment("a", usage={"prompt_tokens": 95, "completion_tokens": 20}, prompt_tokens=90)
+    acc.charge(admitted, rec, None, [first, failed, last])
+    assert await acc.flush(5)
+    found = sorted(ledger_rows(data), key=lambda r: r["segment"])
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
+        (admitted.prompt_tokens, tokens.count_text(MODEL, "Once upon a time")),
+        (87, tokens.count_text(MODEL, "Once upon")),
+        (95, 20),  # reported: the upstream's own count
+    ]
+    await state.close()
+
+
 async def test_the_store_down_is_unavailable_and_nothing_is_held():
     data = account()
     state, acc = instance(data, "a")
