@@ -475,3 +475,39 @@ def test_a_failed_continuation_is_charged_the_prompt_it_was_sent(azurite):
     finally:
         app.stop()
         upstream.stop()
+
+
+def test_a_price_change_reaches_every_instance_within_the_cache_time(upstream, azurite, start_app):
+    """docs/callers.md: a change applies at once on the instance that made it, within
+    CALLER_CACHE_SECONDS on every other (the probe: the other kept the old price ~7 s while the docs
+    said "from the moment it is made"). B has the price cached when A changes it; every request sent
+    to B later than the cache time after the change is charged the new price."""
+    import time
+
+    cache = 2.0
+    a = start_app(**env(upstream, azurite, CALLER_CACHE_SECONDS=str(cache)))
+    b = start_app(**env(upstream, azurite, CALLER_CACHE_SECONDS=str(cache)))
+    model = name("moving")
+    assert admin(a, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    who, key = caller(a)
+    body = ask("[scenario:normal] what does it cost", model=model)
+    assert chat(b, key, body).status_code == 200  # B has the price now
+    assert admin(a, "PUT", f"prices/{model}", {"input": 3, "output": 30}).status_code == 200
+    changed = time.monotonic()
+    sent: dict[str, float] = {}  # the upstream's x-request-id: seconds after the change it was sent
+    while (after := time.monotonic() - changed) < cache + 1.5:
+        answer = chat(b, key, body)
+        assert answer.status_code == 200, answer.text
+        sent[answer.headers["x-request-id"]] = after
+        time.sleep(0.1)
+    rows = {r["upstream_id"]: r for r in _wait_rows(azurite, len(sent) + 1, caller=who)}
+    new = []
+    for request_id, after in sent.items():
+        row = rows[request_id]
+        old_cost = row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+        assert row["cost"] in (old_cost, 3 * old_cost), row
+        new.append((after, row["cost"] == 3 * old_cost))
+    late = [is_new for after, is_new in new if after > cache + 0.25]  # slack: the store clock's own steps
+    assert late and all(late), f"B charged the old price after {cache} s: {new}"
+    first_new = min(after for after, is_new in new if is_new)
+    print(f"B's first request at the new price: {first_new:.2f} s after the change (bound {cache} s)")
