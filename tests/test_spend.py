@@ -511,3 +511,22 @@ def test_a_price_change_reaches_every_instance_within_the_cache_time(upstream, a
     assert late and all(late), f"B charged the old price after {cache} s: {new}"
     first_new = min(after for after, is_new in new if is_new)
     print(f"B's first request at the new price: {first_new:.2f} s after the change (bound {cache} s)")
+
+
+def test_a_team_made_again_under_its_name_starts_afresh_in_usage(keyed, azurite):
+    """The probe: a team deleted and made again under its name showed the old team's usage in
+    ``usage?team=`` (the name went to the ledger; callers went by id and were right)."""
+    squad = team(keyed)
+    old, key = caller(keyed, team=squad)
+    assert chat(keyed, key, ask("[scenario:normal] the old team's")).status_code == 200
+    _wait_rows(azurite, 1, team=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1
+    assert admin(keyed, "DELETE", f"callers/{old}").status_code == 200
+    assert admin(keyed, "DELETE", f"teams/{squad}").status_code == 200
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1  # deleted: by name
+    team(keyed, name=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 0, "not the old team's"
+    _, key = caller(keyed, team=squad)
+    assert chat(keyed, key, ask("[scenario:normal] the new team's")).status_code == 200
+    _wait_rows(azurite, 2, team=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1
