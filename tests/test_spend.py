@@ -530,3 +530,32 @@ def test_a_team_made_again_under_its_name_starts_afresh_in_usage(keyed, azurite)
     assert chat(keyed, key, ask("[scenario:normal] the new team's")).status_code == 200
     _wait_rows(azurite, 2, team=squad)
     assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1
+
+
+def test_a_background_response_is_charged_at_the_price_it_was_admitted_at(keyed, azurite):
+    """A background response is charged when its usage is first seen, maybe long after it was
+    admitted: at the price it was admitted (and reserved) at, kept with it, not the one of then."""
+    import time
+
+    model = name("bg")
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    who, key = caller(keyed, spend_budget=1)
+    made = httpx.post(
+        f"{keyed.url}/api/v1/responses",
+        headers={"api-key": key},
+        json={"model": model, "input": "[scenario:normal] in the background", "background": True, "store": True},
+        timeout=60,
+    )
+    assert made.status_code == 200, made.text
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 10, "output": 100}).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:
+        seen = httpx.get(f"{keyed.url}/api/v1/responses/{made.json()['id']}", headers={"api-key": key}, timeout=30)
+        assert seen.status_code == 200, seen.text
+        if seen.json()["status"] == "completed":
+            break
+        assert time.monotonic() < deadline, seen.json()["status"]
+        time.sleep(0.2)
+    [row] = _wait_rows(azurite, 1, caller=who)
+    assert row["ended"] == "background"
+    assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)

@@ -444,6 +444,7 @@ class Accounting:
                 admission.started,
                 reserved_spend=spend,
                 charged=not background,  # charged by this request when it ends: reading it back adds nothing
+                price=admission.price if background else None,  # what it is charged at when its usage is seen
             )
         except StoreError as exc:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
@@ -481,8 +482,8 @@ class Accounting:
         model = str(body.get("model") or "")
         team = await self.registry.team_of(caller)
         team = team if isinstance(team, Team) else None
-        price = await self.registry.price(model)
-        price = price if isinstance(price, Price) else None
+        price = owned.price if owned is not None and owned.price is not None else await self.registry.price(model)
+        price = price if isinstance(price, Price) else None  # admitted at (rows before it: as of now)
         cost = price.cost(used.prompt, used.cached, used.completion) if price is not None else None
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         charge = Charge(

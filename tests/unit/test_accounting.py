@@ -335,6 +335,8 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     assert ledger_rows(data) == []
     reserved = admitted.wants[0].need
     assert counter(data, caller.limits_partition, "tokens")["taken"] == reserved  # held until seen
+    # The price raised x10 while it runs: it is charged at the price it was admitted (and reserved) at.
+    await a.registry.set_price(MODEL, {"input": 10, "output": 40})
     body = {"status": "completed", "model": MODEL, "usage": {"input_tokens": 40, "output_tokens": 60}}
     await asyncio.gather(
         *(acc.charge_seen(caller, "response", "resp_bg", body, record()) for acc in (acc_a, acc_b, acc_a, acc_b))
