@@ -350,18 +350,22 @@ class ChatContinuation:
         if self._passed is None:  # the first stream failed: the text so far is its segment's
             self._passed = TextParts([self._segment.text] if self._segment is not None else [])
         known = "".join(self._passed)
+        sent: list[dict] = []  # the request each entry tried was sent: the last one answered
+
+        def request(entry: Entry) -> dict:
+            sent.append(continuation_request(self.params, known, entry))
+            return sent[-1]
+
         stream = await self.upstreams.open_next(
-            self.path,
-            self.params["model"],
-            lambda entry: continuation_request(self.params, known, entry),
-            self.protocol,
-            limits,
-            record,
-            self._failed,
+            self.path, self.params["model"], request, self.protocol, limits, record, self._failed
         )
         entry = stream.entry
         self._seam = Seam(known, dedupe=entry is None or entry.continuation != "prefix")
-        self._segment = Segment(entry.name if entry is not None else None, request_id=stream.request_id)
+        self._segment = Segment(
+            entry.name if entry is not None else None,
+            request_id=stream.request_id,
+            prompt_tokens=tokens.count_prompt(self.params.get("model"), sent[-1]) if sent else None,
+        )
         record.segment(self._segment)
         seam = {"from": failed, "to": self._segment.upstream, "after_chars": len(known), "reason": str(error.type)}
         self.continued.append(seam)

@@ -9,9 +9,11 @@ the API's final error event. Once the headers are out without output, ``: keep-a
 out every ``HEARTBEAT_SECONDS`` until the first output. A caller that hangs up at any point closes
 the upstream.
 
-Every error response carries ``x-should-retry: false``: the app has already spent its own upstream
-retries (``UPSTREAM_MAX_RETRIES``), and the OpenAI SDKs would otherwise retry the whole chain again
-(3 × 3 upstream calls for one SDK call). ``Retry-After`` still says when to come back. Every
+An error status's ``x-should-retry`` says what its body's ``retryable`` says (errors.py,
+``as_status``): false for an upstream failure, as the app has already spent its own upstream retries
+(``UPSTREAM_MAX_RETRIES``) and the OpenAI SDKs would otherwise retry the whole chain again (3 × 3
+upstream calls for one SDK call); true where a retry can succeed (a per-minute limit, the store, a
+draining instance). ``Retry-After`` still says when to come back. Every
 response carries ``x-request-id``: the upstream's when it sent one, else the app's own."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fastapi.responses import Response
 from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .continuation import ChatContinuation, Known, Resumed, turned_off
-from .errors import ERROR_HEADERS, ApiError, ClientGone, ErrorKind, StepFailed, internal_error, total_expired
+from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import KEEP_ALIVE, EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
@@ -198,8 +200,7 @@ class Endpoint:
         return response
 
     def _error_response(self, error: ApiError, record: StreamRecord, admission: Admission | None) -> Response:
-        response = self.api.error_response(error)
-        response.headers.update({**ERROR_HEADERS, **error.headers})  # a limit of ours may allow a retry
+        response = self.api.error_response(as_status(error))
         response.headers.update(_headers(record, admission))
         return response
 

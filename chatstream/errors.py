@@ -214,7 +214,7 @@ def instance_draining() -> ApiError:
         ErrorKind.INSTANCE_DRAINING,
         "this instance is shutting down (a deploy or a restart): retry the request, another instance takes it",
         retryable=True,
-        headers={"Retry-After": "1", "x-should-retry": "true"},
+        headers={"Retry-After": "1"},
     )
 
 
@@ -222,9 +222,40 @@ def internal_error() -> ApiError:
     return ApiError(500, ErrorKind.INTERNAL_ERROR, "the request failed unexpectedly", retryable=True)
 
 
-# Sent with every error response: the app has already spent its own upstream retries
-# (UPSTREAM_MAX_RETRIES), and the OpenAI SDKs would otherwise retry the whole chain again.
-ERROR_HEADERS = {"Cache-Control": "no-store", "x-should-retry": "false"}
+# Failures of the upstream: retryable inside the app (the pool tries its next entry, an answer goes
+# on on another), but when one reaches the caller as a status the app has already spent its own
+# retries (UPSTREAM_MAX_RETRIES) or answers from an upstream's cooldown: sending it again at once
+# would repeat them (the OpenAI SDKs 3 x 3 upstream calls for one call). ``Retry-After`` says when.
+_RETRIED = frozenset(
+    {
+        ErrorKind.RATE_LIMITED,
+        ErrorKind.UPSTREAM_UNAVAILABLE,
+        ErrorKind.UPSTREAM_AUTH,
+        ErrorKind.UPSTREAM_AUTH_UNAVAILABLE,
+        ErrorKind.UPSTREAM_ERROR,
+        ErrorKind.UPSTREAM_DISCONNECTED,
+        ErrorKind.UPSTREAM_INCOMPLETE,
+        ErrorKind.UPSTREAM_MALFORMED,
+        ErrorKind.UPSTREAM_TIMEOUT,
+        ErrorKind.INTERNAL_ERROR,  # a bug of ours, maybe after the upstream call
+    }
+)
+
+
+def as_status(error: ApiError) -> ApiError:
+    """The error as an HTTP status tells the caller: ``retryable`` only where sending the same request
+    again can succeed without repeating upstream calls the app made for it (a per-minute limit, the
+    store, a draining instance); an upstream failure is not (``_RETRIED``). A final error event keeps
+    the error's own ``retryable``."""
+    if not error.retryable or error.type not in _RETRIED:
+        return error
+    return ApiError(error.status, error.type, error.message, error.param, retryable=False, headers=error.headers)
+
+
+def error_headers(error: ApiError) -> dict[str, str]:
+    """The headers of every error status: the error's own (``Retry-After``), ``no-store``, and
+    ``x-should-retry`` saying what the body's ``retryable`` says (the OpenAI SDKs retry on it)."""
+    return {**error.headers, "Cache-Control": "no-store", "x-should-retry": "true" if error.retryable else "false"}
 
 
 def http_errors(*names: str) -> tuple[type[BaseException], ...]:

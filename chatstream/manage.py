@@ -255,7 +255,13 @@ class Manage:
                     caller_id = (await state.registry.get(caller)).id
                 except Missing:
                     caller_id = None  # a deleted caller: its rows by name
-            rows = await state.ledger.usage(start, end, caller_id, team, model)
+            team_id = None
+            if team is not None:
+                try:
+                    team_id = (await state.registry.get_team(team)).id
+                except Missing:
+                    team_id = None  # a deleted team: its rows by name
+            rows = await state.ledger.usage(start, end, caller_id, team, model, team_id)
             if caller is not None and caller_id is None:
                 rows = [r for r in rows if r["caller"] == caller]
             if query.get("format") == "csv" or "text/csv" in (request.headers.get("accept") or ""):

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .apis.refusals import authenticated
-from .errors import ERROR_HEADERS, ApiError, ErrorKind
+from .errors import ApiError, ErrorKind, error_headers
 from .http import KEEP_ALIVE, EventStreamResponse
 from .record import StreamRecord
 from .state.accounting import Accounting
@@ -292,15 +292,18 @@ def _error(error: ApiError | StreamLogError) -> Response:
     """An error of the stream routes. A stream's route is not known before it is found, so the body
     is both shapes at once: /api/chat's (``type``, ``message``, ``retryable``) and OpenAI's
     (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind."""
-    if isinstance(error, ApiError):
-        status, kind, message, retryable = error.status, str(error.type), error.message, error.retryable
-    else:
+    if not isinstance(error, ApiError):
         found = ((s, k) for cls, s, k in _STATUSES if isinstance(error, cls))
         status, kind = next(found, (400, ErrorKind.INVALID_REQUEST))
-        kind, message, retryable = str(kind), str(error), status >= 429
-    body = {"error": {"message": message, "type": kind, "code": kind, "param": None, "retryable": retryable}}
-    headers = {"Cache-Control": "no-store", "Retry-After": "1"} if retryable else ERROR_HEADERS
-    return JSONResponse(body, status_code=status, headers=headers)
+        retryable = status >= 429
+        error = ApiError(
+            status, kind, str(error), retryable=retryable, headers={"Retry-After": "1"} if retryable else {}
+        )
+    kind = str(error.type)
+    body = {
+        "error": {"message": error.message, "type": kind, "code": kind, "param": None, "retryable": error.retryable}
+    }
+    return JSONResponse(body, status_code=error.status, headers=error_headers(error))
 
 
 _LOG_ERRORS = {"stream_lost": ErrorKind.STREAM_LOST, "stream_moved": ErrorKind.STREAM_MOVED}

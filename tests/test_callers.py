@@ -206,11 +206,22 @@ def test_the_store_down_fails_closed_within_two_seconds_and_recovers(upstream, s
                     timeout=30,
                 )
                 answers.append((down, time.monotonic() - started))
+            started = time.monotonic()
+            on_chat = httpx.post(
+                app.url + "/api/chat", headers={"api-key": known}, json={"prompt": "hi", "max_tokens": 50}, timeout=30
+            )
+            took_chat = time.monotonic() - started
         finally:
             os.kill(store.node_pid, signal.SIGCONT)
         for down, took in answers:
             assert down.status_code == 503 and down.json()["error"]["code"] == "caller_store_unavailable", down.text
             assert took < 2.5, took
+            # The probe: x-should-retry false while the body said retryable. Nothing was started: retry.
+            assert down.headers["x-should-retry"] == "true" and down.headers["retry-after"] == "2"
+        assert on_chat.status_code == 503 and took_chat < 2.5, (on_chat.text, took_chat)
+        error = on_chat.json()["error"]
+        assert error["type"] == "caller_store_unavailable" and error["retryable"] is True
+        assert on_chat.headers["x-should-retry"] == "true", "the header says what the body says"
         assert upstream.count() == before, "no stream started"
         for key in (known, new):
             back = httpx.post(

@@ -202,7 +202,7 @@ def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call
     before = counts(a, b)
     result = chat(app.chat_url, HI)
     assert result.status == 429
-    assert result.body["error"]["type"] == "rate_limited" and result.body["error"]["retryable"] is True
+    assert result.body["error"]["type"] == "rate_limited" and result.body["error"]["retryable"] is False
     assert result.headers["retry-after"] == "1"
     assert result.headers["x-should-retry"] == "false"
     r = httpx.post(

@@ -106,7 +106,8 @@ def test_first_token_limit_before_the_first_heartbeat_is_a_504_status(start_app)
     result = chat(app.chat_url, prompt("stall_first"))
     assert result.status == 504
     assert result.body["error"]["type"] == "upstream_timeout"
-    assert result.body["error"]["retryable"] is True
+    assert result.body["error"]["retryable"] is False  # the app tried: as its x-should-retry says
+    assert result.headers["x-should-retry"] == "false"
     assert 0.9 <= time.monotonic() - started <= 3
 
 
@@ -127,13 +128,13 @@ def test_total_limit_ends_a_live_stream(start_app):
 @pytest.mark.parametrize(
     "scenario,status,type_,retryable",
     [
-        ("rate_limited", 429, "rate_limited", True),
+        ("rate_limited", 429, "rate_limited", False),
         ("bad_request", 400, "invalid_request", False),
         ("unauthorized", 502, "upstream_auth", False),
         ("forbidden", 502, "upstream_auth", False),
         ("model_not_found", 400, "model_not_found", False),
-        ("server_error", 502, "upstream_error", True),
-        ("overloaded", 502, "upstream_error", True),
+        ("server_error", 502, "upstream_error", False),
+        ("overloaded", 502, "upstream_error", False),
     ],
 )
 def test_upstream_errors_before_the_stream_are_statuses(app, upstream, scenario, status, type_, retryable):
@@ -145,7 +146,8 @@ def test_upstream_errors_before_the_stream_are_statuses(app, upstream, scenario,
     assert result.status == status, result.raw
     error = result.body["error"]
     assert error["type"] == type_
-    assert error["retryable"] is retryable
+    assert error["retryable"] is retryable  # the app has retried the upstream already
+    assert result.headers["x-should-retry"] == "false"  # the header says the same
     if scenario == "rate_limited":
         assert result.headers["retry-after"] == "1"
     if scenario in ("unauthorized", "forbidden"):
@@ -167,7 +169,7 @@ def test_upstream_refusing_connections_is_503(start_app):
     assert result.body["error"] == {
         "type": "upstream_unavailable",
         "message": "could not reach the model server",
-        "retryable": True,
+        "retryable": False,  # the app has retried already, as x-should-retry says
     }
 
 

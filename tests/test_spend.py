@@ -387,3 +387,175 @@ def test_a_continued_answer_is_charged_per_segment(azurite):
     finally:
         app.stop()
         upstream.stop()
+
+
+def test_a_price_raised_while_requests_stream_does_not_push_a_team_past_its_money_budget(keyed, azurite):
+    """The probe: a price raised x10 while admitted requests streamed took a team's money budget to
+    866% (reserved at the old price, charged at the new one). A request is charged at the price it
+    was admitted at; the change applies to the requests admitted after it."""
+    from chatstream.tokens import count_prompt
+
+    model = name("repriced")
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    body = ask(f"[scenario:slow] {uuid.uuid4().hex}", model=model, max_tokens=20, stream=True)
+    reserve_each = count_prompt(model, body) * pico_per_token(1) + 20 * pico_per_token(10)
+    squad = team(keyed, spend_budget=round(3 * reserve_each / PICO, 6), budget_period="month")
+    _, key = caller(keyed, team=squad)
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event() for _ in range(3)]
+
+            async def one(i: int) -> str:
+                async with client.stream(
+                    "POST", f"{keyed.url}/api/v1/chat/completions", headers={"api-key": key}, json=body
+                ) as r:
+                    assert r.status_code == 200, await r.aread()
+                    text = ""
+                    async for line in r.aiter_lines():
+                        started[i].set()  # admitted, and its upstream answering
+                        text += line
+                    return text
+
+            streams = [asyncio.create_task(one(i)) for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+            raised = await client.put(
+                f"{keyed.url}/api/manage/prices/{model}", json={"input": 10, "output": 100}, timeout=30
+            )
+            assert raised.status_code == 200, raised.text
+            return await asyncio.gather(*streams)
+
+    texts = asyncio.run(run())
+    assert all("[DONE]" in t for t in texts)
+    rows = _wait_rows(azurite, 3, team=squad)
+    for row in rows:  # each at the price it was admitted at
+        assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+    budget = round(3 * reserve_each / PICO, 6) * PICO
+    assert sum(r["cost"] for r in rows) <= budget
+    shown = admin(keyed, "GET", f"teams/{squad}").json()
+    assert shown["spend_budget_used"] <= shown["spend_budget"], shown
+
+
+def test_a_failed_continuation_is_charged_the_prompt_it_was_sent(azurite):
+    """The probe: an answer continued a -> b -> a where b failed too charged b's segment the original
+    prompt plus the text before it (40 tokens), while the request b was sent, with the instruction to
+    go on, counts 87. Every segment is charged what was sent to it and what it generated."""
+    from servers import Upstream
+
+    from chatstream.continuation import CONTINUE_PROMPT
+    from chatstream.tokens import count_prompt
+
+    upstream = Upstream()
+    app = App(env(upstream, azurite))
+    try:
+        who, key = caller(app)
+        upstream.http.post("/_scripted/failure", json={"after": 3, "end": "reset", "times": 2}).raise_for_status()
+        marker = uuid.uuid4().hex
+        body = ask(f"[scenario:normal] go on twice {marker}", stream=True)
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            seen = "".join(
+                (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+                for line in r.iter_lines()
+                if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+            )
+        assert seen == "".join(NORMAL_DELTAS)
+        sent = [r for r in upstream.requests(last=10) if marker in json.dumps(r.get("json"))]
+        assert len(sent) == 3, "the answer, a continuation that failed too, and the one that finished"
+        rows = sorted(_wait_rows(azurite, 3, caller=who), key=lambda r: r["segment"])
+        assert [r["segment"] for r in rows] == [0, 1, 2]
+        failed = sent[1]["json"]
+        assert failed["messages"][-1]["content"] == CONTINUE_PROMPT
+        assert rows[0]["prompt_tokens"] == count_prompt(MODEL, sent[0]["json"]) == count_prompt(MODEL, body)
+        assert rows[1]["prompt_tokens"] == count_prompt(MODEL, failed), "what was sent, the instruction included"
+        assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"] + rows[0]["completion_tokens"]
+        assert rows[0]["completion_tokens"] > 0 and rows[1]["completion_tokens"] > 0  # what each generated
+        assert rows[2]["upstream_id"] == sent[2]["id"] and rows[2]["completion_tokens"] > 0  # its own usage
+    finally:
+        app.stop()
+        upstream.stop()
+
+
+def test_a_price_change_reaches_every_instance_within_the_cache_time(upstream, azurite, start_app):
+    """docs/callers.md: a change applies at once on the instance that made it, within
+    CALLER_CACHE_SECONDS on every other (the probe: the other kept the old price ~7 s while the docs
+    said "from the moment it is made"). B has the price cached when A changes it; every request sent
+    to B later than the cache time after the change is charged the new price."""
+    import time
+
+    cache = 2.0
+    a = start_app(**env(upstream, azurite, CALLER_CACHE_SECONDS=str(cache)))
+    b = start_app(**env(upstream, azurite, CALLER_CACHE_SECONDS=str(cache)))
+    model = name("moving")
+    assert admin(a, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    who, key = caller(a)
+    body = ask("[scenario:normal] what does it cost", model=model)
+    assert chat(b, key, body).status_code == 200  # B has the price now
+    assert admin(a, "PUT", f"prices/{model}", {"input": 3, "output": 30}).status_code == 200
+    changed = time.monotonic()
+    sent: dict[str, float] = {}  # the upstream's x-request-id: seconds after the change it was sent
+    while (after := time.monotonic() - changed) < cache + 1.5:
+        answer = chat(b, key, body)
+        assert answer.status_code == 200, answer.text
+        sent[answer.headers["x-request-id"]] = after
+        time.sleep(0.1)
+    rows = {r["upstream_id"]: r for r in _wait_rows(azurite, len(sent) + 1, caller=who)}
+    new = []
+    for request_id, after in sent.items():
+        row = rows[request_id]
+        old_cost = row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+        assert row["cost"] in (old_cost, 3 * old_cost), row
+        new.append((after, row["cost"] == 3 * old_cost))
+    late = [is_new for after, is_new in new if after > cache + 0.25]  # slack: the store clock's own steps
+    assert late and all(late), f"B charged the old price after {cache} s: {new}"
+    first_new = min(after for after, is_new in new if is_new)
+    print(f"B's first request at the new price: {first_new:.2f} s after the change (bound {cache} s)")
+
+
+def test_a_team_made_again_under_its_name_starts_afresh_in_usage(keyed, azurite):
+    """The probe: a team deleted and made again under its name showed the old team's usage in
+    ``usage?team=`` (the name went to the ledger; callers went by id and were right)."""
+    squad = team(keyed)
+    old, key = caller(keyed, team=squad)
+    assert chat(keyed, key, ask("[scenario:normal] the old team's")).status_code == 200
+    _wait_rows(azurite, 1, team=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1
+    assert admin(keyed, "DELETE", f"callers/{old}").status_code == 200
+    assert admin(keyed, "DELETE", f"teams/{squad}").status_code == 200
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1  # deleted: by name
+    team(keyed, name=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 0, "not the old team's"
+    _, key = caller(keyed, team=squad)
+    assert chat(keyed, key, ask("[scenario:normal] the new team's")).status_code == 200
+    _wait_rows(azurite, 2, team=squad)
+    assert admin(keyed, "GET", f"usage?team={squad}").json()["total"]["requests"] == 1
+
+
+def test_a_background_response_is_charged_at_the_price_it_was_admitted_at(keyed, azurite):
+    """A background response is charged when its usage is first seen, maybe long after it was
+    admitted: at the price it was admitted (and reserved) at, kept with it, not the one of then."""
+    import time
+
+    model = name("bg")
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 1, "output": 10}).status_code == 200
+    who, key = caller(keyed, spend_budget=1)
+    made = httpx.post(
+        f"{keyed.url}/api/v1/responses",
+        headers={"api-key": key},
+        json={"model": model, "input": "[scenario:normal] in the background", "background": True, "store": True},
+        timeout=60,
+    )
+    assert made.status_code == 200, made.text
+    assert admin(keyed, "PUT", f"prices/{model}", {"input": 10, "output": 100}).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:
+        seen = httpx.get(f"{keyed.url}/api/v1/responses/{made.json()['id']}", headers={"api-key": key}, timeout=30)
+        assert seen.status_code == 200, seen.text
+        if seen.json()["status"] == "completed":
+            break
+        assert time.monotonic() < deadline, seen.json()["status"]
+        time.sleep(0.2)
+    [row] = _wait_rows(azurite, 1, caller=who)
+    assert row["ended"] == "background"
+    assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)

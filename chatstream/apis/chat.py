@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from ..continuation import ChatContinuation, Known, chat_continuation
-from ..errors import ApiError
+from ..errors import ApiError, error_headers
 from ..http import SSEFramer, dumps, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
@@ -154,7 +154,7 @@ class ChatApi:
         return lambda item: encode(item, call.stream_id)  # the final event names the resumable stream
 
     def error_response(self, error: ApiError) -> Response:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return JSONResponse(error.body(), status_code=error.status, headers=error_headers(error))
 
     async def completion(self, body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
         raise AssertionError("/api/chat is always streamed")

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..continuation import ChatContinuation, Known, chat_continuation, known_from_chunks
-from ..errors import ERROR_HEADERS, ApiError, ErrorKind
+from ..errors import ApiError, ErrorKind, error_headers
 from ..http import SSEFramer, event, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
@@ -123,7 +123,7 @@ def encode(item: Event, include_usage: bool) -> bytes:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=status_for(error), headers={**error.headers, **ERROR_HEADERS})
+    return JSONResponse(error_body(error), status_code=status_for(error), headers=error_headers(error))
 
 
 class OpenAIChatApi:

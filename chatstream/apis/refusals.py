@@ -130,7 +130,6 @@ def _refused(refused: Refused) -> ApiError:
                 f"Request too large for {_who(refused)} on {name}: Limit {refused.value}, Requested "
                 f"{refused.requested}. Lower max_tokens (or shorten the prompt) so that prompt + max_tokens fits the "
                 "limit.",
-                headers={"x-should-retry": "false"},
             )
         wait = max(1, math.ceil(refused.retry_after or 1))
         return ApiError(
@@ -139,7 +138,7 @@ def _refused(refused: Refused) -> ApiError:
             f"Rate limit reached for {_who(refused)} on {name}: Limit {refused.value}, Used {refused.used}, "
             f"Requested {refused.requested}. Please try again in {wait}s.",
             retryable=True,
-            headers={"Retry-After": str(wait), "x-should-retry": "true"},
+            headers={"Retry-After": str(wait)},
         )
     period = _PERIOD.get(limit.period or "total", "in total")
     owner = f"{limit.scope.capitalize()} {log_safe(limit.owner)!r}"
@@ -170,4 +169,4 @@ def _refused(refused: Refused) -> ApiError:
             f"this request may need {refused.requested} (prompt + max_tokens). Lower max_tokens, or ask for a "
             "larger budget."
         )
-    return ApiError(429, ErrorKind.INSUFFICIENT_QUOTA, message, headers={"x-should-retry": "false"})
+    return ApiError(429, ErrorKind.INSUFFICIENT_QUOTA, message)

@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from .. import telemetry
 from ..endpoint import finishing, stream_response, unless_gone
 from ..errors import (
-    ERROR_HEADERS,
     ApiError,
     ClientGone,
     ErrorKind,
+    as_status,
     first_token_expired,
     internal_error,
     invalid_request,
@@ -169,8 +169,7 @@ class ResponseFollowUps:
             await self.accounting.charge_seen(caller, "response", response_id, body, record)
 
     def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
-        response = error_response(error)
-        response.headers.update(ERROR_HEADERS)
+        response = error_response(as_status(error))
         response.headers["x-request-id"] = record.request_id
         record.refused(response.status_code, error.type)
         return response

@@ -261,11 +261,14 @@ class Ledger:
         caller_id: str | None = None,
         team: str | None = None,
         model: str | None = None,
+        team_id: str | None = None,
     ) -> list[Row]:
         """The charges of the days ``start`` to ``end`` inclusive, optionally of one caller (by id),
-        team or model."""
+        team (by id; by name: the rows of deleted teams of that name) or model."""
         equal: dict[str, Any] = {}
-        if team is not None:
+        if team_id is not None:
+            equal["team_id"] = team_id
+        elif team is not None:
             equal["team"] = team
         if model is not None:
             equal["model"] = model
@@ -295,10 +298,11 @@ class Ledger:
         caller_id: str | None = None,
         team: str | None = None,
         model: str | None = None,
+        team_id: str | None = None,
     ) -> list[dict[str, Any]]:
         """Tokens (prompt, cached, completion), requests (with how they ended) and cost by caller,
         team, model and UTC day."""
-        return summarize(await self.rows(start, end, caller_id, team, model))
+        return summarize(await self.rows(start, end, caller_id, team, model, team_id))
 
     async def sweep(self, keep_days: int, now: float, limit: int = 1000) -> int:
         """Delete the charges older than ``keep_days`` days (LEDGER_RETENTION_DAYS): at most ``limit``

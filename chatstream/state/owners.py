@@ -6,7 +6,8 @@ Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``
 ``stream``), with ``caller_id`` (the caller's id: a caller deleted and created again under its name
 owns nothing of the old one's), ``charged`` (a response is charged once: by the request that
 created it, or, a background response, when its usage is first seen: ``first_charge`` is true for
-exactly one call, whichever instance makes it), what a background response reserved, ``context``
+exactly one call, whichever instance makes it), what a background response reserved and the price
+it was admitted at (what it is charged at, whenever its usage is seen), ``context``
 (a finished response's input + output tokens: what a request that continues it carries, so that it
 reserves them) and ``expires`` (the duty deletes the row then: the object's own lifetime). One
 partition per id spreads the load; every call is one or two point operations, bounded."""
@@ -14,10 +15,12 @@ partition per id spreads the load; every call is one or two point operations, bo
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 from dataclasses import dataclass
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
+from .prices import Price
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
 # How long an owner row is kept: OpenAI keeps a stored response 30 days; a stream, its TTL.
@@ -31,6 +34,7 @@ class Owned:
     reserved: int = 0  # a background response: the tokens it reserved...
     reserved_spend: int = 0  # ...the money (pico-USD)...
     reserved_at: float = 0.0  # ...and when
+    price: Price | None = None  # ...at the price it was admitted at (None: unpriced, or rows before it)
 
 
 class Owners:
@@ -47,6 +51,7 @@ class Owners:
         lifetime: float = RESPONSE_LIFETIME,
         reserved_spend: int = 0,
         charged: bool = False,
+        price: Price | None = None,
     ) -> bool:
         """Record that the caller ``caller_id`` created ``kind``/``id`` (``charged``: by the request
         that created it, so that ``first_charge`` is never true for it). True if it is (now or
@@ -61,6 +66,7 @@ class Owners:
             "reserved": reserved,
             "reserved_spend": reserved_spend,
             "reserved_at": at,
+            "price": json.dumps(price.entity()) if price is not None else None,
             "created": now,
             "expires": now + lifetime,
         }
@@ -86,6 +92,7 @@ class Owners:
             int(row.get("reserved") or 0),
             int(row.get("reserved_spend") or 0),
             float(row.get("reserved_at") or 0.0),
+            Price.of(json.loads(row["price"])) if row.get("price") else None,
         )
 
     async def set_context(self, kind: str, id: str, tokens: int) -> None:

@@ -84,10 +84,15 @@ class PriceSpec(BaseModel):
     output: Any
     cached_input: Any = None
 
-    @field_validator("input", "output", "cached_input")
+    @field_validator("input", "output")
     @classmethod
-    def _amount(cls, value: object) -> Decimal | None:
-        return None if value is None else usd_amount(value, MAX_PRICE)
+    def _amount(cls, value: object) -> Decimal:
+        return usd_amount(value, MAX_PRICE)  # null is not a price: "must be a number"
+
+    @field_validator("cached_input")
+    @classmethod
+    def _cached(cls, value: object) -> Decimal | None:
+        return None if value is None else usd_amount(value, MAX_PRICE)  # null: the input price
 
     def price(self, model: str, now: datetime) -> Price:
         def per_token(amount: Decimal) -> int:

@@ -169,17 +169,25 @@ async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles
     await state.close()
 
 
-async def test_a_price_change_applies_from_when_it_is_made():
+async def test_a_price_change_applies_to_the_requests_admitted_after_it():
+    """A request is charged at the price it was admitted (and reserved) at: one in flight when the
+    price changes keeps the old one, the next request has the new one."""
     data = account()
     state, acc = instance(data, "a")
     await state.registry.set_price(MODEL, {"input": 1, "output": 1})
     caller, _ = await state.registry.create({"name": "c"})
-    admitted, rec = await admit(acc, caller)
-    assert isinstance(admitted, Admission)
+    before, rec = await admit(acc, caller)
+    assert isinstance(before, Admission)
     await state.registry.set_price(MODEL, {"input": 3, "output": 5})
-    finish(acc, admitted, rec, usage(10, 10))
+    after, rec_after = await admit(acc, caller)
+    assert isinstance(after, Admission)
+    finish(acc, before, rec, usage(10, 10))
+    finish(acc, after, rec_after, usage(10, 10))
     assert await acc.flush(5)
-    assert ledger_rows(data)[0]["cost"] == 10 * 3_000_000 + 10 * 5_000_000
+    assert sorted(r["cost"] for r in ledger_rows(data)) == [
+        10 * 1_000_000 + 10 * 1_000_000,
+        10 * 3_000_000 + 10 * 5_000_000,
+    ]
     await state.close()
 
 
@@ -244,6 +252,33 @@ async def test_segments_are_one_row_each():
     await state.close()
 
 
+async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
+    """A continuation that failed too reports no usage: its prompt is what its request carried (the
+    text so far and the instruction to go on), counted when it was sent; the first, the request's."""
+    from chatstream.record import Segment
+
+    data = account()
+    state, acc = instance(data, "a")
+    caller, _ = await state.registry.create({"name": "c"})
+    admitted, rec = await admit(acc, caller)
+    assert isinstance(admitted, Admission)
+    rec.upstream_answered()
+    first = Segment("a")
+    first.parts.append("Once upon a time")
+    failed = Segment("b", prompt_tokens=87)
+    failed.parts.append("Once upon")
+    last = Segment("a", usage={"prompt_tokens": 95, "completion_tokens": 20}, prompt_tokens=90)
+    acc.charge(admitted, rec, None, [first, failed, last])
+    assert await acc.flush(5)
+    found = sorted(ledger_rows(data), key=lambda r: r["segment"])
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
+        (admitted.prompt_tokens, tokens.count_text(MODEL, "Once upon a time")),
+        (87, tokens.count_text(MODEL, "Once upon")),
+        (95, 20),  # reported: the upstream's own count
+    ]
+    await state.close()
+
+
 async def test_the_store_down_is_unavailable_and_nothing_is_held():
     data = account()
     state, acc = instance(data, "a")
@@ -300,6 +335,8 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     assert ledger_rows(data) == []
     reserved = admitted.wants[0].need
     assert counter(data, caller.limits_partition, "tokens")["taken"] == reserved  # held until seen
+    # The price raised x10 while it runs: it is charged at the price it was admitted (and reserved) at.
+    await a.registry.set_price(MODEL, {"input": 10, "output": 40})
     body = {"status": "completed", "model": MODEL, "usage": {"input_tokens": 40, "output_tokens": 60}}
     await asyncio.gather(
         *(acc.charge_seen(caller, "response", "resp_bg", body, record()) for acc in (acc_a, acc_b, acc_a, acc_b))

@@ -17,6 +17,10 @@ from chatstream.errors import (
     StepFailed,
     TimeLimit,
     UpstreamMalformed,
+    as_status,
+    error_headers,
+    instance_draining,
+    internal_error,
     invalid_request,
     parse_retry_after,
     redact,
@@ -73,6 +77,31 @@ def test_moderation_stop_time_limit_malformed():
     malformed = UpstreamMalformed()
     assert (malformed.status, malformed.type, malformed.retryable) == (502, "upstream_malformed", True)
     assert malformed.message == "the model server sent a malformed chunk"
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+@pytest.mark.parametrize("retryable", [True, False])
+def test_every_error_status_says_one_thing_in_x_should_retry_and_in_retryable(kind, retryable):
+    """Whatever the kind, a status's header and its body agree; an upstream failure the app has
+    retried already tells the caller not to send it again at once (its SDK would repeat the retries)."""
+    from chatstream.apis.chat import ChatApi
+    from chatstream.apis.openai_chat import error_response
+
+    told = as_status(ApiError(503, kind, "m", retryable=retryable, headers={"Retry-After": "3"}))
+    chat = ChatApi().error_response(told)
+    said = json.loads(bytes(chat.body))["error"]["retryable"]
+    for response in (chat, error_response(told)):
+        assert response.headers["x-should-retry"] == ("true" if said else "false")
+        assert response.headers["retry-after"] == "3"
+    upstream = kind.startswith("upstream_") or kind in ("rate_limited", "internal_error")
+    assert said is (retryable and not upstream)
+
+
+def test_the_retryable_statuses_of_our_own():
+    assert error_headers(as_status(instance_draining()))["x-should-retry"] == "true"
+    assert error_headers(as_status(internal_error()))["x-should-retry"] == "false"
+    assert as_status(internal_error()).retryable is False and internal_error().retryable  # a copy: the event keeps it
+    assert error_headers(as_status(TimeLimit("upstream_timeout", "slow")))["x-should-retry"] == "false"
 
 
 def test_every_error_is_an_api_error():

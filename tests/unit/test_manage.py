@@ -201,6 +201,16 @@ async def test_prices_over_http():
             await http.put("/api/manage/prices/m", json={"input": -1, "output": 1}), 400, "invalid_request", "input"
         )
         openai_error(await http.put("/api/manage/prices/m", content=b"[]"), 400, "invalid_request")
+        for field in ("input", "output"):  # null is not a price (was a 500)
+            error = openai_error(
+                await http.put("/api/manage/prices/m", json={"input": 1, "output": 1, field: None}),
+                400,
+                "invalid_request",
+                field,
+            )
+            assert error["message"] == f"{field}: must be a number"
+        nulled = await http.put("/api/manage/prices/m", json={"input": 1, "output": 2, "cached_input": None})
+        assert nulled.status_code == 200 and nulled.json()["cached_input"] == 1  # null: the input price
         deleted = await http.delete("/api/manage/prices/gpt-4o-mini")
         assert deleted.json() == {"object": "price.deleted", "model": "gpt-4o-mini", "deleted": True}
         openai_error(await http.get("/api/manage/prices/gpt-4o-mini"), 404, "price_not_found", "name")
@@ -226,14 +236,14 @@ def charge(caller_id: str, day: str, prompt: int, completion: int, cost: int | N
 async def test_usage_as_json_and_csv():
     async with Admin() as admin:
         http = admin.http
-        await http.post("/api/manage/teams", json={"name": "search"})
+        search = (await http.post("/api/manage/teams", json={"name": "search"})).json()["id"]
         made = (await http.post("/api/manage/callers", json={"name": "app", "team": "search"})).json()
         ledger = admin.state.ledger
         await ledger.submit(
             [
-                charge(made["id"], "20261001", 10, 20, 1_500_000, team="search"),
-                charge(made["id"], "20261001", 1, 2, None, team="search"),
-                charge(made["id"], "20261002", 5, 5, 10**12 + 1, team="search"),
+                charge(made["id"], "20261001", 10, 20, 1_500_000, team="search", team_id=search),
+                charge(made["id"], "20261001", 1, 2, None, team="search", team_id=search),
+                charge(made["id"], "20261002", 5, 5, 10**12 + 1, team="search", team_id=search),
                 charge("other", "20261001", 100, 100, 7, caller="other", model="=cmd()"),
             ]
         )
@@ -282,6 +292,27 @@ async def test_usage_as_json_and_csv():
             "/api/manage/usage", params={"from": "2026-10-01", "to": "2026-10-31", "format": "csv"}
         )
         assert by_format.text == as_csv.text
+
+
+async def test_usage_by_team_follows_the_team_not_its_name():
+    """A team deleted and made again under its name: ``usage?team=`` shows the new team's usage, not
+    the old one's (as for callers); the deleted one's rows are still there by name until then."""
+    async with Admin() as admin:
+        http = admin.http
+        old = (await http.post("/api/manage/teams", json={"name": "squad"})).json()["id"]
+        await admin.state.ledger.submit([charge("c-old", "20261001", 10, 20, 7, team="squad", team_id=old)])
+        assert (await http.delete("/api/manage/teams/squad")).status_code == 200
+        gone = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
+        assert gone["total"]["requests"] == 1  # a deleted team: its rows by name
+        new = (await http.post("/api/manage/teams", json={"name": "squad"})).json()["id"]
+        assert new != old
+        fresh = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
+        assert fresh["total"]["requests"] == 0, "the old team's usage is not the new one's"
+        await admin.state.ledger.submit([charge("c-new", "20261002", 1, 2, 3, team="squad", team_id=new)])
+        fresh = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
+        assert (fresh["total"]["requests"], fresh["total"]["cost_picousd"]) == (1, 3)
+        as_csv = await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01", "format": "csv"})
+        assert "2026-10-01" not in as_csv.text and "2026-10-02" in as_csv.text
 
 
 @pytest.mark.parametrize(

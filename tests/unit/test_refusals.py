@@ -3,9 +3,14 @@ codes and wording, Retry-After, x-should-retry and the x-ratelimit-* headers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from chatstream.apis.chat import ChatApi
+from chatstream.apis.openai_chat import error_response
 from chatstream.apis.refusals import duration, error, rate_headers
+from chatstream.errors import as_status, error_headers
 from chatstream.state.accounting import Unknown
 from chatstream.state.port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
 
@@ -14,7 +19,11 @@ def test_a_minute_limit_is_a_retryable_429_with_the_seconds_to_the_next_minute()
     refused = Refused(LimitRef("caller", "app", "tokens_per_minute"), 500, 480, 100, retry_after=42.7)
     answer = error(refused)
     assert (answer.status, answer.type) == (429, "rate_limit_exceeded")
-    assert answer.headers == {"Retry-After": "43", "x-should-retry": "true"}
+    assert answer.retryable and error_headers(answer) == {
+        "Retry-After": "43",
+        "Cache-Control": "no-store",
+        "x-should-retry": "true",
+    }
     assert "caller 'app'" in answer.message and "Limit 500, Used 480, Requested 100" in answer.message
     assert "try again in 43s" in answer.message
     per_model = error(Refused(LimitRef("team", "t", "requests_per_minute", "gpt-4o"), 2, 2, 1, retry_after=0.2))
@@ -24,9 +33,10 @@ def test_a_minute_limit_is_a_retryable_429_with_the_seconds_to_the_next_minute()
 def test_a_request_larger_than_a_limit_is_not_to_be_retried():
     alone = error(Refused(LimitRef("caller", "app", "tokens_per_minute"), 1_000, 0, 1_001, 30.0, alone=True))
     assert (alone.status, alone.type) == (429, "rate_limit_exceeded")
-    assert alone.headers == {"x-should-retry": "false"} and "Lower max_tokens" in alone.message
+    assert not alone.retryable and error_headers(alone)["x-should-retry"] == "false"
+    assert "Retry-After" not in alone.headers and "Lower max_tokens" in alone.message
     budget = error(Refused(LimitRef("caller", "app", "token_budget", period="month"), 5_000, 0, 5_001, alone=True))
-    assert (budget.status, budget.type) == (429, "insufficient_quota") and budget.headers == {"x-should-retry": "false"}
+    assert (budget.status, budget.type) == (429, "insufficient_quota") and not budget.retryable
     assert "lower max_tokens" in budget.message and "this month (UTC)" in budget.message
 
 
@@ -37,7 +47,7 @@ def test_a_spent_budget_is_insufficient_quota_saying_what_is_left():
     money = error(
         Refused(LimitRef("team", "search", "spend_budget", period="day"), 25 * 10**12, 24_990_000 * 10**6, 20 * 10**9)
     )
-    assert money.type == "insufficient_quota" and money.headers == {"x-should-retry": "false"}
+    assert money.type == "insufficient_quota" and not money.retryable and "Retry-After" not in money.headers
     assert "Team 'search' has $0.01 of its $25.00 spend budget left today (UTC)" in money.message
     assert "may cost up to $0.02" in money.message
 
@@ -62,6 +72,32 @@ def test_the_other_refusals(answer, status, code, param):
         assert found.retryable and found.headers["Retry-After"] == "2"
     if isinstance(answer, ModelRefused) and answer.unpriced:
         assert "'local' has no price" in found.message and "team" in found.message
+
+
+@pytest.mark.parametrize(
+    ("answer", "retry"),
+    [
+        (KeyRefused(), False),
+        (KeyRefused(expired=True), False),
+        (Unavailable(), True),  # nothing was started: another try, or another instance, may find the store
+        (ModelRefused("o1"), False),
+        (ModelRefused("local", unpriced=True, scope="team"), False),
+        (Unknown("response", "resp_1"), False),
+        (Refused(LimitRef("caller", "app", "tokens_per_minute"), 500, 480, 100, retry_after=42.7), True),
+        (Refused(LimitRef("team", "t", "requests_per_minute", "gpt-4o"), 2, 2, 1, retry_after=0.2), True),
+        (Refused(LimitRef("caller", "app", "tokens_per_minute"), 1_000, 0, 1_001, 30.0, alone=True), False),
+        (Refused(LimitRef("caller", "app", "token_budget", period="month"), 5_000, 4_000, 2_000), False),
+        (Refused(LimitRef("team", "t", "spend_budget", period="day"), 10**12, 0, 2 * 10**12, alone=True), False),
+    ],
+)
+def test_every_refusal_says_one_thing_in_its_header_and_its_body(answer, retry):
+    """The probe: 503 caller_store_unavailable said x-should-retry: false with retryable: true."""
+    told = as_status(error(answer))
+    chat = ChatApi().error_response(told)  # /api/chat: {"error": {..., "retryable"}}
+    assert json.loads(bytes(chat.body))["error"]["retryable"] is retry
+    for response in (chat, error_response(told)):  # and OpenAI's shape, whose SDKs read the header
+        assert response.headers["x-should-retry"] == ("true" if retry else "false")
+        assert response.headers["cache-control"] == "no-store"
 
 
 def test_a_name_from_a_caller_is_made_safe_for_the_message():
