@@ -12,17 +12,18 @@ replayed through each path's whole request, in one process, one stream after ano
   no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
   transport, the stream core, continuation bookkeeping, the encoder, the record, the response's writes;
 * **floor**: the floor's relay and response (tools/bench/floor/function_app.py) on the same request;
-* each ``--variant``: the app from another tree (``git:REF``, ``patch:FILE``, a folder), as run.py's.
+* each ``--variant``: the app from another tree (``git:REF``, ``patch:FILE``, a folder), as run.py's,
+  or this tree's with app settings of its own (``env:NAME=VALUE,...``: ``env:BLOCKED_TERMS=x``, say).
 
 Only the network is replaced: aiohttp's session hands out the recorded pieces, one per read (one
 turn of the event loop each, as a socket read wakes the reader), and ASGI ``send`` takes the bytes.
 Both paths pay that the same. Each path runs in a process of its own, warmed up; a round
 streams ``--streams`` answers of ``--deltas`` deltas and as many of ``SHORT`` deltas in each, in
 blocks, every path's block in turn and the lengths alternating (so that a drift of the machine's
-load hits every path alike), each block timed with ``time.process_time`` in its process. Printed: medians over the rounds
-of the CPU per delta (the slope between the two lengths), per stream (the rest: the request, the
-first and last events), all-in per delta at ``--deltas``, and each path's ratio to the floor, with
-the rounds' range. ``--profile FILE`` instead writes cProfile statistics of one app round (pstats).
+load hits every path alike), each block timed with ``time.process_time`` in its process. Printed, from the median block of each length and from
+the quickest one (the least disturbed by the machine's other load): the CPU per delta (the slope
+between the two lengths), per stream (the rest: the request, the first and last events), all-in per
+delta at ``--deltas``, each path's ratio to the floor, and the app's to each variant. ``--profile FILE`` instead writes cProfile statistics of one app round (pstats).
 
 The machine's other load moves these figures less than wall-clock ones (CPU time counts only this
 process), but a busy machine still slows it (caches, frequency): compare paths of one run.
@@ -50,6 +51,8 @@ BLOCKS = 4  # each length's streams in this many blocks, the lengths alternating
 WARMUP = 30  # streams before timing (imports done, caches filled)
 BASE_URL = "http://127.0.0.1:9/v1"  # never dialled: the session below answers
 PROMPT = {"prompt": "Say something."}
+if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, not tools/bench/profile.py
+    del sys.path[0]
 
 
 # --- the child: one path, one round ----------------------------------------------------------------
@@ -178,7 +181,7 @@ class ReplaySession:
         pass
 
 
-def _handler(path: str):
+def _handler(path: str, settings_env: dict[str, str]):
     """``async (scope, receive, send)`` for one request of ``path`` (app or floor)."""
     from starlette.requests import Request
 
@@ -201,7 +204,7 @@ def _handler(path: str):
     from chatstream.pipeline import Pipeline
     from chatstream.settings import Settings
 
-    environ = {"OPENAI_BASE_URL": BASE_URL, "OPENAI_API_KEY": "sk-bench"}
+    environ = {"OPENAI_BASE_URL": BASE_URL, "OPENAI_API_KEY": "sk-bench", **settings_env}
     settings = Settings.from_env(environ)
     chat_app = create_app(settings, Pipeline.from_settings(settings), environ=environ)
 
@@ -236,7 +239,7 @@ def child(args: argparse.Namespace) -> None:
     body = json.dumps(PROMPT).encode()
 
     async def main() -> None:
-        serve = _handler(args.path)
+        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env))
         ReplaySession.pieces = pieces["long"]
         out = await _streams(serve, WARMUP, body)
         assert out > args.deltas * 10, f"{args.path}: the warm-up streamed {out} bytes"
@@ -248,7 +251,7 @@ def child(args: argparse.Namespace) -> None:
             if profile:
                 import cProfile
 
-                profiler = cProfile.Profile()
+                profiler = cProfile.Profile(time.process_time)  # CPU: not the time other processes took
                 profiler.enable()
             cpu = time.process_time()
             await _streams(serve, args.streams // BLOCKS, body)
@@ -267,12 +270,13 @@ def child(args: argparse.Namespace) -> None:
 class _Child:
     """A child process serving one path from one tree."""
 
-    def __init__(self, path: str, tree: Path, args: argparse.Namespace) -> None:
+    def __init__(self, path: str, tree: Path, settings_env: str, args: argparse.Namespace) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
         for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "UPSTREAMS", "AZURE_OPENAI_ENDPOINT", "AzureWebJobsStorage"):
             env.pop(name, None)
         command = [sys.executable, str(Path(__file__).resolve()), "--child", path]
         command += ["--streams", str(args.streams), "--deltas", str(args.deltas)]
+        command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -324,79 +328,85 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--streams", type=int, default=200, help="streams of each length per round")
     p.add_argument("--deltas", type=int, default=40, help="content deltas of the long streams")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC", help="git:REF, patch:FILE or DIR")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="git:REF, patch:FILE, DIR or env:NAME=VALUE,...",
+    )
     p.add_argument("--profile", metavar="FILE", help="cProfile one app round of long streams into FILE, then stop")
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
+    p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         args.path = args.child
         child(args)
         return
     if args.profile:
-        app = _Child("app", ROOT, args)
+        app = _Child("app", ROOT, "", args)
         try:
             app.block("long " + str(Path(args.profile).resolve()))
         finally:
             app.close()
         print(f"wrote {args.profile}: .venv/bin/python -m pstats {args.profile}")
         return
-    paths: dict[str, tuple[str, Path]] = {"floor": ("floor", ROOT), "app": ("app", ROOT)}
+    paths: dict[str, tuple[str, Path, str]] = {"floor": ("floor", ROOT, ""), "app": ("app", ROOT, "")}
     if args.variant:
         sys.path.insert(0, str(BENCH))
         import run
 
         for spec in args.variant:
             name, _, where = spec.partition("=")
-            paths[name] = ("app", Path(run.prepare_variant(name, where, BENCH / "out" / "quick")["dir"]))
+            if where.startswith("env:"):
+                paths[name] = ("app", ROOT, where[4:])
+                continue
+            paths[name] = ("app", Path(run.prepare_variant(name, where, BENCH / "out" / "quick")["dir"]), "")
     started = time.monotonic()
     names = list(paths)
-    children = {name: _Child(path, tree, args) for name, (path, tree) in paths.items()}
-    results: dict[str, list[dict]] = {name: [] for name in paths}
+    children = {name: _Child(*spec, args) for name, spec in paths.items()}
+    blocks: dict[str, dict[str, list[float]]] = {name: {"long": [], "short": []} for name in paths}
     try:
         for r in range(args.rounds):
-            times = {name: {"long": 0.0, "short": 0.0} for name in names}
             # Blocks of every path in turn, the lengths alternating: a drift of the machine hits all alike.
             for b in range(BLOCKS * 2):
                 kind = "long" if b % 2 == 0 else "short"
                 turn = (r + b) % len(names)
                 for name in names[turn:] + names[:turn]:
-                    times[name][kind] += children[name].block(kind)
-            for name in names:
-                results[name].append(_figures(times[name], args))
+                    blocks[name][kind].append(children[name].block(kind))
             print(f"round {r + 1}/{args.rounds} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
     finally:
         for one in children.values():
             one.close()
-    floor = results["floor"]
+    # Each figure from the median block of each length, and from the quickest (the least disturbed).
+    stats = {"median": statistics.median, "min": min}
+    figures = {
+        (name, stat): _figures({kind: f(times) * BLOCKS for kind, times in kinds.items()}, args)
+        for name, kinds in blocks.items()
+        for stat, f in stats.items()
+    }
+    keys = ("delta", "stream", "all_in")
     print(
-        f"\nin-process replay, {args.rounds} rounds x {args.streams} streams of {args.deltas} and {SHORT} deltas "
-        f"(process CPU, medians; range over rounds)\n"
+        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.deltas} and of {SHORT} "
+        f"deltas, in blocks of {args.streams // BLOCKS}; process CPU of the median block / of the quickest block\n"
     )
     print(
         f"| path | µs per delta | µs per stream | µs per delta all-in ({args.deltas}) "
         "| ÷ floor: per delta, per stream, all-in |"
     )
     print("|---|---|---|---|---|")
-    for name, rounds in results.items():
-        row = []
-        for key in ("delta", "stream", "all_in"):
-            values = [x[key] for x in rounds]
-            row.append(f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})")
+    for name in names:
+        row = [" / ".join(f"{figures[name, stat][key]:.1f}" for stat in stats) for key in keys]
         ratios = [
-            statistics.median(x[key] / f[key] for x, f in zip(rounds, floor, strict=True))
-            for key in ("delta", "stream", "all_in")
+            " / ".join(f"{figures[name, stat][key] / figures['floor', stat][key]:.2f}×" for stat in stats)
+            for key in keys
         ]
-        row.append(", ".join(f"{r:.2f}×" for r in ratios))
-        print(f"| {name} | " + " | ".join(row) + " |")
-    for name in names[2:]:  # each variant paired with the app of the same round
-        paired = [
-            ", ".join(f"{x[key] / v[key]:.3f}" for key in ("delta", "stream", "all_in"))
-            for x, v in zip(results["app"], results[name], strict=True)
+        print(f"| {name} | " + " | ".join(row) + " | " + ", ".join(ratios) + " |")
+    for name in names[2:]:
+        ratios = [
+            " / ".join(f"{figures['app', stat][key] / figures[name, stat][key]:.3f}" for stat in stats) for key in keys
         ]
-        print(f"\napp ÷ {name} per round (per delta, per stream, all-in): " + "; ".join(paired))
-        for key in ("delta", "stream", "all_in"):
-            ratios = [x[key] / v[key] for x, v in zip(results["app"], results[name], strict=True)]
-            print(f"  {key}: median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"\napp ÷ {name}: per delta {ratios[0]}, per stream {ratios[1]}, all-in {ratios[2]}")
     print(f"\n({time.monotonic() - started:.0f} s)")
 
 
