@@ -1,12 +1,13 @@
 """``make bench-quick``: the CPU each streamed delta costs in this app's process against the floor's
-(the bare relay, tools/bench/floor/), in-process, in about a minute; for A/B runs of a change.
+(the bare relay, tools/bench/floor/), in-process, in under a minute; for A/B runs of a change.
 
-    .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--deltas 40]
-                                          [--variant NAME=git:REF|patch:FILE|DIR ...] [--profile FILE]
+    .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
+                                          [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
+                                          [--profile FILE]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
-``--deltas`` content chunks, the finish, the usage, ``[DONE]``; one event per network read) is
-replayed through each path's whole request, in one process, one stream after another:
+the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
+through each path's whole request, in one process, one stream after another:
 
 * **app**: ``POST /api/chat`` through the ASGI handler the function app routes to (chatstream/app.py,
   no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
@@ -17,16 +18,18 @@ replayed through each path's whole request, in one process, one stream after ano
 
 Only the network is replaced: aiohttp's session hands out the recorded pieces, one per read (one
 turn of the event loop each, as a socket read wakes the reader), and ASGI ``send`` takes the bytes.
-Both paths pay that the same. Each path runs in a process of its own, warmed up; a round
-streams ``--streams`` answers of ``--deltas`` deltas and as many of ``SHORT`` deltas in each, in
-blocks, every path's block in turn and the lengths alternating (so that a drift of the machine's
-load hits every path alike), each block timed with ``time.process_time`` in its process. Printed, from the median block of each length and from
-the quickest one (the least disturbed by the machine's other load): the CPU per delta (the slope
-between the two lengths), per stream (the rest: the request, the first and last events), all-in per
-delta at ``--deltas``, each path's ratio to the floor, and the app's to each variant. ``--profile FILE`` instead writes cProfile statistics of one app round (pstats).
+Both paths pay that the same. Each path runs in a process of its own, warmed up. A round streams,
+per path, ``--streams`` answers of ``--long`` deltas and as many of ``SHORT`` deltas, in blocks:
+every path's block in turn, the lengths alternating (a drift of the machine's load hits every path
+alike), each block timed with ``time.process_time`` in its process. Printed, from the median block
+of each length and from the quickest one (the least disturbed by the machine's other load): the CPU
+per delta (the slope between the two lengths), per stream (the rest: the request, the first and last
+events), all-in per delta for streams of ``--deltas``, each path's ratio to the floor, and the app's
+to each variant. ``--profile FILE`` writes cProfile statistics (process time) of one block of the
+app's long streams instead.
 
-The machine's other load moves these figures less than wall-clock ones (CPU time counts only this
-process), but a busy machine still slows it (caches, frequency): compare paths of one run.
+CPU time counts only this process, so the machine's other load moves these figures less than
+wall-clock ones, but it still does (caches, frequency): compare paths of one run.
 """
 
 from __future__ import annotations
@@ -235,14 +238,14 @@ def child(args: argparse.Namespace) -> None:
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
-    pieces = {"long": record(args.deltas), "short": record(SHORT)}
+    pieces = {"long": record(args.long), "short": record(SHORT)}
     body = json.dumps(PROMPT).encode()
 
     async def main() -> None:
         serve = _handler(args.path, dict(item.split("=", 1) for item in args.env))
         ReplaySession.pieces = pieces["long"]
         out = await _streams(serve, WARMUP, body)
-        assert out > args.deltas * 10, f"{args.path}: the warm-up streamed {out} bytes"
+        assert out > args.long * 10, f"{args.path}: the warm-up streamed {out} bytes"
         print("ready", flush=True)
         for line in sys.stdin:
             kind, _, profile = line.strip().partition(" ")
@@ -275,7 +278,7 @@ class _Child:
         for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "UPSTREAMS", "AZURE_OPENAI_ENDPOINT", "AzureWebJobsStorage"):
             env.pop(name, None)
         command = [sys.executable, str(Path(__file__).resolve()), "--child", path]
-        command += ["--streams", str(args.streams), "--deltas", str(args.deltas)]
+        command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
@@ -314,12 +317,12 @@ class _Child:
 def _figures(t: dict, args: argparse.Namespace) -> dict:
     """µs per delta (slope), µs per stream (intercept), µs per delta all-in at --deltas."""
     streams = args.streams // BLOCKS * BLOCKS  # of each length
-    per_delta = (t["long"] - t["short"]) / (streams * (args.deltas - SHORT))
-    per_stream = t["long"] / streams - per_delta * args.deltas
+    per_delta = (t["long"] - t["short"]) / (streams * (args.long - SHORT))
+    per_stream = t["short"] / streams - per_delta * SHORT
     return {
         "delta": per_delta * 1e6,
         "stream": per_stream * 1e6,
-        "all_in": t["long"] / (streams * args.deltas) * 1e6,
+        "all_in": (per_delta + per_stream / args.deltas) * 1e6,
     }
 
 
@@ -327,7 +330,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--streams", type=int, default=200, help="streams of each length per round")
-    p.add_argument("--deltas", type=int, default=40, help="content deltas of the long streams")
+    p.add_argument("--deltas", type=int, default=40, help="content deltas of a stream, for the all-in figure")
+    p.add_argument("--long", type=int, default=200, help="content deltas of the long streams")
     p.add_argument(
         "--variant",
         action="append",
@@ -387,7 +391,7 @@ def main() -> None:
     }
     keys = ("delta", "stream", "all_in")
     print(
-        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.deltas} and of {SHORT} "
+        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
         f"deltas, in blocks of {args.streams // BLOCKS}; process CPU of the median block / of the quickest block\n"
     )
     print(
