@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint venv client client-mono chromium azurite aisdk openai-node bench bench-profile chaos clean
+.PHONY: serve test lint venv client client-mono chromium azurite aisdk openai-node bench bench-quick bench-profile chaos clean
 
 $(STAMP): requirements.txt requirements-dev.txt clients/python/pyproject.toml
 	@if [ ! -x $(PY) ]; then py=$$(tools/scripts/find-python) && \
@@ -102,6 +102,9 @@ bench: $(STAMP) $(BENCH_STAMP) azurite
 	@case " $(BENCH_ARGS) " in *" --quick "*|*" --no-docs "*) ;; \
 	  *) $(BENCH_VENV)/bin/python tools/bench/scaling.py --write --infra >/dev/null ;; esac
 	$(PY) tools/bench/pool_bench.py
+
+bench-quick: $(STAMP)
+	$(PY) tools/bench/quick.py $(BENCH_ARGS)
 
 bench-profile: $(STAMP) $(BENCH_STAMP)
 	tools/bench/profile.sh $(BENCH_ARGS)

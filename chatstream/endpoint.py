@@ -230,12 +230,16 @@ class Endpoint:
             self.accounting.progress(admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()})
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
 
-        def finish(inner: AsyncGenerator[Event]) -> AsyncGenerator[Event]:
-            return finishing(inner, lambda: self._finish_stream(protocol, record, admission))
+        def finish() -> None:
+            self._finish_stream(protocol, record, admission)
 
         upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
-        events = self.lifecycle.guard(upstream, record, finish) if self.lifecycle is not None else finish(upstream)
+        events = (
+            self.lifecycle.guard(upstream, record, finish)
+            if self.lifecycle is not None
+            else finishing(upstream, finish)
+        )
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
         respond = self._resumable(call, protocol, limits, record, headers)

@@ -169,19 +169,19 @@ class Lifecycle:
         return stream
 
     def guard(
-        self,
-        events: AsyncGenerator[Event],
-        record: StreamRecord,
-        finish: Callable[[AsyncGenerator[Event]], AsyncGenerator[Event]],
+        self, events: AsyncGenerator[Event], record: StreamRecord, on_end: Callable[[], None]
     ) -> AsyncGenerator[Event]:
-        """A stream's events (``relay``'s) as the drain wants them, with ``finish`` (the endpoint's
-        record keeping: its log line and charge) in between: at the cut, the upstream closed and one
-        final ``instance_draining`` error instead of the rest (finished like any final event);
-        during a drain, the last stream's final event waits for the ``on_drain`` callbacks."""
-        stream = self.register(record)
-        return self._holding(finish(self._cutting(events, stream)), stream)
+        """A stream's events (``relay``'s) as the drain wants them, and ``on_end`` (the endpoint's
+        record keeping: its log line and charge) once they are over, however they end: at the cut,
+        the upstream closed and one final ``instance_draining`` error instead of the rest; during a
+        drain, the last stream's final event waits for the ``on_drain`` callbacks (its record
+        written first). One generator for all of it: each layer costs every delta."""
+        return self._guarded(events, self.register(record), on_end)
 
-    async def _cutting(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
+    async def _guarded(
+        self, events: AsyncGenerator[Event], stream: Stream, on_end: Callable[[], None]
+    ) -> AsyncGenerator[Event]:
+        ended = False
         try:
             while True:
                 try:
@@ -190,28 +190,25 @@ class Lifecycle:
                     return
                 if item is None:  # the cut (cut_now has told the record)
                     await events.aclose()  # the upstream is closed
-                    yield Failed(instance_draining())
-                    return
-                yield item
-                if not isinstance(item, Chunk):
-                    return
-        finally:
-            await events.aclose()
-
-    async def _holding(self, events: AsyncGenerator[Event], stream: Stream) -> AsyncGenerator[Event]:
-        try:
-            async for item in events:
-                if not isinstance(item, Chunk):
-                    if self._holds(stream):
-                        await events.aclose()  # the stream's record (log line, charge) is written now
-                        await self._wait_settled()
+                    item = Failed(instance_draining())
+                elif type(item) is Chunk:
                     yield item
-                    return
+                    continue
+                if self._holds(stream):
+                    await events.aclose()
+                    ended = True
+                    on_end()  # the stream's record (log line, charge) is written now
+                    await self._wait_settled()
                 yield item
+                return
         finally:
             self._streams.discard(stream)
             self._changed.set()
-            await events.aclose()
+            try:
+                await events.aclose()
+            finally:
+                if not ended:
+                    on_end()
 
     def _holds(self, stream: Stream) -> bool:
         """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While

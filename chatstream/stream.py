@@ -80,11 +80,12 @@ class Failed:
 Event = Chunk | Done | Failed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Fed:
     """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
     is output (the status rule waits for output), whether it counts as a delta, and events released
-    with it (``batch``)."""
+    with it (``batch``). Read-only by convention: one is made for every chunk, and a frozen
+    dataclass's ``__init__`` costs about twice as much."""
 
     data: dict | None
     output: bool = False
@@ -205,9 +206,14 @@ class TimeLimits:
         self.deadline = min(self.total_at, self.loop.time() + self.first_token)
 
     def got_chunk(self) -> None:
-        """A chunk came from the upstream (whether or not anything of it is forwarded)."""
+        """A chunk came from the upstream (whether or not anything of it is forwarded): the total
+        limit is checked (buffered chunks arrive without a wait), and once output has started the
+        idle limit runs from now. One clock read for both: this runs for every chunk."""
+        now = self.loop.time()
+        if now >= self.total_at:
+            raise total_expired()
         if self.output_started:
-            self.deadline = min(self.total_at, self.loop.time() + self.idle)
+            self.deadline = min(self.total_at, now + self.idle)
 
     def finishing(self) -> None:
         """Every choice has finished: only the usage is still awaited, briefly."""
@@ -358,8 +364,7 @@ async def _forward(
                 stream = await _reopen(current, continuation, failure, limits, record)
                 chunks = aiter(stream)
                 continue
-            limits.check_total()  # buffered chunks arrive without waiting: the total limit still holds
-            limits.got_chunk()  # the idle limit runs between upstream chunks, forwarded or not
+            limits.got_chunk()  # the total limit (buffered chunks arrive without a wait), the idle one from now
             for data in continuation.feed(raw) if continuation is not None else (raw,):
                 fed = await protocol.feed(data)
                 if fed.data is None:

@@ -52,7 +52,7 @@ async def events(count: int, every: float, record: StreamRecord, log: list[str])
 
 
 def guarded(life: Lifecycle, stream, record: StreamRecord):
-    return life.guard(stream, record, lambda inner: inner)
+    return life.guard(stream, record, lambda: None)
 
 
 async def read_all(stream) -> list[tuple[float, Event]]:

@@ -1,0 +1,418 @@
+"""``make bench-quick``: the CPU each streamed delta costs in this app's process against the floor's
+(the bare relay, tools/bench/floor/), in-process, in under a minute; for A/B runs of a change.
+
+    .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
+                                          [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
+                                          [--profile FILE]
+
+A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
+the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
+through each path's whole request, in one process, one stream after another:
+
+* **app**: ``POST /api/chat`` through the ASGI handler the function app routes to (chatstream/app.py,
+  no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
+  transport, the stream core, continuation bookkeeping, the encoder, the record, the response's writes;
+* **floor**: the floor's relay and response (tools/bench/floor/function_app.py) on the same request;
+* each ``--variant``: the app from another tree (``git:REF``, ``patch:FILE``, a folder), as run.py's,
+  or this tree's with app settings of its own (``env:NAME=VALUE,...``: ``env:BLOCKED_TERMS=x``, say).
+
+Only the network is replaced: aiohttp's session hands out the recorded pieces, one per read (one
+turn of the event loop each, as a socket read wakes the reader), and ASGI ``send`` takes the bytes.
+Both paths pay that the same. Each path runs in a process of its own, warmed up. A round streams,
+per path, ``--streams`` answers of ``--long`` deltas and as many of ``SHORT`` deltas, in blocks:
+every path's block in turn, the lengths alternating (a drift of the machine's load hits every path
+alike), each block timed with ``time.process_time`` in its process. Printed, from the median block
+of each length and from the quickest one (the least disturbed by the machine's other load): the CPU
+per delta (the slope between the two lengths), per stream (the rest: the request, the first and last
+events), all-in per delta for streams of ``--deltas``, each path's ratio to the floor, and the app's
+to each variant. ``--profile FILE`` writes cProfile statistics (process time) of one block of the
+app's long streams instead.
+
+CPU time counts only this process, so the machine's other load moves these figures less than
+wall-clock ones, but it still does (caches, frequency): compare paths of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import ClassVar
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parents[1]
+SHORT = 4  # deltas of the short streams (the per-delta figure is the slope between the two lengths)
+BLOCKS = 4  # each length's streams in this many blocks, the lengths alternating
+WARMUP = 30  # streams before timing (imports done, caches filled)
+BASE_URL = "http://127.0.0.1:9/v1"  # never dialled: the session below answers
+PROMPT = {"prompt": "Say something."}
+if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, not tools/bench/profile.py
+    del sys.path[0]
+
+
+# --- the child: one path, one round ----------------------------------------------------------------
+
+
+def record(deltas: int) -> list[bytes]:
+    """The scripted upstream's answer to the app's request, one event per piece (as the cadence
+    scenario writes them: one write per chunk)."""
+    from tools.fakeupstream.scenarios import Cadence
+    from tools.fakeupstream.server import create_app
+
+    upstream = create_app("cadence", Cadence(0, 0, deltas, 0))
+    body = json.dumps(
+        {
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "user", "content": PROMPT["prompt"]}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    out = bytearray()
+
+    async def send(message: dict) -> None:
+        out.extend(message.get("body", b""))
+
+    asyncio.run(upstream(_scope("/v1/chat/completions", body), _receiver(body), send))
+    return [event + b"\n\n" for event in bytes(out).split(b"\n\n") if event]
+
+
+def _scope(path: str, body: bytes) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # uvicorn's
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 7071),
+    }
+
+
+def _receiver(body: bytes):
+    """ASGI receive: the body, then nothing until the response ends (a caller who stays)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # cancelled when the response is over
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+class _Content:
+    """The upstream body as aiohttp's reader hands it out: one recorded piece per read, each read
+    one turn of the event loop."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = iter(pieces)
+        self._eof = False
+
+    async def readany(self) -> bytes:
+        await asyncio.sleep(0)
+        piece = next(self._pieces, b"")
+        self._eof = not piece
+        return piece
+
+    def at_eof(self) -> bool:
+        return self._eof
+
+    async def iter_any(self):
+        while piece := await self.readany():
+            yield piece
+
+
+class _Response:
+    status = 200
+    reason = "OK"
+    raw_headers = ((b"Content-Type", b"text/event-stream; charset=utf-8"), (b"x-request-id", b"req_bench"))
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.content = _Content(pieces)
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def __aenter__(self) -> _Response:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReplaySession:
+    """aiohttp.ClientSession for both paths (the app's transport calls ``request``, the floor
+    ``post``): every request is answered with ``pieces``."""
+
+    pieces: ClassVar[list[bytes]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    async def request(self, method: str, url: str, **kwargs: object) -> _Response:
+        return _Response(ReplaySession.pieces)
+
+    def post(self, url: str, **kwargs: object) -> _Response:
+        json.dumps(kwargs.get("json")).encode()  # what aiohttp's JSON payload does with it
+        return _Response(ReplaySession.pieces)
+
+    async def close(self) -> None:
+        pass
+
+
+def _handler(path: str, settings_env: dict[str, str]):
+    """``async (scope, receive, send)`` for one request of ``path`` (app or floor)."""
+    from starlette.requests import Request
+
+    if path == "floor":
+        os.environ["OPENAI_BASE_URL"] = BASE_URL
+        spec = importlib.util.spec_from_file_location("bench_floor", BENCH / "floor" / "function_app.py")
+        assert spec is not None and spec.loader is not None
+        floor = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(floor)
+
+        async def serve_floor(scope, receive, send) -> None:
+            request = Request(scope, receive)
+            body = json.loads(await request.body())  # the floor's route, as it reads the request
+            response = floor._Closing(floor._relay(body), media_type="text/event-stream", headers=floor.SSE)
+            await response(scope, receive, send)
+
+        return serve_floor
+
+    from chatstream.app import create_app
+    from chatstream.pipeline import Pipeline
+    from chatstream.settings import Settings
+
+    environ = {"OPENAI_BASE_URL": BASE_URL, "OPENAI_API_KEY": "sk-bench", **settings_env}
+    settings = Settings.from_env(environ)
+    chat_app = create_app(settings, Pipeline.from_settings(settings), environ=environ)
+
+    async def serve_app(scope, receive, send) -> None:
+        response = await chat_app.chat(Request(scope, receive))
+        await response(scope, receive, send)
+
+    return serve_app
+
+
+async def _streams(serve, n: int, body: bytes) -> int:
+    """``n`` requests one after another; the bytes written."""
+    written = 0
+
+    async def send(message: dict) -> None:
+        nonlocal written
+        written += len(message.get("body", b""))
+
+    for _ in range(n):
+        await serve(_scope("/api/chat", body), _receiver(body), send)
+    return written
+
+
+def child(args: argparse.Namespace) -> None:
+    """One path in a process of its own: warms up, says ``ready``, then for each line on stdin,
+    ``long`` or ``short``, streams a block of that length and answers the process CPU seconds it took
+    (``profile FILE``: the block of long streams under cProfile, into FILE)."""
+    import aiohttp
+
+    aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
+    pieces = {"long": record(args.long), "short": record(SHORT)}
+    body = json.dumps(PROMPT).encode()
+
+    async def main() -> None:
+        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env))
+        ReplaySession.pieces = pieces["long"]
+        out = await _streams(serve, WARMUP, body)
+        assert out > args.long * 10, f"{args.path}: the warm-up streamed {out} bytes"
+        print("ready", flush=True)
+        for line in sys.stdin:
+            kind, _, profile = line.strip().partition(" ")
+            ReplaySession.pieces = pieces["long" if profile else kind]
+            profiler = None
+            if profile:
+                import cProfile
+
+                profiler = cProfile.Profile(time.process_time)  # CPU: not the time other processes took
+                profiler.enable()
+            cpu = time.process_time()
+            await _streams(serve, args.streams // BLOCKS, body)
+            took = time.process_time() - cpu
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile)
+            print(took, flush=True)
+
+    asyncio.run(main())
+
+
+# --- the driver --------------------------------------------------------------------------------
+
+
+class _Child:
+    """A child process serving one path from one tree."""
+
+    def __init__(self, path: str, tree: Path, settings_env: str, args: argparse.Namespace) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
+        for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "UPSTREAMS", "AZURE_OPENAI_ENDPOINT", "AzureWebJobsStorage"):
+            env.pop(name, None)
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", path]
+        command += ["--streams", str(args.streams), "--long", str(args.long)]
+        command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
+        self.name = f"{path} ({tree})"
+        self.proc = subprocess.Popen(
+            command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        if self._line(120) != "ready":
+            raise SystemExit(f"{self.name} did not start")
+
+    def _line(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.close()
+            raise SystemExit(f"{self.name}: no answer in {timeout:.0f} s")
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            self.close()
+            raise SystemExit(f"{self.name} ended")
+        return line
+
+    def block(self, command: str) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return float(self._line(120))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _figures(t: dict, args: argparse.Namespace) -> dict:
+    """µs per delta (slope), µs per stream (intercept), µs per delta all-in at --deltas."""
+    streams = args.streams // BLOCKS * BLOCKS  # of each length
+    per_delta = (t["long"] - t["short"]) / (streams * (args.long - SHORT))
+    per_stream = t["short"] / streams - per_delta * SHORT
+    return {
+        "delta": per_delta * 1e6,
+        "stream": per_stream * 1e6,
+        "all_in": (per_delta + per_stream / args.deltas) * 1e6,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--streams", type=int, default=200, help="streams of each length per round")
+    p.add_argument("--deltas", type=int, default=40, help="content deltas of a stream, for the all-in figure")
+    p.add_argument("--long", type=int, default=200, help="content deltas of the long streams")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="git:REF, patch:FILE, DIR or env:NAME=VALUE,...",
+    )
+    p.add_argument("--profile", metavar="FILE", help="cProfile one app round of long streams into FILE, then stop")
+    p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
+    p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.path = args.child
+        child(args)
+        return
+    if args.profile:
+        app = _Child("app", ROOT, "", args)
+        try:
+            app.block("long " + str(Path(args.profile).resolve()))
+        finally:
+            app.close()
+        print(f"wrote {args.profile}: .venv/bin/python -m pstats {args.profile}")
+        return
+    paths: dict[str, tuple[str, Path, str]] = {"floor": ("floor", ROOT, ""), "app": ("app", ROOT, "")}
+    if args.variant:
+        sys.path.insert(0, str(BENCH))
+        import run
+
+        for spec in args.variant:
+            name, _, where = spec.partition("=")
+            if where.startswith("env:"):
+                paths[name] = ("app", ROOT, where[4:])
+                continue
+            paths[name] = ("app", Path(run.prepare_variant(name, where, BENCH / "out" / "quick")["dir"]), "")
+    started = time.monotonic()
+    names = list(paths)
+    children = {name: _Child(*spec, args) for name, spec in paths.items()}
+    blocks: dict[str, dict[str, list[float]]] = {name: {"long": [], "short": []} for name in paths}
+    try:
+        for r in range(args.rounds):
+            # Blocks of every path in turn, the lengths alternating: a drift of the machine hits all alike.
+            for b in range(BLOCKS * 2):
+                kind = "long" if b % 2 == 0 else "short"
+                turn = (r + b) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    blocks[name][kind].append(children[name].block(kind))
+            print(f"round {r + 1}/{args.rounds} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    finally:
+        for one in children.values():
+            one.close()
+    # Each figure from the median block of each length, and from the quickest (the least disturbed).
+    stats = {"median": statistics.median, "min": min}
+    figures = {
+        (name, stat): _figures({kind: f(times) * BLOCKS for kind, times in kinds.items()}, args)
+        for name, kinds in blocks.items()
+        for stat, f in stats.items()
+    }
+    keys = ("delta", "stream", "all_in")
+    print(
+        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
+        f"deltas, in blocks of {args.streams // BLOCKS}; process CPU of the median block / of the quickest block\n"
+    )
+    print(
+        f"| path | µs per delta | µs per stream | µs per delta all-in ({args.deltas}) "
+        "| ÷ floor: per delta, per stream, all-in |"
+    )
+    print("|---|---|---|---|---|")
+    for name in names:
+        row = [" / ".join(f"{figures[name, stat][key]:.1f}" for stat in stats) for key in keys]
+        ratios = [
+            " / ".join(f"{figures[name, stat][key] / figures['floor', stat][key]:.2f}×" for stat in stats)
+            for key in keys
+        ]
+        print(f"| {name} | " + " | ".join(row) + " | " + ", ".join(ratios) + " |")
+    for name in names[2:]:
+        ratios = [
+            " / ".join(f"{figures['app', stat][key] / figures[name, stat][key]:.3f}" for stat in stats) for key in keys
+        ]
+        print(f"\napp ÷ {name}: per delta {ratios[0]}, per stream {ratios[1]}, all-in {ratios[2]}")
+    print(f"\n({time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
