@@ -176,7 +176,12 @@ def _number(value: object) -> bool:
 
 
 def continuation_request(params: dict, text: str, entry: Entry) -> dict:
-    """The continuation of ``params`` on ``entry``, after ``text`` (see the module docstring)."""
+    """The continuation of ``params`` on ``entry``, after ``text`` (see the module docstring).
+    Without any text (a stream taken over from a log that holds none of the answer) it is the
+    request as it was: an empty assistant turn and an instruction to go on make models answer the
+    instruction instead."""
+    if not text:
+        return dict(params)
     messages = [*params["messages"], {"role": "assistant", "content": text}]
     request = {**params, "messages": messages}
     if entry.continuation == "prefix":

@@ -158,6 +158,15 @@ def test_the_continuation_request_carries_the_text_so_far():
     )
 
 
+def test_with_no_text_so_far_the_continuation_is_the_request_as_it_was():
+    """A stream taken over from a log holding none of the answer: no empty assistant turn and no
+    instruction (a model answers the instruction: the chaos soak saw "...about the interruption.")."""
+    params = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 9}
+    for kind in ("prompt", "prefix"):
+        again = continuation_request(params, "", entry("b", kind))
+        assert again == params and again is not params
+
+
 def test_usage_adds_up_with_its_details():
     a = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     b = {
