@@ -21,7 +21,7 @@ from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
 from .http import with_request_id
-from .lifecycle import Lifecycle
+from .lifecycle import HOST_DEFAULT_SHUTDOWN, Lifecycle, host_shutdown_timeout
 from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
@@ -29,7 +29,7 @@ from .settings import Settings, SettingsError
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
-from .state.streamlog import Claim, ResumeConfig, StreamLog
+from .state.streamlog import Claim, ResumeConfig, StreamLog, TakeOverHook
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -44,52 +44,56 @@ class ChatApp:
         pipeline: Pipeline,
         upstreams: Upstreams,
         state: SharedState | None,
-        lifecycle: Lifecycle | None = None,
+        host_timeout: float = HOST_DEFAULT_SHUTDOWN,
+        signals: bool = True,
     ):
         self.settings = settings
         self.pipeline = pipeline
         self.upstreams = upstreams  # one pool for every endpoint
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
-        self.streams = _resumable(settings, state, accounting)  # RESUMABLE_STREAMS=on
-        # The drain on SIGTERM (lifecycle.py): on_drain() takes the hand-over and the charges; it ends
-        # with close().
-        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle(settings.drain_seconds)
-        self.lifecycle.closing(self.close)
+        self.accounting = accounting
+        # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
+        # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
+        continues = settings.continue_on_upstream_failure
+        self.streams = _resumable(settings, state, accounting, self.take_over if continues else None)
+        # The drain on SIGTERM (lifecycle.py): at the grace's end the charges are settled and the
+        # resumable streams handed over; at its end the app closes.
+        drain_steps = []
         if accounting is not None:
-            # What this instance charged goes into the journal, the ledger and the counters now; what
-            # does not make it before the host kills the worker, another instance settles from the
-            # journal (state/journal.py).
-            async def settle_charges() -> None:
-                await accounting.flush(within=0.7)
-
-            self.lifecycle.on_drain(settle_charges)
-        life = self.lifecycle
+            drain_steps.append(self.settle_charges)
+        if self.streams is not None and continues:
+            drain_steps.append(self.hand_over)
+        life = Lifecycle(
+            settings.drain_seconds, host_timeout, on_drain=drain_steps, closing=[self.close], signals=signals
+        )
+        self.lifecycle = life
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
         self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
-        if self.streams is not None and settings.continue_on_upstream_failure:
-            # A stream whose producer was lost goes on here, on its route's endpoint (endpoint.take_over);
-            # with continuations off it cannot (its readers get stream_lost).
-            endpoints = {"chat": self.chat, "openai": self.chat_completions}
-            streams = self.streams
-
-            async def take_over(claim: Claim) -> None:
-                await endpoints[claim.route].take_over(claim)
-
-            streams.streams.on_take_over(take_over)
-
-            async def hand_over() -> None:  # SIGTERM: a reader elsewhere takes each stream over at once
-                await streams.streams.drain(timeout=0.7)
-
-            self.lifecycle.on_drain(hand_over)
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
         self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting, None, life)
         self.response_follow_ups = ResponseFollowUps(settings, responses, pipeline, accounting)
         self.manage = Manage(state)
-        self.accounting = accounting
         self.model_names = settings.allowed_models or upstreams.model_names() or (settings.default_model,)
         self.models_listed = bool(settings.allowed_models or upstreams.model_names())  # others are refused
+
+    async def take_over(self, claim: Claim) -> None:
+        """A resumable stream whose producer was lost (its instance died, or handed it over): the
+        answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
+        await (self.chat if claim.route == "chat" else self.chat_completions).take_over(claim)
+
+    async def settle_charges(self) -> None:
+        """At a drain: what this instance charged goes into the journal, the ledger and the counters
+        now; what does not make it before the host kills the worker, another instance settles from
+        the journal (state/journal.py)."""
+        assert self.accounting is not None
+        await self.accounting.flush(within=0.7)
+
+    async def hand_over(self) -> None:
+        """At a drain: a reader elsewhere takes each resumable stream still running here over at once."""
+        assert self.streams is not None
+        await self.streams.streams.drain(timeout=0.7)
 
     async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
         """With caller keys required, a 401 for a request without a valid key (the routes without a
@@ -161,7 +165,9 @@ def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tupl
     return caller.models
 
 
-def _resumable(settings: Settings, state: SharedState | None, accounting: Accounting | None) -> Resumable | None:
+def _resumable(
+    settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
+) -> Resumable | None:
     if not settings.resumable_streams:
         return None
     if state is None:
@@ -171,7 +177,9 @@ def _resumable(settings: Settings, state: SharedState | None, accounting: Accoun
         )
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
-    log_ = StreamLog(state.store, state.instances, encode_error(encoders), ResumeConfig.from_settings(settings))
+    log_ = StreamLog(
+        state.store, state.instances, encode_error(encoders), ResumeConfig.from_settings(settings), take_over
+    )
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 
@@ -202,5 +210,5 @@ def create_app(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
-    lifecycle = Lifecycle.from_settings(settings.drain_seconds, environ)
-    return ChatApp(settings, pipeline, upstreams, SharedState.from_settings(settings, environ), lifecycle)
+    state = SharedState.from_settings(settings, environ)
+    return ChatApp(settings, pipeline, upstreams, state, host_shutdown_timeout(environ))

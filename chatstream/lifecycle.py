@@ -39,7 +39,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from types import FrameType
 
 from .errors import ErrorKind, instance_draining
@@ -114,16 +114,27 @@ class Stream:
 
 class Lifecycle:
     """See the module docstring. ``grace``: how long running streams go on once draining.
+    ``on_drain``: awaited together once the grace is over and the cut streams have ended, before
+    the last stream's final event goes out (bounded by ``CALLBACKS_WAIT``): the hand-over of
+    resumable streams, the charges. ``closing``: awaited at the very end (``ChatApp.close``).
     ``signals=False``: SIGTERM is not watched (in-process tests start the drain with ``drain()``)."""
 
-    def __init__(self, drain_seconds: float, host_timeout: float = HOST_DEFAULT_SHUTDOWN, *, signals: bool = True):
+    def __init__(
+        self,
+        drain_seconds: float,
+        host_timeout: float = HOST_DEFAULT_SHUTDOWN,
+        *,
+        on_drain: Sequence[Callback] = (),
+        closing: Sequence[Callback] = (),
+        signals: bool = True,
+    ):
         self.grace = max(0.0, min(drain_seconds, host_timeout - AFTER_GRACE))
         self.signals = signals
         self.draining = asyncio.Event()
         self.drained = asyncio.Event()  # the drain is over (its callbacks awaited, the app closed)
         self._streams: set[Stream] = set()
-        self._on_drain: list[Callback] = []
-        self._closing: list[Callback] = []
+        self._on_drain: list[Callback] = list(on_drain)
+        self._closing: list[Callback] = list(closing)
         self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
@@ -132,21 +143,6 @@ class Lifecycle:
         self._signalled = False
         self._passed_on = False
         self._previous: object = None  # the SIGTERM handler before ours
-
-    @classmethod
-    def from_settings(cls, drain_seconds: float, environ: Mapping[str, str] = os.environ) -> Lifecycle:
-        return cls(drain_seconds, host_shutdown_timeout(environ))
-
-    # --- what the app registers -----------------------------------------------------------------
-
-    def on_drain(self, callback: Callback) -> None:
-        """``await callback()`` once the grace is over and the cut streams have ended, before the
-        last stream's final event goes out (bounded, with the others, by ``CALLBACKS_WAIT``)."""
-        self._on_drain.append(callback)
-
-    def closing(self, callback: Callback) -> None:
-        """``await callback()`` at the very end of the drain (``ChatApp.close``)."""
-        self._closing.append(callback)
 
     def running(self) -> list[Stream]:
         """The streams running here now."""

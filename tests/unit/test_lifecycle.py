@@ -123,7 +123,6 @@ async def test_at_the_end_of_the_grace_a_running_stream_ends_with_one_retryable_
 
 
 async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
-    life = Lifecycle(0.1, 30, signals=False)
     record, log = StreamRecord(endpoint="chat", model="m"), []
     record.stream_id = "s-1"
     seen: list[int] = []
@@ -131,7 +130,7 @@ async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
     async def hand_over():
         seen.extend(1 for s in life.running() if s.resumable)
 
-    life.on_drain(hand_over)
+    life = Lifecycle(0.1, 30, on_drain=[hand_over], signals=False)
     stream = guarded(life, events(10, 0.05, record, log), record)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.02)
@@ -143,7 +142,6 @@ async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
 
 async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
     """The host kills the worker once its last request is over: the charges must be settled first."""
-    life = Lifecycle(0.2, 30, signals=False)
     loop = asyncio.get_running_loop()
     settled: list[float] = []
 
@@ -151,7 +149,7 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
         await asyncio.sleep(0.3)
         settled.append(loop.time())
 
-    life.on_drain(settle)
+    life = Lifecycle(0.2, 30, on_drain=[settle], signals=False)
     records = [StreamRecord(endpoint="chat", model="m") for _ in range(3)]
     lengths = [2, 1000, 1000]  # the first ends within the grace; the others are cut
     readers = [
@@ -166,7 +164,6 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
 
 
 async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_ends(caplog):
-    life = Lifecycle(0, 30, signals=False)
     closed: list[str] = []
 
     async def fails():
@@ -178,9 +175,7 @@ async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_e
     async def close():
         closed.append("closed")
 
-    life.on_drain(fails)
-    life.on_drain(hangs)
-    life.closing(close)
+    life = Lifecycle(0, 30, on_drain=[fails, hangs], closing=[close], signals=False)
     loop = asyncio.get_running_loop()
     started = loop.time()
     with caplog.at_level(logging.ERROR, logger="chatstream"):
@@ -263,8 +258,7 @@ async def test_sigterm_starts_the_drain_and_goes_on_to_the_handler_that_was_ther
 
     before = signal.signal(signal.SIGTERM, runtimes_handler)
     try:
-        life = Lifecycle(0.2, 30)
-        life.closing(close)
+        life = Lifecycle(0.2, 30, closing=[close])
         life.admit()  # the first request installs the handler
         record = StreamRecord(endpoint="chat", model="m")
         reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))

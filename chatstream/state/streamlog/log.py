@@ -90,10 +90,6 @@ class StreamLog:
         self._readers = Readers(self._ctx, self)
         instances.every(self.config.sweep_seconds, self._sweep)
 
-    def on_take_over(self, hook: TakeOverHook) -> None:
-        """The request path's ``take_over(claim)`` (see the class docstring): set once it exists."""
-        self._take_over = hook
-
     # -- producing ------------------------------------------------------------------------------
 
     def start(
