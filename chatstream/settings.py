@@ -38,6 +38,10 @@ class Settings(BaseModel):
     # Per pool entry: how long one entry may take to its first output before the request moves to
     # the next candidate (within FIRST_TOKEN_TIMEOUT_SECONDS); unset: the whole first-token limit.
     entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0, le=3600)
+    # The breaker of a pool entry (docs/pool.md): open this long after it trips, doubled on each failed
+    # probe up to UPSTREAM_PROBE_SECONDS, so an entry that heals serves again within that.
+    upstream_open_seconds: float = Field(5.0, alias="UPSTREAM_OPEN_SECONDS", gt=0, le=3600)
+    upstream_probe_seconds: float = Field(10.0, alias="UPSTREAM_PROBE_SECONDS", gt=0, le=3600)
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
 

@@ -45,6 +45,7 @@ METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
 METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
 METRIC_UPSTREAM_COOLDOWNS = "chat.upstream.cooldowns"
 METRIC_UPSTREAM_CONTINUATIONS = "chat.upstream.continuations"
+METRIC_UPSTREAM_BREAKER = "chat.upstream.breaker"
 
 # Span attributes beyond the gen_ai.* semantic conventions.
 ATTR_TTFD = "chat.time_to_first_delta_ms"
@@ -149,6 +150,11 @@ class _Instruments:
         )
         self.upstream_cooldowns = meter.create_counter(
             METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down"
+        )
+        self.upstream_breaker = meter.create_counter(
+            METRIC_UPSTREAM_BREAKER,
+            unit="{change}",
+            description="An entry's breaker opening or closing (dimension state: open or closed; reason)",
         )
         self.upstream_continuations = meter.create_counter(
             METRIC_UPSTREAM_CONTINUATIONS,

@@ -192,6 +192,51 @@ def test_refused_connection_opens_the_breaker_at_once(ups, start_app):
     assert "breaker open" in app.log()
 
 
+def test_a_healed_primary_serves_again_within_the_probe_interval(ups, start_app):
+    """Issue 42: a primary answering 503 for a while, then healthy, with a request every half second:
+    however many probes failed during the outage, it is probed again within UPSTREAM_PROBE_SECONDS
+    and serves the next request after that (the back-off used to double up to 300 s)."""
+    a, b, c = ups
+    play(a, "overloaded")  # 503
+    probe_every = 3.0
+    app = start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+        UPSTREAM_OPEN_SECONDS="1",
+        UPSTREAM_PROBE_SECONDS=str(probe_every),
+    )
+    outage_ends = time.monotonic() + 9
+    for _ in range(200):  # bounded: ~18 requests in 9 s
+        if time.monotonic() >= outage_ends:
+            break
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL, "the fallback answers during the outage"
+        time.sleep(0.5)
+    state = pool_state(app)["a"]
+    # Three failures opened it, then probes failed after 1 s and 2 s: doubling on would be 4, 8 … s.
+    assert state["counters"]["opens"] >= 3, state
+    assert state["state"] in ("open", "half_open") and 0 <= state["next_probe"] <= probe_every, state
+    assert re.search(r"upstream a: server_error, breaker open: skipped, next probe in \d", app.log())
+
+    play(a, "normal")  # healed
+    healed = time.monotonic()
+    back_after = None
+    for _ in range(100):  # bounded: one request every half second for at most ~20 s
+        if time.monotonic() - healed > probe_every + 20:
+            break
+        before = a.count()
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL
+        if a.count() > before:  # a took it: healed, so it answered
+            back_after = time.monotonic() - healed
+            break
+        time.sleep(0.5)
+    assert back_after is not None, "the healed primary never served again"
+    # Within the probe interval, plus one request's time and the pause between requests on a busy machine.
+    assert back_after <= probe_every + 2.5, back_after
+    state = pool_state(app)["a"]
+    assert state["state"] == "ok" and state["next_probe"] is None
+
+
 def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call(ups, start_app):
     a, b, c = ups
     play(a, "rate_limited")

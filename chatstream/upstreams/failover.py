@@ -46,7 +46,7 @@ from .clients import (
     make_client,
 )
 from .config import Entry
-from .health import SINGLE
+from .health import SINGLE, Policy
 from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field, upstream_request_id
 from .pool import Attempt, Pool, PoolEvent
 
@@ -69,8 +69,12 @@ def _log_event(event: PoolEvent) -> None:
             log_safe(event.deployment or ""),
         )
     elif event.event == "open":
-        log.warning("upstream %s: %s, skipped for %.1fs (breaker open)", event.entry, event.reason, event.seconds or 0)
+        telemetry.upstream_event("breaker", event.entry, state="open", reason=event.reason)
+        log.warning(
+            "upstream %s: %s, breaker open: skipped, next probe in %.1fs", event.entry, event.reason, event.seconds or 0
+        )
     elif event.event == "closed":
+        telemetry.upstream_event("breaker", event.entry, state="closed", reason=event.reason)
         log.info("upstream %s: answered again (breaker closed)", event.entry)
     elif event.reason == OutcomeKind.QUOTA_EXHAUSTED:
         log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", event.entry)
@@ -193,6 +197,11 @@ class Upstreams:
             raise SettingsError(str(exc)) from None
         if not settings.pooled:
             pool_args.setdefault("policy", SINGLE)
+        else:
+            probe = settings.upstream_probe_seconds
+            pool_args.setdefault(
+                "policy", Policy(backoff_initial=min(settings.upstream_open_seconds, probe), backoff_max=probe)
+            )
         # With somewhere else to go, the SDK must not retry the same entry first (honouring a
         # Retry-After of up to minutes): the pool moves the request on instead.
         retries = settings.upstream_max_retries if len(entries) == 1 else 0

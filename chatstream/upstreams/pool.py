@@ -229,6 +229,7 @@ class Pool:
                     "state": state,
                     "until": round(until, 3) if until is not None else None,
                     "probing": health.probing,
+                    "next_probe": round(probe, 3) if (probe := health.next_probe(now)) is not None else None,
                     "cooldowns": cooling,
                     "consecutive_failures": health.failures,
                     "counters": vars(health.counters).copy(),

@@ -216,24 +216,34 @@ def test_a_failure_to_connect_opens_the_breaker_at_once():
     assert pool.unavailable("gpt-4o") is None
 
 
-def test_the_back_off_grows_then_a_half_open_probe_closes_the_breaker():
+def test_the_back_off_grows_to_the_probe_interval_then_a_half_open_probe_closes_the_breaker():
     pool, clock = make_pool(entry("a"), entry("b", 2))
-    for backoff in (5, 10, 20, 40, 80, 160, 300, 300):
+    for backoff in (5, 10, 10, 10, 10, 10):  # Policy(): UPSTREAM_OPEN_SECONDS 5, UPSTREAM_PROBE_SECONDS 10
         attempt(pool, "a", outcome=CONNECT_FAILED)  # opens (from closed), or the probe fails: reopens
         assert pool.state()[0]["state"] == "open"
         assert pool.state()[0]["until"] == pytest.approx(backoff)
+        assert pool.state()[0]["next_probe"] == pytest.approx(backoff)
         clock.advance(backoff - 0.01)
         assert names(pool.candidates("gpt-4o")) == ["b"]
         clock.advance(0.01)
-        assert pool.state()[0]["state"] == "half_open"
+        assert pool.state()[0]["state"] == "half_open" and pool.state()[0]["next_probe"] == 0
         assert names(pool.candidates("gpt-4o")) == ["a", "b"]
     probe = attempt(pool, "a")
     assert probe.probe
     probe.report(SUCCESS)
-    assert pool.state()[0]["state"] == "ok"
+    assert pool.state()[0]["state"] == "ok" and pool.state()[0]["next_probe"] is None
     # Closed again: the next opening starts from the first back-off.
     attempt(pool, "a", outcome=CONNECT_FAILED)
     assert pool.state()[0]["until"] == pytest.approx(5)
+
+
+def test_a_long_history_of_failed_probes_still_probes_at_the_probe_interval():
+    pool, clock = make_pool(entry("a"), entry("b", 2), backoff_initial=1.0, backoff_max=3.0)
+    for backoff in (1, 2, 3, *(3,) * 50):
+        attempt(pool, "a", outcome=CONNECT_FAILED)
+        assert pool.state()[0]["until"] == pytest.approx(backoff)
+        clock.advance(backoff)
+    assert attempt(pool, "a").probe
 
 
 def test_only_one_probe_at_a_time():
@@ -390,6 +400,7 @@ def test_state_reports_each_entry_without_any_key():
         "state": "cooling_down",
         "until": 20.0,
         "probing": False,
+        "next_probe": None,
         "cooldowns": {"gpt4o-ptu": 20.0},
         "consecutive_failures": 0,
         "counters": {"requests": 1, "successes": 0, "failures": 0, "failovers": 1, "cooldowns": 1, "opens": 0},
