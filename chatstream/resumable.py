@@ -298,7 +298,16 @@ def _error(error: ApiError | StreamLogError) -> Response:
         found = ((s, k) for cls, s, k in _STATUSES if isinstance(error, cls))
         status, kind = next(found, (400, ErrorKind.INVALID_REQUEST))
         kind, message, retryable = str(kind), str(error), status >= 429
-    body = {"error": {"message": message, "type": kind, "code": kind, "param": None, "retryable": retryable}}
+    body = {
+        "error": {
+            "message": message,
+            "type": kind,
+            "code": kind,
+            "param": None,
+            "chatstream_kind": kind,
+            "retryable": retryable,
+        }
+    }
     headers = {"Cache-Control": "no-store", "Retry-After": "1"} if retryable else ERROR_HEADERS
     return JSONResponse(body, status_code=status, headers=headers)
 

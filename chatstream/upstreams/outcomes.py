@@ -23,8 +23,8 @@ from ..errors import (
     first_token_expired,
     http_errors,
     internal_error,
-    invalid_request,
     parse_retry_after,
+    provider_error,
     redact,
     retry_after_headers,
 )
@@ -230,9 +230,17 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
         return Classified(first_token_expired(), TIMED_OUT)
     if isinstance(exc, openai.APIError):  # an error payload inside the stream
         status = event_status(exc.body)
+        provider = provider_error(exc.body)
+        param = provider.param if provider is not None else None
         if status is not None and _requests_fault(status):  # a 4xx-shaped event: the request's problem
             return Classified(
-                ApiError(502, ErrorKind.UPSTREAM_ERROR, f"the model server refused the request: {redact(exc.message)}"),
+                ApiError(
+                    502,
+                    ErrorKind.UPSTREAM_ERROR,
+                    f"the model server refused the request: {redact(exc.message)}",
+                    param,
+                    provider=provider,
+                ),
                 Outcome(OutcomeKind.CLIENT_ERROR, status),
             )
         return Classified(
@@ -240,7 +248,9 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
                 502,
                 ErrorKind.UPSTREAM_ERROR,
                 f"the model server reported an error: {redact(exc.message)}",
+                param,
                 retryable=True,
+                provider=provider,
             ),
             Outcome(OutcomeKind.SERVER_ERROR, status),
         )
@@ -335,13 +345,24 @@ def _code(exc: openai.APIStatusError) -> str | None:
 
 
 def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> ApiError:
+    """What the caller is told of an upstream's error answer: its status mapped to ours, with the
+    upstream's own ``code``, ``type`` and ``param`` (``provider``) passed on, except for 401/403,
+    which are about our credentials, not the caller's."""
     status = exc.status_code
     message = upstream_field(exc, "message") or redact(exc.message)
     if status in (401, 403):
         # Our credentials, not the caller's: said without the upstream's details.
         return ApiError(502, ErrorKind.UPSTREAM_AUTH, "upstream authentication failed")
+    provider = provider_error(exc.body)
+    param = provider.param if provider is not None else None
     if status == 404:
-        return ApiError(400, ErrorKind.MODEL_NOT_FOUND, f"model {model!r} is not available on the upstream", "model")
+        return ApiError(
+            400,
+            ErrorKind.MODEL_NOT_FOUND,
+            f"model {model!r} is not available on the upstream",
+            param or "model",
+            provider=provider,
+        )
     if status == 429:
         headers = exc.response.headers
         wait = parse_retry_after(headers)
@@ -349,14 +370,18 @@ def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> A
             429,
             ErrorKind.RATE_LIMITED,
             message,
+            param,
             retryable=True,
             headers=retry_after_headers(wait, ms="retry-after-ms" in headers),
+            provider=provider,
         )
     if status in (400, 422):
-        return invalid_request(message, upstream_field(exc, "param"))
+        return ApiError(400, ErrorKind.INVALID_REQUEST, message, param, provider=provider)
     return ApiError(
         502,
         ErrorKind.UPSTREAM_ERROR,
         f"the model server failed (HTTP {status})",
+        param,
         retryable=status >= 500 or status in (408, 409),
+        provider=provider,
     )
