@@ -15,6 +15,29 @@ SWITCH_ON = ("on", "true", "1", "yes")
 SWITCH_OFF = ("off", "false", "0", "no")
 
 
+# UPSTREAM_ERROR_ROUTES: what a pool does after an upstream error that says nothing about the
+# entry's health, per class: ``next`` (the next candidate), ``larger`` (only entries declaring a
+# larger context_window), ``stop`` (that error is the answer). The defaults, and why, in docs/pool.md.
+ERROR_ROUTES = {"context_length": "larger", "content_filter": "stop", "auth": "next", "quota": "next"}
+_ROUTE_ACTIONS = {"context_length": ("larger", "next", "stop")}
+
+
+def parse_error_routes(value: str) -> dict[str, str]:
+    """``context_length=next, content_filter=next`` → a dict; ValueError naming what is wrong."""
+    routes: dict[str, str] = {}
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        name, _, action = (s.strip().lower() for s in part.partition("="))
+        if name not in ERROR_ROUTES:
+            raise ValueError(f"unknown error class {name!r}: use {', '.join(ERROR_ROUTES)}")
+        allowed = _ROUTE_ACTIONS.get(name, ("next", "stop"))
+        if action not in allowed:
+            raise ValueError(f"{name}: must be {' or '.join(allowed)}")
+        routes[name] = action
+    return routes
+
+
 class SettingsError(Exception):
     """A setting has a value the app cannot run with. The message names the setting, never its value
     (it may be a key)."""
@@ -42,6 +65,9 @@ class Settings(BaseModel):
     # probe up to UPSTREAM_PROBE_SECONDS, so an entry that heals serves again within that.
     upstream_open_seconds: float = Field(5.0, alias="UPSTREAM_OPEN_SECONDS", gt=0, le=3600)
     upstream_probe_seconds: float = Field(10.0, alias="UPSTREAM_PROBE_SECONDS", gt=0, le=3600)
+    # Where a request goes after an upstream error that is no failure of the entry's (docs/pool.md):
+    # comma-separated CLASS=ACTION, overriding ERROR_ROUTES' defaults.
+    upstream_error_routes: str = Field("", alias="UPSTREAM_ERROR_ROUTES")
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
 
@@ -114,6 +140,17 @@ class Settings(BaseModel):
                 return word in SWITCH_ON
             raise ValueError(f"must be on or off (also {'/'.join(SWITCH_ON[1:])} or {'/'.join(SWITCH_OFF[1:])})")
         return value
+
+    @field_validator("upstream_error_routes")
+    @classmethod
+    def _error_routes(cls, value: str) -> str:
+        parse_error_routes(value)
+        return value
+
+    @property
+    def error_routes(self) -> dict[str, str]:
+        """UPSTREAM_ERROR_ROUTES over the defaults: error class → ``larger``, ``next`` or ``stop``."""
+        return {**ERROR_ROUTES, **parse_error_routes(self.upstream_error_routes)}
 
     @field_validator("caller_keys", mode="before")
     @classmethod

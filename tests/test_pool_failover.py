@@ -531,20 +531,72 @@ async def stream_once_with(pool: Upstreams, record: StreamRecord):
     return final, record
 
 
-def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, start_app):
+def test_401_moves_on_and_is_logged_for_its_entry_unless_routed_to_stop(ups, start_app):
     a, b, c = ups
     play(a, "unauthorized")
-    app = start_app(
-        UPSTREAMS=upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"), entry("west", b, priority=2)),
-        EAST_KEY=TEST_KEY,
-    )
+    pool = upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"), entry("west", b, priority=2))
+    app = start_app(UPSTREAMS=pool, EAST_KEY=TEST_KEY)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL, "auth errors go to the next entry by default"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+    app.wait_log(r"upstream east: authentication failed")
+    log_record(app, r'"status": 200[^\n]*"upstream": "west", "attempts": 2')
+    assert pool_state(app)["east"]["counters"]["failures"] == 0, "our key, not the entry's health"
+    assert TEST_KEY not in app.log()
+
+    app = start_app(UPSTREAMS=pool, EAST_KEY=TEST_KEY, UPSTREAM_ERROR_ROUTES="auth=stop")
     before = counts(a, b)
     result = chat(app.chat_url, HI)
     assert result.status == 502 and result.body["error"]["type"] == "upstream_auth"
+    assert "code" not in result.body["error"], "never the upstream's invalid_api_key: the caller's key is fine"
     assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0]
-    app.wait_log(r"upstream east: authentication failed")
     log_record(app, r'"status": 502[^\n]*"upstream": "east", "attempts": 1')
-    assert TEST_KEY not in app.log()
+
+
+def test_a_context_length_error_goes_to_an_entry_with_a_larger_window(ups, start_app):
+    """Issue 42: a 400 context_length_exceeded moves the request on only to entries that declare a
+    larger context_window (b declares none: skipped); it counts nothing against the entry."""
+    a, b, c = ups
+    play(a, "context_length_exceeded")
+    app = start_app(
+        UPSTREAMS=upstreams(
+            entry("small", a, priority=1, context_window=8192),
+            entry("unknown", b, priority=2),
+            entry("large", c, priority=3, context_window=128000),
+        )
+    )
+    before = counts(a, b, c)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 0, 1]
+    log_record(app, r'"upstream": "large", "attempts": 2')
+    state = pool_state(app)["small"]
+    assert state["state"] == "ok" and state["counters"]["failures"] == 0 and state["counters"]["failovers"] == 1
+    # No entry larger than the largest: the upstream's own 400, its code kept.
+    play(c, "context_length_exceeded")
+    r = httpx.post(
+        app.url + "/api/v1/chat/completions",
+        json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        timeout=20,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [2, 0, 2]
+
+
+def test_a_content_filter_refusal_is_the_answer_unless_configured(ups, start_app):
+    a, b, c = ups
+    play(a, "content_policy_violation")
+    pool = upstreams(entry("a", a, priority=1), entry("b", b, priority=2))
+    app = start_app(UPSTREAMS=pool)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 400 and result.body["error"]["code"] == "content_policy_violation"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0]
+    app = start_app(UPSTREAMS=pool, UPSTREAM_ERROR_ROUTES="content_filter=next")
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 1]
 
 
 def test_keyless_azure_entries_share_one_entra_credential(ups):

@@ -52,6 +52,8 @@ class OutcomeKind(StrEnum):
     TIMEOUT = "timeout"  # no answer / first token in time
     SERVER_ERROR = "server_error"  # 5xx, 408, 409, an error event or a malformed chunk from the server
     AUTH_ERROR = "auth_error"  # 401/403: our configuration (key, role), not the entry's health
+    CONTEXT_LENGTH = "context_length"  # 400 context_length_exceeded: too long for this entry's model
+    CONTENT_FILTER = "content_filter"  # 400 content_policy_violation / content_filter: the prompt refused
     CLIENT_ERROR = "client_error"  # other 4xx (400, 404, 413, 422 …): the request's problem
     OTHER = "other"  # not an upstream failure (a bug of ours): no effect on the entry
 
@@ -77,6 +79,8 @@ ANSWERED = frozenset(
         OutcomeKind.RATE_LIMITED,
         OutcomeKind.QUOTA_EXHAUSTED,
         OutcomeKind.AUTH_ERROR,
+        OutcomeKind.CONTEXT_LENGTH,
+        OutcomeKind.CONTENT_FILTER,
         OutcomeKind.CLIENT_ERROR,
     }
 )
@@ -104,8 +108,20 @@ SUCCESS = Outcome(OutcomeKind.SUCCESS)
 TIMED_OUT = Outcome(OutcomeKind.TIMEOUT)
 
 
-def outcome_of_status(status: int, headers: Mapping[str, str] | None = None, code: str | None = None) -> Outcome:
-    """An HTTP error status (and, for 429, its headers and the error's ``code``)."""
+# The codes providers give these 400s: OpenAI's and Azure OpenAI's; vLLM and other compatible
+# servers say it only in words ("This model's maximum context length is 4096 tokens. ...").
+_CONTEXT_LENGTH_CODES = frozenset({"context_length_exceeded"})
+_CONTENT_FILTER_CODES = frozenset({"content_policy_violation", "content_filter"})
+
+
+def outcome_of_status(
+    status: int, headers: Mapping[str, str] | None = None, code: str | None = None, message: str | None = None
+) -> Outcome:
+    """An HTTP error status (and, for 429, its headers; the error's ``code`` and ``message``)."""
+    if status == 400 and (code in _CONTEXT_LENGTH_CODES or "maximum context length" in (message or "").lower()):
+        return Outcome(OutcomeKind.CONTEXT_LENGTH, status)
+    if status == 400 and code in _CONTENT_FILTER_CODES:
+        return Outcome(OutcomeKind.CONTENT_FILTER, status)
     if status == 429:
         if code == "insufficient_quota":
             return Outcome(OutcomeKind.QUOTA_EXHAUSTED, status)
@@ -217,7 +233,7 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
             Outcome(OutcomeKind.OTHER),
         )
     if isinstance(exc, openai.APIStatusError):
-        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc))
+        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc), upstream_field(exc, "message"))
         return Classified(_status_error(exc, model, outcome), outcome)
     if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
         kind = OutcomeKind.CONNECT_FAILED if _connect_failure(exc) else OutcomeKind.TIMEOUT
