@@ -65,6 +65,10 @@ class Settings(BaseModel):
     # probe up to UPSTREAM_PROBE_SECONDS, so an entry that heals serves again within that.
     upstream_open_seconds: float = Field(5.0, alias="UPSTREAM_OPEN_SECONDS", gt=0, le=3600)
     upstream_probe_seconds: float = Field(10.0, alias="UPSTREAM_PROBE_SECONDS", gt=0, le=3600)
+    # Same entry first (docs/pool.md): a 429 whose wait is at most this many seconds is waited out on
+    # its entry, and a 5xx answer tried once more there, before the request moves on (once per entry).
+    upstream_retry_after_wait: float = Field(0.0, alias="UPSTREAM_RETRY_AFTER_WAIT_SECONDS", ge=0, le=60)
+    upstream_retry_server_error: bool = Field(False, alias="UPSTREAM_RETRY_SERVER_ERROR")
     # Where a request goes after an upstream error that is no failure of the entry's (docs/pool.md):
     # comma-separated CLASS=ACTION, overriding ERROR_ROUTES' defaults.
     upstream_error_routes: str = Field("", alias="UPSTREAM_ERROR_ROUTES")

@@ -554,6 +554,45 @@ def test_401_moves_on_and_is_logged_for_its_entry_unless_routed_to_stop(ups, sta
     log_record(app, r'"status": 502[^\n]*"upstream": "east", "attempts": 1')
 
 
+def test_same_entry_first_waits_out_a_short_retry_after_and_retries_a_5xx_once(ups, start_app):
+    """Issue 42: with UPSTREAM_RETRY_AFTER_WAIT_SECONDS a 429 asking for 1 s is waited out on the same
+    entry; with UPSTREAM_RETRY_SERVER_ERROR a 500 is tried once more there; each once per request."""
+    a, b, c = ups
+    pool = upstreams(entry("a", a, priority=1), entry("b", b, priority=2))
+    app = start_app(UPSTREAMS=pool, UPSTREAM_RETRY_AFTER_WAIT_SECONDS="2", UPSTREAM_RETRY_SERVER_ERROR="true")
+
+    a.http.post("/_scripted/default", json={"scenario": "rate_limited", "times": 1}).raise_for_status()
+    before = counts(a, b)
+    started = time.monotonic()
+    result = chat(app.chat_url, HI)
+    took = time.monotonic() - started
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "the 429, then the same entry again"
+    assert 1.0 <= took < 1.0 + 10, took  # the Retry-After (1 s), and no more than a busy machine adds
+    log_record(app, r'"upstream": "a", "attempts": 2')
+
+    a.http.post("/_scripted/default", json={"scenario": "server_error", "times": 1}).raise_for_status()
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "the 500, then the same entry at once"
+    assert pool_state(app)["a"]["counters"]["failures"] == 1, "the 500 still counts against the entry"
+
+    play(a, "server_error")  # not a blip: once more on a, then b
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 1]
+    log_record(app, r'"upstream": "b", "attempts": 3')
+
+    # A wait longer than the setting moves on at once, as without it.
+    app = start_app(UPSTREAMS=pool, UPSTREAM_RETRY_AFTER_WAIT_SECONDS="0.5")
+    play(a, "rate_limited")
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+
+
 def test_a_context_length_error_goes_to_an_entry_with_a_larger_window(ups, start_app):
     """Issue 42: a 400 context_length_exceeded moves the request on only to entries that declare a
     larger context_window (b declares none: skipped); it counts nothing against the entry."""

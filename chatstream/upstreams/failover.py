@@ -49,7 +49,16 @@ from .clients import (
 )
 from .config import Entry
 from .health import SINGLE, Policy
-from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field, upstream_request_id
+from .outcomes import (
+    SUCCESS,
+    TIMED_OUT,
+    Classified,
+    Outcome,
+    OutcomeKind,
+    classify,
+    upstream_field,
+    upstream_request_id,
+)
 from .pool import Attempt, Pool, PoolEvent
 
 log = logging.getLogger("chatstream")
@@ -331,6 +340,8 @@ class Upstreams:
         if len(self.pool.entries) > 1:
             if route == "larger":
                 way.larger_than(attempt.entry)
+            elif await self._again(attempt, failure.outcome, way):
+                return True
             telemetry.upstream_event("failovers", attempt.entry.name, reason=failure.outcome.kind.value)
             log.info(
                 "upstream %s: %s before any output; the request moves on to the next free entry%s, if any",
@@ -338,6 +349,34 @@ class Upstreams:
                 failure.outcome.kind.value,
                 " with a larger context_window" if route == "larger" else "",
             )
+        return True
+
+    async def _again(self, attempt: Attempt, outcome: Outcome, way: _Way) -> bool:
+        """The same-entry policy: after a 429 whose cooldown is at most
+        UPSTREAM_RETRY_AFTER_WAIT_SECONDS, wait it out; after a 5xx answer, with
+        UPSTREAM_RETRY_SERVER_ERROR, go again at once; once per entry and request, within the
+        request's time (``way.deadline``). Whether to try the entry again."""
+        name = attempt.entry.name
+        if name in way.retried:
+            return False
+        if outcome.kind is OutcomeKind.RATE_LIMITED:
+            wait = self.pool.wait(attempt.entry, attempt.model) or 0.0
+            if wait > self.settings.upstream_retry_after_wait:
+                return False
+        elif outcome.kind is OutcomeKind.SERVER_ERROR and (outcome.status or 0) >= 500:
+            if not self.settings.upstream_retry_server_error:
+                return False
+            wait = 0.0
+        else:
+            return False
+        loop = asyncio.get_running_loop()
+        if way.deadline is not None and loop.time() + wait >= way.deadline:
+            return False
+        way.retried.add(name)
+        log.info("upstream %s: %s; trying it again in %.1fs", name, outcome.kind.value, wait)
+        if wait > 0:
+            await asyncio.sleep(wait + _TIMER_SLACK)  # a timer may fire early: the cooldown must be over
+        way.again = True
         return True
 
     def _entry_deadline(self, limits: TimeLimits, last: bool) -> float | None:
