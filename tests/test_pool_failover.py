@@ -231,8 +231,9 @@ def test_a_healed_primary_serves_again_within_the_probe_interval(ups, start_app)
             break
         time.sleep(0.5)
     assert back_after is not None, "the healed primary never served again"
-    # Within the probe interval, plus one request's time and the pause between requests on a busy machine.
-    assert back_after <= probe_every + 2.5, back_after
+    # Within the probe interval, plus the pause between requests and two requests' time on a busy
+    # machine (2.2 s measured on a quiet one).
+    assert back_after <= probe_every + 4, back_after
     state = pool_state(app)["a"]
     assert state["state"] == "ok" and state["next_probe"] is None
 
