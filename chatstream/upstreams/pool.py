@@ -10,7 +10,8 @@ awaits. The request path (failover.py) uses it like this (see docs/pool.md)::
         if attempt is None:
             continue
         ... open the entry's stream up to its first output ...
-        attempt.report(outcome)                 # SUCCESS, or classify(exc).outcome: failover?
+        attempt.report(outcome)                 # SUCCESS, or classify(exc).outcome
+        pool.route(outcome)                     # next, larger (context window) or stop
     # no attempt at all: pool.unavailable(model) says why (429 / 503 with Retry-After)"""
 
 from __future__ import annotations
