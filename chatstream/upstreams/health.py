@@ -132,10 +132,9 @@ class Health:
 
     def next_probe(self, now: float) -> float | None:
         """Seconds until the breaker lets a probe through (0: the next request probes, or one is in
-        flight); None while it is closed."""
-        if self.open_until is None:
-            return None
-        return max(self.open_until - now, 0.0)
+        flight); None while it is closed. Reads ``open_until`` once: a metrics thread may call it."""
+        until = self.open_until
+        return None if until is None else max(until - now, 0.0)
 
     def state(self, now: float) -> tuple[str, float | None, dict[str, float]]:
         """(state, seconds until it changes, cooldowns left per deployment), for the status page."""

@@ -238,6 +238,12 @@ class Pool:
 
     # --- reporting --------------------------------------------------------------------------
 
+    def probes(self) -> list[tuple[str, float | None]]:
+        """(entry name, seconds until its breaker lets a probe through; None: closed), per entry.
+        Reads only: the metrics exporter's thread calls it (telemetry.watch_probes)."""
+        now = self._now()
+        return [(e.name, self.health[e.name].next_probe(now)) for e in self.entries]
+
     def state(self) -> list[dict]:
         """Per entry, for a status endpoint: never a key (only the name of the setting holding it)."""
         now = self._now()
