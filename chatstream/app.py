@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from . import worker_fix
+from . import telemetry, worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
@@ -206,6 +206,7 @@ def create_app(
     environ = os.environ if environ is None else environ
     upstreams = Upstreams.from_settings(settings, environ, credential=credential)
     if upstreams.pooled:
+        telemetry.watch_probes(upstreams.pool.probes)
         log.info(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),

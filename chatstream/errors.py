@@ -32,6 +32,7 @@ import importlib
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -77,8 +78,34 @@ class ErrorKind(StrEnum):
 _KINDS = frozenset(ErrorKind)
 
 
+@dataclass(frozen=True, slots=True)
+class ProviderError:
+    """What the upstream's own error object said: passed on to the caller as it came (docs/openai.md),
+    since clients branch on the provider's codes (``context_length_exceeded``). Strings, or None."""
+
+    code: str | None = None
+    type: str | None = None
+    param: str | None = None
+
+
+def provider_error(body: object) -> ProviderError | None:
+    """The ``code``, ``type`` and ``param`` of an upstream's error body (``{"error": {...}}`` or the
+    object itself), each a string or None (vLLM's numeric ``code`` is a status, not a code); None
+    when the body is no error object. Never with a key the app holds (``redact``)."""
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    if not isinstance(inner, dict) or not any(name in inner for name in ("code", "type", "message")):
+        return None
+
+    def text(name: str) -> str | None:
+        value = inner.get(name)
+        return redact(value) if isinstance(value, str) and value else None
+
+    return ProviderError(text("code"), text("type"), text("param"))
+
+
 class ApiError(Exception):
-    """``type``: an ErrorKind, or a string of a before-step's own (Rejection)."""
+    """``type``: an ErrorKind, or a string of a before-step's own (Rejection). ``provider``: the
+    upstream's own error, when this is one the upstream reported."""
 
     def __init__(
         self,
@@ -88,6 +115,7 @@ class ApiError(Exception):
         param: str | None = None,
         retryable: bool = False,
         headers: Mapping[str, str] | None = None,
+        provider: ProviderError | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -96,12 +124,18 @@ class ApiError(Exception):
         self.param = param
         self.retryable = retryable
         self.headers: dict[str, str] = dict(headers or {})
+        self.provider = provider
 
     def body(self) -> dict:
-        """The error as /api/chat writes it: ``{"error": {"type", "message", "param"?, "retryable"}}``."""
+        """The error as /api/chat writes it: ``{"error": {"type", "message", "param"?, "code"?,
+        "upstream_type"?, "retryable"}}`` (``code`` and ``upstream_type``: the upstream's own)."""
         error: dict[str, object] = {"type": str(self.type), "message": self.message}
         if self.param is not None:
             error["param"] = self.param
+        if self.provider is not None and self.provider.code is not None:
+            error["code"] = self.provider.code
+        if self.provider is not None and self.provider.type is not None:
+            error["upstream_type"] = self.provider.type
         error["retryable"] = self.retryable
         return {"error": error}
 
@@ -150,9 +184,14 @@ class UpstreamMalformed(ApiError):
 class UpstreamReported(ApiError):
     """The upstream's stream carried an error event of its own (a server-side failure)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, provider: ProviderError | None = None):
         super().__init__(
-            502, ErrorKind.UPSTREAM_ERROR, f"the model server reported an error: {redact(message)}", retryable=True
+            502,
+            ErrorKind.UPSTREAM_ERROR,
+            f"the model server reported an error: {redact(message)}",
+            param=provider.param if provider is not None else None,
+            retryable=True,
+            provider=provider,
         )
 
 

@@ -301,7 +301,14 @@ def _error(error: ApiError | StreamLogError) -> Response:
         )
     kind = str(error.type)
     body = {
-        "error": {"message": error.message, "type": kind, "code": kind, "param": None, "retryable": error.retryable}
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "code": kind,
+            "param": None,
+            "chatstream_kind": kind,
+            "retryable": error.retryable,
+        }
     }
     return JSONResponse(body, status_code=error.status, headers=error_headers(error))
 

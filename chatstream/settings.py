@@ -15,6 +15,29 @@ SWITCH_ON = ("on", "true", "1", "yes")
 SWITCH_OFF = ("off", "false", "0", "no")
 
 
+# UPSTREAM_ERROR_ROUTES: what a pool does after an upstream error that says nothing about the
+# entry's health, per class: ``next`` (the next candidate), ``larger`` (only entries declaring a
+# larger context_window), ``stop`` (that error is the answer). The defaults, and why, in docs/pool.md.
+ERROR_ROUTES = {"context_length": "larger", "content_filter": "stop", "auth": "next", "quota": "next"}
+_ROUTE_ACTIONS = {"context_length": ("larger", "next", "stop")}
+
+
+def parse_error_routes(value: str) -> dict[str, str]:
+    """``context_length=next, content_filter=next`` → a dict; ValueError naming what is wrong."""
+    routes: dict[str, str] = {}
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        name, _, action = (s.strip().lower() for s in part.partition("="))
+        if name not in ERROR_ROUTES:
+            raise ValueError(f"unknown error class {name!r}: use {', '.join(ERROR_ROUTES)}")
+        allowed = _ROUTE_ACTIONS.get(name, ("next", "stop"))
+        if action not in allowed:
+            raise ValueError(f"{name}: must be {' or '.join(allowed)}")
+        routes[name] = action
+    return routes
+
+
 class SettingsError(Exception):
     """A setting has a value the app cannot run with. The message names the setting, never its value
     (it may be a key)."""
@@ -40,6 +63,17 @@ class Settings(BaseModel):
     # Per pool entry: how long one entry may take to its first output before the request moves to
     # the next candidate (within FIRST_TOKEN_TIMEOUT_SECONDS); unset: the whole first-token limit.
     entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0, le=3600)
+    # The breaker of a pool entry (docs/pool.md): open this long after it trips, doubled on each failed
+    # probe up to UPSTREAM_PROBE_SECONDS, so an entry that heals serves again within that.
+    upstream_open_seconds: float = Field(5.0, alias="UPSTREAM_OPEN_SECONDS", gt=0, le=3600)
+    upstream_probe_seconds: float = Field(10.0, alias="UPSTREAM_PROBE_SECONDS", gt=0, le=3600)
+    # Same entry first (docs/pool.md): a 429 whose wait is at most this many seconds is waited out on
+    # its entry, and a 5xx answer tried once more there, before the request moves on (once per entry).
+    upstream_retry_after_wait: float = Field(0.0, alias="UPSTREAM_RETRY_AFTER_WAIT_SECONDS", ge=0, le=60)
+    upstream_retry_server_error: bool = Field(False, alias="UPSTREAM_RETRY_SERVER_ERROR")
+    # Where a request goes after an upstream error that is no failure of the entry's (docs/pool.md):
+    # comma-separated CLASS=ACTION, overriding ERROR_ROUTES' defaults.
+    upstream_error_routes: str = Field("", alias="UPSTREAM_ERROR_ROUTES")
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
 
@@ -112,6 +146,17 @@ class Settings(BaseModel):
                 return word in SWITCH_ON
             raise ValueError(f"must be on or off (also {'/'.join(SWITCH_ON[1:])} or {'/'.join(SWITCH_OFF[1:])})")
         return value
+
+    @field_validator("upstream_error_routes")
+    @classmethod
+    def _error_routes(cls, value: str) -> str:
+        parse_error_routes(value)
+        return value
+
+    @property
+    def error_routes(self) -> dict[str, str]:
+        """UPSTREAM_ERROR_ROUTES over the defaults: error class → ``larger``, ``next`` or ``stop``."""
+        return {**ERROR_ROUTES, **parse_error_routes(self.upstream_error_routes)}
 
     @field_validator("caller_keys", mode="before")
     @classmethod

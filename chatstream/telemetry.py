@@ -25,7 +25,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -45,6 +46,8 @@ METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
 METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
 METRIC_UPSTREAM_COOLDOWNS = "chat.upstream.cooldowns"
 METRIC_UPSTREAM_CONTINUATIONS = "chat.upstream.continuations"
+METRIC_UPSTREAM_BREAKER = "chat.upstream.breaker"
+METRIC_UPSTREAM_NEXT_PROBE = "chat.upstream.next_probe"
 
 # Span attributes beyond the gen_ai.* semantic conventions.
 ATTR_TTFD = "chat.time_to_first_delta_ms"
@@ -150,6 +153,11 @@ class _Instruments:
         self.upstream_cooldowns = meter.create_counter(
             METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down"
         )
+        self.upstream_breaker = meter.create_counter(
+            METRIC_UPSTREAM_BREAKER,
+            unit="{change}",
+            description="An entry's breaker opening or closing (dimension state: open or closed; reason)",
+        )
         self.upstream_continuations = meter.create_counter(
             METRIC_UPSTREAM_CONTINUATIONS,
             unit="{answer}",
@@ -225,6 +233,45 @@ def finish(record: StreamRecord) -> None:
     a record that never went through ``begin`` is ignored."""
     if record.telemetry is not None:
         record.telemetry.end(record)
+
+
+_watched: list[weakref.WeakMethod] = []
+_probe_gauge = None
+
+
+def watch_probes(probes: Callable[[], Iterable[tuple[str, float | None]]]) -> None:
+    """Report ``probes()`` (a pool's ``Pool.probes``: entry, seconds to its next probe or None when
+    closed) as the gauge ``chat.upstream.next_probe``, dimensions ``upstream`` and ``breaker``
+    (``closed``, ``open``, ``half_open``; closed entries report 0). Read on the exporter's thread;
+    a pool no longer referenced stops being reported. Never raises."""
+    global _probe_gauge
+    try:
+        _watched.append(weakref.WeakMethod(probes))
+        if _probe_gauge is None:
+            _probe_gauge = metrics.get_meter(__name__).create_observable_gauge(
+                METRIC_UPSTREAM_NEXT_PROBE,
+                callbacks=[_observe_probes],
+                unit="s",
+                description="Seconds until a request may probe each pool entry's open breaker (dimension breaker)",
+            )
+    except Exception:
+        log.warning("upstream telemetry failed", exc_info=True)
+
+
+def _observe_probes(options: object) -> Iterable[metrics.Observation]:
+    observations = []
+    for ref in list(_watched):
+        probes = ref()
+        if probes is None:
+            _watched.remove(ref)
+            continue
+        try:
+            for name, seconds in probes():
+                breaker = "closed" if seconds is None else "open" if seconds > 0 else "half_open"
+                observations.append(metrics.Observation(seconds or 0.0, {"upstream": name, "breaker": breaker}))
+        except Exception:
+            log.warning("upstream telemetry failed", exc_info=True)
+    return observations
 
 
 def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:

@@ -178,6 +178,7 @@ def test_non_streamed_calls_at_the_total_limit_are_a_504_total_timeout(start_app
                 "type": "server_error",
                 "param": None,
                 "code": "total_timeout",
+                "chatstream_kind": "total_timeout",
             }
         }
         assert 1.9 <= elapsed < 4, elapsed
@@ -543,7 +544,10 @@ def test_every_error_under_api_v1_is_in_openai_shape_whatever_the_path_holds(pla
         r = httpx.request(method, plain_app.url + path, timeout=10)
         assert r.status_code in (400, 404), (method, path, r.status_code, r.text)
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", r.text
+        assert (
+            set(error) == {"message", "type", "param", "code", "chatstream_kind"}
+            and error["type"] == "invalid_request_error"
+        ), r.text
         assert r.headers["x-request-id"]
     assert upstream.count() == before, "no id with a control character reaches the upstream"
 

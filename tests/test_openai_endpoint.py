@@ -105,7 +105,36 @@ def test_rate_limit_raises_rate_limit_error(sdk):
         sdk.chat.completions.create(model="gpt-rate-limited", messages=user("rate_limited"), stream=True)
     assert info.value.status_code == 429
     assert info.value.response.headers["retry-after"] == "1"
-    assert info.value.body["code"] == "rate_limited"
+    assert info.value.body["code"] == "rate_limit_exceeded", "the upstream's own code"
+    assert info.value.body["type"] == "requests" and info.value.body["chatstream_kind"] == "rate_limited"
+
+
+@pytest.mark.parametrize(
+    "scenario, param",
+    [("context_length_exceeded", "messages"), ("content_policy_violation", None)],
+)
+def test_the_upstreams_error_code_type_and_param_reach_the_caller_on_every_route(sdk, app, scenario, param):
+    """Issue 42: an upstream 400 keeps OpenAI's code on chat completions, /api/chat and the Responses
+    API; the app's own classification is chatstream_kind (on /api/chat: its type, as always)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="gpt-test", messages=user(scenario), stream=True)
+    assert info.value.code == scenario and info.value.type == "invalid_request_error"
+    assert info.value.param == param and info.value.body["chatstream_kind"] == "invalid_request"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="gpt-test", messages=user(scenario))  # not streamed
+    assert info.value.code == scenario
+
+    r = httpx.post(app.chat_url, json={"prompt": f"[scenario:{scenario}] hi"}, timeout=20)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request" and error["code"] == scenario
+    assert error["upstream_type"] == "invalid_request_error" and error.get("param") == param
+
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.responses.create(model="gpt-test", input=f"[scenario:{scenario}] hi", stream=True)
+    assert info.value.code == scenario and info.value.type == "invalid_request_error"
+    assert info.value.param == (param and "input") and info.value.body["chatstream_kind"] == "invalid_request"
 
 
 def test_malformed_request_raises_bad_request_error(sdk, upstream):

@@ -192,6 +192,52 @@ def test_refused_connection_opens_the_breaker_at_once(ups, start_app):
     assert "breaker open" in app.log()
 
 
+def test_a_healed_primary_serves_again_within_the_probe_interval(ups, start_app):
+    """Issue 42: a primary answering 503 for a while, then healthy, with a request every half second:
+    however many probes failed during the outage, it is probed again within UPSTREAM_PROBE_SECONDS
+    and serves the next request after that (the back-off used to double up to 300 s)."""
+    a, b, c = ups
+    play(a, "overloaded")  # 503
+    probe_every = 3.0
+    app = start_app(
+        UPSTREAMS=upstreams(entry("a", a, priority=1), entry("b", b, priority=2)),
+        UPSTREAM_OPEN_SECONDS="1",
+        UPSTREAM_PROBE_SECONDS=str(probe_every),
+    )
+    outage_ends = time.monotonic() + 9
+    for _ in range(200):  # bounded: ~18 requests in 9 s
+        if time.monotonic() >= outage_ends:
+            break
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL, "the fallback answers during the outage"
+        time.sleep(0.5)
+    state = pool_state(app)["a"]
+    # Three failures opened it, then probes failed after 1 s and 2 s: doubling on would be 4, 8 … s.
+    assert state["counters"]["opens"] >= 3, state
+    assert state["state"] in ("open", "half_open") and 0 <= state["next_probe"] <= probe_every, state
+    assert re.search(r"upstream a: server_error, breaker open: skipped, next probe in \d", app.log())
+
+    play(a, "normal")  # healed
+    healed = time.monotonic()
+    back_after = None
+    for _ in range(100):  # bounded: one request every half second for at most ~20 s
+        if time.monotonic() - healed > probe_every + 20:
+            break
+        before = a.count()
+        result = chat(app.chat_url, HI)
+        assert result.status == 200 and result.text == NORMAL
+        if a.count() > before:  # a took it: healed, so it answered
+            back_after = time.monotonic() - healed
+            break
+        time.sleep(0.5)
+    assert back_after is not None, "the healed primary never served again"
+    # Within the probe interval, plus the pause between requests and two requests' time on a busy
+    # machine (2.2 s measured on a quiet one).
+    assert back_after <= probe_every + 4, back_after
+    state = pool_state(app)["a"]
+    assert state["state"] == "ok" and state["next_probe"] is None
+
+
 def test_all_entries_cooling_down_is_a_429_with_retry_after_and_no_upstream_call(ups, start_app):
     a, b, c = ups
     play(a, "rate_limited")
@@ -486,20 +532,111 @@ async def stream_once_with(pool: Upstreams, record: StreamRecord):
     return final, record
 
 
-def test_401_is_the_answer_without_failover_and_is_logged_for_its_entry(ups, start_app):
+def test_401_moves_on_and_is_logged_for_its_entry_unless_routed_to_stop(ups, start_app):
     a, b, c = ups
     play(a, "unauthorized")
-    app = start_app(
-        UPSTREAMS=upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"), entry("west", b, priority=2)),
-        EAST_KEY=TEST_KEY,
-    )
+    pool = upstreams(entry("east", a, priority=1, api_key_setting="EAST_KEY"), entry("west", b, priority=2))
+    app = start_app(UPSTREAMS=pool, EAST_KEY=TEST_KEY)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL, "auth errors go to the next entry by default"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+    app.wait_log(r"upstream east: authentication failed")
+    log_record(app, r'"status": 200[^\n]*"upstream": "west", "attempts": 2')
+    assert pool_state(app)["east"]["counters"]["failures"] == 0, "our key, not the entry's health"
+    assert TEST_KEY not in app.log()
+
+    app = start_app(UPSTREAMS=pool, EAST_KEY=TEST_KEY, UPSTREAM_ERROR_ROUTES="auth=stop")
     before = counts(a, b)
     result = chat(app.chat_url, HI)
     assert result.status == 502 and result.body["error"]["type"] == "upstream_auth"
+    assert "code" not in result.body["error"], "never the upstream's invalid_api_key: the caller's key is fine"
     assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0]
-    app.wait_log(r"upstream east: authentication failed")
     log_record(app, r'"status": 502[^\n]*"upstream": "east", "attempts": 1')
-    assert TEST_KEY not in app.log()
+
+
+def test_same_entry_first_waits_out_a_short_retry_after_and_retries_a_5xx_once(ups, start_app):
+    """Issue 42: with UPSTREAM_RETRY_AFTER_WAIT_SECONDS a 429 asking for 1 s is waited out on the same
+    entry; with UPSTREAM_RETRY_SERVER_ERROR a 500 is tried once more there; each once per request."""
+    a, b, c = ups
+    pool = upstreams(entry("a", a, priority=1), entry("b", b, priority=2))
+    app = start_app(UPSTREAMS=pool, UPSTREAM_RETRY_AFTER_WAIT_SECONDS="2", UPSTREAM_RETRY_SERVER_ERROR="true")
+
+    a.http.post("/_scripted/default", json={"scenario": "rate_limited", "times": 1}).raise_for_status()
+    before = counts(a, b)
+    started = time.monotonic()
+    result = chat(app.chat_url, HI)
+    took = time.monotonic() - started
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "the 429, then the same entry again"
+    assert 1.0 <= took < 1.0 + 10, took  # the Retry-After (1 s), and no more than a busy machine adds
+    log_record(app, r'"upstream": "a", "attempts": 2')
+
+    a.http.post("/_scripted/default", json={"scenario": "server_error", "times": 1}).raise_for_status()
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 0], "the 500, then the same entry at once"
+    assert pool_state(app)["a"]["counters"]["failures"] == 1, "the 500 still counts against the entry"
+
+    play(a, "server_error")  # not a blip: once more on a, then b
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 1]
+    log_record(app, r'"upstream": "b", "attempts": 3')
+
+    # A wait longer than the setting moves on at once, as without it.
+    app = start_app(UPSTREAMS=pool, UPSTREAM_RETRY_AFTER_WAIT_SECONDS="0.5")
+    play(a, "rate_limited")
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
+
+
+def test_a_context_length_error_goes_to_an_entry_with_a_larger_window(ups, start_app):
+    """Issue 42: a 400 context_length_exceeded moves the request on only to entries that declare a
+    larger context_window (b declares none: skipped); it counts nothing against the entry."""
+    a, b, c = ups
+    play(a, "context_length_exceeded")
+    app = start_app(
+        UPSTREAMS=upstreams(
+            entry("small", a, priority=1, context_window=8192),
+            entry("unknown", b, priority=2),
+            entry("large", c, priority=3, context_window=128000),
+        )
+    )
+    before = counts(a, b, c)
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 0, 1]
+    log_record(app, r'"upstream": "large", "attempts": 2')
+    state = pool_state(app)["small"]
+    assert state["state"] == "ok" and state["counters"]["failures"] == 0 and state["counters"]["failovers"] == 1
+    # No entry larger than the largest: the upstream's own 400, its code kept.
+    play(c, "context_length_exceeded")
+    r = httpx.post(
+        app.url + "/api/v1/chat/completions",
+        json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        timeout=20,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert [n - m for n, m in zip(counts(a, b, c), before)] == [2, 0, 2]
+
+
+def test_a_content_filter_refusal_is_the_answer_unless_configured(ups, start_app):
+    a, b, c = ups
+    play(a, "content_policy_violation")
+    pool = upstreams(entry("a", a, priority=1), entry("b", b, priority=2))
+    app = start_app(UPSTREAMS=pool)
+    before = counts(a, b)
+    result = chat(app.chat_url, HI)
+    assert result.status == 400 and result.body["error"]["code"] == "content_policy_violation"
+    assert [n - m for n, m in zip(counts(a, b), before)] == [1, 0]
+    app = start_app(UPSTREAMS=pool, UPSTREAM_ERROR_ROUTES="content_filter=next")
+    result = chat(app.chat_url, HI)
+    assert result.status == 200 and result.text == NORMAL
+    assert [n - m for n, m in zip(counts(a, b), before)] == [2, 1]
 
 
 def test_keyless_azure_entries_share_one_entra_credential(ups):

@@ -156,7 +156,9 @@ def test_rate_limit_raises_rate_limit_error_with_retry_after(sdk):
             sdk.responses.create(model=f"gpt-rate-limited-{stream}", input=ask("rate_limited"), stream=stream)
         assert info.value.status_code == 429
         assert info.value.response.headers["retry-after"] == "1"
-        assert info.value.body["type"] == "rate_limit_error"
+        # The upstream's own type and code (OpenAI's 429s say "requests" or "tokens"), ours beside them.
+        assert info.value.body["type"] == "requests" and info.value.body["code"] == "rate_limit_exceeded"
+        assert info.value.body["chatstream_kind"] == "rate_limited"
 
 
 def test_upstream_bad_request_raises_bad_request_error(sdk):
@@ -184,7 +186,8 @@ def test_what_the_relay_reads_is_checked_before_any_upstream_call(sdk, upstream)
 def test_mid_stream_error_event_ends_the_stream_with_an_error_event(sdk):
     events = list(sdk.responses.create(model="gpt-test", input=ask("error_event"), stream=True))
     assert deltas(events) == RESPONSES_TEXTS["error_event"], "the text before the failure arrived"
-    assert events[-1].type == "error" and events[-1].code == "upstream_error"
+    assert events[-1].type == "error" and events[-1].code == "server_error", "the upstream's own code"
+    assert (events[-1].model_extra or {})["chatstream_kind"] == "upstream_error"
     assert events[-1].sequence_number == events[-2].sequence_number + 1
 
 

@@ -529,3 +529,40 @@ def test_the_span_has_the_request_id_the_caller_got(otel, model, inproc, upstrea
         while not [s for s in SPANS.get_finished_spans() if s.attributes.get("chat.request_id") == request_id]:
             assert time.monotonic() < deadline, f"no span with chat.request_id {request_id}"
             time.sleep(0.02)
+
+
+def test_each_pool_entrys_next_probe_is_a_gauge(otel):
+    """Issue 42: the state of each entry's breaker and the seconds to its next probe, as metrics."""
+    from chatstream.upstreams.config import Entry
+    from chatstream.upstreams.health import Policy
+    from chatstream.upstreams.outcomes import Outcome, OutcomeKind
+    from chatstream.upstreams.pool import Pool
+
+    now = [100.0]
+    names = [f"probe-{uuid.uuid4().hex[:6]}-{n}" for n in ("a", "b")]
+    pool = Pool(
+        [Entry(name=n, kind="openai", url=f"http://{n}.test/v1", priority=i) for i, n in enumerate(names)],
+        policy=Policy(backoff_initial=4.0, backoff_max=8.0),
+        now=lambda: now[0],
+    )
+    attempt = pool.acquire(pool.entries[0], "m")
+    assert attempt is not None
+    attempt.report(Outcome(OutcomeKind.CONNECT_FAILED))  # opens at once, for 4 s
+    telemetry.watch_probes(pool.probes)
+
+    def gauge() -> dict[str, tuple[str, float]]:
+        found = {}
+        data = READER.get_metrics_data()
+        for resource_metrics in data.resource_metrics if data else ():
+            for scope in resource_metrics.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == telemetry.METRIC_UPSTREAM_NEXT_PROBE:
+                        for point in metric.data.data_points:
+                            if point.attributes["upstream"] in names:
+                                found[point.attributes["upstream"]] = (point.attributes["breaker"], point.value)
+        return found
+
+    now[0] += 1.5
+    assert gauge() == {names[0]: ("open", 2.5), names[1]: ("closed", 0.0)}
+    now[0] += 3
+    assert gauge()[names[0]] == ("half_open", 0.0)

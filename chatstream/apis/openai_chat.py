@@ -4,8 +4,8 @@ errors, in OpenAI's shapes.
 
 Forward-compatible: the relay checks only the fields it reads or limits (``model``, ``messages``,
 ``stream``, ``stream_options``, ``n``); every other field goes to the upstream unchanged, and the
-upstream's own 400 comes back as a 400 with its message. Errors are
-``{"error": {"message", "type", "param", "code"}}`` with the statuses the SDKs map to their
+upstream's own 400 comes back as a 400 with its message, code, type and param. Errors are
+``{"error": {"message", "type", "param", "code", "chatstream_kind"}}`` with the statuses the SDKs map to their
 exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 RateLimitError, 5xx)."""
 
 from __future__ import annotations
@@ -74,14 +74,28 @@ _TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "p
 
 
 def error_body(error: ApiError) -> dict:
-    """Our ApiError in OpenAI's error shape; ``code`` carries our error type."""
-    if error.status in _TYPE_BY_STATUS:
+    """Our ApiError in OpenAI's error shape. An error the upstream reported keeps its ``code`` and
+    ``type`` (``context_length_exceeded``); ours has our error type as ``code``; ``chatstream_kind``
+    is always our error type."""
+    provider = error.provider
+    if provider is not None and provider.type is not None:
+        kind = provider.type
+    elif error.status in _TYPE_BY_STATUS:
         kind = _TYPE_BY_STATUS[error.status]
     elif error.status >= 500:
         kind = "server_error"
     else:
         kind = "invalid_request_error"
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.type}}
+    code = provider.code if provider is not None else error.type
+    return {
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "param": error.param,
+            "code": code,
+            "chatstream_kind": error.type,
+        }
+    }
 
 
 def status_for(error: ApiError) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ..errors import ApiError, UpstreamMalformed, UpstreamReported
+from ..errors import ApiError, ProviderError, UpstreamMalformed, UpstreamReported, provider_error
 from ..http import event
 from ..pipeline import Pipeline, TextFilter
 from ..record import StreamRecord
@@ -292,9 +292,13 @@ class ResponseStream:
 
 def _error_event(data: dict) -> ApiError:
     """The upstream's ``error`` event (documented flat shape, or nested under ``error``)."""
-    inner = data["error"] if isinstance(data.get("error"), dict) else data
+    nested = isinstance(data.get("error"), dict)
+    inner = data["error"] if nested else data
     message = inner.get("message")
-    return UpstreamReported(message if isinstance(message, str) else "an error occurred during streaming")
+    provider = provider_error(inner)
+    if provider is not None and not nested:  # the flat shape's ``type`` is the event's own ("error")
+        provider = ProviderError(provider.code, None, provider.param)
+    return UpstreamReported(message if isinstance(message, str) else "an error occurred during streaming", provider)
 
 
 class ResponseEncoder:
@@ -322,9 +326,10 @@ class ResponseEncoder:
             {
                 "type": "error",
                 "sequence_number": self.last_sequence,
-                "code": error.type,
+                "code": error.provider.code if error.provider is not None else error.type,
                 "message": error.message,
                 "param": error.param,
+                "chatstream_kind": error.type,
             },
             b"error",
         )

@@ -48,6 +48,9 @@ class Entry:
     # text so far as an assistant message and an instruction to go on; ``prefix``, a true prefix
     # continuation (``continue_final_message``: vLLM and other OpenAI-compatible servers).
     continuation: Literal["prompt", "prefix"] = "prompt"
+    # The context window (tokens) of the model behind this entry, as the operator declares it: a
+    # request too long for one entry goes to those declaring a larger one (UPSTREAM_ERROR_ROUTES).
+    context_window: int | None = None
 
     @property
     def auth(self) -> Literal["key", "entra", "none"]:
@@ -103,6 +106,7 @@ class _EntrySpec(BaseModel):
     models: list[NonEmpty] | None = Field(None, min_length=1)
     deployments: dict[NonEmpty, NonEmpty] | None = None
     continue_: Literal["prompt", "prefix"] = Field("prompt", alias="continue")
+    context_window: int | None = Field(None, ge=1, le=1_000_000_000)
 
     @model_validator(mode="after")
     def _consistent(self) -> _EntrySpec:
@@ -269,6 +273,7 @@ def _entry(spec: _EntrySpec, key: SecretStr | None) -> Entry:
         models=tuple(spec.models) if spec.models is not None else None,
         deployments=dict(spec.deployments or {}),
         continuation=spec.continue_,
+        context_window=spec.context_window,
     )
 
 

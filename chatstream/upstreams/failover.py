@@ -3,8 +3,10 @@
 For a streamed request, ``open`` walks the candidates: per entry it opens the stream and reads it
 until the API's protocol (a probe of it, without text steps) says the first output came. A 429,
 408/409, 5xx, a connection failure, an error event or a malformed chunk, or the per-entry
-first-token limit moves the request to the next entry; anything else (400, 401/403, 404 …) is the
-answer, as with a single upstream. The stream it returns replays the chunks it read and then goes
+first-token limit moves the request to the next entry; a context-length, content-filter, auth or
+quota error goes where ``pool.route`` says (UPSTREAM_ERROR_ROUTES: after a context-length error only
+entries with a larger ``context_window``); anything else (400, 404 …) is the answer, as with a
+single upstream. The stream it returns replays the chunks it read and then goes
 on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
 output the request stays on its entry; a later failure counts against that entry's health, and the
 answer either goes on on another stream (``open_next``: the same walk with the continuation's
@@ -46,8 +48,17 @@ from .clients import (
     make_client,
 )
 from .config import Entry
-from .health import SINGLE
-from .outcomes import SUCCESS, TIMED_OUT, Classified, OutcomeKind, classify, upstream_field, upstream_request_id
+from .health import SINGLE, Policy
+from .outcomes import (
+    SUCCESS,
+    TIMED_OUT,
+    Classified,
+    Outcome,
+    OutcomeKind,
+    classify,
+    upstream_field,
+    upstream_request_id,
+)
 from .pool import Attempt, Pool, PoolEvent
 
 log = logging.getLogger("chatstream")
@@ -69,8 +80,12 @@ def _log_event(event: PoolEvent) -> None:
             log_safe(event.deployment or ""),
         )
     elif event.event == "open":
-        log.warning("upstream %s: %s, skipped for %.1fs (breaker open)", event.entry, event.reason, event.seconds or 0)
+        telemetry.upstream_event("breaker", event.entry, state="open", reason=event.reason)
+        log.warning(
+            "upstream %s: %s, breaker open: skipped, next probe in %.1fs", event.entry, event.reason, event.seconds or 0
+        )
     elif event.event == "closed":
+        telemetry.upstream_event("breaker", event.entry, state="closed", reason=event.reason)
         log.info("upstream %s: answered again (breaker closed)", event.entry)
     elif event.reason == OutcomeKind.QUOTA_EXHAUSTED:
         log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", event.entry)
@@ -166,6 +181,27 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
             return held
 
 
+class _Way:
+    """One request's way through the pool's candidates: after a context-length error, only entries
+    declaring a larger ``context_window`` than the entries that refused it (one declaring none counts
+    as 0); ``again``: try the entry just tried once more; ``deadline``: the request's first-token
+    deadline (loop time), if any."""
+
+    __slots__ = ("again", "deadline", "min_window", "retried")
+
+    def __init__(self, deadline: float | None = None) -> None:
+        self.again = False
+        self.deadline = deadline
+        self.min_window: int | None = None
+        self.retried: set[str] = set()
+
+    def allows(self, entry: Entry) -> bool:
+        return self.min_window is None or (entry.context_window or 0) > self.min_window
+
+    def larger_than(self, entry: Entry) -> None:
+        self.min_window = max(self.min_window or 0, entry.context_window or 0)
+
+
 class Upstreams:
     """The pool and one client per entry; shared by every endpoint of the app (``stream.Upstream``)."""
 
@@ -193,6 +229,12 @@ class Upstreams:
             raise SettingsError(str(exc)) from None
         if not settings.pooled:
             pool_args.setdefault("policy", SINGLE)
+        else:
+            probe = settings.upstream_probe_seconds
+            pool_args.setdefault(
+                "policy", Policy(backoff_initial=min(settings.upstream_open_seconds, probe), backoff_max=probe)
+            )
+        pool_args.setdefault("routes", settings.error_routes)
         # With somewhere else to go, the SDK must not retry the same entry first (honouring a
         # Retry-After of up to minutes): the pool moves the request on instead.
         retries = settings.upstream_max_retries if len(entries) == 1 else 0
@@ -268,10 +310,10 @@ class Upstreams:
         )
 
     def _attempts(
-        self, model: str, record: StreamRecord, candidates: list[Entry] | None = None
+        self, model: str, record: StreamRecord, way: _Way, candidates: list[Entry] | None = None
     ) -> Iterator[tuple[Entry, Attempt, bool]]:
         """(entry, attempt, is_last) for each candidate (default: the pool's, in its order) that can
-        still take the request."""
+        still take the request and that ``way`` allows; an entry again when ``way`` says so."""
         if self._closer is None:
             self._close_with_the_loop()
         if candidates is None:
@@ -279,25 +321,63 @@ class Upstreams:
         if not candidates:
             raise self._unavailable(model)
         for i, entry in enumerate(candidates):
-            attempt = self.pool.acquire(entry, model)
-            if attempt is None:
-                continue
-            record.attempting(entry.name)
-            telemetry.upstream_event("requests", entry.name)
-            yield entry, attempt, i == len(candidates) - 1
+            while way.allows(entry) and (attempt := self.pool.acquire(entry, model)) is not None:
+                record.attempting(entry.name)
+                telemetry.upstream_event("requests", entry.name)
+                yield entry, attempt, i == len(candidates) - 1
+                if not way.again:
+                    break
+                way.again = False
 
-    def _failed(self, attempt: Attempt, failure: Classified, record: StreamRecord) -> bool:
-        """Report a failed attempt; whether the request moves to the next entry."""
+    async def _failed(self, attempt: Attempt, failure: Classified, record: StreamRecord, way: _Way) -> bool:
+        """Report a failed attempt; whether the request goes on: on the same entry once more (the
+        same-entry policy, after waiting), or on the next candidate that ``pool.route`` allows."""
         attempt.report(failure.outcome)
         record.attempt_failed(attempt.entry.name, failure.error.type)
-        if failure.outcome.failover and len(self.pool.entries) > 1:
+        route = self.pool.route(failure.outcome)
+        if route == "stop":
+            return False
+        if len(self.pool.entries) > 1:
+            if route == "larger":
+                way.larger_than(attempt.entry)
+            elif await self._again(attempt, failure.outcome, way):
+                return True
             telemetry.upstream_event("failovers", attempt.entry.name, reason=failure.outcome.kind.value)
             log.info(
-                "upstream %s: %s before any output; the request moves on to the next free entry, if any",
+                "upstream %s: %s before any output; the request moves on to the next free entry%s, if any",
                 attempt.entry.name,
                 failure.outcome.kind.value,
+                " with a larger context_window" if route == "larger" else "",
             )
-        return failure.outcome.failover
+        return True
+
+    async def _again(self, attempt: Attempt, outcome: Outcome, way: _Way) -> bool:
+        """The same-entry policy: after a 429 whose cooldown is at most
+        UPSTREAM_RETRY_AFTER_WAIT_SECONDS, wait it out; after a 5xx answer, with
+        UPSTREAM_RETRY_SERVER_ERROR, go again at once; once per entry and request, within the
+        request's time (``way.deadline``). Whether to try the entry again."""
+        name = attempt.entry.name
+        if name in way.retried:
+            return False
+        if outcome.kind is OutcomeKind.RATE_LIMITED:
+            wait = self.pool.wait(attempt.entry, attempt.model) or 0.0
+            if wait > self.settings.upstream_retry_after_wait:
+                return False
+        elif outcome.kind is OutcomeKind.SERVER_ERROR and (outcome.status or 0) >= 500:
+            if not self.settings.upstream_retry_server_error:
+                return False
+            wait = 0.0
+        else:
+            return False
+        loop = asyncio.get_running_loop()
+        if way.deadline is not None and loop.time() + wait >= way.deadline:
+            return False
+        way.retried.add(name)
+        log.info("upstream %s: %s; trying it again in %.1fs", name, outcome.kind.value, wait)
+        if wait > 0:
+            await asyncio.sleep(wait + _TIMER_SLACK)  # a timer may fire early: the cooldown must be over
+        way.again = True
+        return True
 
     def _entry_deadline(self, limits: TimeLimits, last: bool) -> float | None:
         """When this entry's first output is due, if before the request's own first-token deadline."""
@@ -315,9 +395,9 @@ class Upstreams:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
         last failure (or 429/503 with Retry-After when no entry could be tried)."""
         model = params["model"]
-        return await self._walk(
-            path, model, lambda entry: params, protocol, limits, record, self._attempts(model, record), first=True
-        )
+        way = _Way(limits.deadline)
+        attempts = self._attempts(model, record, way)
+        return await self._walk(path, model, lambda entry: params, protocol, limits, record, attempts, way, first=True)
 
     async def open_next(
         self,
@@ -338,8 +418,9 @@ class Upstreams:
             blocked = self.pool.unavailable(model)
             await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
         ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
-        attempts = self._attempts(model, record, ordered)
-        return await self._walk(path, model, request, protocol, limits, record, attempts, first=False)
+        way = _Way(limits.deadline)
+        attempts = self._attempts(model, record, way, ordered)
+        return await self._walk(path, model, request, protocol, limits, record, attempts, way, first=False)
 
     async def _walk(
         self,
@@ -350,6 +431,7 @@ class Upstreams:
         limits: TimeLimits,
         record: StreamRecord,
         attempts: Iterator[tuple[Entry, Attempt, bool]],
+        way: _Way,
         first: bool,
     ) -> PeekedStream:
         """The walk itself. ``first``: the answer's first stream, whose ``x-request-id`` the caller
@@ -378,7 +460,7 @@ class Upstreams:
                 if first:
                     record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
-                if self._failed(attempt, last, record):
+                if await self._failed(attempt, last, record, way):
                     continue
                 raise last.error from None
             attempt.report(SUCCESS)
@@ -408,7 +490,8 @@ class Upstreams:
         """A non-streamed call: the first entry that answers it, in the pool's order."""
         model = params["model"]
         last: Classified | None = None
-        for entry, attempt, _ in self._attempts(model, record):
+        way = _Way()
+        for entry, attempt, _ in self._attempts(model, record, way):
             try:
                 body, request_id = await complete(
                     self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
@@ -420,7 +503,7 @@ class Upstreams:
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 record.request_id = upstream_request_id(exc) or record.request_id
                 last = classify(exc, model)
-                if self._failed(attempt, last, record):
+                if await self._failed(attempt, last, record, way):
                     continue
                 raise last.error from None
             attempt.report(SUCCESS)

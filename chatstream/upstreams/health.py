@@ -21,8 +21,10 @@ class Policy:
     failure_threshold: int = 3  # consecutive failures that open the breaker
     failure_window: float = 60.0  # a failure older than this no longer counts toward the streak
     open_on_connect_failure: bool = True  # a failure to connect opens the breaker at once
-    backoff_initial: float = 5.0  # first open; doubled on each reopening
-    backoff_max: float = 300.0
+    # First open; doubled on each failed probe up to backoff_max, so an open entry is probed at least
+    # every backoff_max seconds whatever its history (UPSTREAM_OPEN_SECONDS, UPSTREAM_PROBE_SECONDS).
+    backoff_initial: float = 5.0
+    backoff_max: float = 10.0
     cooldown_default: float = 10.0  # a 429 whose headers say nothing usable
     cooldown_min: float = 1.0  # shortest cooldown after any 429
     cooldown_max: float = 300.0  # longest (Azure may ask for a day when a quota is used up)
@@ -127,6 +129,12 @@ class Health:
         self.failures = 0
         self.counters.opens += 1
         return "open"
+
+    def next_probe(self, now: float) -> float | None:
+        """Seconds until the breaker lets a probe through (0: the next request probes, or one is in
+        flight); None while it is closed. Reads ``open_until`` once: a metrics thread may call it."""
+        until = self.open_until
+        return None if until is None else max(until - now, 0.0)
 
     def state(self, now: float) -> tuple[str, float | None, dict[str, float]]:
         """(state, seconds until it changes, cooldowns left per deployment), for the status page."""

@@ -23,8 +23,8 @@ from ..errors import (
     first_token_expired,
     http_errors,
     internal_error,
-    invalid_request,
     parse_retry_after,
+    provider_error,
     redact,
     retry_after_headers,
 )
@@ -52,6 +52,8 @@ class OutcomeKind(StrEnum):
     TIMEOUT = "timeout"  # no answer / first token in time
     SERVER_ERROR = "server_error"  # 5xx, 408, 409, an error event or a malformed chunk from the server
     AUTH_ERROR = "auth_error"  # 401/403: our configuration (key, role), not the entry's health
+    CONTEXT_LENGTH = "context_length"  # 400 context_length_exceeded: too long for this entry's model
+    CONTENT_FILTER = "content_filter"  # 400 content_policy_violation / content_filter: the prompt refused
     CLIENT_ERROR = "client_error"  # other 4xx (400, 404, 413, 422 …): the request's problem
     OTHER = "other"  # not an upstream failure (a bug of ours): no effect on the entry
 
@@ -77,6 +79,8 @@ ANSWERED = frozenset(
         OutcomeKind.RATE_LIMITED,
         OutcomeKind.QUOTA_EXHAUSTED,
         OutcomeKind.AUTH_ERROR,
+        OutcomeKind.CONTEXT_LENGTH,
+        OutcomeKind.CONTENT_FILTER,
         OutcomeKind.CLIENT_ERROR,
     }
 )
@@ -104,8 +108,20 @@ SUCCESS = Outcome(OutcomeKind.SUCCESS)
 TIMED_OUT = Outcome(OutcomeKind.TIMEOUT)
 
 
-def outcome_of_status(status: int, headers: Mapping[str, str] | None = None, code: str | None = None) -> Outcome:
-    """An HTTP error status (and, for 429, its headers and the error's ``code``)."""
+# The codes providers give these 400s: OpenAI's and Azure OpenAI's; vLLM and other compatible
+# servers say it only in words ("This model's maximum context length is 4096 tokens. ...").
+_CONTEXT_LENGTH_CODES = frozenset({"context_length_exceeded"})
+_CONTENT_FILTER_CODES = frozenset({"content_policy_violation", "content_filter"})
+
+
+def outcome_of_status(
+    status: int, headers: Mapping[str, str] | None = None, code: str | None = None, message: str | None = None
+) -> Outcome:
+    """An HTTP error status (and, for 429, its headers; the error's ``code`` and ``message``)."""
+    if status == 400 and (code in _CONTEXT_LENGTH_CODES or "maximum context length" in (message or "").lower()):
+        return Outcome(OutcomeKind.CONTEXT_LENGTH, status)
+    if status == 400 and code in _CONTENT_FILTER_CODES:
+        return Outcome(OutcomeKind.CONTENT_FILTER, status)
     if status == 429:
         if code == "insufficient_quota":
             return Outcome(OutcomeKind.QUOTA_EXHAUSTED, status)
@@ -217,7 +233,7 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
             Outcome(OutcomeKind.OTHER),
         )
     if isinstance(exc, openai.APIStatusError):
-        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc))
+        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc), upstream_field(exc, "message"))
         return Classified(_status_error(exc, model, outcome), outcome)
     if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
         kind = OutcomeKind.CONNECT_FAILED if _connect_failure(exc) else OutcomeKind.TIMEOUT
@@ -230,9 +246,17 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
         return Classified(first_token_expired(), TIMED_OUT)
     if isinstance(exc, openai.APIError):  # an error payload inside the stream
         status = event_status(exc.body)
+        provider = provider_error(exc.body)
+        param = provider.param if provider is not None else None
         if status is not None and _requests_fault(status):  # a 4xx-shaped event: the request's problem
             return Classified(
-                ApiError(502, ErrorKind.UPSTREAM_ERROR, f"the model server refused the request: {redact(exc.message)}"),
+                ApiError(
+                    502,
+                    ErrorKind.UPSTREAM_ERROR,
+                    f"the model server refused the request: {redact(exc.message)}",
+                    param,
+                    provider=provider,
+                ),
                 Outcome(OutcomeKind.CLIENT_ERROR, status),
             )
         return Classified(
@@ -240,7 +264,9 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
                 502,
                 ErrorKind.UPSTREAM_ERROR,
                 f"the model server reported an error: {redact(exc.message)}",
+                param,
                 retryable=True,
+                provider=provider,
             ),
             Outcome(OutcomeKind.SERVER_ERROR, status),
         )
@@ -335,13 +361,24 @@ def _code(exc: openai.APIStatusError) -> str | None:
 
 
 def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> ApiError:
+    """What the caller is told of an upstream's error answer: its status mapped to ours, with the
+    upstream's own ``code``, ``type`` and ``param`` (``provider``) passed on, except for 401/403,
+    which are about our credentials, not the caller's."""
     status = exc.status_code
     message = upstream_field(exc, "message") or redact(exc.message)
     if status in (401, 403):
         # Our credentials, not the caller's: said without the upstream's details.
         return ApiError(502, ErrorKind.UPSTREAM_AUTH, "upstream authentication failed")
+    provider = provider_error(exc.body)
+    param = provider.param if provider is not None else None
     if status == 404:
-        return ApiError(400, ErrorKind.MODEL_NOT_FOUND, f"model {model!r} is not available on the upstream", "model")
+        return ApiError(
+            400,
+            ErrorKind.MODEL_NOT_FOUND,
+            f"model {model!r} is not available on the upstream",
+            param or "model",
+            provider=provider,
+        )
     if status == 429:
         headers = exc.response.headers
         wait = parse_retry_after(headers)
@@ -349,14 +386,18 @@ def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> A
             429,
             ErrorKind.RATE_LIMITED,
             message,
+            param,
             retryable=True,
             headers=retry_after_headers(wait, ms="retry-after-ms" in headers),
+            provider=provider,
         )
     if status in (400, 422):
-        return invalid_request(message, upstream_field(exc, "param"))
+        return ApiError(400, ErrorKind.INVALID_REQUEST, message, param, provider=provider)
     return ApiError(
         502,
         ErrorKind.UPSTREAM_ERROR,
         f"the model server failed (HTTP {status})",
+        param,
         retryable=status >= 500 or status in (408, 409),
+        provider=provider,
     )

@@ -10,7 +10,8 @@ awaits. The request path (failover.py) uses it like this (see docs/pool.md)::
         if attempt is None:
             continue
         ... open the entry's stream up to its first output ...
-        attempt.report(outcome)                 # SUCCESS, or classify(exc).outcome: failover?
+        attempt.report(outcome)                 # SUCCESS, or classify(exc).outcome
+        pool.route(outcome)                     # next, larger (context window) or stop
     # no attempt at all: pool.unavailable(model) says why (429 / 503 with Retry-After)"""
 
 from __future__ import annotations
@@ -18,13 +19,24 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
+from ..settings import ERROR_ROUTES
 from .config import Entry, PoolConfigError, display_url
 from .health import Health, Policy
 from .outcomes import COOLDOWN, HEALTH_FAILURE, Outcome, OutcomeKind
+
+Route = Literal["next", "larger", "stop"]
+# The error classes of UPSTREAM_ERROR_ROUTES: upstream errors that say nothing about the entry's
+# health, and whose right next step depends on the pool (settings.ERROR_ROUTES has the defaults).
+ROUTED = {
+    "context_length": OutcomeKind.CONTEXT_LENGTH,
+    "content_filter": OutcomeKind.CONTENT_FILTER,
+    "auth": OutcomeKind.AUTH_ERROR,
+    "quota": OutcomeKind.QUOTA_EXHAUSTED,
+}
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class Pool:
         now: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         on_event: Callable[[PoolEvent], None] | None = None,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
         names = [e.name for e in self.entries]
@@ -116,6 +129,8 @@ class Pool:
         self._on_event = on_event
         self.health: dict[str, Health] = {e.name: Health() for e in self.entries}
         self._ordered = len({e.priority for e in self.entries}) == len(self.entries)  # no ties: no draw
+        chosen = {**ERROR_ROUTES, **(routes or {})}
+        self.routes: dict[OutcomeKind, Route] = {kind: cast(Route, chosen[name]) for name, kind in ROUTED.items()}
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:
@@ -159,6 +174,20 @@ class Pool:
         health.counters.requests += 1
         return Attempt(self, entry, model, probe, health.generation)
 
+    def wait(self, entry: Entry, model: str) -> float | None:
+        """Seconds until ``entry`` can take a request for ``model`` again; None: it can now."""
+        wait = self.health[entry.name].wait(entry.deployment(model), self._now(), self.policy)
+        return wait[0] if wait is not None else None
+
+    def route(self, outcome: Outcome) -> Route:
+        """Where a request goes after a failed attempt: ``next`` candidate, only those with a
+        ``larger`` context window, or ``stop`` (the failure is the answer). The routed classes as
+        configured; the entry's own failures (429, 5xx, connections, time) always move on."""
+        routed = self.routes.get(outcome.kind)
+        if routed is not None:
+            return routed
+        return "next" if outcome.failover else "stop"
+
     def unavailable(self, model: str) -> Unavailable | None:
         """When entries serve ``model`` but none is free: how long until the soonest is, and why.
         None when one is free, or when none serves the model."""
@@ -181,7 +210,7 @@ class Pool:
         """An attempt's outcome (use ``attempt.report``): counters, cooldowns, the breaker."""
         entry, health = attempt.entry, self.health[attempt.entry.name]
         now = self._now()
-        if outcome.failover and not attempt.delivered and len(self.entries) > 1:  # there was somewhere to go
+        if self.route(outcome) != "stop" and not attempt.delivered and len(self.entries) > 1:  # somewhere to go
             health.counters.failovers += 1
         if outcome.config_problem:
             self._emit(PoolEvent(entry.name, "config_problem", outcome.kind.value, deployment=attempt.deployment))
@@ -209,6 +238,12 @@ class Pool:
 
     # --- reporting --------------------------------------------------------------------------
 
+    def probes(self) -> list[tuple[str, float | None]]:
+        """(entry name, seconds until its breaker lets a probe through; None: closed), per entry.
+        Reads only: the metrics exporter's thread calls it (telemetry.watch_probes)."""
+        now = self._now()
+        return [(e.name, self.health[e.name].next_probe(now)) for e in self.entries]
+
     def state(self) -> list[dict]:
         """Per entry, for a status endpoint: never a key (only the name of the setting holding it)."""
         now = self._now()
@@ -229,6 +264,7 @@ class Pool:
                     "state": state,
                     "until": round(until, 3) if until is not None else None,
                     "probing": health.probing,
+                    "next_probe": round(probe, 3) if (probe := health.next_probe(now)) is not None else None,
                     "cooldowns": cooling,
                     "consecutive_failures": health.failures,
                     "counters": vars(health.counters).copy(),

@@ -266,6 +266,9 @@ def test_rate_limited_raises_with_retry_after(client):
         ("model_not_found", 404, "invalid_request_error", "model_not_found", None),
         ("server_error", 500, "server_error", None, None),
         ("overloaded", 503, "server_error", None, None),
+        ("context_length_exceeded", 400, "invalid_request_error", "context_length_exceeded", "messages"),
+        ("content_policy_violation", 400, "invalid_request_error", "content_policy_violation", None),
+        ("insufficient_quota", 429, "insufficient_quota", "insufficient_quota", None),
     ],
 )
 def test_error_scenarios(server, name, status, type_, code, param):
@@ -393,7 +396,10 @@ def test_scenario_choice_order_and_records(server):
     r = post_raw(server, unknown)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
-    assert httpx.post(f"{server}/_scripted/default", json={"scenario": "slow"}).json() == {"scenario": "slow"}
+    assert httpx.post(f"{server}/_scripted/default", json={"scenario": "slow"}).json() == {
+        "scenario": "slow",
+        "times": None,
+    }
     try:
         assert (
             post_raw(server, {"model": "gpt-4o", "messages": USER}).json()["choices"][0]["message"]["content"]
@@ -482,3 +488,17 @@ def test_cli_flags_and_quick_stop_with_open_stream(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_default_for_the_next_requests_only(server):
+    """``times``: one 429, then the default before it again (a provider's blip)."""
+    before = httpx.get(f"{server}/_scripted/default", timeout=5).json()["scenario"]
+    answer = httpx.post(f"{server}/_scripted/default", json={"scenario": "rate_limited", "times": 2}, timeout=5)
+    assert answer.json() == {"scenario": "rate_limited", "times": 2}
+    body = {"model": "gpt-4o", "messages": USER}
+    assert [post_raw(server, body).status_code for _ in range(3)] == [429, 429, 200]
+    assert httpx.get(f"{server}/_scripted/default", timeout=5).json() == {"scenario": before, "times": None}
+    for bad in (0, -1, "2", True):
+        r = httpx.post(f"{server}/_scripted/default", json={"scenario": "slow", "times": bad}, timeout=5)
+        assert r.status_code == 400
+    assert httpx.get(f"{server}/_scripted/default", timeout=5).json()["scenario"] == before

@@ -265,6 +265,26 @@ async def test_a_completion_carries_the_upstreams_request_id():
     assert record.request_id == "req-a"
 
 
+async def test_same_entry_first_retries_a_5xx_once_and_never_waits_past_the_first_token_limit():
+    blip = ScriptedClient(status_error(500), ScriptedStream([chunk("ok", "stop")]))
+    other = ScriptedClient(ScriptedStream([chunk("b", "stop")]))
+    upstreams = pooled({"a": blip, "b": other}, UPSTREAM_RETRY_SERVER_ERROR="true")
+    events, record = await run(upstreams)
+    assert isinstance(events[-1], Done) and (record.upstream, record.attempts) == ("a", 2)
+    assert (blip.calls, other.calls) == (2, 0)
+    # A 502 answer again on the retry: once only, then b.
+    down = ScriptedClient(status_error(502))
+    events, record = await run(pooled({"a": down, "b": other}, UPSTREAM_RETRY_SERVER_ERROR="true"))
+    assert (record.upstream, record.attempts, down.calls) == ("b", 3, 2)
+    # A 429 asking for 20 s, allowed 30, with 5 s to the first token: not waited for.
+    limited = ScriptedClient(status_error(429, {"retry-after": "20"}))
+    upstreams = pooled(
+        {"a": limited, "b": other}, UPSTREAM_RETRY_AFTER_WAIT_SECONDS="30", FIRST_TOKEN_TIMEOUT_SECONDS="5"
+    )
+    events, record = await run(upstreams)
+    assert (record.upstream, record.attempts, limited.calls) == ("b", 2, 1)
+
+
 # --- the single upstream --------------------------------------------------------------------------
 
 

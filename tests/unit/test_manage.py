@@ -67,7 +67,7 @@ class Admin:
 def openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "chatstream_kind"}
     assert error["code"] == code and error["param"] == param, error
     assert response.headers["cache-control"] == "no-store"
     assert response.headers["x-request-id"]

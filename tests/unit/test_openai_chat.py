@@ -234,7 +234,13 @@ async def test_the_adapter_waits_for_n_choices(n, choices):
 def test_error_shape_and_status(error, status, kind):
     assert status_for(error) == status
     assert error_body(error) == {
-        "error": {"message": error.message, "type": kind, "param": error.param, "code": error.type}
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "param": error.param,
+            "code": error.type,
+            "chatstream_kind": error.type,
+        }
     }
 
 
@@ -242,7 +248,13 @@ def test_error_response_carries_status_and_headers():
     response = error_response(ApiError(429, "rate_limited", "slow", retryable=True, headers={"Retry-After": "9"}))
     assert response.status_code == 429 and response.headers["retry-after"] == "9"
     assert json.loads(response.body) == {
-        "error": {"message": "slow", "type": "rate_limit_error", "param": None, "code": "rate_limited"}
+        "error": {
+            "message": "slow",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limited",
+            "chatstream_kind": "rate_limited",
+        }
     }
     assert error_response(ApiError(400, "model_not_found", "gone", "model")).status_code == 404
     assert OpenAIChatApi().error_response is error_response
@@ -286,7 +298,8 @@ def test_done_with_usage_sends_the_usage_chunk_first():
 def test_failed_is_an_error_event_without_done():
     data = encode(Failed(TimeLimit("upstream_timeout", "slow")), True)
     assert data == (
-        b'data: {"error":{"message":"slow","type":"server_error","param":null,"code":"upstream_timeout"}}\n\n'
+        b'data: {"error":{"message":"slow","type":"server_error","param":null,"code":"upstream_timeout",'
+        b'"chatstream_kind":"upstream_timeout"}}\n\n'
     )
     assert b"[DONE]" not in data
 

@@ -8,7 +8,7 @@ import openai
 import pytest
 from azure.core.exceptions import ClientAuthenticationError
 
-from chatstream.errors import ApiError, UpstreamMalformed, register_secret
+from chatstream.errors import ApiError, ProviderError, UpstreamMalformed, register_secret
 from chatstream.upstreams.outcomes import TIMED_OUT, OutcomeKind, classify
 
 from .upstream_helpers import outcome_of, status_error
@@ -159,6 +159,59 @@ def test_bad_request_keeps_message_and_param():
         "temperature too high",
         "temperature",
     )
+
+
+@pytest.mark.parametrize(
+    "status, body, provider",
+    [
+        (
+            400,
+            {
+                "error": {
+                    "message": "too long",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                }
+            },
+            ProviderError("context_length_exceeded", "invalid_request_error", "messages"),
+        ),
+        (
+            400,
+            {"error": {"message": "filtered", "code": "content_filter", "param": "prompt", "status": 400}},
+            ProviderError("content_filter", None, "prompt"),
+        ),
+        (
+            400,
+            {"object": "error", "message": "vLLM", "type": "BadRequestError", "code": 400},
+            ProviderError(None, "BadRequestError", None),
+        ),  # vLLM: a numeric code is its status
+        (
+            429,
+            {"error": {"message": "slow", "type": "requests", "code": "rate_limit_exceeded"}},
+            ProviderError("rate_limit_exceeded", "requests", None),
+        ),
+        (
+            500,
+            {"error": {"message": "boom", "type": "server_error", "code": None}},
+            ProviderError(None, "server_error"),
+        ),
+        (401, {"error": {"message": "bad key", "type": "invalid_request_error", "code": "invalid_api_key"}}, None),
+        (400, "not json", None),
+    ],
+)
+def test_the_upstreams_code_type_and_param_are_kept_apart_from_ours(status, body, provider):
+    error = told(status_error(status, body=body))
+    assert error.provider == provider, "401/403 are about our key: never the upstream's code"
+    if provider is not None and provider.param is not None:
+        assert error.param == provider.param
+
+
+def test_an_error_event_keeps_the_upstreams_code():
+    event = {"message": "boom", "type": "server_error", "code": "server_is_overloaded", "param": None}
+    error = told(openai.APIError("boom", REQUEST, body=event))
+    assert error.provider == ProviderError("server_is_overloaded", "server_error", None)
+    assert error.body()["error"]["code"] == "server_is_overloaded" and error.body()["error"]["type"] == "upstream_error"
 
 
 def test_unprocessable_is_a_bad_request_and_a_body_without_error_wrapper_is_read():

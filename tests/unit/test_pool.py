@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
+from chatstream.settings import Settings, SettingsError
 from chatstream.upstreams.config import Entry, single_entry
 from chatstream.upstreams.outcomes import (
     SUCCESS,
@@ -216,24 +217,34 @@ def test_a_failure_to_connect_opens_the_breaker_at_once():
     assert pool.unavailable("gpt-4o") is None
 
 
-def test_the_back_off_grows_then_a_half_open_probe_closes_the_breaker():
+def test_the_back_off_grows_to_the_probe_interval_then_a_half_open_probe_closes_the_breaker():
     pool, clock = make_pool(entry("a"), entry("b", 2))
-    for backoff in (5, 10, 20, 40, 80, 160, 300, 300):
+    for backoff in (5, 10, 10, 10, 10, 10):  # Policy(): UPSTREAM_OPEN_SECONDS 5, UPSTREAM_PROBE_SECONDS 10
         attempt(pool, "a", outcome=CONNECT_FAILED)  # opens (from closed), or the probe fails: reopens
         assert pool.state()[0]["state"] == "open"
         assert pool.state()[0]["until"] == pytest.approx(backoff)
+        assert pool.state()[0]["next_probe"] == pytest.approx(backoff)
         clock.advance(backoff - 0.01)
         assert names(pool.candidates("gpt-4o")) == ["b"]
         clock.advance(0.01)
-        assert pool.state()[0]["state"] == "half_open"
+        assert pool.state()[0]["state"] == "half_open" and pool.state()[0]["next_probe"] == 0
         assert names(pool.candidates("gpt-4o")) == ["a", "b"]
     probe = attempt(pool, "a")
     assert probe.probe
     probe.report(SUCCESS)
-    assert pool.state()[0]["state"] == "ok"
+    assert pool.state()[0]["state"] == "ok" and pool.state()[0]["next_probe"] is None
     # Closed again: the next opening starts from the first back-off.
     attempt(pool, "a", outcome=CONNECT_FAILED)
     assert pool.state()[0]["until"] == pytest.approx(5)
+
+
+def test_a_long_history_of_failed_probes_still_probes_at_the_probe_interval():
+    pool, clock = make_pool(entry("a"), entry("b", 2), backoff_initial=1.0, backoff_max=3.0)
+    for backoff in (1, 2, 3, *(3,) * 50):
+        attempt(pool, "a", outcome=CONNECT_FAILED)
+        assert pool.state()[0]["until"] == pytest.approx(backoff)
+        clock.advance(backoff)
+    assert attempt(pool, "a").probe
 
 
 def test_only_one_probe_at_a_time():
@@ -390,6 +401,7 @@ def test_state_reports_each_entry_without_any_key():
         "state": "cooling_down",
         "until": 20.0,
         "probing": False,
+        "next_probe": None,
         "cooldowns": {"gpt4o-ptu": 20.0},
         "consecutive_failures": 0,
         "counters": {"requests": 1, "successes": 0, "failures": 0, "failovers": 1, "cooldowns": 1, "opens": 0},
@@ -473,3 +485,61 @@ def test_a_report_after_release_is_not_taken_for_the_probe():
     assert pool.state()[0]["state"] == "half_open" and pool.state()[0]["probing"]
     probe.report(SERVER_ERROR)
     assert pool.state()[0]["state"] == "open" and pool.state()[0]["until"] == pytest.approx(10)
+
+
+# --- routing by error class (UPSTREAM_ERROR_ROUTES) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "status, code, message, kind",
+    [
+        (400, "context_length_exceeded", "too long", OutcomeKind.CONTEXT_LENGTH),
+        (400, None, "This model's maximum context length is 4096 tokens. However, ...", OutcomeKind.CONTEXT_LENGTH),
+        (400, "content_policy_violation", "rejected", OutcomeKind.CONTENT_FILTER),
+        (400, "content_filter", "filtered (Azure)", OutcomeKind.CONTENT_FILTER),
+        (400, "invalid_value", "temperature", OutcomeKind.CLIENT_ERROR),
+        (429, "insufficient_quota", "billing", OutcomeKind.QUOTA_EXHAUSTED),
+        (401, "invalid_api_key", "key", OutcomeKind.AUTH_ERROR),
+    ],
+)
+def test_error_classes_are_read_from_the_code_or_the_words(status, code, message, kind):
+    assert outcome_of_status(status, {}, code, message).kind is kind
+
+
+def test_the_default_routes_and_configured_ones():
+    pool, _ = make_pool(entry("a"), entry("b", 2))
+    route = {kind: pool.route(Outcome(kind)) for kind in OutcomeKind}
+    assert route[OutcomeKind.CONTEXT_LENGTH] == "larger"
+    assert route[OutcomeKind.CONTENT_FILTER] == "stop", "a filtered prompt is filtered elsewhere too"
+    assert route[OutcomeKind.AUTH_ERROR] == route[OutcomeKind.QUOTA_EXHAUSTED] == "next"
+    assert route[OutcomeKind.CLIENT_ERROR] == route[OutcomeKind.OTHER] == "stop"
+    assert route[OutcomeKind.SERVER_ERROR] == route[OutcomeKind.RATE_LIMITED] == "next"
+    configured = Pool(
+        pool.entries, routes=Settings.from_env({"UPSTREAM_ERROR_ROUTES": "auth=stop, content_filter=next"}).error_routes
+    )
+    assert configured.route(Outcome(OutcomeKind.AUTH_ERROR)) == "stop"
+    assert configured.route(Outcome(OutcomeKind.CONTENT_FILTER)) == "next"
+    assert configured.route(Outcome(OutcomeKind.CONTEXT_LENGTH)) == "larger"
+
+
+@pytest.mark.parametrize("value", ["context=larger", "auth=larger", "quota=wait", "content_filter"])
+def test_a_bad_error_route_stops_the_app_naming_the_setting(value):
+    with pytest.raises(SettingsError, match="UPSTREAM_ERROR_ROUTES"):
+        Settings.from_env({"UPSTREAM_ERROR_ROUTES": value})
+
+
+def test_the_callers_bad_input_never_counts_against_an_entry():
+    pool, _ = make_pool(entry("a"), entry("b", 2))
+    for outcome in (
+        outcome_of_status(400, {}, "invalid_value", "bad temperature"),
+        outcome_of_status(404, {}, "model_not_found"),
+        outcome_of_status(413),
+        outcome_of_status(422),
+        outcome_of_status(400, {}, "context_length_exceeded"),
+        outcome_of_status(400, {}, "content_policy_violation"),
+    ):
+        for _ in range(5):
+            attempt(pool, "a", outcome=outcome)
+    state = pool.state()[0]
+    assert state["state"] == "ok" and state["consecutive_failures"] == 0 and state["counters"]["failures"] == 0
+    assert names(pool.candidates("gpt-4o")) == ["a", "b"]

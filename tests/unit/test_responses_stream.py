@@ -272,7 +272,7 @@ def test_encoder_names_each_event_and_ends_a_failure_with_the_next_sequence_numb
     tail = encode(Failed(ApiError(504, "idle_timeout", "the model went quiet")))
     assert (
         tail == b'event: error\ndata: {"type":"error","sequence_number":6,"code":"idle_timeout",'
-        b'"message":"the model went quiet","param":null}\n\n'
+        b'"message":"the model went quiet","param":null,"chatstream_kind":"idle_timeout"}\n\n'
     )
 
 

@@ -274,3 +274,19 @@ def test_upstreams_is_bounded_in_entries_and_nesting():
         parse_upstreams("[" * 30_000 + "]" * 30_000, {})
     with pytest.raises(PoolConfigError, match="UPSTREAMS: longer than"):
         parse_upstreams(" " * 300_000 + "[]", {})
+
+
+def test_an_entry_may_declare_its_context_window():
+    small, large = parse_upstreams(
+        json.dumps(
+            [
+                {"name": "small", "base_url": "http://a", "context_window": 8192},
+                {"name": "large", "base_url": "http://b"},
+            ]
+        ),
+        ENV,
+    )
+    assert (small.context_window, large.context_window) == (8192, None)
+    for bad in (0, "8k", 1.5):
+        with pytest.raises(PoolConfigError, match="context_window"):
+            parse_upstreams(json.dumps([{"name": "a", "base_url": "http://a", "context_window": bad}]), ENV)

@@ -171,6 +171,15 @@ _LIST = [
         "400 invalid_request_error, param `input`",
         error=replace(_CHAT["bad_request"].error, message="Invalid 'input': scripted bad request.", param="input"),
     ),
+    _RS(
+        "context_length_exceeded",
+        "400 context_length_exceeded, param `input`",
+        error=replace(_CHAT["context_length_exceeded"].error, param="input"),
+    ),
+    *(
+        _RS(name, _CHAT[name].summary, error=_CHAT[name].error)
+        for name in ("content_policy_violation", "insufficient_quota")
+    ),
     _RS("unauthorized", "401 invalid_api_key, message shows the masked key", error=_CHAT["unauthorized"].error),
     _RS("model_not_found", "404 model_not_found", error=_CHAT["model_not_found"].error),
     _RS("server_error", "500 server_error", error=_CHAT["server_error"].error),

@@ -275,6 +275,38 @@ _LIST = [
         error=_err(400, "Invalid 'messages': scripted bad request.", "invalid_request_error", None, "messages"),
     ),
     Scenario(
+        "context_length_exceeded",
+        "400 context_length_exceeded, param `messages` (OpenAI's words)",
+        error=_err(
+            400,
+            "This model's maximum context length is 128000 tokens. However, your messages resulted in "
+            "130412 tokens. Please reduce the length of the messages.",
+            "invalid_request_error",
+            "context_length_exceeded",
+            "messages",
+        ),
+    ),
+    Scenario(
+        "content_policy_violation",
+        "400 content_policy_violation (OpenAI's safety system refused the prompt)",
+        error=_err(
+            400,
+            "Your request was rejected as a result of our safety system.",
+            "invalid_request_error",
+            "content_policy_violation",
+        ),
+    ),
+    Scenario(
+        "insufficient_quota",
+        "429 insufficient_quota (billing), no retry-after",
+        error=_err(
+            429,
+            "You exceeded your current quota, please check your plan and billing details.",
+            "insufficient_quota",
+            "insufficient_quota",
+        ),
+    ),
+    Scenario(
         "unauthorized",
         "401 invalid_api_key, message shows the masked key",
         error=_err(

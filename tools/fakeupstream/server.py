@@ -90,6 +90,10 @@ class FakeUpstream:
         if default_scenario not in self.scenarios:
             raise ValueError(f"unknown scenario {default_scenario!r}")
         self.default_scenario = default_scenario
+        # POST /_scripted/default with "times": the default plays for that many more chat requests,
+        # then the one before it is the default again (a provider's blip: one 429, one 500).
+        self.default_times: int | None = None
+        self.default_after = default_scenario
         self.requests: deque[dict] = deque(maxlen=max_records)
         self.streams: deque[dict] = deque(maxlen=max_records)
         self._ids = itertools.count(1)
@@ -198,8 +202,15 @@ class FakeUpstream:
                 if name not in self.scenarios:
                     await _unknown_scenario(send, "scenario", name, self.scenarios)
                     return
-                self.default_scenario = name
-            await _send_json(send, 200, {"scenario": self.default_scenario})
+                times = _json_field(body, "times")
+                if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
+                    await _send_json(
+                        send, 400, sc.error_body("times: a positive integer or null", "invalid_request_error")
+                    )
+                    return
+                self.default_after = self.default_scenario if times is not None else name
+                self.default_scenario, self.default_times = name, times
+            await _send_json(send, 200, {"scenario": self.default_scenario, "times": self.default_times})
         elif path == "/_scripted/follow_ups" and method in ("GET", "POST"):
             if method == "POST":
                 name = _json_field(body, "scenario")
@@ -241,8 +252,9 @@ class FakeUpstream:
 
     # ---------------------------------------------------------- chat completions
 
-    def _pick(self, body: dict, deployment: str | None) -> str:
-        """Scenario: the model (or deployment) name, else a [scenario:NAME] marker, else the default."""
+    def _pick(self, body: dict, deployment: str | None, spend: bool = False) -> str:
+        """Scenario: the model (or deployment) name, else a [scenario:NAME] marker, else the default
+        (``spend``: a request plays it, one of its ``times``)."""
         model = body.get("model") or deployment
         if isinstance(model, str) and model in self.scenarios:
             return model
@@ -255,7 +267,12 @@ class FakeUpstream:
                     "unknown_scenario",
                 )
             return found.group(1)
-        return self.default_scenario
+        name = self.default_scenario
+        if spend and self.default_times is not None:
+            self.default_times -= 1
+            if self.default_times == 0:
+                self.default_scenario, self.default_times = self.default_after, None
+        return name
 
     async def _chat(self, receive, send, record: dict, deployment: str | None) -> None:
         body = record["json"]
@@ -276,7 +293,7 @@ class FakeUpstream:
 
         # A request to go on with an answer: the conversation before it picks the scenario.
         going_on = sc.continuation_of(body, lambda history: self._answer(body, history, deployment)[1])
-        name = self._pick({**body, "messages": going_on.history} if going_on else body, deployment)
+        name = self._pick({**body, "messages": going_on.history} if going_on else body, deployment, spend=True)
         scn = self.scenarios[name]
         model = deployment or (body["model"] if isinstance(body.get("model"), str) else name)
         if scn.error:
