@@ -316,7 +316,9 @@ class ChatContinuation:
     def feed(self, data: dict) -> Sequence[dict]:
         segment = self._segment
         if segment is None:
-            segment = self._segment = Segment(self.record.upstream, request_id=self.record.request_id or None)
+            segment = self._segment = Segment(
+                self.record.upstream, request_id=self.record.request_id or None, model=self.record.upstream_model
+            )
             self.record.segment(segment)
         usage = data.get("usage")
         if usage and isinstance(usage, dict):
@@ -419,7 +421,11 @@ class ChatContinuation:
         )
         entry = stream.entry
         self._seam = Seam(known, dedupe=entry is None or entry.continuation != "prefix")
-        self._segment = Segment(entry.name if entry is not None else None, request_id=stream.request_id)
+        self._segment = Segment(
+            entry.name if entry is not None else None,
+            request_id=stream.request_id,
+            model=entry.deployment(self.params["model"]) if entry is not None else None,
+        )
         record.segment(self._segment)
         seam = {
             "from": failed,

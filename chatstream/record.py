@@ -121,6 +121,7 @@ class Segment:
     parts: list[str] = field(default_factory=TextParts)  # ``text``, as it came (kept compactly)
     answered: bool = True
     request_id: str | None = None  # the upstream's x-request-id for it
+    model: str | None = None  # the model name its upstream was sent (``StreamRecord.upstream_model``)
 
     @property
     def text(self) -> str:
@@ -133,6 +134,7 @@ class Segment:
             "text": self.text,
             "answered": self.answered,
             "request_id": self.request_id,
+            "model": self.model,
         }
 
 
@@ -156,6 +158,7 @@ class StreamRecord:
     status: int = 200
     disconnected: bool = False
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
+    upstream_model: str | None = None  # ...the model name it was sent (its ``deployments`` may map ``model``)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
     answered: bool = False  # an upstream took the request (answered 200): from then on it may cost tokens
     prompt_only: bool = False  # a non-streamed call cut short in flight: the upstream read (and bills) its prompt
@@ -192,8 +195,8 @@ class StreamRecord:
             self.status = status
 
     # -- the pool's facts
-    def attempting(self, entry: str) -> None:
-        self.upstream = entry
+    def attempting(self, entry: str, model: str | None = None) -> None:
+        self.upstream, self.upstream_model = entry, model
         self.attempts += 1
 
     def cut_short(self) -> None:

@@ -282,7 +282,7 @@ class Upstreams:
             attempt = self.pool.acquire(entry, model)
             if attempt is None:
                 continue
-            record.attempting(entry.name)
+            record.attempting(entry.name, entry.deployment(model))
             telemetry.upstream_event("requests", entry.name)
             yield entry, attempt, i == len(candidates) - 1
 
