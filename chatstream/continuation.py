@@ -159,8 +159,7 @@ class Seam:
     with the text it now carries: while the continuation so far could still become a longer repeat
     (``overlap``), everything is held; then the repeated part is dropped and the rest passed on.
     ``final``: nothing more comes (the answer finished, or something else than text follows): decide
-    now. With ``dedupe`` off (a true prefix
-    continuation) everything passes at once."""
+    now. With ``dedupe`` off (a true prefix continuation) everything passes at once."""
 
     def __init__(self, known: str, dedupe: bool = True):
         self.known = known
