@@ -169,6 +169,7 @@ def test_what_the_relay_reads_is_checked_before_any_upstream_call(sdk, upstream)
     before = upstream.count()
     for body, param in [
         ({"input": 5}, "input"),
+        ({"input": ["an item must be an object"]}, "input"),
         ({"input": "x", "stream": "yes"}, "stream"),
         ({"input": "x", "instructions": ["a"]}, "instructions"),
         ({"input": "x", "background": 1}, "background"),
@@ -188,7 +189,7 @@ WRONG = {
     "a number": "0.5",
     "a boolean": "true",
     "an object": ["x"],
-    "an array": {"0": "x"},
+    "an array of objects": ["x"],
     "an array of strings": "text",
     "one of a string or an object": 5,
     "one of a string or an array of strings": {"stop": "x"},

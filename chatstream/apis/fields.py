@@ -29,6 +29,7 @@ class SharedFields(BaseModel):
     store: StrictBool | None = None
     temperature: Number | None = None
     tool_choice: StrictStr | Object | None = None
+    tools: list[Object] | None = None
     top_logprobs: StrictInt | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
@@ -40,7 +41,7 @@ class ChatFields(SharedFields):
     audio: Object | None = None
     frequency_penalty: Number | None = None
     function_call: StrictStr | Object | None = None
-    functions: list[Any] | None = None
+    functions: list[Object] | None = None
     logit_bias: Object | None = None
     logprobs: StrictBool | None = None
     max_completion_tokens: StrictInt | None = None
@@ -52,7 +53,6 @@ class ChatFields(SharedFields):
     response_format: Object | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    tools: list[Any] | None = None
     verbosity: StrictStr | None = None
     web_search_options: Object | None = None
 
@@ -111,8 +111,8 @@ def expected_types(model: type[BaseModel]) -> dict[str, str]:
         kinds = [option.get("type") for option in options]
         words = []
         for option, kind in zip(options, kinds, strict=True):
-            if kind == "array" and option.get("items", {}).get("type") == "string":
-                words.append("an array of strings")
+            if kind == "array" and option.get("items", {}).get("type") in ("string", "object"):
+                words.append(f"an array of {option['items']['type']}s")
             elif kind in _WORDS and not (kind == "integer" and "number" in kinds):  # a number takes integers
                 words.append(_WORDS[kind])
         if words:

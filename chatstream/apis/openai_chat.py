@@ -57,6 +57,8 @@ class OpenAIChatRequest(ChatFields):
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise ValueError(f"messages[{i}].content must be a string, an array of parts, or null")
+            if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
+                raise ValueError(f"messages[{i}].content: each part must be an object")
         return messages
 
 

@@ -40,11 +40,10 @@ class ResponsesRequest(ResponsesFields):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    input: str | list[Any] | None = None
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     stream: StrictBool | None = None
     background: StrictBool | None = None
-    tools: list[Any] | None = None
 
 
 def _describe(first: dict) -> tuple[str, str | None]:

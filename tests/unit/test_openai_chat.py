@@ -88,6 +88,11 @@ def test_a_message_without_content_passes():
             "messages",
             "messages: messages[0].content must be a string, an array of parts, or null",
         ),
+        (
+            {"messages": [{"role": "user", "content": ["x"]}]},
+            "messages",
+            "messages: messages[0].content: each part must be an object",
+        ),
         ({"messages": [USER], "model": ""}, "model", "model: String should have at least 1 character"),
         ({"messages": [USER], "model": "m" * 257}, "model", "model: String should have at most 256 characters"),
         ({"messages": [USER], "model": 5}, "model", "model: Input should be a valid string"),
@@ -146,7 +151,14 @@ def test_unknown_and_unchecked_fields_pass_unchanged_including_nulls():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", "hot"), ("max_tokens", "lots"), ("seed", 1.5), ("stop", {"weird": True}), ("user", ["u"])],
+    [
+        ("temperature", "hot"),
+        ("max_tokens", "lots"),
+        ("seed", 1.5),
+        ("stop", {"weird": True}),
+        ("user", ["u"]),
+        ("tools", ["not an object"]),
+    ],
 )
 def test_a_documented_field_of_the_wrong_type_is_a_400_naming_it(field, value):
     with pytest.raises(ApiError) as info:
