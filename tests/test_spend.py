@@ -418,6 +418,24 @@ def test_a_fallback_serving_another_model_names_it_and_is_charged_its_price(azur
         prompt = chunks[-1]["usage"]["prompt_tokens"]
         assert (row["model"], row["upstream"], row["prompt_tokens"]) == ("llama-test", "vllm", prompt)
         assert row["cost"] == prompt * pico_per_token(0.1) + len(NORMAL_DELTAS) * pico_per_token(0.2)
+
+        # An answer the primary begins and the fallback goes on with: each segment at its own model's price.
+        primary.http.post("/_scripted/default", json={"scenario": "normal"}).raise_for_status()
+        primary.http.post("/_scripted/failure", json={"after": 3, "times": 1}).raise_for_status()
+        who, key = caller(app, spend_budget=5)
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join((c["choices"] or [{}])[0].get("delta", {}).get("content") or "" for c in chunks)
+        assert text == "".join(NORMAL_DELTAS) and chunks[-1]["continued"][0]["to"] == "vllm"
+        assert chunks[-1]["model"] == "llama-test", "the usage chunk names the model that finished the answer"
+        rows = sorted(_wait_rows(azurite, 2, caller=who), key=lambda r: r["segment"])
+        assert [(r["model"], r["upstream"]) for r in rows] == [(MODEL, "primary"), ("llama-test", "vllm")]
+        prices = {MODEL: (2.5, 10), "llama-test": (0.1, 0.2)}
+        for r in rows:
+            cost_in, cost_out = (pico_per_token(p) for p in prices[r["model"]])
+            assert r["cost"] == r["prompt_tokens"] * cost_in + r["completion_tokens"] * cost_out, r
     finally:
         app.stop()
         primary.stop()
