@@ -21,15 +21,22 @@ choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
   ``continue_final_message``) gets that message as a true prefix to extend; any other gets
   ``CONTINUE_PROMPT`` as a user message after it (chat models have no prefill). The output cap
   (``max_tokens``, ``max_completion_tokens``) is lowered by the tokens already generated.
-- **The seam** (``Seam``). Models asked to go on often start again, or repeat the last words. The
-  continuation's first text is held while it could still be a repeat (it reads like a suffix of the
-  text so far that is at least ``MIN_OVERLAP`` characters long, or like the whole of it); then the
-  longest such suffix it starts with is dropped and the rest goes on. The hold is bounded by the
-  length of the text so far. A prefix continuation is passed on as it comes. Text steps (the guard)
-  see one text across the seam, on the raw deltas after it.
+- **The seam** (``Seam``). Models asked to go on often start again (after a " " or a "\n"), repeat
+  the last sentence or words, or begin the cut word again. The continuation's first text is held
+  while it could still be a repeat (``overlap``: all of the text so far, a suffix of at least
+  ``MIN_OVERLAP`` characters, either after up to ``LEADING_SPACE`` whitespace characters, or, with
+  no whitespace first, a suffix from the start of the cut word: "were pl" + "playing"); then the
+  longest repeat it starts with is dropped and the rest goes on. The hold is bounded by the length
+  of the text so far (and that whitespace). What it cannot tell: a restart in other words shows
+  both wordings, new text that begins with a long enough tail of the old loses it, and a word that
+  begins with its own cut fragment ("co" + "conut") loses the fragment. A prefix continuation is
+  passed on as it comes. Text steps (the guard) see one text across the seam, on the raw deltas
+  after it.
 - **The events.** The continuation's chunks keep the answer's ``id`` and ``created``; its role chunk
   is dropped. Its chunk with the ``finish_reason`` and the final event carry ``continued``:
-  ``[{"from", "to", "after_chars", "reason"}]``; its usage is the sum of every stream's.
+  ``[{"from", "to", "after_chars", "reason", "seam", "dropped"}]`` (``seam``: ``prefix``, the entry
+  extended the text, or ``matched``, repeats found by ``overlap`` and ``dropped`` characters of them
+  taken out); its usage is the sum of every stream's.
 """
 
 from __future__ import annotations
@@ -59,9 +66,13 @@ CONTINUE_PROMPT = (
     "starting with the very next character, without repeating anything already written and "
     "without any remark about the interruption."
 )
-# A repeat shorter than this is not taken for one (unless it is the whole text so far): a
-# continuation that starts with a few characters the text so far ends with is more likely new text.
+# A repeat shorter than this is not taken for one (unless it is the whole text so far, or the cut word
+# joined at its start, ``overlap``): a continuation that starts with a few characters the text so far
+# ends with is more likely new text.
 MIN_OVERLAP = 8
+# Whitespace a continuation may start with before it repeats the text so far (models asked to go on
+# often start again after a " " or a "\n"): read past, and dropped with the repeat.
+LEADING_SPACE = 4
 
 
 def turned_off(headers) -> bool:
@@ -73,39 +84,90 @@ def turned_off(headers) -> bool:
 
 
 def overlap(known: str, text: str) -> int:
-    """How many leading characters of ``text`` repeat the end of ``known``: the longest suffix of
-    ``known`` that ``text`` starts with, when it is all of ``known`` or at least ``MIN_OVERLAP``
-    characters; else 0."""
+    """How many leading characters of ``text`` repeat the end of ``known``, the longest of:
+
+    - a suffix of ``known`` that ``text`` starts with, when it is all of ``known``, at least
+      ``MIN_OVERLAP`` characters, or, when ``known`` ends in a word, starts at a word's start (the cut
+      word again: "were pl" + "playing", "the cat" + "cat sat");
+    - up to ``LEADING_SPACE`` whitespace characters and then all of ``known`` or a suffix of at least
+      ``MIN_OVERLAP`` characters (a model that starts again on a new line).
+
+    Else 0."""
+    best = _repeat(known, text, words=True)
+    for lead in range(1, _leading_space(text) + 1):
+        again = _repeat(known, text[lead:], words=False) if len(text) > lead else 0
+        if again:
+            best = max(best, lead + again)
+    return best
+
+
+def _leading_space(text: str) -> int:
+    """How many whitespace characters ``text`` starts with, up to ``LEADING_SPACE``."""
+    return len(text[:LEADING_SPACE]) - len(text[:LEADING_SPACE].lstrip())
+
+
+def _repeat(known: str, text: str, words: bool) -> int:
+    """The longest suffix of ``known`` that ``text`` starts with and that counts as a repeat
+    (``overlap``, without the leading whitespace)."""
     if known and text.startswith(known):
         return len(known)
     n = min(len(known), len(text))
-    if n < MIN_OVERLAP:
-        return 0
-    probe = text[:MIN_OVERLAP]
-    at = known.find(probe, len(known) - n)
-    while at != -1:  # the first fitting start is the longest suffix
-        if text.startswith(known[at:]):
-            return len(known) - at
-        at = known.find(probe, at + 1)
+    if n >= MIN_OVERLAP:
+        probe = text[:MIN_OVERLAP]
+        at = known.find(probe, len(known) - n)
+        while at != -1:  # the first fitting start is the longest suffix
+            if text.startswith(known[at:]):
+                return len(known) - at
+            at = known.find(probe, at + 1)
+    if words and known and _word(known[-1]):
+        for size in range(min(n, MIN_OVERLAP - 1), 0, -1):
+            at = len(known) - size
+            if _word_start(known, at) and text.startswith(known[at:]):
+                return size
     return 0
+
+
+def _word(char: str) -> bool:
+    return char.isalnum()
+
+
+def _word_start(known: str, at: int) -> bool:
+    return _word(known[at]) and (at == 0 or not _word(known[at - 1]))
+
+
+def _could_grow(known: str, held: str, words: bool) -> bool:
+    """Whether ``held`` is the start of a suffix of ``known`` longer than itself that counts as a
+    repeat (``_repeat``): if so the continuation may still turn out to repeat it."""
+    end = len(known) - 1  # a match must end before known's last character
+    at = known.find(held, 0, end)
+    if at == -1:
+        return False
+    if at == 0 or len(known) - at >= MIN_OVERLAP:
+        return True
+    if not (words and _word(known[-1])):
+        return False
+    while at != -1:  # the rest are all in the last MIN_OVERLAP characters
+        if _word_start(known, at):
+            return True
+        at = known.find(held, at + 1, end)
+    return False
 
 
 class Seam:
     """Where a continuation's text meets the text so far (``known``). ``feed`` takes each piece of
     the continuation's text with what carries it (a chunk) and returns the pieces to pass on, each
-    with the text it now carries: while the continuation so far could still become a repeat of a
-    longer suffix of ``known`` (``MIN_OVERLAP``), everything is held; then the repeated part is
-    dropped (``overlap``) and the rest passed on. ``final``: nothing more comes (the answer finished,
-    or something else than text follows): decide now. With ``dedupe`` off (a true prefix
-    continuation) everything passes at once."""
+    with the text it now carries: while the continuation so far could still become a longer repeat
+    (``overlap``), everything is held; then the repeated part is dropped and the rest passed on.
+    ``final``: nothing more comes (the answer finished, or something else than text follows): decide
+    now. With ``dedupe`` off (a true prefix continuation) everything passes at once."""
 
     def __init__(self, known: str, dedupe: bool = True):
         self.known = known
+        self.dedupe = dedupe
         self.deciding = dedupe and bool(known)
         self.dropped = 0  # characters dropped as a repeat
         self._held: list[tuple[object, str]] = []
         self._text = ""
-        self._start = 0  # no repeat can start before this position of ``known``
 
     @property
     def holding(self) -> int:
@@ -122,14 +184,15 @@ class Seam:
         return self._decide()
 
     def _could_grow(self) -> bool:
-        """Whether the held text is the start of a suffix of ``known`` longer than itself (one that
-        counts as a repeat): if so it may still turn out to be a repeat."""
+        """Whether the held text may still turn out to be a longer repeat (``overlap``): it starts a
+        longer suffix of ``known`` that would count, as it is or after its leading whitespace."""
         known, held = self.known, self._text
-        at = known.find(held, self._start, len(known) - 1)  # ends before known's last character
-        if at == -1 or (at != 0 and len(known) - at < MIN_OVERLAP):
-            return False  # a later start would be shorter still
-        self._start = at
-        return True
+        if _could_grow(known, held, words=True):
+            return True
+        return any(
+            len(held) == lead or _could_grow(known, held[lead:], words=False)
+            for lead in range(1, _leading_space(held) + 1)
+        )
 
     def _decide(self) -> list[tuple[object, str]]:
         drop = self.dropped = overlap(self.known, self._text)
@@ -262,7 +325,9 @@ class ChatContinuation:
     def feed(self, data: dict) -> Sequence[dict]:
         segment = self._segment
         if segment is None:
-            segment = self._segment = Segment(self.record.upstream, request_id=self.record.request_id or None)
+            segment = self._segment = Segment(
+                self.record.upstream, request_id=self.record.request_id or None, model=self.record.upstream_model
+            )
             self.record.segment(segment)
         usage = data.get("usage")
         if usage and isinstance(usage, dict):
@@ -302,6 +367,8 @@ class ChatContinuation:
         if other and seam.deciding:  # something else than text: decide on the text held so far
             pieces = seam.feed(None, "", final=True)
         pieces += seam.feed(data, content, final=bool(finish or other))
+        if pieces and seam.dedupe:  # decided: what it dropped goes in the answer's ``continued``
+            self.continued[-1]["dropped"] = seam.dropped
         out = []
         for carrier, text in pieces:
             if not isinstance(carrier, dict):
@@ -370,9 +437,17 @@ class ChatContinuation:
             entry.name if entry is not None else None,
             request_id=stream.request_id,
             prompt_tokens=tokens.count_prompt(self.params.get("model"), sent[-1]) if sent else None,
+            model=entry.deployment(self.params["model"]) if entry is not None else None,
         )
         record.segment(self._segment)
-        seam = {"from": failed, "to": self._segment.upstream, "after_chars": len(known), "reason": str(error.type)}
+        seam = {
+            "from": failed,
+            "to": self._segment.upstream,
+            "after_chars": len(known),
+            "reason": str(error.type),
+            "seam": "matched" if self._seam.dedupe else "prefix",
+            "dropped": 0,
+        }
         self.continued.append(seam)
         record.continued_on(seam)
         telemetry.upstream_event("continuations", failed or "", reason=str(error.type))

@@ -124,6 +124,7 @@ class Segment:
     answered: bool = True
     request_id: str | None = None  # the upstream's x-request-id for it
     prompt_tokens: int | None = None
+    model: str | None = None  # the model name its upstream was sent (``StreamRecord.upstream_model``)
 
     @property
     def text(self) -> str:
@@ -137,6 +138,7 @@ class Segment:
             "answered": self.answered,
             "request_id": self.request_id,
             "prompt_tokens": self.prompt_tokens,
+            "model": self.model,
         }
 
 
@@ -160,6 +162,7 @@ class StreamRecord:
     status: int = 200
     disconnected: bool = False
     upstream: str | None = None  # the pool entry that served the request (or the last one tried)
+    upstream_model: str | None = None  # ...the model name it was sent (its ``deployments`` may map ``model``)
     attempts: int = 0  # pool entries tried for it (1 without a failover)
     answered: bool = False  # an upstream took the request (answered 200): from then on it may cost tokens
     prompt_only: bool = False  # a non-streamed call cut short in flight: the upstream read (and bills) its prompt
@@ -196,8 +199,8 @@ class StreamRecord:
             self.status = status
 
     # -- the pool's facts
-    def attempting(self, entry: str) -> None:
-        self.upstream = entry
+    def attempting(self, entry: str, model: str | None = None) -> None:
+        self.upstream, self.upstream_model = entry, model
         self.attempts += 1
 
     def cut_short(self) -> None:

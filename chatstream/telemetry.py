@@ -68,7 +68,7 @@ ATTR_COST = "chat.cost_usd"  # what the request cost at the model's price (price
 ATTR_REQUEST_ID = "chat.request_id"  # x-request-id: the upstream's, else the app's own
 ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
 ATTR_CONTINUATIONS = "chat.continuations"  # how often the answer went on on another stream
-ATTR_CONTINUED = "chat.continued"  # those seams as JSON text: [{"from", "to", "after_chars", "reason"}]
+ATTR_CONTINUED = "chat.continued"  # those seams as JSON text: [{"from", "to", "after_chars", "reason", ...}]
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.

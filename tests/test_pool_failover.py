@@ -739,7 +739,9 @@ def test_an_answer_cut_after_three_deltas_goes_on_on_the_next_entry(ups, start_a
     assert result.status == 200 and result.text == NORMAL, "the whole answer, each character once"
     assert result.terminal_events() == ["done"]
     done = result.last[1]
-    assert done["continued"] == [{"from": "a", "to": "b", "after_chars": len(CUT), "reason": reason}]
+    assert done["continued"] == [
+        {"from": "a", "to": "b", "after_chars": len(CUT), "reason": reason, "seam": "matched", "dropped": len(CUT)}
+    ]
     assert [n - m for n, m in zip(counts(a, b), before)] == [1, 1]
     sent = b.requests(last=1)[-1]["json"]
     assert sent["messages"][:2] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": CUT}]
@@ -760,6 +762,37 @@ def test_a_continuation_that_repeats_the_answer_or_its_tail_leaves_no_duplicate(
     result = chat(app.chat_url, HI)
     assert result.text == NORMAL and result.terminal_events() == ["done"]
     assert result.last[1]["continued"][0]["after_chars"] == len("".join(NORMAL_DELTAS[:5]))
+
+
+# Where the cut word "Paulo" is begun again: "Pa" + "Paulo".
+PAULO = NORMAL.index("Paulo") + 2
+
+
+@pytest.mark.parametrize(
+    "cut, how",
+    [
+        (45, {"mode": "restart", "lead": "\n"}),  # each cut of issue 42: the whole answer again, on a new line
+        (97, {"mode": "restart", "lead": "\n"}),
+        (180, {"mode": "restart", "lead": " "}),
+        (180, {"mode": "restart", "lead": "\n"}),
+        (97, {"mode": "tail", "tail": 20, "lead": "\n"}),  # the last words again
+        (PAULO, {"mode": "tail", "tail": 2}),  # the cut word again
+    ],
+)
+def test_a_continuation_that_starts_again_on_a_new_line_or_with_the_cut_word_leaves_no_duplicate(
+    ups, start_app, cut, how
+):
+    a, b, c = ups
+    a.http.post("/_scripted/failure", json={"chars": cut, "times": 1}).raise_for_status()
+    going_on(b, **how)
+    app = a_then_b(start_app, a, b)
+    result = chat(app.chat_url, HI)
+    assert result.text == NORMAL, "the caller's text is the answer, each character once"
+    assert result.terminal_events() == ["done"]
+    seam = result.last[1]["continued"]
+    repeated = cut if how["mode"] == "restart" else how["tail"]
+    assert [(s["from"], s["to"], s["after_chars"], s["seam"]) for s in seam] == [("a", "b", cut, "matched")]
+    assert seam[0]["dropped"] == len(how.get("lead", "")) + repeated
 
 
 def test_both_entries_failing_is_the_final_error_within_the_total_limit(ups, start_app):
@@ -849,7 +882,16 @@ def test_the_openai_sdk_gets_one_answer_its_usage_summed_and_where_it_was_contin
         assert len({ch.id for ch in chunks}) == 1, "one answer, one id"
         finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
         assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
-        seam = [{"from": "a", "to": "b", "after_chars": len(CUT), "reason": "upstream_disconnected"}]
+        seam = [
+            {
+                "from": "a",
+                "to": "b",
+                "after_chars": len(CUT),
+                "reason": "upstream_disconnected",
+                "seam": "matched",
+                "dropped": len(CUT),
+            }
+        ]
         assert (finish[0].model_extra or {})["continued"] == seam
         usage_chunk = chunks[-1]
         assert usage_chunk.choices == [] and (usage_chunk.model_extra or {})["continued"] == seam
@@ -885,7 +927,14 @@ def test_a_single_upstream_continues_on_itself(start_app):
         app = start_app(OPENAI_BASE_URL=own.base_url)
         result = chat(app.chat_url, HI)
         assert result.text == NORMAL and result.last[1]["continued"] == [
-            {"from": "default", "to": "default", "after_chars": len(CUT), "reason": "upstream_disconnected"}
+            {
+                "from": "default",
+                "to": "default",
+                "after_chars": len(CUT),
+                "reason": "upstream_disconnected",
+                "seam": "matched",
+                "dropped": len(CUT),
+            }
         ]
         assert own.count() == 2
     finally:

@@ -171,6 +171,7 @@ def test_what_the_relay_reads_is_checked_before_any_upstream_call(sdk, upstream)
     before = upstream.count()
     for body, param in [
         ({"input": 5}, "input"),
+        ({"input": ["an item must be an object"]}, "input"),
         ({"input": "x", "stream": "yes"}, "stream"),
         ({"input": "x", "instructions": ["a"]}, "instructions"),
         ({"input": "x", "background": 1}, "background"),
@@ -181,6 +182,48 @@ def test_what_the_relay_reads_is_checked_before_any_upstream_call(sdk, upstream)
         assert info.value.body["param"] == param, body
         assert info.value.body["type"] == "invalid_request_error"
     assert upstream.count() == before
+
+
+# A value of the wrong type for each kind of field fields.py declares.
+WRONG = {
+    "a string": [{"id": "resp_1"}],
+    "an integer": "5",
+    "a number": "0.5",
+    "a boolean": "true",
+    "an object": ["x"],
+    "an array of objects": ["x"],
+    "an array of strings": "text",
+    "one of a string or an object": 5,
+    "one of a string or an array of strings": {"stop": "x"},
+}
+
+
+@pytest.mark.parametrize("path", ["/api/v1/chat/completions", "/api/v1/responses"])
+def test_a_field_of_the_wrong_type_is_the_callers_400_naming_it_and_never_reaches_the_upstream(app, upstream, path):
+    """Issue 42: ``previous_response_id`` as a list or an object reached the upstream, came back as a
+    502 and counted against the entry. Every documented field the relay passes on is checked by type."""
+    from chatstream.apis.fields import expected_types
+    from chatstream.apis.openai_chat import OpenAIChatRequest
+    from chatstream.apis.responses import ResponsesRequest
+
+    model = OpenAIChatRequest if path.endswith("completions") else ResponsesRequest
+    base = {"model": "gpt-test", "stream": True}
+    base |= {"messages": [{"role": "user", "content": "hi"}]} if model is OpenAIChatRequest else {"input": "hi"}
+    cases = [(field, WRONG[expected]) for field, expected in expected_types(model).items()]
+    if model is ResponsesRequest:
+        cases += [("previous_response_id", {"id": "resp_1"}), ("previous_response_id", ["resp_1", "resp_2"])]
+    assert len(cases) > 20
+    before = upstream.count()
+    with httpx.Client(timeout=15) as client:
+        for field, value in cases:
+            r = client.post(app.url + path, json={**base, field: value})
+            assert r.status_code == 400, (field, value, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and error["type"] == "invalid_request_error", error
+            assert error["message"].startswith(f"Invalid type for '{field}': expected "), error
+        assert upstream.count() == before, "nothing reached the upstream"
+        fine = client.post(app.url + path, json={**base, "stream": False, "temperature": 1, "user": "u-1"})
+        assert fine.status_code == 200, "an integer is a number; the right types pass"
 
 
 def test_mid_stream_error_event_ends_the_stream_with_an_error_event(sdk):
@@ -443,6 +486,8 @@ _fields = {
     "background": _json,
     "tools": _json,
     "store": _json,
+    "previous_response_id": _json,
+    "temperature": _json,
 }
 
 

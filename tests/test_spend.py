@@ -559,3 +559,56 @@ def test_a_background_response_is_charged_at_the_price_it_was_admitted_at(keyed,
     [row] = _wait_rows(azurite, 1, caller=who)
     assert row["ended"] == "background"
     assert row["cost"] == row["prompt_tokens"] * pico_per_token(1) + row["completion_tokens"] * pico_per_token(10)
+
+
+def test_a_fallback_serving_another_model_names_it_and_is_charged_its_price(azurite):
+    """Issue 42: a ``base_url`` entry may serve a requested model as one of its own (``deployments``).
+    The primary answers 500; the fallback serves ``gpt-test`` as ``llama-test``: the caller's chunks
+    and usage name it, and the ledger row is that model's, at its price."""
+    from servers import Upstream
+
+    primary, fallback = Upstream("--scenario", "server_error"), Upstream("--scenario", "normal")
+    pool = [
+        {"name": "primary", "base_url": primary.base_url, "priority": 1},
+        {"name": "vllm", "base_url": fallback.base_url, "priority": 2, "deployments": {MODEL: "llama-test"}},
+    ]
+    app = App(env(fallback, azurite, UPSTREAMS=json.dumps(pool)))
+    try:
+        admin(app, "PUT", f"prices/{MODEL}", {"input": 2.5, "output": 10})
+        admin(app, "PUT", "prices/llama-test", {"input": 0.1, "output": 0.2})
+        who, key = caller(app, spend_budget=5)
+        body = ask("a question for the pool", stream=True, stream_options={"include_usage": True})
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert {c["model"] for c in chunks} == {"llama-test"}, "every chunk, the usage one too, names it"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(NORMAL_DELTAS)
+        assert primary.count() == 1 and fallback.requests(last=1)[0]["json"]["model"] == "llama-test"
+        (row,) = _wait_rows(azurite, 1, caller=who)
+        prompt = chunks[-1]["usage"]["prompt_tokens"]
+        assert (row["model"], row["upstream"], row["prompt_tokens"]) == ("llama-test", "vllm", prompt)
+        assert row["cost"] == prompt * pico_per_token(0.1) + len(NORMAL_DELTAS) * pico_per_token(0.2)
+
+        # An answer the primary begins and the fallback goes on with: each segment at its own model's price.
+        primary.http.post("/_scripted/default", json={"scenario": "normal"}).raise_for_status()
+        primary.http.post("/_scripted/failure", json={"after": 3, "times": 1}).raise_for_status()
+        who, key = caller(app, spend_budget=5)
+        with httpx.stream(
+            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+        ) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join((c["choices"] or [{}])[0].get("delta", {}).get("content") or "" for c in chunks)
+        assert text == "".join(NORMAL_DELTAS) and chunks[-1]["continued"][0]["to"] == "vllm"
+        assert chunks[-1]["model"] == "llama-test", "the usage chunk names the model that finished the answer"
+        rows = sorted(_wait_rows(azurite, 2, caller=who), key=lambda r: r["segment"])
+        assert [(r["model"], r["upstream"]) for r in rows] == [(MODEL, "primary"), ("llama-test", "vllm")]
+        prices = {MODEL: (2.5, 10), "llama-test": (0.1, 0.2)}
+        for r in rows:
+            cost_in, cost_out = (pico_per_token(p) for p in prices[r["model"]])
+            assert r["cost"] == r["prompt_tokens"] * cost_in + r["completion_tokens"] * cost_out, r
+    finally:
+        app.stop()
+        primary.stop()
+        fallback.stop()

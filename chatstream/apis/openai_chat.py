@@ -2,10 +2,11 @@
 OpenAI SDKs and the tools built on them (docs/openai.md). Its request contract, its events and its
 errors, in OpenAI's shapes.
 
-Forward-compatible: the relay checks only the fields it reads or limits (``model``, ``messages``,
-``stream``, ``stream_options``, ``n``); every other field goes to the upstream unchanged, and the
-upstream's own 400 comes back as a 400 with its message, code, type and param. Errors are
-``{"error": {"message", "type", "param", "code", "chatstream_kind"}}`` with the statuses the SDKs map to their
+Forward-compatible: the relay checks the fields it reads or limits (``model``, ``messages``,
+``stream``, ``stream_options``, ``n``) and the types of OpenAI's others (fields.py); every field goes
+to the upstream unchanged, and the upstream's own 400 comes back as a 400 with its message, code, type
+and param. Errors are ``{"error": {"message", "type", "param", "code", "chatstream_kind"}}`` with the
+statuses the SDKs map to their
 exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 RateLimitError, 5xx)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
 from ..upstreams.failover import Upstreams
 from .completions import CompletionStream, filter_completion
+from .fields import ChatFields, type_problem
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 OPENAI_DONE = b"data: [DONE]\n\n"
@@ -34,8 +36,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class OpenAIChatRequest(BaseModel):
-    """The fields the relay reads or limits; any other field is kept and passed on as it came."""
+class OpenAIChatRequest(ChatFields):
+    """The fields the relay reads or limits, and the types of OpenAI's others (fields.py); any other
+    field is kept and passed on as it came."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -55,6 +58,8 @@ class OpenAIChatRequest(BaseModel):
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise ValueError(f"messages[{i}].content must be a string, an array of parts, or null")
+            if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
+                raise ValueError(f"messages[{i}].content: each part must be an object")
         return messages
 
 
@@ -67,7 +72,9 @@ def describe(first: dict) -> tuple[str, str | None]:
 
 
 def validate(data: object) -> OpenAIChatRequest:
-    return validate_object(OpenAIChatRequest, data, describe)
+    return validate_object(
+        OpenAIChatRequest, data, lambda first: type_problem(OpenAIChatRequest, first) or describe(first)
+    )
 
 
 _TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}

@@ -3,9 +3,9 @@ Agents SDK and the Vercel AI SDK's default ``openai()`` provider (docs/openai.md
 request contract and the adapter the endpoint uses; the stream itself is responses_stream.py, the
 calls about a stored response (GET, DELETE, cancel, input_items) responses_follow_ups.py.
 
-Forward-compatible like chat completions: the relay checks only the fields it reads (``model``,
-``input``, ``instructions``, ``stream``, ``background``, ``tools``); every other field goes to the
-upstream unchanged. Errors are OpenAI's (openai_chat.error_response).
+Forward-compatible like chat completions: the relay checks the fields it reads (``model``,
+``input``, ``instructions``, ``stream``, ``background``, ``tools``) and the types of OpenAI's others
+(fields.py); every field goes to the upstream unchanged. Errors are OpenAI's (openai_chat.error_response).
 
 Background responses (``"background": true``): a caller hanging up closes the upstream stream, as for
 any stream, and sends no cancel request, so the response goes on at the upstream: resume it with
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import ConfigDict, Field, StrictBool
 
 from ..continuation import ResponsesReattach
 from ..http import validate_object
@@ -28,24 +28,28 @@ from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import StreamProtocol
 from ..upstreams.failover import Upstreams
+from .fields import ResponsesFields, type_problem
 from .openai_chat import describe, error_response
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
 
-class ResponsesRequest(BaseModel):
-    """The fields the relay reads; any other field is kept and passed on as it came."""
+class ResponsesRequest(ResponsesFields):
+    """The fields the relay reads, and the types of OpenAI's others (fields.py); any other field is
+    kept and passed on as it came."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    input: str | list[Any] | None = None
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     stream: StrictBool | None = None
     background: StrictBool | None = None
-    tools: list[Any] | None = None
 
 
 def _describe(first: dict) -> tuple[str, str | None]:
+    problem = type_problem(ResponsesRequest, first)
+    if problem is not None:
+        return problem
     message, param = describe(first)
     if param == "input":  # pydantic's union message would list its branches
         message = "input: must be a string or an array of input items"

@@ -25,6 +25,9 @@ several) one ledger row:
   upstream has read it);
 - no upstream took it: nothing; the reservation is released and no ledger row is written.
 
+Each at the requested model's price, under its name; a segment whose pool entry was sent another
+model name (its ``deployments``) that has a price of its own: at that price, under that name.
+
 The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
 never counted twice, whatever the store or the instance does meanwhile."""
 
@@ -115,10 +118,16 @@ class Used:
     completion: int
     upstream: str | None = None
     request_id: str | None = None  # the upstream's x-request-id for it
+    model: str | None = None  # the model name its upstream was sent, when not the requested one
 
     @property
     def total(self) -> int:
         return self.prompt + self.completion
+
+
+def _served(admission: Admission, model: str | None) -> str | None:
+    """The model name an upstream was sent, when it is not the requested one."""
+    return model if model and model != admission.model else None
 
 
 def usage_of(usage: Mapping | None) -> Used | None:
@@ -285,14 +294,19 @@ class Accounting:
         task.add_done_callback(self._background.discard)
 
     def cost_of(self, admission: Admission | None, record: StreamRecord, generated) -> int | None:
-        """What the request costs at the price it was admitted with (pico-USD; None: no price), for
-        its log line, span and metrics, before the charge itself, at that same price, is written in
-        the background (a price change applies to the requests admitted after it)."""
+        """What the request costs at the price it was admitted with, or a served model's kept here
+        (pico-USD; None: no price), for its log line, span and metrics, before the charge itself, at
+        that same price, is written in the background (a price change applies to the requests
+        admitted after it)."""
         if admission is None or admission.price is None:
             return None
         segments = record.segments if record.continued else None
         used = self._used(admission, record, generated, segments)
-        return sum(admission.price.cost(u.prompt, u.cached, u.completion) for u in used) if used else None
+        price = admission.price
+        at = [(self.registry.price_kept(u.model) if u.model else None) or price for u in used]
+        return (
+            sum(p.cost(u.prompt, u.cached, u.completion) for p, u in zip(at, used, strict=True) if p) if used else None
+        )
 
     def _used(
         self, admission: Admission, record: StreamRecord, generated: Mapping[int, Sequence[str]] | None, segments
@@ -305,25 +319,32 @@ class Accounting:
             used: list[Used] = []
             for segment in segments:
                 reported = usage_of(segment.usage)
+                served = _served(admission, segment.model)
                 if reported is not None:
                     used.append(
                         Used(
-                            reported.prompt, reported.cached, reported.completion, segment.upstream, segment.request_id
+                            reported.prompt,
+                            reported.cached,
+                            reported.completion,
+                            segment.upstream,
+                            segment.request_id,
+                            served,
                         )
                     )
                 elif segment.answered:
                     prompt = segment.prompt_tokens if segment.prompt_tokens is not None else admission.prompt_tokens
                     completion = tokens.count_text(model, segment.text)
-                    used.append(Used(prompt, 0, completion, segment.upstream, segment.request_id))
+                    used.append(Used(prompt, 0, completion, segment.upstream, segment.request_id, served))
             return used
         reported = usage_of(record.usage)
+        served = _served(admission, record.upstream_model)
         if reported is not None:
-            return [Used(reported.prompt, reported.cached, reported.completion, record.upstream)]
+            return [Used(reported.prompt, reported.cached, reported.completion, record.upstream, model=served)]
         if record.answered:
             completion = sum(tokens.count_text(model, "".join(parts)) for parts in (generated or {}).values())
-            return [Used(admission.prompt_tokens, 0, completion, record.upstream)]
+            return [Used(admission.prompt_tokens, 0, completion, record.upstream, model=served)]
         if record.prompt_only:  # a non-streamed call abandoned in flight: the upstream has read the prompt
-            return [Used(admission.prompt_tokens, 0, 0, record.upstream)]
+            return [Used(admission.prompt_tokens, 0, 0, record.upstream, model=served)]
         return []
 
     async def _charge(self, admission: Admission, record: StreamRecord, generated, segments) -> None:
@@ -345,13 +366,18 @@ class Accounting:
             return
         price = admission.price  # the price it was admitted (and reserved) at, as its log line says
         how = ended(record)
+        # A segment served under a name with a price of its own is charged that price, under that name.
+        served = await self._served_prices(used)
+        at = [
+            (u.model, served[u.model]) if u.model in served else (record.model or admission.model, price) for u in used
+        ]
         charges = [
             Charge(
                 caller=admission.caller.name,
                 caller_id=admission.caller.id,
                 team=admission.team.name if admission.team is not None else None,
                 team_id=admission.team.id if admission.team is not None else None,
-                model=record.model or admission.model,
+                model=model,
                 endpoint=record.endpoint,
                 request_id=record.id,
                 segment=admission.segment_base + i,
@@ -361,16 +387,16 @@ class Accounting:
                 prompt_tokens=u.prompt,
                 cached_tokens=u.cached,
                 completion_tokens=u.completion,
-                cost=price.cost(u.prompt, u.cached, u.completion) if price is not None else None,
+                cost=charged.cost(u.prompt, u.cached, u.completion) if charged is not None else None,
                 ended=how,
                 author=self.counters.instance,
             )
-            for i, u in enumerate(used)
+            for i, (u, (model, charged)) in enumerate(zip(used, at, strict=True))
         ]
         tokens_used = sum(u.total for u in used)
         cost = sum(c.cost or 0 for c in charges)
         spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
-        record.cost = cost if price is not None else None
+        record.cost = cost if any(p is not None for _, p in at) else None
         if admission.created is not None and usage_of(record.usage) is not None:
             with contextlib.suppress(StoreError):  # what continuing it will carry, for its reservation
                 await self.owners.set_context(*admission.created, used[-1].total)
@@ -378,6 +404,17 @@ class Accounting:
         amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
         if admission.entry is not None:
             self.journal.settle(admission.entry, charges, amounts, settlement)
+
+    async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
+        """The price of each model the answer was served as under another name than the requested
+        one (an entry's ``deployments``), when that name has one of its own; the others are charged
+        the requested model's."""
+        out: dict[str, Price] = {}
+        for model in {u.model for u in used if u.model}:
+            price = await self.registry.price(model)
+            if isinstance(price, Price):
+                out[model] = price
+        return out
 
     async def _first_charge(self, kind: str, id: str) -> bool:
         try:

@@ -287,6 +287,11 @@ class Registry:
         team, price = await asyncio.gather(self.team_of(caller), self.price(model))
         return team, price
 
+    def price_kept(self, model: str) -> Price | None:
+        """The model's price as this instance keeps it now, without a store read (None: none kept)."""
+        found, price = self.prices.fresh(model)
+        return price if found and isinstance(price, Price) else None
+
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""
         try:

@@ -43,6 +43,8 @@ class Entry:
     priority: int = 1
     weight: float = 1.0
     models: tuple[str, ...] | None = None  # None: serves any model
+    # A requested model name -> the name this entry is sent instead (an Azure deployment, or another
+    # server's own model: "gpt-4o-mini" served as "llama-3.1-8b"); unmapped names go as they are.
     deployments: Mapping[str, str] = field(default_factory=dict)
     # How an answer cut short is continued on this entry (chatstream/continuation.py): ``prompt``, the
     # text so far as an assistant message and an instruction to go on; ``prefix``, a true prefix
@@ -76,8 +78,8 @@ class Entry:
         )
 
     def deployment(self, model: str) -> str:
-        """The name sent upstream for ``model``: for Azure OpenAI the deployment it maps to
-        (the model name itself when unmapped), otherwise the model name."""
+        """The name sent upstream for ``model``: what ``deployments`` maps it to (an Azure deployment,
+        or the entry's own model), else the model name itself."""
         return self.deployments.get(model, model)
 
 
@@ -120,10 +122,8 @@ class _EntrySpec(BaseModel):
                 raise ValueError(f"{key}: {url_problem(value)}")
         if self.azure_endpoint is not None and self.continue_ == "prefix":
             raise ValueError("continue: prefix needs a server that accepts continue_final_message (a base_url entry)")
-        if self.base_url is not None:
-            for key in ("api_version", "deployments"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"{key}: only for an azure_endpoint entry")
+        if self.base_url is not None and self.api_version is not None:
+            raise ValueError("api_version: only for an azure_endpoint entry")
         if self.models is not None and len(set(self.models)) != len(self.models):
             raise ValueError("models: a model is listed twice")
         if self.deployments and self.models is not None:

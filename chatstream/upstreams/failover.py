@@ -322,7 +322,7 @@ class Upstreams:
             raise self._unavailable(model)
         for i, entry in enumerate(candidates):
             while way.allows(entry) and (attempt := self.pool.acquire(entry, model)) is not None:
-                record.attempting(entry.name)
+                record.attempting(entry.name, entry.deployment(model))
                 telemetry.upstream_event("requests", entry.name)
                 yield entry, attempt, i == len(candidates) - 1
                 if not way.again:

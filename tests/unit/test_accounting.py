@@ -415,3 +415,31 @@ async def test_a_partial_stream_of_several_choices_is_charged_the_text_of_every_
     each = sum(tokens.count_text(MODEL, "".join(pieces)) for pieces in texts.values())
     assert row["completion_tokens"] == each  # each choice counted on its own text
     await state.close()
+
+
+async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_has_one():
+    """An entry's ``deployments`` sent the model under another name: that name's price and name when
+    it has a price (an open model), else the requested model's (an Azure deployment name)."""
+    from chatstream.record import Segment
+
+    data = account()
+    state, acc = instance(data, "a")
+    await state.registry.set_price(MODEL, {"input": 1, "output": 2})
+    await state.registry.set_price("llama", {"input": 0.1, "output": 0.2})
+    caller, _ = await state.registry.create({"name": "c", "spend_budget": 1})
+    admitted, rec = await admit(acc, caller)
+    assert isinstance(admitted, Admission)
+    rec.upstream_answered()
+    segments = [
+        Segment("ptu", usage={"prompt_tokens": 10, "completion_tokens": 5}, model="gpt-ptu-deployment"),
+        Segment("vllm", usage={"prompt_tokens": 20, "completion_tokens": 10}, model="llama"),
+    ]
+    acc.charge(admitted, rec, None, segments)
+    assert await acc.flush(5)
+    found = sorted(ledger_rows(data), key=lambda r: r["segment"])
+    assert [(r["model"], r["cost"]) for r in found] == [
+        (MODEL, (10 * 1 + 5 * 2) * 10**6),
+        ("llama", 20 * 100_000 + 10 * 200_000),
+    ]
+    assert rec.cost == sum(r["cost"] for r in found) == counter(data, caller.limits_partition, "spend")["taken"]
+    await state.close()

@@ -379,7 +379,9 @@ async def test_an_answer_cut_mid_stream_goes_on_on_the_next_entry_and_the_first_
     upstreams = pooled({"a": a, "b": b, "c": c})
     events, record = await run(upstreams, continue_max=2)
     assert texts(events) == "Hello, world" and isinstance(events[-1], Done)
-    assert events[-1].continued == ({"from": "a", "to": "b", "after_chars": 7, "reason": "upstream_disconnected"},)
+    assert events[-1].continued == (
+        {"from": "a", "to": "b", "after_chars": 7, "reason": "upstream_disconnected", "seam": "matched", "dropped": 7},
+    )
     assert b.bodies[0]["messages"][1:] == [
         {"role": "assistant", "content": "Hello, "},
         {"role": "user", "content": CONTINUE_PROMPT},

@@ -88,6 +88,11 @@ def test_a_message_without_content_passes():
             "messages",
             "messages: messages[0].content must be a string, an array of parts, or null",
         ),
+        (
+            {"messages": [{"role": "user", "content": ["x"]}]},
+            "messages",
+            "messages: messages[0].content: each part must be an object",
+        ),
         ({"messages": [USER], "model": ""}, "model", "model: String should have at least 1 character"),
         ({"messages": [USER], "model": "m" * 257}, "model", "model: String should have at most 256 characters"),
         ({"messages": [USER], "model": 5}, "model", "model: Input should be a valid string"),
@@ -119,12 +124,12 @@ def test_the_body_must_be_an_object(body):
     assert refused(body).message == "the body must be a JSON object"
 
 
-UNCHECKED = {
-    "temperature": "hot",
+UNCHECKED = {  # values of the right type (only that is checked: fields.py), nulls, a field to come
+    "temperature": 7,
     "top_p": -5,
-    "max_tokens": "lots",
-    "seed": 1.5,
-    "stop": {"weird": True},
+    "max_tokens": 0,
+    "seed": -1,
+    "stop": [""],
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": None,
     "response_format": None,
@@ -142,6 +147,24 @@ def test_unknown_and_unchecked_fields_pass_unchanged_including_nulls():
     assert call.params == before
     assert body == before, "the caller's body is not changed"
     assert call.params is not body
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", "hot"),
+        ("max_tokens", "lots"),
+        ("seed", 1.5),
+        ("stop", {"weird": True}),
+        ("user", ["u"]),
+        ("tools", ["not an object"]),
+    ],
+)
+def test_a_documented_field_of_the_wrong_type_is_a_400_naming_it(field, value):
+    with pytest.raises(ApiError) as info:
+        OpenAIChatApi().parse({"messages": [USER], field: value}, SETTINGS.default_model)
+    assert info.value.status == 400 and info.value.param == field
+    assert info.value.message.startswith(f"Invalid type for '{field}': expected ")
 
 
 def test_nulls_for_the_checked_fields_mean_unset():

@@ -43,7 +43,12 @@ def test_a_valid_upstreams_value():
                 "priority": 3,
                 "weight": 0.5,
             },
-            {"name": "local", "base_url": "http://127.0.0.1:8000/v1", "priority": 4},
+            {
+                "name": "local",
+                "base_url": "http://127.0.0.1:8000/v1",
+                "priority": 4,
+                "deployments": {"gpt-4o-mini": "llama-3.1-8b"},
+            },
         ]
     )
     ptu, paygo, oai, local = parse_upstreams(raw, ENV)
@@ -67,6 +72,7 @@ def test_a_valid_upstreams_value():
         "OPENAI_KEY",
     )
     assert (local.auth, local.priority, local.weight, local.models) == ("none", 4, 1.0, None)
+    assert local.deployment("gpt-4o-mini") == "llama-3.1-8b" and local.deployment("gpt-4o") == "gpt-4o"
 
 
 BAD = [
@@ -154,9 +160,9 @@ BAD = [
         "api_version: only for an azure_endpoint entry",
     ),
     (
-        "deployments on openai",
-        [{"name": "a", "base_url": "http://a", "deployments": {"m": "d"}}],
-        "deployments: only for an azure_endpoint entry",
+        "deployment of an unlisted model on openai",
+        [{"name": "a", "base_url": "http://a", "models": ["m"], "deployments": {"n": "d"}}],
+        "deployments: maps 'n', which models does not",
     ),
     (
         "deployment of an unlisted model",

@@ -686,28 +686,36 @@ CONTINUE_MODES = ("restart", "tail", "exact")
 
 @dataclass(frozen=True)
 class Failure:
-    """Streamed chat answers are cut after ``after`` deltas (text or tool-call fragments) and end as
-    ``end`` does in the scenario table (``error_4xx``: an error event shaped like a 400); the next
-    ``times`` of them (None: every one)."""
+    """Streamed chat answers are cut after ``after`` deltas (text or tool-call fragments), or after
+    ``chars`` characters of text (a chat answer's; the delta at the cut is split), and end as ``end``
+    does in the scenario table (``error_4xx``: an error event shaped like a 400); the next ``times``
+    of them (None: every one)."""
 
     after: int
     end: str = "reset"
     times: int | None = None
+    chars: int | None = None
 
     @classmethod
     def parse(cls, data: Any) -> Failure | None:
         if not data or not isinstance(data, dict):
             return None
-        after, end, times = data.get("after"), data.get("end", "reset"), data.get("times")
+        after, end, times, chars = data.get("after"), data.get("end", "reset"), data.get("times"), data.get("chars")
+        if chars is not None:
+            if not isinstance(chars, int) or isinstance(chars, bool) or chars < 0 or after is not None:
+                raise ValueError("'chars' must be a whole number of characters, 0 or more, instead of 'after'")
+            after = 0
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError("'after' must be a whole number of deltas, 0 or more")
         if end not in FAILURE_ENDS:
             raise ValueError(f"'end' must be one of {', '.join(FAILURE_ENDS)}")
         if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
             raise ValueError("'times' must be a whole number of answers, 1 or more, or null")
-        return cls(after, end, times)
+        return cls(after, end, times, chars)
 
     def as_dict(self) -> dict:
+        if self.chars is not None:
+            return {"chars": self.chars, "end": self.end, "times": self.times}
         return {"after": self.after, "end": self.end, "times": self.times}
 
     def spent(self) -> Failure | None:
@@ -717,7 +725,15 @@ class Failure:
         return replace(self, times=self.times - 1) if self.times > 1 else None
 
     def applied(self, scn: Scenario, deltas: tuple[str, ...]) -> tuple[Scenario, tuple[str, ...]]:
-        return replace(scn, end=self.end), deltas[: self.after]
+        if self.chars is None:
+            return replace(scn, end=self.end), deltas[: self.after]
+        kept, left = [], self.chars
+        for delta in deltas:
+            if left <= 0:
+                break
+            kept.append(delta[:left])
+            left -= len(kept[-1])
+        return replace(scn, end=self.end), tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -767,28 +783,32 @@ class ContinueMode:
     """How a request to go on is answered (``POST /_scripted/continuation``): ``restart`` from the
     beginning (what chat models asked to go on often do), repeat the last ``tail`` characters of the
     answer so far and go on (``tail``), or the rest only (``exact``, always with
-    ``continue_final_message``). ``prefix``: accept vLLM's ``continue_final_message`` and
-    ``add_generation_prompt`` (OpenAI answers them with a 400). The deltas are cut at word bounds,
-    not where the first answer's were."""
+    ``continue_final_message``); ``lead``: whitespace sent first (a restart on a new line: ``"\n"``).
+    ``prefix``: accept vLLM's ``continue_final_message`` and ``add_generation_prompt`` (OpenAI answers
+    them with a 400). The deltas are cut at word bounds, not where the first answer's were."""
 
     mode: str = "restart"
     tail: int = 20
     prefix: bool = False
+    lead: str = ""
 
     @classmethod
     def parse(cls, data: Any) -> ContinueMode:
         data = data if isinstance(data, dict) else {}
         mode, tail, prefix = data.get("mode", "restart"), data.get("tail", 20), data.get("prefix", False)
+        lead = data.get("lead", "")
         if mode not in CONTINUE_MODES:
             raise ValueError(f"'mode' must be one of {', '.join(CONTINUE_MODES)}")
         if not isinstance(tail, int) or isinstance(tail, bool) or tail < 1:
             raise ValueError("'tail' must be a whole number of characters, 1 or more")
         if not isinstance(prefix, bool):
             raise ValueError("'prefix' must be true or false")
-        return cls(mode, tail, prefix)
+        if not isinstance(lead, str) or lead.strip():
+            raise ValueError("'lead' must be whitespace")
+        return cls(mode, tail, prefix, lead)
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "tail": self.tail, "prefix": self.prefix}
+        return {"mode": self.mode, "tail": self.tail, "prefix": self.prefix, "lead": self.lead}
 
     def deltas(self, going: GoingOn) -> tuple[str, ...]:
         whole = "".join(going.full)
@@ -796,8 +816,8 @@ class ContinueMode:
         if going.exact or self.mode == "exact":
             return word_deltas(rest)
         if self.mode == "tail":
-            return word_deltas(going.partial[-self.tail :] + rest)
-        return word_deltas(whole)
+            return word_deltas(self.lead + going.partial[-self.tail :] + rest)
+        return word_deltas(self.lead + whole)
 
 
 # ------------------------------------------------------------ non-streaming bodies
