@@ -988,7 +988,7 @@ class ResponsesApi:
             self._keep(run)
             run.task = asyncio.create_task(run.generate(steps))
             failure = self.app.failure  # /_scripted/failure: this stream drops, the response goes on
-            if stream and failure is not None and failure.end == "reset":
+            if stream and failure is not None and failure.end == "reset" and failure.chars is None:
                 self.app.failure = failure.spent()
                 await self._stream(receive, send, record, run, run.follow_cut(obfuscate, failure.after), rid)
             elif stream:
