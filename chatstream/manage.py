@@ -249,18 +249,9 @@ class Manage:
                 raise invalid_request("from: must not be after to", "from")
             if (end - start).days + 1 > MAX_USAGE_DAYS:
                 raise invalid_request(f"from: a query covers at most {MAX_USAGE_DAYS} days", "from")
-            caller_id = None
-            if caller is not None:
-                try:
-                    caller_id = (await state.registry.get(caller)).id
-                except Missing:
-                    caller_id = None  # a deleted caller: its rows by name
-            team_id = None
-            if team is not None:
-                try:
-                    team_id = (await state.registry.get_team(team)).id
-                except Missing:
-                    team_id = None  # a deleted team: its rows by name
+            # By id (a name made again is another caller or team); a deleted one's rows go by name.
+            caller_id = await _id_of(state.registry.get, caller)
+            team_id = await _id_of(state.registry.get_team, team)
             rows = await state.ledger.usage(start, end, caller_id, team, model, team_id)
             if caller is not None and caller_id is None:
                 rows = [r for r in rows if r["caller"] == caller]
@@ -285,6 +276,16 @@ class Manage:
             )
 
         return await self._answer(run)
+
+
+async def _id_of(lookup: Callable[[str], Awaitable[Any]], name: str | None) -> str | None:
+    """The id of the caller or team ``name`` (None: no name, or it was deleted)."""
+    if name is None:
+        return None
+    try:
+        return (await lookup(name)).id
+    except Missing:
+        return None
 
 
 async def _budgets_now(state: SharedState, owners: list[Caller] | list[Team]) -> dict[str, dict[str, Any]]:
