@@ -1,8 +1,9 @@
 """The function app: its routes. The logic lives in chatstream/ (docs: docs/maintainers.md, "Layout").
 
-A request's way: the route below → chatstream/endpoint.py (reads the request, runs the pipeline, the
-status rule) with the route's API adapter (chatstream/apis/) → stream.py (the stream core and its time
-limits) → upstreams/failover.py (the pool: which entry, moving on before the first output) →
+A request's way: the route below → chatstream/app.py (ChatApp: the handler, built once from the
+settings) → endpoint.py (reads the request, admits it, runs the pipeline, the status rule) with the
+route's API adapter (chatstream/apis/) → stream.py (the stream core and its time limits) →
+upstreams/failover.py (the pool: which entry, moving on before the first output) →
 upstreams/clients.py (the OpenAI / Azure OpenAI client)."""
 
 import azure.functions as func

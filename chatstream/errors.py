@@ -9,7 +9,7 @@
     │   ├── UpstreamMalformed    the upstream sent what its API does not allow (502)
     │   └── UpstreamReported     the upstream's stream carried an error event (502)
     ├── ClientGone               the caller hung up: nobody to tell (logged as a disconnect)
-    └── StoreError               the shared store (Azure Tables/Blobs), mapped once at its edge (state/store.py)
+    └── StoreError               the shared store (Azure Tables/Blobs), mapped once at its edge (state/store_azure.py)
         ├── StoreUnavailable     no usable answer: no connection, a 5xx, throttling, an authorization failure
         │   └── StoreTimeout     no answer within the call's bound (the call may still be applied later)
         ├── NotFound             the row or blob is not there
@@ -20,7 +20,7 @@ Before the first output an endpoint answers an ApiError as an HTTP status with t
 after it, as the stream's final error event, each API in its own wire format. Messages never carry
 a secret. What the upstream SDK raises becomes an ApiError in one place, ``upstreams/outcomes.py``
 (``classify``), which also says what the failure means for the pool entry. What the storage SDKs
-raise becomes a StoreError in one place, ``state/store.py``; the state layer answers the request
+raise becomes a StoreError in one place, ``state/store_azure.py`` (``store_error``); the state layer answers the request
 path in domain results (``state/port.py``), and only the HTTP layer turns those into statuses.
 Anything else that escapes our code is a bug: answered as 500 ``internal_error``, logged with its
 traceback."""

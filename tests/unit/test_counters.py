@@ -208,7 +208,6 @@ def test_the_budget_row_equals_what_was_spent_whatever_answers_are_lost(steps, s
         holds = parse_holds(found.get("holds"))
         held = sum(e.held for e in holds.values())
         assert found["taken"] - held == spent_total, (found, spent_total)
-        assert all(c.recovered_writes >= 0 for c in two)
 
     idle_clock.run(run())  # its waits skipped too, as the async tests here
 
