@@ -288,7 +288,9 @@ def as_status(error: ApiError) -> ApiError:
     the error's own ``retryable``."""
     if not error.retryable or error.type not in _RETRIED:
         return error
-    return ApiError(error.status, error.type, error.message, error.param, retryable=False, headers=error.headers)
+    return ApiError(
+        error.status, error.type, error.message, error.param, False, error.headers, error.provider
+    )  # the upstream's own code, type and param kept
 
 
 def error_headers(error: ApiError) -> dict[str, str]:

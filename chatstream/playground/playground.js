@@ -117,7 +117,7 @@ async function httpError(response) {
     const body = await response.json();
     const error = body && body.error;
     if (error && typeof error.message === "string") {
-      code = error.code || error.type;
+      code = error.chatstream_kind || error.code || error.type; // the app's kind first, as in docs/api.md
       text = `${response.status}${code ? " " + code : ""}: ${error.message}`;
       if (error.param) text += ` (param: ${error.param})`;
     }
@@ -140,7 +140,8 @@ async function httpErrorMessage(response) {
 }
 
 function streamErrorMessage(error) {
-  const kind = error && (error.code || error.type);
+  // The app's own kind first (chatstream_kind: the upstream's code may be in `code`), as docs/api.md names them.
+  const kind = error && (error.chatstream_kind || error.code || error.type);
   const message = error && typeof error.message === "string" ? error.message : "the stream failed";
   return `Stream error: ${message}${kind ? ` (${kind})` : ""}`;
 }
