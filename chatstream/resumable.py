@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response
 
 from .apis.refusals import authenticated
 from .errors import ApiError, ErrorKind, error_headers
-from .http import KEEP_ALIVE, EventStreamResponse
+from .http import EventStreamResponse
 from .record import StreamRecord
+from .sse import KEEP_ALIVE
 from .state.accounting import Accounting
 from .state.streamlog import (
     MOVED,

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from chatstream import http as sse
+from chatstream import sse
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
 from chatstream.state.store_memory import Fault, MemoryData
@@ -39,6 +39,7 @@ from .streamlog_helpers import (
     CountingStore,
     delta,
     encode_error,
+    event,
     events_of,
     instances,
     kill,
@@ -238,7 +239,7 @@ async def test_cancel_on_another_instance_reaches_the_producer_at_its_next_inbox
         async with asyncio.timeout(1.0):
             await producer.stop_requested.wait()
         assert producer.stop_reason == "cancelled" and time.monotonic() - started < 0.5
-        cancelled = sse.event({"finish_reason": "cancelled"}, b"done")
+        cancelled = event({"finish_reason": "cancelled"}, b"done")
         await produce(producer, [], final=cancelled)
         assert (await read_all(reader)).endswith(b"id: 2\n" + cancelled)
         assert await producer.wait_stored(5)
@@ -269,7 +270,7 @@ async def test_a_stream_nobody_reads_is_abandoned():
             await producer.stop_requested.wait()
         assert producer.stop_reason == "abandoned"
         assert 0.35 <= time.monotonic() - left <= 2.0
-        await produce(producer, [], final=sse.event({"finish_reason": "cancelled"}, b"done"))
+        await produce(producer, [], final=event({"finish_reason": "cancelled"}, b"done"))
 
 
 async def test_without_a_takeover_a_producer_that_dies_gives_every_reader_what_was_stored_then_stream_lost():
@@ -549,7 +550,7 @@ async def test_a_stream_that_ends_without_its_final_event_is_stored_as_lost():
 async def test_an_openai_error_chunk_ends_the_stream_without_done():
     async with instances(2, **QUICK) as (a, b):
         producer = a.start("openai", None)
-        error = sse.event({"error": {"message": "boom", "type": "server_error", "param": None, "code": "x"}})
+        error = event({"error": {"message": "boom", "type": "server_error", "param": None, "code": "x"}})
         live = await produce(producer, [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'], final=error)
         assert await producer.wait_stored(5)
         assert await read_all(await b.open_reader(producer.id, None, None)) == live
@@ -605,7 +606,7 @@ async def test_200_concurrent_streams_with_drops_and_resumes():
             await asyncio.sleep(k * 0.005)  # arrivals spread over 1 s
             owner = f"caller{k % 7}"
             producer = a.start(rng.choice(["chat", "openai"]), owner)
-            body = [sse.event({"delta": f"s{k}e{i} ✓"}) for i in range(rng.randint(10, 40))]
+            body = [event({"delta": f"s{k}e{i} ✓"}) for i in range(rng.randint(10, 40))]
             expected = numbered(body + [DONE])
             got = b""
             drop_at = rng.randint(0, len(body))

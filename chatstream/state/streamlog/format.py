@@ -4,7 +4,7 @@ is the SSE stream itself, with its ``id:`` lines and the markers this package wr
 which reads a stored log as it grows.
 
 The event log, blob ``{id}``: whole events (a block never ends mid-event), each ``id: N`` first, and
-comment lines of ours, which no reader passes on:
+comment lines of ours (``sse.comment``), which no reader passes on:
 
 - ``: end`` — the last event is the route's final one; ``: lost`` — it is an error written here (the
   stream stopped being stored before its end);
@@ -28,6 +28,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from ... import sse
 from .errors import BadLastEventId, InvalidStreamId
 
 Route = Literal["chat", "openai"]
@@ -177,21 +178,22 @@ READER_FIELDS = ("route", "owner", "instance", "epoch", "created", "expires", "s
 
 # --- the event log ----------------------------------------------------------------------------
 
-END = b": end"
-LOST = b": lost"
-HANDOVER = b": handover"
-_EPOCH = b": epoch "
-_ACK = b": ack "
+# The markers, comment texts (``sse.comment``).
+END = b"end"
+LOST = b"lost"
+HANDOVER = b"handover"
+_EPOCH = b"epoch "
+_ACK = b"ack "
 BLOCK_LIMIT = 4 * 1024 * 1024  # the largest append block
 BLOCKS_LIMIT = 50_000  # blocks an append blob may have
 
 
 def epoch_marker(epoch: int, after: int) -> bytes:
-    return b": epoch %d %d\n\n" % (epoch, after)
+    return sse.comment(b"%s%d %d" % (_EPOCH, epoch, after))
 
 
 def ack_marker(nonce: str, last_id: int) -> bytes:
-    return b": ack %s %d\n\n" % (nonce.encode(), last_id)
+    return sse.comment(b"%s%s %d" % (_ACK, nonce.encode(), last_id))
 
 
 class EncodeError(Protocol):
@@ -205,21 +207,12 @@ class EncodeError(Protocol):
 
 def error_event(encode_error: EncodeError, route: Route, type: str, message: str, number: int) -> bytes:
     """A retryable error event of ours, numbered ``number``."""
-    return b"id: %d\n%s" % (number, encode_error(route, type, message, True, number))
-
-
-def is_comment(part: bytes) -> bool:
-    return all(line.startswith(b":") for line in part.split(b"\n"))
-
-
-def event_id(event: bytes) -> int:
-    """The id of one numbered event (as ``split_events`` gives them)."""
-    return int(event[4 : event.index(b"\n")])
+    return sse.numbered(number, encode_error(route, type, message, True, number))
 
 
 def split_events(data: bytes) -> list[bytes]:
     """The numbered events of stored bytes (whole events), each with its blank line; comments dropped."""
-    return [part + b"\n\n" for part in data.split(b"\n\n") if part.startswith(b"id: ")]
+    return [part + sse.END_OF_EVENT for part in sse.split(data)[0] if sse.event_id(part) is not None]
 
 
 class Tail:
@@ -242,33 +235,31 @@ class Tail:
 
     def feed(self, data: bytes) -> bytes:
         self.offset += len(data)
-        buffer = self.rest + data if self.rest else data
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            self.rest = buffer
-            return b""
-        self.rest = buffer[cut + 2 :]
+        parts, self.rest = sse.split(self.rest + data if self.rest else data)
         out = []
-        for part in buffer[:cut].split(b"\n\n"):
-            if part.startswith(b"id: "):
-                newline = part.find(b"\n")
-                number = int(part[4:newline] if newline > 0 else part[4:])
+        for part in parts:
+            number = sse.event_id(part)
+            if number is not None:
                 self.last_id = number
                 self.final = part
                 if number > self.cursor:
                     out.append(part)
                     self.cursor = number
-            elif part in (END, LOST):
-                self.end = part
-            elif part.startswith(_EPOCH):
-                epoch, _, after = part[len(_EPOCH) :].partition(b" ")
+                continue
+            marker = sse.comment_text(part)
+            if marker is None:
+                continue
+            if marker in (END, LOST):
+                self.end = marker
+            elif marker.startswith(_EPOCH):
+                epoch, _, after = marker[len(_EPOCH) :].partition(b" ")
                 self.epoch, self.seam, self.handover = int(epoch), int(after), False
-            elif part == HANDOVER:
+            elif marker == HANDOVER:
                 self.handover = True
-            elif part.startswith(_ACK):
-                nonce, _, last = part[len(_ACK) :].partition(b" ")
+            elif marker.startswith(_ACK):
+                nonce, _, last = marker[len(_ACK) :].partition(b" ")
                 self.acks[nonce.decode()] = int(last)
-        return b"\n\n".join(out) + b"\n\n" if out else b""
+        return sse.join(out)
 
     def past_seam(self, after: int) -> bool:
         """Whether a client at ``after`` may hold events a dead producer handed out but never stored

@@ -21,6 +21,7 @@ import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal, Protocol
 
+from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from ..store import STREAMS_TABLE, Where
 from . import inbox
@@ -520,7 +521,7 @@ class _Following:
                         )
                         return
             self._done = True
-            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + b"\n\n", tail.seam)
+            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + sse.END_OF_EVENT, tail.seam)
             if ending:
                 yield ending
         finally:
