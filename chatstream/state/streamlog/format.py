@@ -1,7 +1,7 @@
-"""What a resumable stream is in the store, and what names it: the stream id and the Last-Event-ID a
-resume continues after; the stream's record (one row) and its event log (an append blob whose content
-is the SSE stream itself, with its ``id:`` lines and the markers this package writes); and ``Tail``,
-which reads a stored log as it grows.
+"""What a resumable stream is in the store, and what names it: the stream id; the stream's record
+(one row) and its event log (an append blob of the route's events, opaque, numbered and framed by
+chatstream/sse.py, with the markers this package writes); and ``Tail``, which reads a stored log as
+it grows.
 
 The event log, blob ``{id}``: whole events (a block never ends mid-event), each ``id: N`` first, and
 comment lines of ours (``sse.comment``), which no reader passes on:
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from ... import sse
-from .errors import BadLastEventId, InvalidStreamId
+from .errors import InvalidStreamId
 
 Route = Literal["chat", "openai"]
 ROUTES: tuple[Route, ...] = ("chat", "openai")
@@ -42,8 +42,6 @@ ROUTES: tuple[Route, ...] = ("chat", "openai")
 # are the capability.
 ID_LENGTH = 30
 _ID = re.compile(r"[A-Za-z0-9_-]{30}")
-# Last-Event-ID: a decimal event id, at most 15 digits (ids stay exact in a double and in JSON).
-_LAST_ID = re.compile(r"[0-9]{1,15}")
 
 
 def new_stream_id(now: float | None) -> str:
@@ -70,25 +68,6 @@ def check_stream_id(stream_id: str) -> str:
     if not isinstance(stream_id, str) or _ID.fullmatch(stream_id) is None:
         raise InvalidStreamId("no such stream")
     return stream_id
-
-
-def parse_last_event_id(header: str | None, query: str | None = None) -> int | None:
-    """The event id a resume continues after: the ``Last-Event-ID`` header, else the
-    ``last_event_id`` query parameter; None (from the start) when neither is given or the header is
-    empty (what EventSource sends before any id). BadLastEventId for anything else than 0..10^15-1."""
-    value = header if header is not None else query
-    if value is None or (header is not None and not header.strip()):
-        return None if header is None or query is None else parse_last_event_id(None, query)
-    value = value.strip()
-    if _LAST_ID.fullmatch(value) is None:
-        raise BadLastEventId("Last-Event-ID must be a non-negative integer of at most 15 digits")
-    return int(value)
-
-
-def check_after(after: int | None) -> int:
-    if after is not None and (not isinstance(after, int) or after < 0 or after >= 10**15):
-        raise BadLastEventId("Last-Event-ID must be a non-negative integer of at most 15 digits")
-    return after or 0
 
 
 # --- the record -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavai
 from ..store import STREAMS_TABLE, Where
 from . import inbox
 from .config import Context
-from .errors import BadLastEventId, StreamNotFound, TooManyReaders, Unavailable
+from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
 from .format import (
     END,
     LOST,
@@ -35,7 +35,6 @@ from .format import (
     Record,
     Route,
     Tail,
-    check_after,
     check_stream_id,
     error_event,
     log_tag,
@@ -100,10 +99,12 @@ class Readers:
     async def open(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
         """The events of ``stream_id`` after ``after`` (None: from the start), then the live ones to
         the final event. Raises before anything is sent: StreamNotFound (unknown, expired, another
-        caller's), BadLastEventId, TooManyReaders, Unavailable."""
+        caller's), PastTheEnd, TooManyReaders, Unavailable."""
         ctx, cfg = self._ctx, self._ctx.config
         check_stream_id(stream_id)
-        start = check_after(after)
+        start = after or 0
+        if start < 0:
+            raise ValueError("an event id is never negative")
         if ctx.closed:
             raise Unavailable("the stream log is closed")
         if self.total >= cfg.max_readers:
@@ -123,7 +124,7 @@ class Readers:
                 raise StreamNotFound("no such stream")
             past_seam = producer.seam is not None and start > producer.seam
             if start > producer.last_id and not producer.ended_lost and not past_seam:
-                raise BadLastEventId(f"Last-Event-ID {start} is past the end of the stream ({producer.last_id})")
+                raise PastTheEnd(start, producer.last_id)
             try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
                 slot = await Slot.take(ctx, stream_id)
             except StoreError as exc:
@@ -172,7 +173,7 @@ class Readers:
                 if not tail.past_seam(after) and (
                     (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
                 ):
-                    raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream ({tail.last_id})")
+                    raise PastTheEnd(after, tail.last_id)
         except BaseException:
             following.close()
             raise
