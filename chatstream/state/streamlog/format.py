@@ -12,7 +12,7 @@ comment lines of ours (``sse.comment``), which no reader passes on:
   at the stored end, so the previous producer's next append fails on its append position;
 - ``: handover`` — its producer stopped (its instance drains): a reader takes it over at once;
 - ``: ack NONCE L`` — the producer saw the reader NONCE registered (``inbox.py``) when it had handed
-  out events up to L, all stored before this line: a Last-Event-ID above L was never handed out.
+  out events up to L, all stored before this line: a reading after an id above L asks for one never handed out.
 
 The record, row ``stream`` of partition ``{id}`` in ``chatstreamStreams``: ``Record``. The request a
 continuation needs (the route's params as JSON) is in the record when small, else in the blob

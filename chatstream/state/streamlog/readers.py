@@ -63,7 +63,7 @@ class Streams(Protocol):
 
 
 class Reader:
-    """A resumed stream: an async iterator of bytes (the SSE events after Last-Event-ID, then the
+    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
     live ones up to the final event). ``route`` is the format of its events. Close it with
     ``aclose`` (Starlette's StreamingResponse does) when the caller goes."""
 
@@ -135,7 +135,7 @@ class Readers:
 
     async def _open_stored(self, stream_id: str, after: int, caller: str | None) -> Reader:
         """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
-        reader's row in the producer's inbox (at once), then Last-Event-ID checked."""
+        reader's row in the producer's inbox (at once), then ``after`` checked."""
         ctx = self._ctx
         try:
             record = await read_record(ctx, stream_id, caller)
@@ -604,7 +604,7 @@ class _Following:
         return b""
 
     async def wait_past_end(self) -> bytes:
-        """Last-Event-ID is past what is stored of a live stream: wait (bounded) until the stored log
+        """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
         reaches it, or the producer acks this reader with its last id, or it is gone. What was read
         meanwhile is returned (the events after the cursor)."""
         ctx, cfg = self._ctx, self._cfg
