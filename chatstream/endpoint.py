@@ -32,12 +32,13 @@ from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
-from .http import KEEP_ALIVE, EventStreamResponse, JsonAnswer, read_json
+from .http import EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .resumable import Resumable
 from .settings import Settings
+from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
 from .state.streamlog import Claim, Route, started_at

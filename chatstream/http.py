@@ -1,6 +1,6 @@
 """What is HTTP, the same for every API: reading a request body (the content type, the size limit,
-strict JSON, a request model), server-sent events in both directions (``SSEFramer`` reads the
-upstream's, ``event`` writes ours), and the event-stream response that always closes its events."""
+strict JSON, a request model), compact JSON out (``dumps``), and the event-stream response that always
+closes its events (the events themselves are framed by chatstream/sse.py)."""
 
 from __future__ import annotations
 
@@ -250,9 +250,8 @@ class JsonAnswer(Response):
             memory.released(self.length)
 
 
-# --- server-sent events -----------------------------------------------------------------------
+# --- JSON out, the event-stream response ------------------------------------------------------
 
-KEEP_ALIVE = b": keep-alive\n\n"
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 # Built once: json.dumps with any option builds a new encoder per call.
@@ -266,64 +265,6 @@ def dumps(payload: Any) -> bytes:
         return _COMPACT(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
         return _ESCAPED(payload).encode("ascii")
-
-
-def event(payload: Any, name: bytes | None = None) -> bytes:
-    """One event: ``data: <json>`` (with ``event: <name>`` first when named)."""
-    head = b"event: " + name + b"\ndata: " if name else b"data: "
-    return head + dumps(payload) + b"\n\n"
-
-
-class SSEFramer:
-    """Server-sent events on bytes: ``feed(piece)`` returns the ``data`` of each event completed by
-    ``piece`` (data lines joined with LF), up to ``[DONE]``. Lines end with LF, CRLF or CR, also
-    when a CRLF is split between pieces; comments, ``event:`` and ``id:`` lines carry nothing the
-    relay reads. It works on bytes so that json.loads gets whole UTF-8 text however the network
-    split it, and so that no text or line layer costs two more generators per chunk (as httpx's
-    would), which matters at thousands of chunks per second."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._data: list[bytes] = []
-        self._cr = False  # the last piece ended with CR: an LF starting the next one belongs to it
-        self.done = False
-
-    def feed(self, piece: bytes) -> list[bytes]:
-        if (
-            not self._buffer
-            and not self._data
-            and not self._cr
-            and piece.startswith(b"data: ")
-            and piece.endswith(b"\n\n")
-            and piece.count(b"\n") == 2
-            and b"\r" not in piece
-        ):  # the common piece: exactly one event of one data line
-            payload = piece[6:-2]
-            if payload == b"[DONE]":
-                self.done = True
-                return []
-            return [payload]
-        if not piece:
-            return []
-        if self._cr and piece.startswith(b"\n"):
-            piece = piece[1:]
-        self._cr = piece.endswith(b"\r")
-        buffer = self._buffer + piece
-        if b"\r" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *lines, self._buffer = buffer.split(b"\n")
-        events = []
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-            elif not line and self._data:  # a blank line ends the event
-                payload = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
-                self._data = []
-                if payload == b"[DONE]":
-                    self.done = True
-                    break
-                events.append(payload)
-        return events
 
 
 class EventStreamResponse(StreamingResponse):

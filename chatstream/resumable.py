@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -26,14 +27,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .apis.refusals import authenticated
-from .errors import ApiError, ErrorKind, error_headers
-from .http import KEEP_ALIVE, EventStreamResponse
+from .errors import ApiError, ErrorKind, error_headers, invalid_request
+from .http import EventStreamResponse
 from .record import StreamRecord
+from .sse import KEEP_ALIVE
 from .state.accounting import Accounting
 from .state.streamlog import (
     MOVED,
-    BadLastEventId,
     EncodeError,
+    PastTheEnd,
     Producer,
     Route,
     StreamLog,
@@ -43,7 +45,6 @@ from .state.streamlog import (
     TooManyStreams,
     Unavailable,
     log_tag,
-    parse_last_event_id,
 )
 from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
 
@@ -175,7 +176,7 @@ class Resumable:
         the live ones to the final event."""
         try:
             caller = await self._caller(request)
-            after = parse_last_event_id(request.headers.get("last-event-id"), request.query_params.get("last_event_id"))
+            after = last_event_id(request.headers.get("last-event-id"), request.query_params.get("last_event_id"))
             reader = await self.streams.open_reader(request.path_params.get("stream_id", ""), after, caller)
         except (ApiError, StreamLogError) as error:
             return _error(error)
@@ -280,9 +281,25 @@ async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> A
         pending.cancel()
 
 
+# Last-Event-ID: a decimal event id, at most 15 digits (ids stay exact in a double and in JSON).
+_LAST_ID = re.compile(r"[0-9]{1,15}")
+
+
+def last_event_id(header: str | None, query: str | None = None) -> int | None:
+    """The event id a resume continues after: the ``Last-Event-ID`` header, else the
+    ``last_event_id`` query parameter; None (from the start) when neither is given or the header is
+    empty (what EventSource sends before any id). A 400 for anything else than 0..10^15-1."""
+    value = header if header is not None and header.strip() else query
+    if value is None:
+        return None
+    value = value.strip()
+    if _LAST_ID.fullmatch(value) is None:
+        raise invalid_request("Last-Event-ID must be a non-negative integer of at most 15 digits")
+    return int(value)
+
+
 _STATUSES: tuple[tuple[type[StreamLogError], int, ErrorKind], ...] = (
     (StreamNotFound, 404, ErrorKind.NOT_FOUND),
-    (BadLastEventId, 400, ErrorKind.INVALID_REQUEST),
     (TooManyReaders, 429, ErrorKind.RATE_LIMITED),
     (Unavailable, 503, ErrorKind.STREAM_STORE_UNAVAILABLE),
 )
@@ -292,6 +309,8 @@ def _error(error: ApiError | StreamLogError) -> Response:
     """An error of the stream routes. A stream's route is not known before it is found, so the body
     is both shapes at once: /api/chat's (``type``, ``message``, ``retryable``) and OpenAI's
     (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind."""
+    if isinstance(error, PastTheEnd):
+        error = invalid_request(f"Last-Event-ID {error.after} is past the end of the stream ({error.last})")
     if not isinstance(error, ApiError):
         found = ((s, k) for cls, s, k in _STATUSES if isinstance(error, cls))
         status, kind = next(found, (400, ErrorKind.INVALID_REQUEST))

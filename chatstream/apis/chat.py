@@ -14,9 +14,10 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from .. import sse
 from ..continuation import ChatContinuation, Known, chat_continuation
 from ..errors import ApiError, error_headers
-from ..http import SSEFramer, dumps, event, validate_object
+from ..http import dumps, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
@@ -125,15 +126,15 @@ def encode(item: Event, stream_id: str | None = None) -> bytes | None:
     """One event as /api/chat writes it; a resumable stream's final event also carries its id."""
     if isinstance(item, Chunk):
         text = chat_text(item.data)
-        # event({"delta": text}), the same bytes, without a dict to build and walk for every delta
-        return b'data: {"delta":' + dumps(text) + b"}\n\n" if text else None
+        # the bytes of sse.event(dumps({"delta": text}))
+        return sse.wrapped_event(b'{"delta":', dumps(text), b"}") if text else None
     if isinstance(item, Done):
         done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
         if item.continued:
             done["continued"] = list(item.continued)
-        return event({**done, "stream_id": stream_id} if stream_id else done, b"done")
+        return sse.event(dumps({**done, "stream_id": stream_id} if stream_id else done), b"done")
     body = item.error.body()
-    return event({**body, "stream_id": stream_id} if stream_id else body, b"error")
+    return sse.event(dumps({**body, "stream_id": stream_id} if stream_id else body), b"error")
 
 
 class ChatApi:
@@ -167,7 +168,7 @@ class ChatApi:
     def known(self, events: bytes) -> Known:
         """What stored /api/chat events (a resumable stream's) told the caller: the text."""
         text = []
-        for payload in SSEFramer().feed(events):
+        for payload in sse.Parser().feed(events):
             try:
                 delta = json.loads(payload).get("delta")
             except (ValueError, AttributeError):

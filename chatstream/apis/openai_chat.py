@@ -17,9 +17,10 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from .. import sse
 from ..continuation import ChatContinuation, Known, chat_continuation, known_from_chunks
 from ..errors import ApiError, ErrorKind, error_headers
-from ..http import SSEFramer, event, validate_object
+from ..http import dumps, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
@@ -28,7 +29,7 @@ from .completions import CompletionStream, filter_completion
 from .fields import ChatFields, type_problem
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-OPENAI_DONE = b"data: [DONE]\n\n"
+OPENAI_DONE = sse.event(b"[DONE]")
 
 
 class StreamOptions(BaseModel):
@@ -113,7 +114,7 @@ def status_for(error: ApiError) -> int:
 
 def encode(item: Event, include_usage: bool) -> bytes:
     if isinstance(item, Chunk):
-        return event(item.data)
+        return sse.event(dumps(item.data))
     if isinstance(item, Done):
         if item.finish_reason == "cancelled":  # a resumable stream stopped: its choices end "cancelled"
             stopped = {
@@ -123,24 +124,20 @@ def encode(item: Event, include_usage: bool) -> bytes:
                 "model": item.model,
                 "choices": [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons],
             }
-            return event(stopped) + OPENAI_DONE
+            return sse.event(dumps(stopped)) + OPENAI_DONE
         if include_usage:
-            return (
-                event(
-                    {
-                        "id": item.id,
-                        "object": "chat.completion.chunk",
-                        "created": item.created,
-                        "model": item.model,
-                        "choices": [],
-                        "usage": item.usage,
-                        **({"continued": list(item.continued)} if item.continued else {}),
-                    }
-                )
-                + OPENAI_DONE
-            )
+            usage = {
+                "id": item.id,
+                "object": "chat.completion.chunk",
+                "created": item.created,
+                "model": item.model,
+                "choices": [],
+                "usage": item.usage,
+                **({"continued": list(item.continued)} if item.continued else {}),
+            }
+            return sse.event(dumps(usage)) + OPENAI_DONE
         return OPENAI_DONE
-    return event(error_body(item.error))
+    return sse.event(dumps(error_body(item.error)))
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -184,7 +181,7 @@ class OpenAIChatApi:
     def known(self, events: bytes) -> Known:
         """What stored chat-completions events (a resumable stream's) told the caller."""
         chunks = []
-        for payload in SSEFramer().feed(events):
+        for payload in sse.Parser().feed(events):
             try:
                 chunk = json.loads(payload)
             except ValueError:

@@ -1,6 +1,7 @@
-"""The shared state's answers (state/port.py) as a caller sees them: OpenAI's statuses, codes and
-wording, ``Retry-After``, ``x-should-retry`` and the ``x-ratelimit-*`` headers. The one place where a
-refused key, model or limit becomes HTTP; every route uses it."""
+"""The caller key read from a request's headers (``caller_key``: the state gets the key, never the
+headers), and the shared state's answers (state/port.py) as a caller sees them: OpenAI's statuses,
+codes and wording, ``Retry-After``, ``x-should-retry`` and the ``x-ratelimit-*`` headers. The one
+place where a refused key, model or limit becomes HTTP; every route uses it."""
 
 from __future__ import annotations
 
@@ -64,9 +65,21 @@ def _who(refused: Refused) -> str:
     return f"{who} for model {log_safe(limit.model)[:80]!r}" if limit.model else who
 
 
+def caller_key(headers: Mapping[str, str]) -> str | None:
+    """The caller key a request carries, as OpenAI clients send it (``Authorization: Bearer KEY``)
+    or as Azure OpenAI's clients do (``api-key: KEY``); None when it carries neither."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("api-key")
+    return key.strip() if key and key.strip() else None
+
+
 async def authenticated(accounting: Accounting, headers: Mapping[str, str]) -> Caller:
-    """The request's caller, or the ApiError that refuses it (401, 503)."""
-    found = await accounting.authenticate(headers)
+    """The request's caller (by the key its headers carry), or the ApiError that refuses it (401, 503)."""
+    found = await accounting.authenticate(caller_key(headers))
     if isinstance(found, Caller):
         return found
     raise error(found)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from .. import sse
 from ..errors import ApiError, ProviderError, UpstreamMalformed, UpstreamReported, provider_error
-from ..http import event
+from ..http import dumps
 from ..pipeline import Pipeline, TextFilter
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, Fed
@@ -314,7 +315,7 @@ class ResponseEncoder:
                 number = data.get("sequence_number")
                 if isinstance(number, int) and not isinstance(number, bool):
                     self.last_sequence = max(self.last_sequence, number)
-                out.append(event(data, data["type"].encode()))
+                out.append(sse.event(dumps(data), data["type"].encode()))
             return b"".join(out)
         if isinstance(item, Done):
             return None  # the terminal event was forwarded: nothing more to say
@@ -322,17 +323,15 @@ class ResponseEncoder:
 
     def error(self, error: ApiError) -> bytes:
         self.last_sequence += 1
-        return event(
-            {
-                "type": "error",
-                "sequence_number": self.last_sequence,
-                "code": error.provider.code if error.provider is not None else error.type,
-                "message": error.message,
-                "param": error.param,
-                "chatstream_kind": error.type,
-            },
-            b"error",
-        )
+        body = {
+            "type": "error",
+            "sequence_number": self.last_sequence,
+            "code": error.provider.code if error.provider is not None else error.type,
+            "message": error.message,
+            "param": error.param,
+            "chatstream_kind": error.type,
+        }
+        return sse.event(dumps(body), b"error")
 
 
 async def filter_response(body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:

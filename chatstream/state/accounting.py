@@ -1,7 +1,7 @@
 """A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
 endpoints call, in the state's own words (port.py)::
 
-    found = await accounting.authenticate(request.headers)    # Caller | KeyRefused | Unavailable
+    found = await accounting.authenticate(key)                # Caller | KeyRefused | Unavailable
     admitted = await accounting.admit(caller, call, record)   # Admission | Refused | ModelRefused | ...
     accounting.charge(admitted, record, generated)            # when the request is over (background)
 
@@ -43,7 +43,7 @@ from .. import tokens
 from ..errors import ErrorKind, StoreError
 from ..pipeline import CallRequest
 from ..record import Segment, StreamRecord
-from .callers import Caller, Limits, Team, key_from_headers
+from .callers import Caller, Limits, Team
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
@@ -190,11 +190,11 @@ class Accounting:
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
 
-    async def authenticate(self, headers: Mapping[str, str]) -> Caller | KeyRefused | Unavailable:
-        """The caller of a request's key (``Authorization: Bearer KEY`` or ``api-key: KEY``)."""
+    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
+        """The caller of a request's key (None: the request carried none)."""
         if self.instances is not None:
             self.instances.serve()  # this instance takes its part in the duty from its first request
-        return await self.registry.authenticate(key_from_headers(headers))
+        return await self.registry.authenticate(key)
 
     async def admit(
         self, caller: Caller, call: CallRequest, record: StreamRecord, endpoint: str | None = None

@@ -63,18 +63,6 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
 
 
-def key_from_headers(headers: Mapping[str, str]) -> str | None:
-    """The caller key a request carries, as OpenAI clients send it (``Authorization: Bearer KEY``)
-    or as Azure OpenAI's clients do (``api-key: KEY``); None when it carries neither."""
-    auth = headers.get("authorization")
-    if auth:
-        scheme, _, value = auth.strip().partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    key = headers.get("api-key")
-    return key.strip() if key and key.strip() else None
-
-
 def usd(pico: int | None) -> float | None:
     """Pico-dollars as USD for an answer (exact: budgets and prices have at most 6 decimals)."""
     return None if pico is None else float(Decimal(pico) / PICO)

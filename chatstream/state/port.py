@@ -4,7 +4,7 @@ OpenAI's codes and messages, and headers.
 
 For a request (accounting.py)::
 
-    found = await accounting.authenticate(headers)     # Caller | KeyRefused | Unavailable
+    found = await accounting.authenticate(key)         # Caller | KeyRefused | Unavailable
     admitted = await accounting.admit(caller, call)    # Admission | Refused | ModelRefused | Unavailable
     accounting.charge(admission, record, segments)     # in the background; never lost (journal.py)
 

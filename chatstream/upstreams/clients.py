@@ -28,8 +28,8 @@ import openai
 from openai._models import FinalRequestOptions  # private: see Reused
 
 from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
-from ..http import SSEFramer
 from ..settings import Settings
+from ..sse import Parser
 from .config import Entry
 from .outcomes import upstream_field
 from .transport import URL_CACHE_SIZE, HttpClient, body_reader
@@ -288,7 +288,7 @@ class UpstreamStream(openai.AsyncStream[dict]):
 
     async def _read(self) -> AsyncIterator[dict]:
         response = self.response
-        framer = SSEFramer()
+        framer = Parser()
         # Without a content coding (an event stream normally has none) the raw bytes are the body.
         coded = response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
         direct = None if coded else body_reader(response)

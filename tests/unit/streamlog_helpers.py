@@ -17,13 +17,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatstream import http as sse
+from chatstream import sse
+from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
 from chatstream.state.store_memory import MemoryData, MemoryStore
 from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def event(payload: Any, name: bytes | None = None) -> bytes:
+    """One event of JSON, as the API encoders write them."""
+    return sse.event(dumps(payload), name)
+
+
 # Leases of a fraction of a second, so that deaths show within one: the same logic as 4.5 s.
 LIFE = InstanceTiming(beat_seconds=0.05, lease_seconds=0.4, linger_seconds=0.5, duty_seconds=0.05, fresh_seconds=0.0)
 # The cadences scaled down alike (the defaults' ratios).
@@ -43,15 +51,15 @@ QUICK = {
 
 def encode_error(route, type, message, retryable, next_id) -> bytes:
     if route == "chat":
-        return sse.event({"error": {"type": type, "message": message, "retryable": retryable}}, b"error")
-    return sse.event({"error": {"message": message, "type": "server_error", "param": None, "code": type}})
+        return event({"error": {"type": type, "message": message, "retryable": retryable}}, b"error")
+    return event({"error": {"message": message, "type": "server_error", "param": None, "code": type}})
 
 
 def delta(i: int) -> bytes:
-    return sse.event({"delta": f"w{i} 日本 🙂\n"})
+    return event({"delta": f"w{i} 日本 🙂\n"})
 
 
-DONE = sse.event({"finish_reason": "stop", "usage": None}, b"done")
+DONE = event({"finish_reason": "stop", "usage": None}, b"done")
 
 
 def events_of(body: bytes) -> list[tuple[int, bytes]]:

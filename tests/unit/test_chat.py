@@ -336,7 +336,8 @@ def test_failed_with_a_param():
     "text", ["lorem ", 'a "quote" \\ back\nslash', "café 日本語 🙂", "\ud800 lone surrogate", "\x00\x1f"]
 )
 def test_a_delta_event_is_the_json_of_its_object(text):
-    from chatstream.http import event
+    from chatstream import sse
+    from chatstream.http import dumps
 
     data = {"choices": [{"index": 0, "delta": {"content": text}}]}
-    assert encode(Chunk(data)) == event({"delta": text})
+    assert encode(Chunk(data)) == sse.event(dumps({"delta": text}))

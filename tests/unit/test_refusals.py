@@ -9,7 +9,7 @@ import pytest
 
 from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import error_response
-from chatstream.apis.refusals import duration, error, rate_headers
+from chatstream.apis.refusals import caller_key, duration, error, rate_headers
 from chatstream.errors import as_status, error_headers
 from chatstream.state.accounting import Unknown
 from chatstream.state.port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
@@ -123,3 +123,12 @@ def test_the_ratelimit_headers_are_openais():
         "1m3s",
         "2m5.25s",
     ]
+
+
+def test_the_key_is_read_from_openai_or_azure_headers():
+    assert caller_key({"authorization": "Bearer csk-abc"}) == "csk-abc"
+    assert caller_key({"authorization": "bearer  csk-abc "}) == "csk-abc"
+    assert caller_key({"api-key": "csk-abc"}) == "csk-abc"
+    assert caller_key({"authorization": "Basic xyz"}) is None
+    assert caller_key({"authorization": "Bearer "}) is None
+    assert caller_key({}) is None

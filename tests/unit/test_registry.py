@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from chatstream.state.callers import Caller, hash_key, key_from_headers
+from chatstream.state.callers import Caller, hash_key
 from chatstream.state.port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price
 from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
@@ -562,15 +562,6 @@ async def test_keys_never_reach_a_log_an_error_an_answer_or_the_store(caplog):
         assert k not in text and k[4:] not in text
     assert hash_key(new) not in json.dumps(answers)  # the hash is the store's business only
     assert f'"key_hint": "{new[-4:]}"' in json.dumps(answers)
-
-
-def test_the_key_is_read_from_openai_or_azure_headers():
-    assert key_from_headers({"authorization": "Bearer csk-abc"}) == "csk-abc"
-    assert key_from_headers({"authorization": "bearer  csk-abc "}) == "csk-abc"
-    assert key_from_headers({"api-key": "csk-abc"}) == "csk-abc"
-    assert key_from_headers({"authorization": "Basic xyz"}) is None
-    assert key_from_headers({"authorization": "Bearer "}) is None
-    assert key_from_headers({}) is None
 
 
 async def test_model_access_and_concurrent_creates_of_one_name():

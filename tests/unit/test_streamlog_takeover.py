@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import pytest
 
-from chatstream import http as sse
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
 from chatstream.state.store_memory import Fault, MemoryData
@@ -28,6 +27,7 @@ from .streamlog_helpers import (
     CountingStore,
     delta,
     encode_error,
+    event,
     events_of,
     ids_in,
     instances,
@@ -115,7 +115,7 @@ async def test_background_loops_survive_errors_that_are_not_outages():
         assert await b.cancel(producer.id, None) is True  # the inbox reads again
         async with asyncio.timeout(2):
             await producer.stop_requested.wait()
-        await produce(producer, [], final=sse.event({"finish_reason": "cancelled"}, b"done"))
+        await produce(producer, [], final=event({"finish_reason": "cancelled"}, b"done"))
         assert [n for n, _ in events_of(await reading)] == [1, 2, 3]
 
 

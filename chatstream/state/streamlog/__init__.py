@@ -6,8 +6,9 @@ through ``StreamLog`` (log.py); everything it imports is named here.
 The design, one module per concept:
 
 - format.py — what is stored: the stream id (its start by the store's clock, 128 random bits),
-  Last-Event-ID, the record (one row: route, owner, producing instance, epoch, expiry, the request a
-  continuation needs), the event log (an append blob that *is* the SSE stream, with our markers:
+  the record (one row: route, owner, producing instance, epoch, expiry, the request a
+  continuation needs), the event log (an append blob of the route's events, opaque, numbered and framed by
+  chatstream/sse.py, with our markers as comments:
   end, lost, the epoch fence of a takeover, hand-over, acks; made at the first write: a stream that
   ends before it has its whole log in the record instead), and ``Tail``, which reads it.
 - producer.py — ``Producer``: numbers and keeps events in memory (no I/O), writes them in the
@@ -30,8 +31,8 @@ duty holder, ``Instances.every``)."""
 
 from .config import ResumeConfig
 from .errors import (
-    BadLastEventId,
     InvalidStreamId,
+    PastTheEnd,
     StreamLogError,
     StreamNotFound,
     TooManyReaders,
@@ -47,7 +48,6 @@ from .format import (
     check_stream_id,
     log_tag,
     new_stream_id,
-    parse_last_event_id,
     started_at,
 )
 from .log import StreamLog, TakeOverHook
@@ -60,10 +60,10 @@ __all__ = [
     "BLOCK_LIMIT",
     "MOVED",
     "ROUTES",
-    "BadLastEventId",
     "Claim",
     "EncodeError",
     "InvalidStreamId",
+    "PastTheEnd",
     "Producer",
     "Reader",
     "ResumeConfig",
@@ -79,6 +79,5 @@ __all__ = [
     "check_stream_id",
     "log_tag",
     "new_stream_id",
-    "parse_last_event_id",
     "started_at",
 ]

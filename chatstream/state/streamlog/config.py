@@ -59,7 +59,7 @@ class ResumeConfig:
     inbox_young_seconds: float = 0.1
     young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
-    # Last-Event-ID past what is stored of a live stream elsewhere: wait at most this long for the
+    # A reading that starts past what is stored of a live stream elsewhere: wait at most this long for the
     # producer to store it, or to acknowledge the reader with its last id.
     past_end_wait_seconds: float = 5.0
     max_readers: int = 256  # readers this instance serves at once

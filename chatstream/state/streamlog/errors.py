@@ -16,8 +16,14 @@ class InvalidStreamId(StreamNotFound):
     """Not an id this package makes (wrong length, path characters...): never looked up."""
 
 
-class BadLastEventId(StreamLogError):
-    """Last-Event-ID is not a non-negative integer of at most 15 digits, or is past the stream's end."""
+class PastTheEnd(StreamLogError):
+    """A reading asked to start after an event the stream never had: ``after`` is past ``last``, the
+    stream's last event."""
+
+    def __init__(self, after: int, last: int):
+        super().__init__(f"event {after} is past the end of the stream ({last})")
+        self.after = after
+        self.last = last
 
 
 class TooManyReaders(StreamLogError):

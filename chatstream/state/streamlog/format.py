@@ -1,10 +1,10 @@
-"""What a resumable stream is in the store, and what names it: the stream id and the Last-Event-ID a
-resume continues after; the stream's record (one row) and its event log (an append blob whose content
-is the SSE stream itself, with its ``id:`` lines and the markers this package writes); and ``Tail``,
-which reads a stored log as it grows.
+"""What a resumable stream is in the store, and what names it: the stream id; the stream's record
+(one row) and its event log (an append blob of the route's events, opaque, numbered and framed by
+chatstream/sse.py, with the markers this package writes); and ``Tail``, which reads a stored log as
+it grows.
 
 The event log, blob ``{id}``: whole events (a block never ends mid-event), each ``id: N`` first, and
-comment lines of ours, which no reader passes on:
+comment lines of ours (``sse.comment``), which no reader passes on:
 
 - ``: end`` — the last event is the route's final one; ``: lost`` — it is an error written here (the
   stream stopped being stored before its end);
@@ -12,7 +12,7 @@ comment lines of ours, which no reader passes on:
   at the stored end, so the previous producer's next append fails on its append position;
 - ``: handover`` — its producer stopped (its instance drains): a reader takes it over at once;
 - ``: ack NONCE L`` — the producer saw the reader NONCE registered (``inbox.py``) when it had handed
-  out events up to L, all stored before this line: a Last-Event-ID above L was never handed out.
+  out events up to L, all stored before this line: a reading after an id above L asks for one never handed out.
 
 The record, row ``stream`` of partition ``{id}`` in ``chatstreamStreams``: ``Record``. The request a
 continuation needs (the route's params as JSON) is in the record when small, else in the blob
@@ -28,7 +28,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from .errors import BadLastEventId, InvalidStreamId
+from ... import sse
+from .errors import InvalidStreamId
 
 Route = Literal["chat", "openai"]
 ROUTES: tuple[Route, ...] = ("chat", "openai")
@@ -41,8 +42,6 @@ ROUTES: tuple[Route, ...] = ("chat", "openai")
 # are the capability.
 ID_LENGTH = 30
 _ID = re.compile(r"[A-Za-z0-9_-]{30}")
-# Last-Event-ID: a decimal event id, at most 15 digits (ids stay exact in a double and in JSON).
-_LAST_ID = re.compile(r"[0-9]{1,15}")
 
 
 def new_stream_id(now: float | None) -> str:
@@ -69,25 +68,6 @@ def check_stream_id(stream_id: str) -> str:
     if not isinstance(stream_id, str) or _ID.fullmatch(stream_id) is None:
         raise InvalidStreamId("no such stream")
     return stream_id
-
-
-def parse_last_event_id(header: str | None, query: str | None = None) -> int | None:
-    """The event id a resume continues after: the ``Last-Event-ID`` header, else the
-    ``last_event_id`` query parameter; None (from the start) when neither is given or the header is
-    empty (what EventSource sends before any id). BadLastEventId for anything else than 0..10^15-1."""
-    value = header if header is not None else query
-    if value is None or (header is not None and not header.strip()):
-        return None if header is None or query is None else parse_last_event_id(None, query)
-    value = value.strip()
-    if _LAST_ID.fullmatch(value) is None:
-        raise BadLastEventId("Last-Event-ID must be a non-negative integer of at most 15 digits")
-    return int(value)
-
-
-def check_after(after: int | None) -> int:
-    if after is not None and (not isinstance(after, int) or after < 0 or after >= 10**15):
-        raise BadLastEventId("Last-Event-ID must be a non-negative integer of at most 15 digits")
-    return after or 0
 
 
 # --- the record -------------------------------------------------------------------------------
@@ -177,21 +157,22 @@ READER_FIELDS = ("route", "owner", "instance", "epoch", "created", "expires", "s
 
 # --- the event log ----------------------------------------------------------------------------
 
-END = b": end"
-LOST = b": lost"
-HANDOVER = b": handover"
-_EPOCH = b": epoch "
-_ACK = b": ack "
+# The markers, comment texts (``sse.comment``).
+END = b"end"
+LOST = b"lost"
+HANDOVER = b"handover"
+_EPOCH = b"epoch "
+_ACK = b"ack "
 BLOCK_LIMIT = 4 * 1024 * 1024  # the largest append block
 BLOCKS_LIMIT = 50_000  # blocks an append blob may have
 
 
 def epoch_marker(epoch: int, after: int) -> bytes:
-    return b": epoch %d %d\n\n" % (epoch, after)
+    return sse.comment(b"%s%d %d" % (_EPOCH, epoch, after))
 
 
 def ack_marker(nonce: str, last_id: int) -> bytes:
-    return b": ack %s %d\n\n" % (nonce.encode(), last_id)
+    return sse.comment(b"%s%s %d" % (_ACK, nonce.encode(), last_id))
 
 
 class EncodeError(Protocol):
@@ -205,21 +186,12 @@ class EncodeError(Protocol):
 
 def error_event(encode_error: EncodeError, route: Route, type: str, message: str, number: int) -> bytes:
     """A retryable error event of ours, numbered ``number``."""
-    return b"id: %d\n%s" % (number, encode_error(route, type, message, True, number))
-
-
-def is_comment(part: bytes) -> bool:
-    return all(line.startswith(b":") for line in part.split(b"\n"))
-
-
-def event_id(event: bytes) -> int:
-    """The id of one numbered event (as ``split_events`` gives them)."""
-    return int(event[4 : event.index(b"\n")])
+    return sse.numbered(number, encode_error(route, type, message, True, number))
 
 
 def split_events(data: bytes) -> list[bytes]:
     """The numbered events of stored bytes (whole events), each with its blank line; comments dropped."""
-    return [part + b"\n\n" for part in data.split(b"\n\n") if part.startswith(b"id: ")]
+    return [part + sse.END_OF_EVENT for part in sse.split(data)[0] if sse.event_id(part) is not None]
 
 
 class Tail:
@@ -242,33 +214,31 @@ class Tail:
 
     def feed(self, data: bytes) -> bytes:
         self.offset += len(data)
-        buffer = self.rest + data if self.rest else data
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            self.rest = buffer
-            return b""
-        self.rest = buffer[cut + 2 :]
+        parts, self.rest = sse.split(self.rest + data if self.rest else data)
         out = []
-        for part in buffer[:cut].split(b"\n\n"):
-            if part.startswith(b"id: "):
-                newline = part.find(b"\n")
-                number = int(part[4:newline] if newline > 0 else part[4:])
+        for part in parts:
+            number = sse.event_id(part)
+            if number is not None:
                 self.last_id = number
                 self.final = part
                 if number > self.cursor:
                     out.append(part)
                     self.cursor = number
-            elif part in (END, LOST):
-                self.end = part
-            elif part.startswith(_EPOCH):
-                epoch, _, after = part[len(_EPOCH) :].partition(b" ")
+                continue
+            marker = sse.comment_text(part)
+            if marker is None:
+                continue
+            if marker in (END, LOST):
+                self.end = marker
+            elif marker.startswith(_EPOCH):
+                epoch, _, after = marker[len(_EPOCH) :].partition(b" ")
                 self.epoch, self.seam, self.handover = int(epoch), int(after), False
-            elif part == HANDOVER:
+            elif marker == HANDOVER:
                 self.handover = True
-            elif part.startswith(_ACK):
-                nonce, _, last = part[len(_ACK) :].partition(b" ")
+            elif marker.startswith(_ACK):
+                nonce, _, last = marker[len(_ACK) :].partition(b" ")
                 self.acks[nonce.decode()] = int(last)
-        return b"\n\n".join(out) + b"\n\n" if out else b""
+        return sse.join(out)
 
     def past_seam(self, after: int) -> bool:
         """Whether a client at ``after`` may hold events a dead producer handed out but never stored

@@ -58,10 +58,11 @@ class StreamLog:
       The store is never waited on: if it fails, the live stream is unaffected and
       ``producer.resumable`` turns False (readers elsewhere get ``stream_lost``).
 
-    Resuming: ``reader = await log.open_reader(id, parse_last_event_id(header, query), caller)``,
+    Resuming: ``reader = await log.open_reader(id, after, caller)`` (``after``: the last event id the
+    caller has, None: from the start),
     then stream ``reader`` (an SSE body in ``reader.route``'s format). Cancelling:
     ``await log.cancel(id, caller)``. Errors (errors.py): StreamNotFound (unknown, expired,
-    malformed, another caller's), BadLastEventId, TooManyReaders, Unavailable.
+    malformed, another caller's), PastTheEnd, TooManyReaders, Unavailable.
 
     Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from ..store import NEW, STREAMS_TABLE
 from .config import Context
@@ -40,7 +41,6 @@ from .format import (
     Route,
     ack_marker,
     error_event,
-    is_comment,
     log_tag,
     request_blob,
     text_units,
@@ -121,30 +121,30 @@ class Producer:
         line) and keep it for the readers; return it with an ``id: N`` line first in each event:
         the bytes to send to the live caller. Comment-only events (``: keep-alive``) pass through
         unnumbered and unkept. ``final``: ``data`` holds the stream's final event(s). No I/O."""
-        if not data.endswith(b"\n\n") or b"\r" in data:
+        if not data.endswith(sse.END_OF_EVENT) or b"\r" in data:
             raise ValueError("append takes whole SSE events with LF line ends")
         if self._final_by_caller:
             raise RuntimeError("append after the final event")
         end = len(data) - 2
         if end <= 0:
             return data
-        if data.find(b"\n\n") == end:  # one event: the common case
-            if data[0] == 58 and is_comment(data[:end]):  # ':'
+        if data.find(sse.END_OF_EVENT) == end:  # one event: the common case
+            if sse.is_comment(data[:end]):
                 out = data
             else:
                 self._last_id += 1
-                out = b"id: %d\n%s" % (self._last_id, data)
+                out = sse.numbered(self._last_id, data)
                 self._keep(out)
         else:
             pieces = []
-            for part in data[:end].split(b"\n\n"):
+            for part in sse.split(data)[0]:
                 if not part:
                     continue
-                if part[0] == 58 and is_comment(part):
-                    pieces.append(part + b"\n\n")
+                if sse.is_comment(part):
+                    pieces.append(part + sse.END_OF_EVENT)
                     continue
                 self._last_id += 1
-                event = b"id: %d\n%s\n\n" % (self._last_id, part)
+                event = sse.numbered(self._last_id, part + sse.END_OF_EVENT)
                 pieces.append(event)
                 self._keep(event)
             out = b"".join(pieces)
@@ -610,9 +610,9 @@ class _Writer:
         end = p._end and whole
         handover = p._handing_over and whole and not end
         if end:
-            parts.append((LOST if p._lost else END) + b"\n\n")
+            parts.append(sse.comment(LOST if p._lost else END))
         elif handover:
-            parts.append(HANDOVER + b"\n\n")
+            parts.append(sse.comment(HANDOVER))
         return _Attempt(count, b"".join(parts), end, handover, acks)
 
     async def _write_block(self) -> None:
@@ -700,7 +700,7 @@ class _Writer:
                 await self._inbox_read.wait()
         if self._following or self._acks or p._handing_over or self.stored:
             return False
-        block = b"".join(p._events) + (LOST if p._lost else END) + b"\n\n"
+        block = b"".join(p._events) + sse.comment(LOST if p._lost else END)
         try:
             text = block.decode()
         except UnicodeDecodeError:
@@ -763,7 +763,7 @@ class _Writer:
             try:
                 if not stored and not self._blob:  # nothing stored yet: the error goes into the record
                     message = "the stream stopped being stored"
-                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, 1) + LOST + b"\n\n"
+                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, 1) + sse.comment(LOST)
                     fields = {
                         "PartitionKey": p.id,
                         "RowKey": RECORD_ROW,
@@ -777,7 +777,7 @@ class _Writer:
                     message = "the stream stopped being stored"
                     block = error_event(ctx.encode_error, p.route, "stream_lost", message, self.stored + 1)
                     try:
-                        await ctx.store.append(p.id, block + LOST + b"\n\n", at=self.stored_bytes)
+                        await ctx.store.append(p.id, block + sse.comment(LOST), at=self.stored_bytes)
                     except Modified:
                         # One of the writes whose answer was lost landed after all: from after it.
                         found = await ctx.store.read(p.id, self.stored_bytes)

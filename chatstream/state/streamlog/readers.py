@@ -21,11 +21,12 @@ import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal, Protocol
 
+from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from ..store import STREAMS_TABLE, Where
 from . import inbox
 from .config import Context
-from .errors import BadLastEventId, StreamNotFound, TooManyReaders, Unavailable
+from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
 from .format import (
     END,
     LOST,
@@ -34,7 +35,6 @@ from .format import (
     Record,
     Route,
     Tail,
-    check_after,
     check_stream_id,
     error_event,
     log_tag,
@@ -63,7 +63,7 @@ class Streams(Protocol):
 
 
 class Reader:
-    """A resumed stream: an async iterator of bytes (the SSE events after Last-Event-ID, then the
+    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
     live ones up to the final event). ``route`` is the format of its events. Close it with
     ``aclose`` (Starlette's StreamingResponse does) when the caller goes."""
 
@@ -99,10 +99,12 @@ class Readers:
     async def open(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
         """The events of ``stream_id`` after ``after`` (None: from the start), then the live ones to
         the final event. Raises before anything is sent: StreamNotFound (unknown, expired, another
-        caller's), BadLastEventId, TooManyReaders, Unavailable."""
+        caller's), PastTheEnd, TooManyReaders, Unavailable."""
         ctx, cfg = self._ctx, self._ctx.config
         check_stream_id(stream_id)
-        start = check_after(after)
+        start = after or 0
+        if start < 0:
+            raise ValueError("an event id is never negative")
         if ctx.closed:
             raise Unavailable("the stream log is closed")
         if self.total >= cfg.max_readers:
@@ -122,7 +124,7 @@ class Readers:
                 raise StreamNotFound("no such stream")
             past_seam = producer.seam is not None and start > producer.seam
             if start > producer.last_id and not producer.ended_lost and not past_seam:
-                raise BadLastEventId(f"Last-Event-ID {start} is past the end of the stream ({producer.last_id})")
+                raise PastTheEnd(start, producer.last_id)
             try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
                 slot = await Slot.take(ctx, stream_id)
             except StoreError as exc:
@@ -133,7 +135,7 @@ class Readers:
 
     async def _open_stored(self, stream_id: str, after: int, caller: str | None) -> Reader:
         """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
-        reader's row in the producer's inbox (at once), then Last-Event-ID checked."""
+        reader's row in the producer's inbox (at once), then ``after`` checked."""
         ctx = self._ctx
         try:
             record = await read_record(ctx, stream_id, caller)
@@ -171,7 +173,7 @@ class Readers:
                 if not tail.past_seam(after) and (
                     (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
                 ):
-                    raise BadLastEventId(f"Last-Event-ID {after} is past the end of the stream ({tail.last_id})")
+                    raise PastTheEnd(after, tail.last_id)
         except BaseException:
             following.close()
             raise
@@ -520,7 +522,7 @@ class _Following:
                         )
                         return
             self._done = True
-            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + b"\n\n", tail.seam)
+            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + sse.END_OF_EVENT, tail.seam)
             if ending:
                 yield ending
         finally:
@@ -602,7 +604,7 @@ class _Following:
         return b""
 
     async def wait_past_end(self) -> bytes:
-        """Last-Event-ID is past what is stored of a live stream: wait (bounded) until the stored log
+        """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
         reaches it, or the producer acks this reader with its last id, or it is gone. What was read
         meanwhile is returned (the events after the cursor)."""
         ctx, cfg = self._ctx, self._cfg

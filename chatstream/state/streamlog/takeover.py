@@ -18,10 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .format import RECORD_ROW, Record, Route, Tail, epoch_marker, event_id, log_tag, request_blob, split_events
+from .format import LOST, RECORD_ROW, Record, Route, Tail, epoch_marker, log_tag, request_blob, split_events
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
@@ -136,7 +137,7 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Ref
             last_id=tail.last_id,
             epoch=won.epoch,
             producer=producer,
-            lost_events=b"".join(e for e in events if tail.seam is None or event_id(e) > tail.seam),
+            lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
@@ -190,7 +191,7 @@ async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:
     fields = {
         "PartitionKey": won.stream_id,
         "RowKey": RECORD_ROW,
-        "state": "lost" if tail.end == b": lost" else "ended",
+        "state": "lost" if tail.end == LOST else "ended",
         "finished": now,
         "expires": now + ctx.config.ttl_seconds,
         "last_id": tail.last_id,

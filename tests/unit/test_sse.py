@@ -1,5 +1,6 @@
-"""chatstream/sse.py: writing our events (``event``, ``dumps``, ``KEEP_ALIVE``) and reading the
-upstream's (``SSEFramer``: any split of the bytes, LF, CRLF or CR line ends, multi-byte text, comments
+"""chatstream/sse.py: writing our events (``event`` of chatstream/http.py's ``dumps``, ``numbered``,
+``KEEP_ALIVE``), reading ours (``split``, ``event_id``, ``comment_text``) and reading the
+upstream's (``Parser``: any split of the bytes, LF, CRLF or CR line ends, multi-byte text, comments
 and multi-line data give the same events)."""
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chatstream.http import KEEP_ALIVE, SSEFramer, dumps, event
+from chatstream import sse
+from chatstream.http import dumps
+from chatstream.sse import KEEP_ALIVE, Parser
 
 payloads = st.lists(
     st.dictionaries(st.sampled_from(["content", "role", "x"]), st.text(max_size=12), max_size=3), min_size=0, max_size=6
@@ -37,7 +40,7 @@ def test_any_split_gives_the_same_events(events, eol, comments, data):
     raw = encode(events, eol, comments)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
     pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
-    framer = SSEFramer()
+    framer = Parser()
     out = []
     for piece in pieces:
         if not framer.done:
@@ -50,20 +53,20 @@ def test_any_split_gives_the_same_events(events, eol, comments, data):
 
 
 def test_an_empty_piece_between_cr_and_lf_changes_nothing():
-    framer = SSEFramer()
+    framer = Parser()
     assert framer.feed(b'data: {"a":1}\r') == []
     assert framer.feed(b"") == []
     assert framer.feed(b'\ndata: {"b":2}\r\n\r\n') == [b'{"a":1}\n{"b":2}']
 
 
 def test_crlf_split_between_pieces_is_one_line_end():
-    framer = SSEFramer()
+    framer = Parser()
     assert framer.feed(b'data: {"a":1}\r') == []
     assert framer.feed(b'\ndata: {"b":2}\r\n\r\n') == [b'{"a":1}\n{"b":2}']
 
 
 def test_an_empty_piece_and_a_piece_without_a_line_end_give_nothing():
-    framer = SSEFramer()
+    framer = Parser()
     assert framer.feed(b"") == []
     assert framer.feed(b'data: {"a":') == []
     assert framer.feed(b"1}\n") == []  # the event ends only at the blank line
@@ -71,12 +74,12 @@ def test_an_empty_piece_and_a_piece_without_a_line_end_give_nothing():
 
 
 def test_data_without_a_space_after_the_colon_and_other_fields():
-    framer = SSEFramer()
+    framer = Parser()
     assert framer.feed(b'id: 7\nevent: x\nretry: 5\ndata:{"a":1}\n\n: comment\n\n') == [b'{"a":1}']
 
 
 def test_nothing_after_done_and_done_is_remembered():
-    framer = SSEFramer()
+    framer = Parser()
     assert framer.feed(b'data: {"a":1}\n\ndata: [DONE]\n\ndata: {"b":2}\n\n') == [b'{"a":1}']
     assert framer.done
 
@@ -102,21 +105,31 @@ def test_dumps_with_a_lone_surrogate_escapes_the_rest_too():
 
 
 def test_event_without_a_name():
-    assert event({"delta": "hi"}) == b'data: {"delta":"hi"}\n\n'
+    assert sse.event(dumps({"delta": "hi"})) == b'data: {"delta":"hi"}\n\n'
 
 
 def test_event_with_a_name():
-    assert event({"finish_reason": "stop"}, b"done") == b'event: done\ndata: {"finish_reason":"stop"}\n\n'
+    assert sse.event(dumps({"finish_reason": "stop"}), b"done") == b'event: done\ndata: {"finish_reason":"stop"}\n\n'
 
 
 def test_an_event_is_one_data_line_whatever_the_text():
     # JSON escapes line ends, so a text with LF, CR or CRLF never splits the data line.
-    out = event({"delta": "a\nb\rc\r\n\u2028"})
+    out = sse.event(dumps({"delta": "a\nb\rc\r\n\u2028"}))
     assert out.count(b"\n") == 2 and b"\r" not in out
-    framer = SSEFramer()
+    framer = Parser()
     assert [json.loads(p) for p in framer.feed(out)] == [{"delta": "a\nb\rc\r\n\u2028"}]
 
 
 def test_keep_alive_is_a_comment():
     assert KEEP_ALIVE == b": keep-alive\n\n"
-    assert SSEFramer().feed(KEEP_ALIVE) == []
+    assert Parser().feed(KEEP_ALIVE) == []
+
+
+def test_our_numbered_events_and_comments_split_back():
+    stream = sse.numbered(7, sse.event(b"{}", b"done")) + sse.comment(b"epoch 2 7") + sse.KEEP_ALIVE
+    parts, rest = sse.split(stream + b"id: 8\ndata: ")
+    assert rest == b"id: 8\ndata: " and len(parts) == 3
+    assert [sse.event_id(p) for p in parts] == [7, None, None]
+    assert [sse.comment_text(p) for p in parts] == [None, b"epoch 2 7", b"keep-alive"]
+    assert [sse.is_comment(p) for p in parts] == [False, True, True]
+    assert sse.join(parts) == stream
