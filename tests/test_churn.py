@@ -363,3 +363,61 @@ def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, star
         assert len(ours) == 1 and segments == [0, 20, 40], segments  # A's, B's, C's
     finally:
         upstream.stop()
+
+
+@pytest.mark.alone
+def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledger(upstream, azurite, start_app):
+    """Five streams on A, four of them admitted within half a second of A's last journal write (the
+    journal's pause); A is SIGKILLed the moment the upstream has all five, before their callers get
+    their headers. Every request the upstream received is in the ledger (``lost``), the budget row
+    equals the ledger, nothing held. (Before, a request admitted after the journal's last write
+    was lost with its instance: 1 of 5 rows in 3 runs.)"""
+    a = start_app(**env(upstream, azurite))
+    b = start_app(**env(upstream, azurite))
+    who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+    for app in (a, b):  # each instance warm (its store clients, the tables; B takes the duty)
+        warm = httpx.post(f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30)
+        assert warm.status_code == 200, warm.text
+    time.sleep(1.0)  # the warm requests' charges settled and A's journal quiet
+    base = upstream.count()
+    marker = uuid.uuid4().hex
+
+    def stream_on_a() -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                f"{a.url}/api/v1/chat/completions",
+                headers={"api-key": key},
+                json=ask(f"[scenario:slow] {marker}", stream=True),
+                timeout=30,
+            ) as response:
+                for _ in response.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # its instance was killed
+
+    threads = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(5)]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while upstream.count() < base + 1:  # the first one's journal write, then the pause
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    for thread in threads[1:]:
+        thread.start()
+    while upstream.count() < base + 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    a.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        rows = [r for r in ledger(azurite, who) if r["ended"] == "lost"]
+        taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+        if len(rows) >= 5 and held == 0:
+            break
+        if time.monotonic() - killed > 60:
+            break
+        time.sleep(0.5)
+    print(f"{len(rows)} lost rows {time.monotonic() - killed:.1f} s after the kill")
+    assert len(rows) == 5, rows
+    assert held == 0 and taken == spent(ledger(azurite, who)), (taken, held)

@@ -86,6 +86,7 @@ class Admission:
         return self.reservation.rates
 
 
+LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
 
@@ -238,6 +239,8 @@ class Accounting:
                 price=price,
             )
         )
+        # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
+        await self.journal.listed(entry, LISTED_WITHIN)
         return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
     async def _context(self, caller: Caller, params: Mapping) -> tuple[int, int] | Unknown | Unavailable:

@@ -22,9 +22,11 @@ its journal and the counter rows' ``applied`` numbers, exactly which charges eac
    the row does not have yet (counters.Counters.recover); then the journal is deleted.
 
 Each step can be done again (by another instance, if this one dies mid-way) without adding twice.
-What is not recovered: a request admitted after the last journal write, at most ``JOURNAL_SECONDS``
-before the death (its reservation comes back; what it generated in that time is not charged), and
-charges made while the store could not be written at all, by an instance that then died."""
+A request is listed before its upstream call goes out (``listed``: its admission waits for the write
+that lists it, at once, not after the pause between writes), so whatever an upstream was asked for
+is in a journal. What is not recovered: requests admitted while the journal could not be written
+(a store outage: they are served, and listed once the store is back), and charges made while the
+store could not be written at all, by an instance that then died."""
 
 from __future__ import annotations
 
@@ -163,6 +165,8 @@ class Journal:
         self._closed = False
         self.writes = 0
         self.fenced = False
+        self._waiting: list[tuple[JournalEntry, asyncio.Future]] = []  # requests waiting to be listed
+        self._failing = False  # the last write failed: requests do not wait for a listing
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -190,6 +194,31 @@ class Journal:
         entry.seqs = settlement.seqs
         entry.generated = None
         self.changed()
+
+    async def listed(self, entry: JournalEntry, within: float) -> None:
+        """Wait until a written journal lists ``entry`` (a request, before its upstream call: if this
+        instance dies after it, the takeover charges it), at most ``within`` seconds. Not while the
+        journal cannot be written (a store outage): the request goes on, listed once it can be."""
+        if entry.listed or self._failing or self._closed:
+            return
+        waiting = asyncio.get_running_loop().create_future()
+        self._waiting.append((entry, waiting))
+        self._urgent.set()
+        self.changed()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await asyncio.shield(waiting)
+
+    def _wake_listed(self, failed: bool = False) -> None:
+        """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
+        keep = []
+        for entry, waiting in self._waiting:
+            if failed or entry.listed or entry.request_id not in self.entries:
+                if not waiting.done():
+                    waiting.set_result(None)
+            else:
+                keep.append((entry, waiting))
+        self._waiting = keep
 
     async def note_counter(self, key: tuple[str, str], period: str) -> None:
         """Before this instance holds any of a budget counter: the journal lists it (written)."""
@@ -232,14 +261,19 @@ class Journal:
             try:
                 await self._write_once()
                 backoff = self.interval
+                self._failing = False
+                self._wake_listed()
             except StoreError as exc:
                 log.warning("journal: could not be written (%s); retrying", exc)
+                self._failing = True
+                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
             except Exception:  # a bug of ours must not stop the journal
                 log.exception("journal: writing failed")
+                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(1.0)
                 continue
@@ -363,6 +397,8 @@ class Journal:
         self._etag = None
         self._noted = set()
         self._needed_at.clear()
+        self._dirty.set()  # what is left goes into the new journal at once
+        self._urgent.set()
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
@@ -380,6 +416,7 @@ class Journal:
         """Stop the writer (the write in flight ends first) and write once more what is left: after a
         flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
+        self._wake_listed(failed=True)
         self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
         if self._lapse is not None:
             self._lapse.cancel()
