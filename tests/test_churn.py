@@ -421,3 +421,71 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
     print(f"{len(rows)} lost rows {time.monotonic() - killed:.1f} s after the kill")
     assert len(rows) == 5, rows
     assert held == 0 and taken == spent(ledger(azurite, who)), (taken, held)
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_a_stream_handed_over_on_sigterm_is_charged_once_in_the_budget(azurite, start_app):
+    """Keyed resumable /api/chat streams on A, A SIGTERMed a few events in: A hands each over, its
+    reader resumes on B, B takes it over and charges A's part at what the log shows while A, still
+    alive, settles the same part itself. The ledger has one row per producer's part, and the budget
+    row (tokens) equals the ledger, nothing held. (Before, both charges entered the budget row: it
+    stood one lost part per stream above the ledger.)"""
+    from servers import Upstream
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "60", "--interval-ms", "50")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60", "DRAIN_SECONDS": "1"}
+        a = start_app(**env(upstream, azurite, **settings, ASPNETCORE_SHUTDOWNTIMEOUTSECONDS="10"))
+        b = start_app(**env(upstream, azurite, **settings))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="total")
+        for app in (a, b):
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json={"prompt": "warm"}, timeout=30)
+            assert warm.status_code == 200, warm.text
+        started = threading.Barrier(4, timeout=60)
+        finals: list[str] = []
+
+        def one(i: int) -> None:
+            ids: list[int] = []
+            stream_id = ""
+            with httpx.stream(
+                "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": f"handed {i}"}, timeout=30
+            ) as response:
+                stream_id = response.headers["x-stream-id"]
+                for line in response.iter_lines():
+                    if line.startswith("id: "):
+                        ids.append(int(line[4:]))
+                        if len(ids) == 3:
+                            started.wait()
+            for _ in range(20):  # told to resume (stream_moved): on B, after the last id
+                headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+                with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                    if r.status_code == 200:
+                        for line in r.iter_lines():
+                            if line in ("event: done", "event: error"):
+                                finals.append(line[7:])
+                                return
+                time.sleep(0.5)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        a.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(90)
+        assert finals == ["done"] * 3, finals
+        deadline = time.monotonic() + 60
+        while True:
+            rows = ledger(azurite, who)
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if held == 0 and taken == spent(rows) and len(rows) >= 2 + 3 * 2:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        print(f"{len(rows)} rows, budget row {taken} (held {held}), ledger {spent(rows)}")
+        assert held == 0 and taken == spent(rows), (taken, held, spent(rows))
+        assert len(rows) == 2 + 3 * 2, [(r["request_id"], r["segment"], r["ended"], r["author"]) for r in rows]
+    finally:
+        upstream.stop()

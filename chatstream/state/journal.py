@@ -41,7 +41,7 @@ from typing import Any
 from .. import tokens
 from ..errors import Modified, StoreError
 from .counters import Counters, Settlement
-from .ledger import Charge, Ledger
+from .ledger import Charge, Ledger, theirs
 from .prices import Price
 from .store import NEW, Store
 
@@ -368,9 +368,11 @@ class Journal:
     def _to_ledger(self, entry: JournalEntry) -> None:
         written = self.ledger.submit(entry.charges)
 
-        def landed(_: asyncio.Future) -> None:
+        def landed(done: asyncio.Future[list[Charge]]) -> None:
             entry.written = True
             if entry.settlement is not None:
+                # A segment whose row another instance wrote first is counted by that one, not here.
+                entry.settlement.lessen(_amounts(entry.kinds, done.result()))
                 entry.settlement.confirm()  # now the counters may take the charges in
             self.changed()
 
@@ -460,16 +462,22 @@ def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
     ]
 
 
-def _amounts_of(entry: dict[str, Any], charges: list[Charge]) -> dict[str, int]:
+def _amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
+    """What ``charges`` spend of each budget counter ("partition/row" -> tokens or pico-dollars)."""
+    return {
+        key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
+        for key, kind in kinds.items()
+    }
+
+
+def _amounts_of(entry: dict[str, Any], charges: list[Charge], theirs: list[Charge]) -> dict[str, int]:
+    """What an entry's charges spend of each budget counter, less the segments another instance
+    wrote and counted (``theirs``)."""
+    kinds = entry.get("kinds") or {}
+    less = _amounts(kinds, theirs)
     if entry.get("state") == "settled":
-        return {k: int(v) for k, v in (entry.get("amounts") or {}).items()}
-    out: dict[str, int] = {}
-    for key, kind in (entry.get("kinds") or {}).items():
-        if kind == "spend":
-            out[key] = sum(c.cost or 0 for c in charges)
-        else:
-            out[key] = sum(c.total_tokens for c in charges)
-    return out
+        return {k: int(v) - less.get(k, 0) for k, v in (entry.get("amounts") or {}).items()}
+    return {k: v - less.get(k, 0) for k, v in _amounts(kinds, charges).items()}
 
 
 async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, taker: str) -> None:
@@ -490,20 +498,15 @@ async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, t
     else:
         raise StoreError("the journal kept changing while it was being sealed")
     entries = doc.get("entries") or []
-    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries whose counter charges are ours to bring in
+    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries and what they bring into each counter
     for entry in entries:
         charges = _charges_of(entry, dead)
-        mine = True
+        others: list[Charge] = []  # segments someone else charged first (a stream's takeover): theirs to count
         for charge in charges:
             there = await ledger.write_now(charge)
-            if (
-                there is not None
-                and entry.get("state") != "settled"
-                and not str(there.get("author", "")).startswith("takeover:")
-            ):
-                mine = False  # someone else charged this request (a stream's takeover): its counters are theirs
-        if mine:
-            ours.append((entry, _amounts_of(entry, charges)))
+            if there is not None and theirs(there, dead, f"takeover:{dead}"):
+                others.append(charge)
+        ours.append((entry, _amounts_of(entry, charges, others)))
     for key in doc.get("counters") or []:
         partition, _, row = key.partition("/")
 

@@ -26,7 +26,7 @@ from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
-from .state_helpers import MODEL, account, admit, counter, finish, instance, kill, until, usage
+from .state_helpers import MODEL, account, admit, call, counter, finish, instance, kill, record, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -177,6 +177,55 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
     rows = ledger_rows(data)
     assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 2
     spent_exactly(data, caller, team, spent[0] + spent[1], costs[0] + costs[1])
+    await b.close()
+
+
+async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_by_them_only():
+    """r2 settled in a's journal, its ledger row not written when a died; meanwhile a stream's taker
+    charged that part (and counted it in its own counters). The takeover adds r2 to no counter."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    entry = entry_of(data, "instance-a", rec2.id)
+    assert entry is not None and entry["state"] == "settled"
+    theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
+    assert await b.ledger.write_now(theirs) is None
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    rows = ledger_rows(data)
+    assert rows[rec2.id]["author"] == "instance-z" and rows[rec3.id]["author"] == "takeover:instance-a"
+    spent_exactly(data, caller, team, spent[0] + spent[2], costs[0] + costs[2])
+    await b.close()
+
+
+async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
+    """A stream handed over (or taken from an instance that was only slow): the taker b charges the
+    producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same
+    part afterwards. One row per part, and the budget rows hold exactly the ledger (before, a's
+    settle entered the counters too: one part counted twice)."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    first, rec = await admit(acc_a, caller, "a story")
+    assert isinstance(first, Admission)
+    taken = record()
+    taken.id = taken.request_id = rec.id  # the taker charges under the stream's request id
+    going_on = await acc_b.admit(caller, call("a story"), taken)
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
+    rec.hung_up()
+    finish(acc_a, first, rec, None, generated={0: ["Once upon a time there was a fox"]})
+    finish(acc_b, going_on, taken, usage(40, 12))
+    assert await acc_a.flush(5) and await acc_b.flush(5)
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert sorted((r["segment"], r["author"]) for r in rows) == [(0, "instance-b"), (20, "instance-b")]
+    spent_exactly(
+        data,
+        caller,
+        team,
+        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
+        sum(r["cost"] for r in rows),
+    )
+    await a.close()
     await b.close()
 
 
