@@ -435,19 +435,22 @@ class Accounting:
         )
         try:
             there = await self.ledger.write_now(charge)
+            # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
+            # there; raised here to what the log shows, and the difference counted), or by the
+            # producer itself (a hand-over: it counted it).
+            raised = there is not None and await self.ledger.raise_checkpoint(charge, there)
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
             return
+        spent, cost = prompt + completion, cost or 0
         if there is not None:
-            return  # charged already (the dead instance's takeover): its counters have it
-        spent = prompt + completion
-        corrections = _limit_wants(
-            caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost or 0
-        )
+            if not raised:
+                return
+            spent -= int(there.get("prompt_tokens") or 0) + int(there.get("completion_tokens") or 0)
+            cost -= int(there.get("cost") or 0)
+        corrections = _limit_wants(caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost)
         if team is not None:
-            corrections += _limit_wants(
-                team, "team", team.name, team.limits_partition, admission.model, spent, cost or 0
-            )
+            corrections += _limit_wants(team, "team", team.name, team.limits_partition, admission.model, spent, cost)
         self.counters.adjust(corrections, started)
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:

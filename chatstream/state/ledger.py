@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from ..errors import AlreadyExists, StoreError
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import PICO, usd, usd_text
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
@@ -256,6 +256,20 @@ class Ledger:
             return None
         except AlreadyExists:
             return await self.find(charge)
+
+    async def raise_checkpoint(self, charge: Charge, there: Row) -> bool:
+        """A lost part's row that a dead instance's takeover wrote at its journal's checkpoint
+        (``takeover:`` author), below ``charge`` (what the stream's log shows of it): raised to the
+        charge, keeping its author (so a takeover done again still finds it its own). True if it
+        was (the caller counts the difference); False when it was not below, or changed meanwhile."""
+        below = int(there.get("prompt_tokens") or 0) + int(there.get("completion_tokens") or 0) < charge.total_tokens
+        if not str(there.get("author") or "").startswith("takeover:") or not below:
+            return False
+        try:
+            await self.store.replace(USAGE_TABLE, {**charge.entity(), "author": there["author"]}, etag=there.etag)
+        except (Modified, NotFound, StoreError):
+            return False
+        return True
 
     async def drain(self, within: float = 5.0) -> bool:
         """Wait until every submitted charge has landed (tests, shutdown): True if they did in time."""

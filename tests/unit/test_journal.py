@@ -197,6 +197,39 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     await b.close()
 
 
+async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_taker():
+    """r3 open on a when it died: the takeover charged it at a's last journal checkpoint. Then a
+    reader resumes r3's stream on b, whose log shows more of a's part than the checkpoint: b raises
+    the row to what the log shows (its author stays the takeover's) and the budget rows follow."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, call("three"), taken)
+    assert isinstance(going_on, Admission)
+    shown = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, shown) and row["author"] == "takeover:instance-a"
+    rows = ledger_rows(data).values()
+    spent_exactly(
+        data,
+        caller,
+        team,
+        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
+        sum(r["cost"] for r in rows),
+    )
+    await b.close()
+
+
 async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
     """A stream handed over (or taken from an instance that was only slow): the taker b charges the
     producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same
