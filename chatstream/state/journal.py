@@ -93,15 +93,20 @@ class JournalEntry:
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
 
     def checkpoint(self) -> int:
-        """Completion tokens generated so far, counted on the text added since the last checkpoint."""
+        """Completion tokens generated so far: each choice's text up to its last space counted once
+        (a word split between two counts would count more tokens than the whole text does), plus
+        the rest counted anew."""
         if self.generated is None:
             return self.counted_tokens
+        rest = 0
         for choice, text in self.generated().items():
             counted = self.counted_chars.get(choice, 0)
-            if len(text) > counted:
-                self.counted_tokens += tokens.count_text(self.model, text[counted:])
-                self.counted_chars[choice] = len(text)
-        return self.counted_tokens
+            cut = text.rfind(" ", counted)
+            if cut > counted:
+                self.counted_tokens += tokens.count_text(self.model, text[counted:cut])
+                self.counted_chars[choice] = counted = cut
+            rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
+        return self.counted_tokens + rest
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
