@@ -405,8 +405,6 @@ class Journal:
         self._etag = None
         self._noted = set()
         self._needed_at.clear()
-        self._dirty.set()  # what is left goes into the new journal at once
-        self._urgent.set()
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
