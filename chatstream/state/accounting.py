@@ -44,7 +44,7 @@ from .callers import Caller, Limits, Team, key_from_headers
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
-from .ledger import Charge, Ledger, day_of
+from .ledger import Charge, Ledger, day_of, tokens_of
 from .owners import Owners
 from .port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
 from .prices import Price
@@ -438,7 +438,11 @@ class Accounting:
             # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
             # there; raised here to what the log shows, and the difference counted), or by the
             # producer itself (a hand-over: it counted it).
-            raised = there is not None and await self.ledger.raise_checkpoint(charge, there)
+            raised = (
+                there is not None
+                and str(there.get("author") or "").startswith("takeover:")
+                and await self.ledger.replace_below(charge, there, author=there["author"])
+            )
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
             return
@@ -446,7 +450,7 @@ class Accounting:
         if there is not None:
             if not raised:
                 return
-            spent -= int(there.get("prompt_tokens") or 0) + int(there.get("completion_tokens") or 0)
+            spent -= tokens_of(there)
             cost -= int(there.get("cost") or 0)
         corrections = _limit_wants(caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost)
         if team is not None:

@@ -17,7 +17,9 @@ its journal and the counter rows' ``applied`` numbers, exactly which charges eac
    again, and learns it was taken over);
 2. it writes every listed charge's ledger row that is not there yet, and for each open request a
    charge of what it had generated at the last checkpoint (``ended: lost``), unless someone else
-   (a stream's takeover) charged that request already;
+   (a stream's takeover) charged that request already: that one counts its row; a row below the
+   checkpoint (a stream's log is stored every few seconds) is raised to it, and only the
+   difference is counted here;
 3. in each counter the dead instance held, it takes the dead instance's share out and adds what
    the row does not have yet (counters.Counters.recover); then the journal is deleted.
 
@@ -41,9 +43,9 @@ from typing import Any
 from .. import tokens
 from ..errors import Modified, StoreError
 from .counters import Counters, Settlement
-from .ledger import Charge, Ledger, theirs
+from .ledger import Charge, Ledger, theirs, tokens_of
 from .prices import Price
-from .store import NEW, Store
+from .store import NEW, Row, Store
 
 log = logging.getLogger("chatstream")
 
@@ -474,11 +476,16 @@ def _amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
     }
 
 
-def _amounts_of(entry: dict[str, Any], charges: list[Charge], theirs: list[Charge]) -> dict[str, int]:
+def _amounts_of(
+    entry: dict[str, Any], charges: list[Charge], theirs: list[Charge], counted: list[tuple[int, int]]
+) -> dict[str, int]:
     """What an entry's charges spend of each budget counter, less the segments another instance
-    wrote and counted (``theirs``)."""
+    wrote and counted (``theirs``), and less what a taker counted of a row raised to the checkpoint
+    (``counted``: tokens, cost)."""
     kinds = entry.get("kinds") or {}
     less = _amounts(kinds, theirs)
+    for key, kind in kinds.items():
+        less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
     if entry.get("state") == "settled":
         return {k: int(v) - less.get(k, 0) for k, v in (entry.get("amounts") or {}).items()}
     return {k: v - less.get(k, 0) for k, v in _amounts(kinds, charges).items()}
@@ -506,11 +513,20 @@ async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, t
     for entry in entries:
         charges = _charges_of(entry, dead)
         others: list[Charge] = []  # segments someone else charged first (a stream's takeover): theirs to count
+        counted: list[tuple[int, int]] = []  # what a taker counted of a row raised here to the checkpoint
         for charge in charges:
             there = await ledger.write_now(charge)
             if there is not None and theirs(there, dead, f"takeover:{dead}"):
-                others.append(charge)
-        ours.append((entry, _amounts_of(entry, charges, others)))
+                # A taker charged the lost part from its log, below this checkpoint (a log is stored
+                # every few seconds): raised to the checkpoint, the taker's part of it kept in the row.
+                elsewhere = {"counted_tokens": tokens_of(there), "counted_cost": int(there.get("cost") or 0)}
+                if entry.get("state") == "settled" or not await ledger.replace_below(charge, there, **elsewhere):
+                    others.append(charge)
+                    continue
+                there = Row.of({**charge.entity(), **elsewhere}, "")
+            if there is not None and "counted_tokens" in there:
+                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+        ours.append((entry, _amounts_of(entry, charges, others, counted)))
     for key in doc.get("counters") or []:
         partition, _, row = key.partition("/")
 

@@ -115,6 +115,10 @@ def theirs(row: Mapping[str, Any], *mine: str) -> bool:
     return str(row.get("author") or "") not in mine
 
 
+def tokens_of(row: Mapping[str, Any]) -> int:
+    return int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+
+
 def day_of(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
 
@@ -257,16 +261,15 @@ class Ledger:
         except AlreadyExists:
             return await self.find(charge)
 
-    async def raise_checkpoint(self, charge: Charge, there: Row) -> bool:
-        """A lost part's row that a dead instance's takeover wrote at its journal's checkpoint
-        (``takeover:`` author), below ``charge`` (what the stream's log shows of it): raised to the
-        charge, keeping its author (so a takeover done again still finds it its own). True if it
-        was (the caller counts the difference); False when it was not below, or changed meanwhile."""
-        below = int(there.get("prompt_tokens") or 0) + int(there.get("completion_tokens") or 0) < charge.total_tokens
-        if not str(there.get("author") or "").startswith("takeover:") or not below:
+    async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
+        """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
+        if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
+        knows of it (a journal's checkpoint, a stream's log). True if it did; the caller counts the
+        difference. False when it was not below, or changed meanwhile."""
+        if tokens_of(there) >= charge.total_tokens:
             return False
         try:
-            await self.store.replace(USAGE_TABLE, {**charge.entity(), "author": there["author"]}, etag=there.etag)
+            await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
         except (Modified, NotFound, StoreError):
             return False
         return True

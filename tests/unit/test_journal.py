@@ -159,7 +159,8 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
     team = (await b.registry.get_team("t")).limits_partition
     entry = entry_of(data, "instance-a", rec3.id)
     assert entry is not None
-    # r3's stream was taken over elsewhere and charged there (its counters are that instance's).
+    # r3's stream was taken over elsewhere and charged there, at more than a's checkpoint (its
+    # counters are that instance's; below it, the takeover raises it: ..._raised_by_the_takeover).
     theirs = Charge(
         caller="c",
         caller_id=caller.id,
@@ -168,14 +169,14 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
         request_id=rec3.id,
         day=entry["day"],
         prompt_tokens=1,
-        completion_tokens=2,
+        completion_tokens=200,
         ended="completed",
         author="instance-z",
     )
     assert await b.ledger.write_now(theirs) is None
     await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
     rows = ledger_rows(data)
-    assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 2
+    assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 200
     spent_exactly(data, caller, team, spent[0] + spent[1], costs[0] + costs[1])
     await b.close()
 
@@ -227,6 +228,35 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
         sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
         sum(r["cost"] for r in rows),
     )
+    await b.close()
+
+
+async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_the_takeover():
+    """r3's stream was taken over before a's journal was: its taker charged a's part from a log that
+    had little of it (a log is stored every few seconds). The journal's takeover raises the row to
+    its checkpoint (the taker's count kept in the row) and counts only the difference; done again,
+    it adds nothing."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, call("three"), taken)
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "takeover:instance-a"
+    assert await acc_b.flush(5)
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")  # nothing left: adds nothing
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
     await b.close()
 
 
