@@ -9,7 +9,9 @@ lost answer, another instance settling a dead one's request) adds nothing: an in
 and only the writer whose row landed counts it in the budget counters (``theirs``).
 A row holds the caller (name and id), its team, the model, the endpoint, the upstream entry, prompt,
 cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
-request ended, and who wrote it (an instance, or the one that took a dead one over).
+request ended, and who wrote it (an instance, or the one that took a dead one over; a lost part
+raised by such a takeover above what a stream's taker charged keeps that charge in
+``counted_tokens`` and ``counted_cost``: journal.py).
 
 Charges are written in the background (``submit``): grouped per partition into entity-group
 transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not
