@@ -200,7 +200,6 @@ class Journal:
         entry.settlement = settlement
         entry.seqs = settlement.seqs
         entry.generated = None
-        self._urgent.set()  # written at once, not after the pause: a death meanwhile would charge the checkpoint
         self.changed()
 
     async def listed(self, entry: JournalEntry, within: float) -> None:

@@ -530,21 +530,3 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
     so_far[0] = whole
     assert entry.checkpoint() == tokens.count_text(MODEL, whole)
-
-
-async def test_a_settled_request_is_journaled_at_once_not_after_the_pause_between_writes():
-    """A request that ends is listed settled by the next journal write at once (then its ledger row
-    and counters follow), not after the pause between writes: an instance that dies in that pause
-    would otherwise be settled at the request's last checkpoint (``lost``), not at its usage."""
-    data = account()
-    a, acc = instance(data, "instance-a", journal_seconds=30.0)
-    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
-    admitted, rec = await admit(acc, caller, "one")
-    assert isinstance(admitted, Admission)  # listed by a write: the 30 s pause starts
-    loop = asyncio.get_running_loop()
-    ended = loop.time()
-    finish(acc, admitted, rec, usage(10, 5))
-    await until(lambda: rec.id in ledger_rows(data), what="the ledger row")
-    assert loop.time() - ended < 5
-    assert ledger_rows(data)[rec.id]["ended"] == "completed"
-    await a.close()
