@@ -363,3 +363,129 @@ def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, star
         assert len(ours) == 1 and segments == [0, 20, 40], segments  # A's, B's, C's
     finally:
         upstream.stop()
+
+
+@pytest.mark.alone
+def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledger(upstream, azurite, start_app):
+    """Five streams on A, four of them admitted within half a second of A's last journal write (the
+    journal's pause); A is SIGKILLed the moment the upstream has all five, before their callers get
+    their headers. Every request the upstream received is in the ledger (``lost``), the budget row
+    equals the ledger, nothing held. (Before, a request admitted after the journal's last write
+    was lost with its instance: 1 of 5 rows in 3 runs.)"""
+    a = start_app(**env(upstream, azurite))
+    b = start_app(**env(upstream, azurite))
+    who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+    for app in (a, b):  # each instance warm (its store clients, the tables; B takes the duty)
+        warm = httpx.post(f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30)
+        assert warm.status_code == 200, warm.text
+    time.sleep(1.0)  # the warm requests' charges settled and A's journal quiet
+    base = upstream.count()
+    marker = uuid.uuid4().hex
+
+    def stream_on_a() -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                f"{a.url}/api/v1/chat/completions",
+                headers={"api-key": key},
+                json=ask(f"[scenario:slow] {marker}", stream=True),
+                timeout=30,
+            ) as response:
+                for _ in response.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # its instance was killed
+
+    threads = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(5)]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while upstream.count() < base + 1:  # the first one's journal write, then the pause
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    for thread in threads[1:]:
+        thread.start()
+    while upstream.count() < base + 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    a.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        rows = [r for r in ledger(azurite, who) if r["ended"] == "lost"]
+        taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+        if len(rows) >= 5 and held == 0:
+            break
+        if time.monotonic() - killed > 60:
+            break
+        time.sleep(0.5)
+    print(f"{len(rows)} lost rows {time.monotonic() - killed:.1f} s after the kill")
+    assert len(rows) == 5, rows
+    assert held == 0 and taken == spent(ledger(azurite, who)), (taken, held)
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_a_stream_handed_over_on_sigterm_is_charged_once_in_the_budget(azurite, start_app):
+    """Keyed resumable /api/chat streams on A, A SIGTERMed a few events in: A hands each over, its
+    reader resumes on B, B takes it over and charges A's part at what the log shows while A, still
+    alive, settles the same part itself. The ledger has one row per producer's part, and the budget
+    row (tokens) equals the ledger, nothing held. (Before, both charges entered the budget row: it
+    stood one lost part per stream above the ledger.)"""
+    from servers import Upstream
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "60", "--interval-ms", "50")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60", "DRAIN_SECONDS": "1"}
+        a = start_app(**env(upstream, azurite, **settings, ASPNETCORE_SHUTDOWNTIMEOUTSECONDS="10"))
+        b = start_app(**env(upstream, azurite, **settings))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="total")
+        for app in (a, b):
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json={"prompt": "warm"}, timeout=30)
+            assert warm.status_code == 200, warm.text
+        started = threading.Barrier(4, timeout=60)
+        finals: list[str] = []
+
+        def one(i: int) -> None:
+            ids: list[int] = []
+            stream_id = ""
+            with httpx.stream(
+                "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": f"handed {i}"}, timeout=30
+            ) as response:
+                stream_id = response.headers["x-stream-id"]
+                for line in response.iter_lines():
+                    if line.startswith("id: "):
+                        ids.append(int(line[4:]))
+                        if len(ids) == 3:
+                            started.wait()
+            for _ in range(20):  # told to resume (stream_moved): on B, after the last id
+                headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+                with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                    if r.status_code == 200:
+                        for line in r.iter_lines():
+                            if line in ("event: done", "event: error"):
+                                finals.append(line[7:])
+                                return
+                time.sleep(0.5)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        a.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(90)
+        assert finals == ["done"] * 3, finals
+        deadline = time.monotonic() + 60
+        while True:
+            rows = ledger(azurite, who)
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if held == 0 and taken == spent(rows) and len(rows) >= 2 + 3 * 2:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        print(f"{len(rows)} rows, budget row {taken} (held {held}), ledger {spent(rows)}")
+        assert held == 0 and taken == spent(rows), (taken, held, spent(rows))
+        assert len(rows) == 2 + 3 * 2, [(r["request_id"], r["segment"], r["ended"], r["author"]) for r in rows]
+    finally:
+        upstream.stop()

@@ -47,7 +47,7 @@ from .callers import Caller, Limits, Team
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
-from .ledger import Charge, Ledger, day_of
+from .ledger import Charge, Ledger, day_of, tokens_of
 from .owners import Owners
 from .port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
 from .prices import Price
@@ -89,6 +89,7 @@ class Admission:
         return self.reservation.rates
 
 
+LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
 
@@ -247,6 +248,8 @@ class Accounting:
                 price=price,
             )
         )
+        # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
+        await self.journal.listed(entry, LISTED_WITHIN)
         return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
     async def _context(self, caller: Caller, params: Mapping) -> tuple[int, int] | Unknown | Unavailable:
@@ -469,19 +472,26 @@ class Accounting:
         )
         try:
             there = await self.ledger.write_now(charge)
+            # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
+            # there; raised here to what the log shows, and the difference counted), or by the
+            # producer itself (a hand-over: it counted it).
+            raised = (
+                there is not None
+                and str(there.get("author") or "").startswith("takeover:")
+                and await self.ledger.replace_below(charge, there, author=there["author"])
+            )
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
             return
+        spent, cost = prompt + completion, cost or 0
         if there is not None:
-            return  # charged already (the dead instance's takeover): its counters have it
-        spent = prompt + completion
-        corrections = _limit_wants(
-            caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost or 0
-        )
+            if not raised:
+                return
+            spent -= tokens_of(there)
+            cost -= int(there.get("cost") or 0)
+        corrections = _limit_wants(caller, "caller", caller.name, caller.limits_partition, admission.model, spent, cost)
         if team is not None:
-            corrections += _limit_wants(
-                team, "team", team.name, team.limits_partition, admission.model, spent, cost or 0
-            )
+            corrections += _limit_wants(team, "team", team.name, team.limits_partition, admission.model, spent, cost)
         self.counters.adjust(corrections, started)
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:

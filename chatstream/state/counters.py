@@ -290,6 +290,15 @@ class Lease:
             self.staged.append(_Staged(self.seq, amount, window, confirmed=True))
             self.kick()
 
+    def lessen(self, staged: _Staged, amount: int) -> None:
+        """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
+        another instance's, which counts it): what it took of the books comes back to the balance."""
+        amount = min(amount, staged.amount)
+        if amount > 0 and not staged.confirmed and any(s is staged for s in self.staged):
+            staged.amount -= amount
+            self.balance += amount
+            self.kick()
+
     def confirm(self, staged: _Staged) -> None:
         staged.confirmed = True
         if staged.window == self.window:
@@ -656,6 +665,14 @@ class Settlement:
     @property
     def seqs(self) -> dict[str, int]:
         return {f"{lease.partition}/{lease.row}": s.seq for lease, s in self.staged if lease.period != "minute"}
+
+    def lessen(self, amounts: Mapping[str, int]) -> None:
+        """Before ``confirm``: take ``amounts`` ("partition/row" -> amount) out of the staged charges
+        of the budget counters (segments whose ledger row another instance wrote and counted)."""
+        for lease, staged in self.staged:
+            less = amounts.get(f"{lease.partition}/{lease.row}", 0)
+            if less and lease.period != "minute":
+                lease.lessen(staged, less)
 
     def confirm(self) -> None:
         for lease, staged in self.staged:

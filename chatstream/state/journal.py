@@ -17,14 +17,18 @@ its journal and the counter rows' ``applied`` numbers, exactly which charges eac
    again, and learns it was taken over);
 2. it writes every listed charge's ledger row that is not there yet, and for each open request a
    charge of what it had generated at the last checkpoint (``ended: lost``), unless someone else
-   (a stream's takeover) charged that request already;
+   (a stream's takeover) charged that request already: that one counts its row; a row below the
+   checkpoint (a stream's log is stored every few seconds) is raised to it, and only the
+   difference is counted here;
 3. in each counter the dead instance held, it takes the dead instance's share out and adds what
    the row does not have yet (counters.Counters.recover); then the journal is deleted.
 
 Each step can be done again (by another instance, if this one dies mid-way) without adding twice.
-What is not recovered: a request admitted after the last journal write, at most ``JOURNAL_SECONDS``
-before the death (its reservation comes back; what it generated in that time is not charged), and
-charges made while the store could not be written at all, by an instance that then died."""
+A request is listed before its upstream call goes out (``listed``: its admission waits for the write
+that lists it, at once, not after the pause between writes), so whatever an upstream was asked for
+is in a journal. What is not recovered: requests admitted while the journal could not be written
+(a store outage: they are served, and listed once the store is back), and charges made while the
+store could not be written at all, by an instance that then died."""
 
 from __future__ import annotations
 
@@ -39,9 +43,9 @@ from typing import Any
 from .. import tokens
 from ..errors import Modified, StoreError
 from .counters import Counters, Settlement
-from .ledger import Charge, Ledger
+from .ledger import Charge, Ledger, theirs, tokens_of
 from .prices import Price
-from .store import NEW, Store
+from .store import NEW, Row, Store
 
 log = logging.getLogger("chatstream")
 
@@ -91,15 +95,20 @@ class JournalEntry:
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
 
     def checkpoint(self) -> int:
-        """Completion tokens generated so far, counted on the text added since the last checkpoint."""
+        """Completion tokens generated so far: each choice's text up to its last space counted once
+        (a word split between two counts would count more tokens than the whole text does), plus
+        the rest counted anew."""
         if self.generated is None:
             return self.counted_tokens
+        rest = 0
         for choice, text in self.generated().items():
             counted = self.counted_chars.get(choice, 0)
-            if len(text) > counted:
-                self.counted_tokens += tokens.count_text(self.model, text[counted:])
-                self.counted_chars[choice] = len(text)
-        return self.counted_tokens
+            cut = text.rfind(" ", counted)
+            if cut > counted:
+                self.counted_tokens += tokens.count_text(self.model, text[counted:cut])
+                self.counted_chars[choice] = counted = cut
+            rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
+        return self.counted_tokens + rest
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -163,6 +172,8 @@ class Journal:
         self._closed = False
         self.writes = 0
         self.fenced = False
+        self._waiting: list[tuple[JournalEntry, asyncio.Future]] = []  # requests waiting to be listed
+        self._failing = False  # the last write failed: requests do not wait for a listing
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -190,6 +201,31 @@ class Journal:
         entry.seqs = settlement.seqs
         entry.generated = None
         self.changed()
+
+    async def listed(self, entry: JournalEntry, within: float) -> None:
+        """Wait until a written journal lists ``entry`` (a request, before its upstream call: if this
+        instance dies after it, the takeover charges it), at most ``within`` seconds. Not while the
+        journal cannot be written (a store outage): the request goes on, listed once it can be."""
+        if entry.listed or self._failing or self._closed:
+            return
+        waiting = asyncio.get_running_loop().create_future()
+        self._waiting.append((entry, waiting))
+        self._urgent.set()
+        self.changed()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await asyncio.shield(waiting)
+
+    def _wake_listed(self, failed: bool = False) -> None:
+        """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
+        keep = []
+        for entry, waiting in self._waiting:
+            if failed or entry.listed or entry.request_id not in self.entries:
+                if not waiting.done():
+                    waiting.set_result(None)
+            else:
+                keep.append((entry, waiting))
+        self._waiting = keep
 
     async def note_counter(self, key: tuple[str, str], period: str) -> None:
         """Before this instance holds any of a budget counter: the journal lists it (written)."""
@@ -232,14 +268,19 @@ class Journal:
             try:
                 await self._write_once()
                 backoff = self.interval
+                self._failing = False
+                self._wake_listed()
             except StoreError as exc:
                 log.warning("journal: could not be written (%s); retrying", exc)
+                self._failing = True
+                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
             except Exception:  # a bug of ours must not stop the journal
                 log.exception("journal: writing failed")
+                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(1.0)
                 continue
@@ -334,9 +375,11 @@ class Journal:
     def _to_ledger(self, entry: JournalEntry) -> None:
         written = self.ledger.submit(entry.charges)
 
-        def landed(_: asyncio.Future) -> None:
+        def landed(done: asyncio.Future[list[Charge]]) -> None:
             entry.written = True
             if entry.settlement is not None:
+                # A segment whose row another instance wrote first is counted by that one, not here.
+                entry.settlement.lessen(_amounts(entry.kinds, done.result()))
                 entry.settlement.confirm()  # now the counters may take the charges in
             self.changed()
 
@@ -380,6 +423,7 @@ class Journal:
         """Stop the writer (the write in flight ends first) and write once more what is left: after a
         flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
+        self._wake_listed(failed=True)
         self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
         if self._lapse is not None:
             self._lapse.cancel()
@@ -423,16 +467,27 @@ def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
     ]
 
 
-def _amounts_of(entry: dict[str, Any], charges: list[Charge]) -> dict[str, int]:
+def _amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
+    """What ``charges`` spend of each budget counter ("partition/row" -> tokens or pico-dollars)."""
+    return {
+        key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
+        for key, kind in kinds.items()
+    }
+
+
+def _amounts_of(
+    entry: dict[str, Any], charges: list[Charge], theirs: list[Charge], counted: list[tuple[int, int]]
+) -> dict[str, int]:
+    """What an entry's charges spend of each budget counter, less the segments another instance
+    wrote and counted (``theirs``), and less what a taker counted of a row raised to the checkpoint
+    (``counted``: tokens, cost)."""
+    kinds = entry.get("kinds") or {}
+    less = _amounts(kinds, theirs)
+    for key, kind in kinds.items():
+        less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
     if entry.get("state") == "settled":
-        return {k: int(v) for k, v in (entry.get("amounts") or {}).items()}
-    out: dict[str, int] = {}
-    for key, kind in (entry.get("kinds") or {}).items():
-        if kind == "spend":
-            out[key] = sum(c.cost or 0 for c in charges)
-        else:
-            out[key] = sum(c.total_tokens for c in charges)
-    return out
+        return {k: int(v) - less.get(k, 0) for k, v in (entry.get("amounts") or {}).items()}
+    return {k: v - less.get(k, 0) for k, v in _amounts(kinds, charges).items()}
 
 
 async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, taker: str) -> None:
@@ -453,20 +508,24 @@ async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, t
     else:
         raise StoreError("the journal kept changing while it was being sealed")
     entries = doc.get("entries") or []
-    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries whose counter charges are ours to bring in
+    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries and what they bring into each counter
     for entry in entries:
         charges = _charges_of(entry, dead)
-        mine = True
+        others: list[Charge] = []  # segments someone else charged first (a stream's takeover): theirs to count
+        counted: list[tuple[int, int]] = []  # what a taker counted of a row raised here to the checkpoint
         for charge in charges:
             there = await ledger.write_now(charge)
-            if (
-                there is not None
-                and entry.get("state") != "settled"
-                and not str(there.get("author", "")).startswith("takeover:")
-            ):
-                mine = False  # someone else charged this request (a stream's takeover): its counters are theirs
-        if mine:
-            ours.append((entry, _amounts_of(entry, charges)))
+            if there is not None and theirs(there, dead, f"takeover:{dead}"):
+                # A taker charged the lost part from its log, below this checkpoint (a log is stored
+                # every few seconds): raised to the checkpoint, the taker's part of it kept in the row.
+                elsewhere = {"counted_tokens": tokens_of(there), "counted_cost": int(there.get("cost") or 0)}
+                if entry.get("state") == "settled" or not await ledger.replace_below(charge, there, **elsewhere):
+                    others.append(charge)
+                    continue
+                there = Row.of({**charge.entity(), **elsewhere}, "")
+            if there is not None and "counted_tokens" in there:
+                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+        ours.append((entry, _amounts_of(entry, charges, others, counted)))
     for key in doc.get("counters") or []:
         partition, _, row = key.partition("/")
 

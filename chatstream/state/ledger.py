@@ -5,10 +5,13 @@ Table ``chatstreamUsage``, one partition per caller (``u:<caller id>``: a caller
 again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the day the request
 started (UTC), the app's own request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
-lost answer, another instance settling a dead one's request) adds nothing: an insert finds it there.
+lost answer, another instance settling a dead one's request) adds nothing: an insert finds it there,
+and only the writer whose row landed counts it in the budget counters (``theirs``).
 A row holds the caller (name and id), its team, the model, the endpoint, the upstream entry, prompt,
 cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
-request ended, and who wrote it (an instance, or the one that took a dead one over).
+request ended, and who wrote it (an instance, or the one that took a dead one over; a lost part
+raised by such a takeover above what a stream's taker charged keeps that charge in
+``counted_tokens`` and ``counted_cost``: journal.py).
 
 Charges are written in the background (``submit``): grouped per partition into entity-group
 transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from ..errors import AlreadyExists, StoreError
+from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import PICO, usd, usd_text
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
@@ -107,6 +110,17 @@ class Charge:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
+def theirs(row: Mapping[str, Any], *mine: str) -> bool:
+    """Whether a charge's row was written by another than ``mine`` (authors): a segment's row is
+    written once, by whoever comes first, and only that writer counts it in the budget counters
+    (a stream's taker charging the lost producer's part, its producer settling the same part)."""
+    return str(row.get("author") or "") not in mine
+
+
+def tokens_of(row: Mapping[str, Any]) -> int:
+    return int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+
+
 def day_of(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
 
@@ -123,12 +137,13 @@ class Ledger:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def submit(self, charges: Sequence[Charge]) -> asyncio.Future:
+    def submit(self, charges: Sequence[Charge]) -> asyncio.Future[list[Charge]]:
         """Write ``charges`` in the background; the future is done once every one of them is in the
-        ledger (written now, or found there already). It is never given up on."""
-        done = asyncio.get_running_loop().create_future()
+        ledger (written now, or found there already). It is never given up on. Its result: the
+        charges whose row another instance wrote first (``theirs``): that writer counted it."""
+        done: asyncio.Future[list[Charge]] = asyncio.get_running_loop().create_future()
         if not charges:
-            done.set_result(None)
+            done.set_result([])
             return done
         pieces = [asyncio.get_running_loop().create_future() for _ in charges]
         for piece in pieces:
@@ -136,7 +151,12 @@ class Ledger:
             piece.add_done_callback(self._outstanding.discard)
         self._queue.extend(zip(charges, pieces, strict=True))
         gathered = asyncio.gather(*pieces)
-        gathered.add_done_callback(lambda g: done.done() or done.set_result(None))
+
+        def landed(_: asyncio.Future) -> None:
+            if not done.done():
+                done.set_result([c for c, piece in zip(charges, pieces, strict=True) if piece.result()])
+
+        gathered.add_done_callback(landed)
         self._start()
         return done
 
@@ -214,8 +234,8 @@ class Ledger:
         return failed
 
     async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:
-        """Insert the rows as one transaction; a row already there (written before, its answer lost)
-        is taken out and the rest tried again."""
+        """Insert the rows as one transaction; a row already there (written before, its answer lost;
+        or another instance's: ``theirs``, its futures say True) is taken out and the rest tried again."""
         chunk = list(chunk)
         while chunk:
             try:
@@ -224,7 +244,11 @@ class Ledger:
                 return
             except AlreadyExists as exc:
                 index = getattr(exc, "index", 0)
-                chunk.pop(index if 0 <= index < len(chunk) else 0)
+                charge, futures = chunk.pop(index if 0 <= index < len(chunk) else 0)
+                there = await self.find(charge)
+                for future in futures:
+                    if not future.done():
+                        future.set_result(there is not None and theirs(there, charge.author))
 
     async def find(self, charge: Charge) -> Row | None:
         """The charge's row as the ledger holds it (written by whoever came first)."""
@@ -238,6 +262,19 @@ class Ledger:
             return None
         except AlreadyExists:
             return await self.find(charge)
+
+    async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
+        """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
+        if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
+        knows of it (a journal's checkpoint, a stream's log). True if it did; the caller counts the
+        difference. False when it was not below, or changed meanwhile."""
+        if tokens_of(there) >= charge.total_tokens:
+            return False
+        try:
+            await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
+        except (Modified, NotFound, StoreError):
+            return False
+        return True
 
     async def drain(self, within: float = 5.0) -> bool:
         """Wait until every submitted charge has landed (tests, shutdown): True if they did in time."""

@@ -26,7 +26,7 @@ from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
-from .state_helpers import MODEL, account, admit, counter, finish, instance, kill, until, usage
+from .state_helpers import MODEL, account, admit, call, counter, finish, instance, kill, record, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -184,7 +184,8 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
     team = (await b.registry.get_team("t")).limits_partition
     entry = entry_of(data, "instance-a", rec3.id)
     assert entry is not None
-    # r3's stream was taken over elsewhere and charged there (its counters are that instance's).
+    # r3's stream was taken over elsewhere and charged there, at more than a's checkpoint (its
+    # counters are that instance's; below it, the takeover raises it: ..._raised_by_the_takeover).
     theirs = Charge(
         caller="c",
         caller_id=caller.id,
@@ -193,15 +194,126 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
         request_id=rec3.id,
         day=entry["day"],
         prompt_tokens=1,
-        completion_tokens=2,
+        completion_tokens=200,
         ended="completed",
         author="instance-z",
     )
     assert await b.ledger.write_now(theirs) is None
     await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
     rows = ledger_rows(data)
-    assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 2
+    assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 200
     spent_exactly(data, caller, team, spent[0] + spent[1], costs[0] + costs[1])
+    await b.close()
+
+
+async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_by_them_only():
+    """r2 settled in a's journal, its ledger row not written when a died; meanwhile a stream's taker
+    charged that part (and counted it in its own counters). The takeover adds r2 to no counter."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    entry = entry_of(data, "instance-a", rec2.id)
+    assert entry is not None and entry["state"] == "settled"
+    theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
+    assert await b.ledger.write_now(theirs) is None
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    rows = ledger_rows(data)
+    assert rows[rec2.id]["author"] == "instance-z" and rows[rec3.id]["author"] == "takeover:instance-a"
+    spent_exactly(data, caller, team, spent[0] + spent[2], costs[0] + costs[2])
+    await b.close()
+
+
+async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_taker():
+    """r3 open on a when it died: the takeover charged it at a's last journal checkpoint. Then a
+    reader resumes r3's stream on b, whose log shows more of a's part than the checkpoint: b raises
+    the row to what the log shows (its author stays the takeover's) and the budget rows follow."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, call("three"), taken)
+    assert isinstance(going_on, Admission)
+    shown = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, shown) and row["author"] == "takeover:instance-a"
+    rows = ledger_rows(data).values()
+    spent_exactly(
+        data,
+        caller,
+        team,
+        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
+        sum(r["cost"] for r in rows),
+    )
+    await b.close()
+
+
+async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_the_takeover():
+    """r3's stream was taken over before a's journal was: its taker charged a's part from a log that
+    had little of it (a log is stored every few seconds). The journal's takeover raises the row to
+    its checkpoint (the taker's count kept in the row) and counts only the difference; done again,
+    it adds nothing."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, call("three"), taken)
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "takeover:instance-a"
+    assert await acc_b.flush(5)
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")  # nothing left: adds nothing
+    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    await b.close()
+
+
+async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
+    """A stream handed over (or taken from an instance that was only slow): the taker b charges the
+    producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same
+    part afterwards. One row per part, and the budget rows hold exactly the ledger (before, a's
+    settle entered the counters too: one part counted twice)."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    first, rec = await admit(acc_a, caller, "a story")
+    assert isinstance(first, Admission)
+    taken = record()
+    taken.id = taken.request_id = rec.id  # the taker charges under the stream's request id
+    going_on = await acc_b.admit(caller, call("a story"), taken)
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
+    rec.hung_up()
+    finish(acc_a, first, rec, None, generated={0: ["Once upon a time there was a fox"]})
+    finish(acc_b, going_on, taken, usage(40, 12))
+    assert await acc_a.flush(5) and await acc_b.flush(5)
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert sorted((r["segment"], r["author"]) for r in rows) == [(0, "instance-b"), (20, "instance-b")]
+    spent_exactly(
+        data,
+        caller,
+        team,
+        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
+        sum(r["cost"] for r in rows),
+    )
+    await a.close()
     await b.close()
 
 
@@ -427,3 +539,19 @@ async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated
         counter(data, caller.limits_partition, "tokens").get("holds")
     )
     await b.close()
+
+
+def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
+    """The journal's checkpoint of an open request, taken as its text grows in pieces that split
+    words, counts what counting the whole text counts (before, the pieces were counted apart: in
+    the chaos soak a lost part of 41 tokens was charged 48)."""
+    from chatstream.state.journal import JournalEntry
+
+    whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
+    so_far = {0: ""}
+    entry = JournalEntry("r", "c", "c1", None, None, MODEL, "openai", "20261204", 3, {}, {}, generated=lambda: so_far)
+    for end in range(0, len(whole) + 1, 7):
+        so_far[0] = whole[:end]
+        assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
+    so_far[0] = whole
+    assert entry.checkpoint() == tokens.count_text(MODEL, whole)
