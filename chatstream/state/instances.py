@@ -197,8 +197,15 @@ class Instances:
         it for ``fresh_seconds``. StoreError when the store cannot tell."""
         if instance == self.id:
             return not self._closed
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        row = await self._row_of(instance)
+        if row is not None and not self._fresh(row) and not row.get("taken_by") and not self._can_judge():
+            return True
+        return row is not None and self._fresh(row)
+
+    async def _row_of(self, instance: str) -> dict | None:
+        """Another instance's row (None: it has none); one read serves every question about it for
+        ``fresh_seconds``."""
+        now = asyncio.get_running_loop().time()
         held = self._rows.get(instance)
         if held is None or (held[1].done() and (now - held[0] > self.timing.fresh_seconds or held[1].exception())):
             if len(self._rows) > 256:
@@ -207,10 +214,7 @@ class Instances:
             read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
             held = (now, read)
             self._rows[instance] = held
-        row = await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
-        if row is not None and not self._fresh(row) and not row.get("taken_by") and not self._can_judge():
-            return True
-        return row is not None and self._fresh(row)
+        return await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
 
     def _fresh(self, row: dict) -> bool:
         lease = float(row.get("lease") or self.timing.lease_seconds)
@@ -276,7 +280,7 @@ class Instances:
         holder = str(duty.get("holder") or "")
         if not holder or holder == self.id or not self._can_judge():
             return False
-        row = await self.store.get(STREAMS_TABLE, PARTITION, holder)
+        row = await self._row_of(holder)
         return row is not None and (bool(row.get("taken_by")) or not self._fresh(row))
 
     async def _do_duty(self) -> None:
