@@ -45,7 +45,7 @@ from ..errors import Modified, StoreError
 from .counters import Counters, Settlement
 from .ledger import Charge, Ledger, theirs, tokens_of
 from .prices import Price
-from .store import NEW, Row, Store
+from .store import NEW, Store
 
 log = logging.getLogger("chatstream")
 
@@ -522,8 +522,8 @@ async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, t
                 if entry.get("state") == "settled" or not await ledger.replace_below(charge, there, **elsewhere):
                     others.append(charge)
                     continue
-                there = Row.of({**charge.entity(), **elsewhere}, "")
-            if there is not None and "counted_tokens" in there:
+                there = elsewhere  # the row as raised: what the taker counted of it
+            if there is not None and "counted_tokens" in there:  # raised here, now or by an earlier run
                 counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
         ours.append((entry, _amounts_of(entry, charges, others, counted)))
     for key in doc.get("counters") or []:
