@@ -305,11 +305,11 @@ class Accounting:
             return None
         segments = record.segments if record.continued else None
         used = self._used(admission, record, generated, segments)
+        if not used:
+            return None
         price = admission.price
         at = [(self.registry.price_kept(u.model) if u.model else None) or price for u in used]
-        return (
-            sum(p.cost(u.prompt, u.cached, u.completion) for p, u in zip(at, used, strict=True) if p) if used else None
-        )
+        return sum(p.cost(u.prompt, u.cached, u.completion) for p, u in zip(at, used, strict=True))
 
     def _used(
         self, admission: Admission, record: StreamRecord, generated: Mapping[int, Sequence[str]] | None, segments
