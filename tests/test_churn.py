@@ -61,6 +61,27 @@ def spent(rows: list[dict]) -> int:
     return sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
 
 
+def streams_on(
+    app, key: str, body: dict, count: int, barrier: threading.Barrier | None = None
+) -> list[threading.Thread]:
+    """``count`` threads, each streaming ``body`` as a chat completion on ``app`` to its end, or until
+    the instance is killed; with ``barrier``, each waits at it once its fifth line came (a few words in).
+    Not started."""
+
+    def one() -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=30
+            ) as response:
+                for n, _ in enumerate(response.iter_lines()):
+                    if n == 4 and barrier is not None:
+                        barrier.wait()
+        except (httpx.HTTPError, threading.BrokenBarrierError):
+            pass  # its instance was killed
+
+    return [threading.Thread(target=one, daemon=True) for _ in range(count)]
+
+
 @pytest.mark.alone
 def test_a_killed_instances_budget_comes_back_at_what_it_generated(upstream, azurite, start_app):
     """Five streams on A, each reserving prompt + 4,096 of a month's budget; A is killed (host and
@@ -73,23 +94,7 @@ def test_a_killed_instances_budget_comes_back_at_what_it_generated(upstream, azu
         httpx.post(f"{b.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30).status_code
         == 200
     )
-    marker = uuid.uuid4().hex
-
-    def stream_on_a() -> None:
-        try:
-            with httpx.stream(
-                "POST",
-                f"{a.url}/api/v1/chat/completions",
-                headers={"api-key": key},
-                json=ask(f"[scenario:slow] {marker}", stream=True),
-                timeout=30,
-            ) as response:
-                for _ in response.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass  # its instance was killed
-
-    streams = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(5)]
+    streams = streams_on(a, key, ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True), 5)
     for thread in streams:
         thread.start()
     time.sleep(1.2)  # a few words in, a journal write or two
@@ -243,25 +248,9 @@ def test_a_killed_instances_requests_reach_the_usage_api(upstream, azurite, star
     a = start_app(**env(upstream, azurite))
     b = start_app(**env(upstream, azurite))
     who, key, _ = caller(a, token_budget=20_000, budget_period=period)
-    marker = uuid.uuid4().hex
     started = threading.Barrier(5, timeout=60)
-
-    def stream_on_a() -> None:
-        try:
-            with httpx.stream(
-                "POST",
-                f"{a.url}/api/v1/chat/completions",
-                headers={"api-key": key},
-                json=ask(f"[scenario:slow] {marker}", stream=True, max_tokens=2_000),
-                timeout=30,
-            ) as response:
-                for n, _ in enumerate(response.iter_lines()):
-                    if n == 4:
-                        started.wait()
-        except (httpx.HTTPError, threading.BrokenBarrierError):
-            pass  # its instance was killed
-
-    streams = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(4)]
+    body = ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True, max_tokens=2_000)
+    streams = streams_on(a, key, body, 4, started)
     for thread in streams:
         thread.start()
     started.wait()
@@ -380,23 +369,7 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
         assert warm.status_code == 200, warm.text
     time.sleep(1.0)  # the warm requests' charges settled and A's journal quiet
     base = upstream.count()
-    marker = uuid.uuid4().hex
-
-    def stream_on_a() -> None:
-        try:
-            with httpx.stream(
-                "POST",
-                f"{a.url}/api/v1/chat/completions",
-                headers={"api-key": key},
-                json=ask(f"[scenario:slow] {marker}", stream=True),
-                timeout=30,
-            ) as response:
-                for _ in response.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass  # its instance was killed
-
-    threads = [threading.Thread(target=stream_on_a, daemon=True) for _ in range(5)]
+    threads = streams_on(a, key, ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True), 5)
     threads[0].start()
     deadline = time.monotonic() + 10
     while upstream.count() < base + 1:  # the first one's journal write, then the pause

@@ -223,6 +223,22 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     await b.close()
 
 
+async def charged_by_its_taker(b: SharedState, caller: Caller, request_id: str, shown: str) -> Accounting:
+    """Instance b takes the stream of ``request_id`` over (as Endpoint.take_over does): its lost part
+    charged at what the log shows, ``shown``; the continuation admitted and let go. b's accounting."""
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = request_id
+    going_on = await acc_b.admit(caller, call("three"), taken)
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    return acc_b
+
+
 async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_taker():
     """r3 open on a when it died: the takeover charged it at a's last journal checkpoint. Then a
     reader resumes r3's stream on b, whose log shows more of a's part than the checkpoint: b raises
@@ -232,17 +248,8 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
     team = (await b.registry.get_team("t")).limits_partition
     await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
-    acc_b = b.accounting
-    assert acc_b is not None
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, call("three"), taken)
-    assert isinstance(going_on, Admission)
     shown = GENERATED + " It came back at dusk, tired and happy."
-    await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
-    going_on.reservation.release()
-    acc_b.journal.drop(going_on.entry)
-    assert await acc_b.flush(5)
+    await charged_by_its_taker(b, caller, rec3.id, shown)
     row = ledger_rows(data)[rec3.id]
     assert row["completion_tokens"] == tokens.count_text(MODEL, shown) and row["author"] == "takeover:instance-a"
     rows = ledger_rows(data).values()
@@ -264,16 +271,7 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get_team("t")).limits_partition
-    acc_b = b.accounting
-    assert acc_b is not None
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, call("three"), taken)
-    assert isinstance(going_on, Admission)
-    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
-    going_on.reservation.release()
-    acc_b.journal.drop(going_on.entry)
-    assert await acc_b.flush(5)
+    acc_b = await charged_by_its_taker(b, caller, rec3.id, "The")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
     await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
     row = ledger_rows(data)[rec3.id]
