@@ -79,6 +79,18 @@ def pico_per_token(usd_per_million: float) -> int:
     return round(usd_per_million * 10**6)
 
 
+def streamed_text(app, key: str, body: dict) -> str:
+    """The text of a streamed chat completion on ``app``, as its chunks carried it."""
+    with httpx.stream(
+        "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
+    ) as r:
+        return "".join(
+            (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+            for line in r.iter_lines()
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+        )
+
+
 def test_prices_are_exact_validated_and_never_echo_a_bad_value(keyed):
     model = name("m")
     put = admin(keyed, "PUT", f"prices/{model}", {"input": 0.15, "output": 0.6})
@@ -369,14 +381,7 @@ def test_a_continued_answer_is_charged_per_segment(azurite):
         who, key = caller(app)
         upstream.http.post("/_scripted/failure", json={"after": 3, "end": "reset", "times": 1}).raise_for_status()
         body = ask("[scenario:normal] go on please", stream=True)
-        with httpx.stream(
-            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
-        ) as r:
-            seen = "".join(
-                (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
-                for line in r.iter_lines()
-                if line.startswith("data: {") and json.loads(line[6:]).get("choices")
-            )
+        seen = streamed_text(app, key, body)
         assert seen == "".join(NORMAL_DELTAS)
         rows = sorted(_wait_rows(azurite, 2, caller=who), key=lambda r: r["segment"])
         assert [r["segment"] for r in rows] == [0, 1] and {r["request_id"] for r in rows} == {rows[0]["request_id"]}
@@ -452,14 +457,7 @@ def test_a_failed_continuation_is_charged_the_prompt_it_was_sent(azurite):
         upstream.http.post("/_scripted/failure", json={"after": 3, "end": "reset", "times": 2}).raise_for_status()
         marker = uuid.uuid4().hex
         body = ask(f"[scenario:normal] go on twice {marker}", stream=True)
-        with httpx.stream(
-            "POST", f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=60
-        ) as r:
-            seen = "".join(
-                (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content") or ""
-                for line in r.iter_lines()
-                if line.startswith("data: {") and json.loads(line[6:]).get("choices")
-            )
+        seen = streamed_text(app, key, body)
         assert seen == "".join(NORMAL_DELTAS)
         sent = [r for r in upstream.requests(last=10) if marker in json.dumps(r.get("json"))]
         assert len(sent) == 3, "the answer, a continuation that failed too, and the one that finished"

@@ -74,6 +74,17 @@ def spent_exactly(data: MemoryData, caller: Caller, team_partition: str, tokens_
         assert row["taken"] == (cost if row["RowKey"] == "spend" else tokens_), row
 
 
+def spent_as_the_ledger(data: MemoryData, caller: Caller, team_partition: str, rows) -> None:
+    """``spent_exactly`` at what the ledger ``rows`` hold, tokens and cost."""
+    spent_exactly(
+        data,
+        caller,
+        team_partition,
+        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
+        sum(r["cost"] for r in rows),
+    )
+
+
 async def three_requests(data: MemoryData):
     """On instance a: r1 settled and everywhere; r2 settled, in the journal, its ledger row not written
     (the store refuses a's transactions); r3 open, its checkpoint in the journal."""
@@ -253,13 +264,7 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
     row = ledger_rows(data)[rec3.id]
     assert row["completion_tokens"] == tokens.count_text(MODEL, shown) and row["author"] == "takeover:instance-a"
     rows = ledger_rows(data).values()
-    spent_exactly(
-        data,
-        caller,
-        team,
-        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
-        sum(r["cost"] for r in rows),
-    )
+    spent_as_the_ledger(data, caller, team, rows)
     await b.close()
 
 
@@ -304,13 +309,7 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     assert await acc_a.flush(5) and await acc_b.flush(5)
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
     assert sorted((r["segment"], r["author"]) for r in rows) == [(0, "instance-b"), (20, "instance-b")]
-    spent_exactly(
-        data,
-        caller,
-        team,
-        sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows),
-        sum(r["cost"] for r in rows),
-    )
+    spent_as_the_ledger(data, caller, team, rows)
     await a.close()
     await b.close()
 
