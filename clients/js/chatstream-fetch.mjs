@@ -43,7 +43,7 @@ export class Splice {
   constructor() {
     this.lastId = null; // the id of the last event passed on (sent as Last-Event-ID)
     this.final = false; // the final event passed on: nothing more passes
-    this.held = null; // an id-less error event that ended the current body (stream_store_unavailable)
+    this.held = null; // an id-less error event that ended the current body (stream_store_unavailable, stream_moved)
     this.passedEvents = 0;
     this._buffer = new Uint8Array(0);
     this._scan = 0;

@@ -19,7 +19,8 @@ The rules (docs/resumable.md, "SDKs that reconnect by themselves"):
   unknown or expired; ``400``: Last-Event-ID refused; ``401``/``403``) ends it.
 - **Giving up**: the error of the cut is raised (``httpx.ReadError``, ``httpx.RemoteProtocolError``,
   a timeout: what the SDK maps to its connection error), with a note saying why; or, when the last
-  body ended with the app's own error event (``stream_store_unavailable``), that event is passed on."""
+  body ended with the app's own error event (``stream_store_unavailable``, ``stream_moved``), that
+  event is passed on."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ SSE framing (the WHATWG rules): lines end with LF, CRLF or CR, an event ends at 
 starting with ``:`` is a comment. The final event is ``event: done`` or ``event: error`` (``/api/chat``),
 ``data: [DONE]`` or a ``data:`` object with a top-level ``error`` (chat completions). On a resumable
 stream every event of the stream has an ``id:``; a final-shaped event *without* one is an error of
-the reading, not of the stream (``stream_store_unavailable``: the app asks the client to come back
-after the same id): it is held, and the body it came in ends there."""
+the reading, not of the stream (``stream_store_unavailable``, ``stream_moved``: the app asks the
+client to come back after the same id): it is held, and the body it came in ends there."""
 
 from __future__ import annotations
 
