@@ -441,7 +441,7 @@ class Accounting:
         """A resumable stream taken over here (its producer's instance died, or drained), as its
         ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
         generated, after ``before``, the earlier producers' part) is charged as the first segment of
-        that producer's block, unless the dead instance's takeover (journal.py) charged it first; the
+        that producer's block, unless the dead instance's recovery (recovery.py) charged it first; the
         continuation here is charged from the first segment of its own block (``admission``). So
         however many times a stream is taken over, each producer's segments are rows of their own.
         Never raises: on a store failure the journal's takeover charges that part at its checkpoint.

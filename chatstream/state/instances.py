@@ -12,8 +12,8 @@ them: who is alive, who died, and who does the work that one instance does for a
   the process beats on under a new id.
 - **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free (its holder
   stopped refreshing it for ``duty_seconds``), finds the dead instances (one query of the partition)
-  and hands each to the ``on_dead`` callbacks (the counters' recovery, the stream log's), then deletes
-  its row; and runs the periodic sweeps (``every``: expired streams, the ledger's retention). So
+  and takes each over: its row taken, what it owed settled (``recover``: recovery.py), then its row
+  deleted; and runs the periodic sweeps (``every``: expired streams, the ledger's retention). So
   whatever the number of instances, a sweep costs one instance's work: the others read the duty
   row, one point read each per ``duty_seconds``.
 
@@ -38,7 +38,7 @@ log = logging.getLogger("chatstream")
 
 PARTITION = "instances"
 DUTY = "~duty"  # sorts after every instance id (ids are [a-z0-9-])
-OnDead = Callable[[str], Awaitable[None]]
+Recover = Callable[[str, str], Awaitable[None]]  # (dead, taker)
 
 
 def new_instance_id() -> str:
@@ -62,7 +62,15 @@ class InstanceTiming:
 class Instances:
     """This instance's heartbeat, its view of the others, and the duty (module docstring)."""
 
-    def __init__(self, store: Store, timing: InstanceTiming | None = None, instance_id: str | None = None):
+    def __init__(
+        self,
+        store: Store,
+        timing: InstanceTiming | None = None,
+        instance_id: str | None = None,
+        recover: Recover | None = None,
+    ):
+        """``recover(dead, taker)``: what the duty holder does with each instance it finds dead
+        (recovery.py); idempotent (it may run again for the same instance, if a holder died mid-way)."""
         self.store = store
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
@@ -75,7 +83,7 @@ class Instances:
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
-        self._on_dead: list[OnDead] = []
+        self._recover = recover
         self._sweeps: list[tuple[float, Callable[[], Awaitable[None]], list[float]]] = []
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
         self._closed = False
@@ -222,12 +230,6 @@ class Instances:
 
     # --- the duty ------------------------------------------------------------------------------
 
-    def on_dead(self, callback: OnDead) -> None:
-        """``callback(instance_id)`` for each instance found dead, on the duty holder; it must be
-        idempotent (it may run again for the same instance, if a holder died mid-way). The row of the
-        dead instance is deleted once every callback returned."""
-        self._on_dead.append(callback)
-
     def every(self, seconds: float, sweep: Callable[[], Awaitable[None]]) -> None:
         """Run ``sweep`` about every ``seconds`` on whichever instance holds the duty."""
         self._sweeps.append((seconds, sweep, [0.0]))
@@ -241,7 +243,7 @@ class Instances:
                 log.warning("instance %s: the duty tick failed: %s", self.id, exc)
             except Exception:  # a bug of ours must not stop the duty
                 log.exception("instance %s: the duty tick failed", self.id)
-            if (self._beating is None or self._beating.done()) and not self._sweeps and not self._on_dead:
+            if (self._beating is None or self._beating.done()) and not self._sweeps and self._recover is None:
                 return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
 
@@ -305,8 +307,8 @@ class Instances:
 
     async def _take_over(self, row: dict) -> None:
         """A dead instance: first its row is taken (a conditional write, so that if it was only slow
-        its next beat fails and it knows it was fenced), then what it held is handed to the
-        callbacks, then its row goes. A failure leaves the row taken: the next tick tries again."""
+        its next beat fails and it knows it was fenced), then what it owed is settled
+        (``recover``), then its row goes. A failure leaves the row taken: the next tick tries again."""
         other = row["RowKey"]
         etag = getattr(row, "etag", None)
         if row.get("taken_by") != self.id:
@@ -317,8 +319,8 @@ class Instances:
                 return  # it beat meanwhile (alive after all), or another holder took it
             log.warning("instance %s: instance %s stopped beating; taking over what it held", self.id, other)
         try:
-            for callback in self._on_dead:
-                await callback(other)
+            if self._recover is not None:
+                await self._recover(other, self.id)
         except Exception:  # logged; its row stays taken, so the next tick tries again
             log.exception("instance %s: taking over %s failed; trying again later", self.id, other)
             return

@@ -1,6 +1,5 @@
 """This instance's durable memory of what it owes: its open reservations and the charges it has not
-written everywhere yet (``Journal``), and what another instance does with it when this one dies
-(``recover``).
+written everywhere yet. Whoever finds this instance dead settles it from there (recovery.py).
 
 One blob per instance, ``instances/<id>.json`` in the app's container, rewritten (under its ETag) at
 most every ``JOURNAL_SECONDS`` while anything changed: per request its caller and team, model, what it
@@ -10,20 +9,9 @@ the budget counters this instance holds capacity of (listed before it takes any:
 
 A charge goes through three steps, in order: the journal lists it (so it is not lost if this
 instance dies), then its ledger row is written (ledger.py), then it enters the budget counters' rows
-(counters.py), after which it leaves the journal. So whoever takes a dead instance over knows, from
-its journal and the counter rows' ``applied`` numbers, exactly which charges each row has:
+(counters.py), after which it leaves the journal. So a recovery knows, from the journal and the
+counter rows' ``applied`` numbers, exactly which charges each row has.
 
-1. it seals the journal (a conditional write: the dead instance, if it was only slow, cannot write it
-   again, and learns it was taken over);
-2. it writes every listed charge's ledger row that is not there yet, and for each open request a
-   charge of what it had generated at the last checkpoint (``ended: lost``), unless someone else
-   (a stream's takeover) charged that request already: that one counts its row; a row below the
-   checkpoint (a stream's log is stored every few seconds) is raised to it, and only the
-   difference is counted here;
-3. in each counter the dead instance held, it takes the dead instance's share out and adds what
-   the row does not have yet (counters.Counters.recover); then the journal is deleted.
-
-Each step can be done again (by another instance, if this one dies mid-way) without adding twice.
 A request is listed before its upstream call goes out (``listed``: its admission waits for the write
 that lists it, at once, not after the pause between writes), so whatever an upstream was asked for
 is in a journal. What is not recovered: requests admitted while the journal could not be written
@@ -43,7 +31,7 @@ from typing import Any
 from .. import tokens
 from ..errors import Modified, StoreError
 from .counters import Counters, Settlement
-from .ledger import Charge, Ledger, theirs, tokens_of
+from .ledger import Charge, Ledger
 from .prices import Price
 from .store import NEW, Store
 
@@ -379,7 +367,7 @@ class Journal:
             entry.written = True
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
-                entry.settlement.lessen(_amounts(entry.kinds, done.result()))
+                entry.settlement.lessen(amounts(entry.kinds, done.result()))
                 entry.settlement.confirm()  # now the counters may take the charges in
             self.changed()
 
@@ -437,111 +425,9 @@ class Journal:
             await self._write_once()
 
 
-# --- taking a dead instance over ------------------------------------------------------------------
-
-
-def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
-    """What a journal entry charges: its own charges when settled; for an open request, what it had
-    generated at its last checkpoint (``ended: lost``)."""
-    if entry.get("state") == "settled":
-        return [Charge.of(c) for c in entry.get("charges") or []]
-    price = Price.of(entry["price"]) if entry.get("price") else None
-    prompt, completion = int(entry.get("prompt") or 0), int(entry.get("generated") or 0)
-    return [
-        Charge(
-            caller=entry["caller"],
-            caller_id=entry["caller_id"],
-            team=entry.get("team"),
-            team_id=entry.get("team_id"),
-            model=entry["model"],
-            endpoint=entry["endpoint"],
-            request_id=entry["id"],
-            day=entry["day"],
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cost=price.cost(prompt, 0, completion) if price is not None else None,
-            ended="lost",
-            author=f"takeover:{dead}",
-            segment=int(entry.get("segment") or 0),
-        )
-    ]
-
-
-def _amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
+def amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
     """What ``charges`` spend of each budget counter ("partition/row" -> tokens or pico-dollars)."""
     return {
         key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
         for key, kind in kinds.items()
     }
-
-
-def _amounts_of(
-    entry: dict[str, Any], charges: list[Charge], theirs: list[Charge], counted: list[tuple[int, int]]
-) -> dict[str, int]:
-    """What an entry's charges spend of each budget counter, less the segments another instance
-    wrote and counted (``theirs``), and less what a taker counted of a row raised to the checkpoint
-    (``counted``: tokens, cost)."""
-    kinds = entry.get("kinds") or {}
-    less = _amounts(kinds, theirs)
-    for key, kind in kinds.items():
-        less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
-    if entry.get("state") == "settled":
-        return {k: int(v) - less.get(k, 0) for k, v in (entry.get("amounts") or {}).items()}
-    return {k: v - less.get(k, 0) for k, v in _amounts(kinds, charges).items()}
-
-
-async def recover(store: Store, ledger: Ledger, counters: Counters, dead: str, taker: str) -> None:
-    """Take a dead instance's journal over (module docstring); safe to run again."""
-    name = journal_name(dead)
-    for _ in range(10):
-        found = await store.get_blob(name)
-        if found is None:
-            return  # nothing was owed (or a takeover finished already)
-        data, etag = found
-        doc = json.loads(data)
-        doc["sealed_by"] = taker
-        try:
-            await store.put(name, json.dumps(doc, separators=(",", ":")).encode(), etag=etag)
-            break
-        except Modified:
-            continue
-    else:
-        raise StoreError("the journal kept changing while it was being sealed")
-    entries = doc.get("entries") or []
-    ours: list[tuple[dict[str, Any], dict[str, int]]] = []  # entries and what they bring into each counter
-    for entry in entries:
-        charges = _charges_of(entry, dead)
-        others: list[Charge] = []  # segments someone else charged first (a stream's takeover): theirs to count
-        counted: list[tuple[int, int]] = []  # what a taker counted of a row raised here to the checkpoint
-        for charge in charges:
-            there = await ledger.write_now(charge)
-            if there is not None and theirs(there, dead, f"takeover:{dead}"):
-                # A taker charged the lost part from its log, below this checkpoint (a log is stored
-                # every few seconds): raised to the checkpoint, the taker's part of it kept in the row.
-                elsewhere = {"counted_tokens": tokens_of(there), "counted_cost": int(there.get("cost") or 0)}
-                if entry.get("state") == "settled" or not await ledger.replace_below(charge, there, **elsewhere):
-                    others.append(charge)
-                    continue
-                there = elsewhere  # the row as raised: what the taker counted of it
-            if there is not None and "counted_tokens" in there:  # raised here, now or by an earlier run
-                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
-        ours.append((entry, _amounts_of(entry, charges, others, counted)))
-    for key in doc.get("counters") or []:
-        partition, _, row = key.partition("/")
-
-        def unapplied(applied: int, key: str = key) -> int:
-            total = 0
-            for entry, amounts in ours:
-                if key not in amounts:
-                    continue
-                if entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= applied:
-                    continue  # the row has it already
-                total += amounts[key]
-            return total
-
-        await counters.recover(partition, row, dead, unapplied)
-    with contextlib.suppress(StoreError):
-        await store.delete_blob(name)
-    log.info(
-        "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])
-    )

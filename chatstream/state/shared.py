@@ -16,10 +16,11 @@ from .. import tokens
 from ..settings import Settings, SettingsError
 from .accounting import Accounting
 from .counters import Counters
-from .instances import Instances
-from .journal import Journal, recover
+from .instances import Instances, InstanceTiming
+from .journal import Journal
 from .ledger import Ledger
 from .owners import Owners
+from .recovery import Recovery
 from .registry import Registry
 from .store import Store, StoreConfigError
 from .store_env import store_from_env
@@ -61,22 +62,24 @@ class SharedState:
         return cls.on(store, settings)
 
     @classmethod
-    def on(cls, store: Store, settings: Settings, instances: Instances | None = None) -> SharedState:
-        """The shared state on ``store`` (one per instance; tests make several on one store)."""
-        instances = instances or Instances(store)
+    def on(
+        cls,
+        store: Store,
+        settings: Settings,
+        timing: InstanceTiming | None = None,
+        instance_id: str | None = None,
+    ) -> SharedState:
+        """The shared state on ``store`` (one per instance; tests make several on one store, and
+        name them)."""
         registry = Registry(store, settings.caller_cache_seconds)
         ledger, owners = Ledger(store), Owners(store)
+        instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover)
         journal = Journal(store, ledger, lambda: instances.id, on_busy=instances.need, on_idle=instances.done)
         counters = Counters(
             store, lambda: instances.id, before_first_hold=journal.note_counter, fenced=instances.fenced.is_set
         )
         journal.counters = counters
         counters.on_applied = journal.changed
-
-        async def take_over(dead: str) -> None:
-            await recover(store, ledger, counters, dead, instances.id)
-
-        instances.on_dead(take_over)
 
         async def sweep() -> None:
             now = store.clock.now()

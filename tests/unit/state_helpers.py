@@ -12,7 +12,7 @@ from chatstream.pipeline import CallRequest
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.state.accounting import Accounting, Admission
-from chatstream.state.instances import Instances, InstanceTiming
+from chatstream.state.instances import InstanceTiming
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
@@ -44,7 +44,7 @@ def instance(
     """One app instance on the account: its own store client (and clock), as SharedState.on makes it;
     its journal written at most every ``journal_seconds`` (the app's 0.5 s makes tests slow)."""
     store = MemoryStore(data)
-    state = SharedState.on(store, settings(**env), Instances(store, timing, instance_id=name))
+    state = SharedState.on(store, settings(**env), timing, instance_id=name)
     state.journal.interval = journal_seconds
     assert state.accounting is not None
     return state, state.accounting

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skips_idle_time
 FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=0.2, duty_seconds=0.05, fresh_seconds=0.0)
 
 
-def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST) -> Instances:
+def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST, recover=None) -> Instances:
     clock = StoreClock(wall=lambda: time.time() + skew)
-    return Instances(MemoryStore(data, clock), timing)
+    return Instances(MemoryStore(data, clock), timing, recover=recover)
 
 
 async def test_an_instance_that_needs_it_beats_and_the_others_see_it_alive():
@@ -38,10 +38,10 @@ async def test_an_instance_that_needs_it_beats_and_the_others_see_it_alive():
 
 async def test_a_dead_instance_is_taken_over_once_and_its_row_goes():
     data = MemoryData()
-    a, b, c = instance(data), instance(data), instance(data)
     taken: list[tuple[str, str]] = []
+    a = instance(data)
+    b, c = (instance(data, recover=lambda dead, taker: _note(taken, taker, dead)) for _ in range(2))
     for watcher in (b, c):
-        watcher.on_dead(lambda dead, w=watcher: _note(taken, w.id, dead))
         watcher.need()
     a.need()
     await a.first_beat()
@@ -60,8 +60,7 @@ async def test_a_dead_instance_is_taken_over_once_and_its_row_goes():
 
 async def test_a_slow_instance_declared_dead_is_fenced_and_goes_on_under_a_new_id():
     data = MemoryData()
-    a, b = instance(data), instance(data)
-    b.on_dead(lambda dead: asyncio.sleep(0))
+    a, b = instance(data), instance(data, recover=lambda dead, taker: asyncio.sleep(0))
     b.need()
     a.need()
     await a.first_beat()
@@ -126,9 +125,8 @@ async def test_a_dead_duty_holder_is_replaced_within_a_lease_and_a_tick_and_take
     await a.first_beat()
     await asyncio.sleep(0.1)  # a's duty tick: it holds the duty
     assert data.tables["chatstreamStreams"]["instances"]["~duty"][0]["holder"] == a.id
-    b = instance(data, timing=timing)
     taken: list[str] = []
-    b.on_dead(lambda dead: _note(taken, b.id, dead))
+    b = instance(data, timing=timing, recover=lambda dead, taker: _note(taken, taker, dead))
     b.serve()
     await asyncio.sleep(0.1)
     for task in (a._beating, a._duty):

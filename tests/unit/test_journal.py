@@ -18,10 +18,11 @@ from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.callers import Caller
 from chatstream.state.counters import parse_holds
 from chatstream.state.instances import InstanceTiming
-from chatstream.state.journal import journal_name, recover
+from chatstream.state.journal import journal_name
 from chatstream.state.ledger import Charge
 from chatstream.state.port import Unavailable
 from chatstream.state.prices import Price
+from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
@@ -123,7 +124,7 @@ async def test_a_dead_instance_is_recovered_exactly_and_a_second_takeover_adds_n
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get_team("t")).limits_partition
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert set(rows) == {rec1.id, rec2.id, rec3.id}
     assert (rows[rec2.id]["prompt_tokens"], rows[rec2.id]["completion_tokens"]) == (200, 80)
@@ -139,33 +140,49 @@ async def test_a_dead_instance_is_recovered_exactly_and_a_second_takeover_adds_n
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     assert journal_doc(data, "instance-a") is None  # done: the journal goes
     before = (dict(data.tables[LIMITS_TABLE]), len(rows))
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     assert len(ledger_rows(data)) == before[1]
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     await b.close()
 
 
-async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_once():
+@pytest.mark.parametrize("crossed", [False, True])
+@pytest.mark.parametrize("hops", [0, 1, 2, 3, 5, 8])
+async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_once(hops: int, crossed: bool):
     """Two duty holders (a duty handed over while the first was only slow) find the same dead
-    instance and recover it at the same time: every missing ledger row is written once, each budget
-    row ends at exactly what was spent, nothing stays held."""
+    instance and recover it at the same time, c ``hops`` loop turns after b. r3's stream was taken
+    over first, its lost part charged from a log that had little of it (to be raised to a's
+    checkpoint). ``crossed``: b's raise of that row lands late (c raised it meanwhile) and c's
+    counter reads are slow (b gives the counters back first): before, b then counted r3 as the
+    taker's alone, and the budget rows ended below the ledger. Both recoveries succeed; every
+    request is in the ledger once; each budget row holds exactly the ledger, nothing stays held; the
+    dead journal is gone."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get_team("t")).limits_partition
+    acc_b = await charged_by_its_taker(b, caller, rec3.id, "The")
     c, _ = instance(data, "instance-c")
-    results = await asyncio.gather(
-        recover(b.store, b.ledger, b.counters, "instance-a", "instance-b"),
-        recover(c.store, c.ledger, c.counters, "instance-a", "instance-c"),
-        return_exceptions=True,
+    if crossed:
+        assert isinstance(b.store, MemoryStore) and isinstance(c.store, MemoryStore)
+        b.store.inject(Fault("slow", frozenset({"replace"}), table=USAGE_TABLE, delay=0.05))
+        c.store.inject(Fault("slow", frozenset({"get"}), table=LIMITS_TABLE, times=10, delay=0.2))
+
+    async def later(recovery: Recovery, taker: str) -> None:
+        for _ in range(hops):
+            await asyncio.sleep(0)
+        await recovery.recover("instance-a", taker)
+
+    await asyncio.gather(
+        Recovery(b.store, b.ledger).recover("instance-a", "instance-b"),
+        later(Recovery(c.store, c.ledger), "instance-c"),
     )
-    for result in results:  # one may find the journal changing under it: it is done again
-        if isinstance(result, BaseException):
-            assert isinstance(result, StoreError), result
-            await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    assert await acc_b.flush(5)
     rows = ledger_rows(data)
     assert set(rows) == {rec1.id, rec2.id, rec3.id}
     assert [rows[r.id]["cost"] for r in (rec1, rec2, rec3)] == list(costs)
-    spent_exactly(data, caller, team, sum(spent), sum(costs))
+    assert rows[rec3.id]["author"] == "takeover:instance-a"  # raised to a's checkpoint
+    spent_as_the_ledger(data, caller, team, rows.values())
+    assert journal_doc(data, "instance-a") is None
     await b.close()
     await c.close()
 
@@ -177,12 +194,12 @@ async def test_a_takeover_that_dies_midway_is_done_again_without_adding_twice():
     assert isinstance(b.store, MemoryStore)
     b.store.inject(Fault("unavailable", frozenset({"replace"}), table=LIMITS_TABLE, times=1))
     with pytest.raises(StoreError):  # the ledger rows are written, the first counter row is not
-        await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+        await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     assert set(ledger_rows(data)) == {rec1.id, rec2.id, rec3.id}
     doc = journal_doc(data, "instance-a")
     assert doc is not None and doc["sealed_by"] == "instance-b"
     c, _ = instance(data, "instance-c")  # the next duty holder does it again
-    await recover(c.store, c.ledger, c.counters, "instance-a", "instance-c")
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     assert len(ledger_rows(data)) == 3
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     await b.close()
@@ -210,7 +227,7 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
         author="instance-z",
     )
     assert await b.ledger.write_now(theirs) is None
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 200
     spent_exactly(data, caller, team, spent[0] + spent[1], costs[0] + costs[1])
@@ -227,7 +244,7 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     assert entry is not None and entry["state"] == "settled"
     theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
     assert await b.ledger.write_now(theirs) is None
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec2.id]["author"] == "instance-z" and rows[rec3.id]["author"] == "takeover:instance-a"
     spent_exactly(data, caller, team, spent[0] + spent[2], costs[0] + costs[2])
@@ -257,7 +274,7 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get_team("t")).limits_partition
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
     shown = GENERATED + " It came back at dusk, tired and happy."
     await charged_by_its_taker(b, caller, rec3.id, shown)
@@ -278,12 +295,12 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     team = (await b.registry.get_team("t")).limits_partition
     acc_b = await charged_by_its_taker(b, caller, rec3.id, "The")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = ledger_rows(data)[rec3.id]
     assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "takeover:instance-a"
     assert await acc_b.flush(5)
     spent_exactly(data, caller, team, sum(spent), sum(costs))
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")  # nothing left: adds nothing
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # nothing left: adds nothing
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     await b.close()
 
@@ -323,7 +340,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     acc_a.progress(r1, lambda: {0: GENERATED})
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     # a is only slow: b finds it dead and takes it over (r1 is charged as lost at its checkpoint).
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     lost = ledger_rows(data)[rec1.id]
     assert lost["ended"] == "lost"
     # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
@@ -436,7 +453,7 @@ async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_
     assert isinstance(other, Admission)
     await until(lambda: a.journal.writes > writes, what="a journal write")
     await kill(a)  # before the lost answer is looked into
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = counter(data, x.limits_partition, "tokens")
     assert not parse_holds(row.get("holds")) and row["taken"] == 0, row
     await b.close()
@@ -528,7 +545,7 @@ async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated
     asking.cancel()
     await asyncio.gather(asking, return_exceptions=True)
     await http.aclose()
-    await recover(b.store, b.ledger, b.counters, "instance-a", "instance-b")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     [row] = ledger_rows(data).values()
     assert row["ended"] == "lost" and row["completion_tokens"] == generated
     taken = counter(data, caller.limits_partition, "tokens")["taken"]
