@@ -29,12 +29,12 @@ Until that is known the counter waits (its reservations answer "unavailable"). S
 equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
 
 **A dead instance gives back.** A budget's capacity held by an instance that dies is in its entry;
-the instance's journal (journal.py) lists its open reservations and unapplied charges. Whoever takes
-the instance over (instances.py) settles them at what was actually generated and removes the entry
-(``recover``): ``taken`` loses what the dead instance held and gains what it spent. Minute windows
-need nothing: they end. Charges enter a budget's row only once their ledger row is written
-(``Settlement.confirm``), in the order they were made (``applied`` is the last one in), so the
-recovery knows exactly which of the journal's charges the row already has.
+the instance's journal (journal.py) lists the counter before the instance holds any of it
+(``WriteAhead``), and its open reservations and unapplied charges. Whoever takes the instance over
+removes the entry (recovery.py): ``taken`` loses what the dead instance held and gains what it
+spent. Minute windows need nothing: they end. Charges enter a budget's row only once their ledger
+row is written (``Settlement.confirm``), in the order they were made (``applied`` is the last one
+in), so the recovery knows exactly which of the journal's charges the row already has.
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
 limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
@@ -47,11 +47,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Protocol
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
 from .store import CALL_TIMEOUT, LIMITS_TABLE, Row, Store
 
@@ -308,6 +310,19 @@ class Lease:
         taken = self.row_taken if self.row_window == self.window else 0
         return max(0, self.limit - taken) + self.balance
 
+    def holds(self) -> bool:
+        """Whether this instance has books on the counter, or may hold some of it in the row without
+        knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
+        return bool(
+            self.held
+            or self.balance
+            or self.reserved
+            or self.debt
+            or self.staged
+            or self.waiters
+            or self.uncertain is not None
+        )
+
     def idle(self) -> bool:
         return (
             self.flight is None
@@ -455,10 +470,10 @@ class Lease:
             window = self.window
             assert window is not None
             waiters = self._pending()
-            if self.period != "minute" and self.held == 0 and waiters and counters.before_first_hold is not None:
+            if self.period != "minute" and self.held == 0 and waiters and counters.journal is not None:
                 # A budget's first capacity here: the journal lists the counter before the row says
                 # we hold some, so a takeover of this instance finds it.
-                await counters.before_first_hold(self.key, self.period)
+                await counters.journal.note_counter(f"{self.partition}/{self.row}", self.holds)
                 waiters = self._pending()
             room = max(0, self.limit - taken) + self.balance
             chosen, total = _fitting(waiters, room)
@@ -549,8 +564,8 @@ class Lease:
             if self.staged and self.staged[0].seq == seq:
                 self.staged.popleft()
             self.applied = seq
-        if written.applied and self.counters.on_applied is not None:
-            self.counters.on_applied()
+        if written.applied and self.counters.journal is not None:
+            self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
         self._answer(waiters, written.waiters, written.window, self.generation)
@@ -615,7 +630,7 @@ class Lease:
         if f"{self.counters.instance}=" in written.entity["holds"]:
             return mine is not None and mine.exchange >= written.exchange
         # The write took our entry out: gone now means it landed, unless a takeover took it out.
-        return mine is None and not self.counters.fenced()
+        return mine is None and not self.counters.instances.fenced.is_set()
 
     def _recovered_elsewhere(self) -> None:
         """Our entry is gone while we held: another instance took this instance over (we were too
@@ -678,6 +693,15 @@ class Settlement:
         for lease, staged in self.staged:
             lease.confirm(staged)
 
+    def applied(self) -> bool:
+        """Whether every budget charge is in its row (or needs nothing any more: its window is over,
+        or the counter was taken over elsewhere)."""
+        return all(
+            lease.applied >= staged.seq or all(s is not staged for s in lease.staged)
+            for lease, staged in self.staged
+            if lease.period != "minute"
+        )
+
 
 class Reservation:
     """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
@@ -720,24 +744,31 @@ class Reservation:
         return {f"{p.lease.partition}/{p.lease.row}": p.need for p in self.parts if p.lease.period != "minute"}
 
 
+class WriteAhead(Protocol):
+    """What the counters need of this instance's journal (journal.py): a budget counter is listed
+    before any of it is held here (``note_counter``, then listed while ``holding()``), and it hears
+    when charges entered a row (``changed``: it may drop them)."""
+
+    async def note_counter(self, name: str, holding: Callable[[], bool]) -> None: ...
+
+    def changed(self) -> None: ...
+
+
 class Counters:
     """The limits of every caller and team, as this instance takes part in them (one per instance)."""
 
     def __init__(
         self,
         store: Store,
-        instance: Callable[[], str] | str,
+        instances: Instances,
+        journal: WriteAhead | None = None,
         clock: Callable[[], float] | None = None,
-        before_first_hold: Callable[[tuple[str, str], str], Awaitable[None]] | None = None,
-        fenced: Callable[[], bool] | None = None,
         timeout: float = SLOW_TIMEOUT,
     ):
         self.store = store
-        self._instance = instance
+        self.instances = instances  # who holds (its id: the row's entry), and whether it was fenced
+        self.journal = journal
         self.clock = clock or store.clock.now
-        self.before_first_hold = before_first_hold  # the journal notes a budget before we hold any of it
-        self.fenced = fenced or (lambda: False)
-        self.on_applied: Callable[[], None] | None = None  # charges entered a row (the journal may drop them)
         self.timeout = timeout
         self.closed = False
         self._leases: dict[tuple[str, str], Lease] = {}
@@ -750,7 +781,7 @@ class Counters:
 
     @property
     def instance(self) -> str:
-        return self._instance() if callable(self._instance) else self._instance
+        return self.instances.id
 
     def _lease(self, want: Want) -> Lease:
         lease = self._leases.get(want.key)
@@ -846,56 +877,6 @@ class Counters:
                 lease = self._lease(want)
                 lease.advance(window_of(want.period, now))
                 lease.adjust(want.need, window_of(want.period, at))
-
-    def held_budgets(self) -> list[tuple[str, str, str]]:
-        """The budget counters this instance has books on, or may hold some of in the row without
-        knowing it yet (a write in flight for waiting reservations, one whose answer was lost):
-        (partition, row, window), for the journal."""
-        return [
-            (lease.partition, lease.row, lease.window or "")
-            for lease in self._leases.values()
-            if lease.period != "minute"
-            and (
-                lease.held
-                or lease.balance
-                or lease.reserved
-                or lease.debt
-                or lease.staged
-                or lease.waiters
-                or lease.uncertain is not None
-            )
-        ]
-
-    def applied(self, key: str, seq: int) -> bool:
-        """Whether charge ``seq`` of budget counter ``key`` ("partition/row") is in its row (or needs
-        nothing any more: its window is over, or the counter was taken over)."""
-        partition, _, row = key.partition("/")
-        lease = self._leases.get((partition, row))
-        if lease is None or lease.applied >= seq:
-            return True
-        return not any(staged.seq == seq for staged in lease.staged)
-
-    async def recover(self, partition: str, row: str, dead: str, unapplied: Callable[[int], int]) -> bool:
-        """Take ``dead``'s entry out of a counter row: ``taken`` loses what it held and gains what it
-        spent beyond what the row already has (``unapplied(applied)``: its charges after the one
-        numbered ``applied``, and its open reservations at what they generated). True once done (or
-        nothing to do); a conflict re-reads."""
-        for _ in range(MAX_ATTEMPTS):
-            found = await self.store.get(LIMITS_TABLE, partition, row, timeout=self.timeout)
-            if found is None:
-                return True
-            holds = parse_holds(found.get("holds"))
-            entry = holds.pop(dead, None)
-            if entry is None:
-                return True
-            taken = max(0, int(found.get("taken") or 0) - entry.held + max(0, unapplied(entry.applied)))
-            entity = {**found, "taken": taken, "holds": format_holds(holds)}
-            try:
-                await self.store.replace(LIMITS_TABLE, entity, etag=found.etag, timeout=self.timeout)
-                return True
-            except (Modified, NotFound):
-                continue
-        return False
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

@@ -30,7 +30,8 @@ from typing import Any
 
 from .. import tokens
 from ..errors import Modified, StoreError
-from .counters import Counters, Settlement
+from .counters import Settlement
+from .instances import Instances
 from .ledger import Charge, Ledger
 from .prices import Price
 from .store import NEW, Store
@@ -128,24 +129,14 @@ class JournalEntry:
 class Journal:
     """This instance's journal (module docstring)."""
 
-    def __init__(
-        self,
-        store: Store,
-        ledger: Ledger,
-        instance: Callable[[], str],
-        interval: float = JOURNAL_SECONDS,
-        on_busy: Callable[[], None] | None = None,
-        on_idle: Callable[[], None] | None = None,
-    ):
+    def __init__(self, store: Store, ledger: Ledger, instances: Instances, interval: float = JOURNAL_SECONDS):
         self.store = store
-        self._on_busy = on_busy  # it holds something: this instance must be seen alive (instances.py)
-        self._on_idle = on_idle
-        self._busy = False
         self.ledger = ledger
-        self._instance = instance
+        self.instances = instances  # while it holds something, this instance must be seen alive
+        self._busy = False
         self.interval = interval
         self.entries: dict[str, JournalEntry] = {}
-        self.counters: Counters | None = None  # set once both exist (shared.py)
+        self._holding: dict[str, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
         self._noted: set[str] = set()  # budget counters in the last written journal
         self._needed_at: dict[str, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: asyncio.TimerHandle | None = None
@@ -215,9 +206,10 @@ class Journal:
                 keep.append((entry, waiting))
         self._waiting = keep
 
-    async def note_counter(self, key: tuple[str, str], period: str) -> None:
-        """Before this instance holds any of a budget counter: the journal lists it (written)."""
-        name = f"{key[0]}/{key[1]}"
+    async def note_counter(self, name: str, holding: Callable[[], bool]) -> None:
+        """Before this instance holds any of budget counter ``name`` ("partition/row"): the journal
+        lists it (written), and goes on listing it while ``holding()`` says the counters hold some."""
+        self._holding[name] = holding
         if name in self._noted:
             return
         waiting = self._noting.get(name)
@@ -230,8 +222,7 @@ class Journal:
     def changed(self) -> None:
         if not self._busy and (self.entries or self._noting):
             self._busy = True
-            if self._on_busy is not None:
-                self._on_busy()
+            self.instances.need()
         self._dirty.set()
         if (self._writer is None or self._writer.done()) and not self._closed:
             self._writer = asyncio.ensure_future(self._write_loop())
@@ -284,13 +275,13 @@ class Journal:
         return any(e.state == "open" and e.generated is not None for e in self.entries.values())
 
     async def _write_once(self) -> None:
-        instance = self._instance()
+        instance = self.instances.id
         name = journal_name(instance)
         if name != self._name:  # a new incarnation (the old one was taken over): a new journal
             self._name, self._etag = name, None
         self._forget_done()
-        counters = self.counters
-        held = {f"{p}/{r}" for p, r, _ in counters.held_budgets()} if counters is not None else set()
+        self._holding = {key: holding for key, holding in self._holding.items() if holding()}
+        held = set(self._holding)
         noting = dict(self._noting)
         needed = held | set(noting) | {k for e in self.entries.values() for k in e.needs}
         listed = sorted(self._listing(needed))
@@ -303,8 +294,7 @@ class Journal:
             self._release(noting)
             if self._busy:
                 self._busy = False
-                if self._on_idle is not None:
-                    self._on_idle()
+                self.instances.done()
             return
         settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
         in_doc = list(self.entries.values())
@@ -375,11 +365,8 @@ class Journal:
 
     def _forget_done(self) -> None:
         """Settled requests whose ledger rows and counter charges are all in leave the journal."""
-        counters = self.counters
         for key, entry in list(self.entries.items()):
-            if entry.state != "settled" or not entry.written:
-                continue
-            if counters is None or all(counters.applied(k, seq) for k, seq in entry.seqs.items()):
+            if entry.state == "settled" and entry.written and (entry.settlement is None or entry.settlement.applied()):
                 del self.entries[key]
 
     def _fenced(self) -> None:

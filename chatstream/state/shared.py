@@ -1,6 +1,7 @@
 """The app's shared state, built once at start-up from the settings: the store (AzureWebJobsStorage),
-this instance among the others, the registry (callers, teams, prices), the counters of their limits,
-the journal and the usage ledger, who owns what; ``accounting`` when ``CALLER_KEYS=required``.
+this instance among the others (and the recovery of those found dead), the registry (callers, teams,
+prices), the usage ledger, the journal and the counters of their limits, who owns what;
+``accounting`` when ``CALLER_KEYS=required``.
 Without a storage setting there is none, and the features that need it are refused at start-up with
 a message naming the setting."""
 
@@ -74,12 +75,8 @@ class SharedState:
         registry = Registry(store, settings.caller_cache_seconds)
         ledger, owners = Ledger(store), Owners(store)
         instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover)
-        journal = Journal(store, ledger, lambda: instances.id, on_busy=instances.need, on_idle=instances.done)
-        counters = Counters(
-            store, lambda: instances.id, before_first_hold=journal.note_counter, fenced=instances.fenced.is_set
-        )
-        journal.counters = counters
-        counters.on_applied = journal.changed
+        journal = Journal(store, ledger, instances)
+        counters = Counters(store, instances, journal)
 
         async def sweep() -> None:
             now = store.clock.now()

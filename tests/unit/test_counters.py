@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chatstream.state.counters import Counters, Reservation, Want, parse_holds
+from chatstream.state.instances import Instances
 from chatstream.state.port import LimitRef, Refused, Unavailable
 from chatstream.state.store import LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
@@ -46,7 +47,7 @@ def want(row: str, limit: int, need: int, period: str = "minute", partition: str
 
 def counters(data: MemoryData, name: str, clock: Clock | None = None, **kw) -> Counters:
     store = MemoryStore(data)
-    return Counters(store, name, clock=clock or Clock(), **kw)
+    return Counters(store, Instances(store, instance_id=name), clock=clock or Clock(), **kw)
 
 
 def row(data: MemoryData, partition: str, key: str) -> dict:
