@@ -324,12 +324,7 @@ class Lease:
         )
 
     def idle(self) -> bool:
-        return (
-            self.flight is None
-            and not self.waiters
-            and not (self.held or self.balance or self.reserved or self.debt or self.staged)
-            and self.uncertain is None
-        )
+        return self.flight is None and not self.holds()
 
     # --- the single flight ------------------------------------------------------------------
 
@@ -429,7 +424,6 @@ class Lease:
             self.backoff = min(self.backoff * 2, 30.0)
 
     async def _read(self) -> None:
-        self.counters.reads += 1
         row = await self.counters.store.get(LIMITS_TABLE, self.partition, self.row, timeout=self.counters.timeout)
         self._know(row)
 
@@ -527,7 +521,6 @@ class Lease:
             try:
                 await self._write(written, same)
             except (Modified, AlreadyExists, NotFound):
-                counters.conflicts += 1
                 self.known = False
                 self._undo(written)
                 continue
@@ -672,22 +665,21 @@ class Part:
 
 @dataclass
 class Settlement:
-    """What ``Reservation.settle`` staged: per budget counter, its charge's number (for the journal);
+    """What ``Reservation.settle`` staged in the budget counters (a minute window's charge needs no
+    journal: it is confirmed at once): per counter, its charge's number (for the journal);
     ``confirm()`` once the charge's ledger row is written, and the charges enter the rows."""
 
     staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
 
     @property
     def seqs(self) -> dict[str, int]:
-        return {f"{lease.partition}/{lease.row}": s.seq for lease, s in self.staged if lease.period != "minute"}
+        return {f"{lease.partition}/{lease.row}": s.seq for lease, s in self.staged}
 
     def lessen(self, amounts: Mapping[str, int]) -> None:
         """Before ``confirm``: take ``amounts`` ("partition/row" -> amount) out of the staged charges
-        of the budget counters (segments whose ledger row another instance wrote and counted)."""
+        (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
-            less = amounts.get(f"{lease.partition}/{lease.row}", 0)
-            if less and lease.period != "minute":
-                lease.lessen(staged, less)
+            lease.lessen(staged, amounts.get(f"{lease.partition}/{lease.row}", 0))
 
     def confirm(self) -> None:
         for lease, staged in self.staged:
@@ -697,9 +689,7 @@ class Settlement:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
         return all(
-            lease.applied >= staged.seq or all(s is not staged for s in lease.staged)
-            for lease, staged in self.staged
-            if lease.period != "minute"
+            lease.applied >= staged.seq or all(s is not staged for s in lease.staged) for lease, staged in self.staged
         )
 
 
@@ -712,7 +702,6 @@ class Reservation:
         self.parts = parts
         self.rates = rates  # for OpenAI's x-ratelimit-* headers (tokens, requests), when limited
         self.state = "held"
-        self.at = counters.clock()
 
     def settle(self, spent: Mapping[tuple[str, str], int]) -> Settlement:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
@@ -724,10 +713,12 @@ class Reservation:
         for part in self.parts:
             amount = part.need if part.lease.row.startswith("rpm") else max(0, int(spent.get(part.lease.key, 0)))
             staged = part.lease.settle(part.need, amount, part.window, part.generation)
-            if staged is not None:
+            if staged is None:
+                continue
+            if part.lease.period == "minute":
+                part.lease.confirm(staged)  # minute windows need no journal: they end by themselves
+            else:
                 settlement.staged.append((part.lease, staged))
-                if part.lease.period == "minute":
-                    part.lease.confirm(staged)  # minute windows need no journal: they end by themselves
         return settlement
 
     def release(self) -> None:
@@ -773,10 +764,7 @@ class Counters:
         self.closed = False
         self._leases: dict[tuple[str, str], Lease] = {}
         self._pruned_at = ""
-        # Store calls made (docs/callers.md's figures and the tests read them).
-        self.reads = 0
-        self.writes = 0
-        self.conflicts = 0
+        self.writes = 0  # store writes made (the tests read them)
         self.recovered_writes = 0  # lost answers found landed (never given back twice)
 
     @property

@@ -76,8 +76,7 @@ class JournalEntry:
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> charged
-    seqs: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> the charge's number
-    settlement: Settlement | None = None
+    settlement: Settlement | None = None  # settled: its charges in the budget counters, and their numbers
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: bool = False  # its ledger rows are in
@@ -122,7 +121,7 @@ class JournalEntry:
         else:
             doc["charges"] = [c.as_dict() for c in self.charges]
             doc["amounts"] = self.amounts
-            doc["seqs"] = self.seqs
+            doc["seqs"] = self.settlement.seqs if self.settlement is not None else {}
         return doc
 
 
@@ -177,7 +176,6 @@ class Journal:
         entry.charges = charges
         entry.amounts = amounts
         entry.settlement = settlement
-        entry.seqs = settlement.seqs
         entry.generated = None
         self.changed()
 
@@ -268,11 +266,8 @@ class Journal:
             with contextlib.suppress(TimeoutError):  # the pause between writes, unless a request waits
                 async with asyncio.timeout(self.interval):
                     await self._urgent.wait()
-            if self._open_entries():
+            if any(e.state == "open" and e.generated is not None for e in self.entries.values()):
                 self._dirty.set()  # open requests: their checkpoints go on
-
-    def _open_entries(self) -> bool:
-        return any(e.state == "open" and e.generated is not None for e in self.entries.values())
 
     async def _write_once(self) -> None:
         instance = self.instances.id
