@@ -32,8 +32,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from ..record import log_safe
+from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
 from .callers import (
     KEY_SHAPE,
     NAME_PATTERN,
