@@ -455,8 +455,6 @@ class Accounting:
         ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
-    drain = flush
-
 
 def _mine(owner: str, caller: Caller) -> bool:
     return owner == caller.id or owner == f"name:{caller.name}"  # rows claimed before ids by name
