@@ -30,6 +30,7 @@ from fastapi.responses import Response
 
 from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
+from .apis.usage import request_usage
 from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import EventStreamResponse, JsonAnswer, read_json
@@ -148,7 +149,9 @@ class Endpoint:
             call = await self._prepare(request, record)
             if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
                 record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-                admission = await admitted(self.accounting, caller, call, record)
+                admission = await admitted(
+                    self.accounting, caller, call, record, self.settings.default_max_output_tokens
+                )
             if call.params.get("stream"):
                 return await self._stream(request, call, record, admission)
             return await self._complete(request, call, record, admission)
@@ -345,7 +348,7 @@ class Endpoint:
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-        admission = await admitted(self.accounting, caller, call, record)
+        admission = await admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens)
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
@@ -368,12 +371,12 @@ class Endpoint:
     ) -> None:
         if not record.report():
             return
-        if self.accounting is not None:
-            record.cost = self.accounting.cost_of(admission, record, generated)
+        if self.accounting is not None and admission is not None:
+            used = request_usage(admission.model, admission.prompt_tokens, record, generated)
+            record.cost = self.accounting.cost_of(admission, used)
+            self.accounting.charge(admission, used)  # in the background: after the log line and the span
         log.info(record.log_line())
         telemetry.finish(record)
-        if self.accounting is not None:
-            self.accounting.charge(admission, record, generated)
         if self.pipeline.wants_result:
             self.pipeline.run_after(record.result())
 

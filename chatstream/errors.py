@@ -30,6 +30,7 @@ from __future__ import annotations
 import email.utils
 import importlib
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -385,3 +386,14 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+# Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
+# output has its C0 escaped already), Unicode line and paragraph separators, the bidi overrides.
+_UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def log_safe(text: str) -> str:
+    """``text`` (already JSON, or any caller-chosen string) with every character that could start a
+    new log line or hide part of one escaped as ``\\uXXXX``, and without any upstream key or token."""
+    return _UNSAFE_IN_LOGS.sub(lambda m: f"\\u{ord(m.group()):04x}", redact(text))

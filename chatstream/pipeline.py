@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import ApiError, ModerationStop, Rejection, StepFailed
+from .errors import ApiError, ErrorKind, ModerationStop, Rejection, StepFailed
 from .guard import ModerationGate, Redactor
 from .record import StreamResult
 from .settings import Settings
@@ -279,7 +279,7 @@ def max_prompt_chars(limit: int):
             raise Rejection(
                 413,
                 f"the prompt has {total} characters; the limit is {limit}",
-                "prompt_too_long",
+                ErrorKind.PROMPT_TOO_LONG,
                 "messages" if "messages" in call.params else "input",
             )
 

@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .errors import redact
-
-# Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
-# output has its C0 escaped already), Unicode line and paragraph separators, the bidi overrides.
-_UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def log_safe(text: str) -> str:
-    """``text`` (already JSON, or any caller-chosen string) with every character that could start a
-    new log line or hide part of one escaped as ``\\uXXXX``, and without any upstream key or token."""
-    return _UNSAFE_IN_LOGS.sub(lambda m: f"\\u{ord(m.group()):04x}", redact(text))
+from .errors import log_safe, redact
 
 
 class _Redacting(logging.Filter):

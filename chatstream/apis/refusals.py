@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..errors import ApiError, ErrorKind
+from ..errors import ApiError, ErrorKind, log_safe
 from ..pipeline import CallRequest
-from ..record import StreamRecord, log_safe
+from ..record import StreamRecord
 from ..state.accounting import Accounting, Admission, Unknown
 from ..state.callers import Caller, usd
 from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable
+from .usage import admission_request
 
 _LIMIT_NAME = {
     "tokens_per_minute": "tokens per min (TPM)",
@@ -85,9 +86,12 @@ async def authenticated(accounting: Accounting, headers: Mapping[str, str]) -> C
     raise error(found)
 
 
-async def admitted(accounting: Accounting, caller: Caller, call: CallRequest, record: StreamRecord) -> Admission:
-    """The request admitted (reserved against every limit), or the ApiError that refuses it."""
-    found = await accounting.admit(caller, call, record)
+async def admitted(
+    accounting: Accounting, caller: Caller, call: CallRequest, record: StreamRecord, default_max: int
+) -> Admission:
+    """The request admitted (reserved against every limit), or the ApiError that refuses it. The
+    default output cap is added to ``call.params`` when the request named none (apis/usage.py)."""
+    found = await accounting.admit(caller, admission_request(call, record, default_max))
     if isinstance(found, Admission):
         return found
     raise error(found)

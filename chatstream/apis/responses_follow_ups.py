@@ -43,10 +43,12 @@ from ..upstreams.failover import Upstreams
 from .openai_chat import error_response
 from .refusals import authenticated, store_unavailable
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
+from .usage import usage_of
 
 log = logging.getLogger("chatstream")
 
 RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
+_OVER = frozenset({"completed", "incomplete", "failed", "cancelled"})  # a response's final statuses
 # The query parameters OpenAI defines for each call; any other is dropped (the Functions key `code`
 # among them, in any case).
 _QUERY = {
@@ -165,8 +167,11 @@ class ResponseFollowUps:
         assert self.accounting is not None
         if operation == "delete" and body.get("deleted"):
             await self.accounting.forget("response", response_id)
-        elif body.get("object") == "response":
-            await self.accounting.charge_seen(caller, "response", response_id, body, record)
+        elif body.get("object") == "response" and body.get("status") in _OVER:
+            used = usage_of(body.get("usage"))
+            if used is not None:
+                model = str(body.get("model") or "")
+                await self.accounting.charge_seen(caller, "response", response_id, model, used, record.endpoint)
 
     def _refuse(self, record: StreamRecord, error: ApiError) -> Response:
         response = error_response(as_status(error))

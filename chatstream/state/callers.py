@@ -19,7 +19,7 @@ import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal
@@ -109,6 +109,9 @@ class Limits:
             "models": list(self.models) if self.models is not None else None,
             "model_limits": {m: limit.public() for m, limit in self.model_limits.items()} or None,
         }
+
+
+LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
 
 
 @dataclass(frozen=True, kw_only=True)

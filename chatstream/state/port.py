@@ -2,11 +2,11 @@
 own words. Only the HTTP layer (apis/refusals.py, manage.py, resumable.py) turns them into statuses,
 OpenAI's codes and messages, and headers.
 
-For a request (accounting.py)::
+For a request (accounting.py), handed over in the state's words too (apis/usage.py builds them)::
 
     found = await accounting.authenticate(key)         # Caller | KeyRefused | Unavailable
-    admitted = await accounting.admit(caller, call)    # Admission | Refused | ModelRefused | Unavailable
-    accounting.charge(admission, record, segments)     # in the background; never lost (journal.py)
+    admitted = await accounting.admit(caller, asked)   # AdmissionRequest -> Admission | Refused | ...
+    accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
 For the admin API (registry.py): the object, or ``Invalid`` (which field, why: never the value),
 ``Missing``, ``Conflict``, ``Unavailable``, raised."""
@@ -18,6 +18,53 @@ from typing import Literal
 
 LimitKind = Literal["requests_per_minute", "tokens_per_minute", "token_budget", "spend_budget"]
 Scope = Literal["caller", "team"]
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """A request to be admitted: ``prompt_tokens`` counted with the model's tokenizer, at most
+    ``output_tokens`` generated (the output cap times the choices), and the context it carries by
+    reference: a previous response (``previous``, which must be the caller's) and whether it names a
+    conversation or stored items (``references``: estimated, as their size is not known here)."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+    previous: str | None = None
+    references: bool = False
+
+
+@dataclass(frozen=True)
+class Used:
+    """One segment's usage: prompt (with how much of it was cached) and completion tokens."""
+
+    prompt: int
+    cached: int
+    completion: int
+    upstream: str | None = None
+    request_id: str | None = None  # the upstream's x-request-id for it
+    model: str | None = None  # the model name its upstream was sent, when not the requested one
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+Ended = Literal["completed", "failed", "timeout", "cancelled", "disconnected"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a finished request used: each segment of its answer (none: no upstream took it), how it
+    ended, whether the upstream reported its usage (else it was counted here), and the upstream's
+    request id for it."""
+
+    segments: tuple[Used, ...]
+    ended: Ended
+    reported: bool = False
+    upstream_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,15 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from ..record import log_safe
+from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
 from .callers import (
     KEY_SHAPE,
+    LIMIT_FIELDS,
     NAME_PATTERN,
     Caller,
     CallerPatch,
@@ -54,7 +54,7 @@ from .callers import (
 )
 from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, LIMITS_TABLE, Op, Store, Where, key_part
+from .store import CALLERS_TABLE, LIMITS_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
@@ -338,13 +338,7 @@ class Registry:
             id=secrets.token_hex(6),
             team=team,
             team_id=team_id,
-            tokens_per_minute=data.tokens_per_minute,
-            requests_per_minute=data.requests_per_minute,
-            token_budget=data.token_budget,
-            spend_budget=spend_pico(data.spend_budget),
-            budget_period=data.budget_period,
-            models=tuple(data.models) if data.models is not None else None,
-            model_limits=model_limits_of(data.model_limits),
+            **_changes(data, LIMIT_FIELDS),
             expires_at=data.expires_at,
             created_at=datetime.fromtimestamp(self.clock(), UTC),
             key_hint=key[-4:],
@@ -370,13 +364,18 @@ class Registry:
         )
         return sorted((_caller(row) for row in rows), key=lambda c: c.name)
 
-    async def _row(self, name: str) -> tuple[Caller, str, str]:
-        """The caller row: the caller, its key hash and its ETag; Missing when there is none."""
+    async def _named(self, kind: str, partition: str, prefix: str, name: object) -> Row:
+        """The row of the caller or team ``name``; Missing when there is none."""
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise Missing("caller", log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._admin(self.store.get(CALLERS_TABLE, CALLERS, f"c|{name}", timeout=ADMIN_TIMEOUT))
+            raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
+        row = await self._admin(self.store.get(CALLERS_TABLE, partition, prefix + name, timeout=ADMIN_TIMEOUT))
         if row is None:
-            raise Missing("caller", name)
+            raise Missing(kind, name)
+        return row
+
+    async def _row(self, name: str) -> tuple[Caller, str, str]:
+        """The caller row: the caller, its key hash and its ETag."""
+        row = await self._named("caller", CALLERS, "c|", name)
         return _caller(row), row["key_hash"], row.etag
 
     async def get(self, name: str) -> Caller:
@@ -478,13 +477,7 @@ class Registry:
         team = Team(
             name=data.name,
             id=secrets.token_hex(6),
-            tokens_per_minute=data.tokens_per_minute,
-            requests_per_minute=data.requests_per_minute,
-            token_budget=data.token_budget,
-            spend_budget=spend_pico(data.spend_budget),
-            budget_period=data.budget_period,
-            models=tuple(data.models) if data.models is not None else None,
-            model_limits=model_limits_of(data.model_limits),
+            **_changes(data, LIMIT_FIELDS),
             created_at=datetime.fromtimestamp(self.clock(), UTC),
         )
         try:
@@ -500,11 +493,7 @@ class Registry:
         return sorted((_team(row) for row in rows), key=lambda t: t.name)
 
     async def _team_row(self, name: str) -> tuple[Team, str]:
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise Missing("team", log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=ADMIN_TIMEOUT))
-        if row is None:
-            raise Missing("team", name)
+        row = await self._named("team", TEAMS, "t|", name)
         return _team(row), row.etag
 
     async def get_team(self, name: str) -> Team:
@@ -582,8 +571,9 @@ class Registry:
         return price
 
 
-def _changes(data: Any, given: set[str]) -> dict[str, Any]:
-    """A patch's fields as a caller's or team's values (``null`` removes; the period defaults)."""
+def _changes(data: Any, given: Iterable[str]) -> dict[str, Any]:
+    """A spec's or a patch's fields ``given`` as a caller's or team's values (``null`` removes; the
+    period defaults): the one reading of what an admin said."""
     changes: dict[str, Any] = {f: getattr(data, f) for f in given if f != "team"}
     if "models" in changes and changes["models"] is not None:
         changes["models"] = tuple(changes["models"])

@@ -97,7 +97,6 @@ class SharedState:
                 journal,
                 ledger,
                 owners,
-                settings.default_max_output_tokens,
                 settings.referenced_context_tokens,
                 instances,
             )

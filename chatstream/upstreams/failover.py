@@ -33,8 +33,8 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, retry_after_headers
-from ..record import StreamRecord, log_safe
+from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, log_safe, retry_after_headers
+from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
 from . import config

@@ -23,12 +23,12 @@ from ..errors import (
     first_token_expired,
     http_errors,
     internal_error,
+    log_safe,
     parse_retry_after,
     provider_error,
     redact,
     retry_after_headers,
 )
-from ..record import log_safe
 
 if TYPE_CHECKING:
     from azure.core.exceptions import ClientAuthenticationError

@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from chatstream.apis.usage import admission_request, request_usage
 from chatstream.pipeline import CallRequest
-from chatstream.record import StreamRecord
+from chatstream.record import Segment, StreamRecord
 from chatstream.settings import Settings
 from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.instances import InstanceTiming
+from chatstream.state.port import AdmissionRequest
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
@@ -70,10 +72,28 @@ def record(model: str = MODEL) -> StreamRecord:
     return StreamRecord(endpoint="openai", model=model)
 
 
+def asked(request: CallRequest, rec: StreamRecord) -> AdmissionRequest:
+    """What the endpoint asks the state for ``request`` (the app's default output cap, 4096)."""
+    return admission_request(request, rec, 4096)
+
+
 async def admit(accounting: Accounting, caller, text: str = "hello", model: str = MODEL, **params: Any):
     """(answer, record) for one request of ``caller``."""
     rec = record(model)
-    return await accounting.admit(caller, call(text, model, **params), rec), rec
+    return await accounting.admit(caller, asked(call(text, model, **params), rec)), rec
+
+
+def charge(
+    accounting: Accounting,
+    admission: Admission,
+    rec: StreamRecord,
+    generated: Mapping[int, list[str]] | None = None,
+    segments: list[Segment] | None = None,
+) -> None:
+    """The request is over: its cost for its log line, and its charge, as the endpoint asks them."""
+    used = request_usage(admission.model, admission.prompt_tokens, rec, generated, segments)
+    rec.cost = accounting.cost_of(admission, used)
+    accounting.charge(admission, used)
 
 
 def finish(
@@ -92,7 +112,7 @@ def finish(
     rec.usage = dict(usage) if usage is not None else None
     for name, value in facts.items():
         setattr(rec, name, value)
-    accounting.charge(admission, rec, generated)
+    charge(accounting, admission, rec, generated)
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

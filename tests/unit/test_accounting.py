@@ -11,12 +11,13 @@ import asyncio
 import pytest
 
 from chatstream import tokens
-from chatstream.state.accounting import Admission, Unknown, usage_of
-from chatstream.state.port import ModelRefused, Refused, Unavailable
+from chatstream.apis.usage import request_usage, usage_of
+from chatstream.state.accounting import Admission, Unknown
+from chatstream.state.port import ModelRefused, Refused, Unavailable, Used
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
-from .state_helpers import MODEL, account, admit, call, counter, finish, instance, record, until, usage
+from .state_helpers import MODEL, account, admit, asked, call, charge, counter, finish, instance, record, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -32,7 +33,7 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
     state, acc = instance(data, "a")
     caller, _ = await state.registry.create({"name": "c", "tokens_per_minute": 50_000, "requests_per_minute": 10})
     request = call("hello there", n=2)
-    admitted = await acc.admit(caller, request, record())
+    admitted = await acc.admit(caller, asked(request, record()))
     assert isinstance(admitted, Admission)
     assert request.params["max_completion_tokens"] == 4096  # the default cap, sent to the upstream
     prompt = tokens.count_prompt(MODEL, request.params)
@@ -40,7 +41,7 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
     assert [w.need for w in admitted.wants] == [1, prompt + 2 * 4096]
     assert admitted.rates["tokens"].limit == 50_000 and admitted.rates["requests"].limit == 10
     assert admitted.rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
-    capped = await acc.admit(caller, call("hi", max_tokens=7), record())
+    capped = await acc.admit(caller, asked(call("hi", max_tokens=7), record()))
     assert isinstance(capped, Admission) and capped.wants[1].need == capped.prompt_tokens + 7
     assert "max_completion_tokens" not in call("hi", max_tokens=7).params
     await state.close()
@@ -240,7 +241,7 @@ async def test_segments_are_one_row_each():
             "west", usage={"prompt_tokens": 15, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}
         ),
     ]
-    acc.charge(admitted, rec, None, segments)
+    charge(acc, admitted, rec, None, segments)
     assert await acc.flush(5)
     found = sorted(ledger_rows(data), key=lambda r: r["segment"])
     assert [(r["segment"], r["upstream"], r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
@@ -268,7 +269,7 @@ async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
     failed = Segment("b", prompt_tokens=87)
     failed.parts.append("Once upon")
     last = Segment("a", usage={"prompt_tokens": 95, "completion_tokens": 20}, prompt_tokens=90)
-    acc.charge(admitted, rec, None, [first, failed, last])
+    charge(acc, admitted, rec, None, [first, failed, last])
     assert await acc.flush(5)
     found = sorted(ledger_rows(data), key=lambda r: r["segment"])
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
@@ -337,9 +338,12 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     assert counter(data, caller.limits_partition, "tokens")["taken"] == reserved  # held until seen
     # The price raised x10 while it runs: it is charged at the price it was admitted (and reserved) at.
     await a.registry.set_price(MODEL, {"input": 10, "output": 40})
-    body = {"status": "completed", "model": MODEL, "usage": {"input_tokens": 40, "output_tokens": 60}}
+    seen = Used(40, 0, 60)
     await asyncio.gather(
-        *(acc.charge_seen(caller, "response", "resp_bg", body, record()) for acc in (acc_a, acc_b, acc_a, acc_b))
+        *(
+            acc.charge_seen(caller, "response", "resp_bg", MODEL, seen, "responses")
+            for acc in (acc_a, acc_b, acc_a, acc_b)
+        )
     )
     for acc in (acc_a, acc_b):
         assert await acc.flush(5)
@@ -349,7 +353,7 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     await until(lambda: counter(data, caller.limits_partition, "tokens")["taken"] == 100, what="corrected")
     assert counter(data, caller.limits_partition, "spend")["taken"] == price.cost(40, 0, 60)
     # Seen again later: nothing more.
-    await acc_b.charge_seen(caller, "response", "resp_bg", body, record())
+    await acc_b.charge_seen(caller, "response", "resp_bg", MODEL, seen, "responses")
     assert await acc_b.flush(5)
     assert len(ledger_rows(data)) == 1
     # Its size is kept: continuing it reserves it.
@@ -372,9 +376,8 @@ async def test_a_response_its_request_charged_is_not_charged_again_when_read_bac
     await acc_a.claim("response", "resp_1", admitted, background=background)
     finish(acc_a, admitted, rec, usage(40, 60))
     assert await acc_a.flush(5)
-    body = {"status": "completed", "model": MODEL, "usage": {"input_tokens": 40, "output_tokens": 60}}
     for acc in (acc_b, acc_a):
-        await acc.charge_seen(caller, "response", "resp_1", body, record())
+        await acc.charge_seen(caller, "response", "resp_1", MODEL, Used(40, 0, 60), "responses")
         assert await acc.flush(5)
     [row] = ledger_rows(data)
     assert (row["prompt_tokens"], row["completion_tokens"], row["request_id"]) == (40, 60, rec.id)
@@ -434,12 +437,16 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
         Segment("ptu", usage={"prompt_tokens": 10, "completion_tokens": 5}, model="gpt-ptu-deployment"),
         Segment("vllm", usage={"prompt_tokens": 20, "completion_tokens": 10}, model="llama"),
     ]
-    acc.charge(admitted, rec, None, segments)
+    charge(acc, admitted, rec, None, segments)
     assert await acc.flush(5)
     found = sorted(ledger_rows(data), key=lambda r: r["segment"])
     assert [(r["model"], r["cost"]) for r in found] == [
         (MODEL, (10 * 1 + 5 * 2) * 10**6),
         ("llama", 20 * 100_000 + 10 * 200_000),
     ]
-    assert rec.cost == sum(r["cost"] for r in found) == counter(data, caller.limits_partition, "spend")["taken"]
+    assert sum(r["cost"] for r in found) == counter(data, caller.limits_partition, "spend")["taken"]
+    # The log line's cost: at the served name's price once this instance keeps it (read by the charge).
+    assert acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments)) == sum(
+        r["cost"] for r in found
+    )
     await state.close()

@@ -44,3 +44,23 @@ def test_no_module_of_chatstream_imports_itself_in_a_circle():
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         raise AssertionError(f"an import circle: {' -> '.join(exc.args[1])}") from None
+
+
+# What chatstream/state/ may use outside itself: the app's errors, the tokenizer, the settings and
+# the SSE framing its stream log shares with the API encoders. Never the request path's objects
+# (pipeline.py's CallRequest, record.py's StreamRecord), the API adapters, HTTP or the endpoint: the
+# API layer hands the state domain values (state/port.py), issue 45.
+STATE_MAY_USE = frozenset({"chatstream.errors", "chatstream.tokens", "chatstream.settings", "chatstream.sse"})
+
+
+def test_the_state_imports_nothing_of_the_request_path():
+    modules = _modules()
+    outside = {
+        f"{name} -> {used}"
+        for name, path in modules.items()
+        if name.startswith("chatstream.state.") or name == "chatstream.state"
+        for used in _imports(name, path, modules)
+        if not used.startswith("chatstream.state") and used not in STATE_MAY_USE
+    }
+    assert "chatstream.state.accounting" in modules  # the walk finds the state's modules
+    assert not outside, f"the state imports the request path: {sorted(outside)}"

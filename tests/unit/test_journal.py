@@ -27,7 +27,7 @@ from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
-from .state_helpers import MODEL, account, admit, call, counter, finish, instance, kill, record, until, usage
+from .state_helpers import MODEL, account, admit, asked, call, counter, finish, instance, kill, record, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -258,7 +258,7 @@ async def charged_by_its_taker(b: SharedState, caller: Caller, request_id: str, 
     assert acc_b is not None
     taken = record()
     taken.id = taken.request_id = request_id
-    going_on = await acc_b.admit(caller, call("three"), taken)
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
     assert isinstance(going_on, Admission)
     await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
     going_on.reservation.release()
@@ -317,7 +317,7 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     assert isinstance(first, Admission)
     taken = record()
     taken.id = taken.request_id = rec.id  # the taker charges under the stream's request id
-    going_on = await acc_b.admit(caller, call("a story"), taken)
+    going_on = await acc_b.admit(caller, asked(call("a story"), taken))
     assert isinstance(going_on, Admission)
     await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
     rec.hung_up()

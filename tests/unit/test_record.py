@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from chatstream.record import StreamRecord, StreamResult, log_safe
+from chatstream.errors import log_safe
+from chatstream.record import StreamRecord, StreamResult
 
 # Characters that start a new line for some log reader, or hide part of a line.
 UNSAFE = [
@@ -135,7 +136,7 @@ def test_result_text_without_choice_zero():
 def test_log_safe_escapes_raw_newlines_in_caller_text_that_is_not_json():
     """Some log lines carry a caller-chosen name as is (the pool's cooldown line names the model):
     a newline there must not start a forged line (review finding)."""
-    from chatstream.record import log_safe
+    from chatstream.errors import log_safe
 
     assert (
         log_safe("gpt\n2025-01-01 INFO chatstream: forged\r\x00")
