@@ -107,8 +107,8 @@ def _pair(cell: str) -> dict | None:
 
 def summary_from_benchmarks(text: str) -> dict:
     """The figures scaling needs, read back from the section `make bench` writes in
-    docs/benchmarks.md (tools/bench/report.py): run date and commit, the CPU split per request and
-    per delta, and the peak memory of each path at each concurrency."""
+    docs/benchmarks.md (tools/bench/report.py, ``scaling_inputs``): run date and commit, the CPU split
+    per request and per delta, and the peak memory of each path at each concurrency."""
     if BENCH_START not in text or BENCH_END not in text:
         raise SystemExit("docs/benchmarks.md has no generated side-by-side section (run `make bench`)")
     section = text[text.index(BENCH_START) : text.index(BENCH_END)]
@@ -120,25 +120,27 @@ def summary_from_benchmarks(text: str) -> dict:
         raise SystemExit("docs/benchmarks.md: no run date and app commit in the side-by-side section")
     summary: dict = {"meta": {"date": meta.group(1), "commit": meta.group(2)}, "rows": {}, "cpu_split": {}}
     heading = re.search(r"^### CPU per request and per delta \((\d+) concurrent streams\)$", section, re.M)
-    table = None
+    table, levels = None, []
     for line in section.splitlines():
         if line.startswith("### "):
             table = (
                 "split"
                 if heading and line == heading.group(0)
-                else "concurrency"
-                if line == "### Concurrency"
+                else "memory"
+                if line.startswith("### Peak memory")
                 else None
             )
             continue
         if not line.startswith("| ") or line.startswith("|---"):
             continue
         cells = _cells(line)
-        if table == "concurrency" and cells[0].replace(",", "").isdigit() and cells[1] in path_of:
-            rss = re.fullmatch(r"(\d+) MB", cells[9])
-            if rss:  # the direct path's figure is the upstream's, in brackets: not a path of ours
-                level = int(cells[0].replace(",", ""))
-                summary["rows"].setdefault(level, {})[path_of[cells[1]]] = {"peak_rss_mb": float(rss.group(1))}
+        if table == "memory" and cells[0] == "path":  # | path | 1 streams | 10 streams | ... |
+            levels = [int(c.split()[0].replace(",", "")) for c in cells[1:]]
+        elif table == "memory" and cells[0] in path_of:
+            for level, cell in zip(levels, cells[1:]):
+                rss = re.fullmatch(r"(\d+) MB", cell)
+                if rss:
+                    summary["rows"].setdefault(level, {})[path_of[cells[0]]] = {"peak_rss_mb": float(rss.group(1))}
         elif table == "split" and cells[0] in path_of:
             groups = {g: _pair(c) for g, c in zip(("host", "worker", "server"), cells[1:4])}
             entry = {"level": int(heading.group(1)), **{g: v for g, v in groups.items() if v}}
