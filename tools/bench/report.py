@@ -928,7 +928,7 @@ def markdown(s: dict, img: str = "benchmarks.png", img2: str = "benchmarks-concu
     return "\n".join(L)
 
 
-SCALING_PATHS = ("floor", "app", "app2", "litellm")  # what tools/bench/scaling.py reads back
+SCALING_PATHS = ("floor", "app", "litellm")  # what tools/bench/scaling.py reads back
 
 
 def scaling_inputs(s: dict) -> list[str]:

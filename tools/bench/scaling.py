@@ -149,8 +149,8 @@ def summary_from_benchmarks(text: str) -> dict:
 
 
 def figures(summary: dict) -> dict:
-    """The measured inputs: CPU per request / per delta (ms) of the one-worker app (and of the
-    two-worker run, for plans that honour FUNCTIONS_WORKER_PROCESS_COUNT), memory, LiteLLM's CPU."""
+    """The measured inputs: CPU per request / per delta (ms) of the one-worker app (as Flex runs it)
+    and of the floor, the app's memory, LiteLLM's CPU."""
     split = summary.get("cpu_split") or {}
     rows = {int(k): v for k, v in summary["rows"].items()}
     out: dict = {"split_level": None}
@@ -159,9 +159,6 @@ def figures(summary: dict) -> dict:
         out["split_level"] = app["level"]
         out["worker"] = app["worker"]
         out["host"] = app.get("host")
-    app2 = split.get("app2") or {}
-    if "worker" in app2 and "host" in app2:
-        out["worker2"], out["host2"] = app2["worker"], app2["host"]
     ll = split.get("litellm") or {}
     if "server" in ll:
         out["litellm"] = ll["server"]
@@ -169,13 +166,12 @@ def figures(summary: dict) -> dict:
     if "worker" in floor and "host" in floor:  # the bare relay of the same run (docs/benchmarks.md, "The floor")
         out["floor_worker"], out["floor_host"] = floor["worker"], floor["host"]
     levels = sorted(rows)
-    for path in ("app", "app2"):
-        pts = [(lv, rows[lv][path]["peak_rss_mb"]) for lv in levels if path in rows[lv]]
-        if len(pts) >= 2:
-            (l0, m0), (l1, m1) = pts[0], pts[-1]
-            out[f"{path}_rss_idle_mb"] = m0
-            out[f"{path}_mb_per_stream"] = max(0.0, (m1 - m0) / (l1 - l0))
-            out[f"{path}_big_level"] = l1
+    pts = [(lv, rows[lv]["app"]["peak_rss_mb"]) for lv in levels if "app" in rows[lv]]
+    if len(pts) >= 2:
+        (l0, m0), (l1, m1) = pts[0], pts[-1]
+        out["app_rss_idle_mb"] = m0
+        out["app_mb_per_stream"] = max(0.0, (m1 - m0) / (l1 - l0))
+        out["app_big_level"] = l1
     return out
 
 
@@ -288,24 +284,6 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
             f"({per_stream_cpu_ms(with_host, deltas):.0f}) ms, and a {default_mem:,} MB instance would hold "
             f"{fcap['cpu']} typical streams instead of {per_instance}: what no function on this runtime gets past."
         )
-    if "worker2" in f:
-        two = instance_capacity(
-            f["worker2"],
-            {k: f["worker2"][k] + f["host2"][k] for k in with_host},
-            STREAMS["typical"][0],
-            STREAMS["typical"][1],
-            2.0,
-            2,
-            a,
-        )
-        L.append("")
-        L.append(
-            f"On plans that honour `FUNCTIONS_WORKER_PROCESS_COUNT` (Elastic Premium, Dedicated), one worker "
-            f"per vCPU: a 2-vCPU instance with 2 workers holds {two['cpu']} typical streams by CPU, from the "
-            f"same run's two-worker figures (worker {f['worker2']['per_request_ms']:.2f} ms + "
-            f"{f['worker2']['per_delta_ms']:.3f} ms, host {f['host2']['per_request_ms']:.2f} ms + "
-            f"{f['host2']['per_delta_ms']:.3f} ms). Not the Flex Consumption template's case."
-        )
     L.append("")
 
     # Instances and cost, typical streams.
@@ -318,8 +296,8 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
         f"process each) sized the same way from LiteLLM's measured CPU. Prices: "
         f"${prices['flex_gb_s']:.6f} per GB-s and ${prices['flex_per_million_executions']:.2f} per million "
         f"executions (Flex Consumption); ${prices['aca_vcpu_s']:.6f} per vCPU-s, ${prices['aca_gib_s']:.6f} "
-        f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); free "
-        f"grants left out; sources and caveats below."
+        f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); "
+        f"sources below."
     )
     L.append("")
     L.append("| load | this app: instances | this app: $ per hour | LiteLLM: containers | LiteLLM: $ per hour |")
