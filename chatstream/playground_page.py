@@ -1,6 +1,16 @@
 """The browser playground: GET /api/playground serves one page (the files in chatstream/playground/)
 that talks to this app's own OpenAI-compatible API with relative URLs. Here: whether it is served at
-all, which files exist, and the headers they go out with. docs/playground.md."""
+all (decided once at start-up), which files exist (read once; ``FILES`` is a fixed table, so any
+other name is a 404 without touching the file system, and ``/api/playground/`` redirects with a 308),
+and the headers they go out with (``HEADERS``). docs/playground.md.
+
+The page (playground.js) reads the stream with ``fetch()`` and an ``AbortController``, a
+``TextDecoder`` with ``{stream: true}`` (a UTF-8 character split across reads is completed by the
+next) and a small SSE parser (``SseParser``: CRLF, CR or LF line ends, also split across reads;
+comments skipped; ``data:`` lines joined; an unterminated last event dropped; each event counted by
+its own ``id:`` line). Only choice 0's ``delta.content`` is shown, and only as DOM text nodes: the
+script has no ``innerHTML`` or other HTML sink (a test checks its source), and the CSP forbids
+inline handlers anyway."""
 
 from __future__ import annotations
 

@@ -51,12 +51,11 @@ class Settings(BaseModel):
     openai_base_url: str | None = Field(None, alias="OPENAI_BASE_URL")
     openai_model: str = Field("gpt-4o-mini", alias="OPENAI_MODEL", min_length=1)
     # ...or Azure OpenAI (chosen when AZURE_OPENAI_ENDPOINT is set): with AZURE_OPENAI_API_KEY if
-    # set, otherwise Entra ID through azure-identity's DefaultAzureCredential. The API version is the
-    # newest dated one, and the oldest that serves the GPT-5 family (reasoning models,
-    # max_completion_tokens); the GA 2024-10-21 does not. infra/main.bicep deploys the same.
+    # set, otherwise Entra ID through azure-identity's DefaultAzureCredential. Unset API version: Azure's
+    # GA v1 API (/openai/v1, no api-version; infra/main.bicep deploys the same); set: that dated one.
     azure_openai_endpoint: str | None = Field(None, alias="AZURE_OPENAI_ENDPOINT")
     azure_openai_deployment: str | None = Field(None, alias="AZURE_OPENAI_DEPLOYMENT", min_length=1)
-    azure_openai_api_version: str = Field("2025-04-01-preview", alias="AZURE_OPENAI_API_VERSION", min_length=1)
+    azure_openai_api_version: str | None = Field(None, alias="AZURE_OPENAI_API_VERSION", min_length=1)
     azure_openai_api_key: SecretStr | None = Field(None, alias="AZURE_OPENAI_API_KEY")
     # Several upstreams (docs/pool.md): a JSON list; when set it wins over the settings above.
     upstreams: str | None = Field(None, alias="UPSTREAMS")

@@ -7,7 +7,10 @@ The app calls this module in three places::
     telemetry.finish(record)       # when its stream is over (Endpoint._finish)
 
 ``record`` is the request's ``record.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
-ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. Spans and
+ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. The span
+is not made current (the stream outlives the code that starts it, and the relay runs in other
+tasks); it takes the current context as parent, so when the worker has attached the host's trace
+context the span belongs to the invocation's operation. Spans and
 metrics go to the global OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with
 no SDK configured those are no-ops, so the calls cost next to nothing.
 

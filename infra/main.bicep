@@ -67,12 +67,10 @@ param deploymentCapacity int = 250
 @description('Region of the Azure OpenAI account, when the model is not offered in the app region. Empty: same as location.')
 param openAiLocation string = ''
 
-// The GPT-5 family on the dated chat-completions API needs 2025-04-01-preview, the newest dated version
-// (max_completion_tokens, reasoning models); the GA 2024-10-21 predates it. The app's own default is the
-// same (chatstream/settings.py; tests/test_infra.py checks). The GA v1 API (no api-version) would need
-// the app's Azure client to call /openai/v1: not done yet.
-@description('AZURE_OPENAI_API_VERSION for the app (azureOpenAI mode).')
-param azureOpenAiApiVersion string = '2025-04-01-preview'
+// Empty: Azure OpenAI's GA v1 API (/openai/v1, no api-version), as the app's own default
+// (chatstream/settings.py; tests/test_infra.py checks). A dated version (2024-10-21) selects that API.
+@description('AZURE_OPENAI_API_VERSION for the app (azureOpenAI mode). Empty: the GA v1 API.')
+param azureOpenAiApiVersion string = ''
 
 @secure()
 @description('OpenAI API key (openAI mode). Stored as a Key Vault secret; the app setting only references it.')

@@ -22,7 +22,7 @@ Tests are in `tests/test_hardening_two.py` unless named otherwise; `test_follow_
 | 7 | `Retry-After` passed through unchecked (`-5`, `nan`, `inf`, `1e308`, `99999999999`, `garbage`, `é`, past dates); `0`/negative/past cooled an entry 1 s where docs/pool.md said ignored | a caller gets whole seconds 1–3600 or no header, and `retry-after-ms` only where the upstream sent one; values ≤ 0, past dates and garbage are ignored for cooldowns (the 10 s default) | `test_a_caller_only_ever_gets_a_valid_retry_after` (13 values), `test_retry_after_ms_is_passed_on_where_the_upstream_gave_one`, `test_a_zero_negative_or_past_retry_after_is_ignored_and_the_entry_cools_down_ten_seconds` |
 | 8 | a client ignoring `x-should-retry` multiplied the retries: one Vercel AI SDK `generateText` made 3 × 3 upstream calls | the single upstream honours its own 429's `Retry-After` (429 with the seconds left, no upstream call): one AI SDK 4.x call (its own 2 s/4 s backoff) against `Retry-After: 8` and `UPSTREAM_MAX_RETRIES=1` makes 2 upstream calls (6 before) | `test_one_ai_sdk_call_costs_at_most_one_plus_the_apps_retries` (the real SDK, `tests/clients/aisdk/`) |
 | 9 | no `x-request-id` | every answer has one (the upstream's, on its errors too, else the app's), as the log line's `request_id` and the span's `chat.request_id` | `test_every_answer_carries_x_request_id_and_the_log_line_has_it`; `test_telemetry.py::test_the_span_has_the_request_id_the_caller_got` (in-process: checked by reading the old code, which had no request id) |
-| 10 | an upstream quoting its `Authorization` header in a 400/404/429 message sent the key to the caller, in 25 endpoint/follow-up combinations | every configured key and Entra ID token is replaced by `[redacted]` in any upstream text passed on, and in every log line and traceback of the app's logger | `test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log[openai,azure]` (30 calls each: 25 leaked before); `tests/unit/test_record.py::test_no_upstream_key_in_a_log_line_message_or_traceback`, `::test_every_entra_id_token_is_registered_as_a_secret` |
+| 10 | an upstream quoting its `Authorization` header in a 400/404/429 message sent the key to the caller, in 25 endpoint/follow-up combinations | every configured key and Entra ID token is replaced by `[redacted]` in any upstream text passed on, and in every log line and traceback of the app's logger | `test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log[openai,azure,azure-dated]` (30 calls each: 25 leaked before); `tests/unit/test_record.py::test_no_upstream_key_in_a_log_line_message_or_traceback`, `::test_every_entra_id_token_is_registered_as_a_secret` |
 | 11 | follow-ups stripped only a lowercase `code`: `?Code=…` reached the upstream | only the query parameters OpenAI defines per call are passed on | `test_follow_ups.py::test_only_the_query_parameters_openai_defines_reach_the_upstream` |
 | 12 | `OPENAI_BASE_URL` with `?api-key=` showed the key on `/api/_pool`; with `user:pass@` the app started and answered 500s | checked at start-up like an `UPSTREAMS` entry (also `AZURE_OPENAI_ENDPOINT`): no user, password, query or fragment; the message names the setting, never the value | `test_a_base_url_with_credentials_stops_the_app_naming_the_setting_never_the_value` (5 values) |
 | 13 | docs/openai.md did not say who can read, cancel or delete a stored response | it does ("Who can read, cancel or delete a stored response"): anyone with the function key, for any id, without callers; only the creating caller with `CALLER_KEYS=required` | `test_docs.py::test_openai_md_says_who_can_read_cancel_or_delete_a_stored_response` (the old docs have no such section); the behaviour: `test_follow_ups.py::test_without_callers_the_function_key_reaches_any_stored_response`, `test_callers.py::test_a_response_belongs_to_the_caller_that_created_it` |
@@ -401,14 +401,16 @@ def leaky_calls(base: str, scenario: str, n: int) -> list[tuple[str, httpx.Respo
     return out
 
 
-@pytest.mark.parametrize("kind", ["openai", "azure"])
+@pytest.mark.parametrize("kind", ["openai", "azure", "azure-dated"])
 def test_an_upstream_quoting_its_key_never_shows_it_to_a_caller_or_in_a_log(upstream, kind):
-    settings = {
-        "azure": {
-            "AZURE_OPENAI_ENDPOINT": upstream.url,
-            "AZURE_OPENAI_DEPLOYMENT": "gpt-test",
-            "AZURE_OPENAI_API_KEY": TEST_KEY,
-        },
+    azure = {
+        "AZURE_OPENAI_ENDPOINT": upstream.url,
+        "AZURE_OPENAI_DEPLOYMENT": "gpt-test",
+        "AZURE_OPENAI_API_KEY": TEST_KEY,
+    }
+    settings = {  # Azure's v1 API sends the key as the bearer, a dated version in api-key
+        "azure": azure,
+        "azure-dated": {**azure, "AZURE_OPENAI_API_VERSION": "2024-10-21"},
         "openai": {},
     }[kind]
     app = App(app_env(upstream, **settings))

@@ -617,7 +617,6 @@ def check_azure_openai_keyless(infra: Infra) -> None:
     settings = infra.app_settings("azureOpenAI")
     assert settings.get("AZURE_OPENAI_ENDPOINT") == "openAi.properties.endpoint", settings
     assert settings.get("AZURE_OPENAI_DEPLOYMENT") == infra.main_defaults()["modelName"], settings
-    assert settings.get("AZURE_OPENAI_API_VERSION") == infra.main_defaults()["azureOpenAiApiVersion"], settings
     assert settings.get("AZURE_CLIENT_ID") == "identity.properties.clientId", (
         "AZURE_CLIENT_ID makes DefaultAzureCredential use the user-assigned identity"
     )
@@ -676,22 +675,23 @@ def check_key_vault_secret_kept(infra: Infra) -> None:
 
 
 def check_api_version(infra: Infra) -> None:
-    """One Azure OpenAI api-version in the app's default and the template's: the newest dated one (the
-    oldest that serves the GPT-5 family). A preview, and deploy.md says so, with the GA path."""
+    """Azure OpenAI's GA v1 API by default, in the template as in the app: no api-version (empty in
+    the template and azd, unset in the app), which the app calls as /openai/v1. deploy.md says so."""
     from chatstream.settings import Settings
-    from chatstream.upstreams.config import DEFAULT_API_VERSION
+    from chatstream.upstreams.config import single_entry
 
     version = infra.main_defaults()["azureOpenAiApiVersion"]
-    app_default = Settings.model_fields["azure_openai_api_version"].default
-    assert version == app_default == DEFAULT_API_VERSION, (version, app_default, DEFAULT_API_VERSION)
-    assert _azd_value(infra, "azureOpenAiApiVersion") == "${AZURE_OPENAI_API_VERSION=" + version + "}"
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}(-preview)?", version), version
+    assert version == "", f"azureOpenAiApiVersion defaults to {version!r}: the GA v1 API needs none"
+    assert Settings.model_fields["azure_openai_api_version"].default is None
+    assert Settings.from_env({"AZURE_OPENAI_API_VERSION": version}).azure_openai_api_version is None
+    entry = single_entry("azure", endpoint="https://x.openai.azure.com", api_version=None)
+    assert entry is not None and not entry.dated, "no api-version must mean the v1 API"
+    assert _azd_value(infra, "azureOpenAiApiVersion") == "${AZURE_OPENAI_API_VERSION}"
+    assert infra.app_settings("azureOpenAI").get("AZURE_OPENAI_API_VERSION") == version
     row = next(
         r for r in _table(infra.files["docs/deploy.md"].decode(), "azd value") if "API_VERSION" in r["azd value"]
     )
-    assert row["default"] == f"`{version}`", row
-    if version.endswith("-preview"):
-        assert "It is a preview" in row["meaning"] and "v1" in row["meaning"], row["meaning"]
+    assert "GA v1 API" in row["default"] and "preview" not in row["meaning"], row
 
 
 def check_openai_key_required(infra: Infra) -> None:
@@ -1673,15 +1673,22 @@ BREAKAGES = [
     (
         "two api-versions",
         M,
+        "param azureOpenAiApiVersion string = ''",
         "param azureOpenAiApiVersion string = '2025-04-01-preview'",
-        "param azureOpenAiApiVersion string = '2025-03-01-preview'",
         check_api_version,
     ),
     (
-        "deploy.md silent on the preview",
+        "azd's default a dated version",
+        "infra/main.parameters.json",
+        "${AZURE_OPENAI_API_VERSION}",
+        "${AZURE_OPENAI_API_VERSION=2024-10-21}",
+        check_api_version,
+    ),
+    (
+        "deploy.md on a dated default",
         "docs/deploy.md",
-        "It is a preview: ",
-        "",
+        "(empty: the GA v1 API)",
+        "`2024-10-21`",
         check_api_version,
     ),
     ("Elastic Premium plan", R, "name: 'FC1'", "name: 'EP1'", check_flex_consumption_python),

@@ -5,7 +5,17 @@ with which headers, and that the route needs no function key. In a browser: Debi
 Chromium, driven through Playwright's sync API (no browser download), against the app on the local
 host and the scripted upstream, finding every control by its accessible name as a screen reader
 would. Each browser test also checks that the page asked no other origin for anything and logged no
-console errors."""
+console errors.
+
+Covered: the serving table, a bad setting, the infra setting, the headers and files, unknown names
+(``../``, NUL, other case), the routes' auth levels, the answer growing delta by delta and ending
+exact, Stop closing the upstream within a second, the conversation and New chat, errors, markup
+shown as text, the key field, the parser at every split, and, on Azurite, a reload mid-answer, a
+connection cut by a proxy once and three times, going offline, Stop as a cancel, an early replay and
+a ``stream_store_unavailable`` event, and caller keys on the resume and cancel. ``make chromium``
+installs the browser (never ``playwright install``). The screenshot of docs/playground.md:
+``PLAYGROUND_SCREENSHOT=1 .venv/bin/python -m pytest tests/test_playground.py -k grows`` (install
+``fonts-noto-color-emoji fonts-noto-cjk`` first for emoji and CJK)."""
 
 from __future__ import annotations
 

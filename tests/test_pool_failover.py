@@ -318,8 +318,8 @@ def test_models_go_to_the_entries_that_serve_them(ups, start_app):
         assert result.status == 200 and result.text == NORMAL, model
         sent = where.requests(last=1)[-1]
         assert sent["json"]["model"] == ("deploy-c" if where is c else model)
-    assert c.requests(last=1)[-1]["path"] == "/openai/deployments/deploy-c/chat/completions"
-    assert c.requests(last=1)[-1]["headers"]["api-key"] == "azure-key-c"
+    assert c.requests(last=1)[-1]["path"] == "/openai/v1/chat/completions"  # Azure's v1 API
+    assert c.requests(last=1)[-1]["headers"]["authorization"] == "Bearer azure-key-c"
     assert [n - m for n, m in zip(counts(a, b, c), before)] == [1, 1, 1]
 
     result = chat(app.chat_url, {**HI, "model": "model-z"})
@@ -669,7 +669,7 @@ def test_keyless_azure_entries_share_one_entra_credential(ups):
 
     asyncio.run(run())
     east, west = a.requests(last=1)[-1], b.requests(last=1)[-1]
-    assert east["path"] == "/openai/deployments/dep-east/chat/completions"
+    assert (east["path"], east["query"], east["json"]["model"]) == ("/openai/v1/chat/completions", {}, "dep-east")
     assert west["path"] == "/openai/deployments/gpt-test/chat/completions"
     assert west["query"] == {"api-version": "2025-01-01-preview"}
     assert east["headers"]["authorization"] == west["headers"]["authorization"] == "Bearer token-1"

@@ -431,9 +431,14 @@ def test_system_prompt_prompt_limit_and_allowed_models(guarded, upstream):
 # ---------------------------------------------------------------------------------------- Azure
 
 
-def test_azure_goes_through_the_v1_responses_path(start_app, upstream):
+@pytest.mark.parametrize("version", ["", "2024-10-21"])
+def test_azure_goes_through_the_v1_responses_path(start_app, upstream, version):
+    """On Azure's v1 API (the default) and on a dated one alike: the dated API has no Responses."""
     server = start_app(
-        AZURE_OPENAI_ENDPOINT=upstream.url, AZURE_OPENAI_DEPLOYMENT="gpt-test", AZURE_OPENAI_API_KEY="azure-test-key"
+        AZURE_OPENAI_ENDPOINT=upstream.url,
+        AZURE_OPENAI_DEPLOYMENT="gpt-test",
+        AZURE_OPENAI_API_KEY="azure-test-key",
+        AZURE_OPENAI_API_VERSION=version,
     )
     with sdk_for(server) as client:
         events = list(client.responses.create(input=ask("normal"), stream=True))
@@ -441,7 +446,10 @@ def test_azure_goes_through_the_v1_responses_path(start_app, upstream):
         sent = upstream.requests(last=1)[0]
         assert sent["path"] == "/openai/v1/responses"
         assert "api-version" not in sent["query"], "Azure's v1 API takes no api-version"
-        assert sent["headers"]["api-key"] == "azure-test-key"
+        if version:  # the SDK's Azure client
+            assert sent["headers"]["api-key"] == "azure-test-key"
+        else:
+            assert sent["headers"]["authorization"] == "Bearer azure-test-key"
         assert sent["json"]["model"] == "gpt-test", "the deployment name is the model"
         response_id = events[-1].response.id
         assert client.responses.retrieve(response_id).output_text == RESPONSES_TEXTS["normal"]

@@ -18,15 +18,13 @@ from chatstream.upstreams.config import entries
 from tools.fakeupstream.scenarios import TEXTS
 
 
-def test_azure_openai_with_a_key(upstream):
-    app = App(
-        {
-            "AZURE_OPENAI_ENDPOINT": upstream.url,
-            "AZURE_OPENAI_DEPLOYMENT": "normal",
-            "AZURE_OPENAI_API_KEY": "azure-key-123",
-            "AZURE_OPENAI_API_VERSION": "2024-10-21",
-        }
-    )
+@pytest.mark.parametrize("version", [None, "2024-10-21"])
+def test_azure_openai_with_a_key(upstream, version):
+    """Without AZURE_OPENAI_API_VERSION, Azure's GA v1 API (OpenAI's path under /openai/v1, the
+    deployment as the model, the key as the bearer, no api-version); with one, the dated API (the
+    deployment in the path, the api-version, the key in api-key)."""
+    env = {"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal", "AZURE_OPENAI_API_KEY": "az-k1"}
+    app = App({**env, "AZURE_OPENAI_API_VERSION": version} if version else env)
     try:
         result = chat(app.chat_url, {"prompt": "hi"})
     finally:
@@ -34,10 +32,18 @@ def test_azure_openai_with_a_key(upstream):
     assert result.status == 200
     assert result.text == TEXTS["normal"]
     sent = upstream.requests(last=1)[-1]
-    assert sent["path"] == "/openai/deployments/normal/chat/completions"
-    assert sent["query"] == {"api-version": "2024-10-21"}
-    assert sent["headers"]["api-key"] == "azure-key-123"
-    assert "authorization" not in sent["headers"]
+    assert sent["json"]["model"] == "normal"
+    if version is None:
+        assert (sent["path"], sent["query"]) == ("/openai/v1/chat/completions", {})
+        assert sent["headers"]["authorization"] == "Bearer az-k1"
+        assert "api-key" not in sent["headers"]
+    else:
+        assert (sent["path"], sent["query"]) == (
+            "/openai/deployments/normal/chat/completions",
+            {"api-version": version},
+        )
+        assert sent["headers"]["api-key"] == "az-k1"
+        assert "authorization" not in sent["headers"]
 
 
 class TokenCredential:
@@ -55,8 +61,14 @@ class TokenCredential:
         pass
 
 
-async def _two_requests(upstream, credential) -> list[str]:
-    settings = Settings.from_env({"AZURE_OPENAI_ENDPOINT": upstream.url, "AZURE_OPENAI_DEPLOYMENT": "normal"})
+async def _two_requests(upstream, credential, version: str = "") -> list[str]:
+    settings = Settings.from_env(
+        {
+            "AZURE_OPENAI_ENDPOINT": upstream.url,
+            "AZURE_OPENAI_DEPLOYMENT": "normal",
+            "AZURE_OPENAI_API_VERSION": version,
+        }
+    )
     (entry,) = entries(settings, {})
     client = make_client(entry, settings, settings.upstream_max_retries, entra_token_provider(credential))
     for _ in range(2):
@@ -74,12 +86,21 @@ async def _two_requests(upstream, credential) -> list[str]:
     return [r["headers"].get("authorization") for r in upstream.requests(last=2)]
 
 
-def test_entra_token_is_sent_and_cached(upstream):
+@pytest.mark.parametrize("version", ["", "2024-10-21"])
+def test_entra_token_is_sent_and_cached(upstream, version):
     credential = TokenCredential(lifetime=3600)
-    seen = asyncio.run(_two_requests(upstream, credential))
+    seen = asyncio.run(_two_requests(upstream, credential, version))
     assert seen == ["Bearer token-1", "Bearer token-1"], "a valid token is reused"
     assert credential.calls == [(ENTRA_SCOPE,)]
-    assert "api-key" not in upstream.requests(last=1)[-1]["headers"]
+    sent = upstream.requests(last=1)[-1]
+    assert "api-key" not in sent["headers"]
+    if version:
+        assert (sent["path"], sent["query"]) == (
+            "/openai/deployments/normal/chat/completions",
+            {"api-version": version},
+        )
+    else:
+        assert (sent["path"], sent["query"]) == ("/openai/v1/chat/completions", {})
 
 
 def test_entra_token_near_expiry_is_refreshed(upstream):

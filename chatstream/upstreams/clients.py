@@ -9,6 +9,10 @@ its public ``http_client`` parameter. Stream chunks are decoded here from the bo
 and raw dicts keep every field the upstream sent (Azure's filter results, new fields) for
 pass-through.
 
+Azure OpenAI is called on its GA v1 API (``{endpoint}/openai/v1``, OpenAI's paths: the plain client,
+the key or Entra ID token as the bearer) unless an entry names a dated ``api_version`` (the SDK's
+Azure client: ``/openai/deployments/{deployment}/...?api-version=``, the key in ``api-key``).
+
 Two private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
 URLs its ``_prepare_url`` builds and the request options its ``post`` builds (``FinalRequestOptions``),
 which it would rebuild for every request (requirements.txt pins the SDK's minor version;
@@ -155,8 +159,9 @@ def make_client(
 ) -> SdkClient:
     """The SDK client for one upstream entry (``UPSTREAMS``, or the single upstream): its URL and key,
     the app's time limits, and ``max_retries`` (0 when the pool has other entries to move to). An
-    Azure entry without a key uses ``token_provider`` (Entra ID); any other entry without a key
-    sends no Authorization header (``NoAuthClient``)."""
+    Azure entry calls the v1 API unless it names a dated ``api_version``, and without a key uses
+    ``token_provider`` (Entra ID); any other entry without a key sends no Authorization header
+    (``NoAuthClient``)."""
     # The relay enforces first-token, idle and total limits itself; the SDK's read timeout is only
     # a backstop for non-streamed calls, so it sits above both.
     read = max(settings.first_token_timeout, settings.idle_timeout) + 5
@@ -167,7 +172,12 @@ def make_client(
     )
     key = entry.api_key.get_secret_value() if entry.api_key is not None else None
     register_secret(key)
-    if entry.kind == "azure":
+    if entry.kind == "azure" and not entry.dated:
+        # Azure's GA v1 API: OpenAI's paths under /openai/v1 (the deployment as the model), no
+        # api-version, the plain client; the key, or an Entra ID token, goes as the bearer token.
+        auth = key if key is not None else token_provider or entra_token_provider()
+        return _AsyncOpenAI(api_key=auth, base_url=entry.url + "/openai/v1", **common)
+    if entry.kind == "azure":  # a dated API version: /openai/deployments/{model}/...?api-version=
         if key is not None:
             return _AsyncAzureOpenAI(azure_endpoint=entry.url, api_version=entry.api_version, api_key=key, **common)
         # No azure_deployment: the SDK puts the request's model in the URL
@@ -373,20 +383,21 @@ def no_responses_api() -> ApiError:
 
 
 class ResponsesClient:
-    """An SDK client as the Responses API calls need it: for Azure OpenAI, the v1 API
-    (``/openai/v1/responses``, no ``api-version``); an upstream 404 on creating a response that is not
-    about the model means the upstream lacks the API (501)."""
+    """An SDK client as the Responses API calls need it: an Azure client on a dated API version
+    (``dated``) calls the v1 API (``/openai/v1/responses``, no ``api-version``), which has it; an
+    upstream 404 on creating a response that is not about the model means the upstream lacks the
+    API (501)."""
 
-    def __init__(self, client: SdkClient, azure: bool):
+    def __init__(self, client: SdkClient, dated: bool):
         self.client = client
-        self.azure = azure
+        self.dated = dated
 
     @property
     def timeout(self) -> float | httpx2.Timeout | None:
         return self.client.timeout
 
     def _args(self, path: str, kwargs: dict) -> tuple[str, dict]:
-        if not self.azure:
+        if not self.dated:
             return path, kwargs
         options = dict(kwargs.get("options") or {})
         options["params"] = {**(options.get("params") or {}), "api-version": openai.omit}

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints,
 from ..settings import Settings
 
 SETTING = "UPSTREAMS"
-DEFAULT_API_VERSION = "2025-04-01-preview"  # as AZURE_OPENAI_API_VERSION's default in settings.py
 SINGLE_NAME = "default"
 # Bounds on the setting: each entry gets an SDK client with its own connection pool, so a long list
 # costs start-up time and memory (1,000 entries took 23 s and 912 MB); no real pool needs more.
@@ -37,7 +36,9 @@ class Entry:
     name: str
     kind: Literal["openai", "azure"]
     url: str  # base_url (openai) or azure_endpoint (azure), without a trailing slash
-    api_version: str | None = None  # azure only
+    # Azure only: a dated API version (/openai/deployments/{deployment}/...?api-version=...); None, the
+    # GA v1 API (/openai/v1/..., OpenAI's paths with the deployment as the model, no api-version).
+    api_version: str | None = None
     api_key: SecretStr | None = field(default=None, repr=False)
     key_setting: str | None = None  # the app setting the key came from (safe to log)
     priority: int = 1
@@ -59,6 +60,11 @@ class Entry:
         if self.api_key is not None:
             return "key"
         return "entra" if self.kind == "azure" else "none"
+
+    @property
+    def dated(self) -> bool:
+        """An Azure entry on a dated API version (not the v1 API)."""
+        return self.kind == "azure" and self.api_version is not None
 
     @property
     def base_url(self) -> str | None:
@@ -265,7 +271,7 @@ def _entry(spec: _EntrySpec, key: SecretStr | None) -> Entry:
         name=spec.name,
         kind="azure" if azure else "openai",
         url=(spec.azure_endpoint or spec.base_url or "").rstrip("/"),  # one of the two: _consistent
-        api_version=(spec.api_version or DEFAULT_API_VERSION) if azure else None,
+        api_version=spec.api_version if azure else None,
         api_key=key,
         key_setting=spec.api_key_setting,
         priority=spec.priority,
@@ -351,7 +357,7 @@ def single_entry(
             name=SINGLE_NAME,
             kind="azure",
             url=endpoint.rstrip("/"),
-            api_version=api_version or DEFAULT_API_VERSION,
+            api_version=api_version,
             api_key=api_key,
         )
     if kind == "openai":

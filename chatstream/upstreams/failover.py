@@ -246,8 +246,8 @@ class Upstreams:
 
     def for_responses(self) -> Upstreams:
         """The same pool (one health, one set of counters) with each client as the Responses API
-        calls it (Azure's v1 paths)."""
-        clients = {e.name: ResponsesClient(self.clients[e.name], azure=e.kind == "azure") for e in self.pool.entries}
+        calls it (Azure's v1 paths for an entry on a dated API version)."""
+        clients = {e.name: ResponsesClient(self.clients[e.name], dated=e.dated) for e in self.pool.entries}
         return Upstreams(self.settings, self.pool, clients, self.pooled)
 
     async def close(self) -> None:

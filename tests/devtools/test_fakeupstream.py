@@ -225,6 +225,16 @@ def test_azure_filters_with_azure_sdk(server):
     assert rec["headers"]["api-key"] == "azure-key-1234"
 
 
+def test_azure_v1_chat_with_the_plain_sdk(server):
+    """Azure's GA v1 API: the plain client on {endpoint}/openai/v1/, the deployment as the model."""
+    with openai.OpenAI(base_url=f"{server}/openai/v1/", api_key="azure-key-1234", max_retries=0, timeout=10) as az:
+        chunks = list(az.chat.completions.create(model="normal", messages=USER, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TEXTS["normal"]
+    rec = httpx.get(f"{server}/_scripted/requests").json()[-1]
+    assert (rec["path"], rec["query"]) == ("/openai/v1/chat/completions", {})
+    assert rec["headers"]["authorization"] == "Bearer azure-key-1234"
+
+
 def test_azure_without_api_version_is_404(server):
     r = post_raw(server, {"messages": USER}, "/openai/deployments/normal/chat/completions")
     assert r.status_code == 404

@@ -244,7 +244,7 @@ async def test_a_responses_stream_opens_through_the_responses_client_without_a_r
         max_retries=0,
         http_client=httpx2.AsyncClient(transport=recording),
     )
-    stream = await UpstreamStream.open(ResponsesClient(sdk, azure=False), "/responses", {"model": "m", "stream": True})
+    stream = await UpstreamStream.open(ResponsesClient(sdk, dated=False), "/responses", {"model": "m", "stream": True})
     assert [data async for data in stream] == [{"type": "response.created"}]
     assert recording.timeouts == [{"connect": 3.0, "read": None, "write": 30.0, "pool": 30.0}]
 
@@ -460,7 +460,7 @@ async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
             stream = await UpstreamStream.open(client, "/chat/completions", {"model": model, "stream": True})
             assert [d async for d in stream] == [{"choices": [{"index": 0, "delta": {"content": "a"}}]}]
             assert await complete(client, "/chat/completions", {"model": model, "n": 2}) == ({"choices": []}, None)
-            responses = ResponsesClient(client, azure=azure)
+            responses = ResponsesClient(client, dated=azure)
             stream = await UpstreamStream.open(responses, "/responses", {"model": model, "stream": True})
             assert len([d async for d in stream]) == 1
 
@@ -489,8 +489,9 @@ async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
 
 def test_cached_urls_build_the_requests_the_sdk_builds():
     """make_client's clients keep parsed URLs (Reused, HttpClient.build_request): every request
-    is the one the SDK's own classes build on the SDK's own httpx2 client, OpenAI and Azure (a
-    deployment per model, api-version), the second time too, and after the base URL changes."""
+    is the one the SDK's own classes build on the SDK's own httpx2 client, OpenAI and Azure (the v1
+    API; a dated one: a deployment per model, api-version), the second time too, and after the base
+    URL changes."""
     from openai._models import FinalRequestOptions
     from pydantic import SecretStr
 
@@ -508,6 +509,7 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
             api_key=SecretStr("az-k"),
             api_version="2024-10-21",
         ),
+        Entry(name="v1", kind="azure", url="https://res.openai.azure.com", api_key=SecretStr("az-k")),
     ]
 
     def shape(request: httpx2.Request) -> tuple:
@@ -526,10 +528,10 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
                 http_client=openai.DefaultAsyncHttpx2Client(),
                 timeout=ours.timeout,
             )
-            if entry.kind == "azure"
+            if entry.dated
             else openai.AsyncOpenAI(
-                api_key="sk-o",
-                base_url=entry.url,
+                api_key="az-k" if entry.kind == "azure" else "sk-o",
+                base_url=entry.url + "/openai/v1" if entry.kind == "azure" else entry.url,
                 max_retries=2,
                 http_client=openai.DefaultAsyncHttpx2Client(),
                 timeout=ours.timeout,

@@ -55,7 +55,7 @@ def test_a_valid_upstreams_value():
     assert (ptu.kind, ptu.url, ptu.api_version, ptu.auth) == (
         "azure",
         "https://ptu.openai.azure.com",
-        "2025-04-01-preview",
+        None,  # Azure's GA v1 API
         "entra",
     )
     assert ptu.models == ("gpt-4o",) and ptu.deployment("gpt-4o") == "gpt4o-ptu"

@@ -107,8 +107,8 @@ def _pair(cell: str) -> dict | None:
 
 def summary_from_benchmarks(text: str) -> dict:
     """The figures scaling needs, read back from the section `make bench` writes in
-    docs/benchmarks.md (tools/bench/report.py): run date and commit, the CPU split per request and
-    per delta, and the peak memory of each path at each concurrency."""
+    docs/benchmarks.md (tools/bench/report.py, ``scaling_inputs``): run date and commit, the CPU split
+    per request and per delta, and the peak memory of each path at each concurrency."""
     if BENCH_START not in text or BENCH_END not in text:
         raise SystemExit("docs/benchmarks.md has no generated side-by-side section (run `make bench`)")
     section = text[text.index(BENCH_START) : text.index(BENCH_END)]
@@ -120,25 +120,27 @@ def summary_from_benchmarks(text: str) -> dict:
         raise SystemExit("docs/benchmarks.md: no run date and app commit in the side-by-side section")
     summary: dict = {"meta": {"date": meta.group(1), "commit": meta.group(2)}, "rows": {}, "cpu_split": {}}
     heading = re.search(r"^### CPU per request and per delta \((\d+) concurrent streams\)$", section, re.M)
-    table = None
+    table, levels = None, []
     for line in section.splitlines():
         if line.startswith("### "):
             table = (
                 "split"
                 if heading and line == heading.group(0)
-                else "concurrency"
-                if line == "### Concurrency"
+                else "memory"
+                if line.startswith("### Peak memory")
                 else None
             )
             continue
         if not line.startswith("| ") or line.startswith("|---"):
             continue
         cells = _cells(line)
-        if table == "concurrency" and cells[0].replace(",", "").isdigit() and cells[1] in path_of:
-            rss = re.fullmatch(r"(\d+) MB", cells[9])
-            if rss:  # the direct path's figure is the upstream's, in brackets: not a path of ours
-                level = int(cells[0].replace(",", ""))
-                summary["rows"].setdefault(level, {})[path_of[cells[1]]] = {"peak_rss_mb": float(rss.group(1))}
+        if table == "memory" and cells[0] == "path":  # | path | 1 streams | 10 streams | ... |
+            levels = [int(c.split()[0].replace(",", "")) for c in cells[1:]]
+        elif table == "memory" and cells[0] in path_of:
+            for level, cell in zip(levels, cells[1:]):
+                rss = re.fullmatch(r"(\d+) MB", cell)
+                if rss:
+                    summary["rows"].setdefault(level, {})[path_of[cells[0]]] = {"peak_rss_mb": float(rss.group(1))}
         elif table == "split" and cells[0] in path_of:
             groups = {g: _pair(c) for g, c in zip(("host", "worker", "server"), cells[1:4])}
             entry = {"level": int(heading.group(1)), **{g: v for g, v in groups.items() if v}}
@@ -147,8 +149,8 @@ def summary_from_benchmarks(text: str) -> dict:
 
 
 def figures(summary: dict) -> dict:
-    """The measured inputs: CPU per request / per delta (ms) of the one-worker app (and of the
-    two-worker run, for plans that honour FUNCTIONS_WORKER_PROCESS_COUNT), memory, LiteLLM's CPU."""
+    """The measured inputs: CPU per request / per delta (ms) of the one-worker app (as Flex runs it)
+    and of the floor, the app's memory, LiteLLM's CPU."""
     split = summary.get("cpu_split") or {}
     rows = {int(k): v for k, v in summary["rows"].items()}
     out: dict = {"split_level": None}
@@ -157,9 +159,6 @@ def figures(summary: dict) -> dict:
         out["split_level"] = app["level"]
         out["worker"] = app["worker"]
         out["host"] = app.get("host")
-    app2 = split.get("app2") or {}
-    if "worker" in app2 and "host" in app2:
-        out["worker2"], out["host2"] = app2["worker"], app2["host"]
     ll = split.get("litellm") or {}
     if "server" in ll:
         out["litellm"] = ll["server"]
@@ -167,13 +166,12 @@ def figures(summary: dict) -> dict:
     if "worker" in floor and "host" in floor:  # the bare relay of the same run (docs/benchmarks.md, "The floor")
         out["floor_worker"], out["floor_host"] = floor["worker"], floor["host"]
     levels = sorted(rows)
-    for path in ("app", "app2"):
-        pts = [(lv, rows[lv][path]["peak_rss_mb"]) for lv in levels if path in rows[lv]]
-        if len(pts) >= 2:
-            (l0, m0), (l1, m1) = pts[0], pts[-1]
-            out[f"{path}_rss_idle_mb"] = m0
-            out[f"{path}_mb_per_stream"] = max(0.0, (m1 - m0) / (l1 - l0))
-            out[f"{path}_big_level"] = l1
+    pts = [(lv, rows[lv]["app"]["peak_rss_mb"]) for lv in levels if "app" in rows[lv]]
+    if len(pts) >= 2:
+        (l0, m0), (l1, m1) = pts[0], pts[-1]
+        out["app_rss_idle_mb"] = m0
+        out["app_mb_per_stream"] = max(0.0, (m1 - m0) / (l1 - l0))
+        out["app_big_level"] = l1
     return out
 
 
@@ -286,24 +284,6 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
             f"({per_stream_cpu_ms(with_host, deltas):.0f}) ms, and a {default_mem:,} MB instance would hold "
             f"{fcap['cpu']} typical streams instead of {per_instance}: what no function on this runtime gets past."
         )
-    if "worker2" in f:
-        two = instance_capacity(
-            f["worker2"],
-            {k: f["worker2"][k] + f["host2"][k] for k in with_host},
-            STREAMS["typical"][0],
-            STREAMS["typical"][1],
-            2.0,
-            2,
-            a,
-        )
-        L.append("")
-        L.append(
-            f"On plans that honour `FUNCTIONS_WORKER_PROCESS_COUNT` (Elastic Premium, Dedicated), one worker "
-            f"per vCPU: a 2-vCPU instance with 2 workers holds {two['cpu']} typical streams by CPU, from the "
-            f"same run's two-worker figures (worker {f['worker2']['per_request_ms']:.2f} ms + "
-            f"{f['worker2']['per_delta_ms']:.3f} ms, host {f['host2']['per_request_ms']:.2f} ms + "
-            f"{f['host2']['per_delta_ms']:.3f} ms). Not the Flex Consumption template's case."
-        )
     L.append("")
 
     # Instances and cost, typical streams.
@@ -316,8 +296,8 @@ def table(summary: dict, a=ASSUMED, prices=PRICES) -> tuple[str, dict]:
         f"process each) sized the same way from LiteLLM's measured CPU. Prices: "
         f"${prices['flex_gb_s']:.6f} per GB-s and ${prices['flex_per_million_executions']:.2f} per million "
         f"executions (Flex Consumption); ${prices['aca_vcpu_s']:.6f} per vCPU-s, ${prices['aca_gib_s']:.6f} "
-        f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); free "
-        f"grants left out; sources and caveats below."
+        f"per GiB-s and ${prices['aca_per_million_requests']:.2f} per million requests (Container Apps); "
+        f"sources below."
     )
     L.append("")
     L.append("| load | this app: instances | this app: $ per hour | LiteLLM: containers | LiteLLM: $ per hour |")

@@ -1,4 +1,4 @@
-"""The chaos soak (``make chaos``; docs/reliability.md, "The chaos soak"): one Azurite, three instances
+"""The chaos soak (``make chaos``; docs/maintainers.md, "The chaos soak"): one Azurite, three instances
 of the app on it (tools/devhost, ``CALLER_KEYS=required``, ``RESUMABLE_STREAMS=on``), the scripted
 upstream answering 40 deltas 50 ms apart; a few callers and a team with money budgets. For
 ``--minutes`` (5), ``--clients`` (12) clients send chat completions (openai-python), ``/api/chat``

@@ -146,7 +146,11 @@ class FakeUpstream:
         rid = [(b"x-request-id", record["id"].encode())]
         query = record["query"]
         try:
-            if method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
+            if method == "POST" and path in (
+                "/v1/chat/completions",
+                "/chat/completions",
+                "/openai/v1/chat/completions",
+            ):
                 await self._chat(receive, send, record, deployment=None)
             elif method == "POST" and (m := _DEPLOYMENT_PATH.match(path)) and "api-version" in query:
                 await self._chat(receive, send, record, deployment=m.group(1))
