@@ -18,7 +18,8 @@ At the end it checks what the docs promise:
 - the budget rows (``chatstreamLimits``) equal to the ledger, no reservation left held, no budget passed.
 
 It prints the seed, the count of each chaos event and of each outcome, the failed checks, and exits
-1 on any loss. The seed fixes every choice (which request, caller, instance, event, when); the timing
+1 on any loss. In the logs directory (``--logs``, else a temporary one): ``report.json`` (examples of
+each failure), ``results.jsonl`` (every request) and the servers' logs. The seed fixes every choice (which request, caller, instance, event, when); the timing
 is the machine's, so a replay hits the same plan, not always the same interleaving:
 ``make chaos CHAOS_ARGS="--seed 1234 --minutes 2"``."""
 
