@@ -1,5 +1,5 @@
-"""The app's store from its settings: the one module that knows every backend (store.py knows none,
-so nothing imports in a circle)."""
+"""The app's store from its settings: the one module that imports a backend (store.py imports none,
+so nothing imports in a circle), and only when a store is configured."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from .store import StorageConfig, Store, StoreClock
 
 
 def store_from_env(environ: Mapping[str, str]) -> Store | None:
-    """The app's store from its settings (None when none is set). ``CHATSTREAM_STORE=memory``
-    (tests only) makes an in-process one, shared by everything in this process."""
-    if (environ.get("CHATSTREAM_STORE") or "").strip() == "memory":
-        from .store_memory import MemoryStore
-
-        return MemoryStore.shared()
+    """The app's store from its settings (None when none is set)."""
     config = StorageConfig.from_env(environ)
     if config is None:
         return None

@@ -1,4 +1,4 @@
-"""The shared state of one or more app instances on one in-process store (state/store_memory.py), wired
+"""The shared state of one or more app instances on one in-process store (tests/memory_store.py), wired
 as the app wires it (state/shared.py), for the unit tests of accounting, the journal and the admin API."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.apis.usage import admission_request, request_usage
 from chatstream.pipeline import CallRequest
@@ -17,7 +19,6 @@ from chatstream.state.instances import InstanceTiming
 from chatstream.state.port import AdmissionRequest
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 # 17.3 s into a minute (and a UTC day and month): a test that runs for less than 40 s stays in one
 # window of each, whatever the time of day it runs at.

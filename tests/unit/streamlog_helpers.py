@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memory_store import MemoryData, MemoryStore
+
 from chatstream import sse
 from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
-from chatstream.state.store_memory import MemoryData, MemoryStore
 from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable
 
 ROOT = Path(__file__).resolve().parents[2]

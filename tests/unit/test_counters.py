@@ -11,12 +11,12 @@ import idle_clock  # waits with nothing to do skipped (tests/idle_clock.py)
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.state.counters import Counters, Reservation, Want, parse_holds
 from chatstream.state.instances import Instances
 from chatstream.state.port import LimitRef, Refused, Unavailable
 from chatstream.state.store import LIMITS_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.

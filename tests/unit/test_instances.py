@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import pytest
+from memory_store import MemoryData, MemoryStore
 
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock
-from chatstream.state.store_memory import MemoryData, MemoryStore
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.

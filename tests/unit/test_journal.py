@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import pytest
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream import tokens
 from chatstream.errors import StoreError
@@ -25,7 +26,6 @@ from chatstream.state.prices import Price
 from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 from .state_helpers import MODEL, account, admit, asked, call, counter, finish, instance, kill, record, until, usage
 

@@ -12,10 +12,10 @@ import secrets
 from datetime import UTC, date, datetime
 
 import pytest
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, totals
 from chatstream.state.store import USAGE_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.

@@ -1,5 +1,5 @@
 """chatstream/manage.py over HTTP, in process (httpx's ASGITransport over a Starlette app that mounts
-the handlers as function_app.py does) on the in-process store (``CHATSTREAM_STORE=memory``):
+the handlers as function_app.py does) on the in-process store:
 statuses, OpenAI-shaped errors, no-store, the key only in the answers of create and rotate, teams,
 prices, and usage as JSON and CSV."""
 
@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import httpx
 import pytest
+from memory_store import Fault, MemoryStore
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -21,7 +22,6 @@ from chatstream.settings import Settings, SettingsError
 from chatstream.state.ledger import Charge
 from chatstream.state.shared import SharedState
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
-from chatstream.state.store_memory import Fault, MemoryStore
 
 from .state_helpers import account, admit, finish, settings, usage
 
@@ -379,16 +379,6 @@ async def test_without_a_store_every_route_answers_503_naming_the_setting():
             assert "AzureWebJobsStorage" in error["message"]
     with pytest.raises(SettingsError, match="AzureWebJobsStorage__tableServiceUri"):  # refused at start-up
         SharedState.from_settings(Settings.from_env({}), {"AzureWebJobsStorage__tableServiceUri": "http://x"})
-
-
-async def test_the_in_process_store_setting_serves_the_admin_api():
-    env = {"CHATSTREAM_STORE": "memory", "CALLER_KEYS": "required"}
-    state = SharedState.from_settings(Settings.from_env(env), env)
-    assert state is not None and isinstance(state.store, MemoryStore)
-    async with Admin(state) as admin:
-        name = f"shared-{id(admin)}"
-        assert (await admin.http.post("/api/manage/callers", json={"name": name})).status_code == 201
-        assert (await admin.http.delete(f"/api/manage/callers/{name}")).status_code == 200
 
 
 async def test_a_store_that_fails_is_a_503_never_a_500():

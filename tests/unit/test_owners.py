@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.errors import StoreError
 from chatstream.state.owners import Owners
 from chatstream.state.store import RESPONSES_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 
 async def test_what_a_caller_creates_belongs_to_it():

@@ -12,13 +12,13 @@ import secrets
 from datetime import UTC, datetime
 
 import pytest
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.state.callers import Caller, hash_key
 from chatstream.state.port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price
 from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 T0 = 1_796_083_217.3
 

@@ -12,17 +12,11 @@ from chatstream.errors import StoreUnavailable
 from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
 from chatstream.state.store_azure import AzureStore
 from chatstream.state.store_env import store_from_env
-from chatstream.state.store_memory import MemoryStore
 
 
 def test_no_storage_setting_means_no_store():
     assert store_from_env({}) is None
     assert store_from_env({"AzureWebJobsStorage": "  "}) is None
-
-
-def test_the_in_process_store_is_for_tests_only_and_shared_in_the_process():
-    a, b = store_from_env({"CHATSTREAM_STORE": "memory"}), store_from_env({"CHATSTREAM_STORE": "memory"})
-    assert isinstance(a, MemoryStore) and isinstance(b, MemoryStore) and a.data is b.data
 
 
 def test_identity_based_settings_make_service_urls():

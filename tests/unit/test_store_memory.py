@@ -7,11 +7,11 @@ import asyncio
 import itertools
 
 import pytest
+from memory_store import Fault, MemoryData, MemoryStore
 from store_contract import CHECKS
 
 from chatstream.errors import StoreTimeout, StoreUnavailable
 from chatstream.state.store import LIMITS_TABLE
-from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
 _prefix = itertools.count()
 

@@ -1,5 +1,5 @@
 """chatstream/state/streamlog/, the storage layer of resumable streams, on the in-process store
-(store_memory.py: the same answers as Azurite, tests/store_contract.py): numbering, replay and
+(tests/memory_store.py: the same answers as Azurite, tests/store_contract.py): numbering, replay and
 follow on two instances, cancel, abandonment, expiry and the sweep, the store failing, the bounds,
 many streams at once. Takeovers and the fixes of issue #29: test_streamlog_takeover.py. The e2e
 tests (two app processes on Azurite): tests/test_resumable.py."""
@@ -13,11 +13,11 @@ import time
 from dataclasses import replace
 
 import pytest
+from memory_store import Fault, MemoryData
 
 from chatstream import sse
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
-from chatstream.state.store_memory import Fault, MemoryData
 from chatstream.state.streamlog import (
     InvalidStreamId,
     PastTheEnd,

@@ -13,10 +13,10 @@ import time
 from dataclasses import replace
 
 import pytest
+from memory_store import Fault, MemoryData
 
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
-from chatstream.state.store_memory import Fault, MemoryData
 from chatstream.state.streamlog import Claim, StreamLog, StreamNotFound, started_at
 
 from .streamlog_helpers import (

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreTimeout, StoreUnavailable
-from .store import (
+from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout, StoreUnavailable
+from chatstream.state.store import (
     CALL_TIMEOUT,
     NEW,
     Op,
@@ -71,19 +71,10 @@ class MemoryData:
 class MemoryStore:
     """The store in this process (module docstring)."""
 
-    _shared: MemoryData | None = None
-
     def __init__(self, data: MemoryData | None = None, clock: StoreClock | None = None):
         self.data = data if data is not None else MemoryData()
         self.clock = clock or StoreClock()
         self.faults: list[Fault] = []
-
-    @classmethod
-    def shared(cls) -> MemoryStore:
-        """A store on this process's one shared account (``CHATSTREAM_STORE=memory``)."""
-        if cls._shared is None:
-            cls._shared = MemoryData()
-        return cls(cls._shared)
 
     def describe(self) -> str:
         return "an in-process store (tests)"
