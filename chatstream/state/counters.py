@@ -820,8 +820,7 @@ class Counters:
         ]
         if len(parts) == len(leases):
             return Reservation(self, parts, self._rates(leases, now))
-        for part in parts:
-            part.lease.give_back(part.need, part.window, part.generation)
+        Reservation(self, parts, {}).release()  # all or nothing: what the others reserved goes back
         errors = [task.exception() for task in acquiring if not task.cancelled()]
         refused = [e.lease for e in errors if isinstance(e, _Refused)]
         if refused:
