@@ -55,7 +55,7 @@ from typing import Protocol
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
-from .store import CALL_TIMEOUT, LIMITS_TABLE, Row, Store
+from .store import CALL_TIMEOUT, LIMITS_TABLE, Store
 
 log = logging.getLogger("chatstream")
 
@@ -172,7 +172,6 @@ class Lease:
         self.row = row
         self.limit = 0
         self.period: Period = "minute"
-        self.ref: LimitRef | None = None
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
@@ -425,9 +424,6 @@ class Lease:
 
     async def _read(self) -> None:
         row = await self.counters.store.get(LIMITS_TABLE, self.partition, self.row, timeout=self.counters.timeout)
-        self._know(row)
-
-    def _know(self, row: Row | None) -> None:
         if row is None:
             self.row_etag, self.row_window, self.row_taken, self.row_holds = None, None, 0, {}
         else:
@@ -494,7 +490,7 @@ class Lease:
             spent = sum(amount for _, amount in applied)
             debt = self.debt
             if delta == 0 and debt == 0 and not applied and not chosen:
-                self._answer(waiters, chosen, window, self.generation)
+                self._answer(waiters, chosen, window)
                 return
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
@@ -519,7 +515,7 @@ class Lease:
             self.balance -= written.balance_out
             self.debt -= written.debt
             try:
-                await self._write(written, same)
+                await self._write(written)
             except (Modified, AlreadyExists, NotFound):
                 self.known = False
                 self._undo(written)
@@ -533,7 +529,7 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    async def _write(self, written: _Written, same: bool) -> None:
+    async def _write(self, written: _Written) -> None:
         counters = self.counters
         counters.writes += 1
         self.exchange = written.exchange
@@ -561,7 +557,7 @@ class Lease:
             self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
-        self._answer(waiters, written.waiters, written.window, self.generation)
+        self._answer(waiters, written.waiters, written.window)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -569,14 +565,14 @@ class Lease:
             self.balance += written.balance_out
             self.debt += written.debt
 
-    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter], window: str, generation: int) -> None:
+    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter], window: str) -> None:
         """After the write: the chosen waiters are admitted in ``window``, the others refused."""
         picked = {id(w) for w in chosen}
         for waiter in chosen:
             if waiter.future.done():  # it gave up meanwhile: its share comes back
-                self.give_back(waiter.need, window, generation)
+                self.give_back(waiter.need, window, self.generation)
             else:
-                waiter.future.set_result((window, generation))
+                waiter.future.set_result((window, self.generation))
         for waiter in waiters:
             if id(waiter) not in picked and not waiter.future.done():
                 waiter.future.set_exception(_Refused(self))
@@ -596,7 +592,7 @@ class Lease:
             landed = self._shows(written)
             if landed is None:  # unchanged: not applied (yet); the same write again
                 try:
-                    await self._write(written, True)
+                    await self._write(written)
                     landed = True
                 except (Modified, AlreadyExists, NotFound):
                     continue  # something landed meanwhile (ours, late, perhaps): look again
@@ -777,7 +773,6 @@ class Counters:
             lease = self._leases[want.key] = Lease(self, want.partition, want.row)
         lease.limit = want.limit  # an admin's change applies from the next request
         lease.period = want.period
-        lease.ref = want.ref
         return lease
 
     def _prune(self, now: float) -> None:
@@ -825,8 +820,7 @@ class Counters:
         ]
         if len(parts) == len(leases):
             return Reservation(self, parts, self._rates(leases, now))
-        for part in parts:
-            part.lease.give_back(part.need, part.window, part.generation)
+        Reservation(self, parts, {}).release()  # all or nothing: what the others reserved goes back
         errors = [task.exception() for task in acquiring if not task.cancelled()]
         refused = [e.lease for e in errors if isinstance(e, _Refused)]
         if refused:

@@ -7,7 +7,7 @@ row (a conditional write: if it was only slow, its next beat fails and it knows 
 held capacity of), in four steps:
 
 1. **Seal** the journal: ``sealed_by`` written on its ETag, so that the dead instance, if it was
-   only slow, cannot write it again and learns it was taken over (``Journal._fenced``).
+   only slow, cannot write it again and learns it was taken over (journal.py).
 2. **Ledger**: every listed charge's row that is not there yet is written (ledger.py); an open
    request is charged what it had generated at its last checkpoint, ``ended: lost``. A row someone
    else wrote first (a stream's taker charging the lost part from its log) is theirs to count in the
@@ -60,14 +60,14 @@ class Recovery:
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
-        doc = await self._seal(dead, taker)
+        doc = await self._seal(dead, taker)  # 1.
         if doc is None:
             return  # nothing was owed (or a takeover finished already)
         entries = doc.get("entries") or []
-        owed = [(entry, await self._charge(entry, dead)) for entry in entries]
-        for key in doc.get("counters") or []:
+        owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
+        for key in doc.get("counters") or []:  # 3.
             await self._give_back(key, dead, owed)
-        with contextlib.suppress(StoreError):  # a next run finds every step done and deletes it
+        with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
         log.info(
             "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])

@@ -7,6 +7,7 @@ a message naming the setting."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -77,18 +78,7 @@ class SharedState:
         instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover)
         journal = Journal(store, ledger, instances)
         counters = Counters(store, instances, journal)
-
-        async def sweep() -> None:
-            now = store.clock.now()
-            await owners.sweep(now)
-            if settings.ledger_retention_days:
-                deleted = await ledger.sweep(settings.ledger_retention_days, now)
-                if deleted:
-                    log.info(
-                        "usage ledger: %d charges older than %d days deleted", deleted, settings.ledger_retention_days
-                    )
-
-        instances.every(SWEEP_SECONDS, sweep)
+        instances.every(SWEEP_SECONDS, functools.partial(sweep, store, owners, ledger, settings.ledger_retention_days))
         accounting = None
         if settings.caller_keys == "required":
             accounting = Accounting(
@@ -114,3 +104,13 @@ class SharedState:
         # What could not be settled in time stays in the journal, for another instance to take over.
         await self.instances.close(leave=settled and not self.journal.entries)
         await self.store.close()
+
+
+async def sweep(store: Store, owners: Owners, ledger: Ledger, retention_days: int) -> None:
+    """The duty's sweep: old owner rows, and with a retention, old charges."""
+    now = store.clock.now()
+    await owners.sweep(now)
+    if retention_days:
+        deleted = await ledger.sweep(retention_days, now)
+        if deleted:
+            log.info("usage ledger: %d charges older than %d days deleted", deleted, retention_days)
