@@ -37,7 +37,7 @@ from .instances import Instances
 from .journal import Journal, JournalEntry
 from .ledger import Charge, Ledger, day_of, tokens_of
 from .owners import Owners
-from .port import AdmissionRequest, KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable, Usage, Used
+from .port import AdmissionRequest, Ended, KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable, Usage, Used
 from .prices import Price
 from .registry import Registry
 from .store import key_part
@@ -292,7 +292,7 @@ class Accounting:
         model: str,
         used: Used,
         price: Price | None,
-        ended: str,
+        ended: Ended,
         segment: int = 0,
         upstream_id: str | None = None,
         started: float | None = None,

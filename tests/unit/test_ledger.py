@@ -13,7 +13,8 @@ from datetime import UTC, date, datetime
 
 import pytest
 
-from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, totals
+from chatstream.manage import as_csv, totals
+from chatstream.state.ledger import Charge, Ledger, day_of, summarize
 from chatstream.state.store import USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
