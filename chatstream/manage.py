@@ -13,9 +13,11 @@ turned from the registry's answers (state/port.py) here. A key appears in exactl
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -25,9 +27,9 @@ from starlette.requests import Request
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
-from .state.callers import NAME_PATTERN, Caller, Team, usd
+from .state.callers import NAME_PATTERN, Caller, Team, usd, usd_text
 from .state.counters import window_of
-from .state.ledger import MAX_USAGE_DAYS, as_csv, totals
+from .state.ledger import MAX_USAGE_DAYS
 from .state.port import AdminUnavailable, Conflict, Invalid, Missing
 from .state.shared import SharedState
 from .state.store import LIMITS_TABLE, Where
@@ -330,3 +332,61 @@ def _date(value: str | None, param: str) -> date | None:
         return date.fromisoformat(value)
     except ValueError:
         raise invalid_request(f"{param}: not a valid date", param) from None
+
+
+# --- usage as the admin API answers it ----------------------------------------------------------
+
+
+_SUMMED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "requests",
+    "unpriced_requests",
+    "cost_picousd",
+)
+
+
+def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sums over usage rows (the admin API's ``total``)."""
+    total: dict[str, Any] = {f: sum(int(r[f]) for r in rows) for f in _SUMMED}
+    total["cost_usd"] = usd(total["cost_picousd"])
+    return total
+
+
+CSV_COLUMNS = (
+    "day",
+    "caller",
+    "team",
+    "model",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "cost_usd",
+    "unpriced_requests",
+)
+
+
+def as_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Usage rows for finance: one line per day, caller, team and model; ``cost_usd`` an exact
+    decimal (12 places); a last line of totals."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow([_csv_value(row, c) for c in CSV_COLUMNS])
+    total = totals(rows)
+    writer.writerow(["total", "", "", "", *(_csv_value(total, c) for c in CSV_COLUMNS[4:])])
+    return out.getvalue()
+
+
+def _csv_value(row: Mapping[str, Any], column: str) -> str:
+    if column == "cost_usd":
+        return usd_text(int(row["cost_picousd"]))
+    value = row.get(column)
+    text = "" if value is None else str(value)
+    # A cell a spreadsheet would run as a formula is quoted as text (caller names are ours; models are not).
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text

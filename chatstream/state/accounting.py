@@ -31,13 +31,25 @@ from dataclasses import dataclass, field
 
 from .. import tokens
 from ..errors import StoreError
-from .callers import Caller, Limits, Team
+from .callers import Caller, Team
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
 from .ledger import Charge, Ledger, day_of, tokens_of
 from .owners import Owners
-from .port import AdmissionRequest, KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable, Usage, Used
+from .port import (
+    AdmissionRequest,
+    Ended,
+    KeyRefused,
+    LimitRef,
+    ModelRefused,
+    Rate,
+    Refused,
+    Scope,
+    Unavailable,
+    Usage,
+    Used,
+)
 from .prices import Price
 from .registry import Registry
 from .store import key_part
@@ -101,27 +113,25 @@ def segment_base(epoch: int) -> int:
 def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     """What a request needs of every limit of its caller and of its team (the one list of them):
     one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; the same list corrects a charge."""
-    wants = _limit_wants(caller, "caller", caller.name, caller.limits_partition, model, tokens_need, spend_need)
+    wants = _limit_wants(caller, "caller", model, tokens_need, spend_need)
     if team is not None:
-        wants += _limit_wants(team, "team", team.name, team.limits_partition, model, tokens_need, spend_need)
+        wants += _limit_wants(team, "team", model, tokens_need, spend_need)
     return wants
 
 
-def _limit_wants(
-    limits: Limits, scope: str, owner: str, partition: str, model: str, tokens_need: int, spend_need: int
-) -> list[Want]:
+def _limit_wants(owner: Caller | Team, scope: Scope, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     wants: list[Want] = []
 
     def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
         if limit:
-            ref = LimitRef(scope, owner, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
-            wants.append(Want(partition, row, ref, limit, need, period))
+            ref = LimitRef(scope, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
+            wants.append(Want(owner.limits_partition, row, ref, limit, need, period))
 
-    want("rpm", "requests_per_minute", limits.requests_per_minute, 1, "minute")
-    want("tpm", "tokens_per_minute", limits.tokens_per_minute, tokens_need, "minute")
-    want("tokens", "token_budget", limits.token_budget, tokens_need, limits.budget_period)
-    want("spend", "spend_budget", limits.spend_budget, spend_need, limits.budget_period)
-    per_model = limits.model_limits.get(model)
+    want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
+    want("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute")
+    want("tokens", "token_budget", owner.token_budget, tokens_need, owner.budget_period)
+    want("spend", "spend_budget", owner.spend_budget, spend_need, owner.budget_period)
+    per_model = owner.model_limits.get(model)
     if per_model is not None:
         want(f"rpm@{key_part(model)}", "requests_per_minute", per_model.requests_per_minute, 1, "minute", model)
         want(f"tpm@{key_part(model)}", "tokens_per_minute", per_model.tokens_per_minute, tokens_need, "minute", model)
@@ -292,7 +302,7 @@ class Accounting:
         model: str,
         used: Used,
         price: Price | None,
-        ended: str,
+        ended: Ended,
         segment: int = 0,
         upstream_id: str | None = None,
         started: float | None = None,

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
-import io
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,13 +28,12 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from .callers import PICO, usd, usd_text
+from .callers import PICO, usd
+from .port import Ended
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 
-# How a charged request ended (the stream core's outcomes, and the refusal-free ones after it).
-ENDINGS = ("completed", "disconnected", "timeout", "failed", "cancelled", "background", "incomplete", "lost")
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
 USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
 FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
@@ -54,7 +51,7 @@ class Charge:
     day: str  # YYYYMMDD, when the request started (UTC)
     prompt_tokens: int
     completion_tokens: int
-    ended: str
+    ended: Ended
     cached_tokens: int = 0
     cost: int | None = None  # pico-dollars; None: the model had no price
     team: str | None = None
@@ -291,7 +288,7 @@ class Ledger:
 
     # --- reading ----------------------------------------------------------------------------
 
-    async def rows(
+    async def usage(
         self,
         start: date,
         end: date,
@@ -299,9 +296,10 @@ class Ledger:
         team: str | None = None,
         model: str | None = None,
         team_id: str | None = None,
-    ) -> list[Row]:
-        """The charges of the days ``start`` to ``end`` inclusive, optionally of one caller (by id),
-        team (by id; by name: the rows of deleted teams of that name) or model."""
+    ) -> list[dict[str, Any]]:
+        """Tokens (prompt, cached, completion), requests (with how they ended) and cost by caller,
+        team, model and UTC day, over the days ``start`` to ``end`` inclusive, optionally of one
+        caller (by id), team (by id; by name: the rows of deleted teams of that name) or model."""
         equal: dict[str, Any] = {}
         if team_id is not None:
             equal["team_id"] = team_id
@@ -326,20 +324,7 @@ class Ledger:
                 "ended",
             ),
         )
-        return await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT)
-
-    async def usage(
-        self,
-        start: date,
-        end: date,
-        caller_id: str | None = None,
-        team: str | None = None,
-        model: str | None = None,
-        team_id: str | None = None,
-    ) -> list[dict[str, Any]]:
-        """Tokens (prompt, cached, completion), requests (with how they ended) and cost by caller,
-        team, model and UTC day."""
-        return summarize(await self.rows(start, end, caller_id, team, model, team_id))
+        return summarize(await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT))
 
     async def sweep(self, keep_days: int, now: float, limit: int = 1000) -> int:
         """Delete the charges older than ``keep_days`` days (LEDGER_RETENTION_DAYS): at most ``limit``
@@ -415,59 +400,4 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-_SUMMED = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "requests",
-    "unpriced_requests",
-    "cost_picousd",
-)
-
-
-def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The sums over usage rows (the admin API's ``total``)."""
-    total: dict[str, Any] = {f: sum(int(r[f]) for r in rows) for f in _SUMMED}
-    total["cost_usd"] = usd(total["cost_picousd"])
-    return total
-
-
-CSV_COLUMNS = (
-    "day",
-    "caller",
-    "team",
-    "model",
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "cost_usd",
-    "unpriced_requests",
-)
-
-
-def as_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Usage rows for finance: one line per day, caller, team and model; ``cost_usd`` an exact
-    decimal (12 places); a last line of totals."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\r\n")
-    writer.writerow(CSV_COLUMNS)
-    for row in rows:
-        writer.writerow([_csv_value(row, c) for c in CSV_COLUMNS])
-    total = totals(rows)
-    writer.writerow(["total", "", "", "", *(_csv_value(total, c) for c in CSV_COLUMNS[4:])])
-    return out.getvalue()
-
-
-def _csv_value(row: Mapping[str, Any], column: str) -> str:
-    if column == "cost_usd":
-        return usd_text(int(row["cost_picousd"]))
-    value = row.get(column)
-    text = "" if value is None else str(value)
-    # A cell a spreadsheet would run as a formula is quoted as text (caller names are ours; models are not).
-    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
-
-
-__all__ = ["ENDINGS", "MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "as_csv", "day_of", "summarize", "totals"]
+__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "day_of", "summarize"]

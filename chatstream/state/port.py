@@ -52,7 +52,9 @@ class Used:
         return self.prompt + self.completion
 
 
-Ended = Literal["completed", "failed", "timeout", "cancelled", "disconnected"]
+# How a charged request ended, as its ledger row says: a request's own end (apis/usage.py), a part
+# lost with its instance (``lost``), a background response charged when its usage was seen.
+Ended = Literal["completed", "disconnected", "timeout", "failed", "cancelled", "lost", "background"]
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,25 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     await state.close()
 
 
+async def test_a_conversation_or_stored_items_reserve_the_referenced_context_once_and_are_not_charged_it():
+    """Their size is not known here: REFERENCED_CONTEXT_TOKENS is reserved on top of the prompt
+    counted (once, whether the request names a conversation, stored items or both), never charged
+    (the counted prompt is what a partial answer is charged)."""
+    data = account()
+    state, acc = instance(data, "a")
+    caller, _ = await state.registry.create({"name": "c", "token_budget": 1_000_000})
+    plain, _ = await admit(acc, caller, max_tokens=10)
+    talk, _ = await admit(acc, caller, max_tokens=10, conversation="conv_1")
+    items = [{"type": "item_reference", "id": "msg_1"}]
+    both = await acc.admit(caller, asked(call(max_tokens=10, conversation="conv_1", input=items), record()))
+    assert isinstance(plain, Admission) and isinstance(talk, Admission) and isinstance(both, Admission)
+    assert talk.prompt_tokens == plain.prompt_tokens  # counted: what a partial answer is charged
+    [need] = [w.need for w in talk.wants]
+    assert need == plain.wants[0].need + 16_384
+    assert both.wants[0].need == both.prompt_tokens + 10 + 16_384
+    await state.close()
+
+
 async def test_a_background_response_is_charged_once_when_seen_on_any_instance():
     data = account()
     a, acc_a = instance(data, "a")

@@ -14,7 +14,8 @@ from datetime import UTC, date, datetime
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
-from chatstream.state.ledger import Charge, Ledger, as_csv, day_of, summarize, totals
+from chatstream.manage import as_csv, totals
+from chatstream.state.ledger import Charge, Ledger, day_of, summarize
 from chatstream.state.store import USAGE_TABLE
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
