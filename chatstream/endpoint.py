@@ -28,7 +28,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from . import memory, telemetry, tokens
+from . import memory, sse, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .apis.usage import request_usage
 from .continuation import ChatContinuation, Known, Resumed, turned_off
@@ -303,8 +303,9 @@ class Endpoint:
         The request is the one the lost producer sent (stored with the stream); the text so far is
         what the log shows the caller got; the continuation is opened as one of an upstream failure
         mid-answer (continuation.py: the seam drops a repeat). With caller keys the stream's caller
-        is charged the lost part at what the log shows (segment 0) and the continuation at its
-        usage; a limit that refuses the continuation ends the stream with that refusal."""
+        is charged the lost part at what the log shows (segment 0), raised at the end to what the
+        reader that asked for the takeover had received (``_charge_received``), and the
+        continuation at its usage; a limit that refuses the continuation ends the stream with that refusal."""
         stored = json.loads(claim.request)
         call = CallRequest(
             params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
@@ -318,8 +319,8 @@ class Endpoint:
         encode = self.api.encoder(call)
         protocol = self.api.protocol(call, self.pipeline, True)
         admission: Admission | None = None
+        known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
         try:
-            known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
             if known.blocked is not None:
                 raise ApiError(
                     502, ErrorKind.STREAM_LOST, f"the answer's {known.blocked} cannot be continued", retryable=True
@@ -340,6 +341,8 @@ class Endpoint:
         events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
         assert self.resumable is not None
         await self.resumable.produce(claim.producer, events, encode, protocol, record)
+        if admission is not None and claim.received > claim.last_id:
+            await self._charge_received(claim, known, admission)
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
         """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
@@ -349,12 +352,29 @@ class Endpoint:
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
         admission = await admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens)
+        await self._charge_lost(claim, known, admission, "")
+        return admission
+
+    async def _charge_lost(self, claim: Claim, known: Known, admission: Admission, unstored: str) -> None:
+        """Charge the lost producer's part: what the log holds of it, and ``unstored``."""
+        assert self.accounting is not None
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
-        await self.accounting.charge_lost(
-            admission, started_at(claim.stream_id) or self.accounting.counters.clock(), lost.text, claim.epoch, before
-        )
-        return admission
+        started = started_at(claim.stream_id) or self.accounting.counters.clock()
+        await self.accounting.charge_lost(admission, started, lost.text + unstored, claim.epoch, before)
+
+    async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:
+        """The reader that asked for the takeover had ids past the stored end: the lost producer
+        gave its client those events, unstored. The continuation's events of the same ids (which
+        that reader skipped) stand for them: the lost part is charged with their text too (at least
+        what its caller received), unless a charge of it is higher already."""
+        if not isinstance(self.api, Resumes):
+            return
+        ours = sse.split(claim.producer.events_after(claim.last_id))[0]
+        unstored = sse.join(e for e in ours if (sse.event_id(e) or 0) <= claim.received)
+        text = self.api.known(unstored).text
+        if text:
+            await self._charge_lost(claim, known, admission, text)
 
     async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""

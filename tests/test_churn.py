@@ -6,6 +6,7 @@ minute. Real app processes on the local host, a real Azurite, the scripted upstr
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -394,6 +395,73 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
     print(f"{len(rows)} lost rows {time.monotonic() - killed:.1f} s after the kill")
     assert len(rows) == 5, rows
     assert held == 0 and taken == spent(ledger(azurite, who)), (taken, held)
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received(azurite, start_app):
+    """A keyed resumable /api/chat stream on A (a delta every 20 ms); A is SIGKILLed the moment its
+    caller has read 30 events, long before A's first write of the stream's log (5 s): the log holds
+    nothing. The caller resumes on B with its Last-Event-ID, B takes the stream over and finishes it.
+    A's part is in the ledger (``lost``) at no less than the text its caller read, the budget row
+    equals the ledger, nothing held. (Before, it stood at A's journal's last checkpoint, written up
+    to 0.5 s before the kill: 0-25 deltas short; 5 lost parts 26 tokens short in a chaos soak.)"""
+    from servers import Upstream
+
+    from chatstream import tokens
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "120", "--interval-ms", "20")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
+        a, b = (start_app(**env(upstream, azurite, **settings)) for _ in range(2))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+        for app in (a, b):  # each instance warm (its store clients, the tables)
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json={"prompt": "warm"}, timeout=30)
+            assert warm.status_code == 200, warm.text
+        ids: list[int] = []
+        received: list[str] = []
+        with httpx.stream(
+            "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            stream_id = response.headers["x-stream-id"]
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    received.append(str(json.loads(line[6:]).get("delta") or ""))
+                    if len(ids) == 30:
+                        a.stop(signal.SIGKILL)
+                        break
+        got = "".join(received)
+        finals: list[str] = []
+        deadline = time.monotonic() + 60
+        while not finals and time.monotonic() < deadline:  # B takes A's streams over once A's lease is past
+            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                if r.status_code != 200:
+                    time.sleep(0.5)
+                    continue
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        ids.append(int(line[4:]))
+                    elif line in ("event: done", "event: error"):
+                        finals.append(line[7:])
+        assert finals == ["done"] and ids == list(range(1, len(ids) + 1)), (finals, ids)
+        deadline = time.monotonic() + 60
+        while True:
+            rows = ledger(azurite, who)
+            lost = [r for r in rows if r["ended"] == "lost"]
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if lost and held == 0 and taken == spent(rows) and len(rows) == 2 + 2:
+                break
+            assert time.monotonic() < deadline, (rows, taken, held)
+            time.sleep(0.5)
+        want = tokens.count_text(MODEL, got)
+        print(f"A's part charged {lost[0]['completion_tokens']} tokens; its caller read {want} ({len(ids)} events)")
+        assert len(lost) == 1 and lost[0]["completion_tokens"] >= want, (lost, want)
+    finally:
+        upstream.stop()
 
 
 @pytest.mark.alone

@@ -366,7 +366,9 @@ class Accounting:
         continuation here is charged from the first segment of its own block (``admission``). So
         however many times a stream is taken over, each producer's segments are rows of their own.
         Never raises: on a store failure the journal's takeover charges that part at its checkpoint.
-        Call it right after the admission (before any await): the journal lists the block with it."""
+        Call it right after the admission (before any await): the journal lists the block with it;
+        again with a longer ``text`` (what its caller was found to have received): the row is raised
+        to it, the difference counted."""
         admission.segment_base = admission.entry.segment = segment_base(epoch)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
@@ -378,12 +380,13 @@ class Accounting:
         try:
             there = await self.ledger.write_now(charge)
             # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
-            # there; raised here to what the log shows, and the difference counted), or by the
-            # producer itself (a hand-over: it counted it).
+            # there; raised here to what the log shows, and the difference counted), by this call
+            # before (the same), or by the producer itself (a hand-over: it counted it).
+            author = str(there.get("author") or "") if there is not None else ""
             raised = (
                 there is not None
-                and str(there.get("author") or "").startswith("takeover:")
-                and await self.ledger.replace_below(charge, there, author=there["author"])
+                and (author.startswith("takeover:") or author == charge.author)
+                and await self.ledger.replace_below(charge, there, author=author)
             )
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)

@@ -305,6 +305,34 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     await b.close()
 
 
+async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once():
+    """r3's taker charged a's part from a log that had little of it, then learned that the caller
+    had received more (its reader's Last-Event-ID, past the stored end: Endpoint._charge_received):
+    the same call again raises the taker's own row and counts the difference; the dead instance's
+    takeover, whose checkpoint is below it, leaves it. The budget rows hold exactly the ledger."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    acc_b = b.accounting
+    assert acc_b is not None
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, received) and row["author"] == "instance-b"
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+
+
 async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
     """A stream handed over (or taken from an instance that was only slow): the taker b charges the
     producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same

@@ -185,21 +185,21 @@ class StreamLog:
         self._run(producer)
         return producer
 
-    async def take_over(self, stream_id: str) -> TakeOver:
+    async def take_over(self, stream_id: str, received: int = 0) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt."""
+        Concurrent readers here share one attempt (the first one's ``received``: ``Claim.received``)."""
         if self._take_over is None:
             return "lost"
         if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
             return "wait"
         pending = self._claims.get(stream_id)
         if pending is None:
-            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id))
+            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id, received))
             pending.add_done_callback(lambda _: self._claims.pop(stream_id, None))
         return await asyncio.shield(pending)
 
-    async def _claim_and_continue(self, stream_id: str) -> TakeOver:
-        won = await takeover.claim(self._ctx, stream_id, self._continuation)
+    async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
+        won = await takeover.claim(self._ctx, stream_id, self._continuation, received)
         if not isinstance(won, Claim):
             return {"alive": "elsewhere", "elsewhere": "elsewhere", "ended": "ended"}.get(won, "lost")  # type: ignore[return-value]
         self._ctx.spawn(self._continue(won))

@@ -59,7 +59,10 @@ class Streams(Protocol):
         """The stream's producer on this instance, unless the stream went on elsewhere."""
         ...
 
-    async def take_over(self, stream_id: str) -> TakeOver: ...
+    async def take_over(self, stream_id: str, received: int) -> TakeOver:
+        """Continue the stream here if its producer is gone; ``received``: the last id this reader's
+        client has (events past the stored end came from the lost producer, unstored)."""
+        ...
 
 
 class Reader:
@@ -577,7 +580,7 @@ class _Following:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
-        outcome = await self._streams.take_over(self.stream_id) if fresh.state == "live" else "lost"
+        outcome = await self._streams.take_over(self.stream_id, self.cursor) if fresh.state == "live" else "lost"
         if outcome == "lost":
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             self._ctx.spawn(_mark_lost(self._ctx, self.stream_id))

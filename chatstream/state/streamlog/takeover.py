@@ -50,6 +50,9 @@ class Claim:
     epoch: int
     producer: Producer
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
+    # The last id the reader that asked for the takeover had: past ``last_id``, the lost producer
+    # gave its client events the log does not hold (the continuation's ids up to it stand for them).
+    received: int = 0
 
 
 MakeProducer = Callable[[Record, list[bytes], int], Producer]
@@ -71,8 +74,9 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Refusal:
-    """Take ``stream_id`` over (module docstring). Never raises for the store: ``impossible``."""
+async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int = 0) -> Claim | Refusal:
+    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
+    Never raises for the store: ``impossible``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -138,6 +142,7 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Ref
             epoch=won.epoch,
             producer=producer,
             lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
+            received=received,
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
