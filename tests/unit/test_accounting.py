@@ -12,8 +12,8 @@ import pytest
 
 from chatstream import tokens
 from chatstream.apis.usage import request_usage, usage_of
-from chatstream.state.accounting import Admission, Unknown
-from chatstream.state.port import ModelRefused, Refused, Unavailable, Used
+from chatstream.state.accounting import Admission
+from chatstream.state.port import ModelRefused, Refused, Unavailable, Unknown, Used
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
 from chatstream.state.store_memory import Fault, MemoryData, MemoryStore
 
