@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from ..errors import ApiError, ErrorKind, log_safe
 from ..pipeline import CallRequest
 from ..record import StreamRecord
-from ..state.accounting import Accounting, Admission, Unknown
+from ..state.accounting import Accounting, Admission
 from ..state.callers import Caller, usd
-from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable
+from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable, Unknown
 from .usage import admission_request
 
 _LIMIT_NAME = {

@@ -47,6 +47,7 @@ from .port import (
     Refused,
     Scope,
     Unavailable,
+    Unknown,
     Usage,
     Used,
 )
@@ -55,14 +56,6 @@ from .registry import Registry
 from .store import key_part
 
 log = logging.getLogger("chatstream")
-
-
-@dataclass(frozen=True)
-class Unknown:
-    """What the request refers to is not the caller's (or not there): a previous response."""
-
-    kind: str
-    id: str
 
 
 @dataclass

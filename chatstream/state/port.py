@@ -1,11 +1,11 @@
-"""What the shared state answers the request path and the admin API: domain results, in the state's
-own words. Only the HTTP layer (apis/refusals.py, manage.py, resumable.py) turns them into statuses,
-OpenAI's codes and messages, and headers.
+"""What the request path and the admin API tell the shared state, and what it answers: domain values,
+in the state's own words. Only the HTTP layer turns requests into them (apis/usage.py) and them into
+statuses, OpenAI's codes and messages, and headers (apis/refusals.py, manage.py, resumable.py).
 
-For a request (accounting.py), handed over in the state's words too (apis/usage.py builds them)::
+For a request (accounting.py)::
 
     found = await accounting.authenticate(key)         # Caller | KeyRefused | Unavailable
-    admitted = await accounting.admit(caller, asked)   # AdmissionRequest -> Admission | Refused | ...
+    admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unavailable
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
 For the admin API (registry.py): the object, or ``Invalid`` (which field, why: never the value),
@@ -122,6 +122,14 @@ class ModelRefused:
     model: str
     unpriced: bool = False
     scope: Scope = "caller"
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """What the request refers to is not the caller's (or not there): a previous response."""
+
+    kind: str
+    id: str
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream import tokens
 from chatstream.apis.usage import request_usage, usage_of
-from chatstream.state.accounting import Admission, Unknown
-from chatstream.state.port import ModelRefused, Refused, Unavailable, Used
+from chatstream.state.accounting import Admission
+from chatstream.state.port import ModelRefused, Refused, Unavailable, Unknown, Used
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
 
 from .state_helpers import MODEL, account, admit, asked, call, charge, counter, finish, instance, record, until, usage

@@ -11,8 +11,7 @@ from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import error_response
 from chatstream.apis.refusals import caller_key, duration, error, rate_headers
 from chatstream.errors import as_status, error_headers
-from chatstream.state.accounting import Unknown
-from chatstream.state.port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable
+from chatstream.state.port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable, Unknown
 
 
 def test_a_minute_limit_is_a_retryable_429_with_the_seconds_to_the_next_minute():
