@@ -253,7 +253,8 @@ async def _live(first: asyncio.Future, out: asyncio.Queue[bytes | None], heartbe
             if not first.done() and out.empty():
                 yield KEEP_ALIVE
     while (data := await out.get()) is not None:
-        yield data
+        if data:  # (nothing while the stream is handed over: Producer.append)
+            yield data
 
 
 async def _gone(producer: Producer, out: asyncio.Queue[bytes | None]) -> None:

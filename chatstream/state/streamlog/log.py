@@ -180,8 +180,10 @@ class StreamLog:
         won = await takeover.claim(self._ctx, check_stream_id(stream_id), self._continuation)
         return won if isinstance(won, Claim) else None
 
-    def _continuation(self, record: Record, stored: list[bytes], stored_bytes: int) -> Producer:
-        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes)
+    def _continuation(
+        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]]
+    ) -> Producer:
+        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences)
         self._run(producer)
         return producer
 

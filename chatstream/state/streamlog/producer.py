@@ -33,6 +33,7 @@ from .format import (
     BLOCK_LIMIT,
     BLOCKS_LIMIT,
     END,
+    EPOCH_IDS,
     HANDOVER,
     INLINE_EVENTS,
     LOST,
@@ -40,8 +41,11 @@ from .format import (
     Record,
     Route,
     ack_marker,
+    epoch_id,
     error_event,
     log_tag,
+    never_stored,
+    position,
     request_blob,
     text_units,
 )
@@ -68,6 +72,7 @@ class Producer:
         *,
         stored: list[bytes] | None = None,
         stored_bytes: int = 0,
+        fences: list[tuple[int, int]] | None = None,
         large_request: str | None = None,
     ):
         continuing = stored is not None
@@ -77,9 +82,11 @@ class Producer:
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
-        # A continuation: the last id its predecessor stored; a client may have got ids past it
-        # from that producer (unstored, so unknown here), which are then not refused.
-        self.seam: int | None = len(stored) if continuing else None
+        # A continuation: the takeovers of its log (format.never_stored), and where its own events
+        # start (their ids are of its epoch: format.EPOCH_IDS).
+        self._fences = list(fences or ())
+        self._epoch = record.epoch
+        self._seam = len(stored or ())
         self._ctx = ctx
         self._cfg = ctx.config
         self._tag = log_tag(self.id)
@@ -90,7 +97,7 @@ class Producer:
         self._born = self._loop.time()
         self._events: list[bytes] = list(stored or [])  # events[i] has id i + 1
         self._size = sum(map(len, self._events))
-        self._last_id = len(self._events)  # ids handed out (to the live caller)
+        self._handed = len(self._events)  # positions handed out (to the live caller)
         self._end = False  # the final event is kept (the route's, or our error)
         self._lost = False  # ...and it is our error (stored as ": lost")
         self._waiters: list[asyncio.Future] = []
@@ -109,7 +116,18 @@ class Producer:
 
     @property
     def last_id(self) -> int:
-        return self._last_id
+        """The id of the last event handed out."""
+        return self._id(self._handed)
+
+    def _id(self, at: int) -> int:
+        """The id of the event at position ``at`` (0: none)."""
+        if at > self._seam:
+            return epoch_id(self._epoch, at)
+        return sse.event_id(self._events[at - 1]) or 0 if at else 0
+
+    def never_stored(self, after: int) -> bool:
+        """Whether ``after`` is an id an earlier producer of this stream handed out and never stored."""
+        return never_stored(after, self._fences)
 
     @property
     def resumable(self) -> bool:
@@ -125,6 +143,11 @@ class Producer:
             raise ValueError("append takes whole SSE events with LF line ends")
         if self._final_by_caller:
             raise RuntimeError("append after the final event")
+        if self._handing_over or self.moved.is_set():
+            # The stream goes on elsewhere from its stored end: the live caller gets nothing past it
+            # (its resume there would hold ids never stored), and the final event tells it to resume.
+            self._final_by_caller = final
+            return self.moved_event() if final else b""
         end = len(data) - 2
         if end <= 0:
             return data
@@ -132,8 +155,8 @@ class Producer:
             if sse.is_comment(data[:end]):
                 out = data
             else:
-                self._last_id += 1
-                out = sse.numbered(self._last_id, data)
+                self._handed += 1
+                out = sse.numbered(epoch_id(self._epoch, self._handed), data)
                 self._keep(out)
         else:
             pieces = []
@@ -143,14 +166,14 @@ class Producer:
                 if sse.is_comment(part):
                     pieces.append(part + sse.END_OF_EVENT)
                     continue
-                self._last_id += 1
-                event = sse.numbered(self._last_id, part + sse.END_OF_EVENT)
+                self._handed += 1
+                event = sse.numbered(epoch_id(self._epoch, self._handed), part + sse.END_OF_EVENT)
                 pieces.append(event)
                 self._keep(event)
             out = b"".join(pieces)
         if final:
             self._final_by_caller = True
-            if not self._end and not self._handing_over:
+            if not self._end:
                 self._end = True
                 self._writer.kick.set()
         if self._waiters:
@@ -175,7 +198,7 @@ class Producer:
         if self._finished:
             return
         self._finished = True
-        if not self._end:
+        if not self._end and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
         self._writer.kick.set()
 
@@ -208,23 +231,37 @@ class Producer:
         ``stream_moved`` error without an id (it is not an event of the stream), so its client
         resumes after the last id it got, as after a cut."""
         return self._ctx.encode_error(
-            self.route, "stream_moved", "the stream goes on on another instance: resume it", True, self._last_id + 1
+            self.route, "stream_moved", "the stream goes on on another instance: resume it", True, self.last_id + 1
         )
 
     # -- what readers here use ------------------------------------------------------------------
 
+    # Readers here get what is stored only, as readers elsewhere do: only the live caller is ahead
+    # of the log, so that if this instance dies no reader holds an id the log never had
+    # (format.EPOCH_IDS). The writer writes fast while one follows. Once storing failed for good
+    # nobody else can go on with the stream: they get what is kept.
+
+    def _readable(self) -> int:
+        return self._writer.stored if self._writer.resumable else len(self._events)
+
     def events_after(self, cursor: int) -> bytes:
-        """The kept events after id ``cursor`` (b"" when there are none yet)."""
-        return b"".join(self._events[cursor:]) if cursor < len(self._events) else b""
+        """The readable events after id ``cursor`` (b"" when there are none yet)."""
+        at, end = position(cursor), self._readable()
+        return b"".join(self._events[at:end]) if at < end else b""
 
     @property
     def kept(self) -> int:
-        """The last id kept here."""
-        return len(self._events)
+        """The id of the last readable event (0: none)."""
+        return self._id(self._readable())
+
+    @property
+    def stored_end(self) -> bool:
+        """The final event is readable (the last of ``events_after``)."""
+        return self._writer.end_written or (self._end and not self._writer.resumable)
 
     @property
     def ended(self) -> bool:
-        """The final event is kept (the last of ``events_after``)."""
+        """The final event is kept."""
         return self._end
 
     @property
@@ -240,12 +277,14 @@ class Producer:
 
     def attach(self) -> None:
         self._attached += 1
+        self._writer.follow_here(self._attached - self._caller_here)
 
     def detach(self) -> None:
         self._attached -= 1
         if self._attached <= 0:
             self._attached = 0
             self._alone_since = self._loop.time()
+        self._writer.follow_here(self._attached - self._caller_here)
 
     # -- what the inbox delivers ----------------------------------------------------------------
 
@@ -317,12 +356,13 @@ class Producer:
     def _keep(self, event: bytes) -> None:
         if self._end or self._handing_over or self.moved.is_set():
             return  # the live caller only: past the kept end, or the stream is stored elsewhere now
-        if self._size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
+        too_long = self._size + len(event) > self._cfg.max_stream_bytes or len(self._events) >= EPOCH_IDS - 2
+        if too_long or len(event) > BLOCK_LIMIT - 64:
             log.warning(
                 "stream %s is over %d bytes: it is not resumable past event %d",
                 self._tag,
                 self._cfg.max_stream_bytes,
-                self._last_id - 1,
+                self.kept,
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
@@ -330,11 +370,11 @@ class Producer:
         self._size += len(event)
 
     def _end_with_error(self, message: str) -> None:
-        number = len(self._events) + 1
-        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number)
+        at = len(self._events) + 1
+        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, self._id(at))
         self._events.append(event)
         self._size += len(event)
-        self._last_id = max(self._last_id, number)
+        self._handed = max(self._handed, at)
         self._end = True
         self._lost = True
         self._wake()
@@ -413,13 +453,19 @@ class _Writer:
         self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
         self._idle = False
         self._last_write = producer._started if not continuing else 0.0  # the first checkpoint is one interval in
-        self._end_written = False
+        self.end_written = False
+        self._readers_here = 0
 
     # -- what the producer asks -----------------------------------------------------------------
 
     def follow(self, following: bool) -> None:
         """Whether a reader elsewhere follows the stream (fast writes while one does)."""
         self._following = following
+        self._update_fast()
+
+    def follow_here(self, readers: int) -> None:
+        """How many readers here follow the stream (fast writes while one does)."""
+        self._readers_here = readers
         self._update_fast()
 
     def hurry(self) -> None:
@@ -430,7 +476,8 @@ class _Writer:
         self.kick.set()
 
     def _update_fast(self) -> None:
-        fast = (self._following or self._loop.time() < self._fast_until) and not self.done.is_set()
+        following = self._following or self._readers_here > 0
+        fast = (following or self._loop.time() < self._fast_until) and not self.done.is_set()
         if fast != self._fast:
             self._ctx.fast_writers += 1 if fast else -1
             self._fast = fast
@@ -481,12 +528,14 @@ class _Writer:
         finally:
             self.done.set()
             self._update_fast()
+            self._p._wake()
             instances.done()
 
     def give_up(self, why: str) -> None:
         if not self.resumable:
             return
         self.resumable = False
+        self._p._wake()
         log.warning("stream %s is not resumable: %s", self._p._tag, why)
         self._ctx.spawn(self._store_lost())
 
@@ -544,7 +593,7 @@ class _Writer:
             self.kick.clear()
             if self._repoint_to is not None:
                 await self._repoint()
-            ending = p._end and not self._end_written
+            ending = p._end and not self.end_written
             pending = len(p._events) > self.stored or ending or bool(self._acks) or p._handing_over
             if not pending and p._end:
                 break
@@ -606,7 +655,7 @@ class _Writer:
         parts = p._events[first : first + count]
         whole = first + count == len(p._events)
         acks = tuple(self._acks) if whole else ()
-        parts.extend(ack_marker(nonce, first + count) for nonce in acks)
+        parts.extend(ack_marker(nonce, p._id(first + count)) for nonce in acks)
         end = p._end and whole
         handover = p._handing_over and whole and not end
         if end:
@@ -656,8 +705,9 @@ class _Writer:
         self.stored_bytes = offset + len(attempt.block)
         self._blocks += 1
         self._acks = [a for a in self._acks if a not in attempt.acks]
-        self._end_written = self._end_written or attempt.end
+        self.end_written = self.end_written or attempt.end
         self.handed_over = self.handed_over or attempt.handover
+        self._p._wake()
 
     async def _repoint(self) -> None:
         instance, self._repoint_to = self._repoint_to, None
@@ -680,7 +730,7 @@ class _Writer:
             "state": "lost" if p._lost else "ended",
             "finished": now,
             "expires": now + self._cfg.ttl_seconds,
-            "last_id": len(p._events),
+            "last_id": p.kept,
             "size": self.stored_bytes,
         }
 
@@ -729,7 +779,8 @@ class _Writer:
         self.stored = len(p._events)
         self.stored_bytes = len(block)
         self._stored_size = p._size
-        self._end_written = True
+        self.end_written = True
+        p._wake()
         return True
 
     async def _store_end(self) -> None:
@@ -775,7 +826,7 @@ class _Writer:
                     return
                 if not stored:
                     message = "the stream stopped being stored"
-                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, self.stored + 1)
+                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, p._id(self.stored + 1))
                     try:
                         await ctx.store.append(p.id, block + sse.comment(LOST), at=self.stored_bytes)
                     except Modified:

@@ -21,7 +21,6 @@ import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal, Protocol
 
-from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from ..store import STREAMS_TABLE, Where
 from . import inbox
@@ -122,8 +121,8 @@ class Readers:
         if producer is not None:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("no such stream")
-            past_seam = producer.seam is not None and start > producer.seam
-            if start > producer.last_id and not producer.ended_lost and not past_seam:
+            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+            if start > producer.last_id and not producer.ended_lost and not never_stored:
                 raise PastTheEnd(start, producer.last_id)
             try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
                 slot = await Slot.take(ctx, stream_id)
@@ -166,11 +165,11 @@ class Readers:
                 raise failed
             tail = following.tail = Tail(after)
             first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
-            if after > tail.last_id:
+            if after > tail.last_id and not tail.broken:
                 if tail.end is None and live:
                     first += await following.wait_past_end()
                 acked = tail.acks.get(nonce)
-                if not tail.past_seam(after) and (
+                if not tail.broken and (
                     (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
                 ):
                     raise PastTheEnd(after, tail.last_id)
@@ -431,6 +430,10 @@ class _Following:
         """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
         producer.attach()
         try:
+            if producer.never_stored(self.cursor):
+                self._done = True
+                yield self._never_stored()
+                return
             while True:
                 kept = producer.kept
                 if kept > self.cursor:
@@ -438,9 +441,8 @@ class _Following:
                     self.cursor = kept
                     yield data
                     continue
-                if producer.ended:
-                    final = producer.events_after(kept - 1) if kept else b""
-                    ending = self._ending(producer.ended_lost, kept, final, producer.seam)
+                if producer.stored_end:
+                    ending = self._ending(producer.ended_lost, kept)
                     self._done = True
                     if ending:
                         yield ending
@@ -468,7 +470,7 @@ class _Following:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             record_at = loop.time() + 3 * cfg.poll_seconds
-            while tail.end is None:
+            while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
                 await asyncio.sleep(max(cadence.poll, ctx.remote_readers / cfg.read_rate))
@@ -488,7 +490,7 @@ class _Following:
                     if out:
                         last_new = now
                         yield out
-                    if tail.end is not None:
+                    if tail.end is not None or tail.broken:
                         break
                     if cadence.state_due(now):
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
@@ -522,7 +524,7 @@ class _Following:
                         )
                         return
             self._done = True
-            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + sse.END_OF_EVENT, tail.seam)
+            ending = self._never_stored() if tail.broken else self._ending(tail.end == LOST, tail.last_id)
             if ending:
                 yield ending
         finally:
@@ -566,8 +568,8 @@ class _Following:
         out = await self._poll()  # one more read for what was stored last
         tail = self.tail
         assert tail is not None and self.record is not None
-        if tail.end is not None:
-            return out, False  # over after all: the loop reads its end
+        if tail.end is not None or tail.broken:
+            return out, False  # over after all (or for this reader): the loop ends it
         fresh = await self._reread()
         if (
             fresh.instance != self.record.instance
@@ -590,18 +592,19 @@ class _Following:
     def _lost(self, message: str) -> bytes:
         return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.cursor + 1)
 
-    def _ending(self, lost: bool, last_id: int, final: bytes, seam: int | None) -> bytes:
-        """What a reader gets at the stream's end besides the events: the final event again for a
-        client past a takeover's seam that the continuation did not reach (it was handed ids the
-        dead producer never stored: it still gets its one final event), or our stream_lost error
-        when the log ended lost and the client is past its last event."""
-        if lost:
-            if self.cursor == last_id and self.cursor > self.after:
-                return b""  # it just got the lost event itself
+    def _ending(self, lost: bool, last_id: int) -> bytes:
+        """What a reader gets at the stream's end besides the events: our stream_lost error when the
+        log ended lost and the client is past its last event."""
+        if lost and not (self.cursor == last_id and self.cursor > self.after):  # (else it just got it)
             return self._lost("the stream was lost before its end")
-        if seam is not None and self.after > seam and self.cursor == self.after and self.after >= last_id and final:
-            return final
         return b""
+
+    def _never_stored(self) -> bytes:
+        """The end of a reading after an id that a producer, gone since, handed out but never stored:
+        what follows it was made again by another producer and is other text (a model does not say
+        the same twice): the client cannot be given the rest of its own."""
+        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def wait_past_end(self) -> bytes:
         """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
@@ -618,6 +621,7 @@ class _Following:
             while (
                 self.after > tail.last_id
                 and tail.end is None
+                and not tail.broken
                 and self._nonce not in tail.acks
                 and loop.time() < deadline
             ):

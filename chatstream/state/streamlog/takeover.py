@@ -6,8 +6,8 @@ needs (``Claim``).
 The claim is two conditional writes: the record (instance → this one, epoch + 1, on its ETag: one
 winner), then the fence in the log (``: epoch E L`` appended at the stored end, on the append
 position: a producer that was only slow finds it at its next append and stops, ``Producer.moved``).
-What was stored before the fence is the stream so far; the new producer appends after it, ids
-going on from L + 1."""
+What was stored before the fence is the stream so far; the new producer appends after it, its ids
+those of its epoch (``format.EPOCH_IDS``): never one the previous producer may have handed out."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class Claim:
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
 
 
-MakeProducer = Callable[[Record, list[bytes], int], Producer]
+MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]]], Producer]
 
 
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
@@ -117,7 +117,8 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer) -> Claim | Ref
             await _record_end(ctx, won, tail)
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)))
+        fences = [*tail.fences, (won.epoch, tail.last_id)]
+        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
