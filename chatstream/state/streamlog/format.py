@@ -178,6 +178,12 @@ class Record:
         )
 
 
+def record_over(stream_id: str, state: str, expires: float, **more: Any) -> dict[str, Any]:
+    """The record's fields that say the stream is over (``state`` ``ended`` or ``lost``), to merge:
+    it is deleted at ``expires``."""
+    return {"PartitionKey": stream_id, "RowKey": RECORD_ROW, "state": state, "expires": expires, **more}
+
+
 # What a reader reads of the record (never the request, which may be 60 KB; the log when it is there).
 READER_FIELDS = ("route", "owner", "instance", "epoch", "created", "expires", "state", "events")
 

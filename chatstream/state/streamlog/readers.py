@@ -37,6 +37,7 @@ from .format import (
     check_stream_id,
     error_event,
     log_tag,
+    record_over,
     started_at,
 )
 from .producer import Producer
@@ -657,11 +658,5 @@ async def _now(value: bytes) -> bytes:
 async def _mark_lost(ctx: Context, stream_id: str) -> None:
     """Record that nobody produces ``stream_id`` any more (a reader found out and no takeover is
     possible): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
-    fields = {
-        "PartitionKey": stream_id,
-        "RowKey": RECORD_ROW,
-        "state": "lost",
-        "expires": ctx.now() + ctx.config.ttl_seconds,
-    }
     with contextlib.suppress(StoreError):
-        await ctx.store.merge(STREAMS_TABLE, fields)
+        await ctx.store.merge(STREAMS_TABLE, record_over(stream_id, "lost", ctx.now() + ctx.config.ttl_seconds))

@@ -22,7 +22,18 @@ from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .format import LOST, RECORD_ROW, Record, Route, Tail, epoch_marker, log_tag, request_blob, split_events
+from .format import (
+    LOST,
+    RECORD_ROW,
+    Record,
+    Route,
+    Tail,
+    epoch_marker,
+    log_tag,
+    record_over,
+    request_blob,
+    split_events,
+)
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
@@ -189,13 +200,7 @@ async def _quietly_read(ctx: Context, stream_id: str, offset: int) -> bytes:
 async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:
     """The old producer stored its end but not its record's: say it, the record being ours now."""
     now = ctx.now()
-    fields = {
-        "PartitionKey": won.stream_id,
-        "RowKey": RECORD_ROW,
-        "state": "lost" if tail.end == LOST else "ended",
-        "finished": now,
-        "expires": now + ctx.config.ttl_seconds,
-        "last_id": tail.last_id,
-    }
+    state = "lost" if tail.end == LOST else "ended"
+    fields = record_over(won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id)
     with contextlib.suppress(StoreError):  # else it expires later
         await ctx.store.merge(STREAMS_TABLE, fields, etag=won.etag)
