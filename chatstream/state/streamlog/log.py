@@ -67,8 +67,8 @@ class StreamLog:
     Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
     ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
-    ``stream_lost``. ``hand_over(stream_id)`` / ``drain()``: when this instance stops (SIGTERM), a
-    reader elsewhere takes the stream over at once.
+    ``stream_lost``. ``drain()``: when this instance stops (SIGTERM), its streams are handed over:
+    a reader elsewhere takes each over at once.
 
     ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
 
@@ -172,14 +172,6 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    async def claim(self, stream_id: str) -> Claim | None:
-        """Take ``stream_id`` over if its producer is gone (takeover.py): the Claim, whose producer
-        this instance now drives, or None (alive, taken elsewhere, over, or not continuable)."""
-        if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
-            return None
-        won = await takeover.claim(self._ctx, check_stream_id(stream_id), self._continuation)
-        return won if isinstance(won, Claim) else None
-
     def _continuation(
         self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]]
     ) -> Producer:
@@ -216,15 +208,9 @@ class StreamLog:
         finally:
             won.producer.finish()
 
-    async def hand_over(self, stream_id: str, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
-        """Mark a stream produced here so that a reader elsewhere takes it over at once (SIGTERM:
-        this instance drains, and takes nothing over from now on). True once the mark is stored."""
-        self._ctx.draining = True
-        producer = self.producing(stream_id)
-        return producer is not None and await producer.hand_over(timeout)
-
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
-        """Hand every stream produced here over (``hand_over``), at once; how many were."""
+        """Hand every stream produced here over (``Producer.hand_over``), at once, and take nothing over
+        from now on; how many were."""
         self._ctx.draining = True
         producers = [p for p in self._producers.values() if not p.moved.is_set()]
         handed = await asyncio.gather(*(p.hand_over(timeout) for p in producers))

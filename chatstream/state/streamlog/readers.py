@@ -65,7 +65,8 @@ class Streams(Protocol):
 class Reader:
     """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
     live ones up to the final event). ``route`` is the format of its events. Close it with
-    ``aclose`` (Starlette's StreamingResponse does) when the caller goes."""
+    ``aclose`` (Starlette's StreamingResponse does) when the caller goes; it is released (its slot,
+    its inbox row, its count here) once closed or read to its end."""
 
     def __init__(self, route: Route, events: Events, release: Callable[[], None]):
         self.route: Route = route
@@ -76,7 +77,11 @@ class Reader:
         return self
 
     async def __anext__(self) -> bytes:
-        return await anext(self._events)
+        try:
+            return await anext(self._events)
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def aclose(self) -> None:
         try:
@@ -148,7 +153,7 @@ class Readers:
         stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
         steps: list[Awaitable] = [
             Slot.take(ctx, stream_id),
-            ctx.store.read(stream_id) if stored is None else _now(stored),
+            ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
         ]
         if live:
             steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
@@ -180,9 +185,7 @@ class Readers:
         return self._reader(following, first)
 
     def _reader(self, following: _Following, first: bytes) -> Reader:
-        """A reader of ``following``'s events, counted here until it is closed or its events end
-        (closed before it started, its slot and inbox row go too)."""
-        events = following.events(first)
+        """A reader of ``following``'s events, counted here until it is released."""
         released = False
 
         def release() -> None:
@@ -192,17 +195,7 @@ class Readers:
                 following.close()
                 self.total -= 1
 
-        async def counted() -> Events:
-            try:
-                async for chunk in events:
-                    yield chunk
-            finally:
-                try:
-                    await events.aclose()
-                finally:
-                    release()
-
-        return Reader(following.route, counted(), release)
+        return Reader(following.route, following.events(first), release)
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -649,10 +642,6 @@ async def _make_log(ctx: Context, stream_id: str) -> None:
     first write for this reader is then one call. Best effort (the producer makes it otherwise)."""
     with contextlib.suppress(StoreError):  # AlreadyExists among them
         await ctx.store.append_create(stream_id)
-
-
-async def _now(value: bytes) -> bytes:
-    return value
 
 
 async def _mark_lost(ctx: Context, stream_id: str) -> None:
