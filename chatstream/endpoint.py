@@ -36,12 +36,12 @@ from .http import EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
-from .resumable import Resumable
+from .resumable import Resumable, Route
 from .settings import Settings
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
-from .state.streamlog import Claim, Route, started_at
+from .state.streamlog import Claim, started_at
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import Request
@@ -37,7 +37,6 @@ from .state.streamlog import (
     EncodeError,
     PastTheEnd,
     Producer,
-    Route,
     StreamLog,
     StreamLogError,
     StreamNotFound,
@@ -49,6 +48,9 @@ from .state.streamlog import (
 from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
 
 log = logging.getLogger("chatstream")
+
+# The stream log's name for a stream's events' format (it stores it, opaque, with the stream).
+Route = Literal["chat", "openai"]
 
 Encode = Callable[[Event], bytes | None]
 
@@ -341,7 +343,7 @@ def encode_error(encoders: dict[str, Encode]) -> EncodeError:
     ``stream_moved``, ``store_unavailable``): in the route's format, as the route's own encoder
     writes a final error."""
 
-    def encode(route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes:
+    def encode(route: str, type: str, message: str, retryable: bool, next_id: int) -> bytes:
         kind = _LOG_ERRORS.get(type, ErrorKind.STREAM_STORE_UNAVAILABLE)
         data = encoders[route](Failed(ApiError(502, kind, message, retryable=retryable)))
         return data or b""

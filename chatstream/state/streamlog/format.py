@@ -27,13 +27,10 @@ import base64
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from ... import sse
 from .errors import InvalidStreamId
-
-Route = Literal["chat", "openai"]
-ROUTES: tuple[Route, ...] = ("chat", "openai")
 
 # --- ids ------------------------------------------------------------------------------------
 
@@ -124,7 +121,7 @@ class Record:
     Times are the store's clock. ``epoch`` counts the producers: 1, then one more per takeover."""
 
     stream_id: str
-    route: Route
+    route: str  # the request path's name for its events' format (opaque here)
     owner: str | None
     instance: str
     epoch: int
@@ -159,10 +156,9 @@ class Record:
 
     @classmethod
     def of(cls, row: Any) -> Record:
-        route = row.get("route")
         return cls(
             stream_id=row["PartitionKey"],
-            route=route if route in ROUTES else "chat",
+            route=str(row.get("route") or ""),
             owner=row.get("owner"),
             instance=str(row.get("instance") or ""),
             epoch=int(row.get("epoch") or 1),
@@ -213,10 +209,10 @@ class EncodeError(Protocol):
     ``id:`` line. ``type`` is ``stream_lost`` (the stream ends here), ``stream_moved`` (this reading
     ends, the stream goes on elsewhere) or ``store_unavailable`` (this reading ends)."""
 
-    def __call__(self, route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes: ...
+    def __call__(self, route: str, type: str, message: str, retryable: bool, next_id: int) -> bytes: ...
 
 
-def error_event(encode_error: EncodeError, route: Route, type: str, message: str, number: int) -> bytes:
+def error_event(encode_error: EncodeError, route: str, type: str, message: str, number: int) -> bytes:
     """A retryable error event of ours, numbered ``number``."""
     return sse.numbered(number, encode_error(route, type, message, True, number))
 

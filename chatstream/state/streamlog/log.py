@@ -18,10 +18,8 @@ from .errors import StreamNotFound, TooManyStreams, Unavailable
 from .format import (
     INLINE_REQUEST,
     RECORD_ROW,
-    ROUTES,
     EncodeError,
     Record,
-    Route,
     check_stream_id,
     log_tag,
     new_stream_id,
@@ -94,12 +92,11 @@ class StreamLog:
     # -- producing ------------------------------------------------------------------------------
 
     def start(
-        self, route: Route, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
+        self, route: str, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
     ) -> Producer:
         """A new resumable stream produced here (no I/O: storing starts in the background).
+        ``route``: the request path's name for its events' format (given back with a ``Claim``);
         ``request``: the route's params, stored for a continuation (JSON)."""
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}")
         ctx, cfg = self._ctx, self.config
         if ctx.closed:
             raise RuntimeError("the stream log is closed")

@@ -16,7 +16,7 @@ from typing import Literal
 
 from ... import sse
 from .config import Context
-from .format import BLOCK_LIMIT, EPOCH_IDS, Record, Route, epoch_id, error_event, log_tag, never_stored, position
+from .format import BLOCK_LIMIT, EPOCH_IDS, Record, epoch_id, error_event, log_tag, never_stored, position
 from .writer import Kept, Writer
 
 log = logging.getLogger("chatstream")
@@ -46,7 +46,7 @@ class Producer:
     ):
         continuing = stored is not None
         self.id = record.stream_id
-        self.route: Route = record.route
+        self.route = record.route
         self.owner = record.owner
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None

@@ -32,7 +32,6 @@ from .format import (
     READER_FIELDS,
     RECORD_ROW,
     Record,
-    Route,
     Tail,
     check_stream_id,
     error_event,
@@ -68,8 +67,8 @@ class Reader:
     ``aclose`` (Starlette's StreamingResponse does) when the caller goes; it is released (its slot,
     its inbox row, its count here) once closed or read to its end."""
 
-    def __init__(self, route: Route, events: Events, release: Callable[[], None]):
-        self.route: Route = route
+    def __init__(self, route: str, events: Events, release: Callable[[], None]):
+        self.route = route
         self._events = events
         self._release = release
 
@@ -369,7 +368,7 @@ class _Following:
         ctx: Context,
         streams: Streams,
         stream_id: str,
-        route: Route,
+        route: str,
         after: int,
         slot: Slot | None,
         record: Record | None = None,
@@ -379,7 +378,7 @@ class _Following:
         self._cfg = ctx.config
         self._streams = streams
         self.stream_id = stream_id
-        self.route: Route = route
+        self.route = route
         self.after = after
         self.cursor = after
         self._slot = slot

@@ -26,7 +26,6 @@ from .format import (
     LOST,
     RECORD_ROW,
     Record,
-    Route,
     Tail,
     epoch_marker,
     log_tag,
@@ -52,7 +51,7 @@ class Claim:
     request path must drive it to its end (``append``... ``finish``), as for a new stream."""
 
     stream_id: str
-    route: Route
+    route: str
     owner: str | None
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
