@@ -167,7 +167,9 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             await store.append(won.stream_id, epoch_marker(won.epoch, tail.last_id), at=tail.offset)
             return True
         except Modified:  # the old producer's last write landed: fence after it
-            more = await _quietly_read(ctx, won.stream_id, tail.offset)
+            more = b""
+            with contextlib.suppress(StoreError):
+                more = await store.read(won.stream_id, tail.offset)
             if more:
                 stored.extend(more)
                 tail.feed(more)
@@ -187,13 +189,6 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             await asyncio.sleep(0.25)
     log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
     return None
-
-
-async def _quietly_read(ctx: Context, stream_id: str, offset: int) -> bytes:
-    try:
-        return await ctx.store.read(stream_id, offset)
-    except StoreError:
-        return b""
 
 
 async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:

@@ -440,25 +440,13 @@ class Writer:
             return False
         if len(text) > INLINE_EVENTS or text_units(text) > INLINE_EVENTS:
             return False
-        fields = {**self._end_fields(), "events": text, "size": len(block)}
-        deadline = self._loop.time() + cfg.give_up_seconds
-        unanswered = False
-        while True:
-            try:
-                async with self._ctx.bulk:
-                    self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                break
-            except (Modified, NotFound):
-                if unanswered:  # an earlier attempt landed (its answer lost) and changed the ETag
-                    break
-                self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
-                return True
-            except StoreError as exc:
-                unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline:
-                    self.give_up(f"the store is unavailable ({exc})")
-                    return True
-                await asyncio.sleep(0.5)
+        merged = await self._merge_end({**self._end_fields(), "events": text, "size": len(block)})
+        if merged is None:
+            self.give_up("the store is unavailable")
+            return True
+        if not merged:
+            self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
+            return True
         self.stored = len(p.events)
         self.stored_bytes = len(block)
         self._stored_size = p.size
@@ -467,21 +455,28 @@ class Writer:
         return True
 
     async def _store_end(self) -> None:
-        """The record says the stream is over (and expires a TTL from now). Only its producer of the
-        current epoch may: a conditional write. When it fails the end is still in the blob."""
-        fields = self._end_fields()
+        """The record says the stream is over (and expires a TTL from now). When it fails the end is
+        still in the blob (and the record is deleted at its first expiry)."""
+        if await self._merge_end(self._end_fields()) is None:
+            log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
+
+    async def _merge_end(self, fields: dict) -> bool | None:
+        """Merge the record's end, on its ETag (only this epoch's producer may), for up to
+        ``give_up_seconds``. True: merged; False: the record is someone else's (taken over); None:
+        the store failed throughout."""
         deadline = self._loop.time() + self._cfg.give_up_seconds
+        unanswered = False
         while True:
             try:
                 async with self._ctx.bulk:
                     self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                return
+                return True
             except (Modified, NotFound):
-                return  # taken over after its end was stored: the taker records it
-            except StoreError:
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
+            except StoreError as exc:
+                unanswered = unanswered or isinstance(exc, StoreUnavailable)
                 if self._loop.time() > deadline:
-                    log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
-                    return
+                    return None
                 await asyncio.sleep(0.5)
 
     async def _store_lost(self) -> None:
