@@ -35,6 +35,7 @@ from .state.accounting import Accounting
 from .state.streamlog import (
     MOVED,
     EncodeError,
+    LogError,
     PastTheEnd,
     Producer,
     StreamLog,
@@ -335,17 +336,19 @@ def _error(error: ApiError | StreamLogError) -> Response:
     return JSONResponse(body, status_code=error.status, headers=error_headers(error))
 
 
-_LOG_ERRORS = {"stream_lost": ErrorKind.STREAM_LOST, "stream_moved": ErrorKind.STREAM_MOVED}
+_LOG_ERRORS: dict[LogError, ErrorKind] = {
+    "stream_lost": ErrorKind.STREAM_LOST,
+    "stream_moved": ErrorKind.STREAM_MOVED,
+    "store_unavailable": ErrorKind.STREAM_STORE_UNAVAILABLE,
+}
 
 
 def encode_error(encoders: dict[str, Encode]) -> EncodeError:
-    """The stream log's encoder for an error event it writes itself (``stream_lost``,
-    ``stream_moved``, ``store_unavailable``): in the route's format, as the route's own encoder
-    writes a final error."""
+    """The stream log's encoder for an error event it writes itself (``LogError``, all retryable):
+    in the route's format, as the route's own encoder writes a final error."""
 
-    def encode(route: str, type: str, message: str, retryable: bool, next_id: int) -> bytes:
-        kind = _LOG_ERRORS.get(type, ErrorKind.STREAM_STORE_UNAVAILABLE)
-        data = encoders[route](Failed(ApiError(502, kind, message, retryable=retryable)))
+    def encode(route: str, type: LogError, message: str) -> bytes:
+        data = encoders[route](Failed(ApiError(502, _LOG_ERRORS[type], message, retryable=True)))
         return data or b""
 
     return encode

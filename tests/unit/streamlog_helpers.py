@@ -50,9 +50,9 @@ QUICK = {
 }
 
 
-def encode_error(route, type, message, retryable, next_id) -> bytes:
+def encode_error(route, type, message) -> bytes:
     if route == "chat":
-        return event({"error": {"type": type, "message": message, "retryable": retryable}}, b"error")
+        return event({"error": {"type": type, "message": message, "retryable": True}}, b"error")
     return event({"error": {"message": message, "type": "server_error", "param": None, "code": type}})
 
 

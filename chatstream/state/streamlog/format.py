@@ -26,8 +26,9 @@ from __future__ import annotations
 import base64
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal
 
 from ... import sse
 from .errors import InvalidStreamId
@@ -203,18 +204,18 @@ def ack_marker(nonce: str, last_id: int) -> bytes:
     return sse.comment(b"%s%s %d" % (_ACK, nonce.encode(), last_id))
 
 
-class EncodeError(Protocol):
-    """The request path's encoder for an error event this package has to write (a stream that lost its
-    producer, a store that failed...): one complete SSE event in ``route``'s format, without an
-    ``id:`` line. ``type`` is ``stream_lost`` (the stream ends here), ``stream_moved`` (this reading
-    ends, the stream goes on elsewhere) or ``store_unavailable`` (this reading ends)."""
+# The errors this package writes as events (all retryable): ``stream_lost`` (the stream, or this
+# reader's text, cannot go on), ``stream_moved`` (this reading ends, the stream goes on elsewhere),
+# ``store_unavailable`` (this reading ends).
+LogError = Literal["stream_lost", "stream_moved", "store_unavailable"]
+# The request path's encoder for them: one complete SSE event in the route's format, without an
+# ``id:`` line (route, error, message).
+EncodeError = Callable[[str, LogError, str], bytes]
 
-    def __call__(self, route: str, type: str, message: str, retryable: bool, next_id: int) -> bytes: ...
 
-
-def error_event(encode_error: EncodeError, route: str, type: str, message: str, number: int) -> bytes:
-    """A retryable error event of ours, numbered ``number``."""
-    return sse.numbered(number, encode_error(route, type, message, True, number))
+def error_event(encode_error: EncodeError, route: str, type: LogError, message: str, number: int) -> bytes:
+    """An error event of ours, numbered ``number``."""
+    return sse.numbered(number, encode_error(route, type, message))
 
 
 def split_events(data: bytes) -> list[bytes]:

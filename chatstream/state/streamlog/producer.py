@@ -188,9 +188,7 @@ class Producer:
         """What ends the live caller's answer once the stream goes on elsewhere: a retryable
         ``stream_moved`` error without an id (it is not an event of the stream), so its client
         resumes after the last id it got, as after a cut."""
-        return self._ctx.encode_error(
-            self.route, "stream_moved", "the stream goes on on another instance: resume it", True, self.last_id + 1
-        )
+        return self._ctx.encode_error(self.route, "stream_moved", "the stream goes on on another instance: resume it")
 
     # -- what readers here use ------------------------------------------------------------------
 

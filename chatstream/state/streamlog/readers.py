@@ -512,9 +512,7 @@ class _Following:
                     if now - failing_since > cfg.give_up_seconds:
                         # Not an event of the stream: no id, so a client asks again after the cursor.
                         self._done = True
-                        yield ctx.encode_error(
-                            self.route, "store_unavailable", "the stream's store is unavailable", True, self.cursor + 1
-                        )
+                        yield ctx.encode_error(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
             self._done = True
             ending = self._never_stored() if tail.broken else self._ending(tail.end == LOST, tail.last_id)
