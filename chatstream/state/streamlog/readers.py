@@ -1,10 +1,12 @@
 """Readers of resumable streams on this instance: ``Readers.open`` (what ``StreamLog.open_reader``
 does) checks, takes a slot and returns a ``Reader``, which follows the stream to its final event
-wherever it is produced: from its producer's memory when that is here (woken on every append), else
-from the store (the blob polled as it grows, the reader registered in the producer's inbox so that
-it writes fast, its instance's liveness checked). A reader that finds the producer gone asks its
-log to take the stream over (``Streams.take_over``) and follows the continuation: one answer, ids
-going on, one final event.
+wherever it is produced: from its producer's memory when that is here (what is stored of it, woken
+on every write: format.EPOCH_IDS), else from the store (the blob polled as it grows, the reader
+registered in the producer's inbox so that it writes fast, its instance's liveness checked). A
+reader that finds the producer gone asks its log to take the stream over (``Streams.take_over``)
+and follows the continuation: one answer, ids going on, one final event. A reader after an id its
+dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
+text.
 
 The limit of readers per stream holds across instances: each reader holds one of the stream's
 ``max_readers_per_stream`` slot rows (partition ``{id}``, RowKeys ``slot-00``…), taken with an
