@@ -226,16 +226,15 @@ def split_events(data: bytes) -> list[bytes]:
 class Tail:
     """Reads a stored log as it grows: ``feed`` the bytes from ``offset`` on, get the events after
     ``cursor`` (each once). What it has seen: the last id stored (``last_id``), the end marker
-    (``end``), the last event (``final``), the takeovers (``fences``: (epoch, last id before it);
-    ``epoch``, ``seam``: the latest's), a hand-over since then (``handover``) and the producers' acks
-    (``acks``). ``broken``: the cursor is an id the log never stored (``never_stored``): nothing
-    after it can be handed out."""
+    (``end``), the takeovers (``fences``: (epoch, last id before it); ``epoch``, ``seam``: the
+    latest's), a hand-over since then (``handover``) and the producers' acks (``acks``).
+    ``broken``: the cursor is an id the log never stored (``never_stored``): nothing after it can
+    be handed out."""
 
     def __init__(self, after: int):
         self.cursor = after  # the last id handed out (or skipped)
         self.last_id = 0
         self.end: bytes | None = None
-        self.final = b""
         self.fences: list[tuple[int, int]] = []
         self.handover = False
         self.broken = False
@@ -259,7 +258,6 @@ class Tail:
             number = sse.event_id(part)
             if number is not None:
                 self.last_id = number
-                self.final = part
                 if number > self.cursor and not self.broken:
                     out.append(part)
                     self.cursor = number
