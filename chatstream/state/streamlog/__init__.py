@@ -20,7 +20,8 @@ The design, one module per concept:
   ``flush_bytes``; ``fast_flush_seconds`` (100 ms) while a reader follows (here or elsewhere), after
   the caller hung up, and after a takeover.
 - readers.py — ``Reader``: follows a stream from its producer's memory when it is here, else from
-  the store, through any takeover; reader slots in the store (the per-stream limit across instances).
+  the store, through any takeover; slots.py — reader slots in the store (the per-stream limit
+  across instances).
 - inbox.py — a producing instance's inbox rows: cancels, readers elsewhere (fast writes, acks,
   abandonment), one query per tick for all its streams.
 - takeover.py — ``claim``: one winner by a conditional write on the record, then the fence in the
