@@ -367,6 +367,7 @@ class _Following:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             record_at = loop.time() + 3 * cfg.poll_seconds
+            patience = cfg.give_up_seconds
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -392,10 +393,14 @@ class _Following:
                     if cadence.state_due(now):
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
-                        elif self._gone_at is None and not tail.handover:
+                        elif not tail.handover and (
+                            self._gone_at is None or (self.cursor > tail.last_id and now - self._gone_at < patience)
+                        ):
                             # Twice, a check apart: a producer renamed under load (Instances fenced
-                            # it) says so in the record meanwhile; a dead one stays gone.
-                            self._gone_at = now
+                            # it) says so in the record meanwhile; a dead one stays gone. A reader
+                            # ahead of the log (its client has ids not stored yet) waits longer: a
+                            # takeover ends it with stream_lost, and a producer only slow stores them.
+                            self._gone_at = self._gone_at or now
                         else:
                             self._gone_at = None
                             out, done = await self._producer_gone()
