@@ -37,12 +37,13 @@ from .http import EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
-from .resumable import Resumable
+from .resumable import Resumable, Route
 from .settings import Settings
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
-from .state.streamlog import Claim, Route, started_at
+from .state.streamlog import Claim, started_at
+from .state.streamlog.format import position
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
@@ -341,7 +342,7 @@ class Endpoint:
         events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
         assert self.resumable is not None
         await self.resumable.produce(claim.producer, events, encode, protocol, record)
-        if admission is not None and claim.received > claim.last_id:
+        if admission is not None and position(claim.received) > position(claim.last_id):
             await self._charge_received(claim, known, admission)
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
@@ -371,7 +372,8 @@ class Endpoint:
         if not isinstance(self.api, Resumes):
             return
         ours = sse.split(claim.producer.events_after(claim.last_id))[0]
-        unstored = sse.join(e for e in ours if (sse.event_id(e) or 0) <= claim.received)
+        received = position(claim.received)  # ids differ per producer (streamlog/format.py): positions agree
+        unstored = sse.join(e for e in ours if position(sse.event_id(e) or 0) <= received)
         text = self.api.known(unstored).text
         if text:
             await self._charge_lost(claim, known, admission, text)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import Request
@@ -35,9 +35,9 @@ from .state.accounting import Accounting
 from .state.streamlog import (
     MOVED,
     EncodeError,
+    LogError,
     PastTheEnd,
     Producer,
-    Route,
     StreamLog,
     StreamLogError,
     StreamNotFound,
@@ -49,6 +49,9 @@ from .state.streamlog import (
 from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
 
 log = logging.getLogger("chatstream")
+
+# The stream log's name for a stream's events' format (it stores it, opaque, with the stream).
+Route = Literal["chat", "openai"]
 
 Encode = Callable[[Event], bytes | None]
 
@@ -253,7 +256,8 @@ async def _live(first: asyncio.Future, out: asyncio.Queue[bytes | None], heartbe
             if not first.done() and out.empty():
                 yield KEEP_ALIVE
     while (data := await out.get()) is not None:
-        yield data
+        if data:  # (nothing while the stream is handed over: Producer.append)
+            yield data
 
 
 async def _gone(producer: Producer, out: asyncio.Queue[bytes | None]) -> None:
@@ -332,17 +336,19 @@ def _error(error: ApiError | StreamLogError) -> Response:
     return JSONResponse(body, status_code=error.status, headers=error_headers(error))
 
 
-_LOG_ERRORS = {"stream_lost": ErrorKind.STREAM_LOST, "stream_moved": ErrorKind.STREAM_MOVED}
+_LOG_ERRORS: dict[LogError, ErrorKind] = {
+    "stream_lost": ErrorKind.STREAM_LOST,
+    "stream_moved": ErrorKind.STREAM_MOVED,
+    "store_unavailable": ErrorKind.STREAM_STORE_UNAVAILABLE,
+}
 
 
 def encode_error(encoders: dict[str, Encode]) -> EncodeError:
-    """The stream log's encoder for an error event it writes itself (``stream_lost``,
-    ``stream_moved``, ``store_unavailable``): in the route's format, as the route's own encoder
-    writes a final error."""
+    """The stream log's encoder for an error event it writes itself (``LogError``, all retryable):
+    in the route's format, as the route's own encoder writes a final error."""
 
-    def encode(route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes:
-        kind = _LOG_ERRORS.get(type, ErrorKind.STREAM_STORE_UNAVAILABLE)
-        data = encoders[route](Failed(ApiError(502, kind, message, retryable=retryable)))
+    def encode(route: str, type: LogError, message: str) -> bytes:
+        data = encoders[route](Failed(ApiError(502, _LOG_ERRORS[type], message, retryable=True)))
         return data or b""
 
     return encode

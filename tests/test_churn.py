@@ -21,6 +21,8 @@ from azure.data.tables import TableServiceClient
 from helpers import app_env
 from servers import Azurite
 
+from chatstream.state.streamlog.format import EPOCH_IDS
+
 MODEL = "gpt-test"
 
 
@@ -285,8 +287,9 @@ def test_a_killed_instances_requests_reach_the_usage_api(upstream, azurite, star
 def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, start_app):
     """A keyed resumable stream whose producer A dies, whose first taker B dies too, and which C
     finishes: three producers, three upstream requests, and a ledger row for each producer's part
-    (before, both continuations were written as segment 1: one row lost). The reader gets every id
-    once and one final event; the budget row equals the ledger; nothing stays held."""
+    (before, both continuations were written as segment 1: one row lost). The reader (from the start:
+    the caller's 3 events were never stored, test_resumable) gets every id once, in order, and one
+    final event; the budget row equals the ledger; nothing stays held."""
     from servers import Upstream
 
     upstream = Upstream("--scenario", "cadence", "--deltas", "120", "--interval-ms", "50")
@@ -312,17 +315,18 @@ def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, star
                         break
         a.stop(signal.SIGKILL)
         finals: list[str] = []
+        ids = []
 
         def read_on(app, until) -> None:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not finals:
-                headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+                headers = {"api-key": key, **({"Last-Event-ID": str(ids[-1])} if ids else {})}
                 with httpx.stream("GET", f"{app.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
                     if r.status_code != 200:
                         time.sleep(0.5)
                         continue
                     for line in r.iter_lines():
-                        if line.startswith("id: ") and int(line[4:]) > ids[-1]:
+                        if line.startswith("id: ") and (not ids or int(line[4:]) > ids[-1]):
                             ids.append(int(line[4:]))
                         elif line in ("event: done", "event: error"):
                             finals.append(line[7:])
@@ -337,7 +341,7 @@ def test_a_stream_taken_over_twice_keeps_a_ledger_row_per_producer(azurite, star
         b.stop(signal.SIGKILL)
         read_on(c, lambda: bool(finals))  # C's reader finds B dead: C takes over and finishes
         assert finals == ["done"], (finals, ids)
-        assert ids == list(range(1, len(ids) + 1)), ids
+        assert ids == sorted(ids) and [i % EPOCH_IDS for i in ids] == list(range(1, len(ids) + 1)), ids
         assert upstream.count() == base + 3
         deadline = time.monotonic() + 60
         while True:

@@ -20,7 +20,8 @@ import pytest
 from helpers import app_env
 from servers import App, Upstream
 
-from tools.fakeupstream.scenarios import cadence_text
+from chatstream.state.streamlog.format import EPOCH_IDS
+from tools.fakeupstream.scenarios import NORMAL_DELTAS, cadence_text
 
 DELTAS = 60  # the upstream's cadence stream: 60 words, the first after 100 ms, then one every 40 ms
 
@@ -170,7 +171,9 @@ def test_a_producer_that_dies_is_taken_over_and_every_reader_gets_the_whole_answ
             elif killed is not None and resumed_at is None and len(events(buffer)) > seen + 2:
                 resumed_at = time.monotonic()
     got = first + events(buffer)
-    assert [e[0] for e in got] == list(range(1, len(got) + 1)), "ids go on, each once"
+    ids = [e[0] for e in got]
+    assert ids == sorted(ids) and [i % EPOCH_IDS for i in ids] == list(range(1, len(got) + 1)), "ids go on, each once"
+    assert ids[-1] > EPOCH_IDS, "the takeover's events have its epoch's ids"
     assert got[-1][1] == "done" and sum(1 for e in got if e[1] in ("done", "error")) == 1, buffer[-400:]
     assert chat_text(got) == cadence_text(DELTAS), "the whole answer, once: nothing lost at the seam"
     assert json.loads(got[-1][2]).get("continued"), "the final event says it was continued"
@@ -188,49 +191,62 @@ def openai_text(evs) -> str:
     return text
 
 
+@pytest.mark.parametrize("differs", [True, False], ids=["other-text", "same-text"])
 @pytest.mark.parametrize("route", ["chat", "v1/chat/completions"])
-def test_a_producer_killed_before_it_stored_anything_is_taken_over_with_the_same_ids(
-    slow_upstream, azurite, start_app, route
+def test_a_caller_past_what_a_killed_producer_stored_gets_stream_lost_never_other_text(
+    azurite, start_app, route, differs
 ):
     """The live caller read 3 events from A, then A is SIGKILLed before its log held any (it trails
     the caller when nobody reads elsewhere): the caller resumes on B after id 3. B takes the stream
-    over from the empty log; its events must carry the ids the dead producer gave them (on chat
-    completions event 1 is the role chunk: a takeover that dropped its own ran one id behind and
-    the caller silently missed a delta). The caller's text is exact, with one final event."""
-    a = start_app(**resumable_env(slow_upstream, azurite, RESUME_TTL_SECONDS="30"))
-    b = start_app(**resumable_env(slow_upstream, azurite, RESUME_TTL_SECONDS="30"))
-    read_some(a.chat_url, {"prompt": "warm up"}, 1)  # A's store clients and tables ready: its record is stored
-    body = (
-        {"prompt": "kill before storing"}
-        if route == "chat"
-        else {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "kill before storing"}]}
-    )
-    got, buffer = [], ""
-    with httpx.stream("POST", f"{a.url}/api/{route}", json=body, timeout=30) as response:
-        assert response.status_code == 200, response.read()
-        stream_id = response.headers["x-stream-id"]
-        for piece in response.iter_text():
-            buffer += piece
-            got = events(buffer.rsplit("\n\n", 1)[0] + "\n\n") if "\n\n" in buffer else []
-            if len(got) >= 3:
-                a.stop(signal.SIGKILL)  # the local host and its worker, at once
+    over from the empty log, and the continuation writes the answer again: a real model writes other
+    text (here the scripted upstream answers the continuation with another scenario), so what the
+    caller holds cannot be made whole: it gets a final stream_lost at once, and never the other
+    text under ids it already has (even when the text happens to be the same: nobody can tell). A
+    reader from the start gets the new answer whole, its ids of the takeover's epoch, one final event."""
+    upstream = Upstream("--scenario", "cadence", "--deltas", str(DELTAS), "--interval-ms", "40")
+    try:
+        a = start_app(**resumable_env(upstream, azurite, RESUME_TTL_SECONDS="30"))
+        b = start_app(**resumable_env(upstream, azurite, RESUME_TTL_SECONDS="30"))
+        read_some(a.chat_url, {"prompt": "warm up"}, 1)  # A's store clients and tables ready: its record is stored
+        body = (
+            {"prompt": "kill before storing"}
+            if route == "chat"
+            else {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "kill before storing"}]}
+        )
+        got, buffer = [], ""
+        with httpx.stream("POST", f"{a.url}/api/{route}", json=body, timeout=30) as response:
+            assert response.status_code == 200, response.read()
+            stream_id = response.headers["x-stream-id"]
+            for piece in response.iter_text():
+                buffer += piece
+                got = events(buffer.rsplit("\n\n", 1)[0] + "\n\n") if "\n\n" in buffer else []
+                if len(got) >= 3:
+                    a.stop(signal.SIGKILL)  # the local host and its worker, at once
+                    break
+        got = got[:3]
+        if differs:
+            upstream.http.post("/_scripted/default", json={"scenario": "normal"}).raise_for_status()
+        deadline = time.monotonic() + 60
+        while True:
+            answer = resume(b, stream_id, got[-1][0])
+            if answer.status_code == 200 and events(answer.text):
                 break
-    got = got[:3]
-    deadline = time.monotonic() + 60
-    while True:
-        answer = resume(b, stream_id, got[-1][0])
-        if answer.status_code == 200 and events(answer.text):
-            break
-        assert time.monotonic() < deadline, (answer.status_code, answer.text[-300:])
-        time.sleep(0.5)
-    rest = events(answer.text)
-    whole = got + rest
-    assert [e[0] for e in whole] == list(range(1, len(whole) + 1)), "ids go on, each once"
-    if route == "chat":
-        assert chat_text(whole) == cadence_text(DELTAS) and whole[-1][1] == "done"
-    else:
-        assert whole[-1][2] == "[DONE]", answer.text[-300:]
-        assert openai_text(whole) == cadence_text(DELTAS), (openai_text(got), openai_text(rest)[:80])
+            assert time.monotonic() < deadline, (answer.status_code, answer.text[-300:])
+            time.sleep(0.5)
+        rest = events(answer.text)
+        assert len(rest) == 1 and rest[0][0] == 4 and "stream_lost" in rest[0][2], answer.text[-600:]
+        assert route != "chat" or json.loads(rest[0][2])["error"]["retryable"] is True
+        whole = events(resume(b, stream_id, None).text)
+        ids = [e[0] for e in whole]
+        assert ids == sorted(set(ids)) and ids[0] > 3, "the takeover's own ids: none of those the caller holds"
+        if route == "chat":
+            text, final = chat_text(whole), whole[-1][1] == "done"
+        else:
+            text, final = openai_text(whole), whole[-1][2] == "[DONE]"
+        expected = "".join(NORMAL_DELTAS) if differs else cadence_text(DELTAS)
+        assert final and text == expected, (text[:80], whole[-1])
+    finally:
+        upstream.stop()
 
 
 def test_without_continuations_a_producer_that_dies_ends_every_reader_with_stream_lost(

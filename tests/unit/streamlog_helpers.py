@@ -24,6 +24,7 @@ from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
 from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable
+from chatstream.state.streamlog.format import epoch_id, position
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +51,9 @@ QUICK = {
 }
 
 
-def encode_error(route, type, message, retryable, next_id) -> bytes:
+def encode_error(route, type, message) -> bytes:
     if route == "chat":
-        return event({"error": {"type": type, "message": message, "retryable": retryable}}, b"error")
+        return event({"error": {"type": type, "message": message, "retryable": True}}, b"error")
     return event({"error": {"message": message, "type": "server_error", "param": None, "code": type}})
 
 
@@ -79,8 +80,13 @@ def ids_in(stored: bytes) -> list[int]:
     return [int(part[4 : part.index(b"\n")]) for part in stored.split(b"\n\n") if part.startswith(b"id: ")]
 
 
-def numbered(events: list[bytes], first: int = 1) -> bytes:
-    return b"".join(b"id: %d\n%s" % (first + i, e) for i, e in enumerate(events))
+def numbered(events: list[bytes], first: int = 1, seam: int | None = None) -> bytes:
+    """``events`` with the ids of positions ``first``…; with ``seam``, the positions after it are
+    the takeover's (epoch 2's ids, format.EPOCH_IDS)."""
+    return b"".join(
+        b"id: %d\n%s" % (epoch_id(2 if seam is not None and first + i > seam else 1, first + i), e)
+        for i, e in enumerate(events)
+    )
 
 
 class CountingStore(MemoryStore):
@@ -181,7 +187,7 @@ def regenerating(deltas_of=lambda request: json.loads(request)["deltas"], gap: f
     async def hook(claim: Claim) -> None:
         if calls is not None:
             calls.append(claim)
-        for i in range(claim.last_id, deltas_of(claim.request)):
+        for i in range(position(claim.last_id), deltas_of(claim.request)):
             if claim.producer.stop_requested.is_set():
                 break
             claim.producer.append(delta(i))

@@ -671,3 +671,28 @@ async def test_background_writes_and_polls_wait_their_turn():
         assert 1 <= most["max"] <= 2, most
     await a.close()
     await a.instances.close()
+
+
+async def test_a_reader_here_gets_what_is_stored_only_and_only_the_live_caller_is_ahead():
+    """A reader on the producing instance reads from memory, but no further than the log: if the
+    instance died, a reader ahead of it would hold ids no other instance can give it the rest after
+    (format.EPOCH_IDS). The live caller is never held back."""
+    async with instances(1, **{**QUICK, "give_up_seconds": 30.0}) as (a,):
+        producer = a.start("chat", None)
+        for i in range(3):
+            producer.append(delta(i))
+        reader = await a.open_reader(producer.id, None, None)
+        got = b""
+        async with asyncio.timeout(5):
+            while len(events_of(got)) < 3:
+                got += await anext(reader)
+        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        assert producer.append(delta(3)).startswith(b"id: 4\n")  # the live caller has it at once
+        pending = asyncio.ensure_future(anext(reader))
+        done, _ = await asyncio.wait({pending}, timeout=0.5)
+        assert not done, "a reader here got an event the log does not have"
+        a.store.faults.clear()  # type: ignore[attr-defined]
+        await produce(producer, [])
+        async with asyncio.timeout(5):
+            got += await pending
+        assert got + await read_all(reader) == numbered([delta(i) for i in range(4)] + [DONE])

@@ -17,7 +17,8 @@ from memory_store import Fault, MemoryData
 
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
-from chatstream.state.streamlog import Claim, StreamLog, StreamNotFound, started_at
+from chatstream.state.streamlog import Claim, PastTheEnd, StreamLog, StreamNotFound, started_at
+from chatstream.state.streamlog.format import epoch_id, position
 
 from .streamlog_helpers import (
     DONE,
@@ -143,7 +144,7 @@ async def test_a_dead_producer_is_taken_over_and_every_reader_gets_one_whole_ans
                 first_new = first_new or time.monotonic()
                 got_b += chunk
         got_c = await read_all(reader_c)
-        expected = numbered([delta(i) for i in range(80)] + [DONE])
+        expected = numbered([delta(i) for i in range(80)] + [DONE], seam=30)
         assert got_b == expected and got_c == expected[expected.index(b"id: 6\n") :]
         assert len(calls) == 1 and calls[0].last_id == 30 and calls[0].owner == "alice"
         assert calls[0].request_id == "req-1" and json.loads(calls[0].request) == {"deltas": 80}
@@ -166,7 +167,7 @@ async def test_readers_on_two_instances_racing_for_a_dead_stream_claim_it_once()
         await asyncio.sleep(0.3)
         kill(a)
         got = await asyncio.gather(*(read_all(r) for r in readers))
-        assert all(g == numbered([delta(i) for i in range(40)] + [DONE]) for g in got)
+        assert all(g == numbered([delta(i) for i in range(40)] + [DONE], seam=10) for g in got)
         assert len(calls) == 1
 
 
@@ -188,12 +189,13 @@ async def test_a_slow_producer_declared_dead_is_fenced_and_stores_nothing_after_
         async with asyncio.timeout(5):
             await producer.moved.wait()
         assert producer.stop_reason == "taken_over" and producer.stop_requested.is_set()
-        assert got == numbered([delta(i) for i in range(50)] + [DONE])
         blob = bytes(a.store.data.blobs[producer.id][0])  # type: ignore[attr-defined]
         before, marker, after = blob.partition(b": epoch 2 ")
         first, rest = ids_in(before), ids_in(after)
+        assert got == numbered([delta(i) for i in range(50)] + [DONE], seam=len(first))
         assert marker and first == list(range(1, len(first) + 1)) and len(first) <= 20
-        assert rest == list(range(len(first) + 1, 52))  # A wrote nothing after the fence: B's go on from it
+        # A wrote nothing after the fence: B's go on from it, with its epoch's ids
+        assert rest == [epoch_id(2, i) for i in range(len(first) + 1, 52)]
         assert b": epoch" not in after and after.endswith(b": end\n\n")
         assert producer.moved_event().startswith(b"event: error\n")  # what A's live caller is told
 
@@ -212,17 +214,22 @@ async def test_a_handed_over_stream_is_taken_over_at_once_without_a_lease_to_wai
         await produce(ended, [])
         assert await a.drain() == 1  # SIGTERM: A hands over what it produces (the ended one needs none)
         assert producer.moved.is_set() and producer.stop_reason == "handed_over"
+        # A's live caller got nothing past what was handed over (B goes on from there, under its ids):
+        # the relay's last appends give it nothing, its final one the event that says resume.
+        assert producer.last_id == 10 and producer.append(delta(10)) == b""
+        assert producer.append(DONE, final=True) == producer.moved_event()
         assert await b.instances.alive(a.instances.id)  # A is alive: no lease expired
         got += await read_all(reader)
         print(f"\nhanded over: the reader elsewhere had the continuation {time.monotonic() - started:.2f} s later")
-        assert got == numbered([delta(i) for i in range(30)] + [DONE])
+        assert got == numbered([delta(i) for i in range(30)] + [DONE], seam=10)
         assert time.monotonic() - started < 2.0
 
 
-async def test_a_last_event_id_past_the_stored_end_of_a_dead_producer_gets_a_consistent_answer():
+async def test_a_last_event_id_a_dead_producer_never_stored_ends_with_stream_lost():
     """The dead producer's caller had events 1..20; only 1..10 were stored (its writes trail by up
-    to a checkpoint). A resume after 15 gets 16.. of the continuation (which regenerates 11..);
-    a resume past the continuation's end gets its final event: one final event either way."""
+    to a checkpoint). The continuation makes 11.. again, under its own epoch's ids (a model does
+    not write the same text twice): a resume after 15, or after 40, cannot be made whole and ends
+    with stream_lost at once, never with other text; one after 10 gets the continuation exactly."""
     async with instances(2, take_over=regenerating(), **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b):
         producer = a.start("chat", None, request={"deltas": 30})
         for i in range(10):
@@ -233,10 +240,16 @@ async def test_a_last_event_id_past_the_stored_end_of_a_dead_producer_gets_a_con
         for i in range(10, 20):
             producer.append(delta(i))
         kill(a)
-        reader = await b.open_reader(producer.id, 15, None)
-        assert await read_all(reader) == numbered([delta(i) for i in range(15, 30)] + [DONE], 16)
-        past = await b.open_reader(producer.id, 40, None)
-        assert await read_all(past) == numbered([DONE], 31)
+        reader = await b.open_reader(producer.id, 15, None)  # opened before the takeover: it follows it
+        got = events_of(await read_all(reader))
+        assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
+        for after in (15, 20, 40):  # after it
+            got = events_of(await read_all(await b.open_reader(producer.id, after, None)))
+            assert [n for n, _ in got] == [after + 1] and b'"type":"stream_lost"' in got[0][1], got
+        whole = await read_all(await b.open_reader(producer.id, 10, None))
+        assert whole == numbered([delta(i) for i in range(10, 30)] + [DONE], 11, seam=10)
+        with pytest.raises(PastTheEnd):
+            await b.open_reader(producer.id, epoch_id(2, 40), None)
 
 
 async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_continued():
@@ -292,7 +305,7 @@ async def test_a_stream_cancelled_while_its_producer_is_dead_is_not_generated_ag
         events = events_of(await read_all(await b.open_reader(producer.id, None, None)))
         # The takeover stopped at once: what was stored (delta 0, if it was), then the final event.
         assert len(calls) == 1 and calls[0].producer.stop_reason == "cancelled"
-        assert [n for n, _ in events] == list(range(1, len(events) + 1)) and len(events) <= 2
+        assert [position(n) for n, _ in events] == list(range(1, len(events) + 1)) and len(events) <= 2
         assert events[-1][1] == DONE[:-2]
 
 

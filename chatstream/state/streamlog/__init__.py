@@ -11,13 +11,17 @@ The design, one module per concept:
   chatstream/sse.py, with our markers as comments:
   end, lost, the epoch fence of a takeover, hand-over, acks; made at the first write: a stream that
   ends before it has its whole log in the record instead), and ``Tail``, which reads it.
-- producer.py — ``Producer``: numbers and keeps events in memory (no I/O), writes them in the
-  background in whole-event blocks at the expected append position; a foreign byte at that position
-  means it was taken over: it stops (``moved``). How far the log trails the live caller: at most
-  ``checkpoint_seconds`` (5 s) or ``flush_bytes``; ``fast_flush_seconds`` (100 ms) while a reader
-  elsewhere follows, after the caller hung up, and after a takeover.
+- producer.py — ``Producer``: numbers and keeps events in memory (``Kept``, no I/O); ids of a
+  takeover's producer are of its epoch, so an id names one event everywhere (format.EPOCH_IDS).
+  Readers here get what is stored; only the live caller is ahead of the log.
+- writer.py — ``Writer``: stores a producer's events in the background in whole-event blocks at
+  the expected append position; a foreign byte at that position means it was taken over: it stops
+  (``moved``). How far the log trails the live caller: at most ``checkpoint_seconds`` (5 s) or
+  ``flush_bytes``; ``fast_flush_seconds`` (100 ms) while a reader follows (here or elsewhere), after
+  the caller hung up, and after a takeover.
 - readers.py — ``Reader``: follows a stream from its producer's memory when it is here, else from
-  the store, through any takeover; reader slots in the store (the per-stream limit across instances).
+  the store, through any takeover; slots.py — reader slots in the store (the per-stream limit
+  across instances).
 - inbox.py — a producing instance's inbox rows: cancels, readers elsewhere (fast writes, acks,
   abandonment), one query per tick for all its streams.
 - takeover.py — ``claim``: one winner by a conditional write on the record, then the fence in the
@@ -42,9 +46,8 @@ from .errors import (
 from .format import (
     BLOCK_LIMIT,
     BLOCKS_LIMIT,
-    ROUTES,
     EncodeError,
-    Route,
+    LogError,
     check_stream_id,
     log_tag,
     new_stream_id,
@@ -59,15 +62,14 @@ __all__ = [
     "BLOCKS_LIMIT",
     "BLOCK_LIMIT",
     "MOVED",
-    "ROUTES",
     "Claim",
     "EncodeError",
     "InvalidStreamId",
+    "LogError",
     "PastTheEnd",
     "Producer",
     "Reader",
     "ResumeConfig",
-    "Route",
     "StopReason",
     "StreamLog",
     "StreamLogError",

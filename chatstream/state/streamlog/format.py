@@ -9,7 +9,8 @@ comment lines of ours (``sse.comment``), which no reader passes on:
 - ``: end`` — the last event is the route's final one; ``: lost`` — it is an error written here (the
   stream stopped being stored before its end);
 - ``: epoch E L`` — another instance took the stream over (epoch E) after event L: the fence, appended
-  at the stored end, so the previous producer's next append fails on its append position;
+  at the stored end, so the previous producer's next append fails on its append position. Ids above
+  L that earlier producers handed out were never stored (``Tail.broken``);
 - ``: handover`` — its producer stopped (its instance drains): a reader takes it over at once;
 - ``: ack NONCE L`` — the producer saw the reader NONCE registered (``inbox.py``) when it had handed
   out events up to L, all stored before this line: a reading after an id above L asks for one never handed out.
@@ -25,14 +26,12 @@ from __future__ import annotations
 import base64
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from ... import sse
 from .errors import InvalidStreamId
-
-Route = Literal["chat", "openai"]
-ROUTES: tuple[Route, ...] = ("chat", "openai")
 
 # --- ids ------------------------------------------------------------------------------------
 
@@ -70,6 +69,31 @@ def check_stream_id(stream_id: str) -> str:
     return stream_id
 
 
+# An event's id: its position in the stream (1, 2, 3…) plus ``EPOCH_IDS`` for every takeover before
+# the producer that made it (epoch E numbers its first event ``(E - 1) * EPOCH_IDS + L + 1`` after a
+# fence at L). The live caller of a producer that dies holds ids its log never stored; the new
+# producer's ids never reuse them, so an id names one event on every instance, and a client holding
+# one of them is told its text cannot be made whole (``never_stored``) instead of being handed other
+# text under the same ids. A stream has fewer positions than this (``Producer`` ends it before).
+EPOCH_IDS = 1_000_000
+
+
+def epoch_id(epoch: int, position: int) -> int:
+    """The id of the event at ``position`` made by the producer of ``epoch``."""
+    return (epoch - 1) * EPOCH_IDS + position
+
+
+def position(event_id: int) -> int:
+    """Where the event ``event_id`` is in its stream (1 for the first)."""
+    return event_id % EPOCH_IDS
+
+
+def never_stored(after: int, fences: list[tuple[int, int]]) -> bool:
+    """Whether the id ``after`` is one a producer handed out and never stored: above a fence's last
+    stored id L, and of an epoch before the fence's E (``fences``: each (E, L) of the log)."""
+    return any(seam < after < epoch_id(epoch, 0) for epoch, seam in fences)
+
+
 # --- the record -------------------------------------------------------------------------------
 
 RECORD_ROW = "stream"
@@ -98,7 +122,7 @@ class Record:
     Times are the store's clock. ``epoch`` counts the producers: 1, then one more per takeover."""
 
     stream_id: str
-    route: Route
+    route: str  # the request path's name for its events' format (opaque here)
     owner: str | None
     instance: str
     epoch: int
@@ -133,10 +157,9 @@ class Record:
 
     @classmethod
     def of(cls, row: Any) -> Record:
-        route = row.get("route")
         return cls(
             stream_id=row["PartitionKey"],
-            route=route if route in ROUTES else "chat",
+            route=str(row.get("route") or ""),
             owner=row.get("owner"),
             instance=str(row.get("instance") or ""),
             epoch=int(row.get("epoch") or 1),
@@ -150,6 +173,12 @@ class Record:
             events=row.get("events"),
             etag=getattr(row, "etag", ""),
         )
+
+
+def record_over(stream_id: str, state: str, expires: float, **more: Any) -> dict[str, Any]:
+    """The record's fields that say the stream is over (``state`` ``ended`` or ``lost``), to merge:
+    it is deleted at ``expires``."""
+    return {"PartitionKey": stream_id, "RowKey": RECORD_ROW, "state": state, "expires": expires, **more}
 
 
 # What a reader reads of the record (never the request, which may be 60 KB; the log when it is there).
@@ -175,18 +204,18 @@ def ack_marker(nonce: str, last_id: int) -> bytes:
     return sse.comment(b"%s%s %d" % (_ACK, nonce.encode(), last_id))
 
 
-class EncodeError(Protocol):
-    """The request path's encoder for an error event this package has to write (a stream that lost its
-    producer, a store that failed...): one complete SSE event in ``route``'s format, without an
-    ``id:`` line. ``type`` is ``stream_lost`` (the stream ends here), ``stream_moved`` (this reading
-    ends, the stream goes on elsewhere) or ``store_unavailable`` (this reading ends)."""
+# The errors this package writes as events (all retryable): ``stream_lost`` (the stream, or this
+# reader's text, cannot go on), ``stream_moved`` (this reading ends, the stream goes on elsewhere),
+# ``store_unavailable`` (this reading ends).
+LogError = Literal["stream_lost", "stream_moved", "store_unavailable"]
+# The request path's encoder for them: one complete SSE event in the route's format, without an
+# ``id:`` line (route, error, message).
+EncodeError = Callable[[str, LogError, str], bytes]
 
-    def __call__(self, route: Route, type: str, message: str, retryable: bool, next_id: int) -> bytes: ...
 
-
-def error_event(encode_error: EncodeError, route: Route, type: str, message: str, number: int) -> bytes:
-    """A retryable error event of ours, numbered ``number``."""
-    return sse.numbered(number, encode_error(route, type, message, True, number))
+def error_event(encode_error: EncodeError, route: str, type: LogError, message: str, number: int) -> bytes:
+    """An error event of ours, numbered ``number``."""
+    return sse.numbered(number, encode_error(route, type, message))
 
 
 def split_events(data: bytes) -> list[bytes]:
@@ -197,20 +226,29 @@ def split_events(data: bytes) -> list[bytes]:
 class Tail:
     """Reads a stored log as it grows: ``feed`` the bytes from ``offset`` on, get the events after
     ``cursor`` (each once). What it has seen: the last id stored (``last_id``), the end marker
-    (``end``), the last event (``final``), the latest takeover (``epoch``, ``seam``: the last id
-    before it), a hand-over since then (``handover``) and the producers' acks (``acks``)."""
+    (``end``), the takeovers (``fences``: (epoch, last id before it); ``epoch``, ``seam``: the
+    latest's), a hand-over since then (``handover``) and the producers' acks (``acks``).
+    ``broken``: the cursor is an id the log never stored (``never_stored``): nothing after it can
+    be handed out."""
 
     def __init__(self, after: int):
         self.cursor = after  # the last id handed out (or skipped)
         self.last_id = 0
         self.end: bytes | None = None
-        self.final = b""
-        self.epoch = 1
-        self.seam: int | None = None
+        self.fences: list[tuple[int, int]] = []
         self.handover = False
+        self.broken = False
         self.acks: dict[str, int] = {}
         self.rest = b""
         self.offset = 0  # bytes of the blob consumed
+
+    @property
+    def epoch(self) -> int:
+        return self.fences[-1][0] if self.fences else 1
+
+    @property
+    def seam(self) -> int | None:
+        return self.fences[-1][1] if self.fences else None
 
     def feed(self, data: bytes) -> bytes:
         self.offset += len(data)
@@ -220,8 +258,7 @@ class Tail:
             number = sse.event_id(part)
             if number is not None:
                 self.last_id = number
-                self.final = part
-                if number > self.cursor:
+                if number > self.cursor and not self.broken:
                     out.append(part)
                     self.cursor = number
                 continue
@@ -232,15 +269,14 @@ class Tail:
                 self.end = marker
             elif marker.startswith(_EPOCH):
                 epoch, _, after = marker[len(_EPOCH) :].partition(b" ")
-                self.epoch, self.seam, self.handover = int(epoch), int(after), False
+                self.fences.append((int(epoch), int(after)))
+                self.handover = False
+                # Every event handed out before a fence is at most its L: a cursor above it (of an
+                # earlier epoch) came from the client, and no later fence makes it whole.
+                self.broken = self.broken or never_stored(self.cursor, self.fences[-1:])
             elif marker == HANDOVER:
                 self.handover = True
             elif marker.startswith(_ACK):
                 nonce, _, last = marker[len(_ACK) :].partition(b" ")
                 self.acks[nonce.decode()] = int(last)
         return sse.join(out)
-
-    def past_seam(self, after: int) -> bool:
-        """Whether a client at ``after`` may hold events a dead producer handed out but never stored
-        (past the latest takeover's seam): those ids cannot be checked any more."""
-        return self.seam is not None and after > self.seam

@@ -18,10 +18,8 @@ from .errors import StreamNotFound, TooManyStreams, Unavailable
 from .format import (
     INLINE_REQUEST,
     RECORD_ROW,
-    ROUTES,
     EncodeError,
     Record,
-    Route,
     check_stream_id,
     log_tag,
     new_stream_id,
@@ -67,8 +65,8 @@ class StreamLog:
     Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
     ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
-    ``stream_lost``. ``hand_over(stream_id)`` / ``drain()``: when this instance stops (SIGTERM), a
-    reader elsewhere takes the stream over at once.
+    ``stream_lost``. ``drain()``: when this instance stops (SIGTERM), its streams are handed over:
+    a reader elsewhere takes each over at once.
 
     ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
 
@@ -94,12 +92,11 @@ class StreamLog:
     # -- producing ------------------------------------------------------------------------------
 
     def start(
-        self, route: Route, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
+        self, route: str, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
     ) -> Producer:
         """A new resumable stream produced here (no I/O: storing starts in the background).
+        ``route``: the request path's name for its events' format (given back with a ``Claim``);
         ``request``: the route's params, stored for a continuation (JSON)."""
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}")
         ctx, cfg = self._ctx, self.config
         if ctx.closed:
             raise RuntimeError("the stream log is closed")
@@ -172,16 +169,10 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    async def claim(self, stream_id: str) -> Claim | None:
-        """Take ``stream_id`` over if its producer is gone (takeover.py): the Claim, whose producer
-        this instance now drives, or None (alive, taken elsewhere, over, or not continuable)."""
-        if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
-            return None
-        won = await takeover.claim(self._ctx, check_stream_id(stream_id), self._continuation)
-        return won if isinstance(won, Claim) else None
-
-    def _continuation(self, record: Record, stored: list[bytes], stored_bytes: int) -> Producer:
-        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes)
+    def _continuation(
+        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]]
+    ) -> Producer:
+        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences)
         self._run(producer)
         return producer
 
@@ -214,15 +205,9 @@ class StreamLog:
         finally:
             won.producer.finish()
 
-    async def hand_over(self, stream_id: str, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
-        """Mark a stream produced here so that a reader elsewhere takes it over at once (SIGTERM:
-        this instance drains, and takes nothing over from now on). True once the mark is stored."""
-        self._ctx.draining = True
-        producer = self.producing(stream_id)
-        return producer is not None and await producer.hand_over(timeout)
-
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
-        """Hand every stream produced here over (``hand_over``), at once; how many were."""
+        """Hand every stream produced here over (``Producer.hand_over``), at once, and take nothing over
+        from now on; how many were."""
         self._ctx.draining = True
         producers = [p for p in self._producers.values() if not p.moved.is_set()]
         handed = await asyncio.gather(*(p.hand_over(timeout) for p in producers))

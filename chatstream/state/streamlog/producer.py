@@ -1,54 +1,27 @@
 """The producing side of a resumable stream (``Producer``): it numbers the events as the route appends
-them and keeps them in memory (no I/O: readers here are served from there), and stores them in the
-background (``_Writer``): the record at the start, then whole-event blocks appended at the expected
-position (the blob made before the first), at most every ``fast_flush_seconds`` while someone
-elsewhere follows, else every ``checkpoint_seconds``; the end marker and the record's end last. A
-stream that ends before its first write, with nobody elsewhere following it by then (the inbox read
-once more after its end to tell), is stored by the record's end alone: its whole log in the record,
-no blob (two store calls in all).
-
-A producer stops storing when the store fails for ``give_up_seconds`` (it ends the stored log with a
-``stream_lost`` error as soon as the store lets it: the live stream goes on), and for good when its
-append finds someone else's bytes at its position: another instance took the stream over (``moved``
-is set, and ``stop_requested`` with ``taken_over``: the relay stops its upstream). ``hand_over``
-stores what it has with a ``: handover`` marker, for a reader elsewhere to take it over at once.
+them and keeps them in memory (``Kept``; no I/O), and its ``Writer`` (writer.py) stores them in the
+background. Readers here are served what is stored, from memory; only the live caller is ahead of
+the log, so that no reader holds an id the log never had if this instance dies (format.EPOCH_IDS).
 
 Also where a stop is requested: a cancel (from any instance, via the inbox), nobody reading for
-``abandon_seconds``, or the time cap."""
+``abandon_seconds``, the time cap, or the stream going on elsewhere (``moved``: taken over, or
+handed over by ``hand_over`` when this instance drains)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 from ... import sse
-from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from ..store import NEW, STREAMS_TABLE
 from .config import Context
-from .format import (
-    BLOCK_LIMIT,
-    BLOCKS_LIMIT,
-    END,
-    HANDOVER,
-    INLINE_EVENTS,
-    LOST,
-    RECORD_ROW,
-    Record,
-    Route,
-    ack_marker,
-    error_event,
-    log_tag,
-    request_blob,
-    text_units,
-)
+from .format import BLOCK_LIMIT, EPOCH_IDS, Record, epoch_id, error_event, log_tag, never_stored, position
+from .writer import Kept, Writer
 
 log = logging.getLogger("chatstream")
 
-StopReason = Literal["cancelled", "abandoned", "timeout", "taken_over", "handed_over"]
+StopReason = Literal["cancelled", "abandoned", "timeout", "taken_over", "handed_over"]  # (writer.Moved among them)
 # The stream goes on elsewhere: the relay stops, and its live caller resumes with Last-Event-ID.
 MOVED: tuple[StopReason, ...] = ("taken_over", "handed_over")
 
@@ -68,18 +41,17 @@ class Producer:
         *,
         stored: list[bytes] | None = None,
         stored_bytes: int = 0,
+        fences: list[tuple[int, int]] | None = None,
         large_request: str | None = None,
     ):
         continuing = stored is not None
         self.id = record.stream_id
-        self.route: Route = record.route
+        self.route = record.route
         self.owner = record.owner
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
-        # A continuation: the last id its predecessor stored; a client may have got ids past it
-        # from that producer (unstored, so unknown here), which are then not refused.
-        self.seam: int | None = len(stored) if continuing else None
+        self._kept = Kept(record.epoch, list(stored or ()), list(fences or ()))
         self._ctx = ctx
         self._cfg = ctx.config
         self._tag = log_tag(self.id)
@@ -88,28 +60,38 @@ class Producer:
         # Started by the store's clock: a continuation's cap counts from the stream's own start.
         self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
         self._born = self._loop.time()
-        self._events: list[bytes] = list(stored or [])  # events[i] has id i + 1
-        self._size = sum(map(len, self._events))
-        self._last_id = len(self._events)  # ids handed out (to the live caller)
-        self._end = False  # the final event is kept (the route's, or our error)
-        self._lost = False  # ...and it is our error (stored as ": lost")
+        self._handed = len(self._kept.events)  # positions handed out (to the live caller)
         self._waiters: list[asyncio.Future] = []
         self._final_by_caller = False
         self._finished = False
-        self._handing_over = False
         self._caller_here = not continuing  # the original caller (a continuation has none)
         self._attached = int(self._caller_here)  # ...and the readers here
         self._alone_since = self._loop.time()
         self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
         self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
         self._acked: set[str] = set()
-        self._writer = _Writer(self, record, len(self._events), stored_bytes, large_request, continuing)
+        self._writer = Writer(
+            ctx,
+            record,
+            self._kept,
+            started=self._started,
+            stored_bytes=stored_bytes,
+            large_request=large_request,
+            continuing=continuing,
+            stored_more=self._wake,
+            moved=self._moved,
+        )
 
     # -- the request path's side --------------------------------------------------------------
 
     @property
     def last_id(self) -> int:
-        return self._last_id
+        """The id of the last event handed out."""
+        return self._kept.id(self._handed)
+
+    def never_stored(self, after: int) -> bool:
+        """Whether ``after`` is an id an earlier producer of this stream handed out and never stored."""
+        return never_stored(after, self._kept.fences)
 
     @property
     def resumable(self) -> bool:
@@ -125,38 +107,37 @@ class Producer:
             raise ValueError("append takes whole SSE events with LF line ends")
         if self._final_by_caller:
             raise RuntimeError("append after the final event")
+        kept = self._kept
+        if kept.handing_over or self.moved.is_set():
+            # The stream goes on elsewhere from its stored end: the live caller gets nothing past it
+            # (its resume there would hold ids never stored), and the final event tells it to resume.
+            self._final_by_caller = final
+            return self.moved_event() if final else b""
         end = len(data) - 2
         if end <= 0:
             return data
         if data.find(sse.END_OF_EVENT) == end:  # one event: the common case
-            if sse.is_comment(data[:end]):
-                out = data
-            else:
-                self._last_id += 1
-                out = sse.numbered(self._last_id, data)
-                self._keep(out)
+            parts = [data]
         else:
-            pieces = []
-            for part in sse.split(data)[0]:
-                if not part:
-                    continue
-                if sse.is_comment(part):
-                    pieces.append(part + sse.END_OF_EVENT)
-                    continue
-                self._last_id += 1
-                event = sse.numbered(self._last_id, part + sse.END_OF_EVENT)
-                pieces.append(event)
-                self._keep(event)
-            out = b"".join(pieces)
+            parts = [part + sse.END_OF_EVENT for part in sse.split(data)[0] if part]
+        out = []
+        for part in parts:
+            if sse.is_comment(part[:-2]):  # (a keep-alive)
+                out.append(part)
+                continue
+            self._handed += 1
+            event = sse.numbered(epoch_id(kept.epoch, self._handed), part)
+            out.append(event)
+            self._keep(event)
         if final:
             self._final_by_caller = True
-            if not self._end and not self._handing_over:
-                self._end = True
+            if not kept.end:
+                kept.end = True
                 self._writer.kick.set()
         if self._waiters:
             self._wake()
         self._writer.nudge()
-        return out
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def caller_gone(self) -> None:
         """The original caller hung up: keep producing (the generation goes on and is stored), and
@@ -165,7 +146,7 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        if not self._end:  # (read to its end: nothing more comes, and the end is written at once)
+        if not self._kept.end:  # (read to its end: nothing more comes, and the end is written at once)
             self._writer.hurry()
 
     def finish(self) -> None:
@@ -175,7 +156,7 @@ class Producer:
         if self._finished:
             return
         self._finished = True
-        if not self._end:
+        if not self._kept.end and not self._kept.handing_over:
             self._end_with_error("the stream ended without its final event")
         self._writer.kick.set()
 
@@ -186,15 +167,15 @@ class Producer:
                 await self._writer.done.wait()
         except TimeoutError:
             return False
-        return self._writer.resumable and self._writer.stored == len(self._events) and self._end
+        return self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
 
     async def hand_over(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
-        another instance takes the stream over at once (no lease to wait for). Events appended from
-        now on go to the live caller only. True once the marker is stored."""
-        if self._end or not self._writer.resumable or self._writer.done.is_set():
+        another instance takes the stream over at once (no lease to wait for). The live caller gets
+        nothing more (``append``). True once the marker is stored."""
+        if self._kept.end or not self._writer.resumable or self._writer.done.is_set():
             return False
-        self._handing_over = True
+        self._kept.handing_over = True
         self._writer.kick.set()
         try:
             async with asyncio.timeout(timeout):
@@ -207,30 +188,42 @@ class Producer:
         """What ends the live caller's answer once the stream goes on elsewhere: a retryable
         ``stream_moved`` error without an id (it is not an event of the stream), so its client
         resumes after the last id it got, as after a cut."""
-        return self._ctx.encode_error(
-            self.route, "stream_moved", "the stream goes on on another instance: resume it", True, self._last_id + 1
-        )
+        return self._ctx.encode_error(self.route, "stream_moved", "the stream goes on on another instance: resume it")
 
     # -- what readers here use ------------------------------------------------------------------
 
+    # Readers here get what is stored only, as readers elsewhere do: only the live caller is ahead
+    # of the log, so that if this instance dies no reader holds an id the log never had
+    # (format.EPOCH_IDS). The writer writes fast while one follows. Once storing failed for good
+    # nobody else can go on with the stream: they get what is kept.
+
+    def _readable(self) -> int:
+        return self._writer.stored if self._writer.resumable else len(self._kept.events)
+
     def events_after(self, cursor: int) -> bytes:
-        """The kept events after id ``cursor`` (b"" when there are none yet)."""
-        return b"".join(self._events[cursor:]) if cursor < len(self._events) else b""
+        """The readable events after id ``cursor`` (b"" when there are none yet)."""
+        at, end = position(cursor), self._readable()
+        return b"".join(self._kept.events[at:end]) if at < end else b""
 
     @property
     def kept(self) -> int:
-        """The last id kept here."""
-        return len(self._events)
+        """The id of the last readable event (0: none)."""
+        return self._kept.id(self._readable())
+
+    @property
+    def stored_end(self) -> bool:
+        """The final event is readable (the last of ``events_after``)."""
+        return self._writer.end_written or (self._kept.end and not self._writer.resumable)
 
     @property
     def ended(self) -> bool:
-        """The final event is kept (the last of ``events_after``)."""
-        return self._end
+        """The final event is kept."""
+        return self._kept.end
 
     @property
     def ended_lost(self) -> bool:
         """The final event kept is our ``stream_lost`` error."""
-        return self._lost
+        return self._kept.lost
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept, the end, a move."""
@@ -240,12 +233,14 @@ class Producer:
 
     def attach(self) -> None:
         self._attached += 1
+        self._writer.follow_here(self._attached - self._caller_here)
 
     def detach(self) -> None:
         self._attached -= 1
         if self._attached <= 0:
             self._attached = 0
             self._alone_since = self._loop.time()
+        self._writer.follow_here(self._attached - self._caller_here)
 
     # -- what the inbox delivers ----------------------------------------------------------------
 
@@ -281,7 +276,7 @@ class Producer:
         cfg = self._cfg
         self._writer.ticked(now)
         self._writer.follow(now_store - self._remote_follow_at < cfg.read_fresh_seconds)
-        if self._end or self.moved.is_set():
+        if self._kept.end or self.moved.is_set():
             return
         if now - self._started > cfg.max_stream_seconds:
             log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
@@ -307,7 +302,7 @@ class Producer:
         abandonment still need it when it is not stored any more)."""
         try:
             await self._writer.run()
-            while not self._end and not self.moved.is_set():
+            while not self._kept.end and not self.moved.is_set():
                 await self.changed()
         finally:
             self._release(self)
@@ -315,28 +310,27 @@ class Producer:
     # -- in memory ------------------------------------------------------------------------------
 
     def _keep(self, event: bytes) -> None:
-        if self._end or self._handing_over or self.moved.is_set():
-            return  # the live caller only: past the kept end, or the stream is stored elsewhere now
-        if self._size + len(event) > self._cfg.max_stream_bytes or len(event) > BLOCK_LIMIT - 64:
+        kept = self._kept
+        if kept.end:
+            return  # the live caller only: past the kept end
+        too_long = kept.size + len(event) > self._cfg.max_stream_bytes or len(kept.events) >= EPOCH_IDS - 2
+        if too_long or len(event) > BLOCK_LIMIT - 64:
             log.warning(
                 "stream %s is over %d bytes: it is not resumable past event %d",
                 self._tag,
                 self._cfg.max_stream_bytes,
-                self._last_id - 1,
+                self.kept,
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
-        self._events.append(event)
-        self._size += len(event)
+        kept.add(event)
 
     def _end_with_error(self, message: str) -> None:
-        number = len(self._events) + 1
-        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number)
-        self._events.append(event)
-        self._size += len(event)
-        self._last_id = max(self._last_id, number)
-        self._end = True
-        self._lost = True
+        kept = self._kept
+        at = len(kept.events) + 1
+        kept.add(error_event(self._ctx.encode_error, self.route, "stream_lost", message, kept.id(at)))
+        self._handed = max(self._handed, at)
+        kept.end = kept.lost = True
         self._wake()
         self._writer.kick.set()
 
@@ -355,448 +349,3 @@ class Producer:
             log.warning("stream %s was taken over by another instance: this producer stops", self._tag)
         self.request_stop(reason)
         self._wake()
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """One append: the events it carries, its bytes, whether it ends the log or hands it over."""
-
-    count: int
-    block: bytes
-    end: bool
-    handover: bool
-    acks: tuple[str, ...]
-
-
-class _Fenced(Exception):
-    """The blob holds someone else's bytes at this producer's position: the stream was taken over."""
-
-
-class _Writer:
-    """Stores one producer's events (module docstring). ``kick`` wakes it; ``done`` is set once it
-    has finished (stored, given up, or moved); ``resumable`` turns False when it gives up."""
-
-    def __init__(
-        self,
-        producer: Producer,
-        record: Record,
-        stored: int,
-        stored_bytes: int,
-        large_request: str | None,
-        continuing: bool,
-    ):
-        self._p = producer
-        self._ctx = producer._ctx
-        self._cfg = producer._cfg
-        self._loop = producer._loop
-        self.record = record
-        self._large_request = large_request
-        self._create_first = not continuing
-        self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
-        self._inline_tried = False
-        self._end_seen_at: float | None = None  # an ending writer waits for an inbox read begun after this
-        self._inbox_read = asyncio.Event()
-        self.resumable = True
-        self.handed_over = False
-        self.done = asyncio.Event()
-        self.kick = asyncio.Event()
-        self.stored = stored  # events in the blob
-        self.stored_bytes = stored_bytes  # the blob's length
-        self._stored_size = producer._size  # the bytes of the events in it (markers aside)
-        self._blocks = 0
-        self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
-        self._acks: list[str] = []
-        self._repoint_to: str | None = None
-        self._flush_now = False
-        self._fast = False
-        self._following = False
-        self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
-        self._idle = False
-        self._last_write = producer._started if not continuing else 0.0  # the first checkpoint is one interval in
-        self._end_written = False
-
-    # -- what the producer asks -----------------------------------------------------------------
-
-    def follow(self, following: bool) -> None:
-        """Whether a reader elsewhere follows the stream (fast writes while one does)."""
-        self._following = following
-        self._update_fast()
-
-    def hurry(self) -> None:
-        """Store what is in hand now, then write fast for a while."""
-        self._flush_now = True
-        self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
-        self._update_fast()
-        self.kick.set()
-
-    def _update_fast(self) -> None:
-        fast = (self._following or self._loop.time() < self._fast_until) and not self.done.is_set()
-        if fast != self._fast:
-            self._ctx.fast_writers += 1 if fast else -1
-            self._fast = fast
-            if fast:
-                self.kick.set()
-
-    def ack(self, nonce: str) -> None:
-        self._acks.append(nonce)
-        self.kick.set()
-
-    def repoint(self, instance: str) -> None:
-        self._repoint_to = instance
-        self.kick.set()
-
-    def ticked(self, began: float) -> None:
-        """The inbox was read (from ``began`` on) and what it held delivered."""
-        if self._end_seen_at is not None and began >= self._end_seen_at:
-            self._inbox_read.set()
-
-    def nudge(self) -> None:
-        """After an append: an idle writer starts its checkpoint wait now; a fast one, or one with
-        ``flush_bytes`` waiting, writes."""
-        if self._idle or self._fast or self._unstored() >= self._cfg.flush_bytes:
-            self.kick.set()
-
-    def _unstored(self) -> int:
-        return self._p._size - self._stored_size
-
-    def _interval(self) -> float:
-        cfg = self._cfg
-        self._update_fast()
-        if not self._fast:
-            return cfg.checkpoint_seconds
-        return max(cfg.fast_flush_seconds, self._ctx.fast_writers / cfg.write_rate)
-
-    # -- the task -------------------------------------------------------------------------------
-
-    async def run(self) -> None:
-        instances = self._ctx.instances
-        instances.need()
-        try:
-            try:
-                if not self._create_first or await self._create():
-                    await self._write_all()
-            except Exception:  # a bug of ours must not take the live stream with it
-                log.exception("stream %s: storing failed", self._p._tag)
-                self.give_up("internal error")
-        finally:
-            self.done.set()
-            self._update_fast()
-            instances.done()
-
-    def give_up(self, why: str) -> None:
-        if not self.resumable:
-            return
-        self.resumable = False
-        log.warning("stream %s is not resumable: %s", self._p._tag, why)
-        self._ctx.spawn(self._store_lost())
-
-    async def _create(self) -> bool:
-        """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease), the large request's own blob before it. The log's blob waits for the
-        first write (a takeover makes it when the stream's producer died before)."""
-        ctx, store = self._ctx, self._ctx.store
-        deadline = self._loop.time() + self._cfg.give_up_seconds
-        await ctx.instances.first_beat()
-        # By the store's clock as the beat heard it (before any answer, this machine's own was used).
-        elapsed = self._loop.time() - self._p._started
-        self.record.created = ctx.now() - elapsed
-        self.record.expires = self.record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
-        self.record.instance = ctx.instances.id
-        row = self.record.row()
-
-        async def put_request() -> None:
-            if self._large_request is not None:
-                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                    await store.put(request_blob(self._p.id), self._large_request.encode(), etag=NEW)
-
-        async def insert() -> None:
-            try:
-                self.record.etag = await store.insert(STREAMS_TABLE, row)
-            except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
-                found = await store.get(STREAMS_TABLE, self._p.id, RECORD_ROW, select=("instance", "epoch"))
-                if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
-                    raise _Fenced() from None
-                self.record.etag = found.etag
-
-        for step in (put_request, insert):
-            while True:
-                try:
-                    # The insert is the request's own (it makes the stream resumable, and a reader
-                    # elsewhere waits for it): it does not queue behind other streams' writes.
-                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
-                        await step()
-                    break
-                except _Fenced:
-                    self.give_up("its record is someone else's")
-                    return False
-                except StoreError as exc:
-                    if self._loop.time() > deadline:
-                        self.give_up(f"the store is unavailable ({exc})")
-                        return False
-                    await asyncio.sleep(0.25)
-        self._large_request = None
-        return True
-
-    async def _write_all(self) -> None:
-        p = self._p
-        failing_since: float | None = None
-        while True:
-            self.kick.clear()
-            if self._repoint_to is not None:
-                await self._repoint()
-            ending = p._end and not self._end_written
-            pending = len(p._events) > self.stored or ending or bool(self._acks) or p._handing_over
-            if not pending and p._end:
-                break
-            if p._end and not self._blob and not self._inline_tried:
-                if await self._end_inline():
-                    return
-                continue
-            if self._blocks >= BLOCKS_LIMIT - 2:
-                self.give_up("the stream has too many blocks")
-                return
-            now = self._loop.time()
-            due = self._last_write + self._interval()
-            urgent = (
-                p._end
-                or self._flush_now
-                or p._handing_over
-                or bool(self._acks)
-                or self._unstored() >= self._cfg.flush_bytes
-            )
-            if pending and (urgent or now >= due):
-                self._flush_now = False
-                self._last_write = now
-                try:
-                    await self._write_block()
-                    failing_since = None
-                except _Fenced:
-                    p._moved("taken_over")
-                    return
-                except StoreError as exc:
-                    failing_since = failing_since or now
-                    if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
-                        self.give_up(str(exc))
-                        return
-                    await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
-                if self.handed_over:
-                    p._moved("handed_over")
-                    return
-                continue
-            self._idle = not pending
-            try:
-                async with asyncio.timeout(max(0.0, due - now) if pending else None):
-                    await self.kick.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._idle = False
-        await self._store_end()
-
-    def _compose(self) -> _Attempt:
-        p = self._p
-        first = self.stored
-        limit = min(BLOCK_LIMIT - 4096, self._cfg.max_stream_bytes + 64)
-        count, size = 0, 0
-        for event in p._events[first:]:
-            if count and size + len(event) > limit:
-                break
-            count += 1
-            size += len(event)
-        parts = p._events[first : first + count]
-        whole = first + count == len(p._events)
-        acks = tuple(self._acks) if whole else ()
-        parts.extend(ack_marker(nonce, first + count) for nonce in acks)
-        end = p._end and whole
-        handover = p._handing_over and whole and not end
-        if end:
-            parts.append(sse.comment(LOST if p._lost else END))
-        elif handover:
-            parts.append(sse.comment(HANDOVER))
-        return _Attempt(count, b"".join(parts), end, handover, acks)
-
-    async def _write_block(self) -> None:
-        store = self._ctx.store
-        attempt = self._compose()
-        offset = self.stored_bytes
-        try:
-            async with self._ctx.bulk:
-                try:
-                    await store.append(self._p.id, attempt.block, at=offset)
-                except NotFound:
-                    # Not made yet (a reader elsewhere makes it as it registers, so the write it
-                    # waits for is one call): make it, then append.
-                    if self._blob:
-                        raise
-                    with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
-                        await store.append_create(self._p.id)
-                    self._blob = True
-                    await store.append(self._p.id, attempt.block, at=offset)
-            self._blob = True
-        except StoreUnavailable:
-            # No answer: it may still land. Every attempt since the last confirmed one is at this
-            # same offset, so the store takes at most one of them; the next one's answer says which.
-            self._uncertain.append(attempt)
-            raise
-        except Modified:
-            found = await store.read(self._p.id, offset)
-            landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
-            if landed is None:
-                raise _Fenced() from None
-            if len(found) > len(landed.block):
-                self._confirm(landed, offset)
-                raise _Fenced() from None
-            attempt = landed
-        self._confirm(attempt, offset)
-
-    def _confirm(self, attempt: _Attempt, offset: int) -> None:
-        self._uncertain.clear()
-        self._stored_size += sum(map(len, self._p._events[self.stored : self.stored + attempt.count]))
-        self.stored += attempt.count
-        self.stored_bytes = offset + len(attempt.block)
-        self._blocks += 1
-        self._acks = [a for a in self._acks if a not in attempt.acks]
-        self._end_written = self._end_written or attempt.end
-        self.handed_over = self.handed_over or attempt.handover
-
-    async def _repoint(self) -> None:
-        instance, self._repoint_to = self._repoint_to, None
-        assert instance is not None
-        fields = {"PartitionKey": self._p.id, "RowKey": RECORD_ROW, "instance": instance}
-        try:
-            self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-            self.record.instance = instance
-        except (Modified, NotFound):
-            pass  # taken over meanwhile: the next append finds the fence
-        except StoreError:
-            self._repoint_to = self._repoint_to or instance  # again at the next turn
-
-    def _end_fields(self) -> dict:
-        p = self._p
-        now = self._ctx.now()
-        return {
-            "PartitionKey": p.id,
-            "RowKey": RECORD_ROW,
-            "state": "lost" if p._lost else "ended",
-            "finished": now,
-            "expires": now + self._cfg.ttl_seconds,
-            "last_id": len(p._events),
-            "size": self.stored_bytes,
-        }
-
-    async def _end_inline(self) -> bool:
-        """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
-        is read once more after the end to tell), its whole log goes into the record with the
-        record's end, and no blob is made. False: write the blob as usual."""
-        p, cfg = self._p, self._cfg
-        self._inline_tried = True
-        if self._following or self._acks or p._handing_over:
-            return False
-        # A reader registered before the end is seen by an inbox read begun after it (its rows are
-        # delivered before the producers tick); one that came later reads this record first.
-        self._end_seen_at = self._loop.time()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(cfg.inbox_seconds + 1.0):
-                await self._inbox_read.wait()
-        if self._following or self._acks or p._handing_over or self.stored:
-            return False
-        block = b"".join(p._events) + sse.comment(LOST if p._lost else END)
-        try:
-            text = block.decode()
-        except UnicodeDecodeError:
-            return False
-        if len(text) > INLINE_EVENTS or text_units(text) > INLINE_EVENTS:
-            return False
-        fields = {**self._end_fields(), "events": text, "size": len(block)}
-        deadline = self._loop.time() + cfg.give_up_seconds
-        unanswered = False
-        while True:
-            try:
-                async with self._ctx.bulk:
-                    self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                break
-            except (Modified, NotFound):
-                if unanswered:  # an earlier attempt landed (its answer lost) and changed the ETag
-                    break
-                p._moved("taken_over")  # the record is another producer's: nothing of this one is stored
-                return True
-            except StoreError as exc:
-                unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline:
-                    self.give_up(f"the store is unavailable ({exc})")
-                    return True
-                await asyncio.sleep(0.5)
-        self.stored = len(p._events)
-        self.stored_bytes = len(block)
-        self._stored_size = p._size
-        self._end_written = True
-        return True
-
-    async def _store_end(self) -> None:
-        """The record says the stream is over (and expires a TTL from now). Only its producer of the
-        current epoch may: a conditional write. When it fails the end is still in the blob."""
-        p = self._p
-        fields = self._end_fields()
-        deadline = self._loop.time() + self._cfg.give_up_seconds
-        while True:
-            try:
-                async with self._ctx.bulk:
-                    self.record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                return
-            except (Modified, NotFound):
-                return  # taken over after its end was stored: the taker records it
-            except StoreError:
-                if self._loop.time() > deadline:
-                    log.warning("stream %s: its end could not be recorded; it is deleted later", p._tag)
-                    return
-                await asyncio.sleep(0.5)
-
-    async def _store_lost(self) -> None:
-        """Given up: as soon as the store lets it (within the stream's cap), end the stored log with a
-        ``stream_lost`` error at the stored position, and record it lost: readers elsewhere end
-        there instead of waiting."""
-        p, ctx = self._p, self._ctx
-        deadline = self._loop.time() + self._cfg.max_stream_seconds
-        pause = 0.5
-        stored = False
-        while self._loop.time() < deadline and not ctx.closed:
-            try:
-                if not stored and not self._blob:  # nothing stored yet: the error goes into the record
-                    message = "the stream stopped being stored"
-                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, 1) + sse.comment(LOST)
-                    fields = {
-                        "PartitionKey": p.id,
-                        "RowKey": RECORD_ROW,
-                        "state": "lost",
-                        "expires": ctx.now() + self._cfg.ttl_seconds,
-                        "events": block.decode(),
-                    }
-                    await ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                    return
-                if not stored:
-                    message = "the stream stopped being stored"
-                    block = error_event(ctx.encode_error, p.route, "stream_lost", message, self.stored + 1)
-                    try:
-                        await ctx.store.append(p.id, block + sse.comment(LOST), at=self.stored_bytes)
-                    except Modified:
-                        # One of the writes whose answer was lost landed after all: from after it.
-                        found = await ctx.store.read(p.id, self.stored_bytes)
-                        landed = next((a for a in self._uncertain if found == a.block), None)
-                        if landed is None:
-                            return  # someone else's bytes there: taken over
-                        self._confirm(landed, self.stored_bytes)
-                        continue
-                    stored = True
-                fields = {
-                    "PartitionKey": p.id,
-                    "RowKey": RECORD_ROW,
-                    "state": "lost",
-                    "expires": ctx.now() + self._cfg.ttl_seconds,
-                }
-                await ctx.store.merge(STREAMS_TABLE, fields, etag=self.record.etag)
-                return
-            except (Modified, NotFound):
-                return  # the record is someone else's now, or gone
-            except StoreError:
-                await asyncio.sleep(pause)
-                pause = min(5.0, pause * 2)

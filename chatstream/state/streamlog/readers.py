@@ -1,29 +1,24 @@
 """Readers of resumable streams on this instance: ``Readers.open`` (what ``StreamLog.open_reader``
 does) checks, takes a slot and returns a ``Reader``, which follows the stream to its final event
-wherever it is produced: from its producer's memory when that is here (woken on every append), else
-from the store (the blob polled as it grows, the reader registered in the producer's inbox so that
-it writes fast, its instance's liveness checked). A reader that finds the producer gone asks its
-log to take the stream over (``Streams.take_over``) and follows the continuation: one answer, ids
-going on, one final event.
-
-The limit of readers per stream holds across instances: each reader holds one of the stream's
-``max_readers_per_stream`` slot rows (partition ``{id}``, RowKeys ``slot-00``…), taken with an
-insert (or, when its holder stopped refreshing it, a conditional replace), so the check and the
-taking are one write."""
+wherever it is produced: from its producer's memory when that is here (what is stored of it, woken
+on every write: format.EPOCH_IDS), else from the store (the blob polled as it grows, the reader
+registered in the producer's inbox so that it writes fast, its instance's liveness checked). A
+reader that finds the producer gone asks its log to take the stream over (``Streams.take_over``)
+and follows the continuation: one answer, ids going on, one final event. A reader after an id its
+dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
+text. Each reader holds a slot among the stream's readers (slots.py) while it reads."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal, Protocol
 
-from ... import sse
-from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from ..store import STREAMS_TABLE, Where
+from ...errors import StoreError
+from ..store import STREAMS_TABLE
 from . import inbox
 from .config import Context
 from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
@@ -33,14 +28,15 @@ from .format import (
     READER_FIELDS,
     RECORD_ROW,
     Record,
-    Route,
     Tail,
     check_stream_id,
     error_event,
     log_tag,
+    record_over,
     started_at,
 )
 from .producer import Producer
+from .slots import Slot
 from .takeover import producer_gone
 
 log = logging.getLogger("chatstream")
@@ -68,10 +64,11 @@ class Streams(Protocol):
 class Reader:
     """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
     live ones up to the final event). ``route`` is the format of its events. Close it with
-    ``aclose`` (Starlette's StreamingResponse does) when the caller goes."""
+    ``aclose`` (Starlette's StreamingResponse does) when the caller goes; it is released (its slot,
+    its inbox row, its count here) once closed or read to its end."""
 
-    def __init__(self, route: Route, events: Events, release: Callable[[], None]):
-        self.route: Route = route
+    def __init__(self, route: str, events: Events, release: Callable[[], None]):
+        self.route = route
         self._events = events
         self._release = release
 
@@ -79,7 +76,11 @@ class Reader:
         return self
 
     async def __anext__(self) -> bytes:
-        return await anext(self._events)
+        try:
+            return await anext(self._events)
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def aclose(self) -> None:
         try:
@@ -125,8 +126,8 @@ class Readers:
         if producer is not None:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("no such stream")
-            past_seam = producer.seam is not None and start > producer.seam
-            if start > producer.last_id and not producer.ended_lost and not past_seam:
+            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+            if start > producer.last_id and not producer.ended_lost and not never_stored:
                 raise PastTheEnd(start, producer.last_id)
             try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
                 slot = await Slot.take(ctx, stream_id)
@@ -151,7 +152,7 @@ class Readers:
         stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
         steps: list[Awaitable] = [
             Slot.take(ctx, stream_id),
-            ctx.store.read(stream_id) if stored is None else _now(stored),
+            ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
         ]
         if live:
             steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
@@ -169,11 +170,11 @@ class Readers:
                 raise failed
             tail = following.tail = Tail(after)
             first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
-            if after > tail.last_id:
+            if after > tail.last_id and not tail.broken:
                 if tail.end is None and live:
                     first += await following.wait_past_end()
                 acked = tail.acks.get(nonce)
-                if not tail.past_seam(after) and (
+                if not tail.broken and (
                     (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
                 ):
                     raise PastTheEnd(after, tail.last_id)
@@ -183,9 +184,7 @@ class Readers:
         return self._reader(following, first)
 
     def _reader(self, following: _Following, first: bytes) -> Reader:
-        """A reader of ``following``'s events, counted here until it is closed or its events end
-        (closed before it started, its slot and inbox row go too)."""
-        events = following.events(first)
+        """A reader of ``following``'s events, counted here until it is released."""
         released = False
 
         def release() -> None:
@@ -195,17 +194,7 @@ class Readers:
                 following.close()
                 self.total -= 1
 
-        async def counted() -> Events:
-            try:
-                async for chunk in events:
-                    yield chunk
-            finally:
-                try:
-                    await events.aclose()
-                finally:
-                    release()
-
-        return Reader(following.route, counted(), release)
+        return Reader(following.route, following.events(first), release)
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -233,99 +222,6 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
         raise StreamNotFound("no such stream")
     return record
-
-
-class Slot:
-    """One of a stream's reader slots, held while the reader reads (refreshed every
-    ``read_refresh_seconds``; free ``slot_seconds`` after its holder stopped)."""
-
-    def __init__(self, ctx: Context, stream_id: str, key: str, holder: str, etag: str):
-        self._ctx = ctx
-        self._stream_id = stream_id
-        self._key = key
-        self._holder = holder
-        self._etag = etag
-        self._keeping = ctx.spawn(self._keep())
-
-    @classmethod
-    async def take(cls, ctx: Context, stream_id: str) -> Slot:
-        """A free slot: one insert into a random one; if it is taken, one look at them all, then two
-        free or expired ones at most, twice. TooManyReaders when none is left (or the others were
-        quicker: never one too many); StoreError. A write whose answer was lost may have taken a
-        slot: it is given back (its row names this holder)."""
-        store, cfg = ctx.store, ctx.config
-        holder = secrets.token_hex(6)
-        keys = [f"slot-{i:02d}" for i in range(cfg.max_readers_per_stream)]
-        random.shuffle(keys)
-
-        async def write(key: str, etag: str | None) -> Slot:
-            row = _slot_row(ctx, stream_id, key, holder)
-            try:
-                if etag is None:
-                    return cls(ctx, stream_id, key, holder, await store.insert(STREAMS_TABLE, row))
-                return cls(ctx, stream_id, key, holder, await store.replace(STREAMS_TABLE, row, etag=etag))
-            except StoreUnavailable:
-                ctx.later(lambda: _give_back(ctx, stream_id, key, holder))
-                raise
-
-        try:
-            return await write(keys[0], None)
-        except AlreadyExists:
-            pass
-        for _ in range(2):
-            where = Where(partition=stream_id, rows_from="slot-", rows_to="slot.", select=("until",))
-            held = {row["RowKey"]: row for row in await store.query(STREAMS_TABLE, where)}
-            now = ctx.now()
-            free = [k for k in keys if k not in held]
-            expired = [k for k in keys if k in held and float(held[k].get("until") or 0.0) < now]
-            if not free and not expired:
-                break
-            for key in (free + expired)[:2]:
-                try:
-                    return await write(key, held[key].etag if key in held else None)
-                except (AlreadyExists, Modified, NotFound):
-                    continue
-        raise TooManyReaders("too many readers of this stream")
-
-    async def _keep(self) -> None:
-        refresh = self._ctx.config.read_refresh_seconds
-        pause = refresh
-        while True:
-            await asyncio.sleep(pause)
-            try:
-                row = _slot_row(self._ctx, self._stream_id, self._key, self._holder)
-                self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
-                pause = refresh
-            except (Modified, NotFound):
-                return  # it expired and was taken (this reader was too slow): it reads on
-            except StoreError:
-                # Again soon, not a whole interval later: the slot outlives its last refresh by
-                # slot_seconds (about three intervals), and a busy store can fail two in a row.
-                pause = min(1.0, refresh / 4)
-
-    def release(self) -> None:
-        if self._keeping is not None:
-            self._keeping.cancel()
-            self._keeping = None
-            self._ctx.later(self._give_back)
-
-    async def _give_back(self) -> None:
-        try:
-            await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, self._key, etag=self._etag)
-        except Modified:  # a refresh landed as it was cancelled: the row is still ours if it names us
-            await _give_back(self._ctx, self._stream_id, self._key, self._holder)
-
-
-def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
-    until = ctx.now() + ctx.config.slot_seconds
-    return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until}
-
-
-async def _give_back(ctx: Context, stream_id: str, key: str, holder: str) -> None:
-    """Free the slot ``key`` if ``holder`` holds it (a conditional delete: never someone else's)."""
-    row = await ctx.store.get(STREAMS_TABLE, stream_id, key, select=("holder",))
-    if row is not None and row.get("holder") == holder:
-        await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=row.etag)
 
 
 class _Cadence:
@@ -379,7 +275,7 @@ class _Following:
         ctx: Context,
         streams: Streams,
         stream_id: str,
-        route: Route,
+        route: str,
         after: int,
         slot: Slot | None,
         record: Record | None = None,
@@ -389,7 +285,7 @@ class _Following:
         self._cfg = ctx.config
         self._streams = streams
         self.stream_id = stream_id
-        self.route: Route = route
+        self.route = route
         self.after = after
         self.cursor = after
         self._slot = slot
@@ -434,6 +330,10 @@ class _Following:
         """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
         producer.attach()
         try:
+            if producer.never_stored(self.cursor):
+                self._done = True
+                yield self._never_stored()
+                return
             while True:
                 kept = producer.kept
                 if kept > self.cursor:
@@ -441,9 +341,8 @@ class _Following:
                     self.cursor = kept
                     yield data
                     continue
-                if producer.ended:
-                    final = producer.events_after(kept - 1) if kept else b""
-                    ending = self._ending(producer.ended_lost, kept, final, producer.seam)
+                if producer.stored_end:
+                    ending = self._ending(producer.ended_lost, kept)
                     self._done = True
                     if ending:
                         yield ending
@@ -471,7 +370,8 @@ class _Following:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             record_at = loop.time() + 3 * cfg.poll_seconds
-            while tail.end is None:
+            patience = cfg.give_up_seconds
+            while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
                 await asyncio.sleep(max(cadence.poll, ctx.remote_readers / cfg.read_rate))
@@ -491,15 +391,19 @@ class _Following:
                     if out:
                         last_new = now
                         yield out
-                    if tail.end is not None:
+                    if tail.end is not None or tail.broken:
                         break
                     if cadence.state_due(now):
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
-                        elif self._gone_at is None and not tail.handover:
+                        elif not tail.handover and (
+                            self._gone_at is None or (self.cursor > tail.last_id and now - self._gone_at < patience)
+                        ):
                             # Twice, a check apart: a producer renamed under load (Instances fenced
-                            # it) says so in the record meanwhile; a dead one stays gone.
-                            self._gone_at = now
+                            # it) says so in the record meanwhile; a dead one stays gone. A reader
+                            # ahead of the log (its client has ids not stored yet) waits longer: a
+                            # takeover ends it with stream_lost, and a producer only slow stores them.
+                            self._gone_at = self._gone_at or now
                         else:
                             self._gone_at = None
                             out, done = await self._producer_gone()
@@ -520,12 +424,10 @@ class _Following:
                     if now - failing_since > cfg.give_up_seconds:
                         # Not an event of the stream: no id, so a client asks again after the cursor.
                         self._done = True
-                        yield ctx.encode_error(
-                            self.route, "store_unavailable", "the stream's store is unavailable", True, self.cursor + 1
-                        )
+                        yield ctx.encode_error(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
             self._done = True
-            ending = self._ending(tail.end == LOST, tail.last_id, tail.final + sse.END_OF_EVENT, tail.seam)
+            ending = self._never_stored() if tail.broken else self._ending(tail.end == LOST, tail.last_id)
             if ending:
                 yield ending
         finally:
@@ -569,8 +471,8 @@ class _Following:
         out = await self._poll()  # one more read for what was stored last
         tail = self.tail
         assert tail is not None and self.record is not None
-        if tail.end is not None:
-            return out, False  # over after all: the loop reads its end
+        if tail.end is not None or tail.broken:
+            return out, False  # over after all (or for this reader): the loop ends it
         fresh = await self._reread()
         if (
             fresh.instance != self.record.instance
@@ -593,18 +495,19 @@ class _Following:
     def _lost(self, message: str) -> bytes:
         return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.cursor + 1)
 
-    def _ending(self, lost: bool, last_id: int, final: bytes, seam: int | None) -> bytes:
-        """What a reader gets at the stream's end besides the events: the final event again for a
-        client past a takeover's seam that the continuation did not reach (it was handed ids the
-        dead producer never stored: it still gets its one final event), or our stream_lost error
-        when the log ended lost and the client is past its last event."""
-        if lost:
-            if self.cursor == last_id and self.cursor > self.after:
-                return b""  # it just got the lost event itself
+    def _ending(self, lost: bool, last_id: int) -> bytes:
+        """What a reader gets at the stream's end besides the events: our stream_lost error when the
+        log ended lost and the client is past its last event."""
+        if lost and not (self.cursor == last_id and self.cursor > self.after):  # (else it just got it)
             return self._lost("the stream was lost before its end")
-        if seam is not None and self.after > seam and self.cursor == self.after and self.after >= last_id and final:
-            return final
         return b""
+
+    def _never_stored(self) -> bytes:
+        """The end of a reading after an id that a producer, gone since, handed out but never stored:
+        what follows it was made again by another producer and is other text (a model does not say
+        the same twice): the client cannot be given the rest of its own."""
+        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def wait_past_end(self) -> bytes:
         """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
@@ -621,6 +524,7 @@ class _Following:
             while (
                 self.after > tail.last_id
                 and tail.end is None
+                and not tail.broken
                 and self._nonce not in tail.acks
                 and loop.time() < deadline
             ):
@@ -649,18 +553,8 @@ async def _make_log(ctx: Context, stream_id: str) -> None:
         await ctx.store.append_create(stream_id)
 
 
-async def _now(value: bytes) -> bytes:
-    return value
-
-
 async def _mark_lost(ctx: Context, stream_id: str) -> None:
     """Record that nobody produces ``stream_id`` any more (a reader found out and no takeover is
     possible): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
-    fields = {
-        "PartitionKey": stream_id,
-        "RowKey": RECORD_ROW,
-        "state": "lost",
-        "expires": ctx.now() + ctx.config.ttl_seconds,
-    }
     with contextlib.suppress(StoreError):
-        await ctx.store.merge(STREAMS_TABLE, fields)
+        await ctx.store.merge(STREAMS_TABLE, record_over(stream_id, "lost", ctx.now() + ctx.config.ttl_seconds))

@@ -6,8 +6,8 @@ needs (``Claim``).
 The claim is two conditional writes: the record (instance → this one, epoch + 1, on its ETag: one
 winner), then the fence in the log (``: epoch E L`` appended at the stored end, on the append
 position: a producer that was only slow finds it at its next append and stops, ``Producer.moved``).
-What was stored before the fence is the stream so far; the new producer appends after it, ids
-going on from L + 1."""
+What was stored before the fence is the stream so far; the new producer appends after it, its ids
+those of its epoch (``format.EPOCH_IDS``): never one the previous producer may have handed out."""
 
 from __future__ import annotations
 
@@ -22,7 +22,17 @@ from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .format import LOST, RECORD_ROW, Record, Route, Tail, epoch_marker, log_tag, request_blob, split_events
+from .format import (
+    LOST,
+    RECORD_ROW,
+    Record,
+    Tail,
+    epoch_marker,
+    log_tag,
+    record_over,
+    request_blob,
+    split_events,
+)
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
@@ -41,7 +51,7 @@ class Claim:
     request path must drive it to its end (``append``... ``finish``), as for a new stream."""
 
     stream_id: str
-    route: Route
+    route: str
     owner: str | None
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
@@ -55,7 +65,7 @@ class Claim:
     received: int = 0
 
 
-MakeProducer = Callable[[Record, list[bytes], int], Producer]
+MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]]], Producer]
 
 
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
@@ -121,7 +131,8 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             await _record_end(ctx, won, tail)
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)))
+        fences = [*tail.fences, (won.epoch, tail.last_id)]
+        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -161,7 +172,9 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             await store.append(won.stream_id, epoch_marker(won.epoch, tail.last_id), at=tail.offset)
             return True
         except Modified:  # the old producer's last write landed: fence after it
-            more = await _quietly_read(ctx, won.stream_id, tail.offset)
+            more = b""
+            with contextlib.suppress(StoreError):
+                more = await store.read(won.stream_id, tail.offset)
             if more:
                 stored.extend(more)
                 tail.feed(more)
@@ -183,23 +196,10 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
     return None
 
 
-async def _quietly_read(ctx: Context, stream_id: str, offset: int) -> bytes:
-    try:
-        return await ctx.store.read(stream_id, offset)
-    except StoreError:
-        return b""
-
-
 async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:
     """The old producer stored its end but not its record's: say it, the record being ours now."""
     now = ctx.now()
-    fields = {
-        "PartitionKey": won.stream_id,
-        "RowKey": RECORD_ROW,
-        "state": "lost" if tail.end == LOST else "ended",
-        "finished": now,
-        "expires": now + ctx.config.ttl_seconds,
-        "last_id": tail.last_id,
-    }
+    state = "lost" if tail.end == LOST else "ended"
+    fields = record_over(won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id)
     with contextlib.suppress(StoreError):  # else it expires later
         await ctx.store.merge(STREAMS_TABLE, fields, etag=won.etag)
