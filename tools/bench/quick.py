@@ -326,6 +326,19 @@ def _figures(t: dict, args: argparse.Namespace) -> dict:
     }
 
 
+def _paired(app: dict[str, list[float]], other: dict[str, list[float]], args: argparse.Namespace) -> list[list[float]]:
+    """The app's figures ÷ another path's, round by round (the blocks of one round ran side by side,
+    so a change in the machine's load between rounds cancels out): per delta, per stream, all-in."""
+    out: list[list[float]] = [[], [], []]
+    for r in range(args.rounds):
+        one = slice(r * BLOCKS, (r + 1) * BLOCKS)
+        mine = _figures({kind: sum(times[one]) for kind, times in app.items()}, args)
+        theirs = _figures({kind: sum(times[one]) for kind, times in other.items()}, args)
+        for i, key in enumerate(("delta", "stream", "all_in")):
+            out[i].append(mine[key] / theirs[key])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -411,6 +424,17 @@ def main() -> None:
             " / ".join(f"{figures['app', stat][key] / figures[name, stat][key]:.3f}" for stat in stats) for key in keys
         ]
         print(f"\napp ÷ {name}: per delta {ratios[0]}, per stream {ratios[1]}, all-in {ratios[2]}")
+    print()
+    for name in [n for n in names if n != "app"]:
+        paired = _paired(blocks["app"], blocks[name], args)
+        print(
+            f"app ÷ {name}, paired (each round's blocks against the same round's, median of {args.rounds} "
+            "rounds [lowest, highest]): "
+            + ", ".join(
+                f"{label} {statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+                for label, values in zip(("per delta", "per stream", "all-in"), paired, strict=True)
+            )
+        )
     print(f"\n({time.monotonic() - started:.0f} s)")
 
 
