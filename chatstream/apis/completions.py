@@ -146,7 +146,6 @@ class CompletionStream:
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
         self.generated: dict[int, list[str]] | None = {} if keep else None
-        self._only_plain = self._make_filter is None and not keep  # feed may forward chunks as they came
 
     def probe(self) -> CompletionStream:
         """The same kind of stream without text steps (the pool's look for the first output)."""
@@ -164,23 +163,12 @@ class CompletionStream:
         if data.get("usage"):
             self.usage = data["usage"]
 
-    def feed_now(self, data: dict) -> Fed | None:
-        """``feed``'s answer for the common chunk (``_plain``) without a coroutine, when no text step
-        nor kept text can be involved; None: ``feed`` decides."""
-        if not self._only_plain:
-            return None
-        self.note(data)
-        choices = data.get("choices")
-        if not choices:
-            return _NOTHING
-        return self._plain(data, choices)
-
     async def feed(self, data: dict) -> Fed:
         self.note(data)
         choices = data.get("choices")
         if not choices:
-            return _NOTHING
-        if self._only_plain:
+            return Fed(None)
+        if self._make_filter is None and self.generated is None and self.released is None:
             fed = self._plain(data, choices)
             if fed is not None:
                 return fed

@@ -135,9 +135,6 @@ class ResponseStream:
             if isinstance(response.get("usage"), dict):
                 self.usage = response["usage"]
 
-    def feed_now(self, data: dict) -> Fed | None:
-        return None  # every event through ``feed``
-
     async def feed(self, data: dict) -> Fed:
         kind = data.get("type")
         if not isinstance(kind, str) or not _EVENT_TYPE.fullmatch(kind):

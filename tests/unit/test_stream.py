@@ -439,9 +439,6 @@ async def test_moderation_before_any_output_sends_nothing():
 
 
 class BrokenProtocol(CompletionStream):
-    def feed_now(self, data):
-        return None  # every chunk through feed
-
     async def feed(self, data):
         if data["choices"] and data["choices"][0]["delta"].get("content") == "boom":
             raise ValueError("a bug of ours")
@@ -472,9 +469,6 @@ async def test_an_api_error_from_the_protocol_is_passed_as_it_is():
     rejection = Rejection(451, "not here")
 
     class Refusing(CompletionStream):
-        def feed_now(self, data):
-            return None
-
         async def feed(self, data):
             raise rejection
 
