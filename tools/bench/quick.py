@@ -3,7 +3,7 @@
 
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
-                                          [--profile FILE]
+                                          [--profile FILE [--profile-streams short]]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
@@ -234,7 +234,7 @@ async def _streams(serve, n: int, body: bytes) -> int:
 def child(args: argparse.Namespace) -> None:
     """One path in a process of its own: warms up, says ``ready``, then for each line on stdin,
     ``long`` or ``short``, streams a block of that length and answers the process CPU seconds it took
-    (``profile FILE``: the block of long streams under cProfile, into FILE)."""
+    (``KIND FILE``: that block under cProfile, into FILE)."""
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
@@ -249,7 +249,7 @@ def child(args: argparse.Namespace) -> None:
         print("ready", flush=True)
         for line in sys.stdin:
             kind, _, profile = line.strip().partition(" ")
-            ReplaySession.pieces = pieces["long" if profile else kind]
+            ReplaySession.pieces = pieces[kind]
             profiler = None
             if profile:
                 import cProfile
@@ -352,7 +352,13 @@ def main() -> None:
         metavar="NAME=SPEC",
         help="git:REF, patch:FILE, DIR or env:NAME=VALUE,...",
     )
-    p.add_argument("--profile", metavar="FILE", help="cProfile one app round of long streams into FILE, then stop")
+    p.add_argument("--profile", metavar="FILE", help="cProfile one app block of long streams into FILE, then stop")
+    p.add_argument(
+        "--profile-streams",
+        choices=("long", "short"),
+        default="long",
+        help="which block --profile profiles: short streams show the per-stream work",
+    )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -363,7 +369,7 @@ def main() -> None:
     if args.profile:
         app = _Child("app", ROOT, "", args)
         try:
-            app.block("long " + str(Path(args.profile).resolve()))
+            app.block(f"{args.profile_streams} {Path(args.profile).resolve()}")
         finally:
             app.close()
         print(f"wrote {args.profile}: .venv/bin/python -m pstats {args.profile}")
