@@ -454,25 +454,38 @@ def _failure(exc: Exception, record: StreamRecord) -> ApiError:
 
 
 async def encoded(
-    first: Event, events: AsyncIterator[Event], encode: Callable[[Event], bytes | None]
+    first: Event,
+    events: AsyncIterator[Event],
+    encode: Callable[[Event], bytes | None],
+    ended: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[bytes]:
     """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
-    chunks marked ``more`` joined with the events that follow them."""
+    chunks marked ``more`` joined with the events that follow them. ``ended``: called with the bytes
+    written when it ends, however it ends."""
     pending: list[bytes] = []
     event = first
-    while True:
-        data = encode(event)
-        if data:
-            pending.append(data)
-        last = not isinstance(event, Chunk)
-        if pending and (not isinstance(event, Chunk) or not event.more):
-            yield pending[0] if len(pending) == 1 else b"".join(pending)
-            pending = []
-        if last:
-            return
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            if pending:
-                yield b"".join(pending)
-            return
+    written = 0
+    try:
+        while True:
+            data = encode(event)
+            if data:
+                pending.append(data)
+            last = not isinstance(event, Chunk)
+            if pending and (not isinstance(event, Chunk) or not event.more):
+                data = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending = []
+                written += len(data)
+                yield data
+            if last:
+                return
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                if pending:
+                    data = b"".join(pending)
+                    written += len(data)
+                    yield data
+                return
+    finally:
+        if ended is not None:
+            ended(written)
