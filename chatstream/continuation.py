@@ -262,6 +262,7 @@ def continuation_request(params: dict, text: str, entry: Entry) -> dict:
 
 
 _SUBSTANCE = ("tool_calls", "function_call", "refusal")
+_TEXT_ONLY = frozenset({"role", "content"})  # a delta with nothing that blocks a continuation
 
 
 class ChatContinuation:
@@ -340,9 +341,13 @@ class ChatContinuation:
         content = delta.get("content")
         if type(content) is not str:
             content = ""
-        if content:
+        elif content:
             segment.parts.append(content)
-        if self._blocked is None and (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")):
+        if (
+            self._blocked is None
+            and not _TEXT_ONLY.issuperset(delta)  # one look for the common delta, not three
+            and (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"))
+        ):
             self._blocked = next(name for name in _SUBSTANCE if delta.get(name))
         if self._seam is None:  # the first stream: as it came
             if self._id is None:

@@ -19,6 +19,7 @@ response carries ``x-request-id``: the upstream's when it sent one, else the app
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -468,20 +469,29 @@ async def stream_response(
     )
 
 
-async def _body(
+def _body(
     first: asyncio.Future, events: AsyncGenerator[Event], encode: Callable[[Event], bytes | None], heartbeat: float
 ) -> AsyncGenerator[bytes]:
-    written = 0
+    """The response's body: the events encoded (``encoded`` itself when the first event is in hand:
+    a generator around it would cost every delta), after keep-alives while it is not. The response
+    closes the events when it ends (``EventStreamResponse``'s ``on_close``); a big answer's memory
+    goes back to the OS (memory.py)."""
+    if first.done():
+        return encoded(first.result(), events, encode, memory.released)
+    return _after_keep_alives(first, events, encode, heartbeat)
+
+
+async def _after_keep_alives(
+    first: asyncio.Future, events: AsyncGenerator[Event], encode: Callable[[Event], bytes | None], heartbeat: float
+) -> AsyncGenerator[bytes]:
     try:
-        if not first.done():
-            yield KEEP_ALIVE  # the headers go out now; say so to proxies at once
-            while not first.done():
-                await asyncio.wait({first}, timeout=heartbeat)
-                if not first.done():
-                    yield KEEP_ALIVE
-        async for data in encoded(first.result(), events, encode):
-            written += len(data)
-            yield data
+        yield KEEP_ALIVE  # the headers go out now; say so to proxies at once
+        while not first.done():
+            await asyncio.wait({first}, timeout=heartbeat)
+            if not first.done():
+                yield KEEP_ALIVE
+        async with contextlib.aclosing(encoded(first.result(), events, encode, memory.released)) as body:
+            async for data in body:
+                yield data
     finally:
         await _close_events(first, events)
-        memory.released(written)  # a big answer's memory goes back to the OS (memory.py)

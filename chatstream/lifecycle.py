@@ -87,25 +87,7 @@ class Stream:
         self.record.drained(ErrorKind.INSTANCE_DRAINING)
         if self._task is not None and not self._fired:
             self._fired = True
-            self._task.cancel()  # it waits on the upstream: the wait ends now (next() takes it back)
-
-    async def next(self, events: AsyncGenerator[Event]) -> Event | None:
-        """The next event, or None when the cut came while waiting for it. Like the time limits
-        (stream.TimeLimits.wait): the cut cancels the waiting task, and only that cancel is taken back."""
-        task = asyncio.current_task()
-        assert task is not None
-        cancelling = task.cancelling()
-        self._task = task
-        try:
-            return await anext(events)
-        except asyncio.CancelledError:
-            if self._fired and self._take_back(task) <= cancelling:
-                return None
-            raise
-        finally:
-            self._task = None
-            if self._fired:  # the cut came, yet the wait ended another way: take its cancel back
-                self._take_back(task)
+            self._task.cancel()  # it waits on the upstream: the wait ends now (Lifecycle._guarded takes it back)
 
     def _take_back(self, task: asyncio.Task) -> int:
         self._fired = False
@@ -180,10 +162,26 @@ class Lifecycle:
         ended = False
         try:
             while True:
-                try:
-                    item = None if stream.cut else await stream.next(events)
-                except StopAsyncIteration:
-                    return
+                # The next event, or None when the cut came while waiting for it. Like the time
+                # limits (stream.TimeLimits.wait): the cut cancels the waiting task, and only that
+                # cancel is taken back. Inline, not a coroutine: this runs for every delta.
+                item = None
+                if not stream.cut:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    cancelling = task.cancelling()
+                    stream._task = task
+                    try:
+                        item = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.CancelledError:
+                        if not (stream._fired and stream._take_back(task) <= cancelling):
+                            raise
+                    finally:
+                        stream._task = None
+                        if stream._fired:  # the cut came, yet the wait ended another way: take its cancel back
+                            stream._take_back(task)
                 if item is None:  # the cut (cut_now has told the record)
                     await events.aclose()  # the upstream is closed
                     item = Failed(instance_draining())

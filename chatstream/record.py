@@ -65,6 +65,7 @@ class StreamResult:
 # kept as it came, the same object wherever it is kept.
 SHARED_CHARS = 256
 JOIN_EVERY = 256  # short pieces joined into one string at a time
+_append = list.append
 
 
 class TextParts(list[str]):
@@ -83,9 +84,9 @@ class TextParts(list[str]):
     def append(self, piece: str) -> None:
         if len(piece) >= SHARED_CHARS:
             self._join()
-            super().append(piece)
+            _append(self, piece)
             return
-        super().append(piece)
+        _append(self, piece)  # list's own, not super()'s lookup: this runs for every delta
         self._run += 1
         if self._run >= JOIN_EVERY:
             self._join()
@@ -95,7 +96,7 @@ class TextParts(list[str]):
         if run > 1:
             joined = "".join(self[-run:])
             del self[-run:]
-            super().append(joined)
+            _append(self, joined)
 
 
 @dataclass(slots=True)

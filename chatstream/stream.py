@@ -26,7 +26,6 @@ never see the seam."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -295,16 +294,67 @@ async def relay(
 ) -> AsyncGenerator[Event]:
     """The events of one streamed call: ``upstream.open`` up to the first output, then each chunk
     through ``protocol`` (and, with a ``continuation``, on other streams after a failure mid-answer),
-    then exactly one ``Done`` or ``Failed``."""
+    then exactly one ``Done`` or ``Failed``. One generator: every layer between the upstream and the
+    caller costs every delta."""
     current = _Current()
     watchdog = None
     ended = False
     try:
-        current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
+        stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
         watchdog = limits.on_total(lambda: _close_parked(current, limits))
-        async with contextlib.aclosing(_forward(current, protocol, limits, record, continuation)) as forwarded:
-            async for chunk in forwarded:
-                yield chunk
+        chunks = aiter(stream)
+        held: list[Chunk] = []  # chunks before the first output
+        ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
+        try:
+            while not protocol.done:
+                if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
+                    yield ready
+                    ready = None
+                    limits.check_total()  # the caller may have read slowly while we were parked at yield
+                try:
+                    raw = await limits.wait(anext(chunks))
+                except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a time limit
+                    if isinstance(exc, ApiError):
+                        failure = exc
+                    elif protocol.finished:  # a choice never finished but the stream ended cleanly
+                        break
+                    else:
+                        failure = incomplete()
+                    if continuation is None or not limits.output_started or not continuation.may_continue(failure):
+                        raise failure from None
+                    if ready is not None:  # what is in hand goes out before the wait for the next stream
+                        yield ready
+                        ready = None
+                    stream = await _reopen(current, continuation, failure, limits, record)
+                    chunks = aiter(stream)
+                    continue
+                limits.got_chunk()  # the total limit (buffered chunks arrive without a wait), the idle one from now
+                for data in continuation.feed(raw) if continuation is not None else (raw,):
+                    fed = await protocol.feed(data)
+                    if fed.data is None:
+                        continue
+                    chunk = Chunk(fed.data, batch=fed.batch)
+                    if record.first_delta_at is None:
+                        if not fed.output:
+                            held.append(chunk)
+                            continue
+                        record.first_output()
+                        limits.got_output()
+                        for early in held:
+                            early.more = True
+                            yield early
+                    if fed.delta:
+                        record.deltas += 1
+                    if ready is not None:
+                        ready.more = True
+                        yield ready
+                    ready = chunk
+        except Exception:
+            if ready is not None:  # what was made before the failure still goes out, then the error
+                yield ready
+            raise
+        if ready is not None:
+            yield ready
         assert current.stream is not None
         await _read_rest(aiter(current.stream), protocol, limits, continuation)
         done = protocol.summary()
@@ -327,70 +377,6 @@ async def relay(
             # connection must still be closed (that is what stops the paid generation).
             with anyio.CancelScope(shield=True):
                 await current.stream.close()
-
-
-async def _forward(
-    current: _Current,
-    protocol: StreamProtocol,
-    limits: TimeLimits,
-    record: StreamRecord,
-    continuation: Continuation | None,
-) -> AsyncGenerator[Chunk]:
-    stream = current.stream
-    assert stream is not None
-    chunks = aiter(stream)
-    held: list[Chunk] = []  # chunks before the first output
-    ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
-    try:
-        while not protocol.done:
-            if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
-                yield ready
-                ready = None
-                limits.check_total()  # the caller may have read slowly while we were parked at yield
-            try:
-                raw = await limits.wait(anext(chunks))
-            except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a time limit
-                if isinstance(exc, ApiError):
-                    failure = exc
-                elif protocol.finished:  # a choice never finished but the stream ended cleanly
-                    break
-                else:
-                    failure = incomplete()
-                if continuation is None or not limits.output_started or not continuation.may_continue(failure):
-                    raise failure from None
-                if ready is not None:  # what is in hand goes out before the wait for the next stream
-                    yield ready
-                    ready = None
-                stream = await _reopen(current, continuation, failure, limits, record)
-                chunks = aiter(stream)
-                continue
-            limits.got_chunk()  # the total limit (buffered chunks arrive without a wait), the idle one from now
-            for data in continuation.feed(raw) if continuation is not None else (raw,):
-                fed = await protocol.feed(data)
-                if fed.data is None:
-                    continue
-                chunk = Chunk(fed.data, batch=fed.batch)
-                if record.first_delta_at is None:
-                    if not fed.output:
-                        held.append(chunk)
-                        continue
-                    record.first_output()
-                    limits.got_output()
-                    for early in held:
-                        early.more = True
-                        yield early
-                if fed.delta:
-                    record.deltas += 1
-                if ready is not None:
-                    ready.more = True
-                    yield ready
-                ready = chunk
-    except Exception:
-        if ready is not None:  # what was made before the failure still goes out, then the error
-            yield ready
-        raise
-    if ready is not None:
-        yield ready
 
 
 async def _reopen(
@@ -454,25 +440,38 @@ def _failure(exc: Exception, record: StreamRecord) -> ApiError:
 
 
 async def encoded(
-    first: Event, events: AsyncIterator[Event], encode: Callable[[Event], bytes | None]
+    first: Event,
+    events: AsyncIterator[Event],
+    encode: Callable[[Event], bytes | None],
+    ended: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[bytes]:
     """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
-    chunks marked ``more`` joined with the events that follow them."""
+    chunks marked ``more`` joined with the events that follow them. ``ended``: called with the bytes
+    written when it ends, however it ends."""
     pending: list[bytes] = []
     event = first
-    while True:
-        data = encode(event)
-        if data:
-            pending.append(data)
-        last = not isinstance(event, Chunk)
-        if pending and (not isinstance(event, Chunk) or not event.more):
-            yield pending[0] if len(pending) == 1 else b"".join(pending)
-            pending = []
-        if last:
-            return
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            if pending:
-                yield b"".join(pending)
-            return
+    written = 0
+    try:
+        while True:
+            data = encode(event)
+            if data:
+                pending.append(data)
+            last = not isinstance(event, Chunk)
+            if pending and (not isinstance(event, Chunk) or not event.more):
+                data = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending = []
+                written += len(data)
+                yield data
+            if last:
+                return
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                if pending:
+                    data = b"".join(pending)
+                    written += len(data)
+                    yield data
+                return
+    finally:
+        if ended is not None:
+            ended(written)

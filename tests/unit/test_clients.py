@@ -20,6 +20,7 @@ import httpx2
 import openai
 import pytest
 
+from chatstream.errors import UpstreamMalformed
 from chatstream.upstreams.clients import NoAuthClient, UpstreamStream
 from chatstream.upstreams.outcomes import OutcomeKind, classify
 from chatstream.upstreams.transport import BODY, HttpClient, mapped
@@ -294,6 +295,48 @@ async def test_a_body_is_read_directly_to_its_end_and_its_connection_reused():
     finally:
         await client.close()
         server.close()
+
+
+async def _streamed(body: bytes) -> list[dict]:
+    """The chunks an UpstreamStream reads from an answer whose body is ``body``."""
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD + _chunked(body) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1])
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {})
+        try:
+            return [data async for data in stream]
+        finally:
+            await stream.close()
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_chunks_are_read_as_utf8_json_with_whitespace_around_it():
+    text = "h\u00e9 \u2713 \U0001f600"
+    body = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"' + text.encode() + b'"}}]}\n\n'
+        b'data:  \t{"choices":[]} \n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert await _streamed(body) == [{"choices": [{"index": 0, "delta": {"content": text}}]}, {"choices": []}]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\xff{}", b'{"choices":', b"[1]", "\ufeff{}".encode()],
+    ids=["not UTF-8", "not JSON", "not an object", "a byte order mark (UTF-8 only at a stream's start)"],
+)
+async def test_a_chunk_that_is_not_a_utf8_json_object_is_upstream_malformed(payload):
+    with pytest.raises(UpstreamMalformed):
+        await _streamed(b"data: " + payload + b"\n\n")
 
 
 async def test_a_thousand_connections_are_allowed_not_aiohttps_hundred():

@@ -3,7 +3,7 @@
 
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
-                                          [--profile FILE]
+                                          [--profile FILE [--profile-streams short]]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
@@ -234,7 +234,7 @@ async def _streams(serve, n: int, body: bytes) -> int:
 def child(args: argparse.Namespace) -> None:
     """One path in a process of its own: warms up, says ``ready``, then for each line on stdin,
     ``long`` or ``short``, streams a block of that length and answers the process CPU seconds it took
-    (``profile FILE``: the block of long streams under cProfile, into FILE)."""
+    (``KIND FILE``: that block under cProfile, into FILE)."""
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
@@ -249,7 +249,7 @@ def child(args: argparse.Namespace) -> None:
         print("ready", flush=True)
         for line in sys.stdin:
             kind, _, profile = line.strip().partition(" ")
-            ReplaySession.pieces = pieces["long" if profile else kind]
+            ReplaySession.pieces = pieces[kind]
             profiler = None
             if profile:
                 import cProfile
@@ -326,6 +326,19 @@ def _figures(t: dict, args: argparse.Namespace) -> dict:
     }
 
 
+def _paired(app: dict[str, list[float]], other: dict[str, list[float]], args: argparse.Namespace) -> list[list[float]]:
+    """The app's figures ÷ another path's, round by round (the blocks of one round ran side by side,
+    so a change in the machine's load between rounds cancels out): per delta, per stream, all-in."""
+    out: list[list[float]] = [[], [], []]
+    for r in range(args.rounds):
+        one = slice(r * BLOCKS, (r + 1) * BLOCKS)
+        mine = _figures({kind: sum(times[one]) for kind, times in app.items()}, args)
+        theirs = _figures({kind: sum(times[one]) for kind, times in other.items()}, args)
+        for i, key in enumerate(("delta", "stream", "all_in")):
+            out[i].append(mine[key] / theirs[key])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -339,7 +352,13 @@ def main() -> None:
         metavar="NAME=SPEC",
         help="git:REF, patch:FILE, DIR or env:NAME=VALUE,...",
     )
-    p.add_argument("--profile", metavar="FILE", help="cProfile one app round of long streams into FILE, then stop")
+    p.add_argument("--profile", metavar="FILE", help="cProfile one app block of long streams into FILE, then stop")
+    p.add_argument(
+        "--profile-streams",
+        choices=("long", "short"),
+        default="long",
+        help="which block --profile profiles: short streams show the per-stream work",
+    )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -350,7 +369,7 @@ def main() -> None:
     if args.profile:
         app = _Child("app", ROOT, "", args)
         try:
-            app.block("long " + str(Path(args.profile).resolve()))
+            app.block(f"{args.profile_streams} {Path(args.profile).resolve()}")
         finally:
             app.close()
         print(f"wrote {args.profile}: .venv/bin/python -m pstats {args.profile}")
@@ -411,6 +430,17 @@ def main() -> None:
             " / ".join(f"{figures['app', stat][key] / figures[name, stat][key]:.3f}" for stat in stats) for key in keys
         ]
         print(f"\napp ÷ {name}: per delta {ratios[0]}, per stream {ratios[1]}, all-in {ratios[2]}")
+    print()
+    for name in [n for n in names if n != "app"]:
+        paired = _paired(blocks["app"], blocks[name], args)
+        print(
+            f"app ÷ {name}, paired (each round's blocks against the same round's, median of {args.rounds} "
+            "rounds [lowest, highest]): "
+            + ", ".join(
+                f"{label} {statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+                for label, values in zip(("per delta", "per stream", "all-in"), paired, strict=True)
+            )
+        )
     print(f"\n({time.monotonic() - started:.0f} s)")
 
 
