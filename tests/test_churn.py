@@ -406,9 +406,10 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
 def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received(azurite, start_app):
     """A keyed resumable /api/chat stream on A (a delta every 20 ms); A is SIGKILLed the moment its
     caller has read 30 events, long before A's first write of the stream's log (5 s): the log holds
-    nothing. The caller resumes on B with its Last-Event-ID, B takes the stream over and finishes it.
-    A's part is in the ledger (``lost``) at no less than the text its caller read, the budget row
-    equals the ledger, nothing held. (Before, it stood at A's journal's last checkpoint, written up
+    nothing. The caller resumes on B with its Last-Event-ID: B takes the stream over, and the caller,
+    holding events no log stored (the continuation's are other text), gets one final ``stream_lost``
+    (docs/api.md: send again), never other text. A's part is in the ledger (``lost``) at no less
+    than the text its caller read, the budget row equals the ledger, nothing held. (Before, it stood at A's journal's last checkpoint, written up
     to 0.5 s before the kill: 0-25 deltas short; 5 lost parts 26 tokens short in a chaos soak.)"""
     from servers import Upstream
 
@@ -439,6 +440,7 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
                         break
         got = "".join(received)
         finals: list[str] = []
+        codes: list[str] = []
         deadline = time.monotonic() + 60
         while not finals and time.monotonic() < deadline:  # B takes A's streams over once A's lease is past
             headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
@@ -451,7 +453,10 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
                         ids.append(int(line[4:]))
                     elif line in ("event: done", "event: error"):
                         finals.append(line[7:])
-        assert finals == ["done"] and ids == list(range(1, len(ids) + 1)), (finals, ids)
+                    elif line.startswith("data: ") and finals:
+                        codes.append(str(json.loads(line[6:])["error"]["type"]))
+        assert finals == ["error"] and codes == ["stream_lost"], (finals, codes)
+        assert ids[:30] == list(range(1, 31)) and len(ids) == 31 and ids[30] > 30, ids
         deadline = time.monotonic() + 60
         while True:
             rows = ledger(azurite, who)
