@@ -11,7 +11,9 @@ upstream cutting (reset) or stalling a few answers.
 At the end it checks what the docs promise:
 
 - every answer exact (the scripted upstream's text is known), with one final event; a Responses
-  stream (not resumable) may end with an error event or a cut, never short without one;
+  stream (not resumable) may end with an error event or a cut, never short without one, and so may a
+  resumable stream whose caller held events its killed instance never stored (``stream_lost``: the
+  rest would be other text with a real model);
 - every upstream call of every request exactly once in the ledger (``chatstreamUsage``), at the
   upstream's usage when the call completed, at what the upstream sent when it did not (a resumable
   stream's part lost with its instance: at least what its caller had got when it was cut);
@@ -231,6 +233,7 @@ class Result:
     attempts: list[str] = field(default_factory=list)  # the markers sent, one per attempt
     text: str = ""
     finals: list[str] = field(default_factory=list)  # "done", or "error:<type>"
+    message: str = ""  # of the final error event
     cut: str | None = None  # the exception that ended the reading
     cuts: list[int] = field(default_factory=list)  # len(text) at each cut its resuming transport saw
     outcome: str = ""
@@ -566,6 +569,7 @@ class Soak:
             body = exc.body if isinstance(exc.body, dict) else {}
             code = body.get("code") or body.get("type") or type(exc).__name__
             result.finals.append(f"error:{code}")
+            result.message = str(body.get("message") or exc.message)
         except httpx.HTTPError as exc:
             result.cut = type(exc).__name__
         return None
@@ -587,6 +591,7 @@ class Soak:
                         elif event == "error":
                             error = json.loads(data).get("error", {})
                             result.finals.append(f"error:{error.get('type') or error.get('code')}")
+                            result.message = str(error.get("message") or "")
                 except httpx.HTTPError as exc:
                     result.cut = type(exc).__name__
         except httpx.HTTPError as exc:
@@ -704,6 +709,10 @@ def retryable(refusal: str) -> bool:
     return refusal.startswith(("connect", "503", "502", "500")) or refusal == "429 rate_limit_exceeded"
 
 
+# The message of a stream_lost whose caller held events its killed producer never stored (state/streamlog/readers.py).
+UNSTORED = "lost with the instance that produced them"
+
+
 def classify(r: Result) -> str:
     """The outcome's name: ``exact``; ``refused:<why>``; ``expected:<how>`` (a Responses stream, not
     resumable, ended by an error event or a cut, its text a prefix of the answer); ``lost:<how>``."""
@@ -721,6 +730,10 @@ def classify(r: Result) -> str:
     how = r.finals[0] if r.finals else f"cut:{r.cut}"
     if r.kind not in RESUMABLE:
         return f"expected:{how}"
+    if how == "error:stream_lost" and UNSTORED in r.message:
+        # Its caller held events its killed instance never stored: the rest would be other text, so
+        # the stream ends with stream_lost (docs/api.md: send again), its text a prefix of the answer.
+        return "expected:stream_lost_unstored"
     return f"lost:{how}"
 
 
