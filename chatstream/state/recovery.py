@@ -35,14 +35,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from ..errors import Modified, NotFound, StoreError
-from .counters import MAX_ATTEMPTS, SLOW_TIMEOUT, format_holds, parse_holds
+from . import counter_row
+from .counter_row import MAX_ATTEMPTS
+from .counters import SLOW_TIMEOUT
 from .journal import amounts, journal_name
 from .ledger import Charge, Ledger, theirs, tokens_of
 from .prices import Price
-from .store import LIMITS_TABLE, Store
+from .store import Store
 
 log = logging.getLogger("chatstream")
 
@@ -130,26 +133,21 @@ class Recovery:
         settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
         partition, _, row = key.partition("/")
         for _ in range(MAX_ATTEMPTS):
-            found = await self.store.get(LIMITS_TABLE, partition, row, timeout=self.timeout)
-            if found is None:
-                return
-            holds = parse_holds(found.get("holds"))
+            found = await counter_row.read(self.store, partition, row, self.timeout)
+            holds = dict(found.holds)
             held = holds.pop(dead, None)
             if held is None:
-                return  # done (here or by another taker)
+                return  # done (here or by another taker), or no row
             unapplied = sum(
                 brings[key]
                 for entry, brings in owed
                 if key in brings
                 and not (entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= held.applied)
             )
-            taken = max(0, int(found.get("taken") or 0) - held.held + max(0, unapplied))
+            taken = max(0, found.taken - held.held + max(0, unapplied))
             try:
-                await self.store.replace(
-                    LIMITS_TABLE,
-                    {**found, "taken": taken, "holds": format_holds(holds)},
-                    etag=found.etag,
-                    timeout=self.timeout,
+                await counter_row.write(
+                    self.store, partition, row, replace(found, taken=taken, holds=holds), found.etag, self.timeout
                 )
                 return
             except (Modified, NotFound):

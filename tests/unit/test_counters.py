@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_store import Fault, MemoryData, MemoryStore
 
-from chatstream.state.counters import Counters, Reservation, Want, parse_holds
+from chatstream.state.counter_row import parse_holds
+from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
 from chatstream.state.port import LimitRef, Refused, Unavailable
 from chatstream.state.store import LIMITS_TABLE
