@@ -267,6 +267,15 @@ class Lease:
     def idle(self) -> bool:
         return self.flight is None and not self.holds()
 
+    def give_all_back(self) -> bool:
+        """Whether something is still to go to the row (a balance, a debt, a charge, a lost answer):
+        if so, the hold ends and an exchange starts."""
+        if not (self.balance or self.debt or self._applicable() or self.uncertain):
+            return False
+        self.hold_until = 0.0
+        self.kick()
+        return True
+
     # --- the single flight ------------------------------------------------------------------
 
     def kick(self) -> None:
@@ -790,16 +799,8 @@ class Counters:
             if flights:
                 await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
                 continue
-            busy = [
-                lease
-                for lease in self._leases.values()
-                if lease.balance or lease.debt or lease._applicable() or lease.uncertain
-            ]
-            if not busy:
+            if not [lease for lease in self._leases.values() if lease.give_all_back()]:
                 return True
-            for lease in busy:
-                lease.hold_until = 0.0
-                lease.kick()
             await asyncio.sleep(0.05)
         return False
 
