@@ -2,10 +2,8 @@
 (docs/callers.md): requests and tokens per minute, token and spend budgets, of callers and teams,
 overall and per model.
 
-Each limit is one counter row (counter_row.py): what of its window is out, and each holding
-instance's share.
-
-**Capacity leases.** Each instance (``Counters``) holds a local balance per counter. A reservation
+**Capacity leases.** Each limit is one counter row (counter_row.py): what of its window is out,
+and each holding instance's share. Each instance (``Counters``) holds a local balance per counter. A reservation
 is served from it without a store call; when it is short, the reservation waits while ONE exchange
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back

@@ -1,6 +1,6 @@
 """What the shared state answers the request path and the admin API: domain results, in the state's
-own words. Only the HTTP layer (apis/refusals.py, manage.py, resumable.py) turns them into statuses,
-OpenAI's codes and messages, and headers.
+own words. Only the HTTP layer (apis/, manage.py, resumable.py) turns them into statuses, OpenAI's
+codes and messages, and headers.
 
 For a request (accounting.py), handed over in the state's words too (apis/usage.py builds them)::
 
@@ -8,8 +8,8 @@ For a request (accounting.py), handed over in the state's words too (apis/usage.
     admitted = await accounting.admit(caller, asked)   # AdmissionRequest -> Admission | Refused | ...
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
-For the admin API (registry.py): the object, or ``Invalid`` (which field, why: never the value),
-``Missing``, ``Conflict``, ``Unavailable``, raised."""
+For the admin API (registry.py): the object, or an ``AdminError`` raised: ``Invalid`` (which field,
+why: never the value), ``Missing``, ``Conflict``, ``AdminUnavailable``."""
 
 from __future__ import annotations
 
