@@ -79,7 +79,8 @@ class _Waiter:
 
 @dataclass
 class _Written:
-    """An exchange whose answer was lost: what it would have done, to find out whether it landed."""
+    """One exchange's write: what it does to the row and to the books (``Lease.uncertain`` while its
+    answer is lost, to find out whether it landed)."""
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
     exchange: int
@@ -89,8 +90,11 @@ class _Written:
     applied: list[tuple[int, int]]  # (seq, amount) charges it applied
     waiters: list[_Waiter]
     keep: int  # the balance this instance keeps after it
-    window: str
     balance_out: int  # the balance it took out of the books while in flight
+
+    @property
+    def window(self) -> str | None:
+        return self.row.window
 
 
 @dataclass
@@ -450,9 +454,7 @@ class Lease:
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds, self.limit)
-            written = _Written(
-                seen.etag, exchange, row, delta, debt, applied, chosen, keep.balance, window, self.balance
-            )
+            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep.balance, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -483,7 +485,8 @@ class Lease:
 
     def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
         """The write is in the row: the books follow it, the chosen waiters are served."""
-        if written.window != self.window:
+        window = written.window
+        if window is None or window != self.window:
             return
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
         self.balance += written.keep
@@ -495,7 +498,7 @@ class Lease:
             self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
-        self._answer(waiters, written.waiters, written.window)
+        self._answer(waiters, written.waiters, window)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
