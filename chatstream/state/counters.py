@@ -530,7 +530,8 @@ class Lease:
         assert written is not None
         for _ in range(MAX_ATTEMPTS):
             await self._read()
-            landed = self._shows(written)
+            fenced = self.counters.instances.fenced.is_set()
+            landed = self.seen.shows(written.row, written.etag, self.counters.instance, fenced)
             if landed is None:  # unchanged: not applied (yet); the same write again
                 try:
                     await self._write(written)
@@ -549,23 +550,10 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _shows(self, written: _Written) -> bool | None:
-        """Whether the row as just read shows ``written``: True, False, or None when the row is
-        exactly as it was when the write was made (so it has not been applied, and may be sent again)."""
-        if self.seen.etag == written.etag:
-            return None
-        if self.seen.window != written.window:
-            return False
-        mine = self.seen.holds.get(self.counters.instance)
-        if self.counters.instance in written.row.holds:
-            return mine is not None and mine.exchange >= written.exchange
-        # The write took our entry out: gone now means it landed, unless a takeover took it out.
-        return mine is None and not self.counters.instances.fenced.is_set()
-
     def _recovered_elsewhere(self) -> None:
         """Our entry is gone while we held: another instance took this instance over (we were too
         slow to beat). What we held was settled there from our journal; these books start again."""
-        log.warning("limits: %s/%s was taken over from this instance elsewhere", self.partition, self.row)
+        log.warning("limits: %s was taken over from this instance elsewhere", self.name)
         self._drop_books()
 
 
