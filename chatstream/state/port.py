@@ -102,9 +102,8 @@ class Refused:
 
 @dataclass(frozen=True)
 class Unavailable:
-    """The store did not answer in time: nothing was reserved or charged."""
-
-    what: str = "the store did not answer in time"
+    """The store did not answer in time (or too many unknown keys are being checked at once):
+    nothing was reserved or charged."""
 
 
 @dataclass(frozen=True)
