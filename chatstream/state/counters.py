@@ -668,13 +668,12 @@ class Counters:
         instances: Instances,
         journal: WriteAhead | None = None,
         clock: Callable[[], float] | None = None,
-        timeout: float = SLOW_TIMEOUT,
     ):
         self.store = store
         self.instances = instances  # who holds (its id: the row's entry), and whether it was fenced
         self.journal = journal
         self.clock = clock or store.clock.now
-        self.timeout = timeout
+        self.timeout = SLOW_TIMEOUT
         self.closed = False
         self._leases: dict[tuple[str, str], Lease] = {}
         self._pruned_at = ""

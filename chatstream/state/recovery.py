@@ -56,10 +56,10 @@ class Recovery:
     """Settles a dead instance's journal (module docstring): ``recover`` is what the duty holder
     calls for each instance it finds dead."""
 
-    def __init__(self, store: Store, ledger: Ledger, timeout: float = SLOW_TIMEOUT):
+    def __init__(self, store: Store, ledger: Ledger):
         self.store = store
         self.ledger = ledger
-        self.timeout = timeout
+        self.timeout = SLOW_TIMEOUT
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
