@@ -194,8 +194,7 @@ class Lease:
     def give_back(self, amount: int, window: str, generation: int) -> None:
         """A reservation's ``amount`` comes back unused."""
         if amount > 0 and window == self.window and generation == self.generation:
-            self.reserved -= amount
-            self.balance += amount
+            self._reserve(-amount)
             self.kick()
 
     def settle(self, reserved: int, spent: int, window: str, generation: int) -> _Staged | None:
@@ -204,8 +203,7 @@ class Lease:
         if window != self.window:
             return None  # a window that is over needs nothing
         if generation == self.generation:
-            self.reserved -= reserved
-            self.balance += reserved
+            self._reserve(-reserved)
         # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
         used = min(self.balance, spent)
         self.balance -= used
@@ -220,20 +218,14 @@ class Lease:
                 self.kick()
                 return None
         self.debt += over
-        self.seq += 1
-        staged = _Staged(self.seq, spent if self.period != "minute" else over, window)
-        self.staged.append(staged)
-        self.kick()
-        return staged
+        return self._stage(spent if self.period != "minute" else over, window, confirmed=False)
 
     def adjust(self, amount: int, window: str) -> None:
         """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
         whose usage was seen later, here or elsewhere. Enters the row with the next exchange."""
         if amount and window == self.window:
             self.debt += amount
-            self.seq += 1
-            self.staged.append(_Staged(self.seq, amount, window, confirmed=True))
-            self.kick()
+            self._stage(amount, window, confirmed=True)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -312,8 +304,16 @@ class Lease:
         return out
 
     def _reserve(self, need: int) -> None:
+        """``need`` moves from the balance to the reservations (a negative one comes back)."""
         self.balance -= need
         self.reserved += need
+
+    def _stage(self, amount: int, window: str, confirmed: bool) -> _Staged:
+        self.seq += 1
+        staged = _Staged(self.seq, amount, window, confirmed)
+        self.staged.append(staged)
+        self.kick()
+        return staged
 
     def _holding(self) -> bool:
         return asyncio.get_running_loop().time() < self.hold_until
