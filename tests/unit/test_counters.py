@@ -210,6 +210,7 @@ def test_the_budget_row_equals_what_was_spent_whatever_answers_are_lost(steps, s
         holds = parse_holds(found.get("holds"))
         held = sum(e.held for e in holds.values())
         assert found["taken"] - held == spent_total, (found, spent_total)
+        assert held == 0, found  # flushed: what was reserved and not spent went back to the row
 
     idle_clock.run(run())  # its waits skipped too, as the async tests here
 
