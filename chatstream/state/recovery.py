@@ -13,7 +13,7 @@ held capacity of), in four steps:
    else wrote first (a stream's taker charging the lost part from its log) is theirs to count in the
    counters; one below the checkpoint (a log is stored every few seconds) is raised to it, what the
    taker counted kept in the row, and only the difference is counted here.
-3. **Counters**: in each budget counter row it held (counters.py), the dead instance's entry goes
+3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, and its open requests at what they generated).
    Minute windows need nothing: they end.
