@@ -1,5 +1,6 @@
 """How much of a limit an instance takes from its counter row, and how much it keeps idle: the
-policy of the leases in counters.py, as pure functions of what the row and the lease say.
+policy of the leases in counters.py (pure functions of what the row and the lease say, and a
+lone request's ``Hold``).
 
 An exchange grants the waiting reservations that fit under the limit, in order (a large one does
 not block smaller ones behind it). A lone request takes one more request's worth for the next one,
@@ -10,11 +11,50 @@ What every instance keeps idle together (each row entry says what it keeps) stay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
 HOLD_SHARE = 0.1
+
+
+class Hold:
+    """A lone request's hold on one counter: the ``share`` it may keep idle, until when, and whether
+    a request served from it settled since (``top_up``: take that again). ``over`` is called when a
+    hold ends."""
+
+    def __init__(self, over: Callable[[], None]):
+        self.share = 0
+        self.until = 0.0
+        self.top_up = False
+        self._over = over
+        self._timer: asyncio.TimerHandle | None = None
+
+    def active(self) -> bool:
+        return asyncio.get_running_loop().time() < self.until
+
+    def serving(self) -> bool:
+        """Whether a request now is served from the hold."""
+        return bool(self.share) and self.active()
+
+    def renew(self) -> None:
+        """The hold lasts ``HOLD_SECONDS`` from now."""
+        loop = asyncio.get_running_loop()
+        self.until = loop.time() + HOLD_SECONDS
+        if self._timer is None:
+            self._timer = loop.call_later(HOLD_SECONDS + 0.01, self._check)
+
+    def end(self) -> None:
+        self.until = 0.0
+
+    def _check(self) -> None:
+        self._timer = None
+        left = self.until - asyncio.get_running_loop().time()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left + 0.01, self._check)
+        else:
+            self._over()
 
 
 def fitting(needs: Sequence[int], room: int) -> tuple[list[int], int]:

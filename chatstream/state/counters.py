@@ -43,7 +43,7 @@ from typing import Protocol
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from . import counter_row
-from .capacity import HOLD_SECONDS, fitting, to_keep
+from .capacity import Hold, fitting, to_keep
 from .counter_row import MAX_ATTEMPTS, CounterRow, Entry, Period, newer, seconds_to_next_minute, window_of
 from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
@@ -130,10 +130,7 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_until = 0.0
-        self.hold_share = 0  # what this instance may keep idle while it holds (capacity.py)
-        self.hold_timer: asyncio.TimerHandle | None = None
-        self.top_up = False  # a request served from the hold settled: fill the hold again (in the background)
+        self.hold = Hold(over=self._hold_over)
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -169,8 +166,8 @@ class Lease:
         if self.waiters or self.uncertain is not None or self.balance < need:
             return None
         self._reserve(need)
-        if self.hold_share and self._holding():
-            self._hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+        if self.hold.serving():
+            self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
         assert self.window is not None
         return self.window, self.generation
 
@@ -212,8 +209,8 @@ class Lease:
             # A minute window is never taken over (it ends by itself): what was spent leaves the books
             # here, without a write; only a surplus goes to the row (as an applied charge).
             self.held -= used
-            if self.hold_share and self._holding():
-                self.top_up = True  # what it spent of the hold is taken again, after the request
+            if self.hold.serving():
+                self.hold.top_up = True  # what it spent of the hold is taken again, after the request
             if not over:
                 self.kick()
                 return None
@@ -266,7 +263,7 @@ class Lease:
         if so, the hold ends and an exchange starts."""
         if not (self.balance or self.debt or self._applicable() or self.uncertain):
             return False
-        self.hold_until = 0.0
+        self.hold.end()
         self.kick()
         return True
 
@@ -315,33 +312,20 @@ class Lease:
         self.kick()
         return staged
 
-    def _holding(self) -> bool:
-        return asyncio.get_running_loop().time() < self.hold_until
-
     def _has_work(self) -> bool:
-        holding = self._holding()
+        holding = self.hold.active()
         return (
             self.uncertain is not None
-            or (self.top_up and holding)
+            or (self.hold.top_up and holding)
             or bool(self._pending())
             or self.debt > 0
             or bool(self._applicable())
-            or self.balance > (self.hold_share if holding else 0)
+            or self.balance > (self.hold.share if holding else 0)
         )
 
-    def _hold(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.hold_until = loop.time() + HOLD_SECONDS
-        if self.hold_timer is None:
-            self.hold_timer = loop.call_later(HOLD_SECONDS + 0.01, self._hold_over)
-
     def _hold_over(self) -> None:
-        self.hold_timer = None
-        left = self.hold_until - asyncio.get_running_loop().time()
-        if left > 0:
-            self.hold_timer = asyncio.get_running_loop().call_later(left + 0.01, self._hold_over)
-        elif self.balance:
-            self.kick()
+        if self.balance:
+            self.kick()  # what it kept goes back
 
     async def _run(self) -> None:
         try:
@@ -394,7 +378,7 @@ class Lease:
             if self.uncertain is not None:
                 return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
-        top_up, self.top_up = self.top_up, False
+        top_up, self.hold.top_up = self.hold.top_up, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
@@ -429,15 +413,15 @@ class Lease:
                 room=room,
                 granted=total,
                 balance=self.balance,
-                hold_share=self.hold_share,
+                hold_share=self.hold.share,
                 others_idle=sum(e.idle for name, e in holds.items() if name != counters.instance),
-                holding=self._holding(),
+                holding=self.hold.active(),
                 top_up=top_up,
                 waiting=bool(waiters),
                 lone=chosen[0].need if lone else None,
             )
             if keep.hold_share is not None:
-                self.hold_share = keep.hold_share
+                self.hold.share = keep.hold_share
             delta = total + keep.balance - self.balance
             applied = [(s.seq, s.amount) for s in self._applicable()]
             spent = sum(amount for _, amount in applied)
@@ -470,7 +454,7 @@ class Lease:
                 raise
             self._landed(written, waiters)
             if keep.hold_share and keep.balance:
-                self._hold()
+                self.hold.renew()
             return
         raise StoreError("the counter kept changing under this instance")
 
