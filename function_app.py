@@ -1,10 +1,5 @@
-"""The function app: its routes. The logic lives in chatstream/ (docs: docs/maintainers.md, "Layout").
-
-A request's way: the route below → chatstream/app.py (ChatApp: the handler, built once from the
-settings) → endpoint.py (reads the request, admits it, runs the pipeline, the status rule) with the
-route's API adapter (chatstream/apis/) → stream.py (the stream core and its time limits) →
-upstreams/failover.py (the pool: which entry, moving on before the first output) →
-upstreams/clients.py (the OpenAI / Azure OpenAI client)."""
+"""The function app: its routes, each handed to chatstream/app.py's handler (built once from the
+settings). A request's way through chatstream/: docs/maintainers.md, "Layout"."""
 
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import Request, Response

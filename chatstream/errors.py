@@ -202,8 +202,9 @@ class ClientGone(Exception):
 
 
 class StoreError(Exception):
-    """The shared store answered something other than success, or nothing. Raised only by
-    ``state/store.py``'s backends; the message never carries a key or a SAS."""
+    """The shared store answered something other than success, or nothing: raised by the store
+    (state/store_azure.py), and by the state modules when a row kept changing under them. The
+    message never carries a key or a SAS."""
 
 
 class StoreUnavailable(StoreError):

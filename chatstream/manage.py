@@ -28,7 +28,7 @@ from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
 from .state.callers import NAME_PATTERN, Caller, Team, usd, usd_text
-from .state.counters import window_of
+from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
 from .state.port import AdminUnavailable, Conflict, Invalid, Missing
 from .state.shared import SharedState

@@ -229,7 +229,7 @@ class MemoryStore:
                 rows = partitions.get(name, {})
                 for key in sorted(rows):
                     values, etag = rows[key]
-                    if where.matches(values):
+                    if _matches(where, values):
                         found.append(Row.of(_select(values, where.select), etag))
                         if where.limit is not None and len(found) >= where.limit:
                             return found
@@ -338,3 +338,19 @@ def _quietly(work: Callable[[], Any]) -> None:
     # A queued write whose condition no longer holds is refused, as the real store would refuse it.
     with contextlib.suppress(AlreadyExists, Modified, NotFound):
         work()
+
+
+def _matches(where: Where, row: Mapping[str, Any]) -> bool:
+    """Whether ``row`` is one ``where`` answers (what the service's filter does)."""
+    key = row["RowKey"]
+    if where.partition is not None and row["PartitionKey"] != where.partition:
+        return False
+    if where.rows_from is not None and key < where.rows_from:
+        return False
+    if where.rows_to is not None and key >= where.rows_to:
+        return False
+    if any(row.get(name) != value for name, value in where.equal.items()):
+        return False
+    if any(name not in row or not row[name] < value for name, value in where.less.items()):
+        return False
+    return all(name in row and row[name] >= value for name, value in where.at_least.items())

@@ -10,7 +10,7 @@ from unit.state_helpers import admit, finish, settings, usage
 
 from chatstream import tokens
 from chatstream.state.accounting import Admission
-from chatstream.state.counters import parse_holds
+from chatstream.state.counter_row import parse_holds
 from chatstream.state.journal import journal_name
 from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState

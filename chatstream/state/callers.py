@@ -122,7 +122,7 @@ class Team(Limits):
 
     @property
     def limits_partition(self) -> str:
-        """Its counters' partition in ``chatstreamLimits`` (counters.py)."""
+        """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return f"team:{self.name}|{self.id}"
 
     def public(self) -> dict[str, Any]:
@@ -149,7 +149,7 @@ class Caller(Limits):
 
     @property
     def limits_partition(self) -> str:
-        """Its counters' partition in ``chatstreamLimits`` (counters.py)."""
+        """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return f"{self.name}|{self.id}"
 
     def expired(self, now: float) -> bool:

@@ -2,23 +2,13 @@
 (docs/callers.md): requests and tokens per minute, token and spend budgets, of callers and teams,
 overall and per model.
 
-Each limit is one counter row in ``chatstreamLimits`` (PartitionKey the caller's or team's
-``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>``,
-``tpm@<model>``) holding ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken``
-(what of that window is out: spent, or held by instances) and ``holds``: each holding instance's
-share, ``<instance>=<held>/<applied>/<exchange>/<idle>``. A row whose window is older than now counts as
-empty: rows are reused, never piled up.
-
-**Capacity leases.** Each instance (``Counters``) holds a local balance per counter. A reservation
+**Capacity leases.** Each limit is one counter row (counter_row.py): what of its window is out,
+and each holding instance's share. Each instance (``Counters``) holds a local balance per counter. A reservation
 is served from it without a store call; when it is short, the reservation waits while ONE exchange
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
 need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
 (a reservation settled below what it reserved, a request released) goes back to the store by the
-same flight; a lone request takes one more request's worth for the next one, kept ``HOLD_SECONDS``
-from the last request it served (whose spending is taken again after that request, in the
-background: requests at a steady pace need no exchange before their upstream call), so far as the
-idle capacity of every instance together (each entry says what it keeps idle) stays under
-``HOLD_SHARE`` of the limit, however many instances there are.
+same flight. How much an exchange takes and keeps idle is capacity.py's.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
@@ -49,42 +39,20 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Protocol
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from . import counter_row
+from .capacity import Hold, fitting, to_keep
+from .counter_row import MAX_ATTEMPTS, CounterRow, Entry, Period, newer, seconds_to_next_minute, window_of
 from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
-from .store import CALL_TIMEOUT, LIMITS_TABLE, Store
+from .store import CALL_TIMEOUT, Store
 
 log = logging.getLogger("chatstream")
 
-WINDOW_SECONDS = 60
-MAX_ATTEMPTS = 50  # conflicting writes one exchange retries (each after a fresh read) within its bound
-HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
-HOLD_SHARE = 0.1
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
 SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
-Period = str  # "minute", "day", "month", "total"
-
-
-def window_of(period: Period, now: float) -> str:
-    if period == "minute":
-        return f"{int(now // WINDOW_SECONDS):010d}"
-    if period == "day":
-        return datetime.fromtimestamp(now, UTC).strftime("d%Y%m%d")
-    if period == "month":
-        return datetime.fromtimestamp(now, UTC).strftime("m%Y%m")
-    return "total"
-
-
-def seconds_to_next_minute(now: float) -> float:
-    return WINDOW_SECONDS - (now % WINDOW_SECONDS)
-
-
-def _newer(a: str | None, b: str | None) -> bool:
-    """Whether window ``a`` comes after window ``b`` (windows of one kind compare as strings)."""
-    return a is not None and b is not None and len(a) == len(b) and a[:1] == b[:1] and a > b
 
 
 @dataclass(frozen=True)
@@ -104,34 +72,6 @@ class Want:
 
 
 @dataclass
-class Entry:
-    """One instance's share of a counter row: what it holds, the last charge of it applied, and its
-    last exchange's number."""
-
-    held: int = 0
-    applied: int = 0
-    exchange: int = 0
-    idle: int = 0  # of ``held``, what it keeps idle for a next request (the hold share)
-
-    def text(self) -> str:
-        return f"{self.held}/{self.applied}/{self.exchange}/{self.idle}"
-
-
-def parse_holds(text: str | None) -> dict[str, Entry]:
-    entries: dict[str, Entry] = {}
-    for item in (text or "").split():
-        name, _, values = item.partition("=")
-        parts = values.split("/")
-        if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
-            entries[name] = Entry(*(int(p) for p in parts))
-    return entries
-
-
-def format_holds(entries: Mapping[str, Entry]) -> str:
-    return " ".join(f"{name}={entry.text()}" for name, entry in sorted(entries.items()))
-
-
-@dataclass
 class _Waiter:
     need: int
     future: asyncio.Future
@@ -139,18 +79,22 @@ class _Waiter:
 
 @dataclass
 class _Written:
-    """An exchange whose answer was lost: what it would have done, to find out whether it landed."""
+    """One exchange's write: what it does to the row and to the books (``Lease.uncertain`` while its
+    answer is lost, to find out whether it landed)."""
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
     exchange: int
-    entity: dict
+    row: CounterRow  # what it writes
     delta: int
     debt: int
     applied: list[tuple[int, int]]  # (seq, amount) charges it applied
     waiters: list[_Waiter]
     keep: int  # the balance this instance keeps after it
-    window: str
     balance_out: int  # the balance it took out of the books while in flight
+
+    @property
+    def window(self) -> str | None:
+        return self.row.window
 
 
 @dataclass
@@ -186,28 +130,26 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_until = 0.0
-        self.hold_share = 0  # what this instance may keep idle while it holds (its share of HOLD_SHARE)
-        self.hold_timer: asyncio.TimerHandle | None = None
-        self.top_up = False  # a request served from the hold settled: fill the hold again (in the background)
+        self.hold = Hold(over=self._hold_over)
         self.uncertain: _Written | None = None
-        # The row as this instance last read or wrote it.
-        self.known = False
-        self.row_etag: str | None = None
-        self.row_window: str | None = None
-        self.row_taken = 0
-        self.row_holds: dict[str, Entry] = {}
+        self.seen = CounterRow()  # the row as this instance last read or wrote it
+        self.known = False  # ...and whether that is still worth acting on
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.partition, self.row)
+
+    @property
+    def name(self) -> str:
+        """The counter's name in the journal and in settlements: "partition/row"."""
+        return f"{self.partition}/{self.row}"
 
     # --- what reservations do ------------------------------------------------------------------
 
     def advance(self, window: str | None) -> None:
         """Move to ``window`` unless the lease is already there or later: what was held belonged to
         the window that ended (the row's next write starts the new one)."""
-        if window is not None and self.window != window and not _newer(self.window, window):
+        if window is not None and self.window != window and not newer(self.window, window):
             self.window = window
             self._drop_books()
 
@@ -223,10 +165,9 @@ class Lease:
         self.advance(window)
         if self.waiters or self.uncertain is not None or self.balance < need:
             return None
-        self.balance -= need
-        self.reserved += need
-        if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
-            self._hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+        self._reserve(need)
+        if self.hold.serving():
+            self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
         assert self.window is not None
         return self.window, self.generation
 
@@ -250,8 +191,7 @@ class Lease:
     def give_back(self, amount: int, window: str, generation: int) -> None:
         """A reservation's ``amount`` comes back unused."""
         if amount > 0 and window == self.window and generation == self.generation:
-            self.reserved -= amount
-            self.balance += amount
+            self._reserve(-amount)
             self.kick()
 
     def settle(self, reserved: int, spent: int, window: str, generation: int) -> _Staged | None:
@@ -260,8 +200,7 @@ class Lease:
         if window != self.window:
             return None  # a window that is over needs nothing
         if generation == self.generation:
-            self.reserved -= reserved
-            self.balance += reserved
+            self._reserve(-reserved)
         # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
         used = min(self.balance, spent)
         self.balance -= used
@@ -270,26 +209,20 @@ class Lease:
             # A minute window is never taken over (it ends by itself): what was spent leaves the books
             # here, without a write; only a surplus goes to the row (as an applied charge).
             self.held -= used
-            if self.hold_share and asyncio.get_running_loop().time() < self.hold_until:
-                self.top_up = True  # what it spent of the hold is taken again, after the request
+            if self.hold.serving():
+                self.hold.top_up = True  # what it spent of the hold is taken again, after the request
             if not over:
                 self.kick()
                 return None
         self.debt += over
-        self.seq += 1
-        staged = _Staged(self.seq, spent if self.period != "minute" else over, window)
-        self.staged.append(staged)
-        self.kick()
-        return staged
+        return self._stage(spent if self.period != "minute" else over, window, confirmed=False)
 
     def adjust(self, amount: int, window: str) -> None:
         """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
         whose usage was seen later, here or elsewhere. Enters the row with the next exchange."""
         if amount and window == self.window:
             self.debt += amount
-            self.seq += 1
-            self.staged.append(_Staged(self.seq, amount, window, confirmed=True))
-            self.kick()
+            self._stage(amount, window, confirmed=True)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -306,7 +239,7 @@ class Lease:
             self.kick()
 
     def remaining(self) -> int:
-        taken = self.row_taken if self.row_window == self.window else 0
+        taken = self.seen.taken if self.seen.counts_in(self.window) else 0
         return max(0, self.limit - taken) + self.balance
 
     def holds(self) -> bool:
@@ -325,6 +258,15 @@ class Lease:
     def idle(self) -> bool:
         return self.flight is None and not self.holds()
 
+    def give_all_back(self) -> bool:
+        """Whether something is still to go to the row (a balance, a debt, a charge, a lost answer):
+        if so, the hold ends and an exchange starts."""
+        if not (self.balance or self.debt or self._applicable() or self.uncertain):
+            return False
+        self.hold.end()
+        self.kick()
+        return True
+
     # --- the single flight ------------------------------------------------------------------
 
     def kick(self) -> None:
@@ -342,8 +284,7 @@ class Lease:
             if waiter.future.done():
                 continue
             if waiter.need <= self.balance:
-                self.balance -= waiter.need
-                self.reserved += waiter.need
+                self._reserve(waiter.need)
                 waiter.future.set_result((self.window, self.generation))
             else:
                 keep.append(waiter)
@@ -359,30 +300,32 @@ class Lease:
             out.append(staged)
         return out
 
+    def _reserve(self, need: int) -> None:
+        """``need`` moves from the balance to the reservations (a negative one comes back)."""
+        self.balance -= need
+        self.reserved += need
+
+    def _stage(self, amount: int, window: str, confirmed: bool) -> _Staged:
+        self.seq += 1
+        staged = _Staged(self.seq, amount, window, confirmed)
+        self.staged.append(staged)
+        self.kick()
+        return staged
+
     def _has_work(self) -> bool:
-        holding = asyncio.get_running_loop().time() < self.hold_until
+        holding = self.hold.active()
         return (
             self.uncertain is not None
-            or (self.top_up and holding)
+            or (self.hold.top_up and holding)
             or bool(self._pending())
             or self.debt > 0
             or bool(self._applicable())
-            or self.balance > (self.hold_share if holding else 0)
+            or self.balance > (self.hold.share if holding else 0)
         )
 
-    def _hold(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.hold_until = loop.time() + HOLD_SECONDS
-        if self.hold_timer is None:
-            self.hold_timer = loop.call_later(HOLD_SECONDS + 0.01, self._hold_over)
-
     def _hold_over(self) -> None:
-        self.hold_timer = None
-        left = self.hold_until - asyncio.get_running_loop().time()
-        if left > 0:
-            self.hold_timer = asyncio.get_running_loop().call_later(left + 0.01, self._hold_over)
-        elif self.balance:
-            self.kick()
+        if self.balance:
+            self.kick()  # what it kept goes back
 
     async def _run(self) -> None:
         try:
@@ -423,14 +366,7 @@ class Lease:
             self.backoff = min(self.backoff * 2, 30.0)
 
     async def _read(self) -> None:
-        row = await self.counters.store.get(LIMITS_TABLE, self.partition, self.row, timeout=self.counters.timeout)
-        if row is None:
-            self.row_etag, self.row_window, self.row_taken, self.row_holds = None, None, 0, {}
-        else:
-            self.row_etag = row.etag
-            self.row_window = row.get("window")
-            self.row_taken = int(row.get("taken") or 0)
-            self.row_holds = parse_holds(row.get("holds"))
+        self.seen = await counter_row.read(self.counters.store, self.partition, self.row, self.counters.timeout)
         self.known = True
 
     async def _exchange(self) -> None:
@@ -442,19 +378,19 @@ class Lease:
             if self.uncertain is not None:
                 return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
-        top_up, self.top_up = self.top_up, False
+        top_up, self.hold.top_up = self.hold.top_up, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
                 await self._read()
                 fresh = True
-            if self.row_etag is not None and _newer(self.row_window, self.window):
-                self.advance(self.row_window)  # another instance's clock is a little ahead: follow it
-            same = self.row_etag is not None and self.row_window == self.window
-            taken = self.row_taken if same else 0
-            holds = dict(self.row_holds) if same else {}
-            mine = holds.get(counters.instance)
-            if self.held and mine is None and same:
+            seen = self.seen
+            if seen.etag is not None and newer(seen.window, self.window):
+                self.advance(seen.window)  # another instance's clock is a little ahead: follow it
+            same = seen.counts_in(self.window)
+            taken = seen.taken if same else 0
+            holds = dict(seen.holds) if same else {}
+            if self.held and counters.instance not in holds and same:
                 self._recovered_elsewhere()
                 continue
             window = self.window
@@ -463,29 +399,30 @@ class Lease:
             if self.period != "minute" and self.held == 0 and waiters and counters.journal is not None:
                 # A budget's first capacity here: the journal lists the counter before the row says
                 # we hold some, so a takeover of this instance finds it.
-                await counters.journal.note_counter(f"{self.partition}/{self.row}", self.holds)
+                await counters.journal.note_counter(self.name, self.holds)
                 waiters = self._pending()
             room = max(0, self.limit - taken) + self.balance
-            chosen, total = _fitting(waiters, room)
+            picked, total = fitting([w.need for w in waiters], room)
+            chosen = [waiters[i] for i in picked]
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            holding = asyncio.get_running_loop().time() < self.hold_until
-            # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-            keep = min(self.balance, self.hold_share) if holding and not waiters else 0
-            # What all the instances keep idle together stays under HOLD_SHARE of the limit.
-            others = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            share = max(0, int(self.limit * HOLD_SHARE) - others)
-            if top_up and holding and not waiters:
-                # The hold back to its size, so far as the limit and the other instances' idle shares
-                # allow: the next request at this pace needs no exchange.
-                keep = max(keep, min(self.hold_share, share, room))
-            extra = 0
-            if self.period == "minute" and len(waiters) == 1 and chosen:  # a lone request: one more for the next
-                extra = max(0, min(chosen[0].need, share, room - total))
-                self.hold_share = extra
-                keep = max(keep, extra)
-            delta = total + keep - self.balance
+            lone = self.period == "minute" and len(waiters) == 1 and chosen
+            keep = to_keep(
+                limit=self.limit,
+                room=room,
+                granted=total,
+                balance=self.balance,
+                hold_share=self.hold.share,
+                others_idle=sum(e.idle for name, e in holds.items() if name != counters.instance),
+                holding=self.hold.active(),
+                top_up=top_up,
+                waiting=bool(waiters),
+                lone=chosen[0].need if lone else None,
+            )
+            if keep.hold_share is not None:
+                self.hold.share = keep.hold_share
+            delta = total + keep.balance - self.balance
             applied = [(s.seq, s.amount) for s in self._applicable()]
             spent = sum(amount for _, amount in applied)
             debt = self.debt
@@ -494,22 +431,14 @@ class Lease:
                 return
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
-            entry = Entry(held, applied[-1][0] if applied else self.applied, exchange, keep)
             if held > 0:
-                holds[counters.instance] = entry
+                holds[counters.instance] = Entry(
+                    held, applied[-1][0] if applied else self.applied, exchange, keep.balance
+                )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
-            entity = {
-                "PartitionKey": self.partition,
-                "RowKey": self.row,
-                "window": window,
-                "taken": max(0, taken + delta + debt),
-                "limit": self.limit,
-                "holds": format_holds(holds),
-            }
-            written = _Written(
-                self.row_etag, exchange, entity, delta, debt, applied, chosen, keep, window, self.balance
-            )
+            row = CounterRow(None, window, max(0, taken + delta + debt), holds, self.limit)
+            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep.balance, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -524,8 +453,8 @@ class Lease:
                 self.uncertain = written  # did it land? ask the row before anything is given back
                 raise
             self._landed(written, waiters)
-            if extra and keep:
-                self._hold()
+            if keep.hold_share and keep.balance:
+                self.hold.renew()
             return
         raise StoreError("the counter kept changing under this instance")
 
@@ -533,19 +462,15 @@ class Lease:
         counters = self.counters
         counters.writes += 1
         self.exchange = written.exchange
-        if written.etag is None:
-            etag = await counters.store.insert(LIMITS_TABLE, written.entity, timeout=counters.timeout)
-        else:
-            etag = await counters.store.replace(
-                LIMITS_TABLE, written.entity, etag=written.etag, timeout=counters.timeout
-            )
-        self.row_etag, self.row_window = etag, written.window
-        self.row_taken, self.row_holds = written.entity["taken"], parse_holds(written.entity["holds"])
+        self.seen = await counter_row.write(
+            counters.store, self.partition, self.row, written.row, written.etag, counters.timeout
+        )
         self.known = True
 
     def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
         """The write is in the row: the books follow it, the chosen waiters are served."""
-        if written.window != self.window:
+        window = written.window
+        if window is None or window != self.window:
             return
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
         self.balance += written.keep
@@ -557,7 +482,7 @@ class Lease:
             self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
-        self._answer(waiters, written.waiters, written.window)
+        self._answer(waiters, written.waiters, window)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -589,7 +514,8 @@ class Lease:
         assert written is not None
         for _ in range(MAX_ATTEMPTS):
             await self._read()
-            landed = self._shows(written)
+            fenced = self.counters.instances.fenced.is_set()
+            landed = self.seen.shows(written.row, written.etag, self.counters.instance, fenced)
             if landed is None:  # unchanged: not applied (yet); the same write again
                 try:
                     await self._write(written)
@@ -608,23 +534,10 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _shows(self, written: _Written) -> bool | None:
-        """Whether the row as just read shows ``written``: True, False, or None when the row is
-        exactly as it was when the write was made (so it has not been applied, and may be sent again)."""
-        if self.row_etag == written.etag:
-            return None
-        if self.row_window != written.window:
-            return False
-        mine = self.row_holds.get(self.counters.instance)
-        if f"{self.counters.instance}=" in written.entity["holds"]:
-            return mine is not None and mine.exchange >= written.exchange
-        # The write took our entry out: gone now means it landed, unless a takeover took it out.
-        return mine is None and not self.counters.instances.fenced.is_set()
-
     def _recovered_elsewhere(self) -> None:
         """Our entry is gone while we held: another instance took this instance over (we were too
         slow to beat). What we held was settled there from our journal; these books start again."""
-        log.warning("limits: %s/%s was taken over from this instance elsewhere", self.partition, self.row)
+        log.warning("limits: %s was taken over from this instance elsewhere", self.name)
         self._drop_books()
 
 
@@ -636,17 +549,6 @@ class _Refused(Exception):
 
 class _Unavailable(Exception):
     pass
-
-
-def _fitting(waiters: list[_Waiter], room: int) -> tuple[list[_Waiter], int]:
-    """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
-    chosen: list[_Waiter] = []
-    total = 0
-    for waiter in waiters:
-        if total + waiter.need <= room:
-            chosen.append(waiter)
-            total += waiter.need
-    return chosen, total
 
 
 @dataclass
@@ -669,13 +571,13 @@ class Settlement:
 
     @property
     def seqs(self) -> dict[str, int]:
-        return {f"{lease.partition}/{lease.row}": s.seq for lease, s in self.staged}
+        return {lease.name: s.seq for lease, s in self.staged}
 
     def lessen(self, amounts: Mapping[str, int]) -> None:
         """Before ``confirm``: take ``amounts`` ("partition/row" -> amount) out of the staged charges
         (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
-            lease.lessen(staged, amounts.get(f"{lease.partition}/{lease.row}", 0))
+            lease.lessen(staged, amounts.get(lease.name, 0))
 
     def confirm(self) -> None:
         for lease, staged in self.staged:
@@ -728,7 +630,7 @@ class Reservation:
     @property
     def needs(self) -> dict[str, int]:
         """What it holds per budget counter, for the journal."""
-        return {f"{p.lease.partition}/{p.lease.row}": p.need for p in self.parts if p.lease.period != "minute"}
+        return {p.lease.name: p.need for p in self.parts if p.lease.period != "minute"}
 
 
 class WriteAhead(Protocol):
@@ -750,13 +652,12 @@ class Counters:
         instances: Instances,
         journal: WriteAhead | None = None,
         clock: Callable[[], float] | None = None,
-        timeout: float = SLOW_TIMEOUT,
     ):
         self.store = store
         self.instances = instances  # who holds (its id: the row's entry), and whether it was fenced
         self.journal = journal
         self.clock = clock or store.clock.now
-        self.timeout = timeout
+        self.timeout = SLOW_TIMEOUT
         self.closed = False
         self._leases: dict[tuple[str, str], Lease] = {}
         self._pruned_at = ""
@@ -870,16 +771,8 @@ class Counters:
             if flights:
                 await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
                 continue
-            busy = [
-                lease
-                for lease in self._leases.values()
-                if lease.balance or lease.debt or lease._applicable() or lease.uncertain
-            ]
-            if not busy:
+            if not [lease for lease in self._leases.values() if lease.give_all_back()]:
                 return True
-            for lease in busy:
-                lease.hold_until = 0.0
-                lease.kick()
             await asyncio.sleep(0.05)
         return False
 

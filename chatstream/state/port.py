@@ -8,8 +8,8 @@ For a request (accounting.py)::
     admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unavailable
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
-For the admin API (registry.py): the object, or ``Invalid`` (which field, why: never the value),
-``Missing``, ``Conflict``, ``Unavailable``, raised."""
+For the admin API (registry.py): the object, or an ``AdminError`` raised: ``Invalid`` (which field,
+why: never the value), ``Missing``, ``Conflict``, ``AdminUnavailable``."""
 
 from __future__ import annotations
 
@@ -102,9 +102,8 @@ class Refused:
 
 @dataclass(frozen=True)
 class Unavailable:
-    """The store did not answer in time: nothing was reserved or charged."""
-
-    what: str = "the store did not answer in time"
+    """The store did not answer in time (or too many unknown keys are being checked at once):
+    nothing was reserved or charged."""
 
 
 @dataclass(frozen=True)

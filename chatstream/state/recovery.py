@@ -13,7 +13,7 @@ held capacity of), in four steps:
    else wrote first (a stream's taker charging the lost part from its log) is theirs to count in the
    counters; one below the checkpoint (a log is stored every few seconds) is raised to it, what the
    taker counted kept in the row, and only the difference is counted here.
-3. **Counters**: in each budget counter row it held (counters.py), the dead instance's entry goes
+3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, and its open requests at what they generated).
    Minute windows need nothing: they end.
@@ -35,14 +35,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from ..errors import Modified, NotFound, StoreError
-from .counters import MAX_ATTEMPTS, SLOW_TIMEOUT, format_holds, parse_holds
+from . import counter_row
+from .counter_row import MAX_ATTEMPTS
+from .counters import SLOW_TIMEOUT
 from .journal import amounts, journal_name
 from .ledger import Charge, Ledger, theirs, tokens_of
 from .prices import Price
-from .store import LIMITS_TABLE, Store
+from .store import Store
 
 log = logging.getLogger("chatstream")
 
@@ -53,10 +56,10 @@ class Recovery:
     """Settles a dead instance's journal (module docstring): ``recover`` is what the duty holder
     calls for each instance it finds dead."""
 
-    def __init__(self, store: Store, ledger: Ledger, timeout: float = SLOW_TIMEOUT):
+    def __init__(self, store: Store, ledger: Ledger):
         self.store = store
         self.ledger = ledger
-        self.timeout = timeout
+        self.timeout = SLOW_TIMEOUT
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
@@ -130,26 +133,21 @@ class Recovery:
         settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
         partition, _, row = key.partition("/")
         for _ in range(MAX_ATTEMPTS):
-            found = await self.store.get(LIMITS_TABLE, partition, row, timeout=self.timeout)
-            if found is None:
-                return
-            holds = parse_holds(found.get("holds"))
+            found = await counter_row.read(self.store, partition, row, self.timeout)
+            holds = dict(found.holds)
             held = holds.pop(dead, None)
             if held is None:
-                return  # done (here or by another taker)
+                return  # done (here or by another taker), or no row
             unapplied = sum(
                 brings[key]
                 for entry, brings in owed
                 if key in brings
                 and not (entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= held.applied)
             )
-            taken = max(0, int(found.get("taken") or 0) - held.held + max(0, unapplied))
+            taken = max(0, found.taken - held.held + max(0, unapplied))
             try:
-                await self.store.replace(
-                    LIMITS_TABLE,
-                    {**found, "taken": taken, "holds": format_holds(holds)},
-                    etag=found.etag,
-                    timeout=self.timeout,
+                await counter_row.write(
+                    self.store, partition, row, replace(found, taken=taken, holds=holds), found.etag, self.timeout
                 )
                 return
             except (Modified, NotFound):

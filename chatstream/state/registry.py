@@ -232,7 +232,7 @@ class Registry:
             # Only a key nobody is reading now and no read found counts against the bucket: a known
             # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
             if not self.keys.known(key_hash) and not self._may_look_up():
-                return Unavailable("too many unknown keys are being checked now")
+                return Unavailable()  # too many unknown keys are being checked now
             try:
                 caller = await self.keys.get(key_hash, lambda: self._read_key(key_hash))
             except StoreError as exc:

@@ -97,21 +97,6 @@ class Where:
     select: tuple[str, ...] | None = None
     limit: int | None = None
 
-    def matches(self, row: Mapping[str, Any]) -> bool:
-        """Whether ``row`` is one this query answers (the memory backend's filter, and a check)."""
-        key = row["RowKey"]
-        if self.partition is not None and row["PartitionKey"] != self.partition:
-            return False
-        if self.rows_from is not None and key < self.rows_from:
-            return False
-        if self.rows_to is not None and key >= self.rows_to:
-            return False
-        if any(row.get(name) != value for name, value in self.equal.items()):
-            return False
-        if any(name not in row or not row[name] < value for name, value in self.less.items()):
-            return False
-        return all(name in row and row[name] >= value for name, value in self.at_least.items())
-
 
 OpKind = Literal["insert", "replace", "merge", "upsert", "delete"]
 

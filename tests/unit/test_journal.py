@@ -17,7 +17,7 @@ from chatstream.errors import StoreError
 from chatstream.state import journal
 from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.callers import Caller
-from chatstream.state.counters import parse_holds
+from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import journal_name
 from chatstream.state.ledger import Charge

@@ -1,0 +1,125 @@
+"""A limit's counter row in ``chatstreamLimits``, as stored: PartitionKey the caller's or team's
+``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>`` or
+``tpm@<model>``; ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken`` (what of
+that window is out: spent, or held by instances), ``limit`` (for operators) and ``holds``: each
+holding instance's share, ``<instance>=<held>/<applied>/<exchange>/<idle>``. A row whose window is
+older than now counts as empty: rows are reused, never piled up. The counters (counters.py) and the
+recovery of a dead instance (recovery.py) read and write it through this module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from .store import LIMITS_TABLE, Row, Store
+
+WINDOW_SECONDS = 60
+MAX_ATTEMPTS = 50  # conflicting writes one change of a row retries (each after a fresh read)
+Period = str  # "minute", "day", "month", "total"
+
+
+def window_of(period: Period, now: float) -> str:
+    if period == "minute":
+        return f"{int(now // WINDOW_SECONDS):010d}"
+    if period == "day":
+        return datetime.fromtimestamp(now, UTC).strftime("d%Y%m%d")
+    if period == "month":
+        return datetime.fromtimestamp(now, UTC).strftime("m%Y%m")
+    return "total"
+
+
+def seconds_to_next_minute(now: float) -> float:
+    return WINDOW_SECONDS - (now % WINDOW_SECONDS)
+
+
+def newer(a: str | None, b: str | None) -> bool:
+    """Whether window ``a`` comes after window ``b`` (windows of one kind compare as strings)."""
+    return a is not None and b is not None and len(a) == len(b) and a[:1] == b[:1] and a > b
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One instance's share of a counter row: what it holds, the last charge of it applied, its last
+    exchange's number, and of ``held`` what it keeps idle for a next request (its hold share)."""
+
+    held: int = 0
+    applied: int = 0
+    exchange: int = 0
+    idle: int = 0
+
+
+def parse_holds(text: str | None) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for item in (text or "").split():
+        name, _, values = item.partition("=")
+        parts = values.split("/")
+        if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
+            entries[name] = Entry(*(int(p) for p in parts))
+    return entries
+
+
+def format_holds(entries: Mapping[str, Entry]) -> str:
+    return " ".join(f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(entries.items()))
+
+
+@dataclass(frozen=True)
+class CounterRow:
+    """A counter row as read or written (``etag`` None: not there)."""
+
+    etag: str | None = None
+    window: str | None = None
+    taken: int = 0
+    holds: Mapping[str, Entry] = field(default_factory=dict)
+    limit: int = 0
+
+    @classmethod
+    def of(cls, row: Row | None) -> CounterRow:
+        if row is None:
+            return cls()
+        taken, limit = int(row.get("taken") or 0), int(row.get("limit") or 0)
+        return cls(row.etag, row.get("window"), taken, parse_holds(row.get("holds")), limit)
+
+    def counts_in(self, window: str | None) -> bool:
+        """Whether the row is there and is ``window``'s (else it counts as empty)."""
+        return self.etag is not None and self.window == window
+
+    def shows(self, written: CounterRow, condition: str | None, instance: str, fenced: bool) -> bool | None:
+        """Whether this row, just read, shows ``written``: ``instance``'s write conditioned on the
+        ETag ``condition`` whose answer was lost. True, False, or None when the row is exactly as it
+        was when the write was made (not applied: it may be sent again). Only ``instance`` writes its
+        entry, each time with the next exchange number; ``fenced``: it was taken over elsewhere."""
+        if self.etag == condition:
+            return None
+        if self.window != written.window:
+            return False
+        mine, wrote = self.holds.get(instance), written.holds.get(instance)
+        if wrote is not None:
+            return mine is not None and mine.exchange >= wrote.exchange
+        # The write took the entry out: gone now means it landed, unless a takeover took it out.
+        return mine is None and not fenced
+
+
+async def read(store: Store, partition: str, key: str, bound: float) -> CounterRow:
+    """The row (the store call bounded by ``bound`` seconds)."""
+    return CounterRow.of(await store.get(LIMITS_TABLE, partition, key, timeout=bound))
+
+
+async def write(
+    store: Store, partition: str, key: str, row: CounterRow, condition: str | None, bound: float
+) -> CounterRow:
+    """Write ``row`` conditioned on the ETag ``condition`` (None: an insert): the row as written.
+    Raises Modified / AlreadyExists / NotFound when the condition failed."""
+    entity = {
+        "PartitionKey": partition,
+        "RowKey": key,
+        "window": row.window,
+        "taken": row.taken,
+        "limit": row.limit,
+        "holds": format_holds(row.holds),
+    }
+    if condition is None:
+        etag = await store.insert(LIMITS_TABLE, entity, timeout=bound)
+    else:
+        etag = await store.replace(LIMITS_TABLE, entity, etag=condition, timeout=bound)
+    return replace(row, etag=etag)
