@@ -473,16 +473,25 @@ def _body(
     first: asyncio.Future, events: AsyncGenerator[Event], encode: Callable[[Event], bytes | None], heartbeat: float
 ) -> AsyncGenerator[bytes]:
     """The response's body: the events encoded (``encoded`` itself when the first event is in hand:
-    a generator around it would cost every delta), after keep-alives while it is not. The response
-    closes the events when it ends (``EventStreamResponse``'s ``on_close``); a big answer's memory
-    goes back to the OS (memory.py)."""
+    a generator around it would cost every delta), after keep-alives while it is not. When it ends
+    the events are closed at once (their record, the log line and the charge, is written then, not
+    after the response's last write), and a big answer's memory goes back to the OS (memory.py)."""
+
+    async def ended(written: int) -> None:
+        await _close_events(first, events)
+        memory.released(written)
+
     if first.done():
-        return encoded(first.result(), events, encode, memory.released)
-    return _after_keep_alives(first, events, encode, heartbeat)
+        return encoded(first.result(), events, encode, ended)
+    return _after_keep_alives(first, events, encode, heartbeat, ended)
 
 
 async def _after_keep_alives(
-    first: asyncio.Future, events: AsyncGenerator[Event], encode: Callable[[Event], bytes | None], heartbeat: float
+    first: asyncio.Future,
+    events: AsyncGenerator[Event],
+    encode: Callable[[Event], bytes | None],
+    heartbeat: float,
+    ended: Callable[[int], Awaitable[None]],
 ) -> AsyncGenerator[bytes]:
     try:
         yield KEEP_ALIVE  # the headers go out now; say so to proxies at once
@@ -490,7 +499,7 @@ async def _after_keep_alives(
             await asyncio.wait({first}, timeout=heartbeat)
             if not first.done():
                 yield KEEP_ALIVE
-        async with contextlib.aclosing(encoded(first.result(), events, encode, memory.released)) as body:
+        async with contextlib.aclosing(encoded(first.result(), events, encode, ended)) as body:
             async for data in body:
                 yield data
     finally:

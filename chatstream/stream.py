@@ -443,10 +443,10 @@ async def encoded(
     first: Event,
     events: AsyncIterator[Event],
     encode: Callable[[Event], bytes | None],
-    ended: Callable[[int], None] | None = None,
+    ended: Callable[[int], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[bytes]:
     """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
-    chunks marked ``more`` joined with the events that follow them. ``ended``: called with the bytes
+    chunks marked ``more`` joined with the events that follow them. ``ended``: awaited with the bytes
     written when it ends, however it ends."""
     pending: list[bytes] = []
     event = first
@@ -474,4 +474,4 @@ async def encoded(
                 return
     finally:
         if ended is not None:
-            ended(written)
+            await ended(written)
