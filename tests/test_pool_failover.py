@@ -977,12 +977,15 @@ def test_the_c_sharp_client_and_the_ai_sdk_read_a_continued_answer_as_one(ups, s
     fail(a)
     app = a_then_b(start_app, a, b)
     exe = ROOT / "client_cs" / "bin" / "chat.exe"
-    if exe.is_file() and shutil.which("mono"):  # built by `make client-mono` (test_client_cs builds it too)
+    cs, aisdk = exe.is_file() and shutil.which("mono"), (AISDK / "node_modules" / "ai").is_dir()
+    if not (cs or aisdk):
+        pytest.skip("neither client is built (make client-mono, make aisdk; make test builds both)")
+    if cs:  # built by `make client-mono` (test_client_cs builds it too)
         proc = run_chat(exe, "--url", app.chat_url, "--stats", "hi")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.decode() in (NORMAL, NORMAL + "\n")
         assert b"finish reason: stop" in proc.stderr
-    if (AISDK / "node_modules" / "ai").is_dir():  # `make aisdk`
+    if aisdk:  # `make aisdk`
         fail(a)
         out = subprocess.run(
             ["node", str(AISDK / "stream_usage.mjs"), app.url + "/api/v1", "hi"],
@@ -993,7 +996,7 @@ def test_the_c_sharp_client_and_the_ai_sdk_read_a_continued_answer_as_one(ups, s
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["ok"] and result["text"] == NORMAL and result["finishReason"] == "stop", result
         assert result["usage"]["completionTokens"] > 0
-    assert len(log_records(app, r'"continued"')) == 2, "both answers were continued"
+    assert len(log_records(app, r'"continued"')) == int(bool(cs)) + int(aisdk), "every answer was continued"
 
 
 def log_records(app: App, pattern: str) -> list[dict]:
