@@ -229,7 +229,7 @@ class MemoryStore:
                 rows = partitions.get(name, {})
                 for key in sorted(rows):
                     values, etag = rows[key]
-                    if _matches(where, values):
+                    if matches(where, values):
                         found.append(Row.of(_select(values, where.select), etag))
                         if where.limit is not None and len(found) >= where.limit:
                             return found
@@ -340,7 +340,7 @@ def _quietly(work: Callable[[], Any]) -> None:
         work()
 
 
-def _matches(where: Where, row: Mapping[str, Any]) -> bool:
+def matches(where: Where, row: Mapping[str, Any]) -> bool:
     """Whether ``row`` is one ``where`` answers (what the service's filter does)."""
     key = row["RowKey"]
     if where.partition is not None and row["PartitionKey"] != where.partition:
