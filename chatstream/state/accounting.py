@@ -150,6 +150,9 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
+        # What a response created here carries, known as it ends, before its row says so (written in
+        # the background): a continuation of it sent at once is reserved at that, not the estimate.
+        self._contexts: dict[tuple[str, str], int] = {}
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -224,8 +227,9 @@ class Accounting:
                 return Unavailable()
             if owned is None or not _mine(owned.caller_id, caller):
                 return Unknown("response", asked.previous)
-            if owned.context:
-                known += owned.context
+            context = owned.context or self._contexts.get(("response", asked.previous), 0)
+            if context:
+                known += context
             else:
                 extra += self.referenced_context
         if asked.references:
@@ -240,6 +244,10 @@ class Accounting:
         """Settle the admission once the request is over (module docstring): in the background."""
         if admission is None:
             return
+        if admission.created is not None and usage.reported and usage.segments:
+            if len(self._contexts) >= 4096:
+                self._contexts.pop(next(iter(self._contexts)))  # the oldest: its row has it by now
+            self._contexts[admission.created] = usage.segments[-1].total
         task = asyncio.get_running_loop().create_task(self._charge(admission, usage))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
