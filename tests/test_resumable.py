@@ -234,11 +234,19 @@ def test_a_caller_past_what_a_killed_producer_stored_gets_stream_lost_never_othe
             assert time.monotonic() < deadline, (answer.status_code, answer.text[-300:])
             time.sleep(0.5)
         rest = events(answer.text)
-        assert len(rest) == 1 and rest[0][0] == 4 and "stream_lost" in rest[0][2], answer.text[-600:]
-        assert route != "chat" or json.loads(rest[0][2])["error"]["retryable"] is True
         whole = events(resume(b, stream_id, None).text)
         ids = [e[0] for e in whole]
-        assert ids == sorted(set(ids)) and ids[0] > 3, "the takeover's own ids: none of those the caller holds"
+        assert ids == sorted(set(ids)), ids
+        taken = [i for i in ids if i > 1_000_000]
+        if taken and taken[0] - 1_000_001 >= 3:
+            # A's log held the caller's events when it died (a write came before the kill, which a
+            # loaded or a quick machine can both make happen): then its resume goes on exactly.
+            text_of = chat_text if route == "chat" else openai_text
+            assert "stream_lost" not in answer.text and text_of(got + rest) == text_of(whole), answer.text[-600:]
+            return
+        assert len(rest) == 1 and rest[0][0] == 4 and "stream_lost" in rest[0][2], answer.text[-600:]
+        assert route != "chat" or json.loads(rest[0][2])["error"]["retryable"] is True
+        assert ids[0] > 3, "the takeover's own ids: none of those the caller holds"
         if route == "chat":
             text, final = chat_text(whole), whole[-1][1] == "done"
         else:
