@@ -29,7 +29,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from . import memory, sse, telemetry, tokens
+from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .apis.usage import request_usage
 from .continuation import ChatContinuation, Known, Resumed, turned_off
@@ -44,7 +44,6 @@ from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
 from .state.streamlog import Claim, started_at
-from .state.streamlog.format import position
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
@@ -343,7 +342,7 @@ class Endpoint:
         events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
         assert self.resumable is not None
         await self.resumable.produce(claim.producer, events, encode, protocol, record)
-        if admission is not None and position(claim.received) > position(claim.last_id):
+        if admission is not None:
             await self._charge_received(claim, known, admission)
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
@@ -366,16 +365,13 @@ class Endpoint:
         await self.accounting.charge_lost(admission, started, lost.text + unstored, claim.epoch, before)
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:
-        """The reader that asked for the takeover had ids past the stored end: the lost producer
+        """When the reader that asked for the takeover had ids past the stored end, the lost producer
         gave its client those events, unstored. The continuation's events of the same ids (which
         that reader skipped) stand for them: the lost part is charged with their text too (at least
         what its caller received), unless a charge of it is higher already."""
         if not isinstance(self.api, Resumes):
             return
-        ours = sse.split(claim.producer.events_after(claim.last_id))[0]
-        received = position(claim.received)  # ids differ per producer (streamlog/format.py): positions agree
-        unstored = sse.join(e for e in ours if position(sse.event_id(e) or 0) <= received)
-        text = self.api.known(unstored).text
+        text = self.api.known(claim.stand_ins()).text
         if text:
             await self._charge_lost(claim, known, admission, text)
 

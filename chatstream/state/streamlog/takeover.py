@@ -29,6 +29,7 @@ from .format import (
     Tail,
     epoch_marker,
     log_tag,
+    position,
     record_over,
     request_blob,
     split_events,
@@ -63,6 +64,16 @@ class Claim:
     # The last id the reader that asked for the takeover had: past ``last_id``, the lost producer
     # gave its client events the log does not hold (the continuation's ids up to it stand for them).
     received: int = 0
+
+    def stand_ins(self) -> bytes:
+        """The continuation's events that stand for what the reader that asked for the takeover
+        received from the lost producer and the log never held (b"" when it had nothing unstored):
+        those of the positions up to ``received`` (ids differ per producer; positions agree)."""
+        received = position(self.received)
+        if received <= position(self.last_id):
+            return b""
+        ours = sse.split(self.producer.events_after(self.last_id))[0]
+        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= received)
 
 
 MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]]], Producer]
