@@ -305,13 +305,6 @@ def choices(params: Mapping[str, Any]) -> int:
     return n if type(n) is int and n > 0 else 1
 
 
-def reserve_for(model: str | None, params: Mapping[str, Any], default_max: int) -> int:
-    """What a request may cost at most: its prompt plus ``n`` times its output cap (``default_max``
-    when it names none, which ``with_default_cap`` then adds to the upstream request)."""
-    cap = output_cap(params) or default_max
-    return count_prompt(model, params) + choices(params) * cap
-
-
 def with_default_cap(params: dict[str, Any], default_max: int, field: str | None = None) -> dict[str, Any]:
     """``params`` with the default output cap added when the request names none, so the reservation
     bounds what the model may generate. The field: ``max_output_tokens`` for a Responses body

@@ -195,15 +195,9 @@ def test_responses_bodies():
     )
 
 
-def test_reserve_for_adds_the_output_cap_times_n():
-    body = {"messages": [{"role": "user", "content": "hello world"}]}
-    prompt = tokens.count_prompt("gpt-4o", body)
-    assert prompt == 3 + 1 + 2 + 3
-    assert tokens.reserve_for("gpt-4o", body, 4096) == prompt + 4096
-    assert tokens.reserve_for("gpt-4o", {**body, "max_tokens": 50}, 4096) == prompt + 50
-    assert tokens.reserve_for("gpt-4o", {**body, "max_completion_tokens": 70, "n": 3}, 4096) == prompt + 210
-    assert tokens.reserve_for("gpt-4o", {**body, "max_tokens": True}, 100) == prompt + 100  # not a number
-    assert tokens.reserve_for("gpt-4o", {"input": "hello world", "max_output_tokens": 30}, 4096) == 9 + 30
+def test_a_prompt_counts_its_message_and_the_reply_primer():
+    assert tokens.count_prompt("gpt-4o", {"messages": [{"role": "user", "content": "hello world"}]}) == 3 + 1 + 2 + 3
+    assert tokens.count_prompt("gpt-4o", {"input": "hello world"}) == 9
 
 
 def test_the_default_cap_is_added_only_when_none_is_named():

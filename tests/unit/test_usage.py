@@ -42,6 +42,18 @@ def test_the_admission_request_counts_the_prompt_adds_the_default_cap_and_names_
     assert "max_completion_tokens" not in responses.params
 
 
+def test_the_output_reserved_is_n_times_the_cap_named_else_the_default():
+    def output(**params) -> int:
+        call = CallRequest(
+            params={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **params}, endpoint="openai"
+        )
+        return admission_request(call, record(), 4096).output_tokens
+
+    assert output() == 4096 and output(max_tokens=50) == 50
+    assert output(max_completion_tokens=70, n=3) == 210
+    assert output(max_tokens=True) == 4096  # not a number: the default cap is added and reserved
+
+
 def test_a_finished_request_used_what_its_upstream_reported_else_what_was_sent_and_generated():
     reported = record()
     reported.attempting("east", "gpt-4o-deployment")
