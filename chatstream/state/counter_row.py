@@ -1,10 +1,11 @@
 """A limit's counter row in ``chatstreamLimits``, as stored: PartitionKey the caller's or team's
 ``limits_partition``, RowKey ``rpm``, ``tpm``, ``tokens``, ``spend``, ``rpm@<model>`` or
 ``tpm@<model>``; ``window`` (the minute, ``d20261201``, ``m202612`` or ``total``), ``taken`` (what of
-that window is out: spent, or held by instances), ``limit`` (for operators) and ``holds``: each
-holding instance's share, ``<instance>=<held>/<applied>/<exchange>/<idle>``. A row whose window is
-older than now counts as empty: rows are reused, never piled up. The counters (counters.py) and the
-recovery of a dead instance (recovery.py) read and write it through this module."""
+that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
+``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
+after their next write). A row whose window is older than now counts as empty: rows are reused, never
+piled up. The counters (counters.py) and the recovery of a dead instance (recovery.py) read and write
+it through this module."""
 
 from __future__ import annotations
 
@@ -71,14 +72,12 @@ class CounterRow:
     window: str | None = None
     taken: int = 0
     holds: Mapping[str, Entry] = field(default_factory=dict)
-    limit: int = 0
 
     @classmethod
     def of(cls, row: Row | None) -> CounterRow:
         if row is None:
             return cls()
-        taken, limit = int(row.get("taken") or 0), int(row.get("limit") or 0)
-        return cls(row.etag, row.get("window"), taken, parse_holds(row.get("holds")), limit)
+        return cls(row.etag, row.get("window"), int(row.get("taken") or 0), parse_holds(row.get("holds")))
 
     def counts_in(self, window: str | None) -> bool:
         """Whether the row is there and is ``window``'s (else it counts as empty)."""
@@ -115,7 +114,6 @@ async def write(
         "RowKey": key,
         "window": row.window,
         "taken": row.taken,
-        "limit": row.limit,
         "holds": format_holds(row.holds),
     }
     if condition is None:

@@ -437,7 +437,7 @@ class Lease:
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
-            row = CounterRow(None, window, max(0, taken + delta + debt), holds, self.limit)
+            row = CounterRow(None, window, max(0, taken + delta + debt), holds)
             written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep.balance, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).

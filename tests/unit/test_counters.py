@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_store import Fault, MemoryData, MemoryStore
 
-from chatstream.state.counter_row import parse_holds
+from chatstream.state.counter_row import parse_holds, window_of
 from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
 from chatstream.state.port import LimitRef, Refused, Unavailable
@@ -247,6 +247,20 @@ async def test_a_frozen_store_during_settles_leaves_the_row_equal_to_what_was_sp
     assert spent <= budget  # reservations of 200 settled at 150: never more than the budget
     assert spent >= budget - 2 * 200  # ...and the budget was not lost to the freezes either
     assert admitted == spent // 150
+
+
+async def test_a_row_written_by_an_older_version_with_a_limit_column_is_read_and_reused():
+    data = MemoryData()
+    old = {"PartitionKey": "c|1", "RowKey": "tokens", "window": window_of("month", T0), "taken": 900, "limit": 5000}
+    await MemoryStore(data).insert(LIMITS_TABLE, {**old, "holds": ""})
+    c = counters(data, "a")
+    refused = await c.reserve([want("tokens", 1000, 200, "month")])  # the limit is the request's, not the row's
+    assert isinstance(refused, Refused) and refused.used == 900
+    reserved = await c.reserve([want("tokens", 1000, 100, "month")])
+    assert isinstance(reserved, Reservation)
+    reserved.settle({("c|1", "tokens"): 100}).confirm()
+    assert await c.flush(3)
+    assert row(data, "c|1", "tokens")["taken"] == 1000 and "limit" not in row(data, "c|1", "tokens")
 
 
 async def test_a_minute_window_turns_over():
