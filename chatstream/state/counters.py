@@ -366,7 +366,7 @@ class Lease:
             self.backoff = min(self.backoff * 2, 30.0)
 
     async def _read(self) -> None:
-        self.seen = await counter_row.read(self.counters.store, self.partition, self.row, self.counters.timeout)
+        self.seen = await counter_row.read(self.counters.store, self.partition, self.row, SLOW_TIMEOUT)
         self.known = True
 
     async def _exchange(self) -> None:
@@ -460,10 +460,9 @@ class Lease:
 
     async def _write(self, written: _Written) -> None:
         counters = self.counters
-        counters.writes += 1
         self.exchange = written.exchange
         self.seen = await counter_row.write(
-            counters.store, self.partition, self.row, written.row, written.etag, counters.timeout
+            counters.store, self.partition, self.row, written.row, written.etag, SLOW_TIMEOUT
         )
         self.known = True
 
@@ -524,7 +523,6 @@ class Lease:
                     continue  # something landed meanwhile (ours, late, perhaps): look again
             self.uncertain = None
             if landed:
-                self.counters.recovered_writes += 1
                 self._landed(written, written.waiters)
             else:
                 self._undo(written)
@@ -657,12 +655,9 @@ class Counters:
         self.instances = instances  # who holds (its id: the row's entry), and whether it was fenced
         self.journal = journal
         self.clock = clock or store.clock.now
-        self.timeout = SLOW_TIMEOUT
         self.closed = False
         self._leases: dict[tuple[str, str], Lease] = {}
         self._pruned_at = ""
-        self.writes = 0  # store writes made (the tests read them)
-        self.recovered_writes = 0  # lost answers found landed (never given back twice)
 
     @property
     def instance(self) -> str:
@@ -775,10 +770,6 @@ class Counters:
                 return True
             await asyncio.sleep(0.05)
         return False
-
-    def held(self) -> int:
-        """Capacity this instance holds unassigned, summed over counters (diagnostics)."""
-        return sum(lease.balance for lease in self._leases.values())
 
     async def close(self) -> None:
         self.closed = True

@@ -66,7 +66,8 @@ async def test_a_burst_of_200_over_two_instances_admits_exactly_the_limit():
     assert len(admitted) == 100  # exactly: nothing is left sitting on an instance
     assert all(r.limit.kind == "tokens_per_minute" and r.retry_after and 0 < r.retry_after <= 60 for r in refused)
     assert row(data, "c|1", "tpm")["taken"] == 100 * 100
-    assert sum(c.writes for c in two) <= 40  # leases: a few exchanges, not one per request
+    writes = data.calls.get("insert", 0) + data.calls.get("replace", 0)
+    assert writes <= 40  # leases: a few exchanges, not one per request
 
 
 async def test_settled_below_the_reservation_gives_back_and_a_lone_request_needs_no_store_write():
@@ -290,7 +291,6 @@ async def test_a_give_back_whose_answer_was_lost_is_not_given_back_twice():
         if await c.flush(1):
             break
         await asyncio.sleep(0.6)
-    assert c.recovered_writes == 1
     found = row(data, "c|1", "tokens")
     assert found["taken"] == 150 and not found.get("holds")
     second = await c.reserve([want("tokens", 2_400, 200, "month")])
@@ -312,7 +312,7 @@ async def test_idle_capacity_held_by_many_instances_stays_under_a_tenth_of_the_l
         assert isinstance(reserved, Reservation)
         reserved.release()
     await asyncio.sleep(0.05)  # the last release goes back by its flight
-    idle = sum(c.held() for c in many)
-    assert idle <= 10_000 // 10 + 8, idle  # rounding: a token per instance at most
     found = row(data, "c|1", "tpm")
-    assert found["taken"] == sum(e.held for e in parse_holds(found["holds"]).values())
+    idle = sum(e.held for e in parse_holds(found["holds"]).values())  # nothing is reserved: all of it idle
+    assert idle <= 10_000 // 10 + 8, idle  # rounding: a token per instance at most
+    assert found["taken"] == idle
