@@ -19,7 +19,7 @@ from azure.data.tables import TableServiceClient
 from helpers import TEST_KEY, app_env
 from servers import App, Azurite
 
-from chatstream.state.capacity import HOLD_SECONDS
+from chatstream.state.counters import HOLD_SECONDS
 from chatstream.tokens import count_prompt, count_text
 from tools.fakeupstream.scenarios import NORMAL_DELTAS, SLOW_DELTAS, TEXTS, count_prompt_tokens
 

@@ -6,9 +6,15 @@ overall and per model.
 and each holding instance's share. Each instance (``Counters``) holds a local balance per counter. A reservation
 is served from it without a store call; when it is short, the reservation waits while ONE exchange
 per counter and instance is in flight (single flight), asking for what all the waiting reservations
-need, as one ETag-conditional write that grants what fits under the limit. Capacity that comes back
-(a reservation settled below what it reserved, a request released) goes back to the store by the
-same flight. How much an exchange takes and keeps idle is capacity.py's.
+need, as one ETag-conditional write that grants what fits under the limit, in order (a large one
+does not block smaller ones behind it). Capacity that comes back (a reservation settled below what
+it reserved, a request released) goes back to the store by the same flight.
+
+**A lone request's hold.** A lone request takes one more request's worth for the next one, kept
+``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
+exchange before their upstream call; what it spends of that hold is taken again after the request.
+What every instance keeps idle together (each row entry says what it keeps) stays under
+``HOLD_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
@@ -43,7 +49,6 @@ from typing import Protocol
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from . import counter_row
-from .capacity import Hold, fitting, to_keep
 from .counter_row import MAX_ATTEMPTS, CounterRow, Entry, Period, newer, seconds_to_next_minute, window_of
 from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
@@ -53,6 +58,8 @@ log = logging.getLogger("chatstream")
 
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
 SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
+HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
+HOLD_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,44 @@ class _Staged:
     amount: int
     window: str
     confirmed: bool = False
+
+
+class Hold:
+    """A lone request's hold on one counter: the ``share`` it may keep idle, until when, and whether
+    a request served from it settled since (``top_up``: take that again). ``over`` is called when a
+    hold ends."""
+
+    def __init__(self, over: Callable[[], None]):
+        self.share = 0
+        self.until = 0.0
+        self.top_up = False
+        self._over = over
+        self._timer: asyncio.TimerHandle | None = None
+
+    def active(self) -> bool:
+        return asyncio.get_running_loop().time() < self.until
+
+    def serving(self) -> bool:
+        """Whether a request now is served from the hold."""
+        return bool(self.share) and self.active()
+
+    def renew(self) -> None:
+        """The hold lasts ``HOLD_SECONDS`` from now."""
+        loop = asyncio.get_running_loop()
+        self.until = loop.time() + HOLD_SECONDS
+        if self._timer is None:
+            self._timer = loop.call_later(HOLD_SECONDS + 0.01, self._check)
+
+    def end(self) -> None:
+        self.until = 0.0
+
+    def _check(self) -> None:
+        self._timer = None
+        left = self.until - asyncio.get_running_loop().time()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left + 0.01, self._check)
+        else:
+            self._over()
 
 
 class Lease:
@@ -402,27 +447,19 @@ class Lease:
                 await counters.journal.note_counter(self.name, self.holds)
                 waiters = self._pending()
             room = max(0, self.limit - taken) + self.balance
-            picked, total = fitting([w.need for w in waiters], room)
-            chosen = [waiters[i] for i in picked]
+            chosen: list[_Waiter] = []
+            total = 0
+            for waiter in waiters:  # what fits, in order
+                if total + waiter.need <= room:
+                    chosen.append(waiter)
+                    total += waiter.need
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            lone = self.period == "minute" and len(waiters) == 1 and chosen
-            keep = to_keep(
-                limit=self.limit,
-                room=room,
-                granted=total,
-                balance=self.balance,
-                hold_share=self.hold.share,
-                others_idle=sum(e.idle for name, e in holds.items() if name != counters.instance),
-                holding=self.hold.active(),
-                top_up=top_up,
-                waiting=bool(waiters),
-                lone=chosen[0].need if lone else None,
-            )
-            if keep.hold_share is not None:
-                self.hold.share = keep.hold_share
-            delta = total + keep.balance - self.balance
+            lone = chosen[0].need if self.period == "minute" and len(waiters) == 1 and chosen else None
+            others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
+            keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
+            delta = total + keep - self.balance
             applied = [(s.seq, s.amount) for s in self._applicable()]
             spent = sum(amount for _, amount in applied)
             debt = self.debt
@@ -432,13 +469,11 @@ class Lease:
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
             if held > 0:
-                holds[counters.instance] = Entry(
-                    held, applied[-1][0] if applied else self.applied, exchange, keep.balance
-                )
+                holds[counters.instance] = Entry(held, applied[-1][0] if applied else self.applied, exchange, keep)
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds)
-            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep.balance, self.balance)
+            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -453,10 +488,28 @@ class Lease:
                 self.uncertain = written  # did it land? ask the row before anything is given back
                 raise
             self._landed(written, waiters)
-            if keep.hold_share and keep.balance:
+            if lone is not None and self.hold.share:
                 self.hold.renew()
             return
         raise StoreError("the counter kept changing under this instance")
+
+    def _keep(self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None) -> int:
+        """What this instance keeps unassigned after an exchange (module docstring: a lone request's
+        hold). ``room``: what the limit leaves plus the balance; ``granted``: what the exchange grants
+        the waiting reservations; ``top_up``: a request served from the hold settled since; ``lone``:
+        the need of a lone minute request granted now (it takes one more for the next: the hold's
+        share)."""
+        holding = self.hold.active() and not waiting
+        # While holding, at most this instance's share stays idle here (what came back beyond it goes).
+        keep = min(self.balance, self.hold.share) if holding else 0
+        share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
+        if top_up and holding:
+            # The hold back to its size, so far as the limit and the other instances' idle shares allow.
+            keep = max(keep, min(self.hold.share, share, room))
+        if lone is not None:
+            self.hold.share = max(0, min(lone, share, room - granted))
+            keep = max(keep, self.hold.share)
+        return keep
 
     async def _write(self, written: _Written) -> None:
         counters = self.counters
