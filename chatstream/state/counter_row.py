@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
+from ..errors import AlreadyExists, Modified, NotFound
 from .store import LIMITS_TABLE, Row, Store
 
 WINDOW_SECONDS = 60
@@ -106,9 +107,9 @@ async def read(store: Store, partition: str, key: str, bound: float) -> CounterR
 
 async def write(
     store: Store, partition: str, key: str, row: CounterRow, condition: str | None, bound: float
-) -> CounterRow:
-    """Write ``row`` conditioned on the ETag ``condition`` (None: an insert): the row as written.
-    Raises Modified / AlreadyExists / NotFound when the condition failed."""
+) -> CounterRow | None:
+    """Write ``row`` conditioned on the ETag ``condition`` (None: an insert): the row as written, or
+    None when the condition failed (the row changed, or was inserted or deleted, since)."""
     entity = {
         "PartitionKey": partition,
         "RowKey": key,
@@ -116,8 +117,11 @@ async def write(
         "taken": row.taken,
         "holds": format_holds(row.holds),
     }
-    if condition is None:
-        etag = await store.insert(LIMITS_TABLE, entity, timeout=bound)
-    else:
-        etag = await store.replace(LIMITS_TABLE, entity, etag=condition, timeout=bound)
+    try:
+        if condition is None:
+            etag = await store.insert(LIMITS_TABLE, entity, timeout=bound)
+        else:
+            etag = await store.replace(LIMITS_TABLE, entity, etag=condition, timeout=bound)
+    except (Modified, AlreadyExists, NotFound):
+        return None
     return replace(row, etag=etag)

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..errors import AlreadyExists, Modified, NotFound, StoreError
+from ..errors import StoreError
 from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterRow, Entry, Period, newer, seconds_to_next_minute, window_of
 from .instances import Instances
@@ -99,10 +99,6 @@ class _Written:
     keep: int  # the balance this instance keeps after it
     balance_out: int  # the balance it took out of the books while in flight
 
-    @property
-    def window(self) -> str | None:
-        return self.row.window
-
 
 @dataclass
 class _Staged:
@@ -110,6 +106,17 @@ class _Staged:
     amount: int
     window: str
     confirmed: bool = False
+
+
+@dataclass
+class Part:
+    """What a reservation holds of one counter: ``need`` of ``lease``, granted in ``window`` from the
+    books of ``generation`` (books dropped since then take nothing back)."""
+
+    lease: Lease
+    need: int
+    window: str
+    generation: int
 
 
 class Hold:
@@ -204,21 +211,24 @@ class Lease:
         self.staged.clear()
         self.applied = 0
 
-    def take(self, need: int, window: str) -> tuple[str, int] | None:
-        """``need`` served from the balance at once, when it holds it and nobody waits before:
-        (the window, the books' generation), or None (``acquire`` waits for an exchange)."""
+    def take(self, need: int, window: str) -> Part | None:
+        """``need`` served from the balance at once, when it holds it and nobody waits before, or
+        None (``acquire`` waits for an exchange)."""
         self.advance(window)
         if self.waiters or self.uncertain is not None or self.balance < need:
             return None
         self._reserve(need)
         if self.hold.serving():
             self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
-        assert self.window is not None
-        return self.window, self.generation
+        return self._part(need)
 
-    async def acquire(self, need: int, window: str) -> tuple[str, int]:
-        """``need`` of this counter: (the window, the books' generation) it was granted in. Raises
-        ``_Refused`` when the limit leaves no room, ``_Unavailable`` when the store does not tell."""
+    def _part(self, need: int) -> Part:
+        assert self.window is not None
+        return Part(self, need, self.window, self.generation)
+
+    async def acquire(self, need: int, window: str) -> Part:
+        """``need`` of this counter. Raises ``_Refused`` when the limit leaves no room,
+        ``_Unavailable`` when the store does not tell."""
         granted = self.take(need, window)
         if granted is not None:
             return granted
@@ -230,37 +240,39 @@ class Lease:
         except asyncio.CancelledError:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
-                self.give_back(need, *future.result())  # granted just as the reservation gave up
+                self.give_back(future.result())  # granted just as the reservation gave up
             raise
 
-    def give_back(self, amount: int, window: str, generation: int) -> None:
-        """A reservation's ``amount`` comes back unused."""
-        if amount > 0 and window == self.window and generation == self.generation:
-            self._reserve(-amount)
+    def give_back(self, part: Part) -> None:
+        """What ``part`` reserved comes back unused."""
+        if part.need > 0 and part.window == self.window and part.generation == self.generation:
+            self._reserve(-part.need)
             self.kick()
 
-    def settle(self, reserved: int, spent: int, window: str, generation: int) -> _Staged | None:
-        """A reservation of ``reserved`` spent ``spent``: the rest comes back, a surplus is debt. The
-        charge is staged: it enters the row once confirmed (its ledger row written)."""
-        if window != self.window:
+    def settle(self, part: Part, spent: int) -> _Staged | None:
+        """``part`` spent ``spent``: the rest comes back, a surplus is debt. A budget's charge is
+        staged and returned: it enters the row once confirmed (its ledger row written). A minute
+        window is never taken over (it ends by itself): what was spent leaves the books here, without
+        a write; only a surplus goes to the row, confirmed at once."""
+        if part.window != self.window:
             return None  # a window that is over needs nothing
-        if generation == self.generation:
-            self._reserve(-reserved)
+        if part.generation == self.generation:
+            self._reserve(-part.need)
         # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
         used = min(self.balance, spent)
         self.balance -= used
         over = spent - used
-        if self.period == "minute":
-            # A minute window is never taken over (it ends by itself): what was spent leaves the books
-            # here, without a write; only a surplus goes to the row (as an applied charge).
-            self.held -= used
-            if self.hold.serving():
-                self.hold.top_up = True  # what it spent of the hold is taken again, after the request
-            if not over:
-                self.kick()
-                return None
         self.debt += over
-        return self._stage(spent if self.period != "minute" else over, window, confirmed=False)
+        if self.period != "minute":
+            return self._stage(spent, part.window, confirmed=False)
+        self.held -= used
+        if self.hold.serving():
+            self.hold.top_up = True  # what it spent of the hold is taken again, after the request
+        if over:
+            self._stage(over, part.window, confirmed=True)
+        else:
+            self.kick()
+        return None
 
     def adjust(self, amount: int, window: str) -> None:
         """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
@@ -330,7 +342,7 @@ class Lease:
                 continue
             if waiter.need <= self.balance:
                 self._reserve(waiter.need)
-                waiter.future.set_result((self.window, self.generation))
+                waiter.future.set_result(self._part(waiter.need))
             else:
                 keep.append(waiter)
         self.waiters = keep
@@ -479,14 +491,14 @@ class Lease:
             self.balance -= written.balance_out
             self.debt -= written.debt
             try:
-                await self._write(written)
-            except (Modified, AlreadyExists, NotFound):
-                self.known = False
-                self._undo(written)
-                continue
+                landed = await self._write(written)
             except StoreError:
                 self.uncertain = written  # did it land? ask the row before anything is given back
                 raise
+            if not landed:  # the row changed since it was read
+                self.known = False
+                self._undo(written)
+                continue
             self._landed(written, waiters)
             if lone is not None and self.hold.share:
                 self.hold.renew()
@@ -511,17 +523,19 @@ class Lease:
             keep = max(keep, self.hold.share)
         return keep
 
-    async def _write(self, written: _Written) -> None:
-        counters = self.counters
+    async def _write(self, written: _Written) -> bool:
+        """Send ``written``: False if its condition failed (the row changed)."""
         self.exchange = written.exchange
-        self.seen = await counter_row.write(
-            counters.store, self.partition, self.row, written.row, written.etag, SLOW_TIMEOUT
+        row = await counter_row.write(
+            self.counters.store, self.partition, self.row, written.row, written.etag, SLOW_TIMEOUT
         )
-        self.known = True
+        if row is not None:
+            self.seen, self.known = row, True
+        return row is not None
 
     def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
         """The write is in the row: the books follow it, the chosen waiters are served."""
-        window = written.window
+        window = written.row.window
         if window is None or window != self.window:
             return
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
@@ -538,7 +552,7 @@ class Lease:
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
-        if written.window == self.window:
+        if written.row.window == self.window:
             self.balance += written.balance_out
             self.debt += written.debt
 
@@ -546,10 +560,11 @@ class Lease:
         """After the write: the chosen waiters are admitted in ``window``, the others refused."""
         picked = {id(w) for w in chosen}
         for waiter in chosen:
+            part = Part(self, waiter.need, window, self.generation)
             if waiter.future.done():  # it gave up meanwhile: its share comes back
-                self.give_back(waiter.need, window, self.generation)
+                self.give_back(part)
             else:
-                waiter.future.set_result((window, self.generation))
+                waiter.future.set_result(part)
         for waiter in waiters:
             if id(waiter) not in picked and not waiter.future.done():
                 waiter.future.set_exception(_Refused(self))
@@ -569,11 +584,9 @@ class Lease:
             fenced = self.counters.instances.fenced.is_set()
             landed = self.seen.shows(written.row, written.etag, self.counters.instance, fenced)
             if landed is None:  # unchanged: not applied (yet); the same write again
-                try:
-                    await self._write(written)
-                    landed = True
-                except (Modified, AlreadyExists, NotFound):
+                if not await self._write(written):
                     continue  # something landed meanwhile (ours, late, perhaps): look again
+                landed = True
             self.uncertain = None
             if landed:
                 self._landed(written, written.waiters)
@@ -603,19 +616,9 @@ class _Unavailable(Exception):
 
 
 @dataclass
-class Part:
-    """One counter of a reservation: the lease, what was reserved, and in which window and books."""
-
-    lease: Lease
-    need: int
-    window: str
-    generation: int
-
-
-@dataclass
 class Settlement:
-    """What ``Reservation.settle`` staged in the budget counters (a minute window's charge needs no
-    journal: it is confirmed at once): per counter, its charge's number (for the journal);
+    """What ``Reservation.settle`` staged in the budget counters: per counter, its charge's number
+    (for the journal);
     ``confirm()`` once the charge's ledger row is written, and the charges enter the rows."""
 
     staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
@@ -660,14 +663,11 @@ class Reservation:
             return settlement
         self.state = "settled"
         for part in self.parts:
-            amount = part.need if part.lease.row.startswith("rpm") else max(0, int(spent.get(part.lease.key, 0)))
-            staged = part.lease.settle(part.need, amount, part.window, part.generation)
-            if staged is None:
-                continue
-            if part.lease.period == "minute":
-                part.lease.confirm(staged)  # minute windows need no journal: they end by themselves
-            else:
-                settlement.staged.append((part.lease, staged))
+            lease = part.lease
+            amount = part.need if lease.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
+            staged = lease.settle(part, amount)
+            if staged is not None:
+                settlement.staged.append((lease, staged))
         return settlement
 
     def release(self) -> None:
@@ -676,7 +676,7 @@ class Reservation:
             return
         self.state = "released"
         for part in self.parts:
-            part.lease.give_back(part.need, part.window, part.generation)
+            part.lease.give_back(part)
 
     @property
     def needs(self) -> dict[str, int]:
@@ -745,12 +745,13 @@ class Counters:
         leases = [(self._lease(w), w) for w in wants]
         # What the balances hold is taken at once: a request they all serve needs no task, no loop hop.
         granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
-        if None not in granted:
-            parts = [Part(lease, w.need, *g) for (lease, w), g in zip(leases, granted, strict=True) if g is not None]
+        parts = [part for part in granted if part is not None]
+        if len(parts) == len(leases):
             return Reservation(self, parts, self._rates(leases, now))
-        acquiring: list[asyncio.Future[tuple[str, int]]] = [
-            _done(g) if g is not None else asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
-            for (lease, w), g in zip(leases, granted, strict=True)
+        acquiring = [
+            asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
+            for (lease, w), part in zip(leases, granted, strict=True)
+            if part is None
         ]
         clock = self.store.clock
         asked = clock.answered_at
@@ -762,11 +763,7 @@ class Counters:
         for task in pending:
             task.cancel()
         await asyncio.gather(*acquiring, return_exceptions=True)
-        parts = [
-            Part(lease, w.need, *task.result())
-            for (lease, w), task in zip(leases, acquiring, strict=True)
-            if not task.cancelled() and task.exception() is None
-        ]
+        parts += [task.result() for task in acquiring if not task.cancelled() and task.exception() is None]
         if len(parts) == len(leases):
             return Reservation(self, parts, self._rates(leases, now))
         Reservation(self, parts, {}).release()  # all or nothing: what the others reserved goes back
@@ -830,12 +827,6 @@ class Counters:
         for flight in flights:
             flight.cancel()
         await asyncio.gather(*flights, return_exceptions=True)
-
-
-def _done(granted: tuple[str, int]) -> asyncio.Future[tuple[str, int]]:
-    future: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
-    future.set_result(granted)
-    return future
 
 
 def _retry(want: Want, now: float) -> float | None:

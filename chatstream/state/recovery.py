@@ -145,13 +145,9 @@ class Recovery:
                 and not (entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= held.applied)
             )
             taken = max(0, found.taken - held.held + max(0, unapplied))
-            try:
-                await counter_row.write(
-                    self.store, partition, row, replace(found, taken=taken, holds=holds), found.etag, self.timeout
-                )
+            changed = replace(found, taken=taken, holds=holds)
+            if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
                 return
-            except (Modified, NotFound):
-                continue
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 
 
