@@ -3,12 +3,12 @@
 overall and per model.
 
 **Capacity leases.** Each limit is one counter row (counter_row.py): what of its window is out,
-and each holding instance's share. Each instance (``Counters``) holds a local balance per counter. A reservation
-is served from it without a store call; when it is short, the reservation waits while ONE exchange
-per counter and instance is in flight (single flight), asking for what all the waiting reservations
-need, as one ETag-conditional write that grants what fits under the limit, in order (a large one
-does not block smaller ones behind it). Capacity that comes back (a reservation settled below what
-it reserved, a request released) goes back to the store by the same flight.
+and each holding instance's share. Each instance (``Counters``) holds a local balance per counter
+(its ``Lease``): a reservation is served from it without a store call. When it is short, the
+reservation waits while ONE exchange per counter and instance is in flight, asking for what all the
+waiting reservations need, as one ETag-conditional write that grants those that fit under the
+limit, in order (a large one does not block smaller ones behind it). Capacity that comes back (a
+reservation settled below what it reserved, a request released) goes back by the same flight.
 
 **A lone request's hold.** A lone request takes one more request's worth for the next one, kept
 ``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
@@ -24,13 +24,11 @@ another write landed first, ours never will (its ETag is gone), and only then is
 Until that is known the counter waits (its reservations answer "unavailable"). So the row always
 equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
 
-**A dead instance gives back.** A budget's capacity held by an instance that dies is in its entry;
-the instance's journal (journal.py) lists the counter before the instance holds any of it
-(``WriteAhead``), and its open reservations and unapplied charges. Whoever takes the instance over
-removes the entry (recovery.py): ``taken`` loses what the dead instance held and gains what it
-spent. Minute windows need nothing: they end. Charges enter a budget's row only once their ledger
-row is written (``Settlement.confirm``), in the order they were made (``applied`` is the last one
-in), so the recovery knows exactly which of the journal's charges the row already has.
+**A dead instance gives back** (recovery.py takes its entry out of each budget row it held). For
+that, this instance's journal lists a budget counter before any of it is held here (``WriteAhead``),
+and a charge enters a budget's row only once its ledger row is written (``Settlement.confirm``), in
+the order charges were made: the entry's ``applied`` is the last one in. Minute windows need
+nothing: they end.
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
 limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
@@ -302,18 +300,8 @@ class Lease:
     def holds(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
-        return bool(
-            self.held
-            or self.balance
-            or self.reserved
-            or self.debt
-            or self.staged
-            or self.waiters
-            or self.uncertain is not None
-        )
-
-    def idle(self) -> bool:
-        return self.flight is None and not self.holds()
+        books = (self.held, self.balance, self.reserved, self.debt, self.staged, self.waiters, self.uncertain)
+        return any(books)
 
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a debt, a charge, a lost answer):
@@ -448,7 +436,10 @@ class Lease:
             taken = seen.taken if same else 0
             holds = dict(seen.holds) if same else {}
             if self.held and counters.instance not in holds and same:
-                self._recovered_elsewhere()
+                # Our entry is gone while we held: another instance took this one over (we were too
+                # slow to beat) and settled what we held from our journal. These books start again.
+                log.warning("limits: %s was taken over from this instance elsewhere", self.name)
+                self._drop_books()
                 continue
             window = self.window
             assert window is not None
@@ -598,12 +589,6 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _recovered_elsewhere(self) -> None:
-        """Our entry is gone while we held: another instance took this instance over (we were too
-        slow to beat). What we held was settled there from our journal; these books start again."""
-        log.warning("limits: %s was taken over from this instance elsewhere", self.name)
-        self._drop_books()
-
 
 class _Refused(Exception):
     def __init__(self, lease: Lease):
@@ -618,8 +603,7 @@ class _Unavailable(Exception):
 @dataclass
 class Settlement:
     """What ``Reservation.settle`` staged in the budget counters: per counter, its charge's number
-    (for the journal);
-    ``confirm()`` once the charge's ledger row is written, and the charges enter the rows."""
+    (for the journal); ``confirm()`` once the charge's ledger row is written, and they enter the rows."""
 
     staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
 
@@ -729,7 +713,7 @@ class Counters:
         minute = window_of("minute", now)
         if minute != self._pruned_at:
             self._pruned_at = minute
-            for key in [k for k, lease in self._leases.items() if lease.idle()]:
+            for key in [k for k, lease in self._leases.items() if lease.flight is None and not lease.holds()]:
                 del self._leases[key]
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
