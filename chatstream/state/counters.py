@@ -629,15 +629,14 @@ class Settlement:
         )
 
 
+@dataclass
 class Reservation:
     """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
     it never ran."""
 
-    def __init__(self, counters: Counters, parts: list[Part], rates: dict[str, Rate]):
-        self.counters = counters
-        self.parts = parts
-        self.rates = rates  # for OpenAI's x-ratelimit-* headers (tokens, requests), when limited
-        self.state = "held"
+    parts: list[Part]
+    rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
+    state: str = "held"
 
     def settle(self, spent: Mapping[tuple[str, str], int]) -> Settlement:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
@@ -724,14 +723,14 @@ class Counters:
             if want.need > want.limit:
                 return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
         if not wants:
-            return Reservation(self, [], {})
+            return Reservation([])
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
         # What the balances hold is taken at once: a request they all serve needs no task, no loop hop.
         granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
         parts = [part for part in granted if part is not None]
         if len(parts) == len(leases):
-            return Reservation(self, parts, self._rates(leases, now))
+            return Reservation(parts, self._rates(leases, now))
         acquiring = [
             asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
             for (lease, w), part in zip(leases, granted, strict=True)
@@ -749,8 +748,8 @@ class Counters:
         await asyncio.gather(*acquiring, return_exceptions=True)
         parts += [task.result() for task in acquiring if not task.cancelled() and task.exception() is None]
         if len(parts) == len(leases):
-            return Reservation(self, parts, self._rates(leases, now))
-        Reservation(self, parts, {}).release()  # all or nothing: what the others reserved goes back
+            return Reservation(parts, self._rates(leases, now))
+        Reservation(parts).release()  # all or nothing: what the others reserved goes back
         errors = [task.exception() for task in acquiring if not task.cancelled()]
         refused = [e.lease for e in errors if isinstance(e, _Refused)]
         if refused:
