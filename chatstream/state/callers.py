@@ -19,7 +19,7 @@ import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal
@@ -68,20 +68,10 @@ def usd(pico: int | None) -> float | None:
     return None if pico is None else float(Decimal(pico) / PICO)
 
 
-def usd_text(pico: int) -> str:
-    """Pico-dollars as an exact decimal USD string (12 places, for finance: CSV)."""
-    sign = "-" if pico < 0 else ""
-    whole, frac = divmod(abs(pico), PICO)
-    return f"{sign}{whole}.{frac:012d}"
-
-
 @dataclass(frozen=True)
 class ModelLimit:
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
-
-    def public(self) -> dict[str, int | None]:
-        return {"tokens_per_minute": self.tokens_per_minute, "requests_per_minute": self.requests_per_minute}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,17 +89,6 @@ class Limits:
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
-    def public_limits(self) -> dict[str, Any]:
-        return {
-            "tokens_per_minute": self.tokens_per_minute,
-            "requests_per_minute": self.requests_per_minute,
-            "token_budget": self.token_budget,
-            "spend_budget": usd(self.spend_budget),
-            "budget_period": self.budget_period,
-            "models": list(self.models) if self.models is not None else None,
-            "model_limits": {m: limit.public() for m, limit in self.model_limits.items()} or None,
-        }
-
 
 LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
 
@@ -124,15 +103,6 @@ class Team(Limits):
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return f"team:{self.name}|{self.id}"
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "object": "team",
-            "name": self.name,
-            "id": self.id,
-            **self.public_limits(),
-            "created_at": iso(self.created_at),
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,19 +124,6 @@ class Caller(Limits):
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
-
-    def public(self) -> dict[str, Any]:
-        """The caller as the admin API shows it: everything but the key (its last 4 characters only)."""
-        return {
-            "object": "caller",
-            "name": self.name,
-            "id": self.id,
-            "team": self.team,
-            **self.public_limits(),
-            "expires_at": iso(self.expires_at),
-            "created_at": iso(self.created_at),
-            "key_hint": self.key_hint,
-        }
 
 
 def iso(value: datetime | None) -> str | None:
@@ -282,22 +239,22 @@ class _Expiry(BaseModel):
 
 
 class CallerSpec(_Limits, _Name, _TeamName, _Expiry):
-    """``POST /api/manage/callers``."""
+    """A new caller."""
 
 
 class CallerPatch(_Limits, _TeamName, _Expiry):
-    """``PATCH /api/manage/callers/{name}``: the fields given change (``null`` removes a limit, the
-    model list, the team or the expiry); the name cannot change."""
+    """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
+    team or the expiry); the name cannot change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
 
 class TeamSpec(_Limits, _Name):
-    """``POST /api/manage/teams``."""
+    """A new team."""
 
 
 class TeamPatch(_Limits):
-    """``PATCH /api/manage/teams/{name}``."""
+    """A change to a team: the fields given change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
@@ -345,7 +302,7 @@ def limits_entity(limits: Limits) -> dict[str, Any]:
         "spend_budget": limits.spend_budget,
         "budget_period": limits.budget_period,
         "models": json.dumps(list(limits.models)) if limits.models is not None else None,
-        "model_limits": json.dumps({m: lim.public() for m, lim in limits.model_limits.items()})
+        "model_limits": json.dumps({m: asdict(lim) for m, lim in limits.model_limits.items()})
         if limits.model_limits
         else None,
     }
