@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .callers import PICO, iso, usd_amount
+from .callers import PICO, as_row, of_row, usd_amount
 
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
@@ -44,23 +44,11 @@ class Price:
         return max(prompt, 0) * max(self.input, self.cached_input) + max(completion, 0) * self.output
 
     def entity(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "input": self.input,
-            "cached_input": self.cached_input,
-            "output": self.output,
-            "updated_at": iso(self.updated_at),
-        }
+        return as_row(self)
 
     @classmethod
     def of(cls, entity: Mapping[str, Any]) -> Price:
-        return cls(
-            model=entity["model"],
-            input=int(entity["input"]),
-            cached_input=int(entity["cached_input"]),
-            output=int(entity["output"]),
-            updated_at=datetime.fromisoformat(entity["updated_at"]),
-        )
+        return of_row(cls, entity)
 
 
 class PriceSpec(BaseModel):
