@@ -1,6 +1,6 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
 creates, lists, reads, changes and deletes them (manage.py); the request path asks ``authenticate``
-for every caller key, ``team`` for its team and ``price`` for its model, each answer cached per
+for every caller key, ``team_of`` for its team and ``price`` for its model, each answer cached per
 instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
 every instance within that time, exactly, and cost a store read only once per key, team or model,
 instance and period (in the last ``AHEAD`` of it, a request that uses the answer has it read again in
@@ -93,9 +93,10 @@ class _Cache:
         self._pending: dict[str, asyncio.Future] = {}
 
     def known(self, key: str) -> bool:
-        """Whether ``key`` is being read now, or an earlier read found it (its answer may be stale)."""
+        """Whether ``key`` is being read now, an earlier read found it (its answer may be stale), or
+        an answer (even "none") is kept in its time."""
         kept = self._kept.get(key)
-        return key in self._pending or (kept is not None and kept[1] is not None)
+        return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
     def holds(self, key: str) -> bool:
         """Whether an answer for ``key`` is kept and still in its time (``get`` answers it at once)."""
@@ -112,7 +113,7 @@ class _Cache:
     async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         found, value = self.fresh(key)
         if found:
-            self.ahead(key, read)
+            self._ahead(key, read)
             return value
         pending = self._pending.get(key)
         if pending is None:
@@ -120,7 +121,7 @@ class _Cache:
             pending.add_done_callback(lambda _: self._pending.pop(key, None))
         return await asyncio.shield(pending)
 
-    def ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
+    def _ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
         """An answer in the last ``AHEAD`` of its time is read again in the background (``AHEAD_DELAY``
         after the request that found it, whose upstream call goes first), so that a key
         (team, model) in steady use is never read on a request's path; the answer in use is still at
@@ -128,7 +129,7 @@ class _Cache:
         kept = self._kept.get(key)
         if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
             return
-        pending = self._pending[key] = asyncio.ensure_future(self._read_later(key, read))
+        pending = self._pending[key] = asyncio.ensure_future(self._read(key, read, AHEAD_DELAY))
 
         def done(future: asyncio.Future) -> None:
             self._pending.pop(key, None)
@@ -137,11 +138,9 @@ class _Cache:
 
         pending.add_done_callback(done)
 
-    async def _read_later(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        await asyncio.sleep(AHEAD_DELAY)
-        return await self._read(key, read)
-
-    async def _read(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+    async def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> Any:
+        if delay:
+            await asyncio.sleep(delay)
         asked = self.clock()  # kept from when it was asked for: a change after that takes effect
         value = await read()  # at most ``seconds`` after it was made, exactly
         self._kept[key] = (asked + self.seconds, value)
@@ -186,7 +185,7 @@ class Registry:
         key_hash = hash_key(key)
         # Only a key nobody is reading now and no read found counts against the bucket: a known
         # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
-        if not self.keys.holds(key_hash) and not self.keys.known(key_hash) and not self._may_look_up():
+        if not self.keys.known(key_hash) and not self._may_look_up():
             return Unavailable()  # too many unknown keys are being checked now
         caller = await self._cached(self.keys, key_hash, self._read_key, "key check")
         if caller is None:
@@ -219,18 +218,12 @@ class Registry:
         self.store_reads += 1
         return await self._read(Caller, f"k|{key_hash}")
 
-    async def _read_team(self, name: str) -> Team | None:
-        return await self._read(Team, f"t|{name}")
-
-    async def _read_price(self, model: str) -> Price | None:
-        return await self._read(Price, _price_row(model))
-
     async def team_of(self, caller: Caller) -> Team | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
         deleted, so only a race leaves one without it), cached like keys."""
         if caller.team is None:
             return None
-        team = await self._cached(self.teams, caller.team, self._read_team, "team read")
+        team = await self._cached(self.teams, caller.team, lambda name: self._read(Team, f"t|{name}"), "team read")
         if team is None or (isinstance(team, Team) and team.id != caller.team_id):
             log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
             return None
@@ -253,7 +246,7 @@ class Registry:
 
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""
-        return await self._cached(self.prices, model, self._read_price, "price read")
+        return await self._cached(self.prices, model, lambda m: self._read(Price, _price_row(m)), "price read")
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -466,13 +459,7 @@ class Registry:
     # --- the admin API: prices ------------------------------------------------------------------
 
     async def set_price(self, model: str, spec: object) -> Price:
-        if (
-            not isinstance(model, str)
-            or not model
-            or len(model) > 256
-            or model != model.strip()
-            or not model.isprintable()
-        ):
+        if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
             raise Invalid("model: not a model name", "model")
         data: PriceSpec = validate(PriceSpec, spec)
         price = data.price(model, self._now())
