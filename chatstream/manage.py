@@ -18,6 +18,7 @@ import io
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -27,10 +28,11 @@ from starlette.requests import Request
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
-from .state.callers import NAME_PATTERN, Caller, Team, usd, usd_text
+from .state.callers import NAME_PATTERN, PICO, Caller, Limits, Team, iso, usd
 from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
 from .state.port import AdminUnavailable, Conflict, Invalid, Missing
+from .state.prices import Price
 from .state.shared import SharedState
 from .state.store import LIMITS_TABLE, Where
 
@@ -43,6 +45,54 @@ _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 def _json(body: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=NO_STORE)
+
+
+def _limits_json(limits: Limits) -> dict[str, Any]:
+    return {
+        "tokens_per_minute": limits.tokens_per_minute,
+        "requests_per_minute": limits.requests_per_minute,
+        "token_budget": limits.token_budget,
+        "spend_budget": usd(limits.spend_budget),
+        "budget_period": limits.budget_period,
+        "models": list(limits.models) if limits.models is not None else None,
+        "model_limits": {m: asdict(limit) for m, limit in limits.model_limits.items()} or None,
+    }
+
+
+def caller_json(caller: Caller) -> dict[str, Any]:
+    """A caller as the admin API shows it: everything but the key (its last 4 characters only)."""
+    return {
+        "object": "caller",
+        "name": caller.name,
+        "id": caller.id,
+        "team": caller.team,
+        **_limits_json(caller),
+        "expires_at": iso(caller.expires_at),
+        "created_at": iso(caller.created_at),
+        "key_hint": caller.key_hint,
+    }
+
+
+def team_json(team: Team) -> dict[str, Any]:
+    return {
+        "object": "team",
+        "name": team.name,
+        "id": team.id,
+        **_limits_json(team),
+        "created_at": iso(team.created_at),
+    }
+
+
+def price_json(price: Price) -> dict[str, Any]:
+    return {
+        "object": "price",
+        "model": price.model,
+        "input": usd(price.input * 10**6),
+        "cached_input": usd(price.cached_input * 10**6),
+        "output": usd(price.output * 10**6),
+        "unit": "USD per 1M tokens",
+        "updated_at": iso(price.updated_at),
+    }
 
 
 def _admin_error(error: Exception) -> ApiError:
@@ -124,7 +174,7 @@ class Manage:
         """``/api/manage/prices``: GET lists."""
 
         async def run(state: SharedState) -> Response:
-            return _json({"object": "list", "data": [p.public() for p in await state.registry.list_prices()]})
+            return _json({"object": "list", "data": [price_json(p) for p in await state.registry.list_prices()]})
 
         return await self._answer(run)
 
@@ -134,11 +184,11 @@ class Manage:
 
         async def run(state: SharedState) -> Response:
             if request.method == "PUT":
-                return _json((await state.registry.set_price(model, await self._body(request))).public())
+                return _json(price_json(await state.registry.set_price(model, await self._body(request))))
             if request.method == "DELETE":
                 price = await state.registry.delete_price(model)
                 return _json({"object": "price.deleted", "model": price.model, "deleted": True})
-            return _json((await state.registry.get_price(model)).public())
+            return _json(price_json(await state.registry.get_price(model)))
 
         return await self._answer(run)
 
@@ -147,7 +197,7 @@ class Manage:
     async def create(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
             caller, key = await state.registry.create(await self._body(request))
-            return _json({**caller.public(), "key": key}, 201)
+            return _json({**caller_json(caller), "key": key}, 201)
 
         return await self._answer(run)
 
@@ -156,7 +206,7 @@ class Manage:
             callers = await state.registry.list()
             spent = await _budgets_now(state, callers)
             return _json(
-                {"object": "list", "data": [{**c.public(), **spent.get(c.limits_partition, {})} for c in callers]}
+                {"object": "list", "data": [{**caller_json(c), **spent.get(c.limits_partition, {})} for c in callers]}
             )
 
         return await self._answer(run)
@@ -165,7 +215,7 @@ class Manage:
         async def run(state: SharedState) -> Response:
             caller = await state.registry.get(_name(request))
             spent = await _budgets_now(state, [caller])
-            return _json({**caller.public(), **spent.get(caller.limits_partition, {})})
+            return _json({**caller_json(caller), **spent.get(caller.limits_partition, {})})
 
         return await self._answer(run)
 
@@ -173,7 +223,7 @@ class Manage:
         async def run(state: SharedState) -> Response:
             name = _name(request)
             caller = await state.registry.update(name, await self._body(request))
-            return _json(caller.public())
+            return _json(caller_json(caller))
 
         return await self._answer(run)
 
@@ -187,7 +237,7 @@ class Manage:
     async def rotate(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
             caller, key = await state.registry.rotate(_name(request))
-            return _json({**caller.public(), "key": key})
+            return _json({**caller_json(caller), "key": key})
 
         return await self._answer(run)
 
@@ -195,7 +245,7 @@ class Manage:
 
     async def create_team(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
-            return _json((await state.registry.create_team(await self._body(request))).public(), 201)
+            return _json(team_json(await state.registry.create_team(await self._body(request))), 201)
 
         return await self._answer(run)
 
@@ -204,7 +254,7 @@ class Manage:
             teams = await state.registry.list_teams()
             spent = await _budgets_now(state, teams)
             return _json(
-                {"object": "list", "data": [{**t.public(), **spent.get(t.limits_partition, {})} for t in teams]}
+                {"object": "list", "data": [{**team_json(t), **spent.get(t.limits_partition, {})} for t in teams]}
             )
 
         return await self._answer(run)
@@ -213,13 +263,13 @@ class Manage:
         async def run(state: SharedState) -> Response:
             team = await state.registry.get_team(_name(request))
             spent = await _budgets_now(state, [team])
-            return _json({**team.public(), **spent.get(team.limits_partition, {})})
+            return _json({**team_json(team), **spent.get(team.limits_partition, {})})
 
         return await self._answer(run)
 
     async def update_team(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
-            return _json((await state.registry.update_team(_name(request), await self._body(request))).public())
+            return _json(team_json(await state.registry.update_team(_name(request), await self._body(request))))
 
         return await self._answer(run)
 
@@ -381,6 +431,13 @@ def as_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     total = totals(rows)
     writer.writerow(["total", "", "", "", *(_csv_value(total, c) for c in CSV_COLUMNS[4:])])
     return out.getvalue()
+
+
+def usd_text(pico: int) -> str:
+    """Pico-dollars as an exact decimal USD string (12 places, for finance)."""
+    sign = "-" if pico < 0 else ""
+    whole, frac = divmod(abs(pico), PICO)
+    return f"{sign}{whole}.{frac:012d}"
 
 
 def _csv_value(row: Mapping[str, Any], column: str) -> str:

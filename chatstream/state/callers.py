@@ -8,9 +8,8 @@ tokens and requests per minute, a token budget and a spend budget (USD) per day,
 and per model tokens and requests per minute (``model_limits``). A request must fit every limit of
 its caller and of its team, all or nothing (counters.py).
 
-Money is exact: USD amounts are read as decimals of at most 6 places and kept as integers of
-pico-dollars (10⁻¹² USD, ``PICO``), so that a price per token (USD per million tokens × 10⁶) and
-every cost are integers and sums are exact (prices.py)."""
+Money is exact: USD amounts of at most 6 decimal places, kept as integers of pico-dollars (10⁻¹²
+USD, ``PICO``; prices.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +17,28 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from .port import Invalid
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
@@ -42,6 +54,7 @@ MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
 PICO = 10**12  # pico-dollars per USD
+Stored = TypeVar("Stored", bound="DataclassInstance")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
@@ -68,20 +81,10 @@ def usd(pico: int | None) -> float | None:
     return None if pico is None else float(Decimal(pico) / PICO)
 
 
-def usd_text(pico: int) -> str:
-    """Pico-dollars as an exact decimal USD string (12 places, for finance: CSV)."""
-    sign = "-" if pico < 0 else ""
-    whole, frac = divmod(abs(pico), PICO)
-    return f"{sign}{whole}.{frac:012d}"
-
-
 @dataclass(frozen=True)
 class ModelLimit:
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
-
-    def public(self) -> dict[str, int | None]:
-        return {"tokens_per_minute": self.tokens_per_minute, "requests_per_minute": self.requests_per_minute}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,17 +102,6 @@ class Limits:
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
-    def public_limits(self) -> dict[str, Any]:
-        return {
-            "tokens_per_minute": self.tokens_per_minute,
-            "requests_per_minute": self.requests_per_minute,
-            "token_budget": self.token_budget,
-            "spend_budget": usd(self.spend_budget),
-            "budget_period": self.budget_period,
-            "models": list(self.models) if self.models is not None else None,
-            "model_limits": {m: limit.public() for m, limit in self.model_limits.items()} or None,
-        }
-
 
 LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
 
@@ -124,15 +116,6 @@ class Team(Limits):
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return f"team:{self.name}|{self.id}"
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "object": "team",
-            "name": self.name,
-            "id": self.id,
-            **self.public_limits(),
-            "created_at": iso(self.created_at),
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,19 +137,6 @@ class Caller(Limits):
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
-
-    def public(self) -> dict[str, Any]:
-        """The caller as the admin API shows it: everything but the key (its last 4 characters only)."""
-        return {
-            "object": "caller",
-            "name": self.name,
-            "id": self.id,
-            "team": self.team,
-            **self.public_limits(),
-            "expires_at": iso(self.expires_at),
-            "created_at": iso(self.created_at),
-            "key_hint": self.key_hint,
-        }
 
 
 def iso(value: datetime | None) -> str | None:
@@ -236,6 +206,23 @@ class _Limits(BaseModel):
     def _model_names(cls, models: list[str] | None) -> list[str] | None:
         return _names(models)
 
+    def values(self, given: Iterable[str]) -> dict[str, Any]:
+        """The fields ``given`` as a caller's or team's values (``null`` removes; the period defaults):
+        the one reading of what an admin said."""
+        values: dict[str, Any] = {f: getattr(self, f) for f in given if f != "team"}
+        if values.get("models") is not None:
+            values["models"] = tuple(values["models"])
+        if "spend_budget" in values:
+            values["spend_budget"] = None if self.spend_budget is None else int(self.spend_budget * PICO)
+        if "model_limits" in values:
+            limits = self.model_limits or {}
+            values["model_limits"] = {
+                m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()
+            }
+        if "budget_period" in values and values["budget_period"] is None:
+            values["budget_period"] = "total"
+        return values
+
     @field_validator("model_limits")
     @classmethod
     def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
@@ -248,56 +235,50 @@ class _Limits(BaseModel):
         return limits
 
 
-class _Name(BaseModel):
-    name: str
-
-    @field_validator("name", mode="before")
-    @classmethod
-    def _name(cls, value: object) -> object:
+def _name(message: str) -> BeforeValidator:
+    def check(value: object) -> object:
         if isinstance(value, str) and not NAME_PATTERN.fullmatch(value):
-            raise ValueError("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+            raise ValueError(message)
         return value
+
+    return BeforeValidator(check)
+
+
+def _before_9000(value: datetime | None) -> datetime | None:
+    if value is not None and value.year > 9000:
+        raise ValueError("must be before the year 9000")
+    return value
+
+
+class _Name(BaseModel):
+    name: Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
 
 
 class _TeamName(BaseModel):
-    team: str | None = None
-
-    @field_validator("team", mode="before")
-    @classmethod
-    def _team(cls, value: object) -> object:
-        if isinstance(value, str) and not NAME_PATTERN.fullmatch(value):
-            raise ValueError("not a team name")
-        return value
+    team: Annotated[str | None, _name("not a team name")] = None
 
 
 class _Expiry(BaseModel):
-    expires_at: AwareDatetime | None = None
-
-    @field_validator("expires_at")
-    @classmethod
-    def _in_range(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.year > 9000:
-            raise ValueError("must be before the year 9000")
-        return value
+    expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
 
 
 class CallerSpec(_Limits, _Name, _TeamName, _Expiry):
-    """``POST /api/manage/callers``."""
+    """A new caller."""
 
 
 class CallerPatch(_Limits, _TeamName, _Expiry):
-    """``PATCH /api/manage/callers/{name}``: the fields given change (``null`` removes a limit, the
-    model list, the team or the expiry); the name cannot change."""
+    """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
+    team or the expiry); the name cannot change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
 
 class TeamSpec(_Limits, _Name):
-    """``POST /api/manage/teams``."""
+    """A new team."""
 
 
 class TeamPatch(_Limits):
-    """``PATCH /api/manage/teams/{name}``."""
+    """A change to a team: the fields given change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
@@ -326,42 +307,33 @@ def validate(model: type[BaseModel], data: object) -> Any:
         raise describe(exc) from None
 
 
-def spend_pico(amount: Decimal | None) -> int | None:
-    return None if amount is None else int(amount * PICO)
-
-
-def model_limits_of(spec: Mapping[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
-    return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in (spec or {}).items()}
-
-
 # --- how they are stored ------------------------------------------------------------------------
 
 
-def limits_entity(limits: Limits) -> dict[str, Any]:
-    return {
-        "tokens_per_minute": limits.tokens_per_minute,
-        "requests_per_minute": limits.requests_per_minute,
-        "token_budget": limits.token_budget,
-        "spend_budget": limits.spend_budget,
-        "budget_period": limits.budget_period,
-        "models": json.dumps(list(limits.models)) if limits.models is not None else None,
-        "model_limits": json.dumps({m: lim.public() for m, lim in limits.model_limits.items()})
-        if limits.model_limits
-        else None,
-    }
+def as_row(value: DataclassInstance) -> dict[str, Any]:
+    """A caller's, team's or price's properties as its row keeps them: times as ISO text, the model
+    list and the per-model limits as JSON."""
+    row: dict[str, Any] = {}
+    for f in fields(value):
+        item = getattr(value, f.name)
+        if isinstance(item, datetime):
+            item = iso(item)
+        elif f.name == "models" and item is not None:
+            item = json.dumps(list(item))
+        elif f.name == "model_limits":
+            item = json.dumps({m: asdict(limit) for m, limit in item.items()}) if item else None
+        row[f.name] = item
+    return row
 
 
-def limits_fields(entity: Mapping[str, Any]) -> dict[str, Any]:
-    models = entity.get("models")
-    model_limits = json.loads(entity["model_limits"]) if entity.get("model_limits") else {}
-    return {
-        "tokens_per_minute": entity.get("tokens_per_minute"),
-        "requests_per_minute": entity.get("requests_per_minute"),
-        "token_budget": entity.get("token_budget"),
-        "spend_budget": entity.get("spend_budget"),
-        "budget_period": entity.get("budget_period") or "total",
-        "models": tuple(json.loads(models)) if models else None,
-        "model_limits": {
-            m: ModelLimit(v.get("tokens_per_minute"), v.get("requests_per_minute")) for m, v in model_limits.items()
-        },
-    }
+def of_row(cls: type[Stored], row: Mapping[str, Any]) -> Stored:
+    """What ``as_row`` stored, as ``cls`` (a property left out or empty: the field's default)."""
+    values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
+    for name, item in values.items():
+        if name.endswith("_at"):
+            values[name] = datetime.fromisoformat(item)
+    if "models" in values:
+        values["models"] = tuple(json.loads(values["models"]))
+    if "model_limits" in values:
+        values["model_limits"] = {m: ModelLimit(**v) for m, v in json.loads(values["model_limits"]).items()}
+    return cls(**values)

@@ -18,6 +18,7 @@ import contextlib
 import json
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from .prices import Price
@@ -41,6 +42,10 @@ class Owners:
     def __init__(self, store: Store):
         self.store = store
 
+    def _new_row(self, kind: str, id: str, lifetime: float = RESPONSE_LIFETIME, **values: Any) -> dict[str, Any]:
+        now = self.store.clock.now()
+        return {"PartitionKey": key_part(id), "RowKey": kind, **values, "created": now, "expires": now + lifetime}
+
     async def claim(
         self,
         kind: str,
@@ -57,19 +62,17 @@ class Owners:
         that created it, so that ``first_charge`` is never true for it). True if it is (now or
         already) that caller's; False if another caller had claimed it (the claim is not changed).
         StoreError when the store does not answer."""
-        now = self.store.clock.now()
-        entity = {
-            "PartitionKey": key_part(id),
-            "RowKey": kind,
-            "caller_id": caller_id,
-            "charged": charged,
-            "reserved": reserved,
-            "reserved_spend": reserved_spend,
-            "reserved_at": at,
-            "price": json.dumps(price.entity()) if price is not None else None,
-            "created": now,
-            "expires": now + lifetime,
-        }
+        entity = self._new_row(
+            kind,
+            id,
+            lifetime,
+            caller_id=caller_id,
+            charged=charged,
+            reserved=reserved,
+            reserved_spend=reserved_spend,
+            reserved_at=at,
+            price=json.dumps(price.entity()) if price is not None else None,
+        )
         try:
             await self.store.insert(RESPONSES_TABLE, entity)
             return True
@@ -109,21 +112,11 @@ class Owners:
         for _ in range(10):
             row = await self.store.get(RESPONSES_TABLE, key, kind)
             if row is None:
-                now = self.store.clock.now()
+                entity = self._new_row(kind, id, charged=True, charged_by=mark)
                 try:  # never claimed (created before callers were on): the first mark wins
-                    entity = {
-                        "PartitionKey": key,
-                        "RowKey": kind,
-                        "charged": True,
-                        "charged_by": mark,
-                        "created": now,
-                        "expires": now + RESPONSE_LIFETIME,
-                    }
                     await self.store.insert(RESPONSES_TABLE, entity)
                     return True
-                except AlreadyExists:
-                    continue
-                except StoreUnavailable:
+                except (AlreadyExists, StoreUnavailable):
                     continue  # landed or not: the row says
             if row.get("charged"):
                 return row.get("charged_by") == mark  # ours, if a mark of ours landed with its answer lost
@@ -134,9 +127,7 @@ class Owners:
                     etag=row.etag,
                 )
                 return True
-            except (Modified, NotFound):
-                continue
-            except StoreUnavailable:
+            except (Modified, NotFound, StoreUnavailable):
                 continue
         return False
 

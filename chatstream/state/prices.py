@@ -1,15 +1,14 @@
 """What a model costs (docs/callers.md, "Prices"): USD per million tokens for input, cached input
-and output, as the admin sets them (``PUT /api/manage/prices/{model}``), kept exactly.
+and output, as the admin sets them, kept exactly.
 
 A price of at most 6 decimal places in USD per million tokens is an integer number of pico-dollars
 per token (× 10⁶), so every cost is an integer and every sum exact::
 
     cost = (prompt - cached) × input + cached × cached_input + completion × output    (pico-USD)
 
-with the upstream's usage (``prompt_tokens_details.cached_tokens``; reasoning tokens are part of the
-completion). What a request reserves is its upper bound: every prompt token at the dearer of input
-and cached input, the output cap at the output price. ``{model}`` is the model name as callers send
-it (a deployment name for Azure OpenAI)."""
+with the upstream's usage (reasoning tokens are part of the completion). What a request reserves is
+its upper bound: every prompt token at the dearer of input and cached input, the output cap at the
+output price. The model is named as callers send it (a deployment name for Azure OpenAI)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .callers import PICO, iso, usd, usd_amount
+from .callers import PICO, as_row, of_row, usd_amount
 
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
@@ -44,39 +43,16 @@ class Price:
         """The most ``prompt`` and ``completion`` tokens may cost: what a request reserves."""
         return max(prompt, 0) * max(self.input, self.cached_input) + max(completion, 0) * self.output
 
-    def public(self) -> dict[str, Any]:
-        return {
-            "object": "price",
-            "model": self.model,
-            "input": usd(self.input * 10**6),
-            "cached_input": usd(self.cached_input * 10**6),
-            "output": usd(self.output * 10**6),
-            "unit": "USD per 1M tokens",
-            "updated_at": iso(self.updated_at),
-        }
-
     def entity(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "input": self.input,
-            "cached_input": self.cached_input,
-            "output": self.output,
-            "updated_at": iso(self.updated_at),
-        }
+        return as_row(self)
 
     @classmethod
     def of(cls, entity: Mapping[str, Any]) -> Price:
-        return cls(
-            model=entity["model"],
-            input=int(entity["input"]),
-            cached_input=int(entity["cached_input"]),
-            output=int(entity["output"]),
-            updated_at=datetime.fromisoformat(entity["updated_at"]),
-        )
+        return of_row(cls, entity)
 
 
 class PriceSpec(BaseModel):
-    """``PUT /api/manage/prices/{model}``: USD per million tokens; ``cached_input`` defaults to ``input``."""
+    """A price as an admin sets it: USD per million tokens; ``cached_input`` defaults to ``input``."""
 
     model_config = ConfigDict(extra="forbid")
 

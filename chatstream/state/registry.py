@@ -1,6 +1,6 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
 creates, lists, reads, changes and deletes them (manage.py); the request path asks ``authenticate``
-for every caller key, ``team`` for its team and ``price`` for its model, each answer cached per
+for every caller key, ``team_of`` for its team and ``price`` for its model, each answer cached per
 instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
 every instance within that time, exactly, and cost a store read only once per key, team or model,
 instance and period (in the last ``AHEAD`` of it, a request that uses the answer has it read again in
@@ -27,7 +27,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -40,26 +40,26 @@ from .callers import (
     Caller,
     CallerPatch,
     CallerSpec,
+    Stored,
     Team,
     TeamPatch,
     TeamSpec,
+    as_row,
     hash_key,
-    iso,
-    limits_entity,
-    limits_fields,
-    model_limits_of,
     new_key,
-    spend_pico,
+    of_row,
     validate,
 )
 from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, LIMITS_TABLE, Op, Row, Store, Where, key_part
+from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
+Owner = TypeVar("Owner", Caller, Team)
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
+_PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
 AHEAD = 0.2  # of an answer's time: in its last part, a request that uses it has it read again, in the background
 AHEAD_DELAY = 0.02  # ...starting this much later: the request's upstream call goes out first, not behind the read
 MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
@@ -68,54 +68,13 @@ LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at
 _TRIES = 5  # an admin change that meets another admin's: read again and reapply this often
 
 
-def _caller_entity(row_key: str, caller: Caller, key_hash: str) -> dict[str, Any]:
-    return {
-        "PartitionKey": CALLERS,
-        "RowKey": row_key,
-        "name": caller.name,
-        "id": caller.id,
-        "team": caller.team,
-        "team_id": caller.team_id,
-        **limits_entity(caller),
-        "expires_at": iso(caller.expires_at),
-        "created_at": iso(caller.created_at),
-        "key_hash": key_hash,
-        "key_hint": caller.key_hint,
-    }
-
-
-def _caller(entity: Mapping[str, Any]) -> Caller:
-    expires = entity.get("expires_at")
-    return Caller(
-        name=entity["name"],
-        id=entity["id"],
-        team=entity.get("team") or None,
-        team_id=entity.get("team_id") or None,
-        **limits_fields(entity),
-        expires_at=datetime.fromisoformat(expires) if expires else None,
-        created_at=datetime.fromisoformat(entity["created_at"]),
-        key_hint=entity.get("key_hint", ""),
-    )
-
-
-def _team_entity(team: Team) -> dict[str, Any]:
-    return {
-        "PartitionKey": TEAMS,
-        "RowKey": f"t|{team.name}",
-        "name": team.name,
-        "id": team.id,
-        **limits_entity(team),
-        "created_at": iso(team.created_at),
-    }
-
-
-def _team(entity: Mapping[str, Any]) -> Team:
-    return Team(
-        name=entity["name"],
-        id=entity["id"],
-        **limits_fields(entity),
-        created_at=datetime.fromisoformat(entity["created_at"]),
-    )
+def _ops(kind: OpKind, owner: Caller | Team, key_hash: str = "", etag: str | None = None) -> list[Op]:
+    """The operations that insert, replace or delete a team's row (under ``etag``), or a caller's
+    row (under ``etag``) and its key index, a copy of it: one entity-group transaction for both."""
+    partition, prefix = _PLACE[type(owner)]
+    row = {"PartitionKey": partition, **as_row(owner)} | ({"key_hash": key_hash} if key_hash else {})
+    index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
+    return [Op(kind, {**row, "RowKey": prefix + owner.name}, etag=etag), *index]
 
 
 def _price_row(model: str) -> str:
@@ -134,9 +93,10 @@ class _Cache:
         self._pending: dict[str, asyncio.Future] = {}
 
     def known(self, key: str) -> bool:
-        """Whether ``key`` is being read now, or an earlier read found it (its answer may be stale)."""
+        """Whether ``key`` is being read now, an earlier read found it (its answer may be stale), or
+        an answer (even "none") is kept in its time."""
         kept = self._kept.get(key)
-        return key in self._pending or (kept is not None and kept[1] is not None)
+        return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
     def holds(self, key: str) -> bool:
         """Whether an answer for ``key`` is kept and still in its time (``get`` answers it at once)."""
@@ -153,7 +113,7 @@ class _Cache:
     async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         found, value = self.fresh(key)
         if found:
-            self.ahead(key, read)
+            self._ahead(key, read)
             return value
         pending = self._pending.get(key)
         if pending is None:
@@ -161,7 +121,7 @@ class _Cache:
             pending.add_done_callback(lambda _: self._pending.pop(key, None))
         return await asyncio.shield(pending)
 
-    def ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
+    def _ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
         """An answer in the last ``AHEAD`` of its time is read again in the background (``AHEAD_DELAY``
         after the request that found it, whose upstream call goes first), so that a key
         (team, model) in steady use is never read on a request's path; the answer in use is still at
@@ -169,7 +129,7 @@ class _Cache:
         kept = self._kept.get(key)
         if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
             return
-        pending = self._pending[key] = asyncio.ensure_future(self._read_later(key, read))
+        pending = self._pending[key] = asyncio.ensure_future(self._read(key, read, AHEAD_DELAY))
 
         def done(future: asyncio.Future) -> None:
             self._pending.pop(key, None)
@@ -178,11 +138,9 @@ class _Cache:
 
         pending.add_done_callback(done)
 
-    async def _read_later(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        await asyncio.sleep(AHEAD_DELAY)
-        return await self._read(key, read)
-
-    async def _read(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+    async def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> Any:
+        if delay:
+            await asyncio.sleep(delay)
         asked = self.clock()  # kept from when it was asked for: a change after that takes effect
         value = await read()  # at most ``seconds`` after it was made, exactly
         self._kept[key] = (asked + self.seconds, value)
@@ -225,22 +183,14 @@ class Registry:
         if not isinstance(key, str) or not KEY_SHAPE.fullmatch(key):
             return KeyRefused()  # not one of ours: no store read, nothing cached
         key_hash = hash_key(key)
-        known, caller = self.keys.fresh(key_hash)
-        if known:
-            self.keys.ahead(key_hash, lambda: self._read_key(key_hash))
-        else:
-            # Only a key nobody is reading now and no read found counts against the bucket: a known
-            # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
-            if not self.keys.known(key_hash) and not self._may_look_up():
-                return Unavailable()  # too many unknown keys are being checked now
-            try:
-                caller = await self.keys.get(key_hash, lambda: self._read_key(key_hash))
-            except StoreError as exc:
-                log.warning("caller store: key check failed: %s", exc)
-                return Unavailable()
+        # Only a key nobody is reading now and no read found counts against the bucket: a known
+        # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
+        if not self.keys.known(key_hash) and not self._may_look_up():
+            return Unavailable()  # too many unknown keys are being checked now
+        caller = await self._cached(self.keys, key_hash, self._read_key, "key check")
         if caller is None:
             return KeyRefused()
-        if caller.expired(self.clock()):
+        if isinstance(caller, Caller) and caller.expired(self.clock()):
             return KeyRefused(expired=True)
         return caller
 
@@ -253,29 +203,31 @@ class Registry:
         self._bucket -= 1
         return True
 
+    async def _cached(self, cache: _Cache, key: str, read: Callable[[str], Awaitable[T]], what: str) -> T | Unavailable:
+        try:
+            return await cache.get(key, lambda: read(key))
+        except StoreError as exc:
+            log.warning("caller store: %s failed: %s", what, exc)
+            return Unavailable()
+
+    async def _read(self, cls: type[Stored], row_key: str) -> Stored | None:
+        row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
+        return of_row(cls, row) if row is not None else None
+
     async def _read_key(self, key_hash: str) -> Caller | None:
         self.store_reads += 1
-        row = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=self.store.clock.patience())
-        return _caller(row) if row is not None else None
+        return await self._read(Caller, f"k|{key_hash}")
 
     async def team_of(self, caller: Caller) -> Team | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
         deleted, so only a race leaves one without it), cached like keys."""
         if caller.team is None:
             return None
-        try:
-            team = await self.teams.get(caller.team, lambda: self._read_team(caller.team or ""))
-        except StoreError as exc:
-            log.warning("caller store: team read failed: %s", exc)
-            return Unavailable()
-        if team is None or team.id != caller.team_id:
+        team = await self._cached(self.teams, caller.team, lambda name: self._read(Team, f"t|{name}"), "team read")
+        if team is None or (isinstance(team, Team) and team.id != caller.team_id):
             log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
             return None
         return team
-
-    async def _read_team(self, name: str) -> Team | None:
-        row = await self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=self.store.clock.patience())
-        return _team(row) if row is not None else None
 
     async def team_and_price(
         self, caller: Caller, model: str
@@ -294,19 +246,22 @@ class Registry:
 
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""
+        return await self._cached(self.prices, model, lambda m: self._read(Price, _price_row(m)), "price read")
+
+    async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
+        """The caller with this id (None: gone), for a stream taken over (its record names its owner
+        by id). A scan of the callers: rare, and bounded by the number of callers."""
+        where = Where(partition=CALLERS, rows_from="c|", rows_to="c}", equal={"id": caller_id})
         try:
-            return await self.prices.get(model, lambda: self._read_price(model))
-        except StoreError as exc:
-            log.warning("caller store: price read failed: %s", exc)
+            rows = await self.store.query(CALLERS_TABLE, where, timeout=self.store.clock.patience())
+        except StoreError:
             return Unavailable()
+        return of_row(Caller, rows[0]) if rows else None
 
-    async def _read_price(self, model: str) -> Price | None:
-        row = await self.store.get(CALLERS_TABLE, PRICES, _price_row(model), timeout=self.store.clock.patience())
-        return Price.of(row) if row is not None else None
-
-    # --- the admin API ------------------------------------------------------------------------
+    # --- the admin API: callers and teams -------------------------------------------------------
 
     async def _admin(self, call: Awaitable[T]) -> T:
+        """An admin call's store operation: a store that does not answer is AdminUnavailable."""
         try:
             return await call
         except (AlreadyExists, Modified, NotFound):
@@ -315,6 +270,22 @@ class Registry:
             log.warning("caller store: an admin operation failed: %s", exc)
             raise AdminUnavailable(str(exc)) from None
 
+    async def _get(self, partition: str, row_key: str) -> Row | None:
+        return await self._admin(self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT))
+
+    async def _all(self, cls: type[Stored]) -> list[Stored]:
+        partition, prefix = _PLACE[cls]
+        where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}")
+        return [
+            of_row(cls, row) for row in await self._admin(self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT))
+        ]
+
+    async def _write(self, ops: list[Op]) -> None:
+        await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), UTC)
+
     def _future(self, expires_at: datetime | None) -> None:
         if expires_at is not None and expires_at.timestamp() <= self.clock():
             raise Invalid("expires_at: must be in the future", "expires_at")
@@ -322,10 +293,95 @@ class Registry:
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
             return None, None
-        row = await self._admin(self.store.get(CALLERS_TABLE, TEAMS, f"t|{name}", timeout=ADMIN_TIMEOUT))
+        row = await self._get(TEAMS, f"t|{name}")
         if row is None:
             raise Invalid(f"team: no team named {name!r}", "team")
         return name, row["id"]
+
+    def _forget(self, owner: Caller | Team, key_hash: str) -> None:
+        if isinstance(owner, Team):
+            self.teams.forget(owner.name)
+        else:
+            self.keys.forget(key_hash)
+
+    async def _insert(self, owner: Caller | Team, key_hash: str = "") -> None:
+        try:
+            await self._write(_ops("insert", owner, key_hash))
+        except AlreadyExists:
+            kind = type(owner).__name__.lower()
+            raise Invalid(f"name: a {kind} named {owner.name!r} already exists", "name") from None
+        self._forget(owner, key_hash)
+
+    async def _load(self, cls: type[Owner], name: object) -> tuple[Owner, str, str]:
+        """The caller or team ``name``, its key hash (a caller's) and its row's ETag; Missing when
+        there is none."""
+        kind = cls.__name__.lower()
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
+        partition, prefix = _PLACE[cls]
+        row = await self._get(partition, prefix + name)
+        if row is None:
+            raise Missing(kind, name)
+        return of_row(cls, row), row.get("key_hash") or "", row.etag
+
+    async def _change(
+        self,
+        cls: type[Owner],
+        name: str,
+        doing: str,
+        change: Callable[[Owner, str, str], Awaitable[tuple[list[Op], T]]],
+    ) -> T:
+        """Read the caller or team ``name``, write the operations ``change`` makes of it (under its
+        row's ETag), and again when another admin's change came in between, ``_TRIES`` times."""
+        for _ in range(_TRIES):
+            owner, key_hash, etag = await self._load(cls, name)
+            ops, result = await change(owner, key_hash, etag)
+            try:
+                await self._write(ops)
+            except (Modified, NotFound, AlreadyExists):
+                continue  # another admin's change in between: read again and reapply
+            self._forget(owner, key_hash)
+            return result
+        raise Conflict(f"the {cls.__name__.lower()} changed repeatedly while {doing}; try again")
+
+    async def _update(self, cls: type[Owner], name: str, data: CallerPatch | TeamPatch) -> Owner:
+        given = data.model_fields_set
+        if isinstance(data, CallerPatch) and "expires_at" in given:
+            self._future(data.expires_at)
+
+        async def change(owner: Owner, key_hash: str, etag: str) -> tuple[list[Op], Owner]:
+            values = data.values(given)
+            if isinstance(data, CallerPatch) and "team" in given:
+                values["team"], values["team_id"] = await self._team_ref(data.team)
+            updated = replace(owner, **values)
+            return _ops("replace", updated, key_hash, etag), updated
+
+        updated = await self._change(cls, name, "being updated", change)
+        log.info("%s %s updated (%s)", cls.__name__.lower(), name, ", ".join(sorted(given)) or "nothing")
+        return updated
+
+    async def _delete(self, cls: type[Owner], name: str) -> Owner:
+        """Remove the caller or team and, best effort, its limit counters (harmless if it fails: one
+        created again under this name gets a new id)."""
+
+        async def change(owner: Owner, key_hash: str, etag: str) -> tuple[list[Op], Owner]:
+            if isinstance(owner, Team):
+                members = [c.name for c in await self.list() if c.team == name]
+                if members:
+                    raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
+            return _ops("delete", owner, key_hash, etag), owner
+
+        owner = await self._change(cls, name, "being deleted", change)
+        try:
+            partition = owner.limits_partition
+            for row in await self.store.query(
+                LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
+            ):
+                await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
+        except StoreError as exc:
+            log.warning("%s %s deleted; its limit counters were left in the store: %s", cls.__name__.lower(), name, exc)
+        log.info("%s %s deleted", cls.__name__.lower(), name)
+        return owner
 
     async def create(self, spec: object) -> tuple[Caller, str]:
         """A new caller and its key (shown this once)."""
@@ -338,249 +394,92 @@ class Registry:
             id=secrets.token_hex(6),
             team=team,
             team_id=team_id,
-            **_changes(data, LIMIT_FIELDS),
+            **data.values(LIMIT_FIELDS),
             expires_at=data.expires_at,
-            created_at=datetime.fromtimestamp(self.clock(), UTC),
+            created_at=self._now(),
             key_hint=key[-4:],
         )
-        key_hash = hash_key(key)
-        ops = [
-            Op("insert", _caller_entity(f"c|{caller.name}", caller, key_hash)),
-            Op("insert", _caller_entity(f"k|{key_hash}", caller, key_hash)),
-        ]
-        try:
-            await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
-        except AlreadyExists:
-            raise Invalid(f"name: a caller named {caller.name!r} already exists", "name") from None
-        self.keys.forget(key_hash)
+        await self._insert(caller, hash_key(key))
         log.info("caller %s created (key …%s)", caller.name, caller.key_hint)
         return caller, key
 
     async def list(self) -> list[Caller]:
-        rows = await self._admin(
-            self.store.query(
-                CALLERS_TABLE, Where(partition=CALLERS, rows_from="c|", rows_to="c}"), timeout=ADMIN_TIMEOUT
-            )
-        )
-        return sorted((_caller(row) for row in rows), key=lambda c: c.name)
-
-    async def _named(self, kind: str, partition: str, prefix: str, name: object) -> Row:
-        """The row of the caller or team ``name``; Missing when there is none."""
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._admin(self.store.get(CALLERS_TABLE, partition, prefix + name, timeout=ADMIN_TIMEOUT))
-        if row is None:
-            raise Missing(kind, name)
-        return row
-
-    async def _row(self, name: str) -> tuple[Caller, str, str]:
-        """The caller row: the caller, its key hash and its ETag."""
-        row = await self._named("caller", CALLERS, "c|", name)
-        return _caller(row), row["key_hash"], row.etag
+        return sorted(await self._all(Caller), key=lambda c: c.name)
 
     async def get(self, name: str) -> Caller:
-        return (await self._row(name))[0]
-
-    async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
-        """The caller with this id (None: gone), for a stream taken over (its record names its owner
-        by id). A scan of the callers: rare, and bounded by the number of callers."""
-        try:
-            rows = await self.store.query(
-                CALLERS_TABLE,
-                Where(partition=CALLERS, rows_from="c|", rows_to="c}", equal={"id": caller_id}),
-                timeout=self.store.clock.patience(),
-            )
-        except StoreError:
-            return Unavailable()
-        return _caller(rows[0]) if rows else None
+        return (await self._load(Caller, name))[0]
 
     async def update(self, name: str, patch: object) -> Caller:
         """Change the fields ``patch`` names; the key stays."""
-        data: CallerPatch = validate(CallerPatch, patch)
-        given = data.model_fields_set
-        if "expires_at" in given:
-            self._future(data.expires_at)
-        for _ in range(_TRIES):
-            caller, key_hash, etag = await self._row(name)
-            changes = _changes(data, given)
-            if "team" in given:
-                changes["team"], changes["team_id"] = await self._team_ref(data.team)
-            updated = replace(caller, **changes)
-            ops = [
-                Op("replace", _caller_entity(f"c|{name}", updated, key_hash), etag=etag),
-                Op("replace", _caller_entity(f"k|{key_hash}", updated, key_hash)),
-            ]
-            try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
-            except (Modified, NotFound):
-                continue  # another admin's change in between: read again and reapply
-            self.keys.forget(key_hash)
-            log.info("caller %s updated (%s)", name, ", ".join(sorted(given)) or "nothing")
-            return updated
-        raise Conflict("the caller changed repeatedly while being updated; try again")
+        return await self._update(Caller, name, validate(CallerPatch, patch))
 
     async def delete(self, name: str) -> Caller:
         """Remove the caller and its key (which stops working on every instance within
-        ``cache_seconds``), and, best effort, its limit counters."""
-        for _ in range(_TRIES):
-            caller, key_hash, etag = await self._row(name)
-            ops = [
-                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"c|{name}"}, etag=etag),
-                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{key_hash}"}),
-            ]
-            try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
-            except (Modified, NotFound):
-                continue
-            self.keys.forget(key_hash)
-            await self._drop_counters(caller.limits_partition, caller.name)
-            log.info("caller %s deleted", name)
-            return caller
-        raise Conflict("the caller changed repeatedly while being deleted; try again")
-
-    async def _drop_counters(self, partition: str, name: str) -> None:
-        """Harmless if it fails: a caller or team created again under this name gets a new id."""
-        try:
-            for row in await self.store.query(
-                LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
-            ):
-                await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
-        except StoreError as exc:
-            log.warning("%s deleted; its limit counters were left in the store: %s", name, exc)
+        ``cache_seconds``), and its limit counters."""
+        return await self._delete(Caller, name)
 
     async def rotate(self, name: str) -> tuple[Caller, str]:
         """A new key for the caller; the old one stops working (on every instance within
         ``cache_seconds``). Limits, usage and counters stay."""
-        for _ in range(_TRIES):
-            caller, old_hash, etag = await self._row(name)
-            key = new_key()
-            new_hash = hash_key(key)
-            rotated = replace(caller, key_hint=key[-4:])
-            ops = [
-                Op("replace", _caller_entity(f"c|{name}", rotated, new_hash), etag=etag),
-                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{old_hash}"}),
-                Op("insert", _caller_entity(f"k|{new_hash}", rotated, new_hash)),
-            ]
-            try:
-                await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
-            except (Modified, NotFound, AlreadyExists):
-                continue
-            self.keys.forget(old_hash)
-            log.info("caller %s: key rotated (now …%s)", name, rotated.key_hint)
-            return rotated, key
-        raise Conflict("the caller changed repeatedly while its key was rotated; try again")
+        key = new_key()
 
-    # --- teams --------------------------------------------------------------------------------
+        async def change(caller: Caller, old_hash: str, etag: str) -> tuple[list[Op], Caller]:
+            rotated = replace(caller, key_hint=key[-4:])
+            row, index = _ops("replace", rotated, hash_key(key), etag)
+            return [
+                row,
+                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{old_hash}"}),
+                replace(index, kind="insert"),
+            ], rotated
+
+        rotated = await self._change(Caller, name, "its key was rotated", change)
+        log.info("caller %s: key rotated (now …%s)", name, rotated.key_hint)
+        return rotated, key
 
     async def create_team(self, spec: object) -> Team:
         data: TeamSpec = validate(TeamSpec, spec)
-        team = Team(
-            name=data.name,
-            id=secrets.token_hex(6),
-            **_changes(data, LIMIT_FIELDS),
-            created_at=datetime.fromtimestamp(self.clock(), UTC),
-        )
-        try:
-            await self._admin(self.store.insert(CALLERS_TABLE, _team_entity(team), timeout=ADMIN_TIMEOUT))
-        except AlreadyExists:
-            raise Invalid(f"name: a team named {team.name!r} already exists", "name") from None
-        self.teams.forget(team.name)
+        team = Team(name=data.name, id=secrets.token_hex(6), **data.values(LIMIT_FIELDS), created_at=self._now())
+        await self._insert(team)
         log.info("team %s created", team.name)
         return team
 
     async def list_teams(self) -> list[Team]:
-        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=TEAMS), timeout=ADMIN_TIMEOUT))
-        return sorted((_team(row) for row in rows), key=lambda t: t.name)
-
-    async def _team_row(self, name: str) -> tuple[Team, str]:
-        row = await self._named("team", TEAMS, "t|", name)
-        return _team(row), row.etag
+        return sorted(await self._all(Team), key=lambda t: t.name)
 
     async def get_team(self, name: str) -> Team:
-        return (await self._team_row(name))[0]
+        return (await self._load(Team, name))[0]
 
     async def update_team(self, name: str, patch: object) -> Team:
-        data: TeamPatch = validate(TeamPatch, patch)
-        given = data.model_fields_set
-        for _ in range(_TRIES):
-            team, etag = await self._team_row(name)
-            updated = replace(team, **_changes(data, given))
-            try:
-                await self._admin(
-                    self.store.replace(CALLERS_TABLE, _team_entity(updated), etag=etag, timeout=ADMIN_TIMEOUT)
-                )
-            except (Modified, NotFound):
-                continue
-            self.teams.forget(name)
-            log.info("team %s updated (%s)", name, ", ".join(sorted(given)) or "nothing")
-            return updated
-        raise Conflict("the team changed repeatedly while being updated; try again")
+        return await self._update(Team, name, validate(TeamPatch, patch))
 
     async def delete_team(self, name: str) -> Team:
         """Remove a team that has no callers (Conflict otherwise: move or delete them first)."""
-        team, etag = await self._team_row(name)
-        members = [c.name for c in await self.list() if c.team == name]
-        if members:
-            raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-        try:
-            await self._admin(self.store.delete(CALLERS_TABLE, TEAMS, f"t|{name}", etag=etag, timeout=ADMIN_TIMEOUT))
-        except Modified:
-            raise Conflict("the team changed while being deleted; try again") from None
-        self.teams.forget(name)
-        await self._drop_counters(team.limits_partition, f"team {name}")
-        log.info("team %s deleted", name)
-        return team
+        return await self._delete(Team, name)
 
-    # --- prices -------------------------------------------------------------------------------
+    # --- the admin API: prices ------------------------------------------------------------------
 
     async def set_price(self, model: str, spec: object) -> Price:
-        if (
-            not isinstance(model, str)
-            or not model
-            or len(model) > 256
-            or model != model.strip()
-            or not model.isprintable()
-        ):
+        if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
             raise Invalid("model: not a model name", "model")
         data: PriceSpec = validate(PriceSpec, spec)
-        price = data.price(model, datetime.fromtimestamp(self.clock(), UTC))
-        entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **price.entity()}
+        price = data.price(model, self._now())
+        entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **as_row(price)}
         await self._admin(self.store.upsert(CALLERS_TABLE, entity, timeout=ADMIN_TIMEOUT))
         self.prices.forget(model)
         log.info("price of %s set", log_safe(model)[:80])
         return price
 
     async def list_prices(self) -> list[Price]:
-        rows = await self._admin(self.store.query(CALLERS_TABLE, Where(partition=PRICES), timeout=ADMIN_TIMEOUT))
-        return sorted((Price.of(row) for row in rows), key=lambda p: p.model)
+        return sorted(await self._all(Price), key=lambda p: p.model)
 
     async def get_price(self, model: str) -> Price:
-        row = (
-            await self._admin(self.store.get(CALLERS_TABLE, PRICES, _price_row(model), timeout=ADMIN_TIMEOUT))
-            if model
-            else None
-        )
+        row = await self._get(PRICES, _price_row(model)) if model else None
         if row is None:
             raise Missing("price for model", log_safe(model)[:80])
-        return Price.of(row)
+        return of_row(Price, row)
 
     async def delete_price(self, model: str) -> Price:
         price = await self.get_price(model)
         await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _price_row(model), timeout=ADMIN_TIMEOUT))
         self.prices.forget(model)
         return price
-
-
-def _changes(data: Any, given: Iterable[str]) -> dict[str, Any]:
-    """A spec's or a patch's fields ``given`` as a caller's or team's values (``null`` removes; the
-    period defaults): the one reading of what an admin said."""
-    changes: dict[str, Any] = {f: getattr(data, f) for f in given if f != "team"}
-    if "models" in changes and changes["models"] is not None:
-        changes["models"] = tuple(changes["models"])
-    if "spend_budget" in changes:
-        changes["spend_budget"] = spend_pico(changes["spend_budget"])
-    if "model_limits" in changes:
-        changes["model_limits"] = model_limits_of(changes["model_limits"])
-    if "budget_period" in changes and changes["budget_period"] is None:
-        changes["budget_period"] = "total"
-    return changes

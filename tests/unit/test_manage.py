@@ -409,8 +409,9 @@ async def test_a_store_that_fails_is_a_503_never_a_500():
 
 
 def test_the_key_is_in_no_answer_but_create_and_rotate():
-    # Any answer but create (201) and rotate is built from Caller.public(), which has no key field.
+    # Any answer but create (201) and rotate is built from caller_json, which has no key field.
+    from chatstream.manage import caller_json
     from chatstream.state.callers import Caller
 
-    public = Caller(name="n", id="i", created_at=datetime.now(UTC), key_hint="abcd").public()
+    public = caller_json(Caller(name="n", id="i", created_at=datetime.now(UTC), key_hint="abcd"))
     assert "key" not in public and "key_hash" not in json.dumps(public)

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
+from chatstream.manage import caller_json, price_json, team_json
 from chatstream.state.callers import Caller, hash_key
 from chatstream.state.port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price
@@ -64,7 +65,7 @@ async def test_create_list_get_update_rotate_delete():
     assert caller.spend_budget == 12_500_000_000_000  # pico-USD, exact
     assert caller.models == ("gpt-4o-mini", "gpt-4o") and caller.budget_period == "month"
     assert caller.model_limits["gpt-4o"].tokens_per_minute == 2_000
-    assert "key" not in caller.public() and caller.public()["spend_budget"] == 12.5
+    assert "key" not in caller_json(caller) and caller_json(caller)["spend_budget"] == 12.5
     # Only the hash is stored; the key index is a point read of k|<hash>.
     assert key not in stored(data) and key[4:] not in stored(data)
     assert data.tables[CALLERS_TABLE]["callers"][f"k|{hash_key(key)}"][0]["name"] == "search"
@@ -299,7 +300,7 @@ async def test_teams_create_get_patch_and_delete_once_they_have_no_callers():
     clock = Clock()
     reg = registry(cache=10.0, clock=clock)
     team = await reg.create_team({"name": "search", "spend_budget": 100, "budget_period": "day"})
-    assert team.spend_budget == 100 * 10**12 and team.public()["spend_budget"] == 100.0
+    assert team.spend_budget == 100 * 10**12 and team_json(team)["spend_budget"] == 100.0
     with pytest.raises(Invalid) as info:
         await reg.create_team({"name": "search"})
     assert info.value.param == "name"
@@ -370,7 +371,7 @@ async def test_prices_put_get_list_delete_exactly_in_pico_dollars():
     reg, other = registry(data, 5.0, clock), registry(data, 5.0, clock)
     price = await reg.set_price("gpt-4o-mini", {"input": 0.15, "cached_input": 0.075, "output": 0.6})
     assert (price.input, price.cached_input, price.output) == (150_000, 75_000, 600_000)  # pico-USD per token
-    assert price.public()["input"] == 0.15 and price.public()["cached_input"] == 0.075
+    assert price_json(price)["input"] == 0.15 and price_json(price)["cached_input"] == 0.075
     # 1,000 prompt tokens of which 400 cached, 250 completion: 600×0.15 + 400×0.075 + 250×0.6 per million
     assert price.cost(1_000, 400, 250) == 600 * 150_000 + 400 * 75_000 + 250 * 600_000 == 270_000_000
     assert price.most(1_000, 250) == 1_000 * 150_000 + 250 * 600_000
@@ -555,7 +556,12 @@ async def test_keys_never_reach_a_log_an_error_an_answer_or_the_store(caplog):
     with pytest.raises(Invalid) as info:
         await reg.create({"name": "a"})
     errors.append(info.value.message)
-    answers = [caller.public(), rotated.public(), (await reg.get("a")).public(), [c.public() for c in await reg.list()]]
+    answers = [
+        caller_json(caller),
+        caller_json(rotated),
+        caller_json(await reg.get("a")),
+        [caller_json(c) for c in await reg.list()],
+    ]
     await reg.delete("a")
     text = caplog.text + json.dumps(answers) + stored(data) + " ".join(errors)
     for k in (key, new):
