@@ -467,7 +467,7 @@ class Lease:
             spent = sum(amount for _, amount in applied)
             debt = self.debt
             if delta == 0 and debt == 0 and not applied and not chosen:
-                self._answer(waiters, chosen, window)
+                self._answer(waiters, chosen)
                 return
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
@@ -539,7 +539,7 @@ class Lease:
             self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
-        self._answer(waiters, written.waiters, window)
+        self._answer(waiters, written.waiters)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -547,11 +547,11 @@ class Lease:
             self.balance += written.balance_out
             self.debt += written.debt
 
-    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter], window: str) -> None:
-        """After the write: the chosen waiters are admitted in ``window``, the others refused."""
+    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
+        """After the write: the chosen waiters are admitted, the others refused."""
         picked = {id(w) for w in chosen}
         for waiter in chosen:
-            part = Part(self, waiter.need, window, self.generation)
+            part = self._part(waiter.need)
             if waiter.future.done():  # it gave up meanwhile: its share comes back
                 self.give_back(part)
             else:
