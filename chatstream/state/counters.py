@@ -39,6 +39,7 @@ balance)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -338,12 +339,7 @@ class Lease:
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
-        out: list[_Staged] = []
-        for staged in self.staged:
-            if not staged.confirmed:
-                break
-            out.append(staged)
-        return out
+        return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _reserve(self, need: int) -> None:
         """``need`` moves from the balance to the reservations (a negative one comes back)."""
