@@ -39,6 +39,7 @@ balance)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -338,12 +339,7 @@ class Lease:
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
-        out: list[_Staged] = []
-        for staged in self.staged:
-            if not staged.confirmed:
-                break
-            out.append(staged)
-        return out
+        return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _reserve(self, need: int) -> None:
         """``need`` moves from the balance to the reservations (a negative one comes back)."""
@@ -467,7 +463,7 @@ class Lease:
             spent = sum(amount for _, amount in applied)
             debt = self.debt
             if delta == 0 and debt == 0 and not applied and not chosen:
-                self._answer(waiters, chosen, window)
+                self._answer(waiters, chosen)
                 return
             exchange = self.exchange + 1
             held = self.held + delta + debt - spent
@@ -539,7 +535,7 @@ class Lease:
             self.counters.journal.changed()  # it may drop the charges now in the row
         for waiter in written.waiters:
             self.reserved += waiter.need
-        self._answer(waiters, written.waiters, window)
+        self._answer(waiters, written.waiters)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -547,11 +543,11 @@ class Lease:
             self.balance += written.balance_out
             self.debt += written.debt
 
-    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter], window: str) -> None:
-        """After the write: the chosen waiters are admitted in ``window``, the others refused."""
+    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
+        """After the write: the chosen waiters are admitted, the others refused."""
         picked = {id(w) for w in chosen}
         for waiter in chosen:
-            part = Part(self, waiter.need, window, self.generation)
+            part = self._part(waiter.need)
             if waiter.future.done():  # it gave up meanwhile: its share comes back
                 self.give_back(part)
             else:
