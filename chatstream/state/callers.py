@@ -209,6 +209,17 @@ class _Limits(BaseModel):
     def _model_names(cls, models: list[str] | None) -> list[str] | None:
         return _names(models)
 
+    @field_validator("model_limits")
+    @classmethod
+    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
+        if limits is None:
+            return None
+        _names(list(limits))
+        for model, limit in limits.items():
+            if limit.tokens_per_minute is None and limit.requests_per_minute is None:
+                raise ValueError(f"[{model[:64]}] names no limit")
+        return limits
+
     def values(self, given: Iterable[str]) -> dict[str, Any]:
         """The fields ``given`` as a caller's or team's values (``null`` removes; the period defaults):
         the one reading of what an admin said."""
@@ -225,17 +236,6 @@ class _Limits(BaseModel):
         if "budget_period" in values and values["budget_period"] is None:
             values["budget_period"] = "total"
         return values
-
-    @field_validator("model_limits")
-    @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
-        if limits is None:
-            return None
-        _names(list(limits))
-        for model, limit in limits.items():
-            if limit.tokens_per_minute is None and limit.requests_per_minute is None:
-                raise ValueError(f"[{model[:64]}] names no limit")
-        return limits
 
 
 def _name(message: str) -> BeforeValidator:
