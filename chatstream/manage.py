@@ -20,7 +20,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -28,11 +28,24 @@ from starlette.requests import Request
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, with_request_id
-from .state.callers import NAME_PATTERN, PICO, Caller, Limits, Team, iso, usd
+from .state.callers import (
+    NAME_PATTERN,
+    PICO,
+    Caller,
+    CallerPatch,
+    CallerSpec,
+    Limits,
+    Team,
+    TeamPatch,
+    TeamSpec,
+    iso,
+    usd,
+    validate,
+)
 from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
 from .state.port import AdminUnavailable, Conflict, Invalid, Missing
-from .state.prices import Price
+from .state.prices import Price, PriceSpec
 from .state.shared import SharedState
 from .state.store import LIMITS_TABLE, Where
 
@@ -40,6 +53,7 @@ log = logging.getLogger("chatstream")
 
 MAX_ADMIN_BODY = 64 * 1024  # a caller's definition is a few hundred bytes
 NO_STORE = {"Cache-Control": "no-store"}
+S = TypeVar("S", CallerSpec, CallerPatch, TeamSpec, TeamPatch, PriceSpec)
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -140,9 +154,10 @@ class Manage:
             log.exception("admin API: the request failed")
             return error_response(ApiError(500, "internal_error", "the request failed unexpectedly"))
 
-    async def _body(self, request: Request) -> object:
+    async def _body(self, request: Request, model: type[S]) -> S:
+        """The body as the registry's typed request (Invalid, naming the field, if it is not one)."""
         require_json_content_type(request.headers.get("content-type"))
-        return parse_json_body(await read_body(request, MAX_ADMIN_BODY))
+        return validate(model, parse_json_body(await read_body(request, MAX_ADMIN_BODY)))
 
     # --- routes that serve several methods (function_app.py) ----------------------------------
 
@@ -184,7 +199,7 @@ class Manage:
 
         async def run(state: SharedState) -> Response:
             if request.method == "PUT":
-                return _json(price_json(await state.registry.set_price(model, await self._body(request))))
+                return _json(price_json(await state.registry.set_price(model, await self._body(request, PriceSpec))))
             if request.method == "DELETE":
                 price = await state.registry.delete_price(model)
                 return _json({"object": "price.deleted", "model": price.model, "deleted": True})
@@ -196,7 +211,7 @@ class Manage:
 
     async def create(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
-            caller, key = await state.registry.create(await self._body(request))
+            caller, key = await state.registry.create(await self._body(request, CallerSpec))
             return _json({**caller_json(caller), "key": key}, 201)
 
         return await self._answer(run)
@@ -222,7 +237,7 @@ class Manage:
     async def update(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
             name = _name(request)
-            caller = await state.registry.update(name, await self._body(request))
+            caller = await state.registry.update(name, await self._body(request, CallerPatch))
             return _json(caller_json(caller))
 
         return await self._answer(run)
@@ -245,7 +260,7 @@ class Manage:
 
     async def create_team(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
-            return _json(team_json(await state.registry.create_team(await self._body(request))), 201)
+            return _json(team_json(await state.registry.create_team(await self._body(request, TeamSpec))), 201)
 
         return await self._answer(run)
 
@@ -269,7 +284,9 @@ class Manage:
 
     async def update_team(self, request: Request) -> Response:
         async def run(state: SharedState) -> Response:
-            return _json(team_json(await state.registry.update_team(_name(request), await self._body(request))))
+            return _json(
+                team_json(await state.registry.update_team(_name(request), await self._body(request, TeamPatch)))
+            )
 
         return await self._answer(run)
 

@@ -10,8 +10,10 @@ from unit.state_helpers import admit, finish, settings, usage
 
 from chatstream import tokens
 from chatstream.state.accounting import Admission
+from chatstream.state.callers import CallerSpec, TeamSpec, validate
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.journal import journal_name
+from chatstream.state.prices import PriceSpec
 from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE, StorageConfig, Where
@@ -39,9 +41,11 @@ def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_on
             a.journal.interval = 0.05
             acc = a.accounting
             assert acc is not None
-            await a.registry.set_price(MODEL, {"input": 1, "output": 2})
-            team = await a.registry.create_team({"name": f"t{run_id}", **BUDGETS})
-            caller, _ = await a.registry.create({"name": f"c{run_id}", "team": f"t{run_id}", **BUDGETS})
+            await a.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+            team = await a.registry.create_team(validate(TeamSpec, {"name": f"t{run_id}", **BUDGETS}))
+            caller, _ = await a.registry.create(
+                validate(CallerSpec, {"name": f"c{run_id}", "team": f"t{run_id}", **BUDGETS})
+            )
             done, rec = await admit(acc, caller, "one")
             assert isinstance(done, Admission)
             finish(acc, done, rec, usage(100, 50))

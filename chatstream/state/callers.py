@@ -1,5 +1,7 @@
 """Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
-and what an admin may say about them (validated). The registry that keeps them is registry.py.
+and what an admin may say about them: the typed requests (``CallerSpec``, ``CallerPatch``,
+``TeamSpec``, ``TeamPatch``) the admin API reads a body into with ``validate`` and hands the
+registry (registry.py), which keeps them.
 
 A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
 and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
@@ -55,6 +57,7 @@ MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
 PICO = 10**12  # pico-dollars per USD
 Stored = TypeVar("Stored", bound="DataclassInstance")
+M = TypeVar("M", bound=BaseModel)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
@@ -206,6 +209,17 @@ class _Limits(BaseModel):
     def _model_names(cls, models: list[str] | None) -> list[str] | None:
         return _names(models)
 
+    @field_validator("model_limits")
+    @classmethod
+    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
+        if limits is None:
+            return None
+        _names(list(limits))
+        for model, limit in limits.items():
+            if limit.tokens_per_minute is None and limit.requests_per_minute is None:
+                raise ValueError(f"[{model[:64]}] names no limit")
+        return limits
+
     def values(self, given: Iterable[str]) -> dict[str, Any]:
         """The fields ``given`` as a caller's or team's values (``null`` removes; the period defaults):
         the one reading of what an admin said."""
@@ -222,17 +236,6 @@ class _Limits(BaseModel):
         if "budget_period" in values and values["budget_period"] is None:
             values["budget_period"] = "total"
         return values
-
-    @field_validator("model_limits")
-    @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
-        if limits is None:
-            return None
-        _names(list(limits))
-        for model, limit in limits.items():
-            if limit.tokens_per_minute is None and limit.requests_per_minute is None:
-                raise ValueError(f"[{model[:64]}] names no limit")
-        return limits
 
 
 def _name(message: str) -> BeforeValidator:
@@ -298,7 +301,8 @@ def describe(exc: ValidationError) -> Invalid:
     return Invalid(f"{param}: {message}" if param else message, param)
 
 
-def validate(model: type[BaseModel], data: object) -> Any:
+def validate(model: type[M], data: object) -> M:
+    """A JSON body as ``model``, or Invalid naming the field."""
     if not isinstance(data, Mapping):
         raise Invalid("the body must be a JSON object")
     try:

@@ -48,7 +48,6 @@ from .callers import (
     hash_key,
     new_key,
     of_row,
-    validate,
 )
 from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
@@ -383,9 +382,8 @@ class Registry:
         log.info("%s %s deleted", cls.__name__.lower(), name)
         return owner
 
-    async def create(self, spec: object) -> tuple[Caller, str]:
+    async def create(self, data: CallerSpec) -> tuple[Caller, str]:
         """A new caller and its key (shown this once)."""
-        data: CallerSpec = validate(CallerSpec, spec)
         self._future(data.expires_at)
         team, team_id = await self._team_ref(data.team)
         key = new_key()
@@ -409,9 +407,9 @@ class Registry:
     async def get(self, name: str) -> Caller:
         return (await self._load(Caller, name))[0]
 
-    async def update(self, name: str, patch: object) -> Caller:
+    async def update(self, name: str, patch: CallerPatch) -> Caller:
         """Change the fields ``patch`` names; the key stays."""
-        return await self._update(Caller, name, validate(CallerPatch, patch))
+        return await self._update(Caller, name, patch)
 
     async def delete(self, name: str) -> Caller:
         """Remove the caller and its key (which stops working on every instance within
@@ -436,8 +434,7 @@ class Registry:
         log.info("caller %s: key rotated (now …%s)", name, rotated.key_hint)
         return rotated, key
 
-    async def create_team(self, spec: object) -> Team:
-        data: TeamSpec = validate(TeamSpec, spec)
+    async def create_team(self, data: TeamSpec) -> Team:
         team = Team(name=data.name, id=secrets.token_hex(6), **data.values(LIMIT_FIELDS), created_at=self._now())
         await self._insert(team)
         log.info("team %s created", team.name)
@@ -449,8 +446,8 @@ class Registry:
     async def get_team(self, name: str) -> Team:
         return (await self._load(Team, name))[0]
 
-    async def update_team(self, name: str, patch: object) -> Team:
-        return await self._update(Team, name, validate(TeamPatch, patch))
+    async def update_team(self, name: str, patch: TeamPatch) -> Team:
+        return await self._update(Team, name, patch)
 
     async def delete_team(self, name: str) -> Team:
         """Remove a team that has no callers (Conflict otherwise: move or delete them first)."""
@@ -458,10 +455,9 @@ class Registry:
 
     # --- the admin API: prices ------------------------------------------------------------------
 
-    async def set_price(self, model: str, spec: object) -> Price:
+    async def set_price(self, model: str, data: PriceSpec) -> Price:
         if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
             raise Invalid("model: not a model name", "model")
-        data: PriceSpec = validate(PriceSpec, spec)
         price = data.price(model, self._now())
         entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **as_row(price)}
         await self._admin(self.store.upsert(CALLERS_TABLE, entity, timeout=ADMIN_TIMEOUT))

@@ -14,7 +14,9 @@ from memory_store import Fault, MemoryData, MemoryStore
 from chatstream import tokens
 from chatstream.apis.usage import request_usage, usage_of
 from chatstream.state.accounting import Admission
+from chatstream.state.callers import CallerSpec, TeamSpec
 from chatstream.state.port import ModelRefused, Refused, Unavailable, Unknown, Used
+from chatstream.state.prices import PriceSpec
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
 
 from .state_helpers import MODEL, account, admit, asked, call, charge, counter, finish, instance, record, until, usage
@@ -31,7 +33,7 @@ def ledger_rows(data: MemoryData) -> list[dict]:
 async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_rates():
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c", "tokens_per_minute": 50_000, "requests_per_minute": 10})
+    caller, _ = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, requests_per_minute=10))
     request = call("hello there", n=2)
     admitted = await acc.admit(caller, asked(request, record()))
     assert isinstance(admitted, Admission)
@@ -50,9 +52,9 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
 async def test_caller_and_team_limits_hold_all_or_nothing():
     data = account()
     state, acc = instance(data, "a")
-    team = await state.registry.create_team({"name": "t", "requests_per_minute": 3})
-    caller, _ = await state.registry.create({"name": "c", "team": "t", "token_budget": 100_000})
-    other, _ = await state.registry.create({"name": "d", "team": "t"})
+    team = await state.registry.create_team(TeamSpec(name="t", requests_per_minute=3))
+    caller, _ = await state.registry.create(CallerSpec(name="c", team="t", token_budget=100_000))
+    other, _ = await state.registry.create(CallerSpec(name="d", team="t"))
     held = []
     for who in (caller, other, caller):
         admitted, _ = await admit(acc, who, max_tokens=10)
@@ -69,7 +71,7 @@ async def test_caller_and_team_limits_hold_all_or_nothing():
     assert counter(data, caller.limits_partition, "tokens").get("taken", 0) == 0
     assert counter(data, team.limits_partition, "rpm").get("taken", 0) == 0
     # The other way round: the caller's budget refuses, the team's request comes back.
-    small, _ = await state.registry.create({"name": "s", "team": "t", "token_budget": 50})
+    small, _ = await state.registry.create(CallerSpec(name="s", team="t", token_budget=50))
     refused, _ = await admit(acc, small, max_tokens=100)
     assert isinstance(refused, Refused) and refused.alone and refused.limit.scope == "caller"
     assert await acc.flush(5)
@@ -80,8 +82,8 @@ async def test_caller_and_team_limits_hold_all_or_nothing():
 async def test_a_team_budget_refuses_and_gives_back_what_the_caller_reserved():
     data = account()
     state, acc = instance(data, "a")
-    team = await state.registry.create_team({"name": "t", "token_budget": 300})
-    caller, _ = await state.registry.create({"name": "c", "team": "t", "tokens_per_minute": 10_000})
+    team = await state.registry.create_team(TeamSpec(name="t", token_budget=300))
+    caller, _ = await state.registry.create(CallerSpec(name="c", team="t", tokens_per_minute=10_000))
     first, rec = await admit(acc, caller, max_tokens=200)
     assert isinstance(first, Admission)
     refused, _ = await admit(acc, caller, max_tokens=200)
@@ -98,7 +100,7 @@ async def test_a_per_model_limit_refuses_only_that_model():
     data = account()
     state, acc = instance(data, "a")
     caller, _ = await state.registry.create(
-        {"name": "c", "model_limits": {"gpt-4o": {"requests_per_minute": 1, "tokens_per_minute": 100_000}}}
+        CallerSpec(name="c", model_limits={"gpt-4o": {"requests_per_minute": 1, "tokens_per_minute": 100_000}})
     )
     first, _ = await admit(acc, caller, model="gpt-4o")
     assert isinstance(first, Admission)
@@ -108,8 +110,8 @@ async def test_a_per_model_limit_refuses_only_that_model():
     for _ in range(5):
         other, _ = await admit(acc, caller, model="gpt-4o-mini")
         assert isinstance(other, Admission) and not other.wants  # no limit on it at all
-    team = await state.registry.create_team({"name": "t", "model_limits": {"gpt-4o-mini": {"tokens_per_minute": 50}}})
-    member, _ = await state.registry.create({"name": "m", "team": "t"})
+    team = await state.registry.create_team(TeamSpec(name="t", model_limits={"gpt-4o-mini": {"tokens_per_minute": 50}}))
+    member, _ = await state.registry.create(CallerSpec(name="m", team="t"))
     refused, _ = await admit(acc, member, model="gpt-4o-mini", max_tokens=100)
     assert isinstance(refused, Refused) and refused.alone and refused.limit.scope == "team"
     assert isinstance((await admit(acc, member, model="gpt-4o", max_tokens=100))[0], Admission)
@@ -120,8 +122,8 @@ async def test_a_per_model_limit_refuses_only_that_model():
 async def test_models_a_caller_or_its_team_may_not_use_are_refused_by_name():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team({"name": "t", "models": ["gpt-4o-mini"]})
-    caller, _ = await state.registry.create({"name": "c", "models": ["gpt-4o", "gpt-4o-mini"], "team": "t"})
+    await state.registry.create_team(TeamSpec(name="t", models=["gpt-4o-mini"]))
+    caller, _ = await state.registry.create(CallerSpec(name="c", models=["gpt-4o", "gpt-4o-mini"], team="t"))
     assert (await admit(acc, caller, model="o1"))[0] == ModelRefused("o1")
     assert (await admit(acc, caller, model="gpt-4o"))[0] == ModelRefused("gpt-4o", scope="team")
     assert isinstance((await admit(acc, caller, model="gpt-4o-mini"))[0], Admission)
@@ -131,10 +133,10 @@ async def test_models_a_caller_or_its_team_may_not_use_are_refused_by_name():
 async def test_an_unpriced_model_is_refused_to_a_spend_budget_and_free_for_everyone_else():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team({"name": "rich", "spend_budget": 5})
-    spender, _ = await state.registry.create({"name": "s", "spend_budget": 1})
-    member, _ = await state.registry.create({"name": "m", "team": "rich"})
-    free, _ = await state.registry.create({"name": "f", "token_budget": 10_000})
+    await state.registry.create_team(TeamSpec(name="rich", spend_budget=5))
+    spender, _ = await state.registry.create(CallerSpec(name="s", spend_budget=1))
+    member, _ = await state.registry.create(CallerSpec(name="m", team="rich"))
+    free, _ = await state.registry.create(CallerSpec(name="f", token_budget=10_000))
     assert (await admit(acc, spender, model="local"))[0] == ModelRefused("local", unpriced=True, scope="caller")
     assert (await admit(acc, member, model="local"))[0] == ModelRefused("local", unpriced=True, scope="team")
     admitted, rec = await admit(acc, free, model="local")
@@ -151,8 +153,8 @@ async def test_an_unpriced_model_is_refused_to_a_spend_budget_and_free_for_every
 async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles_to_the_cost():
     data = account()
     state, acc = instance(data, "a")
-    price = await state.registry.set_price(MODEL, {"input": 2.5, "cached_input": 1.25, "output": 10})
-    caller, _ = await state.registry.create({"name": "c", "spend_budget": 0.05, "budget_period": "day"})
+    price = await state.registry.set_price(MODEL, PriceSpec(input=2.5, cached_input=1.25, output=10))
+    caller, _ = await state.registry.create(CallerSpec(name="c", spend_budget=0.05, budget_period="day"))
     admitted, rec = await admit(acc, caller, "some prompt", max_tokens=1000)
     assert isinstance(admitted, Admission)
     [spend] = admitted.wants
@@ -175,11 +177,11 @@ async def test_a_price_change_applies_to_the_requests_admitted_after_it():
     price changes keeps the old one, the next request has the new one."""
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.set_price(MODEL, {"input": 1, "output": 1})
-    caller, _ = await state.registry.create({"name": "c"})
+    await state.registry.set_price(MODEL, PriceSpec(input=1, output=1))
+    caller, _ = await state.registry.create(CallerSpec(name="c"))
     before, rec = await admit(acc, caller)
     assert isinstance(before, Admission)
-    await state.registry.set_price(MODEL, {"input": 3, "output": 5})
+    await state.registry.set_price(MODEL, PriceSpec(input=3, output=5))
     after, rec_after = await admit(acc, caller)
     assert isinstance(after, Admission)
     finish(acc, before, rec, usage(10, 10))
@@ -195,7 +197,7 @@ async def test_a_price_change_applies_to_the_requests_admitted_after_it():
 async def test_a_partial_answer_is_charged_its_prompt_and_the_text_generated_of_every_choice():
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c", "token_budget": 100_000})
+    caller, _ = await state.registry.create(CallerSpec(name="c", token_budget=100_000))
     admitted, rec = await admit(acc, caller, "tell me a story", n=2)
     assert isinstance(admitted, Admission)
     texts = ["Once upon a time there was", " a fox who ran."]
@@ -213,7 +215,7 @@ async def test_a_partial_answer_is_charged_its_prompt_and_the_text_generated_of_
 async def test_a_request_no_upstream_answered_is_released_and_writes_no_row():
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c", "token_budget": 100_000, "tokens_per_minute": 100_000})
+    caller, _ = await state.registry.create(CallerSpec(name="c", token_budget=100_000, tokens_per_minute=100_000))
     admitted, rec = await admit(acc, caller)
     assert isinstance(admitted, Admission)
     finish(acc, admitted, rec, None, answered=False, error="upstream_unavailable")
@@ -230,8 +232,8 @@ async def test_segments_are_one_row_each():
 
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.set_price(MODEL, {"input": 1, "output": 2})
-    caller, _ = await state.registry.create({"name": "c", "spend_budget": 1})
+    await state.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+    caller, _ = await state.registry.create(CallerSpec(name="c", spend_budget=1))
     admitted, rec = await admit(acc, caller)
     assert isinstance(admitted, Admission)
     rec.upstream_answered()
@@ -260,7 +262,7 @@ async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
 
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c"})
+    caller, _ = await state.registry.create(CallerSpec(name="c"))
     admitted, rec = await admit(acc, caller)
     assert isinstance(admitted, Admission)
     rec.upstream_answered()
@@ -283,8 +285,8 @@ async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
 async def test_the_store_down_is_unavailable_and_nothing_is_held():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team({"name": "t"})
-    caller, _ = await state.registry.create({"name": "c", "team": "t", "token_budget": 1_000})
+    await state.registry.create_team(TeamSpec(name="t"))
+    caller, _ = await state.registry.create(CallerSpec(name="c", team="t", token_budget=1_000))
     store = state.store
     assert isinstance(store, MemoryStore)
     store.inject(Fault("unavailable", frozenset({"get"}), table=CALLERS_TABLE))
@@ -302,8 +304,8 @@ async def test_the_store_down_is_unavailable_and_nothing_is_held():
 async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_reserves_its_context():
     data = account()
     state, acc = instance(data, "a")
-    alice, _ = await state.registry.create({"name": "alice", "token_budget": 1_000_000})
-    bob, _ = await state.registry.create({"name": "bob"})
+    alice, _ = await state.registry.create(CallerSpec(name="alice", token_budget=1_000_000))
+    bob, _ = await state.registry.create(CallerSpec(name="bob"))
     first, rec = await admit(acc, alice)
     assert isinstance(first, Admission)
     await acc.claim("response", "resp_1", first, background=False)
@@ -328,7 +330,7 @@ async def test_a_conversation_or_stored_items_reserve_the_referenced_context_onc
     (the counted prompt is what a partial answer is charged)."""
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c", "token_budget": 1_000_000})
+    caller, _ = await state.registry.create(CallerSpec(name="c", token_budget=1_000_000))
     plain, _ = await admit(acc, caller, max_tokens=10)
     talk, _ = await admit(acc, caller, max_tokens=10, conversation="conv_1")
     items = [{"type": "item_reference", "id": "msg_1"}]
@@ -345,8 +347,8 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     data = account()
     a, acc_a = instance(data, "a")
     b, acc_b = instance(data, "b")
-    price = await a.registry.set_price(MODEL, {"input": 1, "output": 4})
-    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000, "spend_budget": 1})
+    price = await a.registry.set_price(MODEL, PriceSpec(input=1, output=4))
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=100_000, spend_budget=1))
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
     assert isinstance(admitted, Admission)
     await acc_a.claim("response", "resp_bg", admitted, background=True)
@@ -356,7 +358,7 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     reserved = admitted.wants[0].need
     assert counter(data, caller.limits_partition, "tokens")["taken"] == reserved  # held until seen
     # The price raised x10 while it runs: it is charged at the price it was admitted (and reserved) at.
-    await a.registry.set_price(MODEL, {"input": 10, "output": 40})
+    await a.registry.set_price(MODEL, PriceSpec(input=10, output=40))
     seen = Used(40, 0, 60)
     await asyncio.gather(
         *(
@@ -389,7 +391,7 @@ async def test_a_response_its_request_charged_is_not_charged_again_when_read_bac
     data = account()
     a, acc_a = instance(data, "a")
     b, acc_b = instance(data, "b")
-    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=100_000))
     admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=background, stream=True)
     assert isinstance(admitted, Admission)
     await acc_a.claim("response", "resp_1", admitted, background=background)
@@ -421,7 +423,7 @@ async def test_a_partial_stream_of_several_choices_is_charged_the_text_of_every_
 
     data = account()
     state, acc = instance(data, "a")
-    caller, _ = await state.registry.create({"name": "c", "token_budget": 100_000})
+    caller, _ = await state.registry.create(CallerSpec(name="c", token_budget=100_000))
     admitted, rec = await admit(acc, caller, n=2)
     assert isinstance(admitted, Admission)
     stream = CompletionStream(None, choices=2, keep=True)
@@ -446,9 +448,9 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
 
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.set_price(MODEL, {"input": 1, "output": 2})
-    await state.registry.set_price("llama", {"input": 0.1, "output": 0.2})
-    caller, _ = await state.registry.create({"name": "c", "spend_budget": 1})
+    await state.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+    await state.registry.set_price("llama", PriceSpec(input=0.1, output=0.2))
+    caller, _ = await state.registry.create(CallerSpec(name="c", spend_budget=1))
     admitted, rec = await admit(acc, caller)
     assert isinstance(admitted, Admission)
     rec.upstream_answered()

@@ -16,13 +16,13 @@ from chatstream import tokens
 from chatstream.errors import StoreError
 from chatstream.state import journal
 from chatstream.state.accounting import Accounting, Admission
-from chatstream.state.callers import Caller
+from chatstream.state.callers import Caller, CallerSpec, TeamSpec, validate
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import journal_name
 from chatstream.state.ledger import Charge
 from chatstream.state.port import Unavailable
-from chatstream.state.prices import Price
+from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
@@ -40,9 +40,9 @@ GENERATED = "The quick brown fox jumps over the lazy dog, and then it runs off i
 async def setup(data: MemoryData) -> tuple[SharedState, Accounting, SharedState, Accounting, Caller, Price]:
     a, acc_a = instance(data, "instance-a")
     b, acc_b = instance(data, "instance-b")
-    price = await a.registry.set_price(MODEL, {"input": 1, "cached_input": 0.5, "output": 2})
-    await a.registry.create_team({"name": "t", **BUDGETS})
-    caller, _ = await a.registry.create({"name": "c", "team": "t", **BUDGETS})
+    price = await a.registry.set_price(MODEL, PriceSpec(input=1, cached_input=0.5, output=2))
+    await a.registry.create_team(validate(TeamSpec, {"name": "t", **BUDGETS}))
+    caller, _ = await a.registry.create(validate(CallerSpec, {"name": "c", "team": "t", **BUDGETS}))
     return a, acc_a, b, acc_b, caller, price
 
 
@@ -392,7 +392,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     data = account()
     a, acc_a = instance(data, "instance-a", fast)
     b, acc_b = instance(data, "instance-b", fast)
-    await a.registry.create({"name": "c", "token_budget": 100_000, "budget_period": "day"})
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="day"))
     caller = await a.registry.get("c")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
@@ -449,8 +449,8 @@ async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_
 
     data = account()
     a, acc = instance(data, "instance-a", journal_seconds=0.5)  # the app's interval
-    one, _ = await a.registry.create({"name": "one", "token_budget": 10**9})
-    two, _ = await a.registry.create({"name": "two", "token_budget": 10**9})
+    one, _ = await a.registry.create(CallerSpec(name="one", token_budget=10**9))
+    two, _ = await a.registry.create(CallerSpec(name="two", token_budget=10**9))
     tokens.count_text(MODEL, "the tokenizer's tables are built once")
     first, _ = await admit(acc, one, "first")  # the journal is written for it, then pauses
     assert isinstance(first, Admission)
@@ -469,8 +469,8 @@ async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_
     data = account()
     a, acc_a = instance(data, "instance-a")
     b, _ = instance(data, "instance-b")
-    x, _ = await a.registry.create({"name": "x", "token_budget": 100_000})
-    y, _ = await a.registry.create({"name": "y"})
+    x, _ = await a.registry.create(CallerSpec(name="x", token_budget=100_000))
+    y, _ = await a.registry.create(CallerSpec(name="y"))
     assert isinstance(a.store, MemoryStore)
     a.store.inject(Fault("lose_answer", frozenset({"insert"}), table=LIMITS_TABLE))
     lost, _ = await admit(acc_a, x, max_tokens=100)
@@ -495,7 +495,7 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
     monkeypatch.setattr(journal, "LISTED_SECONDS", 0.0)  # an empty journal goes at once (its delete fails)
     data = account()
     a, acc_a = instance(data, "instance-a")
-    caller, _ = await a.registry.create({"name": "c", "token_budget": 100_000})
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=100_000))
     assert isinstance(a.store, MemoryStore)
     if fault == "unavailable":  # a journal that went empty and could not be deleted
         first, rec = await admit(acc_a, caller, "first")
@@ -549,7 +549,7 @@ async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated
     data = account()
     a, acc_a = instance(data, "instance-a")
     b, _ = instance(data, "instance-b")
-    caller, key = await a.registry.create({"name": "c", "token_budget": 100_000})
+    caller, key = await a.registry.create(CallerSpec(name="c", token_budget=100_000))
     upstreams = pooled({"u": ScriptedClient(Slow([]))})
     endpoint = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc_a)
 

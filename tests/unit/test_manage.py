@@ -20,6 +20,7 @@ from starlette.routing import Route
 from chatstream.manage import Manage
 from chatstream.settings import Settings, SettingsError
 from chatstream.state.ledger import Charge
+from chatstream.state.prices import PriceSpec
 from chatstream.state.shared import SharedState
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
 
@@ -355,7 +356,7 @@ async def test_callers_and_teams_show_what_their_budgets_have_taken():
         await http.post("/api/manage/callers", json={"name": "c", "team": "t", "spend_budget": 2, "token_budget": 500})
         caller = await state.registry.get("c")
         assert state.accounting is not None
-        await state.registry.set_price("gpt-4o", {"input": 1, "output": 1})
+        await state.registry.set_price("gpt-4o", PriceSpec(input=1, output=1))
         admitted, rec = await admit(state.accounting, caller, max_tokens=10)
         finish(state.accounting, admitted, rec, usage(30, 12))
         assert await state.accounting.flush(5)

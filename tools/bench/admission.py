@@ -27,6 +27,9 @@ import time
 from collections import Counter as Tally
 from pathlib import Path
 
+from chatstream.state.callers import CallerSpec, TeamSpec, validate
+from chatstream.state.prices import PriceSpec
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -139,11 +142,11 @@ def build(upstream: str, store: str | None, log: Log):
 async def setup_callers(keyed) -> dict[str, str]:
     registry = keyed.state.registry
     keys = {}
-    _, keys["keys"] = await registry.create({"name": "bench-nolimit"})
-    _, keys["keyslim"] = await registry.create({"name": "bench-limited", "tokens_per_minute": 1_000_000_000})
-    await registry.set_price(MODEL, PRICE)
-    await registry.create_team({"name": "bench-team", "spend_budget": 1_000_000})
-    _, keys["keyteam"] = await registry.create({"name": "bench-team-member", "team": "bench-team"})
+    _, keys["keys"] = await registry.create(CallerSpec(name="bench-nolimit"))
+    _, keys["keyslim"] = await registry.create(CallerSpec(name="bench-limited", tokens_per_minute=1_000_000_000))
+    await registry.set_price(MODEL, validate(PriceSpec, PRICE))
+    await registry.create_team(TeamSpec(name="bench-team", spend_budget=1_000_000))
+    _, keys["keyteam"] = await registry.create(CallerSpec(name="bench-team-member", team="bench-team"))
     return keys
 
 

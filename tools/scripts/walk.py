@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from chatstream.state.callers import CallerSpec
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -118,7 +120,9 @@ async def serve(
     headers = {}
     if keyed:
         assert app.state is not None
-        _, key = await app.state.registry.create({"name": "walk", "token_budget": 10_000_000, "budget_period": "month"})
+        _, key = await app.state.registry.create(
+            CallerSpec(name="walk", token_budget=10_000_000, budget_period="month")
+        )
         headers = {"Authorization": f"Bearer {key}"}
 
     async def handler(request):
