@@ -170,15 +170,17 @@ class StreamLog:
         return producer if producer is not None and not producer.moved.is_set() else None
 
     def _continuation(
-        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]]
+        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]], received: int
     ) -> Producer:
-        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences)
+        producer = Producer(
+            self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received
+        )
         self._run(producer)
         return producer
 
     async def take_over(self, stream_id: str, received: int = 0) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Claim.received``)."""
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
         if self._take_over is None:
             return "lost"
         if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:

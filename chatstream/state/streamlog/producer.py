@@ -43,6 +43,7 @@ class Producer:
         stored_bytes: int = 0,
         fences: list[tuple[int, int]] | None = None,
         large_request: str | None = None,
+        received: int = 0,
     ):
         continuing = stored is not None
         self.id = record.stream_id
@@ -70,6 +71,11 @@ class Producer:
         self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
         self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
         self._acked: set[str] = set()
+        # A continuation whose asking reader's client holds events its log never had (that reader
+        # ended with stream_lost): the position it reached, which the continuation is run to even
+        # with nobody reading, since its events up to there are what that client is charged
+        # (Claim.stand_ins); 0: none.
+        self.unstored = position(received) if position(received) > len(self._kept.events) else 0
         self._writer = Writer(
             ctx,
             record,
@@ -283,12 +289,22 @@ class Producer:
             self.request_stop("timeout")
             self._end_with_error("the stream ran past its time limit")
             return
-        if (
-            self._attached == 0
-            and now - self._alone_since >= cfg.abandon_seconds
-            and now_store - self._remote_read_at >= cfg.abandon_seconds
+        if self._attached == 0 and (
+            (now - self._alone_since >= cfg.abandon_seconds and now_store - self._remote_read_at >= cfg.abandon_seconds)
+            or self._unwanted(now_store)
         ):
             self.request_stop("abandoned")
+
+    def _unwanted(self, now_store: float) -> bool:
+        """A continuation nobody can use any more: its log holds what stands for the unstored events
+        its asking reader's client had (``unstored``), nobody here reads it (the caller checks), no
+        reader elsewhere was seen lately, and it is past its young seconds (readers elsewhere find
+        a takeover's new instance within about one of their polls and state checks)."""
+        return (
+            0 < self.unstored <= self._readable()
+            and now_store - self._remote_read_at >= self._cfg.read_fresh_seconds
+            and not self.young()
+        )
 
     # -- the log's side -------------------------------------------------------------------------
 

@@ -61,22 +61,20 @@ class Claim:
     epoch: int
     producer: Producer
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
-    # The last id the reader that asked for the takeover had: past ``last_id``, the lost producer
-    # gave its client events the log does not hold (the continuation's ids up to it stand for them).
-    received: int = 0
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for what the reader that asked for the takeover
         received from the lost producer and the log never held (b"" when it had nothing unstored):
-        those of the positions up to ``received`` (ids differ per producer; positions agree)."""
-        received = position(self.received)
-        if received <= position(self.last_id):
+        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree)."""
+        unstored = self.producer.unstored
+        if not unstored:
             return b""
         ours = sse.split(self.producer.events_after(self.last_id))[0]
-        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= received)
+        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
 
-MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]]], Producer]
+# (the record won, the stored events, the log's length, its fences, the asking reader's last id)
+MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]], int], Producer]
 
 
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
@@ -143,7 +141,7 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences)
+        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences, received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -164,7 +162,6 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             epoch=won.epoch,
             producer=producer,
             lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
-            received=received,
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
