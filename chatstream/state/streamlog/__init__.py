@@ -43,24 +43,13 @@ from .errors import (
     TooManyStreams,
     Unavailable,
 )
-from .format import (
-    BLOCK_LIMIT,
-    BLOCKS_LIMIT,
-    EncodeError,
-    LogError,
-    check_stream_id,
-    log_tag,
-    new_stream_id,
-    started_at,
-)
+from .format import EncodeError, LogError, check_stream_id, log_tag, new_stream_id, started_at
 from .log import StreamLog, TakeOverHook
-from .producer import MOVED, Producer, StopReason
+from .producer import MOVED, Producer
 from .readers import Reader
 from .takeover import Claim
 
 __all__ = [
-    "BLOCKS_LIMIT",
-    "BLOCK_LIMIT",
     "MOVED",
     "Claim",
     "EncodeError",
@@ -70,7 +59,6 @@ __all__ = [
     "Producer",
     "Reader",
     "ResumeConfig",
-    "StopReason",
     "StreamLog",
     "StreamLogError",
     "StreamNotFound",
