@@ -28,8 +28,8 @@ from .format import (
 )
 from .inbox import Inbox
 from .producer import Producer
-from .readers import Reader, TakeOver, read_record
-from .takeover import Claim
+from .readers import Reader, read_record
+from .takeover import Claim, TakeOver
 
 log = logging.getLogger("chatstream")
 
@@ -209,7 +209,7 @@ class StreamLog:
     async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
         won = await takeover.claim(self._ctx, stream_id, self._continuation, received)
         if not isinstance(won, Claim):
-            return {"alive": "elsewhere", "elsewhere": "elsewhere", "ended": "ended"}.get(won, "lost")  # type: ignore[return-value]
+            return won
         self._ctx.spawn(self._continue(won))
         return "here"
 

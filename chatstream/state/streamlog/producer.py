@@ -198,12 +198,9 @@ class Producer:
 
     # -- what readers here use ------------------------------------------------------------------
 
-    # Readers here get what is stored only, as readers elsewhere do: only the live caller is ahead
-    # of the log, so that if this instance dies no reader holds an id the log never had
-    # (format.EPOCH_IDS). The writer writes fast while one follows. Once storing failed for good
-    # nobody else can go on with the stream: they get what is kept.
-
     def _readable(self) -> int:
+        """What readers here may have (module docstring): what is stored; once storing failed for
+        good nobody else can go on with the stream, so what is kept."""
         return self._writer.stored if self._writer.resumable else len(self._kept.events)
 
     def events_after(self, cursor: int) -> bytes:

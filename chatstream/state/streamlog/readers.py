@@ -15,7 +15,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
-# What a takeover came to: this instance produces it now ("here"), another one won it
-# ("elsewhere"), it ended, it cannot be continued ("lost"), or this instance does not take it
-# ("wait": draining, full; another instance will).
-TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
 
 
 class Reader:
@@ -127,7 +123,7 @@ async def _open_stored(
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
     ]
     if live:
-        steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
+        steps.append(inbox.register(ctx, record.instance, stream_id, nonce))
         if stored is None:
             steps.append(_make_log(ctx, stream_id))
     answers = await asyncio.gather(*steps, return_exceptions=True)
@@ -412,7 +408,7 @@ class _Following:
         record = self.record
         if record is None or record.state != "live" or (self._registered == record.instance and not refresh):
             return
-        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce, ack=True)
+        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce)
         if self._registered is not None and self._registered != record.instance:
             self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=False))
         self._registered = record.instance

@@ -38,10 +38,11 @@ from .producer import Producer
 
 log = logging.getLogger("chatstream")
 
-# Why no claim was made: the producer lives ("alive": follow it), another instance won it
-# ("elsewhere": read its record again), the stream is over ("ended": read on to its end), or it
-# cannot be continued ("impossible": no request stored, the store failing: stream_lost).
-Refusal = Literal["alive", "elsewhere", "ended", "impossible"]
+# What a takeover came to: this instance produces the stream now ("here"), another one does (it
+# won it, or the producer lives: "elsewhere", read its record again), it is over ("ended": read on
+# to its end), it cannot be continued ("lost": no request stored, the store failing: stream_lost),
+# or this instance does not take it ("wait": draining, full; another instance will).
+TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,15 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int = 0) -> Claim | Refusal:
+async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int = 0) -> Claim | TakeOver:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
-    Never raises for the store: ``impossible``."""
+    Never raises for the store: ``lost``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
         row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
         if row is None:
-            return "impossible"
+            return "lost"
         record = Record.of(row)
         if record.state != "live":
             return "ended"
@@ -111,17 +112,17 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
         if tail.end is not None:
             return "ended"
         if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
-            return "alive"
+            return "elsewhere"
         request = record.request.encode() if record.request is not None else None
         if request is None and record.request_stored:
             found = await store.get_blob(request_blob(stream_id))
             request = found[0] if found is not None else None
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
-            return "impossible"
+            return "lost"
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
-        return "impossible"
+        return "lost"
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
         await ctx.instances.first_beat()
@@ -132,10 +133,10 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             return "elsewhere"
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-            return "impossible"
+            return "lost"
         fenced = await _fence(ctx, won, tail, stored)
         if fenced is None:
-            return "impossible"
+            return "lost"
         if fenced is False:
             await _record_end(ctx, won, tail)
             return "ended"
