@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from ... import sse
@@ -168,12 +168,8 @@ class Producer:
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until the background writer is done; True if the whole stream is stored."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._writer.done.wait()
-        except TimeoutError:
-            return False
-        return self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
+        done = await _within(timeout, self._writer.done.wait())
+        return done and self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
 
     async def hand_over(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
@@ -183,12 +179,7 @@ class Producer:
             return False
         self._kept.handing_over = True
         self._writer.kick.set()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._writer.done.wait()
-        except TimeoutError:
-            return False
-        return self._writer.handed_over
+        return await _within(timeout, self._writer.done.wait()) and self._writer.handed_over
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere: a retryable
@@ -362,3 +353,13 @@ class Producer:
             log.warning("stream %s was taken over by another instance: this producer stops", self._tag)
         self.request_stop(reason)
         self._wake()
+
+
+async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
+    """Whether ``done`` came within ``timeout`` seconds (None: no limit)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await done
+    except TimeoutError:
+        return False
+    return True
