@@ -46,44 +46,6 @@ log = logging.getLogger("chatstream")
 Events = AsyncGenerator[bytes, None]
 
 
-class Reader:
-    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
-    live ones up to the final event). ``route`` is the format of its events. Close it with
-    ``aclose`` (Starlette's StreamingResponse does) when the caller goes; it is released (its slot,
-    its inbox row, ``released``: its count here) once closed or read to its end."""
-
-    def __init__(self, following: _Following, first: bytes, released: Callable[[], None]):
-        self.route = following.route
-        self._following = following
-        self._events = following.events(first)
-        self._released: Callable[[], None] | None = released
-
-    def __aiter__(self) -> Reader:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await anext(self._events)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self._released is not None:
-            released, self._released = self._released, None
-            self._following.close()
-            released()
-
-    def __del__(self) -> None:
-        self._release()
-
-
 async def open_reader(
     ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None, released: Callable[[], None]
 ) -> Reader:
@@ -91,22 +53,23 @@ async def open_reader(
     released)."""
     producer = streams.producing(stream_id)
     if producer is None:
-        return await _open_stored(ctx, streams, stream_id, start, caller, released)
-    if producer.owner is not None and producer.owner != caller:
-        raise StreamNotFound("no such stream")
-    never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
-    if start > producer.last_id and not producer.ended_lost and not never_stored:
-        raise PastTheEnd(start, producer.last_id)
-    try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
-        slot = await Slot.take(ctx, stream_id)
-    except StoreError as exc:
-        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-    return Reader(_Following(ctx, streams, stream_id, producer.route, start, slot), b"", released)
+        reader = await _open_stored(ctx, streams, stream_id, start, caller)
+    else:
+        if producer.owner is not None and producer.owner != caller:
+            raise StreamNotFound("no such stream")
+        never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+        if start > producer.last_id and not producer.ended_lost and not never_stored:
+            raise PastTheEnd(start, producer.last_id)
+        try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
+            slot = await Slot.take(ctx, stream_id)
+        except StoreError as exc:
+            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+        reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    reader._released = released
+    return reader
 
 
-async def _open_stored(
-    ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None, released: Callable[[], None]
-) -> Reader:
+async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
     """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
     reader's row in the producer's inbox (at once), then ``after`` checked."""
     try:
@@ -130,26 +93,26 @@ async def _open_stored(
     slot = answers[0] if isinstance(answers[0], Slot) else None
     failed = next((a for a in answers if isinstance(a, BaseException)), None)
     registered = nonce if live else None
-    following = _Following(ctx, streams, stream_id, record.route, after, slot, record, registered)
+    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record, registered)
     try:
         if failed is not None:
             if isinstance(failed, StoreError):
                 raise Unavailable(f"the stream's store is unavailable ({failed})") from None
             raise failed
-        tail = following.tail = Tail(after)
-        first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
+        tail = reader.tail = Tail(after)
+        reader._first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
         if after > tail.last_id and not tail.broken:
             if tail.end is None and live:
-                first += await following.wait_past_end()
+                reader._first += await reader.wait_past_end()
             acked = tail.acks.get(nonce)
             if not tail.broken and (
                 (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
             ):
                 raise PastTheEnd(after, tail.last_id)
     except BaseException:
-        following.close()
+        reader._leave()
         raise
-    return Reader(following, first, released)
+    return reader
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -221,9 +184,13 @@ class _Cadence:
         return False
 
 
-class _Following:
-    """One reader's way through a stream: from memory while its producer is here, from the store
-    otherwise, through any takeover (module docstring). ``cursor``: the last id the client has."""
+class Reader:
+    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
+    live ones up to the final event), from memory while its producer is here, from the store
+    otherwise, through any takeover (module docstring). ``route`` is the format of its events;
+    ``cursor``: the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse
+    does) when the caller goes; it is released (its slot, its inbox row, its count here) once closed
+    or read to its end."""
 
     def __init__(
         self,
@@ -236,6 +203,7 @@ class _Following:
         record: Record | None = None,
         nonce: str | None = None,
     ):
+        self._released: Callable[[], None] | None = None  # (set once opened)
         self._ctx = ctx
         self._cfg = ctx.config
         self._streams = streams
@@ -252,9 +220,37 @@ class _Following:
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
         self._tag = log_tag(stream_id)
+        self._first = b""  # what the opening read: handed out first
+        self._events = self._read()
 
-    async def events(self, first: bytes) -> Events:
+    def __aiter__(self) -> Reader:
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
+            return await anext(self._events)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._leave()
+        if self._released is not None:
+            released, self._released = self._released, None
+            released()
+
+    def __del__(self) -> None:
+        self._release()
+
+    async def _read(self) -> Events:
+        try:
+            first, self._first = self._first, b""
             if first:
                 if self.tail is not None:
                     self.cursor = max(self.cursor, self.tail.cursor)
@@ -268,9 +264,10 @@ class _Following:
                 finally:
                     await source.aclose()
         finally:
-            self.close()
+            self._leave()
 
-    def close(self) -> None:
+    def _leave(self) -> None:
+        """Give back the slot and the inbox row (once)."""
         if self._slot is not None:
             self._slot.release()
             self._slot = None
