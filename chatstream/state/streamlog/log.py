@@ -193,7 +193,7 @@ class StreamLog:
         self._run(producer)
         return producer
 
-    async def take_over(self, stream_id: str, received: int = 0) -> TakeOver:
+    async def take_over(self, stream_id: str, received: int) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
         Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
         if self._take_over is None:

@@ -171,7 +171,7 @@ class Producer:
         done = await _within(timeout, self._writer.done.wait())
         return done and self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
 
-    async def hand_over(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
+    async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""

@@ -94,7 +94,7 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int = 0) -> Claim | TakeOver:
+async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int) -> Claim | TakeOver:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
     Never raises for the store: ``lost``."""
     store = ctx.store
