@@ -413,7 +413,8 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
     it stood at A's journal's last checkpoint, written up to 0.5 s before the kill: 0-25 deltas short;
     5 lost parts 26 tokens short in a chaos soak.) Nobody reads the continuation: its upstream call
     is closed once its log holds 30 events (what stands for the caller's, charged), seconds in, not
-    run for nobody to the answer's end (20 s) or RESUME_ABANDON_SECONDS (30 s)."""
+    run for nobody to the answer's end (20 s) or RESUME_ABANDON_SECONDS (30 s); a reader from the
+    start gets it to that cut, ended ``cancelled``."""
     from servers import Upstream
 
     from chatstream import tokens
@@ -479,6 +480,12 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
         ran = continued[0]["ended_at"] - continued[0]["started_at"]
         print(f"the continuation's upstream call closed after {ran:.1f} s ({continued[0]['outcome']})")
         assert continued[0]["outcome"] == "client_disconnected" and ran < 12, continued
+        # A reader from the start still gets the stream: to the cut, ended as an abandoned one is.
+        later = httpx.get(f"{b.url}/api/streams/{stream_id}", headers={"api-key": key}, timeout=30)
+        lines = later.text.splitlines()
+        assert later.status_code == 200 and sum(line.startswith("id: ") for line in lines) > 30, later.text[-300:]
+        assert [line for line in lines if line.startswith("event: ")] == ["event: done"], later.text[-300:]
+        assert json.loads(lines[lines.index("event: done") + 1][6:])["finish_reason"] == "cancelled"
     finally:
         upstream.stop()
 
