@@ -430,6 +430,7 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
             assert warm.status_code == 200, warm.text
         ids: list[int] = []
         received: list[str] = []
+        killed = 0.0
         with httpx.stream(
             "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
         ) as response:
