@@ -99,7 +99,7 @@ class Resumable:
         return EventStreamResponse(
             _live(first, out, self.heartbeat),
             limits.total_at,
-            on_close=lambda: _gone(producer, out),
+            on_close=lambda: _gone(producer),
             headers={**headers, "x-request-id": record.request_id, "x-stream-id": producer.id},
         )
 
@@ -229,21 +229,11 @@ async def _stopped(
     if moved:
         out.put_nowait(producer.moved_event())
         return
-    done = Done(
-        "cancelled",
-        {0: "cancelled"},
-        None,
-        protocol_field(protocol, "model"),
-        protocol.id,
-        protocol_field(protocol, "created"),
-    )
+    model, created = getattr(protocol, "model", None), getattr(protocol, "created", None)
+    done = Done("cancelled", {0: "cancelled"}, None, model, protocol.id, created)
     data = encode(done)
     if data:
         out.put_nowait(producer.append(data, final=True))
-
-
-def protocol_field(protocol: StreamProtocol, name: str):
-    return getattr(protocol, name, None)
 
 
 async def _live(first: asyncio.Future, out: asyncio.Queue[bytes | None], heartbeat: float) -> AsyncIterator[bytes]:
@@ -260,7 +250,7 @@ async def _live(first: asyncio.Future, out: asyncio.Queue[bytes | None], heartbe
             yield data
 
 
-async def _gone(producer: Producer, out: asyncio.Queue[bytes | None]) -> None:
+async def _gone(producer: Producer) -> None:
     """The original caller's answer is over (read to the end, or it hung up): the stream goes on."""
     producer.caller_gone()
 

@@ -404,27 +404,33 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
 @pytest.mark.alone
 @pytest.mark.timeout(240)
 def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received(azurite, start_app):
-    """A keyed resumable /api/chat stream on A (a delta every 20 ms); A is SIGKILLed the moment its
-    caller has read 30 events, long before A's first write of the stream's log (5 s): the log holds
-    nothing. The caller resumes on B with its Last-Event-ID: B takes the stream over, and the caller,
-    holding events no log stored (the continuation's are other text), gets one final ``stream_lost``
-    (docs/api.md: send again), never other text. A's part is in the ledger (``lost``) at no less
-    than the text its caller read, the budget row equals the ledger, nothing held. (Before, it stood at A's journal's last checkpoint, written up
-    to 0.5 s before the kill: 0-25 deltas short; 5 lost parts 26 tokens short in a chaos soak.)"""
+    """A keyed resumable /api/chat stream on A (1,000 deltas, one every 20 ms: 20 s); A is SIGKILLed
+    the moment its caller has read 30 events, long before A's first write of the stream's log (5 s):
+    the log holds nothing. The caller resumes on B with its Last-Event-ID: B takes the stream over,
+    and the caller, holding events no log stored (the continuation's are other text), gets one final
+    ``stream_lost`` (docs/api.md: send again), never other text. A's part is in the ledger (``lost``)
+    at no less than the text its caller read, the budget row equals the ledger, nothing held. (Before,
+    it stood at A's journal's last checkpoint, written up to 0.5 s before the kill: 0-25 deltas short;
+    5 lost parts 26 tokens short in a chaos soak.) Nobody reads the continuation: its upstream call
+    is closed once its log holds 30 events (what stands for the caller's, charged), seconds in, not
+    run for nobody to the answer's end (20 s) or RESUME_ABANDON_SECONDS (30 s); a reader from the
+    start gets it to that cut, ended ``cancelled``."""
     from servers import Upstream
 
     from chatstream import tokens
 
-    upstream = Upstream("--scenario", "cadence", "--deltas", "120", "--interval-ms", "20")
+    upstream = Upstream("--scenario", "cadence", "--deltas", "1000", "--interval-ms", "20")
     try:
         settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
         a, b = (start_app(**env(upstream, azurite, **settings)) for _ in range(2))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
-        for app in (a, b):  # each instance warm (its store clients, the tables)
-            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json={"prompt": "warm"}, timeout=30)
+        for app in (a, b):  # each instance warm (its store clients, the tables); a short answer
+            short = {"prompt": "warm [scenario:normal]"}
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
             assert warm.status_code == 200, warm.text
         ids: list[int] = []
         received: list[str] = []
+        killed = 0.0
         with httpx.stream(
             "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
         ) as response:
@@ -437,6 +443,7 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
                     received.append(str(json.loads(line[6:]).get("delta") or ""))
                     if len(ids) == 30:
                         a.stop(signal.SIGKILL)
+                        killed = time.time()
                         break
         got = "".join(received)
         finals: list[str] = []
@@ -469,6 +476,17 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
         want = tokens.count_text(MODEL, got)
         print(f"A's part charged {lost[0]['completion_tokens']} tokens; its caller read {want} ({len(ids)} events)")
         assert len(lost) == 1 and lost[0]["completion_tokens"] >= want, (lost, want)
+        continued = [s for s in upstream.streams() if s["started_at"] > killed]
+        assert len(continued) == 1 and continued[0]["ended_at"] is not None, continued
+        ran = continued[0]["ended_at"] - continued[0]["started_at"]
+        print(f"the continuation's upstream call closed after {ran:.1f} s ({continued[0]['outcome']})")
+        assert continued[0]["outcome"] == "client_disconnected" and ran < 12, continued
+        # A reader from the start still gets the stream: to the cut, ended as an abandoned one is.
+        later = httpx.get(f"{b.url}/api/streams/{stream_id}", headers={"api-key": key}, timeout=30)
+        lines = later.text.splitlines()
+        assert later.status_code == 200 and sum(line.startswith("id: ") for line in lines) > 30, later.text[-300:]
+        assert [line for line in lines if line.startswith("event: ")] == ["event: done"], later.text[-300:]
+        assert json.loads(lines[lines.index("event: done") + 1][6:])["finish_reason"] == "cancelled"
     finally:
         upstream.stop()
 

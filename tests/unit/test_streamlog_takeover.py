@@ -252,6 +252,35 @@ async def test_a_last_event_id_a_dead_producer_never_stored_ends_with_stream_los
             await b.open_reader(producer.id, epoch_id(2, 40), None)
 
 
+async def test_a_continuation_only_a_stream_lost_reader_asked_for_stops_once_past_its_position():
+    """As above, the log holding 1..10 of the caller's 1..20: the reader after 15 that asks for the
+    takeover gets stream_lost, and nobody else reads. The continuation (1,000 deltas, 10 s) runs on
+    only until its log holds position 15 (its events up to there are what that caller is charged:
+    Claim.stand_ins) and its young seconds are past, then stops (abandoned); a later reader after 10
+    gets the stream to that cut, one final event."""
+    cfg = {**QUICK, "checkpoint_seconds": 30.0, "young_seconds": 0.3}
+    async with instances(2, take_over=regenerating(), **cfg) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 1000})
+        for i in range(10):
+            producer.append(delta(i))
+        producer.caller_gone()
+        await asyncio.sleep(0.3)
+        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        for i in range(10, 20):
+            producer.append(delta(i))
+        kill(a)
+        got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
+        assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
+        continuation = b.producing(producer.id)
+        assert continuation is not None and continuation.unstored == 15
+        async with asyncio.timeout(5):
+            await continuation.stop_requested.wait()
+        assert continuation.stop_reason == "abandoned"
+        rest = events_of(await read_all(await b.open_reader(producer.id, 10, None)))
+        assert 5 <= len(rest) - 1 < 500 and rest[-1][1] == DONE[:-2], len(rest)
+        assert [position(n) for n, _ in rest] == list(range(11, 11 + len(rest)))
+
+
 async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_continued():
     calls: list[Claim] = []
     async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):

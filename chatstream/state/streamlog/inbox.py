@@ -98,34 +98,28 @@ async def cancel(ctx: Context, instance: str, stream_id: str) -> None:
     await ctx.store.upsert(STREAMS_TABLE, row)
 
 
-async def register(ctx: Context, instance: str, stream_id: str, nonce: str, *, ack: bool = False) -> None:
+async def register(ctx: Context, instance: str, stream_id: str, nonce: str) -> None:
     """A reader here follows ``stream_id`` produced by ``instance`` (and wants an ack)."""
-    now = ctx.now()
-    row = {
-        "PartitionKey": inbox_partition(instance),
-        "RowKey": f"r-{stream_id}-{nonce}",
-        "read_at": now,
-        "expires": now + ctx.config.reader_row_seconds,
-        "ack": ack or None,
-    }
-    await ctx.store.upsert(STREAMS_TABLE, row)
+    await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, nonce, ack=True))
 
 
 async def leave(ctx: Context, instance: str, stream_id: str, nonce: str, *, read_to_end: bool) -> None:
     """The reader left: say when (the abandonment clock starts then; the producer deletes the row).
-    A reader that read the stream to its end deletes its row itself: nobody needs it any more."""
-    key = f"r-{stream_id}-{nonce}"
-    if read_to_end:
-        with contextlib.suppress(StoreError):
-            await ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key)
-        return
+    A reader that read the stream to its end deletes its row itself: nobody needs it any more.
+    Best effort: a row left behind expires and is swept."""
+    with contextlib.suppress(StoreError):
+        if read_to_end:
+            await ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), f"r-{stream_id}-{nonce}")
+        else:
+            await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, nonce, left=True))
+
+
+def _reader_row(ctx: Context, instance: str, stream_id: str, nonce: str, **fields: bool) -> dict:
     now = ctx.now()
-    row = {
+    return {
         "PartitionKey": inbox_partition(instance),
-        "RowKey": key,
+        "RowKey": f"r-{stream_id}-{nonce}",
         "read_at": now,
-        "left": True,
         "expires": now + ctx.config.reader_row_seconds,
+        **fields,
     }
-    with contextlib.suppress(StoreError):  # best effort: a row left behind expires and is swept
-        await ctx.store.upsert(STREAMS_TABLE, row)

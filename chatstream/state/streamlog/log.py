@@ -12,9 +12,9 @@ from typing import Any
 from ...errors import StoreError
 from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
-from . import inbox, takeover
+from . import inbox, readers, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyStreams, Unavailable
+from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
 from .format import (
     INLINE_REQUEST,
     RECORD_ROW,
@@ -28,8 +28,8 @@ from .format import (
 )
 from .inbox import Inbox
 from .producer import Producer
-from .readers import Reader, Readers, TakeOver, read_record
-from .takeover import Claim
+from .readers import Reader, read_record
+from .takeover import Claim, TakeOver
 
 log = logging.getLogger("chatstream")
 
@@ -86,7 +86,7 @@ class StreamLog:
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[TakeOver]] = {}
         self._inbox = Inbox(self._ctx, self._producers)
-        self._readers = Readers(self._ctx, self)
+        self._reading = 0  # the readers this instance serves (at most max_readers)
         instances.every(self.config.sweep_seconds, self._sweep)
 
     # -- producing ------------------------------------------------------------------------------
@@ -136,7 +136,22 @@ class StreamLog:
     async def open_reader(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
         """The events of ``stream_id`` after event ``after`` (None: from the start), then the live
         ones to the final event. Raises before anything is sent (see the class docstring)."""
-        return await self._readers.open(stream_id, after, caller)
+        check_stream_id(stream_id)
+        if after is not None and after < 0:
+            raise ValueError("an event id is never negative")
+        if self._ctx.closed:
+            raise Unavailable("the stream log is closed")
+        if self._reading >= self.config.max_readers:
+            raise TooManyReaders("too many readers on this instance")
+        self._reading += 1  # counted from now (opens run at once), given back if it is not opened
+        try:
+            return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller, self._read)
+        except BaseException:
+            self._reading -= 1
+            raise
+
+    def _read(self) -> None:
+        self._reading -= 1
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
@@ -170,15 +185,17 @@ class StreamLog:
         return producer if producer is not None and not producer.moved.is_set() else None
 
     def _continuation(
-        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]]
+        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]], received: int
     ) -> Producer:
-        producer = Producer(self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences)
+        producer = Producer(
+            self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received
+        )
         self._run(producer)
         return producer
 
-    async def take_over(self, stream_id: str, received: int = 0) -> TakeOver:
+    async def take_over(self, stream_id: str, received: int) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Claim.received``)."""
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
         if self._take_over is None:
             return "lost"
         if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
@@ -192,7 +209,7 @@ class StreamLog:
     async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
         won = await takeover.claim(self._ctx, stream_id, self._continuation, received)
         if not isinstance(won, Claim):
-            return {"alive": "elsewhere", "elsewhere": "elsewhere", "ended": "ended"}.get(won, "lost")  # type: ignore[return-value]
+            return won
         self._ctx.spawn(self._continue(won))
         return "here"
 
@@ -264,7 +281,7 @@ class StreamLog:
     @property
     def readers(self) -> int:
         """The readers this instance serves now."""
-        return self._readers.total
+        return self._reading
 
     @property
     def producers(self) -> int:

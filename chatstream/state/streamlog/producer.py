@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from ... import sse
@@ -43,6 +43,7 @@ class Producer:
         stored_bytes: int = 0,
         fences: list[tuple[int, int]] | None = None,
         large_request: str | None = None,
+        received: int = 0,
     ):
         continuing = stored is not None
         self.id = record.stream_id
@@ -70,6 +71,11 @@ class Producer:
         self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
         self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
         self._acked: set[str] = set()
+        # A continuation whose asking reader's client holds events its log never had (that reader
+        # ended with stream_lost): the position it reached, which the continuation is run to even
+        # with nobody reading, since its events up to there are what that client is charged
+        # (Claim.stand_ins); 0: none.
+        self.unstored = position(received) if position(received) > len(self._kept.events) else 0
         self._writer = Writer(
             ctx,
             record,
@@ -162,14 +168,10 @@ class Producer:
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until the background writer is done; True if the whole stream is stored."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._writer.done.wait()
-        except TimeoutError:
-            return False
-        return self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
+        done = await _within(timeout, self._writer.done.wait())
+        return done and self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
 
-    async def hand_over(self, timeout: float = 5.0) -> bool:  # noqa: ASYNC109 - the documented interface
+    async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
@@ -177,12 +179,7 @@ class Producer:
             return False
         self._kept.handing_over = True
         self._writer.kick.set()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._writer.done.wait()
-        except TimeoutError:
-            return False
-        return self._writer.handed_over
+        return await _within(timeout, self._writer.done.wait()) and self._writer.handed_over
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere: a retryable
@@ -192,12 +189,9 @@ class Producer:
 
     # -- what readers here use ------------------------------------------------------------------
 
-    # Readers here get what is stored only, as readers elsewhere do: only the live caller is ahead
-    # of the log, so that if this instance dies no reader holds an id the log never had
-    # (format.EPOCH_IDS). The writer writes fast while one follows. Once storing failed for good
-    # nobody else can go on with the stream: they get what is kept.
-
     def _readable(self) -> int:
+        """What readers here may have (module docstring): what is stored; once storing failed for
+        good nobody else can go on with the stream, so what is kept."""
         return self._writer.stored if self._writer.resumable else len(self._kept.events)
 
     def events_after(self, cursor: int) -> bytes:
@@ -283,12 +277,22 @@ class Producer:
             self.request_stop("timeout")
             self._end_with_error("the stream ran past its time limit")
             return
-        if (
-            self._attached == 0
-            and now - self._alone_since >= cfg.abandon_seconds
-            and now_store - self._remote_read_at >= cfg.abandon_seconds
+        if self._attached == 0 and (
+            (now - self._alone_since >= cfg.abandon_seconds and now_store - self._remote_read_at >= cfg.abandon_seconds)
+            or self._unwanted(now_store)
         ):
             self.request_stop("abandoned")
+
+    def _unwanted(self, now_store: float) -> bool:
+        """A continuation nobody can use any more: its log holds what stands for the unstored events
+        its asking reader's client had (``unstored``), nobody here reads it (the caller checks), no
+        reader elsewhere was seen lately, and it is past its young seconds (readers elsewhere find
+        a takeover's new instance within about one of their polls and state checks)."""
+        return (
+            0 < self.unstored <= self._readable()
+            and now_store - self._remote_read_at >= self._cfg.read_fresh_seconds
+            and not self.young()
+        )
 
     # -- the log's side -------------------------------------------------------------------------
 
@@ -349,3 +353,13 @@ class Producer:
             log.warning("stream %s was taken over by another instance: this producer stops", self._tag)
         self.request_stop(reason)
         self._wake()
+
+
+async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
+    """Whether ``done`` came within ``timeout`` seconds (None: no limit)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await done
+    except TimeoutError:
+        return False
+    return True

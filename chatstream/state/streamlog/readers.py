@@ -1,9 +1,9 @@
-"""Readers of resumable streams on this instance: ``Readers.open`` (what ``StreamLog.open_reader``
-does) checks, takes a slot and returns a ``Reader``, which follows the stream to its final event
+"""Readers of resumable streams on this instance: ``open_reader`` (``StreamLog.open_reader``'s) checks,
+takes a slot and returns a ``Reader``, which follows the stream to its final event
 wherever it is produced: from its producer's memory when that is here (what is stored of it, woken
 on every write: format.EPOCH_IDS), else from the store (the blob polled as it grows, the reader
 registered in the producer's inbox so that it writes fast, its instance's liveness checked). A
-reader that finds the producer gone asks its log to take the stream over (``Streams.take_over``)
+reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
 and follows the continuation: one answer, ids going on, one final event. A reader after an id its
 dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
 text. Each reader holds a slot among the stream's readers (slots.py) while it reads."""
@@ -15,13 +15,13 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from . import inbox
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from .errors import PastTheEnd, StreamNotFound, Unavailable
 from .format import (
     END,
     LOST,
@@ -29,7 +29,6 @@ from .format import (
     RECORD_ROW,
     Record,
     Tail,
-    check_stream_id,
     error_event,
     log_tag,
     record_over,
@@ -39,162 +38,81 @@ from .producer import Producer
 from .slots import Slot
 from .takeover import producer_gone
 
+if TYPE_CHECKING:
+    from .log import StreamLog
+
 log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
-# What a takeover came to: this instance produces it now ("here"), another one won it
-# ("elsewhere"), it ended, it cannot be continued ("lost"), or this instance does not take it
-# ("wait": draining, full; another instance will).
-TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
 
 
-class Streams(Protocol):
-    """What a reader needs of its stream log."""
-
-    def producing(self, stream_id: str) -> Producer | None:
-        """The stream's producer on this instance, unless the stream went on elsewhere."""
-        ...
-
-    async def take_over(self, stream_id: str, received: int) -> TakeOver:
-        """Continue the stream here if its producer is gone; ``received``: the last id this reader's
-        client has (events past the stored end came from the lost producer, unstored)."""
-        ...
-
-
-class Reader:
-    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
-    live ones up to the final event). ``route`` is the format of its events. Close it with
-    ``aclose`` (Starlette's StreamingResponse does) when the caller goes; it is released (its slot,
-    its inbox row, its count here) once closed or read to its end."""
-
-    def __init__(self, route: str, events: Events, release: Callable[[], None]):
-        self.route = route
-        self._events = events
-        self._release = release
-
-    def __aiter__(self) -> Reader:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await anext(self._events)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            self._release()
-
-    def __del__(self) -> None:
-        self._release()
-
-
-class Readers:
-    """The readers this instance serves (``total``: at most ``max_readers``)."""
-
-    def __init__(self, ctx: Context, streams: Streams):
-        self._ctx = ctx
-        self._streams = streams
-        self.total = 0
-
-    async def open(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
-        """The events of ``stream_id`` after ``after`` (None: from the start), then the live ones to
-        the final event. Raises before anything is sent: StreamNotFound (unknown, expired, another
-        caller's), PastTheEnd, TooManyReaders, Unavailable."""
-        ctx, cfg = self._ctx, self._ctx.config
-        check_stream_id(stream_id)
-        start = after or 0
-        if start < 0:
-            raise ValueError("an event id is never negative")
-        if ctx.closed:
-            raise Unavailable("the stream log is closed")
-        if self.total >= cfg.max_readers:
-            raise TooManyReaders("too many readers on this instance")
-        self.total += 1  # counted from now (opens run at once), given back if it is not opened
-        try:
-            return await self._open(stream_id, start, caller)
-        except BaseException:
-            self.total -= 1
-            raise
-
-    async def _open(self, stream_id: str, start: int, caller: str | None) -> Reader:
-        ctx = self._ctx
-        producer = self._streams.producing(stream_id)
-        if producer is not None:
-            if producer.owner is not None and producer.owner != caller:
-                raise StreamNotFound("no such stream")
-            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
-            if start > producer.last_id and not producer.ended_lost and not never_stored:
-                raise PastTheEnd(start, producer.last_id)
-            try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
-                slot = await Slot.take(ctx, stream_id)
-            except StoreError as exc:
-                raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-            following = _Following(ctx, self._streams, stream_id, producer.route, start, slot)
-            return self._reader(following, b"")
-        return await self._open_stored(stream_id, start, caller)
-
-    async def _open_stored(self, stream_id: str, after: int, caller: str | None) -> Reader:
-        """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
-        reader's row in the producer's inbox (at once), then ``after`` checked."""
-        ctx = self._ctx
-        try:
-            record = await read_record(ctx, stream_id, caller)
+async def open_reader(
+    ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None, released: Callable[[], None]
+) -> Reader:
+    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``; ``released`` once it is
+    released)."""
+    producer = streams.producing(stream_id)
+    if producer is None:
+        reader = await _open_stored(ctx, streams, stream_id, start, caller)
+    else:
+        if producer.owner is not None and producer.owner != caller:
+            raise StreamNotFound("no such stream")
+        never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+        if start > producer.last_id and not producer.ended_lost and not never_stored:
+            raise PastTheEnd(start, producer.last_id)
+        try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
+            slot = await Slot.take(ctx, stream_id)
         except StoreError as exc:
             raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        # The slot, the stored log and the inbox row at once: the producer writes what it holds as
-        # soon as it sees the row, so the reader follows closely from its first events.
-        live = record.state == "live"
-        nonce = secrets.token_hex(4)
-        stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
-        steps: list[Awaitable] = [
-            Slot.take(ctx, stream_id),
-            ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
-        ]
-        if live:
-            steps.append(inbox.register(ctx, record.instance, stream_id, nonce, ack=True))
-            if stored is None:
-                steps.append(_make_log(ctx, stream_id))
-        answers = await asyncio.gather(*steps, return_exceptions=True)
-        slot = answers[0] if isinstance(answers[0], Slot) else None
-        failed = next((a for a in answers if isinstance(a, BaseException)), None)
-        registered = nonce if live else None
-        following = _Following(ctx, self._streams, stream_id, record.route, after, slot, record, registered)
-        try:
-            if failed is not None:
-                if isinstance(failed, StoreError):
-                    raise Unavailable(f"the stream's store is unavailable ({failed})") from None
-                raise failed
-            tail = following.tail = Tail(after)
-            first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
-            if after > tail.last_id and not tail.broken:
-                if tail.end is None and live:
-                    first += await following.wait_past_end()
-                acked = tail.acks.get(nonce)
-                if not tail.broken and (
-                    (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
-                ):
-                    raise PastTheEnd(after, tail.last_id)
-        except BaseException:
-            following.close()
-            raise
-        return self._reader(following, first)
+        reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    reader._released = released
+    return reader
 
-    def _reader(self, following: _Following, first: bytes) -> Reader:
-        """A reader of ``following``'s events, counted here until it is released."""
-        released = False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                following.close()
-                self.total -= 1
-
-        return Reader(following.route, following.events(first), release)
+async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
+    """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
+    reader's row in the producer's inbox (at once), then ``after`` checked."""
+    try:
+        record = await read_record(ctx, stream_id, caller)
+    except StoreError as exc:
+        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+    # The slot, the stored log and the inbox row at once: the producer writes what it holds as
+    # soon as it sees the row, so the reader follows closely from its first events.
+    live = record.state == "live"
+    nonce = secrets.token_hex(4)
+    stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
+    steps: list[Awaitable] = [
+        Slot.take(ctx, stream_id),
+        ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
+    ]
+    if live:
+        steps.append(inbox.register(ctx, record.instance, stream_id, nonce))
+        if stored is None:
+            steps.append(_make_log(ctx, stream_id))
+    answers = await asyncio.gather(*steps, return_exceptions=True)
+    slot = answers[0] if isinstance(answers[0], Slot) else None
+    failed = next((a for a in answers if isinstance(a, BaseException)), None)
+    registered = nonce if live else None
+    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record, registered)
+    try:
+        if failed is not None:
+            if isinstance(failed, StoreError):
+                raise Unavailable(f"the stream's store is unavailable ({failed})") from None
+            raise failed
+        tail = reader.tail = Tail(after)
+        reader._first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
+        if after > tail.last_id and not tail.broken:
+            if tail.end is None and live:
+                reader._first += await reader.wait_past_end()
+            acked = tail.acks.get(nonce)
+            if not tail.broken and (
+                (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
+            ):
+                raise PastTheEnd(after, tail.last_id)
+    except BaseException:
+        reader._leave()
+        raise
+    return reader
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -266,14 +184,18 @@ class _Cadence:
         return False
 
 
-class _Following:
-    """One reader's way through a stream: from memory while its producer is here, from the store
-    otherwise, through any takeover (module docstring). ``cursor``: the last id the client has."""
+class Reader:
+    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
+    live ones up to the final event), from memory while its producer is here, from the store
+    otherwise, through any takeover (module docstring). ``route`` is the format of its events;
+    ``cursor``: the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse
+    does) when the caller goes; it is released (its slot, its inbox row, its count here) once closed
+    or read to its end."""
 
     def __init__(
         self,
         ctx: Context,
-        streams: Streams,
+        streams: StreamLog,
         stream_id: str,
         route: str,
         after: int,
@@ -281,6 +203,7 @@ class _Following:
         record: Record | None = None,
         nonce: str | None = None,
     ):
+        self._released: Callable[[], None] | None = None  # (set once opened)
         self._ctx = ctx
         self._cfg = ctx.config
         self._streams = streams
@@ -297,9 +220,37 @@ class _Following:
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
         self._tag = log_tag(stream_id)
+        self._first = b""  # what the opening read: handed out first
+        self._events = self._read()
 
-    async def events(self, first: bytes) -> Events:
+    def __aiter__(self) -> Reader:
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
+            return await anext(self._events)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._leave()
+        if self._released is not None:
+            released, self._released = self._released, None
+            released()
+
+    def __del__(self) -> None:
+        self._release()
+
+    async def _read(self) -> Events:
+        try:
+            first, self._first = self._first, b""
             if first:
                 if self.tail is not None:
                     self.cursor = max(self.cursor, self.tail.cursor)
@@ -313,9 +264,10 @@ class _Following:
                 finally:
                     await source.aclose()
         finally:
-            self.close()
+            self._leave()
 
-    def close(self) -> None:
+    def _leave(self) -> None:
+        """Give back the slot and the inbox row (once)."""
         if self._slot is not None:
             self._slot.release()
             self._slot = None
@@ -453,7 +405,7 @@ class _Following:
         record = self.record
         if record is None or record.state != "live" or (self._registered == record.instance and not refresh):
             return
-        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce, ack=True)
+        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce)
         if self._registered is not None and self._registered != record.instance:
             self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=False))
         self._registered = record.instance

@@ -38,10 +38,11 @@ from .producer import Producer
 
 log = logging.getLogger("chatstream")
 
-# Why no claim was made: the producer lives ("alive": follow it), another instance won it
-# ("elsewhere": read its record again), the stream is over ("ended": read on to its end), or it
-# cannot be continued ("impossible": no request stored, the store failing: stream_lost).
-Refusal = Literal["alive", "elsewhere", "ended", "impossible"]
+# What a takeover came to: this instance produces the stream now ("here"), another one does (it
+# won it, or the producer lives: "elsewhere", read its record again), it is over ("ended": read on
+# to its end), it cannot be continued ("lost": no request stored, the store failing: stream_lost),
+# or this instance does not take it ("wait": draining, full; another instance will).
+TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,20 @@ class Claim:
     epoch: int
     producer: Producer
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
-    # The last id the reader that asked for the takeover had: past ``last_id``, the lost producer
-    # gave its client events the log does not hold (the continuation's ids up to it stand for them).
-    received: int = 0
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for what the reader that asked for the takeover
         received from the lost producer and the log never held (b"" when it had nothing unstored):
-        those of the positions up to ``received`` (ids differ per producer; positions agree)."""
-        received = position(self.received)
-        if received <= position(self.last_id):
+        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree)."""
+        unstored = self.producer.unstored
+        if not unstored:
             return b""
         ours = sse.split(self.producer.events_after(self.last_id))[0]
-        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= received)
+        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
 
-MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]]], Producer]
+# (the record won, the stored events, the log's length, its fences, the asking reader's last id)
+MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]], int], Producer]
 
 
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
@@ -95,15 +94,15 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int = 0) -> Claim | Refusal:
+async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int) -> Claim | TakeOver:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
-    Never raises for the store: ``impossible``."""
+    Never raises for the store: ``lost``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
         row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
         if row is None:
-            return "impossible"
+            return "lost"
         record = Record.of(row)
         if record.state != "live":
             return "ended"
@@ -113,17 +112,17 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
         if tail.end is not None:
             return "ended"
         if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
-            return "alive"
+            return "elsewhere"
         request = record.request.encode() if record.request is not None else None
         if request is None and record.request_stored:
             found = await store.get_blob(request_blob(stream_id))
             request = found[0] if found is not None else None
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
-            return "impossible"
+            return "lost"
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
-        return "impossible"
+        return "lost"
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
         await ctx.instances.first_beat()
@@ -134,16 +133,16 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             return "elsewhere"
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-            return "impossible"
+            return "lost"
         fenced = await _fence(ctx, won, tail, stored)
         if fenced is None:
-            return "impossible"
+            return "lost"
         if fenced is False:
             await _record_end(ctx, won, tail)
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences)
+        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences, received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -164,7 +163,6 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int 
             epoch=won.epoch,
             producer=producer,
             lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
-            received=received,
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
