@@ -15,7 +15,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
@@ -36,10 +36,17 @@ from .format import (
 )
 from .producer import Producer
 from .slots import Slot
-from .takeover import producer_gone
+from .takeover import TakeOver, producer_gone
 
-if TYPE_CHECKING:
-    from .log import StreamLog
+
+class StreamLog(Protocol):
+    """What a reader asks of its instance's log (log.py's ``StreamLog``; a protocol, so that the log
+    can import its readers without a circle)."""
+
+    def producing(self, stream_id: str) -> Producer | None: ...
+
+    async def take_over(self, stream_id: str, received: int) -> TakeOver: ...
+
 
 log = logging.getLogger("chatstream")
 
