@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 from . import telemetry, tokens
 from .errors import ApiError, ErrorKind
 from .record import Segment, StreamRecord, TextParts
-from .stream import Done, StreamProtocol, TimeLimits, UpstreamChunks
+from .stream import Done, Fed, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
 
 if TYPE_CHECKING:
@@ -323,21 +323,60 @@ class ChatContinuation:
         return plan
 
     # -- every chunk
+    @property
+    def ahead(self) -> bool:
+        """A continuation's stream: its chunks go through the seam before the protocol sees them. The
+        first stream's are passed on as they come: ``saw`` notes each after the protocol read it."""
+        return self._seam is not None
+
+    def saw(self, data: dict, fed: Fed) -> None:
+        """A chunk of the first stream, after the protocol: when it read choice 0's text of the chunk
+        as it came (``fed.text``: its plain chunk), that text is all this needs of it besides the
+        usage and the ids; else the chunk is read here."""
+        text = fed.text
+        if text is None:
+            choice, _, text = self._look(data)
+            if choice is None:
+                return
+        else:
+            segment = self._segment or self._first_segment()
+            usage = data.get("usage")
+            if usage and isinstance(usage, dict):
+                segment.usage = usage
+            if text:
+                segment.parts.append(text)
+        if self._id is None:
+            self._id, self._created = data.get("id"), data.get("created")
+        if text and self._passed is not None:  # a takeover's first stream: after what the log held
+            self._passed.append(text)
+
     def feed(self, data: dict) -> Sequence[dict]:
-        segment = self._segment
-        if segment is None:
-            segment = self._segment = Segment(
-                self.record.upstream, request_id=self.record.request_id or None, model=self.record.upstream_model
-            )
-            self.record.segment(segment)
+        """A chunk of a continuation's stream (``ahead``), before the protocol: through the seam."""
+        choice, delta, content = self._look(data)
+        if choice is None or delta is None:  # no choice (a usage frame), or the protocol's to judge
+            return (self._named(data),)
+        return self._across(data, choice, delta, content)
+
+    def _first_segment(self) -> Segment:
+        segment = self._segment = Segment(
+            self.record.upstream, request_id=self.record.request_id or None, model=self.record.upstream_model
+        )
+        self.record.segment(segment)
+        return segment
+
+    def _look(self, data: dict) -> tuple[dict | None, dict | None, str]:
+        """What of a chunk this keeps (its segment's text and usage, whether the answer holds what
+        cannot be continued), and its one choice, that choice's delta and content ("" for none);
+        the choice None when the chunk has no one choice with a delta object."""
+        segment = self._segment or self._first_segment()
         usage = data.get("usage")
         if usage and isinstance(usage, dict):
             segment.usage = usage
         choices = data.get("choices")
         choice = choices[0] if type(choices) is list and len(choices) == 1 else None
         delta = choice.get("delta") if type(choice) is dict else None
-        if choice is None or type(delta) is not dict:  # no choice (a usage frame), or the protocol's to judge
-            return (data,) if self._seam is None else (self._named(data),)
+        if choice is None or type(delta) is not dict:
+            return None, None, ""
         content = delta.get("content")
         if type(content) is not str:
             content = ""
@@ -349,13 +388,7 @@ class ChatContinuation:
             and (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"))
         ):
             self._blocked = next(name for name in _SUBSTANCE if delta.get(name))
-        if self._seam is None:  # the first stream: as it came
-            if self._id is None:
-                self._id, self._created = data.get("id"), data.get("created")
-            if content and self._passed is not None:  # a takeover's first stream: after what the log held
-                self._passed.append(content)
-            return (data,)
-        return self._across(data, choice, delta, content)
+        return choice, delta, content
 
     def _across(self, data: dict, choice: dict, delta: dict, content: str) -> list[dict]:
         """A chunk of a continuation: through the seam, with the answer's id."""
@@ -572,6 +605,11 @@ class ResponsesReattach:
         self._id: str | None = None
         self._chars = 0  # text passed on (output_text deltas)
         self._reopened = 0
+
+    ahead = True  # every stream's events are checked against the last one passed on
+
+    def saw(self, data: dict, fed: Fed) -> None:
+        raise AssertionError("ahead: feed sees every event")
 
     def feed(self, data: dict) -> Sequence[dict]:
         number = data.get("sequence_number")

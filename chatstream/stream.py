@@ -18,10 +18,10 @@ The seams, typed: ``StreamProtocol`` is what differs per upstream API (chat comp
 responses: apis/completions.py, apis/responses_stream.py); ``Upstream`` is what the core asks for a
 stream (upstreams/failover.py: the pool, opened up to the first output); ``UpstreamChunks`` is the
 stream it gets (upstreams/clients.py); ``Continuation`` (continuation.py), when the answer has one,
-sees every upstream chunk before the protocol and, when the upstream fails after output went to the
-caller, opens the next stream the answer goes on from (within the limits: its first output is due
-within the first-token limit, and all of it within the total one); the protocol and its text steps
-never see the seam."""
+sees every upstream chunk (before the protocol where it mends a seam, else after it, with what the
+protocol read of it) and, when the upstream fails after output went to the caller, opens the next
+stream the answer goes on from (within the limits: its first output is due within the first-token
+limit, and all of it within the total one); the protocol and its text steps never see the seam."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class Chunk:
     data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
     more: bool = False  # the next event is already in hand: write this one together with it
     batch: tuple[dict, ...] = ()  # further events released with ``data`` (a held delta, then this one)
+    text: str | None = None  # ``Fed.text``: choice 0's content, when the protocol read it (None: read ``data``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +84,16 @@ Event = Chunk | Done | Failed
 class Fed:
     """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
     is output (the status rule waits for output), whether it counts as a delta, and events released
-    with it (``batch``). Read-only by convention: one is made for every chunk, and a frozen
-    dataclass's ``__init__`` costs about twice as much."""
+    with it (``batch``). ``text``: when ``data`` is the upstream's chunk as it came, the protocol may
+    say choice 0's content in it (a string, or None for none): the chunk is read once, and the
+    continuation and the encoder take the text from here. Read-only by convention: one is made for
+    every chunk, and a frozen dataclass's ``__init__`` costs about twice as much."""
 
     data: dict | None
     output: bool = False
     delta: bool = False
     batch: tuple[dict, ...] = ()
+    text: str | None = None
 
 
 class StreamProtocol(Protocol):
@@ -138,12 +142,17 @@ class Upstream(Protocol):
 
 class Continuation(Protocol):
     """How one answer goes on when its upstream fails after output went to the caller
-    (continuation.py): ``feed`` gets every upstream chunk before the protocol and gives what the
-    protocol is to see (the seam between two streams), ``note`` a chunk after the answer (the
-    usage); ``may_continue`` judges a failure, ``reopen`` opens the next stream (raising when none
-    could be had), ``summary`` completes the final event."""
+    (continuation.py): while ``ahead``, ``feed`` gets every upstream chunk before the protocol and
+    gives what the protocol is to see (the seam between two streams); else (a stream it passes on as
+    it comes: the first) ``saw`` gets each chunk after the protocol, with what the protocol read of it
+    (``Fed.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
+    ``reopen`` opens the next stream (raising when none could be had), ``summary`` completes the
+    final event."""
 
+    @property
+    def ahead(self) -> bool: ...  # read once per stream (it changes only when ``reopen`` opens one)
     def feed(self, data: dict) -> Sequence[dict]: ...
+    def saw(self, data: dict, fed: Fed) -> None: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
     async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
@@ -303,6 +312,7 @@ async def relay(
         stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
         watchdog = limits.on_total(lambda: _close_parked(current, limits))
         chunks = aiter(stream)
+        mend, saw = _hands(continuation)
         held: list[Chunk] = []  # chunks before the first output
         ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
         try:
@@ -327,13 +337,16 @@ async def relay(
                         ready = None
                     stream = await _reopen(current, continuation, failure, limits, record)
                     chunks = aiter(stream)
+                    mend, saw = _hands(continuation)
                     continue
                 limits.got_chunk()  # the total limit (buffered chunks arrive without a wait), the idle one from now
-                for data in continuation.feed(raw) if continuation is not None else (raw,):
+                for data in mend(raw) if mend is not None else (raw,):
                     fed = await protocol.feed(data)
+                    if saw is not None:
+                        saw(data, fed)  # after the protocol: what it read of the chunk (read once)
                     if fed.data is None:
                         continue
-                    chunk = Chunk(fed.data, batch=fed.batch)
+                    chunk = Chunk(fed.data, False, fed.batch, fed.text)
                     if record.first_delta_at is None:
                         if not fed.output:
                             held.append(chunk)
@@ -377,6 +390,18 @@ async def relay(
             # connection must still be closed (that is what stops the paid generation).
             with anyio.CancelScope(shield=True):
                 await current.stream.close()
+
+
+def _hands(
+    continuation: Continuation | None,
+) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Fed], None] | None]:
+    """What of ``continuation`` sees the chunks of the stream just opened: its ``feed`` before the
+    protocol, or its ``saw`` after it (``Continuation.ahead``). Bound once per stream."""
+    if continuation is None:
+        return None, None
+    if continuation.ahead:
+        return continuation.feed, None
+    return None, continuation.saw
 
 
 async def _reopen(

@@ -125,7 +125,7 @@ def chat_text(chunk: dict) -> str | None:
 def encode(item: Event, stream_id: str | None = None) -> bytes | None:
     """One event as /api/chat writes it; a resumable stream's final event also carries its id."""
     if isinstance(item, Chunk):
-        text = chat_text(item.data)
+        text = item.text if item.text is not None else chat_text(item.data)  # the protocol's reading, if any
         # the bytes of sse.event(dumps({"delta": text}))
         return sse.wrapped_event(b'{"delta":', dumps(text), b"}") if text else None
     if isinstance(item, Done):

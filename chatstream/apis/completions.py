@@ -188,7 +188,8 @@ class CompletionStream:
     def _plain(self, data: dict, choices: object) -> Fed | None:
         """The common chunk, without text steps or kept texts, decided without copying anything: one
         choice, index 0, whose delta object holds nothing but ``role`` and ``content`` (a string or
-        null). It is forwarded as it came: what the general path would build is an equal copy. None:
+        null). It is forwarded as it came: what the general path would build is an equal copy, and its
+        content goes with it (``Fed.text``: the continuation and the encoder read no further). None:
         not that shape; the general path decides (and checks the shape)."""
         if type(choices) is not list or len(choices) != 1:
             return None
@@ -207,7 +208,7 @@ class CompletionStream:
             return _NOTHING  # nothing after a choice's finish_reason is forwarded
         if reason:
             self.finished[0] = reason
-        return Fed(data, output=bool(content or reason), delta=bool(content))
+        return Fed(data, bool(content or reason), bool(content), (), content)  # positional: per delta
 
     async def _choice(self, choice: dict) -> dict | None:
         index = choice.get("index", 0)

@@ -803,7 +803,10 @@ def prepare_variant(name: str, spec: str, out: Path) -> dict:
         if kind == "patch":  # one or more patch files, joined with "+"
             for one in arg.split("+"):
                 patch = Path(one).resolve()
-                subprocess.run(["git", "apply", str(patch)], cwd=where, check=True)
+                # Not as a part of this repository (out/ is inside it): there, git apply would skip
+                # every path outside out/, silently, and the variant would be HEAD.
+                alone = {**os.environ, "GIT_CEILING_DIRECTORIES": str(where.resolve().parent)}
+                subprocess.run(["git", "apply", str(patch)], cwd=where, env=alone, check=True)
                 label += f" + {patch.name}"
         return {"dir": where, "label": label, "spec": spec}
     folder = Path(spec).resolve()
