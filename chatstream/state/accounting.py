@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import tokens
 from ..errors import StoreError
@@ -76,6 +77,7 @@ class Admission:
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
     segment_base: int = 0  # a stream taken over: its segments are a block of their own (``charge_lost``)
+    lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
     @property
     def rates(self) -> dict[str, Rate]:
@@ -94,6 +96,7 @@ class _Whose:
     started: float
 
 
+LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
@@ -191,21 +194,9 @@ class Accounting:
         if not isinstance(reserved, Reservation):
             return reserved
         started = self.counters.clock()
+        whose = _Whose(caller, team, asked.request_id, asked.endpoint, started)
         entry = self.journal.open(
-            JournalEntry(
-                request_id=asked.request_id,
-                caller=caller.name,
-                caller_id=caller.id,
-                team=team.name if team is not None else None,
-                team_id=team.id if team is not None else None,
-                model=model,
-                endpoint=asked.endpoint,
-                day=day_of(started),
-                prompt_tokens=counted,
-                needs=reserved.needs,
-                kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in reserved.needs},
-                price=price,
-            )
+            _entry(whose, asked.request_id, model, day_of(started), counted, reserved.needs, price)
         )
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
@@ -363,13 +354,18 @@ class Accounting:
         """A resumable stream taken over here (its producer's instance died, or drained), as its
         ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
         generated, after ``before``, the earlier producers' part) is charged as the first segment of
-        that producer's block, unless the dead instance's recovery (recovery.py) charged it first; the
-        continuation here is charged from the first segment of its own block (``admission``). So
-        however many times a stream is taken over, each producer's segments are rows of their own.
-        Never raises: on a store failure the journal's takeover charges that part at its checkpoint.
-        Call it right after the admission (before any await): the journal lists the block with it;
-        again with a longer ``text`` (what its caller was found to have received): the row is raised
-        to it, the difference counted."""
+        that producer's block, unless the dead instance's recovery (recovery.py) or the producer
+        itself charged it first; the continuation here is charged from the first segment of its own
+        block (``admission``). So however many times a stream is taken over, each producer's
+        segments are rows of their own. Call it right after the admission (before any await): the
+        journal lists the block with it; again with a longer ``text`` (what its caller was found to
+        have received): the row is raised to it. Never raises: on a store failure the dead
+        instance's recovery charges that part at its checkpoint.
+
+        What it writes is made on the row as read: an insert, or a raise of a row of a recovery or
+        of its own (its author kept), counting the difference. Like any charge it is in the journal
+        first, then the ledger (on the row's ETag: ``Ledger.apply``), then the counters; if the row
+        changed meanwhile it counts nothing."""
         admission.segment_base = admission.entry.segment = segment_base(epoch)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
@@ -378,27 +374,40 @@ class Accounting:
         charge = self._row(
             admission, admission.model, lost, admission.price, "lost", segment_base(epoch - 1), started=started
         )
+        if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LANDED_WITHIN):
+                    await admission.lost.written.wait()
         try:
-            there = await self.ledger.write_now(charge)
-            # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
-            # there; raised here to what the log shows, and the difference counted), by this call
-            # before (the same), or by the producer itself (a hand-over: it counted it).
-            author = str(there.get("author") or "") if there is not None else ""
-            raised = (
-                there is not None
-                and (author.startswith("takeover:") or author == charge.author)
-                and await self.ledger.replace_below(charge, there, author=author)
-            )
+            there = await self.ledger.find(charge)
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
             return
+        op = secrets.token_hex(6)
         spent, cost = charge.total_tokens, charge.cost or 0
-        if there is not None:
-            if not raised:
+        if there is None:
+            charge = replace(charge, ops=op)
+        else:
+            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
+            # call before (raised to what the log shows, the difference counted); or by the producer
+            # itself (a hand-over: it counted it).
+            author = str(there.get("author") or "")
+            if not (author.startswith("takeover:") or author == charge.author) or tokens_of(there) >= spent:
                 return
+            ops = f"{there.get('ops') or ''} {op}".strip()
+            charge = replace(charge, author=author, ops=ops, over=there.etag)
             spent -= tokens_of(there)
             cost -= int(there.get("cost") or 0)
-        self.counters.adjust(_wants(admission.caller, admission.team, admission.model, spent, cost), started)
+        wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
+        settlement = self.counters.adjust(wants, started, confirmed=False)
+        amounts = {f"{w.partition}/{w.row}": w.need for w in wants if w.period != "minute"}
+        entry = self.journal.open(
+            _entry(
+                admission, f"{admission.request_id}/{op}", admission.model, charge.day, prompt, amounts, admission.price
+            )
+        )
+        self.journal.settle(entry, [charge], amounts, settlement)
+        admission.lost = entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
@@ -468,6 +477,32 @@ class Accounting:
         ok = await self.journal.flush(left)
         ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
+
+
+def _entry(
+    whose: Admission | _Whose,
+    key: str,
+    model: str,
+    day: str,
+    prompt: int,
+    needs: dict[str, int],
+    price: Price | None,
+) -> JournalEntry:
+    caller, team = whose.caller, whose.team
+    return JournalEntry(
+        request_id=key,
+        caller=caller.name,
+        caller_id=caller.id,
+        team=team.name if team is not None else None,
+        team_id=team.id if team is not None else None,
+        model=model,
+        endpoint=whose.endpoint,
+        day=day,
+        prompt_tokens=prompt,
+        needs=needs,
+        kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in needs},
+        price=price,
+    )
 
 
 def _mine(owner: str, caller: Caller) -> bool:

@@ -217,12 +217,14 @@ class Lease:
         self.debt += over
         return self._stage(spent if self.period != "minute" else over, window, confirmed=False)
 
-    def adjust(self, amount: int, window: str) -> None:
+    def adjust(self, amount: int, window: str, confirmed: bool = True) -> _Staged | None:
         """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
-        whose usage was seen later, here or elsewhere. Enters the row with the next exchange."""
-        if amount and window == self.window:
-            self.debt += amount
-            self._stage(amount, window, confirmed=True)
+        whose usage was seen later, here or elsewhere. Enters the row with the next exchange (once
+        ``confirm``ed)."""
+        if not amount or window != self.window:
+            return None
+        self.debt += amount
+        return self._stage(amount, window, confirmed)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -751,15 +753,21 @@ class Counters:
                 rates[kind] = rate
         return rates
 
-    def adjust(self, wants: Sequence[Want], at: float) -> None:
+    def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.adjust``)."""
+        the windows it was made in when they are still current (``Lease.adjust``). Not ``confirmed``:
+        the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
         now = self.clock()
+        settlement = Settlement()
         for want in wants:
             if want.need and not want.row.startswith("rpm"):
                 lease = self._lease(want)
                 lease.advance(window_of(want.period, now))
-                lease.adjust(want.need, window_of(want.period, at))
+                minute = want.period == "minute"
+                staged = lease.adjust(want.need, window_of(want.period, at), confirmed or minute)
+                if staged is not None and not minute:
+                    settlement.staged.append((lease, staged))
+        return settlement
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

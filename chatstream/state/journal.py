@@ -79,7 +79,7 @@ class JournalEntry:
     settlement: Settlement | None = None  # settled: its charges in the budget counters, and their numbers
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
-    written: bool = False  # its ledger rows are in
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
 
     def checkpoint(self) -> int:
@@ -349,7 +349,7 @@ class Journal:
         written = self.ledger.submit(entry.charges)
 
         def landed(done: asyncio.Future[list[Charge]]) -> None:
-            entry.written = True
+            entry.written.set()
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
                 entry.settlement.lessen(amounts(entry.kinds, done.result()))
@@ -361,7 +361,11 @@ class Journal:
     def _forget_done(self) -> None:
         """Settled requests whose ledger rows and counter charges are all in leave the journal."""
         for key, entry in list(self.entries.items()):
-            if entry.state == "settled" and entry.written and (entry.settlement is None or entry.settlement.applied()):
+            if (
+                entry.state == "settled"
+                and entry.written.is_set()
+                and (entry.settlement is None or entry.settlement.applied())
+            ):
                 del self.entries[key]
 
     def _fenced(self) -> None:

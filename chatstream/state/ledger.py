@@ -61,6 +61,11 @@ class Charge:
     upstream_id: str = ""  # the upstream's x-request-id
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     author: str = ""  # the instance that wrote it
+    # A write made on what the row held (a stream's lost part, accounting.charge_lost): the ids of the
+    # writes whose counts the row holds, this one's last; ``over``: the ETag of the row it replaces
+    # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
+    ops: str = ""
+    over: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -95,11 +100,14 @@ class Charge:
             "ended": self.ended,
             "at": self.at,
             "author": self.author,
-        }
+        } | ({"ops": self.ops} if self.ops else {})
 
     def as_dict(self) -> dict[str, Any]:
         """For the journal (journal.py): everything, to write it again."""
-        return {k: v for k, v in self.entity().items() if k not in ("PartitionKey", "RowKey")} | {"day": self.day}
+        return {k: v for k, v in self.entity().items() if k not in ("PartitionKey", "RowKey")} | {
+            "day": self.day,
+            "over": self.over,
+        }
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
@@ -186,9 +194,17 @@ class Ledger:
     async def _write_batch(self, batch: list[tuple[Charge, asyncio.Future]]) -> list[tuple[Charge, asyncio.Future]]:
         """Write the charges, one transaction per partition and 100 rows; those that did not land."""
         by_partition: dict[str, list[tuple[Charge, asyncio.Future]]] = {}
-        for item in batch:
-            by_partition.setdefault(item[0].partition, []).append(item)
         failed: list[tuple[Charge, asyncio.Future]] = []
+        for charge, future in batch:
+            if not charge.ops:
+                by_partition.setdefault(charge.partition, []).append((charge, future))
+                continue
+            try:  # a write made on what its row held: one at a time (its result: whether it did not land)
+                landed = await self.apply(charge)
+                if not future.done():
+                    future.set_result(not landed)
+            except StoreError:
+                failed.append((charge, future))
         for items in by_partition.values():
             unique: dict[str, tuple[Charge, list[asyncio.Future]]] = {}
             for charge, future in items:
@@ -259,6 +275,21 @@ class Ledger:
             return None
         except AlreadyExists:
             return await self.find(charge)
+
+    async def apply(self, charge: Charge) -> bool:
+        """Write a charge made on what its row held (``ops``): inserted, or replacing the row of ETag
+        ``over``. True if it is in the row, written now or before (its id is in the row's ``ops``);
+        False if the row changed first."""
+        try:
+            if charge.over is None:
+                await self.store.insert(USAGE_TABLE, charge.entity())
+            else:
+                await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
+            self.written += 1
+            return True
+        except (AlreadyExists, Modified, NotFound):
+            there = await self.find(charge)
+            return there is not None and charge.ops.split()[-1] in str(there.get("ops") or "").split()
 
     async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
         """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)

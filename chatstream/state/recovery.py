@@ -12,7 +12,9 @@ held capacity of), in four steps:
    request is charged what it had generated at its last checkpoint, ``ended: lost``. A row someone
    else wrote first (a stream's taker charging the lost part from its log) is theirs to count in the
    counters; one below the checkpoint (a log is stored every few seconds) is raised to it, what the
-   taker counted kept in the row, and only the difference is counted here.
+   taker counted kept in the row, and only the difference is counted here. A taker's own charge of
+   a lost part (``accounting.charge_lost``, in its journal too) counts what it added if it is in
+   the row (its id in ``ops``: ``Ledger.apply``), written now if the row is as it was read.
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, and its open requests at what they generated).
@@ -100,6 +102,10 @@ class Recovery:
         others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
         counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
         for charge in charges:
+            if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
+                if not await self.ledger.apply(charge):
+                    others.append(charge)
+                continue
             there = await self.ledger.write_now(charge)
             for _ in range(MAX_ATTEMPTS):
                 if there is None or not theirs(there, dead, f"takeover:{dead}"):
@@ -111,7 +117,11 @@ class Recovery:
                     others.append(charge)
                     there = None
                     break
-                elsewhere = {"counted_tokens": tokens_of(there), "counted_cost": int(there.get("cost") or 0)}
+                elsewhere = {
+                    "counted_tokens": tokens_of(there),
+                    "counted_cost": int(there.get("cost") or 0),
+                    "ops": there.get("ops") or "",  # the writes it holds (Ledger.apply)
+                }
                 if await self.ledger.replace_below(charge, there, **elsewhere):
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break
@@ -125,7 +135,7 @@ class Recovery:
         for key, kind in kinds.items():
             less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
         brings = entry.get("amounts") if entry.get("state") == "settled" else amounts(kinds, charges)
-        return {k: int(v) - less.get(k, 0) for k, v in (brings or {}).items()}
+        return {k: max(0, int(v) - less.get(k, 0)) for k, v in (brings or {}).items()}
 
     async def _give_back(self, key: str, dead: str, owed: list[tuple[dict[str, Any], dict[str, int]]]) -> None:
         """Step 3 for one budget counter row ("partition/row"): the dead instance's entry out,
