@@ -222,6 +222,7 @@ class Endpoint:
         body = await self.api.completion(body, self.pipeline, record)
         if admission is not None and isinstance(body.get("id"), str):
             await self._claim(admission, body["id"], call)
+            await self._keep_context(record, admission)
         self._finish(record, admission)
         return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **_headers(record, admission)})
 
@@ -238,12 +239,15 @@ class Endpoint:
         def finish() -> None:
             self._finish_stream(protocol, record, admission)
 
+        async def before_last() -> None:
+            await self._keep_context(record, admission)
+
         upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         events = (
-            self.lifecycle.guard(upstream, record, finish)
+            self.lifecycle.guard(upstream, record, finish, before_last)
             if self.lifecycle is not None
-            else finishing(upstream, finish)
+            else finishing(upstream, finish, before_last)
         )
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
@@ -380,6 +384,14 @@ class Endpoint:
         if self.accounting is not None and self.api.owns is not None:
             await self.accounting.claim(self.api.owns, created, admission, bool(call.params.get("background")))
 
+    async def _keep_context(self, record: StreamRecord, admission: Admission | None) -> None:
+        """What a response this request created carries is in its owner row before the caller has
+        the answer: a continuation of it, sent at once to any instance, reserves that."""
+        if self.accounting is not None and admission is not None and admission.created is not None and record.usage:
+            await self.accounting.keep_context(
+                admission, request_usage(admission.model, admission.prompt_tokens, record, None)
+            )
+
     def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None) -> None:
         if protocol.released is not None:
             record.texts = protocol.released
@@ -400,13 +412,19 @@ class Endpoint:
             self.pipeline.run_after(record.result())
 
 
-async def finishing(events: AsyncGenerator[Event], on_end: Callable[[], None]) -> AsyncGenerator[Event]:
-    """``events`` up to the final one; ``on_end`` runs when they end, however they end."""
+async def finishing(
+    events: AsyncGenerator[Event], on_end: Callable[[], None], before_last: Callable[[], Awaitable[None]] | None = None
+) -> AsyncGenerator[Event]:
+    """``events`` up to the final one (``before_last`` awaited before it goes out); ``on_end`` runs
+    when they end, however they end."""
     try:
         async for item in events:
-            yield item
             if not isinstance(item, Chunk):
+                if before_last is not None:
+                    await before_last()
+                yield item
                 return
+            yield item
     finally:
         await events.aclose()
         on_end()

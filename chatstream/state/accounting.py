@@ -153,9 +153,6 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
-        # What a response created here carries, known as it ends, before its row says so (written in
-        # the background): a continuation of it sent at once is reserved at that, not the estimate.
-        self._contexts: dict[tuple[str, str], int] = {}
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -218,14 +215,22 @@ class Accounting:
                 return Unavailable()
             if owned is None or not _mine(owned.caller_id, caller):
                 return Unknown("response", asked.previous)
-            context = owned.context or self._contexts.get(("response", asked.previous), 0)
-            if context:
-                known += context
+            if owned.context:
+                known += owned.context
             else:
                 extra += self.referenced_context
         if asked.references:
             extra += self.referenced_context
         return known, extra
+
+    async def keep_context(self, admission: Admission, usage: Usage) -> None:
+        """What the response ``admission`` created carries (its last segment, as reported) is kept in
+        its owner row, for a continuation's reservation: before its caller has it (the endpoint)."""
+        if admission.created is not None and usage.reported and usage.segments:
+            try:
+                await self.owners.set_context(*admission.created, usage.segments[-1].total)
+            except StoreError as exc:  # a continuation then reserves the estimate
+                log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
 
     def progress(self, admission: Admission, generated) -> None:
         """How the journal reads what the request has generated so far (its checkpoints)."""
@@ -235,10 +240,6 @@ class Accounting:
         """Settle the admission once the request is over (module docstring): in the background."""
         if admission is None:
             return
-        if admission.created is not None and usage.reported and usage.segments:
-            if len(self._contexts) >= 4096:
-                self._contexts.pop(next(iter(self._contexts)))  # the oldest: its row has it by now
-            self._contexts[admission.created] = usage.segments[-1].total
         task = asyncio.get_running_loop().create_task(self._charge(admission, usage))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -281,9 +282,6 @@ class Accounting:
         tokens_used = sum(u.total for u in used)
         cost = sum(c.cost or 0 for c in charges)
         spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
-        if admission.created is not None and usage.reported:
-            with contextlib.suppress(StoreError):  # what continuing it will carry, for its reservation
-                await self.owners.set_context(*admission.created, used[-1].total)
         settlement = admission.reservation.settle(spent)
         amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
         self.journal.settle(admission.entry, charges, amounts, settlement)
