@@ -36,11 +36,10 @@ from .callers import Caller, Team
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
-from .ledger import Charge, Ledger, day_of, tokens_of
+from .ledger import Charge, Ledger, Payer, day_of, tokens_of
 from .owners import Owners
 from .port import (
     AdmissionRequest,
-    Ended,
     KeyRefused,
     LimitRef,
     ModelRefused,
@@ -69,10 +68,8 @@ class Admission:
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     model: str
     price: Price | None
-    entry: JournalEntry
+    entry: JournalEntry  # with its payer: whose request it is
     started: float
-    request_id: str
-    endpoint: str
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
@@ -83,17 +80,6 @@ class Admission:
     def rates(self) -> dict[str, Rate]:
         """The per-minute limits for OpenAI's ``x-ratelimit-*`` headers (``tokens``, ``requests``)."""
         return self.reservation.rates
-
-
-@dataclass(frozen=True)
-class _Whose:
-    """Whose request a ledger row is, when there is no admission at hand (a background response)."""
-
-    caller: Caller
-    team: Team | None
-    request_id: str
-    endpoint: str
-    started: float
 
 
 LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
@@ -191,15 +177,11 @@ class Accounting:
         if not isinstance(reserved, Reservation):
             return reserved
         started = self.counters.clock()
-        whose = _Whose(caller, team, asked.request_id, asked.endpoint, started)
-        entry = self.journal.open(
-            _entry(whose, asked.request_id, model, day_of(started), counted, reserved.needs, price)
-        )
+        payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
+        entry = self.journal.open(_entry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
-        return Admission(
-            caller, team, reserved, counted, model, price, entry, started, asked.request_id, asked.endpoint, wants=wants
-        )
+        return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response must be
@@ -275,8 +257,9 @@ class Accounting:
         # name with a price of its own is charged that price, under that name.
         served = await self._served_prices(used)
         at = [(u.model, served[u.model]) if u.model in served else (admission.model, admission.price) for u in used]
+        payer, base = admission.entry.payer, admission.segment_base
         charges = [
-            self._row(admission, model, u, price, usage.ended, admission.segment_base + i, usage.upstream_id)
+            Charge.made(payer, model, u, price, usage.ended, self.counters.instance, base + i, usage.upstream_id)
             for i, (u, (model, price)) in enumerate(zip(used, at, strict=True))
         ]
         tokens_used = sum(u.total for u in used)
@@ -285,40 +268,6 @@ class Accounting:
         settlement = admission.reservation.settle(spent)
         amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
         self.journal.settle(admission.entry, charges, amounts, settlement)
-
-    def _row(
-        self,
-        whose: Admission | _Whose,
-        model: str,
-        used: Used,
-        price: Price | None,
-        ended: Ended,
-        segment: int = 0,
-        upstream_id: str | None = None,
-        started: float | None = None,
-    ) -> Charge:
-        """The one way a ledger row is made: one segment of ``whose`` request, at ``price`` (None:
-        unpriced), on the day the request started (``started``, when not ``whose``'s: a stream's)."""
-        caller, team = whose.caller, whose.team
-        return Charge(
-            caller=caller.name,
-            caller_id=caller.id,
-            team=team.name if team is not None else None,
-            team_id=team.id if team is not None else None,
-            model=model,
-            endpoint=whose.endpoint,
-            request_id=whose.request_id,
-            segment=segment,
-            day=day_of(whose.started if started is None else started),
-            upstream=used.upstream,
-            upstream_id=used.request_id or upstream_id or "",
-            prompt_tokens=used.prompt,
-            cached_tokens=used.cached,
-            completion_tokens=used.completion,
-            cost=price.cost(used.prompt, used.cached, used.completion) if price is not None else None,
-            ended=ended,
-            author=self.counters.instance,
-        )
 
     async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
         """The price of each model the answer was served as under another name than the requested
@@ -369,9 +318,9 @@ class Accounting:
         # A producer after a takeover sent the answer so far along with the prompt.
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
         lost = Used(prompt, 0, completion)
-        charge = self._row(
-            admission, admission.model, lost, admission.price, "lost", segment_base(epoch - 1), started=started
-        )
+        payer = replace(admission.entry.payer, day=day_of(started))  # the stream's day
+        author = self.counters.instance
+        charge = Charge.made(payer, admission.model, lost, admission.price, "lost", author, segment_base(epoch - 1))
         if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LANDED_WITHIN):
@@ -400,9 +349,7 @@ class Accounting:
         settlement = self.counters.adjust(wants, started, confirmed=False)
         amounts = {f"{w.partition}/{w.row}": w.need for w in wants if w.period != "minute"}
         entry = self.journal.open(
-            _entry(
-                admission, f"{admission.request_id}/{op}", admission.model, charge.day, prompt, amounts, admission.price
-            )
+            _entry(f"{payer.request_id}/{op}", payer, admission.model, prompt, amounts, admission.price)
         )
         self.journal.settle(entry, [charge], amounts, settlement)
         admission.lost = entry
@@ -458,8 +405,8 @@ class Accounting:
         price = owned.price if owned is not None and owned.price is not None else await self.registry.price(model)
         price = price if isinstance(price, Price) else None  # admitted at (rows before it: as of now)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
-        whose = _Whose(caller, team, id, endpoint, started)
-        charge = self._row(whose, model, used, price, "background")
+        payer = _payer(caller, team, id, endpoint, started)
+        charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
         self.ledger.submit([charge])
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
@@ -477,30 +424,21 @@ class Accounting:
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 
-def _entry(
-    whose: Admission | _Whose,
-    key: str,
-    model: str,
-    day: str,
-    prompt: int,
-    needs: dict[str, int],
-    price: Price | None,
-) -> JournalEntry:
-    caller, team = whose.caller, whose.team
-    return JournalEntry(
-        request_id=key,
-        caller=caller.name,
-        caller_id=caller.id,
-        team=team.name if team is not None else None,
-        team_id=team.id if team is not None else None,
-        model=model,
-        endpoint=whose.endpoint,
-        day=day,
-        prompt_tokens=prompt,
-        needs=needs,
-        kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in needs},
-        price=price,
+def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
+    return Payer(
+        caller.name,
+        caller.id,
+        team.name if team is not None else None,
+        team.id if team is not None else None,
+        request_id,
+        endpoint,
+        day_of(started),
     )
+
+
+def _entry(key: str, payer: Payer, model: str, prompt: int, needs: dict[str, int], price: Price | None) -> JournalEntry:
+    kinds = {k: ("spend" if k.endswith("/spend") else "tokens") for k in needs}
+    return JournalEntry(key, payer, model, prompt, needs, kinds, price)
 
 
 def _mine(owner: str, caller: Caller) -> bool:

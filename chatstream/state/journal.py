@@ -25,14 +25,14 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import tokens
 from ..errors import Modified, StoreError
 from .counters import Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger
+from .ledger import Charge, Ledger, Payer
 from .prices import Price
 from .store import NEW, Store
 
@@ -57,14 +57,9 @@ def journal_name(instance: str) -> str:
 class JournalEntry:
     """One request in the journal."""
 
-    request_id: str
-    caller: str
-    caller_id: str
-    team: str | None
-    team_id: str | None
+    key: str  # its request's id; a stream's lost part: that and its charge's (accounting.charge_lost)
+    payer: Payer
     model: str
-    endpoint: str
-    day: str
     prompt_tokens: int
     needs: dict[str, int]  # "partition/row" -> reserved of that budget counter
     kinds: dict[str, str]  # "partition/row" -> "tokens" | "spend"
@@ -100,14 +95,9 @@ class JournalEntry:
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "id": self.request_id,
-            "caller": self.caller,
-            "caller_id": self.caller_id,
-            "team": self.team,
-            "team_id": self.team_id,
+            "id": self.key,
+            **asdict(self.payer),
             "model": self.model,
-            "endpoint": self.endpoint,
-            "day": self.day,
             "prompt": self.prompt_tokens,
             "needs": self.needs,
             "kinds": self.kinds,
@@ -156,13 +146,13 @@ class Journal:
     # --- what the request path tells it ----------------------------------------------------------
 
     def open(self, entry: JournalEntry) -> JournalEntry:
-        self.entries[entry.request_id] = entry
+        self.entries[entry.key] = entry
         self.changed()
         return entry
 
     def drop(self, entry: JournalEntry) -> None:
         """A request that reserved nothing in the end (released): it leaves the journal."""
-        if self.entries.pop(entry.request_id, None) is not None:
+        if self.entries.pop(entry.key, None) is not None:
             self.changed()
 
     def settle(
@@ -197,7 +187,7 @@ class Journal:
         """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
         keep = []
         for entry, waiting in self._waiting:
-            if failed or entry.listed or entry.request_id not in self.entries:
+            if failed or entry.listed or entry.key not in self.entries:
                 if not waiting.done():
                     waiting.set_result(None)
             else:

@@ -23,13 +23,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import PICO, usd
-from .port import Ended
+from .port import Ended, Used
+from .prices import Price
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
@@ -37,6 +38,26 @@ log = logging.getLogger("chatstream")
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
 USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
 FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
+
+
+@dataclass(frozen=True)
+class Payer:
+    """Who pays for which request: the caller and its team (names and ids), the request's id and
+    endpoint, and the UTC day it started (its rows' key). Its journal entry holds it (journal.py);
+    each of its charges is made of it."""
+
+    caller: str
+    caller_id: str
+    team: str | None
+    team_id: str | None
+    request_id: str
+    endpoint: str
+    day: str
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Payer:
+        found: dict[str, Any] = {k: values.get(k) for k in cls.__dataclass_fields__}
+        return cls(**found)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +87,34 @@ class Charge:
     # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
     ops: str = ""
     over: str | None = None
+
+    @classmethod
+    def made(
+        cls,
+        payer: Payer,
+        model: str,
+        used: Used,
+        price: Price | None,
+        ended: Ended,
+        author: str,
+        segment: int = 0,
+        upstream_id: str | None = None,
+    ) -> Charge:
+        """The one way a charge is made: one segment of ``payer``'s request, at ``price`` (None:
+        unpriced)."""
+        return cls(
+            **asdict(payer),
+            model=model,
+            segment=segment,
+            upstream=used.upstream,
+            upstream_id=used.request_id or upstream_id or "",
+            prompt_tokens=used.prompt,
+            cached_tokens=used.cached,
+            completion_tokens=used.completion,
+            cost=price.cost(used.prompt, used.cached, used.completion) if price is not None else None,
+            ended=ended,
+            author=author,
+        )
 
     @property
     def total_tokens(self) -> int:
@@ -431,4 +480,4 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "day_of", "summarize"]
+__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "Payer", "day_of", "summarize"]

@@ -45,7 +45,8 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS
 from .counters import SLOW_TIMEOUT
 from .journal import amounts, journal_name
-from .ledger import Charge, Ledger, theirs, tokens_of
+from .ledger import Charge, Ledger, Payer, theirs, tokens_of
+from .port import Used
 from .prices import Price
 from .store import Store
 
@@ -171,22 +172,8 @@ def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
     if entry.get("state") == "settled":
         return [Charge.of(c) for c in entry.get("charges") or []]
     price = Price.of(entry["price"]) if entry.get("price") else None
-    prompt, completion = int(entry.get("prompt") or 0), int(entry.get("generated") or 0)
-    return [
-        Charge(
-            caller=entry["caller"],
-            caller_id=entry["caller_id"],
-            team=entry.get("team"),
-            team_id=entry.get("team_id"),
-            model=entry["model"],
-            endpoint=entry["endpoint"],
-            request_id=entry["id"],
-            day=entry["day"],
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            cost=price.cost(prompt, 0, completion) if price is not None else None,
-            ended="lost",
-            author=f"takeover:{dead}",
-            segment=int(entry.get("segment") or 0),
-        )
-    ]
+    # An entry's "id" is its request's (older journals name it nowhere else).
+    payer = Payer.of({"request_id": entry["id"], **entry})
+    generated = Used(int(entry.get("prompt") or 0), 0, int(entry.get("generated") or 0))
+    segment = int(entry.get("segment") or 0)
+    return [Charge.made(payer, entry["model"], generated, price, "lost", f"takeover:{dead}", segment)]

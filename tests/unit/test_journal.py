@@ -644,10 +644,12 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
     words, counts what counting the whole text counts (before, the pieces were counted apart: in
     the chaos soak a lost part of 41 tokens was charged 48)."""
     from chatstream.state.journal import JournalEntry
+    from chatstream.state.ledger import Payer
 
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
-    entry = JournalEntry("r", "c", "c1", None, None, MODEL, "openai", "20261204", 3, {}, {}, generated=lambda: so_far)
+    payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
+    entry = JournalEntry("r", payer, MODEL, 3, {}, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
