@@ -53,6 +53,8 @@ class ChatApp:
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
         self.accounting = accounting
+        registry = state.registry if state is not None and accounting is not None else None  # callers and teams
+        self.registry = registry
         # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
         # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
         continues = settings.continue_on_upstream_failure
@@ -68,8 +70,10 @@ class ChatApp:
             settings.drain_seconds, host_timeout, on_drain=drain_steps, closing=[self.close], signals=signals
         )
         self.lifecycle = life
-        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
-        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
+        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry)
+        self.chat_completions = Endpoint(
+            OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry
+        )
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
         self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting, None, life)
@@ -98,11 +102,11 @@ class ChatApp:
     async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
         """With caller keys required, a 401 for a request without a valid key (the routes without a
         body: models), else None and the models this caller (and its team) may name."""
-        if self.accounting is None:
+        if self.accounting is None or self.registry is None:
             return None, self.model_names
         try:
             caller = await authenticated(self.accounting, request.headers)
-            team = await self.accounting.registry.team_of(caller)
+            team = await self.registry.team_of(caller)
         except ApiError as error:
             return with_request_id(openai_chat.error_response(error)), ()
         team = team if isinstance(team, Team) else None

@@ -43,6 +43,7 @@ from .settings import Settings
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
+from .state.registry import Registry
 from .state.streamlog import Claim, started_at
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
@@ -127,6 +128,7 @@ class Endpoint:
         accounting: Accounting | None,
         resumable: Resumable | None = None,
         lifecycle: Lifecycle | None = None,
+        registry: Registry | None = None,
     ):
         self.api = api
         self.settings = settings
@@ -135,6 +137,7 @@ class Endpoint:
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
         self.lifecycle = lifecycle  # the drain on SIGTERM: no new stream, the running ones ended in time
+        self.registry = registry  # with accounting: a taken-over stream's caller, by its id
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
@@ -351,8 +354,8 @@ class Endpoint:
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
         """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
-        assert self.accounting is not None and claim.owner is not None
-        caller = await self.accounting.registry.caller_by_id(claim.owner)
+        assert self.accounting is not None and self.registry is not None and claim.owner is not None
+        caller = await self.registry.caller_by_id(claim.owner)
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
@@ -365,8 +368,9 @@ class Endpoint:
         assert self.accounting is not None
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
-        started = started_at(claim.stream_id) or self.accounting.counters.clock()
-        await self.accounting.charge_lost(admission, started, lost.text + unstored, claim.epoch, before)
+        await self.accounting.charge_lost(
+            admission, started_at(claim.stream_id), lost.text + unstored, claim.epoch, before
+        )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:
         """When the reader that asked for the takeover had ids past the stored end, the lost producer

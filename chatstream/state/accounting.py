@@ -296,7 +296,7 @@ class Accounting:
         self.journal.settle(admission.entry, [], amounts, settlement)
 
     async def charge_lost(
-        self, admission: Admission, started: float, text: str, epoch: int = 2, before: str = ""
+        self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
     ) -> None:
         """A resumable stream taken over here (its producer's instance died, or drained), as its
         ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
@@ -314,6 +314,7 @@ class Accounting:
         first, then the ledger (on the row's ETag: ``Ledger.apply``), then the counters; if the row
         changed meanwhile it counts nothing."""
         admission.segment_base = admission.entry.segment = segment_base(epoch)
+        started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
