@@ -301,7 +301,7 @@ class Accounting:
         """A resumable stream taken over here (its producer's instance died, or drained), as its
         ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
         generated, after ``before``, the earlier producers' part) is charged as the first segment of
-        that producer's block, unless the dead instance's recovery (recovery.py) or the producer
+        that producer's block, unless the dead instance's recovery (journal.py) or the producer
         itself charged it first; the continuation here is charged from the first segment of its own
         block (``admission``). So however many times a stream is taken over, each producer's
         segments are rows of their own. Call it right after the admission (before any await): the

@@ -21,7 +21,7 @@ equals what the instances hold plus what was spent, whatever pattern of timeouts
 **A dead instance gives back.** A budget's capacity held by an instance that dies is in its entry;
 the instance's journal (journal.py) lists the counter before the instance holds any of it
 (``WriteAhead``), and its open reservations and unapplied charges. Whoever takes the instance over
-removes the entry (recovery.py): ``taken`` loses what the dead instance held and gains what it
+removes the entry (journal.py): ``taken`` loses what the dead instance held and gains what it
 spent. Minute windows need nothing: they end. Charges enter a budget's row only once their ledger
 row is written (``Settlement.confirm``), in the order they were made (``applied`` is the last one
 in), so the recovery knows exactly which of the journal's charges the row already has.

@@ -12,7 +12,7 @@ them: who is alive, who died, and who does the work that one instance does for a
   the process beats on under a new id.
 - **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free (its holder
   stopped refreshing it for ``duty_seconds``), finds the dead instances (one query of the partition)
-  and takes each over: its row taken, what it owed settled (``recover``: recovery.py), then its row
+  and takes each over: its row taken, what it owed settled (``recover``: journal.py), then its row
   deleted; and runs the periodic sweeps (``every``: expired streams, the ledger's retention). So
   whatever the number of instances, a sweep costs one instance's work: the others read the duty
   row, one point read each per ``duty_seconds``.
@@ -70,7 +70,7 @@ class Instances:
         recover: Recover | None = None,
     ):
         """``recover(dead, taker)``: what the duty holder does with each instance it finds dead
-        (recovery.py); idempotent (it may run again for the same instance, if a holder died mid-way)."""
+        (journal.py); idempotent (it may run again for the same instance, if a holder died mid-way)."""
         self.store = store
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()

@@ -11,7 +11,7 @@ A row holds the caller (name and id), its team, the model, the endpoint, the ups
 cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
 request ended, and who wrote it (an instance, or the one that took a dead one over; a lost part
 raised by such a takeover above what a stream's taker charged keeps that charge in
-``counted_tokens`` and ``counted_cost``: recovery.py).
+``counted_tokens`` and ``counted_cost``: journal.py).
 
 Charges are written in the background (``submit``): grouped per partition into entity-group
 transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not

@@ -19,11 +19,10 @@ from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.callers import Caller
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
-from chatstream.state.journal import journal_name
+from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.ledger import Charge
 from chatstream.state.port import Unavailable
 from chatstream.state.prices import Price
-from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 
