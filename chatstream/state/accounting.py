@@ -1,9 +1,5 @@
 """A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
-endpoints call, in the state's own words (port.py; apis/usage.py builds what they hand over)::
-
-    found = await accounting.authenticate(key)                # Caller | KeyRefused | Unavailable
-    admitted = await accounting.admit(caller, asked)          # Admission | Refused | ModelRefused | ...
-    accounting.charge(admitted, usage)                        # when the request is over (background)
+endpoints call (``authenticate``, ``admit``, ``charge``), in the state's own words (port.py).
 
 ``admit`` checks the model against the caller's and its team's, reserves against every limit of
 both (counters.py: all or nothing): one request; the prompt's tokens (counted with the model's
@@ -19,7 +15,7 @@ sent another model name (its ``deployments``) that has a price of its own: at th
 that name.
 
 The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
-never counted twice, whatever the store or the instance does meanwhile."""
+never counted twice."""
 
 from __future__ import annotations
 
@@ -184,11 +180,9 @@ class Accounting:
         return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
-        """The tokens a request carries by reference, (known, estimated): a previous response must be
-        the caller's own, and its size is known once it finished; a conversation or stored items, or
-        a previous response not finished yet, is estimated as ``referenced_context``. Both are
-        reserved; an answer that ends early without the upstream's usage is charged the known part
-        only."""
+        """The tokens a request carries by reference, (known, estimated): a previous response (the
+        caller's own) its size, once known; a conversation or stored items ``referenced_context``.
+        Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
             try:
@@ -227,10 +221,8 @@ class Accounting:
         task.add_done_callback(self._background.discard)
 
     def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
-        """What the request costs at the price it was admitted with, or a served model's kept here
-        (pico-USD; None: no price), for its log line, span and metrics, before the charge itself, at
-        that same price, is written in the background (a price change applies to the requests
-        admitted after it)."""
+        """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
+        log line, span and metrics, before the charge is made in the background."""
         if admission is None or admission.price is None or not usage.segments:
             return None
         price = admission.price
@@ -241,13 +233,16 @@ class Accounting:
         # A background response that goes on upstream (no usage yet), or that was charged already where
         # it was read back: held, and corrected when its usage is seen (charge_seen). Else charged now,
         # and never again.
-        if (
-            admission.background
-            and admission.created is not None
-            and (not usage.reported or not await self._first_charge(*admission.created))
-        ):
-            self._hold_for_background(admission)
-            return
+        if admission.background and admission.created is not None:
+            first = False
+            if usage.reported:
+                try:
+                    first = await self.owners.first_charge(*admission.created)
+                except StoreError as exc:  # not known: held, so that reading it back later charges it once
+                    log.warning("owners: a background response's charge could not be marked: %s", exc)
+            if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
+                self._settle(admission, [], {w.key: w.need for w in admission.wants})
+                return
         used = usage.segments
         if not used:
             admission.reservation.release()
@@ -264,15 +259,15 @@ class Accounting:
         ]
         tokens_used = sum(u.total for u in used)
         cost = sum(c.cost or 0 for c in charges)
-        spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
+        self._settle(admission, charges, {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants})
+
+    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[tuple[str, str], int]) -> None:
         settlement = admission.reservation.settle(spent)
-        amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
-        self.journal.settle(admission.entry, charges, amounts, settlement)
+        self.journal.settle(admission.entry, charges, _amounts(admission.wants, spent), settlement)
 
     async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
-        """The price of each model the answer was served as under another name than the requested
-        one (an entry's ``deployments``), when that name has one of its own; the others are charged
-        the requested model's."""
+        """The prices of the models a segment was served as under another name (an entry's
+        ``deployments``) that have one of their own."""
         out: dict[str, Price] = {}
         for model in {u.model for u in used if u.model}:
             price = await self.registry.price(model)
@@ -280,39 +275,19 @@ class Accounting:
                 out[model] = price
         return out
 
-    async def _first_charge(self, kind: str, id: str) -> bool:
-        try:
-            return await self.owners.first_charge(kind, id)
-        except StoreError as exc:  # not known: held, so that reading it back later charges it once
-            log.warning("owners: a background response's charge could not be marked: %s", exc)
-            return False
-
-    def _hold_for_background(self, admission: Admission) -> None:
-        """A background response: what it reserved is spent until its usage is seen (conservative),
-        then corrected (``charge_seen``). Not in the ledger until then."""
-        spent = {w.key: w.need for w in admission.wants}
-        settlement = admission.reservation.settle(spent)
-        amounts = {f"{w.partition}/{w.row}": w.need for w in admission.wants if w.period != "minute"}
-        self.journal.settle(admission.entry, [], amounts, settlement)
-
     async def charge_lost(
         self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
     ) -> None:
-        """A resumable stream taken over here (its producer's instance died, or drained), as its
-        ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
-        generated, after ``before``, the earlier producers' part) is charged as the first segment of
-        that producer's block, unless the dead instance's recovery (journal.py) or the producer
-        itself charged it first; the continuation here is charged from the first segment of its own
-        block (``admission``). So however many times a stream is taken over, each producer's
-        segments are rows of their own. Call it right after the admission (before any await): the
-        journal lists the block with it; again with a longer ``text`` (what its caller was found to
-        have received): the row is raised to it. Never raises: on a store failure the dead
-        instance's recovery charges that part at its checkpoint.
-
-        What it writes is made on the row as read: an insert, or a raise of a row of a recovery or
-        of its own (its author kept), counting the difference. Like any charge it is in the journal
-        first, then the ledger (on the row's ETag: ``Ledger.apply``), then the counters; if the row
-        changed meanwhile it counts nothing."""
+        """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
+        (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
+        charged as the first segment of that producer's block, the continuation (``admission``) from
+        the first of its own: each producer's segments are rows of their own. Call it right after
+        the admission (the journal lists the block with it); again with a longer ``text`` (what its
+        caller was found to have received): the row is raised to it. The charge is made on the row
+        as read: an insert, or a raise of a recovery's row or its own (author kept) by the
+        difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
+        meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
+        instance's recovery charges that part at its checkpoint."""
         admission.segment_base = admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
@@ -348,7 +323,7 @@ class Accounting:
             cost -= int(there.get("cost") or 0)
         wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
         settlement = self.counters.adjust(wants, started, confirmed=False)
-        amounts = {f"{w.partition}/{w.row}": w.need for w in wants if w.period != "minute"}
+        amounts = _amounts(wants)
         entry = self.journal.open(
             _entry(f"{payer.request_id}/{op}", payer, admission.model, prompt, amounts, admission.price)
         )
@@ -423,6 +398,11 @@ class Accounting:
         ok = await self.journal.flush(left)
         ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
+
+
+def _amounts(wants: list[Want], spent: dict[tuple[str, str], int] | None = None) -> dict[str, int]:
+    """What ``spent`` (else each want's need) is of each budget counter ("partition/row")."""
+    return {f"{w.partition}/{w.row}": spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
 
 
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:

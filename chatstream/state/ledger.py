@@ -2,20 +2,15 @@
 model and day (docs/callers.md).
 
 Table ``chatstreamUsage``, one partition per caller (``u:<caller id>``: a caller deleted and created
-again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the day the request
-started (UTC), the app's own request id, and the segment (an answer continued on another upstream is
+again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the UTC day the
+request started, the app's request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
-lost answer, another instance settling a dead one's request) adds nothing: an insert finds it there,
-and only the writer whose row landed counts it in the budget counters (``theirs``).
-A row holds the caller (name and id), its team, the model, the endpoint, the upstream entry, prompt,
-cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
-request ended, and who wrote it (an instance, or the one that took a dead one over; a lost part
-raised by such a takeover above what a stream's taker charged keeps that charge in
-``counted_tokens`` and ``counted_cost``: journal.py).
+lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
+row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and what raising
+it kept of earlier writers (``counted_tokens``, ``counted_cost``, ``ops``: journal.py).
 
-Charges are written in the background (``submit``): grouped per partition into entity-group
-transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not
-drop them; the journal keeps them if this instance dies meanwhile: journal.py)."""
+Charges are written in the background (``submit``): per partition, in transactions of up to 100
+rows, tried again until they land (the journal keeps them if this instance dies meanwhile)."""
 
 from __future__ import annotations
 
@@ -38,6 +33,8 @@ log = logging.getLogger("chatstream")
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
 USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
 FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
+SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens")  # usage's sums of the rows' fields
+ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd")
 
 
 @dataclass(frozen=True)
@@ -129,34 +126,12 @@ class Charge:
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        return {
-            "PartitionKey": self.partition,
-            "RowKey": self.row_key,
-            "caller": self.caller,
-            "caller_id": self.caller_id,
-            "team": self.team,
-            "team_id": self.team_id,
-            "model": self.model,
-            "endpoint": self.endpoint,
-            "request_id": self.request_id,
-            "segment": self.segment,
-            "upstream": self.upstream,
-            "upstream_id": self.upstream_id,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cost": self.cost,
-            "ended": self.ended,
-            "at": self.at,
-            "author": self.author,
-        } | ({"ops": self.ops} if self.ops else {})
+        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
+        return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
     def as_dict(self) -> dict[str, Any]:
-        """For the journal (journal.py): everything, to write it again."""
-        return {k: v for k, v in self.entity().items() if k not in ("PartitionKey", "RowKey")} | {
-            "day": self.day,
-            "over": self.over,
-        }
+        """For the journal: everything, to write it again (``of``)."""
+        return asdict(self)
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
@@ -392,17 +367,7 @@ class Ledger:
             rows_from=f"{start:%Y%m%d}",
             rows_to=_day_after(end),
             equal=equal,
-            select=(
-                "caller",
-                "caller_id",
-                "team",
-                "model",
-                "prompt_tokens",
-                "cached_tokens",
-                "completion_tokens",
-                "cost",
-                "ended",
-            ),
+            select=("caller", "caller_id", "team", "model", *SUMMED, "cost", "ended"),
         )
         return summarize(await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT))
 
@@ -442,28 +407,13 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             str(row.get("team") or ""),
             str(row.get("model") or ""),
         )
-        entry = sums.setdefault(
-            key,
-            {
-                "day": key[0],
-                "caller": key[1],
-                "team": key[2] or None,
-                "model": key[3],
-                "prompt_tokens": 0,
-                "cached_tokens": 0,
-                "completion_tokens": 0,
-                "total_tokens": 0,
-                "requests": 0,
-                "unpriced_requests": 0,
-                "cost_picousd": 0,
-                "ended": {},
-            },
-        )
-        prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("completion_tokens") or 0)
-        entry["prompt_tokens"] += prompt
-        entry["cached_tokens"] += int(row.get("cached_tokens") or 0)
-        entry["completion_tokens"] += completion
-        entry["total_tokens"] += prompt + completion
+        if key not in sums:
+            names = {"day": key[0], "caller": key[1], "team": key[2] or None, "model": key[3]}
+            sums[key] = names | dict.fromkeys(ZEROS, 0) | {"ended": {}}
+        entry = sums[key]
+        for name in SUMMED:
+            entry[name] += int(row.get(name) or 0)
+        entry["total_tokens"] += int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -472,12 +422,7 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
-    out = []
-    for key in sorted(sums):
-        entry = sums[key]
-        entry["cost_usd"] = usd(entry["cost_picousd"])
-        out.append(entry)
-    return out
+    return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]
 
 
 __all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "Payer", "day_of", "summarize"]
