@@ -25,7 +25,7 @@ from .lifecycle import HOST_DEFAULT_SHUTDOWN, Lifecycle, host_shutdown_timeout
 from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
-from .settings import Settings, SettingsError
+from .settings import Settings
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
@@ -172,13 +172,8 @@ def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tupl
 def _resumable(
     settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
 ) -> Resumable | None:
-    if not settings.resumable_streams:
+    if not settings.resumable_streams or state is None:  # without storage: refused at start-up (shared.py)
         return None
-    if state is None:
-        raise SettingsError(
-            "invalid app settings: RESUMABLE_STREAMS=on needs the app's storage: set "
-            "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-        )
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
     log_ = StreamLog(
