@@ -225,10 +225,14 @@ class Ledger:
                 continue
             try:  # a write made on what its row held: one at a time (its result: whether it did not land)
                 landed = await self.apply(charge)
-                if not future.done():
-                    future.set_result(not landed)
             except StoreError:
                 failed.append((charge, future))
+                continue
+            except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
+                log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
+                landed = False
+            if not future.done():
+                future.set_result(not landed)
         for items in by_partition.values():
             unique: dict[str, tuple[Charge, list[asyncio.Future]]] = {}
             for charge, future in items:
