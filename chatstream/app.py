@@ -25,7 +25,7 @@ from .lifecycle import HOST_DEFAULT_SHUTDOWN, Lifecycle, host_shutdown_timeout
 from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
-from .settings import Settings, SettingsError
+from .settings import Settings
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
@@ -53,6 +53,8 @@ class ChatApp:
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
         accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
         self.accounting = accounting
+        registry = state.registry if state is not None and accounting is not None else None  # callers and teams
+        self.registry = registry
         # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
         # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
         continues = settings.continue_on_upstream_failure
@@ -68,8 +70,10 @@ class ChatApp:
             settings.drain_seconds, host_timeout, on_drain=drain_steps, closing=[self.close], signals=signals
         )
         self.lifecycle = life
-        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
-        self.chat_completions = Endpoint(OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life)
+        self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry)
+        self.chat_completions = Endpoint(
+            OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry
+        )
         # The Responses API: the same pool, each client as Responses calls need it (Azure's v1 paths).
         responses = upstreams.for_responses()
         self.responses = Endpoint(ResponsesApi(), settings, responses, pipeline, accounting, None, life)
@@ -98,11 +102,11 @@ class ChatApp:
     async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
         """With caller keys required, a 401 for a request without a valid key (the routes without a
         body: models), else None and the models this caller (and its team) may name."""
-        if self.accounting is None:
+        if self.accounting is None or self.registry is None:
             return None, self.model_names
         try:
             caller = await authenticated(self.accounting, request.headers)
-            team = await self.accounting.registry.team_of(caller)
+            team = await self.registry.team_of(caller)
         except ApiError as error:
             return with_request_id(openai_chat.error_response(error)), ()
         team = team if isinstance(team, Team) else None
@@ -168,13 +172,8 @@ def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tupl
 def _resumable(
     settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
 ) -> Resumable | None:
-    if not settings.resumable_streams:
+    if not settings.resumable_streams or state is None:  # without storage: refused at start-up (shared.py)
         return None
-    if state is None:
-        raise SettingsError(
-            "invalid app settings: RESUMABLE_STREAMS=on needs the app's storage: set "
-            "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-        )
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
     log_ = StreamLog(

@@ -43,6 +43,7 @@ from .settings import Settings
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting, Admission
 from .state.callers import Caller
+from .state.registry import Registry
 from .state.streamlog import Claim, started_at
 from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
@@ -127,6 +128,7 @@ class Endpoint:
         accounting: Accounting | None,
         resumable: Resumable | None = None,
         lifecycle: Lifecycle | None = None,
+        registry: Registry | None = None,
     ):
         self.api = api
         self.settings = settings
@@ -135,6 +137,7 @@ class Endpoint:
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
         self.lifecycle = lifecycle  # the drain on SIGTERM: no new stream, the running ones ended in time
+        self.registry = registry  # with accounting: a taken-over stream's caller, by its id
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
@@ -222,6 +225,7 @@ class Endpoint:
         body = await self.api.completion(body, self.pipeline, record)
         if admission is not None and isinstance(body.get("id"), str):
             await self._claim(admission, body["id"], call)
+            await self._keep_context(record, admission)
         self._finish(record, admission)
         return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **_headers(record, admission)})
 
@@ -238,12 +242,15 @@ class Endpoint:
         def finish() -> None:
             self._finish_stream(protocol, record, admission)
 
+        async def before_last() -> None:
+            await self._keep_context(record, admission)
+
         upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         events = (
-            self.lifecycle.guard(upstream, record, finish)
+            self.lifecycle.guard(upstream, record, finish, before_last)
             if self.lifecycle is not None
-            else finishing(upstream, finish)
+            else finishing(upstream, finish, before_last)
         )
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
@@ -347,8 +354,8 @@ class Endpoint:
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
         """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
-        assert self.accounting is not None and claim.owner is not None
-        caller = await self.accounting.registry.caller_by_id(claim.owner)
+        assert self.accounting is not None and self.registry is not None and claim.owner is not None
+        caller = await self.registry.caller_by_id(claim.owner)
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
@@ -361,8 +368,9 @@ class Endpoint:
         assert self.accounting is not None
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
-        started = started_at(claim.stream_id) or self.accounting.counters.clock()
-        await self.accounting.charge_lost(admission, started, lost.text + unstored, claim.epoch, before)
+        await self.accounting.charge_lost(
+            admission, started_at(claim.stream_id), lost.text + unstored, claim.epoch, before
+        )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:
         """When the reader that asked for the takeover had ids past the stored end, the lost producer
@@ -379,6 +387,14 @@ class Endpoint:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
         if self.accounting is not None and self.api.owns is not None:
             await self.accounting.claim(self.api.owns, created, admission, bool(call.params.get("background")))
+
+    async def _keep_context(self, record: StreamRecord, admission: Admission | None) -> None:
+        """What a response this request created carries is in its owner row before the caller has
+        the answer: a continuation of it, sent at once to any instance, reserves that."""
+        if self.accounting is not None and admission is not None and admission.created is not None and record.usage:
+            await self.accounting.keep_context(
+                admission, request_usage(admission.model, admission.prompt_tokens, record, None)
+            )
 
     def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None) -> None:
         if protocol.released is not None:
@@ -400,13 +416,19 @@ class Endpoint:
             self.pipeline.run_after(record.result())
 
 
-async def finishing(events: AsyncGenerator[Event], on_end: Callable[[], None]) -> AsyncGenerator[Event]:
-    """``events`` up to the final one; ``on_end`` runs when they end, however they end."""
+async def finishing(
+    events: AsyncGenerator[Event], on_end: Callable[[], None], before_last: Callable[[], Awaitable[None]] | None = None
+) -> AsyncGenerator[Event]:
+    """``events`` up to the final one (``before_last`` awaited before it goes out); ``on_end`` runs
+    when they end, however they end."""
     try:
         async for item in events:
-            yield item
             if not isinstance(item, Chunk):
+                if before_last is not None:
+                    await before_last()
+                yield item
                 return
+            yield item
     finally:
         await events.aclose()
         on_end()

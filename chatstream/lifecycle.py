@@ -147,17 +147,26 @@ class Lifecycle:
         return stream
 
     def guard(
-        self, events: AsyncGenerator[Event], record: StreamRecord, on_end: Callable[[], None]
+        self,
+        events: AsyncGenerator[Event],
+        record: StreamRecord,
+        on_end: Callable[[], None],
+        before_last: Callback | None = None,
     ) -> AsyncGenerator[Event]:
-        """A stream's events (``relay``'s) as the drain wants them, and ``on_end`` (the endpoint's
-        record keeping: its log line and charge) once they are over, however they end: at the cut,
-        the upstream closed and one final ``instance_draining`` error instead of the rest; during a
-        drain, the last stream's final event waits for the ``on_drain`` callbacks (its record
-        written first). One generator for all of it: each layer costs every delta."""
-        return self._guarded(events, self.register(record), on_end)
+        """A stream's events (``relay``'s) as the drain wants them, ``before_last`` awaited before the
+        upstream's final event goes out, and ``on_end`` (the endpoint's record keeping: its log line
+        and charge) once they are over, however they end: at the cut, the upstream closed and one
+        final ``instance_draining`` error instead of the rest; during a drain, the last stream's
+        final event waits for the ``on_drain`` callbacks (its record written first). One generator
+        for all of it: each layer costs every delta."""
+        return self._guarded(events, self.register(record), on_end, before_last)
 
     async def _guarded(
-        self, events: AsyncGenerator[Event], stream: Stream, on_end: Callable[[], None]
+        self,
+        events: AsyncGenerator[Event],
+        stream: Stream,
+        on_end: Callable[[], None],
+        before_last: Callback | None,
     ) -> AsyncGenerator[Event]:
         ended = False
         try:
@@ -188,6 +197,8 @@ class Lifecycle:
                 elif type(item) is Chunk:
                     yield item
                     continue
+                elif before_last is not None:
+                    await before_last()
                 if self._holds(stream):
                     await events.aclose()
                     ended = True

@@ -1,4 +1,4 @@
-"""state/recovery.py on a real Azurite: two instances recover the same dead one at the same time."""
+"""state/journal.py's Recovery on a real Azurite: two instances recover the same dead one at the same time."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from chatstream import tokens
 from chatstream.state.accounting import Admission
 from chatstream.state.callers import CallerSpec, TeamSpec, validate
 from chatstream.state.counter_row import parse_holds
-from chatstream.state.journal import journal_name
+from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.prices import PriceSpec
-from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE, StorageConfig, Where
 from chatstream.state.store_azure import AzureStore

@@ -1,9 +1,5 @@
 """A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
-endpoints call, in the state's own words (port.py; apis/usage.py builds what they hand over)::
-
-    found = await accounting.authenticate(key)                # Caller | KeyRefused | Unavailable
-    admitted = await accounting.admit(caller, asked)          # Admission | Refused | ModelRefused | ...
-    accounting.charge(admitted, usage)                        # when the request is over (background)
+endpoints call (``authenticate``, ``admit``, ``charge``), in the state's own words (port.py).
 
 ``admit`` checks the model against the caller's and its team's, reserves against every limit of
 both (counters.py: all or nothing): one request; the prompt's tokens (counted with the model's
@@ -19,15 +15,16 @@ sent another model name (its ``deployments``) that has a price of its own: at th
 that name.
 
 The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
-never counted twice, whatever the store or the instance does meanwhile."""
+never counted twice."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import tokens
 from ..errors import StoreError
@@ -35,11 +32,10 @@ from .callers import Caller, Team
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
-from .ledger import Charge, Ledger, day_of, tokens_of
+from .ledger import Charge, Ledger, Payer, day_of, tokens_of
 from .owners import Owners
 from .port import (
     AdmissionRequest,
-    Ended,
     KeyRefused,
     LimitRef,
     ModelRefused,
@@ -68,14 +64,13 @@ class Admission:
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     model: str
     price: Price | None
-    entry: JournalEntry
+    entry: JournalEntry  # with its payer: whose request it is
     started: float
-    request_id: str
-    endpoint: str
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
     segment_base: int = 0  # a stream taken over: its segments are a block of their own (``charge_lost``)
+    lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
     @property
     def rates(self) -> dict[str, Rate]:
@@ -83,17 +78,7 @@ class Admission:
         return self.reservation.rates
 
 
-@dataclass(frozen=True)
-class _Whose:
-    """Whose request a ledger row is, when there is no admission at hand (a background response)."""
-
-    caller: Caller
-    team: Team | None
-    request_id: str
-    endpoint: str
-    started: float
-
-
+LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
@@ -150,9 +135,6 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
-        # What a response created here carries, known as it ends, before its row says so (written in
-        # the background): a continuation of it sent at once is reserved at that, not the estimate.
-        self._contexts: dict[tuple[str, str], int] = {}
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -191,34 +173,16 @@ class Accounting:
         if not isinstance(reserved, Reservation):
             return reserved
         started = self.counters.clock()
-        entry = self.journal.open(
-            JournalEntry(
-                request_id=asked.request_id,
-                caller=caller.name,
-                caller_id=caller.id,
-                team=team.name if team is not None else None,
-                team_id=team.id if team is not None else None,
-                model=model,
-                endpoint=asked.endpoint,
-                day=day_of(started),
-                prompt_tokens=counted,
-                needs=reserved.needs,
-                kinds={k: ("spend" if k.endswith("/spend") else "tokens") for k in reserved.needs},
-                price=price,
-            )
-        )
+        payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
+        entry = self.journal.open(_entry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
-        return Admission(
-            caller, team, reserved, counted, model, price, entry, started, asked.request_id, asked.endpoint, wants=wants
-        )
+        return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
-        """The tokens a request carries by reference, (known, estimated): a previous response must be
-        the caller's own, and its size is known once it finished; a conversation or stored items, or
-        a previous response not finished yet, is estimated as ``referenced_context``. Both are
-        reserved; an answer that ends early without the upstream's usage is charged the known part
-        only."""
+        """The tokens a request carries by reference, (known, estimated): a previous response (the
+        caller's own) its size, once known; a conversation or stored items ``referenced_context``.
+        Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
             try:
@@ -227,14 +191,22 @@ class Accounting:
                 return Unavailable()
             if owned is None or not _mine(owned.caller_id, caller):
                 return Unknown("response", asked.previous)
-            context = owned.context or self._contexts.get(("response", asked.previous), 0)
-            if context:
-                known += context
+            if owned.context:
+                known += owned.context
             else:
                 extra += self.referenced_context
         if asked.references:
             extra += self.referenced_context
         return known, extra
+
+    async def keep_context(self, admission: Admission, usage: Usage) -> None:
+        """What the response ``admission`` created carries (its last segment, as reported) is kept in
+        its owner row, for a continuation's reservation: before its caller has it (the endpoint)."""
+        if admission.created is not None and usage.reported and usage.segments:
+            try:
+                await self.owners.set_context(*admission.created, usage.segments[-1].total)
+            except StoreError as exc:  # a continuation then reserves the estimate
+                log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
 
     def progress(self, admission: Admission, generated) -> None:
         """How the journal reads what the request has generated so far (its checkpoints)."""
@@ -244,19 +216,13 @@ class Accounting:
         """Settle the admission once the request is over (module docstring): in the background."""
         if admission is None:
             return
-        if admission.created is not None and usage.reported and usage.segments:
-            if len(self._contexts) >= 4096:
-                self._contexts.pop(next(iter(self._contexts)))  # the oldest: its row has it by now
-            self._contexts[admission.created] = usage.segments[-1].total
         task = asyncio.get_running_loop().create_task(self._charge(admission, usage))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
-        """What the request costs at the price it was admitted with, or a served model's kept here
-        (pico-USD; None: no price), for its log line, span and metrics, before the charge itself, at
-        that same price, is written in the background (a price change applies to the requests
-        admitted after it)."""
+        """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
+        log line, span and metrics, before the charge is made in the background."""
         if admission is None or admission.price is None or not usage.segments:
             return None
         price = admission.price
@@ -267,13 +233,16 @@ class Accounting:
         # A background response that goes on upstream (no usage yet), or that was charged already where
         # it was read back: held, and corrected when its usage is seen (charge_seen). Else charged now,
         # and never again.
-        if (
-            admission.background
-            and admission.created is not None
-            and (not usage.reported or not await self._first_charge(*admission.created))
-        ):
-            self._hold_for_background(admission)
-            return
+        if admission.background and admission.created is not None:
+            first = False
+            if usage.reported:
+                try:
+                    first = await self.owners.first_charge(*admission.created)
+                except StoreError as exc:  # not known: held, so that reading it back later charges it once
+                    log.warning("owners: a background response's charge could not be marked: %s", exc)
+            if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
+                self._settle(admission, [], {w.key: w.need for w in admission.wants})
+                return
         used = usage.segments
         if not used:
             admission.reservation.release()
@@ -283,58 +252,22 @@ class Accounting:
         # name with a price of its own is charged that price, under that name.
         served = await self._served_prices(used)
         at = [(u.model, served[u.model]) if u.model in served else (admission.model, admission.price) for u in used]
+        payer, base = admission.entry.payer, admission.segment_base
         charges = [
-            self._row(admission, model, u, price, usage.ended, admission.segment_base + i, usage.upstream_id)
+            Charge.made(payer, model, u, price, usage.ended, self.counters.instance, base + i, usage.upstream_id)
             for i, (u, (model, price)) in enumerate(zip(used, at, strict=True))
         ]
         tokens_used = sum(u.total for u in used)
         cost = sum(c.cost or 0 for c in charges)
-        spent = {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants}
-        if admission.created is not None and usage.reported:
-            with contextlib.suppress(StoreError):  # what continuing it will carry, for its reservation
-                await self.owners.set_context(*admission.created, used[-1].total)
-        settlement = admission.reservation.settle(spent)
-        amounts = {f"{w.partition}/{w.row}": spent[w.key] for w in admission.wants if w.period != "minute"}
-        self.journal.settle(admission.entry, charges, amounts, settlement)
+        self._settle(admission, charges, {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants})
 
-    def _row(
-        self,
-        whose: Admission | _Whose,
-        model: str,
-        used: Used,
-        price: Price | None,
-        ended: Ended,
-        segment: int = 0,
-        upstream_id: str | None = None,
-        started: float | None = None,
-    ) -> Charge:
-        """The one way a ledger row is made: one segment of ``whose`` request, at ``price`` (None:
-        unpriced), on the day the request started (``started``, when not ``whose``'s: a stream's)."""
-        caller, team = whose.caller, whose.team
-        return Charge(
-            caller=caller.name,
-            caller_id=caller.id,
-            team=team.name if team is not None else None,
-            team_id=team.id if team is not None else None,
-            model=model,
-            endpoint=whose.endpoint,
-            request_id=whose.request_id,
-            segment=segment,
-            day=day_of(whose.started if started is None else started),
-            upstream=used.upstream,
-            upstream_id=used.request_id or upstream_id or "",
-            prompt_tokens=used.prompt,
-            cached_tokens=used.cached,
-            completion_tokens=used.completion,
-            cost=price.cost(used.prompt, used.cached, used.completion) if price is not None else None,
-            ended=ended,
-            author=self.counters.instance,
-        )
+    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[tuple[str, str], int]) -> None:
+        settlement = admission.reservation.settle(spent)
+        self.journal.settle(admission.entry, charges, _amounts(admission.wants, spent), settlement)
 
     async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
-        """The price of each model the answer was served as under another name than the requested
-        one (an entry's ``deployments``), when that name has one of its own; the others are charged
-        the requested model's."""
+        """The prices of the models a segment was served as under another name (an entry's
+        ``deployments``) that have one of their own."""
         out: dict[str, Price] = {}
         for model in {u.model for u in used if u.model}:
             price = await self.registry.price(model)
@@ -342,63 +275,60 @@ class Accounting:
                 out[model] = price
         return out
 
-    async def _first_charge(self, kind: str, id: str) -> bool:
-        try:
-            return await self.owners.first_charge(kind, id)
-        except StoreError as exc:  # not known: held, so that reading it back later charges it once
-            log.warning("owners: a background response's charge could not be marked: %s", exc)
-            return False
-
-    def _hold_for_background(self, admission: Admission) -> None:
-        """A background response: what it reserved is spent until its usage is seen (conservative),
-        then corrected (``charge_seen``). Not in the ledger until then."""
-        spent = {w.key: w.need for w in admission.wants}
-        settlement = admission.reservation.settle(spent)
-        amounts = {f"{w.partition}/{w.row}": w.need for w in admission.wants if w.period != "minute"}
-        self.journal.settle(admission.entry, [], amounts, settlement)
-
     async def charge_lost(
-        self, admission: Admission, started: float, text: str, epoch: int = 2, before: str = ""
+        self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
     ) -> None:
-        """A resumable stream taken over here (its producer's instance died, or drained), as its
-        ``epoch``-th producer: the lost producer's part of the answer (``text``: what the log shows it
-        generated, after ``before``, the earlier producers' part) is charged as the first segment of
-        that producer's block, unless the dead instance's recovery (recovery.py) charged it first; the
-        continuation here is charged from the first segment of its own block (``admission``). So
-        however many times a stream is taken over, each producer's segments are rows of their own.
-        Never raises: on a store failure the journal's takeover charges that part at its checkpoint.
-        Call it right after the admission (before any await): the journal lists the block with it;
-        again with a longer ``text`` (what its caller was found to have received): the row is raised
-        to it, the difference counted."""
+        """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
+        (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
+        charged as the first segment of that producer's block, the continuation (``admission``) from
+        the first of its own: each producer's segments are rows of their own. Call it right after
+        the admission (the journal lists the block with it); again with a longer ``text`` (what its
+        caller was found to have received): the row is raised to it. The charge is made on the row
+        as read: an insert, or a raise of a recovery's row or its own (author kept) by the
+        difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
+        meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
+        instance's recovery charges that part at its checkpoint."""
         admission.segment_base = admission.entry.segment = segment_base(epoch)
+        started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
         lost = Used(prompt, 0, completion)
-        charge = self._row(
-            admission, admission.model, lost, admission.price, "lost", segment_base(epoch - 1), started=started
-        )
+        payer = replace(admission.entry.payer, day=day_of(started))  # the stream's day
+        author = self.counters.instance
+        charge = Charge.made(payer, admission.model, lost, admission.price, "lost", author, segment_base(epoch - 1))
+        if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LANDED_WITHIN):
+                    await admission.lost.written.wait()
         try:
-            there = await self.ledger.write_now(charge)
-            # Charged already: by the dead instance's takeover at its journal's checkpoint (counted
-            # there; raised here to what the log shows, and the difference counted), by this call
-            # before (the same), or by the producer itself (a hand-over: it counted it).
-            author = str(there.get("author") or "") if there is not None else ""
-            raised = (
-                there is not None
-                and (author.startswith("takeover:") or author == charge.author)
-                and await self.ledger.replace_below(charge, there, author=author)
-            )
+            there = await self.ledger.find(charge)
         except StoreError as exc:
             log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
             return
+        op = secrets.token_hex(6)
         spent, cost = charge.total_tokens, charge.cost or 0
-        if there is not None:
-            if not raised:
+        if there is None:
+            charge = replace(charge, ops=op)
+        else:
+            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
+            # call before (raised to what the log shows, the difference counted); or by the producer
+            # itself (a hand-over: it counted it).
+            author = str(there.get("author") or "")
+            if not (author.startswith("takeover:") or author == charge.author) or tokens_of(there) >= spent:
                 return
+            ops = f"{there.get('ops') or ''} {op}".strip()
+            charge = replace(charge, author=author, ops=ops, over=there.etag)
             spent -= tokens_of(there)
             cost -= int(there.get("cost") or 0)
-        self.counters.adjust(_wants(admission.caller, admission.team, admission.model, spent, cost), started)
+        wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
+        settlement = self.counters.adjust(wants, started, confirmed=False)
+        amounts = _amounts(wants)
+        entry = self.journal.open(
+            _entry(f"{payer.request_id}/{op}", payer, admission.model, prompt, amounts, admission.price)
+        )
+        self.journal.settle(entry, [charge], amounts, settlement)
+        admission.lost = entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
@@ -451,8 +381,8 @@ class Accounting:
         price = owned.price if owned is not None and owned.price is not None else await self.registry.price(model)
         price = price if isinstance(price, Price) else None  # admitted at (rows before it: as of now)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
-        whose = _Whose(caller, team, id, endpoint, started)
-        charge = self._row(whose, model, used, price, "background")
+        payer = _payer(caller, team, id, endpoint, started)
+        charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
         self.ledger.submit([charge])
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
@@ -468,6 +398,28 @@ class Accounting:
         ok = await self.journal.flush(left)
         ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
+
+
+def _amounts(wants: list[Want], spent: dict[tuple[str, str], int] | None = None) -> dict[str, int]:
+    """What ``spent`` (else each want's need) is of each budget counter ("partition/row")."""
+    return {f"{w.partition}/{w.row}": spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
+
+
+def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
+    return Payer(
+        caller.name,
+        caller.id,
+        team.name if team is not None else None,
+        team.id if team is not None else None,
+        request_id,
+        endpoint,
+        day_of(started),
+    )
+
+
+def _entry(key: str, payer: Payer, model: str, prompt: int, needs: dict[str, int], price: Price | None) -> JournalEntry:
+    kinds = {k: ("spend" if k.endswith("/spend") else "tokens") for k in needs}
+    return JournalEntry(key, payer, model, prompt, needs, kinds, price)
 
 
 def _mine(owner: str, caller: Caller) -> bool:

@@ -4,7 +4,7 @@
 that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
 ``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
 after their next write). A row whose window is older than now counts as empty: rows are reused, never
-piled up. The counters (counters.py) and the recovery of a dead instance (recovery.py) read and write
+piled up. The counters (counters.py) and the recovery of a dead instance (journal.py) read and write
 it through this module."""
 
 from __future__ import annotations

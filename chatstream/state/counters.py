@@ -24,7 +24,7 @@ another write landed first, ours never will (its ETag is gone), and only then is
 Until that is known the counter waits (its reservations answer "unavailable"). So the row always
 equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
 
-**A dead instance gives back** (recovery.py takes its entry out of each budget row it held). For
+**A dead instance gives back** (journal.py's recovery takes its entry out of each budget row it held). For
 that, this instance's journal lists a budget counter before any of it is held here (``WriteAhead``),
 and a charge enters a budget's row only once its ledger row is written (``Settlement.confirm``), in
 the order charges were made: the entry's ``applied`` is the last one in. Minute windows need
@@ -273,12 +273,14 @@ class Lease:
             self.kick()
         return None
 
-    def adjust(self, amount: int, window: str) -> None:
+    def adjust(self, amount: int, window: str, confirmed: bool = True) -> _Staged | None:
         """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
-        whose usage was seen later, here or elsewhere. Enters the row with the next exchange."""
-        if amount and window == self.window:
-            self.debt += amount
-            self._stage(amount, window, confirmed=True)
+        whose usage was seen later, here or elsewhere. Enters the row with the next exchange (once
+        ``confirm``ed)."""
+        if not amount or window != self.window:
+            return None
+        self.debt += amount
+        return self._stage(amount, window, confirmed)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -775,15 +777,21 @@ class Counters:
                 rates[kind] = rate
         return rates
 
-    def adjust(self, wants: Sequence[Want], at: float) -> None:
+    def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.adjust``)."""
+        the windows it was made in when they are still current (``Lease.adjust``). Not ``confirmed``:
+        the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
         now = self.clock()
+        settlement = Settlement()
         for want in wants:
             if want.need and not want.row.startswith("rpm"):
                 lease = self._lease(want)
                 lease.advance(window_of(want.period, now))
-                lease.adjust(want.need, window_of(want.period, at))
+                minute = want.period == "minute"
+                staged = lease.adjust(want.need, window_of(want.period, at), confirmed or minute)
+                if staged is not None and not minute:
+                    settlement.staged.append((lease, staged))
+        return settlement
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

@@ -1,24 +1,20 @@
-"""This process as one instance of the app in the shared store, and the other instances as it sees
-them: who is alive, who died, and who does the work that one instance does for all.
+"""This process as one instance of the app in the shared store, and the others as it sees them: who
+is alive, who died, and who does the work one instance does for all.
 
-- **Alive.** While this instance holds anything another instance may have to take over (a stream it
-  produces, capacity of a caller's limits, charges not yet written), it beats: one small row per
-  instance (table ``chatstreamStreams``, partition ``instances``, RowKey its id) rewritten every
-  ``beat_seconds`` with ``at``, the store's time (``StoreClock``: every instance reads the same clock,
-  whatever its own says). An instance whose ``at`` is older than ``lease_seconds`` by the store's time
-  is dead. The row is bounded by design: it lists nothing.
-- **Fenced.** An instance declared dead whose process was only slow finds its row gone (or taken)
-  at its next beat: this incarnation is over (``fenced`` is set; what it held was taken over), and
-  the process beats on under a new id.
-- **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free (its holder
-  stopped refreshing it for ``duty_seconds``), finds the dead instances (one query of the partition)
-  and takes each over: its row taken, what it owed settled (``recover``: recovery.py), then its row
-  deleted; and runs the periodic sweeps (``every``: expired streams, the ledger's retention). So
-  whatever the number of instances, a sweep costs one instance's work: the others read the duty
-  row, one point read each per ``duty_seconds``.
+- **Alive.** While this instance holds anything another may have to take over (a stream it
+  produces, capacity of a caller's limits, charges not yet written), it beats: its row (table
+  ``chatstreamStreams``, partition ``instances``) rewritten every ``beat_seconds`` with ``at``, the
+  store's time (``StoreClock``: every instance reads the same clock). A row older than
+  ``lease_seconds`` is a dead instance's.
+- **Fenced.** An instance declared dead that was only slow finds its row gone (or taken) at its next
+  beat: this incarnation is over (``fenced``: what it held was taken over); it beats on under a new id.
+- **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free, finds the
+  dead instances (one query) and takes each over: its row taken, what it owed settled (``recover``:
+  journal.py), its row deleted; and runs the periodic sweeps (``every``). The others read the duty
+  row, one point read per ``duty_seconds``.
 
-Every store call here is bounded; a failed one is tried again at the next tick, and nothing here ends
-on an error (a background loop that died would take liveness with it): unexpected ones are logged."""
+Every store call here is bounded; a failed one is tried again at the next tick, and no loop here
+ends on an error (liveness would go with it): unexpected ones are logged."""
 
 from __future__ import annotations
 
@@ -70,7 +66,7 @@ class Instances:
         recover: Recover | None = None,
     ):
         """``recover(dead, taker)``: what the duty holder does with each instance it finds dead
-        (recovery.py); idempotent (it may run again for the same instance, if a holder died mid-way)."""
+        (idempotent: it may run again for the same one)."""
         self.store = store
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
@@ -112,8 +108,7 @@ class Instances:
                     await asyncio.shield(self._first)
 
     def serve(self) -> None:
-        """This instance is serving: it takes its part in the duty (finding the dead, sweeping),
-        whether or not it holds anything itself."""
+        """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
         if not self._closed and (self._duty is None or self._duty.done()):
             self._duty = asyncio.ensure_future(self._duty_loop())
 
@@ -181,8 +176,8 @@ class Instances:
         return self.store.clock.quiet_for() >= self.timing.lease_seconds + self.timing.beat_seconds
 
     def _incarnate(self) -> None:
-        """This incarnation was declared dead (its row deleted or taken over by the duty holder):
-        what it held has been taken over. The process goes on as a new instance."""
+        """This incarnation was declared dead (its row deleted or taken): the process goes on as a new
+        instance."""
         old = self.id
         self.fenced_ids.append(old)
         self.id = new_instance_id()
@@ -200,9 +195,8 @@ class Instances:
     # --- the others ------------------------------------------------------------------------------
 
     async def alive(self, instance: str) -> bool:
-        """Whether ``instance`` beat within its lease, by the store's clock (and, right after the
-        store itself was out, alive: its silence says nothing). One read serves every question about
-        it for ``fresh_seconds``. StoreError when the store cannot tell."""
+        """Whether ``instance`` beat within its lease, by the store's clock (right after the store
+        itself was out: alive, its silence says nothing). StoreError when the store cannot tell."""
         if instance == self.id:
             return not self._closed
         row = await self._row_of(instance)
@@ -306,9 +300,8 @@ class Instances:
                     log.exception("instance %s: a sweep failed", self.id)
 
     async def _take_over(self, row: dict) -> None:
-        """A dead instance: first its row is taken (a conditional write, so that if it was only slow
-        its next beat fails and it knows it was fenced), then what it owed is settled
-        (``recover``), then its row goes. A failure leaves the row taken: the next tick tries again."""
+        """A dead instance's row taken (on its ETag: if it was only slow, its next beat fails), what
+        it owed settled, its row deleted. A failure leaves the row taken: the next tick tries again."""
         other = row["RowKey"]
         etag = getattr(row, "etag", None)
         if row.get("taken_by") != self.id:

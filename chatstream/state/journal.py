@@ -1,22 +1,42 @@
-"""This instance's durable memory of what it owes: its open reservations and the charges it has not
-written everywhere yet. Whoever finds this instance dead settles it from there (recovery.py).
+"""This instance's journal: its durable memory of what it owes (its open reservations and the charges
+it has not written everywhere yet); and ``Recovery``, which settles a dead instance's journal (the
+duty holder calls it for each instance it finds dead: instances.py).
 
 One blob per instance, ``instances/<id>.json`` in the app's container, rewritten (under its ETag) at
-most every ``JOURNAL_SECONDS`` while anything changed: per request its caller and team, model, what it
+most every ``JOURNAL_SECONDS`` while anything changed: per request who pays, the model, what it
 reserved of each budget counter, and either how much it had generated at the last write (a
 checkpoint: an open request) or its charges and their numbers in each counter (a settled one); and
-the budget counters this instance holds capacity of (listed before it takes any: counters.py).
+the budget counters this instance holds capacity of (listed before it takes any: counters.py). A
+request is listed before its upstream call goes out (``listed``), so whatever an upstream was asked
+for is in a journal.
 
-A charge goes through three steps, in order: the journal lists it (so it is not lost if this
-instance dies), then its ledger row is written (ledger.py), then it enters the budget counters' rows
-(counters.py), after which it leaves the journal. So a recovery knows, from the journal and the
-counter rows' ``applied`` numbers, exactly which charges each row has.
+A charge goes through three steps: the journal lists it, its ledger row is written (ledger.py), it
+enters the budget counters' rows (counters.py), and it leaves the journal. So a recovery knows, from
+the journal and the counter rows' ``applied`` numbers, exactly which charges each row has. Not
+recovered: requests admitted while the journal could not be written (a store outage: listed once
+it is back), and charges made while the store could not be written at all, by an instance that
+then died.
 
-A request is listed before its upstream call goes out (``listed``: its admission waits for the write
-that lists it, at once, not after the pause between writes), so whatever an upstream was asked for
-is in a journal. What is not recovered: requests admitted while the journal could not be written
-(a store outage: they are served, and listed once the store is back), and charges made while the
-store could not be written at all, by an instance that then died."""
+``Recovery.recover(dead, taker)`` takes four steps, each idempotent (a ledger row is inserted once, a
+raised row keeps what was counted of it, a counter entry is taken out once): a takeover that dies
+midway is done again by the next duty holder, and two at once charge everything once.
+
+1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
+   write it again and learns it was taken over.
+2. **Ledger**: every listed charge's row not there yet is written; an open request is charged its
+   last checkpoint, ``ended: lost``. A row someone else wrote first (a stream's taker charging the
+   lost part from its log) is theirs to count; one below the checkpoint is raised to it, what they
+   counted kept in the row, and only the difference counted here. A taker's own charge of a lost
+   part (``accounting.charge_lost``) counts if it is in the row, written now if the row is as it
+   was read (``Ledger.apply``).
+3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
+   out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
+   charges after the entry's ``applied`` number, its open requests at their checkpoint). Minute
+   windows end by themselves.
+4. **Delete** the journal; the duty holder then deletes the dead instance's row.
+
+Not here: the dead instance's resumable streams. A reader takes each over (streamlog/takeover.py)
+and charges the lost part from the log: the row step 2 finds written by someone else."""
 
 from __future__ import annotations
 
@@ -25,14 +45,17 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .. import tokens
-from ..errors import Modified, StoreError
-from .counters import Settlement
+from ..errors import Modified, NotFound, StoreError
+from . import counter_row
+from .counter_row import MAX_ATTEMPTS
+from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger
+from .ledger import Charge, Ledger, Payer, theirs, tokens_of
+from .port import Used
 from .prices import Price
 from .store import NEW, Store
 
@@ -57,14 +80,9 @@ def journal_name(instance: str) -> str:
 class JournalEntry:
     """One request in the journal."""
 
-    request_id: str
-    caller: str
-    caller_id: str
-    team: str | None
-    team_id: str | None
+    key: str  # its request's id; a stream's lost part: that and its charge's (accounting.charge_lost)
+    payer: Payer
     model: str
-    endpoint: str
-    day: str
     prompt_tokens: int
     needs: dict[str, int]  # "partition/row" -> reserved of that budget counter
     kinds: dict[str, str]  # "partition/row" -> "tokens" | "spend"
@@ -79,7 +97,7 @@ class JournalEntry:
     settlement: Settlement | None = None  # settled: its charges in the budget counters, and their numbers
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
-    written: bool = False  # its ledger rows are in
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
 
     def checkpoint(self) -> int:
@@ -100,14 +118,9 @@ class JournalEntry:
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "id": self.request_id,
-            "caller": self.caller,
-            "caller_id": self.caller_id,
-            "team": self.team,
-            "team_id": self.team_id,
+            "id": self.key,
+            **asdict(self.payer),
             "model": self.model,
-            "endpoint": self.endpoint,
-            "day": self.day,
             "prompt": self.prompt_tokens,
             "needs": self.needs,
             "kinds": self.kinds,
@@ -156,13 +169,13 @@ class Journal:
     # --- what the request path tells it ----------------------------------------------------------
 
     def open(self, entry: JournalEntry) -> JournalEntry:
-        self.entries[entry.request_id] = entry
+        self.entries[entry.key] = entry
         self.changed()
         return entry
 
     def drop(self, entry: JournalEntry) -> None:
         """A request that reserved nothing in the end (released): it leaves the journal."""
-        if self.entries.pop(entry.request_id, None) is not None:
+        if self.entries.pop(entry.key, None) is not None:
             self.changed()
 
     def settle(
@@ -197,7 +210,7 @@ class Journal:
         """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
         keep = []
         for entry, waiting in self._waiting:
-            if failed or entry.listed or entry.request_id not in self.entries:
+            if failed or entry.listed or entry.key not in self.entries:
                 if not waiting.done():
                     waiting.set_result(None)
             else:
@@ -349,7 +362,7 @@ class Journal:
         written = self.ledger.submit(entry.charges)
 
         def landed(done: asyncio.Future[list[Charge]]) -> None:
-            entry.written = True
+            entry.written.set()
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
                 entry.settlement.lessen(amounts(entry.kinds, done.result()))
@@ -361,7 +374,11 @@ class Journal:
     def _forget_done(self) -> None:
         """Settled requests whose ledger rows and counter charges are all in leave the journal."""
         for key, entry in list(self.entries.items()):
-            if entry.state == "settled" and entry.written and (entry.settlement is None or entry.settlement.applied()):
+            if (
+                entry.state == "settled"
+                and entry.written.is_set()
+                and (entry.settlement is None or entry.settlement.applied())
+            ):
                 del self.entries[key]
 
     def _fenced(self) -> None:
@@ -413,3 +430,126 @@ def amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
         key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
         for key, kind in kinds.items()
     }
+
+
+SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
+
+
+class Recovery:
+    """Settles a dead instance's journal (module docstring): ``recover`` is what the duty holder
+    calls for each instance it finds dead."""
+
+    def __init__(self, store: Store, ledger: Ledger):
+        self.store = store
+        self.ledger = ledger
+        self.timeout = SLOW_TIMEOUT
+
+    async def recover(self, dead: str, taker: str) -> None:
+        """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
+        doc = await self._seal(dead, taker)  # 1.
+        if doc is None:
+            return  # nothing was owed (or a takeover finished already)
+        entries = doc.get("entries") or []
+        owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
+        for key in doc.get("counters") or []:  # 3.
+            await self._give_back(key, dead, owed)
+        with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
+            await self.store.delete_blob(journal_name(dead))
+        log.info(
+            "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])
+        )
+
+    async def _seal(self, dead: str, taker: str) -> dict[str, Any] | None:
+        """Step 1: the journal as sealed by ``taker`` (None: there is none)."""
+        name = journal_name(dead)
+        for _ in range(SEAL_ATTEMPTS):
+            found = await self.store.get_blob(name)
+            if found is None:
+                return None
+            data, etag = found
+            doc = json.loads(data)
+            doc["sealed_by"] = taker
+            try:
+                await self.store.put(name, json.dumps(doc, separators=(",", ":")).encode(), etag=etag)
+                return doc
+            except (Modified, NotFound):  # written meanwhile (or deleted: the next read says)
+                continue
+        raise StoreError("the journal kept changing while it was being sealed")
+
+    async def _charge(self, entry: dict[str, Any], dead: str) -> dict[str, int]:
+        """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
+        counter ("partition/row" -> amount), less what others count."""
+        charges = _charges_of(entry, dead)
+        others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
+        counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
+        for charge in charges:
+            if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
+                if not await self.ledger.apply(charge):
+                    others.append(charge)
+                continue
+            there = await self.ledger.write_now(charge)
+            for _ in range(MAX_ATTEMPTS):
+                if there is None or not theirs(there, dead, f"takeover:{dead}"):
+                    break
+                # A stream's taker charged this lost part first, from its log: theirs to count, unless
+                # it is below this checkpoint (a log is stored every few seconds): then it is raised
+                # to the checkpoint, what the taker counted kept in the row.
+                if entry.get("state") == "settled" or tokens_of(there) >= charge.total_tokens:
+                    others.append(charge)
+                    there = None
+                    break
+                elsewhere = {
+                    "counted_tokens": tokens_of(there),
+                    "counted_cost": int(there.get("cost") or 0),
+                    "ops": there.get("ops") or "",  # the writes it holds (Ledger.apply)
+                }
+                if await self.ledger.replace_below(charge, there, **elsewhere):
+                    there = elsewhere  # the row as raised: what the taker counted of it
+                    break
+                there = await self.ledger.write_now(charge)  # it changed meanwhile (raised by another taker)
+            else:
+                raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
+            if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
+                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+        kinds = entry.get("kinds") or {}
+        less = amounts(kinds, others)
+        for key, kind in kinds.items():
+            less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
+        brings = entry.get("amounts") if entry.get("state") == "settled" else amounts(kinds, charges)
+        return {k: max(0, int(v) - less.get(k, 0)) for k, v in (brings or {}).items()}
+
+    async def _give_back(self, key: str, dead: str, owed: list[tuple[dict[str, Any], dict[str, int]]]) -> None:
+        """Step 3 for one budget counter row ("partition/row"): the dead instance's entry out,
+        ``taken`` less what it held, plus what its entries bring that the row does not have yet (a
+        settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
+        partition, _, row = key.partition("/")
+        for _ in range(MAX_ATTEMPTS):
+            found = await counter_row.read(self.store, partition, row, self.timeout)
+            holds = dict(found.holds)
+            held = holds.pop(dead, None)
+            if held is None:
+                return  # done (here or by another taker), or no row
+            unapplied = sum(
+                brings[key]
+                for entry, brings in owed
+                if key in brings
+                and not (entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= held.applied)
+            )
+            taken = max(0, found.taken - held.held + max(0, unapplied))
+            changed = replace(found, taken=taken, holds=holds)
+            if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
+                return
+        raise StoreError(f"the counter {key} kept changing while it was being recovered")
+
+
+def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
+    """What a journal entry charges: its own charges when settled; for an open request, what it had
+    generated at its last checkpoint (``ended: lost``)."""
+    if entry.get("state") == "settled":
+        return [Charge.of(c) for c in entry.get("charges") or []]
+    price = Price.of(entry["price"]) if entry.get("price") else None
+    # An entry's "id" is its request's (older journals name it nowhere else).
+    payer = Payer.of({"request_id": entry["id"], **entry})
+    generated = Used(int(entry.get("prompt") or 0), 0, int(entry.get("generated") or 0))
+    segment = int(entry.get("segment") or 0)
+    return [Charge.made(payer, entry["model"], generated, price, "lost", f"takeover:{dead}", segment)]

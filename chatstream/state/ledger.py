@@ -2,20 +2,15 @@
 model and day (docs/callers.md).
 
 Table ``chatstreamUsage``, one partition per caller (``u:<caller id>``: a caller deleted and created
-again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the day the request
-started (UTC), the app's own request id, and the segment (an answer continued on another upstream is
+again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``: the UTC day the
+request started, the app's request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
-lost answer, another instance settling a dead one's request) adds nothing: an insert finds it there,
-and only the writer whose row landed counts it in the budget counters (``theirs``).
-A row holds the caller (name and id), its team, the model, the endpoint, the upstream entry, prompt,
-cached and completion tokens, the cost in pico-dollars (None: the model had no price), how the
-request ended, and who wrote it (an instance, or the one that took a dead one over; a lost part
-raised by such a takeover above what a stream's taker charged keeps that charge in
-``counted_tokens`` and ``counted_cost``: recovery.py).
+lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
+row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and what raising
+it kept of earlier writers (``counted_tokens``, ``counted_cost``, ``ops``: journal.py).
 
-Charges are written in the background (``submit``): grouped per partition into entity-group
-transactions of up to 100 rows, tried again until they land (a store outage delays them, it does not
-drop them; the journal keeps them if this instance dies meanwhile: journal.py)."""
+Charges are written in the background (``submit``): per partition, in transactions of up to 100
+rows, tried again until they land (the journal keeps them if this instance dies meanwhile)."""
 
 from __future__ import annotations
 
@@ -23,13 +18,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import PICO, usd
-from .port import Ended
+from .port import Ended, Used
+from .prices import Price
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
@@ -37,6 +33,28 @@ log = logging.getLogger("chatstream")
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
 USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
 FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
+SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens")  # usage's sums of the rows' fields
+ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd")
+
+
+@dataclass(frozen=True)
+class Payer:
+    """Who pays for which request: the caller and its team (names and ids), the request's id and
+    endpoint, and the UTC day it started (its rows' key). Its journal entry holds it (journal.py);
+    each of its charges is made of it."""
+
+    caller: str
+    caller_id: str
+    team: str | None
+    team_id: str | None
+    request_id: str
+    endpoint: str
+    day: str
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Payer:
+        found: dict[str, Any] = {k: values.get(k) for k in cls.__dataclass_fields__}
+        return cls(**found)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +79,39 @@ class Charge:
     upstream_id: str = ""  # the upstream's x-request-id
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     author: str = ""  # the instance that wrote it
+    # A write made on what the row held (a stream's lost part, accounting.charge_lost): the ids of the
+    # writes whose counts the row holds, this one's last; ``over``: the ETag of the row it replaces
+    # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
+    ops: str = ""
+    over: str | None = None
+
+    @classmethod
+    def made(
+        cls,
+        payer: Payer,
+        model: str,
+        used: Used,
+        price: Price | None,
+        ended: Ended,
+        author: str,
+        segment: int = 0,
+        upstream_id: str | None = None,
+    ) -> Charge:
+        """The one way a charge is made: one segment of ``payer``'s request, at ``price`` (None:
+        unpriced)."""
+        return cls(
+            **asdict(payer),
+            model=model,
+            segment=segment,
+            upstream=used.upstream,
+            upstream_id=used.request_id or upstream_id or "",
+            prompt_tokens=used.prompt,
+            cached_tokens=used.cached,
+            completion_tokens=used.completion,
+            cost=price.cost(used.prompt, used.cached, used.completion) if price is not None else None,
+            ended=ended,
+            author=author,
+        )
 
     @property
     def total_tokens(self) -> int:
@@ -75,31 +126,12 @@ class Charge:
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        return {
-            "PartitionKey": self.partition,
-            "RowKey": self.row_key,
-            "caller": self.caller,
-            "caller_id": self.caller_id,
-            "team": self.team,
-            "team_id": self.team_id,
-            "model": self.model,
-            "endpoint": self.endpoint,
-            "request_id": self.request_id,
-            "segment": self.segment,
-            "upstream": self.upstream,
-            "upstream_id": self.upstream_id,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cost": self.cost,
-            "ended": self.ended,
-            "at": self.at,
-            "author": self.author,
-        }
+        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
+        return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
     def as_dict(self) -> dict[str, Any]:
-        """For the journal (journal.py): everything, to write it again."""
-        return {k: v for k, v in self.entity().items() if k not in ("PartitionKey", "RowKey")} | {"day": self.day}
+        """For the journal: everything, to write it again (``of``)."""
+        return asdict(self)
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
@@ -186,9 +218,21 @@ class Ledger:
     async def _write_batch(self, batch: list[tuple[Charge, asyncio.Future]]) -> list[tuple[Charge, asyncio.Future]]:
         """Write the charges, one transaction per partition and 100 rows; those that did not land."""
         by_partition: dict[str, list[tuple[Charge, asyncio.Future]]] = {}
-        for item in batch:
-            by_partition.setdefault(item[0].partition, []).append(item)
         failed: list[tuple[Charge, asyncio.Future]] = []
+        for charge, future in batch:
+            if not charge.ops:
+                by_partition.setdefault(charge.partition, []).append((charge, future))
+                continue
+            try:  # a write made on what its row held: one at a time (its result: whether it did not land)
+                landed = await self.apply(charge)
+            except StoreError:
+                failed.append((charge, future))
+                continue
+            except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
+                log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
+                landed = False
+            if not future.done():
+                future.set_result(not landed)
         for items in by_partition.values():
             unique: dict[str, tuple[Charge, list[asyncio.Future]]] = {}
             for charge, future in items:
@@ -260,6 +304,21 @@ class Ledger:
         except AlreadyExists:
             return await self.find(charge)
 
+    async def apply(self, charge: Charge) -> bool:
+        """Write a charge made on what its row held (``ops``): inserted, or replacing the row of ETag
+        ``over``. True if it is in the row, written now or before (its id is in the row's ``ops``);
+        False if the row changed first."""
+        try:
+            if charge.over is None:
+                await self.store.insert(USAGE_TABLE, charge.entity())
+            else:
+                await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
+            self.written += 1
+            return True
+        except (AlreadyExists, Modified, NotFound):
+            there = await self.find(charge)
+            return there is not None and charge.ops.split()[-1] in str(there.get("ops") or "").split()
+
     async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
         """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
         if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
@@ -312,17 +371,7 @@ class Ledger:
             rows_from=f"{start:%Y%m%d}",
             rows_to=_day_after(end),
             equal=equal,
-            select=(
-                "caller",
-                "caller_id",
-                "team",
-                "model",
-                "prompt_tokens",
-                "cached_tokens",
-                "completion_tokens",
-                "cost",
-                "ended",
-            ),
+            select=("caller", "caller_id", "team", "model", *SUMMED, "cost", "ended"),
         )
         return summarize(await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT))
 
@@ -362,28 +411,13 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             str(row.get("team") or ""),
             str(row.get("model") or ""),
         )
-        entry = sums.setdefault(
-            key,
-            {
-                "day": key[0],
-                "caller": key[1],
-                "team": key[2] or None,
-                "model": key[3],
-                "prompt_tokens": 0,
-                "cached_tokens": 0,
-                "completion_tokens": 0,
-                "total_tokens": 0,
-                "requests": 0,
-                "unpriced_requests": 0,
-                "cost_picousd": 0,
-                "ended": {},
-            },
-        )
-        prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("completion_tokens") or 0)
-        entry["prompt_tokens"] += prompt
-        entry["cached_tokens"] += int(row.get("cached_tokens") or 0)
-        entry["completion_tokens"] += completion
-        entry["total_tokens"] += prompt + completion
+        if key not in sums:
+            names = {"day": key[0], "caller": key[1], "team": key[2] or None, "model": key[3]}
+            sums[key] = names | dict.fromkeys(ZEROS, 0) | {"ended": {}}
+        entry = sums[key]
+        for name in SUMMED:
+            entry[name] += int(row.get(name) or 0)
+        entry["total_tokens"] += int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -392,12 +426,7 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
-    out = []
-    for key in sorted(sums):
-        entry = sums[key]
-        entry["cost_usd"] = usd(entry["cost_picousd"])
-        out.append(entry)
-    return out
+    return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]
 
 
-__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "day_of", "summarize"]
+__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "Payer", "day_of", "summarize"]

@@ -23,9 +23,8 @@ Scope = Literal["caller", "team"]
 @dataclass(frozen=True)
 class AdmissionRequest:
     """A request to be admitted: ``prompt_tokens`` counted with the model's tokenizer, at most
-    ``output_tokens`` generated (the output cap times the choices), and the context it carries by
-    reference: a previous response (``previous``, which must be the caller's) and whether it names a
-    conversation or stored items (``references``: estimated, as their size is not known here)."""
+    ``output_tokens`` generated (the output cap times the choices), and what it carries by reference:
+    a previous response (the caller's), or a conversation or stored items (``references``)."""
 
     request_id: str
     endpoint: str
@@ -60,8 +59,7 @@ Ended = Literal["completed", "disconnected", "timeout", "failed", "cancelled", "
 @dataclass(frozen=True)
 class Usage:
     """What a finished request used: each segment of its answer (none: no upstream took it), how it
-    ended, whether the upstream reported its usage (else it was counted here), and the upstream's
-    request id for it."""
+    ended, whether the upstream reported it (else it was counted here), the upstream's request id."""
 
     segments: tuple[Used, ...]
     ended: Ended
@@ -87,10 +85,10 @@ class LimitRef:
 
 @dataclass(frozen=True)
 class Refused:
-    """A limit leaves no room for this request. ``value`` is the limit, ``used`` what is taken of
-    it as this instance knows now, ``requested`` what the request needs (tokens, requests, or
-    pico-USD for a spend budget); ``retry_after``: seconds until the minute turns (None for a budget:
-    not before the period ends); ``alone``: the request by itself is larger than the limit."""
+    """A limit leaves no room for this request: ``value`` the limit, ``used`` what is taken of it as
+    this instance knows, ``requested`` what the request needs (tokens, requests, or pico-USD);
+    ``retry_after``: seconds until the minute turns (None: a budget); ``alone``: the request by
+    itself is larger than the limit."""
 
     limit: LimitRef
     value: int

@@ -19,10 +19,9 @@ from ..settings import Settings, SettingsError
 from .accounting import Accounting
 from .counters import Counters
 from .instances import Instances, InstanceTiming
-from .journal import Journal
+from .journal import Journal, Recovery
 from .ledger import Ledger
 from .owners import Owners
-from .recovery import Recovery
 from .registry import Registry
 from .store import Store, StoreConfigError
 from .store_env import store_from_env

@@ -19,11 +19,10 @@ from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.callers import Caller, CallerSpec, TeamSpec, validate
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
-from chatstream.state.journal import journal_name
+from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.ledger import Charge
 from chatstream.state.port import Unavailable
 from chatstream.state.prices import Price, PriceSpec
-from chatstream.state.recovery import Recovery
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
 
@@ -333,6 +332,60 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     await b.close()
 
 
+@pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
+async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
+    """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
+    its caller received; b dies before that correction reaches the budget rows (``after_its_ledger_row``:
+    the row raised, the counters not; before, the difference was lost with b: a soak ended with a
+    team's spend row $0.00015 below the ledger), or before the raise reaches the ledger at all. The
+    correction was journaled first: the takeovers of b and a apply it exactly once, the row at what
+    the caller received, every budget row exactly the ledger."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    acc_b = b.accounting
+    assert acc_b is not None and isinstance(b.store, MemoryStore)
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert await acc_b.flush(5)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    raised = tokens.count_text(MODEL, received)
+
+    def lost_row() -> dict:
+        return next(
+            v
+            for p in data.tables[USAGE_TABLE].values()
+            for v, _ in p.values()
+            if v["segment"] == 0 and v["request_id"] == rec3.id
+        )
+
+    b.store.inject(Fault("unavailable", table=LIMITS_TABLE, times=10**9))  # the counters stop here
+    if dies == "before_its_ledger_row":
+        b.store.inject(Fault("unavailable", frozenset({"replace", "batch"}), table=USAGE_TABLE, times=10**9))
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2)
+    if dies == "after_its_ledger_row":
+        await until(lambda: lost_row()["completion_tokens"] == raised, what="the row raised")
+    else:
+        await until(
+            lambda: any(e["state"] == "settled" for e in (journal_doc(data, "instance-b") or {}).get("entries", [])),
+            what="the correction journaled",
+        )
+        await asyncio.sleep(0.1)  # its ledger write fails meanwhile
+        assert lost_row()["completion_tokens"] == 1
+    await kill(b)
+    c, _ = instance(data, "instance-c")
+    await Recovery(c.store, c.ledger).recover("instance-b", "instance-c")
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    assert lost_row()["completion_tokens"] == raised
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert len(rows) == 4  # r1, r2, r3's lost part, and b's continuation (charged as lost: prompt only)
+    spent_as_the_ledger(data, caller, team, rows)
+    await c.close()
+
+
 async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
     """A stream handed over (or taken from an instance that was only slow): the taker b charges the
     producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same
@@ -348,6 +401,8 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     going_on = await acc_b.admit(caller, asked(call("a story"), taken))
     assert isinstance(going_on, Admission)
     await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
+    assert going_on.lost is not None
+    await asyncio.wait_for(going_on.lost.written.wait(), 5)  # journaled, then in the ledger
     rec.hung_up()
     finish(acc_a, first, rec, None, generated={0: ["Once upon a time there was a fox"]})
     finish(acc_b, going_on, taken, usage(40, 12))
@@ -588,10 +643,12 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
     words, counts what counting the whole text counts (before, the pieces were counted apart: in
     the chaos soak a lost part of 41 tokens was charged 48)."""
     from chatstream.state.journal import JournalEntry
+    from chatstream.state.ledger import Payer
 
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
-    entry = JournalEntry("r", "c", "c1", None, None, MODEL, "openai", "20261204", 3, {}, {}, generated=lambda: so_far)
+    payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
+    entry = JournalEntry("r", payer, MODEL, 3, {}, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
