@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
@@ -35,6 +35,7 @@ log = logging.getLogger("chatstream")
 PARTITION = "instances"
 DUTY = "~duty"  # sorts after every instance id (ids are [a-z0-9-])
 Recover = Callable[[str, str], Awaitable[None]]  # (dead, taker)
+Sweep = tuple[float, Callable[[], Awaitable[object]]]  # (seconds, sweep)
 
 
 def new_instance_id() -> str:
@@ -64,9 +65,11 @@ class Instances:
         timing: InstanceTiming | None = None,
         instance_id: str | None = None,
         recover: Recover | None = None,
+        sweeps: Sequence[Sweep] = (),
     ):
         """``recover(dead, taker)``: what the duty holder does with each instance it finds dead
-        (idempotent: it may run again for the same one)."""
+        (idempotent: it may run again for the same one); ``sweeps``: ``(seconds, sweep)``, each
+        ``sweep`` run about every ``seconds`` on whichever instance holds the duty."""
         self.store = store
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
@@ -80,7 +83,7 @@ class Instances:
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
         self._recover = recover
-        self._sweeps: list[tuple[float, Callable[[], Awaitable[None]], list[float]]] = []
+        self._sweeps = [(seconds, sweep, [0.0]) for seconds, sweep in sweeps]
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
         self._closed = False
         self.recovered: list[str] = []  # instances this one found dead and handed over (tests, logs)
@@ -223,10 +226,6 @@ class Instances:
         return self.store.clock.now() - float(row.get("at") or 0.0) <= lease
 
     # --- the duty ------------------------------------------------------------------------------
-
-    def every(self, seconds: float, sweep: Callable[[], Awaitable[None]]) -> None:
-        """Run ``sweep`` about every ``seconds`` on whichever instance holds the duty."""
-        self._sweeps.append((seconds, sweep, [0.0]))
 
     async def _duty_loop(self) -> None:
         etag: str | None = None

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 
 from .. import tokens
 from ..settings import Settings, SettingsError
+from . import streamlog
 from .accounting import Accounting
 from .counters import Counters
-from .instances import Instances, InstanceTiming
+from .instances import Instances, InstanceTiming, Sweep
 from .journal import Journal, Recovery
 from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
 from .store import Store, StoreConfigError
 from .store_env import store_from_env
+from .streamlog import ResumeConfig
 
 log = logging.getLogger("chatstream")
 
@@ -74,10 +76,15 @@ class SharedState:
         name them)."""
         registry = Registry(store, settings.caller_cache_seconds)
         ledger, owners = Ledger(store), Owners(store)
-        instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover)
+        sweeps: list[Sweep] = [
+            (SWEEP_SECONDS, functools.partial(sweep, store, owners, ledger, settings.ledger_retention_days))
+        ]
+        if settings.resumable_streams:
+            resume = ResumeConfig.from_settings(settings)
+            sweeps.append((resume.sweep_seconds, functools.partial(streamlog.sweep, store, resume)))
+        instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover, sweeps=sweeps)
         journal = Journal(store, ledger, instances)
         counters = Counters(store, instances, journal)
-        instances.every(SWEEP_SECONDS, functools.partial(sweep, store, owners, ledger, settings.ledger_retention_days))
         accounting = None
         if settings.caller_keys == "required":
             accounting = Accounting(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from chatstream import sse
 from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
-from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable
+from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable, sweep
 from chatstream.state.streamlog.format import epoch_id, position
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +129,9 @@ async def instances(
         skew = skews[i] if i < len(skews) else 0.0
         store = CountingStore(data, StoreClock(wall=lambda skew=skew: time.time() + skew))
         hook = take_over(i) if callable(take_over) and getattr(take_over, "per_instance", False) else take_over
-        logs.append(StreamLog(store, Instances(store, life), encode_error, ResumeConfig(**config), take_over=hook))
+        cfg = ResumeConfig(**config)
+        swept = Instances(store, life, sweeps=[(cfg.sweep_seconds, functools.partial(sweep, store, cfg))])
+        logs.append(StreamLog(store, swept, encode_error, cfg, take_over=hook))
     try:
         yield logs
     finally:

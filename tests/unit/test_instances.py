@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skips_idle_time
 FAST = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=0.2, duty_seconds=0.05, fresh_seconds=0.0)
 
 
-def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST, recover=None) -> Instances:
+def instance(data: MemoryData, skew: float = 0.0, timing: InstanceTiming = FAST, recover=None, sweeps=()) -> Instances:
     clock = StoreClock(wall=lambda: time.time() + skew)
-    return Instances(MemoryStore(data, clock), timing, recover=recover)
+    return Instances(MemoryStore(data, clock), timing, recover=recover, sweeps=sweeps)
 
 
 async def test_an_instance_that_needs_it_beats_and_the_others_see_it_alive():
@@ -96,10 +96,9 @@ async def test_clocks_thirty_seconds_apart_agree_on_who_is_alive():
 
 async def test_sweeps_run_on_one_instance_however_many_there_are():
     data = MemoryData()
-    many = [instance(data) for _ in range(6)]
     runs: list[str] = []
+    many = [instance(data, sweeps=[(0.0, lambda i=i: _note(runs, i, "sweep"))]) for i in range(6)]
     for x in many:
-        x.every(0.0, lambda x=x: _note(runs, x.id, "sweep"))
         x.need()
     await asyncio.sleep(0.6)
     assert runs and len({who for who, _ in runs}) == 1

@@ -26,7 +26,7 @@ from .errors import (
     Unavailable,
 )
 from .format import EncodeError, LogError, check_stream_id, log_tag, new_stream_id, started_at
-from .log import StreamLog, TakeOverHook
+from .log import StreamLog, TakeOverHook, sweep
 from .producer import MOVED, Producer
 from .readers import Reader
 from .takeover import Claim
@@ -52,4 +52,5 @@ __all__ = [
     "log_tag",
     "new_stream_id",
     "started_at",
+    "sweep",
 ]

@@ -87,7 +87,6 @@ class StreamLog:
         self._claims: dict[str, asyncio.Future[TakeOver]] = {}
         self._inbox = Inbox(self._ctx, self._producers)
         self._reading = 0  # the readers this instance serves (at most max_readers)
-        instances.every(self.config.sweep_seconds, self._sweep)
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -232,32 +231,6 @@ class StreamLog:
 
     # -- housekeeping ---------------------------------------------------------------------------
 
-    async def sweep_once(self) -> int:
-        """Delete what has expired (a stream's blobs, then its rows); the number of rows deleted."""
-        ctx = self._ctx
-        where = Where(less={"expires": ctx.now()}, select=("expires", "request_blob"), limit=self.config.max_sweep)
-        rows = await ctx.store.query(STREAMS_TABLE, where, timeout=10.0)
-        gate = asyncio.Semaphore(8)
-
-        async def delete(row: Any) -> int:
-            async with gate:
-                try:
-                    if row["RowKey"] == RECORD_ROW:
-                        if row.get("request_blob"):
-                            await ctx.store.delete_blob(request_blob(row["PartitionKey"]))
-                        await ctx.store.delete_blob(row["PartitionKey"])
-                    await ctx.store.delete(STREAMS_TABLE, row["PartitionKey"], row["RowKey"], etag=row.etag)
-                    return 1
-                except StoreError:
-                    return 0
-
-        return sum(await asyncio.gather(*(delete(row) for row in rows)))
-
-    async def _sweep(self) -> None:
-        deleted = await self.sweep_once()
-        if deleted:
-            log.info("resumable streams: %d expired rows deleted", deleted)
-
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
@@ -297,3 +270,29 @@ def _request_json(request: Mapping[str, Any] | None, stream_id: str) -> str | No
     except (TypeError, ValueError) as exc:
         log.warning("stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc)
         return None
+
+
+async def sweep(store: Store, config: ResumeConfig) -> int:
+    """The duty's sweep of resumable streams (``config.sweep_seconds`` apart; shared.py gives it to
+    ``Instances``): delete what has expired, a stream's blobs, then its rows; the number of rows
+    deleted (at most ``config.max_sweep``)."""
+    where = Where(less={"expires": store.clock.now()}, select=("expires", "request_blob"), limit=config.max_sweep)
+    rows = await store.query(STREAMS_TABLE, where, timeout=10.0)
+    gate = asyncio.Semaphore(8)
+
+    async def delete(row: Any) -> int:
+        async with gate:
+            try:
+                if row["RowKey"] == RECORD_ROW:
+                    if row.get("request_blob"):
+                        await store.delete_blob(request_blob(row["PartitionKey"]))
+                    await store.delete_blob(row["PartitionKey"])
+                await store.delete(STREAMS_TABLE, row["PartitionKey"], row["RowKey"], etag=row.etag)
+                return 1
+            except StoreError:
+                return 0
+
+    deleted = sum(await asyncio.gather(*(delete(row) for row in rows)))
+    if deleted:
+        log.info("resumable streams: %d expired rows deleted", deleted)
+    return deleted
