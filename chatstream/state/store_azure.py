@@ -119,6 +119,8 @@ class AzureStore:
         self._tables: TableServiceClient | None = None
         self._blobs: BlobServiceClient | None = None
         self._making: dict[str, asyncio.Future] = {}
+        self._made: dict[str, float] = {}  # when each was last made (the loop's clock)
+        self._first: dict[str, asyncio.Future] = {}  # each one's first call, done once it is answered
         self._rest: Rest | None = None
 
     def describe(self) -> str:
@@ -135,19 +137,28 @@ class AzureStore:
     ) -> T:
         """One store call within ``timeout`` seconds: what it raises becomes the store's error
         (``store_error``), an outage is noted on the clock. A call that finds its table or container
-        ``missing`` (its key and what makes it) makes it and goes once more: the service did nothing."""
+        ``missing`` (its key and what makes it) makes it and goes once more: the service did nothing.
+        The first call on each in this process goes alone: the calls that come meanwhile wait for it
+        (a burst of first calls on one not made yet would all be refused, then all sent again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
+        key, create = missing
+        first = None
         try:
             async with asyncio.timeout(timeout):
                 rest = self._rest_client()
+                gate = self._first.get(key)
+                if gate is None:
+                    first = self._first[key] = loop.create_future()
+                elif not gate.done():
+                    await asyncio.shield(gate)
                 try:
                     answer = await call(rest)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await self._make(*missing)
+                    await self._make(key, create, asked=started)
                     answer = await call(rest)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
@@ -160,6 +171,9 @@ class AzureStore:
             if error is exc:
                 raise
             raise error from None
+        finally:
+            if first is not None:  # however it ended: the calls that wait go on
+                first.set_result(None)
         self.clock.took(loop.time() - started)
         return answer
 
@@ -261,17 +275,19 @@ class AzureStore:
             )
         return self._rest
 
-    async def _make(self, key: str, create: Callable[[], Awaitable[Any]]) -> None:
+    async def _make(self, key: str, create: Callable[[], Awaitable[Any]], asked: float) -> None:
         """Create a table or the container: callers that find it missing meanwhile wait for the one
-        attempt; one that finds it missing after it is made tries again (409: it is there)."""
+        attempt, and one whose call was ``asked`` before an attempt succeeded goes on without another
+        (a burst of first calls makes it once); a later one tries again (409: it is there)."""
+        if self._made.get(key, -1.0) > asked:
+            return
         making = self._making.get(key)
         if making is None or making.done():
-            making = self._making[key] = asyncio.ensure_future(self._create(create))
+            making = self._making[key] = asyncio.ensure_future(self._create(key, create))
             making.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
         await asyncio.shield(making)
 
-    @staticmethod
-    async def _create(create: Callable[[], Awaitable[Any]]) -> None:
+    async def _create(self, key: str, create: Callable[[], Awaitable[Any]]) -> None:
         async with asyncio.timeout(CALL_TIMEOUT):
             try:
                 await create()
@@ -279,6 +295,7 @@ class AzureStore:
                 # 409: it is there; 403: this identity may not create it (infra/ made it).
                 if exc.status_code not in (403, 409):
                     raise
+        self._made[key] = asyncio.get_running_loop().time()
 
     # --- tables -------------------------------------------------------------------------------
 
@@ -384,3 +401,5 @@ class AzureStore:
                 await client.close()
         self._tables = self._blobs = self._credential = None
         self._making.clear()
+        self._made.clear()
+        self._first.clear()
