@@ -1,8 +1,9 @@
 """The store's REST path (chatstream/state/store_rest.py) on a real Azurite: the rows it writes are
 the rows the azure SDK writes (typed as it types them, so rows that earlier versions wrote through
 the SDK read the same), keys with quotes and escapes reach the same row, the service's answers are
-the store's errors, a deleted table is made again, every answer sets the clock, a connection string
-with a SAS signs with it, batches and queries across pages answer what they should."""
+the store's errors, a table or the container not there is made, every answer sets the clock, a
+connection string with a SAS signs with it, batches and queries across pages answer what they
+should."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from azure.data.tables import EdmType, EntityProperty, TableServiceClient
 from memory_store import matches
 from servers import Azurite
 
-from chatstream.errors import AlreadyExists, Modified, NotFound, StoreUnavailable
+from chatstream.errors import AlreadyExists, Modified, NotFound
 from chatstream.state.store import (
     LIMITS_TABLE,
     NEW,
@@ -170,16 +171,52 @@ def test_the_services_answers_are_the_stores_errors(azurite):
     _run(azurite, body)
 
 
-def test_a_table_deleted_under_the_store_is_made_again(azurite):
+def test_a_table_or_the_container_not_there_is_made_and_the_call_goes_on(azurite):
+    """Each kind of call that finds its table or the container missing (never made, or deleted
+    under the store) makes it and goes on: reads answer nothing, writes land once."""
+    from azure.storage.blob import BlobServiceClient
+
+    from chatstream.state.store import STREAMS_CONTAINER
+
+    def delete_container() -> None:
+        with BlobServiceClient.from_connection_string(azurite.connection_string) as service:
+            container = service.get_container_client(STREAMS_CONTAINER)
+            if container.exists():
+                container.delete_container()
+            assert not container.exists()
+
+    def container_made() -> bool:
+        with BlobServiceClient.from_connection_string(azurite.connection_string) as service:
+            return service.get_container_client(STREAMS_CONTAINER).exists()
+
     async def body(store: AzureStore, p: str) -> None:
-        table = f"gone{next(_prefix)}"
+        n = next(_prefix)
+        assert await store.get(f"gone{n}a", p, "a") is None
+        assert await store.query(f"gone{n}b", Where(partition=p)) == []
+        assert await store.batch(f"gone{n}c", [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1})])
+        await store.delete(f"gone{n}d", p, "a")
+        table = f"gone{n}e"
         await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 1})
         with TableServiceClient.from_connection_string(azurite.connection_string) as service:
             service.delete_table(table)
-        with pytest.raises(StoreUnavailable):
-            await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 1})
-        await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 1})  # re-created
-        assert (await store.get(table, p, "a") or {}).get("n") == 1
+        await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 2})  # made again
+        assert (await store.get(table, p, "a") or {}).get("n") == 2
+
+        for call in (
+            lambda: store.read(f"{p}/none"),
+            lambda: store.get_blob(f"{p}/none"),
+            lambda: store.size(f"{p}/none"),
+            lambda: store.delete_blob(f"{p}/none"),
+        ):
+            delete_container()
+            assert not await call()
+            assert container_made()
+        delete_container()
+        await store.append_create(f"{p}/log")
+        assert await store.append(f"{p}/log", b"abc", at=0) == 3
+        delete_container()
+        await store.put(f"{p}/j", b"one", etag=NEW)
+        assert await store.get_blob(f"{p}/j") is not None
 
     _run(azurite, body)
 
@@ -337,3 +374,56 @@ def test_queries_answer_the_rows_their_conditions_name_across_pages(azurite):
             assert got and all(r.etag for r in got)
 
     _run(azurite, body)
+
+
+def test_a_burst_of_first_calls_on_a_table_not_made_yet_makes_it_once(azurite):
+    """The first call on a table goes alone (store_azure.py): twenty inserts at once on a table not
+    made yet make it once, each row lands once."""
+
+    async def body(store: AzureStore, p: str) -> None:
+        made: list[str] = []
+        real = store._create
+
+        async def counted(key: str, create: Callable[[], Awaitable[Any]]) -> None:
+            made.append(key)
+            await real(key, create)
+
+        store._create = counted
+        table = f"burst{next(_prefix)}"
+        await asyncio.gather(*(store.insert(table, {"PartitionKey": p, "RowKey": f"r{i}"}) for i in range(20)))
+        assert made == [f"table:{table}"]
+        assert len(await store.query(table, Where(partition=p))) == 20
+
+    _run(azurite, body)
+
+
+def test_the_sdks_clients_load_only_to_make_what_is_missing(azurite):
+    """An instance whose tables and container are there never imports the SDKs' async clients
+    (~2 MB resident; with an identity, the SDKs themselves, ~7 MB): store_azure.py."""
+    import subprocess
+    import sys
+
+    probe = f"""
+import asyncio, sys
+from chatstream.state.store import StorageConfig
+from chatstream.state.store_azure import AzureStore
+loaded = lambda: [m in sys.modules for m in ("azure.data.tables.aio", "azure.storage.blob.aio")]
+async def main():
+    store = AzureStore(StorageConfig(connection_string={azurite.connection_string!r}))
+    await store.get({T!r}, "p", "r")
+    await store.read("none/log")
+    print(loaded())
+    await store.get("made{os.getpid()}x{next(_prefix)}", "p", "r")
+    print(loaded())
+    await store.close()
+asyncio.run(main())
+"""
+
+    async def made(store: AzureStore, p: str) -> None:
+        await store.insert(T, {"PartitionKey": p, "RowKey": "a"})
+        await store.append_create(f"{p}/log")
+
+    _run(azurite, made)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[False, False]", "[True, False]"]

@@ -5,10 +5,13 @@ Every data call is a plain REST request on the app's one aiohttp session (store_
 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms instead of 4.4 to 5.1:
 tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable stream's CPU went to 0.68 to
 0.79 times what it was with the SDK (the bench's resume path at 100 streams). The SDKs do only what
-a request cannot do by itself: read the connection string, create a table or the container (the
-first time one is used when it does not exist yet and the identity may create it; infra/ makes
-them in Azure and scopes the app identity's roles to them), and sign (a SAS made from the account
-key, or the connection string's own SAS; a token of azure-identity's credential).
+a request cannot do by itself: read the connection string, create a table or the container (when a
+call finds it missing, then the call goes once more: a first run on Azurite, or one deleted under
+us; infra/ makes them in Azure and scopes the app identity's roles to them), and sign (a SAS made
+from the account key, or the connection string's own SAS; a token of azure-identity's credential).
+Their clients load only then (``azure.data.tables.aio``, ``azure.storage.blob.aio``), and with an
+identity the SDKs themselves too: an instance whose tables and container are there never loads them
+(with a key, the SAS helpers need them).
 
 Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
 (``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
@@ -21,14 +24,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 from azure.core.exceptions import AzureError, ClientAuthenticationError, HttpResponseError
-from azure.data.tables.aio import TableServiceClient
-from azure.storage.blob.aio import BlobServiceClient
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -50,6 +51,10 @@ from .store import (
 )
 from .store_rest import NoToken, Refused, Rest
 
+if TYPE_CHECKING:
+    from azure.data.tables.aio import TableServiceClient
+    from azure.storage.blob.aio import BlobServiceClient
+
 # azure-core logs every storage request and response at INFO: noise.
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 
@@ -69,7 +74,8 @@ T = TypeVar("T")
 
 
 class Gone(StoreUnavailable):
-    """The table or the container itself is not there (deleted under us): made again on next use."""
+    """The table or the container itself is still not there once made (being deleted in Azure, or
+    this identity may not create it)."""
 
 
 def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
@@ -90,7 +96,7 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     else:
         return None
     if status == 404 and code in GONE:
-        return Gone(f"the store lost its {GONE[code]} (re-created on the next call)")
+        return Gone(f"the store's {GONE[code]} is not there")
     if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
         error: StoreError = NotFound("not found")
     elif status == 409:
@@ -112,7 +118,9 @@ class AzureStore:
         self._credential = None
         self._tables: TableServiceClient | None = None
         self._blobs: BlobServiceClient | None = None
-        self._ready: dict[str, asyncio.Future] = {}
+        self._making: dict[str, asyncio.Future] = {}
+        self._made: dict[str, float] = {}  # when each was last made (the loop's clock)
+        self._first: dict[str, asyncio.Future] = {}  # each one's first call, done once it is answered
         self._rest: Rest | None = None
 
     def describe(self) -> str:
@@ -121,24 +129,41 @@ class AzureStore:
     # --- one call -----------------------------------------------------------------------------
 
     async def _call(
-        self, op: str, timeout: float, ready: Callable[[], Awaitable[None]], call: Callable[[Rest], Awaitable[T]]
+        self,
+        op: str,
+        timeout: float,
+        missing: tuple[str, Callable[[], Awaitable[Any]]],
+        call: Callable[[Rest], Awaitable[T]],
     ) -> T:
-        """One store call within ``timeout`` seconds, once its table or container is ``ready``: what
-        it raises becomes the store's error (``store_error``), an outage is noted on the clock, and
-        a table or container found gone is made again on the next call."""
+        """One store call within ``timeout`` seconds: what it raises becomes the store's error
+        (``store_error``), an outage is noted on the clock. A call that finds its table or container
+        ``missing`` (its key and what makes it) makes it and goes once more: the service did nothing.
+        The first call on each in this process goes alone: the calls that come meanwhile wait for it
+        (a burst of first calls on one not made yet would all be refused, then all sent again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
+        key, create = missing
+        first = None
         try:
             async with asyncio.timeout(timeout):
-                await ready()
-                answer = await call(self._rest_client())
+                rest = self._rest_client()
+                gate = self._first.get(key)
+                if gate is None:
+                    first = self._first[key] = loop.create_future()
+                elif not gate.done():
+                    await asyncio.shield(gate)
+                try:
+                    answer = await call(rest)
+                except Refused as exc:
+                    if exc.status != 404 or exc.code not in GONE:
+                        raise
+                    await self._make(key, create, asked=started)
+                    answer = await call(rest)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
                 raise
-            if isinstance(error, Gone):
-                self._ready.clear()
             if isinstance(error, StoreUnavailable):
                 self.clock.failed()
             else:  # an answer all the same (404, 409, 412)
@@ -146,17 +171,17 @@ class AzureStore:
             if error is exc:
                 raise
             raise error from None
+        finally:
+            if first is not None:  # however it ended: the calls that wait go on
+                first.set_result(None)
         self.clock.took(loop.time() - started)
         return answer
 
     def _table_call(self, op: str, table: str, timeout: float, call: Callable[[Rest], Awaitable[T]]) -> Awaitable[T]:
-        async def ready() -> None:
-            await self._once(f"table:{table}", lambda: self._table_service().create_table(table))
-
-        return self._call(op, timeout, ready, call)
+        return self._call(op, timeout, (f"table:{table}", lambda: self._table_service().create_table(table)), call)
 
     def _blob_call(self, op: str, timeout: float, call: Callable[[Rest], Awaitable[T]]) -> Awaitable[T]:
-        return self._call(op, timeout, lambda: self._once("container", self._container_create), call)
+        return self._call(op, timeout, ("container", self._container_create), call)
 
     # --- clients ------------------------------------------------------------------------------
 
@@ -180,17 +205,14 @@ class AzureStore:
         return {**_CLIENT_OPTIONS, "raw_response_hook": lambda response: self._observe(response.http_response.headers)}
 
     def _table_service(self) -> TableServiceClient:
+        """The tables SDK's client, to create a table (module docstring)."""
         if self._tables is None:
+            from azure.data.tables.aio import TableServiceClient
+
             if self.config.connection_string is not None:
-                try:
-                    self._tables = TableServiceClient.from_connection_string(
-                        self.config.connection_string, **self._options()
-                    )
-                except ValueError:  # its message is the SDK's; ours names the setting, never a value
-                    raise StoreConfigError(
-                        f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
-                        "tables, or is malformed"
-                    ) from None
+                self._tables = TableServiceClient.from_connection_string(
+                    self.config.connection_string, **self._options()
+                )
             elif self.config.table_url is not None:
                 self._tables = TableServiceClient(self.config.table_url, credential=self._identity(), **self._options())
             else:
@@ -198,7 +220,10 @@ class AzureStore:
         return self._tables
 
     def _blob_service(self) -> BlobServiceClient:
+        """The blob SDK's client, to create the container (module docstring)."""
         if self._blobs is None:
+            from azure.storage.blob.aio import BlobServiceClient
+
             if self.config.connection_string is not None:
                 self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **self._options())
             elif self.config.blob_url is not None:
@@ -223,7 +248,19 @@ class AzureStore:
                     identity=self._identity(),
                 )
                 return self._rest
-            tables, blobs = self._table_service(), self._blob_service()
+            # The SDKs' sync clients read the connection string as their async ones would (the
+            # async modules load only to create: module docstring); they make no request.
+            from azure.data.tables import TableServiceClient as Tables
+            from azure.storage.blob import BlobServiceClient as Blobs
+
+            try:
+                tables = Tables.from_connection_string(self.config.connection_string)
+            except ValueError:  # its message is the SDK's; ours names the setting, never a value
+                raise StoreConfigError(
+                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
+                    "tables, or is malformed"
+                ) from None
+            blobs = Blobs.from_connection_string(self.config.connection_string)
             table_key, blob_key = tables.credential, getattr(blobs.credential, "account_key", None)
             blob_url = urlsplit(blobs.url)
             self._rest = Rest(
@@ -238,19 +275,19 @@ class AzureStore:
             )
         return self._rest
 
-    async def _once(self, key: str, create: Callable[[], Awaitable[Any]]) -> None:
-        """Create a table or the container once per process; concurrent first users wait for the
-        one attempt. A failure is not remembered: the next use tries again."""
-        ready = self._ready.get(key)
-        if ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None:
+    async def _make(self, key: str, create: Callable[[], Awaitable[Any]], asked: float) -> None:
+        """Create a table or the container: callers that find it missing meanwhile wait for the one
+        attempt, and one whose call was ``asked`` before an attempt succeeded goes on without another
+        (a burst of first calls makes it once); a later one tries again (409: it is there)."""
+        if self._made.get(key, -1.0) > asked:
             return
-        if ready is None:
-            ready = self._ready[key] = asyncio.ensure_future(self._create(create))
-            ready.add_done_callback(lambda f: f.exception() and self._ready.pop(key, None))
-        await asyncio.shield(ready)
+        making = self._making.get(key)
+        if making is None or making.done():
+            making = self._making[key] = asyncio.ensure_future(self._create(key, create))
+            making.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
+        await asyncio.shield(making)
 
-    @staticmethod
-    async def _create(create: Callable[[], Awaitable[Any]]) -> None:
+    async def _create(self, key: str, create: Callable[[], Awaitable[Any]]) -> None:
         async with asyncio.timeout(CALL_TIMEOUT):
             try:
                 await create()
@@ -258,6 +295,7 @@ class AzureStore:
                 # 409: it is there; 403: this identity may not create it (infra/ made it).
                 if exc.status_code not in (403, 409):
                     raise
+        self._made[key] = asyncio.get_running_loop().time()
 
     # --- tables -------------------------------------------------------------------------------
 
@@ -362,4 +400,6 @@ class AzureStore:
             if client is not None:
                 await client.close()
         self._tables = self._blobs = self._credential = None
-        self._ready.clear()
+        self._making.clear()
+        self._made.clear()
+        self._first.clear()

@@ -31,14 +31,6 @@ from urllib.parse import quote
 
 import aiohttp
 from azure.core.credentials import AzureNamedKeyCredential
-from azure.data.tables import (
-    AccountSasPermissions,
-    ResourceTypes,
-    TableSasPermissions,
-    generate_account_sas,
-    generate_table_sas,
-)
-from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
 from .store import CONNECTION, Op, Row, StoreConfigError, Where
 
@@ -241,6 +233,15 @@ class _Sas:
 
 def _table_sas(key: AzureNamedKeyCredential) -> tuple[_Sas, _Sas]:
     """A table's SAS and the account's for ``$batch`` (a table's is refused there: Azurite)."""
+    # Imported here: only an account key needs them (azure-data-tables, and azure-storage-blob below,
+    # which brings requests and cryptography: ~15 MB resident that an identity's instance never loads).
+    from azure.data.tables import (
+        AccountSasPermissions,
+        ResourceTypes,
+        TableSasPermissions,
+        generate_account_sas,
+        generate_table_sas,
+    )
 
     def table(name: str, start: datetime, expiry: datetime) -> str:
         permission = TableSasPermissions(read=True, add=True, update=True, delete=True)
@@ -254,6 +255,8 @@ def _table_sas(key: AzureNamedKeyCredential) -> tuple[_Sas, _Sas]:
 
 
 def _blob_sas(account: str, account_key: str) -> _Sas:
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
     def container(name: str, start: datetime, expiry: datetime) -> str:
         permission = ContainerSasPermissions(read=True, add=True, create=True, write=True, delete=True)
         return generate_container_sas(

@@ -176,3 +176,24 @@ def test_a_caller_who_stops_reading_holds_the_answer_until_the_total_limit_and_t
 
     assert asyncio.run(run()) < 2
     assert len(released) == 1
+
+
+def test_the_tokenizers_data_is_given_back_once_built():
+    """The data an encoding is built from (compiled into bpe-openai's extension, ~32 MB for
+    o200k_base) leaves the resident memory once the tokenizer is built; counting goes on exactly."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os; from chatstream import memory, tokens\n"
+        "tokens.preload()\n"
+        "assert tokens.count_text('gpt-4o', 'tiktoken is great!') == 6\n"
+        "assert tokens.count_text('gpt-4', 'tiktoken is great!') == 6\n"
+        "path = os.path.realpath(tokens._bindings().__file__)\n"
+        "print(sum(m[1] - m[0] for m in memory._read_only_mappings(path)), "
+        "sum(m[3] for m in memory._read_only_mappings(path)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    mapped, resident_kb = (int(x) for x in done.stdout.split())
+    assert mapped > 40 * 1024 * 1024  # the extension's read-only data, all three encodings' (~69 MB)
+    assert resident_kb < 2048  # of which o200k_base's and cl100k_base's (~46 MB) were read to build them

@@ -28,7 +28,8 @@ the card's.
 
 ``--served N`` measures an instance instead: the app served by tools/devhost (one worker) against the
 scripted upstream, unkeyed, then keyed (``CALLER_KEYS=required``, a caller made through the admin
-API, Azurite in memory: ``make azurite``), then keyed + resumable; N streamed chat completions each,
+API, Azurite in memory: ``make azurite``; its tables and container made first, as infra/ makes them in
+Azure), then keyed + resumable; N streamed chat completions each,
 then the host's and the worker's RSS from ``/_devhost/stats`` and the worker's split into anonymous
 memory and file pages (clean pages of libraries and wheels, which the kernel drops under pressure).
 """
@@ -36,6 +37,7 @@ memory and file pages (clean pages of libraries and wheels, which the kernel dro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -112,6 +114,7 @@ def served(trees: list[Path], requests: int) -> None:
     from tests.servers import Azurite, Served, Upstream
 
     upstream, azurite = Upstream(), Azurite()
+    _make_store(azurite.connection_string)
     settings = {"OPENAI_BASE_URL": upstream.base_url, "OPENAI_API_KEY": "coldstart", "UPSTREAM_MAX_RETRIES": "0"}
     keyed = {**settings, "CALLER_KEYS": "required", "AzureWebJobsStorage": azurite.connection_string}
     variants = {"unkeyed": settings, "keyed": keyed, "keyed + resumable": {**keyed, "RESUMABLE_STREAMS": "on"}}
@@ -158,6 +161,28 @@ def served(trees: list[Path], requests: int) -> None:
     finally:
         upstream.stop()
         azurite.stop()
+
+
+def _make_store(connection_string: str) -> None:
+    """The store's tables and container, as infra/ makes them in Azure: an instance finds them there
+    (one that makes them loads the SDKs' async clients to do it, ~2 MB)."""
+    from azure.core.exceptions import ResourceExistsError
+    from azure.data.tables import TableServiceClient
+    from azure.storage.blob import BlobServiceClient
+
+    from chatstream.state import store
+
+    with TableServiceClient.from_connection_string(connection_string) as tables:
+        for name in (
+            store.CALLERS_TABLE,
+            store.LIMITS_TABLE,
+            store.USAGE_TABLE,
+            store.RESPONSES_TABLE,
+            store.STREAMS_TABLE,
+        ):
+            tables.create_table_if_not_exists(name)
+    with BlobServiceClient.from_connection_string(connection_string) as blobs, contextlib.suppress(ResourceExistsError):
+        blobs.create_container(store.STREAMS_CONTAINER)
 
 
 def _smaps(pid: int) -> dict[str, int]:
