@@ -4,7 +4,7 @@ settings). A request's way through chatstream/: docs/maintainers.md, "Layout".""
 import azure.functions as func
 from azurefunctions.extensions.http.fastapi import Request, Response
 
-from chatstream import telemetry
+from chatstream import memory, telemetry
 from chatstream.app import create_app
 from chatstream.console_page import Console
 from chatstream.pipeline import Pipeline
@@ -168,3 +168,6 @@ async def manage_usage(req: Request) -> Response:
     """GET /api/manage/usage?caller=&team=&model=&from=&to=: tokens, requests and cost by caller, team,
     model and day (Accept: text/csv for CSV)."""
     return await chat_app.manage.usage(req)
+
+
+memory.started()  # the last line: what start-up made is kept out of the garbage collector's walks

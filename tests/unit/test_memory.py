@@ -197,3 +197,23 @@ def test_the_tokenizers_data_is_given_back_once_built():
     mapped, resident_kb = (int(x) for x in done.stdout.split())
     assert mapped > 40 * 1024 * 1024  # the extension's read-only data, all three encodings' (~69 MB)
     assert resident_kb < 2048  # of which o200k_base's and cl100k_base's (~46 MB) were read to build them
+
+
+def test_start_up_is_frozen_so_a_full_collection_walks_only_what_requests_made():
+    """function_app.py ends with memory.started(): what start-up made (modules, settings, clients)
+    is kept out of the garbage collector's walks; a full collection then walks only what came after
+    (a fresh process: freezing pytest's own objects would change the other tests)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import gc, json, function_app\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects())]))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "UPSTREAMS"))}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    frozen, walked = json.loads(out.splitlines()[-1])
+    assert frozen > 50_000, frozen  # ~130,000 on Python 3.13
+    assert walked < 1_000, walked
