@@ -31,6 +31,7 @@ from chatstream.state.streamlog import (
     started_at,
     sweep,
 )
+from chatstream.state.streamlog.config import Turns
 
 from .streamlog_helpers import (
     DONE,
@@ -672,6 +673,36 @@ async def test_background_writes_and_polls_wait_their_turn():
         assert 1 <= most["max"] <= 2, most
     await a.close()
     await a.instances.close()
+
+
+async def test_a_write_a_reader_waits_for_takes_its_turn_first():
+    """Turns (ResumeConfig.bulk_calls): the calls waiting for a turn go in order, except a write a
+    reader elsewhere waits for, which goes ahead of them; never more than the limit at once, and a
+    waiter cancelled, or cancelled just as its turn came, leaves no turn behind."""
+    turns = Turns(1)
+    order: list[str] = []
+
+    async def call(name: str, first: bool = False) -> None:
+        async with turns.first() if first else turns:
+            order.append(name)
+            await asyncio.sleep(0.01)
+
+    async with turns:  # the one turn is taken: everyone below waits
+        tasks = [asyncio.ensure_future(call(n)) for n in ("end 1", "end 2")]
+        tasks.append(asyncio.ensure_future(call("for a reader", first=True)))
+        gone = asyncio.ensure_future(call("cancelled"))
+        await asyncio.sleep(0)
+        gone.cancel()
+    await asyncio.gather(*tasks)
+    assert order == ["for a reader", "end 1", "end 2"]
+    late = asyncio.ensure_future(call("given, then cancelled"))
+    async with turns:
+        await asyncio.sleep(0)
+    late.cancel()  # its turn was given as the block above ended, before it could run
+    await asyncio.gather(late, return_exceptions=True)
+    async with asyncio.timeout(1):
+        async with turns:
+            pass
 
 
 async def test_a_reader_here_gets_what_is_stored_only_and_only_the_live_caller_is_ahead():

@@ -3,7 +3,8 @@ ports and print what the app needs to use it: ``python -m tools.azurite [--locat
 
 Prints one line ``azurite listening on http://127.0.0.1:<table port>``, then one line
 ``AzureWebJobsStorage=<connection string>``, and stays in the foreground until SIGTERM or Ctrl+C,
-which stop Azurite too. ``npm ci`` must have run (``make azurite``)."""
+which stop Azurite too. ``npm ci`` must have run (``make azurite``). With ``AZURITE_ACCESS_LOG=FILE``
+its access log (one line a request) goes to FILE (the benchmark counts store calls from it)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ def connection_string(urls: dict[str, str]) -> str:
     return ";".join(parts) + ";"
 
 
-def start(location: Path | None, timeout: float = 30.0) -> tuple[subprocess.Popen, dict[str, str]]:
-    """Start Azurite on free loopback ports; the process and its service URLs once all three listen."""
+def start(
+    location: Path | None, timeout: float = 30.0, access_log: Path | None = None
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Start Azurite on free loopback ports; the process and its service URLs once all three listen.
+    Its access log lines go to ``access_log`` when given (else nowhere)."""
     if not BINARY.exists():
         raise SystemExit(f"Azurite is not installed: run `make azurite` (npm ci in {HERE})")
     args = [
@@ -71,8 +75,11 @@ def start(location: Path | None, timeout: float = 30.0) -> tuple[subprocess.Pope
     ready = threading.Event()
 
     def read() -> None:
+        sink = open(access_log, "a", buffering=1) if access_log is not None else None
         for line in proc.stdout:
             found = _LISTENING.search(line)
+            if sink is not None and line.startswith("127.0.0.1 - "):
+                sink.write(line)
             if found:
                 urls[found.group(1)] = found.group(2)
                 if len(urls) == 3:
@@ -95,7 +102,8 @@ def main() -> None:
     where.add_argument("--in-memory", action="store_true", help="keep nothing on disk (tests)")
     args = parser.parse_args()
     location = None if args.in_memory else (args.location or Path(".azurite"))
-    proc, urls = start(location)
+    access_log = os.environ.get("AZURITE_ACCESS_LOG")
+    proc, urls = start(location, access_log=Path(access_log) if access_log else None)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

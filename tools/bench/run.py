@@ -259,8 +259,12 @@ class Bench:
         storage = None
         if any(self.kind_of(p) in STORE_PATHS for p in self.paths):
             log("starting Azurite (in memory) for the paths that need the shared store")
+            (self.out / "azurite-access.log").unlink(missing_ok=True)  # its store calls (store_ops.py)
             self.servers["azurite"] = az = Azurite(
-                "azurite", [str(APP_PY), "-m", "tools.azurite", "--in-memory"], _clean_env({}), self.out
+                "azurite",
+                [str(APP_PY), "-m", "tools.azurite", "--in-memory"],
+                _clean_env({"AZURITE_ACCESS_LOG": str(self.out / "azurite-access.log")}),
+                self.out,
             )
             storage = az.wait_storage(60)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,9 @@ class ResumeConfig:
     write_rate: float = 100.0
     read_rate: float = 200.0
     # ...and at most this many of those writes and polls are in flight at once: when the store is
-    # slow they wait here, in turn, not in its queue ahead of the heartbeat, the inbox and the
-    # routes' own calls. (A stream's record insert is the request's own: it does not wait here.)
+    # slow they wait here, in turn (a write a reader elsewhere waits for first: Turns), not in its
+    # queue ahead of the heartbeat, the inbox and the routes' own calls. (A stream's record insert
+    # is the request's own: it does not wait here.)
     bulk_calls: int = 16
     young_poll_seconds: float = 0.05  # a reader elsewhere polls for the record of a stream just started
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
@@ -106,10 +108,56 @@ class ResumeConfig:
         return max(1.0, min(300.0, self.ttl_seconds / 4))
 
 
+class Turns:
+    """At most ``calls`` background store calls at once (``async with turns:``); a call that a reader
+    waits for (``async with turns.first():``, a write of a stream someone follows) goes ahead of the
+    others that wait (the other streams' checkpoints and ends): their turns are in order."""
+
+    def __init__(self, calls: int):
+        self._free = calls
+        self._waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
+
+    async def _take(self, first: bool) -> None:
+        if self._free > 0 and not (self._waiting[0] or self._waiting[1]):
+            self._free -= 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting[0 if first else 1].append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._give()  # given just as it was cancelled: to the next one
+            raise
+
+    def _give(self) -> None:
+        for waiting in self._waiting:
+            while waiting:
+                turn = waiting.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    return
+        self._free += 1
+
+    @contextlib.asynccontextmanager
+    async def first(self) -> AsyncIterator[None]:
+        await self._take(True)
+        try:
+            yield
+        finally:
+            self._give()
+
+    async def __aenter__(self) -> None:
+        await self._take(False)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._give()
+
+
 class Context:
     """What the parts of one stream log share: the store, this instance (``instances``: its id, its
     heartbeat, the others' liveness), the settings, the error encoder, the turn background calls take
-    at the store (``bulk``), how many producers write fast and readers follow from the store here
+    at the store (``bulk``: Turns), how many producers write fast and readers follow from the store here
     (each one's cadence grows with their number), and the background tasks (none after close)."""
 
     def __init__(self, store: Store, instances: Instances, config: ResumeConfig, encode_error: EncodeError):
@@ -117,7 +165,7 @@ class Context:
         self.instances = instances
         self.config = config
         self.encode_error = encode_error
-        self.bulk = asyncio.Semaphore(config.bulk_calls)
+        self.bulk = Turns(config.bulk_calls)
         self.fast_writers = 0
         self.remote_readers = 0
         self.closed = False

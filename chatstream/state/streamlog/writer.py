@@ -356,8 +356,10 @@ class Writer:
         store = self._ctx.store
         attempt = self._compose()
         offset = self.stored_bytes
+        # A reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls).
+        turn = self._ctx.bulk.first() if self._following or attempt.acks else self._ctx.bulk
         try:
-            async with self._ctx.bulk:
+            async with turn:
                 try:
                     await store.append(self._id, attempt.block, at=offset)
                 except NotFound:

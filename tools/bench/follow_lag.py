@@ -1,0 +1,151 @@
+"""A reader on another instance, in-process: how far it trails the producer's caller, and the store
+calls a stream makes, with the resumable streams' real cadences (ResumeConfig's defaults) and a
+store whose every call takes a set time. Two StreamLogs on one in-memory account (tests/memory_store.py)
+stand for the producing instance and the reader's; the producer appends the bench's stream (first delta
+at 100 ms, then one every 20 ms) and a reader on the other instance opens one stream in ten as the
+first delta goes out (when the bench's follower gets the stream id), as tools/bench/run.py's resume
+path does, without HTTP, the app or a busy machine: what the cadences alone cost.
+
+    .venv/bin/python tools/bench/follow_lag.py [--streams 100] [--deltas 40] [--latency-ms 20] [--waves 3]
+                                              [--set fast_flush_seconds=0.05 ...]
+
+Prints the lag p50/p99 (ms, over the deltas appended after the reader opened) and the store calls per
+stream without a reader (a wave where none follows) and per stream with one (the difference a reader
+makes to a wave, per reader), inbox and heartbeat reads included."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
+
+
+async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float], int]:
+    from chatstream import sse
+    from chatstream.http import dumps
+
+    lags: list[float] = []
+    appended: dict[tuple[int, int], float] = {}
+
+    async def read(n: int, stream_id: str, opened: float) -> None:
+        reader = await b.open_reader(stream_id, None, None)
+        async for chunk in reader:
+            now = time.monotonic()
+            for part in chunk.split(b"\n\n"):
+                if part.startswith(b"id: "):
+                    i = int(part[4 : part.index(b"\n")])
+                    sent = appended.get((n, i))
+                    if sent is not None and sent >= opened:
+                        lags.append((now - sent) * 1000)
+
+    async def one(n: int) -> None:
+        await asyncio.sleep(n * args.stagger_ms / 1000)
+        producer = a.start("chat", None)
+        await asyncio.sleep(args.first_ms / 1000)
+        readers = []
+        for i in range(args.deltas + 1):
+            last = i == args.deltas
+            payload = {"finish_reason": "stop"} if last else {"delta": f"w{i} "}
+            event = sse.event(dumps(payload), b"done" if last else None)
+            appended[(n, i + 1)] = time.monotonic()
+            producer.append(event, final=last)
+            if i == 0 and follow and n % args.follow_every == 0:
+                readers.append(asyncio.ensure_future(read(n, producer.id, time.monotonic())))
+            if not last:
+                await asyncio.sleep(args.interval_ms / 1000)
+        producer.finish()
+        await asyncio.gather(*readers)
+
+    calls = sum(a.store.data.calls.values())
+    await asyncio.gather(*(one(n) for n in range(args.streams)))
+    await asyncio.sleep(args.settle)  # the last writes, the readers' leaving, the inbox's deletes
+    return lags, sum(a.store.data.calls.values()) - calls
+
+
+async def main_async(args) -> dict:
+    from memory_store import MemoryData, MemoryStore
+    from unit.streamlog_helpers import encode_error
+
+    from chatstream.state.instances import Instances
+    from chatstream.state.store import StoreClock
+    from chatstream.state.streamlog import ResumeConfig, StreamLog
+
+    rng = random.Random(args.seed)
+
+    class SlowStore(MemoryStore):
+        """Every call takes ``--latency-ms`` (lognormal, that median, ``--jitter`` sigma)."""
+
+        async def _call(self, op, table, timeout, work, write):
+            await asyncio.sleep(args.latency_ms / 1000 * rng.lognormvariate(0, args.jitter))
+            return await super()._call(op, table, timeout, work, write)
+
+    data = MemoryData()
+    logs = []
+    for _ in range(2):
+        store = SlowStore(data, StoreClock())
+        logs.append(StreamLog(store, Instances(store), encode_error, ResumeConfig(**args.set)))
+    a, b = logs
+    out: dict = {"lag": [], "plain_calls": [], "followed_calls": []}
+    try:
+        await wave(a, b, args, False, rng)  # warm-up: first beats
+        for _ in range(args.waves):
+            _, plain = await wave(a, b, args, False, rng)
+            lags, followed = await wave(a, b, args, True, rng)
+            out["lag"] += lags
+            readers = len(range(0, args.streams, args.follow_every))
+            out["plain_calls"].append(plain / args.streams)
+            out["followed_calls"].append((followed - plain) / readers + plain / args.streams)
+    finally:
+        for streams in logs:
+            await streams.close(timeout=1.0)
+            await streams.instances.close()
+    return {
+        "lag_ms": {"p50": pct(out["lag"], 50), "p99": pct(out["lag"], 99), "n": len(out["lag"])},
+        "calls_per_stream_without_reader": round(sum(out["plain_calls"]) / args.waves, 2),
+        "calls_per_stream_with_reader": round(sum(out["followed_calls"]) / args.waves, 2),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=100)
+    p.add_argument("--follow-every", type=int, default=10)
+    p.add_argument("--deltas", type=int, default=40)
+    p.add_argument("--first-ms", type=float, default=100)
+    p.add_argument("--interval-ms", type=float, default=20)
+    p.add_argument("--stagger-ms", type=float, default=1.0)
+    p.add_argument("--latency-ms", type=float, default=20.0, help="a store call's median time (default 20 ms)")
+    p.add_argument("--jitter", type=float, default=0.5, help="lognormal sigma of a call's time (default 0.5)")
+    p.add_argument("--waves", type=int, default=3)
+    p.add_argument("--settle", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=44)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="a ResumeConfig field (e.g. poll_seconds=0.05)",
+    )
+    args = p.parse_args(argv)
+    args.set = {k: float(v) for k, v in (x.split("=", 1) for x in args.set)}
+    print(json.dumps(asyncio.run(main_async(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
