@@ -126,10 +126,6 @@ class Lifecycle:
         self._passed_on = False
         self._previous: object = None  # the SIGTERM handler before ours
 
-    def running(self) -> list[Stream]:
-        """The streams running here now."""
-        return list(self._streams)
-
     # --- the request path -----------------------------------------------------------------------
 
     def admit(self) -> None:

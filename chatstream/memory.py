@@ -71,7 +71,6 @@ class Trimmer:
         self.after = after
         self.delay = delay
         self.pending = 0  # bytes written by answers that ended since the last trim
-        self.trims = 0
         self._scheduled: asyncio.TimerHandle | None = None
 
     def released(self, nbytes: int) -> None:
@@ -94,7 +93,6 @@ class Trimmer:
             return
         started = time.perf_counter()
         self._trim(0)
-        self.trims += 1
         log.debug("malloc_trim took %.1f ms", (time.perf_counter() - started) * 1000)
 
 

@@ -136,7 +136,6 @@ class CompletionStream:
     generated (each choice's text, before the text steps: what a partial stream is charged for)."""
 
     def __init__(self, pipeline: Pipeline | None, choices: int = 1, keep: bool = False):
-        self._pipeline = pipeline
         self._make_filter = pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
         self.feed_waits = pipeline is not None and pipeline.moderates
         self._filters: dict[int, ChoiceFilters] = {}
