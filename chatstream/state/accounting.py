@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from .. import tokens
 from ..errors import StoreError
 from .callers import Caller, Team
+from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry
@@ -261,7 +262,7 @@ class Accounting:
         cost = sum(c.cost or 0 for c in charges)
         self._settle(admission, charges, {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants})
 
-    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[tuple[str, str], int]) -> None:
+    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
         settlement = admission.reservation.settle(spent)
         self.journal.settle(admission.entry, charges, _amounts(admission.wants, spent), settlement)
 
@@ -400,9 +401,9 @@ class Accounting:
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 
-def _amounts(wants: list[Want], spent: dict[tuple[str, str], int] | None = None) -> dict[str, int]:
-    """What ``spent`` (else each want's need) is of each budget counter ("partition/row")."""
-    return {f"{w.partition}/{w.row}": spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
+def _amounts(wants: list[Want], spent: dict[CounterKey, int] | None = None) -> dict[CounterKey, int]:
+    """What ``spent`` (else each want's need) is of each budget counter."""
+    return {w.key: spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
 
 
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
@@ -417,8 +418,10 @@ def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, st
     )
 
 
-def _entry(key: str, payer: Payer, model: str, prompt: int, needs: dict[str, int], price: Price | None) -> JournalEntry:
-    kinds = {k: ("spend" if k.endswith("/spend") else "tokens") for k in needs}
+def _entry(
+    key: str, payer: Payer, model: str, prompt: int, needs: dict[CounterKey, int], price: Price | None
+) -> JournalEntry:
+    kinds = {k: ("spend" if k.row == "spend" else "tokens") for k in needs}
     return JournalEntry(key, payer, model, prompt, needs, kinds, price)
 
 

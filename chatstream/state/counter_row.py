@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from ..errors import AlreadyExists, Modified, NotFound
 from .store import LIMITS_TABLE, Row, Store
@@ -19,6 +20,23 @@ from .store import LIMITS_TABLE, Row, Store
 WINDOW_SECONDS = 60
 MAX_ATTEMPTS = 50  # conflicting writes one change of a row retries (each after a fresh read)
 Period = str  # "minute", "day", "month", "total"
+
+
+class CounterKey(NamedTuple):
+    """A counter's row: its name wherever a counter is named (leases, reservations, settlements, the
+    journal). The journal document stores it as ``"partition/row"`` (``str``; ``parse`` reads it back:
+    a partition has no ``/``, store.key_part)."""
+
+    partition: str
+    row: str
+
+    def __str__(self) -> str:
+        return f"{self.partition}/{self.row}"
+
+    @classmethod
+    def parse(cls, text: str) -> CounterKey:
+        partition, _, row = text.partition("/")
+        return cls(partition, row)
 
 
 def window_of(period: Period, now: float) -> str:

@@ -48,7 +48,16 @@ from typing import Protocol
 
 from ..errors import StoreError
 from . import counter_row
-from .counter_row import MAX_ATTEMPTS, CounterRow, Entry, Period, newer, seconds_to_next_minute, window_of
+from .counter_row import (
+    MAX_ATTEMPTS,
+    CounterKey,
+    CounterRow,
+    Entry,
+    Period,
+    newer,
+    seconds_to_next_minute,
+    window_of,
+)
 from .instances import Instances
 from .port import LimitRef, Rate, Refused, Unavailable
 from .store import CALL_TIMEOUT, Store
@@ -73,8 +82,8 @@ class Want:
     period: Period  # minute, day, month, total
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.partition, self.row)
+    def key(self) -> CounterKey:
+        return CounterKey(self.partition, self.row)
 
 
 @dataclass
@@ -187,13 +196,8 @@ class Lease:
         self.known = False  # ...and whether that is still worth acting on
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.partition, self.row)
-
-    @property
-    def name(self) -> str:
-        """The counter's name in the journal and in settlements: "partition/row"."""
-        return f"{self.partition}/{self.row}"
+    def key(self) -> CounterKey:
+        return CounterKey(self.partition, self.row)
 
     # --- what reservations do ------------------------------------------------------------------
 
@@ -436,7 +440,7 @@ class Lease:
             if self.held and counters.instance not in holds and same:
                 # Our entry is gone while we held: another instance took this one over (we were too
                 # slow to beat) and settled what we held from our journal. These books start again.
-                log.warning("limits: %s was taken over from this instance elsewhere", self.name)
+                log.warning("limits: %s was taken over from this instance elsewhere", self.key)
                 self._drop_books()
                 continue
             window = self.window
@@ -445,7 +449,7 @@ class Lease:
             if self.period != "minute" and self.held == 0 and waiters and counters.journal is not None:
                 # A budget's first capacity here: the journal lists the counter before the row says
                 # we hold some, so a takeover of this instance finds it.
-                await counters.journal.note_counter(self.name, self.holds)
+                await counters.journal.note_counter(self.key, self.holds)
                 waiters = self._pending()
             room = max(0, self.limit - taken) + self.balance
             chosen: list[_Waiter] = []
@@ -606,14 +610,14 @@ class Settlement:
     staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
 
     @property
-    def seqs(self) -> dict[str, int]:
-        return {lease.name: s.seq for lease, s in self.staged}
+    def seqs(self) -> dict[CounterKey, int]:
+        return {lease.key: s.seq for lease, s in self.staged}
 
-    def lessen(self, amounts: Mapping[str, int]) -> None:
-        """Before ``confirm``: take ``amounts`` ("partition/row" -> amount) out of the staged charges
+    def lessen(self, amounts: Mapping[CounterKey, int]) -> None:
+        """Before ``confirm``: take ``amounts`` (per counter) out of the staged charges
         (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
-            lease.lessen(staged, amounts.get(lease.name, 0))
+            lease.lessen(staged, amounts.get(lease.key, 0))
 
     def confirm(self) -> None:
         for lease, staged in self.staged:
@@ -636,7 +640,7 @@ class Reservation:
     rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
     state: str = "held"
 
-    def settle(self, spent: Mapping[tuple[str, str], int]) -> Settlement:
+    def settle(self, spent: Mapping[CounterKey, int]) -> Settlement:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
         settlement = Settlement()
@@ -660,9 +664,9 @@ class Reservation:
             part.lease.give_back(part)
 
     @property
-    def needs(self) -> dict[str, int]:
+    def needs(self) -> dict[CounterKey, int]:
         """What it holds per budget counter, for the journal."""
-        return {p.lease.name: p.need for p in self.parts if p.lease.period != "minute"}
+        return {p.lease.key: p.need for p in self.parts if p.lease.period != "minute"}
 
 
 class WriteAhead(Protocol):
@@ -670,7 +674,7 @@ class WriteAhead(Protocol):
     before any of it is held here (``note_counter``, then listed while ``holding()``), and it hears
     when charges entered a row (``changed``: it may drop them)."""
 
-    async def note_counter(self, name: str, holding: Callable[[], bool]) -> None: ...
+    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
     def changed(self) -> None: ...
 
@@ -690,7 +694,7 @@ class Counters:
         self.journal = journal
         self.clock = clock or store.clock.now
         self.closed = False
-        self._leases: dict[tuple[str, str], Lease] = {}
+        self._leases: dict[CounterKey, Lease] = {}
         self._pruned_at = ""
 
     @property

@@ -51,7 +51,7 @@ from typing import Any
 from .. import tokens
 from ..errors import Modified, NotFound, StoreError
 from . import counter_row
-from .counter_row import MAX_ATTEMPTS
+from .counter_row import MAX_ATTEMPTS, CounterKey
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
 from .ledger import Charge, Ledger, Payer, theirs, tokens_of
@@ -84,8 +84,8 @@ class JournalEntry:
     payer: Payer
     model: str
     prompt_tokens: int
-    needs: dict[str, int]  # "partition/row" -> reserved of that budget counter
-    kinds: dict[str, str]  # "partition/row" -> "tokens" | "spend"
+    needs: dict[CounterKey, int]  # reserved of each budget counter
+    kinds: dict[CounterKey, str]  # "tokens" | "spend"
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     counted_chars: dict[int, int] = field(default_factory=dict)
@@ -93,7 +93,7 @@ class JournalEntry:
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
-    amounts: dict[str, int] = field(default_factory=dict)  # settled: "partition/row" -> charged
+    amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
     settlement: Settlement | None = None  # settled: its charges in the budget counters, and their numbers
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
@@ -122,8 +122,8 @@ class JournalEntry:
             **asdict(self.payer),
             "model": self.model,
             "prompt": self.prompt_tokens,
-            "needs": self.needs,
-            "kinds": self.kinds,
+            "needs": _named(self.needs),
+            "kinds": _named(self.kinds),
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
@@ -133,8 +133,8 @@ class JournalEntry:
             doc["generated"] = self.checkpoint()
         else:
             doc["charges"] = [c.as_dict() for c in self.charges]
-            doc["amounts"] = self.amounts
-            doc["seqs"] = self.settlement.seqs if self.settlement is not None else {}
+            doc["amounts"] = _named(self.amounts)
+            doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc
 
 
@@ -148,11 +148,11 @@ class Journal:
         self._busy = False
         self.interval = interval
         self.entries: dict[str, JournalEntry] = {}
-        self._holding: dict[str, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
-        self._noted: set[str] = set()  # budget counters in the last written journal
-        self._needed_at: dict[str, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
+        self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
+        self._noted: set[CounterKey] = set()  # budget counters in the last written journal
+        self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: asyncio.TimerHandle | None = None
-        self._noting: dict[str, asyncio.Future] = {}
+        self._noting: dict[CounterKey, asyncio.Future] = {}
         self._etag: str | None = None
         self._name: str | None = None
         self._dirty = asyncio.Event()
@@ -179,7 +179,7 @@ class Journal:
             self.changed()
 
     def settle(
-        self, entry: JournalEntry, charges: list[Charge], amounts: dict[str, int], settlement: Settlement
+        self, entry: JournalEntry, charges: list[Charge], amounts: dict[CounterKey, int], settlement: Settlement
     ) -> None:
         """The request is over: listed as settled, then its ledger rows, then the counters (module
         docstring); all in the background."""
@@ -217,15 +217,15 @@ class Journal:
                 keep.append((entry, waiting))
         self._waiting = keep
 
-    async def note_counter(self, name: str, holding: Callable[[], bool]) -> None:
-        """Before this instance holds any of budget counter ``name`` ("partition/row"): the journal
-        lists it (written), and goes on listing it while ``holding()`` says the counters hold some."""
-        self._holding[name] = holding
-        if name in self._noted:
+    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
+        """Before this instance holds any of budget counter ``key``: the journal lists it (written),
+        and goes on listing it while ``holding()`` says the counters hold some."""
+        self._holding[key] = holding
+        if key in self._noted:
             return
-        waiting = self._noting.get(name)
+        waiting = self._noting.get(key)
         if waiting is None:
-            waiting = self._noting[name] = asyncio.get_running_loop().create_future()
+            waiting = self._noting[key] = asyncio.get_running_loop().create_future()
             self._urgent.set()
             self.changed()
         await asyncio.shield(waiting)
@@ -309,7 +309,7 @@ class Journal:
         doc = {
             "instance": instance,
             "at": self.store.clock.now(),
-            "counters": listed,
+            "counters": [str(key) for key in listed],
             "entries": [e.document() for e in self.entries.values()],
         }
         data = json.dumps(doc, separators=(",", ":")).encode()
@@ -331,7 +331,7 @@ class Journal:
             entry.journaled = True
             self._to_ledger(entry)
 
-    def _listing(self, needed: set[str]) -> set[str]:
+    def _listing(self, needed: set[CounterKey]) -> set[CounterKey]:
         """The counters to list: those needed now, and those needed within ``LISTED_SECONDS`` (a
         timer writes the journal again when the last of them lapses)."""
         loop = asyncio.get_running_loop()
@@ -351,10 +351,10 @@ class Journal:
             self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
         return needed | kept
 
-    def _release(self, noting: dict[str, asyncio.Future]) -> None:
-        for name, future in noting.items():
-            if self._noting.get(name) is future:
-                del self._noting[name]
+    def _release(self, noting: dict[CounterKey, asyncio.Future]) -> None:
+        for key, future in noting.items():
+            if self._noting.get(key) is future:
+                del self._noting[key]
             if not future.done():
                 future.set_result(None)
 
@@ -424,8 +424,8 @@ class Journal:
             await self._write_once()
 
 
-def amounts(kinds: Mapping[str, str], charges: list[Charge]) -> dict[str, int]:
-    """What ``charges`` spend of each budget counter ("partition/row" -> tokens or pico-dollars)."""
+def amounts(kinds: Mapping[CounterKey, str], charges: list[Charge]) -> dict[CounterKey, int]:
+    """What ``charges`` spend of each budget counter (tokens or pico-dollars)."""
     return {
         key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
         for key, kind in kinds.items()
@@ -452,7 +452,7 @@ class Recovery:
         entries = doc.get("entries") or []
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
         for key in doc.get("counters") or []:  # 3.
-            await self._give_back(key, dead, owed)
+            await self._give_back(CounterKey.parse(key), dead, owed)
         with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
         log.info(
@@ -476,9 +476,9 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
-    async def _charge(self, entry: dict[str, Any], dead: str) -> dict[str, int]:
+    async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
-        counter ("partition/row" -> amount), less what others count."""
+        counter, less what others count."""
         charges = _charges_of(entry, dead)
         others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
         counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
@@ -511,18 +511,20 @@ class Recovery:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
                 counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
-        kinds = entry.get("kinds") or {}
+        kinds = _parsed(entry.get("kinds"))
         less = amounts(kinds, others)
         for key, kind in kinds.items():
             less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
-        brings = entry.get("amounts") if entry.get("state") == "settled" else amounts(kinds, charges)
-        return {k: max(0, int(v) - less.get(k, 0)) for k, v in (brings or {}).items()}
+        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(kinds, charges)
+        return {k: max(0, int(v) - less.get(k, 0)) for k, v in brings.items()}
 
-    async def _give_back(self, key: str, dead: str, owed: list[tuple[dict[str, Any], dict[str, int]]]) -> None:
-        """Step 3 for one budget counter row ("partition/row"): the dead instance's entry out,
+    async def _give_back(
+        self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]
+    ) -> None:
+        """Step 3 for one budget counter row: the dead instance's entry out,
         ``taken`` less what it held, plus what its entries bring that the row does not have yet (a
         settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
-        partition, _, row = key.partition("/")
+        partition, row = key
         for _ in range(MAX_ATTEMPTS):
             found = await counter_row.read(self.store, partition, row, self.timeout)
             holds = dict(found.holds)
@@ -533,13 +535,25 @@ class Recovery:
                 brings[key]
                 for entry, brings in owed
                 if key in brings
-                and not (entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(key, 0)) <= held.applied)
+                and not (
+                    entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
+                )
             )
             taken = max(0, found.taken - held.held + max(0, unapplied))
             changed = replace(found, taken=taken, holds=holds)
             if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
+
+
+def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:
+    """Per counter, as the journal document stores it ("partition/row" -> value)."""
+    return {str(key): value for key, value in per_counter.items()}
+
+
+def _parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
+    """A journal document's per-counter map read back (``_named``'s inverse)."""
+    return {CounterKey.parse(key): value for key, value in (named or {}).items()}
 
 
 def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_store import Fault, MemoryData, MemoryStore
 
-from chatstream.state.counter_row import parse_holds, window_of
+from chatstream.state.counter_row import CounterKey, parse_holds, window_of
 from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
 from chatstream.state.port import LimitRef, Refused, Unavailable
@@ -75,7 +75,7 @@ async def test_settled_below_the_reservation_gives_back_and_a_lone_request_needs
     c = counters(data, "a")
     first = await c.reserve([want("tpm", 1000, 100)])
     assert isinstance(first, Reservation)
-    first.settle({("c|1", "tpm"): 30})
+    first.settle({CounterKey("c|1", "tpm"): 30})
     await asyncio.sleep(0.05)  # what came back beyond the hold share goes back (after the request)
     calls = sum(data.calls.values())
     second = await c.reserve([want("tpm", 1000, 100)])  # served from what the first one left here
@@ -94,7 +94,7 @@ async def test_requests_at_a_steady_pace_are_served_from_the_hold_without_a_stor
         got = await c.reserve([want("tpm", 100_000, 100)])
         assert isinstance(got, Reservation)
         before.append(sum(data.calls.values()) - calls)
-        got.settle({("c|1", "tpm"): 60})
+        got.settle({CounterKey("c|1", "tpm"): 60})
         await asyncio.sleep(0.05)  # the hold is filled again after the request
     assert before[0] > 0 and before[1:] == [0] * 5
     assert await c.flush(3)
@@ -109,7 +109,7 @@ async def test_all_or_nothing_a_refusal_by_the_team_gives_back_what_the_caller_r
     assert isinstance(ok, Reservation)
     no = await c.reserve([want("tpm", 10_000, 100), team_budget])
     assert isinstance(no, Refused) and no.limit.kind == "token_budget" and no.retry_after is None
-    ok.settle({("c|1", "tpm"): 100, ("team:t|1", "tokens"): 100}).confirm()
+    ok.settle({CounterKey("c|1", "tpm"): 100, CounterKey("team:t|1", "tokens"): 100}).confirm()
     assert await c.flush(3)
     assert row(data, "c|1", "tpm")["taken"] == 100  # the refused one's 100 came back at once
 
@@ -163,7 +163,7 @@ def _spent(charges: list[tuple[int, int]]) -> int:
 
 async def _settle_all(c: Counters, reservations: list[tuple[Reservation, int]]) -> None:
     for reservation, spent in reservations:
-        settlement = reservation.settle({("c|1", "tokens"): spent})
+        settlement = reservation.settle({CounterKey("c|1", "tokens"): spent})
         settlement.confirm()
 
 
@@ -193,7 +193,7 @@ def test_the_budget_row_equals_what_was_spent_whatever_answers_are_lost(steps, s
                 store.inject(Fault("unavailable", frozenset({"replace", "insert", "get"}), times=1))
             reserved = await c.reserve([want("tokens", 2_400, 200, period="month")])
             if isinstance(reserved, Reservation):
-                settlement = reserved.settle({("c|1", "tokens"): min(spend, 250)})
+                settlement = reserved.settle({CounterKey("c|1", "tokens"): min(spend, 250)})
                 settlement.confirm()
                 spent_total += min(spend, 250)
             store.faults.clear()
@@ -233,7 +233,7 @@ async def test_a_frozen_store_during_settles_leaves_the_row_equal_to_what_was_sp
             MemoryStore(data).freeze()
             asyncio.get_running_loop().call_later(0.3, MemoryStore(data).thaw)
         for r in held:
-            r.settle({("c|1", "tokens"): 150}).confirm()
+            r.settle({CounterKey("c|1", "tokens"): 150}).confirm()
             spent += 150
         await asyncio.sleep(0.05)
     MemoryStore(data).thaw()
@@ -259,7 +259,7 @@ async def test_a_row_written_by_an_older_version_with_a_limit_column_is_read_and
     assert isinstance(refused, Refused) and refused.used == 900
     reserved = await c.reserve([want("tokens", 1000, 100, "month")])
     assert isinstance(reserved, Reservation)
-    reserved.settle({("c|1", "tokens"): 100}).confirm()
+    reserved.settle({CounterKey("c|1", "tokens"): 100}).confirm()
     assert await c.flush(3)
     assert row(data, "c|1", "tokens")["taken"] == 1000 and "limit" not in row(data, "c|1", "tokens")
 
@@ -286,7 +286,7 @@ async def test_a_give_back_whose_answer_was_lost_is_not_given_back_twice():
     first = await c.reserve([want("tokens", 2_400, 200, "month")])
     assert isinstance(first, Reservation)
     store.inject(Fault("lose_answer", frozenset({"replace"}), times=1))
-    first.settle({("c|1", "tokens"): 150}).confirm()  # gives 50 back, applies 150: the answer is lost
+    first.settle({CounterKey("c|1", "tokens"): 150}).confirm()  # gives 50 back, applies 150: the answer is lost
     for _ in range(10):
         if await c.flush(1):
             break
@@ -295,7 +295,7 @@ async def test_a_give_back_whose_answer_was_lost_is_not_given_back_twice():
     assert found["taken"] == 150 and not found.get("holds")
     second = await c.reserve([want("tokens", 2_400, 200, "month")])
     assert isinstance(second, Reservation)
-    second.settle({("c|1", "tokens"): 150}).confirm()
+    second.settle({CounterKey("c|1", "tokens"): 150}).confirm()
     assert await c.flush(3)
     assert row(data, "c|1", "tokens")["taken"] == 300
 

@@ -654,3 +654,17 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
     so_far[0] = whole
     assert entry.checkpoint() == tokens.count_text(MODEL, whole)
+
+
+def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_read_and_wrote_it():
+    """In memory a budget counter is a CounterKey; the journal document keeps the older "partition/row"
+    strings, so a journal written before (or after) is taken over the same."""
+    from chatstream.state.counter_row import CounterKey
+    from chatstream.state.journal import JournalEntry
+    from chatstream.state.ledger import Payer
+
+    key = CounterKey("team:t|1", "tokens")
+    assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
+    payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
+    doc = JournalEntry("r", payer, MODEL, 3, {key: 100}, {key: "tokens"}).document()
+    assert doc["needs"] == {"team:t|1/tokens": 100} and doc["kinds"] == {"team:t|1/tokens": "tokens"}
