@@ -37,6 +37,14 @@ def caller(app, **spec) -> tuple[str, str, str]:
     return who, made.json()["key"], made.json()["id"]
 
 
+def two_instances(upstream, azurite, start_app, **spec) -> tuple:
+    """Instances A and B on one storage account, and a caller made on A with ``spec``:
+    ``(a, b, who, key, caller_id)``."""
+    a = start_app(**env(upstream, azurite))
+    b = start_app(**env(upstream, azurite))
+    return a, b, *caller(a, **spec)
+
+
 def ask(text: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], **extra}
 
@@ -90,9 +98,9 @@ def test_a_killed_instances_budget_comes_back_at_what_it_generated(upstream, azu
     """Five streams on A, each reserving prompt + 4,096 of a month's budget; A is killed (host and
     worker) mid-stream. Within 60 s B, doing the duty, has settled them from A's journal: each in the
     ledger at what it had generated (``lost``), the budget row holding exactly that, nothing of A's."""
-    a = start_app(**env(upstream, azurite))
-    b = start_app(**env(upstream, azurite))
-    who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+    a, b, who, key, caller_id = two_instances(
+        upstream, azurite, start_app, token_budget=1_000_000, budget_period="month"
+    )
     assert (
         httpx.post(f"{b.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30).status_code
         == 200
@@ -248,9 +256,7 @@ def test_a_killed_instances_requests_reach_the_usage_api(upstream, azurite, star
     nothing but the admin API. Within 20 s B's usage API (JSON and CSV) has the 4 requests, ``lost``,
     at what they had generated, and B admits a request against the budget given back. (Before, B
     never joined the duty without a keyed request of its own: 0 requests after 90 s.)"""
-    a = start_app(**env(upstream, azurite))
-    b = start_app(**env(upstream, azurite))
-    who, key, _ = caller(a, token_budget=20_000, budget_period=period)
+    a, b, who, key, _ = two_instances(upstream, azurite, start_app, token_budget=20_000, budget_period=period)
     started = threading.Barrier(5, timeout=60)
     body = ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True, max_tokens=2_000)
     streams = streams_on(a, key, body, 4, started)
@@ -366,9 +372,9 @@ def test_requests_an_instance_sent_upstream_just_before_it_died_are_in_the_ledge
     their headers. Every request the upstream received is in the ledger (``lost``), the budget row
     equals the ledger, nothing held. (Before, a request admitted after the journal's last write
     was lost with its instance: 1 of 5 rows in 3 runs.)"""
-    a = start_app(**env(upstream, azurite))
-    b = start_app(**env(upstream, azurite))
-    who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+    a, b, who, key, caller_id = two_instances(
+        upstream, azurite, start_app, token_budget=1_000_000, budget_period="month"
+    )
     for app in (a, b):  # each instance warm (its store clients, the tables; B takes the duty)
         warm = httpx.post(f"{app.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30)
         assert warm.status_code == 200, warm.text
