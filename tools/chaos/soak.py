@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 MODEL = "gpt-test"
 DELTAS = 40
+IN_FLIGHT = 3  # tokens the upstream may have sent and the app not read when it closes a call (a delta or two)
 EXPECTED = cadence_text(DELTAS)
 MAX_TOKENS = 100
 PRICE = {"input": 10, "output": 30}  # USD per million tokens
@@ -908,10 +909,32 @@ class Checks:
         counted as the app counts text (chatstream.tokens). A resumable stream's first part lost
         with its instance: at least what its caller had got when it was cut (docs/callers.md), at
         most what the upstream sent (what the dead instance had read, or had in its socket, but not
-        passed on: counted, not a failure)."""
+        passed on: counted, not a failure). A continuation that only a caller told ``stream_lost``
+        asked for, stopped once past that caller's position (docs/resumable.md), is charged as a
+        hang-up is: what the app had read when it closed the call, at most what the upstream sent and
+        at most ``IN_FLIGHT`` tokens fewer (what was in the socket), or, when the upstream had
+        finished meanwhile, the whole text counted as the app counts it (its usage never read)."""
         where = {"marker": marker, "call": call["id"], "row": row["RowKey"], "ended": row.get("ended")}
         charged = int(row["completion_tokens"])
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else None
+        stopped = (
+            row.get("ended") == "disconnected"
+            and int(row.get("segment") or 0) > 0
+            and result is not None
+            and result.outcome == "expected:stream_lost_unstored"
+            and sent is not None
+        )
+        if stopped:
+            generated = tokens.count_text(MODEL, cadence_text(sent))
+            if generated - IN_FLIGHT <= charged <= generated:
+                counts["continuations_stopped_for_nobody"] += 1
+                counts["completion_tokens_in_flight_at_the_stop_uncharged"] += generated - charged
+            else:
+                self.fail(
+                    "stopped_continuation_charged_other_than_read",
+                    {**where, "charged": charged, "generated": generated},
+                )
+            return
         if stream.get("outcome") == "completed" and row.get("upstream_id") == call["id"]:
             usage = (words(call.get("json")), DELTAS if sent is None else sent)
             if (int(row["prompt_tokens"]), charged) == usage:
