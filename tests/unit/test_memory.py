@@ -196,7 +196,10 @@ def test_the_tokenizers_data_is_given_back_once_built():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     mapped, resident_kb = (int(x) for x in done.stdout.split())
     assert mapped > 40 * 1024 * 1024  # the extension's read-only data, all three encodings' (~69 MB)
-    assert resident_kb < 2048  # of which o200k_base's and cl100k_base's (~46 MB) were read to build them
+    # Of it, o200k_base's and cl100k_base's (~46 MB) were read to build them. What a count reads again
+    # comes back with its readahead: 128 kB here, 2 MB once on a freshly installed extension (a clean
+    # clone's CI run).
+    assert resident_kb < 8 * 1024, resident_kb
 
 
 def test_start_up_is_frozen_so_a_full_collection_walks_only_what_requests_made():
