@@ -116,17 +116,7 @@ async def _burst(serve, n: int, body: bytes, hang_up: bool) -> dict[str, list[fl
                 if hang_up:
                     done.set()
 
-        received = False
-
-        async def receive() -> dict:
-            nonlocal received
-            if not received:
-                received = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        await serve(quick._scope("/api/chat", body), receive, send)
+        await serve(quick._scope("/api/chat", body), quick._receiver(body, done), send)
 
     await asyncio.gather(*(one(i) for i in range(n)))
     return {

@@ -106,8 +106,9 @@ def _scope(path: str, body: bytes) -> dict:
     }
 
 
-def _receiver(body: bytes):
-    """ASGI receive: the body, then nothing until the response ends (a caller who stays)."""
+def _receiver(body: bytes, gone: asyncio.Event | None = None):
+    """ASGI receive: the body, then nothing until the caller hangs up (``gone`` set; never, by
+    default: a caller who stays, the wait cancelled when the response is over)."""
     sent = False
 
     async def receive() -> dict:
@@ -115,7 +116,7 @@ def _receiver(body: bytes):
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # cancelled when the response is over
+        await (gone or asyncio.Event()).wait()
         return {"type": "http.disconnect"}
 
     return receive
