@@ -257,7 +257,10 @@ async def _gone(producer: Producer) -> None:
 
 async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> AsyncIterator[bytes]:
     """A reader's bytes, with a keep-alive comment whenever nothing came for ``heartbeat`` seconds (a
-    resumed stream may wait long for the producer)."""
+    resumed stream may wait long for the producer). The reader's next step runs in a task of its own;
+    at the end that task is cancelled and waited for, so that the reader is not running when the
+    response closes it (a caller gone while a reading waited for its stream: "aclose(): asynchronous
+    generator is already running", the chaos soak's seed 4242)."""
     pending = asyncio.ensure_future(anext(reader))
     try:
         while True:
@@ -272,7 +275,11 @@ async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> A
             yield data
             pending = asyncio.ensure_future(anext(reader))
     finally:
-        pending.cancel()
+        if not pending.done():
+            pending.cancel()
+            await asyncio.wait({pending})
+        if not pending.cancelled():
+            pending.exception()  # (retrieved: the reader's own end, StopAsyncIteration or its error)
 
 
 # Last-Event-ID: a decimal event id, at most 15 digits (ids stay exact in a double and in JSON).
