@@ -92,15 +92,15 @@ def event_ends(events: list[bytes]) -> set[int]:
 
 @settings(max_examples=examples(300), deadline=None)
 @given(streams(), st.lists(st.integers(1, 40), min_size=1, max_size=5))
-def test_uncut_the_bytes_pass_unchanged_whole_events_only(stream, sizes):
+def test_uncut_the_events_pass_unchanged_whole_events_only(stream, sizes):
     events, ids = stream
-    whole = b"".join(events)
+    numbered = [e for e, i in zip(events, ids) if i]
     splice = Splice()
     out = b""
-    for piece in pieces(whole, sizes):
+    for piece in pieces(b"".join(events), sizes):
         out += splice.feed(piece)
-        assert len(out) in event_ends(events)  # never part of an event
-    assert out == whole
+        assert len(out) in event_ends(numbered)  # never part of an event
+    assert out == b"".join(numbered)  # the keep-alives not passed on
     assert splice.final and splice.last_id == str(ids[-1])
 
 
@@ -369,6 +369,37 @@ def test_answers_without_a_stream_id_pass_untouched():
         pytest.raises(httpx.ReadError),
     ):
         response.read()
+
+
+def test_the_openai_sdk_reads_a_stream_with_keep_alives_after_its_ids():
+    """openai-python dispatches a comment-only event as one of empty data once it has seen an id,
+    and fails on its JSON: a resume that waited for the stream (a takeover, a frozen store) sends
+    keep-alives. Through the transport the SDK reads every chunk (the chaos soak's seed 4242)."""
+    import openai
+
+    def chunk(n: int, text: str) -> bytes:
+        body = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        body["choices"] = [{"index": 0, "delta": {"content": text}, "finish_reason": None}]
+        return b"id: %d\ndata: %s\n\n" % (n, json.dumps(body).encode())
+
+    words = ["one ", "two ", "three ", "four"]
+    events = [chunk(i + 1, w) for i, w in enumerate(words)] + [b"id: 5\ndata: [DONE]\n\n"]
+    ids = [1, 2, 3, 4, 5]
+    keep_alive = b": keep-alive\n\n"
+    scripted = Scripted([events[0], keep_alive, *events[1:]], [1, 0, *ids[1:]], [0.6], size=9)
+    resumed = scripted.answer
+
+    def answer(request: httpx.Request):  # every resume waits: keep-alives first
+        status, headers, parts, cut = resumed(request)
+        return status, headers, ([keep_alive, keep_alive, *parts] if request.method == "GET" else parts), cut
+
+    scripted.answer = answer
+    http = httpx.Client(transport=ResumingTransport(SyncServer(scripted), backoff=FAST))
+    client = openai.OpenAI(base_url="http://app.test/api/v1", api_key="csk-1", max_retries=0, http_client=http)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "".join(words)
+    assert len(scripted.seen) == 2, "the POST was cut and resumed once"
 
 
 # --- the JavaScript wrapper -------------------------------------------------------------------

@@ -3,8 +3,9 @@
 The bodies are the original answer and each resume (``GET …/streams/{id}`` with ``Last-Event-ID``).
 Only whole events pass (the bytes of a partial one are held until its blank line, and dropped at a
 cut), each at most once (an event whose integer ``id:`` is not above the last one passed is dropped),
-and nothing after the stream's final event. So the SDK reads one stream, byte for byte what it would
-have read without a cut. Sans I/O: the transports feed it bytes and ask it what happened.
+and nothing after the stream's final event; comments (the app's keep-alives) not at all. So the SDK
+reads one stream, byte for byte what it would have read without a cut, keep-alives aside.
+Sans I/O: the transports feed it bytes and ask it what happened.
 
 SSE framing (the WHATWG rules): lines end with LF, CRLF or CR, an event ends at an empty line, a line
 starting with ``:`` is a comment. The final event is ``event: done`` or ``event: error`` (``/api/chat``),
@@ -144,7 +145,12 @@ class Splice:
             if data and _is_final(name, data):
                 self.held = event  # the reading ended, not the stream: come back after the same id
                 return b""
-            return event  # a comment (a keep-alive), an empty line, or an event we do not know
+            if not data and not name:
+                # A comment (a keep-alive) or an empty line: nothing for the SDK. openai-python
+                # (3.57) even dispatches one, once it has seen an id, as an event of empty data, and
+                # fails on its JSON (a resume that waited for the stream sends keep-alives).
+                return b""
+            return event  # an event we do not know
         if _not_after(event_id, self.last_id):
             return b""  # already passed on (a resume replayed it)
         self.last_id = event_id
