@@ -910,7 +910,8 @@ class Checks:
         with its instance: at least what its caller had got when it was cut (docs/callers.md), at
         most what the upstream sent (what the dead instance had read, or had in its socket, but not
         passed on: counted, not a failure). A continuation that only a caller told ``stream_lost``
-        asked for, stopped once past that caller's position (docs/resumable.md), is charged as a
+        asked for, stopped once past that caller's position (docs/resumable.md) or abandoned before
+        (nobody read it for RESUME_ABANDON_SECONDS: ``cancelled``), is charged as a
         hang-up is: what the app had read when it closed the call, at most what the upstream sent and
         at most ``IN_FLIGHT`` tokens fewer (what was in the socket), or, when the upstream had
         finished meanwhile, the whole text counted as the app counts it (its usage never read)."""
@@ -918,7 +919,7 @@ class Checks:
         charged = int(row["completion_tokens"])
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else None
         stopped = (
-            row.get("ended") == "disconnected"
+            row.get("ended") in ("disconnected", "cancelled")  # (or abandoned first: RESUME_ABANDON_SECONDS)
             and int(row.get("segment") or 0) > 0
             and result is not None
             and result.outcome == "expected:stream_lost_unstored"
