@@ -49,7 +49,7 @@ from .callers import (
     new_key,
     of_row,
 )
-from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
+from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
 from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
@@ -256,29 +256,17 @@ class Registry:
 
     # --- the admin API: callers and teams -------------------------------------------------------
 
-    async def _admin(self, call: Awaitable[T]) -> T:
-        """An admin call's store operation: a store that does not answer is AdminUnavailable."""
-        try:
-            return await call
-        except (AlreadyExists, Modified, NotFound):
-            raise
-        except StoreError as exc:
-            log.warning("caller store: an admin operation failed: %s", exc)
-            raise AdminUnavailable(str(exc)) from None
-
     async def _get(self, partition: str, row_key: str) -> Row | None:
-        return await self._admin(self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT))
+        return await self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT)
 
     async def _all(self, cls: type[Stored]) -> list[Stored]:
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}")
-        return [
-            of_row(cls, row) for row in await self._admin(self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT))
-        ]
+        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT)]
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
-        await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
+        await self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT)
         for op in ops:
             self.cache.forget(op.entity["RowKey"])
 
@@ -450,7 +438,7 @@ class Registry:
         if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
-        await self._admin(self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT))
+        await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
         self.cache.forget(_row_key(Price, model))
         log.info("price of %s set", log_safe(model)[:80])
         return price
@@ -466,6 +454,6 @@ class Registry:
 
     async def delete_price(self, model: str) -> Price:
         price = await self.get_price(model)
-        await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _row_key(Price, model), timeout=ADMIN_TIMEOUT))
+        await self.store.delete(CALLERS_TABLE, PRICES, _row_key(Price, model), timeout=ADMIN_TIMEOUT)
         self.cache.forget(_row_key(Price, model))
         return price
