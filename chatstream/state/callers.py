@@ -286,9 +286,15 @@ class TeamPatch(_Limits):
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
 
-def describe(exc: ValidationError) -> Invalid:
-    """pydantic's first error, naming the field (never echoing the value)."""
-    first = exc.errors(include_url=False, include_input=False)[0]
+def validate(model: type[M], data: object) -> M:
+    """A JSON body as ``model``, or Invalid naming the field of pydantic's first error (never
+    echoing the value)."""
+    if not isinstance(data, Mapping):
+        raise Invalid("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
     loc = [str(p) for p in first["loc"]]
     param = loc[0] if loc else None
     if param is not None and len(param) > 64:
@@ -298,17 +304,7 @@ def describe(exc: ValidationError) -> Invalid:
         message = "unknown field"
     elif len(loc) > 1:
         message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
-    return Invalid(f"{param}: {message}" if param else message, param)
-
-
-def validate(model: type[M], data: object) -> M:
-    """A JSON body as ``model``, or Invalid naming the field."""
-    if not isinstance(data, Mapping):
-        raise Invalid("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise describe(exc) from None
+    raise Invalid(f"{param}: {message}" if param else message, param)
 
 
 # --- how they are stored ------------------------------------------------------------------------

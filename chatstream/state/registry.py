@@ -247,22 +247,22 @@ class Registry:
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
         by id). A scan of the callers: rare, and bounded by the number of callers."""
-        where = Where(partition=CALLERS, rows_from="c|", rows_to="c}", equal={"id": caller_id})
         try:
-            rows = await self.store.query(CALLERS_TABLE, where, timeout=self.store.clock.patience())
+            found = await self._all(Caller, {"id": caller_id}, self.store.clock.patience())
         except StoreError:
             return Unavailable()
-        return of_row(Caller, rows[0]) if rows else None
+        return found[0] if found else None
 
     # --- the admin API: callers and teams -------------------------------------------------------
 
     async def _get(self, partition: str, row_key: str) -> Row | None:
         return await self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT)
 
-    async def _all(self, cls: type[Stored]) -> list[Stored]:
+    async def _all(self, cls: type[Stored], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Stored]:
+        """Every caller, team or price (with the properties ``equal``)."""
         partition, prefix = _PLACE[cls]
-        where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}")
-        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT)]
+        where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
+        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
