@@ -165,9 +165,7 @@ def usd_amount(value: object, maximum: Decimal) -> Decimal:
     return amount
 
 
-def _names(models: list[str] | None) -> list[str] | None:
-    if models is None:
-        return None
+def _names(models: list[str]) -> list[str]:
     for i, model in enumerate(models):
         if _CONTROL.search(model) or model != model.strip():
             raise ValueError(f"models[{i}] has control characters or surrounding spaces")
@@ -184,6 +182,10 @@ class ModelLimitSpec(BaseModel):
 
 
 class _Limits(BaseModel):
+    """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
+    USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
+    default)."""
+
     model_config = ConfigDict(extra="forbid")
 
     tokens_per_minute: PositiveTokens | None = None
@@ -192,50 +194,41 @@ class _Limits(BaseModel):
     spend_budget: Any = None
     budget_period: Period = "total"
     models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = None
+    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
     @field_validator("spend_budget")
     @classmethod
-    def _spend(cls, value: object) -> Decimal | None:
+    def _spend(cls, value: object) -> int | None:
         if value is None:
             return None
         amount = usd_amount(value, MAX_SPEND_BUDGET)
         if amount <= 0:
             raise ValueError("must be more than 0")
-        return amount
+        return int(amount * PICO)
+
+    @field_validator("budget_period")
+    @classmethod
+    def _period(cls, value: Period | None) -> Period:
+        return value or "total"
 
     @field_validator("models")
     @classmethod
-    def _model_names(cls, models: list[str] | None) -> list[str] | None:
-        return _names(models)
+    def _model_names(cls, models: list[str] | None) -> tuple[str, ...] | None:
+        return None if models is None else tuple(_names(models))
 
     @field_validator("model_limits")
     @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
-        if limits is None:
-            return None
+    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
+        limits = limits or {}
         _names(list(limits))
         for model, limit in limits.items():
             if limit.tokens_per_minute is None and limit.requests_per_minute is None:
                 raise ValueError(f"[{model[:64]}] names no limit")
-        return limits
+        return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()}
 
     def values(self, given: Iterable[str]) -> dict[str, Any]:
-        """The fields ``given`` as a caller's or team's values (``null`` removes; the period defaults):
-        the one reading of what an admin said."""
-        values: dict[str, Any] = {f: getattr(self, f) for f in given if f != "team"}
-        if values.get("models") is not None:
-            values["models"] = tuple(values["models"])
-        if "spend_budget" in values:
-            values["spend_budget"] = None if self.spend_budget is None else int(self.spend_budget * PICO)
-        if "model_limits" in values:
-            limits = self.model_limits or {}
-            values["model_limits"] = {
-                m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()
-            }
-        if "budget_period" in values and values["budget_period"] is None:
-            values["budget_period"] = "total"
-        return values
+        """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
+        return {f: getattr(self, f) for f in given if f != "team"}
 
 
 def _name(message: str) -> BeforeValidator:

@@ -255,8 +255,8 @@ class Registry:
 
     # --- the admin API: callers and teams -------------------------------------------------------
 
-    async def _get(self, partition: str, row_key: str) -> Row | None:
-        return await self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT)
+    async def _get(self, cls: type, name: str) -> Row | None:
+        return await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
 
     async def _all(self, cls: type[Stored], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Stored]:
         """Every caller, team or price (with the properties ``equal``)."""
@@ -280,7 +280,7 @@ class Registry:
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
             return None, None
-        row = await self._get(TEAMS, _row_key(Team, name))
+        row = await self._get(Team, name)
         if row is None:
             raise Invalid(f"team: no team named {name!r}", "team")
         return name, row["id"]
@@ -298,7 +298,7 @@ class Registry:
         kind = cls.__name__.lower()
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._get(_PLACE[cls][0], _row_key(cls, name))
+        row = await self._get(cls, name)
         if row is None:
             raise Missing(kind, name)
         return of_row(cls, row), row.get("key_hash") or "", row.etag
@@ -447,7 +447,7 @@ class Registry:
         return sorted(await self._all(Price), key=lambda p: p.model)
 
     async def get_price(self, model: str) -> Price:
-        row = await self._get(PRICES, _row_key(Price, model)) if model else None
+        row = await self._get(Price, model) if model else None
         if row is None:
             raise Missing("price for model", log_safe(model)[:80])
         return of_row(Price, row)
