@@ -250,19 +250,18 @@ class _Name(BaseModel):
     name: Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
 
 
-class _TeamName(BaseModel):
+class _CallerOnly(BaseModel):
+    """What a caller has and a team has not."""
+
+    expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
     team: Annotated[str | None, _name("not a team name")] = None
 
 
-class _Expiry(BaseModel):
-    expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
-
-
-class CallerSpec(_Limits, _Name, _TeamName, _Expiry):
+class CallerSpec(_Limits, _Name, _CallerOnly):
     """A new caller."""
 
 
-class CallerPatch(_Limits, _TeamName, _Expiry):
+class CallerPatch(_Limits, _CallerOnly):
     """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
     team or the expiry); the name cannot change."""
 
