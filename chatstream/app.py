@@ -29,7 +29,7 @@ from .settings import Settings
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
-from .state.streamlog import Claim, ResumeConfig, StreamLog, TakeOverHook
+from .state.streamlog import Claim, StreamLog, TakeOverHook
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -172,13 +172,11 @@ def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tupl
 def _resumable(
     settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
 ) -> Resumable | None:
-    if not settings.resumable_streams or state is None:  # without storage: refused at start-up (shared.py)
+    if state is None or state.resume is None:  # without storage: refused at start-up (shared.py)
         return None
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
-    log_ = StreamLog(
-        state.store, state.instances, encode_error(encoders), ResumeConfig.from_settings(settings), take_over
-    )
+    log_ = StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 

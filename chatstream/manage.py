@@ -44,7 +44,7 @@ from .state.callers import (
 )
 from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
-from .state.port import AdminUnavailable, Conflict, Invalid, Missing
+from .state.port import Conflict, Invalid, Missing
 from .state.prices import Price, PriceSpec
 from .state.shared import SharedState
 from .state.store import LIMITS_TABLE, Where
@@ -143,11 +143,12 @@ class Manage:
             return await handler(self.state)
         except ApiError as error:
             return error_response(error)
-        except (Invalid, Missing, Conflict, AdminUnavailable) as error:
+        except (Invalid, Missing, Conflict) as error:
             return error_response(_admin_error(error))
-        except StoreError as error:  # a read made here (usage, budgets taken), not by the registry
+        except StoreError as error:  # the registry's or a read made here: nothing was changed, or the
+            # change may be retried (every admin write is idempotent or conditional)
             log.warning("admin API: the store did not answer: %s", error)
-            return error_response(_admin_error(AdminUnavailable(str(error))))
+            return error_response(_admin_error(error))
         except ClientGone:
             return error_response(invalid_request("the body was not sent completely"))
         except Exception:

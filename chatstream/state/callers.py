@@ -165,9 +165,7 @@ def usd_amount(value: object, maximum: Decimal) -> Decimal:
     return amount
 
 
-def _names(models: list[str] | None) -> list[str] | None:
-    if models is None:
-        return None
+def _names(models: list[str]) -> list[str]:
     for i, model in enumerate(models):
         if _CONTROL.search(model) or model != model.strip():
             raise ValueError(f"models[{i}] has control characters or surrounding spaces")
@@ -184,6 +182,10 @@ class ModelLimitSpec(BaseModel):
 
 
 class _Limits(BaseModel):
+    """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
+    USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
+    default)."""
+
     model_config = ConfigDict(extra="forbid")
 
     tokens_per_minute: PositiveTokens | None = None
@@ -192,50 +194,41 @@ class _Limits(BaseModel):
     spend_budget: Any = None
     budget_period: Period = "total"
     models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = None
+    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
     @field_validator("spend_budget")
     @classmethod
-    def _spend(cls, value: object) -> Decimal | None:
+    def _spend(cls, value: object) -> int | None:
         if value is None:
             return None
         amount = usd_amount(value, MAX_SPEND_BUDGET)
         if amount <= 0:
             raise ValueError("must be more than 0")
-        return amount
+        return int(amount * PICO)
+
+    @field_validator("budget_period")
+    @classmethod
+    def _period(cls, value: Period | None) -> Period:
+        return value or "total"
 
     @field_validator("models")
     @classmethod
-    def _model_names(cls, models: list[str] | None) -> list[str] | None:
-        return _names(models)
+    def _model_names(cls, models: list[str] | None) -> tuple[str, ...] | None:
+        return None if models is None else tuple(_names(models))
 
     @field_validator("model_limits")
     @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimitSpec] | None:
-        if limits is None:
-            return None
+    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
+        limits = limits or {}
         _names(list(limits))
         for model, limit in limits.items():
             if limit.tokens_per_minute is None and limit.requests_per_minute is None:
                 raise ValueError(f"[{model[:64]}] names no limit")
-        return limits
+        return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()}
 
     def values(self, given: Iterable[str]) -> dict[str, Any]:
-        """The fields ``given`` as a caller's or team's values (``null`` removes; the period defaults):
-        the one reading of what an admin said."""
-        values: dict[str, Any] = {f: getattr(self, f) for f in given if f != "team"}
-        if values.get("models") is not None:
-            values["models"] = tuple(values["models"])
-        if "spend_budget" in values:
-            values["spend_budget"] = None if self.spend_budget is None else int(self.spend_budget * PICO)
-        if "model_limits" in values:
-            limits = self.model_limits or {}
-            values["model_limits"] = {
-                m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()
-            }
-        if "budget_period" in values and values["budget_period"] is None:
-            values["budget_period"] = "total"
-        return values
+        """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
+        return {f: getattr(self, f) for f in given if f != "team"}
 
 
 def _name(message: str) -> BeforeValidator:
@@ -257,19 +250,18 @@ class _Name(BaseModel):
     name: Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
 
 
-class _TeamName(BaseModel):
+class _CallerOnly(BaseModel):
+    """What a caller has and a team has not."""
+
+    expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
     team: Annotated[str | None, _name("not a team name")] = None
 
 
-class _Expiry(BaseModel):
-    expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
-
-
-class CallerSpec(_Limits, _Name, _TeamName, _Expiry):
+class CallerSpec(_Limits, _Name, _CallerOnly):
     """A new caller."""
 
 
-class CallerPatch(_Limits, _TeamName, _Expiry):
+class CallerPatch(_Limits, _CallerOnly):
     """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
     team or the expiry); the name cannot change."""
 
@@ -286,9 +278,15 @@ class TeamPatch(_Limits):
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
 
 
-def describe(exc: ValidationError) -> Invalid:
-    """pydantic's first error, naming the field (never echoing the value)."""
-    first = exc.errors(include_url=False, include_input=False)[0]
+def validate(model: type[M], data: object) -> M:
+    """A JSON body as ``model``, or Invalid naming the field of pydantic's first error (never
+    echoing the value)."""
+    if not isinstance(data, Mapping):
+        raise Invalid("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
     loc = [str(p) for p in first["loc"]]
     param = loc[0] if loc else None
     if param is not None and len(param) > 64:
@@ -298,17 +296,7 @@ def describe(exc: ValidationError) -> Invalid:
         message = "unknown field"
     elif len(loc) > 1:
         message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
-    return Invalid(f"{param}: {message}" if param else message, param)
-
-
-def validate(model: type[M], data: object) -> M:
-    """A JSON body as ``model``, or Invalid naming the field."""
-    if not isinstance(data, Mapping):
-        raise Invalid("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise describe(exc) from None
+    raise Invalid(f"{param}: {message}" if param else message, param)
 
 
 # --- how they are stored ------------------------------------------------------------------------

@@ -74,7 +74,6 @@ class Instances:
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
         self.fenced = asyncio.Event()  # set when an incarnation of this process was declared dead
-        self.fenced_ids: list[str] = []
         self._needs = 0
         self._idle_since: float | None = None
         self._etag: str | None = None
@@ -86,7 +85,6 @@ class Instances:
         self._sweeps = [(seconds, sweep, [0.0]) for seconds, sweep in sweeps]
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
         self._closed = False
-        self.recovered: list[str] = []  # instances this one found dead and handed over (tests, logs)
 
     # --- being alive ---------------------------------------------------------------------------
 
@@ -121,8 +119,7 @@ class Instances:
         if self._beating is None or self._beating.done():
             self._first = asyncio.get_running_loop().create_future()
             self._beating = asyncio.ensure_future(self._beat_loop())
-        if self._duty is None or self._duty.done():
-            self._duty = asyncio.ensure_future(self._duty_loop())
+        self.serve()
 
     async def _beat_loop(self) -> None:
         timing = self.timing
@@ -182,7 +179,6 @@ class Instances:
         """This incarnation was declared dead (its row deleted or taken): the process goes on as a new
         instance."""
         old = self.id
-        self.fenced_ids.append(old)
         self.id = new_instance_id()
         self._etag = None
         self.fenced.set()
@@ -318,7 +314,6 @@ class Instances:
             return
         with contextlib.suppress(StoreError):
             await self.store.delete(STREAMS_TABLE, PARTITION, other, etag=etag)
-        self.recovered.append(other)
 
     async def close(self, leave: bool = True) -> None:
         """Stop beating; ``leave``: delete our row (nothing is owed). Without it the row ages and

@@ -9,7 +9,7 @@ For a request (accounting.py)::
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
 For the admin API (registry.py): the object, or an ``AdminError`` raised: ``Invalid`` (which field,
-why: never the value), ``Missing``, ``Conflict``, ``AdminUnavailable``."""
+why: never the value), ``Missing``, ``Conflict``; or the store's StoreError, when it did not answer."""
 
 from __future__ import annotations
 
@@ -165,8 +165,3 @@ class Missing(AdminError):
 
 class Conflict(AdminError):
     """The change cannot be made now (a team that still has callers; repeated concurrent changes)."""
-
-
-class AdminUnavailable(AdminError):
-    """The store did not answer in time: nothing was changed (or the change may be retried: every
-    admin write is idempotent or conditional)."""

@@ -49,7 +49,7 @@ from .callers import (
     new_key,
     of_row,
 )
-from .port import AdminUnavailable, Conflict, Invalid, KeyRefused, Missing, Unavailable
+from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
 from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
@@ -67,22 +67,27 @@ LOOKUPS_PER_SECOND = 50.0  # store reads for keys this instance has not seen, at
 _TRIES = 5  # an admin change that meets another admin's: read again and reapply this often
 
 
+def _row_key(cls: type, name: str) -> str:
+    """The row of a caller, team or price: ``c|<name>``, ``t|<name>``, ``p|<model>``."""
+    return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
+
+
+def _entity(value: Caller | Team | Price) -> dict[str, Any]:
+    name = value.model if isinstance(value, Price) else value.name
+    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), name), **as_row(value)}
+
+
 def _ops(kind: OpKind, owner: Caller | Team, key_hash: str = "", etag: str | None = None) -> list[Op]:
     """The operations that insert, replace or delete a team's row (under ``etag``), or a caller's
     row (under ``etag``) and its key index, a copy of it: one entity-group transaction for both."""
-    partition, prefix = _PLACE[type(owner)]
-    row = {"PartitionKey": partition, **as_row(owner)} | ({"key_hash": key_hash} if key_hash else {})
+    row = _entity(owner) | ({"key_hash": key_hash} if key_hash else {})
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
-    return [Op(kind, {**row, "RowKey": prefix + owner.name}, etag=etag), *index]
-
-
-def _price_row(model: str) -> str:
-    return f"p|{key_part(model)}"
+    return [Op(kind, row, etag=etag), *index]
 
 
 class _Cache:
-    """Answers kept per instance for ``seconds`` (from when they were asked for), one store read at
-    a time per key: concurrent first requests share it."""
+    """Answers kept per instance for ``seconds`` (from when they were asked for), by row key (a key
+    index's, team's or price's), one store read at a time per row: concurrent first requests share it."""
 
     def __init__(self, seconds: float, clock: Callable[[], float], size: int = MAX_CACHED):
         self.seconds = seconds
@@ -97,12 +102,8 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
-    def holds(self, key: str) -> bool:
-        """Whether an answer for ``key`` is kept and still in its time (``get`` answers it at once)."""
-        kept = self._kept.get(key)
-        return kept is not None and kept[0] > self.clock()
-
     def fresh(self, key: str) -> tuple[bool, Any]:
+        """Whether an answer for ``key`` is kept in its time (``get`` answers it at once), and it."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
@@ -167,10 +168,7 @@ class Registry:
     def __init__(self, store: Store, cache_seconds: float = 10.0, clock: Callable[[], float] | None = None):
         self.store = store
         self.clock = clock or store.clock.now
-        self.keys = _Cache(cache_seconds, self.clock)
-        self.teams = _Cache(cache_seconds, self.clock)
-        self.prices = _Cache(cache_seconds, self.clock)
-        self.store_reads = 0  # key lookups that reached the store (tests and docs/callers.md use it)
+        self.cache = _Cache(cache_seconds, self.clock)
         self._bucket = LOOKUPS_PER_SECOND
         self._bucket_at = time.monotonic()
 
@@ -181,12 +179,12 @@ class Registry:
         when the store must be asked and does not answer (or too many unknown keys are asked now)."""
         if not isinstance(key, str) or not KEY_SHAPE.fullmatch(key):
             return KeyRefused()  # not one of ours: no store read, nothing cached
-        key_hash = hash_key(key)
+        index = f"k|{hash_key(key)}"
         # Only a key nobody is reading now and no read found counts against the bucket: a known
         # caller's burst, as its cached answer runs out, is not a flood of made-up keys.
-        if not self.keys.known(key_hash) and not self._may_look_up():
+        if not self.cache.known(index) and not self._may_look_up():
             return Unavailable()  # too many unknown keys are being checked now
-        caller = await self._cached(self.keys, key_hash, self._read_key, "key check")
+        caller = await self._cached(Caller, index, "key check")
         if caller is None:
             return KeyRefused()
         if isinstance(caller, Caller) and caller.expired(self.clock()):
@@ -202,27 +200,25 @@ class Registry:
         self._bucket -= 1
         return True
 
-    async def _cached(self, cache: _Cache, key: str, read: Callable[[str], Awaitable[T]], what: str) -> T | Unavailable:
+    async def _cached(self, cls: type[Stored], row_key: str, what: str) -> Stored | Unavailable | None:
+        """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
+
+        async def read() -> Stored | None:
+            row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
+            return of_row(cls, row) if row is not None else None
+
         try:
-            return await cache.get(key, lambda: read(key))
+            return await self.cache.get(row_key, read)
         except StoreError as exc:
             log.warning("caller store: %s failed: %s", what, exc)
             return Unavailable()
-
-    async def _read(self, cls: type[Stored], row_key: str) -> Stored | None:
-        row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-        return of_row(cls, row) if row is not None else None
-
-    async def _read_key(self, key_hash: str) -> Caller | None:
-        self.store_reads += 1
-        return await self._read(Caller, f"k|{key_hash}")
 
     async def team_of(self, caller: Caller) -> Team | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
         deleted, so only a race leaves one without it), cached like keys."""
         if caller.team is None:
             return None
-        team = await self._cached(self.teams, caller.team, lambda name: self._read(Team, f"t|{name}"), "team read")
+        team = await self._cached(Team, _row_key(Team, caller.team), "team read")
         if team is None or (isinstance(team, Team) and team.id != caller.team_id):
             log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
             return None
@@ -233,54 +229,46 @@ class Registry:
     ) -> tuple[Team | Unavailable | None, Price | Unavailable | None]:
         """The caller's team and the model's price: one after the other when both are cached (no
         task, no loop hop on the request's path), else both reads at once."""
-        if self.prices.holds(model) and (caller.team is None or self.teams.holds(caller.team)):
+        fresh = self.cache.fresh
+        if fresh(_row_key(Price, model))[0] and (caller.team is None or fresh(_row_key(Team, caller.team))[0]):
             return await self.team_of(caller), await self.price(model)
         team, price = await asyncio.gather(self.team_of(caller), self.price(model))
         return team, price
 
     def price_kept(self, model: str) -> Price | None:
         """The model's price as this instance keeps it now, without a store read (None: none kept)."""
-        found, price = self.prices.fresh(model)
+        found, price = self.cache.fresh(_row_key(Price, model))
         return price if found and isinstance(price, Price) else None
 
     async def price(self, model: str) -> Price | Unavailable | None:
         """The model's price (None: it has none), cached like keys."""
-        return await self._cached(self.prices, model, lambda m: self._read(Price, _price_row(m)), "price read")
+        return await self._cached(Price, _row_key(Price, model), "price read")
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
         by id). A scan of the callers: rare, and bounded by the number of callers."""
-        where = Where(partition=CALLERS, rows_from="c|", rows_to="c}", equal={"id": caller_id})
         try:
-            rows = await self.store.query(CALLERS_TABLE, where, timeout=self.store.clock.patience())
+            found = await self._all(Caller, {"id": caller_id}, self.store.clock.patience())
         except StoreError:
             return Unavailable()
-        return of_row(Caller, rows[0]) if rows else None
+        return found[0] if found else None
 
     # --- the admin API: callers and teams -------------------------------------------------------
 
-    async def _admin(self, call: Awaitable[T]) -> T:
-        """An admin call's store operation: a store that does not answer is AdminUnavailable."""
-        try:
-            return await call
-        except (AlreadyExists, Modified, NotFound):
-            raise
-        except StoreError as exc:
-            log.warning("caller store: an admin operation failed: %s", exc)
-            raise AdminUnavailable(str(exc)) from None
+    async def _get(self, cls: type, name: str) -> Row | None:
+        return await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
 
-    async def _get(self, partition: str, row_key: str) -> Row | None:
-        return await self._admin(self.store.get(CALLERS_TABLE, partition, row_key, timeout=ADMIN_TIMEOUT))
-
-    async def _all(self, cls: type[Stored]) -> list[Stored]:
+    async def _all(self, cls: type[Stored], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Stored]:
+        """Every caller, team or price (with the properties ``equal``)."""
         partition, prefix = _PLACE[cls]
-        where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}")
-        return [
-            of_row(cls, row) for row in await self._admin(self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT))
-        ]
+        where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
+        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
 
     async def _write(self, ops: list[Op]) -> None:
-        await self._admin(self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT))
+        """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
+        await self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT)
+        for op in ops:
+            self.cache.forget(op.entity["RowKey"])
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
@@ -292,16 +280,10 @@ class Registry:
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
             return None, None
-        row = await self._get(TEAMS, f"t|{name}")
+        row = await self._get(Team, name)
         if row is None:
             raise Invalid(f"team: no team named {name!r}", "team")
         return name, row["id"]
-
-    def _forget(self, owner: Caller | Team, key_hash: str) -> None:
-        if isinstance(owner, Team):
-            self.teams.forget(owner.name)
-        else:
-            self.keys.forget(key_hash)
 
     async def _insert(self, owner: Caller | Team, key_hash: str = "") -> None:
         try:
@@ -309,7 +291,6 @@ class Registry:
         except AlreadyExists:
             kind = type(owner).__name__.lower()
             raise Invalid(f"name: a {kind} named {owner.name!r} already exists", "name") from None
-        self._forget(owner, key_hash)
 
     async def _load(self, cls: type[Owner], name: object) -> tuple[Owner, str, str]:
         """The caller or team ``name``, its key hash (a caller's) and its row's ETag; Missing when
@@ -317,8 +298,7 @@ class Registry:
         kind = cls.__name__.lower()
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
-        partition, prefix = _PLACE[cls]
-        row = await self._get(partition, prefix + name)
+        row = await self._get(cls, name)
         if row is None:
             raise Missing(kind, name)
         return of_row(cls, row), row.get("key_hash") or "", row.etag
@@ -339,7 +319,6 @@ class Registry:
                 await self._write(ops)
             except (Modified, NotFound, AlreadyExists):
                 continue  # another admin's change in between: read again and reapply
-            self._forget(owner, key_hash)
             return result
         raise Conflict(f"the {cls.__name__.lower()} changed repeatedly while {doing}; try again")
 
@@ -459,9 +438,8 @@ class Registry:
         if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
-        entity = {"PartitionKey": PRICES, "RowKey": _price_row(model), **as_row(price)}
-        await self._admin(self.store.upsert(CALLERS_TABLE, entity, timeout=ADMIN_TIMEOUT))
-        self.prices.forget(model)
+        await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
+        self.cache.forget(_row_key(Price, model))
         log.info("price of %s set", log_safe(model)[:80])
         return price
 
@@ -469,13 +447,13 @@ class Registry:
         return sorted(await self._all(Price), key=lambda p: p.model)
 
     async def get_price(self, model: str) -> Price:
-        row = await self._get(PRICES, _price_row(model)) if model else None
+        row = await self._get(Price, model) if model else None
         if row is None:
             raise Missing("price for model", log_safe(model)[:80])
         return of_row(Price, row)
 
     async def delete_price(self, model: str) -> Price:
         price = await self.get_price(model)
-        await self._admin(self.store.delete(CALLERS_TABLE, PRICES, _price_row(model), timeout=ADMIN_TIMEOUT))
-        self.prices.forget(model)
+        await self.store.delete(CALLERS_TABLE, PRICES, _row_key(Price, model), timeout=ADMIN_TIMEOUT)
+        self.cache.forget(_row_key(Price, model))
         return price

@@ -43,6 +43,7 @@ class SharedState:
     ledger: Ledger
     owners: Owners
     accounting: Accounting | None  # CALLER_KEYS=required
+    resume: ResumeConfig | None  # RESUMABLE_STREAMS=on: the stream log's settings, and its sweep's
 
     @classmethod
     def from_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ) -> SharedState | None:
@@ -79,8 +80,8 @@ class SharedState:
         sweeps: list[Sweep] = [
             (SWEEP_SECONDS, functools.partial(sweep, store, owners, ledger, settings.ledger_retention_days))
         ]
-        if settings.resumable_streams:
-            resume = ResumeConfig.from_settings(settings)
+        resume = ResumeConfig.from_settings(settings) if settings.resumable_streams else None
+        if resume is not None:
             sweeps.append((resume.sweep_seconds, functools.partial(streamlog.sweep, store, resume)))
         instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover, sweeps=sweeps)
         journal = Journal(store, ledger, instances)
@@ -99,7 +100,7 @@ class SharedState:
             # o200k_base's tables (every current model's) off the first request's path; a model of
             # another family builds its own on first use (tokens.py).
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
-        return cls(store, instances, registry, counters, journal, ledger, owners, accounting)
+        return cls(store, instances, registry, counters, journal, ledger, owners, accounting, resume)
 
     async def close(self) -> None:
         """A graceful stop: what this instance holds is settled and written, then everything closes."""
