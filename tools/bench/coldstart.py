@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -100,10 +101,17 @@ def run(name: str, pycache: str | None, root: Path = ROOT) -> dict:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     else:
         env["PYTHONPYCACHEPREFIX"] = pycache
-    cmd = [sys.executable, "-c", PROBE, statement, after or ""]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    return fresh(sys.executable, PROBE, [statement, after or ""], env, root, f"{name}: the import")
+
+
+def fresh(python: str | Path, code: str, args: list[str], env: dict[str, str], cwd: Path, what: str) -> Any:
+    """``code`` run by ``python -c`` in a fresh process (``args`` after it): its last line of output,
+    as JSON. SystemExit naming ``what`` when the process fails (memsplit.py and run.py's cold
+    starts use it too)."""
+    cmd = [str(python), "-c", code, *args]
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise SystemExit(f"{name}: the import failed:\n{done.stderr}")
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tools.bench.coldstart import AZURITE, KEEP, UPSTREAM  # noqa: E402 - after sys.path names the repository
+from tools.bench.coldstart import AZURITE, KEEP, UPSTREAM, fresh  # noqa: E402 - after sys.path names the repository
 
 MONITOR = "from azure.monitor.opentelemetry import configure_azure_monitor"
 STORE = "from chatstream.state.store_env import store_from_env; store_from_env(os.environ)._rest_client()"
@@ -68,17 +67,7 @@ def main() -> None:
         env.update(UPSTREAM)
         env.update(settings)
         steps = [("the app, unkeyed (the whole process)", "import function_app"), *extra, *STEPS]
-        done = subprocess.run(
-            [sys.executable, "-c", PROBE, json.dumps(steps)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"{name}: {done.stderr}")
-        rows = json.loads(done.stdout.strip().splitlines()[-1])
+        rows = fresh(sys.executable, PROBE, [json.dumps(steps)], env, ROOT, name)
         print(f"\n{name}\n\n| step | RSS MB | anonymous | file pages |\n|---|---|---|---|")
         previous = (0, 0)
         for label, rss, anon in rows:

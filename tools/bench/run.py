@@ -35,6 +35,7 @@ sys.path.insert(1, str(ROOT))
 import procstat  # noqa: E402 - after sys.path names the repository
 import report  # noqa: E402 - after sys.path names the repository
 
+from tools.bench.coldstart import fresh  # noqa: E402  (stdlib only: safe in this venv)
 from tools.fakeupstream.scenarios import TEXTS, cadence_text  # noqa: E402  (stdlib only: safe in this venv)
 
 APP_PY = ROOT / ".venv" / "bin" / "python"
@@ -767,17 +768,7 @@ def cold_start(times: int) -> dict:
     out: dict = {name: [] for name in COLD_IMPORTS}
     for _ in range(times):
         for name, imports in COLD_IMPORTS.items():
-            done = subprocess.run(
-                [str(APP_PY), "-c", COLD_CODE.format(imports=imports)],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"cold start ({name}) failed:\n{done.stderr[-2000:]}")
-            out[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            out[name].append(fresh(APP_PY, COLD_CODE.format(imports=imports), [], env, ROOT, f"cold start ({name})"))
     return out
 
 
