@@ -147,22 +147,15 @@ class Hold:
         return bool(self.share) and self.active()
 
     def renew(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now."""
+        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called a little after)."""
         loop = asyncio.get_running_loop()
         self.until = loop.time() + HOLD_SECONDS
-        if self._timer is None:
-            self._timer = loop.call_later(HOLD_SECONDS + 0.01, self._check)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(self.until + 0.01, self._over)
 
     def end(self) -> None:
         self.until = 0.0
-
-    def _check(self) -> None:
-        self._timer = None
-        left = self.until - asyncio.get_running_loop().time()
-        if left > 0:
-            self._timer = asyncio.get_running_loop().call_later(left + 0.01, self._check)
-        else:
-            self._over()
 
 
 class Lease:
@@ -170,10 +163,9 @@ class Lease:
     ``held + debt == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in
     the row as last written."""
 
-    def __init__(self, counters: Counters, partition: str, row: str):
+    def __init__(self, counters: Counters, key: CounterKey):
         self.counters = counters
-        self.partition = partition
-        self.row = row
+        self.key = key
         self.limit = 0
         self.period: Period = "minute"
         self.window: str | None = None
@@ -195,10 +187,6 @@ class Lease:
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
 
-    @property
-    def key(self) -> CounterKey:
-        return CounterKey(self.partition, self.row)
-
     # --- what reservations do ------------------------------------------------------------------
 
     def advance(self, window: str | None) -> None:
@@ -216,7 +204,7 @@ class Lease:
 
     def take(self, need: int, window: str) -> Part | None:
         """``need`` served from the balance at once, when it holds it and nobody waits before, or
-        None (``acquire`` waits for an exchange)."""
+        None (``wait`` for an exchange)."""
         self.advance(window)
         if self.waiters or self.uncertain is not None or self.balance < need:
             return None
@@ -229,22 +217,14 @@ class Lease:
         assert self.window is not None
         return Part(self, need, self.window, self.generation)
 
-    async def acquire(self, need: int, window: str) -> Part:
-        """``need`` of this counter. Raises ``_Refused`` when the limit leaves no room,
-        ``_Unavailable`` when the store does not tell."""
-        granted = self.take(need, window)
-        if granted is not None:
-            return granted
+    def wait(self, need: int) -> asyncio.Future[Part | None]:
+        """``need`` of this counter, after ``take`` found the balance short: the future's result is
+        the part, or None when the limit leaves no room; it is cancelled when the store does not tell
+        (or when the reservation gives up: a part granted after that comes back)."""
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.give_back(future.result())  # granted just as the reservation gave up
-            raise
+        return waiter.future
 
     def give_back(self, part: Part) -> None:
         """What ``part`` reserved comes back unused."""
@@ -385,35 +365,34 @@ class Lease:
                     self.backoff = 0.5
                 except StoreError as exc:
                     self.known = False
-                    self._fail(exc)
+                    self._fail()
                     self._retry_later()
-                    log.warning("limits: a %s counter exchange failed: %s", self.row, exc)
+                    log.warning("limits: a %s counter exchange failed: %s", self.key.row, exc)
                     return
         except Exception:  # a bug of ours: the reservations waiting hear "unavailable", not nothing
-            log.exception("limits: a %s counter exchange failed", self.row)
-            self._fail(StoreError("internal error"))
+            log.exception("limits: a %s counter exchange failed", self.key.row)
+            self._fail()
         finally:
             self.flight = None
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self) -> None:
+        """The store did not tell: the waiting reservations are unavailable."""
         for waiter in self.waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(_Unavailable(str(error)))
+            waiter.future.cancel()
         self.waiters.clear()
 
     def _retry_later(self) -> None:
         if self.retry is None and self._has_work():
-
-            def again() -> None:
-                self.retry = None
-                if self.flight is None and self._has_work():
-                    self.kick()
-
-            self.retry = asyncio.get_running_loop().call_later(self.backoff, again)
+            self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry_now)
             self.backoff = min(self.backoff * 2, 30.0)
 
+    def _retry_now(self) -> None:
+        self.retry = None
+        if self._has_work():
+            self.kick()
+
     async def _read(self) -> None:
-        self.seen = await counter_row.read(self.counters.store, self.partition, self.row, SLOW_TIMEOUT)
+        self.seen = await counter_row.read(self.counters.store, *self.key, SLOW_TIMEOUT)
         self.known = True
 
     async def _exchange(self) -> None:
@@ -519,9 +498,7 @@ class Lease:
     async def _write(self, written: _Written) -> bool:
         """Send ``written``: False if its condition failed (the row changed)."""
         self.exchange = written.exchange
-        row = await counter_row.write(
-            self.counters.store, self.partition, self.row, written.row, written.etag, SLOW_TIMEOUT
-        )
+        row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
         if row is not None:
             self.seen, self.known = row, True
         return row is not None
@@ -560,7 +537,7 @@ class Lease:
                 waiter.future.set_result(part)
         for waiter in waiters:
             if id(waiter) not in picked and not waiter.future.done():
-                waiter.future.set_exception(_Refused(self))
+                waiter.future.set_result(None)
         handled = {id(w) for w in waiters}
         self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
 
@@ -569,37 +546,30 @@ class Lease:
         (only this instance writes it, each time with the next exchange number). Not yet, with the
         row unchanged since the write's condition: send the same write again (at most one of them can
         land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped and its waiters ask again."""
+        write is dropped. Its waiters were told "unavailable" meanwhile (their parts come back)."""
         written = self.uncertain
         assert written is not None
+        instance = self.counters.instance
         for _ in range(MAX_ATTEMPTS):
             await self._read()
-            fenced = self.counters.instances.fenced.is_set()
-            landed = self.seen.shows(written.row, written.etag, self.counters.instance, fenced)
-            if landed is None:  # unchanged: not applied (yet); the same write again
+            mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
+            if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
                 if not await self._write(written):
                     continue  # something landed meanwhile (ours, late, perhaps): look again
                 landed = True
+            elif self.seen.window != written.row.window:
+                landed = False
+            elif wrote is not None:
+                landed = mine is not None and mine.exchange >= wrote.exchange
+            else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
+                landed = mine is None and not self.counters.instances.fenced.is_set()
             self.uncertain = None
             if landed:
                 self._landed(written, written.waiters)
             else:
                 self._undo(written)
-                for waiter in written.waiters:  # back to waiting: the next exchange serves them
-                    if not waiter.future.done():
-                        self.waiters.appendleft(waiter)
             return
         raise StoreError("the counter kept changing under this instance")
-
-
-class _Refused(Exception):
-    def __init__(self, lease: Lease):
-        super().__init__(lease.row)
-        self.lease = lease
-
-
-class _Unavailable(Exception):
-    pass
 
 
 @dataclass
@@ -649,7 +619,7 @@ class Reservation:
         self.state = "settled"
         for part in self.parts:
             lease = part.lease
-            amount = part.need if lease.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
+            amount = part.need if lease.key.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
             staged = lease.settle(part, amount)
             if staged is not None:
                 settlement.staged.append((lease, staged))
@@ -704,7 +674,7 @@ class Counters:
     def _lease(self, want: Want) -> Lease:
         lease = self._leases.get(want.key)
         if lease is None:
-            lease = self._leases[want.key] = Lease(self, want.partition, want.row)
+            lease = self._leases[want.key] = Lease(self, want.key)
         lease.limit = want.limit  # an admin's change applies from the next request
         lease.period = want.period
         return lease
@@ -733,38 +703,30 @@ class Counters:
         parts = [part for part in granted if part is not None]
         if len(parts) == len(leases):
             return Reservation(parts, self._rates(leases, now))
-        acquiring = [
-            asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
-            for (lease, w), part in zip(leases, granted, strict=True)
-            if part is None
+        waiting = [
+            (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
         ]
+        futures = [future for _, _, future in waiting]
         clock = self.store.clock
         asked = clock.answered_at
-        _, pending = await asyncio.wait(acquiring, timeout=RESERVE_TIMEOUT)
+        _, pending = await asyncio.wait(futures, timeout=RESERVE_TIMEOUT)
         # Slow is not down: the store answered something meanwhile, or its answers have been slow
         # lately (a busy store); one that answered quickly until it stopped answering is down.
         if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
             _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*acquiring, return_exceptions=True)
-        parts += [task.result() for task in acquiring if not task.cancelled() and task.exception() is None]
+        for future in pending:
+            future.cancel()  # unavailable: a part granted later comes back (Lease._answer)
+        answered = [(lease, w, future.result()) for lease, w, future in waiting if not future.cancelled()]
+        parts += [part for _, _, part in answered if part is not None]
         if len(parts) == len(leases):
             return Reservation(parts, self._rates(leases, now))
         Reservation(parts).release()  # all or nothing: what the others reserved goes back
-        errors = [task.exception() for task in acquiring if not task.cancelled()]
-        refused = [e.lease for e in errors if isinstance(e, _Refused)]
-        if refused:
-            return self._refusal(refused, leases, now)
-        for error in errors:
-            if error is not None and not isinstance(error, _Unavailable):
-                raise error  # a bug of ours: the endpoint's 500
-        return Unavailable()
+        refused = [(lease, w) for lease, w, part in answered if part is None]
+        return self._refusal(refused, now) if refused else Unavailable()
 
-    def _refusal(self, refused: list[Lease], leases: list[tuple[Lease, Want]], now: float) -> Refused:
+    def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
-        lease = min(refused, key=lambda lease: order.get(lease.row, 2))
-        want = next(w for lh, w in leases if lh is lease)
+        lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
         used = lease.limit - lease.remaining()
         return Refused(want.ref, lease.limit, max(0, used), want.need, _retry(want, now))
 
