@@ -98,7 +98,6 @@ class _Written:
     answer is lost, to find out whether it landed)."""
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
-    exchange: int
     row: CounterRow  # what it writes
     delta: int
     debt: int
@@ -112,7 +111,6 @@ class _Written:
 class _Staged:
     seq: int
     amount: int
-    window: str
     confirmed: bool = False
 
 
@@ -247,12 +245,12 @@ class Lease:
         over = spent - used
         self.debt += over
         if self.period != "minute":
-            return self._stage(spent, part.window, confirmed=False)
+            return self._stage(spent, confirmed=False)
         self.held -= used
         if self.hold.serving():
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
         if over:
-            self._stage(over, part.window, confirmed=True)
+            self._stage(over, confirmed=True)
         else:
             self.kick()
         return None
@@ -264,7 +262,7 @@ class Lease:
         if not amount or window != self.window:
             return None
         self.debt += amount
-        return self._stage(amount, window, confirmed)
+        return self._stage(amount, confirmed)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -277,8 +275,7 @@ class Lease:
 
     def confirm(self, staged: _Staged) -> None:
         staged.confirmed = True
-        if staged.window == self.window:
-            self.kick()
+        self.kick()
 
     def remaining(self) -> int:
         taken = self.seen.taken if self.seen.counts_in(self.window) else 0
@@ -332,9 +329,9 @@ class Lease:
         self.balance -= need
         self.reserved += need
 
-    def _stage(self, amount: int, window: str, confirmed: bool) -> _Staged:
+    def _stage(self, amount: int, confirmed: bool) -> _Staged:
         self.seq += 1
-        staged = _Staged(self.seq, amount, window, confirmed)
+        staged = _Staged(self.seq, amount, confirmed)
         self.staged.append(staged)
         self.kick()
         return staged
@@ -450,14 +447,14 @@ class Lease:
             if delta == 0 and debt == 0 and not applied and not chosen:
                 self._answer(waiters, chosen)
                 return
-            exchange = self.exchange + 1
+            self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta + debt - spent
             if held > 0:
-                holds[counters.instance] = Entry(held, applied[-1][0] if applied else self.applied, exchange, keep)
+                holds[counters.instance] = Entry(held, applied[-1][0] if applied else self.applied, self.exchange, keep)
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds)
-            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep, self.balance)
+            written = _Written(seen.etag, row, delta, debt, applied, chosen, keep, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -497,7 +494,6 @@ class Lease:
 
     async def _write(self, written: _Written) -> bool:
         """Send ``written``: False if its condition failed (the row changed)."""
-        self.exchange = written.exchange
         row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
         if row is not None:
             self.seen, self.known = row, True
@@ -596,9 +592,7 @@ class Settlement:
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(
-            lease.applied >= staged.seq or all(s is not staged for s in lease.staged) for lease, staged in self.staged
-        )
+        return all(all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
 
 @dataclass
@@ -698,30 +692,27 @@ class Counters:
             return Reservation([])
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
-        # What the balances hold is taken at once: a request they all serve needs no task, no loop hop.
+        # What the balances hold is taken at once: a request they all serve needs no loop hop.
         granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
         parts = [part for part in granted if part is not None]
-        if len(parts) == len(leases):
-            return Reservation(parts, self._rates(leases, now))
         waiting = [
             (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
         ]
-        futures = [future for _, _, future in waiting]
-        clock = self.store.clock
-        asked = clock.answered_at
-        _, pending = await asyncio.wait(futures, timeout=RESERVE_TIMEOUT)
-        # Slow is not down: the store answered something meanwhile, or its answers have been slow
-        # lately (a busy store); one that answered quickly until it stopped answering is down.
-        if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
-            _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
-        for future in pending:
-            future.cancel()  # unavailable: a part granted later comes back (Lease._answer)
-        answered = [(lease, w, future.result()) for lease, w, future in waiting if not future.cancelled()]
-        parts += [part for _, _, part in answered if part is not None]
+        if waiting:
+            clock = self.store.clock
+            asked = clock.answered_at
+            _, pending = await asyncio.wait([future for _, _, future in waiting], timeout=RESERVE_TIMEOUT)
+            # Slow is not down: the store answered something meanwhile, or its answers have been slow
+            # lately (a busy store); one that answered quickly until it stopped answering is down.
+            if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
+                _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
+            for future in pending:
+                future.cancel()  # unavailable: a part granted later comes back (Lease._answer)
+            parts += [part for _, _, future in waiting if not future.cancelled() and (part := future.result())]
         if len(parts) == len(leases):
             return Reservation(parts, self._rates(leases, now))
         Reservation(parts).release()  # all or nothing: what the others reserved goes back
-        refused = [(lease, w) for lease, w, part in answered if part is None]
+        refused = [(lease, w) for lease, w, future in waiting if not future.cancelled() and future.result() is None]
         return self._refusal(refused, now) if refused else Unavailable()
 
     def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
