@@ -231,38 +231,33 @@ class Lease:
             self.kick()
 
     def settle(self, part: Part, spent: int) -> _Staged | None:
-        """``part`` spent ``spent``: the rest comes back, a surplus is debt. A budget's charge is
-        staged and returned: it enters the row once confirmed (its ledger row written). A minute
-        window is never taken over (it ends by itself): what was spent leaves the books here, without
-        a write; only a surplus goes to the row, confirmed at once."""
+        """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
         if part.generation == self.generation:
             self._reserve(-part.need)
         # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
-        used = min(self.balance, spent)
-        self.balance -= used
-        over = spent - used
-        self.debt += over
-        if self.period != "minute":
-            return self._stage(spent, confirmed=False)
-        self.held -= used
         if self.hold.serving():
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
-        if over:
-            self._stage(over, confirmed=True)
+        return self.charge(spent, confirmed=False)
+
+    def charge(self, amount: int, confirmed: bool) -> _Staged | None:
+        """``amount`` spent in the books' window (a correction: either sign): the balance pays what
+        it can, the rest is debt. A budget's charge is staged and returned: it enters the row once
+        confirmed (its ledger row written). A minute window is never taken over (it ends by itself):
+        what the balance paid leaves the books here, without a write; only the debt goes to the row,
+        confirmed at once."""
+        used = max(0, min(self.balance, amount))
+        self.balance -= used
+        self.debt += amount - used
+        if self.period != "minute":
+            return self._stage(amount, confirmed)
+        self.held -= used
+        if amount - used:
+            self._stage(amount - used, confirmed=True)
         else:
             self.kick()
         return None
-
-    def adjust(self, amount: int, window: str, confirmed: bool = True) -> _Staged | None:
-        """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
-        whose usage was seen later, here or elsewhere. Enters the row with the next exchange (once
-        ``confirm``ed)."""
-        if not amount or window != self.window:
-            return None
-        self.debt += amount
-        return self._stage(amount, confirmed)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -736,18 +731,18 @@ class Counters:
 
     def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.adjust``). Not ``confirmed``:
+        the windows it was made in when they are still current (``Lease.charge``). Not ``confirmed``:
         the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
         now = self.clock()
         settlement = Settlement()
         for want in wants:
-            if want.need and not want.row.startswith("rpm"):
-                lease = self._lease(want)
-                lease.advance(window_of(want.period, now))
-                minute = want.period == "minute"
-                staged = lease.adjust(want.need, window_of(want.period, at), confirmed or minute)
-                if staged is not None and not minute:
-                    settlement.staged.append((lease, staged))
+            if not want.need or want.row.startswith("rpm"):
+                continue
+            lease = self._lease(want)
+            lease.advance(window_of(want.period, now))
+            staged = lease.charge(want.need, confirmed) if window_of(want.period, at) == lease.window else None
+            if staged is not None:
+                settlement.staged.append((lease, staged))
         return settlement
 
     async def flush(self, within: float = 5.0) -> bool:
