@@ -301,18 +301,13 @@ class Lease:
         return [w for w in self.waiters if not w.future.done()]
 
     def _serve_from_balance(self) -> None:
-        if self.uncertain is not None or not self.balance or not self.waiters:
-            return
-        keep: deque[_Waiter] = deque()
-        for waiter in self.waiters:
-            if waiter.future.done():
-                continue
-            if waiter.need <= self.balance:
-                self._reserve(waiter.need)
-                waiter.future.set_result(self._part(waiter.need))
-            else:
-                keep.append(waiter)
-        self.waiters = keep
+        if self.uncertain is None:
+            room, fits = self.balance, []
+            for waiter in self._pending():
+                if waiter.need <= room:
+                    fits.append(waiter)
+                    room -= waiter.need
+            self._answer(fits, fits)
 
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
@@ -500,15 +495,13 @@ class Lease:
         if window is None or window != self.window:
             return
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
-        self.balance += written.keep
+        self.balance += written.keep + sum(waiter.need for waiter in written.waiters)
         for seq, _ in written.applied:
             if self.staged and self.staged[0].seq == seq:
                 self.staged.popleft()
             self.applied = seq
         if written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
-        for waiter in written.waiters:
-            self.reserved += waiter.need
         self._answer(waiters, written.waiters)
 
     def _undo(self, written: _Written) -> None:
@@ -518,19 +511,18 @@ class Lease:
             self.debt += written.debt
 
     def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
-        """After the write: the chosen waiters are admitted, the others refused."""
+        """The chosen waiters are served from the balance, the others refused (one that gave up
+        meanwhile leaves its share in the balance: it goes back)."""
         picked = {id(w) for w in chosen}
-        for waiter in chosen:
-            part = self._part(waiter.need)
-            if waiter.future.done():  # it gave up meanwhile: its share comes back
-                self.give_back(part)
-            else:
-                waiter.future.set_result(part)
         for waiter in waiters:
-            if id(waiter) not in picked and not waiter.future.done():
+            if waiter.future.done():
+                continue
+            if id(waiter) in picked:
+                self._reserve(waiter.need)
+                waiter.future.set_result(self._part(waiter.need))
+            else:
                 waiter.future.set_result(None)
-        handled = {id(w) for w in waiters}
-        self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
+        self.waiters = deque(w for w in self.waiters if not w.future.done())
 
     async def _resolve(self) -> None:
         """A write whose answer was lost: read the row; this instance's entry says whether it landed
