@@ -102,9 +102,8 @@ class _Written:
     delta: int
     debt: int
     applied: list[tuple[int, int]]  # (seq, amount) charges it applied
-    waiters: list[_Waiter]
-    keep: int  # the balance this instance keeps after it
-    balance_out: int  # the balance it took out of the books while in flight
+    waiters: list[_Waiter]  # the reservations it grants
+    balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
 @dataclass
@@ -444,7 +443,7 @@ class Lease:
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds)
-            written = _Written(seen.etag, row, delta, debt, applied, chosen, keep, self.balance)
+            written = _Written(seen.etag, row, delta, debt, applied, chosen, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -495,7 +494,7 @@ class Lease:
         if window is None or window != self.window:
             return
         self.held += written.delta + written.debt - sum(a for _, a in written.applied)
-        self.balance += written.keep + sum(waiter.need for waiter in written.waiters)
+        self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
         for seq, _ in written.applied:
             if self.staged and self.staged[0].seq == seq:
                 self.staged.popleft()
@@ -587,18 +586,15 @@ class Reservation:
     """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
     it never ran."""
 
-    parts: list[Part]
+    parts: list[Part]  # what it holds (settled or released: nothing)
     rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
-    state: str = "held"
 
     def settle(self, spent: Mapping[CounterKey, int]) -> Settlement:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
+        parts, self.parts = self.parts, []
         settlement = Settlement()
-        if self.state != "held":
-            return settlement
-        self.state = "settled"
-        for part in self.parts:
+        for part in parts:
             lease = part.lease
             amount = part.need if lease.key.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
             staged = lease.settle(part, amount)
@@ -608,10 +604,8 @@ class Reservation:
 
     def release(self) -> None:
         """Nothing is charged: everything reserved (the request too) goes back."""
-        if self.state != "held":
-            return
-        self.state = "released"
-        for part in self.parts:
+        parts, self.parts = self.parts, []
+        for part in parts:
             part.lease.give_back(part)
 
     @property
@@ -675,8 +669,6 @@ class Counters:
         for want in wants:
             if want.need > want.limit:
                 return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
-        if not wants:
-            return Reservation([])
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
         # What the balances hold is taken at once: a request they all serve needs no loop hop.
