@@ -179,7 +179,7 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold = Hold(over=self._hold_over)
+        self.hold = Hold(over=self.kick)  # when it ends, what it kept goes back
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -335,10 +335,6 @@ class Lease:
             or bool(self._applicable())
             or self.balance > (self.hold.share if holding else 0)
         )
-
-    def _hold_over(self) -> None:
-        if self.balance:
-            self.kick()  # what it kept goes back
 
     async def _run(self) -> None:
         try:
