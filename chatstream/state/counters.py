@@ -89,7 +89,7 @@ class Want:
 @dataclass
 class _Waiter:
     need: int
-    future: asyncio.Future
+    future: asyncio.Future[Part | None]
 
 
 @dataclass
@@ -101,7 +101,7 @@ class _Written:
     row: CounterRow  # what it writes
     delta: int
     debt: int
-    applied: list[tuple[int, int]]  # (seq, amount) charges it applied
+    applied: list[_Staged]  # the charges it applies
     waiters: list[_Waiter]  # the reservations it grants
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
@@ -426,8 +426,8 @@ class Lease:
             others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
             keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
             delta = total + keep - self.balance
-            applied = [(s.seq, s.amount) for s in self._applicable()]
-            spent = sum(amount for _, amount in applied)
+            applied = self._applicable()
+            spent = sum(staged.amount for staged in applied)
             debt = self.debt
             if delta == 0 and debt == 0 and not applied and not chosen:
                 self._answer(waiters, chosen)
@@ -435,7 +435,9 @@ class Lease:
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta + debt - spent
             if held > 0:
-                holds[counters.instance] = Entry(held, applied[-1][0] if applied else self.applied, self.exchange, keep)
+                holds[counters.instance] = Entry(
+                    held, applied[-1].seq if applied else self.applied, self.exchange, keep
+                )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds)
@@ -489,12 +491,12 @@ class Lease:
         window = written.row.window
         if window is None or window != self.window:
             return
-        self.held += written.delta + written.debt - sum(a for _, a in written.applied)
+        self.held += written.delta + written.debt - sum(staged.amount for staged in written.applied)
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
-        for seq, _ in written.applied:
-            if self.staged and self.staged[0].seq == seq:
+        for staged in written.applied:
+            if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
-            self.applied = seq
+            self.applied = staged.seq
         if written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
         self._answer(waiters, written.waiters)
