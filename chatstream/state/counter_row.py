@@ -102,21 +102,6 @@ class CounterRow:
         """Whether the row is there and is ``window``'s (else it counts as empty)."""
         return self.etag is not None and self.window == window
 
-    def shows(self, written: CounterRow, condition: str | None, instance: str, fenced: bool) -> bool | None:
-        """Whether this row, just read, shows ``written``: ``instance``'s write conditioned on the
-        ETag ``condition`` whose answer was lost. True, False, or None when the row is exactly as it
-        was when the write was made (not applied: it may be sent again). Only ``instance`` writes its
-        entry, each time with the next exchange number; ``fenced``: it was taken over elsewhere."""
-        if self.etag == condition:
-            return None
-        if self.window != written.window:
-            return False
-        mine, wrote = self.holds.get(instance), written.holds.get(instance)
-        if wrote is not None:
-            return mine is not None and mine.exchange >= wrote.exchange
-        # The write took the entry out: gone now means it landed, unless a takeover took it out.
-        return mine is None and not fenced
-
 
 async def read(store: Store, partition: str, key: str, bound: float) -> CounterRow:
     """The row (the store call bounded by ``bound`` seconds)."""

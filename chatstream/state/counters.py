@@ -89,7 +89,7 @@ class Want:
 @dataclass
 class _Waiter:
     need: int
-    future: asyncio.Future
+    future: asyncio.Future[Part | None]
 
 
 @dataclass
@@ -98,21 +98,18 @@ class _Written:
     answer is lost, to find out whether it landed)."""
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
-    exchange: int
     row: CounterRow  # what it writes
     delta: int
     debt: int
-    applied: list[tuple[int, int]]  # (seq, amount) charges it applied
-    waiters: list[_Waiter]
-    keep: int  # the balance this instance keeps after it
-    balance_out: int  # the balance it took out of the books while in flight
+    applied: list[_Staged]  # the charges it applies
+    waiters: list[_Waiter]  # the reservations it grants
+    balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
 @dataclass
 class _Staged:
     seq: int
     amount: int
-    window: str
     confirmed: bool = False
 
 
@@ -147,22 +144,15 @@ class Hold:
         return bool(self.share) and self.active()
 
     def renew(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now."""
+        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called a little after)."""
         loop = asyncio.get_running_loop()
         self.until = loop.time() + HOLD_SECONDS
-        if self._timer is None:
-            self._timer = loop.call_later(HOLD_SECONDS + 0.01, self._check)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(self.until + 0.01, self._over)
 
     def end(self) -> None:
         self.until = 0.0
-
-    def _check(self) -> None:
-        self._timer = None
-        left = self.until - asyncio.get_running_loop().time()
-        if left > 0:
-            self._timer = asyncio.get_running_loop().call_later(left + 0.01, self._check)
-        else:
-            self._over()
 
 
 class Lease:
@@ -170,10 +160,9 @@ class Lease:
     ``held + debt == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in
     the row as last written."""
 
-    def __init__(self, counters: Counters, partition: str, row: str):
+    def __init__(self, counters: Counters, key: CounterKey):
         self.counters = counters
-        self.partition = partition
-        self.row = row
+        self.key = key
         self.limit = 0
         self.period: Period = "minute"
         self.window: str | None = None
@@ -190,14 +179,10 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold = Hold(over=self._hold_over)
+        self.hold = Hold(over=self.kick)  # when it ends, what it kept goes back
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
-
-    @property
-    def key(self) -> CounterKey:
-        return CounterKey(self.partition, self.row)
 
     # --- what reservations do ------------------------------------------------------------------
 
@@ -216,7 +201,7 @@ class Lease:
 
     def take(self, need: int, window: str) -> Part | None:
         """``need`` served from the balance at once, when it holds it and nobody waits before, or
-        None (``acquire`` waits for an exchange)."""
+        None (``wait`` for an exchange)."""
         self.advance(window)
         if self.waiters or self.uncertain is not None or self.balance < need:
             return None
@@ -229,22 +214,14 @@ class Lease:
         assert self.window is not None
         return Part(self, need, self.window, self.generation)
 
-    async def acquire(self, need: int, window: str) -> Part:
-        """``need`` of this counter. Raises ``_Refused`` when the limit leaves no room,
-        ``_Unavailable`` when the store does not tell."""
-        granted = self.take(need, window)
-        if granted is not None:
-            return granted
+    def wait(self, need: int) -> asyncio.Future[Part | None]:
+        """``need`` of this counter, after ``take`` found the balance short: the future's result is
+        the part, or None when the limit leaves no room; it is cancelled when the store does not tell
+        (or when the reservation gives up: a part granted after that comes back)."""
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.give_back(future.result())  # granted just as the reservation gave up
-            raise
+        return waiter.future
 
     def give_back(self, part: Part) -> None:
         """What ``part`` reserved comes back unused."""
@@ -253,38 +230,33 @@ class Lease:
             self.kick()
 
     def settle(self, part: Part, spent: int) -> _Staged | None:
-        """``part`` spent ``spent``: the rest comes back, a surplus is debt. A budget's charge is
-        staged and returned: it enters the row once confirmed (its ledger row written). A minute
-        window is never taken over (it ends by itself): what was spent leaves the books here, without
-        a write; only a surplus goes to the row, confirmed at once."""
+        """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
         if part.generation == self.generation:
             self._reserve(-part.need)
         # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
-        used = min(self.balance, spent)
-        self.balance -= used
-        over = spent - used
-        self.debt += over
-        if self.period != "minute":
-            return self._stage(spent, part.window, confirmed=False)
-        self.held -= used
         if self.hold.serving():
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
-        if over:
-            self._stage(over, part.window, confirmed=True)
+        return self.charge(spent, confirmed=False)
+
+    def charge(self, amount: int, confirmed: bool) -> _Staged | None:
+        """``amount`` spent in the books' window (a correction: either sign): the balance pays what
+        it can, the rest is debt. A budget's charge is staged and returned: it enters the row once
+        confirmed (its ledger row written). A minute window is never taken over (it ends by itself):
+        what the balance paid leaves the books here, without a write; only the debt goes to the row,
+        confirmed at once."""
+        used = max(0, min(self.balance, amount))
+        self.balance -= used
+        self.debt += amount - used
+        if self.period != "minute":
+            return self._stage(amount, confirmed)
+        self.held -= used
+        if amount - used:
+            self._stage(amount - used, confirmed=True)
         else:
             self.kick()
         return None
-
-    def adjust(self, amount: int, window: str, confirmed: bool = True) -> _Staged | None:
-        """Correct what was spent in ``window`` by ``amount`` (either sign): a background response
-        whose usage was seen later, here or elsewhere. Enters the row with the next exchange (once
-        ``confirm``ed)."""
-        if not amount or window != self.window:
-            return None
-        self.debt += amount
-        return self._stage(amount, window, confirmed)
 
     def lessen(self, staged: _Staged, amount: int) -> None:
         """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
@@ -297,8 +269,7 @@ class Lease:
 
     def confirm(self, staged: _Staged) -> None:
         staged.confirmed = True
-        if staged.window == self.window:
-            self.kick()
+        self.kick()
 
     def remaining(self) -> int:
         taken = self.seen.taken if self.seen.counts_in(self.window) else 0
@@ -329,18 +300,13 @@ class Lease:
         return [w for w in self.waiters if not w.future.done()]
 
     def _serve_from_balance(self) -> None:
-        if self.uncertain is not None or not self.balance or not self.waiters:
-            return
-        keep: deque[_Waiter] = deque()
-        for waiter in self.waiters:
-            if waiter.future.done():
-                continue
-            if waiter.need <= self.balance:
-                self._reserve(waiter.need)
-                waiter.future.set_result(self._part(waiter.need))
-            else:
-                keep.append(waiter)
-        self.waiters = keep
+        if self.uncertain is None:
+            room, fits = self.balance, []
+            for waiter in self._pending():
+                if waiter.need <= room:
+                    fits.append(waiter)
+                    room -= waiter.need
+            self._answer(fits, fits)
 
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
@@ -352,9 +318,9 @@ class Lease:
         self.balance -= need
         self.reserved += need
 
-    def _stage(self, amount: int, window: str, confirmed: bool) -> _Staged:
+    def _stage(self, amount: int, confirmed: bool) -> _Staged:
         self.seq += 1
-        staged = _Staged(self.seq, amount, window, confirmed)
+        staged = _Staged(self.seq, amount, confirmed)
         self.staged.append(staged)
         self.kick()
         return staged
@@ -370,10 +336,6 @@ class Lease:
             or self.balance > (self.hold.share if holding else 0)
         )
 
-    def _hold_over(self) -> None:
-        if self.balance:
-            self.kick()  # what it kept goes back
-
     async def _run(self) -> None:
         try:
             while not self.counters.closed:
@@ -385,35 +347,34 @@ class Lease:
                     self.backoff = 0.5
                 except StoreError as exc:
                     self.known = False
-                    self._fail(exc)
+                    self._fail()
                     self._retry_later()
-                    log.warning("limits: a %s counter exchange failed: %s", self.row, exc)
+                    log.warning("limits: a %s counter exchange failed: %s", self.key.row, exc)
                     return
         except Exception:  # a bug of ours: the reservations waiting hear "unavailable", not nothing
-            log.exception("limits: a %s counter exchange failed", self.row)
-            self._fail(StoreError("internal error"))
+            log.exception("limits: a %s counter exchange failed", self.key.row)
+            self._fail()
         finally:
             self.flight = None
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self) -> None:
+        """The store did not tell: the waiting reservations are unavailable."""
         for waiter in self.waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(_Unavailable(str(error)))
+            waiter.future.cancel()
         self.waiters.clear()
 
     def _retry_later(self) -> None:
         if self.retry is None and self._has_work():
-
-            def again() -> None:
-                self.retry = None
-                if self.flight is None and self._has_work():
-                    self.kick()
-
-            self.retry = asyncio.get_running_loop().call_later(self.backoff, again)
+            self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry_now)
             self.backoff = min(self.backoff * 2, 30.0)
 
+    def _retry_now(self) -> None:
+        self.retry = None
+        if self._has_work():
+            self.kick()
+
     async def _read(self) -> None:
-        self.seen = await counter_row.read(self.counters.store, self.partition, self.row, SLOW_TIMEOUT)
+        self.seen = await counter_row.read(self.counters.store, *self.key, SLOW_TIMEOUT)
         self.known = True
 
     async def _exchange(self) -> None:
@@ -465,20 +426,22 @@ class Lease:
             others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
             keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
             delta = total + keep - self.balance
-            applied = [(s.seq, s.amount) for s in self._applicable()]
-            spent = sum(amount for _, amount in applied)
+            applied = self._applicable()
+            spent = sum(staged.amount for staged in applied)
             debt = self.debt
             if delta == 0 and debt == 0 and not applied and not chosen:
                 self._answer(waiters, chosen)
                 return
-            exchange = self.exchange + 1
+            self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta + debt - spent
             if held > 0:
-                holds[counters.instance] = Entry(held, applied[-1][0] if applied else self.applied, exchange, keep)
+                holds[counters.instance] = Entry(
+                    held, applied[-1].seq if applied else self.applied, self.exchange, keep
+                )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta + debt), holds)
-            written = _Written(seen.etag, exchange, row, delta, debt, applied, chosen, keep, self.balance)
+            written = _Written(seen.etag, row, delta, debt, applied, chosen, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -518,10 +481,7 @@ class Lease:
 
     async def _write(self, written: _Written) -> bool:
         """Send ``written``: False if its condition failed (the row changed)."""
-        self.exchange = written.exchange
-        row = await counter_row.write(
-            self.counters.store, self.partition, self.row, written.row, written.etag, SLOW_TIMEOUT
-        )
+        row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
         if row is not None:
             self.seen, self.known = row, True
         return row is not None
@@ -531,16 +491,14 @@ class Lease:
         window = written.row.window
         if window is None or window != self.window:
             return
-        self.held += written.delta + written.debt - sum(a for _, a in written.applied)
-        self.balance += written.keep
-        for seq, _ in written.applied:
-            if self.staged and self.staged[0].seq == seq:
+        self.held += written.delta + written.debt - sum(staged.amount for staged in written.applied)
+        self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
+        for staged in written.applied:
+            if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
-            self.applied = seq
+            self.applied = staged.seq
         if written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
-        for waiter in written.waiters:
-            self.reserved += waiter.need
         self._answer(waiters, written.waiters)
 
     def _undo(self, written: _Written) -> None:
@@ -550,56 +508,48 @@ class Lease:
             self.debt += written.debt
 
     def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
-        """After the write: the chosen waiters are admitted, the others refused."""
+        """The chosen waiters are served from the balance, the others refused (one that gave up
+        meanwhile leaves its share in the balance: it goes back)."""
         picked = {id(w) for w in chosen}
-        for waiter in chosen:
-            part = self._part(waiter.need)
-            if waiter.future.done():  # it gave up meanwhile: its share comes back
-                self.give_back(part)
-            else:
-                waiter.future.set_result(part)
         for waiter in waiters:
-            if id(waiter) not in picked and not waiter.future.done():
-                waiter.future.set_exception(_Refused(self))
-        handled = {id(w) for w in waiters}
-        self.waiters = deque(w for w in self.waiters if id(w) not in handled and not w.future.done())
+            if waiter.future.done():
+                continue
+            if id(waiter) in picked:
+                self._reserve(waiter.need)
+                waiter.future.set_result(self._part(waiter.need))
+            else:
+                waiter.future.set_result(None)
+        self.waiters = deque(w for w in self.waiters if not w.future.done())
 
     async def _resolve(self) -> None:
         """A write whose answer was lost: read the row; this instance's entry says whether it landed
         (only this instance writes it, each time with the next exchange number). Not yet, with the
         row unchanged since the write's condition: send the same write again (at most one of them can
         land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped and its waiters ask again."""
+        write is dropped. Its waiters were told "unavailable" meanwhile (their parts come back)."""
         written = self.uncertain
         assert written is not None
+        instance = self.counters.instance
         for _ in range(MAX_ATTEMPTS):
             await self._read()
-            fenced = self.counters.instances.fenced.is_set()
-            landed = self.seen.shows(written.row, written.etag, self.counters.instance, fenced)
-            if landed is None:  # unchanged: not applied (yet); the same write again
+            mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
+            if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
                 if not await self._write(written):
                     continue  # something landed meanwhile (ours, late, perhaps): look again
                 landed = True
+            elif self.seen.window != written.row.window:
+                landed = False
+            elif wrote is not None:
+                landed = mine is not None and mine.exchange >= wrote.exchange
+            else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
+                landed = mine is None and not self.counters.instances.fenced.is_set()
             self.uncertain = None
             if landed:
                 self._landed(written, written.waiters)
             else:
                 self._undo(written)
-                for waiter in written.waiters:  # back to waiting: the next exchange serves them
-                    if not waiter.future.done():
-                        self.waiters.appendleft(waiter)
             return
         raise StoreError("the counter kept changing under this instance")
-
-
-class _Refused(Exception):
-    def __init__(self, lease: Lease):
-        super().__init__(lease.row)
-        self.lease = lease
-
-
-class _Unavailable(Exception):
-    pass
 
 
 @dataclass
@@ -626,9 +576,7 @@ class Settlement:
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(
-            lease.applied >= staged.seq or all(s is not staged for s in lease.staged) for lease, staged in self.staged
-        )
+        return all(all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
 
 @dataclass
@@ -636,20 +584,17 @@ class Reservation:
     """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
     it never ran."""
 
-    parts: list[Part]
+    parts: list[Part]  # what it holds (settled or released: nothing)
     rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
-    state: str = "held"
 
     def settle(self, spent: Mapping[CounterKey, int]) -> Settlement:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
+        parts, self.parts = self.parts, []
         settlement = Settlement()
-        if self.state != "held":
-            return settlement
-        self.state = "settled"
-        for part in self.parts:
+        for part in parts:
             lease = part.lease
-            amount = part.need if lease.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
+            amount = part.need if lease.key.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
             staged = lease.settle(part, amount)
             if staged is not None:
                 settlement.staged.append((lease, staged))
@@ -657,10 +602,8 @@ class Reservation:
 
     def release(self) -> None:
         """Nothing is charged: everything reserved (the request too) goes back."""
-        if self.state != "held":
-            return
-        self.state = "released"
-        for part in self.parts:
+        parts, self.parts = self.parts, []
+        for part in parts:
             part.lease.give_back(part)
 
     @property
@@ -704,7 +647,7 @@ class Counters:
     def _lease(self, want: Want) -> Lease:
         lease = self._leases.get(want.key)
         if lease is None:
-            lease = self._leases[want.key] = Lease(self, want.partition, want.row)
+            lease = self._leases[want.key] = Lease(self, want.key)
         lease.limit = want.limit  # an admin's change applies from the next request
         lease.period = want.period
         return lease
@@ -724,47 +667,34 @@ class Counters:
         for want in wants:
             if want.need > want.limit:
                 return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
-        if not wants:
-            return Reservation([])
         self._prune(now)
         leases = [(self._lease(w), w) for w in wants]
-        # What the balances hold is taken at once: a request they all serve needs no task, no loop hop.
+        # What the balances hold is taken at once: a request they all serve needs no loop hop.
         granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
         parts = [part for part in granted if part is not None]
-        if len(parts) == len(leases):
-            return Reservation(parts, self._rates(leases, now))
-        acquiring = [
-            asyncio.ensure_future(lease.acquire(w.need, window_of(w.period, now)))
-            for (lease, w), part in zip(leases, granted, strict=True)
-            if part is None
+        waiting = [
+            (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
         ]
-        clock = self.store.clock
-        asked = clock.answered_at
-        _, pending = await asyncio.wait(acquiring, timeout=RESERVE_TIMEOUT)
-        # Slow is not down: the store answered something meanwhile, or its answers have been slow
-        # lately (a busy store); one that answered quickly until it stopped answering is down.
-        if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
-            _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*acquiring, return_exceptions=True)
-        parts += [task.result() for task in acquiring if not task.cancelled() and task.exception() is None]
+        if waiting:
+            clock = self.store.clock
+            asked = clock.answered_at
+            _, pending = await asyncio.wait([future for _, _, future in waiting], timeout=RESERVE_TIMEOUT)
+            # Slow is not down: the store answered something meanwhile, or its answers have been slow
+            # lately (a busy store); one that answered quickly until it stopped answering is down.
+            if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
+                _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
+            for future in pending:
+                future.cancel()  # unavailable: a part granted later comes back (Lease._answer)
+            parts += [part for _, _, future in waiting if not future.cancelled() and (part := future.result())]
         if len(parts) == len(leases):
             return Reservation(parts, self._rates(leases, now))
         Reservation(parts).release()  # all or nothing: what the others reserved goes back
-        errors = [task.exception() for task in acquiring if not task.cancelled()]
-        refused = [e.lease for e in errors if isinstance(e, _Refused)]
-        if refused:
-            return self._refusal(refused, leases, now)
-        for error in errors:
-            if error is not None and not isinstance(error, _Unavailable):
-                raise error  # a bug of ours: the endpoint's 500
-        return Unavailable()
+        refused = [(lease, w) for lease, w, future in waiting if not future.cancelled() and future.result() is None]
+        return self._refusal(refused, now) if refused else Unavailable()
 
-    def _refusal(self, refused: list[Lease], leases: list[tuple[Lease, Want]], now: float) -> Refused:
+    def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
-        lease = min(refused, key=lambda lease: order.get(lease.row, 2))
-        want = next(w for lh, w in leases if lh is lease)
+        lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
         used = lease.limit - lease.remaining()
         return Refused(want.ref, lease.limit, max(0, used), want.need, _retry(want, now))
 
@@ -783,18 +713,18 @@ class Counters:
 
     def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.adjust``). Not ``confirmed``:
+        the windows it was made in when they are still current (``Lease.charge``). Not ``confirmed``:
         the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
         now = self.clock()
         settlement = Settlement()
         for want in wants:
-            if want.need and not want.row.startswith("rpm"):
-                lease = self._lease(want)
-                lease.advance(window_of(want.period, now))
-                minute = want.period == "minute"
-                staged = lease.adjust(want.need, window_of(want.period, at), confirmed or minute)
-                if staged is not None and not minute:
-                    settlement.staged.append((lease, staged))
+            if not want.need or want.row.startswith("rpm"):
+                continue
+            lease = self._lease(want)
+            lease.advance(window_of(want.period, now))
+            staged = lease.charge(want.need, confirmed) if window_of(want.period, at) == lease.window else None
+            if staged is not None:
+                settlement.staged.append((lease, staged))
         return settlement
 
     async def flush(self, within: float = 5.0) -> bool:
