@@ -18,7 +18,7 @@ and range). The keyed app's timers (heartbeats, lease expiry) also run in the un
 
 ``--profile DIR``: cProfile (process time) of one more block of each kind, ``DIR/plain.prof`` and
 ``DIR/keyed.prof``, and their difference by function (per request; cProfile inflates small calls).
-``--spy DIR``: py-spy (sampling, ``--nonblocking``) on this process during ``--spy-blocks`` blocks of
+``--spy DIR``: py-spy (sampling; it stops the process for each sample: none of its own CPU counts) on this process during ``--spy-blocks`` blocks of
 each kind: the CPU per request by cause (``CAUSES``: the first keyed-only part in a sample's stack),
 keyed against unkeyed."""
 
@@ -35,7 +35,9 @@ import asyncio
 import cProfile
 import gc
 import json
+import os
 import pstats
+import resource
 import statistics
 import time
 
@@ -166,7 +168,7 @@ def _cause(stack: list[str]) -> str:
 async def _spy(args, paths, counter: list[int]) -> None:
     """py-spy (tools/bench/.venv's or on PATH) on this process while blocks of one kind run, each
     kind in turn: the CPU per request by cause (CAUSES), keyed against plain."""
-    import os
+
     import shutil
     import signal
 
@@ -176,7 +178,7 @@ async def _spy(args, paths, counter: list[int]) -> None:
         kind = "keyed" if key else "plain"
         out = args.spy / f"{kind}.txt"
         proc = await asyncio.create_subprocess_exec(
-            *(spy, "record", "--nonblocking", "--pid", str(os.getpid()), "--rate", "500"),
+            *(spy, "record", "--pid", str(os.getpid()), "--rate", "500"),
             *("--format", "raw", "-o", str(out)),
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
@@ -279,13 +281,17 @@ def main() -> None:
             for r in range(args.rounds):
                 times = {}
                 order = ((plain, None), (keyed, key)) if r % 2 == 0 else ((keyed, key), (plain, None))
-                gcs, calls = {}, {}
+                gcs, calls, system = {}, {}, {}
                 for app, k in order:
                     GC.clear()
                     before = dict(getattr(store, "calls", {}))
+                    sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
                     t = time.process_time()
                     await _block(app, k, args.streams, args.concurrency, counter)
                     times[k is not None] = time.process_time() - t
+                    system[k is not None] = (
+                        (resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0) / args.streams * 1000
+                    )
                     gcs[k is not None] = GC.summary(args.streams)
                     after = getattr(store, "calls", {})
                     calls[k is not None] = " ".join(
@@ -297,7 +303,8 @@ def main() -> None:
                 extra.append(per)
                 print(
                     f"round {r}: plain {times[False] / args.streams * 1000:.3f} ms/req, "
-                    f"keyed {times[True] / args.streams * 1000:.3f} ms/req, extra {per:+.3f}; "
+                    f"keyed {times[True] / args.streams * 1000:.3f} ms/req, extra {per:+.3f} "
+                    f"(of which system time: plain {system[False]:.3f}, keyed {system[True]:.3f}); "
                     f"gc plain {gcs[False]}, keyed {gcs[True]}; keyed app's store calls per request: "
                     f"in plain blocks {calls[False] or 0}, in keyed blocks {calls[True]}",
                     flush=True,
