@@ -167,7 +167,7 @@ class CompletionStream:
         choices = data.get("choices")
         if not choices:
             return Fed(None)
-        if self._make_filter is None and self.generated is None and self.released is None:
+        if self._make_filter is None:
             fed = self._plain(data, choices)
             if fed is not None:
                 return fed
@@ -185,11 +185,12 @@ class CompletionStream:
         return Fed({**data, "choices": kept}, output=substance or finishing, delta=substance)
 
     def _plain(self, data: dict, choices: object) -> Fed | None:
-        """The common chunk, without text steps or kept texts, decided without copying anything: one
-        choice, index 0, whose delta object holds nothing but ``role`` and ``content`` (a string or
-        null). It is forwarded as it came: what the general path would build is an equal copy, and its
-        content goes with it (``Fed.text``: the continuation and the encoder read no further). None:
-        not that shape; the general path decides (and checks the shape)."""
+        """The common chunk, without text steps, decided without copying anything: one choice, index
+        0, whose delta object holds nothing but ``role`` and ``content`` (a string or null). It is
+        forwarded as it came: what the general path would build is an equal copy, and its content
+        goes with it (``Fed.text``: the continuation and the encoder read no further); kept texts
+        (``keep``: a keyed request's) get what the general path would keep. None: not that shape;
+        the general path decides (and checks the shape)."""
         if type(choices) is not list or len(choices) != 1:
             return None
         choice = choices[0]
@@ -205,6 +206,10 @@ class CompletionStream:
             return None
         if 0 in self.finished:
             return _NOTHING  # nothing after a choice's finish_reason is forwarded
+        if self.generated is not None:  # as _choice keeps them: without text steps, released is generated
+            _kept(self.generated, 0).append(content or "")
+        if content and self.released is not None:
+            _kept(self.released, 0).append(content)
         if reason:
             self.finished[0] = reason
         return Fed(data, bool(content or reason), bool(content), (), content)  # positional: per delta

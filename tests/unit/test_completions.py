@@ -107,8 +107,9 @@ async def test_without_text_steps_chunks_are_forwarded_as_they_came():
 
 async def test_the_plain_path_gives_what_the_general_path_gives():
     """Without text steps, the common chunk (one choice, a delta of role and content) is decided
-    without copying (``CompletionStream._plain``); kept texts (``keep=True``) take the general path:
-    the same events, flags and state either way, for plain and other shapes."""
+    without copying (``CompletionStream._plain``), with kept texts (``keep=True``: a keyed request's)
+    or without: the same events, flags, state and kept texts as the general path, for plain and
+    other shapes."""
     chunks = [
         chunk({"role": "assistant", "content": ""}),
         chunk({"content": "a"}, logprobs=None),
@@ -124,14 +125,18 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
         chunk({"content": "after the finish"}),
         {"id": "c1", "choices": [], "usage": {"total_tokens": 3}},
     ]
-    plain, general = CompletionStream(Pipeline()), CompletionStream(Pipeline(), keep=True)
+    plain, kept, general = (CompletionStream(Pipeline(), keep=keep) for keep in (False, True, True))
+    general._plain = lambda data, choices: None  # the general path only
     for data in chunks:
-        fast, slow = await plain.feed(copy.deepcopy(data)), await general.feed(copy.deepcopy(data))
-        assert (fast.data, fast.output, fast.delta, fast.batch) == (slow.data, slow.output, slow.delta, slow.batch), (
-            data
-        )
-        assert plain.finished == general.finished and plain.done == general.done
-    assert plain.summary() == general.summary()
+        slow = await general.feed(copy.deepcopy(data))
+        for stream in (plain, kept):
+            fast = await stream.feed(copy.deepcopy(data))
+            assert (fast.data, fast.output, fast.delta, fast.batch) == (slow.data, slow.output, slow.delta, slow.batch)
+            assert stream.finished == general.finished and stream.done == general.done
+    assert plain.summary() == kept.summary() == general.summary()
+    assert kept.generated == general.generated and kept.released == general.released
+    assert kept.generated is not None and kept.released is not None
+    assert "".join(kept.generated[0]) == "ano indexbc{}" and "".join(kept.released[0]) == "ano indexbc"
     with pytest.raises(UpstreamMalformed):
         await CompletionStream(Pipeline()).feed({"choices": [{"index": 0, "delta": {"content": 5}}]})
 

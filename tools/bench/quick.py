@@ -3,7 +3,7 @@
 
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
-                                          [--profile FILE [--profile-streams short]]
+                                          [--profile FILE [--profile-streams short]] [--kept]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
@@ -26,7 +26,8 @@ of each length and from the quickest one (the least disturbed by the machine's o
 per delta (the slope between the two lengths), per stream (the rest: the request, the first and last
 events), all-in per delta for streams of ``--deltas``, each path's ratio to the floor, and the app's
 to each variant. ``--profile FILE`` writes cProfile statistics (process time) of one block of the
-app's long streams instead.
+app's long streams instead. ``--kept``: every app path keeps its streams' texts, as a keyed
+request's are kept (the generated text its charge counts): an after-step that does nothing.
 
 CPU time counts only this process, so the machine's other load moves these figures less than
 wall-clock ones, but it still does (caches, frequency): compare paths of one run.
@@ -185,8 +186,10 @@ class ReplaySession:
         pass
 
 
-def _handler(path: str, settings_env: dict[str, str]):
-    """``async (scope, receive, send)`` for one request of ``path`` (app or floor)."""
+def _handler(path: str, settings_env: dict[str, str], kept: bool = False):
+    """``async (scope, receive, send)`` for one request of ``path`` (app or floor); ``kept``: the
+    app's pipeline has an after-step (that does nothing), so its streams keep their texts as a keyed
+    request's do (``--kept``)."""
     from starlette.requests import Request
 
     if path == "floor":
@@ -210,7 +213,10 @@ def _handler(path: str, settings_env: dict[str, str]):
 
     environ = {"OPENAI_BASE_URL": BASE_URL, "OPENAI_API_KEY": "sk-bench", **settings_env}
     settings = Settings.from_env(environ)
-    chat_app = create_app(settings, Pipeline.from_settings(settings), environ=environ)
+    pipeline = Pipeline.from_settings(settings)
+    if kept:
+        pipeline.after(lambda result: None)
+    chat_app = create_app(settings, pipeline, environ=environ)
 
     async def serve_app(scope, receive, send) -> None:
         response = await chat_app.chat(Request(scope, receive))
@@ -243,7 +249,7 @@ def child(args: argparse.Namespace) -> None:
     body = json.dumps(PROMPT).encode()
 
     async def main() -> None:
-        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env))
+        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env), args.kept)
         ReplaySession.pieces = pieces["long"]
         out = await _streams(serve, WARMUP, body)
         assert out > args.long * 10, f"{args.path}: the warm-up streamed {out} bytes"
@@ -281,6 +287,7 @@ class _Child:
         command = [sys.executable, str(Path(__file__).resolve()), "--child", path]
         command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
+        command += ["--kept"] if args.kept else []
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -362,6 +369,11 @@ def main() -> None:
     )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kept",
+        action="store_true",
+        help="the app's streams keep their texts, as a keyed request's do (an after-step that does nothing)",
+    )
     args = p.parse_args()
     if args.child:
         args.path = args.child
