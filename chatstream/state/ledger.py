@@ -162,7 +162,6 @@ class Ledger:
         self._writer: asyncio.Task | None = None
         self._closed = False
         self._outstanding: set[asyncio.Future] = set()
-        self.written = 0  # rows that landed (tests)
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -238,40 +237,25 @@ class Ledger:
             for charge, future in items:
                 unique.setdefault(charge.row_key, (charge, []))[1].append(future)
             rows = list(unique.values())
-            for start in range(0, len(rows), 100):
-                chunk = rows[start : start + 100]
+            chunks = [rows[start : start + 100] for start in range(0, len(rows), 100)]
+            while chunks:
+                chunk = chunks.pop(0)
                 try:
                     await self._insert(chunk)
                 except StoreError:
                     failed.extend((charge, f) for charge, futures in chunk for f in futures)
                     continue
                 except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
-                    log.exception("usage ledger: %d charge(s) cannot be written", len(chunk))
-                    failed.extend(await self._one_by_one(chunk))
-                    continue
+                    first = chunk[0][0].request_id[:12]
+                    log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
+                    # One at a time: the good ones land, a bad one is let go (it can never be written).
+                    if len(chunk) > 1:
+                        chunks += [[row] for row in chunk]
+                        continue
                 for _, futures in chunk:
                     for f in futures:
                         if not f.done():
                             f.set_result(None)
-        return failed
-
-    async def _one_by_one(
-        self, chunk: list[tuple[Charge, list[asyncio.Future]]]
-    ) -> list[tuple[Charge, asyncio.Future]]:
-        """The rows of a batch that failed for a bug of ours, one at a time: the good ones land, a
-        bad one is logged and let go (it can never be written; it stays in the journal's log line)."""
-        failed: list[tuple[Charge, asyncio.Future]] = []
-        for charge, futures in chunk:
-            try:
-                await self._insert([(charge, futures)])
-            except StoreError:
-                failed.extend((charge, f) for f in futures)
-                continue
-            except Exception:
-                log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
-            for future in futures:
-                if not future.done():
-                    future.set_result(None)
         return failed
 
     async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:
@@ -281,7 +265,6 @@ class Ledger:
         while chunk:
             try:
                 await self.store.batch(USAGE_TABLE, [Op("insert", charge.entity()) for charge, _ in chunk])
-                self.written += len(chunk)
                 return
             except AlreadyExists as exc:
                 index = getattr(exc, "index", 0)
@@ -299,7 +282,6 @@ class Ledger:
         """Insert one charge now: None if it landed, else the row that was there already."""
         try:
             await self.store.insert(USAGE_TABLE, charge.entity())
-            self.written += 1
             return None
         except AlreadyExists:
             return await self.find(charge)
@@ -313,7 +295,6 @@ class Ledger:
                 await self.store.insert(USAGE_TABLE, charge.entity())
             else:
                 await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
-            self.written += 1
             return True
         except (AlreadyExists, Modified, NotFound):
             there = await self.find(charge)
