@@ -109,7 +109,7 @@ async def test_a_row_the_store_cannot_keep_is_let_go_and_the_rest_of_its_transac
             raise ValueError("a value the store cannot keep")
         return await real(table, ops, **kw)
 
-    store.batch = batch  # type: ignore[method-assign]
+    store.batch = batch
     ledger = Ledger(store)
     done = ledger.submit([charge(request_id="good-1"), charge(request_id="bad"), charge(request_id="good-2")])
     await asyncio.wait_for(done, 5)
