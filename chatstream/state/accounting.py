@@ -32,7 +32,7 @@ from .callers import Caller, Team
 from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
-from .journal import Journal, JournalEntry
+from .journal import Journal, JournalEntry, amounts
 from .ledger import Charge, Ledger, Payer, day_of, tokens_of
 from .owners import Owners
 from .port import (
@@ -70,7 +70,6 @@ class Admission:
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     wants: list[Want] = field(default_factory=list)
-    segment_base: int = 0  # a stream taken over: its segments are a block of their own (``charge_lost``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
     @property
@@ -175,7 +174,7 @@ class Accounting:
             return reserved
         started = self.counters.clock()
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
-        entry = self.journal.open(_entry(asked.request_id, payer, model, counted, reserved.needs, price))
+        entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
         return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
@@ -253,18 +252,15 @@ class Accounting:
         # name with a price of its own is charged that price, under that name.
         served = await self._served_prices(used)
         at = [(u.model, served[u.model]) if u.model in served else (admission.model, admission.price) for u in used]
-        payer, base = admission.entry.payer, admission.segment_base
+        payer, base = admission.entry.payer, admission.entry.segment
         charges = [
             Charge.made(payer, model, u, price, usage.ended, self.counters.instance, base + i, usage.upstream_id)
             for i, (u, (model, price)) in enumerate(zip(used, at, strict=True))
         ]
-        tokens_used = sum(u.total for u in used)
-        cost = sum(c.cost or 0 for c in charges)
-        self._settle(admission, charges, {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants})
+        self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
-        settlement = admission.reservation.settle(spent)
-        self.journal.settle(admission.entry, charges, _amounts(admission.wants, spent), settlement)
+        self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
 
     async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
         """The prices of the models a segment was served as under another name (an entry's
@@ -289,7 +285,7 @@ class Accounting:
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
         meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
         instance's recovery charges that part at its checkpoint."""
-        admission.segment_base = admission.entry.segment = segment_base(epoch)
+        admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
@@ -324,11 +320,11 @@ class Accounting:
             cost -= int(there.get("cost") or 0)
         wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
         settlement = self.counters.adjust(wants, started, confirmed=False)
-        amounts = _amounts(wants)
+        needs = {w.key: w.need for w in wants if w.period != "minute"}
         entry = self.journal.open(
-            _entry(f"{payer.request_id}/{op}", payer, admission.model, prompt, amounts, admission.price)
+            JournalEntry(f"{payer.request_id}/{op}", payer, admission.model, prompt, needs, admission.price)
         )
-        self.journal.settle(entry, [charge], amounts, settlement)
+        self.journal.settle(entry, [charge], needs, settlement)
         admission.lost = entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
@@ -401,11 +397,6 @@ class Accounting:
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 
-def _amounts(wants: list[Want], spent: dict[CounterKey, int] | None = None) -> dict[CounterKey, int]:
-    """What ``spent`` (else each want's need) is of each budget counter."""
-    return {w.key: spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
-
-
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
     return Payer(
         caller.name,
@@ -416,13 +407,6 @@ def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, st
         endpoint,
         day_of(started),
     )
-
-
-def _entry(
-    key: str, payer: Payer, model: str, prompt: int, needs: dict[CounterKey, int], price: Price | None
-) -> JournalEntry:
-    kinds = {k: ("spend" if k.row == "spend" else "tokens") for k in needs}
-    return JournalEntry(key, payer, model, prompt, needs, kinds, price)
 
 
 def _mine(owner: str, caller: Caller) -> bool:

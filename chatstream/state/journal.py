@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -85,7 +85,6 @@ class JournalEntry:
     model: str
     prompt_tokens: int
     needs: dict[CounterKey, int]  # reserved of each budget counter
-    kinds: dict[CounterKey, str]  # "tokens" | "spend"
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     counted_chars: dict[int, int] = field(default_factory=dict)
@@ -123,7 +122,7 @@ class JournalEntry:
             "model": self.model,
             "prompt": self.prompt_tokens,
             "needs": _named(self.needs),
-            "kinds": _named(self.kinds),
+            "kinds": {str(k): "spend" if k.row == "spend" else "tokens" for k in self.needs},  # older readers'
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
@@ -179,15 +178,16 @@ class Journal:
             self.changed()
 
     def settle(
-        self, entry: JournalEntry, charges: list[Charge], amounts: dict[CounterKey, int], settlement: Settlement
+        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], settlement: Settlement
     ) -> None:
-        """The request is over: listed as settled, then its ledger rows, then the counters (module
-        docstring); all in the background."""
+        """The request is over, having ``spent`` (per counter; what it reserved of its budget counters
+        is journaled): listed as settled, then its ledger rows, then the counters (module docstring);
+        all in the background."""
         if entry.orphaned:
             return
         entry.state = "settled"
         entry.charges = charges
-        entry.amounts = amounts
+        entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
         entry.settlement = settlement
         entry.generated = None
         self.changed()
@@ -365,7 +365,7 @@ class Journal:
             entry.written.set()
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
-                entry.settlement.lessen(amounts(entry.kinds, done.result()))
+                entry.settlement.lessen(amounts(entry.needs, done.result()))
                 entry.settlement.confirm()  # now the counters may take the charges in
             self.changed()
 
@@ -424,12 +424,11 @@ class Journal:
             await self._write_once()
 
 
-def amounts(kinds: Mapping[CounterKey, str], charges: list[Charge]) -> dict[CounterKey, int]:
-    """What ``charges`` spend of each budget counter (tokens or pico-dollars)."""
-    return {
-        key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
-        for key, kind in kinds.items()
-    }
+def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKey, int]:
+    """What ``charges`` spend of each counter of ``keys``: of a spend budget (row ``spend``) their
+    cost in pico-dollars, of any other their tokens."""
+    tokens, cost = sum(c.total_tokens for c in charges), sum(c.cost or 0 for c in charges)
+    return {key: cost if key.row == "spend" else tokens for key in keys}
 
 
 SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
@@ -511,11 +510,11 @@ class Recovery:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
                 counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
-        kinds = _parsed(entry.get("kinds"))
-        less = amounts(kinds, others)
-        for key, kind in kinds.items():
-            less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
-        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(kinds, charges)
+        keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
+        less = amounts(keys, others)
+        for key in keys:
+            less[key] += sum(cost if key.row == "spend" else n for n, cost in counted)
+        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
         return {k: max(0, int(v) - less.get(k, 0)) for k, v in brings.items()}
 
     async def _give_back(

@@ -648,7 +648,7 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
     payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
-    entry = JournalEntry("r", payer, MODEL, 3, {}, {}, generated=lambda: so_far)
+    entry = JournalEntry("r", payer, MODEL, 3, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
@@ -666,5 +666,7 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
     key = CounterKey("team:t|1", "tokens")
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
     payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
-    doc = JournalEntry("r", payer, MODEL, 3, {key: 100}, {key: "tokens"}).document()
-    assert doc["needs"] == {"team:t|1/tokens": 100} and doc["kinds"] == {"team:t|1/tokens": "tokens"}
+    spend = CounterKey("team:t|1", "spend")
+    doc = JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).document()
+    assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
+    assert doc["kinds"] == {"team:t|1/tokens": "tokens", "team:t|1/spend": "spend"}  # what older versions read
