@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .. import tokens
@@ -225,9 +225,20 @@ class Accounting:
         log line, span and metrics, before the charge is made in the background."""
         if admission is None or admission.price is None or not usage.segments:
             return None
-        price = admission.price
-        at = [(self.registry.price_kept(u.model) if u.model else None) or price for u in usage.segments]
-        return sum(p.cost(u.prompt, u.cached, u.completion) for p, u in zip(at, usage.segments, strict=True))
+        kept = {u.model: self.registry.price_kept(u.model) for u in usage.segments if u.model}
+        return sum(c.cost or 0 for c in self._charges(admission, usage, kept))
+
+    def _charges(self, admission: Admission, usage: Usage, served: Mapping[str, object]) -> list[Charge]:
+        """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
+        log line says; a segment served under another name (an entry's ``deployments``) whose
+        ``served`` price is a price of its own: at that price, under that name."""
+        payer, author, base = admission.entry.payer, self.counters.instance, admission.entry.segment
+        charges = []
+        for i, u in enumerate(usage.segments):
+            own = served.get(u.model) if u.model else None
+            model, price = (u.model, own) if u.model and isinstance(own, Price) else (admission.model, admission.price)
+            charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
+        return charges
 
     async def _charge(self, admission: Admission, usage: Usage) -> None:
         # A background response that goes on upstream (no usage yet), or that was charged already where
@@ -243,34 +254,16 @@ class Accounting:
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
                 self._settle(admission, [], {w.key: w.need for w in admission.wants})
                 return
-        used = usage.segments
-        if not used:
+        if not usage.segments:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        # The price it was admitted (and reserved) at, as its log line says; a segment served under a
-        # name with a price of its own is charged that price, under that name.
-        served = await self._served_prices(used)
-        at = [(u.model, served[u.model]) if u.model in served else (admission.model, admission.price) for u in used]
-        payer, base = admission.entry.payer, admission.entry.segment
-        charges = [
-            Charge.made(payer, model, u, price, usage.ended, self.counters.instance, base + i, usage.upstream_id)
-            for i, (u, (model, price)) in enumerate(zip(used, at, strict=True))
-        ]
+        served = {m: await self.registry.price(m) for m in {u.model for u in usage.segments if u.model}}
+        charges = self._charges(admission, usage, served)
         self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
         self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
-
-    async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
-        """The prices of the models a segment was served as under another name (an entry's
-        ``deployments``) that have one of their own."""
-        out: dict[str, Price] = {}
-        for model in {u.model for u in used if u.model}:
-            price = await self.registry.price(model)
-            if isinstance(price, Price):
-                out[model] = price
-        return out
 
     async def charge_lost(
         self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
