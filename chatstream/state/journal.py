@@ -131,7 +131,7 @@ class JournalEntry:
         if self.state == "open":
             doc["generated"] = self.checkpoint()
         else:
-            doc["charges"] = [c.as_dict() for c in self.charges]
+            doc["charges"] = [asdict(c) for c in self.charges]
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc
@@ -260,19 +260,16 @@ class Journal:
                 backoff = self.interval
                 self._failing = False
                 self._wake_listed()
-            except StoreError as exc:
-                log.warning("journal: could not be written (%s); retrying", exc)
+            except Exception as exc:  # the store's failure, or a bug of ours: neither stops the journal
+                if isinstance(exc, StoreError):
+                    log.warning("journal: could not be written (%s); retrying", exc)
+                else:
+                    log.exception("journal: writing failed")
                 self._failing = True
                 self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-                continue
-            except Exception:  # a bug of ours must not stop the journal
-                log.exception("journal: writing failed")
-                self._wake_listed(failed=True)
-                self._dirty.set()
-                await asyncio.sleep(1.0)
                 continue
             finally:
                 self._quiet.set()

@@ -23,7 +23,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from .callers import PICO, usd
+from .callers import usd
 from .port import Ended, Used
 from .prices import Price
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
@@ -129,12 +129,9 @@ class Charge:
         values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
         return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
-    def as_dict(self) -> dict[str, Any]:
-        """For the journal: everything, to write it again (``of``)."""
-        return asdict(self)
-
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
+        """A charge as the journal keeps it (``asdict``: everything, to write it again)."""
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in values.items() if k in names})
 
@@ -398,7 +395,7 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         entry = sums[key]
         for name in SUMMED:
             entry[name] += int(row.get(name) or 0)
-        entry["total_tokens"] += int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+        entry["total_tokens"] += tokens_of(row)
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -408,6 +405,3 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
     return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]
-
-
-__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "Payer", "day_of", "summarize"]

@@ -9,6 +9,7 @@ import asyncio
 import csv
 import io
 import secrets
+from dataclasses import asdict
 from datetime import UTC, date, datetime
 
 import pytest
@@ -249,5 +250,5 @@ async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
 
 def test_a_charge_round_trips_through_the_journal_form():
     c = charge(request_id="r", cost=None, team="t", cached=3)
-    assert Charge.of(c.as_dict()) == c
+    assert Charge.of(asdict(c)) == c
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
