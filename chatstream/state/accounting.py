@@ -24,7 +24,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from .. import tokens
 from ..errors import StoreError
@@ -312,13 +312,18 @@ class Accounting:
             spent -= tokens_of(there)
             cost -= int(there.get("cost") or 0)
         wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
-        settlement = self.counters.adjust(wants, started, confirmed=False)
+        admission.lost = self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+
+    def _correct(self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float) -> JournalEntry:
+        """A charge made after its request was settled (a stream's lost part, a background response's
+        usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
+        journal's entry ``key``: counted once its row is written (journal.py), never lost."""
+        settlement = self.counters.adjust(wants, at, confirmed=False)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
-        entry = self.journal.open(
-            JournalEntry(f"{payer.request_id}/{op}", payer, admission.model, prompt, needs, admission.price)
-        )
+        payer = Payer.of(asdict(charge))
+        entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
         self.journal.settle(entry, [charge], needs, settlement)
-        admission.lost = entry
+        return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
@@ -373,10 +378,9 @@ class Accounting:
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
-        self.ledger.submit([charge])
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
-        self.counters.adjust(_wants(caller, team, model, tokens_diff, spend_diff), started)
+        self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait for the charges in flight to be settled and written everywhere (tests, shutdown)."""

@@ -512,7 +512,8 @@ class Recovery:
         for key in keys:
             less[key] += sum(cost if key.row == "spend" else n for n, cost in counted)
         brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
-        return {k: max(0, int(v) - less.get(k, 0)) for k, v in brings.items()}
+        # Less what others count, at most all of it; a correction's give-back (negative) as it is.
+        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
 
     async def _give_back(
         self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]
@@ -535,7 +536,7 @@ class Recovery:
                     entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
                 )
             )
-            taken = max(0, found.taken - held.held + max(0, unapplied))
+            taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
             if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
                 return

@@ -21,7 +21,7 @@ from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.ledger import Charge
-from chatstream.state.port import Unavailable
+from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
@@ -670,3 +670,34 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
     doc = JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).document()
     assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
     assert doc["kinds"] == {"team:t|1/tokens": "tokens", "team:t|1/spend": "spend"}  # what older versions read
+
+
+async def test_a_background_responses_usage_seen_is_journaled_and_charged_once_if_its_instance_dies():
+    """A background response read back over on B (its usage seen) is charged there: journaled first,
+    like every charge. B dies before the ledger row lands; A's takeover writes the row and corrects
+    the budgets, exactly."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
+    assert isinstance(admitted, Admission)
+    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    finish(acc_a, admitted, rec, None)  # over here; the response goes on upstream: its reservation held
+    assert await acc_a.flush(5)
+    assert isinstance(b.store, MemoryStore)
+    going, _ = await admit(acc_b, caller, "going on")  # B holds capacity of the budgets meanwhile
+    assert isinstance(going, Admission)
+    b.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**9))
+    await acc_b.charge_seen(caller, "response", "resp_bg", MODEL, Used(40, 0, 60), "responses")
+    await until(lambda: entry_of(data, "instance-b", "resp_bg/seen") is not None, what="journaled on B")
+    assert ledger_rows(data) == {}
+    await kill(b)
+    team = (await a.registry.get_team("t")).limits_partition
+    for _ in range(2):  # a second takeover adds nothing
+        await Recovery(a.store, a.ledger).recover("instance-b", "instance-a")
+        rows = ledger_rows(data)
+        assert len(rows) == 2 and rows[going.entry.key]["ended"] == "lost"
+        row = rows["resp_bg"]
+        assert (row["prompt_tokens"], row["completion_tokens"], row["ended"]) == (40, 60, "background")
+        assert row["cost"] == price.cost(40, 0, 60)
+        spent_as_the_ledger(data, caller, team, rows.values())
+    await a.close()
