@@ -151,18 +151,18 @@ class Journal:
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: asyncio.TimerHandle | None = None
-        self._noting: dict[CounterKey, asyncio.Future] = {}
+        self._noting: set[CounterKey] = set()  # budget counters to list before the counters hold any
+        self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
         self._etag: str | None = None
         self._name: str | None = None
         self._dirty = asyncio.Event()
-        self._urgent = asyncio.Event()  # a request waits for the next write (note_counter): no pause first
+        self._urgent = asyncio.Event()  # a request waits for the next write (_next_write): no pause first
         self._writer: asyncio.Task | None = None
         self._quiet = asyncio.Event()  # set while no write is in flight
         self._quiet.set()
         self._closed = False
         self.writes = 0
         self.fenced = False
-        self._waiting: list[tuple[JournalEntry, asyncio.Future]] = []  # requests waiting to be listed
         self._failing = False  # the last write failed: requests do not wait for a listing
 
     # --- what the request path tells it ----------------------------------------------------------
@@ -198,37 +198,25 @@ class Journal:
         journal cannot be written (a store outage): the request goes on, listed once it can be."""
         if entry.listed or self._failing or self._closed:
             return
-        waiting = asyncio.get_running_loop().create_future()
-        self._waiting.append((entry, waiting))
-        self._urgent.set()
-        self.changed()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
-                await asyncio.shield(waiting)
-
-    def _wake_listed(self, failed: bool = False) -> None:
-        """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
-        keep = []
-        for entry, waiting in self._waiting:
-            if failed or entry.listed or entry.key not in self.entries:
-                if not waiting.done():
-                    waiting.set_result(None)
-            else:
-                keep.append((entry, waiting))
-        self._waiting = keep
+                await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
         """Before this instance holds any of budget counter ``key``: the journal lists it (written),
         and goes on listing it while ``holding()`` says the counters hold some."""
         self._holding[key] = holding
-        if key in self._noted:
-            return
-        waiting = self._noting.get(key)
-        if waiting is None:
-            waiting = self._noting[key] = asyncio.get_running_loop().create_future()
-            self._urgent.set()
-            self.changed()
-        await asyncio.shield(waiting)
+        while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
+            self._noting.add(key)
+            await asyncio.shield(self._next_write())
+
+    def _next_write(self) -> asyncio.Future[None]:
+        """Done when the next write to start ends (landed or not); it starts without a pause."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        self._urgent.set()
+        self.changed()
+        return self._next
 
     def changed(self) -> None:
         if not self._busy and (self.entries or self._noting):
@@ -256,17 +244,15 @@ class Journal:
             self._urgent.clear()
             self._quiet.clear()
             try:
-                await self._write_once()
+                await self._write()
                 backoff = self.interval
                 self._failing = False
-                self._wake_listed()
             except Exception as exc:  # the store's failure, or a bug of ours: neither stops the journal
                 if isinstance(exc, StoreError):
                     log.warning("journal: could not be written (%s); retrying", exc)
                 else:
                     log.exception("journal: writing failed")
                 self._failing = True
-                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -279,6 +265,15 @@ class Journal:
             if any(e.state == "open" and e.generated is not None for e in self.entries.values()):
                 self._dirty.set()  # open requests: their checkpoints go on
 
+    async def _write(self) -> None:
+        """One write; whoever waits for the next one (``_next_write``) hears when it ends."""
+        landing, self._next = self._next, None
+        try:
+            await self._write_once()
+        finally:
+            if landing is not None and not landing.done():
+                landing.set_result(None)
+
     async def _write_once(self) -> None:
         instance = self.instances.id
         name = journal_name(instance)
@@ -287,8 +282,8 @@ class Journal:
         self._forget_done()
         self._holding = {key: holding for key, holding in self._holding.items() if holding()}
         held = set(self._holding)
-        noting = dict(self._noting)
-        needed = held | set(noting) | {k for e in self.entries.values() for k in e.needs}
+        noting = set(self._noting)
+        needed = held | noting | {k for e in self.entries.values() for k in e.needs}
         listed = sorted(self._listing(needed))
         if not self.entries and not listed:
             if self._etag is not None:
@@ -296,7 +291,6 @@ class Journal:
                     await self.store.delete_blob(name)
                 self._etag = None
             self._noted = set()
-            self._release(noting)
             if self._busy:
                 self._busy = False
                 self.instances.done()
@@ -321,7 +315,7 @@ class Journal:
             self._etag = await self.store.put(name, data, etag=found[1])
         self.writes += 1
         self._noted = set(listed)
-        self._release(noting)
+        self._noting -= noting
         for entry in in_doc:
             entry.listed = True
         for entry in settled_now:
@@ -347,13 +341,6 @@ class Journal:
 
             self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
         return needed | kept
-
-    def _release(self, noting: dict[CounterKey, asyncio.Future]) -> None:
-        for key, future in noting.items():
-            if self._noting.get(key) is future:
-                del self._noting[key]
-            if not future.done():
-                future.set_result(None)
 
     def _to_ledger(self, entry: JournalEntry) -> None:
         written = self.ledger.submit(entry.charges)
@@ -407,7 +394,8 @@ class Journal:
         """Stop the writer (the write in flight ends first) and write once more what is left: after a
         flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
-        self._wake_listed(failed=True)
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)  # no write waits for it any more
         self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
         if self._lapse is not None:
             self._lapse.cancel()
@@ -418,7 +406,7 @@ class Journal:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         with contextlib.suppress(StoreError):
-            await self._write_once()
+            await self._write()
 
 
 def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKey, int]:
