@@ -161,8 +161,6 @@ class Journal:
         self._quiet = asyncio.Event()  # set while no write is in flight
         self._quiet.set()
         self._closed = False
-        self.writes = 0
-        self.fenced = False
         self._failing = False  # the last write failed: requests do not wait for a listing
 
     # --- what the request path tells it ----------------------------------------------------------
@@ -313,7 +311,6 @@ class Journal:
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
-        self.writes += 1
         self._noted = set(listed)
         self._noting -= noting
         for entry in in_doc:
@@ -368,7 +365,6 @@ class Journal:
     def _fenced(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
         listed is the taker's now; what came after goes on under the new incarnation's journal."""
-        self.fenced = True
         log.warning("journal: sealed by another instance (this one was taken over); starting a new one")
         for key, entry in list(self.entries.items()):
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
@@ -426,7 +422,6 @@ class Recovery:
     def __init__(self, store: Store, ledger: Ledger):
         self.store = store
         self.ledger = ledger
-        self.timeout = SLOW_TIMEOUT
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
@@ -511,7 +506,7 @@ class Recovery:
         settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
         partition, row = key
         for _ in range(MAX_ATTEMPTS):
-            found = await counter_row.read(self.store, partition, row, self.timeout)
+            found = await counter_row.read(self.store, partition, row, SLOW_TIMEOUT)
             holds = dict(found.holds)
             held = holds.pop(dead, None)
             if held is None:
@@ -526,7 +521,7 @@ class Recovery:
             )
             taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
-            if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
+            if await counter_row.write(self.store, partition, row, changed, found.etag, SLOW_TIMEOUT) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 

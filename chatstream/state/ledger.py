@@ -347,7 +347,7 @@ class Ledger:
         where = Where(
             partition=f"u:{caller_id}" if caller_id is not None else None,
             rows_from=f"{start:%Y%m%d}",
-            rows_to=_day_after(end),
+            rows_to="99999999~" if end >= date.max else f"{end + timedelta(days=1):%Y%m%d}",
             equal=equal,
             select=("caller", "caller_id", "team", "model", *SUMMED, "cost", "ended"),
         )
@@ -371,12 +371,6 @@ class Ledger:
                 await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
                 deleted += len(chunk)
         return deleted
-
-
-def _day_after(day: date) -> str:
-    if day >= date.max:
-        return "99999999~"
-    return f"{day + timedelta(days=1):%Y%m%d}"
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -428,7 +428,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     assert lost["ended"] == "lost"
     # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
     finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
-    await until(lambda: a.journal.fenced, what="a learns its journal was sealed")
+    await until(lambda: r1.entry.orphaned, what="a learns its journal was sealed: r1 is not its own any more")
     r2, rec2 = await admit(acc_a, caller, "two")  # what comes after is a's, under a new journal
     assert isinstance(r2, Admission)
     finish(acc_a, r2, rec2, usage(10, 5))
@@ -531,10 +531,9 @@ async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_
     lost, _ = await admit(acc_a, x, max_tokens=100)
     assert isinstance(lost, Unavailable)  # the store may have taken it: not known yet
     assert "instance-a" in (counter(data, x.limits_partition, "tokens").get("holds") or "")
-    writes = a.journal.writes
     other, _ = await admit(acc_a, y)  # another request: the journal is written again meanwhile
     assert isinstance(other, Admission)
-    await until(lambda: a.journal.writes > writes, what="a journal write")
+    await until(lambda: other.entry.listed, what="a journal write")
     await kill(a)  # before the lost answer is looked into
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = counter(data, x.limits_partition, "tokens")
@@ -569,7 +568,7 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
         await until(lambda: lost.times == 0, what="the lost write")
     finish(acc_a, r1, rec1, usage(50, 20))
     assert await acc_a.flush(5)
-    assert not a.journal.fenced
+    assert not r1.entry.orphaned
     rows = ledger_rows(data)
     assert rows[rec1.id]["ended"] == "completed" and rows[rec1.id]["author"] == "instance-a"
     expected = 70 + (20 if fault == "unavailable" else 0)
