@@ -24,7 +24,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from .. import tokens
 from ..errors import StoreError
@@ -57,10 +57,10 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller and team, its reservation and the counted prompt."""
+    """What one admitted request holds: its caller, its reservation (of ``wants``) and the counted prompt."""
 
     caller: Caller
-    team: Team | None
+    wants: list[Want]  # what it needs of every limit of its caller and team
     reservation: Reservation
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     model: str
@@ -69,7 +69,6 @@ class Admission:
     started: float
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
-    wants: list[Want] = field(default_factory=list)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
     @property
@@ -90,7 +89,8 @@ def segment_base(epoch: int) -> int:
 
 def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     """What a request needs of every limit of its caller and of its team (the one list of them):
-    one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; the same list corrects a charge."""
+    one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
+    differences of the same list."""
     wants = _limit_wants(caller, "caller", model, tokens_need, spend_need)
     if team is not None:
         wants += _limit_wants(team, "team", model, tokens_need, spend_need)
@@ -177,7 +177,7 @@ class Accounting:
         entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
-        return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
+        return Admission(caller, wants, reserved, counted, model, price, entry, started)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -311,7 +311,7 @@ class Accounting:
             charge = replace(charge, author=author, ops=ops, over=there.etag)
             spent -= tokens_of(there)
             cost -= int(there.get("cost") or 0)
-        wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
+        wants = [replace(w, need=cost if w.row == "spend" else spent) for w in admission.wants]  # its limits
         admission.lost = self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
 
     def _correct(self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float) -> JournalEntry:

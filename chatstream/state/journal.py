@@ -62,9 +62,9 @@ from .store import NEW, Store
 log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
-# A write that a request's change wakes (its entry opened, most often) waits this long first, unless a
-# request waits for it (note_counter): the request's upstream call goes out before the journal's
-# store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
+# A write that a request's change wakes (its entry opened, most often) waits this long first, unless
+# something waits for it (``listed``, ``note_counter``): the request's upstream call goes out before
+# the journal's store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
 WAKE_DELAY = 0.02
 # A budget counter stays listed this long after this instance last needed it: the next request of
 # the caller (or team) holds it again without a journal write first (note_counter). Listed without
