@@ -33,7 +33,7 @@ from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import Charge, Ledger, Payer, day_of, tokens_of
+from .ledger import Charge, Ledger, Payer, day_of
 from .owners import Owners
 from .port import (
     AdmissionRequest,
@@ -304,13 +304,12 @@ class Accounting:
             # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
-            author = str(there.get("author") or "")
-            if not (author.startswith("takeover:") or author == charge.author) or tokens_of(there) >= spent:
+            was = Charge.of(there)
+            if not (was.author.startswith("takeover:") or was.author == charge.author) or was.total_tokens >= spent:
                 return
-            ops = f"{there.get('ops') or ''} {op}".strip()
-            charge = replace(charge, author=author, ops=ops, over=there.etag)
-            spent -= tokens_of(there)
-            cost -= int(there.get("cost") or 0)
+            charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+            spent -= was.total_tokens
+            cost -= was.cost or 0
         wants = [replace(w, need=cost if w.row == "spend" else spent) for w in admission.wants]  # its limits
         admission.lost = self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
 

@@ -54,7 +54,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger, Payer, theirs, tokens_of
+from .ledger import Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
 from .store import NEW, Store
@@ -473,15 +473,13 @@ class Recovery:
                 # A stream's taker charged this lost part first, from its log: theirs to count, unless
                 # it is below this checkpoint (a log is stored every few seconds): then it is raised
                 # to the checkpoint, what the taker counted kept in the row.
-                if entry.get("state") == "settled" or tokens_of(there) >= charge.total_tokens:
+                was = Charge.of(there)
+                if entry.get("state") == "settled" or was.total_tokens >= charge.total_tokens:
                     others.append(charge)
                     there = None
                     break
-                elsewhere = {
-                    "counted_tokens": tokens_of(there),
-                    "counted_cost": int(there.get("cost") or 0),
-                    "ops": there.get("ops") or "",  # the writes it holds (Ledger.apply)
-                }
+                # What it counted, and the writes it holds (Ledger.apply).
+                elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
                 if await self.ledger.replace_below(charge, there, **elsewhere):
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break

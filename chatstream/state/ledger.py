@@ -131,9 +131,11 @@ class Charge:
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
-        """A charge as the journal keeps it (``asdict``: everything, to write it again)."""
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """A charge as the journal keeps it (``asdict``: everything, to write it again), or as its
+        ledger row holds it (``entity``: its day in the RowKey; what a raise kept of earlier writers
+        is the row's, not the charge's)."""
+        found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
 
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:
@@ -141,10 +143,6 @@ def theirs(row: Mapping[str, Any], *mine: str) -> bool:
     written once, by whoever comes first, and only that writer counts it in the budget counters
     (a stream's taker charging the lost producer's part, its producer settling the same part)."""
     return str(row.get("author") or "") not in mine
-
-
-def tokens_of(row: Mapping[str, Any]) -> int:
-    return int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
 
 
 def day_of(seconds: float) -> str:
@@ -295,14 +293,14 @@ class Ledger:
             return True
         except (AlreadyExists, Modified, NotFound):
             there = await self.find(charge)
-            return there is not None and charge.ops.split()[-1] in str(there.get("ops") or "").split()
+            return there is not None and charge.ops.split()[-1] in Charge.of(there).ops.split()
 
     async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
         """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
         if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
         knows of it (a journal's checkpoint, a stream's log). True if it did; the caller counts the
         difference. False when it was not below, or changed meanwhile."""
-        if tokens_of(there) >= charge.total_tokens:
+        if Charge.of(there).total_tokens >= charge.total_tokens:
             return False
         try:
             await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
@@ -389,7 +387,6 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         entry = sums[key]
         for name in SUMMED:
             entry[name] += int(row.get(name) or 0)
-        entry["total_tokens"] += tokens_of(row)
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -398,4 +395,6 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
+    for entry in sums.values():
+        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
     return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]

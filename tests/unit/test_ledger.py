@@ -248,7 +248,12 @@ async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
     await ledger.close()
 
 
-def test_a_charge_round_trips_through_the_journal_form():
+async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row():
     c = charge(request_id="r", cost=None, team="t", cached=3)
     assert Charge.of(asdict(c)) == c
+    ledger = Ledger(MemoryStore(MemoryData()))
+    assert await ledger.write_now(c) is None
+    there = await ledger.find(c)
+    assert there is not None and Charge.of(there) == c  # its day from the RowKey
+    await ledger.close()
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
