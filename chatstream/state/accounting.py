@@ -361,7 +361,7 @@ class Accounting:
     async def charge_seen(self, caller: Caller, kind: str, id: str, model: str, used: Used, endpoint: str) -> None:
         """A stored response read back (a follow-up), over, that used ``used``: its size is kept (a
         continuation of it reserves that), and if nobody charged it yet (on any instance), it is
-        charged now: a background response."""
+        charged now, corrected from what it reserved (``_correct``): a background response."""
         try:
             await self.owners.set_context(kind, id, used.total)
             if not await self.owners.first_charge(kind, id):

@@ -80,7 +80,7 @@ def journal_name(instance: str) -> str:
 class JournalEntry:
     """One request in the journal."""
 
-    key: str  # its request's id; a stream's lost part: that and its charge's (accounting.charge_lost)
+    key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
     prompt_tokens: int
