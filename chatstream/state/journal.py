@@ -480,7 +480,7 @@ class Recovery:
                     break
                 # What it counted, and the writes it holds (Ledger.apply).
                 elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
-                if await self.ledger.replace_below(charge, there, **elsewhere):
+                if await self.ledger.replace(charge, there, **elsewhere):  # raised to the checkpoint
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break
                 there = await self.ledger.write_now(charge)  # it changed meanwhile (raised by another taker)

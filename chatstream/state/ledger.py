@@ -295,16 +295,13 @@ class Ledger:
             there = await self.find(charge)
             return there is not None and charge.ops.split()[-1] in Charge.of(there).ops.split()
 
-    async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
+    async def replace(self, charge: Charge, there: Row, **keep: Any) -> bool:
         """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
-        if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
-        knows of it (a journal's checkpoint, a stream's log). True if it did; the caller counts the
-        difference. False when it was not below, or changed meanwhile."""
-        if Charge.of(there).total_tokens >= charge.total_tokens:
-            return False
+        on its ETag: a lost part charged by one writer below what another knows of it (a journal's
+        checkpoint). True if it did; False when the row changed meanwhile (or the store failed)."""
         try:
             await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
-        except (Modified, NotFound, StoreError):
+        except StoreError:
             return False
         return True
 
