@@ -34,7 +34,7 @@ from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
 from .ledger import Charge, Ledger, Payer, day_of
-from .owners import Owners
+from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
     KeyRefused,
@@ -185,11 +185,10 @@ class Accounting:
         Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
-            try:
-                owned = await self.owners.owned("response", asked.previous)
-            except StoreError:
-                return Unavailable()
-            if owned is None or not _mine(owned.caller_id, caller):
+            owned = await self._owned(caller, "response", asked.previous)
+            if isinstance(owned, Unavailable):
+                return owned
+            if owned is None:
                 return Unknown("response", asked.previous)
             if owned.context:
                 known += owned.context
@@ -346,11 +345,16 @@ class Accounting:
 
     async def owned(self, caller: Caller, kind: str, id: str) -> bool | Unavailable:
         """Whether ``kind``/``id`` is ``caller``'s (follow-ups answer 404 to anyone else)."""
+        owned = await self._owned(caller, kind, id)
+        return owned if isinstance(owned, Unavailable) else owned is not None
+
+    async def _owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
         try:
             owned = await self.owners.owned(kind, id)
         except StoreError:
             return Unavailable()
-        return owned is not None and _mine(owned.caller_id, caller)
+        # Rows claimed before ids name their caller by name.
+        return owned if owned is not None and owned.caller_id in (caller.id, f"name:{caller.name}") else None
 
     async def forget(self, kind: str, id: str) -> None:
         try:
@@ -403,7 +407,3 @@ def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, st
         endpoint,
         day_of(started),
     )
-
-
-def _mine(owner: str, caller: Caller) -> bool:
-    return owner == caller.id or owner == f"name:{caller.name}"  # rows claimed before ids by name
