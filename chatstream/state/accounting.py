@@ -23,8 +23,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 
 from .. import tokens
 from ..errors import StoreError
@@ -32,9 +32,9 @@ from .callers import Caller, Team
 from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
-from .journal import Journal, JournalEntry
-from .ledger import Charge, Ledger, Payer, day_of, tokens_of
-from .owners import Owners
+from .journal import Journal, JournalEntry, amounts
+from .ledger import Charge, Ledger, Payer, day_of
+from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
     KeyRefused,
@@ -57,10 +57,10 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller and team, its reservation and the counted prompt."""
+    """What one admitted request holds: its caller, its reservation (of ``wants``) and the counted prompt."""
 
     caller: Caller
-    team: Team | None
+    wants: list[Want]  # what it needs of every limit of its caller and team
     reservation: Reservation
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     model: str
@@ -69,8 +69,6 @@ class Admission:
     started: float
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
-    wants: list[Want] = field(default_factory=list)
-    segment_base: int = 0  # a stream taken over: its segments are a block of their own (``charge_lost``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
     @property
@@ -91,7 +89,8 @@ def segment_base(epoch: int) -> int:
 
 def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     """What a request needs of every limit of its caller and of its team (the one list of them):
-    one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; the same list corrects a charge."""
+    one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
+    differences of the same list."""
     wants = _limit_wants(caller, "caller", model, tokens_need, spend_need)
     if team is not None:
         wants += _limit_wants(team, "team", model, tokens_need, spend_need)
@@ -175,10 +174,10 @@ class Accounting:
             return reserved
         started = self.counters.clock()
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
-        entry = self.journal.open(_entry(asked.request_id, payer, model, counted, reserved.needs, price))
+        entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         await self.journal.listed(entry, LISTED_WITHIN)
-        return Admission(caller, team, reserved, counted, model, price, entry, started, wants=wants)
+        return Admission(caller, wants, reserved, counted, model, price, entry, started)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -186,11 +185,10 @@ class Accounting:
         Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
-            try:
-                owned = await self.owners.owned("response", asked.previous)
-            except StoreError:
-                return Unavailable()
-            if owned is None or not _mine(owned.caller_id, caller):
+            owned = await self._owned(caller, "response", asked.previous)
+            if isinstance(owned, Unavailable):
+                return owned
+            if owned is None:
                 return Unknown("response", asked.previous)
             if owned.context:
                 known += owned.context
@@ -226,9 +224,20 @@ class Accounting:
         log line, span and metrics, before the charge is made in the background."""
         if admission is None or admission.price is None or not usage.segments:
             return None
-        price = admission.price
-        at = [(self.registry.price_kept(u.model) if u.model else None) or price for u in usage.segments]
-        return sum(p.cost(u.prompt, u.cached, u.completion) for p, u in zip(at, usage.segments, strict=True))
+        kept = {u.model: self.registry.price_kept(u.model) for u in usage.segments if u.model}
+        return sum(c.cost or 0 for c in self._charges(admission, usage, kept))
+
+    def _charges(self, admission: Admission, usage: Usage, served: Mapping[str, object]) -> list[Charge]:
+        """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
+        log line says; a segment served under another name (an entry's ``deployments``) whose
+        ``served`` price is a price of its own: at that price, under that name."""
+        payer, author, base = admission.entry.payer, self.counters.instance, admission.entry.segment
+        charges = []
+        for i, u in enumerate(usage.segments):
+            own = served.get(u.model) if u.model else None
+            model, price = (u.model, own) if u.model and isinstance(own, Price) else (admission.model, admission.price)
+            charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
+        return charges
 
     async def _charge(self, admission: Admission, usage: Usage) -> None:
         # A background response that goes on upstream (no usage yet), or that was charged already where
@@ -244,37 +253,16 @@ class Accounting:
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
                 self._settle(admission, [], {w.key: w.need for w in admission.wants})
                 return
-        used = usage.segments
-        if not used:
+        if not usage.segments:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        # The price it was admitted (and reserved) at, as its log line says; a segment served under a
-        # name with a price of its own is charged that price, under that name.
-        served = await self._served_prices(used)
-        at = [(u.model, served[u.model]) if u.model in served else (admission.model, admission.price) for u in used]
-        payer, base = admission.entry.payer, admission.segment_base
-        charges = [
-            Charge.made(payer, model, u, price, usage.ended, self.counters.instance, base + i, usage.upstream_id)
-            for i, (u, (model, price)) in enumerate(zip(used, at, strict=True))
-        ]
-        tokens_used = sum(u.total for u in used)
-        cost = sum(c.cost or 0 for c in charges)
-        self._settle(admission, charges, {w.key: (cost if w.row == "spend" else tokens_used) for w in admission.wants})
+        served = {m: await self.registry.price(m) for m in {u.model for u in usage.segments if u.model}}
+        charges = self._charges(admission, usage, served)
+        self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
-        settlement = admission.reservation.settle(spent)
-        self.journal.settle(admission.entry, charges, _amounts(admission.wants, spent), settlement)
-
-    async def _served_prices(self, used: Sequence[Used]) -> dict[str, Price]:
-        """The prices of the models a segment was served as under another name (an entry's
-        ``deployments``) that have one of their own."""
-        out: dict[str, Price] = {}
-        for model in {u.model for u in used if u.model}:
-            price = await self.registry.price(model)
-            if isinstance(price, Price):
-                out[model] = price
-        return out
+        self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
 
     async def charge_lost(
         self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
@@ -289,7 +277,7 @@ class Accounting:
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
         meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
         instance's recovery charges that part at its checkpoint."""
-        admission.segment_base = admission.entry.segment = segment_base(epoch)
+        admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
         # A producer after a takeover sent the answer so far along with the prompt.
@@ -315,21 +303,25 @@ class Accounting:
             # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
-            author = str(there.get("author") or "")
-            if not (author.startswith("takeover:") or author == charge.author) or tokens_of(there) >= spent:
+            was = Charge.of(there)
+            if not (was.author.startswith("takeover:") or was.author == charge.author) or was.total_tokens >= spent:
                 return
-            ops = f"{there.get('ops') or ''} {op}".strip()
-            charge = replace(charge, author=author, ops=ops, over=there.etag)
-            spent -= tokens_of(there)
-            cost -= int(there.get("cost") or 0)
-        wants = _wants(admission.caller, admission.team, admission.model, spent, cost)
-        settlement = self.counters.adjust(wants, started, confirmed=False)
-        amounts = _amounts(wants)
-        entry = self.journal.open(
-            _entry(f"{payer.request_id}/{op}", payer, admission.model, prompt, amounts, admission.price)
-        )
-        self.journal.settle(entry, [charge], amounts, settlement)
-        admission.lost = entry
+            charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+            spent -= was.total_tokens
+            cost -= was.cost or 0
+        wants = [replace(w, need=cost if w.row == "spend" else spent) for w in admission.wants]  # its limits
+        admission.lost = self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+
+    def _correct(self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float) -> JournalEntry:
+        """A charge made after its request was settled (a stream's lost part, a background response's
+        usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
+        journal's entry ``key``: counted once its row is written (journal.py), never lost."""
+        settlement = self.counters.adjust(wants, at, confirmed=False)
+        needs = {w.key: w.need for w in wants if w.period != "minute"}
+        payer = Payer.of(asdict(charge))
+        entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
+        self.journal.settle(entry, [charge], needs, settlement)
+        return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
@@ -353,11 +345,16 @@ class Accounting:
 
     async def owned(self, caller: Caller, kind: str, id: str) -> bool | Unavailable:
         """Whether ``kind``/``id`` is ``caller``'s (follow-ups answer 404 to anyone else)."""
+        owned = await self._owned(caller, kind, id)
+        return owned if isinstance(owned, Unavailable) else owned is not None
+
+    async def _owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
         try:
             owned = await self.owners.owned(kind, id)
         except StoreError:
             return Unavailable()
-        return owned is not None and _mine(owned.caller_id, caller)
+        # Rows claimed before ids name their caller by name.
+        return owned if owned is not None and owned.caller_id in (caller.id, f"name:{caller.name}") else None
 
     async def forget(self, kind: str, id: str) -> None:
         try:
@@ -368,7 +365,7 @@ class Accounting:
     async def charge_seen(self, caller: Caller, kind: str, id: str, model: str, used: Used, endpoint: str) -> None:
         """A stored response read back (a follow-up), over, that used ``used``: its size is kept (a
         continuation of it reserves that), and if nobody charged it yet (on any instance), it is
-        charged now: a background response."""
+        charged now, corrected from what it reserved (``_correct``): a background response."""
         try:
             await self.owners.set_context(kind, id, used.total)
             if not await self.owners.first_charge(kind, id):
@@ -384,10 +381,9 @@ class Accounting:
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
-        self.ledger.submit([charge])
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
-        self.counters.adjust(_wants(caller, team, model, tokens_diff, spend_diff), started)
+        self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait for the charges in flight to be settled and written everywhere (tests, shutdown)."""
@@ -401,11 +397,6 @@ class Accounting:
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 
-def _amounts(wants: list[Want], spent: dict[CounterKey, int] | None = None) -> dict[CounterKey, int]:
-    """What ``spent`` (else each want's need) is of each budget counter."""
-    return {w.key: spent[w.key] if spent else w.need for w in wants if w.period != "minute"}
-
-
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
     return Payer(
         caller.name,
@@ -416,14 +407,3 @@ def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, st
         endpoint,
         day_of(started),
     )
-
-
-def _entry(
-    key: str, payer: Payer, model: str, prompt: int, needs: dict[CounterKey, int], price: Price | None
-) -> JournalEntry:
-    kinds = {k: ("spend" if k.row == "spend" else "tokens") for k in needs}
-    return JournalEntry(key, payer, model, prompt, needs, kinds, price)
-
-
-def _mine(owner: str, caller: Caller) -> bool:
-    return owner == caller.id or owner == f"name:{caller.name}"  # rows claimed before ids by name

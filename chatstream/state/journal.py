@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -54,7 +54,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger, Payer, theirs, tokens_of
+from .ledger import Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
 from .store import NEW, Store
@@ -62,9 +62,9 @@ from .store import NEW, Store
 log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
-# A write that a request's change wakes (its entry opened, most often) waits this long first, unless a
-# request waits for it (note_counter): the request's upstream call goes out before the journal's
-# store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
+# A write that a request's change wakes (its entry opened, most often) waits this long first, unless
+# something waits for it (``listed``, ``note_counter``): the request's upstream call goes out before
+# the journal's store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
 WAKE_DELAY = 0.02
 # A budget counter stays listed this long after this instance last needed it: the next request of
 # the caller (or team) holds it again without a journal write first (note_counter). Listed without
@@ -80,12 +80,11 @@ def journal_name(instance: str) -> str:
 class JournalEntry:
     """One request in the journal."""
 
-    key: str  # its request's id; a stream's lost part: that and its charge's (accounting.charge_lost)
+    key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
     prompt_tokens: int
     needs: dict[CounterKey, int]  # reserved of each budget counter
-    kinds: dict[CounterKey, str]  # "tokens" | "spend"
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     counted_chars: dict[int, int] = field(default_factory=dict)
@@ -123,7 +122,7 @@ class JournalEntry:
             "model": self.model,
             "prompt": self.prompt_tokens,
             "needs": _named(self.needs),
-            "kinds": _named(self.kinds),
+            "kinds": {str(k): "spend" if k.row == "spend" else "tokens" for k in self.needs},  # older readers'
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
@@ -132,7 +131,7 @@ class JournalEntry:
         if self.state == "open":
             doc["generated"] = self.checkpoint()
         else:
-            doc["charges"] = [c.as_dict() for c in self.charges]
+            doc["charges"] = [asdict(c) for c in self.charges]
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc
@@ -152,18 +151,16 @@ class Journal:
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: asyncio.TimerHandle | None = None
-        self._noting: dict[CounterKey, asyncio.Future] = {}
+        self._noting: set[CounterKey] = set()  # budget counters to list before the counters hold any
+        self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
         self._etag: str | None = None
         self._name: str | None = None
         self._dirty = asyncio.Event()
-        self._urgent = asyncio.Event()  # a request waits for the next write (note_counter): no pause first
+        self._urgent = asyncio.Event()  # a request waits for the next write (_next_write): no pause first
         self._writer: asyncio.Task | None = None
         self._quiet = asyncio.Event()  # set while no write is in flight
         self._quiet.set()
         self._closed = False
-        self.writes = 0
-        self.fenced = False
-        self._waiting: list[tuple[JournalEntry, asyncio.Future]] = []  # requests waiting to be listed
         self._failing = False  # the last write failed: requests do not wait for a listing
 
     # --- what the request path tells it ----------------------------------------------------------
@@ -179,15 +176,16 @@ class Journal:
             self.changed()
 
     def settle(
-        self, entry: JournalEntry, charges: list[Charge], amounts: dict[CounterKey, int], settlement: Settlement
+        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], settlement: Settlement
     ) -> None:
-        """The request is over: listed as settled, then its ledger rows, then the counters (module
-        docstring); all in the background."""
+        """The request is over, having ``spent`` (per counter; what it reserved of its budget counters
+        is journaled): listed as settled, then its ledger rows, then the counters (module docstring);
+        all in the background."""
         if entry.orphaned:
             return
         entry.state = "settled"
         entry.charges = charges
-        entry.amounts = amounts
+        entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
         entry.settlement = settlement
         entry.generated = None
         self.changed()
@@ -198,37 +196,25 @@ class Journal:
         journal cannot be written (a store outage): the request goes on, listed once it can be."""
         if entry.listed or self._failing or self._closed:
             return
-        waiting = asyncio.get_running_loop().create_future()
-        self._waiting.append((entry, waiting))
-        self._urgent.set()
-        self.changed()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
-                await asyncio.shield(waiting)
-
-    def _wake_listed(self, failed: bool = False) -> None:
-        """Let the requests whose entry is now listed (all of them, when the write failed) go on."""
-        keep = []
-        for entry, waiting in self._waiting:
-            if failed or entry.listed or entry.key not in self.entries:
-                if not waiting.done():
-                    waiting.set_result(None)
-            else:
-                keep.append((entry, waiting))
-        self._waiting = keep
+                await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
         """Before this instance holds any of budget counter ``key``: the journal lists it (written),
         and goes on listing it while ``holding()`` says the counters hold some."""
         self._holding[key] = holding
-        if key in self._noted:
-            return
-        waiting = self._noting.get(key)
-        if waiting is None:
-            waiting = self._noting[key] = asyncio.get_running_loop().create_future()
-            self._urgent.set()
-            self.changed()
-        await asyncio.shield(waiting)
+        while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
+            self._noting.add(key)
+            await asyncio.shield(self._next_write())
+
+    def _next_write(self) -> asyncio.Future[None]:
+        """Done when the next write to start ends (landed or not); it starts without a pause."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        self._urgent.set()
+        self.changed()
+        return self._next
 
     def changed(self) -> None:
         if not self._busy and (self.entries or self._noting):
@@ -256,23 +242,18 @@ class Journal:
             self._urgent.clear()
             self._quiet.clear()
             try:
-                await self._write_once()
+                await self._write()
                 backoff = self.interval
                 self._failing = False
-                self._wake_listed()
-            except StoreError as exc:
-                log.warning("journal: could not be written (%s); retrying", exc)
+            except Exception as exc:  # the store's failure, or a bug of ours: neither stops the journal
+                if isinstance(exc, StoreError):
+                    log.warning("journal: could not be written (%s); retrying", exc)
+                else:
+                    log.exception("journal: writing failed")
                 self._failing = True
-                self._wake_listed(failed=True)
                 self._dirty.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-                continue
-            except Exception:  # a bug of ours must not stop the journal
-                log.exception("journal: writing failed")
-                self._wake_listed(failed=True)
-                self._dirty.set()
-                await asyncio.sleep(1.0)
                 continue
             finally:
                 self._quiet.set()
@@ -282,6 +263,15 @@ class Journal:
             if any(e.state == "open" and e.generated is not None for e in self.entries.values()):
                 self._dirty.set()  # open requests: their checkpoints go on
 
+    async def _write(self) -> None:
+        """One write; whoever waits for the next one (``_next_write``) hears when it ends."""
+        landing, self._next = self._next, None
+        try:
+            await self._write_once()
+        finally:
+            if landing is not None and not landing.done():
+                landing.set_result(None)
+
     async def _write_once(self) -> None:
         instance = self.instances.id
         name = journal_name(instance)
@@ -290,8 +280,8 @@ class Journal:
         self._forget_done()
         self._holding = {key: holding for key, holding in self._holding.items() if holding()}
         held = set(self._holding)
-        noting = dict(self._noting)
-        needed = held | set(noting) | {k for e in self.entries.values() for k in e.needs}
+        noting = set(self._noting)
+        needed = held | noting | {k for e in self.entries.values() for k in e.needs}
         listed = sorted(self._listing(needed))
         if not self.entries and not listed:
             if self._etag is not None:
@@ -299,7 +289,6 @@ class Journal:
                     await self.store.delete_blob(name)
                 self._etag = None
             self._noted = set()
-            self._release(noting)
             if self._busy:
                 self._busy = False
                 self.instances.done()
@@ -322,9 +311,8 @@ class Journal:
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
-        self.writes += 1
         self._noted = set(listed)
-        self._release(noting)
+        self._noting -= noting
         for entry in in_doc:
             entry.listed = True
         for entry in settled_now:
@@ -351,13 +339,6 @@ class Journal:
             self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
         return needed | kept
 
-    def _release(self, noting: dict[CounterKey, asyncio.Future]) -> None:
-        for key, future in noting.items():
-            if self._noting.get(key) is future:
-                del self._noting[key]
-            if not future.done():
-                future.set_result(None)
-
     def _to_ledger(self, entry: JournalEntry) -> None:
         written = self.ledger.submit(entry.charges)
 
@@ -365,7 +346,7 @@ class Journal:
             entry.written.set()
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
-                entry.settlement.lessen(amounts(entry.kinds, done.result()))
+                entry.settlement.lessen(amounts(entry.needs, done.result()))
                 entry.settlement.confirm()  # now the counters may take the charges in
             self.changed()
 
@@ -384,7 +365,6 @@ class Journal:
     def _fenced(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
         listed is the taker's now; what came after goes on under the new incarnation's journal."""
-        self.fenced = True
         log.warning("journal: sealed by another instance (this one was taken over); starting a new one")
         for key, entry in list(self.entries.items()):
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
@@ -410,7 +390,8 @@ class Journal:
         """Stop the writer (the write in flight ends first) and write once more what is left: after a
         flush, with the counters given back, nothing, and the journal goes."""
         self._closed = True
-        self._wake_listed(failed=True)
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)  # no write waits for it any more
         self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
         if self._lapse is not None:
             self._lapse.cancel()
@@ -421,15 +402,14 @@ class Journal:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         with contextlib.suppress(StoreError):
-            await self._write_once()
+            await self._write()
 
 
-def amounts(kinds: Mapping[CounterKey, str], charges: list[Charge]) -> dict[CounterKey, int]:
-    """What ``charges`` spend of each budget counter (tokens or pico-dollars)."""
-    return {
-        key: sum(c.cost or 0 for c in charges) if kind == "spend" else sum(c.total_tokens for c in charges)
-        for key, kind in kinds.items()
-    }
+def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKey, int]:
+    """What ``charges`` spend of each counter of ``keys``: of a spend budget (row ``spend``) their
+    cost in pico-dollars, of any other their tokens."""
+    tokens, cost = sum(c.total_tokens for c in charges), sum(c.cost or 0 for c in charges)
+    return {key: cost if key.row == "spend" else tokens for key in keys}
 
 
 SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
@@ -442,7 +422,6 @@ class Recovery:
     def __init__(self, store: Store, ledger: Ledger):
         self.store = store
         self.ledger = ledger
-        self.timeout = SLOW_TIMEOUT
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
@@ -494,16 +473,14 @@ class Recovery:
                 # A stream's taker charged this lost part first, from its log: theirs to count, unless
                 # it is below this checkpoint (a log is stored every few seconds): then it is raised
                 # to the checkpoint, what the taker counted kept in the row.
-                if entry.get("state") == "settled" or tokens_of(there) >= charge.total_tokens:
+                was = Charge.of(there)
+                if entry.get("state") == "settled" or was.total_tokens >= charge.total_tokens:
                     others.append(charge)
                     there = None
                     break
-                elsewhere = {
-                    "counted_tokens": tokens_of(there),
-                    "counted_cost": int(there.get("cost") or 0),
-                    "ops": there.get("ops") or "",  # the writes it holds (Ledger.apply)
-                }
-                if await self.ledger.replace_below(charge, there, **elsewhere):
+                # What it counted, and the writes it holds (Ledger.apply).
+                elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
+                if await self.ledger.replace(charge, there, **elsewhere):  # raised to the checkpoint
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break
                 there = await self.ledger.write_now(charge)  # it changed meanwhile (raised by another taker)
@@ -511,12 +488,13 @@ class Recovery:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
                 counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
-        kinds = _parsed(entry.get("kinds"))
-        less = amounts(kinds, others)
-        for key, kind in kinds.items():
-            less[key] = less.get(key, 0) + sum(cost if kind == "spend" else n for n, cost in counted)
-        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(kinds, charges)
-        return {k: max(0, int(v) - less.get(k, 0)) for k, v in brings.items()}
+        keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
+        less = amounts(keys, others)
+        for key in keys:
+            less[key] += sum(cost if key.row == "spend" else n for n, cost in counted)
+        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
+        # Less what others count, at most all of it; a correction's give-back (negative) as it is.
+        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
 
     async def _give_back(
         self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]
@@ -526,7 +504,7 @@ class Recovery:
         settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
         partition, row = key
         for _ in range(MAX_ATTEMPTS):
-            found = await counter_row.read(self.store, partition, row, self.timeout)
+            found = await counter_row.read(self.store, partition, row, SLOW_TIMEOUT)
             holds = dict(found.holds)
             held = holds.pop(dead, None)
             if held is None:
@@ -539,9 +517,9 @@ class Recovery:
                     entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
                 )
             )
-            taken = max(0, found.taken - held.held + max(0, unapplied))
+            taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
-            if await counter_row.write(self.store, partition, row, changed, found.etag, self.timeout) is not None:
+            if await counter_row.write(self.store, partition, row, changed, found.etag, SLOW_TIMEOUT) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 

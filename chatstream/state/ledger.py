@@ -23,7 +23,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
-from .callers import PICO, usd
+from .callers import usd
 from .port import Ended, Used
 from .prices import Price
 from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
@@ -129,14 +129,13 @@ class Charge:
         values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
         return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
-    def as_dict(self) -> dict[str, Any]:
-        """For the journal: everything, to write it again (``of``)."""
-        return asdict(self)
-
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """A charge as the journal keeps it (``asdict``: everything, to write it again), or as its
+        ledger row holds it (``entity``: its day in the RowKey; what a raise kept of earlier writers
+        is the row's, not the charge's)."""
+        found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
 
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:
@@ -144,10 +143,6 @@ def theirs(row: Mapping[str, Any], *mine: str) -> bool:
     written once, by whoever comes first, and only that writer counts it in the budget counters
     (a stream's taker charging the lost producer's part, its producer settling the same part)."""
     return str(row.get("author") or "") not in mine
-
-
-def tokens_of(row: Mapping[str, Any]) -> int:
-    return int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
 
 
 def day_of(seconds: float) -> str:
@@ -162,7 +157,6 @@ class Ledger:
         self._writer: asyncio.Task | None = None
         self._closed = False
         self._outstanding: set[asyncio.Future] = set()
-        self.written = 0  # rows that landed (tests)
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -238,40 +232,25 @@ class Ledger:
             for charge, future in items:
                 unique.setdefault(charge.row_key, (charge, []))[1].append(future)
             rows = list(unique.values())
-            for start in range(0, len(rows), 100):
-                chunk = rows[start : start + 100]
+            chunks = [rows[start : start + 100] for start in range(0, len(rows), 100)]
+            while chunks:
+                chunk = chunks.pop(0)
                 try:
                     await self._insert(chunk)
                 except StoreError:
                     failed.extend((charge, f) for charge, futures in chunk for f in futures)
                     continue
                 except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
-                    log.exception("usage ledger: %d charge(s) cannot be written", len(chunk))
-                    failed.extend(await self._one_by_one(chunk))
-                    continue
+                    first = chunk[0][0].request_id[:12]
+                    log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
+                    # One at a time: the good ones land, a bad one is let go (it can never be written).
+                    if len(chunk) > 1:
+                        chunks += [[row] for row in chunk]
+                        continue
                 for _, futures in chunk:
                     for f in futures:
                         if not f.done():
                             f.set_result(None)
-        return failed
-
-    async def _one_by_one(
-        self, chunk: list[tuple[Charge, list[asyncio.Future]]]
-    ) -> list[tuple[Charge, asyncio.Future]]:
-        """The rows of a batch that failed for a bug of ours, one at a time: the good ones land, a
-        bad one is logged and let go (it can never be written; it stays in the journal's log line)."""
-        failed: list[tuple[Charge, asyncio.Future]] = []
-        for charge, futures in chunk:
-            try:
-                await self._insert([(charge, futures)])
-            except StoreError:
-                failed.extend((charge, f) for f in futures)
-                continue
-            except Exception:
-                log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
-            for future in futures:
-                if not future.done():
-                    future.set_result(None)
         return failed
 
     async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:
@@ -281,7 +260,6 @@ class Ledger:
         while chunk:
             try:
                 await self.store.batch(USAGE_TABLE, [Op("insert", charge.entity()) for charge, _ in chunk])
-                self.written += len(chunk)
                 return
             except AlreadyExists as exc:
                 index = getattr(exc, "index", 0)
@@ -299,7 +277,6 @@ class Ledger:
         """Insert one charge now: None if it landed, else the row that was there already."""
         try:
             await self.store.insert(USAGE_TABLE, charge.entity())
-            self.written += 1
             return None
         except AlreadyExists:
             return await self.find(charge)
@@ -313,22 +290,18 @@ class Ledger:
                 await self.store.insert(USAGE_TABLE, charge.entity())
             else:
                 await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
-            self.written += 1
             return True
         except (AlreadyExists, Modified, NotFound):
             there = await self.find(charge)
-            return there is not None and charge.ops.split()[-1] in str(there.get("ops") or "").split()
+            return there is not None and charge.ops.split()[-1] in Charge.of(there).ops.split()
 
-    async def replace_below(self, charge: Charge, there: Row, **keep: Any) -> bool:
+    async def replace(self, charge: Charge, there: Row, **keep: Any) -> bool:
         """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
-        if it holds fewer tokens, on its ETag: a lost part charged by one writer below what another
-        knows of it (a journal's checkpoint, a stream's log). True if it did; the caller counts the
-        difference. False when it was not below, or changed meanwhile."""
-        if tokens_of(there) >= charge.total_tokens:
-            return False
+        on its ETag: a lost part charged by one writer below what another knows of it (a journal's
+        checkpoint). True if it did; False when the row changed meanwhile (or the store failed)."""
         try:
             await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
-        except (Modified, NotFound, StoreError):
+        except StoreError:
             return False
         return True
 
@@ -369,7 +342,7 @@ class Ledger:
         where = Where(
             partition=f"u:{caller_id}" if caller_id is not None else None,
             rows_from=f"{start:%Y%m%d}",
-            rows_to=_day_after(end),
+            rows_to="99999999~" if end >= date.max else f"{end + timedelta(days=1):%Y%m%d}",
             equal=equal,
             select=("caller", "caller_id", "team", "model", *SUMMED, "cost", "ended"),
         )
@@ -395,12 +368,6 @@ class Ledger:
         return deleted
 
 
-def _day_after(day: date) -> str:
-    if day >= date.max:
-        return "99999999~"
-    return f"{day + timedelta(days=1):%Y%m%d}"
-
-
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     sums: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for row in rows:
@@ -417,7 +384,6 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         entry = sums[key]
         for name in SUMMED:
             entry[name] += int(row.get(name) or 0)
-        entry["total_tokens"] += int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -426,7 +392,6 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
+    for entry in sums.values():
+        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
     return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]
-
-
-__all__ = ["MAX_USAGE_DAYS", "PICO", "Charge", "Ledger", "Payer", "day_of", "summarize"]

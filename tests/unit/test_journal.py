@@ -21,7 +21,7 @@ from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.ledger import Charge
-from chatstream.state.port import Unavailable
+from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, STREAMS_TABLE, USAGE_TABLE
@@ -428,7 +428,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     assert lost["ended"] == "lost"
     # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
     finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
-    await until(lambda: a.journal.fenced, what="a learns its journal was sealed")
+    await until(lambda: r1.entry.orphaned, what="a learns its journal was sealed: r1 is not its own any more")
     r2, rec2 = await admit(acc_a, caller, "two")  # what comes after is a's, under a new journal
     assert isinstance(r2, Admission)
     finish(acc_a, r2, rec2, usage(10, 5))
@@ -533,10 +533,9 @@ async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_
     lost, _ = await admit(acc_a, x, max_tokens=100)
     assert isinstance(lost, Unavailable)  # the store may have taken it: not known yet
     assert "instance-a" in (counter(data, x.limits_partition, "tokens").get("holds") or "")
-    writes = a.journal.writes
     other, _ = await admit(acc_a, y)  # another request: the journal is written again meanwhile
     assert isinstance(other, Admission)
-    await until(lambda: a.journal.writes > writes, what="a journal write")
+    await until(lambda: other.entry.listed, what="a journal write")
     await kill(a)  # before the lost answer is looked into
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = counter(data, x.limits_partition, "tokens")
@@ -571,7 +570,7 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
         await until(lambda: lost.times == 0, what="the lost write")
     finish(acc_a, r1, rec1, usage(50, 20))
     assert await acc_a.flush(5)
-    assert not a.journal.fenced
+    assert not r1.entry.orphaned
     rows = ledger_rows(data)
     assert rows[rec1.id]["ended"] == "completed" and rows[rec1.id]["author"] == "instance-a"
     expected = 70 + (20 if fault == "unavailable" else 0)
@@ -650,7 +649,7 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
     payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
-    entry = JournalEntry("r", payer, MODEL, 3, {}, {}, generated=lambda: so_far)
+    entry = JournalEntry("r", payer, MODEL, 3, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
         assert entry.checkpoint() == tokens.count_text(MODEL, whole[:end])
@@ -668,5 +667,38 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
     key = CounterKey("team:t|1", "tokens")
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
     payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
-    doc = JournalEntry("r", payer, MODEL, 3, {key: 100}, {key: "tokens"}).document()
-    assert doc["needs"] == {"team:t|1/tokens": 100} and doc["kinds"] == {"team:t|1/tokens": "tokens"}
+    spend = CounterKey("team:t|1", "spend")
+    doc = JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).document()
+    assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
+    assert doc["kinds"] == {"team:t|1/tokens": "tokens", "team:t|1/spend": "spend"}  # what older versions read
+
+
+async def test_a_background_responses_usage_seen_is_journaled_and_charged_once_if_its_instance_dies():
+    """A background response read back over on B (its usage seen) is charged there: journaled first,
+    like every charge. B dies before the ledger row lands; A's takeover writes the row and corrects
+    the budgets, exactly."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
+    assert isinstance(admitted, Admission)
+    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    finish(acc_a, admitted, rec, None)  # over here; the response goes on upstream: its reservation held
+    assert await acc_a.flush(5)
+    assert isinstance(b.store, MemoryStore)
+    going, _ = await admit(acc_b, caller, "going on")  # B holds capacity of the budgets meanwhile
+    assert isinstance(going, Admission)
+    b.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**9))
+    await acc_b.charge_seen(caller, "response", "resp_bg", MODEL, Used(40, 0, 60), "responses")
+    await until(lambda: entry_of(data, "instance-b", "resp_bg/seen") is not None, what="journaled on B")
+    assert ledger_rows(data) == {}
+    await kill(b)
+    team = (await a.registry.get_team("t")).limits_partition
+    for _ in range(2):  # a second takeover adds nothing
+        await Recovery(a.store, a.ledger).recover("instance-b", "instance-a")
+        rows = ledger_rows(data)
+        assert len(rows) == 2 and rows[going.entry.key]["ended"] == "lost"
+        row = rows["resp_bg"]
+        assert (row["prompt_tokens"], row["completion_tokens"], row["ended"]) == (40, 60, "background")
+        assert row["cost"] == price.cost(40, 0, 60)
+        spent_as_the_ledger(data, caller, team, rows.values())
+    await a.close()

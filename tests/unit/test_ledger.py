@@ -9,6 +9,7 @@ import asyncio
 import csv
 import io
 import secrets
+from dataclasses import asdict
 from datetime import UTC, date, datetime
 
 import pytest
@@ -93,7 +94,28 @@ async def test_charges_are_batched_per_partition_in_transactions_of_100():
     await asyncio.gather(*done)
     assert data.calls["batch"] == 2 + 1 + 1  # a: 100 + 50, b: 30, c: 1
     assert data.calls.get("insert", 0) == 0
-    assert len(rows(data)) == 181 and ledger.written == 181
+    assert len(rows(data)) == 181
+    await ledger.close()
+
+
+async def test_a_row_the_store_cannot_keep_is_let_go_and_the_rest_of_its_transaction_lands(caplog):
+    """A bug of ours (a row the store refuses for good, not a store failure): its transaction is
+    tried one row at a time, the good rows land, the bad one is logged and let go."""
+    data = MemoryData()
+    store = MemoryStore(data)
+    real = store.batch
+
+    async def batch(table, ops, **kw):
+        if any(op.entity.get("request_id") == "bad" for op in ops):
+            raise ValueError("a value the store cannot keep")
+        return await real(table, ops, **kw)
+
+    store.batch = batch
+    ledger = Ledger(store)
+    done = ledger.submit([charge(request_id="good-1"), charge(request_id="bad"), charge(request_id="good-2")])
+    await asyncio.wait_for(done, 5)
+    assert sorted(r["request_id"] for r in rows(data)) == ["good-1", "good-2"]
+    assert "charge(s) cannot be written (request bad...)" in caplog.text
     await ledger.close()
 
 
@@ -226,7 +248,12 @@ async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
     await ledger.close()
 
 
-def test_a_charge_round_trips_through_the_journal_form():
+async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row():
     c = charge(request_id="r", cost=None, team="t", cached=3)
-    assert Charge.of(c.as_dict()) == c
+    assert Charge.of(asdict(c)) == c
+    ledger = Ledger(MemoryStore(MemoryData()))
+    assert await ledger.write_now(c) is None
+    there = await ledger.find(c)
+    assert there is not None and Charge.of(there) == c  # its day from the RowKey
+    await ledger.close()
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
