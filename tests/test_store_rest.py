@@ -1,4 +1,4 @@
-"""The store's REST path (chatstream/state/store_rest.py) on a real Azurite: the rows it writes are
+"""The store's REST path (chatstream/state/store_azure.py) on a real Azurite: the rows it writes are
 the rows the azure SDK writes (typed as it types them, so rows that earlier versions wrote through
 the SDK read the same), keys with quotes and escapes reach the same row, the service's answers are
 the store's errors, a table or the container not there is made, every answer sets the clock, a
@@ -381,17 +381,17 @@ def test_a_burst_of_first_calls_on_a_table_not_made_yet_makes_it_once(azurite):
     made yet make it once, each row lands once."""
 
     async def body(store: AzureStore, p: str) -> None:
-        made: list[str] = []
+        made: list[str | None] = []
         real = store._create
 
-        async def counted(key: str, create: Callable[[], Awaitable[Any]]) -> None:
-            made.append(key)
-            await real(key, create)
+        async def counted(account: Any, table: str | None) -> None:
+            made.append(table)
+            await real(account, table)
 
         store._create = counted
         table = f"burst{next(_prefix)}"
         await asyncio.gather(*(store.insert(table, {"PartitionKey": p, "RowKey": f"r{i}"}) for i in range(20)))
-        assert made == [f"table:{table}"]
+        assert made == [table]
         assert len(await store.query(table, Where(partition=p))) == 20
 
     _run(azurite, body)

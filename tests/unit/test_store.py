@@ -67,8 +67,8 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
-    from chatstream.state.store_azure import Gone, store_error
-    from chatstream.state.store_rest import NoToken, Refused
+    from chatstream.state.store_account import NoToken
+    from chatstream.state.store_azure import Gone, Refused, store_error
 
     assert isinstance(store_error(Refused(404, "ResourceNotFound")), NotFound)
     assert isinstance(store_error(Refused(416, "InvalidRange")), NotFound)  # nothing past a blob's end
