@@ -52,7 +52,7 @@ from .store import (
     http_date_seconds,
     with_index,
 )
-from .store_account import Account, NoToken
+from .store_account import Account, NoToken, Signer
 
 TABLE_VERSION = "2019-02-02"
 BLOB_VERSION = "2023-11-03"
@@ -250,10 +250,6 @@ def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
     return body, headers.get("ETag", "")
 
 
-def _length(headers: Mapping[str, str], body: bytes) -> int:
-    return int(headers.get("Content-Length", "0"))
-
-
 class AzureStore:
     """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
     no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
@@ -265,8 +261,6 @@ class AzureStore:
         self.calls: dict[str, int] = {}
         self._account: Account | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._making: dict[str | None, asyncio.Future] = {}
-        self._made: dict[str | None, float] = {}  # when each was last made (the loop's clock)
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
 
     def describe(self) -> str:
@@ -410,12 +404,6 @@ class AzureStore:
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
-    async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
-        try:
-            return await self._call("size", timeout, None, "HEAD", name, "", _BLOB, None, _length, again=True)
-        except NotFound:
-            return None
-
     async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
         """A block blob's whole content: a new one (``etag`` NEW), under ``etag``, or any (None)."""
         condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
@@ -442,8 +430,6 @@ class AzureStore:
         if self._account is not None:
             await self._account.close()
             self._account = None
-        self._making.clear()
-        self._made.clear()
         self._first.clear()
 
     # --- one call -----------------------------------------------------------------------------
@@ -462,12 +448,12 @@ class AzureStore:
         *,
         again: bool = False,
     ) -> T:
-        """One request ``op`` of ``table``'s (of the container's when None) within ``timeout``
-        seconds: what ``answer`` makes of its success, or the store's error (``store_error``; an
-        outage noted on the clock). A call that finds its table or container missing makes it and
-        goes once more: the service did nothing. The first call on each in this process goes alone:
-        the calls that come meanwhile wait for it (a burst of first calls on one not made yet would
-        all be refused, then all sent again)."""
+        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it) within
+        ``timeout`` seconds: what ``answer`` makes of its success, or the store's error
+        (``store_error``; an outage noted on the clock). A call that finds its table or container
+        missing makes it and goes once more: the service did nothing. The first call on each in
+        this process goes alone: the calls that come meanwhile wait for it (a burst of first calls
+        on one not made yet would all be refused, all make it, then all be sent again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -480,13 +466,14 @@ class AzureStore:
                     first = self._first[table] = loop.create_future()
                 elif not gate.done():
                     await asyncio.shield(gate)
+                target = account.target(table, path)
                 try:
-                    result = await self._send(account, table, method, path, query, headers, body, answer, again)
+                    result = await self._send(target, method, query, headers, body, answer, again)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await self._make(account, table, asked=started)
-                    result = await self._send(account, table, method, path, query, headers, body, answer, again)
+                    await account.create(table)
+                    result = await self._send(target, method, query, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -506,23 +493,22 @@ class AzureStore:
 
     async def _send(
         self,
-        account: Account,
-        table: str | None,
+        target: tuple[Signer, str, str],
         method: str,
-        path: str,
         query: str,
         headers: Mapping[str, str],
         body: bytes | None,
         answer: Answer[T],
         again: bool,
     ) -> T:
-        """One request, signed; ``again``: sent a second time after a lost connection or a 5xx (a
-        read or an unconditional write). A conditional write (an insert, a write under an ETag or an
-        append position, a batch) is sent once: a copy sent after a timeout whose first try landed
-        would get a 409/412 that says "someone else wrote" of our own write (a counter exchange read
-        that way gave back capacity it had already given back). The caller decides after a timeout,
-        by reading (counters.py, journal.py). An error answer raises ``Refused``."""
-        signer, name, url = account.target(table, path)
+        """One request to ``target`` (store_account's ``Account.target``), signed; ``again``: sent a
+        second time after a lost connection or a 5xx (a read or an unconditional write). A
+        conditional write (an insert, a write under an ETag or an append position, a batch) is sent
+        once: a copy sent after a timeout whose first try landed would get a 409/412 that says
+        "someone else wrote" of our own write (a counter exchange read that way gave back capacity
+        it had already given back). The caller decides after a timeout, by reading (counters.py,
+        journal.py). An error answer raises ``Refused``."""
+        signer, name, url = target
         token, auth = await signer.sign(name)
         if token:
             query = f"{query}&{token}" if query else token
@@ -567,20 +553,3 @@ class AzureStore:
         if self._account is None:
             self._account = Account(self.config, self._observe)
         return self._account
-
-    async def _make(self, account: Account, table: str | None, asked: float) -> None:
-        """Create a table or the container: callers that find it missing meanwhile wait for the one
-        attempt, and one whose call was ``asked`` before an attempt succeeded goes on without another
-        (a burst of first calls makes it once); a later one tries again (409: it is there)."""
-        if self._made.get(table, -1.0) > asked:
-            return
-        making = self._making.get(table)
-        if making is None or making.done():
-            making = self._making[table] = asyncio.ensure_future(self._create(account, table))
-            making.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
-        await asyncio.shield(making)
-
-    async def _create(self, account: Account, table: str | None) -> None:
-        async with asyncio.timeout(CALL_TIMEOUT):
-            await account.create(table)
-        self._made[table] = asyncio.get_running_loop().time()
