@@ -2,10 +2,9 @@
 settings' account (``Account``), sign each request, and create a table or the container when a call
 finds it missing.
 
-Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry SAS
-tokens made by the SDKs' own helpers (``generate_table_sas``, ``generate_container_sas``; for a
-batch, which is the account's ``$batch``, ``generate_account_sas`` for rows only), renewed well
-before they expire; with a SAS in the connection string, that SAS as it is; with an identity, an
+Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry an
+account SAS for rows (or blobs) only, made by the SDKs' own ``generate_account_sas`` and renewed well
+before it expires; with a SAS in the connection string, that SAS as it is; with an identity, an
 OAuth token of azure-identity's credential (``get_token``, kept until near its expiry), which
 raises ``NoToken`` when it gives none. The SDKs' async clients load only to create (an instance
 whose tables and container are there never loads them), and with an identity the SDKs themselves
@@ -57,8 +56,8 @@ class Bearer:
         self._expires = 0.0
         self._lock = asyncio.Lock()
 
-    async def sign(self, name: str) -> tuple[str, Mapping[str, str]]:
-        """What signs a request (for any ``name``): no query, its headers."""
+    async def sign(self) -> tuple[str, Mapping[str, str]]:
+        """What signs a request: no query, its headers."""
         if self._token is None or time.time() >= self._expires - 300:
             async with self._lock:
                 if self._token is None or time.time() >= self._expires - 300:
@@ -70,74 +69,62 @@ class Bearer:
         # x-ms-date: the services want one on every request not signed by a SAS.
         return "", {"Authorization": f"Bearer {self._token}", "x-ms-date": email.utils.formatdate(usegmt=True)}
 
-    def refused(self, name: str) -> None:
+    def refused(self) -> None:
         """The service refused the token (401, 403): ask for a new one next time."""
         self._token = None
 
 
 class Sas:
-    """SAS tokens by name (a table's, the container's), made by ``make`` (an SDK helper) and
-    renewed when a quarter of their life is left, or after the service refused one."""
+    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``) and
+    renewed when a quarter of its life is left, or after the service refused it."""
 
-    def __init__(self, make: Callable[[str, datetime, datetime], str]):
+    def __init__(self, make: Callable[[datetime, datetime], str]):
         self._make = make
-        self._tokens: dict[str, tuple[str, datetime]] = {}
+        self._token: tuple[str, datetime] | None = None  # and when to renew it
 
     @classmethod
     def given(cls, sas: str) -> Sas:
-        """The SAS of the settings, for every name."""
-        return cls(lambda name, start, expiry: sas)
+        """The SAS of the settings."""
+        return cls(lambda start, expiry: sas)
 
-    async def sign(self, name: str) -> tuple[str, Mapping[str, str]]:
-        """What signs a request for ``name``: its query, no headers."""
+    async def sign(self) -> tuple[str, Mapping[str, str]]:
+        """What signs a request: its query, no headers."""
         now = datetime.now(UTC)
-        found = self._tokens.get(name)
-        if found is not None and now < found[1]:
-            return found[0], _NO_HEADERS
-        sas = self._make(name, now - timedelta(minutes=5), now + SAS_LIFETIME)
-        self._tokens[name] = (sas, now + SAS_LIFETIME - RENEW_BEFORE)
-        return sas, _NO_HEADERS
+        if self._token is None or now >= self._token[1]:
+            sas = self._make(now - timedelta(minutes=5), now + SAS_LIFETIME)
+            self._token = (sas, now + SAS_LIFETIME - RENEW_BEFORE)
+        return self._token[0], _NO_HEADERS
 
-    def refused(self, name: str) -> None:
-        self._tokens.pop(name, None)
+    def refused(self) -> None:
+        self._token = None
 
 
 Signer = Bearer | Sas
 
 
-def _table_sas(key: AzureNamedKeyCredential) -> tuple[Sas, Sas]:
-    """A table's SAS and the account's for ``$batch`` (a table's is refused there: Azurite)."""
+def _table_sas(key: AzureNamedKeyCredential) -> Sas:
+    """The account SAS for rows, one for every table and the account's ``$batch`` (where a table's own
+    SAS is refused: Azurite); container-level too, which a query of a table's rows wants on Azurite."""
     # Imported here: only an account key needs them (azure-data-tables, and azure-storage-blob below,
     # which brings requests and cryptography: ~15 MB resident that an identity's instance never loads).
-    from azure.data.tables import (
-        AccountSasPermissions,
-        ResourceTypes,
-        TableSasPermissions,
-        generate_account_sas,
-        generate_table_sas,
+    from azure.data.tables import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    rows = AccountSasPermissions(read=True, add=True, update=True, delete=True)
+    return Sas(
+        lambda start, expiry: generate_account_sas(
+            key, ResourceTypes(container=True, object=True), rows, expiry, start=start
+        )
     )
 
-    def table(name: str, start: datetime, expiry: datetime) -> str:
-        permission = TableSasPermissions(read=True, add=True, update=True, delete=True)
-        return generate_table_sas(key, name, permission=permission, start=start, expiry=expiry)
 
-    def batch(name: str, start: datetime, expiry: datetime) -> str:
-        permission = AccountSasPermissions(read=True, add=True, update=True, delete=True)
-        return generate_account_sas(key, ResourceTypes(object=True), permission, start=start, expiry=expiry)
+def _blob_sas(account: str, key: str) -> Sas:
+    """The account SAS for blobs (the container is the SDK's to create)."""
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
 
-    return Sas(table), Sas(batch)
-
-
-def _blob_sas(account: str, account_key: str) -> Sas:
-    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
-
-    def container(name: str, start: datetime, expiry: datetime) -> str:
-        permission = ContainerSasPermissions(read=True, add=True, create=True, write=True, delete=True)
-        return generate_container_sas(
-            account, name, account_key=account_key, permission=permission, start=start, expiry=expiry
-        )
-
-    return Sas(container)
+    blobs = AccountSasPermissions(read=True, add=True, create=True, write=True, delete=True)
+    return Sas(
+        lambda start, expiry: generate_account_sas(account, key, ResourceTypes(object=True), blobs, expiry, start)
+    )
 
 
 class Account:
@@ -149,7 +136,6 @@ class Account:
     def __init__(self, config: StorageConfig, observe: Callable[[Mapping[str, str]], None]):
         self.config = config
         self._observe = observe
-        self._clients: dict[str, Any] = {}  # the SDKs' async clients, by service ("table", "blob")
         self._credential: Any = None
         tables: Signer | None
         blobs: Signer | None
@@ -161,7 +147,7 @@ class Account:
             else:
                 self._credential = DefaultAzureCredential()
             table_url, blob_url = config.table_url, config.blob_url
-            tables = batch = blobs = Bearer(self._credential)
+            tables = blobs = Bearer(self._credential)
         else:
             # The SDKs' sync clients read the connection string as their async ones would (the async
             # modules load only to create: module docstring); they make no request.
@@ -179,9 +165,9 @@ class Account:
             table_key, blob_key = table_client.credential, getattr(blob_client.credential, "account_key", None)
             parts = urlsplit(blob_client.url)
             table_url, blob_url = table_client.url, parts._replace(query="").geturl()
-            tables = batch = Sas.given(table_key.signature) if isinstance(table_key, AzureSasCredential) else None
+            tables = Sas.given(table_key.signature) if isinstance(table_key, AzureSasCredential) else None
             if isinstance(table_key, AzureNamedKeyCredential):
-                tables, batch = _table_sas(table_key)
+                tables = _table_sas(table_key)
             blobs = _blob_sas(str(blob_client.account_name), blob_key) if blob_key else None
             blobs = blobs or (Sas.given(parts.query) if parts.query else None)
         self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
@@ -189,58 +175,44 @@ class Account:
             if url and signer is None:
                 setting = f"an AccountKey or a SharedAccessSignature for the {service}"
                 raise StoreConfigError(f"{CONNECTION}: the connection string has no {setting}")
-        self._tables, self._batch, self._blobs = tables, batch, blobs
+        self._tables, self._blobs = tables, blobs
 
-    def target(self, table: str | None, path: str) -> tuple[Signer, str, str]:
-        """Where a request goes and what signs it: ``path`` in the table service (``$batch``: the
-        account's, signed for rows only), or in the container when ``table`` is None; the signer,
-        the name it signs for, the URL."""
+    def target(self, table: str | None, path: str) -> tuple[Signer, str]:
+        """What signs a request and its URL: ``path`` in the table service, or in the container when
+        ``table`` is None."""
         if table is None:
             if not self.blob_url or self._blobs is None:
                 raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
-            return self._blobs, STREAMS_CONTAINER, f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
-        if not self.table_url or self._tables is None or self._batch is None:
+            return self._blobs, f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
+        if not self.table_url or self._tables is None:
             raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
-        if path == "$batch":
-            return self._batch, path, f"{self.table_url}/$batch"
-        return self._tables, table, f"{self.table_url}/{path}"
+        return self._tables, f"{self.table_url}/{path}"
 
     async def create(self, table: str | None) -> None:
-        """Create ``table``, or the container when None, with the SDK's client: one there (409) is
-        made, and one this identity may not create (403) is infra/'s to make."""
+        """Create ``table``, or the container when None, with the SDK's client (its module loads
+        only now): one there (409) is made, and one this identity may not create (403) is infra/'s
+        to make."""
         from azure.core.exceptions import HttpResponseError
 
-        try:
-            if table is None:
-                await self._client("blob").get_container_client(STREAMS_CONTAINER).create_container()
-            else:
-                await self._client("table").create_table(table)
-        except HttpResponseError as exc:
-            if exc.status_code not in (403, 409):
-                raise
-
-    def _client(self, service: str) -> Any:
-        client = self._clients.get(service)
-        if client is None:
-            Client: Any  # each SDK's async client loads only when that service needs one made
-            if service == "table":
-                from azure.data.tables.aio import TableServiceClient as Client
-            else:
-                from azure.storage.blob.aio import BlobServiceClient as Client
-            url = self.config.table_url if service == "table" else self.config.blob_url
-            hook = {"raw_response_hook": lambda response: self._observe(response.http_response.headers)}
-            if self.config.connection_string is not None:
-                client = Client.from_connection_string(self.config.connection_string, **_CLIENT_OPTIONS, **hook)
-            elif url is not None:
-                client = Client(url, credential=self._credential, **_CLIENT_OPTIONS, **hook)
-            else:
-                raise StoreConfigError(f"{CONNECTION}__{service}ServiceUri: not set")
-            self._clients[service] = client
-        return client
+        Client: Any
+        if table is None:
+            from azure.storage.blob.aio import ContainerClient as Client
+        else:
+            from azure.data.tables.aio import TableClient as Client
+        url, name = (self.config.blob_url, STREAMS_CONTAINER) if table is None else (self.config.table_url, table)
+        options = {**_CLIENT_OPTIONS, "raw_response_hook": lambda r: self._observe(r.http_response.headers)}
+        if self.config.connection_string is not None:
+            client = Client.from_connection_string(self.config.connection_string, name, **options)
+        else:
+            client = Client(url, name, credential=self._credential, **options)
+        async with client:
+            try:
+                await (client.create_container() if table is None else client.create_table())
+            except HttpResponseError as exc:
+                if exc.status_code not in (403, 409):
+                    raise
 
     async def close(self) -> None:
-        for client in (*self._clients.values(), self._credential):
-            if client is not None:
-                await client.close()
-        self._clients.clear()
-        self._credential = None
+        if self._credential is not None:
+            await self._credential.close()
+            self._credential = None

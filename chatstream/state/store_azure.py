@@ -493,7 +493,7 @@ class AzureStore:
 
     async def _send(
         self,
-        target: tuple[Signer, str, str],
+        target: tuple[Signer, str],
         method: str,
         query: str,
         headers: Mapping[str, str],
@@ -508,8 +508,8 @@ class AzureStore:
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
         journal.py). An error answer raises ``Refused``."""
-        signer, name, url = target
-        token, auth = await signer.sign(name)
+        signer, url = target
+        token, auth = await signer.sign()
         if token:
             query = f"{query}&{token}" if query else token
         if auth:
@@ -536,7 +536,7 @@ class AzureStore:
             self._observe(response.headers)
             if response.status >= 300:
                 if response.status in (401, 403):  # a token refused: a new one next time
-                    signer.refused(name)
+                    signer.refused()
                 raise Refused(response.status, response.headers.get("x-ms-error-code"))
             return answer(response.headers, await response.read())
         finally:
