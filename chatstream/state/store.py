@@ -172,10 +172,7 @@ def http_date_seconds(value: str | None) -> float | None:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when.tzinfo is None:
-        return None
-    seconds = when.timestamp()
-    return seconds if math.isfinite(seconds) else None
+    return when.timestamp() if when.tzinfo is not None else None
 
 
 class Store(Protocol):

@@ -73,11 +73,6 @@ T = TypeVar("T")
 Answer = Callable[[Mapping[str, str], bytes], T]  # what a call makes of a success's headers and body
 
 
-class Gone(StoreUnavailable):
-    """The table or the container itself is still not there once made (being deleted in Azure, or
-    this identity may not create it)."""
-
-
 class Refused(Exception):
     """The service answered with an error: its HTTP ``status``, its ``x-ms-error-code`` and, for a
     batch, which operation failed (``index``)."""
@@ -104,8 +99,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
     else:
         return None
-    if status == 404 and code in GONE:
-        return Gone(f"the store's {GONE[code]} is not there")
+    if status == 404 and code in GONE:  # still, once made (being deleted in Azure; not ours to make)
+        return StoreUnavailable(f"the store's {GONE[code]} is not there")
     if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
         error: StoreError = NotFound("not found")
     elif status == 409:
@@ -279,17 +274,18 @@ class AzureStore:
     ) -> Row | None:
         check_key("PartitionKey", partition)
         check_key("RowKey", row)
-        query = f"$select={','.join(['PartitionKey', 'RowKey', *select])}" if select else ""
         path = _entity_path(table, partition, row)
+        if select:
+            path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
         try:
-            return await self._call("get", timeout, table, "GET", path, query, _TABLE, None, _row, again=True)
+            return await self._call("get", timeout, table, "GET", path, _row, again=True)
         except NotFound:
             return None
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
         body = entity_json(clean(entity))
         headers = {**_JSON, "Prefer": "return-no-content"}
-        return await self._call("insert", timeout, table, "POST", table, "", headers, body, _etag)
+        return await self._call("insert", timeout, table, "POST", table, _etag, headers, body)
 
     async def replace(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
@@ -312,7 +308,7 @@ class AzureStore:
         headers = _JSON if op == "upsert" else {**_JSON, "If-Match": etag or "*"}
         method = "MERGE" if op == "merge" else "PUT"
         body = entity_json(values)
-        return await self._call(op, timeout, table, method, path, "", headers, body, _etag, again=etag is None)
+        return await self._call(op, timeout, table, method, path, _etag, headers, body, again=etag is None)
 
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
@@ -321,22 +317,22 @@ class AzureStore:
         check_key("RowKey", row)
         path, headers = _entity_path(table, partition, row), {**_TABLE, "If-Match": etag or "*"}
         with contextlib.suppress(NotFound):  # quiet on a missing row
-            await self._call("delete", timeout, table, "DELETE", path, "", headers, None, _nothing, again=etag is None)
+            await self._call("delete", timeout, table, "DELETE", path, _nothing, headers, again=etag is None)
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
         all within ``timeout``."""
         limit = where.limit
-        query = f"$filter={quote(odata_filter(where), safe='')}&$top={min(1000, limit) if limit else 1000}"
+        path = f"{table}()?$filter={quote(odata_filter(where), safe='')}&$top={min(1000, limit) if limit else 1000}"
         if where.select is not None:
-            query += f"&$select={','.join(['PartitionKey', 'RowKey', *where.select])}"
+            path += f"&$select={','.join(['PartitionKey', 'RowKey', *where.select])}"
         rows: list[Row] = []
         going = ""
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while True:
             headers, found = await self._call(
-                "query", ends - loop.time(), table, "GET", f"{table}()", query + going, _TABLE, None, _page, again=True
+                "query", ends - loop.time(), table, "GET", path + going, _page, again=True
             )
             for entity in found:
                 rows.append(row_of(entity, ""))
@@ -378,7 +374,7 @@ class AzureStore:
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
         body = b"".join(parts)
-        return await self._call("batch", timeout, table, "POST", "$batch", "", headers, body, _batch_etags(len(ops)))
+        return await self._call("batch", timeout, table, "POST", "$batch", _batch_etags(len(ops)), headers, body)
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -387,20 +383,20 @@ class AzureStore:
         out and lands late must not empty the blob."""
         headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         try:
-            await self._call("append_create", timeout, None, "PUT", name, "", headers, b"", _nothing)
+            await self._call("append_create", timeout, None, "PUT", name, _nothing, headers, b"")
         except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
-        await self._call("append", timeout, None, "PUT", name, "comp=appendblock", headers, data, _nothing)
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _nothing, headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return await self._call("read", timeout, None, "GET", name, "", headers, None, _body, again=True)
+            return await self._call("read", timeout, None, "GET", name, _body, headers, again=True)
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -409,19 +405,19 @@ class AzureStore:
         condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
         headers = {**_BLOB, "x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
         try:
-            return await self._call("put", timeout, None, "PUT", name, "", headers, data, _etag, again=not condition)
+            return await self._call("put", timeout, None, "PUT", name, _etag, headers, data, again=not condition)
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            return await self._call("get_blob", timeout, None, "GET", name, "", _BLOB, None, _blob_etag, again=True)
+            return await self._call("get_blob", timeout, None, "GET", name, _blob_etag, _BLOB, again=True)
         except NotFound:
             return None
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
-            await self._call("delete_blob", timeout, None, "DELETE", name, "", _BLOB, None, _nothing, again=True)
+            await self._call("delete_blob", timeout, None, "DELETE", name, _nothing, _BLOB, again=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -441,14 +437,14 @@ class AzureStore:
         table: str | None,
         method: str,
         path: str,
-        query: str,
-        headers: Mapping[str, str],
-        body: bytes | None,
         answer: Answer[T],
+        headers: Mapping[str, str] = _TABLE,
+        body: bytes | None = None,
         *,
         again: bool = False,
     ) -> T:
-        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it) within
+        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, and its
+        query) within
         ``timeout`` seconds: what ``answer`` makes of its success, or the store's error
         (``store_error``; an outage noted on the clock). A call that finds its table or container
         missing makes it and goes once more: the service did nothing. The first call on each in
@@ -468,12 +464,12 @@ class AzureStore:
                     await asyncio.shield(gate)
                 target = account.target(table, path)
                 try:
-                    result = await self._send(target, method, query, headers, body, answer, again)
+                    result = await self._send(target, method, headers, body, answer, again)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
                     await account.create(table)
-                    result = await self._send(target, method, query, headers, body, answer, again)
+                    result = await self._send(target, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -495,7 +491,6 @@ class AzureStore:
         self,
         target: tuple[Signer, str],
         method: str,
-        query: str,
         headers: Mapping[str, str],
         body: bytes | None,
         answer: Answer[T],
@@ -511,11 +506,9 @@ class AzureStore:
         signer, url = target
         token, auth = await signer.sign()
         if token:
-            query = f"{query}&{token}" if query else token
+            url = f"{url}&{token}" if "?" in url else f"{url}?{token}"
         if auth:
             headers = {**headers, **auth}
-        if query:
-            url = f"{url}?{query}"
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=_TIMEOUT
