@@ -1,6 +1,7 @@
 """What the azure SDKs do for the store (store_azure.py sends every data call itself): read the
 settings' account (``Account``), sign each request, and create a table or the container when a call
-finds it missing.
+finds it missing (then the call goes once more: a first run on Azurite, or one deleted under us;
+infra/ makes them in Azure and scopes the app identity's roles to them).
 
 Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry an
 account SAS for rows (or blobs) only, made by the SDKs' own ``generate_account_sas`` and renewed well

@@ -6,10 +6,8 @@ Plain requests take 0.22 to 0.39 ms of CPU a call, where the azure SDKs' pipelin
 header models took 0.8 to 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms
 instead of 4.4 to 5.1: tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable
 stream's CPU went to 0.68 to 0.79 times what it was with the SDK (the bench's resume path at 100
-streams). The SDKs do only what a request cannot do by itself (store_account.py): read the
-connection string, sign, and create a table or the container when a call finds it missing (then
-the call goes once more: a first run on Azurite, or one deleted under us; infra/ makes them in
-Azure and scopes the app identity's roles to them).
+streams). The SDKs do only what a request cannot do by itself: read the connection string, sign,
+and create a table or the container when a call finds it missing (store_account.py).
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
@@ -131,24 +129,16 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _typed(value: Any, edm: str | None) -> Any:
-    """A property as our rows hold it: Int64 (sent as a string) an int, Double a float; strings,
-    bools and Int32 are JSON's own (the app writes no other type)."""
-    if edm == "Edm.Int64":
-        return int(value)
-    if edm == "Edm.Double":
-        return float(value)
-    return value
-
-
 def row_of(body: Mapping[str, Any], etag: str) -> Row:
-    """An entity of the service's JSON (minimal metadata) as the store's Row; no Timestamp, as the SDK."""
-    types = {k[:-11]: v for k, v in body.items() if k.endswith("@odata.type")}
-    values = {
-        k: _typed(v, types.get(k))
-        for k, v in body.items()
-        if not k.startswith("odata.") and not k.endswith("@odata.type") and k != "Timestamp"
-    }
+    """An entity of the service's JSON (minimal metadata) as the store's Row, no Timestamp, as the SDK
+    reads it: Int64 (sent as a string) an int, Double a float; strings, bools and Int32 are JSON's
+    own (the app writes no other type)."""
+    values: dict[str, Any] = {}
+    for name, value in body.items():
+        if name.startswith("odata.") or name.endswith("@odata.type") or name == "Timestamp":
+            continue
+        edm = body.get(name + "@odata.type")
+        values[name] = int(value) if edm == "Edm.Int64" else float(value) if edm == "Edm.Double" else value
     return Row.of(values, body.get("odata.etag") or etag)
 
 
