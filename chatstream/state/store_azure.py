@@ -433,13 +433,13 @@ class AzureStore:
         *,
         again: bool = False,
     ) -> T:
-        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, and its
-        query) within
-        ``timeout`` seconds: what ``answer`` makes of its success, or the store's error
-        (``store_error``; an outage noted on the clock). A call that finds its table or container
-        missing makes it and goes once more: the service did nothing. The first call on each in
-        this process goes alone: the calls that come meanwhile wait for it (a burst of first calls
-        on one not made yet would all be refused, all make it, then all be sent again)."""
+        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, with its
+        query) within ``timeout`` seconds: what ``answer`` makes of its success's headers and body,
+        or the store's error (``store_error``; an outage noted on the clock). A call that finds its
+        table or container missing makes it and goes once more: the service did nothing. The first
+        call on each in this process goes alone: the calls that come meanwhile wait for it (a burst
+        of first calls on one not made yet would all be refused, all make it, then all be sent
+        again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
