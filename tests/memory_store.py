@@ -288,13 +288,6 @@ class MemoryStore:
 
         return await self._call("read", "blob", timeout, work, write=False)
 
-    async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
-        def work() -> int | None:
-            found = self.data.blobs.get(name)
-            return len(found[0]) if found is not None else None
-
-        return await self._call("size", "blob", timeout, work, write=False)
-
     async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
         content = bytes(data)
 

@@ -58,7 +58,7 @@ async def _block_appended(store: AzureStore) -> tuple[Callable[[], Awaitable[obj
 @pytest.mark.parametrize("write", [_row_replaced, _block_appended], ids=["replace", "append"])
 def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(write):
     """The store stopped (SIGSTOP) under a write conditioned on an ETag or an append position: the
-    write times out (unavailable: it may have landed) and is not sent again (store_rest.py).
+    write times out (unavailable: it may have landed) and is not sent again (store_azure.py).
     Resent, the copy's 412 said "someone else wrote" of our own landed write, and a counter
     exchange gave back twice what it held (the frozen-store churn test, CI on 2026-12-03); an
     append's copy would fail its position, or land twice."""

@@ -1,4 +1,4 @@
-"""The store's REST path (chatstream/state/store_rest.py) on a real Azurite: the rows it writes are
+"""The store's REST path (chatstream/state/store_azure.py) on a real Azurite: the rows it writes are
 the rows the azure SDK writes (typed as it types them, so rows that earlier versions wrote through
 the SDK read the same), keys with quotes and escapes reach the same row, the service's answers are
 the store's errors, a table or the container not there is made, every answer sets the clock, a
@@ -205,7 +205,6 @@ def test_a_table_or_the_container_not_there_is_made_and_the_call_goes_on(azurite
         for call in (
             lambda: store.read(f"{p}/none"),
             lambda: store.get_blob(f"{p}/none"),
-            lambda: store.size(f"{p}/none"),
             lambda: store.delete_blob(f"{p}/none"),
         ):
             delete_container()
@@ -287,7 +286,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
             assert await store.append(f"{p}/b", b"xy", at=0) == 2
             assert await store.read(f"{p}/b") == b"xy"
             await store.delete_blob(f"{p}/b")
-            assert await store.size(f"{p}/b") is None
+            assert await store.get_blob(f"{p}/b") is None
         finally:
             await store.close()
         store = AzureStore(StorageConfig(connection_string=endpoints))
@@ -381,17 +380,18 @@ def test_a_burst_of_first_calls_on_a_table_not_made_yet_makes_it_once(azurite):
     made yet make it once, each row lands once."""
 
     async def body(store: AzureStore, p: str) -> None:
-        made: list[str] = []
-        real = store._create
+        made: list[str | None] = []
+        account = store._connect()
+        real = account.create
 
-        async def counted(key: str, create: Callable[[], Awaitable[Any]]) -> None:
-            made.append(key)
-            await real(key, create)
+        async def counted(table: str | None) -> None:
+            made.append(table)
+            await real(table)
 
-        store._create = counted
+        account.create = counted
         table = f"burst{next(_prefix)}"
         await asyncio.gather(*(store.insert(table, {"PartitionKey": p, "RowKey": f"r{i}"}) for i in range(20)))
-        assert made == [f"table:{table}"]
+        assert made == [table]
         assert len(await store.query(table, Where(partition=p))) == 20
 
     _run(azurite, body)

@@ -1,47 +1,48 @@
-"""The ``Store`` (store.py) on the Function App's own storage account (Azurite locally).
+"""The ``Store`` (store.py) on the Function App's own storage account (Azurite locally): every data
+call is a plain REST request of the Table or Blob service on one aiohttp session, built, sent and
+read in that call's own method here.
 
-Every data call is a plain REST request on the app's one aiohttp session (store_rest.py): 0.22 to
-0.39 ms of CPU a call, where the azure SDKs' pipeline of policies and header models took 0.8 to
-1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms instead of 4.4 to 5.1:
-tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable stream's CPU went to 0.68 to
-0.79 times what it was with the SDK (the bench's resume path at 100 streams). The SDKs do only what
-a request cannot do by itself: read the connection string, create a table or the container (when a
-call finds it missing, then the call goes once more: a first run on Azurite, or one deleted under
-us; infra/ makes them in Azure and scopes the app identity's roles to them), and sign (a SAS made
-from the account key, or the connection string's own SAS; a token of azure-identity's credential).
-Their clients load only then (``azure.data.tables.aio``, ``azure.storage.blob.aio``), and with an
-identity the SDKs themselves too: an instance whose tables and container are there never loads them
-(with a key, the SAS helpers need them).
+Plain requests take 0.22 to 0.39 ms of CPU a call, where the azure SDKs' pipeline of policies and
+header models took 0.8 to 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms
+instead of 4.4 to 5.1: tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable
+stream's CPU went to 0.68 to 0.79 times what it was with the SDK (the bench's resume path at 100
+streams). The SDKs do only what a request cannot do by itself: read the connection string, sign,
+and create a table or the container when a call finds it missing (store_account.py).
+
+Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
+this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
+``@odata.type``), a float an ``Edm.Double``, bools and strings as JSON; they come back as the SDK
+reads them (``row_of``).
 
 Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
 (``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
 service's refusals (``Refused``, and the SDK's errors when it creates), aiohttp's and the
-network's errors, a timeout, as httpx maps its transport's exceptions."""
+network's errors, a timeout, an identity without a token, as httpx maps its transport's
+exceptions."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
+import email
+import email.policy
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import quote
 
 import aiohttp
-from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 from azure.core.exceptions import AzureError, ClientAuthenticationError, HttpResponseError
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
     CALL_TIMEOUT,
-    CONNECTION,
     NEW,
-    STREAMS_CONTAINER,
     Op,
     Row,
     StorageConfig,
     StoreClock,
-    StoreConfigError,
     Where,
     check_batch,
     check_key,
@@ -49,33 +50,34 @@ from .store import (
     http_date_seconds,
     with_index,
 )
-from .store_rest import NoToken, Refused, Rest
+from .store_account import Account, NoToken, Signer
 
-if TYPE_CHECKING:
-    from azure.data.tables.aio import TableServiceClient
-    from azure.storage.blob.aio import BlobServiceClient
-
-# azure-core logs every storage request and response at INFO: noise.
-logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
-
-# The SDK clients (creating a table or the container): one quick retry; no proxy settings read from
-# the environment on every call (a Function App reaches its storage account directly).
-_CLIENT_OPTIONS: dict[str, Any] = {
-    "retry_total": 1,
-    "retry_backoff_factor": 0.1,
-    "connection_timeout": 1.5,
-    "read_timeout": 1.5,
-    "use_env_settings": False,
+TABLE_VERSION = "2019-02-02"
+BLOB_VERSION = "2023-11-03"
+# Each try: a connection in 1.5 s, each read 1.5 s (the SDK clients' bounds before).
+_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=1.5, sock_read=1.5)
+_TABLE = {
+    "x-ms-version": TABLE_VERSION,
+    "DataServiceVersion": "3.0",
+    "MaxDataServiceVersion": "3.0;NetFx",
+    "Accept": "application/json;odata=minimalmetadata",
 }
+_JSON = {**_TABLE, "Content-Type": "application/json"}
+_BLOB = {"x-ms-version": BLOB_VERSION}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
 T = TypeVar("T")
+Answer = Callable[[Mapping[str, str], bytes], T]  # what a call makes of a success's headers and body
 
 
-class Gone(StoreUnavailable):
-    """The table or the container itself is still not there once made (being deleted in Azure, or
-    this identity may not create it)."""
+class Refused(Exception):
+    """The service answered with an error: its HTTP ``status``, its ``x-ms-error-code`` and, for a
+    batch, which operation failed (``index``)."""
+
+    def __init__(self, status: int, code: str | None, index: int | None = None):
+        super().__init__(f"HTTP {status} {code or ''}".strip())
+        self.status, self.code, self.index = status, code, index
 
 
 def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
@@ -95,8 +97,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
     else:
         return None
-    if status == 404 and code in GONE:
-        return Gone(f"the store's {GONE[code]} is not there")
+    if status == 404 and code in GONE:  # still, once made (being deleted in Azure; not ours to make)
+        return StoreUnavailable(f"the store's {GONE[code]} is not there")
     if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
         error: StoreError = NotFound("not found")
     elif status == 409:
@@ -108,23 +110,313 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     return with_index(error, index) if index is not None else error
 
 
+# --- the wire format ---------------------------------------------------------------------------
+
+
+def entity_json(entity: Mapping[str, Any]) -> bytes:
+    """A checked entity (``store.clean``) as the SDK sends it (module docstring)."""
+    body: dict[str, Any] = {}
+    for name, value in entity.items():
+        kind = type(value)
+        if kind is int and name not in ("PartitionKey", "RowKey"):
+            body[name] = str(value)
+            body[name + "@odata.type"] = "Edm.Int64"
+        elif kind is float:
+            body[name] = value
+            body[name + "@odata.type"] = "Edm.Double"
+        else:  # str, bool (check_entity lets nothing else through)
+            body[name] = value
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def row_of(body: Mapping[str, Any], etag: str) -> Row:
+    """An entity of the service's JSON (minimal metadata) as the store's Row, no Timestamp, as the SDK
+    reads it: Int64 (sent as a string) an int, Double a float; strings, bools and Int32 are JSON's
+    own (the app writes no other type)."""
+    values: dict[str, Any] = {}
+    for name, value in body.items():
+        if name.startswith("odata.") or name.endswith("@odata.type") or name == "Timestamp":
+            continue
+        edm = body.get(name + "@odata.type")
+        values[name] = int(value) if edm == "Edm.Int64" else float(value) if edm == "Edm.Double" else value
+    return Row.of(values, body.get("odata.etag") or etag)
+
+
+def _literal(value: Any) -> str:
+    """A value in an OData filter, as the SDK's query_entities writes it for the types rows hold."""
+    if value is True or value is False:
+        return str(value).lower()
+    if isinstance(value, float):
+        return str(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 32 else f"{value}L"
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def odata_filter(where: Where) -> str:
+    """The OData ``$filter`` of a query (every partition when it names none)."""
+    parts: list[str] = []
+    for name, op, value in (
+        ("PartitionKey", "eq", where.partition),
+        ("RowKey", "ge", where.rows_from),
+        ("RowKey", "lt", where.rows_to),
+    ):
+        if value is not None:
+            parts.append(f"{name} {op} {_literal(value)}")
+    for op, conditions in (("eq", where.equal), ("lt", where.less), ("ge", where.at_least)):
+        for name, value in conditions.items():
+            if not name.isidentifier():
+                raise ValueError(f"not a property name: {name!r}")
+            parts.append(f"{name} {op} {_literal(value)}")
+    return " and ".join(parts) or "PartitionKey ne ''"
+
+
+def _entity_path(table: str, partition: str, row: str) -> str:
+    # As the SDK's _prepare_key: a quote doubled inside the key's quotes, then URL-encoded.
+    pk, rk = (quote(key.replace("'", "''"), safe="") for key in (partition, row))
+    return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
+
+
+def _batch_etags(count: int) -> Answer[list[str | None]]:
+    """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
+    operation raises ``Refused`` with its index (the odata.error's message starts with it, "1:The
+    specified entity...", as the SDK reads it; 0 when it does not say)."""
+
+    def etags(headers: Mapping[str, str], data: bytes) -> list[str | None]:
+        content = f"Content-Type: {headers.get('Content-Type', '')}\r\n\r\n".encode() + data
+        found: list[str | None] = []
+        for part in email.message_from_bytes(content, policy=email.policy.compat32).walk():
+            if part.get_content_type() != "application/http":
+                continue
+            payload = part.get_payload(decode=True)
+            text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else str(part.get_payload())
+            head, _, body = text.replace("\r\n", "\n").partition("\n\n")
+            lines = head.split("\n")
+            status = int(lines[0].split(" ", 2)[1])
+            if status < 300:
+                fields = (line.split(":", 1) for line in lines[1:] if ":" in line)
+                found.append({k.strip().lower(): v.strip() for k, v in fields}.get("etag"))
+                continue
+            error: Any = {}
+            if body.strip():
+                with contextlib.suppress(ValueError):
+                    error = json.loads(body).get("odata.error") or {}
+            message = error.get("message")
+            head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
+            raise Refused(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+        if len(found) != count:
+            raise Refused(0, None, 0)
+        return found
+
+    return etags
+
+
+def _etag(headers: Mapping[str, str], body: bytes) -> str:
+    return headers.get("ETag", "")
+
+
+def _row(headers: Mapping[str, str], body: bytes) -> Row:
+    return row_of(json.loads(body), headers.get("ETag", ""))
+
+
+def _nothing(headers: Mapping[str, str], body: bytes) -> None:
+    return None
+
+
+def _page(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], list[dict[str, Any]]]:
+    return headers, json.loads(body).get("value") or []
+
+
+def _body(headers: Mapping[str, str], body: bytes) -> bytes:
+    return body
+
+
+def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
+    return body, headers.get("ETag", "")
+
+
 class AzureStore:
-    """The store on an Azure Storage account (module docstring)."""
+    """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
+    no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
+    settings read per request (trust_env off)."""
 
     def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
         self.config = config
         self.clock = clock or StoreClock()
         self.calls: dict[str, int] = {}
-        self._credential = None
-        self._tables: TableServiceClient | None = None
-        self._blobs: BlobServiceClient | None = None
-        self._making: dict[str, asyncio.Future] = {}
-        self._made: dict[str, float] = {}  # when each was last made (the loop's clock)
-        self._first: dict[str, asyncio.Future] = {}  # each one's first call, done once it is answered
-        self._rest: Rest | None = None
+        self._account: Account | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
 
     def describe(self) -> str:
         return self.config.describe()
+
+    # --- tables -------------------------------------------------------------------------------
+
+    async def get(
+        self,
+        table: str,
+        partition: str,
+        row: str,
+        *,
+        select: Sequence[str] | None = None,
+        timeout: float = CALL_TIMEOUT,
+    ) -> Row | None:
+        check_key("PartitionKey", partition)
+        check_key("RowKey", row)
+        path = _entity_path(table, partition, row)
+        if select:
+            path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
+        try:
+            return await self._call("get", timeout, table, "GET", path, _row, again=True)
+        except NotFound:
+            return None
+
+    async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
+        body = entity_json(clean(entity))
+        headers = {**_JSON, "Prefer": "return-no-content"}
+        return await self._call("insert", timeout, table, "POST", table, _etag, headers, body)
+
+    async def replace(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> str:
+        return await self._write("replace", table, entity, etag, timeout)
+
+    async def merge(
+        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> str:
+        return await self._write("merge", table, entity, etag, timeout)
+
+    async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
+        return await self._write("upsert", table, entity, None, timeout)
+
+    async def _write(self, op: str, table: str, entity: Mapping[str, Any], etag: str | None, timeout: float) -> str:
+        """A replace or a merge of a row that must be there (under ``etag``, or any: If-Match: *),
+        or an upsert (a PUT without If-Match: insert or replace)."""
+        values = clean(entity)
+        path = _entity_path(table, values["PartitionKey"], values["RowKey"])
+        headers = _JSON if op == "upsert" else {**_JSON, "If-Match": etag or "*"}
+        method = "MERGE" if op == "merge" else "PUT"
+        body = entity_json(values)
+        return await self._call(op, timeout, table, method, path, _etag, headers, body, again=etag is None)
+
+    async def delete(
+        self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
+    ) -> None:
+        check_key("PartitionKey", partition)
+        check_key("RowKey", row)
+        path, headers = _entity_path(table, partition, row), {**_TABLE, "If-Match": etag or "*"}
+        with contextlib.suppress(NotFound):  # quiet on a missing row
+            await self._call("delete", timeout, table, "DELETE", path, _nothing, headers, again=etag is None)
+
+    async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
+        """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
+        all within ``timeout``."""
+        limit = where.limit
+        path = f"{table}()?$filter={quote(odata_filter(where), safe='')}&$top={min(1000, limit) if limit else 1000}"
+        if where.select is not None:
+            path += f"&$select={','.join(['PartitionKey', 'RowKey', *where.select])}"
+        rows: list[Row] = []
+        going = ""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + timeout
+        while True:
+            headers, found = await self._call(
+                "query", ends - loop.time(), table, "GET", path + going, _page, again=True
+            )
+            for entity in found:
+                rows.append(row_of(entity, ""))
+                if limit is not None and len(rows) >= limit:
+                    return rows
+            after = headers.get("x-ms-continuation-NextPartitionKey")
+            if not after:
+                return rows
+            going = f"&NextPartitionKey={quote(after, safe='')}"
+            if row_after := headers.get("x-ms-continuation-NextRowKey"):
+                going += f"&NextRowKey={quote(row_after, safe='')}"
+
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
+        """An entity-group transaction (checked: store.check_batch): one multipart/mixed POST of
+        the operations as the SDK sends them (the Table service's $batch format, written here: no
+        library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
+        failing operation (the error's ``index``)."""
+        check_batch(ops)
+        url = self._connect().table_url
+        batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
+        parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
+        for op in ops:
+            keys = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
+            if op.kind == "insert":
+                line, headers = f"POST {url}/{table}", "Prefer: return-no-content\r\n"
+            elif op.kind == "upsert":
+                line, headers = f"PUT {url}/{keys}", ""
+            else:
+                method = {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind]
+                line, headers = f"{method} {url}/{keys}", f"If-Match: {op.etag or '*'}\r\n"
+            body = b"" if op.kind == "delete" else entity_json(clean(op.entity))
+            parts.append(
+                f"--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n"
+                f"{line} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"
+                "Accept: application/json;odata=minimalmetadata\r\nDataServiceVersion: 3.0\r\n\r\n".encode()
+                + body
+                + b"\r\n"
+            )
+        parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
+        headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
+        body = b"".join(parts)
+        return await self._call("batch", timeout, table, "POST", "$batch", _batch_etags(len(ops)), headers, body)
+
+    # --- blobs --------------------------------------------------------------------------------
+
+    async def append_create(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
+        """A new empty append blob, only if none is there (If-None-Match: *): a create that timed
+        out and lands late must not empty the blob."""
+        headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
+        try:
+            await self._call("append_create", timeout, None, "PUT", name, _nothing, headers, b"")
+        except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
+            raise AlreadyExists("the blob exists") from None
+
+    async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
+        """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
+        headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _nothing, headers, data)
+        return at + len(data)  # the append position condition held: the blob is now this long
+
+    async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
+        headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
+        try:
+            return await self._call("read", timeout, None, "GET", name, _body, headers, again=True)
+        except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
+            return b""
+
+    async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
+        """A block blob's whole content: a new one (``etag`` NEW), under ``etag``, or any (None)."""
+        condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
+        headers = {**_BLOB, "x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
+        try:
+            return await self._call("put", timeout, None, "PUT", name, _etag, headers, data, again=not condition)
+        except (AlreadyExists, NotFound):
+            raise Modified("the blob changed") from None
+
+    async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
+        try:
+            return await self._call("get_blob", timeout, None, "GET", name, _blob_etag, _BLOB, again=True)
+        except NotFound:
+            return None
+
+    async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
+        with contextlib.suppress(NotFound):
+            await self._call("delete_blob", timeout, None, "DELETE", name, _nothing, _BLOB, again=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._account is not None:
+            await self._account.close()
+            self._account = None
+        self._first.clear()
 
     # --- one call -----------------------------------------------------------------------------
 
@@ -132,34 +424,42 @@ class AzureStore:
         self,
         op: str,
         timeout: float,
-        missing: tuple[str, Callable[[], Awaitable[Any]]],
-        call: Callable[[Rest], Awaitable[T]],
+        table: str | None,
+        method: str,
+        path: str,
+        answer: Answer[T],
+        headers: Mapping[str, str] = _TABLE,
+        body: bytes | None = None,
+        *,
+        again: bool = False,
     ) -> T:
-        """One store call within ``timeout`` seconds: what it raises becomes the store's error
-        (``store_error``), an outage is noted on the clock. A call that finds its table or container
-        ``missing`` (its key and what makes it) makes it and goes once more: the service did nothing.
-        The first call on each in this process goes alone: the calls that come meanwhile wait for it
-        (a burst of first calls on one not made yet would all be refused, then all sent again)."""
+        """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, with its
+        query) within ``timeout`` seconds: what ``answer`` makes of its success's headers and body,
+        or the store's error (``store_error``; an outage noted on the clock). A call that finds its
+        table or container missing makes it and goes once more: the service did nothing. The first
+        call on each in this process goes alone: the calls that come meanwhile wait for it (a burst
+        of first calls on one not made yet would all be refused, all make it, then all be sent
+        again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
-        key, create = missing
         first = None
         try:
             async with asyncio.timeout(timeout):
-                rest = self._rest_client()
-                gate = self._first.get(key)
+                account = self._connect()
+                gate = self._first.get(table)
                 if gate is None:
-                    first = self._first[key] = loop.create_future()
+                    first = self._first[table] = loop.create_future()
                 elif not gate.done():
                     await asyncio.shield(gate)
+                target = account.target(table, path)
                 try:
-                    answer = await call(rest)
+                    result = await self._send(target, method, headers, body, answer, again)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await self._make(key, create, asked=started)
-                    answer = await call(rest)
+                    await account.create(table)
+                    result = await self._send(target, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -175,15 +475,55 @@ class AzureStore:
             if first is not None:  # however it ended: the calls that wait go on
                 first.set_result(None)
         self.clock.took(loop.time() - started)
-        return answer
+        return result
 
-    def _table_call(self, op: str, table: str, timeout: float, call: Callable[[Rest], Awaitable[T]]) -> Awaitable[T]:
-        return self._call(op, timeout, (f"table:{table}", lambda: self._table_service().create_table(table)), call)
-
-    def _blob_call(self, op: str, timeout: float, call: Callable[[Rest], Awaitable[T]]) -> Awaitable[T]:
-        return self._call(op, timeout, ("container", self._container_create), call)
-
-    # --- clients ------------------------------------------------------------------------------
+    async def _send(
+        self,
+        target: tuple[Signer, str],
+        method: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        answer: Answer[T],
+        again: bool,
+    ) -> T:
+        """One request to ``target`` (store_account's ``Account.target``), signed; ``again``: sent a
+        second time after a lost connection or a 5xx (a read or an unconditional write). A
+        conditional write (an insert, a write under an ETag or an append position, a batch) is sent
+        once: a copy sent after a timeout whose first try landed would get a 409/412 that says
+        "someone else wrote" of our own write (a counter exchange read that way gave back capacity
+        it had already given back). The caller decides after a timeout, by reading (counters.py,
+        journal.py). An error answer raises ``Refused``."""
+        signer, url = target
+        token, auth = await signer.sign()
+        if token:
+            url = f"{url}&{token}" if "?" in url else f"{url}?{token}"
+        if auth:
+            headers = {**headers, **auth}
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=_TIMEOUT
+            )
+        response: aiohttp.ClientResponse | None = None
+        if again:
+            with contextlib.suppress(aiohttp.ClientConnectionError):
+                response = await self._session.request(method, url, headers=headers, data=body)
+            if response is not None and response.status >= 500:
+                self._observe(response.headers)
+                response.release()
+                response = None
+            if response is None:
+                await asyncio.sleep(0.1)
+        if response is None:
+            response = await self._session.request(method, url, headers=headers, data=body)
+        try:
+            self._observe(response.headers)
+            if response.status >= 300:
+                if response.status in (401, 403):  # a token refused: a new one next time
+                    signer.refused()
+                raise Refused(response.status, response.headers.get("x-ms-error-code"))
+            return answer(response.headers, await response.read())
+        finally:
+            response.release()
 
     def _observe(self, headers: Mapping[str, str]) -> None:
         """Every answer: the store's clock, from its Date header."""
@@ -191,215 +531,8 @@ class AzureStore:
         if seconds is not None:
             self.clock.observe(seconds)
 
-    def _identity(self):
-        if self._credential is None:
-            from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
-
-            if (self.config.credential or "").lower() == "managedidentity":
-                self._credential = ManagedIdentityCredential(client_id=self.config.client_id)
-            else:
-                self._credential = DefaultAzureCredential()
-        return self._credential
-
-    def _options(self) -> dict[str, Any]:
-        return {**_CLIENT_OPTIONS, "raw_response_hook": lambda response: self._observe(response.http_response.headers)}
-
-    def _table_service(self) -> TableServiceClient:
-        """The tables SDK's client, to create a table (module docstring)."""
-        if self._tables is None:
-            from azure.data.tables.aio import TableServiceClient
-
-            if self.config.connection_string is not None:
-                self._tables = TableServiceClient.from_connection_string(
-                    self.config.connection_string, **self._options()
-                )
-            elif self.config.table_url is not None:
-                self._tables = TableServiceClient(self.config.table_url, credential=self._identity(), **self._options())
-            else:
-                raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
-        return self._tables
-
-    def _blob_service(self) -> BlobServiceClient:
-        """The blob SDK's client, to create the container (module docstring)."""
-        if self._blobs is None:
-            from azure.storage.blob.aio import BlobServiceClient
-
-            if self.config.connection_string is not None:
-                self._blobs = BlobServiceClient.from_connection_string(self.config.connection_string, **self._options())
-            elif self.config.blob_url is not None:
-                self._blobs = BlobServiceClient(self.config.blob_url, credential=self._identity(), **self._options())
-            else:
-                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
-        return self._blobs
-
-    async def _container_create(self) -> None:
-        await self._blob_service().get_container_client(STREAMS_CONTAINER).create_container()
-
-    def _rest_client(self) -> Rest:
-        """The REST client, signed as the settings allow: with a connection string, its account key
-        or its SAS (as the SDK reads the string); otherwise the app's identity."""
-        if self._rest is None:
-            if self.config.connection_string is None:
-                self._rest = Rest(
-                    table_url=self.config.table_url,
-                    blob_url=self.config.blob_url,
-                    container=STREAMS_CONTAINER,
-                    observe=self._observe,
-                    identity=self._identity(),
-                )
-                return self._rest
-            # The SDKs' sync clients read the connection string as their async ones would (the
-            # async modules load only to create: module docstring); they make no request.
-            from azure.data.tables import TableServiceClient as Tables
-            from azure.storage.blob import BlobServiceClient as Blobs
-
-            try:
-                tables = Tables.from_connection_string(self.config.connection_string)
-            except ValueError:  # its message is the SDK's; ours names the setting, never a value
-                raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
-                    "tables, or is malformed"
-                ) from None
-            blobs = Blobs.from_connection_string(self.config.connection_string)
-            table_key, blob_key = tables.credential, getattr(blobs.credential, "account_key", None)
-            blob_url = urlsplit(blobs.url)
-            self._rest = Rest(
-                table_url=tables.url,
-                blob_url=blob_url._replace(query="").geturl(),
-                container=STREAMS_CONTAINER,
-                observe=self._observe,
-                table_key=table_key if isinstance(table_key, AzureNamedKeyCredential) else None,
-                table_sas=table_key.signature if isinstance(table_key, AzureSasCredential) else None,
-                blob_key=(str(blobs.account_name), blob_key) if blob_key else None,
-                blob_sas=blob_url.query or None,
-            )
-        return self._rest
-
-    async def _make(self, key: str, create: Callable[[], Awaitable[Any]], asked: float) -> None:
-        """Create a table or the container: callers that find it missing meanwhile wait for the one
-        attempt, and one whose call was ``asked`` before an attempt succeeded goes on without another
-        (a burst of first calls makes it once); a later one tries again (409: it is there)."""
-        if self._made.get(key, -1.0) > asked:
-            return
-        making = self._making.get(key)
-        if making is None or making.done():
-            making = self._making[key] = asyncio.ensure_future(self._create(key, create))
-            making.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
-        await asyncio.shield(making)
-
-    async def _create(self, key: str, create: Callable[[], Awaitable[Any]]) -> None:
-        async with asyncio.timeout(CALL_TIMEOUT):
-            try:
-                await create()
-            except HttpResponseError as exc:
-                # 409: it is there; 403: this identity may not create it (infra/ made it).
-                if exc.status_code not in (403, 409):
-                    raise
-        self._made[key] = asyncio.get_running_loop().time()
-
-    # --- tables -------------------------------------------------------------------------------
-
-    async def get(
-        self,
-        table: str,
-        partition: str,
-        row: str,
-        *,
-        select: Sequence[str] | None = None,
-        timeout: float = CALL_TIMEOUT,
-    ) -> Row | None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
-        try:
-            return await self._table_call("get", table, timeout, lambda rest: rest.get(table, partition, row, select))
-        except NotFound:
-            return None
-
-    async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = clean(entity)
-        return await self._table_call("insert", table, timeout, lambda rest: rest.insert(table, values))
-
-    async def replace(
-        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
-    ) -> str:
-        values = clean(entity)
-        return await self._table_call("replace", table, timeout, lambda rest: rest.update(table, values, etag, False))
-
-    async def merge(
-        self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
-    ) -> str:
-        values = clean(entity)
-        return await self._table_call("merge", table, timeout, lambda rest: rest.update(table, values, etag, True))
-
-    async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = clean(entity)
-        return await self._table_call("upsert", table, timeout, lambda rest: rest.upsert(table, values))
-
-    async def delete(
-        self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
-    ) -> None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
-        with contextlib.suppress(NotFound):  # quiet on a missing row
-            await self._table_call("delete", table, timeout, lambda rest: rest.delete(table, partition, row, etag))
-
-    async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
-        return await self._table_call("query", table, timeout, lambda rest: rest.query(table, where))
-
-    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
-        check_batch(ops)
-        cleaned = [op if op.kind == "delete" else Op(op.kind, clean(op.entity), op.etag) for op in ops]
-        return await self._table_call("batch", table, timeout, lambda rest: rest.batch(table, cleaned))
-
-    # --- blobs --------------------------------------------------------------------------------
-
-    async def append_create(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
-        try:
-            await self._blob_call("append_create", timeout, lambda rest: rest.append_create(name))
-        except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
-            raise AlreadyExists("the blob exists") from None
-
-    async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
-        await self._blob_call("append", timeout, lambda rest: rest.append(name, data, at))
-        return at + len(data)  # the append position condition held: the blob is now this long
-
-    async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
-        try:
-            return await self._blob_call("read", timeout, lambda rest: rest.read(name, offset))
-        except NotFound:  # no blob, or nothing past offset
-            return b""
-
-    async def size(self, name: str, *, timeout: float = CALL_TIMEOUT) -> int | None:
-        try:
-            return await self._blob_call("size", timeout, lambda rest: rest.size(name))
-        except NotFound:
-            return None
-
-    async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
-        condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
-        try:
-            return await self._blob_call("put", timeout, lambda rest: rest.put(name, data, condition))
-        except (AlreadyExists, NotFound):
-            raise Modified("the blob changed") from None
-
-    async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
-        try:
-            return await self._blob_call("get_blob", timeout, lambda rest: rest.get_blob(name))
-        except NotFound:
-            return None
-
-    async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
-        with contextlib.suppress(NotFound):
-            await self._blob_call("delete_blob", timeout, lambda rest: rest.delete_blob(name))
-
-    async def close(self) -> None:
-        if self._rest is not None:
-            await self._rest.close()
-            self._rest = None
-        for client in (self._tables, self._blobs, self._credential):
-            if client is not None:
-                await client.close()
-        self._tables = self._blobs = self._credential = None
-        self._making.clear()
-        self._made.clear()
-        self._first.clear()
+    def _connect(self) -> Account:
+        """The account, as the settings name it (on the first call: store_account.py)."""
+        if self._account is None:
+            self._account = Account(self.config, self._observe)
+        return self._account

@@ -67,13 +67,14 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
-    from chatstream.state.store_azure import Gone, store_error
-    from chatstream.state.store_rest import NoToken, Refused
+    from chatstream.state.store_account import NoToken
+    from chatstream.state.store_azure import Refused, store_error
 
     assert isinstance(store_error(Refused(404, "ResourceNotFound")), NotFound)
     assert isinstance(store_error(Refused(416, "InvalidRange")), NotFound)  # nothing past a blob's end
-    assert isinstance(store_error(Refused(404, "TableNotFound")), Gone)  # an outage: made again
-    assert isinstance(store_error(Refused(404, "ContainerNotFound")), StoreUnavailable)
+    gone = store_error(Refused(404, "TableNotFound"))  # an outage (made again), not a row's NotFound
+    assert type(gone) is StoreUnavailable and "table is not there" in str(gone)
+    assert type(store_error(Refused(404, "ContainerNotFound"))) is StoreUnavailable
     assert isinstance(store_error(Refused(409, "EntityAlreadyExists")), AlreadyExists)
     failed = store_error(Refused(412, "UpdateConditionNotSatisfied", index=3))
     assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]

@@ -1,0 +1,219 @@
+"""What the azure SDKs do for the store (store_azure.py sends every data call itself): read the
+settings' account (``Account``), sign each request, and create a table or the container when a call
+finds it missing (then the call goes once more: a first run on Azurite, or one deleted under us;
+infra/ makes them in Azure and scopes the app identity's roles to them).
+
+Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry an
+account SAS for rows (or blobs) only, made by the SDKs' own ``generate_account_sas`` and renewed well
+before it expires; with a SAS in the connection string, that SAS as it is; with an identity, an
+OAuth token of azure-identity's credential (``get_token``, kept until near its expiry), which
+raises ``NoToken`` when it gives none. The SDKs' async clients load only to create (an instance
+whose tables and container are there never loads them), and with an identity the SDKs themselves
+too (with a key, the SAS helpers need them)."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+
+from .store import CONNECTION, STREAMS_CONTAINER, StorageConfig, StoreConfigError
+
+# azure-core logs every storage request and response at INFO: noise.
+logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
+
+SAS_LIFETIME = timedelta(hours=2)
+RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
+TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
+# The SDK clients (creating a table or the container): one quick retry; no proxy settings read from
+# the environment on every call (a Function App reaches its storage account directly).
+_CLIENT_OPTIONS: dict[str, Any] = {
+    "retry_total": 1,
+    "retry_backoff_factor": 0.1,
+    "connection_timeout": 1.5,
+    "read_timeout": 1.5,
+    "use_env_settings": False,
+}
+_NO_HEADERS: Mapping[str, str] = {}
+
+
+class NoToken(Exception):
+    """The identity gave no token (azure-identity's failure, whatever it raised: its ``__cause__``)."""
+
+
+class Bearer:
+    """An OAuth token of the app's identity, kept until 5 minutes before it expires."""
+
+    def __init__(self, credential: Any):
+        self._credential = credential
+        self._token: str | None = None
+        self._expires = 0.0
+        self._lock = asyncio.Lock()
+
+    async def sign(self) -> tuple[str, Mapping[str, str]]:
+        """What signs a request: no query, its headers."""
+        if self._token is None or time.time() >= self._expires - 300:
+            async with self._lock:
+                if self._token is None or time.time() >= self._expires - 300:
+                    try:
+                        token = await self._credential.get_token(TOKEN_SCOPE)
+                    except Exception as exc:  # whatever azure-identity raises: no token
+                        raise NoToken(type(exc).__name__) from exc
+                    self._token, self._expires = token.token, float(token.expires_on)
+        # x-ms-date: the services want one on every request not signed by a SAS.
+        return "", {"Authorization": f"Bearer {self._token}", "x-ms-date": email.utils.formatdate(usegmt=True)}
+
+    def refused(self) -> None:
+        """The service refused the token (401, 403): ask for a new one next time."""
+        self._token = None
+
+
+class Sas:
+    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``) and
+    renewed when a quarter of its life is left, or after the service refused it."""
+
+    def __init__(self, make: Callable[[datetime, datetime], str]):
+        self._make = make
+        self._token: tuple[str, datetime] | None = None  # and when to renew it
+
+    @classmethod
+    def given(cls, sas: str) -> Sas:
+        """The SAS of the settings."""
+        return cls(lambda start, expiry: sas)
+
+    async def sign(self) -> tuple[str, Mapping[str, str]]:
+        """What signs a request: its query, no headers."""
+        now = datetime.now(UTC)
+        if self._token is None or now >= self._token[1]:
+            sas = self._make(now - timedelta(minutes=5), now + SAS_LIFETIME)
+            self._token = (sas, now + SAS_LIFETIME - RENEW_BEFORE)
+        return self._token[0], _NO_HEADERS
+
+    def refused(self) -> None:
+        self._token = None
+
+
+Signer = Bearer | Sas
+
+
+def _table_sas(key: AzureNamedKeyCredential) -> Sas:
+    """The account SAS for rows, one for every table and the account's ``$batch`` (where a table's own
+    SAS is refused: Azurite); container-level too, which a query of a table's rows wants on Azurite."""
+    # Imported here: only an account key needs them (azure-data-tables, and azure-storage-blob below,
+    # which brings requests and cryptography: ~15 MB resident that an identity's instance never loads).
+    from azure.data.tables import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    rows = AccountSasPermissions(read=True, add=True, update=True, delete=True)
+    return Sas(
+        lambda start, expiry: generate_account_sas(
+            key, ResourceTypes(container=True, object=True), rows, expiry, start=start
+        )
+    )
+
+
+def _blob_sas(account: str, key: str) -> Sas:
+    """The account SAS for blobs (the container is the SDK's to create)."""
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    blobs = AccountSasPermissions(read=True, add=True, create=True, write=True, delete=True)
+    return Sas(
+        lambda start, expiry: generate_account_sas(account, key, ResourceTypes(object=True), blobs, expiry, start)
+    )
+
+
+class Account:
+    """The storage account the settings name: each service's URL and what signs its requests, as the
+    settings allow: with a connection string, its account key or its SAS (as the SDK reads the
+    string); otherwise the app's identity. ``observe`` sees the headers of the SDK's answers (the
+    store's clock)."""
+
+    def __init__(self, config: StorageConfig, observe: Callable[[Mapping[str, str]], None]):
+        self.config = config
+        self._observe = observe
+        self._credential: Any = None
+        tables: Signer | None
+        blobs: Signer | None
+        if config.connection_string is None:
+            from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
+
+            if (config.credential or "").lower() == "managedidentity":
+                self._credential = ManagedIdentityCredential(client_id=config.client_id)
+            else:
+                self._credential = DefaultAzureCredential()
+            table_url, blob_url = config.table_url, config.blob_url
+            tables = blobs = Bearer(self._credential)
+        else:
+            # The SDKs' sync clients read the connection string as their async ones would (the async
+            # modules load only to create: module docstring); they make no request.
+            from azure.data.tables import TableServiceClient
+            from azure.storage.blob import BlobServiceClient
+
+            try:
+                table_client = TableServiceClient.from_connection_string(config.connection_string)
+            except ValueError:  # its message is the SDK's; ours names the setting, never a value
+                raise StoreConfigError(
+                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
+                    "tables, or is malformed"
+                ) from None
+            blob_client = BlobServiceClient.from_connection_string(config.connection_string)
+            table_key, blob_key = table_client.credential, getattr(blob_client.credential, "account_key", None)
+            parts = urlsplit(blob_client.url)
+            table_url, blob_url = table_client.url, parts._replace(query="").geturl()
+            tables = Sas.given(table_key.signature) if isinstance(table_key, AzureSasCredential) else None
+            if isinstance(table_key, AzureNamedKeyCredential):
+                tables = _table_sas(table_key)
+            blobs = _blob_sas(str(blob_client.account_name), blob_key) if blob_key else None
+            blobs = blobs or (Sas.given(parts.query) if parts.query else None)
+        self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
+        for url, signer, service in ((self.table_url, tables, "tables"), (self.blob_url, blobs, "blobs")):
+            if url and signer is None:
+                setting = f"an AccountKey or a SharedAccessSignature for the {service}"
+                raise StoreConfigError(f"{CONNECTION}: the connection string has no {setting}")
+        self._tables, self._blobs = tables, blobs
+
+    def target(self, table: str | None, path: str) -> tuple[Signer, str]:
+        """What signs a request and its URL: ``path`` in the table service, or in the container when
+        ``table`` is None."""
+        if table is None:
+            if not self.blob_url or self._blobs is None:
+                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
+            return self._blobs, f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
+        if not self.table_url or self._tables is None:
+            raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
+        return self._tables, f"{self.table_url}/{path}"
+
+    async def create(self, table: str | None) -> None:
+        """Create ``table``, or the container when None, with the SDK's client (its module loads
+        only now): one there (409) is made, and one this identity may not create (403) is infra/'s
+        to make."""
+        from azure.core.exceptions import HttpResponseError
+
+        Client: Any
+        if table is None:
+            from azure.storage.blob.aio import ContainerClient as Client
+        else:
+            from azure.data.tables.aio import TableClient as Client
+        url, name = (self.config.blob_url, STREAMS_CONTAINER) if table is None else (self.config.table_url, table)
+        options = {**_CLIENT_OPTIONS, "raw_response_hook": lambda r: self._observe(r.http_response.headers)}
+        if self.config.connection_string is not None:
+            client = Client.from_connection_string(self.config.connection_string, name, **options)
+        else:
+            client = Client(url, name, credential=self._credential, **options)
+        async with client:
+            try:
+                await (client.create_container() if table is None else client.create_table())
+            except HttpResponseError as exc:
+                if exc.status_code not in (403, 409):
+                    raise
+
+    async def close(self) -> None:
+        if self._credential is not None:
+            await self._credential.close()
+            self._credential = None
