@@ -36,19 +36,18 @@ from .format import (
     END,
     EPOCH_IDS,
     HANDOVER,
-    INLINE_EVENTS,
     LOST,
     RECORD_ROW,
     Record,
     ack_marker,
     epoch_id,
     error_event,
+    fits_record,
     log_tag,
     never_stored,
     position,
     record_over,
     request_blob,
-    text_units,
 )
 
 log = logging.getLogger("chatstream")
@@ -552,7 +551,7 @@ class Producer:
                 self._flush_now = False
                 self._last_write = now
                 try:
-                    await self._write_block()
+                    await self._write_block(self._compose())
                     failing_since = None
                 except _Fenced:
                     self._moved("taken_over")
@@ -598,9 +597,10 @@ class Producer:
             parts.append(sse.comment(HANDOVER))
         return _Attempt(count, b"".join(parts), end, handover, acks)
 
-    async def _write_block(self) -> None:
+    async def _write_block(self, attempt: _Attempt) -> _Attempt:
+        """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
+        answer was lost, perhaps). _Fenced: someone else's bytes are there."""
         store = self._ctx.store
-        attempt = self._compose()
         offset = self._stored_bytes
         # A reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls).
         turn = self._ctx.bulk.first() if self._following or attempt.acks else self._ctx.bulk
@@ -633,6 +633,7 @@ class Producer:
                 raise _Fenced() from None
             attempt = landed
         self._confirm(attempt, offset)
+        return attempt
 
     def _confirm(self, attempt: _Attempt, offset: int) -> None:
         self._uncertain.clear()
@@ -685,7 +686,7 @@ class Producer:
             text = block.decode()
         except UnicodeDecodeError:
             return False
-        if len(text) > INLINE_EVENTS or text_units(text) > INLINE_EVENTS:
+        if not fits_record(text):
             return False
         merged = await self._merge_end({**self._end_fields(), "events": text, "size": len(block)})
         if merged is None:
@@ -694,11 +695,7 @@ class Producer:
         if not merged:
             self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
             return True
-        self._stored = len(self._events)
-        self._stored_bytes = len(block)
-        self._stored_size = self._size
-        self._end_written = True
-        self._wake()
+        self._confirm(_Attempt(len(self._events), block, True, False, ()), 0)
         return True
 
     async def _store_end(self) -> None:
@@ -733,30 +730,23 @@ class Producer:
         ctx = self._ctx
         deadline = self._loop.time() + self._cfg.max_stream_seconds
         pause = 0.5
-        appended = False
+        appended = not self._blob  # (no blob: the error goes into the record)
         while self._loop.time() < deadline and not ctx.closed:
             number = self._id_at(self._stored + 1)
             message = "the stream stopped being stored"
             block = error_event(ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
             try:
-                if self._blob and not appended:
-                    try:
-                        await ctx.store.append(self.id, block, at=self._stored_bytes)
-                    except Modified:
-                        # One of the writes whose answer was lost landed after all: from after it.
-                        found = await ctx.store.read(self.id, self._stored_bytes)
-                        landed = next((a for a in self._uncertain if found == a.block), None)
-                        if landed is None:
-                            return  # someone else's bytes there: taken over
-                        self._confirm(landed, self._stored_bytes)
-                        continue
-                    appended = True
+                if not appended:
+                    # One of the writes whose answer was lost may land first: then after it.
+                    lost = _Attempt(0, block, False, False, ())
+                    appended = await self._write_block(lost) is lost
+                    continue
                 inline = {} if self._blob else {"events": block.decode()}
                 fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
                 await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
                 return
-            except (Modified, NotFound):
-                return  # the record is someone else's now, or gone
+            except (_Fenced, Modified, NotFound):
+                return  # the log or the record is someone else's now, or gone
             except StoreError:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
