@@ -233,7 +233,7 @@ class StreamLog:
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
-        producers = [p for p in self._producers.values() if p.storing]
+        producers = list(self._producers.values())  # (one that stored all is waited for at once)
         self._ctx.closed = True
         if producers:
             waiters = [asyncio.ensure_future(p.wait_stored()) for p in producers]

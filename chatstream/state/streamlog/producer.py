@@ -137,8 +137,7 @@ class Producer:
         self.resumable = True
         self._large_request = large_request
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
-        self._inline_tried = False
-        self._end_seen_at: float | None = None  # an ending producer waits for an inbox read begun after this
+        self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
         self._inbox_read = asyncio.Event()
         self._handed_over = False
         self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
@@ -420,11 +419,6 @@ class Producer:
 
     # -- storing (the log's side) ---------------------------------------------------------------
 
-    @property
-    def storing(self) -> bool:
-        """It still stores (stored or given up, it is done)."""
-        return not self._stored_all.is_set()
-
     async def run(self) -> None:
         """Store the stream; then stay known to the log until its end (readers here, cancels and
         abandonment still need it when it is not stored any more)."""
@@ -531,7 +525,7 @@ class Producer:
             pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
             if not pending and self._end:
                 break
-            if self._end and not self._blob and not self._inline_tried:
+            if self._end and not self._blob and self._end_seen_at is None:
                 if await self._end_inline():
                     return
                 continue
@@ -670,12 +664,11 @@ class Producer:
         """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
         is read once more after the end to tell), its whole log goes into the record with the
         record's end, and no blob is made. False: write the blob as usual."""
-        self._inline_tried = True
+        self._end_seen_at = self._loop.time()  # (tried once)
         if self._following or self._acks or self._handing_over:
             return False
         # A reader registered before the end is seen by an inbox read begun after it (its rows are
         # delivered before the producers tick); one that came later reads this record first.
-        self._end_seen_at = self._loop.time()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._cfg.inbox_seconds + 1.0):
                 await self._inbox_read.wait()
