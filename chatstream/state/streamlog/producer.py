@@ -119,7 +119,6 @@ class Producer:
         self._handed = len(self._events)  # positions handed out (to the live caller)
         self._waiters: list[asyncio.Future] = []
         self._final_by_caller = False
-        self._finished = False
         self._caller_here = not continuing  # the original caller (a continuation has none)
         self._attached = int(self._caller_here)  # ...and the readers here
         self._alone_since = self._loop.time()
@@ -227,9 +226,6 @@ class Producer:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
         stored stream ends with a ``stream_lost`` error. Returns at once; the last write goes on in
         the background (``wait_stored``)."""
-        if self._finished:
-            return
-        self._finished = True
         if not self._end and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
         self._kick.set()
