@@ -342,6 +342,30 @@ async def test_a_store_that_fails_never_stalls_the_live_stream():
         assert again[0][0] == 1 and b'"stream_lost"' in again[-1][1] and again[-1][0] == len(again)
 
 
+async def test_a_stream_lost_end_whose_answer_was_lost_is_not_taken_for_a_takeover():
+    """Storing given up, the stream_lost end lands but its answer is lost: the retry finds its own
+    bytes there (not another producer's), and the record is still marked lost."""
+    async with instances(1, **{**QUICK, "give_up_seconds": 0.3}) as (a,):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        async with asyncio.timeout(5):
+            while producer.kept == 0:  # stored: the blob exists
+                await asyncio.sleep(0.02)
+        a.store.inject(Fault("unavailable", times=10**9))  # type: ignore[attr-defined]
+        producer.append(delta(1))
+        async with asyncio.timeout(5):
+            while producer.resumable:
+                await asyncio.sleep(0.02)
+        a.store.faults.clear()  # type: ignore[attr-defined]
+        a.store.inject(Fault("lose_answer", ops=frozenset({"append"}), table="blob"))  # type: ignore[attr-defined]
+        rows = a.store.data.tables[STREAMS_TABLE][producer.id]  # type: ignore[attr-defined]
+        async with asyncio.timeout(10):
+            while rows["stream"][0].get("state") != "lost":
+                await asyncio.sleep(0.05)
+        assert bytes(a.store.data.blobs[producer.id][0]).count(b": lost") == 1  # type: ignore[attr-defined]
+        await produce(producer, [])
+
+
 async def test_a_frozen_store_delays_the_stored_log_and_loses_nothing():
     async with instances(2, **{**QUICK, "give_up_seconds": 5.0}) as (a, b):
         producer = a.start("chat", None)

@@ -97,13 +97,12 @@ def never_stored(after: int, fences: list[tuple[int, int]]) -> bool:
 # --- the record -------------------------------------------------------------------------------
 
 RECORD_ROW = "stream"
-INLINE_REQUEST = 30_000  # characters of request JSON kept in the record itself (a property holds 32,768)
-INLINE_EVENTS = 30_000  # characters of a whole log kept in the record (``Record.events``) instead of a blob
 
 
-def text_units(text: str) -> int:
-    """UTF-16 code units (what a table property's limit counts)."""
-    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+def fits_record(text: str) -> bool:
+    """Whether ``text`` (the request JSON, a whole log: ``Record.events``) is kept in the record
+    itself: at most 30,000 UTF-16 code units (a property holds 32,768)."""
+    return len(text) <= 30_000 and len(text.encode("utf-16-le", "surrogatepass")) // 2 <= 30_000
 
 
 def request_blob(stream_id: str) -> str:

@@ -16,15 +16,14 @@ from . import inbox, readers, takeover
 from .config import Context, ResumeConfig
 from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
 from .format import (
-    INLINE_REQUEST,
     RECORD_ROW,
     EncodeError,
     Record,
     check_stream_id,
+    fits_record,
     log_tag,
     new_stream_id,
     request_blob,
-    text_units,
 )
 from .inbox import Inbox
 from .producer import Producer
@@ -104,7 +103,7 @@ class StreamLog:
         now = ctx.now()
         stream_id = new_stream_id(now if self.store.clock.observed else None)
         body = _request_json(request, stream_id)
-        inline = body is not None and len(body) <= INLINE_REQUEST and text_units(body) <= INLINE_REQUEST
+        inline = body is not None and fits_record(body)
         record = Record(
             stream_id=stream_id,
             route=route,
@@ -234,7 +233,7 @@ class StreamLog:
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
-        producers = [p for p in self._producers.values() if p.storing]
+        producers = list(self._producers.values())  # (one that stored all is waited for at once)
         self._ctx.closed = True
         if producers:
             waiters = [asyncio.ensure_future(p.wait_stored()) for p in producers]

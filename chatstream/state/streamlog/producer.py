@@ -1,7 +1,17 @@
 """The producing side of a resumable stream (``Producer``): it numbers the events as the route appends
-them and keeps them in memory (``Kept``; no I/O), and its ``Writer`` (writer.py) stores them in the
-background. Readers here are served what is stored, from memory; only the live caller is ahead of
-the log, so that no reader holds an id the log never had if this instance dies (format.EPOCH_IDS).
+them and keeps them in memory (``append``: no I/O), and stores them in the background (``run``).
+Readers here are served what is stored, from memory; only the live caller is ahead of the log, so
+that no reader holds an id the log never had if this instance dies (format.EPOCH_IDS).
+
+Storing: the record at the start, then whole-event blocks appended at the expected position (the
+blob made before the first), at most every ``fast_flush_seconds`` while someone follows (elsewhere,
+or here), else every ``checkpoint_seconds``; the end marker and the record's end last. A stream
+that ends before its first write, with nobody elsewhere following it by then (the inbox read once
+more after its end to tell), is stored by the record's end alone: its whole log in the record, no
+blob (two store calls in all). It stops storing when the store fails for ``give_up_seconds`` (it
+ends the stored log with a ``stream_lost`` error as soon as the store lets it: the live stream goes
+on), and for good when its append finds someone else's bytes at its position: another instance
+took the stream over. A hand-over stores what is kept with a ``: handover`` marker.
 
 Also where a stop is requested: a cancel (from any instance, via the inbox), nobody reading for
 ``abandon_seconds``, the time cap, or the stream going on elsewhere (``moved``: taken over, or
@@ -10,20 +20,56 @@ handed over by ``hand_over`` when this instance drains)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from ... import sse
+from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
+from ..store import NEW, STREAMS_TABLE
 from .config import Context
-from .format import BLOCK_LIMIT, EPOCH_IDS, Record, epoch_id, error_event, log_tag, never_stored, position
-from .writer import Kept, Writer
+from .format import (
+    BLOCK_LIMIT,
+    BLOCKS_LIMIT,
+    END,
+    EPOCH_IDS,
+    HANDOVER,
+    LOST,
+    RECORD_ROW,
+    Record,
+    ack_marker,
+    epoch_id,
+    error_event,
+    fits_record,
+    log_tag,
+    never_stored,
+    position,
+    record_over,
+    request_blob,
+)
 
 log = logging.getLogger("chatstream")
 
-StopReason = Literal["cancelled", "abandoned", "timeout", "taken_over", "handed_over"]  # (writer.Moved among them)
+StopReason = Literal["cancelled", "abandoned", "timeout", "taken_over", "handed_over"]
 # The stream goes on elsewhere: the relay stops, and its live caller resumes with Last-Event-ID.
 MOVED: tuple[StopReason, ...] = ("taken_over", "handed_over")
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One append: the events it carries, its bytes, whether it ends the log or hands it over."""
+
+    count: int
+    block: bytes
+    end: bool
+    handover: bool
+    acks: tuple[str, ...]
+
+
+class _Fenced(Exception):
+    """The blob holds someone else's bytes at this producer's position: the stream was taken over."""
 
 
 class Producer:
@@ -52,19 +98,27 @@ class Producer:
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
-        self._kept = Kept(record.epoch, list(stored or ()), list(fences or ()))
         self._ctx = ctx
         self._cfg = ctx.config
+        self._record = record
         self._tag = log_tag(self.id)
         self._release = release
         self._loop = asyncio.get_running_loop()
         # Started by the store's clock: a continuation's cap counts from the stream's own start.
         self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
         self._born = self._loop.time()
-        self._handed = len(self._kept.events)  # positions handed out (to the live caller)
+        # What is kept, by position (1, 2, …): the stored events of earlier producers first.
+        self._events = list(stored or ())
+        self._size = sum(map(len, self._events))
+        self._seam = len(self._events)  # the positions stored by earlier producers
+        self._epoch = record.epoch
+        self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
+        self._end = False  # the final event is kept...
+        self._lost = False  # ...and it is our stream_lost
+        self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
+        self._handed = len(self._events)  # positions handed out (to the live caller)
         self._waiters: list[asyncio.Future] = []
         self._final_by_caller = False
-        self._finished = False
         self._caller_here = not continuing  # the original caller (a continuation has none)
         self._attached = int(self._caller_here)  # ...and the readers here
         self._alone_since = self._loop.time()
@@ -75,34 +129,43 @@ class Producer:
         # ended with stream_lost): the position it reached, which the continuation is run to even
         # with nobody reading, since its events up to there are what that client is charged
         # (Claim.stand_ins); 0: none.
-        self.unstored = position(received) if position(received) > len(self._kept.events) else 0
-        self._writer = Writer(
-            ctx,
-            record,
-            self._kept,
-            started=self._started,
-            stored_bytes=stored_bytes,
-            large_request=large_request,
-            continuing=continuing,
-            stored_more=self._wake,
-            moved=self._moved,
-        )
+        reached = position(received)
+        self.unstored = reached if reached > len(self._events) else 0
+        # -- storing (module docstring) --
+        # False once storing failed for good (the live stream goes on; readers elsewhere get stream_lost).
+        self.resumable = True
+        self._large_request = large_request
+        self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
+        self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
+        self._inbox_read = asyncio.Event()
+        self._handed_over = False
+        self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
+        self._kick = asyncio.Event()  # wakes the storing
+        self._stored = len(self._events)  # events in the blob
+        self._stored_bytes = stored_bytes  # the blob's length
+        self._stored_size = self._size  # the bytes of the events in it (markers aside)
+        self._end_written = False
+        self._blocks = 0
+        self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
+        self._acks: list[str] = []  # acks to store with the next write
+        self._repoint_to: str | None = None
+        self._flush_now = False
+        self._fast = False
+        self._following = False  # a reader elsewhere follows
+        self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
+        self._idle = False
+        self._last_write = self._started if not continuing else 0.0  # the first checkpoint is one interval in
 
     # -- the request path's side --------------------------------------------------------------
 
     @property
     def last_id(self) -> int:
         """The id of the last event handed out."""
-        return self._kept.id(self._handed)
+        return self._id_at(self._handed)
 
     def never_stored(self, after: int) -> bool:
         """Whether ``after`` is an id an earlier producer of this stream handed out and never stored."""
-        return never_stored(after, self._kept.fences)
-
-    @property
-    def resumable(self) -> bool:
-        """False once storing failed for good (the live stream goes on; readers elsewhere get stream_lost)."""
-        return self._writer.resumable
+        return never_stored(after, self._fences)
 
     def append(self, data: bytes, *, final: bool = False) -> bytes:
         """Number ``data`` (one or more complete SSE events, LF line ends, each ending with a blank
@@ -113,8 +176,7 @@ class Producer:
             raise ValueError("append takes whole SSE events with LF line ends")
         if self._final_by_caller:
             raise RuntimeError("append after the final event")
-        kept = self._kept
-        if kept.handing_over or self.moved.is_set():
+        if self._handing_over or self.moved.is_set():
             # The stream goes on elsewhere from its stored end: the live caller gets nothing past it
             # (its resume there would hold ids never stored), and the final event tells it to resume.
             self._final_by_caller = final
@@ -132,17 +194,19 @@ class Producer:
                 out.append(part)
                 continue
             self._handed += 1
-            event = sse.numbered(epoch_id(kept.epoch, self._handed), part)
+            event = sse.numbered(epoch_id(self._epoch, self._handed), part)
             out.append(event)
             self._keep(event)
         if final:
             self._final_by_caller = True
-            if not kept.end:
-                kept.end = True
-                self._writer.kick.set()
+            if not self._end:
+                self._end = True
+                self._kick.set()
         if self._waiters:
             self._wake()
-        self._writer.nudge()
+        # An idle storing starts its checkpoint wait now; a fast one, or one with flush_bytes waiting, writes.
+        if self._idle or self._fast or self._unstored_bytes() >= self._cfg.flush_bytes:
+            self._kick.set()
         return out[0] if len(out) == 1 else b"".join(out)
 
     def caller_gone(self) -> None:
@@ -152,34 +216,34 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        if not self._kept.end:  # (read to its end: nothing more comes, and the end is written at once)
-            self._writer.hurry()
+        if not self._end:  # (read to its end: nothing more comes, and the end is written at once)
+            self._flush_now = True
+            self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
+            self._update_fast()
+            self._kick.set()
 
     def finish(self) -> None:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
         stored stream ends with a ``stream_lost`` error. Returns at once; the last write goes on in
         the background (``wait_stored``)."""
-        if self._finished:
-            return
-        self._finished = True
-        if not self._kept.end and not self._kept.handing_over:
+        if not self._end and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
-        self._writer.kick.set()
+        self._kick.set()
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
-        """Wait until the background writer is done; True if the whole stream is stored."""
-        done = await _within(timeout, self._writer.done.wait())
-        return done and self._writer.resumable and self._writer.stored == len(self._kept.events) and self._kept.end
+        """Wait until storing is done; True if the whole stream is stored."""
+        done = await _within(timeout, self._stored_all.wait())
+        return done and self.resumable and self._stored == len(self._events) and self._end
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
-        if self._kept.end or not self._writer.resumable or self._writer.done.is_set():
+        if self._end or not self.resumable or self._stored_all.is_set():
             return False
-        self._kept.handing_over = True
-        self._writer.kick.set()
-        return await _within(timeout, self._writer.done.wait()) and self._writer.handed_over
+        self._handing_over = True
+        self._kick.set()
+        return await _within(timeout, self._stored_all.wait()) and self._handed_over
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere: a retryable
@@ -192,49 +256,49 @@ class Producer:
     def _readable(self) -> int:
         """What readers here may have (module docstring): what is stored; once storing failed for
         good nobody else can go on with the stream, so what is kept."""
-        return self._writer.stored if self._writer.resumable else len(self._kept.events)
+        return self._stored if self.resumable else len(self._events)
 
     def events_after(self, cursor: int) -> bytes:
         """The readable events after id ``cursor`` (b"" when there are none yet)."""
         at, end = position(cursor), self._readable()
-        return b"".join(self._kept.events[at:end]) if at < end else b""
+        return b"".join(self._events[at:end]) if at < end else b""
 
     @property
     def kept(self) -> int:
         """The id of the last readable event (0: none)."""
-        return self._kept.id(self._readable())
+        return self._id_at(self._readable())
 
     @property
     def stored_end(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self._writer.end_written or (self._kept.end and not self._writer.resumable)
+        return self._end_written or (self._end and not self.resumable)
 
     @property
     def ended(self) -> bool:
         """The final event is kept."""
-        return self._kept.end
+        return self._end
 
     @property
     def ended_lost(self) -> bool:
         """The final event kept is our ``stream_lost`` error."""
-        return self._kept.lost
+        return self._lost
 
     async def changed(self) -> None:
-        """Wait for the next change: an event kept, the end, a move."""
+        """Wait for the next change: an event kept or stored, the end, a move."""
         waiter = self._loop.create_future()
         self._waiters.append(waiter)
         await waiter
 
     def attach(self) -> None:
         self._attached += 1
-        self._writer.follow_here(self._attached - self._caller_here)
+        self._update_fast()
 
     def detach(self) -> None:
         self._attached -= 1
         if self._attached <= 0:
             self._attached = 0
             self._alone_since = self._loop.time()
-        self._writer.follow_here(self._attached - self._caller_here)
+        self._update_fast()
 
     # -- what the inbox delivers ----------------------------------------------------------------
 
@@ -251,26 +315,31 @@ class Producer:
         self._remote_read_at = max(self._remote_read_at, read_at)
         if following:
             self._remote_follow_at = max(self._remote_follow_at, read_at)
-            self._writer.follow(True)
+            self._following = True
+            self._update_fast()
         if ack is not None and ack not in self._acked:
             self._acked.add(ack)
-            self._writer.ack(ack)
+            self._acks.append(ack)
+            self._kick.set()
 
     def repoint(self, instance: str) -> None:
         """This instance goes on under a new id (it was declared dead while only slow): say so in
         the record, unless the stream was taken over meanwhile."""
-        self._writer.repoint(instance)
+        self._repoint_to = instance
+        self._kick.set()
 
     def young(self) -> bool:
         return self._loop.time() - self._born < self._cfg.young_seconds
 
     def tick(self, now: float, now_store: float) -> None:
-        """Every inbox tick (``now``: when its read began): fast writes while a reader elsewhere
-        follows; abandonment; the time cap."""
+        """Every inbox tick (``now``: when its read began, having delivered what it held): fast
+        writes while a reader elsewhere follows; the end's inbox read; abandonment; the time cap."""
         cfg = self._cfg
-        self._writer.ticked(now)
-        self._writer.follow(now_store - self._remote_follow_at < cfg.read_fresh_seconds)
-        if self._kept.end or self.moved.is_set():
+        if self._end_seen_at is not None and now >= self._end_seen_at:
+            self._inbox_read.set()
+        self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
+        self._update_fast()
+        if self._end or self.moved.is_set():
             return
         if now - self._started > cfg.max_stream_seconds:
             log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
@@ -294,30 +363,18 @@ class Producer:
             and not self.young()
         )
 
-    # -- the log's side -------------------------------------------------------------------------
-
-    @property
-    def storing(self) -> bool:
-        """Its writer still runs (stored or given up, it is done)."""
-        return not self._writer.done.is_set()
-
-    async def run(self) -> None:
-        """Store the stream; then stay known to the log until its end (readers here, cancels and
-        abandonment still need it when it is not stored any more)."""
-        try:
-            await self._writer.run()
-            while not self._kept.end and not self.moved.is_set():
-                await self.changed()
-        finally:
-            self._release(self)
-
     # -- in memory ------------------------------------------------------------------------------
 
+    def _id_at(self, at: int) -> int:
+        """The id of the event at position ``at`` (0: none)."""
+        if at > self._seam:
+            return epoch_id(self._epoch, at)
+        return sse.event_id(self._events[at - 1]) or 0 if at else 0
+
     def _keep(self, event: bytes) -> None:
-        kept = self._kept
-        if kept.end:
+        if self._end:
             return  # the live caller only: past the kept end
-        too_long = kept.size + len(event) > self._cfg.max_stream_bytes or len(kept.events) >= EPOCH_IDS - 2
+        too_long = self._size + len(event) > self._cfg.max_stream_bytes or len(self._events) >= EPOCH_IDS - 2
         if too_long or len(event) > BLOCK_LIMIT - 64:
             log.warning(
                 "stream %s is over %d bytes: it is not resumable past event %d",
@@ -327,16 +384,18 @@ class Producer:
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
-        kept.add(event)
+        self._events.append(event)
+        self._size += len(event)
 
     def _end_with_error(self, message: str) -> None:
-        kept = self._kept
-        at = len(kept.events) + 1
-        kept.add(error_event(self._ctx.encode_error, self.route, "stream_lost", message, kept.id(at)))
+        at = len(self._events) + 1
+        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, self._id_at(at))
+        self._events.append(event)
+        self._size += len(event)
         self._handed = max(self._handed, at)
-        kept.end = kept.lost = True
+        self._end = self._lost = True
         self._wake()
-        self._writer.kick.set()
+        self._kick.set()
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -353,6 +412,333 @@ class Producer:
             log.warning("stream %s was taken over by another instance: this producer stops", self._tag)
         self.request_stop(reason)
         self._wake()
+
+    # -- storing (the log's side) ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Store the stream; then stay known to the log until its end (readers here, cancels and
+        abandonment still need it when it is not stored any more)."""
+        instances = self._ctx.instances
+        instances.need()
+        try:
+            try:
+                if self._blob or await self._create():  # (a continuation's record is the claim's)
+                    await self._write_all()
+            except Exception:  # a bug of ours must not take the live stream with it
+                log.exception("stream %s: storing failed", self._tag)
+                self._give_up("internal error")
+            finally:
+                self._stored_all.set()
+                self._update_fast()
+                self._wake()
+                instances.done()
+            while not self._end and not self.moved.is_set():
+                await self.changed()
+        finally:
+            self._release(self)
+
+    def _update_fast(self) -> None:
+        following = self._following or self._attached > self._caller_here
+        fast = (following or self._loop.time() < self._fast_until) and not self._stored_all.is_set()
+        if fast != self._fast:
+            self._ctx.fast_writers += 1 if fast else -1
+            self._fast = fast
+            if fast:
+                self._kick.set()
+
+    def _unstored_bytes(self) -> int:
+        return self._size - self._stored_size
+
+    def _interval(self) -> float:
+        cfg = self._cfg
+        self._update_fast()
+        if not self._fast:
+            return cfg.checkpoint_seconds
+        return max(cfg.fast_flush_seconds, self._ctx.fast_writers / cfg.write_rate)
+
+    def _give_up(self, why: str) -> None:
+        if not self.resumable:
+            return
+        self.resumable = False
+        self._wake()
+        log.warning("stream %s is not resumable: %s", self._tag, why)
+        self._ctx.spawn(self._store_lost())
+
+    async def _create(self) -> bool:
+        """The record (after this instance's first beat: nobody must see a stream before its
+        producer's lease), the large request's own blob before it. The log's blob waits for the
+        first write (a takeover makes it when the stream's producer died before)."""
+        ctx, store, record = self._ctx, self._ctx.store, self._record
+        deadline = self._loop.time() + self._cfg.give_up_seconds
+        await ctx.instances.first_beat()
+        # By the store's clock as the beat heard it (before any answer, this machine's own was used).
+        elapsed = self._loop.time() - self._started
+        record.created = ctx.now() - elapsed
+        record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
+        record.instance = ctx.instances.id
+        row = record.row()
+
+        async def put_request() -> None:
+            if self._large_request is not None:
+                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW)
+
+        async def insert() -> None:
+            try:
+                record.etag = await store.insert(STREAMS_TABLE, row)
+            except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
+                found = await store.get(STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"))
+                if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
+                    raise _Fenced() from None
+                record.etag = found.etag
+
+        for step in (put_request, insert):
+            while True:
+                try:
+                    # The insert is the request's own (it makes the stream resumable, and a reader
+                    # elsewhere waits for it): it does not queue behind other streams' writes.
+                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
+                        await step()
+                    break
+                except _Fenced:
+                    self._give_up("its record is someone else's")
+                    return False
+                except StoreError as exc:
+                    if self._loop.time() > deadline:
+                        self._give_up(f"the store is unavailable ({exc})")
+                        return False
+                    await asyncio.sleep(0.25)
+        self._large_request = None
+        return True
+
+    async def _write_all(self) -> None:
+        failing_since: float | None = None
+        while True:
+            self._kick.clear()
+            if self._repoint_to is not None:
+                await self._repoint()
+            ending = self._end and not self._end_written
+            pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
+            if not pending and self._end:
+                break
+            if self._end and not self._blob and self._end_seen_at is None:
+                if await self._end_inline():
+                    return
+                continue
+            if self._blocks >= BLOCKS_LIMIT - 2:
+                self._give_up("the stream has too many blocks")
+                return
+            now = self._loop.time()
+            due = self._last_write + self._interval()
+            urgent = (
+                self._end
+                or self._flush_now
+                or self._handing_over
+                or bool(self._acks)
+                or self._unstored_bytes() >= self._cfg.flush_bytes
+            )
+            if pending and (urgent or now >= due):
+                self._flush_now = False
+                self._last_write = now
+                try:
+                    await self._write_block(self._compose())
+                    failing_since = None
+                except _Fenced:
+                    self._moved("taken_over")
+                    return
+                except StoreError as exc:
+                    failing_since = failing_since or now
+                    if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
+                        self._give_up(str(exc))
+                        return
+                    await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
+                if self._handed_over:
+                    self._moved("handed_over")
+                    return
+                continue
+            self._idle = not pending
+            try:
+                async with asyncio.timeout(max(0.0, due - now) if pending else None):
+                    await self._kick.wait()
+            except TimeoutError:
+                pass
+            finally:
+                self._idle = False
+        await self._store_end()
+
+    def _compose(self) -> _Attempt:
+        first = self._stored
+        limit = min(BLOCK_LIMIT - 4096, self._cfg.max_stream_bytes + 64)
+        count, size = 0, 0
+        for event in self._events[first:]:
+            if count and size + len(event) > limit:
+                break
+            count += 1
+            size += len(event)
+        parts = self._events[first : first + count]
+        whole = first + count == len(self._events)
+        acks = tuple(self._acks) if whole else ()
+        parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
+        end = self._end and whole
+        handover = self._handing_over and whole and not end
+        if end:
+            parts.append(sse.comment(LOST if self._lost else END))
+        elif handover:
+            parts.append(sse.comment(HANDOVER))
+        return _Attempt(count, b"".join(parts), end, handover, acks)
+
+    async def _write_block(self, attempt: _Attempt) -> _Attempt:
+        """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
+        answer was lost, perhaps). _Fenced: someone else's bytes are there."""
+        store = self._ctx.store
+        offset = self._stored_bytes
+        # A reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls).
+        turn = self._ctx.bulk.first() if self._following or attempt.acks else self._ctx.bulk
+        try:
+            async with turn:
+                try:
+                    await store.append(self.id, attempt.block, at=offset)
+                except NotFound:
+                    # Not made yet (a reader elsewhere makes it as it registers, so the write it
+                    # waits for is one call): make it, then append.
+                    if self._blob:
+                        raise
+                    with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
+                        await store.append_create(self.id)
+                    self._blob = True
+                    await store.append(self.id, attempt.block, at=offset)
+            self._blob = True
+        except StoreUnavailable:
+            # No answer: it may still land. Every attempt since the last confirmed one is at this
+            # same offset, so the store takes at most one of them; the next one's answer says which.
+            self._uncertain.append(attempt)
+            raise
+        except Modified:
+            found = await store.read(self.id, offset)
+            landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
+            if landed is None:
+                raise _Fenced() from None
+            if len(found) > len(landed.block):
+                self._confirm(landed, offset)
+                raise _Fenced() from None
+            attempt = landed
+        self._confirm(attempt, offset)
+        return attempt
+
+    def _confirm(self, attempt: _Attempt, offset: int) -> None:
+        self._uncertain.clear()
+        self._stored_size += sum(map(len, self._events[self._stored : self._stored + attempt.count]))
+        self._stored += attempt.count
+        self._stored_bytes = offset + len(attempt.block)
+        self._blocks += 1
+        self._acks = [a for a in self._acks if a not in attempt.acks]
+        self._end_written = self._end_written or attempt.end
+        self._handed_over = self._handed_over or attempt.handover
+        self._wake()
+
+    async def _repoint(self) -> None:
+        instance, self._repoint_to = self._repoint_to, None
+        assert instance is not None
+        fields = {"PartitionKey": self.id, "RowKey": RECORD_ROW, "instance": instance}
+        try:
+            self._record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+            self._record.instance = instance
+        except (Modified, NotFound):
+            pass  # taken over meanwhile: the next append finds the fence
+        except StoreError:
+            self._repoint_to = self._repoint_to or instance  # again at the next turn
+
+    def _end_fields(self) -> dict:
+        now = self._ctx.now()
+        state = "lost" if self._lost else "ended"
+        last = self._id_at(len(self._events))
+        return record_over(
+            self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=self._stored_bytes
+        )
+
+    async def _end_inline(self) -> bool:
+        """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
+        is read once more after the end to tell), its whole log goes into the record with the
+        record's end, and no blob is made. False: write the blob as usual."""
+        self._end_seen_at = self._loop.time()  # (tried once)
+        if self._following or self._acks or self._handing_over:
+            return False
+        # A reader registered before the end is seen by an inbox read begun after it (its rows are
+        # delivered before the producers tick); one that came later reads this record first.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._cfg.inbox_seconds + 1.0):
+                await self._inbox_read.wait()
+        if self._following or self._acks or self._handing_over or self._stored:
+            return False
+        block = b"".join(self._events) + sse.comment(LOST if self._lost else END)
+        try:
+            text = block.decode()
+        except UnicodeDecodeError:
+            return False
+        if not fits_record(text):
+            return False
+        merged = await self._merge_end({**self._end_fields(), "events": text, "size": len(block)})
+        if merged is None:
+            self._give_up("the store is unavailable")
+            return True
+        if not merged:
+            self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
+            return True
+        self._confirm(_Attempt(len(self._events), block, True, False, ()), 0)
+        return True
+
+    async def _store_end(self) -> None:
+        """The record says the stream is over (and expires a TTL from now). When it fails the end is
+        still in the blob (and the record is deleted at its first expiry)."""
+        if await self._merge_end(self._end_fields()) is None:
+            log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
+
+    async def _merge_end(self, fields: dict) -> bool | None:
+        """Merge the record's end, on its ETag (only this epoch's producer may), for up to
+        ``give_up_seconds``. True: merged; False: the record is someone else's (taken over); None:
+        the store failed throughout."""
+        deadline = self._loop.time() + self._cfg.give_up_seconds
+        unanswered = False
+        while True:
+            try:
+                async with self._ctx.bulk:
+                    self._record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                return True
+            except (Modified, NotFound):
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
+            except StoreError as exc:
+                unanswered = unanswered or isinstance(exc, StoreUnavailable)
+                if self._loop.time() > deadline:
+                    return None
+                await asyncio.sleep(0.5)
+
+    async def _store_lost(self) -> None:
+        """Given up: as soon as the store lets it (within the stream's cap), end the stored log with a
+        ``stream_lost`` error at the stored position (in the record when there is no blob yet), and
+        record it lost: readers elsewhere end there instead of waiting."""
+        ctx = self._ctx
+        deadline = self._loop.time() + self._cfg.max_stream_seconds
+        pause = 0.5
+        appended = not self._blob  # (no blob: the error goes into the record)
+        while self._loop.time() < deadline and not ctx.closed:
+            number = self._id_at(self._stored + 1)
+            message = "the stream stopped being stored"
+            block = error_event(ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
+            try:
+                if not appended:
+                    # One of the writes whose answer was lost may land first: then after it.
+                    lost = _Attempt(0, block, False, False, ())
+                    appended = await self._write_block(lost) is lost
+                    continue
+                inline = {} if self._blob else {"events": block.decode()}
+                fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
+                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                return
+            except (_Fenced, Modified, NotFound):
+                return  # the log or the record is someone else's now, or gone
+            except StoreError:
+                await asyncio.sleep(pause)
+                pause = min(5.0, pause * 2)
 
 
 async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
