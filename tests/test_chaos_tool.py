@@ -4,7 +4,8 @@ This checks the tool, not the app's pass: the report's structure (the seed, the 
 outcome for every request, the ledger's counts, the failed checks) and that the exit code agrees
 with it. While issue 45's losses are open (a takeover dropping a delta, crash charges missing from
 usage, ...) a run may fail its checks; that is what the soak is for, and the test stays green. Run
-alone: it starts Azurite, the upstream and three instances of the app."""
+alone: it starts Azurite, the upstream and three instances of the app. (And, without servers, how
+the soak matches ledger rows to requests.)"""
 
 from __future__ import annotations
 
@@ -42,3 +43,22 @@ def test_a_short_soak_with_one_sigkill_reports_every_request_and_event(tmp_path)
     assert (run.returncode == 0) == summary["passed"]
     assert summary["passed"] == (not summary["failures"] and not any(o.startswith("lost") for o in summary["outcomes"]))
     assert f"CHAOS {'PASSED' if summary['passed'] else 'FAILED'} seed=4242" in run.stdout
+
+
+def test_a_prompt_only_row_of_an_attempt_cut_before_its_upstream_call_is_no_failure():
+    """Seed 7's chaos-a: 2 requests that called the upstream have no row (each lost whole with its
+    instance: rows without the upstream's id), and 3 rows are of no request; the third, prompt
+    only, is the recovery's charge of an attempt its instance had admitted and listed in its journal
+    but not sent upstream when it was SIGKILLed (the client: ``connect RemoteProtocolError``). It
+    matches such an attempt; a row with completion tokens, or one no such attempt explains, does not."""
+    from tools.chaos.soak import match_lost_requests
+
+    def row(request_id: str, completion: int) -> dict:
+        return {"request_id": request_id, "completion_tokens": completion, "ended": "lost"}
+
+    rows = [row("227ef6", 39), row("06ab9c", 21), row("4fbb4e", 0)]
+    assert match_lost_requests(rows, 2, 1) == {"orphans": 3, "cut_uncalled": 1}
+    assert match_lost_requests(rows, 2, 0) == {"orphans": 3, "failure": "rows_of_no_request", "by": 1}
+    assert match_lost_requests([*rows[:2], row("4fbb4e", 5)], 2, 1)["failure"] == "rows_of_no_request"
+    assert match_lost_requests(rows[:1], 2, 1) == {"orphans": 1, "failure": "requests_missing_from_ledger", "by": 1}
+    assert match_lost_requests(rows[:2], 2, 1) == {"orphans": 2, "cut_uncalled": 0}

@@ -281,6 +281,44 @@ async def test_a_continuation_only_a_stream_lost_reader_asked_for_stops_once_pas
         assert [position(n) for n, _ in rest] == list(range(11, 11 + len(rest)))
 
 
+async def test_the_stand_ins_of_a_continuation_that_ran_to_its_end_are_all_it_generated_stored_or_not():
+    """As above, but the continuation is short: it runs to its end, and its store is slow, so its
+    last events are not stored yet when it ends, which is when the request path reads the stand-ins
+    (Endpoint._charge_received). They are the continuation's events up to the reader's position,
+    stored or not: before, only the stored ones (a chaos soak charged two lost parts 1 and 2
+    tokens below what their callers had received, the continuation's last write still in flight)."""
+    stand_ins: list[bytes] = []
+    done = asyncio.Event()
+
+    async def hook(claim: Claim) -> None:
+        for i in range(position(claim.last_id), 20):
+            claim.producer.append(delta(i))
+            await asyncio.sleep(0.01)
+        claim.producer.append(DONE, final=True)
+        claim.producer.finish()
+        stand_ins.append(claim.stand_ins())
+        done.set()
+
+    cfg = {**QUICK, "checkpoint_seconds": 30.0}
+    async with instances(2, take_over=hook, **cfg) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 20})
+        for i in range(10):
+            producer.append(delta(i))
+        producer.caller_gone()
+        await asyncio.sleep(0.3)
+        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        for i in range(10, 20):
+            producer.append(delta(i))
+        kill(a)
+        slow = b.store.inject(Fault("slow", ops=frozenset({"append"}), delay=1.0, times=10**9))  # type: ignore[attr-defined]
+        got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
+        assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
+        async with asyncio.timeout(5):
+            await done.wait()
+        slow.times = 0
+        assert [(position(n), e) for n, e in events_of(stand_ins[0])] == [(i + 1, delta(i)[:-2]) for i in range(10, 15)]
+
+
 async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_continued():
     calls: list[Claim] = []
     async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):

@@ -880,10 +880,7 @@ class Checks:
         counts["ended_lost_rows"] = sum(1 for r in ledger if r.get("ended") == "lost")
         counts["rows_linked_to_no_request"] = len(unlinked)
         if unlinked or counts["requests_with_no_linked_row"]:
-            # A request whose every segment was lost with its instance: its rows carry no upstream
-            # id; matched per caller, by count.
             for name in soak.callers:
-                orphans = len({r["request_id"] for r in unlinked if r.get("caller") == name})
                 missing = sum(
                     1
                     for res, marker, _ in attempts
@@ -891,11 +888,17 @@ class Checks:
                     and by_marker.get(marker)
                     and not any(by_upstream_id.get(c["id"]) for c in by_marker[marker])
                 )
-                if orphans != missing:
+                mine = [r for r in unlinked if r.get("caller") == name]
+                cut = sum(
+                    1 for res, marker, _ in attempts if res.caller == name and cut_uncalled(res, marker, by_marker)
+                )
+                check = match_lost_requests(mine, missing, cut)
+                counts["prompt_only_rows_of_attempts_cut_before_their_upstream_call"] += check.get("cut_uncalled", 0)
+                if "failure" in check:
                     self.fail(
-                        "requests_missing_from_ledger" if missing > orphans else "rows_of_no_request",
-                        {"caller": name, "requests_without_row": missing, "rows_without_request": orphans},
-                        abs(missing - orphans),
+                        check["failure"],
+                        {"caller": name, "requests_without_row": missing, "rows_without_request": check["orphans"]},
+                        check["by"],
                     )
         self.check_usage_api(ledger)
         self.check_budgets(ledger, limits)
@@ -1016,6 +1019,38 @@ class Checks:
                     )
                 if spent > budget:
                     self.fail("budget_passed", {"row": where, "ledger": spent, "budget": budget})
+
+
+def cut_uncalled(result: Result, marker: str, by_marker: dict[str, list[dict]]) -> bool:
+    """Whether the attempt ``marker`` was cut before any answer (its instance killed: a refusal that is
+    no HTTP status, ``connect RemoteProtocolError``...) and no upstream call came of it."""
+    index = result.attempts.index(marker)
+    return index < len(result.refusals) and not result.refusals[index][:1].isdigit() and not by_marker.get(marker)
+
+
+def match_lost_requests(rows: list[dict], missing: int, cut_uncalled: int) -> dict[str, Any]:
+    """A caller's ledger rows linked to no request (``rows``: none carries the id of an upstream call
+    a request made) against its requests that called the upstream and have no row (``missing``):
+    a request whose every segment was lost with its instance is charged without the upstream's id,
+    so they are matched by count. Besides those, an attempt cut before any answer that no upstream
+    call came of (``cut_uncalled``: its instance killed between the admission and the call) may
+    have a row: its instance's journal listed it before the call (journal.py), and the recovery,
+    not knowing whether the call went out, charges its prompt (``lost``, no completion token).
+    Each extra row must be such a prompt-only one, at most one per such attempt. Returns
+    ``orphans`` (the requests of ``rows``), ``cut_uncalled`` (the rows of such attempts) and, when
+    they do not match, ``failure`` and ``by``."""
+    completion: dict[str, int] = {}
+    for row in rows:
+        rid = str(row.get("request_id"))
+        completion[rid] = completion.get(rid, 0) + int(row.get("completion_tokens") or 0)
+    orphans = len(completion)
+    prompt_only = sum(1 for c in completion.values() if c == 0)
+    extra = orphans - missing
+    if extra < 0:
+        return {"orphans": orphans, "failure": "requests_missing_from_ledger", "by": -extra}
+    if extra > min(prompt_only, cut_uncalled):
+        return {"orphans": orphans, "failure": "rows_of_no_request", "by": extra - min(prompt_only, cut_uncalled)}
+    return {"orphans": orphans, "cut_uncalled": extra}
 
 
 def held_of(row: dict) -> int:

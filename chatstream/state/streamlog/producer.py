@@ -258,9 +258,10 @@ class Producer:
         good nobody else can go on with the stream, so what is kept."""
         return self._stored if self.resumable else len(self._events)
 
-    def events_after(self, cursor: int) -> bytes:
-        """The readable events after id ``cursor`` (b"" when there are none yet)."""
-        at, end = position(cursor), self._readable()
+    def events_after(self, cursor: int, *, unstored: bool = False) -> bytes:
+        """The readable events after id ``cursor`` (b"" when there are none yet); ``unstored``: all
+        it kept, stored or not (what it generated: ``Claim.stand_ins``)."""
+        at, end = position(cursor), len(self._events) if unstored else self._readable()
         return b"".join(self._events[at:end]) if at < end else b""
 
     @property

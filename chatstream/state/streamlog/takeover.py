@@ -66,11 +66,12 @@ class Claim:
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for what the reader that asked for the takeover
         received from the lost producer and the log never held (b"" when it had nothing unstored):
-        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree)."""
+        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree),
+        stored or not: read when the continuation ends, its last write may still be on its way."""
         unstored = self.producer.unstored
         if not unstored:
             return b""
-        ours = sse.split(self.producer.events_after(self.last_id))[0]
+        ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
 
