@@ -6,20 +6,18 @@ registered in the producer's inbox so that it writes fast, its instance's livene
 reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
 and follows the continuation: one answer, ids going on, one final event. A reader after an id its
 dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers (slots.py) while it reads."""
+text. Each reader holds a slot among the stream's readers, with its inbox row (slots.py), while it
+reads."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
-from . import inbox
 from .config import Context
 from .errors import PastTheEnd, StreamNotFound, Unavailable
 from .format import (
@@ -77,41 +75,37 @@ async def open_reader(
 
 
 async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
-    """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
-    reader's row in the producer's inbox (at once), then ``after`` checked."""
+    """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
+    reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
+    reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
     try:
         record = await read_record(ctx, stream_id, caller)
     except StoreError as exc:
         raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-    # The slot, the stored log and the inbox row at once: the producer writes what it holds as
-    # soon as it sees the row, so the reader follows closely from its first events.
     live = record.state == "live"
-    nonce = secrets.token_hex(4)
     stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
-    steps: list[Awaitable] = [
-        Slot.take(ctx, stream_id),
+    if live and stored is None:  # its blob made now if not yet: the producer's first write for the reader is one call
+        ctx.later(lambda: ctx.store.append_create(stream_id))
+    slot, data = await asyncio.gather(
+        Slot.take(ctx, stream_id, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
-    ]
-    if live:
-        steps.append(inbox.register(ctx, record.instance, stream_id, nonce))
-        if stored is None:
-            steps.append(_make_log(ctx, stream_id))
-    answers = await asyncio.gather(*steps, return_exceptions=True)
-    slot = answers[0] if isinstance(answers[0], Slot) else None
-    failed = next((a for a in answers if isinstance(a, BaseException)), None)
-    registered = nonce if live else None
-    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record, registered)
+        return_exceptions=True,
+    )
+    if not isinstance(slot, Slot) or not isinstance(data, bytes):
+        if isinstance(slot, Slot):
+            slot.release()
+        failed = slot if isinstance(slot, BaseException) else data
+        if isinstance(failed, StoreError):
+            raise Unavailable(f"the stream's store is unavailable ({failed})") from None
+        raise failed  # type: ignore[misc] - one of the two failed
+    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
-        if failed is not None:
-            if isinstance(failed, StoreError):
-                raise Unavailable(f"the stream's store is unavailable ({failed})") from None
-            raise failed
         tail = reader.tail = Tail(after)
-        reader._first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
+        reader._first = tail.feed(data)
         if after > tail.last_id and not tail.broken:
             if tail.end is None and live:
-                reader._first += await reader.wait_past_end()
-            acked = tail.acks.get(nonce)
+                reader._first += await reader._wait_past_end()
+            acked = tail.acks.get(slot.id)
             if not tail.broken and (
                 (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
             ):
@@ -150,8 +144,7 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 
 class _Cadence:
-    """When a reader from the store next polls the blob (``poll``), checks the producer, says it
-    still reads."""
+    """When a reader from the store next polls the blob (``poll``) and checks the producer."""
 
     def __init__(self, ctx: Context, now: float):
         self._cfg = ctx.config
@@ -162,7 +155,6 @@ class _Cadence:
         self._first_until = now + self._cfg.inbox_seconds + 0.5
         self._got = False
         self._next_state = now + self._cfg.state_seconds
-        self._next_refresh = now + self._cfg.read_refresh_seconds
 
     def read(self, got: bool) -> None:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
@@ -184,12 +176,6 @@ class _Cadence:
             return True
         return False
 
-    def refresh_due(self, now: float) -> bool:
-        if now >= self._next_refresh:
-            self._next_refresh = now + self._cfg.read_refresh_seconds
-            return True
-        return False
-
 
 class Reader:
     """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
@@ -206,9 +192,8 @@ class Reader:
         stream_id: str,
         route: str,
         after: int,
-        slot: Slot | None,
+        slot: Slot,
         record: Record | None = None,
-        nonce: str | None = None,
     ):
         self._released: Callable[[], None] | None = None  # (set once opened)
         self._ctx = ctx
@@ -221,8 +206,6 @@ class Reader:
         self._slot = slot
         self.record = record
         self.tail: Tail | None = None
-        self._nonce = nonce or secrets.token_hex(4)
-        self._registered: str | None = record.instance if nonce is not None and record is not None else None
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
@@ -275,13 +258,7 @@ class Reader:
 
     def _leave(self) -> None:
         """Give back the slot and the inbox row (once)."""
-        if self._slot is not None:
-            self._slot.release()
-            self._slot = None
-        if self._registered is not None:
-            ended = self.tail is not None and self.tail.end is not None
-            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=ended))
-            self._registered = None
+        self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
 
     # -- from memory ----------------------------------------------------------------------------
 
@@ -289,6 +266,7 @@ class Reader:
         """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
         producer.attach()
         try:
+            await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.cursor):
                 self._done = True
                 yield self._never_stored()
@@ -338,7 +316,7 @@ class Reader:
                 try:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
-                    await self._register(cadence.refresh_due(now))
+                    await self._slot.follow(self.record.instance if self.record.state == "live" else None)
                     if tail.offset == 0 and self.record.events is None and now >= record_at:
                         # Nothing stored yet: the stream may have ended with its whole log in the
                         # record (its producer did not see this reader in time).
@@ -407,16 +385,6 @@ class Reader:
         self.cursor = max(self.cursor, tail.cursor)
         return out
 
-    async def _register(self, refresh: bool) -> None:
-        """Be in the inbox of the stream's producing instance: refreshed, and moved with the stream."""
-        record = self.record
-        if record is None or record.state != "live" or (self._registered == record.instance and not refresh):
-            return
-        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce)
-        if self._registered is not None and self._registered != record.instance:
-            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=False))
-        self._registered = record.instance
-
     async def _reread(self) -> Record:
         row = await self._ctx.store.get(STREAMS_TABLE, self.stream_id, RECORD_ROW, select=READER_FIELDS)
         if row is None:  # swept: its TTL passed (a record of nobody's, lost)
@@ -444,7 +412,9 @@ class Reader:
         outcome = await self._streams.take_over(self.stream_id, self.cursor) if fresh.state == "live" else "lost"
         if outcome == "lost":
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
-            self._ctx.spawn(_mark_lost(self._ctx, self.stream_id))
+            # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
+            over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
+            self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
             self._done = True
             return out + self._lost("the stream's producer was lost"), True
         if outcome == "elsewhere":
@@ -468,7 +438,7 @@ class Reader:
         log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
         return self._lost("the events after this one were lost with the instance that produced them")
 
-    async def wait_past_end(self) -> bytes:
+    async def _wait_past_end(self) -> bytes:
         """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
         reaches it, or the producer acks this reader with its last id, or it is gone. What was read
         meanwhile is returned (the events after the cursor)."""
@@ -484,7 +454,7 @@ class Reader:
                 self.after > tail.last_id
                 and tail.end is None
                 and not tail.broken
-                and self._nonce not in tail.acks
+                and self._slot.id not in tail.acks
                 and loop.time() < deadline
             ):
                 await asyncio.sleep(cfg.poll_seconds / 2)
@@ -503,17 +473,3 @@ class Reader:
 def _stored_log(record: Record, offset: int) -> bytes | None:
     """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
     return record.events.encode()[offset:] if record.events is not None else None
-
-
-async def _make_log(ctx: Context, stream_id: str) -> None:
-    """Make the live stream's blob as this reader registers, if its producer has not yet: its
-    first write for this reader is then one call. Best effort (the producer makes it otherwise)."""
-    with contextlib.suppress(StoreError):  # AlreadyExists among them
-        await ctx.store.append_create(stream_id)
-
-
-async def _mark_lost(ctx: Context, stream_id: str) -> None:
-    """Record that nobody produces ``stream_id`` any more (a reader found out and no takeover is
-    possible): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
-    with contextlib.suppress(StoreError):
-        await ctx.store.merge(STREAMS_TABLE, record_over(stream_id, "lost", ctx.now() + ctx.config.ttl_seconds))
