@@ -84,11 +84,11 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         raise Unavailable(f"the stream's store is unavailable ({exc})") from None
     live = record.state == "live"
     stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
-    if live and stored is None:  # its blob made now if not yet: the producer's first write for the reader is one call
-        ctx.later(lambda: ctx.store.append_create(stream_id))
-    slot, data = await asyncio.gather(
+    slot, data, _ = await asyncio.gather(
         Slot.take(ctx, stream_id, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
+        # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
+        ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
         return_exceptions=True,
     )
     if not isinstance(slot, Slot) or not isinstance(data, bytes):
