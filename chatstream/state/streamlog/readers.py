@@ -144,7 +144,7 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 
 class _Cadence:
-    """When a reader from the store next polls the blob (``poll``) and checks the producer."""
+    """When a reader from the store next polls the blob (``poll``)."""
 
     def __init__(self, ctx: Context, now: float):
         self._cfg = ctx.config
@@ -154,7 +154,6 @@ class _Cadence:
         # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
         self._first_until = now + self._cfg.inbox_seconds + 0.5
         self._got = False
-        self._next_state = now + self._cfg.state_seconds
 
     def read(self, got: bool) -> None:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
@@ -169,12 +168,6 @@ class _Cadence:
             self.poll = (
                 cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
             )
-
-    def state_due(self, now: float) -> bool:
-        if now >= self._next_state:
-            self._next_state = now + self._cfg.state_seconds
-            return True
-        return False
 
 
 class Reader:
@@ -307,7 +300,7 @@ class Reader:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             record_at = loop.time() + 3 * cfg.poll_seconds
-            patience = cfg.give_up_seconds
+            state_at = loop.time() + cfg.state_seconds  # the producer's next check
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -330,11 +323,13 @@ class Reader:
                         yield out
                     if tail.end is not None or tail.broken:
                         break
-                    if cadence.state_due(now):
+                    if now >= state_at:
+                        state_at = now + cfg.state_seconds
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
                         elif not tail.handover and (
-                            self._gone_at is None or (self.cursor > tail.last_id and now - self._gone_at < patience)
+                            self._gone_at is None
+                            or (self.cursor > tail.last_id and now - self._gone_at < cfg.give_up_seconds)
                         ):
                             # Twice, a check apart: a producer renamed under load (Instances fenced
                             # it) says so in the record meanwhile; a dead one stays gone. A reader
