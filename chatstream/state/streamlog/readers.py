@@ -111,7 +111,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
             ):
                 raise PastTheEnd(after, tail.last_id)
     except BaseException:
-        reader._leave()
+        reader._release()  # (not counted yet)
         raise
     return reader
 
@@ -223,7 +223,9 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        self._leave()
+        """Give back the slot and the inbox row, and its count here (once): when it is closed or read
+        to its end."""
+        self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
         if self._released is not None:
             released, self._released = self._released, None
             released()
@@ -247,11 +249,7 @@ class Reader:
                 finally:
                     await source.aclose()
         finally:
-            self._leave()
-
-    def _leave(self) -> None:
-        """Give back the slot and the inbox row (once)."""
-        self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
+            self._release()
 
     # -- from memory ----------------------------------------------------------------------------
 
