@@ -103,13 +103,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         tail = reader.tail = Tail(after)
         reader._first = tail.feed(data)
         if after > tail.last_id and not tail.broken:
-            if tail.end is None and live:
-                reader._first += await reader._wait_past_end()
-            acked = tail.acks.get(slot.id)
-            if not tail.broken and (
-                (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
-            ):
-                raise PastTheEnd(after, tail.last_id)
+            reader._first += await reader._past_the_end(live)
     except BaseException:
         reader._release()  # (not counted yet)
         raise
@@ -431,9 +425,10 @@ class Reader:
         log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
         return self._lost("the events after this one were lost with the instance that produced them")
 
-    async def _wait_past_end(self) -> bytes:
-        """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
-        reaches it, or the producer acks this reader with its last id, or it is gone. What was read
+    async def _past_the_end(self, live: bool) -> bytes:
+        """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its
+        producer acks this reader with an earlier last id; for a ``live`` stream, waited for (bounded)
+        until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
         meanwhile is returned (the events after the cursor)."""
         ctx, cfg = self._ctx, self._cfg
         tail, record = self.tail, self.record
@@ -444,7 +439,8 @@ class Reader:
         read = b""
         try:
             while (
-                self.after > tail.last_id
+                live
+                and self.after > tail.last_id
                 and tail.end is None
                 and not tail.broken
                 and self._slot.id not in tail.acks
@@ -460,6 +456,11 @@ class Reader:
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
+        acked = tail.acks.get(self._slot.id)
+        if not tail.broken and (
+            (tail.end == END and self.after > tail.last_id) or (acked is not None and self.after > acked)
+        ):
+            raise PastTheEnd(self.after, tail.last_id)
         return read
 
 
