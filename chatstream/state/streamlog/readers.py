@@ -55,21 +55,21 @@ async def open_reader(
     ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None, released: Callable[[], None]
 ) -> Reader:
     """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``; ``released`` once it is
-    released)."""
+    released). A store that fails: Unavailable (ask again)."""
     producer = streams.producing(stream_id)
-    if producer is None:
-        reader = await _open_stored(ctx, streams, stream_id, start, caller)
-    else:
-        if producer.owner is not None and producer.owner != caller:
-            raise StreamNotFound("no such stream")
-        never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
-        if start > producer.last_id and not producer.ended_lost and not never_stored:
-            raise PastTheEnd(start, producer.last_id)
-        try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
-            slot = await Slot.take(ctx, stream_id)
-        except StoreError as exc:
-            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    try:
+        if producer is None:
+            reader = await _open_stored(ctx, streams, stream_id, start, caller)
+        else:
+            if producer.owner is not None and producer.owner != caller:
+                raise StreamNotFound("no such stream")
+            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+            if start > producer.last_id and not producer.ended_lost and not never_stored:
+                raise PastTheEnd(start, producer.last_id)
+            slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
+            reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    except StoreError as exc:
+        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
     reader._released = released
     return reader
 
@@ -78,10 +78,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
     """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
     reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
     reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
-    try:
-        record = await read_record(ctx, stream_id, caller)
-    except StoreError as exc:
-        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+    record = await read_record(ctx, stream_id, caller)
     live = record.state == "live"
     stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
     slot, data, _ = await asyncio.gather(
@@ -94,10 +91,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
     if not isinstance(slot, Slot) or not isinstance(data, bytes):
         if isinstance(slot, Slot):
             slot.release()
-        failed = slot if isinstance(slot, BaseException) else data
-        if isinstance(failed, StoreError):
-            raise Unavailable(f"the stream's store is unavailable ({failed})") from None
-        raise failed  # type: ignore[misc] - one of the two failed
+        raise slot if isinstance(slot, BaseException) else data  # type: ignore[misc] - one of the two failed
     reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
         tail = reader.tail = Tail(after)
