@@ -110,7 +110,10 @@ class Slot:
                     try:
                         self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
                     except (Modified, NotFound):
-                        self._etag = None  # it expired and was taken (this reader was too slow): it reads on
+                        # A refresh whose answer was lost landed (the row names this reader: it holds on),
+                        # or the slot expired and was taken (this reader was too slow: it reads on).
+                        held = await self._ctx.store.get(STREAMS_TABLE, self._stream_id, self._key, select=("holder",))
+                        self._etag = held.etag if held is not None and held.get("holder") == self.id else None
                 if self._at is not None:
                     await inbox.register(self._ctx, self._at, self._stream_id, self.id)
                 pause = refresh
