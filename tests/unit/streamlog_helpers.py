@@ -120,9 +120,17 @@ Hook = Any
 
 @contextlib.asynccontextmanager
 async def instances(
-    n: int = 2, *, data: MemoryData | None = None, skews=(), take_over: Hook = None, life=LIFE, **config
+    n: int = 2,
+    *,
+    data: MemoryData | None = None,
+    skews=(),
+    take_over: Hook = None,
+    life=LIFE,
+    sweep_every: float | None = None,
+    **config,
 ):
-    """``n`` StreamLogs (instances) on one MemoryData; ``skews``: seconds each one's clock is off."""
+    """``n`` StreamLogs (instances) on one MemoryData; ``skews``: seconds each one's clock is off;
+    ``sweep_every``: seconds between their sweeps (the config's ``sweep_seconds`` otherwise)."""
     data = data or MemoryData()
     logs = []
     for i in range(n):
@@ -130,7 +138,9 @@ async def instances(
         store = CountingStore(data, StoreClock(wall=lambda skew=skew: time.time() + skew))
         hook = take_over(i) if callable(take_over) and getattr(take_over, "per_instance", False) else take_over
         cfg = ResumeConfig(**config)
-        swept = Instances(store, life, sweeps=[(cfg.sweep_seconds, functools.partial(sweep, store, cfg))])
+        swept = Instances(
+            store, life, sweeps=[(sweep_every or cfg.sweep_seconds, functools.partial(sweep, store, cfg))]
+        )
         logs.append(StreamLog(store, swept, encode_error, cfg, take_over=hook))
     try:
         yield logs

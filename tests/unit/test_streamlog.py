@@ -479,6 +479,23 @@ async def test_a_held_slot_whose_refreshes_fail_is_refreshed_again_soon_and_stay
         await produce(producer, [])
 
 
+async def test_a_held_slot_whose_refresh_landed_without_an_answer_stays_held():
+    """A slot refresh that the store applied but whose answer was lost: the next one finds the row
+    changed, and the row still names the reader, so it holds on (it used to let the slot expire
+    under its reader, and a reader more than the limit took it)."""
+    async with instances(2, **QUICK, max_readers_per_stream=1, abandon_seconds=0.6) as (a, b):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        lost = b.store.inject(Fault("lose_answer", ops=frozenset({"replace"}), table=STREAMS_TABLE))  # type: ignore[attr-defined]
+        await asyncio.sleep(b.config.slot_seconds + 4 * b.config.read_refresh_seconds)
+        assert lost.times == 0
+        with pytest.raises(TooManyReaders):
+            await a.open_reader(producer.id, None, None)
+        await reader.aclose()
+        await produce(producer, [])
+
+
 async def test_writes_are_batched():
     """Nobody reading elsewhere: one write per checkpoint; a reader elsewhere: at most one per fast flush."""
     async with instances(2, **{**QUICK, "checkpoint_seconds": 1.0, "fast_flush_seconds": 0.05}) as (a, b):

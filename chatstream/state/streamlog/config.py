@@ -68,16 +68,14 @@ class ResumeConfig:
     max_readers_per_stream: int = 16  # readers of one stream, on all instances together (slots in the store)
     max_producers: int = 1000
     max_sweep: int = 1000  # rows one sweep deletes at most
-    sweep_every: float | None = None  # seconds between sweeps; None: from the TTL (sweep_seconds)
 
     @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> ResumeConfig:
+    def from_settings(cls, settings: Any) -> ResumeConfig:
         """From the app's Settings: RESUME_ABANDON_SECONDS, RESUME_TTL_SECONDS, TOTAL_TIMEOUT_SECONDS."""
         return cls(
             abandon_seconds=settings.resume_abandon_seconds,
             ttl_seconds=settings.resume_ttl_seconds,
             max_stream_seconds=settings.total_timeout + 60.0,
-            **overrides,
         )
 
     @property
@@ -103,8 +101,6 @@ class ResumeConfig:
     @property
     def sweep_seconds(self) -> float:
         """A quarter of the TTL, within 1 s..5 min: a stream is deleted at most 25% after its TTL."""
-        if self.sweep_every is not None:
-            return self.sweep_every
         return max(1.0, min(300.0, self.ttl_seconds / 4))
 
 

@@ -4,9 +4,10 @@ partition ``i-{instance}`` of ``chatstreamStreams``, which it reads with one que
 its streams:
 
 - ``c-{id}``: cancel this stream (``cancel``);
-- ``r-{id}-{nonce}``: a reader on another instance follows this stream, at ``read_at`` (the store's
-  time), refreshed while it reads (``register``), ``left`` once it is gone (``leave``); ``ack``: it
-  wants to know the last id handed out (the producer stores ``: ack nonce L`` in the log).
+- ``r-{id}-{reader}``: a reader on another instance follows this stream, at ``read_at`` (the store's
+  time), refreshed while it reads (``register``; slots.py keeps it with the reader's slot), ``left``
+  once it is gone (``leave``); ``ack``: it wants to know the last id handed out (the producer stores
+  ``: ack reader L`` in the log).
 
 It also ticks the producers (fast writes, abandonment, the time cap) and, when this instance goes on
 under a new id (``Instances`` fenced it), has their records point at the new one."""
@@ -77,15 +78,15 @@ class Inbox:
     def _deliver(self, instance: str, row: Mapping) -> None:
         """One inbox row: a cancel; a reader elsewhere following, wanting an ack, or gone."""
         key: str = row["RowKey"]
-        producer = self._producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{nonce}
+        producer = self._producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{reader}
         done = key.startswith("c-") or producer is None or bool(row.get("left"))
         if producer is not None:
             if key.startswith("c-"):
                 producer.request_stop("cancelled")
             elif key.startswith("r-"):
-                nonce = key[3 + ID_LENGTH :]
+                reader = key[3 + ID_LENGTH :]
                 producer.reader_elsewhere(
-                    float(row.get("read_at") or 0.0), not row.get("left"), nonce if row.get("ack") else None
+                    float(row.get("read_at") or 0.0), not row.get("left"), reader if row.get("ack") else None
                 )
         if done:  # read once: delete it (also what is left of streams no longer here)
             self._ctx.later(lambda: self._ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key))
@@ -98,27 +99,27 @@ async def cancel(ctx: Context, instance: str, stream_id: str) -> None:
     await ctx.store.upsert(STREAMS_TABLE, row)
 
 
-async def register(ctx: Context, instance: str, stream_id: str, nonce: str) -> None:
+async def register(ctx: Context, instance: str, stream_id: str, reader: str) -> None:
     """A reader here follows ``stream_id`` produced by ``instance`` (and wants an ack)."""
-    await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, nonce, ack=True))
+    await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, reader, ack=True))
 
 
-async def leave(ctx: Context, instance: str, stream_id: str, nonce: str, *, read_to_end: bool) -> None:
-    """The reader left: say when (the abandonment clock starts then; the producer deletes the row).
-    A reader that read the stream to its end deletes its row itself: nobody needs it any more.
-    Best effort: a row left behind expires and is swept."""
+async def leave(ctx: Context, instance: str, stream_id: str, reader: str, *, quietly: bool) -> None:
+    """The reader left: say when (the abandonment clock starts then; the producer deletes the row);
+    ``quietly``: delete the row (the reader read the stream to its end, or the stream went on
+    elsewhere: nobody needs it any more). Best effort: a row left behind expires and is swept."""
     with contextlib.suppress(StoreError):
-        if read_to_end:
-            await ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), f"r-{stream_id}-{nonce}")
+        if quietly:
+            await ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), f"r-{stream_id}-{reader}")
         else:
-            await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, nonce, left=True))
+            await ctx.store.upsert(STREAMS_TABLE, _reader_row(ctx, instance, stream_id, reader, left=True))
 
 
-def _reader_row(ctx: Context, instance: str, stream_id: str, nonce: str, **fields: bool) -> dict:
+def _reader_row(ctx: Context, instance: str, stream_id: str, reader: str, **fields: bool) -> dict:
     now = ctx.now()
     return {
         "PartitionKey": inbox_partition(instance),
-        "RowKey": f"r-{stream_id}-{nonce}",
+        "RowKey": f"r-{stream_id}-{reader}",
         "read_at": now,
         "expires": now + ctx.config.reader_row_seconds,
         **fields,

@@ -6,20 +6,18 @@ registered in the producer's inbox so that it writes fast, its instance's livene
 reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
 and follows the continuation: one answer, ids going on, one final event. A reader after an id its
 dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers (slots.py) while it reads."""
+text. Each reader holds a slot among the stream's readers, with its inbox row (slots.py), while it
+reads."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
-from . import inbox
 from .config import Context
 from .errors import PastTheEnd, StreamNotFound, Unavailable
 from .format import (
@@ -57,67 +55,51 @@ async def open_reader(
     ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None, released: Callable[[], None]
 ) -> Reader:
     """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``; ``released`` once it is
-    released)."""
+    released). A store that fails: Unavailable (ask again)."""
     producer = streams.producing(stream_id)
-    if producer is None:
-        reader = await _open_stored(ctx, streams, stream_id, start, caller)
-    else:
-        if producer.owner is not None and producer.owner != caller:
-            raise StreamNotFound("no such stream")
-        never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
-        if start > producer.last_id and not producer.ended_lost and not never_stored:
-            raise PastTheEnd(start, producer.last_id)
-        try:  # even here: the limit is the stream's, on all instances (a store that fails: ask again)
-            slot = await Slot.take(ctx, stream_id)
-        except StoreError as exc:
-            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    try:
+        if producer is None:
+            reader = await _open_stored(ctx, streams, stream_id, start, caller)
+        else:
+            if producer.owner is not None and producer.owner != caller:
+                raise StreamNotFound("no such stream")
+            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
+            if start > producer.last_id and not producer.ended_lost and not never_stored:
+                raise PastTheEnd(start, producer.last_id)
+            slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
+            reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+    except StoreError as exc:
+        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
     reader._released = released
     return reader
 
 
 async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
-    """A stream produced elsewhere (or by nobody any more): its record, a slot, the blob and the
-    reader's row in the producer's inbox (at once), then ``after`` checked."""
-    try:
-        record = await read_record(ctx, stream_id, caller)
-    except StoreError as exc:
-        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-    # The slot, the stored log and the inbox row at once: the producer writes what it holds as
-    # soon as it sees the row, so the reader follows closely from its first events.
+    """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
+    reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
+    reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
+    record = await read_record(ctx, stream_id, caller)
     live = record.state == "live"
-    nonce = secrets.token_hex(4)
     stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
-    steps: list[Awaitable] = [
-        Slot.take(ctx, stream_id),
+    slot, data, _ = await asyncio.gather(
+        Slot.take(ctx, stream_id, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
-    ]
-    if live:
-        steps.append(inbox.register(ctx, record.instance, stream_id, nonce))
-        if stored is None:
-            steps.append(_make_log(ctx, stream_id))
-    answers = await asyncio.gather(*steps, return_exceptions=True)
-    slot = answers[0] if isinstance(answers[0], Slot) else None
-    failed = next((a for a in answers if isinstance(a, BaseException)), None)
-    registered = nonce if live else None
-    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record, registered)
+        # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
+        ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
+        return_exceptions=True,
+    )
+    if not isinstance(slot, Slot) or not isinstance(data, bytes):
+        if isinstance(slot, Slot):
+            slot.release()
+        raise slot if isinstance(slot, BaseException) else data  # type: ignore[misc] - one of the two failed
+    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
-        if failed is not None:
-            if isinstance(failed, StoreError):
-                raise Unavailable(f"the stream's store is unavailable ({failed})") from None
-            raise failed
         tail = reader.tail = Tail(after)
-        reader._first = tail.feed(answers[1])  # type: ignore[arg-type] - the read's bytes (no exception: above)
+        reader._first = tail.feed(data)
         if after > tail.last_id and not tail.broken:
-            if tail.end is None and live:
-                reader._first += await reader.wait_past_end()
-            acked = tail.acks.get(nonce)
-            if not tail.broken and (
-                (tail.end == END and after > tail.last_id) or (acked is not None and after > acked)
-            ):
-                raise PastTheEnd(after, tail.last_id)
+            reader._first += await reader._past_the_end(live)
     except BaseException:
-        reader._leave()
+        reader._release()  # (not counted yet)
         raise
     return reader
 
@@ -150,8 +132,7 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 
 class _Cadence:
-    """When a reader from the store next polls the blob (``poll``), checks the producer, says it
-    still reads."""
+    """When a reader from the store next polls the blob (``poll``)."""
 
     def __init__(self, ctx: Context, now: float):
         self._cfg = ctx.config
@@ -161,8 +142,6 @@ class _Cadence:
         # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
         self._first_until = now + self._cfg.inbox_seconds + 0.5
         self._got = False
-        self._next_state = now + self._cfg.state_seconds
-        self._next_refresh = now + self._cfg.read_refresh_seconds
 
     def read(self, got: bool) -> None:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
@@ -177,18 +156,6 @@ class _Cadence:
             self.poll = (
                 cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
             )
-
-    def state_due(self, now: float) -> bool:
-        if now >= self._next_state:
-            self._next_state = now + self._cfg.state_seconds
-            return True
-        return False
-
-    def refresh_due(self, now: float) -> bool:
-        if now >= self._next_refresh:
-            self._next_refresh = now + self._cfg.read_refresh_seconds
-            return True
-        return False
 
 
 class Reader:
@@ -206,9 +173,8 @@ class Reader:
         stream_id: str,
         route: str,
         after: int,
-        slot: Slot | None,
+        slot: Slot,
         record: Record | None = None,
-        nonce: str | None = None,
     ):
         self._released: Callable[[], None] | None = None  # (set once opened)
         self._ctx = ctx
@@ -221,8 +187,6 @@ class Reader:
         self._slot = slot
         self.record = record
         self.tail: Tail | None = None
-        self._nonce = nonce or secrets.token_hex(4)
-        self._registered: str | None = record.instance if nonce is not None and record is not None else None
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
@@ -247,7 +211,9 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        self._leave()
+        """Give back the slot and the inbox row, and its count here (once): when it is closed or read
+        to its end."""
+        self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
         if self._released is not None:
             released, self._released = self._released, None
             released()
@@ -271,17 +237,7 @@ class Reader:
                 finally:
                     await source.aclose()
         finally:
-            self._leave()
-
-    def _leave(self) -> None:
-        """Give back the slot and the inbox row (once)."""
-        if self._slot is not None:
-            self._slot.release()
-            self._slot = None
-        if self._registered is not None:
-            ended = self.tail is not None and self.tail.end is not None
-            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=ended))
-            self._registered = None
+            self._release()
 
     # -- from memory ----------------------------------------------------------------------------
 
@@ -289,6 +245,7 @@ class Reader:
         """Until the stream ends, or goes on elsewhere (``moved``: then from the store)."""
         producer.attach()
         try:
+            await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.cursor):
                 self._done = True
                 yield self._never_stored()
@@ -329,7 +286,7 @@ class Reader:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             record_at = loop.time() + 3 * cfg.poll_seconds
-            patience = cfg.give_up_seconds
+            state_at = loop.time() + cfg.state_seconds  # the producer's next check
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -338,7 +295,7 @@ class Reader:
                 try:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
-                    await self._register(cadence.refresh_due(now))
+                    await self._slot.follow(self.record.instance if self.record.state == "live" else None)
                     if tail.offset == 0 and self.record.events is None and now >= record_at:
                         # Nothing stored yet: the stream may have ended with its whole log in the
                         # record (its producer did not see this reader in time).
@@ -352,11 +309,13 @@ class Reader:
                         yield out
                     if tail.end is not None or tail.broken:
                         break
-                    if cadence.state_due(now):
+                    if now >= state_at:
+                        state_at = now + cfg.state_seconds
                         if not await producer_gone(ctx, self.record, tail, self._grew_at):
                             self._gone_at = None
                         elif not tail.handover and (
-                            self._gone_at is None or (self.cursor > tail.last_id and now - self._gone_at < patience)
+                            self._gone_at is None
+                            or (self.cursor > tail.last_id and now - self._gone_at < cfg.give_up_seconds)
                         ):
                             # Twice, a check apart: a producer renamed under load (Instances fenced
                             # it) says so in the record meanwhile; a dead one stays gone. A reader
@@ -407,16 +366,6 @@ class Reader:
         self.cursor = max(self.cursor, tail.cursor)
         return out
 
-    async def _register(self, refresh: bool) -> None:
-        """Be in the inbox of the stream's producing instance: refreshed, and moved with the stream."""
-        record = self.record
-        if record is None or record.state != "live" or (self._registered == record.instance and not refresh):
-            return
-        await inbox.register(self._ctx, record.instance, self.stream_id, self._nonce)
-        if self._registered is not None and self._registered != record.instance:
-            self._ctx.spawn(inbox.leave(self._ctx, self._registered, self.stream_id, self._nonce, read_to_end=False))
-        self._registered = record.instance
-
     async def _reread(self) -> Record:
         row = await self._ctx.store.get(STREAMS_TABLE, self.stream_id, RECORD_ROW, select=READER_FIELDS)
         if row is None:  # swept: its TTL passed (a record of nobody's, lost)
@@ -444,7 +393,9 @@ class Reader:
         outcome = await self._streams.take_over(self.stream_id, self.cursor) if fresh.state == "live" else "lost"
         if outcome == "lost":
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
-            self._ctx.spawn(_mark_lost(self._ctx, self.stream_id))
+            # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
+            over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
+            self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
             self._done = True
             return out + self._lost("the stream's producer was lost"), True
         if outcome == "elsewhere":
@@ -468,9 +419,10 @@ class Reader:
         log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
         return self._lost("the events after this one were lost with the instance that produced them")
 
-    async def wait_past_end(self) -> bytes:
-        """``after`` is past what is stored of a live stream: wait (bounded) until the stored log
-        reaches it, or the producer acks this reader with its last id, or it is gone. What was read
+    async def _past_the_end(self, live: bool) -> bytes:
+        """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its
+        producer acks this reader with an earlier last id; for a ``live`` stream, waited for (bounded)
+        until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
         meanwhile is returned (the events after the cursor)."""
         ctx, cfg = self._ctx, self._cfg
         tail, record = self.tail, self.record
@@ -481,10 +433,11 @@ class Reader:
         read = b""
         try:
             while (
-                self.after > tail.last_id
+                live
+                and self.after > tail.last_id
                 and tail.end is None
                 and not tail.broken
-                and self._nonce not in tail.acks
+                and self._slot.id not in tail.acks
                 and loop.time() < deadline
             ):
                 await asyncio.sleep(cfg.poll_seconds / 2)
@@ -497,23 +450,14 @@ class Reader:
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
+        acked = tail.acks.get(self._slot.id)
+        if not tail.broken and (
+            (tail.end == END and self.after > tail.last_id) or (acked is not None and self.after > acked)
+        ):
+            raise PastTheEnd(self.after, tail.last_id)
         return read
 
 
 def _stored_log(record: Record, offset: int) -> bytes | None:
     """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
     return record.events.encode()[offset:] if record.events is not None else None
-
-
-async def _make_log(ctx: Context, stream_id: str) -> None:
-    """Make the live stream's blob as this reader registers, if its producer has not yet: its
-    first write for this reader is then one call. Best effort (the producer makes it otherwise)."""
-    with contextlib.suppress(StoreError):  # AlreadyExists among them
-        await ctx.store.append_create(stream_id)
-
-
-async def _mark_lost(ctx: Context, stream_id: str) -> None:
-    """Record that nobody produces ``stream_id`` any more (a reader found out and no takeover is
-    possible): it is deleted ``ttl_seconds`` from now, like a stream that ended."""
-    with contextlib.suppress(StoreError):
-        await ctx.store.merge(STREAMS_TABLE, record_over(stream_id, "lost", ctx.now() + ctx.config.ttl_seconds))

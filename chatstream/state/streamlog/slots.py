@@ -1,51 +1,72 @@
-"""A stream's reader slots: the limit of readers per stream holds across instances: each reader holds
-one of the stream's ``max_readers_per_stream`` slot rows (partition ``{id}``, RowKeys
-``slot-00``…), taken with an insert (or, when its holder stopped refreshing it, a conditional
-replace), so the check and the taking are one write."""
+"""A reader's hold on a stream (``Slot``), named by the reader's id: its slot and, while the stream
+is produced on another instance, its row in that instance's inbox (inbox.py: the producer writes fast
+for it, acks it, does not abandon the stream), taken at once, refreshed every ``read_refresh_seconds``
+by one task, given back together. The slots make the limit of readers per stream hold across
+instances: each reader holds one of the stream's ``max_readers_per_stream`` slot rows (partition
+``{id}``, RowKeys ``slot-00``…), taken with an insert (or, when its holder stopped refreshing it, a
+conditional replace), so the check and the taking are one write."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
 from ..store import STREAMS_TABLE, Where
+from . import inbox
 from .config import Context
 from .errors import TooManyReaders
 
 
 class Slot:
-    """One of a stream's reader slots, held while the reader reads (refreshed every
-    ``read_refresh_seconds``; free ``slot_seconds`` after its holder stopped)."""
+    """A reader's slot, and its inbox row while the stream is produced elsewhere (module docstring).
+    ``id`` names both (and the producer's ack of it: ``Tail.acks``)."""
 
-    def __init__(self, ctx: Context, stream_id: str, key: str, holder: str, etag: str):
+    def __init__(self, ctx: Context, stream_id: str):
         self._ctx = ctx
         self._stream_id = stream_id
-        self._key = key
-        self._holder = holder
-        self._etag = etag
-        self._keeping = ctx.spawn(self._keep())
+        self.id = secrets.token_hex(6)
+        self._key = ""
+        self._etag: str | None = None  # while the slot is this reader's
+        self._at: str | None = None  # the instance whose inbox holds this reader's row
+        self._keeping: asyncio.Task | None = None
 
     @classmethod
-    async def take(cls, ctx: Context, stream_id: str) -> Slot:
-        """A free slot: one insert into a random one; if it is taken, one look at them all, then two
-        free or expired ones at most, twice. TooManyReaders when none is left (or the others were
-        quicker: never one too many); StoreError. A write whose answer was lost may have taken a
-        slot: it is given back (its row names this holder)."""
-        store, cfg = ctx.store, ctx.config
-        holder = secrets.token_hex(6)
-        keys = [f"slot-{i:02d}" for i in range(cfg.max_readers_per_stream)]
+    async def take(cls, ctx: Context, stream_id: str, at: str | None = None) -> Slot:
+        """A free slot, with the reader's row in the inbox of ``at`` (the producing instance, when
+        another one) written at once: the producer writes what it holds as soon as it sees the row.
+        TooManyReaders when no slot is left; StoreError (then nothing is held)."""
+        slot = cls(ctx, stream_id)
+        answers = await asyncio.gather(slot._take(), slot.follow(at), return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            slot._at = at  # (a write whose answer was lost may have landed)
+            slot.release()
+            raise failed
+        slot._keeping = ctx.spawn(slot._keep())
+        return slot
+
+    async def _take(self) -> None:
+        """One insert into a random slot; if it is taken, one look at them all, then two free or
+        expired ones at most, twice. TooManyReaders when none is left (or the others were quicker:
+        never one too many); StoreError. A write whose answer was lost may have taken a slot: it is
+        given back (its row names this reader)."""
+        ctx, store = self._ctx, self._ctx.store
+        keys = [f"slot-{i:02d}" for i in range(ctx.config.max_readers_per_stream)]
         random.shuffle(keys)
 
-        async def write(key: str, etag: str | None) -> Slot:
-            row = _slot_row(ctx, stream_id, key, holder)
+        async def write(key: str, etag: str | None) -> None:
+            row = _slot_row(ctx, self._stream_id, key, self.id)
             try:
                 if etag is None:
-                    return cls(ctx, stream_id, key, holder, await store.insert(STREAMS_TABLE, row))
-                return cls(ctx, stream_id, key, holder, await store.replace(STREAMS_TABLE, row, etag=etag))
+                    self._etag = await store.insert(STREAMS_TABLE, row)
+                else:
+                    self._etag = await store.replace(STREAMS_TABLE, row, etag=etag)
+                self._key = key
             except StoreUnavailable:
-                ctx.later(lambda: _give_back(ctx, stream_id, key, holder))
+                ctx.later(lambda: _give_back(ctx, self._stream_id, key, self.id))
                 raise
 
         try:
@@ -53,7 +74,7 @@ class Slot:
         except AlreadyExists:
             pass
         for _ in range(2):
-            where = Where(partition=stream_id, rows_from="slot-", rows_to="slot.", select=("until",))
+            where = Where(partition=self._stream_id, rows_from="slot-", rows_to="slot.", select=("until",))
             held = {row["RowKey"]: row for row in await store.query(STREAMS_TABLE, where)}
             now = ctx.now()
             free = [k for k in keys if k not in held]
@@ -67,33 +88,52 @@ class Slot:
                     continue
         raise TooManyReaders("too many readers of this stream")
 
+    async def follow(self, at: str | None) -> None:
+        """The stream is produced on ``at`` now (None: here, or by nobody): the inbox row moves
+        there; the one it leaves is deleted (nobody reads it for this stream any more). StoreError."""
+        if at == self._at:
+            return
+        if at is not None:
+            await inbox.register(self._ctx, at, self._stream_id, self.id)
+        if self._at is not None:
+            self._ctx.spawn(inbox.leave(self._ctx, self._at, self._stream_id, self.id, quietly=True))
+        self._at = at
+
     async def _keep(self) -> None:
         refresh = self._ctx.config.read_refresh_seconds
         pause = refresh
         while True:
             await asyncio.sleep(pause)
             try:
-                row = _slot_row(self._ctx, self._stream_id, self._key, self._holder)
-                self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
+                if self._etag is not None:
+                    row = _slot_row(self._ctx, self._stream_id, self._key, self.id)
+                    try:
+                        self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
+                    except (Modified, NotFound):
+                        # A refresh whose answer was lost landed (the row names this reader: it holds on),
+                        # or the slot expired and was taken (this reader was too slow: it reads on).
+                        held = await self._ctx.store.get(STREAMS_TABLE, self._stream_id, self._key, select=("holder",))
+                        self._etag = held.etag if held is not None and held.get("holder") == self.id else None
+                if self._at is not None:
+                    await inbox.register(self._ctx, self._at, self._stream_id, self.id)
                 pause = refresh
-            except (Modified, NotFound):
-                return  # it expired and was taken (this reader was too slow): it reads on
             except StoreError:
                 # Again soon, not a whole interval later: the slot outlives its last refresh by
                 # slot_seconds (about three intervals), and a busy store can fail two in a row.
                 pause = min(1.0, refresh / 4)
 
-    def release(self) -> None:
+    def release(self, read_to_end: bool = False) -> None:
+        """Give both back (once). A reader that read the stream to its end deletes its inbox row;
+        one that left says when (the producer's abandonment clock starts then)."""
         if self._keeping is not None:
             self._keeping.cancel()
             self._keeping = None
-            self._ctx.later(self._give_back)
-
-    async def _give_back(self) -> None:
-        try:
-            await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, self._key, etag=self._etag)
-        except Modified:  # a refresh landed as it was cancelled: the row is still ours if it names us
-            await _give_back(self._ctx, self._stream_id, self._key, self._holder)
+        if self._etag is not None:
+            etag, self._etag = self._etag, None
+            self._ctx.later(lambda: _give_back(self._ctx, self._stream_id, self._key, self.id, etag))
+        if self._at is not None:
+            self._ctx.spawn(inbox.leave(self._ctx, self._at, self._stream_id, self.id, quietly=read_to_end))
+            self._at = None
 
 
 def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
@@ -101,8 +141,12 @@ def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
     return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until}
 
 
-async def _give_back(ctx: Context, stream_id: str, key: str, holder: str) -> None:
-    """Free the slot ``key`` if ``holder`` holds it (a conditional delete: never someone else's)."""
+async def _give_back(ctx: Context, stream_id: str, key: str, holder: str, etag: str | None = None) -> None:
+    """Free the slot ``key`` if ``holder`` holds it (a conditional delete: never someone else's): on
+    ``etag``, its last write's, else (or a refresh landed as it was cancelled) if its row names ``holder``."""
+    if etag is not None:
+        with contextlib.suppress(Modified):
+            return await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=etag)
     row = await ctx.store.get(STREAMS_TABLE, stream_id, key, select=("holder",))
     if row is not None and row.get("holder") == holder:
         await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=row.etag)
