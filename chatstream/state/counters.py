@@ -662,7 +662,8 @@ class Counters:
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
         """Reserve each ``Want`` (one request and its tokens and money against every limit that
-        applies), all or nothing: a refusal by one gives back at once what the others reserved."""
+        applies), all or nothing: a refusal by one gives back at once what the others reserved; so
+        does a reservation cancelled while it waits (its caller gone)."""
         now = self.clock()
         for want in wants:
             if want.need > want.limit:
