@@ -176,7 +176,12 @@ class Accounting:
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
-        await self.journal.listed(entry, LISTED_WITHIN)
+        try:
+            await self.journal.listed(entry, LISTED_WITHIN)
+        except BaseException:  # cancelled (its caller hung up): nothing is kept
+            reserved.release()
+            self.journal.drop(entry)
+            raise
         return Admission(caller, wants, reserved, counted, model, price, entry, started)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:

@@ -662,7 +662,8 @@ class Counters:
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
         """Reserve each ``Want`` (one request and its tokens and money against every limit that
-        applies), all or nothing: a refusal by one gives back at once what the others reserved."""
+        applies), all or nothing: a refusal by one gives back at once what the others reserved; so
+        does a reservation cancelled while it waits (its caller gone)."""
         now = self.clock()
         for want in wants:
             if want.need > want.limit:
@@ -676,21 +677,29 @@ class Counters:
             (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
         ]
         if waiting:
-            clock = self.store.clock
-            asked = clock.answered_at
-            _, pending = await asyncio.wait([future for _, _, future in waiting], timeout=RESERVE_TIMEOUT)
-            # Slow is not down: the store answered something meanwhile, or its answers have been slow
-            # lately (a busy store); one that answered quickly until it stopped answering is down.
-            if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
-                _, pending = await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
-            for future in pending:
-                future.cancel()  # unavailable: a part granted later comes back (Lease._answer)
-            parts += [part for _, _, future in waiting if not future.cancelled() and (part := future.result())]
+            futures = [future for _, _, future in waiting]
+            try:
+                await self._wait(futures)
+            except BaseException:  # the reserving task was cancelled (its caller hung up): nothing is kept
+                Reservation(parts + _granted(futures)).release()
+                raise
+            parts += _granted(futures)
         if len(parts) == len(leases):
             return Reservation(parts, self._rates(leases, now))
         Reservation(parts).release()  # all or nothing: what the others reserved goes back
         refused = [(lease, w) for lease, w, future in waiting if not future.cancelled() and future.result() is None]
         return self._refusal(refused, now) if refused else Unavailable()
+
+    async def _wait(self, futures: list[asyncio.Future[Part | None]]) -> None:
+        """Until every future is answered, or the store is taken for down (``RESERVE_TIMEOUT``), or
+        slow for too long (``SLOW_TIMEOUT``)."""
+        clock = self.store.clock
+        asked = clock.answered_at
+        _, pending = await asyncio.wait(futures, timeout=RESERVE_TIMEOUT)
+        # Slow is not down: the store answered something meanwhile, or its answers have been slow
+        # lately (a busy store); one that answered quickly until it stopped answering is down.
+        if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
+            await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
 
     def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
@@ -748,6 +757,14 @@ class Counters:
         for flight in flights:
             flight.cancel()
         await asyncio.gather(*flights, return_exceptions=True)
+
+
+def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:
+    """The parts the futures were granted; those still waiting give up (unavailable: a part granted
+    later comes back, ``Lease._answer``)."""
+    for future in futures:
+        future.cancel()
+    return [part for future in futures if not future.cancelled() and (part := future.result())]
 
 
 def _retry(want: Want, now: float) -> float | None:

@@ -472,3 +472,31 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
         r["cost"] for r in found
     )
     await state.close()
+
+
+async def test_an_admission_cancelled_while_the_journal_lists_it_keeps_nothing():
+    """The caller hangs up (its task is cancelled) after the limits granted the request, while the
+    journal write that lists it answers slowly: what was reserved comes back, the journal drops it."""
+    data = account()
+    state, acc = instance(data, "a")
+    caller, _ = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
+    first, rec = await admit(acc, caller, max_tokens=10)  # the journal and the counters written once
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(5, 5))
+    assert await acc.flush(5)
+    store = state.store
+    assert isinstance(store, MemoryStore)
+    store.inject(Fault("slow", frozenset({"put"}), table="blob", delay=1.5))  # under LISTED_WITHIN
+    asking = asyncio.ensure_future(admit(acc, caller, max_tokens=10))
+    await until(lambda: len(state.journal.entries) == 1, what="the request opened in the journal")
+    await asyncio.sleep(0.3)
+    assert not asking.done()  # waiting for its listing
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    assert await acc.flush(5)
+    assert not state.journal.entries
+    for row in ("tokens", "tpm"):
+        found = counter(data, caller.limits_partition, row)
+        assert (found["taken"], found.get("holds") or "") == (10, ""), found
+    await state.close()

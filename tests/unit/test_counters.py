@@ -316,3 +316,74 @@ async def test_idle_capacity_held_by_many_instances_stays_under_a_tenth_of_the_l
     idle = sum(e.held for e in parse_holds(found["holds"]).values())  # nothing is reserved: all of it idle
     assert idle <= 10_000 // 10 + 8, idle  # rounding: a token per instance at most
     assert found["taken"] == idle
+
+
+def _team_tokens(limit: int, need: int) -> Want:
+    return want("tokens", limit, need, period="month", partition="team:t|1")
+
+
+async def _whole(data: MemoryData, c: Counters, spent: dict[tuple[str, str], int], limits: dict[tuple[str, str], int]):
+    """Flushed, every row holds nothing for ``c`` and has taken exactly what was ``spent``; a request
+    of all that is left of each limit is admitted (nothing stays reserved here)."""
+    for _ in range(20):
+        if await c.flush(1):
+            break
+        await asyncio.sleep(0.6)  # a failed exchange tries again after its backoff
+    for (partition, key), limit in limits.items():
+        found = data.tables.get(LIMITS_TABLE, {}).get(partition, {}).get(key)
+        taken, holds = (found[0]["taken"], parse_holds(found[0].get("holds"))) if found else (0, {})
+        assert (taken, sum(e.held for e in holds.values())) == (spent.get((partition, key), 0), 0), (key, found)
+        rest = limit - spent.get((partition, key), 0)
+        whole = [want(key, limit, rest, period="minute" if key == "tpm" else "month", partition=partition)]
+        again = await c.reserve(whole)
+        assert isinstance(again, Reservation), (key, again)
+        again.release()
+
+
+@pytest.mark.parametrize("granted", ["from the hold", "by its exchange"])
+async def test_a_reservation_cancelled_while_it_waits_gives_back_what_one_limit_granted(granted):
+    """The caller hangs up while its admission waits for the store: the caller's tokens per minute
+    granted (served from the hold, or by an exchange that answered), the team's budget still waiting
+    (a frozen store, or a slow one). What was granted, and what is granted after, comes back."""
+    data = MemoryData()
+    c = counters(data, "a")
+    store = c.store
+    assert isinstance(store, MemoryStore)
+    if granted == "from the hold":
+        first = await c.reserve([want("tpm", 10_000, 100)])  # a lone request: one more kept for the next
+        assert isinstance(first, Reservation)
+        first.release()
+        await asyncio.sleep(0.05)
+        store.freeze()
+        wants = [want("tpm", 10_000, 100), _team_tokens(2_400, 200)]
+    else:  # the team's counter answers slowly (its flight starts first: its read is the first call)
+        store.inject(Fault("slow", frozenset({"get"}), delay=1.0))
+        wants = [_team_tokens(2_400, 200), want("tpm", 10_000, 100)]
+    asking = asyncio.ensure_future(c.reserve(wants))
+    await asyncio.sleep(0.3)  # under RESERVE_TIMEOUT: the reservation still waits
+    assert not asking.done()
+    if granted == "from the hold":
+        assert data.calls["get"] == 1 + 1  # the team's read only (tpm served from the hold here)
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    store.thaw()
+    await asyncio.sleep(1.0)  # the slow answer comes, and the frozen calls time out
+    await _whole(data, c, {}, {("c|1", "tpm"): 10_000, ("team:t|1", "tokens"): 2_400})
+
+
+async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_part_back():
+    """The team's budget refuses (on a slow read) after the caller's tokens per minute were granted
+    by their exchange: the reservation is refused and the granted part comes back."""
+    data = MemoryData()
+    c = counters(data, "a")
+    store = c.store
+    assert isinstance(store, MemoryStore)
+    spent = await c.reserve([_team_tokens(2_400, 2_300)])
+    assert isinstance(spent, Reservation)
+    spent.settle({CounterKey("team:t|1", "tokens"): 2_300}).confirm()
+    assert await c.flush(3)
+    store.inject(Fault("slow", frozenset({"get"}), delay=1.0))  # the team's re-read (its flight runs first)
+    refused = await c.reserve([_team_tokens(2_400, 200), want("tpm", 10_000, 100)])
+    assert isinstance(refused, Refused) and refused.limit.kind == "token_budget", refused
+    await _whole(data, c, {("team:t|1", "tokens"): 2_300}, {("c|1", "tpm"): 10_000, ("team:t|1", "tokens"): 2_400})
