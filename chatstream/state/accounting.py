@@ -315,13 +315,18 @@ class Accounting:
             spent -= was.total_tokens
             cost -= was.cost or 0
         wants = [replace(w, need=cost if w.row == "spend" else spent) for w in admission.wants]  # its limits
-        admission.lost = self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+        admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
 
-    def _correct(self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float) -> JournalEntry:
+    async def _correct(
+        self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float
+    ) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
-        journal's entry ``key``: counted once its row is written (journal.py), never lost."""
+        journal's entry ``key``: counted once its row is written (journal.py), never lost. Journaled
+        once this instance has its entry in each budget row (it may have held none of it): a takeover
+        applies it from there (unless the counters' store is down meanwhile: then it waits no longer)."""
         settlement = self.counters.adjust(wants, at, confirmed=False)
+        await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(asdict(charge))
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
@@ -388,7 +393,7 @@ class Accounting:
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
-        self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
+        await self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait for the charges in flight to be settled and written everywhere (tests, shutdown)."""

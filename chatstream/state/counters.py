@@ -27,7 +27,9 @@ equals what the instances hold plus what was spent, whatever pattern of timeouts
 **A dead instance gives back** (journal.py's recovery takes its entry out of each budget row it held). For
 that, this instance's journal lists a budget counter before any of it is held here (``WriteAhead``),
 and a charge enters a budget's row only once its ledger row is written (``Settlement.confirm``), in
-the order charges were made: the entry's ``applied`` is the last one in. Minute windows need
+the order charges were made: the entry's ``applied`` is the last one in. The entry stays while a
+charge is not in yet (its ``held`` may be 0, or below: a give-back), and one where this instance
+held nothing is journaled once the entry is there (``Counters.entered``). Minute windows need
 nothing: they end.
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
@@ -281,6 +283,12 @@ class Lease:
         books = (self.held, self.balance, self.reserved, self.debt, self.staged, self.waiters, self.uncertain)
         return any(books)
 
+    def entered(self) -> bool:
+        """Whether this instance's entry is in the row (as last read or written here). From then on
+        until its charges are in, the entry stays: a takeover of this instance applies those not in yet
+        (journal.py), so a charge is journaled once it is there (``Counters.entered``)."""
+        return self.seen.counts_in(self.window) and self.counters.instance in self.seen.holds
+
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a debt, a charge, a lost answer):
         if so, the hold ends and an exchange starts."""
@@ -331,7 +339,7 @@ class Lease:
             self.uncertain is not None
             or (self.hold.top_up and holding)
             or bool(self._pending())
-            or self.debt > 0
+            or self.debt != 0  # a give-back's too: it enters the row with this instance's entry (``entered``)
             or bool(self._applicable())
             or self.balance > (self.hold.share if holding else 0)
         )
@@ -407,9 +415,9 @@ class Lease:
             window = self.window
             assert window is not None
             waiters = self._pending()
-            if self.period != "minute" and self.held == 0 and waiters and counters.journal is not None:
-                # A budget's first capacity here: the journal lists the counter before the row says
-                # we hold some, so a takeover of this instance finds it.
+            if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
+                # A budget's first capacity (or charge) here: the journal lists the counter before the
+                # row has our entry, so a takeover of this instance finds it.
                 await counters.journal.note_counter(self.key, self.holds)
                 waiters = self._pending()
             room = max(0, self.limit - taken) + self.balance
@@ -434,7 +442,7 @@ class Lease:
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta + debt - spent
-            if held > 0:
+            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``entered``)
                 holds[counters.instance] = Entry(
                     held, applied[-1].seq if applied else self.applied, self.exchange, keep
                 )
@@ -568,6 +576,10 @@ class Settlement:
         (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
             lease.lessen(staged, amounts.get(lease.key, 0))
+
+    def entered(self) -> bool:
+        """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
+        return all(lease.entered() or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
     def confirm(self) -> None:
         for lease, staged in self.staged:
@@ -735,6 +747,19 @@ class Counters:
             if staged is not None:
                 settlement.staged.append((lease, staged))
         return settlement
+
+    async def entered(self, settlement: Settlement, within: float) -> bool:
+        """Wait until ``settlement``'s rows have this instance's entry (``Lease.entered``; a
+        correction where it held nothing: its first exchange), at most ``within`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while not settlement.entered() and (left := deadline - loop.time()) > 0:
+            flights = [lease.flight for lease, _ in settlement.staged if lease.flight is not None]
+            if flights:
+                await asyncio.wait(flights, timeout=left)
+            else:  # none in flight (a failed exchange waits for its retry)
+                await asyncio.sleep(min(0.05, left))
+        return settlement.entered()
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

@@ -12,10 +12,12 @@ for is in a journal.
 
 A charge goes through three steps: the journal lists it, its ledger row is written (ledger.py), it
 enters the budget counters' rows (counters.py), and it leaves the journal. So a recovery knows, from
-the journal and the counter rows' ``applied`` numbers, exactly which charges each row has. Not
-recovered: requests admitted while the journal could not be written (a store outage: listed once
-it is back), and charges made while the store could not be written at all, by an instance that
-then died.
+the journal and the counter rows' ``applied`` numbers, exactly which charges each row has: a charge
+is journaled once this instance's entry is in its rows (a correction where it held nothing waits for
+its first exchange: accounting._correct), and the entry stays until its charges are in, so a row
+without it owes nothing. Not recovered: requests admitted while the journal could not be written
+(a store outage: listed once it is back), and charges made while the store could not be written at
+all, by an instance that then died.
 
 ``Recovery.recover(dead, taker)`` takes four steps, each idempotent (a ledger row is inserted once, a
 raised row keeps what was counted of it, a counter entry is taken out once): a takeover that dies

@@ -387,3 +387,28 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
     refused = await c.reserve([_team_tokens(2_400, 200), want("tpm", 10_000, 100)])
     assert isinstance(refused, Refused) and refused.limit.kind == "token_budget", refused
     await _whole(data, c, {("team:t|1", "tokens"): 2_300}, {("c|1", "tpm"): 10_000, ("team:t|1", "tokens"): 2_400})
+
+
+@pytest.mark.parametrize("need", [-150, 150])
+async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
+    """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
+    the row: its first exchange puts this instance's entry in the row (``Counters.entered``: then it
+    may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
+    older versions read it too), and then goes."""
+    data = MemoryData()
+    a, b = counters(data, "a"), counters(data, "b")
+    first = await a.reserve([want("tokens", 2_400, 200, "month")])
+    assert isinstance(first, Reservation)
+    first.settle({CounterKey("c|1", "tokens"): 200}).confirm()
+    assert await a.flush(3) and row(data, "c|1", "tokens")["taken"] == 200
+    settlement = b.adjust([want("tokens", 2_400, need, "month")], T0, confirmed=False)
+    assert await b.entered(settlement, 3)
+    entry = parse_holds(row(data, "c|1", "tokens")["holds"])["b"]
+    assert entry.held == need and entry.applied == 0  # what the row took of it, not in yet
+    assert row(data, "c|1", "tokens")["taken"] == 200 + need
+    await asyncio.sleep(0.5)
+    assert "b" in parse_holds(row(data, "c|1", "tokens")["holds"])  # unconfirmed: it stays
+    settlement.confirm()
+    assert await b.flush(3)
+    found = row(data, "c|1", "tokens")
+    assert found["taken"] == 200 + need and not found.get("holds")

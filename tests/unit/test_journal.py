@@ -702,3 +702,53 @@ async def test_a_background_responses_usage_seen_is_journaled_and_charged_once_i
         assert row["cost"] == price.cost(40, 0, 60)
         spent_as_the_ledger(data, caller, team, rows.values())
     await a.close()
+
+
+@pytest.mark.parametrize("at_once", [False, True])
+@pytest.mark.parametrize("dies", ["before_it_is_applied", "after_it_is_applied"])
+@pytest.mark.parametrize("completion", [60, 3000])
+async def test_a_correction_by_an_instance_that_never_held_its_budgets_is_applied_once_if_it_dies(
+    completion: int, dies: str, at_once: bool
+):
+    """As above, but B never reserved against the budgets: it holds no part of their rows. Its
+    correction (``completion`` 60: a give-back, the response used less than it reserved; 3000: more)
+    is journaled, and B dies before it reaches the rows, or after, its journal still listing it
+    (its journal writes fail from then on). The takeover applies it exactly once; two at once
+    (``at_once``), or a second one after, add nothing. Before, it was lost: a takeover gave back
+    only in rows where the dead instance had an entry (a row 908 tokens above the ledger)."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    admitted, rec = await admit(acc_a, caller, max_output_tokens=1000, background=True)
+    assert isinstance(admitted, Admission)
+    await acc_a.claim("response", "resp_bg", admitted, background=True)
+    finish(acc_a, admitted, rec, None)
+    assert await acc_a.flush(5)
+    assert isinstance(b.store, MemoryStore)
+    ledger_down = b.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**9))
+    await acc_b.charge_seen(caller, "response", "resp_bg", MODEL, Used(40, 0, completion), "responses")
+    await until(lambda: entry_of(data, "instance-b", "resp_bg/seen") is not None, what="journaled on B")
+    assert ledger_rows(data) == {}
+    if dies == "after_it_is_applied":
+        b.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
+        ledger_down.times = 0
+        await until(
+            lambda: counter(data, caller.limits_partition, "tokens")["taken"] == 40 + completion,
+            what="the correction in the caller's row",
+        )
+        assert entry_of(data, "instance-b", "resp_bg/seen") is not None
+    await kill(b)
+    team = (await a.registry.get_team("t")).limits_partition
+    c, _ = instance(data, "instance-c")
+    recoveries = [Recovery(a.store, a.ledger).recover("instance-b", "instance-a")]
+    recoveries.append(Recovery(c.store, c.ledger).recover("instance-b", "instance-c"))
+    if at_once:
+        await asyncio.gather(*recoveries)
+    else:
+        for recovery in recoveries:
+            await recovery
+    rows = ledger_rows(data)
+    assert list(rows) == ["resp_bg"] and rows["resp_bg"]["cost"] == price.cost(40, 0, completion)
+    spent_as_the_ledger(data, caller, team, rows.values())
+    assert journal_doc(data, "instance-b") is None
+    await a.close()
+    await c.close()
