@@ -152,7 +152,7 @@ CAUSES = (
     ("registry, callers, prices", ("state/registry.py", "state/callers.py", "state/prices.py")),
     ("other state/", ("chatstream/state/",)),
 )
-STORE = ("state/store_rest.py", "state/store_azure.py", "aiohttp/", "email/")
+STORE = ("state/store_azure.py", "state/store_account.py", "aiohttp/", "email/")
 
 
 def _cause(stack: list[str]) -> str:
