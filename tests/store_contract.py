@@ -153,6 +153,16 @@ async def a_batch_delete_of_a_row_that_is_not_there_fails_the_batch(store: Store
 
 
 @check
+async def a_batch_checks_its_rows_and_keeps_no_nulls(store: Store, p: str) -> None:
+    with pytest.raises(ValueError):  # checked before any call, as a single write is
+        await store.batch(T, [Op("upsert", {"PartitionKey": p, "RowKey": "a", "n": 2**63})])
+    await store.batch(T, [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1, "gone": None})])
+    await store.batch(T, [Op("merge", {"PartitionKey": p, "RowKey": "a", "m": 2, "n": None})])
+    row = await store.get(T, p, "a")
+    assert row is not None and (row["n"], row["m"]) == (1, 2) and "gone" not in row
+
+
+@check
 async def table_storage_limits_are_checked_before_any_call(store: Store, p: str) -> None:
     for entity in (
         {"PartitionKey": p, "RowKey": "a", "s": "x" * (32 * 1024 + 1)},

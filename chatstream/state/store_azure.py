@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email
-import email.policy
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +31,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
+from aiohttp.helpers import parse_mimetype
 from azure.core.exceptions import AzureError, ClientAuthenticationError, HttpResponseError
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
@@ -114,10 +113,13 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
 
 
 def entity_json(entity: Mapping[str, Any]) -> bytes:
-    """A checked entity (``store.clean``) as the SDK sends it (module docstring)."""
+    """A checked entity (``store.check_entity``) as the SDK sends it (module docstring), without its
+    None values (the store keeps no nulls: ``store.clean``)."""
     body: dict[str, Any] = {}
     for name, value in entity.items():
         kind = type(value)
+        if value is None:
+            continue
         if kind is int and name not in ("PartitionKey", "RowKey"):
             body[name] = str(value)
             body[name + "@odata.type"] = "Edm.Int64"
@@ -177,25 +179,68 @@ def _entity_path(table: str, partition: str, row: str) -> str:
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
 
+def _http_parts(content_type: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The HTTP answers (status, headers with lower-case names, body) in a multipart body of
+    ``content_type``, in order, those of nested multiparts (the changeset) in their place. The line
+    ends read as LF (the service writes CRLF, a proxy might not); the parts' encoding is binary (the
+    only one the Table service writes)."""
+    return _http_parts_of(parse_mimetype(content_type).parameters.get("boundary", ""), data.replace(b"\r\n", b"\n"))
+
+
+def _http_parts_of(boundary: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    found: list[tuple[int, dict[str, str], bytes]] = []
+    if not boundary:
+        return found
+    delimiter = b"\n--" + boundary.encode("latin-1")
+    parts: list[bytes] = []
+    for chunk in (b"\n" + data).split(delimiter)[1:]:  # [0]: the preamble
+        line_rest, _, part = chunk.partition(b"\n")
+        line_rest = line_rest.rstrip(b" \t")
+        if line_rest == b"--":  # the close delimiter: the epilogue follows
+            break
+        if not line_rest:
+            parts.append(part)
+        elif parts:  # a line that starts with the delimiter but is not one ("--boundary2")
+            parts[-1] += delimiter + chunk
+    for part in parts:
+        head, _, body = part.partition(b"\n\n")
+        headers = _fields(head)
+        kind = parse_mimetype(headers.get("content-type", "text/plain"))
+        if kind.type == "multipart":
+            found += _http_parts_of(kind.parameters.get("boundary", ""), body)
+        elif (kind.type, kind.subtype) == ("application", "http"):
+            head, _, body = body.partition(b"\n\n")
+            status_line, _, head = head.partition(b"\n")
+            found.append((int(status_line.split(b" ", 2)[1]), _fields(head), body))
+    return found
+
+
+def _fields(head: bytes) -> dict[str, str]:
+    """The header fields of ``head`` (lines; none folded, as the service writes them)."""
+    fields: dict[str, str] = {}
+    for line in head.decode("latin-1").split("\n"):
+        name, colon, value = line.partition(":")
+        if colon:
+            fields[name.strip().lower()] = value.strip()
+    return fields
+
+
 def _batch_etags(count: int) -> Answer[list[str | None]]:
     """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
     operation raises ``Refused`` with its index (the odata.error's message starts with it, "1:The
-    specified entity...", as the SDK reads it; 0 when it does not say)."""
+    specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
+    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU: a recorded
+    50-row answer in 0.2 ms instead of 1.07, a 1-row one in 0.0075 instead of 0.073, a refusal in
+    0.01 instead of 0.072 (time.process_time, best of 5; tests/unit/test_store_batch.py's answers,
+    recorded from Azurite, where the two readings are shown equal). aiohttp's MultipartReader took
+    0.9 ms to split that 50-row answer's parts alone. A whole batch of ten (tools/bench/store_calls.py
+    on Azurite, two runs): 1.21 and 1.37 ms of CPU before, 0.67 and 0.51 after."""
 
     def etags(headers: Mapping[str, str], data: bytes) -> list[str | None]:
-        content = f"Content-Type: {headers.get('Content-Type', '')}\r\n\r\n".encode() + data
         found: list[str | None] = []
-        for part in email.message_from_bytes(content, policy=email.policy.compat32).walk():
-            if part.get_content_type() != "application/http":
-                continue
-            payload = part.get_payload(decode=True)
-            text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else str(part.get_payload())
-            head, _, body = text.replace("\r\n", "\n").partition("\n\n")
-            lines = head.split("\n")
-            status = int(lines[0].split(" ", 2)[1])
+        for status, fields, body in _http_parts(headers.get("Content-Type", ""), data):
             if status < 300:
-                fields = (line.split(":", 1) for line in lines[1:] if ":" in line)
-                found.append({k.strip().lower(): v.strip() for k, v in fields}.get("etag"))
+                found.append(fields.get("etag"))
                 continue
             error: Any = {}
             if body.strip():
@@ -353,7 +398,9 @@ class AzureStore:
             else:
                 method = {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind]
                 line, headers = f"{method} {url}/{keys}", f"If-Match: {op.etag or '*'}\r\n"
-            body = b"" if op.kind == "delete" else entity_json(clean(op.entity))
+            # Checked once, by check_batch: the entity with its None values, which count against the
+            # limits (check_entity), so the entity without them (clean's check) passes too.
+            body = b"" if op.kind == "delete" else entity_json(op.entity)
             parts.append(
                 f"--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n"
                 f"{line} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"

@@ -86,3 +86,20 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     refused.status_code = 404  # the identity endpoint's answer, not the store's
     assert type(store_error(refused)) is StoreUnavailable
     assert store_error(ValueError("a bug of ours")) is None
+
+
+def test_an_entity_goes_without_its_none_values_and_a_checked_one_passes_clean_too():
+    """A batch checks each entity once (store.check_batch, None values counted against the limits)
+    and writes it with entity_json, which leaves the None values out as store.clean does."""
+    import json
+
+    from chatstream.state.store import check_entity, clean
+    from chatstream.state.store_azure import entity_json
+
+    entity = {"PartitionKey": "p", "RowKey": "r", "n": 1, "gone": None, "s": "x", "f": 0.5, "b": True}
+    assert json.loads(entity_json(entity)) == json.loads(entity_json(clean(entity)))
+    assert "gone" not in json.loads(entity_json(entity))
+    full = {"PartitionKey": "p", "RowKey": "r", **{f"p{i}": i for i in range(252)}, "x": None}
+    check_entity(clean(full))  # without its None: within the limits
+    with pytest.raises(ValueError):
+        check_entity(full)  # the check with the None values is the stricter one
