@@ -109,6 +109,11 @@ async def unless_gone(
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({task, gone}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled itself: the work stops with it, not left running on its own
+        task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, return_exceptions=True)
+        raise
     finally:
         gone.cancel()
     if task.done():
@@ -153,8 +158,11 @@ class Endpoint:
             call = await self._prepare(request, record)
             if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
                 record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-                admission = await admitted(
-                    self.accounting, caller, call, record, self.settings.default_max_output_tokens
+                # Stopped if the caller hangs up while a slow store holds it (what it reserved comes back).
+                admission = await unless_gone(
+                    request,
+                    admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens),
+                    self.settings.total_timeout,
                 )
             if call.params.get("stream"):
                 return await self._stream(request, call, record, admission)
@@ -168,6 +176,10 @@ class Endpoint:
         except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
             log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
             return self._refuse(record, internal_error(), admission)
+        except BaseException:  # cancelled: nobody gets an answer; what was admitted is settled (once: _finish)
+            record.hung_up(499)
+            self._finish(record, admission)
+            raise
 
     async def _prepare(self, request: Request, record: StreamRecord) -> CallRequest:
         """The request, read, checked and through the before-steps; or an ApiError."""
@@ -267,7 +279,12 @@ class Endpoint:
             respond,
         )
         if admission is not None and protocol.id:  # the id came with the first events
-            await self._claim(admission, protocol.id, call)
+            try:
+                await self._claim(admission, protocol.id, call)
+            except BaseException:  # cancelled: this answer never goes out; its events end here (and charge)
+                if isinstance(response, EventStreamResponse):
+                    await response.close()
+                raise
         return response
 
     def _continuations(self, request: Request) -> int:
@@ -463,6 +480,10 @@ async def stream_response(
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({first, gone}, timeout=heartbeat, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled itself: the upstream is closed, the record and charge written
+        record.hung_up(499)
+        await _close_events(first, events)
+        raise
     finally:
         gone.cancel()
     if gone.done() and not gone.cancelled():  # the caller left while we waited for the first token

@@ -295,12 +295,17 @@ class EventStreamResponse(StreamingResponse):
         except TimeoutError:
             log.warning("a caller stopped reading past the total time limit; dropping its connection")
         finally:
-            with anyio.CancelScope(shield=True):
-                close = getattr(self.content, "aclose", None)
-                if close is not None:
-                    await close()
-                if self.on_close is not None:
-                    await self.on_close()
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the event generator, then ``on_close``: once served, or instead of being served.
+        Shielded: it runs on the way out of a cancelled task."""
+        with anyio.CancelScope(shield=True):
+            close = getattr(self.content, "aclose", None)
+            if close is not None:
+                await close()
+            if self.on_close is not None:
+                await self.on_close()
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Starlette's StreamingResponse with the roles of its two tasks swapped: the body is written

@@ -9,15 +9,22 @@ import logging
 
 import httpx
 import pytest
+from memory_store import Fault, MemoryStore
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.routing import Route
 
+from chatstream import tokens
 from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import OpenAIChatApi
 from chatstream.endpoint import Endpoint
 from chatstream.pipeline import Pipeline
 from chatstream.settings import Settings
+from chatstream.state.accounting import Admission
+from chatstream.state.callers import CallerSpec
+from chatstream.state.counter_row import parse_holds
 
+from .state_helpers import MODEL, account, admit, counter, finish, instance, until, usage
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
 from .upstream_helpers import status_error
 
@@ -109,3 +116,99 @@ def test_the_settings_an_endpoint_reads_once():
     upstreams = pooled({"a": ScriptedClient()})
     e = Endpoint(ChatApi(), settings, upstreams, Pipeline(), None)
     assert e.default_model == "m-1" and e.allowed == frozenset({"m-1", "m-2"})
+
+
+class Hanging(ScriptedClient):
+    """An upstream that never answers the request: ``calls`` counts them, ``cancelled`` the ones dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = 0
+
+    async def post(self, path, **kwargs):
+        self.calls += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def keyed_request(key: str, body: dict, hang_up: asyncio.Event) -> Request:
+    """A request as the worker hands it over: its body, then the caller's hang-up when ``hang_up`` is set."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    headers = [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": "/x", "query_string": b"", "headers": headers}
+    return Request(scope, receive)
+
+
+async def nothing_held(state, data, caller, taken: int = 0) -> None:
+    """Nothing reserved is held any more, nothing is open in the journal; ``taken`` tokens charged."""
+    assert await state.accounting.flush(5)
+    assert not state.journal.entries
+    for row in ("tokens", "tpm"):
+        found = counter(data, caller.limits_partition, row)
+        assert not parse_holds(found.get("holds")) and (found.get("taken") or 0) == taken, found
+
+
+@pytest.mark.usefixtures("quick_ledger")
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_handler_cancelled_after_admission_gives_back_what_it_reserved(stream):
+    """The handler's task is cancelled once the request is admitted and the upstream asked, before it
+    answers: the upstream call is dropped, the reservation settled, the journal entry closed. A
+    stream the upstream never answered costs nothing; a non-streamed call dropped in flight, its
+    prompt (the upstream has read it)."""
+    data = account()
+    state, acc = instance(data, "a")
+    caller, key = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
+    client = Hanging()
+    upstreams = pooled({"u": client})
+    e = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    handler = asyncio.ensure_future(e(keyed_request(key, body, asyncio.Event())))
+    await until(lambda: client.calls == 1, what="the upstream asked")
+    assert len(state.journal.entries) == 1  # admitted
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    assert client.cancelled == 1  # the upstream call did not go on on its own
+    await nothing_held(state, data, caller, 0 if stream else tokens.count_prompt(MODEL, body))
+    await state.close()
+
+
+@pytest.mark.usefixtures("quick_ledger")
+async def test_a_caller_gone_during_a_slow_admission_stops_it_before_the_upstream():
+    """The store is slow to list the admission in the journal and the caller hangs up meanwhile: a
+    499, what was reserved comes back, and the upstream is never asked."""
+    data = account()
+    state, acc = instance(data, "a")
+    caller, key = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
+    client = Hanging()
+    upstreams = pooled({"u": client})
+    e = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc)
+    first, rec = await admit(acc, caller, max_tokens=10)  # the journal and the counters written once
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(5, 5))
+    assert await acc.flush(5)
+    store = state.store
+    assert isinstance(store, MemoryStore)
+    store.inject(Fault("slow", frozenset({"put"}), table="blob", delay=1.5))  # under LISTED_WITHIN
+    hang_up = asyncio.Event()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    handler = asyncio.ensure_future(e(keyed_request(key, body, hang_up)))
+    await until(lambda: len(state.journal.entries) == 1, what="the request opened in the journal")
+    assert not handler.done()  # waiting for its listing
+    hang_up.set()
+    response = await handler
+    assert response.status_code == 499 and client.calls == 0
+    await nothing_held(state, data, caller, taken=10)  # the first request's
+    await state.close()
