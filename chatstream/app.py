@@ -180,6 +180,12 @@ def _resumable(
     return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
 
 
+def _told(route: str, events: bytes) -> str:
+    """The text a resumable stream's stored events (of ``route``) sent its caller: what a dead
+    instance's recovery charges at least (state/journal.py)."""
+    return (ChatApi() if route == "chat" else OpenAIChatApi()).known(events).text
+
+
 def _streams_off() -> Response:
     return openai_chat.error_response(
         ApiError(404, ErrorKind.NOT_FOUND, "resumable streams are off (RESUMABLE_STREAMS)")
@@ -208,5 +214,5 @@ def create_app(
             "upstream pool: %s",
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
-    state = SharedState.from_settings(settings, environ)
+    state = SharedState.from_settings(settings, environ, told=_told)
     return ChatApp(settings, pipeline, upstreams, state, host_shutdown_timeout(environ))

@@ -266,7 +266,7 @@ class Endpoint:
         )
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
-        respond = self._resumable(call, protocol, limits, record, headers)
+        respond = self._resumable(call, protocol, limits, record, headers, admission)
         response = await stream_response(
             request,
             events,
@@ -302,6 +302,7 @@ class Endpoint:
         limits: TimeLimits,
         record: StreamRecord,
         headers: dict[str, str],
+        admission: Admission | None,
     ) -> Callable[[asyncio.Future, AsyncGenerator[Event]], Response | None] | None:
         """With RESUMABLE_STREAMS=on, how a streamed /api/chat or chat-completions answer is made once its
         first event is in hand: produced by a task of its own, resumable (resumable.py)."""
@@ -315,6 +316,8 @@ class Endpoint:
             if producer is None:
                 return None  # this instance is full: streamed as usual
             call.stream_id = record.stream_id = producer.id
+            if self.accounting is not None and admission is not None:  # a recovery charges what its log holds
+                self.accounting.streams(admission, producer.id)
             encode = self.api.encoder(call)  # now with the stream's id (/api/chat's final event names it)
             return resumable.respond(producer, first, events, encode, protocol, limits, record, headers)
 
@@ -355,6 +358,7 @@ class Endpoint:
                 self.accounting.progress(
                     admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
                 )
+                self.accounting.streams(admission, claim.stream_id, claim.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None

@@ -216,6 +216,12 @@ class Accounting:
         """How the journal reads what the request has generated so far (its checkpoints)."""
         admission.entry.generated = generated
 
+    def streams(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
+        """The request produces resumable stream ``stream_id`` (as its ``epoch``-th producer): a
+        recovery charges it at least what that producer's part of the log holds (journal.py)."""
+        admission.entry.stream, admission.entry.epoch = stream_id, epoch
+        self.journal.changed()
+
     def charge(self, admission: Admission | None, usage: Usage) -> None:
         """Settle the admission once the request is over (module docstring): in the background."""
         if admission is None:

@@ -26,11 +26,13 @@ midway is done again by the next duty holder, and two at once charge everything 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
 2. **Ledger**: every listed charge's row not there yet is written; an open request is charged its
-   last checkpoint, ``ended: lost``. A row someone else wrote first (a stream's taker charging the
-   lost part from its log) is theirs to count; one below the checkpoint is raised to it, what they
-   counted kept in the row, and only the difference counted here. A taker's own charge of a lost
-   part (``accounting.charge_lost``) counts if it is in the row, written now if the row is as it
-   was read (``Ledger.apply``).
+   last checkpoint, ``ended: lost``, or, a resumable stream's, what its producer's part of the log
+   holds if more (stored as its caller is sent it; ``told``: the API reads the text). A row someone
+   else wrote first (a stream's taker charging the lost part from its log) is theirs to count; one
+   below the charge is raised to it, what they counted kept in the row, and only the difference
+   counted here. A row an earlier (or concurrent) recovery wrote is counted as it is. A taker's own
+   charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
+   the row is as it was read (``Ledger.apply``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint). Minute
@@ -59,7 +61,8 @@ from .instances import Instances
 from .ledger import Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
-from .store import NEW, Store
+from .store import NEW, STREAMS_TABLE, Row, Store
+from .streamlog.format import RECORD_ROW, producer_events
 
 log = logging.getLogger("chatstream")
 
@@ -92,6 +95,8 @@ class JournalEntry:
     counted_chars: dict[int, int] = field(default_factory=dict)
     counted_tokens: int = 0
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
+    stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
+    epoch: int = 1  # which producer of that stream this request is (1: the original)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
@@ -130,6 +135,8 @@ class JournalEntry:
         }
         if self.segment:
             doc["segment"] = self.segment
+        if self.stream is not None:
+            doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "open":
             doc["generated"] = self.checkpoint()
         else:
@@ -417,13 +424,19 @@ def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKe
 SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
 
 
+# What a stream's route makes of its stored events (route, events): the text its caller was sent.
+Told = Callable[[str, bytes], str]
+
+
 class Recovery:
     """Settles a dead instance's journal (module docstring): ``recover`` is what the duty holder
-    calls for each instance it finds dead."""
+    calls for each instance it finds dead; ``told`` reads a resumable stream's log (None: the
+    checkpoint alone)."""
 
-    def __init__(self, store: Store, ledger: Ledger):
+    def __init__(self, store: Store, ledger: Ledger, told: Told | None = None):
         self.store = store
         self.ledger = ledger
+        self.told = told
 
     async def recover(self, dead: str, taker: str) -> None:
         """Steps 1-4 of the module docstring; safe to run again, and on two instances at once."""
@@ -457,10 +470,27 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
+    async def _logged(self, entry: dict[str, Any]) -> int:
+        """Completion tokens of an open entry's part of its resumable stream's log (0: none, or the
+        store failed: the checkpoint is charged)."""
+        stream = entry.get("stream")
+        if self.told is None or not stream or entry.get("state") == "settled":
+            return 0
+        try:
+            row = await self.store.get(STREAMS_TABLE, stream, RECORD_ROW)
+            data = await self.store.read(stream) if row is not None else b""
+        except (StoreError, NotFound) as exc:
+            log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
+            return 0
+        if row is None:
+            return 0
+        text = self.told(str(row.get("route") or ""), producer_events(data, int(entry.get("epoch") or 1)))
+        return tokens.count_text(entry["model"], text) if text else 0
+
     async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
-        charges = _charges_of(entry, dead)
+        charges = _charges_of(entry, dead, await self._logged(entry))
         others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
         counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
         for charge in charges:
@@ -490,6 +520,10 @@ class Recovery:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
                 counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+            if isinstance(there, Row) and entry.get("state") != "settled":
+                # Written by an earlier (or a concurrent) run, which may have read less of a log:
+                # what the row holds is what is counted.
+                charges[charges.index(charge)] = Charge.of(there)
         keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
         less = amounts(keys, others)
         for key in keys:
@@ -536,14 +570,14 @@ def _parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
     return {CounterKey.parse(key): value for key, value in (named or {}).items()}
 
 
-def _charges_of(entry: dict[str, Any], dead: str) -> list[Charge]:
+def _charges_of(entry: dict[str, Any], dead: str, logged: int = 0) -> list[Charge]:
     """What a journal entry charges: its own charges when settled; for an open request, what it had
-    generated at its last checkpoint (``ended: lost``)."""
+    generated at its last checkpoint, or ``logged`` if more (``ended: lost``)."""
     if entry.get("state") == "settled":
         return [Charge.of(c) for c in entry.get("charges") or []]
     price = Price.of(entry["price"]) if entry.get("price") else None
     # An entry's "id" is its request's (older journals name it nowhere else).
     payer = Payer.of({"request_id": entry["id"], **entry})
-    generated = Used(int(entry.get("prompt") or 0), 0, int(entry.get("generated") or 0))
+    generated = Used(int(entry.get("prompt") or 0), 0, max(logged, int(entry.get("generated") or 0)))
     segment = int(entry.get("segment") or 0)
     return [Charge.made(payer, entry["model"], generated, price, "lost", f"takeover:{dead}", segment)]

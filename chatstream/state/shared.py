@@ -20,7 +20,7 @@ from . import streamlog
 from .accounting import Accounting
 from .counters import Counters
 from .instances import Instances, InstanceTiming, Sweep
-from .journal import Journal, Recovery
+from .journal import Journal, Recovery, Told
 from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
@@ -46,7 +46,10 @@ class SharedState:
     resume: ResumeConfig | None  # RESUMABLE_STREAMS=on: the stream log's settings, and its sweep's
 
     @classmethod
-    def from_settings(cls, settings: Settings, environ: Mapping[str, str] = os.environ) -> SharedState | None:
+    def from_settings(
+        cls, settings: Settings, environ: Mapping[str, str] = os.environ, told: Told | None = None
+    ) -> SharedState | None:
+        """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
         try:
             store = store_from_env(environ)
         except StoreConfigError as exc:
@@ -63,7 +66,7 @@ class SharedState:
                     )
             return None
         log.info("shared state: %s", store.describe())
-        return cls.on(store, settings)
+        return cls.on(store, settings, told=told)
 
     @classmethod
     def on(
@@ -72,6 +75,7 @@ class SharedState:
         settings: Settings,
         timing: InstanceTiming | None = None,
         instance_id: str | None = None,
+        told: Told | None = None,
     ) -> SharedState:
         """The shared state on ``store`` (one per instance; tests make several on one store, and
         name them)."""
@@ -83,7 +87,8 @@ class SharedState:
         resume = ResumeConfig.from_settings(settings) if settings.resumable_streams else None
         if resume is not None:
             sweeps.append((resume.sweep_seconds, functools.partial(streamlog.sweep, store, resume)))
-        instances = Instances(store, timing, instance_id, recover=Recovery(store, ledger).recover, sweeps=sweeps)
+        recovery = Recovery(store, ledger, told if resume is not None else None)
+        instances = Instances(store, timing, instance_id, recover=recovery.recover, sweeps=sweeps)
         journal = Journal(store, ledger, instances)
         counters = Counters(store, instances, journal)
         accounting = None

@@ -639,6 +639,114 @@ async def test_an_instance_that_dies_mid_stream_is_charged_what_it_had_generated
     await b.close()
 
 
+STREAM = "s" * 30  # a resumable stream's id
+
+
+async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
+    """On instance a: one open request producing resumable stream ``STREAM``, its checkpoint
+    ``checkpoint`` in the journal, as its ``epoch``-th producer; then a dies. (a, b, caller, its record, the team's partition)."""
+    a, acc_a, b, _, caller, _ = await setup(data)
+    r, rec = await admit(acc_a, caller, "tell")
+    assert isinstance(r, Admission)
+    acc_a.progress(r, lambda: {0: checkpoint})
+    if epoch > 1:  # a took the stream over (Endpoint.take_over): its own block of segments
+        r.entry.segment = (epoch - 1) * 20
+    acc_a.streams(r, STREAM, epoch)
+
+    def journaled() -> bool:
+        entry = entry_of(data, "instance-a", rec.id)
+        return bool(entry and entry.get("stream") == STREAM and entry.get("generated"))
+
+    await until(journaled, what="the journal lists the stream and its checkpoint")
+    await kill(a)
+    team = (await b.registry.get_team("t")).limits_partition
+    return a, b, caller, rec, team
+
+
+async def logged(b: SharedState, *parts: str | int, end: bool = True) -> None:
+    """The stream's record and log, as its producers stored them: chat-completions chunks of each
+    text of ``parts``; an int E there: the fence of the E-th producer's takeover."""
+    from chatstream import sse
+    from chatstream.state.streamlog.format import END, RECORD_ROW, epoch_marker
+
+    await b.store.insert(STREAMS_TABLE, {"PartitionKey": STREAM, "RowKey": RECORD_ROW, "route": "openai"})
+    await b.store.append_create(STREAM)
+    log_, number, epoch = b"", 0, 1
+    for part in parts:
+        if isinstance(part, int):
+            log_ += epoch_marker(part, number)
+            epoch = part
+            continue
+        for word in part.split(" "):
+            number = (epoch - 1) * 1_000_000 + (number % 1_000_000) + 1
+            chunk = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": word + " "}}]}
+            log_ += sse.numbered(number, b"data: " + json.dumps(chunk).encode() + sse.END_OF_EVENT)
+    await b.store.append(STREAM, log_ + (sse.comment(END) if end else b""), at=0)
+
+
+def told(route: str, events: bytes) -> str:
+    from chatstream.app import _told
+
+    return _told(route, events)
+
+
+async def test_a_stream_that_finished_before_its_charge_was_saved_is_charged_what_its_log_holds():
+    """A resumable stream finished on a (its log holds the whole answer and its end) and a died
+    before its charge was in the journal, whose last checkpoint is short of the end (a chaos soak:
+    40 tokens sent, 39 charged). The takeover charges what the log holds; the budgets follow."""
+    data = account()
+    a, b, caller, rec, team = await streaming_on_a(data, GENERATED)
+    whole = GENERATED + " It came back at dusk, tired and happy."
+    await logged(b, whole)
+    await Recovery(b.store, b.ledger, told).recover("instance-a", "instance-b")
+    [row] = ledger_rows(data).values()
+    sent = tokens.count_text(MODEL, told("openai", bytes(data.blobs[STREAM][0])))
+    assert sent > tokens.count_text(MODEL, GENERATED)
+    assert row["ended"] == "lost" and row["author"] == "takeover:instance-a" and row["completion_tokens"] == sent
+    spent_as_the_ledger(data, caller, team, [row])
+    await Recovery(b.store, b.ledger, told).recover("instance-a", "instance-b")  # again: adds nothing
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["The", GENERATED + " " + GENERATED])
+async def test_a_dead_producers_part_is_its_own_of_the_log_and_never_less_than_its_checkpoint(checkpoint: str):
+    """a was the stream's second producer (it took it over): the log has the first producer's part,
+    a's fence and part, and a third producer's after it. a's entry is charged a's part only; a
+    checkpoint above what the log holds (the log is stored every few seconds) stays the charge."""
+    data = account()
+    a, b, caller, rec, team = await streaming_on_a(data, checkpoint, epoch=2)
+    await logged(b, "first producer's words", 2, GENERATED, 3, "third producer's many many words", end=False)
+    await Recovery(b.store, b.ledger, told).recover("instance-a", "instance-b")
+    [row] = ledger_rows(data).values()
+    from chatstream.state.streamlog.format import producer_events
+
+    part = told("openai", producer_events(bytes(data.blobs[STREAM][0]), 2))
+    assert part.split() == GENERATED.split()
+    want = max(tokens.count_text(MODEL, part), tokens.count_text(MODEL, checkpoint))
+    assert row["completion_tokens"] == want and row["segment"] == 20
+    spent_as_the_ledger(data, caller, team, [row])
+    await b.close()
+
+
+async def test_a_stream_whose_taker_charged_the_log_first_is_not_charged_again():
+    """a died mid-stream; a reader resumed it on b first, which charged a's part from the log (and
+    what its caller received beyond it). The recovery finds that row at no less than the log: it is
+    the taker's to count, and nothing is counted twice."""
+    data = account()
+    a, b, caller, rec, team = await streaming_on_a(data, "The")
+    await logged(b, GENERATED, end=False)
+    acc_b = await charged_by_its_taker(b, caller, rec.id, GENERATED + " and more")
+    await Recovery(b.store, b.ledger, told).recover("instance-a", "instance-b")
+    assert await acc_b.flush(5)
+    rows = [r for r in ledger_rows(data).values()]
+    [row] = [r for r in rows if r["ended"] == "lost"]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED + " and more")
+    assert row["author"] == "instance-b"
+    spent_as_the_ledger(data, caller, team, rows)
+    await b.close()
+
+
 def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
     """The journal's checkpoint of an open request, taken as its text grows in pieces that split
     words, counts what counting the whole text counts (before, the pieces were counted apart: in

@@ -279,3 +279,18 @@ class Tail:
                 nonce, _, last = marker[len(_ACK) :].partition(b" ")
                 self.acks[nonce.decode()] = int(last)
         return sse.join(out)
+
+
+def producer_events(data: bytes, epoch: int) -> bytes:
+    """The events the ``epoch``-th producer stored in a log (``data``, from its start): after its
+    fence (the first producer: from the start), up to the next fence."""
+    current, out = 1, []
+    for part in sse.split(data)[0]:
+        if sse.event_id(part) is not None:
+            if current == epoch:
+                out.append(part)
+            continue
+        marker = sse.comment_text(part)
+        if marker is not None and marker.startswith(_EPOCH):
+            current = int(marker[len(_EPOCH) :].partition(b" ")[0])
+    return sse.join(out)
