@@ -85,7 +85,6 @@ class StreamLog:
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[TakeOver]] = {}
         self._inbox = Inbox(self._ctx, self._producers)
-        self._reading = 0  # the readers this instance serves (at most max_readers)
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -137,19 +136,17 @@ class StreamLog:
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
-        if self._ctx.closed:
+        ctx = self._ctx
+        if ctx.closed:
             raise Unavailable("the stream log is closed")
-        if self._reading >= self.config.max_readers:
+        if ctx.readers >= self.config.max_readers:
             raise TooManyReaders("too many readers on this instance")
-        self._reading += 1  # counted from now (opens run at once), given back if it is not opened
+        ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
         try:
-            return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller, self._read)
+            return await readers.open_reader(ctx, self, stream_id, after or 0, caller)
         except BaseException:
-            self._reading -= 1
+            ctx.readers -= 1
             raise
-
-    def _read(self) -> None:
-        self._reading -= 1
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
@@ -253,7 +250,7 @@ class StreamLog:
     @property
     def readers(self) -> int:
         """The readers this instance serves now."""
-        return self._reading
+        return self._ctx.readers
 
     @property
     def producers(self) -> int:
