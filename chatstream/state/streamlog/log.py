@@ -213,7 +213,7 @@ class StreamLog:
         try:
             await self._take_over(won)
         except Exception:  # the request path's bug: the stream still ends (stream_lost)
-            log.exception("stream %s: continuing it failed", log_tag(won.stream_id))
+            log.exception("stream %s: continuing it failed", log_tag(won.producer.id))
         finally:
             won.producer.finish()
 

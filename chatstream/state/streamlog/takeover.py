@@ -50,11 +50,9 @@ class Claim:
     """A stream taken over by this instance: what the request path needs to continue the answer.
     ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
     with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
-    request path must drive it to its end (``append``... ``finish``), as for a new stream."""
+    request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
+    ``id``, ``route`` and ``owner`` are the producer's."""
 
-    stream_id: str
-    route: str
-    owner: str | None
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
@@ -154,9 +152,6 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int)
             won.epoch,
         )
         return Claim(
-            stream_id=stream_id,
-            route=won.route,
-            owner=won.owner,
             request=request,
             request_id=won.request_id,
             events=b"".join(events),
