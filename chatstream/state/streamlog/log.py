@@ -179,15 +179,6 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    def _continuation(
-        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]], received: int
-    ) -> Producer:
-        producer = Producer(
-            self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received
-        )
-        self._run(producer)
-        return producer
-
     async def take_over(self, stream_id: str, received: int) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
         Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
@@ -202,9 +193,10 @@ class StreamLog:
         return await asyncio.shield(pending)
 
     async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
-        won = await takeover.claim(self._ctx, stream_id, self._continuation, received)
+        won = await takeover.claim(self._ctx, stream_id, self._release, received)
         if not isinstance(won, Claim):
             return won
+        self._run(won.producer)
         self._ctx.spawn(self._continue(won))
         return "here"
 

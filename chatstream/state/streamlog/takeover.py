@@ -73,10 +73,6 @@ class Claim:
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
 
-# (the record won, the stored events, the log's length, its fences, the asking reader's last id)
-MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]], int], Producer]
-
-
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
     """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
     the store's clock. Not while the log grew within a lease (``grew_at``: when the reader last saw
@@ -93,9 +89,10 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int) -> Claim | TakeOver:
-    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
-    Never raises for the store: ``lost``."""
+async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None], received: int) -> Claim | TakeOver:
+    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
+    the claim's producer is made here, not yet run (``StreamLog`` runs it; ``release``: as for a new
+    stream's). Never raises for the store: ``lost``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -141,7 +138,10 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int)
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences, received)
+        stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
+        producer = Producer(
+            ctx, won, release, stored=events, stored_bytes=stored_bytes, fences=fences, received=received
+        )
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
