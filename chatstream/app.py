@@ -85,7 +85,7 @@ class ChatApp:
     async def take_over(self, claim: Claim) -> None:
         """A resumable stream whose producer was lost (its instance died, or handed it over): the
         answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
-        await (self.chat if claim.route == "chat" else self.chat_completions).take_over(claim)
+        await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
     async def settle_charges(self) -> None:
         """At a drain: what this instance charged goes into the journal, the ledger and the counters

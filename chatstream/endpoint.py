@@ -338,10 +338,10 @@ class Endpoint:
         call = CallRequest(
             params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
         )
-        call.stream_id = claim.stream_id
+        call.stream_id = claim.producer.id
         record = StreamRecord(endpoint=self.api.name, model=call.params.get("model") or self.default_model)
         record.id = record.request_id = claim.request_id or record.id
-        record.stream_id = claim.stream_id
+        record.stream_id = claim.producer.id
         record.chose_model(record.model, True)
         telemetry.begin(record)
         encode = self.api.encoder(call)
@@ -353,7 +353,7 @@ class Endpoint:
                 raise ApiError(
                     502, ErrorKind.STREAM_LOST, f"the answer's {known.blocked} cannot be continued", retryable=True
                 )
-            if self.accounting is not None and claim.owner is not None:
+            if self.accounting is not None and claim.producer.owner is not None:
                 admission = await self._admit_taken_over(claim, call, record, known)
                 self.accounting.progress(
                     admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
@@ -375,8 +375,8 @@ class Endpoint:
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
         """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
-        assert self.accounting is not None and self.registry is not None and claim.owner is not None
-        caller = await self.registry.caller_by_id(claim.owner)
+        assert self.accounting is not None and self.registry is not None and claim.producer.owner is not None
+        caller = await self.registry.caller_by_id(claim.producer.owner)
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
@@ -390,7 +390,7 @@ class Endpoint:
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
-            admission, started_at(claim.stream_id), lost.text + unstored, claim.epoch, before
+            admission, started_at(claim.producer.id), lost.text + unstored, claim.epoch, before
         )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:

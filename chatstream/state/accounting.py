@@ -103,7 +103,7 @@ def _limit_wants(owner: Caller | Team, scope: Scope, model: str, tokens_need: in
     def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
         if limit:
             ref = LimitRef(scope, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
-            wants.append(Want(owner.limits_partition, row, ref, limit, need, period))
+            wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
 
     want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
     want("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute")
@@ -320,7 +320,7 @@ class Accounting:
             charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             spent -= was.total_tokens
             cost -= was.cost or 0
-        wants = [replace(w, need=cost if w.row == "spend" else spent) for w in admission.wants]  # its limits
+        wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
         admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
 
     async def _correct(
@@ -342,8 +342,10 @@ class Accounting:
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created (``response`` ``created``) is its caller's. A background
         response's reservation is recorded, to be corrected when its usage is seen."""
-        reserved = max((w.need for w in admission.wants if w.row in ("tokens", "tpm")), default=0) if background else 0
-        spend = max((w.need for w in admission.wants if w.row == "spend"), default=0) if background else 0
+        reserved = (
+            max((w.need for w in admission.wants if w.key.row in ("tokens", "tpm")), default=0) if background else 0
+        )
+        spend = max((w.need for w in admission.wants if w.key.row == "spend"), default=0) if background else 0
         try:
             await self.owners.claim(
                 kind,

@@ -74,18 +74,17 @@ HOLD_SHARE = 0.1
 
 @dataclass(frozen=True)
 class Want:
-    """What a reservation needs of one counter: ``need`` of its ``limit`` in the current window."""
+    """What a reservation needs of one counter (``key``): ``need`` of its ``limit`` in the current
+    window of its limit's period."""
 
-    partition: str
-    row: str
+    key: CounterKey
     ref: LimitRef
     limit: int
     need: int
-    period: Period  # minute, day, month, total
 
     @property
-    def key(self) -> CounterKey:
-        return CounterKey(self.partition, self.row)
+    def period(self) -> Period:
+        return self.ref.period or "minute"  # (a per-minute limit names no period)
 
 
 @dataclass
@@ -739,7 +738,7 @@ class Counters:
         now = self.clock()
         settlement = Settlement()
         for want in wants:
-            if not want.need or want.row.startswith("rpm"):
+            if not want.need or want.key.row.startswith("rpm"):
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))

@@ -158,7 +158,7 @@ async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles
     admitted, rec = await admit(acc, caller, "some prompt", max_tokens=1000)
     assert isinstance(admitted, Admission)
     [spend] = admitted.wants
-    assert spend.row == "spend" and spend.need == price.most(admitted.prompt_tokens, 1000)
+    assert spend.key.row == "spend" and spend.need == price.most(admitted.prompt_tokens, 1000)
     assert spend.need == admitted.prompt_tokens * 2_500_000 + 1000 * 10_000_000
     refused, _ = await admit(acc, caller, "some prompt", max_tokens=5000)  # 5000 × $10/M = $0.05 alone
     assert isinstance(refused, Refused) and refused.alone and refused.limit.kind == "spend_budget"

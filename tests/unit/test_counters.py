@@ -36,14 +36,8 @@ class Clock:
 
 def want(row: str, limit: int, need: int, period: str = "minute", partition: str = "c|1") -> Want:
     kind = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute", "tokens": "token_budget", "spend": "spend_budget"}
-    return Want(
-        partition,
-        row,
-        LimitRef("caller", "c", kind[row], None, None if period == "minute" else period),
-        limit,
-        need,
-        period,
-    )
+    ref = LimitRef("caller", "c", kind[row], None, None if period == "minute" else period)
+    return Want(CounterKey(partition, row), ref, limit, need)
 
 
 def counters(data: MemoryData, name: str, clock: Clock | None = None, **kw) -> Counters:

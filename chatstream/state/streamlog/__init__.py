@@ -18,7 +18,6 @@ duty holder, ``Instances.every``)."""
 
 from .config import ResumeConfig
 from .errors import (
-    InvalidStreamId,
     PastTheEnd,
     StreamLogError,
     StreamNotFound,
@@ -36,7 +35,6 @@ __all__ = [
     "MOVED",
     "Claim",
     "EncodeError",
-    "InvalidStreamId",
     "LogError",
     "PastTheEnd",
     "Producer",

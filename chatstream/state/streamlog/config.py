@@ -163,6 +163,7 @@ class Context:
         self.encode_error = encode_error
         self.bulk = Turns(config.bulk_calls)
         self.fast_writers = 0
+        self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
         self.remote_readers = 0
         self.closed = False
         self.draining = False  # this instance hands its streams over: it takes none over itself

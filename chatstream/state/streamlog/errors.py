@@ -9,11 +9,8 @@ class StreamLogError(Exception):
 
 
 class StreamNotFound(StreamLogError):
-    """Unknown, expired, or started by another caller (the same answer, so nothing leaks)."""
-
-
-class InvalidStreamId(StreamNotFound):
-    """Not an id this package makes (wrong length, path characters...): never looked up."""
+    """Unknown, expired, started by another caller (the same answer, so nothing leaks), or not an id
+    this package makes (wrong length, path characters...: never looked up)."""
 
 
 class PastTheEnd(StreamLogError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ... import sse
-from .errors import InvalidStreamId
+from .errors import StreamNotFound
 
 # --- ids ------------------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ def log_tag(stream_id: str) -> str:
 
 def check_stream_id(stream_id: str) -> str:
     if not isinstance(stream_id, str) or _ID.fullmatch(stream_id) is None:
-        raise InvalidStreamId("no such stream")
+        raise StreamNotFound("no such stream")
     return stream_id
 
 

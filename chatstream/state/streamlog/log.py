@@ -85,7 +85,6 @@ class StreamLog:
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[TakeOver]] = {}
         self._inbox = Inbox(self._ctx, self._producers)
-        self._reading = 0  # the readers this instance serves (at most max_readers)
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -137,19 +136,17 @@ class StreamLog:
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
-        if self._ctx.closed:
+        ctx = self._ctx
+        if ctx.closed:
             raise Unavailable("the stream log is closed")
-        if self._reading >= self.config.max_readers:
+        if ctx.readers >= self.config.max_readers:
             raise TooManyReaders("too many readers on this instance")
-        self._reading += 1  # counted from now (opens run at once), given back if it is not opened
+        ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
         try:
-            return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller, self._read)
+            return await readers.open_reader(ctx, self, stream_id, after or 0, caller)
         except BaseException:
-            self._reading -= 1
+            ctx.readers -= 1
             raise
-
-    def _read(self) -> None:
-        self._reading -= 1
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
@@ -182,15 +179,6 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    def _continuation(
-        self, record: Record, stored: list[bytes], stored_bytes: int, fences: list[tuple[int, int]], received: int
-    ) -> Producer:
-        producer = Producer(
-            self._ctx, record, self._release, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received
-        )
-        self._run(producer)
-        return producer
-
     async def take_over(self, stream_id: str, received: int) -> TakeOver:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
         Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
@@ -205,9 +193,10 @@ class StreamLog:
         return await asyncio.shield(pending)
 
     async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
-        won = await takeover.claim(self._ctx, stream_id, self._continuation, received)
+        won = await takeover.claim(self._ctx, stream_id, self._release, received)
         if not isinstance(won, Claim):
             return won
+        self._run(won.producer)
         self._ctx.spawn(self._continue(won))
         return "here"
 
@@ -216,7 +205,7 @@ class StreamLog:
         try:
             await self._take_over(won)
         except Exception:  # the request path's bug: the stream still ends (stream_lost)
-            log.exception("stream %s: continuing it failed", log_tag(won.stream_id))
+            log.exception("stream %s: continuing it failed", log_tag(won.producer.id))
         finally:
             won.producer.finish()
 
@@ -253,7 +242,7 @@ class StreamLog:
     @property
     def readers(self) -> int:
         """The readers this instance serves now."""
-        return self._reading
+        return self._ctx.readers
 
     @property
     def producers(self) -> int:

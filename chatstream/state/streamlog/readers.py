@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from ...errors import StoreError
@@ -51,11 +51,10 @@ log = logging.getLogger("chatstream")
 Events = AsyncGenerator[bytes, None]
 
 
-async def open_reader(
-    ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None, released: Callable[[], None]
-) -> Reader:
-    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``; ``released`` once it is
-    released). A store that fails: Unavailable (ask again)."""
+async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
+    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``, which counted it in
+    ``ctx.readers``: the reader gives the count back once released). A store that fails: Unavailable
+    (ask again)."""
     producer = streams.producing(stream_id)
     try:
         if producer is None:
@@ -70,7 +69,7 @@ async def open_reader(
             reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
     except StoreError as exc:
         raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-    reader._released = released
+    reader._counted = True
     return reader
 
 
@@ -176,7 +175,7 @@ class Reader:
         slot: Slot,
         record: Record | None = None,
     ):
-        self._released: Callable[[], None] | None = None  # (set once opened)
+        self._counted = False  # (True once opened: it holds one of ``ctx.readers``)
         self._ctx = ctx
         self._cfg = ctx.config
         self._streams = streams
@@ -214,9 +213,9 @@ class Reader:
         """Give back the slot and the inbox row, and its count here (once): when it is closed or read
         to its end."""
         self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
-        if self._released is not None:
-            released, self._released = self._released, None
-            released()
+        if self._counted:
+            self._counted = False
+            self._ctx.readers -= 1
 
     def __del__(self) -> None:
         self._release()

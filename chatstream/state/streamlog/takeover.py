@@ -50,11 +50,9 @@ class Claim:
     """A stream taken over by this instance: what the request path needs to continue the answer.
     ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
     with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
-    request path must drive it to its end (``append``... ``finish``), as for a new stream."""
+    request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
+    ``id``, ``route`` and ``owner`` are the producer's."""
 
-    stream_id: str
-    route: str
-    owner: str | None
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
@@ -75,10 +73,6 @@ class Claim:
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
 
-# (the record won, the stored events, the log's length, its fences, the asking reader's last id)
-MakeProducer = Callable[[Record, list[bytes], int, list[tuple[int, int]], int], Producer]
-
-
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
     """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
     the store's clock. Not while the log grew within a lease (``grew_at``: when the reader last saw
@@ -95,9 +89,10 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int) -> Claim | TakeOver:
-    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``.
-    Never raises for the store: ``lost``."""
+async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None], received: int) -> Claim | TakeOver:
+    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
+    the claim's producer is made here, not yet run (``StreamLog`` runs it; ``release``: as for a new
+    stream's). Never raises for the store: ``lost``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -143,7 +138,10 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int)
             return "ended"
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
-        producer = make(won, events, tail.offset + len(epoch_marker(won.epoch, tail.last_id)), fences, received)
+        stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
+        producer = Producer(
+            ctx, won, release, stored=events, stored_bytes=stored_bytes, fences=fences, received=received
+        )
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -154,9 +152,6 @@ async def claim(ctx: Context, stream_id: str, make: MakeProducer, received: int)
             won.epoch,
         )
         return Claim(
-            stream_id=stream_id,
-            route=won.route,
-            owner=won.owner,
             request=request,
             request_id=won.request_id,
             events=b"".join(events),
