@@ -66,8 +66,14 @@ class ChatApp:
             drain_steps.append(self.settle_charges)
         if self.streams is not None and continues:
             drain_steps.append(self.hand_over)
+        moving = [self.streams.streams.move_readers] if self.streams is not None else []
         life = Lifecycle(
-            settings.drain_seconds, host_timeout, on_drain=drain_steps, closing=[self.close], signals=signals
+            settings.drain_seconds,
+            host_timeout,
+            on_drain=drain_steps,
+            closing=[self.close],
+            on_draining=moving,
+            signals=signals,
         )
         self.lifecycle = life
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry)
@@ -143,7 +149,9 @@ class ChatApp:
         )
 
     async def resume_stream(self, request: Request) -> Response:
-        """GET /api/streams/{stream_id}: a resumable stream again, after Last-Event-ID."""
+        """GET /api/streams/{stream_id}: a resumable stream again, after Last-Event-ID. An instance
+        that serves only readers drains on SIGTERM too (its readers move: lifecycle.py)."""
+        self.lifecycle.install()
         return with_request_id(await self.streams.resume(request) if self.streams else _streams_off())
 
     async def cancel_stream(self, request: Request) -> Response:

@@ -12,7 +12,11 @@ the runtime nor the ``azure-functions`` library offers the app a shutdown hook.
 On SIGTERM the instance drains (``Lifecycle.drain``):
 
 1. ``draining`` is set: a new request to a model route gets ``503`` ``instance_draining``
-   (retryable, ``Retry-After: 1``, ``x-should-retry: true``) before any upstream call;
+   (retryable, ``Retry-After: 1``, ``x-should-retry: true``) before any upstream call; the
+   ``on_draining`` callbacks run at once: the readers of resumable streams served here end with
+   ``stream_moved`` now, not at the grace's end: they have nothing to finish here (their stream is
+   stored, or its producer here stores it for a reader elsewhere), and every second they stay is
+   their client's, cut by the host at its timeout (a SIGKILL would cut them at once);
 2. the streams running here, resumable or not, go on for the grace: ``DRAIN_SECONDS``, but never
    past the host's shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the
    host cuts at its timeout whatever the app does); a stream that ends within it ends as usual;
@@ -108,6 +112,7 @@ class Lifecycle:
         *,
         on_drain: Sequence[Callback] = (),
         closing: Sequence[Callback] = (),
+        on_draining: Sequence[Callable[[], None]] = (),
         signals: bool = True,
     ):
         self.grace = max(0.0, min(drain_seconds, host_timeout - AFTER_GRACE))
@@ -117,6 +122,7 @@ class Lifecycle:
         self._streams: set[Stream] = set()
         self._on_drain: list[Callback] = list(on_drain)
         self._closing: list[Callback] = list(closing)
+        self._on_draining = list(on_draining)
         self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
@@ -268,6 +274,11 @@ class Lifecycle:
         """Start draining (once; on SIGTERM, or directly); the task ends when the drain is over."""
         if self._task is None:
             self.draining.set()
+            for callback in self._on_draining:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("drain: an on_draining callback failed")
             self._task = asyncio.get_running_loop().create_task(self._drain())
         return self._task
 

@@ -38,6 +38,7 @@ from .state.streamlog import (
     LogError,
     PastTheEnd,
     Producer,
+    Reader,
     StreamLog,
     StreamLogError,
     StreamNotFound,
@@ -255,26 +256,33 @@ async def _gone(producer: Producer) -> None:
     producer.caller_gone()
 
 
-async def _with_keep_alives(reader: AsyncIterator[bytes], heartbeat: float) -> AsyncIterator[bytes]:
+async def _with_keep_alives(reader: Reader, heartbeat: float) -> AsyncIterator[bytes]:
     """A reader's bytes, with a keep-alive comment whenever nothing came for ``heartbeat`` seconds (a
     resumed stream may wait long for the producer). The reader's next step runs in a task of its own;
     at the end that task is cancelled and waited for, so that the reader is not running when the
     response closes it (a caller gone while a reading waited for its stream: "aclose(): asynchronous
-    generator is already running", the chaos soak's seed 4242)."""
+    generator is already running", the chaos soak's seed 4242). When this instance stops
+    (``Reader.leaving``) the reading ends at once with ``stream_moved``, unless it is over."""
     pending = asyncio.ensure_future(anext(reader))
+    leaving = asyncio.ensure_future(reader.leaving.wait())
     try:
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=heartbeat)
-            if not done:
-                yield KEEP_ALIVE
-                continue
-            try:
-                data = pending.result()
-            except StopAsyncIteration:
+            waits = {pending} if reader.over else {pending, leaving}
+            done, _ = await asyncio.wait(waits, timeout=heartbeat, return_when=asyncio.FIRST_COMPLETED)
+            if pending in done:
+                try:
+                    data = pending.result()
+                except StopAsyncIteration:
+                    return
+                yield data
+                pending = asyncio.ensure_future(anext(reader))
+            elif leaving in done:
+                yield reader.moved_event()
                 return
-            yield data
-            pending = asyncio.ensure_future(anext(reader))
+            else:
+                yield KEEP_ALIVE
     finally:
+        leaving.cancel()
         if not pending.done():
             pending.cancel()
             await asyncio.wait({pending})

@@ -374,3 +374,110 @@ def test_a_client_that_follows_the_docs_loses_nothing_to_a_sigterm(azurite, star
         assert c.proc.wait(30) is not None
     finally:
         upstream.stop()
+
+
+class Reading(threading.Thread):
+    """``GET /api/streams/ID`` after ``last`` on one instance, in a thread: the events with an id
+    (their data), each id-less error's kind with when it came (monotonic), and how it ended."""
+
+    def __init__(self, url: str, last: int):
+        super().__init__(daemon=True)
+        self.url, self.last = url, last
+        self.data: list[str] = []
+        self.ends: list[tuple[str, float]] = []  # id-less errors: (kind, when)
+        self.after_end: list[str] = []  # anything after an id-less error (nothing, ever)
+        self.status: int | None = None
+        self.error: Exception | None = None
+        self.got = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            headers = {"Last-Event-ID": str(self.last)}
+            with httpx.stream("GET", self.url, headers=headers, timeout=30) as r:
+                self.status = r.status_code
+                event_id: int | None = None
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        event_id = int(line[4:])
+                    elif line.startswith("data: "):
+                        if self.ends:
+                            self.after_end.append(line)
+                        elif event_id is None and line != "data: [DONE]":
+                            self.ends.append((json.loads(line[6:])["error"]["code"], time.monotonic()))
+                        else:
+                            assert event_id is None or event_id > self.last, (event_id, self.last)  # each once
+                            self.last = event_id or self.last
+                            self.data.append(line[6:])
+                            self.got.set()
+                    elif line == "":
+                        event_id = None
+        except Exception as exc:  # kept for the assertion
+            self.error = exc
+        self.got.set()
+
+
+def openai_text(data: list[str]) -> tuple[str, list[str]]:
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+
+
+def first_events(url: str, content: str, count: int) -> tuple[str, list[str], int]:
+    """Start a resumable stream, read ``count`` events, hang up: (stream id, their data, last id)."""
+    body = {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": content}]}
+    data, last = [], 0
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                last = int(line[4:])
+            elif line.startswith("data: "):
+                data.append(line[6:])
+                if len(data) == count:
+                    return r.headers["x-stream-id"], data, last
+    raise AssertionError("the stream ended early")
+
+
+def test_readers_served_by_a_draining_instance_move_at_once(long_upstream, azurite, start_app):
+    """SIGTERM to A (the host's default shutdown timeout, 5 s; DRAIN_SECONDS' default, so a 3.5 s
+    grace) while A serves two readers: one resuming a stream produced on B (it reads the store), one
+    of a stream A produces itself (it reads A's memory). Each ends within a second or two with one
+    id-less ``stream_moved``, long before the host's timeout would cut it (as a SIGKILL would at
+    once): nothing after it, no event twice. Resumed on B after their last ids, both answers are
+    exact, with one ``stop``."""
+    env = {"AzureWebJobsStorage": azurite.connection_string, "RESUMABLE_STREAMS": "on"}
+    a = start_app(**app_env(long_upstream, **env))
+    b = start_app(**app_env(long_upstream, **env))
+    on_b, on_b_data, on_b_last = first_events(f"{b.url}/api/v1/chat/completions", "[scenario:cadence] b", 3)
+    on_a, on_a_data, on_a_last = first_events(f"{a.url}/api/v1/chat/completions", "[scenario:cadence] a", 3)
+    readers = {
+        on_b: (on_b_data, Reading(f"{a.url}/api/streams/{on_b}", on_b_last)),
+        on_a: (on_a_data, Reading(f"{a.url}/api/streams/{on_a}", on_a_last)),
+    }
+    for _, reading in readers.values():
+        assert reading.got.wait(30) and reading.error is None and reading.status == 200, (reading.status, reading.error)
+    sent = time.monotonic()
+    a.proc.send_signal(signal.SIGTERM)
+    expected = cadence_text(200)
+    for stream_id, (before, reading) in readers.items():
+        reading.join(15)
+        assert reading.error is None and not reading.is_alive(), reading.error
+        assert [kind for kind, _ in reading.ends] == ["stream_moved"], (stream_id, reading.ends, reading.data[-2:])
+        assert reading.after_end == [], reading.after_end
+        moved_after = reading.ends[0][1] - sent
+        assert moved_after < 2.5, f"a reader on A moved {moved_after:.2f} s after SIGTERM (the host cuts at 5 s)"
+        # The client resumes on B after its last id: the rest of the answer, exactly once.
+        rest, last = [], reading.last
+        for _ in range(20):
+            again = Reading(f"{b.url}/api/streams/{stream_id}", last)
+            again.join(60)
+            rest += again.data
+            last = again.last
+            if rest and rest[-1] == "[DONE]":
+                break
+            assert again.status in (200, 429, 503), (again.status, again.error)
+            time.sleep(0.25)
+        text, finishes = openai_text(before + reading.data + rest)
+        assert text == expected and finishes == ["stop"], (stream_id, len(text), finishes)
+    assert a.proc.wait(30) is not None

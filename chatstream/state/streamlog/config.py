@@ -167,6 +167,7 @@ class Context:
         self.remote_readers = 0
         self.closed = False
         self.draining = False  # this instance hands its streams over: it takes none over itself
+        self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
         self._tasks: set[asyncio.Task] = set()
 
     def now(self) -> float:

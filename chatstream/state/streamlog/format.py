@@ -217,6 +217,13 @@ def error_event(encode_error: EncodeError, route: str, type: LogError, message: 
     return sse.numbered(number, encode_error(route, type, message))
 
 
+def moved_event(encode_error: EncodeError, route: str) -> bytes:
+    """What ends a reading (a live caller's, a reader's) once its stream goes on elsewhere: a
+    retryable ``stream_moved`` error without an id (it is not an event of the stream), so its client
+    resumes after the last id it got, as after a cut."""
+    return encode_error(route, "stream_moved", "the stream goes on on another instance: resume it")
+
+
 def split_events(data: bytes) -> list[bytes]:
     """The numbered events of stored bytes (whole events), each with its blank line; comments dropped."""
     return [part + sse.END_OF_EVENT for part in sse.split(data)[0] if sse.event_id(part) is not None]

@@ -65,7 +65,8 @@ class StreamLog:
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
     ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
     ``stream_lost``. ``drain()``: when this instance stops (SIGTERM), its streams are handed over:
-    a reader elsewhere takes each over at once.
+    a reader elsewhere takes each over at once. ``move_readers()``, as the drain begins: every reading
+    here ends now with ``reader.moved_event()`` (those opened later at once), to resume elsewhere.
 
     ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
 
@@ -208,6 +209,13 @@ class StreamLog:
             log.exception("stream %s: continuing it failed", log_tag(won.producer.id))
         finally:
             won.producer.finish()
+
+    def move_readers(self) -> None:
+        """This instance stops (SIGTERM): every reader it serves, and any opened from now on, ends
+        with ``stream_moved`` now (``Reader.leaving``), so that its client resumes elsewhere at once."""
+        if not self._ctx.leaving.is_set():
+            log.warning("stream log: %d reader(s) here move to another instance", self._reading)
+        self._ctx.leaving.set()
 
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
         """Hand every stream produced here over (``Producer.hand_over``), at once, and take nothing over

@@ -44,6 +44,7 @@ from .format import (
     error_event,
     fits_record,
     log_tag,
+    moved_event,
     never_stored,
     position,
     record_over,
@@ -246,10 +247,8 @@ class Producer:
         return await _within(timeout, self._stored_all.wait()) and self._handed_over
 
     def moved_event(self) -> bytes:
-        """What ends the live caller's answer once the stream goes on elsewhere: a retryable
-        ``stream_moved`` error without an id (it is not an event of the stream), so its client
-        resumes after the last id it got, as after a cut."""
-        return self._ctx.encode_error(self.route, "stream_moved", "the stream goes on on another instance: resume it")
+        """What ends the live caller's answer once the stream goes on elsewhere (format.moved_event)."""
+        return moved_event(self._ctx.encode_error, self.route)
 
     # -- what readers here use ------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from .format import (
     Tail,
     error_event,
     log_tag,
+    moved_event,
     record_over,
     started_at,
 )
@@ -203,6 +204,23 @@ class Reader:
             await self.aclose()
             raise
 
+    @property
+    def leaving(self) -> asyncio.Event:
+        """Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless
+        it is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes)."""
+        return self._ctx.leaving
+
+    @property
+    def over(self) -> bool:
+        """The reading has handed out its end (its final event, or its own error)."""
+        return self._done
+
+    def moved_event(self) -> bytes:
+        """What ends a reading when this instance stops: the one its producer's live caller gets
+        (format.moved_event); the reading is over."""
+        self._done = True
+        return moved_event(self._ctx.encode_error, self.route)
+
     async def aclose(self) -> None:
         try:
             await self._events.aclose()
@@ -263,6 +281,9 @@ class Reader:
                         yield ending
                     return
                 if producer.moved.is_set():
+                    if self._ctx.leaving.is_set():  # handed over as this instance stops: read it elsewhere
+                        yield self.moved_event()
+                        return
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
                     self.tail = self.record = None  # read both again from the store, after the cursor
                     return
