@@ -358,7 +358,7 @@ class Endpoint:
                 self.accounting.progress(
                     admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
                 )
-                self.accounting.streams(admission, claim.stream_id, claim.epoch)
+                self.accounting.streams(admission, claim.producer.id, claim.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None

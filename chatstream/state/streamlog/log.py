@@ -214,7 +214,7 @@ class StreamLog:
         """This instance stops (SIGTERM): every reader it serves, and any opened from now on, ends
         with ``stream_moved`` now (``Reader.leaving``), so that its client resumes elsewhere at once."""
         if not self._ctx.leaving.is_set():
-            log.warning("stream log: %d reader(s) here move to another instance", self._reading)
+            log.warning("stream log: %d reader(s) here move to another instance", self._ctx.readers)
         self._ctx.leaving.set()
 
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
