@@ -203,6 +203,18 @@ class Instances:
             return True
         return row is not None and self._fresh(row)
 
+    async def silent_for(self, instance: str) -> float:
+        """How long ``instance`` has been past its lease, by the store's clock (0.0 while it beats;
+        inf when it has no row: it left, or was found dead and its row deleted). StoreError when the
+        store cannot tell."""
+        if instance == self.id:
+            return 0.0
+        row = await self._row_of(instance)
+        if row is None:
+            return float("inf")
+        lease = float(row.get("lease") or self.timing.lease_seconds)
+        return max(0.0, self.store.clock.now() - float(row.get("at") or 0.0) - lease)
+
     async def _row_of(self, instance: str) -> dict | None:
         """Another instance's row (None: it has none); one read serves every question about it for
         ``fresh_seconds``."""

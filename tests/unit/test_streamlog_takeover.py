@@ -252,6 +252,32 @@ async def test_a_last_event_id_a_dead_producer_never_stored_ends_with_stream_los
             await b.open_reader(producer.id, epoch_id(2, 40), None)
 
 
+async def test_a_reader_ahead_of_the_log_long_after_its_producer_went_silent_is_not_made_to_wait():
+    """A reader whose client has ids the dead producer never stored waits for that producer (a slow
+    one only stores them late) before the takeover ends it with stream_lost: for give_up_seconds,
+    counted from when the producer's instance went silent, not from when this reader first looked.
+    A reading that comes after others were cut (instances stopped one after the other) is not made
+    to wait again, and its client's reconnect bound does not run out (chaos seed 7)."""
+    patience = 3.0
+    quick = {**QUICK, "checkpoint_seconds": 30.0, "give_up_seconds": patience}
+    async with instances(2, take_over=regenerating(), **quick) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 30})
+        for i in range(10):
+            producer.append(delta(i))
+        producer.caller_gone()  # stores what is in hand now
+        await asyncio.sleep(0.3)
+        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        for i in range(10, 20):
+            producer.append(delta(i))
+        kill(a)
+        await asyncio.sleep(LIFE.lease_seconds + patience + 0.5)  # silent for longer than the patience
+        opened = asyncio.get_running_loop().time()
+        got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
+        took = asyncio.get_running_loop().time() - opened
+        assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
+        assert took < patience - 0.5, f"{took:.2f} s: the patience counted again from this reading"
+
+
 async def test_a_continuation_only_a_stream_lost_reader_asked_for_stops_once_past_its_position():
     """As above, the log holding 1..10 of the caller's 1..20: the reader after 15 that asks for the
     takeover gets stream_lost, and nobody else reads. The continuation (1,000 deltas, 10 s) runs on

@@ -335,12 +335,21 @@ class Reader:
                             self._gone_at = None
                         elif not tail.handover and (
                             self._gone_at is None
-                            or (self.cursor > tail.last_id and now - self._gone_at < cfg.give_up_seconds)
+                            or (
+                                self.cursor > tail.last_id
+                                and now - self._gone_at < cfg.give_up_seconds
+                                and (
+                                    not self.record.instance
+                                    or await ctx.instances.silent_for(self.record.instance) < cfg.give_up_seconds
+                                )
+                            )
                         ):
                             # Twice, a check apart: a producer renamed under load (Instances fenced
                             # it) says so in the record meanwhile; a dead one stays gone. A reader
                             # ahead of the log (its client has ids not stored yet) waits longer: a
-                            # takeover ends it with stream_lost, and a producer only slow stores them.
+                            # takeover ends it with stream_lost, and a producer only slow stores them;
+                            # not when its instance has been silent that long already (a reader that
+                            # comes late, after other readings of it were cut: chaos seed 7).
                             self._gone_at = self._gone_at or now
                         else:
                             self._gone_at = None
