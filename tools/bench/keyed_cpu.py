@@ -44,6 +44,9 @@ import time
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
+import quick  # noqa: E402  (tools/bench/quick.py: its ASGI receive; it takes its folder off the path again)
+
 MODEL = "cadence"
 
 
@@ -71,20 +74,6 @@ def _scope(body: bytes, key: str | None) -> dict:
     }
 
 
-def _receiver(body: bytes):
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
 async def _one(app, key: str | None, n: int) -> int:
     from starlette.requests import Request
 
@@ -98,8 +87,8 @@ async def _one(app, key: str | None, n: int) -> int:
         written += len(message.get("body", b""))
 
     scope = _scope(body, key)
-    response = await app.chat(Request(scope, _receiver(body)))
-    await response(scope, _receiver(body), send)
+    response = await app.chat(Request(scope, quick._receiver(body)))
+    await response(scope, quick._receiver(body), send)
     assert status == 200, f"status {status}"
     return written
 
