@@ -41,7 +41,7 @@ from .record import StreamRecord
 from .resumable import Resumable, Route
 from .settings import Settings
 from .sse import KEEP_ALIVE
-from .state.accounting import Accounting, Admission
+from .state.accounting import RAISED_WITHIN, Accounting, Admission
 from .state.callers import Caller
 from .state.registry import Registry
 from .state.streamlog import Claim, started_at
@@ -385,12 +385,18 @@ class Endpoint:
         return admission
 
     async def _charge_lost(self, claim: Claim, known: Known, admission: Admission, unstored: str) -> None:
-        """Charge the lost producer's part: what the log holds of it, and ``unstored``."""
+        """Charge the lost producer's part: what the log holds of it, and ``unstored`` (then waiting
+        out a failing store: nobody else knows it)."""
         assert self.accounting is not None
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
-            admission, started_at(claim.producer.id), lost.text + unstored, claim.epoch, before
+            admission,
+            started_at(claim.producer.id),
+            lost.text + unstored,
+            claim.epoch,
+            before,
+            patience=RAISED_WITHIN if unstored else 0.0,
         )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:

@@ -78,6 +78,8 @@ class Admission:
 
 
 LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
+RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
+RETRY_SECONDS = 0.5  # ...trying again this often
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
@@ -276,7 +278,13 @@ class Accounting:
         self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
 
     async def charge_lost(
-        self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
+        self,
+        admission: Admission,
+        started: float | None,
+        text: str,
+        epoch: int = 2,
+        before: str = "",
+        patience: float = 0.0,
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
         (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
@@ -286,8 +294,9 @@ class Accounting:
         caller was found to have received): the row is raised to it. The charge is made on the row
         as read: an insert, or a raise of a recovery's row or its own (author kept) by the
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
-        meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
-        instance's recovery charges that part at its checkpoint."""
+        meanwhile it counts nothing), then counted. Never raises: reading the row is tried again for
+        ``patience`` seconds (a raise nobody else can make: the dead instance's recovery knows only
+        its checkpoint); on a store failure past that, recovery charges that part at its checkpoint."""
         admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
@@ -301,11 +310,16 @@ class Accounting:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LANDED_WITHIN):
                     await admission.lost.written.wait()
-        try:
-            there = await self.ledger.find(charge)
-        except StoreError as exc:
-            log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
-            return
+        give_up = asyncio.get_running_loop().time() + patience
+        while True:
+            try:
+                there = await self.ledger.find(charge)
+                break
+            except StoreError as exc:
+                if asyncio.get_running_loop().time() >= give_up:
+                    log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
+                    return
+                await asyncio.sleep(RETRY_SECONDS)
         op = secrets.token_hex(6)
         spent, cost = charge.total_tokens, charge.cost or 0
         if there is None:

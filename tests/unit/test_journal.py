@@ -332,6 +332,35 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     await b.close()
 
 
+async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freeze():
+    """The raise to what the caller received is made when the continuation ends; if the store is
+    frozen then, it waits for the store (bounded), for nobody else can make it: the dead instance's
+    recovery knows only its checkpoint (seed 4242 of the soak: 21 charged for 29 received, the
+    store frozen 4.7 s at the continuation's end)."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    acc_b = b.accounting
+    assert acc_b is not None and isinstance(b.store, MemoryStore)
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert await acc_b.flush(5)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    b.store.inject(Fault("unavailable", frozenset({"get"}), table=USAGE_TABLE, times=3))
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=5.0)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # a's checkpoint is below it
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    team = (await b.registry.get_team("t")).limits_partition
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+
+
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
 async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
     """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
