@@ -233,10 +233,7 @@ class Lease:
         """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
-        if part.generation == self.generation:
-            self._reserve(-part.need)
-        # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is
-        # taken from the row
+        self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
         if self.hold.serving():
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
