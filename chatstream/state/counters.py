@@ -100,8 +100,7 @@ class _Written:
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
     row: CounterRow  # what it writes
-    delta: int
-    debt: int
+    delta: int  # what it takes of the row (negative: gives back)
     applied: list[_Staged]  # the charges it applies
     waiters: list[_Waiter]  # the reservations it grants
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
@@ -111,7 +110,7 @@ class _Written:
 class _Staged:
     seq: int
     amount: int
-    confirmed: bool = False
+    confirmed: bool = False  # its ledger row is written: it may enter the row
 
 
 @dataclass
@@ -158,8 +157,9 @@ class Hold:
 
 class Lease:
     """One counter as this instance holds it (module docstring). Local books, in the counter's window:
-    ``held + debt == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in
-    the row as last written."""
+    ``held == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in the row
+    as last written. A charge past what the balance holds leaves it below 0: the next exchange takes
+    the rest from the row, as it takes what waiting reservations need."""
 
     def __init__(self, counters: Counters, key: CounterKey):
         self.counters = counters
@@ -171,7 +171,6 @@ class Lease:
         self.held = 0
         self.balance = 0
         self.reserved = 0
-        self.debt = 0
         self.staged: deque[_Staged] = deque()
         self.seq = 0  # the last charge's number
         self.applied = 0  # the last charge in the row
@@ -196,7 +195,7 @@ class Lease:
 
     def _drop_books(self) -> None:
         self.generation += 1
-        self.held = self.balance = self.reserved = self.debt = 0
+        self.held = self.balance = self.reserved = 0
         self.staged.clear()
         self.applied = 0
 
@@ -234,29 +233,21 @@ class Lease:
         """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
-        if part.generation == self.generation:
-            self._reserve(-part.need)
-        # else: these books were dropped (taken over elsewhere) since it was reserved: all of it is debt
+        self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
         if self.hold.serving():
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
-        return self.charge(spent, confirmed=False)
+        return self.charge(spent)
 
-    def charge(self, amount: int, confirmed: bool) -> _Staged | None:
-        """``amount`` spent in the books' window (a correction: either sign): the balance pays what
-        it can, the rest is debt. A budget's charge is staged and returned: it enters the row once
-        confirmed (its ledger row written). A minute window is never taken over (it ends by itself):
-        what the balance paid leaves the books here, without a write; only the debt goes to the row,
-        confirmed at once."""
-        used = max(0, min(self.balance, amount))
-        self.balance -= used
-        self.debt += amount - used
+    def charge(self, amount: int, confirmed: bool = False) -> _Staged | None:
+        """``amount`` spent in the books' window (a correction: either sign), paid from the balance
+        (below 0: the row pays the rest, at the next exchange). A budget's charge is staged and
+        returned: it enters the row once confirmed (its ledger row written). A minute window is
+        never taken over (it ends by itself): the charge leaves the books here, without a write."""
+        self.balance -= amount
         if self.period != "minute":
             return self._stage(amount, confirmed)
-        self.held -= used
-        if amount - used:
-            self._stage(amount - used, confirmed=True)
-        else:
-            self.kick()
+        self.held -= amount
+        self.kick()
         return None
 
     def lessen(self, staged: _Staged, amount: int) -> None:
@@ -274,12 +265,12 @@ class Lease:
 
     def remaining(self) -> int:
         taken = self.seen.taken if self.seen.counts_in(self.window) else 0
-        return max(0, self.limit - taken) + self.balance
+        return max(0, self.limit - taken) + max(0, self.balance)
 
     def holds(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
-        books = (self.held, self.balance, self.reserved, self.debt, self.staged, self.waiters, self.uncertain)
+        books = (self.held, self.balance, self.reserved, self.staged, self.waiters, self.uncertain)
         return any(books)
 
     def entered(self) -> bool:
@@ -289,9 +280,9 @@ class Lease:
         return self.seen.counts_in(self.window) and self.counters.instance in self.seen.holds
 
     def give_all_back(self) -> bool:
-        """Whether something is still to go to the row (a balance, a debt, a charge, a lost answer):
-        if so, the hold ends and an exchange starts."""
-        if not (self.balance or self.debt or self._applicable() or self.uncertain):
+        """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
+        the hold ends and an exchange starts."""
+        if not (self.balance or self._applicable() or self.uncertain):
             return False
         self.hold.end()
         self.kick()
@@ -338,8 +329,8 @@ class Lease:
             self.uncertain is not None
             or (self.hold.top_up and holding)
             or bool(self._pending())
-            or self.debt != 0  # a give-back's too: it enters the row with this instance's entry (``entered``)
             or bool(self._applicable())
+            or self.balance < 0  # a charge past the balance: the row pays the rest
             or self.balance > (self.hold.share if holding else 0)
         )
 
@@ -432,27 +423,25 @@ class Lease:
             lone = chosen[0].need if self.period == "minute" and len(waiters) == 1 and chosen else None
             others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
             keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
-            delta = total + keep - self.balance
+            delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
-            debt = self.debt
-            if delta == 0 and debt == 0 and not applied and not chosen:
+            if delta == 0 and not applied and not chosen:
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
-            held = self.held + delta + debt - spent
+            held = self.held + delta - spent
             if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``entered``)
                 holds[counters.instance] = Entry(
                     held, applied[-1].seq if applied else self.applied, self.exchange, keep
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
-            row = CounterRow(None, window, max(0, taken + delta + debt), holds)
-            written = _Written(seen.etag, row, delta, debt, applied, chosen, self.balance)
+            row = CounterRow(None, window, max(0, taken + delta), holds)
+            written = _Written(seen.etag, row, delta, applied, chosen, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
-            self.debt -= written.debt
             try:
                 landed = await self._write(written)
             except StoreError:
@@ -476,7 +465,7 @@ class Lease:
         share)."""
         holding = self.hold.active() and not waiting
         # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = min(self.balance, self.hold.share) if holding else 0
+        keep = max(0, min(self.balance, self.hold.share)) if holding else 0
         share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
         if top_up and holding:
             # The hold back to its size, so far as the limit and the other instances' idle shares allow.
@@ -498,7 +487,7 @@ class Lease:
         window = written.row.window
         if window is None or window != self.window:
             return
-        self.held += written.delta + written.debt - sum(staged.amount for staged in written.applied)
+        self.held += written.delta - sum(staged.amount for staged in written.applied)
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
         for staged in written.applied:
             if self.staged and self.staged[0] is staged:
@@ -512,7 +501,6 @@ class Lease:
         """A write that did not land (and never will): what it took out comes back."""
         if written.row.window == self.window:
             self.balance += written.balance_out
-            self.debt += written.debt
 
     def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
         """The chosen waiters are served from the balance, the others refused (one that gave up
