@@ -35,8 +35,9 @@ midway is done again by the next duty holder, and two at once charge everything 
    the row is as it was read (``Ledger.apply``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
-   charges after the entry's ``applied`` number, its open requests at their checkpoint). Minute
-   windows end by themselves.
+   charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
+   row's window (its ledger day's): a charge of a window that is over enters no row. Minute windows
+   end by themselves.
 4. **Delete** the journal; the duty holder then deletes the dead instance's row.
 
 Not here: the dead instance's resumable streams. A reader takes each over (streamlog/takeover.py)
@@ -50,12 +51,13 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import tokens
 from ..errors import Modified, NotFound, StoreError
 from . import counter_row
-from .counter_row import MAX_ATTEMPTS, CounterKey
+from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
 from .ledger import Charge, Ledger, Payer, theirs
@@ -549,6 +551,7 @@ class Recovery:
                 brings[key]
                 for entry, brings in owed
                 if key in brings
+                and _in_window(found.window, entry.get("day"))
                 and not (
                     entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
                 )
@@ -558,6 +561,15 @@ class Recovery:
             if await counter_row.write(self.store, partition, row, changed, found.etag, SLOW_TIMEOUT) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
+
+
+def _in_window(window: str | None, day: str | None) -> bool:
+    """Whether a budget row's ``window`` is that of a request started on ``day`` (its ledger day): a
+    charge of a window that is over goes into no row (counters.py), not into the next window's."""
+    if not day:
+        return True
+    at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
+    return window in {window_of(period, at) for period in ("day", "month", "total")}
 
 
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:
