@@ -107,6 +107,8 @@ class JournalEntry:
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    # (state, segment, stream, epoch) as last serialised, and the JSON of the rest (``serialised``)
+    _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
     def checkpoint(self) -> int:
         """Completion tokens generated so far: each choice's text up to its last space counted once
@@ -124,7 +126,18 @@ class JournalEntry:
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
         return self.counted_tokens + rest
 
-    def document(self) -> dict[str, Any]:
+    def serialised(self) -> str:
+        """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
+        and stream: the JSON of the rest is kept until one of those changes, and a write serialises
+        only an open request's checkpoint anew (the journal is written every ``JOURNAL_SECONDS``
+        with every open request in it: issue #44)."""
+        fields = (self.state, self.segment, self.stream, self.epoch)
+        if self._head[0] != fields:
+            self._head = (fields, json.dumps(self._document(), separators=(",", ":"))[:-1])
+        return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
+
+    def _document(self) -> dict[str, Any]:
+        """Its document but for an open request's checkpoint (``generated``, its last field)."""
         doc: dict[str, Any] = {
             "id": self.key,
             **asdict(self.payer),
@@ -139,9 +152,7 @@ class JournalEntry:
             doc["segment"] = self.segment
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
-        if self.state == "open":
-            doc["generated"] = self.checkpoint()
-        else:
+        if self.state == "settled":
             doc["charges"] = [asdict(c) for c in self.charges]
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
@@ -306,13 +317,9 @@ class Journal:
             return
         settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
         in_doc = list(self.entries.values())
-        doc = {
-            "instance": instance,
-            "at": self.store.clock.now(),
-            "counters": [str(key) for key in listed],
-            "entries": [e.document() for e in self.entries.values()],
-        }
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        head = {"instance": instance, "at": self.store.clock.now(), "counters": [str(key) for key in listed]}
+        entries = ",".join(e.serialised() for e in in_doc)
+        data = f'{json.dumps(head, separators=(",", ":"))[:-1]},"entries":[{entries}]}}'.encode()
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:

@@ -790,7 +790,7 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
     payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
     spend = CounterKey("team:t|1", "spend")
-    doc = JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).document()
+    doc = json.loads(JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).serialised())
     assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
     assert doc["kinds"] == {"team:t|1/tokens": "tokens", "team:t|1/spend": "spend"}  # what older versions read
 
