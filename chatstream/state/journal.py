@@ -500,8 +500,9 @@ class Recovery:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
         charges = _charges_of(entry, dead, await self._logged(entry))
-        others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
-        counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
+        # What someone else counts: segments they charged first (a stream's taker), and what a taker
+        # counted of a row raised to the checkpoint.
+        others: list[Charge] = []
         for charge in charges:
             if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
                 if not await self.ledger.apply(charge):
@@ -528,15 +529,14 @@ class Recovery:
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
-                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+                counted = int(there["counted_tokens"]), int(there.get("counted_cost") or 0)
+                others.append(replace(charge, prompt_tokens=counted[0], completion_tokens=0, cost=counted[1]))
             if isinstance(there, Row) and entry.get("state") != "settled":
                 # Written by an earlier (or a concurrent) run, which may have read less of a log:
                 # what the row holds is what is counted.
                 charges[charges.index(charge)] = Charge.of(there)
         keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
         less = amounts(keys, others)
-        for key in keys:
-            less[key] += sum(cost if key.row == "spend" else n for n, cost in counted)
         brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
         return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
