@@ -171,10 +171,10 @@ class Accounting:
         output = asked.output_tokens
         spend = price.most(prompt, output) if price is not None else 0
         wants = _wants(caller, team, model, prompt + output, spend)
+        started = self.counters.clock()  # the reservation's windows' time: its ledger day is theirs
         reserved = await self.counters.reserve(wants)
         if not isinstance(reserved, Reservation):
             return reserved
-        started = self.counters.clock()
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.

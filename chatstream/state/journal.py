@@ -35,8 +35,9 @@ midway is done again by the next duty holder, and two at once charge everything 
    the row is as it was read (``Ledger.apply``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
-   charges after the entry's ``applied`` number, its open requests at their checkpoint). Minute
-   windows end by themselves.
+   charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
+   row's window (its ledger day's): a charge of a window that is over enters no row. Minute windows
+   end by themselves.
 4. **Delete** the journal; the duty holder then deletes the dead instance's row.
 
 Not here: the dead instance's resumable streams. A reader takes each over (streamlog/takeover.py)
@@ -50,12 +51,13 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import tokens
 from ..errors import Modified, NotFound, StoreError
 from . import counter_row
-from .counter_row import MAX_ATTEMPTS, CounterKey
+from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
 from .ledger import Charge, Ledger, Payer, theirs
@@ -105,6 +107,8 @@ class JournalEntry:
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    # (state, segment, stream, epoch) as last serialised, and the JSON of the rest (``serialised``)
+    _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
     def checkpoint(self) -> int:
         """Completion tokens generated so far: each choice's text up to its last space counted once
@@ -122,7 +126,18 @@ class JournalEntry:
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
         return self.counted_tokens + rest
 
-    def document(self) -> dict[str, Any]:
+    def serialised(self) -> str:
+        """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
+        and stream: the JSON of the rest is kept until one of those changes, and a write serialises
+        only an open request's checkpoint anew (the journal is written every ``JOURNAL_SECONDS``
+        with every open request in it: issue #44)."""
+        fields = (self.state, self.segment, self.stream, self.epoch)
+        if self._head[0] != fields:
+            self._head = (fields, json.dumps(self._document(), separators=(",", ":"))[:-1])
+        return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
+
+    def _document(self) -> dict[str, Any]:
+        """Its document but for an open request's checkpoint (``generated``, its last field)."""
         doc: dict[str, Any] = {
             "id": self.key,
             **asdict(self.payer),
@@ -137,9 +152,7 @@ class JournalEntry:
             doc["segment"] = self.segment
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
-        if self.state == "open":
-            doc["generated"] = self.checkpoint()
-        else:
+        if self.state == "settled":
             doc["charges"] = [asdict(c) for c in self.charges]
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
@@ -304,13 +317,9 @@ class Journal:
             return
         settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
         in_doc = list(self.entries.values())
-        doc = {
-            "instance": instance,
-            "at": self.store.clock.now(),
-            "counters": [str(key) for key in listed],
-            "entries": [e.document() for e in self.entries.values()],
-        }
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        head = {"instance": instance, "at": self.store.clock.now(), "counters": [str(key) for key in listed]}
+        entries = ",".join(e.serialised() for e in in_doc)
+        data = f'{json.dumps(head, separators=(",", ":"))[:-1]},"entries":[{entries}]}}'.encode()
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
@@ -491,8 +500,9 @@ class Recovery:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
         charges = _charges_of(entry, dead, await self._logged(entry))
-        others: list[Charge] = []  # segments someone else charged first (a stream's taker): theirs to count
-        counted: list[tuple[int, int]] = []  # (tokens, cost) a taker counted of a row raised to the checkpoint
+        # What someone else counts: segments they charged first (a stream's taker), and what a taker
+        # counted of a row raised to the checkpoint.
+        others: list[Charge] = []
         for charge in charges:
             if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
                 if not await self.ledger.apply(charge):
@@ -519,15 +529,14 @@ class Recovery:
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
-                counted.append((int(there["counted_tokens"]), int(there.get("counted_cost") or 0)))
+                counted = int(there["counted_tokens"]), int(there.get("counted_cost") or 0)
+                others.append(replace(charge, prompt_tokens=counted[0], completion_tokens=0, cost=counted[1]))
             if isinstance(there, Row) and entry.get("state") != "settled":
                 # Written by an earlier (or a concurrent) run, which may have read less of a log:
                 # what the row holds is what is counted.
                 charges[charges.index(charge)] = Charge.of(there)
         keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
         less = amounts(keys, others)
-        for key in keys:
-            less[key] += sum(cost if key.row == "spend" else n for n, cost in counted)
         brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
         return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
@@ -549,6 +558,7 @@ class Recovery:
                 brings[key]
                 for entry, brings in owed
                 if key in brings
+                and _in_window(found.window, entry.get("day"))
                 and not (
                     entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
                 )
@@ -558,6 +568,15 @@ class Recovery:
             if await counter_row.write(self.store, partition, row, changed, found.etag, SLOW_TIMEOUT) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
+
+
+def _in_window(window: str | None, day: str | None) -> bool:
+    """Whether a budget row's ``window`` is that of a request started on ``day`` (its ledger day): a
+    charge of a window that is over goes into no row (counters.py), not into the next window's."""
+    if not day:
+        return True
+    at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
+    return window in {window_of(period, at) for period in ("day", "month", "total")}
 
 
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:

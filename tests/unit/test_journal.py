@@ -26,7 +26,21 @@ from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
 from chatstream.state.store import LIMITS_TABLE, STREAMS_TABLE, USAGE_TABLE
 
-from .state_helpers import MODEL, account, admit, asked, call, counter, finish, instance, kill, record, until, usage
+from .state_helpers import (
+    MODEL,
+    account,
+    admit,
+    asked,
+    call,
+    counter,
+    finish,
+    instance,
+    kill,
+    record,
+    ticking,
+    until,
+    usage,
+)
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -805,7 +819,7 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
     payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
     spend = CounterKey("team:t|1", "spend")
-    doc = JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).document()
+    doc = json.loads(JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).serialised())
     assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
     assert doc["kinds"] == {"team:t|1/tokens": "tokens", "team:t|1/spend": "spend"}  # what older versions read
 
@@ -889,3 +903,48 @@ async def test_a_correction_by_an_instance_that_never_held_its_budgets_is_applie
     assert journal_doc(data, "instance-b") is None
     await a.close()
     await c.close()
+
+
+@pytest.mark.parametrize(("period", "days"), [("day", 1), ("month", 31)])
+async def test_a_charge_whose_window_ended_before_it_entered_its_row_is_not_applied_to_the_next_window(
+    period: str, days: int
+):
+    """A settles r1 late in a budget window (its ledger row cannot be written: the charge stays
+    staged, and its journal lists it settled); the window ends (the store's clock moves ``days``
+    on), and r2, admitted in the new window, takes A's entry into the rows of the new window, whose
+    ``applied`` number knows nothing of r1 (books of a window that ended are dropped). A dies. The
+    takeover charges r1's ledger row, and the new window's rows r2 alone: r1's window is over."""
+    shift = [0.0]
+    clock = ticking()
+    data = MemoryData(wall=lambda: clock() + shift[0])
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    price = await a.registry.set_price(MODEL, PriceSpec(input=1, cached_input=0.5, output=2))
+    budgets = {**BUDGETS, "budget_period": period}
+    await a.registry.create_team(validate(TeamSpec, {"name": "t", **budgets}))
+    caller, _ = await a.registry.create(validate(CallerSpec, {"name": "c", "team": "t", **budgets}))
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("unavailable", frozenset({"batch"}), table=USAGE_TABLE, times=10**9))
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r1, Admission)
+    finish(acc_a, r1, rec1, usage(100, 50))
+    await until(
+        lambda: (entry_of(data, "instance-a", rec1.id) or {}).get("state") == "settled", what="r1 journaled settled"
+    )
+    old = counter(data, caller.limits_partition, "tokens")["window"]
+    shift[0] = days * 86_400.0
+    await a.store.get(LIMITS_TABLE, "x", "y")  # an answer of the store: its clock is read
+    r2, rec2 = await admit(acc_a, caller, "two")
+    assert isinstance(r2, Admission)
+    team = (await b.registry.get_team("t")).limits_partition
+    for row in budget_rows(data, caller, team):
+        assert row["window"] != old and "instance-a=" in row["holds"], row  # A's entry, in the new window
+    assert entry_of(data, "instance-a", rec1.id) is not None and entry_of(data, "instance-a", rec2.id) is not None
+    await kill(a)
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    rows = ledger_rows(data)
+    assert set(rows) == {rec1.id, rec2.id}
+    assert rows[rec1.id]["author"] == "instance-a" and rows[rec1.id]["prompt_tokens"] == 100
+    spent_as_the_ledger(data, caller, team, [rows[rec2.id]])  # r2's checkpoint alone
+    assert rows[rec2.id]["cost"] == price.cost(r2.prompt_tokens, 0, 0)
+    await b.close()
