@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import httpx
 import openai
 import pytest
+from fakeupstream_reads import cuts_inside_characters, headers_only, raw_reads, stream_record
 from servers import Upstream
 
 from tools.fakeupstream import (
@@ -67,16 +67,6 @@ def post(server: str, body: dict, path: str = "/v1/responses", **kw) -> httpx.Re
 
 def text_of(events) -> str:
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
-
-
-def stream_record(server: str, request_id: str, wait_s: float = 1.0) -> dict:
-    deadline = time.monotonic() + wait_s
-    while True:
-        records = [r for r in httpx.get(f"{server}/_scripted/streams").json() if r["request_id"] == request_id]
-        assert len(records) == 1
-        if records[0]["outcome"] is not None or time.monotonic() > deadline:
-            return records[0]
-        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------- wire format
@@ -246,23 +236,10 @@ def test_echo_list_input_and_scenario_marker(client):
 
 
 def test_split_utf8_arrives_cut_inside_characters(server):
-    async def read() -> list[bytes]:
-        async with httpx.AsyncClient(timeout=10) as c:
-            body = {"model": "split_utf8", "input": INPUT, "stream": True}
-            async with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-                return [chunk async for chunk in r.aiter_raw()]
-
-    reads = asyncio.run(read())
+    reads = raw_reads(f"{server}/v1/responses", {"model": "split_utf8", "input": INPUT, "stream": True})
     whole = b"".join(reads)
     assert len(reads) >= 20
-    cut_mid_char, pos = [], 0
-    for piece in reads[:-1]:
-        pos += len(piece)
-        try:
-            whole[:pos].decode("utf-8")
-        except UnicodeDecodeError:
-            cut_mid_char.append(pos)
-    assert cut_mid_char, "no read ended inside a multi-byte character"
+    assert cuts_inside_characters(reads), "no read ended inside a multi-byte character"
     assert any(piece.endswith(b"eve") for piece in reads)
     assert any(piece.endswith(b"\n") and not piece.endswith(b"\n\n") for piece in reads)  # between the lines
     evs = parse_sse(whole)
@@ -357,12 +334,7 @@ def test_hanging_up_on_a_stall_is_recorded(server):
 
 def test_stall_first_sends_headers_only(server):
     body = {"model": "stall_first", "input": INPUT, "stream": True}
-    with httpx.Client(timeout=httpx.Timeout(5, read=0.3)) as c:
-        with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-            assert r.status_code == 200
-            with pytest.raises(httpx.ReadTimeout):
-                next(r.iter_raw())
-            request_id = r.headers["x-request-id"]
+    request_id = headers_only(f"{server}/v1/responses", body)
     assert stream_record(server, request_id)["outcome"] == "client_disconnected"
 
 
