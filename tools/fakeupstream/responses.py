@@ -35,6 +35,7 @@ from typing import Any
 
 from . import scenarios as sc
 from .scenarios import RESET, STALL, Cadence, HttpError
+from .wire import play, send_json, timed
 
 # --------------------------------------------------------------------------- texts
 
@@ -806,33 +807,9 @@ def _not_found(response_id: str) -> ApiError:
     return _invalid(f"Response with id '{response_id}' not found.", status=404)
 
 
-_JSON = (b"content-type", b"application/json")
-_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 _MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 #: /v1/responses (OpenAI), /responses (base URL without /v1), /openai/v1/responses (Azure v1).
 PATH = re.compile(r"^(?:/v1|/openai/v1)?/responses(?:/([^/]+)(/cancel|/input_items)?)?$")
-
-
-async def send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _timed(plan: list[tuple[float, Any]]) -> AsyncIterator[Any]:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    for at, item in plan:
-        delay = start + at - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        yield item
 
 
 class ResponsesApi:
@@ -902,7 +879,7 @@ class ResponsesApi:
                 raise _not_found(response_id)
             after = int(record["query"].get("starting_after") or -1)
             logged = [frame(e, False) for e in run.events[max(0, after + 1) :]]
-            await self._stream(receive, send, record, run, _timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
+            await self._stream(receive, send, record, run, timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
             return
         err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
         raise ApiError(err.status, err.body, err.headers)
@@ -1006,7 +983,7 @@ class ResponsesApi:
             await send_json(send, 200, final, rid)
             return
         run = Run(ctx, name, items, final, background=False, streamable=False)
-        await self._stream(receive, send, record, run, _timed(wire_plan(played, obfuscate, scn.split_writes)), rid)
+        await self._stream(receive, send, record, run, timed(wire_plan(played, obfuscate, scn.split_writes)), rid)
 
     def _keep(self, run: Run) -> None:
         self.store[run.ctx.id] = run
@@ -1068,8 +1045,6 @@ class ResponsesApi:
         """Send the source's writes; record how the stream ended (as chat streams are recorded).
 
         A client hanging up ends this stream only: a background run keeps generating."""
-        from .server import DeliberateReset  # here: server imports this module
-
         record = {
             "request_id": request["id"],
             "scenario": run.scenario,
@@ -1080,38 +1055,4 @@ class ResponsesApi:
             "response_id": run.ctx.id,
         }
         self.app.streams.append(record)
-        task = asyncio.current_task()
-        finished = disconnected = False
-
-        async def watch_for_disconnect() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:
-                disconnected = True
-                task.cancel()
-
-        watcher = asyncio.create_task(watch_for_disconnect())
-        outcome = "error"
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [_SSE, *headers]})
-            async for item in source:
-                if item is RESET:
-                    outcome = "reset"
-                    raise DeliberateReset(f"scenario {run.scenario}: connection dropped on purpose")
-                if item is STALL:
-                    await asyncio.get_running_loop().create_future()  # until the watcher cancels us
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-            finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome = "completed"
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise  # server shutdown: outcome "error"
-            task.uncancel()
-            outcome = "client_disconnected"
-        finally:
-            finished = True
-            watcher.cancel()
-            record["ended_at"] = time.time()
-            record["outcome"] = outcome
+        await play(receive, send, record, source, headers)

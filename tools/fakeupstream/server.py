@@ -1,4 +1,4 @@
-"""The ASGI app: routing, scenario choice, recording, and stream playback.
+"""The ASGI app: routing, scenario choice and recording; a stream is played by wire.py.
 
 A plain ASGI callable (no framework) so that the per-chunk path is just
 "sleep until the deadline, send pre-built bytes". It runs under uvicorn.
@@ -6,7 +6,6 @@ A plain ASGI callable (no framework) so that the per-chunk path is just
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -21,22 +20,17 @@ from . import scenarios as sc
 from .params import chat_param_problem
 from .responses import ResponsesApi
 from .scenarios import Cadence, Request, Scenario
+from .wire import DeliberateReset, play, send_json, timed
 
 MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 _DEPLOYMENT_PATH = re.compile(r"^/openai/deployments/([^/]+)/chat/completions$")
 _MODELS_CREATED = 1_700_000_000
-_JSON = (b"content-type", b"application/json")
-_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
 # A stream record keeps when the first CONTENT_TIMES chunks with text went out (content_sent_at), so
 # that a test can tell the relay's delay from the upstream's own.
 CONTENT_TIMES = 64
 _CONTENT = re.compile(rb'"content":"[^"]')
-
-
-class DeliberateReset(Exception):
-    """Raised mid-body on purpose: uvicorn then closes the socket without ending the chunked body."""
 
 
 class _QuietResets(logging.Filter):
@@ -51,18 +45,6 @@ class _ApiError(Exception):
 
 def _invalid(message: str, param: str | None = None, code: str | None = None) -> _ApiError:
     return _ApiError(400, sc.error_body(message, "invalid_request_error", code, param))
-
-
-async def _send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _read_body(receive) -> bytes | None:
@@ -157,13 +139,13 @@ class FakeUpstream:
             elif self.responses and (route := self.responses.route(method, path)):
                 await self.responses.handle(route, receive, send, record)
             elif path.startswith("/openai/"):
-                await _send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
+                await send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
             elif method == "GET" and path in ("/v1/models", "/models"):
-                await _send_json(send, 200, self._models, rid)
+                await send_json(send, 200, self._models, rid)
             else:
                 raise _ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
         except _ApiError as e:
-            await _send_json(send, e.status, e.body, rid + e.headers)
+            await send_json(send, e.status, e.body, rid + e.headers)
 
     def _record(self, scope, body: bytes, received_at: float) -> dict:
         headers: dict[str, str] = {}
@@ -191,15 +173,15 @@ class FakeUpstream:
         if path == "/_scripted/requests" and method == "GET":
             records = list(self.requests)
             last = query.get("last", "")
-            await _send_json(send, 200, records[-int(last) :] if last.isdigit() and int(last) else records)
+            await send_json(send, 200, records[-int(last) :] if last.isdigit() and int(last) else records)
         elif path == "/_scripted/requests" and method == "DELETE":
             self.requests.clear()
             self.streams.clear()
-            await _send_json(send, 200, {"cleared": True})
+            await send_json(send, 200, {"cleared": True})
         elif path == "/_scripted/count" and method == "GET":
-            await _send_json(send, 200, {"requests": self.received})
+            await send_json(send, 200, {"requests": self.received})
         elif path == "/_scripted/streams" and method == "GET":
-            await _send_json(send, 200, list(self.streams))
+            await send_json(send, 200, list(self.streams))
         elif path == "/_scripted/default" and method in ("GET", "POST"):
             if method == "POST":
                 name = _json_field(body, "scenario")
@@ -208,13 +190,13 @@ class FakeUpstream:
                     return
                 times = _json_field(body, "times")
                 if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
-                    await _send_json(
+                    await send_json(
                         send, 400, sc.error_body("times: a positive integer or null", "invalid_request_error")
                     )
                     return
                 self.default_after = self.default_scenario if times is not None else name
                 self.default_scenario, self.default_times = name, times
-            await _send_json(send, 200, {"scenario": self.default_scenario, "times": self.default_times})
+            await send_json(send, 200, {"scenario": self.default_scenario, "times": self.default_times})
         elif path == "/_scripted/follow_ups" and method in ("GET", "POST"):
             if method == "POST":
                 name = _json_field(body, "scenario")
@@ -222,37 +204,37 @@ class FakeUpstream:
                     await _unknown_scenario(send, "follow-up scenario", name, FOLLOW_UP_SCENARIOS)
                     return
                 self.follow_up_scenario = name
-            await _send_json(send, 200, {"scenario": self.follow_up_scenario})
+            await send_json(send, 200, {"scenario": self.follow_up_scenario})
         elif path == "/_scripted/failure" and method in ("GET", "POST"):
             if method == "POST":
                 try:
                     self.failure = sc.Failure.parse(_json_field(body, None))
                 except ValueError as exc:
-                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    await send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
                     return
-            await _send_json(send, 200, self.failure.as_dict() if self.failure else {})
+            await send_json(send, 200, self.failure.as_dict() if self.failure else {})
         elif path == "/_scripted/continuation" and method in ("GET", "POST"):
             if method == "POST":
                 try:
                     self.continuation = sc.ContinueMode.parse(_json_field(body, None))
                 except ValueError as exc:
-                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    await send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
                     return
-            await _send_json(send, 200, self.continuation.as_dict())
+            await send_json(send, 200, self.continuation.as_dict())
         elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
             if method == "POST":
                 headers = _json_field(body, None)
                 if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
-                    await _send_json(
+                    await send_json(
                         send,
                         400,
                         sc.error_body("Send a JSON object of header names to strings.", "invalid_request_error"),
                     )
                     return
                 self.error_headers = headers
-            await _send_json(send, 200, self.error_headers)
+            await send_json(send, 200, self.error_headers)
         else:
-            await _send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+            await send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
 
     # ---------------------------------------------------------- chat completions
 
@@ -324,7 +306,7 @@ class FakeUpstream:
             self.failure = self.failure.spent()
         rid = [(b"x-request-id", record["id"].encode())]
         if not stream:
-            await _send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
+            await send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
             return
         await self._play(receive, send, record["id"], name, sc.stream_plan(scn, req, deltas), rid)
 
@@ -395,48 +377,12 @@ class FakeUpstream:
         }
         self.streams.append(record)
         sent_at = record["content_sent_at"]
-        task = asyncio.current_task()
-        finished = disconnected = False
 
-        async def watch_for_disconnect() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:
-                disconnected = True
-                task.cancel()
+        def sent(item: bytes) -> None:
+            if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
+                sent_at.append(time.time())
 
-        watcher = asyncio.create_task(watch_for_disconnect())
-        outcome = "error"
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [_SSE, *headers]})
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            for at, item in plan:
-                delay = start + at - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if item is sc.RESET:
-                    outcome = "reset"
-                    raise DeliberateReset(f"scenario {name}: connection dropped on purpose")
-                if item is sc.STALL:
-                    await loop.create_future()  # until the watcher cancels us
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-                if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
-                    sent_at.append(time.time())
-            finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome = "completed"
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise  # server shutdown: outcome "error"
-            task.uncancel()
-            outcome = "client_disconnected"
-        finally:
-            finished = True
-            watcher.cancel()
-            record["ended_at"] = time.time()
-            record["outcome"] = outcome
+        await play(receive, send, record, timed(plan), headers, sent)
 
 
 # What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.
@@ -455,7 +401,7 @@ FOLLOW_UP_SCENARIOS = (
 async def _unknown_scenario(send, kind: str, name: Any, known: Iterable[str]) -> None:
     """The 400 for a scenario name the server does not know, listing the ones it does."""
     message = f"Unknown {kind} {name!r}. Known: {', '.join(known)}"
-    await _send_json(send, 400, sc.error_body(message, "invalid_request_error", "unknown_scenario", "scenario"))
+    await send_json(send, 400, sc.error_body(message, "invalid_request_error", "unknown_scenario", "scenario"))
 
 
 def _json_field(body: bytes, name: str | None) -> Any:
