@@ -53,3 +53,21 @@ def headers_only(url: str, body: dict) -> str:
             with pytest.raises(httpx.ReadTimeout):
                 next(r.iter_raw())
             return r.headers["x-request-id"]
+
+
+def hang_up_on_stall(server: str, path: str, body: dict, marker: bytes, count: int) -> tuple[bytes, dict]:
+    """A stream that goes silent after ``count`` ``marker``s, read that far, still open 0.1 s later,
+    then hung up on: what was read, and the stream's record (client_disconnected within 1 s)."""
+    with httpx.Client(timeout=5) as c:
+        with c.stream("POST", server + path, json=body) as r:
+            request_id, seen, pieces = r.headers["x-request-id"], b"", r.iter_raw()
+            while seen.count(marker) < count:
+                seen += next(pieces)  # (a `for ... break` would close the connection right away)
+            time.sleep(0.1)
+            assert stream_record(server, request_id, wait_s=0)["outcome"] is None  # still open
+            assert seen.count(marker) == count
+        hung_up = time.time()
+    rec = stream_record(server, request_id)
+    assert rec["outcome"] == "client_disconnected"
+    assert rec["ended_at"] - hung_up < 1.0
+    return seen, rec

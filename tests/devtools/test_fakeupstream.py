@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fakeupstream_reads import cuts_inside_characters, headers_only, raw_reads, stream_record
+from fakeupstream_reads import cuts_inside_characters, hang_up_on_stall, headers_only, raw_reads, stream_record
 
 from tools.fakeupstream import (
     AFTER_FINISH_EXTRA,
@@ -325,18 +325,7 @@ def test_tool_calls_with_sdk(client):
 
 def test_client_hanging_up_on_stall_is_recorded(server):
     body = {"model": "stall", "messages": USER, "stream": True}
-    with httpx.Client(timeout=5) as c:
-        with c.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-            request_id, seen, pieces = r.headers["x-request-id"], b"", r.iter_raw()
-            while seen.count(b"data: ") < 3:  # role + 2 deltas, then silence
-                seen += next(pieces)  # (a `for ... break` would close the connection right away)
-            time.sleep(0.1)
-            assert stream_record(server, request_id, wait_s=0)["outcome"] is None  # still open
-            assert seen.count(b"data: ") == 3
-        hung_up = time.time()
-    rec = stream_record(server, request_id)
-    assert rec["outcome"] == "client_disconnected"
-    assert rec["ended_at"] - hung_up < 1.0
+    hang_up_on_stall(server, "/v1/chat/completions", body, b"data: ", 3)  # role + 2 deltas, then silence
 
 
 def test_stall_first_sends_headers_only(server):

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from fakeupstream_reads import cuts_inside_characters, headers_only, raw_reads, stream_record
+from fakeupstream_reads import cuts_inside_characters, hang_up_on_stall, headers_only, raw_reads, stream_record
 from servers import Upstream
 
 from tools.fakeupstream import (
@@ -316,18 +316,8 @@ def test_reset_is_recorded(client, server):
 
 def test_hanging_up_on_a_stall_is_recorded(server):
     body = {"model": "stall", "input": INPUT, "stream": True}
-    with httpx.Client(timeout=5) as c:
-        with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-            request_id, seen, pieces = r.headers["x-request-id"], b"", r.iter_raw()
-            while seen.count(b"event: ") < 6:  # created, in_progress, item, part, 2 deltas; then silence
-                seen += next(pieces)
-            time.sleep(0.1)
-            assert stream_record(server, request_id, wait_s=0)["outcome"] is None  # still open
-            assert seen.count(b"event: ") == 6
-        hung_up = time.time()
-    rec = stream_record(server, request_id)
-    assert rec["outcome"] == "client_disconnected"
-    assert rec["ended_at"] - hung_up < 1.0
+    # created, in_progress, item, part, 2 deltas; then silence
+    seen, rec = hang_up_on_stall(server, "/v1/responses", body, b"event: ", 6)
     assert (rec["scenario"], rec["api"]) == ("stall", "responses")
     assert rec["response_id"] == parse_sse(seen.split(b"event: response.output_item")[0])[0]["response"]["id"]
 

@@ -746,14 +746,9 @@ class Run:
         self._changed = asyncio.Event()
 
     async def generate(self, steps: list[tuple[float, Any]]) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for at, event in steps:
-            delay = start + at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async for event in timed(steps):
             if not isinstance(event, dict):  # RESET / STALL: generation halts, status stays as it is
-                await loop.create_future()
+                await asyncio.get_running_loop().create_future()
             self.add(event)
         self.finish()
 
