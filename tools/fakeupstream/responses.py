@@ -35,7 +35,7 @@ from typing import Any
 
 from . import scenarios as sc
 from .scenarios import RESET, STALL, Cadence, HttpError
-from .wire import play, send_json, timed
+from .wire import ApiError, invalid, marked, play, send_json, timed
 
 # --------------------------------------------------------------------------- texts
 
@@ -789,20 +789,10 @@ class Run:
 # ------------------------------------------------------------------------ API
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, body: dict, headers: list | None = None):
-        self.status, self.body, self.headers = status, body, headers or []
-
-
-def _invalid(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> ApiError:
-    return ApiError(status, sc.error_body(message, "invalid_request_error", code, param))
-
-
 def _not_found(response_id: str) -> ApiError:
-    return _invalid(f"Response with id '{response_id}' not found.", status=404)
+    return invalid(f"Response with id '{response_id}' not found.", status=404)
 
 
-_MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 #: /v1/responses (OpenAI), /responses (base URL without /v1), /openai/v1/responses (Azure v1).
 PATH = re.compile(r"^(?:/v1|/openai/v1)?/responses(?:/([^/]+)(/cancel|/input_items)?)?$")
 
@@ -853,7 +843,7 @@ class ResponsesApi:
                 await send_json(send, 200, {"id": run.ctx.id, "object": "response", "deleted": True}, rid)
             elif action == "cancel":
                 if not run.background:
-                    raise _invalid("Only responses created with background=true can be cancelled.")
+                    raise invalid("Only responses created with background=true can be cancelled.")
                 run.stop("cancelled")
                 await send_json(send, 200, run.snapshot, rid)
             else:
@@ -885,33 +875,27 @@ class ResponsesApi:
         model = body.get("model")
         if isinstance(model, str) and model in self.scenarios:
             return model
-        found = _MARKER.search(last_user_text(body.get("input")))
+        found = marked(last_user_text(body.get("input")), self.scenarios, "input")
         if found:
-            if found.group(1) not in self.scenarios:
-                raise _invalid(
-                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
-                    "input",
-                    "unknown_scenario",
-                )
-            return found.group(1)
+            return found
         default = self.app.default_scenario
         return default if default in self.scenarios else "echo"
 
     async def _create(self, receive, send, record: dict, rid: list) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid(
+            raise invalid(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
             )
         for name in body:
             if name not in KNOWN_RESPONSES_PARAMS:
-                raise _invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+                raise invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
         if not isinstance(body.get("model"), str) or not body["model"]:
-            raise _invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+            raise invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
         input_ = body.get("input")
         if input_ is not None and not isinstance(input_, (str, list)):
-            raise _invalid(
+            raise invalid(
                 f"Invalid type for 'input': expected one of a string or array of input items, "
                 f"but got {type(input_).__name__} instead.",
                 "input",
@@ -919,10 +903,10 @@ class ResponsesApi:
             )
         background, stream = body.get("background") is True, body.get("stream") is True
         if background and body.get("store") is False:
-            raise _invalid("Background mode requires store=true.", "store")
+            raise invalid("Background mode requires store=true.", "store")
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.store:
-            raise _invalid(
+            raise invalid(
                 f"Previous response with id '{previous}' not found.",
                 "previous_response_id",
                 "previous_response_not_found",
@@ -994,14 +978,12 @@ class ResponsesApi:
             await send_json(send, 200, run.snapshot, rid)
             return
         if not run.background:
-            raise _invalid(
-                "This response cannot be streamed because it was not created with background=true.", "stream"
-            )
+            raise invalid("This response cannot be streamed because it was not created with background=true.", "stream")
         after = query.get("starting_after", "")
         try:
             starting_after = int(after) if after else -1
         except ValueError:
-            raise _invalid(
+            raise invalid(
                 f"Invalid 'starting_after': {after!r}. Expected an integer.", "starting_after", "invalid_type"
             ) from None
         obfuscate = query.get("include_obfuscation", "true").lower() != "false"
@@ -1012,7 +994,7 @@ class ResponsesApi:
         items = list(run.input_items)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise _invalid(f"Invalid value for 'order': {order!r}. Expected 'asc' or 'desc'.", "order")
+            raise invalid(f"Invalid value for 'order': {order!r}. Expected 'asc' or 'desc'.", "order")
         if order == "desc":
             items.reverse()
         after = query.get("after")
@@ -1024,7 +1006,7 @@ class ResponsesApi:
         except ValueError:
             limit = 0
         if not 1 <= limit <= 100:
-            raise _invalid("Invalid 'limit': expected an integer from 1 to 100.", "limit")
+            raise invalid("Invalid 'limit': expected an integer from 1 to 100.", "limit")
         page = items[:limit]
         return {
             "object": "list",

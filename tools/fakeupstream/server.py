@@ -20,9 +20,8 @@ from . import scenarios as sc
 from .params import chat_param_problem
 from .responses import ResponsesApi
 from .scenarios import Cadence, Request, Scenario
-from .wire import DeliberateReset, play, send_json, timed
+from .wire import ApiError, DeliberateReset, invalid, marked, play, send_json, timed
 
-MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 _DEPLOYMENT_PATH = re.compile(r"^/openai/deployments/([^/]+)/chat/completions$")
 _MODELS_CREATED = 1_700_000_000
 
@@ -36,15 +35,6 @@ _CONTENT = re.compile(rb'"content":"[^"]')
 class _QuietResets(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], DeliberateReset))
-
-
-class _ApiError(Exception):
-    def __init__(self, status: int, body: dict, headers: list | None = None):
-        self.status, self.body, self.headers = status, body, headers or []
-
-
-def _invalid(message: str, param: str | None = None, code: str | None = None) -> _ApiError:
-    return _ApiError(400, sc.error_body(message, "invalid_request_error", code, param))
 
 
 async def _read_body(receive) -> bytes | None:
@@ -143,8 +133,8 @@ class FakeUpstream:
             elif method == "GET" and path in ("/v1/models", "/models"):
                 await send_json(send, 200, self._models, rid)
             else:
-                raise _ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
-        except _ApiError as e:
+                raise ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+        except ApiError as e:
             await send_json(send, e.status, e.body, rid + e.headers)
 
     def _record(self, scope, body: bytes, received_at: float) -> dict:
@@ -244,15 +234,9 @@ class FakeUpstream:
         model = body.get("model") or deployment
         if isinstance(model, str) and model in self.scenarios:
             return model
-        found = MARKER.search(_last_user_text(body["messages"]))
+        found = marked(_last_user_text(body["messages"]), self.scenarios, "messages")
         if found:
-            if found.group(1) not in self.scenarios:
-                raise _invalid(
-                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
-                    "messages",
-                    "unknown_scenario",
-                )
-            return found.group(1)
+            return found
         name = self.default_scenario
         if spend and self.default_times is not None:
             self.default_times -= 1
@@ -263,19 +247,19 @@ class FakeUpstream:
     async def _chat(self, receive, send, record: dict, deployment: str | None) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid(
+            raise invalid(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
             )
         messages = body.get("messages")
         if not isinstance(messages, list):
-            raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+            raise invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
         problem = chat_param_problem(body, prefix=self.continuation.prefix)
         if problem:
-            raise _invalid(*problem)
+            raise invalid(*problem)
         n = body.get("n") or 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-            raise _invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
+            raise invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
 
         # A request to go on with an answer: the conversation before it picks the scenario.
         going_on = sc.continuation_of(body, lambda history: self._answer(body, history, deployment)[1])
@@ -314,12 +298,12 @@ class FakeUpstream:
         """The scenario and the deltas this server would answer ``history`` with (for its text)."""
         try:
             name = self._pick({**body, "messages": history}, deployment)
-        except _ApiError:
+        except ApiError:
             return self.scenarios[self.default_scenario], ()
         scn = self.scenarios[name]
         return scn, sc.word_deltas(sc.echo_text(_last_user_text(history))) if name == "echo" else scn.deltas
 
-    def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> _ApiError:
+    def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> ApiError:
         err = scn.error
         assert err is not None
         key = headers.get("api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -342,7 +326,7 @@ class FakeUpstream:
             ]
         if self.error_headers:  # a test's own (any text, in UTF-8), instead of the scenario's
             extra = [(k.lower().encode(), v.encode()) for k, v in self.error_headers.items()]
-        return _ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
+        return ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
 
     async def hang(self, receive, request_id: str, name: str, **fields: Any) -> None:
         """No answer at all until the client hangs up (recorded as a stream that ends then)."""

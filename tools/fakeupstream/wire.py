@@ -1,18 +1,45 @@
-"""What both APIs put on the wire: a JSON answer, and a stream of pre-built writes played to its
-end, a hang-up, or a reset on purpose, with how it ended in its stream record."""
+"""What both APIs share on the wire: the scenario a request's ``[scenario:NAME]`` marker names, an
+error or JSON answer, and a stream of pre-built writes played to its end, a hang-up, or a reset on
+purpose, with how it ended in its stream record."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
+from . import scenarios as sc
 from .scenarios import RESET, STALL
 
 JSON = (b"content-type", b"application/json")
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
+
+
+class ApiError(Exception):
+    """An error answer: its status, JSON body and extra headers."""
+
+    def __init__(self, status: int, body: dict, headers: list | None = None):
+        self.status, self.body, self.headers = status, body, headers or []
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> ApiError:
+    return ApiError(status, sc.error_body(message, "invalid_request_error", code, param))
+
+
+def marked(text: str, known: Collection[str], param: str) -> str | None:
+    """The scenario a ``[scenario:NAME]`` marker in ``text`` names (None: no marker); a name not in
+    ``known`` is a 400 on ``param``."""
+    found = MARKER.search(text)
+    if not found:
+        return None
+    if found.group(1) not in known:
+        message = f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(known)}"
+        raise invalid(message, param, "unknown_scenario")
+    return found.group(1)
 
 
 class DeliberateReset(Exception):
