@@ -256,15 +256,6 @@ KNOWN_RESPONSES_PARAMS = frozenset(
 )
 
 
-def _content_text(content: Any) -> str:
-    """Text of a message's content: a string, or parts with a `text` (input_text, output_text)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
 def last_user_text(input_: Any) -> str:
     """The text the `echo` scenario and `[scenario:NAME]` markers look at: a string input, or
     the last `role: user` message of an input list."""
@@ -273,7 +264,7 @@ def last_user_text(input_: Any) -> str:
     if isinstance(input_, list):
         for item in reversed(input_):
             if isinstance(item, dict) and item.get("role") == "user":
-                return _content_text(item.get("content"))
+                return sc.message_text(item.get("content"))
     return ""
 
 
@@ -283,7 +274,7 @@ def count_input_tokens(input_: Any, instructions: Any = None) -> int:
         return words + len(input_.split())
     for item in input_ if isinstance(input_, list) else ():
         if isinstance(item, dict):
-            words += len(_content_text(item.get("content")).split())
+            words += len(sc.message_text(item.get("content")).split())
     return words
 
 
@@ -702,9 +693,7 @@ def _split_writes(stream: bytes) -> list[tuple[float, Any]]:
                 cuts.add(j + 1)
                 break
         pos = stream.find(b"event: ", end)
-    bounds = [0, *sorted(c for c in cuts if 0 < c < len(stream)), len(stream)]
-    pieces = [stream[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-    return [(k * SPLIT_WRITE_GAP_S, piece) for k, piece in enumerate(pieces)]
+    return sc.split_at(stream, cuts)
 
 
 # ------------------------------------------------------------------ stored runs
