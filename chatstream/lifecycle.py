@@ -160,16 +160,19 @@ class Lifecycle:
         and charge) once they are over, however they end: at the cut, the upstream closed and one
         final ``instance_draining`` error instead of the rest; during a drain, the last stream's
         final event waits for the ``on_drain`` callbacks (its record written first). One generator
-        for all of it: each layer costs every delta."""
-        return self._guarded(events, self.register(record), on_end, before_last)
+        for all of it: each layer costs every delta. The stream counts for the drain from its first
+        ``anext`` on: one closed before that (its handler cancelled first) never ran, so nothing
+        would take it back."""
+        return self._guarded(events, record, on_end, before_last)
 
     async def _guarded(
         self,
         events: AsyncGenerator[Event],
-        stream: Stream,
+        record: StreamRecord,
         on_end: Callable[[], None],
         before_last: Callback | None,
     ) -> AsyncGenerator[Event]:
+        stream = self.register(record)  # no await before the try: its finally takes it back
         ended = False
         try:
             while True:

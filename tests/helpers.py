@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 # A recognisable key: tests check it never leaks into responses or logs.
 TEST_KEY = "sk-test-SECRET-4f9c2a7e1bQZXW"
@@ -20,6 +24,22 @@ def app_env(upstream, **overrides: str) -> dict[str, str]:
     }
     env.update(overrides)
     return env
+
+
+def function_bindings(*unset: str) -> dict[str, dict]:
+    """Each function's HTTP trigger binding as the host reads it from function_app.py's metadata, by
+    function name, imported with no setting whose name starts with one of ``unset``."""
+    code = (
+        "import json, function_app\n"
+        "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
+        "                  for f in function_app.app.get_functions()}))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(unset)}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def examples(n: int) -> int:

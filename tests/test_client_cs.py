@@ -660,21 +660,7 @@ def test_sigint_cancels_a_resumable_stream(chat_exe, canned, terminal):
 
 def test_closed_stdout_cancels_a_resumable_stream(chat_exe, canned):
     canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 3000)] + ["STALL"])
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", canned.url, "hi"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-    )
-    try:
-        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
-        proc.stdout.close()
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 141
+    assert _close_stdout_after_first(chat_exe, canned.url, _client_env()) == 141
     assert [c["path"] for c in canned.cancels] == [f"/api/streams/{SID}/cancel"]
 
 
@@ -778,21 +764,7 @@ def test_caller_key_goes_as_bearer_on_the_post_and_the_resumes_next_to_the_funct
 
 def test_caller_key_goes_on_the_cancel_call(chat_exe, canned):
     canned.resumable(SID, [ev(1, "first ")] + [ev(n, "more ") for n in range(2, 3000)] + ["STALL"])
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", canned.url, "hi"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_client_env({"CALLER_KEY": CALLER_KEY}),
-    )
-    try:
-        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
-        proc.stdout.close()
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 141
+    assert _close_stdout_after_first(chat_exe, canned.url, _client_env({"CALLER_KEY": CALLER_KEY})) == 141
     [cancel] = canned.cancels
     assert cancel["path"] == f"/api/streams/{SID}/cancel"
     assert cancel["lower_headers"]["authorization"] == f"Bearer {CALLER_KEY}"
@@ -851,21 +823,7 @@ def test_closed_stdout_aborts_the_request_and_exits_141(chat_exe, canned):
     canned.answer(
         [delta("first ")] + [delta("more ")] * 3000 + [DONE]
     )  # about 30 s of deltas: more than the test waits
-    proc = subprocess.Popen(
-        ["mono", str(chat_exe), "--url", canned.url, "hi"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_client_env(),
-    )
-    try:
-        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
-        proc.stdout.close()  # like `chat ... | head -c 5`
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 141
+    assert _close_stdout_after_first(chat_exe, canned.url, _client_env()) == 141
     assert wait_for(lambda: canned.disconnects, 2)
 
 
@@ -916,6 +874,26 @@ def _interrupted_client(args: list[str], terminal: bool = False, env: dict | Non
             proc.kill()
         if master is not None:
             os.close(master)
+
+
+def _close_stdout_after_first(chat_exe, url: str, env: dict) -> int:
+    """The client asked "hi" of ``url``, its stdout closed once the answer's first text is out (like
+    `chat ... | head -c 5`): its exit code."""
+    proc = subprocess.Popen(
+        ["mono", str(chat_exe), "--url", url, "hi"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert _read_until_text(proc.stdout.fileno()).startswith(b"first")
+        proc.stdout.close()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode
 
 
 def _read_until_text(fd: int, timeout: float = 15) -> bytes:

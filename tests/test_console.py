@@ -44,12 +44,12 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from browser_tab import Tab, chromium
 from console_seed import seed_usage
-from helpers import app_env
+from helpers import app_env, function_bindings
 from servers import ROOT, App, Azurite
 from test_callers import callers_env
 
@@ -63,8 +63,6 @@ ASSETS = {
     "console.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
 SCREENSHOT = ROOT / "docs" / "console.png"
 MASTER_KEY = "test-master-key-" + secrets.token_hex(8)
 HTTP_STATUS_NOTE = r"^Failed to load resource: the server responded with a status of (400|401|409|503)"
@@ -150,19 +148,7 @@ def test_404_when_disabled_by_the_setting(start_app):
 
 def test_the_route_is_anonymous_and_get_only():
     """The page holds no data; what it shows comes from the admin API (master key in Azure)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import json, function_app\n"
-        "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
-        "                  for f in function_app.app.get_functions()}))"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "CONSOLE_"))}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    bindings = json.loads(out.splitlines()[-1])
+    bindings = function_bindings("OPENAI_", "AZURE_OPENAI_", "CONSOLE_")
     assert bindings["console"]["authLevel"] == "ANONYMOUS" and bindings["console"]["methods"] == ["GET"]
     assert bindings["console"]["route"] == "console/{file?}"
 
@@ -189,15 +175,8 @@ def test_the_api_text_only_ever_becomes_text():
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("chromium is not installed: `make chromium` installs Debian's package (make test does)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -208,24 +187,11 @@ def keyed(upstream, azurite):
     server.stop()
 
 
-class Console:
+class Console(Tab):
     """One browser tab on the console, with everything it requested and logged."""
 
     def __init__(self, browser, app, view: str = "callers"):
-        from playwright.sync_api import expect
-
-        self.expect = expect
-        self.origin = app.url
-        self.context = browser.new_context(viewport={"width": 1240, "height": 800})
-        self.page = self.context.new_page()
-        self.requests: list = []
-        self.console: list[str] = []
-        self.page_errors: list[str] = []
-        self.dialogs: list[str] = []
-        self.page.on("request", lambda r: self.requests.append(r))
-        self.page.on("console", lambda m: m.type in ("error", "warning") and self.console.append(m.text))
-        self.page.on("pageerror", lambda e: self.page_errors.append(str(e)))
-        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        super().__init__(browser, app, 1240, 800)
         self.view = view
 
     def open(self) -> Console:
@@ -259,18 +225,6 @@ class Console:
 
     def manage_requests(self) -> list:
         return [r for r in self.requests if "/api/manage/" in r.url]
-
-    def assert_clean(self, expected_console: str | None = None) -> None:
-        origin = urlsplit(self.origin)
-        foreign = [r.url for r in self.requests if urlsplit(r.url)[:2] != origin[:2]]
-        assert not foreign, foreign
-        assert not self.page_errors, self.page_errors
-        assert not self.dialogs, self.dialogs
-        unexpected = [m for m in self.console if not (expected_console and re.search(expected_console, m))]
-        assert not unexpected, unexpected
-
-    def close(self) -> None:
-        self.context.close()
 
 
 def usd(n: float) -> str:

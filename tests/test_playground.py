@@ -23,29 +23,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from browser_tab import Tab, chromium
+from helpers import function_bindings
 from servers import ROOT
 
 from chatstream import playground_page
 from chatstream.settings import Settings, SettingsError
 from tools.fakeupstream.scenarios import COMPLETION_TOKENS, TEXTS, count_prompt_tokens, echo_text
 
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 ASSETS = {
     "playground.js": "text/javascript; charset=utf-8",
     "playground.css": "text/css; charset=utf-8",
@@ -138,16 +128,7 @@ def test_only_known_files(app, path):
 def test_the_page_needs_no_key_and_the_api_does():
     """The route is anonymous in the function metadata the host reads; every other route keeps the
     app's default (function keys). The local hosts check no keys, so this is where it shows."""
-    code = (
-        "import json, function_app\n"
-        "print(json.dumps({f.get_function_name(): json.loads(f.get_raw_bindings()[0])\n"
-        "                  for f in function_app.app.get_functions()}))"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "PLAYGROUND_"))}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    bindings = json.loads(out.splitlines()[-1])
+    bindings = function_bindings("OPENAI_", "AZURE_OPENAI_", "PLAYGROUND_")
     assert bindings["playground"]["authLevel"] == "ANONYMOUS"
     assert bindings["playground"]["methods"] == ["GET"]
     # The admin API for callers (chatstream/manage.py) needs the host's master key.
@@ -190,35 +171,15 @@ def test_the_model_text_only_ever_becomes_text():
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("chromium is not installed: `make chromium` installs Debian's package (make test does)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
-class Page:
+class Page(Tab):
     """One browser tab on the playground, with everything it requested and logged."""
 
     def __init__(self, browser, app):
-        from playwright.sync_api import expect
-
-        self.expect = expect
-        self.origin = app.url
-        self.context = browser.new_context(viewport={"width": 1100, "height": 720})
-        self.page = self.context.new_page()
-        self.requests: list = []
-        self.console: list[str] = []  # errors and warnings
-        self.page_errors: list[str] = []
-        self.dialogs: list[str] = []
-        self.page.on("request", lambda r: self.requests.append(r))
-        self.page.on("console", lambda m: m.type in ("error", "warning") and self.console.append(m.text))
-        self.page.on("pageerror", lambda e: self.page_errors.append(str(e)))
-        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        super().__init__(browser, app, 1100, 720)
 
     def open(self) -> Page:
         response = self.page.goto(self.origin + "/api/playground")
@@ -262,20 +223,6 @@ class Page:
 
     def chat_requests(self) -> list:
         return [r for r in self.requests if r.url.endswith("/api/v1/chat/completions")]
-
-    def assert_clean(self, expected_console: str | None = None) -> None:
-        """Nothing from another origin, no script errors, no dialogs; no console error or warning but
-        the browser's own note on an expected HTTP error status."""
-        origin = urlsplit(self.origin)
-        foreign = [r.url for r in self.requests if urlsplit(r.url)[:2] != origin[:2]]
-        assert not foreign, foreign
-        assert not self.page_errors, self.page_errors
-        assert not self.dialogs, self.dialogs
-        unexpected = [m for m in self.console if not (expected_console and re.search(expected_console, m))]
-        assert not unexpected, unexpected
-
-    def close(self) -> None:
-        self.context.close()
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import select
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fakeupstream_reads import cuts_inside_characters, hang_up_on_stall, headers_only, raw_reads, stream_record
 
 from tools.fakeupstream import (
     AFTER_FINISH_EXTRA,
@@ -79,16 +79,6 @@ def events(raw: bytes) -> list:
 
 def post_raw(server: str, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
     return httpx.post(server + path, json=body, headers={"authorization": "Bearer sk-test"}, timeout=10)
-
-
-def stream_record(server: str, request_id: str, wait_s: float = 1.0) -> dict:
-    deadline = time.monotonic() + wait_s
-    while True:
-        records = [r for r in httpx.get(f"{server}/_scripted/streams").json() if r["request_id"] == request_id]
-        assert len(records) == 1
-        if records[0]["outcome"] is not None or time.monotonic() > deadline:
-            return records[0]
-        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------- wire format
@@ -171,23 +161,10 @@ def test_models_list(client):
 
 
 def test_split_utf8_arrives_cut_inside_characters(server):
-    async def read() -> list[bytes]:
-        async with httpx.AsyncClient(timeout=10) as c:
-            body = {"model": "split_utf8", "messages": USER, "stream": True}
-            async with c.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-                return [chunk async for chunk in r.aiter_raw()]
-
-    reads = asyncio.run(read())
+    reads = raw_reads(f"{server}/v1/chat/completions", {"model": "split_utf8", "messages": USER, "stream": True})
     whole = b"".join(reads)
     assert len(reads) >= 10
-    cut_mid_char, pos = [], 0
-    for piece in reads[:-1]:
-        pos += len(piece)
-        try:
-            whole[:pos].decode("utf-8")
-        except UnicodeDecodeError:
-            cut_mid_char.append(pos)
-    assert cut_mid_char, "no read ended inside a multi-byte character"
+    assert cuts_inside_characters(reads), "no read ended inside a multi-byte character"
     assert any(piece.endswith(b"dat") for piece in reads)
     evs = events(whole)
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in evs[:-1]) == TEXTS["split_utf8"]
@@ -348,28 +325,12 @@ def test_tool_calls_with_sdk(client):
 
 def test_client_hanging_up_on_stall_is_recorded(server):
     body = {"model": "stall", "messages": USER, "stream": True}
-    with httpx.Client(timeout=5) as c:
-        with c.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-            request_id, seen, pieces = r.headers["x-request-id"], b"", r.iter_raw()
-            while seen.count(b"data: ") < 3:  # role + 2 deltas, then silence
-                seen += next(pieces)  # (a `for ... break` would close the connection right away)
-            time.sleep(0.1)
-            assert stream_record(server, request_id, wait_s=0)["outcome"] is None  # still open
-            assert seen.count(b"data: ") == 3
-        hung_up = time.time()
-    rec = stream_record(server, request_id)
-    assert rec["outcome"] == "client_disconnected"
-    assert rec["ended_at"] - hung_up < 1.0
+    hang_up_on_stall(server, "/v1/chat/completions", body, b"data: ", 3)  # role + 2 deltas, then silence
 
 
 def test_stall_first_sends_headers_only(server):
     body = {"model": "stall_first", "messages": USER, "stream": True}
-    with httpx.Client(timeout=httpx.Timeout(5, read=0.3)) as c:
-        with c.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            with pytest.raises(httpx.ReadTimeout):
-                next(r.iter_raw())
-            request_id = r.headers["x-request-id"]
+    request_id = headers_only(f"{server}/v1/chat/completions", body)
     assert stream_record(server, request_id)["outcome"] == "client_disconnected"
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import httpx
 import openai
 import pytest
+from fakeupstream_reads import cuts_inside_characters, hang_up_on_stall, headers_only, raw_reads, stream_record
 from servers import Upstream
 
 from tools.fakeupstream import (
@@ -67,16 +67,6 @@ def post(server: str, body: dict, path: str = "/v1/responses", **kw) -> httpx.Re
 
 def text_of(events) -> str:
     return "".join(e.delta for e in events if e.type == "response.output_text.delta")
-
-
-def stream_record(server: str, request_id: str, wait_s: float = 1.0) -> dict:
-    deadline = time.monotonic() + wait_s
-    while True:
-        records = [r for r in httpx.get(f"{server}/_scripted/streams").json() if r["request_id"] == request_id]
-        assert len(records) == 1
-        if records[0]["outcome"] is not None or time.monotonic() > deadline:
-            return records[0]
-        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------- wire format
@@ -246,23 +236,10 @@ def test_echo_list_input_and_scenario_marker(client):
 
 
 def test_split_utf8_arrives_cut_inside_characters(server):
-    async def read() -> list[bytes]:
-        async with httpx.AsyncClient(timeout=10) as c:
-            body = {"model": "split_utf8", "input": INPUT, "stream": True}
-            async with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-                return [chunk async for chunk in r.aiter_raw()]
-
-    reads = asyncio.run(read())
+    reads = raw_reads(f"{server}/v1/responses", {"model": "split_utf8", "input": INPUT, "stream": True})
     whole = b"".join(reads)
     assert len(reads) >= 20
-    cut_mid_char, pos = [], 0
-    for piece in reads[:-1]:
-        pos += len(piece)
-        try:
-            whole[:pos].decode("utf-8")
-        except UnicodeDecodeError:
-            cut_mid_char.append(pos)
-    assert cut_mid_char, "no read ended inside a multi-byte character"
+    assert cuts_inside_characters(reads), "no read ended inside a multi-byte character"
     assert any(piece.endswith(b"eve") for piece in reads)
     assert any(piece.endswith(b"\n") and not piece.endswith(b"\n\n") for piece in reads)  # between the lines
     evs = parse_sse(whole)
@@ -339,30 +316,15 @@ def test_reset_is_recorded(client, server):
 
 def test_hanging_up_on_a_stall_is_recorded(server):
     body = {"model": "stall", "input": INPUT, "stream": True}
-    with httpx.Client(timeout=5) as c:
-        with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-            request_id, seen, pieces = r.headers["x-request-id"], b"", r.iter_raw()
-            while seen.count(b"event: ") < 6:  # created, in_progress, item, part, 2 deltas; then silence
-                seen += next(pieces)
-            time.sleep(0.1)
-            assert stream_record(server, request_id, wait_s=0)["outcome"] is None  # still open
-            assert seen.count(b"event: ") == 6
-        hung_up = time.time()
-    rec = stream_record(server, request_id)
-    assert rec["outcome"] == "client_disconnected"
-    assert rec["ended_at"] - hung_up < 1.0
+    # created, in_progress, item, part, 2 deltas; then silence
+    seen, rec = hang_up_on_stall(server, "/v1/responses", body, b"event: ", 6)
     assert (rec["scenario"], rec["api"]) == ("stall", "responses")
     assert rec["response_id"] == parse_sse(seen.split(b"event: response.output_item")[0])[0]["response"]["id"]
 
 
 def test_stall_first_sends_headers_only(server):
     body = {"model": "stall_first", "input": INPUT, "stream": True}
-    with httpx.Client(timeout=httpx.Timeout(5, read=0.3)) as c:
-        with c.stream("POST", f"{server}/v1/responses", json=body) as r:
-            assert r.status_code == 200
-            with pytest.raises(httpx.ReadTimeout):
-                next(r.iter_raw())
-            request_id = r.headers["x-request-id"]
+    request_id = headers_only(f"{server}/v1/responses", body)
     assert stream_record(server, request_id)["outcome"] == "client_disconnected"
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 import httpx
 import pytest
-from memory_store import Fault, MemoryStore
+from memory_store import Fault, MemoryData, MemoryStore
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
@@ -20,9 +21,10 @@ from chatstream.apis.openai_chat import OpenAIChatApi
 from chatstream.endpoint import Endpoint
 from chatstream.pipeline import Pipeline
 from chatstream.settings import Settings
-from chatstream.state.accounting import Admission
-from chatstream.state.callers import CallerSpec
+from chatstream.state.accounting import Accounting, Admission
+from chatstream.state.callers import Caller, CallerSpec
 from chatstream.state.counter_row import parse_holds
+from chatstream.state.shared import SharedState
 
 from .state_helpers import MODEL, account, admit, counter, finish, instance, until, usage
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
@@ -151,13 +153,36 @@ def keyed_request(key: str, body: dict, hang_up: asyncio.Event) -> Request:
     return Request(scope, receive)
 
 
-async def nothing_held(state, data, caller, taken: int = 0) -> None:
-    """Nothing reserved is held any more, nothing is open in the journal; ``taken`` tokens charged."""
-    assert await state.accounting.flush(5)
-    assert not state.journal.entries
-    for row in ("tokens", "tpm"):
-        found = counter(data, caller.limits_partition, row)
-        assert not parse_holds(found.get("holds")) and (found.get("taken") or 0) == taken, found
+@dataclass
+class Keyed:
+    """An instance with caller keys and one caller, "c" (50,000 TPM, a 100,000-token budget), and a
+    chat-completions endpoint whose one upstream never answers (``keyed``)."""
+
+    data: MemoryData
+    state: SharedState
+    accounting: Accounting
+    caller: Caller
+    key: str
+    upstream: Hanging
+    endpoint: Endpoint
+
+    async def nothing_held(self, taken: int = 0) -> None:
+        """Nothing reserved is held any more, nothing is open in the journal; ``taken`` tokens charged."""
+        assert await self.accounting.flush(5)
+        assert not self.state.journal.entries
+        for row in ("tokens", "tpm"):
+            found = counter(self.data, self.caller.limits_partition, row)
+            assert not parse_holds(found.get("holds")) and (found.get("taken") or 0) == taken, found
+
+
+async def keyed() -> Keyed:
+    data = account()
+    state, acc = instance(data, "a")
+    caller, key = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
+    upstream = Hanging()
+    upstreams = pooled({"u": upstream})
+    endpoint = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc)
+    return Keyed(data, state, acc, caller, key, upstream, endpoint)
 
 
 @pytest.mark.usefixtures("quick_ledger")
@@ -167,48 +192,38 @@ async def test_a_handler_cancelled_after_admission_gives_back_what_it_reserved(s
     answers: the upstream call is dropped, the reservation settled, the journal entry closed. A
     stream the upstream never answered costs nothing; a non-streamed call dropped in flight, its
     prompt (the upstream has read it)."""
-    data = account()
-    state, acc = instance(data, "a")
-    caller, key = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
-    client = Hanging()
-    upstreams = pooled({"u": client})
-    e = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc)
+    k = await keyed()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    handler = asyncio.ensure_future(e(keyed_request(key, body, asyncio.Event())))
-    await until(lambda: client.calls == 1, what="the upstream asked")
-    assert len(state.journal.entries) == 1  # admitted
+    handler = asyncio.ensure_future(k.endpoint(keyed_request(k.key, body, asyncio.Event())))
+    await until(lambda: k.upstream.calls == 1, what="the upstream asked")
+    assert len(k.state.journal.entries) == 1  # admitted
     handler.cancel()
     with pytest.raises(asyncio.CancelledError):
         await handler
-    assert client.cancelled == 1  # the upstream call did not go on on its own
-    await nothing_held(state, data, caller, 0 if stream else tokens.count_prompt(MODEL, body))
-    await state.close()
+    assert k.upstream.cancelled == 1  # the upstream call did not go on on its own
+    await k.nothing_held(0 if stream else tokens.count_prompt(MODEL, body))
+    await k.state.close()
 
 
 @pytest.mark.usefixtures("quick_ledger")
 async def test_a_caller_gone_during_a_slow_admission_stops_it_before_the_upstream():
     """The store is slow to list the admission in the journal and the caller hangs up meanwhile: a
     499, what was reserved comes back, and the upstream is never asked."""
-    data = account()
-    state, acc = instance(data, "a")
-    caller, key = await state.registry.create(CallerSpec(name="c", tokens_per_minute=50_000, token_budget=100_000))
-    client = Hanging()
-    upstreams = pooled({"u": client})
-    e = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), acc)
-    first, rec = await admit(acc, caller, max_tokens=10)  # the journal and the counters written once
+    k = await keyed()
+    first, rec = await admit(k.accounting, k.caller, max_tokens=10)  # the journal and the counters written once
     assert isinstance(first, Admission)
-    finish(acc, first, rec, usage(5, 5))
-    assert await acc.flush(5)
-    store = state.store
+    finish(k.accounting, first, rec, usage(5, 5))
+    assert await k.accounting.flush(5)
+    store = k.state.store
     assert isinstance(store, MemoryStore)
     store.inject(Fault("slow", frozenset({"put"}), table="blob", delay=1.5))  # under LISTED_WITHIN
     hang_up = asyncio.Event()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    handler = asyncio.ensure_future(e(keyed_request(key, body, hang_up)))
-    await until(lambda: len(state.journal.entries) == 1, what="the request opened in the journal")
+    handler = asyncio.ensure_future(k.endpoint(keyed_request(k.key, body, hang_up)))
+    await until(lambda: len(k.state.journal.entries) == 1, what="the request opened in the journal")
     assert not handler.done()  # waiting for its listing
     hang_up.set()
     response = await handler
-    assert response.status_code == 499 and client.calls == 0
-    await nothing_held(state, data, caller, taken=10)  # the first request's
-    await state.close()
+    assert response.status_code == 499 and k.upstream.calls == 0
+    await k.nothing_held(taken=10)  # the first request's
+    await k.state.close()

@@ -163,6 +163,26 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
     assert sorted(ends)[1] < settled[0], "only the last one is held"
 
 
+async def test_a_stream_closed_before_its_first_event_task_started_is_not_left_to_the_drain(caplog):
+    """The endpoint's handler cancelled while its first-event task has not started: it cancels that
+    task and closes the events (endpoint._close_events), so the guard never runs. The drain must
+    not count that stream, wait its grace for it, or cut the record of a request that is over."""
+    life = Lifecycle(2, 30, signals=False)
+    record = StreamRecord(endpoint="chat", model="m")
+    stream = guarded(life, events(1000, 0.05, record, []), record)
+    first = asyncio.ensure_future(anext(stream))  # the first-event task, not started yet
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await stream.aclose()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with caplog.at_level(logging.WARNING, logger="chatstream"):
+        await asyncio.wait_for(life.drain(), 5)
+    assert loop.time() - started < 1.0, "the drain waited its grace for a stream that is gone"
+    assert "draining: 0 stream(s) running" in caplog.text and "0 stream(s) ended instance_draining" in caplog.text
+    assert record.error is None and record.stop_reason is None
+
+
 async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_ends(caplog):
     closed: list[str] = []
 

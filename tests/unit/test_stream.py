@@ -22,6 +22,7 @@ from chatstream.settings import Settings
 from chatstream.stream import Chunk, Done, Failed, TimeLimits, encoded, relay
 
 from .stream_helpers import Opener
+from .test_pipeline import Bomb
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -384,16 +385,6 @@ async def test_an_unexplained_exception_from_the_upstream_is_a_bug_of_ours():
     run = Run([chunk({"content": "a"}), openai.APIConnectionError(request=REQUEST)])
     error = failure(await run.all())
     assert (error.status, error.type) == (500, "internal_error") and run.upstream.closed == 1
-
-
-class Bomb:
-    def feed(self, text):
-        if "bomb" in text:
-            raise ValueError("bomb")
-        return text
-
-    def flush(self):
-        return ""
 
 
 async def test_a_text_step_that_raises_is_pipeline_error(caplog):

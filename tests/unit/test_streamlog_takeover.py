@@ -17,7 +17,7 @@ from memory_store import Fault, MemoryData
 
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
-from chatstream.state.streamlog import Claim, PastTheEnd, StreamLog, StreamNotFound, started_at
+from chatstream.state.streamlog import Claim, PastTheEnd, Producer, StreamLog, StreamNotFound, started_at
 from chatstream.state.streamlog.format import epoch_id, position
 
 from .streamlog_helpers import (
@@ -43,6 +43,7 @@ from .streamlog_helpers import (
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): leases, cadences and
 # limits run in the order real time gives them.
 pytestmark = pytest.mark.skips_idle_time
+
 
 # -- issue #29: bounded rows, one clock, loops that survive ---------------------------------------
 
@@ -225,21 +226,29 @@ async def test_a_handed_over_stream_is_taken_over_at_once_without_a_lease_to_wai
         assert time.monotonic() - started < 2.0
 
 
+async def stored_to_ten_then_killed(a: StreamLog, deltas: int) -> Producer:
+    """A stream on ``a`` (its request: ``deltas`` deltas) whose caller had events 1..20 of which only
+    1..10 were stored (its writes trail by up to a checkpoint: the store fails the rest), then ``a``
+    dies."""
+    producer = a.start("chat", None, request={"deltas": deltas})
+    for i in range(10):
+        producer.append(delta(i))
+    producer.caller_gone()  # stores what is in hand now
+    await asyncio.sleep(0.3)
+    a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+    for i in range(10, 20):
+        producer.append(delta(i))
+    kill(a)
+    return producer
+
+
 async def test_a_last_event_id_a_dead_producer_never_stored_ends_with_stream_lost():
     """The dead producer's caller had events 1..20; only 1..10 were stored (its writes trail by up
     to a checkpoint). The continuation makes 11.. again, under its own epoch's ids (a model does
     not write the same text twice): a resume after 15, or after 40, cannot be made whole and ends
     with stream_lost at once, never with other text; one after 10 gets the continuation exactly."""
     async with instances(2, take_over=regenerating(), **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 30})
-        for i in range(10):
-            producer.append(delta(i))
-        producer.caller_gone()  # stores what is in hand now
-        await asyncio.sleep(0.3)
-        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
-        for i in range(10, 20):
-            producer.append(delta(i))
-        kill(a)
+        producer = await stored_to_ten_then_killed(a, 30)
         reader = await b.open_reader(producer.id, 15, None)  # opened before the takeover: it follows it
         got = events_of(await read_all(reader))
         assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
@@ -261,15 +270,7 @@ async def test_a_reader_ahead_of_the_log_long_after_its_producer_went_silent_is_
     patience = 3.0
     quick = {**QUICK, "checkpoint_seconds": 30.0, "give_up_seconds": patience}
     async with instances(2, take_over=regenerating(), **quick) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 30})
-        for i in range(10):
-            producer.append(delta(i))
-        producer.caller_gone()  # stores what is in hand now
-        await asyncio.sleep(0.3)
-        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
-        for i in range(10, 20):
-            producer.append(delta(i))
-        kill(a)
+        producer = await stored_to_ten_then_killed(a, 30)
         await asyncio.sleep(LIFE.lease_seconds + patience + 0.5)  # silent for longer than the patience
         opened = asyncio.get_running_loop().time()
         got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
@@ -286,15 +287,7 @@ async def test_a_continuation_only_a_stream_lost_reader_asked_for_stops_once_pas
     gets the stream to that cut, one final event."""
     cfg = {**QUICK, "checkpoint_seconds": 30.0, "young_seconds": 0.3}
     async with instances(2, take_over=regenerating(), **cfg) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 1000})
-        for i in range(10):
-            producer.append(delta(i))
-        producer.caller_gone()
-        await asyncio.sleep(0.3)
-        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
-        for i in range(10, 20):
-            producer.append(delta(i))
-        kill(a)
+        producer = await stored_to_ten_then_killed(a, 1000)
         got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
         assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
         continuation = b.producing(producer.id)
@@ -327,15 +320,7 @@ async def test_the_stand_ins_of_a_continuation_that_ran_to_its_end_are_all_it_ge
 
     cfg = {**QUICK, "checkpoint_seconds": 30.0}
     async with instances(2, take_over=hook, **cfg) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 20})
-        for i in range(10):
-            producer.append(delta(i))
-        producer.caller_gone()
-        await asyncio.sleep(0.3)
-        a.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
-        for i in range(10, 20):
-            producer.append(delta(i))
-        kill(a)
+        producer = await stored_to_ten_then_killed(a, 20)
         slow = b.store.inject(Fault("slow", ops=frozenset({"append"}), delay=1.0, times=10**9))  # type: ignore[attr-defined]
         got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
         assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got

@@ -35,6 +35,7 @@ from typing import Any
 
 from . import scenarios as sc
 from .scenarios import RESET, STALL, Cadence, HttpError
+from .wire import ApiError, invalid, marked, play, send_json, timed
 
 # --------------------------------------------------------------------------- texts
 
@@ -255,15 +256,6 @@ KNOWN_RESPONSES_PARAMS = frozenset(
 )
 
 
-def _content_text(content: Any) -> str:
-    """Text of a message's content: a string, or parts with a `text` (input_text, output_text)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
 def last_user_text(input_: Any) -> str:
     """The text the `echo` scenario and `[scenario:NAME]` markers look at: a string input, or
     the last `role: user` message of an input list."""
@@ -272,7 +264,7 @@ def last_user_text(input_: Any) -> str:
     if isinstance(input_, list):
         for item in reversed(input_):
             if isinstance(item, dict) and item.get("role") == "user":
-                return _content_text(item.get("content"))
+                return sc.message_text(item.get("content"))
     return ""
 
 
@@ -282,7 +274,7 @@ def count_input_tokens(input_: Any, instructions: Any = None) -> int:
         return words + len(input_.split())
     for item in input_ if isinstance(input_, list) else ():
         if isinstance(item, dict):
-            words += len(_content_text(item.get("content")).split())
+            words += len(sc.message_text(item.get("content")).split())
     return words
 
 
@@ -701,9 +693,7 @@ def _split_writes(stream: bytes) -> list[tuple[float, Any]]:
                 cuts.add(j + 1)
                 break
         pos = stream.find(b"event: ", end)
-    bounds = [0, *sorted(c for c in cuts if 0 < c < len(stream)), len(stream)]
-    pieces = [stream[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-    return [(k * SPLIT_WRITE_GAP_S, piece) for k, piece in enumerate(pieces)]
+    return sc.split_at(stream, cuts)
 
 
 # ------------------------------------------------------------------ stored runs
@@ -745,14 +735,9 @@ class Run:
         self._changed = asyncio.Event()
 
     async def generate(self, steps: list[tuple[float, Any]]) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for at, event in steps:
-            delay = start + at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async for event in timed(steps):
             if not isinstance(event, dict):  # RESET / STALL: generation halts, status stays as it is
-                await loop.create_future()
+                await asyncio.get_running_loop().create_future()
             self.add(event)
         self.finish()
 
@@ -793,46 +778,12 @@ class Run:
 # ------------------------------------------------------------------------ API
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, body: dict, headers: list | None = None):
-        self.status, self.body, self.headers = status, body, headers or []
-
-
-def _invalid(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> ApiError:
-    return ApiError(status, sc.error_body(message, "invalid_request_error", code, param))
-
-
 def _not_found(response_id: str) -> ApiError:
-    return _invalid(f"Response with id '{response_id}' not found.", status=404)
+    return invalid(f"Response with id '{response_id}' not found.", status=404)
 
 
-_JSON = (b"content-type", b"application/json")
-_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
-_MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 #: /v1/responses (OpenAI), /responses (base URL without /v1), /openai/v1/responses (Azure v1).
 PATH = re.compile(r"^(?:/v1|/openai/v1)?/responses(?:/([^/]+)(/cancel|/input_items)?)?$")
-
-
-async def send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _timed(plan: list[tuple[float, Any]]) -> AsyncIterator[Any]:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    for at, item in plan:
-        delay = start + at - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        yield item
 
 
 class ResponsesApi:
@@ -881,7 +832,7 @@ class ResponsesApi:
                 await send_json(send, 200, {"id": run.ctx.id, "object": "response", "deleted": True}, rid)
             elif action == "cancel":
                 if not run.background:
-                    raise _invalid("Only responses created with background=true can be cancelled.")
+                    raise invalid("Only responses created with background=true can be cancelled.")
                 run.stop("cancelled")
                 await send_json(send, 200, run.snapshot, rid)
             else:
@@ -902,7 +853,7 @@ class ResponsesApi:
                 raise _not_found(response_id)
             after = int(record["query"].get("starting_after") or -1)
             logged = [frame(e, False) for e in run.events[max(0, after + 1) :]]
-            await self._stream(receive, send, record, run, _timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
+            await self._stream(receive, send, record, run, timed([(0.0, b"".join(logged)), (0.05, RESET)]), rid)
             return
         err = self.app._scenario_error(self.scenarios[name], "", record["headers"])
         raise ApiError(err.status, err.body, err.headers)
@@ -913,33 +864,27 @@ class ResponsesApi:
         model = body.get("model")
         if isinstance(model, str) and model in self.scenarios:
             return model
-        found = _MARKER.search(last_user_text(body.get("input")))
+        found = marked(last_user_text(body.get("input")), self.scenarios, "input")
         if found:
-            if found.group(1) not in self.scenarios:
-                raise _invalid(
-                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
-                    "input",
-                    "unknown_scenario",
-                )
-            return found.group(1)
+            return found
         default = self.app.default_scenario
         return default if default in self.scenarios else "echo"
 
     async def _create(self, receive, send, record: dict, rid: list) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid(
+            raise invalid(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
             )
         for name in body:
             if name not in KNOWN_RESPONSES_PARAMS:
-                raise _invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
+                raise invalid(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
         if not isinstance(body.get("model"), str) or not body["model"]:
-            raise _invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+            raise invalid("Missing required parameter: 'model'.", "model", "missing_required_parameter")
         input_ = body.get("input")
         if input_ is not None and not isinstance(input_, (str, list)):
-            raise _invalid(
+            raise invalid(
                 f"Invalid type for 'input': expected one of a string or array of input items, "
                 f"but got {type(input_).__name__} instead.",
                 "input",
@@ -947,10 +892,10 @@ class ResponsesApi:
             )
         background, stream = body.get("background") is True, body.get("stream") is True
         if background and body.get("store") is False:
-            raise _invalid("Background mode requires store=true.", "store")
+            raise invalid("Background mode requires store=true.", "store")
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.store:
-            raise _invalid(
+            raise invalid(
                 f"Previous response with id '{previous}' not found.",
                 "previous_response_id",
                 "previous_response_not_found",
@@ -1006,7 +951,7 @@ class ResponsesApi:
             await send_json(send, 200, final, rid)
             return
         run = Run(ctx, name, items, final, background=False, streamable=False)
-        await self._stream(receive, send, record, run, _timed(wire_plan(played, obfuscate, scn.split_writes)), rid)
+        await self._stream(receive, send, record, run, timed(wire_plan(played, obfuscate, scn.split_writes)), rid)
 
     def _keep(self, run: Run) -> None:
         self.store[run.ctx.id] = run
@@ -1022,14 +967,12 @@ class ResponsesApi:
             await send_json(send, 200, run.snapshot, rid)
             return
         if not run.background:
-            raise _invalid(
-                "This response cannot be streamed because it was not created with background=true.", "stream"
-            )
+            raise invalid("This response cannot be streamed because it was not created with background=true.", "stream")
         after = query.get("starting_after", "")
         try:
             starting_after = int(after) if after else -1
         except ValueError:
-            raise _invalid(
+            raise invalid(
                 f"Invalid 'starting_after': {after!r}. Expected an integer.", "starting_after", "invalid_type"
             ) from None
         obfuscate = query.get("include_obfuscation", "true").lower() != "false"
@@ -1040,7 +983,7 @@ class ResponsesApi:
         items = list(run.input_items)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise _invalid(f"Invalid value for 'order': {order!r}. Expected 'asc' or 'desc'.", "order")
+            raise invalid(f"Invalid value for 'order': {order!r}. Expected 'asc' or 'desc'.", "order")
         if order == "desc":
             items.reverse()
         after = query.get("after")
@@ -1052,7 +995,7 @@ class ResponsesApi:
         except ValueError:
             limit = 0
         if not 1 <= limit <= 100:
-            raise _invalid("Invalid 'limit': expected an integer from 1 to 100.", "limit")
+            raise invalid("Invalid 'limit': expected an integer from 1 to 100.", "limit")
         page = items[:limit]
         return {
             "object": "list",
@@ -1068,8 +1011,6 @@ class ResponsesApi:
         """Send the source's writes; record how the stream ended (as chat streams are recorded).
 
         A client hanging up ends this stream only: a background run keeps generating."""
-        from .server import DeliberateReset  # here: server imports this module
-
         record = {
             "request_id": request["id"],
             "scenario": run.scenario,
@@ -1080,38 +1021,4 @@ class ResponsesApi:
             "response_id": run.ctx.id,
         }
         self.app.streams.append(record)
-        task = asyncio.current_task()
-        finished = disconnected = False
-
-        async def watch_for_disconnect() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:
-                disconnected = True
-                task.cancel()
-
-        watcher = asyncio.create_task(watch_for_disconnect())
-        outcome = "error"
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [_SSE, *headers]})
-            async for item in source:
-                if item is RESET:
-                    outcome = "reset"
-                    raise DeliberateReset(f"scenario {run.scenario}: connection dropped on purpose")
-                if item is STALL:
-                    await asyncio.get_running_loop().create_future()  # until the watcher cancels us
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-            finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome = "completed"
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise  # server shutdown: outcome "error"
-            task.uncancel()
-            outcome = "client_disconnected"
-        finally:
-            finished = True
-            watcher.cancel()
-            record["ended_at"] = time.time()
-            record["outcome"] = outcome
+        await play(receive, send, record, source, headers)

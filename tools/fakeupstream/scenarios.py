@@ -662,6 +662,11 @@ def _split_inside_characters(stream: bytes) -> list[tuple[float, Any]]:
                 cuts.add(j + 1)
                 break
         pos = stream.find(b"data: ", end)
+    return split_at(stream, cuts)
+
+
+def split_at(stream: bytes, cuts: set[int]) -> list[tuple[float, Any]]:
+    """``stream`` cut at ``cuts`` into writes ``SPLIT_WRITE_GAP_S`` apart."""
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(stream)), len(stream)]
     pieces = [stream[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
     return [(k * SPLIT_WRITE_GAP_S, piece) for k, piece in enumerate(pieces)]

@@ -1,4 +1,4 @@
-"""The ASGI app: routing, scenario choice, recording, and stream playback.
+"""The ASGI app: routing, scenario choice and recording; a stream is played by wire.py.
 
 A plain ASGI callable (no framework) so that the per-chunk path is just
 "sleep until the deadline, send pre-built bytes". It runs under uvicorn.
@@ -6,7 +6,6 @@ A plain ASGI callable (no framework) so that the per-chunk path is just
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -21,12 +20,10 @@ from . import scenarios as sc
 from .params import chat_param_problem
 from .responses import ResponsesApi
 from .scenarios import Cadence, Request, Scenario
+from .wire import ApiError, DeliberateReset, invalid, marked, play, send_json, timed
 
-MARKER = re.compile(r"\[scenario:([^\]\s]+)\]")
 _DEPLOYMENT_PATH = re.compile(r"^/openai/deployments/([^/]+)/chat/completions$")
 _MODELS_CREATED = 1_700_000_000
-_JSON = (b"content-type", b"application/json")
-_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
 # A stream record keeps when the first CONTENT_TIMES chunks with text went out (content_sent_at), so
@@ -35,34 +32,9 @@ CONTENT_TIMES = 64
 _CONTENT = re.compile(rb'"content":"[^"]')
 
 
-class DeliberateReset(Exception):
-    """Raised mid-body on purpose: uvicorn then closes the socket without ending the chunked body."""
-
-
 class _QuietResets(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], DeliberateReset))
-
-
-class _ApiError(Exception):
-    def __init__(self, status: int, body: dict, headers: list | None = None):
-        self.status, self.body, self.headers = status, body, headers or []
-
-
-def _invalid(message: str, param: str | None = None, code: str | None = None) -> _ApiError:
-    return _ApiError(400, sc.error_body(message, "invalid_request_error", code, param))
-
-
-async def _send_json(send, status: int, obj: Any, headers: list | None = None) -> None:
-    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _read_body(receive) -> bytes | None:
@@ -157,13 +129,13 @@ class FakeUpstream:
             elif self.responses and (route := self.responses.route(method, path)):
                 await self.responses.handle(route, receive, send, record)
             elif path.startswith("/openai/"):
-                await _send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
+                await send_json(send, 404, {"error": {"code": "404", "message": "Resource not found"}}, rid)
             elif method == "GET" and path in ("/v1/models", "/models"):
-                await _send_json(send, 200, self._models, rid)
+                await send_json(send, 200, self._models, rid)
             else:
-                raise _ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
-        except _ApiError as e:
-            await _send_json(send, e.status, e.body, rid + e.headers)
+                raise ApiError(404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+        except ApiError as e:
+            await send_json(send, e.status, e.body, rid + e.headers)
 
     def _record(self, scope, body: bytes, received_at: float) -> dict:
         headers: dict[str, str] = {}
@@ -191,15 +163,15 @@ class FakeUpstream:
         if path == "/_scripted/requests" and method == "GET":
             records = list(self.requests)
             last = query.get("last", "")
-            await _send_json(send, 200, records[-int(last) :] if last.isdigit() and int(last) else records)
+            await send_json(send, 200, records[-int(last) :] if last.isdigit() and int(last) else records)
         elif path == "/_scripted/requests" and method == "DELETE":
             self.requests.clear()
             self.streams.clear()
-            await _send_json(send, 200, {"cleared": True})
+            await send_json(send, 200, {"cleared": True})
         elif path == "/_scripted/count" and method == "GET":
-            await _send_json(send, 200, {"requests": self.received})
+            await send_json(send, 200, {"requests": self.received})
         elif path == "/_scripted/streams" and method == "GET":
-            await _send_json(send, 200, list(self.streams))
+            await send_json(send, 200, list(self.streams))
         elif path == "/_scripted/default" and method in ("GET", "POST"):
             if method == "POST":
                 name = _json_field(body, "scenario")
@@ -208,13 +180,13 @@ class FakeUpstream:
                     return
                 times = _json_field(body, "times")
                 if times is not None and (not isinstance(times, int) or isinstance(times, bool) or times < 1):
-                    await _send_json(
+                    await send_json(
                         send, 400, sc.error_body("times: a positive integer or null", "invalid_request_error")
                     )
                     return
                 self.default_after = self.default_scenario if times is not None else name
                 self.default_scenario, self.default_times = name, times
-            await _send_json(send, 200, {"scenario": self.default_scenario, "times": self.default_times})
+            await send_json(send, 200, {"scenario": self.default_scenario, "times": self.default_times})
         elif path == "/_scripted/follow_ups" and method in ("GET", "POST"):
             if method == "POST":
                 name = _json_field(body, "scenario")
@@ -222,37 +194,37 @@ class FakeUpstream:
                     await _unknown_scenario(send, "follow-up scenario", name, FOLLOW_UP_SCENARIOS)
                     return
                 self.follow_up_scenario = name
-            await _send_json(send, 200, {"scenario": self.follow_up_scenario})
+            await send_json(send, 200, {"scenario": self.follow_up_scenario})
         elif path == "/_scripted/failure" and method in ("GET", "POST"):
             if method == "POST":
                 try:
                     self.failure = sc.Failure.parse(_json_field(body, None))
                 except ValueError as exc:
-                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    await send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
                     return
-            await _send_json(send, 200, self.failure.as_dict() if self.failure else {})
+            await send_json(send, 200, self.failure.as_dict() if self.failure else {})
         elif path == "/_scripted/continuation" and method in ("GET", "POST"):
             if method == "POST":
                 try:
                     self.continuation = sc.ContinueMode.parse(_json_field(body, None))
                 except ValueError as exc:
-                    await _send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
+                    await send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
                     return
-            await _send_json(send, 200, self.continuation.as_dict())
+            await send_json(send, 200, self.continuation.as_dict())
         elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
             if method == "POST":
                 headers = _json_field(body, None)
                 if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
-                    await _send_json(
+                    await send_json(
                         send,
                         400,
                         sc.error_body("Send a JSON object of header names to strings.", "invalid_request_error"),
                     )
                     return
                 self.error_headers = headers
-            await _send_json(send, 200, self.error_headers)
+            await send_json(send, 200, self.error_headers)
         else:
-            await _send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
+            await send_json(send, 404, sc.error_body(f"Invalid URL ({method} {path})", "invalid_request_error"))
 
     # ---------------------------------------------------------- chat completions
 
@@ -262,15 +234,9 @@ class FakeUpstream:
         model = body.get("model") or deployment
         if isinstance(model, str) and model in self.scenarios:
             return model
-        found = MARKER.search(_last_user_text(body["messages"]))
+        found = marked(_last_user_text(body["messages"]), self.scenarios, "messages")
         if found:
-            if found.group(1) not in self.scenarios:
-                raise _invalid(
-                    f"Unknown scenario {found.group(1)!r} in [scenario:...] marker. Known: {', '.join(self.scenarios)}",
-                    "messages",
-                    "unknown_scenario",
-                )
-            return found.group(1)
+            return found
         name = self.default_scenario
         if spend and self.default_times is not None:
             self.default_times -= 1
@@ -281,19 +247,19 @@ class FakeUpstream:
     async def _chat(self, receive, send, record: dict, deployment: str | None) -> None:
         body = record["json"]
         if not isinstance(body, dict):
-            raise _invalid(
+            raise invalid(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)"
             )
         messages = body.get("messages")
         if not isinstance(messages, list):
-            raise _invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+            raise invalid("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
         problem = chat_param_problem(body, prefix=self.continuation.prefix)
         if problem:
-            raise _invalid(*problem)
+            raise invalid(*problem)
         n = body.get("n") or 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-            raise _invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
+            raise invalid(f"Invalid 'n': {n!r}. Expected an integer from 1 to 128.", "n", "invalid_value")
 
         # A request to go on with an answer: the conversation before it picks the scenario.
         going_on = sc.continuation_of(body, lambda history: self._answer(body, history, deployment)[1])
@@ -324,7 +290,7 @@ class FakeUpstream:
             self.failure = self.failure.spent()
         rid = [(b"x-request-id", record["id"].encode())]
         if not stream:
-            await _send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
+            await send_json(send, 200, sc.completion_body(scn, req, deltas), rid)
             return
         await self._play(receive, send, record["id"], name, sc.stream_plan(scn, req, deltas), rid)
 
@@ -332,12 +298,12 @@ class FakeUpstream:
         """The scenario and the deltas this server would answer ``history`` with (for its text)."""
         try:
             name = self._pick({**body, "messages": history}, deployment)
-        except _ApiError:
+        except ApiError:
             return self.scenarios[self.default_scenario], ()
         scn = self.scenarios[name]
         return scn, sc.word_deltas(sc.echo_text(_last_user_text(history))) if name == "echo" else scn.deltas
 
-    def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> _ApiError:
+    def _scenario_error(self, scn: Scenario, model: str, headers: dict) -> ApiError:
         err = scn.error
         assert err is not None
         key = headers.get("api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -360,7 +326,7 @@ class FakeUpstream:
             ]
         if self.error_headers:  # a test's own (any text, in UTF-8), instead of the scenario's
             extra = [(k.lower().encode(), v.encode()) for k, v in self.error_headers.items()]
-        return _ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
+        return ApiError(err.status, sc.error_body(message, err.type, err.code, err.param), extra)
 
     async def hang(self, receive, request_id: str, name: str, **fields: Any) -> None:
         """No answer at all until the client hangs up (recorded as a stream that ends then)."""
@@ -395,48 +361,12 @@ class FakeUpstream:
         }
         self.streams.append(record)
         sent_at = record["content_sent_at"]
-        task = asyncio.current_task()
-        finished = disconnected = False
 
-        async def watch_for_disconnect() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:
-                disconnected = True
-                task.cancel()
+        def sent(item: bytes) -> None:
+            if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
+                sent_at.append(time.time())
 
-        watcher = asyncio.create_task(watch_for_disconnect())
-        outcome = "error"
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [_SSE, *headers]})
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            for at, item in plan:
-                delay = start + at - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if item is sc.RESET:
-                    outcome = "reset"
-                    raise DeliberateReset(f"scenario {name}: connection dropped on purpose")
-                if item is sc.STALL:
-                    await loop.create_future()  # until the watcher cancels us
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-                if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
-                    sent_at.append(time.time())
-            finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome = "completed"
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise  # server shutdown: outcome "error"
-            task.uncancel()
-            outcome = "client_disconnected"
-        finally:
-            finished = True
-            watcher.cancel()
-            record["ended_at"] = time.time()
-            record["outcome"] = outcome
+        await play(receive, send, record, timed(plan), headers, sent)
 
 
 # What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.
@@ -455,7 +385,7 @@ FOLLOW_UP_SCENARIOS = (
 async def _unknown_scenario(send, kind: str, name: Any, known: Iterable[str]) -> None:
     """The 400 for a scenario name the server does not know, listing the ones it does."""
     message = f"Unknown {kind} {name!r}. Known: {', '.join(known)}"
-    await _send_json(send, 400, sc.error_body(message, "invalid_request_error", "unknown_scenario", "scenario"))
+    await send_json(send, 400, sc.error_body(message, "invalid_request_error", "unknown_scenario", "scenario"))
 
 
 def _json_field(body: bytes, name: str | None) -> Any:
