@@ -385,12 +385,18 @@ class Endpoint:
         return admission
 
     async def _charge_lost(self, claim: Claim, known: Known, admission: Admission, unstored: str) -> None:
-        """Charge the lost producer's part: what the log holds of it, and ``unstored``."""
+        """Charge the lost producer's part: what the log holds of it, and ``unstored`` (what its
+        caller received that the log does not hold: only this instance knows it)."""
         assert self.accounting is not None
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
-            admission, started_at(claim.producer.id), lost.text + unstored, claim.epoch, before
+            admission,
+            started_at(claim.producer.id),
+            lost.text + unstored,
+            claim.epoch,
+            before,
+            received=bool(unstored),
         )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:

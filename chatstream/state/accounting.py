@@ -50,7 +50,7 @@ from .port import (
 )
 from .prices import Price
 from .registry import Registry
-from .store import key_part
+from .store import Row, key_part
 
 log = logging.getLogger("chatstream")
 
@@ -78,6 +78,10 @@ class Admission:
 
 
 LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
+# A taken-over stream's lost part charged at what its caller received (which only its taker knows)
+# waits out a failing store this long: the dead instance's takeover, which may be over already,
+# charges only its checkpoint (a chaos soak's store freeze as two streams ended: rows 1 token short).
+RECEIVED_WITHIN = 60.0
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
@@ -276,7 +280,14 @@ class Accounting:
         self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
 
     async def charge_lost(
-        self, admission: Admission, started: float | None, text: str, epoch: int = 2, before: str = ""
+        self,
+        admission: Admission,
+        started: float | None,
+        text: str,
+        epoch: int = 2,
+        before: str = "",
+        *,
+        received: bool = False,
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
         (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
@@ -287,7 +298,9 @@ class Accounting:
         as read: an insert, or a raise of a recovery's row or its own (author kept) by the
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
         meanwhile it counts nothing), then counted. Never raises: on a store failure the dead
-        instance's recovery charges that part at its checkpoint."""
+        instance's recovery charges that part at its checkpoint and what the log holds; ``received``
+        (``text`` holds what its caller was found to have received, known to nobody else): the
+        store is first asked again for up to ``RECEIVED_WITHIN``."""
         admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
@@ -301,10 +314,9 @@ class Accounting:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LANDED_WITHIN):
                     await admission.lost.written.wait()
-        try:
-            there = await self.ledger.find(charge)
-        except StoreError as exc:
-            log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
+        there = await self._find(charge, RECEIVED_WITHIN if received else 0.0)
+        if isinstance(there, StoreError):
+            log.warning("a taken-over stream's first part is left to its instance's takeover: %s", there)
             return
         op = secrets.token_hex(6)
         spent, cost = charge.total_tokens, charge.cost or 0
@@ -322,6 +334,20 @@ class Accounting:
             cost -= was.cost or 0
         wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
         admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+
+    async def _find(self, charge: Charge, within: float) -> Row | StoreError | None:
+        """``charge``'s row as the ledger holds it; the store asked again (backing off) while it fails,
+        for up to ``within`` seconds: then its last error."""
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + within, 0.5
+        while True:
+            try:
+                return await self.ledger.find(charge)
+            except StoreError as exc:
+                if loop.time() + pause > deadline:
+                    return exc
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
 
     async def _correct(
         self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float

@@ -332,6 +332,38 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     await b.close()
 
 
+async def test_a_takers_raise_to_what_its_caller_received_waits_out_a_store_that_fails_meanwhile():
+    """As a chaos soak hit it (issue #45): a's journal was taken over first, r3's part charged at a's
+    last checkpoint; b took r3's stream over from a log that held nothing (its charge of it, 0 tokens,
+    below the row: left), and at the stream's end learned that the caller had received more. The
+    store froze just then (its reads failing for 4 s): before, the raise gave up at once ("left to its
+    instance's takeover", which had been done already) and the row stayed at the checkpoint, below
+    what the caller received. Now it is retried until the store answers, and counted once."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    acc_b = b.accounting
+    assert acc_b is not None and isinstance(b.store, MemoryStore)
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
+    assert isinstance(going_on, Admission)
+    await acc_b.charge_lost(going_on, going_on.started, "", epoch=2)
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
+    frozen = b.store.inject(Fault("unavailable", frozenset({"get"}), table=USAGE_TABLE, times=10**9))
+    asyncio.get_running_loop().call_later(4.0, lambda: setattr(frozen, "times", 0))
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, received=True)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    row = ledger_rows(data)[rec3.id]
+    assert row["completion_tokens"] == tokens.count_text(MODEL, received), row
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+
+
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
 async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
     """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
