@@ -84,3 +84,28 @@ def test_rows_linked_to_no_request_are_matched_to_requests_by_amount():
     assert match_lost_requests(rows(43, 42, 42), bounds, 0)["by"] == 1
     # A prompt-only row of an attempt cut before its call is set aside first: the 0 is not taken for (0, 42).
     assert match_lost_requests(rows(0, 30, 42, 42), bounds, 1) == {"orphans": 4, "cut_uncalled": 1, "within": 3}
+
+
+def test_a_lost_part_its_caller_read_live_to_the_end_is_charged_at_least_all_it_read():
+    """A chat completion read to its end straight from its instance (never cut), which was killed as
+    the answer ended, before its charge was stored: its part is charged at least all its caller
+    read (docs/callers.md), else a failure of its own name (seed 7 had 3: 37-41 of 42 tokens). An
+    attempt its caller got no answer from has no such bound (the result's text is another's)."""
+    from collections import Counter
+
+    from tools.chaos.soak import EXPECTED, Checks, Result
+
+    checks = Checks.__new__(Checks)  # (no store: only the ledger rule)
+    checks.failures, checks.examples = Counter(), {}
+    read = Result(marker="m", kind="chat_completions", caller="c", status=200, text=EXPECTED, finals=["done"])
+    stream = {"content_sent_at": [0.0] * 40, "outcome": "completed"}  # (its usage never charged)
+    counts: Counter = Counter()
+    for charged, calls in ((37, 1), (42, 1), (37, 0)):
+        row = {"RowKey": "r", "completion_tokens": charged, "ended": "lost", "segment": 0, "upstream_id": ""}
+        checks.check_segment("m", {"id": "req_1"}, stream, row, counts, read, calls)
+    assert dict(checks.failures) == {
+        "lost_part_read_live_charged_less_than_its_caller_received": 1,
+        "segment_charged_less_than_generated": 1,
+    }
+    assert checks.examples["lost_part_read_live_charged_less_than_its_caller_received"][0]["caller_received"] == 42
+    assert counts["segments_charged_at_generated"] == 1

@@ -977,8 +977,13 @@ class Checks:
             counts["lost_parts_charged_at_least_what_their_caller_received"] += 1
             counts["completion_tokens_generated_but_never_delivered_uncharged"] += generated - charged
         elif charged < generated:
+            # A caller never cut read this part live from the instance it was lost with (it died as
+            # the answer ended, before its charge was stored): a failure of its own name.
+            live = received is not None and result is not None and not result.cuts
             self.fail(
-                "segment_charged_less_than_generated",
+                "lost_part_read_live_charged_less_than_its_caller_received"
+                if live
+                else "segment_charged_less_than_generated",
                 {**where, "charged": charged, "generated": generated, "caller_received": received},
             )
             counts["completion_tokens_short"] += generated - charged
