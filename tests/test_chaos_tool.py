@@ -57,8 +57,55 @@ def test_a_prompt_only_row_of_an_attempt_cut_before_its_upstream_call_is_no_fail
         return {"request_id": request_id, "completion_tokens": completion, "ended": "lost"}
 
     rows = [row("227ef6", 39), row("06ab9c", 21), row("4fbb4e", 0)]
-    assert match_lost_requests(rows, 2, 1) == {"orphans": 3, "cut_uncalled": 1}
-    assert match_lost_requests(rows, 2, 0) == {"orphans": 3, "failure": "rows_of_no_request", "by": 1}
-    assert match_lost_requests([*rows[:2], row("4fbb4e", 5)], 2, 1)["failure"] == "rows_of_no_request"
-    assert match_lost_requests(rows[:1], 2, 1) == {"orphans": 1, "failure": "requests_missing_from_ledger", "by": 1}
-    assert match_lost_requests(rows[:2], 2, 1) == {"orphans": 2, "cut_uncalled": 0}
+    two = [(0, 42), (0, 42)]  # two requests, each charged 0 to 42 completion tokens
+    assert match_lost_requests(rows, two, 1) == {"orphans": 3, "cut_uncalled": 1, "within": 2}
+    assert match_lost_requests(rows, two, 0) == {"orphans": 3, "failure": "rows_of_no_request", "by": 1}
+    assert match_lost_requests([*rows[:2], row("4fbb4e", 5)], two, 1)["failure"] == "rows_of_no_request"
+    assert match_lost_requests(rows[:1], two, 1) == {"orphans": 1, "failure": "requests_missing_from_ledger", "by": 1}
+    assert match_lost_requests(rows[:2], two, 1) == {"orphans": 2, "cut_uncalled": 0, "within": 2}
+
+
+def test_rows_linked_to_no_request_are_matched_to_requests_by_amount():
+    """Seed 4242's chaos-b (issue #45): 3 requests lost whole with their instance (no row carries an
+    upstream id), 3 rows of no request. Two were chat completions their callers had read to the end
+    from that instance (42 tokens each: charged at least that, at most what the upstream sent: 42);
+    one a Responses stream (0 to 42). Rows of 30, 42 and 42 fit; rows of 30, 40 and 41 do not (two
+    finished streams charged below what their callers received), nor does one above what was sent."""
+    from tools.chaos.soak import match_lost_requests
+
+    def rows(*completion: int) -> list[dict]:
+        return [{"request_id": f"r{i}", "completion_tokens": c, "ended": "lost"} for i, c in enumerate(completion)]
+
+    bounds = [(0, 42), (42, 42), (42, 42)]
+    assert match_lost_requests(rows(30, 42, 42), bounds, 0) == {"orphans": 3, "cut_uncalled": 0, "within": 3}
+    short = match_lost_requests(rows(30, 40, 41), bounds, 0)
+    assert short["failure"] == "lost_rows_charged_outside_what_their_requests_got_and_sent" and short["by"] == 2
+    assert short["charged"] == [30, 40, 41] and short["within"] == 1
+    assert match_lost_requests(rows(43, 42, 42), bounds, 0)["by"] == 1
+    # A prompt-only row of an attempt cut before its call is set aside first: the 0 is not taken for (0, 42).
+    assert match_lost_requests(rows(0, 30, 42, 42), bounds, 1) == {"orphans": 4, "cut_uncalled": 1, "within": 3}
+
+
+def test_a_lost_part_its_caller_read_live_to_the_end_is_charged_at_least_all_it_read():
+    """A chat completion read to its end straight from its instance (never cut), which was killed as
+    the answer ended, before its charge was stored: its part is charged at least all its caller
+    read (docs/callers.md), else a failure of its own name (seed 7 had 3: 37-41 of 42 tokens). An
+    attempt its caller got no answer from has no such bound (the result's text is another's)."""
+    from collections import Counter
+
+    from tools.chaos.soak import EXPECTED, Checks, Result
+
+    checks = Checks.__new__(Checks)  # (no store: only the ledger rule)
+    checks.failures, checks.examples = Counter(), {}
+    read = Result(marker="m", kind="chat_completions", caller="c", status=200, text=EXPECTED, finals=["done"])
+    stream = {"content_sent_at": [0.0] * 40, "outcome": "completed"}  # (its usage never charged)
+    counts: Counter = Counter()
+    for charged, calls in ((37, 1), (42, 1), (37, 0)):
+        row = {"RowKey": "r", "completion_tokens": charged, "ended": "lost", "segment": 0, "upstream_id": ""}
+        checks.check_segment("m", {"id": "req_1"}, stream, row, counts, read, calls)
+    assert dict(checks.failures) == {
+        "lost_part_read_live_charged_less_than_its_caller_received": 1,
+        "segment_charged_less_than_generated": 1,
+    }
+    assert checks.examples["lost_part_read_live_charged_less_than_its_caller_received"][0]["caller_received"] == 42
+    assert counts["segments_charged_at_generated"] == 1

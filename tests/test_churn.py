@@ -499,6 +499,79 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
 
 @pytest.mark.alone
 @pytest.mark.timeout(240)
+def test_a_killed_chat_completions_streams_lost_part_is_charged_at_least_what_its_caller_received(azurite, start_app):
+    """As above on /api/v1/chat/completions (issue #45's first suspect, an off-by-one between its role
+    chunk and the stand-ins' positions: ruled out): a 40-delta answer, one every 50 ms; A is
+    SIGKILLed the moment its caller has read 28 deltas (its events 2..29, the role chunk first),
+    before A's first write of the log. The caller resumes on B after its id: B takes over (its
+    continuation's role chunk is event 1, as A's was), the caller gets ``stream_lost``, and the
+    continuation (short) runs to its end. A's part is in the ledger at no less than the text its
+    caller read, counted as the app counts it (as the chaos soak counts it)."""
+    from servers import Upstream
+
+    from chatstream import tokens
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "40", "--interval-ms", "50")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
+        a, b = (start_app(**env(upstream, azurite, **settings)) for _ in range(2))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+        for app in (a, b):  # each instance warm (its store clients, the tables); a short answer
+            short = {"prompt": "warm [scenario:normal]"}
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
+            assert warm.status_code == 200, warm.text
+        ids: list[int] = []
+        received: list[str] = []
+        body = ask(f"[scenario:cadence] {uuid.uuid4().hex}", stream=True, max_tokens=100)
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream(
+            "POST", f"{a.url}/api/v1/chat/completions", headers={"api-key": key}, json=body, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            stream_id = response.headers["x-stream-id"]
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices") or ():
+                        received.append(str(choice.get("delta", {}).get("content") or ""))
+                    if sum(1 for r in received if r) == 28:
+                        a.stop(signal.SIGKILL)
+                        break
+        got = "".join(received)
+        codes: list[str] = []
+        deadline = time.monotonic() + 60
+        while not codes and time.monotonic() < deadline:  # B takes A's streams over once A's lease is past
+            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                if r.status_code != 200:
+                    time.sleep(0.5)
+                    continue
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line[6:])
+                        assert "error" in data, data  # never other text after the caller's own
+                        codes.append(str(data["error"].get("code")))
+        assert codes == ["stream_lost"], codes
+        assert ids == list(range(1, 30)), ids
+        deadline = time.monotonic() + 60
+        while True:
+            rows = ledger(azurite, who)
+            lost = [r for r in rows if r["ended"] == "lost"]
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if lost and held == 0 and taken == spent(rows) and len(rows) == 2 + 2:
+                break
+            assert time.monotonic() < deadline, (rows, taken, held)
+            time.sleep(0.5)
+        want = tokens.count_text(MODEL, got)
+        print(f"A's part charged {lost[0]['completion_tokens']} tokens; its caller read {want} ({got!r})")
+        assert len(lost) == 1 and lost[0]["completion_tokens"] >= want, (lost, want)
+    finally:
+        upstream.stop()
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
 def test_a_stream_handed_over_on_sigterm_is_charged_once_in_the_budget(azurite, start_app):
     """Keyed resumable /api/chat streams on A, A SIGTERMed a few events in: A hands each over, its
     reader resumes on B, B takes it over and charges A's part at what the log shows while A, still

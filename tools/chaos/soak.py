@@ -16,7 +16,9 @@ At the end it checks what the docs promise:
   rest would be other text with a real model);
 - every upstream call of every request exactly once in the ledger (``chatstreamUsage``), at the
   upstream's usage when the call completed, at what the upstream sent when it did not (a resumable
-  stream's part lost with its instance: at least what its caller had got when it was cut);
+  stream's part lost with its instance: at least what its caller had got from it); a request lost
+  whole with its instance (no row carries an upstream id) found through its stream's record, else
+  its rows matched to such requests by count and amount;
 - ``GET /api/manage/usage`` equal to the ledger, per caller and per team;
 - the budget rows (``chatstreamLimits``) equal to the ledger, no reservation left held, no budget passed.
 
@@ -833,6 +835,7 @@ class Checks:
             by_request.setdefault(str(row.get("request_id")), []).append(row)
         linked_requests: set[str] = set()
         counts: Counter[str] = Counter()
+        wanted: dict[str, list[tuple[int, int]]] = {}  # per caller: bounds of its requests with no linked row
         attempts = [
             (result, marker, i == len(result.attempts) - 1 and result.status is not None)
             for result in soak.results
@@ -848,12 +851,20 @@ class Checks:
             elif calls and not answered:
                 counts["attempts_called_upstream_but_no_answer_reached_the_client"] += 1
             ids = {str(row["request_id"]) for c in calls for row in by_upstream_id.get(c["id"], [])}
+            if calls and not ids and answered and result.stream_id:
+                # Every segment lost with its instance (no row carries an upstream id): a resumable
+                # stream's record names the app's request id, which its rows carry.
+                found = self.stream_request_id(result.stream_id)
+                if found in by_request:
+                    ids = {found}
+                    counts["requests_linked_by_their_stream_record"] += 1
             if len(ids) > 1:
                 self.fail("request_charged_under_several_ids", {"marker": marker, "ids": sorted(ids)})
             linked_requests |= ids
             rows = sorted((row for i in ids for row in by_request.get(i, [])), key=lambda r: r["RowKey"])
             if calls and not rows:
-                counts["requests_with_no_linked_row"] += 1  # only lost segments: matched by count below
+                counts["requests_with_no_linked_row"] += 1  # only lost segments: matched below
+                wanted.setdefault(result.caller, []).append(lost_bounds(result, calls, streams, answered))
                 continue
             if len(rows) != len(calls):
                 self.fail(
@@ -867,14 +878,15 @@ class Checks:
                 mine = [r for r in rows if r.get("upstream_id") == call["id"]]
                 if len(mine) > 1:
                     self.fail("upstream_call_charged_twice", {"marker": marker, "call": call["id"]})
+                read = len(calls) if answered else 0  # (an attempt refused or cut before its answer: nothing read)
                 if mine:
-                    self.check_segment(marker, call, streams.get(call["id"]) or {}, mine[0], counts, result)
+                    self.check_segment(marker, call, streams.get(call["id"]) or {}, mine[0], counts, result, read)
                 else:
                     unlinked_calls.append(call)
             # A segment lost with its instance is charged without the upstream's id: in call order.
             for call, row in zip(unlinked_calls, unlinked_rows, strict=False):
                 counts["segments_charged_without_upstream_id"] += 1
-                self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts, result)
+                self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts, result, read)
             for row in rows:
                 if row.get("caller") != result.caller:
                     self.fail("charged_to_another_caller", {"marker": marker, "row": row["RowKey"]})
@@ -884,23 +896,24 @@ class Checks:
         counts["rows_linked_to_no_request"] = len(unlinked)
         if unlinked or counts["requests_with_no_linked_row"]:
             for name in soak.callers:
-                missing = sum(
-                    1
-                    for res, marker, _ in attempts
-                    if res.caller == name
-                    and by_marker.get(marker)
-                    and not any(by_upstream_id.get(c["id"]) for c in by_marker[marker])
-                )
+                bounds = wanted.get(name, [])
                 mine = [r for r in unlinked if r.get("caller") == name]
                 cut = sum(
                     1 for res, marker, _ in attempts if res.caller == name and cut_uncalled(res, marker, by_marker)
                 )
-                check = match_lost_requests(mine, missing, cut)
+                check = match_lost_requests(mine, bounds, cut)
                 counts["prompt_only_rows_of_attempts_cut_before_their_upstream_call"] += check.get("cut_uncalled", 0)
+                counts["rows_linked_to_no_request_charged_within_their_bounds"] += check.get("within", 0)
                 if "failure" in check:
                     self.fail(
                         check["failure"],
-                        {"caller": name, "requests_without_row": missing, "rows_without_request": check["orphans"]},
+                        {
+                            "caller": name,
+                            "requests_without_row": len(bounds),
+                            "rows_without_request": check["orphans"],
+                            "completion_tokens_of_rows": check.get("charged"),
+                            "bounds_of_requests": check.get("bounds"),
+                        },
                         check["by"],
                     )
         self.check_usage_api(ledger)
@@ -908,12 +921,20 @@ class Checks:
         return {"failures": dict(self.failures), "examples": self.examples, "counts": dict(counts)}
 
     def check_segment(
-        self, marker: str, call: dict, stream: dict, row: dict, counts: Counter, result: Result | None = None
+        self,
+        marker: str,
+        call: dict,
+        stream: dict,
+        row: dict,
+        counts: Counter,
+        result: Result | None = None,
+        calls: int = 1,
     ) -> None:
         """One upstream call's charge: at the upstream's usage when the call completed and was
         settled so; otherwise (cut, stalled, its instance dead) at what the upstream sent on it,
         counted as the app counts text (chatstream.tokens). A resumable stream's first part lost
-        with its instance: at least what its caller had got when it was cut (docs/callers.md), at
+        with its instance: at least what its caller had got when it was cut, or all it got when it was
+        never cut (one upstream call: it read it all from that instance; docs/callers.md), at
         most what the upstream sent (what the dead instance had read, or had in its socket, but not
         passed on: counted, not a failure). A continuation that only a caller told ``stream_lost``
         asked for, stopped once past that caller's position (docs/resumable.md) or abandoned before
@@ -921,7 +942,8 @@ class Checks:
         hang-up is: what the app had read when it closed the call, at most what the upstream sent and
         at most ``IN_FLIGHT`` tokens or ``IN_FLIGHT_SECONDS`` of its deltas fewer (what was in the
         socket, or not yet read by a busy worker), or, when the upstream had
-        finished meanwhile, the whole text counted as the app counts it (its usage never read)."""
+        finished meanwhile, the whole text counted as the app counts it (its usage never read).
+        ``calls``: the upstream calls of the attempt (0: one its caller got no answer from)."""
         where = {"marker": marker, "call": call["id"], "row": row["RowKey"], "ended": row.get("ended")}
         charged = int(row["completion_tokens"])
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else None
@@ -958,15 +980,18 @@ class Checks:
             counts["segments_unchecked_responses_cut"] += 1
             return
         generated = tokens.count_text(MODEL, cadence_text(sent))
-        received = None
-        if result is not None and result.cuts and row.get("ended") == "lost" and int(row.get("segment") or 0) == 0:
-            received = tokens.count_text(MODEL, result.text[: result.cuts[0]])
+        received = received_from_the_lost_instance(result, row, calls)
         if charged < generated and received is not None and charged >= received:
             counts["lost_parts_charged_at_least_what_their_caller_received"] += 1
             counts["completion_tokens_generated_but_never_delivered_uncharged"] += generated - charged
         elif charged < generated:
+            # A caller never cut read this part live from the instance it was lost with (it died as
+            # the answer ended, before its charge was stored): a failure of its own name.
+            live = received is not None and result is not None and not result.cuts
             self.fail(
-                "segment_charged_less_than_generated",
+                "lost_part_read_live_charged_less_than_its_caller_received"
+                if live
+                else "segment_charged_less_than_generated",
                 {**where, "charged": charged, "generated": generated, "caller_received": received},
             )
             counts["completion_tokens_short"] += generated - charged
@@ -974,6 +999,16 @@ class Checks:
             self.fail("segment_charged_more_than_generated", {**where, "charged": charged, "generated": generated})
         else:
             counts["segments_charged_at_generated"] += 1
+
+    def stream_request_id(self, stream_id: str) -> str | None:
+        """The app's request id of resumable stream ``stream_id``, from its record (kept
+        RESUME_TTL_SECONDS, 10 minutes); None when it is not there."""
+        try:
+            record = self.tables.get_table_client("chatstreamStreams").get_entity(stream_id, "stream")
+        except ResourceNotFoundError:
+            return None
+        found = record.get("request_id")
+        return str(found) if found else None
 
     def check_usage_api(self, ledger: list[dict]) -> None:
         soak = self.soak
@@ -1036,29 +1071,84 @@ def cut_uncalled(result: Result, marker: str, by_marker: dict[str, list[dict]]) 
     return index < len(result.refusals) and not result.refusals[index][:1].isdigit() and not by_marker.get(marker)
 
 
-def match_lost_requests(rows: list[dict], missing: int, cut_uncalled: int) -> dict[str, Any]:
+def received_from_the_lost_instance(result: Result | None, row: dict, calls: int) -> int | None:
+    """Completion tokens a resumable stream's caller had got from the instance its first part was
+    lost with (``row``: that part, ``lost``, segment 0), counted as the app counts text: what it had
+    when it was cut; when it was never cut and its attempt made one upstream call, all it got (it
+    read it all there). ``calls``: the upstream calls of the attempt, 0 for one the caller got no
+    answer from (refused or cut first: the result's text is another attempt's). None: no bound."""
+    if result is None or calls == 0 or row.get("ended") != "lost" or int(row.get("segment") or 0) != 0:
+        return None
+    if result.cuts:
+        return tokens.count_text(MODEL, result.text[: result.cuts[0]])
+    if result.kind in RESUMABLE and calls == 1 and result.text:
+        return tokens.count_text(MODEL, result.text)
+    return None
+
+
+def lost_bounds(result: Result, calls: list[dict], streams: dict[str, dict], answered: bool) -> tuple[int, int]:
+    """The completion tokens a request is charged when all its rows were lost with its instance
+    (no row carries the id of an upstream call): at least what its caller got from that instance
+    (a resumable stream's, ``received_from_the_lost_instance``; else 0: the journal's last record,
+    which the soak cannot see), at most what the upstream sent on all its calls, counted as the
+    app counts text (a Responses call's count is not recorded: the whole answer)."""
+    high = 0
+    for call in calls:
+        stream = streams.get(call["id"]) or {}
+        sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else DELTAS
+        high += tokens.count_text(MODEL, cadence_text(sent)) if sent else 0
+    read = len(calls) if answered else 0
+    low = received_from_the_lost_instance(result, {"ended": "lost", "segment": 0}, read) or 0
+    return low, high
+
+
+def match_lost_requests(rows: list[dict], wanted: list[tuple[int, int]], cut_uncalled: int) -> dict[str, Any]:
     """A caller's ledger rows linked to no request (``rows``: none carries the id of an upstream call
-    a request made) against its requests that called the upstream and have no row (``missing``):
-    a request whose every segment was lost with its instance is charged without the upstream's id,
-    so they are matched by count. Besides those, an attempt cut before any answer that no upstream
+    a request made, and no stream record links them) against its requests that called the upstream
+    and have no row (``wanted``: the bounds of each one's completion tokens, ``lost_bounds``): a
+    request whose every segment was lost with its instance is charged without the upstream's id,
+    so they are matched by count and amount: each request one request id's rows, their completion
+    tokens within its bounds. Besides those, an attempt cut before any answer that no upstream
     call came of (``cut_uncalled``: its instance killed between the admission and the call) may
     have a row: its instance's journal listed it before the call (journal.py), and the recovery,
     not knowing whether the call went out, charges its prompt (``lost``, no completion token).
     Each extra row must be such a prompt-only one, at most one per such attempt. Returns
-    ``orphans`` (the requests of ``rows``), ``cut_uncalled`` (the rows of such attempts) and, when
-    they do not match, ``failure`` and ``by``."""
+    ``orphans`` (the requests of ``rows``), ``cut_uncalled`` (the rows of such attempts),
+    ``within`` (requests matched within their bounds) and, when they do not match, ``failure``
+    and ``by`` (with ``charged`` and ``bounds`` for an amount that fits no request)."""
     completion: dict[str, int] = {}
     for row in rows:
         rid = str(row.get("request_id"))
         completion[rid] = completion.get(rid, 0) + int(row.get("completion_tokens") or 0)
     orphans = len(completion)
     prompt_only = sum(1 for c in completion.values() if c == 0)
-    extra = orphans - missing
+    extra = orphans - len(wanted)
     if extra < 0:
         return {"orphans": orphans, "failure": "requests_missing_from_ledger", "by": -extra}
     if extra > min(prompt_only, cut_uncalled):
         return {"orphans": orphans, "failure": "rows_of_no_request", "by": extra - min(prompt_only, cut_uncalled)}
-    return {"orphans": orphans, "cut_uncalled": extra}
+    # The extra rows are prompt-only ones (any of them: alike); each request then takes the smallest
+    # charge left that is within its bounds, the one that ends lowest first (a matching, if any is).
+    charged = sorted(completion.values())
+    for _ in range(extra):
+        charged.remove(0)
+    left = list(charged)
+    unmatched = 0
+    for low, high in sorted(wanted, key=lambda b: (b[1], b[0])):
+        fits = next((c for c in left if low <= c <= high), None)
+        if fits is None:
+            unmatched += 1
+        else:
+            left.remove(fits)
+    out: dict[str, Any] = {"orphans": orphans, "cut_uncalled": extra, "within": len(wanted) - unmatched}
+    if unmatched:
+        out.update(
+            failure="lost_rows_charged_outside_what_their_requests_got_and_sent",
+            by=unmatched,
+            charged=charged,
+            bounds=sorted(wanted),
+        )
+    return out
 
 
 def held_of(row: dict) -> int:
