@@ -56,6 +56,11 @@ Route = Literal["chat", "openai"]
 
 Encode = Callable[[Event], bytes | None]
 
+# The live caller's last event waits (at most this long) until the log holds the whole answer: an
+# instance that dies as the answer ends has it all in its log, and its recovery charges all of it
+# (docs/callers.md). One store write at the end of a stream; nothing per delta.
+END_STORED_WITHIN = 2.0
+
 
 class Resumable:
     """The producing side (``respond``) and the two routes (``resume``, ``cancel``)."""
@@ -151,7 +156,11 @@ class Resumable:
                         batch.append(data)
                     final = not isinstance(item, Chunk)
                     if batch and not (isinstance(item, Chunk) and item.more):
-                        out.put_nowait(producer.append(b"".join(batch), final=final))
+                        data = producer.append(b"".join(batch), final=final)
+                        if final:
+                            relaying = False
+                            await producer.wait_stored(END_STORED_WITHIN)
+                        out.put_nowait(data)
                         batch = []
                     if final:
                         relaying = False
