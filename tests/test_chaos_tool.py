@@ -109,3 +109,17 @@ def test_a_lost_part_its_caller_read_live_to_the_end_is_charged_at_least_all_it_
     }
     assert checks.examples["lost_part_read_live_charged_less_than_its_caller_received"][0]["caller_received"] == 42
     assert counts["segments_charged_at_generated"] == 1
+
+
+def test_a_whole_answer_cut_after_its_final_event_is_not_a_silent_loss():
+    """Seed 4242: a Responses stream's instance was killed just after its final event; the caller
+    had the whole answer and its end, then the connection broke. Short text with a final event
+    stays a silent loss."""
+    from tools.chaos.soak import EXPECTED, Result, classify
+
+    def result(text: str, cut: str | None) -> Result:
+        return Result(marker="m", kind="responses", caller="c", status=200, text=text, finals=["done"], cut=cut)
+
+    assert classify(result(EXPECTED, None)) == "exact"
+    assert classify(result(EXPECTED, "RemoteProtocolError")) == "expected:exact_then_cut"
+    assert classify(result(EXPECTED[:-5], "RemoteProtocolError")) == "lost:short_text_with_done"

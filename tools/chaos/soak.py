@@ -725,8 +725,10 @@ def classify(r: Result) -> str:
     if r.status is None:
         return f"refused:{r.refusals[-1] if r.refusals else 'nothing'}"
     prefix = EXPECTED.startswith(r.text)
-    if r.text == EXPECTED and r.finals == ["done"] and r.cut is None:
-        return "exact"
+    if r.text == EXPECTED and r.finals == ["done"]:
+        # (cut after its final event: its instance was killed before the body's last bytes; the
+        # caller has the whole answer and its end, and its SDK raises only after them)
+        return "exact" if r.cut is None else "expected:exact_then_cut"
     if not prefix:
         return "lost:garbled_text"
     if len(r.finals) > 1:
