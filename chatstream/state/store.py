@@ -1,7 +1,7 @@
 """The store's edge: what every part of the shared state asks of Azure Tables and Blobs, in one small
 interface (``Store``), with its rows, queries and operations, and where the store is
 (``StorageConfig``). It imports no backend: the Function App's own storage account
-(``store_azure.AzureStore``; Azurite locally) implements it, ``store_env.store_from_env`` makes it
+(``store_azure.AzureStore``; Azurite locally) implements it, ``SharedState.from_settings`` makes it
 from the settings, and the unit tests' in-process one (tests/memory_store.py) implements it too. One
 contract suite runs against both (tests/store_contract.py), so a unit test on memory means what it
 says on Azurite.

@@ -1,4 +1,4 @@
-"""chatstream/state/store.py and store_env.py: where the store is (the settings, as the Functions
+"""chatstream/state/store.py: where the store is (the settings, as the Functions
 host reads them), and what the Azure backend does when nothing answers. The contract itself:
 tests/store_contract.py."""
 
@@ -11,12 +11,11 @@ import pytest
 from chatstream.errors import StoreUnavailable
 from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
 from chatstream.state.store_azure import AzureStore
-from chatstream.state.store_env import store_from_env
 
 
 def test_no_storage_setting_means_no_store():
-    assert store_from_env({}) is None
-    assert store_from_env({"AzureWebJobsStorage": "  "}) is None
+    assert StorageConfig.from_env({}) is None
+    assert StorageConfig.from_env({"AzureWebJobsStorage": "  "}) is None
 
 
 def test_identity_based_settings_make_service_urls():
