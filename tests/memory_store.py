@@ -76,9 +76,6 @@ class MemoryStore:
         self.clock = clock or StoreClock()
         self.faults: list[Fault] = []
 
-    def describe(self) -> str:
-        return "an in-process store (tests)"
-
     # --- failures ---------------------------------------------------------------------------
 
     def inject(self, fault: Fault) -> Fault:

@@ -70,7 +70,7 @@ class SharedState:
         # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
         offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
         store = AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)
-        log.info("shared state: %s", store.describe())
+        log.info("shared state: %s", config.describe())
         return cls.on(store, settings, told=told)
 
     @classmethod

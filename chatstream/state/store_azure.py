@@ -290,9 +290,6 @@ class AzureStore:
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
 
-    def describe(self) -> str:
-        return self.config.describe()
-
     # --- tables -------------------------------------------------------------------------------
 
     async def get(
