@@ -162,19 +162,6 @@ class StoreClock:
             self.observed = True
 
 
-def http_date_seconds(value: str | None) -> float | None:
-    """The seconds of an HTTP ``Date`` header (None when it is missing or garbage)."""
-    if not value:
-        return None
-    import email.utils
-
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    return when.timestamp() if when.tzinfo is not None else None
-
-
 class Store(Protocol):
     """What the shared state asks of the store (see the module docstring)."""
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from aiohttp.helpers import parse_mimetype
+from aiohttp.helpers import parse_http_date, parse_mimetype
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -46,7 +46,6 @@ from .store import (
     check_batch,
     check_key,
     clean,
-    http_date_seconds,
     with_index,
 )
 from .store_account import Account, NoToken, Signer
@@ -582,10 +581,10 @@ class AzureStore:
                 raise
 
     def _observe(self, headers: Mapping[str, str]) -> None:
-        """Every answer: the store's clock, from its Date header."""
-        seconds = http_date_seconds(headers.get("Date"))
-        if seconds is not None:
-            self.clock.observe(seconds)
+        """Every answer: the store's clock, from its Date header (GMT; none, or garbage: nothing)."""
+        when = parse_http_date(headers.get("Date"))
+        if when is not None:
+            self.clock.observe(when.timestamp())
 
     def _connect(self) -> Account:
         """The account, as the settings name it (on the first call: store_account.py)."""
