@@ -281,8 +281,7 @@ class Instances:
         holder = str(duty.get("holder") or "")
         if not holder or holder == self.id or not self._can_judge():
             return False
-        row = await self._row_of(holder)
-        return row is not None and (bool(row.get("taken_by")) or self._past_lease(row) > 0)
+        return 0.0 < await self.silent_for(holder) < float("inf")  # a taken row's ``at`` is 0: past it
 
     async def _do_duty(self) -> None:
         rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)
