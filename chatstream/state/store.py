@@ -85,7 +85,7 @@ class Row(dict):
 @dataclass(frozen=True)
 class Where:
     """A query: one partition (or every one), RowKeys in [``rows_from``, ``rows_to``), properties
-    equal to / less than / at least the given values, the properties to answer (``select``; the
+    equal to / less than the given values, the properties to answer (``select``; the
     keys are always answered), at most ``limit`` rows (None: all, which a caller must bound)."""
 
     partition: str | None = None
@@ -93,7 +93,6 @@ class Where:
     rows_to: str | None = None
     equal: Mapping[str, Any] = field(default_factory=dict)
     less: Mapping[str, Any] = field(default_factory=dict)
-    at_least: Mapping[str, Any] = field(default_factory=dict)
     select: tuple[str, ...] | None = None
     limit: int | None = None
 

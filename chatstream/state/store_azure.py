@@ -161,7 +161,7 @@ def odata_filter(where: Where) -> str:
     ):
         if value is not None:
             parts.append(f"{name} {op} {_literal(value)}")
-    for op, conditions in (("eq", where.equal), ("lt", where.less), ("ge", where.at_least)):
+    for op, conditions in (("eq", where.equal), ("lt", where.less)):
         for name, value in conditions.items():
             if not name.isidentifier():
                 raise ValueError(f"not a property name: {name!r}")
