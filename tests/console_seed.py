@@ -9,8 +9,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from chatstream.state.ledger import Charge
-from chatstream.state.store import USAGE_TABLE, Op
-from chatstream.state.store_env import store_from_env
+from chatstream.state.store import USAGE_TABLE, Op, StorageConfig
+from chatstream.state.store_azure import AzureStore
 
 TEAMS = ("search", "support", "web", "data", "mobile")
 # USD per 1M tokens (input, output), as pico-dollars per token: × 10⁶.
@@ -57,8 +57,7 @@ async def seed_usage(connection_string: str, callers: int = 50, days: int = 90) 
     """Write the charges into the ledger of the store behind ``connection_string``, as the Ledger
     does (each row Charge.entity(), transactions of 100 rows of one partition), several at a time;
     how many."""
-    store = store_from_env({"AzureWebJobsStorage": connection_string})
-    assert store is not None
+    store = AzureStore(StorageConfig(connection_string=connection_string))
     rows = charges(callers, days)
     by_partition: dict[str, list[Charge]] = {}
     for charge in rows:

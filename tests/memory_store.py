@@ -76,9 +76,6 @@ class MemoryStore:
         self.clock = clock or StoreClock()
         self.faults: list[Fault] = []
 
-    def describe(self) -> str:
-        return "an in-process store (tests)"
-
     # --- failures ---------------------------------------------------------------------------
 
     def inject(self, fault: Fault) -> Fault:
@@ -344,6 +341,4 @@ def matches(where: Where, row: Mapping[str, Any]) -> bool:
         return False
     if any(row.get(name) != value for name, value in where.equal.items()):
         return False
-    if any(name not in row or not row[name] < value for name, value in where.less.items()):
-        return False
-    return all(name in row and row[name] >= value for name, value in where.at_least.items())
+    return all(name in row and row[name] < value for name, value in where.less.items())

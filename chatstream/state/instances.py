@@ -199,9 +199,9 @@ class Instances:
         if instance == self.id:
             return not self._closed
         row = await self._row_of(instance)
-        if row is not None and not self._fresh(row) and not row.get("taken_by") and not self._can_judge():
-            return True
-        return row is not None and self._fresh(row)
+        if row is None:
+            return False
+        return self._past_lease(row) <= 0 or (not row.get("taken_by") and not self._can_judge())
 
     async def silent_for(self, instance: str) -> float:
         """How long ``instance`` has been past its lease, by the store's clock (0.0 while it beats;
@@ -210,10 +210,7 @@ class Instances:
         if instance == self.id:
             return 0.0
         row = await self._row_of(instance)
-        if row is None:
-            return float("inf")
-        lease = float(row.get("lease") or self.timing.lease_seconds)
-        return max(0.0, self.store.clock.now() - float(row.get("at") or 0.0) - lease)
+        return float("inf") if row is None else max(0.0, self._past_lease(row))
 
     async def _row_of(self, instance: str) -> dict | None:
         """Another instance's row (None: it has none); one read serves every question about it for
@@ -229,9 +226,10 @@ class Instances:
             self._rows[instance] = held
         return await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
 
-    def _fresh(self, row: dict) -> bool:
+    def _past_lease(self, row: dict) -> float:
+        """How long ago an instance's row ran past its lease, by the store's clock (<= 0: it beats)."""
         lease = float(row.get("lease") or self.timing.lease_seconds)
-        return self.store.clock.now() - float(row.get("at") or 0.0) <= lease
+        return self.store.clock.now() - float(row.get("at") or 0.0) - lease
 
     # --- the duty ------------------------------------------------------------------------------
 
@@ -283,15 +281,14 @@ class Instances:
         holder = str(duty.get("holder") or "")
         if not holder or holder == self.id or not self._can_judge():
             return False
-        row = await self._row_of(holder)
-        return row is not None and (bool(row.get("taken_by")) or not self._fresh(row))
+        return 0.0 < await self.silent_for(holder) < float("inf")  # a taken row's ``at`` is 0: past it
 
     async def _do_duty(self) -> None:
         rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)
         judge = self._can_judge()
         for row in rows:
             other = row["RowKey"]
-            if other == self.id or (self._fresh(row) and not row.get("taken_by")):
+            if other == self.id or (self._past_lease(row) <= 0 and not row.get("taken_by")):
                 continue
             if judge or row.get("taken_by") == self.id:
                 await self._take_over(row)

@@ -8,7 +8,7 @@ For a request (accounting.py)::
     admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unavailable
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
-For the admin API (registry.py): the object, or an ``AdminError`` raised: ``Invalid`` (which field,
+For the admin API (registry.py): the object, or raised: ``Invalid`` (which field,
 why: never the value), ``Missing``, ``Conflict``; or the store's StoreError, when it did not answer."""
 
 from __future__ import annotations
@@ -138,14 +138,10 @@ class Rate:
     reset_seconds: float
 
 
-# --- the admin API's outcomes (raised) -------------------------------------------------------------
+# --- the admin API's outcomes (raised; manage.py writes the HTTP answer) -----------------------------
 
 
-class AdminError(Exception):
-    """What the admin API refuses, in the state's words (manage.py writes the HTTP answer)."""
-
-
-class Invalid(AdminError):
+class Invalid(Exception):
     """Bad input: ``param`` names the field; the message never echoes the value."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -154,7 +150,7 @@ class Invalid(AdminError):
         self.param = param
 
 
-class Missing(AdminError):
+class Missing(Exception):
     """No such caller, team or price."""
 
     def __init__(self, kind: str, name: str):
@@ -163,5 +159,5 @@ class Missing(AdminError):
         self.name = name
 
 
-class Conflict(AdminError):
+class Conflict(Exception):
     """The change cannot be made now (a team that still has callers; repeated concurrent changes)."""

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,8 +25,7 @@ from .journal import Journal, Recovery, Told
 from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
-from .store import Store, StoreConfigError
-from .store_env import store_from_env
+from .store import StorageConfig, Store, StoreClock, StoreConfigError
 from .streamlog import ResumeConfig
 
 log = logging.getLogger("chatstream")
@@ -51,10 +51,10 @@ class SharedState:
     ) -> SharedState | None:
         """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
         try:
-            store = store_from_env(environ)
+            config = StorageConfig.from_env(environ)
         except StoreConfigError as exc:
             raise SettingsError(f"invalid app settings: {exc}") from None
-        if store is None:
+        if config is None:
             for needs, on in (
                 ("CALLER_KEYS=required", settings.caller_keys == "required"),
                 ("RESUMABLE_STREAMS=on", settings.resumable_streams),
@@ -65,7 +65,12 @@ class SharedState:
                         "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
                     )
             return None
-        log.info("shared state: %s", store.describe())
+        from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
+
+        # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
+        offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
+        store = AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)
+        log.info("shared state: %s", config.describe())
         return cls.on(store, settings, told=told)
 
     @classmethod

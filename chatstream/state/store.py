@@ -1,7 +1,7 @@
 """The store's edge: what every part of the shared state asks of Azure Tables and Blobs, in one small
 interface (``Store``), with its rows, queries and operations, and where the store is
 (``StorageConfig``). It imports no backend: the Function App's own storage account
-(``store_azure.AzureStore``; Azurite locally) implements it, ``store_env.store_from_env`` makes it
+(``store_azure.AzureStore``; Azurite locally) implements it, ``SharedState.from_settings`` makes it
 from the settings, and the unit tests' in-process one (tests/memory_store.py) implements it too. One
 contract suite runs against both (tests/store_contract.py), so a unit test on memory means what it
 says on Azurite.
@@ -85,7 +85,7 @@ class Row(dict):
 @dataclass(frozen=True)
 class Where:
     """A query: one partition (or every one), RowKeys in [``rows_from``, ``rows_to``), properties
-    equal to / less than / at least the given values, the properties to answer (``select``; the
+    equal to / less than the given values, the properties to answer (``select``; the
     keys are always answered), at most ``limit`` rows (None: all, which a caller must bound)."""
 
     partition: str | None = None
@@ -93,7 +93,6 @@ class Where:
     rows_to: str | None = None
     equal: Mapping[str, Any] = field(default_factory=dict)
     less: Mapping[str, Any] = field(default_factory=dict)
-    at_least: Mapping[str, Any] = field(default_factory=dict)
     select: tuple[str, ...] | None = None
     limit: int | None = None
 
@@ -162,25 +161,10 @@ class StoreClock:
             self.observed = True
 
 
-def http_date_seconds(value: str | None) -> float | None:
-    """The seconds of an HTTP ``Date`` header (None when it is missing or garbage)."""
-    if not value:
-        return None
-    import email.utils
-
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    return when.timestamp() if when.tzinfo is not None else None
-
-
 class Store(Protocol):
     """What the shared state asks of the store (see the module docstring)."""
 
     clock: StoreClock
-
-    def describe(self) -> str: ...
 
     async def get(
         self, table: str, partition: str, row: str, *, select: Sequence[str] | None = None, timeout: float = ...

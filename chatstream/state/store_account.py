@@ -1,15 +1,12 @@
-"""What the azure SDKs do for the store (store_azure.py sends every data call itself): read the
-settings' account (``Account``), sign each request, and create a table or the container when a call
-finds it missing (then the call goes once more: a first run on Azurite, or one deleted under us;
-infra/ makes them in Azure and scopes the app identity's roles to them).
+"""What the azure SDKs do for the store (store_azure.py sends every request itself, the creation of
+a table or the container included): read the settings' account (``Account``) and sign each request.
 
 Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry an
 account SAS for rows (or blobs) only, made by the SDKs' own ``generate_account_sas`` and renewed well
 before it expires; with a SAS in the connection string, that SAS as it is; with an identity, an
 OAuth token of azure-identity's credential (``get_token``, kept until near its expiry), which
-raises ``NoToken`` when it gives none. The SDKs' async clients load only to create (an instance
-whose tables and container are there never loads them), and with an identity the SDKs themselves
-too (with a key, the SAS helpers need them)."""
+raises ``NoToken`` when it gives none. With an identity the storage SDKs never load (with a key,
+their SAS helpers and connection-string readers do)."""
 
 from __future__ import annotations
 
@@ -26,21 +23,12 @@ from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 
 from .store import CONNECTION, STREAMS_CONTAINER, StorageConfig, StoreConfigError
 
-# azure-core logs every storage request and response at INFO: noise.
+# azure-core logs every request of its pipeline (azure-identity's, for a token) at INFO: noise.
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
-# The SDK clients (creating a table or the container): one quick retry; no proxy settings read from
-# the environment on every call (a Function App reaches its storage account directly).
-_CLIENT_OPTIONS: dict[str, Any] = {
-    "retry_total": 1,
-    "retry_backoff_factor": 0.1,
-    "connection_timeout": 1.5,
-    "read_timeout": 1.5,
-    "use_env_settings": False,
-}
 _NO_HEADERS: Mapping[str, str] = {}
 
 
@@ -105,12 +93,13 @@ Signer = Bearer | Sas
 
 def _table_sas(key: AzureNamedKeyCredential) -> Sas:
     """The account SAS for rows, one for every table and the account's ``$batch`` (where a table's own
-    SAS is refused: Azurite); container-level too, which a query of a table's rows wants on Azurite."""
+    SAS is refused: Azurite); container-level too, which a query of a table's rows wants on Azurite,
+    and creating a table."""
     # Imported here: only an account key needs them (azure-data-tables, and azure-storage-blob below,
     # which brings requests and cryptography: ~15 MB resident that an identity's instance never loads).
     from azure.data.tables import AccountSasPermissions, ResourceTypes, generate_account_sas
 
-    rows = AccountSasPermissions(read=True, add=True, update=True, delete=True)
+    rows = AccountSasPermissions(read=True, add=True, create=True, update=True, delete=True)
     return Sas(
         lambda start, expiry: generate_account_sas(
             key, ResourceTypes(container=True, object=True), rows, expiry, start=start
@@ -119,24 +108,23 @@ def _table_sas(key: AzureNamedKeyCredential) -> Sas:
 
 
 def _blob_sas(account: str, key: str) -> Sas:
-    """The account SAS for blobs (the container is the SDK's to create)."""
+    """The account SAS for blobs, and for creating the container."""
     from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
 
     blobs = AccountSasPermissions(read=True, add=True, create=True, write=True, delete=True)
     return Sas(
-        lambda start, expiry: generate_account_sas(account, key, ResourceTypes(object=True), blobs, expiry, start)
+        lambda start, expiry: generate_account_sas(
+            account, key, ResourceTypes(container=True, object=True), blobs, expiry, start
+        )
     )
 
 
 class Account:
     """The storage account the settings name: each service's URL and what signs its requests, as the
     settings allow: with a connection string, its account key or its SAS (as the SDK reads the
-    string); otherwise the app's identity. ``observe`` sees the headers of the SDK's answers (the
-    store's clock)."""
+    string); otherwise the app's identity."""
 
-    def __init__(self, config: StorageConfig, observe: Callable[[Mapping[str, str]], None]):
-        self.config = config
-        self._observe = observe
+    def __init__(self, config: StorageConfig):
         self._credential: Any = None
         tables: Signer | None
         blobs: Signer | None
@@ -150,8 +138,7 @@ class Account:
             table_url, blob_url = config.table_url, config.blob_url
             tables = blobs = Bearer(self._credential)
         else:
-            # The SDKs' sync clients read the connection string as their async ones would (the async
-            # modules load only to create: module docstring); they make no request.
+            # The SDKs' clients read the connection string (they make no request).
             from azure.data.tables import TableServiceClient
             from azure.storage.blob import BlobServiceClient
 
@@ -188,30 +175,6 @@ class Account:
         if not self.table_url or self._tables is None:
             raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
         return self._tables, f"{self.table_url}/{path}"
-
-    async def create(self, table: str | None) -> None:
-        """Create ``table``, or the container when None, with the SDK's client (its module loads
-        only now): one there (409) is made, and one this identity may not create (403) is infra/'s
-        to make."""
-        from azure.core.exceptions import HttpResponseError
-
-        Client: Any
-        if table is None:
-            from azure.storage.blob.aio import ContainerClient as Client
-        else:
-            from azure.data.tables.aio import TableClient as Client
-        url, name = (self.config.blob_url, STREAMS_CONTAINER) if table is None else (self.config.table_url, table)
-        options = {**_CLIENT_OPTIONS, "raw_response_hook": lambda r: self._observe(r.http_response.headers)}
-        if self.config.connection_string is not None:
-            client = Client.from_connection_string(self.config.connection_string, name, **options)
-        else:
-            client = Client(url, name, credential=self._credential, **options)
-        async with client:
-            try:
-                await (client.create_container() if table is None else client.create_table())
-            except HttpResponseError as exc:
-                if exc.status_code not in (403, 409):
-                    raise
 
     async def close(self) -> None:
         if self._credential is not None:

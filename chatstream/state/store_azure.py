@@ -6,8 +6,10 @@ Plain requests take 0.22 to 0.39 ms of CPU a call, where the azure SDKs' pipelin
 header models took 0.8 to 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms
 instead of 4.4 to 5.1: tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable
 stream's CPU went to 0.68 to 0.79 times what it was with the SDK (the bench's resume path at 100
-streams). The SDKs do only what a request cannot do by itself: read the connection string, sign,
-and create a table or the container when a call finds it missing (store_account.py).
+streams). The SDKs do only what a request cannot do by itself: read the connection string and
+sign (store_account.py). A call that finds its table or the container missing makes it (a first
+run on Azurite, or one deleted under us; infra/ makes them in Azure and scopes the app identity's
+roles to them) and goes once more.
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
@@ -16,9 +18,8 @@ reads them (``row_of``).
 
 Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
 (``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
-service's refusals (``Refused``, and the SDK's errors when it creates), aiohttp's and the
-network's errors, a timeout, an identity without a token, as httpx maps its transport's
-exceptions."""
+service's refusals (``Refused``), aiohttp's and the network's errors, a timeout, an identity
+without a token, as httpx maps its transport's exceptions."""
 
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from aiohttp.helpers import parse_mimetype
-from azure.core.exceptions import AzureError, ClientAuthenticationError, HttpResponseError
+from aiohttp.helpers import parse_http_date, parse_mimetype
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -46,7 +46,6 @@ from .store import (
     check_batch,
     check_key,
     clean,
-    http_date_seconds,
     with_index,
 )
 from .store_account import Account, NoToken, Signer
@@ -86,16 +85,13 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         return exc
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
-    if isinstance(exc, (NoToken, ClientAuthenticationError)):  # never a NotFound of the row asked for
-        return StoreUnavailable(f"no token for the store ({exc if isinstance(exc, NoToken) else type(exc).__name__})")
-    if isinstance(exc, Refused):
-        status, code, index = exc.status, exc.code, exc.index
-    elif isinstance(exc, HttpResponseError) and exc.status_code is not None:
-        status, code, index = exc.status_code, getattr(exc, "error_code", None), None
-    elif isinstance(exc, (AzureError, OSError, aiohttp.ClientError)):
+    if isinstance(exc, NoToken):  # never a NotFound of the row asked for
+        return StoreUnavailable(f"no token for the store ({exc})")
+    if isinstance(exc, (OSError, aiohttp.ClientError)):
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
-    else:
+    if not isinstance(exc, Refused):
         return None
+    status, code, index = exc.status, exc.code, exc.index
     if status == 404 and code in GONE:  # still, once made (being deleted in Azure; not ours to make)
         return StoreUnavailable(f"the store's {GONE[code]} is not there")
     if status in (404, 416):  # 416: nothing in the range asked for (past a blob's end)
@@ -165,7 +161,7 @@ def odata_filter(where: Where) -> str:
     ):
         if value is not None:
             parts.append(f"{name} {op} {_literal(value)}")
-    for op, conditions in (("eq", where.equal), ("lt", where.less), ("ge", where.at_least)):
+    for op, conditions in (("eq", where.equal), ("lt", where.less)):
         for name, value in conditions.items():
             if not name.isidentifier():
                 raise ValueError(f"not a property name: {name!r}")
@@ -288,13 +284,10 @@ class AzureStore:
     def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
         self.config = config
         self.clock = clock or StoreClock()
-        self.calls: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # requests of each op (tests count them)
         self._account: Account | None = None
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
-
-    def describe(self) -> str:
-        return self.config.describe()
 
     # --- tables -------------------------------------------------------------------------------
 
@@ -505,7 +498,7 @@ class AzureStore:
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await account.create(table)
+                    await self._create(account, table)
                     result = await self._send(target, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
@@ -572,14 +565,29 @@ class AzureStore:
         finally:
             response.release()
 
+    async def _create(self, account: Account, table: str | None) -> None:
+        """Make ``table``, or the container when None: one there (409) is made, and one this
+        identity may not make (403) is infra/'s to make."""
+        if table is None:
+            signer, url = account.target(None, "")
+            target, method, headers, body = (signer, url.rstrip("/") + "?restype=container"), "PUT", _BLOB, b""
+        else:
+            target, method = account.target(table, "Tables"), "POST"
+            headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
+        try:
+            await self._send(target, method, headers, body, _nothing, again=True)
+        except Refused as exc:
+            if exc.status not in (403, 409):
+                raise
+
     def _observe(self, headers: Mapping[str, str]) -> None:
-        """Every answer: the store's clock, from its Date header."""
-        seconds = http_date_seconds(headers.get("Date"))
-        if seconds is not None:
-            self.clock.observe(seconds)
+        """Every answer: the store's clock, from its Date header (GMT; none, or garbage: nothing)."""
+        when = parse_http_date(headers.get("Date"))
+        if when is not None:
+            self.clock.observe(when.timestamp())
 
     def _connect(self) -> Account:
         """The account, as the settings name it (on the first call: store_account.py)."""
         if self._account is None:
-            self._account = Account(self.config, self._observe)
+            self._account = Account(self.config)
         return self._account

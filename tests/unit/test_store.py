@@ -1,4 +1,4 @@
-"""chatstream/state/store.py and store_env.py: where the store is (the settings, as the Functions
+"""chatstream/state/store.py: where the store is (the settings, as the Functions
 host reads them), and what the Azure backend does when nothing answers. The contract itself:
 tests/store_contract.py."""
 
@@ -11,12 +11,11 @@ import pytest
 from chatstream.errors import StoreUnavailable
 from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
 from chatstream.state.store_azure import AzureStore
-from chatstream.state.store_env import store_from_env
 
 
 def test_no_storage_setting_means_no_store():
-    assert store_from_env({}) is None
-    assert store_from_env({"AzureWebJobsStorage": "  "}) is None
+    assert StorageConfig.from_env({}) is None
+    assert StorageConfig.from_env({"AzureWebJobsStorage": "  "}) is None
 
 
 def test_identity_based_settings_make_service_urls():
@@ -64,7 +63,6 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
 
 def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     import aiohttp
-    from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
     from chatstream.state.store_account import NoToken
@@ -80,11 +78,8 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]
     assert isinstance(store_error(Refused(503, "ServerBusy")), StoreUnavailable)
     assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
-    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), ServiceRequestError("x"), NoToken("E")):
-        assert type(store_error(foreign)) is StoreUnavailable
-    refused = ClientAuthenticationError("no identity")
-    refused.status_code = 404  # the identity endpoint's answer, not the store's
-    assert type(store_error(refused)) is StoreUnavailable
+    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), NoToken("E")):
+        assert type(store_error(foreign)) is StoreUnavailable  # NoToken: never a NotFound of the row
     assert store_error(ValueError("a bug of ours")) is None
 
 

@@ -27,7 +27,10 @@ sys.path.insert(0, str(ROOT))
 from tools.bench.coldstart import AZURITE, KEEP, UPSTREAM, fresh  # noqa: E402 - after sys.path names the repository
 
 MONITOR = "from azure.monitor.opentelemetry import configure_azure_monitor"
-STORE = "from chatstream.state.store_env import store_from_env; store_from_env(os.environ)._connect()"
+STORE = (
+    "from chatstream.state.store import StorageConfig; from chatstream.state.store_azure import AzureStore; "
+    "AzureStore(StorageConfig.from_env(os.environ))._connect()"
+)
 IDENTITY = {
     "AzureWebJobsStorage__tableServiceUri": "https://example.table.core.windows.net/",
     "AzureWebJobsStorage__blobServiceUri": "https://example.blob.core.windows.net/",
