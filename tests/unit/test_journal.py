@@ -485,6 +485,42 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     await b.close()
 
 
+@pytest.mark.parametrize("first", ["journal", "counters"])
+async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_request_ends_charges_it_once(first, caplog):
+    """a is only slow: b takes it over with r0 and r1 open (both charged as lost at their checkpoints).
+    a learns of it from its journal (a write meets the seal) and from its counters (an exchange finds
+    its entry gone: r0's settle), in either order, and only then does r1 end: r1 is b's, charged once
+    (the takeover's row); a's counters neither charge it again nor keep an entry for it in a row."""
+    data = account()
+    a, acc_a, b, acc_b, caller, price = await setup(data)
+    team = (await b.registry.get_team("t")).limits_partition
+    r0, rec0 = await admit(acc_a, caller, "zero")
+    r1, rec1 = await admit(acc_a, caller, "one")
+    assert isinstance(r0, Admission) and isinstance(r1, Admission)
+    acc_a.progress(r1, lambda: {0: GENERATED})
+    await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
+    assert isinstance(a.store, MemoryStore)
+    blocked = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    lost = ledger_rows(data)
+    assert {lost[r.id]["ended"] for r in (rec0, rec1)} == {"lost"}
+    if first == "journal":
+        blocked.times = 0
+        await until(lambda: r0.entry.orphaned and r1.entry.orphaned, what="a's journal meets the seal")
+    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 3))  # its settle's exchange finds a's entry gone
+    await until(lambda: "was taken over from this instance elsewhere" in caplog.text, what="a's counters learn")
+    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
+    if first == "counters":
+        await until(lambda: r1.entry.state == "settled", what="r1 settled before the journal can tell a of the seal")
+        blocked.times = 0
+        await until(lambda: r0.entry.orphaned and r1.entry.orphaned, what="a's journal meets the seal")
+    assert await acc_a.flush(5)
+    assert ledger_rows(data) == lost
+    spent_as_the_ledger(data, caller, team, lost.values())
+    await a.close()
+    await b.close()
+
+
 async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     fast = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=0.05, fresh_seconds=0)
     data = account()
