@@ -500,7 +500,8 @@ class Recovery:
             return 0
         try:
             row = await self.store.get(STREAMS_TABLE, stream, RECORD_ROW)
-            data = await self.store.read(stream) if row is not None else b""
+            inline = row.get("events") if row is not None else None  # (a short stream's whole log)
+            data = inline.encode() if inline else await self.store.read(stream) if row is not None else b""
         except (StoreError, NotFound) as exc:
             log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
             return 0

@@ -742,14 +742,17 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
     return a, b, caller, rec, team
 
 
-async def logged(b: SharedState, *parts: str | int, end: bool = True) -> None:
+async def logged(b: SharedState, *parts: str | int, end: bool = True, inline: bool = False) -> None:
     """The stream's record and log, as its producers stored them: chat-completions chunks of each
-    text of ``parts``; an int E there: the fence of the E-th producer's takeover."""
+    text of ``parts``; an int E there: the fence of the E-th producer's takeover. ``inline``: a
+    stream that ended before its blob was made, its log in its record."""
     from chatstream import sse
     from chatstream.state.streamlog.format import END, RECORD_ROW, epoch_marker
 
-    await b.store.insert(STREAMS_TABLE, {"PartitionKey": STREAM, "RowKey": RECORD_ROW, "route": "openai"})
-    await b.store.append_create(STREAM)
+    record = {"PartitionKey": STREAM, "RowKey": RECORD_ROW, "route": "openai"}
+    if not inline:
+        await b.store.insert(STREAMS_TABLE, record)
+        await b.store.append_create(STREAM)
     log_, number, epoch = b"", 0, 1
     for part in parts:
         if isinstance(part, int):
@@ -760,7 +763,11 @@ async def logged(b: SharedState, *parts: str | int, end: bool = True) -> None:
             number = (epoch - 1) * 1_000_000 + (number % 1_000_000) + 1
             chunk = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": word + " "}}]}
             log_ += sse.numbered(number, b"data: " + json.dumps(chunk).encode() + sse.END_OF_EVENT)
-    await b.store.append(STREAM, log_ + (sse.comment(END) if end else b""), at=0)
+    log_ += sse.comment(END) if end else b""
+    if inline:
+        await b.store.insert(STREAMS_TABLE, {**record, "state": "ended", "events": log_.decode()})
+    else:
+        await b.store.append(STREAM, log_, at=0)
 
 
 def told(route: str, events: bytes) -> str:
@@ -769,17 +776,20 @@ def told(route: str, events: bytes) -> str:
     return _told(route, events)
 
 
-async def test_a_stream_that_finished_before_its_charge_was_saved_is_charged_what_its_log_holds():
+@pytest.mark.parametrize("inline", [False, True])
+async def test_a_stream_that_finished_before_its_charge_was_saved_is_charged_what_its_log_holds(inline: bool):
     """A resumable stream finished on a (its log holds the whole answer and its end) and a died
     before its charge was in the journal, whose last checkpoint is short of the end (a chaos soak:
-    40 tokens sent, 39 charged). The takeover charges what the log holds; the budgets follow."""
+    40 tokens sent, 39 charged). The takeover charges what the log holds; the budgets follow.
+    ``inline``: a short stream, ended before its blob was made: its log is in its record (a soak:
+    41 charged of 42 its caller read)."""
     data = account()
     a, b, caller, rec, team = await streaming_on_a(data, GENERATED)
     whole = GENERATED + " It came back at dusk, tired and happy."
-    await logged(b, whole)
+    await logged(b, whole, inline=inline)
     await Recovery(b.store, b.ledger, told).recover("instance-a", "instance-b")
     [row] = ledger_rows(data).values()
-    sent = tokens.count_text(MODEL, told("openai", bytes(data.blobs[STREAM][0])))
+    sent = tokens.count_text(MODEL, "".join(word + " " for word in whole.split(" ")))  # (logged's chunks)
     assert sent > tokens.count_text(MODEL, GENERATED)
     assert row["ended"] == "lost" and row["author"] == "takeover:instance-a" and row["completion_tokens"] == sent
     spent_as_the_ledger(data, caller, team, [row])
