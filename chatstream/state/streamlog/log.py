@@ -116,18 +116,23 @@ class StreamLog:
             request=body if inline else None,
             request_stored=body is not None and not inline,
         )
-        producer = Producer(ctx, record, self._release, large_request=None if inline else body)
+        producer = Producer(ctx, record, large_request=None if inline else body)
         self._run(producer)
         return producer
 
     def _run(self, producer: Producer) -> None:
+        """Known here (readers, the inbox) while it runs."""
         self._producers[producer.id] = producer
         self._inbox.start()
-        self._ctx.spawn(producer.run())
 
-    def _release(self, producer: Producer) -> None:
-        if self._producers.get(producer.id) is producer:
-            del self._producers[producer.id]
+        async def run() -> None:
+            try:
+                await producer.run()
+            finally:
+                if self._producers.get(producer.id) is producer:
+                    del self._producers[producer.id]
+
+        self._ctx.spawn(run())
 
     # -- reading and cancelling -----------------------------------------------------------------
 
@@ -194,7 +199,7 @@ class StreamLog:
         return await asyncio.shield(pending)
 
     async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
-        won = await takeover.claim(self._ctx, stream_id, self._release, received)
+        won = await takeover.claim(self._ctx, stream_id, received)
         if not isinstance(won, Claim):
             return won
         self._run(won.producer)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -89,10 +88,10 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None], received: int) -> Claim | TakeOver:
+async def claim(ctx: Context, stream_id: str, received: int) -> Claim | TakeOver:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
-    the claim's producer is made here, not yet run (``StreamLog`` runs it; ``release``: as for a new
-    stream's). Never raises for the store: ``lost``."""
+    the claim's producer is made here, not yet run (``StreamLog`` runs it). Never raises for the
+    store: ``lost``."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -139,9 +138,7 @@ async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-        producer = Producer(
-            ctx, won, release, stored=events, stored_bytes=stored_bytes, fences=fences, received=received
-        )
+        producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
