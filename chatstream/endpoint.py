@@ -358,7 +358,7 @@ class Endpoint:
                 self.accounting.progress(
                     admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
                 )
-                self.accounting.streams(admission, claim.producer.id, claim.epoch)
+                self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None
@@ -390,7 +390,7 @@ class Endpoint:
         lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
         before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
         await self.accounting.charge_lost(
-            admission, started_at(claim.producer.id), lost.text + unstored, claim.epoch, before
+            admission, started_at(claim.producer.id), lost.text + unstored, claim.producer.epoch, before
         )
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission) -> None:

@@ -110,7 +110,7 @@ class Producer:
         self._events = list(stored or ())
         self._size = sum(map(len, self._events))
         self._seam = len(self._events)  # the positions stored by earlier producers
-        self._epoch = record.epoch
+        self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
         self._end = False  # the final event is kept...
         self._lost = False  # ...and it is our stream_lost
@@ -193,7 +193,7 @@ class Producer:
                 out.append(part)
                 continue
             self._handed += 1
-            event = sse.numbered(epoch_id(self._epoch, self._handed), part)
+            event = sse.numbered(epoch_id(self.epoch, self._handed), part)
             out.append(event)
             self._keep(event)
         if final:
@@ -366,7 +366,7 @@ class Producer:
     def _id_at(self, at: int) -> int:
         """The id of the event at position ``at`` (0: none)."""
         if at > self._seam:
-            return epoch_id(self._epoch, at)
+            return epoch_id(self.epoch, at)
         return sse.event_id(self._events[at - 1]) or 0 if at else 0
 
     def _keep(self, event: bytes) -> None:

@@ -50,13 +50,12 @@ class Claim:
     ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
     with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
     request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
-    ``id``, ``route`` and ``owner`` are the producer's."""
+    ``id``, ``route``, ``owner`` and ``epoch`` are the producer's."""
 
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
     last_id: int
-    epoch: int
     producer: Producer
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
 
@@ -153,7 +152,6 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | TakeOver
             request_id=won.request_id,
             events=b"".join(events),
             last_id=tail.last_id,
-            epoch=won.epoch,
             producer=producer,
             lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
         )
