@@ -28,7 +28,7 @@ from .format import (
 from .inbox import Inbox
 from .producer import Producer
 from .readers import Reader, read_record
-from .takeover import Claim, TakeOver
+from .takeover import Claim
 
 log = logging.getLogger("chatstream")
 
@@ -84,7 +84,7 @@ class StreamLog:
         self._ctx = Context(store, instances, self.config, encode_error)
         self._take_over = take_over
         self._producers: dict[str, Producer] = {}
-        self._claims: dict[str, asyncio.Future[TakeOver]] = {}
+        self._claims: dict[str, asyncio.Future[bool]] = {}
         self._inbox = Inbox(self._ctx, self._producers)
 
     # -- producing ------------------------------------------------------------------------------
@@ -185,26 +185,28 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    async def take_over(self, stream_id: str, received: int) -> TakeOver:
+    async def take_over(self, stream_id: str, received: int) -> bool:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``).
+        True: the stream goes on (here, elsewhere, over; or another instance takes it: this one
+        drains or is full); False: it cannot be continued (stream_lost)."""
         if self._take_over is None:
-            return "lost"
+            return False
         if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
-            return "wait"
+            return True
         pending = self._claims.get(stream_id)
         if pending is None:
             pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id, received))
             pending.add_done_callback(lambda _: self._claims.pop(stream_id, None))
         return await asyncio.shield(pending)
 
-    async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
+    async def _claim_and_continue(self, stream_id: str, received: int) -> bool:
         won = await takeover.claim(self._ctx, stream_id, received)
         if not isinstance(won, Claim):
             return won
         self._run(won.producer)
         self._ctx.spawn(self._continue(won))
-        return "here"
+        return True
 
     async def _continue(self, won: Claim) -> None:
         assert self._take_over is not None

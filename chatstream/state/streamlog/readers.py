@@ -35,7 +35,7 @@ from .format import (
 )
 from .producer import Producer
 from .slots import Slot
-from .takeover import TakeOver, producer_gone
+from .takeover import producer_gone
 
 
 class StreamLog(Protocol):
@@ -44,7 +44,7 @@ class StreamLog(Protocol):
 
     def producing(self, stream_id: str) -> Producer | None: ...
 
-    async def take_over(self, stream_id: str, received: int) -> TakeOver: ...
+    async def take_over(self, stream_id: str, received: int) -> bool: ...
 
 
 log = logging.getLogger("chatstream")
@@ -419,16 +419,14 @@ class Reader:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
-        outcome = await self._streams.take_over(self.stream_id, self.cursor) if fresh.state == "live" else "lost"
-        if outcome == "lost":
+        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, self.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
             self._done = True
             return out + self._lost("the stream's producer was lost"), True
-        if outcome == "elsewhere":
-            self.record = await self._reread()
+        self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
         return out, False
 
     def _lost(self, message: str) -> bytes:

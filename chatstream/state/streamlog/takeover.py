@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
@@ -36,12 +35,6 @@ from .format import (
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
-
-# What a takeover came to: this instance produces the stream now ("here"), another one does (it
-# won it, or the producer lives: "elsewhere", read its record again), it is over ("ended": read on
-# to its end), it cannot be continued ("lost": no request stored, the store failing: stream_lost),
-# or this instance does not take it ("wait": draining, full; another instance will).
-TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
 
 
 @dataclass(frozen=True)
@@ -87,36 +80,37 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, received: int) -> Claim | TakeOver:
+async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
-    the claim's producer is made here, not yet run (``StreamLog`` runs it). Never raises for the
-    store: ``lost``."""
+    the claim's producer is made here, not yet run (``StreamLog`` runs it). Else True: it goes on
+    without this claim (another instance won it, its producer lives, or it is over: read its record
+    again), False: it cannot be continued (no request stored, the store failing: stream_lost)."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
         row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
         if row is None:
-            return "lost"
+            return False
         record = Record.of(row)
         if record.state != "live":
-            return "ended"
+            return True
         tail = Tail(0)
         stored = bytearray(await store.read(stream_id))
         tail.feed(bytes(stored))
         if tail.end is not None:
-            return "ended"
+            return True
         if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
-            return "elsewhere"
+            return True
         request = record.request.encode() if record.request is not None else None
         if request is None and record.request_stored:
             found = await store.get_blob(request_blob(stream_id))
             request = found[0] if found is not None else None
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
-            return "lost"
+            return False
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
-        return "lost"
+        return False
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
         await ctx.instances.first_beat()
@@ -124,16 +118,16 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | TakeOver
         try:
             won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
         except (Modified, NotFound):
-            return "elsewhere"
+            return True
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-            return "lost"
+            return False
         fenced = await _fence(ctx, won, tail, stored)
         if fenced is None:
-            return "lost"
+            return False
         if fenced is False:
             await _record_end(ctx, won, tail)
-            return "ended"
+            return True
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
