@@ -85,6 +85,7 @@ class StreamLog:
         self._take_over = take_over
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[bool]] = {}
+        self._draining = False  # this instance hands its streams over: it takes none over itself
         self._inbox = Inbox(self._ctx, self._producers)
 
     # -- producing ------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ class StreamLog:
         drains or is full); False: it cannot be continued (stream_lost)."""
         if self._take_over is None:
             return False
-        if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
+        if self._ctx.closed or self._draining or len(self._producers) >= self.config.max_producers:
             return True
         pending = self._claims.get(stream_id)
         if pending is None:
@@ -227,7 +228,7 @@ class StreamLog:
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
         """Hand every stream produced here over (``Producer.hand_over``), at once, and take nothing over
         from now on; how many were."""
-        self._ctx.draining = True
+        self._draining = True
         producers = [p for p in self._producers.values() if not p.moved.is_set()]
         handed = await asyncio.gather(*(p.hand_over(timeout) for p in producers))
         return sum(handed)
