@@ -190,6 +190,7 @@ class Reader:
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
+        self._record_at = asyncio.get_running_loop().time() + 3 * self._cfg.poll_seconds  # (_poll)
         self._tag = log_tag(stream_id)
         self._first = b""  # what the opening read: handed out first
         self._events = self._read()
@@ -305,7 +306,6 @@ class Reader:
             tail = self.tail
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
-            record_at = loop.time() + 3 * cfg.poll_seconds
             state_at = loop.time() + cfg.state_seconds  # the producer's next check
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
@@ -316,11 +316,6 @@ class Reader:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
                     await self._slot.follow(self.record.instance if self.record.state == "live" else None)
-                    if tail.offset == 0 and self.record.events is None and now >= record_at:
-                        # Nothing stored yet: the stream may have ended with its whole log in the
-                        # record (its producer did not see this reader in time).
-                        record_at = now + 3 * cfg.poll_seconds
-                        self.record = await self._reread()
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
                     cadence.read(bool(out))
@@ -382,16 +377,22 @@ class Reader:
 
     async def _poll(self) -> bytes:
         """The stream's new whole events, read in turn with this instance's other background calls
-        (from the record when the whole log is there)."""
-        tail = self.tail
-        assert tail is not None
-        data = _stored_log(self.record, tail.offset) if self.record is not None else None
+        (from the record when the whole log is there). While nothing is stored, the record is read
+        again every few polls: the stream may have ended with its whole log in it (its producer did
+        not see this reader in time)."""
+        tail, loop = self.tail, asyncio.get_running_loop()
+        assert tail is not None and self.record is not None
+        data = _stored_log(self.record, tail.offset)
         if data is None:
             async with self._ctx.bulk:
                 data = await self._ctx.store.read(self.stream_id, tail.offset)
+            if not data and tail.offset == 0 and loop.time() >= self._record_at:
+                self._record_at = loop.time() + 3 * self._cfg.poll_seconds
+                self.record = await self._reread()
+                data = _stored_log(self.record, 0) or b""
         out = tail.feed(data)
         if data:
-            self._grew_at = asyncio.get_running_loop().time()
+            self._grew_at = loop.time()
         self.cursor = max(self.cursor, tail.cursor)
         return out
 
@@ -451,9 +452,8 @@ class Reader:
         producer acks this reader with an earlier last id; for a ``live`` stream, waited for (bounded)
         until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
         meanwhile is returned (the events after the cursor)."""
-        ctx, cfg = self._ctx, self._cfg
-        tail, record = self.tail, self.record
-        assert tail is not None and record is not None
+        ctx, cfg, tail = self._ctx, self._cfg, self.tail
+        assert tail is not None and self.record is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.past_end_wait_seconds
         next_check = loop.time() + cfg.state_seconds
@@ -471,9 +471,7 @@ class Reader:
                 read += await self._poll()
                 if loop.time() >= next_check:
                     next_check = loop.time() + cfg.state_seconds
-                    if tail.offset == 0 and record.events is None:  # ended with its log in the record?
-                        record = self.record = await self._reread()
-                    if await producer_gone(ctx, record, tail, self._grew_at):
+                    if await producer_gone(ctx, self.record, tail, self._grew_at):
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)
