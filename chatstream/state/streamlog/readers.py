@@ -240,22 +240,20 @@ class Reader:
         self._release()
 
     async def _read(self) -> Events:
-        try:
-            first, self._first = self._first, b""
-            if first:
-                if self.tail is not None:
-                    self.cursor = max(self.cursor, self.tail.cursor)
-                yield first
-            while not self._done:
-                producer = self._streams.producing(self.stream_id)
-                source = self._from_memory(producer) if producer is not None else self._from_store()
-                try:
-                    async for chunk in source:
-                        yield chunk
-                finally:
-                    await source.aclose()
-        finally:
-            self._release()
+        """(Released by ``__anext__`` when it ends, however it ends.)"""
+        first, self._first = self._first, b""
+        if first:
+            if self.tail is not None:
+                self.cursor = max(self.cursor, self.tail.cursor)
+            yield first
+        while not self._done:
+            producer = self._streams.producing(self.stream_id)
+            source = self._from_memory(producer) if producer is not None else self._from_store()
+            try:
+                async for chunk in source:
+                    yield chunk
+            finally:
+                await source.aclose()
 
     # -- from memory ----------------------------------------------------------------------------
 
