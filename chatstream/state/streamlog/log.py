@@ -14,7 +14,7 @@ from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
 from . import inbox, readers, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
+from .errors import StreamNotFound, TooManyStreams, Unavailable
 from .format import (
     RECORD_ROW,
     EncodeError,
@@ -143,17 +143,9 @@ class StreamLog:
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
-        ctx = self._ctx
-        if ctx.closed:
+        if self._ctx.closed:
             raise Unavailable("the stream log is closed")
-        if ctx.readers >= self.config.max_readers:
-            raise TooManyReaders("too many readers on this instance")
-        ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
-        try:
-            return await readers.open_reader(ctx, self, stream_id, after or 0, caller)
-        except BaseException:
-            ctx.readers -= 1
-            raise
+        return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller)
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,

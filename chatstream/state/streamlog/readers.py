@@ -19,7 +19,7 @@ from typing import Protocol
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, Unavailable
+from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
 from .format import (
     END,
     LOST,
@@ -53,9 +53,11 @@ Events = AsyncGenerator[bytes, None]
 
 
 async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
-    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``, which counted it in
-    ``ctx.readers``: the reader gives the count back once released). A store that fails: Unavailable
-    (ask again)."""
+    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``), counted in ``ctx.readers``
+    (it gives the count back once released). A store that fails: Unavailable (ask again)."""
+    if ctx.readers >= ctx.config.max_readers:
+        raise TooManyReaders("too many readers on this instance")
+    ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
     producer = streams.producing(stream_id)
     try:
         if producer is None:
@@ -68,8 +70,11 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
                 raise PastTheEnd(start, producer.last_id)
             slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
             reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
-    except StoreError as exc:
-        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+    except BaseException as exc:
+        ctx.readers -= 1
+        if isinstance(exc, StoreError):
+            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+        raise
     reader._counted = True
     return reader
 
