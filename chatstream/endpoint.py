@@ -358,7 +358,7 @@ class Endpoint:
                 self.accounting.progress(
                     admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
                 )
-                self.accounting.streams(admission, claim.producer.id, claim.epoch)
+                self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None
@@ -394,7 +394,7 @@ class Endpoint:
             admission,
             started_at(claim.producer.id),
             lost.text + unstored,
-            claim.epoch,
+            claim.producer.epoch,
             before,
             patience=RAISED_WITHIN if unstored else 0.0,
         )

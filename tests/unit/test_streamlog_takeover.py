@@ -149,7 +149,7 @@ async def test_a_dead_producer_is_taken_over_and_every_reader_gets_one_whole_ans
         assert got_b == expected and got_c == expected[expected.index(b"id: 6\n") :]
         assert len(calls) == 1 and calls[0].last_id == 30 and calls[0].producer.owner == "alice"
         assert calls[0].request_id == "req-1" and json.loads(calls[0].request) == {"deltas": 80}
-        assert calls[0].events == numbered([delta(i) for i in range(30)]) and calls[0].epoch == 2
+        assert calls[0].events == numbered([delta(i) for i in range(30)]) and calls[0].producer.epoch == 2
         assert first_new is not None
         print(f"\nproducer killed: new output on the other instance after {first_new - killed:.2f} s (lease 0.4 s)")
         assert first_new - killed < LIFE.lease_seconds + 1.5

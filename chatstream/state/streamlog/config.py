@@ -166,7 +166,6 @@ class Context:
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
         self.remote_readers = 0
         self.closed = False
-        self.draining = False  # this instance hands its streams over: it takes none over itself
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
         self._tasks: set[asyncio.Task] = set()
 

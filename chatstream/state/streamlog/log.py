@@ -14,7 +14,7 @@ from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
 from . import inbox, readers, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
+from .errors import StreamNotFound, TooManyStreams, Unavailable
 from .format import (
     RECORD_ROW,
     EncodeError,
@@ -28,7 +28,7 @@ from .format import (
 from .inbox import Inbox
 from .producer import Producer
 from .readers import Reader, read_record
-from .takeover import Claim, TakeOver
+from .takeover import Claim
 
 log = logging.getLogger("chatstream")
 
@@ -84,7 +84,8 @@ class StreamLog:
         self._ctx = Context(store, instances, self.config, encode_error)
         self._take_over = take_over
         self._producers: dict[str, Producer] = {}
-        self._claims: dict[str, asyncio.Future[TakeOver]] = {}
+        self._claims: dict[str, asyncio.Future[bool]] = {}
+        self._draining = False  # this instance hands its streams over: it takes none over itself
         self._inbox = Inbox(self._ctx, self._producers)
 
     # -- producing ------------------------------------------------------------------------------
@@ -116,18 +117,23 @@ class StreamLog:
             request=body if inline else None,
             request_stored=body is not None and not inline,
         )
-        producer = Producer(ctx, record, self._release, large_request=None if inline else body)
+        producer = Producer(ctx, record, large_request=None if inline else body)
         self._run(producer)
         return producer
 
     def _run(self, producer: Producer) -> None:
+        """Known here (readers, the inbox) while it runs."""
         self._producers[producer.id] = producer
         self._inbox.start()
-        self._ctx.spawn(producer.run())
 
-    def _release(self, producer: Producer) -> None:
-        if self._producers.get(producer.id) is producer:
-            del self._producers[producer.id]
+        async def run() -> None:
+            try:
+                await producer.run()
+            finally:
+                if self._producers.get(producer.id) is producer:
+                    del self._producers[producer.id]
+
+        self._ctx.spawn(run())
 
     # -- reading and cancelling -----------------------------------------------------------------
 
@@ -137,17 +143,9 @@ class StreamLog:
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
-        ctx = self._ctx
-        if ctx.closed:
+        if self._ctx.closed:
             raise Unavailable("the stream log is closed")
-        if ctx.readers >= self.config.max_readers:
-            raise TooManyReaders("too many readers on this instance")
-        ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
-        try:
-            return await readers.open_reader(ctx, self, stream_id, after or 0, caller)
-        except BaseException:
-            ctx.readers -= 1
-            raise
+        return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller)
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
@@ -180,26 +178,28 @@ class StreamLog:
         producer = self._producers.get(stream_id)
         return producer if producer is not None and not producer.moved.is_set() else None
 
-    async def take_over(self, stream_id: str, received: int) -> TakeOver:
+    async def take_over(self, stream_id: str, received: int) -> bool:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``)."""
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``).
+        True: the stream goes on (here, elsewhere, over; or another instance takes it: this one
+        drains or is full); False: it cannot be continued (stream_lost)."""
         if self._take_over is None:
-            return "lost"
-        if self._ctx.closed or self._ctx.draining or len(self._producers) >= self.config.max_producers:
-            return "wait"
+            return False
+        if self._ctx.closed or self._draining or len(self._producers) >= self.config.max_producers:
+            return True
         pending = self._claims.get(stream_id)
         if pending is None:
             pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id, received))
             pending.add_done_callback(lambda _: self._claims.pop(stream_id, None))
         return await asyncio.shield(pending)
 
-    async def _claim_and_continue(self, stream_id: str, received: int) -> TakeOver:
-        won = await takeover.claim(self._ctx, stream_id, self._release, received)
+    async def _claim_and_continue(self, stream_id: str, received: int) -> bool:
+        won = await takeover.claim(self._ctx, stream_id, received)
         if not isinstance(won, Claim):
             return won
         self._run(won.producer)
         self._ctx.spawn(self._continue(won))
-        return "here"
+        return True
 
     async def _continue(self, won: Claim) -> None:
         assert self._take_over is not None
@@ -220,7 +220,7 @@ class StreamLog:
     async def drain(self, timeout: float = 5.0) -> int:  # noqa: ASYNC109 - the documented interface
         """Hand every stream produced here over (``Producer.hand_over``), at once, and take nothing over
         from now on; how many were."""
-        self._ctx.draining = True
+        self._draining = True
         producers = [p for p in self._producers.values() if not p.moved.is_set()]
         handed = await asyncio.gather(*(p.hand_over(timeout) for p in producers))
         return sum(handed)

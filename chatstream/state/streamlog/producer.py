@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,7 +84,6 @@ class Producer:
         self,
         ctx: Context,
         record: Record,
-        release: Callable[[Producer], None],
         *,
         stored: list[bytes] | None = None,
         stored_bytes: int = 0,
@@ -103,7 +102,6 @@ class Producer:
         self._cfg = ctx.config
         self._record = record
         self._tag = log_tag(self.id)
-        self._release = release
         self._loop = asyncio.get_running_loop()
         # Started by the store's clock: a continuation's cap counts from the stream's own start.
         self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
@@ -112,7 +110,7 @@ class Producer:
         self._events = list(stored or ())
         self._size = sum(map(len, self._events))
         self._seam = len(self._events)  # the positions stored by earlier producers
-        self._epoch = record.epoch
+        self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
         self._end = False  # the final event is kept...
         self._lost = False  # ...and it is our stream_lost
@@ -195,7 +193,7 @@ class Producer:
                 out.append(part)
                 continue
             self._handed += 1
-            event = sse.numbered(epoch_id(self._epoch, self._handed), part)
+            event = sse.numbered(epoch_id(self.epoch, self._handed), part)
             out.append(event)
             self._keep(event)
         if final:
@@ -368,7 +366,7 @@ class Producer:
     def _id_at(self, at: int) -> int:
         """The id of the event at position ``at`` (0: none)."""
         if at > self._seam:
-            return epoch_id(self._epoch, at)
+            return epoch_id(self.epoch, at)
         return sse.event_id(self._events[at - 1]) or 0 if at else 0
 
     def _keep(self, event: bytes) -> None:
@@ -416,26 +414,23 @@ class Producer:
     # -- storing (the log's side) ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Store the stream; then stay known to the log until its end (readers here, cancels and
-        abandonment still need it when it is not stored any more)."""
+        """Store the stream; then return at its end (the log knows it until then: readers here,
+        cancels and abandonment still need it when it is not stored any more)."""
         instances = self._ctx.instances
         instances.need()
         try:
-            try:
-                if self._blob or await self._create():  # (a continuation's record is the claim's)
-                    await self._write_all()
-            except Exception:  # a bug of ours must not take the live stream with it
-                log.exception("stream %s: storing failed", self._tag)
-                self._give_up("internal error")
-            finally:
-                self._stored_all.set()
-                self._update_fast()
-                self._wake()
-                instances.done()
-            while not self._end and not self.moved.is_set():
-                await self.changed()
+            if self._blob or await self._create():  # (a continuation's record is the claim's)
+                await self._write_all()
+        except Exception:  # a bug of ours must not take the live stream with it
+            log.exception("stream %s: storing failed", self._tag)
+            self._give_up("internal error")
         finally:
-            self._release(self)
+            self._stored_all.set()
+            self._update_fast()
+            self._wake()
+            instances.done()
+        while not self._end and not self.moved.is_set():
+            await self.changed()
 
     def _update_fast(self) -> None:
         following = self._following or self._attached > self._caller_here

@@ -19,7 +19,7 @@ from typing import Protocol
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, Unavailable
+from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
 from .format import (
     END,
     LOST,
@@ -35,7 +35,7 @@ from .format import (
 )
 from .producer import Producer
 from .slots import Slot
-from .takeover import TakeOver, producer_gone
+from .takeover import producer_gone
 
 
 class StreamLog(Protocol):
@@ -44,7 +44,7 @@ class StreamLog(Protocol):
 
     def producing(self, stream_id: str) -> Producer | None: ...
 
-    async def take_over(self, stream_id: str, received: int) -> TakeOver: ...
+    async def take_over(self, stream_id: str, received: int) -> bool: ...
 
 
 log = logging.getLogger("chatstream")
@@ -53,9 +53,11 @@ Events = AsyncGenerator[bytes, None]
 
 
 async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
-    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``, which counted it in
-    ``ctx.readers``: the reader gives the count back once released). A store that fails: Unavailable
-    (ask again)."""
+    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``), counted in ``ctx.readers``
+    (it gives the count back once released). A store that fails: Unavailable (ask again)."""
+    if ctx.readers >= ctx.config.max_readers:
+        raise TooManyReaders("too many readers on this instance")
+    ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
     producer = streams.producing(stream_id)
     try:
         if producer is None:
@@ -68,8 +70,11 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
                 raise PastTheEnd(start, producer.last_id)
             slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
             reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
-    except StoreError as exc:
-        raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+    except BaseException as exc:
+        ctx.readers -= 1
+        if isinstance(exc, StoreError):
+            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+        raise
     reader._counted = True
     return reader
 
@@ -190,6 +195,7 @@ class Reader:
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
+        self._record_at = asyncio.get_running_loop().time() + 3 * self._cfg.poll_seconds  # (_poll)
         self._tag = log_tag(stream_id)
         self._first = b""  # what the opening read: handed out first
         self._events = self._read()
@@ -239,22 +245,20 @@ class Reader:
         self._release()
 
     async def _read(self) -> Events:
-        try:
-            first, self._first = self._first, b""
-            if first:
-                if self.tail is not None:
-                    self.cursor = max(self.cursor, self.tail.cursor)
-                yield first
-            while not self._done:
-                producer = self._streams.producing(self.stream_id)
-                source = self._from_memory(producer) if producer is not None else self._from_store()
-                try:
-                    async for chunk in source:
-                        yield chunk
-                finally:
-                    await source.aclose()
-        finally:
-            self._release()
+        """(Released by ``__anext__`` when it ends, however it ends.)"""
+        first, self._first = self._first, b""
+        if first:
+            if self.tail is not None:
+                self.cursor = max(self.cursor, self.tail.cursor)
+            yield first
+        while not self._done:
+            producer = self._streams.producing(self.stream_id)
+            source = self._from_memory(producer) if producer is not None else self._from_store()
+            try:
+                async for chunk in source:
+                    yield chunk
+            finally:
+                await source.aclose()
 
     # -- from memory ----------------------------------------------------------------------------
 
@@ -305,7 +309,6 @@ class Reader:
             tail = self.tail
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
-            record_at = loop.time() + 3 * cfg.poll_seconds
             state_at = loop.time() + cfg.state_seconds  # the producer's next check
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
@@ -316,11 +319,6 @@ class Reader:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
                         self.record = await self._reread()
                     await self._slot.follow(self.record.instance if self.record.state == "live" else None)
-                    if tail.offset == 0 and self.record.events is None and now >= record_at:
-                        # Nothing stored yet: the stream may have ended with its whole log in the
-                        # record (its producer did not see this reader in time).
-                        record_at = now + 3 * cfg.poll_seconds
-                        self.record = await self._reread()
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
                     cadence.read(bool(out))
@@ -382,16 +380,22 @@ class Reader:
 
     async def _poll(self) -> bytes:
         """The stream's new whole events, read in turn with this instance's other background calls
-        (from the record when the whole log is there)."""
-        tail = self.tail
-        assert tail is not None
-        data = _stored_log(self.record, tail.offset) if self.record is not None else None
+        (from the record when the whole log is there). While nothing is stored, the record is read
+        again every few polls: the stream may have ended with its whole log in it (its producer did
+        not see this reader in time)."""
+        tail, loop = self.tail, asyncio.get_running_loop()
+        assert tail is not None and self.record is not None
+        data = _stored_log(self.record, tail.offset)
         if data is None:
             async with self._ctx.bulk:
                 data = await self._ctx.store.read(self.stream_id, tail.offset)
+            if not data and tail.offset == 0 and loop.time() >= self._record_at:
+                self._record_at = loop.time() + 3 * self._cfg.poll_seconds
+                self.record = await self._reread()
+                data = _stored_log(self.record, 0) or b""
         out = tail.feed(data)
         if data:
-            self._grew_at = asyncio.get_running_loop().time()
+            self._grew_at = loop.time()
         self.cursor = max(self.cursor, tail.cursor)
         return out
 
@@ -419,16 +423,14 @@ class Reader:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
-        outcome = await self._streams.take_over(self.stream_id, self.cursor) if fresh.state == "live" else "lost"
-        if outcome == "lost":
+        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, self.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
             self._done = True
             return out + self._lost("the stream's producer was lost"), True
-        if outcome == "elsewhere":
-            self.record = await self._reread()
+        self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
         return out, False
 
     def _lost(self, message: str) -> bytes:
@@ -453,9 +455,8 @@ class Reader:
         producer acks this reader with an earlier last id; for a ``live`` stream, waited for (bounded)
         until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
         meanwhile is returned (the events after the cursor)."""
-        ctx, cfg = self._ctx, self._cfg
-        tail, record = self.tail, self.record
-        assert tail is not None and record is not None
+        ctx, cfg, tail = self._ctx, self._cfg, self.tail
+        assert tail is not None and self.record is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.past_end_wait_seconds
         next_check = loop.time() + cfg.state_seconds
@@ -473,9 +474,7 @@ class Reader:
                 read += await self._poll()
                 if loop.time() >= next_check:
                     next_check = loop.time() + cfg.state_seconds
-                    if tail.offset == 0 and record.events is None:  # ended with its log in the record?
-                        record = self.record = await self._reread()
-                    if await producer_gone(ctx, record, tail, self._grew_at):
+                    if await producer_gone(ctx, self.record, tail, self._grew_at):
                         break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
         except StoreError:
             pass  # the store cannot tell now: the reader follows (and skips to its id)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
@@ -38,12 +36,6 @@ from .producer import Producer
 
 log = logging.getLogger("chatstream")
 
-# What a takeover came to: this instance produces the stream now ("here"), another one does (it
-# won it, or the producer lives: "elsewhere", read its record again), it is over ("ended": read on
-# to its end), it cannot be continued ("lost": no request stored, the store failing: stream_lost),
-# or this instance does not take it ("wait": draining, full; another instance will).
-TakeOver = Literal["here", "elsewhere", "ended", "lost", "wait"]
-
 
 @dataclass(frozen=True)
 class Claim:
@@ -51,13 +43,12 @@ class Claim:
     ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
     with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
     request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
-    ``id``, ``route`` and ``owner`` are the producer's."""
+    ``id``, ``route``, ``owner`` and ``epoch`` are the producer's."""
 
     request: bytes  # the route's params as JSON, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
     last_id: int
-    epoch: int
     producer: Producer
     lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
 
@@ -89,36 +80,37 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
     return not await ctx.instances.alive(record.instance)
 
 
-async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None], received: int) -> Claim | TakeOver:
+async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
     """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
-    the claim's producer is made here, not yet run (``StreamLog`` runs it; ``release``: as for a new
-    stream's). Never raises for the store: ``lost``."""
+    the claim's producer is made here, not yet run (``StreamLog`` runs it). Else True: it goes on
+    without this claim (another instance won it, its producer lives, or it is over: read its record
+    again), False: it cannot be continued (no request stored, the store failing: stream_lost)."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
         row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
         if row is None:
-            return "lost"
+            return False
         record = Record.of(row)
         if record.state != "live":
-            return "ended"
+            return True
         tail = Tail(0)
         stored = bytearray(await store.read(stream_id))
         tail.feed(bytes(stored))
         if tail.end is not None:
-            return "ended"
+            return True
         if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
-            return "elsewhere"
+            return True
         request = record.request.encode() if record.request is not None else None
         if request is None and record.request_stored:
             found = await store.get_blob(request_blob(stream_id))
             request = found[0] if found is not None else None
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
-            return "lost"
+            return False
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
-        return "lost"
+        return False
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
         await ctx.instances.first_beat()
@@ -126,22 +118,20 @@ async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None
         try:
             won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
         except (Modified, NotFound):
-            return "elsewhere"
+            return True
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-            return "lost"
+            return False
         fenced = await _fence(ctx, won, tail, stored)
         if fenced is None:
-            return "lost"
+            return False
         if fenced is False:
             await _record_end(ctx, won, tail)
-            return "ended"
+            return True
         events = split_events(bytes(stored[: tail.offset]))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-        producer = Producer(
-            ctx, won, release, stored=events, stored_bytes=stored_bytes, fences=fences, received=received
-        )
+        producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -156,7 +146,6 @@ async def claim(ctx: Context, stream_id: str, release: Callable[[Producer], None
             request_id=won.request_id,
             events=b"".join(events),
             last_id=tail.last_id,
-            epoch=won.epoch,
             producer=producer,
             lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
         )
