@@ -41,7 +41,7 @@ def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_on
             acc = a.accounting
             assert acc is not None
             await a.registry.set_price(MODEL, PriceSpec(input=1, output=2))
-            team = await a.registry.create_team(validate(TeamSpec, {"name": f"t{run_id}", **BUDGETS}))
+            team, _ = await a.registry.create(validate(TeamSpec, {"name": f"t{run_id}", **BUDGETS}))
             caller, _ = await a.registry.create(
                 validate(CallerSpec, {"name": f"c{run_id}", "team": f"t{run_id}", **BUDGETS})
             )

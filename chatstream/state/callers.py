@@ -106,9 +106,6 @@ class Limits:
         return self.models is None or model in self.models
 
 
-LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
-
-
 @dataclass(frozen=True, kw_only=True)
 class Team(Limits):
     name: str

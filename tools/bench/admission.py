@@ -145,7 +145,7 @@ async def setup_callers(keyed) -> dict[str, str]:
     _, keys["keys"] = await registry.create(CallerSpec(name="bench-nolimit"))
     _, keys["keyslim"] = await registry.create(CallerSpec(name="bench-limited", tokens_per_minute=1_000_000_000))
     await registry.set_price(MODEL, validate(PriceSpec, PRICE))
-    await registry.create_team(TeamSpec(name="bench-team", spend_budget=1_000_000))
+    await registry.create(TeamSpec(name="bench-team", spend_budget=1_000_000))
     _, keys["keyteam"] = await registry.create(CallerSpec(name="bench-team-member", team="bench-team"))
     return keys
 
