@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -39,9 +39,6 @@ from pydantic import (
 
 from .port import Invalid
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
 KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")
@@ -56,7 +53,6 @@ MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
 PICO = 10**12  # pico-dollars per USD
-Stored = TypeVar("Stored", bound="DataclassInstance")
 M = TypeVar("M", bound=BaseModel)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
@@ -90,8 +86,40 @@ class ModelLimit:
     requests_per_minute: int | None = None
 
 
+@dataclass(frozen=True)
+class Stored:
+    """A caller, team or price as its row keeps its properties (``entity``) and back (``of``; a
+    property left out or empty: the field's default): times as ISO text, the model list and the
+    per-model limits as JSON."""
+
+    def entity(self) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for f in fields(self):
+            item = getattr(self, f.name)
+            if isinstance(item, datetime):
+                item = iso(item)
+            elif f.name == "models" and item is not None:
+                item = json.dumps(list(item))
+            elif f.name == "model_limits":
+                item = json.dumps({m: asdict(limit) for m, limit in item.items()}) if item else None
+            row[f.name] = item
+        return row
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Self:
+        values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
+        for name, item in values.items():
+            if name.endswith("_at"):
+                values[name] = datetime.fromisoformat(item)
+        if "models" in values:
+            values["models"] = tuple(json.loads(values["models"]))
+        if "model_limits" in values:
+            values["model_limits"] = {m: ModelLimit(**v) for m, v in json.loads(values["model_limits"]).items()}
+        return cls(**values)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Limits:
+class Limits(Stored):
     """What a caller and a team both have: the limits a request must fit, and the models it may use."""
 
     tokens_per_minute: int | None = None
@@ -294,35 +322,3 @@ def validate(model: type[M], data: object) -> M:
     elif len(loc) > 1:
         message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
     raise Invalid(f"{param}: {message}" if param else message, param)
-
-
-# --- how they are stored ------------------------------------------------------------------------
-
-
-def as_row(value: DataclassInstance) -> dict[str, Any]:
-    """A caller's, team's or price's properties as its row keeps them: times as ISO text, the model
-    list and the per-model limits as JSON."""
-    row: dict[str, Any] = {}
-    for f in fields(value):
-        item = getattr(value, f.name)
-        if isinstance(item, datetime):
-            item = iso(item)
-        elif f.name == "models" and item is not None:
-            item = json.dumps(list(item))
-        elif f.name == "model_limits":
-            item = json.dumps({m: asdict(limit) for m, limit in item.items()}) if item else None
-        row[f.name] = item
-    return row
-
-
-def of_row(cls: type[Stored], row: Mapping[str, Any]) -> Stored:
-    """What ``as_row`` stored, as ``cls`` (a property left out or empty: the field's default)."""
-    values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
-    for name, item in values.items():
-        if name.endswith("_at"):
-            values[name] = datetime.fromisoformat(item)
-    if "models" in values:
-        values["models"] = tuple(json.loads(values["models"]))
-    if "model_limits" in values:
-        values["model_limits"] = {m: ModelLimit(**v) for m, v in json.loads(values["model_limits"]).items()}
-    return cls(**values)

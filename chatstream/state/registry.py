@@ -40,14 +40,11 @@ from .callers import (
     Caller,
     CallerPatch,
     CallerSpec,
-    Stored,
     Team,
     TeamPatch,
     TeamSpec,
-    as_row,
     hash_key,
     new_key,
-    of_row,
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
@@ -81,7 +78,7 @@ def _model_name(model: str) -> bool:
 
 
 def _entity(value: Caller | Team | Price) -> dict[str, Any]:
-    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), _name_of(value)), **as_row(value)}
+    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), _name_of(value)), **value.entity()}
 
 
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
@@ -207,12 +204,12 @@ class Registry:
         self._bucket -= 1
         return True
 
-    async def _cached(self, cls: type[Stored], row_key: str, what: str) -> Stored | Unavailable | None:
+    async def _cached(self, cls: type[Kept], row_key: str, what: str) -> Kept | Unavailable | None:
         """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
 
-        async def read() -> Stored | None:
+        async def read() -> Kept | None:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-            return of_row(cls, row) if row is not None else None
+            return cls.of(row) if row is not None else None
 
         try:
             return await self.cache.get(row_key, read)
@@ -266,7 +263,7 @@ class Registry:
         """Every caller, team or price (with the properties ``equal``)."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
+        return [cls.of(row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -297,7 +294,7 @@ class Registry:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
-        return of_row(cls, row), row.get("key_hash") or "", row.etag
+        return cls.of(row), row.get("key_hash") or "", row.etag
 
     async def _change(
         self,
