@@ -28,7 +28,7 @@ from starlette.requests import Request
 
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
-from .http import parse_json_body, read_body, require_json_content_type, with_request_id
+from .http import parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
 from .state.callers import (
     NAME_PATTERN,
     PICO,
@@ -41,7 +41,6 @@ from .state.callers import (
     TeamSpec,
     iso,
     usd,
-    validate,
 )
 from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
@@ -134,6 +133,26 @@ async def _shown(state: SharedState, admin: Collection, items: Sequence[Caller |
     """Items as a list or a read shows them: a caller or team with how much of its budgets is taken."""
     spent = await _budgets_now(state, [o for o in items if isinstance(o, Caller | Team)])
     return [{**admin.json(o), **(spent.get(o.limits_partition, {}) if not isinstance(o, Price) else {})} for o in items]
+
+
+def validate(model: type[S], data: object) -> S:
+    """A JSON body as ``model`` (the registry's typed request), or a 400 naming the field of
+    pydantic's error (cut at 64 characters; never echoing the value): "unknown field" for one the
+    admin API does not know, a nested field's path in brackets."""
+
+    def describe(first: dict) -> tuple[str, str | None]:
+        loc = [str(p) for p in first["loc"]]
+        param = loc[0] if loc else None
+        if param is not None and len(param) > 64:
+            param = param[:64] + "…"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif len(loc) > 1:
+            message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
+        return (f"{param}: {message}" if param else message), param
+
+    return validate_object(model, data, describe)
 
 
 def _admin_error(error: Exception) -> ApiError:

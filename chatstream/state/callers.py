@@ -1,7 +1,7 @@
 """Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
 and what an admin may say about them: the typed requests (``CallerSpec``, ``CallerPatch``,
-``TeamSpec``, ``TeamPatch``) the admin API reads a body into with ``validate`` and hands the
-registry (registry.py), which keeps them.
+``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands the registry
+(registry.py), which keeps them.
 
 A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
 and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -33,11 +33,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    ValidationError,
     field_validator,
 )
-
-from .port import Invalid
 
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
@@ -53,7 +50,6 @@ MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
 PICO = 10**12  # pico-dollars per USD
-M = TypeVar("M", bound=BaseModel)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
@@ -301,24 +297,3 @@ class TeamPatch(_Limits):
     """A change to a team: the fields given change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
-
-
-def validate(model: type[M], data: object) -> M:
-    """A JSON body as ``model``, or Invalid naming the field of pydantic's first error (never
-    echoing the value)."""
-    if not isinstance(data, Mapping):
-        raise Invalid("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-    loc = [str(p) for p in first["loc"]]
-    param = loc[0] if loc else None
-    if param is not None and len(param) > 64:
-        param = param[:64] + "…"
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown field"
-    elif len(loc) > 1:
-        message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
-    raise Invalid(f"{param}: {message}" if param else message, param)

@@ -16,7 +16,7 @@ from chatstream import tokens
 from chatstream.errors import StoreError
 from chatstream.state import journal
 from chatstream.state.accounting import Accounting, Admission
-from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec, validate
+from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
@@ -40,8 +40,8 @@ async def setup(data: MemoryData) -> tuple[SharedState, Accounting, SharedState,
     a, acc_a = instance(data, "instance-a")
     b, acc_b = instance(data, "instance-b")
     price = await a.registry.set_price(MODEL, PriceSpec(input=1, cached_input=0.5, output=2))
-    await a.registry.create(validate(TeamSpec, {"name": "t", **BUDGETS}))
-    caller, _ = await a.registry.create(validate(CallerSpec, {"name": "c", "team": "t", **BUDGETS}))
+    await a.registry.create(TeamSpec.model_validate({"name": "t", **BUDGETS}))
+    caller, _ = await a.registry.create(CallerSpec.model_validate({"name": "c", "team": "t", **BUDGETS}))
     return a, acc_a, b, acc_b, caller, price
 
 
