@@ -1,11 +1,12 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
 (manage.py) keeps all three on one path, named by their class: ``create``, ``list``, ``get``,
-``update``, ``delete`` (and a caller's ``rotate``, a price's ``set_price``); the request path asks ``authenticate``
-for every caller key, ``team_of`` for its team and ``price`` for its model, each answer cached per
-instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
-every instance within that time, exactly, and cost a store read only once per key, team or model,
-instance and period (in the last ``AHEAD`` of it, a request that uses the answer has it read again in
-the background: a key, team or model in steady use is never read on a request's path).
+``update``, ``delete`` (and a caller's ``rotate``, a price's ``set_price``); the request path asks
+``authenticate`` for every caller key, ``team_of`` for its team and ``prices`` for every model's
+price (one read of them all), each answer cached per instance for ``cache_seconds``: a revoked or
+rotated key, a changed limit, a new price take effect on every instance within that time, exactly,
+and cost a store read only once per key, team or the prices, instance and period (in the last
+``AHEAD`` of it, a request that uses the answer has it read again in the background: a key, team or
+the prices in steady use are never read on a request's path).
 
 Table ``chatstreamCallers``:
 
@@ -28,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
@@ -53,6 +54,7 @@ from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Store, Where, key_pa
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
 Kept = TypeVar("Kept", bound=Caller | Team | Price)
+Prices = Mapping[str, Price]
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 _PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
@@ -211,8 +213,11 @@ class Registry:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
             return cls.of(row) if row is not None else None
 
+        return await self._kept(row_key, read, what)
+
+    async def _kept(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
         try:
-            return await self.cache.get(row_key, read)
+            return await self.cache.get(key, read)
         except StoreError as exc:
             log.warning("caller store: %s failed: %s", what, exc)
             return Unavailable()
@@ -228,25 +233,28 @@ class Registry:
             return None
         return team
 
-    async def team_and_price(
-        self, caller: Caller, model: str
-    ) -> tuple[Team | Unavailable | None, Price | Unavailable | None]:
-        """The caller's team and the model's price: one after the other when both are cached (no
-        task, no loop hop on the request's path), else both reads at once."""
-        fresh = self.cache.fresh
-        if fresh(_row_key(Price, model))[0] and (caller.team is None or fresh(_row_key(Team, caller.team))[0]):
-            return await self.team_of(caller), await self.price(model)
-        team, price = await asyncio.gather(self.team_of(caller), self.price(model))
-        return team, price
+    async def team_and_prices(self, caller: Caller) -> tuple[Team | Unavailable | None, Prices | Unavailable]:
+        """The caller's team and the prices: one after the other when both are cached (no task, no
+        loop hop on the request's path), else both reads at once."""
+        if self.cache.fresh(PRICES)[0] and (caller.team is None or self.cache.fresh(_row_key(Team, caller.team))[0]):
+            return await self.team_of(caller), await self.prices()
+        team, prices = await asyncio.gather(self.team_of(caller), self.prices())
+        return team, prices
 
-    def price_kept(self, model: str) -> Price | None:
-        """The model's price as this instance keeps it now, without a store read (None: none kept)."""
-        found, price = self.cache.fresh(_row_key(Price, model))
-        return price if found and isinstance(price, Price) else None
+    async def prices(self) -> Prices | Unavailable:
+        """Every model's price, by model (a model without one is not in it), cached like keys: one
+        read of the price rows, so that a request is priced, whatever name it is served as (a
+        deployment's), from what its admission read."""
+
+        async def read() -> Prices:
+            return {p.model: p for p in await self._all(Price, bound=self.store.clock.patience())}
+
+        return await self._kept(PRICES, read, "price read")
 
     async def price(self, model: str) -> Price | Unavailable | None:
-        """The model's price (None: it has none), cached like keys."""
-        return await self._cached(Price, _row_key(Price, model), "price read")
+        """The model's price (None: it has none), from ``prices``."""
+        prices = await self.prices()
+        return prices if isinstance(prices, Unavailable) else prices.get(model)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -269,7 +277,7 @@ class Registry:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
         await self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT)
         for op in ops:
-            self.cache.forget(op.entity["RowKey"])
+            self.cache.forget(PRICES if op.entity["PartitionKey"] == PRICES else op.entity["RowKey"])
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
@@ -409,6 +417,6 @@ class Registry:
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
         await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
-        self.cache.forget(_row_key(Price, model))
+        self.cache.forget(PRICES)
         log.info("price of %s set", log_safe(model)[:80])
         return price

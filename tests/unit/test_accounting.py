@@ -474,6 +474,32 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
     await state.close()
 
 
+async def test_the_log_lines_cost_is_the_ledgers_for_a_model_served_under_a_name_this_instance_never_priced():
+    """The log line's cost is taken before the charge is made, at the prices the charge uses: both
+    the ones its admission read (every model's, one read), even for a name this instance had not
+    priced before, and even if a price changes before the answer is over."""
+    from chatstream.record import Segment
+
+    data = account()
+    state, acc = instance(data, "a")
+    other, _ = instance(data, "b")  # the prices are set elsewhere: this instance keeps none of them
+    await other.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+    await other.registry.set_price("llama", PriceSpec(input=0.1, output=0.2))
+    caller, _ = await other.registry.create(CallerSpec(name="c", spend_budget=1))
+    admitted, rec = await admit(acc, caller)
+    assert isinstance(admitted, Admission)
+    await state.registry.set_price("llama", PriceSpec(input=5, output=5))  # after the admission
+    rec.upstream_answered()
+    segments = [Segment("vllm", usage={"prompt_tokens": 20, "completion_tokens": 10}, model="llama")]
+    logged = acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments))
+    charge(acc, admitted, rec, None, segments)  # as the endpoint does: the log line first, then the charge
+    assert await acc.flush(5)
+    [row] = ledger_rows(data)
+    assert (row["model"], row["cost"]) == ("llama", 20 * 100_000 + 10 * 200_000) and logged == row["cost"]
+    await other.close()
+    await state.close()
+
+
 async def test_an_admission_cancelled_while_the_journal_lists_it_keeps_nothing():
     """The caller hangs up (its task is cancelled) after the limits granted the request, while the
     journal write that lists it answers slowly: what was reserved comes back, the journal drops it."""
