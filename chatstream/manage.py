@@ -18,7 +18,7 @@ import io
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -69,7 +69,7 @@ def _limits_json(limits: Limits) -> dict[str, Any]:
         "spend_budget": usd(limits.spend_budget),
         "budget_period": limits.budget_period,
         "models": list(limits.models) if limits.models is not None else None,
-        "model_limits": {m: asdict(limit) for m, limit in limits.model_limits.items()} or None,
+        "model_limits": {m: limit.model_dump() for m, limit in limits.model_limits.items()} or None,
     }
 
 

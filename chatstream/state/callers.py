@@ -20,7 +20,7 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal, Self
@@ -76,10 +76,13 @@ def usd(pico: int | None) -> float | None:
     return None if pico is None else float(Decimal(pico) / PICO)
 
 
-@dataclass(frozen=True)
-class ModelLimit:
-    tokens_per_minute: int | None = None
-    requests_per_minute: int | None = None
+class ModelLimit(BaseModel):
+    """A per-model limit, as an admin gives it and as a caller or team keeps it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_per_minute: PositiveTokens | None = None
+    requests_per_minute: PositiveRequests | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class Stored:
             elif f.name == "models" and item is not None:
                 item = json.dumps(list(item))
             elif f.name == "model_limits":
-                item = json.dumps({m: asdict(limit) for m, limit in item.items()}) if item else None
+                item = json.dumps({m: limit.model_dump() for m, limit in item.items()}) if item else None
             row[f.name] = item
         return row
 
@@ -110,7 +113,8 @@ class Stored:
         if "models" in values:
             values["models"] = tuple(json.loads(values["models"]))
         if "model_limits" in values:
-            values["model_limits"] = {m: ModelLimit(**v) for m, v in json.loads(values["model_limits"]).items()}
+            limits = json.loads(values["model_limits"])  # as validated when it was written
+            values["model_limits"] = {m: ModelLimit.model_construct(**v) for m, v in limits.items()}
         return cls(**values)
 
 
@@ -195,13 +199,6 @@ def _names(models: list[str]) -> list[str]:
     return models
 
 
-class ModelLimitSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens_per_minute: PositiveTokens | None = None
-    requests_per_minute: PositiveRequests | None = None
-
-
 class _Limits(BaseModel):
     """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
     USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
@@ -215,7 +212,7 @@ class _Limits(BaseModel):
     spend_budget: Any = None
     budget_period: Period = "total"
     models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
+    model_limits: Annotated[dict[ModelName, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
     @field_validator("spend_budget")
     @classmethod
@@ -239,13 +236,13 @@ class _Limits(BaseModel):
 
     @field_validator("model_limits")
     @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
+    def _model_limit_names(cls, limits: dict[str, ModelLimit] | None) -> dict[str, ModelLimit]:
         limits = limits or {}
         _names(list(limits))
         for model, limit in limits.items():
             if limit.tokens_per_minute is None and limit.requests_per_minute is None:
                 raise ValueError(f"[{model[:64]}] names no limit")
-        return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()}
+        return limits
 
     def values(self, given: Iterable[str]) -> dict[str, Any]:
         """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
