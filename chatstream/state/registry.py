@@ -84,8 +84,8 @@ def _entity(value: Caller | Team | Price) -> dict[str, Any]:
 
 
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
-    """The operations that insert, replace or delete a team's or price's row (under ``etag``), or a caller's
-    row (under ``etag``) and its key index, a copy of it: one entity-group transaction for both."""
+    """The operations that insert, replace or delete a team's or price's row (under ``etag``), or a
+    caller's row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
     row = _entity(owner) | ({"key_hash": key_hash} if key_hash else {})
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
     return [Op(kind, row, etag=etag), *index]
@@ -93,7 +93,8 @@ def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: s
 
 class _Cache:
     """Answers kept per instance for ``seconds`` (from when they were asked for), by row key (a key
-    index's, team's or price's), one store read at a time per row: concurrent first requests share it."""
+    index's or a team's; ``prices`` for every price), one store read at a time per key: concurrent
+    first requests share it."""
 
     def __init__(self, seconds: float, clock: Callable[[], float], size: int = MAX_CACHED):
         self.seconds = seconds
