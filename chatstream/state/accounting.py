@@ -346,16 +346,15 @@ class Accounting:
         )
         spend = max((w.need for w in admission.wants if w.key.row == "spend"), default=0) if background else 0
         try:
-            await self.owners.claim(
-                kind,
-                created,
+            owned = Owned(
                 admission.caller.id,
-                reserved,
-                admission.started,
+                reserved=reserved,
                 reserved_spend=spend,
-                charged=not background,  # charged by this request when it ends: reading it back adds nothing
+                reserved_at=admission.started,
                 price=admission.price if background else None,  # what it is charged at when its usage is seen
+                charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
+            await self.owners.claim(kind, created, owned)
         except StoreError as exc:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background
