@@ -124,13 +124,13 @@ async def console(req: Request) -> Response:
 @app.route(route="manage/callers", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_callers(req: Request) -> Response:
     """GET /api/manage/callers lists the callers; POST creates one and answers its key, this once."""
-    return await chat_app.manage.callers(req)
+    return await chat_app.manage.collection(req, "callers")
 
 
 @app.route(route="manage/callers/{name}", methods=["GET", "PATCH", "DELETE"], auth_level=func.AuthLevel.ADMIN)
 async def manage_caller(req: Request) -> Response:
     """GET, PATCH or DELETE /api/manage/callers/{name}: one caller (never its key)."""
-    return await chat_app.manage.caller(req)
+    return await chat_app.manage.item(req, "callers")
 
 
 @app.route(route="manage/callers/{name}/rotate", methods=["POST"], auth_level=func.AuthLevel.ADMIN)
@@ -142,25 +142,25 @@ async def manage_rotate(req: Request) -> Response:
 @app.route(route="manage/teams", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_teams(req: Request) -> Response:
     """GET /api/manage/teams lists the teams; POST creates one (limits and budgets over its callers)."""
-    return await chat_app.manage.teams(req)
+    return await chat_app.manage.collection(req, "teams")
 
 
 @app.route(route="manage/teams/{name}", methods=["GET", "PATCH", "DELETE"], auth_level=func.AuthLevel.ADMIN)
 async def manage_team(req: Request) -> Response:
     """GET, PATCH or DELETE /api/manage/teams/{name}: one team (a team with callers is not deleted)."""
-    return await chat_app.manage.team(req)
+    return await chat_app.manage.item(req, "teams")
 
 
 @app.route(route="manage/prices", methods=["GET"], auth_level=func.AuthLevel.ADMIN)
 async def manage_prices(req: Request) -> Response:
     """GET /api/manage/prices: every model's price (USD per million tokens)."""
-    return await chat_app.manage.prices(req)
+    return await chat_app.manage.collection(req, "prices")
 
 
 @app.route(route="manage/prices/{*model}", methods=["GET", "PUT", "DELETE"], auth_level=func.AuthLevel.ADMIN)
 async def manage_price(req: Request) -> Response:
     """GET, PUT or DELETE /api/manage/prices/{model}: one model's price (input, cached input, output)."""
-    return await chat_app.manage.price(req)
+    return await chat_app.manage.item(req, "prices")
 
 
 @app.route(route="manage/usage", methods=["GET"], auth_level=func.AuthLevel.ADMIN)

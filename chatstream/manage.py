@@ -18,16 +18,17 @@ import io
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
-from .http import parse_json_body, read_body, require_json_content_type, with_request_id
+from .http import parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
 from .state.callers import (
     NAME_PATTERN,
     PICO,
@@ -40,7 +41,6 @@ from .state.callers import (
     TeamSpec,
     iso,
     usd,
-    validate,
 )
 from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
@@ -53,7 +53,7 @@ log = logging.getLogger("chatstream")
 
 MAX_ADMIN_BODY = 64 * 1024  # a caller's definition is a few hundred bytes
 NO_STORE = {"Cache-Control": "no-store"}
-S = TypeVar("S", CallerSpec, CallerPatch, TeamSpec, TeamPatch, PriceSpec)
+S = TypeVar("S", bound=BaseModel)
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -69,7 +69,7 @@ def _limits_json(limits: Limits) -> dict[str, Any]:
         "spend_budget": usd(limits.spend_budget),
         "budget_period": limits.budget_period,
         "models": list(limits.models) if limits.models is not None else None,
-        "model_limits": {m: asdict(limit) for m, limit in limits.model_limits.items()} or None,
+        "model_limits": {m: limit.model_dump() for m, limit in limits.model_limits.items()} or None,
     }
 
 
@@ -107,6 +107,52 @@ def price_json(price: Price) -> dict[str, Any]:
         "unit": "USD per 1M tokens",
         "updated_at": iso(price.updated_at),
     }
+
+
+@dataclass(frozen=True)
+class Collection:
+    """One of the admin API's collections: what it holds, what a create (POST) and a change (PATCH,
+    a price's PUT) take, the path parameter naming an item, and how an item is shown."""
+
+    cls: type[Caller] | type[Team] | type[Price]
+    object: str
+    create: type[CallerSpec] | type[TeamSpec] | None  # None: an item is PUT (a price)
+    change: type[CallerPatch] | type[TeamPatch] | None
+    param: str
+    json: Callable[[Any], dict[str, Any]]
+
+
+COLLECTIONS = {
+    "callers": Collection(Caller, "caller", CallerSpec, CallerPatch, "name", caller_json),
+    "teams": Collection(Team, "team", TeamSpec, TeamPatch, "name", team_json),
+    "prices": Collection(Price, "price", None, None, "model", price_json),
+}
+
+
+async def _shown(state: SharedState, admin: Collection, items: Sequence[Caller | Team | Price]) -> list[dict[str, Any]]:
+    """Items as a list or a read shows them: a caller or team with how much of its budgets is taken."""
+    spent = await _budgets_now(state, [o for o in items if isinstance(o, Caller | Team)])
+    return [{**admin.json(o), **(spent.get(o.limits_partition, {}) if not isinstance(o, Price) else {})} for o in items]
+
+
+def validate(model: type[S], data: object) -> S:
+    """A JSON body as ``model`` (the registry's typed request), or a 400 naming the field of
+    pydantic's error (cut at 64 characters; never echoing the value): "unknown field" for one the
+    admin API does not know, a nested field's path in brackets."""
+
+    def describe(first: dict) -> tuple[str, str | None]:
+        loc = [str(p) for p in first["loc"]]
+        param = loc[0] if loc else None
+        if param is not None and len(param) > 64:
+            param = param[:64] + "…"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif len(loc) > 1:
+            message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
+        return (f"{param}: {message}" if param else message), param
+
+    return validate_object(model, data, describe)
 
 
 def _admin_error(error: Exception) -> ApiError:
@@ -160,141 +206,50 @@ class Manage:
         require_json_content_type(request.headers.get("content-type"))
         return validate(model, parse_json_body(await read_body(request, MAX_ADMIN_BODY)))
 
-    # --- routes that serve several methods (function_app.py) ----------------------------------
+    # --- callers, teams and prices: one path (function_app.py names the collection) ----------------
 
-    async def callers(self, request: Request) -> Response:
-        """``/api/manage/callers``: GET lists, POST creates."""
-        return await (self.create(request) if request.method == "POST" else self.list(request))
-
-    async def caller(self, request: Request) -> Response:
-        """``/api/manage/callers/{name}``: GET, PATCH, DELETE."""
-        if request.method == "PATCH":
-            return await self.update(request)
-        if request.method == "DELETE":
-            return await self.delete(request)
-        return await self.get(request)
-
-    async def teams(self, request: Request) -> Response:
-        """``/api/manage/teams``: GET lists, POST creates."""
-        return await (self.create_team(request) if request.method == "POST" else self.list_teams(request))
-
-    async def team(self, request: Request) -> Response:
-        """``/api/manage/teams/{name}``: GET, PATCH, DELETE."""
-        if request.method == "PATCH":
-            return await self.update_team(request)
-        if request.method == "DELETE":
-            return await self.delete_team(request)
-        return await self.get_team(request)
-
-    async def prices(self, request: Request) -> Response:
-        """``/api/manage/prices``: GET lists."""
+    async def collection(self, request: Request, kind: str) -> Response:
+        """``/api/manage/{kind}``: GET lists; POST creates (callers, teams: a caller's key is in
+        this answer only)."""
+        admin = COLLECTIONS[kind]
 
         async def run(state: SharedState) -> Response:
-            return _json({"object": "list", "data": [price_json(p) for p in await state.registry.list_prices()]})
+            if request.method == "POST" and admin.create is not None:
+                made, key = await state.registry.create(await self._body(request, admin.create))
+                return _json({**admin.json(made), **({"key": key} if key else {})}, 201)
+            return _json({"object": "list", "data": await _shown(state, admin, await state.registry.list(admin.cls))})
 
         return await self._answer(run)
 
-    async def price(self, request: Request) -> Response:
-        """``/api/manage/prices/{model}``: GET, PUT (USD per million tokens), DELETE."""
-        model = request.path_params.get("model") or ""
+    async def item(self, request: Request, kind: str) -> Response:
+        """``/api/manage/{kind}/{name}`` (prices: ``{model}``): GET; PATCH (callers, teams) or PUT
+        (prices: USD per million tokens); DELETE."""
+        admin = COLLECTIONS[kind]
+        name = request.path_params.get(admin.param) or ""
 
         async def run(state: SharedState) -> Response:
+            registry = state.registry
+            if request.method == "PATCH" and admin.change is not None:
+                return _json(
+                    admin.json(await registry.update(admin.cls, name, await self._body(request, admin.change)))
+                )
             if request.method == "PUT":
-                return _json(price_json(await state.registry.set_price(model, await self._body(request, PriceSpec))))
+                return _json(admin.json(await registry.set_price(name, await self._body(request, PriceSpec))))
             if request.method == "DELETE":
-                price = await state.registry.delete_price(model)
-                return _json({"object": "price.deleted", "model": price.model, "deleted": True})
-            return _json(price_json(await state.registry.get_price(model)))
-
-        return await self._answer(run)
-
-    # --- callers ------------------------------------------------------------------------------
-
-    async def create(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            caller, key = await state.registry.create(await self._body(request, CallerSpec))
-            return _json({**caller_json(caller), "key": key}, 201)
-
-        return await self._answer(run)
-
-    async def list(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            callers = await state.registry.list()
-            spent = await _budgets_now(state, callers)
-            return _json(
-                {"object": "list", "data": [{**caller_json(c), **spent.get(c.limits_partition, {})} for c in callers]}
-            )
-
-        return await self._answer(run)
-
-    async def get(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            caller = await state.registry.get(_name(request))
-            spent = await _budgets_now(state, [caller])
-            return _json({**caller_json(caller), **spent.get(caller.limits_partition, {})})
-
-        return await self._answer(run)
-
-    async def update(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            name = _name(request)
-            caller = await state.registry.update(name, await self._body(request, CallerPatch))
-            return _json(caller_json(caller))
-
-        return await self._answer(run)
-
-    async def delete(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            caller = await state.registry.delete(_name(request))
-            return _json({"object": "caller.deleted", "name": caller.name, "deleted": True})
+                gone = await registry.delete(admin.cls, name)
+                return _json(
+                    {"object": f"{admin.object}.deleted", admin.param: getattr(gone, admin.param), "deleted": True}
+                )
+            return _json((await _shown(state, admin, [await registry.get(admin.cls, name)]))[0])
 
         return await self._answer(run)
 
     async def rotate(self, request: Request) -> Response:
+        """``/api/manage/callers/{name}/rotate``: a new key, in this answer only."""
+
         async def run(state: SharedState) -> Response:
-            caller, key = await state.registry.rotate(_name(request))
+            caller, key = await state.registry.rotate(request.path_params.get("name") or "")
             return _json({**caller_json(caller), "key": key})
-
-        return await self._answer(run)
-
-    # --- teams --------------------------------------------------------------------------------
-
-    async def create_team(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            return _json(team_json(await state.registry.create_team(await self._body(request, TeamSpec))), 201)
-
-        return await self._answer(run)
-
-    async def list_teams(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            teams = await state.registry.list_teams()
-            spent = await _budgets_now(state, teams)
-            return _json(
-                {"object": "list", "data": [{**team_json(t), **spent.get(t.limits_partition, {})} for t in teams]}
-            )
-
-        return await self._answer(run)
-
-    async def get_team(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            team = await state.registry.get_team(_name(request))
-            spent = await _budgets_now(state, [team])
-            return _json({**team_json(team), **spent.get(team.limits_partition, {})})
-
-        return await self._answer(run)
-
-    async def update_team(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            return _json(
-                team_json(await state.registry.update_team(_name(request), await self._body(request, TeamPatch)))
-            )
-
-        return await self._answer(run)
-
-    async def delete_team(self, request: Request) -> Response:
-        async def run(state: SharedState) -> Response:
-            team = await state.registry.delete_team(_name(request))
-            return _json({"object": "team.deleted", "name": team.name, "deleted": True})
 
         return await self._answer(run)
 
@@ -320,8 +275,8 @@ class Manage:
             if (end - start).days + 1 > MAX_USAGE_DAYS:
                 raise invalid_request(f"from: a query covers at most {MAX_USAGE_DAYS} days", "from")
             # By id (a name made again is another caller or team); a deleted one's rows go by name.
-            caller_id = await _id_of(state.registry.get, caller)
-            team_id = await _id_of(state.registry.get_team, team)
+            caller_id = await _id_of(state, Caller, caller)
+            team_id = await _id_of(state, Team, team)
             rows = await state.ledger.usage(start, end, caller_id, team, model, team_id)
             if caller is not None and caller_id is None:
                 rows = [r for r in rows if r["caller"] == caller]
@@ -348,17 +303,17 @@ class Manage:
         return await self._answer(run)
 
 
-async def _id_of(lookup: Callable[[str], Awaitable[Any]], name: str | None) -> str | None:
+async def _id_of(state: SharedState, cls: type[Caller] | type[Team], name: str | None) -> str | None:
     """The id of the caller or team ``name`` (None: no name, or it was deleted)."""
     if name is None:
         return None
     try:
-        return (await lookup(name)).id
+        return (await state.registry.get(cls, name)).id
     except Missing:
         return None
 
 
-async def _budgets_now(state: SharedState, owners: list[Caller] | list[Team]) -> dict[str, dict[str, Any]]:
+async def _budgets_now(state: SharedState, owners: Sequence[Caller | Team]) -> dict[str, dict[str, Any]]:
     """How much of each budget is taken this period (spent, or held by a request in flight), from the
     counter rows: ``token_budget_used``, ``spend_budget_used`` (USD)."""
     wanted = [o for o in owners if o.token_budget or o.spend_budget]
@@ -377,10 +332,6 @@ async def _budgets_now(state: SharedState, owners: list[Caller] | list[Team]) ->
             taken = int(row.get("taken") or 0) if row is not None and current else 0
             out.setdefault(owner.limits_partition, {})[field] = usd(taken) if row_key == "spend" else taken
     return out
-
-
-def _name(request: Request) -> str:
-    return request.path_params.get("name") or ""
 
 
 def _filter(value: str | None, param: str) -> str | None:

@@ -10,7 +10,7 @@ from unit.state_helpers import admit, finish, settings, usage
 
 from chatstream import tokens
 from chatstream.state.accounting import Admission
-from chatstream.state.callers import CallerSpec, TeamSpec, validate
+from chatstream.state.callers import CallerSpec, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.prices import PriceSpec
@@ -41,9 +41,9 @@ def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_on
             acc = a.accounting
             assert acc is not None
             await a.registry.set_price(MODEL, PriceSpec(input=1, output=2))
-            team = await a.registry.create_team(validate(TeamSpec, {"name": f"t{run_id}", **BUDGETS}))
+            team, _ = await a.registry.create(TeamSpec.model_validate({"name": f"t{run_id}", **BUDGETS}))
             caller, _ = await a.registry.create(
-                validate(CallerSpec, {"name": f"c{run_id}", "team": f"t{run_id}", **BUDGETS})
+                CallerSpec.model_validate({"name": f"c{run_id}", "team": f"t{run_id}", **BUDGETS})
             )
             done, rec = await admit(acc, caller, "one")
             assert isinstance(done, Admission)

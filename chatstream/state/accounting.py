@@ -67,6 +67,7 @@ class Admission:
     price: Price | None
     entry: JournalEntry  # with its payer: whose request it is
     started: float
+    prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
@@ -153,13 +154,14 @@ class Accounting:
         if not caller.allows(model):
             return ModelRefused(model)
         # The team and the price (each a store read only when its cached answer ran out).
-        team, price = await self.registry.team_and_price(caller, model)
+        team, prices = await self.registry.team_and_prices(caller)
         if isinstance(team, Unavailable):
             return team
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
-        if isinstance(price, Unavailable):
-            return price
+        if isinstance(prices, Unavailable):
+            return prices
+        price = prices.get(model)
         if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):
             return ModelRefused(model, unpriced=True, scope="caller" if caller.spend_budget else "team")
         found = await self._context(caller, asked)
@@ -184,7 +186,7 @@ class Accounting:
             reserved.release()
             self.journal.drop(entry)
             raise
-        return Admission(caller, wants, reserved, counted, model, price, entry, started)
+        return Admission(caller, wants, reserved, counted, model, price, entry, started, prices)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -235,20 +237,18 @@ class Accounting:
     def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
         """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
         log line, span and metrics, before the charge is made in the background."""
-        if admission is None or admission.price is None or not usage.segments:
-            return None
-        kept = {u.model: self.registry.price_kept(u.model) for u in usage.segments if u.model}
-        return sum(c.cost or 0 for c in self._charges(admission, usage, kept))
+        costs = [c.cost for c in self._charges(admission, usage)] if admission is not None else []
+        return sum(c or 0 for c in costs) if any(c is not None for c in costs) else None
 
-    def _charges(self, admission: Admission, usage: Usage, served: Mapping[str, object]) -> list[Charge]:
+    def _charges(self, admission: Admission, usage: Usage) -> list[Charge]:
         """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
-        log line says; a segment served under another name (an entry's ``deployments``) whose
-        ``served`` price is a price of its own: at that price, under that name."""
+        log line says; a segment served under another name (an entry's ``deployments``) that had a
+        price of its own when the request was admitted: at that price, under that name."""
         payer, author, base = admission.entry.payer, self.counters.instance, admission.entry.segment
         charges = []
         for i, u in enumerate(usage.segments):
-            own = served.get(u.model) if u.model else None
-            model, price = (u.model, own) if u.model and isinstance(own, Price) else (admission.model, admission.price)
+            own = admission.prices.get(u.model) if u.model else None
+            model, price = (u.model, own) if u.model and own is not None else (admission.model, admission.price)
             charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
         return charges
 
@@ -270,8 +270,7 @@ class Accounting:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        served = {m: await self.registry.price(m) for m in {u.model for u in usage.segments if u.model}}
-        charges = self._charges(admission, usage, served)
+        charges = self._charges(admission, usage)
         self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
@@ -361,16 +360,15 @@ class Accounting:
         )
         spend = max((w.need for w in admission.wants if w.key.row == "spend"), default=0) if background else 0
         try:
-            await self.owners.claim(
-                kind,
-                created,
+            owned = Owned(
                 admission.caller.id,
-                reserved,
-                admission.started,
+                reserved=reserved,
                 reserved_spend=spend,
-                charged=not background,  # charged by this request when it ends: reading it back adds nothing
+                reserved_at=admission.started,
                 price=admission.price if background else None,  # what it is charged at when its usage is seen
+                charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
+            await self.owners.claim(kind, created, owned)
         except StoreError as exc:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background

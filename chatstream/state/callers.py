@@ -1,7 +1,7 @@
 """Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
 and what an admin may say about them: the typed requests (``CallerSpec``, ``CallerPatch``,
-``TeamSpec``, ``TeamPatch``) the admin API reads a body into with ``validate`` and hands the
-registry (registry.py), which keeps them.
+``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands the registry
+(registry.py), which keeps them.
 
 A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
 and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
@@ -20,10 +20,10 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -33,14 +33,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    ValidationError,
     field_validator,
 )
-
-from .port import Invalid
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
@@ -56,8 +50,6 @@ MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
 PICO = 10**12  # pico-dollars per USD
-Stored = TypeVar("Stored", bound="DataclassInstance")
-M = TypeVar("M", bound=BaseModel)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
@@ -84,14 +76,50 @@ def usd(pico: int | None) -> float | None:
     return None if pico is None else float(Decimal(pico) / PICO)
 
 
+class ModelLimit(BaseModel):
+    """A per-model limit, as an admin gives it and as a caller or team keeps it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_per_minute: PositiveTokens | None = None
+    requests_per_minute: PositiveRequests | None = None
+
+
 @dataclass(frozen=True)
-class ModelLimit:
-    tokens_per_minute: int | None = None
-    requests_per_minute: int | None = None
+class Stored:
+    """A caller, team or price as its row keeps its properties (``entity``) and back (``of``; a
+    property left out or empty: the field's default): times as ISO text, the model list and the
+    per-model limits as JSON."""
+
+    def entity(self) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for f in fields(self):
+            item = getattr(self, f.name)
+            if isinstance(item, datetime):
+                item = iso(item)
+            elif f.name == "models" and item is not None:
+                item = json.dumps(list(item))
+            elif f.name == "model_limits":
+                item = json.dumps({m: limit.model_dump() for m, limit in item.items()}) if item else None
+            row[f.name] = item
+        return row
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Self:
+        values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
+        for name, item in values.items():
+            if name.endswith("_at"):
+                values[name] = datetime.fromisoformat(item)
+        if "models" in values:
+            values["models"] = tuple(json.loads(values["models"]))
+        if "model_limits" in values:
+            limits = json.loads(values["model_limits"])  # as validated when it was written
+            values["model_limits"] = {m: ModelLimit.model_construct(**v) for m, v in limits.items()}
+        return cls(**values)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Limits:
+class Limits(Stored):
     """What a caller and a team both have: the limits a request must fit, and the models it may use."""
 
     tokens_per_minute: int | None = None
@@ -104,9 +132,6 @@ class Limits:
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
-
-
-LIMIT_FIELDS = tuple(f.name for f in fields(Limits))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,13 +199,6 @@ def _names(models: list[str]) -> list[str]:
     return models
 
 
-class ModelLimitSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens_per_minute: PositiveTokens | None = None
-    requests_per_minute: PositiveRequests | None = None
-
-
 class _Limits(BaseModel):
     """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
     USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
@@ -194,7 +212,7 @@ class _Limits(BaseModel):
     spend_budget: Any = None
     budget_period: Period = "total"
     models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    model_limits: Annotated[dict[ModelName, ModelLimitSpec], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
+    model_limits: Annotated[dict[ModelName, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
     @field_validator("spend_budget")
     @classmethod
@@ -218,13 +236,13 @@ class _Limits(BaseModel):
 
     @field_validator("model_limits")
     @classmethod
-    def _model_limit_names(cls, limits: dict[str, ModelLimitSpec] | None) -> dict[str, ModelLimit]:
+    def _model_limit_names(cls, limits: dict[str, ModelLimit] | None) -> dict[str, ModelLimit]:
         limits = limits or {}
         _names(list(limits))
         for model, limit in limits.items():
             if limit.tokens_per_minute is None and limit.requests_per_minute is None:
                 raise ValueError(f"[{model[:64]}] names no limit")
-        return {m: ModelLimit(s.tokens_per_minute, s.requests_per_minute) for m, s in limits.items()}
+        return limits
 
     def values(self, given: Iterable[str]) -> dict[str, Any]:
         """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
@@ -276,56 +294,3 @@ class TeamPatch(_Limits):
     """A change to a team: the fields given change."""
 
     budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
-
-
-def validate(model: type[M], data: object) -> M:
-    """A JSON body as ``model``, or Invalid naming the field of pydantic's first error (never
-    echoing the value)."""
-    if not isinstance(data, Mapping):
-        raise Invalid("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-    loc = [str(p) for p in first["loc"]]
-    param = loc[0] if loc else None
-    if param is not None and len(param) > 64:
-        param = param[:64] + "…"
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown field"
-    elif len(loc) > 1:
-        message = f"[{']['.join(p[:64] for p in loc[1:])}]: {message}"
-    raise Invalid(f"{param}: {message}" if param else message, param)
-
-
-# --- how they are stored ------------------------------------------------------------------------
-
-
-def as_row(value: DataclassInstance) -> dict[str, Any]:
-    """A caller's, team's or price's properties as its row keeps them: times as ISO text, the model
-    list and the per-model limits as JSON."""
-    row: dict[str, Any] = {}
-    for f in fields(value):
-        item = getattr(value, f.name)
-        if isinstance(item, datetime):
-            item = iso(item)
-        elif f.name == "models" and item is not None:
-            item = json.dumps(list(item))
-        elif f.name == "model_limits":
-            item = json.dumps({m: asdict(limit) for m, limit in item.items()}) if item else None
-        row[f.name] = item
-    return row
-
-
-def of_row(cls: type[Stored], row: Mapping[str, Any]) -> Stored:
-    """What ``as_row`` stored, as ``cls`` (a property left out or empty: the field's default)."""
-    values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
-    for name, item in values.items():
-        if name.endswith("_at"):
-            values[name] = datetime.fromisoformat(item)
-    if "models" in values:
-        values["models"] = tuple(json.loads(values["models"]))
-    if "model_limits" in values:
-        values["model_limits"] = {m: ModelLimit(**v) for m, v in json.loads(values["model_limits"]).items()}
-    return cls(**values)

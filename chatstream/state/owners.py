@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +31,42 @@ RESPONSE_LIFETIME = 30 * 86400.0
 
 @dataclass(frozen=True)
 class Owned:
+    """An owner row: who created the object, and what a background response reserved."""
+
     caller_id: str
     context: int = 0  # tokens a continuation of it carries (0: not known)
     reserved: int = 0  # a background response: the tokens it reserved...
     reserved_spend: int = 0  # ...the money (pico-USD)...
     reserved_at: float = 0.0  # ...and when
     price: Price | None = None  # ...at the price it was admitted at (None: unpriced, or rows before it)
+    charged: bool = False  # by the request that created it: ``first_charge`` is never true for it
+
+    def entity(self) -> dict[str, Any]:
+        """Its row's properties as a claim writes them (``context`` comes with ``set_context``)."""
+        return {
+            "caller_id": self.caller_id,
+            "charged": self.charged,
+            "reserved": self.reserved,
+            "reserved_spend": self.reserved_spend,
+            "reserved_at": self.reserved_at,
+            "price": json.dumps(self.price.entity()) if self.price is not None else None,
+        }
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Owned | None:
+        """The row as written (None: it names no owner)."""
+        owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)  # rows before ids
+        if not owner:
+            return None
+        return cls(
+            str(owner),
+            int(row.get("context") or 0),
+            int(row.get("reserved") or 0),
+            int(row.get("reserved_spend") or 0),
+            float(row.get("reserved_at") or 0.0),
+            Price.of(json.loads(row["price"])) if row.get("price") else None,
+            bool(row.get("charged")),
+        )
 
 
 class Owners:
@@ -46,57 +77,22 @@ class Owners:
         now = self.store.clock.now()
         return {"PartitionKey": key_part(id), "RowKey": kind, **values, "created": now, "expires": now + lifetime}
 
-    async def claim(
-        self,
-        kind: str,
-        id: str,
-        caller_id: str,
-        reserved: int = 0,
-        at: float = 0.0,
-        lifetime: float = RESPONSE_LIFETIME,
-        reserved_spend: int = 0,
-        charged: bool = False,
-        price: Price | None = None,
-    ) -> bool:
-        """Record that the caller ``caller_id`` created ``kind``/``id`` (``charged``: by the request
-        that created it, so that ``first_charge`` is never true for it). True if it is (now or
-        already) that caller's; False if another caller had claimed it (the claim is not changed).
+    async def claim(self, kind: str, id: str, owned: Owned, lifetime: float = RESPONSE_LIFETIME) -> bool:
+        """Record that ``owned.caller_id`` created ``kind``/``id``. True if it is (now or already)
+        that caller's; False if another caller had claimed it (the claim is not changed).
         StoreError when the store does not answer."""
-        entity = self._new_row(
-            kind,
-            id,
-            lifetime,
-            caller_id=caller_id,
-            charged=charged,
-            reserved=reserved,
-            reserved_spend=reserved_spend,
-            reserved_at=at,
-            price=json.dumps(price.entity()) if price is not None else None,
-        )
         try:
-            await self.store.insert(RESPONSES_TABLE, entity)
+            await self.store.insert(RESPONSES_TABLE, self._new_row(kind, id, lifetime, **owned.entity()))
             return True
         except AlreadyExists:
             row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
-            return row is not None and row.get("caller_id") == caller_id
+            return row is not None and row.get("caller_id") == owned.caller_id
 
     async def owned(self, kind: str, id: str) -> Owned | None:
         """Who created ``kind``/``id`` (None: nobody claimed it). A route answers 404 to anyone else
         (the object's existence is not revealed)."""
         row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
-        if row is None:
-            return None
-        owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)  # rows before ids
-        if not owner:
-            return None
-        return Owned(
-            str(owner),
-            int(row.get("context") or 0),
-            int(row.get("reserved") or 0),
-            int(row.get("reserved_spend") or 0),
-            float(row.get("reserved_at") or 0.0),
-            Price.of(json.loads(row["price"])) if row.get("price") else None,
-        )
+        return Owned.of(row) if row is not None else None
 
     async def set_context(self, kind: str, id: str, tokens: int) -> None:
         """A finished response's size (input + output tokens): what continuing it will carry."""

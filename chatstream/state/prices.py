@@ -12,7 +12,6 @@ output price. The model is named as callers send it (a deployment name for Azure
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -20,14 +19,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .callers import PICO, as_row, of_row, usd_amount
+from .callers import PICO, Stored, usd_amount
 
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
 
 
 @dataclass(frozen=True, kw_only=True)
-class Price:
+class Price(Stored):
     model: str
     input: int  # pico-USD per token
     cached_input: int
@@ -42,13 +41,6 @@ class Price:
     def most(self, prompt: int, completion: int) -> int:
         """The most ``prompt`` and ``completion`` tokens may cost: what a request reserves."""
         return max(prompt, 0) * max(self.input, self.cached_input) + max(completion, 0) * self.output
-
-    def entity(self) -> dict[str, Any]:
-        return as_row(self)
-
-    @classmethod
-    def of(cls, entity: Mapping[str, Any]) -> Price:
-        return of_row(cls, entity)
 
 
 class PriceSpec(BaseModel):

@@ -1,10 +1,12 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
-creates, lists, reads, changes and deletes them (manage.py); the request path asks ``authenticate``
-for every caller key, ``team_of`` for its team and ``price`` for its model, each answer cached per
-instance for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on
-every instance within that time, exactly, and cost a store read only once per key, team or model,
-instance and period (in the last ``AHEAD`` of it, a request that uses the answer has it read again in
-the background: a key, team or model in steady use is never read on a request's path).
+(manage.py) keeps all three on one path, named by their class: ``create``, ``list``, ``get``,
+``update``, ``delete`` (and a caller's ``rotate``, a price's ``set_price``); the request path asks
+``authenticate`` for every caller key, ``team_of`` for its team and ``prices`` for every model's
+price (one read of them all), each answer cached per instance for ``cache_seconds``: a revoked or
+rotated key, a changed limit, a new price take effect on every instance within that time, exactly,
+and cost a store read only once per key, team or the prices, instance and period (in the last
+``AHEAD`` of it, a request that uses the answer has it read again in the background: a key, team or
+the prices in steady use are never read on a request's path).
 
 Table ``chatstreamCallers``:
 
@@ -27,35 +29,32 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
 from .callers import (
     KEY_SHAPE,
-    LIMIT_FIELDS,
     NAME_PATTERN,
     Caller,
     CallerPatch,
     CallerSpec,
-    Stored,
     Team,
     TeamPatch,
     TeamSpec,
-    as_row,
     hash_key,
     new_key,
-    of_row,
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Row, Store, Where, key_part
+from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
-Owner = TypeVar("Owner", Caller, Team)
+Kept = TypeVar("Kept", bound=Caller | Team | Price)
+Prices = Mapping[str, Price]
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 _PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
@@ -72,14 +71,21 @@ def _row_key(cls: type, name: str) -> str:
     return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
 
 
+def _name_of(value: Caller | Team | Price) -> str:
+    return value.model if isinstance(value, Price) else value.name
+
+
+def _model_name(model: str) -> bool:
+    return 0 < len(model) <= 256 and model == model.strip() and model.isprintable()
+
+
 def _entity(value: Caller | Team | Price) -> dict[str, Any]:
-    name = value.model if isinstance(value, Price) else value.name
-    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), name), **as_row(value)}
+    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), _name_of(value)), **value.entity()}
 
 
-def _ops(kind: OpKind, owner: Caller | Team, key_hash: str = "", etag: str | None = None) -> list[Op]:
-    """The operations that insert, replace or delete a team's row (under ``etag``), or a caller's
-    row (under ``etag``) and its key index, a copy of it: one entity-group transaction for both."""
+def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
+    """The operations that insert, replace or delete a team's or price's row (under ``etag``), or a
+    caller's row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
     row = _entity(owner) | ({"key_hash": key_hash} if key_hash else {})
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
     return [Op(kind, row, etag=etag), *index]
@@ -87,7 +93,8 @@ def _ops(kind: OpKind, owner: Caller | Team, key_hash: str = "", etag: str | Non
 
 class _Cache:
     """Answers kept per instance for ``seconds`` (from when they were asked for), by row key (a key
-    index's, team's or price's), one store read at a time per row: concurrent first requests share it."""
+    index's or a team's; ``prices`` for every price), one store read at a time per key: concurrent
+    first requests share it."""
 
     def __init__(self, seconds: float, clock: Callable[[], float], size: int = MAX_CACHED):
         self.seconds = seconds
@@ -200,15 +207,18 @@ class Registry:
         self._bucket -= 1
         return True
 
-    async def _cached(self, cls: type[Stored], row_key: str, what: str) -> Stored | Unavailable | None:
+    async def _cached(self, cls: type[Kept], row_key: str, what: str) -> Kept | Unavailable | None:
         """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
 
-        async def read() -> Stored | None:
+        async def read() -> Kept | None:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-            return of_row(cls, row) if row is not None else None
+            return cls.of(row) if row is not None else None
 
+        return await self._kept(row_key, read, what)
+
+    async def _kept(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
         try:
-            return await self.cache.get(row_key, read)
+            return await self.cache.get(key, read)
         except StoreError as exc:
             log.warning("caller store: %s failed: %s", what, exc)
             return Unavailable()
@@ -224,25 +234,28 @@ class Registry:
             return None
         return team
 
-    async def team_and_price(
-        self, caller: Caller, model: str
-    ) -> tuple[Team | Unavailable | None, Price | Unavailable | None]:
-        """The caller's team and the model's price: one after the other when both are cached (no
-        task, no loop hop on the request's path), else both reads at once."""
-        fresh = self.cache.fresh
-        if fresh(_row_key(Price, model))[0] and (caller.team is None or fresh(_row_key(Team, caller.team))[0]):
-            return await self.team_of(caller), await self.price(model)
-        team, price = await asyncio.gather(self.team_of(caller), self.price(model))
-        return team, price
+    async def team_and_prices(self, caller: Caller) -> tuple[Team | Unavailable | None, Prices | Unavailable]:
+        """The caller's team and the prices: one after the other when both are cached (no task, no
+        loop hop on the request's path), else both reads at once."""
+        if self.cache.fresh(PRICES)[0] and (caller.team is None or self.cache.fresh(_row_key(Team, caller.team))[0]):
+            return await self.team_of(caller), await self.prices()
+        team, prices = await asyncio.gather(self.team_of(caller), self.prices())
+        return team, prices
 
-    def price_kept(self, model: str) -> Price | None:
-        """The model's price as this instance keeps it now, without a store read (None: none kept)."""
-        found, price = self.cache.fresh(_row_key(Price, model))
-        return price if found and isinstance(price, Price) else None
+    async def prices(self) -> Prices | Unavailable:
+        """Every model's price, by model (a model without one is not in it), cached like keys: one
+        read of the price rows, so that a request is priced, whatever name it is served as (a
+        deployment's), from what its admission read."""
+
+        async def read() -> Prices:
+            return {p.model: p for p in await self._all(Price, bound=self.store.clock.patience())}
+
+        return await self._kept(PRICES, read, "price read")
 
     async def price(self, model: str) -> Price | Unavailable | None:
-        """The model's price (None: it has none), cached like keys."""
-        return await self._cached(Price, _row_key(Price, model), "price read")
+        """The model's price (None: it has none), from ``prices``."""
+        prices = await self.prices()
+        return prices if isinstance(prices, Unavailable) else prices.get(model)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -253,22 +266,19 @@ class Registry:
             return Unavailable()
         return found[0] if found else None
 
-    # --- the admin API: callers and teams -------------------------------------------------------
+    # --- the admin API: one path for callers, teams and prices -------------------------------------
 
-    async def _get(self, cls: type, name: str) -> Row | None:
-        return await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
-
-    async def _all(self, cls: type[Stored], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Stored]:
+    async def _all(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Kept]:
         """Every caller, team or price (with the properties ``equal``)."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return [of_row(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
+        return [cls.of(row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
         await self.store.batch(CALLERS_TABLE, ops, timeout=ADMIN_TIMEOUT)
         for op in ops:
-            self.cache.forget(op.entity["RowKey"])
+            self.cache.forget(PRICES if op.entity["PartitionKey"] == PRICES else op.entity["RowKey"])
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
@@ -280,41 +290,33 @@ class Registry:
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
             return None, None
-        row = await self._get(Team, name)
-        if row is None:
+        team = await self.store.get(CALLERS_TABLE, TEAMS, _row_key(Team, name), timeout=ADMIN_TIMEOUT)
+        if team is None:
             raise Invalid(f"team: no team named {name!r}", "team")
-        return name, row["id"]
+        return name, team["id"]
 
-    async def _insert(self, owner: Caller | Team, key_hash: str = "") -> None:
-        try:
-            await self._write(_ops("insert", owner, key_hash))
-        except AlreadyExists:
-            kind = type(owner).__name__.lower()
-            raise Invalid(f"name: a {kind} named {owner.name!r} already exists", "name") from None
-
-    async def _load(self, cls: type[Owner], name: object) -> tuple[Owner, str, str]:
-        """The caller or team ``name``, its key hash (a caller's) and its row's ETag; Missing when
-        there is none."""
-        kind = cls.__name__.lower()
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise Missing(kind, log_safe(name if isinstance(name, str) else "")[:80])
-        row = await self._get(cls, name)
+    async def _load(self, cls: type[Kept], name: str) -> tuple[Kept, str, str]:
+        """The caller, team or price ``name``, its key hash (a caller's) and its row's ETag;
+        Missing when there is none (a name that cannot be one is not looked up)."""
+        row = None
+        if _model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
+            row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
-            raise Missing(kind, name)
-        return of_row(cls, row), row.get("key_hash") or "", row.etag
+            raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
+        return cls.of(row), row.get("key_hash") or "", row.etag
 
     async def _change(
         self,
-        cls: type[Owner],
+        cls: type[Kept],
         name: str,
         doing: str,
-        change: Callable[[Owner, str, str], Awaitable[tuple[list[Op], T]]],
-    ) -> T:
-        """Read the caller or team ``name``, write the operations ``change`` makes of it (under its
-        row's ETag), and again when another admin's change came in between, ``_TRIES`` times."""
+        change: Callable[[Kept, str, str], Awaitable[tuple[list[Op], Kept]]],
+    ) -> Kept:
+        """Read the caller, team or price ``name``, write the operations ``change`` makes of it (under
+        its row's ETag), and again when another admin's change came in between, ``_TRIES`` times."""
         for _ in range(_TRIES):
-            owner, key_hash, etag = await self._load(cls, name)
-            ops, result = await change(owner, key_hash, etag)
+            kept, key_hash, etag = await self._load(cls, name)
+            ops, result = await change(kept, key_hash, etag)
             try:
                 await self._write(ops)
             except (Modified, NotFound, AlreadyExists):
@@ -322,12 +324,44 @@ class Registry:
             return result
         raise Conflict(f"the {cls.__name__.lower()} changed repeatedly while {doing}; try again")
 
-    async def _update(self, cls: type[Owner], name: str, data: CallerPatch | TeamPatch) -> Owner:
+    @overload
+    async def create(self, data: CallerSpec) -> tuple[Caller, str]: ...
+    @overload
+    async def create(self, data: TeamSpec) -> tuple[Team, str]: ...
+    async def create(self, data: CallerSpec | TeamSpec) -> tuple[Caller | Team, str]:
+        """A new caller and its key (shown this once), or a new team (and no key: "")."""
+        values = {"id": secrets.token_hex(6), "created_at": self._now(), **data.values(type(data).model_fields)}
+        key = ""
+        if isinstance(data, CallerSpec):
+            self._future(data.expires_at)
+            team, team_id = await self._team_ref(data.team)
+            key = new_key()
+            made: Caller | Team = Caller(**values, team=team, team_id=team_id, key_hint=key[-4:])
+        else:
+            made = Team(**values)
+        kind = type(made).__name__.lower()
+        try:
+            await self._write(_ops("insert", made, hash_key(key) if key else ""))
+        except AlreadyExists:
+            raise Invalid(f"name: a {kind} named {made.name!r} already exists", "name") from None
+        log.info("%s %s created%s", kind, made.name, f" (key …{key[-4:]})" if key else "")
+        return made, key
+
+    async def list(self, cls: type[Kept]) -> list[Kept]:
+        """Every caller, team or price, by name (model)."""
+        return sorted(await self._all(cls), key=_name_of)
+
+    async def get(self, cls: type[Kept], name: str) -> Kept:
+        """The caller, team or price (``name``: its model); Missing when there is none."""
+        return (await self._load(cls, name))[0]
+
+    async def update(self, cls: type[Kept], name: str, data: CallerPatch | TeamPatch) -> Kept:
+        """Change the fields ``data`` names (a caller's key stays)."""
         given = data.model_fields_set
         if isinstance(data, CallerPatch) and "expires_at" in given:
             self._future(data.expires_at)
 
-        async def change(owner: Owner, key_hash: str, etag: str) -> tuple[list[Op], Owner]:
+        async def change(owner: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
             values = data.values(given)
             if isinstance(data, CallerPatch) and "team" in given:
                 values["team"], values["team_id"] = await self._team_ref(data.team)
@@ -338,62 +372,30 @@ class Registry:
         log.info("%s %s updated (%s)", cls.__name__.lower(), name, ", ".join(sorted(given)) or "nothing")
         return updated
 
-    async def _delete(self, cls: type[Owner], name: str) -> Owner:
-        """Remove the caller or team and, best effort, its limit counters (harmless if it fails: one
-        created again under this name gets a new id)."""
+    async def delete(self, cls: type[Kept], name: str) -> Kept:
+        """Remove the caller (and its key, which stops working on every instance within
+        ``cache_seconds``), the team (only one without callers: Conflict otherwise) or the price; a
+        caller's or team's limit counters best effort (harmless if that fails: one created again
+        under its name gets a new id)."""
 
-        async def change(owner: Owner, key_hash: str, etag: str) -> tuple[list[Op], Owner]:
-            if isinstance(owner, Team):
-                members = [c.name for c in await self.list() if c.team == name]
-                if members:
-                    raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-            return _ops("delete", owner, key_hash, etag), owner
+        async def change(kept: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
+            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name})):
+                raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
+            return _ops("delete", kept, key_hash, etag), kept
 
-        owner = await self._change(cls, name, "being deleted", change)
-        try:
-            partition = owner.limits_partition
-            for row in await self.store.query(
-                LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
-            ):
-                await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
-        except StoreError as exc:
-            log.warning("%s %s deleted; its limit counters were left in the store: %s", cls.__name__.lower(), name, exc)
-        log.info("%s %s deleted", cls.__name__.lower(), name)
-        return owner
-
-    async def create(self, data: CallerSpec) -> tuple[Caller, str]:
-        """A new caller and its key (shown this once)."""
-        self._future(data.expires_at)
-        team, team_id = await self._team_ref(data.team)
-        key = new_key()
-        caller = Caller(
-            name=data.name,
-            id=secrets.token_hex(6),
-            team=team,
-            team_id=team_id,
-            **data.values(LIMIT_FIELDS),
-            expires_at=data.expires_at,
-            created_at=self._now(),
-            key_hint=key[-4:],
-        )
-        await self._insert(caller, hash_key(key))
-        log.info("caller %s created (key …%s)", caller.name, caller.key_hint)
-        return caller, key
-
-    async def list(self) -> list[Caller]:
-        return sorted(await self._all(Caller), key=lambda c: c.name)
-
-    async def get(self, name: str) -> Caller:
-        return (await self._load(Caller, name))[0]
-
-    async def update(self, name: str, patch: CallerPatch) -> Caller:
-        """Change the fields ``patch`` names; the key stays."""
-        return await self._update(Caller, name, patch)
-
-    async def delete(self, name: str) -> Caller:
-        """Remove the caller and its key (which stops working on every instance within
-        ``cache_seconds``), and its limit counters."""
-        return await self._delete(Caller, name)
+        kept = await self._change(cls, name, "being deleted", change)
+        kind, name = cls.__name__.lower(), log_safe(name)[:80]
+        if not isinstance(kept, Price):
+            try:
+                partition = kept.limits_partition
+                for row in await self.store.query(
+                    LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
+                ):
+                    await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
+            except StoreError as exc:
+                log.warning("%s %s deleted; its limit counters were left in the store: %s", kind, name, exc)
+        log.info("%s %s deleted", kind, name)
+        return kept
 
     async def rotate(self, name: str) -> tuple[Caller, str]:
         """A new key for the caller; the old one stops working (on every instance within
@@ -403,57 +405,19 @@ class Registry:
         async def change(caller: Caller, old_hash: str, etag: str) -> tuple[list[Op], Caller]:
             rotated = replace(caller, key_hint=key[-4:])
             row, index = _ops("replace", rotated, hash_key(key), etag)
-            return [
-                row,
-                Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{old_hash}"}),
-                replace(index, kind="insert"),
-            ], rotated
+            old = Op("delete", {"PartitionKey": CALLERS, "RowKey": f"k|{old_hash}"})
+            return [row, old, replace(index, kind="insert")], rotated
 
         rotated = await self._change(Caller, name, "its key was rotated", change)
         log.info("caller %s: key rotated (now …%s)", name, rotated.key_hint)
         return rotated, key
 
-    async def create_team(self, data: TeamSpec) -> Team:
-        team = Team(name=data.name, id=secrets.token_hex(6), **data.values(LIMIT_FIELDS), created_at=self._now())
-        await self._insert(team)
-        log.info("team %s created", team.name)
-        return team
-
-    async def list_teams(self) -> list[Team]:
-        return sorted(await self._all(Team), key=lambda t: t.name)
-
-    async def get_team(self, name: str) -> Team:
-        return (await self._load(Team, name))[0]
-
-    async def update_team(self, name: str, patch: TeamPatch) -> Team:
-        return await self._update(Team, name, patch)
-
-    async def delete_team(self, name: str) -> Team:
-        """Remove a team that has no callers (Conflict otherwise: move or delete them first)."""
-        return await self._delete(Team, name)
-
-    # --- the admin API: prices ------------------------------------------------------------------
-
     async def set_price(self, model: str, data: PriceSpec) -> Price:
-        if not isinstance(model, str) or not 0 < len(model) <= 256 or model != model.strip() or not model.isprintable():
+        """The model's price, as given (a new one, or in place of the one it had)."""
+        if not isinstance(model, str) or not _model_name(model):
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
         await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
-        self.cache.forget(_row_key(Price, model))
+        self.cache.forget(PRICES)
         log.info("price of %s set", log_safe(model)[:80])
-        return price
-
-    async def list_prices(self) -> list[Price]:
-        return sorted(await self._all(Price), key=lambda p: p.model)
-
-    async def get_price(self, model: str) -> Price:
-        row = await self._get(Price, model) if model else None
-        if row is None:
-            raise Missing("price for model", log_safe(model)[:80])
-        return of_row(Price, row)
-
-    async def delete_price(self, model: str) -> Price:
-        price = await self.get_price(model)
-        await self.store.delete(CALLERS_TABLE, PRICES, _row_key(Price, model), timeout=ADMIN_TIMEOUT)
-        self.cache.forget(_row_key(Price, model))
         return price

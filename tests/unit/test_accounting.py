@@ -52,7 +52,7 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
 async def test_caller_and_team_limits_hold_all_or_nothing():
     data = account()
     state, acc = instance(data, "a")
-    team = await state.registry.create_team(TeamSpec(name="t", requests_per_minute=3))
+    team, _ = await state.registry.create(TeamSpec(name="t", requests_per_minute=3))
     caller, _ = await state.registry.create(CallerSpec(name="c", team="t", token_budget=100_000))
     other, _ = await state.registry.create(CallerSpec(name="d", team="t"))
     held = []
@@ -82,7 +82,7 @@ async def test_caller_and_team_limits_hold_all_or_nothing():
 async def test_a_team_budget_refuses_and_gives_back_what_the_caller_reserved():
     data = account()
     state, acc = instance(data, "a")
-    team = await state.registry.create_team(TeamSpec(name="t", token_budget=300))
+    team, _ = await state.registry.create(TeamSpec(name="t", token_budget=300))
     caller, _ = await state.registry.create(CallerSpec(name="c", team="t", tokens_per_minute=10_000))
     first, rec = await admit(acc, caller, max_tokens=200)
     assert isinstance(first, Admission)
@@ -110,7 +110,7 @@ async def test_a_per_model_limit_refuses_only_that_model():
     for _ in range(5):
         other, _ = await admit(acc, caller, model="gpt-4o-mini")
         assert isinstance(other, Admission) and not other.wants  # no limit on it at all
-    team = await state.registry.create_team(TeamSpec(name="t", model_limits={"gpt-4o-mini": {"tokens_per_minute": 50}}))
+    team, _ = await state.registry.create(TeamSpec(name="t", model_limits={"gpt-4o-mini": {"tokens_per_minute": 50}}))
     member, _ = await state.registry.create(CallerSpec(name="m", team="t"))
     refused, _ = await admit(acc, member, model="gpt-4o-mini", max_tokens=100)
     assert isinstance(refused, Refused) and refused.alone and refused.limit.scope == "team"
@@ -122,7 +122,7 @@ async def test_a_per_model_limit_refuses_only_that_model():
 async def test_models_a_caller_or_its_team_may_not_use_are_refused_by_name():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team(TeamSpec(name="t", models=["gpt-4o-mini"]))
+    await state.registry.create(TeamSpec(name="t", models=["gpt-4o-mini"]))
     caller, _ = await state.registry.create(CallerSpec(name="c", models=["gpt-4o", "gpt-4o-mini"], team="t"))
     assert (await admit(acc, caller, model="o1"))[0] == ModelRefused("o1")
     assert (await admit(acc, caller, model="gpt-4o"))[0] == ModelRefused("gpt-4o", scope="team")
@@ -133,7 +133,7 @@ async def test_models_a_caller_or_its_team_may_not_use_are_refused_by_name():
 async def test_an_unpriced_model_is_refused_to_a_spend_budget_and_free_for_everyone_else():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team(TeamSpec(name="rich", spend_budget=5))
+    await state.registry.create(TeamSpec(name="rich", spend_budget=5))
     spender, _ = await state.registry.create(CallerSpec(name="s", spend_budget=1))
     member, _ = await state.registry.create(CallerSpec(name="m", team="rich"))
     free, _ = await state.registry.create(CallerSpec(name="f", token_budget=10_000))
@@ -285,7 +285,7 @@ async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
 async def test_the_store_down_is_unavailable_and_nothing_is_held():
     data = account()
     state, acc = instance(data, "a")
-    await state.registry.create_team(TeamSpec(name="t"))
+    await state.registry.create(TeamSpec(name="t"))
     caller, _ = await state.registry.create(CallerSpec(name="c", team="t", token_budget=1_000))
     store = state.store
     assert isinstance(store, MemoryStore)
@@ -471,6 +471,32 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
     assert acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments)) == sum(
         r["cost"] for r in found
     )
+    await state.close()
+
+
+async def test_the_log_lines_cost_is_the_ledgers_for_a_model_served_under_a_name_this_instance_never_priced():
+    """The log line's cost is taken before the charge is made, at the prices the charge uses: both
+    the ones its admission read (every model's, one read), even for a name this instance had not
+    priced before, and even if a price changes before the answer is over."""
+    from chatstream.record import Segment
+
+    data = account()
+    state, acc = instance(data, "a")
+    other, _ = instance(data, "b")  # the prices are set elsewhere: this instance keeps none of them
+    await other.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+    await other.registry.set_price("llama", PriceSpec(input=0.1, output=0.2))
+    caller, _ = await other.registry.create(CallerSpec(name="c", spend_budget=1))
+    admitted, rec = await admit(acc, caller)
+    assert isinstance(admitted, Admission)
+    await state.registry.set_price("llama", PriceSpec(input=5, output=5))  # after the admission
+    rec.upstream_answered()
+    segments = [Segment("vllm", usage={"prompt_tokens": 20, "completion_tokens": 10}, model="llama")]
+    logged = acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments))
+    charge(acc, admitted, rec, None, segments)  # as the endpoint does: the log line first, then the charge
+    assert await acc.flush(5)
+    [row] = ledger_rows(data)
+    assert (row["model"], row["cost"]) == ("llama", 20 * 100_000 + 10 * 200_000) and logged == row["cost"]
+    await other.close()
     await state.close()
 
 

@@ -16,7 +16,7 @@ from chatstream import tokens
 from chatstream.errors import StoreError
 from chatstream.state import journal
 from chatstream.state.accounting import Accounting, Admission
-from chatstream.state.callers import Caller, CallerSpec, TeamSpec, validate
+from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
@@ -54,8 +54,8 @@ async def setup(data: MemoryData) -> tuple[SharedState, Accounting, SharedState,
     a, acc_a = instance(data, "instance-a")
     b, acc_b = instance(data, "instance-b")
     price = await a.registry.set_price(MODEL, PriceSpec(input=1, cached_input=0.5, output=2))
-    await a.registry.create_team(validate(TeamSpec, {"name": "t", **BUDGETS}))
-    caller, _ = await a.registry.create(validate(CallerSpec, {"name": "c", "team": "t", **BUDGETS}))
+    await a.registry.create(TeamSpec.model_validate({"name": "t", **BUDGETS}))
+    caller, _ = await a.registry.create(CallerSpec.model_validate({"name": "c", "team": "t", **BUDGETS}))
     return a, acc_a, b, acc_b, caller, price
 
 
@@ -136,7 +136,7 @@ async def three_requests(data: MemoryData):
 async def test_a_dead_instance_is_recovered_exactly_and_a_second_takeover_adds_nothing():
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert set(rows) == {rec1.id, rec2.id, rec3.id}
@@ -172,7 +172,7 @@ async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everyth
     dead journal is gone."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     acc_b = await charged_by_its_taker(b, caller, rec3.id, "The")
     c, _ = instance(data, "instance-c")
     if crossed:
@@ -203,7 +203,7 @@ async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everyth
 async def test_a_takeover_that_dies_midway_is_done_again_without_adding_twice():
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     assert isinstance(b.store, MemoryStore)
     b.store.inject(Fault("unavailable", frozenset({"replace"}), table=LIMITS_TABLE, times=1))
     with pytest.raises(StoreError):  # the ledger rows are written, the first counter row is not
@@ -222,7 +222,7 @@ async def test_a_takeover_that_dies_midway_is_done_again_without_adding_twice():
 async def test_a_request_someone_else_charged_is_not_charged_again():
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     entry = entry_of(data, "instance-a", rec3.id)
     assert entry is not None
     # r3's stream was taken over elsewhere and charged there, at more than a's checkpoint (its
@@ -252,7 +252,7 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     charged that part (and counted it in its own counters). The takeover adds r2 to no counter."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     entry = entry_of(data, "instance-a", rec2.id)
     assert entry is not None and entry["state"] == "settled"
     theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
@@ -286,7 +286,7 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
     the row to what the log shows (its author stays the takeover's) and the budget rows follow."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, GENERATED)
     shown = GENERATED + " It came back at dusk, tired and happy."
@@ -305,7 +305,7 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     it adds nothing."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     acc_b = await charged_by_its_taker(b, caller, rec3.id, "The")
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
@@ -325,7 +325,7 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     takeover, whose checkpoint is below it, leaves it. The budget rows hold exactly the ledger."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     acc_b = b.accounting
     assert acc_b is not None
     taken = record()
@@ -385,7 +385,7 @@ async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_de
     the caller received, every budget row exactly the ledger."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     acc_b = b.accounting
     assert acc_b is not None and isinstance(b.store, MemoryStore)
     taken = record()
@@ -436,7 +436,7 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     settle entered the counters too: one part counted twice)."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     first, rec = await admit(acc_a, caller, "a story")
     assert isinstance(first, Admission)
     taken = record()
@@ -460,7 +460,7 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
 async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had_listed():
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
     acc_a.progress(r1, lambda: {0: GENERATED})
@@ -527,7 +527,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     a, acc_a = instance(data, "instance-a", fast)
     b, acc_b = instance(data, "instance-b", fast)
     await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="day"))
-    caller = await a.registry.get("c")
+    caller = await a.registry.get(Caller, "c")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
     acc_a.progress(r1, lambda: {0: GENERATED})
@@ -554,7 +554,7 @@ async def test_a_graceful_stop_settles_and_writes_everything_and_leaves_no_journ
     counters gave back what they held."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     assert isinstance(a.store, MemoryStore)
     a.store.inject(Fault("slow", frozenset({"replace"}), table=LIMITS_TABLE, delay=counter_seconds, times=1000))
     done = []
@@ -738,7 +738,7 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
 
     await until(journaled, what="the journal lists the stream and its checkpoint")
     await kill(a)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     return a, b, caller, rec, team
 
 
@@ -889,7 +889,7 @@ async def test_a_background_responses_usage_seen_is_journaled_and_charged_once_i
     await until(lambda: entry_of(data, "instance-b", "resp_bg/seen") is not None, what="journaled on B")
     assert ledger_rows(data) == {}
     await kill(b)
-    team = (await a.registry.get_team("t")).limits_partition
+    team = (await a.registry.get(Team, "t")).limits_partition
     for _ in range(2):  # a second takeover adds nothing
         await Recovery(a.store, a.ledger).recover("instance-b", "instance-a")
         rows = ledger_rows(data)
@@ -934,7 +934,7 @@ async def test_a_correction_by_an_instance_that_never_held_its_budgets_is_applie
         )
         assert entry_of(data, "instance-b", "resp_bg/seen") is not None
     await kill(b)
-    team = (await a.registry.get_team("t")).limits_partition
+    team = (await a.registry.get(Team, "t")).limits_partition
     c, _ = instance(data, "instance-c")
     recoveries = [Recovery(a.store, a.ledger).recover("instance-b", "instance-a")]
     recoveries.append(Recovery(c.store, c.ledger).recover("instance-b", "instance-c"))

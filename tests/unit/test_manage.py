@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from chatstream.manage import Manage
 from chatstream.settings import Settings, SettingsError
+from chatstream.state.callers import Caller
 from chatstream.state.ledger import Charge
 from chatstream.state.prices import PriceSpec
 from chatstream.state.shared import SharedState
@@ -32,15 +33,27 @@ pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_ti
 
 
 def app_for(manage: Manage) -> Starlette:
+    def collection(kind: str):
+        async def handler(request):
+            return await manage.collection(request, kind)
+
+        return handler
+
+    def item(kind: str):
+        async def handler(request):
+            return await manage.item(request, kind)
+
+        return handler
+
     return Starlette(
         routes=[
-            Route("/api/manage/callers", manage.callers, methods=["GET", "POST"]),
-            Route("/api/manage/callers/{name}", manage.caller, methods=["GET", "PATCH", "DELETE"]),
+            Route("/api/manage/callers", collection("callers"), methods=["GET", "POST"]),
+            Route("/api/manage/callers/{name}", item("callers"), methods=["GET", "PATCH", "DELETE"]),
             Route("/api/manage/callers/{name}/rotate", manage.rotate, methods=["POST"]),
-            Route("/api/manage/teams", manage.teams, methods=["GET", "POST"]),
-            Route("/api/manage/teams/{name}", manage.team, methods=["GET", "PATCH", "DELETE"]),
-            Route("/api/manage/prices", manage.prices, methods=["GET"]),
-            Route("/api/manage/prices/{model:path}", manage.price, methods=["GET", "PUT", "DELETE"]),
+            Route("/api/manage/teams", collection("teams"), methods=["GET", "POST"]),
+            Route("/api/manage/teams/{name}", item("teams"), methods=["GET", "PATCH", "DELETE"]),
+            Route("/api/manage/prices", collection("prices"), methods=["GET"]),
+            Route("/api/manage/prices/{model:path}", item("prices"), methods=["GET", "PUT", "DELETE"]),
             Route("/api/manage/usage", manage.usage, methods=["GET"]),
         ]
     )
@@ -354,7 +367,7 @@ async def test_callers_and_teams_show_what_their_budgets_have_taken():
         state = admin.state
         await http.post("/api/manage/teams", json={"name": "t", "token_budget": 1_000})
         await http.post("/api/manage/callers", json={"name": "c", "team": "t", "spend_budget": 2, "token_budget": 500})
-        caller = await state.registry.get("c")
+        caller = await state.registry.get(Caller, "c")
         assert state.accounting is not None
         await state.registry.set_price("gpt-4o", PriceSpec(input=1, output=1))
         admitted, rec = await admit(state.accounting, caller, max_tokens=10)

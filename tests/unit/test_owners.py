@@ -9,16 +9,16 @@ import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.errors import StoreError
-from chatstream.state.owners import Owners
+from chatstream.state.owners import Owned, Owners
 from chatstream.state.store import RESPONSES_TABLE
 
 
 async def test_what_a_caller_creates_belongs_to_it():
     owners = Owners(MemoryStore())
     assert await owners.owned("response", "resp_1") is None
-    assert await owners.claim("response", "resp_1", "alice-id") is True
-    assert await owners.claim("response", "resp_1", "alice-id") is True  # idempotent
-    assert await owners.claim("response", "resp_1", "bob-id") is False
+    assert await owners.claim("response", "resp_1", Owned("alice-id")) is True
+    assert await owners.claim("response", "resp_1", Owned("alice-id")) is True  # idempotent
+    assert await owners.claim("response", "resp_1", Owned("bob-id")) is False
     owned = await owners.owned("response", "resp_1")
     assert owned is not None and owned.caller_id == "alice-id"
     assert await owners.owned("stream", "resp_1") is None  # kinds are apart
@@ -30,21 +30,21 @@ async def test_what_a_caller_creates_belongs_to_it():
     assert await owners.owned("response", "resp_1") is None
     await owners.forget("response", "resp_1")
     odd = "resp/odd#id?\n"
-    assert await owners.claim("response", odd, "alice-id") is True
+    assert await owners.claim("response", odd, Owned("alice-id")) is True
     assert (await owners.owned("response", odd)) is not None
 
 
 async def test_a_background_response_is_charged_once_across_instances():
     data = MemoryData()
     owners = [Owners(MemoryStore(data)), Owners(MemoryStore(data))]
-    await owners[0].claim("response", "resp_bg", "alice-id", reserved=500, at=10.0, reserved_spend=7)
+    await owners[0].claim("response", "resp_bg", Owned("alice-id", reserved=500, reserved_spend=7, reserved_at=10.0))
     results = await asyncio.gather(*(owners[i % 2].first_charge("response", "resp_bg") for i in range(20)))
     assert results.count(True) == 1
     assert await owners[1].first_charge("response", "resp_bg") is False
     owned = await owners[0].owned("response", "resp_bg")
     assert owned is not None and (owned.caller_id, owned.reserved, owned.reserved_spend) == ("alice-id", 500, 7)
     # Charged by the request that made it: never charged again when seen.
-    await owners[0].claim("response", "resp_done", "alice-id", charged=True)
+    await owners[0].claim("response", "resp_done", Owned("alice-id", charged=True))
     assert await owners[1].first_charge("response", "resp_done") is False
     # Never claimed (made before callers were on): the first mark wins.
     assert [await owners[0].first_charge("response", "resp_old") for _ in range(2)] == [True, False]
@@ -58,7 +58,7 @@ async def test_a_first_charge_whose_answer_was_lost_is_still_the_first(claimed):
     store = MemoryStore(data)
     owners, other = Owners(store), Owners(MemoryStore(data))
     if claimed:
-        await owners.claim("response", "resp_bg", "alice-id")
+        await owners.claim("response", "resp_bg", Owned("alice-id"))
     store.inject(Fault("lose_answer", frozenset({"merge", "insert"}), table=RESPONSES_TABLE))
     assert await owners.first_charge("response", "resp_bg") is True
     assert await other.first_charge("response", "resp_bg") is False
@@ -71,7 +71,7 @@ async def test_a_store_that_fails_raises_the_stores_error():
     store.inject(Fault("unavailable", times=3))
     for call in (
         owners.owned("response", "r"),
-        owners.claim("response", "r", "a"),
+        owners.claim("response", "r", Owned("a")),
         owners.first_charge("response", "r"),
     ):
         with pytest.raises(StoreError):
@@ -82,7 +82,7 @@ async def test_the_sweep_deletes_rows_past_their_lifetime():
     store = MemoryStore()
     owners = Owners(store)
     now = store.clock.now()
-    await owners.claim("response", "short", "a", lifetime=10)
-    await owners.claim("stream", "long", "a", lifetime=1000)
+    await owners.claim("response", "short", Owned("a"), lifetime=10)
+    await owners.claim("stream", "long", Owned("a"), lifetime=1000)
     assert await owners.sweep(now + 100) == 1
     assert await owners.owned("response", "short") is None and await owners.owned("stream", "long") is not None

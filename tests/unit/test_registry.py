@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
-from chatstream.errors import StoreError
-from chatstream.manage import caller_json, price_json, team_json
-from chatstream.state.callers import Caller, CallerPatch, CallerSpec, TeamPatch, TeamSpec, hash_key, validate
+from chatstream.errors import ApiError, StoreError
+from chatstream.manage import caller_json, price_json, team_json, validate
+from chatstream.state.callers import Caller, CallerPatch, CallerSpec, Team, TeamPatch, TeamSpec, hash_key
 from chatstream.state.port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
@@ -80,13 +80,13 @@ async def test_create_list_get_update_rotate_delete():
     found = await reg.authenticate(key)
     assert isinstance(found, Caller) and found.name == "search" and found.id == caller.id
     assert data.calls["get"] == gets + 1 and data.calls.get("query", 0) == 0
-    assert [c.name for c in await reg.list()] == ["search"]
-    assert await reg.get("search") == caller
+    assert [c.name for c in await reg.list(Caller)] == ["search"]
+    assert await reg.get(Caller, "search") == caller
 
-    updated = await reg.update("search", CallerPatch(tokens_per_minute=20_000, models=None))
+    updated = await reg.update(Caller, "search", CallerPatch(tokens_per_minute=20_000, models=None))
     assert updated.tokens_per_minute == 20_000 and updated.models is None and updated.requests_per_minute == 60
     assert updated.spend_budget == caller.spend_budget and updated.model_limits == caller.model_limits
-    assert await reg.get("search") == updated
+    assert await reg.get(Caller, "search") == updated
     found = await reg.authenticate(key)  # this instance forgot its cached answer
     assert isinstance(found, Caller) and found.tokens_per_minute == 20_000
 
@@ -96,12 +96,17 @@ async def test_create_list_get_update_rotate_delete():
     assert isinstance(await reg.authenticate(new), Caller)
     assert f"k|{hash_key(key)}" not in data.tables[CALLERS_TABLE]["callers"]
 
-    assert (await reg.delete("search")).name == "search"
+    assert (await reg.delete(Caller, "search")).name == "search"
     assert isinstance(await reg.authenticate(new), KeyRefused)
-    for missing in (reg.get("search"), reg.delete("search"), reg.update("search", CallerPatch()), reg.rotate("search")):
+    for missing in (
+        reg.get(Caller, "search"),
+        reg.delete(Caller, "search"),
+        reg.update(Caller, "search", CallerPatch()),
+        reg.rotate("search"),
+    ):
         with pytest.raises(Missing):
             await missing
-    assert await reg.list() == []
+    assert await reg.list(Caller) == []
     # A caller made again under the name is a new one: a new id (fresh counters and ledger), a new key.
     again, key_again = await reg.create(CallerSpec(name="search"))
     assert again.id != caller.id and again.tokens_per_minute is None and key_again not in (key, new)
@@ -115,7 +120,7 @@ async def test_delete_drops_the_callers_counter_rows():
     store = reg.store
     await store.insert(LIMITS_TABLE, {"PartitionKey": caller.limits_partition, "RowKey": "tokens", "taken": 5})
     await store.insert(LIMITS_TABLE, {"PartitionKey": "someone|else", "RowKey": "tokens", "taken": 7})
-    await reg.delete("a")
+    await reg.delete(Caller, "a")
     assert not data.tables[LIMITS_TABLE].get(caller.limits_partition)
     assert data.tables[LIMITS_TABLE]["someone|else"]
 
@@ -162,7 +167,7 @@ async def test_a_key_in_steady_use_is_read_again_ahead_in_the_background_never_o
         # the read ahead (in the last 2 s of an answer's 10) runs in the background
         await asyncio.sleep(AHEAD_DELAY + 0.05)
     assert reads(data) == 2  # once per period, as before: ahead of time
-    await reg.delete("a")
+    await reg.delete(Caller, "a")
     clock.now += 10.01  # a change still takes effect within cache_seconds
     assert isinstance(await reg.authenticate(key), KeyRefused)
 
@@ -176,7 +181,7 @@ async def test_a_revoked_or_rotated_key_stops_on_another_instance_within_the_cac
     assert isinstance(await other.authenticate(key), Caller)  # cached there now
     clock.now += 3
     if change == "delete":
-        await admin.delete("a")
+        await admin.delete(Caller, "a")
     else:
         _, new = await admin.rotate("a")
         assert isinstance(await other.authenticate(new), Caller)  # the new key works at once
@@ -194,7 +199,7 @@ async def test_an_update_reaches_another_instance_within_the_cache_time():
     _, key = await admin.create(CallerSpec(name="a", tokens_per_minute=100))
     first = await other.authenticate(key)
     assert isinstance(first, Caller) and first.tokens_per_minute == 100
-    await admin.update("a", CallerPatch(tokens_per_minute=200))
+    await admin.update(Caller, "a", CallerPatch(tokens_per_minute=200))
     clock.now += 2.01
     later = await other.authenticate(key)
     assert isinstance(later, Caller) and later.tokens_per_minute == 200
@@ -213,9 +218,9 @@ async def test_expired_keys_are_refused_even_when_cached_and_a_past_expiry_is_re
         await reg.create(validate(CallerSpec, {"name": "b", "expires_at": "2001-01-01T00:00:00Z"}))
     assert info.value.param == "expires_at"
     with pytest.raises(Invalid) as info:
-        await reg.update("a", validate(CallerPatch, {"expires_at": "2001-01-01T00:00:00Z"}))
+        await reg.update(Caller, "a", validate(CallerPatch, {"expires_at": "2001-01-01T00:00:00Z"}))
     assert info.value.param == "expires_at"
-    unexpired = await reg.update("a", CallerPatch(expires_at=None))
+    unexpired = await reg.update(Caller, "a", CallerPatch(expires_at=None))
     assert unexpired.expires_at is None
     assert isinstance(await reg.authenticate(key), Caller)
 
@@ -231,9 +236,9 @@ async def test_concurrent_patches_on_two_instances_lose_no_update():
         {"models": ["m1"]},
         {"spend_budget": 4.25},
     ]
-    await asyncio.gather(*((a, b)[i % 2].update("x", validate(CallerPatch, p)) for i, p in enumerate(patches)))
+    await asyncio.gather(*((a, b)[i % 2].update(Caller, "x", validate(CallerPatch, p)) for i, p in enumerate(patches)))
     assert data.calls["batch"] > 1 + len(patches)  # they met: some were refused by the ETag and redone
-    final = await a.get("x")
+    final = await a.get(Caller, "x")
     assert (final.tokens_per_minute, final.requests_per_minute, final.token_budget) == (111, 22, 3_333)
     assert final.models == ("m1",) and final.spend_budget == 4_250_000_000_000
     # ...and the key index holds the same caller as the caller row.
@@ -244,9 +249,9 @@ async def test_concurrent_patches_on_two_instances_lose_no_update():
 async def test_a_patch_with_null_removes_a_limit_and_the_period_defaults():
     reg = registry()
     await reg.create(CallerSpec(name="a", tokens_per_minute=5, token_budget=9, budget_period="day"))
-    updated = await reg.update("a", CallerPatch(tokens_per_minute=None, budget_period=None))
+    updated = await reg.update(Caller, "a", CallerPatch(tokens_per_minute=None, budget_period=None))
     assert (updated.tokens_per_minute, updated.token_budget, updated.budget_period) == (None, 9, "total")
-    assert (await reg.get("a")) == updated
+    assert (await reg.get(Caller, "a")) == updated
 
 
 async def test_a_flood_of_made_up_keys_is_bounded_and_known_callers_still_get_in():
@@ -291,7 +296,7 @@ async def test_a_store_that_fails_is_unavailable_and_not_remembered():
         await reg.create(CallerSpec(name="b"))
     store.inject(Fault("unavailable", frozenset({"query"})))
     with pytest.raises(StoreError):
-        await reg.list()
+        await reg.list(Caller)
 
 
 async def test_a_duplicate_name_is_invalid_naming_the_field_and_the_first_one_stands():
@@ -300,7 +305,7 @@ async def test_a_duplicate_name_is_invalid_naming_the_field_and_the_first_one_st
     with pytest.raises(Invalid) as info:
         await reg.create(CallerSpec(name="a", tokens_per_minute=5))
     assert info.value.param == "name" and "already exists" in info.value.message
-    assert (await reg.get("a")).tokens_per_minute is None
+    assert (await reg.get(Caller, "a")).tokens_per_minute is None
 
 
 # --- teams -----------------------------------------------------------------------------------------
@@ -309,18 +314,18 @@ async def test_a_duplicate_name_is_invalid_naming_the_field_and_the_first_one_st
 async def test_teams_create_get_patch_and_delete_once_they_have_no_callers():
     clock = Clock()
     reg = registry(cache=10.0, clock=clock)
-    team = await reg.create_team(TeamSpec(name="search", spend_budget=100, budget_period="day"))
+    team, _ = await reg.create(TeamSpec(name="search", spend_budget=100, budget_period="day"))
     assert team.spend_budget == 100 * 10**12 and team_json(team)["spend_budget"] == 100.0
     with pytest.raises(Invalid) as info:
-        await reg.create_team(TeamSpec(name="search"))
+        await reg.create(TeamSpec(name="search"))
     assert info.value.param == "name"
-    assert [t.name for t in await reg.list_teams()] == ["search"]
-    patched = await reg.update_team(
-        "search", TeamPatch(tokens_per_minute=1_000, model_limits={"m": {"requests_per_minute": 2}})
+    assert [t.name for t in await reg.list(Team)] == ["search"]
+    patched = await reg.update(
+        Team, "search", TeamPatch(tokens_per_minute=1_000, model_limits={"m": {"requests_per_minute": 2}})
     )
     assert patched.tokens_per_minute == 1_000 and patched.spend_budget == team.spend_budget
     assert patched.model_limits["m"].requests_per_minute == 2 and patched.id == team.id
-    assert await reg.get_team("search") == patched
+    assert await reg.get(Team, "search") == patched
 
     with pytest.raises(Invalid) as info:  # a caller's team must exist
         await reg.create(CallerSpec(name="a", team="nope"))
@@ -329,40 +334,40 @@ async def test_teams_create_get_patch_and_delete_once_they_have_no_callers():
     assert caller.team == "search" and caller.team_id == team.id
     assert await reg.team_of(caller) == patched
     with pytest.raises(Conflict):
-        await reg.delete_team("search")
-    moved = await reg.update("a", CallerPatch(team=None))
+        await reg.delete(Team, "search")
+    moved = await reg.update(Caller, "a", CallerPatch(team=None))
     assert moved.team is None and moved.team_id is None
-    assert (await reg.delete_team("search")).name == "search"
-    for missing in (reg.get_team("search"), reg.update_team("search", TeamPatch()), reg.delete_team("search")):
+    assert (await reg.delete(Team, "search")).name == "search"
+    for missing in (reg.get(Team, "search"), reg.update(Team, "search", TeamPatch()), reg.delete(Team, "search")):
         with pytest.raises(Missing):
             await missing
     with pytest.raises(Invalid):
-        await reg.update("a", CallerPatch(team="search"))
+        await reg.update(Caller, "a", CallerPatch(team="search"))
 
 
 async def test_a_team_deleted_and_made_again_is_a_new_team_to_its_old_callers():
     clock = Clock()
     reg = registry(cache=1.0, clock=clock)
-    await reg.create_team(TeamSpec(name="t", token_budget=10))
+    await reg.create(TeamSpec(name="t", token_budget=10))
     caller, _ = await reg.create(CallerSpec(name="a", team="t"))
     assert await reg.team_of(caller) is not None
     # A race left the caller without its team (deleted as the caller was made): its limits don't apply.
     await reg.store.delete(CALLERS_TABLE, "teams", "t|t")
-    await reg.create_team(TeamSpec(name="t", token_budget=99))
+    await reg.create(TeamSpec(name="t", token_budget=99))
     clock.now += 1.1
     assert await reg.team_of(caller) is None
-    assert await reg.team_of(await reg.get("a")) is None  # its stored team id is the old one's
+    assert await reg.team_of(await reg.get(Caller, "a")) is None  # its stored team id is the old one's
 
 
 async def test_team_answers_are_cached_like_keys():
     clock = Clock()
     data = MemoryData()
     admin, other = registry(data, 5.0, clock), registry(data, 5.0, clock)
-    await admin.create_team(TeamSpec(name="t", tokens_per_minute=10))
+    await admin.create(TeamSpec(name="t", tokens_per_minute=10))
     caller, _ = await admin.create(CallerSpec(name="a", team="t"))
     first = await other.team_of(caller)
     assert first is not None and not isinstance(first, Unavailable) and first.tokens_per_minute == 10
-    await admin.update_team("t", TeamPatch(tokens_per_minute=20))
+    await admin.update(Team, "t", TeamPatch(tokens_per_minute=20))
     gets = data.calls["get"]
     cached = await other.team_of(caller)
     assert cached is not None and not isinstance(cached, Unavailable) and cached.tokens_per_minute == 10
@@ -387,8 +392,8 @@ async def test_prices_put_get_list_delete_exactly_in_pico_dollars():
     assert price.most(1_000, 250) == 1_000 * 150_000 + 250 * 600_000
     same = await reg.set_price("deploy/gpt-4o", PriceSpec(input=2.5, output=10))  # cached_input defaults to input
     assert same.cached_input == same.input == 2_500_000 and same.output == 10_000_000
-    assert [p.model for p in await reg.list_prices()] == ["deploy/gpt-4o", "gpt-4o-mini"]
-    assert (await reg.get_price("deploy/gpt-4o")).input == 2_500_000
+    assert [p.model for p in await reg.list(Price)] == ["deploy/gpt-4o", "gpt-4o-mini"]
+    assert (await reg.get(Price, "deploy/gpt-4o")).input == 2_500_000
     assert await other.price("gpt-4o-mini") == price
     assert await other.price("unpriced") is None
     # A change applies from when it is made, on every instance within the cache time.
@@ -400,13 +405,13 @@ async def test_prices_put_get_list_delete_exactly_in_pico_dollars():
     clock.now += 5.1
     fresh = await other.price("gpt-4o-mini")
     assert isinstance(fresh, Price) and fresh.input == 300_000
-    assert (await reg.delete_price("gpt-4o-mini")).model == "gpt-4o-mini"
+    assert (await reg.delete(Price, "gpt-4o-mini")).model == "gpt-4o-mini"
     assert await reg.price("gpt-4o-mini") is None
     for model in ("gpt-4o-mini", "", "x" * 300):
         with pytest.raises(Missing):
-            await reg.get_price(model)
+            await reg.get(Price, model)
     with pytest.raises(Missing):
-        await reg.delete_price("gpt-4o-mini")
+        await reg.delete(Price, "gpt-4o-mini")
 
 
 @pytest.mark.parametrize(
@@ -427,13 +432,13 @@ async def test_prices_put_get_list_delete_exactly_in_pico_dollars():
 )
 async def test_bad_prices_are_invalid_naming_the_field_never_the_value(body, param):
     reg = registry()
-    with pytest.raises(Invalid) as info:
+    with pytest.raises(ApiError) as info:  # the admin API's 400 (manage.validate)
         await reg.set_price("m", validate(PriceSpec, body))
     assert info.value.param == param and info.value.message.startswith(param)
     for value in body.values():
         if isinstance(value, float | str) and not isinstance(value, bool) and value not in (1, 1.0):
             assert str(value) not in info.value.message
-    assert await reg.list_prices() == []
+    assert await reg.list(Price) == []
 
 
 async def test_a_price_of_six_decimals_and_zero_are_exact():
@@ -507,7 +512,7 @@ LONG = "x" * 10_000
 async def test_bad_admin_input_is_invalid_naming_the_field_never_the_value(body, param):
     data = MemoryData()
     reg = registry(data)
-    with pytest.raises(Invalid) as info:
+    with pytest.raises((Invalid, ApiError)) as info:  # the registry's refusal, or the body's 400
         await reg.create(validate(CallerSpec, body))
     assert info.value.param == param, info.value.message
     assert info.value.message.startswith(param) and len(info.value.message) < 300
@@ -516,8 +521,8 @@ async def test_bad_admin_input_is_invalid_naming_the_field_never_the_value(body,
             assert value not in info.value.message
     assert not data.tables.get(CALLERS_TABLE)  # nothing was written
     if param not in ("team", "expires_at"):  # a team's settings are validated the same way
-        with pytest.raises(Invalid) as info:
-            await reg.create_team(validate(TeamSpec, body))
+        with pytest.raises((Invalid, ApiError)) as info:
+            await reg.create(validate(TeamSpec, body))
         assert info.value.param == param
 
 
@@ -533,8 +538,8 @@ async def test_bad_admin_input_is_invalid_naming_the_field_never_the_value(body,
     ],
 )
 def test_bad_patches_are_invalid_naming_the_field(patch, param):
-    for model in (CallerPatch, TeamPatch):  # what the admin API hands the registry, or Invalid
-        with pytest.raises(Invalid) as info:
+    for model in (CallerPatch, TeamPatch):  # what the admin API hands the registry, or a 400
+        with pytest.raises(ApiError) as info:
             validate(model, patch)
         assert info.value.param == param
 
@@ -544,10 +549,10 @@ async def test_names_that_cannot_be_a_caller_are_missing_without_a_store_read():
     reg = registry(data)
     for name in ("", "a b", "\n", "x" * 100, "a/b"):
         with pytest.raises(Missing) as info:
-            await reg.get(name)
+            await reg.get(Caller, name)
         assert "\n" not in str(info.value)
         with pytest.raises(Missing):
-            await reg.get_team(name)
+            await reg.get(Team, name)
     assert data.calls.get("get", 0) == 0
 
 
@@ -565,10 +570,10 @@ async def test_keys_never_reach_a_log_an_error_an_answer_or_the_store(caplog):
     answers = [
         caller_json(caller),
         caller_json(rotated),
-        caller_json(await reg.get("a")),
-        [caller_json(c) for c in await reg.list()],
+        caller_json(await reg.get(Caller, "a")),
+        [caller_json(c) for c in await reg.list(Caller)],
     ]
-    await reg.delete("a")
+    await reg.delete(Caller, "a")
     text = caplog.text + json.dumps(answers) + stored(data) + " ".join(errors)
     for k in (key, new):
         assert k not in text and k[4:] not in text

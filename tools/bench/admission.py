@@ -27,7 +27,7 @@ import time
 from collections import Counter as Tally
 from pathlib import Path
 
-from chatstream.state.callers import CallerSpec, TeamSpec, validate
+from chatstream.state.callers import CallerSpec, TeamSpec
 from chatstream.state.prices import PriceSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,8 +144,8 @@ async def setup_callers(keyed) -> dict[str, str]:
     keys = {}
     _, keys["keys"] = await registry.create(CallerSpec(name="bench-nolimit"))
     _, keys["keyslim"] = await registry.create(CallerSpec(name="bench-limited", tokens_per_minute=1_000_000_000))
-    await registry.set_price(MODEL, validate(PriceSpec, PRICE))
-    await registry.create_team(TeamSpec(name="bench-team", spend_budget=1_000_000))
+    await registry.set_price(MODEL, PriceSpec.model_validate(PRICE))
+    await registry.create(TeamSpec(name="bench-team", spend_budget=1_000_000))
     _, keys["keyteam"] = await registry.create(CallerSpec(name="bench-team-member", team="bench-team"))
     return keys
 
