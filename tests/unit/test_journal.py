@@ -370,7 +370,7 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # a's checkpoint is below it
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
     await b.close()
 
@@ -493,7 +493,7 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
     (the takeover's row); a's counters neither charge it again nor keep an entry for it in a row."""
     data = account()
     a, acc_a, b, acc_b, caller, price = await setup(data)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     r0, rec0 = await admit(acc_a, caller, "zero")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r0, Admission) and isinstance(r1, Admission)
@@ -967,8 +967,8 @@ async def test_a_charge_whose_window_ended_before_it_entered_its_row_is_not_appl
     b, _ = instance(data, "instance-b")
     price = await a.registry.set_price(MODEL, PriceSpec(input=1, cached_input=0.5, output=2))
     budgets = {**BUDGETS, "budget_period": period}
-    await a.registry.create_team(validate(TeamSpec, {"name": "t", **budgets}))
-    caller, _ = await a.registry.create(validate(CallerSpec, {"name": "c", "team": "t", **budgets}))
+    await a.registry.create(TeamSpec.model_validate({"name": "t", **budgets}))
+    caller, _ = await a.registry.create(CallerSpec.model_validate({"name": "c", "team": "t", **budgets}))
     assert isinstance(a.store, MemoryStore)
     a.store.inject(Fault("unavailable", frozenset({"batch"}), table=USAGE_TABLE, times=10**9))
     r1, rec1 = await admit(acc_a, caller, "one")
@@ -982,7 +982,7 @@ async def test_a_charge_whose_window_ended_before_it_entered_its_row_is_not_appl
     await a.store.get(LIMITS_TABLE, "x", "y")  # an answer of the store: its clock is read
     r2, rec2 = await admit(acc_a, caller, "two")
     assert isinstance(r2, Admission)
-    team = (await b.registry.get_team("t")).limits_partition
+    team = (await b.registry.get(Team, "t")).limits_partition
     for row in budget_rows(data, caller, team):
         assert row["window"] != old and "instance-a=" in row["holds"], row  # A's entry, in the new window
     assert entry_of(data, "instance-a", rec1.id) is not None and entry_of(data, "instance-a", rec2.id) is not None
