@@ -238,14 +238,14 @@ class Lease:
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
 
-    def charge(self, amount: int, confirmed: bool = False) -> _Staged | None:
+    def charge(self, amount: int) -> _Staged | None:
         """``amount`` spent in the books' window (a correction: either sign), paid from the balance
         (below 0: the row pays the rest, at the next exchange). A budget's charge is staged and
         returned: it enters the row once confirmed (its ledger row written). A minute window is
         never taken over (it ends by itself): the charge leaves the books here, without a write."""
         self.balance -= amount
         if self.period != "minute":
-            return self._stage(amount, confirmed)
+            return self._stage(amount)
         self.held -= amount
         self.kick()
         return None
@@ -316,9 +316,9 @@ class Lease:
         self.balance -= need
         self.reserved += need
 
-    def _stage(self, amount: int, confirmed: bool) -> _Staged:
+    def _stage(self, amount: int) -> _Staged:
         self.seq += 1
-        staged = _Staged(self.seq, amount, confirmed)
+        staged = _Staged(self.seq, amount)
         self.staged.append(staged)
         self.kick()
         return staged
@@ -719,10 +719,10 @@ class Counters:
                 rates[kind] = rate
         return rates
 
-    def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
+    def adjust(self, wants: Sequence[Want], at: float) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.charge``). Not ``confirmed``:
-        the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
+        the windows it was made in when they are still current (``Lease.charge``): the corrections
+        wait for ``Settlement.confirm`` (their ledger row written), as a settle's charges do."""
         now = self.clock()
         settlement = Settlement()
         for want in wants:
@@ -730,7 +730,7 @@ class Counters:
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))
-            staged = lease.charge(want.need, confirmed) if window_of(want.period, at) == lease.window else None
+            staged = lease.charge(want.need) if window_of(want.period, at) == lease.window else None
             if staged is not None:
                 settlement.staged.append((lease, staged))
         return settlement
