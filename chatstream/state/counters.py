@@ -250,16 +250,13 @@ class Lease:
         self.kick()
         return None
 
-    def lessen(self, staged: _Staged, amount: int) -> None:
-        """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
-        another instance's, which counts it): what it took of the books comes back to the balance."""
-        amount = min(amount, staged.amount)
-        if amount > 0 and not staged.confirmed and any(s is staged for s in self.staged):
-            staged.amount -= amount
-            self.balance += amount
-            self.kick()
-
-    def confirm(self, staged: _Staged) -> None:
+    def confirm(self, staged: _Staged, less: int) -> None:
+        """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
+        another instance's, which counts it): what that took of the books comes back to the balance."""
+        less = min(less, staged.amount)
+        if less > 0 and not staged.confirmed and any(s is staged for s in self.staged):
+            staged.amount -= less
+            self.balance += less
         staged.confirmed = True
         self.kick()
 
@@ -558,19 +555,15 @@ class Settlement:
     def seqs(self) -> dict[CounterKey, int]:
         return {lease.key: s.seq for lease, s in self.staged}
 
-    def lessen(self, amounts: Mapping[CounterKey, int]) -> None:
-        """Before ``confirm``: take ``amounts`` (per counter) out of the staged charges
-        (segments whose ledger row another instance wrote and counted)."""
-        for lease, staged in self.staged:
-            lease.lessen(staged, amounts.get(lease.key, 0))
-
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
         return all(lease.entered() or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
-    def confirm(self) -> None:
+    def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
+        """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
+        taken out first (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
-            lease.confirm(staged)
+            lease.confirm(staged, (less or {}).get(lease.key, 0))
 
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,

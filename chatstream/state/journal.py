@@ -364,8 +364,7 @@ class Journal:
             entry.written.set()
             if entry.settlement is not None:
                 # A segment whose row another instance wrote first is counted by that one, not here.
-                entry.settlement.lessen(amounts(entry.needs, done.result()))
-                entry.settlement.confirm()  # now the counters may take the charges in
+                entry.settlement.confirm(amounts(entry.needs, done.result()))  # now the counters take them in
             self.changed()
 
         written.add_done_callback(landed)
