@@ -425,7 +425,6 @@ class Accounting:
             await asyncio.wait(list(self._background), timeout=max(0.0, deadline - loop.time()))
         left = max(0.0, deadline - loop.time())
         ok = await self.journal.flush(left)
-        ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 
