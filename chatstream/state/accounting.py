@@ -344,7 +344,7 @@ class Accounting:
         journal's entry ``key``: counted once its row is written (journal.py), never lost. Journaled
         once this instance has its entry in each budget row (it may have held none of it): a takeover
         applies it from there (unless the counters' store is down meanwhile: then it waits no longer)."""
-        settlement = self.counters.adjust(wants, at, confirmed=False)
+        settlement = self.counters.adjust(wants, at)
         await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(asdict(charge))
@@ -423,7 +423,6 @@ class Accounting:
             await asyncio.wait(list(self._background), timeout=max(0.0, deadline - loop.time()))
         left = max(0.0, deadline - loop.time())
         ok = await self.journal.flush(left)
-        ok = await self.ledger.drain(max(0.0, deadline - loop.time())) and ok
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok
 
 

@@ -238,28 +238,25 @@ class Lease:
             self.hold.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
 
-    def charge(self, amount: int, confirmed: bool = False) -> _Staged | None:
+    def charge(self, amount: int) -> _Staged | None:
         """``amount`` spent in the books' window (a correction: either sign), paid from the balance
         (below 0: the row pays the rest, at the next exchange). A budget's charge is staged and
         returned: it enters the row once confirmed (its ledger row written). A minute window is
         never taken over (it ends by itself): the charge leaves the books here, without a write."""
         self.balance -= amount
         if self.period != "minute":
-            return self._stage(amount, confirmed)
+            return self._stage(amount)
         self.held -= amount
         self.kick()
         return None
 
-    def lessen(self, staged: _Staged, amount: int) -> None:
-        """A staged charge turns out ``amount`` smaller before it is confirmed (its ledger row was
-        another instance's, which counts it): what it took of the books comes back to the balance."""
-        amount = min(amount, staged.amount)
-        if amount > 0 and not staged.confirmed and any(s is staged for s in self.staged):
-            staged.amount -= amount
-            self.balance += amount
-            self.kick()
-
-    def confirm(self, staged: _Staged) -> None:
+    def confirm(self, staged: _Staged, less: int) -> None:
+        """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
+        another instance's, which counts it): what that took of the books comes back to the balance."""
+        less = min(less, staged.amount)
+        if less > 0 and not staged.confirmed and any(s is staged for s in self.staged):
+            staged.amount -= less
+            self.balance += less
         staged.confirmed = True
         self.kick()
 
@@ -316,9 +313,9 @@ class Lease:
         self.balance -= need
         self.reserved += need
 
-    def _stage(self, amount: int, confirmed: bool) -> _Staged:
+    def _stage(self, amount: int) -> _Staged:
         self.seq += 1
-        staged = _Staged(self.seq, amount, confirmed)
+        staged = _Staged(self.seq, amount)
         self.staged.append(staged)
         self.kick()
         return staged
@@ -558,19 +555,15 @@ class Settlement:
     def seqs(self) -> dict[CounterKey, int]:
         return {lease.key: s.seq for lease, s in self.staged}
 
-    def lessen(self, amounts: Mapping[CounterKey, int]) -> None:
-        """Before ``confirm``: take ``amounts`` (per counter) out of the staged charges
-        (segments whose ledger row another instance wrote and counted)."""
-        for lease, staged in self.staged:
-            lease.lessen(staged, amounts.get(lease.key, 0))
-
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
         return all(lease.entered() or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
-    def confirm(self) -> None:
+    def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
+        """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
+        taken out first (segments whose ledger row another instance wrote and counted)."""
         for lease, staged in self.staged:
-            lease.confirm(staged)
+            lease.confirm(staged, (less or {}).get(lease.key, 0))
 
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
@@ -719,10 +712,10 @@ class Counters:
                 rates[kind] = rate
         return rates
 
-    def adjust(self, wants: Sequence[Want], at: float, confirmed: bool = True) -> Settlement:
+    def adjust(self, wants: Sequence[Want], at: float) -> Settlement:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
-        the windows it was made in when they are still current (``Lease.charge``). Not ``confirmed``:
-        the budget counters' corrections wait for ``Settlement.confirm`` (their ledger row written)."""
+        the windows it was made in when they are still current (``Lease.charge``): the corrections
+        wait for ``Settlement.confirm`` (their ledger row written), as a settle's charges do."""
         now = self.clock()
         settlement = Settlement()
         for want in wants:
@@ -730,7 +723,7 @@ class Counters:
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))
-            staged = lease.charge(want.need, confirmed) if window_of(want.period, at) == lease.window else None
+            staged = lease.charge(want.need) if window_of(want.period, at) == lease.window else None
             if staged is not None:
                 settlement.staged.append((lease, staged))
         return settlement

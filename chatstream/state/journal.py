@@ -180,6 +180,7 @@ class Journal:
         self._dirty = asyncio.Event()
         self._urgent = asyncio.Event()  # a request waits for the next write (_next_write): no pause first
         self._writer: asyncio.Task | None = None
+        self._rows: asyncio.Task | None = None  # writes the ledger rows of what it lists (_write_rows)
         self._quiet = asyncio.Event()  # set while no write is in flight
         self._quiet.set()
         self._closed = False
@@ -336,7 +337,8 @@ class Journal:
             entry.listed = True
         for entry in settled_now:
             entry.journaled = True
-            self._to_ledger(entry)
+        if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
+            self._rows = asyncio.ensure_future(self._write_rows())
 
     def _listing(self, needed: set[CounterKey]) -> set[CounterKey]:
         """The counters to list: those needed now, and those needed within ``LISTED_SECONDS`` (a
@@ -358,18 +360,31 @@ class Journal:
             self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
         return needed | kept
 
-    def _to_ledger(self, entry: JournalEntry) -> None:
-        written = self.ledger.submit(entry.charges)
-
-        def landed(done: asyncio.Future[list[Charge]]) -> None:
-            entry.written.set()
-            if entry.settlement is not None:
-                # A segment whose row another instance wrote first is counted by that one, not here.
-                entry.settlement.lessen(amounts(entry.needs, done.result()))
-                entry.settlement.confirm()  # now the counters may take the charges in
-            self.changed()
-
-        written.add_done_callback(landed)
+    async def _write_rows(self) -> None:
+        """The ledger rows of the settled requests a written journal lists (ledger.py), tried again
+        until they are in; as a request's rows land, its charges may enter the budget counters, but
+        for segments whose row another instance wrote first (that one counts them). Off the journal
+        writer's path: a request waiting for its listing does not wait for rows."""
+        backoff = self.interval
+        while waiting := [e for e in self.entries.values() if e.journaled and not e.written.is_set()]:
+            landed = iter(await self.ledger.write([c for e in waiting for c in e.charges]))
+            failed = 0
+            for entry in waiting:
+                outcome = [next(landed) for _ in entry.charges]
+                if None in outcome:
+                    failed += outcome.count(None)
+                    continue
+                entry.written.set()
+                if entry.settlement is not None:
+                    theirs = [c for c, t in zip(entry.charges, outcome, strict=True) if t]
+                    entry.settlement.confirm(amounts(entry.needs, theirs))  # now the counters take them in
+            self.changed()  # entries all in leave the journal
+            if failed:
+                log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", failed, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            else:
+                backoff = self.interval
 
     def _forget_done(self) -> None:
         """Settled requests whose ledger rows and counter charges are all in leave the journal."""
@@ -422,6 +437,10 @@ class Journal:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        if self._rows is not None:  # rows not written yet: their requests stay in the journal
+            self._rows.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rows
         with contextlib.suppress(StoreError):
             await self._write()
 

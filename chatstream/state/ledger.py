@@ -9,13 +9,11 @@ lost answer, another instance settling a dead one's request) adds nothing, and o
 row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and what raising
 it kept of earlier writers (``counted_tokens``, ``counted_cost``, ``ops``: journal.py).
 
-Charges are written in the background (``submit``): per partition, in transactions of up to 100
-rows, tried again until they land (the journal keeps them if this instance dies meanwhile)."""
+The journal writes the charges it has listed (``write``): per partition, in transactions of up to
+100 rows, again until they land (journal.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,7 +30,6 @@ log = logging.getLogger("chatstream")
 
 MAX_USAGE_DAYS = 366  # the longest period one usage query may cover
 USAGE_TIMEOUT = 20.0  # a usage query (admin only) may read many rows
-FLUSH_SECONDS = 0.2  # charges wait at most this long to share a transaction with others
 SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens")  # usage's sums of the rows' fields
 ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd")
 
@@ -152,122 +149,62 @@ def day_of(seconds: float) -> str:
 class Ledger:
     def __init__(self, store: Store):
         self.store = store
-        self._queue: list[tuple[Charge, asyncio.Future]] = []
-        self._wake: asyncio.Event | None = None
-        self._writer: asyncio.Task | None = None
-        self._closed = False
-        self._outstanding: set[asyncio.Future] = set()
 
     # --- writing ----------------------------------------------------------------------------
 
-    def submit(self, charges: Sequence[Charge]) -> asyncio.Future[list[Charge]]:
-        """Write ``charges`` in the background; the future is done once every one of them is in the
-        ledger (written now, or found there already). It is never given up on. Its result: the
-        charges whose row another instance wrote first (``theirs``): that writer counted it."""
-        done: asyncio.Future[list[Charge]] = asyncio.get_running_loop().create_future()
-        if not charges:
-            done.set_result([])
-            return done
-        pieces = [asyncio.get_running_loop().create_future() for _ in charges]
-        for piece in pieces:
-            self._outstanding.add(piece)
-            piece.add_done_callback(self._outstanding.discard)
-        self._queue.extend(zip(charges, pieces, strict=True))
-        gathered = asyncio.gather(*pieces)
-
-        def landed(_: asyncio.Future) -> None:
-            if not done.done():
-                done.set_result([c for c, piece in zip(charges, pieces, strict=True) if piece.result()])
-
-        gathered.add_done_callback(landed)
-        self._start()
-        return done
-
-    def _start(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-        self._wake.set()
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.ensure_future(self._write_loop())
-
-    async def _write_loop(self) -> None:
-        backoff = 0.5
-        while not self._closed:
-            if not self._queue:
-                assert self._wake is not None
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await asyncio.sleep(FLUSH_SECONDS)  # let charges of the same moment share a transaction
-            batch, self._queue = self._queue, []
-            failed = await self._write_batch(batch)
-            if failed:
-                self._queue = failed + self._queue
-                log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", len(failed), backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-            else:
-                backoff = 0.5
-
-    async def _write_batch(self, batch: list[tuple[Charge, asyncio.Future]]) -> list[tuple[Charge, asyncio.Future]]:
-        """Write the charges, one transaction per partition and 100 rows; those that did not land."""
-        by_partition: dict[str, list[tuple[Charge, asyncio.Future]]] = {}
-        failed: list[tuple[Charge, asyncio.Future]] = []
-        for charge, future in batch:
+    async def write(self, charges: Sequence[Charge]) -> list[bool | None]:
+        """Write ``charges``: per partition, in transactions of up to 100 rows; one made on what its
+        row held (``ops``) on its own (``apply``). Per charge: None if it did not land (the store
+        failed: the journal writes it again), else whether its row is another instance's, found
+        there first (``theirs``: that writer counted it)."""
+        found: dict[int, bool] = {}  # charge (index) -> theirs
+        by_partition: dict[str, dict[str, list[int]]] = {}  # partition -> row key -> its charges
+        for i, charge in enumerate(charges):
             if not charge.ops:
-                by_partition.setdefault(charge.partition, []).append((charge, future))
+                by_partition.setdefault(charge.partition, {}).setdefault(charge.row_key, []).append(i)
                 continue
-            try:  # a write made on what its row held: one at a time (its result: whether it did not land)
-                landed = await self.apply(charge)
+            try:  # a write made on what its row held: one at a time (counted here if it is in the row)
+                found[i] = not await self.apply(charge)
             except StoreError:
-                failed.append((charge, future))
                 continue
             except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
                 log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
-                landed = False
-            if not future.done():
-                future.set_result(not landed)
-        for items in by_partition.values():
-            unique: dict[str, tuple[Charge, list[asyncio.Future]]] = {}
-            for charge, future in items:
-                unique.setdefault(charge.row_key, (charge, []))[1].append(future)
-            rows = list(unique.values())
-            chunks = [rows[start : start + 100] for start in range(0, len(rows), 100)]
+                found[i] = True
+        for rows in by_partition.values():
+            keys = list(rows.values())
+            chunks = [keys[start : start + 100] for start in range(0, len(keys), 100)]
             while chunks:
                 chunk = chunks.pop(0)
                 try:
-                    await self._insert(chunk)
+                    await self._insert(charges, chunk, found)
                 except StoreError:
-                    failed.extend((charge, f) for charge, futures in chunk for f in futures)
                     continue
                 except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
-                    first = chunk[0][0].request_id[:12]
+                    first = charges[chunk[0][0]].request_id[:12]
                     log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
                     # One at a time: the good ones land, a bad one is let go (it can never be written).
                     if len(chunk) > 1:
                         chunks += [[row] for row in chunk]
                         continue
-                for _, futures in chunk:
-                    for f in futures:
-                        if not f.done():
-                            f.set_result(None)
-        return failed
+                    found.update(dict.fromkeys(chunk[0], False))
+        return [found.get(i) for i in range(len(charges))]
 
-    async def _insert(self, chunk: list[tuple[Charge, list[asyncio.Future]]]) -> None:
-        """Insert the rows as one transaction; a row already there (written before, its answer lost;
-        or another instance's: ``theirs``, its futures say True) is taken out and the rest tried again."""
+    async def _insert(self, charges: Sequence[Charge], chunk: list[list[int]], found: dict[int, bool]) -> None:
+        """Insert a row per item of ``chunk`` (the charges of one row) as one transaction; a row
+        already there (written before, its answer lost; or another instance's: ``theirs``) is taken
+        out and the rest tried again. What landed goes into ``found``."""
         chunk = list(chunk)
         while chunk:
             try:
-                await self.store.batch(USAGE_TABLE, [Op("insert", charge.entity()) for charge, _ in chunk])
-                return
+                await self.store.batch(USAGE_TABLE, [Op("insert", charges[row[0]].entity()) for row in chunk])
+                break
             except AlreadyExists as exc:
                 index = getattr(exc, "index", 0)
-                charge, futures = chunk.pop(index if 0 <= index < len(chunk) else 0)
-                there = await self.find(charge)
-                for future in futures:
-                    if not future.done():
-                        future.set_result(there is not None and theirs(there, charge.author))
+                row = chunk.pop(index if 0 <= index < len(chunk) else 0)
+                there = await self.find(charges[row[0]])
+                found.update(dict.fromkeys(row, there is not None and theirs(there, charges[row[0]].author)))
+        for row in chunk:
+            found.update(dict.fromkeys(row, False))
 
     async def find(self, charge: Charge) -> Row | None:
         """The charge's row as the ledger holds it (written by whoever came first)."""
@@ -304,19 +241,6 @@ class Ledger:
         except StoreError:
             return False
         return True
-
-    async def drain(self, within: float = 5.0) -> bool:
-        """Wait until every submitted charge has landed (tests, shutdown): True if they did in time."""
-        if self._outstanding:
-            await asyncio.wait(set(self._outstanding), timeout=within)
-        return not self._outstanding
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -117,7 +117,6 @@ class SharedState:
         settled = await self.accounting.flush(within=10.0) if self.accounting is not None else True
         await self.counters.close()
         await self.journal.close()
-        await self.ledger.close()
         # What could not be settled in time stays in the journal, for another instance to take over.
         await self.instances.close(leave=settled and not self.journal.entries)
         await self.store.close()

@@ -20,9 +20,3 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
             runner.run(pyfuncitem.obj(**args))
         return True
     return None
-
-
-@pytest.fixture
-def quick_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Charges wait 20 ms, not the app's 200 ms, to share a transaction (state/ledger.py)."""
-    monkeypatch.setattr("chatstream.state.ledger.FLUSH_SECONDS", 0.02)

@@ -59,7 +59,7 @@ async def kill(state: SharedState) -> None:
     store = state.store
     assert isinstance(store, MemoryStore)
     store.inject(Fault("unavailable", times=10**9))
-    for part in (state.counters, state.journal, state.ledger, state.instances):
+    for part in (state.counters, state.journal, state.instances):
         await part.close()
 
 

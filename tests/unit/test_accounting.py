@@ -23,7 +23,7 @@ from .state_helpers import MODEL, account, admit, asked, call, charge, counter, 
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
-pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
+pytestmark = pytest.mark.skips_idle_time
 
 
 def ledger_rows(data: MemoryData) -> list[dict]:

@@ -395,7 +395,7 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
     assert isinstance(first, Reservation)
     first.settle({CounterKey("c|1", "tokens"): 200}).confirm()
     assert await a.flush(3) and row(data, "c|1", "tokens")["taken"] == 200
-    settlement = b.adjust([want("tokens", 2_400, need, "month")], T0, confirmed=False)
+    settlement = b.adjust([want("tokens", 2_400, need, "month")], T0)
     assert await b.entered(settlement, 3)
     entry = parse_holds(row(data, "c|1", "tokens")["holds"])["b"]
     assert entry.held == need and entry.applied == 0  # what the row took of it, not in yet

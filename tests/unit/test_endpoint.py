@@ -185,7 +185,6 @@ async def keyed() -> Keyed:
     return Keyed(data, state, acc, caller, key, upstream, endpoint)
 
 
-@pytest.mark.usefixtures("quick_ledger")
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_handler_cancelled_after_admission_gives_back_what_it_reserved(stream):
     """The handler's task is cancelled once the request is admitted and the upstream asked, before it
@@ -205,7 +204,6 @@ async def test_a_handler_cancelled_after_admission_gives_back_what_it_reserved(s
     await k.state.close()
 
 
-@pytest.mark.usefixtures("quick_ledger")
 async def test_a_caller_gone_during_a_slow_admission_stops_it_before_the_upstream():
     """The store is slow to list the admission in the journal and the caller hangs up meanwhile: a
     499, what was reserved comes back, and the upstream is never asked."""

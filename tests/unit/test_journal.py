@@ -44,7 +44,7 @@ from .state_helpers import (
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
-pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
+pytestmark = pytest.mark.skips_idle_time
 
 BUDGETS = {"token_budget": 1_000_000, "spend_budget": 10, "budget_period": "month"}
 GENERATED = "The quick brown fox jumps over the lazy dog, and then it runs off into the woods again."

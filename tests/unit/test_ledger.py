@@ -1,7 +1,7 @@
 """chatstream/state/ledger.py on the in-process store: one row per charge and segment, idempotent by
-(day, request id, segment), written in one transaction per partition, written again until it lands
-through a store that refuses or loses answers (none lost, none twice), usage summed exactly, the CSV
-for finance, and the retention sweep."""
+(day, request id, segment), written by the journal in one transaction per partition, written again
+until it lands through a store that refuses or loses answers (none lost, none twice), usage summed
+exactly, the CSV for finance, and the retention sweep."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import asyncio
 import csv
 import io
 import secrets
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, date, datetime
 
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.manage import as_csv, totals
-from chatstream.state.ledger import Charge, Ledger, day_of, summarize
+from chatstream.state.counters import Settlement
+from chatstream.state.journal import JournalEntry
+from chatstream.state.ledger import Charge, Ledger, Payer, day_of, summarize
+from chatstream.state.shared import SharedState
 from chatstream.state.store import USAGE_TABLE
+
+from .state_helpers import account, instance, until
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
-pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
+pytestmark = pytest.mark.skips_idle_time
 
 
 def charge(
@@ -64,38 +69,64 @@ async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segm
     data = MemoryData()
     ledger = Ledger(MemoryStore(data))
     first = charge(request_id="resp_1/odd#id?\n", prompt=10, completion=20)
-    await ledger.submit([first])
-    await ledger.submit([first])  # a retry after a lost answer
-    await ledger.submit([charge(request_id="resp_1/odd#id?\n", prompt=99, completion=99)])  # seen again
-    await ledger.submit([charge(request_id="resp_1/odd#id?\n", segment=1, prompt=0, completion=7)])  # continued
-    assert await ledger.drain(5)
+    assert await ledger.write([first]) == [False]
+    assert await ledger.write([first]) == [False]  # a retry after a lost answer: its own row
+    assert await ledger.write([charge(request_id="resp_1/odd#id?\n", prompt=99, completion=99)]) == [False]  # again
+    assert await ledger.write([charge(request_id="resp_1/odd#id?\n", segment=1, prompt=0, completion=7)]) == [False]
     found = sorted(rows(data), key=lambda r: r["segment"])
     assert [(r["request_id"], r["segment"], r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
         ("resp_1/odd#id?\n", 0, 10, 20),
         ("resp_1/odd#id?\n", 1, 0, 7),
     ]
     assert all(r["PartitionKey"] == "u:id-a" for r in found)
+    # Another instance's row, found there first: theirs (that writer counted it).
+    assert await ledger.write([replace(first, author="instance-b"), charge(request_id="next")]) == [True, False]
     # Written now (a takeover): None when it landed, else the row that was there.
     assert await ledger.write_now(charge(request_id="new")) is None
     there = await ledger.write_now(charge(request_id="resp_1/odd#id?\n", prompt=1))
     assert there is not None and there["prompt_tokens"] == 10 and there["author"] == "instance-a"
     # 10 concurrent writes of one request: one row.
-    await asyncio.gather(*(ledger.submit([charge(request_id="same", day="20261104")]) for _ in range(10)))
-    assert await ledger.drain(5)
+    same = await asyncio.gather(*(ledger.write([charge(request_id="same", day="20261104")]) for _ in range(10)))
+    assert same == [[False]] * 10
     assert sum(1 for r in rows(data) if r["request_id"] == "same") == 1
-    await ledger.close()
+
+
+async def settled(state: SharedState, charges: list[Charge]) -> list[JournalEntry]:
+    """Each charge a request of its own settled on ``state`` (no budgets), at about one moment."""
+    entries = []
+    for c in charges:
+        payer = Payer.of(asdict(c))
+        entry = state.journal.open(JournalEntry(c.request_id, payer, c.model, c.prompt_tokens, {}))
+        state.journal.settle(entry, [c], {}, Settlement())
+        entries.append(entry)
+    return entries
 
 
 async def test_charges_are_batched_per_partition_in_transactions_of_100():
-    data = MemoryData()
-    ledger = Ledger(MemoryStore(data))
+    """The journal writes the rows of the requests one write of it lists: per partition, in
+    transactions of up to 100 rows."""
+    data = account()
+    state, _ = instance(data, "instance-a")
+    store = state.store
+    assert isinstance(store, MemoryStore)
+    calls: list[tuple[str, int]] = []  # the ledger's: (call, rows)
+    batch, insert = store.batch, store.insert
+
+    async def batched(table, ops, **kw):
+        calls.extend([("batch", len(ops))] if table == USAGE_TABLE else [])
+        return await batch(table, ops, **kw)
+
+    async def inserted(table, entity, **kw):
+        calls.extend([("insert", 1)] if table == USAGE_TABLE else [])
+        return await insert(table, entity, **kw)
+
+    store.batch, store.insert = batched, inserted
     charges = [charge("a") for _ in range(150)] + [charge("b") for _ in range(30)] + [charge("c")]
-    done = [ledger.submit([c]) for c in charges]  # each request submits its own, at about one moment
-    await asyncio.gather(*done)
-    assert data.calls["batch"] == 2 + 1 + 1  # a: 100 + 50, b: 30, c: 1
-    assert data.calls.get("insert", 0) == 0
+    await settled(state, charges)
+    assert await state.journal.flush(5)
+    assert sorted(calls) == [("batch", 1), ("batch", 30), ("batch", 50), ("batch", 100)]  # a: 100 + 50, b, c
     assert len(rows(data)) == 181
-    await ledger.close()
+    await state.close()
 
 
 async def test_a_row_the_store_cannot_keep_is_let_go_and_the_rest_of_its_transaction_lands(caplog):
@@ -112,31 +143,32 @@ async def test_a_row_the_store_cannot_keep_is_let_go_and_the_rest_of_its_transac
 
     store.batch = batch
     ledger = Ledger(store)
-    done = ledger.submit([charge(request_id="good-1"), charge(request_id="bad"), charge(request_id="good-2")])
-    await asyncio.wait_for(done, 5)
+    written = await ledger.write([charge(request_id="good-1"), charge(request_id="bad"), charge(request_id="good-2")])
+    assert written == [False, False, False]  # none to write again
     assert sorted(r["request_id"] for r in rows(data)) == ["good-1", "good-2"]
     assert "charge(s) cannot be written (request bad...)" in caplog.text
-    await ledger.close()
 
 
 async def test_charges_are_written_again_until_they_land_none_lost_none_twice():
     """The store refuses a transaction, then applies one but loses its answer: every charge is in
-    the ledger exactly once afterwards, and each submit's future is done only then."""
-    data = MemoryData()
-    store = MemoryStore(data)
-    ledger = Ledger(store)
+    the ledger exactly once afterwards, and each request is written (its counters may take it in)
+    only then; a graceful stop waits for them all and leaves no journal."""
+    data = account()
+    state, _ = instance(data, "instance-a")
+    store = state.store
+    assert isinstance(store, MemoryStore)
     store.inject(Fault("unavailable", frozenset({"batch"}), table=USAGE_TABLE))
     store.inject(Fault("lose_answer", frozenset({"batch"}), table=USAGE_TABLE))
     charges = [charge(caller, request_id=f"r{i}") for i, caller in enumerate(["a", "b"] * 20)]
-    futures = [ledger.submit(charges[i : i + 5]) for i in range(0, 40, 5)]
-    await asyncio.sleep(0.3)
-    assert not any(f.done() for f in futures) and len(rows(data)) < 40  # not done before they landed
-    assert await ledger.drain(8)
-    assert all(f.done() for f in futures)
+    entries = await settled(state, charges)
+    await until(lambda: store.faults[0].times == 0, what="a transaction refused")
+    assert not all(e.written.is_set() for e in entries) and len(rows(data)) < 40  # not done before they landed
+    await state.close()
+    assert all(e.written.is_set() for e in entries)
     keys = sorted((r["caller"], r["request_id"]) for r in rows(data))
     assert keys == sorted((c.caller, c.request_id) for c in charges)  # each once
-    assert not store.faults or all(f.times == 0 for f in store.faults)
-    await ledger.close()
+    assert all(f.times == 0 for f in store.faults)
+    assert not data.blobs  # no journal left: nothing owed
 
 
 async def test_usage_sums_by_caller_team_model_and_day_exactly():
@@ -150,7 +182,7 @@ async def test_usage_sums_by_caller_team_model_and_day_exactly():
         charge("b", "gpt-4o", "20261103", 50, 50, "timeout", cost=3),
         charge("a", "gpt-4o", "20261109", 1000, 1000, cost=5, team="search"),
     ]
-    await ledger.submit(charges)
+    assert await ledger.write(charges) == [False] * len(charges)
     found = await ledger.usage(date(2026, 11, 3), date(2026, 11, 4), caller_id="id-a")
     assert [(r["day"], r["model"], r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in found] == [
         ("2026-11-03", "gpt-4o", 17, 8, 2),
@@ -175,7 +207,6 @@ async def test_usage_sums_by_caller_team_model_and_day_exactly():
     assert await ledger.usage(date(2026, 11, 5), date(2026, 11, 8), caller_id="id-a") == []
     assert await ledger.usage(date(9999, 1, 1), date(9999, 12, 31)) == []  # the last days there are
     assert await ledger.usage(date(1, 1, 1), date(1, 1, 1)) == []
-    await ledger.close()
 
 
 def test_a_sum_of_many_small_costs_is_exact():
@@ -236,7 +267,7 @@ async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
     now = datetime(2026, 11, 30, 12, tzinfo=UTC).timestamp()
     old = [charge(c, day="20261020", request_id=f"old{i}{c}") for i in range(60) for c in ("a", "b")]
     kept = [charge("a", day=d) for d in ("20261031", "20261101", "20261130")]
-    await ledger.submit(old + kept)
+    await ledger.write(old + kept)
     assert await ledger.sweep(30, now, limit=100) == 100  # the cutoff: 2026-10-31
     assert await ledger.sweep(30, now, limit=100) == 20
     assert await ledger.sweep(30, now) == 0
@@ -245,7 +276,6 @@ async def test_the_retention_sweep_deletes_old_charges_only_and_is_bounded():
         "20261101",
         "20261130",
     ]
-    await ledger.close()
 
 
 async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row():
@@ -255,5 +285,4 @@ async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row(
     assert await ledger.write_now(c) is None
     there = await ledger.find(c)
     assert there is not None and Charge.of(there) == c  # its day from the RowKey
-    await ledger.close()
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"

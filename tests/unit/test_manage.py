@@ -29,7 +29,7 @@ from .state_helpers import account, admit, finish, settings, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
-pytestmark = [pytest.mark.usefixtures("quick_ledger"), pytest.mark.skips_idle_time]
+pytestmark = pytest.mark.skips_idle_time
 
 
 def app_for(manage: Manage) -> Starlette:
@@ -253,7 +253,7 @@ async def test_usage_as_json_and_csv():
         search = (await http.post("/api/manage/teams", json={"name": "search"})).json()["id"]
         made = (await http.post("/api/manage/callers", json={"name": "app", "team": "search"})).json()
         ledger = admin.state.ledger
-        await ledger.submit(
+        await ledger.write(
             [
                 charge(made["id"], "20261001", 10, 20, 1_500_000, team="search", team_id=search),
                 charge(made["id"], "20261001", 1, 2, None, team="search", team_id=search),
@@ -314,7 +314,7 @@ async def test_usage_by_team_follows_the_team_not_its_name():
     async with Admin() as admin:
         http = admin.http
         old = (await http.post("/api/manage/teams", json={"name": "squad"})).json()["id"]
-        await admin.state.ledger.submit([charge("c-old", "20261001", 10, 20, 7, team="squad", team_id=old)])
+        await admin.state.ledger.write([charge("c-old", "20261001", 10, 20, 7, team="squad", team_id=old)])
         assert (await http.delete("/api/manage/teams/squad")).status_code == 200
         gone = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
         assert gone["total"]["requests"] == 1  # a deleted team: its rows by name
@@ -322,7 +322,7 @@ async def test_usage_by_team_follows_the_team_not_its_name():
         assert new != old
         fresh = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
         assert fresh["total"]["requests"] == 0, "the old team's usage is not the new one's"
-        await admin.state.ledger.submit([charge("c-new", "20261002", 1, 2, 3, team="squad", team_id=new)])
+        await admin.state.ledger.write([charge("c-new", "20261002", 1, 2, 3, team="squad", team_id=new)])
         fresh = (await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01"})).json()
         assert (fresh["total"]["requests"], fresh["total"]["cost_picousd"]) == (1, 3)
         as_csv = await http.get("/api/manage/usage", params={"team": "squad", "from": "2026-10-01", "format": "csv"})
