@@ -458,8 +458,7 @@ def _disown(settlement: Settlement, spent: Mapping[CounterKey, int]) -> None:
     whether staged on the books before the takeover or, the counters having learnt of it first, on
     their new books (where ``Lease.settle`` has the row pay all of it): left unconfirmed, such a
     charge kept this instance's entry in the row, holding it again, until the window ended."""
-    settlement.lessen(spent)
-    settlement.confirm()
+    settlement.confirm(spent)
 
 
 SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
