@@ -30,7 +30,10 @@ objects of garbage, and a collection would add ~65 ms to the cold start). The co
 collections, which the worker ran every few 100-stream waves, walked all of it: 33-85 ms of CPU
 each here, every stream of the worker waiting through it (the tail of the time to first delta,
 issue #44). Frozen, they walk only what came after. Frozen objects are still freed when their last
-reference goes; only a reference cycle among them would stay."""
+reference goes; only a reference cycle among them would stay. Young collections then run every
+10,000 allocations, not 2,000: with 300 requests at once, every 2,000 allocations found most of
+the requests' state alive and walked it again (one in ten of them a middle collection, 8 ms each);
+spaced out, more of it is freed first (300 at once, in-process: the collector's CPU -26 to -49%)."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from collections.abc import Callable
 log = logging.getLogger("chatstream")
 
 TRIM_AFTER_BYTES = 4 * 1024 * 1024
+YOUNG_COLLECTION = 10_000  # allocations between the collector's young collections (Python's: 2,000)
 TRIM_DELAY_SECONDS = 0.5
 MADV_DONTNEED = 4  # Linux's madvise(2) advice: drop the range's pages (a file mapping's are read again)
 
@@ -149,5 +153,7 @@ def drop_read_pages(path: str) -> int:
 
 
 def started() -> None:
-    """Start-up is over: its objects are kept out of the garbage collector's walks from now on."""
+    """Start-up is over: its objects are kept out of the garbage collector's walks from now on, and
+    young collections run every ``YOUNG_COLLECTION`` allocations (module docstring)."""
     gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION, *gc.get_threshold()[1:])

@@ -211,12 +211,13 @@ def test_start_up_is_frozen_so_a_full_collection_walks_only_what_requests_made()
     import sys
     from pathlib import Path
 
-    code = "import gc, json, function_app\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects())]))"
+    code = "import gc, json, function_app\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[0]]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "UPSTREAMS"))}
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    frozen, walked = json.loads(out.splitlines()[-1])
+    frozen, walked, young = json.loads(out.splitlines()[-1])
     assert frozen > 50_000, frozen  # ~130,000 on Python 3.13
     assert walked < 1_000, walked
+    assert young == 10_000

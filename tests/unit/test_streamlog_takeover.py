@@ -429,6 +429,47 @@ async def test_a_reader_elsewhere_follows_a_short_stream_closely_from_its_first_
         assert p50 < 0.6 and p99 < 2.0, (p50, p99)
 
 
+async def test_a_reader_elsewhere_polls_close_behind_each_write_not_anywhere_in_its_interval():
+    """Blob calls of 30 ms, a delta every 20 ms: the producer appends every 100 ms (start to start),
+    and the reader's poll after new bytes begins 0.9 x 100 ms after the last one began, so its polls
+    drift earlier until one lands just before a write and finds nothing: each write is read within
+    about a third of an interval. Polls paced 100 ms from the end of a read (before issue #44) ran
+    130 ms apart and read each write anywhere 0-100 ms after it landed (median ~50 ms)."""
+    async with instances(2) as (a, b):
+        loop = asyncio.get_running_loop()
+        landed: list[tuple[int, float]] = []  # (the blob's length after a write, when it landed)
+        reads: list[tuple[int, float]] = []  # (the blob's length a read saw, when)
+        append, read = a.store.append, b.store.read
+
+        async def slow_append(name: str, data: bytes, *, at: int, timeout: float = 1.8) -> int:
+            await asyncio.sleep(0.03)
+            length = await append(name, data, at=at, timeout=timeout)
+            landed.append((length, loop.time()))
+            return length
+
+        async def slow_read(name: str, offset: int = 0, *, timeout: float = 1.8) -> bytes:
+            await asyncio.sleep(0.03)
+            data = await read(name, offset, timeout=timeout)
+            reads.append((offset + len(data), loop.time()))
+            return data
+
+        a.store.append, b.store.read = slow_append, slow_read  # type: ignore[method-assign]
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        task = asyncio.ensure_future(produce(producer, [delta(i) for i in range(1, 150)], gap=0.02))
+        await read_all(reader)
+        await task
+    gaps = []
+    for length, at in landed[5:-1]:  # (past the reader's first polls; the end is read at once)
+        seen = next((t for n, t in reads if n >= length and t >= at), None)
+        assert seen is not None
+        gaps.append(seen - at)
+    gaps.sort()
+    assert len(gaps) >= 20 and gaps[len(gaps) // 2] < 0.035, gaps
+    assert len(reads) < 1.6 * len(landed), (len(reads), len(landed))  # the polls that find nothing
+
+
 def test_every_module_path_the_stream_logs_docs_name_exists():
     """Docstrings and docs/resumable.md name only modules that exist (resumable.py said
     ``state/streamlog.py``, readers.py ``stream_remote.py``)."""

@@ -36,8 +36,8 @@ class ResumeConfig:
     checkpoint_seconds: float = 5.0
     flush_bytes: int = 512 * 1024
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
-    # A remote reader polls the blob every poll_seconds after new bytes (about the producer's write
-    # cadence, so it locks onto it), a third of that after an empty read while bytes flow (so a
+    # A remote reader polls the blob a little under poll_seconds after new bytes (about the producer's
+    # write cadence: it locks on just behind its writes), a third of that after an empty read while bytes flow (so a
     # write that lands just after a poll waits ~33 ms, not 100), then slower to max_poll_seconds.
     poll_seconds: float = 0.1
     max_poll_seconds: float = 0.5

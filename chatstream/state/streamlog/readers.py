@@ -136,8 +136,16 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     return record
 
 
+# After new bytes the next poll begins a little less than poll_seconds after this one began, so that
+# the polls drift earlier until one comes just before a write lands and finds nothing (then a third
+# of poll_seconds later: ResumeConfig): they stay close behind the producer's writes. Paced from the
+# end of a read, or at exactly the producer's interval, they kept whatever distance behind its
+# writes they happened to have (a read's time later each poll: 0-100 ms, ~50 ms on average).
+_LEAD = 0.9
+
+
 class _Cadence:
-    """When a reader from the store next polls the blob (``poll``)."""
+    """When a reader from the store next polls the blob (``poll``: seconds after the last poll began)."""
 
     def __init__(self, ctx: Context, now: float):
         self._cfg = ctx.config
@@ -152,7 +160,7 @@ class _Cadence:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
         cfg = self._cfg
         if got:
-            self.poll, self._idle, self._got = cfg.poll_seconds, 0, True
+            self.poll, self._idle, self._got = cfg.poll_seconds * _LEAD, 0, True
         elif not self._got and asyncio.get_running_loop().time() < self._first_until:
             self.poll = cfg.poll_seconds / 3
         else:
@@ -310,10 +318,12 @@ class Reader:
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
             state_at = loop.time() + cfg.state_seconds  # the producer's next check
+            now = loop.time()
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
-                await asyncio.sleep(max(cadence.poll, ctx.remote_readers / cfg.read_rate))
+                wait = max(cadence.poll, ctx.remote_readers / cfg.read_rate)
+                await asyncio.sleep(max(0.2 * wait, now + wait - loop.time()))
                 now = loop.time()
                 try:
                     if self.record is None or tail.epoch > self.record.epoch:  # taken over elsewhere
