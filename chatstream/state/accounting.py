@@ -78,7 +78,7 @@ class Admission:
         return self.reservation.rates
 
 
-LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits at most this long for its first charge's row
+LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits this long for its first charge's row (or its patience)
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
@@ -305,17 +305,18 @@ class Accounting:
         payer = replace(admission.entry.payer, day=day_of(started))  # the stream's day
         author = self.counters.instance
         charge = Charge.made(payer, admission.model, lost, admission.price, "lost", author, segment_base(epoch - 1))
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + patience
         if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LANDED_WITHIN):
+            with contextlib.suppress(TimeoutError):  # (a failing store holds it too: ``patience``)
+                async with asyncio.timeout_at(max(loop.time() + LANDED_WITHIN, give_up)):
                     await admission.lost.written.wait()
-        give_up = asyncio.get_running_loop().time() + patience
         while True:
             try:
                 there = await self.ledger.find(charge)
                 break
             except StoreError as exc:
-                if asyncio.get_running_loop().time() >= give_up:
+                if loop.time() >= give_up:
                     log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
                     return
                 await asyncio.sleep(RETRY_SECONDS)

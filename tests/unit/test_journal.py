@@ -375,6 +375,45 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
     await b.close()
 
 
+async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first_charge():
+    """As above, but the store refuses the ledger's writes from the taker's first charge of the part
+    ("The") on, for longer than ``LANDED_WITHIN`` (15 s), and the raise to what the caller received
+    is made meanwhile (``patience``: the endpoint's ``RAISED_WITHIN``). The raise waits for the first
+    charge's row as long as it waits for the store: made before that row is in, it was a second
+    insert of the same row, which found the first one there and counted nothing (the row kept "The")."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    acc_b = b.accounting
+    assert acc_b is not None and isinstance(b.store, MemoryStore)
+    taken = record()
+    taken.id = taken.request_id = rec3.id
+    going_on = await acc_b.admit(caller, asked(call("three"), taken))
+    assert isinstance(going_on, Admission)
+    refused = b.store.inject(
+        Fault("unavailable", frozenset({"insert", "replace", "batch"}), table=USAGE_TABLE, times=10**9)
+    )
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert rec3.id not in ledger_rows(data)
+
+    async def outage_ends() -> None:
+        await asyncio.sleep(15.0)
+        refused.times = 0
+
+    ending = asyncio.ensure_future(outage_ends())
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=60.0)
+    await ending
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(30)
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # a's checkpoint is below it
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+
+
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
 async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
     """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
