@@ -293,9 +293,10 @@ class Accounting:
         caller was found to have received): the row is raised to it. The charge is made on the row
         as read: an insert, or a raise of a recovery's row or its own (author kept) by the
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
-        meanwhile it counts nothing), then counted. Never raises: reading the row is tried again for
-        ``patience`` seconds (a raise nobody else can make: the dead instance's recovery knows only
-        its checkpoint); on a store failure past that, recovery charges that part at its checkpoint."""
+        meanwhile it counts nothing), then counted. Never raises: reading the row is tried again, and
+        a raise waits for the earlier charge's row, for ``patience`` seconds (a raise nobody else can
+        make: the dead instance's recovery knows only its checkpoint); on a store failure past that,
+        recovery charges that part at its checkpoint."""
         admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
