@@ -383,8 +383,7 @@ class Accounting:
             owned = await self.owners.owned(kind, id)
         except StoreError:
             return Unavailable()
-        # Rows claimed before ids name their caller by name.
-        return owned if owned is not None and owned.caller_id in (caller.id, f"name:{caller.name}") else None
+        return owned if owned is not None and owned.by(caller) else None
 
     async def forget(self, kind: str, id: str) -> None:
         try:
