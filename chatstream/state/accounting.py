@@ -405,8 +405,9 @@ class Accounting:
             return
         team = await self.registry.team_of(caller)
         team = team if isinstance(team, Team) else None
-        price = owned.price if owned is not None and owned.price is not None else await self.registry.price(model)
-        price = price if isinstance(price, Price) else None  # admitted at (rows before it: as of now)
+        price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
+        if price is None and not isinstance(prices := await self.registry.prices(), Unavailable):
+            price = prices.get(model)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)

@@ -253,11 +253,6 @@ class Registry:
 
         return await self._kept(PRICES, read, "price read")
 
-    async def price(self, model: str) -> Price | Unavailable | None:
-        """The model's price (None: it has none), from ``prices``."""
-        prices = await self.prices()
-        return prices if isinstance(prices, Unavailable) else prices.get(model)
-
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
         by id). A scan of the callers: rare, and bounded by the number of callers."""
