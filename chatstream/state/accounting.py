@@ -57,20 +57,30 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller, its reservation (of ``wants``) and the counted prompt."""
+    """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
+    entry (whose request it is, its model, counted prompt and price)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
     reservation: Reservation
-    prompt_tokens: int  # counted: what a partial answer is charged as its prompt
-    model: str
-    price: Price | None
-    entry: JournalEntry  # with its payer: whose request it is
+    entry: JournalEntry
     started: float
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
+
+    @property
+    def model(self) -> str:
+        return self.entry.model
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.entry.prompt_tokens
+
+    @property
+    def price(self) -> Price | None:
+        return self.entry.price
 
     @property
     def rates(self) -> dict[str, Rate]:
@@ -186,7 +196,7 @@ class Accounting:
             reserved.release()
             self.journal.drop(entry)
             raise
-        return Admission(caller, wants, reserved, counted, model, price, entry, started, prices)
+        return Admission(caller, wants, reserved, entry, started, prices)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the

@@ -90,7 +90,7 @@ class JournalEntry:
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
