@@ -63,8 +63,8 @@ from .instances import Instances
 from .ledger import Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
-from .store import NEW, STREAMS_TABLE, Row, Store
-from .streamlog.format import RECORD_ROW, producer_events
+from .store import NEW, Row, Store
+from .streamlog.format import producer_events, stored_log
 
 log = logging.getLogger("chatstream")
 
@@ -517,15 +517,14 @@ class Recovery:
         if self.told is None or not stream or entry.get("state") == "settled":
             return 0
         try:
-            row = await self.store.get(STREAMS_TABLE, stream, RECORD_ROW)
-            inline = row.get("events") if row is not None else None  # (a short stream's whole log)
-            data = inline.encode() if inline else await self.store.read(stream) if row is not None else b""
+            found = await stored_log(self.store, stream)
         except (StoreError, NotFound) as exc:
             log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
             return 0
-        if row is None:
+        if found is None:
             return 0
-        text = self.told(str(row.get("route") or ""), producer_events(data, int(entry.get("epoch") or 1)))
+        record, data = found
+        text = self.told(record.route, producer_events(data, int(entry.get("epoch") or 1)))
         return tokens.count_text(entry["model"], text) if text else 0
 
     async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
