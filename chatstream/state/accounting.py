@@ -33,7 +33,7 @@ from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import Charge, Ledger, Payer, day_of
+from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of
 from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
@@ -338,7 +338,7 @@ class Accounting:
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
             was = Charge.of(there)
-            if not (was.author.startswith("takeover:") or was.author == charge.author) or was.total_tokens >= spent:
+            if not (was.author.startswith(TAKEOVER) or was.author == charge.author) or was.total_tokens >= spent:
                 return
             charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             spent -= was.total_tokens

@@ -60,7 +60,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger, Payer, theirs
+from .ledger import TAKEOVER, Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
 from .store import NEW, Row, Store
@@ -541,7 +541,7 @@ class Recovery:
                 continue
             there = await self.ledger.write_now(charge)
             for _ in range(MAX_ATTEMPTS):
-                if there is None or not theirs(there, dead, f"takeover:{dead}"):
+                if there is None or not theirs(there, dead, TAKEOVER + dead):
                     break
                 # A stream's taker charged this lost part first, from its log: theirs to count, unless
                 # it is below this checkpoint (a log is stored every few seconds): then it is raised
@@ -630,4 +630,4 @@ def _charges_of(entry: dict[str, Any], dead: str, logged: int = 0) -> list[Charg
     payer = Payer.of({"request_id": entry["id"], **entry})
     generated = Used(int(entry.get("prompt") or 0), 0, max(logged, int(entry.get("generated") or 0)))
     segment = int(entry.get("segment") or 0)
-    return [Charge.made(payer, entry["model"], generated, price, "lost", f"takeover:{dead}", segment)]
+    return [Charge.made(payer, entry["model"], generated, price, "lost", TAKEOVER + dead, segment)]
