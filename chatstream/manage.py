@@ -29,6 +29,7 @@ from starlette.requests import Request
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
 from .http import parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
+from .state import counter_row
 from .state.callers import (
     NAME_PATTERN,
     PICO,
@@ -42,12 +43,10 @@ from .state.callers import (
     iso,
     usd,
 )
-from .state.counter_row import window_of
 from .state.ledger import MAX_USAGE_DAYS
 from .state.port import Conflict, Invalid, Missing
 from .state.prices import Price, PriceSpec
 from .state.shared import SharedState
-from .state.store import LIMITS_TABLE, Where
 
 log = logging.getLogger("chatstream")
 
@@ -316,21 +315,15 @@ async def _id_of(state: SharedState, cls: type[Caller] | type[Team], name: str |
 async def _budgets_now(state: SharedState, owners: Sequence[Caller | Team]) -> dict[str, dict[str, Any]]:
     """How much of each budget is taken this period (spent, or held by a request in flight), from the
     counter rows: ``token_budget_used``, ``spend_budget_used`` (USD)."""
-    wanted = [o for o in owners if o.token_budget or o.spend_budget]
-    if not wanted:
-        return {}
     now = state.store.clock.now()
     out: dict[str, dict[str, Any]] = {}
-    for row_key, field in (("tokens", "token_budget_used"), ("spend", "spend_budget_used")):
-        rows = await state.store.query(LIMITS_TABLE, Where(rows_from=row_key, rows_to=row_key + "!"), timeout=10.0)
-        found = {r["PartitionKey"]: r for r in rows}
-        for owner in wanted:
-            if (owner.token_budget if row_key == "tokens" else owner.spend_budget) is None:
-                continue
-            row = found.get(owner.limits_partition)
-            current = row is not None and row.get("window") == window_of(owner.budget_period, now)
-            taken = int(row.get("taken") or 0) if row is not None and current else 0
-            out.setdefault(owner.limits_partition, {})[field] = usd(taken) if row_key == "spend" else taken
+    for key, field in (("tokens", "token_budget_used"), ("spend", "spend_budget_used")):
+        budgeted = [o for o in owners if (o.token_budget if key == "tokens" else o.spend_budget) is not None]
+        periods = {o.limits_partition: o.budget_period for o in budgeted}
+        if periods:
+            taken = await counter_row.taken_this_period(state.store, key, periods, now, 10.0)
+            for partition, amount in taken.items():
+                out.setdefault(partition, {})[field] = usd(amount) if key == "spend" else amount
     return out
 
 

@@ -33,7 +33,7 @@ from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import Charge, Ledger, Payer, day_of
+from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of
 from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
@@ -57,20 +57,30 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller, its reservation (of ``wants``) and the counted prompt."""
+    """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
+    entry (whose request it is, its model, counted prompt and price)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
     reservation: Reservation
-    prompt_tokens: int  # counted: what a partial answer is charged as its prompt
-    model: str
-    price: Price | None
-    entry: JournalEntry  # with its payer: whose request it is
+    entry: JournalEntry
     started: float
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
+
+    @property
+    def model(self) -> str:
+        return self.entry.model
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.entry.prompt_tokens
+
+    @property
+    def price(self) -> Price | None:
+        return self.entry.price
 
     @property
     def rates(self) -> dict[str, Rate]:
@@ -186,7 +196,7 @@ class Accounting:
             reserved.release()
             self.journal.drop(entry)
             raise
-        return Admission(caller, wants, reserved, counted, model, price, entry, started, prices)
+        return Admission(caller, wants, reserved, entry, started, prices)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -330,7 +340,7 @@ class Accounting:
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
             was = Charge.of(there)
-            if not (was.author.startswith("takeover:") or was.author == charge.author) or was.total_tokens >= spent:
+            if not (was.author.startswith(TAKEOVER) or was.author == charge.author) or was.total_tokens >= spent:
                 return
             charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             spent -= was.total_tokens
@@ -385,8 +395,7 @@ class Accounting:
             owned = await self.owners.owned(kind, id)
         except StoreError:
             return Unavailable()
-        # Rows claimed before ids name their caller by name.
-        return owned if owned is not None and owned.caller_id in (caller.id, f"name:{caller.name}") else None
+        return owned if owned is not None and owned.by(caller) else None
 
     async def forget(self, kind: str, id: str) -> None:
         try:
@@ -408,8 +417,9 @@ class Accounting:
             return
         team = await self.registry.team_of(caller)
         team = team if isinstance(team, Team) else None
-        price = owned.price if owned is not None and owned.price is not None else await self.registry.price(model)
-        price = price if isinstance(price, Price) else None  # admitted at (rows before it: as of now)
+        price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
+        if price is None and not isinstance(prices := await self.registry.prices(), Unavailable):
+            price = prices.get(model)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)

@@ -4,8 +4,8 @@
 that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
 ``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
 after their next write). A row whose window is older than now counts as empty: rows are reused, never
-piled up. The counters (counters.py) and the recovery of a dead instance (journal.py) read and write
-it through this module."""
+piled up. Everything reads and writes it through this module: the counters (counters.py), the
+recovery of a dead instance (journal.py), the admin API and the registry."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import NamedTuple
 
 from ..errors import AlreadyExists, Modified, NotFound
-from .store import LIMITS_TABLE, Row, Store
+from .store import LIMITS_TABLE, Row, Store, Where
 
 WINDOW_SECONDS = 60
 MAX_ATTEMPTS = 50  # conflicting writes one change of a row retries (each after a fresh read)
@@ -128,3 +128,20 @@ async def write(
     except (Modified, AlreadyExists, NotFound):
         return None
     return replace(row, etag=etag)
+
+
+async def taken_this_period(
+    store: Store, key: str, periods: Mapping[str, Period], now: float, bound: float
+) -> dict[str, int]:
+    """What the ``key`` counter (``tokens``, ``spend``) of each partition in ``periods`` has taken in
+    its period's current window (no row, or an older window's: 0), read in one query."""
+    rows = await store.query(LIMITS_TABLE, Where(rows_from=key, rows_to=key + "!"), timeout=bound)
+    found = {row["PartitionKey"]: CounterRow.of(row) for row in rows}
+    current = {p: found.get(p, CounterRow()).counts_in(window_of(period, now)) for p, period in periods.items()}
+    return {partition: found[partition].taken if now_in else 0 for partition, now_in in current.items()}
+
+
+async def forget(store: Store, partition: str, bound: float) -> None:
+    """Delete every counter row of ``partition`` (a deleted caller's or team's)."""
+    for row in await store.query(LIMITS_TABLE, Where(partition=partition, select=()), timeout=bound):
+        await store.delete(LIMITS_TABLE, partition, row["RowKey"], timeout=bound)

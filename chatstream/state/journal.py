@@ -60,11 +60,11 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import Charge, Ledger, Payer, theirs
+from .ledger import TAKEOVER, Charge, Ledger, Payer, theirs
 from .port import Used
 from .prices import Price
-from .store import NEW, STREAMS_TABLE, Row, Store
-from .streamlog.format import RECORD_ROW, producer_events
+from .store import NEW, Row, Store
+from .streamlog.format import producer_events, stored_log
 
 log = logging.getLogger("chatstream")
 
@@ -90,7 +90,7 @@ class JournalEntry:
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
@@ -517,15 +517,14 @@ class Recovery:
         if self.told is None or not stream or entry.get("state") == "settled":
             return 0
         try:
-            row = await self.store.get(STREAMS_TABLE, stream, RECORD_ROW)
-            inline = row.get("events") if row is not None else None  # (a short stream's whole log)
-            data = inline.encode() if inline else await self.store.read(stream) if row is not None else b""
+            found = await stored_log(self.store, stream)
         except (StoreError, NotFound) as exc:
             log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
             return 0
-        if row is None:
+        if found is None:
             return 0
-        text = self.told(str(row.get("route") or ""), producer_events(data, int(entry.get("epoch") or 1)))
+        record, data = found
+        text = self.told(record.route, producer_events(data, int(entry.get("epoch") or 1)))
         return tokens.count_text(entry["model"], text) if text else 0
 
     async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
@@ -542,7 +541,7 @@ class Recovery:
                 continue
             there = await self.ledger.write_now(charge)
             for _ in range(MAX_ATTEMPTS):
-                if there is None or not theirs(there, dead, f"takeover:{dead}"):
+                if there is None or not theirs(there, dead, TAKEOVER + dead):
                     break
                 # A stream's taker charged this lost part first, from its log: theirs to count, unless
                 # it is below this checkpoint (a log is stored every few seconds): then it is raised
@@ -631,4 +630,4 @@ def _charges_of(entry: dict[str, Any], dead: str, logged: int = 0) -> list[Charg
     payer = Payer.of({"request_id": entry["id"], **entry})
     generated = Used(int(entry.get("prompt") or 0), 0, max(logged, int(entry.get("generated") or 0)))
     segment = int(entry.get("segment") or 0)
-    return [Charge.made(payer, entry["model"], generated, price, "lost", f"takeover:{dead}", segment)]
+    return [Charge.made(payer, entry["model"], generated, price, "lost", TAKEOVER + dead, segment)]

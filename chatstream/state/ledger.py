@@ -75,7 +75,7 @@ class Charge:
     upstream: str | None = None  # the pool entry that served it
     upstream_id: str = ""  # the upstream's x-request-id
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
-    author: str = ""  # the instance that wrote it
+    author: str = ""  # the instance that wrote it; a recovery: TAKEOVER + the dead instance's id
     # A write made on what the row held (a stream's lost part, accounting.charge_lost): the ids of the
     # writes whose counts the row holds, this one's last; ``over``: the ETag of the row it replaces
     # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
@@ -133,6 +133,9 @@ class Charge:
         is the row's, not the charge's)."""
         found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
         return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
+
+
+TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
+from .callers import Caller
 from .prices import Price
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
@@ -33,7 +34,7 @@ RESPONSE_LIFETIME = 30 * 86400.0
 class Owned:
     """An owner row: who created the object, and what a background response reserved."""
 
-    caller_id: str
+    caller_id: str  # (a row claimed before ids names its caller: ``name:<its name>``)
     context: int = 0  # tokens a continuation of it carries (0: not known)
     reserved: int = 0  # a background response: the tokens it reserved...
     reserved_spend: int = 0  # ...the money (pico-USD)...
@@ -52,10 +53,14 @@ class Owned:
             "price": json.dumps(self.price.entity()) if self.price is not None else None,
         }
 
+    def by(self, caller: Caller) -> bool:
+        """Whether ``caller`` created it."""
+        return self.caller_id in (caller.id, f"name:{caller.name}")
+
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Owned | None:
         """The row as written (None: it names no owner)."""
-        owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)  # rows before ids
+        owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)
         if not owner:
             return None
         return cls(

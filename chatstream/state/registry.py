@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
+from . import counter_row
 from .callers import (
     KEY_SHAPE,
     NAME_PATTERN,
@@ -49,7 +50,7 @@ from .callers import (
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
 from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, LIMITS_TABLE, Op, OpKind, Store, Where, key_part
+from .store import CALLERS_TABLE, Op, OpKind, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
@@ -252,11 +253,6 @@ class Registry:
 
         return await self._kept(PRICES, read, "price read")
 
-    async def price(self, model: str) -> Price | Unavailable | None:
-        """The model's price (None: it has none), from ``prices``."""
-        prices = await self.prices()
-        return prices if isinstance(prices, Unavailable) else prices.get(model)
-
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
         by id). A scan of the callers: rare, and bounded by the number of callers."""
@@ -387,11 +383,7 @@ class Registry:
         kind, name = cls.__name__.lower(), log_safe(name)[:80]
         if not isinstance(kept, Price):
             try:
-                partition = kept.limits_partition
-                for row in await self.store.query(
-                    LIMITS_TABLE, Where(partition=partition, select=()), timeout=ADMIN_TIMEOUT
-                ):
-                    await self.store.delete(LIMITS_TABLE, partition, row["RowKey"])
+                await counter_row.forget(self.store, kept.limits_partition, ADMIN_TIMEOUT)
             except StoreError as exc:
                 log.warning("%s %s deleted; its limit counters were left in the store: %s", kind, name, exc)
         log.info("%s %s deleted", kind, name)

@@ -4,11 +4,13 @@ background response is charged exactly once across every instance, whatever answ
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.errors import StoreError
+from chatstream.state.callers import Caller
 from chatstream.state.owners import Owned, Owners
 from chatstream.state.store import RESPONSES_TABLE
 
@@ -32,6 +34,16 @@ async def test_what_a_caller_creates_belongs_to_it():
     odd = "resp/odd#id?\n"
     assert await owners.claim("response", odd, Owned("alice-id")) is True
     assert (await owners.owned("response", odd)) is not None
+
+
+def test_an_owner_is_its_caller_by_id_or_a_row_before_ids_by_name():
+    alice = Caller(name="alice", id="alice-id", created_at=datetime.now(UTC))
+    again = Caller(name="alice", id="alice-new", created_at=datetime.now(UTC))
+    assert Owned("alice-id").by(alice) and not Owned("alice-id").by(again)
+    old = Owned.of({"caller": "alice"})  # a row claimed before ids
+    assert old is not None and old.by(alice) and old.by(again)
+    assert not old.by(Caller(name="bob", id="alice-id", created_at=datetime.now(UTC)))
+    assert Owned.of({"context": 5}) is None
 
 
 async def test_a_background_response_is_charged_once_across_instances():

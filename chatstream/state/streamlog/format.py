@@ -19,7 +19,7 @@ The record, row ``stream`` of partition ``{id}`` in ``chatstreamStreams``: ``Rec
 continuation needs (the route's params as JSON) is in the record when small, else in the blob
 ``{id}.request``. The blob is made at the producer's first write: a stream that ends before it (one
 nobody elsewhere followed, shorter than a checkpoint) has its whole log in the record instead
-(``events``, written with its end), and no blob."""
+(``events``, written with its end), and no blob: ``stored_log`` reads either."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ... import sse
+from ..store import STREAMS_TABLE, Store
 from .errors import StreamNotFound
 
 # --- ids ------------------------------------------------------------------------------------
@@ -172,6 +173,16 @@ class Record:
             events=row.get("events"),
             etag=getattr(row, "etag", ""),
         )
+
+
+async def stored_log(store: Store, stream_id: str) -> tuple[Record, bytes] | None:
+    """A stream's record and its whole stored log (None: no record): the record's ``events`` when it
+    holds it, else the blob (NotFound: none)."""
+    row = await store.get(STREAMS_TABLE, stream_id, RECORD_ROW)
+    if row is None:
+        return None
+    record = Record.of(row)
+    return record, record.events.encode() if record.events is not None else await store.read(stream_id)
 
 
 def record_over(stream_id: str, state: str, expires: float, **more: Any) -> dict[str, Any]:
