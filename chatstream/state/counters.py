@@ -561,7 +561,10 @@ class Settlement:
 
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
-        taken out first (segments whose ledger row another instance wrote and counted)."""
+        taken out first (segments whose ledger row another instance wrote and counted). All of it
+        less: a request a takeover charged (its row is the taker's); its charges let go, whichever
+        books they were staged on (left unconfirmed, one kept this instance's entry in the row,
+        holding it again, until the window ended)."""
         for lease, staged in self.staged:
             lease.confirm(staged, (less or {}).get(lease.key, 0))
 

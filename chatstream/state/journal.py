@@ -205,7 +205,7 @@ class Journal:
         is journaled): listed as settled, then its ledger rows, then the counters (module docstring);
         all in the background."""
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
-            _disown(settlement, spent)
+            settlement.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
         entry.charges = charges
@@ -404,7 +404,7 @@ class Journal:
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
                 entry.orphaned = True
                 if entry.settlement is not None and not entry.journaled:  # settled here since: as in ``settle``
-                    _disown(entry.settlement, entry.amounts)
+                    entry.settlement.confirm(less=entry.amounts)
                 del self.entries[key]
         self._etag = None
         self._noted = set()
@@ -450,15 +450,6 @@ def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKe
     cost in pico-dollars, of any other their tokens."""
     tokens, cost = sum(c.total_tokens for c in charges), sum(c.cost or 0 for c in charges)
     return {key: cost if key.row == "spend" else tokens for key in keys}
-
-
-def _disown(settlement: Settlement, spent: Mapping[CounterKey, int]) -> None:
-    """The settle of a request a takeover charged (at its checkpoint: its row is the taker's):
-    nothing of it enters a budget row here. Its staged charges are lessened to nothing and let go,
-    whether staged on the books before the takeover or, the counters having learnt of it first, on
-    their new books (where ``Lease.settle`` has the row pay all of it): left unconfirmed, such a
-    charge kept this instance's entry in the row, holding it again, until the window ended."""
-    settlement.confirm(spent)
 
 
 SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
