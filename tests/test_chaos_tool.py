@@ -152,3 +152,27 @@ def test_a_cut_stream_nothing_continued_is_charged_at_least_its_journal_record()
     late = {**stream, "ended_at": sent[-1] + JOURNAL_LAG_SECONDS + 0.1}
     checks.check_segment("m", {"id": "req_1235"}, late, row, counts, cut, 1)
     assert checks.failures["segment_charged_less_than_generated"] == 2
+
+
+def test_a_continuation_lost_with_its_instance_and_read_by_nobody_is_charged_at_least_its_journal_record():
+    """Seed 2027, k2027-7-75: its continuation (segment 20; its asking reader was told stream_lost,
+    nobody else read it) was lost with its instance 1.9 s in, 36 deltas sent (38 tokens), and
+    charged 37 from the journal's last record (docs/callers.md: up to ~0.6 s short). Not a failure;
+    a charge below what was sent ``JOURNAL_LAG_SECONDS`` before the kill is."""
+    from collections import Counter
+
+    from tools.chaos.soak import JOURNAL_LAG_SECONDS, Checks, Result
+
+    checks = Checks.__new__(Checks)  # (no store: only the ledger rule)
+    checks.failures, checks.examples = Counter(), {}
+    told = Result(marker="m", kind="chat_completions", caller="c", status=200, cuts=[67])
+    told.finals, told.outcome = ["error:stream_lost"], "expected:stream_lost_unstored"
+    sent = [315.205 + 0.05 * i for i in range(36)]
+    stream = {"content_sent_at": sent, "ended_at": 316.996, "outcome": "client_disconnected"}
+    counts: Counter = Counter()
+    for charged in (37, 3):
+        row = {"RowKey": "r", "completion_tokens": charged, "ended": "lost", "segment": 20, "upstream_id": ""}
+        checks.check_segment("m", {"id": "req_970"}, stream, row, counts, told, 2)
+    assert counts["lost_parts_nobody_read_charged_at_least_their_journal_record"] == 1
+    assert dict(checks.failures) == {"segment_charged_less_than_generated": 1}
+    assert sent[-1] - JOURNAL_LAG_SECONDS > sent[2]  # (3 tokens: below what the journal surely had)
