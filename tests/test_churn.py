@@ -499,6 +499,78 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
 
 @pytest.mark.alone
 @pytest.mark.timeout(240)
+def test_a_lost_part_is_raised_to_what_its_caller_received_even_if_its_taker_dies_mid_continuation(azurite, start_app):
+    """As above with three instances, and B, the taker, is SIGKILLed too once its continuation is
+    past the caller's position (60 of its deltas sent: the stand-ins for the caller's 30 events
+    and 0.6 s more), before the continuation stops (its young seconds, 2 s). A's part is charged at
+    least what its caller read all the same (chaos seed 2027: 10 of 12, the raise made only at the
+    continuation's end, which B did not live to see); C recovers A and B."""
+    from servers import Upstream
+
+    from chatstream import tokens
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "1000", "--interval-ms", "20")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
+        a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+        for app in (a, b, c):  # each instance warm (its store clients, the tables); a short answer
+            short = {"prompt": "warm [scenario:normal]"}
+            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
+            assert warm.status_code == 200, warm.text
+        ids: list[int] = []
+        received: list[str] = []
+        killed = 0.0
+        with httpx.stream(
+            "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            stream_id = response.headers["x-stream-id"]
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    received.append(str(json.loads(line[6:]).get("delta") or ""))
+                    if len(ids) == 30:
+                        a.stop(signal.SIGKILL)
+                        killed = time.time()
+                        break
+        finals: list[str] = []
+        deadline = time.monotonic() + 60
+        while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
+            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                if r.status_code != 200:
+                    time.sleep(0.5)
+                    continue
+                finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
+        assert finals == ["error"], finals
+        deadline = time.monotonic() + 30
+        while True:  # B's continuation past the caller's 30 events (and 0.6 s more), still running
+            continued = [s for s in upstream.streams() if s["started_at"] > killed]
+            if continued and len(continued[0]["content_sent_at"]) >= 60:
+                break
+            assert time.monotonic() < deadline, continued
+            time.sleep(0.02)
+        b.stop(signal.SIGKILL)
+        assert upstream.streams() and continued[0]["ended_at"] is None, "the continuation stopped first"
+        want = tokens.count_text(MODEL, "".join(received))
+        deadline = time.monotonic() + 90
+        while True:  # C recovers A and B
+            rows = ledger(azurite, who)
+            lost = [r for r in rows if r["ended"] == "lost" and int(r.get("segment") or 0) == 0]
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            if lost and held == 0 and taken == spent(rows) and lost[0]["completion_tokens"] >= want:
+                break
+            assert time.monotonic() < deadline, (lost, want, taken, held)
+            time.sleep(0.5)
+        print(f"A's part charged {lost[0]['completion_tokens']} tokens; its caller read {want}")
+    finally:
+        upstream.stop()
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
 def test_a_killed_chat_completions_streams_lost_part_is_charged_at_least_what_its_caller_received(azurite, start_app):
     """As above on /api/v1/chat/completions (issue #45's first suspect, an off-by-one between its role
     chunk and the stand-ins' positions: ruled out): a 40-delta answer, one every 50 ms; A is

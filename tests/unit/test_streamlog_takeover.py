@@ -330,6 +330,39 @@ async def test_the_stand_ins_of_a_continuation_that_ran_to_its_end_are_all_it_ge
         assert [(position(n), e) for n, e in events_of(stand_ins[0])] == [(i + 1, delta(i)[:-2]) for i in range(10, 15)]
 
 
+async def test_a_continuations_stand_ins_are_known_as_soon_as_it_has_them_not_only_at_its_end():
+    """Chaos seed 2027, k2027-7-75: the caller held 12 tokens of which the log had 10; the taker's
+    continuation had the stand-ins within ~0.6 s but the raise waited for its end, and its instance
+    was killed 1.3 s later: the lost part stayed charged 10. ``Claim.stood_in`` returns once the
+    continuation has kept position 15 (the reader's), while it still runs: the request path charges
+    them then (Endpoint.take_over); a continuation that ends short never gets there."""
+    claims: list[Claim] = []
+    async with instances(
+        2, take_over=regenerating(gap=0.05, calls=claims), **{**QUICK, "checkpoint_seconds": 30.0}
+    ) as (
+        a,
+        b,
+    ):
+        producer = await stored_to_ten_then_killed(a, 40)
+        got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
+        assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
+        claim = claims[0]
+        async with asyncio.timeout(5):
+            await claim.stood_in()
+        assert claim.all_stood_in()
+        assert [(position(n), e) for n, e in events_of(claim.stand_ins())] == [
+            (i + 1, delta(i)[:-2]) for i in range(10, 15)
+        ]
+        assert not claim.producer.stored_end and not claim.producer.stop_requested.is_set()  # it goes on
+    short: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=short), **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b):
+        producer = await stored_to_ten_then_killed(a, 13)  # the continuation ends at 13, short of 15
+        await read_all(await b.open_reader(producer.id, 15, None))
+        await asyncio.sleep(1.0)
+        assert not short[0].all_stood_in()  # (its stand-ins: 11..13 and its final event)
+        assert [position(n) for n, _ in events_of(short[0].stand_ins())] == [11, 12, 13, 14]
+
+
 async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_continued():
     calls: list[Claim] = []
     async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):

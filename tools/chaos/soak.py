@@ -57,6 +57,7 @@ from azure.data.tables import TableServiceClient
 from chatstream_client import Backoff, ResumingTransport
 
 from chatstream import tokens
+from chatstream.state.journal import JOURNAL_SECONDS
 from tools.fakeupstream.scenarios import cadence_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,10 @@ IN_FLIGHT = 3  # tokens the upstream may have sent and the app not read when it 
 # ...or more on a busy machine: what the upstream sent this long before it saw the call closed (a
 # worker behind on its reads by a few deltas; seed 4242 at load 12: 5 deltas unread, 0.3 s)
 IN_FLIGHT_SECONDS = 0.5
+# A dead instance's journal last recorded what it had read at most this long before it died: written
+# every JOURNAL_SECONDS while anything changed (docs/callers.md: "up to ~0.6 s"), behind the upstream
+# by what a busy worker had not read yet
+JOURNAL_LAG_SECONDS = JOURNAL_SECONDS + 0.1 + IN_FLIGHT_SECONDS
 EXPECTED = cadence_text(DELTAS)
 MAX_TOKENS = 100
 PRICE = {"input": 10, "output": 30}  # USD per million tokens
@@ -982,9 +987,15 @@ class Checks:
             counts["segments_unchecked_responses_cut"] += 1
             return
         generated = tokens.count_text(MODEL, cadence_text(sent))
-        received = received_from_the_lost_instance(result, row, calls)
+        received = received_from_the_lost_instance(result, row, calls, stream)
+        recorded = journal_record(stream) if row.get("ended") == "lost" else None
         if charged < generated and received is not None and charged >= received:
             counts["lost_parts_charged_at_least_what_their_caller_received"] += 1
+            counts["completion_tokens_generated_but_never_delivered_uncharged"] += generated - charged
+        elif charged < generated and received is None and recorded is not None and charged >= recorded:
+            # Lost with its instance and read by nobody (a continuation whose asking reader was told
+            # stream_lost): docs/callers.md promises its journal's last record, up to ~0.6 s short.
+            counts["lost_parts_nobody_read_charged_at_least_their_journal_record"] += 1
             counts["completion_tokens_generated_but_never_delivered_uncharged"] += generated - charged
         elif charged < generated:
             # A caller never cut read this part live from the instance it was lost with (it died as
@@ -1073,19 +1084,39 @@ def cut_uncalled(result: Result, marker: str, by_marker: dict[str, list[dict]]) 
     return index < len(result.refusals) and not result.refusals[index][:1].isdigit() and not by_marker.get(marker)
 
 
-def received_from_the_lost_instance(result: Result | None, row: dict, calls: int) -> int | None:
+def received_from_the_lost_instance(
+    result: Result | None, row: dict, calls: int, stream: dict | None = None
+) -> int | None:
     """Completion tokens a resumable stream's caller had got from the instance its first part was
     lost with (``row``: that part, ``lost``, segment 0), counted as the app counts text: what it had
     when it was cut; when it was never cut and its attempt made one upstream call, all it got (it
     read it all there). ``calls``: the upstream calls of the attempt, 0 for one the caller got no
-    answer from (refused or cut first: the result's text is another attempt's). None: no bound."""
+    answer from (refused or cut first: the result's text is another attempt's). None: no bound.
+
+    Cut, with one upstream call: nothing continued the stream (its taker's continuation refused,
+    e.g. the caller's budget spent), so no continuation stands for what the caller held unstored
+    (endpoint.take_over): docs/callers.md promises the journal's last record, at most
+    ``JOURNAL_LAG_SECONDS`` before the call (``stream``, the upstream's record) was closed."""
     if result is None or calls == 0 or row.get("ended") != "lost" or int(row.get("segment") or 0) != 0:
         return None
     if result.cuts:
-        return tokens.count_text(MODEL, result.text[: result.cuts[0]])
+        got = tokens.count_text(MODEL, result.text[: result.cuts[0]])
+        recorded = journal_record(stream) if calls == 1 else None
+        return got if recorded is None else min(got, recorded)
     if result.kind in RESUMABLE and calls == 1 and result.text:
         return tokens.count_text(MODEL, result.text)
     return None
+
+
+def journal_record(stream: dict | None) -> int | None:
+    """The completion tokens a dead instance's journal had surely recorded of upstream call
+    ``stream`` (the upstream's record; None without its timings): what the upstream sent
+    ``JOURNAL_LAG_SECONDS`` before the call was closed (its instance killed), counted as the app
+    counts text."""
+    if stream is None or stream.get("ended_at") is None or "content_sent_at" not in stream:
+        return None
+    sent = sum(1 for t in stream["content_sent_at"] if t < stream["ended_at"] - JOURNAL_LAG_SECONDS)
+    return tokens.count_text(MODEL, cadence_text(sent))
 
 
 def lost_bounds(result: Result, calls: list[dict], streams: dict[str, dict], answered: bool) -> tuple[int, int]:
@@ -1100,7 +1131,8 @@ def lost_bounds(result: Result, calls: list[dict], streams: dict[str, dict], ans
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else DELTAS
         high += tokens.count_text(MODEL, cadence_text(sent)) if sent else 0
     read = len(calls) if answered else 0
-    low = received_from_the_lost_instance(result, {"ended": "lost", "segment": 0}, read) or 0
+    only = streams.get(calls[0]["id"]) if len(calls) == 1 else None
+    low = received_from_the_lost_instance(result, {"ended": "lost", "segment": 0}, read, only) or 0
     return low, high
 
 

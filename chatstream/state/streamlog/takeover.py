@@ -63,6 +63,18 @@ class Claim:
         ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
+    def all_stood_in(self) -> bool:
+        """Whether the continuation has kept every stand-in (its event at position ``producer.unstored``)."""
+        last = sse.split(self.stand_ins())[0][-1:]
+        return bool(last) and position(sse.event_id(last[0]) or 0) >= self.producer.unstored
+
+    async def stood_in(self) -> None:
+        """Wait until ``all_stood_in``: what the stand-ins charge is known then, not only at the
+        continuation's end, which this instance may not live to see. Waits for ever if the
+        continuation ends short: cancel it then."""
+        while not self.all_stood_in():
+            await self.producer.changed()
+
 
 async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
     """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
