@@ -6,6 +6,7 @@ dropped, which makes the worker's Starlette cancel the function's stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -40,6 +41,11 @@ HOP_BY_HOP = frozenset(
 NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host", b"expect"}
 # How long a failed invocation waits for the worker's own error response before the host answers.
 FAILED_INVOCATION_GRACE = 1.0
+UNREACHED_WAIT = 2.0  # how long a request waits for an unreachable worker's exit to be noticed
+
+
+class _Unreached(Exception):
+    """The worker's HTTP server refused the connection before any of the request was read."""
 
 
 class ClientGone(Exception):
@@ -93,21 +99,28 @@ class Host:
         await self._invoke(route, params, scope, receive, send)
 
     async def _invoke(self, route: Route, params, scope, receive, send):
-        # The HTTP request and its invocation go to the same worker process.
-        worker = await self.workers.acquire()
-        if worker is None:
-            log.error("no worker process is ready to take 'Functions.%s'", route.name)
-            await _plain(send, 503)
-            return
-        worker.in_flight += 1
-        self.in_flight += 1
-        try:
-            await self._invoke_on(worker, route, params, scope, receive, send)
-        finally:
-            worker.in_flight -= 1
-            self.in_flight -= 1
+        # The HTTP request and its invocation go to the same worker process. One that cannot be
+        # reached before any of the request was read may have died a moment ago (its exit not yet
+        # noticed): the request waits for another, as it does while a worker restarts.
+        for last in (False, True):
+            worker = await self.workers.acquire()
+            if worker is None:
+                log.error("no worker process is ready to take 'Functions.%s'", route.name)
+                await _plain(send, 503)
+                return
+            worker.in_flight += 1
+            self.in_flight += 1
+            try:
+                await self._invoke_on(worker, route, params, scope, receive, send, last)
+                return
+            except _Unreached:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(worker.exited), UNREACHED_WAIT)
+            finally:
+                worker.in_flight -= 1
+                self.in_flight -= 1
 
-    async def _invoke_on(self, worker: WorkerProcess, route: Route, params, scope, receive, send):
+    async def _invoke_on(self, worker: WorkerProcess, route: Route, params, scope, receive, send, last: bool = True):
         invocation_id = str(uuid.uuid4())
         started = time.perf_counter()
         # A caller must never choose the invocation id (it would pair its request with another
@@ -133,8 +146,12 @@ class Host:
         body_done = asyncio.Event()
         disconnected = asyncio.Event()
 
+        read = False
+
         async def request_body():
+            nonlocal read
             while True:
+                read = True
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     disconnected.set()
@@ -162,6 +179,8 @@ class Host:
                 chunked=has_body and b"content-length" not in caller_framing,
             )
         except OSError as exc:
+            if not last and not read:
+                raise _Unreached from exc
             log.error("cannot reach the worker's HTTP server: %s", exc)
             await _plain(send, 502)
             return
