@@ -430,27 +430,7 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
         settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
         a, b = (start_app(**env(upstream, azurite, **settings)) for _ in range(2))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
-        for app in (a, b):  # each instance warm (its store clients, the tables); a short answer
-            short = {"prompt": "warm [scenario:normal]"}
-            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
-            assert warm.status_code == 200, warm.text
-        ids: list[int] = []
-        received: list[str] = []
-        killed = 0.0
-        with httpx.stream(
-            "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
-        ) as response:
-            assert response.status_code == 200
-            stream_id = response.headers["x-stream-id"]
-            for line in response.iter_lines():
-                if line.startswith("id: "):
-                    ids.append(int(line[4:]))
-                elif line.startswith("data: "):
-                    received.append(str(json.loads(line[6:]).get("delta") or ""))
-                    if len(ids) == 30:
-                        a.stop(signal.SIGKILL)
-                        killed = time.time()
-                        break
+        stream_id, ids, received, killed = _killed_after_30(a, (a, b), key)
         got = "".join(received)
         finals: list[str] = []
         codes: list[str] = []
@@ -514,27 +494,7 @@ def test_a_lost_part_is_raised_to_what_its_caller_received_even_if_its_taker_die
         settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
         a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
-        for app in (a, b, c):  # each instance warm (its store clients, the tables); a short answer
-            short = {"prompt": "warm [scenario:normal]"}
-            warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
-            assert warm.status_code == 200, warm.text
-        ids: list[int] = []
-        received: list[str] = []
-        killed = 0.0
-        with httpx.stream(
-            "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
-        ) as response:
-            assert response.status_code == 200
-            stream_id = response.headers["x-stream-id"]
-            for line in response.iter_lines():
-                if line.startswith("id: "):
-                    ids.append(int(line[4:]))
-                elif line.startswith("data: "):
-                    received.append(str(json.loads(line[6:]).get("delta") or ""))
-                    if len(ids) == 30:
-                        a.stop(signal.SIGKILL)
-                        killed = time.time()
-                        break
+        stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
         finals: list[str] = []
         deadline = time.monotonic() + 60
         while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
@@ -708,3 +668,29 @@ def test_a_stream_handed_over_on_sigterm_is_charged_once_in_the_budget(azurite, 
         assert len(rows) == 2 + 3 * 2, [(r["request_id"], r["segment"], r["ended"], r["author"]) for r in rows]
     finally:
         upstream.stop()
+
+
+def _killed_after_30(a, apps, key: str) -> tuple[str, list[int], list[str], float]:
+    """Each of ``apps`` warm (its store clients, the tables: a short answer); then a long /api/chat
+    answer on ``a``, read to its 30th event, and ``a`` SIGKILLed: the stream's id, the ids and
+    deltas its caller read, and when ``a`` was killed (time.time())."""
+    for app in apps:
+        short = {"prompt": "warm [scenario:normal]"}
+        warm = httpx.post(f"{app.url}/api/chat", headers={"api-key": key}, json=short, timeout=30)
+        assert warm.status_code == 200, warm.text
+    ids: list[int] = []
+    received: list[str] = []
+    with httpx.stream(
+        "POST", f"{a.url}/api/chat", headers={"api-key": key}, json={"prompt": uuid.uuid4().hex}, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        stream_id = response.headers["x-stream-id"]
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line[4:]))
+            elif line.startswith("data: "):
+                received.append(str(json.loads(line[6:]).get("delta") or ""))
+                if len(ids) == 30:
+                    a.stop(signal.SIGKILL)
+                    return stream_id, ids, received, time.time()
+    raise AssertionError(f"the answer ended after {len(ids)} events, before its 30th")

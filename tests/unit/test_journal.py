@@ -264,15 +264,22 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     await b.close()
 
 
-async def charged_by_its_taker(b: SharedState, caller: Caller, request_id: str, shown: str) -> Accounting:
-    """Instance b takes the stream of ``request_id`` over (as Endpoint.take_over does): its lost part
-    charged at what the log shows, ``shown``; the continuation admitted and let go. b's accounting."""
+async def taking_over(b: SharedState, caller: Caller, request_id: str) -> tuple[Accounting, Admission]:
+    """Instance b takes the stream of ``request_id`` over (as Endpoint.take_over does): its
+    continuation admitted, charged under the stream's request id. (b's accounting, the admission.)"""
     acc_b = b.accounting
     assert acc_b is not None
     taken = record()
     taken.id = taken.request_id = request_id
     going_on = await acc_b.admit(caller, asked(call("three"), taken))
     assert isinstance(going_on, Admission)
+    return acc_b, going_on
+
+
+async def charged_by_its_taker(b: SharedState, caller: Caller, request_id: str, shown: str) -> Accounting:
+    """Instance b takes the stream of ``request_id`` over: its lost part charged at what the log
+    shows, ``shown``; the continuation admitted and let go. b's accounting."""
+    acc_b, going_on = await taking_over(b, caller, request_id)
     await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
     going_on.reservation.release()
     acc_b.journal.drop(going_on.entry)
@@ -326,12 +333,7 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
-    acc_b = b.accounting
-    assert acc_b is not None
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, asked(call("three"), taken))
-    assert isinstance(going_on, Admission)
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2)
@@ -353,12 +355,8 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
     store frozen 4.7 s at the continuation's end)."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    acc_b = b.accounting
-    assert acc_b is not None and isinstance(b.store, MemoryStore)
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, asked(call("three"), taken))
-    assert isinstance(going_on, Admission)
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    assert isinstance(b.store, MemoryStore)
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     assert await acc_b.flush(5)
     received = GENERATED + " It came back at dusk, tired and happy."
@@ -384,12 +382,8 @@ async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first
     instance's checkpoint, 20 of the 30 tokens received)."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
-    acc_b = b.accounting
-    assert acc_b is not None and isinstance(b.store, MemoryStore)
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, asked(call("three"), taken))
-    assert isinstance(going_on, Admission)
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    assert isinstance(b.store, MemoryStore)
     refused = b.store.inject(
         Fault("unavailable", frozenset({"insert", "replace", "batch"}), table=USAGE_TABLE, times=10**9)
     )
@@ -426,12 +420,8 @@ async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_de
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
-    acc_b = b.accounting
-    assert acc_b is not None and isinstance(b.store, MemoryStore)
-    taken = record()
-    taken.id = taken.request_id = rec3.id
-    going_on = await acc_b.admit(caller, asked(call("three"), taken))
-    assert isinstance(going_on, Admission)
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    assert isinstance(b.store, MemoryStore)
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     assert await acc_b.flush(5)
     received = GENERATED + " It came back at dusk, tired and happy."
