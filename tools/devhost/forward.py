@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import httptools
 
 HIGH_WATER = 256 * 1024  # stop reading from the worker while this much is waiting for the caller
-IDLE_REUSE = 4.0  # seconds; uvicorn closes idle keep-alive connections after 5 s
+IDLE_REUSE = 4.0  # seconds; uvicorn closes a keep-alive connection 5 s after its last response ended
 
 
 class WorkerConnectionError(Exception):
@@ -135,6 +135,9 @@ class WorkerResponse:
         if self._trailing:
             return
         self._complete = True
+        # The worker's keep-alive timer started when it sent this end, not when the caller has read
+        # it all and the connection goes back to the pool (a slow caller: seconds later).
+        self._conn.idle_since = time.monotonic()
         # Read it now: once feed_data returns, the parser has reset for the next message.
         self._keep_alive = self._parser.should_keep_alive()
         self._wake()
@@ -234,6 +237,7 @@ class Forwarder:
                 conn = await self._new_connection()
             except OSError:
                 return
+            conn.idle_since = time.monotonic()
             self.release(conn, reusable=True)
 
         self._spare = asyncio.ensure_future(connect())
@@ -241,7 +245,6 @@ class Forwarder:
     def release(self, conn: _Connection, reusable: bool) -> None:
         conn.response = None
         if reusable and not conn.lost:
-            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.transport.close()
