@@ -203,7 +203,7 @@ class Lease:
         """``need`` served from the balance at once, when it holds it and nobody waits before, or
         None (``wait`` for an exchange)."""
         self.advance(window)
-        if self.waiters or self.uncertain is not None or self.balance < need:
+        if self.waiters or self.uncertain is not None or self._servable() < need:
             return None
         self._reserve(need)
         if self.hold.serving():
@@ -260,9 +260,19 @@ class Lease:
         staged.confirmed = True
         self.kick()
 
+    def used(self) -> int:
+        """What is out of the limit but this instance's balance: the row as last read or written
+        (past the limit, when more was spent than reserved), less the balance (below 0: charges the
+        row has not had yet)."""
+        return (self.seen.taken if self.seen.counts_in(self.window) else 0) - self.balance
+
     def remaining(self) -> int:
-        taken = self.seen.taken if self.seen.counts_in(self.window) else 0
-        return max(0, self.limit - taken) + max(0, self.balance)
+        return max(0, self.limit - self.used())
+
+    def _servable(self) -> int:
+        """What the balance serves without a store call: all of it, but of a row seen past its limit
+        (more was spent than reserved) only what the limit leaves: the next exchange decides."""
+        return min(self.balance, self.remaining())
 
     def holds(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
@@ -296,7 +306,7 @@ class Lease:
 
     def _serve_from_balance(self) -> None:
         if self.uncertain is None:
-            room, fits = self.balance, []
+            room, fits = self._servable(), []
             for waiter in self._pending():
                 if waiter.need <= room:
                     fits.append(waiter)
@@ -407,7 +417,7 @@ class Lease:
                 # row has our entry, so a takeover of this instance finds it.
                 await counters.journal.note_counter(self.key, self.holds)
                 waiters = self._pending()
-            room = max(0, self.limit - taken) + self.balance
+            room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
             chosen: list[_Waiter] = []
             total = 0
             for waiter in waiters:  # what fits, in order
@@ -699,8 +709,7 @@ class Counters:
     def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
         lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
-        used = lease.limit - lease.remaining()
-        return Refused(want.ref, lease.limit, max(0, used), want.need, _retry(want, now))
+        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
 
     def _rates(self, leases: list[tuple[Lease, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""

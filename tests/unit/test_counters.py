@@ -406,3 +406,48 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
     assert await b.flush(3)
     found = row(data, "c|1", "tokens")
     assert found["taken"] == 200 + need and not found.get("holds")
+
+
+async def test_a_row_in_debt_is_refused_with_what_was_spent_and_a_hold_serves_nothing_until_the_next_minute():
+    """b spends past the tokens per minute (more than it reserved: the tokens were spent): the row is
+    in debt. a, keeping a lone request's hold, learns it when its hold is topped up; its next request
+    is refused (the hold serves none while the row is over: admitted, it was told 20 remained),
+    saying what was spent (not the limit less a's hold); the next minute admits."""
+    data = MemoryData()
+    clock = Clock()
+    a, b = counters(data, "a", clock), counters(data, "b", clock)
+    tpm = CounterKey("c|1", "tpm")
+    first = await a.reserve([want("tpm", 1000, 100)])  # a lone request: a keeps 100 more for the next
+    assert isinstance(first, Reservation)
+    first.settle({tpm: 100})
+    await asyncio.sleep(0.05)
+    over = await b.reserve([want("tpm", 1000, 100)])
+    assert isinstance(over, Reservation)
+    over.settle({tpm: 1000})
+    await asyncio.sleep(0.05)  # b's charge past its balance goes to the row
+    assert row(data, "c|1", "tpm")["taken"] == 1200  # 1,100 spent, a's hold of 100: 200 over
+    served = await a.reserve([want("tpm", 1000, 50)])  # from a's hold: a does not know yet
+    assert isinstance(served, Reservation)
+    served.settle({tpm: 30})  # the hold topped up: a reads the row in debt
+    await asyncio.sleep(0.05)
+    refused = await a.reserve([want("tpm", 1000, 50)])
+    assert isinstance(refused, Refused) and refused.used == 1130, refused  # 100 + 30 + 1,000 spent
+    assert 42 <= (refused.retry_after or 0) <= 43
+    clock.now += 60
+    assert isinstance(await a.reserve([want("tpm", 1000, 150)]), Reservation)
+
+
+async def test_a_budget_in_debt_is_refused_with_what_was_spent():
+    """A correction (a lost part charged after the fact) takes a budget past its limit: a request
+    is refused, saying what was spent (not the limit), with no retry time (the budget's period)."""
+    data = MemoryData()
+    c = counters(data, "a")
+    tokens = CounterKey("c|1", "tokens")
+    first = await c.reserve([want("tokens", 1000, 900, "month")])
+    assert isinstance(first, Reservation)
+    first.settle({tokens: 900}).confirm()
+    c.adjust([want("tokens", 1000, 300, "month")], T0).confirm()
+    assert await c.flush(3)
+    assert row(data, "c|1", "tokens")["taken"] == 1200
+    refused = await c.reserve([want("tokens", 1000, 10, "month")])
+    assert isinstance(refused, Refused) and refused.used == 1200 and refused.retry_after is None, refused
