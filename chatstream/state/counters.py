@@ -169,6 +169,7 @@ class Lease:
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
+        self.in_row = False  # this instance's entry is in the row, as last written here
         self.balance = 0
         self.reserved = 0
         self.staged: deque[_Staged] = deque()
@@ -196,6 +197,7 @@ class Lease:
     def _drop_books(self) -> None:
         self.generation += 1
         self.held = self.balance = self.reserved = 0
+        self.in_row = False
         self.staged.clear()
         self.applied = 0
 
@@ -403,9 +405,10 @@ class Lease:
             same = seen.counts_in(self.window)
             taken = seen.taken if same else 0
             holds = dict(seen.holds) if same else {}
-            if self.held and counters.instance not in holds and same:
-                # Our entry is gone while we held: another instance took this one over (we were too
-                # slow to beat) and settled what we held from our journal. These books start again.
+            if self.in_row and counters.instance not in holds and same:
+                # Our entry is gone (holding 0 too: a charge not in yet): another instance took this
+                # one over (we were too slow to beat) and settled it from our journal. These books
+                # start again.
                 log.warning("limits: %s was taken over from this instance elsewhere", self.key)
                 self._drop_books()
                 continue
@@ -495,6 +498,7 @@ class Lease:
         if window is None or window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
+        self.in_row = self.counters.instance in written.row.holds
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
         for staged in written.applied:
             if self.staged and self.staged[0] is staged:
