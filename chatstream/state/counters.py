@@ -169,7 +169,10 @@ class Lease:
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
-        self.in_row = False  # this instance's entry is in the row, as last written here
+        # This instance's entry is in the row, as last written here. From then on until its charges
+        # are in, the entry stays: a takeover of this instance applies those not in yet (journal.py),
+        # so a charge is journaled once it is there (``Counters.entered``); gone: taken over.
+        self.in_row = False
         self.balance = 0
         self.reserved = 0
         self.staged: deque[_Staged] = deque()
@@ -281,12 +284,6 @@ class Lease:
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
         books = (self.held, self.balance, self.reserved, self.staged, self.waiters, self.uncertain)
         return any(books)
-
-    def entered(self) -> bool:
-        """Whether this instance's entry is in the row (as last read or written here). From then on
-        until its charges are in, the entry stays: a takeover of this instance applies those not in yet
-        (journal.py), so a charge is journaled once it is there (``Counters.entered``)."""
-        return self.seen.counts_in(self.window) and self.counters.instance in self.seen.holds
 
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
@@ -441,7 +438,7 @@ class Lease:
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta - spent
-            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``entered``)
+            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``in_row``)
                 holds[counters.instance] = Entry(
                     held, applied[-1].seq if applied else self.applied, self.exchange, keep
                 )
@@ -571,7 +568,7 @@ class Settlement:
 
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.entered() or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(lease.in_row or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
@@ -745,7 +742,7 @@ class Counters:
         return settlement
 
     async def entered(self, settlement: Settlement, within: float) -> bool:
-        """Wait until ``settlement``'s rows have this instance's entry (``Lease.entered``; a
+        """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a
         correction where it held nothing: its first exchange), at most ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
