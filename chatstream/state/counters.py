@@ -230,7 +230,7 @@ class Lease:
 
     def give_back(self, part: Part) -> None:
         """What ``part`` reserved comes back unused."""
-        if part.need > 0 and part.window == self.window and part.generation == self.generation:
+        if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
             self._reserve(-part.need)
             self.kick()
 
