@@ -169,6 +169,10 @@ class Lease:
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
+        # This instance's entry is in the row, as last written here. From then on until its charges
+        # are in, the entry stays: a takeover of this instance applies those not in yet (journal.py),
+        # so a charge is journaled once it is there (``Counters.entered``); gone: taken over.
+        self.in_row = False
         self.balance = 0
         self.reserved = 0
         self.staged: deque[_Staged] = deque()
@@ -196,6 +200,7 @@ class Lease:
     def _drop_books(self) -> None:
         self.generation += 1
         self.held = self.balance = self.reserved = 0
+        self.in_row = False
         self.staged.clear()
         self.applied = 0
 
@@ -203,7 +208,7 @@ class Lease:
         """``need`` served from the balance at once, when it holds it and nobody waits before, or
         None (``wait`` for an exchange)."""
         self.advance(window)
-        if self.waiters or self.uncertain is not None or self.balance < need:
+        if self.waiters or self.uncertain is not None or self._servable() < need:
             return None
         self._reserve(need)
         if self.hold.serving():
@@ -225,7 +230,7 @@ class Lease:
 
     def give_back(self, part: Part) -> None:
         """What ``part`` reserved comes back unused."""
-        if part.need > 0 and part.window == self.window and part.generation == self.generation:
+        if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
             self._reserve(-part.need)
             self.kick()
 
@@ -260,21 +265,25 @@ class Lease:
         staged.confirmed = True
         self.kick()
 
+    def used(self) -> int:
+        """What is out of the limit but this instance's balance: the row as last read or written
+        (past the limit, when more was spent than reserved), less the balance (below 0: charges the
+        row has not had yet)."""
+        return (self.seen.taken if self.seen.counts_in(self.window) else 0) - self.balance
+
     def remaining(self) -> int:
-        taken = self.seen.taken if self.seen.counts_in(self.window) else 0
-        return max(0, self.limit - taken) + max(0, self.balance)
+        return max(0, self.limit - self.used())
+
+    def _servable(self) -> int:
+        """What the balance serves without a store call: all of it, but of a row seen past its limit
+        (more was spent than reserved) only what the limit leaves: the next exchange decides."""
+        return min(self.balance, self.remaining())
 
     def holds(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
         books = (self.held, self.balance, self.reserved, self.staged, self.waiters, self.uncertain)
         return any(books)
-
-    def entered(self) -> bool:
-        """Whether this instance's entry is in the row (as last read or written here). From then on
-        until its charges are in, the entry stays: a takeover of this instance applies those not in yet
-        (journal.py), so a charge is journaled once it is there (``Counters.entered``)."""
-        return self.seen.counts_in(self.window) and self.counters.instance in self.seen.holds
 
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
@@ -296,7 +305,7 @@ class Lease:
 
     def _serve_from_balance(self) -> None:
         if self.uncertain is None:
-            room, fits = self.balance, []
+            room, fits = self._servable(), []
             for waiter in self._pending():
                 if waiter.need <= room:
                     fits.append(waiter)
@@ -393,9 +402,10 @@ class Lease:
             same = seen.counts_in(self.window)
             taken = seen.taken if same else 0
             holds = dict(seen.holds) if same else {}
-            if self.held and counters.instance not in holds and same:
-                # Our entry is gone while we held: another instance took this one over (we were too
-                # slow to beat) and settled what we held from our journal. These books start again.
+            if self.in_row and counters.instance not in holds and same:
+                # Our entry is gone (holding 0 too: a charge not in yet): another instance took this
+                # one over (we were too slow to beat) and settled it from our journal. These books
+                # start again.
                 log.warning("limits: %s was taken over from this instance elsewhere", self.key)
                 self._drop_books()
                 continue
@@ -407,7 +417,7 @@ class Lease:
                 # row has our entry, so a takeover of this instance finds it.
                 await counters.journal.note_counter(self.key, self.holds)
                 waiters = self._pending()
-            room = max(0, self.limit - taken) + self.balance
+            room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
             chosen: list[_Waiter] = []
             total = 0
             for waiter in waiters:  # what fits, in order
@@ -428,7 +438,7 @@ class Lease:
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta - spent
-            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``entered``)
+            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``in_row``)
                 holds[counters.instance] = Entry(
                     held, applied[-1].seq if applied else self.applied, self.exchange, keep
                 )
@@ -485,6 +495,7 @@ class Lease:
         if window is None or window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
+        self.in_row = self.counters.instance in written.row.holds
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
         for staged in written.applied:
             if self.staged and self.staged[0] is staged:
@@ -557,7 +568,7 @@ class Settlement:
 
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.entered() or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(lease.in_row or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
@@ -699,8 +710,7 @@ class Counters:
     def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
         lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
-        used = lease.limit - lease.remaining()
-        return Refused(want.ref, lease.limit, max(0, used), want.need, _retry(want, now))
+        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
 
     def _rates(self, leases: list[tuple[Lease, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
@@ -732,7 +742,7 @@ class Counters:
         return settlement
 
     async def entered(self, settlement: Settlement, within: float) -> bool:
-        """Wait until ``settlement``'s rows have this instance's entry (``Lease.entered``; a
+        """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a
         correction where it held nothing: its first exchange), at most ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within

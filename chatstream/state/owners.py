@@ -1,9 +1,9 @@
-"""What a caller creates belongs to it: a stored or background response (and a resumable stream) can
-be read, resumed, cancelled, deleted, or continued (``previous_response_id``) only by the caller that
-created it (docs/callers.md).
+"""What a caller creates belongs to it: a stored or background response can be read, cancelled,
+deleted, or continued (``previous_response_id``) only by the caller that created it
+(docs/callers.md; a resumable stream's owner is in its own record: streamlog/).
 
-Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``,
-``stream``), with ``caller_id`` (the caller's id: a caller deleted and created again under its name
+Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``), with
+``caller_id`` (the caller's id: a caller deleted and created again under its name
 owns nothing of the old one's), ``charged`` (a response is charged once: by the request that
 created it, or, a background response, when its usage is first seen: ``first_charge`` is true for
 exactly one call, whichever instance makes it), what a background response reserved and the price
@@ -26,7 +26,7 @@ from .callers import Caller
 from .prices import Price
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
-# How long an owner row is kept: OpenAI keeps a stored response 30 days; a stream, its TTL.
+# How long an owner row is kept: OpenAI keeps a stored response 30 days.
 RESPONSE_LIFETIME = 30 * 86400.0
 
 
@@ -78,20 +78,21 @@ class Owners:
     def __init__(self, store: Store):
         self.store = store
 
-    def _new_row(self, kind: str, id: str, lifetime: float = RESPONSE_LIFETIME, **values: Any) -> dict[str, Any]:
+    def _new_row(self, kind: str, id: str, **values: Any) -> dict[str, Any]:
         now = self.store.clock.now()
-        return {"PartitionKey": key_part(id), "RowKey": kind, **values, "created": now, "expires": now + lifetime}
+        return {
+            "PartitionKey": key_part(id),
+            "RowKey": kind,
+            **values,
+            "created": now,
+            "expires": now + RESPONSE_LIFETIME,
+        }
 
-    async def claim(self, kind: str, id: str, owned: Owned, lifetime: float = RESPONSE_LIFETIME) -> bool:
-        """Record that ``owned.caller_id`` created ``kind``/``id``. True if it is (now or already)
-        that caller's; False if another caller had claimed it (the claim is not changed).
-        StoreError when the store does not answer."""
-        try:
-            await self.store.insert(RESPONSES_TABLE, self._new_row(kind, id, lifetime, **owned.entity()))
-            return True
-        except AlreadyExists:
-            row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
-            return row is not None and row.get("caller_id") == owned.caller_id
+    async def claim(self, kind: str, id: str, owned: Owned) -> None:
+        """Record that ``owned.caller_id`` created ``kind``/``id``; a claim made already stands,
+        unchanged. StoreError when the store does not answer."""
+        with contextlib.suppress(AlreadyExists):
+            await self.store.insert(RESPONSES_TABLE, self._new_row(kind, id, **owned.entity()))
 
     async def owned(self, kind: str, id: str) -> Owned | None:
         """Who created ``kind``/``id`` (None: nobody claimed it). A route answers 404 to anyone else
@@ -114,7 +115,7 @@ class Owners:
             row = await self.store.get(RESPONSES_TABLE, key, kind)
             if row is None:
                 entity = self._new_row(kind, id, charged=True, charged_by=mark)
-                try:  # never claimed (created before callers were on): the first mark wins
+                try:  # never claimed (its claim failed) or deleted meanwhile: the first mark wins
                     await self.store.insert(RESPONSES_TABLE, entity)
                     return True
                 except (AlreadyExists, StoreUnavailable):

@@ -13,11 +13,16 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_store import Fault, MemoryData, MemoryStore
 
+from chatstream.state.accounting import Admission
+from chatstream.state.callers import Caller, CallerSpec
 from chatstream.state.counter_row import CounterKey, parse_holds, window_of
 from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
-from chatstream.state.port import LimitRef, Refused, Unavailable
-from chatstream.state.store import LIMITS_TABLE
+from chatstream.state.journal import Recovery, journal_name
+from chatstream.state.port import LimitRef, Refused, Unavailable, Used
+from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
+
+from .state_helpers import account, admit, counter, finish, instance, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -406,3 +411,144 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
     assert await b.flush(3)
     found = row(data, "c|1", "tokens")
     assert found["taken"] == 200 + need and not found.get("holds")
+
+
+async def test_a_row_in_debt_is_refused_with_what_was_spent_and_a_hold_serves_nothing_until_the_next_minute():
+    """b spends past the tokens per minute (more than it reserved: the tokens were spent): the row is
+    in debt. a, keeping a lone request's hold, learns it when its hold is topped up; its next request
+    is refused (the hold serves none while the row is over: admitted, it was told 20 remained),
+    saying what was spent (not the limit less a's hold); the next minute admits."""
+    data = MemoryData()
+    clock = Clock()
+    a, b = counters(data, "a", clock), counters(data, "b", clock)
+    tpm = CounterKey("c|1", "tpm")
+    first = await a.reserve([want("tpm", 1000, 100)])  # a lone request: a keeps 100 more for the next
+    assert isinstance(first, Reservation)
+    first.settle({tpm: 100})
+    await asyncio.sleep(0.05)
+    over = await b.reserve([want("tpm", 1000, 100)])
+    assert isinstance(over, Reservation)
+    over.settle({tpm: 1000})
+    await asyncio.sleep(0.05)  # b's charge past its balance goes to the row
+    assert row(data, "c|1", "tpm")["taken"] == 1200  # 1,100 spent, a's hold of 100: 200 over
+    served = await a.reserve([want("tpm", 1000, 50)])  # from a's hold: a does not know yet
+    assert isinstance(served, Reservation)
+    served.settle({tpm: 30})  # the hold topped up: a reads the row in debt
+    await asyncio.sleep(0.05)
+    refused = await a.reserve([want("tpm", 1000, 50)])
+    assert isinstance(refused, Refused) and refused.used == 1130, refused  # 100 + 30 + 1,000 spent
+    assert 42 <= (refused.retry_after or 0) <= 43
+    clock.now += 60
+    assert isinstance(await a.reserve([want("tpm", 1000, 150)]), Reservation)
+
+
+async def test_a_budget_in_debt_is_refused_with_what_was_spent():
+    """A correction (a lost part charged after the fact) takes a budget past its limit: a request
+    is refused, saying what was spent (not the limit), with no retry time (the budget's period)."""
+    data = MemoryData()
+    c = counters(data, "a")
+    tokens = CounterKey("c|1", "tokens")
+    first = await c.reserve([want("tokens", 1000, 900, "month")])
+    assert isinstance(first, Reservation)
+    first.settle({tokens: 900}).confirm()
+    c.adjust([want("tokens", 1000, 300, "month")], T0).confirm()
+    assert await c.flush(3)
+    assert row(data, "c|1", "tokens")["taken"] == 1200
+    refused = await c.reserve([want("tokens", 1000, 10, "month")])
+    assert isinstance(refused, Refused) and refused.used == 1200 and refused.retry_after is None, refused
+
+
+async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeover_and_counts_nothing_twice():
+    """a holds r0's reservation in its caller's budget row, and a give-back of exactly as much (a
+    background response's usage seen, below what it reserved) waits for its ledger row: a's entry
+    stays in the row, holding 0. a is only slow: b takes it over (the give-back applied, r0 charged
+    at its checkpoint). a's next exchange (r0's settle) must see that its entry went, as it does when
+    it held more than 0: before, it gave r0's reservation back a second time, the row below the
+    ledger by as much."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
+    caller = await a.registry.get(Caller, "c")
+    budget = (caller.limits_partition, "tokens")
+    background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
+    assert isinstance(background, Admission)
+    await acc_a.claim("response", "resp_bg", background, background=True)
+    finish(acc_a, background, rec, None)  # it goes on upstream: what it reserved is held until it is seen
+    assert await acc_a.flush(5)
+    reserved = counter(data, *budget)["taken"]
+    r0, rec0 = await admit(acc_a, caller, "zero", max_output_tokens=100)
+    assert isinstance(r0, Admission)
+    held = counter(data, *budget)["taken"] - reserved
+    assert isinstance(a.store, MemoryStore)
+    ledger_down = a.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**9))
+    used = Used(10, 0, reserved - held - 10)  # its usage seen: ``held`` below what it reserved
+    await acc_a.charge_seen(caller, "response", "resp_bg", "gpt-4o", used, "responses")
+    await until(lambda: parse_holds(counter(data, *budget)["holds"])["instance-a"].held == 0, what="a holds 0")
+    await until(lambda: b"resp_bg/seen" in bytes(data.blobs[journal_name("instance-a")][0]), what="journaled")
+    journal_down = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    journal_down.times = ledger_down.times = 0
+    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 5))  # its exchange finds a's entry gone
+    assert await acc_a.flush(5)
+    ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
+    assert len(ledger) == 2  # the background response, r0 at its checkpoint (b's)
+    found = counter(data, *budget)
+    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    await a.close()
+    await b.close()
+
+
+async def test_a_per_minute_correction_where_nothing_is_held_enters_the_row():
+    """A correction of tokens per minute (a lost part charged after the fact) on an instance that
+    holds none of the row: it enters the row. Before, its books below 0 were taken for a takeover of
+    this instance (an entry gone while it held): dropped, with a warning."""
+    data = MemoryData()
+    a, b = counters(data, "a"), counters(data, "b")
+    first = await a.reserve([want("tpm", 1000, 100)])
+    assert isinstance(first, Reservation)
+    first.release()
+    assert await a.flush(3) and row(data, "c|1", "tpm")["taken"] == 0
+    b.adjust([want("tpm", 1000, 150)], T0)
+    assert await b.flush(3)
+    assert row(data, "c|1", "tpm")["taken"] == 150
+
+
+@pytest.mark.xfail(
+    strict=True, reason="a charge the sealed journal did not list is dropped with the books: see the docstring"
+)
+async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row_after_the_takeover():
+    """a holds r0's reservation; a correction (a background response's usage seen, above what it
+    reserved) is staged while a's journal cannot be written, and b seals it without the correction
+    (so b does not apply it, and takes out a's entry). a's journal then starts anew with it (it is
+    a's), and its ledger row is written; but a's counters, seeing their entry gone, drop every
+    staged charge: the row ends 1,002 below the ledger. The lease alone cannot tell which charges
+    the sealed journal listed (the journal can: the entries it had written settled)."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
+    caller = await a.registry.get(Caller, "c")
+    budget = (caller.limits_partition, "tokens")
+    background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
+    assert isinstance(background, Admission)
+    await acc_a.claim("response", "resp_bg", background, background=True)
+    finish(acc_a, background, rec, None)
+    assert await acc_a.flush(5)
+    r0, rec0 = await admit(acc_a, caller, "zero", max_output_tokens=100)
+    assert isinstance(r0, Admission) and isinstance(a.store, MemoryStore)
+    journal_down = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
+    ledger_down = a.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**9))
+    await acc_a.charge_seen(caller, "response", "resp_bg", "gpt-4o", Used(10, 0, 5000), "responses")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    journal_down.times = ledger_down.times = 0
+    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 5))
+    assert await acc_a.flush(5)
+    ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
+    assert len(ledger) == 2  # the background response (a's), r0 at its checkpoint (b's)
+    found = counter(data, *budget)
+    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    await a.close()
+    await b.close()

@@ -11,16 +11,16 @@ from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.errors import StoreError
 from chatstream.state.callers import Caller
-from chatstream.state.owners import Owned, Owners
-from chatstream.state.store import RESPONSES_TABLE
+from chatstream.state.owners import RESPONSE_LIFETIME, Owned, Owners
+from chatstream.state.store import RESPONSES_TABLE, StoreClock
 
 
 async def test_what_a_caller_creates_belongs_to_it():
     owners = Owners(MemoryStore())
     assert await owners.owned("response", "resp_1") is None
-    assert await owners.claim("response", "resp_1", Owned("alice-id")) is True
-    assert await owners.claim("response", "resp_1", Owned("alice-id")) is True  # idempotent
-    assert await owners.claim("response", "resp_1", Owned("bob-id")) is False
+    await owners.claim("response", "resp_1", Owned("alice-id"))
+    await owners.claim("response", "resp_1", Owned("alice-id"))  # idempotent
+    await owners.claim("response", "resp_1", Owned("bob-id"))  # the first claim stands
     owned = await owners.owned("response", "resp_1")
     assert owned is not None and owned.caller_id == "alice-id"
     assert await owners.owned("stream", "resp_1") is None  # kinds are apart
@@ -32,7 +32,7 @@ async def test_what_a_caller_creates_belongs_to_it():
     assert await owners.owned("response", "resp_1") is None
     await owners.forget("response", "resp_1")
     odd = "resp/odd#id?\n"
-    assert await owners.claim("response", odd, Owned("alice-id")) is True
+    await owners.claim("response", odd, Owned("alice-id"))
     assert (await owners.owned("response", odd)) is not None
 
 
@@ -91,10 +91,12 @@ async def test_a_store_that_fails_raises_the_stores_error():
 
 
 async def test_the_sweep_deletes_rows_past_their_lifetime():
-    store = MemoryStore()
+    elapsed = [0.0]
+    store = MemoryStore(clock=StoreClock(monotonic=lambda: elapsed[0]))
     owners = Owners(store)
     now = store.clock.now()
-    await owners.claim("response", "short", Owned("a"), lifetime=10)
-    await owners.claim("stream", "long", Owned("a"), lifetime=1000)
-    assert await owners.sweep(now + 100) == 1
-    assert await owners.owned("response", "short") is None and await owners.owned("stream", "long") is not None
+    await owners.claim("response", "older", Owned("a"))
+    elapsed[0] = 1000.0
+    await owners.claim("response", "newer", Owned("a"))
+    assert await owners.sweep(now + RESPONSE_LIFETIME + 100) == 1
+    assert await owners.owned("response", "older") is None and await owners.owned("response", "newer") is not None
