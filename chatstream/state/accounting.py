@@ -171,6 +171,8 @@ class Accounting:
             return ModelRefused(model, scope="team")
         if isinstance(prices, Unavailable):
             return prices
+        if model in prices.unreadable:
+            return ModelRefused(model, unreadable=True)
         price = prices.get(model)
         if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):
             return ModelRefused(model, unpriced=True, scope="caller" if caller.spend_budget else "team")

@@ -29,10 +29,11 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
+from urllib.parse import unquote
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
 from . import counter_row
@@ -49,13 +50,12 @@ from .callers import (
     new_key,
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
-from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, Op, OpKind, Store, Where, key_part
+from .prices import Price, Prices, PriceSpec
+from .store import CALLERS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
 Kept = TypeVar("Kept", bound=Caller | Team | Price)
-Prices = Mapping[str, Price]
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 _PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
@@ -179,6 +179,7 @@ class Registry:
         self.cache = _Cache(cache_seconds, self.clock)
         self._bucket = LOOKUPS_PER_SECOND
         self._bucket_at = time.monotonic()
+        self._unreadable: set[tuple[str, str]] = set()  # price rows (key, ETag) found holding no price: logged
 
     # --- the request path -----------------------------------------------------------------------
 
@@ -249,9 +250,27 @@ class Registry:
         deployment's), from what its admission read."""
 
         async def read() -> Prices:
-            return {p.model: p for p in await self._all(Price, bound=self.store.clock.patience())}
+            prices, unreadable = [], []
+            for row in await self._rows(Price, bound=self.store.clock.patience()):
+                try:
+                    prices.append(Price.of(row))
+                except ValueError as exc:
+                    model = row.get("model")
+                    unreadable.append(model if isinstance(model, str) else unquote(row["RowKey"][2:]))
+                    self._log_unreadable(row, exc)
+            return Prices(prices, unreadable)
 
         return await self._kept(PRICES, read, "price read")
+
+    def _log_unreadable(self, row: Row, error: ValueError) -> None:
+        """A price row that holds no price, logged once per version of it (not at every read)."""
+        if (row["RowKey"], row.etag) in self._unreadable:
+            return
+        if len(self._unreadable) > 1000:
+            self._unreadable.clear()
+        self._unreadable.add((row["RowKey"], row.etag))
+        where = f"row {log_safe(row['RowKey'])[:90]!r} of table {CALLERS_TABLE}"
+        log.error("price %s is unreadable (%s): its model's requests are refused until it is set again", where, error)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -266,9 +285,12 @@ class Registry:
 
     async def _all(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Kept]:
         """Every caller, team or price (with the properties ``equal``)."""
+        return [cls.of(row) for row in await self._rows(cls, equal, bound)]
+
+    async def _rows(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Row]:
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return [cls.of(row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
+        return await self.store.query(CALLERS_TABLE, where, timeout=bound)
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
