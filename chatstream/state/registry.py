@@ -80,14 +80,11 @@ def _model_name(model: str) -> bool:
     return 0 < len(model) <= 256 and model == model.strip() and model.isprintable()
 
 
-def _entity(value: Caller | Team | Price) -> dict[str, Any]:
-    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), _name_of(value)), **value.entity()}
-
-
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
-    """The operations that insert, replace or delete a team's or price's row (under ``etag``), or a
-    caller's row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
-    row = _entity(owner) | ({"key_hash": key_hash} if key_hash else {})
+    """The operations that write (``kind``) a team's or price's row (under ``etag``), or a caller's
+    row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
+    row = {"PartitionKey": _PLACE[type(owner)][0], "RowKey": _row_key(type(owner), _name_of(owner)), **owner.entity()}
+    row |= {"key_hash": key_hash} if key_hash else {}
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
     return [Op(kind, row, etag=etag), *index]
 
@@ -431,7 +428,6 @@ class Registry:
         if not isinstance(model, str) or not _model_name(model):
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
-        await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
-        self.cache.forget(PRICES)
+        await self._write(_ops("upsert", price))
         log.info("price of %s set", log_safe(model)[:80])
         return price
