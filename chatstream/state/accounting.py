@@ -163,12 +163,13 @@ class Accounting:
         model = asked.model
         if not caller.allows(model):
             return ModelRefused(model)
-        # The team and the price (each a store read only when its cached answer ran out).
-        team, prices = await self.registry.team_and_prices(caller)
+        # The team and the prices (each a store read only when its cached answer ran out).
+        team = await self.registry.team_of(caller)
         if isinstance(team, Unavailable):
             return team
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
+        prices = await self.registry.prices()
         if isinstance(prices, Unavailable):
             return prices
         if model in prices.unreadable:

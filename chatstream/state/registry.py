@@ -107,19 +107,14 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
-    def fresh(self, key: str) -> tuple[bool, Any]:
-        """Whether an answer for ``key`` is kept in its time (``get`` answers it at once), and it."""
+    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
+        request's path), else read (one read at a time per key)."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
-            return True, kept[1]
-        return False, None
-
-    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        found, value = self.fresh(key)
-        if found:
             self._ahead(key, read)
-            return value
+            return kept[1]
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
@@ -232,14 +227,6 @@ class Registry:
             log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
             return None
         return team
-
-    async def team_and_prices(self, caller: Caller) -> tuple[Team | Unavailable | None, Prices | Unavailable]:
-        """The caller's team and the prices: one after the other when both are cached (no task, no
-        loop hop on the request's path), else both reads at once."""
-        if self.cache.fresh(PRICES)[0] and (caller.team is None or self.cache.fresh(_row_key(Team, caller.team))[0]):
-            return await self.team_of(caller), await self.prices()
-        team, prices = await asyncio.gather(self.team_of(caller), self.prices())
-        return team, prices
 
     async def prices(self) -> Prices | Unavailable:
         """Every model's price, by model (a model without one is not in it), cached like keys: one
