@@ -171,7 +171,7 @@ class Registry:
         self.cache = _Cache(cache_seconds, self.clock)
         self._bucket = LOOKUPS_PER_SECOND
         self._bucket_at = time.monotonic()
-        self._unreadable: set[tuple[str, str]] = set()  # price rows (key, ETag) found holding no price: logged
+        self._logged: set[tuple[str, str]] = set()  # rows (key, ETag) found unreadable: logged
 
     # --- the request path -----------------------------------------------------------------------
 
@@ -234,27 +234,10 @@ class Registry:
         deployment's), from what its admission read."""
 
         async def read() -> Prices:
-            prices, unreadable = [], []
-            for row in await self._rows(Price, bound=self.store.clock.patience()):
-                try:
-                    prices.append(Price.of(row))
-                except ValueError as exc:
-                    model = row.get("model")
-                    unreadable.append(model if isinstance(model, str) else unquote(row["RowKey"][2:]))
-                    self._log_unreadable(row, exc)
-            return Prices(prices, unreadable)
+            unreadable: list[str] = []
+            return Prices(await self._all(Price, bound=self.store.clock.patience(), unreadable=unreadable), unreadable)
 
         return await self._kept(PRICES, read, "price read")
-
-    def _log_unreadable(self, row: Row, error: ValueError) -> None:
-        """A price row that holds no price, logged once per version of it (not at every read)."""
-        if (row["RowKey"], row.etag) in self._unreadable:
-            return
-        if len(self._unreadable) > 1000:
-            self._unreadable.clear()
-        self._unreadable.add((row["RowKey"], row.etag))
-        where = f"row {log_safe(row['RowKey'])[:90]!r} of table {CALLERS_TABLE}"
-        log.error("price %s is unreadable (%s): its model's requests are refused until it is set again", where, error)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -267,14 +250,36 @@ class Registry:
 
     # --- the admin API: one path for callers, teams and prices -------------------------------------
 
-    async def _all(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Kept]:
-        """Every caller, team or price (with the properties ``equal``)."""
-        return [cls.of(row) for row in await self._rows(cls, equal, bound)]
-
-    async def _rows(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Row]:
+    async def _all(
+        self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT, unreadable: list | None = None
+    ) -> list[Kept]:
+        """Every caller, team or price (with the properties ``equal``); a row that holds none (a hand
+        edit, an older write: prices.py) left out, and its name added to ``unreadable``."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return await self.store.query(CALLERS_TABLE, where, timeout=bound)
+        found = []
+        for row in await self.store.query(CALLERS_TABLE, where, timeout=bound):
+            try:
+                found.append(cls.of(row))
+            except (TypeError, ValueError) as exc:
+                self._log_unreadable(cls, row, exc)
+                if unreadable is not None:
+                    name = row.get("model" if cls is Price else "name")
+                    unreadable.append(name if isinstance(name, str) else unquote(row["RowKey"][2:]))
+        return found
+
+    def _log_unreadable(self, cls: type, row: Row, error: Exception) -> None:
+        """A row that holds no caller, team or price, logged once per version of it (not at every read)."""
+        if (row["RowKey"], row.etag) in self._logged:
+            return
+        if len(self._logged) > 1000:
+            self._logged.clear()
+        self._logged.add((row["RowKey"], row.etag))
+        kind, key = cls.__name__.lower(), log_safe(row["RowKey"])[:90]
+        then = "its model's requests are refused" if cls is Price else "it is left out"
+        log.error(
+            "%s row %r of table %s is unreadable (%s): %s until it is set again", kind, key, CALLERS_TABLE, error, then
+        )
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -381,7 +386,8 @@ class Registry:
         under its name gets a new id)."""
 
         async def change(kept: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
-            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name})):
+            bad: list[str] = []  # an unreadable caller row of the team's counts too
+            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name}, unreadable=bad) + bad):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
             return _ops("delete", kept, key_hash, etag), kept
 
