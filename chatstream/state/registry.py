@@ -47,6 +47,7 @@ from .callers import (
     TeamPatch,
     TeamSpec,
     hash_key,
+    model_name,
     new_key,
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
@@ -74,10 +75,6 @@ def _row_key(cls: type, name: str) -> str:
 
 def _name_of(value: Caller | Team | Price) -> str:
     return value.model if isinstance(value, Price) else value.name
-
-
-def _model_name(model: str) -> bool:
-    return 0 < len(model) <= 256 and model == model.strip() and model.isprintable()
 
 
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
@@ -306,7 +303,7 @@ class Registry:
         """The caller, team or price ``name``, its key hash (a caller's) and its row's ETag;
         Missing when there is none (a name that cannot be one is not looked up)."""
         row = None
-        if _model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
+        if model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
@@ -418,7 +415,7 @@ class Registry:
 
     async def set_price(self, model: str, data: PriceSpec) -> Price:
         """The model's price, as given (a new one, or in place of the one it had)."""
-        if not isinstance(model, str) or not _model_name(model):
+        if not isinstance(model, str) or not model_name(model):
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
         await self._write(_ops("upsert", price))

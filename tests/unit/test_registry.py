@@ -457,6 +457,9 @@ async def test_a_price_of_six_decimals_and_zero_are_exact():
         with pytest.raises(Invalid) as info:
             await reg.set_price(model, PriceSpec(input=1, output=1))  # type: ignore[arg-type]
         assert info.value.param == "model"
+    odd = "gpt\u200b4"  # a name a caller's models may hold can be priced (one rule for a model name)
+    await reg.create(CallerSpec(name="z", models=[odd]))
+    assert (await reg.set_price(odd, PriceSpec(input=1, output=1))).model == (await reg.get(Price, odd)).model == odd
 
 
 async def write_raw_price(data: MemoryData, model: str, **fields: object) -> None:
