@@ -119,10 +119,9 @@ class _Cache:
         return await asyncio.shield(pending)
 
     def _ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
-        """An answer in the last ``AHEAD`` of its time is read again in the background (``AHEAD_DELAY``
-        after the request that found it, whose upstream call goes first), so that a key
-        (team, model) in steady use is never read on a request's path; the answer in use is still at
-        most ``seconds`` old (from when it was asked for)."""
+        """An answer in the last ``AHEAD`` of its time is read again in the background (module
+        docstring), ``AHEAD_DELAY`` after the request that found it, whose upstream call goes first;
+        the answer in use is still at most ``seconds`` old (from when it was asked for)."""
         kept = self._kept.get(key)
         if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
             return
