@@ -158,6 +158,26 @@ def test_an_unpriced_model_is_refused_with_a_money_budget_and_free_without(keyed
     assert usage["total"]["unpriced_requests"] == 1 and usage["total"]["cost_picousd"] == 0
 
 
+def test_a_price_row_left_without_a_price_refuses_only_its_model(keyed, azurite):
+    """A price row edited by hand (Storage Explorer) into no price, here its output price deleted: that
+    model's requests are refused naming its price, within the cache time; every other model goes on."""
+    import time
+
+    _, key = caller(keyed)
+    broken = name("broken")
+    row = {"PartitionKey": "prices", "RowKey": f"p|{broken}", "model": broken, "input": 5, "cached_input": 5}
+    service = TableServiceClient.from_connection_string(azurite.connection_string)
+    service.get_table_client("chatstreamCallers").upsert_entity(row | {"updated_at": "2026-01-01"})
+    deadline = time.monotonic() + 10 + 5  # CALLER_CACHE_SECONDS, and some
+    while (refused := chat(keyed, key, ask("[scenario:normal] hi", model=broken))).status_code == 200:
+        assert time.monotonic() < deadline, "the unreadable price was never noticed"
+        time.sleep(0.5)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["param"]) == (503, "not_configured", "model"), refused.text
+    assert f"price of the model {broken!r} is unreadable" in error["message"]
+    assert chat(keyed, key, ask("[scenario:normal] hi")).status_code == 200
+
+
 def test_a_per_model_limit_refuses_that_model_and_leaves_another_untouched(keyed, upstream):
     _, key = caller(keyed, model_limits={OTHER: {"requests_per_minute": 2}})
     for _ in range(2):

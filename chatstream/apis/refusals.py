@@ -110,6 +110,14 @@ def error(answer: object) -> ApiError:
         return store_unavailable()
     if isinstance(answer, ModelRefused):
         model = log_safe(answer.model)[:80]
+        if answer.unreadable:
+            return ApiError(
+                503,
+                ErrorKind.NOT_CONFIGURED,
+                f"The price of the model {model!r} is unreadable in the app's store: its requests are refused "
+                "until an admin sets it again with PUT /api/manage/prices/{model}.",
+                "model",
+            )
         if answer.unpriced:
             return ApiError(
                 400,

@@ -163,14 +163,17 @@ class Accounting:
         model = asked.model
         if not caller.allows(model):
             return ModelRefused(model)
-        # The team and the price (each a store read only when its cached answer ran out).
-        team, prices = await self.registry.team_and_prices(caller)
+        # The team and the prices (each a store read only when its cached answer ran out).
+        team = await self.registry.team_of(caller)
         if isinstance(team, Unavailable):
             return team
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
+        prices = await self.registry.prices()
         if isinstance(prices, Unavailable):
             return prices
+        if model in prices.unreadable:
+            return ModelRefused(model, unreadable=True)
         price = prices.get(model)
         if price is None and (caller.spend_budget or (team is not None and team.spend_budget)):
             return ModelRefused(model, unpriced=True, scope="caller" if caller.spend_budget else "team")

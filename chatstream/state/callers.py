@@ -55,7 +55,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
 PositiveRequests = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
 PositiveBudget = Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_BUDGET)]
-ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME)]
 Period = Literal["day", "month", "total"]
 
 
@@ -190,10 +189,16 @@ def usd_amount(value: object, maximum: Decimal) -> Decimal:
     return amount
 
 
+def model_name(model: str) -> bool:
+    """Whether ``model`` can name a model, in a caller's or team's models and model limits as in a
+    price: 1 to 256 characters, no control characters, no surrounding spaces."""
+    return 0 < len(model) <= MAX_MODEL_NAME and model == model.strip() and not _CONTROL.search(model)
+
+
 def _names(models: list[str]) -> list[str]:
     for i, model in enumerate(models):
-        if _CONTROL.search(model) or model != model.strip():
-            raise ValueError(f"models[{i}] has control characters or surrounding spaces")
+        if not model_name(model):
+            raise ValueError(f"models[{i}]: 1 to {MAX_MODEL_NAME} characters, no controls or surrounding spaces")
     if len(set(models)) != len(models):
         raise ValueError("names a model twice")
     return models
@@ -211,8 +216,8 @@ class _Limits(BaseModel):
     token_budget: PositiveBudget | None = None
     spend_budget: Any = None
     budget_period: Period = "total"
-    models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_MODELS)] | None = None
-    model_limits: Annotated[dict[ModelName, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
+    models: Annotated[list[str], Field(min_length=1, max_length=MAX_MODELS)] | None = None
+    model_limits: Annotated[dict[str, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
     @field_validator("spend_budget")
     @classmethod

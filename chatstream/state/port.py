@@ -114,10 +114,11 @@ class KeyRefused:
 @dataclass(frozen=True)
 class ModelRefused:
     """The caller (or its team) may not use this model; or it has a spend budget and the model has
-    no price, so its cost cannot be held."""
+    no price, so its cost cannot be held; or the model's price row is ``unreadable`` (prices.py)."""
 
     model: str
     unpriced: bool = False
+    unreadable: bool = False
     scope: Scope = "caller"
 
 

@@ -8,14 +8,19 @@ per token (× 10⁶), so every cost is an integer and every sum exact::
 
 with the upstream's usage (reasoning tokens are part of the completion). What a request reserves is
 its upper bound: every prompt token at the dearer of input and cached input, the output cap at the
-output price. The model is named as callers send it (a deployment name for Azure OpenAI)."""
+output price. The model is named as callers send it (a deployment name for Azure OpenAI).
+
+A price row that holds no price (a hand edit in Storage Explorer, a bad write: a field missing, an
+amount that is not a whole number of pico-USD) costs only its own model: ``Prices.unreadable`` names
+it, and its requests are refused until an admin sets its price again."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -33,6 +38,23 @@ class Price(Stored):
     output: int
     updated_at: datetime
 
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Self:
+        """The price a row keeps; ValueError, saying why, when the row holds none (module docstring).
+        A whole-number Double (an amount typed in by hand) reads as its integer."""
+        amounts = {}
+        for name in ("input", "cached_input", "output"):
+            value = row.get(name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} is not a whole number of pico-USD per token")
+            amounts[name] = value
+        try:
+            return super().of({**row, **amounts})
+        except (TypeError, ValueError) as exc:  # no model, no updated_at or not ISO
+            raise ValueError(str(exc)) from None
+
     def cost(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""
         cached = min(max(cached, 0), max(prompt, 0))
@@ -41,6 +63,15 @@ class Price(Stored):
     def most(self, prompt: int, completion: int) -> int:
         """The most ``prompt`` and ``completion`` tokens may cost: what a request reserves."""
         return max(prompt, 0) * max(self.input, self.cached_input) + max(completion, 0) * self.output
+
+
+class Prices(dict[str, Price]):
+    """Every model's price, by model (a model without one is not in it), as one read of the price
+    rows found them; ``unreadable``: the models whose row holds no price."""
+
+    def __init__(self, prices: Iterable[Price] = (), unreadable: Iterable[str] = ()):
+        super().__init__((price.model, price) for price in prices)
+        self.unreadable = frozenset(unreadable)
 
 
 class PriceSpec(BaseModel):

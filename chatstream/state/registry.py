@@ -29,10 +29,11 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
+from urllib.parse import unquote
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
 from . import counter_row
@@ -46,16 +47,16 @@ from .callers import (
     TeamPatch,
     TeamSpec,
     hash_key,
+    model_name,
     new_key,
 )
 from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
-from .prices import Price, PriceSpec
-from .store import CALLERS_TABLE, Op, OpKind, Store, Where, key_part
+from .prices import Price, Prices, PriceSpec
+from .store import CALLERS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
 Kept = TypeVar("Kept", bound=Caller | Team | Price)
-Prices = Mapping[str, Price]
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
 _PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
@@ -76,18 +77,11 @@ def _name_of(value: Caller | Team | Price) -> str:
     return value.model if isinstance(value, Price) else value.name
 
 
-def _model_name(model: str) -> bool:
-    return 0 < len(model) <= 256 and model == model.strip() and model.isprintable()
-
-
-def _entity(value: Caller | Team | Price) -> dict[str, Any]:
-    return {"PartitionKey": _PLACE[type(value)][0], "RowKey": _row_key(type(value), _name_of(value)), **value.entity()}
-
-
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
-    """The operations that insert, replace or delete a team's or price's row (under ``etag``), or a
-    caller's row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
-    row = _entity(owner) | ({"key_hash": key_hash} if key_hash else {})
+    """The operations that write (``kind``) a team's or price's row (under ``etag``), or a caller's
+    row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
+    row = {"PartitionKey": _PLACE[type(owner)][0], "RowKey": _row_key(type(owner), _name_of(owner)), **owner.entity()}
+    row |= {"key_hash": key_hash} if key_hash else {}
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
     return [Op(kind, row, etag=etag), *index]
 
@@ -110,19 +104,14 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
-    def fresh(self, key: str) -> tuple[bool, Any]:
-        """Whether an answer for ``key`` is kept in its time (``get`` answers it at once), and it."""
+    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
+        request's path), else read (one read at a time per key)."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
-            return True, kept[1]
-        return False, None
-
-    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        found, value = self.fresh(key)
-        if found:
             self._ahead(key, read)
-            return value
+            return kept[1]
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
@@ -130,10 +119,9 @@ class _Cache:
         return await asyncio.shield(pending)
 
     def _ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
-        """An answer in the last ``AHEAD`` of its time is read again in the background (``AHEAD_DELAY``
-        after the request that found it, whose upstream call goes first), so that a key
-        (team, model) in steady use is never read on a request's path; the answer in use is still at
-        most ``seconds`` old (from when it was asked for)."""
+        """An answer in the last ``AHEAD`` of its time is read again in the background (module
+        docstring), ``AHEAD_DELAY`` after the request that found it, whose upstream call goes first;
+        the answer in use is still at most ``seconds`` old (from when it was asked for)."""
         kept = self._kept.get(key)
         if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
             return
@@ -179,6 +167,7 @@ class Registry:
         self.cache = _Cache(cache_seconds, self.clock)
         self._bucket = LOOKUPS_PER_SECOND
         self._bucket_at = time.monotonic()
+        self._logged: set[tuple[str, str]] = set()  # rows (key, ETag) found unreadable: logged
 
     # --- the request path -----------------------------------------------------------------------
 
@@ -235,21 +224,14 @@ class Registry:
             return None
         return team
 
-    async def team_and_prices(self, caller: Caller) -> tuple[Team | Unavailable | None, Prices | Unavailable]:
-        """The caller's team and the prices: one after the other when both are cached (no task, no
-        loop hop on the request's path), else both reads at once."""
-        if self.cache.fresh(PRICES)[0] and (caller.team is None or self.cache.fresh(_row_key(Team, caller.team))[0]):
-            return await self.team_of(caller), await self.prices()
-        team, prices = await asyncio.gather(self.team_of(caller), self.prices())
-        return team, prices
-
     async def prices(self) -> Prices | Unavailable:
         """Every model's price, by model (a model without one is not in it), cached like keys: one
         read of the price rows, so that a request is priced, whatever name it is served as (a
         deployment's), from what its admission read."""
 
         async def read() -> Prices:
-            return {p.model: p for p in await self._all(Price, bound=self.store.clock.patience())}
+            unreadable: list[str] = []
+            return Prices(await self._all(Price, bound=self.store.clock.patience(), unreadable=unreadable), unreadable)
 
         return await self._kept(PRICES, read, "price read")
 
@@ -264,11 +246,36 @@ class Registry:
 
     # --- the admin API: one path for callers, teams and prices -------------------------------------
 
-    async def _all(self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT) -> list[Kept]:
-        """Every caller, team or price (with the properties ``equal``)."""
+    async def _all(
+        self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT, unreadable: list | None = None
+    ) -> list[Kept]:
+        """Every caller, team or price (with the properties ``equal``); a row that holds none (a hand
+        edit, an older write: prices.py) left out, and its name added to ``unreadable``."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return [cls.of(row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
+        found = []
+        for row in await self.store.query(CALLERS_TABLE, where, timeout=bound):
+            try:
+                found.append(cls.of(row))
+            except (TypeError, ValueError) as exc:
+                self._log_unreadable(cls, row, exc)
+                if unreadable is not None:
+                    name = row.get("model" if cls is Price else "name")
+                    unreadable.append(name if isinstance(name, str) else unquote(row["RowKey"][2:]))
+        return found
+
+    def _log_unreadable(self, cls: type, row: Row, error: Exception) -> None:
+        """A row that holds no caller, team or price, logged once per version of it (not at every read)."""
+        if (row["RowKey"], row.etag) in self._logged:
+            return
+        if len(self._logged) > 1000:
+            self._logged.clear()
+        self._logged.add((row["RowKey"], row.etag))
+        kind, key = cls.__name__.lower(), log_safe(row["RowKey"])[:90]
+        then = "its model's requests are refused" if cls is Price else "it is left out"
+        log.error(
+            "%s row %r of table %s is unreadable (%s): %s until it is set again", kind, key, CALLERS_TABLE, error, then
+        )
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -295,7 +302,7 @@ class Registry:
         """The caller, team or price ``name``, its key hash (a caller's) and its row's ETag;
         Missing when there is none (a name that cannot be one is not looked up)."""
         row = None
-        if _model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
+        if model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
@@ -375,7 +382,8 @@ class Registry:
         under its name gets a new id)."""
 
         async def change(kept: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
-            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name})):
+            bad: list[str] = []  # an unreadable caller row of the team's counts too
+            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name}, unreadable=bad) + bad):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
             return _ops("delete", kept, key_hash, etag), kept
 
@@ -406,10 +414,9 @@ class Registry:
 
     async def set_price(self, model: str, data: PriceSpec) -> Price:
         """The model's price, as given (a new one, or in place of the one it had)."""
-        if not isinstance(model, str) or not _model_name(model):
+        if not isinstance(model, str) or not model_name(model):
             raise Invalid("model: not a model name", "model")
         price = data.price(model, self._now())
-        await self.store.upsert(CALLERS_TABLE, _entity(price), timeout=ADMIN_TIMEOUT)
-        self.cache.forget(PRICES)
+        await self._write(_ops("upsert", price))
         log.info("price of %s set", log_safe(model)[:80])
         return price

@@ -150,6 +150,25 @@ async def test_an_unpriced_model_is_refused_to_a_spend_budget_and_free_for_every
     await state.close()
 
 
+async def test_an_unreadable_price_refuses_only_its_model_whatever_the_budget():
+    """A price row a hand edit or an older version left unreadable (here: no output price): its
+    model's requests are refused, saying so; every other model is admitted as before."""
+    data = account()
+    state, acc = instance(data, "a")
+    await state.registry.set_price(MODEL, PriceSpec(input=1, output=2))
+    row = {"PartitionKey": "prices", "RowKey": "p|broken", "model": "broken", "input": 5, "cached_input": 5}
+    await state.store.upsert(CALLERS_TABLE, row | {"updated_at": "2026-01-01T00:00:00Z"})
+    spender, _ = await state.registry.create(CallerSpec(name="s", spend_budget=1))
+    free, _ = await state.registry.create(CallerSpec(name="f"))
+    for caller in (spender, free):
+        assert (await admit(acc, caller, model="broken"))[0] == ModelRefused("broken", unreadable=True)
+        admitted, rec = await admit(acc, caller, max_tokens=10)
+        assert isinstance(admitted, Admission) and admitted.price is not None
+        finish(acc, admitted, rec, usage(10, 10))
+    assert await acc.flush(5)
+    await state.close()
+
+
 async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles_to_the_cost():
     data = account()
     state, acc = instance(data, "a")

@@ -59,6 +59,7 @@ def test_a_spent_budget_is_insufficient_quota_saying_what_is_left():
         (Unavailable(), 503, "caller_store_unavailable", None),
         (ModelRefused("o1"), 404, "model_not_found", "model"),
         (ModelRefused("local", unpriced=True, scope="team"), 400, "model_not_priced", "model"),
+        (ModelRefused("m", unreadable=True), 503, "not_configured", "model"),
         (Unknown("response", "resp_1"), 404, "not_found", "previous_response_id"),
     ],
 )
@@ -71,6 +72,8 @@ def test_the_other_refusals(answer, status, code, param):
         assert found.retryable and found.headers["Retry-After"] == "2"
     if isinstance(answer, ModelRefused) and answer.unpriced:
         assert "'local' has no price" in found.message and "team" in found.message
+    if isinstance(answer, ModelRefused) and answer.unreadable:
+        assert "price of the model 'm'" in found.message and "unreadable" in found.message
 
 
 @pytest.mark.parametrize(
@@ -81,6 +84,7 @@ def test_the_other_refusals(answer, status, code, param):
         (Unavailable(), True),  # nothing was started: another try, or another instance, may find the store
         (ModelRefused("o1"), False),
         (ModelRefused("local", unpriced=True, scope="team"), False),
+        (ModelRefused("m", unreadable=True), False),  # not until an admin sets the price again
         (Unknown("response", "resp_1"), False),
         (Refused(LimitRef("caller", "app", "tokens_per_minute"), 500, 480, 100, retry_after=42.7), True),
         (Refused(LimitRef("team", "t", "requests_per_minute", "gpt-4o"), 2, 2, 1, retry_after=0.2), True),

@@ -457,6 +457,57 @@ async def test_a_price_of_six_decimals_and_zero_are_exact():
         with pytest.raises(Invalid) as info:
             await reg.set_price(model, PriceSpec(input=1, output=1))  # type: ignore[arg-type]
         assert info.value.param == "model"
+    odd = "gpt\u200b4"  # a name a caller's models may hold can be priced (one rule for a model name)
+    await reg.create(CallerSpec(name="z", models=[odd]))
+    assert (await reg.set_price(odd, PriceSpec(input=1, output=1))).model == (await reg.get(Price, odd)).model == odd
+
+
+async def write_raw_price(data: MemoryData, model: str, **fields: object) -> None:
+    """A price row as a hand edit (Storage Explorer) or an older version may have left it: the
+    fields given replace the stored ones, ``None`` removes one."""
+    row = {"PartitionKey": "prices", "RowKey": f"p|{model}", "model": model, "input": 1, "output": 1}
+    row |= {"cached_input": 1, "updated_at": "2026-01-01T00:00:00Z"} | fields
+    await MemoryStore(data).upsert(CALLERS_TABLE, {k: v for k, v in row.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"input": None}, {"output": "ten"}, {"cached_input": 1.5}, {"input": True}, {"output": -3}, {"updated_at": "x"}],
+)
+async def test_an_unreadable_price_row_costs_only_its_model_and_is_logged_once_with_its_key(bad, caplog):
+    clock, data = Clock(), MemoryData()
+    reg = registry(data, 1.0, clock)
+    good = await reg.set_price("good", PriceSpec(input=1, output=2))
+    await write_raw_price(data, "broken", **bad)
+    await write_raw_price(data, "whole", input=150_000.0)  # a Double that is a whole number reads as one
+    with caplog.at_level(logging.WARNING, logger="chatstream"):
+        for _ in range(3):  # every read of the prices finds it: logged the first time only
+            prices = await reg.prices()
+            assert not isinstance(prices, Unavailable)
+            assert prices["good"] == good and prices["whole"].input == 150_000 and "broken" not in prices
+            assert prices.unreadable == {"broken"}
+            clock.now += 1.1
+        assert [p.model for p in await reg.list(Price)] == ["good", "whole"]  # the admin's list too
+    logged = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
+    assert len(logged) == 1 and "price row 'p|broken'" in logged[0], logged
+    await reg.set_price("broken", PriceSpec(input=3, output=4))  # an admin sets it again: it is read
+    prices = await reg.prices()
+    assert not isinstance(prices, Unavailable) and prices["broken"].input == 3_000_000 and not prices.unreadable
+
+
+async def test_an_unreadable_caller_row_is_left_out_of_the_list_and_still_holds_its_team(caplog):
+    data = MemoryData()
+    reg = registry(data)
+    await reg.create(TeamSpec(name="t"))
+    await reg.create(CallerSpec(name="a"))
+    await MemoryStore(data).upsert(CALLERS_TABLE, {"PartitionKey": "callers", "RowKey": "c|b", "team": "t"})
+    with caplog.at_level(logging.WARNING, logger="chatstream"):
+        assert [c.name for c in await reg.list(Caller)] == ["a"]
+        assert [c.name for c in await reg.list(Caller)] == ["a"]
+        with pytest.raises(Conflict):
+            await reg.delete(Team, "t")
+    logged = [r.getMessage() for r in caplog.records if "'c|b'" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("caller row 'c|b' of table chatstreamCallers is unreadable")
 
 
 # --- what an admin may say ---------------------------------------------------------------------------
