@@ -284,6 +284,7 @@ class AzureStore:
     def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
         self.config = config
         self.clock = clock or StoreClock()
+        self.calls: dict[str, int] = {}  # requests of each op (tests count them)
         self._account: Account | None = None
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
@@ -479,6 +480,7 @@ class AzureStore:
         call on each in this process goes alone: the calls that come meanwhile wait for it (a burst
         of first calls on one not made yet would all be refused, all make it, then all be sent
         again)."""
+        self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = None
