@@ -317,12 +317,3 @@ class StorageConfig:
             if url is not None and not url.startswith("https://"):
                 raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
         return cls(table_url=table, blob_url=blob, credential=get("__credential"), client_id=get("__clientId"))
-
-    def describe(self) -> str:
-        """Where the store is, for a log line (never a key)."""
-        if self.connection_string is not None:
-            fields = dict(p.split("=", 1) for p in self.connection_string.split(";") if "=" in p)
-            if fields.get("UseDevelopmentStorage", "").lower() == "true":
-                return "the storage emulator on its default ports"
-            return fields.get("TableEndpoint") or f"account {fields.get('AccountName', '?')}"
-        return f"{self.table_url or self.blob_url} (identity-based)"

@@ -144,12 +144,12 @@ class Account:
 
             try:
                 table_client = TableServiceClient.from_connection_string(config.connection_string)
+                blob_client = BlobServiceClient.from_connection_string(config.connection_string)
             except ValueError:  # its message is the SDK's; ours names the setting, never a value
                 raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
-                    "tables, or is malformed"
+                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature, names "
+                    "no account or endpoint for the tables and the blobs, or is malformed"
                 ) from None
-            blob_client = BlobServiceClient.from_connection_string(config.connection_string)
             table_key, blob_key = table_client.credential, getattr(blob_client.credential, "account_key", None)
             parts = urlsplit(blob_client.url)
             table_url, blob_url = table_client.url, parts._replace(query="").geturl()
@@ -175,6 +175,11 @@ class Account:
         if not self.table_url or self._tables is None:
             raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
         return self._tables, f"{self.table_url}/{path}"
+
+    def describe(self) -> str:
+        """Where the store is, for a log line (a URL without a key or a SAS)."""
+        where = self.table_url or self.blob_url
+        return f"{where} (identity-based)" if self._credential is not None else where
 
     async def close(self) -> None:
         if self._credential is not None:

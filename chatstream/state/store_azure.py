@@ -279,13 +279,13 @@ def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
 class AzureStore:
     """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
     no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
-    settings read per request (trust_env off)."""
+    settings read per request (trust_env off). The account is read from ``config`` here
+    (store_account.py): settings it cannot use raise StoreConfigError, before any call."""
 
     def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
-        self.config = config
+        self.account = Account(config)
         self.clock = clock or StoreClock()
         self.calls: dict[str, int] = {}  # requests of each op (tests count them)
-        self._account: Account | None = None
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
 
@@ -379,7 +379,7 @@ class AzureStore:
         library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
         failing operation (the error's ``index``)."""
         check_batch(ops)
-        url = self._connect().table_url
+        url = self.account.table_url
         batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
         parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
         for op in ops:
@@ -453,9 +453,7 @@ class AzureStore:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._account is not None:
-            await self._account.close()
-            self._account = None
+        await self.account.close()
         self._first.clear()
 
     # --- one call -----------------------------------------------------------------------------
@@ -486,19 +484,18 @@ class AzureStore:
         first = None
         try:
             async with asyncio.timeout(timeout):
-                account = self._connect()
                 gate = self._first.get(table)
                 if gate is None:
                     first = self._first[table] = loop.create_future()
                 elif not gate.done():
                     await asyncio.shield(gate)
-                target = account.target(table, path)
+                target = self.account.target(table, path)
                 try:
                     result = await self._send(target, method, headers, body, answer, again)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await self._create(account, table)
+                    await self._create(table)
                     result = await self._send(target, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
@@ -565,14 +562,14 @@ class AzureStore:
         finally:
             response.release()
 
-    async def _create(self, account: Account, table: str | None) -> None:
+    async def _create(self, table: str | None) -> None:
         """Make ``table``, or the container when None: one there (409) is made, and one this
         identity may not make (403) is infra/'s to make."""
         if table is None:
-            signer, url = account.target(None, "")
+            signer, url = self.account.target(None, "")
             target, method, headers, body = (signer, url.rstrip("/") + "?restype=container"), "PUT", _BLOB, b""
         else:
-            target, method = account.target(table, "Tables"), "POST"
+            target, method = self.account.target(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
             await self._send(target, method, headers, body, _nothing, again=True)
@@ -585,9 +582,3 @@ class AzureStore:
         when = parse_http_date(headers.get("Date"))
         if when is not None:
             self.clock.observe(when.timestamp())
-
-    def _connect(self) -> Account:
-        """The account, as the settings name it (on the first call: store_account.py)."""
-        if self._account is None:
-            self._account = Account(self.config)
-        return self._account
