@@ -2,14 +2,12 @@
 call is a plain REST request of the Table or Blob service on one aiohttp session, built, sent and
 read in that call's own method here.
 
-Plain requests take 0.22 to 0.39 ms of CPU a call, where the azure SDKs' pipeline of policies and
-header models took 0.8 to 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms
-instead of 4.4 to 5.1: tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable
-stream's CPU went to 0.68 to 0.79 times what it was with the SDK (the bench's resume path at 100
-streams). The SDKs do only what a request cannot do by itself: read the connection string and
-sign (store_account.py). A call that finds its table or the container missing makes it (a first
-run on Azurite, or one deleted under us; infra/ makes them in Azure and scopes the app identity's
-roles to them) and goes once more.
+Plain requests: the azure SDKs' pipeline of policies took three to five times their CPU a call
+(tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4). The SDKs do only what
+a request cannot do by itself: read the connection string and sign (store_account.py). A call
+that finds its table or the container missing makes it (a first run on Azurite, or one deleted
+under us; infra/ makes them in Azure and scopes the app identity's roles to them) and goes once
+more.
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
@@ -66,7 +64,9 @@ _BLOB = {"x-ms-version": BLOB_VERSION}
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
 T = TypeVar("T")
-Answer = Callable[[Mapping[str, str], bytes], T]  # what a call makes of a success's headers and body
+# What a call makes of a success's headers and body, read within the call: a batch's answer may say
+# that its table is not there, and the call makes it and sends the batch again (``_call``).
+Answer = Callable[[Mapping[str, str], bytes], T]
 
 
 class Refused(Exception):
@@ -225,12 +225,10 @@ def _batch_etags(count: int) -> Answer[list[str | None]]:
     """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
     operation raises ``Refused`` with its index (the odata.error's message starts with it, "1:The
     specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
-    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU: a recorded
-    50-row answer in 0.2 ms instead of 1.07, a 1-row one in 0.0075 instead of 0.073, a refusal in
-    0.01 instead of 0.072 (time.process_time, best of 5; tests/unit/test_store_batch.py's answers,
-    recorded from Azurite, where the two readings are shown equal). aiohttp's MultipartReader took
-    0.9 ms to split that 50-row answer's parts alone. A whole batch of ten (tools/bench/store_calls.py
-    on Azurite, two runs): 1.21 and 1.37 ms of CPU before, 0.67 and 0.51 after."""
+    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU (five to ten
+    times ``_http_parts``'s on tests/unit/test_store_batch.py's answers recorded from Azurite, where
+    the two readings are shown equal; aiohttp's MultipartReader was slower still: git log cb2354b,
+    fc8ade1)."""
 
     def etags(headers: Mapping[str, str], data: bytes) -> list[str | None]:
         found: list[str | None] = []
