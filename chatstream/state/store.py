@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 from urllib.parse import quote
 
-from ..errors import StoreError
-
 # The tables and the container the app keeps its state in (infra/ creates them and scopes the app
 # identity's roles to them; on Azurite the app creates them).
 CALLERS_TABLE = "chatstreamCallers"
@@ -271,12 +269,6 @@ def check_batch(ops: Sequence[Op]) -> str:
     for op in ops:
         check_entity(op.entity, keys_only=op.kind == "delete")
     return str(next(iter(partitions)))
-
-
-def with_index(error: StoreError, index: int) -> StoreError:
-    """The error of a batch's failing operation, with which one it was (``error.index``)."""
-    error.index = index  # type: ignore[attr-defined] - an attribute of batch errors only
-    return error
 
 
 # --- the settings ------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ from .store import (
     check_batch,
     check_key,
     clean,
-    with_index,
 )
 from .store_account import Account, NoToken, Signer
 
@@ -102,7 +101,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         error = Modified("a condition failed")
     else:
         error = StoreUnavailable(f"the store failed (HTTP {status})")
-    return with_index(error, index) if index is not None else error
+    error.index = index
+    return error
 
 
 # --- the wire format ---------------------------------------------------------------------------
