@@ -64,17 +64,13 @@ class Bearer:
 
 
 class Sas:
-    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``) and
-    renewed when a quarter of its life is left, or after the service refused it."""
+    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``; or
+    the connection string's own SAS) and renewed when a quarter of its life is left, or after the
+    service refused it."""
 
     def __init__(self, make: Callable[[datetime, datetime], str]):
         self._make = make
         self._token: tuple[str, datetime] | None = None  # and when to renew it
-
-    @classmethod
-    def given(cls, sas: str) -> Sas:
-        """The SAS of the settings."""
-        return cls(lambda start, expiry: sas)
 
     async def sign(self) -> tuple[str, Mapping[str, str]]:
         """What signs a request: its query, no headers."""
@@ -155,7 +151,8 @@ class Account:
             if isinstance(key, AzureNamedKeyCredential):
                 tables, blobs = _table_sas(key), _blob_sas(key.named_key.name, key.named_key.key)
             elif isinstance(key, AzureSasCredential):
-                tables = blobs = Sas.given(key.signature)
+                signature = key.signature
+                tables = blobs = Sas(lambda start, expiry: signature)
             else:
                 raise StoreConfigError(
                     f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature"
