@@ -41,7 +41,6 @@ class SharedState:
     counters: Counters
     journal: Journal
     ledger: Ledger
-    owners: Owners
     accounting: Accounting | None  # CALLER_KEYS=required
     resume: ResumeConfig | None  # RESUMABLE_STREAMS=on: the stream log's settings, and its sweep's
 
@@ -111,7 +110,7 @@ class SharedState:
             # o200k_base's tables (every current model's) off the first request's path; a model of
             # another family builds its own on first use (tokens.py).
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
-        return cls(store, instances, registry, counters, journal, ledger, owners, accounting, resume)
+        return cls(store, instances, registry, counters, journal, ledger, accounting, resume)
 
     async def close(self) -> None:
         """A graceful stop: what this instance holds is settled and written, then everything closes."""
