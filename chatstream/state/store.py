@@ -199,10 +199,9 @@ def _units(text: str) -> int:
     return len(text.encode("utf-16-le", "surrogatepass")) // 2
 
 
-def check_key(name: str, value: object) -> str:
+def check_key(name: str, value: object) -> None:
     if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS or _BAD_KEY.search(value):
         raise ValueError(f"{name}: not a valid table key")
-    return value
 
 
 def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
@@ -258,8 +257,8 @@ def key_part(text: str) -> str:
     return encoded
 
 
-def check_batch(ops: Sequence[Op]) -> str:
-    """A batch's operations: 1 to 100, one partition, each row once; the partition."""
+def check_batch(ops: Sequence[Op]) -> None:
+    """A batch's operations: 1 to 100, one partition, each row once."""
     if not ops or len(ops) > MAX_BATCH:
         raise ValueError(f"a batch has 1 to {MAX_BATCH} operations")
     partitions = {op.entity.get("PartitionKey") for op in ops}
@@ -268,7 +267,6 @@ def check_batch(ops: Sequence[Op]) -> str:
         raise ValueError("a batch is one partition, each row once")
     for op in ops:
         check_entity(op.entity, keys_only=op.kind == "delete")
-    return str(next(iter(partitions)))
 
 
 # --- the settings ------------------------------------------------------------------------------
