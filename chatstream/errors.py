@@ -204,7 +204,9 @@ class ClientGone(Exception):
 class StoreError(Exception):
     """The shared store answered something other than success, or nothing: raised by the store
     (state/store_azure.py), and by the state modules when a row kept changing under them. The
-    message never carries a key or a SAS."""
+    message never carries a key or a SAS. A batch's error says which operation failed (``index``)."""
+
+    index: int | None = None
 
 
 class StoreUnavailable(StoreError):

@@ -28,7 +28,6 @@ from chatstream.state.store import (
     check_batch,
     check_key,
     clean,
-    with_index,
 )
 
 # ``not_found``: the store answers 404 for the table itself (one deleted under the app, before the
@@ -245,7 +244,8 @@ class MemoryStore:
                         raise NotFound("no such row")  # quiet alone; in a transaction, Table storage refuses it
                     self._check(table, kind, values, etag)
                 except (AlreadyExists, Modified, NotFound) as error:
-                    raise with_index(error, index) from None
+                    error.index = index
+                    raise error from None
             return [self._apply(table, kind, values) for kind, values, _ in prepared]
 
         return await self._call("batch", table, timeout, work, write=True)

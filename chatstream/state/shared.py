@@ -41,7 +41,6 @@ class SharedState:
     counters: Counters
     journal: Journal
     ledger: Ledger
-    owners: Owners
     accounting: Accounting | None  # CALLER_KEYS=required
     resume: ResumeConfig | None  # RESUMABLE_STREAMS=on: the stream log's settings, and its sweep's
 
@@ -52,25 +51,26 @@ class SharedState:
         """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
         try:
             config = StorageConfig.from_env(environ)
+            if config is None:
+                for needs, on in (
+                    ("CALLER_KEYS=required", settings.caller_keys == "required"),
+                    ("RESUMABLE_STREAMS=on", settings.resumable_streams),
+                ):
+                    if on:
+                        raise SettingsError(
+                            f"invalid app settings: {needs} needs the app's storage: set "
+                            "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
+                        )
+                return None
+            from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
+
+            # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
+            offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
+            # The account is read here: a connection string it cannot use stops the start-up.
+            store = AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)
         except StoreConfigError as exc:
             raise SettingsError(f"invalid app settings: {exc}") from None
-        if config is None:
-            for needs, on in (
-                ("CALLER_KEYS=required", settings.caller_keys == "required"),
-                ("RESUMABLE_STREAMS=on", settings.resumable_streams),
-            ):
-                if on:
-                    raise SettingsError(
-                        f"invalid app settings: {needs} needs the app's storage: set "
-                        "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-                    )
-            return None
-        from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
-
-        # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
-        offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
-        store = AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)
-        log.info("shared state: %s", config.describe())
+        log.info("shared state: %s", store.account.describe())
         return cls.on(store, settings, told=told)
 
     @classmethod
@@ -110,7 +110,7 @@ class SharedState:
             # o200k_base's tables (every current model's) off the first request's path; a model of
             # another family builds its own on first use (tokens.py).
             threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
-        return cls(store, instances, registry, counters, journal, ledger, owners, accounting, resume)
+        return cls(store, instances, registry, counters, journal, ledger, accounting, resume)
 
     async def close(self) -> None:
         """A graceful stop: what this instance holds is settled and written, then everything closes."""

@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 from urllib.parse import quote
 
-from ..errors import StoreError
-
 # The tables and the container the app keeps its state in (infra/ creates them and scopes the app
 # identity's roles to them; on Azurite the app creates them).
 CALLERS_TABLE = "chatstreamCallers"
@@ -201,10 +199,9 @@ def _units(text: str) -> int:
     return len(text.encode("utf-16-le", "surrogatepass")) // 2
 
 
-def check_key(name: str, value: object) -> str:
+def check_key(name: str, value: object) -> None:
     if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS or _BAD_KEY.search(value):
         raise ValueError(f"{name}: not a valid table key")
-    return value
 
 
 def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
@@ -260,8 +257,8 @@ def key_part(text: str) -> str:
     return encoded
 
 
-def check_batch(ops: Sequence[Op]) -> str:
-    """A batch's operations: 1 to 100, one partition, each row once; the partition."""
+def check_batch(ops: Sequence[Op]) -> None:
+    """A batch's operations: 1 to 100, one partition, each row once."""
     if not ops or len(ops) > MAX_BATCH:
         raise ValueError(f"a batch has 1 to {MAX_BATCH} operations")
     partitions = {op.entity.get("PartitionKey") for op in ops}
@@ -270,13 +267,6 @@ def check_batch(ops: Sequence[Op]) -> str:
         raise ValueError("a batch is one partition, each row once")
     for op in ops:
         check_entity(op.entity, keys_only=op.kind == "delete")
-    return str(next(iter(partitions)))
-
-
-def with_index(error: StoreError, index: int) -> StoreError:
-    """The error of a batch's failing operation, with which one it was (``error.index``)."""
-    error.index = index  # type: ignore[attr-defined] - an attribute of batch errors only
-    return error
 
 
 # --- the settings ------------------------------------------------------------------------------
@@ -317,12 +307,3 @@ class StorageConfig:
             if url is not None and not url.startswith("https://"):
                 raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
         return cls(table_url=table, blob_url=blob, credential=get("__credential"), client_id=get("__clientId"))
-
-    def describe(self) -> str:
-        """Where the store is, for a log line (never a key)."""
-        if self.connection_string is not None:
-            fields = dict(p.split("=", 1) for p in self.connection_string.split(";") if "=" in p)
-            if fields.get("UseDevelopmentStorage", "").lower() == "true":
-                return "the storage emulator on its default ports"
-            return fields.get("TableEndpoint") or f"account {fields.get('AccountName', '?')}"
-        return f"{self.table_url or self.blob_url} (identity-based)"

@@ -64,17 +64,13 @@ class Bearer:
 
 
 class Sas:
-    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``) and
-    renewed when a quarter of its life is left, or after the service refused it."""
+    """A SAS token made by ``make`` (an SDK helper, from the account key: ``start``, ``expiry``; or
+    the connection string's own SAS) and renewed when a quarter of its life is left, or after the
+    service refused it."""
 
     def __init__(self, make: Callable[[datetime, datetime], str]):
         self._make = make
         self._token: tuple[str, datetime] | None = None  # and when to renew it
-
-    @classmethod
-    def given(cls, sas: str) -> Sas:
-        """The SAS of the settings."""
-        return cls(lambda start, expiry: sas)
 
     async def sign(self) -> tuple[str, Mapping[str, str]]:
         """What signs a request: its query, no headers."""
@@ -126,8 +122,8 @@ class Account:
 
     def __init__(self, config: StorageConfig):
         self._credential: Any = None
-        tables: Signer | None
-        blobs: Signer | None
+        tables: Signer
+        blobs: Signer
         if config.connection_string is None:
             from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
 
@@ -138,43 +134,48 @@ class Account:
             table_url, blob_url = config.table_url, config.blob_url
             tables = blobs = Bearer(self._credential)
         else:
-            # The SDKs' clients read the connection string (they make no request).
+            # The SDKs' clients read the connection string (they make no request): its one key or
+            # SAS (the table client's credential) serves both services, at each one's URL.
             from azure.data.tables import TableServiceClient
             from azure.storage.blob import BlobServiceClient
 
             try:
                 table_client = TableServiceClient.from_connection_string(config.connection_string)
+                blob_client = BlobServiceClient.from_connection_string(config.connection_string)
             except ValueError:  # its message is the SDK's; ours names the setting, never a value
                 raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature for the "
-                    "tables, or is malformed"
+                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature, names "
+                    "no account or endpoint for the tables and the blobs, or is malformed"
                 ) from None
-            blob_client = BlobServiceClient.from_connection_string(config.connection_string)
-            table_key, blob_key = table_client.credential, getattr(blob_client.credential, "account_key", None)
-            parts = urlsplit(blob_client.url)
-            table_url, blob_url = table_client.url, parts._replace(query="").geturl()
-            tables = Sas.given(table_key.signature) if isinstance(table_key, AzureSasCredential) else None
-            if isinstance(table_key, AzureNamedKeyCredential):
-                tables = _table_sas(table_key)
-            blobs = _blob_sas(str(blob_client.account_name), blob_key) if blob_key else None
-            blobs = blobs or (Sas.given(parts.query) if parts.query else None)
+            key = table_client.credential
+            if isinstance(key, AzureNamedKeyCredential):
+                tables, blobs = _table_sas(key), _blob_sas(key.named_key.name, key.named_key.key)
+            elif isinstance(key, AzureSasCredential):
+                signature = key.signature
+                tables = blobs = Sas(lambda start, expiry: signature)
+            else:
+                raise StoreConfigError(
+                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature"
+                )
+            table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
         self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
-        for url, signer, service in ((self.table_url, tables, "tables"), (self.blob_url, blobs, "blobs")):
-            if url and signer is None:
-                setting = f"an AccountKey or a SharedAccessSignature for the {service}"
-                raise StoreConfigError(f"{CONNECTION}: the connection string has no {setting}")
         self._tables, self._blobs = tables, blobs
 
     def target(self, table: str | None, path: str) -> tuple[Signer, str]:
         """What signs a request and its URL: ``path`` in the table service, or in the container when
         ``table`` is None."""
         if table is None:
-            if not self.blob_url or self._blobs is None:
+            if not self.blob_url:
                 raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
             return self._blobs, f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
-        if not self.table_url or self._tables is None:
+        if not self.table_url:
             raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
         return self._tables, f"{self.table_url}/{path}"
+
+    def describe(self) -> str:
+        """Where the store is, for a log line (a URL without a key or a SAS)."""
+        where = self.table_url or self.blob_url
+        return f"{where} (identity-based)" if self._credential is not None else where
 
     async def close(self) -> None:
         if self._credential is not None:

@@ -2,14 +2,12 @@
 call is a plain REST request of the Table or Blob service on one aiohttp session, built, sent and
 read in that call's own method here.
 
-Plain requests take 0.22 to 0.39 ms of CPU a call, where the azure SDKs' pipeline of policies and
-header models took 0.8 to 1.9 ms (a query 0.3 ms instead of 1.1 to 1.3; a batch of ten 0.85 ms
-instead of 4.4 to 5.1: tools/bench/store_calls.py on Azurite, 300 calls of each); a resumable
-stream's CPU went to 0.68 to 0.79 times what it was with the SDK (the bench's resume path at 100
-streams). The SDKs do only what a request cannot do by itself: read the connection string and
-sign (store_account.py). A call that finds its table or the container missing makes it (a first
-run on Azurite, or one deleted under us; infra/ makes them in Azure and scopes the app identity's
-roles to them) and goes once more.
+Plain requests: the azure SDKs' pipeline of policies took three to five times their CPU a call
+(tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4). The SDKs do only what
+a request cannot do by itself: read the connection string and sign (store_account.py). A call
+that finds its table or the container missing makes it (a first run on Azurite, or one deleted
+under us; infra/ makes them in Azure and scopes the app identity's roles to them) and goes once
+more.
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
@@ -46,7 +44,6 @@ from .store import (
     check_batch,
     check_key,
     clean,
-    with_index,
 )
 from .store_account import Account, NoToken, Signer
 
@@ -66,7 +63,9 @@ _BLOB = {"x-ms-version": BLOB_VERSION}
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
 T = TypeVar("T")
-Answer = Callable[[Mapping[str, str], bytes], T]  # what a call makes of a success's headers and body
+# What a call makes of a success's headers and body, read within the call: a batch's answer may say
+# that its table is not there, and the call makes it and sends the batch again (``_call``).
+Answer = Callable[[Mapping[str, str], bytes], T]
 
 
 class Refused(Exception):
@@ -102,7 +101,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         error = Modified("a condition failed")
     else:
         error = StoreUnavailable(f"the store failed (HTTP {status})")
-    return with_index(error, index) if index is not None else error
+    error.index = index
+    return error
 
 
 # --- the wire format ---------------------------------------------------------------------------
@@ -225,12 +225,10 @@ def _batch_etags(count: int) -> Answer[list[str | None]]:
     """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
     operation raises ``Refused`` with its index (the odata.error's message starts with it, "1:The
     specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
-    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU: a recorded
-    50-row answer in 0.2 ms instead of 1.07, a 1-row one in 0.0075 instead of 0.073, a refusal in
-    0.01 instead of 0.072 (time.process_time, best of 5; tests/unit/test_store_batch.py's answers,
-    recorded from Azurite, where the two readings are shown equal). aiohttp's MultipartReader took
-    0.9 ms to split that 50-row answer's parts alone. A whole batch of ten (tools/bench/store_calls.py
-    on Azurite, two runs): 1.21 and 1.37 ms of CPU before, 0.67 and 0.51 after."""
+    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU (five to ten
+    times ``_http_parts``'s on tests/unit/test_store_batch.py's answers recorded from Azurite, where
+    the two readings are shown equal; aiohttp's MultipartReader was slower still: git log cb2354b,
+    fc8ade1)."""
 
     def etags(headers: Mapping[str, str], data: bytes) -> list[str | None]:
         found: list[str | None] = []
@@ -279,13 +277,13 @@ def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
 class AzureStore:
     """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
     no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
-    settings read per request (trust_env off)."""
+    settings read per request (trust_env off). The account is read from ``config`` here
+    (store_account.py): settings it cannot use raise StoreConfigError, before any call."""
 
     def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
-        self.config = config
+        self.account = Account(config)
         self.clock = clock or StoreClock()
         self.calls: dict[str, int] = {}  # requests of each op (tests count them)
-        self._account: Account | None = None
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
 
@@ -379,7 +377,7 @@ class AzureStore:
         library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
         failing operation (the error's ``index``)."""
         check_batch(ops)
-        url = self._connect().table_url
+        url = self.account.table_url
         batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
         parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
         for op in ops:
@@ -453,9 +451,7 @@ class AzureStore:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._account is not None:
-            await self._account.close()
-            self._account = None
+        await self.account.close()
         self._first.clear()
 
     # --- one call -----------------------------------------------------------------------------
@@ -486,19 +482,18 @@ class AzureStore:
         first = None
         try:
             async with asyncio.timeout(timeout):
-                account = self._connect()
                 gate = self._first.get(table)
                 if gate is None:
                     first = self._first[table] = loop.create_future()
                 elif not gate.done():
                     await asyncio.shield(gate)
-                target = account.target(table, path)
+                target = self.account.target(table, path)
                 try:
                     result = await self._send(target, method, headers, body, answer, again)
                 except Refused as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
-                    await self._create(account, table)
+                    await self._create(table)
                     result = await self._send(target, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
@@ -565,14 +560,14 @@ class AzureStore:
         finally:
             response.release()
 
-    async def _create(self, account: Account, table: str | None) -> None:
+    async def _create(self, table: str | None) -> None:
         """Make ``table``, or the container when None: one there (409) is made, and one this
         identity may not make (403) is infra/'s to make."""
         if table is None:
-            signer, url = account.target(None, "")
+            signer, url = self.account.target(None, "")
             target, method, headers, body = (signer, url.rstrip("/") + "?restype=container"), "PUT", _BLOB, b""
         else:
-            target, method = account.target(table, "Tables"), "POST"
+            target, method = self.account.target(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
             await self._send(target, method, headers, body, _nothing, again=True)
@@ -585,9 +580,3 @@ class AzureStore:
         when = parse_http_date(headers.get("Date"))
         if when is not None:
             self.clock.observe(when.timestamp())
-
-    def _connect(self) -> Account:
-        """The account, as the settings name it (on the first call: store_account.py)."""
-        if self._account is None:
-            self._account = Account(self.config)
-        return self._account

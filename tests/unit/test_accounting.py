@@ -15,6 +15,7 @@ from chatstream import tokens
 from chatstream.apis.usage import request_usage, usage_of
 from chatstream.state.accounting import Admission
 from chatstream.state.callers import CallerSpec, TeamSpec
+from chatstream.state.owners import Owners
 from chatstream.state.port import ModelRefused, Refused, Unavailable, Unknown, Usage, Used
 from chatstream.state.prices import PriceSpec
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE, USAGE_TABLE
@@ -329,10 +330,10 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     assert isinstance(first, Admission)
     await acc.claim("response", "resp_1", first, background=False)
     await acc.keep_context(first, Usage((Used(10, 0, 20),), "completed", reported=True))  # before its last event
-    assert (await state.owners.owned("response", "resp_1")).context == 30
+    assert (await Owners(state.store).owned("response", "resp_1")).context == 30
     finish(acc, first, rec, usage(10, 20))
     assert await acc.flush(5)
-    await state.owners.set_context("response", "resp_1", 5_000)
+    await Owners(state.store).set_context("response", "resp_1", 5_000)
     answer, _ = await admit(acc, bob, previous_response_id="resp_1")
     assert answer == Unknown("response", "resp_1")
     assert (await admit(acc, bob, previous_response_id="resp_nobody"))[0] == Unknown("response", "resp_nobody")

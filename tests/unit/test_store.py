@@ -39,9 +39,26 @@ def test_a_plain_http_service_uri_is_refused_naming_the_setting():
         StorageConfig.from_env({"AzureWebJobsStorage__blobServiceUri": "http://x.example"})
 
 
-def test_describe_never_shows_the_key():
-    config = StorageConfig(connection_string="DefaultEndpointsProtocol=https;AccountName=a;AccountKey=SECRETKEY==;")
-    assert "SECRETKEY" not in config.describe() and "a" in config.describe()
+def test_describe_never_shows_the_key_or_the_sas():
+    from chatstream.state.store_account import Account
+
+    keyed = Account(
+        StorageConfig(connection_string="DefaultEndpointsProtocol=https;AccountName=a;AccountKey=SECRETKEY==")
+    )
+    assert "SECRETKEY" not in keyed.describe() and keyed.describe() == "https://a.table.core.windows.net"
+    endpoints = "TableEndpoint=https://t.example/a;BlobEndpoint=https://b.example/a"
+    signed = Account(StorageConfig(connection_string=f"{endpoints};SharedAccessSignature=sv=2019-02-02&sig=SECRET"))
+    assert signed.describe() == "https://t.example/a"
+
+
+def test_a_connection_string_the_store_cannot_use_stops_the_start_up_naming_the_setting():
+    from chatstream.settings import Settings, SettingsError
+    from chatstream.state.shared import SharedState
+
+    for value in ("TableEndpoint=https://t.example/a", "TableEndpoint=https://t.example/a;SharedAccessSignature=s"):
+        with pytest.raises(SettingsError, match="invalid app settings: AzureWebJobsStorage: .*AccountKey") as info:
+            SharedState.from_settings(Settings.from_env({}), {"AzureWebJobsStorage": value})
+        assert "t.example" not in str(info.value)
 
 
 async def test_a_store_that_does_not_answer_fails_within_two_seconds():
