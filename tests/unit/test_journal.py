@@ -409,6 +409,42 @@ async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first
     await b.close()
 
 
+async def test_a_takers_raise_whose_row_the_dead_instances_recovery_rewrites_meanwhile_is_made_again():
+    """r3's taker b charged a's part from the log ("The"), then raises it to what its caller received
+    (with patience: nobody else knows it). Between b's read of the row and its write on that row's
+    ETag, a's recovery (on c) raises the row to a's checkpoint: b's write finds the row changed and
+    counts nothing. The raise is made again on the row as it is now: the row ends at what the caller
+    received, every budget row exactly the ledger (before, the row kept a's checkpoint)."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert await acc_b.flush(5)
+    c, _ = instance(data, "instance-c")
+    assert isinstance(b.store, MemoryStore)
+    replace = b.store.replace
+    recovered: list[str] = []
+
+    async def recovery_first(table: str, entity, **kw):  # b's raise reaches the store: a's recovery lands first
+        if table == USAGE_TABLE and not recovered:
+            recovered.append(entity["request_id"])
+            await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+        return await replace(table, entity, **kw)
+
+    b.store.replace = recovery_first  # type: ignore[method-assign]
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=5.0)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    assert recovered == [rec3.id]
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+    await c.close()
+
+
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
 async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
     """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
