@@ -527,7 +527,7 @@ class Recovery:
                 if not await self.ledger.apply(charge):
                     others.append(charge)
                 continue
-            there = await self.ledger.write_now(charge)
+            there = await self.ledger.put(charge)
             for _ in range(MAX_ATTEMPTS):
                 if there is None or not theirs(there, dead, TAKEOVER + dead):
                     break
@@ -541,10 +541,11 @@ class Recovery:
                     break
                 # What it counted, and the writes it holds (Ledger.apply).
                 elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
-                if await self.ledger.replace(charge, there, **elsewhere):  # raised to the checkpoint
+                changed = await self.ledger.put(charge, there.etag, **elsewhere)  # raised to the checkpoint
+                if changed is None:
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break
-                there = await self.ledger.write_now(charge)  # it changed meanwhile (raised by another taker)
+                there = changed  # it changed meanwhile (raised by another taker)
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run

@@ -239,7 +239,7 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
         ended="completed",
         author="instance-z",
     )
-    assert await b.ledger.write_now(theirs) is None
+    assert await b.ledger.put(theirs) is None
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 200
@@ -256,7 +256,7 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     entry = entry_of(data, "instance-a", rec2.id)
     assert entry is not None and entry["state"] == "settled"
     theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
-    assert await b.ledger.write_now(theirs) is None
+    assert await b.ledger.put(theirs) is None
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec2.id]["author"] == "instance-z" and rows[rec3.id]["author"] == "takeover:instance-a"
