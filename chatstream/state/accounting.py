@@ -88,7 +88,6 @@ class Admission:
         return self.reservation.rates
 
 
-LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits this long for its first charge's row (or its patience)
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
@@ -320,12 +319,11 @@ class Accounting:
         )
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
-        landed = max(loop.time() + LANDED_WITHIN, give_up)  # (a failing store holds the earlier charge too)
         again = False
         while True:
             if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(landed):
+                    async with asyncio.timeout_at(give_up):  # (a failing store holds it too)
                         await admission.lost.written.wait()
                 if again and not admission.lost.written.is_set():
                     return  # journaled: it lands, or counts nothing if the row changed first

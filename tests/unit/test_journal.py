@@ -15,7 +15,7 @@ from memory_store import Fault, MemoryData, MemoryStore
 from chatstream import tokens
 from chatstream.errors import StoreError
 from chatstream.state import journal
-from chatstream.state.accounting import Accounting, Admission
+from chatstream.state.accounting import RAISED_WITHIN, Accounting, Admission
 from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
@@ -336,7 +336,7 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     acc_b, going_on = await taking_over(b, caller, rec3.id)
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     received = GENERATED + " It came back at dusk, tired and happy."
-    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2)
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)  # as the endpoint
     going_on.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
@@ -375,7 +375,7 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
 
 async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first_charge():
     """As above, but the store refuses the ledger's writes from the taker's first charge of the part
-    ("The") on, for longer than ``LANDED_WITHIN`` (15 s), and the raise to what the caller received
+    ("The") on, for 15 s, and the raise to what the caller received
     is made meanwhile (``patience``: the endpoint's ``RAISED_WITHIN``). The raise waits for the first
     charge's row as long as it waits for the store: made before that row is in, it was a second
     insert of the same row, which found another there and counted nothing (the row kept the dead
