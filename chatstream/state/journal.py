@@ -449,9 +449,6 @@ def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKe
     return {key: cost if key.row == "spend" else tokens for key in keys}
 
 
-SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
-
-
 # What a stream's route makes of its stored events (route, events): the text its caller was sent.
 Told = Callable[[str, bytes], str]
 
@@ -484,7 +481,7 @@ class Recovery:
     async def _seal(self, dead: str, taker: str) -> dict[str, Any] | None:
         """Step 1: the journal as sealed by ``taker`` (None: there is none)."""
         name = journal_name(dead)
-        for _ in range(SEAL_ATTEMPTS):
+        for _ in range(MAX_ATTEMPTS):  # the dead instance (if only slow) may write it meanwhile: read, seal again
             found = await self.store.get_blob(name)
             if found is None:
                 return None
