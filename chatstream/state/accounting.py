@@ -88,7 +88,6 @@ class Admission:
         return self.reservation.rates
 
 
-LANDED_WITHIN = 10.0  # a raise of a stream's lost part waits this long for its first charge's row (or its patience)
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
@@ -308,8 +307,9 @@ class Accounting:
         difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
         meanwhile it counts nothing), then counted. Never raises: reading the row is tried again, and
         a raise waits for the earlier charge's row, for ``patience`` seconds (a raise nobody else can
-        make: the dead instance's recovery knows only its checkpoint); on a store failure past that,
-        recovery charges that part at its checkpoint."""
+        make: the dead instance's recovery knows only its checkpoint); within it, a raise whose row
+        changed first (that recovery raised it meanwhile) is made again on the row as it is then. On
+        a store failure past it, recovery charges that part at its checkpoint."""
         admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         completion = tokens.count_text(admission.model, text)
@@ -317,39 +317,44 @@ class Accounting:
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
         lost = Used(prompt, 0, completion)
         payer = replace(admission.entry.payer, day=day_of(started))  # the stream's day
-        author = self.counters.instance
-        charge = Charge.made(payer, admission.model, lost, admission.price, "lost", author, segment_base(epoch - 1))
+        made = Charge.made(
+            payer, admission.model, lost, admission.price, "lost", self.counters.instance, segment_base(epoch - 1)
+        )
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
-        if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
-            with contextlib.suppress(TimeoutError):  # (a failing store holds it too: ``patience``)
-                async with asyncio.timeout_at(max(loop.time() + LANDED_WITHIN, give_up)):
-                    await admission.lost.written.wait()
+        again = False
         while True:
+            if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(give_up):  # (a failing store holds it too)
+                        await admission.lost.written.wait()
+                if again and not admission.lost.written.is_set():
+                    return  # journaled: it lands, or counts nothing if the row changed first
             try:
-                there = await self.ledger.find(charge)
-                break
+                there = await self.ledger.find(made)
             except StoreError as exc:
                 if loop.time() >= give_up:
                     log.warning("a taken-over stream's first part is left to its instance's takeover: %s", exc)
                     return
                 await asyncio.sleep(RETRY_SECONDS)
-        op = secrets.token_hex(6)
-        spent, cost = charge.total_tokens, charge.cost or 0
-        if there is None:
-            charge = replace(charge, ops=op)
-        else:
-            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
-            # call before (raised to what the log shows, the difference counted); or by the producer
-            # itself (a hand-over: it counted it).
-            was = Charge.of(there)
-            if not (was.author.startswith(TAKEOVER) or was.author == charge.author) or was.total_tokens >= spent:
+                continue
+            op = secrets.token_hex(6)
+            charge, spent, cost = replace(made, ops=op), made.total_tokens, made.cost or 0
+            if there is not None:
+                # Charged already: by the dead instance's takeover at its journal's checkpoint, or by
+                # this call before (raised to what the log shows, the difference counted); or by the
+                # producer itself (a hand-over: it counted it).
+                was = Charge.of(there)
+                if not (was.author.startswith(TAKEOVER) or was.author == made.author) or was.total_tokens >= spent:
+                    return
+                charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+                spent -= was.total_tokens
+                cost -= was.cost or 0
+            wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
+            admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+            if loop.time() >= give_up:
                 return
-            charge = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
-            spent -= was.total_tokens
-            cost -= was.cost or 0
-        wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
-        admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+            again = True  # once its row is written: the row read again, raised again if it changed first
 
     async def _correct(
         self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float

@@ -173,7 +173,6 @@ class Journal:
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: asyncio.TimerHandle | None = None
-        self._noting: set[CounterKey] = set()  # budget counters to list before the counters hold any
         self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
         self._etag: str | None = None
         self._name: str | None = None
@@ -225,11 +224,12 @@ class Journal:
                 await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
-        """Before this instance holds any of budget counter ``key``: the journal lists it (written),
-        and goes on listing it while ``holding()`` says the counters hold some."""
+        """Before this instance holds any of budget counter ``key``: the journal lists it (written:
+        needed now, so listed for ``LISTED_SECONDS``), and goes on listing it while ``holding()``
+        says the counters hold some."""
         self._holding[key] = holding
         while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
-            self._noting.add(key)
+            self._needed_at[key] = asyncio.get_running_loop().time()
             await asyncio.shield(self._next_write())
 
     def _next_write(self) -> asyncio.Future[None]:
@@ -241,7 +241,7 @@ class Journal:
         return self._next
 
     def changed(self) -> None:
-        if not self._busy and (self.entries or self._noting):
+        if not self._busy and (self.entries or self._needed_at):
             self._busy = True
             self.instances.need()
         self._dirty.set()
@@ -303,9 +303,7 @@ class Journal:
             self._name, self._etag = name, None
         self._forget_done()
         self._holding = {key: holding for key, holding in self._holding.items() if holding()}
-        held = set(self._holding)
-        noting = set(self._noting)
-        needed = held | noting | {k for e in self.entries.values() for k in e.needs}
+        needed = set(self._holding) | {k for e in self.entries.values() for k in e.needs}
         listed = sorted(self._listing(needed))
         if not self.entries and not listed:
             if self._etag is not None:
@@ -332,7 +330,6 @@ class Journal:
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
         self._noted = set(listed)
-        self._noting -= noting
         for entry in in_doc:
             entry.listed = True
         for entry in settled_now:
@@ -452,9 +449,6 @@ def amounts(keys: Iterable[CounterKey], charges: list[Charge]) -> dict[CounterKe
     return {key: cost if key.row == "spend" else tokens for key in keys}
 
 
-SEAL_ATTEMPTS = 10  # the dead instance (if only slow) may write its journal meanwhile: read and seal again
-
-
 # What a stream's route makes of its stored events (route, events): the text its caller was sent.
 Told = Callable[[str, bytes], str]
 
@@ -487,7 +481,7 @@ class Recovery:
     async def _seal(self, dead: str, taker: str) -> dict[str, Any] | None:
         """Step 1: the journal as sealed by ``taker`` (None: there is none)."""
         name = journal_name(dead)
-        for _ in range(SEAL_ATTEMPTS):
+        for _ in range(MAX_ATTEMPTS):  # the dead instance (if only slow) may write it meanwhile: read, seal again
             found = await self.store.get_blob(name)
             if found is None:
                 return None
@@ -530,7 +524,7 @@ class Recovery:
                 if not await self.ledger.apply(charge):
                     others.append(charge)
                 continue
-            there = await self.ledger.write_now(charge)
+            there = await self.ledger.put(charge)
             for _ in range(MAX_ATTEMPTS):
                 if there is None or not theirs(there, dead, TAKEOVER + dead):
                     break
@@ -544,10 +538,11 @@ class Recovery:
                     break
                 # What it counted, and the writes it holds (Ledger.apply).
                 elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
-                if await self.ledger.replace(charge, there, **elsewhere):  # raised to the checkpoint
+                changed = await self.ledger.put(charge, there.etag, **elsewhere)  # raised to the checkpoint
+                if changed is None:
                     there = elsewhere  # the row as raised: what the taker counted of it
                     break
-                there = await self.ledger.write_now(charge)  # it changed meanwhile (raised by another taker)
+                there = changed  # it changed meanwhile (raised by another taker)
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
             if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run

@@ -213,37 +213,27 @@ class Ledger:
         """The charge's row as the ledger holds it (written by whoever came first)."""
         return await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
 
-    async def write_now(self, charge: Charge) -> Row | None:
-        """Insert one charge now: None if it landed, else the row that was there already."""
+    async def put(self, charge: Charge, etag: str | None = None, **keep: Any) -> Row | None:
+        """Write one charge now: inserted, or (``etag``: of its row as read) replacing that row on its
+        ETag, with ``keep``'s fields (what a raise keeps of earlier writers: journal.py). None if it
+        landed, else the row that is there (written first, or changed meanwhile)."""
         try:
-            await self.store.insert(USAGE_TABLE, charge.entity())
+            if etag is None:
+                await self.store.insert(USAGE_TABLE, {**charge.entity(), **keep})
+            else:
+                await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=etag)
             return None
-        except AlreadyExists:
+        except NotFound:  # the row it was to replace is gone: inserted
+            return await self.put(charge, None, **keep)
+        except (AlreadyExists, Modified):
             return await self.find(charge)
 
     async def apply(self, charge: Charge) -> bool:
-        """Write a charge made on what its row held (``ops``): inserted, or replacing the row of ETag
-        ``over``. True if it is in the row, written now or before (its id is in the row's ``ops``);
+        """Write a charge made on what its row held (``ops``; ``over``: the ETag of the row it
+        replaces): True if it is in the row, written now or before (its id is in the row's ``ops``);
         False if the row changed first."""
-        try:
-            if charge.over is None:
-                await self.store.insert(USAGE_TABLE, charge.entity())
-            else:
-                await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
-            return True
-        except (AlreadyExists, Modified, NotFound):
-            there = await self.find(charge)
-            return there is not None and charge.ops.split()[-1] in Charge.of(there).ops.split()
-
-    async def replace(self, charge: Charge, there: Row, **keep: Any) -> bool:
-        """Replace ``there``, the row of ``charge``'s segment, by ``charge`` (with ``keep``'s fields)
-        on its ETag: a lost part charged by one writer below what another knows of it (a journal's
-        checkpoint). True if it did; False when the row changed meanwhile (or the store failed)."""
-        try:
-            await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=there.etag)
-        except StoreError:
-            return False
-        return True
+        there = await self.put(charge, charge.over)
+        return there is None or charge.ops.split()[-1] in Charge.of(there).ops.split()
 
     # --- reading ----------------------------------------------------------------------------
 

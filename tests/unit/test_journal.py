@@ -15,7 +15,7 @@ from memory_store import Fault, MemoryData, MemoryStore
 from chatstream import tokens
 from chatstream.errors import StoreError
 from chatstream.state import journal
-from chatstream.state.accounting import Accounting, Admission
+from chatstream.state.accounting import RAISED_WITHIN, Accounting, Admission
 from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
@@ -239,7 +239,7 @@ async def test_a_request_someone_else_charged_is_not_charged_again():
         ended="completed",
         author="instance-z",
     )
-    assert await b.ledger.write_now(theirs) is None
+    assert await b.ledger.put(theirs) is None
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec3.id]["author"] == "instance-z" and rows[rec3.id]["completion_tokens"] == 200
@@ -256,7 +256,7 @@ async def test_a_settled_request_whose_row_someone_else_wrote_first_is_counted_b
     entry = entry_of(data, "instance-a", rec2.id)
     assert entry is not None and entry["state"] == "settled"
     theirs = Charge.of({**entry["charges"][0], "completion_tokens": 3, "author": "instance-z"})
-    assert await b.ledger.write_now(theirs) is None
+    assert await b.ledger.put(theirs) is None
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     rows = ledger_rows(data)
     assert rows[rec2.id]["author"] == "instance-z" and rows[rec3.id]["author"] == "takeover:instance-a"
@@ -336,7 +336,7 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     acc_b, going_on = await taking_over(b, caller, rec3.id)
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     received = GENERATED + " It came back at dusk, tired and happy."
-    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2)
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)  # as the endpoint
     going_on.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
@@ -375,7 +375,7 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
 
 async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first_charge():
     """As above, but the store refuses the ledger's writes from the taker's first charge of the part
-    ("The") on, for longer than ``LANDED_WITHIN`` (15 s), and the raise to what the caller received
+    ("The") on, for 15 s, and the raise to what the caller received
     is made meanwhile (``patience``: the endpoint's ``RAISED_WITHIN``). The raise waits for the first
     charge's row as long as it waits for the store: made before that row is in, it was a second
     insert of the same row, which found another there and counted nothing (the row kept the dead
@@ -407,6 +407,42 @@ async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first
     team = (await b.registry.get(Team, "t")).limits_partition
     spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
     await b.close()
+
+
+async def test_a_takers_raise_whose_row_the_dead_instances_recovery_rewrites_meanwhile_is_made_again():
+    """r3's taker b charged a's part from the log ("The"), then raises it to what its caller received
+    (with patience: nobody else knows it). Between b's read of the row and its write on that row's
+    ETag, a's recovery (on c) raises the row to a's checkpoint: b's write finds the row changed and
+    counts nothing. The raise is made again on the row as it is now: the row ends at what the caller
+    received, every budget row exactly the ledger (before, the row kept a's checkpoint)."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert await acc_b.flush(5)
+    c, _ = instance(data, "instance-c")
+    assert isinstance(b.store, MemoryStore)
+    replace = b.store.replace
+    recovered: list[str] = []
+
+    async def recovery_first(table: str, entity, **kw):  # b's raise reaches the store: a's recovery lands first
+        if table == USAGE_TABLE and not recovered:
+            recovered.append(entity["request_id"])
+            await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+        return await replace(table, entity, **kw)
+
+    b.store.replace = recovery_first  # type: ignore[method-assign]
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=5.0)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    assert recovered == [rec3.id]
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+    await c.close()
 
 
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])

@@ -82,8 +82,8 @@ async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segm
     # Another instance's row, found there first: theirs (that writer counted it).
     assert await ledger.write([replace(first, author="instance-b"), charge(request_id="next")]) == [True, False]
     # Written now (a takeover): None when it landed, else the row that was there.
-    assert await ledger.write_now(charge(request_id="new")) is None
-    there = await ledger.write_now(charge(request_id="resp_1/odd#id?\n", prompt=1))
+    assert await ledger.put(charge(request_id="new")) is None
+    there = await ledger.put(charge(request_id="resp_1/odd#id?\n", prompt=1))
     assert there is not None and there["prompt_tokens"] == 10 and there["author"] == "instance-a"
     # 10 concurrent writes of one request: one row.
     same = await asyncio.gather(*(ledger.write([charge(request_id="same", day="20261104")]) for _ in range(10)))
@@ -282,7 +282,7 @@ async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row(
     c = charge(request_id="r", cost=None, team="t", cached=3)
     assert Charge.of(asdict(c)) == c
     ledger = Ledger(MemoryStore(MemoryData()))
-    assert await ledger.write_now(c) is None
+    assert await ledger.put(c) is None
     there = await ledger.find(c)
     assert there is not None and Charge.of(there) == c  # its day from the RowKey
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
