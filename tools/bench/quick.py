@@ -33,6 +33,12 @@ CPU time counts only this process, so the machine's other load moves these figur
 wall-clock ones, but it still does (caches, frequency): compare paths of one run. The other load
 (cores busy with processes not this script's, from /proc/stat) is recorded per round and printed.
 
+Then, unless ``--bursts 0``, the first delta under a burst, in-process: ``burst.py`` (300 requests at
+once on one loop, the upstream's cadence, process CPU time) for the app and each git/patch/folder
+``--variant``, runs alternating: each tree's added time to first delta p99 (the CPU-time share: the
+work done before a request's first delta is written), the collector's CPU and longest pause in the
+bursts, CPU per stream; medians over the runs with their lowest and highest. About 20 s a run.
+
 Then, unless ``--pairs 0``, the end-to-end figures: ``tools/bench/run.sh`` serves the floor and the
 app (and each git/patch/folder ``--variant``) on devhost, ``--pairs`` waves each of 100 and 300
 concurrent streams, the paths alternating wave by wave (the order rotating), and ``ab.py`` pairs
@@ -353,6 +359,39 @@ def _other(before: tuple[float, float, float], after: tuple[float, float, float]
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / span) if span > 0 else 0.0
 
 
+def bursts(args: argparse.Namespace, trees: dict[str, Path]) -> None:
+    """burst.py for each tree (module docstring), ``args.bursts`` runs each, the trees alternating."""
+    keys = ("added p99", "send p99", "gc ms", "gc longest ms", "cpu ms/stream")
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    names = list(trees)
+    for r in range(args.bursts):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            command = [sys.executable, str(BENCH / "burst.py"), "--streams", "300", "--bursts", "5", "--json"]
+            command += ["--app-tree", str(trees[name])]
+            before = _busy()
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                print(f"burst.py ({name}) failed: {done.stderr[-500:]}")
+                return
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[name].append(result["app"] | {"other": _other(before, _busy()), "floor": result["floor"]})
+    print(
+        f"\n300 requests at once, in-process (burst.py: 5 bursts a run, {args.bursts} runs per tree, alternating): "
+        "medians over the runs [lowest, highest], ms"
+    )
+    print("\n| app from | " + " | ".join(keys) + " | added p99 ÷ floor's | other load (cores) |")
+    print("|---|" + "---|" * (len(keys) + 2))
+    for name, rows in runs.items():
+
+        def cell(values: list[float]) -> str:
+            return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+
+        cells = [cell([row[k] for row in rows]) for k in keys]
+        ratio = [row["added p99"] / row["floor"]["added p99"] for row in rows]
+        other = statistics.median(row["other"] for row in rows)
+        print(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(ratio):.2f}× | {other:.2f} |")
+
+
 def served_pairs(args: argparse.Namespace) -> None:
     """The end-to-end pairs (module docstring): run.sh, then ab.py floor against app and each variant."""
     bench_python = BENCH / ".venv" / "bin" / "python"
@@ -422,9 +461,15 @@ def main() -> None:
         help="which block --profile profiles: short streams show the per-stream work",
     )
     p.add_argument(
+        "--bursts",
+        type=int,
+        default=3,
+        help="burst.py runs per tree (300 requests at once, in-process; 0: none; ~20 s a run)",
+    )
+    p.add_argument(
         "--pairs",
         type=int,
-        default=5,
+        default=4,
         help="end-to-end waves per path at 100 and at 300 streams, paired with the floor's (0: none; ~2 minutes)",
     )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
@@ -526,6 +571,8 @@ def main() -> None:
         f"{statistics.median(others):.2f} [{min(others):.2f}, {max(others):.2f}]"
     )
     print(f"\n({time.monotonic() - started:.0f} s)")
+    if args.bursts:
+        bursts(args, {name: tree for name, (path, tree, env) in paths.items() if path == "app" and not env})
     if args.pairs:
         served_pairs(args)
 
