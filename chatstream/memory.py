@@ -35,9 +35,10 @@ reference goes; only a reference cycle among them would stay. Young collections 
 the requests' state alive and walked it again (one in ten of them a middle collection, 8 ms each);
 spaced out, more of it is freed first (300 at once, in-process: the collector's CPU -26 to -49%).
 Middle collections run every 50 young ones, not 10: each walked every live request's state again
-(8-34 ms, all 300 streams waiting); 300 at once, in-process (tools/bench/burst.py, runs alternating):
-the collector's CPU in the bursts 125-178 ms -> 86-88 ms, its longest pause 23-34 -> 8-9 ms, added
-time to first delta p99 108-114 -> 85 ms, peak RSS +5 MB (cycles wait longer to be collected)."""
+(8-34 ms, all 300 streams waiting). 300 at once, in-process (tools/bench/burst.py, before and after
+alternating, two sessions of 3-4 runs each): the collector's longest pause 18-37 -> 6-13 ms, its CPU
+in the bursts -14% and -40% (medians); added time to first delta p99 0.82x and 1.04x (not resolved);
+peak RSS +5 MB (cycles wait longer to be collected)."""
 
 from __future__ import annotations
 
