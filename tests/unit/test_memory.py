@@ -211,7 +211,7 @@ def test_start_up_is_frozen_so_a_full_collection_walks_only_what_requests_made()
     import sys
     from pathlib import Path
 
-    code = "import gc, json, function_app\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[0]]))"
+    code = "import gc, json, function_app\nprint(json.dumps([gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[:2]]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "AZURE_OPENAI_", "UPSTREAMS"))}
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
@@ -220,4 +220,4 @@ def test_start_up_is_frozen_so_a_full_collection_walks_only_what_requests_made()
     frozen, walked, young = json.loads(out.splitlines()[-1])
     assert frozen > 50_000, frozen  # ~130,000 on Python 3.13
     assert walked < 1_000, walked
-    assert young == 10_000
+    assert young == [10_000, 50]  # young collections every 10,000 allocations, middle ones every 50 young ones

@@ -14,7 +14,9 @@ of these, and the process CPU per stream of a burst (whole streams). Compare pat
     .venv/bin/python tools/bench/burst.py [--streams 100] [--bursts 10] [--profile FILE]
 
 ``--profile FILE``: cProfile (process time) of one app burst from its start until its last upstream
-request is sent, into FILE."""
+request is sent, into FILE. ``--app-tree DIR``: the app (chatstream) from another tree (a variant
+run.py or quick.py exported), the floor and this script from this one. ``--json``: a last line with
+the printed medians, for quick.py's A/B."""
 
 from __future__ import annotations
 
@@ -134,7 +136,11 @@ def main() -> None:
     p.add_argument("--first-ms", type=float, default=100)
     p.add_argument("--interval-ms", type=float, default=20)
     p.add_argument("--profile", metavar="FILE")
+    p.add_argument("--app-tree", metavar="DIR", help="import chatstream from this tree")
+    p.add_argument("--json", action="store_true", help="a last line of JSON: the medians printed")
     args = p.parse_args()
+    if args.app_tree:
+        sys.path.insert(0, str(Path(args.app_tree).resolve()))
     import aiohttp
 
     aiohttp.ClientSession = BurstSession  # type: ignore[misc]
@@ -208,6 +214,13 @@ def main() -> None:
         print("garbage collections during the bursts: count, total and longest ms")
         for name, values in pauses.items():
             print(f"  {name}: {len(values)}, {sum(values) * 1000:.1f}, {max(values, default=0) * 1000:.1f}")
+        if args.json:
+            out = {
+                name: {k: statistics.median(v) for k, v in row.items()}
+                | {"gc ms": sum(pauses[name]) * 1000, "gc longest ms": max(pauses[name], default=0) * 1000}
+                for name, row in figures.items()
+            }
+            print(json.dumps(out))
 
     asyncio.run(run())
 

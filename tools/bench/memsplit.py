@@ -13,7 +13,23 @@ pages, from /proc/self/smaps_rollup) printed as the difference from the step bef
   loads azure-identity, msal, requests and cryptography for every instance, keyed or not.
 
 The store's REST client is made (nothing is sent: nothing listens), the tokenizer built and one
-prompt counted. ``coldstart.py --served`` measures the whole served worker."""
+prompt counted. ``coldstart.py --served`` measures the whole served worker.
+
+Measured 2026-12-05 (issue #44's target: keyed instance memory <= +50 MB over unkeyed, or say why),
+keyed over unkeyed: +50.9 MB with an account key, +50.1 with an identity, +35.9 with an identity and
+App Insights (as infra/ deploys: the exporter already loads azure-identity for both). Of it:
+
+* o200k_base's tables, 34.2 MB (anonymous): every keyed request counts its prompt to reserve tokens,
+  so a keyed instance needs them from its first request; building them lazily would only move the
+  34 MB (and the 45 ms) onto that request. Only a count without the real tokenizer (an estimate)
+  would remove them, and budgets would no longer be exact: not done.
+* the store's SDKs, 15.5 MB with a key (azure-data-tables and azure-storage-blob, imported by
+  state/store_account.py only to read the connection string and sign account SASs; requests and
+  cryptography come with them), 14.8 MB with an identity (azure-identity, which signs every request).
+  The key's part could go by reading the connection string and signing the SAS in the app (both
+  documented formats) instead of through the SDKs: a second implementation of what the SDKs do,
+  in state/, for 15 MB; not done here (state/ is being cut by others).
+* the tokenizer's extension module, 1.2 MB (mostly file pages)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,23 @@ app's long streams instead. ``--kept``: every app path keeps its streams' texts,
 request's are kept (the generated text its charge counts): an after-step that does nothing.
 
 CPU time counts only this process, so the machine's other load moves these figures less than
-wall-clock ones, but it still does (caches, frequency): compare paths of one run.
+wall-clock ones, but it still does (caches, frequency): compare paths of one run. The other load
+(cores busy with processes not this script's, from /proc/stat) is recorded per round and printed.
+
+Then, unless ``--bursts 0``, the first delta under a burst, in-process: ``burst.py`` (300 requests at
+once on one loop, the upstream's cadence, process CPU time) for the app and each git/patch/folder
+``--variant``, runs alternating: each tree's added time to first delta p99 (the CPU-time share: the
+work done before a request's first delta is written), the collector's CPU and longest pause in the
+bursts, CPU per stream; medians over the runs with their lowest and highest. About 20 s a run.
+
+Then, unless ``--pairs 0``, the end-to-end figures: ``tools/bench/run.sh`` serves the floor and the
+app (and each git/patch/folder ``--variant``) on devhost, ``--pairs`` waves each of 100 and 300
+concurrent streams, the paths alternating wave by wave (the order rotating), and ``ab.py`` pairs
+each app wave with the floor's of the same round: CPU per stream, the worker's, added first-delta
+p50 / p99, as medians of the pairs with their lowest and highest, and the other load during them.
+A single end-to-end run decides nothing on this machine (the floor itself moves 25-50% between
+runs); the pairs' ratios and their spread do. About 2 minutes; needs tools/bench/.venv (``make
+bench`` makes it; skipped with a note when it is missing).
 """
 
 from __future__ import annotations
@@ -322,6 +338,83 @@ class _Child:
             self.proc.wait()
 
 
+_procstat = None
+
+
+def _busy() -> tuple[float, float, float]:
+    """(machine busy CPU s, this script's tree's CPU s, monotonic s): two of these give the other load."""
+    global _procstat
+    if _procstat is None:  # tools/bench/procstat.py, by its path (this folder is off sys.path: see above)
+        spec = importlib.util.spec_from_file_location("bench_procstat", BENCH / "procstat.py")
+        assert spec is not None and spec.loader is not None
+        _procstat = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_procstat)
+    procstat = _procstat
+    return procstat.machine_busy_seconds()[0], procstat.tree_cpu_seconds(os.getpid()), time.monotonic()
+
+
+def _other(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores kept busy by processes that are not this script's (or its children) between two ``_busy``."""
+    span = after[2] - before[2]
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / span) if span > 0 else 0.0
+
+
+def bursts(args: argparse.Namespace, trees: dict[str, Path]) -> None:
+    """burst.py for each tree (module docstring), ``args.bursts`` runs each, the trees alternating."""
+    keys = ("added p99", "send p99", "gc ms", "gc longest ms", "cpu ms/stream")
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    names = list(trees)
+    for r in range(args.bursts):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            command = [sys.executable, str(BENCH / "burst.py"), "--streams", "300", "--bursts", "5", "--json"]
+            command += ["--app-tree", str(trees[name])]
+            before = _busy()
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                print(f"burst.py ({name}) failed: {done.stderr[-500:]}")
+                return
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[name].append(result["app"] | {"other": _other(before, _busy()), "floor": result["floor"]})
+    print(
+        f"\n300 requests at once, in-process (burst.py: 5 bursts a run, {args.bursts} runs per tree, alternating): "
+        "medians over the runs [lowest, highest], ms"
+    )
+    print("\n| app from | " + " | ".join(keys) + " | added p99 ÷ floor's | other load (cores) |")
+    print("|---|" + "---|" * (len(keys) + 2))
+    for name, rows in runs.items():
+
+        def cell(values: list[float]) -> str:
+            return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+
+        cells = [cell([row[k] for row in rows]) for k in keys]
+        ratio = [row["added p99"] / row["floor"]["added p99"] for row in rows]
+        other = statistics.median(row["other"] for row in rows)
+        print(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(ratio):.2f}× | {other:.2f} |")
+
+
+def served_pairs(args: argparse.Namespace) -> None:
+    """The end-to-end pairs (module docstring): run.sh, then ab.py floor against app and each variant."""
+    bench_python = BENCH / ".venv" / "bin" / "python"
+    if not bench_python.exists():
+        print("\nend-to-end pairs skipped: tools/bench/.venv is missing (`make bench` creates it)")
+        return
+    out = BENCH / "out" / "quick-served"
+    variants = [v for v in args.variant if not v.partition("=")[2].startswith("env:")]
+    command = [str(BENCH / "run.sh"), "--paths", "direct,floor,app", "--levels", "100,300"]
+    command += ["--waves", f"100:{args.pairs},300:{args.pairs}", "--short-waves", "0", "--cold-starts", "0"]
+    command += ["--no-client-check", "--wait-quiet", "0", "--settle", "0.5", "--no-docs", "--out", str(out)]
+    command += [arg for v in variants for arg in ("--variant", v)]
+    print(f"\nend-to-end pairs: {' '.join(command[1:])} (log: {out}.log)", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.log", "w") as log:
+        code = subprocess.call(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+    if code != 0:
+        print(f"run.sh failed ({code}): see {out}.log")
+        return
+    for a, b in [("floor", "app")] + [(v.partition("=")[0], "app") for v in variants]:
+        subprocess.call([str(bench_python), str(BENCH / "ab.py"), str(out / "results.json"), a, b], cwd=ROOT)
+
+
 def _figures(t: dict, args: argparse.Namespace) -> dict:
     """µs per delta (slope), µs per stream (intercept), µs per delta all-in at --deltas."""
     streams = args.streams // BLOCKS * BLOCKS  # of each length
@@ -367,6 +460,18 @@ def main() -> None:
         default="long",
         help="which block --profile profiles: short streams show the per-stream work",
     )
+    p.add_argument(
+        "--bursts",
+        type=int,
+        default=3,
+        help="burst.py runs per tree (300 requests at once, in-process; 0: none; ~20 s a run)",
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=4,
+        help="end-to-end waves per path at 100 and at 300 streams, paired with the floor's (0: none; ~2 minutes)",
+    )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument(
@@ -402,15 +507,22 @@ def main() -> None:
     names = list(paths)
     children = {name: _Child(*spec, args) for name, spec in paths.items()}
     blocks: dict[str, dict[str, list[float]]] = {name: {"long": [], "short": []} for name in paths}
+    others: list[float] = []  # the other load of each round (cores)
     try:
         for r in range(args.rounds):
+            before = _busy()
             # Blocks of every path in turn, the lengths alternating: a drift of the machine hits all alike.
             for b in range(BLOCKS * 2):
                 kind = "long" if b % 2 == 0 else "short"
                 turn = (r + b) % len(names)
                 for name in names[turn:] + names[:turn]:
                     blocks[name][kind].append(children[name].block(kind))
-            print(f"round {r + 1}/{args.rounds} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+            others.append(_other(before, _busy()))
+            print(
+                f"round {r + 1}/{args.rounds} done ({time.monotonic() - started:.0f} s, "
+                f"other load {others[-1]:.2f} cores)",
+                file=sys.stderr,
+            )
     finally:
         for one in children.values():
             one.close()
@@ -454,7 +566,15 @@ def main() -> None:
                 for label, values in zip(("per delta", "per stream", "all-in"), paired, strict=True)
             )
         )
+    print(
+        f"other load during the rounds (cores busy with processes not this script's): median "
+        f"{statistics.median(others):.2f} [{min(others):.2f}, {max(others):.2f}]"
+    )
     print(f"\n({time.monotonic() - started:.0f} s)")
+    if args.bursts:
+        bursts(args, {name: tree for name, (path, tree, env) in paths.items() if path == "app" and not env})
+    if args.pairs:
+        served_pairs(args)
 
 
 if __name__ == "__main__":
