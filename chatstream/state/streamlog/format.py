@@ -179,6 +179,10 @@ class Record:
             etag=getattr(row, "etag", ""),
         )
 
+    def log_from(self, offset: int) -> bytes | None:
+        """The stored log from ``offset`` on when the record holds it whole (``events``: no blob)."""
+        return self.events.encode()[offset:] if self.events is not None else None
+
 
 async def stored_log(store: Store, stream_id: str) -> tuple[Record, bytes] | None:
     """A stream's record and its whole stored log (None: no record): the record's ``events`` when it
@@ -187,7 +191,8 @@ async def stored_log(store: Store, stream_id: str) -> tuple[Record, bytes] | Non
     if row is None:
         return None
     record = Record.of(row)
-    return record, record.events.encode() if record.events is not None else await store.read(stream_id)
+    inline = record.log_from(0)
+    return record, inline if inline is not None else await store.read(stream_id)
 
 
 def record_over(stream_id: str, state: str, expires: float, **more: Any) -> dict[str, Any]:

@@ -85,7 +85,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
     reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
     record = await read_record(ctx, stream_id, caller)
     live = record.state == "live"
-    stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
+    stored = record.log_from(0)  # ended before its first write: the whole log is in the record
     slot, data, _ = await asyncio.gather(
         Slot.take(ctx, stream_id, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
@@ -391,14 +391,14 @@ class Reader:
         not see this reader in time)."""
         tail, loop = self.tail, asyncio.get_running_loop()
         assert self.record is not None
-        data = _stored_log(self.record, tail.offset)
+        data = self.record.log_from(tail.offset)
         if data is None:
             async with self._ctx.bulk:
                 data = await self._ctx.store.read(self.stream_id, tail.offset)
             if not data and tail.offset == 0 and loop.time() >= self._record_at:
                 self._record_at = loop.time() + 3 * self._cfg.poll_seconds
                 self.record = await self._reread()
-                data = _stored_log(self.record, 0) or b""
+                data = self.record.log_from(0) or b""
         out = tail.feed(data)
         if data:
             self._grew_at = loop.time()
@@ -489,8 +489,3 @@ class Reader:
         ):
             raise PastTheEnd(self.after, tail.last_id)
         return read
-
-
-def _stored_log(record: Record, offset: int) -> bytes | None:
-    """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
-    return record.events.encode()[offset:] if record.events is not None else None
