@@ -9,8 +9,8 @@ its streams:
   once it is gone (``leave``); ``ack``: it wants to know the last id handed out (the producer stores
   ``: ack reader L`` in the log).
 
-It also ticks the producers (fast writes, abandonment, the time cap) and, when this instance goes on
-under a new id (``Instances`` fenced it), has their records point at the new one."""
+It also ticks the producers (fast writes, abandonment, the time cap, this instance's new id once
+``Instances`` fenced it: the inbox is then the new id's)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,11 @@ class Inbox:
     async def _loop(self) -> None:
         ctx, cfg = self._ctx, self._ctx.config
         loop = asyncio.get_running_loop()
-        instance = ctx.instances.id
         warned_at = -60.0
         while self._producers:
             now = loop.time()
+            instance = ctx.instances.id
             try:
-                if ctx.instances.id != instance:  # fenced: this instance goes on under a new id
-                    instance = ctx.instances.id
-                    for producer in list(self._producers.values()):
-                        producer.repoint(instance)
                 for row in await self._read(instance):
                     self._deliver(instance, row)
             except Exception as exc:  # nothing stops the inbox: the next tick tries again
