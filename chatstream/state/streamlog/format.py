@@ -115,11 +115,6 @@ def request_blob(stream_id: str) -> str:
     return f"{stream_id}.request"
 
 
-def inbox_partition(instance: str) -> str:
-    """The partition of the instance's inbox (inbox.py)."""
-    return f"i-{instance}"
-
-
 @dataclass
 class Record:
     """A stream's row: what a reader needs (route, owner, which instance produces it now, whether it

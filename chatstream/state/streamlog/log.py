@@ -25,7 +25,6 @@ from .format import (
     new_stream_id,
     request_blob,
 )
-from .inbox import Inbox
 from .producer import Producer
 from .readers import Reader, read_record
 from .takeover import Claim
@@ -86,7 +85,7 @@ class StreamLog:
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[bool]] = {}
         self._draining = False  # this instance hands its streams over: it takes none over itself
-        self._inbox = Inbox(self._ctx, self._producers)
+        self._inbox: asyncio.Task | None = None  # inbox.serve, while this instance produces anything
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -124,7 +123,8 @@ class StreamLog:
     def _run(self, producer: Producer) -> None:
         """Known here (readers, the inbox) while it runs."""
         self._producers[producer.id] = producer
-        self._inbox.start()
+        if self._inbox is None or self._inbox.done():
+            self._inbox = self._ctx.spawn(inbox.serve(self._ctx, self._producers))
 
         async def run() -> None:
             try:
