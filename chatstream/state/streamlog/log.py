@@ -230,14 +230,9 @@ class StreamLog:
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
-        producers = list(self._producers.values())  # (one that stored all is waited for at once)
+        producers = list(self._producers.values())
         self._ctx.closed = True
-        if producers:
-            waiters = [asyncio.ensure_future(p.wait_stored()) for p in producers]
-            await asyncio.wait(waiters, timeout=timeout)
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await asyncio.gather(*(p.wait_stored(timeout) for p in producers))
         for pending in list(self._claims.values()):
             pending.cancel()
         await self._ctx.close()
