@@ -226,7 +226,7 @@ async def test_a_producer_whose_instance_goes_on_under_a_new_id_points_its_recor
     async with instances(2, **QUICK) as (a, b):
         producer = a.start("chat", None)
         producer.append(delta(0))
-        await open_when_visible(b, producer.id, None)  # (its record is stored)
+        reader = await open_when_visible(b, producer.id, None)  # (its record is stored)
         old = a.instances.id
         await a.store.delete(STREAMS_TABLE, PARTITION, old)  # declared dead elsewhere: its next beat says so
         async with asyncio.timeout(5.0):
@@ -234,6 +234,7 @@ async def test_a_producer_whose_instance_goes_on_under_a_new_id_points_its_recor
                 await asyncio.sleep(0.05)
         assert (await a.store.get(STREAMS_TABLE, producer.id, "stream"))["instance"] == a.instances.id
         await produce(producer, [delta(1)])
+        await reader.aclose()
 
 
 async def test_a_stream_nobody_reads_is_abandoned():
