@@ -16,7 +16,7 @@ import pytest
 from memory_store import Fault, MemoryData
 
 from chatstream import sse
-from chatstream.state.instances import Instances
+from chatstream.state.instances import PARTITION, Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
 from chatstream.state.streamlog import (
     PastTheEnd,
@@ -220,6 +220,21 @@ async def test_cancel_on_another_instance_reaches_the_producer_at_its_next_inbox
         local = a.start("chat", None)
         assert await a.cancel(local.id, None) is True and local.stop_requested.is_set()
         await produce(local, [], final=cancelled)
+
+
+async def test_a_producer_whose_instance_goes_on_under_a_new_id_points_its_record_at_it():
+    async with instances(2, **QUICK) as (a, b):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)  # (its record is stored)
+        old = a.instances.id
+        await a.store.delete(STREAMS_TABLE, PARTITION, old)  # declared dead elsewhere: its next beat says so
+        async with asyncio.timeout(5.0):
+            while a.instances.id == old or (await a.store.get(STREAMS_TABLE, producer.id, "stream"))["instance"] == old:
+                await asyncio.sleep(0.05)
+        assert (await a.store.get(STREAMS_TABLE, producer.id, "stream"))["instance"] == a.instances.id
+        await produce(producer, [delta(1)])
+        await reader.aclose()
 
 
 async def test_a_stream_nobody_reads_is_abandoned():

@@ -89,6 +89,11 @@ def position(event_id: int) -> int:
     return event_id % EPOCH_IDS
 
 
+def epoch_of(event_id: int) -> int:
+    """The epoch of the producer that made the event ``event_id``."""
+    return event_id // EPOCH_IDS + 1
+
+
 def never_stored(after: int, fences: list[tuple[int, int]]) -> bool:
     """Whether the id ``after`` is one a producer handed out and never stored: above a fence's last
     stored id L, and of an epoch before the fence's E (``fences``: each (E, L) of the log)."""
@@ -108,11 +113,6 @@ def fits_record(text: str) -> bool:
 
 def request_blob(stream_id: str) -> str:
     return f"{stream_id}.request"
-
-
-def inbox_partition(instance: str) -> str:
-    """The partition of the instance's inbox (inbox.py)."""
-    return f"i-{instance}"
 
 
 @dataclass
@@ -174,6 +174,10 @@ class Record:
             etag=getattr(row, "etag", ""),
         )
 
+    def log_from(self, offset: int) -> bytes | None:
+        """The stored log from ``offset`` on when the record holds it whole (``events``: no blob)."""
+        return self.events.encode()[offset:] if self.events is not None else None
+
 
 async def stored_log(store: Store, stream_id: str) -> tuple[Record, bytes] | None:
     """A stream's record and its whole stored log (None: no record): the record's ``events`` when it
@@ -182,7 +186,8 @@ async def stored_log(store: Store, stream_id: str) -> tuple[Record, bytes] | Non
     if row is None:
         return None
     record = Record.of(row)
-    return record, record.events.encode() if record.events is not None else await store.read(stream_id)
+    inline = record.log_from(0)
+    return record, inline if inline is not None else await store.read(stream_id)
 
 
 def record_over(stream_id: str, state: str, expires: float, **more: Any) -> dict[str, Any]:
@@ -300,15 +305,6 @@ class Tail:
 
 
 def producer_events(data: bytes, epoch: int) -> bytes:
-    """The events the ``epoch``-th producer stored in a log (``data``, from its start): after its
-    fence (the first producer: from the start), up to the next fence."""
-    current, out = 1, []
-    for part in sse.split(data)[0]:
-        if sse.event_id(part) is not None:
-            if current == epoch:
-                out.append(part)
-            continue
-        marker = sse.comment_text(part)
-        if marker is not None and marker.startswith(_EPOCH):
-            current = int(marker[len(_EPOCH) :].partition(b" ")[0])
-    return sse.join(out)
+    """The events the ``epoch``-th producer stored in a log (``data``, from its start): those with
+    its ids (all between its fence and the next one: a fence stops the previous producer's appends)."""
+    return b"".join(event for event in split_events(data) if epoch_of(sse.event_id(event) or 0) == epoch)

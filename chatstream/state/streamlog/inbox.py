@@ -9,8 +9,8 @@ its streams:
   once it is gone (``leave``); ``ack``: it wants to know the last id handed out (the producer stores
   ``: ack reader L`` in the log).
 
-It also ticks the producers (fast writes, abandonment, the time cap) and, when this instance goes on
-under a new id (``Instances`` fenced it), has their records point at the new one."""
+It also ticks the producers (fast writes, abandonment, the time cap, this instance's new id once
+``Instances`` fenced it: the inbox is then the new id's)."""
 
 from __future__ import annotations
 
@@ -22,74 +22,62 @@ from collections.abc import Mapping
 from ...errors import StoreError
 from ..store import STREAMS_TABLE, Where
 from .config import Context
-from .format import ID_LENGTH, inbox_partition
+from .format import ID_LENGTH
 from .producer import Producer
 
 log = logging.getLogger("chatstream")
 
 
-class Inbox:
-    """The inbox of this instance for the producers of one stream log (module docstring)."""
+def inbox_partition(instance: str) -> str:
+    return f"i-{instance}"
 
-    def __init__(self, ctx: Context, producers: Mapping[str, Producer]):
-        self._ctx = ctx
-        self._producers = producers  # the log's own: the streams produced here, by id
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        """Read the inbox while this instance produces anything."""
-        if self._task is None or self._task.done():
-            self._task = self._ctx.spawn(self._loop())
-
-    async def _loop(self) -> None:
-        ctx, cfg = self._ctx, self._ctx.config
-        loop = asyncio.get_running_loop()
+async def serve(ctx: Context, producers: Mapping[str, Producer]) -> None:
+    """Read the inbox, deliver its rows to ``producers`` (the log's: the streams produced here, by
+    id) and tick them, while there are any (``StreamLog`` runs it when there are again)."""
+    cfg, loop = ctx.config, asyncio.get_running_loop()
+    warned_at = -60.0
+    while producers:
+        now = loop.time()
         instance = ctx.instances.id
-        warned_at = -60.0
-        while self._producers:
-            now = loop.time()
-            try:
-                if ctx.instances.id != instance:  # fenced: this instance goes on under a new id
-                    instance = ctx.instances.id
-                    for producer in list(self._producers.values()):
-                        producer.repoint(instance)
-                for row in await self._read(instance):
-                    self._deliver(instance, row)
-            except Exception as exc:  # nothing stops the inbox: the next tick tries again
-                if now - warned_at > 10.0:
-                    warned_at = now
-                    if isinstance(exc, StoreError):
-                        log.warning("resumable streams: the inbox could not be read: %s", exc)
-                    else:
-                        log.exception("resumable streams: the inbox could not be read")
-            now_store = ctx.now()
-            young = False
-            for producer in list(self._producers.values()):
-                producer.tick(now, now_store)
-                young = young or producer.young()
-            # Reads begin every interval, however long this one took (a busy loop, a slow store).
-            interval = cfg.inbox_young_seconds if young else cfg.inbox_seconds
-            await asyncio.sleep(max(0.2 * interval, now + interval - loop.time()))
+        try:
+            where = Where(
+                partition=inbox_partition(instance), rows_from="c", select=("read_at", "left", "ack"), limit=1000
+            )
+            for row in await ctx.store.query(STREAMS_TABLE, where):
+                _deliver(ctx, producers, instance, row)
+        except Exception as exc:  # nothing stops the inbox: the next tick tries again
+            if now - warned_at > 10.0:
+                warned_at = now
+                if isinstance(exc, StoreError):
+                    log.warning("resumable streams: the inbox could not be read: %s", exc)
+                else:
+                    log.exception("resumable streams: the inbox could not be read")
+        now_store = ctx.now()
+        young = False
+        for producer in list(producers.values()):
+            producer.tick(now, now_store)
+            young = young or producer.young()
+        # Reads begin every interval, however long this one took (a busy loop, a slow store).
+        interval = cfg.inbox_young_seconds if young else cfg.inbox_seconds
+        await asyncio.sleep(max(0.2 * interval, now + interval - loop.time()))
 
-    async def _read(self, instance: str) -> list:
-        where = Where(partition=inbox_partition(instance), rows_from="c", select=("read_at", "left", "ack"), limit=1000)
-        return await self._ctx.store.query(STREAMS_TABLE, where)
 
-    def _deliver(self, instance: str, row: Mapping) -> None:
-        """One inbox row: a cancel; a reader elsewhere following, wanting an ack, or gone."""
-        key: str = row["RowKey"]
-        producer = self._producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{reader}
-        done = key.startswith("c-") or producer is None or bool(row.get("left"))
-        if producer is not None:
-            if key.startswith("c-"):
-                producer.request_stop("cancelled")
-            elif key.startswith("r-"):
-                reader = key[3 + ID_LENGTH :]
-                producer.reader_elsewhere(
-                    float(row.get("read_at") or 0.0), not row.get("left"), reader if row.get("ack") else None
-                )
-        if done:  # read once: delete it (also what is left of streams no longer here)
-            self._ctx.later(lambda: self._ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key))
+def _deliver(ctx: Context, producers: Mapping[str, Producer], instance: str, row: Mapping) -> None:
+    """One inbox row: a cancel; a reader elsewhere following, wanting an ack, or gone."""
+    key: str = row["RowKey"]
+    producer = producers.get(key[2 : 2 + ID_LENGTH])  # c-{id} or r-{id}-{reader}
+    done = key.startswith("c-") or producer is None or bool(row.get("left"))
+    if producer is not None:
+        if key.startswith("c-"):
+            producer.request_stop("cancelled")
+        elif key.startswith("r-"):
+            reader = key[3 + ID_LENGTH :]
+            producer.reader_elsewhere(
+                float(row.get("read_at") or 0.0), not row.get("left"), reader if row.get("ack") else None
+            )
+    if done:  # read once: delete it (also what is left of streams no longer here)
+        ctx.later(lambda: ctx.store.delete(STREAMS_TABLE, inbox_partition(instance), key))
 
 
 async def cancel(ctx: Context, instance: str, stream_id: str) -> None:

@@ -25,7 +25,6 @@ from .format import (
     new_stream_id,
     request_blob,
 )
-from .inbox import Inbox
 from .producer import Producer
 from .readers import Reader, read_record
 from .takeover import Claim
@@ -86,7 +85,7 @@ class StreamLog:
         self._producers: dict[str, Producer] = {}
         self._claims: dict[str, asyncio.Future[bool]] = {}
         self._draining = False  # this instance hands its streams over: it takes none over itself
-        self._inbox = Inbox(self._ctx, self._producers)
+        self._inbox: asyncio.Task | None = None  # inbox.serve, while this instance produces anything
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -124,7 +123,8 @@ class StreamLog:
     def _run(self, producer: Producer) -> None:
         """Known here (readers, the inbox) while it runs."""
         self._producers[producer.id] = producer
-        self._inbox.start()
+        if self._inbox is None or self._inbox.done():
+            self._inbox = self._ctx.spawn(inbox.serve(self._ctx, self._producers))
 
         async def run() -> None:
             try:
@@ -230,14 +230,9 @@ class StreamLog:
     async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
-        producers = list(self._producers.values())  # (one that stored all is waited for at once)
+        producers = list(self._producers.values())
         self._ctx.closed = True
-        if producers:
-            waiters = [asyncio.ensure_future(p.wait_stored()) for p in producers]
-            await asyncio.wait(waiters, timeout=timeout)
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await asyncio.gather(*(p.wait_stored(timeout) for p in producers))
         for pending in list(self._claims.values()):
             pending.cancel()
         await self._ctx.close()

@@ -147,7 +147,6 @@ class Producer:
         self._blocks = 0
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
         self._acks: list[str] = []  # acks to store with the next write
-        self._repoint_to: str | None = None
         self._flush_now = False
         self._fast = False
         self._following = False  # a reader elsewhere follows
@@ -320,19 +319,16 @@ class Producer:
             self._acks.append(ack)
             self._kick.set()
 
-    def repoint(self, instance: str) -> None:
-        """This instance goes on under a new id (it was declared dead while only slow): say so in
-        the record, unless the stream was taken over meanwhile."""
-        self._repoint_to = instance
-        self._kick.set()
-
     def young(self) -> bool:
         return self._loop.time() - self._born < self._cfg.young_seconds
 
     def tick(self, now: float, now_store: float) -> None:
         """Every inbox tick (``now``: when its read began, having delivered what it held): fast
-        writes while a reader elsewhere follows; the end's inbox read; abandonment; the time cap."""
+        writes while a reader elsewhere follows; the end's inbox read; this instance's new id (the
+        storing writes it into the record: ``_repoint``); abandonment; the time cap."""
         cfg = self._cfg
+        if self._record.instance != self._ctx.instances.id:
+            self._kick.set()
         if self._end_seen_at is not None and now >= self._end_seen_at:
             self._inbox_read.set()
         self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
@@ -510,7 +506,7 @@ class Producer:
         failing_since: float | None = None
         while True:
             self._kick.clear()
-            if self._repoint_to is not None:
+            if self._record.instance != self._ctx.instances.id:
                 await self._repoint()
             ending = self._end and not self._end_written
             pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
@@ -632,16 +628,17 @@ class Producer:
         self._wake()
 
     async def _repoint(self) -> None:
-        instance, self._repoint_to = self._repoint_to, None
-        assert instance is not None
+        """This instance goes on under a new id (``Instances`` declared it dead while it was only
+        slow): say so in the record, unless the stream was taken over meanwhile."""
+        instance = self._ctx.instances.id
         fields = {"PartitionKey": self.id, "RowKey": RECORD_ROW, "instance": instance}
         try:
             self._record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
             self._record.instance = instance
         except (Modified, NotFound):
-            pass  # taken over meanwhile: the next append finds the fence
+            self._record.instance = instance  # taken over meanwhile: the next append finds the fence
         except StoreError:
-            self._repoint_to = self._repoint_to or instance  # again at the next turn
+            pass  # again at the next turn
 
     def _end_fields(self) -> dict:
         now = self._ctx.now()

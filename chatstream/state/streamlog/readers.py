@@ -85,7 +85,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
     reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
     record = await read_record(ctx, stream_id, caller)
     live = record.state == "live"
-    stored = _stored_log(record, 0)  # ended before its first write: the whole log is in the record
+    stored = record.log_from(0)  # ended before its first write: the whole log is in the record
     slot, data, _ = await asyncio.gather(
         Slot.take(ctx, stream_id, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
@@ -99,7 +99,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         raise slot if isinstance(slot, BaseException) else data  # type: ignore[misc] - one of the two failed
     reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
-        tail = reader.tail = Tail(after)
+        tail = reader.tail
         reader._first = tail.feed(data)
         if after > tail.last_id and not tail.broken:
             reader._first += await reader._past_the_end(live)
@@ -175,9 +175,10 @@ class Reader:
     """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
     live ones up to the final event), from memory while its producer is here, from the store
     otherwise, through any takeover (module docstring). ``route`` is the format of its events;
-    ``cursor``: the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse
-    does) when the caller goes; it is released (its slot, its inbox row, its count here) once closed
-    or read to its end."""
+    ``tail``: what it read of the stored log, and its ``cursor``, the last id the client has (also
+    when it reads from memory). Close it with ``aclose`` (Starlette's StreamingResponse does) when
+    the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
+    its end."""
 
     def __init__(
         self,
@@ -196,10 +197,9 @@ class Reader:
         self.stream_id = stream_id
         self.route = route
         self.after = after
-        self.cursor = after
         self._slot = slot
         self.record = record
-        self.tail: Tail | None = None
+        self.tail = Tail(after)
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
@@ -244,7 +244,7 @@ class Reader:
     def _release(self) -> None:
         """Give back the slot and the inbox row, and its count here (once): when it is closed or read
         to its end."""
-        self._slot.release(read_to_end=self.tail is not None and self.tail.end is not None)
+        self._slot.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
             self._ctx.readers -= 1
@@ -256,8 +256,6 @@ class Reader:
         """(Released by ``__anext__`` when it ends, however it ends.)"""
         first, self._first = self._first, b""
         if first:
-            if self.tail is not None:
-                self.cursor = max(self.cursor, self.tail.cursor)
             yield first
         while not self._done:
             producer = self._streams.producing(self.stream_id)
@@ -275,15 +273,15 @@ class Reader:
         producer.attach()
         try:
             await self._slot.follow(None)  # (a stream taken over here)
-            if producer.never_stored(self.cursor):
+            if producer.never_stored(self.tail.cursor):
                 self._done = True
                 yield self._never_stored()
                 return
             while True:
                 kept = producer.kept
-                if kept > self.cursor:
-                    data = producer.events_after(self.cursor)
-                    self.cursor = kept
+                if kept > self.tail.cursor:
+                    data = producer.events_after(self.tail.cursor)
+                    self.tail.cursor = kept
                     yield data
                     continue
                 if producer.stored_end:
@@ -297,7 +295,7 @@ class Reader:
                         yield self.moved_event()
                         return
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
-                    self.tail = self.record = None  # read both again from the store, after the cursor
+                    self.tail, self.record = Tail(self.tail.cursor), None  # read both again from the store
                     return
                 await producer.changed()
         finally:
@@ -312,8 +310,6 @@ class Reader:
         ctx.remote_readers += 1
         failing_since: float | None = None
         try:
-            if self.tail is None:
-                self.tail = Tail(self.cursor)
             tail = self.tail
             cadence = _Cadence(ctx, loop.time())
             last_new = loop.time()
@@ -344,7 +340,7 @@ class Reader:
                         elif not tail.handover and (
                             self._gone_at is None
                             or (
-                                self.cursor > tail.last_id
+                                tail.cursor > tail.last_id
                                 and now - self._gone_at < cfg.give_up_seconds
                                 and (
                                     not self.record.instance
@@ -394,26 +390,24 @@ class Reader:
         again every few polls: the stream may have ended with its whole log in it (its producer did
         not see this reader in time)."""
         tail, loop = self.tail, asyncio.get_running_loop()
-        assert tail is not None and self.record is not None
-        data = _stored_log(self.record, tail.offset)
+        assert self.record is not None
+        data = self.record.log_from(tail.offset)
         if data is None:
             async with self._ctx.bulk:
                 data = await self._ctx.store.read(self.stream_id, tail.offset)
             if not data and tail.offset == 0 and loop.time() >= self._record_at:
                 self._record_at = loop.time() + 3 * self._cfg.poll_seconds
                 self.record = await self._reread()
-                data = _stored_log(self.record, 0) or b""
+                data = self.record.log_from(0) or b""
         out = tail.feed(data)
         if data:
             self._grew_at = loop.time()
-        self.cursor = max(self.cursor, tail.cursor)
         return out
 
     async def _reread(self) -> Record:
         row = await self._ctx.store.get(STREAMS_TABLE, self.stream_id, RECORD_ROW, select=READER_FIELDS)
         if row is None:  # swept: its TTL passed (a record of nobody's, lost)
-            epoch = self.tail.epoch if self.tail is not None else 1
-            return Record(self.stream_id, self.route, None, "", epoch, 0.0, 0.0, state="lost")
+            return Record(self.stream_id, self.route, None, "", self.tail.epoch, 0.0, 0.0, state="lost")
         return Record.of(row)
 
     async def _producer_gone(self) -> tuple[bytes, bool]:
@@ -421,7 +415,7 @@ class Reader:
         elsewhere meanwhile), else ``stream_lost``. (events to hand out, whether the reader is done)"""
         out = await self._poll()  # one more read for what was stored last
         tail = self.tail
-        assert tail is not None and self.record is not None
+        assert self.record is not None
         if tail.end is not None or tail.broken:
             return out, False  # over after all (or for this reader): the loop ends it
         fresh = await self._reread()
@@ -433,7 +427,7 @@ class Reader:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out, False
-        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, self.cursor):
+        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, tail.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
@@ -444,12 +438,13 @@ class Reader:
         return out, False
 
     def _lost(self, message: str) -> bytes:
-        return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.cursor + 1)
+        return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.tail.cursor + 1)
 
     def _ending(self, lost: bool, last_id: int) -> bytes:
         """What a reader gets at the stream's end besides the events: our stream_lost error when the
         log ended lost and the client is past its last event."""
-        if lost and not (self.cursor == last_id and self.cursor > self.after):  # (else it just got it)
+        cursor = self.tail.cursor
+        if lost and not (cursor == last_id and cursor > self.after):  # (else it just got it)
             return self._lost("the stream was lost before its end")
         return b""
 
@@ -466,7 +461,7 @@ class Reader:
         until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
         meanwhile is returned (the events after the cursor)."""
         ctx, cfg, tail = self._ctx, self._cfg, self.tail
-        assert tail is not None and self.record is not None
+        assert self.record is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.past_end_wait_seconds
         next_check = loop.time() + cfg.state_seconds
@@ -494,8 +489,3 @@ class Reader:
         ):
             raise PastTheEnd(self.after, tail.last_id)
         return read
-
-
-def _stored_log(record: Record, offset: int) -> bytes | None:
-    """The stored log from ``offset`` on when the record holds it whole (then there is no blob)."""
-    return record.events.encode()[offset:] if record.events is not None else None
