@@ -202,7 +202,7 @@ class Ledger:
                 await self.store.batch(USAGE_TABLE, [Op("insert", charges[row[0]].entity()) for row in chunk])
                 break
             except AlreadyExists as exc:
-                index = getattr(exc, "index", 0)
+                index = exc.index or 0  # (None: the store did not say which)
                 row = chunk.pop(index if 0 <= index < len(chunk) else 0)
                 there = await self.find(charges[row[0]])
                 found.update(dict.fromkeys(row, there is not None and theirs(there, charges[row[0]].author)))
