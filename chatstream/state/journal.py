@@ -184,6 +184,7 @@ class Journal:
         self._quiet.set()
         self._closed = False
         self._failing = False  # the last write failed: requests do not wait for a listing
+        self.number = 1  # which journal of this process: one more each time one was found sealed (_fenced)
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -334,6 +335,8 @@ class Journal:
             entry.listed = True
         for entry in settled_now:
             entry.journaled = True
+            if entry.settlement is not None:
+                entry.settlement.journaled(self.number)
         if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
             self._rows = asyncio.ensure_future(self._write_rows())
 
@@ -406,6 +409,14 @@ class Journal:
         self._etag = None
         self._noted = set()
         self._needed_at.clear()
+        self.number += 1
+
+    async def met_seal(self) -> bool:
+        """A budget row lost this instance's entry (counters.py): True once a write since tells
+        whether the journal was sealed (then it is ``_fenced``); False if it could not be written."""
+        if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
+            await asyncio.shield(self._next_write())
+        return self._etag is None or not self._failing
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""

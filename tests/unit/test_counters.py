@@ -515,16 +515,13 @@ async def test_a_per_minute_correction_where_nothing_is_held_enters_the_row():
     assert row(data, "c|1", "tpm")["taken"] == 150
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a charge the sealed journal did not list is dropped with the books: see the docstring"
-)
 async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row_after_the_takeover():
     """a holds r0's reservation; a correction (a background response's usage seen, above what it
     reserved) is staged while a's journal cannot be written, and b seals it without the correction
     (so b does not apply it, and takes out a's entry). a's journal then starts anew with it (it is
-    a's), and its ledger row is written; but a's counters, seeing their entry gone, drop every
-    staged charge: the row ends 1,002 below the ledger. The lease alone cannot tell which charges
-    the sealed journal listed (the journal can: the entries it had written settled)."""
+    a's), and its ledger row is written; a's counters, seeing their entry gone, keep the charges no
+    sealed journal listed (the journal numbers each charge it lists settled). Before, they dropped
+    every staged charge: the row ended 1,002 below the ledger."""
     data = account()
     a, acc_a = instance(data, "instance-a")
     b, _ = instance(data, "instance-b")
