@@ -32,7 +32,8 @@ midway is done again by the next duty holder, and two at once charge everything 
    below the charge is raised to it, what they counted kept in the row, and only the difference
    counted here. A row an earlier (or concurrent) recovery wrote is counted as it is. A taker's own
    charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
-   the row is as it was read (``Ledger.apply``).
+   the row is as it was read (``Ledger.apply``); its raise of a recovery's row adds what it counts
+   to what the row keeps as counted, so a recovery run again counts it once.
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -548,17 +549,19 @@ class Recovery:
                     there = None
                     break
                 # What it counted, and the writes it holds (Ledger.apply).
-                elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
-                changed = await self.ledger.put(charge, there.etag, **elsewhere)  # raised to the checkpoint
+                raised = replace(charge, ops=was.ops, counted_tokens=was.total_tokens, counted_cost=was.cost or 0)
+                changed = await self.ledger.put(raised, there.etag)  # raised to the checkpoint
                 if changed is None:
-                    there = elsewhere  # the row as raised: what the taker counted of it
+                    there = raised.entity()
                     break
                 there = changed  # it changed meanwhile (raised by another taker)
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
-            if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
-                counted = int(there["counted_tokens"]), int(there.get("counted_cost") or 0)
-                others.append(replace(charge, prompt_tokens=counted[0], completion_tokens=0, cost=counted[1]))
+            if there is not None:  # a recovery's row, now or by an earlier run: what takers counted of it
+                was = Charge.of(there)
+                others.append(
+                    replace(charge, prompt_tokens=was.counted_tokens, completion_tokens=0, cost=was.counted_cost)
+                )
             if isinstance(there, Row) and entry.get("state") != "settled":
                 # Written by an earlier (or a concurrent) run, which may have read less of a log:
                 # what the row holds is what is counted.
