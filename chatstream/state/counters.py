@@ -111,6 +111,7 @@ class _Staged:
     seq: int
     amount: int
     confirmed: bool = False  # its ledger row is written: it may enter the row
+    journal: int = 0  # the number of the journal a landed write listed it settled in (0: none yet)
 
 
 @dataclass
@@ -197,11 +198,13 @@ class Lease:
             self.window = window
             self._drop_books()
 
-    def _drop_books(self) -> None:
+    def _drop_books(self, kept: Sequence[_Staged] = ()) -> None:
+        """New books, with only the ``kept`` charges in them: the row pays what they take."""
         self.generation += 1
-        self.held = self.balance = self.reserved = 0
+        self.held = self.reserved = 0
+        self.staged = deque(kept)
+        self.balance = -sum(staged.amount for staged in kept)
         self.in_row = False
-        self.staged.clear()
         self.applied = 0
 
     def take(self, need: int, window: str) -> Part | None:
@@ -405,9 +408,14 @@ class Lease:
             if self.in_row and counters.instance not in holds and same:
                 # Our entry is gone (holding 0 too: a charge not in yet): another instance took this
                 # one over (we were too slow to beat) and settled it from our journal. These books
-                # start again.
+                # start again, with the charges no sealed journal listed (the taker did not apply
+                # them: once the journal has met the seal, those of a journal before its own).
                 log.warning("limits: %s was taken over from this instance elsewhere", self.key)
-                self._drop_books()
+                journal = counters.journal
+                if journal is not None and not await journal.met_seal():
+                    raise StoreError("this instance's journal could not be written to meet its seal")
+                number = journal.number if journal is not None else 1
+                self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
                 continue
             window = self.window
             assert window is not None
@@ -570,6 +578,11 @@ class Settlement:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
         return all(lease.in_row or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
 
+    def journaled(self, number: int) -> None:
+        """A landed write of journal ``number`` lists it settled: a takeover applies it from there."""
+        for _, staged in self.staged:
+            staged.journal = staged.journal or number
+
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
         taken out first (segments whose ledger row another instance wrote and counted). All of it
@@ -621,9 +634,14 @@ class Reservation:
 class WriteAhead(Protocol):
     """What the counters need of this instance's journal (journal.py): a budget counter is listed
     before any of it is held here (``note_counter``, then listed while ``holding()``), and it hears
-    when charges entered a row (``changed``: it may drop them)."""
+    when charges entered a row (``changed``: it may drop them). A takeover: ``met_seal`` once the
+    journal knows whether it was sealed, its ``number`` (``Settlement.journaled``) then past the sealed one's."""
+
+    number: int
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
+
+    async def met_seal(self) -> bool: ...
 
     def changed(self) -> None: ...
 

@@ -32,7 +32,8 @@ midway is done again by the next duty holder, and two at once charge everything 
    below the charge is raised to it, what they counted kept in the row, and only the difference
    counted here. A row an earlier (or concurrent) recovery wrote is counted as it is. A taker's own
    charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
-   the row is as it was read (``Ledger.apply``).
+   the row is as it was read (``Ledger.apply``); its raise of a recovery's row adds what it counts
+   to what the row keeps as counted, so a recovery run again counts it once.
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -184,6 +185,7 @@ class Journal:
         self._quiet.set()
         self._closed = False
         self._failing = False  # the last write failed: requests do not wait for a listing
+        self.number = 1  # which journal of this process: one more each time one was found sealed (_fenced)
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -334,6 +336,8 @@ class Journal:
             entry.listed = True
         for entry in settled_now:
             entry.journaled = True
+            if entry.settlement is not None:
+                entry.settlement.journaled(self.number)
         if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
             self._rows = asyncio.ensure_future(self._write_rows())
 
@@ -406,6 +410,14 @@ class Journal:
         self._etag = None
         self._noted = set()
         self._needed_at.clear()
+        self.number += 1
+
+    async def met_seal(self) -> bool:
+        """A budget row lost this instance's entry (counters.py): True once a write since tells
+        whether the journal was sealed (then it is ``_fenced``); False if it could not be written."""
+        if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
+            await asyncio.shield(self._next_write())
+        return self._etag is None or not self._failing
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
@@ -537,17 +549,19 @@ class Recovery:
                     there = None
                     break
                 # What it counted, and the writes it holds (Ledger.apply).
-                elsewhere = {"counted_tokens": was.total_tokens, "counted_cost": was.cost or 0, "ops": was.ops}
-                changed = await self.ledger.put(charge, there.etag, **elsewhere)  # raised to the checkpoint
+                raised = replace(charge, ops=was.ops, counted_tokens=was.total_tokens, counted_cost=was.cost or 0)
+                changed = await self.ledger.put(raised, there.etag)  # raised to the checkpoint
                 if changed is None:
-                    there = elsewhere  # the row as raised: what the taker counted of it
+                    there = raised.entity()
                     break
                 there = changed  # it changed meanwhile (raised by another taker)
             else:
                 raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
-            if there is not None and "counted_tokens" in there:  # raised, now or by an earlier run
-                counted = int(there["counted_tokens"]), int(there.get("counted_cost") or 0)
-                others.append(replace(charge, prompt_tokens=counted[0], completion_tokens=0, cost=counted[1]))
+            if there is not None:  # a recovery's row, now or by an earlier run: what takers counted of it
+                was = Charge.of(there)
+                others.append(
+                    replace(charge, prompt_tokens=was.counted_tokens, completion_tokens=0, cost=was.counted_cost)
+                )
             if isinstance(there, Row) and entry.get("state") != "settled":
                 # Written by an earlier (or a concurrent) run, which may have read less of a log:
                 # what the row holds is what is counted.

@@ -7,7 +7,7 @@ request started, the app's request id, and the segment (an answer continued on a
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
 row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and what raising
-it kept of earlier writers (``counted_tokens``, ``counted_cost``, ``ops``: journal.py).
+it kept of earlier writers (``ops``, ``counted_tokens``, ``counted_cost``: journal.py).
 
 The journal writes the charges it has listed (``write``): per partition, in transactions of up to
 100 rows, again until they land (journal.py)."""
@@ -81,6 +81,10 @@ class Charge:
     # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
     ops: str = ""
     over: str | None = None
+    # Of a recovery's row (author TAKEOVER...): what stream takers counted of it (their part, their
+    # raises since), which a recovery run does not count again (journal.py).
+    counted_tokens: int = 0
+    counted_cost: int = 0
 
     @classmethod
     def made(
@@ -123,19 +127,19 @@ class Charge:
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
+        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k not in _OMITTED)}
         return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
         """A charge as the journal keeps it (``asdict``: everything, to write it again), or as its
-        ledger row holds it (``entity``: its day in the RowKey; what a raise kept of earlier writers
-        is the row's, not the charge's)."""
+        ledger row holds it (``entity``: its day in the RowKey)."""
         found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
         return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
 
 TAKEOVER = "takeover:"  # (``Charge.author``)
+_OMITTED = ("ops", "counted_tokens", "counted_cost")  # not in a row while empty (``Charge.entity``)
 
 
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:
@@ -213,18 +217,17 @@ class Ledger:
         """The charge's row as the ledger holds it (written by whoever came first)."""
         return await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
 
-    async def put(self, charge: Charge, etag: str | None = None, **keep: Any) -> Row | None:
+    async def put(self, charge: Charge, etag: str | None = None) -> Row | None:
         """Write one charge now: inserted, or (``etag``: of its row as read) replacing that row on its
-        ETag, with ``keep``'s fields (what a raise keeps of earlier writers: journal.py). None if it
-        landed, else the row that is there (written first, or changed meanwhile)."""
+        ETag. None if it landed, else the row that is there (written first, or changed meanwhile)."""
         try:
             if etag is None:
-                await self.store.insert(USAGE_TABLE, {**charge.entity(), **keep})
+                await self.store.insert(USAGE_TABLE, charge.entity())
             else:
-                await self.store.replace(USAGE_TABLE, {**charge.entity(), **keep}, etag=etag)
+                await self.store.replace(USAGE_TABLE, charge.entity(), etag=etag)
             return None
         except NotFound:  # the row it was to replace is gone: inserted
-            return await self.put(charge, None, **keep)
+            return await self.put(charge, None)
         except (AlreadyExists, Modified):
             return await self.find(charge)
 

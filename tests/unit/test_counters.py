@@ -515,16 +515,13 @@ async def test_a_per_minute_correction_where_nothing_is_held_enters_the_row():
     assert row(data, "c|1", "tpm")["taken"] == 150
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a charge the sealed journal did not list is dropped with the books: see the docstring"
-)
 async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row_after_the_takeover():
     """a holds r0's reservation; a correction (a background response's usage seen, above what it
     reserved) is staged while a's journal cannot be written, and b seals it without the correction
     (so b does not apply it, and takes out a's entry). a's journal then starts anew with it (it is
-    a's), and its ledger row is written; but a's counters, seeing their entry gone, drop every
-    staged charge: the row ends 1,002 below the ledger. The lease alone cannot tell which charges
-    the sealed journal listed (the journal can: the entries it had written settled)."""
+    a's), and its ledger row is written; a's counters, seeing their entry gone, keep the charges no
+    sealed journal listed (the journal numbers each charge it lists settled). Before, they dropped
+    every staged charge: the row ended 1,002 below the ledger."""
     data = account()
     a, acc_a = instance(data, "instance-a")
     b, _ = instance(data, "instance-b")
@@ -549,6 +546,36 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # the background response (a's), r0 at its checkpoint (b's)
     found = counter(data, *budget)
+    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    await a.close()
+    await b.close()
+
+
+async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_counters_learn_first():
+    """a settles r1 (journaled, its ledger row written) while its budget row cannot be written; b
+    seals a's journal and applies r1. a's counters then find their entry gone before a's journal
+    has met the seal (it has nothing to write): they have it written first (it meets the seal), and
+    drop r1's charge, the taker's now. The row ends at the ledger, r1 counted once."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
+    caller = await a.registry.get(Caller, "c")
+    r0, _ = await admit(acc_a, caller, "zero", max_output_tokens=100)
+    r1, rec1 = await admit(acc_a, caller, "one", max_output_tokens=100)
+    assert isinstance(r0, Admission) and isinstance(r1, Admission) and isinstance(a.store, MemoryStore)
+    counters_down = a.store.inject(Fault("unavailable", table=LIMITS_TABLE, times=10**9))
+    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 40))
+    await until(lambda: r1.entry.written.is_set(), what="r1 journaled and its ledger row written")
+    await asyncio.sleep(1.0)  # a's journal writes once more (r1's row in), then has nothing to write
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    assert not r0.entry.orphaned  # a's journal has not met the seal yet
+    counters_down.times = 0
+    await until(lambda: r0.entry.orphaned, what="a's counters have a's journal meet the seal")
+    assert await acc_a.flush(5)
+    ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
+    assert len(ledger) == 2  # r1 (a's), r0 at its checkpoint (b's)
+    found = counter(data, caller.limits_partition, "tokens")
     assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
     await a.close()
     await b.close()

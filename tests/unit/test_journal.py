@@ -445,6 +445,49 @@ async def test_a_takers_raise_whose_row_the_dead_instances_recovery_rewrites_mea
     await c.close()
 
 
+@pytest.mark.parametrize("first", ["taker", "recovery"])
+async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is_counted_once(first: str):
+    """r3's taker b charged a's part from the log ("The"; ``recovery``: not yet); a's recovery (on c)
+    raises the row to a's checkpoint, b's count kept in it (or writes it), and dies after the
+    caller's budget rows, before the team's. b then raises the row to what its caller received, and
+    counts the difference; c runs the recovery again. The team's rows get a's checkpoint less what b
+    counted, once: before, b's raise dropped what the row said b had counted (or said nothing of
+    it), and the run again charged b's amounts twice (team tokens 487 for a ledger of 468)."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    if first == "taker":
+        await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+        assert await acc_b.flush(5)
+    c, _ = instance(data, "instance-c")
+    assert isinstance(c.store, MemoryStore)
+    replace = c.store.replace
+
+    async def team_rows_fail(table: str, entity, **kw):  # the recovery dies at the team's first row
+        if table == LIMITS_TABLE and entity["PartitionKey"] == team:
+            raise StoreError("unavailable")
+        return await replace(table, entity, **kw)
+
+    c.store.replace = team_rows_fail  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    c.store.replace = replace  # type: ignore[method-assign]
+    assert ledger_rows(data)[rec3.id].get("counted_tokens") == (
+        1 + going_on.prompt_tokens if first == "taker" else None
+    )
+    received = GENERATED + " It came back at dusk, tired and happy."
+    await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
+    spent_as_the_ledger(data, caller, team, ledger_rows(data).values())
+    await b.close()
+    await c.close()
+
+
 @pytest.mark.parametrize("dies", ["after_its_ledger_row", "before_its_ledger_row"])
 async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_death(dies: str):
     """r3's taker b charged a's part from the log ("The"), then at the stream's end raised it to what
