@@ -151,6 +151,12 @@ class Endpoint:
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
+        if self.lifecycle is None:
+            return await self._serve(request)
+        with self.lifecycle.starting():  # a drain beginning now waits for its stream
+            return await self._serve(request)
+
+    async def _serve(self, request: Request) -> Response:
         record = StreamRecord(endpoint=self.api.name, model=self.default_model)
         record.request_id = record.id  # until the upstream says its own
         telemetry.begin(record)

@@ -17,7 +17,8 @@ On SIGTERM the instance drains (``Lifecycle.drain``):
    ``stream_moved`` now, not at the grace's end: they have nothing to finish here (their stream is
    stored, or its producer here stores it for a reader elsewhere), and every second they stay is
    their client's, cut by the host at its timeout (a SIGKILL would cut them at once);
-2. the streams running here, resumable or not, go on for the grace: ``DRAIN_SECONDS``, but never
+2. the streams running here, resumable or not (and the requests admitted whose stream has not
+   started yet: ``starting``), go on for the grace: ``DRAIN_SECONDS``, but never
    past the host's shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the
    host cuts at its timeout whatever the app does); a stream that ends within it ends as usual;
 3. then every stream still running that is not resumable ends with one final ``instance_draining``
@@ -42,11 +43,12 @@ HTTP server installs its own when it starts serving, after the app is imported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import FrameType
 
 from .errors import ErrorKind, instance_draining
@@ -128,6 +130,7 @@ class Lifecycle:
         self._on_draining = list(on_draining)
         self.grace_over = asyncio.Event()  # kept work finishes now, with what it has
         self._kept: set[asyncio.Future] = set()
+        self._starting = 0  # requests admitted whose stream is not running yet (``starting``)
         self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand, kept work ended
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
@@ -146,6 +149,19 @@ class Lifecycle:
             self.install()
         if self.draining.is_set():
             raise instance_draining()
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """A request, from before ``admit`` until its stream runs (``guard``'s first event asked for)
+        or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
+        two requests admitted as SIGTERM came reached their upstream after the two streams then
+        running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)"""
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+            self._changed.set()
 
     def register(self, record: StreamRecord) -> Stream:
         stream = Stream(record)
@@ -314,7 +330,7 @@ class Lifecycle:
             HOST_SHUTDOWN_TIMEOUT,
         )
         # Resumable streams too (they may end here), and the kept work.
-        await self._until(lambda: self._all_ending() and not self._kept, started + self.grace)
+        await self._until(lambda: self._all_ending() and not self._kept and not self._starting, started + self.grace)
         self.grace_over.set()
         cut = [s for s in self._streams if not s.ending and not s.resumable]
         for stream in cut:
