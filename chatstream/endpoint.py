@@ -51,6 +51,10 @@ from .upstreams.failover import Upstreams
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
 
+# While a takeover's continuation regenerates what the lost producer's caller had, its lost part is
+# raised to what it has this often (Endpoint._charge_received).
+RAISE_EVERY = 0.5
+
 # Errors that mean the upstream did not take the model: the name must not become a metric dimension.
 _MODEL_REFUSED = frozenset({ErrorKind.MODEL_NOT_FOUND, ErrorKind.INVALID_REQUEST})
 
@@ -147,6 +151,12 @@ class Endpoint:
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
+        if self.lifecycle is None:
+            return await self._serve(request)
+        with self.lifecycle.starting():  # a drain beginning now waits for its stream
+            return await self._serve(request)
+
+    async def _serve(self, request: Request) -> Response:
         record = StreamRecord(endpoint=self.api.name, model=self.default_model)
         record.request_id = record.id  # until the upstream says its own
         telemetry.begin(record)
@@ -369,19 +379,18 @@ class Endpoint:
             upstream = _failed(error, record)
         events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
         assert self.resumable is not None
-        early: asyncio.Task | None = None
+        raising: asyncio.Task | None = None
+        over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
         if admission is not None and claim.producer.unstored:
-            early = asyncio.ensure_future(self._charge_received(claim, known, admission, early=True))
+            raising = asyncio.ensure_future(self._charge_received(claim, known, admission, over))
+            if self.lifecycle is not None:
+                self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
         try:
             await self.resumable.produce(claim.producer, events, encode, protocol, record)
         finally:
-            if early is not None and not claim.all_stood_in():  # (ended short: charged with what it has)
-                early.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await early
-                early = None
-        if admission is not None:
-            await (early or self._charge_received(claim, known, admission))
+            over.set()
+        if raising is not None:
+            await raising
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
         """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
@@ -409,20 +418,82 @@ class Endpoint:
             patience=RAISED_WITHIN if unstored else 0.0,
         )
 
-    async def _charge_received(self, claim: Claim, known: Known, admission: Admission, early: bool = False) -> None:
+    async def _charge_received(self, claim: Claim, known: Known, admission: Admission, over: asyncio.Event) -> None:
         """When the reader that asked for the takeover had ids past the stored end, the lost producer
         gave its client those events, unstored. The continuation's events of the same ids (which
         that reader skipped) stand for them: the lost part is charged with their text too (at least
-        what its caller received), unless a charge of it is higher already. ``early``: as soon as the
-        continuation has them all (``Claim.stood_in``), not at its end: this instance may die first,
-        and then nobody knows them (a soak's taker killed 1.3 s after it had them: 10 of 12 charged)."""
+        what its caller received), unless a charge of it is higher already. Raised as they come in
+        (every ``RAISE_EVERY``) and as soon as the continuation has them all (``Claim.stood_in``),
+        not at its end: this instance may die first, and then nobody knows them (a soak's taker
+        killed 1.3 s after it had them: 10 of 12 charged; chaos seed 31: a taker killed with 28 of
+        its caller's 31 events regenerated, none charged); or with what it has when the
+        continuation ended short (``over``).
+
+        A drain (SIGTERM) keeps it (``Lifecycle.keep``): at its start the raise is made at once with
+        the stand-ins in hand (the host kills a worker with no request in flight ~0.5 s after
+        SIGTERM), then as they come in, within the grace. If this instance stops before
+        it is made, its log says what was not charged, under the request's id."""
         if not isinstance(self.api, Resumes):
             return
-        if early:
-            await claim.stood_in()
+        charged = ""  # the stand-ins' text charged so far
+        life = self.lifecycle
+        told = False  # (that this instance stops before they are all in)
+        try:
+            while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
+                stop = () if life is None else (life.grace_over.wait() if told else life.draining.wait(),)
+                await _any(claim.stood_in(), over.wait(), asyncio.sleep(RAISE_EVERY), *stop)
+                if not claim.all_stood_in():  # what it has so far: this instance may die before the rest
+                    charged = await self._raise_lost(claim, known, admission, charged)
+                    if life is not None and life.draining.is_set() and not told:
+                        told = True
+                        self._not_raised(claim, admission, charged, "as this instance stops")
+            charged = await self._raise_lost(claim, known, admission, charged)
+            if not claim.all_stood_in():  # refused (a budget, the upstream), stopped, or the drain's grace over
+                self._not_raised(claim, admission, charged, "its continuation ended short")
+            elif told:
+                log.warning(
+                    "request %s (stream %s): its lost part is raised to what its caller received after all",
+                    admission.entry.payer.request_id,
+                    claim.producer.id,
+                )
+        except asyncio.CancelledError:
+            self._not_raised(claim, admission, charged, "stopped before it was done")
+            raise
+
+    async def _raise_lost(self, claim: Claim, known: Known, admission: Admission, charged: str) -> str:
+        """The lost part raised with the stand-ins in hand, if there are more than ``charged``: the
+        stand-ins' text charged now."""
+        assert isinstance(self.api, Resumes)
         text = self.api.known(claim.stand_ins()).text
-        if text:
+        if len(text) > len(charged):
             await self._charge_lost(claim, known, admission, text)
+            return text
+        return charged
+
+    def _not_raised(self, claim: Claim, admission: Admission, charged: str, when: str) -> None:
+        """What the raise of the lost part to what its caller received has not charged (yet): the
+        stand-ins in hand not charged, and the events whose text is not known (no stand-in).
+
+        Of those a lower bound is known on /api/chat only: it writes no event for an empty delta, so
+        each is at least one generated token. Chat completions forward the upstream's chunks as
+        they came, and some carry no token (the role chunk, Azure's content-filter chunks with an
+        empty delta, the empty deltas of OpenAI-compatible servers). Charging that bound needs
+        ``Accounting.charge_lost`` to take a token floor besides the text."""
+        assert isinstance(self.api, Resumes)
+        known = self.api.known(claim.stand_ins()).text
+        unknown = max(0, claim.past_stored() - claim.stood_in_events())
+        log.warning(
+            "request %s (stream %s): its lost part not raised to what its caller received (%s): of the %d "
+            "event(s) its caller had past the stored end, %d completion token(s) known and not charged, "
+            "%d event(s) of unknown text not charged (at least %d token(s))",
+            admission.entry.payer.request_id,
+            claim.producer.id,
+            when,
+            claim.past_stored(),
+            max(0, tokens.count_text(admission.model, known) - tokens.count_text(admission.model, charged)),
+            unknown,
+            unknown if self.api.name == "chat" else 0,
+        )
 
     async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""
@@ -473,6 +544,17 @@ async def finishing(
     finally:
         await events.aclose()
         on_end()
+
+
+async def _any(*waits: Awaitable[object]) -> None:
+    """Returns once one of ``waits`` is done (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _failed(error: ApiError, record: StreamRecord) -> AsyncGenerator[Event]:

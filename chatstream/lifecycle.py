@@ -17,7 +17,8 @@ On SIGTERM the instance drains (``Lifecycle.drain``):
    ``stream_moved`` now, not at the grace's end: they have nothing to finish here (their stream is
    stored, or its producer here stores it for a reader elsewhere), and every second they stay is
    their client's, cut by the host at its timeout (a SIGKILL would cut them at once);
-2. the streams running here, resumable or not, go on for the grace: ``DRAIN_SECONDS``, but never
+2. the streams running here, resumable or not (and the requests admitted whose stream has not
+   started yet: ``starting``), go on for the grace: ``DRAIN_SECONDS``, but never
    past the host's shutdown timeout less ``AFTER_GRACE`` (what follows needs that long, and the
    host cuts at its timeout whatever the app does); a stream that ends within it ends as usual;
 3. then every stream still running that is not resumable ends with one final ``instance_draining``
@@ -26,8 +27,11 @@ On SIGTERM the instance drains (``Lifecycle.drain``):
    hand-over: their live callers get ``stream_moved`` and resume elsewhere; one not handed over in
    time is taken over as after a crash);
 4. the ``on_drain`` callbacks are awaited together, bounded (``CALLBACKS_WAIT``): the hand-over of
-   resumable streams and the settling of charges belong there. The last stream's final event waits
-   for them: the host kills the worker as soon as its last request is over;
+   resumable streams and the settling of charges belong there. Work ``kept`` (``Lifecycle.keep``: a
+   charge nobody else can make) is waited for before them: within the grace as a stream is, then
+   told the grace is over (``grace_over``) and given ``CUT_WAIT`` to finish with what it has. The
+   last stream's final event waits for the callbacks: the host kills the worker as soon as its last
+   request is over;
 5. the ``closing`` callbacks (``ChatApp.close``: upstream clients, stores), then the signal goes on
    to the handler that was there before: the runtime's (its HTTP server stops, and the process ends
    by SIGTERM, as without the app's drain).
@@ -39,11 +43,12 @@ HTTP server installs its own when it starts serving, after the app is imported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import FrameType
 
 from .errors import ErrorKind, instance_draining
@@ -55,7 +60,7 @@ log = logging.getLogger("chatstream")
 HOST_SHUTDOWN_TIMEOUT = "ASPNETCORE_SHUTDOWNTIMEOUTSECONDS"  # the Functions host's, read as it reads it
 HOST_DEFAULT_SHUTDOWN = 5.0  # ASP.NET Core's web host default, which the Functions host keeps
 AFTER_GRACE = 1.5  # of the host's timeout, kept for what follows the grace (the waits below, and margin)
-CUT_WAIT = 0.5  # the cut streams reach their final event (upstream closed, record written)
+CUT_WAIT = 0.5  # the cut streams reach their final event (upstream closed, record written), kept work ends
 CALLBACKS_WAIT = 0.75  # the on_drain callbacks, together
 CLOSE_WAIT = 0.5  # the closing callbacks, together
 
@@ -123,7 +128,10 @@ class Lifecycle:
         self._on_drain: list[Callback] = list(on_drain)
         self._closing: list[Callback] = list(closing)
         self._on_draining = list(on_draining)
-        self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand
+        self.grace_over = asyncio.Event()  # kept work finishes now, with what it has
+        self._kept: set[asyncio.Future] = set()
+        self._starting = 0  # requests admitted whose stream is not running yet (``starting``)
+        self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand, kept work ended
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,11 +150,38 @@ class Lifecycle:
         if self.draining.is_set():
             raise instance_draining()
 
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """A request, from before ``admit`` until its stream runs (``guard``'s first event asked for)
+        or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
+        two requests admitted as SIGTERM came reached their upstream after the two streams then
+        running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)"""
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+            self._changed.set()
+
     def register(self, record: StreamRecord) -> Stream:
         stream = Stream(record)
         self._streams.add(stream)
         self._changed.set()
         return stream
+
+    def keep(self, work: asyncio.Future) -> None:
+        """Work this instance must finish before it goes (a charge nobody else can make): while
+        draining it is waited for within the grace as a stream is, then (``grace_over``) for
+        ``CUT_WAIT`` more, and it is done before the ``on_drain`` callbacks settle the charges.
+        Whatever it does past that is cut with the process: it says so itself."""
+        if work.done():
+            return
+        self._kept.add(work)
+        work.add_done_callback(self._unkeep)
+
+    def _unkeep(self, work: asyncio.Future) -> None:
+        self._kept.discard(work)
+        self._changed.set()
 
     def guard(
         self,
@@ -294,12 +329,14 @@ class Lifecycle:
             self.grace,
             HOST_SHUTDOWN_TIMEOUT,
         )
-        await self._until(self._all_ending, started + self.grace)  # resumable streams too: they may end here
+        # Resumable streams too (they may end here), and the kept work.
+        await self._until(lambda: self._all_ending() and not self._kept and not self._starting, started + self.grace)
+        self.grace_over.set()
         cut = [s for s in self._streams if not s.ending and not s.resumable]
         for stream in cut:
             stream.cut_now()
-        if cut:
-            await self._until(self._cut_ending, loop.time() + CUT_WAIT)
+        if cut or self._kept:
+            await self._until(lambda: self._cut_ending() and not self._kept, loop.time() + CUT_WAIT)
         await _bounded("on_drain", self._on_drain, CALLBACKS_WAIT)
         self._settled.set()
         await self._until(lambda: not any(not s.resumable for s in self._streams), loop.time() + CUT_WAIT)

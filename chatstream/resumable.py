@@ -58,7 +58,10 @@ Encode = Callable[[Event], bytes | None]
 
 # The live caller's last event waits (at most this long) until the log holds the whole answer: an
 # instance that dies as the answer ends has it all in its log, and its recovery charges all of it
-# (docs/callers.md). One store write at the end of a stream; nothing per delta.
+# (docs/callers.md). One store write at the end of a stream; nothing per delta. The chunk that
+# completes the answer waits with it (chaos seed 97: three chat-completions callers held the
+# finish_reason chunk of an instance killed before it stored it; resumed, they got stream_lost
+# after an answer they had whole).
 END_STORED_WITHIN = 2.0
 
 
@@ -155,7 +158,9 @@ class Resumable:
                     if data:
                         batch.append(data)
                     final = not isinstance(item, Chunk)
-                    if batch and not (isinstance(item, Chunk) and item.more):
+                    # A chunk that completes the answer (its finish_reason) goes out with the final
+                    # event, once the log holds both: a caller never holds an end the log lacks.
+                    if batch and not (isinstance(item, Chunk) and (item.more or protocol.done)):
                         data = producer.append(b"".join(batch), final=final)
                         if final:
                             relaying = False

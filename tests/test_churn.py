@@ -700,3 +700,70 @@ def _killed_after_30(a, apps, key: str) -> tuple[str, list[int], list[str], floa
                     a.stop(signal.SIGKILL)
                     return stream_id, ids, received, time.time()
     raise AssertionError(f"the answer ended after {len(ids)} events, before its 30th")
+
+
+@pytest.mark.alone
+@pytest.mark.timeout(240)
+def test_a_lost_part_is_raised_to_what_its_caller_received_when_its_taker_is_sigtermed(azurite, start_app):
+    """As above, and B, the taker, gets SIGTERM (a deploy) the moment its continuation's upstream call
+    starts, before the continuation has regenerated the caller's 30 events (what raises A's part to
+    what its caller read). B serves no request then, so its host kills its worker ~0.5 s after the
+    SIGTERM, too soon for the continuation: B's drain makes the raise at once with what it has, and
+    when it cannot make it whole its log says, under the request's id, what it did not charge. C
+    recovers what is left; the budget row equals the ledger. (Before, the drain handed the stream
+    over at once, the raise was cancelled, and nothing said so: A's part stayed at what the log held.)"""
+    from servers import Upstream
+
+    from chatstream import tokens
+
+    upstream = Upstream("--scenario", "cadence", "--deltas", "1000", "--interval-ms", "20")
+    try:
+        settings = {"RESUMABLE_STREAMS": "on", "RESUME_TTL_SECONDS": "60"}
+        a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
+        who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
+        stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
+        finals: list[str] = []
+        deadline = time.monotonic() + 60
+        while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
+            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
+            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+                if r.status_code != 200:
+                    time.sleep(0.5)
+                    continue
+                finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
+                continued = [s for s in upstream.streams() if s["started_at"] > killed]
+        assert finals == ["error"], finals
+        deadline = time.monotonic() + 30
+        while not continued:  # (the reader may end before the continuation's call starts)
+            assert time.monotonic() < deadline, "B's continuation never started"
+            time.sleep(0.01)
+            continued = [s for s in upstream.streams() if s["started_at"] > killed]
+        b.proc.send_signal(signal.SIGTERM)
+        sent = len(continued[0]["content_sent_at"])
+        print(f"B SIGTERMed {sent} deltas into its continuation")
+        assert sent < 30, "the continuation had regenerated the caller's events before the SIGTERM"
+        assert b.proc.wait(30) is not None
+        want = tokens.count_text(MODEL, "".join(received))
+        deadline = time.monotonic() + 90
+        while True:  # C recovers what A and B left
+            rows = ledger(azurite, who)
+            lost = [r for r in rows if r["ended"] == "lost" and int(r.get("segment") or 0) == 0]
+            taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
+            said = f"(stream {stream_id}): its lost part not raised to what its caller received"
+            if (
+                lost
+                and held == 0
+                and taken == spent(rows)
+                and (lost[0]["completion_tokens"] >= want or said in b.log())
+            ):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert lost and held == 0 and taken == spent(rows), (rows, taken, held)
+        charged = lost[0]["completion_tokens"]
+        print(f"A's part charged {charged} tokens; its caller read {want}; B said so: {said in b.log()}")
+        print("\n".join(line for line in b.log().splitlines() if "WARNING" in line or "ERROR" in line)[-4000:])
+        assert charged >= want or said in b.log(), (charged, want)
+    finally:
+        upstream.stop()

@@ -183,6 +183,84 @@ async def test_a_stream_closed_before_its_first_event_task_started_is_not_left_t
     assert record.error is None and record.stop_reason is None
 
 
+async def test_a_request_admitted_as_the_drain_begins_is_waited_for_as_a_stream():
+    """Chaos seed 97: two requests admitted just before SIGTERM were still in their admission (a
+    store call) when the drain looked; their streams started after the streams then running had
+    ended, and the drain, seeing none, went on to close the app under them. A request counts from
+    its admission (``starting``): its stream gets the grace and ends as usual, before the callbacks."""
+    loop = asyncio.get_running_loop()
+    settled: list[float] = []
+
+    async def settle():
+        settled.append(loop.time())
+
+    life = Lifecycle(2, 30, on_drain=[settle], signals=False)
+    record = StreamRecord(endpoint="chat", model="m")
+
+    async def request() -> list[tuple[float, Event]]:
+        with life.starting():
+            life.admit()
+            await asyncio.sleep(0.3)  # its admission, on a slow store
+            reading = asyncio.ensure_future(read_all(guarded(life, events(5, 0.05, record, []), record)))
+            await asyncio.sleep(0)  # (its first event asked for: it runs)
+        return await reading
+
+    answered = asyncio.ensure_future(request())
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(life.drain(), 5)
+    items = await answered
+    assert isinstance(items[-1][1], Done) and record.error is None, items[-1]
+    assert settled and settled[0] >= items[-2][0], "the callbacks ran while the stream was running"
+
+
+async def test_kept_work_is_waited_for_within_the_grace_and_done_before_the_on_drain_callbacks():
+    """A takeover's raise of a lost part (nobody else can make it): with no stream running, the drain
+    still gives it the grace, and the on_drain callbacks (the charges settled) come after it."""
+    loop = asyncio.get_running_loop()
+    happened: list[tuple[str, float]] = []
+
+    async def raise_lost():
+        await asyncio.sleep(0.8)  # its continuation regenerates what the caller had
+        happened.append(("raised", loop.time()))
+
+    async def settle():
+        happened.append(("settled", loop.time()))
+
+    life = Lifecycle(2, 30, on_drain=[settle], signals=False)
+    life.keep(asyncio.ensure_future(raise_lost()))
+    started = loop.time()
+    await asyncio.wait_for(life.drain(), 5)
+    assert [what for what, _ in happened] == ["raised", "settled"]
+    assert happened[1][1] - started < 1.5, "the drain waited the whole grace after the work was done"
+
+
+async def test_kept_work_still_running_at_the_graces_end_is_told_so_and_given_a_moment():
+    """Work that would run past the grace is told (``grace_over``) and finishes with what it has
+    before the on_drain callbacks; work that does not is left behind, and the drain still ends."""
+    loop = asyncio.get_running_loop()
+    happened: list[str] = []
+
+    async def raise_lost():
+        await life.grace_over.wait()
+        happened.append("raised with what it had")
+
+    async def hangs():
+        await asyncio.Event().wait()
+
+    async def settle():
+        happened.append("settled")
+
+    life = Lifecycle(0.5, 30, on_drain=[settle], signals=False)
+    life.keep(asyncio.ensure_future(raise_lost()))
+    stuck = asyncio.ensure_future(hangs())
+    life.keep(stuck)
+    started = loop.time()
+    await asyncio.wait_for(life.drain(), 5)
+    assert happened == ["raised with what it had", "settled"]
+    assert loop.time() - started < 0.5 + 0.5 + CALLBACKS_WAIT + 1.0
+    stuck.cancel()
+
+
 async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_ends(caplog):
     closed: list[str] = []
 

@@ -127,7 +127,7 @@ async def test_the_live_callers_last_event_comes_once_the_log_holds_the_whole_an
             first,
             events,
             encode,
-            cast(Any, None),
+            cast(Any, SimpleNamespace(done=False)),
             cast(Any, limits),
             StreamRecord(endpoint="chat", model="m"),
             {},
@@ -138,4 +138,59 @@ async def test_the_live_callers_last_event_comes_once_the_log_holds_the_whole_an
                 seen.append((data, producer.stored_end))
         assert seen[-1][0].endswith(DONE) and seen[-1][1]  # the log held the end when the caller got it
         assert not seen[0][1]  # (the deltas before it did not wait)
+        await producer.wait_stored(5)
+
+
+async def test_the_chunk_that_completes_an_answer_goes_out_with_its_final_event_once_the_log_holds_both():
+    """Chaos seed 97: an instance killed as chat-completions answers ended; their callers held the
+    finish_reason chunk, which the log never held, so a resume after it got stream_lost for an
+    answer they had whole. That chunk now waits for the final event (and the log) too."""
+    from types import SimpleNamespace
+
+    from memory_store import Fault
+
+    from chatstream.record import StreamRecord
+    from chatstream.resumable import Resumable
+    from chatstream.state.store import STREAMS_TABLE
+    from chatstream.stream import Chunk, Done
+
+    from .streamlog_helpers import DONE, QUICK, delta, instances
+
+    protocol = SimpleNamespace(done=False)
+    async with instances(1, **QUICK) as (a,):
+        producer = a.start("openai", None)
+        for table in (STREAMS_TABLE, "blob"):
+            a.store.inject(Fault("slow", table=table, delay=0.3, times=10**9))
+
+        async def answer():
+            for i in range(3):
+                yield Chunk({"i": i})
+            protocol.done = True  # (the protocol has read the finish_reason)
+            yield Chunk({"i": 99})
+            yield Done("stop", {0: "stop"}, None, None, None, None)
+
+        def encode(item) -> bytes:
+            return DONE if isinstance(item, Done) else delta(item.data["i"])
+
+        events = answer()
+        first = asyncio.ensure_future(anext(events))
+        limits = SimpleNamespace(total_at=asyncio.get_running_loop().time() + 60)
+        resumable = Resumable(a, heartbeat=5, total_timeout=60, accounting=None)
+        response = resumable.respond(
+            producer,
+            first,
+            events,
+            encode,
+            cast(Any, protocol),
+            cast(Any, limits),
+            StreamRecord(endpoint="openai", model="m"),
+            {},
+        )
+        seen = []
+        async with asyncio.timeout(10):
+            async for data in response.content:  # type: ignore[attr-defined]
+                seen.append((data, producer.stored_end))
+        seen = [(data, stored) for data, stored in seen if not data.startswith(b":")]  # (keep-alives)
+        assert len(seen) == 4 and seen[-1][1], seen  # three deltas, then the finish and the end together
+        assert delta(99) in seen[-1][0] and seen[-1][0].endswith(DONE), seen[-1]
         await producer.wait_stored(5)

@@ -63,6 +63,15 @@ class Claim:
         ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
+    def past_stored(self) -> int:
+        """How many events the reader that asked for the takeover held past the stored end (the
+        lost producer's, unstored)."""
+        return max(0, self.producer.unstored - position(self.last_id)) if self.producer.unstored else 0
+
+    def stood_in_events(self) -> int:
+        """How many of those the continuation has kept (``stand_ins``)."""
+        return len(sse.split(self.stand_ins())[0])
+
     def all_stood_in(self) -> bool:
         """Whether the continuation has kept every stand-in (its event at position ``producer.unstored``)."""
         last = sse.split(self.stand_ins())[0][-1:]
