@@ -480,6 +480,21 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
         upstream.stop()
 
 
+def _final_events_resumed_on(app, stream_id: str, key: str, last_id: int) -> list[str]:
+    """The stream resumed on ``app`` after ``last_id`` (the caller's position), once ``app`` takes it
+    over (after the dead producer's lease: within 60 s): the names of its final events."""
+    finals: list[str] = []
+    deadline = time.monotonic() + 60
+    while not finals and time.monotonic() < deadline:
+        headers = {"api-key": key, "Last-Event-ID": str(last_id)}
+        with httpx.stream("GET", f"{app.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
+            if r.status_code != 200:
+                time.sleep(0.5)
+                continue
+            finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
+    return finals
+
+
 @pytest.mark.alone
 @pytest.mark.timeout(240)
 def test_a_lost_part_is_raised_to_what_its_caller_received_even_if_its_taker_dies_mid_continuation(azurite, start_app):
@@ -498,15 +513,7 @@ def test_a_lost_part_is_raised_to_what_its_caller_received_even_if_its_taker_die
         a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
         stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
-        finals: list[str] = []
-        deadline = time.monotonic() + 60
-        while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
-            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
-            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
-                if r.status_code != 200:
-                    time.sleep(0.5)
-                    continue
-                finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
+        finals = _final_events_resumed_on(b, stream_id, key, ids[-1])
         assert finals == ["error"], finals
         deadline = time.monotonic() + 30
         while True:  # B's continuation past the caller's 30 events (and 0.6 s more), still running
@@ -722,17 +729,9 @@ def test_a_lost_part_is_raised_to_what_its_caller_received_when_its_taker_is_sig
         a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
         stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
-        finals: list[str] = []
-        deadline = time.monotonic() + 60
-        while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
-            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
-            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
-                if r.status_code != 200:
-                    time.sleep(0.5)
-                    continue
-                finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
-                continued = [s for s in upstream.streams() if s["started_at"] > killed]
+        finals = _final_events_resumed_on(b, stream_id, key, ids[-1])
         assert finals == ["error"], finals
+        continued = [s for s in upstream.streams() if s["started_at"] > killed]
         deadline = time.monotonic() + 30
         while not continued:  # (the reader may end before the continuation's call starts)
             assert time.monotonic() < deadline, "B's continuation never started"

@@ -458,6 +458,29 @@ async def test_a_budget_in_debt_is_refused_with_what_was_spent():
     assert isinstance(refused, Refused) and refused.used == 1200 and refused.retry_after is None, refused
 
 
+async def _a_holding_a_background_response():
+    """Instances a and b on one account, caller c (a month's token budget) whose background response
+    a admitted and answered: it goes on upstream, and what it reserved is held until it is seen."""
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
+    caller = await a.registry.get(Caller, "c")
+    background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
+    assert isinstance(background, Admission)
+    await acc_a.claim("response", "resp_bg", background, background=True)
+    finish(acc_a, background, rec, None)
+    assert await acc_a.flush(5)
+    return data, a, acc_a, b, caller
+
+
+def _row_equals_ledger(data: MemoryData, partition: str, key: str) -> None:
+    """The budget row has taken what the ledger holds, and no instance holds any of it."""
+    ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
+    found = counter(data, partition, key)
+    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+
+
 async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeover_and_counts_nothing_twice():
     """a holds r0's reservation in its caller's budget row, and a give-back of exactly as much (a
     background response's usage seen, below what it reserved) waits for its ledger row: a's entry
@@ -465,17 +488,8 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     at its checkpoint). a's next exchange (r0's settle) must see that its entry went, as it does when
     it held more than 0: before, it gave r0's reservation back a second time, the row below the
     ledger by as much."""
-    data = account()
-    a, acc_a = instance(data, "instance-a")
-    b, _ = instance(data, "instance-b")
-    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
-    caller = await a.registry.get(Caller, "c")
+    data, a, acc_a, b, caller = await _a_holding_a_background_response()
     budget = (caller.limits_partition, "tokens")
-    background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
-    assert isinstance(background, Admission)
-    await acc_a.claim("response", "resp_bg", background, background=True)
-    finish(acc_a, background, rec, None)  # it goes on upstream: what it reserved is held until it is seen
-    assert await acc_a.flush(5)
     reserved = counter(data, *budget)["taken"]
     r0, rec0 = await admit(acc_a, caller, "zero", max_output_tokens=100)
     assert isinstance(r0, Admission)
@@ -494,8 +508,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # the background response, r0 at its checkpoint (b's)
-    found = counter(data, *budget)
-    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    _row_equals_ledger(data, *budget)
     await a.close()
     await b.close()
 
@@ -522,17 +535,8 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     a's), and its ledger row is written; a's counters, seeing their entry gone, keep the charges no
     sealed journal listed (the journal numbers each charge it lists settled). Before, they dropped
     every staged charge: the row ended 1,002 below the ledger."""
-    data = account()
-    a, acc_a = instance(data, "instance-a")
-    b, _ = instance(data, "instance-b")
-    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
-    caller = await a.registry.get(Caller, "c")
+    data, a, acc_a, b, caller = await _a_holding_a_background_response()
     budget = (caller.limits_partition, "tokens")
-    background, rec = await admit(acc_a, caller, "later", max_output_tokens=4000, background=True)
-    assert isinstance(background, Admission)
-    await acc_a.claim("response", "resp_bg", background, background=True)
-    finish(acc_a, background, rec, None)
-    assert await acc_a.flush(5)
     r0, rec0 = await admit(acc_a, caller, "zero", max_output_tokens=100)
     assert isinstance(r0, Admission) and isinstance(a.store, MemoryStore)
     journal_down = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
@@ -545,8 +549,7 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # the background response (a's), r0 at its checkpoint (b's)
-    found = counter(data, *budget)
-    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    _row_equals_ledger(data, *budget)
     await a.close()
     await b.close()
 
@@ -575,7 +578,6 @@ async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # r1 (a's), r0 at its checkpoint (b's)
-    found = counter(data, caller.limits_partition, "tokens")
-    assert (found["taken"], found["holds"]) == (sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger), "")
+    _row_equals_ledger(data, caller.limits_partition, "tokens")
     await a.close()
     await b.close()

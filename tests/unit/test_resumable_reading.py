@@ -89,11 +89,10 @@ async def test_a_reading_that_handed_out_its_end_gets_no_stream_moved():
     assert [data async for data in body] == []
 
 
-async def test_the_live_callers_last_event_comes_once_the_log_holds_the_whole_answer():
-    """An instance killed as an answer ends: its caller read all of it, and the dead instance's
-    recovery charges what the log holds (the journal's checkpoint is up to 0.5 s behind). So the
-    final event goes to the live caller only once the log has it (a chaos soak found lost parts
-    read to their end charged 37-41 of 42 tokens)."""
+async def _relayed_with_slow_writes(endpoint: str, answer, protocol) -> list[tuple[bytes, bool]]:
+    """``answer`` (its items) relayed to a live caller by a resumable stream on one instance whose
+    stream writes are slow (its beats are not): each piece the caller got (keep-alives left out),
+    and whether the log held the whole answer then."""
     from types import SimpleNamespace
 
     from memory_store import Fault
@@ -101,73 +100,14 @@ async def test_the_live_callers_last_event_comes_once_the_log_holds_the_whole_an
     from chatstream.record import StreamRecord
     from chatstream.resumable import Resumable
     from chatstream.state.store import STREAMS_TABLE
-    from chatstream.stream import Chunk, Done
+    from chatstream.stream import Done
 
     from .streamlog_helpers import DONE, QUICK, delta, instances
 
     async with instances(1, **QUICK) as (a,):
-        producer = a.start("chat", None)
-        for table in (STREAMS_TABLE, "blob"):  # the stream's writes are slow; its instance's beats are not
-            a.store.inject(Fault("slow", table=table, delay=0.3, times=10**9))
-
-        async def answer():
-            for i in range(3):
-                yield Chunk({"i": i})
-            yield Done("stop", {0: "stop"}, None, None, None, None)
-
-        def encode(item) -> bytes:
-            return DONE if isinstance(item, Done) else delta(item.data["i"])
-
-        events = answer()
-        first = asyncio.ensure_future(anext(events))
-        limits = SimpleNamespace(total_at=asyncio.get_running_loop().time() + 60)
-        resumable = Resumable(a, heartbeat=5, total_timeout=60, accounting=None)
-        response = resumable.respond(
-            producer,
-            first,
-            events,
-            encode,
-            cast(Any, SimpleNamespace(done=False)),
-            cast(Any, limits),
-            StreamRecord(endpoint="chat", model="m"),
-            {},
-        )
-        seen = []
-        async with asyncio.timeout(10):
-            async for data in response.content:  # type: ignore[attr-defined]
-                seen.append((data, producer.stored_end))
-        assert seen[-1][0].endswith(DONE) and seen[-1][1]  # the log held the end when the caller got it
-        assert not seen[0][1]  # (the deltas before it did not wait)
-        await producer.wait_stored(5)
-
-
-async def test_the_chunk_that_completes_an_answer_goes_out_with_its_final_event_once_the_log_holds_both():
-    """Chaos seed 97: an instance killed as chat-completions answers ended; their callers held the
-    finish_reason chunk, which the log never held, so a resume after it got stream_lost for an
-    answer they had whole. That chunk now waits for the final event (and the log) too."""
-    from types import SimpleNamespace
-
-    from memory_store import Fault
-
-    from chatstream.record import StreamRecord
-    from chatstream.resumable import Resumable
-    from chatstream.state.store import STREAMS_TABLE
-    from chatstream.stream import Chunk, Done
-
-    from .streamlog_helpers import DONE, QUICK, delta, instances
-
-    protocol = SimpleNamespace(done=False)
-    async with instances(1, **QUICK) as (a,):
-        producer = a.start("openai", None)
+        producer = a.start(endpoint, None)
         for table in (STREAMS_TABLE, "blob"):
             a.store.inject(Fault("slow", table=table, delay=0.3, times=10**9))
-
-        async def answer():
-            for i in range(3):
-                yield Chunk({"i": i})
-            protocol.done = True  # (the protocol has read the finish_reason)
-            yield Chunk({"i": 99})
-            yield Done("stop", {0: "stop"}, None, None, None, None)
 
         def encode(item) -> bytes:
             return DONE if isinstance(item, Done) else delta(item.data["i"])
@@ -183,14 +123,57 @@ async def test_the_chunk_that_completes_an_answer_goes_out_with_its_final_event_
             encode,
             cast(Any, protocol),
             cast(Any, limits),
-            StreamRecord(endpoint="openai", model="m"),
+            StreamRecord(endpoint=endpoint, model="m"),
             {},
         )
         seen = []
         async with asyncio.timeout(10):
             async for data in response.content:  # type: ignore[attr-defined]
                 seen.append((data, producer.stored_end))
-        seen = [(data, stored) for data, stored in seen if not data.startswith(b":")]  # (keep-alives)
-        assert len(seen) == 4 and seen[-1][1], seen  # three deltas, then the finish and the end together
-        assert delta(99) in seen[-1][0] and seen[-1][0].endswith(DONE), seen[-1]
         await producer.wait_stored(5)
+    return [(data, bool(stored)) for data, stored in seen if not data.startswith(b":")]
+
+
+async def test_the_live_callers_last_event_comes_once_the_log_holds_the_whole_answer():
+    """An instance killed as an answer ends: its caller read all of it, and the dead instance's
+    recovery charges what the log holds (the journal's checkpoint is up to 0.5 s behind). So the
+    final event goes to the live caller only once the log has it (a chaos soak found lost parts
+    read to their end charged 37-41 of 42 tokens)."""
+    from types import SimpleNamespace
+
+    from chatstream.stream import Chunk, Done
+
+    from .streamlog_helpers import DONE
+
+    async def answer():
+        for i in range(3):
+            yield Chunk({"i": i})
+        yield Done("stop", {0: "stop"}, None, None, None, None)
+
+    seen = await _relayed_with_slow_writes("chat", answer, SimpleNamespace(done=False))
+    assert seen[-1][0].endswith(DONE) and seen[-1][1]  # the log held the end when the caller got it
+    assert not seen[0][1]  # (the deltas before it did not wait)
+
+
+async def test_the_chunk_that_completes_an_answer_goes_out_with_its_final_event_once_the_log_holds_both():
+    """Chaos seed 97: an instance killed as chat-completions answers ended; their callers held the
+    finish_reason chunk, which the log never held, so a resume after it got stream_lost for an
+    answer they had whole. That chunk now waits for the final event (and the log) too."""
+    from types import SimpleNamespace
+
+    from chatstream.stream import Chunk, Done
+
+    from .streamlog_helpers import DONE, delta
+
+    protocol = SimpleNamespace(done=False)
+
+    async def answer():
+        for i in range(3):
+            yield Chunk({"i": i})
+        protocol.done = True  # (the protocol has read the finish_reason)
+        yield Chunk({"i": 99})
+        yield Done("stop", {0: "stop"}, None, None, None, None)
+
+    seen = await _relayed_with_slow_writes("openai", answer, protocol)
+    assert len(seen) == 4 and seen[-1][1], seen  # three deltas, then the finish and the end together
+    assert delta(99) in seen[-1][0] and seen[-1][0].endswith(DONE), seen[-1]
