@@ -2,13 +2,18 @@
 (docs/callers.md): requests and tokens per minute, token and spend budgets, of callers and teams,
 overall and per model.
 
-**Capacity leases.** Each limit is one counter row (counter_row.py): what of its window is out,
-and each holding instance's share. Each instance (``Counters``) holds a local balance per counter
-(its ``Lease``): a reservation is served from it without a store call. When it is short, the
-reservation waits while ONE exchange per counter and instance is in flight, asking for what all the
-waiting reservations need, as one ETag-conditional write that grants those that fit under the
-limit, in order (a large one does not block smaller ones behind it). Capacity that comes back (a
-reservation settled below what it reserved, a request released) goes back by the same flight.
+**The model.** A limit is one counter row per window (counter_row.py): ``taken``, what of the
+window is out, equals what its instances hold (their entries' ``held``) plus what was spent. An
+instance holds a share so as to serve reservations without a store call (its ``Lease``: a local
+balance), and changes the row by one kind of write only, an *exchange*: one ETag-conditional write
+of its own entry and ``taken`` that takes from the row what waiting reservations need (granting
+those that fit under the limit, in order: a large one does not block smaller ones behind it), gives
+back what came back (a reservation settled below what it reserved, a request released), and moves
+what was spent from held to spent (a budget's charges in order: the entry's ``applied`` is the last
+in). ONE exchange per counter and instance is in flight; what comes meanwhile waits for the next. A
+dead instance's entry in a budget row is taken out by its recovery (journal.py), which adds its
+charges after ``applied``; minute windows end. The entry's ``exchange`` tells whether a write whose
+answer was lost landed, its ``idle`` what its hold keeps: none of the four is derived.
 
 **A lone request's hold.** A lone request takes one more request's worth for the next one, kept
 ``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
@@ -24,13 +29,11 @@ another write landed first, ours never will (its ETag is gone), and only then is
 Until that is known the counter waits (its reservations answer "unavailable"). So the row always
 equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
 
-**A dead instance gives back** (journal.py's recovery takes its entry out of each budget row it held). For
-that, this instance's journal lists a budget counter before any of it is held here (``WriteAhead``),
-and a charge enters a budget's row only once its ledger row is written (``Settlement.confirm``), in
-the order charges were made: the entry's ``applied`` is the last one in. The entry stays while a
-charge is not in yet (its ``held`` may be 0, or below: a give-back), and one where this instance
-held nothing is journaled once the entry is there (``Counters.entered``). Minute windows need
-nothing: they end.
+**What a recovery needs.** This instance's journal lists a budget counter before any of it is held
+here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
+(``Settlement.confirm``), in the order charges were made. The entry stays while a charge is not in
+yet (its ``held`` may be 0, or below: a give-back), and one where this instance held nothing is
+journaled once the entry is there (``Counters.entered``).
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
 limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
@@ -158,8 +161,8 @@ class Hold:
 
 class Lease:
     """One counter as this instance holds it (module docstring). Local books, in the counter's window:
-    ``held == balance + reserved + sum(staged)``, where ``held`` is this instance's entry in the row
-    as last written. A charge past what the balance holds leaves it below 0: the next exchange takes
+    ``held == balance + sum(parts' needs) + sum(staged)``, where ``held`` is this instance's entry in
+    the row as last written. A charge past what the balance holds leaves it below 0: the next exchange takes
     the rest from the row, as it takes what waiting reservations need."""
 
     def __init__(self, counters: Counters, key: CounterKey):
@@ -175,7 +178,6 @@ class Lease:
         # so a charge is journaled once it is there (``Counters.entered``); gone: taken over.
         self.in_row = False
         self.balance = 0
-        self.reserved = 0
         self.staged: deque[_Staged] = deque()
         self.seq = 0  # the last charge's number
         self.applied = 0  # the last charge in the row
@@ -201,7 +203,7 @@ class Lease:
     def _drop_books(self, kept: Sequence[_Staged] = ()) -> None:
         """New books, with only the ``kept`` charges in them: the row pays what they take."""
         self.generation += 1
-        self.held = self.reserved = 0
+        self.held = 0
         self.staged = deque(kept)
         self.balance = -sum(staged.amount for staged in kept)
         self.in_row = False
@@ -213,7 +215,7 @@ class Lease:
         self.advance(window)
         if self.waiters or self.uncertain is not None or self._servable() < need:
             return None
-        self._reserve(need)
+        self.balance -= need  # to the part (``held`` counts it still)
         if self.hold.serving():
             self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
         return self._part(need)
@@ -234,7 +236,7 @@ class Lease:
     def give_back(self, part: Part) -> None:
         """What ``part`` reserved comes back unused."""
         if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
-            self._reserve(-part.need)
+            self.balance += part.need
             self.kick()
 
     def settle(self, part: Part, spent: int) -> _Staged | None:
@@ -283,10 +285,10 @@ class Lease:
         return min(self.balance, self.remaining())
 
     def holds(self) -> bool:
-        """Whether this instance has books on the counter, or may hold some of it in the row without
+        """Whether this instance has books on the counter (a part out counts in ``held``; in flight,
+        a budget's part is journaled with its request), or may hold some of it in the row without
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
-        books = (self.held, self.balance, self.reserved, self.staged, self.waiters, self.uncertain)
-        return any(books)
+        return any((self.held, self.balance, self.staged, self.waiters, self.uncertain))
 
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
@@ -308,22 +310,13 @@ class Lease:
 
     def _serve_from_balance(self) -> None:
         if self.uncertain is None:
-            room, fits = self._servable(), []
-            for waiter in self._pending():
-                if waiter.need <= room:
-                    fits.append(waiter)
-                    room -= waiter.need
+            fits = _fitting(self._pending(), self._servable())
             self._answer(fits, fits)
 
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
-
-    def _reserve(self, need: int) -> None:
-        """``need`` moves from the balance to the reservations (a negative one comes back)."""
-        self.balance -= need
-        self.reserved += need
 
     def _stage(self, amount: int) -> _Staged:
         self.seq += 1
@@ -426,12 +419,8 @@ class Lease:
                 await counters.journal.note_counter(self.key, self.holds)
                 waiters = self._pending()
             room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
-            chosen: list[_Waiter] = []
-            total = 0
-            for waiter in waiters:  # what fits, in order
-                if total + waiter.need <= room:
-                    chosen.append(waiter)
-                    total += waiter.need
+            chosen = _fitting(waiters, room)
+            total = sum(waiter.need for waiter in chosen)
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
@@ -526,7 +515,7 @@ class Lease:
             if waiter.future.done():
                 continue
             if id(waiter) in picked:
-                self._reserve(waiter.need)
+                self.balance -= waiter.need
                 waiter.future.set_result(self._part(waiter.need))
             else:
                 waiter.future.set_result(None)
@@ -721,8 +710,8 @@ class Counters:
         asked = clock.answered_at
         _, pending = await asyncio.wait(futures, timeout=RESERVE_TIMEOUT)
         # Slow is not down: the store answered something meanwhile, or its answers have been slow
-        # lately (a busy store); one that answered quickly until it stopped answering is down.
-        if pending and (clock.answered_at > asked or clock.latency > RESERVE_TIMEOUT / 4):
+        # lately (a busy store: ``patience``); one that answered quickly until it stopped answering is down.
+        if pending and (clock.answered_at > asked or clock.patience(RESERVE_TIMEOUT) > RESERVE_TIMEOUT):
             await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
 
     def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
@@ -762,30 +751,19 @@ class Counters:
     async def entered(self, settlement: Settlement, within: float) -> bool:
         """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a
         correction where it held nothing: its first exchange), at most ``within`` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while not settlement.entered() and (left := deadline - loop.time()) > 0:
-            flights = [lease.flight for lease, _ in settlement.staged if lease.flight is not None]
-            if flights:
-                await asyncio.wait(flights, timeout=left)
-            else:  # none in flight (a failed exchange waits for its retry)
-                await asyncio.sleep(min(0.05, left))
-        return settlement.entered()
+        return await _until(settlement.entered, lambda: [lease for lease, _ in settlement.staged], within)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if
         it got there within ``within`` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while loop.time() < deadline:
-            flights = [lease.flight for lease in self._leases.values() if lease.flight is not None]
-            if flights:
-                await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
-                continue
-            if not [lease for lease in self._leases.values() if lease.give_all_back()]:
-                return True
-            await asyncio.sleep(0.05)
-        return False
+
+        def done() -> bool:
+            leases = self._leases.values()
+            return all(lease.flight is None for lease in leases) and not [
+                lease for lease in leases if lease.give_all_back()
+            ]
+
+        return await _until(done, lambda: list(self._leases.values()), within)
 
     async def close(self) -> None:
         self.closed = True
@@ -793,6 +771,30 @@ class Counters:
         for flight in flights:
             flight.cancel()
         await asyncio.gather(*flights, return_exceptions=True)
+
+
+def _fitting(waiters: list[_Waiter], room: int) -> list[_Waiter]:
+    """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
+    fits = []
+    for waiter in waiters:
+        if waiter.need <= room:
+            fits.append(waiter)
+            room -= waiter.need
+    return fits
+
+
+async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], within: float) -> bool:
+    """Wait until ``done()``, at most ``within`` seconds: for the ``leases``' flights while there
+    are some, else a little (a failed exchange waits for its retry)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not done() and (left := deadline - loop.time()) > 0:
+        flights = [lease.flight for lease in leases() if lease.flight is not None]
+        if flights:
+            await asyncio.wait(flights, timeout=left)
+        else:
+            await asyncio.sleep(min(0.05, left))
+    return done()
 
 
 def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:

@@ -16,7 +16,7 @@ reads them (``row_of``).
 
 Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
 (``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
-service's refusals (``Refused``), aiohttp's and the network's errors, a timeout, an identity
+service's error answers (``ErrorAnswer``), aiohttp's and the network's errors, a timeout, an identity
 without a token, as httpx maps its transport's exceptions."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ T = TypeVar("T")
 Answer = Callable[[Mapping[str, str], bytes], T]
 
 
-class Refused(Exception):
+class ErrorAnswer(Exception):
     """The service answered with an error: its HTTP ``status``, its ``x-ms-error-code`` and, for a
     batch, which operation failed (``index``)."""
 
@@ -88,7 +88,7 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
         return StoreUnavailable(f"no token for the store ({exc})")
     if isinstance(exc, (OSError, aiohttp.ClientError)):
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
-    if not isinstance(exc, Refused):
+    if not isinstance(exc, ErrorAnswer):
         return None
     status, code, index = exc.status, exc.code, exc.index
     if status == 404 and code in GONE:  # still, once made (being deleted in Azure; not ours to make)
@@ -223,7 +223,7 @@ def _fields(head: bytes) -> dict[str, str]:
 
 def _batch_etags(count: int) -> Answer[list[str | None]]:
     """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
-    operation raises ``Refused`` with its index (the odata.error's message starts with it, "1:The
+    operation raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The
     specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
     ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU (five to ten
     times ``_http_parts``'s on tests/unit/test_store_batch.py's answers recorded from Azurite, where
@@ -242,9 +242,9 @@ def _batch_etags(count: int) -> Answer[list[str | None]]:
                     error = json.loads(body).get("odata.error") or {}
             message = error.get("message")
             head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
-            raise Refused(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+            raise ErrorAnswer(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
         if len(found) != count:
-            raise Refused(0, None, 0)
+            raise ErrorAnswer(0, None, 0)
         return found
 
     return etags
@@ -490,7 +490,7 @@ class AzureStore:
                 target = self.account.target(table, path)
                 try:
                     result = await self._send(target, method, headers, body, answer, again)
-                except Refused as exc:
+                except ErrorAnswer as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
                     await self._create(table)
@@ -527,7 +527,7 @@ class AzureStore:
         once: a copy sent after a timeout whose first try landed would get a 409/412 that says
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
-        journal.py). An error answer raises ``Refused``."""
+        journal.py). An error answer raises ``ErrorAnswer``."""
         signer, url = target
         token, auth = await signer.sign()
         if token:
@@ -555,7 +555,7 @@ class AzureStore:
             if response.status >= 300:
                 if response.status in (401, 403):  # a token refused: a new one next time
                     signer.refused()
-                raise Refused(response.status, response.headers.get("x-ms-error-code"))
+                raise ErrorAnswer(response.status, response.headers.get("x-ms-error-code"))
             return answer(response.headers, await response.read())
         finally:
             response.release()
@@ -571,7 +571,7 @@ class AzureStore:
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
             await self._send(target, method, headers, body, _nothing, again=True)
-        except Refused as exc:
+        except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise
 

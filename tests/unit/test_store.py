@@ -83,17 +83,17 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
     from chatstream.state.store_account import NoToken
-    from chatstream.state.store_azure import Refused, store_error
+    from chatstream.state.store_azure import ErrorAnswer, store_error
 
-    assert isinstance(store_error(Refused(404, "ResourceNotFound")), NotFound)
-    assert isinstance(store_error(Refused(416, "InvalidRange")), NotFound)  # nothing past a blob's end
-    gone = store_error(Refused(404, "TableNotFound"))  # an outage (made again), not a row's NotFound
+    assert isinstance(store_error(ErrorAnswer(404, "ResourceNotFound")), NotFound)
+    assert isinstance(store_error(ErrorAnswer(416, "InvalidRange")), NotFound)  # nothing past a blob's end
+    gone = store_error(ErrorAnswer(404, "TableNotFound"))  # an outage (made again), not a row's NotFound
     assert type(gone) is StoreUnavailable and "table is not there" in str(gone)
-    assert type(store_error(Refused(404, "ContainerNotFound"))) is StoreUnavailable
-    assert isinstance(store_error(Refused(409, "EntityAlreadyExists")), AlreadyExists)
-    failed = store_error(Refused(412, "UpdateConditionNotSatisfied", index=3))
+    assert type(store_error(ErrorAnswer(404, "ContainerNotFound"))) is StoreUnavailable
+    assert isinstance(store_error(ErrorAnswer(409, "EntityAlreadyExists")), AlreadyExists)
+    failed = store_error(ErrorAnswer(412, "UpdateConditionNotSatisfied", index=3))
     assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]
-    assert isinstance(store_error(Refused(503, "ServerBusy")), StoreUnavailable)
+    assert isinstance(store_error(ErrorAnswer(503, "ServerBusy")), StoreUnavailable)
     assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
     for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), NoToken("E")):
         assert type(store_error(foreign)) is StoreUnavailable  # NoToken: never a NotFound of the row

@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from chatstream.errors import AlreadyExists, Modified, NotFound
-from chatstream.state.store_azure import Refused, _batch_etags, _http_parts, store_error
+from chatstream.state.store_azure import ErrorAnswer, _batch_etags, _http_parts, store_error
 
 ANSWERS = json.loads((Path(__file__).parent / "store_batch_answers.json").read_text())
 
@@ -75,7 +75,7 @@ def test_a_successful_answer_gives_each_operations_etag_in_order(lf):
 )
 @pytest.mark.parametrize("lf", [False, True], ids=["crlf", "lf"])
 def test_a_refused_batch_names_the_failing_operation(name, status, code, index, error, lf):
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(ErrorAnswer) as refused:
         _batch_etags(ANSWERS[name]["count"])(*recorded(name, lf)[1:])
     assert (refused.value.status, refused.value.code, refused.value.index) == (status, code, index)
     mapped = store_error(refused.value, "batch")
@@ -84,14 +84,14 @@ def test_a_refused_batch_names_the_failing_operation(name, status, code, index, 
 
 def test_an_answer_short_of_operations_or_with_an_error_without_a_body_is_refused():
     count, headers, body = recorded("ok1")
-    with pytest.raises(Refused) as short:
+    with pytest.raises(ErrorAnswer) as short:
         _batch_etags(2)(headers, body)
     assert (short.value.status, short.value.code, short.value.index) == (0, None, 0)
     bare = body.replace(b"HTTP/1.1 204 No Content", b"HTTP/1.1 500 Internal Server Error")
-    with pytest.raises(Refused) as failed:
+    with pytest.raises(ErrorAnswer) as failed:
         _batch_etags(count)(headers, bare)
     assert (failed.value.status, failed.value.code, failed.value.index) == (500, None, 0)
-    with pytest.raises(Refused):
+    with pytest.raises(ErrorAnswer):
         _batch_etags(count)({"Content-Type": "text/plain"}, body)
 
 
