@@ -215,7 +215,9 @@ def test_worker_process_count_from_local_settings(probe_dir, tmp_path):
         app.stop()
 
 
-def test_an_invocation_whose_request_never_reaches_the_worker_is_cancelled_not_left_waiting(probe_dir, tmp_path, caplog):
+def test_an_invocation_whose_request_never_reaches_the_worker_is_cancelled_not_left_waiting(
+    probe_dir, tmp_path, caplog
+):
     """The worker's HTTP server resets the host's connection once the invocation has gone out (a
     keep-alive connection it closed, a server going down): the caller gets 502, and the invocation,
     whose request never arrives (the runtime waits for it without a bound), is cancelled by the host
