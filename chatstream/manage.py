@@ -44,7 +44,7 @@ from .state.callers import (
     usd,
 )
 from .state.ledger import MAX_USAGE_DAYS
-from .state.port import Conflict, Invalid, Missing
+from .state.port import Conflict, Invalid, Missing, Unreadable
 from .state.prices import Price, PriceSpec
 from .state.shared import SharedState
 
@@ -236,10 +236,13 @@ class Manage:
                 return _json(admin.json(await registry.set_price(name, await self._body(request, PriceSpec))))
             if request.method == "DELETE":
                 gone = await registry.delete(admin.cls, name)
-                return _json(
-                    {"object": f"{admin.object}.deleted", admin.param: getattr(gone, admin.param), "deleted": True}
-                )
-            return _json((await _shown(state, admin, [await registry.get(admin.cls, name)]))[0])
+                shown = gone.name if isinstance(gone, Unreadable) else getattr(gone, admin.param)
+                return _json({"object": f"{admin.object}.deleted", admin.param: shown, "deleted": True})
+            found = await registry.get(admin.cls, name)
+            if isinstance(found, Unreadable):  # shown as such: an admin deletes it (and creates it again)
+                shown = {"object": admin.object, admin.param: found.name, "unreadable": found.why}
+                return _json(shown | ({"id": found.id} if found.id else {}))
+            return _json((await _shown(state, admin, [found]))[0])
 
         return await self._answer(run)
 
@@ -307,7 +310,7 @@ async def _id_of(state: SharedState, cls: type[Caller] | type[Team], name: str |
     if name is None:
         return None
     try:
-        return (await state.registry.get(cls, name)).id
+        return (await state.registry.get(cls, name)).id  # (an unreadable one's, if its row has it)
     except Missing:
         return None
 

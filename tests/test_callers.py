@@ -5,6 +5,7 @@ instance. Keys come from the admin API (/api/manage/...), as an operator makes t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import secrets
@@ -15,7 +16,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from azure.data.tables import TableServiceClient
+from azure.data.tables import TableServiceClient, UpdateMode
 from helpers import TEST_KEY, app_env
 from servers import App, Azurite
 
@@ -109,6 +110,51 @@ def test_a_response_belongs_to_the_caller_that_created_it(keyed):
         httpx.post(f"{keyed.url}/api/v1/responses/{rid}/cancel", headers={"api-key": bob}, timeout=30).status_code
         == 404
     )
+
+
+def spoil(azurite, row_key: str, **fields) -> None:
+    """A caller's or team's row as a hand edit in Storage Explorer may leave it (``None``: removed)."""
+    table = TableServiceClient.from_connection_string(azurite.connection_string).get_table_client("chatstreamCallers")
+    partition = "teams" if row_key.startswith("t|") else "callers"
+    row = dict(table.get_entity(partition, row_key)) | fields
+    table.upsert_entity({k: v for k, v in row.items() if v is not None}, mode=UpdateMode.REPLACE)
+
+
+@pytest.mark.parametrize("bad", [{"models": "[not json"}, {"id": None}, {"tokens_per_minute": "100"}])
+def test_an_unreadable_caller_or_team_is_a_clear_503_and_the_admin_api_shows_and_deletes_it(keyed, azurite, bad):
+    """Its key's requests: a 503 naming the unreadable record (not a 500); the admin API reads it as
+    unreadable, refuses a patch (409: delete and create it again) and deletes it whole."""
+    manage = keyed.url + "/api/manage"
+    name, key = create(keyed, models=[MODEL])
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    for row_key in (f"c|{name}", f"k|{digest}"):
+        spoil(azurite, row_key, **bad)
+    url, headers = keyed.url + "/api/v1/chat/completions", {"api-key": key}
+    for _ in range(2):
+        refused = httpx.post(url, headers=headers, json=ask("hi"), timeout=30)
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "not_configured" and f"caller {name!r} is unreadable" in error["message"], error
+    shown = httpx.get(f"{manage}/callers/{name}", timeout=30)
+    assert shown.status_code == 200 and shown.json()["unreadable"].split(":")[0] in bad, shown.text
+    patched = httpx.patch(f"{manage}/callers/{name}", json={"tokens_per_minute": 5}, timeout=30)
+    assert patched.status_code == 409 and "delete it and create it again" in patched.text, patched.text
+    gone = httpx.delete(f"{manage}/callers/{name}", timeout=30)
+    assert gone.status_code == 200 and gone.json()["deleted"] is True, gone.text
+    assert httpx.get(f"{manage}/callers/{name}", timeout=30).status_code == 404
+    assert httpx.post(url, headers=headers, json=ask("hi"), timeout=30).status_code == 401
+
+    team = f"t-{secrets.token_hex(4)}"
+    assert httpx.post(f"{manage}/teams", json={"name": team}, timeout=30).status_code == 201
+    member, key = create(keyed, team=team)
+    spoil(azurite, f"t|{team}", **bad)
+    refused = httpx.post(url, headers={"api-key": key}, json=ask("hi"), timeout=30)
+    assert refused.status_code == 503 and f"team {team!r} is unreadable" in refused.text, refused.text
+    assert "unreadable" in httpx.get(f"{manage}/teams/{team}", timeout=30).json()
+    assert httpx.delete(f"{manage}/teams/{team}", timeout=30).status_code == 409  # it still has a caller
+    assert httpx.delete(f"{manage}/callers/{member}", timeout=30).status_code == 200
+    assert httpx.delete(f"{manage}/teams/{team}", timeout=30).status_code == 200
+    assert "Traceback" not in keyed.log()
 
 
 def test_a_revoked_key_stops_on_every_instance_within_the_cache_time(upstream, azurite, start_app):

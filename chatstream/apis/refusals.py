@@ -13,7 +13,7 @@ from ..pipeline import CallRequest
 from ..record import StreamRecord
 from ..state.accounting import Accounting, Admission
 from ..state.callers import Caller, usd
-from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable, Unknown
+from ..state.port import KeyRefused, ModelRefused, Rate, Refused, Unavailable, Unknown, Unreadable
 from .usage import admission_request
 
 _LIMIT_NAME = {
@@ -108,6 +108,15 @@ def error(answer: object) -> ApiError:
         return ApiError(401, ErrorKind.INVALID_API_KEY, message)
     if isinstance(answer, Unavailable):
         return store_unavailable()
+    if isinstance(answer, Unreadable):
+        name = log_safe(answer.name)[:80]
+        whose, path = (f"{answer.scope} {name!r}", f"/api/manage/{answer.scope}s/{name}") if name else ("caller", "")
+        return ApiError(
+            503,
+            ErrorKind.NOT_CONFIGURED,
+            f"The record of this key's {whose} is unreadable in the app's store: its requests are refused until "
+            f"an admin deletes it{f' (DELETE {path})' if path else ''} and creates it again.",
+        )
     if isinstance(answer, ModelRefused):
         model = log_safe(answer.model)[:80]
         if answer.unreadable:

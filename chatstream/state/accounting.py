@@ -45,6 +45,7 @@ from .port import (
     Scope,
     Unavailable,
     Unknown,
+    Unreadable,
     Usage,
     Used,
 )
@@ -148,7 +149,7 @@ class Accounting:
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
 
-    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
+    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
         if self.instances is not None:
             self.instances.serve()  # this instance takes its part in the duty from its first request
@@ -156,7 +157,7 @@ class Accounting:
 
     async def admit(
         self, caller: Caller, asked: AdmissionRequest
-    ) -> Admission | Refused | ModelRefused | Unavailable | Unknown:
+    ) -> Admission | Refused | ModelRefused | Unavailable | Unknown | Unreadable:
         """The caller and its team may use the model, and every limit of theirs holds this request:
         reserved (module docstring)."""
         model = asked.model
@@ -164,7 +165,7 @@ class Accounting:
             return ModelRefused(model)
         # The team and the prices (each a store read only when its cached answer ran out).
         team = await self.registry.team_of(caller)
-        if isinstance(team, Unavailable):
+        if isinstance(team, Unavailable | Unreadable):
             return team
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")

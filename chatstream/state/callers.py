@@ -20,10 +20,11 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal, Self
+from functools import cache
+from typing import Annotated, Any, Literal, Self, get_type_hints
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +34,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
+    TypeAdapter,
+    ValidationError,
     field_validator,
 )
 
@@ -105,16 +108,45 @@ class Stored:
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Self:
+        """What ``row`` keeps; ValueError naming the field and why (never its value) when it holds
+        none: a field missing, not JSON, or of another type (a hand edit, a bad write: registry.py)."""
         values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
+        hints = _hints(cls)
         for name, item in values.items():
-            if name.endswith("_at"):
-                values[name] = datetime.fromisoformat(item)
-        if "models" in values:
-            values["models"] = tuple(json.loads(values["models"]))
-        if "model_limits" in values:
-            limits = json.loads(values["model_limits"])  # as validated when it was written
-            values["model_limits"] = {m: ModelLimit.model_construct(**v) for m, v in limits.items()}
+            try:
+                if name.endswith("_at"):
+                    item = datetime.fromisoformat(item) if isinstance(item, str) else item
+                elif name == "models":
+                    item = json.loads(item)
+                    item = tuple(item) if isinstance(item, list) else item
+                elif name == "model_limits":
+                    limits = json.loads(item)
+                    item = {m: ModelLimit.model_validate(v) for m, v in limits.items()}
+                values[name] = _adapter(hints[name]).validate_python(item, strict=True)
+            except ValidationError as exc:
+                raise ValueError(f"{name}: {exc.errors()[0]['msg'][:120]}") from None
+            except json.JSONDecodeError:
+                raise ValueError(f"{name}: not JSON") from None
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"{name}: not of its type") from None
+        missing = [
+            f.name
+            for f in fields(cls)
+            if f.name not in values and f.default is MISSING and f.default_factory is MISSING
+        ]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: missing")
         return cls(**values)
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+@cache
+def _adapter(kind: Any) -> TypeAdapter:
+    return TypeAdapter(kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +174,7 @@ class Team(Limits):
     @property
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
-        return f"team:{self.name}|{self.id}"
+        return limits_partition("team", self.name, self.id)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,10 +192,15 @@ class Caller(Limits):
     @property
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
-        return f"{self.name}|{self.id}"
+        return limits_partition("caller", self.name, self.id)
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
+
+
+def limits_partition(scope: str, name: str, owner_id: str) -> str:
+    """The partition of a caller's or team's counters in ``chatstreamLimits``: by name and id."""
+    return f"team:{name}|{owner_id}" if scope == "team" else f"{name}|{owner_id}"
 
 
 def iso(value: datetime | None) -> str | None:

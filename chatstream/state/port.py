@@ -4,8 +4,9 @@ statuses, OpenAI's codes and messages, and headers (apis/refusals.py, manage.py,
 
 For a request (accounting.py)::
 
-    found = await accounting.authenticate(key)         # Caller | KeyRefused | Unavailable
-    admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unavailable
+    found = await accounting.authenticate(key)         # Caller | KeyRefused | Unreadable | Unavailable
+    admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unreadable
+                                                       #   | Unavailable
     accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
 
 For the admin API (registry.py): the object, or raised: ``Invalid`` (which field,
@@ -109,6 +110,18 @@ class KeyRefused:
     """The key is unknown, revoked, rotated, or expired."""
 
     expired: bool = False
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """The record of the caller (its key's) or of its team in the store holds none (a hand edit, a bad
+    write; ``why``: which field, never its value): its requests are refused, and the admin API shows
+    it as this, until an admin deletes it (registry.py)."""
+
+    scope: Scope
+    name: str
+    why: str
+    id: str | None = None
 
 
 @dataclass(frozen=True)

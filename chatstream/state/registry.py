@@ -47,10 +47,11 @@ from .callers import (
     TeamPatch,
     TeamSpec,
     hash_key,
+    limits_partition,
     model_name,
     new_key,
 )
-from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable
+from .port import Conflict, Invalid, KeyRefused, Missing, Unavailable, Unreadable
 from .prices import Price, Prices, PriceSpec
 from .store import CALLERS_TABLE, Op, OpKind, Row, Store, Where, key_part
 
@@ -171,9 +172,10 @@ class Registry:
 
     # --- the request path -----------------------------------------------------------------------
 
-    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unavailable:
-        """The caller whose key this is; KeyRefused (unknown, revoked, rotated, expired); Unavailable
-        when the store must be asked and does not answer (or too many unknown keys are asked now)."""
+    async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
+        """The caller whose key this is; KeyRefused (unknown, revoked, rotated, expired); Unreadable
+        when its row holds no caller; Unavailable when the store must be asked and does not answer
+        (or too many unknown keys are asked now)."""
         if not isinstance(key, str) or not KEY_SHAPE.fullmatch(key):
             return KeyRefused()  # not one of ours: no store read, nothing cached
         index = f"k|{hash_key(key)}"
@@ -197,12 +199,13 @@ class Registry:
         self._bucket -= 1
         return True
 
-    async def _cached(self, cls: type[Kept], row_key: str, what: str) -> Kept | Unavailable | None:
-        """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
+    async def _cached(self, cls: type[Kept], row_key: str, what: str) -> Kept | Unreadable | Unavailable | None:
+        """The ``cls`` in row ``row_key`` (None: none; Unreadable: its row holds none), from the
+        cache or read into it."""
 
-        async def read() -> Kept | None:
+        async def read() -> Kept | Unreadable | None:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-            return cls.of(row) if row is not None else None
+            return self._read(cls, row) if row is not None else None
 
         return await self._kept(row_key, read, what)
 
@@ -213,12 +216,14 @@ class Registry:
             log.warning("caller store: %s failed: %s", what, exc)
             return Unavailable()
 
-    async def team_of(self, caller: Caller) -> Team | Unavailable | None:
+    async def team_of(self, caller: Caller) -> Team | Unreadable | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
-        deleted, so only a race leaves one without it), cached like keys."""
+        deleted, so only a race leaves one without it; Unreadable: its row holds none), cached like keys."""
         if caller.team is None:
             return None
         team = await self._cached(Team, _row_key(Team, caller.team), "team read")
+        if isinstance(team, Unreadable):
+            return team
         if team is None or (isinstance(team, Team) and team.id != caller.team_id):
             log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
             return None
@@ -230,8 +235,9 @@ class Registry:
         deployment's), from what its admission read."""
 
         async def read() -> Prices:
-            unreadable: list[str] = []
-            return Prices(await self._all(Price, bound=self.store.clock.patience(), unreadable=unreadable), unreadable)
+            unreadable: list[Unreadable] = []
+            found = await self._all(Price, bound=self.store.clock.patience(), unreadable=unreadable)
+            return Prices(found, [u.name for u in unreadable])
 
         return await self._kept(PRICES, read, "price read")
 
@@ -247,35 +253,55 @@ class Registry:
     # --- the admin API: one path for callers, teams and prices -------------------------------------
 
     async def _all(
-        self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT, unreadable: list | None = None
+        self,
+        cls: type[Kept],
+        equal: dict | None = None,
+        bound: float = ADMIN_TIMEOUT,
+        unreadable: list[Unreadable] | None = None,
     ) -> list[Kept]:
         """Every caller, team or price (with the properties ``equal``); a row that holds none (a hand
-        edit, an older write: prices.py) left out, and its name added to ``unreadable``."""
+        edit, an older write: prices.py) left out, and added to ``unreadable``."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
         found = []
         for row in await self.store.query(CALLERS_TABLE, where, timeout=bound):
-            try:
-                found.append(cls.of(row))
-            except (TypeError, ValueError) as exc:
-                self._log_unreadable(cls, row, exc)
-                if unreadable is not None:
-                    name = row.get("model" if cls is Price else "name")
-                    unreadable.append(name if isinstance(name, str) else unquote(row["RowKey"][2:]))
+            kept = self._read(cls, row)
+            if not isinstance(kept, Unreadable):
+                found.append(kept)
+            elif unreadable is not None:
+                unreadable.append(kept)
         return found
 
-    def _log_unreadable(self, cls: type, row: Row, error: Exception) -> None:
-        """A row that holds no caller, team or price, logged once per version of it (not at every read)."""
+    def _read(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
+        """The caller, team or price ``row`` keeps; Unreadable when it holds none, logged once per
+        version of the row (not at every read)."""
+        try:
+            return cls.of(row)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        name = row.get("model" if cls is Price else "name")
+        if not isinstance(name, str):  # (a key index's row key is no name)
+            name = "" if row["RowKey"].startswith("k|") else unquote(row["RowKey"][2:])
+        found_id = row.get("id")
+        unreadable = Unreadable(
+            "team" if cls is Team else "caller", name, str(error), found_id if isinstance(found_id, str) else None
+        )
         if (row["RowKey"], row.etag) in self._logged:
-            return
+            return unreadable
         if len(self._logged) > 1000:
             self._logged.clear()
         self._logged.add((row["RowKey"], row.etag))
         kind, key = cls.__name__.lower(), log_safe(row["RowKey"])[:90]
-        then = "its model's requests are refused" if cls is Price else "it is left out"
+        then = {Price: "its model's", Team: "its callers'", Caller: "its key's"}[cls] + " requests are refused"
         log.error(
-            "%s row %r of table %s is unreadable (%s): %s until it is set again", kind, key, CALLERS_TABLE, error, then
+            "%s row %r of table %s is unreadable (%s): %s until it is set again or deleted",
+            kind,
+            key,
+            CALLERS_TABLE,
+            error,
+            then,
         )
+        return unreadable
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -298,27 +324,35 @@ class Registry:
             raise Invalid(f"team: no team named {name!r}", "team")
         return name, team["id"]
 
-    async def _load(self, cls: type[Kept], name: str) -> tuple[Kept, str, str]:
-        """The caller, team or price ``name``, its key hash (a caller's) and its row's ETag;
-        Missing when there is none (a name that cannot be one is not looked up)."""
+    async def _load(self, cls: type[Kept], name: str) -> tuple[Kept | Unreadable, str, str]:
+        """The caller, team or price ``name`` (Unreadable: its row holds none), its key hash (a
+        caller's) and its row's ETag; Missing when there is none (a name that cannot be one is not
+        looked up)."""
         row = None
         if model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
-        return cls.of(row), row.get("key_hash") or "", row.etag
+        key_hash = row.get("key_hash")
+        return self._read(cls, row), key_hash if isinstance(key_hash, str) else "", row.etag
 
     async def _change(
         self,
         cls: type[Kept],
         name: str,
         doing: str,
-        change: Callable[[Kept, str, str], Awaitable[tuple[list[Op], Kept]]],
-    ) -> Kept:
+        change: Callable[[Any, str, str], Awaitable[tuple[list[Op], Any]]],
+        unreadable: bool = False,
+    ) -> Any:
         """Read the caller, team or price ``name``, write the operations ``change`` makes of it (under
-        its row's ETag), and again when another admin's change came in between, ``_TRIES`` times."""
+        its row's ETag), and again when another admin's change came in between, ``_TRIES`` times.
+        Conflict when its row holds none (unless ``unreadable``): it can be deleted (and created
+        again), not changed."""
         for _ in range(_TRIES):
             kept, key_hash, etag = await self._load(cls, name)
+            if isinstance(kept, Unreadable) and not unreadable:
+                what = "PUT it again" if cls is Price else "delete it and create it again"
+                raise Conflict(f"the {cls.__name__.lower()}'s record in the store is unreadable ({kept.why}): {what}")
             ops, result = await change(kept, key_hash, etag)
             try:
                 await self._write(ops)
@@ -354,8 +388,9 @@ class Registry:
         """Every caller, team or price, by name (model)."""
         return sorted(await self._all(cls), key=_name_of)
 
-    async def get(self, cls: type[Kept], name: str) -> Kept:
-        """The caller, team or price (``name``: its model); Missing when there is none."""
+    async def get(self, cls: type[Kept], name: str) -> Kept | Unreadable:
+        """The caller, team or price (``name``: its model); Unreadable when its row holds none;
+        Missing when there is none."""
         return (await self._load(cls, name))[0]
 
     async def update(self, cls: type[Kept], name: str, data: CallerPatch | TeamPatch) -> Kept:
@@ -375,23 +410,37 @@ class Registry:
         log.info("%s %s updated (%s)", cls.__name__.lower(), name, ", ".join(sorted(given)) or "nothing")
         return updated
 
-    async def delete(self, cls: type[Kept], name: str) -> Kept:
+    async def delete(self, cls: type[Kept], name: str) -> Kept | Unreadable:
         """Remove the caller (and its key, which stops working on every instance within
-        ``cache_seconds``), the team (only one without callers: Conflict otherwise) or the price; a
-        caller's or team's limit counters best effort (harmless if that fails: one created again
-        under its name gets a new id)."""
+        ``cache_seconds``), the team (only one without callers: Conflict otherwise) or the price,
+        readable or not; a caller's or team's limit counters best effort (harmless if that fails: one
+        created again under its name gets a new id)."""
 
-        async def change(kept: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
-            bad: list[str] = []  # an unreadable caller row of the team's counts too
-            if isinstance(kept, Team) and (members := await self._all(Caller, {"team": name}, unreadable=bad) + bad):
+        async def change(kept: Kept | Unreadable, key_hash: str, etag: str) -> tuple[list[Op], Kept | Unreadable]:
+            bad: list[Unreadable] = []  # an unreadable caller row of the team's counts too
+            if cls is Team and (members := await self._all(Caller, {"team": name}, unreadable=bad) + bad):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-            return _ops("delete", kept, key_hash, etag), kept
+            if not isinstance(kept, Unreadable):
+                return _ops("delete", kept, key_hash, etag), kept
+            ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
+            if cls is Caller:  # its key index: the one its row names, else any that names it
+                if key_hash:
+                    index = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=ADMIN_TIMEOUT)
+                    indexes = [index] if index is not None else []
+                else:
+                    where = Where(partition=CALLERS, rows_from="k|", rows_to="k}", equal={"name": name})
+                    indexes = await self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT)
+                ops += [Op("delete", {"PartitionKey": CALLERS, "RowKey": r["RowKey"]}, etag=r.etag) for r in indexes]
+            return ops, kept
 
-        kept = await self._change(cls, name, "being deleted", change)
+        kept: Kept | Unreadable = await self._change(cls, name, "being deleted", change, unreadable=True)
         kind, name = cls.__name__.lower(), log_safe(name)[:80]
-        if not isinstance(kept, Price):
+        partition = kept.limits_partition if isinstance(kept, Caller | Team) else None
+        if isinstance(kept, Unreadable) and kept.id is not None:
+            partition = limits_partition(kept.scope, kept.name, kept.id)
+        if partition is not None:
             try:
-                await counter_row.forget(self.store, kept.limits_partition, ADMIN_TIMEOUT)
+                await counter_row.forget(self.store, partition, ADMIN_TIMEOUT)
             except StoreError as exc:
                 log.warning("%s %s deleted; its limit counters were left in the store: %s", kind, name, exc)
         log.info("%s %s deleted", kind, name)

@@ -5,8 +5,10 @@ outlives the host."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import ROOT, App, run_devhost
+
+from tools.devhost.forward import Forwarder
+from tools.devhost.proxy import UNPAIRED_GRACE, Host
+from tools.devhost.routes import routes_from_metadata
+from tools.devhost.worker import WorkerPool
 
 PROBE = ROOT / "tests" / "apps" / "probe"
 
@@ -206,3 +213,59 @@ def test_worker_process_count_from_local_settings(probe_dir, tmp_path):
         assert len({w["pid"] for w in workers(app)}) == 3
     finally:
         app.stop()
+
+
+def test_an_invocation_whose_request_never_reaches_the_worker_is_cancelled_not_left_waiting(
+    probe_dir, tmp_path, caplog
+):
+    """The worker's HTTP server resets the host's connection once the invocation has gone out (a
+    keep-alive connection it closed, a server going down): the caller gets 502, and the invocation,
+    whose request never arrives (the runtime waits for it without a bound), is cancelled by the host
+    within UNPAIRED_GRACE: the worker answers Cancelled and holds no task for it. A request that did
+    arrive is not cancelled: its function runs on."""
+
+    async def run() -> None:
+        pool = WorkerPool(probe_dir, 1)
+        await pool.start()
+        try:
+            host = Host(pool, routes_from_metadata(pool.metadata, "api"))
+            (worker,) = pool.workers
+            assert worker is not None and worker.forwarder is not None
+            transport = httpx.ASGITransport(app=host, client=("127.0.0.1", 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7071") as client:
+                assert (await client.get("/api/echo/warm")).status_code == 200
+                idle = (await worker.status())["tasks"]
+                direct = worker.forwarder
+                # The worker's HTTP server as it goes down: it takes connections and closes them unread.
+                dying = await asyncio.start_server(_close_unread, "127.0.0.1", 0)
+                worker.forwarder = Forwarder("127.0.0.1", dying.sockets[0].getsockname()[1])
+                with caplog.at_level(logging.INFO, logger="devhost"):
+                    failed = [(await client.get(f"/api/echo/{i}")).status_code for i in range(3)]
+                    assert failed == [502] * 3
+                    dying.close()
+                    deadline = time.monotonic() + UNPAIRED_GRACE + 10
+                    while (await worker.status())["tasks"] > idle and time.monotonic() < deadline:
+                        await asyncio.sleep(0.1)
+                    assert (await worker.status())["tasks"] <= idle, "the invocations still wait in the worker"
+                cancelled = [r for r in caplog.records if "cancelled: the host cancelled" in r.getMessage()]
+                assert len(cancelled) == 3, [r.getMessage() for r in caplog.records]
+                # A request that reached the worker is never cancelled: its caller hangs up before the
+                # function answers, and the function still runs to its end, as in Azure.
+                worker.forwarder = direct
+                marker = tmp_path / "slow-done"
+                slow = asyncio.ensure_future(client.get("/api/slow", params={"seconds": "2", "marker": str(marker)}))
+                await asyncio.sleep(0.5)
+                slow.cancel()
+                deadline = time.monotonic() + UNPAIRED_GRACE + 10
+                while not marker.exists() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert marker.exists(), "the function whose request arrived was cancelled"
+                assert len([r for r in caplog.records if "cancelled: the host" in r.getMessage()]) == 3
+        finally:
+            await pool.stop()
+
+    asyncio.run(run())
+
+
+async def _close_unread(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()

@@ -17,7 +17,7 @@ from memory_store import Fault, MemoryData, MemoryStore
 from chatstream.errors import ApiError, StoreError
 from chatstream.manage import caller_json, price_json, team_json, validate
 from chatstream.state.callers import Caller, CallerPatch, CallerSpec, Team, TeamPatch, TeamSpec, hash_key
-from chatstream.state.port import Conflict, Invalid, KeyRefused, Missing, Unavailable
+from chatstream.state.port import Conflict, Invalid, KeyRefused, Missing, Unavailable, Unreadable
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE
@@ -508,6 +508,81 @@ async def test_an_unreadable_caller_row_is_left_out_of_the_list_and_still_holds_
             await reg.delete(Team, "t")
     logged = [r.getMessage() for r in caplog.records if "'c|b'" in r.getMessage()]
     assert len(logged) == 1 and logged[0].startswith("caller row 'c|b' of table chatstreamCallers is unreadable")
+
+
+async def spoil(data: MemoryData, row_key: str, **fields: object) -> None:
+    """A row as a hand edit (Storage Explorer) or a bad write may leave it: the fields given replace
+    the stored ones, ``None`` removes one."""
+    store = MemoryStore(data)
+    partition = "teams" if row_key.startswith("t|") else "callers"
+    row = dict(await store.get(CALLERS_TABLE, partition, row_key) or {}) | fields
+    await store.upsert(CALLERS_TABLE, {k: v for k, v in row.items() if v is not None})
+
+
+BAD_ROWS = [{"models": "[not json"}, {"id": None}, {"tokens_per_minute": "100"}, {"created_at": 5}]
+
+
+@pytest.mark.parametrize("bad", BAD_ROWS)
+async def test_an_unreadable_caller_refuses_its_key_saying_so_and_is_shown_and_deleted_whole(bad, caplog):
+    """Its key's requests are refused as Unreadable (logged once per version of the row, read again
+    each cache period), never a crash; the admin reads it as unreadable, cannot patch or rotate it
+    (Conflict), and deletes both its rows."""
+    clock, data = Clock(), MemoryData()
+    reg = registry(data, 1.0, clock)
+    caller, key = await reg.create(CallerSpec(name="a", models=["m"]))
+    for row_key in ("c|a", f"k|{hash_key(key)}"):
+        await spoil(data, row_key, **bad)
+    with caplog.at_level(logging.WARNING, logger="chatstream"):
+        for _ in range(3):
+            found = await reg.authenticate(key)
+            assert isinstance(found, Unreadable) and (found.scope, found.name) == ("caller", "a"), found
+            assert key not in found.why and "100" not in found.why and "not json" not in found.why
+            clock.now += 1.1
+        shown = await reg.get(Caller, "a")
+        assert isinstance(shown, Unreadable) and shown.name == "a" and shown.why == found.why
+        with pytest.raises(Conflict, match="unreadable"):
+            await reg.update(Caller, "a", CallerPatch(tokens_per_minute=5))
+        with pytest.raises(Conflict, match="unreadable"):
+            await reg.rotate("a")
+    logged = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(logged) == 2, logged  # the key index once (3 reads), the caller row once (get, update, rotate)
+    assert sum("'c|a'" in line for line in logged) == 1
+    assert isinstance(await reg.delete(Caller, "a"), Unreadable)
+    assert not data.tables[CALLERS_TABLE].get("callers"), "both rows are gone"
+    assert isinstance(await reg.authenticate(key), KeyRefused)
+    made, _ = await reg.create(CallerSpec(name="a"))  # and it can be created again
+    assert made.id != caller.id
+
+
+async def test_an_unreadable_team_refuses_its_callers_saying_so_and_is_deleted_once_it_has_none():
+    data = MemoryData()
+    reg = registry(data)
+    team, _ = await reg.create(TeamSpec(name="t", tokens_per_minute=100))
+    caller, key = await reg.create(CallerSpec(name="a", team="t"))
+    await spoil(data, "t|t", tokens_per_minute=1.5)
+    found = await reg.authenticate(key)
+    assert isinstance(found, Caller)
+    answer = await reg.team_of(found)
+    assert isinstance(answer, Unreadable) and (answer.scope, answer.name, answer.id) == ("team", "t", team.id)
+    assert isinstance(await reg.get(Team, "t"), Unreadable)
+    with pytest.raises(Conflict, match="unreadable"):
+        await reg.update(Team, "t", TeamPatch(tokens_per_minute=5))
+    with pytest.raises(Conflict, match="still has 1 caller"):
+        await reg.delete(Team, "t")
+    await reg.delete(Caller, "a")
+    assert isinstance(await reg.delete(Team, "t"), Unreadable)
+    assert not data.tables[CALLERS_TABLE].get("teams")
+
+
+async def test_a_caller_row_without_its_key_hash_is_deleted_with_the_key_index_that_names_it():
+    data = MemoryData()
+    reg = registry(data)
+    _, key = await reg.create(CallerSpec(name="a"))
+    _, other = await reg.create(CallerSpec(name="b"))
+    await spoil(data, "c|a", key_hash=None, id=None)
+    await reg.delete(Caller, "a")
+    assert isinstance(await reg.authenticate(key), KeyRefused)
+    assert isinstance(await reg.authenticate(other), Caller)
 
 
 # --- what an admin may say ---------------------------------------------------------------------------

@@ -511,6 +511,32 @@ async def test_a_held_slot_whose_refresh_landed_without_an_answer_stays_held():
         await produce(producer, [])
 
 
+async def test_a_reader_whose_slot_was_taken_hands_out_nothing_more_and_ends_saying_so():
+    """A busy store fails a reader's slot refreshes until its slot's time has passed, and a reader
+    elsewhere takes the slot: the first hands out nothing past its slot's time and ends with an
+    id-less store_unavailable event (ask again): one reader of a stream limited to one (it used to
+    read on: two readers, as the end-to-end test saw 17 of 16 under load)."""
+    async with instances(2, **QUICK, max_readers_per_stream=1, abandon_seconds=0.6) as (a, b):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        first = await open_when_visible(b, producer.id, None)
+        fault = b.store.inject(Fault("unavailable", ops=frozenset({"replace"}), table=STREAMS_TABLE, times=10**6))  # type: ignore[attr-defined]
+        got = b""
+        async with asyncio.timeout(3):
+            while b"\n\n" not in got:
+                got += await anext(first)
+        await asyncio.sleep(b.config.slot_seconds + 0.2)  # its slot's time has passed: free for another
+        second = await a.open_reader(producer.id, None, None)
+        fault.times = 0  # the store answers again: the first reader's refresh finds the slot taken
+        rest = asyncio.ensure_future(read_all(first))
+        await produce(producer, [delta(i) for i in range(1, 30)], gap=0.01)
+        first_out = got + await rest
+        parts = first_out.split(b"\n\n")[:-1]
+        assert b"store_unavailable" in parts[-1] and not parts[-1].startswith(b"id: "), parts[-1]
+        assert [int(p[4:].split(b"\n")[0]) for p in parts[:-1]] == [1], "nothing handed out past its slot's time"
+        assert len(events_of(await read_all(second))) == 31  # the other reads it all
+
+
 async def test_writes_are_batched():
     """Nobody reading elsewhere: one write per checkpoint; a reader elsewhere: at most one per fast flush."""
     async with instances(2, **{**QUICK, "checkpoint_seconds": 1.0, "fast_flush_seconds": 0.05}) as (a, b):

@@ -41,6 +41,9 @@ HOP_BY_HOP = frozenset(
 NOT_FORWARDED = HOP_BY_HOP | {INVOCATION_HEADER, b"host", b"expect"}
 # How long a failed invocation waits for the worker's own error response before the host answers.
 FAILED_INVOCATION_GRACE = 1.0
+# How long an invocation whose HTTP request got no answer from the worker (the forward failed, the
+# caller left first) may still pair with it before the host cancels it (worker_process.py).
+UNPAIRED_GRACE = 1.0
 UNREACHED_WAIT = 2.0  # how long a request waits for an unreachable worker's exit to be noticed
 
 
@@ -200,6 +203,7 @@ class Host:
         watcher = asyncio.ensure_future(watch_disconnect())
         gone = asyncio.ensure_future(disconnected.wait())
         outcome = "Succeeded"
+        response = None
         try:
             response = await self._await_response(forward, invocation, gone)
             if response is None:
@@ -232,6 +236,8 @@ class Host:
                 self._log_invocation(route, invocation_id, invocation)
             else:
                 invocation.add_done_callback(lambda t: self._log_invocation(route, invocation_id, t))
+                if response is None:  # its request may never reach the worker, which would wait for it forever
+                    asyncio.get_running_loop().call_later(UNPAIRED_GRACE, worker.cancel, invocation_id)
             log.info(
                 "Executed 'Functions.%s' (%s, Id=%s, Duration=%dms)",
                 route.name,
@@ -280,7 +286,14 @@ class Host:
             log.error("Invocation of 'Functions.%s' (Id=%s) raised: %r", route.name, invocation_id, task.exception())
             return
         result = task.result().result
-        if result.status != result.Success:
+        if result.status == result.Cancelled:
+            log.warning(
+                "Invocation of 'Functions.%s' (Id=%s) cancelled: %s",
+                route.name,
+                invocation_id,
+                result.exception.message,
+            )
+        elif result.status != result.Success:
             log.error(
                 "Executed 'Functions.%s' (Failed, Id=%s): %s", route.name, invocation_id, result.exception.message
             )

@@ -334,6 +334,15 @@ class WorkerProcess:
             future.set_exception(exc)
             return future
 
+    def cancel(self, invocation_id: str) -> None:
+        """InvocationCancel for an invocation still pending (its worker answers ``Cancelled`` when it
+        still waits for its HTTP request; worker_process.py)."""
+        future = self._pending.get(invocation_id)
+        if future is None or future.done() or self._outbox is None or self.exited.done():
+            return
+        pb = self.pb
+        self._outbox.put(pb.StreamingMessage(invocation_cancel=pb.InvocationCancel(invocation_id=invocation_id)))
+
     async def status(self) -> dict:
         response = await asyncio.wait_for(
             self.request(worker_status_request=self.pb.WorkerStatusRequest()), STATUS_TIMEOUT

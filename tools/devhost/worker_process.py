@@ -14,6 +14,11 @@ handlers, on its own event loop:
 * FunctionsMetadataRequest, FunctionLoadRequest: the indexed functions.
 * InvocationRequest: one per HTTP request; the request itself reaches the worker's HTTP server
   with the same ``x-ms-invocation-id``, and the runtime pairs the two.
+* InvocationCancel (devhost only: Azure's Python worker declares no ``HandlesInvocationCancelMessage``
+  and the Functions host sends it none): the host gave up on an invocation whose HTTP request never
+  reached this worker (the forward failed, the caller left); one still waiting for that request
+  (the runtime waits without a bound) is answered ``Cancelled``, and a request that comes late gets
+  an error. One whose request arrived runs on, as in Azure.
 * WorkerStatusRequest: answered with this process's tasks, descriptors and memory (devhost's
   /_devhost/stats).
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -48,6 +54,7 @@ log = logging.getLogger("devhost.worker")
 CONNECT_TIMEOUT = 30.0  # the host's gRPC server is up before the worker starts; this is a backstop
 LISTEN_TIMEOUT = 15.0  # the worker's HTTP server accepting connections after WorkerInitRequest
 EXIT_BACKSTOP = 1.0  # seconds from the decision to stop to a forced exit
+MAX_PAIRED = 10_000  # invocation ids whose request arrived, kept at most
 
 
 def _die_with_parent(host_pid: int | None) -> None:
@@ -74,13 +81,16 @@ class Dispatcher:
         self.loop = asyncio.get_running_loop()
         self.server_tasks: set[asyncio.Task] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.invocations: dict[str, asyncio.Task] = {}  # running, by invocation id
+        self.paired: dict[str, None] = {}  # invocations whose HTTP request reached the runtime (oldest first)
+        self.cancelled: set[str] = set()  # ...and those the host cancelled while unpaired
         self.call = None
         self.outbox: rpc.Outbox | None = None
         self.handlers = {
             "worker_init_request": (self._init, "worker_init_response"),
             "functions_metadata_request": (self._runtime("functions_metadata_request"), "function_metadata_response"),
             "function_load_request": (self._runtime("function_load_request"), "function_load_response"),
-            "invocation_request": (self._runtime("invocation_request"), "invocation_response"),
+            "invocation_request": (self._invoke, "invocation_response"),
             "function_environment_reload_request": (
                 self._runtime("function_environment_reload_request"),
                 "function_environment_reload_response",
@@ -127,6 +137,9 @@ class Dispatcher:
             kind = message.WhichOneof("content")
             if kind == "worker_terminate":
                 return
+            if kind == "invocation_cancel":
+                self._cancel(message.invocation_cancel.invocation_id)
+                continue
             handler = handlers.get(kind)
             if handler is None:
                 log.warning("ignoring a %s message from the host", kind)
@@ -171,8 +184,63 @@ class Dispatcher:
 
         return handle
 
+    async def _invoke(self, message):
+        """The runtime's invocation_request; Cancelled when the host cancelled it unpaired (``_cancel``)."""
+        import azure_functions_runtime as runtime
+        from azure_functions_runtime.http_v2 import http_coordinator
+
+        invocation_id = message.invocation_request.invocation_id
+        task = asyncio.current_task()
+        assert task is not None
+        self.invocations[invocation_id] = task
+        try:
+            return await runtime.invocation_request(self._request(message))
+        except asyncio.CancelledError:
+            if invocation_id not in self.cancelled:
+                raise
+            task.uncancel()
+            gone = ConnectionAbortedError("the host cancelled this invocation: its HTTP request never arrived")
+            with contextlib.suppress(KeyError):  # a request that comes late gets this, as a failed invocation's
+                http_coordinator.set_http_response(invocation_id, gone)
+            pb = self.pb
+            return pb.InvocationResponse(
+                invocation_id=invocation_id,
+                result=pb.StatusResult(status=pb.StatusResult.Cancelled, exception=pb.RpcException(message=str(gone))),
+            )
+        finally:
+            del self.invocations[invocation_id]
+            self.paired.pop(invocation_id, None)
+            self.cancelled.discard(invocation_id)
+
+    def _cancel(self, invocation_id: str) -> None:
+        """The host's InvocationCancel: ends the invocation if it still waits for its HTTP request."""
+        task = self.invocations.get(invocation_id)
+        if task is None or invocation_id in self.paired:
+            return
+        self.cancelled.add(invocation_id)
+        task.cancel()
+
+    def _watch_pairing(self) -> None:
+        """Note each HTTP request the runtime pairs with its invocation (``set_http_request``, where the
+        runtime's HTTP server hands it over): ``_cancel`` leaves those alone."""
+        from azure_functions_runtime.http_v2 import http_coordinator
+
+        pair = http_coordinator.set_http_request
+
+        def set_http_request(invoc_id, http_request):
+            # (also a request ahead of its InvocationRequest; one whose invocation was cancelled
+            # comes late at most once: MAX_PAIRED bounds what such ones leave)
+            self.paired[invoc_id] = None
+            while len(self.paired) > MAX_PAIRED:
+                del self.paired[next(iter(self.paired))]
+            pair(invoc_id, http_request)
+
+        http_coordinator.set_http_request = set_http_request
+
     async def _init(self, message):
         import azure_functions_runtime as runtime
+
+        self._watch_pairing()
 
         app = message.worker_init_request.function_app_directory
         if app:

@@ -37,6 +37,10 @@ from .producer import Producer
 from .slots import Slot
 from .takeover import producer_gone
 
+# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
+# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
+SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
+
 
 class StreamLog(Protocol):
     """What a reader asks of its instance's log (log.py's ``StreamLog``; a protocol, so that the log
@@ -262,6 +266,10 @@ class Reader:
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
+                    if not await self._slot.holding():  # its slot was taken (slots.py): the limit holds
+                        self._done = True
+                        yield self._ctx.encode_error(self.route, "store_unavailable", SLOT_LOST)
+                        return
                     yield chunk
             finally:
                 await source.aclose()

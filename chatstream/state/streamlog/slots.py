@@ -4,7 +4,12 @@ for it, acks it, does not abandon the stream), taken at once, refreshed every ``
 by one task, given back together. The slots make the limit of readers per stream hold across
 instances: each reader holds one of the stream's ``max_readers_per_stream`` slot rows (partition
 ``{id}``, RowKeys ``slot-00``…), taken with an insert (or, when its holder stopped refreshing it, a
-conditional replace), so the check and the taking are one write."""
+conditional replace), so the check and the taking are one write.
+
+A slot is a lease: its row says until when (``until``, the store's time). Another reader may take it
+once that has passed, so its holder hands out nothing past it (``holding``) until a refresh has
+landed (a replace on its ETag: nobody took it meanwhile); a holder whose slot was taken (a store too
+slow to refresh it in time, under load) stops, and the limit holds at every moment."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from . import inbox
 from .config import Context
 from .errors import TooManyReaders
 
+HOLD_MARGIN = 1.0  # seconds: the store's time is known to a second (whole-second Date headers)
+
 
 class Slot:
     """A reader's slot, and its inbox row while the stream is produced elsewhere (module docstring).
@@ -32,6 +39,8 @@ class Slot:
         self._etag: str | None = None  # while the slot is this reader's
         self._at: str | None = None  # the instance whose inbox holds this reader's row
         self._keeping: asyncio.Task | None = None
+        self._until = 0.0  # the slot is this reader's until then (its last write that landed)
+        self._news = asyncio.Event()  # set (and replaced) after each refresh: ``holding`` waits on it
 
     @classmethod
     async def take(cls, ctx: Context, stream_id: str, at: str | None = None) -> Slot:
@@ -64,7 +73,7 @@ class Slot:
                     self._etag = await store.insert(STREAMS_TABLE, row)
                 else:
                     self._etag = await store.replace(STREAMS_TABLE, row, etag=etag)
-                self._key = key
+                self._key, self._until = key, row["until"]
             except StoreUnavailable:
                 ctx.later(lambda: _give_back(ctx, self._stream_id, key, self.id))
                 raise
@@ -101,7 +110,7 @@ class Slot:
 
     async def _keep(self) -> None:
         refresh = self._ctx.config.read_refresh_seconds
-        pause = refresh
+        pause = self._pause(refresh)
         while True:
             await asyncio.sleep(pause)
             try:
@@ -109,18 +118,50 @@ class Slot:
                     row = _slot_row(self._ctx, self._stream_id, self._key, self.id)
                     try:
                         self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
+                        self._until = row["until"]
                     except (Modified, NotFound):
                         # A refresh whose answer was lost landed (the row names this reader: it holds on),
-                        # or the slot expired and was taken (this reader was too slow: it reads on).
-                        held = await self._ctx.store.get(STREAMS_TABLE, self._stream_id, self._key, select=("holder",))
-                        self._etag = held.etag if held is not None and held.get("holder") == self.id else None
+                        # or the slot expired and was taken (this reader was too slow: it stops, ``holding``).
+                        held = await self._ctx.store.get(
+                            STREAMS_TABLE, self._stream_id, self._key, select=("holder", "until")
+                        )
+                        mine = held is not None and held.get("holder") == self.id
+                        self._etag = held.etag if held is not None and mine else None
+                        self._until = float(held.get("until") or 0.0) if held is not None and mine else 0.0
+                    self._tell()
                 if self._at is not None:
                     await inbox.register(self._ctx, self._at, self._stream_id, self.id)
-                pause = refresh
+                pause = self._pause(refresh)
             except StoreError:
                 # Again soon, not a whole interval later: the slot outlives its last refresh by
                 # slot_seconds (about three intervals), and a busy store can fail two in a row.
                 pause = min(1.0, refresh / 4)
+
+    def _pause(self, refresh: float) -> float:
+        """Until the next refresh: ``refresh``, sooner when a write that landed late left the slot
+        less time (its ``until`` was set as it was sent)."""
+        if self._etag is None:  # (taken by another reader: this one is stopping)
+            return refresh
+        return max(0.05, min(refresh, (self._until - HOLD_MARGIN - self._ctx.now()) / 3))
+
+    def _tell(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
+    async def holding(self) -> bool:
+        """Whether this reader may hand out more: at once while its slot's time runs; past it (a
+        refresh that did not land in time), once the next refresh says (it lands only if nobody took
+        the slot), waiting at most ``give_up_seconds``. False: another reader took the slot, or the
+        store did not answer that long; the reading ends (readers.py)."""
+        ctx = self._ctx
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ctx.config.give_up_seconds
+        while self._etag is not None and ctx.now() >= self._until - HOLD_MARGIN:
+            if self._keeping is None or loop.time() >= deadline:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._news.wait(), deadline - loop.time())
+        return self._etag is not None
 
     def release(self, read_to_end: bool = False) -> None:
         """Give both back (once). A reader that read the stream to its end deletes its inbox row;

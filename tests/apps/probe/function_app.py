@@ -50,6 +50,14 @@ async def ticks(req: Request) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="text/plain")
 
 
+@app.route(route="slow", methods=["GET"])
+async def slow(req: Request) -> JSONResponse:
+    """Answers after ``seconds``, then writes ``marker``: whether the function ran to its end."""
+    await asyncio.sleep(float(req.query_params["seconds"]))
+    Path(req.query_params["marker"]).write_text("done")
+    return JSONResponse({"slept": req.query_params["seconds"]})
+
+
 @app.route(route="boom", methods=["GET"])
 async def boom(req: Request) -> JSONResponse:
     raise RuntimeError("boom")
