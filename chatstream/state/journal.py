@@ -33,7 +33,9 @@ midway is done again by the next duty holder, and two at once charge everything 
    counted here. A row an earlier (or concurrent) recovery wrote is counted as it is. A taker's own
    charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
    the row is as it was read (``Ledger.apply``); its raise of a recovery's row adds what it counts
-   to what the row keeps as counted, so a recovery run again counts it once.
+   to what the row keeps as counted, so a recovery run again counts it once. What a taker knew of
+   the lost part and had not raised the row to yet (``JournalEntry.lost``) is raised now, the row's
+   author kept, what the raise counted said in the row (``_raise``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -61,7 +63,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import TAKEOVER, Charge, Ledger, Payer, theirs
+from .ledger import TAKEOVER, Charge, Ledger, Payer, raise_op, raised_by, theirs
 from .port import Used
 from .prices import Price
 from .store import NEW, Row, Store
@@ -95,11 +97,15 @@ class JournalEntry:
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
+    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
     counted_chars: dict[int, int] = field(default_factory=dict)
     counted_tokens: int = 0
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
+    # A taker's knowledge of its lost producer's part (accounting.regenerating): its checkpoint is what
+    # that part is known to hold (its caller received), its segment that part's row: a recovery raises it.
+    lost: bool = False
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
@@ -114,9 +120,10 @@ class JournalEntry:
     def checkpoint(self) -> int:
         """Completion tokens generated so far: each choice's text up to its last space counted once
         (a word split between two counts would count more tokens than the whole text does), plus
-        the rest counted anew."""
+        the rest counted anew; and ``floor``, tokens known generated whose text is not known."""
+        floor = self.floor() if self.floor is not None else 0
         if self.generated is None:
-            return self.counted_tokens
+            return self.counted_tokens + floor
         rest = 0
         for choice, text in self.generated().items():
             counted = self.counted_chars.get(choice, 0)
@@ -125,7 +132,7 @@ class JournalEntry:
                 self.counted_tokens += tokens.count_text(self.model, text[counted:cut])
                 self.counted_chars[choice] = counted = cut
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
-        return self.counted_tokens + rest
+        return self.counted_tokens + rest + floor
 
     def serialised(self) -> str:
         """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
@@ -151,6 +158,8 @@ class JournalEntry:
         }
         if self.segment:
             doc["segment"] = self.segment
+        if self.lost:
+            doc["lost"] = True
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
@@ -233,6 +242,11 @@ class Journal:
         while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
             self._needed_at[key] = asyncio.get_running_loop().time()
             await asyncio.shield(self._next_write())
+
+    def urgent(self) -> None:
+        """The next write starts without a pause (its checkpoints cannot wait: this instance stops)."""
+        self._urgent.set()
+        self.changed()
 
     def _next_write(self) -> asyncio.Future[None]:
         """Done when the next write to start ends (landed or not); it starts without a pause."""
@@ -527,6 +541,8 @@ class Recovery:
     async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
+        if entry.get("lost") and entry.get("state") != "settled":  # a taker's knowledge of a lost part
+            return await self._raise(entry, dead)
         charges = _charges_of(entry, dead, await self._logged(entry))
         # What someone else counts: segments they charged first (a stream's taker), and what a taker
         # counted of a row raised to the checkpoint.
@@ -571,6 +587,41 @@ class Recovery:
         brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
         return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
+
+    async def _raise(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
+        """Step 2 for a taker's knowledge of its lost producer's part (``JournalEntry.lost``): that
+        part's row raised to the checkpoint (inserted if none), the row's author kept, and what the
+        raise adds is what it brings; a recovery's row (author TAKEOVER...) keeps it as counted by
+        others, as a taker's raise does. The raise says in the row what it counted (``raise_op``):
+        run again, or at once on two instances, it counts that once; a row at the checkpoint or
+        above already is left, counting nothing."""
+        mine = TAKEOVER + dead
+        charge = _charges_of(entry, dead)[0]
+        keys = _parsed(entry.get("needs"))
+        for _ in range(MAX_ATTEMPTS):
+            there = await self.ledger.find(charge)
+            was = Charge.of(there) if there is not None else None
+            done = raised_by(was.ops, mine) if was is not None else None
+            if done is not None:  # raised by this recovery (an earlier run, or another at once)
+                return amounts(keys, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
+            if was is None:
+                adds, cost = charge.total_tokens, charge.cost or 0
+                raised = replace(charge, ops=raise_op(mine, adds, cost))
+            elif was.total_tokens >= charge.total_tokens:
+                return {}
+            else:
+                adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
+                others = was.author.startswith(TAKEOVER)  # a recovery's row: this raise is counted by others
+                raised = replace(
+                    charge,
+                    author=was.author,
+                    ops=f"{was.ops} {raise_op(mine, adds, cost)}".strip(),
+                    counted_tokens=was.counted_tokens + (adds if others else 0),
+                    counted_cost=was.counted_cost + (cost if others else 0),
+                )
+            if await self.ledger.put(raised, there.etag if there is not None else None) is None:
+                return amounts(keys, [replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)])
+        raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being raised")
 
     async def _give_back(
         self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]

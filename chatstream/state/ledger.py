@@ -142,6 +142,23 @@ TAKEOVER = "takeover:"  # (``Charge.author``)
 _OMITTED = ("ops", "counted_tokens", "counted_cost")  # not in a row while empty (``Charge.entity``)
 
 
+def raise_op(author: str, tokens: int, cost: int) -> str:
+    """The id in a row's ``ops`` of a recovery's raise of a row (journal.py, ``Recovery._raise``):
+    who made it (``author``: TAKEOVER + the dead instance) and what it counted, so that the
+    recovery run again (or at once elsewhere) counts what it did, once."""
+    return f"{author}={tokens}/{cost}"
+
+
+def raised_by(ops: str, author: str) -> tuple[int, int] | None:
+    """What ``author``'s raise of a row counted (tokens, cost), if its ``raise_op`` is in ``ops``."""
+    for op in ops.split():
+        who, _, counted = op.rpartition("=")
+        if who == author:
+            tokens, _, cost = counted.partition("/")
+            return int(tokens), int(cost)
+    return None
+
+
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:
     """Whether a charge's row was written by another than ``mine`` (authors): a segment's row is
     written once, by whoever comes first, and only that writer counts it in the budget counters

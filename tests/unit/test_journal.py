@@ -538,6 +538,47 @@ async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_de
     await c.close()
 
 
+@pytest.mark.parametrize("row", ["takers", "recoverys", "none"])
+async def test_a_taker_that_dies_before_its_raise_has_its_lost_part_raised_by_its_recovery_once(row: str):
+    """r3's taker b charged a's part from the log ("The"; ``recoverys``: a's recovery wrote the row at
+    a's checkpoint first; ``none``: no row yet), and its continuation stood in for more of what the
+    caller received, but b dies before it raises the row to it (a soak's taker killed as its stand-ins
+    came: 10 of 12 tokens charged). b's journal held what it knew (``Accounting.regenerating``): b's
+    recovery raises the row to it; run twice at once, then again, it counts the raise once; every
+    budget row exactly the ledger."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    c, _ = instance(data, "instance-c")
+    if row == "recoverys":
+        await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    if row != "none":
+        await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+        assert await acc_b.flush(5)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    stood_in = [GENERATED]
+    acc_b.regenerating(going_on, going_on.started, lambda: stood_in[0], lambda: 2)
+    stood_in[0] = received  # the rest stood in for, and two events of unknown text
+
+    def knows() -> bool:
+        return (entry_of(data, "instance-b", f"{rec3.id}/lost2") or {}).get("generated") == raised
+
+    raised = tokens.count_text(MODEL, received) + 2
+    await until(knows, what="b's journal knows the part")
+    await kill(b)
+    await asyncio.gather(*(Recovery(c.store, c.ledger).recover("instance-b", "instance-c") for _ in range(2)))
+    await Recovery(c.store, c.ledger).recover("instance-b", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
+    assert len(rows) == 4  # r1, r2, r3's lost part, and b's continuation (charged as lost: prompt only)
+    spent_as_the_ledger(data, caller, team, rows)
+    await c.close()
+
+
 async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is_counted_once():
     """A stream handed over (or taken from an instance that was only slow): the taker b charges the
     producer's part from the log (segment 0) and goes on; the producer a, alive, settles the same
