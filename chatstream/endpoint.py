@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
-from .apis.usage import request_usage
+from .apis.usage import admission_request, request_usage
 from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import EventStreamResponse, JsonAnswer, read_json
@@ -339,7 +339,8 @@ class Endpoint:
         mid-answer (continuation.py: the seam drops a repeat). With caller keys the stream's caller
         is charged the lost part at what the log shows (segment 0), raised at the end to what the
         reader that asked for the takeover had received (``_charge_received``), and the
-        continuation at its usage; a limit that refuses the continuation ends the stream with that refusal."""
+        continuation at its usage; a limit that refuses the continuation ends the stream with that
+        refusal, the lost part charged all the same (``Accounting.charge_refused``)."""
         stored = json.loads(claim.request)
         call = CallRequest(
             params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
@@ -395,7 +396,21 @@ class Endpoint:
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-        admission = await admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens)
+        default_max = self.settings.default_max_output_tokens
+        try:
+            admission = await admitted(self.accounting, caller, call, record, default_max)
+        except ApiError:  # refused (a budget spent, the model): the lost part is charged all the same
+            lost, before = self._lost(claim, known)
+            self.accounting.charge_refused(
+                caller,
+                admission_request(call, record, default_max),
+                started_at(claim.producer.id),
+                lost.text,
+                claim.producer.epoch,
+                before,
+                self._unknown(claim)[1],  # nothing stands in for what its caller had past the stored end
+            )
+            raise
         await self._charge_lost(claim, known, admission, "")
         return admission
 

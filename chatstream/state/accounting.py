@@ -364,6 +364,39 @@ class Accounting:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
 
+    def charge_refused(
+        self,
+        caller: Caller,
+        asked: AdmissionRequest,
+        started: float | None,
+        text: str,
+        epoch: int,
+        before: str,
+        floor: int,
+    ) -> None:
+        """A resumable stream taken over here whose continuation (``asked``) was refused at admission
+        (a budget spent, the model no longer the caller's): its lost part is charged all the same,
+        as ``charge_lost`` charges it (``text`` and ``floor``), holding nothing; in the background."""
+        task = asyncio.get_running_loop().create_task(
+            self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _charge_refused(
+        self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
+    ) -> None:
+        team = await self.registry.team_of(caller)
+        prices = await self.registry.prices()
+        if isinstance(team, Unavailable) or isinstance(prices, Unavailable):
+            log.warning("a taken-over stream's first part is left to its instance's takeover: the store failed")
+            return
+        payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
+        entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
+        wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
+        admission = Admission(caller, wants, Reservation([]), entry, started, prices)
+        await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
+
     def _lost_part(self, admission: Admission, started: float, before: str) -> tuple[Payer, int]:
         """Who pays a taken-over stream's lost part (on the stream's day) and its prompt: a producer
         after a takeover sent the answer so far (``before``) along with the request's prompt."""
