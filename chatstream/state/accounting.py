@@ -348,16 +348,7 @@ class Accounting:
                     return
                 spent -= was.total_tokens
                 cost -= was.cost or 0
-                # A recovery's row keeps what takers counted of it (journal.py): this raise too.
-                counted = (was.counted_tokens + spent, was.counted_cost + cost) if was.author != made.author else (0, 0)
-                charge = replace(
-                    made,
-                    author=was.author,
-                    ops=f"{was.ops} {op}".strip(),
-                    over=there.etag,
-                    counted_tokens=counted[0],
-                    counted_cost=counted[1],
-                )
+                charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
             admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:

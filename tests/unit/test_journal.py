@@ -20,7 +20,7 @@ from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge
+from chatstream.state.ledger import Charge, raised_by
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
@@ -193,7 +193,7 @@ async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everyth
     rows = ledger_rows(data)
     assert set(rows) == {rec1.id, rec2.id, rec3.id}
     assert [rows[r.id]["cost"] for r in (rec1, rec2, rec3)] == list(costs)
-    assert rows[rec3.id]["author"] == "takeover:instance-a"  # raised to a's checkpoint
+    assert rows[rec3.id]["author"] == "instance-b"  # raised to a's checkpoint, its author kept
     spent_as_the_ledger(data, caller, team, rows.values())
     assert journal_doc(data, "instance-a") is None
     await b.close()
@@ -308,8 +308,8 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
 async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_the_takeover():
     """r3's stream was taken over before a's journal was: its taker charged a's part from a log that
     had little of it (a log is stored every few seconds). The journal's takeover raises the row to
-    its checkpoint (the taker's count kept in the row) and counts only the difference; done again,
-    it adds nothing."""
+    its checkpoint (the taker's author kept, what the raise counted said in the row) and counts only
+    the difference; done again, it adds nothing."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
@@ -317,7 +317,7 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = ledger_rows(data)[rec3.id]
-    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "takeover:instance-a"
+    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "instance-b"
     assert await acc_b.flush(5)
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # nothing left: adds nothing
@@ -473,9 +473,10 @@ async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is
     with pytest.raises(StoreError):
         await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     c.store.replace = replace  # type: ignore[method-assign]
-    assert ledger_rows(data)[rec3.id].get("counted_tokens") == (
-        1 + going_on.prompt_tokens if first == "taker" else None
-    )
+    row = ledger_rows(data)[rec3.id]  # it says what a's recovery counted of it (its raise, or all)
+    made = row["prompt_tokens"] + row["completion_tokens"]
+    counted = raised_by(row["ops"], "takeover:instance-a")
+    assert counted is not None and counted[0] == made - (1 + going_on.prompt_tokens if first == "taker" else 0)
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
     going_on.reservation.release()
