@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
-from .apis.usage import request_usage
+from .apis.usage import admission_request, request_usage
 from .continuation import ChatContinuation, Known, Resumed, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import EventStreamResponse, JsonAnswer, read_json
@@ -50,10 +50,6 @@ from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
-
-# While a takeover's continuation regenerates what the lost producer's caller had, its lost part is
-# raised to what it has this often (Endpoint._charge_received).
-RAISE_EVERY = 0.5
 
 # Errors that mean the upstream did not take the model: the name must not become a metric dimension.
 _MODEL_REFUSED = frozenset({ErrorKind.MODEL_NOT_FOUND, ErrorKind.INVALID_REQUEST})
@@ -343,7 +339,8 @@ class Endpoint:
         mid-answer (continuation.py: the seam drops a repeat). With caller keys the stream's caller
         is charged the lost part at what the log shows (segment 0), raised at the end to what the
         reader that asked for the takeover had received (``_charge_received``), and the
-        continuation at its usage; a limit that refuses the continuation ends the stream with that refusal."""
+        continuation at its usage; a limit that refuses the continuation ends the stream with that
+        refusal, the lost part charged all the same (``Accounting.charge_refused``)."""
         stored = json.loads(claim.request)
         call = CallRequest(
             params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
@@ -399,101 +396,108 @@ class Endpoint:
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-        admission = await admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens)
+        default_max = self.settings.default_max_output_tokens
+        try:
+            admission = await admitted(self.accounting, caller, call, record, default_max)
+        except ApiError:  # refused (a budget spent, the model): the lost part is charged all the same
+            lost, before = self._lost(claim, known)
+            self.accounting.charge_refused(
+                caller,
+                admission_request(call, record, default_max),
+                started_at(claim.producer.id),
+                lost.text,
+                claim.producer.epoch,
+                before,
+                self._unknown(claim)[1],  # nothing stands in for what its caller had past the stored end
+            )
+            raise
         await self._charge_lost(claim, known, admission, "")
         return admission
 
-    async def _charge_lost(self, claim: Claim, known: Known, admission: Admission, unstored: str) -> None:
-        """Charge the lost producer's part: what the log holds of it, and ``unstored`` (then waiting
-        out a failing store: nobody else knows it)."""
+    async def _charge_lost(
+        self, claim: Claim, known: Known, admission: Admission, unstored: str, floor: int = 0
+    ) -> None:
+        """Charge the lost producer's part: what the log holds of it, and ``unstored`` and ``floor``
+        tokens more (then waiting out a failing store: nobody else knows them)."""
         assert self.accounting is not None
-        lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
-        before = known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
+        lost, before = self._lost(claim, known)
         await self.accounting.charge_lost(
             admission,
             started_at(claim.producer.id),
             lost.text + unstored,
             claim.producer.epoch,
             before,
-            patience=RAISED_WITHIN if unstored else 0.0,
+            patience=RAISED_WITHIN if unstored or floor else 0.0,
+            floor=floor,
         )
+
+    def _lost(self, claim: Claim, known: Known) -> tuple[Known, str]:
+        """What the log holds of the lost producer's part, and of the earlier producers' before it."""
+        lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
+        return lost, known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
+
+    def _unknown(self, claim: Claim) -> tuple[int, int]:
+        """Of the events the reader that asked for the takeover held past the stored end, how many
+        the continuation has not stood in for yet, and the tokens they are known to hold at least.
+
+        That bound is known on /api/chat only: it writes no event for an empty delta, so each is at
+        least one generated token. Chat completions forward the upstream's chunks as they came, and
+        some carry no token (the role chunk, Azure's content-filter chunks with an empty delta, the
+        empty deltas of OpenAI-compatible servers): none is known to hold any."""
+        unknown = max(0, claim.past_stored() - claim.stood_in_events())
+        return unknown, unknown if self.api.name == "chat" else 0
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission, over: asyncio.Event) -> None:
         """When the reader that asked for the takeover had ids past the stored end, the lost producer
         gave its client those events, unstored. The continuation's events of the same ids (which
         that reader skipped) stand for them: the lost part is charged with their text too (at least
-        what its caller received), unless a charge of it is higher already. Raised as they come in
-        (every ``RAISE_EVERY``) and as soon as the continuation has them all (``Claim.stood_in``),
-        not at its end: this instance may die first, and then nobody knows them (a soak's taker
-        killed 1.3 s after it had them: 10 of 12 charged; chaos seed 31: a taker killed with 28 of
-        its caller's 31 events regenerated, none charged); or with what it has when the
-        continuation ended short (``over``).
+        what its caller received), and each event not stood in for yet at its floor (``_unknown``),
+        unless a charge of it is higher already; raised once the continuation has them all
+        (``Claim.stood_in``), or with what it has when the continuation ended short (``over``) or
+        the drain's grace is over.
 
-        A drain (SIGTERM) keeps it (``Lifecycle.keep``): at its start the raise is made at once with
-        the stand-ins in hand (the host kills a worker with no request in flight ~0.5 s after
-        SIGTERM), then as they come in, within the grace. If this instance stops before
-        it is made, its log says what was not charged, under the request's id."""
-        if not isinstance(self.api, Resumes):
+        Until then this instance's journal holds what it knows of that part, as its checkpoint
+        (``Accounting.regenerating``, written every half second): if this instance dies first, its
+        recovery raises the part to it (chaos seed 2027: a taker killed before the raise left 10 of
+        12 tokens charged). A drain (SIGTERM; ``Lifecycle.keep``) writes the journal at once and as
+        the stand-ins come in: the host kills a worker with no request in flight ~0.5 s after it."""
+        if not isinstance(self.api, Resumes) or self.accounting is None:
             return
-        charged = ""  # the stand-ins' text charged so far
-        life = self.lifecycle
-        told = False  # (that this instance stops before they are all in)
-        try:
-            while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
-                stop = () if life is None else (life.grace_over.wait() if told else life.draining.wait(),)
-                await _any(claim.stood_in(), over.wait(), asyncio.sleep(RAISE_EVERY), *stop)
-                if not claim.all_stood_in():  # what it has so far: this instance may die before the rest
-                    charged = await self._raise_lost(claim, known, admission, charged)
-                    if life is not None and life.draining.is_set() and not told:
-                        told = True
-                        self._not_raised(claim, admission, charged, "as this instance stops")
-            charged = await self._raise_lost(claim, known, admission, charged)
-            if not claim.all_stood_in():  # refused (a budget, the upstream), stopped, or the drain's grace over
-                self._not_raised(claim, admission, charged, "its continuation ended short")
-            elif told:
-                log.warning(
-                    "request %s (stream %s): its lost part is raised to what its caller received after all",
-                    admission.entry.payer.request_id,
-                    claim.producer.id,
-                )
-        except asyncio.CancelledError:
-            self._not_raised(claim, admission, charged, "stopped before it was done")
-            raise
+        api, life = self.api, self.lifecycle
+        lost, before = self._lost(claim, known)
 
-    async def _raise_lost(self, claim: Claim, known: Known, admission: Admission, charged: str) -> str:
-        """The lost part raised with the stand-ins in hand, if there are more than ``charged``: the
-        stand-ins' text charged now."""
-        assert isinstance(self.api, Resumes)
-        text = self.api.known(claim.stand_ins()).text
-        if len(text) > len(charged):
-            await self._charge_lost(claim, known, admission, text)
-            return text
-        return charged
+        def text() -> str:  # what the lost producer's part is known to hold
+            return lost.text + api.known(claim.stand_ins()).text
 
-    def _not_raised(self, claim: Claim, admission: Admission, charged: str, when: str) -> None:
-        """What the raise of the lost part to what its caller received has not charged (yet): the
-        stand-ins in hand not charged, and the events whose text is not known (no stand-in).
-
-        Of those a lower bound is known on /api/chat only: it writes no event for an empty delta, so
-        each is at least one generated token. Chat completions forward the upstream's chunks as
-        they came, and some carry no token (the role chunk, Azure's content-filter chunks with an
-        empty delta, the empty deltas of OpenAI-compatible servers). Charging that bound needs
-        ``Accounting.charge_lost`` to take a token floor besides the text."""
-        assert isinstance(self.api, Resumes)
-        known = self.api.known(claim.stand_ins()).text
-        unknown = max(0, claim.past_stored() - claim.stood_in_events())
-        log.warning(
-            "request %s (stream %s): its lost part not raised to what its caller received (%s): of the %d "
-            "event(s) its caller had past the stored end, %d completion token(s) known and not charged, "
-            "%d event(s) of unknown text not charged (at least %d token(s))",
-            admission.entry.payer.request_id,
-            claim.producer.id,
-            when,
-            claim.past_stored(),
-            max(0, tokens.count_text(admission.model, known) - tokens.count_text(admission.model, charged)),
-            unknown,
-            unknown if self.api.name == "chat" else 0,
+        knows = self.accounting.regenerating(
+            admission,
+            started_at(claim.producer.id),
+            text,
+            lambda: self._unknown(claim)[1],
+            claim.producer.epoch,
+            before,
         )
+        while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
+            if life is None:
+                await _any(claim.stood_in(), over.wait())
+            elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
+                self.accounting.checkpoint()
+                await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
+            else:
+                await _any(claim.stood_in(), over.wait(), life.draining.wait())
+        unknown, floor = self._unknown(claim)
+        await self._charge_lost(claim, known, admission, api.known(claim.stand_ins()).text, floor)
+        self.accounting.regenerated(knows)
+        if unknown:  # refused (a budget, the upstream), stopped, or the drain's grace over
+            log.warning(
+                "request %s (stream %s): of the %d event(s) its caller had past the stored end, %d not stood "
+                "in for by the continuation: charged at %d token(s) (their floor)",
+                admission.entry.payer.request_id,
+                claim.producer.id,
+                claim.past_stored(),
+                unknown,
+                floor,
+            )
 
     async def _claim(self, admission: Admission, created: str, call: CallRequest) -> None:
         """What the caller created is the caller's: follow-ups answer 404 to anyone else."""

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from .. import tokens
@@ -297,6 +297,7 @@ class Accounting:
         epoch: int = 2,
         before: str = "",
         patience: float = 0.0,
+        floor: int = 0,
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
         (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
@@ -310,14 +311,12 @@ class Accounting:
         a raise waits for the earlier charge's row, for ``patience`` seconds (a raise nobody else can
         make: the dead instance's recovery knows only its checkpoint); within it, a raise whose row
         changed first (that recovery raised it meanwhile) is made again on the row as it is then. On
-        a store failure past it, recovery charges that part at its checkpoint."""
+        a store failure past it, recovery charges that part at its checkpoint. ``floor``: tokens
+        known generated besides ``text`` (events its caller received whose text is not known)."""
         admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
-        completion = tokens.count_text(admission.model, text)
-        # A producer after a takeover sent the answer so far along with the prompt.
-        prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
-        lost = Used(prompt, 0, completion)
-        payer = replace(admission.entry.payer, day=day_of(started))  # the stream's day
+        payer, prompt = self._lost_part(admission, started, before)
+        lost = Used(prompt, 0, tokens.count_text(admission.model, text) + floor)
         made = Charge.made(
             payer, admission.model, lost, admission.price, "lost", self.counters.instance, segment_base(epoch - 1)
         )
@@ -350,21 +349,89 @@ class Accounting:
                     return
                 spent -= was.total_tokens
                 cost -= was.cost or 0
-                # A recovery's row keeps what takers counted of it (journal.py): this raise too.
-                counted = (was.counted_tokens + spent, was.counted_cost + cost) if was.author != made.author else (0, 0)
-                charge = replace(
-                    made,
-                    author=was.author,
-                    ops=f"{was.ops} {op}".strip(),
-                    over=there.etag,
-                    counted_tokens=counted[0],
-                    counted_cost=counted[1],
-                )
+                charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
             admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
+
+    def charge_refused(
+        self,
+        caller: Caller,
+        asked: AdmissionRequest,
+        started: float | None,
+        text: str,
+        epoch: int,
+        before: str,
+        floor: int,
+    ) -> None:
+        """A resumable stream taken over here whose continuation (``asked``) was refused at admission
+        (a budget spent, the model no longer the caller's): its lost part is charged all the same,
+        as ``charge_lost`` charges it (``text`` and ``floor``), holding nothing; in the background."""
+        task = asyncio.get_running_loop().create_task(
+            self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _charge_refused(
+        self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
+    ) -> None:
+        team = await self.registry.team_of(caller)
+        prices = await self.registry.prices()
+        if isinstance(team, Unavailable) or isinstance(prices, Unavailable):
+            log.warning("a taken-over stream's first part is left to its instance's takeover: the store failed")
+            return
+        payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
+        entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
+        wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
+        admission = Admission(caller, wants, Reservation([]), entry, started, prices)
+        await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
+
+    def _lost_part(self, admission: Admission, started: float, before: str) -> tuple[Payer, int]:
+        """Who pays a taken-over stream's lost part (on the stream's day) and its prompt: a producer
+        after a takeover sent the answer so far (``before``) along with the request's prompt."""
+        prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
+        return replace(admission.entry.payer, day=day_of(started)), prompt
+
+    def regenerating(
+        self,
+        admission: Admission,
+        started: float | None,
+        text: Callable[[], str],
+        floor: Callable[[], int],
+        epoch: int = 2,
+        before: str = "",
+    ) -> JournalEntry:
+        """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
+        growing as its continuation stands in for what that producer's caller received), in the
+        journal as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it
+        raises the part's row to it (``charge_lost``), its recovery does. ``regenerated`` once it has."""
+        admission.entry.segment = segment_base(epoch)  # (as charge_lost: the continuation's block)
+        payer, prompt = self._lost_part(admission, started or self.counters.clock(), before)
+        needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
+        entry = JournalEntry(
+            f"{payer.request_id}/lost{epoch}",
+            payer,
+            admission.model,
+            prompt,
+            needs,
+            admission.price,
+            generated=lambda: {0: text()},
+            floor=floor,
+            segment=segment_base(epoch - 1),
+            lost=True,
+        )
+        return self.journal.open(entry)
+
+    def regenerated(self, entry: JournalEntry) -> None:
+        """The lost part is raised (``charge_lost``, journaled): its knowledge leaves the journal."""
+        self.journal.drop(entry)
+
+    def checkpoint(self) -> None:
+        """The journal is written now with every checkpoint (this instance is stopping)."""
+        self.journal.urgent()
 
     async def _correct(
         self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float

@@ -20,20 +20,20 @@ without it owes nothing. Not recovered: requests admitted while the journal coul
 all, by an instance that then died.
 
 ``Recovery.recover(dead, taker)`` takes four steps, each idempotent (a ledger row is inserted once, a
-raised row keeps what was counted of it, a counter entry is taken out once): a takeover that dies
-midway is done again by the next duty holder, and two at once charge everything once.
+row it raised says by how much, a counter entry is taken out once): a takeover that dies midway is
+done again by the next duty holder, and two at once charge everything once.
 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
-2. **Ledger**: every listed charge's row not there yet is written; an open request is charged its
-   last checkpoint, ``ended: lost``, or, a resumable stream's, what its producer's part of the log
-   holds if more (stored as its caller is sent it; ``told``: the API reads the text). A row someone
-   else wrote first (a stream's taker charging the lost part from its log) is theirs to count; one
-   below the charge is raised to it, what they counted kept in the row, and only the difference
-   counted here. A row an earlier (or concurrent) recovery wrote is counted as it is. A taker's own
+2. **Ledger**: every settled charge's row not there yet is written (one someone else wrote first is
+   theirs to count). An open request's row is raised to its last checkpoint, ``ended: lost``, or, a
+   resumable stream's, to what its producer's part of the log holds if more (stored as its caller
+   is sent it; ``told``: the API reads the text); so is a lost part's to what its taker knew of it
+   (``JournalEntry.lost``): inserted if none, else raised if below (a stream's taker charges the
+   lost part from its log), its author kept, and only what the raise adds is counted here; the row
+   says it (``ledger.raise_op``), so a run again, or at once, counts that once. A taker's own
    charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
-   the row is as it was read (``Ledger.apply``); its raise of a recovery's row adds what it counts
-   to what the row keeps as counted, so a recovery run again counts it once.
+   the row is as it was read (``Ledger.apply``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -61,10 +61,10 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import TAKEOVER, Charge, Ledger, Payer, theirs
+from .ledger import TAKEOVER, Charge, Ledger, Payer, raise_op, raised_by, theirs
 from .port import Used
 from .prices import Price
-from .store import NEW, Row, Store
+from .store import NEW, Store
 from .streamlog.format import producer_events, stored_log
 
 log = logging.getLogger("chatstream")
@@ -95,11 +95,15 @@ class JournalEntry:
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
+    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
     counted_chars: dict[int, int] = field(default_factory=dict)
     counted_tokens: int = 0
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
+    # A taker's knowledge of its lost producer's part (accounting.regenerating): its checkpoint is what
+    # that part is known to hold (its caller received), its segment that part's row: a recovery raises it.
+    lost: bool = False
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
@@ -114,9 +118,10 @@ class JournalEntry:
     def checkpoint(self) -> int:
         """Completion tokens generated so far: each choice's text up to its last space counted once
         (a word split between two counts would count more tokens than the whole text does), plus
-        the rest counted anew."""
+        the rest counted anew; and ``floor``, tokens known generated whose text is not known."""
+        floor = self.floor() if self.floor is not None else 0
         if self.generated is None:
-            return self.counted_tokens
+            return self.counted_tokens + floor
         rest = 0
         for choice, text in self.generated().items():
             counted = self.counted_chars.get(choice, 0)
@@ -125,7 +130,7 @@ class JournalEntry:
                 self.counted_tokens += tokens.count_text(self.model, text[counted:cut])
                 self.counted_chars[choice] = counted = cut
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
-        return self.counted_tokens + rest
+        return self.counted_tokens + rest + floor
 
     def serialised(self) -> str:
         """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
@@ -151,6 +156,8 @@ class JournalEntry:
         }
         if self.segment:
             doc["segment"] = self.segment
+        if self.lost:
+            doc["lost"] = True
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
@@ -233,6 +240,11 @@ class Journal:
         while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
             self._needed_at[key] = asyncio.get_running_loop().time()
             await asyncio.shield(self._next_write())
+
+    def urgent(self) -> None:
+        """The next write starts without a pause (its checkpoints cannot wait: this instance stops)."""
+        self._urgent.set()
+        self.changed()
 
     def _next_write(self) -> asyncio.Future[None]:
         """Done when the next write to start ends (landed or not); it starts without a pause."""
@@ -527,50 +539,47 @@ class Recovery:
     async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
-        charges = _charges_of(entry, dead, await self._logged(entry))
-        # What someone else counts: segments they charged first (a stream's taker), and what a taker
-        # counted of a row raised to the checkpoint.
-        others: list[Charge] = []
-        for charge in charges:
+        if entry.get("state") != "settled":  # an open request, or a taker's knowledge of a lost part
+            return await self._raise(entry, dead, await self._logged(entry))
+        others: list[Charge] = []  # what someone else counts
+        for charge in _charges_of(entry, dead):
             if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
                 if not await self.ledger.apply(charge):
                     others.append(charge)
-                continue
-            there = await self.ledger.put(charge)
-            for _ in range(MAX_ATTEMPTS):
-                if there is None or not theirs(there, dead, TAKEOVER + dead):
-                    break
-                # A stream's taker charged this lost part first, from its log: theirs to count, unless
-                # it is below this checkpoint (a log is stored every few seconds): then it is raised
-                # to the checkpoint, what the taker counted kept in the row.
-                was = Charge.of(there)
-                if entry.get("state") == "settled" or was.total_tokens >= charge.total_tokens:
-                    others.append(charge)
-                    there = None
-                    break
-                # What it counted, and the writes it holds (Ledger.apply).
-                raised = replace(charge, ops=was.ops, counted_tokens=was.total_tokens, counted_cost=was.cost or 0)
-                changed = await self.ledger.put(raised, there.etag)  # raised to the checkpoint
-                if changed is None:
-                    there = raised.entity()
-                    break
-                there = changed  # it changed meanwhile (raised by another taker)
-            else:
-                raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
-            if there is not None:  # a recovery's row, now or by an earlier run: what takers counted of it
-                was = Charge.of(there)
-                others.append(
-                    replace(charge, prompt_tokens=was.counted_tokens, completion_tokens=0, cost=was.counted_cost)
-                )
-            if isinstance(there, Row) and entry.get("state") != "settled":
-                # Written by an earlier (or a concurrent) run, which may have read less of a log:
-                # what the row holds is what is counted.
-                charges[charges.index(charge)] = Charge.of(there)
-        keys = _parsed(entry.get("needs"))  # its budget counters (an entry's "kinds" name the same ones)
-        less = amounts(keys, others)
-        brings = _parsed(entry.get("amounts")) if entry.get("state") == "settled" else amounts(keys, charges)
+            elif (there := await self.ledger.put(charge)) is not None and theirs(there, dead, TAKEOVER + dead):
+                others.append(charge)  # a stream's taker charged this part first, from its log: theirs
+        less = amounts(_parsed(entry.get("needs")), others)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
-        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in brings.items()}
+        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in _parsed(entry.get("amounts")).items()}
+
+    async def _raise(self, entry: dict[str, Any], dead: str, logged: int = 0) -> dict[CounterKey, int]:
+        """Step 2 for an open entry (a request, or a taker's knowledge of its lost producer's part:
+        ``JournalEntry.lost``): its row raised to its checkpoint (or to what its stream's log holds,
+        ``logged``, if more), inserted if none, its author kept; what the raise adds is what it
+        brings. The raise says in the row what it counted (``raise_op``): run again, or at once on
+        two instances, it counts that once, whatever takers raised the row by since (they count
+        their own: ``accounting.charge_lost``); a row at the checkpoint or above (a stream's taker
+        charged the part from its log first) is left, counting nothing."""
+        mine = TAKEOVER + dead
+        charge = _charges_of(entry, dead, logged)[0]
+        keys = _parsed(entry.get("needs"))
+        for _ in range(MAX_ATTEMPTS):
+            there = await self.ledger.find(charge)
+            was = Charge.of(there) if there is not None else None
+            done = raised_by(was.ops, mine) if was is not None else None
+            if done is not None:  # raised by this recovery (an earlier run, or another at once)
+                return amounts(keys, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
+            if was is None:
+                adds, cost = charge.total_tokens, charge.cost or 0
+                raised = replace(charge, ops=raise_op(mine, adds, cost))
+            elif was.total_tokens >= charge.total_tokens:
+                return {}
+            else:
+                adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
+                raised = replace(charge, author=was.author, ops=f"{was.ops} {raise_op(mine, adds, cost)}".strip())
+            if await self.ledger.put(raised, there.etag if there is not None else None) is None:
+                return amounts(keys, [replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)])
+        raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 
     async def _give_back(
         self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]

@@ -6,8 +6,8 @@ again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``:
 request started, the app's request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
-row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and what raising
-it kept of earlier writers (``ops``, ``counted_tokens``, ``counted_cost``: journal.py).
+row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and the ids of
+the raises it holds (``ops``: journal.py).
 
 The journal writes the charges it has listed (``write``): per partition, in transactions of up to
 100 rows, again until they land (journal.py)."""
@@ -79,12 +79,9 @@ class Charge:
     # A write made on what the row held (a stream's lost part, accounting.charge_lost): the ids of the
     # writes whose counts the row holds, this one's last; ``over``: the ETag of the row it replaces
     # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
+    # A recovery's raise (or insert) of a row names itself and what it counted there (``raise_op``).
     ops: str = ""
     over: str | None = None
-    # Of a recovery's row (author TAKEOVER...): what stream takers counted of it (their part, their
-    # raises since), which a recovery run does not count again (journal.py).
-    counted_tokens: int = 0
-    counted_cost: int = 0
 
     @classmethod
     def made(
@@ -139,7 +136,24 @@ class Charge:
 
 
 TAKEOVER = "takeover:"  # (``Charge.author``)
-_OMITTED = ("ops", "counted_tokens", "counted_cost")  # not in a row while empty (``Charge.entity``)
+_OMITTED = ("ops",)  # not in a row while empty (``Charge.entity``)
+
+
+def raise_op(author: str, tokens: int, cost: int) -> str:
+    """The id in a row's ``ops`` of a recovery's raise of a row (journal.py, ``Recovery._raise``):
+    who made it (``author``: TAKEOVER + the dead instance) and what it counted, so that the
+    recovery run again (or at once elsewhere) counts what it did, once."""
+    return f"{author}={tokens}/{cost}"
+
+
+def raised_by(ops: str, author: str) -> tuple[int, int] | None:
+    """What ``author``'s raise of a row counted (tokens, cost), if its ``raise_op`` is in ``ops``."""
+    for op in ops.split():
+        who, _, counted = op.rpartition("=")
+        if who == author:
+            tokens, _, cost = counted.partition("/")
+            return int(tokens), int(cost)
+    return None
 
 
 def theirs(row: Mapping[str, Any], *mine: str) -> bool:

@@ -20,7 +20,7 @@ from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge
+from chatstream.state.ledger import Charge, raised_by
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
@@ -193,7 +193,7 @@ async def test_two_instances_recovering_the_same_dead_one_at_once_charge_everyth
     rows = ledger_rows(data)
     assert set(rows) == {rec1.id, rec2.id, rec3.id}
     assert [rows[r.id]["cost"] for r in (rec1, rec2, rec3)] == list(costs)
-    assert rows[rec3.id]["author"] == "takeover:instance-a"  # raised to a's checkpoint
+    assert rows[rec3.id]["author"] == "instance-b"  # raised to a's checkpoint, its author kept
     spent_as_the_ledger(data, caller, team, rows.values())
     assert journal_doc(data, "instance-a") is None
     await b.close()
@@ -308,8 +308,8 @@ async def test_a_checkpoint_below_what_the_streams_log_shows_is_raised_by_its_ta
 async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_the_takeover():
     """r3's stream was taken over before a's journal was: its taker charged a's part from a log that
     had little of it (a log is stored every few seconds). The journal's takeover raises the row to
-    its checkpoint (the taker's count kept in the row) and counts only the difference; done again,
-    it adds nothing."""
+    its checkpoint (the taker's author kept, what the raise counted said in the row) and counts only
+    the difference; done again, it adds nothing."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
@@ -317,7 +317,7 @@ async def test_a_takers_part_below_the_dead_instances_checkpoint_is_raised_by_th
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == 1
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     row = ledger_rows(data)[rec3.id]
-    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "takeover:instance-a"
+    assert row["completion_tokens"] == tokens.count_text(MODEL, GENERATED) and row["author"] == "instance-b"
     assert await acc_b.flush(5)
     spent_exactly(data, caller, team, sum(spent), sum(costs))
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")  # nothing left: adds nothing
@@ -473,9 +473,10 @@ async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is
     with pytest.raises(StoreError):
         await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     c.store.replace = replace  # type: ignore[method-assign]
-    assert ledger_rows(data)[rec3.id].get("counted_tokens") == (
-        1 + going_on.prompt_tokens if first == "taker" else None
-    )
+    row = ledger_rows(data)[rec3.id]  # it says what a's recovery counted of it (its raise, or all)
+    made = row["prompt_tokens"] + row["completion_tokens"]
+    counted = raised_by(row["ops"], "takeover:instance-a")
+    assert counted is not None and counted[0] == made - (1 + going_on.prompt_tokens if first == "taker" else 0)
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
     going_on.reservation.release()
@@ -533,6 +534,47 @@ async def test_a_takers_raise_to_what_its_caller_received_survives_the_takers_de
     await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     assert lost_row()["completion_tokens"] == raised
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert len(rows) == 4  # r1, r2, r3's lost part, and b's continuation (charged as lost: prompt only)
+    spent_as_the_ledger(data, caller, team, rows)
+    await c.close()
+
+
+@pytest.mark.parametrize("row", ["takers", "recoverys", "none"])
+async def test_a_taker_that_dies_before_its_raise_has_its_lost_part_raised_by_its_recovery_once(row: str):
+    """r3's taker b charged a's part from the log ("The"; ``recoverys``: a's recovery wrote the row at
+    a's checkpoint first; ``none``: no row yet), and its continuation stood in for more of what the
+    caller received, but b dies before it raises the row to it (a soak's taker killed as its stand-ins
+    came: 10 of 12 tokens charged). b's journal held what it knew (``Accounting.regenerating``): b's
+    recovery raises the row to it; run twice at once, then again, it counts the raise once; every
+    budget row exactly the ledger."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    c, _ = instance(data, "instance-c")
+    if row == "recoverys":
+        await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    if row != "none":
+        await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+        assert await acc_b.flush(5)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    stood_in = [GENERATED]
+    acc_b.regenerating(going_on, going_on.started, lambda: stood_in[0], lambda: 2)
+    stood_in[0] = received  # the rest stood in for, and two events of unknown text
+
+    def knows() -> bool:
+        return (entry_of(data, "instance-b", f"{rec3.id}/lost2") or {}).get("generated") == raised
+
+    raised = tokens.count_text(MODEL, received) + 2
+    await until(knows, what="b's journal knows the part")
+    await kill(b)
+    await asyncio.gather(*(Recovery(c.store, c.ledger).recover("instance-b", "instance-c") for _ in range(2)))
+    await Recovery(c.store, c.ledger).recover("instance-b", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
     assert len(rows) == 4  # r1, r2, r3's lost part, and b's continuation (charged as lost: prompt only)
     spent_as_the_ledger(data, caller, team, rows)
     await c.close()
