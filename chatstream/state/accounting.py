@@ -381,7 +381,7 @@ class Accounting:
         team = await self.registry.team_of(caller)
         prices = await self.registry.prices()
         if isinstance(team, Unavailable | Unreadable) or isinstance(prices, Unavailable):
-            log.warning("a taken-over stream's first part is left to its instance's takeover: team unreadable")
+            log.warning("a taken-over stream's first part is left to its instance's recovery: team or prices not read")
             return
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
