@@ -1,8 +1,9 @@
 """A reader on another instance, in-process: how far it trails the producer's caller, and the store
 calls a stream makes, with the resumable streams' real cadences (ResumeConfig's defaults) and a
 store whose every call takes a set time. Two StreamLogs on one in-memory account (tests/memory_store.py)
-stand for the producing instance and the reader's; the producer appends the bench's stream (first delta
-at 100 ms, then one every 20 ms) and a reader on the other instance opens one stream in ten as the
+stand for the producing instance and the reader's; the producer starts with the bench's first delta
+(100 ms in, when the app starts it: its record is stored as its id goes out) and appends the rest
+(one every 20 ms), and a reader on the other instance opens one stream in ten as the
 first delta goes out (when the bench's follower gets the stream id), as tools/bench/run.py's resume
 path does, without HTTP, the app or a busy machine: what the cadences alone cost.
 
@@ -62,8 +63,8 @@ async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float
 
     async def one(n: int) -> None:
         await asyncio.sleep(n * args.stagger_ms / 1000)
-        producer = a.start("chat", None)
         await asyncio.sleep(args.first_ms / 1000)
+        producer = a.start("chat", None)  # as the app does: once the first event is in hand
         readers = []
         for i in range(args.deltas + 1):
             last = i == args.deltas
