@@ -51,14 +51,16 @@ class ResumeConfig:
     # queue ahead of the heartbeat, the inbox and the routes' own calls. (A stream's record insert
     # is the request's own: it does not wait here.)
     bulk_calls: int = 16
-    young_poll_seconds: float = 0.05  # a reader elsewhere polls for the record of a stream just started
+    # A reader elsewhere polls for the record of a stream just started: its id goes out as its
+    # record's insert is sent, so a reader that comes at once often reads before it lands.
+    young_poll_seconds: float = 0.02
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
     # A producing instance reads its inbox (cancels, readers elsewhere) every inbox_seconds, and
     # every inbox_young_seconds while one of its streams is younger than young_seconds: a reader
     # that comes with the stream's first events (a second screen, the bench's follower) is seen
     # at once, so the lag behind the live caller stays short for short streams too.
     inbox_seconds: float = 0.5
-    inbox_young_seconds: float = 0.1
+    inbox_young_seconds: float = 0.05
     young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
     # A reading that starts past what is stored of a live stream elsewhere: wait at most this long for the
