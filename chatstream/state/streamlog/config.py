@@ -60,7 +60,7 @@ class ResumeConfig:
     # that comes with the stream's first events (a second screen, the bench's follower) is seen
     # at once, so the lag behind the live caller stays short for short streams too.
     inbox_seconds: float = 0.5
-    inbox_young_seconds: float = 0.05
+    inbox_young_seconds: float = 0.1
     young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
     # A reading that starts past what is stored of a live stream elsewhere: wait at most this long for the
