@@ -114,6 +114,12 @@ def released(nbytes: int) -> None:
     _trimmer.released(nbytes)
 
 
+def trim() -> None:
+    """Give the C heap's free memory back now: after a one-off build whose temporaries were freed
+    (tokens.py's tables)."""
+    _trimmer.trim()
+
+
 def _madvise() -> Callable[[int, int, int], int] | None:
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

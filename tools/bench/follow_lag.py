@@ -1,17 +1,28 @@
 """A reader on another instance, in-process: how far it trails the producer's caller, and the store
 calls a stream makes, with the resumable streams' real cadences (ResumeConfig's defaults) and a
 store whose every call takes a set time. Two StreamLogs on one in-memory account (tests/memory_store.py)
-stand for the producing instance and the reader's; the producer appends the bench's stream (first delta
-at 100 ms, then one every 20 ms) and a reader on the other instance opens one stream in ten as the
+stand for the producing instance and the reader's; the producer starts with the bench's first delta
+(100 ms in, when the app starts it: its record is stored as its id goes out) and appends the rest
+(one every 20 ms), and a reader on the other instance opens one stream in ten as the
 first delta goes out (when the bench's follower gets the stream id), as tools/bench/run.py's resume
 path does, without HTTP, the app or a busy machine: what the cadences alone cost.
 
     .venv/bin/python tools/bench/follow_lag.py [--streams 100] [--deltas 40] [--latency-ms 20] [--waves 3]
-                                              [--set fast_flush_seconds=0.05 ...]
+                                              [--busy-ms 0] [--set fast_flush_seconds=0.05 ...]
 
-Prints the lag p50/p99 (ms, over the deltas appended after the reader opened) and the store calls per
-stream without a reader (a wave where none follows) and per stream with one (the difference a reader
-makes to a wave, per reader), inbox and heartbeat reads included."""
+Prints the lag p50/p99 (ms, over the deltas appended after the reader opened), the same for each
+reader's first delta (the opening's handshake: record, slot and inbox row, the producer's inbox read,
+its write, the reader's poll), the store calls per stream without a reader (a wave where none
+follows) and per stream with one (the difference a reader makes to a wave, per reader), inbox and
+heartbeat reads included, and what a reader adds by call.
+
+What it showed (2026-12-05, issue #44): a reader that opens with the first delta waits for five or
+six store calls in turn (the record, which ~half the readers read before its insert lands, then
+again; its inbox row; the producer's inbox read, every 100 ms while the stream is young; its write;
+the reader's poll); each later delta, for the producer's next write (100 ms apart) and the reader's
+next poll. At 40 ms a call (sigma 0.5) the first delta's p99 is 410-500 ms, all deltas' 320-365; at
+20 ms, 230-270 and ~220. Inbox reads every 50 ms and record retries every 20 ms gained 0-30 ms here
+and lost with --busy-ms 2 (more calls where the store queues): the served lag is the store's queue."""
 
 from __future__ import annotations
 
@@ -35,15 +46,17 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
-async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float], int]:
+async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float], list[float], dict[str, int]]:
     from chatstream import sse
     from chatstream.http import dumps
 
     lags: list[float] = []
+    firsts: list[float] = []
     appended: dict[tuple[int, int], float] = {}
 
     async def read(n: int, stream_id: str, opened: float) -> None:
         reader = await b.open_reader(stream_id, None, None)
+        first = True
         async for chunk in reader:
             now = time.monotonic()
             for part in chunk.split(b"\n\n"):
@@ -52,11 +65,14 @@ async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float
                     sent = appended.get((n, i))
                     if sent is not None and sent >= opened:
                         lags.append((now - sent) * 1000)
+                        if first:
+                            firsts.append((now - sent) * 1000)
+                            first = False
 
     async def one(n: int) -> None:
         await asyncio.sleep(n * args.stagger_ms / 1000)
-        producer = a.start("chat", None)
         await asyncio.sleep(args.first_ms / 1000)
+        producer = a.start("chat", None)  # as the app does: once the first event is in hand
         readers = []
         for i in range(args.deltas + 1):
             last = i == args.deltas
@@ -71,10 +87,11 @@ async def wave(a, b, args, follow: bool, rng: random.Random) -> tuple[list[float
         producer.finish()
         await asyncio.gather(*readers)
 
-    calls = sum(a.store.data.calls.values())
+    calls = dict(a.store.data.calls)
     await asyncio.gather(*(one(n) for n in range(args.streams)))
     await asyncio.sleep(args.settle)  # the last writes, the readers' leaving, the inbox's deletes
-    return lags, sum(a.store.data.calls.values()) - calls
+    ops = {op: n - calls.get(op, 0) for op, n in a.store.data.calls.items() if n != calls.get(op, 0)}
+    return lags, firsts, ops
 
 
 async def main_async(args) -> dict:
@@ -86,12 +103,17 @@ async def main_async(args) -> dict:
     from chatstream.state.streamlog import ResumeConfig, StreamLog
 
     rng = random.Random(args.seed)
+    server = asyncio.Lock()  # --busy-ms: the store serves one call at a time (Azurite's one thread)
 
     class SlowStore(MemoryStore):
-        """Every call takes ``--latency-ms`` (lognormal, that median, ``--jitter`` sigma)."""
+        """Every call takes ``--latency-ms`` (lognormal, that median, ``--jitter`` sigma), and holds
+        the store alone for ``--busy-ms`` of it (calls queue behind one another: the store's load)."""
 
         async def _call(self, op, table, timeout, work, write):
             await asyncio.sleep(args.latency_ms / 1000 * rng.lognormvariate(0, args.jitter))
+            if args.busy_ms:
+                async with server:
+                    await asyncio.sleep(args.busy_ms / 1000)
             return await super()._call(op, table, timeout, work, write)
 
     data = MemoryData()
@@ -100,24 +122,32 @@ async def main_async(args) -> dict:
         store = SlowStore(data, StoreClock())
         logs.append(StreamLog(store, Instances(store), encode_error, ResumeConfig(**args.set)))
     a, b = logs
-    out: dict = {"lag": [], "plain_calls": [], "followed_calls": []}
+    out: dict = {"lag": [], "first": [], "plain_calls": [], "followed_calls": []}
+    ops: dict[str, float] = {}
+    readers = len(range(0, args.streams, args.follow_every))
     try:
         await wave(a, b, args, False, rng)  # warm-up: first beats
         for _ in range(args.waves):
-            _, plain = await wave(a, b, args, False, rng)
-            lags, followed = await wave(a, b, args, True, rng)
+            _, _, plain_ops = await wave(a, b, args, False, rng)
+            lags, firsts, followed_ops = await wave(a, b, args, True, rng)
+            plain, followed = sum(plain_ops.values()), sum(followed_ops.values())
             out["lag"] += lags
-            readers = len(range(0, args.streams, args.follow_every))
+            out["first"] += firsts
             out["plain_calls"].append(plain / args.streams)
             out["followed_calls"].append((followed - plain) / readers + plain / args.streams)
+            for op in set(plain_ops) | set(followed_ops):
+                extra = (followed_ops.get(op, 0) - plain_ops.get(op, 0)) / readers
+                ops[op] = ops.get(op, 0.0) + extra / args.waves
     finally:
         for streams in logs:
             await streams.close(timeout=1.0)
             await streams.instances.close()
     return {
         "lag_ms": {"p50": pct(out["lag"], 50), "p99": pct(out["lag"], 99), "n": len(out["lag"])},
+        "first_lag_ms": {"p50": pct(out["first"], 50), "p99": pct(out["first"], 99), "n": len(out["first"])},
         "calls_per_stream_without_reader": round(sum(out["plain_calls"]) / args.waves, 2),
         "calls_per_stream_with_reader": round(sum(out["followed_calls"]) / args.waves, 2),
+        "calls_a_reader_adds": {op: round(n, 2) for op, n in sorted(ops.items()) if round(n, 2)},
     }
 
 
@@ -131,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--stagger-ms", type=float, default=1.0)
     p.add_argument("--latency-ms", type=float, default=20.0, help="a store call's median time (default 20 ms)")
     p.add_argument("--jitter", type=float, default=0.5, help="lognormal sigma of a call's time (default 0.5)")
+    p.add_argument("--busy-ms", type=float, default=0.0, help="each call holds the store alone this long (default 0)")
     p.add_argument("--waves", type=int, default=3)
     p.add_argument("--settle", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=44)

@@ -16,20 +16,24 @@ The store's REST client is made (nothing is sent: nothing listens), the tokenize
 prompt counted. ``coldstart.py --served`` measures the whole served worker.
 
 Measured 2026-12-05 (issue #44's target: keyed instance memory <= +50 MB over unkeyed, or say why),
-keyed over unkeyed: +50.9 MB with an account key, +50.1 with an identity, +35.9 with an identity and
-App Insights (as infra/ deploys: the exporter already loads azure-identity for both). Of it:
+keyed over unkeyed: +34.8 MB in all three setups (+50.9 with an account key before 20625f2):
 
-* o200k_base's tables, 34.2 MB (anonymous): every keyed request counts its prompt to reserve tokens,
-  so a keyed instance needs them from its first request; building them lazily would only move the
-  34 MB (and the 45 ms) onto that request. Only a count without the real tokenizer (an estimate)
-  would remove them, and budgets would no longer be exact: not done.
-* the store's SDKs, 15.5 MB with a key (azure-data-tables and azure-storage-blob, imported by
-  state/store_account.py only to read the connection string and sign account SASs; requests and
-  cryptography come with them), 14.8 MB with an identity (azure-identity, which signs every request).
-  The key's part could go by reading the connection string and signing the SAS in the app (both
-  documented formats) instead of through the SDKs: a second implementation of what the SDKs do,
-  in state/, for 15 MB; not done here (state/ is being cut by others).
-* the tokenizer's extension module, 1.2 MB (mostly file pages)."""
+* o200k_base's tables, 33.6 MB (anonymous; 34.2 before the build's freed C heap was given back,
+  tokens.py): every keyed request counts its prompt to reserve tokens, so a keyed instance needs
+  them from its first request; building them lazily would only move the 34 MB (and the 45 ms)
+  onto that request. Only a count without the real tokenizer (an estimate) would remove them, and
+  budgets would no longer be exact: not done.
+* the tokenizer's extension module, 1.2 MB (mostly file pages).
+* the store's SDKs are no longer in it: since 20625f2 they load when the AzureStore is made, at
+  start-up, keyed or not, so an unkeyed app with AzureWebJobsStorage (always set in Azure) holds
+  them too (the "store" step is +0.1). With a key, 15.5 MB: azure-data-tables and
+  azure-storage-blob, used only to read the connection string and sign account SASs; the blob
+  package's import alone is ~15.7 MB, of it requests (~5 MB, its RequestsTransport) and
+  cryptography (~6.6 MB, its client-side encryption), neither used but imported by the package's
+  own ``__init__``, which any import from it runs: no import of ours avoids them. With an
+  identity, 14.8 MB (azure-identity, which signs every request). The key's part could go by
+  reading the connection string and signing the SAS in the app (both documented formats): a
+  second implementation of what the SDKs do, for 15 MB; not done."""
 
 from __future__ import annotations
 

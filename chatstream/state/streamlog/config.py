@@ -51,7 +51,9 @@ class ResumeConfig:
     # queue ahead of the heartbeat, the inbox and the routes' own calls. (A stream's record insert
     # is the request's own: it does not wait here.)
     bulk_calls: int = 16
-    young_poll_seconds: float = 0.05  # a reader elsewhere polls for the record of a stream just started
+    # A reader elsewhere polls for the record of a stream just started: its id goes out as its
+    # record's insert is sent, so a reader that comes at once often reads before it lands.
+    young_poll_seconds: float = 0.05
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
     # A producing instance reads its inbox (cancels, readers elsewhere) every inbox_seconds, and
     # every inbox_young_seconds while one of its streams is younger than young_seconds: a reader
