@@ -642,3 +642,62 @@ def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():
     settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
     client = make_client(Entry(name="v", kind="openai", url="http://127.0.0.1:9/v1"), settings, 2)
     assert isinstance(client, NoAuthClient) and client.timeout == client.client.timeout
+
+
+async def test_http_client_sends_as_httpx2_sends():
+    """HttpClient.send hands the SDK's requests straight to the transport: each response is the one
+    httpx2's own send gives on the same transport (status, request, history, cookies kept, a
+    redirect followed or not, the body read or left to stream, httpx2's timed body), and a
+    transport error names its request, the first request and one with auth going httpx2's way."""
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/moved":
+            return httpx2.Response(307, headers={"location": "/v1/chat"})
+        if request.url.path == "/gone":
+            raise httpx2.ConnectError("refused")
+        headers = {"set-cookie": "s=1; Path=/"} if request.url.path == "/cookie" else {}
+        return httpx2.Response(200, headers=headers, content=b"data: {}\n\n")
+
+    def shape(response: httpx2.Response, client: httpx2.AsyncClient) -> tuple:
+        return (
+            response.status_code,
+            str(response.url),
+            response.request.content,
+            [(r.status_code, str(r.url)) for r in response.history],
+            None if response.next_request is None else str(response.next_request.url),
+            response.is_stream_consumed,
+            type(response.stream).__name__,
+            dict(client.cookies),
+        )
+
+    async def run(client: httpx2.AsyncClient) -> list:
+        out = []
+        for path, stream, follow in [
+            ("/v1/chat", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/v1/chat", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/v1/chat", False, httpx2.USE_CLIENT_DEFAULT),
+            ("/cookie", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/moved", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/moved", True, False),
+            ("/moved", False, True),
+        ]:
+            request = client.build_request("POST", f"https://h.test{path}", content=b"{}", timeout=5.0)
+            response = await client.send(request, stream=stream, follow_redirects=follow)
+            await response.aclose()
+            out.append(shape(response, client))
+        request = client.build_request("POST", "https://h.test/gone", content=b"{}", timeout=5.0)
+        with pytest.raises(httpx2.ConnectError) as raised:
+            await client.send(request)
+        out.append(raised.value.request is request)
+        return out
+
+    ours = HttpClient(httpx2.MockTransport(answer))
+    theirs = httpx2.AsyncClient(
+        transport=httpx2.MockTransport(answer), timeout=openai.DEFAULT_TIMEOUT, follow_redirects=True
+    )
+    assert await run(ours) == await run(theirs)
+    basic = HttpClient(httpx2.MockTransport(answer))
+    basic.auth = ("u", "p")  # not the SDK's way: httpx2's own send adds the header
+    for _ in range(2):
+        response = await basic.send(basic.build_request("POST", "https://h.test/v1/chat", content=b"{}"))
+        assert response.request.headers["authorization"].startswith("Basic ")
