@@ -13,11 +13,11 @@ Azure OpenAI is called on its GA v1 API (``{endpoint}/openai/v1``, OpenAI's path
 the key or Entra ID token as the bearer) unless an entry names a dated ``api_version`` (the SDK's
 Azure client: ``/openai/deployments/{deployment}/...?api-version=``, the key in ``api-key``).
 
-Two private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
-URLs its ``_prepare_url`` builds and the request options its ``post`` builds (``FinalRequestOptions``),
-which it would rebuild for every request (requirements.txt pins the SDK's minor version;
-tests/unit/test_clients.py fails if either changes shape, and checks every request against the
-SDK's own)."""
+Three private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
+URLs its ``_prepare_url`` builds, the request options its ``post`` builds (``FinalRequestOptions``)
+and the headers its ``_build_headers`` builds, which it would rebuild for every request
+(requirements.txt pins the SDK's minor version; tests/unit/test_clients.py fails if any changes
+shape, and checks every request against the SDK's own)."""
 
 from __future__ import annotations
 
@@ -83,8 +83,42 @@ class Reused:
       replaces, never changes, what the copies share). Anything else (files, raw content, options
       that cannot be compared) goes through the SDK's own ``post``.
 
+    - ``_build_headers``: the request's headers (the client's, the auth ones, the request's own,
+      the retry count and read timeout: ~15 dict entries merged, then parsed into httpx2's Headers),
+      kept per set of those inputs, which are the same for every request of a client until a key or
+      token changes; each request gets a copy (the SDK changes its own). ~8% of the CPU a request
+      takes before its first delta (tools/bench/burst.py). A client with an idempotency header (a
+      new value per request) builds them each time.
+
     URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
     test_clients.py checks the shapes relied on and that every request is the SDK's own."""
+
+    def _build_headers(self, options: FinalRequestOptions, *, retries_taken: int = 0) -> httpx2.Headers:
+        build = super()._build_headers  # type: ignore[misc] - the SDK client class after this mixin
+        if self._idempotency_header:  # type: ignore[attr-defined] - the SDK client's
+            return build(options, retries_taken=retries_taken)
+        timeout = self.timeout if isinstance(options.timeout, openai.NotGiven) else options.timeout  # type: ignore[attr-defined]
+        if isinstance(timeout, httpx2.Timeout):
+            timeout = ("timeout", timeout.connect, timeout.read, timeout.write, timeout.pool)
+        key = (
+            _pairs(self._auth_headers(options.security)),  # type: ignore[attr-defined] - the SDK client's
+            _pairs(self.default_headers),  # type: ignore[attr-defined]
+            _pairs(options.headers or {}),
+            retries_taken,
+            timeout,
+        )
+        cache = self.__dict__.setdefault("_chatstream_headers", {})
+        try:
+            kept = cache.get(key)
+        except TypeError:  # a value that cannot be compared
+            return build(options, retries_taken=retries_taken)
+        if kept is None:
+            kept = build(options, retries_taken=retries_taken)
+            if len(cache) >= URL_CACHE_SIZE:  # a key or token changed many times: the old ones go
+                cache.clear()
+            cache[key] = httpx2.Headers(kept)
+            return kept
+        return httpx2.Headers(kept)
 
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})
@@ -129,6 +163,14 @@ class Reused:
             )
         request = self.request  # type: ignore[attr-defined] - the SDK client's
         return await request(cast_to, kept.model_copy(update={"json_data": body}), stream=stream, stream_cls=stream_cls)
+
+
+_OMITTED = ("omitted",)  # an openai.Omit in a key (each is its own object; they all mean the same)
+
+
+def _pairs(headers: Mapping[str, Any]) -> tuple:
+    """Headers as part of a key, in order (the order they are sent in)."""
+    return tuple((name, _OMITTED if isinstance(value, openai.Omit) else value) for name, value in headers.items())
 
 
 def _frozen(path: str, options: Mapping[str, Any]) -> tuple | None:

@@ -454,11 +454,65 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         in post_source
     )
     assert "return await self.request(cast_to, opts, stream=stream, stream_cls=stream_cls)" in post_source
+    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
+        assert list(inspect.signature(sdk_class._build_headers).parameters) == ["self", "options", "retries_taken"]
     for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):  # ahead of the SDK class in the MRO
         assert ours._prepare_url is Reused._prepare_url and ours.post is Reused.post
+        assert ours._build_headers is Reused._build_headers
     client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
+    assert client.__dict__["_chatstream_headers"], "the SDK no longer builds headers with it"
+
+
+async def test_kept_headers_follow_a_changed_key_token_or_header():
+    """The headers kept per client (Reused._build_headers) are the SDK's for the same inputs: a key
+    refreshed (an Entra ID token as the v1 API's key), an Azure AD token, a header of the request's
+    own, an omitted one, another timeout: each request carries what the SDK's own class sends."""
+    from openai._models import FinalRequestOptions
+
+    from chatstream.upstreams.clients import _AsyncAzureOpenAI, _AsyncOpenAI
+
+    def options(headers=None, timeout=None):
+        extra = {"headers": headers} if headers is not None else {}
+        extra |= {"timeout": timeout} if timeout is not None else {}
+        return FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}, **extra)
+
+    tokens = iter(f"token-{i}" for i in range(100))
+
+    async def provider() -> str:
+        return next(tokens)
+
+    builds = [
+        lambda cls: cls(api_key="sk-1", base_url="http://up.test/v1"),
+        lambda cls: cls(azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1"),
+    ]
+    for build, ours_class, sdk_class in zip(
+        builds, (_AsyncOpenAI, _AsyncAzureOpenAI), (openai.AsyncOpenAI, openai.AsyncAzureOpenAI), strict=True
+    ):
+        ours, theirs = build(ours_class), build(sdk_class)
+        for step in range(4):
+            for client in (ours, theirs):
+                if step == 1:
+                    client.api_key = "sk-2"
+                if step == 2 and isinstance(client, openai.AsyncAzureOpenAI):
+                    client._azure_ad_token = "t-2"
+            for made in (
+                options(),
+                options({"x-a": "1"}),
+                options({"OpenAI-Organization": openai.omit}),
+                options(timeout=httpx2.Timeout(7.0)),
+                options(),
+            ):
+                for retries in (0, 1):
+                    sent = [c._build_headers(made, retries_taken=retries).raw for c in (ours, theirs)]
+                    assert sent[0] == sent[1], (step, made.headers, retries)
+    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1")
+    seen = set()
+    for _ in range(3):
+        made = await refreshed._prepare_options(options())
+        seen.add(refreshed._build_headers(made)["authorization"])
+    assert seen == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
 
 
 class _Answers(httpx2.AsyncBaseTransport):
