@@ -454,11 +454,35 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         in post_source
     )
     assert "return await self.request(cast_to, opts, stream=stream, stream_cls=stream_cls)" in post_source
+    from openai._response import AsyncAPIResponse
+    from openai._streaming import extract_stream_chunk_type
+
     for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
         assert list(inspect.signature(sdk_class._build_headers).parameters) == ["self", "options", "retries_taken"]
+        assert list(inspect.signature(sdk_class._idempotency_key).parameters) == ["self"]
+        assert list(inspect.signature(sdk_class._process_response).parameters) == [
+            "self",
+            "cast_to",
+            "options",
+            "response",
+            "stream",
+            "stream_cls",
+            "retries_taken",
+        ]
+    assert extract_stream_chunk_type(UpstreamStream) is dict  # the cast_to the SDK gives our streams
+    assert "self._stream_cls(" in inspect.getsource(AsyncAPIResponse._parse)
     for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):  # ahead of the SDK class in the MRO
         assert ours._prepare_url is Reused._prepare_url and ours.post is Reused.post
         assert ours._build_headers is Reused._build_headers
+        assert ours._process_response is Reused._process_response
+        assert ours._idempotency_key is Reused._idempotency_key
+        # No idempotency header on the SDK's clients: the key the SDK makes per request is never sent.
+        made = (
+            ours(api_key="k", base_url="http://h.test/v1")
+            if ours is _AsyncOpenAI
+            else ours(api_key="k", azure_endpoint="https://h.test", api_version="1")
+        )
+        assert made._idempotency_header is None
     client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
