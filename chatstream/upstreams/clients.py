@@ -37,7 +37,7 @@ from ..settings import Settings
 from ..sse import Parser
 from .config import Entry
 from .outcomes import upstream_field
-from .transport import URL_CACHE_SIZE, HttpClient, body_reader
+from .transport import URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader
 
 # The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
 # private network) gives it this one, which no request carries (NoAuthClient).
@@ -126,9 +126,9 @@ class Reused:
             kept = build(options, retries_taken=retries_taken)
             if len(cache) >= URL_CACHE_SIZE:  # a key or token changed many times: the old ones go
                 cache.clear()
-            cache[key] = httpx2.Headers(kept)
+            cache[key] = KeptHeaders(kept)
             return kept
-        return httpx2.Headers(kept)
+        return kept.copied()
 
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})

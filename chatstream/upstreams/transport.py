@@ -174,6 +174,52 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
             await self._session.close()
 
 
+class KeptHeaders(httpx2.Headers):
+    """httpx2's Headers, kept to be copied for many requests, that decode their pairs of strings
+    (``multi_items``: every header decoded anew each time, once by the SDK and once by the
+    transport per request) once for all their copies, until a copy is changed. Reused's
+    ``_build_headers`` and ``HttpClient.build_request`` keep them. httpx2's own methods change
+    headers only through ``__setitem__`` and ``__delitem__`` (and a set ``encoding``)."""
+
+    def __init__(self, headers: httpx2.Headers, pairs: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(headers)
+        self._pairs = pairs if pairs is not None else super().multi_items()
+
+    def copied(self) -> KeptHeaders:
+        """A copy for one request (as ``httpx2.Headers(self)``), its pairs decoded already."""
+        return KeptHeaders(self, self._pairs)
+
+    def multi_items(self) -> list[tuple[str, str]]:
+        if self._pairs is None:
+            return super().multi_items()
+        return list(self._pairs)
+
+    def set_last(self, key: str, value: str) -> None:
+        """``self[key] = value`` where the last header is ``key`` (its pairs kept, with the new value)."""
+        pairs = self._pairs
+        self[key] = value
+        name = key.lower()
+        if pairs and pairs[-1][0] == name and len(self) == len(pairs) and value.isascii():
+            self._pairs = [*pairs[:-1], (name, value)]  # the others as they were: all ASCII stays ASCII
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._pairs = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._pairs = None
+        super().__delitem__(key)
+
+    @property
+    def encoding(self) -> str:
+        return httpx2.Headers.encoding.fget(self)  # type: ignore[attr-defined]
+
+    @encoding.setter
+    def encoding(self, value: str) -> None:
+        self._pairs = None
+        self._encoding = value
+
+
 class HttpClient(httpx2.AsyncClient):
     """The httpx2 client the SDK is given: the SDK's defaults (``openai.DefaultAsyncHttpx2Client``'s), on
     ``AiohttpTransport`` unless given another transport, and every request through that transport
@@ -197,7 +243,7 @@ class HttpClient(httpx2.AsyncClient):
             trust_env=False,
         )
         self._parsed: dict[tuple[str, str | None], httpx2.URL] = {}
-        self._prepared: dict[tuple, httpx2.Headers] = {}  # what httpx2 made of each URL and SDK headers
+        self._prepared: dict[tuple, KeptHeaders] = {}  # what httpx2 made of each URL and SDK headers
         self._opened = False  # httpx2's send has run once (the client's state is "opened")
 
     async def send(
@@ -301,14 +347,13 @@ class HttpClient(httpx2.AsyncClient):
             if not content or request.headers.raw[-1][0] == b"Content-Length":
                 if len(self._prepared) >= URL_CACHE_SIZE:  # an Entra token changes hourly: old ones go
                     self._prepared.clear()
-                self._prepared[key] = httpx2.Headers(request.headers)
+                self._prepared[key] = KeptHeaders(request.headers)
             return request
-        headers_sent = httpx2.Headers(kept)  # a copy of the kept ones: no header is parsed again
+        headers_sent = kept.copied()  # no header is parsed again
         if content:
-            headers_sent["Content-Length"] = str(len(content))  # in its place: the last one
-        request = httpx2.Request(
-            method, url, headers=headers_sent, stream=httpx2.ByteStream(content or b""), extensions=extensions
-        )
+            headers_sent.set_last("Content-Length", str(len(content)))  # in its place: the last one
+        request = httpx2.Request(method, url, stream=httpx2.ByteStream(content or b""), extensions=extensions)
+        request.headers = headers_sent  # (given to Request, they would be copied into plain Headers)
         request.read()  # as httpx2 does for a body in hand
         return request
 

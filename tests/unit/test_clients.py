@@ -586,7 +586,8 @@ async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
             assert len([d async for d in stream]) == 1
 
     def shape(request: httpx2.Request) -> tuple:
-        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+        headers = request.headers
+        return request.method, str(request.url), headers.raw, headers.multi_items(), request.content, request.extensions
 
     for kind, build in kinds.items():
         ours_class, sdk_class = sdk_classes.get(kind, sdk_classes["openai"])
@@ -695,7 +696,8 @@ def test_http_client_builds_the_request_httpx2_builds():
     ]
 
     def shape(request: httpx2.Request) -> tuple:
-        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+        headers = request.headers
+        return request.method, str(request.url), headers.raw, headers.multi_items(), request.content, request.extensions
 
     for setup in ({}, {"cookies": {"c": "1"}}, {"params": {"p": "1"}}, {"base_url": "https://base.test/x/"}):
         ours = HttpClient(httpx2.MockTransport(lambda r: httpx2.Response(200)))
@@ -779,3 +781,35 @@ async def test_http_client_sends_as_httpx2_sends():
     for _ in range(2):
         response = await basic.send(basic.build_request("POST", "https://h.test/v1/chat", content=b"{}"))
         assert response.request.headers["authorization"].startswith("Basic ")
+
+
+def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
+    """KeptHeaders hand out the pairs they decoded once: a copy's, and after any change (a header
+    set, replaced last, removed, popped, an encoding set, a value that is not ASCII) the pairs are
+    httpx2's own for the same headers."""
+    from chatstream.upstreams.transport import KeptHeaders
+
+    def set_last(headers: httpx2.Headers, key: str, value: str) -> None:
+        if isinstance(headers, KeptHeaders):
+            headers.set_last(key, value)
+        else:
+            headers[key] = value
+
+    base = [("Accept", "application/json"), ("X-A", "1"), ("x-a", "2"), ("Content-Length", "2")]
+    changes = [
+        lambda h: None,
+        lambda h: set_last(h, "Content-Length", "123"),
+        lambda h: set_last(h, "Content-Length", "\u00e9"),
+        lambda h: set_last(h, "X-A", "3"),  # not the last one: both x-a go, one is set
+        lambda h: h.__setitem__("x-new", "v"),
+        lambda h: h.__delitem__("accept"),
+        lambda h: h.pop("x-a"),
+        lambda h: setattr(h, "encoding", "iso-8859-1"),
+    ]
+    kept = KeptHeaders(httpx2.Headers(base))
+    for change in changes:
+        ours, theirs = kept.copied(), httpx2.Headers(kept)
+        for headers in (ours, theirs):
+            change(headers)
+        assert ours.raw == theirs.raw and ours.multi_items() == theirs.multi_items(), change
+        assert kept.multi_items() == httpx2.Headers(base).multi_items()  # the kept ones unchanged
