@@ -588,34 +588,39 @@ async def stream_response(
     with keep-alives until the first output."""
     first = asyncio.ensure_future(anext(events))
     gone = asyncio.ensure_future(wait_disconnect(request))
+    listened = False  # whether the event stream goes on listening with ``gone``
     try:
-        await asyncio.wait({first, gone}, timeout=heartbeat, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled itself: the upstream is closed, the record and charge written
-        record.hung_up(499)
-        await _close_events(first, events)
-        raise
+        try:
+            await asyncio.wait({first, gone}, timeout=heartbeat, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled itself: the upstream is closed, the record and charge written
+            record.hung_up(499)
+            await _close_events(first, events)
+            raise
+        if gone.done() and not gone.cancelled():  # the caller left while we waited for the first token
+            record.hung_up(499)
+            await _close_events(first, events)
+            return Response(status_code=499)
+        failed = first.result() if first.done() else None
+        if isinstance(failed, Failed):
+            error = failed.error
+            response = error_response(error)
+            record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
+            await events.aclose()
+            return response
+        answer = respond(first, events) if respond is not None else None  # a resumable stream's answer
+        if answer is not None:
+            return answer
+        listened = True
+        return EventStreamResponse(
+            _body(first, events, encode, heartbeat),
+            limits.total_at,
+            on_close=lambda: _close_events(first, events),
+            headers={**headers, "x-request-id": record.request_id},  # the upstream's id, once it is known
+            listener=gone,
+        )
     finally:
-        gone.cancel()
-    if gone.done() and not gone.cancelled():  # the caller left while we waited for the first token
-        record.hung_up(499)
-        await _close_events(first, events)
-        return Response(status_code=499)
-    failed = first.result() if first.done() else None
-    if isinstance(failed, Failed):
-        error = failed.error
-        response = error_response(error)
-        record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
-        await events.aclose()
-        return response
-    answer = respond(first, events) if respond is not None else None  # a resumable stream's answer
-    if answer is not None:
-        return answer
-    return EventStreamResponse(
-        _body(first, events, encode, heartbeat),
-        limits.total_at,
-        on_close=lambda: _close_events(first, events),
-        headers={**headers, "x-request-id": record.request_id},  # the upstream's id, once it is known
-    )
+        if not listened:
+            gone.cancel()
 
 
 def _body(

@@ -120,9 +120,12 @@ def parse_json_body(raw: bytes) -> object:
         raise invalid_request("the body is nested too deeply") from None
     except ValueError as exc:
         raise invalid_request(f"the body is not valid JSON: {exc}") from None
-    if _too_deep(data):
+    # Each walk only where the text allows what it looks for: no deeper nesting than the text has
+    # brackets (strings' included), and no surrogate but from a \u escape (strict UTF-8 has none).
+    # A request's messages are walked twice otherwise, before its upstream call is made.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _too_deep(data):
         raise invalid_request(f"the body is nested deeper than {MAX_DEPTH} levels")
-    if _has_lone_surrogate(data):
+    if b"\\u" in raw and _has_lone_surrogate(data):
         raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
     return data
 
@@ -272,7 +275,11 @@ class EventStreamResponse(StreamingResponse):
     while the generator was parked at ``yield`` (Starlette then only cancels the sending task), and
     that gives up writing shortly after the stream's total limit, however slowly the caller reads.
     ``on_close`` runs last in every case, also when Starlette never started the body (a caller gone
-    before the first write): a generator that never ran has no ``finally`` of its own to run."""
+    before the first write): a generator that never ran has no ``finally`` of its own to run.
+    ``listener``: a task already listening for the caller's disconnect on the same ``receive``
+    (the endpoint's, while it waited for the first event), which the response listens with instead
+    of starting its own: a task, a receive and a cancel fewer per stream, before its first event
+    goes out (~2.5% of the CPU a request takes until then)."""
 
     media_type = "text/event-stream; charset=utf-8"
 
@@ -282,11 +289,13 @@ class EventStreamResponse(StreamingResponse):
         give_up_at: float,
         on_close: Callable[[], Awaitable[None]] | None = None,
         headers: dict[str, str] | None = None,
+        listener: asyncio.Future | None = None,
     ):
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
         self.content = content
         self.give_up_at = give_up_at
         self.on_close = on_close
+        self.listener = listener
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -300,6 +309,8 @@ class EventStreamResponse(StreamingResponse):
     async def close(self) -> None:
         """Close the event generator, then ``on_close``: once served, or instead of being served.
         Shielded: it runs on the way out of a cancelled task."""
+        if self.listener is not None:
+            self.listener.cancel()  # a response never served has it still listening
         with anyio.CancelScope(shield=True):
             close = getattr(self.content, "aclose", None)
             if close is not None:
@@ -318,6 +329,8 @@ class EventStreamResponse(StreamingResponse):
         ASGI 2.4 servers report a disconnect as a failed write: Starlette's own path."""
         spec_version = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
         if scope["type"] != "http" or spec_version >= (2, 4):
+            if self.listener is not None:
+                self.listener.cancel()  # Starlette listens its own way
             await super().__call__(scope, receive, send)
             return
         task = asyncio.current_task()
@@ -325,13 +338,13 @@ class EventStreamResponse(StreamingResponse):
         cancelling = task.cancelling()
         writing, gone = True, False
 
-        def hung_up(listener: asyncio.Task) -> None:
+        def hung_up(listener: asyncio.Future) -> None:
             nonlocal gone
             if writing and not listener.cancelled():  # a disconnect (or a failure to receive)
                 gone = True
                 task.cancel()
 
-        listener = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        listener = self.listener or asyncio.ensure_future(self.listen_for_disconnect(receive))
         listener.add_done_callback(hung_up)
         try:
             await self.stream_response(send)

@@ -13,11 +13,11 @@ Azure OpenAI is called on its GA v1 API (``{endpoint}/openai/v1``, OpenAI's path
 the key or Entra ID token as the bearer) unless an entry names a dated ``api_version`` (the SDK's
 Azure client: ``/openai/deployments/{deployment}/...?api-version=``, the key in ``api-key``).
 
-Two private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
-URLs its ``_prepare_url`` builds and the request options its ``post`` builds (``FinalRequestOptions``),
-which it would rebuild for every request (requirements.txt pins the SDK's minor version;
-tests/unit/test_clients.py fails if either changes shape, and checks every request against the
-SDK's own)."""
+Three private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
+URLs its ``_prepare_url`` builds, the request options its ``post`` builds (``FinalRequestOptions``)
+and the headers its ``_build_headers`` builds, which it would rebuild for every request
+(requirements.txt pins the SDK's minor version; tests/unit/test_clients.py fails if any changes
+shape, and checks every request against the SDK's own)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import httpx2
 import openai
+from openai._constants import RAW_RESPONSE_HEADER  # private: the header that asks for the SDK's response wrapper
 from openai._models import FinalRequestOptions  # private: see Reused
 
 from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
@@ -36,7 +37,7 @@ from ..settings import Settings
 from ..sse import Parser
 from .config import Entry
 from .outcomes import upstream_field
-from .transport import URL_CACHE_SIZE, HttpClient, body_reader
+from .transport import URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader
 
 # The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
 # private network) gives it this one, which no request carries (NoAuthClient).
@@ -45,6 +46,8 @@ ENTRA_SCOPE = "https://cognitiveservices.azure.com/.default"
 # Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
 # plain path segment may go there ("." or ".." would change the path the SDK builds).
 DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# What the SDK's options carry as their idempotency key when the client has no header to send it in.
+UNSENT_IDEMPOTENCY_KEY = "unsent"
 # Upstream 404 codes that mean the model (Azure: the deployment) is unknown, not the API.
 _MODEL_MISSING = {"model_not_found", "DeploymentNotFound"}
 
@@ -83,8 +86,49 @@ class Reused:
       replaces, never changes, what the copies share). Anything else (files, raw content, options
       that cannot be compared) goes through the SDK's own ``post``.
 
+    - ``_build_headers``: the request's headers (the client's, the auth ones, the request's own,
+      the retry count and read timeout: ~15 dict entries merged, then parsed into httpx2's Headers),
+      kept per set of those inputs, which are the same for every request of a client until a key or
+      token changes; each request gets a copy (the SDK changes its own). ~8% of the CPU a request
+      takes before its first delta (tools/bench/burst.py). A client with an idempotency header (a
+      new value per request) builds them each time.
+
+    - ``_idempotency_key``: a new uuid4 per request for the client's idempotency header, which the
+      SDK's OpenAI and Azure clients do not have (nothing sends the key): one unsent constant then;
+    - ``_process_response`` of a stream of ours (``UpstreamStream``): the stream itself, as the
+      SDK's ``AsyncAPIResponse.parse`` makes it (without the response wrapper, the type-argument
+      lookup and two header searches around it); a raw response or a post-parser goes the SDK's way.
+      With the idempotency key: ~4% of the CPU a request takes before its first delta.
+
     URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
     test_clients.py checks the shapes relied on and that every request is the SDK's own."""
+
+    def _build_headers(self, options: FinalRequestOptions, *, retries_taken: int = 0) -> httpx2.Headers:
+        build = super()._build_headers  # type: ignore[misc] - the SDK client class after this mixin
+        if self._idempotency_header:  # type: ignore[attr-defined] - the SDK client's
+            return build(options, retries_taken=retries_taken)
+        timeout = self.timeout if isinstance(options.timeout, openai.NotGiven) else options.timeout  # type: ignore[attr-defined]
+        if isinstance(timeout, httpx2.Timeout):
+            timeout = ("timeout", timeout.connect, timeout.read, timeout.write, timeout.pool)
+        key = (
+            _pairs(self._auth_headers(options.security)),  # type: ignore[attr-defined] - the SDK client's
+            _pairs(self.default_headers),  # type: ignore[attr-defined]
+            _pairs(options.headers or {}),
+            retries_taken,
+            timeout,
+        )
+        cache = self.__dict__.setdefault("_chatstream_headers", {})
+        try:
+            kept = cache.get(key)
+        except TypeError:  # a value that cannot be compared
+            return build(options, retries_taken=retries_taken)
+        if kept is None:
+            kept = build(options, retries_taken=retries_taken)
+            if len(cache) >= URL_CACHE_SIZE:  # a key or token changed many times: the old ones go
+                cache.clear()
+            cache[key] = KeptHeaders(kept)
+            return kept
+        return kept.copied()
 
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})
@@ -96,6 +140,38 @@ class Reused:
         if len(cache) < URL_CACHE_SIZE:
             cache[url] = (base, prepared)
         return prepared
+
+    def _idempotency_key(self) -> str:
+        if self._idempotency_header:  # type: ignore[attr-defined] - the SDK client's
+            return super()._idempotency_key()  # type: ignore[misc] - the SDK client class after this mixin
+        return UNSENT_IDEMPOTENCY_KEY
+
+    async def _process_response(
+        self,
+        *,
+        cast_to: Any,
+        options: FinalRequestOptions,
+        response: httpx2.Response,
+        stream: bool,
+        stream_cls: Any,
+        retries_taken: int = 0,
+    ) -> Any:
+        if (
+            stream
+            and isinstance(stream_cls, type)
+            and issubclass(stream_cls, UpstreamStream)
+            and isinstance(options.post_parser, openai.NotGiven)
+            and RAW_RESPONSE_HEADER not in response.request.headers
+        ):
+            return stream_cls(cast_to=dict, response=response, client=self, options=options)
+        return await super()._process_response(  # type: ignore[misc] - the SDK client class after this mixin
+            cast_to=cast_to,
+            options=options,
+            response=response,
+            stream=stream,
+            stream_cls=stream_cls,
+            retries_taken=retries_taken,
+        )
 
     async def post(
         self,
@@ -129,6 +205,14 @@ class Reused:
             )
         request = self.request  # type: ignore[attr-defined] - the SDK client's
         return await request(cast_to, kept.model_copy(update={"json_data": body}), stream=stream, stream_cls=stream_cls)
+
+
+_OMITTED = ("omitted",)  # an openai.Omit in a key (each is its own object; they all mean the same)
+
+
+def _pairs(headers: Mapping[str, Any]) -> tuple:
+    """Headers as part of a key, in order (the order they are sent in)."""
+    return tuple((name, _OMITTED if isinstance(value, openai.Omit) else value) for name, value in headers.items())
 
 
 def _frozen(path: str, options: Mapping[str, Any]) -> tuple | None:

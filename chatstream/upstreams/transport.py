@@ -11,12 +11,16 @@ worker's CPU per delta with httpx2's own transport: docs/benchmarks.md).
   from HTTP(S)_PROXY / NO_PROXY, read once.
 - The body's reader is also in the response's extensions (``body_reader``), so that a stream can
   read it without the generators of the layers between (httpx2's bound stream, ``aiter_raw``).
-- ``HttpClient.build_request`` parses each request URL (with its query) once per client."""
+- ``HttpClient.build_request`` parses each request URL (with its query) once per client, and
+  ``HttpClient.send`` hands a request straight to the transport when httpx2 would add nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import ssl
+import time
 import urllib.request
 from collections.abc import Iterable
 from typing import Any
@@ -24,9 +28,11 @@ from typing import Any
 import aiohttp
 import httpx2
 import openai
+from httpx2._client import BoundAsyncStream  # private: see HttpClient.send
 
 # The extension of a response from AiohttpTransport that holds its body's reader.
 BODY = "chatstream.body"
+_httpx2_log = logging.getLogger("httpx2")  # httpx2's request log (HttpClient.send writes its line)
 # Distinct request URLs a client keeps parsed: a few per API and deployment; beyond this, parsed
 # every time.
 URL_CACHE_SIZE = 256
@@ -168,6 +174,52 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
             await self._session.close()
 
 
+class KeptHeaders(httpx2.Headers):
+    """httpx2's Headers, kept to be copied for many requests, that decode their pairs of strings
+    (``multi_items``: every header decoded anew each time, once by the SDK and once by the
+    transport per request) once for all their copies, until a copy is changed. Reused's
+    ``_build_headers`` and ``HttpClient.build_request`` keep them. httpx2's own methods change
+    headers only through ``__setitem__`` and ``__delitem__`` (and a set ``encoding``)."""
+
+    def __init__(self, headers: httpx2.Headers, pairs: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(headers)
+        self._pairs = pairs if pairs is not None else super().multi_items()
+
+    def copied(self) -> KeptHeaders:
+        """A copy for one request (as ``httpx2.Headers(self)``), its pairs decoded already."""
+        return KeptHeaders(self, self._pairs)
+
+    def multi_items(self) -> list[tuple[str, str]]:
+        if self._pairs is None:
+            return super().multi_items()
+        return list(self._pairs)
+
+    def set_last(self, key: str, value: str) -> None:
+        """``self[key] = value`` where the last header is ``key`` (its pairs kept, with the new value)."""
+        pairs = self._pairs
+        self[key] = value
+        name = key.lower()
+        if pairs and pairs[-1][0] == name and len(self) == len(pairs) and value.isascii():
+            self._pairs = [*pairs[:-1], (name, value)]  # the others as they were: all ASCII stays ASCII
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._pairs = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._pairs = None
+        super().__delitem__(key)
+
+    @property
+    def encoding(self) -> str:
+        return httpx2.Headers.encoding.fget(self)  # type: ignore[attr-defined]
+
+    @encoding.setter
+    def encoding(self, value: str) -> None:
+        self._pairs = None
+        self._encoding = value
+
+
 class HttpClient(httpx2.AsyncClient):
     """The httpx2 client the SDK is given: the SDK's defaults (``openai.DefaultAsyncHttpx2Client``'s), on
     ``AiohttpTransport`` unless given another transport, and every request through that transport
@@ -191,7 +243,72 @@ class HttpClient(httpx2.AsyncClient):
             trust_env=False,
         )
         self._parsed: dict[tuple[str, str | None], httpx2.URL] = {}
-        self._prepared: dict[tuple, httpx2.Headers] = {}  # what httpx2 made of each URL and SDK headers
+        self._prepared: dict[tuple, KeptHeaders] = {}  # what httpx2 made of each URL and SDK headers
+        self._opened = False  # httpx2's send has run once (the client's state is "opened")
+
+    async def send(
+        self,
+        request: httpx2.Request,
+        *,
+        stream: bool = False,
+        auth: Any = httpx2.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx2.USE_CLIENT_DEFAULT,
+    ) -> httpx2.Response:
+        """httpx2's ``send``, without the layers that do nothing for the SDK's requests: with no auth
+        (the SDK's headers carry the key), no event hooks, no credentials in the URL and the request's
+        timeouts set, httpx2's auth flow and timeout defaults are no-ops, so the request goes to the
+        transport and its response gets what httpx2's ``_send_single_request`` gives it (the request,
+        the timed body, the cookies kept, the encoding, its log line); a redirect continues in
+        httpx2's own redirect handling. About 7% of the CPU a request takes before its first delta
+        (tools/bench/burst.py). ``BoundAsyncStream`` is httpx2's private body wrapper (the response's
+        ``elapsed``); test_clients.py checks the responses against httpx2's own."""
+        if (
+            not self._opened
+            or auth is not httpx2.USE_CLIENT_DEFAULT
+            or self.auth is not None
+            or "timeout" not in request.extensions
+            or request.url.userinfo
+            or self.event_hooks["request"]
+            or self.event_hooks["response"]
+            or self.is_closed
+        ):
+            self._opened = True
+            return await super().send(request, stream=stream, auth=auth, follow_redirects=follow_redirects)
+        start = time.perf_counter()
+        try:
+            response = await self._transport.handle_async_request(request)
+        except httpx2.RequestError as exc:  # as httpx2's request_context: the error names its request
+            exc.request = request
+            raise
+        response.request = request
+        response.stream = BoundAsyncStream(response.stream, start=start)  # type: ignore[arg-type]
+        self.cookies.extract_cookies(response)
+        response.default_encoding = self._default_encoding
+        if _httpx2_log.isEnabledFor(logging.INFO):
+            _httpx2_log.info(
+                'HTTP Request: %s %s "%s %d %s"',
+                request.method,
+                request.url,
+                response.http_version,
+                response.status_code,
+                response.reason_phrase,
+            )
+        try:
+            follow = self.follow_redirects if follow_redirects is httpx2.USE_CLIENT_DEFAULT else follow_redirects
+            if response.has_redirect_location:
+                if not follow:
+                    with contextlib.suppress(httpx2.RemoteProtocolError):
+                        response.next_request = self._build_redirect_request(request, response)
+                    return response
+                redirect = self._build_redirect_request(request, response)
+                await response.aread()
+                response = await self._send_handling_redirects(redirect, follow_redirects=follow, history=[response])
+            if not stream:
+                await response.aread()
+            return response
+        except BaseException:
+            await response.aclose()
+            raise
 
     def build_request(
         self,
@@ -230,14 +347,13 @@ class HttpClient(httpx2.AsyncClient):
             if not content or request.headers.raw[-1][0] == b"Content-Length":
                 if len(self._prepared) >= URL_CACHE_SIZE:  # an Entra token changes hourly: old ones go
                     self._prepared.clear()
-                self._prepared[key] = httpx2.Headers(request.headers)
+                self._prepared[key] = KeptHeaders(request.headers)
             return request
-        headers_sent = httpx2.Headers(kept)  # a copy of the kept ones: no header is parsed again
+        headers_sent = kept.copied()  # no header is parsed again
         if content:
-            headers_sent["Content-Length"] = str(len(content))  # in its place: the last one
-        request = httpx2.Request(
-            method, url, headers=headers_sent, stream=httpx2.ByteStream(content or b""), extensions=extensions
-        )
+            headers_sent.set_last("Content-Length", str(len(content)))  # in its place: the last one
+        request = httpx2.Request(method, url, stream=httpx2.ByteStream(content or b""), extensions=extensions)
+        request.headers = headers_sent  # (given to Request, they would be copied into plain Headers)
         request.read()  # as httpx2 does for a body in hand
         return request
 

@@ -454,11 +454,89 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         in post_source
     )
     assert "return await self.request(cast_to, opts, stream=stream, stream_cls=stream_cls)" in post_source
+    from openai._response import AsyncAPIResponse
+    from openai._streaming import extract_stream_chunk_type
+
+    for sdk_class in (openai.AsyncOpenAI, openai.AsyncAzureOpenAI):
+        assert list(inspect.signature(sdk_class._build_headers).parameters) == ["self", "options", "retries_taken"]
+        assert list(inspect.signature(sdk_class._idempotency_key).parameters) == ["self"]
+        assert list(inspect.signature(sdk_class._process_response).parameters) == [
+            "self",
+            "cast_to",
+            "options",
+            "response",
+            "stream",
+            "stream_cls",
+            "retries_taken",
+        ]
+    assert extract_stream_chunk_type(UpstreamStream) is dict  # the cast_to the SDK gives our streams
+    assert "self._stream_cls(" in inspect.getsource(AsyncAPIResponse._parse)
     for ours in (_AsyncOpenAI, _AsyncAzureOpenAI):  # ahead of the SDK class in the MRO
         assert ours._prepare_url is Reused._prepare_url and ours.post is Reused.post
+        assert ours._build_headers is Reused._build_headers
+        assert ours._process_response is Reused._process_response
+        assert ours._idempotency_key is Reused._idempotency_key
+        # No idempotency header on the SDK's clients: the key the SDK makes per request is never sent.
+        made = (
+            ours(api_key="k", base_url="http://h.test/v1")
+            if ours is _AsyncOpenAI
+            else ours(api_key="k", azure_endpoint="https://h.test", api_version="1")
+        )
+        assert made._idempotency_header is None
     client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
+    assert client.__dict__["_chatstream_headers"], "the SDK no longer builds headers with it"
+
+
+async def test_kept_headers_follow_a_changed_key_token_or_header():
+    """The headers kept per client (Reused._build_headers) are the SDK's for the same inputs: a key
+    refreshed (an Entra ID token as the v1 API's key), an Azure AD token, a header of the request's
+    own, an omitted one, another timeout: each request carries what the SDK's own class sends."""
+    from openai._models import FinalRequestOptions
+
+    from chatstream.upstreams.clients import _AsyncAzureOpenAI, _AsyncOpenAI
+
+    def options(headers=None, timeout=None):
+        extra = {"headers": headers} if headers is not None else {}
+        extra |= {"timeout": timeout} if timeout is not None else {}
+        return FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}, **extra)
+
+    tokens = iter(f"token-{i}" for i in range(100))
+
+    async def provider() -> str:
+        return next(tokens)
+
+    builds = [
+        lambda cls: cls(api_key="sk-1", base_url="http://up.test/v1"),
+        lambda cls: cls(azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1"),
+    ]
+    for build, ours_class, sdk_class in zip(
+        builds, (_AsyncOpenAI, _AsyncAzureOpenAI), (openai.AsyncOpenAI, openai.AsyncAzureOpenAI), strict=True
+    ):
+        ours, theirs = build(ours_class), build(sdk_class)
+        for step in range(4):
+            for client in (ours, theirs):
+                if step == 1:
+                    client.api_key = "sk-2"
+                if step == 2 and isinstance(client, openai.AsyncAzureOpenAI):
+                    client._azure_ad_token = "t-2"
+            for made in (
+                options(),
+                options({"x-a": "1"}),
+                options({"OpenAI-Organization": openai.omit}),
+                options(timeout=httpx2.Timeout(7.0)),
+                options(),
+            ):
+                for retries in (0, 1):
+                    sent = [c._build_headers(made, retries_taken=retries).raw for c in (ours, theirs)]
+                    assert sent[0] == sent[1], (step, made.headers, retries)
+    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1")
+    seen = set()
+    for _ in range(3):
+        made = await refreshed._prepare_options(options())
+        seen.add(refreshed._build_headers(made)["authorization"])
+    assert seen == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
 
 
 class _Answers(httpx2.AsyncBaseTransport):
@@ -508,7 +586,8 @@ async def test_the_kept_request_options_send_the_requests_the_sdk_sends():
             assert len([d async for d in stream]) == 1
 
     def shape(request: httpx2.Request) -> tuple:
-        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+        headers = request.headers
+        return request.method, str(request.url), headers.raw, headers.multi_items(), request.content, request.extensions
 
     for kind, build in kinds.items():
         ours_class, sdk_class = sdk_classes.get(kind, sdk_classes["openai"])
@@ -617,7 +696,8 @@ def test_http_client_builds_the_request_httpx2_builds():
     ]
 
     def shape(request: httpx2.Request) -> tuple:
-        return request.method, str(request.url), request.headers.raw, request.content, request.extensions
+        headers = request.headers
+        return request.method, str(request.url), headers.raw, headers.multi_items(), request.content, request.extensions
 
     for setup in ({}, {"cookies": {"c": "1"}}, {"params": {"p": "1"}}, {"base_url": "https://base.test/x/"}):
         ours = HttpClient(httpx2.MockTransport(lambda r: httpx2.Response(200)))
@@ -642,3 +722,94 @@ def test_make_client_gives_an_entry_without_a_key_a_client_that_sends_none():
     settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})
     client = make_client(Entry(name="v", kind="openai", url="http://127.0.0.1:9/v1"), settings, 2)
     assert isinstance(client, NoAuthClient) and client.timeout == client.client.timeout
+
+
+async def test_http_client_sends_as_httpx2_sends():
+    """HttpClient.send hands the SDK's requests straight to the transport: each response is the one
+    httpx2's own send gives on the same transport (status, request, history, cookies kept, a
+    redirect followed or not, the body read or left to stream, httpx2's timed body), and a
+    transport error names its request, the first request and one with auth going httpx2's way."""
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/moved":
+            return httpx2.Response(307, headers={"location": "/v1/chat"})
+        if request.url.path == "/gone":
+            raise httpx2.ConnectError("refused")
+        headers = {"set-cookie": "s=1; Path=/"} if request.url.path == "/cookie" else {}
+        return httpx2.Response(200, headers=headers, content=b"data: {}\n\n")
+
+    def shape(response: httpx2.Response, client: httpx2.AsyncClient) -> tuple:
+        return (
+            response.status_code,
+            str(response.url),
+            response.request.content,
+            [(r.status_code, str(r.url)) for r in response.history],
+            None if response.next_request is None else str(response.next_request.url),
+            response.is_stream_consumed,
+            type(response.stream).__name__,
+            dict(client.cookies),
+        )
+
+    async def run(client: httpx2.AsyncClient) -> list:
+        out = []
+        for path, stream, follow in [
+            ("/v1/chat", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/v1/chat", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/v1/chat", False, httpx2.USE_CLIENT_DEFAULT),
+            ("/cookie", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/moved", True, httpx2.USE_CLIENT_DEFAULT),
+            ("/moved", True, False),
+            ("/moved", False, True),
+        ]:
+            request = client.build_request("POST", f"https://h.test{path}", content=b"{}", timeout=5.0)
+            response = await client.send(request, stream=stream, follow_redirects=follow)
+            await response.aclose()
+            out.append(shape(response, client))
+        request = client.build_request("POST", "https://h.test/gone", content=b"{}", timeout=5.0)
+        with pytest.raises(httpx2.ConnectError) as raised:
+            await client.send(request)
+        out.append(raised.value.request is request)
+        return out
+
+    ours = HttpClient(httpx2.MockTransport(answer))
+    theirs = httpx2.AsyncClient(
+        transport=httpx2.MockTransport(answer), timeout=openai.DEFAULT_TIMEOUT, follow_redirects=True
+    )
+    assert await run(ours) == await run(theirs)
+    basic = HttpClient(httpx2.MockTransport(answer))
+    basic.auth = ("u", "p")  # not the SDK's way: httpx2's own send adds the header
+    for _ in range(2):
+        response = await basic.send(basic.build_request("POST", "https://h.test/v1/chat", content=b"{}"))
+        assert response.request.headers["authorization"].startswith("Basic ")
+
+
+def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
+    """KeptHeaders hand out the pairs they decoded once: a copy's, and after any change (a header
+    set, replaced last, removed, popped, an encoding set, a value that is not ASCII) the pairs are
+    httpx2's own for the same headers."""
+    from chatstream.upstreams.transport import KeptHeaders
+
+    def set_last(headers: httpx2.Headers, key: str, value: str) -> None:
+        if isinstance(headers, KeptHeaders):
+            headers.set_last(key, value)
+        else:
+            headers[key] = value
+
+    base = [("Accept", "application/json"), ("X-A", "1"), ("x-a", "2"), ("Content-Length", "2")]
+    changes = [
+        lambda h: None,
+        lambda h: set_last(h, "Content-Length", "123"),
+        lambda h: set_last(h, "Content-Length", "\u00e9"),
+        lambda h: set_last(h, "X-A", "3"),  # not the last one: both x-a go, one is set
+        lambda h: h.__setitem__("x-new", "v"),
+        lambda h: h.__delitem__("accept"),
+        lambda h: h.pop("x-a"),
+        lambda h: setattr(h, "encoding", "iso-8859-1"),
+    ]
+    kept = KeptHeaders(httpx2.Headers(base))
+    for change in changes:
+        ours, theirs = kept.copied(), httpx2.Headers(kept)
+        for headers in (ours, theirs):
+            change(headers)
+        assert ours.raw == theirs.raw and ours.multi_items() == theirs.multi_items(), change
+        assert kept.multi_items() == httpx2.Headers(base).multi_items()  # the kept ones unchanged

@@ -286,3 +286,22 @@ async def test_a_caller_gone_while_the_body_waits_closes_it_and_a_write_error_is
 
     with pytest.raises(OSError):
         await EventStreamResponse(one(), asyncio.get_running_loop().time() + 60)(_scope(), receive, failing_send)
+
+
+def test_nesting_is_bounded_at_the_limit_whatever_else_the_text_holds():
+    """The depth walk is skipped only where the text has too few brackets to nest too deeply:
+    exactly MAX_DEPTH levels pass, one more is a 400, with or without brackets inside strings."""
+    from chatstream.http import MAX_DEPTH
+
+    def nested(levels: int, padding: bytes = b"") -> bytes:
+        return b"[" * (levels - 1) + b"{" + padding + b'"a": 1}' + b"]" * (levels - 1)
+
+    for padding in (b"", b'"s": "[[[{{{", '):
+        assert parse_json_body(nested(MAX_DEPTH, padding))
+        with pytest.raises(ApiError) as info:
+            parse_json_body(nested(MAX_DEPTH + 1, padding))
+        assert info.value.message == f"the body is nested deeper than {MAX_DEPTH} levels"
+
+
+def test_escapes_that_pair_or_are_not_surrogates_pass():
+    assert parse_json_body(rb'{"a": "\ud83d\ude00 \u00e9 \\ud800"}') == {"a": "\U0001f600 é \\ud800"}
