@@ -33,6 +33,10 @@ from httpx2._client import BoundAsyncStream  # private: see HttpClient.send
 # The extension of a response from AiohttpTransport that holds its body's reader.
 BODY = "chatstream.body"
 _httpx2_log = logging.getLogger("httpx2")  # httpx2's request log (HttpClient.send writes its line)
+# Its INFO line per upstream request would double what Azure's worker forwards to the host (and
+# Application Insights bills): the request's own record line (endpoint.py) names the upstream and
+# its answer already. Warnings and errors still pass.
+_httpx2_log.setLevel(logging.WARNING)
 # Distinct request URLs a client keeps parsed: a few per API and deployment; beyond this, parsed
 # every time.
 URL_CACHE_SIZE = 256
