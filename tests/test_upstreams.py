@@ -172,7 +172,6 @@ def test_model_allowlist(allowlisted, upstream):
     assert [m["id"] for m in models["data"]] == ["gpt-test", "normal"]
 
 
-@pytest.mark.xfail(strict=True, reason="the transport does not send it again yet: 502")
 def test_a_request_lost_to_a_closing_kept_alive_connection_is_sent_again():
     """The keep-alive race (a server closing an idle kept-alive connection as the next request goes out
     on it, at its keep-alive timeout: uvicorn's, vLLM's, LiteLLM's 5 s) played by the scripted upstream
