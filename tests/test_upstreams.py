@@ -170,3 +170,37 @@ def test_model_allowlist(allowlisted, upstream):
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_allowed"
     models = httpx.get(allowlisted.url + "/api/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["gpt-test", "normal"]
+
+
+def test_a_request_lost_to_a_closing_kept_alive_connection_is_sent_again():
+    """The keep-alive race (a server closing an idle kept-alive connection as the next request goes out
+    on it, at its keep-alive timeout: uvicorn's, vLLM's, LiteLLM's 5 s) played by the scripted upstream
+    at once: the request goes out once more, on a new connection, and the caller gets its answer (with
+    one upstream and no retries of the SDK's). A new connection cut before any answer is still the
+    upstream's failure: 502, and not sent again."""
+    import httpx
+    from helpers import app_env
+    from servers import Upstream
+
+    upstream = Upstream()
+    app = App(app_env(upstream))
+    control = httpx.Client(base_url=upstream.url, timeout=10)
+    try:
+        control.post("/_scripted/stale", json={"times": 1}).raise_for_status()
+        first = chat(app.chat_url, prompt("normal"))  # a new connection, then kept
+        second = chat(app.chat_url, prompt("normal"))  # the kept one: closed unanswered
+        after_kept = control.get("/_scripted/stale").json()
+        control.post("/_scripted/stale", json={"times": 1, "connections": "any"}).raise_for_status()
+        cut = chat(app.chat_url, prompt("normal"))
+        after_cut = control.get("/_scripted/stale").json()
+        received = upstream.count()
+    finally:
+        control.close()
+        app.stop()
+        upstream.stop()
+    assert (first.status, first.text) == (200, TEXTS["normal"])
+    assert after_kept["dropped"] == 1, after_kept
+    assert (second.status, second.text) == (200, TEXTS["normal"]), second.events
+    assert cut.status == 502 and cut.body["error"]["type"] == "upstream_disconnected", (cut.status, cut.body)
+    assert after_cut["dropped"] == 2 and after_cut["times"] == 0, after_cut
+    assert received == 2, "a dropped request never reached the server"

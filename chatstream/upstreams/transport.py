@@ -6,6 +6,8 @@ worker's CPU per delta with httpx2's own transport: docs/benchmarks.md).
 - aiohttp's errors become httpx2's, each as what it is (``mapped``): a refused connection is a
   ConnectError, a cut one a ReadError or RemoteProtocolError, only a timer a timeout; the SDK
   turns them into APIConnectionError / APITimeoutError, and the pool tells them apart.
+- A request whose kept-alive connection closed before any byte of its answer is sent once more, at
+  once, on a new connection (``AiohttpTransport``): the keep-alive race, not the upstream's failure.
 - 1,000 connections (the SDK's ``DEFAULT_CONNECTION_LIMITS``; aiohttp's own default is 100), idle
   ones kept 5 s; no cookie jar (the httpx2 client keeps cookies, as over any transport); proxies
   from HTTP(S)_PROXY / NO_PROXY, read once.
@@ -23,6 +25,7 @@ import ssl
 import time
 import urllib.request
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -105,32 +108,70 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx2.create_ssl_context()
 
 
+def _unanswered(exc: aiohttp.ClientError) -> bool:
+    """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
+    closed (or was reset) before any byte of the answer came: no status line was begun."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # else the part of the head that came
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
+
+
+async def _reused(_session: aiohttp.ClientSession, context: SimpleNamespace, _params: object) -> None:
+    context.trace_request_ctx[REUSED] = True  # the request's own dict (handle_async_request)
+
+
+REUSED = "reused"  # set in a request's trace context when its connection came from the pool
+_TRACE = aiohttp.TraceConfig()
+_TRACE.on_connection_reuseconn.append(_reused)
+_TRACE.freeze()
+
+
 class AiohttpTransport(httpx2.AsyncBaseTransport):
     """httpx2's transport interface over one aiohttp session (made at the first request, on the
     running loop). The request's ``timeout`` extension sets aiohttp's timers: ``connect`` the
     socket's connect (TLS included), ``pool`` the wait for a connection and the connect together,
     ``read`` each read (None for a stream: the stream core bounds reads itself); aiohttp has no
-    write timer."""
+    write timer.
+
+    The keep-alive race: a server closes a connection that has been idle for its keep-alive timeout
+    (uvicorn's, so vLLM's and LiteLLM's: 5 s, as long as we keep one), and a request sent on it as it
+    closes gets no answer (the closing is still on its way, or unread by a busy loop). So a request
+    whose connection came from the pool (aiohttp's tracing tells) and closed or was reset before any
+    byte of the answer is sent once more, at once, through a second session whose connections are
+    always new and closed after use (made when first needed). Browsers do so for any method (the
+    server never read it; the SDK's own retries resend any request that lost its connection). It
+    costs no retry of ours and no failure in the pool's health. A new connection cut so is the
+    upstream's failure: not sent again. The idle lifetime stays the SDK's 5 s: a shorter one would
+    spare 5 s servers the race but not those with shorter timeouts (gunicorn's 2 s), and cost a new
+    connection (a TLS handshake) for each request 4-5 s after the last to servers that keep them
+    longer; the resend covers every server."""
 
     def __init__(self, limits: httpx2.Limits = openai.DEFAULT_CONNECTION_LIMITS) -> None:
         self._limits = limits
         self._proxies = urllib.request.getproxies()  # the environment's, as httpx2 would read them
         self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # for a request sent again: new connections
 
-    def _open(self) -> aiohttp.ClientSession:
+    def _open(self, fresh: bool = False) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             limit=self._limits.max_connections or 0,
-            keepalive_timeout=self._limits.keepalive_expiry,
+            keepalive_timeout=None if fresh else self._limits.keepalive_expiry,
+            force_close=fresh,
             ssl=_ssl_context(),
         )
-        self._session = aiohttp.ClientSession(
+        session = aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,  # httpx2 decodes a content coding (aiter_bytes, aread)
             timeout=aiohttp.ClientTimeout(total=None),
+            trace_configs=None if fresh else [_TRACE],
         )
-        return self._session
+        if fresh:
+            self._fresh = session
+        else:
+            self._session = session
+        return session
 
     def _proxy(self, url: httpx2.URL) -> str | None:
         if not self._proxies:
@@ -145,24 +186,38 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         session = self._session or self._open()
-        timeout = request.extensions.get("timeout") or {}
+        limits = request.extensions.get("timeout") or {}
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=limits.get("pool"), sock_connect=limits.get("connect"), sock_read=limits.get("read")
+        )
         content = await request.aread()
         headers: Iterable[tuple[str, str]] = request.headers.multi_items()
+        url = str(request.url)  # yarl keeps the URLs it parsed
+        trace: dict[str, bool] = {}
         try:
-            answer = await session.request(
-                request.method,
-                str(request.url),  # yarl keeps the URLs it parsed
-                headers=headers,  # pairs: a repeated header stays repeated
-                data=content or None,
-                allow_redirects=False,  # the httpx2 client follows them
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=timeout.get("pool"),
-                    sock_connect=timeout.get("connect"),
-                    sock_read=timeout.get("read"),
-                ),
-                proxy=self._proxy(request.url),
-            )
+            try:
+                answer = await session.request(
+                    request.method,
+                    url,
+                    headers=headers,  # pairs: a repeated header stays repeated
+                    data=content or None,
+                    allow_redirects=False,  # the httpx2 client follows them
+                    timeout=timeout,
+                    proxy=self._proxy(request.url),
+                    trace_request_ctx=trace,
+                )
+            except aiohttp.ClientError as exc:
+                if not (trace.get(REUSED) and _unanswered(exc)):
+                    raise
+                answer = await (self._fresh or self._open(fresh=True)).request(
+                    request.method,
+                    url,
+                    headers=headers,
+                    data=content or None,
+                    allow_redirects=False,
+                    timeout=timeout,
+                    proxy=self._proxy(request.url),
+                )
         except aiohttp.ClientError as exc:
             raise mapped(exc) from exc
         body = Body(answer)
@@ -174,8 +229,9 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
 
 class KeptHeaders(httpx2.Headers):

@@ -473,3 +473,29 @@ def test_a_default_for_the_next_requests_only(server):
         r = httpx.post(f"{server}/_scripted/default", json={"scenario": "slow", "times": bad}, timeout=5)
         assert r.status_code == 400
     assert httpx.get(f"{server}/_scripted/default", timeout=5).json()["scenario"] == before
+
+
+def test_stale_closes_a_request_on_a_kept_connection_unanswered(server):
+    """/_scripted/stale: the keep-alive race. A request on a connection that has answered before is
+    not answered (the connection closed, nothing recorded); one on a new connection is, and control
+    requests always are."""
+    chat = {"model": "normal", "messages": USER}
+    with httpx.Client(base_url=server, timeout=10) as kept:
+        before = kept.get("/_scripted/count").json()["requests"]
+        assert kept.post("/_scripted/stale", json={"times": 1}).json() == {
+            "times": 1,
+            "connections": "kept",
+            "dropped": 0,
+        }
+        with pytest.raises(httpx.RemoteProtocolError):  # the control request's connection, kept
+            kept.post("/v1/chat/completions", json=chat)
+        assert kept.post("/v1/chat/completions", json=chat).status_code == 200  # a new connection
+        assert kept.get("/_scripted/stale").json() == {"times": 0, "connections": "kept", "dropped": 1}
+        assert kept.get("/_scripted/count").json()["requests"] == before + 1
+        kept.post("/_scripted/stale", json={"times": 1, "connections": "any"}).raise_for_status()
+    with pytest.raises(httpx.RemoteProtocolError):
+        post_raw(server, chat)  # a new connection
+    with httpx.Client(base_url=server, timeout=10) as control:
+        assert control.get("/_scripted/stale").json() == {"times": 0, "connections": "any", "dropped": 2}
+        for wrong in ({"times": -1}, {"times": True}, {"times": 1, "connections": "new"}, {}):
+            assert control.post("/_scripted/stale", json=wrong).status_code == 400, wrong

@@ -813,3 +813,52 @@ def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
             change(headers)
         assert ours.raw == theirs.raw and ours.multi_items() == theirs.multi_items(), change
         assert kept.multi_items() == httpx2.Headers(base).multi_items()  # the kept ones unchanged
+
+
+@pytest.mark.parametrize("end", ["close", "reset", "head_begun"])
+async def test_a_kept_connection_closed_before_its_answer_sends_the_request_once_more_on_a_new_one(end):
+    """The keep-alive race: each connection answers its first request, and closes (FIN), resets (RST),
+    or begins a status line and closes, as the next request comes on it. Closed or reset before any
+    byte of the answer: the request goes once more, on a new connection, and the stream gets its
+    answer. A head begun is an answer cut: the error, not sent again."""
+    body = CHUNK + b"data: [DONE]\n\n"
+    requests: list[int] = []  # the connection (1, 2, ...) of each request received
+
+    async def handler(reader, writer):
+        connection = len({*requests}) + 1
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        requests.append(connection)
+        writer.write(HEAD + _chunked(body) + b"0\r\n\r\n")
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)  # read: closed with unread bytes, a socket would reset
+            requests.append(connection)
+            if end == "reset":
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            if end == "head_begun":
+                writer.write(b"HTTP/1.1 200")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1])
+    try:
+        outcomes = []
+        for _ in range(2):
+            try:
+                stream = await UpstreamStream.open(client, "/chat/completions", {})
+                outcomes.append([d["choices"][0]["delta"]["content"] async for d in stream])
+                await stream.close()
+            except openai.APIConnectionError as exc:
+                outcomes.append(classify(exc).outcome.kind)
+    finally:
+        await client.close()
+        server.close()
+    if end == "head_begun":
+        assert outcomes == [["a"], OutcomeKind.CONNECTION_LOST] and requests == [1, 1]
+    else:
+        assert outcomes == [["a"], ["a"]] and requests == [1, 1, 2]

@@ -12,6 +12,7 @@ import sys
 
 import uvicorn
 
+from .keepalive import protocol
 from .scenarios import NAMES, Cadence
 from .server import create_app
 
@@ -65,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         p.error(f"cannot bind {HOST}:{args.port}: {e}")
     config = uvicorn.Config(
-        app, log_level=args.log_level, access_log=False, lifespan="on", backlog=4096, timeout_graceful_shutdown=0.3
+        app,
+        http=protocol(app.stale),  # uvicorn's own, and /_scripted/stale
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="on",
+        backlog=4096,
+        timeout_graceful_shutdown=0.3,
     )
     with contextlib.suppress(KeyboardInterrupt):
         _Server(config).run(sockets=[sock])

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from . import scenarios as sc
+from .keepalive import StaleConnections
 from .params import chat_param_problem
 from .responses import ResponsesApi
 from .scenarios import Cadence, Request, Scenario
@@ -78,6 +79,9 @@ class FakeUpstream:
         self.failure: sc.Failure | None = None
         self.continuation = sc.ContinueMode()
         self.received = 0  # API requests ever received (the record lists keep only the latest)
+        # /_scripted/stale: requests on kept-alive connections closed unanswered (keepalive.py; served
+        # by __main__ with its protocol, in-process without it).
+        self.stale = StaleConnections()
         # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
         self.responses = ResponsesApi(self, cadence, max_records) if responses else None
         self._models = {
@@ -102,6 +106,13 @@ class FakeUpstream:
                     return
         if scope["type"] != "http":
             return
+        try:
+            await self._http(scope, receive, send)
+        finally:
+            if scope.get("client"):
+                self.stale.answered.add(tuple(scope["client"]))
+
+    async def _http(self, scope, receive, send) -> None:
         method, path = scope["method"], scope["path"]
         if path.startswith("/_scripted/"):
             body = await _read_body(receive)
@@ -211,6 +222,23 @@ class FakeUpstream:
                     await send_json(send, 400, sc.error_body(str(exc), "invalid_request_error"))
                     return
             await send_json(send, 200, self.continuation.as_dict())
+        elif path == "/_scripted/stale" and method in ("GET", "POST"):
+            if method == "POST":
+                times, connections = _json_field(body, "times"), _json_field(body, "connections") or "kept"
+                if (
+                    not isinstance(times, int)
+                    or isinstance(times, bool)
+                    or times < 0
+                    or connections not in ("kept", "any")
+                ):
+                    await send_json(
+                        send,
+                        400,
+                        sc.error_body('times: an integer >= 0; connections: "kept" or "any"', "invalid_request_error"),
+                    )
+                    return
+                self.stale.arm(times, connections == "any")
+            await send_json(send, 200, self.stale.as_dict())
         elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
             if method == "POST":
                 headers = _json_field(body, None)
