@@ -110,7 +110,10 @@ def _ssl_context() -> ssl.SSLContext:
 
 def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
-    closed (or was reset) before any byte of the answer came: no status line was begun."""
+    ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
+    whether a head was begun nor how long the server had the request (aiohttp's ClientOSError keeps
+    no more): any reset before the head is whole counts, so a server that read the request, worked
+    on it and reset gets it once more too (tests/unit/test_clients.py, its ``reset`` case)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return isinstance(exc.message, str)  # else the part of the head that came
     return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
@@ -136,15 +139,15 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     The keep-alive race: a server closes a connection that has been idle for its keep-alive timeout
     (uvicorn's, so vLLM's and LiteLLM's: 5 s, as long as we keep one), and a request sent on it as it
     closes gets no answer (the closing is still on its way, or unread by a busy loop). So a request
-    whose connection came from the pool (aiohttp's tracing tells) and closed or was reset before any
-    byte of the answer is sent once more, at once, through a second session whose connections are
-    always new and closed after use (made when first needed). Browsers do so for any method (the
-    server never read it; the SDK's own retries resend any request that lost its connection). It
-    costs no retry of ours and no failure in the pool's health. A new connection cut so is the
-    upstream's failure: not sent again. The idle lifetime stays the SDK's 5 s: a shorter one would
-    spare 5 s servers the race but not those with shorter timeouts (gunicorn's 2 s), and cost a new
-    connection (a TLS handshake) for each request 4-5 s after the last to servers that keep them
-    longer; the resend covers every server."""
+    whose connection came from the pool (aiohttp's tracing tells) and closed before any byte of the
+    answer, or was reset before its head was whole (``_unanswered``), is sent once more, at once,
+    through a second session whose connections are always new and closed after use (made when first
+    needed). Browsers do so for any method (the server never read it; the SDK's own retries resend
+    any request that lost its connection). It costs no retry of ours and no failure in the pool's
+    health. A new connection cut so is the upstream's failure: not sent again. The idle lifetime
+    stays the SDK's 5 s: a shorter one would spare 5 s servers the race but not those with shorter
+    timeouts (gunicorn's 2 s), and cost a new connection (a TLS handshake) for each request 4-5 s
+    after the last to servers that keep them longer; the resend covers every server."""
 
     def __init__(self, limits: httpx2.Limits = openai.DEFAULT_CONNECTION_LIMITS) -> None:
         self._limits = limits
