@@ -112,8 +112,9 @@ def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
     ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
     whether a head was begun nor how long the server had the request (aiohttp's ClientOSError keeps
-    no more): any reset before the head is whole counts, so a server that read the request, worked
-    on it and reset gets it once more too (tests/unit/test_clients.py, its ``reset`` case)."""
+    no more): any reset before the head is whole counts; the caller bounds how long after the
+    sending (``RESEND_WITHIN``), so a server that worked on the request a while and reset does not
+    get it again (tests/unit/test_clients.py, its ``reset`` and ``reset_late`` cases)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return isinstance(exc.message, str)  # else the part of the head that came
     return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
@@ -124,6 +125,10 @@ async def _reused(_session: aiohttp.ClientSession, context: SimpleNamespace, _pa
 
 
 REUSED = "reused"  # set in a request's trace context when its connection came from the pool
+# A reused connection that ended unanswered within this long of the request's sending is the race's
+# (the server's closing was already on its way: it comes within a round trip, plus a busy loop's
+# lag); later, the server had the request and may have worked on it: not sent again.
+RESEND_WITHIN = 2.0
 _TRACE = aiohttp.TraceConfig()
 _TRACE.on_connection_reuseconn.append(_reused)
 _TRACE.freeze()
@@ -144,7 +149,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     through a second session whose connections are always new and closed after use (made when first
     needed). Browsers do so for any method (the server never read it; the SDK's own retries resend
     any request that lost its connection). It costs no retry of ours and no failure in the pool's
-    health. A new connection cut so is the upstream's failure: not sent again. The idle lifetime
+    health. A new connection cut so, or one that ended later than ``RESEND_WITHIN`` after the
+    request went (a reset after the server worked on it), is the upstream's failure: not sent again. The idle lifetime
     stays the SDK's 5 s: a shorter one would spare 5 s servers the race but not those with shorter
     timeouts (gunicorn's 2 s), and cost a new connection (a TLS handshake) for each request 4-5 s
     after the last to servers that keep them longer; the resend covers every server."""
@@ -197,6 +203,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         headers: Iterable[tuple[str, str]] = request.headers.multi_items()
         url = str(request.url)  # yarl keeps the URLs it parsed
         trace: dict[str, bool] = {}
+        sent = time.monotonic()
         try:
             try:
                 answer = await session.request(
@@ -210,7 +217,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                     trace_request_ctx=trace,
                 )
             except aiohttp.ClientError as exc:
-                if not (trace.get(REUSED) and _unanswered(exc)):
+                if not (trace.get(REUSED) and _unanswered(exc) and time.monotonic() - sent < RESEND_WITHIN):
                     raise
                 answer = await (self._fresh or self._open(fresh=True)).request(
                     request.method,

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from chatstream.errors import UpstreamMalformed
+from chatstream.upstreams import transport
 from chatstream.upstreams.clients import NoAuthClient, UpstreamStream
 from chatstream.upstreams.outcomes import OutcomeKind, classify
 from chatstream.upstreams.transport import BODY, HttpClient, mapped
@@ -815,12 +816,15 @@ def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
         assert kept.multi_items() == httpx2.Headers(base).multi_items()  # the kept ones unchanged
 
 
-@pytest.mark.parametrize("end", ["close", "reset", "head_begun"])
-async def test_a_kept_connection_closed_before_its_answer_sends_the_request_once_more_on_a_new_one(end):
+@pytest.mark.parametrize("end", ["close", "reset", "head_begun", "reset_late"])
+async def test_a_kept_connection_closed_before_its_answer_sends_the_request_once_more_on_a_new_one(end, monkeypatch):
     """The keep-alive race: each connection answers its first request, and closes (FIN), resets (RST),
     or begins a status line and closes, as the next request comes on it. Closed or reset before any
     byte of the answer: the request goes once more, on a new connection, and the stream gets its
-    answer. A head begun is an answer cut: the error, not sent again."""
+    answer. A head begun is an answer cut: the error, not sent again; so is a reset that came after
+    the server had the request longer than the race takes (``reset_late``: it may have worked on it)."""
+    if end == "reset_late":
+        monkeypatch.setattr(transport, "RESEND_WITHIN", 0.1)
     body = CHUNK + b"data: [DONE]\n\n"
     requests: list[int] = []  # the connection (1, 2, ...) of each request received
 
@@ -835,7 +839,9 @@ async def test_a_kept_connection_closed_before_its_answer_sends_the_request_once
             await reader.readuntil(b"\r\n\r\n")
             await reader.readexactly(2)  # read: closed with unread bytes, a socket would reset
             requests.append(connection)
-            if end == "reset":
+            if end == "reset_late":
+                await asyncio.sleep(0.6)
+            if end in ("reset", "reset_late"):
                 writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.transport.abort()
                 return
@@ -858,7 +864,7 @@ async def test_a_kept_connection_closed_before_its_answer_sends_the_request_once
     finally:
         await client.close()
         server.close()
-    if end == "head_begun":
+    if end in ("head_begun", "reset_late"):
         assert outcomes == [["a"], OutcomeKind.CONNECTION_LOST] and requests == [1, 1]
     else:
         assert outcomes == [["a"], ["a"]] and requests == [1, 1, 2]
