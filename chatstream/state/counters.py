@@ -33,7 +33,8 @@ equals what the instances hold plus what was spent, whatever pattern of timeouts
 here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
 (``Settlement.confirm``), in the order charges were made. The entry stays while a charge is not in
 yet (its ``held`` may be 0, or below: a give-back), and one where this instance held nothing is
-journaled once the entry is there (``Counters.entered``).
+journaled once the entry is there (``Counters.entered``); while the journal knows a lost part whose
+raise a takeover would count in the row, the entry stays too (``Counters.keep``).
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
 limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
