@@ -148,6 +148,7 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
+        self._kept: dict[str, Callable[[], None]] = {}  # a lost part's key -> let its budget rows' entries go
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -423,11 +424,14 @@ class Accounting:
             segment=segment_base(epoch - 1),
             lost=True,
         )
+        self._kept.pop(entry.key, lambda: None)()
+        self._kept[entry.key] = self.counters.keep(needs)  # a takeover counts the raise where it has an entry
         return self.journal.open(entry)
 
     def regenerated(self, entry: JournalEntry) -> None:
         """The lost part is raised (``charge_lost``, journaled): its knowledge leaves the journal."""
         self.journal.drop(entry)
+        self._kept.pop(entry.key, lambda: None)()
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""

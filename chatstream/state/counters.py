@@ -33,7 +33,8 @@ equals what the instances hold plus what was spent, whatever pattern of timeouts
 here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
 (``Settlement.confirm``), in the order charges were made. The entry stays while a charge is not in
 yet (its ``held`` may be 0, or below: a give-back), and one where this instance held nothing is
-journaled once the entry is there (``Counters.entered``).
+journaled once the entry is there (``Counters.entered``); while the journal knows a lost part whose
+raise a takeover would count in the row, the entry stays too (``Counters.keep``).
 
 What is exact, and what is not: admission is exact per window (the store never grants past the
 limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
@@ -47,7 +48,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -182,6 +183,10 @@ class Lease:
         self.seq = 0  # the last charge's number
         self.applied = 0  # the last charge in the row
         self.exchange = 0
+        # Lost parts this instance's journal knows of (``Counters.keep``): its entry, if in the row, stays
+        # (holding 0) so that a takeover counts their raise there; ``let_go``: the next exchange drops it.
+        self.kept = 0
+        self.let_go = False
         self.waiters: deque[_Waiter] = deque()
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
@@ -288,7 +293,7 @@ class Lease:
         """Whether this instance has books on the counter (a part out counts in ``held``; in flight,
         a budget's part is journaled with its request), or may hold some of it in the row without
         knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
-        return any((self.held, self.balance, self.staged, self.waiters, self.uncertain))
+        return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
     def give_all_back(self) -> bool:
         """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
@@ -334,6 +339,7 @@ class Lease:
             or bool(self._applicable())
             or self.balance < 0  # a charge past the balance: the row pays the rest
             or self.balance > (self.hold.share if holding else 0)
+            or self.let_go
         )
 
     async def _run(self) -> None:
@@ -387,6 +393,7 @@ class Lease:
                 return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.hold.top_up = self.hold.top_up, False
+        let_go, self.let_go = self.let_go, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
@@ -430,12 +437,14 @@ class Lease:
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
-            if delta == 0 and not applied and not chosen:
+            lingers = let_go and not (self.kept or self.held or self.staged) and counters.instance in holds
+            if delta == 0 and not applied and not chosen and not lingers:
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta - spent
-            if held > 0 or len(self.staged) > len(applied):  # a charge not in yet: the entry stays (``in_row``)
+            kept = self.kept and counters.instance in holds  # a lost part's raise may enter here (``kept``)
+            if held > 0 or len(self.staged) > len(applied) or kept:  # a charge not in yet: the entry stays
                 holds[counters.instance] = Entry(
                     held, applied[-1].seq if applied else self.applied, self.exchange, keep
                 )
@@ -747,6 +756,25 @@ class Counters:
             if staged is not None:
                 settlement.staged.append((lease, staged))
         return settlement
+
+    def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
+        """A lost part this instance's journal knows of, whose raise a takeover of this instance would
+        count in the budget rows ``keys`` (accounting.regenerating): this instance's entry in each of
+        those rows stays while it does, holding nothing perhaps (a takeover counts a dead instance's
+        charges only where it has an entry: journal.py). The function returned lets go (once)."""
+        leases = [lease for key in keys if (lease := self._leases.get(key)) is not None]
+        for lease in leases:
+            lease.kept += 1
+
+        def let_go() -> None:
+            for lease in leases:
+                lease.kept -= 1
+                if not lease.kept:
+                    lease.let_go = True
+                    lease.kick()
+            leases.clear()
+
+        return let_go
 
     async def entered(self, settlement: Settlement, within: float) -> bool:
         """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a

@@ -580,11 +580,6 @@ async def test_a_taker_that_dies_before_its_raise_has_its_lost_part_raised_by_it
     await c.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lost part's raise is counted in a budget row only while its taker has an entry there "
-    "(journal.Recovery._give_back); regenerating() does not keep one",
-)
 async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_its_continuation_let_go():
     """As above (row "takers"), and b's continuation has ended, its reservation given back, before b
     dies with the raise still in its journal (the endpoint raises once the continuation is over: a
@@ -617,6 +612,37 @@ async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_i
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
     assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
     spent_as_the_ledger(data, caller, team, rows)
+    await c.close()
+
+
+async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once_it_raised_the_part():
+    """As above, b alive: while its journal knows the lost part, b's entry stays in each budget row
+    it would count in (holding nothing once the continuation let go: ``Counters.keep``); b raises
+    the part itself, and its entry leaves the rows; every budget row exactly the ledger."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    c, _ = instance(data, "instance-c")
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
+    assert await acc_b.flush(5)
+    received = GENERATED + " It came back at dusk, tired and happy."
+    knows = acc_b.regenerating(going_on, going_on.started, lambda: received, lambda: 2)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    for _ in range(2):  # its continuation let go, then its raise in (not yet regenerated)
+        assert await acc_b.flush(5)
+        for partition in (caller.limits_partition, team):
+            assert parse_holds(counter(data, partition, "tokens")["holds"])["instance-b"].held == 0
+        await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, floor=2)
+    acc_b.regenerated(knows)
+    assert await acc_b.flush(5)
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    raised = tokens.count_text(MODEL, received) + 2
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
+    spent_as_the_ledger(data, caller, team, rows)  # (and no entry left in a row)
+    await b.close()
     await c.close()
 
 
