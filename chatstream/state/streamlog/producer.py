@@ -30,7 +30,7 @@ from typing import Literal
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from ..store import BUSY_TIMEOUT, NEW, STREAMS_TABLE
+from ..store import BUSY_TIMEOUT, CALL_TIMEOUT, NEW, STREAMS_TABLE
 from .config import Context
 from .format import (
     BLOCK_LIMIT,
@@ -471,17 +471,22 @@ class Producer:
         record.instance = ctx.instances.id
         row = record.row()
 
+        def bound() -> float:
+            """A busy store's bound, not past the deadline: a reader elsewhere waits for the record
+            only that long (readers.read_record)."""
+            return min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
+
         async def put_request() -> None:
             if self._large_request is not None:
                 with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=BUSY_TIMEOUT)
+                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound())
 
         async def insert() -> None:
             try:
-                record.etag = await store.insert(STREAMS_TABLE, row, timeout=BUSY_TIMEOUT)
+                record.etag = await store.insert(STREAMS_TABLE, row, timeout=bound())
             except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
                 found = await store.get(
-                    STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=BUSY_TIMEOUT
+                    STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=bound()
                 )
                 if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
                     raise _Fenced() from None
