@@ -736,7 +736,18 @@ class Producer:
                     continue
                 inline = {} if self._blob else {"events": block.decode()}
                 fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
-                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                try:
+                    await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                except NotFound:
+                    if self._record.etag:
+                        raise
+                    # Its record never landed (the store failed from the start): made now, lost, so
+                    # that a resume ends with stream_lost, not "no such stream". There meanwhile (a
+                    # late insert of ours): merged at the next turn.
+                    with contextlib.suppress(AlreadyExists):
+                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields})
+                        return
+                    continue
                 return
             except (_Fenced, Modified, NotFound):
                 return  # the log or the record is someone else's now, or gone
