@@ -190,8 +190,9 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors():
             with pytest.raises(PastTheEnd):  # finished: past its last event (5)
                 await streams.open_reader(producer.id, 6, None)
             assert await read_all(await streams.open_reader(producer.id, 5, None)) == b""
-    # Started just now: its record may still be on its way, so it is waited for (give_up_seconds + 2 s).
-    async with instances(1, give_up_seconds=0.1, young_poll_seconds=0.05) as (c,):
+    # Started just now: its record may still be on its way, so it is waited for (give_up_seconds +
+    # lost_record_seconds + 2 s).
+    async with instances(1, give_up_seconds=0.1, lost_record_seconds=0.0, young_poll_seconds=0.05) as (c,):
         started = time.monotonic()
         with pytest.raises(StreamNotFound):
             await c.open_reader(new_stream_id(time.time()), None, None)

@@ -736,18 +736,14 @@ class Producer:
                     continue
                 inline = {} if self._blob else {"events": block.decode()}
                 fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
-                try:
-                    await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
-                except NotFound:
-                    if self._record.etag:
-                        raise
+                if not self._record.etag:
                     # Its record never landed (the store failed from the start): made now, lost, so
-                    # that a resume ends with stream_lost, not "no such stream". There meanwhile (a
-                    # late insert of ours): merged at the next turn.
+                    # that a resume ends with stream_lost, not "no such stream" (readers wait for it:
+                    # ResumeConfig.lost_record_seconds). There meanwhile (a late insert of ours): merged.
                     with contextlib.suppress(AlreadyExists):
-                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields})
+                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields}, timeout=BUSY_TIMEOUT)
                         return
-                    continue
+                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT)
                 return
             except (_Fenced, Modified, NotFound):
                 return  # the log or the record is someone else's now, or gone
