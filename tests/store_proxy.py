@@ -1,6 +1,7 @@
 """A TCP proxy in front of Azurite's table service, for tests of a store that stops answering and
 comes back: ``forward`` passes bytes both ways; ``blackhole`` drops every open connection and accepts
-new ones without ever answering (a store that hangs). Runs on the test's own event loop."""
+new ones without ever answering (a store that hangs); ``slow`` answers, ``delay`` seconds late (a
+busy store). Runs on the test's own event loop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class StoreProxy:
         self.target_port = int(match.group(1))
         self.source = connection_string
         self.mode = "forward"
+        self.delay = 0.0
         self.server: asyncio.Server | None = None
         self.port = 0
         self._writers: set[asyncio.StreamWriter] = set()
@@ -31,9 +33,9 @@ class StoreProxy:
             r"TableEndpoint=http://127\.0\.0\.1:\d+/", f"TableEndpoint=http://127.0.0.1:{self.port}/", self.source
         )
 
-    def set_mode(self, mode: str) -> None:
-        assert mode in ("forward", "blackhole")
-        self.mode = mode
+    def set_mode(self, mode: str, delay: float = 0.0) -> None:
+        assert mode in ("forward", "blackhole", "slow")
+        self.mode, self.delay = mode, delay
         for writer in list(self._writers):  # every open connection ends: the next call opens a new one
             writer.transport.abort()
         self._writers.clear()
@@ -57,9 +59,10 @@ class StoreProxy:
             return
         self._writers.add(up_writer)
 
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float = 0.0) -> None:
             try:
                 while data := await src.read(65536):
+                    await asyncio.sleep(delay)
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):
@@ -67,7 +70,9 @@ class StoreProxy:
             finally:
                 dst.transport.abort()
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        await asyncio.gather(
+            pump(reader, up_writer), pump(up_reader, writer, self.delay if self.mode == "slow" else 0.0)
+        )
         self._writers.discard(writer)
         self._writers.discard(up_writer)
 

@@ -53,6 +53,10 @@ STREAMS_CONTAINER = "chatstream-streams"
 CONNECTION = "AzureWebJobsStorage"
 # A call on the request path waits this long at most for the store (one retry included).
 CALL_TIMEOUT = 1.8
+# A call nobody waits on (a stream's storing), or one on a request's path while the store's answers
+# are slow lately (StoreClock.patience): a busy store (Azurite on a loaded 2-core machine: 2-10 s, its
+# fast answers in between) answers within this.
+BUSY_TIMEOUT = 8.0
 
 # Table storage's limits (https://learn.microsoft.com/rest/api/storageservices/understanding-the-table-service-data-model).
 MAX_STRING_UNITS = 32 * 1024  # 64 KiB of UTF-16
@@ -131,7 +135,7 @@ class StoreClock:
         """A call was answered after ``seconds``: a busy store answers late, a stopped one not at all."""
         self.latency += 0.2 * (seconds - self.latency)
 
-    def patience(self, bound: float = CALL_TIMEOUT, busy: float = 8.0) -> float:
+    def patience(self, bound: float = CALL_TIMEOUT, busy: float = BUSY_TIMEOUT) -> float:
         """How long a call on a request's path may wait: ``bound``, or ``busy`` while the store's
         answers are slow lately (a busy store is not a stopped one)."""
         return busy if self.latency > bound / 4 else bound

@@ -190,8 +190,9 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors():
             with pytest.raises(PastTheEnd):  # finished: past its last event (5)
                 await streams.open_reader(producer.id, 6, None)
             assert await read_all(await streams.open_reader(producer.id, 5, None)) == b""
-    # Started just now: its record may still be on its way, so it is waited for (give_up_seconds + 2 s).
-    async with instances(1, give_up_seconds=0.1, young_poll_seconds=0.05) as (c,):
+    # Started just now: its record may still be on its way, so it is waited for (give_up_seconds +
+    # lost_record_seconds + 2 s).
+    async with instances(1, give_up_seconds=0.1, lost_record_seconds=0.0, young_poll_seconds=0.05) as (c,):
         started = time.monotonic()
         with pytest.raises(StreamNotFound):
             await c.open_reader(new_stream_id(time.time()), None, None)
@@ -379,6 +380,30 @@ async def test_a_stream_lost_end_whose_answer_was_lost_is_not_taken_for_a_takeov
                 await asyncio.sleep(0.05)
         assert bytes(a.store.data.blobs[producer.id][0]).count(b": lost") == 1  # type: ignore[attr-defined]
         await produce(producer, [])
+
+
+async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_store_answers():
+    """The store refused the record's insert until the producer gave up: once it answers, the record
+    is made, lost, so that a resume ends with stream_lost (send again), not 404 no such stream (seen
+    under load: test_resumable's 200 streams with two busy loops)."""
+    async with instances(2, **{**QUICK, "give_up_seconds": 0.3}) as (a, b):
+        refused = Fault("unavailable", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=10**9)
+        a.store.inject(refused)  # type: ignore[attr-defined]
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(3)])
+        assert live == numbered([delta(0), delta(1), delta(2), DONE])  # the live caller got it all
+        async with asyncio.timeout(5):
+            while producer.resumable:
+                await asyncio.sleep(0.05)
+        a.store.faults.clear()  # type: ignore[attr-defined]
+        rows = a.store.data.tables[STREAMS_TABLE]  # type: ignore[attr-defined]
+        async with asyncio.timeout(10):
+            while "stream" not in rows.get(producer.id, {}):
+                await asyncio.sleep(0.05)
+        assert rows[producer.id]["stream"][0]["state"] == "lost"
+        for after in (None, 2):
+            got = events_of(await read_all(await b.open_reader(producer.id, after, None), limit=5))
+            assert len(got) == 1 and b'"stream_lost"' in got[0][1], got
 
 
 async def test_a_frozen_store_delays_the_stored_log_and_loses_nothing():

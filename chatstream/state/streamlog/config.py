@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import StoreError
 from ..instances import Instances
-from ..store import Store
+from ..store import BUSY_TIMEOUT, Store
 from .format import EncodeError
 
 log = logging.getLogger("chatstream")
@@ -63,6 +63,8 @@ class ResumeConfig:
     inbox_young_seconds: float = 0.1
     young_seconds: float = 2.0
     give_up_seconds: float = 10.0  # the store failing this long: a producer stops storing, a reader ends
+    # A producer that gave up before its record landed then writes it, lost: one call of a busy store.
+    lost_record_seconds: float = BUSY_TIMEOUT
     # A reading that starts past what is stored of a live stream elsewhere: wait at most this long for the
     # producer to store it, or to acknowledge the reader with its last id.
     past_end_wait_seconds: float = 5.0

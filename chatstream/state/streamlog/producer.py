@@ -8,10 +8,12 @@ blob made before the first), at most every ``fast_flush_seconds`` while someone 
 or here), else every ``checkpoint_seconds``; the end marker and the record's end last. A stream
 that ends before its first write, with nobody elsewhere following it by then (the inbox read once
 more after its end to tell), is stored by the record's end alone: its whole log in the record, no
-blob (two store calls in all). It stops storing when the store fails for ``give_up_seconds`` (it
-ends the stored log with a ``stream_lost`` error as soon as the store lets it: the live stream goes
-on), and for good when its append finds someone else's bytes at its position: another instance
-took the stream over. A hand-over stores what is kept with a ``: handover`` marker.
+blob (two store calls in all). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``:
+nobody waits on it, and a slow store is not a failed one). It stops storing when the store fails
+for ``give_up_seconds`` (it ends the stored log with a ``stream_lost`` error as soon as the store
+lets it: the live stream goes on), and for good when its append finds someone else's bytes at its
+position: another instance took the stream over. A hand-over stores what is kept with a
+``: handover`` marker.
 
 Also where a stop is requested: a cancel (from any instance, via the inbox), nobody reading for
 ``abandon_seconds``, the time cap, or the stream going on elsewhere (``moved``: taken over, or
@@ -28,7 +30,7 @@ from typing import Literal
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from ..store import NEW, STREAMS_TABLE
+from ..store import BUSY_TIMEOUT, CALL_TIMEOUT, NEW, STREAMS_TABLE
 from .config import Context
 from .format import (
     BLOCK_LIMIT,
@@ -469,16 +471,23 @@ class Producer:
         record.instance = ctx.instances.id
         row = record.row()
 
+        def bound() -> float:
+            """A busy store's bound, not past the deadline: a reader elsewhere waits for the record
+            only that long (readers.read_record)."""
+            return min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
+
         async def put_request() -> None:
             if self._large_request is not None:
                 with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW)
+                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound())
 
         async def insert() -> None:
             try:
-                record.etag = await store.insert(STREAMS_TABLE, row)
+                record.etag = await store.insert(STREAMS_TABLE, row, timeout=bound())
             except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
-                found = await store.get(STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"))
+                found = await store.get(
+                    STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=bound()
+                )
                 if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
                     raise _Fenced() from None
                 record.etag = found.etag
@@ -588,16 +597,16 @@ class Producer:
         try:
             async with turn:
                 try:
-                    await store.append(self.id, attempt.block, at=offset)
+                    await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:
                     # Not made yet (a reader elsewhere makes it as it registers, so the write it
                     # waits for is one call): make it, then append.
                     if self._blob:
                         raise
                     with contextlib.suppress(AlreadyExists):  # an earlier attempt landed, or a takeover's fence
-                        await store.append_create(self.id)
+                        await store.append_create(self.id, timeout=BUSY_TIMEOUT)
                     self._blob = True
-                    await store.append(self.id, attempt.block, at=offset)
+                    await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
             self._blob = True
         except StoreUnavailable:
             # No answer: it may still land. Every attempt since the last confirmed one is at this
@@ -605,7 +614,7 @@ class Producer:
             self._uncertain.append(attempt)
             raise
         except Modified:
-            found = await store.read(self.id, offset)
+            found = await store.read(self.id, offset, timeout=BUSY_TIMEOUT)
             landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
             if landed is None:
                 raise _Fenced() from None
@@ -694,7 +703,10 @@ class Producer:
         while True:
             try:
                 async with self._ctx.bulk:
-                    self._record.etag = await self._ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                    store = self._ctx.store
+                    self._record.etag = await store.merge(
+                        STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT
+                    )
                 return True
             except (Modified, NotFound):
                 return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
@@ -724,7 +736,14 @@ class Producer:
                     continue
                 inline = {} if self._blob else {"events": block.decode()}
                 fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
-                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag)
+                if not self._record.etag:
+                    # Its record never landed (the store failed from the start): made now, lost, so
+                    # that a resume ends with stream_lost, not "no such stream" (readers wait for it:
+                    # ResumeConfig.lost_record_seconds). There meanwhile (a late insert of ours): merged.
+                    with contextlib.suppress(AlreadyExists):
+                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields}, timeout=BUSY_TIMEOUT)
+                        return
+                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT)
                 return
             except (_Fenced, Modified, NotFound):
                 return  # the log or the record is someone else's now, or gone

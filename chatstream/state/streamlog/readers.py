@@ -116,11 +116,14 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
     """The stream's record, once it is written: its producer writes it in the background as the
     stream starts (the id goes out at once), so for a stream started less than ``give_up_seconds``
-    ago (by the store's clock, which every instance reads alike) a missing record is waited for.
+    ago (by the store's clock, which every instance reads alike) a missing record is waited for, and
+    ``lost_record_seconds`` more: a producer that gave up on it then records the stream lost.
     StreamNotFound (none, expired, another caller's); StoreError when the store fails."""
     cfg = ctx.config
     born = started_at(stream_id) or ctx.now()  # 0: started before its producer heard the store's clock
-    young_until = born + cfg.give_up_seconds + 2.0  # two seconds: how far two readings of the store's clock differ
+    young_until = (
+        born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
+    )  # two seconds: how far two readings of the store's clock differ
     pause = cfg.young_poll_seconds
     while True:
         row = await ctx.store.get(STREAMS_TABLE, stream_id, RECORD_ROW, select=READER_FIELDS)
