@@ -3,6 +3,7 @@ using System.Collections.Generic;
 using System.Diagnostics;
 using System.Globalization;
 using System.IO;
+using System.Runtime.InteropServices;
 using System.Text;
 using System.Threading;
 using System.Threading.Tasks;
@@ -37,13 +38,25 @@ namespace ChatCli
                 try { stdout.Flush(); }
                 catch (IOException) { } // stdout already closed, e.g. `chat --help | head -1`
             }
-            // Environment.Exit does not wait for other threads. Returning from Main does, and under
-            // Mono that wait now and then never ended: after Ctrl+C (Console.CancelKeyPress runs on
-            // a thread of its own; about 1 run in 50 here) and, rarely, on a loaded machine after a
-            // normal end too. So every path leaves this way.
+            // Returning from Main waits for other threads, and under Mono that wait now and then
+            // never ended: after Ctrl+C (Console.CancelKeyPress runs on a thread of its own; about 1
+            // run in 50 here) and, rarely, on a loaded machine after a normal end too. Mono's
+            // Environment.Exit runs the runtime's shutdown, which hung the same way once (a CI run,
+            // both cores busy: the answer printed, the process never ended). Everything is written
+            // by now, so under Mono on Unix the process ends at once (libc's _exit); elsewhere, or
+            // without it, Environment.Exit. So every path leaves this way.
+            if (Type.GetType("Mono.Runtime") != null && Environment.OSVersion.Platform == PlatformID.Unix)
+            {
+                try { stderr.Flush(); _exit(code); }
+                catch (DllNotFoundException) { }
+                catch (EntryPointNotFoundException) { }
+            }
             Environment.Exit(code);
             return code; // not reached
         }
+
+        [DllImport("libc")]
+        static extern void _exit(int status);
 
         static async Task<int> RunAsync(string[] args, TextWriter stdout, TextWriter stderr)
         {
