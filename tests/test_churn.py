@@ -432,22 +432,7 @@ def test_a_killed_streams_lost_part_is_charged_at_least_what_its_caller_received
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
         stream_id, ids, received, killed = _killed_after_30(a, (a, b), key)
         got = "".join(received)
-        finals: list[str] = []
-        codes: list[str] = []
-        deadline = time.monotonic() + 60
-        while not finals and time.monotonic() < deadline:  # B takes A's streams over once A's lease is past
-            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
-            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
-                if r.status_code != 200:
-                    time.sleep(0.5)
-                    continue
-                for line in r.iter_lines():
-                    if line.startswith("id: "):
-                        ids.append(int(line[4:]))
-                    elif line in ("event: done", "event: error"):
-                        finals.append(line[7:])
-                    elif line.startswith("data: ") and finals:
-                        codes.append(str(json.loads(line[6:])["error"]["type"]))
+        finals, codes = _final_events_resumed_on(b, stream_id, key, ids)  # B takes A's streams over
         assert finals == ["error"] and codes == ["stream_lost"], (finals, codes)
         assert ids[:30] == list(range(1, 31)) and len(ids) == 31 and ids[30] > 30, ids
         want = tokens.count_text(MODEL, got)
@@ -500,20 +485,7 @@ def test_a_lost_part_whose_continuation_is_refused_is_charged_at_least_a_token_p
         stream_id, ids, received, killed = _killed_after_30(a, (a, b), key)
         cut = httpx.patch(f"{b.url}/api/manage/callers/{who}", json={"token_budget": 1}, timeout=30)
         assert cut.status_code == 200, cut.text
-        finals: list[str] = []
-        codes: list[str] = []
-        deadline = time.monotonic() + 60
-        while not finals and time.monotonic() < deadline:  # B takes A's stream over once A's lease is past
-            headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
-            with httpx.stream("GET", f"{b.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
-                if r.status_code != 200:
-                    time.sleep(0.5)
-                    continue
-                for line in r.iter_lines():
-                    if line in ("event: done", "event: error"):
-                        finals.append(line[7:])
-                    elif line.startswith("data: ") and finals:
-                        codes.append(str(json.loads(line[6:])["error"]["type"]))
+        finals, codes = _final_events_resumed_on(b, stream_id, key, ids)  # B takes A's stream over
         assert finals == ["error"] and codes == ["stream_lost"], (finals, codes)  # (it holds unstored events)
         assert not [s for s in upstream.streams() if s["started_at"] > killed], "the continuation was called"
         later = httpx.get(f"{b.url}/api/streams/{stream_id}", headers={"api-key": key}, timeout=30)
@@ -535,19 +507,27 @@ def test_a_lost_part_whose_continuation_is_refused_is_charged_at_least_a_token_p
         upstream.stop()
 
 
-def _final_events_resumed_on(app, stream_id: str, key: str, last_id: int) -> list[str]:
-    """The stream resumed on ``app`` after ``last_id`` (the caller's position), once ``app`` takes it
-    over (after the dead producer's lease: within 60 s): the names of its final events."""
+def _final_events_resumed_on(app, stream_id: str, key: str, ids: list[int]) -> tuple[list[str], list[str]]:
+    """The stream resumed on ``app`` after ``ids[-1]`` (the caller's position), once ``app`` takes it
+    over (after the dead producer's lease: within 60 s): the names of its final events and the types
+    of its errors after them; the ids it sends are added to ``ids``."""
     finals: list[str] = []
+    codes: list[str] = []
     deadline = time.monotonic() + 60
     while not finals and time.monotonic() < deadline:
-        headers = {"api-key": key, "Last-Event-ID": str(last_id)}
+        headers = {"api-key": key, "Last-Event-ID": str(ids[-1])}
         with httpx.stream("GET", f"{app.url}/api/streams/{stream_id}", headers=headers, timeout=60) as r:
             if r.status_code != 200:
                 time.sleep(0.5)
                 continue
-            finals += [line[7:] for line in r.iter_lines() if line in ("event: done", "event: error")]
-    return finals
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line in ("event: done", "event: error"):
+                    finals.append(line[7:])
+                elif line.startswith("data: ") and finals:
+                    codes.append(str(json.loads(line[6:])["error"]["type"]))
+    return finals, codes
 
 
 @pytest.mark.alone
@@ -568,7 +548,7 @@ def test_a_lost_part_is_raised_to_what_its_caller_received_even_if_its_taker_die
         a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
         stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
-        finals = _final_events_resumed_on(b, stream_id, key, ids[-1])
+        finals, _ = _final_events_resumed_on(b, stream_id, key, ids)
         assert finals == ["error"], finals
         deadline = time.monotonic() + 30
         while True:  # B's continuation past the caller's 30 events (and 0.6 s more), still running
@@ -786,7 +766,7 @@ def test_a_lost_part_is_raised_to_what_its_caller_received_when_its_taker_is_sig
         a, b, c = (start_app(**env(upstream, azurite, **settings)) for _ in range(3))
         who, key, caller_id = caller(a, token_budget=1_000_000, budget_period="month")
         stream_id, ids, received, killed = _killed_after_30(a, (a, b, c), key)
-        finals = _final_events_resumed_on(b, stream_id, key, ids[-1])
+        finals, _ = _final_events_resumed_on(b, stream_id, key, ids)
         assert finals == ["error"], finals
         continued = [s for s in upstream.streams() if s["started_at"] > killed]
         deadline = time.monotonic() + 30
