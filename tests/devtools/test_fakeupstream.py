@@ -487,13 +487,15 @@ def test_stale_closes_a_request_on_a_kept_connection_unanswered(server):
             "connections": "kept",
             "dropped": 0,
         }
-        with pytest.raises(httpx.RemoteProtocolError):  # the control request's connection, kept
+        # the control request's connection, kept: closed unanswered, seen as the server's hang-up, or
+        # as a reset when the request's body arrived after the close (a real server's close does both)
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
             kept.post("/v1/chat/completions", json=chat)
         assert kept.post("/v1/chat/completions", json=chat).status_code == 200  # a new connection
         assert kept.get("/_scripted/stale").json() == {"times": 0, "connections": "kept", "dropped": 1}
         assert kept.get("/_scripted/count").json()["requests"] == before + 1
         kept.post("/_scripted/stale", json={"times": 1, "connections": "any"}).raise_for_status()
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         post_raw(server, chat)  # a new connection
     with httpx.Client(base_url=server, timeout=10) as control:
         assert control.get("/_scripted/stale").json() == {"times": 0, "connections": "any", "dropped": 2}
