@@ -411,24 +411,15 @@ class Endpoint:
                 self._unknown(claim)[1],  # nothing stands in for what its caller had past the stored end
             )
             raise
-        await self._charge_lost(claim, known, admission, "")
+        await self._charge_lost(claim, known, admission)
         return admission
 
-    async def _charge_lost(
-        self, claim: Claim, known: Known, admission: Admission, unstored: str, floor: int = 0
-    ) -> None:
-        """Charge the lost producer's part: what the log holds of it, and ``unstored`` and ``floor``
-        tokens more (then waiting out a failing store: nobody else knows them)."""
+    async def _charge_lost(self, claim: Claim, known: Known, admission: Admission) -> None:
+        """Charge the lost producer's part at what the log holds of it."""
         assert self.accounting is not None
         lost, before = self._lost(claim, known)
         await self.accounting.charge_lost(
-            admission,
-            started_at(claim.producer.id),
-            lost.text + unstored,
-            claim.producer.epoch,
-            before,
-            patience=RAISED_WITHIN if unstored or floor else 0.0,
-            floor=floor,
+            admission, started_at(claim.producer.id), lost.text, claim.producer.epoch, before
         )
 
     def _lost(self, claim: Claim, known: Known) -> tuple[Known, str]:
@@ -453,8 +444,9 @@ class Endpoint:
         that reader skipped) stand for them: the lost part is charged with their text too (at least
         what its caller received), and each event not stood in for yet at its floor (``_unknown``),
         unless a charge of it is higher already; raised once the continuation has them all
-        (``Claim.stood_in``), or with what it has when the continuation ended short (``over``) or
-        the drain's grace is over.
+        (``Claim.stood_in``), or with what it has when the continuation ended short (``over``), the
+        drain's grace is over, or this is cancelled (the raise goes on: ``Accounting.regenerated``;
+        waiting out a failing store, for nobody else knows that part).
 
         Until then this instance's journal holds what it knows of that part, as its checkpoint
         (``Accounting.regenerating``, written every half second): if this instance dies first, its
@@ -477,17 +469,30 @@ class Endpoint:
             claim.producer.epoch,
             before,
         )
-        while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
-            if life is None:
-                await _any(claim.stood_in(), over.wait())
-            elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
-                self.accounting.checkpoint()
-                await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
-            else:
-                await _any(claim.stood_in(), over.wait(), life.draining.wait())
-        unknown, floor = self._unknown(claim)
-        await self._charge_lost(claim, known, admission, api.known(claim.stand_ins()).text, floor)
-        self.accounting.regenerated(knows)
+        try:
+            while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
+                if life is None:
+                    await _any(claim.stood_in(), over.wait())
+                elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
+                    self.accounting.checkpoint()
+                    await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
+                else:
+                    await _any(claim.stood_in(), over.wait(), life.draining.wait())
+        finally:  # however the wait ends (cancelled too: the request's end, a drain), raised with what is known
+            unknown, floor = self._unknown(claim)
+            stood_in = api.known(claim.stand_ins()).text
+            patience = RAISED_WITHIN if stood_in or floor else 0.0
+            raised = self.accounting.regenerated(
+                knows,
+                admission,
+                started_at(claim.producer.id),
+                lost.text + stood_in,
+                claim.producer.epoch,
+                before,
+                patience,
+                floor,
+            )
+        await asyncio.shield(raised)  # (cancelled meanwhile: it goes on)
         if unknown:  # refused (a budget, the upstream), stopped, or the drain's grace over
             log.warning(
                 "request %s (stream %s): of the %d event(s) its caller had past the stored end, %d not stood "

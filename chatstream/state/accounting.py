@@ -408,7 +408,8 @@ class Accounting:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
         growing as its continuation stands in for what that producer's caller received), in the
         journal as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it
-        raises the part's row to it (``charge_lost``), its recovery does. ``regenerated`` once it has."""
+        raises the part's row to it, its recovery does. ``regenerated`` raises it, however the
+        waiting ends."""
         admission.entry.segment = segment_base(epoch)  # (as charge_lost: the continuation's block)
         payer, prompt = self._lost_part(admission, started or self.counters.clock(), before)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
@@ -428,10 +429,32 @@ class Accounting:
         self._kept[entry.key] = self.counters.keep(needs)  # a takeover counts the raise where it has an entry
         return self.journal.open(entry)
 
-    def regenerated(self, entry: JournalEntry) -> None:
-        """The lost part is raised (``charge_lost``, journaled): its knowledge leaves the journal."""
-        self.journal.drop(entry)
-        self._kept.pop(entry.key, lambda: None)()
+    def regenerated(
+        self,
+        knows: JournalEntry,
+        admission: Admission,
+        started: float | None,
+        text: str,
+        epoch: int = 2,
+        before: str = "",
+        patience: float = 0.0,
+        floor: int = 0,
+    ) -> asyncio.Task:
+        """The lost part raised to what this taker knows of it (``charge_lost`` with ``text`` and
+        ``floor``), then ``knows`` (``regenerating``) leaves the journal and the budget rows: in the
+        background, so that a request cancelled meanwhile (its end, a drain) still makes it
+        (``flush`` waits for it); cancelled itself (the process stops), the knowledge stays in the
+        journal and this instance's recovery raises the part."""
+
+        async def raise_it() -> None:
+            await self.charge_lost(admission, started, text, epoch, before, patience, floor)
+            self.journal.drop(knows)
+            self._kept.pop(knows.key, lambda: None)()
+
+        task = asyncio.get_running_loop().create_task(raise_it())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""

@@ -635,7 +635,7 @@ async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once
         for partition in (caller.limits_partition, team):
             assert parse_holds(counter(data, partition, "tokens")["holds"])["instance-b"].held == 0
         await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, floor=2)
-    acc_b.regenerated(knows)
+    await acc_b.regenerated(knows, going_on, going_on.started, received, epoch=2, floor=2)  # (raised already)
     assert await acc_b.flush(5)
     await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
@@ -1210,4 +1210,72 @@ async def test_a_charge_whose_window_ended_before_it_entered_its_row_is_not_appl
     assert rows[rec1.id]["author"] == "instance-a" and rows[rec1.id]["prompt_tokens"] == 100
     spent_as_the_ledger(data, caller, team, [rows[rec2.id]])  # r2's checkpoint alone
     assert rows[rec2.id]["cost"] == price.cost(r2.prompt_tokens, 0, 0)
+    await b.close()
+
+
+async def test_a_takers_raise_to_what_its_caller_received_cancelled_while_it_waits_is_made_all_the_same():
+    """Endpoint._charge_received, on a real takeover: the dead producer's caller had events 1..15 of
+    which the log held 1..10; b's continuation has stood in for 11 and 12 when its upstream stalls,
+    and the task is cancelled (the request ends, the instance stops) while it waits for the rest.
+    The part is raised to what b knew (the log's text, the two stand-ins, and the three events not
+    stood in for at their floor: one token each on /api/chat), once, and b's knowledge of it leaves
+    the journal and the budget rows: before, that journal entry stayed open and b's entry stayed in
+    every budget row for good, holding nothing, and the part was never raised."""
+    from chatstream.apis.chat import ChatApi
+    from chatstream.endpoint import Endpoint
+    from chatstream.pipeline import Pipeline
+
+    from .streamlog_helpers import QUICK, delta, instances, read_all
+    from .streamlog_helpers import kill as kill_log
+    from .test_failover import ScriptedClient, pooled
+
+    data = account()
+    _, _, b, acc_b, caller, _ = await setup(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    claims: list = []
+    stalled = asyncio.Event()
+
+    async def continuation(claim) -> None:  # its upstream stalls after two deltas
+        claims.append(claim)
+        for i in (10, 11):
+            claim.producer.append(delta(i))
+        stalled.set()
+        await asyncio.Event().wait()
+
+    async with instances(2, data=data, take_over=continuation, **{**QUICK, "checkpoint_seconds": 30.0}) as (x, y):
+        params = {"model": MODEL, "messages": [{"role": "user", "content": "count"}]}
+        producer = x.start("chat", caller.id, request={"params": params}, request_id="r-stream")
+        for i in range(10):
+            producer.append(delta(i))
+        producer.caller_gone()  # stores what is in hand now
+        await asyncio.sleep(0.3)
+        x.store.inject(Fault("unavailable", ops=frozenset({"append"}), times=10**9))  # type: ignore[attr-defined]
+        for i in range(10, 15):
+            producer.append(delta(i))
+        kill_log(x)
+        await read_all(await y.open_reader(producer.id, 15, caller.id))  # stream_lost; the takeover goes on
+        async with asyncio.timeout(5):
+            await stalled.wait()
+        [claim] = claims
+        taken = record()
+        taken.id = taken.request_id = "r-stream"
+        going_on = await acc_b.admit(caller, asked(call("count"), taken))
+        assert isinstance(going_on, Admission)
+        upstreams = pooled({"u": ScriptedClient()})
+        endpoint = Endpoint(ChatApi(), upstreams.settings, upstreams, Pipeline(), acc_b)
+        known = ChatApi().known(claim.events)
+        raising = asyncio.ensure_future(endpoint._charge_received(claim, known, going_on, asyncio.Event()))
+        knows = f"r-stream/lost{claim.producer.epoch}"
+        await until(lambda: entry_of(data, "instance-b", knows) is not None, what="b's journal knows the part")
+        raising.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await raising
+        going_on.reservation.release()  # the continuation is over
+        acc_b.journal.drop(going_on.entry)
+        assert await acc_b.flush(5)
+        assert knows not in acc_b.journal.entries and not (journal_doc(data, "instance-b") or {}).get("entries")
+        rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+        text = "".join(ChatApi().known(delta(i)).text for i in range(12))
+        assert [r["completion_tokens"] for r in rows if r["segment"] == 0] == [tokens.count_text(MODEL, text) + 3]
+        spent_as_the_ledger(data, caller, team, rows)  # (and b's entry gone from every row)
     await b.close()
