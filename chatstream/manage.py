@@ -128,10 +128,24 @@ COLLECTIONS = {
 }
 
 
-async def _shown(state: SharedState, admin: Collection, items: Sequence[Caller | Team | Price]) -> list[dict[str, Any]]:
-    """Items as a list or a read shows them: a caller or team with how much of its budgets is taken."""
+async def _shown(
+    state: SharedState, admin: Collection, items: Sequence[Caller | Team | Price | Unreadable]
+) -> list[dict[str, Any]]:
+    """Items as a list or a read shows them: a caller or team with how much of its budgets is taken;
+    one whose row holds none (a hand edit) as ``unreadable`` (why), for an admin to delete it (or
+    set it again: a price)."""
     spent = await _budgets_now(state, [o for o in items if isinstance(o, Caller | Team)])
-    return [{**admin.json(o), **(spent.get(o.limits_partition, {}) if not isinstance(o, Price) else {})} for o in items]
+    return [
+        _unreadable_json(admin, o)
+        if isinstance(o, Unreadable)
+        else {**admin.json(o), **(spent.get(o.limits_partition, {}) if not isinstance(o, Price) else {})}
+        for o in items
+    ]
+
+
+def _unreadable_json(admin: Collection, found: Unreadable) -> dict[str, Any]:
+    shown = {"object": admin.object, admin.param: found.name, "unreadable": found.why}
+    return shown | ({"id": found.id} if found.id else {})
 
 
 def validate(model: type[S], data: object) -> S:
@@ -238,11 +252,7 @@ class Manage:
                 gone = await registry.delete(admin.cls, name)
                 shown = gone.name if isinstance(gone, Unreadable) else getattr(gone, admin.param)
                 return _json({"object": f"{admin.object}.deleted", admin.param: shown, "deleted": True})
-            found = await registry.get(admin.cls, name)
-            if isinstance(found, Unreadable):  # shown as such: an admin deletes it (and creates it again)
-                shown = {"object": admin.object, admin.param: found.name, "unreadable": found.why}
-                return _json(shown | ({"id": found.id} if found.id else {}))
-            return _json((await _shown(state, admin, [found]))[0])
+            return _json((await _shown(state, admin, [await registry.get(admin.cls, name)]))[0])
 
         return await self._answer(run)
 

@@ -113,17 +113,18 @@ def test_a_response_belongs_to_the_caller_that_created_it(keyed):
 
 
 def spoil(azurite, row_key: str, **fields) -> None:
-    """A caller's or team's row as a hand edit in Storage Explorer may leave it (``None``: removed)."""
+    """A caller's, team's or price's row as a hand edit in Storage Explorer may leave it (``None``: removed)."""
     table = TableServiceClient.from_connection_string(azurite.connection_string).get_table_client("chatstreamCallers")
-    partition = "teams" if row_key.startswith("t|") else "callers"
+    partition = {"t": "teams", "p": "prices"}.get(row_key[0], "callers")
     row = dict(table.get_entity(partition, row_key)) | fields
     table.upsert_entity({k: v for k, v in row.items() if v is not None}, mode=UpdateMode.REPLACE)
 
 
 @pytest.mark.parametrize("bad", [{"models": "[not json"}, {"id": None}, {"tokens_per_minute": "100"}])
 def test_an_unreadable_caller_or_team_is_a_clear_503_and_the_admin_api_shows_and_deletes_it(keyed, azurite, bad):
-    """Its key's requests: a 503 naming the unreadable record (not a 500); the admin API reads it as
-    unreadable, refuses a patch (409: delete and create it again) and deletes it whole."""
+    """Its key's requests: a 503 naming the unreadable record (not a 500); the admin API reads and
+    lists it as unreadable (before, a list left it out: an operator never saw it), refuses a patch
+    (409: delete and create it again) and deletes it whole."""
     manage = keyed.url + "/api/manage"
     name, key = create(keyed, models=[MODEL])
     digest = hashlib.sha256(key.encode()).hexdigest()
@@ -137,6 +138,8 @@ def test_an_unreadable_caller_or_team_is_a_clear_503_and_the_admin_api_shows_and
         assert error["code"] == "not_configured" and f"caller {name!r} is unreadable" in error["message"], error
     shown = httpx.get(f"{manage}/callers/{name}", timeout=30)
     assert shown.status_code == 200 and shown.json()["unreadable"].split(":")[0] in bad, shown.text
+    [listed] = [c for c in httpx.get(f"{manage}/callers", timeout=30).json()["data"] if c["name"] == name]
+    assert listed == shown.json() and "key_hint" not in listed, listed
     patched = httpx.patch(f"{manage}/callers/{name}", json={"tokens_per_minute": 5}, timeout=30)
     assert patched.status_code == 409 and "delete it and create it again" in patched.text, patched.text
     gone = httpx.delete(f"{manage}/callers/{name}", timeout=30)
@@ -150,7 +153,11 @@ def test_an_unreadable_caller_or_team_is_a_clear_503_and_the_admin_api_shows_and
     spoil(azurite, f"t|{team}", **bad)
     refused = httpx.post(url, headers={"api-key": key}, json=ask("hi"), timeout=30)
     assert refused.status_code == 503 and f"team {team!r} is unreadable" in refused.text, refused.text
-    assert "unreadable" in httpx.get(f"{manage}/teams/{team}", timeout=30).json()
+    shown = httpx.get(f"{manage}/teams/{team}", timeout=30).json()
+    assert "unreadable" in shown and shown["object"] == "team", shown
+    assert [t for t in httpx.get(f"{manage}/teams", timeout=30).json()["data"] if t["name"] == team] == [shown]
+    [listed] = [c for c in httpx.get(f"{manage}/callers", timeout=30).json()["data"] if c["name"] == member]
+    assert listed["team"] == team and "unreadable" not in listed  # its caller reads (its requests refused)
     assert httpx.delete(f"{manage}/teams/{team}", timeout=30).status_code == 409  # it still has a caller
     assert httpx.delete(f"{manage}/callers/{member}", timeout=30).status_code == 200
     assert httpx.delete(f"{manage}/teams/{team}", timeout=30).status_code == 200

@@ -22,6 +22,7 @@ otherwise.
 | `test_page_and_files_with_strict_headers`, `test_only_known_files`, `test_the_route_is_anonymous_and_get_only` | the files, their headers (the playground's CSP), no inline script or style, anonymous GET only |
 | `test_the_files_are_small_and_written_by_hand`, `test_the_api_text_only_ever_becomes_text` | the four files under 60 KB together (47 KB now); no HTML sink, no other origin |
 | `test_an_operator_runs_a_team_and_a_caller_from_the_page` | a price, a team and a caller made through the page (a refused price, a non-integer limit and a taken name: each message next to its field); the key shown once, copied, then gone from the page and the tab's storage; three calls with it; the caller's and the team's bars and the usage (chart, legend by team and by model, top callers) show exactly the API's tokens and cost; the CSV; an edit sends only what changed; rotate (old key `401` within seconds, new key works); a team with a caller refused (`409`); deletions |
+| `test_rows_the_app_cannot_read_are_listed_marked_and_deleted_from_the_page` | a team, a caller and a price whose rows a hand edit spoiled: in their tables, marked unreadable with the wrong field, not offered as a caller's team, deleted from the page |
 | `test_a_wrong_master_key_shows_the_error_and_the_right_one_is_kept_in_the_tab` | the local host checks no key, so a Playwright route in front of `/api/manage/` answers as the Functions host does (`401`, empty body) unless the request carries the test's master key, and passes it to the real app otherwise: the field appears, a wrong key is refused with a message, the right one loads every view, stays in `sessionStorage` across a reload, goes out only as the header, never in a URL; **Forget key** |
 | `test_without_the_store_every_view_says_so` | an app without storage: each view shows `503 caller_store_not_configured` and stays whole |
 | `test_a_store_that_stops_answering_is_shown_and_try_again_recovers` | Azurite paused (`SIGSTOP`): `503 caller_store_unavailable` shown; resumed, **Try again** brings the view back |
@@ -51,7 +52,7 @@ from browser_tab import Tab, chromium
 from console_seed import seed_usage
 from helpers import app_env, function_bindings
 from servers import ROOT, App, Azurite
-from test_callers import callers_env
+from test_callers import callers_env, spoil
 
 from chatstream import console_page
 from chatstream.playground_page import CONTENT_SECURITY_POLICY
@@ -456,6 +457,46 @@ def test_an_operator_runs_a_team_and_a_caller_from_the_page(browser, keyed):
         httpx.delete(f"{keyed.url}/api/manage/callers/{caller}")
         httpx.delete(f"{keyed.url}/api/manage/teams/{team}")
         httpx.delete(f"{keyed.url}/api/manage/prices/{model}")
+
+
+def test_rows_the_app_cannot_read_are_listed_marked_and_deleted_from_the_page(browser, keyed, azurite):
+    """A team, a caller and a price whose rows a hand edit spoiled: each in its table, marked
+    unreadable with the field that is wrong, with its Delete button, and deleted from the page;
+    nothing breaks (before, the lists left them out: the page never showed them)."""
+    manage, suffix = keyed.url + "/api/manage", secrets.token_hex(4)
+    team, caller, model = f"bad-team-{suffix}", f"bad-caller-{suffix}", f"bad-model-{suffix}"
+    assert httpx.post(f"{manage}/teams", json={"name": team}, timeout=30).status_code == 201
+    assert httpx.post(f"{manage}/callers", json={"name": caller}, timeout=30).status_code == 201
+    assert httpx.put(f"{manage}/prices/{model}", json={"input": 1, "output": 2}, timeout=30).status_code == 200
+    spoil(azurite, f"t|{team}", tokens_per_minute="100")
+    spoil(azurite, f"c|{caller}", models="[not json")
+    spoil(azurite, f"p|{model}", output="ten")
+    tab = Console(browser, keyed).open()
+    page, expect = tab.page, tab.expect
+    try:
+        expect(tab.row("Teams", team)).to_contain_text("Unreadable (tokens_per_minute")
+        expect(tab.row("Callers", caller)).to_contain_text("Unreadable (models")
+        page.get_by_role("button", name="New caller").click()  # an unreadable team is no choice for a caller
+        expect(tab.field("Team").locator("option", has_text=team)).to_have_count(0)
+        tab.dialog.get_by_role("button", name="Cancel").click()
+        page.get_by_role("button", name=f"Delete caller {caller}").click()
+        tab.dialog.get_by_role("button", name="Delete caller").click()
+        expect(tab.row("Callers", caller)).to_have_count(0)
+        page.get_by_role("button", name=f"Delete team {team}").click()
+        tab.dialog.get_by_role("button", name="Delete team").click()
+        expect(tab.row("Teams", team)).to_have_count(0)
+        tab.tab("Prices")
+        expect(tab.row("Prices", model)).to_contain_text("Unreadable (output")
+        page.get_by_role("button", name=f"Delete the price of {model}").click()
+        tab.dialog.get_by_role("button", name="Delete price").click()
+        expect(tab.row("Prices", model)).to_have_count(0)
+        for kind, name in (("teams", team), ("callers", caller), ("prices", model)):
+            assert httpx.get(f"{manage}/{kind}/{name}", timeout=30).status_code == 404
+        tab.assert_clean(expected_console=HTTP_STATUS_NOTE)
+    finally:
+        tab.close()
+        for kind, name in (("callers", caller), ("teams", team), ("prices", model)):
+            httpx.delete(f"{manage}/{kind}/{name}", timeout=30)
 
 
 def test_a_wrong_master_key_shows_the_error_and_the_right_one_is_kept_in_the_tab(browser, keyed):

@@ -265,9 +265,22 @@ function emptyRow(table, text) {
   return el("tr", { class: "empty" }, el("td", { colspan: columns, text }));
 }
 
+/** A row the app cannot read (a hand edit in the store): its name, why, and the way out: delete it. */
+function unreadableRow(table, o, remove) {
+  const columns = $(table).tHead.rows[0].cells.length;
+  return el(
+    "tr",
+    { class: "unreadable" },
+    el("th", { scope: "row", text: o.name }),
+    el("td", { colspan: columns - 2, text: `Unreadable (${o.unreadable}): its requests are refused. Delete it, then create it again.` }),
+    actions(remove),
+  );
+}
+
 function renderTeams() {
   const body = $("teams").tBodies[0];
   const rows = teams.map((t) => {
+    if (t.unreadable) return unreadableRow("teams", t, button("Delete", `Delete team ${t.name}`, () => confirmDeleteTeam(t)));
     const members = callers.filter((c) => c.team === t.name).length;
     return el(
       "tr",
@@ -290,6 +303,7 @@ function renderCallers() {
   const body = $("callers").tBodies[0];
   const now = Date.now();
   const rows = callers.map((c) => {
+    if (c.unreadable) return unreadableRow("callers", c, button("Delete", `Delete caller ${c.name}`, () => confirmDeleteCaller(c)));
     const expired = c.expires_at && Date.parse(c.expires_at) <= now;
     return el(
       "tr",
@@ -370,7 +384,7 @@ function openEditor(kind, original) {
     row.hidden = row.dataset.for === "caller" && kind !== "caller";
   }
   const team = input("team");
-  team.replaceChildren(el("option", { value: "", text: "(no team)" }), ...teams.map((t) => el("option", { value: t.name, text: t.name })));
+  team.replaceChildren(el("option", { value: "", text: "(no team)" }), ...teams.filter((t) => !t.unreadable).map((t) => el("option", { value: t.name, text: t.name })));
   for (const field of FIELDS) {
     input(field).value = shown(original, field);
     input(field).dataset.initial = input(field).value;
@@ -539,7 +553,8 @@ function priceRow(p) {
   const cells = PRICE_FIELDS.map((f) =>
     priceInput(f, `${{ input: "Input", cached_input: "Cached input", output: "Output" }[f]} price of ${name}`, p ? p[f] : null),
   );
-  const row = el("tr", {}, model, ...cells, el("td", { class: "hint", text: p ? when(p.updated_at) : "" }));
+  const updated = p && p.unreadable ? `Unreadable (${p.unreadable}): save a price or delete it` : p ? when(p.updated_at) : "";
+  const row = el("tr", p && p.unreadable ? { class: "unreadable" } : {}, model, ...cells, el("td", { class: "hint", text: updated }));
   const save = button(p ? "Save" : "Add price", p ? `Save the price of ${p.model}` : "Add price", () => savePrice(row, p), p ? "quiet" : "primary");
   const buttons = [save];
   if (p) {

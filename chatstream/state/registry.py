@@ -74,7 +74,7 @@ def _row_key(cls: type, name: str) -> str:
     return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
 
 
-def _name_of(value: Caller | Team | Price) -> str:
+def _name_of(value: Caller | Team | Price | Unreadable) -> str:
     return value.model if isinstance(value, Price) else value.name
 
 
@@ -384,9 +384,12 @@ class Registry:
         log.info("%s %s created%s", kind, made.name, f" (key …{key[-4:]})" if key else "")
         return made, key
 
-    async def list(self, cls: type[Kept]) -> list[Kept]:
-        """Every caller, team or price, by name (model)."""
-        return sorted(await self._all(cls), key=_name_of)
+    async def list(self, cls: type[Kept]) -> list[Kept | Unreadable]:
+        """Every caller, team or price, by name (model); one whose row holds none as Unreadable (an
+        admin sees it, and deletes it)."""
+        unreadable: list[Unreadable] = []
+        found: list[Kept | Unreadable] = [*await self._all(cls, unreadable=unreadable), *unreadable]
+        return sorted(found, key=_name_of)
 
     async def get(self, cls: type[Kept], name: str) -> Kept | Unreadable:
         """The caller, team or price (``name``: its model); Unreadable when its row holds none;
