@@ -31,9 +31,12 @@ done again by the next duty holder, and two at once charge everything once.
    is sent it; ``told``: the API reads the text); so is a lost part's to what its taker knew of it
    (``JournalEntry.lost``): inserted if none, else raised if below (a stream's taker charges the
    lost part from its log), its author kept, and only what the raise adds is counted here; the row
-   says it (``ledger.raise_op``), so a run again, or at once, counts that once. A taker's own
-   charge of a lost part (``accounting.charge_lost``) counts if it is in the row, written now if
-   the row is as it was read (``Ledger.apply``).
+   says it (``ledger.raise_op``), so a run again, or at once, counts that once. A row an older
+   version's recovery wrote (a deploy: no op of its own) does not say what that one counted: none
+   of it is counted here, only a raise above it; never twice (counting it would count a taker's
+   raise of it again), and the budget rows stay below the ledger by its part if that recovery died
+   before step 3. A taker's own charge of a lost part (``accounting.charge_lost``) counts if it is
+   in the row, written now if the row is as it was read (``Ledger.apply``).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 from memory_store import Fault, MemoryData, MemoryStore
@@ -20,7 +21,7 @@ from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge, raised_by
+from chatstream.state.ledger import Charge, Payer, raised_by
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
@@ -1279,3 +1280,58 @@ async def test_a_takers_raise_to_what_its_caller_received_cancelled_while_it_wai
         assert [r["completion_tokens"] for r in rows if r["segment"] == 0] == [tokens.count_text(MODEL, text) + 3]
         spent_as_the_ledger(data, caller, team, rows)  # (and b's entry gone from every row)
     await b.close()
+
+
+@pytest.mark.parametrize("died", ["after_counting", "before_counting", "before_counting_and_a_taker_raised_it"])
+async def test_a_row_an_older_versions_recovery_wrote_without_its_raise_op_is_never_counted_twice(died: str):
+    """A deploy: an older version's recovery of a (from before ``ledger.raise_op``) wrote r3's row as
+    it did (author takeover:instance-a, no op of its own) and died: after counting it in the budget
+    rows (a's entry out of them, the journal not deleted yet), or before; then, perhaps, r3's
+    stream's taker b raised the row to what its caller received, counting its raise (the author
+    kept). The row does not say what that recovery counted: a newer recovery counts none of it (only
+    a raise above it). So the budget rows never hold a token twice: exactly the ledger when that
+    recovery counted it, below the ledger by its part when it did not (counting the row as its own
+    would count the taker's raise twice) (journal.py, step 2)."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    team = (await b.registry.get(Team, "t")).limits_partition
+    name = journal_name("instance-a")
+    unsealed = bytes(data.blobs[name][0])
+    c, _ = instance(data, "instance-c")  # the newer version
+    if died == "after_counting":  # (made here by today's recovery, then its row as the older one left it)
+        await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+        await b.store.put(name, unsealed)  # died before step 4
+    else:  # died between steps 2 and 3: a's entry still in every budget row
+        entry = entry_of(data, "instance-a", rec3.id)
+        assert entry is not None
+        payer = Payer.of({"request_id": entry["id"], **entry})
+        generated = Used(entry["prompt"], 0, entry["generated"])
+        assert (
+            await b.ledger.put(
+                Charge.made(payer, MODEL, generated, Price.of(entry["price"]), "lost", "takeover:instance-a")
+            )
+            is None
+        )
+    older = Charge.of(ledger_rows(data)[rec3.id])
+    there = await b.ledger.find(older)
+    assert there is not None
+    assert await b.ledger.put(replace(older, ops=""), there.etag) is None  # no op says what it counted
+    if died == "before_counting_and_a_taker_raised_it":
+        await charged_by_its_taker(b, caller, rec3.id, GENERATED + " It came back at dusk, tired and happy.")
+        assert ledger_rows(data)[rec3.id]["completion_tokens"] > older.completion_tokens
+    for _ in range(2):  # (run again: nothing left, it adds nothing)
+        await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    assert data.blobs.get(name) is None
+    rows = ledger_rows(data)
+    if died == "after_counting":
+        spent_as_the_ledger(data, caller, team, rows.values())
+    else:  # below the ledger by the older recovery's part of r3's row, never above it
+        less = [older.prompt_tokens, older.completion_tokens, older.cost or 0]
+        r3 = rows[rec3.id] | {
+            "prompt_tokens": rows[rec3.id]["prompt_tokens"] - less[0],
+            "completion_tokens": rows[rec3.id]["completion_tokens"] - less[1],
+            "cost": rows[rec3.id]["cost"] - less[2],
+        }
+        spent_as_the_ledger(data, caller, team, [r3 if r is rows[rec3.id] else r for r in rows.values()])
+    await b.close()
+    await c.close()
