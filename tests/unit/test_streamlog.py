@@ -31,6 +31,7 @@ from chatstream.state.streamlog import (
     sweep,
 )
 from chatstream.state.streamlog.config import Turns
+from chatstream.state.streamlog.format import Record
 
 from .streamlog_helpers import (
     DONE,
@@ -404,6 +405,37 @@ async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_stor
         for after in (None, 2):
             got = events_of(await read_all(await b.open_reader(producer.id, after, None), limit=5))
             assert len(got) == 1 and b'"stream_lost"' in got[0][1], got
+
+
+async def test_a_producer_whose_record_is_another_producers_never_overwrites_it():
+    """Issue #45: the record's insert refused until another producer's record is there (a takeover
+    racing the first write): the producer gives up ("its record is someone else's"), and its
+    stream_lost never lands on that record. The store sends If-Match as store_azure does (the ETag,
+    or * when it has none): an unconditional merge would overwrite it."""
+    async with instances(2, **{**QUICK, "give_up_seconds": 5.0}) as (a, b):
+        merge = a.store.merge
+
+        async def azure_merge(table, entity, *, etag=None, timeout=1.8):  # If-Match: etag or "*"
+            return await merge(table, entity, etag=etag or None, timeout=timeout)
+
+        a.store.merge = azure_merge  # type: ignore[method-assign]
+        refused = Fault("unavailable", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=10**9)
+        a.store.inject(refused)  # type: ignore[attr-defined]
+        producer = a.start("chat", None)
+        await produce(producer, [delta(i) for i in range(3)])
+        async with asyncio.timeout(5):
+            while refused.times == 10**9:  # its insert was tried
+                await asyncio.sleep(0.01)
+        now = b.store.clock.now()
+        theirs = Record(producer.id, "chat", None, b.instances.id, 2, now, now + 600.0)
+        await b.store.insert(STREAMS_TABLE, theirs.row())
+        a.store.faults.clear()  # type: ignore[attr-defined]
+        async with asyncio.timeout(5):
+            while producer.resumable:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(2.0)  # its stream_lost is written in the background, if at all
+        row = a.store.data.tables[STREAMS_TABLE][producer.id]["stream"][0]  # type: ignore[attr-defined]
+        assert (row["state"], row["instance"], row["epoch"], row.get("events")) == ("live", b.instances.id, 2, None)
 
 
 async def test_a_frozen_store_delays_the_stored_log_and_loses_nothing():

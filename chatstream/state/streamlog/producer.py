@@ -485,12 +485,8 @@ class Producer:
             try:
                 record.etag = await store.insert(STREAMS_TABLE, row, timeout=bound())
             except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
-                found = await store.get(
-                    STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=bound()
-                )
-                if found is None or found.get("instance") != row["instance"] or found.get("epoch") != 1:
+                if not await self._own_record(bound()):
                     raise _Fenced() from None
-                record.etag = found.etag
 
         for step in (put_request, insert):
             while True:
@@ -509,6 +505,17 @@ class Producer:
                         return False
                     await asyncio.sleep(0.25)
         self._large_request = None
+        return True
+
+    async def _own_record(self, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
+        """Whether the stream's record, found there by an insert of this producer, is this producer's
+        (an earlier insert of its own whose answer was lost): then its ETag is kept. StoreError."""
+        found = await self._ctx.store.get(
+            STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=timeout
+        )
+        if found is None or found.get("instance") != self._record.instance or found.get("epoch") != self._record.epoch:
+            return False
+        self._record.etag = found.etag
         return True
 
     async def _write_all(self) -> None:
@@ -739,10 +746,15 @@ class Producer:
                 if not self._record.etag:
                     # Its record never landed (the store failed from the start): made now, lost, so
                     # that a resume ends with stream_lost, not "no such stream" (readers wait for it:
-                    # ResumeConfig.lost_record_seconds). There meanwhile (a late insert of ours): merged.
-                    with contextlib.suppress(AlreadyExists):
+                    # ResumeConfig.lost_record_seconds). There meanwhile: a late insert of ours is
+                    # merged on its ETag; another producer's (a takeover's) is left alone.
+                    try:
                         await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields}, timeout=BUSY_TIMEOUT)
                         return
+                    except AlreadyExists:
+                        if not await self._own_record(BUSY_TIMEOUT):
+                            return
+                # Only on the ETag this producer's own write got: never over another producer's record.
                 await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT)
                 return
             except (_Fenced, Modified, NotFound):

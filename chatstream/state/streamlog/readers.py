@@ -124,11 +124,17 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     young_until = (
         born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
     )  # two seconds: how far two readings of the store's clock differ
-    pause = cfg.young_poll_seconds
+    pause, then = None, cfg.young_poll_seconds
+    loop = asyncio.get_running_loop()
     while True:
+        sent = loop.time()
         row = await ctx.store.get(STREAMS_TABLE, stream_id, RECORD_ROW, select=READER_FIELDS)
         if row is not None:
             break
+        # The first read again after half the time it took: a reader that comes with the stream's
+        # first events (its id goes out as the record's insert is sent) often reads just before
+        # the insert lands, which takes about as long as that read.
+        pause = min(then, (loop.time() - sent) / 2) if pause is None else pause
         now = ctx.now()
         if now + pause > young_until or born > now + 2.0:
             raise StreamNotFound("no such stream")
@@ -136,7 +142,7 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
         # Longer each time: a record that is late is late because the store is busy (its write
         # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that. But
         # not past 0.1 s in the stream's first second, when the record is normally on its way.
-        pause = min(1.0 if now > born + 1.0 else 0.1, pause * 1.5)
+        pause, then = then, min(1.0 if now > born + 1.0 else 0.1, then * 1.5)
     record = Record.of(row)
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
         raise StreamNotFound("no such stream")
