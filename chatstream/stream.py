@@ -473,22 +473,33 @@ async def encoded(
     """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
     chunks marked ``more`` joined with the events that follow them. ``ended``: awaited with the bytes
     written when it ends, however it ends."""
-    pending: list[bytes] = []
+    pending: list[bytes] = []  # the encoded events of chunks marked ``more``, not written yet
     event = first
     written = 0
     try:
         while True:
             data = encode(event)
-            if data:
-                pending.append(data)
-            last = not isinstance(event, Chunk)
-            if pending and (not isinstance(event, Chunk) or not event.more):
-                data = pending[0] if len(pending) == 1 else b"".join(pending)
+            if type(event) is not Chunk:  # the final event: the rest goes out with it
+                if data:
+                    pending.append(data)
+                if pending:
+                    data = b"".join(pending)
+                    written += len(data)
+                    yield data
+                return
+            if event.more:
+                if data:
+                    pending.append(data)
+            elif pending:
+                if data:
+                    pending.append(data)
+                data = b"".join(pending)
                 pending = []
                 written += len(data)
                 yield data
-            if last:
-                return
+            elif data:  # the usual delta: its own write
+                written += len(data)
+                yield data
             try:
                 event = await anext(events)
             except StopAsyncIteration:
