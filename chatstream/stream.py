@@ -114,6 +114,10 @@ class StreamProtocol(Protocol):
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
     async def feed(self, data: dict) -> Fed: ...
+    @property
+    def plain(
+        self,
+    ) -> Callable[[dict], Fed | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
@@ -313,17 +317,21 @@ async def relay(
         watchdog = limits.on_total(lambda: _close_parked(current, limits))
         chunks = aiter(stream)
         mend, saw = _hands(continuation)
+        plain = protocol.plain
         held: list[Chunk] = []  # chunks before the first output
         ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
+        parked = False  # parked at a yield since the last chunk: the caller may have read slowly
         try:
             while not protocol.done:
                 if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
                     yield ready
                     ready = None
-                    limits.check_total()  # the caller may have read slowly while we were parked at yield
+                    parked = True
                 try:
                     raw = await limits.wait(anext(chunks))
                 except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a time limit
+                    if parked:  # past the total limit while parked: that is the failure (check_total)
+                        limits.check_total()
                     if isinstance(exc, ApiError):
                         failure = exc
                     elif protocol.finished:  # a choice never finished but the stream ended cleanly
@@ -339,9 +347,14 @@ async def relay(
                     chunks = aiter(stream)
                     mend, saw = _hands(continuation)
                     continue
-                limits.got_chunk()  # the total limit (buffered chunks arrive without a wait), the idle one from now
+                # The total limit (buffered chunks arrive without a wait, and the caller may have read
+                # slowly while we were parked at yield), the idle one from now.
+                limits.got_chunk()
+                parked = False
                 for data in mend(raw) if mend is not None else (raw,):
-                    fed = await protocol.feed(data)
+                    fed = plain(data) if plain is not None else None  # no coroutine for the common chunk
+                    if fed is None:
+                        fed = await protocol.feed(data)
                     if saw is not None:
                         saw(data, fed)  # after the protocol: what it read of the chunk (read once)
                     if fed.data is None:
