@@ -383,6 +383,14 @@ async def relay(
             yield ready
         assert current.stream is not None
         await _read_rest(aiter(current.stream), protocol, limits, continuation)
+        # The answer is complete: the upstream is closed now, not shielded (a shield costs ~3.5 µs a
+        # stream). A cancel or a failure during this close leaves ``current.stream`` set: the
+        # shielded close below does it, as it did every close before.
+        try:
+            await current.stream.close()
+            current.stream = None
+        except Exception:  # noqa: BLE001 - see above
+            pass
         done = protocol.summary()
         if continuation is not None:
             done = continuation.summary(done)
