@@ -8,6 +8,7 @@ fields are refused. Always streamed: ``data: {"delta": "..."}`` per piece of tex
 from __future__ import annotations
 
 import json
+import json.encoder
 from collections.abc import Callable
 from typing import Annotated, Literal
 
@@ -20,7 +21,7 @@ from ..errors import ApiError, error_headers
 from ..http import dumps, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
-from ..stream import Chunk, Done, Event, StreamProtocol
+from ..stream import Chunk, Done, Event, Failed, StreamProtocol
 from ..upstreams.failover import Upstreams
 from .completions import CompletionStream
 
@@ -122,17 +123,29 @@ def chat_text(chunk: dict) -> str | None:
     return None
 
 
+# What ``dumps`` makes of a str, without its encoder's dispatch on the type (json.encoder's C
+# function that JSONEncoder(ensure_ascii=False).encode calls for a str): the per-delta path's.
+_json_text = json.encoder.encode_basestring
+
+
 def encode(item: Event, stream_id: str | None = None) -> bytes | None:
     """One event as /api/chat writes it; a resumable stream's final event also carries its id."""
-    if isinstance(item, Chunk):
+    if type(item) is Chunk:
         text = item.text if item.text is not None else chat_text(item.data)  # the protocol's reading, if any
+        if not text:
+            return None
+        try:
+            value = _json_text(text).encode("utf-8")  # dumps(text)
+        except UnicodeEncodeError:  # a lone surrogate from upstream: dumps escapes it
+            value = dumps(text)
         # the bytes of sse.event(dumps({"delta": text}))
-        return sse.wrapped_event(b'{"delta":', dumps(text), b"}") if text else None
+        return sse.wrapped_event(b'{"delta":', value, b"}")
     if isinstance(item, Done):
         done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
         if item.continued:
             done["continued"] = list(item.continued)
         return sse.event(dumps({**done, "stream_id": stream_id} if stream_id else done), b"done")
+    assert isinstance(item, Failed)
     body = item.error.body()
     return sse.event(dumps({**body, "stream_id": stream_id} if stream_id else body), b"error")
 

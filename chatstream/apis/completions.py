@@ -141,6 +141,11 @@ class CompletionStream:
         self._filters: dict[int, ChoiceFilters] = {}
         self._wanted = choices
         self.finished: dict[int, str] = {}
+        self.done = False  # the answer is complete: every wanted choice finished (kept up by _finish)
+        # Without text steps a chunk is read without awaiting anything (StreamProtocol.plain); a
+        # subclass with a feed of its own is read by it.
+        plain = self._make_filter is None and type(self).feed is CompletionStream.feed
+        self.plain: Callable[[dict], Fed | None] | None = self._read_plain if plain else None
         self.model = self.id = self.created = None
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
@@ -150,9 +155,9 @@ class CompletionStream:
         """The same kind of stream without text steps (the pool's look for the first output)."""
         return CompletionStream(None, self._wanted)
 
-    @property
-    def done(self) -> bool:
-        return len(self.finished) >= self._wanted
+    def _finish(self, index: int, reason: str) -> None:
+        self.finished[index] = reason
+        self.done = len(self.finished) >= self._wanted
 
     def note(self, data: dict) -> None:
         """What every chunk may carry: the ids, and the usage (the last chunk, after the finish)."""
@@ -161,6 +166,21 @@ class CompletionStream:
         self.created = data.get("created") or self.created
         if data.get("usage"):
             self.usage = data["usage"]
+
+    def _read_plain(self, data: dict) -> Fed | None:
+        """``feed`` without text steps, for the common chunk (``_plain``), without a coroutine: its
+        Fed, or None when ``feed`` is to read it. ``note`` inline: this runs for every delta."""
+        get = data.get
+        self.model = get("model") or self.model
+        self.id = get("id") or self.id
+        self.created = get("created") or self.created
+        usage = get("usage")
+        if usage:
+            self.usage = usage
+        choices = get("choices")
+        if not choices:
+            return _NOTHING
+        return self._plain(data, choices)
 
     async def feed(self, data: dict) -> Fed:
         self.note(data)
@@ -211,7 +231,7 @@ class CompletionStream:
         if content and self.released is not None:
             _kept(self.released, 0).append(content)
         if reason:
-            self.finished[0] = reason
+            self._finish(0, reason)
         return Fed(data, bool(content or reason), bool(content), (), content)  # positional: per delta
 
     async def _choice(self, choice: dict) -> dict | None:
@@ -235,7 +255,7 @@ class CompletionStream:
         if self.released is not None and delta.get("content"):
             _kept(self.released, index).append(delta["content"])
         if reason:
-            self.finished[index] = reason
+            self._finish(index, reason)
         return {**choice, "delta": delta}
 
     def _choice_filters(self, index: int) -> ChoiceFilters:

@@ -95,6 +95,7 @@ class ResponseStream:
             pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
         )
         self.feed_waits = pipeline is not None and pipeline.moderates
+        self.plain = None  # every event is read by ``feed`` (StreamProtocol.plain)
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
         self.generated: dict[int, list[str]] | None = {0: []} if keep else None
