@@ -24,6 +24,7 @@ breaker, and it cools down only for as long as its own 429 asked (health.SINGLE)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
@@ -66,6 +67,9 @@ T = TypeVar("T")
 # asyncio may run a timer up to its clock resolution early: a cancellation this close to the
 # request's first-token deadline is that deadline.
 _TIMER_SLACK = 0.01
+# An entry with no first-output limit of its own (the last one, or no ENTRY_FIRST_TOKEN_TIMEOUT):
+# its call goes without a timeout scope (one object fewer while it waits for its first chunk).
+_NO_LIMIT = contextlib.nullcontext()
 
 
 def _log_event(event: PoolEvent) -> None:
@@ -440,7 +444,8 @@ class Upstreams:
         for entry, attempt, is_last in attempts:
             stream = None
             try:
-                async with asyncio.timeout_at(self._entry_deadline(limits, is_last)):
+                deadline = self._entry_deadline(limits, is_last)
+                async with _NO_LIMIT if deadline is None else asyncio.timeout_at(deadline):
                     stream = await UpstreamStream.open(
                         self.clients[entry.name], path, {**request(entry), "model": entry.deployment(model)}
                     )

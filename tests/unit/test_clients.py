@@ -787,7 +787,7 @@ async def test_http_client_sends_as_httpx2_sends():
 def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
     """KeptHeaders hand out the pairs they decoded once: a copy's, and after any change (a header
     set, replaced last, removed, popped, an encoding set, a value that is not ASCII) the pairs are
-    httpx2's own for the same headers."""
+    httpx2's own for the same headers; so is the encoding found."""
     from chatstream.upstreams.transport import KeptHeaders
 
     def set_last(headers: httpx2.Headers, key: str, value: str) -> None:
@@ -807,13 +807,20 @@ def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
         lambda h: h.pop("x-a"),
         lambda h: setattr(h, "encoding", "iso-8859-1"),
     ]
-    kept = KeptHeaders(httpx2.Headers(base))
-    for change in changes:
-        ours, theirs = kept.copied(), httpx2.Headers(kept)
-        for headers in (ours, theirs):
-            change(headers)
-        assert ours.raw == theirs.raw and ours.multi_items() == theirs.multi_items(), change
-        assert kept.multi_items() == httpx2.Headers(base).multi_items()  # the kept ones unchanged
+    for last in (b"2", "\u00e9".encode()):  # all ASCII, or the last value not (httpx2 finds utf-8)
+        kept = KeptHeaders(
+            httpx2.Headers([(k.encode(), v.encode()) for k, v in base[:-1]] + [(b"Content-Length", last)])
+        )
+        for change in changes:
+            for read_first in (False, True):  # the kept ones' encoding known before the copy, or not
+                if read_first:
+                    assert kept.encoding == httpx2.Headers(kept).encoding
+                ours, theirs = kept.copied(), httpx2.Headers(kept)
+                for headers in (ours, theirs):
+                    change(headers)
+                assert ours.raw == theirs.raw and ours.multi_items() == theirs.multi_items(), change
+                assert ours.encoding == theirs.encoding, change
+                assert kept.multi_items() == httpx2.Headers(kept.raw).multi_items()  # the kept ones unchanged
 
 
 @pytest.mark.parametrize("end", ["close", "reset", "head_begun", "reset_late"])
