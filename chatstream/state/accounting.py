@@ -92,6 +92,9 @@ class Admission:
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
 LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal write that lists it (journal.listed)
+# A flush waits for the charges in flight (and a taker's raises) until this long before its end: the
+# journal's and the counters' writes then have it (a drain's flush has 0.7 s: app.py).
+FLUSH_KEEP = 0.3
 SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
 
 
@@ -540,11 +543,14 @@ class Accounting:
         await self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
-        """Wait for the charges in flight to be settled and written everywhere (tests, shutdown)."""
+        """Wait for the charges in flight to be settled and written everywhere (tests, shutdown). The
+        journal and the counters keep the last part of ``within`` (``FLUSH_KEEP``, at most half): a
+        charge or a raise still waiting then is in the journal, which its recovery settles."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
-        while self._background and loop.time() < deadline:
-            await asyncio.wait(list(self._background), timeout=max(0.0, deadline - loop.time()))
+        waited = deadline - min(FLUSH_KEEP, within / 2)
+        while self._background and loop.time() < waited:
+            await asyncio.wait(list(self._background), timeout=max(0.0, waited - loop.time()))
         left = max(0.0, deadline - loop.time())
         ok = await self.journal.flush(left)
         return await self.counters.flush(max(0.1, deadline - loop.time())) and ok

@@ -433,7 +433,10 @@ async def test_a_producer_whose_record_is_another_producers_never_overwrites_it(
         async with asyncio.timeout(5):
             while producer.resumable:
                 await asyncio.sleep(0.01)
-        await asyncio.sleep(2.0)  # its stream_lost is written in the background, if at all
+        # its stream_lost is written in the background (spawned as it gave up), if at all: wait for it
+        async with asyncio.timeout(10):
+            while any("_store_lost" in task.get_coro().__qualname__ for task in a.tasks):  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
         row = a.store.data.tables[STREAMS_TABLE][producer.id]["stream"][0]  # type: ignore[attr-defined]
         assert (row["state"], row["instance"], row["epoch"], row.get("events")) == ("live", b.instances.id, 2, None)
 
