@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -680,7 +681,7 @@ async def stream_response(
         return EventStreamResponse(
             _body(first, events, encode, heartbeat),
             limits.total_at,
-            on_close=lambda: _close_events(first, events),
+            on_close=functools.partial(_close_events, first, events),  # no closure: cells while it waits
             headers={**headers, "x-request-id": record.request_id},  # the upstream's id, once it is known
             listener=gone,
         )

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from types import CoroutineType
 from typing import Any, TypeVar
 
 import anyio
@@ -393,15 +394,16 @@ class Upstreams:
 
     # --- calls -------------------------------------------------------------------------------
 
-    async def open(
+    def open(
         self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
+    ) -> CoroutineType[Any, Any, UpstreamChunks]:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
-        last failure (or 429/503 with Retry-After when no entry could be tried)."""
+        last failure (or 429/503 with Retry-After when no entry could be tried). Awaited as a
+        coroutine function's call (it is the walk's: one coroutine fewer waiting a request)."""
         model = params["model"]
         way = _Way(limits.deadline)
         attempts = self._attempts(model, record, way)
-        return await self._walk(path, model, params, protocol, limits, record, attempts, way, first=True)
+        return self._walk(path, model, params, protocol, limits, record, attempts, way, first=True)
 
     async def open_next(
         self,
