@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from types import CoroutineType
 from typing import Any, TypeVar
 
 import anyio
@@ -393,15 +394,16 @@ class Upstreams:
 
     # --- calls -------------------------------------------------------------------------------
 
-    async def open(
+    def open(
         self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
+    ) -> CoroutineType[Any, Any, UpstreamChunks]:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
-        last failure (or 429/503 with Retry-After when no entry could be tried)."""
+        last failure (or 429/503 with Retry-After when no entry could be tried). Awaited as a
+        coroutine function's call (it is the walk's: one coroutine fewer waiting a request)."""
         model = params["model"]
         way = _Way(limits.deadline)
         attempts = self._attempts(model, record, way)
-        return await self._walk(path, model, lambda entry: params, protocol, limits, record, attempts, way, first=True)
+        return self._walk(path, model, params, protocol, limits, record, attempts, way, first=True)
 
     async def open_next(
         self,
@@ -430,7 +432,7 @@ class Upstreams:
         self,
         path: str,
         model: str,
-        request: Callable[[Entry], dict],
+        request: dict | Callable[[Entry], dict],
         protocol: StreamProtocol,
         limits: TimeLimits,
         record: StreamRecord,
@@ -438,16 +440,18 @@ class Upstreams:
         way: _Way,
         first: bool,
     ) -> PeekedStream:
-        """The walk itself. ``first``: the answer's first stream, whose ``x-request-id`` the caller
-        gets (a continuation's stays on its segment)."""
+        """The walk itself. ``request``: the parameters for every entry, or how each entry's are
+        made. ``first``: the answer's first stream, whose ``x-request-id`` the caller gets (a
+        continuation's stays on its segment)."""
         last: Classified | None = None
         for entry, attempt, is_last in attempts:
             stream = None
             try:
                 deadline = self._entry_deadline(limits, is_last)
+                params = request if isinstance(request, dict) else request(entry)
                 async with _NO_LIMIT if deadline is None else asyncio.timeout_at(deadline):
                     stream = await UpstreamStream.open(
-                        self.clients[entry.name], path, {**request(entry), "model": entry.deployment(model)}
+                        self.clients[entry.name], path, {**params, "model": entry.deployment(model)}
                     )
                     record.upstream_answered()
                     peeked = await _peek(stream, protocol.probe())

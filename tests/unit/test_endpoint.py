@@ -225,3 +225,34 @@ async def test_a_caller_gone_during_a_slow_admission_stops_it_before_the_upstrea
     assert response.status_code == 499 and k.upstream.calls == 0
     await k.nothing_held(taken=10)  # the first request's
     await k.state.close()
+
+
+@pytest.mark.parametrize("ends", ["a", "b", "limit", "done_before", "cancelled"])
+async def test_first_done_returns_when_either_is_done_or_at_its_limit_and_leaves_no_callback(ends):
+    """``first_done`` is ``asyncio.wait(FIRST_COMPLETED)`` for two with a limit: it returns when
+    either future is done (or already was), or at the limit; cancelled, it raises. Either way it
+    leaves no callback on the futures."""
+    from chatstream.endpoint import first_done
+
+    loop = asyncio.get_running_loop()
+    a, b = loop.create_future(), loop.create_future()
+    if ends == "done_before":
+        b.set_result(None)
+    waiting = asyncio.ensure_future(first_done(a, b, 30.0 if ends != "limit" else 0.05))
+    await asyncio.sleep(0.01)
+    if ends == "a":
+        a.set_result(None)
+    elif ends == "b":
+        b.set_exception(RuntimeError("b failed"))  # done as well: its outcome is the caller's to read
+    elif ends == "cancelled":
+        waiting.cancel()
+    if ends == "cancelled":
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    else:
+        await asyncio.wait_for(waiting, 5)
+    assert ends != "limit" or not (a.done() or b.done())
+    for future in (a, b):
+        assert not future._callbacks  # asyncio's Future: the callbacks not yet run
+    if ends == "b":
+        b.exception()  # retrieved

@@ -16,7 +16,13 @@ of these, and the process CPU per stream of a burst (whole streams). Compare pat
 ``--profile FILE``: cProfile (process time) of one app burst from its start until its last upstream
 request is sent, into FILE. ``--app-tree DIR``: the app (chatstream) from another tree (a variant
 run.py or quick.py exported), the floor and this script from this one. ``--json``: a last line with
-the printed medians, for quick.py's A/B."""
+the printed medians, for quick.py's A/B.
+
+``--instructions``: the instructions the process runs (valgrind's callgrind, ~20 s a path) from one
+burst's start until its last upstream request is sent, per request, for the floor and the app (after
+three bursts to warm up), and their ratio: the same figure as send p99's CPU, the collector's work
+included, but counted, not timed, so the machine's other load does not move it (a timed A/B of a 3%
+change is lost in it on a busy 2-core machine; this one repeats to ~0.1%). Needs valgrind."""
 
 from __future__ import annotations
 
@@ -25,8 +31,13 @@ import asyncio
 import contextvars
 import gc
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,6 +139,41 @@ async def _burst(serve, n: int, body: bytes, hang_up: bool) -> dict[str, list[fl
     }
 
 
+def _instrument(state: str) -> None:
+    """Callgrind's counting on or off for this process (it started with it off)."""
+    subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], capture_output=True, check=True)
+
+
+def _all_sent_counted() -> None:
+    BurstSession.on_all_sent = None  # once
+    _instrument("off")
+
+
+def _instructions(args: argparse.Namespace) -> None:
+    """``--instructions``: each path's burst counted in a child under callgrind (module docstring)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind and callgrind_control)")
+    per_request = {}
+    for path in ("floor", "app"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "callgrind.out"
+            command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+            command += [sys.executable, __file__, "--counted", path, "--streams", str(args.streams)]
+            command += ["--deltas", str(args.deltas), "--first-ms", str(args.first_ms)]
+            command += ["--interval-ms", str(args.interval_ms)]
+            command += ["--app-tree", args.app_tree] if args.app_tree else []
+            subprocess.run(command, check=True, capture_output=True, timeout=900)
+            totals = re.search(r"^totals: (\d+)", out.read_text(), re.M)
+            if totals is None:
+                raise SystemExit(f"callgrind wrote no totals for the {path}")
+            per_request[path] = int(totals[1]) / args.streams
+    print(f"\n{args.streams} requests at once: instructions from the burst's start until its last upstream request")
+    print(f"is sent, per request: floor {per_request['floor']:,.0f}, app {per_request['app']:,.0f}", end="")
+    print(f" ({per_request['app'] / per_request['floor']:.2f}x)")
+    if args.json:
+        print(json.dumps({"instructions per request": per_request}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=100)
@@ -138,7 +184,12 @@ def main() -> None:
     p.add_argument("--profile", metavar="FILE")
     p.add_argument("--app-tree", metavar="DIR", help="import chatstream from this tree")
     p.add_argument("--json", action="store_true", help="a last line of JSON: the medians printed")
+    p.add_argument("--instructions", action="store_true", help="count instructions until the last send (valgrind)")
+    p.add_argument("--counted", choices=("floor", "app"), help=argparse.SUPPRESS)  # the child under callgrind
     args = p.parse_args()
+    if args.instructions:
+        _instructions(args)
+        return
     if args.app_tree:
         sys.path.insert(0, str(Path(args.app_tree).resolve()))
     import aiohttp
@@ -156,6 +207,13 @@ def main() -> None:
             memory.started()
         for serve in serves.values():  # warm-up
             await _burst(serve, 20, body, False)
+        if args.counted:  # under callgrind: one burst counted from its start to its last send
+            for _ in range(3):
+                await _burst(serves[args.counted], args.streams, body, False)
+            BurstSession.on_all_sent = _all_sent_counted
+            _instrument("on")
+            await _burst(serves[args.counted], args.streams, body, False)
+            return
         if args.profile:
             import cProfile
 
