@@ -169,6 +169,7 @@ class Context:
         self.fast_writers = 0
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
         self.remote_readers = 0
+        self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
         self._tasks: set[asyncio.Task] = set()
