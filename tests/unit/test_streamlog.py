@@ -134,6 +134,40 @@ async def test_a_stream_still_starting_is_followed_from_its_first_event():
         assert got[0] == got[1] == numbered([delta(i) for i in range(5)] + [DONE])
 
 
+async def test_a_reader_of_a_young_stream_is_seen_by_its_likely_producer_while_its_record_is_read():
+    """Issue #44: a reader elsewhere registers with the instance whose stream a reader there opened
+    last while it reads the new stream's record, so its producer writes for it one record read
+    sooner; a stream of a third instance is followed all the same (the row moves there)."""
+    async with instances(3, **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b, c):
+        first = a.start("chat", None)
+        first.append(delta(0))
+        await (await open_when_visible(b, first.id, None)).aclose()  # b has read a stream of a's
+        await produce(first, [])
+        get = b.store.get
+        slow: set[str] = set()
+
+        async def slow_record(table, partition, row, **kw):  # the store slow to answer these records
+            if partition in slow:
+                await asyncio.sleep(1.0)
+            return await get(table, partition, row, **kw)
+
+        b.store.get = slow_record  # type: ignore[method-assign]
+        for producing in (a, c):
+            producer = producing.start("chat", None)
+            slow.add(producer.id)
+            producer.append(delta(0))
+            opening = asyncio.ensure_future(open_when_visible(b, producer.id, None))
+            blobs = producing.store.data.blobs  # type: ignore[attr-defined]
+            if producing is a:  # its producer writes for the reader before the record is read
+                async with asyncio.timeout(0.9):
+                    while not blobs.get(producer.id, (b"",))[0]:
+                        await asyncio.sleep(0.01)
+                assert not opening.done()
+            reader = await opening
+            await produce(producer, [delta(i) for i in range(1, 4)])
+            assert await read_all(reader) == numbered([delta(i) for i in range(4)] + [DONE])
+
+
 async def test_only_the_owner_may_read_or_cancel():
     async with instances(2, **QUICK) as (a, b):
         producer = a.start("chat", "alice")

@@ -16,13 +16,19 @@ its write, the reader's poll), the store calls per stream without a reader (a wa
 follows) and per stream with one (the difference a reader makes to a wave, per reader), inbox and
 heartbeat reads included, and what a reader adds by call.
 
-What it showed (2026-12-05, issue #44): a reader that opens with the first delta waits for five or
-six store calls in turn (the record, which ~half the readers read before its insert lands, then
-again; its inbox row; the producer's inbox read, every 100 ms while the stream is young; its write;
-the reader's poll); each later delta, for the producer's next write (100 ms apart) and the reader's
-next poll. At 40 ms a call (sigma 0.5) the first delta's p99 is 410-500 ms, all deltas' 320-365; at
-20 ms, 230-270 and ~220. Inbox reads every 50 ms and record retries every 20 ms gained 0-30 ms here
-and lost with --busy-ms 2 (more calls where the store queues): the served lag is the store's queue."""
+What it showed (2026-12-05, issue #44): a reader that opened with the first delta waited for five
+or six store calls in turn (the record, which ~half the readers read before its insert lands, then
+again 50 ms later; its inbox row; the producer's inbox read, every 100 ms while the stream is young;
+its write; the reader's poll); each later delta, for the producer's next write (100 ms apart) and
+the reader's next poll. Now the record is read again after half the missed read's time, and a
+young stream's inbox row is written as the record is read, in the inbox of the instance whose
+stream a reader there opened last (readers.py): 10 deltas, first-delta p99 at 20 ms a call
+336-399 -> 181-217 ms, all deltas' 336-361 -> 188-206; at 40 ms, 430-830 -> 330-700 and
+410-790 -> 310-510 (the machine's load moves these by 50-100 ms; compare runs side by side).
+Inbox reads every 50 ms, poll spreading at twice the rate, flushes every 50 ms, and an inbox read
+as each record lands gained 0-20 ms (within the noise) for more calls: the served lag under
+--busy-ms 2 is the store's queue (first-delta p50 ~480 ms before and after, p99 746 -> 586),
+which more calls lengthen."""
 
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ class ResumeConfig:
     # is the request's own: it does not wait here.)
     bulk_calls: int = 16
     # A reader elsewhere polls for the record of a stream just started: its id goes out as its
-    # record's insert is sent, so a reader that comes at once often reads before it lands.
+    # record's insert is sent, so a reader that comes at once often reads before it lands (the
+    # first read again after half that read's time, then young_poll_seconds, longer each time).
     young_poll_seconds: float = 0.05
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
     # A producing instance reads its inbox (cancels, readers elsewhere) every inbox_seconds, and
@@ -169,6 +170,7 @@ class Context:
         self.fast_writers = 0
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
         self.remote_readers = 0
+        self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
         self._tasks: set[asyncio.Task] = set()

@@ -86,12 +86,26 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
 async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
     """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
     reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
-    reader follows closely from its first events) and the stored log at once, then ``after`` checked."""
-    record = await read_record(ctx, stream_id, caller)
+    reader follows closely from its first events) and the stored log at once, then ``after`` checked.
+    A young stream's row goes to the inbox of the instance whose stream a reader here opened last
+    as the record is read: the producer, most often (two instances: always), sees the reader one
+    record read sooner; when the record names another, the row moves there (``Slot.follow``)."""
+    slot = Slot(ctx, stream_id)
+    guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
+    record, _ = await asyncio.gather(
+        read_record(ctx, stream_id, caller),
+        slot.follow(guess) if guess is not None else asyncio.sleep(0),  # (failed: ``hold`` writes it again)
+        return_exceptions=True,
+    )
+    if not isinstance(record, Record):
+        slot.release()
+        raise record
     live = record.state == "live"
+    if live and record.instance != ctx.instances.id:
+        ctx.last_producer = record.instance
     stored = record.log_from(0)  # ended before its first write: the whole log is in the record
     slot, data, _ = await asyncio.gather(
-        Slot.take(ctx, stream_id, record.instance if live else None),
+        _held(slot, record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
         # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
         ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
@@ -111,6 +125,11 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         reader._release()  # (not counted yet)
         raise
     return reader
+
+
+async def _held(slot: Slot, at: str | None) -> Slot:
+    await slot.hold(at)
+    return slot
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:

@@ -44,18 +44,24 @@ class Slot:
 
     @classmethod
     async def take(cls, ctx: Context, stream_id: str, at: str | None = None) -> Slot:
-        """A free slot, with the reader's row in the inbox of ``at`` (the producing instance, when
-        another one) written at once: the producer writes what it holds as soon as it sees the row.
-        TooManyReaders when no slot is left; StoreError (then nothing is held)."""
+        """A new reader's ``hold``."""
         slot = cls(ctx, stream_id)
-        answers = await asyncio.gather(slot._take(), slot.follow(at), return_exceptions=True)
+        await slot.hold(at)
+        return slot
+
+    async def hold(self, at: str | None) -> None:
+        """A free slot, with the reader's row in the inbox of ``at`` (the producing instance, when
+        another one) written at once, unless ``follow`` put it there already: the producer writes
+        what it holds as soon as it sees the row. TooManyReaders when no slot is left; StoreError
+        (then nothing is held)."""
+        answers = await asyncio.gather(self._take(), self.follow(at), return_exceptions=True)
         failed = next((a for a in answers if isinstance(a, BaseException)), None)
         if failed is not None:
-            slot._at = at  # (a write whose answer was lost may have landed)
-            slot.release()
+            if at is not None and at != self._at:  # (a write whose answer was lost may have landed)
+                self._ctx.spawn(inbox.leave(self._ctx, at, self._stream_id, self.id, quietly=True))
+            self.release()
             raise failed
-        slot._keeping = ctx.spawn(slot._keep())
-        return slot
+        self._keeping = self._ctx.spawn(self._keep())
 
     async def _take(self) -> None:
         """One insert into a random slot; if it is taken, one look at them all, then two free or
