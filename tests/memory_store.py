@@ -26,6 +26,7 @@ from chatstream.state.store import (
     StoreClock,
     Where,
     check_batch,
+    check_etag,
     check_key,
     clean,
 )
@@ -193,6 +194,7 @@ class MemoryStore:
             raise AlreadyExists("the row exists")
         if kind == "delete" and found is None:
             return  # a delete of a row that is not there is quiet, as the service's SDK makes it
+        check_etag(etag)
         if kind in ("replace", "merge", "delete"):  # the row must be there (If-Match: * without an etag)
             if found is None:
                 raise NotFound("no such row")

@@ -65,6 +65,16 @@ async def replace_and_merge_hold_their_conditions(store: Store, p: str) -> None:
     await store.replace(T, {"PartitionKey": p, "RowKey": "a", "n": 9})  # no etag: unconditional
     row = await store.get(T, p, "a")
     assert row is not None and row["n"] == 9
+    # an empty ETag (a row never read) is refused before any call, not sent as any version
+    for write in (store.replace, store.merge):
+        with pytest.raises(ValueError, match="empty ETag"):
+            await write(T, {"PartitionKey": p, "RowKey": "a", "n": 10}, etag="")
+    with pytest.raises(ValueError, match="empty ETag"):
+        await store.delete(T, p, "a", etag="")
+    with pytest.raises(ValueError, match="empty ETag"):
+        await store.batch(T, [Op("merge", {"PartitionKey": p, "RowKey": "a", "n": 10}, "")])
+    row = await store.get(T, p, "a")
+    assert row is not None and row["n"] == 9
 
 
 @check

@@ -261,6 +261,13 @@ def key_part(text: str) -> str:
     return encoded
 
 
+def check_etag(etag: str | None) -> None:
+    """A condition on a row's version: its ETag, or None for any version. An empty one is a bug
+    (a row never read): one store would send it as any version, another fail it."""
+    if etag == "":
+        raise ValueError("an empty ETag (None: any version)")
+
+
 def check_batch(ops: Sequence[Op]) -> None:
     """A batch's operations: 1 to 100, one partition, each row once."""
     if not ops or len(ops) > MAX_BATCH:
@@ -271,6 +278,7 @@ def check_batch(ops: Sequence[Op]) -> None:
         raise ValueError("a batch is one partition, each row once")
     for op in ops:
         check_entity(op.entity, keys_only=op.kind == "delete")
+        check_etag(op.etag)
 
 
 # --- the settings ------------------------------------------------------------------------------

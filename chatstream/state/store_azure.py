@@ -42,6 +42,7 @@ from .store import (
     StoreClock,
     Where,
     check_batch,
+    check_etag,
     check_key,
     clean,
 )
@@ -332,6 +333,7 @@ class AzureStore:
         or an upsert (a PUT without If-Match: insert or replace)."""
         values = clean(entity)
         path = _entity_path(table, values["PartitionKey"], values["RowKey"])
+        check_etag(etag)
         headers = _JSON if op == "upsert" else {**_JSON, "If-Match": etag or "*"}
         method = "MERGE" if op == "merge" else "PUT"
         body = entity_json(values)
@@ -342,6 +344,7 @@ class AzureStore:
     ) -> None:
         check_key("PartitionKey", partition)
         check_key("RowKey", row)
+        check_etag(etag)
         path, headers = _entity_path(table, partition, row), {**_TABLE, "If-Match": etag or "*"}
         with contextlib.suppress(NotFound):  # quiet on a missing row
             await self._call("delete", timeout, table, "DELETE", path, _nothing, headers, again=etag is None)
