@@ -4,13 +4,15 @@
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
                                           [--profile FILE [--profile-streams short]] [--kept]
+                                          [--route chat|openai]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
 through each path's whole request, in one process, one stream after another:
 
-* **app**: ``POST /api/chat`` through the ASGI handler the function app routes to (chatstream/app.py,
-  no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
+* **app**: ``POST /api/chat`` (``--route openai``: ``POST /api/v1/chat/completions`` with ``stream:
+  true``, as the OpenAI SDKs call it) through the ASGI handler the function app routes to
+  (chatstream/app.py, no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
   transport, the stream core, continuation bookkeeping, the encoder, the record, the response's writes;
 * **floor**: the floor's relay and response (tools/bench/floor/function_app.py) on the same request;
 * each ``--variant``: the app from another tree (``git:REF``, ``patch:FILE``, a folder), as run.py's,
@@ -71,6 +73,8 @@ BLOCKS = 4  # each length's streams in this many blocks, the lengths alternating
 WARMUP = 30  # streams before timing (imports done, caches filled)
 BASE_URL = "http://127.0.0.1:9/v1"  # never dialled: the session below answers
 PROMPT = {"prompt": "Say something."}
+OPENAI = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": PROMPT["prompt"]}], "stream": True}
+ROUTES = {"chat": ("/api/chat", "chat"), "openai": ("/api/v1/chat/completions", "chat_completions")}
 if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, not tools/bench/profile.py
     del sys.path[0]
 
@@ -202,10 +206,10 @@ class ReplaySession:
         pass
 
 
-def _handler(path: str, settings_env: dict[str, str], kept: bool = False):
-    """``async (scope, receive, send)`` for one request of ``path`` (app or floor); ``kept``: the
-    app's pipeline has an after-step (that does nothing), so its streams keep their texts as a keyed
-    request's do (``--kept``)."""
+def _handler(path: str, settings_env: dict[str, str], kept: bool = False, route: str = "chat"):
+    """``async (scope, receive, send)`` for one request of ``path`` (app or floor) on the app's
+    ``route`` (``ROUTES``); ``kept``: the app's pipeline has an after-step (that does nothing), so its
+    streams keep their texts as a keyed request's do (``--kept``)."""
     from starlette.requests import Request
 
     if path == "floor":
@@ -233,16 +237,17 @@ def _handler(path: str, settings_env: dict[str, str], kept: bool = False):
     if kept:
         pipeline.after(lambda result: None)
     chat_app = create_app(settings, pipeline, environ=environ)
+    endpoint = getattr(chat_app, ROUTES[route][1])
 
     async def serve_app(scope, receive, send) -> None:
-        response = await chat_app.chat(Request(scope, receive))
+        response = await endpoint(Request(scope, receive))
         await response(scope, receive, send)
 
     return serve_app
 
 
-async def _streams(serve, n: int, body: bytes) -> int:
-    """``n`` requests one after another; the bytes written."""
+async def _streams(serve, n: int, body: bytes, url: str) -> int:
+    """``n`` requests of ``url`` one after another; the bytes written."""
     written = 0
 
     async def send(message: dict) -> None:
@@ -250,7 +255,7 @@ async def _streams(serve, n: int, body: bytes) -> int:
         written += len(message.get("body", b""))
 
     for _ in range(n):
-        await serve(_scope("/api/chat", body), _receiver(body), send)
+        await serve(_scope(url, body), _receiver(body), send)
     return written
 
 
@@ -262,12 +267,14 @@ def child(args: argparse.Namespace) -> None:
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
     pieces = {"long": record(args.long), "short": record(SHORT)}
-    body = json.dumps(PROMPT).encode()
+    route = "chat" if args.path == "floor" else args.route  # the floor has its one route
+    url = ROUTES[route][0]
+    body = json.dumps(OPENAI if route == "openai" else PROMPT).encode()
 
     async def main() -> None:
-        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env), args.kept)
+        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env), args.kept, route)
         ReplaySession.pieces = pieces["long"]
-        out = await _streams(serve, WARMUP, body)
+        out = await _streams(serve, WARMUP, body, url)
         assert out > args.long * 10, f"{args.path}: the warm-up streamed {out} bytes"
         print("ready", flush=True)
         for line in sys.stdin:
@@ -280,7 +287,7 @@ def child(args: argparse.Namespace) -> None:
                 profiler = cProfile.Profile(time.process_time)  # CPU: not the time other processes took
                 profiler.enable()
             cpu = time.process_time()
-            await _streams(serve, args.streams // BLOCKS, body)
+            await _streams(serve, args.streams // BLOCKS, body, url)
             took = time.process_time() - cpu
             if profiler is not None:
                 profiler.disable()
@@ -304,6 +311,7 @@ class _Child:
         command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         command += ["--kept"] if args.kept else []
+        command += ["--route", args.route]
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -479,6 +487,12 @@ def main() -> None:
         action="store_true",
         help="the app's streams keep their texts, as a keyed request's do (an after-step that does nothing)",
     )
+    p.add_argument(
+        "--route",
+        choices=tuple(ROUTES),
+        default="chat",
+        help="the app's route: /api/chat, or openai: /api/v1/chat/completions (stream: true); the floor's is its own",
+    )
     args = p.parse_args()
     if args.child:
         args.path = args.child
@@ -535,7 +549,7 @@ def main() -> None:
     }
     keys = ("delta", "stream", "all_in")
     print(
-        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
+        f"\nin-process replay ({ROUTES[args.route][0]}): {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
         f"deltas, in blocks of {args.streams // BLOCKS}; process CPU of the median block / of the quickest block\n"
     )
     print(
