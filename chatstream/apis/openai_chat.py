@@ -115,6 +115,9 @@ def status_for(error: ApiError) -> int:
 _SCALARS = (str, int, bool, type(None))  # not float: -0.0 == 0.0, and their JSON differs
 _HOLE = "\ue000chatstream content\ue000"  # a content no chunk has (private use): where the template's split is
 _HOLE_JSON = dumps(_HOLE)
+_PAD = "\ue001chatstream padding\ue001"  # the same for OpenAI's ``obfuscation``: random, in every chunk
+_PAD_JSON = dumps(_PAD)
+VARYING = "obfuscation"  # a top-level string that differs from chunk to chunk (OpenAI's, after choices)
 
 
 class _Template:
@@ -126,10 +129,12 @@ class _Template:
     template's but for the content (dict equality: the same keys, equal values), each integer or
     boolean of the template's type in it too (``1 == True``, but their JSON differs; no floats:
     ``-0.0 == 0.0``). Its keys may come in another order: its JSON is then the template's order, an
-    object of the same meaning. Anything else (the role chunk, the finish, a guard's or a
-    continuation's chunk of another shape, Azure's filter results, ``obfuscation``) is encoded whole."""
+    object of the same meaning. OpenAI's ``obfuscation`` (a string after choices, random in every
+    chunk: ``VARYING``) is a second hole, when the template's chunk has one. Anything else (the role
+    chunk, the finish, a guard's or a continuation's chunk of another shape, Azure's filter results)
+    is encoded whole."""
 
-    __slots__ = ("choice", "choice_numbers", "head", "numbers", "tail", "top", "unique")
+    __slots__ = ("choice", "choice_numbers", "head", "mid", "numbers", "tail", "top", "unique", "varying")
 
     def __init__(self, data: dict) -> None:
         choice = data["choices"][0]
@@ -137,9 +142,17 @@ class _Template:
         self.choice = dict(choice)
         self.numbers = tuple((k, type(v)) for k, v in data.items() if type(v) in (int, bool))
         self.choice_numbers = tuple((k, type(v)) for k, v in choice.items() if type(v) in (int, bool))
-        whole = dumps({**data, "choices": [{**choice, "delta": {"content": _HOLE}}]})
+        self.varying = type(data.get(VARYING)) is str
+        shape = {**data, "choices": [{**choice, "delta": {"content": _HOLE}}]}
+        if self.varying:
+            shape[VARYING] = _PAD
+        whole = dumps(shape)
         self.head, _, self.tail = whole.partition(_HOLE_JSON)
+        self.mid = b""
         self.unique = whole.count(_HOLE_JSON) == 1  # else a value holds the hole too: no template
+        if self.varying:  # the tail: mid, the padding's JSON, tail
+            self.mid, _, self.tail = self.tail.partition(_PAD_JSON)
+            self.unique = self.unique and whole.count(_PAD_JSON) == 1 and bool(self.tail)  # after the content
 
     @staticmethod
     def of(data: dict) -> _Template | None:
@@ -164,6 +177,11 @@ class _Template:
         top, inner = self.top, self.choice
         top["choices"] = data["choices"]  # the same object: equal at once
         inner["delta"] = delta
+        if self.varying:
+            padding = data.get(VARYING)
+            if type(padding) is not str:
+                return False
+            top[VARYING] = padding
         if data != top or choice != inner:
             return False
         for key, kind in self.numbers:
@@ -196,8 +214,13 @@ class ChunkEncoder:
             if template is None and self.tries:
                 self.tries -= 1
                 template = self.template = _Template.of(data)
-            if template is not None and template.fits(data, choice):  # the chunk's own content, in its JSON
-                return sse.wrapped_event(template.head, dumps(choice["delta"]["content"]), template.tail)
+            if template is not None and template.fits(data, choice):  # the chunk's own values, in its JSON
+                content = dumps(choice["delta"]["content"])
+                if template.varying:
+                    return sse.wrapped_event(
+                        template.head, content, template.mid + dumps(data[VARYING]) + template.tail
+                    )
+                return sse.wrapped_event(template.head, content, template.tail)
         return encode(item, self.include_usage)
 
 

@@ -419,6 +419,35 @@ def test_an_equal_value_of_another_type_is_written_as_it_is(other):
     assert json.dumps(other).encode() in encoder(_fed(changed))
 
 
+def _obfuscated(content: str, padding: object = "Zq", **changes) -> dict:
+    return {**_usual(content, **changes), "obfuscation": padding}  # OpenAI's: after choices, random
+
+
+def test_openais_obfuscation_is_a_second_hole():
+    encoder = ChunkEncoder(False)
+    chunks = [_obfuscated(text, padding) for text, padding in (("a", "x"), ("b", "lRK2aBv"), ("c", ""), ("d", "é"))]
+    for data in chunks:
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+    assert encoder.template is not None and b"lRK2aBv" not in encoder.template.tail
+    for changed in (
+        _obfuscated("e", 5),  # not a string
+        _obfuscated("e", None),
+        _usual("e"),  # none at all
+        _obfuscated("e", "y", id="c2"),
+        {**_obfuscated("e"), "usage": None},  # a key more
+    ):
+        assert encoder(_fed(changed)) == encode(Chunk(changed), False)
+    reordered = {"obfuscation": "z", **_usual("f")}
+    assert json.loads(encoder(_fed(reordered))[6:]) == reordered
+
+
+def test_an_obfuscation_before_the_choices_is_not_a_hole():
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b"):
+        data = {"obfuscation": text * 3, **_usual(text)}
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+
+
 def test_a_guarded_chunk_is_written_whole():
     # A text step's chunk is a new dict without Fed.text: the encoder reads the chunk itself.
     encoder = ChunkEncoder(False)

@@ -4,11 +4,12 @@
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
                                           [--profile FILE [--profile-streams short]] [--kept]
-                                          [--route chat|openai]
+                                          [--route chat|openai] [--obfuscated]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
-through each path's whole request, in one process, one stream after another:
+through each path's whole request, in one process, one stream after another (``--obfuscated``: its
+chunks with choices carry OpenAI's ``obfuscation``, a random string after them, as OpenAI's do):
 
 * **app**: ``POST /api/chat`` (``--route openai``: ``POST /api/v1/chat/completions`` with ``stream:
   true``, as the OpenAI SDKs call it) through the ASGI handler the function app routes to
@@ -82,9 +83,10 @@ if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, n
 # --- the child: one path, one round ----------------------------------------------------------------
 
 
-def record(deltas: int) -> list[bytes]:
+def record(deltas: int, obfuscated: bool = False) -> list[bytes]:
     """The scripted upstream's answer to the app's request, one event per piece (as the cadence
-    scenario writes them: one write per chunk)."""
+    scenario writes them: one write per chunk); ``obfuscated``: OpenAI's padding in each chunk with
+    choices."""
     from tools.fakeupstream.scenarios import Cadence
     from tools.fakeupstream.server import create_app
 
@@ -103,7 +105,13 @@ def record(deltas: int) -> list[bytes]:
         out.extend(message.get("body", b""))
 
     asyncio.run(upstream(_scope("/v1/chat/completions", body), _receiver(body), send))
-    return [event + b"\n\n" for event in bytes(out).split(b"\n\n") if event]
+    events = [event for event in bytes(out).split(b"\n\n") if event]
+    if obfuscated:
+        events = [
+            event[:-1] + b',"obfuscation":"%s"}' % b"aZ3k9QxT"[: 1 + i % 8] if b'"choices":[{' in event else event
+            for i, event in enumerate(events)
+        ]
+    return [event + b"\n\n" for event in events]
 
 
 def _scope(path: str, body: bytes) -> dict:
@@ -266,7 +274,7 @@ def child(args: argparse.Namespace) -> None:
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
-    pieces = {"long": record(args.long), "short": record(SHORT)}
+    pieces = {"long": record(args.long, args.obfuscated), "short": record(SHORT, args.obfuscated)}
     route = "chat" if args.path == "floor" else args.route  # the floor has its one route
     url = ROUTES[route][0]
     body = json.dumps(OPENAI if route == "openai" else PROMPT).encode()
@@ -311,7 +319,7 @@ class _Child:
         command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         command += ["--kept"] if args.kept else []
-        command += ["--route", args.route]
+        command += ["--route", args.route] + (["--obfuscated"] if args.obfuscated else [])
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -492,6 +500,9 @@ def main() -> None:
         choices=tuple(ROUTES),
         default="chat",
         help="the app's route: /api/chat, or openai: /api/v1/chat/completions (stream: true); the floor's is its own",
+    )
+    p.add_argument(
+        "--obfuscated", action="store_true", help="the recorded chunks carry OpenAI's obfuscation field, as OpenAI's do"
     )
     args = p.parse_args()
     if args.child:
