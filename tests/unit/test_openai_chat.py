@@ -441,10 +441,19 @@ def test_openais_obfuscation_is_a_second_hole():
     assert json.loads(encoder(_fed(reordered))[6:]) == reordered
 
 
-def test_an_obfuscation_before_the_choices_is_not_a_hole():
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda text: {"obfuscation": text * 3, **_usual(text)},  # before the choices
+        lambda text: {**_obfuscated(text, text * 3), "usage": None},  # not the last key
+        lambda text: _usual(text + "é", model="\ud800"),  # a lone surrogate elsewhere: the JSON is escaped
+        lambda text: _usual(text, model='"delta":{"content":"x"}'),  # the cut's marker inside a value
+    ],
+)
+def test_unusual_streams_are_written_as_encode_writes_them(make):
     encoder = ChunkEncoder(False)
-    for text in ("a", "b"):
-        data = {"obfuscation": text * 3, **_usual(text)}
+    for text in ("a", "b", "c", "d", "e", "f"):
+        data = make(text)
         assert encoder(_fed(data)) == encode(Chunk(data), False)
 
 
