@@ -112,7 +112,6 @@ def status_for(error: ApiError) -> int:
     return 404 if error.type == ErrorKind.MODEL_NOT_FOUND else error.status
 
 
-_SCALARS = (str, int, bool, type(None))  # not float: -0.0 == 0.0, and their JSON differs
 _HOLE = "\ue000chatstream content\ue000"  # a content no chunk has (private use): where the template's split is
 _HOLE_JSON = dumps(_HOLE)
 _PAD = "\ue001chatstream padding\ue001"  # the same for OpenAI's ``obfuscation``: random, in every chunk
@@ -124,24 +123,34 @@ class _Template:
     """The JSON of a usual chunk around its content, for the chunks of one stream that differ from it
     only there: ``head + dumps(content) + tail`` is what ``dumps(chunk)`` makes of such a chunk, without
     walking the whole dict for every delta (make bench-quick --route openai has the figures). Made
-    from a chunk whose values are JSON strings, integers, booleans or nulls (choices aside) and whose
-    one choice's delta is ``{"content": str}``; a chunk fits when it and its choice are equal to the
-    template's but for the content (dict equality: the same keys, equal values), each integer or
-    boolean of the template's type in it too (``1 == True``, but their JSON differs; no floats:
-    ``-0.0 == 0.0``). Its keys may come in another order: its JSON is then the template's order, an
-    object of the same meaning. OpenAI's ``obfuscation`` (a string after choices, random in every
-    chunk: ``VARYING``) is a second hole, when the template's chunk has one. Anything else (the role
-    chunk, the finish, a guard's or a continuation's chunk of another shape, Azure's filter results)
-    is encoded whole."""
+    from a chunk whose values (choices aside) are JSON strings, integers, booleans, nulls, or objects
+    and arrays of them (Azure's ``content_filter_results``), and whose one choice's delta is
+    ``{"content": str}``; a chunk fits when it and its choice are equal to the template's but for the
+    content (dict equality: the same keys, equal values), each integer or boolean of the template's
+    type in it too, however deep (``1 == True``, but their JSON differs; no floats: ``-0.0 == 0.0``).
+    Its keys may come in another order: its JSON is then the template's order, an object of the same
+    meaning. OpenAI's ``obfuscation`` (a string after choices, random in every chunk: ``VARYING``) is
+    a second hole, when the template's chunk has one. Anything else (the role chunk, the finish, a
+    guard's or a continuation's chunk of another shape) is encoded whole."""
 
-    __slots__ = ("choice", "choice_numbers", "head", "mid", "numbers", "tail", "top", "unique", "varying")
+    __slots__ = ("choice", "choice_numbers", "deep", "head", "mid", "numbers", "tail", "top", "unique", "varying")
 
-    def __init__(self, data: dict) -> None:
+    def __init__(self, data: dict, numbers: list[tuple[tuple, type]]) -> None:
         choice = data["choices"][0]
         self.top = dict(data)  # its "choices" (and its choice's "delta") set to the chunk's on each look
         self.choice = dict(choice)
-        self.numbers = tuple((k, type(v)) for k, v in data.items() if type(v) in (int, bool))
-        self.choice_numbers = tuple((k, type(v)) for k, v in choice.items() if type(v) in (int, bool))
+        # The integers and booleans (paths from the chunk): its own, its choice's, deeper ones.
+        flat: list[tuple[Any, type]] = []
+        inner: list[tuple[Any, type]] = []
+        deep: list[tuple[tuple, type]] = []
+        for path, kind in numbers:
+            if len(path) == 1:
+                flat.append((path[0], kind))
+            elif len(path) == 3 and path[0] == "choices":  # _scan's paths in the choice: ("choices", 0, key)
+                inner.append((path[2], kind))
+            else:
+                deep.append((path, kind))
+        self.numbers, self.choice_numbers, self.deep = tuple(flat), tuple(inner), tuple(deep)
         self.varying = type(data.get(VARYING)) is str
         shape = {**data, "choices": [{**choice, "delta": {"content": _HOLE}}]}
         if self.varying:
@@ -162,10 +171,14 @@ class _Template:
         delta = choice["delta"]
         if len(delta) != 1 or type(delta.get("content")) is not str:
             return None
-        values = [v for k, v in data.items() if k != "choices"] + [v for k, v in choice.items() if k != "delta"]
-        if not all(type(v) in _SCALARS for v in values):
-            return None
-        template = _Template(data)
+        numbers: list[tuple[tuple, type]] = []
+        for key, value in data.items():
+            if key != "choices" and not _scan(value, (key,), numbers):
+                return None
+        for key, value in choice.items():
+            if key != "delta" and not _scan(value, ("choices", 0, key), numbers):
+                return None
+        template = _Template(data, numbers)
         return template if template.unique else None
 
     def fits(self, data: dict, choice: dict) -> bool:
@@ -187,10 +200,32 @@ class _Template:
         for key, kind in self.numbers:
             if type(data[key]) is not kind:
                 return False
-        for key, kind in self.choice_numbers:  # noqa: SIM110 - all() makes a generator per delta
+        for key, kind in self.choice_numbers:
             if type(choice[key]) is not kind:
                 return False
+        for path, kind in self.deep:
+            value = data
+            for key in path:
+                value = value[key]
+            if type(value) is not kind:
+                return False
         return True
+
+
+def _scan(value: object, path: tuple, numbers: list[tuple[tuple, type]]) -> bool:
+    """Whether ``value`` (at ``path`` in a chunk) can be in a template: JSON strings, integers,
+    booleans and nulls, in objects and arrays; its integers and booleans go into ``numbers``."""
+    kind = type(value)
+    if kind is str or value is None:
+        return True
+    if kind is int or kind is bool:
+        numbers.append((path, kind))
+        return True
+    if kind is dict:
+        return all(_scan(v, (*path, k), numbers) for k, v in value.items())  # type: ignore[union-attr]
+    if kind is list:
+        return all(_scan(v, (*path, i), numbers) for i, v in enumerate(value))  # type: ignore[arg-type]
+    return False  # a float: -0.0 == 0.0, and their JSON differs
 
 
 class ChunkEncoder:

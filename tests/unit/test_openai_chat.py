@@ -351,7 +351,7 @@ def _usual(content: str, **changes) -> dict:
     choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
     chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m", "choices": [choice]}
     for key, value in changes.items():
-        where = choice if key in ("index", "logprobs", "finish_reason", "delta") else chunk
+        where = choice if key in ("index", "logprobs", "finish_reason", "delta", "content_filter_results") else chunk
         if value is _DROP:
             del where[key]
         else:
@@ -455,6 +455,57 @@ def test_unusual_streams_are_written_as_encode_writes_them(make):
     for text in ("a", "b", "c", "d", "e", "f"):
         data = make(text)
         assert encoder(_fed(data)) == encode(Chunk(data), False)
+
+
+FILTERED = {  # Azure's, in every choice
+    "hate": {"filtered": False, "severity": "safe"},
+    "protected_material_code": {"filtered": False, "detected": False},
+    "jailbroken": [{"filtered": False}, 0],
+}
+
+
+def _azure(content: str, **changes) -> dict:
+    return _usual(content, content_filter_results=copy.deepcopy(FILTERED), **changes)
+
+
+def test_azures_filter_results_are_in_the_template():
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b", "c"):
+        assert encoder(_fed(_azure(text))) == encode(Chunk(_azure(text)), False)
+    assert encoder.template is not None and b"severity" in encoder.template.tail
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("hate", "filtered"), 0),  # == False, its JSON is not
+        (("hate", "filtered"), True),
+        (("hate", "severity"), "low"),
+        (("protected_material_code", "detected"), None),
+        (("jailbroken", 1), False),  # == 0
+        (("jailbroken", 1), 0.0),
+        (("jailbroken", 0, "filtered"), 0),
+    ],
+)
+def test_a_filter_result_that_differs_is_written_as_it_is(path, value):
+    encoder = ChunkEncoder(False)
+    encoder(_fed(_azure("a")))
+    assert encoder.template is not None
+    changed = _azure("b")
+    where = changed["choices"][0]["content_filter_results"]
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    assert encoder(_fed(changed)) == encode(Chunk(changed), False)
+    assert encoder(_fed(_azure("c"))) == encode(Chunk(_azure("c")), False)
+
+
+def test_a_float_anywhere_makes_no_template():
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b", "c", "d", "e"):
+        data = _usual(text, content_filter_results={"hate": {"score": 0.0}})
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+    assert encoder.template is None
 
 
 def test_a_guarded_chunk_is_written_whole():

@@ -4,12 +4,13 @@
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
                                           [--profile FILE [--profile-streams short]] [--kept]
-                                          [--route chat|openai] [--obfuscated]
+                                          [--route chat|openai] [--obfuscated] [--filtered]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
 through each path's whole request, in one process, one stream after another (``--obfuscated``: its
-chunks with choices carry OpenAI's ``obfuscation``, a random string after them, as OpenAI's do):
+chunks with choices carry OpenAI's ``obfuscation``, a random string after them, as OpenAI's do;
+``--filtered``: their choice Azure's ``content_filter_results``, as Azure OpenAI's do):
 
 * **app**: ``POST /api/chat`` (``--route openai``: ``POST /api/v1/chat/completions`` with ``stream:
   true``, as the OpenAI SDKs call it) through the ASGI handler the function app routes to
@@ -83,10 +84,10 @@ if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, n
 # --- the child: one path, one round ----------------------------------------------------------------
 
 
-def record(deltas: int, obfuscated: bool = False) -> list[bytes]:
+def record(deltas: int, obfuscated: bool = False, filtered: bool = False) -> list[bytes]:
     """The scripted upstream's answer to the app's request, one event per piece (as the cadence
     scenario writes them: one write per chunk); ``obfuscated``: OpenAI's padding in each chunk with
-    choices."""
+    choices; ``filtered``: Azure's filter results in its choice."""
     from tools.fakeupstream.scenarios import Cadence
     from tools.fakeupstream.server import create_app
 
@@ -110,6 +111,14 @@ def record(deltas: int, obfuscated: bool = False) -> list[bytes]:
         events = [
             event[:-1] + b',"obfuscation":"%s"}' % b"aZ3k9QxT"[: 1 + i % 8] if b'"choices":[{' in event else event
             for i, event in enumerate(events)
+        ]
+    if filtered:
+        results = b",".join(
+            b'"%s":{"filtered":false,"severity":"safe"}' % name
+            for name in (b"hate", b"self_harm", b"sexual", b"violence")
+        )
+        events = [
+            event.replace(b'"logprobs":', b'"content_filter_results":{%s},"logprobs":' % results) for event in events
         ]
     return [event + b"\n\n" for event in events]
 
@@ -274,7 +283,7 @@ def child(args: argparse.Namespace) -> None:
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
-    pieces = {"long": record(args.long, args.obfuscated), "short": record(SHORT, args.obfuscated)}
+    pieces = {kind: record(n, args.obfuscated, args.filtered) for kind, n in (("long", args.long), ("short", SHORT))}
     route = "chat" if args.path == "floor" else args.route  # the floor has its one route
     url = ROUTES[route][0]
     body = json.dumps(OPENAI if route == "openai" else PROMPT).encode()
@@ -320,6 +329,7 @@ class _Child:
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         command += ["--kept"] if args.kept else []
         command += ["--route", args.route] + (["--obfuscated"] if args.obfuscated else [])
+        command += ["--filtered"] if args.filtered else []
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -503,6 +513,9 @@ def main() -> None:
     )
     p.add_argument(
         "--obfuscated", action="store_true", help="the recorded chunks carry OpenAI's obfuscation field, as OpenAI's do"
+    )
+    p.add_argument(
+        "--filtered", action="store_true", help="the recorded chunks' choice carries Azure's content_filter_results"
     )
     args = p.parse_args()
     if args.child:
