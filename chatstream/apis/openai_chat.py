@@ -221,10 +221,10 @@ def _scan(value: object, path: tuple, numbers: list[tuple[tuple, type]]) -> bool
     if kind is int or kind is bool:
         numbers.append((path, kind))
         return True
-    if kind is dict:
-        return all(_scan(v, (*path, k), numbers) for k, v in value.items())  # type: ignore[union-attr]
-    if kind is list:
-        return all(_scan(v, (*path, i), numbers) for i, v in enumerate(value))  # type: ignore[arg-type]
+    if isinstance(value, dict):
+        return all(_scan(v, (*path, k), numbers) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_scan(v, (*path, i), numbers) for i, v in enumerate(value))
     return False  # a float: -0.0 == 0.0, and their JSON differs
 
 
