@@ -112,6 +112,153 @@ def status_for(error: ApiError) -> int:
     return 404 if error.type == ErrorKind.MODEL_NOT_FOUND else error.status
 
 
+_HOLE = "\ue000chatstream content\ue000"  # a content no chunk has (private use): where the template's split is
+_HOLE_JSON = dumps(_HOLE)
+_PAD = "\ue001chatstream padding\ue001"  # the same for OpenAI's ``obfuscation``: random, in every chunk
+_PAD_JSON = dumps(_PAD)
+VARYING = "obfuscation"  # a top-level string that differs from chunk to chunk (OpenAI's, after choices)
+
+
+class _Template:
+    """The JSON of a usual chunk around its content, for the chunks of one stream that differ from it
+    only there: ``head + dumps(content) + tail`` is what ``dumps(chunk)`` makes of such a chunk, without
+    walking the whole dict for every delta (make bench-quick --route openai has the figures). Made
+    from a chunk whose values (choices aside) are JSON strings, integers, booleans, nulls, or objects
+    and arrays of them (Azure's ``content_filter_results``), and whose one choice's delta is
+    ``{"content": str}``; a chunk fits when it and its choice are equal to the template's but for the
+    content (dict equality: the same keys, equal values), each integer or boolean of the template's
+    type in it too, however deep (``1 == True``, but their JSON differs; no floats: ``-0.0 == 0.0``).
+    Its keys may come in another order: its JSON is then the template's order, an object of the same
+    meaning. OpenAI's ``obfuscation`` (a string after choices, random in every chunk: ``VARYING``) is
+    a second hole, when the template's chunk has one. Anything else (the role chunk, the finish, a
+    guard's or a continuation's chunk of another shape) is encoded whole."""
+
+    __slots__ = ("choice", "choice_numbers", "deep", "head", "mid", "numbers", "tail", "top", "unique", "varying")
+
+    def __init__(self, data: dict, numbers: list[tuple[tuple, type]]) -> None:
+        choice = data["choices"][0]
+        self.top = dict(data)  # its "choices" (and its choice's "delta") set to the chunk's on each look
+        self.choice = dict(choice)
+        # The integers and booleans (paths from the chunk): its own, its choice's, deeper ones.
+        flat: list[tuple[Any, type]] = []
+        inner: list[tuple[Any, type]] = []
+        deep: list[tuple[tuple, type]] = []
+        for path, kind in numbers:
+            if len(path) == 1:
+                flat.append((path[0], kind))
+            elif len(path) == 3 and path[0] == "choices":  # _scan's paths in the choice: ("choices", 0, key)
+                inner.append((path[2], kind))
+            else:
+                deep.append((path, kind))
+        self.numbers, self.choice_numbers, self.deep = tuple(flat), tuple(inner), tuple(deep)
+        self.varying = type(data.get(VARYING)) is str
+        shape = {**data, "choices": [{**choice, "delta": {"content": _HOLE}}]}
+        if self.varying:
+            shape[VARYING] = _PAD
+        whole = dumps(shape)
+        self.head, _, self.tail = whole.partition(_HOLE_JSON)
+        self.mid = b""
+        self.unique = whole.count(_HOLE_JSON) == 1  # else a value holds the hole too: no template
+        if self.varying:  # the tail: mid, the padding's JSON, tail
+            self.mid, _, self.tail = self.tail.partition(_PAD_JSON)
+            self.unique = self.unique and whole.count(_PAD_JSON) == 1 and bool(self.tail)  # after the content
+
+    @staticmethod
+    def of(data: dict) -> _Template | None:
+        """A template made from ``data``, when it has the usual shape (a plain chunk: choices is a list
+        of one dict whose delta is a dict)."""
+        choice = data["choices"][0]
+        delta = choice["delta"]
+        if len(delta) != 1 or type(delta.get("content")) is not str:
+            return None
+        numbers: list[tuple[tuple, type]] = []
+        for key, value in data.items():
+            if key != "choices" and not _scan(value, (key,), numbers):
+                return None
+        for key, value in choice.items():
+            if key != "delta" and not _scan(value, ("choices", 0, key), numbers):
+                return None
+        template = _Template(data, numbers)
+        return template if template.unique else None
+
+    def fits(self, data: dict, choice: dict) -> bool:
+        """Whether ``data`` (a plain chunk with content: ``choice`` is its one choice, whose delta has
+        ``content`` and perhaps ``role``) is this template's chunk with other content."""
+        delta = choice["delta"]
+        if len(delta) != 1:
+            return False
+        top, inner = self.top, self.choice
+        top["choices"] = data["choices"]  # the same object: equal at once
+        inner["delta"] = delta
+        if self.varying:
+            padding = data.get(VARYING)
+            if type(padding) is not str:
+                return False
+            top[VARYING] = padding
+        if data != top or choice != inner:
+            return False
+        for key, kind in self.numbers:
+            if type(data[key]) is not kind:
+                return False
+        for key, kind in self.choice_numbers:
+            if type(choice[key]) is not kind:
+                return False
+        for path, kind in self.deep:
+            value = data
+            for key in path:
+                value = value[key]
+            if type(value) is not kind:
+                return False
+        return True
+
+
+def _scan(value: object, path: tuple, numbers: list[tuple[tuple, type]]) -> bool:
+    """Whether ``value`` (at ``path`` in a chunk) can be in a template: JSON strings, integers,
+    booleans and nulls, in objects and arrays; its integers and booleans go into ``numbers``."""
+    kind = type(value)
+    if kind is str or value is None:
+        return True
+    if kind is int or kind is bool:
+        numbers.append((path, kind))
+        return True
+    if isinstance(value, dict):
+        return all(_scan(v, (*path, k), numbers) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_scan(v, (*path, i), numbers) for i, v in enumerate(value))
+    return False  # a float: -0.0 == 0.0, and their JSON differs
+
+
+class ChunkEncoder:
+    """One stream's events in OpenAI's shapes (``encode``): its chunks through a ``_Template`` when they
+    fit the stream's (made from its first usual content chunk, looked for in its first ``TRIES``
+    chunks with content), else whole."""
+
+    TRIES = 4
+    __slots__ = ("include_usage", "template", "tries")
+
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+        self.template: _Template | None = None
+        self.tries = self.TRIES
+
+    def __call__(self, item: Event) -> bytes:
+        if type(item) is Chunk and type(item.text) is str:  # a plain chunk (completions.py) with content
+            data = item.data
+            choice = data["choices"][0]
+            template = self.template
+            if template is None and self.tries:
+                self.tries -= 1
+                template = self.template = _Template.of(data)
+            if template is not None and template.fits(data, choice):  # the chunk's own values, in its JSON
+                content = dumps(choice["delta"]["content"])
+                if template.varying:
+                    return sse.wrapped_event(
+                        template.head, content, template.mid + dumps(data[VARYING]) + template.tail
+                    )
+                return sse.wrapped_event(template.head, content, template.tail)
+        return encode(item, self.include_usage)
+
+
 def encode(item: Event, include_usage: bool) -> bytes:
     if isinstance(item, Chunk):
         return sse.event(dumps(item.data))
@@ -167,8 +314,8 @@ class OpenAIChatApi:
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
         return CompletionStream(pipeline, call.params.get("n") or 1, keep)
 
-    def encoder(self, call: CallRequest):
-        return lambda event: encode(event, call.include_usage)
+    def encoder(self, call: CallRequest) -> ChunkEncoder:
+        return ChunkEncoder(call.include_usage)
 
     error_response = staticmethod(error_response)
     completion = staticmethod(filter_completion)

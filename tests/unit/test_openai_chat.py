@@ -13,6 +13,7 @@ from chatstream.apis.completions import CompletionStream, filter_completion
 from chatstream.apis.openai_chat import (
     OPENAI_DONE,
     ROLES,
+    ChunkEncoder,
     OpenAIChatApi,
     encode,
     error_body,
@@ -335,6 +336,184 @@ def test_the_adapters_encoder_follows_the_call():
     not_asked = api.parse({"messages": [USER], "stream": True}, SETTINGS.default_model)
     assert api.encoder(asked)(DONE) == encode(DONE, True)
     assert api.encoder(not_asked)(DONE) == OPENAI_DONE
+
+
+def _fed(data: dict) -> Chunk:
+    """``data`` as the stream core hands it to the encoder (through the protocol, without text steps)."""
+    plain = CompletionStream(None).plain
+    assert plain is not None
+    fed = plain(data)
+    assert fed is not None and fed.data is data
+    return Chunk(fed.data, False, fed.batch, fed.text)
+
+
+def _usual(content: str, **changes) -> dict:
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m", "choices": [choice]}
+    for key, value in changes.items():
+        where = choice if key in ("index", "logprobs", "finish_reason", "delta", "content_filter_results") else chunk
+        if value is _DROP:
+            del where[key]
+        else:
+            where[key] = value
+    return chunk
+
+
+_DROP = object()
+CHANGED = [  # each differs from the usual chunk elsewhere than its content: never written through the template
+    {"id": "c2"},  # a continuation's chunk named otherwise
+    {"model": "m-2024"},
+    {"created": 6},
+    {"created": 5.0},  # == 5, its JSON is not
+    {"object": None},
+    {"obfuscation": "xyz"},  # a key more
+    {"id": _DROP},  # a key less
+    {"system_fingerprint": "fp"},
+    {"logprobs": {"content": []}},
+    {"finish_reason": "stop"},
+    {"delta": {"role": "assistant", "content": "x"}},
+    {"content_filter_results": {"hate": {"filtered": False}}},
+    {"usage": {"total_tokens": 1}},
+]
+
+
+def test_usual_chunks_are_written_as_encode_writes_them():
+    encoder = ChunkEncoder(False)
+    role = _usual("", delta={"role": "assistant", "content": ""})
+    chunks = [role, *(_usual(text) for text in ("hé", "", 'lo "quoted"\n', "\ud800", "😀"))]
+    for data in chunks:
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+    assert encoder.template is not None  # the usual chunks went through it
+
+
+@pytest.mark.parametrize("changes", CHANGED)
+def test_a_chunk_that_differs_elsewhere_is_never_written_through_the_template(changes):
+    encoder = ChunkEncoder(False)
+    assert encoder(_fed(_usual("a"))) == encode(Chunk(_usual("a")), False)
+    assert encoder.template is not None
+    changed = _usual("b", **changes)
+    written = encoder(_fed(changed))
+    assert written == encode(Chunk(changed), False)  # its own JSON, with every value as it is
+    assert written != encode(Chunk(_usual("b")), False)
+    assert encoder(_fed(_usual("c"))) == encode(Chunk(_usual("c")), False)  # the template again after it
+
+
+def test_a_template_is_made_only_from_scalars_and_only_once_it_can_be():
+    encoder = ChunkEncoder(False)
+    first = _usual("a", created=5.0)  # a float: -0.0 == 0.0, so never in a template
+    assert encoder(_fed(first)) == encode(Chunk(first), False)
+    assert encoder.template is None
+    assert encoder(_fed(_usual("b"))) == encode(Chunk(_usual("b")), False)
+    assert encoder.template is not None
+    reordered = {"model": "m", **_usual("c")}  # the same keys in another order: the same object
+    assert json.loads(encoder(_fed(reordered))[6:]) == reordered
+
+
+@pytest.mark.parametrize("other", [True, 1.0])
+def test_an_equal_value_of_another_type_is_written_as_it_is(other):
+    encoder = ChunkEncoder(False)
+    encoder(_fed(_usual("a", created=1)))
+    assert encoder.template is not None
+    changed = _usual("b", created=other)  # == 1, but its JSON is true / 1.0
+    assert encoder(_fed(changed)) == encode(Chunk(changed), False)
+    assert json.dumps(other).encode() in encoder(_fed(changed))
+
+
+def _obfuscated(content: str, padding: object = "Zq", **changes) -> dict:
+    return {**_usual(content, **changes), "obfuscation": padding}  # OpenAI's: after choices, random
+
+
+def test_openais_obfuscation_is_a_second_hole():
+    encoder = ChunkEncoder(False)
+    chunks = [_obfuscated(text, padding) for text, padding in (("a", "x"), ("b", "lRK2aBv"), ("c", ""), ("d", "é"))]
+    for data in chunks:
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+    assert encoder.template is not None and b"lRK2aBv" not in encoder.template.tail
+    for changed in (
+        _obfuscated("e", 5),  # not a string
+        _obfuscated("e", None),
+        _usual("e"),  # none at all
+        _obfuscated("e", "y", id="c2"),
+        {**_obfuscated("e"), "usage": None},  # a key more
+    ):
+        assert encoder(_fed(changed)) == encode(Chunk(changed), False)
+    reordered = {"obfuscation": "z", **_usual("f")}
+    assert json.loads(encoder(_fed(reordered))[6:]) == reordered
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda text: {"obfuscation": text * 3, **_usual(text)},  # before the choices
+        lambda text: {**_obfuscated(text, text * 3), "usage": None},  # not the last key
+        lambda text: _usual(text + "é", model="\ud800"),  # a lone surrogate elsewhere: the JSON is escaped
+        lambda text: _usual(text, model='"delta":{"content":"x"}'),  # the cut's marker inside a value
+    ],
+)
+def test_unusual_streams_are_written_as_encode_writes_them(make):
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b", "c", "d", "e", "f"):
+        data = make(text)
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+
+
+FILTERED = {  # Azure's, in every choice
+    "hate": {"filtered": False, "severity": "safe"},
+    "protected_material_code": {"filtered": False, "detected": False},
+    "jailbroken": [{"filtered": False}, 0],
+}
+
+
+def _azure(content: str, **changes) -> dict:
+    return _usual(content, content_filter_results=copy.deepcopy(FILTERED), **changes)
+
+
+def test_azures_filter_results_are_in_the_template():
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b", "c"):
+        assert encoder(_fed(_azure(text))) == encode(Chunk(_azure(text)), False)
+    assert encoder.template is not None and b"severity" in encoder.template.tail
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("hate", "filtered"), 0),  # == False, its JSON is not
+        (("hate", "filtered"), True),
+        (("hate", "severity"), "low"),
+        (("protected_material_code", "detected"), None),
+        (("jailbroken", 1), False),  # == 0
+        (("jailbroken", 1), 0.0),
+        (("jailbroken", 0, "filtered"), 0),
+    ],
+)
+def test_a_filter_result_that_differs_is_written_as_it_is(path, value):
+    encoder = ChunkEncoder(False)
+    encoder(_fed(_azure("a")))
+    assert encoder.template is not None
+    changed = _azure("b")
+    where = changed["choices"][0]["content_filter_results"]
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    assert encoder(_fed(changed)) == encode(Chunk(changed), False)
+    assert encoder(_fed(_azure("c"))) == encode(Chunk(_azure("c")), False)
+
+
+def test_a_float_anywhere_makes_no_template():
+    encoder = ChunkEncoder(False)
+    for text in ("a", "b", "c", "d", "e"):
+        data = _usual(text, content_filter_results={"hate": {"score": 0.0}})
+        assert encoder(_fed(data)) == encode(Chunk(data), False)
+    assert encoder.template is None
+
+
+def test_a_guarded_chunk_is_written_whole():
+    # A text step's chunk is a new dict without Fed.text: the encoder reads the chunk itself.
+    encoder = ChunkEncoder(False)
+    encoder(_fed(_usual("a")))
+    replaced = _usual("[blocked]")
+    assert encoder(Chunk(replaced)) == encode(Chunk(replaced), False)
 
 
 # -------------------------------------------------------------------------------------- models

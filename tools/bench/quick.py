@@ -4,13 +4,17 @@
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
                                           [--profile FILE [--profile-streams short]] [--kept]
+                                          [--route chat|openai] [--obfuscated] [--filtered]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
-through each path's whole request, in one process, one stream after another:
+through each path's whole request, in one process, one stream after another (``--obfuscated``: its
+chunks with choices carry OpenAI's ``obfuscation``, a random string after them, as OpenAI's do;
+``--filtered``: their choice Azure's ``content_filter_results``, as Azure OpenAI's do):
 
-* **app**: ``POST /api/chat`` through the ASGI handler the function app routes to (chatstream/app.py,
-  no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
+* **app**: ``POST /api/chat`` (``--route openai``: ``POST /api/v1/chat/completions`` with ``stream:
+  true``, as the OpenAI SDKs call it) through the ASGI handler the function app routes to
+  (chatstream/app.py, no pipeline steps, no caller keys): request parsing, the SDK's request and chunk handling over our
   transport, the stream core, continuation bookkeeping, the encoder, the record, the response's writes;
 * **floor**: the floor's relay and response (tools/bench/floor/function_app.py) on the same request;
 * each ``--variant``: the app from another tree (``git:REF``, ``patch:FILE``, a folder), as run.py's,
@@ -71,6 +75,8 @@ BLOCKS = 4  # each length's streams in this many blocks, the lengths alternating
 WARMUP = 30  # streams before timing (imports done, caches filled)
 BASE_URL = "http://127.0.0.1:9/v1"  # never dialled: the session below answers
 PROMPT = {"prompt": "Say something."}
+OPENAI = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": PROMPT["prompt"]}], "stream": True}
+ROUTES = {"chat": ("/api/chat", "chat"), "openai": ("/api/v1/chat/completions", "chat_completions")}
 if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, not tools/bench/profile.py
     del sys.path[0]
 
@@ -78,9 +84,10 @@ if sys.path and Path(sys.path[0]).resolve() == BENCH:  # the stdlib's profile, n
 # --- the child: one path, one round ----------------------------------------------------------------
 
 
-def record(deltas: int) -> list[bytes]:
+def record(deltas: int, obfuscated: bool = False, filtered: bool = False) -> list[bytes]:
     """The scripted upstream's answer to the app's request, one event per piece (as the cadence
-    scenario writes them: one write per chunk)."""
+    scenario writes them: one write per chunk); ``obfuscated``: OpenAI's padding in each chunk with
+    choices; ``filtered``: Azure's filter results in its choice."""
     from tools.fakeupstream.scenarios import Cadence
     from tools.fakeupstream.server import create_app
 
@@ -99,7 +106,21 @@ def record(deltas: int) -> list[bytes]:
         out.extend(message.get("body", b""))
 
     asyncio.run(upstream(_scope("/v1/chat/completions", body), _receiver(body), send))
-    return [event + b"\n\n" for event in bytes(out).split(b"\n\n") if event]
+    events = [event for event in bytes(out).split(b"\n\n") if event]
+    if obfuscated:
+        events = [
+            event[:-1] + b',"obfuscation":"%s"}' % b"aZ3k9QxT"[: 1 + i % 8] if b'"choices":[{' in event else event
+            for i, event in enumerate(events)
+        ]
+    if filtered:
+        results = b",".join(
+            b'"%s":{"filtered":false,"severity":"safe"}' % name
+            for name in (b"hate", b"self_harm", b"sexual", b"violence")
+        )
+        events = [
+            event.replace(b'"logprobs":', b'"content_filter_results":{%s},"logprobs":' % results) for event in events
+        ]
+    return [event + b"\n\n" for event in events]
 
 
 def _scope(path: str, body: bytes) -> dict:
@@ -202,10 +223,10 @@ class ReplaySession:
         pass
 
 
-def _handler(path: str, settings_env: dict[str, str], kept: bool = False):
-    """``async (scope, receive, send)`` for one request of ``path`` (app or floor); ``kept``: the
-    app's pipeline has an after-step (that does nothing), so its streams keep their texts as a keyed
-    request's do (``--kept``)."""
+def _handler(path: str, settings_env: dict[str, str], kept: bool = False, route: str = "chat"):
+    """``async (scope, receive, send)`` for one request of ``path`` (app or floor) on the app's
+    ``route`` (``ROUTES``); ``kept``: the app's pipeline has an after-step (that does nothing), so its
+    streams keep their texts as a keyed request's do (``--kept``)."""
     from starlette.requests import Request
 
     if path == "floor":
@@ -233,16 +254,17 @@ def _handler(path: str, settings_env: dict[str, str], kept: bool = False):
     if kept:
         pipeline.after(lambda result: None)
     chat_app = create_app(settings, pipeline, environ=environ)
+    endpoint = getattr(chat_app, ROUTES[route][1])
 
     async def serve_app(scope, receive, send) -> None:
-        response = await chat_app.chat(Request(scope, receive))
+        response = await endpoint(Request(scope, receive))
         await response(scope, receive, send)
 
     return serve_app
 
 
-async def _streams(serve, n: int, body: bytes) -> int:
-    """``n`` requests one after another; the bytes written."""
+async def _streams(serve, n: int, body: bytes, url: str) -> int:
+    """``n`` requests of ``url`` one after another; the bytes written."""
     written = 0
 
     async def send(message: dict) -> None:
@@ -250,7 +272,7 @@ async def _streams(serve, n: int, body: bytes) -> int:
         written += len(message.get("body", b""))
 
     for _ in range(n):
-        await serve(_scope("/api/chat", body), _receiver(body), send)
+        await serve(_scope(url, body), _receiver(body), send)
     return written
 
 
@@ -261,13 +283,15 @@ def child(args: argparse.Namespace) -> None:
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
-    pieces = {"long": record(args.long), "short": record(SHORT)}
-    body = json.dumps(PROMPT).encode()
+    pieces = {kind: record(n, args.obfuscated, args.filtered) for kind, n in (("long", args.long), ("short", SHORT))}
+    route = "chat" if args.path == "floor" else args.route  # the floor has its one route
+    url = ROUTES[route][0]
+    body = json.dumps(OPENAI if route == "openai" else PROMPT).encode()
 
     async def main() -> None:
-        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env), args.kept)
+        serve = _handler(args.path, dict(item.split("=", 1) for item in args.env), args.kept, route)
         ReplaySession.pieces = pieces["long"]
-        out = await _streams(serve, WARMUP, body)
+        out = await _streams(serve, WARMUP, body, url)
         assert out > args.long * 10, f"{args.path}: the warm-up streamed {out} bytes"
         print("ready", flush=True)
         for line in sys.stdin:
@@ -280,7 +304,7 @@ def child(args: argparse.Namespace) -> None:
                 profiler = cProfile.Profile(time.process_time)  # CPU: not the time other processes took
                 profiler.enable()
             cpu = time.process_time()
-            await _streams(serve, args.streams // BLOCKS, body)
+            await _streams(serve, args.streams // BLOCKS, body, url)
             took = time.process_time() - cpu
             if profiler is not None:
                 profiler.disable()
@@ -304,6 +328,8 @@ class _Child:
         command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         command += ["--kept"] if args.kept else []
+        command += ["--route", args.route] + (["--obfuscated"] if args.obfuscated else [])
+        command += ["--filtered"] if args.filtered else []
         self.name = f"{path} ({tree})"
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -479,6 +505,18 @@ def main() -> None:
         action="store_true",
         help="the app's streams keep their texts, as a keyed request's do (an after-step that does nothing)",
     )
+    p.add_argument(
+        "--route",
+        choices=tuple(ROUTES),
+        default="chat",
+        help="the app's route: /api/chat, or openai: /api/v1/chat/completions (stream: true); the floor's is its own",
+    )
+    p.add_argument(
+        "--obfuscated", action="store_true", help="the recorded chunks carry OpenAI's obfuscation field, as OpenAI's do"
+    )
+    p.add_argument(
+        "--filtered", action="store_true", help="the recorded chunks' choice carries Azure's content_filter_results"
+    )
     args = p.parse_args()
     if args.child:
         args.path = args.child
@@ -535,7 +573,7 @@ def main() -> None:
     }
     keys = ("delta", "stream", "all_in")
     print(
-        f"\nin-process replay: {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
+        f"\nin-process replay ({ROUTES[args.route][0]}): {args.rounds} rounds of {args.streams} streams of {args.long} and of {SHORT} "
         f"deltas, in blocks of {args.streams // BLOCKS}; process CPU of the median block / of the quickest block\n"
     )
     print(
