@@ -4,6 +4,7 @@ the app, bytes over HTTP."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -173,11 +174,11 @@ def test_wrong_content_type_is_415(app):
 
 
 def test_one_log_line_per_request(app):
-    chat(app.chat_url, prompt("normal", "log me"))
-    line = app.wait_log(
-        r'\{"event": "chat_stream", "endpoint": "chat"[^\n]*"deltas": ' + str(len(NORMAL_DELTAS)) + r"[^\n]*"
-    )
+    result = chat(app.chat_url, prompt("normal", "log me"))
+    request_id = re.escape(result.headers["x-request-id"])  # this request's line, not another test's
+    line = app.wait_log(r'\{"event": "chat_stream", "endpoint": "chat"[^\n]*"request_id": "' + request_id + r'"\}', 20)
     record = json.loads(line.group(0))
+    assert record["deltas"] == len(NORMAL_DELTAS)
     assert record["model"] == "gpt-test"
     assert record["finish_reason"] == "stop"
     assert record["ttfd_ms"] is not None and record["duration_ms"] >= record["ttfd_ms"]
