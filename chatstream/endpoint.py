@@ -302,7 +302,7 @@ class Endpoint:
         upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         events = (
-            self.lifecycle.guard(upstream, record, ending.finish, before_last)
+            self.lifecycle.guard(upstream, record, limits, ending.finish, before_last)
             if self.lifecycle is not None
             else finishing(upstream, ending.finish, before_last)
         )
