@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -88,7 +89,11 @@ class Api(Protocol):
 
 async def _close_events(first: asyncio.Future, events: AsyncGenerator[Event]) -> None:
     """Stop waiting for the first event and close the event stream (the upstream with it); safe to
-    call more than once."""
+    call more than once. Shielded (it runs on the way out of a cancelled task), unless both are over
+    already: the response's close after its body closed them costs no shield (~4 µs a stream)."""
+    # getasyncgenstate: Python 3.12+ (the app runs on 3.13; pyright checks as 3.11, for the client)
+    if first.done() and inspect.getasyncgenstate(events) == inspect.AGEN_CLOSED:  # pyright: ignore[reportAttributeAccessIssue]
+        return
     with anyio.CancelScope(shield=True):
         if not first.done():
             first.cancel()
@@ -302,7 +307,7 @@ class Endpoint:
         upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         events = (
-            self.lifecycle.guard(upstream, record, ending.finish, before_last)
+            self.lifecycle.guard(upstream, record, limits, ending.finish, before_last)
             if self.lifecycle is not None
             else finishing(upstream, ending.finish, before_last)
         )

@@ -52,7 +52,7 @@ from types import FrameType
 
 from .errors import ErrorKind, instance_draining
 from .record import StreamRecord
-from .stream import Chunk, Event, Failed
+from .stream import Chunk, Event, Failed, TimeLimits
 
 log = logging.getLogger("chatstream")
 
@@ -76,14 +76,13 @@ def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
 class Stream:
     """One stream running on this instance, as the drain sees it (``Lifecycle.register``)."""
 
-    __slots__ = ("_fired", "_task", "cut", "ending", "record")
+    __slots__ = ("cut", "ending", "limits", "record")
 
-    def __init__(self, record: StreamRecord):
+    def __init__(self, record: StreamRecord, limits: TimeLimits):
         self.record = record
+        self.limits = limits
         self.cut = False  # the grace is over: it ends now, with instance_draining
         self.ending = False  # its final event is in hand
-        self._task: asyncio.Task | None = None  # the task waiting for its next event
-        self._fired = False  # the cut cancelled that task
 
     @property
     def resumable(self) -> bool:
@@ -91,15 +90,12 @@ class Stream:
         return self.record.stream_id is not None
 
     def cut_now(self) -> None:
+        """Through the stream's own time limits (``TimeLimits.cut``): its wait on the upstream ends
+        now (or its next one, or its next chunk), and the stream core ends it with the one final
+        ``instance_draining``, its upstream closed, as when a limit runs out. Nothing per delta."""
         self.cut = True
         self.record.drained(ErrorKind.INSTANCE_DRAINING)
-        if self._task is not None and not self._fired:
-            self._fired = True
-            self._task.cancel()  # it waits on the upstream: the wait ends now (Lifecycle._guarded takes it back)
-
-    def _take_back(self, task: asyncio.Task) -> int:
-        self._fired = False
-        return task.uncancel()
+        self.limits.cut(instance_draining())
 
 
 class _Starting:
@@ -175,8 +171,8 @@ class Lifecycle:
         request: two objects fewer for the garbage collector to walk while a request waits."""
         return self._starting_guard
 
-    def register(self, record: StreamRecord) -> Stream:
-        stream = Stream(record)
+    def register(self, record: StreamRecord, limits: TimeLimits) -> Stream:
+        stream = Stream(record, limits)
         self._streams.add(stream)
         self._changed.set()
         return stream
@@ -199,57 +195,36 @@ class Lifecycle:
         self,
         events: AsyncGenerator[Event],
         record: StreamRecord,
+        limits: TimeLimits,
         on_end: Callable[[], None],
         before_last: Callback | None = None,
     ) -> AsyncGenerator[Event]:
-        """A stream's events (``relay``'s) as the drain wants them, ``before_last`` awaited before the
-        upstream's final event goes out, and ``on_end`` (the endpoint's record keeping: its log line
-        and charge) once they are over, however they end: at the cut, the upstream closed and one
-        final ``instance_draining`` error instead of the rest; during a drain, the last stream's
-        final event waits for the ``on_drain`` callbacks (its record written first). One generator
-        for all of it: each layer costs every delta. The stream counts for the drain from its first
-        ``anext`` on: one closed before that (its handler cancelled first) never ran, so nothing
-        would take it back."""
-        return self._guarded(events, record, on_end, before_last)
+        """A stream's events (``relay``'s, whose time limits are ``limits``) as the drain wants them,
+        ``before_last`` awaited before the upstream's final event goes out, and ``on_end`` (the
+        endpoint's record keeping: its log line and charge) once they are over, however they end.
+        The cut goes through ``limits`` (``Stream.cut_now``): the relay itself ends with one final
+        ``instance_draining`` error. During a drain, the last stream's final event waits for the
+        ``on_drain`` callbacks (its record written first). The stream counts for the drain from its
+        first ``anext`` on: one closed before that (its handler cancelled first) never ran, so
+        nothing would take it back."""
+        return self._guarded(events, record, limits, on_end, before_last)
 
     async def _guarded(
         self,
         events: AsyncGenerator[Event],
         record: StreamRecord,
+        limits: TimeLimits,
         on_end: Callable[[], None],
         before_last: Callback | None,
     ) -> AsyncGenerator[Event]:
-        stream = self.register(record)  # no await before the try: its finally takes it back
+        stream = self.register(record, limits)  # no await before the try: its finally takes it back
         ended = False
         try:
-            while True:
-                # The next event, or None when the cut came while waiting for it. Like the time
-                # limits (stream.TimeLimits.wait): the cut cancels the waiting task, and only that
-                # cancel is taken back. Inline, not a coroutine: this runs for every delta.
-                item = None
-                if not stream.cut:
-                    task = asyncio.current_task()
-                    assert task is not None
-                    cancelling = task.cancelling()
-                    stream._task = task
-                    try:
-                        item = await anext(events)
-                    except StopAsyncIteration:
-                        return
-                    except asyncio.CancelledError:
-                        if not (stream._fired and stream._take_back(task) <= cancelling):
-                            raise
-                    finally:
-                        stream._task = None
-                        if stream._fired:  # the cut came, yet the wait ended another way: take its cancel back
-                            stream._take_back(task)
-                if item is None:  # the cut (cut_now has told the record)
-                    await events.aclose()  # the upstream is closed
-                    item = Failed(instance_draining())
-                elif type(item) is Chunk:
+            async for item in events:  # per delta only this loop (each layer costs every delta)
+                if type(item) is Chunk:
                     yield item
                     continue
-                elif before_last is not None:
+                if before_last is not None and not (stream.cut and type(item) is Failed):
                     await before_last()
                 if self._holds(stream):
                     await events.aclose()

@@ -36,7 +36,6 @@ import anyio
 from .errors import (
     ApiError,
     ErrorKind,
-    TimeLimit,
     first_token_expired,
     idle_expired,
     incomplete,
@@ -175,7 +174,11 @@ class TimeLimits:
 
     Every wait on the upstream goes through ``wait``, bounded by the limit in force, with one timer
     per stream. The total limit is also checked on every chunk (chunks already buffered arrive
-    without a wait), and ``on_total`` closes a stream parked behind a caller who stopped reading."""
+    without a wait), and ``on_total`` closes a stream parked behind a caller who stopped reading.
+
+    ``cut`` ends the stream early with an error of the caller's (the instance's drain, lifecycle.py):
+    the total limit runs out now, with that error: the wait in progress ends at once, as does the
+    next one, or the next chunk. Nothing on the path of a delta pays for it."""
 
     def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop or asyncio.get_running_loop()
@@ -192,9 +195,12 @@ class TimeLimits:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._fired = False  # the timer cancelled the waiting task
+        self._cut: ApiError | None = None  # ``cut``'s error
 
-    def error(self) -> TimeLimit:
+    def error(self) -> ApiError:
         """The error for the limit in force now."""
+        if self._cut is not None:
+            return self._cut
         if not self.output_started:
             return first_token_expired()
         if self.deadline >= self.total_at:
@@ -203,7 +209,7 @@ class TimeLimits:
 
     def check_total(self) -> None:
         if self.loop.time() >= self.total_at:
-            raise total_expired()
+            raise self._cut or total_expired()
 
     def got_output(self) -> None:
         """Output went to the caller: from now on the idle limit runs between chunks."""
@@ -223,7 +229,7 @@ class TimeLimits:
         idle limit runs from now. One clock read for both: this runs for every chunk."""
         now = self.loop.time()
         if now >= self.total_at:
-            raise total_expired()
+            raise self._cut or total_expired()
         if self.output_started:
             self.deadline = min(self.total_at, now + self.idle)
 
@@ -257,6 +263,14 @@ class TimeLimits:
     def _take_back(self, task: asyncio.Task) -> int:
         self._fired = False
         return task.uncancel()
+
+    def cut(self, error: ApiError) -> None:
+        """The stream ends now, with ``error`` (see the class docstring): its limits run out at once."""
+        self._cut = error
+        self.total_at = self.deadline = self.loop.time()
+        if self._task is not None and not self._fired:
+            self._fired = True
+            self._task.cancel()  # taken back by ``wait``, as the timer's
 
     def _arm(self) -> None:
         if self._timer is not None:

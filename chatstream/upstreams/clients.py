@@ -350,6 +350,10 @@ class UpstreamStream(openai.AsyncStream[dict]):
     transport, its body's reader itself: two generators fewer per piece)."""
 
     ready = 0  # chunks already read from the upstream and not yet handed out (stream.py batches them)
+    # A failure reading the stream, as its reader explains it (failover.PeekedStream: the ApiError,
+    # the entry told); None: raised as it is. Here, not in a generator around this one: that cost
+    # every chunk.
+    failure: Callable[[Exception], Exception] | None = None
 
     def __init__(self, *, response: httpx2.Response, **sdk: Any) -> None:
         super().__init__(response=response, **sdk)
@@ -388,20 +392,25 @@ class UpstreamStream(openai.AsyncStream[dict]):
         direct = None if coded else body_reader(response)
         pieces = direct or (response.aiter_bytes() if coded else response.aiter_raw())
         try:
-            async for piece in pieces:
-                if framer.done:
-                    continue  # read to the end of the body, so the connection can be reused
-                payloads = framer.feed(piece)
-                if len(payloads) == 1:  # the usual read, one event (nothing else in hand: ready stays 0)
-                    yield _decode(response, payloads[0])
-                    continue
-                for i, payload in enumerate(payloads, 1):
-                    self.ready = len(payloads) - i
-                    yield _decode(response, payload)
-            if direct is not None:
-                await response.aclose()  # the body is over: the connection goes back, as aiter_raw does
-        except _READ_ERRORS as exc:
-            raise _sdk_error(response, exc) from exc
+            try:
+                async for piece in pieces:
+                    if framer.done:
+                        continue  # read to the end of the body, so the connection can be reused
+                    payloads = framer.feed(piece)
+                    if len(payloads) == 1:  # the usual read, one event (nothing else in hand: ready stays 0)
+                        yield _decode(response, payloads[0])
+                        continue
+                    for i, payload in enumerate(payloads, 1):
+                        self.ready = len(payloads) - i
+                        yield _decode(response, payload)
+                if direct is not None:
+                    await response.aclose()  # the body is over: the connection goes back, as aiter_raw does
+            except _READ_ERRORS as exc:
+                raise _sdk_error(response, exc) from exc
+        except Exception as exc:
+            if self.failure is None:
+                raise
+            raise self.failure(exc) from None
 
 
 def _sdk_error(response: httpx2.Response, exc: BaseException) -> openai.APIConnectionError:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Iterator, Mapping
 from types import CoroutineType
 from typing import Any, TypeVar
 
@@ -106,7 +106,10 @@ class PeekedStream:
     """An upstream stream whose first chunks were already read (up to the first output): iterating
     it gives those chunks again, then the rest of the stream. A failure after them is reported to
     the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
-    core as the ApiError it means."""
+    core as the ApiError it means (``_Midstream``, which the stream's own reader calls).
+
+    Its own iterator, with a plain ``__anext__``: after the chunks given again it hands out the
+    stream's own reads (a generator around them cost every chunk)."""
 
     def __init__(
         self,
@@ -119,19 +122,27 @@ class PeekedStream:
         self._stream = stream
         self._entry = entry or (attempt.entry if attempt is not None else None)
         self._peeked = peeked
-        self._replaying = 0  # peeked chunks not yet given again
-        self._attempt = attempt
-        self._model = model
-        self._closed = False
-        self._iterator = self._chunks()  # one iterator, as AsyncStream: the core iterates it twice
+        self._given = 0  # peeked chunks given again
+        self._midstream = stream.failure = _Midstream(attempt, model)
+        self._next = aiter(stream).__anext__
 
     def __aiter__(self) -> AsyncIterator[dict]:
-        return self._iterator
+        return self  # one iterator, as AsyncStream: the core iterates it twice
+
+    def __anext__(self) -> Awaitable[dict]:
+        if self._given < len(self._peeked):
+            data = self._peeked[self._given]
+            self._given += 1
+            if self._given == len(self._peeked):
+                self._peeked = []
+                self._given = 0
+            return _Given(data)
+        return self._next()
 
     @property
     def ready(self) -> int:
         """Chunks in hand (see UpstreamStream.ready)."""
-        return self._replaying + self._stream.ready
+        return len(self._peeked) - self._given + self._stream.ready
 
     @property
     def request_id(self) -> str | None:
@@ -142,23 +153,41 @@ class PeekedStream:
         """The pool entry this stream comes from (None for a follow-up's re-stream)."""
         return self._entry
 
-    async def _chunks(self) -> AsyncIterator[dict]:
-        peeked, self._peeked = self._peeked, []
-        for i, data in enumerate(peeked, 1):
-            self._replaying = len(peeked) - i
-            yield data
-        try:
-            async for data in self._stream:
-                yield data
-        except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
-            failure = classify(exc, self._model, midstream=True)
-            if not self._closed and self._attempt is not None:
-                self._attempt.report(failure.outcome)
-            raise failure.error from None
-
     async def close(self) -> None:
-        self._closed = True
+        self._midstream.closed = True
         await self._stream.close()
+
+
+class _Given:
+    """A chunk in hand, as an awaitable (``PeekedStream.__anext__``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    def __await__(self) -> Generator[Any, None, dict]:
+        return self.data
+        yield  # a generator that returns at once
+
+
+class _Midstream:
+    """A failure of a stream after its first output, explained (``classify``: a bug of ours
+    included) and told to the entry's attempt, unless the stream was closed (by us) first. An
+    object of its own, not a bound method of the PeekedStream: no reference cycle."""
+
+    __slots__ = ("attempt", "closed", "model")
+
+    def __init__(self, attempt: Attempt | None, model: str) -> None:
+        self.attempt = attempt
+        self.model = model
+        self.closed = False
+
+    def __call__(self, exc: Exception) -> Exception:
+        failure = classify(exc, self.model, midstream=True)
+        if not self.closed and self.attempt is not None:
+            self.attempt.report(failure.outcome)
+        return failure.error
 
 
 async def _close(stream: UpstreamStream | None) -> None:

@@ -41,6 +41,7 @@ class ScriptedStream:
 
     ready = 0
     request_id = "req-upstream-1"
+    failure = None  # as UpstreamStream.failure: how its reader explains a failure (set by PeekedStream)
 
     def __init__(self, chunks: list, hang: bool = False):
         self.chunks, self.hang, self.closed = chunks, hang, False
@@ -51,6 +52,8 @@ class ScriptedStream:
 
     async def _run(self):
         for chunk in self.chunks:
+            if isinstance(chunk, Exception) and self.failure is not None:
+                raise self.failure(chunk) from None
             if isinstance(chunk, BaseException):
                 raise chunk
             yield chunk
@@ -424,7 +427,7 @@ class CoolingStream(ScriptedStream):
         attempt = pool.acquire(pool.entries[0], "gpt-test")
         assert attempt is not None
         attempt.report(Outcome(OutcomeKind.RATE_LIMITED, 429, cooldown=self.seconds))
-        raise lost()
+        raise (self.failure(lost()) if self.failure is not None else lost()) from None
 
 
 async def test_the_only_entry_is_waited_for_while_it_cools_down():

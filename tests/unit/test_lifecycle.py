@@ -20,12 +20,12 @@ from starlette.routing import Route
 from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import OpenAIChatApi
 from chatstream.endpoint import Endpoint
-from chatstream.errors import ErrorKind
+from chatstream.errors import ApiError, ErrorKind, instance_draining
 from chatstream.lifecycle import AFTER_GRACE, CALLBACKS_WAIT, Lifecycle, host_shutdown_timeout
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings, SettingsError
-from chatstream.stream import Chunk, Done, Event, Failed
+from chatstream.stream import Chunk, Done, Event, Failed, TimeLimits
 
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
 
@@ -38,21 +38,31 @@ def done() -> Done:
     return Done("stop", {0: "stop"}, None, "m", "id-1", 0)
 
 
-async def events(count: int, every: float, record: StreamRecord, log: list[str]):
-    """A stream of ``count`` chunks ``every`` seconds apart, then Done; what happened, in ``log``."""
+async def events(count: int, every: float, record: StreamRecord, log: list[str], limits: TimeLimits):
+    """A stream of ``count`` chunks ``every`` seconds apart, then Done; what happened, in ``log``.
+    Its waits go through ``limits``, and a limit's error (the drain's cut) ends it, as in the stream core."""
     try:
-        for i in range(count):
-            await asyncio.sleep(every)
-            if i == 0:
-                record.first_output()  # as the stream core does
-            yield Chunk({"i": i})
+        try:
+            for i in range(count):
+                await limits.wait(asyncio.sleep(every))
+                limits.got_chunk()
+                if i == 0:
+                    record.first_output()  # as the stream core does
+                    limits.got_output()
+                yield Chunk({"i": i})
+        except ApiError as error:
+            record.failed(error.type)
+            yield Failed(error)
+            return
         yield done()
     finally:
         log.append("closed")
 
 
-def guarded(life: Lifecycle, stream, record: StreamRecord):
-    return life.guard(stream, record, lambda: None)
+def guarded(life: Lifecycle, count: int, every: float, record: StreamRecord, log: list[str] | None = None):
+    """``events`` through the drain's guard, with the stream's time limits."""
+    limits = TimeLimits(Settings.from_env({}))
+    return life.guard(events(count, every, record, [] if log is None else log, limits), record, limits, lambda: None)
 
 
 async def read_all(stream) -> list[tuple[float, Event]]:
@@ -93,7 +103,7 @@ def test_drain_seconds_defaults_to_20_and_is_checked():
 async def test_a_stream_that_ends_within_the_grace_ends_as_usual():
     life = Lifecycle(2, 30, signals=False)
     record, log = StreamRecord(endpoint="chat", model="m"), []
-    stream = guarded(life, events(5, 0.05, record, log), record)
+    stream = guarded(life, 5, 0.05, record, log)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.07)
     drain = life.drain()
@@ -107,7 +117,7 @@ async def test_at_the_end_of_the_grace_a_running_stream_ends_with_one_retryable_
     life = Lifecycle(0.2, 30, signals=False)
     record, log = StreamRecord(endpoint="chat", model="m"), []
     loop = asyncio.get_running_loop()
-    stream = guarded(life, events(1000, 0.05, record, log), record)
+    stream = guarded(life, 1000, 0.05, record, log)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.12)
     started = loop.time()
@@ -131,7 +141,7 @@ async def test_a_resumable_stream_is_not_cut_it_is_left_to_the_callbacks():
         seen.append(reading.done())  # the stream still runs when the callbacks are called
 
     life = Lifecycle(0.1, 30, on_drain=[hand_over], signals=False)
-    stream = guarded(life, events(10, 0.05, record, log), record)
+    stream = guarded(life, 10, 0.05, record, log)
     reading = asyncio.ensure_future(read_all(stream))
     await asyncio.sleep(0.02)
     await asyncio.wait_for(life.drain(), 3)
@@ -152,9 +162,7 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
     life = Lifecycle(0.2, 30, on_drain=[settle], signals=False)
     records = [StreamRecord(endpoint="chat", model="m") for _ in range(3)]
     lengths = [2, 1000, 1000]  # the first ends within the grace; the others are cut
-    readers = [
-        asyncio.ensure_future(read_all(guarded(life, events(n, 0.05, r, []), r))) for n, r in zip(lengths, records)
-    ]
+    readers = [asyncio.ensure_future(read_all(guarded(life, n, 0.05, r, []))) for n, r in zip(lengths, records)]
     await asyncio.sleep(0.02)
     await asyncio.wait_for(life.drain(), 3)
     ends = [items[-1][0] for items in await asyncio.gather(*readers)]
@@ -169,7 +177,7 @@ async def test_a_stream_closed_before_its_first_event_task_started_is_not_left_t
     not count that stream, wait its grace for it, or cut the record of a request that is over."""
     life = Lifecycle(2, 30, signals=False)
     record = StreamRecord(endpoint="chat", model="m")
-    stream = guarded(life, events(1000, 0.05, record, []), record)
+    stream = guarded(life, 1000, 0.05, record, [])
     first = asyncio.ensure_future(anext(stream))  # the first-event task, not started yet
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
@@ -201,7 +209,7 @@ async def test_a_request_admitted_as_the_drain_begins_is_waited_for_as_a_stream(
         with life.starting():
             life.admit()
             await asyncio.sleep(0.3)  # its admission, on a slow store
-            reading = asyncio.ensure_future(read_all(guarded(life, events(5, 0.05, record, []), record)))
+            reading = asyncio.ensure_future(read_all(guarded(life, 5, 0.05, record, [])))
             await asyncio.sleep(0)  # (its first event asked for: it runs)
         return await reading
 
@@ -283,6 +291,37 @@ async def test_a_callback_that_fails_or_overruns_is_logged_and_the_drain_still_e
     assert "a on_drain callback failed" in caplog.text and "did not finish within" in caplog.text
 
 
+# --- the cut, through the stream's time limits (TimeLimits.cut) ---------------------------------
+
+
+async def test_the_cut_ends_the_wait_in_progress_at_once_and_every_later_one_with_its_error():
+    limits = TimeLimits(Settings.from_env({}))
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.ensure_future(limits.wait(asyncio.sleep(30)))
+    await asyncio.sleep(0.01)
+    started = loop.time()
+    limits.cut(instance_draining())
+    with pytest.raises(ApiError) as raised:
+        await waiting
+    assert raised.value.type == ErrorKind.INSTANCE_DRAINING and loop.time() - started < 0.5
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    with pytest.raises(ApiError, match="shutting down"):  # the next wait (a stream parked when it came)
+        await limits.wait(asyncio.sleep(30))
+    with pytest.raises(ApiError, match="shutting down"):  # a chunk already in hand
+        limits.got_chunk()
+
+
+async def test_a_cancel_racing_the_cut_stays_a_cancel():
+    """A cancel that is not the cut (the caller hung up) is never taken for it, nor swallowed."""
+    limits = TimeLimits(Settings.from_env({}))
+    waiting = asyncio.ensure_future(limits.wait(asyncio.sleep(30)))
+    await asyncio.sleep(0.01)
+    limits.cut(instance_draining())
+    waiting.cancel()  # before the task runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
 # --- through the endpoint -----------------------------------------------------------------------
 
 
@@ -359,7 +398,7 @@ async def test_sigterm_starts_the_drain_and_goes_on_to_the_handler_that_was_ther
         life = Lifecycle(0.2, 30, closing=[close])
         life.admit()  # the first request installs the handler
         record = StreamRecord(endpoint="chat", model="m")
-        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
+        reading = asyncio.ensure_future(read_all(guarded(life, 1000, 0.05, record, [])))
         await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait_for(life.drained.wait(), 3)
@@ -379,7 +418,7 @@ async def test_a_second_sigterm_goes_on_to_the_runtimes_handler_at_once():
         life = Lifecycle(0.5, 30)
         life.admit()
         record = StreamRecord(endpoint="chat", model="m")
-        reading = asyncio.ensure_future(read_all(guarded(life, events(1000, 0.05, record, []), record)))
+        reading = asyncio.ensure_future(read_all(guarded(life, 1000, 0.05, record, [])))
         await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.sleep(0.1)
