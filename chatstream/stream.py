@@ -443,7 +443,7 @@ async def _reopen(
     current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits, record: StreamRecord
 ) -> UpstreamChunks:
     """The stream the answer goes on from after ``failure``; when none could be had, ``failure``
-    ends the answer (or the total limit, when that is what ran out)."""
+    ends the answer (or the total limit, or the drain's cut, when that is what ended the wait)."""
     failed, current.stream = current.stream, None
     if failed is not None:
         with anyio.CancelScope(shield=True):
@@ -452,7 +452,8 @@ async def _reopen(
     try:
         stream = await limits.wait(continuation.reopen(failure, limits, record))
     except ApiError as exc:
-        raise (exc if exc.type == ErrorKind.TOTAL_TIMEOUT else failure) from None
+        # the total limit, or the drain's cut (TimeLimits.cut), ends it as itself
+        raise (exc if exc.type in (ErrorKind.TOTAL_TIMEOUT, ErrorKind.INSTANCE_DRAINING) else failure) from None
     current.stream = stream
     limits.got_output()
     return stream
