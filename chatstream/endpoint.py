@@ -522,17 +522,7 @@ class Endpoint:
         finally:  # however the wait ends (cancelled too: the request's end, a drain), raised with what is known
             unknown, floor = self._unknown(claim)
             stood_in = api.known(claim.stand_ins()).text
-            patience = RAISED_WITHIN if stood_in or floor else 0.0
-            raised = self.accounting.regenerated(
-                knows,
-                admission,
-                started_at(claim.producer.id),
-                lost.text + stood_in,
-                claim.producer.epoch,
-                before,
-                patience,
-                floor,
-            )
+            raised = self.accounting.regenerated(knows, RAISED_WITHIN if stood_in or floor else 0.0)
         await asyncio.shield(raised)  # (cancelled meanwhile: it goes on)
         if unknown:  # refused (a budget, the upstream), stopped, or the drain's grace over
             log.warning(

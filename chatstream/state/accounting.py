@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from .. import tokens
@@ -152,6 +153,7 @@ class Accounting:
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
         self._kept: dict[str, Callable[[], None]] = {}  # a lost part's key -> let its budget rows' entries go
+        self._raises: dict[str, Callable[..., Awaitable[None]]] = {}  # ...and its raise (regenerated)
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -430,27 +432,21 @@ class Accounting:
         )
         self._kept.pop(entry.key, lambda: None)()
         self._kept[entry.key] = self.counters.keep(needs)  # a takeover counts the raise where it has an entry
+        self._raises[entry.key] = functools.partial(self.charge_lost, admission, started, epoch=epoch, before=before)
         return self.journal.open(entry)
 
-    def regenerated(
-        self,
-        knows: JournalEntry,
-        admission: Admission,
-        started: float | None,
-        text: str,
-        epoch: int = 2,
-        before: str = "",
-        patience: float = 0.0,
-        floor: int = 0,
-    ) -> asyncio.Task:
-        """The lost part raised to what this taker knows of it (``charge_lost`` with ``text`` and
-        ``floor``), then ``knows`` (``regenerating``) leaves the journal and the budget rows: in the
-        background, so that a request cancelled meanwhile (its end, a drain) still makes it
-        (``flush`` waits for it); cancelled itself (the process stops), the knowledge stays in the
-        journal and this instance's recovery raises the part."""
+    def regenerated(self, knows: JournalEntry, patience: float = 0.0) -> asyncio.Task:
+        """The lost part raised to what this taker knows of it now (``charge_lost`` with what
+        ``regenerating`` was told: ``text()`` and ``floor()``), then ``knows`` leaves the journal and
+        the budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
+        still makes it (``flush`` waits for it); cancelled itself (the process stops), the knowledge
+        stays in the journal and this instance's recovery raises the part."""
+        assert knows.generated is not None and knows.floor is not None  # (regenerating's)
+        charge = self._raises.pop(knows.key)
+        text, floor = knows.generated()[0], knows.floor()
 
         async def raise_it() -> None:
-            await self.charge_lost(admission, started, text, epoch, before, patience, floor)
+            await charge(text, patience=patience, floor=floor)
             self.journal.drop(knows)
             self._kept.pop(knows.key, lambda: None)()
 

@@ -636,7 +636,7 @@ async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once
         for partition in (caller.limits_partition, team):
             assert parse_holds(counter(data, partition, "tokens")["holds"])["instance-b"].held == 0
         await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, floor=2)
-    await acc_b.regenerated(knows, going_on, going_on.started, received, epoch=2, floor=2)  # (raised already)
+    await acc_b.regenerated(knows)  # (raised already)
     assert await acc_b.flush(5)
     await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
