@@ -584,11 +584,10 @@ async def test_a_taker_that_dies_before_its_raise_has_its_lost_part_raised_by_it
 async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_its_continuation_let_go():
     """As above (row "takers"), and b's continuation has ended, its reservation given back, before b
     dies with the raise still in its journal (the endpoint raises once the continuation is over: a
-    continuation that ended short, a drain's). b's entry in each budget row went with what it held
-    (counters.py: nothing held, nothing to take over), so b's recovery raises the ledger row and
-    counts the raise in no budget row: 439 taken for 470 in the ledger, the 31 tokens the raise
-    added. Found in review, not fixed: the lost part's knowledge could keep b's entry in the rows
-    (as ``Accounting._correct`` has one there before it journals)."""
+    continuation that ended short, a drain's). b's entry stays in each budget row while its journal
+    knows the lost part, holding nothing (``Counters.keep``), so b's recovery counts the raise in
+    the rows as in the ledger (before that: 439 taken for 470 in the ledger, the 31 tokens the raise
+    added)."""
     data = account()
     a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
     team = (await b.registry.get(Team, "t")).limits_partition
