@@ -104,17 +104,17 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
     if live and record.instance != ctx.instances.id:
         ctx.last_producer = record.instance
     stored = record.log_from(0)  # ended before its first write: the whole log is in the record
-    slot, data, _ = await asyncio.gather(
-        _held(slot, record.instance if live else None),
+    held, data, _ = await asyncio.gather(
+        slot.hold(record.instance if live else None),
         ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
         # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
         ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
         return_exceptions=True,
     )
-    if not isinstance(slot, Slot) or not isinstance(data, bytes):
-        if isinstance(slot, Slot):
+    if isinstance(held, BaseException) or not isinstance(data, bytes):
+        if not isinstance(held, BaseException):  # (a failed hold holds nothing)
             slot.release()
-        raise slot if isinstance(slot, BaseException) else data  # type: ignore[misc] - one of the two failed
+        raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
     reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
         tail = reader.tail
@@ -125,11 +125,6 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         reader._release()  # (not counted yet)
         raise
     return reader
-
-
-async def _held(slot: Slot, at: str | None) -> Slot:
-    await slot.hold(at)
-    return slot
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
