@@ -48,7 +48,7 @@ from .state.accounting import RAISED_WITHIN, Accounting, Admission
 from .state.callers import Caller
 from .state.registry import Registry
 from .state.streamlog import Claim, started_at
-from .stream import Chunk, Continuation, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
+from .stream import Continuation, Ends, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")
@@ -304,13 +304,13 @@ class Endpoint:
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
         # Without an admission there is no context to keep before the final event.
         before_last = ending.before_last if admission is not None else None
-        upstream = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation)
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
-        events = (
-            self.lifecycle.guard(upstream, record, limits, ending.finish, before_last)
+        ends = (
+            self.lifecycle.ends(record, limits, ending.finish, before_last)
             if self.lifecycle is not None
-            else finishing(upstream, ending.finish, before_last)
+            else Ends(ending.finish, before_last)
         )
+        events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation, ends)
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
         respond = self._resumable(call, protocol, limits, record, headers, admission)
@@ -396,26 +396,25 @@ class Endpoint:
         protocol = self.api.protocol(call, self.pipeline, True)
         admission: Admission | None = None
         known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
+        ending = _Ending(self, protocol, record, None)
+        ends = Ends(ending.finish)
         try:
             if known.blocked is not None:
                 raise ApiError(
                     502, ErrorKind.STREAM_LOST, f"the answer's {known.blocked} cannot be continued", retryable=True
                 )
             if self.accounting is not None and claim.producer.owner is not None:
-                admission = await self._admit_taken_over(claim, call, record, known)
-                self.accounting.progress(
-                    admission, lambda: {i: "".join(p) for i, p in (protocol.generated or {}).items()}
-                )
+                admission = ending.admission = await self._admit_taken_over(claim, call, record, known)
+                self.accounting.progress(admission, ending.generated)
                 self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None
             )
             limits = TimeLimits(self.settings)
-            upstream = relay(Resumed(plan, lost), self.api.path, call.params, protocol, limits, record, plan)
+            events = relay(Resumed(plan, lost), self.api.path, call.params, protocol, limits, record, plan, ends)
         except ApiError as error:
-            upstream = _failed(error, record)
-        events = finishing(upstream, lambda: self._finish_stream(protocol, record, admission))
+            events = _failed(error, record, ends)
         assert self.resumable is not None
         raising: asyncio.Task | None = None
         over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
@@ -599,24 +598,6 @@ class _Ending:
         return {i: "".join(p) for i, p in (self.protocol.generated or {}).items()}
 
 
-async def finishing(
-    events: AsyncGenerator[Event], on_end: Callable[[], None], before_last: Callable[[], Awaitable[None]] | None = None
-) -> AsyncGenerator[Event]:
-    """``events`` up to the final one (``before_last`` awaited before it goes out); ``on_end`` runs
-    when they end, however they end."""
-    try:
-        async for item in events:
-            if not isinstance(item, Chunk):
-                if before_last is not None:
-                    await before_last()
-                yield item
-                return
-            yield item
-    finally:
-        await events.aclose()
-        on_end()
-
-
 async def _any(*waits: Awaitable[object]) -> None:
     """Returns once one of ``waits`` is done (the others are cancelled)."""
     tasks = [asyncio.ensure_future(w) for w in waits]
@@ -628,10 +609,17 @@ async def _any(*waits: Awaitable[object]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _failed(error: ApiError, record: StreamRecord) -> AsyncGenerator[Event]:
-    """A stream of one final error event (a takeover that cannot go on)."""
-    record.failed(error.type)
-    yield Failed(error)
+async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGenerator[Event]:
+    """A stream of one final error event (a takeover that cannot go on), ``ends`` told as a relay
+    tells them."""
+    ends.begin()
+    try:
+        record.failed(error.type)
+        final = Failed(error)
+        await ends.last(final)
+        yield final
+    finally:
+        ends.over()
 
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:

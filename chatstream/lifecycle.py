@@ -47,12 +47,12 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import FrameType
 
 from .errors import ErrorKind, instance_draining
 from .record import StreamRecord
-from .stream import Chunk, Event, Failed, TimeLimits
+from .stream import Ends, Event, Failed, TimeLimits
 
 log = logging.getLogger("chatstream")
 
@@ -73,16 +73,42 @@ def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
     return float(raw) if raw.isascii() and raw.isdigit() else HOST_DEFAULT_SHUTDOWN
 
 
-class Stream:
-    """One stream running on this instance, as the drain sees it (``Lifecycle.register``)."""
+class Stream(Ends):
+    """One stream running on this instance, as the drain sees it, and its ends as its relay tells
+    them (``Lifecycle.ends``)."""
 
-    __slots__ = ("cut", "ending", "limits", "record")
+    __slots__ = ("cut", "ending", "life", "limits", "record")
 
-    def __init__(self, record: StreamRecord, limits: TimeLimits):
+    def __init__(
+        self,
+        life: Lifecycle,
+        record: StreamRecord,
+        limits: TimeLimits,
+        on_end: Callable[[], None],
+        before_last: Callback | None,
+    ) -> None:
+        super().__init__(on_end, before_last)
+        self.life = life
         self.record = record
         self.limits = limits
         self.cut = False  # the grace is over: it ends now, with instance_draining
         self.ending = False  # its final event is in hand
+
+    def begin(self) -> None:
+        self.life._streams.add(self)
+        self.life._changed.set()
+
+    async def last(self, event: Event) -> None:
+        if self.before_last is not None and not (self.cut and type(event) is Failed):
+            await self.before_last()
+        if self.life._holds(self):
+            self.end()  # the stream's record (log line, charge) is written now
+            await self.life._wait_settled()
+
+    def over(self) -> None:
+        self.life._streams.discard(self)
+        self.life._changed.set()
+        self.end()
 
     @property
     def resumable(self) -> bool:
@@ -171,12 +197,6 @@ class Lifecycle:
         request: two objects fewer for the garbage collector to walk while a request waits."""
         return self._starting_guard
 
-    def register(self, record: StreamRecord, limits: TimeLimits) -> Stream:
-        stream = Stream(record, limits)
-        self._streams.add(stream)
-        self._changed.set()
-        return stream
-
     def keep(self, work: asyncio.Future) -> None:
         """Work this instance must finish before it goes (a charge nobody else can make): while
         draining it is waited for within the grace as a stream is, then (``grace_over``) for
@@ -191,56 +211,22 @@ class Lifecycle:
         self._kept.discard(work)
         self._changed.set()
 
-    def guard(
+    def ends(
         self,
-        events: AsyncGenerator[Event],
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
         before_last: Callback | None = None,
-    ) -> AsyncGenerator[Event]:
-        """A stream's events (``relay``'s, whose time limits are ``limits``) as the drain wants them,
-        ``before_last`` awaited before the upstream's final event goes out, and ``on_end`` (the
-        endpoint's record keeping: its log line and charge) once they are over, however they end.
-        The cut goes through ``limits`` (``Stream.cut_now``): the relay itself ends with one final
+    ) -> Stream:
+        """What the relay of a stream whose time limits are ``limits`` tells of its ends (``Ends``):
+        ``before_last`` awaited before the upstream's final event goes out, ``on_end`` (the
+        endpoint's record keeping: its log line and charge) once it is over, however it ends. The cut
+        goes through ``limits`` (``Stream.cut_now``): the relay itself ends with one final
         ``instance_draining`` error. During a drain, the last stream's final event waits for the
         ``on_drain`` callbacks (its record written first). The stream counts for the drain from its
-        first ``anext`` on: one closed before that (its handler cancelled first) never ran, so
+        relay's first read on: one closed before that (its handler cancelled first) never ran, so
         nothing would take it back."""
-        return self._guarded(events, record, limits, on_end, before_last)
-
-    async def _guarded(
-        self,
-        events: AsyncGenerator[Event],
-        record: StreamRecord,
-        limits: TimeLimits,
-        on_end: Callable[[], None],
-        before_last: Callback | None,
-    ) -> AsyncGenerator[Event]:
-        stream = self.register(record, limits)  # no await before the try: its finally takes it back
-        ended = False
-        try:
-            async for item in events:  # per delta only this loop (each layer costs every delta)
-                if type(item) is Chunk:
-                    yield item
-                    continue
-                if before_last is not None and not (stream.cut and type(item) is Failed):
-                    await before_last()
-                if self._holds(stream):
-                    await events.aclose()
-                    ended = True
-                    on_end()  # the stream's record (log line, charge) is written now
-                    await self._wait_settled()
-                yield item
-                return
-        finally:
-            self._streams.discard(stream)
-            self._changed.set()
-            try:
-                await events.aclose()
-            finally:
-                if not ended:
-                    on_end()
+        return Stream(self, record, limits, on_end, before_last)
 
     def _holds(self, stream: Stream) -> bool:
         """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While

@@ -79,6 +79,38 @@ class Failed:
 Event = Chunk | Done | Failed
 
 
+class Ends:
+    """What a stream's relay tells of its ends (``relay``'s ``ends``): ``begin`` at its first read;
+    ``last`` with the final event in hand (its upstream closed by then), awaited before that event
+    goes out; ``over`` once the stream is over, however it ends. Calls, not a generator around the
+    relay's: a layer there would cost every delta. This one awaits ``before_last`` (what a response
+    it created carries, kept) before the final event and calls ``on_end`` (the endpoint's record
+    keeping: the log line, the charge) once, at the end; lifecycle.Stream adds the drain's."""
+
+    __slots__ = ("_ended", "before_last", "on_end")
+
+    def __init__(self, on_end: Callable[[], None], before_last: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.on_end = on_end
+        self.before_last = before_last
+        self._ended = False
+
+    def begin(self) -> None:
+        pass
+
+    async def last(self, event: Event) -> None:
+        if self.before_last is not None:
+            await self.before_last()
+
+    def over(self) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """``on_end``, the first time only."""
+        if not self._ended:
+            self._ended = True
+            self.on_end()
+
+
 @dataclass(slots=True)
 class Fed:
     """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
@@ -318,113 +350,123 @@ async def relay(
     limits: TimeLimits,
     record: StreamRecord,
     continuation: Continuation | None = None,
+    ends: Ends | None = None,
 ) -> AsyncGenerator[Event]:
     """The events of one streamed call: ``upstream.open`` up to the first output, then each chunk
     through ``protocol`` (and, with a ``continuation``, on other streams after a failure mid-answer),
-    then exactly one ``Done`` or ``Failed``. One generator: every layer between the upstream and the
-    caller costs every delta."""
+    then exactly one ``Done`` or ``Failed``, its upstream closed before it goes out; ``ends`` told of
+    each end (``Ends``). One generator: every layer between the upstream and the caller costs every
+    delta."""
+    if ends is not None:
+        ends.begin()
     current = _Current()
     watchdog = None
-    ended = False
+    final: Done | Failed | None = None
     try:
-        stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
-        watchdog = limits.on_total(lambda: _close_parked(current, limits))
-        chunks = aiter(stream)
-        mend, saw = _hands(continuation)
-        plain = protocol.plain
-        held: list[Chunk] = []  # chunks before the first output
-        ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
-        parked = False  # parked at a yield since the last chunk: the caller may have read slowly
         try:
-            while not protocol.done:
-                if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
-                    yield ready
-                    ready = None
-                    parked = True
-                try:
-                    raw = await limits.wait(anext(chunks))
-                except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a time limit
-                    if parked:  # past the total limit while parked: that is the failure (check_total)
-                        limits.check_total()
-                    if isinstance(exc, ApiError):
-                        failure = exc
-                    elif protocol.finished:  # a choice never finished but the stream ended cleanly
-                        break
-                    else:
-                        failure = incomplete()
-                    if continuation is None or not limits.output_started or not continuation.may_continue(failure):
-                        raise failure from None
-                    if ready is not None:  # what is in hand goes out before the wait for the next stream
+            stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
+            watchdog = limits.on_total(lambda: _close_parked(current, limits))
+            chunks = aiter(stream)
+            mend, saw = _hands(continuation)
+            plain = protocol.plain
+            held: list[Chunk] = []  # chunks before the first output
+            ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
+            parked = False  # parked at a yield since the last chunk: the caller may have read slowly
+            try:
+                while not protocol.done:
+                    if ready is not None and (not stream.ready or protocol.feed_waits):  # what comes next may wait
                         yield ready
                         ready = None
-                    stream = await _reopen(current, continuation, failure, limits, record)
-                    chunks = aiter(stream)
-                    mend, saw = _hands(continuation)
-                    continue
-                # The total limit (buffered chunks arrive without a wait, and the caller may have read
-                # slowly while we were parked at yield), the idle one from now.
-                limits.got_chunk()
-                parked = False
-                for data in mend(raw) if mend is not None else (raw,):
-                    fed = plain(data) if plain is not None else None  # no coroutine for the common chunk
-                    if fed is None:
-                        fed = await protocol.feed(data)
-                    if saw is not None:
-                        saw(data, fed)  # after the protocol: what it read of the chunk (read once)
-                    if fed.data is None:
+                        parked = True
+                    try:
+                        raw = await limits.wait(anext(chunks))
+                    except (StopAsyncIteration, ApiError) as exc:  # ApiError: the upstream's (failover.py), a limit
+                        if parked:  # past the total limit while parked: that is the failure (check_total)
+                            limits.check_total()
+                        if isinstance(exc, ApiError):
+                            failure = exc
+                        elif protocol.finished:  # a choice never finished but the stream ended cleanly
+                            break
+                        else:
+                            failure = incomplete()
+                        if continuation is None or not limits.output_started or not continuation.may_continue(failure):
+                            raise failure from None
+                        if ready is not None:  # what is in hand goes out before the wait for the next stream
+                            yield ready
+                            ready = None
+                        stream = await _reopen(current, continuation, failure, limits, record)
+                        chunks = aiter(stream)
+                        mend, saw = _hands(continuation)
                         continue
-                    chunk = Chunk(fed.data, False, fed.batch, fed.text)
-                    if record.first_delta_at is None:
-                        if not fed.output:
-                            held.append(chunk)
+                    # The total limit (buffered chunks arrive without a wait, and the caller may have read
+                    # slowly while we were parked at yield), the idle one from now.
+                    limits.got_chunk()
+                    parked = False
+                    for data in mend(raw) if mend is not None else (raw,):
+                        fed = plain(data) if plain is not None else None  # no coroutine for the common chunk
+                        if fed is None:
+                            fed = await protocol.feed(data)
+                        if saw is not None:
+                            saw(data, fed)  # after the protocol: what it read of the chunk (read once)
+                        if fed.data is None:
                             continue
-                        record.first_output()
-                        limits.got_output()
-                        for early in held:
-                            early.more = True
-                            yield early
-                    if fed.delta:
-                        record.deltas += 1
-                    if ready is not None:
-                        ready.more = True
-                        yield ready
-                    ready = chunk
-        except Exception:
-            if ready is not None:  # what was made before the failure still goes out, then the error
+                        chunk = Chunk(fed.data, False, fed.batch, fed.text)
+                        if record.first_delta_at is None:
+                            if not fed.output:
+                                held.append(chunk)
+                                continue
+                            record.first_output()
+                            limits.got_output()
+                            for early in held:
+                                early.more = True
+                                yield early
+                        if fed.delta:
+                            record.deltas += 1
+                        if ready is not None:
+                            ready.more = True
+                            yield ready
+                        ready = chunk
+            except Exception:
+                if ready is not None:  # what was made before the failure still goes out, then the error
+                    yield ready
+                raise
+            if ready is not None:
                 yield ready
-            raise
-        if ready is not None:
-            yield ready
-        assert current.stream is not None
-        await _read_rest(aiter(current.stream), protocol, limits, continuation)
-        # The answer is complete: the upstream is closed now, not shielded (a shield costs ~3.5 µs a
-        # stream). A cancel or a failure during this close leaves ``current.stream`` set: the
-        # shielded close below does it, as it did every close before.
-        try:
-            await current.stream.close()
-            current.stream = None
-        except Exception:  # noqa: BLE001 - see above
-            pass
-        done = protocol.summary()
-        if continuation is not None:
-            done = continuation.summary(done)
-        record.ended(done.finish_reason, done.usage)
-        ended = True
-        yield done
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the one final event
-        ended = True
-        yield Failed(_failure(exc, record))
-    finally:
-        if not ended:
-            record.hung_up()
-        if watchdog is not None:
-            watchdog.cancel()
-        limits.close()
-        if current.stream is not None:
-            # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
-            # connection must still be closed (that is what stops the paid generation).
-            with anyio.CancelScope(shield=True):
+            assert current.stream is not None
+            await _read_rest(aiter(current.stream), protocol, limits, continuation)
+            # The answer is complete: the upstream is closed now, not shielded (a shield costs ~3.5 µs a
+            # stream). A cancel or a failure during this close leaves ``current.stream`` set: the
+            # shielded close below does it, as it did every close before.
+            try:
                 await current.stream.close()
+                current.stream = None
+            except Exception:  # noqa: BLE001 - see above
+                pass
+            done = protocol.summary()
+            if continuation is not None:
+                done = continuation.summary(done)
+            record.ended(done.finish_reason, done.usage)
+            final = done
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the one final event
+            final = Failed(_failure(exc, record))
+        finally:
+            if final is None:
+                record.hung_up()
+            if watchdog is not None:
+                watchdog.cancel()
+            limits.close()
+            if current.stream is not None:
+                # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
+                # connection must still be closed (that is what stops the paid generation).
+                with anyio.CancelScope(shield=True):
+                    await current.stream.close()
+        assert final is not None  # else what ended the stream goes on up from the finally above
+        if ends is not None:
+            await ends.last(final)
+        yield final
+    finally:
+        if ends is not None:
+            ends.over()
 
 
 def _hands(

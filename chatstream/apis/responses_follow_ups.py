@@ -11,6 +11,7 @@ stream core with a ``ResponseStream`` (as every re-stream does, so it gets the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import telemetry
-from ..endpoint import finishing, stream_response, unless_gone
+from ..endpoint import stream_response, unless_gone
 from ..errors import (
     ApiError,
     ClientGone,
@@ -37,7 +38,7 @@ from ..settings import Settings
 from ..state.accounting import Accounting
 from ..state.callers import Caller
 from ..state.port import Unavailable
-from ..stream import StreamProtocol, TimeLimits, UpstreamChunks, relay
+from ..stream import Ends, StreamProtocol, TimeLimits, UpstreamChunks, relay
 from ..upstreams.clients import SdkClient
 from ..upstreams.failover import Upstreams
 from .openai_chat import error_response
@@ -183,16 +184,14 @@ class ResponseFollowUps:
         """A stored response's events again, after ``starting_after``: through the stream core."""
         limits = TimeLimits(self.settings)
         protocol = ResponseStream(self.pipeline if self.pipeline.filters_text else None, resumed=True)
-        events = finishing(
-            relay(
-                _Stored(self.upstreams, query, self.attempt_timeout),
-                f"/responses/{response_id}",
-                {},
-                protocol,
-                limits,
-                record,
-            ),
-            lambda: _finish(record),
+        events = relay(
+            _Stored(self.upstreams, query, self.attempt_timeout),
+            f"/responses/{response_id}",
+            {},
+            protocol,
+            limits,
+            record,
+            ends=Ends(functools.partial(_finish, record)),
         )
         return await stream_response(
             request,

@@ -25,7 +25,7 @@ from chatstream.lifecycle import AFTER_GRACE, CALLBACKS_WAIT, Lifecycle, host_sh
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings, SettingsError
-from chatstream.stream import Chunk, Done, Event, Failed, TimeLimits
+from chatstream.stream import Chunk, Done, Ends, Event, Failed, TimeLimits
 
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
 
@@ -38,10 +38,13 @@ def done() -> Done:
     return Done("stop", {0: "stop"}, None, "m", "id-1", 0)
 
 
-async def events(count: int, every: float, record: StreamRecord, log: list[str], limits: TimeLimits):
+async def events(count: int, every: float, record: StreamRecord, log: list[str], limits: TimeLimits, ends: Ends):
     """A stream of ``count`` chunks ``every`` seconds apart, then Done; what happened, in ``log``.
-    Its waits go through ``limits``, and a limit's error (the drain's cut) ends it, as in the stream core."""
+    Its waits go through ``limits``, a limit's error (the drain's cut) ends it, and ``ends`` is told
+    of its ends, as the stream core does (stream.relay): its upstream closed before the final event."""
+    ends.begin()
     try:
+        final: Event | None = None
         try:
             for i in range(count):
                 await limits.wait(asyncio.sleep(every))
@@ -50,19 +53,23 @@ async def events(count: int, every: float, record: StreamRecord, log: list[str],
                     record.first_output()  # as the stream core does
                     limits.got_output()
                 yield Chunk({"i": i})
+            final = done()
         except ApiError as error:
             record.failed(error.type)
-            yield Failed(error)
-            return
-        yield done()
+            final = Failed(error)
+        finally:
+            log.append("closed")
+        await ends.last(final)
+        yield final
     finally:
-        log.append("closed")
+        ends.over()
 
 
 def guarded(life: Lifecycle, count: int, every: float, record: StreamRecord, log: list[str] | None = None):
-    """``events`` through the drain's guard, with the stream's time limits."""
+    """``events`` with the drain's ends, with the stream's time limits."""
     limits = TimeLimits(Settings.from_env({}))
-    return life.guard(events(count, every, record, [] if log is None else log, limits), record, limits, lambda: None)
+    ends = life.ends(record, limits, lambda: None)
+    return events(count, every, record, [] if log is None else log, limits, ends)
 
 
 async def read_all(stream) -> list[tuple[float, Event]]:
@@ -173,7 +180,7 @@ async def test_the_last_streams_final_event_waits_for_the_on_drain_callbacks():
 
 async def test_a_stream_closed_before_its_first_event_task_started_is_not_left_to_the_drain(caplog):
     """The endpoint's handler cancelled while its first-event task has not started: it cancels that
-    task and closes the events (endpoint._close_events), so the guard never runs. The drain must
+    task and closes the events (endpoint._close_events), so its relay never starts. The drain must
     not count that stream, wait its grace for it, or cut the record of a request that is over."""
     life = Lifecycle(2, 30, signals=False)
     record = StreamRecord(endpoint="chat", model="m")
