@@ -52,7 +52,7 @@ class PoolEvent:
 
 
 @dataclass(frozen=True)
-class Unavailable:
+class NoneFree:
     """Why no entry can take a model's request now: ``retry_after`` seconds until the soonest is
     free; ``reason`` ``rate_limited`` when every entry serving it is cooling down after 429s (answer
     429), else ``unavailable`` (answer 503)."""
@@ -188,7 +188,7 @@ class Pool:
             return routed
         return "next" if outcome.failover else "stop"
 
-    def unavailable(self, model: str) -> Unavailable | None:
+    def unavailable(self, model: str) -> NoneFree | None:
         """When entries serve ``model`` but none is free: how long until the soonest is, and why.
         None when one is free, or when none serves the model."""
         now = self._now()
@@ -202,7 +202,7 @@ class Pool:
         if not waits:
             return None
         reason = "rate_limited" if all(why == "cooling_down" for _, why in waits) else "unavailable"
-        return Unavailable(min(seconds for seconds, _ in waits), reason)
+        return NoneFree(min(seconds for seconds, _ in waits), reason)
 
     # --- outcomes ---------------------------------------------------------------------------
 
