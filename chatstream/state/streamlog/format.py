@@ -89,11 +89,6 @@ def position(event_id: int) -> int:
     return event_id % EPOCH_IDS
 
 
-def epoch_of(event_id: int) -> int:
-    """The epoch of the producer that made the event ``event_id``."""
-    return event_id // EPOCH_IDS + 1
-
-
 def never_stored(after: int, fences: list[tuple[int, int]]) -> bool:
     """Whether the id ``after`` is one a producer handed out and never stored: above a fence's last
     stored id L, and of an epoch before the fence's E (``fences``: each (E, L) of the log)."""
@@ -306,5 +301,6 @@ class Tail:
 
 def producer_events(data: bytes, epoch: int) -> bytes:
     """The events the ``epoch``-th producer stored in a log (``data``, from its start): those with
-    its ids (all between its fence and the next one: a fence stops the previous producer's appends)."""
-    return b"".join(event for event in split_events(data) if epoch_of(sse.event_id(event) or 0) == epoch)
+    its ids, ``epoch_id``'s (all between its fence and the next one: a fence stops the previous
+    producer's appends)."""
+    return b"".join(event for event in split_events(data) if (sse.event_id(event) or 0) // EPOCH_IDS + 1 == epoch)
