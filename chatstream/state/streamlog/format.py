@@ -8,9 +8,8 @@ comment lines of ours (``sse.comment``), which no reader passes on:
 
 - ``: end`` — the last event is the route's final one; ``: lost`` — it is an error written here (the
   stream stopped being stored before its end);
-- ``: epoch E L`` — another instance took the stream over (epoch E) after event L: the fence, appended
-  at the stored end, so the previous producer's next append fails on its append position. Ids above
-  L that earlier producers handed out were never stored (``Tail.broken``);
+- ``: epoch E L`` — another instance took the stream over (epoch E) after event L (the fence:
+  takeover.py). Ids above L that earlier producers handed out were never stored (``Tail.broken``);
 - ``: handover`` — its producer stopped (its instance drains): a reader takes it over at once;
 - ``: ack NONCE L`` — the producer saw the reader NONCE registered (``inbox.py``) when it had handed
   out events up to L, all stored before this line: a reading after an id above L asks for one never handed out.
