@@ -97,7 +97,14 @@ class StreamLog:
             raise TooManyStreams("too many resumable streams on this instance")
         now = ctx.now()
         stream_id = new_stream_id(now if self.store.clock.observed else None)
-        body = _request_json(request, stream_id)
+        body = None
+        if request is not None:
+            try:
+                body = json.dumps(request, separators=(",", ":"), ensure_ascii=False)
+            except (TypeError, ValueError) as exc:
+                log.warning(
+                    "stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc
+                )
         inline = body is not None and fits_record(body)
         record = Record(
             stream_id=stream_id,
@@ -246,16 +253,6 @@ class StreamLog:
     def producers(self) -> int:
         """The streams this instance produces now."""
         return len(self._producers)
-
-
-def _request_json(request: Mapping[str, Any] | None, stream_id: str) -> str | None:
-    if request is None:
-        return None
-    try:
-        return json.dumps(request, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        log.warning("stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc)
-        return None
 
 
 async def sweep(store: Store, config: ResumeConfig) -> int:
