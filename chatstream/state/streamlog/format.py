@@ -8,9 +8,8 @@ comment lines of ours (``sse.comment``), which no reader passes on:
 
 - ``: end`` — the last event is the route's final one; ``: lost`` — it is an error written here (the
   stream stopped being stored before its end);
-- ``: epoch E L`` — another instance took the stream over (epoch E) after event L: the fence, appended
-  at the stored end, so the previous producer's next append fails on its append position. Ids above
-  L that earlier producers handed out were never stored (``Tail.broken``);
+- ``: epoch E L`` — another instance took the stream over (epoch E) after event L (the fence:
+  takeover.py). Ids above L that earlier producers handed out were never stored (``Tail.broken``);
 - ``: handover`` — its producer stopped (its instance drains): a reader takes it over at once;
 - ``: ack NONCE L`` — the producer saw the reader NONCE registered (``inbox.py``) when it had handed
   out events up to L, all stored before this line: a reading after an id above L asks for one never handed out.
@@ -87,11 +86,6 @@ def epoch_id(epoch: int, position: int) -> int:
 def position(event_id: int) -> int:
     """Where the event ``event_id`` is in its stream (1 for the first)."""
     return event_id % EPOCH_IDS
-
-
-def epoch_of(event_id: int) -> int:
-    """The epoch of the producer that made the event ``event_id``."""
-    return event_id // EPOCH_IDS + 1
 
 
 def never_stored(after: int, fences: list[tuple[int, int]]) -> bool:
@@ -306,5 +300,6 @@ class Tail:
 
 def producer_events(data: bytes, epoch: int) -> bytes:
     """The events the ``epoch``-th producer stored in a log (``data``, from its start): those with
-    its ids (all between its fence and the next one: a fence stops the previous producer's appends)."""
-    return b"".join(event for event in split_events(data) if epoch_of(sse.event_id(event) or 0) == epoch)
+    its ids, ``epoch_id``'s (all between its fence and the next one: a fence stops the previous
+    producer's appends)."""
+    return b"".join(event for event in split_events(data) if (sse.event_id(event) or 0) // EPOCH_IDS + 1 == epoch)

@@ -40,7 +40,7 @@ class StreamLog:
     Producing (a streamed /api/chat or /api/v1/chat/completions response, RESUMABLE_STREAMS on):
       1. ``producer = log.start(route, owner, request=params, request_id=...)`` before the response
          starts; send the header ``x-stream-id: producer.id``. (TooManyStreams: stream it without
-         resumability.) ``request``: what a continuation needs to go on (the route's params).
+         resumability.) ``request``: what a continuation needs to go on (the route's params, JSON).
       2. For each encoded piece: ``out = producer.append(data, final=...)``, and send ``out``
          (not ``data``) to the live caller; ``final=True`` with the route's last event(s).
       3. The relay must outlive the HTTP response: on a hang-up call ``producer.caller_gone()`` and
@@ -55,18 +55,14 @@ class StreamLog:
       ``producer.resumable`` turns False (readers elsewhere get ``stream_lost``).
 
     Resuming: ``reader = await log.open_reader(id, after, caller)`` (``after``: the last event id the
-    caller has, None: from the start),
-    then stream ``reader`` (an SSE body in ``reader.route``'s format). Cancelling:
-    ``await log.cancel(id, caller)``. Errors (errors.py): StreamNotFound (unknown, expired,
-    malformed, another caller's), PastTheEnd, TooManyReaders, Unavailable.
+    caller has, None: from the start), then stream ``reader`` (an SSE body in ``reader.route``'s
+    format). Cancelling: ``await log.cancel(id, caller)``. Errors (errors.py): StreamNotFound
+    (unknown, expired, malformed, another caller's), PastTheEnd, TooManyReaders, Unavailable.
 
     Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
     (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
     ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
-    ``stream_lost``. ``drain()``: when this instance stops (SIGTERM), its streams are handed over:
-    a reader elsewhere takes each over at once. ``move_readers()``, as the drain begins: every reading
-    here ends now with ``reader.moved_event()`` (those opened later at once), to resume elsewhere.
-
+    ``stream_lost``. When this instance stops (SIGTERM): ``move_readers()``, then ``drain()``, and
     ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
 
     def __init__(
@@ -93,8 +89,7 @@ class StreamLog:
         self, route: str, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
     ) -> Producer:
         """A new resumable stream produced here (no I/O: storing starts in the background).
-        ``route``: the request path's name for its events' format (given back with a ``Claim``);
-        ``request``: the route's params, stored for a continuation (JSON)."""
+        ``route``: the request path's name for its events' format (given back with a ``Claim``)."""
         ctx, cfg = self._ctx, self.config
         if ctx.closed:
             raise RuntimeError("the stream log is closed")
@@ -102,7 +97,14 @@ class StreamLog:
             raise TooManyStreams("too many resumable streams on this instance")
         now = ctx.now()
         stream_id = new_stream_id(now if self.store.clock.observed else None)
-        body = _request_json(request, stream_id)
+        body = None
+        if request is not None:
+            try:
+                body = json.dumps(request, separators=(",", ":"), ensure_ascii=False)
+            except (TypeError, ValueError) as exc:
+                log.warning(
+                    "stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc
+                )
         inline = body is not None and fits_record(body)
         record = Record(
             stream_id=stream_id,
@@ -227,7 +229,7 @@ class StreamLog:
 
     # -- housekeeping ---------------------------------------------------------------------------
 
-    async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface (docs/resumable.md)
+    async def close(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109 - the documented interface
         """Stop: producers get ``timeout`` seconds to store what they hold, then every task of this
         log is cancelled."""
         producers = list(self._producers.values())
@@ -251,16 +253,6 @@ class StreamLog:
     def producers(self) -> int:
         """The streams this instance produces now."""
         return len(self._producers)
-
-
-def _request_json(request: Mapping[str, Any] | None, stream_id: str) -> str | None:
-    if request is None:
-        return None
-    try:
-        return json.dumps(request, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        log.warning("stream %s: its request cannot be stored (%s): it cannot be continued", log_tag(stream_id), exc)
-        return None
 
 
 async def sweep(store: Store, config: ResumeConfig) -> int:

@@ -5,25 +5,24 @@ that no reader holds an id the log never had if this instance dies (format.EPOCH
 
 Storing: the record at the start, then whole-event blocks appended at the expected position (the
 blob made before the first), at most every ``fast_flush_seconds`` while someone follows (elsewhere,
-or here), else every ``checkpoint_seconds``; the end marker and the record's end last. A stream
-that ends before its first write, with nobody elsewhere following it by then (the inbox read once
-more after its end to tell), is stored by the record's end alone: its whole log in the record, no
-blob (two store calls in all). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``:
-nobody waits on it, and a slow store is not a failed one). It stops storing when the store fails
-for ``give_up_seconds`` (it ends the stored log with a ``stream_lost`` error as soon as the store
-lets it: the live stream goes on), and for good when its append finds someone else's bytes at its
-position: another instance took the stream over. A hand-over stores what is kept with a
-``: handover`` marker.
+or here), else every ``checkpoint_seconds``; the end marker and the record's end last (or the
+record's end alone, the log in it, for a stream that ended before its first write: format.py). Each
+call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it, and a slow store is
+not a failed one). It stops storing when the store fails for ``give_up_seconds`` (it ends the
+stored log with a ``stream_lost`` error as soon as the store lets it: the live stream goes on), and
+for good when its append finds someone else's bytes at its position: another instance took the
+stream over. A hand-over stores what is kept with a ``: handover`` marker.
 
-Also where a stop is requested: a cancel (from any instance, via the inbox), nobody reading for
-``abandon_seconds``, the time cap, or the stream going on elsewhere (``moved``: taken over, or
-handed over by ``hand_over`` when this instance drains)."""
+Also where a stop is requested (``stop_requested``, ``stop_reason``): a cancel (from any instance,
+via the inbox), nobody reading for ``abandon_seconds``, the time cap, or the stream going on
+elsewhere (``moved``: taken over, or handed over by ``hand_over`` when this instance drains)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
@@ -78,9 +77,7 @@ class _Fenced(Exception):
 class Producer:
     """One stream produced on this instance. Made by ``StreamLog.start`` (a new stream) or by a claim
     (a stream taken over: its stored events are kept here, and ids go on after them); see
-    ``StreamLog`` for the request path's contract. ``stop_requested`` is set when the stream is
-    cancelled (on any instance), abandoned, past its time cap, or moved elsewhere; ``stop_reason``
-    says which. ``moved`` is set once the stream goes on elsewhere (taken over, handed over)."""
+    ``StreamLog`` for the request path's contract."""
 
     def __init__(
         self,
@@ -114,8 +111,8 @@ class Producer:
         self._seam = len(self._events)  # the positions stored by earlier producers
         self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
-        self._end = False  # the final event is kept...
-        self._lost = False  # ...and it is our stream_lost
+        self.ended = False  # the final event is kept...
+        self.ended_lost = False  # ...and it is our stream_lost
         self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
         self._handed = len(self._events)  # positions handed out (to the live caller)
         self._waiters: list[asyncio.Future] = []
@@ -149,7 +146,6 @@ class Producer:
         self._blocks = 0
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
         self._acks: list[str] = []  # acks to store with the next write
-        self._flush_now = False
         self._fast = False
         self._following = False  # a reader elsewhere follows
         self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
@@ -199,11 +195,10 @@ class Producer:
             self._keep(event)
         if final:
             self._final_by_caller = True
-            if not self._end:
-                self._end = True
+            if not self.ended:
+                self.ended = True
                 self._kick.set()
-        if self._waiters:
-            self._wake()
+        self._wake()
         # An idle storing starts its checkpoint wait now; a fast one, or one with flush_bytes waiting, writes.
         if self._idle or self._fast or self._unstored_bytes() >= self._cfg.flush_bytes:
             self._kick.set()
@@ -216,8 +211,8 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        if not self._end:  # (read to its end: nothing more comes, and the end is written at once)
-            self._flush_now = True
+        if not self.ended:  # (read to its end: nothing more comes, and the end is written at once)
+            self._last_write = -math.inf  # what is in hand is written now
             self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
             self._update_fast()
             self._kick.set()
@@ -226,20 +221,20 @@ class Producer:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
         stored stream ends with a ``stream_lost`` error. Returns at once; the last write goes on in
         the background (``wait_stored``)."""
-        if not self._end and not self._handing_over:
+        if not self.ended and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
         self._kick.set()
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until storing is done; True if the whole stream is stored."""
         done = await _within(timeout, self._stored_all.wait())
-        return done and self.resumable and self._stored == len(self._events) and self._end
+        return done and self.resumable and self._stored == len(self._events) and self.ended
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
-        if self._end or not self.resumable or self._stored_all.is_set():
+        if self.ended or not self.resumable or self._stored_all.is_set():
             return False
         self._handing_over = True
         self._kick.set()
@@ -270,17 +265,7 @@ class Producer:
     @property
     def stored_end(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self._end_written or (self._end and not self.resumable)
-
-    @property
-    def ended(self) -> bool:
-        """The final event is kept."""
-        return self._end
-
-    @property
-    def ended_lost(self) -> bool:
-        """The final event kept is our ``stream_lost`` error."""
-        return self._lost
+        return self._end_written or (self.ended and not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -335,7 +320,7 @@ class Producer:
             self._inbox_read.set()
         self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
         self._update_fast()
-        if self._end or self.moved.is_set():
+        if self.ended or self.moved.is_set():
             return
         if now - self._started > cfg.max_stream_seconds:
             log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
@@ -368,7 +353,7 @@ class Producer:
         return sse.event_id(self._events[at - 1]) or 0 if at else 0
 
     def _keep(self, event: bytes) -> None:
-        if self._end:
+        if self.ended:
             return  # the live caller only: past the kept end
         too_long = self._size + len(event) > self._cfg.max_stream_bytes or len(self._events) >= EPOCH_IDS - 2
         if too_long or len(event) > BLOCK_LIMIT - 64:
@@ -389,7 +374,7 @@ class Producer:
         self._events.append(event)
         self._size += len(event)
         self._handed = max(self._handed, at)
-        self._end = self._lost = True
+        self.ended = self.ended_lost = True
         self._wake()
         self._kick.set()
 
@@ -427,7 +412,7 @@ class Producer:
             self._update_fast()
             self._wake()
             instances.done()
-        while not self._end and not self.moved.is_set():
+        while not self.ended and not self.moved.is_set():
             await self.changed()
 
     def _update_fast(self) -> None:
@@ -441,13 +426,6 @@ class Producer:
 
     def _unstored_bytes(self) -> int:
         return self._size - self._stored_size
-
-    def _interval(self) -> float:
-        cfg = self._cfg
-        self._update_fast()
-        if not self._fast:
-            return cfg.checkpoint_seconds
-        return max(cfg.fast_flush_seconds, self._ctx.fast_writers / cfg.write_rate)
 
     def _give_up(self, why: str) -> None:
         if not self.resumable:
@@ -524,11 +502,11 @@ class Producer:
             self._kick.clear()
             if self._record.instance != self._ctx.instances.id:
                 await self._repoint()
-            ending = self._end and not self._end_written
+            ending = self.ended and not self._end_written
             pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
-            if not pending and self._end:
+            if not pending and self.ended:
                 break
-            if self._end and not self._blob and self._end_seen_at is None:
+            if self.ended and not self._blob and self._end_seen_at is None:
                 if await self._end_inline():
                     return
                 continue
@@ -536,16 +514,15 @@ class Producer:
                 self._give_up("the stream has too many blocks")
                 return
             now = self._loop.time()
-            due = self._last_write + self._interval()
+            self._update_fast()
+            interval = self._cfg.checkpoint_seconds
+            if self._fast:
+                interval = max(self._cfg.fast_flush_seconds, self._ctx.fast_writers / self._cfg.write_rate)
+            due = self._last_write + interval
             urgent = (
-                self._end
-                or self._flush_now
-                or self._handing_over
-                or bool(self._acks)
-                or self._unstored_bytes() >= self._cfg.flush_bytes
+                self.ended or self._handing_over or bool(self._acks) or self._unstored_bytes() >= self._cfg.flush_bytes
             )
             if pending and (urgent or now >= due):
-                self._flush_now = False
                 self._last_write = now
                 try:
                     await self._write_block(self._compose())
@@ -571,7 +548,10 @@ class Producer:
                 pass
             finally:
                 self._idle = False
-        await self._store_end()
+        # The record says the stream is over (and expires a TTL from now). When that fails the end
+        # is still in the blob (and the record is deleted at its first expiry).
+        if await self._merge_end(self._end_fields()) is None:
+            log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
 
     def _compose(self) -> _Attempt:
         first = self._stored
@@ -586,10 +566,10 @@ class Producer:
         whole = first + count == len(self._events)
         acks = tuple(self._acks) if whole else ()
         parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
-        end = self._end and whole
+        end = self.ended and whole
         handover = self._handing_over and whole and not end
         if end:
-            parts.append(sse.comment(LOST if self._lost else END))
+            parts.append(sse.comment(LOST if self.ended_lost else END))
         elif handover:
             parts.append(sse.comment(HANDOVER))
         return _Attempt(count, b"".join(parts), end, handover, acks)
@@ -658,7 +638,7 @@ class Producer:
 
     def _end_fields(self) -> dict:
         now = self._ctx.now()
-        state = "lost" if self._lost else "ended"
+        state = "lost" if self.ended_lost else "ended"
         last = self._id_at(len(self._events))
         return record_over(
             self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=self._stored_bytes
@@ -673,12 +653,10 @@ class Producer:
             return False
         # A reader registered before the end is seen by an inbox read begun after it (its rows are
         # delivered before the producers tick); one that came later reads this record first.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._cfg.inbox_seconds + 1.0):
-                await self._inbox_read.wait()
+        await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
         if self._following or self._acks or self._handing_over or self._stored:
             return False
-        block = b"".join(self._events) + sse.comment(LOST if self._lost else END)
+        block = b"".join(self._events) + sse.comment(LOST if self.ended_lost else END)
         try:
             text = block.decode()
         except UnicodeDecodeError:
@@ -694,12 +672,6 @@ class Producer:
             return True
         self._confirm(_Attempt(len(self._events), block, True, False, ()), 0)
         return True
-
-    async def _store_end(self) -> None:
-        """The record says the stream is over (and expires a TTL from now). When it fails the end is
-        still in the blob (and the record is deleted at its first expiry)."""
-        if await self._merge_end(self._end_fields()) is None:
-            log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
 
     async def _merge_end(self, fields: dict) -> bool | None:
         """Merge the record's end, on its ETag (only this epoch's producer may), for up to
