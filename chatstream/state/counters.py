@@ -99,7 +99,7 @@ class _Written:
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
-@dataclass
+@dataclass(eq=False)  # (one charge is in the books or not: ``in`` asks for this one)
 class _Staged:
     seq: int
     amount: int
@@ -239,17 +239,21 @@ class Lease:
         A budget's charge is staged: it enters the row once confirmed (its ledger row written). A
         minute window is never taken over (it ends by itself): its charge leaves the books at once."""
         self.balance -= amount
-        if self.period != "minute":
-            return self._stage(amount)
-        self.held -= amount
+        staged = None
+        if self.period == "minute":
+            self.held -= amount
+        else:
+            self.seq += 1
+            staged = _Staged(self.seq, amount)
+            self.staged.append(staged)
         self.kick()
-        return None
+        return staged
 
     def confirm(self, staged: _Staged, less: int) -> None:
         """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
         another instance's, which counts it): what that took of the books comes back to the balance."""
         less = min(less, staged.amount)
-        if less > 0 and not staged.confirmed and any(s is staged for s in self.staged):
+        if less > 0 and not staged.confirmed and staged in self.staged:
             staged.amount -= less
             self.balance += less
         staged.confirmed = True
@@ -291,22 +295,10 @@ class Lease:
     def _pending(self) -> list[_Waiter]:
         return [w for w in self.waiters if not w.future.done()]
 
-    def _serve_from_balance(self) -> None:
-        if self.uncertain is None:
-            fits = _fitting(self._pending(), self._servable())
-            self._answer(fits, fits)
-
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
-
-    def _stage(self, amount: int) -> _Staged:
-        self.seq += 1
-        staged = _Staged(self.seq, amount)
-        self.staged.append(staged)
-        self.kick()
-        return staged
 
     def _has_work(self) -> bool:
         holding = self.hold.active()
@@ -323,7 +315,9 @@ class Lease:
     async def _run(self) -> None:
         try:
             while not self.counters.closed:
-                self._serve_from_balance()
+                if self.uncertain is None:  # what the balance holds is served first
+                    fits = _fitting(self._pending(), self._servable())
+                    self._answer(fits, fits)
                 if not self._has_work():
                     return
                 try:
@@ -332,7 +326,9 @@ class Lease:
                 except StoreError as exc:
                     self.known = False
                     self._fail()
-                    self._retry_later()
+                    if self.retry is None and self._has_work():
+                        self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry)
+                        self.backoff = min(self.backoff * 2, 30.0)
                     log.warning("limits: a %s counter exchange failed: %s", self.key.row, exc)
                     return
         except Exception:  # a bug of ours: the reservations waiting hear "unavailable", not nothing
@@ -347,12 +343,7 @@ class Lease:
             waiter.future.cancel()
         self.waiters.clear()
 
-    def _retry_later(self) -> None:
-        if self.retry is None and self._has_work():
-            self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry_now)
-            self.backoff = min(self.backoff * 2, 30.0)
-
-    def _retry_now(self) -> None:
+    def _retry(self) -> None:
         self.retry = None
         if self._has_work():
             self.kick()
@@ -394,8 +385,7 @@ class Lease:
                 number = journal.number if journal is not None else 1
                 self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
                 continue
-            window = self.window
-            assert window is not None
+            window = self.window  # (the window ``taken`` and ``holds`` are of, whatever the awaits below)
             waiters = self._pending()
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
@@ -472,8 +462,7 @@ class Lease:
 
     def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
         """The write is in the row: the books follow it, the chosen waiters are served."""
-        window = written.row.window
-        if window is None or window != self.window:
+        if written.row.window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
         self.in_row = self.counters.instance in written.row.holds
@@ -550,7 +539,7 @@ class Settlement:
 
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.in_row or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(lease.in_row or staged not in lease.staged for lease, staged in self.staged)
 
     def journaled(self, number: int) -> None:
         """A landed write of journal ``number`` lists it settled: a takeover applies it from there."""
@@ -568,7 +557,7 @@ class Settlement:
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(staged not in lease.staged for lease, staged in self.staged)
 
 
 @dataclass
