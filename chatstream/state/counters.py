@@ -262,7 +262,7 @@ class Lease:
     def used(self) -> int:
         """What is out of the limit but this instance's balance: the row as last read or written, less
         the balance (below 0: charges the row has not had yet)."""
-        return (self.seen.taken if self.seen.counts_in(self.window) else 0) - self.balance
+        return self.seen.taken_in(self.window) - self.balance
 
     def remaining(self) -> int:
         return max(0, self.limit - self.used())
