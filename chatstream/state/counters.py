@@ -214,7 +214,6 @@ class Lease:
     def wait(self, need: int) -> asyncio.Future[Part | None]:
         """``need`` of this counter from the next exchange: the part, or None when the limit leaves no
         room; cancelled when the store does not tell, or when the reservation gives up."""
-
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()
@@ -790,7 +789,6 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
 
 def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:
     """The parts the futures were granted; those still waiting give up (unavailable)."""
-
     for future in futures:
         future.cancel()
     return [part for future in futures if not future.cancelled() and (part := future.result())]
