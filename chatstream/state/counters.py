@@ -95,7 +95,6 @@ class _Written:
     row: CounterRow  # what it writes
     delta: int  # what it takes of the row (negative: gives back)
     applied: list[_Staged]  # the charges it applies
-    waiters: list[_Waiter]  # the reservations it grants
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
@@ -417,7 +416,7 @@ class Lease:
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta), holds)
-            written = _Written(seen.etag, row, delta, applied, chosen, self.balance)
+            written = _Written(seen.etag, row, delta, applied, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -430,7 +429,7 @@ class Lease:
                 self.known = False
                 self._undo(written)
                 continue
-            self._landed(written, waiters)
+            self._landed(written, waiters, chosen)
             if lone is not None and self.hold.share:
                 self.hold.renew()
             return
@@ -459,8 +458,8 @@ class Lease:
             self.seen, self.known = row, True
         return row is not None
 
-    def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
-        """The write is in the row: the books follow it, the chosen waiters are served."""
+    def _landed(self, written: _Written, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
+        """The write is in the row: the books follow it, the ``chosen`` waiters it granted are served."""
         if written.row.window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
@@ -472,7 +471,7 @@ class Lease:
             self.applied = staged.seq
         if written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
-        self._answer(waiters, written.waiters)
+        self._answer(waiters, chosen)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -498,7 +497,8 @@ class Lease:
         (only this instance writes it, each time with the next exchange number). Not yet, with the
         row unchanged since the write's condition: send the same write again (at most one of them can
         land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped. Its waiters were told "unavailable" meanwhile (their parts come back)."""
+        write is dropped. It serves no waiter: they were told "unavailable" when its answer was lost
+        (what it granted them stays in the balance)."""
         written = self.uncertain
         assert written is not None
         instance = self.counters.instance
@@ -517,7 +517,7 @@ class Lease:
                 landed = mine is None and not self.counters.instances.fenced.is_set()
             self.uncertain = None
             if landed:
-                self._landed(written, written.waiters)
+                self._landed(written, [], [])
             else:
                 self._undo(written)
             return
