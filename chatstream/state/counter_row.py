@@ -4,8 +4,7 @@
 that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
 ``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
 after their next write). A row whose window is older than now counts as empty: rows are reused, never
-piled up. Everything reads and writes it through this module: the counters (counters.py), the
-recovery of a dead instance (journal.py), the admin API and the registry."""
+piled up. Everything reads and writes it through this module."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ Period = str  # "minute", "day", "month", "total"
 
 
 class CounterKey(NamedTuple):
-    """A counter's row: its name wherever a counter is named (leases, reservations, settlements, the
-    journal). The journal document stores it as ``"partition/row"`` (``str``; ``parse`` reads it back:
-    a partition has no ``/``, store.key_part)."""
+    """A counter's row, wherever a counter is named; the journal stores it as ``"partition/row"``
+    (``str``, read back by ``parse``: a partition has no ``/``, store.key_part)."""
 
     partition: str
     row: str
@@ -102,6 +100,9 @@ class CounterRow:
         """Whether the row is there and is ``window``'s (else it counts as empty)."""
         return self.etag is not None and self.window == window
 
+    def taken_in(self, window: str | None) -> int:
+        return self.taken if self.counts_in(window) else 0
+
 
 async def read(store: Store, partition: str, key: str, bound: float) -> CounterRow:
     """The row (the store call bounded by ``bound`` seconds)."""
@@ -137,8 +138,7 @@ async def taken_this_period(
     its period's current window (no row, or an older window's: 0), read in one query."""
     rows = await store.query(LIMITS_TABLE, Where(rows_from=key, rows_to=key + "!"), timeout=bound)
     found = {row["PartitionKey"]: CounterRow.of(row) for row in rows}
-    current = {p: found.get(p, CounterRow()).counts_in(window_of(period, now)) for p, period in periods.items()}
-    return {partition: found[partition].taken if now_in else 0 for partition, now_in in current.items()}
+    return {p: found.get(p, CounterRow()).taken_in(window_of(period, now)) for p, period in periods.items()}
 
 
 async def forget(store: Store, partition: str, bound: float) -> None:

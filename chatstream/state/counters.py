@@ -8,39 +8,29 @@ instance holds a share so as to serve reservations without a store call (its ``L
 balance), and changes the row by one kind of write only, an *exchange*: one ETag-conditional write
 of its own entry and ``taken`` that takes from the row what waiting reservations need (granting
 those that fit under the limit, in order: a large one does not block smaller ones behind it), gives
-back what came back (a reservation settled below what it reserved, a request released), and moves
-what was spent from held to spent (a budget's charges in order: the entry's ``applied`` is the last
-in). ONE exchange per counter and instance is in flight; what comes meanwhile waits for the next. A
-dead instance's entry in a budget row is taken out by its recovery (journal.py), which adds its
-charges after ``applied``; minute windows end. The entry's ``exchange`` tells whether a write whose
-answer was lost landed, its ``idle`` what its hold keeps: none of the four is derived.
+back what came back, and moves what was spent from held to spent (a budget's charges in order: the
+entry's ``applied`` is the last in). ONE exchange per counter and instance is in flight; what comes
+meanwhile waits for the next. A dead instance's entry in a budget row is taken out by its recovery
+(journal.py); minute windows end.
 
 **A lone request's hold.** A lone request takes one more request's worth for the next one, kept
 ``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
-exchange before their upstream call; what it spends of that hold is taken again after the request.
-What every instance keeps idle together (each row entry says what it keeps) stays under
+exchange before their upstream call. What every instance keeps idle together stays under
 ``HOLD_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
-When its answer is lost (a timeout: the store may have applied it, or may still), nothing is given
-back on a guess: the row is read again, and the entry says whether the write landed; if the row has
-not changed since, the same write (same ETag) is sent again, so at most one of them can land; if
-another write landed first, ours never will (its ETag is gone), and only then is it undone locally.
-Until that is known the counter waits (its reservations answer "unavailable"). So the row always
-equals what the instances hold plus what was spent, whatever pattern of timeouts the store has.
+When its answer is lost, nothing is given back on a guess: the row is read again to learn whether
+the write landed (``Lease._resolve``), and until that is known the counter's reservations answer
+"unavailable". So the row always equals what the instances hold plus what was spent, whatever
+pattern of timeouts the store has.
 
 **What a recovery needs.** This instance's journal lists a budget counter before any of it is held
 here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
-(``Settlement.confirm``), in the order charges were made. The entry stays while a charge is not in
-yet (its ``held`` may be 0, or below: a give-back), and one where this instance held nothing is
-journaled once the entry is there (``Counters.entered``); while the journal knows a lost part whose
-raise a takeover would count in the row, the entry stays too (``Counters.keep``).
+(``Settlement.confirm``), in the order charges were made; the entry stays while a charge is not in
+yet, or while the journal knows a lost part (``Counters.keep``).
 
-What is exact, and what is not: admission is exact per window (the store never grants past the
-limit); refusals are decided on a fresh read; ``Retry-After`` is the next window; a spent charge may
-take a row past its limit (the tokens were spent: the next request is refused);
-``x-ratelimit-remaining-*`` is an estimate (the row as last read or written, plus this instance's
-balance)."""
+Admission is exact per window, refused on a fresh read; a spent charge may take a row past its
+limit (the next request is refused); ``x-ratelimit-remaining-*`` is an estimate (docs/callers.md)."""
 
 from __future__ import annotations
 
@@ -99,18 +89,16 @@ class _Waiter:
 
 @dataclass
 class _Written:
-    """One exchange's write: what it does to the row and to the books (``Lease.uncertain`` while its
-    answer is lost, to find out whether it landed)."""
+    """One exchange's write (``Lease.uncertain`` while its answer is lost)."""
 
     etag: str | None  # the ETag it was conditioned on (None: an insert)
     row: CounterRow  # what it writes
     delta: int  # what it takes of the row (negative: gives back)
     applied: list[_Staged]  # the charges it applies
-    waiters: list[_Waiter]  # the reservations it grants
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
-@dataclass
+@dataclass(eq=False)  # (one charge is in the books or not: ``in`` asks for this one)
 class _Staged:
     seq: int
     amount: int
@@ -130,9 +118,8 @@ class Part:
 
 
 class Hold:
-    """A lone request's hold on one counter: the ``share`` it may keep idle, until when, and whether
-    a request served from it settled since (``top_up``: take that again). ``over`` is called when a
-    hold ends."""
+    """A lone request's hold on one counter (module docstring): the ``share`` it may keep idle, until
+    when, and ``top_up``: a request served from it settled since (take that again)."""
 
     def __init__(self, over: Callable[[], None]):
         self.share = 0
@@ -149,7 +136,7 @@ class Hold:
         return bool(self.share) and self.active()
 
     def renew(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called a little after)."""
+        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called when it ends)."""
         loop = asyncio.get_running_loop()
         self.until = loop.time() + HOLD_SECONDS
         if self._timer is not None:
@@ -163,8 +150,8 @@ class Hold:
 class Lease:
     """One counter as this instance holds it (module docstring). Local books, in the counter's window:
     ``held == balance + sum(parts' needs) + sum(staged)``, where ``held`` is this instance's entry in
-    the row as last written. A charge past what the balance holds leaves it below 0: the next exchange takes
-    the rest from the row, as it takes what waiting reservations need."""
+    the row as last written. A charge past the balance leaves it below 0: the next exchange takes the
+    rest from the row."""
 
     def __init__(self, counters: Counters, key: CounterKey):
         self.counters = counters
@@ -174,19 +161,14 @@ class Lease:
         self.window: str | None = None
         self.generation = 0  # moves on when the books are dropped (a new window, a recovery elsewhere)
         self.held = 0
-        # This instance's entry is in the row, as last written here. From then on until its charges
-        # are in, the entry stays: a takeover of this instance applies those not in yet (journal.py),
-        # so a charge is journaled once it is there (``Counters.entered``); gone: taken over.
-        self.in_row = False
+        self.in_row = False  # this instance's entry is in the row, as last written here (gone: taken over)
         self.balance = 0
         self.staged: deque[_Staged] = deque()
         self.seq = 0  # the last charge's number
         self.applied = 0  # the last charge in the row
         self.exchange = 0
-        # Lost parts this instance's journal knows of (``Counters.keep``): its entry, if in the row, stays
-        # (holding 0) so that a takeover counts their raise there; ``let_go``: the next exchange drops it.
-        self.kept = 0
-        self.let_go = False
+        self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
+        self.let_go = False  # the last of them let go: the next exchange drops the entry
         self.waiters: deque[_Waiter] = deque()
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
@@ -215,8 +197,7 @@ class Lease:
         self.applied = 0
 
     def take(self, need: int, window: str) -> Part | None:
-        """``need`` served from the balance at once, when it holds it and nobody waits before, or
-        None (``wait`` for an exchange)."""
+        """``need`` served from the balance at once, or None (``wait`` for an exchange)."""
         self.advance(window)
         if self.waiters or self.uncertain is not None or self._servable() < need:
             return None
@@ -230,16 +211,14 @@ class Lease:
         return Part(self, need, self.window, self.generation)
 
     def wait(self, need: int) -> asyncio.Future[Part | None]:
-        """``need`` of this counter, after ``take`` found the balance short: the future's result is
-        the part, or None when the limit leaves no room; it is cancelled when the store does not tell
-        (or when the reservation gives up: a part granted after that comes back)."""
+        """``need`` of this counter from the next exchange: the part, or None when the limit leaves no
+        room; cancelled when the store does not tell, or when the reservation gives up."""
         waiter = _Waiter(need, asyncio.get_running_loop().create_future())
         self.waiters.append(waiter)
         self.kick()
         return waiter.future
 
     def give_back(self, part: Part) -> None:
-        """What ``part`` reserved comes back unused."""
         if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
             self.balance += part.need
             self.kick()
@@ -254,32 +233,34 @@ class Lease:
         return self.charge(spent)
 
     def charge(self, amount: int) -> _Staged | None:
-        """``amount`` spent in the books' window (a correction: either sign), paid from the balance
-        (below 0: the row pays the rest, at the next exchange). A budget's charge is staged and
-        returned: it enters the row once confirmed (its ledger row written). A minute window is
-        never taken over (it ends by itself): the charge leaves the books here, without a write."""
+        """``amount`` spent in the books' window (a correction: either sign), paid from the balance.
+        A budget's charge is staged: it enters the row once confirmed (its ledger row written). A
+        minute window is never taken over (it ends by itself): its charge leaves the books at once."""
         self.balance -= amount
-        if self.period != "minute":
-            return self._stage(amount)
-        self.held -= amount
+        staged = None
+        if self.period == "minute":
+            self.held -= amount
+        else:
+            self.seq += 1
+            staged = _Staged(self.seq, amount)
+            self.staged.append(staged)
         self.kick()
-        return None
+        return staged
 
     def confirm(self, staged: _Staged, less: int) -> None:
         """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
         another instance's, which counts it): what that took of the books comes back to the balance."""
         less = min(less, staged.amount)
-        if less > 0 and not staged.confirmed and any(s is staged for s in self.staged):
+        if less > 0 and not staged.confirmed and staged in self.staged:
             staged.amount -= less
             self.balance += less
         staged.confirmed = True
         self.kick()
 
     def used(self) -> int:
-        """What is out of the limit but this instance's balance: the row as last read or written
-        (past the limit, when more was spent than reserved), less the balance (below 0: charges the
-        row has not had yet)."""
-        return (self.seen.taken if self.seen.counts_in(self.window) else 0) - self.balance
+        """What is out of the limit but this instance's balance: the row as last read or written, less
+        the balance (below 0: charges the row has not had yet)."""
+        return self.seen.taken_in(self.window) - self.balance
 
     def remaining(self) -> int:
         return max(0, self.limit - self.used())
@@ -290,9 +271,8 @@ class Lease:
         return min(self.balance, self.remaining())
 
     def holds(self) -> bool:
-        """Whether this instance has books on the counter (a part out counts in ``held``; in flight,
-        a budget's part is journaled with its request), or may hold some of it in the row without
-        knowing it yet (a write in flight for waiting reservations, one whose answer was lost)."""
+        """Whether this instance has books on the counter, or may hold some of it in the row without
+        knowing it yet (a write for waiting reservations, one whose answer was lost)."""
         return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
     def give_all_back(self) -> bool:
@@ -313,22 +293,10 @@ class Lease:
     def _pending(self) -> list[_Waiter]:
         return [w for w in self.waiters if not w.future.done()]
 
-    def _serve_from_balance(self) -> None:
-        if self.uncertain is None:
-            fits = _fitting(self._pending(), self._servable())
-            self._answer(fits, fits)
-
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
-
-    def _stage(self, amount: int) -> _Staged:
-        self.seq += 1
-        staged = _Staged(self.seq, amount)
-        self.staged.append(staged)
-        self.kick()
-        return staged
 
     def _has_work(self) -> bool:
         holding = self.hold.active()
@@ -345,7 +313,9 @@ class Lease:
     async def _run(self) -> None:
         try:
             while not self.counters.closed:
-                self._serve_from_balance()
+                if self.uncertain is None:  # what the balance holds is served first
+                    fits = _fitting(self._pending(), self._servable())
+                    self._answer(fits, fits)
                 if not self._has_work():
                     return
                 try:
@@ -354,7 +324,9 @@ class Lease:
                 except StoreError as exc:
                     self.known = False
                     self._fail()
-                    self._retry_later()
+                    if self.retry is None and self._has_work():
+                        self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry)
+                        self.backoff = min(self.backoff * 2, 30.0)
                     log.warning("limits: a %s counter exchange failed: %s", self.key.row, exc)
                     return
         except Exception:  # a bug of ours: the reservations waiting hear "unavailable", not nothing
@@ -369,12 +341,7 @@ class Lease:
             waiter.future.cancel()
         self.waiters.clear()
 
-    def _retry_later(self) -> None:
-        if self.retry is None and self._has_work():
-            self.retry = asyncio.get_running_loop().call_later(self.backoff, self._retry_now)
-            self.backoff = min(self.backoff * 2, 30.0)
-
-    def _retry_now(self) -> None:
+    def _retry(self) -> None:
         self.retry = None
         if self._has_work():
             self.kick()
@@ -384,8 +351,7 @@ class Lease:
         self.known = True
 
     async def _exchange(self) -> None:
-        """One grant/return/apply: resolve a lost answer first, read if needed, compute, one
-        conditional write; a conflict re-reads."""
+        """One exchange (module docstring), after a lost answer is resolved; a conflict re-reads."""
         counters = self.counters
         if self.uncertain is not None:
             await self._resolve()
@@ -417,8 +383,7 @@ class Lease:
                 number = journal.number if journal is not None else 1
                 self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
                 continue
-            window = self.window
-            assert window is not None
+            window = self.window  # (the window ``taken`` and ``holds`` are of, whatever the awaits below)
             waiters = self._pending()
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
@@ -451,7 +416,7 @@ class Lease:
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = CounterRow(None, window, max(0, taken + delta), holds)
-            written = _Written(seen.etag, row, delta, applied, chosen, self.balance)
+            written = _Written(seen.etag, row, delta, applied, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -464,18 +429,16 @@ class Lease:
                 self.known = False
                 self._undo(written)
                 continue
-            self._landed(written, waiters)
+            self._landed(written, waiters, chosen)
             if lone is not None and self.hold.share:
                 self.hold.renew()
             return
         raise StoreError("the counter kept changing under this instance")
 
     def _keep(self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None) -> int:
-        """What this instance keeps unassigned after an exchange (module docstring: a lone request's
-        hold). ``room``: what the limit leaves plus the balance; ``granted``: what the exchange grants
-        the waiting reservations; ``top_up``: a request served from the hold settled since; ``lone``:
-        the need of a lone minute request granted now (it takes one more for the next: the hold's
-        share)."""
+        """What this instance keeps unassigned after an exchange (the hold). ``room``: what the limit
+        leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of a lone
+        minute request granted now (it takes one more for the next: the hold's share)."""
         holding = self.hold.active() and not waiting
         # While holding, at most this instance's share stays idle here (what came back beyond it goes).
         keep = max(0, min(self.balance, self.hold.share)) if holding else 0
@@ -495,10 +458,9 @@ class Lease:
             self.seen, self.known = row, True
         return row is not None
 
-    def _landed(self, written: _Written, waiters: list[_Waiter]) -> None:
-        """The write is in the row: the books follow it, the chosen waiters are served."""
-        window = written.row.window
-        if window is None or window != self.window:
+    def _landed(self, written: _Written, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
+        """The write is in the row: the books follow it, the ``chosen`` waiters it granted are served."""
+        if written.row.window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
         self.in_row = self.counters.instance in written.row.holds
@@ -509,7 +471,7 @@ class Lease:
             self.applied = staged.seq
         if written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
-        self._answer(waiters, written.waiters)
+        self._answer(waiters, chosen)
 
     def _undo(self, written: _Written) -> None:
         """A write that did not land (and never will): what it took out comes back."""
@@ -518,7 +480,7 @@ class Lease:
 
     def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
         """The chosen waiters are served from the balance, the others refused (one that gave up
-        meanwhile leaves its share in the balance: it goes back)."""
+        meanwhile leaves its share in the balance)."""
         picked = {id(w) for w in chosen}
         for waiter in waiters:
             if waiter.future.done():
@@ -535,7 +497,8 @@ class Lease:
         (only this instance writes it, each time with the next exchange number). Not yet, with the
         row unchanged since the write's condition: send the same write again (at most one of them can
         land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped. Its waiters were told "unavailable" meanwhile (their parts come back)."""
+        write is dropped. It serves no waiter: they were told "unavailable" when its answer was lost
+        (what it granted them stays in the balance)."""
         written = self.uncertain
         assert written is not None
         instance = self.counters.instance
@@ -554,7 +517,7 @@ class Lease:
                 landed = mine is None and not self.counters.instances.fenced.is_set()
             self.uncertain = None
             if landed:
-                self._landed(written, written.waiters)
+                self._landed(written, [], [])
             else:
                 self._undo(written)
             return
@@ -563,18 +526,19 @@ class Lease:
 
 @dataclass
 class Settlement:
-    """What ``Reservation.settle`` staged in the budget counters: per counter, its charge's number
-    (for the journal); ``confirm()`` once the charge's ledger row is written, and they enter the rows."""
+    """What ``Reservation.settle`` (or ``Counters.adjust``) staged in the budget counters: ``confirm()``
+    once the charge's ledger row is written, and they enter the rows."""
 
     staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
 
     @property
     def seqs(self) -> dict[CounterKey, int]:
+        """Per counter, its charge's number (for the journal)."""
         return {lease.key: s.seq for lease, s in self.staged}
 
     def entered(self) -> bool:
         """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.in_row or all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(lease.in_row or staged not in lease.staged for lease, staged in self.staged)
 
     def journaled(self, number: int) -> None:
         """A landed write of journal ``number`` lists it settled: a takeover applies it from there."""
@@ -584,16 +548,15 @@ class Settlement:
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
         taken out first (segments whose ledger row another instance wrote and counted). All of it
-        less: a request a takeover charged (its row is the taker's); its charges let go, whichever
-        books they were staged on (left unconfirmed, one kept this instance's entry in the row,
-        holding it again, until the window ended)."""
+        less (a request a takeover charged): its charges let go, whichever books they were staged on
+        (left unconfirmed, one would keep this instance's entry in the row until the window ended)."""
         for lease, staged in self.staged:
             lease.confirm(staged, (less or {}).get(lease.key, 0))
 
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(all(s is not staged for s in lease.staged) for lease, staged in self.staged)
+        return all(staged not in lease.staged for lease, staged in self.staged)
 
 
 @dataclass
@@ -631,9 +594,9 @@ class Reservation:
 
 class WriteAhead(Protocol):
     """What the counters need of this instance's journal (journal.py): a budget counter is listed
-    before any of it is held here (``note_counter``, then listed while ``holding()``), and it hears
-    when charges entered a row (``changed``: it may drop them). A takeover: ``met_seal`` once the
-    journal knows whether it was sealed, its ``number`` (``Settlement.journaled``) then past the sealed one's."""
+    before any of it is held here (``note_counter``, then while ``holding()``); ``changed``: charges
+    entered a row (it may drop them). A takeover: ``met_seal`` once the journal knows whether it was
+    sealed, its ``number`` (``Settlement.journaled``) then past the sealed one's."""
 
     number: int
 
@@ -683,9 +646,8 @@ class Counters:
                 del self._leases[key]
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
-        """Reserve each ``Want`` (one request and its tokens and money against every limit that
-        applies), all or nothing: a refusal by one gives back at once what the others reserved; so
-        does a reservation cancelled while it waits (its caller gone)."""
+        """Reserve each ``Want``, all or nothing: a refusal by one gives back at once what the others
+        reserved; so does a reservation cancelled while it waits (its caller gone)."""
         now = self.clock()
         for want in wants:
             if want.need > want.limit:
@@ -759,9 +721,9 @@ class Counters:
 
     def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
         """A lost part this instance's journal knows of, whose raise a takeover of this instance would
-        count in the budget rows ``keys`` (accounting.regenerating): this instance's entry in each of
-        those rows stays while it does, holding nothing perhaps (a takeover counts a dead instance's
-        charges only where it has an entry: journal.py). The function returned lets go (once)."""
+        count in the budget rows ``keys``: this instance's entry in each stays while it does, holding
+        nothing perhaps (a takeover counts a dead instance's charges only where it has an entry:
+        journal.py). The function returned lets go (once)."""
         leases = [lease for key in keys if (lease := self._leases.get(key)) is not None]
         for lease in leases:
             lease.kept += 1
@@ -826,8 +788,7 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
 
 
 def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:
-    """The parts the futures were granted; those still waiting give up (unavailable: a part granted
-    later comes back, ``Lease._answer``)."""
+    """The parts the futures were granted; those still waiting give up (unavailable)."""
     for future in futures:
         future.cancel()
     return [part for future in futures if not future.cancelled() and (part := future.result())]
