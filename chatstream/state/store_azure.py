@@ -177,6 +177,18 @@ def _entity_path(table: str, partition: str, row: str) -> str:
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
 
+def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
+    """An operation's method, path and own headers, alone or in a batch: an insert is a POST to the
+    table; the rest go to the row, a replace, a merge or a delete only if the row is there (under
+    ``op.etag``, or any version: If-Match: *), an upsert whether it is or not."""
+    if op.kind == "insert":
+        return "POST", table, {"Prefer": "return-no-content"}
+    path = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
+    if op.kind == "upsert":
+        return "PUT", path, {}
+    return {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind], path, {"If-Match": op.etag or "*"}
+
+
 def _http_parts(content_type: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
     """The HTTP answers (status, headers with lower-case names, body) in a multipart body of
     ``content_type``, in order, those of nested multiparts (the changeset) in their place. The line
@@ -260,19 +272,11 @@ def _row(headers: Mapping[str, str], body: bytes) -> Row:
     return row_of(json.loads(body), headers.get("ETag", ""))
 
 
-def _nothing(headers: Mapping[str, str], body: bytes) -> None:
-    return None
-
-
 def _page(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], list[dict[str, Any]]]:
     return headers, json.loads(body).get("value") or []
 
 
-def _body(headers: Mapping[str, str], body: bytes) -> bytes:
-    return body
-
-
-def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
+def _content(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
     return body, headers.get("ETag", "")
 
 
@@ -311,43 +315,36 @@ class AzureStore:
             return None
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        body = entity_json(clean(entity))
-        headers = {**_JSON, "Prefer": "return-no-content"}
-        return await self._call("insert", timeout, table, "POST", table, _etag, headers, body)
+        return await self._write(table, Op("insert", clean(entity)), timeout)
 
     async def replace(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write("replace", table, entity, etag, timeout)
+        return await self._write(table, Op("replace", clean(entity), etag), timeout)
 
     async def merge(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write("merge", table, entity, etag, timeout)
+        return await self._write(table, Op("merge", clean(entity), etag), timeout)
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        return await self._write("upsert", table, entity, None, timeout)
-
-    async def _write(self, op: str, table: str, entity: Mapping[str, Any], etag: str | None, timeout: float) -> str:
-        """A replace or a merge of a row that must be there (under ``etag``, or any: If-Match: *),
-        or an upsert (a PUT without If-Match: insert or replace)."""
-        values = clean(entity)
-        path = _entity_path(table, values["PartitionKey"], values["RowKey"])
-        check_etag(etag)
-        headers = _JSON if op == "upsert" else {**_JSON, "If-Match": etag or "*"}
-        method = "MERGE" if op == "merge" else "PUT"
-        body = entity_json(values)
-        return await self._call(op, timeout, table, method, path, _etag, headers, body, again=etag is None)
+        return await self._write(table, Op("upsert", clean(entity)), timeout)
 
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> None:
         check_key("PartitionKey", partition)
         check_key("RowKey", row)
-        check_etag(etag)
-        path, headers = _entity_path(table, partition, row), {**_TABLE, "If-Match": etag or "*"}
         with contextlib.suppress(NotFound):  # quiet on a missing row
-            await self._call("delete", timeout, table, "DELETE", path, _nothing, headers, again=etag is None)
+            await self._write(table, Op("delete", {"PartitionKey": partition, "RowKey": row}, etag), timeout)
+
+    async def _write(self, table: str, op: Op, timeout: float) -> str:
+        check_etag(op.etag)
+        method, path, own = _request(table, op)
+        body = None if op.kind == "delete" else entity_json(op.entity)
+        headers = {**(_TABLE if body is None else _JSON), **own}
+        again = op.kind != "insert" and op.etag is None  # no condition (``_send``)
+        return await self._call(op.kind, timeout, table, method, path, _etag, headers, body, again=again)
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
@@ -385,20 +382,14 @@ class AzureStore:
         batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
         parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
         for op in ops:
-            keys = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
-            if op.kind == "insert":
-                line, headers = f"POST {url}/{table}", "Prefer: return-no-content\r\n"
-            elif op.kind == "upsert":
-                line, headers = f"PUT {url}/{keys}", ""
-            else:
-                method = {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind]
-                line, headers = f"{method} {url}/{keys}", f"If-Match: {op.etag or '*'}\r\n"
+            method, path, own = _request(table, op)
+            headers = "".join(f"{name}: {value}\r\n" for name, value in own.items())
             # Checked once, by check_batch: the entity with its None values, which count against the
             # limits (check_entity), so the entity without them (clean's check) passes too.
             body = b"" if op.kind == "delete" else entity_json(op.entity)
             parts.append(
                 f"--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n"
-                f"{line} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"
+                f"{method} {url}/{path} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"
                 "Accept: application/json;odata=minimalmetadata\r\nDataServiceVersion: 3.0\r\n\r\n".encode()
                 + body
                 + b"\r\n"
@@ -415,20 +406,20 @@ class AzureStore:
         out and lands late must not empty the blob."""
         headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         try:
-            await self._call("append_create", timeout, None, "PUT", name, _nothing, headers, b"")
+            await self._call("append_create", timeout, None, "PUT", name, _etag, headers, b"")
         except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
-        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _nothing, headers, data)
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _etag, headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return await self._call("read", timeout, None, "GET", name, _body, headers, again=True)
+            return (await self._call("read", timeout, None, "GET", name, _content, headers, again=True))[0]
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -443,13 +434,13 @@ class AzureStore:
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            return await self._call("get_blob", timeout, None, "GET", name, _blob_etag, _BLOB, again=True)
+            return await self._call("get_blob", timeout, None, "GET", name, _content, _BLOB, again=True)
         except NotFound:
             return None
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
-            await self._call("delete_blob", timeout, None, "DELETE", name, _nothing, _BLOB, again=True)
+            await self._call("delete_blob", timeout, None, "DELETE", name, _etag, _BLOB, again=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -574,7 +565,7 @@ class AzureStore:
             target, method = self.account.target(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
-            await self._send(target, method, headers, body, _nothing, again=True)
+            await self._send(target, method, headers, body, _etag, again=True)
         except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise
