@@ -1,23 +1,14 @@
 """The ``Store`` (store.py) on the Function App's own storage account (Azurite locally): every data
 call is a plain REST request of the Table or Blob service on one aiohttp session, built, sent and
-read in that call's own method here.
-
-Plain requests: the azure SDKs' pipeline of policies took three to five times their CPU a call
-(tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4). The SDKs do only what
-a request cannot do by itself: read the connection string and sign (store_account.py). A call
-that finds its table or the container missing makes it (a first run on Azurite, or one deleted
-under us; infra/ makes them in Azure and scopes the app identity's roles to them) and goes once
-more.
+read in that call's own method here; the azure SDKs only read the connection string and sign
+(store_account.py). Plain requests: the SDKs' pipeline of policies took three to five times their
+CPU a call (tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4).
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
 ``@odata.type``), a float an ``Edm.Double``, bools and strings as JSON; they come back as the SDK
-reads them (``row_of``).
-
-Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
-(``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
-service's error answers (``ErrorAnswer``), aiohttp's and the network's errors, a timeout, an identity
-without a token, as httpx maps its transport's exceptions."""
+reads them (``row_of``). Every answer's ``Date`` sets the store's clock (``StoreClock``), and what
+fails becomes the store's own error in one place (``store_error``)."""
 
 from __future__ import annotations
 
