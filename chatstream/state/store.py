@@ -104,9 +104,8 @@ class StoreClock:
 
     def __init__(self, wall: Any = time.time, monotonic: Any = time.monotonic):
         self._monotonic = monotonic
-        self._base = wall() - monotonic()  # store time = monotonic + base
-        self._best: float | None = None  # the best sample of (store's Date - monotonic) lately
-        self._best_at = 0.0
+        self._base = wall() - monotonic()  # store time = monotonic + base: once observed, the best sample
+        self._best_at = 0.0  # when that sample was taken
         self.observed = False  # an answer of the store has set it
         self.answered_at = 0.0  # when the store last answered anything (this process's monotonic clock)
         self.failed_at = float("-inf")  # when a call last got no usable answer (same clock)
@@ -141,10 +140,8 @@ class StoreClock:
         mono = self._monotonic()
         self.answered_at = mono
         sample = date_seconds - mono
-        if self._best is None or sample >= self._best or mono - self._best_at > 60.0:
-            self._best, self._best_at = sample, mono
-            self._base = sample
-            self.observed = True
+        if not self.observed or sample >= self._base or mono - self._best_at > 60.0:
+            self._base, self._best_at, self.observed = sample, mono, True
 
 
 class Store(Protocol):

@@ -39,19 +39,17 @@ from .store import (
 )
 from .store_account import Account, NoToken, Signer
 
-TABLE_VERSION = "2019-02-02"
-BLOB_VERSION = "2023-11-03"
 # Each try: a connection in 1.5 s; its answer within the call's own bound (a per-read bound cut
 # a busy store's 2-10 s answers at 1.5 s whatever the caller's patience: tests/test_store_rest.py).
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=1.5, sock_read=None)
 _TABLE = {
-    "x-ms-version": TABLE_VERSION,
+    "x-ms-version": "2019-02-02",
     "DataServiceVersion": "3.0",
     "MaxDataServiceVersion": "3.0;NetFx",
     "Accept": "application/json;odata=minimalmetadata",
 }
 _JSON = {**_TABLE, "Content-Type": "application/json"}
-_BLOB = {"x-ms-version": BLOB_VERSION}
+_BLOB = {"x-ms-version": "2023-11-03"}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
