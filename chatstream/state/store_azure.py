@@ -257,16 +257,8 @@ def _etag(headers: Mapping[str, str], body: bytes) -> str:
     return headers.get("ETag", "")
 
 
-def _row(headers: Mapping[str, str], body: bytes) -> Row:
-    return row_of(json.loads(body), headers.get("ETag", ""))
-
-
-def _page(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], list[dict[str, Any]]]:
-    return headers, json.loads(body).get("value") or []
-
-
-def _content(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
-    return body, headers.get("ETag", "")
+def _reply(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], bytes]:
+    return headers, body
 
 
 class AzureStore:
@@ -299,9 +291,10 @@ class AzureStore:
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
         try:
-            return await self._call("get", timeout, table, "GET", path, _row, again=True)
+            headers, body = await self._call("get", timeout, table, "GET", path, _reply, again=True)
         except NotFound:
             return None
+        return row_of(json.loads(body), headers.get("ETag", ""))
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
         return await self._write(table, Op("insert", clean(entity)), timeout)
@@ -347,10 +340,10 @@ class AzureStore:
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while True:
-            headers, found = await self._call(
-                "query", ends - loop.time(), table, "GET", path + going, _page, again=True
+            headers, body = await self._call(
+                "query", ends - loop.time(), table, "GET", path + going, _reply, again=True
             )
-            for entity in found:
+            for entity in json.loads(body).get("value") or []:
                 rows.append(row_of(entity, ""))
                 if limit is not None and len(rows) >= limit:
                     return rows
@@ -408,7 +401,7 @@ class AzureStore:
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return (await self._call("read", timeout, None, "GET", name, _content, headers, again=True))[0]
+            return (await self._call("read", timeout, None, "GET", name, _reply, headers, again=True))[1]
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -423,9 +416,10 @@ class AzureStore:
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            return await self._call("get_blob", timeout, None, "GET", name, _content, _BLOB, again=True)
+            headers, body = await self._call("get_blob", timeout, None, "GET", name, _reply, _BLOB, again=True)
         except NotFound:
             return None
+        return body, headers.get("ETag", "")
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
