@@ -72,8 +72,6 @@ class ErrorAnswer(Exception):
 def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     """The store's error for what a call (``what``) raised; None when it is not the store's (a bug
     of ours, raised as it is). The message never carries a URL (it may hold a SAS)."""
-    if isinstance(exc, StoreError):
-        return exc
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
     if isinstance(exc, NoToken):  # never a NotFound of the row asked for
@@ -474,8 +472,6 @@ class AzureStore:
                 self.clock.failed()
             else:  # an answer all the same (404, 409, 412)
                 self.clock.took(loop.time() - started)
-            if error is exc:
-                raise
             raise error from None
         finally:
             if first is not None:  # however it ended: the calls that wait go on
