@@ -103,17 +103,13 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
     None values (the store keeps no nulls: ``store.clean``)."""
     body: dict[str, Any] = {}
     for name, value in entity.items():
-        kind = type(value)
         if value is None:
             continue
-        if kind is int and name not in ("PartitionKey", "RowKey"):
-            body[name] = str(value)
-            body[name + "@odata.type"] = "Edm.Int64"
-        elif kind is float:
-            body[name] = value
+        body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
+        if type(value) is int and name not in ("PartitionKey", "RowKey"):
+            body[name], body[name + "@odata.type"] = str(value), "Edm.Int64"
+        elif type(value) is float:
             body[name + "@odata.type"] = "Edm.Double"
-        else:  # str, bool (check_entity lets nothing else through)
-            body[name] = value
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -219,13 +215,12 @@ def _fields(head: bytes) -> dict[str, str]:
 
 
 def _batch_etags(count: int, headers: Mapping[str, str], data: bytes) -> list[str | None]:
-    """The answer of a $batch of ``count`` operations: their ETags, in order; a failed
-    operation raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The
-    specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
-    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU (five to ten
-    times ``_http_parts``'s on tests/unit/test_store_batch.py's answers recorded from Azurite, where
-    the two readings are shown equal; aiohttp's MultipartReader was slower still: git log cb2354b,
-    fc8ade1). Its line ends read as LF (the service writes CRLF, a proxy might not)."""
+    """The answer of a $batch of ``count`` operations: their ETags, in order; a failed operation
+    raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The specified
+    entity...", as the SDK reads it; 0 when it does not say). Its line ends read as LF (the service
+    writes CRLF, a proxy might not). The multipart is read by ``_http_parts``: the stdlib ``email``
+    parser took five to ten times its CPU (68% of a batch's), aiohttp's MultipartReader more still
+    (git log cb2354b, fc8ade1; tests/unit/test_store_batch.py shows the readings equal)."""
     found: list[str | None] = []
     boundary = parse_mimetype(headers.get("Content-Type", "")).parameters.get("boundary", "")
     for status, fields, body in _http_parts(boundary, data.replace(b"\r\n", b"\n")):
