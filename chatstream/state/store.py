@@ -1,34 +1,25 @@
-"""The store's edge: what every part of the shared state asks of Azure Tables and Blobs, in one small
-interface (``Store``), with its rows, queries and operations, and where the store is
-(``StorageConfig``). It imports no backend: the Function App's own storage account
-(``store_azure.AzureStore``; Azurite locally) implements it, ``SharedState.from_settings`` makes it
-from the settings, and the unit tests' in-process one (tests/memory_store.py) implements it too. One
-contract suite runs against both (tests/store_contract.py), so a unit test on memory means what it
-says on Azurite.
+"""The store's edge: what every part of the shared state asks of Azure Tables and Blobs (``Store``),
+with its rows, queries and operations, and where the store is (``StorageConfig``). It imports no
+backend: the Function App's storage account implements it (store_azure.py; Azurite locally), and so
+does the unit tests' in-process store (tests/memory_store.py). One contract suite runs on both
+(tests/store_contract.py), so a unit test on memory means what it says on Azurite.
 
 Every call is bounded in time (``timeout``, default ``CALL_TIMEOUT``) and raises only the store's
-own errors (errors.py: ``StoreError`` and its family): a backend maps what its libraries raise,
-once, where it enters (store_azure's ``store_error``). What a call answers:
+own errors (errors.py: ``StoreError`` and its family). What a call answers:
 
 - rows: ``get`` a row or None; ``insert`` (AlreadyExists), ``replace`` and ``merge`` (the row must
   exist: NotFound; with an ETag: Modified when it changed), ``upsert``, ``delete`` (quiet when the
-  row is not there; with an ETag: Modified when it changed), ``query`` (a partition
-  and a RowKey range, property conditions, a bound on the rows), ``batch`` (one partition, all or
-  nothing: the failing operation's error, with its ``index``; a delete of a row that is not there
-  fails it, NotFound);
+  row is not there; with an ETag: Modified when it changed), ``query`` (a partition and a RowKey
+  range, property conditions, a bound on the rows), ``batch`` (one partition, all or nothing: the
+  failing operation's error, with its ``index``; a delete of a row that is not there fails it);
 - blobs, in the app's one container: an append blob made once (``append_create``) and appended to
   at an expected length (``append``: Modified when the blob is not that long: the fence of a stream's
   single writer), read from an offset (``read``), and whole blobs written under a condition
   (``put``/``get_blob``: an instance's journal); ``delete_blob`` is quiet when it is not there.
 
-The store also keeps the time (``clock``): every answer's ``Date`` header says what the store's
-clock reads, so that everything that crosses instances (windows, expiries, the age of a stream) is
-decided on one clock, not on two machines' wall clocks.
-
-Table storage's limits are checked on every write, by both backends (Azurite does not enforce them
-all): a string property of at most 32,768 UTF-16 code units, at most 252 properties of our own, an
-entity under 1 MiB, keys of at most 1 KiB without ``/ \\ # ?`` or control characters. Breaking one
-is a bug of ours: ``ValueError``."""
+The store also keeps the time (``clock``): what crosses instances (windows, expiries, the age of a
+stream) is decided on the store's clock, not on two machines' wall clocks. And every write is
+checked against Table storage's limits, by both backends (``check_entity``)."""
 
 from __future__ import annotations
 
@@ -57,13 +48,6 @@ CALL_TIMEOUT = 1.8
 # are slow lately (StoreClock.patience): a busy store (Azurite on a loaded 2-core machine: 2-10 s, its
 # fast answers in between) answers within this.
 BUSY_TIMEOUT = 8.0
-
-# Table storage's limits (https://learn.microsoft.com/rest/api/storageservices/understanding-the-table-service-data-model).
-MAX_STRING_UNITS = 32 * 1024  # 64 KiB of UTF-16
-MAX_PROPERTIES = 252  # besides PartitionKey, RowKey and Timestamp
-MAX_ENTITY_BYTES = 1024 * 1024
-MAX_KEY_CHARS = 1024
-MAX_BATCH = 100
 _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 
 
@@ -120,9 +104,8 @@ class StoreClock:
 
     def __init__(self, wall: Any = time.time, monotonic: Any = time.monotonic):
         self._monotonic = monotonic
-        self._base = wall() - monotonic()  # store time = monotonic + base
-        self._best: float | None = None  # the best sample of (store's Date - monotonic) lately
-        self._best_at = 0.0
+        self._base = wall() - monotonic()  # store time = monotonic + base: once observed, the best sample
+        self._best_at = 0.0  # when that sample was taken
         self.observed = False  # an answer of the store has set it
         self.answered_at = 0.0  # when the store last answered anything (this process's monotonic clock)
         self.failed_at = float("-inf")  # when a call last got no usable answer (same clock)
@@ -157,10 +140,8 @@ class StoreClock:
         mono = self._monotonic()
         self.answered_at = mono
         sample = date_seconds - mono
-        if self._best is None or sample >= self._best or mono - self._best_at > 60.0:
-            self._best, self._best_at = sample, mono
-            self._base = sample
-            self.observed = True
+        if not self.observed or sample >= self._base or mono - self._best_at > 60.0:
+            self._base, self._best_at, self.observed = sample, mono, True
 
 
 class Store(Protocol):
@@ -199,32 +180,32 @@ class Store(Protocol):
 NEW = "*new"
 
 
-def _units(text: str) -> int:
-    return len(text.encode("utf-16-le", "surrogatepass")) // 2
-
-
 def check_key(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS or _BAD_KEY.search(value):
+    if not isinstance(value, str) or not value or len(value) > 1024 or _BAD_KEY.search(value):
         raise ValueError(f"{name}: not a valid table key")
 
 
 def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
-    """Table storage's limits (module docstring): a ValueError for what the service would refuse."""
+    """Table storage's limits (Azurite does not enforce them all), a ValueError for each: a string
+    property of at most 32,768 UTF-16 code units, at most 252 properties of our own (besides the
+    keys and Timestamp), an entity under 1 MiB, keys of at most 1 KiB without ``/ \\ # ?`` or
+    control characters. Breaking one is a bug of ours
+    (https://learn.microsoft.com/rest/api/storageservices/understanding-the-table-service-data-model)."""
     check_key("PartitionKey", entity.get("PartitionKey"))
     check_key("RowKey", entity.get("RowKey"))
     if keys_only:
         return
     own = [k for k in entity if k not in ("PartitionKey", "RowKey")]
-    if len(own) > MAX_PROPERTIES:
-        raise ValueError(f"an entity has at most {MAX_PROPERTIES} properties of our own")
+    if len(own) > 252:
+        raise ValueError("an entity has at most 252 properties of our own")
     size = 0
     for name in own:
         value = entity[name]
         if not isinstance(name, str) or not name or len(name) > 255:
             raise ValueError("a property name is 1 to 255 characters")
         if isinstance(value, str):
-            units = _units(value)
-            if units > MAX_STRING_UNITS:
+            units = len(value.encode("utf-16-le", "surrogatepass")) // 2
+            if units > 32 * 1024:
                 raise ValueError(f"property {name!r} is over Table storage's 64 KiB ({units} UTF-16 units)")
             size += 2 * units
         elif isinstance(value, bool) or value is None:
@@ -240,7 +221,7 @@ def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
         else:
             raise ValueError(f"property {name!r} has a type the store does not keep ({type(value).__name__})")
         size += 2 * len(name)
-    if size > MAX_ENTITY_BYTES - 4096:
+    if size > 1024 * 1024 - 4096:
         raise ValueError("an entity is over Table storage's 1 MiB")
 
 
@@ -270,8 +251,8 @@ def check_etag(etag: str | None) -> None:
 
 def check_batch(ops: Sequence[Op]) -> None:
     """A batch's operations: 1 to 100, one partition, each row once."""
-    if not ops or len(ops) > MAX_BATCH:
-        raise ValueError(f"a batch has 1 to {MAX_BATCH} operations")
+    if not 1 <= len(ops) <= 100:
+        raise ValueError("a batch has 1 to 100 operations")
     partitions = {op.entity.get("PartitionKey") for op in ops}
     rows = [op.entity.get("RowKey") for op in ops]
     if len(partitions) != 1 or len(set(rows)) != len(rows):

@@ -29,7 +29,6 @@ logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(l
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
-_NO_HEADERS: Mapping[str, str] = {}
 
 
 class NoToken(Exception):
@@ -78,7 +77,7 @@ class Sas:
         if self._token is None or now >= self._token[1]:
             sas = self._make(now - timedelta(minutes=5), now + SAS_LIFETIME)
             self._token = (sas, now + SAS_LIFETIME - RENEW_BEFORE)
-        return self._token[0], _NO_HEADERS
+        return self._token[0], {}
 
     def refused(self) -> None:
         self._token = None
@@ -116,9 +115,7 @@ def _blob_sas(account: str, key: str) -> Sas:
 
 
 class Account:
-    """The storage account the settings name: each service's URL and what signs its requests, as the
-    settings allow: with a connection string, its account key or its SAS (as the SDK reads the
-    string); otherwise the app's identity."""
+    """The storage account the settings name: each service's URL and what signs its requests."""
 
     def __init__(self, config: StorageConfig):
         self._credential: Any = None

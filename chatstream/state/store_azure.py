@@ -1,23 +1,14 @@
 """The ``Store`` (store.py) on the Function App's own storage account (Azurite locally): every data
 call is a plain REST request of the Table or Blob service on one aiohttp session, built, sent and
-read in that call's own method here.
-
-Plain requests: the azure SDKs' pipeline of policies took three to five times their CPU a call
-(tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4). The SDKs do only what
-a request cannot do by itself: read the connection string and sign (store_account.py). A call
-that finds its table or the container missing makes it (a first run on Azurite, or one deleted
-under us; infra/ makes them in Azure and scopes the app identity's roles to them) and goes once
-more.
+read in that call's own method here; the azure SDKs only read the connection string and sign
+(store_account.py). Plain requests: the SDKs' pipeline of policies took three to five times their
+CPU a call (tools/bench/store_calls.py on Azurite; the figures are in git log c5c2cf4).
 
 Rows go as the SDK writes them, so that rows written by earlier versions (through the SDK) and by
 this read the same (tests/test_store_rest.py): every int an ``Edm.Int64`` (a string with its
 ``@odata.type``), a float an ``Edm.Double``, bools and strings as JSON; they come back as the SDK
-reads them (``row_of``).
-
-Every call is bounded (``timeout``), and every answer's ``Date`` tells the store's clock
-(``StoreClock``). What fails becomes the store's own error in one place, ``store_error``: the
-service's error answers (``ErrorAnswer``), aiohttp's and the network's errors, a timeout, an identity
-without a token, as httpx maps its transport's exceptions."""
+reads them (``row_of``). Every answer's ``Date`` sets the store's clock (``StoreClock``), and what
+fails becomes the store's own error in one place (``store_error``)."""
 
 from __future__ import annotations
 
@@ -26,6 +17,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -48,19 +40,17 @@ from .store import (
 )
 from .store_account import Account, NoToken, Signer
 
-TABLE_VERSION = "2019-02-02"
-BLOB_VERSION = "2023-11-03"
 # Each try: a connection in 1.5 s; its answer within the call's own bound (a per-read bound cut
 # a busy store's 2-10 s answers at 1.5 s whatever the caller's patience: tests/test_store_rest.py).
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=1.5, sock_read=None)
 _TABLE = {
-    "x-ms-version": TABLE_VERSION,
+    "x-ms-version": "2019-02-02",
     "DataServiceVersion": "3.0",
     "MaxDataServiceVersion": "3.0;NetFx",
     "Accept": "application/json;odata=minimalmetadata",
 }
 _JSON = {**_TABLE, "Content-Type": "application/json"}
-_BLOB = {"x-ms-version": BLOB_VERSION}
+_BLOB = {"x-ms-version": "2023-11-03"}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 
@@ -82,8 +72,6 @@ class ErrorAnswer(Exception):
 def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     """The store's error for what a call (``what``) raised; None when it is not the store's (a bug
     of ours, raised as it is). The message never carries a URL (it may hold a SAS)."""
-    if isinstance(exc, StoreError):
-        return exc
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
     if isinstance(exc, NoToken):  # never a NotFound of the row asked for
@@ -115,17 +103,13 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
     None values (the store keeps no nulls: ``store.clean``)."""
     body: dict[str, Any] = {}
     for name, value in entity.items():
-        kind = type(value)
         if value is None:
             continue
-        if kind is int and name not in ("PartitionKey", "RowKey"):
-            body[name] = str(value)
-            body[name + "@odata.type"] = "Edm.Int64"
-        elif kind is float:
-            body[name] = value
+        body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
+        if type(value) is int and name not in ("PartitionKey", "RowKey"):
+            body[name], body[name + "@odata.type"] = str(value), "Edm.Int64"
+        elif type(value) is float:
             body[name + "@odata.type"] = "Edm.Double"
-        else:  # str, bool (check_entity lets nothing else through)
-            body[name] = value
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -177,15 +161,22 @@ def _entity_path(table: str, partition: str, row: str) -> str:
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
 
-def _http_parts(content_type: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """The HTTP answers (status, headers with lower-case names, body) in a multipart body of
-    ``content_type``, in order, those of nested multiparts (the changeset) in their place. The line
-    ends read as LF (the service writes CRLF, a proxy might not); the parts' encoding is binary (the
-    only one the Table service writes)."""
-    return _http_parts_of(parse_mimetype(content_type).parameters.get("boundary", ""), data.replace(b"\r\n", b"\n"))
+def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
+    """An operation's method, path and own headers, alone or in a batch: an insert is a POST to the
+    table; the rest go to the row, a replace, a merge or a delete only if the row is there (under
+    ``op.etag``, or any version: If-Match: *), an upsert whether it is or not."""
+    if op.kind == "insert":
+        return "POST", table, {"Prefer": "return-no-content"}
+    path = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
+    if op.kind == "upsert":
+        return "PUT", path, {}
+    return {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind], path, {"If-Match": op.etag or "*"}
 
 
-def _http_parts_of(boundary: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+def _http_parts(boundary: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The HTTP answers (status, headers with lower-case names, body) in a multipart body split by
+    ``boundary``, its line ends LF, in order, those of nested multiparts (the changeset) in their
+    place; the parts' encoding is binary (the only one the Table service writes)."""
     found: list[tuple[int, dict[str, str], bytes]] = []
     if not boundary:
         return found
@@ -205,7 +196,7 @@ def _http_parts_of(boundary: str, data: bytes) -> list[tuple[int, dict[str, str]
         headers = _fields(head)
         kind = parse_mimetype(headers.get("content-type", "text/plain"))
         if kind.type == "multipart":
-            found += _http_parts_of(kind.parameters.get("boundary", ""), body)
+            found += _http_parts(kind.parameters.get("boundary", ""), body)
         elif (kind.type, kind.subtype) == ("application", "http"):
             head, _, body = body.partition(b"\n\n")
             status_line, _, head = head.partition(b"\n")
@@ -223,57 +214,37 @@ def _fields(head: bytes) -> dict[str, str]:
     return fields
 
 
-def _batch_etags(count: int) -> Answer[list[str | None]]:
-    """What reads the answer of a $batch of ``count`` operations: their ETags, in order; a failed
-    operation raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The
-    specified entity...", as the SDK reads it; 0 when it does not say). The multipart is read by
-    ``_http_parts``, not the stdlib ``email`` parser, which took 68% of a batch's CPU (five to ten
-    times ``_http_parts``'s on tests/unit/test_store_batch.py's answers recorded from Azurite, where
-    the two readings are shown equal; aiohttp's MultipartReader was slower still: git log cb2354b,
-    fc8ade1)."""
-
-    def etags(headers: Mapping[str, str], data: bytes) -> list[str | None]:
-        found: list[str | None] = []
-        for status, fields, body in _http_parts(headers.get("Content-Type", ""), data):
-            if status < 300:
-                found.append(fields.get("etag"))
-                continue
-            error: Any = {}
-            if body.strip():
-                with contextlib.suppress(ValueError):
-                    error = json.loads(body).get("odata.error") or {}
-            message = error.get("message")
-            head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
-            raise ErrorAnswer(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
-        if len(found) != count:
-            raise ErrorAnswer(0, None, 0)
-        return found
-
-    return etags
+def _batch_etags(count: int, headers: Mapping[str, str], data: bytes) -> list[str | None]:
+    """The answer of a $batch of ``count`` operations: their ETags, in order; a failed operation
+    raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The specified
+    entity...", as the SDK reads it; 0 when it does not say). Its line ends read as LF (the service
+    writes CRLF, a proxy might not). The multipart is read by ``_http_parts``: the stdlib ``email``
+    parser took five to ten times its CPU (68% of a batch's), aiohttp's MultipartReader more still
+    (git log cb2354b, fc8ade1; tests/unit/test_store_batch.py shows the readings equal)."""
+    found: list[str | None] = []
+    boundary = parse_mimetype(headers.get("Content-Type", "")).parameters.get("boundary", "")
+    for status, fields, body in _http_parts(boundary, data.replace(b"\r\n", b"\n")):
+        if status < 300:
+            found.append(fields.get("etag"))
+            continue
+        error: Any = {}
+        if body.strip():
+            with contextlib.suppress(ValueError):
+                error = json.loads(body).get("odata.error") or {}
+        message = error.get("message")
+        head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
+        raise ErrorAnswer(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+    if len(found) != count:
+        raise ErrorAnswer(0, None, 0)
+    return found
 
 
 def _etag(headers: Mapping[str, str], body: bytes) -> str:
     return headers.get("ETag", "")
 
 
-def _row(headers: Mapping[str, str], body: bytes) -> Row:
-    return row_of(json.loads(body), headers.get("ETag", ""))
-
-
-def _nothing(headers: Mapping[str, str], body: bytes) -> None:
-    return None
-
-
-def _page(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], list[dict[str, Any]]]:
-    return headers, json.loads(body).get("value") or []
-
-
-def _body(headers: Mapping[str, str], body: bytes) -> bytes:
-    return body
-
-
-def _blob_etag(headers: Mapping[str, str], body: bytes) -> tuple[bytes, str]:
-    return body, headers.get("ETag", "")
+def _reply(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], bytes]:
+    return headers, body
 
 
 class AzureStore:
@@ -306,48 +277,42 @@ class AzureStore:
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
         try:
-            return await self._call("get", timeout, table, "GET", path, _row, again=True)
+            headers, body = await self._call("get", timeout, table, "GET", path, _reply, again=True)
         except NotFound:
             return None
+        return row_of(json.loads(body), headers.get("ETag", ""))
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        body = entity_json(clean(entity))
-        headers = {**_JSON, "Prefer": "return-no-content"}
-        return await self._call("insert", timeout, table, "POST", table, _etag, headers, body)
+        return await self._write(table, Op("insert", clean(entity)), timeout)
 
     async def replace(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write("replace", table, entity, etag, timeout)
+        return await self._write(table, Op("replace", clean(entity), etag), timeout)
 
     async def merge(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write("merge", table, entity, etag, timeout)
+        return await self._write(table, Op("merge", clean(entity), etag), timeout)
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        return await self._write("upsert", table, entity, None, timeout)
-
-    async def _write(self, op: str, table: str, entity: Mapping[str, Any], etag: str | None, timeout: float) -> str:
-        """A replace or a merge of a row that must be there (under ``etag``, or any: If-Match: *),
-        or an upsert (a PUT without If-Match: insert or replace)."""
-        values = clean(entity)
-        path = _entity_path(table, values["PartitionKey"], values["RowKey"])
-        check_etag(etag)
-        headers = _JSON if op == "upsert" else {**_JSON, "If-Match": etag or "*"}
-        method = "MERGE" if op == "merge" else "PUT"
-        body = entity_json(values)
-        return await self._call(op, timeout, table, method, path, _etag, headers, body, again=etag is None)
+        return await self._write(table, Op("upsert", clean(entity)), timeout)
 
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> None:
         check_key("PartitionKey", partition)
         check_key("RowKey", row)
-        check_etag(etag)
-        path, headers = _entity_path(table, partition, row), {**_TABLE, "If-Match": etag or "*"}
         with contextlib.suppress(NotFound):  # quiet on a missing row
-            await self._call("delete", timeout, table, "DELETE", path, _nothing, headers, again=etag is None)
+            await self._write(table, Op("delete", {"PartitionKey": partition, "RowKey": row}, etag), timeout)
+
+    async def _write(self, table: str, op: Op, timeout: float) -> str:
+        check_etag(op.etag)
+        method, path, own = _request(table, op)
+        body = None if op.kind == "delete" else entity_json(op.entity)
+        headers = {**(_TABLE if body is None else _JSON), **own}
+        again = op.kind != "insert" and op.etag is None  # no condition (``_send``)
+        return await self._call(op.kind, timeout, table, method, path, _etag, headers, body, again=again)
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
@@ -361,10 +326,10 @@ class AzureStore:
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while True:
-            headers, found = await self._call(
-                "query", ends - loop.time(), table, "GET", path + going, _page, again=True
+            headers, body = await self._call(
+                "query", ends - loop.time(), table, "GET", path + going, _reply, again=True
             )
-            for entity in found:
+            for entity in json.loads(body).get("value") or []:
                 rows.append(row_of(entity, ""))
                 if limit is not None and len(rows) >= limit:
                     return rows
@@ -385,28 +350,22 @@ class AzureStore:
         batch, changeset = f"batch_{uuid.uuid4()}", f"changeset_{uuid.uuid4()}"
         parts = [f"--{batch}\r\nContent-Type: multipart/mixed; boundary={changeset}\r\n\r\n".encode()]
         for op in ops:
-            keys = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
-            if op.kind == "insert":
-                line, headers = f"POST {url}/{table}", "Prefer: return-no-content\r\n"
-            elif op.kind == "upsert":
-                line, headers = f"PUT {url}/{keys}", ""
-            else:
-                method = {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind]
-                line, headers = f"{method} {url}/{keys}", f"If-Match: {op.etag or '*'}\r\n"
+            method, path, own = _request(table, op)
+            headers = "".join(f"{name}: {value}\r\n" for name, value in own.items())
             # Checked once, by check_batch: the entity with its None values, which count against the
             # limits (check_entity), so the entity without them (clean's check) passes too.
             body = b"" if op.kind == "delete" else entity_json(op.entity)
             parts.append(
                 f"--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n"
-                f"{line} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"
+                f"{method} {url}/{path} HTTP/1.1\r\n{headers}Content-Type: application/json\r\n"
                 "Accept: application/json;odata=minimalmetadata\r\nDataServiceVersion: 3.0\r\n\r\n".encode()
                 + body
                 + b"\r\n"
             )
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
-        body = b"".join(parts)
-        return await self._call("batch", timeout, table, "POST", "$batch", _batch_etags(len(ops)), headers, body)
+        etags = partial(_batch_etags, len(ops))
+        return await self._call("batch", timeout, table, "POST", "$batch", etags, headers, b"".join(parts))
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -415,20 +374,20 @@ class AzureStore:
         out and lands late must not empty the blob."""
         headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         try:
-            await self._call("append_create", timeout, None, "PUT", name, _nothing, headers, b"")
+            await self._call("append_create", timeout, None, "PUT", name, _etag, headers, b"")
         except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
-        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _nothing, headers, data)
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _etag, headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return await self._call("read", timeout, None, "GET", name, _body, headers, again=True)
+            return (await self._call("read", timeout, None, "GET", name, _reply, headers, again=True))[1]
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -443,13 +402,14 @@ class AzureStore:
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            return await self._call("get_blob", timeout, None, "GET", name, _blob_etag, _BLOB, again=True)
+            headers, body = await self._call("get_blob", timeout, None, "GET", name, _reply, _BLOB, again=True)
         except NotFound:
             return None
+        return body, headers.get("ETag", "")
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
-            await self._call("delete_blob", timeout, None, "DELETE", name, _nothing, _BLOB, again=True)
+            await self._call("delete_blob", timeout, None, "DELETE", name, _etag, _BLOB, again=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -507,8 +467,6 @@ class AzureStore:
                 self.clock.failed()
             else:  # an answer all the same (404, 409, 412)
                 self.clock.took(loop.time() - started)
-            if error is exc:
-                raise
             raise error from None
         finally:
             if first is not None:  # however it ended: the calls that wait go on
@@ -574,7 +532,7 @@ class AzureStore:
             target, method = self.account.target(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
-            await self._send(target, method, headers, body, _nothing, again=True)
+            await self._send(target, method, headers, body, _etag, again=True)
         except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise
