@@ -37,14 +37,9 @@ from .producer import Producer
 from .slots import Slot
 from .takeover import producer_gone
 
-# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
-# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
-SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
-
 
 class StreamLog(Protocol):
-    """What a reader asks of its instance's log (log.py's ``StreamLog``; a protocol, so that the log
-    can import its readers without a circle)."""
+    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
 
     def producing(self, stream_id: str) -> Producer | None: ...
 
@@ -52,6 +47,10 @@ class StreamLog(Protocol):
 
 
 log = logging.getLogger("chatstream")
+
+# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
+# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
+SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 Events = AsyncGenerator[bytes, None]
 
@@ -72,7 +71,8 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
             never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
             if start > producer.last_id and not producer.ended_lost and not never_stored:
                 raise PastTheEnd(start, producer.last_id)
-            slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
+            slot = Slot(ctx, stream_id)
+            await slot.hold(None)  # even here: the limit is the stream's, on all instances
             reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
     except BaseException as exc:
         ctx.readers -= 1
@@ -98,7 +98,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         return_exceptions=True,
     )
     if not isinstance(record, Record):
-        slot.release()
+        slot.release()  # (the guess's row)
         raise record
     live = record.state == "live"
     if live and record.instance != ctx.instances.id:
@@ -112,8 +112,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         return_exceptions=True,
     )
     if isinstance(held, BaseException) or not isinstance(data, bytes):
-        if not isinstance(held, BaseException):  # (a failed hold holds nothing)
-            slot.release()
+        slot.release()  # (a failed hold let go already: once is enough)
         raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
     reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
@@ -180,22 +179,18 @@ class _Cadence:
         self._idle = 1
         # ...and until it comes, polls stay quick for as long as the producer may take to see this
         # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
-        self._first_until = now + self._cfg.inbox_seconds + 0.5
-        self._got = False
+        self._first_until: float | None = now + self._cfg.inbox_seconds + 0.5  # (None once a write came)
 
     def read(self, got: bool) -> None:
         """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
         cfg = self._cfg
         if got:
-            self.poll, self._idle, self._got = cfg.poll_seconds * _LEAD, 0, True
-        elif not self._got and asyncio.get_running_loop().time() < self._first_until:
-            self.poll = cfg.poll_seconds / 3
-        else:
+            self.poll, self._idle, self._first_until = cfg.poll_seconds * _LEAD, 0, None
+            return
+        if self._first_until is None or asyncio.get_running_loop().time() >= self._first_until:
             self._idle += 1
-            idle = self._idle
-            self.poll = (
-                cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
-            )
+        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (self._idle - 3))
+        self.poll = cfg.poll_seconds / 3 if self._idle <= 3 else slower
 
 
 class Reader:
@@ -269,8 +264,7 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        """Give back the slot and the inbox row, and its count here (once): when it is closed or read
-        to its end."""
+        """Give back the slot and the inbox row, and its count here (once)."""
         self._slot.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
@@ -305,8 +299,7 @@ class Reader:
         try:
             await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.tail.cursor):
-                self._done = True
-                yield self._never_stored()
+                yield self._end(broken=True)
                 return
             while True:
                 kept = producer.kept
@@ -316,9 +309,7 @@ class Reader:
                     yield data
                     continue
                 if producer.stored_end:
-                    ending = self._ending(producer.ended_lost, kept)
-                    self._done = True
-                    if ending:
+                    if ending := self._end(lost=producer.ended_lost, last_id=kept):
                         yield ending
                     return
                 if producer.moved.is_set():
@@ -408,9 +399,7 @@ class Reader:
                         self._done = True
                         yield ctx.encode_error(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            self._done = True
-            ending = self._never_stored() if tail.broken else self._ending(tail.end == LOST, tail.last_id)
-            if ending:
+            if ending := self._end(tail.broken, tail.end == LOST, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -471,20 +460,20 @@ class Reader:
     def _lost(self, message: str) -> bytes:
         return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _ending(self, lost: bool, last_id: int) -> bytes:
-        """What a reader gets at the stream's end besides the events: our stream_lost error when the
-        log ended lost and the client is past its last event."""
+    def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:
+        """The reading is over: what it gets besides the events. ``broken``: it is after an id that a
+        producer, gone since, handed out but never stored; what follows was made again by another
+        producer and is other text (a model does not say the same twice): the client cannot be given
+        the rest of its own. ``lost``: the log ended lost (our stream_lost, unless the client has
+        just got it: its last event, ``last_id``)."""
+        self._done = True
         cursor = self.tail.cursor
-        if lost and not (cursor == last_id and cursor > self.after):  # (else it just got it)
+        if broken:
+            log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+            return self._lost("the events after this one were lost with the instance that produced them")
+        if lost and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
-
-    def _never_stored(self) -> bytes:
-        """The end of a reading after an id that a producer, gone since, handed out but never stored:
-        what follows it was made again by another producer and is other text (a model does not say
-        the same twice): the client cannot be given the rest of its own."""
-        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
-        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def _past_the_end(self, live: bool) -> bytes:
         """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its
