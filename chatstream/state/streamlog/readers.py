@@ -134,9 +134,8 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     StreamNotFound (none, expired, another caller's); StoreError when the store fails."""
     cfg = ctx.config
     born = started_at(stream_id) or ctx.now()  # 0: started before its producer heard the store's clock
-    young_until = (
-        born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
-    )  # two seconds: how far two readings of the store's clock differ
+    # Two seconds more: how far two readings of the store's clock differ.
+    young_until = born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
     pause, then = None, cfg.young_poll_seconds
     loop = asyncio.get_running_loop()
     while True:
@@ -152,9 +151,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
         if now + pause > young_until or born > now + 2.0:
             raise StreamNotFound("no such stream")
         await asyncio.sleep(pause)
-        # Longer each time: a record that is late is late because the store is busy (its write
-        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that. But
-        # not past 0.1 s in the stream's first second, when the record is normally on its way.
+        # Longer each time: a record that is late is late because the store is busy; polling it
+        # faster would only add to that. But not past 0.1 s in the stream's first second, when the
+        # record is normally on its way.
         pause, then = then, min(1.0 if now > born + 1.0 else 0.1, then * 1.5)
     record = Record.of(row)
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
@@ -164,9 +163,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 # After new bytes the next poll begins a little less than poll_seconds after this one began, so that
 # the polls drift earlier until one comes just before a write lands and finds nothing (then a third
-# of poll_seconds later: ResumeConfig): they stay close behind the producer's writes. Paced from the
-# end of a read, or at exactly the producer's interval, they kept whatever distance behind its
-# writes they happened to have (a read's time later each poll: 0-100 ms, ~50 ms on average).
+# of poll_seconds later: that write waits ~33 ms, not 100): they stay close behind the producer's
+# writes. Paced from the end of a read, or at exactly the producer's interval, they kept whatever
+# distance behind its writes they happened to have (a read's time later each poll: ~50 ms on average).
 _LEAD = 0.9
 
 
@@ -182,7 +181,7 @@ class _Cadence:
         self._first_until: float | None = now + self._cfg.inbox_seconds + 0.5  # (None once a write came)
 
     def read(self, got: bool) -> None:
-        """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
+        """After a read that ``got`` bytes or not (see _LEAD)."""
         cfg = self._cfg
         if got:
             self.poll, self._idle, self._first_until = cfg.poll_seconds * _LEAD, 0, None

@@ -68,20 +68,15 @@ class Claim:
         lost producer's, unstored)."""
         return max(0, self.producer.unstored - position(self.last_id)) if self.producer.unstored else 0
 
-    def stood_in_events(self) -> int:
-        """How many of those the continuation has kept (``stand_ins``)."""
-        return len(sse.split(self.stand_ins())[0])
-
-    def all_stood_in(self) -> bool:
-        """Whether the continuation has kept every stand-in (its event at position ``producer.unstored``)."""
-        last = sse.split(self.stand_ins())[0][-1:]
-        return bool(last) and position(sse.event_id(last[0]) or 0) >= self.producer.unstored
+    def unstood(self) -> int:
+        """How many of those the continuation has not stood in for yet (``stand_ins``)."""
+        return max(0, self.past_stored() - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
-        """Wait until ``all_stood_in``: what the stand-ins charge is known then, not only at the
-        continuation's end, which this instance may not live to see. Waits for ever if the
+        """Wait until every one is stood in for: what the stand-ins charge is known then, not only at
+        the continuation's end, which this instance may not live to see. Waits for ever if the
         continuation ends short: cancel it then."""
-        while not self.all_stood_in():
+        while self.unstood():
             await self.producer.changed()
 
 
@@ -149,7 +144,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if fenced is False:
             await _record_end(ctx, won, tail)
             return True
-        events = split_events(bytes(stored[: tail.offset]))
+        events = split_events(bytes(stored))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
         producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
