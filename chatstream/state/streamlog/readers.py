@@ -356,28 +356,7 @@ class Reader:
                         break
                     if now >= state_at:
                         state_at = now + cfg.state_seconds
-                        if not await producer_gone(ctx, self.record, tail, self._grew_at):
-                            self._gone_at = None
-                        elif not tail.handover and (
-                            self._gone_at is None
-                            or (
-                                tail.cursor > tail.last_id
-                                and now - self._gone_at < cfg.give_up_seconds
-                                and (
-                                    not self.record.instance
-                                    or await ctx.instances.silent_for(self.record.instance) < cfg.give_up_seconds
-                                )
-                            )
-                        ):
-                            # Twice, a check apart: a producer renamed under load (Instances fenced
-                            # it) says so in the record meanwhile; a dead one stays gone. A reader
-                            # ahead of the log (its client has ids not stored yet) waits longer: a
-                            # takeover ends it with stream_lost, and a producer only slow stores them;
-                            # not when its instance has been silent that long already (a reader that
-                            # comes late, after other readings of it were cut: chaos seed 7).
-                            self._gone_at = self._gone_at or now
-                        else:
-                            self._gone_at = None
+                        if await self._gone(now):
                             out, done = await self._producer_gone()
                             if out:
                                 yield out
@@ -428,6 +407,28 @@ class Reader:
         if row is None:  # swept: its TTL passed (a record of nobody's, lost)
             return Record(self.stream_id, self.route, None, "", self.tail.epoch, 0.0, 0.0, state="lost")
         return Record.of(row)
+
+    async def _gone(self, now: float) -> bool:
+        """Whether the producer is gone for good: handed over, or found gone twice, a check apart (a
+        producer renamed under load, Instances fenced it, says so in the record meanwhile; a dead one
+        stays gone). A reader ahead of the log (its client has ids not stored yet) waits longer: a
+        takeover ends it with stream_lost, and a producer only slow stores them; not when its
+        instance has been silent that long already (a reader that comes late, after other readings
+        of it were cut: chaos seed 7)."""
+        record, tail, patience = self.record, self.tail, self._cfg.give_up_seconds
+        assert record is not None
+        if not await producer_gone(self._ctx, record, tail, self._grew_at):
+            self._gone_at = None
+            return False
+        if not tail.handover:
+            if self._gone_at is None:
+                self._gone_at = now
+                return False
+            ahead = tail.cursor > tail.last_id and now - self._gone_at < patience
+            if ahead and (not record.instance or await self._ctx.instances.silent_for(record.instance) < patience):
+                return False
+        self._gone_at = None
+        return True
 
     async def _producer_gone(self) -> tuple[bytes, bool]:
         """Nobody produces the stream: what was stored last, then a takeover (or it went on
