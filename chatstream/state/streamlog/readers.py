@@ -193,11 +193,9 @@ class _Cadence:
 
 
 class Reader:
-    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
-    live ones up to the final event), from memory while its producer is here, from the store
-    otherwise, through any takeover (module docstring). ``route`` is the format of its events;
-    ``tail``: what it read of the stored log, and its ``cursor``, the last id the client has (also
-    when it reads from memory). Close it with ``aclose`` (Starlette's StreamingResponse does) when
+    """A resumed stream (module docstring): an async iterator of bytes, the stored events after
+    ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
+    the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
     the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
     its end."""
 
@@ -326,16 +324,14 @@ class Reader:
 
     async def _from_store(self) -> Events:
         """Until the stream ends, or is produced here (taken over by this instance)."""
-        ctx, cfg = self._ctx, self._cfg
+        ctx, cfg, tail = self._ctx, self._cfg, self.tail
         loop = asyncio.get_running_loop()
-        ctx.remote_readers += 1
+        now = last_new = loop.time()
+        cadence = _Cadence(ctx, now)
+        state_at = now + cfg.state_seconds  # the producer's next check
         failing_since: float | None = None
+        ctx.remote_readers += 1
         try:
-            tail = self.tail
-            cadence = _Cadence(ctx, loop.time())
-            last_new = loop.time()
-            state_at = loop.time() + cfg.state_seconds  # the producer's next check
-            now = loop.time()
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -366,7 +362,6 @@ class Reader:
                             last_new = now
                             self.record = await self._reread()
                             if self.record.state == "lost":
-                                self._done = True
                                 yield self._lost("the stream stopped being stored")
                                 return
                     failing_since = None
@@ -452,12 +447,13 @@ class Reader:
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
-            self._done = True
             return out + self._lost("the stream's producer was lost"), True
         self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
         return out, False
 
     def _lost(self, message: str) -> bytes:
+        """The reading ends with our stream_lost."""
+        self._done = True
         return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.tail.cursor + 1)
 
     def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:

@@ -28,6 +28,7 @@ from .format import (
     epoch_marker,
     log_tag,
     position,
+    producer_events,
     record_over,
     request_blob,
     split_events,
@@ -163,7 +164,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             events=b"".join(events),
             last_id=tail.last_id,
             producer=producer,
-            lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
+            lost_events=producer_events(bytes(stored), tail.epoch),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
