@@ -84,12 +84,11 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
 
 
 async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
-    """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
-    reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
-    reader follows closely from its first events) and the stored log at once, then ``after`` checked.
-    A young stream's row goes to the inbox of the instance whose stream a reader here opened last
-    as the record is read: the producer, most often (two instances: always), sees the reader one
-    record read sooner; when the record names another, the row moves there (``Slot.follow``)."""
+    """A stream produced elsewhere (or by nobody any more): its record, then its slot with the
+    reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
+    stream's row goes to the inbox of the instance whose stream a reader here opened last as the
+    record is read: the producer, most often (two instances: always), sees the reader one record
+    read sooner; when the record names another, the row moves there (``Slot.follow``)."""
     slot = Slot(ctx, stream_id)
     guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
     record, _ = await asyncio.gather(
