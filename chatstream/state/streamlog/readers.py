@@ -37,6 +37,10 @@ from .producer import Producer
 from .slots import Slot
 from .takeover import producer_gone
 
+# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
+# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
+SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
+
 
 class StreamLog(Protocol):
     """What a reader asks of its instance's log (log.py's, which imports its readers)."""
@@ -47,10 +51,6 @@ class StreamLog(Protocol):
 
 
 log = logging.getLogger("chatstream")
-
-# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
-# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
-SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 Events = AsyncGenerator[bytes, None]
 
