@@ -475,7 +475,7 @@ class Endpoint:
         least one generated token. Chat completions forward the upstream's chunks as they came, and
         some carry no token (the role chunk, Azure's content-filter chunks with an empty delta, the
         empty deltas of OpenAI-compatible servers): none is known to hold any."""
-        unknown = max(0, claim.past_stored() - claim.stood_in_events())
+        unknown = claim.unstood()
         return unknown, unknown if self.api.name == "chat" else 0
 
     async def _charge_received(self, claim: Claim, known: Known, admission: Admission, over: asyncio.Event) -> None:
@@ -510,7 +510,7 @@ class Endpoint:
             before,
         )
         try:
-            while not (claim.all_stood_in() or over.is_set() or (life is not None and life.grace_over.is_set())):
+            while claim.unstood() and not (over.is_set() or (life is not None and life.grace_over.is_set())):
                 if life is None:
                     await _any(claim.stood_in(), over.wait())
                 elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows

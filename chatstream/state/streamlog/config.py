@@ -1,7 +1,5 @@
-"""The tuning of resumable streams (``ResumeConfig``: the two settings RESUME_ABANDON_SECONDS and
-RESUME_TTL_SECONDS, the producer's cap from TOTAL_TIMEOUT_SECONDS, and the cadences and limits
-docs/resumable.md measured), and what the parts of one stream log share (``Context``: the store,
-this instance, the settings, the background tasks and the turn they take at the store)."""
+"""The tuning of resumable streams (``ResumeConfig``: two settings, the producer's cap, cadences and
+limits; docs/resumable.md gives the bounds) and what the parts of one stream log share (``Context``)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ class ResumeConfig:
     checkpoint_seconds: float = 5.0
     flush_bytes: int = 512 * 1024
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
-    # A remote reader polls the blob a little under poll_seconds after new bytes (about the producer's
-    # write cadence: it locks on just behind its writes), a third of that after an empty read while bytes flow (so a
-    # write that lands just after a poll waits ~33 ms, not 100), then slower to max_poll_seconds.
+    # A remote reader polls the blob about every poll_seconds (the producer's fast writes) while bytes
+    # flow, then slower, to max_poll_seconds (readers._Cadence).
     poll_seconds: float = 0.1
     max_poll_seconds: float = 0.5
     # Many streams followed at once: the instance's fast writes and remote polls are spread so that
@@ -46,20 +43,14 @@ class ResumeConfig:
     # with their number): a store call costs ~1-2 ms of CPU (docs/resumable.md).
     write_rate: float = 100.0
     read_rate: float = 200.0
-    # ...and at most this many of those writes and polls are in flight at once: when the store is
-    # slow they wait here, in turn (a write a reader elsewhere waits for first: Turns), not in its
-    # queue ahead of the heartbeat, the inbox and the routes' own calls. (A stream's record insert
-    # is the request's own: it does not wait here.)
+    # ...and at most this many of them are in flight at once (Turns): when the store is slow they
+    # wait here, not in its queue ahead of the heartbeat, the inbox and the routes' own calls.
     bulk_calls: int = 16
-    # A reader elsewhere polls for the record of a stream just started: its id goes out as its
-    # record's insert is sent, so a reader that comes at once often reads before it lands (the
-    # first read again after half that read's time, then young_poll_seconds, longer each time).
-    young_poll_seconds: float = 0.05
+    young_poll_seconds: float = 0.05  # a reader elsewhere waits for a young stream's record (read_record)
     state_seconds: float = 1.0  # a remote reader checks that the producer's instance is alive this often
-    # A producing instance reads its inbox (cancels, readers elsewhere) every inbox_seconds, and
-    # every inbox_young_seconds while one of its streams is younger than young_seconds: a reader
-    # that comes with the stream's first events (a second screen, the bench's follower) is seen
-    # at once, so the lag behind the live caller stays short for short streams too.
+    # A producing instance reads its inbox every inbox_seconds, every inbox_young_seconds while one of
+    # its streams is younger than young_seconds: a reader that comes with a stream's first events (a
+    # second screen) is seen at once, so it follows closely short streams too.
     inbox_seconds: float = 0.5
     inbox_young_seconds: float = 0.1
     young_seconds: float = 2.0

@@ -82,8 +82,7 @@ def _deliver(ctx: Context, producers: Mapping[str, Producer], instance: str, row
 
 async def cancel(ctx: Context, instance: str, stream_id: str) -> None:
     """Ask ``instance`` to stop its stream ``stream_id``. StoreError when the store fails."""
-    now = ctx.now()
-    row = {"PartitionKey": inbox_partition(instance), "RowKey": f"c-{stream_id}", "expires": now + 60.0}
+    row = {"PartitionKey": inbox_partition(instance), "RowKey": f"c-{stream_id}", "expires": ctx.now() + 60.0}
     await ctx.store.upsert(STREAMS_TABLE, row)
 
 

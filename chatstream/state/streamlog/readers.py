@@ -43,8 +43,7 @@ SLOT_LOST = "the store did not answer in time to keep this reading's place among
 
 
 class StreamLog(Protocol):
-    """What a reader asks of its instance's log (log.py's ``StreamLog``; a protocol, so that the log
-    can import its readers without a circle)."""
+    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
 
     def producing(self, stream_id: str) -> Producer | None: ...
 
@@ -72,7 +71,8 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
             never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
             if start > producer.last_id and not producer.ended_lost and not never_stored:
                 raise PastTheEnd(start, producer.last_id)
-            slot = await Slot.take(ctx, stream_id)  # even here: the limit is the stream's, on all instances
+            slot = Slot(ctx, stream_id)
+            await slot.hold(None)  # even here: the limit is the stream's, on all instances
             reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
     except BaseException as exc:
         ctx.readers -= 1
@@ -84,12 +84,11 @@ async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: i
 
 
 async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
-    """A stream produced elsewhere (or by nobody any more): its record, then its slot (with the
-    reader's row in the producer's inbox: it writes what it holds as soon as it sees the row, so the
-    reader follows closely from its first events) and the stored log at once, then ``after`` checked.
-    A young stream's row goes to the inbox of the instance whose stream a reader here opened last
-    as the record is read: the producer, most often (two instances: always), sees the reader one
-    record read sooner; when the record names another, the row moves there (``Slot.follow``)."""
+    """A stream produced elsewhere (or by nobody any more): its record, then its slot with the
+    reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
+    stream's row goes to the inbox of the instance whose stream a reader here opened last as the
+    record is read: the producer, most often (two instances: always), sees the reader one record
+    read sooner; when the record names another, the row moves there (``Slot.follow``)."""
     slot = Slot(ctx, stream_id)
     guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
     record, _ = await asyncio.gather(
@@ -98,7 +97,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         return_exceptions=True,
     )
     if not isinstance(record, Record):
-        slot.release()
+        slot.release()  # (the guess's row)
         raise record
     live = record.state == "live"
     if live and record.instance != ctx.instances.id:
@@ -112,8 +111,7 @@ async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: 
         return_exceptions=True,
     )
     if isinstance(held, BaseException) or not isinstance(data, bytes):
-        if not isinstance(held, BaseException):  # (a failed hold holds nothing)
-            slot.release()
+        slot.release()  # (a failed hold let go already: once is enough)
         raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
     reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
     try:
@@ -135,9 +133,8 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     StreamNotFound (none, expired, another caller's); StoreError when the store fails."""
     cfg = ctx.config
     born = started_at(stream_id) or ctx.now()  # 0: started before its producer heard the store's clock
-    young_until = (
-        born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
-    )  # two seconds: how far two readings of the store's clock differ
+    # Two seconds more: how far two readings of the store's clock differ.
+    young_until = born + cfg.give_up_seconds + cfg.lost_record_seconds + 2.0
     pause, then = None, cfg.young_poll_seconds
     loop = asyncio.get_running_loop()
     while True:
@@ -153,9 +150,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
         if now + pause > young_until or born > now + 2.0:
             raise StreamNotFound("no such stream")
         await asyncio.sleep(pause)
-        # Longer each time: a record that is late is late because the store is busy (its write
-        # waits its turn, ResumeConfig.bulk_calls); polling it faster would only add to that. But
-        # not past 0.1 s in the stream's first second, when the record is normally on its way.
+        # Longer each time: a record that is late is late because the store is busy; polling it
+        # faster would only add to that. But not past 0.1 s in the stream's first second, when the
+        # record is normally on its way.
         pause, then = then, min(1.0 if now > born + 1.0 else 0.1, then * 1.5)
     record = Record.of(row)
     if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
@@ -165,9 +162,9 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 # After new bytes the next poll begins a little less than poll_seconds after this one began, so that
 # the polls drift earlier until one comes just before a write lands and finds nothing (then a third
-# of poll_seconds later: ResumeConfig): they stay close behind the producer's writes. Paced from the
-# end of a read, or at exactly the producer's interval, they kept whatever distance behind its
-# writes they happened to have (a read's time later each poll: 0-100 ms, ~50 ms on average).
+# of poll_seconds later: that write waits ~33 ms, not 100): they stay close behind the producer's
+# writes. Paced from the end of a read, or at exactly the producer's interval, they kept whatever
+# distance behind its writes they happened to have (a read's time later each poll: ~50 ms on average).
 _LEAD = 0.9
 
 
@@ -180,30 +177,24 @@ class _Cadence:
         self._idle = 1
         # ...and until it comes, polls stay quick for as long as the producer may take to see this
         # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
-        self._first_until = now + self._cfg.inbox_seconds + 0.5
-        self._got = False
+        self._first_until: float | None = now + self._cfg.inbox_seconds + 0.5  # (None once a write came)
 
     def read(self, got: bool) -> None:
-        """After a read that ``got`` bytes or not (see ResumeConfig.poll_seconds)."""
+        """After a read that ``got`` bytes or not (see _LEAD)."""
         cfg = self._cfg
         if got:
-            self.poll, self._idle, self._got = cfg.poll_seconds * _LEAD, 0, True
-        elif not self._got and asyncio.get_running_loop().time() < self._first_until:
-            self.poll = cfg.poll_seconds / 3
-        else:
+            self.poll, self._idle, self._first_until = cfg.poll_seconds * _LEAD, 0, None
+            return
+        if self._first_until is None or asyncio.get_running_loop().time() >= self._first_until:
             self._idle += 1
-            idle = self._idle
-            self.poll = (
-                cfg.poll_seconds / 3 if idle <= 3 else min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
-            )
+        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (self._idle - 3))
+        self.poll = cfg.poll_seconds / 3 if self._idle <= 3 else slower
 
 
 class Reader:
-    """A resumed stream: an async iterator of bytes (the stored events after ``after``, then the
-    live ones up to the final event), from memory while its producer is here, from the store
-    otherwise, through any takeover (module docstring). ``route`` is the format of its events;
-    ``tail``: what it read of the stored log, and its ``cursor``, the last id the client has (also
-    when it reads from memory). Close it with ``aclose`` (Starlette's StreamingResponse does) when
+    """A resumed stream (module docstring): an async iterator of bytes, the stored events after
+    ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
+    the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
     the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
     its end."""
 
@@ -269,8 +260,7 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        """Give back the slot and the inbox row, and its count here (once): when it is closed or read
-        to its end."""
+        """Give back the slot and the inbox row, and its count here (once)."""
         self._slot.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
@@ -305,8 +295,7 @@ class Reader:
         try:
             await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.tail.cursor):
-                self._done = True
-                yield self._never_stored()
+                yield self._end(broken=True)
                 return
             while True:
                 kept = producer.kept
@@ -316,9 +305,7 @@ class Reader:
                     yield data
                     continue
                 if producer.stored_end:
-                    ending = self._ending(producer.ended_lost, kept)
-                    self._done = True
-                    if ending:
+                    if ending := self._end(lost=producer.ended_lost, last_id=kept):
                         yield ending
                     return
                 if producer.moved.is_set():
@@ -336,16 +323,14 @@ class Reader:
 
     async def _from_store(self) -> Events:
         """Until the stream ends, or is produced here (taken over by this instance)."""
-        ctx, cfg = self._ctx, self._cfg
+        ctx, cfg, tail = self._ctx, self._cfg, self.tail
         loop = asyncio.get_running_loop()
-        ctx.remote_readers += 1
+        now = last_new = loop.time()
+        cadence = _Cadence(ctx, now)
+        state_at = now + cfg.state_seconds  # the producer's next check
         failing_since: float | None = None
+        ctx.remote_readers += 1
         try:
-            tail = self.tail
-            cadence = _Cadence(ctx, loop.time())
-            last_new = loop.time()
-            state_at = loop.time() + cfg.state_seconds  # the producer's next check
-            now = loop.time()
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None:
                     return  # taken over here: from memory now
@@ -366,28 +351,7 @@ class Reader:
                         break
                     if now >= state_at:
                         state_at = now + cfg.state_seconds
-                        if not await producer_gone(ctx, self.record, tail, self._grew_at):
-                            self._gone_at = None
-                        elif not tail.handover and (
-                            self._gone_at is None
-                            or (
-                                tail.cursor > tail.last_id
-                                and now - self._gone_at < cfg.give_up_seconds
-                                and (
-                                    not self.record.instance
-                                    or await ctx.instances.silent_for(self.record.instance) < cfg.give_up_seconds
-                                )
-                            )
-                        ):
-                            # Twice, a check apart: a producer renamed under load (Instances fenced
-                            # it) says so in the record meanwhile; a dead one stays gone. A reader
-                            # ahead of the log (its client has ids not stored yet) waits longer: a
-                            # takeover ends it with stream_lost, and a producer only slow stores them;
-                            # not when its instance has been silent that long already (a reader that
-                            # comes late, after other readings of it were cut: chaos seed 7).
-                            self._gone_at = self._gone_at or now
-                        else:
-                            self._gone_at = None
+                        if await self._gone(now):
                             out, done = await self._producer_gone()
                             if out:
                                 yield out
@@ -397,7 +361,6 @@ class Reader:
                             last_new = now
                             self.record = await self._reread()
                             if self.record.state == "lost":
-                                self._done = True
                                 yield self._lost("the stream stopped being stored")
                                 return
                     failing_since = None
@@ -408,9 +371,7 @@ class Reader:
                         self._done = True
                         yield ctx.encode_error(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            self._done = True
-            ending = self._never_stored() if tail.broken else self._ending(tail.end == LOST, tail.last_id)
-            if ending:
+            if ending := self._end(tail.broken, tail.end == LOST, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -441,6 +402,28 @@ class Reader:
             return Record(self.stream_id, self.route, None, "", self.tail.epoch, 0.0, 0.0, state="lost")
         return Record.of(row)
 
+    async def _gone(self, now: float) -> bool:
+        """Whether the producer is gone for good: handed over, or found gone twice, a check apart (a
+        producer renamed under load, Instances fenced it, says so in the record meanwhile; a dead one
+        stays gone). A reader ahead of the log (its client has ids not stored yet) waits longer: a
+        takeover ends it with stream_lost, and a producer only slow stores them; not when its
+        instance has been silent that long already (a reader that comes late, after other readings
+        of it were cut: chaos seed 7)."""
+        record, tail, patience = self.record, self.tail, self._cfg.give_up_seconds
+        assert record is not None
+        if not await producer_gone(self._ctx, record, tail, self._grew_at):
+            self._gone_at = None
+            return False
+        if not tail.handover:
+            if self._gone_at is None:
+                self._gone_at = now
+                return False
+            ahead = tail.cursor > tail.last_id and now - self._gone_at < patience
+            if ahead and (not record.instance or await self._ctx.instances.silent_for(record.instance) < patience):
+                return False
+        self._gone_at = None
+        return True
+
     async def _producer_gone(self) -> tuple[bytes, bool]:
         """Nobody produces the stream: what was stored last, then a takeover (or it went on
         elsewhere meanwhile), else ``stream_lost``. (events to hand out, whether the reader is done)"""
@@ -463,28 +446,29 @@ class Reader:
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
-            self._done = True
             return out + self._lost("the stream's producer was lost"), True
         self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
         return out, False
 
     def _lost(self, message: str) -> bytes:
+        """The reading ends with our stream_lost."""
+        self._done = True
         return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _ending(self, lost: bool, last_id: int) -> bytes:
-        """What a reader gets at the stream's end besides the events: our stream_lost error when the
-        log ended lost and the client is past its last event."""
+    def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:
+        """The reading is over: what it gets besides the events. ``broken``: it is after an id that a
+        producer, gone since, handed out but never stored; what follows was made again by another
+        producer and is other text (a model does not say the same twice): the client cannot be given
+        the rest of its own. ``lost``: the log ended lost (our stream_lost, unless the client has
+        just got it: its last event, ``last_id``)."""
+        self._done = True
         cursor = self.tail.cursor
-        if lost and not (cursor == last_id and cursor > self.after):  # (else it just got it)
+        if broken:
+            log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+            return self._lost("the events after this one were lost with the instance that produced them")
+        if lost and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
-
-    def _never_stored(self) -> bytes:
-        """The end of a reading after an id that a producer, gone since, handed out but never stored:
-        what follows it was made again by another producer and is other text (a model does not say
-        the same twice): the client cannot be given the rest of its own."""
-        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
-        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def _past_the_end(self, live: bool) -> bytes:
         """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its

@@ -19,7 +19,7 @@ import random
 import secrets
 
 from ...errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from ..store import STREAMS_TABLE, Where
+from ..store import STREAMS_TABLE, Row, Where
 from . import inbox
 from .config import Context
 from .errors import TooManyReaders
@@ -41,13 +41,6 @@ class Slot:
         self._keeping: asyncio.Task | None = None
         self._until = 0.0  # the slot is this reader's until then (its last write that landed)
         self._news = asyncio.Event()  # set (and replaced) after each refresh: ``holding`` waits on it
-
-    @classmethod
-    async def take(cls, ctx: Context, stream_id: str, at: str | None = None) -> Slot:
-        """A new reader's ``hold``."""
-        slot = cls(ctx, stream_id)
-        await slot.hold(at)
-        return slot
 
     async def hold(self, at: str | None) -> None:
         """A free slot, with the reader's row in the inbox of ``at`` (the producing instance, when
@@ -73,13 +66,8 @@ class Slot:
         random.shuffle(keys)
 
         async def write(key: str, etag: str | None) -> None:
-            row = _slot_row(ctx, self._stream_id, key, self.id)
             try:
-                if etag is None:
-                    self._etag = await store.insert(STREAMS_TABLE, row)
-                else:
-                    self._etag = await store.replace(STREAMS_TABLE, row, etag=etag)
-                self._key, self._until = key, row["until"]
+                await self._write(key, etag)
             except StoreUnavailable:
                 ctx.later(lambda: _give_back(ctx, self._stream_id, key, self.id))
                 raise
@@ -103,6 +91,18 @@ class Slot:
                     continue
         raise TooManyReaders("too many readers of this stream")
 
+    async def _write(self, key: str, etag: str | None) -> None:
+        """Take the slot ``key`` (an insert; on ``etag``, a replace), or refresh it: it is this
+        reader's until ``slot_seconds`` from now."""
+        until = self._ctx.now() + self._ctx.config.slot_seconds
+        row = {"PartitionKey": self._stream_id, "RowKey": key, "holder": self.id, "until": until, "expires": until}
+        store = self._ctx.store
+        if etag is None:
+            self._etag = await store.insert(STREAMS_TABLE, row)
+        else:
+            self._etag = await store.replace(STREAMS_TABLE, row, etag=etag)
+        self._key, self._until = key, until
+
     async def follow(self, at: str | None) -> None:
         """The stream is produced on ``at`` now (None: here, or by nobody): the inbox row moves
         there; the one it leaves is deleted (nobody reads it for this stream any more). StoreError."""
@@ -121,20 +121,16 @@ class Slot:
             await asyncio.sleep(pause)
             try:
                 if self._etag is not None:
-                    row = _slot_row(self._ctx, self._stream_id, self._key, self.id)
                     try:
-                        self._etag = await self._ctx.store.replace(STREAMS_TABLE, row, etag=self._etag)
-                        self._until = row["until"]
+                        await self._write(self._key, self._etag)
                     except (Modified, NotFound):
                         # A refresh whose answer was lost landed (the row names this reader: it holds on),
                         # or the slot expired and was taken (this reader was too slow: it stops, ``holding``).
-                        held = await self._ctx.store.get(
-                            STREAMS_TABLE, self._stream_id, self._key, select=("holder", "until")
-                        )
-                        mine = held is not None and held.get("holder") == self.id
-                        self._etag = held.etag if held is not None and mine else None
-                        self._until = float(held.get("until") or 0.0) if held is not None and mine else 0.0
-                    self._tell()
+                        held = await _held_by(self._ctx, self._stream_id, self._key, self.id)
+                        self._etag = held.etag if held is not None else None
+                        self._until = float(held.get("until") or 0.0) if held is not None else 0.0
+                    news, self._news = self._news, asyncio.Event()
+                    news.set()
                 if self._at is not None:
                     await inbox.register(self._ctx, self._at, self._stream_id, self.id)
                 pause = self._pause(refresh)
@@ -149,10 +145,6 @@ class Slot:
         if self._etag is None:  # (taken by another reader: this one is stopping)
             return refresh
         return max(0.05, min(refresh, (self._until - HOLD_MARGIN - self._ctx.now()) / 3))
-
-    def _tell(self) -> None:
-        news, self._news = self._news, asyncio.Event()
-        news.set()
 
     async def holding(self) -> bool:
         """Whether this reader may hand out more: at once while its slot's time runs; past it (a
@@ -183,17 +175,18 @@ class Slot:
             self._at = None
 
 
-def _slot_row(ctx: Context, stream_id: str, key: str, holder: str) -> dict:
-    until = ctx.now() + ctx.config.slot_seconds
-    return {"PartitionKey": stream_id, "RowKey": key, "holder": holder, "until": until, "expires": until}
-
-
 async def _give_back(ctx: Context, stream_id: str, key: str, holder: str, etag: str | None = None) -> None:
     """Free the slot ``key`` if ``holder`` holds it (a conditional delete: never someone else's): on
     ``etag``, its last write's, else (or a refresh landed as it was cancelled) if its row names ``holder``."""
     if etag is not None:
         with contextlib.suppress(Modified):
             return await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=etag)
-    row = await ctx.store.get(STREAMS_TABLE, stream_id, key, select=("holder",))
-    if row is not None and row.get("holder") == holder:
+    row = await _held_by(ctx, stream_id, key, holder)
+    if row is not None:
         await ctx.store.delete(STREAMS_TABLE, stream_id, key, etag=row.etag)
+
+
+async def _held_by(ctx: Context, stream_id: str, key: str, holder: str) -> Row | None:
+    """The slot row ``key`` if it names ``holder``."""
+    row = await ctx.store.get(STREAMS_TABLE, stream_id, key, select=("holder", "until"))
+    return row if row is not None and row.get("holder") == holder else None

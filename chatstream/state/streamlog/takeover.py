@@ -28,6 +28,7 @@ from .format import (
     epoch_marker,
     log_tag,
     position,
+    producer_events,
     record_over,
     request_blob,
     split_events,
@@ -68,20 +69,15 @@ class Claim:
         lost producer's, unstored)."""
         return max(0, self.producer.unstored - position(self.last_id)) if self.producer.unstored else 0
 
-    def stood_in_events(self) -> int:
-        """How many of those the continuation has kept (``stand_ins``)."""
-        return len(sse.split(self.stand_ins())[0])
-
-    def all_stood_in(self) -> bool:
-        """Whether the continuation has kept every stand-in (its event at position ``producer.unstored``)."""
-        last = sse.split(self.stand_ins())[0][-1:]
-        return bool(last) and position(sse.event_id(last[0]) or 0) >= self.producer.unstored
+    def unstood(self) -> int:
+        """How many of those the continuation has not stood in for yet (``stand_ins``)."""
+        return max(0, self.past_stored() - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
-        """Wait until ``all_stood_in``: what the stand-ins charge is known then, not only at the
-        continuation's end, which this instance may not live to see. Waits for ever if the
+        """Wait until every one is stood in for: what the stand-ins charge is known then, not only at
+        the continuation's end, which this instance may not live to see. Waits for ever if the
         continuation ends short: cancel it then."""
-        while not self.all_stood_in():
+        while self.unstood():
             await self.producer.changed()
 
 
@@ -149,7 +145,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if fenced is False:
             await _record_end(ctx, won, tail)
             return True
-        events = split_events(bytes(stored[: tail.offset]))
+        events = split_events(bytes(stored))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
         producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
@@ -168,7 +164,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             events=b"".join(events),
             last_id=tail.last_id,
             producer=producer,
-            lost_events=b"".join(e for e in events if tail.seam is None or (sse.event_id(e) or 0) > tail.seam),
+            lost_events=producer_events(bytes(stored), tail.epoch),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
