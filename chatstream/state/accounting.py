@@ -24,8 +24,9 @@ import contextlib
 import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from .. import tokens
 from ..errors import StoreError
@@ -247,11 +248,15 @@ class Accounting:
 
     def charge(self, admission: Admission | None, usage: Usage) -> None:
         """Settle the admission once the request is over (module docstring): in the background."""
-        if admission is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._charge(admission, usage))
+        if admission is not None:
+            self._spawn(self._charge(admission, usage))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """``work`` in the background: ``flush`` waits for it."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
         """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
@@ -319,13 +324,9 @@ class Accounting:
         changed first (that recovery raised it meanwhile) is made again on the row as it is then. On
         a store failure past it, recovery charges that part at its checkpoint. ``floor``: tokens
         known generated besides ``text`` (events its caller received whose text is not known)."""
-        admission.entry.segment = segment_base(epoch)
         started = started or self.counters.clock()  # when the stream started (unknown: now)
-        payer, prompt = self._lost_part(admission, started, before)
-        lost = Used(prompt, 0, tokens.count_text(admission.model, text) + floor)
-        made = Charge.made(
-            payer, admission.model, lost, admission.price, "lost", self.counters.instance, segment_base(epoch - 1)
-        )
+        part = self._lost_part(admission, started, epoch, before)
+        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
         again = False
@@ -357,7 +358,7 @@ class Accounting:
                 cost -= was.cost or 0
                 charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
-            admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -375,11 +376,7 @@ class Accounting:
         """A resumable stream taken over here whose continuation (``asked``) was refused at admission
         (a budget spent, the model no longer the caller's): its lost part is charged all the same,
         as ``charge_lost`` charges it (``text`` and ``floor``), holding nothing; in the background."""
-        task = asyncio.get_running_loop().create_task(
-            self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor)
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor))
 
     async def _charge_refused(
         self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
@@ -395,11 +392,18 @@ class Accounting:
         admission = Admission(caller, wants, Reservation([]), entry, started, prices)
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
-    def _lost_part(self, admission: Admission, started: float, before: str) -> tuple[Payer, int]:
-        """Who pays a taken-over stream's lost part (on the stream's day) and its prompt: a producer
-        after a takeover sent the answer so far (``before``) along with the request's prompt."""
+    def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
+        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's
+        block (the continuation, ``admission``, charges from the first of its own), on the stream's
+        day, its prompt the request's and the answer so far (``before``) that producer was sent."""
+        admission.entry.segment = segment_base(epoch)
+        payer = replace(admission.entry.payer, day=day_of(started))
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
-        return replace(admission.entry.payer, day=day_of(started)), prompt
+        needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
+        key = f"{payer.request_id}/lost{epoch}"
+        return JournalEntry(
+            key, payer, admission.model, prompt, needs, admission.price, segment=segment_base(epoch - 1)
+        )
 
     def regenerating(
         self,
@@ -415,23 +419,10 @@ class Accounting:
         journal as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it
         raises the part's row to it, its recovery does. ``regenerated`` raises it, however the
         waiting ends."""
-        admission.entry.segment = segment_base(epoch)  # (as charge_lost: the continuation's block)
-        payer, prompt = self._lost_part(admission, started or self.counters.clock(), before)
-        needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
-        entry = JournalEntry(
-            f"{payer.request_id}/lost{epoch}",
-            payer,
-            admission.model,
-            prompt,
-            needs,
-            admission.price,
-            generated=lambda: {0: text()},
-            floor=floor,
-            segment=segment_base(epoch - 1),
-            lost=True,
-        )
+        entry = self._lost_part(admission, started or self.counters.clock(), epoch, before)
+        entry.generated, entry.floor, entry.lost = lambda: {0: text()}, floor, True
         self._kept.pop(entry.key, lambda: None)()
-        self._kept[entry.key] = self.counters.keep(needs)  # a takeover counts the raise where it has an entry
+        self._kept[entry.key] = self.counters.keep(entry.needs)  # a takeover counts the raise where it has an entry
         self._raises[entry.key] = functools.partial(self.charge_lost, admission, started, epoch=epoch, before=before)
         return self.journal.open(entry)
 
@@ -450,10 +441,7 @@ class Accounting:
             self.journal.drop(knows)
             self._kept.pop(knows.key, lambda: None)()
 
-        task = asyncio.get_running_loop().create_task(raise_it())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._spawn(raise_it())
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""

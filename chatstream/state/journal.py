@@ -115,6 +115,7 @@ class JournalEntry:
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # read back: ``settlement.seqs`` as written
     # (state, segment, stream, epoch) as last serialised, and the JSON of the rest (``serialised``)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
@@ -134,6 +135,11 @@ class JournalEntry:
                 self.counted_chars[choice] = counted = cut
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
         return self.counted_tokens + rest + floor
+
+    def lost_charge(self, author: str, logged: int = 0) -> Charge:
+        """What an open entry charges, ``ended: lost``: its checkpoint, or ``logged`` tokens if more."""
+        used = Used(self.prompt_tokens, 0, max(logged, self.checkpoint()))
+        return Charge.made(self.payer, self.model, used, self.price, "lost", author, self.segment)
 
     def serialised(self) -> str:
         """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
@@ -168,6 +174,32 @@ class JournalEntry:
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> JournalEntry:
+        """An entry as a written journal holds it (``serialised``; an open one's checkpoint as
+        ``counted_tokens``)."""
+
+        def parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
+            return {CounterKey.parse(key): value for key, value in (named or {}).items()}
+
+        return cls(
+            doc["id"],
+            Payer.of({"request_id": doc["id"], **doc}),  # (older journals name the request nowhere else)
+            doc["model"],
+            int(doc.get("prompt") or 0),
+            parsed(doc.get("needs")),
+            Price.of(doc["price"]) if doc.get("price") else None,
+            counted_tokens=int(doc.get("generated") or 0),
+            segment=int(doc.get("segment") or 0),
+            stream=doc.get("stream"),
+            epoch=int(doc.get("epoch") or 1),
+            lost=bool(doc.get("lost")),
+            state=doc.get("state") or "open",
+            charges=[Charge.of(c) for c in doc.get("charges") or []],
+            amounts=parsed(doc.get("amounts")),
+            seqs=parsed(doc.get("seqs")),
+        )
 
 
 class Journal:
@@ -495,7 +527,7 @@ class Recovery:
         doc = await self._seal(dead, taker)  # 1.
         if doc is None:
             return  # nothing was owed (or a takeover finished already)
-        entries = doc.get("entries") or []
+        entries = [JournalEntry.read(entry) for entry in doc.get("entries") or []]
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
         for key in doc.get("counters") or []:  # 3.
             await self._give_back(CounterKey.parse(key), dead, owed)
@@ -522,40 +554,39 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
-    async def _logged(self, entry: dict[str, Any]) -> int:
+    async def _logged(self, entry: JournalEntry) -> int:
         """Completion tokens of an open entry's part of its resumable stream's log (0: none, or the
         store failed: the checkpoint is charged)."""
-        stream = entry.get("stream")
-        if self.told is None or not stream or entry.get("state") == "settled":
+        if self.told is None or not entry.stream:
             return 0
         try:
-            found = await stored_log(self.store, stream)
+            found = await stored_log(self.store, entry.stream)
         except (StoreError, NotFound) as exc:
             log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
             return 0
         if found is None:
             return 0
         record, data = found
-        text = self.told(record.route, producer_events(data, int(entry.get("epoch") or 1)))
-        return tokens.count_text(entry["model"], text) if text else 0
+        text = self.told(record.route, producer_events(data, entry.epoch))
+        return tokens.count_text(entry.model, text) if text else 0
 
-    async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
+    async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
         """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
         counter, less what others count."""
-        if entry.get("state") != "settled":  # an open request, or a taker's knowledge of a lost part
+        if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part
             return await self._raise(entry, dead, await self._logged(entry))
         others: list[Charge] = []  # what someone else counts
-        for charge in _charges_of(entry, dead):
+        for charge in entry.charges:
             if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
                 if not await self.ledger.apply(charge):
                     others.append(charge)
             elif (there := await self.ledger.put(charge)) is not None and theirs(there, dead, TAKEOVER + dead):
                 others.append(charge)  # a stream's taker charged this part first, from its log: theirs
-        less = amounts(_parsed(entry.get("needs")), others)
+        less = amounts(entry.needs, others)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
-        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in _parsed(entry.get("amounts")).items()}
+        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
 
-    async def _raise(self, entry: dict[str, Any], dead: str, logged: int = 0) -> dict[CounterKey, int]:
+    async def _raise(self, entry: JournalEntry, dead: str, logged: int) -> dict[CounterKey, int]:
         """Step 2 for an open entry (a request, or a taker's knowledge of its lost producer's part:
         ``JournalEntry.lost``): its row raised to its checkpoint (or to what its stream's log holds,
         ``logged``, if more), inserted if none, its author kept; what the raise adds is what it
@@ -564,8 +595,8 @@ class Recovery:
         their own: ``accounting.charge_lost``); a row at the checkpoint or above (a stream's taker
         charged the part from its log first) is left, counting nothing."""
         mine = TAKEOVER + dead
-        charge = _charges_of(entry, dead, logged)[0]
-        keys = _parsed(entry.get("needs"))
+        charge = entry.lost_charge(mine, logged)
+        keys = entry.needs
         for _ in range(MAX_ATTEMPTS):
             there = await self.ledger.find(charge)
             was = Charge.of(there) if there is not None else None
@@ -585,7 +616,7 @@ class Recovery:
         raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 
     async def _give_back(
-        self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]
+        self, key: CounterKey, dead: str, owed: list[tuple[JournalEntry, dict[CounterKey, int]]]
     ) -> None:
         """Step 3 for one budget counter row: the dead instance's entry out,
         ``taken`` less what it held, plus what its entries bring that the row does not have yet (a
@@ -601,10 +632,8 @@ class Recovery:
                 brings[key]
                 for entry, brings in owed
                 if key in brings
-                and _in_window(found.window, entry.get("day"))
-                and not (
-                    entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
-                )
+                and _in_window(found.window, entry.payer.day)
+                and not (entry.state == "settled" and entry.seqs.get(key, 0) <= held.applied)
             )
             taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
@@ -625,21 +654,3 @@ def _in_window(window: str | None, day: str | None) -> bool:
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:
     """Per counter, as the journal document stores it ("partition/row" -> value)."""
     return {str(key): value for key, value in per_counter.items()}
-
-
-def _parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
-    """A journal document's per-counter map read back (``_named``'s inverse)."""
-    return {CounterKey.parse(key): value for key, value in (named or {}).items()}
-
-
-def _charges_of(entry: dict[str, Any], dead: str, logged: int = 0) -> list[Charge]:
-    """What a journal entry charges: its own charges when settled; for an open request, what it had
-    generated at its last checkpoint, or ``logged`` if more (``ended: lost``)."""
-    if entry.get("state") == "settled":
-        return [Charge.of(c) for c in entry.get("charges") or []]
-    price = Price.of(entry["price"]) if entry.get("price") else None
-    # An entry's "id" is its request's (older journals name it nowhere else).
-    payer = Payer.of({"request_id": entry["id"], **entry})
-    generated = Used(int(entry.get("prompt") or 0), 0, max(logged, int(entry.get("generated") or 0)))
-    segment = int(entry.get("segment") or 0)
-    return [Charge.made(payer, entry["model"], generated, price, "lost", TAKEOVER + dead, segment)]
