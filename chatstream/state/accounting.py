@@ -1,21 +1,11 @@
-"""A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
-endpoints call (``authenticate``, ``admit``, ``charge``), in the state's own words (port.py).
+"""A caller's request, admitted and charged (``CALLER_KEYS=required``): what the endpoints call
+(``authenticate``, ``admit``, ``charge``), in the state's own words (port.py). What a request
+reserves and what it is charged, at which price: docs/callers.md.
 
-``admit`` checks the model against the caller's and its team's, reserves against every limit of
-both (counters.py: all or nothing): one request; the prompt's tokens (counted with the model's
-tokenizer), the context a previous response carries, plus the output cap times the choices; and,
-where a spend budget applies, the most that may cost (prices.py). A model without a price cannot be
-used by a caller or team with a spend budget; for everyone else it costs $0 and shows as unpriced.
-
-``charge`` settles it, each segment of the answer (an answer continued on another upstream has
-several) one ledger row, at what it used (``Usage``: the upstream's report, or the prompt as sent
-and the text generated, counted); an answer no upstream took writes no row and releases the
-reservation. Each at the requested model's price, under its name; a segment whose pool entry was
-sent another model name (its ``deployments``) that has a price of its own: at that price, under
-that name.
-
-The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
-never counted twice."""
+``admit`` reserves against every limit of the caller and of its team at once (counters.py: all or
+nothing). ``charge`` settles it, each segment of the answer one ledger row; an answer no upstream
+took writes no row and releases the reservation. The charge is in the journal first, then the
+ledger, then the counters (journal.py): never lost, never counted twice."""
 
 from __future__ import annotations
 
@@ -61,7 +51,7 @@ log = logging.getLogger("chatstream")
 @dataclass
 class Admission:
     """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
-    entry (whose request it is, its model, counted prompt and price)."""
+    entry (who pays, the model, the counted prompt and the price)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
@@ -311,19 +301,16 @@ class Accounting:
         floor: int = 0,
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
-        (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
-        charged as the first segment of that producer's block, the continuation (``admission``) from
-        the first of its own: each producer's segments are rows of their own. Call it right after
-        the admission (the journal lists the block with it); again with a longer ``text`` (what its
-        caller was found to have received): the row is raised to it. The charge is made on the row
-        as read: an insert, or a raise of a recovery's row or its own (author kept) by the
-        difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
-        meanwhile it counts nothing), then counted. Never raises: reading the row is tried again, and
-        a raise waits for the earlier charge's row, for ``patience`` seconds (a raise nobody else can
-        make: the dead instance's recovery knows only its checkpoint); within it, a raise whose row
-        changed first (that recovery raised it meanwhile) is made again on the row as it is then. On
-        a store failure past it, recovery charges that part at its checkpoint. ``floor``: tokens
-        known generated besides ``text`` (events its caller received whose text is not known)."""
+        (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
+        earlier producers' part) and ``floor`` tokens more (events its caller received whose text is
+        not known). Call it right after the admission; again with a longer ``text`` (what its caller
+        was found to have received): the row is raised to it. Made on the row as read: an insert, or
+        a raise of a recovery's row or its own (author kept) by the difference; journaled, written on
+        the row's ETag (``Ledger.apply``: if the row changed meanwhile it counts nothing), then
+        counted. Never raises: a store failure is tried again, and a raise waits for the earlier
+        charge's row, for ``patience`` seconds (nobody else can make it: the dead instance's recovery
+        knows only its checkpoint); within it, a raise whose row changed first is made again on the
+        row as it is then; past it, that recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
         made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
@@ -415,10 +402,9 @@ class Accounting:
         before: str = "",
     ) -> JournalEntry:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
-        growing as its continuation stands in for what that producer's caller received), in the
-        journal as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it
-        raises the part's row to it, its recovery does. ``regenerated`` raises it, however the
-        waiting ends."""
+        growing as its continuation stands in for what that producer's caller received), journaled
+        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before
+        ``regenerated`` raises the part's row to it, its recovery does."""
         entry = self._lost_part(admission, started or self.counters.clock(), epoch, before)
         entry.generated, entry.floor, entry.lost = lambda: {0: text()}, floor, True
         self._kept.pop(entry.key, lambda: None)()
@@ -427,11 +413,10 @@ class Accounting:
         return self.journal.open(entry)
 
     def regenerated(self, knows: JournalEntry, patience: float = 0.0) -> asyncio.Task:
-        """The lost part raised to what this taker knows of it now (``charge_lost`` with what
-        ``regenerating`` was told: ``text()`` and ``floor()``), then ``knows`` leaves the journal and
-        the budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
-        still makes it (``flush`` waits for it); cancelled itself (the process stops), the knowledge
-        stays in the journal and this instance's recovery raises the part."""
+        """The lost part raised (``charge_lost``) to what this taker knows of it now, then ``knows``
+        leaves the journal and the budget rows: in the background, so that a request cancelled
+        meanwhile (its end, a drain) still makes it; cancelled itself (the process stops), the
+        knowledge stays in the journal and this instance's recovery raises the part."""
         assert knows.generated is not None and knows.floor is not None  # (regenerating's)
         charge = self._raises.pop(knows.key)
         text, floor = knows.generated()[0], knows.floor()
@@ -452,9 +437,8 @@ class Accounting:
     ) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
-        journal's entry ``key``: counted once its row is written (journal.py), never lost. Journaled
-        once this instance has its entry in each budget row (it may have held none of it): a takeover
-        applies it from there (unless the counters' store is down meanwhile: then it waits no longer)."""
+        journal's settled entry ``key``. Journaled once this instance has its entry in each budget
+        row (it may have held none of it; unless the counters' store is down: then it waits no longer)."""
         settlement = self.counters.adjust(wants, at)
         await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
