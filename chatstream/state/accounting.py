@@ -525,12 +525,7 @@ class Accounting:
 
 
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
+    named = {"team": team.name, "team_id": team.id} if team is not None else {}
     return Payer(
-        caller.name,
-        caller.id,
-        team.name if team is not None else None,
-        team.id if team is not None else None,
-        request_id,
-        endpoint,
-        day_of(started),
+        caller=caller.name, caller_id=caller.id, **named, request_id=request_id, endpoint=endpoint, day=day_of(started)
     )

@@ -34,16 +34,16 @@ SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens")  # usage's sums
 ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Payer:
     """Who pays for which request: the caller and its team (names and ids), the request's id and
-    endpoint, and the UTC day it started (its rows' key). Its journal entry holds it (journal.py);
-    each of its charges is made of it."""
+    endpoint, and the UTC day it started (``YYYYMMDD``: its rows' key). Its journal entry holds it
+    (journal.py); each of its charges is made of it."""
 
     caller: str
     caller_id: str
-    team: str | None
-    team_id: str | None
+    team: str | None = None
+    team_id: str | None = None
     request_id: str
     endpoint: str
     day: str
@@ -55,22 +55,15 @@ class Payer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Charge:
+class Charge(Payer):
     """One charge: a request's (or one segment's) usage and cost."""
 
-    caller: str
-    caller_id: str
     model: str
-    endpoint: str
-    request_id: str
-    day: str  # YYYYMMDD, when the request started (UTC)
     prompt_tokens: int
     completion_tokens: int
     ended: Ended
     cached_tokens: int = 0
     cost: int | None = None  # pico-dollars; None: the model had no price
-    team: str | None = None
-    team_id: str | None = None
     segment: int = 0
     upstream: str | None = None  # the pool entry that served it
     upstream_id: str = ""  # the upstream's x-request-id
@@ -124,7 +117,7 @@ class Charge:
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k not in _OMITTED)}
+        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
         return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
     @classmethod
@@ -136,7 +129,6 @@ class Charge:
 
 
 TAKEOVER = "takeover:"  # (``Charge.author``)
-_OMITTED = ("ops",)  # not in a row while empty (``Charge.entity``)
 
 
 def raise_op(author: str, tokens: int, cost: int) -> str:
@@ -303,21 +295,17 @@ class Ledger:
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    sums: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    sums: dict[tuple[str, ...], dict[str, Any]] = {}
     for row in rows:
         day = str(row["RowKey"])[:8]
-        key = (
-            f"{day[:4]}-{day[4:6]}-{day[6:]}",
-            str(row.get("caller") or ""),
-            str(row.get("team") or ""),
-            str(row.get("model") or ""),
-        )
+        key = (f"{day[:4]}-{day[4:6]}-{day[6:]}", *(str(row.get(name) or "") for name in ("caller", "team", "model")))
         if key not in sums:
             names = {"day": key[0], "caller": key[1], "team": key[2] or None, "model": key[3]}
             sums[key] = names | dict.fromkeys(ZEROS, 0) | {"ended": {}}
         entry = sums[key]
         for name in SUMMED:
             entry[name] += int(row.get(name) or 0)
+        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -326,6 +314,4 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
-    for entry in sums.values():
-        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
     return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]

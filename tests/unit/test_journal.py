@@ -1062,7 +1062,7 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
 
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
-    payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
+    payer = Payer(caller="c", caller_id="c1", request_id="r", endpoint="openai", day="20261204")
     entry = JournalEntry("r", payer, MODEL, 3, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
@@ -1080,7 +1080,7 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
 
     key = CounterKey("team:t|1", "tokens")
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
-    payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
+    payer = Payer(caller="c", caller_id="c1", team="t", team_id="1", request_id="r", endpoint="openai", day="20261204")
     spend = CounterKey("team:t|1", "spend")
     doc = json.loads(JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).serialised())
     assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
