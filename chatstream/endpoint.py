@@ -486,7 +486,7 @@ class Endpoint:
         what its caller received), and each event not stood in for yet at its floor (``_unknown``),
         unless a charge of it is higher already; raised once the continuation has them all
         (``Claim.stood_in``), or with what it has when the continuation ended short (``over``), the
-        drain's grace is over, or this is cancelled (the raise goes on: ``Accounting.regenerated``;
+        drain's grace is over, or this is cancelled (the raise goes on: ``Accounting.regenerating``;
         waiting out a failing store, for nobody else knows that part).
 
         Until then this instance's journal holds what it knows of that part, as its checkpoint
@@ -502,7 +502,7 @@ class Endpoint:
         def text() -> str:  # what the lost producer's part is known to hold
             return lost.text + api.known(claim.stand_ins()).text
 
-        knows = self.accounting.regenerating(
+        regenerated = self.accounting.regenerating(
             admission,
             started_at(claim.producer.id),
             text,
@@ -522,7 +522,7 @@ class Endpoint:
         finally:  # however the wait ends (cancelled too: the request's end, a drain), raised with what is known
             unknown, floor = self._unknown(claim)
             stood_in = api.known(claim.stand_ins()).text
-            raised = self.accounting.regenerated(knows, RAISED_WITHIN if stood_in or floor else 0.0)
+            raised = regenerated(RAISED_WITHIN if stood_in or floor else 0.0)
         await asyncio.shield(raised)  # (cancelled meanwhile: it goes on)
         if unknown:  # refused (a budget, the upstream), stopped, or the drain's grace over
             log.warning(

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -143,8 +142,6 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
-        self._kept: dict[str, Callable[[], None]] = {}  # a lost part's key -> let its budget rows' entries go
-        self._raises: dict[str, Callable[..., Awaitable[None]]] = {}  # ...and its raise (regenerated)
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -400,33 +397,25 @@ class Accounting:
         floor: Callable[[], int],
         epoch: int = 2,
         before: str = "",
-    ) -> JournalEntry:
+    ) -> Callable[[float], asyncio.Task]:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
         growing as its continuation stands in for what that producer's caller received), journaled
-        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before
-        ``regenerated`` raises the part's row to it, its recovery does."""
-        entry = self._lost_part(admission, started or self.counters.clock(), epoch, before)
-        entry.generated, entry.floor, entry.lost = lambda: {0: text()}, floor, True
-        self._kept.pop(entry.key, lambda: None)()
-        self._kept[entry.key] = self.counters.keep(entry.needs)  # a takeover counts the raise where it has an entry
-        self._raises[entry.key] = functools.partial(self.charge_lost, admission, started, epoch=epoch, before=before)
-        return self.journal.open(entry)
+        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it raised the
+        part's row to it, its recovery does. The function returned (given ``charge_lost``'s
+        ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
+        budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
+        still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
+        knows = self._lost_part(admission, started or self.counters.clock(), epoch, before)
+        knows.generated, knows.floor, knows.lost = lambda: {0: text()}, floor, True
+        let_go = self.counters.keep(knows.needs)  # a takeover counts the raise where it has an entry
+        self.journal.open(knows)
 
-    def regenerated(self, knows: JournalEntry, patience: float = 0.0) -> asyncio.Task:
-        """The lost part raised (``charge_lost``) to what this taker knows of it now, then ``knows``
-        leaves the journal and the budget rows: in the background, so that a request cancelled
-        meanwhile (its end, a drain) still makes it; cancelled itself (the process stops), the
-        knowledge stays in the journal and this instance's recovery raises the part."""
-        assert knows.generated is not None and knows.floor is not None  # (regenerating's)
-        charge = self._raises.pop(knows.key)
-        text, floor = knows.generated()[0], knows.floor()
-
-        async def raise_it() -> None:
-            await charge(text, patience=patience, floor=floor)
+        async def raise_it(known: str, more: int, patience: float) -> None:
+            await self.charge_lost(admission, started, known, epoch, before, patience, more)
             self.journal.drop(knows)
-            self._kept.pop(knows.key, lambda: None)()
+            let_go()
 
-        return self._spawn(raise_it())
+        return lambda patience: self._spawn(raise_it(text(), floor(), patience))
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""
