@@ -7,10 +7,8 @@ request started, the app's request id, and the segment (an answer continued on a
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
 row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and the ids of
-the raises it holds (``ops``: journal.py).
-
-The journal writes the charges it has listed (``write``): per partition, in transactions of up to
-100 rows, again until they land (journal.py)."""
+the raises it holds (``ops``: journal.py). The journal writes the charges it has listed, again until
+they land (``write``)."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import usd
 from .port import Ended, Used
 from .prices import Price
-from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
+from .store import MAX_BATCH, USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 
@@ -171,10 +169,10 @@ class Ledger:
         failed: the journal writes it again), else whether its row is another instance's, found
         there first (``theirs``: that writer counted it)."""
         found: dict[int, bool] = {}  # charge (index) -> theirs
-        by_partition: dict[str, dict[str, list[int]]] = {}  # partition -> row key -> its charges
+        rows: dict[tuple[str, str], list[int]] = {}  # (partition, row key) -> its charges
         for i, charge in enumerate(charges):
             if not charge.ops:
-                by_partition.setdefault(charge.partition, {}).setdefault(charge.row_key, []).append(i)
+                rows.setdefault((charge.partition, charge.row_key), []).append(i)
                 continue
             try:  # a write made on what its row held: one at a time (counted here if it is in the row)
                 found[i] = not await self.apply(charge)
@@ -183,23 +181,21 @@ class Ledger:
             except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
                 log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
                 found[i] = True
-        for rows in by_partition.values():
-            keys = list(rows.values())
-            chunks = [keys[start : start + 100] for start in range(0, len(keys), 100)]
-            while chunks:
-                chunk = chunks.pop(0)
-                try:
-                    await self._insert(charges, chunk, found)
-                except StoreError:
+        chunks = _transactions((partition, row) for (partition, _), row in rows.items())
+        while chunks:
+            chunk = chunks.pop(0)
+            try:
+                await self._insert(charges, chunk, found)
+            except StoreError:
+                continue
+            except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
+                first = charges[chunk[0][0]].request_id[:12]
+                log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
+                # One at a time: the good ones land, a bad one is let go (it can never be written).
+                if len(chunk) > 1:
+                    chunks += [[row] for row in chunk]
                     continue
-                except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
-                    first = charges[chunk[0][0]].request_id[:12]
-                    log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
-                    # One at a time: the good ones land, a bad one is let go (it can never be written).
-                    if len(chunk) > 1:
-                        chunks += [[row] for row in chunk]
-                        continue
-                    found.update(dict.fromkeys(chunk[0], False))
+                found.update(dict.fromkeys(chunk[0], False))
         return [found.get(i) for i in range(len(charges))]
 
     async def _insert(self, charges: Sequence[Charge], chunk: list[list[int]], found: dict[int, bool]) -> None:
@@ -281,17 +277,21 @@ class Ledger:
         old = await self.store.query(
             USAGE_TABLE, Where(rows_to=f"{cutoff:%Y%m%d}", select=(), limit=limit), timeout=USAGE_TIMEOUT
         )
-        by_partition: dict[str, list[Row]] = {}
-        for row in old:
-            by_partition.setdefault(row["PartitionKey"], []).append(row)
         deleted = 0
-        for partition, rows in by_partition.items():
-            for start in range(0, len(rows), 100):
-                chunk = rows[start : start + 100]
-                ops = [Op("delete", {"PartitionKey": partition, "RowKey": r["RowKey"]}) for r in chunk]
-                await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
-                deleted += len(chunk)
+        for chunk in _transactions((row["PartitionKey"], row) for row in old):
+            ops = [Op("delete", {"PartitionKey": r["PartitionKey"], "RowKey": r["RowKey"]}) for r in chunk]
+            await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
+            deleted += len(chunk)
         return deleted
+
+
+def _transactions(keyed: Iterable[tuple[str, Any]]) -> list[list[Any]]:
+    """Items of (partition, item) as the store's transactions take them: one partition, at most
+    ``MAX_BATCH`` items each."""
+    by_partition: dict[str, list[Any]] = {}
+    for partition, item in keyed:
+        by_partition.setdefault(partition, []).append(item)
+    return [items[at : at + MAX_BATCH] for items in by_partition.values() for at in range(0, len(items), MAX_BATCH)]
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
