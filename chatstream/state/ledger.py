@@ -22,7 +22,7 @@ from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import usd
 from .port import Ended, Used
 from .prices import Price
-from .store import MAX_BATCH, USAGE_TABLE, Op, Row, Store, Where, key_part
+from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 
@@ -286,12 +286,12 @@ class Ledger:
 
 
 def _transactions(keyed: Iterable[tuple[str, Any]]) -> list[list[Any]]:
-    """Items of (partition, item) as the store's transactions take them: one partition, at most
-    ``MAX_BATCH`` items each."""
+    """Items of (partition, item) as the store's transactions take them: one partition, at most 100
+    items each (``store.check_batch``)."""
     by_partition: dict[str, list[Any]] = {}
     for partition, item in keyed:
         by_partition.setdefault(partition, []).append(item)
-    return [items[at : at + MAX_BATCH] for items in by_partition.values() for at in range(0, len(items), MAX_BATCH)]
+    return [items[at : at + 100] for items in by_partition.values() for at in range(0, len(items), 100)]
 
 
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
