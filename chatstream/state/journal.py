@@ -514,13 +514,12 @@ class Recovery:
             return  # nothing was owed (or a takeover finished already)
         entries = [JournalEntry.read(entry) for entry in doc.get("entries") or []]
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
-        for key in doc.get("counters") or []:  # 3.
-            await self._give_back(CounterKey.parse(key), dead, owed)
+        counters = [CounterKey.parse(key) for key in doc.get("counters") or []]
+        for key in counters:  # 3.
+            await self._give_back(key, dead, owed)
         with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
-        log.info(
-            "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])
-        )
+        log.info("journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(counters))
 
     async def _seal(self, dead: str, taker: str) -> dict[str, Any] | None:
         """Step 1: the journal as sealed by ``taker`` (None: there is none)."""
