@@ -560,8 +560,7 @@ class Endpoint:
             return
         if self.accounting is not None and admission is not None:
             used = request_usage(admission.model, admission.prompt_tokens, record, generated)
-            record.cost = self.accounting.cost_of(admission, used)
-            self.accounting.charge(admission, used)  # in the background: after the log line and the span
+            record.cost = self.accounting.charge(admission, used)  # in the background: after the log line and the span
         log.info(record.log_line())
         telemetry.finish(record)
         if self.pipeline.wants_result:

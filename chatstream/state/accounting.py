@@ -233,10 +233,13 @@ class Accounting:
         admission.entry.stream, admission.entry.epoch = stream_id, epoch
         self.journal.changed()
 
-    def charge(self, admission: Admission | None, usage: Usage) -> None:
-        """Settle the admission once the request is over (module docstring): in the background."""
-        if admission is not None:
-            self._spawn(self._charge(admission, usage))
+    def charge(self, admission: Admission, usage: Usage) -> int | None:
+        """Settle the admission once the request is over (module docstring), in the background; what
+        it costs (pico-USD; None: no price), for its log line, span and metrics."""
+        charges = self._charges(admission, usage)
+        self._spawn(self._charge(admission, usage, charges))
+        costs = [c.cost for c in charges]
+        return sum(c or 0 for c in costs) if any(c is not None for c in costs) else None
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
         """``work`` in the background: ``flush`` waits for it."""
@@ -244,12 +247,6 @@ class Accounting:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
-
-    def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
-        """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
-        log line, span and metrics, before the charge is made in the background."""
-        costs = [c.cost for c in self._charges(admission, usage)] if admission is not None else []
-        return sum(c or 0 for c in costs) if any(c is not None for c in costs) else None
 
     def _charges(self, admission: Admission, usage: Usage) -> list[Charge]:
         """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
@@ -263,7 +260,7 @@ class Accounting:
             charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
         return charges
 
-    async def _charge(self, admission: Admission, usage: Usage) -> None:
+    async def _charge(self, admission: Admission, usage: Usage, charges: list[Charge]) -> None:
         # A background response that goes on upstream (no usage yet), or that was charged already where
         # it was read back: held, and corrected when its usage is seen (charge_seen). Else charged now,
         # and never again.
@@ -281,7 +278,6 @@ class Accounting:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        charges = self._charges(admission, usage)
         self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
