@@ -485,7 +485,7 @@ class Endpoint:
         what its caller received), and each event not stood in for yet at its floor (``_unknown``),
         unless a charge of it is higher already; raised once the continuation has them all
         (``Claim.stood_in``), or with what it has when the continuation ended short (``over``), the
-        drain's grace is over, or this is cancelled (the raise goes on: ``Accounting.regenerated``;
+        drain's grace is over, or this is cancelled (the raise goes on: ``Accounting.regenerating``;
         waiting out a failing store, for nobody else knows that part).
 
         Until then this instance's journal holds what it knows of that part, as its checkpoint
@@ -501,7 +501,7 @@ class Endpoint:
         def text() -> str:  # what the lost producer's part is known to hold
             return lost.text + api.known(claim.stand_ins()).text
 
-        knows = self.accounting.regenerating(
+        regenerated = self.accounting.regenerating(
             admission,
             started_at(claim.producer.id),
             text,
@@ -521,7 +521,7 @@ class Endpoint:
         finally:  # however the wait ends (cancelled too: the request's end, a drain), raised with what is known
             unknown, floor = self._unknown(claim)
             stood_in = api.known(claim.stand_ins()).text
-            raised = self.accounting.regenerated(knows, RAISED_WITHIN if stood_in or floor else 0.0)
+            raised = regenerated(RAISED_WITHIN if stood_in or floor else 0.0)
         await asyncio.shield(raised)  # (cancelled meanwhile: it goes on)
         if unknown:  # refused (a budget, the upstream), stopped, or the drain's grace over
             log.warning(
@@ -559,8 +559,7 @@ class Endpoint:
             return
         if self.accounting is not None and admission is not None:
             used = request_usage(admission.model, admission.prompt_tokens, record, generated)
-            record.cost = self.accounting.cost_of(admission, used)
-            self.accounting.charge(admission, used)  # in the background: after the log line and the span
+            record.cost = self.accounting.charge(admission, used)  # in the background: after the log line and the span
         log.info(record.log_line())
         telemetry.finish(record)
         if self.pipeline.wants_result:

@@ -1,31 +1,21 @@
-"""A caller's request, admitted and charged (``CALLER_KEYS=required``, docs/callers.md): what the
-endpoints call (``authenticate``, ``admit``, ``charge``), in the state's own words (port.py).
+"""A caller's request, admitted and charged (``CALLER_KEYS=required``): what the endpoints call
+(``authenticate``, ``admit``, ``charge``), in the state's own words (port.py). What a request
+reserves and what it is charged, at which price: docs/callers.md.
 
-``admit`` checks the model against the caller's and its team's, reserves against every limit of
-both (counters.py: all or nothing): one request; the prompt's tokens (counted with the model's
-tokenizer), the context a previous response carries, plus the output cap times the choices; and,
-where a spend budget applies, the most that may cost (prices.py). A model without a price cannot be
-used by a caller or team with a spend budget; for everyone else it costs $0 and shows as unpriced.
-
-``charge`` settles it, each segment of the answer (an answer continued on another upstream has
-several) one ledger row, at what it used (``Usage``: the upstream's report, or the prompt as sent
-and the text generated, counted); an answer no upstream took writes no row and releases the
-reservation. Each at the requested model's price, under its name; a segment whose pool entry was
-sent another model name (its ``deployments``) that has a price of its own: at that price, under
-that name.
-
-The charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
-never counted twice."""
+``admit`` reserves against every limit of the caller and of its team at once (counters.py: all or
+nothing). ``charge`` settles it, each segment of the answer one ledger row; an answer no upstream
+took writes no row and releases the reservation. The charge is in the journal first, then the
+ledger, then the counters (journal.py): never lost, never counted twice."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from .. import tokens
 from ..errors import StoreError
@@ -60,7 +50,7 @@ log = logging.getLogger("chatstream")
 @dataclass
 class Admission:
     """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
-    entry (whose request it is, its model, counted prompt and price)."""
+    entry (who pays, the model, the counted prompt and the price)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
@@ -152,8 +142,6 @@ class Accounting:
         self.owners = owners
         self.referenced_context = referenced_context  # tokens a conversation / item_reference may carry
         self._background: set[asyncio.Task] = set()
-        self._kept: dict[str, Callable[[], None]] = {}  # a lost part's key -> let its budget rows' entries go
-        self._raises: dict[str, Callable[..., Awaitable[None]]] = {}  # ...and its raise (regenerated)
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
@@ -245,19 +233,20 @@ class Accounting:
         admission.entry.stream, admission.entry.epoch = stream_id, epoch
         self.journal.changed()
 
-    def charge(self, admission: Admission | None, usage: Usage) -> None:
-        """Settle the admission once the request is over (module docstring): in the background."""
-        if admission is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._charge(admission, usage))
+    def charge(self, admission: Admission, usage: Usage) -> int | None:
+        """Settle the admission once the request is over (module docstring), in the background; what
+        it costs (pico-USD; None: no price), for its log line, span and metrics."""
+        charges = self._charges(admission, usage)
+        self._spawn(self._charge(admission, usage, charges))
+        costs = [c.cost for c in charges]
+        return sum(c or 0 for c in costs) if any(c is not None for c in costs) else None
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """``work`` in the background: ``flush`` waits for it."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def cost_of(self, admission: Admission | None, usage: Usage) -> int | None:
-        """What the request costs (pico-USD; None: no price) at the prices its charge uses, for its
-        log line, span and metrics, before the charge is made in the background."""
-        costs = [c.cost for c in self._charges(admission, usage)] if admission is not None else []
-        return sum(c or 0 for c in costs) if any(c is not None for c in costs) else None
+        return task
 
     def _charges(self, admission: Admission, usage: Usage) -> list[Charge]:
         """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
@@ -271,7 +260,7 @@ class Accounting:
             charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
         return charges
 
-    async def _charge(self, admission: Admission, usage: Usage) -> None:
+    async def _charge(self, admission: Admission, usage: Usage, charges: list[Charge]) -> None:
         # A background response that goes on upstream (no usage yet), or that was charged already where
         # it was read back: held, and corrected when its usage is seen (charge_seen). Else charged now,
         # and never again.
@@ -289,7 +278,6 @@ class Accounting:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        charges = self._charges(admission, usage)
         self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
 
     def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
@@ -306,26 +294,19 @@ class Accounting:
         floor: int = 0,
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
-        (``text``: what the log shows it generated, after ``before``, the earlier producers' part) is
-        charged as the first segment of that producer's block, the continuation (``admission``) from
-        the first of its own: each producer's segments are rows of their own. Call it right after
-        the admission (the journal lists the block with it); again with a longer ``text`` (what its
-        caller was found to have received): the row is raised to it. The charge is made on the row
-        as read: an insert, or a raise of a recovery's row or its own (author kept) by the
-        difference; journaled, then written on the row's ETag (``Ledger.apply``: if the row changed
-        meanwhile it counts nothing), then counted. Never raises: reading the row is tried again, and
-        a raise waits for the earlier charge's row, for ``patience`` seconds (a raise nobody else can
-        make: the dead instance's recovery knows only its checkpoint); within it, a raise whose row
-        changed first (that recovery raised it meanwhile) is made again on the row as it is then. On
-        a store failure past it, recovery charges that part at its checkpoint. ``floor``: tokens
-        known generated besides ``text`` (events its caller received whose text is not known)."""
-        admission.entry.segment = segment_base(epoch)
+        (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
+        earlier producers' part) and ``floor`` tokens more (events its caller received whose text is
+        not known). Call it right after the admission; again with a longer ``text`` (what its caller
+        was found to have received): the row is raised to it. Made on the row as read: an insert, or
+        a raise of a recovery's row or its own (author kept) by the difference; journaled, written on
+        the row's ETag (``Ledger.apply``: if the row changed meanwhile it counts nothing), then
+        counted. Never raises: a store failure is tried again, and a raise waits for the earlier
+        charge's row, for ``patience`` seconds (nobody else can make it: the dead instance's recovery
+        knows only its checkpoint); within it, a raise whose row changed first is made again on the
+        row as it is then; past it, that recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
-        payer, prompt = self._lost_part(admission, started, before)
-        lost = Used(prompt, 0, tokens.count_text(admission.model, text) + floor)
-        made = Charge.made(
-            payer, admission.model, lost, admission.price, "lost", self.counters.instance, segment_base(epoch - 1)
-        )
+        part = self._lost_part(admission, started, epoch, before)
+        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
         again = False
@@ -357,7 +338,7 @@ class Accounting:
                 cost -= was.cost or 0
                 charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
-            admission.lost = await self._correct(f"{payer.request_id}/{op}", charge, admission.price, wants, started)
+            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -375,11 +356,7 @@ class Accounting:
         """A resumable stream taken over here whose continuation (``asked``) was refused at admission
         (a budget spent, the model no longer the caller's): its lost part is charged all the same,
         as ``charge_lost`` charges it (``text`` and ``floor``), holding nothing; in the background."""
-        task = asyncio.get_running_loop().create_task(
-            self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor)
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._charge_refused(caller, asked, started or self.counters.clock(), text, epoch, before, floor))
 
     async def _charge_refused(
         self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
@@ -395,11 +372,18 @@ class Accounting:
         admission = Admission(caller, wants, Reservation([]), entry, started, prices)
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
-    def _lost_part(self, admission: Admission, started: float, before: str) -> tuple[Payer, int]:
-        """Who pays a taken-over stream's lost part (on the stream's day) and its prompt: a producer
-        after a takeover sent the answer so far (``before``) along with the request's prompt."""
+    def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
+        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's
+        block (the continuation, ``admission``, charges from the first of its own), on the stream's
+        day, its prompt the request's and the answer so far (``before``) that producer was sent."""
+        admission.entry.segment = segment_base(epoch)
+        payer = replace(admission.entry.payer, day=day_of(started))
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
-        return replace(admission.entry.payer, day=day_of(started)), prompt
+        needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
+        key = f"{payer.request_id}/lost{epoch}"
+        return JournalEntry(
+            key, payer, admission.model, prompt, needs, admission.price, segment=segment_base(epoch - 1)
+        )
 
     def regenerating(
         self,
@@ -409,51 +393,25 @@ class Accounting:
         floor: Callable[[], int],
         epoch: int = 2,
         before: str = "",
-    ) -> JournalEntry:
+    ) -> Callable[[float], asyncio.Task]:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
-        growing as its continuation stands in for what that producer's caller received), in the
-        journal as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it
-        raises the part's row to it, its recovery does. ``regenerated`` raises it, however the
-        waiting ends."""
-        admission.entry.segment = segment_base(epoch)  # (as charge_lost: the continuation's block)
-        payer, prompt = self._lost_part(admission, started or self.counters.clock(), before)
-        needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
-        entry = JournalEntry(
-            f"{payer.request_id}/lost{epoch}",
-            payer,
-            admission.model,
-            prompt,
-            needs,
-            admission.price,
-            generated=lambda: {0: text()},
-            floor=floor,
-            segment=segment_base(epoch - 1),
-            lost=True,
-        )
-        self._kept.pop(entry.key, lambda: None)()
-        self._kept[entry.key] = self.counters.keep(needs)  # a takeover counts the raise where it has an entry
-        self._raises[entry.key] = functools.partial(self.charge_lost, admission, started, epoch=epoch, before=before)
-        return self.journal.open(entry)
+        growing as its continuation stands in for what that producer's caller received), journaled
+        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it raised the
+        part's row to it, its recovery does. The function returned (given ``charge_lost``'s
+        ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
+        budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
+        still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
+        knows = self._lost_part(admission, started or self.counters.clock(), epoch, before)
+        knows.generated, knows.floor, knows.lost = lambda: {0: text()}, floor, True
+        let_go = self.counters.keep(knows.needs)  # a takeover counts the raise where it has an entry
+        self.journal.open(knows)
 
-    def regenerated(self, knows: JournalEntry, patience: float = 0.0) -> asyncio.Task:
-        """The lost part raised to what this taker knows of it now (``charge_lost`` with what
-        ``regenerating`` was told: ``text()`` and ``floor()``), then ``knows`` leaves the journal and
-        the budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
-        still makes it (``flush`` waits for it); cancelled itself (the process stops), the knowledge
-        stays in the journal and this instance's recovery raises the part."""
-        assert knows.generated is not None and knows.floor is not None  # (regenerating's)
-        charge = self._raises.pop(knows.key)
-        text, floor = knows.generated()[0], knows.floor()
-
-        async def raise_it() -> None:
-            await charge(text, patience=patience, floor=floor)
+        async def raise_it(known: str, more: int, patience: float) -> None:
+            await self.charge_lost(admission, started, known, epoch, before, patience, more)
             self.journal.drop(knows)
-            self._kept.pop(knows.key, lambda: None)()
+            let_go()
 
-        task = asyncio.get_running_loop().create_task(raise_it())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return lambda patience: self._spawn(raise_it(text(), floor(), patience))
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""
@@ -464,9 +422,8 @@ class Accounting:
     ) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
-        journal's entry ``key``: counted once its row is written (journal.py), never lost. Journaled
-        once this instance has its entry in each budget row (it may have held none of it): a takeover
-        applies it from there (unless the counters' store is down meanwhile: then it waits no longer)."""
+        journal's settled entry ``key``. Journaled once this instance has its entry in each budget
+        row (it may have held none of it; unless the counters' store is down: then it waits no longer)."""
         settlement = self.counters.adjust(wants, at)
         await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
@@ -553,12 +510,7 @@ class Accounting:
 
 
 def _payer(caller: Caller, team: Team | None, request_id: str, endpoint: str, started: float) -> Payer:
+    named = {"team": team.name, "team_id": team.id} if team is not None else {}
     return Payer(
-        caller.name,
-        caller.id,
-        team.name if team is not None else None,
-        team.id if team is not None else None,
-        request_id,
-        endpoint,
-        day_of(started),
+        caller=caller.name, caller_id=caller.id, **named, request_id=request_id, endpoint=endpoint, day=day_of(started)
     )

@@ -3,21 +3,17 @@ it has not written everywhere yet); and ``Recovery``, which settles a dead insta
 duty holder calls it for each instance it finds dead: instances.py).
 
 One blob per instance, ``instances/<id>.json`` in the app's container, rewritten (under its ETag) at
-most every ``JOURNAL_SECONDS`` while anything changed: per request who pays, the model, what it
-reserved of each budget counter, and either how much it had generated at the last write (a
-checkpoint: an open request) or its charges and their numbers in each counter (a settled one); and
-the budget counters this instance holds capacity of (listed before it takes any: counters.py). A
-request is listed before its upstream call goes out (``listed``), so whatever an upstream was asked
-for is in a journal.
+most every ``JOURNAL_SECONDS`` while anything changed: its requests (``JournalEntry``), open with a
+checkpoint of what they generated or settled with their charges, and the budget counters this
+instance holds capacity of (listed before it takes any: counters.py). A request is listed before its
+upstream call goes out (``listed``), so whatever an upstream was asked for is in a journal.
 
-A charge goes through three steps: the journal lists it, its ledger row is written (ledger.py), it
-enters the budget counters' rows (counters.py), and it leaves the journal. So a recovery knows, from
-the journal and the counter rows' ``applied`` numbers, exactly which charges each row has: a charge
-is journaled once this instance's entry is in its rows (a correction where it held nothing waits for
-its first exchange: accounting._correct), and the entry stays until its charges are in, so a row
-without it owes nothing. Not recovered: requests admitted while the journal could not be written
-(a store outage: listed once it is back), and charges made while the store could not be written at
-all, by an instance that then died.
+A charge is listed, then its ledger row is written (ledger.py), then it enters the budget counters'
+rows (counters.py), then it leaves the journal: a row holds this instance's charges up to its entry's
+``applied`` number, and a row without its entry owes nothing (a correction where it held nothing is
+listed once it has one: accounting._correct). Not recovered: requests admitted while the journal
+could not be written (a store outage: listed once it is back), and charges made while the store could
+not be written at all, by an instance that then died.
 
 ``Recovery.recover(dead, taker)`` takes four steps, each idempotent (a ledger row is inserted once, a
 row it raised says by how much, a counter entry is taken out once): a takeover that dies midway is
@@ -26,17 +22,15 @@ done again by the next duty holder, and two at once charge everything once.
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
 2. **Ledger**: every settled charge's row not there yet is written (one someone else wrote first is
-   theirs to count). An open request's row is raised to its last checkpoint, ``ended: lost``, or, a
-   resumable stream's, to what its producer's part of the log holds if more (stored as its caller
-   is sent it; ``told``: the API reads the text); so is a lost part's to what its taker knew of it
-   (``JournalEntry.lost``): inserted if none, else raised if below (a stream's taker charges the
-   lost part from its log), its author kept, and only what the raise adds is counted here; the row
-   says it (``ledger.raise_op``), so a run again, or at once, counts that once. A row an older
-   version's recovery wrote (a deploy: no op of its own) does not say what that one counted: none
-   of it is counted here, only a raise above it; never twice (counting it would count a taker's
-   raise of it again), and the budget rows stay below the ledger by its part if that recovery died
-   before step 3. A taker's own charge of a lost part (``accounting.charge_lost``) counts if it is
-   in the row, written now if the row is as it was read (``Ledger.apply``).
+   theirs to count; a taker's charge of a lost part, ``accounting.charge_lost``, counts if it is in
+   the row, written now if the row is as it was read: ``Ledger.apply``). An open entry's row, ``ended:
+   lost``, is raised to its checkpoint, or, a resumable stream's, to what its producer's part of the
+   log holds if more (``told``): a request's, or a lost part's its taker knew of (``JournalEntry.lost``).
+   Inserted if none, else raised if below, its author kept; only what the raise adds is counted
+   here, and the row says it (``ledger.raise_op``), so a run again, or at once, counts it once. A row
+   an older version's recovery wrote (no op of its own) does not say what that one counted: none of
+   it is counted here, only a raise above it (counting it would count a taker's raise of it again);
+   the budget rows stay below the ledger by its part if that recovery died before step 3.
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -89,7 +83,7 @@ def journal_name(instance: str) -> str:
 
 @dataclass
 class JournalEntry:
-    """One request in the journal."""
+    """One request in the journal (or a correction of one, or a taker's knowledge of a lost part)."""
 
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
@@ -115,6 +109,7 @@ class JournalEntry:
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # read back: ``settlement.seqs`` as written
     # (state, segment, stream, epoch) as last serialised, and the JSON of the rest (``serialised``)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
@@ -135,18 +130,22 @@ class JournalEntry:
             rest += tokens.count_text(self.model, text[counted:]) if len(text) > counted else 0
         return self.counted_tokens + rest + floor
 
+    def lost_charge(self, author: str, logged: int = 0) -> Charge:
+        """What an open entry charges, ``ended: lost``: its checkpoint, or ``logged`` tokens if more."""
+        used = Used(self.prompt_tokens, 0, max(logged, self.checkpoint()))
+        return Charge.made(self.payer, self.model, used, self.price, "lost", author, self.segment)
+
     def serialised(self) -> str:
-        """Its document in the journal, as JSON. Its fields are set once, but for its state, segment
-        and stream: the JSON of the rest is kept until one of those changes, and a write serialises
-        only an open request's checkpoint anew (the journal is written every ``JOURNAL_SECONDS``
-        with every open request in it: issue #44)."""
+        """Its document in the journal, as JSON. Its fields are set once, but for its state, segment,
+        stream and epoch: the JSON of the rest is kept until one of those changes, and a write
+        serialises only an open request's checkpoint (``generated``, its last field) anew (the
+        journal is written every ``JOURNAL_SECONDS`` with every open request in it: issue #44)."""
         fields = (self.state, self.segment, self.stream, self.epoch)
         if self._head[0] != fields:
             self._head = (fields, json.dumps(self._document(), separators=(",", ":"))[:-1])
         return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
 
     def _document(self) -> dict[str, Any]:
-        """Its document but for an open request's checkpoint (``generated``, its last field)."""
         doc: dict[str, Any] = {
             "id": self.key,
             **asdict(self.payer),
@@ -168,6 +167,32 @@ class JournalEntry:
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> JournalEntry:
+        """An entry as a written journal holds it (``serialised``; an open one's checkpoint as
+        ``counted_tokens``)."""
+
+        def parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
+            return {CounterKey.parse(key): value for key, value in (named or {}).items()}
+
+        return cls(
+            doc["id"],
+            Payer.of({"request_id": doc["id"], **doc}),  # (older journals name the request nowhere else)
+            doc["model"],
+            int(doc.get("prompt") or 0),
+            parsed(doc.get("needs")),
+            Price.of(doc["price"]) if doc.get("price") else None,
+            counted_tokens=int(doc.get("generated") or 0),
+            segment=int(doc.get("segment") or 0),
+            stream=doc.get("stream"),
+            epoch=int(doc.get("epoch") or 1),
+            lost=bool(doc.get("lost")),
+            state=doc.get("state") or "open",
+            charges=[Charge.of(c) for c in doc.get("charges") or []],
+            amounts=parsed(doc.get("amounts")),
+            seqs=parsed(doc.get("seqs")),
+        )
 
 
 class Journal:
@@ -253,8 +278,7 @@ class Journal:
         """Done when the next write to start ends (landed or not); it starts without a pause."""
         if self._next is None:
             self._next = asyncio.get_running_loop().create_future()
-        self._urgent.set()
-        self.changed()
+        self.urgent()
         return self._next
 
     def changed(self) -> None:
@@ -318,7 +342,11 @@ class Journal:
         name = journal_name(instance)
         if name != self._name:  # a new incarnation (the old one was taken over): a new journal
             self._name, self._etag = name, None
-        self._forget_done()
+        self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
+            key: e
+            for key, e in self.entries.items()
+            if not (e.state == "settled" and e.written.is_set() and (e.settlement is None or e.settlement.applied()))
+        }
         self._holding = {key: holding for key, holding in self._holding.items() if holding()}
         needed = set(self._holding) | {k for e in self.entries.values() for k in e.needs}
         listed = sorted(self._listing(needed))
@@ -402,16 +430,6 @@ class Journal:
             else:
                 backoff = self.interval
 
-    def _forget_done(self) -> None:
-        """Settled requests whose ledger rows and counter charges are all in leave the journal."""
-        for key, entry in list(self.entries.items()):
-            if (
-                entry.state == "settled"
-                and entry.written.is_set()
-                and (entry.settlement is None or entry.settlement.applied())
-            ):
-                del self.entries[key]
-
     def _fenced(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
         listed is the taker's now; what came after goes on under the new incarnation's journal."""
@@ -481,9 +499,8 @@ Told = Callable[[str, bytes], str]
 
 
 class Recovery:
-    """Settles a dead instance's journal (module docstring): ``recover`` is what the duty holder
-    calls for each instance it finds dead; ``told`` reads a resumable stream's log (None: the
-    checkpoint alone)."""
+    """Settles a dead instance's journal (module docstring); ``told`` reads a resumable stream's log
+    (None: the checkpoint alone)."""
 
     def __init__(self, store: Store, ledger: Ledger, told: Told | None = None):
         self.store = store
@@ -495,15 +512,14 @@ class Recovery:
         doc = await self._seal(dead, taker)  # 1.
         if doc is None:
             return  # nothing was owed (or a takeover finished already)
-        entries = doc.get("entries") or []
+        entries = [JournalEntry.read(entry) for entry in doc.get("entries") or []]
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
-        for key in doc.get("counters") or []:  # 3.
-            await self._give_back(CounterKey.parse(key), dead, owed)
+        counters = [CounterKey.parse(key) for key in doc.get("counters") or []]
+        for key in counters:  # 3.
+            await self._give_back(key, dead, owed)
         with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
-        log.info(
-            "journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(doc.get("counters") or [])
-        )
+        log.info("journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(counters))
 
     async def _seal(self, dead: str, taker: str) -> dict[str, Any] | None:
         """Step 1: the journal as sealed by ``taker`` (None: there is none)."""
@@ -522,50 +538,44 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
-    async def _logged(self, entry: dict[str, Any]) -> int:
+    async def _logged(self, entry: JournalEntry) -> int:
         """Completion tokens of an open entry's part of its resumable stream's log (0: none, or the
         store failed: the checkpoint is charged)."""
-        stream = entry.get("stream")
-        if self.told is None or not stream or entry.get("state") == "settled":
+        if self.told is None or not entry.stream:
             return 0
         try:
-            found = await stored_log(self.store, stream)
+            found = await stored_log(self.store, entry.stream)
         except (StoreError, NotFound) as exc:
             log.warning("journal: a stream's log could not be read (%s): its checkpoint is charged", exc)
             return 0
         if found is None:
             return 0
         record, data = found
-        text = self.told(record.route, producer_events(data, int(entry.get("epoch") or 1)))
-        return tokens.count_text(entry["model"], text) if text else 0
+        text = self.told(record.route, producer_events(data, entry.epoch))
+        return tokens.count_text(entry.model, text) if text else 0
 
-    async def _charge(self, entry: dict[str, Any], dead: str) -> dict[CounterKey, int]:
-        """Step 2 for one journal entry: its ledger rows written; what it brings into each budget
-        counter, less what others count."""
-        if entry.get("state") != "settled":  # an open request, or a taker's knowledge of a lost part
+    async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
+        """Step 2 for one entry: what it brings into each budget counter, less what others count."""
+        if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part
             return await self._raise(entry, dead, await self._logged(entry))
         others: list[Charge] = []  # what someone else counts
-        for charge in _charges_of(entry, dead):
+        for charge in entry.charges:
             if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
                 if not await self.ledger.apply(charge):
                     others.append(charge)
             elif (there := await self.ledger.put(charge)) is not None and theirs(there, dead, TAKEOVER + dead):
                 others.append(charge)  # a stream's taker charged this part first, from its log: theirs
-        less = amounts(_parsed(entry.get("needs")), others)
+        less = amounts(entry.needs, others)
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
-        return {k: min(int(v), max(0, int(v) - less.get(k, 0))) for k, v in _parsed(entry.get("amounts")).items()}
+        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
 
-    async def _raise(self, entry: dict[str, Any], dead: str, logged: int = 0) -> dict[CounterKey, int]:
-        """Step 2 for an open entry (a request, or a taker's knowledge of its lost producer's part:
-        ``JournalEntry.lost``): its row raised to its checkpoint (or to what its stream's log holds,
-        ``logged``, if more), inserted if none, its author kept; what the raise adds is what it
-        brings. The raise says in the row what it counted (``raise_op``): run again, or at once on
-        two instances, it counts that once, whatever takers raised the row by since (they count
-        their own: ``accounting.charge_lost``); a row at the checkpoint or above (a stream's taker
-        charged the part from its log first) is left, counting nothing."""
+    async def _raise(self, entry: JournalEntry, dead: str, logged: int) -> dict[CounterKey, int]:
+        """Step 2 for an open entry: what its raise adds, counted once whatever takers raised the row
+        by since (they count their own); a row at its checkpoint or above (a stream's taker charged
+        the part from its log first) is left, counting nothing."""
         mine = TAKEOVER + dead
-        charge = _charges_of(entry, dead, logged)[0]
-        keys = _parsed(entry.get("needs"))
+        charge = entry.lost_charge(mine, logged)
+        keys = entry.needs
         for _ in range(MAX_ATTEMPTS):
             there = await self.ledger.find(charge)
             was = Charge.of(there) if there is not None else None
@@ -585,11 +595,9 @@ class Recovery:
         raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 
     async def _give_back(
-        self, key: CounterKey, dead: str, owed: list[tuple[dict[str, Any], dict[CounterKey, int]]]
+        self, key: CounterKey, dead: str, owed: list[tuple[JournalEntry, dict[CounterKey, int]]]
     ) -> None:
-        """Step 3 for one budget counter row: the dead instance's entry out,
-        ``taken`` less what it held, plus what its entries bring that the row does not have yet (a
-        settled charge numbered at most the entry's ``applied`` is in). A conflict re-reads."""
+        """Step 3 for one budget counter row; a conflict re-reads."""
         partition, row = key
         for _ in range(MAX_ATTEMPTS):
             found = await counter_row.read(self.store, partition, row, SLOW_TIMEOUT)
@@ -601,10 +609,8 @@ class Recovery:
                 brings[key]
                 for entry, brings in owed
                 if key in brings
-                and _in_window(found.window, entry.get("day"))
-                and not (
-                    entry.get("state") == "settled" and int((entry.get("seqs") or {}).get(str(key), 0)) <= held.applied
-                )
+                and _in_window(found.window, entry.payer.day)
+                and not (entry.state == "settled" and entry.seqs.get(key, 0) <= held.applied)
             )
             taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
@@ -625,21 +631,3 @@ def _in_window(window: str | None, day: str | None) -> bool:
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:
     """Per counter, as the journal document stores it ("partition/row" -> value)."""
     return {str(key): value for key, value in per_counter.items()}
-
-
-def _parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
-    """A journal document's per-counter map read back (``_named``'s inverse)."""
-    return {CounterKey.parse(key): value for key, value in (named or {}).items()}
-
-
-def _charges_of(entry: dict[str, Any], dead: str, logged: int = 0) -> list[Charge]:
-    """What a journal entry charges: its own charges when settled; for an open request, what it had
-    generated at its last checkpoint, or ``logged`` if more (``ended: lost``)."""
-    if entry.get("state") == "settled":
-        return [Charge.of(c) for c in entry.get("charges") or []]
-    price = Price.of(entry["price"]) if entry.get("price") else None
-    # An entry's "id" is its request's (older journals name it nowhere else).
-    payer = Payer.of({"request_id": entry["id"], **entry})
-    generated = Used(int(entry.get("prompt") or 0), 0, max(logged, int(entry.get("generated") or 0)))
-    segment = int(entry.get("segment") or 0)
-    return [Charge.made(payer, entry["model"], generated, price, "lost", TAKEOVER + dead, segment)]

@@ -7,10 +7,8 @@ request started, the app's request id, and the segment (an answer continued on a
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
 row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and the ids of
-the raises it holds (``ops``: journal.py).
-
-The journal writes the charges it has listed (``write``): per partition, in transactions of up to
-100 rows, again until they land (journal.py)."""
+the raises it holds (``ops``: journal.py). The journal writes the charges it has listed, again until
+they land (``write``)."""
 
 from __future__ import annotations
 
@@ -34,16 +32,16 @@ SUMMED = ("prompt_tokens", "cached_tokens", "completion_tokens")  # usage's sums
 ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Payer:
     """Who pays for which request: the caller and its team (names and ids), the request's id and
-    endpoint, and the UTC day it started (its rows' key). Its journal entry holds it (journal.py);
-    each of its charges is made of it."""
+    endpoint, and the UTC day it started (``YYYYMMDD``: its rows' key). Its journal entry holds it
+    (journal.py); each of its charges is made of it."""
 
     caller: str
     caller_id: str
-    team: str | None
-    team_id: str | None
+    team: str | None = None
+    team_id: str | None = None
     request_id: str
     endpoint: str
     day: str
@@ -55,22 +53,15 @@ class Payer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Charge:
+class Charge(Payer):
     """One charge: a request's (or one segment's) usage and cost."""
 
-    caller: str
-    caller_id: str
     model: str
-    endpoint: str
-    request_id: str
-    day: str  # YYYYMMDD, when the request started (UTC)
     prompt_tokens: int
     completion_tokens: int
     ended: Ended
     cached_tokens: int = 0
     cost: int | None = None  # pico-dollars; None: the model had no price
-    team: str | None = None
-    team_id: str | None = None
     segment: int = 0
     upstream: str | None = None  # the pool entry that served it
     upstream_id: str = ""  # the upstream's x-request-id
@@ -124,7 +115,7 @@ class Charge:
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k not in _OMITTED)}
+        values = {k: v for k, v in asdict(self).items() if k not in ("day", "over") and (v or k != "ops")}
         return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
 
     @classmethod
@@ -136,7 +127,6 @@ class Charge:
 
 
 TAKEOVER = "takeover:"  # (``Charge.author``)
-_OMITTED = ("ops",)  # not in a row while empty (``Charge.entity``)
 
 
 def raise_op(author: str, tokens: int, cost: int) -> str:
@@ -179,10 +169,10 @@ class Ledger:
         failed: the journal writes it again), else whether its row is another instance's, found
         there first (``theirs``: that writer counted it)."""
         found: dict[int, bool] = {}  # charge (index) -> theirs
-        by_partition: dict[str, dict[str, list[int]]] = {}  # partition -> row key -> its charges
+        rows: dict[tuple[str, str], list[int]] = {}  # (partition, row key) -> its charges
         for i, charge in enumerate(charges):
             if not charge.ops:
-                by_partition.setdefault(charge.partition, {}).setdefault(charge.row_key, []).append(i)
+                rows.setdefault((charge.partition, charge.row_key), []).append(i)
                 continue
             try:  # a write made on what its row held: one at a time (counted here if it is in the row)
                 found[i] = not await self.apply(charge)
@@ -191,23 +181,21 @@ class Ledger:
             except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
                 log.exception("usage ledger: the charge of request %s cannot be written", charge.request_id[:12])
                 found[i] = True
-        for rows in by_partition.values():
-            keys = list(rows.values())
-            chunks = [keys[start : start + 100] for start in range(0, len(keys), 100)]
-            while chunks:
-                chunk = chunks.pop(0)
-                try:
-                    await self._insert(charges, chunk, found)
-                except StoreError:
+        chunks = _transactions((partition, row) for (partition, _), row in rows.items())
+        while chunks:
+            chunk = chunks.pop(0)
+            try:
+                await self._insert(charges, chunk, found)
+            except StoreError:
+                continue
+            except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
+                first = charges[chunk[0][0]].request_id[:12]
+                log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
+                # One at a time: the good ones land, a bad one is let go (it can never be written).
+                if len(chunk) > 1:
+                    chunks += [[row] for row in chunk]
                     continue
-                except Exception:  # a bug of ours (a row the store cannot keep): said loudly, the rest goes on
-                    first = charges[chunk[0][0]].request_id[:12]
-                    log.exception("usage ledger: %d charge(s) cannot be written (request %s...)", len(chunk), first)
-                    # One at a time: the good ones land, a bad one is let go (it can never be written).
-                    if len(chunk) > 1:
-                        chunks += [[row] for row in chunk]
-                        continue
-                    found.update(dict.fromkeys(chunk[0], False))
+                found.update(dict.fromkeys(chunk[0], False))
         return [found.get(i) for i in range(len(charges))]
 
     async def _insert(self, charges: Sequence[Charge], chunk: list[list[int]], found: dict[int, bool]) -> None:
@@ -289,35 +277,35 @@ class Ledger:
         old = await self.store.query(
             USAGE_TABLE, Where(rows_to=f"{cutoff:%Y%m%d}", select=(), limit=limit), timeout=USAGE_TIMEOUT
         )
-        by_partition: dict[str, list[Row]] = {}
-        for row in old:
-            by_partition.setdefault(row["PartitionKey"], []).append(row)
         deleted = 0
-        for partition, rows in by_partition.items():
-            for start in range(0, len(rows), 100):
-                chunk = rows[start : start + 100]
-                ops = [Op("delete", {"PartitionKey": partition, "RowKey": r["RowKey"]}) for r in chunk]
-                await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
-                deleted += len(chunk)
+        for chunk in _transactions((row["PartitionKey"], row) for row in old):
+            ops = [Op("delete", {"PartitionKey": r["PartitionKey"], "RowKey": r["RowKey"]}) for r in chunk]
+            await self.store.batch(USAGE_TABLE, ops, timeout=USAGE_TIMEOUT)
+            deleted += len(chunk)
         return deleted
 
 
+def _transactions(keyed: Iterable[tuple[str, Any]]) -> list[list[Any]]:
+    """Items of (partition, item) as the store's transactions take them: one partition, at most 100
+    items each (``store.check_batch``)."""
+    by_partition: dict[str, list[Any]] = {}
+    for partition, item in keyed:
+        by_partition.setdefault(partition, []).append(item)
+    return [items[at : at + 100] for items in by_partition.values() for at in range(0, len(items), 100)]
+
+
 def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    sums: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    sums: dict[tuple[str, ...], dict[str, Any]] = {}
     for row in rows:
         day = str(row["RowKey"])[:8]
-        key = (
-            f"{day[:4]}-{day[4:6]}-{day[6:]}",
-            str(row.get("caller") or ""),
-            str(row.get("team") or ""),
-            str(row.get("model") or ""),
-        )
+        key = (f"{day[:4]}-{day[4:6]}-{day[6:]}", *(str(row.get(name) or "") for name in ("caller", "team", "model")))
         if key not in sums:
             names = {"day": key[0], "caller": key[1], "team": key[2] or None, "model": key[3]}
             sums[key] = names | dict.fromkeys(ZEROS, 0) | {"ended": {}}
         entry = sums[key]
         for name in SUMMED:
             entry[name] += int(row.get(name) or 0)
+        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
         entry["requests"] += 1
         cost = row.get("cost")
         if cost is None:
@@ -326,6 +314,4 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             entry["cost_picousd"] += int(cost)
         ended = str(row.get("ended") or "unknown")
         entry["ended"][ended] = entry["ended"].get(ended, 0) + 1
-    for entry in sums.values():
-        entry["total_tokens"] = entry["prompt_tokens"] + entry["completion_tokens"]
     return [sums[key] | {"cost_usd": usd(sums[key]["cost_picousd"])} for key in sorted(sums)]

@@ -91,10 +91,9 @@ def charge(
     generated: Mapping[int, list[str]] | None = None,
     segments: list[Segment] | None = None,
 ) -> None:
-    """The request is over: its cost for its log line, and its charge, as the endpoint asks them."""
+    """The request is over: its charge, and its cost for its log line, as the endpoint asks them."""
     used = request_usage(admission.model, admission.prompt_tokens, rec, generated, segments)
-    rec.cost = accounting.cost_of(admission, used)
-    accounting.charge(admission, used)
+    rec.cost = accounting.charge(admission, used)
 
 
 def finish(

@@ -12,7 +12,7 @@ import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream import tokens
-from chatstream.apis.usage import request_usage, usage_of
+from chatstream.apis.usage import usage_of
 from chatstream.state.accounting import Admission
 from chatstream.state.callers import CallerSpec, TeamSpec
 from chatstream.state.owners import Owners
@@ -488,9 +488,7 @@ async def test_a_segment_served_as_another_model_is_charged_its_price_when_it_ha
     ]
     assert sum(r["cost"] for r in found) == counter(data, caller.limits_partition, "spend")["taken"]
     # The log line's cost: at the served name's price once this instance keeps it (read by the charge).
-    assert acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments)) == sum(
-        r["cost"] for r in found
-    )
+    assert rec.cost == sum(r["cost"] for r in found)
     await state.close()
 
 
@@ -511,11 +509,10 @@ async def test_the_log_lines_cost_is_the_ledgers_for_a_model_served_under_a_name
     await state.registry.set_price("llama", PriceSpec(input=5, output=5))  # after the admission
     rec.upstream_answered()
     segments = [Segment("vllm", usage={"prompt_tokens": 20, "completion_tokens": 10}, model="llama")]
-    logged = acc.cost_of(admitted, request_usage(MODEL, admitted.prompt_tokens, rec, None, segments))
-    charge(acc, admitted, rec, None, segments)  # as the endpoint does: the log line first, then the charge
+    charge(acc, admitted, rec, None, segments)  # as the endpoint does: the log line's cost, the charge after it
     assert await acc.flush(5)
     [row] = ledger_rows(data)
-    assert (row["model"], row["cost"]) == ("llama", 20 * 100_000 + 10 * 200_000) and logged == row["cost"]
+    assert (row["model"], row["cost"]) == ("llama", 20 * 100_000 + 10 * 200_000) and rec.cost == row["cost"]
     await other.close()
     await state.close()
 

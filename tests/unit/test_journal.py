@@ -627,7 +627,7 @@ async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     assert await acc_b.flush(5)
     received = GENERATED + " It came back at dusk, tired and happy."
-    knows = acc_b.regenerating(going_on, going_on.started, lambda: received, lambda: 2)
+    regenerated = acc_b.regenerating(going_on, going_on.started, lambda: received, lambda: 2)
     going_on.reservation.release()
     acc_b.journal.drop(going_on.entry)
     for _ in range(2):  # its continuation let go, then its raise in (not yet regenerated)
@@ -635,7 +635,7 @@ async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once
         for partition in (caller.limits_partition, team):
             assert parse_holds(counter(data, partition, "tokens")["holds"])["instance-b"].held == 0
         await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, floor=2)
-    await acc_b.regenerated(knows)  # (raised already)
+    await regenerated(0.0)  # (raised already)
     assert await acc_b.flush(5)
     await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
     rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
@@ -1062,7 +1062,7 @@ def test_a_checkpoint_counts_the_text_as_a_whole_however_it_arrived():
 
     whole = "lorem ipsum dolor sit amet consectetur adipiscing elit " * 6
     so_far = {0: ""}
-    payer = Payer("c", "c1", None, None, "r", "openai", "20261204")
+    payer = Payer(caller="c", caller_id="c1", request_id="r", endpoint="openai", day="20261204")
     entry = JournalEntry("r", payer, MODEL, 3, {}, generated=lambda: so_far)
     for end in range(0, len(whole) + 1, 7):
         so_far[0] = whole[:end]
@@ -1080,7 +1080,7 @@ def test_the_journal_stores_a_counter_as_partition_slash_row_as_older_versions_r
 
     key = CounterKey("team:t|1", "tokens")
     assert str(key) == "team:t|1/tokens" and CounterKey.parse("team:t|1/tokens") == key
-    payer = Payer("c", "c1", "t", "1", "r", "openai", "20261204")
+    payer = Payer(caller="c", caller_id="c1", team="t", team_id="1", request_id="r", endpoint="openai", day="20261204")
     spend = CounterKey("team:t|1", "spend")
     doc = json.loads(JournalEntry("r", payer, MODEL, 3, {key: 100, spend: 7}).serialised())
     assert doc["needs"] == {"team:t|1/tokens": 100, "team:t|1/spend": 7}
