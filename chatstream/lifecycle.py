@@ -189,7 +189,7 @@ class Lifecycle:
             raise instance_draining()
 
     def starting(self) -> _Starting:
-        """A request, from before ``admit`` until its stream runs (``guard``'s first event asked for)
+        """A request, from before ``admit`` until its stream runs (its relay's first read: ``ends``)
         or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
         two requests admitted as SIGTERM came reached their upstream after the two streams then
         running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)

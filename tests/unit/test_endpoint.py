@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from chatstream.state.accounting import Accounting, Admission
 from chatstream.state.callers import Caller, CallerSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.shared import SharedState
+from chatstream.stream import Failed
 
 from .state_helpers import MODEL, account, admit, counter, finish, instance, until, usage
 from .test_failover import ScriptedClient, ScriptedStream, chunk, pooled
@@ -256,3 +258,34 @@ async def test_first_done_returns_when_either_is_done_or_at_its_limit_and_leaves
         assert not future._callbacks  # asyncio's Future: the callbacks not yet run
     if ends == "b":
         b.exception()  # retrieved
+
+
+class Producing:
+    """Stands in for ``Resumable`` in a takeover: ``produce`` reads the events to their end."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    async def produce(self, producer, events, encode, protocol, record) -> None:
+        async for event in events:
+            self.events.append(event)
+
+
+async def test_a_takeover_that_cannot_go_on_ends_with_one_stream_lost_event_and_one_log_line(caplog):
+    """The lost producer had sent a tool call (a continuation cannot go on from one): no upstream
+    call, one final ``stream_lost``, and the stream's record written once."""
+    tool_call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    stored = {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [tool_call]}}]}
+    producer = SimpleNamespace(id="s-1", owner=None, epoch=0, unstored=False)
+    request = {"params": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}}
+    events = f"data: {json.dumps(stored)}\n\n".encode()
+    claim = SimpleNamespace(request=json.dumps(request), producer=producer, request_id="r-1", events=events)
+    upstream, producing = ScriptedClient(), Producing()
+    upstreams = pooled({"a": upstream})
+    chat = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), None, producing)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        await chat.take_over(claim)  # type: ignore[arg-type]
+    [final] = producing.events
+    assert isinstance(final, Failed) and final.error.type == "stream_lost" and upstream.calls == 0
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith('{"event"')]
+    assert [(line["request_id"], line["error"]) for line in lines] == [("r-1", "stream_lost")]

@@ -19,7 +19,7 @@ from chatstream.guard import Redactor
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Done, Failed, TimeLimits, encoded, relay
+from chatstream.stream import Chunk, Done, Ends, Failed, TimeLimits, encoded, relay
 
 from .stream_helpers import Opener
 from .test_pipeline import Bomb
@@ -137,9 +137,10 @@ class Run:
     async def _open(self):
         return self.upstream
 
-    def events(self):
+    def events(self, ends: Ends | None = None):
         self.limits = TimeLimits(self.settings)
-        return relay(Opener(self.open_stream), "/chat/completions", {}, self.protocol, self.limits, self.record)
+        path, protocol = "/chat/completions", self.protocol
+        return relay(Opener(self.open_stream), path, {}, protocol, self.limits, self.record, ends=ends)
 
     async def all(self) -> list:
         return [event async for event in self.events()]
@@ -749,3 +750,93 @@ async def test_with_moderation_a_chunk_in_hand_does_not_wait_for_the_next_ones_c
     (at, data), *rest = await writes(run)
     assert data == b"a" and at < 0.25, f"'a' written after {at:.3f} s: it waited for the check of 'b'"
     assert [data for _, data in rest] == [b"b", b"|end"]
+
+
+# ------------------------------------------------------------------------------ the ends told
+
+
+class Told(Ends):
+    """``Ends`` that write what they are told in ``log``, where the upstream's close goes too."""
+
+    def __init__(self, log: list[str], before_last=None):
+        super().__init__(lambda: log.append("on_end"), before_last)
+        self.log = log
+
+    def begin(self) -> None:
+        self.log.append("begin")
+
+    def over(self) -> None:
+        self.log.append("over")
+        super().over()
+
+
+def told(script, log: list[str], **run) -> Run:
+    """A Run whose upstream writes its close in ``log``."""
+    result = Run(script, **run)
+    close = result.upstream.close
+
+    async def closing():
+        log.append("closed")
+        await close()
+
+    result.upstream.close = closing
+    return result
+
+
+async def run_out(events) -> None:
+    async for _ in events:
+        pass
+
+
+FAILING = [ROLE, chunk({"content": "a"}), ApiError(502, "upstream_disconnected", "lost")]
+
+
+@pytest.mark.parametrize("script", [NORMAL, FAILING], ids=["done", "failed"])
+async def test_the_final_event_goes_out_after_the_upstreams_close_and_before_last_and_on_end_after_it(script):
+    log: list[str] = []
+
+    async def before_last():
+        log.append("before_last")
+
+    run = told(script, log)
+    async for event in run.events(Told(log, before_last)):
+        if not isinstance(event, Chunk):
+            log.append(type(event).__name__)
+    final = "Done" if script is NORMAL else "Failed"
+    assert log == ["begin", "closed", "before_last", final, "over", "on_end"]
+
+
+@pytest.mark.parametrize("leaves", ["unread", "opening", "mid-stream", "before_last", "final"])
+async def test_on_end_runs_once_however_the_caller_leaves(leaves):
+    """The caller leaves (its read cancelled, or the events closed) at each point of the stream: the
+    upstream is closed, and ``on_end`` runs once; a stream never read was never begun or ended."""
+    log: list[str] = []
+    hold = asyncio.Event()
+
+    async def slow_open():
+        await asyncio.sleep(5 if leaves == "opening" else 0)
+        return run.upstream
+
+    async def before_last():
+        log.append("before_last")
+        await hold.wait()
+
+    run = told(NORMAL, log, open_stream=slow_open)
+    events = run.events(Told(log, before_last))
+    if leaves in ("opening", "before_last"):
+        reading = asyncio.ensure_future(anext(events) if leaves == "opening" else run_out(events))
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+    elif leaves != "unread":
+        hold.set()
+        while not isinstance(await anext(events), Done if leaves == "final" else Chunk):
+            pass
+    await events.aclose()
+    if leaves == "unread":
+        assert log == []
+        return
+    assert log.count("on_end") == 1 and log[-2:] == ["over", "on_end"], log
+    assert ("closed" in log) == (leaves != "opening"), log
+    if leaves != "before_last":  # (then the answer was whole: its record says how it ended)
+        assert run.record.disconnected == (leaves != "final")
