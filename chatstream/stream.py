@@ -459,7 +459,10 @@ async def relay(
                 # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
                 # connection must still be closed (that is what stops the paid generation).
                 with anyio.CancelScope(shield=True):
-                    await current.stream.close()
+                    try:
+                        await current.stream.close()
+                    except Exception:  # the final event goes out all the same (it did before the close)
+                        log.exception("closing the upstream stream failed (endpoint=%s)", record.endpoint)
         assert final is not None  # else what ended the stream goes on up from the finally above
         if ends is not None:
             await ends.last(final)

@@ -840,3 +840,20 @@ async def test_on_end_runs_once_however_the_caller_leaves(leaves):
     assert ("closed" in log) == (leaves != "opening"), log
     if leaves != "before_last":  # (then the answer was whole: its record says how it ended)
         assert run.record.disconnected == (leaves != "final")
+
+
+@pytest.mark.parametrize("script", [NORMAL, FAILING], ids=["done", "failed"])
+async def test_an_upstream_close_that_raises_still_lets_the_final_event_out(script, caplog):
+    """The close comes before the final event: a close that fails is logged, and the caller still
+    gets its one final event, as when the close came after it."""
+    log: list[str] = []
+    run = told(script, log)
+
+    async def failing_close():
+        raise RuntimeError("the connection was already gone")
+
+    run.upstream.close = failing_close
+    with caplog.at_level(logging.ERROR, logger="chatstream"):
+        events = [event async for event in run.events(Told(log))]
+    assert isinstance(events[-1], Done if script is NORMAL else Failed)
+    assert "closing the upstream stream failed" in caplog.text and log[-1] == "on_end"
