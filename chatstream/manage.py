@@ -43,7 +43,7 @@ from .state.callers import (
     iso,
     usd,
 )
-from .state.ledger import MAX_USAGE_DAYS
+from .state.ledger import MAX_USAGE_DAYS, ZEROS
 from .state.port import Conflict, Invalid, Missing, Unreadable
 from .state.prices import Price, PriceSpec
 from .state.shared import SharedState
@@ -362,20 +362,9 @@ def _date(value: str | None, param: str) -> date | None:
 # --- usage as the admin API answers it ----------------------------------------------------------
 
 
-_SUMMED = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "requests",
-    "unpriced_requests",
-    "cost_picousd",
-)
-
-
 def totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The sums over usage rows (the admin API's ``total``)."""
-    total: dict[str, Any] = {f: sum(int(r[f]) for r in rows) for f in _SUMMED}
+    total: dict[str, Any] = {f: sum(int(r[f]) for r in rows) for f in ZEROS}
     total["cost_usd"] = usd(total["cost_picousd"])
     return total
 
