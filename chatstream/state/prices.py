@@ -16,7 +16,7 @@ it, and its requests are refused until an admin sets its price again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -25,6 +25,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from .callers import PICO, Stored, usd_amount
+from .port import Unreadable
 
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
@@ -69,9 +70,9 @@ class Prices(dict[str, Price]):
     """Every model's price, by model (a model without one is not in it), as one read of the price
     rows found them; ``unreadable``: the models whose row holds no price."""
 
-    def __init__(self, prices: Iterable[Price] = (), unreadable: Iterable[str] = ()):
-        super().__init__((price.model, price) for price in prices)
-        self.unreadable = frozenset(unreadable)
+    def __init__(self, found: Sequence[Price | Unreadable] = ()):
+        super().__init__((price.model, price) for price in found if isinstance(price, Price))
+        self.unreadable = frozenset(row.name for row in found if isinstance(row, Unreadable))
 
 
 class PriceSpec(BaseModel):
