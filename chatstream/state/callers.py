@@ -20,11 +20,10 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from functools import cache
-from typing import Annotated, Any, Literal, Self, get_type_hints
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -34,10 +33,10 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    TypeAdapter,
     ValidationError,
     field_validator,
 )
+from pydantic.dataclasses import dataclass
 
 KEY_PREFIX = "csk-"
 KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
@@ -87,11 +86,11 @@ class ModelLimit(BaseModel):
     requests_per_minute: PositiveRequests | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(strict=True))
 class Stored:
-    """A caller, team or price as its row keeps its properties (``entity``) and back (``of``; a
-    property left out or empty: the field's default): times as ISO text, the model list and the
-    per-model limits as JSON."""
+    """A caller, team or price, of its types whenever it is made (pydantic, strict), as its row keeps
+    its properties (``entity``) and back (``of``; a property left out or empty: the field's default):
+    times as ISO text, the model list and the per-model limits as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -111,42 +110,29 @@ class Stored:
         """What ``row`` keeps; ValueError naming the field and why (never its value) when it holds
         none: a field missing, not JSON, or of another type (a hand edit, a bad write: registry.py)."""
         values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
-        hints = _hints(cls)
         for name, item in values.items():
             try:
-                if name.endswith("_at"):
-                    item = datetime.fromisoformat(item) if isinstance(item, str) else item
+                if name.endswith("_at") and isinstance(item, str):
+                    values[name] = datetime.fromisoformat(item)
                 elif name == "models":
                     item = json.loads(item)
-                    item = tuple(item) if isinstance(item, list) else item
+                    values[name] = tuple(item) if isinstance(item, list) else item
                 elif name == "model_limits":
-                    limits = json.loads(item)
-                    item = {m: ModelLimit.model_validate(v) for m, v in limits.items()}
-                values[name] = _adapter(hints[name]).validate_python(item, strict=True)
+                    values[name] = {m: ModelLimit.model_validate(v) for m, v in json.loads(item).items()}
             except ValidationError as exc:
                 raise ValueError(f"{name}: {exc.errors()[0]['msg'][:120]}") from None
             except json.JSONDecodeError:
                 raise ValueError(f"{name}: not JSON") from None
             except (TypeError, ValueError, AttributeError):
                 raise ValueError(f"{name}: not of its type") from None
-        missing = [
-            f.name
-            for f in fields(cls)
-            if f.name not in values and f.default is MISSING and f.default_factory is MISSING
-        ]
-        if missing:
-            raise ValueError(f"{', '.join(missing)}: missing")
-        return cls(**values)
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-@cache
-def _adapter(kind: Any) -> TypeAdapter:
-    return TypeAdapter(kind)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            errors = exc.errors()
+            wrong = [e for e in errors if e["type"] != "missing"]
+            if wrong:
+                raise ValueError(f"{wrong[0]['loc'][0]}: {wrong[0]['msg'][:120]}") from None
+            raise ValueError(f"{', '.join(str(e['loc'][0]) for e in errors)}: missing") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +177,6 @@ class Caller(Limits):
 
     @property
     def limits_partition(self) -> str:
-        """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return limits_partition("caller", self.name, self.id)
 
     def expired(self, now: float) -> bool:

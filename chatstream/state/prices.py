@@ -17,12 +17,12 @@ it, and its requests are refused until an admin sets its price again."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic.dataclasses import dataclass
 
 from .callers import PICO, Stored, usd_amount
 from .port import Unreadable
@@ -51,10 +51,7 @@ class Price(Stored):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} is not a whole number of pico-USD per token")
             amounts[name] = value
-        try:
-            return super().of({**row, **amounts})
-        except (TypeError, ValueError) as exc:  # no model, no updated_at or not ISO
-            raise ValueError(str(exc)) from None
+        return super().of({**row, **amounts})
 
     def cost(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""
@@ -95,14 +92,11 @@ class PriceSpec(BaseModel):
         return None if value is None else usd_amount(value, MAX_PRICE)  # null: the input price
 
     def price(self, model: str, now: datetime) -> Price:
-        def per_token(amount: Decimal) -> int:
-            return int(amount * PER_TOKEN)
-
         cached = self.cached_input if self.cached_input is not None else self.input
         return Price(
             model=model,
-            input=per_token(self.input),
-            cached_input=per_token(cached),
-            output=per_token(self.output),
+            input=int(self.input * PER_TOKEN),
+            cached_input=int(cached * PER_TOKEN),
+            output=int(self.output * PER_TOKEN),
             updated_at=now,
         )
