@@ -1,14 +1,9 @@
-"""Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
-and what an admin may say about them: the typed requests (``CallerSpec``, ``CallerPatch``,
-``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands the registry
-(registry.py), which keeps them.
-
-A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
-and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
-key's SHA-256. A **team** has limits of its own, held over all of its callers together. Limits are
-tokens and requests per minute, a token budget and a spend budget (USD) per day, month or in total,
-and per model tokens and requests per minute (``model_limits``). A request must fit every limit of
-its caller and of its team, all or nothing (counters.py).
+"""Who may call the model routes, and within what (docs/callers.md): a caller (its key shown once,
+when it is created or rotated; the store keeps only the key's SHA-256), its team (limits held over
+all of its callers together), and the limits a request must fit, all of its caller's and its team's
+or nothing (counters.py); and what an admin may say about them: the typed requests (``CallerSpec``,
+``CallerPatch``, ``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands
+the registry (registry.py), which keeps them.
 
 Money is exact: USD amounts of at most 6 decimal places, kept as integers of pico-dollars (10⁻¹²
 USD, ``PICO``; prices.py)."""
@@ -38,25 +33,19 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
-KEY_PREFIX = "csk-"
-KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
-KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")
+KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")  # csk- and 256 random bits, base64url (new_key)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+PICO = 10**12  # pico-dollars per USD
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 # The bounds of a caller's or a team's settings (docs/callers.md, "Limits").
-MAX_TOKENS_PER_MINUTE = 1_000_000_000
-MAX_REQUESTS_PER_MINUTE = 1_000_000
-MAX_TOKEN_BUDGET = 1_000_000_000_000
+PositiveTokens = Annotated[StrictInt, Field(ge=1, le=10**9)]
+PositiveRequests = Annotated[StrictInt, Field(ge=1, le=10**6)]
+PositiveBudget = Annotated[StrictInt, Field(ge=1, le=10**12)]
 MAX_SPEND_BUDGET = Decimal(1_000_000)  # USD
 MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
-PICO = 10**12  # pico-dollars per USD
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
-PositiveRequests = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
-PositiveBudget = Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_BUDGET)]
 Period = Literal["day", "month", "total"]
 
 
@@ -69,7 +58,7 @@ def hash_key(key: str) -> str:
 
 
 def new_key() -> str:
-    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+    return "csk-" + secrets.token_urlsafe(32)
 
 
 def usd(pico: int | None) -> float | None:

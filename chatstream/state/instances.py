@@ -257,27 +257,24 @@ class Instances:
                 etag = None  # another instance took it
         if etag is None:
             current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
-            if current is None:
-                try:
+            try:
+                if current is None:
                     etag = await self.store.insert(STREAMS_TABLE, row)
-                except AlreadyExists:
-                    return None
-            elif now - float(current.get("at") or 0.0) > 3 * self.timing.duty_seconds or await self._holder_dead(
-                current
-            ):
-                try:
+                elif await self._free(current, now):
                     etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
-                except (NotFound, Modified):
+                else:
                     return None
-            else:
-                return None
+            except (AlreadyExists, NotFound, Modified):
+                return None  # another instance was first
         await self._do_duty()
         return etag
 
-    async def _holder_dead(self, duty: dict) -> bool:
-        """Whether the duty's holder is a dead instance: its own row past its lease (or taken over).
-        A holder without a row (it holds nothing, so it does not beat) is judged by the duty row's
-        age alone."""
+    async def _free(self, duty: dict, now: float) -> bool:
+        """Whether the duty is free: its holder did not refresh it for 3 ticks, or is a dead instance
+        (its own row past its lease, or taken over; a holder without a row, which holds nothing and so
+        does not beat, is judged by the duty row's age alone)."""
+        if now - float(duty.get("at") or 0.0) > 3 * self.timing.duty_seconds:
+            return True
         holder = str(duty.get("holder") or "")
         if not holder or holder == self.id or not self._can_judge():
             return False
