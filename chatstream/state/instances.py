@@ -10,7 +10,7 @@ is alive, who died, and who does the work one instance does for all.
   beat: this incarnation is over (``fenced``: what it held was taken over); it beats on under a new id.
 - **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free, finds the
   dead instances (one query) and takes each over: its row taken, what it owed settled (``recover``:
-  journal.py), its row deleted; and runs the periodic sweeps (``every``). The others read the duty
+  journal.py), its row deleted; and runs the periodic sweeps (``sweeps``). The others read the duty
   row, one point read per ``duty_seconds``.
 
 Every store call here is bounded; a failed one is tried again at the next tick, and no loop here

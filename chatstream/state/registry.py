@@ -70,7 +70,6 @@ _TRIES = 5  # an admin change that meets another admin's: read again and reapply
 
 
 def _row_key(cls: type, name: str) -> str:
-    """The row of a caller, team or price: ``c|<name>``, ``t|<name>``, ``p|<model>``."""
     return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
 
 
