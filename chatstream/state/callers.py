@@ -103,16 +103,12 @@ class Stored:
             try:
                 if name.endswith("_at") and isinstance(item, str):
                     values[name] = datetime.fromisoformat(item)
-                elif name == "models":
+                elif name in ("models", "model_limits"):
                     item = json.loads(item)
-                    values[name] = tuple(item) if isinstance(item, list) else item
-                elif name == "model_limits":
-                    values[name] = {m: ModelLimit.model_validate(v) for m, v in json.loads(item).items()}
-            except ValidationError as exc:
-                raise ValueError(f"{name}: {exc.errors()[0]['msg'][:120]}") from None
+                    values[name] = tuple(item) if name == "models" and isinstance(item, list) else item
             except json.JSONDecodeError:
                 raise ValueError(f"{name}: not JSON") from None
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError):
                 raise ValueError(f"{name}: not of its type") from None
         try:
             return cls(**values)
