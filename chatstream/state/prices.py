@@ -21,7 +21,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, field_validator
 from pydantic.dataclasses import dataclass
 
 from .callers import PICO, Stored, usd_amount
@@ -34,24 +34,20 @@ PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
 @dataclass(frozen=True, kw_only=True)
 class Price(Stored):
     model: str
-    input: int  # pico-USD per token
-    cached_input: int
-    output: int
+    input: NonNegativeInt  # pico-USD per token
+    cached_input: NonNegativeInt
+    output: NonNegativeInt
     updated_at: datetime
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Self:
         """The price a row keeps; ValueError, saying why, when the row holds none (module docstring).
         A whole-number Double (an amount typed in by hand) reads as its integer."""
-        amounts = {}
+        whole = {}
         for name in ("input", "cached_input", "output"):
-            value = row.get(name)
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} is not a whole number of pico-USD per token")
-            amounts[name] = value
-        return super().of({**row, **amounts})
+            if isinstance(amount := row.get(name), float) and amount.is_integer():
+                whole[name] = int(amount)
+        return super().of({**row, **whole})
 
     def cost(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""
