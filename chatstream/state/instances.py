@@ -87,6 +87,18 @@ class Instances:
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
         self._closed = False
 
+    async def _logged(self, what: str, step: Callable[[], Awaitable[object]]) -> bool:
+        """Run ``step``; a failure logged, never raised (a bug of ours too: the loops here go on).
+        False when the store did not answer."""
+        try:
+            await step()
+        except StoreError as exc:
+            log.warning("instance %s: %s failed: %s", self.id, what, exc)
+            return False
+        except Exception:
+            log.exception("instance %s: %s failed", self.id, what)
+        return True
+
     # --- being alive ---------------------------------------------------------------------------
 
     def need(self) -> None:
@@ -228,18 +240,6 @@ class Instances:
         return self.store.clock.now() - float(row.get("at") or 0.0) - lease
 
     # --- the duty ------------------------------------------------------------------------------
-
-    async def _logged(self, what: str, step: Callable[[], Awaitable[object]]) -> bool:
-        """Run ``step``; a failure logged, never raised (a bug of ours too: the loops here go on).
-        False when the store did not answer."""
-        try:
-            await step()
-        except StoreError as exc:
-            log.warning("instance %s: %s failed: %s", self.id, what, exc)
-            return False
-        except Exception:
-            log.exception("instance %s: %s failed", self.id, what)
-        return True
 
     async def _duty_loop(self) -> None:
         while not self._closed:
