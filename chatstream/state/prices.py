@@ -1,14 +1,7 @@
-"""What a model costs (docs/callers.md, "Prices"): USD per million tokens for input, cached input
-and output, as the admin sets them, kept exactly.
-
-A price of at most 6 decimal places in USD per million tokens is an integer number of pico-dollars
-per token (× 10⁶), so every cost is an integer and every sum exact::
-
-    cost = (prompt - cached) × input + cached × cached_input + completion × output    (pico-USD)
-
-with the upstream's usage (reasoning tokens are part of the completion). What a request reserves is
-its upper bound: every prompt token at the dearer of input and cached input, the output cap at the
-output price. The model is named as callers send it (a deployment name for Azure OpenAI).
+"""What a model costs (docs/callers.md, "Prices and money", which works out a cost and what a request
+reserves): USD per million tokens for input, cached input and output, as the admin sets them (at
+most 6 decimal places), kept exactly as integers of pico-dollars per token, so that every cost is an
+integer and every sum exact (``Price.cost``, ``Price.most``).
 
 A price row that holds no price (a hand edit in Storage Explorer, a bad write: a field missing, an
 amount that is not a whole number of pico-USD) costs only its own model: ``Prices.unreadable`` names
