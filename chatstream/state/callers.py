@@ -77,9 +77,9 @@ class ModelLimit(BaseModel):
 
 @dataclass(frozen=True, config=ConfigDict(strict=True))
 class Stored:
-    """A caller, team or price, of its types whenever it is made (pydantic, strict), as its row keeps
-    its properties (``entity``) and back (``of``; a property left out or empty: the field's default):
-    times as ISO text, the model list and the per-model limits as JSON."""
+    """A caller, team or price (pydantic checks its types, strictly, whenever one is made), as its row
+    keeps its properties (``entity``) and back (``of``; a property left out or empty: the field's
+    default): times as ISO text, the model list and the per-model limits as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
