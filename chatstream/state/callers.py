@@ -1,14 +1,9 @@
-"""Who may call the model routes, and within what (docs/callers.md): callers, their keys and teams,
-and what an admin may say about them: the typed requests (``CallerSpec``, ``CallerPatch``,
-``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands the registry
-(registry.py), which keeps them.
-
-A **caller** has a name (admin-chosen), optionally one team, its own limits, the models it may use,
-and an expiry; its key is shown once, when it is created or rotated, and the store keeps only the
-key's SHA-256. A **team** has limits of its own, held over all of its callers together. Limits are
-tokens and requests per minute, a token budget and a spend budget (USD) per day, month or in total,
-and per model tokens and requests per minute (``model_limits``). A request must fit every limit of
-its caller and of its team, all or nothing (counters.py).
+"""Who may call the model routes, and within what (docs/callers.md): a caller (its key shown once,
+when it is created or rotated; the store keeps only the key's SHA-256), its team (limits held over
+all of its callers together), and the limits a request must fit, all of its caller's and its team's
+or nothing (counters.py); and what an admin may say about them: the typed requests (``CallerSpec``,
+``CallerPatch``, ``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands
+the registry (registry.py), which keeps them.
 
 Money is exact: USD amounts of at most 6 decimal places, kept as integers of pico-dollars (10⁻¹²
 USD, ``PICO``; prices.py)."""
@@ -20,11 +15,10 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from functools import cache
-from typing import Annotated, Any, Literal, Self, get_type_hints
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -34,30 +28,24 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
-    TypeAdapter,
     ValidationError,
     field_validator,
 )
+from pydantic.dataclasses import dataclass
 
-KEY_PREFIX = "csk-"
-KEY_BYTES = 32  # 256 random bits: base64url, 43 characters after the prefix
-KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")
+KEY_SHAPE = re.compile(r"csk-[A-Za-z0-9_-]{43}")  # csk- and 256 random bits, base64url (new_key)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+PICO = 10**12  # pico-dollars per USD
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 # The bounds of a caller's or a team's settings (docs/callers.md, "Limits").
-MAX_TOKENS_PER_MINUTE = 1_000_000_000
-MAX_REQUESTS_PER_MINUTE = 1_000_000
-MAX_TOKEN_BUDGET = 1_000_000_000_000
+PositiveTokens = Annotated[StrictInt, Field(ge=1, le=10**9)]
+PositiveRequests = Annotated[StrictInt, Field(ge=1, le=10**6)]
+PositiveBudget = Annotated[StrictInt, Field(ge=1, le=10**12)]
 MAX_SPEND_BUDGET = Decimal(1_000_000)  # USD
 MAX_MODELS = 100
 MAX_MODEL_LIMITS = 50
 MAX_MODEL_NAME = 256
-PICO = 10**12  # pico-dollars per USD
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-PositiveTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
-PositiveRequests = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
-PositiveBudget = Annotated[StrictInt, Field(ge=1, le=MAX_TOKEN_BUDGET)]
 Period = Literal["day", "month", "total"]
 
 
@@ -70,7 +58,7 @@ def hash_key(key: str) -> str:
 
 
 def new_key() -> str:
-    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+    return "csk-" + secrets.token_urlsafe(32)
 
 
 def usd(pico: int | None) -> float | None:
@@ -87,11 +75,11 @@ class ModelLimit(BaseModel):
     requests_per_minute: PositiveRequests | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(strict=True))
 class Stored:
-    """A caller, team or price as its row keeps its properties (``entity``) and back (``of``; a
-    property left out or empty: the field's default): times as ISO text, the model list and the
-    per-model limits as JSON."""
+    """A caller, team or price (pydantic checks its types, strictly, whenever one is made), as its row
+    keeps its properties (``entity``) and back (``of``; a property left out or empty: the field's
+    default): times as ISO text, the model list and the per-model limits as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -111,42 +99,25 @@ class Stored:
         """What ``row`` keeps; ValueError naming the field and why (never its value) when it holds
         none: a field missing, not JSON, or of another type (a hand edit, a bad write: registry.py)."""
         values = {f.name: row[f.name] for f in fields(cls) if row.get(f.name) not in (None, "")}
-        hints = _hints(cls)
         for name, item in values.items():
             try:
-                if name.endswith("_at"):
-                    item = datetime.fromisoformat(item) if isinstance(item, str) else item
-                elif name == "models":
+                if name.endswith("_at") and isinstance(item, str):
+                    values[name] = datetime.fromisoformat(item)
+                elif name in ("models", "model_limits"):
                     item = json.loads(item)
-                    item = tuple(item) if isinstance(item, list) else item
-                elif name == "model_limits":
-                    limits = json.loads(item)
-                    item = {m: ModelLimit.model_validate(v) for m, v in limits.items()}
-                values[name] = _adapter(hints[name]).validate_python(item, strict=True)
-            except ValidationError as exc:
-                raise ValueError(f"{name}: {exc.errors()[0]['msg'][:120]}") from None
+                    values[name] = tuple(item) if name == "models" and isinstance(item, list) else item
             except json.JSONDecodeError:
                 raise ValueError(f"{name}: not JSON") from None
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError):
                 raise ValueError(f"{name}: not of its type") from None
-        missing = [
-            f.name
-            for f in fields(cls)
-            if f.name not in values and f.default is MISSING and f.default_factory is MISSING
-        ]
-        if missing:
-            raise ValueError(f"{', '.join(missing)}: missing")
-        return cls(**values)
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-@cache
-def _adapter(kind: Any) -> TypeAdapter:
-    return TypeAdapter(kind)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            errors = exc.errors()
+            wrong = [e for e in errors if e["type"] != "missing"]
+            if wrong:
+                raise ValueError(f"{wrong[0]['loc'][0]}: {wrong[0]['msg'][:120]}") from None
+            raise ValueError(f"{', '.join(str(e['loc'][0]) for e in errors)}: missing") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +162,6 @@ class Caller(Limits):
 
     @property
     def limits_partition(self) -> str:
-        """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
         return limits_partition("caller", self.name, self.id)
 
     def expired(self, now: float) -> bool:

@@ -10,7 +10,7 @@ is alive, who died, and who does the work one instance does for all.
   beat: this incarnation is over (``fenced``: what it held was taken over); it beats on under a new id.
 - **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free, finds the
   dead instances (one query) and takes each over: its row taken, what it owed settled (``recover``:
-  journal.py), its row deleted; and runs the periodic sweeps (``every``). The others read the duty
+  journal.py), its row deleted; and runs the periodic sweeps (``sweeps``). The others read the duty
   row, one point read per ``duty_seconds``.
 
 Every store call here is bounded; a failed one is tried again at the next tick, and no loop here
@@ -81,10 +81,23 @@ class Instances:
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
+        self._duty_etag: str | None = None  # the duty row's, while this instance holds it
         self._recover = recover
         self._sweeps = [(seconds, sweep, [0.0]) for seconds, sweep in sweeps]
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
         self._closed = False
+
+    async def _logged(self, what: str, step: Callable[[], Awaitable[object]]) -> bool:
+        """Run ``step``; a failure logged, never raised (a bug of ours too: the loops here go on).
+        False when the store did not answer."""
+        try:
+            await step()
+        except StoreError as exc:
+            log.warning("instance %s: %s failed: %s", self.id, what, exc)
+            return False
+        except Exception:
+            log.exception("instance %s: %s failed", self.id, what)
+        return True
 
     # --- being alive ---------------------------------------------------------------------------
 
@@ -124,18 +137,13 @@ class Instances:
     async def _beat_loop(self) -> None:
         timing = self.timing
         while not self._closed:
-            pause = timing.beat_seconds
             try:
-                await self._beat_once()
-            except StoreError as exc:
-                log.warning("instance %s: heartbeat failed: %s", self.id, exc)
-                pause = min(pause, 0.25)  # a missed beat reads as death elsewhere: try again soon
-            except Exception:  # a bug of ours must not stop the heartbeat
-                log.exception("instance %s: heartbeat failed", self.id)
+                answered = await self._logged("heartbeat", self._beat_once)
             finally:
                 if self._first is not None and not self._first.done():
                     self._first.set_result(None)
-            await asyncio.sleep(pause)
+            # A missed beat reads as death elsewhere: try again soon.
+            await asyncio.sleep(timing.beat_seconds if answered else min(timing.beat_seconds, 0.25))
             idle = self._idle_since
             if self._needs == 0 and idle is not None and self.store.clock.now() - idle > timing.linger_seconds:
                 await self._leave()
@@ -234,52 +242,42 @@ class Instances:
     # --- the duty ------------------------------------------------------------------------------
 
     async def _duty_loop(self) -> None:
-        etag: str | None = None
         while not self._closed:
-            try:
-                etag = await self._duty_tick(etag)
-            except StoreError as exc:
-                log.warning("instance %s: the duty tick failed: %s", self.id, exc)
-            except Exception:  # a bug of ours must not stop the duty
-                log.exception("instance %s: the duty tick failed", self.id)
+            await self._logged("the duty tick", self._duty_tick)
             if (self._beating is None or self._beating.done()) and not self._sweeps and self._recover is None:
                 return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
 
-    async def _duty_tick(self, etag: str | None) -> str | None:
-        """Hold the duty (refresh it, or take it when its holder went silent), then do it."""
+    async def _duty_tick(self) -> None:
+        """Hold the duty (refresh it, or take it when it is free), then do it."""
         now = self.store.clock.now()
         row = {"PartitionKey": PARTITION, "RowKey": DUTY, "holder": self.id, "at": now}
-        if etag is not None:
+        if self._duty_etag is not None:
             try:
-                etag = await self.store.replace(STREAMS_TABLE, row, etag=etag)
+                self._duty_etag = await self.store.replace(STREAMS_TABLE, row, etag=self._duty_etag)
             except (NotFound, Modified):
-                etag = None  # another instance took it
-        if etag is None:
+                self._duty_etag = None  # another instance took it (or a write of ours landed unanswered)
+        if self._duty_etag is None:
             current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
-            if current is None:
-                try:
-                    etag = await self.store.insert(STREAMS_TABLE, row)
-                except AlreadyExists:
-                    return None
-            elif now - float(current.get("at") or 0.0) > 3 * self.timing.duty_seconds or await self._holder_dead(
-                current
-            ):
-                try:
-                    etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
-                except (NotFound, Modified):
-                    return None
-            else:
-                return None
+            try:
+                if current is None:
+                    self._duty_etag = await self.store.insert(STREAMS_TABLE, row)
+                elif await self._free(current, now):
+                    self._duty_etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
+                else:
+                    return
+            except (AlreadyExists, NotFound, Modified):
+                return  # another instance was first
         await self._do_duty()
-        return etag
 
-    async def _holder_dead(self, duty: dict) -> bool:
-        """Whether the duty's holder is a dead instance: its own row past its lease (or taken over).
-        A holder without a row (it holds nothing, so it does not beat) is judged by the duty row's
-        age alone."""
+    async def _free(self, duty: dict, now: float) -> bool:
+        """Whether the duty is ours to take: the row names us, or its holder did not refresh it for 3
+        ticks, or is a dead instance (its own row past its lease, or taken over; a holder without a
+        row, which holds nothing and so does not beat, is judged by the duty row's age alone)."""
         holder = str(duty.get("holder") or "")
-        if not holder or holder == self.id or not self._can_judge():
+        if holder == self.id or now - float(duty.get("at") or 0.0) > 3 * self.timing.duty_seconds:
+            return True
+        if not holder or not self._can_judge():
             return False
         return 0.0 < await self.silent_for(holder) < float("inf")  # a taken row's ``at`` is 0: past it
 
@@ -296,12 +294,7 @@ class Instances:
         for seconds, sweep, last in self._sweeps:
             if loop.time() - last[0] >= seconds:
                 last[0] = loop.time()
-                try:
-                    await sweep()
-                except StoreError as exc:
-                    log.warning("instance %s: a sweep failed: %s", self.id, exc)
-                except Exception:  # logged; the next tick runs it again
-                    log.exception("instance %s: a sweep failed", self.id)
+                await self._logged("a sweep", sweep)
 
     async def _take_over(self, row: dict) -> None:
         """A dead instance's row taken (on its ETag: if it was only slow, its next beat fails), what

@@ -170,7 +170,6 @@ class Missing(Exception):
     def __init__(self, kind: str, name: str):
         super().__init__(f"no {kind} named {name!r}")
         self.kind = kind
-        self.name = name
 
 
 class Conflict(Exception):

@@ -1,14 +1,7 @@
-"""What a model costs (docs/callers.md, "Prices"): USD per million tokens for input, cached input
-and output, as the admin sets them, kept exactly.
-
-A price of at most 6 decimal places in USD per million tokens is an integer number of pico-dollars
-per token (× 10⁶), so every cost is an integer and every sum exact::
-
-    cost = (prompt - cached) × input + cached × cached_input + completion × output    (pico-USD)
-
-with the upstream's usage (reasoning tokens are part of the completion). What a request reserves is
-its upper bound: every prompt token at the dearer of input and cached input, the output cap at the
-output price. The model is named as callers send it (a deployment name for Azure OpenAI).
+"""What a model costs (docs/callers.md, "Prices and money", which works out a cost and what a request
+reserves): USD per million tokens for input, cached input and output, as the admin sets them (at
+most 6 decimal places), kept exactly as integers of pico-dollars per token, so that every cost is an
+integer and every sum exact (``Price.cost``, ``Price.most``).
 
 A price row that holds no price (a hand edit in Storage Explorer, a bad write: a field missing, an
 amount that is not a whole number of pico-USD) costs only its own model: ``Prices.unreadable`` names
@@ -16,15 +9,16 @@ it, and its requests are refused until an admin sets its price again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, field_validator
+from pydantic.dataclasses import dataclass
 
 from .callers import PICO, Stored, usd_amount
+from .port import Unreadable
 
 MAX_PRICE = Decimal(100_000)  # USD per million tokens
 PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
@@ -33,27 +27,20 @@ PER_TOKEN = PICO // 10**6  # pico-dollars per token for 1 USD per million tokens
 @dataclass(frozen=True, kw_only=True)
 class Price(Stored):
     model: str
-    input: int  # pico-USD per token
-    cached_input: int
-    output: int
+    input: NonNegativeInt  # pico-USD per token
+    cached_input: NonNegativeInt
+    output: NonNegativeInt
     updated_at: datetime
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> Self:
         """The price a row keeps; ValueError, saying why, when the row holds none (module docstring).
         A whole-number Double (an amount typed in by hand) reads as its integer."""
-        amounts = {}
+        whole = {}
         for name in ("input", "cached_input", "output"):
-            value = row.get(name)
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} is not a whole number of pico-USD per token")
-            amounts[name] = value
-        try:
-            return super().of({**row, **amounts})
-        except (TypeError, ValueError) as exc:  # no model, no updated_at or not ISO
-            raise ValueError(str(exc)) from None
+            if isinstance(amount := row.get(name), float) and amount.is_integer():
+                whole[name] = int(amount)
+        return super().of({**row, **whole})
 
     def cost(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""
@@ -69,9 +56,9 @@ class Prices(dict[str, Price]):
     """Every model's price, by model (a model without one is not in it), as one read of the price
     rows found them; ``unreadable``: the models whose row holds no price."""
 
-    def __init__(self, prices: Iterable[Price] = (), unreadable: Iterable[str] = ()):
-        super().__init__((price.model, price) for price in prices)
-        self.unreadable = frozenset(unreadable)
+    def __init__(self, found: Sequence[Price | Unreadable] = ()):
+        super().__init__((price.model, price) for price in found if isinstance(price, Price))
+        self.unreadable = frozenset(row.name for row in found if isinstance(row, Unreadable))
 
 
 class PriceSpec(BaseModel):
@@ -94,14 +81,11 @@ class PriceSpec(BaseModel):
         return None if value is None else usd_amount(value, MAX_PRICE)  # null: the input price
 
     def price(self, model: str, now: datetime) -> Price:
-        def per_token(amount: Decimal) -> int:
-            return int(amount * PER_TOKEN)
-
         cached = self.cached_input if self.cached_input is not None else self.input
         return Price(
             model=model,
-            input=per_token(self.input),
-            cached_input=per_token(cached),
-            output=per_token(self.output),
+            input=int(self.input * PER_TOKEN),
+            cached_input=int(cached * PER_TOKEN),
+            output=int(self.output * PER_TOKEN),
             updated_at=now,
         )

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, log_safe
@@ -70,7 +70,6 @@ _TRIES = 5  # an admin change that meets another admin's: read again and reapply
 
 
 def _row_key(cls: type, name: str) -> str:
-    """The row of a caller, team or price: ``c|<name>``, ``t|<name>``, ``p|<model>``."""
     return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
 
 
@@ -107,44 +106,31 @@ class _Cache:
 
     async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
         """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
-        request's path), else read (one read at a time per key)."""
+        request's path), else read. An answer in the last ``AHEAD`` of its time is read again in the
+        background (module docstring), ``AHEAD_DELAY`` later: the request's upstream call goes first."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
-            self._ahead(key, read)
+            if key not in self._pending and kept[0] - self.clock() <= self.seconds * AHEAD:
+                self._read(key, read, AHEAD_DELAY).add_done_callback(_failed_ahead)
             return kept[1]
-        pending = self._pending.get(key)
-        if pending is None:
-            pending = self._pending[key] = asyncio.ensure_future(self._read(key, read))
-            pending.add_done_callback(lambda _: self._pending.pop(key, None))
-        return await asyncio.shield(pending)
+        return await asyncio.shield(self._pending.get(key) or self._read(key, read))
 
-    def _ahead(self, key: str, read: Callable[[], Awaitable[Any]]) -> None:
-        """An answer in the last ``AHEAD`` of its time is read again in the background (module
-        docstring), ``AHEAD_DELAY`` after the request that found it, whose upstream call goes first;
-        the answer in use is still at most ``seconds`` old (from when it was asked for)."""
-        kept = self._kept.get(key)
-        if kept is None or key in self._pending or kept[0] - self.clock() > self.seconds * AHEAD:
-            return
-        pending = self._pending[key] = asyncio.ensure_future(self._read(key, read, AHEAD_DELAY))
+    def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> asyncio.Future:
+        async def reading() -> Any:
+            if delay:
+                await asyncio.sleep(delay)
+            asked = self.clock()  # kept from when it was asked for: a change after that takes effect
+            value = await read()  # at most ``seconds`` after it was made, exactly
+            self._kept[key] = (asked + self.seconds, value)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._evict()
+            return value
 
-        def done(future: asyncio.Future) -> None:
-            self._pending.pop(key, None)
-            if not future.cancelled() and future.exception() is not None:  # the next request reads it
-                log.warning("caller store: a cached answer could not be read again ahead: %s", future.exception())
-
-        pending.add_done_callback(done)
-
-    async def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> Any:
-        if delay:
-            await asyncio.sleep(delay)
-        asked = self.clock()  # kept from when it was asked for: a change after that takes effect
-        value = await read()  # at most ``seconds`` after it was made, exactly
-        self._kept[key] = (asked + self.seconds, value)
-        self._kept.move_to_end(key)
-        while len(self._kept) > self.size:
-            self._evict()
-        return value
+        pending = self._pending[key] = asyncio.ensure_future(reading())
+        pending.add_done_callback(lambda _: self._pending.pop(key, None))
+        return pending
 
     def _evict(self) -> None:
         """The least recent "no such key" goes first: a flood of made-up keys does not push the
@@ -157,6 +143,11 @@ class _Cache:
 
     def forget(self, key: str) -> None:
         self._kept.pop(key, None)
+
+
+def _failed_ahead(read: asyncio.Future) -> None:
+    if not read.cancelled() and read.exception() is not None:  # the next request reads it
+        log.warning("caller store: a cached answer could not be read again ahead: %s", read.exception())
 
 
 class Registry:
@@ -235,9 +226,7 @@ class Registry:
         deployment's), from what its admission read."""
 
         async def read() -> Prices:
-            unreadable: list[Unreadable] = []
-            found = await self._all(Price, bound=self.store.clock.patience(), unreadable=unreadable)
-            return Prices(found, [u.name for u in unreadable])
+            return Prices(await self._all(Price, bound=self.store.clock.patience()))
 
         return await self._kept(PRICES, read, "price read")
 
@@ -248,29 +237,18 @@ class Registry:
             found = await self._all(Caller, {"id": caller_id}, self.store.clock.patience())
         except StoreError:
             return Unavailable()
-        return found[0] if found else None
+        return next((c for c in found if isinstance(c, Caller)), None)
 
     # --- the admin API: one path for callers, teams and prices -------------------------------------
 
     async def _all(
-        self,
-        cls: type[Kept],
-        equal: dict | None = None,
-        bound: float = ADMIN_TIMEOUT,
-        unreadable: list[Unreadable] | None = None,
-    ) -> list[Kept]:
+        self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT
+    ) -> list[Kept | Unreadable]:
         """Every caller, team or price (with the properties ``equal``); a row that holds none (a hand
-        edit, an older write: prices.py) left out, and added to ``unreadable``."""
+        edit, an older write: prices.py) as Unreadable."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        found = []
-        for row in await self.store.query(CALLERS_TABLE, where, timeout=bound):
-            kept = self._read(cls, row)
-            if not isinstance(kept, Unreadable):
-                found.append(kept)
-            elif unreadable is not None:
-                unreadable.append(kept)
-        return found
+        return [self._read(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
 
     def _read(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
         """The caller, team or price ``row`` keeps; Unreadable when it holds none, logged once per
@@ -283,24 +261,22 @@ class Registry:
         if not isinstance(name, str):  # (a key index's row key is no name)
             name = "" if row["RowKey"].startswith("k|") else unquote(row["RowKey"][2:])
         found_id = row.get("id")
-        unreadable = Unreadable(
-            "team" if cls is Team else "caller", name, str(error), found_id if isinstance(found_id, str) else None
-        )
-        if (row["RowKey"], row.etag) in self._logged:
-            return unreadable
-        if len(self._logged) > 1000:
-            self._logged.clear()
-        self._logged.add((row["RowKey"], row.etag))
-        kind, key = cls.__name__.lower(), log_safe(row["RowKey"])[:90]
-        then = {Price: "its model's", Team: "its callers'", Caller: "its key's"}[cls] + " requests are refused"
-        log.error(
-            "%s row %r of table %s is unreadable (%s): %s until it is set again or deleted",
-            kind,
-            key,
-            CALLERS_TABLE,
-            error,
-            then,
-        )
+        scope = "team" if cls is Team else "caller"
+        unreadable = Unreadable(scope, name, str(error), found_id if isinstance(found_id, str) else None)
+        if (row["RowKey"], row.etag) not in self._logged:
+            if len(self._logged) > 1000:
+                self._logged.clear()
+            self._logged.add((row["RowKey"], row.etag))
+            whose = {Price: "its model's", Team: "its callers'", Caller: "its key's"}[cls]
+            key = log_safe(row["RowKey"])[:90]
+            log.error(
+                "%s row %r of table %s is unreadable (%s): %s requests are refused until it is set again or deleted",
+                cls.__name__.lower(),
+                key,
+                CALLERS_TABLE,
+                error,
+                whose,
+            )
         return unreadable
 
     async def _write(self, ops: list[Op]) -> None:
@@ -361,10 +337,6 @@ class Registry:
             return result
         raise Conflict(f"the {cls.__name__.lower()} changed repeatedly while {doing}; try again")
 
-    @overload
-    async def create(self, data: CallerSpec) -> tuple[Caller, str]: ...
-    @overload
-    async def create(self, data: TeamSpec) -> tuple[Team, str]: ...
     async def create(self, data: CallerSpec | TeamSpec) -> tuple[Caller | Team, str]:
         """A new caller and its key (shown this once), or a new team (and no key: "")."""
         values = {"id": secrets.token_hex(6), "created_at": self._now(), **data.values(type(data).model_fields)}
@@ -387,9 +359,7 @@ class Registry:
     async def list(self, cls: type[Kept]) -> list[Kept | Unreadable]:
         """Every caller, team or price, by name (model); one whose row holds none as Unreadable (an
         admin sees it, and deletes it)."""
-        unreadable: list[Unreadable] = []
-        found: list[Kept | Unreadable] = [*await self._all(cls, unreadable=unreadable), *unreadable]
-        return sorted(found, key=_name_of)
+        return sorted(await self._all(cls), key=_name_of)
 
     async def get(self, cls: type[Kept], name: str) -> Kept | Unreadable:
         """The caller, team or price (``name``: its model); Unreadable when its row holds none;
@@ -420,8 +390,8 @@ class Registry:
         created again under its name gets a new id)."""
 
         async def change(kept: Kept | Unreadable, key_hash: str, etag: str) -> tuple[list[Op], Kept | Unreadable]:
-            bad: list[Unreadable] = []  # an unreadable caller row of the team's counts too
-            if cls is Team and (members := await self._all(Caller, {"team": name}, unreadable=bad) + bad):
+            # (an unreadable caller row of the team's counts too)
+            if cls is Team and (members := await self._all(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
             if not isinstance(kept, Unreadable):
                 return _ops("delete", kept, key_hash, etag), kept

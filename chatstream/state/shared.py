@@ -99,13 +99,7 @@ class SharedState:
         accounting = None
         if settings.caller_keys == "required":
             accounting = Accounting(
-                registry,
-                counters,
-                journal,
-                ledger,
-                owners,
-                settings.referenced_context_tokens,
-                instances,
+                registry, counters, journal, ledger, owners, settings.referenced_context_tokens, instances
             )
             # o200k_base's tables (every current model's) off the first request's path; a model of
             # another family builds its own on first use (tokens.py).

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from memory_store import MemoryData, MemoryStore
+from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock
@@ -140,3 +140,18 @@ async def test_a_dead_duty_holder_is_replaced_within_a_lease_and_a_tick_and_take
     assert data.tables["chatstreamStreams"]["instances"]["~duty"][0]["holder"] == b.id
     await b.close()
     await a.close(leave=False)
+
+
+async def test_a_duty_holder_whose_duty_failed_does_it_at_its_next_tick():
+    """The duty's work fails once (the store does not answer its query of the instances): the holder
+    keeps the duty and does it at its next tick, not 3 ticks later, when a duty row nobody refreshed
+    would be free again."""
+    timing = InstanceTiming(beat_seconds=0.05, lease_seconds=0.3, linger_seconds=5, duty_seconds=1.0, fresh_seconds=0)
+    data = MemoryData()
+    runs: list[tuple[str, str]] = []
+    a = instance(data, timing=timing, sweeps=[(0.0, lambda: _note(runs, "a", "sweep"))])
+    a.store.inject(Fault("unavailable", frozenset({"query"})))
+    a.serve()
+    await asyncio.sleep(1.5)  # the first tick's duty failed; the second's ran
+    assert runs == [("a", "sweep")], runs
+    await a.close()
