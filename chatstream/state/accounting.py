@@ -401,7 +401,8 @@ class Accounting:
         ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
         budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
         still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
-        knows = self._lost_part(admission, started or self.counters.clock(), epoch, before)
+        started = started or self.counters.clock()  # read once: the part's day is one, whenever it is raised
+        knows = self._lost_part(admission, started, epoch, before)
         knows.generated, knows.floor, knows.lost = lambda: {0: text()}, floor, True
         let_go = self.counters.keep(knows.needs)  # a takeover counts the raise where it has an entry
         self.journal.open(knows)

@@ -21,7 +21,7 @@ from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge, Payer, raised_by
+from chatstream.state.ledger import Charge, Payer, day_of, raised_by
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
@@ -1334,3 +1334,23 @@ async def test_a_row_an_older_versions_recovery_wrote_without_its_raise_op_is_ne
         spent_as_the_ledger(data, caller, team, [r3 if r is rows[rec3.id] else r for r in rows.values()])
     await b.close()
     await c.close()
+
+
+async def test_a_lost_part_raised_after_midnight_is_charged_on_the_day_its_taker_journaled_it():
+    """A taker that does not know when its stream started (``started`` None) dates the lost part by
+    its clock once: the journal's knowledge of it and the raise name the same day, so the raise
+    lands in the row a recovery would write, not in a second one the next day."""
+    data = account()
+    _, _, b, _, caller, _ = await setup(data)
+    acc_b, going_on = await taking_over(b, caller, "req-midnight")
+    before, after = 1_796_169_599.0, 1_796_169_601.0  # 23:59:59 and 00:00:01 UTC
+    readings = iter([before])
+    acc_b.counters.clock = lambda: next(readings, after)
+    raise_it = acc_b.regenerating(going_on, None, lambda: "The end of the tale.", lambda: 0)
+    await raise_it(0.0)
+    going_on.reservation.release()
+    acc_b.journal.drop(going_on.entry)
+    assert await acc_b.flush(5)
+    row = ledger_rows(data)["req-midnight"]
+    assert row["RowKey"][:8] == day_of(before) != day_of(after), row
+    await b.close()
