@@ -236,10 +236,10 @@ class _Limits(BaseModel):
             raise ValueError("must be more than 0")
         return int(amount * PICO)
 
-    @field_validator("budget_period")
+    @field_validator("budget_period", mode="before")
     @classmethod
-    def _period(cls, value: Period | None) -> Period:
-        return value or "total"
+    def _period(cls, value: object) -> object:
+        return "total" if value is None else value  # null: the default, in a new caller as in a patch
 
     @field_validator("models")
     @classmethod

@@ -254,6 +254,13 @@ async def test_a_patch_with_null_removes_a_limit_and_the_period_defaults():
     assert (await reg.get(Caller, "a")) == updated
 
 
+def test_null_is_the_default_period_when_made_as_when_changed():
+    """A new caller or team given ``"budget_period": null`` gets the default, as a patch does (it was a 400)."""
+    for spec in (CallerSpec, TeamSpec):
+        assert spec.model_validate({"name": "a", "budget_period": None}).budget_period == "total"
+    assert CallerPatch.model_validate({"budget_period": None}).budget_period == "total"
+
+
 async def test_a_flood_of_made_up_keys_is_bounded_and_known_callers_still_get_in():
     clock = Clock()
     data = MemoryData()
