@@ -105,10 +105,12 @@ def test_a_killed_instances_budget_comes_back_at_what_it_generated(upstream, azu
         httpx.post(f"{b.url}/api/v1/chat/completions", headers={"api-key": key}, json=ask("hi"), timeout=30).status_code
         == 200
     )
-    streams = streams_on(a, key, ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True), 5)
+    words_in = threading.Barrier(6)
+    streams = streams_on(a, key, ask(f"[scenario:slow] {uuid.uuid4().hex}", stream=True), 5, words_in)
     for thread in streams:
         thread.start()
-    time.sleep(1.2)  # a few words in, a journal write or two
+    words_in.wait(timeout=30)  # every stream a few words in (however slow the machine made their start)
+    time.sleep(0.75)  # a journal write after them (every 0.5 s), well before the streams' end (~1.6 s on)
     taken, held = counter(azurite, f"{who}|{caller_id}", "tokens")
     assert held >= 5 * 4096, (taken, held)
     a.stop(signal.SIGKILL)
@@ -123,7 +125,7 @@ def test_a_killed_instances_budget_comes_back_at_what_it_generated(upstream, azu
     print(f"recovered {time.monotonic() - killed:.1f} s after the kill")
     everything = ledger(azurite, who)
     assert taken == spent(everything), "the budget row holds exactly what the ledger charged"
-    assert all(0 < r["completion_tokens"] < 10 for r in rows), rows  # what was generated, not the 4,096 reserved
+    assert all(0 < r["completion_tokens"] < 20 for r in rows), rows  # what was generated, not the 4,096 reserved
 
 
 @pytest.mark.alone
