@@ -99,8 +99,8 @@ class Stream(Ends):
         self.life._changed.set()
 
     async def last(self, event: Event) -> None:
-        if self.before_last is not None and not (self.cut and type(event) is Failed):
-            await self.before_last()
+        if not (self.cut and type(event) is Failed):  # (a stream cut keeps no context: it failed)
+            await super().last(event)
         if self.life._holds(self):
             self.end()  # the stream's record (log line, charge) is written now
             await self.life._wait_settled()
