@@ -38,7 +38,7 @@ from .store import (
     check_key,
     clean,
 )
-from .store_account import Account, NoToken, Signer
+from .store_account import Account, NoToken
 
 # Each try: a connection in 1.5 s; its answer within the call's own bound (a per-read bound cut
 # a busy store's 2-10 s answers at 1.5 s whatever the caller's patience: tests/test_store_rest.py).
@@ -451,14 +451,14 @@ class AzureStore:
                     first = self._first[table] = loop.create_future()
                 elif not gate.done():
                     await asyncio.shield(gate)
-                target = self.account.target(table, path)
+                url = self.account.url(table, path)
                 try:
-                    result = await self._send(target, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, answer, again)
                 except ErrorAnswer as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
                     await self._create(table)
-                    result = await self._send(target, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, answer, again)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -476,22 +476,21 @@ class AzureStore:
 
     async def _send(
         self,
-        target: tuple[Signer, str],
+        url: str,
         method: str,
         headers: Mapping[str, str],
         body: bytes | None,
         answer: Answer[T],
         again: bool,
     ) -> T:
-        """One request to ``target`` (store_account's ``Account.target``), signed; ``again``: sent a
+        """One request to ``url``, signed (store_account.py); ``again``: sent a
         second time after a lost connection or a 5xx (a read or an unconditional write). A
         conditional write (an insert, a write under an ETag or an append position, a batch) is sent
         once: a copy sent after a timeout whose first try landed would get a 409/412 that says
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
         journal.py). An error answer raises ``ErrorAnswer``."""
-        signer, url = target
-        token, auth = await signer.sign()
+        token, auth = await self.account.signer.sign()
         if token:
             url = f"{url}&{token}" if "?" in url else f"{url}?{token}"
         if auth:
@@ -516,7 +515,7 @@ class AzureStore:
             self._observe(response.headers)
             if response.status >= 300:
                 if response.status in (401, 403):  # a token refused: a new one next time
-                    signer.refused()
+                    self.account.signer.refused()
                 raise ErrorAnswer(response.status, response.headers.get("x-ms-error-code"))
             return answer(response.headers, await response.read())
         finally:
@@ -526,13 +525,13 @@ class AzureStore:
         """Make ``table``, or the container when None: one there (409) is made, and one this
         identity may not make (403) is infra/'s to make."""
         if table is None:
-            signer, url = self.account.target(None, "")
-            target, method, headers, body = (signer, url.rstrip("/") + "?restype=container"), "PUT", _BLOB, b""
+            url = self.account.url(None, "").rstrip("/") + "?restype=container"
+            method, headers, body = "PUT", _BLOB, b""
         else:
-            target, method = self.account.target(table, "Tables"), "POST"
+            url, method = self.account.url(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
-            await self._send(target, method, headers, body, _etag, again=True)
+            await self._send(url, method, headers, body, _etag, again=True)
         except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise

@@ -115,3 +115,36 @@ def test_an_entity_goes_without_its_none_values_and_a_checked_one_passes_clean_t
     check_entity(clean(full))  # without its None: within the limits
     with pytest.raises(ValueError):
         check_entity(full)  # the check with the None values is the stricter one
+
+
+async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
+    """The identity's token (a header, with x-ms-date) is asked for again 5 minutes before it expires
+    or after the service refused it; a credential that fails gives NoToken."""
+    from azure.core.credentials import AccessToken
+
+    from chatstream.state.store_account import NoToken, Signer
+
+    class Credential:
+        def __init__(self, lifetime: float):
+            self.asked, self.lifetime = 0, lifetime
+
+        async def get_token(self, *scopes: str) -> AccessToken:
+            self.asked += 1
+            if self.lifetime < 0:
+                raise RuntimeError("no identity here")
+            return AccessToken(f"t{self.asked}", int(time.time() + self.lifetime))
+
+    lasting = Credential(3600)
+    signer = Signer(credential=lasting)
+    query, headers = await signer.sign()
+    assert query == "" and headers["Authorization"] == "Bearer t1" and "x-ms-date" in headers
+    assert (await signer.sign())[1]["Authorization"] == "Bearer t1" and lasting.asked == 1
+    signer.refused()
+    assert (await signer.sign())[1]["Authorization"] == "Bearer t2"
+    expiring = Credential(200)  # within 5 minutes of its expiry: asked for every time
+    signer = Signer(credential=expiring)
+    await signer.sign()
+    await signer.sign()
+    assert expiring.asked == 2
+    with pytest.raises(NoToken):
+        await Signer(credential=Credential(-1)).sign()
