@@ -9,7 +9,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 from chatstream.state.ledger import Charge
-from chatstream.state.store import USAGE_TABLE, Op, StorageConfig
+from chatstream.state.store import USAGE_TABLE, Op
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 TEAMS = ("search", "support", "web", "data", "mobile")
@@ -57,7 +58,7 @@ async def seed_usage(connection_string: str, callers: int = 50, days: int = 90) 
     """Write the charges into the ledger of the store behind ``connection_string``, as the Ledger
     does (each row Charge.entity(), transactions of 100 rows of one partition), several at a time;
     how many."""
-    store = AzureStore(StorageConfig(connection_string=connection_string))
+    store = AzureStore(Account(connection_string))
     rows = charges(callers, days)
     by_partition: dict[str, list[Charge]] = {}
     for charge in rows:

@@ -15,7 +15,8 @@ from chatstream.state.counter_row import parse_holds
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.prices import PriceSpec
 from chatstream.state.shared import SharedState
-from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE, StorageConfig, Where
+from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE, Where
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 MODEL = "gpt-4o"
@@ -32,10 +33,7 @@ def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_on
     async def run() -> None:
         run_id = secrets.token_hex(3)
         names = [f"{who}-{run_id}" for who in "abc"]
-        a, b, c = (
-            SharedState.on(AzureStore(StorageConfig(connection_string=azurite.connection_string)), settings(), None, n)
-            for n in names
-        )
+        a, b, c = (SharedState.on(AzureStore(Account(azurite.connection_string)), settings(), None, n) for n in names)
         try:
             a.journal.interval = 0.05
             acc = a.accounting

@@ -13,7 +13,8 @@ from servers import Azurite
 from store_contract import CHECKS
 
 from chatstream.errors import StoreUnavailable
-from chatstream.state.store import LIMITS_TABLE, StorageConfig
+from chatstream.state.store import LIMITS_TABLE
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 _prefix = itertools.count()
@@ -22,7 +23,7 @@ _prefix = itertools.count()
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
 def test_the_contract(check, azurite):
     async def run():
-        store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        store = AzureStore(Account(azurite.connection_string))
         try:
             await check(store, f"c{next(_prefix)}x{id(store) % 10000}")
         finally:
@@ -63,7 +64,7 @@ def test_a_conditional_write_whose_answer_is_lost_is_not_sent_again(write):
     azurite = Azurite()
 
     async def run() -> None:
-        store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        store = AzureStore(Account(azurite.connection_string))
         try:
             send, landed = await write(store)
             loop = asyncio.get_running_loop()

@@ -27,11 +27,10 @@ from chatstream.state.store import (
     NEW,
     STREAMS_TABLE,
     Op,
-    StorageConfig,
     StoreClock,
-    StoreConfigError,
     Where,
 )
+from chatstream.state.store_account import Account, StoreConfigError
 from chatstream.state.store_azure import AzureStore
 
 T = LIMITS_TABLE
@@ -60,7 +59,7 @@ VALUES = {
 
 def _run(azurite: Azurite, body: Callable[[AzureStore, str], Awaitable[None]]) -> None:
     async def run() -> None:
-        store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+        store = AzureStore(Account(azurite.connection_string))
         try:
             await body(store, f"r{next(_prefix)}x{os.getpid()}")
         finally:
@@ -252,7 +251,7 @@ def test_a_busy_stores_late_answer_is_waited_for_as_long_as_the_calls_bound(azur
 
     async def run() -> None:
         proxy = await StoreProxy(azurite.connection_string).start()
-        store = AzureStore(StorageConfig(connection_string=proxy.connection_string))
+        store = AzureStore(Account(proxy.connection_string))
         loop = asyncio.get_running_loop()
         p = f"r{next(_prefix)}x{os.getpid()}"
         try:
@@ -304,7 +303,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
 
     async def run() -> None:
         p = f"sas{os.getpid()}"
-        store = AzureStore(StorageConfig(connection_string=tables))
+        store = AzureStore(Account(tables))
         try:
             etag = await store.insert(T, {"PartitionKey": p, "RowKey": "a", "pico": 2**40})
             assert (await store.get(T, p, "a") or {}).get("pico") == 2**40
@@ -313,7 +312,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
             assert [r["RowKey"] for r in await store.query(T, Where(partition=p))] == ["a", "b"]
         finally:
             await store.close()
-        store = AzureStore(StorageConfig(connection_string=blobs))
+        store = AzureStore(Account(blobs))
         try:
             await store.append_create(f"{p}/b")
             assert await store.append(f"{p}/b", b"xy", at=0) == 2
@@ -323,7 +322,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
         finally:
             await store.close()
         with pytest.raises(StoreConfigError, match="AzureWebJobsStorage: .*AccountKey or a SharedAccessSignature"):
-            AzureStore(StorageConfig(connection_string=endpoints))  # before any call
+            AzureStore(Account(endpoints))  # before any call
 
     asyncio.run(run())
 
@@ -433,11 +432,11 @@ def test_the_sdks_clients_do_not_load_even_to_make_what_is_missing(azurite):
 
     probe = f"""
 import asyncio, sys
-from chatstream.state.store import StorageConfig
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 loaded = lambda: [m in sys.modules for m in ("azure.data.tables.aio", "azure.storage.blob.aio")]
 async def main():
-    store = AzureStore(StorageConfig(connection_string={azurite.connection_string!r}))
+    store = AzureStore(Account({azurite.connection_string!r}))
     await store.get({T!r}, "p", "r")
     await store.read("none/log")
     print(loaded())

@@ -25,7 +25,8 @@ from .journal import Journal, Recovery, Told
 from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
-from .store import StorageConfig, Store, StoreClock, StoreConfigError
+from .store import Store, StoreClock
+from .store_account import Account, StoreConfigError
 from .streamlog import ResumeConfig
 
 log = logging.getLogger("chatstream")
@@ -50,8 +51,8 @@ class SharedState:
     ) -> SharedState | None:
         """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
         try:
-            config = StorageConfig.from_env(environ)
-            if config is None:
+            account = Account.from_env(environ)
+            if account is None:
                 for needs, on in (
                     ("CALLER_KEYS=required", settings.caller_keys == "required"),
                     ("RESUMABLE_STREAMS=on", settings.resumable_streams),
@@ -66,8 +67,7 @@ class SharedState:
 
             # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
             offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
-            # The account is read here: a connection string it cannot use stops the start-up.
-            store = AzureStore(config, StoreClock(wall=lambda: time.time() + offset) if offset else None)
+            store = AzureStore(account, StoreClock(wall=lambda: time.time() + offset) if offset else None)
         except StoreConfigError as exc:
             raise SettingsError(f"invalid app settings: {exc}") from None
         log.info("shared state: %s", store.account.describe())

@@ -1,8 +1,8 @@
 """The store's edge: what every part of the shared state asks of Azure Tables and Blobs (``Store``),
-with its rows, queries and operations, and where the store is (``StorageConfig``). It imports no
-backend: the Function App's storage account implements it (store_azure.py; Azurite locally), and so
-does the unit tests' in-process store (tests/memory_store.py). One contract suite runs on both
-(tests/store_contract.py), so a unit test on memory means what it says on Azurite.
+with its rows, queries and operations. It imports no backend: the Function App's storage account
+implements it (store_azure.py; Azurite locally), and so does the unit tests' in-process store
+(tests/memory_store.py). One contract suite runs on both (tests/store_contract.py), so a unit test
+on memory means what it says on Azurite.
 
 Every call is bounded in time (``timeout``, default ``CALL_TIMEOUT``) and raises only the store's
 own errors (errors.py: ``StoreError`` and its family). What a call answers:
@@ -41,7 +41,6 @@ RESPONSES_TABLE = "chatstreamResponses"
 STREAMS_TABLE = "chatstreamStreams"
 STREAMS_CONTAINER = "chatstream-streams"
 
-CONNECTION = "AzureWebJobsStorage"
 # A call on the request path waits this long at most for the store (one retry included).
 CALL_TIMEOUT = 1.8
 # A call nobody waits on (a stream's storing), or one on a request's path while the store's answers
@@ -49,10 +48,6 @@ CALL_TIMEOUT = 1.8
 # fast answers in between) answers within this.
 BUSY_TIMEOUT = 8.0
 _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
-
-
-class StoreConfigError(Exception):
-    """The storage settings cannot be used (the message names the setting, never a value)."""
 
 
 class Row(dict):
@@ -260,43 +255,3 @@ def check_batch(ops: Sequence[Op]) -> None:
     for op in ops:
         check_entity(op.entity, keys_only=op.kind == "delete")
         check_etag(op.etag)
-
-
-# --- the settings ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """How the account is reached, as the Functions host itself reads the same settings:
-
-    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
-      an account key's); or
-    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
-      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
-      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
-      azure-identity's DefaultAzureCredential (a developer's ``az login``)."""
-
-    connection_string: str | None = None
-    table_url: str | None = None
-    blob_url: str | None = None
-    credential: str | None = None  # ``managedidentity``, or None for DefaultAzureCredential
-    client_id: str | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> StorageConfig | None:
-        """The storage the settings name; None when none is set."""
-
-        def get(suffix: str = "") -> str | None:
-            return (environ.get(CONNECTION + suffix) or "").strip() or None
-
-        if get():
-            return cls(connection_string=get())
-        account = get("__accountName")
-        table = get("__tableServiceUri") or (f"https://{account}.table.core.windows.net" if account else None)
-        blob = get("__blobServiceUri") or (f"https://{account}.blob.core.windows.net" if account else None)
-        if table is None and blob is None:
-            return None
-        for name, url in (("__tableServiceUri", table), ("__blobServiceUri", blob)):
-            if url is not None and not url.startswith("https://"):
-                raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
-        return cls(table_url=table, blob_url=blob, credential=get("__credential"), client_id=get("__clientId"))

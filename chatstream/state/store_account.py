@@ -1,13 +1,8 @@
-"""What the azure SDKs do for the store (store_azure.py sends every request itself, the creation of
-a table or the container included): read the settings' account (``Account``) and sign each request
-(``Signer``).
-
-Nothing is signed by hand: with an account key (a connection string; Azurite) requests carry an
-account SAS for rows and blobs, made by azure-storage-blob's ``generate_account_sas`` and renewed
-well before it expires; with a SAS in the connection string, that SAS as it is; with an identity, an
-OAuth token of azure-identity's credential (``get_token``, kept until near its expiry), which
-raises ``NoToken`` when it gives none. With an identity the storage SDKs never load (with a key,
-their SAS helper and connection-string readers do)."""
+"""Where the store is and what signs its requests: the storage account the settings name
+(``Account``) and its ``Signer``. Nothing is signed by hand: the azure SDKs read the connection
+string and make the SAS or the identity's token; store_azure.py sends every request itself. With an
+identity the storage SDKs never load (with a key, their SAS helper and connection-string readers
+do)."""
 
 from __future__ import annotations
 
@@ -18,19 +13,25 @@ import math
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+from .store import STREAMS_CONTAINER
 
-from .store import CONNECTION, STREAMS_CONTAINER, StorageConfig, StoreConfigError
+if TYPE_CHECKING:
+    from azure.core.credentials import AzureNamedKeyCredential
 
 # azure-core logs every request of its pipeline (azure-identity's, for a token) at INFO: noise.
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
+CONNECTION = "AzureWebJobsStorage"  # the setting, and the prefix of the identity-based ones
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
+
+
+class StoreConfigError(Exception):
+    """The storage settings cannot be used (the message names the setting, never a value)."""
 
 
 class NoToken(Exception):
@@ -39,11 +40,12 @@ class NoToken(Exception):
 
 class Signer:
     """What signs every request, kept until it is to be made again (or the service refused it): an
-    account SAS made from the account's ``key`` for both services, at every level of them (a
-    table's own SAS is refused on the account's ``$batch``, and a query of rows wants the container
-    level on Azurite), made again when a quarter of its life is left; the connection string's own
-    ``sas`` as it is; or an OAuth token of an identity's ``credential``, made again 5 minutes before
-    it expires."""
+    account SAS made from the account's ``key`` (azure-storage-blob's generate_account_sas) for both
+    services, at every level of them (a table's own SAS is refused on the account's ``$batch``, and a
+    query of rows wants the container level on Azurite), made again when a quarter of its life is
+    left; the connection string's own ``sas`` as it is; or an OAuth token of an identity's
+    ``credential`` (azure-identity's get_token; NoToken when it gives none), made again 5 minutes
+    before it expires."""
 
     def __init__(self, key: AzureNamedKeyCredential | None = None, sas: str = "", credential: Any = None):
         self._key, self._sas, self._credential = key, sas, credential
@@ -88,28 +90,47 @@ class Signer:
 
 
 class Account:
-    """The storage account the settings name: each service's URL and what signs its requests."""
+    """The storage account, named by the settings as the Functions host itself reads them
+    (``from_env``), with each service's URL and what signs its requests (``signer``):
 
-    def __init__(self, config: StorageConfig):
-        self._credential: Any = None
-        if config.connection_string is None:
+    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
+      an account key's or a SAS's); or
+    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
+      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
+      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
+      azure-identity's DefaultAzureCredential (a developer's ``az login``).
+
+    Settings it cannot use raise StoreConfigError (naming the setting, never a value), before any
+    call."""
+
+    def __init__(
+        self,
+        connection_string: str | None = None,
+        *,
+        table_url: str | None = None,
+        blob_url: str | None = None,
+        credential: str | None = None,  # ``managedidentity``, or None for DefaultAzureCredential
+        client_id: str | None = None,
+    ):
+        self.credential: Any = None  # the identity's (azure-identity), None with a connection string
+        if connection_string is None:
             from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
 
-            if (config.credential or "").lower() == "managedidentity":
-                self._credential = ManagedIdentityCredential(client_id=config.client_id)
+            if (credential or "").lower() == "managedidentity":
+                self.credential = ManagedIdentityCredential(client_id=client_id)
             else:
-                self._credential = DefaultAzureCredential()
-            table_url, blob_url = config.table_url, config.blob_url
-            self.signer = Signer(credential=self._credential)
+                self.credential = DefaultAzureCredential()
+            self.signer = Signer(credential=self.credential)
         else:
             # The SDKs' clients read the connection string (they make no request): its one key or
             # SAS (the table client's credential) serves both services, at each one's URL.
+            from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
             from azure.data.tables import TableServiceClient
             from azure.storage.blob import BlobServiceClient
 
             try:
-                table_client = TableServiceClient.from_connection_string(config.connection_string)
-                blob_client = BlobServiceClient.from_connection_string(config.connection_string)
+                table_client = TableServiceClient.from_connection_string(connection_string)
+                blob_client = BlobServiceClient.from_connection_string(connection_string)
             except ValueError:  # its message is the SDK's; ours names the setting, never a value
                 raise StoreConfigError(
                     f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature, names "
@@ -127,6 +148,25 @@ class Account:
             table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
         self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Account | None:
+        """The account the settings name; None when none is set."""
+
+        def get(suffix: str = "") -> str | None:
+            return (environ.get(CONNECTION + suffix) or "").strip() or None
+
+        if get():
+            return cls(get())
+        account = get("__accountName")
+        table = get("__tableServiceUri") or (f"https://{account}.table.core.windows.net" if account else None)
+        blob = get("__blobServiceUri") or (f"https://{account}.blob.core.windows.net" if account else None)
+        if table is None and blob is None:
+            return None
+        for name, url in (("__tableServiceUri", table), ("__blobServiceUri", blob)):
+            if url is not None and not url.startswith("https://"):
+                raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
+        return cls(table_url=table, blob_url=blob, credential=get("__credential"), client_id=get("__clientId"))
+
     def url(self, table: str | None, path: str) -> str:
         """``path`` in the table service, or in the container when ``table`` is None."""
         if table is None:
@@ -140,9 +180,9 @@ class Account:
     def describe(self) -> str:
         """Where the store is, for a log line (a URL without a key or a SAS)."""
         where = self.table_url or self.blob_url
-        return f"{where} (identity-based)" if self._credential is not None else where
+        return f"{where} (identity-based)" if self.credential is not None else where
 
     async def close(self) -> None:
-        if self._credential is not None:
-            await self._credential.close()
-            self._credential = None
+        if self.credential is not None:
+            await self.credential.close()
+            self.credential = None

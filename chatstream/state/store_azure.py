@@ -30,7 +30,6 @@ from .store import (
     NEW,
     Op,
     Row,
-    StorageConfig,
     StoreClock,
     Where,
     check_batch,
@@ -250,11 +249,10 @@ def _reply(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], 
 class AzureStore:
     """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
     no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
-    settings read per request (trust_env off). The account is read from ``config`` here
-    (store_account.py): settings it cannot use raise StoreConfigError, before any call."""
+    settings read per request (trust_env off), on ``account`` (store_account.py)."""
 
-    def __init__(self, config: StorageConfig, clock: StoreClock | None = None):
-        self.account = Account(config)
+    def __init__(self, account: Account, clock: StoreClock | None = None):
+        self.account = account
         self.clock = clock or StoreClock()
         self.calls: dict[str, int] = {}  # requests of each op (tests count them)
         self._session: aiohttp.ClientSession | None = None

@@ -1,5 +1,5 @@
-"""chatstream/state/store.py: where the store is (the settings, as the Functions
-host reads them), and what the Azure backend does when nothing answers. The contract itself:
+"""chatstream/state/store_account.py: where the store is (the settings, as the Functions host reads
+them) and what signs its requests; and what the Azure backend does when nothing answers. The contract itself:
 tests/store_contract.py."""
 
 from __future__ import annotations
@@ -9,45 +9,50 @@ import time
 import pytest
 
 from chatstream.errors import StoreUnavailable
-from chatstream.state.store import CALLERS_TABLE, StorageConfig, StoreConfigError
+from chatstream.state.store import CALLERS_TABLE
+from chatstream.state.store_account import Account, StoreConfigError
 from chatstream.state.store_azure import AzureStore
 
 
 def test_no_storage_setting_means_no_store():
-    assert StorageConfig.from_env({}) is None
-    assert StorageConfig.from_env({"AzureWebJobsStorage": "  "}) is None
+    assert Account.from_env({}) is None
+    assert Account.from_env({"AzureWebJobsStorage": "  "}) is None
 
 
-def test_identity_based_settings_make_service_urls():
-    config = StorageConfig.from_env(
+def test_identity_based_settings_make_service_urls(monkeypatch):
+    import azure.identity.aio
+
+    class ManagedIdentity:
+        def __init__(self, client_id: str | None = None):
+            self.client_id = client_id
+
+    monkeypatch.setattr(azure.identity.aio, "ManagedIdentityCredential", ManagedIdentity)
+    account = Account.from_env(
         {
             "AzureWebJobsStorage__accountName": "acct",
             "AzureWebJobsStorage__credential": "managedidentity",
             "AzureWebJobsStorage__clientId": "id-1",
         }
     )
-    assert config is not None
-    assert config.table_url == "https://acct.table.core.windows.net"
-    assert config.blob_url == "https://acct.blob.core.windows.net"
-    assert (config.credential, config.client_id) == ("managedidentity", "id-1")
-    explicit = StorageConfig.from_env({"AzureWebJobsStorage__tableServiceUri": "https://t.example/"})
-    assert explicit is not None and explicit.table_url == "https://t.example/" and explicit.blob_url is None
+    assert account is not None
+    assert account.table_url == "https://acct.table.core.windows.net"
+    assert account.blob_url == "https://acct.blob.core.windows.net"
+    assert isinstance(account.credential, ManagedIdentity) and account.credential.client_id == "id-1"
+    explicit = Account.from_env({"AzureWebJobsStorage__tableServiceUri": "https://t.example/"})
+    assert explicit is not None and explicit.table_url == "https://t.example" and explicit.blob_url == ""
+    assert type(explicit.credential).__name__ == "DefaultAzureCredential"  # no __credential: a developer's
 
 
 def test_a_plain_http_service_uri_is_refused_naming_the_setting():
     with pytest.raises(StoreConfigError, match="AzureWebJobsStorage__blobServiceUri"):
-        StorageConfig.from_env({"AzureWebJobsStorage__blobServiceUri": "http://x.example"})
+        Account.from_env({"AzureWebJobsStorage__blobServiceUri": "http://x.example"})
 
 
 def test_describe_never_shows_the_key_or_the_sas():
-    from chatstream.state.store_account import Account
-
-    keyed = Account(
-        StorageConfig(connection_string="DefaultEndpointsProtocol=https;AccountName=a;AccountKey=SECRETKEY==")
-    )
+    keyed = Account("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=SECRETKEY==")
     assert "SECRETKEY" not in keyed.describe() and keyed.describe() == "https://a.table.core.windows.net"
     endpoints = "TableEndpoint=https://t.example/a;BlobEndpoint=https://b.example/a"
-    signed = Account(StorageConfig(connection_string=f"{endpoints};SharedAccessSignature=sv=2019-02-02&sig=SECRET"))
+    signed = Account(f"{endpoints};SharedAccessSignature=sv=2019-02-02&sig=SECRET")
     assert signed.describe() == "https://t.example/a"
 
 
@@ -64,8 +69,8 @@ def test_a_connection_string_the_store_cannot_use_stops_the_start_up_naming_the_
 async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     # A port nothing listens on: the connection is refused at once; retried once, then given up.
     store = AzureStore(
-        StorageConfig(
-            connection_string="DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+        Account(
+            "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
             "AccountKey=a2V5;TableEndpoint=http://127.0.0.1:9/devstoreaccount1;"
         )
     )

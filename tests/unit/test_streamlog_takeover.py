@@ -566,10 +566,10 @@ async def test_figures_producer_cpu_on_azurite(azurite):
     """CPU the stream log adds to a 40-delta stream (20 ms apart, the bench's answer), 50 at once,
     with nobody reading elsewhere: process CPU against the same loop without it, on Azurite
     (the instance's beat and inbox included)."""
-    from chatstream.state.store import StorageConfig
+    from chatstream.state.store_account import Account
     from chatstream.state.store_azure import AzureStore
 
-    store = AzureStore(StorageConfig(connection_string=azurite.connection_string))
+    store = AzureStore(Account(azurite.connection_string))
     streams = StreamLog(store, Instances(store), encode_error)
     body = [delta(i) for i in range(40)]
 

@@ -48,8 +48,8 @@ from tools.bench.coldstart import AZURITE, KEEP, UPSTREAM, fresh  # noqa: E402 -
 
 MONITOR = "from azure.monitor.opentelemetry import configure_azure_monitor"
 STORE = (
-    "from chatstream.state.store import StorageConfig; from chatstream.state.store_azure import AzureStore; "
-    "AzureStore(StorageConfig.from_env(os.environ))"
+    "from chatstream.state.store_account import Account; from chatstream.state.store_azure import AzureStore; "
+    "AzureStore(Account.from_env(os.environ))"
 )
 IDENTITY = {
     "AzureWebJobsStorage__tableServiceUri": "https://example.table.core.windows.net/",

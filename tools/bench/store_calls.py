@@ -20,10 +20,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 async def bench(connection: str, n: int) -> dict[str, float]:
-    from chatstream.state.store import LIMITS_TABLE, Op, StorageConfig, Where
+    from chatstream.state.store import LIMITS_TABLE, Op, Where
+    from chatstream.state.store_account import Account
     from chatstream.state.store_azure import AzureStore
 
-    store = AzureStore(StorageConfig(connection_string=connection))
+    store = AzureStore(Account(connection))
     out: dict[str, float] = {}
     row = {"n": 7, "pico": 123_456_789_012_345, "x": 1.5, "ok": True, "s": "text"}
 
