@@ -53,16 +53,17 @@ class Signer:
         self._renew = 0.0  # when to make it again (seconds since 1970)
         self._lock = asyncio.Lock()
 
-    async def sign(self) -> tuple[str, Mapping[str, str]]:
-        """A request's query and headers."""
+    async def sign(self, url: str, headers: Mapping[str, str]) -> tuple[str, Mapping[str, str]]:
+        """A request's URL and headers, signed."""
         if self._token is None or time.time() >= self._renew:
             async with self._lock:
                 if self._token is None or time.time() >= self._renew:
                     self._token, self._renew = await self._make()
         if self._credential is None:
-            return self._token, {}
+            return f"{url}{'&' if '?' in url else '?'}{self._token}", headers
         # x-ms-date: the services want one on every request not signed by a SAS.
-        return "", {"Authorization": f"Bearer {self._token}", "x-ms-date": email.utils.formatdate(usegmt=True)}
+        date = email.utils.formatdate(usegmt=True)
+        return url, {**headers, "Authorization": f"Bearer {self._token}", "x-ms-date": date}
 
     def refused(self) -> None:
         """The service refused it (401, 403): a new one next time."""

@@ -481,18 +481,14 @@ class AzureStore:
         answer: Answer[T],
         again: bool,
     ) -> T:
-        """One request to ``url``, signed (store_account.py); ``again``: sent a
-        second time after a lost connection or a 5xx (a read or an unconditional write). A
+        """One request to ``url``, signed (store_account.py); ``again``: sent a second time after a
+        lost connection or a 5xx (a read or an unconditional write). A
         conditional write (an insert, a write under an ETag or an append position, a batch) is sent
         once: a copy sent after a timeout whose first try landed would get a 409/412 that says
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
         journal.py). An error answer raises ``ErrorAnswer``."""
-        token, auth = await self.account.signer.sign()
-        if token:
-            url = f"{url}&{token}" if "?" in url else f"{url}?{token}"
-        if auth:
-            headers = {**headers, **auth}
+        url, headers = await self.account.signer.sign(url, headers)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=_TIMEOUT

@@ -124,7 +124,7 @@ def test_an_entity_goes_without_its_none_values_and_a_checked_one_passes_clean_t
 
 async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
     """The identity's token (a header, with x-ms-date) is asked for again 5 minutes before it expires
-    or after the service refused it; a credential that fails gives NoToken."""
+    or after the service refused it; a credential that fails gives NoToken. A SAS goes on the query."""
     from azure.core.credentials import AccessToken
 
     from chatstream.state.store_account import NoToken, Signer
@@ -141,15 +141,19 @@ async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
 
     lasting = Credential(3600)
     signer = Signer(credential=lasting)
-    query, headers = await signer.sign()
-    assert query == "" and headers["Authorization"] == "Bearer t1" and "x-ms-date" in headers
-    assert (await signer.sign())[1]["Authorization"] == "Bearer t1" and lasting.asked == 1
+    url, headers = await signer.sign("https://t.example/x?q=1", {"Accept": "a"})
+    assert url == "https://t.example/x?q=1" and headers["Authorization"] == "Bearer t1" and "x-ms-date" in headers
+    assert headers["Accept"] == "a"
+    assert (await signer.sign("u", {}))[1]["Authorization"] == "Bearer t1" and lasting.asked == 1
     signer.refused()
-    assert (await signer.sign())[1]["Authorization"] == "Bearer t2"
+    assert (await signer.sign("u", {}))[1]["Authorization"] == "Bearer t2"
     expiring = Credential(200)  # within 5 minutes of its expiry: asked for every time
     signer = Signer(credential=expiring)
-    await signer.sign()
-    await signer.sign()
+    await signer.sign("u", {})
+    await signer.sign("u", {})
     assert expiring.asked == 2
     with pytest.raises(NoToken):
-        await Signer(credential=Credential(-1)).sign()
+        await Signer(credential=Credential(-1)).sign("u", {})
+    sas = Signer(sas="sv=1&sig=S")  # the connection string's own SAS, on the query
+    assert await sas.sign("https://b.example/c/x", {}) == ("https://b.example/c/x?sv=1&sig=S", {})
+    assert (await sas.sign("https://b.example/c/x?comp=appendblock", {}))[0].endswith("?comp=appendblock&sv=1&sig=S")
