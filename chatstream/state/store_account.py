@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ..errors import StoreUnavailable
 from .store import STREAMS_CONTAINER
 
 if TYPE_CHECKING:
@@ -34,17 +35,14 @@ class StoreConfigError(Exception):
     """The storage settings cannot be used (the message names the setting, never a value)."""
 
 
-class NoToken(Exception):
-    """The identity gave no token (azure-identity's failure, whatever it raised: its ``__cause__``)."""
-
-
 class Signer:
     """What signs every request, kept until it is to be made again (or the service refused it): an
     account SAS made from the account's ``key`` (azure-storage-blob's generate_account_sas) for both
     services, at every level of them (a table's own SAS is refused on the account's ``$batch``, and a
     query of rows wants the container level on Azurite), made again when a quarter of its life is
     left; the connection string's own ``sas`` as it is; or an OAuth token of an identity's
-    ``credential`` (azure-identity's get_token; NoToken when it gives none), made again 5 minutes
+    ``credential`` (azure-identity's get_token; StoreUnavailable when it gives none, whatever it
+    raised: its ``__cause__``), made again 5 minutes
     before it expires."""
 
     def __init__(self, key: AzureNamedKeyCredential | None = None, sas: str = "", credential: Any = None):
@@ -74,7 +72,7 @@ class Signer:
             try:
                 token = await self._credential.get_token(TOKEN_SCOPE)
             except Exception as exc:  # whatever azure-identity raises: no token
-                raise NoToken(type(exc).__name__) from exc
+                raise StoreUnavailable(f"no token for the store ({type(exc).__name__})") from exc
             return token.token, token.expires_on - 300.0
         if self._key is None:
             return self._sas, math.inf

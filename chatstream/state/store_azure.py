@@ -37,7 +37,7 @@ from .store import (
     check_key,
     clean,
 )
-from .store_account import Account, NoToken
+from .store_account import Account
 
 # Each try: a connection in 1.5 s; its answer within the call's own bound (a per-read bound cut
 # a busy store's 2-10 s answers at 1.5 s whatever the caller's patience: tests/test_store_rest.py).
@@ -73,8 +73,8 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     of ours, raised as it is). The message never carries a URL (it may hold a SAS)."""
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
-    if isinstance(exc, NoToken):  # never a NotFound of the row asked for
-        return StoreUnavailable(f"no token for the store ({exc})")
+    if isinstance(exc, StoreError):  # the signer's: no token for the store
+        return exc
     if isinstance(exc, (OSError, aiohttp.ClientError)):
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
     if not isinstance(exc, ErrorAnswer):

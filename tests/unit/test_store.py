@@ -87,7 +87,6 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     import aiohttp
 
     from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
-    from chatstream.state.store_account import NoToken
     from chatstream.state.store_azure import ErrorAnswer, store_error
 
     assert isinstance(store_error(ErrorAnswer(404, "ResourceNotFound")), NotFound)
@@ -100,8 +99,10 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     assert isinstance(failed, Modified) and failed.index == 3  # type: ignore[attr-defined]
     assert isinstance(store_error(ErrorAnswer(503, "ServerBusy")), StoreUnavailable)
     assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
-    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError(), NoToken("E")):
-        assert type(store_error(foreign)) is StoreUnavailable  # NoToken: never a NotFound of the row
+    for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError()):
+        assert type(store_error(foreign)) is StoreUnavailable
+    no_token = StoreUnavailable("no token for the store (E)")  # the signer's: as it is, never a NotFound
+    assert store_error(no_token) is no_token
     assert store_error(ValueError("a bug of ours")) is None
 
 
@@ -124,10 +125,10 @@ def test_an_entity_goes_without_its_none_values_and_a_checked_one_passes_clean_t
 
 async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
     """The identity's token (a header, with x-ms-date) is asked for again 5 minutes before it expires
-    or after the service refused it; a credential that fails gives NoToken. A SAS goes on the query."""
+    or after the service refused it; a credential that fails is the store's outage. A SAS goes on the query."""
     from azure.core.credentials import AccessToken
 
-    from chatstream.state.store_account import NoToken, Signer
+    from chatstream.state.store_account import Signer
 
     class Credential:
         def __init__(self, lifetime: float):
@@ -152,7 +153,7 @@ async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
     await signer.sign("u", {})
     await signer.sign("u", {})
     assert expiring.asked == 2
-    with pytest.raises(NoToken):
+    with pytest.raises(StoreUnavailable, match="no token for the store \\(RuntimeError\\)"):
         await Signer(credential=Credential(-1)).sign("u", {})
     sas = Signer(sas="sv=1&sig=S")  # the connection string's own SAS, on the query
     assert await sas.sign("https://b.example/c/x", {}) == ("https://b.example/c/x?sv=1&sig=S", {})
