@@ -351,12 +351,9 @@ class Lease:
         self.known = True
 
     async def _exchange(self) -> None:
-        """One exchange (module docstring), after a lost answer is resolved; a conflict re-reads."""
+        """One exchange (module docstring): each attempt reads the row unless it is known, first
+        decides a write whose answer was lost, then writes; a conflict or a takeover tries again."""
         counters = self.counters
-        if self.uncertain is not None:
-            await self._resolve()
-            if self.uncertain is not None:
-                return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.hold.top_up = self.hold.top_up, False
         let_go, self.let_go = self.let_go, False
@@ -365,6 +362,9 @@ class Lease:
             if not self.known:
                 await self._read()
                 fresh = True
+            if self.uncertain is not None and not await self._resolve():
+                self.known = False  # sent again, and the row changed meanwhile: look again
+                continue
             seen = self.seen
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
@@ -460,6 +460,8 @@ class Lease:
 
     def _landed(self, written: _Written, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
         """The write is in the row: the books follow it, the ``chosen`` waiters it granted are served."""
+        if written.applied and self.counters.journal is not None:
+            self.counters.journal.changed()  # it may drop the charges now in the row
         if written.row.window != self.window:
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
@@ -469,8 +471,6 @@ class Lease:
             if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
             self.applied = staged.seq
-        if written.applied and self.counters.journal is not None:
-            self.counters.journal.changed()  # it may drop the charges now in the row
         self._answer(waiters, chosen)
 
     def _undo(self, written: _Written) -> None:
@@ -492,36 +492,33 @@ class Lease:
                 waiter.future.set_result(None)
         self.waiters = deque(w for w in self.waiters if not w.future.done())
 
-    async def _resolve(self) -> None:
-        """A write whose answer was lost: read the row; this instance's entry says whether it landed
-        (only this instance writes it, each time with the next exchange number). Not yet, with the
-        row unchanged since the write's condition: send the same write again (at most one of them can
-        land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped. It serves no waiter: they were told "unavailable" when its answer was lost
-        (what it granted them stays in the balance)."""
+    async def _resolve(self) -> bool:
+        """Decide, on the row just read, a write whose answer was lost: this instance's entry says
+        whether it landed (only this instance writes it, each time with the next exchange number).
+        The row unchanged since the write's condition: the same write is sent again (at most one of
+        them can land; False: neither did, the row changed). The row changed and the entry does not
+        show it: it never will (its ETag is gone): the write is dropped. It serves no waiter: they
+        were told "unavailable" when its answer was lost (what it granted them stays in the balance)."""
         written = self.uncertain
         assert written is not None
         instance = self.counters.instance
-        for _ in range(MAX_ATTEMPTS):
-            await self._read()
-            mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
-            if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
-                if not await self._write(written):
-                    continue  # something landed meanwhile (ours, late, perhaps): look again
-                landed = True
-            elif self.seen.window != written.row.window:
-                landed = False
-            elif wrote is not None:
-                landed = mine is not None and mine.exchange >= wrote.exchange
-            else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
-                landed = mine is None and not self.counters.instances.fenced.is_set()
-            self.uncertain = None
-            if landed:
-                self._landed(written, [], [])
-            else:
-                self._undo(written)
-            return
-        raise StoreError("the counter kept changing under this instance")
+        mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
+        if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
+            if not await self._write(written):
+                return False  # something landed meanwhile (ours, late, perhaps)
+            landed = True
+        elif self.seen.window != written.row.window:
+            landed = False
+        elif wrote is not None:
+            landed = mine is not None and mine.exchange >= wrote.exchange
+        else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
+            landed = mine is None and not self.counters.instances.fenced.is_set()
+        self.uncertain = None
+        if landed:
+            self._landed(written, [], [])
+        else:
+            self._undo(written)
+        return True
 
 
 @dataclass
