@@ -117,36 +117,6 @@ class Part:
     generation: int
 
 
-class Hold:
-    """A lone request's hold on one counter (module docstring): the ``share`` it may keep idle, until
-    when, and ``top_up``: a request served from it settled since (take that again)."""
-
-    def __init__(self, over: Callable[[], None]):
-        self.share = 0
-        self.until = 0.0
-        self.top_up = False
-        self._over = over
-        self._timer: asyncio.TimerHandle | None = None
-
-    def active(self) -> bool:
-        return asyncio.get_running_loop().time() < self.until
-
-    def serving(self) -> bool:
-        """Whether a request now is served from the hold."""
-        return bool(self.share) and self.active()
-
-    def renew(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called when it ends)."""
-        loop = asyncio.get_running_loop()
-        self.until = loop.time() + HOLD_SECONDS
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_at(self.until + 0.01, self._over)
-
-    def end(self) -> None:
-        self.until = 0.0
-
-
 class Lease:
     """One counter as this instance holds it (module docstring). Local books, in the counter's window:
     ``held == balance + sum(parts' needs) + sum(staged)``, where ``held`` is this instance's entry in
@@ -173,7 +143,9 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold = Hold(over=self.kick)  # when it ends, what it kept goes back
+        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle...
+        self.hold: asyncio.TimerHandle | None = None  # ...while this is pending (when it ends: given back)
+        self.top_up = False  # a request served from the hold settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -202,8 +174,8 @@ class Lease:
         if self.waiters or self.uncertain is not None or self._servable() < need:
             return None
         self.balance -= need  # to the part (``held`` counts it still)
-        if self.hold.serving():
-            self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
+        if self._serving():
+            self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
         return self._part(need)
 
     def _part(self, need: int) -> Part:
@@ -228,8 +200,8 @@ class Lease:
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self.hold.serving():
-            self.hold.top_up = True  # what it spent of the hold is taken again, after the request
+        if self._serving():
+            self.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
 
     def charge(self, amount: int) -> _Staged | None:
@@ -280,9 +252,25 @@ class Lease:
         the hold ends and an exchange starts."""
         if not (self.balance or self._applicable() or self.uncertain):
             return False
-        self.hold.end()
+        if self.hold is not None:
+            self.hold.cancel()
+            self.hold = None
         self.kick()
         return True
+
+    def _serving(self) -> bool:
+        """Whether a request now is served from the hold."""
+        return bool(self.hold_share) and self.hold is not None
+
+    def _renew_hold(self) -> None:
+        """The hold lasts ``HOLD_SECONDS`` from now; when it ends, an exchange gives back what it kept."""
+        if self.hold is not None:
+            self.hold.cancel()
+        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self.hold = None
+        self.kick()
 
     # --- the single flight ------------------------------------------------------------------
 
@@ -299,14 +287,14 @@ class Lease:
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _has_work(self) -> bool:
-        holding = self.hold.active()
+        holding = self.hold is not None
         return (
             self.uncertain is not None
-            or (self.hold.top_up and holding)
+            or (self.top_up and holding)
             or bool(self._pending())
             or bool(self._applicable())
             or self.balance < 0  # a charge past the balance: the row pays the rest
-            or self.balance > (self.hold.share if holding else 0)
+            or self.balance > (self.hold_share if holding else 0)
             or self.let_go
         )
 
@@ -355,7 +343,7 @@ class Lease:
         decides a write whose answer was lost, then writes; a conflict or a takeover tries again."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
-        top_up, self.hold.top_up = self.hold.top_up, False
+        top_up, self.top_up = self.top_up, False
         let_go, self.let_go = self.let_go, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
@@ -430,8 +418,8 @@ class Lease:
                 self._undo(written)
                 continue
             self._landed(written, waiters, chosen)
-            if lone is not None and self.hold.share:
-                self.hold.renew()
+            if lone is not None and self.hold_share:
+                self._renew_hold()
             return
         raise StoreError("the counter kept changing under this instance")
 
@@ -439,16 +427,16 @@ class Lease:
         """What this instance keeps unassigned after an exchange (the hold). ``room``: what the limit
         leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of a lone
         minute request granted now (it takes one more for the next: the hold's share)."""
-        holding = self.hold.active() and not waiting
+        holding = self.hold is not None and not waiting
         # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = max(0, min(self.balance, self.hold.share)) if holding else 0
+        keep = max(0, min(self.balance, self.hold_share)) if holding else 0
         share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
         if top_up and holding:
             # The hold back to its size, so far as the limit and the other instances' idle shares allow.
-            keep = max(keep, min(self.hold.share, share, room))
+            keep = max(keep, min(self.hold_share, share, room))
         if lone is not None:
-            self.hold.share = max(0, min(lone, share, room - granted))
-            keep = max(keep, self.hold.share)
+            self.hold_share = max(0, min(lone, share, room - granted))
+            keep = max(keep, self.hold_share)
         return keep
 
     async def _write(self, written: _Written) -> bool:
