@@ -413,11 +413,10 @@ class Lease:
             except StoreError:
                 self.uncertain = written  # did it land? ask the row before anything is given back
                 raise
+            self._follow(written, landed, waiters, chosen)
             if not landed:  # the row changed since it was read
                 self.known = False
-                self._undo(written)
                 continue
-            self._landed(written, waiters, chosen)
             if lone is not None and self.hold_share:
                 self._renew_hold()
             return
@@ -446,11 +445,17 @@ class Lease:
             self.seen, self.known = row, True
         return row is not None
 
-    def _landed(self, written: _Written, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
-        """The write is in the row: the books follow it, the ``chosen`` waiters it granted are served."""
-        if written.applied and self.counters.journal is not None:
+    def _follow(
+        self, written: _Written, landed: bool, waiters: Sequence[_Waiter] = (), chosen: Sequence[_Waiter] = ()
+    ) -> None:
+        """The books follow a write: landed, the ``chosen`` waiters it granted are served; not (and
+        never will), what it took out of the balance comes back."""
+        if landed and written.applied and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
         if written.row.window != self.window:
+            return
+        if not landed:
+            self.balance += written.balance_out
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
         self.in_row = self.counters.instance in written.row.holds
@@ -461,12 +466,7 @@ class Lease:
             self.applied = staged.seq
         self._answer(waiters, chosen)
 
-    def _undo(self, written: _Written) -> None:
-        """A write that did not land (and never will): what it took out comes back."""
-        if written.row.window == self.window:
-            self.balance += written.balance_out
-
-    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
+    def _answer(self, waiters: Sequence[_Waiter], chosen: Sequence[_Waiter]) -> None:
         """The chosen waiters are served from the balance, the others refused (one that gave up
         meanwhile leaves its share in the balance)."""
         picked = {id(w) for w in chosen}
@@ -481,12 +481,11 @@ class Lease:
         self.waiters = deque(w for w in self.waiters if not w.future.done())
 
     async def _resolve(self) -> bool:
-        """Decide, on the row just read, a write whose answer was lost: this instance's entry says
-        whether it landed (only this instance writes it, each time with the next exchange number).
-        The row unchanged since the write's condition: the same write is sent again (at most one of
-        them can land; False: neither did, the row changed). The row changed and the entry does not
-        show it: it never will (its ETag is gone): the write is dropped. It serves no waiter: they
-        were told "unavailable" when its answer was lost (what it granted them stays in the balance)."""
+        """Decide a write whose answer was lost (module docstring) on the row just read: this
+        instance's entry says whether it landed (each write carries the next exchange number). The
+        row unchanged since the write's condition: the same write again (at most one can land; False:
+        the row changed meanwhile). It serves no waiter: they were told "unavailable" when its answer
+        was lost (what it granted them stays in the balance)."""
         written = self.uncertain
         assert written is not None
         instance = self.counters.instance
@@ -502,10 +501,7 @@ class Lease:
         else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
             landed = mine is None and not self.counters.instances.fenced.is_set()
         self.uncertain = None
-        if landed:
-            self._landed(written, [], [])
-        else:
-            self._undo(written)
+        self._follow(written, landed)
         return True
 
 
