@@ -82,12 +82,6 @@ class Want:
 
 
 @dataclass
-class _Waiter:
-    need: int
-    future: asyncio.Future[Part | None]
-
-
-@dataclass
 class _Written:
     """One exchange's write (``Lease.uncertain`` while its answer is lost)."""
 
@@ -106,15 +100,18 @@ class _Staged:
     journal: int = 0  # the number of the journal a landed write listed it settled in (0: none yet)
 
 
-@dataclass
+@dataclass(eq=False)
 class Part:
-    """What a reservation holds of one counter: ``need`` of ``lease``, granted in ``window`` from the
-    books of ``generation`` (books dropped since then take nothing back)."""
+    """What a reservation asks of one counter: ``need`` of ``lease``. ``granted``: True once it holds
+    it, in ``window`` from the books of ``generation`` (books dropped since then take nothing back);
+    False when the limit leaves no room; cancelled when the store does not tell, or when the
+    reservation gives up."""
 
     lease: Lease
     need: int
-    window: str
-    generation: int
+    granted: asyncio.Future[bool]
+    window: str = ""
+    generation: int = 0
 
 
 class Lease:
@@ -139,7 +136,7 @@ class Lease:
         self.exchange = 0
         self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
         self.let_go = False  # the last of them let go: the next exchange drops the entry
-        self.waiters: deque[_Waiter] = deque()
+        self.waiters: deque[Part] = deque()  # parts the next exchange answers
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
@@ -168,27 +165,24 @@ class Lease:
         self.in_row = False
         self.applied = 0
 
-    def take(self, need: int, window: str) -> Part | None:
-        """``need`` served from the balance at once, or None (``wait`` for an exchange)."""
+    def ask(self, need: int, window: str) -> Part:
+        """A part of ``need``, granted from the balance at once, or else by the next exchange."""
         self.advance(window)
+        part = Part(self, need, asyncio.get_running_loop().create_future())
         if self.waiters or self.uncertain is not None or self._servable() < need:
-            return None
-        self.balance -= need  # to the part (``held`` counts it still)
-        if self._serving():
-            self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
-        return self._part(need)
+            self.waiters.append(part)
+            self.kick()
+        else:
+            if self._serving():
+                self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+            self._grant(part)
+        return part
 
-    def _part(self, need: int) -> Part:
+    def _grant(self, part: Part) -> None:
         assert self.window is not None
-        return Part(self, need, self.window, self.generation)
-
-    def wait(self, need: int) -> asyncio.Future[Part | None]:
-        """``need`` of this counter from the next exchange: the part, or None when the limit leaves no
-        room; cancelled when the store does not tell, or when the reservation gives up."""
-        waiter = _Waiter(need, asyncio.get_running_loop().create_future())
-        self.waiters.append(waiter)
-        self.kick()
-        return waiter.future
+        self.balance -= part.need  # to the part (``held`` counts it still)
+        part.window, part.generation = self.window, self.generation
+        part.granted.set_result(True)
 
     def give_back(self, part: Part) -> None:
         if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
@@ -278,8 +272,8 @@ class Lease:
         if self.flight is None and not self.counters.closed:
             self.flight = asyncio.ensure_future(self._run())
 
-    def _pending(self) -> list[_Waiter]:
-        return [w for w in self.waiters if not w.future.done()]
+    def _pending(self) -> list[Part]:
+        return [part for part in self.waiters if not part.granted.done()]
 
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
@@ -325,8 +319,8 @@ class Lease:
 
     def _fail(self) -> None:
         """The store did not tell: the waiting reservations are unavailable."""
-        for waiter in self.waiters:
-            waiter.future.cancel()
+        for part in self.waiters:
+            part.granted.cancel()
         self.waiters.clear()
 
     def _retry(self) -> None:
@@ -446,7 +440,7 @@ class Lease:
         return row is not None
 
     def _follow(
-        self, written: _Written, landed: bool, waiters: Sequence[_Waiter] = (), chosen: Sequence[_Waiter] = ()
+        self, written: _Written, landed: bool, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()
     ) -> None:
         """The books follow a write: landed, the ``chosen`` waiters it granted are served; not (and
         never will), what it took out of the balance comes back."""
@@ -466,19 +460,17 @@ class Lease:
             self.applied = staged.seq
         self._answer(waiters, chosen)
 
-    def _answer(self, waiters: Sequence[_Waiter], chosen: Sequence[_Waiter]) -> None:
-        """The chosen waiters are served from the balance, the others refused (one that gave up
+    def _answer(self, waiters: Sequence[Part], chosen: Sequence[Part]) -> None:
+        """The chosen waiters are granted from the balance, the others refused (one that gave up
         meanwhile leaves its share in the balance)."""
-        picked = {id(w) for w in chosen}
-        for waiter in waiters:
-            if waiter.future.done():
+        for part in waiters:
+            if part.granted.done():
                 continue
-            if id(waiter) in picked:
-                self.balance -= waiter.need
-                waiter.future.set_result(self._part(waiter.need))
+            if part in chosen:
+                self._grant(part)
             else:
-                waiter.future.set_result(None)
-        self.waiters = deque(w for w in self.waiters if not w.future.done())
+                part.granted.set_result(False)
+        self.waiters = deque(part for part in self.waiters if not part.granted.done())
 
     async def _resolve(self) -> bool:
         """Decide a write whose answer was lost (module docstring) on the row just read: this
@@ -634,28 +626,24 @@ class Counters:
             if want.need > want.limit:
                 return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
         self._prune(now)
-        leases = [(self._lease(w), w) for w in wants]
-        # What the balances hold is taken at once: a request they all serve needs no loop hop.
-        granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
-        parts = [part for part in granted if part is not None]
-        waiting = [
-            (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
-        ]
+        # What the balances hold is granted at once: a request they all serve needs no loop hop.
+        parts = [self._lease(w).ask(w.need, window_of(w.period, now)) for w in wants]
+        waiting = [part.granted for part in parts if not part.granted.done()]
         if waiting:
-            futures = [future for _, _, future in waiting]
             try:
-                await self._wait(futures)
+                await self._wait(waiting)
             except BaseException:  # the reserving task was cancelled (its caller hung up): nothing is kept
-                Reservation(parts + _granted(futures)).release()
+                Reservation(_granted(parts)).release()
                 raise
-            parts += _granted(futures)
-        if len(parts) == len(leases):
-            return Reservation(parts, self._rates(leases, now))
-        Reservation(parts).release()  # all or nothing: what the others reserved goes back
-        refused = [(lease, w) for lease, w, future in waiting if not future.cancelled() and future.result() is None]
+        granted = _granted(parts)
+        asked = list(zip(parts, wants, strict=True))
+        if len(granted) == len(parts):
+            return Reservation(granted, self._rates(asked, now))
+        Reservation(granted).release()  # all or nothing: what the others reserved goes back
+        refused = [(part, w) for part, w in asked if not (part.granted.cancelled() or part.granted.result())]
         return self._refusal(refused, now) if refused else Unavailable()
 
-    async def _wait(self, futures: list[asyncio.Future[Part | None]]) -> None:
+    async def _wait(self, futures: list[asyncio.Future[bool]]) -> None:
         """Until every future is answered, or the store is taken for down (``RESERVE_TIMEOUT``), or
         slow for too long (``SLOW_TIMEOUT``)."""
         clock = self.store.clock
@@ -666,20 +654,21 @@ class Counters:
         if pending and (clock.answered_at > asked or clock.patience(RESERVE_TIMEOUT) > RESERVE_TIMEOUT):
             await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
 
-    def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
+    def _refusal(self, refused: list[tuple[Part, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
-        lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
+        part, want = min(refused, key=lambda refusal: order.get(refusal[0].lease.key.row, 2))
+        lease = part.lease
         return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
 
-    def _rates(self, leases: list[tuple[Lease, Want]], now: float) -> dict[str, Rate]:
+    def _rates(self, asked: list[tuple[Part, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
         reset = seconds_to_next_minute(now)
         rates: dict[str, Rate] = {}
-        for lease, want in leases:
+        for part, want in asked:
             kind = {"tokens_per_minute": "tokens", "requests_per_minute": "requests"}.get(want.ref.kind)
             if kind is None:
                 continue
-            rate = Rate(lease.limit, lease.remaining(), reset)
+            rate = Rate(part.lease.limit, part.lease.remaining(), reset)
             if kind not in rates or rate.remaining < rates[kind].remaining:
                 rates[kind] = rate
         return rates
@@ -744,7 +733,7 @@ class Counters:
         await asyncio.gather(*flights, return_exceptions=True)
 
 
-def _fitting(waiters: list[_Waiter], room: int) -> list[_Waiter]:
+def _fitting(waiters: list[Part], room: int) -> list[Part]:
     """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
     fits = []
     for waiter in waiters:
@@ -768,11 +757,11 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
     return done()
 
 
-def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:
-    """The parts the futures were granted; those still waiting give up (unavailable)."""
-    for future in futures:
-        future.cancel()
-    return [part for future in futures if not future.cancelled() and (part := future.result())]
+def _granted(parts: list[Part]) -> list[Part]:
+    """The parts granted; those still waiting give up (unavailable)."""
+    for part in parts:
+        part.granted.cancel()
+    return [part for part in parts if not part.granted.cancelled() and part.granted.result()]
 
 
 def _retry(want: Want, now: float) -> float | None:
