@@ -82,12 +82,6 @@ class Want:
 
 
 @dataclass
-class _Waiter:
-    need: int
-    future: asyncio.Future[Part | None]
-
-
-@dataclass
 class _Written:
     """One exchange's write (``Lease.uncertain`` while its answer is lost)."""
 
@@ -106,45 +100,18 @@ class _Staged:
     journal: int = 0  # the number of the journal a landed write listed it settled in (0: none yet)
 
 
-@dataclass
+@dataclass(eq=False)
 class Part:
-    """What a reservation holds of one counter: ``need`` of ``lease``, granted in ``window`` from the
-    books of ``generation`` (books dropped since then take nothing back)."""
+    """What a reservation asks of one counter: ``need`` of ``lease``. ``granted``: True once it holds
+    it, in ``window`` from the books of ``generation`` (books dropped since then take nothing back);
+    False when the limit leaves no room; cancelled when the store does not tell, or when the
+    reservation gives up."""
 
     lease: Lease
     need: int
-    window: str
-    generation: int
-
-
-class Hold:
-    """A lone request's hold on one counter (module docstring): the ``share`` it may keep idle, until
-    when, and ``top_up``: a request served from it settled since (take that again)."""
-
-    def __init__(self, over: Callable[[], None]):
-        self.share = 0
-        self.until = 0.0
-        self.top_up = False
-        self._over = over
-        self._timer: asyncio.TimerHandle | None = None
-
-    def active(self) -> bool:
-        return asyncio.get_running_loop().time() < self.until
-
-    def serving(self) -> bool:
-        """Whether a request now is served from the hold."""
-        return bool(self.share) and self.active()
-
-    def renew(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now (``over`` is called when it ends)."""
-        loop = asyncio.get_running_loop()
-        self.until = loop.time() + HOLD_SECONDS
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_at(self.until + 0.01, self._over)
-
-    def end(self) -> None:
-        self.until = 0.0
+    granted: asyncio.Future[bool]
+    window: str = ""
+    generation: int = 0
 
 
 class Lease:
@@ -169,11 +136,13 @@ class Lease:
         self.exchange = 0
         self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
         self.let_go = False  # the last of them let go: the next exchange drops the entry
-        self.waiters: deque[_Waiter] = deque()
+        self.waiters: deque[Part] = deque()  # parts the next exchange answers
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold = Hold(over=self.kick)  # when it ends, what it kept goes back
+        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle...
+        self.hold: asyncio.TimerHandle | None = None  # ...while this is pending (when it ends: given back)
+        self.top_up = False  # a request served from the hold settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -196,27 +165,24 @@ class Lease:
         self.in_row = False
         self.applied = 0
 
-    def take(self, need: int, window: str) -> Part | None:
-        """``need`` served from the balance at once, or None (``wait`` for an exchange)."""
+    def ask(self, need: int, window: str) -> Part:
+        """A part of ``need``, granted from the balance at once, or else by the next exchange."""
         self.advance(window)
+        part = Part(self, need, asyncio.get_running_loop().create_future())
         if self.waiters or self.uncertain is not None or self._servable() < need:
-            return None
-        self.balance -= need  # to the part (``held`` counts it still)
-        if self.hold.serving():
-            self.hold.renew()  # served from the hold: it is kept for the next request (requests at a steady pace)
-        return self._part(need)
+            self.waiters.append(part)
+            self.kick()
+        else:
+            if self._serving():
+                self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+            self._grant(part)
+        return part
 
-    def _part(self, need: int) -> Part:
+    def _grant(self, part: Part) -> None:
         assert self.window is not None
-        return Part(self, need, self.window, self.generation)
-
-    def wait(self, need: int) -> asyncio.Future[Part | None]:
-        """``need`` of this counter from the next exchange: the part, or None when the limit leaves no
-        room; cancelled when the store does not tell, or when the reservation gives up."""
-        waiter = _Waiter(need, asyncio.get_running_loop().create_future())
-        self.waiters.append(waiter)
-        self.kick()
-        return waiter.future
+        self.balance -= part.need  # to the part (``held`` counts it still)
+        part.window, part.generation = self.window, self.generation
+        part.granted.set_result(True)
 
     def give_back(self, part: Part) -> None:
         if part.need > 0 and part.generation == self.generation:  # (a new window is new books too)
@@ -228,8 +194,8 @@ class Lease:
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self.hold.serving():
-            self.hold.top_up = True  # what it spent of the hold is taken again, after the request
+        if self._serving():
+            self.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
 
     def charge(self, amount: int) -> _Staged | None:
@@ -280,9 +246,25 @@ class Lease:
         the hold ends and an exchange starts."""
         if not (self.balance or self._applicable() or self.uncertain):
             return False
-        self.hold.end()
+        if self.hold is not None:
+            self.hold.cancel()
+            self.hold = None
         self.kick()
         return True
+
+    def _serving(self) -> bool:
+        """Whether a request now is served from the hold."""
+        return bool(self.hold_share) and self.hold is not None
+
+    def _renew_hold(self) -> None:
+        """The hold lasts ``HOLD_SECONDS`` from now; when it ends, an exchange gives back what it kept."""
+        if self.hold is not None:
+            self.hold.cancel()
+        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self.hold = None
+        self.kick()
 
     # --- the single flight ------------------------------------------------------------------
 
@@ -290,8 +272,8 @@ class Lease:
         if self.flight is None and not self.counters.closed:
             self.flight = asyncio.ensure_future(self._run())
 
-    def _pending(self) -> list[_Waiter]:
-        return [w for w in self.waiters if not w.future.done()]
+    def _pending(self) -> list[Part]:
+        return [part for part in self.waiters if not part.granted.done()]
 
     def _applicable(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
@@ -299,14 +281,14 @@ class Lease:
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _has_work(self) -> bool:
-        holding = self.hold.active()
+        holding = self.hold is not None
         return (
             self.uncertain is not None
-            or (self.hold.top_up and holding)
+            or (self.top_up and holding)
             or bool(self._pending())
             or bool(self._applicable())
             or self.balance < 0  # a charge past the balance: the row pays the rest
-            or self.balance > (self.hold.share if holding else 0)
+            or self.balance > (self.hold_share if holding else 0)
             or self.let_go
         )
 
@@ -337,8 +319,8 @@ class Lease:
 
     def _fail(self) -> None:
         """The store did not tell: the waiting reservations are unavailable."""
-        for waiter in self.waiters:
-            waiter.future.cancel()
+        for part in self.waiters:
+            part.granted.cancel()
         self.waiters.clear()
 
     def _retry(self) -> None:
@@ -351,20 +333,20 @@ class Lease:
         self.known = True
 
     async def _exchange(self) -> None:
-        """One exchange (module docstring), after a lost answer is resolved; a conflict re-reads."""
+        """One exchange (module docstring): each attempt reads the row unless it is known, first
+        decides a write whose answer was lost, then writes; a conflict or a takeover tries again."""
         counters = self.counters
-        if self.uncertain is not None:
-            await self._resolve()
-            if self.uncertain is not None:
-                return  # still unknown: the flight ends; a timer tries again
         self.advance(window_of(self.period, counters.clock()))
-        top_up, self.hold.top_up = self.hold.top_up, False
+        top_up, self.top_up = self.top_up, False
         let_go, self.let_go = self.let_go, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
                 await self._read()
                 fresh = True
+            if self.uncertain is not None and not await self._resolve():
+                self.known = False  # sent again, and the row changed meanwhile: look again
+                continue
             seen = self.seen
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
@@ -425,13 +407,12 @@ class Lease:
             except StoreError:
                 self.uncertain = written  # did it land? ask the row before anything is given back
                 raise
+            self._follow(written, landed, waiters, chosen)
             if not landed:  # the row changed since it was read
                 self.known = False
-                self._undo(written)
                 continue
-            self._landed(written, waiters, chosen)
-            if lone is not None and self.hold.share:
-                self.hold.renew()
+            if lone is not None and self.hold_share:
+                self._renew_hold()
             return
         raise StoreError("the counter kept changing under this instance")
 
@@ -439,16 +420,16 @@ class Lease:
         """What this instance keeps unassigned after an exchange (the hold). ``room``: what the limit
         leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of a lone
         minute request granted now (it takes one more for the next: the hold's share)."""
-        holding = self.hold.active() and not waiting
+        holding = self.hold is not None and not waiting
         # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = max(0, min(self.balance, self.hold.share)) if holding else 0
+        keep = max(0, min(self.balance, self.hold_share)) if holding else 0
         share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
         if top_up and holding:
             # The hold back to its size, so far as the limit and the other instances' idle shares allow.
-            keep = max(keep, min(self.hold.share, share, room))
+            keep = max(keep, min(self.hold_share, share, room))
         if lone is not None:
-            self.hold.share = max(0, min(lone, share, room - granted))
-            keep = max(keep, self.hold.share)
+            self.hold_share = max(0, min(lone, share, room - granted))
+            keep = max(keep, self.hold_share)
         return keep
 
     async def _write(self, written: _Written) -> bool:
@@ -458,9 +439,17 @@ class Lease:
             self.seen, self.known = row, True
         return row is not None
 
-    def _landed(self, written: _Written, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
-        """The write is in the row: the books follow it, the ``chosen`` waiters it granted are served."""
+    def _follow(
+        self, written: _Written, landed: bool, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()
+    ) -> None:
+        """The books follow a write: landed, the ``chosen`` waiters it granted are served; not (and
+        never will), what it took out of the balance comes back."""
+        if landed and written.applied and self.counters.journal is not None:
+            self.counters.journal.changed()  # it may drop the charges now in the row
         if written.row.window != self.window:
+            return
+        if not landed:
+            self.balance += written.balance_out
             return
         self.held += written.delta - sum(staged.amount for staged in written.applied)
         self.in_row = self.counters.instance in written.row.holds
@@ -469,59 +458,43 @@ class Lease:
             if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
             self.applied = staged.seq
-        if written.applied and self.counters.journal is not None:
-            self.counters.journal.changed()  # it may drop the charges now in the row
         self._answer(waiters, chosen)
 
-    def _undo(self, written: _Written) -> None:
-        """A write that did not land (and never will): what it took out comes back."""
-        if written.row.window == self.window:
-            self.balance += written.balance_out
-
-    def _answer(self, waiters: list[_Waiter], chosen: list[_Waiter]) -> None:
-        """The chosen waiters are served from the balance, the others refused (one that gave up
+    def _answer(self, waiters: Sequence[Part], chosen: Sequence[Part]) -> None:
+        """The chosen waiters are granted from the balance, the others refused (one that gave up
         meanwhile leaves its share in the balance)."""
-        picked = {id(w) for w in chosen}
-        for waiter in waiters:
-            if waiter.future.done():
+        for part in waiters:
+            if part.granted.done():
                 continue
-            if id(waiter) in picked:
-                self.balance -= waiter.need
-                waiter.future.set_result(self._part(waiter.need))
+            if part in chosen:
+                self._grant(part)
             else:
-                waiter.future.set_result(None)
-        self.waiters = deque(w for w in self.waiters if not w.future.done())
+                part.granted.set_result(False)
+        self.waiters = deque(part for part in self.waiters if not part.granted.done())
 
-    async def _resolve(self) -> None:
-        """A write whose answer was lost: read the row; this instance's entry says whether it landed
-        (only this instance writes it, each time with the next exchange number). Not yet, with the
-        row unchanged since the write's condition: send the same write again (at most one of them can
-        land). The row changed and the entry does not show it: it never will (its ETag is gone): the
-        write is dropped. It serves no waiter: they were told "unavailable" when its answer was lost
-        (what it granted them stays in the balance)."""
+    async def _resolve(self) -> bool:
+        """Decide a write whose answer was lost (module docstring) on the row just read: this
+        instance's entry says whether it landed (each write carries the next exchange number). The
+        row unchanged since the write's condition: the same write again (at most one can land; False:
+        the row changed meanwhile). It serves no waiter: they were told "unavailable" when its answer
+        was lost (what it granted them stays in the balance)."""
         written = self.uncertain
         assert written is not None
         instance = self.counters.instance
-        for _ in range(MAX_ATTEMPTS):
-            await self._read()
-            mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
-            if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
-                if not await self._write(written):
-                    continue  # something landed meanwhile (ours, late, perhaps): look again
-                landed = True
-            elif self.seen.window != written.row.window:
-                landed = False
-            elif wrote is not None:
-                landed = mine is not None and mine.exchange >= wrote.exchange
-            else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
-                landed = mine is None and not self.counters.instances.fenced.is_set()
-            self.uncertain = None
-            if landed:
-                self._landed(written, [], [])
-            else:
-                self._undo(written)
-            return
-        raise StoreError("the counter kept changing under this instance")
+        mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
+        if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
+            if not await self._write(written):
+                return False  # something landed meanwhile (ours, late, perhaps)
+            landed = True
+        elif self.seen.window != written.row.window:
+            landed = False
+        elif wrote is not None:
+            landed = mine is not None and mine.exchange >= wrote.exchange
+        else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
+            landed = mine is None and not self.counters.instances.fenced.is_set()
+        self.uncertain = None
+        self._follow(written, landed)
+        return True
 
 
 @dataclass
@@ -653,28 +626,24 @@ class Counters:
             if want.need > want.limit:
                 return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
         self._prune(now)
-        leases = [(self._lease(w), w) for w in wants]
-        # What the balances hold is taken at once: a request they all serve needs no loop hop.
-        granted = [lease.take(w.need, window_of(w.period, now)) for lease, w in leases]
-        parts = [part for part in granted if part is not None]
-        waiting = [
-            (lease, w, lease.wait(w.need)) for (lease, w), part in zip(leases, granted, strict=True) if part is None
-        ]
+        # What the balances hold is granted at once: a request they all serve needs no loop hop.
+        parts = [self._lease(w).ask(w.need, window_of(w.period, now)) for w in wants]
+        waiting = [part.granted for part in parts if not part.granted.done()]
         if waiting:
-            futures = [future for _, _, future in waiting]
             try:
-                await self._wait(futures)
+                await self._wait(waiting)
             except BaseException:  # the reserving task was cancelled (its caller hung up): nothing is kept
-                Reservation(parts + _granted(futures)).release()
+                Reservation(_granted(parts)).release()
                 raise
-            parts += _granted(futures)
-        if len(parts) == len(leases):
-            return Reservation(parts, self._rates(leases, now))
-        Reservation(parts).release()  # all or nothing: what the others reserved goes back
-        refused = [(lease, w) for lease, w, future in waiting if not future.cancelled() and future.result() is None]
+        granted = _granted(parts)
+        asked = list(zip(parts, wants, strict=True))
+        if len(granted) == len(parts):
+            return Reservation(granted, self._rates(asked, now))
+        Reservation(granted).release()  # all or nothing: what the others reserved goes back
+        refused = [(part, w) for part, w in asked if not (part.granted.cancelled() or part.granted.result())]
         return self._refusal(refused, now) if refused else Unavailable()
 
-    async def _wait(self, futures: list[asyncio.Future[Part | None]]) -> None:
+    async def _wait(self, futures: list[asyncio.Future[bool]]) -> None:
         """Until every future is answered, or the store is taken for down (``RESERVE_TIMEOUT``), or
         slow for too long (``SLOW_TIMEOUT``)."""
         clock = self.store.clock
@@ -685,20 +654,21 @@ class Counters:
         if pending and (clock.answered_at > asked or clock.patience(RESERVE_TIMEOUT) > RESERVE_TIMEOUT):
             await asyncio.wait(pending, timeout=SLOW_TIMEOUT - RESERVE_TIMEOUT)
 
-    def _refusal(self, refused: list[tuple[Lease, Want]], now: float) -> Refused:
+    def _refusal(self, refused: list[tuple[Part, Want]], now: float) -> Refused:
         order = {"spend": 0, "tokens": 1}
-        lease, want = min(refused, key=lambda refusal: order.get(refusal[0].key.row, 2))
+        part, want = min(refused, key=lambda refusal: order.get(refusal[0].lease.key.row, 2))
+        lease = part.lease
         return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
 
-    def _rates(self, leases: list[tuple[Lease, Want]], now: float) -> dict[str, Rate]:
+    def _rates(self, asked: list[tuple[Part, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
         reset = seconds_to_next_minute(now)
         rates: dict[str, Rate] = {}
-        for lease, want in leases:
+        for part, want in asked:
             kind = {"tokens_per_minute": "tokens", "requests_per_minute": "requests"}.get(want.ref.kind)
             if kind is None:
                 continue
-            rate = Rate(lease.limit, lease.remaining(), reset)
+            rate = Rate(part.lease.limit, part.lease.remaining(), reset)
             if kind not in rates or rate.remaining < rates[kind].remaining:
                 rates[kind] = rate
         return rates
@@ -763,7 +733,7 @@ class Counters:
         await asyncio.gather(*flights, return_exceptions=True)
 
 
-def _fitting(waiters: list[_Waiter], room: int) -> list[_Waiter]:
+def _fitting(waiters: list[Part], room: int) -> list[Part]:
     """The waiters that fit in ``room``, in order (a large one does not block smaller ones behind it)."""
     fits = []
     for waiter in waiters:
@@ -787,11 +757,11 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
     return done()
 
 
-def _granted(futures: list[asyncio.Future[Part | None]]) -> list[Part]:
-    """The parts the futures were granted; those still waiting give up (unavailable)."""
-    for future in futures:
-        future.cancel()
-    return [part for future in futures if not future.cancelled() and (part := future.result())]
+def _granted(parts: list[Part]) -> list[Part]:
+    """The parts granted; those still waiting give up (unavailable)."""
+    for part in parts:
+        part.granted.cancel()
+    return [part for part in parts if not part.granted.cancelled() and part.granted.result()]
 
 
 def _retry(want: Want, now: float) -> float | None:
