@@ -24,7 +24,7 @@ from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of
+from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of, raised
 from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
@@ -325,18 +325,17 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
+            was = Charge.of(there) if there is not None else None
+            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
+            # call before (raised to what the log shows, the difference counted); or by the producer
+            # itself (a hand-over: it counted it).
+            if was is not None and not (was.author.startswith(TAKEOVER) or was.author == made.author):
+                return
             op = secrets.token_hex(6)
-            charge, spent, cost = replace(made, ops=op), made.total_tokens, made.cost or 0
-            if there is not None:
-                # Charged already: by the dead instance's takeover at its journal's checkpoint, or by
-                # this call before (raised to what the log shows, the difference counted); or by the
-                # producer itself (a hand-over: it counted it).
-                was = Charge.of(there)
-                if not (was.author.startswith(TAKEOVER) or was.author == made.author) or was.total_tokens >= spent:
-                    return
-                spent -= was.total_tokens
-                cost -= was.cost or 0
-                charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+            if (raise_ := raised(there, made, op)) is None:
+                return
+            charge, adds = raise_
+            spent, cost = adds.total_tokens, adds.cost or 0
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
             admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
