@@ -297,9 +297,8 @@ class Accounting:
         (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
         earlier producers' part) and ``floor`` tokens more (events its caller received whose text is
         not known). Call it right after the admission; again with a longer ``text`` (what its caller
-        was found to have received): the row is raised to it. Made on the row as read: an insert, or
-        a raise of a recovery's row or its own (author kept) by the difference; journaled, written on
-        the row's ETag (``Ledger.apply``: if the row changed meanwhile it counts nothing), then
+        was found to have received): the row (none, a recovery's or its own) is raised to it
+        (``ledger.raised``), journaled, written (counting nothing if the row changed meanwhile), then
         counted. Never raises: a store failure is tried again, and a raise waits for the earlier
         charge's row, for ``patience`` seconds (nobody else can make it: the dead instance's recovery
         knows only its checkpoint); within it, a raise whose row changed first is made again on the
@@ -395,14 +394,14 @@ class Accounting:
     ) -> Callable[[float], asyncio.Task]:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
         growing as its continuation stands in for what that producer's caller received), journaled
-        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it raised the
+        as that part's checkpoint (``JournalEntry``): if this instance dies before it raised the
         part's row to it, its recovery does. The function returned (given ``charge_lost``'s
         ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
         budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
         still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
         started = started or self.counters.clock()  # read once: the part's day is one, whenever it is raised
         knows = self._lost_part(admission, started, epoch, before)
-        knows.generated, knows.floor, knows.lost = lambda: {0: text()}, floor, True
+        knows.generated, knows.floor = lambda: {0: text()}, floor
         let_go = self.counters.keep(knows.needs)  # a takeover counts the raise where it has an entry
         self.journal.open(knows)
 

@@ -82,7 +82,9 @@ def journal_name(instance: str) -> str:
 
 @dataclass
 class JournalEntry:
-    """One request in the journal (or a correction of one, or a taker's knowledge of a lost part)."""
+    """One request in the journal, open or settled; or a correction of one (``accounting._correct``,
+    settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open: what it is
+    known to hold is its checkpoint, its segment that part's row): one as the other."""
 
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
@@ -97,9 +99,6 @@ class JournalEntry:
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
-    # A taker's knowledge of its lost producer's part (accounting.regenerating): its checkpoint is what
-    # that part is known to hold (its caller received), its segment that part's row: a recovery raises it.
-    lost: bool = False
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
@@ -151,14 +150,11 @@ class JournalEntry:
             "model": self.model,
             "prompt": self.prompt_tokens,
             "needs": _named(self.needs),
-            "kinds": {str(k): "spend" if k.row == "spend" else "tokens" for k in self.needs},  # older readers'
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
         if self.segment:
             doc["segment"] = self.segment
-        if self.lost:
-            doc["lost"] = True
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
@@ -186,7 +182,6 @@ class JournalEntry:
             segment=int(doc.get("segment") or 0),
             stream=doc.get("stream"),
             epoch=int(doc.get("epoch") or 1),
-            lost=bool(doc.get("lost")),
             state=doc.get("state") or "open",
             charges=[Charge.of(c) for c in doc.get("charges") or []],
             amounts=parsed(doc.get("amounts")),
