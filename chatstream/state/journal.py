@@ -569,8 +569,9 @@ class Recovery:
                 return amounts(entry.needs, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
             if (raise_ := raised(there, charge, mine)) is None:
                 return {}
-            if await self._write([raise_[0]]) == [False]:  # (True: the row changed first, read again)
-                return amounts(entry.needs, [raise_[1]])
+            write, adds = raise_
+            if await self._write([write]) == [False]:  # (True: the row changed first: read it again)
+                return amounts(entry.needs, [adds])
         raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 
     async def _write(self, charges: list[Charge]) -> list[bool]:

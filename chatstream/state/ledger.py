@@ -67,7 +67,7 @@ class Charge(Payer):
     upstream_id: str = ""  # the upstream's x-request-id
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     author: str = ""  # the instance that wrote it; a recovery: TAKEOVER + the dead instance's id
-    # A raise (``raised``): the raises the row holds, this one's last (``raise_op``); ``over``: the
+    # A raise (``raised``): the raises the row holds, this one's last (``by=tokens/cost``); ``over``: the
     # ETag of the row it is made on (None: an insert).
     ops: str = ""
     over: str | None = None
@@ -127,15 +127,9 @@ class Charge(Payer):
 TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
-def raise_op(by: str, tokens: int, cost: int) -> str:
-    """The id in a row's ``ops`` of a raise of it (``raised``): who made it (a recovery: TAKEOVER + the
-    dead instance; a stream's taker: an id of its own) and what it counted, so that a recovery run
-    again (or at once elsewhere) counts what it did, once."""
-    return f"{by}={tokens}/{cost}"
-
-
 def raised_by(ops: str, by: str) -> tuple[int, int] | None:
-    """What ``by``'s raise of a row counted (tokens, cost), if its ``raise_op`` is in ``ops``."""
+    """What ``by``'s raise of a row counted (tokens, cost), if its op (``raised``) is in ``ops``: a
+    recovery run again, or at once elsewhere, counts what it did, once."""
     for op in ops.split():
         who, _, counted = op.rpartition("=")
         if who == by:
@@ -147,17 +141,18 @@ def raised_by(ops: str, by: str) -> tuple[int, int] | None:
 def raised(there: Row | None, charge: Charge, by: str) -> tuple[Charge, Charge] | None:
     """The one way a row is raised: the write that takes ``there`` (a charge's row as read; None:
     there is none) to ``charge``, made on that row (its author kept, on its ETag: ``write`` lands it
-    if the row did not change first), its op naming ``by`` and what it adds; and what it adds, as a
-    charge of the difference. None if the row holds as much already."""
-    was = Charge.of(there) if there is not None else None
-    adds = charge.total_tokens - (was.total_tokens if was is not None else 0)
-    if there is not None and adds <= 0:
-        return None
-    cost = (charge.cost or 0) - ((was.cost or 0) if was is not None else 0)
-    op = raise_op(by, adds, cost)
-    write = replace(charge, ops=op)
-    if there is not None and was is not None:
-        write = replace(charge, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+    if the row did not change first), its op ``by=tokens/cost`` naming who raised it (a recovery:
+    TAKEOVER + the dead instance; a stream's taker: an id of its own) and what it adds; and what it
+    adds, as a charge of the difference. None if the row holds as much already."""
+    if there is None:
+        adds, cost, write = charge.total_tokens, charge.cost or 0, charge
+    else:
+        was = Charge.of(there)
+        adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
+        if adds <= 0:
+            return None
+        write = replace(charge, author=was.author, ops=was.ops, over=there.etag)
+    write = replace(write, ops=f"{write.ops} {by}={adds}/{cost}".strip())
     return write, replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)
 
 

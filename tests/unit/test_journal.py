@@ -1285,7 +1285,7 @@ async def test_a_takers_raise_to_what_its_caller_received_cancelled_while_it_wai
 
 @pytest.mark.parametrize("died", ["after_counting", "before_counting", "before_counting_and_a_taker_raised_it"])
 async def test_a_row_an_older_versions_recovery_wrote_without_its_raise_op_is_never_counted_twice(died: str):
-    """A deploy: an older version's recovery of a (from before ``ledger.raise_op``) wrote r3's row as
+    """A deploy: an older version's recovery of a (from before a raise's op said what it counted) wrote r3's row as
     it did (author takeover:instance-a, no op of its own) and died: after counting it in the budget
     rows (a's entry out of them, the journal not deleted yet), or before; then, perhaps, r3's
     stream's taker b raised the row to what its caller received, counting its raise (the author
