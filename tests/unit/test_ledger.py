@@ -93,6 +93,10 @@ async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segm
     there = await ledger.find(first)
     assert there is not None and there["completion_tokens"] == 30 and there["author"] == "instance-a"
     assert raised_by(there["ops"], "op1") == (10, 7) and raised_by(there["ops"], "op2") is None
+    # A row as the previous version left it (a taker's op a bare id) is raised the same, and an op of
+    # this one reads as no recovery's there (the previous version looks for "takeover:<id>=" only).
+    assert raised_by("a1b2c3 takeover:x=5/7 d4e5f6=1/2", "takeover:x") == (5, 7)
+    assert raised_by("a1b2c3 d4e5f6=1/2", "a1b2c3") is None
     # 10 concurrent writes of one request: one row.
     same = await asyncio.gather(*(ledger.write([charge(request_id="same", day="20261104")]) for _ in range(10)))
     assert same == [[False]] * 10
