@@ -24,7 +24,7 @@ from .counter_row import CounterKey
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of
+from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of, raised
 from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,
@@ -297,9 +297,8 @@ class Accounting:
         (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
         earlier producers' part) and ``floor`` tokens more (events its caller received whose text is
         not known). Call it right after the admission; again with a longer ``text`` (what its caller
-        was found to have received): the row is raised to it. Made on the row as read: an insert, or
-        a raise of a recovery's row or its own (author kept) by the difference; journaled, written on
-        the row's ETag (``Ledger.apply``: if the row changed meanwhile it counts nothing), then
+        was found to have received): the row (none, a recovery's or its own) is raised to it
+        (``ledger.raised``), journaled, written (counting nothing if the row changed meanwhile), then
         counted. Never raises: a store failure is tried again, and a raise waits for the earlier
         charge's row, for ``patience`` seconds (nobody else can make it: the dead instance's recovery
         knows only its checkpoint); within it, a raise whose row changed first is made again on the
@@ -325,18 +324,17 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
+            was = Charge.of(there) if there is not None else None
+            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
+            # call before (raised to what the log shows, the difference counted); or by the producer
+            # itself (a hand-over: it counted it).
+            if was is not None and not (was.author.startswith(TAKEOVER) or was.author == made.author):
+                return
             op = secrets.token_hex(6)
-            charge, spent, cost = replace(made, ops=op), made.total_tokens, made.cost or 0
-            if there is not None:
-                # Charged already: by the dead instance's takeover at its journal's checkpoint, or by
-                # this call before (raised to what the log shows, the difference counted); or by the
-                # producer itself (a hand-over: it counted it).
-                was = Charge.of(there)
-                if not (was.author.startswith(TAKEOVER) or was.author == made.author) or was.total_tokens >= spent:
-                    return
-                spent -= was.total_tokens
-                cost -= was.cost or 0
-                charge = replace(made, author=was.author, ops=f"{was.ops} {op}".strip(), over=there.etag)
+            if (raise_ := raised(there, made, op)) is None:
+                return
+            charge, adds = raise_
+            spent, cost = adds.total_tokens, adds.cost or 0
             wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
             admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
@@ -396,14 +394,14 @@ class Accounting:
     ) -> Callable[[float], asyncio.Task]:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
         growing as its continuation stands in for what that producer's caller received), journaled
-        as that part's checkpoint (``JournalEntry.lost``): if this instance dies before it raised the
+        as that part's checkpoint (``JournalEntry``): if this instance dies before it raised the
         part's row to it, its recovery does. The function returned (given ``charge_lost``'s
         ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
         budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
         still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
         started = started or self.counters.clock()  # read once: the part's day is one, whenever it is raised
         knows = self._lost_part(admission, started, epoch, before)
-        knows.generated, knows.floor, knows.lost = lambda: {0: text()}, floor, True
+        knows.generated, knows.floor = lambda: {0: text()}, floor
         let_go = self.counters.keep(knows.needs)  # a takeover counts the raise where it has an entry
         self.journal.open(knows)
 

@@ -21,16 +21,15 @@ done again by the next duty holder, and two at once charge everything once.
 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
-2. **Ledger**: every settled charge's row not there yet is written (one someone else wrote first is
-   theirs to count; a taker's charge of a lost part, ``accounting.charge_lost``, counts if it is in
-   the row, written now if the row is as it was read: ``Ledger.apply``). An open entry's row, ``ended:
-   lost``, is raised to its checkpoint, or, a resumable stream's, to what its producer's part of the
-   log holds if more (``told``): a request's, or a lost part's its taker knew of (``JournalEntry.lost``).
-   Inserted if none, else raised if below, its author kept; only what the raise adds is counted
-   here, and the row says it (``ledger.raise_op``), so a run again, or at once, counts it once. A row
-   an older version's recovery wrote (no op of its own) does not say what that one counted: none of
-   it is counted here, only a raise above it (counting it would count a taker's raise of it again);
-   the budget rows stay below the ledger by its part if that recovery died before step 3.
+2. **Ledger**: every settled charge's row is written (``Ledger.write``: one someone else wrote first
+   is theirs to count; a taker's raise of a lost part counts if it is in the row). An open entry's
+   row (a request's, or a lost part's its taker knew of), ``ended: lost``, is raised
+   (``ledger.raised``) to its checkpoint, or, a resumable stream's, to what its producer's part of
+   the log holds if more (``told``); only what the raise adds is counted here, and the row says it,
+   so a run again, or at once, counts it once. A row an older version's recovery wrote (no op of
+   its own) does not say what that one counted: none of it is counted here, only a raise above it
+   (counting it would count a taker's raise of it again); the budget rows stay below the ledger by
+   its part if that recovery died before step 3.
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -58,7 +57,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import TAKEOVER, Charge, Ledger, Payer, raise_op, raised_by, theirs
+from .ledger import TAKEOVER, Charge, Ledger, Payer, raised, raised_by
 from .port import Used
 from .prices import Price
 from .store import NEW, Store
@@ -83,7 +82,9 @@ def journal_name(instance: str) -> str:
 
 @dataclass
 class JournalEntry:
-    """One request in the journal (or a correction of one, or a taker's knowledge of a lost part)."""
+    """One request in the journal, open or settled; or a correction of one (``accounting._correct``,
+    settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open: what it is
+    known to hold is its checkpoint, its segment that part's row): one as the other."""
 
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
@@ -98,9 +99,6 @@ class JournalEntry:
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
-    # A taker's knowledge of its lost producer's part (accounting.regenerating): its checkpoint is what
-    # that part is known to hold (its caller received), its segment that part's row: a recovery raises it.
-    lost: bool = False
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
@@ -152,14 +150,11 @@ class JournalEntry:
             "model": self.model,
             "prompt": self.prompt_tokens,
             "needs": _named(self.needs),
-            "kinds": {str(k): "spend" if k.row == "spend" else "tokens" for k in self.needs},  # older readers'
             "price": self.price.entity() if self.price is not None else None,
             "state": self.state,
         }
         if self.segment:
             doc["segment"] = self.segment
-        if self.lost:
-            doc["lost"] = True
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
@@ -187,7 +182,6 @@ class JournalEntry:
             segment=int(doc.get("segment") or 0),
             stream=doc.get("stream"),
             epoch=int(doc.get("epoch") or 1),
-            lost=bool(doc.get("lost")),
             state=doc.get("state") or "open",
             charges=[Charge.of(c) for c in doc.get("charges") or []],
             amounts=parsed(doc.get("amounts")),
@@ -557,42 +551,35 @@ class Recovery:
     async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
         """Step 2 for one entry: what it brings into each budget counter, less what others count."""
         if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part
-            return await self._raise(entry, dead, await self._logged(entry))
-        others: list[Charge] = []  # what someone else counts
-        for charge in entry.charges:
-            if charge.ops:  # a write made on what its row held (a stream's lost part): counted if it is in
-                if not await self.ledger.apply(charge):
-                    others.append(charge)
-            elif (there := await self.ledger.put(charge)) is not None and theirs(there, dead, TAKEOVER + dead):
-                others.append(charge)  # a stream's taker charged this part first, from its log: theirs
-        less = amounts(entry.needs, others)
+            return await self._raise(entry, TAKEOVER + dead, await self._logged(entry))
+        theirs = await self._write(entry.charges)  # (a stream's taker charged a part first: it counts it)
+        less = amounts(entry.needs, [c for c, t in zip(entry.charges, theirs, strict=True) if t])
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
         return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
 
-    async def _raise(self, entry: JournalEntry, dead: str, logged: int) -> dict[CounterKey, int]:
+    async def _raise(self, entry: JournalEntry, mine: str, logged: int) -> dict[CounterKey, int]:
         """Step 2 for an open entry: what its raise adds, counted once whatever takers raised the row
         by since (they count their own); a row at its checkpoint or above (a stream's taker charged
         the part from its log first) is left, counting nothing."""
-        mine = TAKEOVER + dead
         charge = entry.lost_charge(mine, logged)
-        keys = entry.needs
         for _ in range(MAX_ATTEMPTS):
             there = await self.ledger.find(charge)
-            was = Charge.of(there) if there is not None else None
-            done = raised_by(was.ops, mine) if was is not None else None
+            done = raised_by(Charge.of(there).ops, mine) if there is not None else None
             if done is not None:  # raised by this recovery (an earlier run, or another at once)
-                return amounts(keys, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
-            if was is None:
-                adds, cost = charge.total_tokens, charge.cost or 0
-                raised = replace(charge, ops=raise_op(mine, adds, cost))
-            elif was.total_tokens >= charge.total_tokens:
+                return amounts(entry.needs, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
+            if (raise_ := raised(there, charge, mine)) is None:
                 return {}
-            else:
-                adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
-                raised = replace(charge, author=was.author, ops=f"{was.ops} {raise_op(mine, adds, cost)}".strip())
-            if await self.ledger.put(raised, there.etag if there is not None else None) is None:
-                return amounts(keys, [replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)])
+            write, adds = raise_
+            if await self._write([write]) == [False]:  # (True: the row changed first: read it again)
+                return amounts(entry.needs, [adds])
         raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
+
+    async def _write(self, charges: list[Charge]) -> list[bool]:
+        """``Ledger.write`` for a recovery: each charge's row landed (False) or another's (True)."""
+        theirs = await self.ledger.write(charges)
+        if None in theirs:
+            raise StoreError("the usage ledger could not be written")
+        return [bool(t) for t in theirs]
 
     async def _give_back(
         self, key: CounterKey, dead: str, owed: list[tuple[JournalEntry, dict[CounterKey, int]]]

@@ -6,15 +6,15 @@ again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``:
 request started, the app's request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
-row landed counts it in the budget counters (``theirs``). A row holds a ``Charge``, and the ids of
-the raises it holds (``ops``: journal.py). The journal writes the charges it has listed, again until
-they land (``write``)."""
+row landed counts it in the budget counters. A row holds a ``Charge``, and the raises it holds
+(``ops``: ``raised``, the one way a row is raised: by a dead instance's recovery, journal.py, or by
+a stream's taker, accounting.charge_lost). Every row is written by ``write``."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -67,10 +67,8 @@ class Charge(Payer):
     upstream_id: str = ""  # the upstream's x-request-id
     at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     author: str = ""  # the instance that wrote it; a recovery: TAKEOVER + the dead instance's id
-    # A write made on what the row held (a stream's lost part, accounting.charge_lost): the ids of the
-    # writes whose counts the row holds, this one's last; ``over``: the ETag of the row it replaces
-    # (None: an insert). Its own write is in the row if its id is (``Ledger.apply``).
-    # A recovery's raise (or insert) of a row names itself and what it counted there (``raise_op``).
+    # A raise (``raised``): the raises the row holds, this one's last (``by=tokens/cost``); ``over``: the
+    # ETag of the row it is made on (None: an insert).
     ops: str = ""
     over: str | None = None
 
@@ -129,28 +127,33 @@ class Charge(Payer):
 TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
-def raise_op(author: str, tokens: int, cost: int) -> str:
-    """The id in a row's ``ops`` of a recovery's raise of a row (journal.py, ``Recovery._raise``):
-    who made it (``author``: TAKEOVER + the dead instance) and what it counted, so that the
-    recovery run again (or at once elsewhere) counts what it did, once."""
-    return f"{author}={tokens}/{cost}"
-
-
-def raised_by(ops: str, author: str) -> tuple[int, int] | None:
-    """What ``author``'s raise of a row counted (tokens, cost), if its ``raise_op`` is in ``ops``."""
+def raised_by(ops: str, by: str) -> tuple[int, int] | None:
+    """What ``by``'s raise of a row counted (tokens, cost), if its op (``raised``) is in ``ops``: a
+    recovery run again, or at once elsewhere, counts what it did, once."""
     for op in ops.split():
         who, _, counted = op.rpartition("=")
-        if who == author:
+        if who == by:
             tokens, _, cost = counted.partition("/")
             return int(tokens), int(cost)
     return None
 
 
-def theirs(row: Mapping[str, Any], *mine: str) -> bool:
-    """Whether a charge's row was written by another than ``mine`` (authors): a segment's row is
-    written once, by whoever comes first, and only that writer counts it in the budget counters
-    (a stream's taker charging the lost producer's part, its producer settling the same part)."""
-    return str(row.get("author") or "") not in mine
+def raised(there: Row | None, charge: Charge, by: str) -> tuple[Charge, Charge] | None:
+    """The one way a row is raised: the write that takes ``there`` (a charge's row as read; None:
+    there is none) to ``charge``, made on that row (its author kept, on its ETag: ``write`` lands it
+    if the row did not change first), its op ``by=tokens/cost`` naming who raised it (a recovery:
+    TAKEOVER + the dead instance; a stream's taker: an id of its own) and what it adds; and what it
+    adds, as a charge of the difference. None if the row holds as much already."""
+    if there is None:
+        adds, cost, write = charge.total_tokens, charge.cost or 0, charge
+    else:
+        was = Charge.of(there)
+        adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
+        if adds <= 0:
+            return None
+        write = replace(charge, author=was.author, ops=was.ops, over=there.etag)
+    write = replace(write, ops=f"{write.ops} {by}={adds}/{cost}".strip())
+    return write, replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)
 
 
 def day_of(seconds: float) -> str:
@@ -164,18 +167,18 @@ class Ledger:
     # --- writing ----------------------------------------------------------------------------
 
     async def write(self, charges: Sequence[Charge]) -> list[bool | None]:
-        """Write ``charges``: per partition, in transactions of up to 100 rows; one made on what its
-        row held (``ops``) on its own (``apply``). Per charge: None if it did not land (the store
-        failed: the journal writes it again), else whether its row is another instance's, found
-        there first (``theirs``: that writer counted it)."""
+        """Write ``charges``: per partition, in transactions of up to 100 rows; a raise (``raised``)
+        on its own. Per charge: None if it did not land (the store failed: write it again), else
+        whether its row is another instance's, found there first (that writer counted it), or, of a
+        raise, whether the row changed first (it counts nothing)."""
         found: dict[int, bool] = {}  # charge (index) -> theirs
         rows: dict[tuple[str, str], list[int]] = {}  # (partition, row key) -> its charges
         for i, charge in enumerate(charges):
             if not charge.ops:
                 rows.setdefault((charge.partition, charge.row_key), []).append(i)
                 continue
-            try:  # a write made on what its row held: one at a time (counted here if it is in the row)
-                found[i] = not await self.apply(charge)
+            try:
+                found[i] = not await self._raise(charge)
             except StoreError:
                 continue
             except Exception:  # a bug of ours: said loudly, counted nowhere, the rest goes on
@@ -200,8 +203,8 @@ class Ledger:
 
     async def _insert(self, charges: Sequence[Charge], chunk: list[list[int]], found: dict[int, bool]) -> None:
         """Insert a row per item of ``chunk`` (the charges of one row) as one transaction; a row
-        already there (written before, its answer lost; or another instance's: ``theirs``) is taken
-        out and the rest tried again. What landed goes into ``found``."""
+        already there (written before, its answer lost; or another instance's) is taken out and the
+        rest tried again. What landed goes into ``found``."""
         chunk = list(chunk)
         while chunk:
             try:
@@ -210,8 +213,9 @@ class Ledger:
             except AlreadyExists as exc:
                 index = exc.index or 0  # (None: the store did not say which)
                 row = chunk.pop(index if 0 <= index < len(chunk) else 0)
-                there = await self.find(charges[row[0]])
-                found.update(dict.fromkeys(row, there is not None and theirs(there, charges[row[0]].author)))
+                there = await self.find(charges[row[0]])  # theirs if another wrote it
+                theirs = there is not None and str(there.get("author") or "") != charges[row[0]].author
+                found.update(dict.fromkeys(row, theirs))
         for row in chunk:
             found.update(dict.fromkeys(row, False))
 
@@ -219,26 +223,21 @@ class Ledger:
         """The charge's row as the ledger holds it (written by whoever came first)."""
         return await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
 
-    async def put(self, charge: Charge, etag: str | None = None) -> Row | None:
-        """Write one charge now: inserted, or (``etag``: of its row as read) replacing that row on its
-        ETag. None if it landed, else the row that is there (written first, or changed meanwhile)."""
+    async def _raise(self, charge: Charge) -> bool:
+        """Write a raise (``raised``) on the row it was made on (``over``; None: inserted): True if
+        it is in the row, written now or before (its op is in the row's ``ops``); False if the row
+        changed first."""
         try:
-            if etag is None:
+            if charge.over is None:
                 await self.store.insert(USAGE_TABLE, charge.entity())
             else:
-                await self.store.replace(USAGE_TABLE, charge.entity(), etag=etag)
-            return None
-        except NotFound:  # the row it was to replace is gone: inserted
-            return await self.put(charge, None)
+                await self.store.replace(USAGE_TABLE, charge.entity(), etag=charge.over)
+            return True
+        except NotFound:  # the row it was made on is gone: inserted
+            return await self._raise(replace(charge, over=None))
         except (AlreadyExists, Modified):
-            return await self.find(charge)
-
-    async def apply(self, charge: Charge) -> bool:
-        """Write a charge made on what its row held (``ops``; ``over``: the ETag of the row it
-        replaces): True if it is in the row, written now or before (its id is in the row's ``ops``);
-        False if the row changed first."""
-        there = await self.put(charge, charge.over)
-        return there is None or charge.ops.split()[-1] in Charge.of(there).ops.split()
+            there = await self.find(charge)
+            return there is None or charge.ops.split()[-1] in Charge.of(there).ops.split()
 
     # --- reading ----------------------------------------------------------------------------
 

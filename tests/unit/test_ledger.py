@@ -18,7 +18,7 @@ from memory_store import Fault, MemoryData, MemoryStore
 from chatstream.manage import as_csv, totals
 from chatstream.state.counters import Settlement
 from chatstream.state.journal import JournalEntry
-from chatstream.state.ledger import Charge, Ledger, Payer, day_of, summarize
+from chatstream.state.ledger import Charge, Ledger, Payer, day_of, raised, raised_by, summarize
 from chatstream.state.shared import SharedState
 from chatstream.state.store import USAGE_TABLE
 
@@ -81,10 +81,22 @@ async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segm
     assert all(r["PartitionKey"] == "u:id-a" for r in found)
     # Another instance's row, found there first: theirs (that writer counted it).
     assert await ledger.write([replace(first, author="instance-b"), charge(request_id="next")]) == [True, False]
-    # Written now (a takeover): None when it landed, else the row that was there.
-    assert await ledger.put(charge(request_id="new")) is None
-    there = await ledger.put(charge(request_id="resp_1/odd#id?\n", prompt=1))
-    assert there is not None and there["prompt_tokens"] == 10 and there["author"] == "instance-a"
+    # A raise (a stream's taker, a recovery): made on the row as read, its author kept; it lands once
+    # (again: in the row); one made on a row that changed since counts nothing.
+    row = await ledger.find(first)
+    up = raised(row, replace(first, completion_tokens=30, cost=7, author="instance-c"), "op1")
+    late = raised(row, replace(first, completion_tokens=25, cost=5), "op2")
+    assert raised(row, first, "op3") is None  # the row holds as much
+    assert up is not None and late is not None and up[1].total_tokens == 10 and up[1].cost == 7
+    assert await ledger.write([up[0]]) == [False] and await ledger.write([up[0]]) == [False]
+    assert await ledger.write([late[0]]) == [True]
+    there = await ledger.find(first)
+    assert there is not None and there["completion_tokens"] == 30 and there["author"] == "instance-a"
+    assert raised_by(there["ops"], "op1") == (10, 7) and raised_by(there["ops"], "op2") is None
+    # A row as the previous version left it (a taker's op a bare id) is raised the same, and an op of
+    # this one reads as no recovery's there (the previous version looks for "takeover:<id>=" only).
+    assert raised_by("a1b2c3 takeover:x=5/7 d4e5f6=1/2", "takeover:x") == (5, 7)
+    assert raised_by("a1b2c3 d4e5f6=1/2", "a1b2c3") is None
     # 10 concurrent writes of one request: one row.
     same = await asyncio.gather(*(ledger.write([charge(request_id="same", day="20261104")]) for _ in range(10)))
     assert same == [[False]] * 10
@@ -282,7 +294,7 @@ async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row(
     c = charge(request_id="r", cost=None, team="t", cached=3)
     assert Charge.of(asdict(c)) == c
     ledger = Ledger(MemoryStore(MemoryData()))
-    assert await ledger.put(c) is None
+    assert await ledger.write([c]) == [False]
     there = await ledger.find(c)
     assert there is not None and Charge.of(there) == c  # its day from the RowKey
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
