@@ -211,10 +211,10 @@ def _names(models: list[str]) -> list[str]:
     return models
 
 
-class _Limits(BaseModel):
-    """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
-    USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
-    default)."""
+class TeamPatch(BaseModel):
+    """A change to a team: the fields given change (``null`` removes a limit or the model list, and
+    sets the default period). Each is validated into what a caller or team keeps (``Limits``): USD
+    into pico-dollars, the model list into a tuple. The other requests add to it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -276,33 +276,24 @@ def _before_9000(value: datetime | None) -> datetime | None:
     return value
 
 
-class _Name(BaseModel):
-    name: Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
+Name = Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
 
 
-class _CallerOnly(BaseModel):
-    """What a caller has and a team has not."""
+class CallerPatch(TeamPatch):
+    """A change to a caller: the fields given change (``null`` also removes the team or the expiry);
+    the name cannot change."""
 
     expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
     team: Annotated[str | None, _name("not a team name")] = None
 
 
-class CallerSpec(_Limits, _Name, _CallerOnly):
+class CallerSpec(CallerPatch):
     """A new caller."""
 
-
-class CallerPatch(_Limits, _CallerOnly):
-    """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
-    team or the expiry); the name cannot change."""
-
-    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
+    name: Name
 
 
-class TeamSpec(_Limits, _Name):
+class TeamSpec(TeamPatch):
     """A new team."""
 
-
-class TeamPatch(_Limits):
-    """A change to a team: the fields given change."""
-
-    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
+    name: Name
