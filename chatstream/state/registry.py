@@ -104,17 +104,22 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
-    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+    async def get(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
         """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
-        request's path), else read. An answer in the last ``AHEAD`` of its time is read again in the
-        background (module docstring), ``AHEAD_DELAY`` later: the request's upstream call goes first."""
+        request's path), else read (Unavailable, logged, when the store does not answer). An answer
+        in the last ``AHEAD`` of its time is read again in the background (module docstring),
+        ``AHEAD_DELAY`` later: the request's upstream call goes first."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
             if key not in self._pending and kept[0] - self.clock() <= self.seconds * AHEAD:
                 self._read(key, read, AHEAD_DELAY).add_done_callback(_failed_ahead)
             return kept[1]
-        return await asyncio.shield(self._pending.get(key) or self._read(key, read))
+        try:
+            return await asyncio.shield(self._pending.get(key) or self._read(key, read))
+        except StoreError as exc:
+            log.warning("caller store: %s failed: %s", what, exc)
+            return Unavailable()
 
     def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> asyncio.Future:
         async def reading() -> Any:
@@ -198,14 +203,7 @@ class Registry:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
             return self._read(cls, row) if row is not None else None
 
-        return await self._kept(row_key, read, what)
-
-    async def _kept(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
-        try:
-            return await self.cache.get(key, read)
-        except StoreError as exc:
-            log.warning("caller store: %s failed: %s", what, exc)
-            return Unavailable()
+        return await self.cache.get(row_key, read, what)
 
     async def team_of(self, caller: Caller) -> Team | Unreadable | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
@@ -228,7 +226,7 @@ class Registry:
         async def read() -> Prices:
             return Prices(await self._all(Price, bound=self.store.clock.patience()))
 
-        return await self._kept(PRICES, read, "price read")
+        return await self.cache.get(PRICES, read, "price read")
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
