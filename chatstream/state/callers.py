@@ -77,9 +77,10 @@ class ModelLimit(BaseModel):
 
 @dataclass(frozen=True, config=ConfigDict(strict=True))
 class Stored:
-    """A caller, team or price (pydantic checks its types, strictly, whenever one is made), as its row
-    keeps its properties (``entity``) and back (``of``; a property left out or empty: the field's
-    default): times as ISO text, the model list and the per-model limits as JSON."""
+    """A caller, team, price or owner row (owners.py; pydantic checks its types, strictly, whenever
+    one is made), as its row keeps its properties (``entity``) and back (``of``; a property left out
+    or empty: the field's default): times as ISO text, the model list, the per-model limits and a
+    price (an owner row's) as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -91,6 +92,8 @@ class Stored:
                 item = json.dumps(list(item))
             elif f.name == "model_limits":
                 item = json.dumps({m: limit.model_dump() for m, limit in item.items()}) if item else None
+            elif isinstance(item, Stored):
+                item = json.dumps(item.entity())
             row[f.name] = item
         return row
 
