@@ -258,24 +258,23 @@ class Registry:
         name = row.get("model" if cls is Price else "name")
         if not isinstance(name, str):  # (a key index's row key is no name)
             name = "" if row["RowKey"].startswith("k|") else unquote(row["RowKey"][2:])
-        found_id = row.get("id")
-        scope = "team" if cls is Team else "caller"
-        unreadable = Unreadable(scope, name, str(error), found_id if isinstance(found_id, str) else None)
         if (row["RowKey"], row.etag) not in self._logged:
             if len(self._logged) > 1000:
                 self._logged.clear()
             self._logged.add((row["RowKey"], row.etag))
             whose = {Price: "its model's", Team: "its callers'", Caller: "its key's"}[cls]
-            key = log_safe(row["RowKey"])[:90]
             log.error(
                 "%s row %r of table %s is unreadable (%s): %s requests are refused until it is set again or deleted",
                 cls.__name__.lower(),
-                key,
+                log_safe(row["RowKey"])[:90],
                 CALLERS_TABLE,
                 error,
                 whose,
             )
-        return unreadable
+        found_id = row.get("id")
+        return Unreadable(
+            "team" if cls is Team else "caller", name, str(error), found_id if isinstance(found_id, str) else None
+        )
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -391,10 +390,8 @@ class Registry:
             # (an unreadable caller row of the team's counts too)
             if cls is Team and (members := await self._all(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-            if not isinstance(kept, Unreadable):
-                return _ops("delete", kept, key_hash, etag), kept
             ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
-            if cls is Caller:  # its key index: the one its row names, else any that names it
+            if cls is Caller:  # its key index: the one its row names, else (unreadable) any that names it
                 if key_hash:
                     index = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=ADMIN_TIMEOUT)
                     indexes = [index] if index is not None else []
