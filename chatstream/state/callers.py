@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -125,8 +125,13 @@ class Stored:
 
 @dataclass(frozen=True, kw_only=True)
 class Limits(Stored):
-    """What a caller and a team both have: the limits a request must fit, and the models it may use."""
+    """What a caller and a team both have: a name and an id, the limits a request must fit, and the
+    models it may use."""
 
+    SCOPE: ClassVar[Literal["caller", "team"]] = "caller"
+    name: str
+    id: str  # made at creation: one deleted and created again under its name starts afresh
+    created_at: datetime
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
     token_budget: int | None = None
@@ -138,34 +143,25 @@ class Limits(Stored):
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
-
-@dataclass(frozen=True, kw_only=True)
-class Team(Limits):
-    name: str
-    id: str  # made at creation: a team deleted and created again under its name starts afresh
-    created_at: datetime
-
     @property
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
-        return limits_partition("team", self.name, self.id)
+        return limits_partition(self.SCOPE, self.name, self.id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Team(Limits):
+    SCOPE: ClassVar[Literal["caller", "team"]] = "team"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Caller(Limits):
     """A caller as the request path sees it (never its key)."""
 
-    name: str
-    id: str  # made at creation: a caller deleted and created again under its name starts afresh
     team: str | None = None
     team_id: str | None = None
     expires_at: datetime | None = None
-    created_at: datetime
     key_hint: str = ""  # the key's last 4 characters, to tell keys apart
-
-    @property
-    def limits_partition(self) -> str:
-        return limits_partition("caller", self.name, self.id)
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
