@@ -113,20 +113,20 @@ class _Cache:
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
             if key not in self._pending and kept[0] - self.clock() <= self.seconds * AHEAD:
-                self._read(key, read, AHEAD_DELAY).add_done_callback(_failed_ahead)
+                self._read(key, read, what, AHEAD_DELAY)
             return kept[1]
-        try:
-            return await asyncio.shield(self._pending.get(key) or self._read(key, read))
-        except StoreError as exc:
-            log.warning("caller store: %s failed: %s", what, exc)
-            return Unavailable()
+        return await asyncio.shield(self._pending.get(key) or self._read(key, read, what))
 
-    def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> asyncio.Future:
+    def _read(self, key: str, read: Callable[[], Awaitable[Any]], what: str, delay: float = 0.0) -> asyncio.Future:
         async def reading() -> Any:
             if delay:
                 await asyncio.sleep(delay)
-            asked = self.clock()  # kept from when it was asked for: a change after that takes effect
-            value = await read()  # at most ``seconds`` after it was made, exactly
+            asked = self.clock()  # kept from then: a change after it takes effect within ``seconds``, exactly
+            try:
+                value = await read()
+            except StoreError as exc:  # not kept: the next request asks again
+                log.warning("caller store: %s%s failed: %s", what, " ahead" if delay else "", exc)
+                return Unavailable()
             self._kept[key] = (asked + self.seconds, value)
             self._kept.move_to_end(key)
             while len(self._kept) > self.size:
@@ -148,11 +148,6 @@ class _Cache:
 
     def forget(self, key: str) -> None:
         self._kept.pop(key, None)
-
-
-def _failed_ahead(read: asyncio.Future) -> None:
-    if not read.cancelled() and read.exception() is not None:  # the next request reads it
-        log.warning("caller store: a cached answer could not be read again ahead: %s", read.exception())
 
 
 class Registry:
