@@ -117,9 +117,7 @@ class Instances:
         something of ours before they can see we are alive."""
         self._start()
         if self._first is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(within):
-                    await asyncio.shield(self._first)
+            await asyncio.wait([self._first], timeout=within)
 
     def serve(self) -> None:
         """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
@@ -207,9 +205,7 @@ class Instances:
         if instance == self.id:
             return not self._closed
         row = await self._row_of(instance)
-        if row is None:
-            return False
-        return self._past_lease(row) <= 0 or (not row.get("taken_by") and not self._can_judge())
+        return row is not None and (self._past_lease(row) <= 0 or (not row.get("taken_by") and not self._can_judge()))
 
     async def silent_for(self, instance: str) -> float:
         """How long ``instance`` has been past its lease, by the store's clock (0.0 while it beats;
