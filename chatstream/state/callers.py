@@ -79,8 +79,8 @@ class ModelLimit(BaseModel):
 class Stored:
     """A caller, team, price or owner row (owners.py; pydantic checks its types, strictly, whenever
     one is made), as its row keeps its properties (``entity``) and back (``of``; a property left out
-    or empty: the field's default): times as ISO text, the model list, the per-model limits and a
-    price (an owner row's) as JSON."""
+    or empty: the field's default; a whole-number Double, a number typed in by hand, as its integer):
+    times as ISO text, the model list, the per-model limits and a price (an owner row's) as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -109,6 +109,8 @@ class Stored:
                 elif name in ("models", "model_limits"):
                     item = json.loads(item)
                     values[name] = tuple(item) if name == "models" and isinstance(item, list) else item
+                elif isinstance(item, float) and item.is_integer():
+                    values[name] = int(item)
             except json.JSONDecodeError:
                 raise ValueError(f"{name}: not JSON") from None
             except (TypeError, ValueError):
