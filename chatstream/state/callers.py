@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -256,10 +256,6 @@ class TeamPatch(BaseModel):
             if limit.tokens_per_minute is None and limit.requests_per_minute is None:
                 raise ValueError(f"[{model[:64]}] names no limit")
         return limits
-
-    def values(self, given: Iterable[str]) -> dict[str, Any]:
-        """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
-        return {f: getattr(self, f) for f in given if f != "team"}
 
 
 def _name(message: str) -> BeforeValidator:

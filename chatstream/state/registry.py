@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -280,9 +280,16 @@ class Registry:
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
 
-    def _future(self, expires_at: datetime | None) -> None:
-        if expires_at is not None and expires_at.timestamp() <= self.clock():
-            raise Invalid("expires_at: must be in the future", "expires_at")
+    async def _values(self, data: TeamPatch, given: Iterable[str]) -> dict[str, Any]:
+        """The fields ``given`` of what an admin said as a caller's or team's values, the one reading
+        of it: a caller's expiry in the future, its team one that exists (and its id)."""
+        values = {f: getattr(data, f) for f in given if f != "team"}
+        if isinstance(data, CallerPatch):
+            if "expires_at" in given and data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
+                raise Invalid("expires_at: must be in the future", "expires_at")
+            if "team" in given:
+                values["team"], values["team_id"] = await self._team_ref(data.team)
+        return values
 
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
@@ -331,15 +338,10 @@ class Registry:
 
     async def create(self, data: CallerSpec | TeamSpec) -> tuple[Caller | Team, str]:
         """A new caller and its key (shown this once), or a new team (and no key: "")."""
-        values = {"id": secrets.token_hex(6), "created_at": self._now(), **data.values(type(data).model_fields)}
-        key = ""
-        if isinstance(data, CallerSpec):
-            self._future(data.expires_at)
-            team, team_id = await self._team_ref(data.team)
-            key = new_key()
-            made: Caller | Team = Caller(**values, team=team, team_id=team_id, key_hint=key[-4:])
-        else:
-            made = Team(**values)
+        said = await self._values(data, type(data).model_fields)
+        values = {"id": secrets.token_hex(6), "created_at": self._now(), **said}
+        key = new_key() if isinstance(data, CallerSpec) else ""
+        made = Caller(**values, key_hint=key[-4:]) if isinstance(data, CallerSpec) else Team(**values)
         kind = type(made).__name__.lower()
         try:
             await self._write(_ops("insert", made, hash_key(key) if key else ""))
@@ -361,13 +363,9 @@ class Registry:
     async def update(self, cls: type[Kept], name: str, data: CallerPatch | TeamPatch) -> Kept:
         """Change the fields ``data`` names (a caller's key stays)."""
         given = data.model_fields_set
-        if isinstance(data, CallerPatch) and "expires_at" in given:
-            self._future(data.expires_at)
+        values = await self._values(data, given)
 
         async def change(owner: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
-            values = data.values(given)
-            if isinstance(data, CallerPatch) and "team" in given:
-                values["team"], values["team_id"] = await self._team_ref(data.team)
             updated = replace(owner, **values)
             return _ops("replace", updated, key_hash, etag), updated
 
