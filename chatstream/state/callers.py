@@ -14,11 +14,11 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -77,9 +77,10 @@ class ModelLimit(BaseModel):
 
 @dataclass(frozen=True, config=ConfigDict(strict=True))
 class Stored:
-    """A caller, team or price (pydantic checks its types, strictly, whenever one is made), as its row
-    keeps its properties (``entity``) and back (``of``; a property left out or empty: the field's
-    default): times as ISO text, the model list and the per-model limits as JSON."""
+    """A caller, team, price or owner row (owners.py; pydantic checks its types, strictly, whenever
+    one is made), as its row keeps its properties (``entity``) and back (``of``; a property left out
+    or empty: the field's default; a whole-number Double, a number typed in by hand, as its integer):
+    times as ISO text, the model list, the per-model limits and a price (an owner row's) as JSON."""
 
     def entity(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -91,6 +92,8 @@ class Stored:
                 item = json.dumps(list(item))
             elif f.name == "model_limits":
                 item = json.dumps({m: limit.model_dump() for m, limit in item.items()}) if item else None
+            elif isinstance(item, Stored):
+                item = json.dumps(item.entity())
             row[f.name] = item
         return row
 
@@ -106,6 +109,8 @@ class Stored:
                 elif name in ("models", "model_limits"):
                     item = json.loads(item)
                     values[name] = tuple(item) if name == "models" and isinstance(item, list) else item
+                elif isinstance(item, float) and item.is_integer():
+                    values[name] = int(item)
             except json.JSONDecodeError:
                 raise ValueError(f"{name}: not JSON") from None
             except (TypeError, ValueError):
@@ -122,8 +127,13 @@ class Stored:
 
 @dataclass(frozen=True, kw_only=True)
 class Limits(Stored):
-    """What a caller and a team both have: the limits a request must fit, and the models it may use."""
+    """What a caller and a team both have: a name and an id, the limits a request must fit, and the
+    models it may use."""
 
+    SCOPE: ClassVar[Literal["caller", "team"]] = "caller"
+    name: str
+    id: str  # made at creation: one deleted and created again under its name starts afresh
+    created_at: datetime
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
     token_budget: int | None = None
@@ -135,34 +145,25 @@ class Limits(Stored):
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
-
-@dataclass(frozen=True, kw_only=True)
-class Team(Limits):
-    name: str
-    id: str  # made at creation: a team deleted and created again under its name starts afresh
-    created_at: datetime
-
     @property
     def limits_partition(self) -> str:
         """Its counters' partition in ``chatstreamLimits`` (counter_row.py)."""
-        return limits_partition("team", self.name, self.id)
+        return limits_partition(self.SCOPE, self.name, self.id)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Team(Limits):
+    SCOPE: ClassVar[Literal["caller", "team"]] = "team"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Caller(Limits):
     """A caller as the request path sees it (never its key)."""
 
-    name: str
-    id: str  # made at creation: a caller deleted and created again under its name starts afresh
     team: str | None = None
     team_id: str | None = None
     expires_at: datetime | None = None
-    created_at: datetime
     key_hint: str = ""  # the key's last 4 characters, to tell keys apart
-
-    @property
-    def limits_partition(self) -> str:
-        return limits_partition("caller", self.name, self.id)
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at.timestamp() <= now
@@ -211,10 +212,10 @@ def _names(models: list[str]) -> list[str]:
     return models
 
 
-class _Limits(BaseModel):
-    """The limits an admin gives, each validated into what a caller or team keeps (``Limits``):
-    USD into pico-dollars, the model list into a tuple, ``null`` into no limit (and the period's
-    default)."""
+class TeamPatch(BaseModel):
+    """A change to a team: the fields given change (``null`` removes a limit or the model list, and
+    sets the default period). Each is validated into what a caller or team keeps (``Limits``): USD
+    into pico-dollars, the model list into a tuple. The other requests add to it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -256,10 +257,6 @@ class _Limits(BaseModel):
                 raise ValueError(f"[{model[:64]}] names no limit")
         return limits
 
-    def values(self, given: Iterable[str]) -> dict[str, Any]:
-        """The fields ``given`` as a caller's or team's values: the one reading of what an admin said."""
-        return {f: getattr(self, f) for f in given if f != "team"}
-
 
 def _name(message: str) -> BeforeValidator:
     def check(value: object) -> object:
@@ -276,33 +273,24 @@ def _before_9000(value: datetime | None) -> datetime | None:
     return value
 
 
-class _Name(BaseModel):
-    name: Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
+Name = Annotated[str, _name("must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")]
 
 
-class _CallerOnly(BaseModel):
-    """What a caller has and a team has not."""
+class CallerPatch(TeamPatch):
+    """A change to a caller: the fields given change (``null`` also removes the team or the expiry);
+    the name cannot change."""
 
     expires_at: Annotated[AwareDatetime | None, AfterValidator(_before_9000)] = None
     team: Annotated[str | None, _name("not a team name")] = None
 
 
-class CallerSpec(_Limits, _Name, _CallerOnly):
+class CallerSpec(CallerPatch):
     """A new caller."""
 
-
-class CallerPatch(_Limits, _CallerOnly):
-    """A change to a caller: the fields given change (``null`` removes a limit, the model list, the
-    team or the expiry); the name cannot change."""
-
-    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
+    name: Name
 
 
-class TeamSpec(_Limits, _Name):
+class TeamSpec(TeamPatch):
     """A new team."""
 
-
-class TeamPatch(_Limits):
-    """A change to a team: the fields given change."""
-
-    budget_period: Period | None = None  # type: ignore[assignment] - a patch may leave it out
+    name: Name

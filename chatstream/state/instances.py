@@ -10,8 +10,8 @@ is alive, who died, and who does the work one instance does for all.
   beat: this incarnation is over (``fenced``: what it held was taken over); it beats on under a new id.
 - **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free, finds the
   dead instances (one query) and takes each over: its row taken, what it owed settled (``recover``:
-  journal.py), its row deleted; and runs the periodic sweeps (``sweeps``). The others read the duty
-  row, one point read per ``duty_seconds``.
+  journal.py), its row deleted; and runs the periodic sweeps (``sweeps``). Every instance reads the
+  duty row, one point read per ``duty_seconds``; the holder then rewrites it, under its ETag.
 
 Every store call here is bounded; a failed one is tried again at the next tick, and no loop here
 ends on an error (liveness would go with it): unexpected ones are logged."""
@@ -81,7 +81,6 @@ class Instances:
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
-        self._duty_etag: str | None = None  # the duty row's, while this instance holds it
         self._recover = recover
         self._sweeps = [(seconds, sweep, [0.0]) for seconds, sweep in sweeps]
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
@@ -117,9 +116,7 @@ class Instances:
         something of ours before they can see we are alive."""
         self._start()
         if self._first is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(within):
-                    await asyncio.shield(self._first)
+            await asyncio.wait([self._first], timeout=within)
 
     def serve(self) -> None:
         """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
@@ -207,9 +204,7 @@ class Instances:
         if instance == self.id:
             return not self._closed
         row = await self._row_of(instance)
-        if row is None:
-            return False
-        return self._past_lease(row) <= 0 or (not row.get("taken_by") and not self._can_judge())
+        return row is not None and (self._past_lease(row) <= 0 or (not row.get("taken_by") and not self._can_judge()))
 
     async def silent_for(self, instance: str) -> float:
         """How long ``instance`` has been past its lease, by the store's clock (0.0 while it beats;
@@ -252,22 +247,16 @@ class Instances:
         """Hold the duty (refresh it, or take it when it is free), then do it."""
         now = self.store.clock.now()
         row = {"PartitionKey": PARTITION, "RowKey": DUTY, "holder": self.id, "at": now}
-        if self._duty_etag is not None:
-            try:
-                self._duty_etag = await self.store.replace(STREAMS_TABLE, row, etag=self._duty_etag)
-            except (NotFound, Modified):
-                self._duty_etag = None  # another instance took it (or a write of ours landed unanswered)
-        if self._duty_etag is None:
-            current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
-            try:
-                if current is None:
-                    self._duty_etag = await self.store.insert(STREAMS_TABLE, row)
-                elif await self._free(current, now):
-                    self._duty_etag = await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
-                else:
-                    return
-            except (AlreadyExists, NotFound, Modified):
-                return  # another instance was first
+        current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
+        try:
+            if current is None:
+                await self.store.insert(STREAMS_TABLE, row)
+            elif await self._free(current, now):  # (ours, refreshed; or free, taken)
+                await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
+            else:
+                return
+        except (AlreadyExists, NotFound, Modified):
+            return  # another instance was first
         await self._do_duty()
 
     async def _free(self, duty: dict, now: float) -> bool:

@@ -18,11 +18,12 @@ import contextlib
 import json
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
+
+from pydantic.dataclasses import dataclass
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreUnavailable
-from .callers import Caller
+from .callers import Caller, Stored
 from .prices import Price
 from .store import RESPONSES_TABLE, Store, Where, key_part
 
@@ -31,47 +32,27 @@ RESPONSE_LIFETIME = 30 * 86400.0
 
 
 @dataclass(frozen=True)
-class Owned:
+class Owned(Stored):
     """An owner row: who created the object, and what a background response reserved."""
 
     caller_id: str  # (a row claimed before ids names its caller: ``name:<its name>``)
-    context: int = 0  # tokens a continuation of it carries (0: not known)
+    context: int = 0  # tokens a continuation of it carries (0: not known; ``set_context``)
     reserved: int = 0  # a background response: the tokens it reserved...
     reserved_spend: int = 0  # ...the money (pico-USD)...
     reserved_at: float = 0.0  # ...and when
     price: Price | None = None  # ...at the price it was admitted at (None: unpriced, or rows before it)
     charged: bool = False  # by the request that created it: ``first_charge`` is never true for it
 
-    def entity(self) -> dict[str, Any]:
-        """Its row's properties as a claim writes them (``context`` comes with ``set_context``)."""
-        return {
-            "caller_id": self.caller_id,
-            "charged": self.charged,
-            "reserved": self.reserved,
-            "reserved_spend": self.reserved_spend,
-            "reserved_at": self.reserved_at,
-            "price": json.dumps(self.price.entity()) if self.price is not None else None,
-        }
-
     def by(self, caller: Caller) -> bool:
         """Whether ``caller`` created it."""
         return self.caller_id in (caller.id, f"name:{caller.name}")
 
     @classmethod
-    def of(cls, row: Mapping[str, Any]) -> Owned | None:
-        """The row as written (None: it names no owner)."""
+    def of(cls, row: Mapping[str, Any]) -> Self:
+        """The row as written; ValueError when it names no owner (a charge mark without a claim)."""
         owner = row.get("caller_id") or (f"name:{row['caller']}" if row.get("caller") else None)
-        if not owner:
-            return None
-        return cls(
-            str(owner),
-            int(row.get("context") or 0),
-            int(row.get("reserved") or 0),
-            int(row.get("reserved_spend") or 0),
-            float(row.get("reserved_at") or 0.0),
-            Price.of(json.loads(row["price"])) if row.get("price") else None,
-            bool(row.get("charged")),
-        )
+        price = Price.of(json.loads(row["price"])) if row.get("price") else None
+        return super().of({**row, "caller_id": owner, "price": price})
 
 
 class Owners:
@@ -98,7 +79,7 @@ class Owners:
         """Who created ``kind``/``id`` (None: nobody claimed it). A route answers 404 to anyone else
         (the object's existence is not revealed)."""
         row = await self.store.get(RESPONSES_TABLE, key_part(id), kind)
-        return Owned.of(row) if row is not None else None
+        return Owned.of(row) if row is not None and (row.get("caller_id") or row.get("caller")) else None
 
     async def set_context(self, kind: str, id: str, tokens: int) -> None:
         """A finished response's size (input + output tokens): what continuing it will carry."""

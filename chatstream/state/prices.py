@@ -9,10 +9,10 @@ it, and its requests are refused until an admin sets its price again."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, Self
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, field_validator
 from pydantic.dataclasses import dataclass
@@ -31,16 +31,6 @@ class Price(Stored):
     cached_input: NonNegativeInt
     output: NonNegativeInt
     updated_at: datetime
-
-    @classmethod
-    def of(cls, row: Mapping[str, Any]) -> Self:
-        """The price a row keeps; ValueError, saying why, when the row holds none (module docstring).
-        A whole-number Double (an amount typed in by hand) reads as its integer."""
-        whole = {}
-        for name in ("input", "cached_input", "output"):
-            if isinstance(amount := row.get(name), float) and amount.is_integer():
-                whole[name] = int(amount)
-        return super().of({**row, **whole})
 
     def cost(self, prompt: int, cached: int, completion: int) -> int:
         """The cost in pico-USD of this usage (``cached`` is part of ``prompt``)."""

@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -104,24 +104,29 @@ class _Cache:
         kept = self._kept.get(key)
         return key in self._pending or (kept is not None and (kept[1] is not None or kept[0] > self.clock()))
 
-    async def get(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+    async def get(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
         """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
-        request's path), else read. An answer in the last ``AHEAD`` of its time is read again in the
-        background (module docstring), ``AHEAD_DELAY`` later: the request's upstream call goes first."""
+        request's path), else read (Unavailable, logged, when the store does not answer). An answer
+        in the last ``AHEAD`` of its time is read again in the background (module docstring),
+        ``AHEAD_DELAY`` later: the request's upstream call goes first."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
             if key not in self._pending and kept[0] - self.clock() <= self.seconds * AHEAD:
-                self._read(key, read, AHEAD_DELAY).add_done_callback(_failed_ahead)
+                self._read(key, read, what, AHEAD_DELAY)
             return kept[1]
-        return await asyncio.shield(self._pending.get(key) or self._read(key, read))
+        return await asyncio.shield(self._pending.get(key) or self._read(key, read, what))
 
-    def _read(self, key: str, read: Callable[[], Awaitable[Any]], delay: float = 0.0) -> asyncio.Future:
+    def _read(self, key: str, read: Callable[[], Awaitable[Any]], what: str, delay: float = 0.0) -> asyncio.Future:
         async def reading() -> Any:
             if delay:
                 await asyncio.sleep(delay)
-            asked = self.clock()  # kept from when it was asked for: a change after that takes effect
-            value = await read()  # at most ``seconds`` after it was made, exactly
+            asked = self.clock()  # kept from then: a change after it takes effect within ``seconds``, exactly
+            try:
+                value = await read()
+            except StoreError as exc:  # not kept: the next request asks again
+                log.warning("caller store: %s%s failed: %s", what, " ahead" if delay else "", exc)
+                return Unavailable()
             self._kept[key] = (asked + self.seconds, value)
             self._kept.move_to_end(key)
             while len(self._kept) > self.size:
@@ -143,11 +148,6 @@ class _Cache:
 
     def forget(self, key: str) -> None:
         self._kept.pop(key, None)
-
-
-def _failed_ahead(read: asyncio.Future) -> None:
-    if not read.cancelled() and read.exception() is not None:  # the next request reads it
-        log.warning("caller store: a cached answer could not be read again ahead: %s", read.exception())
 
 
 class Registry:
@@ -198,14 +198,7 @@ class Registry:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
             return self._read(cls, row) if row is not None else None
 
-        return await self._kept(row_key, read, what)
-
-    async def _kept(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
-        try:
-            return await self.cache.get(key, read)
-        except StoreError as exc:
-            log.warning("caller store: %s failed: %s", what, exc)
-            return Unavailable()
+        return await self.cache.get(row_key, read, what)
 
     async def team_of(self, caller: Caller) -> Team | Unreadable | Unavailable | None:
         """The caller's team (None: it has none, or it is gone: a team with callers cannot be
@@ -228,7 +221,7 @@ class Registry:
         async def read() -> Prices:
             return Prices(await self._all(Price, bound=self.store.clock.patience()))
 
-        return await self._kept(PRICES, read, "price read")
+        return await self.cache.get(PRICES, read, "price read")
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
@@ -260,24 +253,23 @@ class Registry:
         name = row.get("model" if cls is Price else "name")
         if not isinstance(name, str):  # (a key index's row key is no name)
             name = "" if row["RowKey"].startswith("k|") else unquote(row["RowKey"][2:])
-        found_id = row.get("id")
-        scope = "team" if cls is Team else "caller"
-        unreadable = Unreadable(scope, name, str(error), found_id if isinstance(found_id, str) else None)
         if (row["RowKey"], row.etag) not in self._logged:
             if len(self._logged) > 1000:
                 self._logged.clear()
             self._logged.add((row["RowKey"], row.etag))
             whose = {Price: "its model's", Team: "its callers'", Caller: "its key's"}[cls]
-            key = log_safe(row["RowKey"])[:90]
             log.error(
                 "%s row %r of table %s is unreadable (%s): %s requests are refused until it is set again or deleted",
                 cls.__name__.lower(),
-                key,
+                log_safe(row["RowKey"])[:90],
                 CALLERS_TABLE,
                 error,
                 whose,
             )
-        return unreadable
+        found_id = row.get("id")
+        return Unreadable(
+            "team" if cls is Team else "caller", name, str(error), found_id if isinstance(found_id, str) else None
+        )
 
     async def _write(self, ops: list[Op]) -> None:
         """Write ``ops`` (one transaction); what this instance kept of their rows is dropped."""
@@ -288,9 +280,16 @@ class Registry:
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.clock(), UTC)
 
-    def _future(self, expires_at: datetime | None) -> None:
-        if expires_at is not None and expires_at.timestamp() <= self.clock():
-            raise Invalid("expires_at: must be in the future", "expires_at")
+    async def _values(self, data: TeamPatch, given: Iterable[str]) -> dict[str, Any]:
+        """The fields ``given`` of what an admin said as a caller's or team's values, the one reading
+        of it: a caller's expiry in the future, its team one that exists (and its id)."""
+        values = {f: getattr(data, f) for f in given if f != "team"}
+        if isinstance(data, CallerPatch):
+            if "expires_at" in given and data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
+                raise Invalid("expires_at: must be in the future", "expires_at")
+            if "team" in given:
+                values["team"], values["team_id"] = await self._team_ref(data.team)
+        return values
 
     async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
         if name is None:
@@ -339,15 +338,10 @@ class Registry:
 
     async def create(self, data: CallerSpec | TeamSpec) -> tuple[Caller | Team, str]:
         """A new caller and its key (shown this once), or a new team (and no key: "")."""
-        values = {"id": secrets.token_hex(6), "created_at": self._now(), **data.values(type(data).model_fields)}
-        key = ""
-        if isinstance(data, CallerSpec):
-            self._future(data.expires_at)
-            team, team_id = await self._team_ref(data.team)
-            key = new_key()
-            made: Caller | Team = Caller(**values, team=team, team_id=team_id, key_hint=key[-4:])
-        else:
-            made = Team(**values)
+        said = await self._values(data, type(data).model_fields)
+        values = {"id": secrets.token_hex(6), "created_at": self._now(), **said}
+        key = new_key() if isinstance(data, CallerSpec) else ""
+        made = Caller(**values, key_hint=key[-4:]) if isinstance(data, CallerSpec) else Team(**values)
         kind = type(made).__name__.lower()
         try:
             await self._write(_ops("insert", made, hash_key(key) if key else ""))
@@ -369,13 +363,9 @@ class Registry:
     async def update(self, cls: type[Kept], name: str, data: CallerPatch | TeamPatch) -> Kept:
         """Change the fields ``data`` names (a caller's key stays)."""
         given = data.model_fields_set
-        if isinstance(data, CallerPatch) and "expires_at" in given:
-            self._future(data.expires_at)
+        values = await self._values(data, given)
 
         async def change(owner: Kept, key_hash: str, etag: str) -> tuple[list[Op], Kept]:
-            values = data.values(given)
-            if isinstance(data, CallerPatch) and "team" in given:
-                values["team"], values["team_id"] = await self._team_ref(data.team)
             updated = replace(owner, **values)
             return _ops("replace", updated, key_hash, etag), updated
 
@@ -393,10 +383,8 @@ class Registry:
             # (an unreadable caller row of the team's counts too)
             if cls is Team and (members := await self._all(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-            if not isinstance(kept, Unreadable):
-                return _ops("delete", kept, key_hash, etag), kept
             ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
-            if cls is Caller:  # its key index: the one its row names, else any that names it
+            if cls is Caller:  # its key index: the one its row names, else (unreadable) any that names it
                 if key_hash:
                     index = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=ADMIN_TIMEOUT)
                     indexes = [index] if index is not None else []

@@ -4,6 +4,7 @@ background response is charged exactly once across every instance, whatever answ
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime
 
 import pytest
@@ -43,7 +44,21 @@ def test_an_owner_is_its_caller_by_id_or_a_row_before_ids_by_name():
     old = Owned.of({"caller": "alice"})  # a row claimed before ids
     assert old is not None and old.by(alice) and old.by(again)
     assert not old.by(Caller(name="bob", id="alice-id", created_at=datetime.now(UTC)))
-    assert Owned.of({"context": 5}) is None
+    with pytest.raises(ValueError, match="caller_id"):  # a charge mark without a claim names nobody
+        Owned.of({"context": 5})
+
+
+def test_an_owner_row_reads_as_the_previous_version_wrote_it_and_writes_what_it_reads():
+    """The previous version wrote an owner row by hand (no ``context`` until ``set_context``, the
+    price as JSON text) and read one with ``int``/``float``/``bool``: both forms read the same."""
+    price = {"model": "m", "input": 1, "cached_input": 1, "output": 2, "updated_at": "2026-01-01T00:00:00Z"}
+    old = {"caller_id": "alice-id", "charged": False, "reserved": 500, "reserved_spend": 7, "reserved_at": 10.5}
+    owned = Owned.of(old | {"price": json.dumps(price), "created": 1.0, "expires": 2.0})
+    assert (owned.caller_id, owned.context, owned.reserved, owned.reserved_at) == ("alice-id", 0, 500, 10.5)
+    assert owned.price is not None and owned.price.output == 2 and not owned.charged
+    written = owned.entity()
+    assert written == old | {"context": 0, "price": json.dumps(price)}
+    assert Owned.of(written) == owned
 
 
 async def test_a_background_response_is_charged_once_across_instances():

@@ -564,6 +564,24 @@ async def test_an_unreadable_caller_refuses_its_key_saying_so_and_is_shown_and_d
     assert made.id != caller.id
 
 
+async def test_a_whole_number_typed_in_by_hand_reads_as_its_integer_in_every_kind():
+    """Storage Explorer types a number as a Double: 100.0 reads as 100 in a caller or team row as it
+    did in a price row (a caller's was unreadable, its key refused); 1.5 stays unreadable."""
+    data = MemoryData()
+    reg = registry(data)
+    _, key = await reg.create(CallerSpec(name="a", tokens_per_minute=5))
+    await reg.create(TeamSpec(name="t", token_budget=7))
+    for row_key in ("c|a", f"k|{hash_key(key)}"):
+        await spoil(data, row_key, tokens_per_minute=100.0)
+    await spoil(data, "t|t", token_budget=900.0)
+    found = await reg.authenticate(key)
+    assert isinstance(found, Caller) and found.tokens_per_minute == 100
+    team = await reg.get(Team, "t")
+    assert isinstance(team, Team) and team.token_budget == 900
+    await spoil(data, "t|t", token_budget=1.5)
+    assert isinstance(await reg.get(Team, "t"), Unreadable)
+
+
 async def test_an_unreadable_team_refuses_its_callers_saying_so_and_is_deleted_once_it_has_none():
     data = MemoryData()
     reg = registry(data)
@@ -593,6 +611,17 @@ async def test_a_caller_row_without_its_key_hash_is_deleted_with_the_key_index_t
     await reg.delete(Caller, "a")
     assert isinstance(await reg.authenticate(key), KeyRefused)
     assert isinstance(await reg.authenticate(other), Caller)
+
+
+async def test_a_caller_whose_key_index_is_gone_is_deleted():
+    """A readable caller row whose key index a hand edit removed: deleted (it was a 409 after five
+    tries, the transaction's delete of the missing index failing each time)."""
+    data = MemoryData()
+    reg = registry(data)
+    _, key = await reg.create(CallerSpec(name="a"))
+    await reg.store.delete(CALLERS_TABLE, "callers", f"k|{hash_key(key)}")
+    assert (await reg.delete(Caller, "a")).name == "a"
+    assert not data.tables[CALLERS_TABLE].get("callers")
 
 
 # --- what an admin may say ---------------------------------------------------------------------------
