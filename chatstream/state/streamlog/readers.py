@@ -6,7 +6,7 @@ registered in the producer's inbox so that it writes fast, its instance's livene
 reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
 and follows the continuation: one answer, ids going on, one final event. A reader after an id its
 dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers, with its inbox row (slots.py), while it
+text. Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it
 reads."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .format import (
     record_over,
     started_at,
 )
+from .inbox import Slot
 from .producer import Producer
-from .slots import Slot
 from .takeover import producer_gone
 
 # A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
@@ -279,7 +279,7 @@ class Reader:
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
-                    if not await self._slot.holding():  # its slot was taken (slots.py): the limit holds
+                    if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
                         self._done = True
                         yield self._ctx.encode_error(self.route, "store_unavailable", SLOT_LOST)
                         return
