@@ -341,10 +341,9 @@ class Reader:
                     if now >= state_at:
                         state_at = now + cfg.state_seconds
                         if await self._gone(now):
-                            out, done = await self._producer_gone()
-                            if out:
+                            if out := await self._producer_gone():
                                 yield out
-                            if done:
+                            if self._done:
                                 return
                         if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
                             last_new = now
@@ -413,14 +412,14 @@ class Reader:
         self._gone_at = None
         return True
 
-    async def _producer_gone(self) -> tuple[bytes, bool]:
+    async def _producer_gone(self) -> bytes:
         """Nobody produces the stream: what was stored last, then a takeover (or it went on
-        elsewhere meanwhile), else ``stream_lost``. (events to hand out, whether the reader is done)"""
+        elsewhere meanwhile), else ``stream_lost`` (the reading is over)."""
         out = await self._poll()  # one more read for what was stored last
         tail = self.tail
         assert self.record is not None
         if tail.end is not None or tail.broken:
-            return out, False  # over after all (or for this reader): the loop ends it
+            return out  # over after all (or for this reader): the loop ends it
         fresh = await self._reread()
         if (
             fresh.instance != self.record.instance
@@ -429,15 +428,15 @@ class Reader:
             or fresh.events is not None
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
-            return out, False
+            return out
         if fresh.state != "live" or not await self._streams.take_over(self.stream_id, tail.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
-            return out + self._lost("the stream's producer was lost"), True
+            return out + self._lost("the stream's producer was lost")
         self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
-        return out, False
+        return out
 
     def _lost(self, message: str) -> bytes:
         """The reading ends with our stream_lost."""
