@@ -6,11 +6,11 @@ through ``StreamLog`` (log.py, with its contract); everything it imports is name
 One module per concept, each one's docstring saying more: format.py, what is stored and what names
 it (the stream id, the record, the event log and its markers, ``Tail``); producer.py, a stream
 produced here, its events numbered, kept in memory and stored in the background (``Producer``);
-readers.py, following a stream from here or from the store (``Reader``); slots.py, a reader's hold
-on it (its slot: the per-stream reader limit across instances; its row in the producer's inbox);
-inbox.py, what other instances tell a producing one; takeover.py, one winner for a stream whose
-producer is gone (``Claim``); config.py, the tuning (``ResumeConfig``) and what the parts share
-(``Context``); errors.py, the domain errors.
+readers.py, following a stream from here or from the store (``Reader``); inbox.py, what a reader
+tells a producing instance through the store (a cancel; its hold: its slot, the per-stream reader
+limit across instances, and its row in the producer's inbox); takeover.py, one winner for a stream
+whose producer is gone (``Claim``); config.py, the tuning (``ResumeConfig``) and what the parts
+share (``Context``); errors.py, the domain errors.
 
 Liveness is ``Instances`` (state/instances.py): one bounded heartbeat row per instance, nothing per
 stream; every time that crosses instances is the store's clock. Sweeps run on one instance (the

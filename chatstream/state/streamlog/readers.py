@@ -6,7 +6,7 @@ registered in the producer's inbox so that it writes fast, its instance's livene
 reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
 and follows the continuation: one answer, ids going on, one final event. A reader after an id its
 dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers, with its inbox row (slots.py), while it
+text. Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it
 reads."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .format import (
     record_over,
     started_at,
 )
+from .inbox import Slot
 from .producer import Producer
-from .slots import Slot
 from .takeover import producer_gone
 
 # A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
@@ -57,70 +57,16 @@ Events = AsyncGenerator[bytes, None]
 
 async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
     """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``), counted in ``ctx.readers``
-    (it gives the count back once released). A store that fails: Unavailable (ask again)."""
+    from now (opens run at once) until it is released. A store that fails: Unavailable (ask again)."""
     if ctx.readers >= ctx.config.max_readers:
         raise TooManyReaders("too many readers on this instance")
-    ctx.readers += 1  # counted from now (opens run at once), given back if it is not opened
-    producer = streams.producing(stream_id)
+    reader = Reader(ctx, streams, stream_id, start)
     try:
-        if producer is None:
-            reader = await _open_stored(ctx, streams, stream_id, start, caller)
-        else:
-            if producer.owner is not None and producer.owner != caller:
-                raise StreamNotFound("no such stream")
-            never_stored = producer.never_stored(start)  # the reader ends with stream_lost at once
-            if start > producer.last_id and not producer.ended_lost and not never_stored:
-                raise PastTheEnd(start, producer.last_id)
-            slot = Slot(ctx, stream_id)
-            await slot.hold(None)  # even here: the limit is the stream's, on all instances
-            reader = Reader(ctx, streams, stream_id, producer.route, start, slot)
+        await reader._open(caller)
     except BaseException as exc:
-        ctx.readers -= 1
+        reader._release()
         if isinstance(exc, StoreError):
             raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        raise
-    reader._counted = True
-    return reader
-
-
-async def _open_stored(ctx: Context, streams: StreamLog, stream_id: str, after: int, caller: str | None) -> Reader:
-    """A stream produced elsewhere (or by nobody any more): its record, then its slot with the
-    reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
-    stream's row goes to the inbox of the instance whose stream a reader here opened last as the
-    record is read: the producer, most often (two instances: always), sees the reader one record
-    read sooner; when the record names another, the row moves there (``Slot.follow``)."""
-    slot = Slot(ctx, stream_id)
-    guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
-    record, _ = await asyncio.gather(
-        read_record(ctx, stream_id, caller),
-        slot.follow(guess) if guess is not None else asyncio.sleep(0),  # (failed: ``hold`` writes it again)
-        return_exceptions=True,
-    )
-    if not isinstance(record, Record):
-        slot.release()  # (the guess's row)
-        raise record
-    live = record.state == "live"
-    if live and record.instance != ctx.instances.id:
-        ctx.last_producer = record.instance
-    stored = record.log_from(0)  # ended before its first write: the whole log is in the record
-    held, data, _ = await asyncio.gather(
-        slot.hold(record.instance if live else None),
-        ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
-        # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
-        ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
-        return_exceptions=True,
-    )
-    if isinstance(held, BaseException) or not isinstance(data, bytes):
-        slot.release()  # (a failed hold let go already: once is enough)
-        raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
-    reader = Reader(ctx, streams, stream_id, record.route, after, slot, record)
-    try:
-        tail = reader.tail
-        reader._first = tail.feed(data)
-        if after > tail.last_id and not tail.broken:
-            reader._first += await reader._past_the_end(live)
-    except BaseException:
-        reader._release()  # (not counted yet)
         raise
     return reader
 
@@ -198,25 +144,17 @@ class Reader:
     the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
     its end."""
 
-    def __init__(
-        self,
-        ctx: Context,
-        streams: StreamLog,
-        stream_id: str,
-        route: str,
-        after: int,
-        slot: Slot,
-        record: Record | None = None,
-    ):
-        self._counted = False  # (True once opened: it holds one of ``ctx.readers``)
+    def __init__(self, ctx: Context, streams: StreamLog, stream_id: str, after: int):
+        ctx.readers += 1
+        self._counted = True  # (until released: it holds one of ``ctx.readers``)
         self._ctx = ctx
         self._cfg = ctx.config
         self._streams = streams
         self.stream_id = stream_id
-        self.route = route
+        self.route = ""  # (known once opened)
         self.after = after
-        self._slot = slot
-        self.record = record
+        self._slot = Slot(ctx, stream_id)
+        self.record: Record | None = None
         self.tail = Tail(after)
         self._done = False
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
@@ -269,6 +207,57 @@ class Reader:
     def __del__(self) -> None:
         self._release()
 
+    # -- opening -------------------------------------------------------------------------------
+
+    async def _open(self, caller: str | None) -> None:
+        """From the producer here, when it is here (else ``_open_stored``): checked, its slot held."""
+        producer = self._streams.producing(self.stream_id)
+        if producer is None:
+            return await self._open_stored(caller)
+        if producer.owner is not None and producer.owner != caller:
+            raise StreamNotFound("no such stream")
+        never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
+        if self.after > producer.last_id and not producer.ended_lost and not never_stored:
+            raise PastTheEnd(self.after, producer.last_id)
+        self.route = producer.route
+        await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
+
+    async def _open_stored(self, caller: str | None) -> None:
+        """A stream produced elsewhere (or by nobody any more): its record, then its slot with the
+        reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
+        stream's row goes to the inbox of the instance whose stream a reader here opened last as the
+        record is read: the producer, most often (two instances: always), sees the reader one record
+        read sooner; when the record names another, the row moves there (``Slot.follow``). (What it
+        holds when this fails is given back with the reader.)"""
+        ctx, slot, stream_id = self._ctx, self._slot, self.stream_id
+        guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
+        record, _ = await asyncio.gather(
+            read_record(ctx, stream_id, caller),
+            slot.follow(guess) if guess is not None else asyncio.sleep(0),  # (failed: ``hold`` writes it again)
+            return_exceptions=True,
+        )
+        if not isinstance(record, Record):
+            raise record
+        self.record, self.route = record, record.route
+        live = record.state == "live"
+        if live and record.instance != ctx.instances.id:
+            ctx.last_producer = record.instance
+        stored = record.log_from(0)  # ended before its first write: the whole log is in the record
+        held, data, _ = await asyncio.gather(
+            slot.hold(record.instance if live else None),
+            ctx.store.read(stream_id) if stored is None else asyncio.sleep(0, stored),
+            # Its blob made now if not yet (best effort): the producer's first write for this reader is one call.
+            ctx.store.append_create(stream_id) if live and stored is None else asyncio.sleep(0),
+            return_exceptions=True,
+        )
+        if isinstance(held, BaseException) or not isinstance(data, bytes):
+            raise held if isinstance(held, BaseException) else data  # type: ignore[misc] - one of the two failed
+        self._first = self.tail.feed(data)
+        if self.after > self.tail.last_id and not self.tail.broken:
+            self._first += await self._past_the_end(live)
+
+    # -- reading ---------------------------------------------------------------------------------
+
     async def _read(self) -> Events:
         """(Released by ``__anext__`` when it ends, however it ends.)"""
         first, self._first = self._first, b""
@@ -279,7 +268,7 @@ class Reader:
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
-                    if not await self._slot.holding():  # its slot was taken (slots.py): the limit holds
+                    if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
                         self._done = True
                         yield self._ctx.encode_error(self.route, "store_unavailable", SLOT_LOST)
                         return
@@ -352,10 +341,9 @@ class Reader:
                     if now >= state_at:
                         state_at = now + cfg.state_seconds
                         if await self._gone(now):
-                            out, done = await self._producer_gone()
-                            if out:
+                            if out := await self._producer_gone():
                                 yield out
-                            if done:
+                            if self._done:
                                 return
                         if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
                             last_new = now
@@ -424,14 +412,14 @@ class Reader:
         self._gone_at = None
         return True
 
-    async def _producer_gone(self) -> tuple[bytes, bool]:
+    async def _producer_gone(self) -> bytes:
         """Nobody produces the stream: what was stored last, then a takeover (or it went on
-        elsewhere meanwhile), else ``stream_lost``. (events to hand out, whether the reader is done)"""
+        elsewhere meanwhile), else ``stream_lost`` (the reading is over)."""
         out = await self._poll()  # one more read for what was stored last
         tail = self.tail
         assert self.record is not None
         if tail.end is not None or tail.broken:
-            return out, False  # over after all (or for this reader): the loop ends it
+            return out  # over after all (or for this reader): the loop ends it
         fresh = await self._reread()
         if (
             fresh.instance != self.record.instance
@@ -440,15 +428,15 @@ class Reader:
             or fresh.events is not None
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
-            return out, False
+            return out
         if fresh.state != "live" or not await self._streams.take_over(self.stream_id, tail.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
             self._ctx.later(lambda: self._ctx.store.merge(STREAMS_TABLE, over))
-            return out + self._lost("the stream's producer was lost"), True
+            return out + self._lost("the stream's producer was lost")
         self.record = await self._reread()  # it goes on: whoever produces it now (here: from memory)
-        return out, False
+        return out
 
     def _lost(self, message: str) -> bytes:
         """The reading ends with our stream_lost."""

@@ -114,9 +114,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         tail = Tail(0)
         stored = bytearray(await store.read(stream_id))
         tail.feed(bytes(stored))
-        if tail.end is not None:
-            return True
-        if record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
+        if tail.end is not None or record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
             return True
         request = record.request.encode() if record.request is not None else None
         if request is None and record.request_stored:
@@ -143,7 +141,6 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if fenced is None:
             return False
         if fenced is False:
-            await _record_end(ctx, won, tail)
             return True
         events = split_events(bytes(stored))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
@@ -172,8 +169,8 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
 
 async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
     """Append the epoch marker at the stored end. True: fenced; False: the old producer stored the
-    end meanwhile (the stream is over); None: the store failed for ``give_up_seconds``. ``tail``
-    and ``stored`` grow with what the old producer still stored before the fence."""
+    end meanwhile (the stream is over: the record, ours now, says so); None: the store failed for
+    ``give_up_seconds``. ``tail`` and ``stored`` grow with what the old producer still stored before the fence."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.give_up_seconds
     store = ctx.store
@@ -190,6 +187,13 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
                 stored.extend(more)
                 tail.feed(more)
                 if tail.end is not None:
+                    now = ctx.now()
+                    state = "lost" if tail.end == LOST else "ended"
+                    over = record_over(
+                        won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id
+                    )
+                    with contextlib.suppress(StoreError):  # else it expires later
+                        await store.merge(STREAMS_TABLE, over, etag=won.etag)
                     return False
         except NotFound:  # it died before it made the blob
             if created:
@@ -205,12 +209,3 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             await asyncio.sleep(0.25)
     log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
     return None
-
-
-async def _record_end(ctx: Context, won: Record, tail: Tail) -> None:
-    """The old producer stored its end but not its record's: say it, the record being ours now."""
-    now = ctx.now()
-    state = "lost" if tail.end == LOST else "ended"
-    fields = record_over(won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id)
-    with contextlib.suppress(StoreError):  # else it expires later
-        await ctx.store.merge(STREAMS_TABLE, fields, etag=won.etag)
