@@ -61,12 +61,12 @@ MOVED: tuple[StopReason, ...] = ("taken_over", "handed_over")
 
 @dataclass(frozen=True)
 class _Attempt:
-    """One append: the events it carries, its bytes, whether it ends the log or hands it over."""
+    """One append: the events it carries, its bytes, the marker that closes the log with it (END,
+    LOST, HANDOVER; None: it stays open), the acks it stores."""
 
     count: int
     block: bytes
-    end: bool
-    handover: bool
+    closes: bytes | None
     acks: tuple[str, ...]
 
 
@@ -136,13 +136,12 @@ class Producer:
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
         self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
         self._inbox_read = asyncio.Event()
-        self._handed_over = False
         self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
         self._kick = asyncio.Event()  # wakes the storing
         self._stored = len(self._events)  # events in the blob
         self._stored_bytes = stored_bytes  # the blob's length
         self._stored_size = self._size  # the bytes of the events in it (markers aside)
-        self._end_written = False
+        self._closed: bytes | None = None  # the marker that closed the stored log (_Attempt.closes)
         self._blocks = 0
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
         self._acks: list[str] = []  # acks to store with the next write
@@ -239,7 +238,7 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        return await _within(timeout, self._stored_all.wait()) and self._handed_over
+        return await _within(timeout, self._stored_all.wait()) and self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere (format.moved_event)."""
@@ -266,7 +265,7 @@ class Producer:
     @property
     def stored_end(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self._end_written or (self.ended and not self.resumable)
+        return self._closed in (END, LOST) or (self.ended and not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -503,7 +502,7 @@ class Producer:
             self._kick.clear()
             if self._record.instance != self._ctx.instances.id:
                 await self._repoint()
-            ending = self.ended and not self._end_written
+            ending = self.ended and self._closed is None
             pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
             if not pending and self.ended:
                 break
@@ -537,7 +536,7 @@ class Producer:
                         self._give_up(str(exc))
                         return
                     await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
-                if self._handed_over:
+                if self._closed == HANDOVER:
                     self._moved("handed_over")
                     return
                 continue
@@ -567,13 +566,11 @@ class Producer:
         whole = first + count == len(self._events)
         acks = tuple(self._acks) if whole else ()
         parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
-        end = self.ended and whole
-        handover = self._handing_over and whole and not end
-        if end:
-            parts.append(sse.comment(LOST if self.ended_lost else END))
-        elif handover:
-            parts.append(sse.comment(HANDOVER))
-        return _Attempt(count, b"".join(parts), end, handover, acks)
+        closes = None
+        if whole and (self.ended or self._handing_over):
+            closes = HANDOVER if not self.ended else LOST if self.ended_lost else END
+            parts.append(sse.comment(closes))
+        return _Attempt(count, b"".join(parts), closes, acks)
 
     async def _write_block(self, attempt: _Attempt) -> _Attempt:
         """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
@@ -620,8 +617,7 @@ class Producer:
         self._stored_bytes = offset + len(attempt.block)
         self._blocks += 1
         self._acks = [a for a in self._acks if a not in attempt.acks]
-        self._end_written = self._end_written or attempt.end
-        self._handed_over = self._handed_over or attempt.handover
+        self._closed = self._closed or attempt.closes
         self._wake()
 
     async def _repoint(self) -> None:
@@ -671,7 +667,7 @@ class Producer:
         if not merged:
             self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
             return True
-        self._confirm(_Attempt(len(self._events), block, True, False, ()), 0)
+        self._confirm(_Attempt(len(self._events), block, LOST if self.ended_lost else END, ()), 0)
         return True
 
     async def _merge_end(self, fields: dict) -> bool | None:
@@ -711,7 +707,7 @@ class Producer:
             try:
                 if not appended:
                     # One of the writes whose answer was lost may land first: then after it.
-                    lost = _Attempt(0, block, False, False, ())
+                    lost = _Attempt(0, block, None, ())
                     appended = await self._write_block(lost) is lost
                     continue
                 inline = {} if self._blob else {"events": block.decode()}
