@@ -265,7 +265,7 @@ class Producer:
     @property
     def stored_end(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self._closed in (END, LOST) or (self.ended and not self.resumable)
+        return self.ended and (self._closed in (END, LOST) or not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -497,61 +497,59 @@ class Producer:
         return True
 
     async def _write_all(self) -> None:
+        """Write what is due (``_due``) at the stored end until the log is closed, then record its
+        end; stop for good when the store fails for ``give_up_seconds`` (or refuses), or when the
+        stream goes on elsewhere (fenced: taken over; the hand-over marker stored)."""
         failing_since: float | None = None
-        while True:
+        while self._closed is None:
             self._kick.clear()
             if self._record.instance != self._ctx.instances.id:
                 await self._repoint()
-            ending = self.ended and self._closed is None
-            pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
-            if not pending and self.ended:
-                break
-            if self.ended and not self._blob and self._end_seen_at is None:
-                if await self._end_inline():
-                    return
+            self._update_fast()
+            wait = self._due()
+            if wait > 0:
+                self._idle = wait == math.inf
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if self._idle else wait):
+                        await self._kick.wait()
+                self._idle = False
                 continue
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self._give_up("the stream has too many blocks")
                 return
-            now = self._loop.time()
-            self._update_fast()
-            interval = self._cfg.checkpoint_seconds
-            if self._fast:
-                interval = max(self._cfg.fast_flush_seconds, self._ctx.fast_writers / self._cfg.write_rate)
-            due = self._last_write + interval
-            urgent = (
-                self.ended or self._handing_over or bool(self._acks) or self._unstored_bytes() >= self._cfg.flush_bytes
-            )
-            if pending and (urgent or now >= due):
-                self._last_write = now
-                try:
-                    await self._write_block(self._compose())
-                    failing_since = None
-                except _Fenced:
-                    self._moved("taken_over")
-                    return
-                except StoreError as exc:
-                    failing_since = failing_since or now
-                    if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
-                        self._give_up(str(exc))
-                        return
-                    await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
-                if self._closed == HANDOVER:
-                    self._moved("handed_over")
+            if self.ended and not self._blob and self._end_seen_at is None:
+                if await self._end_inline():
                     return
                 continue
-            self._idle = not pending
+            now = self._last_write = self._loop.time()
             try:
-                async with asyncio.timeout(max(0.0, due - now) if pending else None):
-                    await self._kick.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._idle = False
-        # The record says the stream is over (and expires a TTL from now). When that fails the end
-        # is still in the blob (and the record is deleted at its first expiry).
-        if await self._merge_end(self._end_fields()) is None:
+                await self._write_block(self._compose())
+                failing_since = None
+            except _Fenced:
+                self._moved("taken_over")
+                return
+            except StoreError as exc:
+                failing_since = failing_since or now
+                if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
+                    self._give_up(str(exc))
+                    return
+                await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
+        if self._closed == HANDOVER:
+            self._moved("handed_over")
+        elif await self._end_record(self._closed, self._cfg.give_up_seconds) is None:
+            # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
+
+    def _due(self) -> float:
+        """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
+        if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
+            return math.inf
+        if self.ended or self._handing_over or self._acks or self._unstored_bytes() >= self._cfg.flush_bytes:
+            return 0.0
+        interval = self._cfg.checkpoint_seconds
+        if self._fast:
+            interval = max(self._cfg.fast_flush_seconds, self._ctx.fast_writers / self._cfg.write_rate)
+        return self._last_write + interval - self._loop.time()
 
     def _compose(self) -> _Attempt:
         first = self._stored
@@ -633,14 +631,6 @@ class Producer:
         except StoreError:
             pass  # again at the next turn
 
-    def _end_fields(self) -> dict:
-        now = self._ctx.now()
-        state = "lost" if self.ended_lost else "ended"
-        last = self._id_at(len(self._events))
-        return record_over(
-            self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=self._stored_bytes
-        )
-
     async def _end_inline(self) -> bool:
         """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
         is read once more after the end to tell), its whole log goes into the record with the
@@ -651,86 +641,85 @@ class Producer:
         # A reader registered before the end is seen by an inbox read begun after it (its rows are
         # delivered before the producers tick); one that came later reads this record first.
         await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
-        if self._following or self._acks or self._handing_over or self._stored:
+        attempt = self._compose()
+        if self._following or self._acks or self._handing_over or self._stored or attempt.count < len(self._events):
             return False
-        block = b"".join(self._events) + sse.comment(LOST if self.ended_lost else END)
         try:
-            text = block.decode()
+            text = attempt.block.decode()
         except UnicodeDecodeError:
             return False
         if not fits_record(text):
             return False
-        merged = await self._merge_end({**self._end_fields(), "events": text, "size": len(block)})
-        if merged is None:
+        assert attempt.closes is not None
+        ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
+        if ended is None:
             self._give_up("the store is unavailable")
-            return True
-        if not merged:
+        elif not ended:
             self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
-            return True
-        self._confirm(_Attempt(len(self._events), block, LOST if self.ended_lost else END, ()), 0)
+        else:
+            self._confirm(attempt, 0)
         return True
 
-    async def _merge_end(self, fields: dict) -> bool | None:
-        """Merge the record's end, on its ETag (only this epoch's producer may), for up to
-        ``give_up_seconds``. True: merged; False: the record is someone else's (taken over); None:
-        the store failed throughout."""
-        deadline = self._loop.time() + self._cfg.give_up_seconds
-        unanswered = False
+    async def _end_record(self, closes: bytes, patience: float, whole: str | None = None) -> bool | None:
+        """Say in the record that the stream is over (``closes``: the log's last marker, END or LOST;
+        ``whole``: the whole log, when no blob holds it), on this producer's own record only: on its
+        ETag, or inserted when its insert never landed (given up: readers wait for it,
+        ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: recorded; False: the
+        record is another producer's (taken over); None: the store failed throughout."""
+        ctx, store, record = self._ctx, self._ctx.store, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
         while True:
+            now = ctx.now()
+            state = "ended" if closes == END else "lost"
+            last = self._id_at(len(self._events) if self.resumable else self._stored)
+            size = len(whole) if whole is not None else self._stored_bytes
+            more = {} if whole is None else {"events": whole}
+            fields = record_over(
+                self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
+            )
             try:
-                async with self._ctx.bulk:
-                    store = self._ctx.store
-                    self._record.etag = await store.merge(
-                        STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT
-                    )
+                async with ctx.bulk:
+                    if not record.etag:
+                        try:
+                            record.etag = await store.insert(
+                                STREAMS_TABLE, {**record.row(), **fields}, timeout=BUSY_TIMEOUT
+                            )
+                            return True
+                        except AlreadyExists:  # ours (an insert whose answer was lost) or a takeover's
+                            if not await self._own_record(BUSY_TIMEOUT):
+                                return False
+                    record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
                 return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline:
+                if self._loop.time() > deadline or ctx.closed:
                     return None
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(pause)
+                pause = min(5.0, pause * 2)
 
     async def _store_lost(self) -> None:
-        """Given up: as soon as the store lets it (within the stream's cap), end the stored log with a
-        ``stream_lost`` error at the stored position (in the record when there is no blob yet), and
-        record it lost: readers elsewhere end there instead of waiting."""
-        ctx = self._ctx
-        deadline = self._loop.time() + self._cfg.max_stream_seconds
-        pause = 0.5
-        appended = not self._blob  # (no blob: the error goes into the record)
-        while self._loop.time() < deadline and not ctx.closed:
+        """Given up: as soon as the store lets it (within the stream's cap), close the stored log with
+        a ``stream_lost`` error at the stored position (in the record when there is no blob), and
+        record its end: readers elsewhere end there instead of waiting."""
+        deadline, pause = self._loop.time() + self._cfg.max_stream_seconds, 0.5
+        while self._closed is None and self._loop.time() < deadline and not self._ctx.closed:
             number = self._id_at(self._stored + 1)
             message = "the stream stopped being stored"
-            block = error_event(ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
-            try:
-                if not appended:
-                    # One of the writes whose answer was lost may land first: then after it.
-                    lost = _Attempt(0, block, None, ())
-                    appended = await self._write_block(lost) is lost
-                    continue
-                inline = {} if self._blob else {"events": block.decode()}
-                fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
-                if not self._record.etag:
-                    # Its record never landed (the store failed from the start): made now, lost, so
-                    # that a resume ends with stream_lost, not "no such stream" (readers wait for it:
-                    # ResumeConfig.lost_record_seconds). There meanwhile: a late insert of ours is
-                    # merged on its ETag; another producer's (a takeover's) is left alone.
-                    try:
-                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields}, timeout=BUSY_TIMEOUT)
-                        return
-                    except AlreadyExists:
-                        if not await self._own_record(BUSY_TIMEOUT):
-                            return
-                # Only on the ETag this producer's own write got: never over another producer's record.
-                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT)
+            block = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
+            if not self._blob:
+                await self._end_record(LOST, deadline - self._loop.time(), block.decode())
                 return
+            try:  # (one of the writes whose answer was lost may land first: then after it)
+                await self._write_block(_Attempt(0, block, LOST, ()))
             except (_Fenced, Modified, NotFound):
-                return  # the log or the record is someone else's now, or gone
+                return  # the log is someone else's now, or gone
             except StoreError:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
+        if self._closed in (END, LOST):
+            await self._end_record(self._closed, deadline - self._loop.time())
 
 
 async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
