@@ -3,15 +3,13 @@ them and keeps them in memory (``append``: no I/O), and stores them in the backg
 Readers here are served what is stored, from memory; only the live caller is ahead of the log, so
 that no reader holds an id the log never had if this instance dies (format.EPOCH_IDS).
 
-Storing: the record at the start, then whole-event blocks appended at the expected position (the
-blob made before the first), at most every ``fast_flush_seconds`` while someone follows (elsewhere,
-or here), else every ``checkpoint_seconds``; the end marker and the record's end last (or the
-record's end alone, the log in it, for a stream that ended before its first write: format.py). Each
-call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it, and a slow store is
-not a failed one). It stops storing when the store fails for ``give_up_seconds`` (it ends the
-stored log with a ``stream_lost`` error as soon as the store lets it: the live stream goes on), and
-for good when its append finds someone else's bytes at its position: another instance took the
-stream over. A hand-over stores what is kept with a ``: handover`` marker.
+Storing: the record at the start, then one loop writes what is due (``_due``: the kept events, the
+acks readers elsewhere asked for, the marker that closes the log: end, lost or handover) in blocks
+appended at the stored end, then the record's end (the whole log in it when no blob was made:
+format.py). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it).
+A store failing for ``give_up_seconds`` stops the storing (the live stream goes on; the log is
+closed with a ``stream_lost`` error as soon as the store lets it); someone else's bytes at the
+append position stop it for good: another instance took the stream over.
 
 Also where a stop is requested (``stop_requested``, ``stop_reason``): a cancel (from any instance,
 via the inbox), nobody reading for ``abandon_seconds``, the time cap, or the stream going on
@@ -439,62 +437,50 @@ class Producer:
         """The record (after this instance's first beat: nobody must see a stream before its
         producer's lease), the large request's own blob before it. The log's blob waits for the
         first write (a takeover makes it when the stream's producer died before)."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
+        ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
         # By the store's clock as the beat heard it (before any answer, this machine's own was used).
-        elapsed = self._loop.time() - self._started
-        record.created = ctx.now() - elapsed
+        record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
-        row = record.row()
-
-        def bound() -> float:
-            """A busy store's bound, not past the deadline: a reader elsewhere waits for the record
-            only that long (readers.read_record)."""
-            return min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
-
-        async def put_request() -> None:
-            if self._large_request is not None:
-                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound())
-
-        async def insert() -> None:
+        while True:
+            # A busy store's bound, not past the deadline: a reader elsewhere waits for the record
+            # only that long (readers.read_record).
+            bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
             try:
-                record.etag = await store.insert(STREAMS_TABLE, row, timeout=bound())
-            except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
-                if not await self._own_record(bound()):
-                    raise _Fenced() from None
-
-        for step in (put_request, insert):
-            while True:
-                try:
-                    # The insert is the request's own (it makes the stream resumable, and a reader
-                    # elsewhere waits for it): it does not queue behind other streams' writes.
-                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
-                        await step()
-                    break
-                except _Fenced:
-                    self._give_up("its record is someone else's")
+                if self._large_request is not None:
+                    async with ctx.bulk:
+                        with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                            await ctx.store.put(
+                                request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
+                            )
+                    self._large_request = None
+                # The insert is the request's own (it makes the stream resumable, and a reader
+                # elsewhere waits for it): it does not queue behind other streams' writes.
+                if await self._insert_record({}, bound):
+                    return True
+                self._give_up("its record is someone else's")
+                return False
+            except StoreError as exc:
+                if self._loop.time() > deadline:
+                    self._give_up(f"the store is unavailable ({exc})")
                     return False
-                except StoreError as exc:
-                    if self._loop.time() > deadline:
-                        self._give_up(f"the store is unavailable ({exc})")
-                        return False
-                    await asyncio.sleep(0.25)
-        self._large_request = None
-        return True
+                await asyncio.sleep(0.25)
 
-    async def _own_record(self, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
-        """Whether the stream's record, found there by an insert of this producer, is this producer's
-        (an earlier insert of its own whose answer was lost): then its ETag is kept. StoreError."""
-        found = await self._ctx.store.get(
-            STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=timeout
-        )
-        if found is None or found.get("instance") != self._record.instance or found.get("epoch") != self._record.epoch:
-            return False
-        self._record.etag = found.etag
-        return True
+    async def _insert_record(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
+        """Insert the record, with ``fields``. False: the record there is not this producer's (one
+        of its own, an earlier insert whose answer was lost, is: its ETag is kept). StoreError."""
+        store, record = self._ctx.store, self._record
+        try:
+            record.etag = await store.insert(STREAMS_TABLE, {**record.row(), **fields}, timeout=timeout)
+            return True
+        except AlreadyExists:
+            found = await store.get(STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=timeout)
+            if found is None or (found.get("instance"), found.get("epoch")) != (record.instance, record.epoch):
+                return False
+            record.etag = found.etag
+            return True
 
     async def _write_all(self) -> None:
         """Write what is due (``_due``) at the stored end until the log is closed, then record its
@@ -679,15 +665,8 @@ class Producer:
             )
             try:
                 async with ctx.bulk:
-                    if not record.etag:
-                        try:
-                            record.etag = await store.insert(
-                                STREAMS_TABLE, {**record.row(), **fields}, timeout=BUSY_TIMEOUT
-                            )
-                            return True
-                        except AlreadyExists:  # ours (an insert whose answer was lost) or a takeover's
-                            if not await self._own_record(BUSY_TIMEOUT):
-                                return False
+                    if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
+                        return False
                     record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
