@@ -676,7 +676,7 @@ class Producer:
                 if self._loop.time() > deadline or ctx.closed:
                     return None
                 await asyncio.sleep(pause)
-                pause = min(5.0, pause * 2)
+                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _store_lost(self) -> None:
         """Given up: as soon as the store lets it (within the stream's cap), close the stored log with
