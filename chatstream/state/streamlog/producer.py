@@ -664,9 +664,10 @@ class Producer:
                 self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
             )
             try:
+                # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
+                if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
+                    return False
                 async with ctx.bulk:
-                    if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
-                        return False
                     record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
