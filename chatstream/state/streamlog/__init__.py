@@ -4,17 +4,12 @@ instance when its producer dies or drains, and deleted after their TTL. The requ
 through ``StreamLog`` (log.py, with its contract); everything it imports is named here.
 
 One module per concept, each one's docstring saying more: format.py, what is stored and what names
-it (the stream id, the record, the event log and its markers, ``Tail``); producer.py, a stream
-produced here, its events numbered, kept in memory and stored in the background (``Producer``);
-readers.py, following a stream from here or from the store (``Reader``); inbox.py, what a reader
-tells a producing instance through the store (a cancel; its hold: its slot, the per-stream reader
-limit across instances, and its row in the producer's inbox); takeover.py, one winner for a stream
-whose producer is gone (``Claim``); config.py, the tuning (``ResumeConfig``) and what the parts
-share (``Context``); errors.py, the domain errors.
-
-Liveness is ``Instances`` (state/instances.py): one bounded heartbeat row per instance, nothing per
-stream; every time that crosses instances is the store's clock. Sweeps run on one instance (the
-duty holder, ``Instances.every``)."""
+it; producer.py, a stream produced here (``Producer``); readers.py, following a stream from here or
+from the store (``Reader``); inbox.py, what a reader tells a producing instance (a cancel, its
+slot); takeover.py, one winner for a stream whose producer is gone (``Claim``); config.py, the
+tuning and what the parts share; errors.py, the domain errors. Liveness is ``Instances``
+(state/instances.py): one heartbeat row per instance, nothing per stream; every time that crosses
+instances is the store's clock; sweeps run on the duty holder (``Instances.every``)."""
 
 from .config import ResumeConfig
 from .errors import (

@@ -242,8 +242,8 @@ def split_events(data: bytes) -> list[bytes]:
 class Tail:
     """Reads a stored log as it grows: ``feed`` the bytes from ``offset`` on, get the events after
     ``cursor`` (each once). What it has seen: the last id stored (``last_id``), the end marker
-    (``end``), the takeovers (``fences``: (epoch, last id before it); ``epoch``, ``seam``: the
-    latest's), a hand-over since then (``handover``) and the producers' acks (``acks``).
+    (``end``), the takeovers (``fences``: (epoch, last id before it); ``epoch``: the latest's), a
+    hand-over since then (``handover``) and the producers' acks (``acks``).
     ``broken``: the cursor is an id the log never stored (``never_stored``): nothing after it can
     be handed out."""
 
@@ -261,10 +261,6 @@ class Tail:
     @property
     def epoch(self) -> int:
         return self.fences[-1][0] if self.fences else 1
-
-    @property
-    def seam(self) -> int | None:
-        return self.fences[-1][1] if self.fences else None
 
     def feed(self, data: bytes) -> bytes:
         self.offset += len(data)

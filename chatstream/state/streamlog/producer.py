@@ -3,15 +3,13 @@ them and keeps them in memory (``append``: no I/O), and stores them in the backg
 Readers here are served what is stored, from memory; only the live caller is ahead of the log, so
 that no reader holds an id the log never had if this instance dies (format.EPOCH_IDS).
 
-Storing: the record at the start, then whole-event blocks appended at the expected position (the
-blob made before the first), at most every ``fast_flush_seconds`` while someone follows (elsewhere,
-or here), else every ``checkpoint_seconds``; the end marker and the record's end last (or the
-record's end alone, the log in it, for a stream that ended before its first write: format.py). Each
-call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it, and a slow store is
-not a failed one). It stops storing when the store fails for ``give_up_seconds`` (it ends the
-stored log with a ``stream_lost`` error as soon as the store lets it: the live stream goes on), and
-for good when its append finds someone else's bytes at its position: another instance took the
-stream over. A hand-over stores what is kept with a ``: handover`` marker.
+Storing: the record at the start, then one loop writes what is due (``_due``: the kept events, the
+acks readers elsewhere asked for, the marker that closes the log: end, lost or handover) in blocks
+appended at the stored end, then the record's end (the whole log in it when no blob was made:
+format.py). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it).
+A store failing for ``give_up_seconds`` stops the storing (the live stream goes on; the log is
+closed with a ``stream_lost`` error as soon as the store lets it); someone else's bytes at the
+append position stop it for good: another instance took the stream over.
 
 Also where a stop is requested (``stop_requested``, ``stop_reason``): a cancel (from any instance,
 via the inbox), nobody reading for ``abandon_seconds``, the time cap, or the stream going on
@@ -61,12 +59,12 @@ MOVED: tuple[StopReason, ...] = ("taken_over", "handed_over")
 
 @dataclass(frozen=True)
 class _Attempt:
-    """One append: the events it carries, its bytes, whether it ends the log or hands it over."""
+    """One append: the events it carries, its bytes, the marker that closes the log with it (END,
+    LOST, HANDOVER; None: it stays open), the acks it stores."""
 
     count: int
     block: bytes
-    end: bool
-    handover: bool
+    closes: bytes | None
     acks: tuple[str, ...]
 
 
@@ -136,13 +134,12 @@ class Producer:
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
         self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
         self._inbox_read = asyncio.Event()
-        self._handed_over = False
         self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
         self._kick = asyncio.Event()  # wakes the storing
         self._stored = len(self._events)  # events in the blob
         self._stored_bytes = stored_bytes  # the blob's length
         self._stored_size = self._size  # the bytes of the events in it (markers aside)
-        self._end_written = False
+        self._closed: bytes | None = None  # the marker that closed the stored log (_Attempt.closes)
         self._blocks = 0
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
         self._acks: list[str] = []  # acks to store with the next write
@@ -239,7 +236,7 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        return await _within(timeout, self._stored_all.wait()) and self._handed_over
+        return await _within(timeout, self._stored_all.wait()) and self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere (format.moved_event)."""
@@ -266,7 +263,7 @@ class Producer:
     @property
     def stored_end(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self._end_written or (self.ended and not self.resumable)
+        return self.ended and (self._closed in (END, LOST) or not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -440,119 +437,105 @@ class Producer:
         """The record (after this instance's first beat: nobody must see a stream before its
         producer's lease), the large request's own blob before it. The log's blob waits for the
         first write (a takeover makes it when the stream's producer died before)."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
+        ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
         # By the store's clock as the beat heard it (before any answer, this machine's own was used).
-        elapsed = self._loop.time() - self._started
-        record.created = ctx.now() - elapsed
+        record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
-        row = record.row()
-
-        def bound() -> float:
-            """A busy store's bound, not past the deadline: a reader elsewhere waits for the record
-            only that long (readers.read_record)."""
-            return min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
-
-        async def put_request() -> None:
-            if self._large_request is not None:
-                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound())
-
-        async def insert() -> None:
+        while True:
+            # A busy store's bound, not past the deadline: a reader elsewhere waits for the record
+            # only that long (readers.read_record).
+            bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
             try:
-                record.etag = await store.insert(STREAMS_TABLE, row, timeout=bound())
-            except AlreadyExists:  # an earlier attempt landed, its answer lost: its ETag is the row's
-                if not await self._own_record(bound()):
-                    raise _Fenced() from None
-
-        for step in (put_request, insert):
-            while True:
-                try:
-                    # The insert is the request's own (it makes the stream resumable, and a reader
-                    # elsewhere waits for it): it does not queue behind other streams' writes.
-                    async with ctx.bulk if step is put_request else contextlib.nullcontext():
-                        await step()
-                    break
-                except _Fenced:
-                    self._give_up("its record is someone else's")
+                if self._large_request is not None:
+                    async with ctx.bulk:
+                        with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                            await ctx.store.put(
+                                request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
+                            )
+                    self._large_request = None
+                # The insert is the request's own (it makes the stream resumable, and a reader
+                # elsewhere waits for it): it does not queue behind other streams' writes.
+                if await self._insert_record({}, bound):
+                    return True
+                self._give_up("its record is someone else's")
+                return False
+            except StoreError as exc:
+                if self._loop.time() > deadline:
+                    self._give_up(f"the store is unavailable ({exc})")
                     return False
-                except StoreError as exc:
-                    if self._loop.time() > deadline:
-                        self._give_up(f"the store is unavailable ({exc})")
-                        return False
-                    await asyncio.sleep(0.25)
-        self._large_request = None
-        return True
+                await asyncio.sleep(0.25)
 
-    async def _own_record(self, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
-        """Whether the stream's record, found there by an insert of this producer, is this producer's
-        (an earlier insert of its own whose answer was lost): then its ETag is kept. StoreError."""
-        found = await self._ctx.store.get(
-            STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=timeout
-        )
-        if found is None or found.get("instance") != self._record.instance or found.get("epoch") != self._record.epoch:
-            return False
-        self._record.etag = found.etag
-        return True
+    async def _insert_record(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
+        """Insert the record, with ``fields``. False: the record there is not this producer's (one
+        of its own, an earlier insert whose answer was lost, is: its ETag is kept). StoreError."""
+        store, record = self._ctx.store, self._record
+        try:
+            record.etag = await store.insert(STREAMS_TABLE, {**record.row(), **fields}, timeout=timeout)
+            return True
+        except AlreadyExists:
+            found = await store.get(STREAMS_TABLE, self.id, RECORD_ROW, select=("instance", "epoch"), timeout=timeout)
+            if found is None or (found.get("instance"), found.get("epoch")) != (record.instance, record.epoch):
+                return False
+            record.etag = found.etag
+            return True
 
     async def _write_all(self) -> None:
+        """Write what is due (``_due``) at the stored end until the log is closed, then record its
+        end; stop for good when the store fails for ``give_up_seconds`` (or refuses), or when the
+        stream goes on elsewhere (fenced: taken over; the hand-over marker stored)."""
         failing_since: float | None = None
-        while True:
+        while self._closed is None:
             self._kick.clear()
             if self._record.instance != self._ctx.instances.id:
                 await self._repoint()
-            ending = self.ended and not self._end_written
-            pending = len(self._events) > self._stored or ending or bool(self._acks) or self._handing_over
-            if not pending and self.ended:
-                break
-            if self.ended and not self._blob and self._end_seen_at is None:
-                if await self._end_inline():
-                    return
+            self._update_fast()
+            wait = self._due()
+            if wait > 0:
+                self._idle = wait == math.inf
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if self._idle else wait):
+                        await self._kick.wait()
+                self._idle = False
                 continue
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self._give_up("the stream has too many blocks")
                 return
-            now = self._loop.time()
-            self._update_fast()
-            interval = self._cfg.checkpoint_seconds
-            if self._fast:
-                interval = max(self._cfg.fast_flush_seconds, self._ctx.fast_writers / self._cfg.write_rate)
-            due = self._last_write + interval
-            urgent = (
-                self.ended or self._handing_over or bool(self._acks) or self._unstored_bytes() >= self._cfg.flush_bytes
-            )
-            if pending and (urgent or now >= due):
-                self._last_write = now
-                try:
-                    await self._write_block(self._compose())
-                    failing_since = None
-                except _Fenced:
-                    self._moved("taken_over")
-                    return
-                except StoreError as exc:
-                    failing_since = failing_since or now
-                    if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
-                        self._give_up(str(exc))
-                        return
-                    await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
-                if self._handed_over:
-                    self._moved("handed_over")
+            if self.ended and not self._blob and self._end_seen_at is None:
+                if await self._end_inline():
                     return
                 continue
-            self._idle = not pending
+            now = self._last_write = self._loop.time()
             try:
-                async with asyncio.timeout(max(0.0, due - now) if pending else None):
-                    await self._kick.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._idle = False
-        # The record says the stream is over (and expires a TTL from now). When that fails the end
-        # is still in the blob (and the record is deleted at its first expiry).
-        if await self._merge_end(self._end_fields()) is None:
+                await self._write_block(self._compose())
+                failing_since = None
+            except _Fenced:
+                self._moved("taken_over")
+                return
+            except StoreError as exc:
+                failing_since = failing_since or now
+                if now - failing_since > self._cfg.give_up_seconds or not isinstance(exc, StoreUnavailable):
+                    self._give_up(str(exc))
+                    return
+                await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
+        if self._closed == HANDOVER:
+            self._moved("handed_over")
+        elif await self._end_record(self._closed, self._cfg.give_up_seconds) is None:
+            # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
+
+    def _due(self) -> float:
+        """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
+        if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
+            return math.inf
+        if self.ended or self._handing_over or self._acks or self._unstored_bytes() >= self._cfg.flush_bytes:
+            return 0.0
+        interval = self._cfg.checkpoint_seconds
+        if self._fast:
+            interval = max(self._cfg.fast_flush_seconds, self._ctx.fast_writers / self._cfg.write_rate)
+        return self._last_write + interval - self._loop.time()
 
     def _compose(self) -> _Attempt:
         first = self._stored
@@ -567,13 +550,11 @@ class Producer:
         whole = first + count == len(self._events)
         acks = tuple(self._acks) if whole else ()
         parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
-        end = self.ended and whole
-        handover = self._handing_over and whole and not end
-        if end:
-            parts.append(sse.comment(LOST if self.ended_lost else END))
-        elif handover:
-            parts.append(sse.comment(HANDOVER))
-        return _Attempt(count, b"".join(parts), end, handover, acks)
+        closes = None
+        if whole and (self.ended or self._handing_over):
+            closes = HANDOVER if not self.ended else LOST if self.ended_lost else END
+            parts.append(sse.comment(closes))
+        return _Attempt(count, b"".join(parts), closes, acks)
 
     async def _write_block(self, attempt: _Attempt) -> _Attempt:
         """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
@@ -620,8 +601,7 @@ class Producer:
         self._stored_bytes = offset + len(attempt.block)
         self._blocks += 1
         self._acks = [a for a in self._acks if a not in attempt.acks]
-        self._end_written = self._end_written or attempt.end
-        self._handed_over = self._handed_over or attempt.handover
+        self._closed = self._closed or attempt.closes
         self._wake()
 
     async def _repoint(self) -> None:
@@ -637,14 +617,6 @@ class Producer:
         except StoreError:
             pass  # again at the next turn
 
-    def _end_fields(self) -> dict:
-        now = self._ctx.now()
-        state = "lost" if self.ended_lost else "ended"
-        last = self._id_at(len(self._events))
-        return record_over(
-            self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=self._stored_bytes
-        )
-
     async def _end_inline(self) -> bool:
         """The stream ended before its first write: unless a reader elsewhere follows it (the inbox
         is read once more after the end to tell), its whole log goes into the record with the
@@ -655,86 +627,79 @@ class Producer:
         # A reader registered before the end is seen by an inbox read begun after it (its rows are
         # delivered before the producers tick); one that came later reads this record first.
         await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
-        if self._following or self._acks or self._handing_over or self._stored:
+        attempt = self._compose()
+        if self._following or self._acks or self._handing_over or self._stored or attempt.count < len(self._events):
             return False
-        block = b"".join(self._events) + sse.comment(LOST if self.ended_lost else END)
         try:
-            text = block.decode()
+            text = attempt.block.decode()
         except UnicodeDecodeError:
             return False
         if not fits_record(text):
             return False
-        merged = await self._merge_end({**self._end_fields(), "events": text, "size": len(block)})
-        if merged is None:
+        assert attempt.closes is not None
+        ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
+        if ended is None:
             self._give_up("the store is unavailable")
-            return True
-        if not merged:
+        elif not ended:
             self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
-            return True
-        self._confirm(_Attempt(len(self._events), block, True, False, ()), 0)
+        else:
+            self._confirm(attempt, 0)
         return True
 
-    async def _merge_end(self, fields: dict) -> bool | None:
-        """Merge the record's end, on its ETag (only this epoch's producer may), for up to
-        ``give_up_seconds``. True: merged; False: the record is someone else's (taken over); None:
-        the store failed throughout."""
-        deadline = self._loop.time() + self._cfg.give_up_seconds
-        unanswered = False
+    async def _end_record(self, closes: bytes, patience: float, whole: str | None = None) -> bool | None:
+        """Say in the record that the stream is over (``closes``: the log's last marker, END or LOST;
+        ``whole``: the whole log, when no blob holds it), on this producer's own record only: on its
+        ETag, or inserted when its insert never landed (given up: readers wait for it,
+        ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: recorded; False: the
+        record is another producer's (taken over); None: the store failed throughout."""
+        ctx, store, record = self._ctx, self._ctx.store, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
         while True:
+            now = ctx.now()
+            state = "ended" if closes == END else "lost"
+            last = self._id_at(len(self._events) if self.resumable else self._stored)
+            size = len(whole) if whole is not None else self._stored_bytes
+            more = {} if whole is None else {"events": whole}
+            fields = record_over(
+                self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
+            )
             try:
-                async with self._ctx.bulk:
-                    store = self._ctx.store
-                    self._record.etag = await store.merge(
-                        STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT
-                    )
+                # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
+                if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
+                    return False
+                async with ctx.bulk:
+                    record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
                 return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline:
+                if self._loop.time() > deadline or ctx.closed:
                     return None
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(pause)
+                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _store_lost(self) -> None:
-        """Given up: as soon as the store lets it (within the stream's cap), end the stored log with a
-        ``stream_lost`` error at the stored position (in the record when there is no blob yet), and
-        record it lost: readers elsewhere end there instead of waiting."""
-        ctx = self._ctx
-        deadline = self._loop.time() + self._cfg.max_stream_seconds
-        pause = 0.5
-        appended = not self._blob  # (no blob: the error goes into the record)
-        while self._loop.time() < deadline and not ctx.closed:
+        """Given up: as soon as the store lets it (within the stream's cap), close the stored log with
+        a ``stream_lost`` error at the stored position (in the record when there is no blob), and
+        record its end: readers elsewhere end there instead of waiting."""
+        deadline, pause = self._loop.time() + self._cfg.max_stream_seconds, 0.5
+        while self._closed is None and self._loop.time() < deadline and not self._ctx.closed:
             number = self._id_at(self._stored + 1)
             message = "the stream stopped being stored"
-            block = error_event(ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
-            try:
-                if not appended:
-                    # One of the writes whose answer was lost may land first: then after it.
-                    lost = _Attempt(0, block, False, False, ())
-                    appended = await self._write_block(lost) is lost
-                    continue
-                inline = {} if self._blob else {"events": block.decode()}
-                fields = record_over(self.id, "lost", ctx.now() + self._cfg.ttl_seconds, **inline)
-                if not self._record.etag:
-                    # Its record never landed (the store failed from the start): made now, lost, so
-                    # that a resume ends with stream_lost, not "no such stream" (readers wait for it:
-                    # ResumeConfig.lost_record_seconds). There meanwhile: a late insert of ours is
-                    # merged on its ETag; another producer's (a takeover's) is left alone.
-                    try:
-                        await ctx.store.insert(STREAMS_TABLE, {**self._record.row(), **fields}, timeout=BUSY_TIMEOUT)
-                        return
-                    except AlreadyExists:
-                        if not await self._own_record(BUSY_TIMEOUT):
-                            return
-                # Only on the ETag this producer's own write got: never over another producer's record.
-                await ctx.store.merge(STREAMS_TABLE, fields, etag=self._record.etag, timeout=BUSY_TIMEOUT)
+            block = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
+            if not self._blob:
+                await self._end_record(LOST, deadline - self._loop.time(), block.decode())
                 return
+            try:  # (one of the writes whose answer was lost may land first: then after it)
+                await self._write_block(_Attempt(0, block, LOST, ()))
             except (_Fenced, Modified, NotFound):
-                return  # the log or the record is someone else's now, or gone
+                return  # the log is someone else's now, or gone
             except StoreError:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
+        if self._closed in (END, LOST):
+            await self._end_record(self._closed, deadline - self._loop.time())
 
 
 async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
