@@ -83,6 +83,33 @@ async def test_a_store_that_does_not_answer_fails_within_two_seconds():
     assert time.monotonic() - started < 2.0
 
 
+async def test_an_identity_without_a_token_is_the_stores_outage_and_the_key_check_unavailable(monkeypatch):
+    """No token (no managed identity, no az login): a call raises StoreUnavailable naming no more than
+    the credential's error type, noted as an outage, and a key check answers Unavailable (a 503)."""
+    import azure.identity.aio
+
+    from chatstream.state.port import Unavailable
+    from chatstream.state.registry import Registry
+
+    class NoIdentity:
+        async def get_token(self, *scopes: str) -> None:
+            raise RuntimeError("SECRET detail of the identity endpoint")
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(azure.identity.aio, "DefaultAzureCredential", NoIdentity)
+    store = AzureStore(Account(table_url="https://t.example", blob_url="https://b.example"))
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            await store.get(CALLERS_TABLE, "p", "r")
+        assert "SECRET" not in str(info.value) and "RuntimeError" in str(info.value)
+        assert store.clock.quiet_for() < 1.0
+        assert isinstance(await Registry(store).authenticate("csk-" + "a" * 43), Unavailable)
+    finally:
+        await store.close()
+
+
 def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     import aiohttp
 
