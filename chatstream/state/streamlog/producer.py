@@ -674,7 +674,8 @@ class Producer:
                 return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline or ctx.closed:
+                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
+                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
                     return None
                 await asyncio.sleep(pause)
                 pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
