@@ -658,7 +658,7 @@ class Producer:
             now = ctx.now()
             state = "ended" if closes == END else "lost"
             last = self._id_at(len(self._events) if self.resumable else self._stored)
-            size = len(whole) if whole is not None else self._stored_bytes
+            size = len(whole.encode()) if whole is not None else self._stored_bytes
             more = {} if whole is None else {"events": whole}
             fields = record_over(
                 self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
