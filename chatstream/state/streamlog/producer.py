@@ -658,7 +658,7 @@ class Producer:
             now = ctx.now()
             state = "ended" if closes == END else "lost"
             last = self._id_at(len(self._events) if self.resumable else self._stored)
-            size = len(whole) if whole is not None else self._stored_bytes
+            size = len(whole.encode()) if whole is not None else self._stored_bytes
             more = {} if whole is None else {"events": whole}
             fields = record_over(
                 self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
@@ -674,7 +674,8 @@ class Producer:
                 return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                if self._loop.time() > deadline or ctx.closed:
+                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
+                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
                     return None
                 await asyncio.sleep(pause)
                 pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
