@@ -463,10 +463,11 @@ class Lease:
     def _answer(self, waiters: Sequence[Part], chosen: Sequence[Part]) -> None:
         """The chosen waiters are granted from the balance, the others refused (one that gave up
         meanwhile leaves its share in the balance)."""
+        picked = set(chosen)  # (a Part is hashed by identity)
         for part in waiters:
             if part.granted.done():
                 continue
-            if part in chosen:
+            if part in picked:
                 self._grant(part)
             else:
                 part.granted.set_result(False)
