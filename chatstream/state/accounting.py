@@ -396,9 +396,10 @@ class Accounting:
         growing as its continuation stands in for what that producer's caller received), journaled
         as that part's checkpoint (``JournalEntry``): if this instance dies before it raised the
         part's row to it, its recovery does. The function returned (given ``charge_lost``'s
-        ``patience``) raises it to what is known then, and the knowledge leaves the journal and the
-        budget rows: in the background, so that a request cancelled meanwhile (its end, a drain)
-        still makes it; cancelled itself (the process stops), the knowledge stays journaled."""
+        ``patience``) raises it to what is known then (journaled at once, not at the next interval),
+        and the knowledge leaves the journal and the budget rows: in the background, so that a
+        request cancelled meanwhile (its end, a drain) still makes it; cancelled itself (the process
+        stops), the knowledge stays journaled."""
         started = started or self.counters.clock()  # read once: the part's day is one, whenever it is raised
         knows = self._lost_part(admission, started, epoch, before)
         knows.generated, knows.floor = lambda: {0: text()}, floor
@@ -410,7 +411,11 @@ class Accounting:
             self.journal.drop(knows)
             let_go()
 
-        return lambda patience: self._spawn(raise_it(text(), floor(), patience))
+        def raise_now(patience: float) -> asyncio.Task:
+            self.journal.urgent()  # what is known now, journaled at once: the raise may not land
+            return self._spawn(raise_it(text(), floor(), patience))
+
+        return raise_now
 
     def checkpoint(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""

@@ -581,6 +581,43 @@ async def test_a_taker_that_dies_before_its_raise_has_its_lost_part_raised_by_it
     await c.close()
 
 
+async def test_what_a_taker_knows_as_it_raises_is_journaled_at_once_not_at_the_next_interval():
+    """b's knowledge of a's lost part grows just before b raises the part's row (its continuation's
+    last stand-ins came), and b dies before the raise lands (the store does not answer it): b's
+    journal holds what b knew then, written as the raise starts, not up to an interval later (a
+    soak's taker killed 0.3 s after: 36 of 41 tokens charged). b's journal interval is long here,
+    so only that write can carry it; b's recovery raises the row to it."""
+    data = account()
+    a, b, caller, (rec1, rec2, rec3), spent, costs = await three_requests(data)
+    acc_b, going_on = await taking_over(b, caller, rec3.id)
+    known = [GENERATED]
+    raise_part = acc_b.regenerating(going_on, going_on.started, lambda: known[0], lambda: 0)
+
+    def journaled() -> int | None:
+        return (entry_of(data, "instance-b", f"{rec3.id}/lost2") or {}).get("generated")
+
+    def etag() -> str:
+        return data.blobs[journal_name("instance-b")][1]
+
+    await until(lambda: journaled() == tokens.count_text(MODEL, GENERATED), what="b's journal knows the part")
+    b.journal.interval, before = 30.0, etag()
+    await until(lambda: etag() != before, what="b's journal written once more (its writer then waits 30 s)")
+    await asyncio.sleep(0.05)
+    known[0] = GENERATED + " It came back at dusk, tired and happy."
+    raised = tokens.count_text(MODEL, known[0])
+    assert isinstance(b.store, MemoryStore)
+    b.store.inject(Fault("unavailable", table=USAGE_TABLE, times=10**6))  # the raise does not land
+    raise_part(RAISED_WITHIN)
+    await until(lambda: journaled() == raised, what="b's journal knows what b raises to", within=2.0)
+    await kill(b)
+    c, _ = instance(data, "instance-c")
+    await Recovery(c.store, c.ledger).recover("instance-b", "instance-c")
+    await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
+    rows = [values for partition in data.tables[USAGE_TABLE].values() for values, _ in partition.values()]
+    assert [r["completion_tokens"] for r in rows if r["request_id"] == rec3.id and r["segment"] == 0] == [raised]
+    await c.close()
+
+
 async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_its_continuation_let_go():
     """As above (row "takers"), and b's continuation has ended, its reservation given back, before b
     dies with the raise still in its journal (the endpoint raises once the continuation is over: a
