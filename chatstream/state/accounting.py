@@ -324,11 +324,10 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            was = Charge.of(there) if there is not None else None
             # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
-            if was is not None and not (was.author.startswith(TAKEOVER) or was.author == made.author):
+            if there is not None and not (there.author.startswith(TAKEOVER) or there.author == made.author):
                 return
             op = secrets.token_hex(6)
             if (raise_ := raised(there, made, op)) is None:

@@ -564,7 +564,7 @@ class Recovery:
         charge = entry.lost_charge(mine, logged)
         for _ in range(MAX_ATTEMPTS):
             there = await self.ledger.find(charge)
-            done = raised_by(Charge.of(there).ops, mine) if there is not None else None
+            done = raised_by(there.ops, mine) if there is not None else None
             if done is not None:  # raised by this recovery (an earlier run, or another at once)
                 return amounts(entry.needs, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
             if (raise_ := raised(there, charge, mine)) is None:

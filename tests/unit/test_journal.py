@@ -1312,7 +1312,7 @@ async def test_a_row_an_older_versions_recovery_wrote_without_its_raise_op_is_ne
     older = Charge.of(ledger_rows(data)[rec3.id])
     there = await b.ledger.find(older)
     assert there is not None
-    await b.store.replace(USAGE_TABLE, replace(older, ops="").entity(), etag=there.etag)  # no op says what it counted
+    await b.store.replace(USAGE_TABLE, replace(older, ops="").entity(), etag=there.over)  # no op says what it counted
     if died == "before_counting_and_a_taker_raised_it":
         await charged_by_its_taker(b, caller, rec3.id, GENERATED + " It came back at dusk, tired and happy.")
         assert ledger_rows(data)[rec3.id]["completion_tokens"] > older.completion_tokens
