@@ -333,8 +333,8 @@ class Accounting:
             if (raise_ := raised(there, made, op)) is None:
                 return
             charge, adds = raise_
-            spent, cost = adds.total_tokens, adds.cost or 0
-            wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
+            spent = amounts([w.key for w in admission.wants], [adds])
+            wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
             admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
                 return

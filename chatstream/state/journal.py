@@ -431,12 +431,13 @@ class Journal:
         self._needed_at.clear()
         self.number += 1
 
-    async def met_seal(self) -> bool:
-        """A budget row lost this instance's entry (counters.py): True once a write since tells
-        whether the journal was sealed (then it is ``_fenced``); False if it could not be written."""
+    async def met_seal(self) -> int | None:
+        """A budget row lost this instance's entry (counters.py): once a write since tells whether the
+        journal was sealed (then it is ``_fenced``), this journal's ``number``; None if it could not
+        be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())
-        return self._etag is None or not self._failing
+        return self.number if self._etag is None or not self._failing else None
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
