@@ -324,18 +324,17 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            was = Charge.of(there) if there is not None else None
             # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
             # call before (raised to what the log shows, the difference counted); or by the producer
             # itself (a hand-over: it counted it).
-            if was is not None and not (was.author.startswith(TAKEOVER) or was.author == made.author):
+            if there is not None and not (there.author.startswith(TAKEOVER) or there.author == made.author):
                 return
             op = secrets.token_hex(6)
             if (raise_ := raised(there, made, op)) is None:
                 return
             charge, adds = raise_
-            spent, cost = adds.total_tokens, adds.cost or 0
-            wants = [replace(w, need=cost if w.key.row == "spend" else spent) for w in admission.wants]  # its limits
+            spent = amounts([w.key for w in admission.wants], [adds])
+            wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
             admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
             if loop.time() >= give_up:
                 return

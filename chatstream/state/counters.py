@@ -359,10 +359,9 @@ class Lease:
                 # start again, with the charges no sealed journal listed (the taker did not apply
                 # them: once the journal has met the seal, those of a journal before its own).
                 log.warning("limits: %s was taken over from this instance elsewhere", self.key)
-                journal = counters.journal
-                if journal is not None and not await journal.met_seal():
+                number = await counters.journal.met_seal() if counters.journal is not None else 1
+                if number is None:
                     raise StoreError("this instance's journal could not be written to meet its seal")
-                number = journal.number if journal is not None else 1
                 self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
                 continue
             window = self.window  # (the window ``taken`` and ``holds`` are of, whatever the awaits below)
@@ -569,14 +568,12 @@ class Reservation:
 class WriteAhead(Protocol):
     """What the counters need of this instance's journal (journal.py): a budget counter is listed
     before any of it is held here (``note_counter``, then while ``holding()``); ``changed``: charges
-    entered a row (it may drop them). A takeover: ``met_seal`` once the journal knows whether it was
-    sealed, its ``number`` (``Settlement.journaled``) then past the sealed one's."""
-
-    number: int
+    entered a row (it may drop them). A takeover: ``met_seal``, once the journal knows whether it
+    was sealed, its number (``Settlement.journaled``), then past the sealed one's."""
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
-    async def met_seal(self) -> bool: ...
+    async def met_seal(self) -> int | None: ...
 
     def changed(self) -> None: ...
 

@@ -202,7 +202,7 @@ class Journal:
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
-        self._lapse: asyncio.TimerHandle | None = None
+        self._lapse: float | None = None  # when the first counter listed but not needed lapses (_listing)
         self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
         self._etag: str | None = None
         self._name: str | None = None
@@ -290,7 +290,9 @@ class Journal:
         woken = True  # a new writer, or one that waited for a change: WAKE_DELAY first
         while not self._closed:
             if not self._dirty.is_set():
-                await self._dirty.wait()
+                with contextlib.suppress(TimeoutError):  # (a lapse: written again without it)
+                    async with asyncio.timeout_at(self._lapse):
+                        await self._dirty.wait()
                 woken = True
             if woken and not self._urgent.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -341,9 +343,7 @@ class Journal:
             for key, e in self.entries.items()
             if not (e.state == "settled" and e.written.is_set() and (e.settlement is None or e.settlement.applied()))
         }
-        self._holding = {key: holding for key, holding in self._holding.items() if holding()}
-        needed = set(self._holding) | {k for e in self.entries.values() for k in e.needs}
-        listed = sorted(self._listing(needed))
+        listed = self._listing()
         if not self.entries and not listed:
             if self._etag is not None:
                 with contextlib.suppress(StoreError):
@@ -378,25 +378,17 @@ class Journal:
         if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
             self._rows = asyncio.ensure_future(self._write_rows())
 
-    def _listing(self, needed: set[CounterKey]) -> set[CounterKey]:
-        """The counters to list: those needed now, and those needed within ``LISTED_SECONDS`` (a
-        timer writes the journal again when the last of them lapses)."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for key in needed:
-            self._needed_at[key] = now
-        for key in [k for k, at in self._needed_at.items() if now - at >= LISTED_SECONDS]:
-            del self._needed_at[key]
-        kept = set(self._needed_at) - needed
-        if kept and not self.entries and self._lapse is None and not self._closed:
-            lapse = min(self._needed_at[k] for k in kept) + LISTED_SECONDS - now
-
-            def lapsed() -> None:
-                self._lapse = None
-                self.changed()
-
-            self._lapse = loop.call_later(max(0.0, lapse) + 0.01, lapsed)
-        return needed | kept
+    def _listing(self) -> list[CounterKey]:
+        """The counters to list: those the counters hold some of or a request needs, and those needed
+        within ``LISTED_SECONDS`` (with no request listed, the writer writes again when they lapse)."""
+        now = asyncio.get_running_loop().time()
+        needed = {key for key, holding in self._holding.items() if holding()}
+        needed |= {key for e in self.entries.values() for key in e.needs}
+        kept = {key: at for key, at in self._needed_at.items() if now - at < LISTED_SECONDS and key not in needed}
+        self._lapse = min(kept.values()) + LISTED_SECONDS + 0.01 if kept and not self.entries else None
+        self._needed_at = kept | dict.fromkeys(needed, now)
+        self._holding = {key: holding for key, holding in self._holding.items() if key in needed}
+        return sorted(needed | set(kept))
 
     async def _write_rows(self) -> None:
         """The ledger rows of the settled requests a written journal lists (ledger.py), tried again
@@ -439,12 +431,13 @@ class Journal:
         self._needed_at.clear()
         self.number += 1
 
-    async def met_seal(self) -> bool:
-        """A budget row lost this instance's entry (counters.py): True once a write since tells
-        whether the journal was sealed (then it is ``_fenced``); False if it could not be written."""
+    async def met_seal(self) -> int | None:
+        """A budget row lost this instance's entry (counters.py): once a write since tells whether the
+        journal was sealed (then it is ``_fenced``), this journal's ``number``; None if it could not
+        be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())
-        return self._etag is None or not self._failing
+        return self.number if self._etag is None or not self._failing else None
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until everything settled is written everywhere (tests, shutdown)."""
@@ -465,8 +458,6 @@ class Journal:
         if self._next is not None and not self._next.done():
             self._next.set_result(None)  # no write waits for it any more
         self._needed_at.clear()  # a graceful stop leaves no journal listing what it no longer holds
-        if self._lapse is not None:
-            self._lapse.cancel()
         if self._writer is not None:
             if not self._writer.done():
                 await self._quiet.wait()  # a store call: bounded
@@ -564,7 +555,7 @@ class Recovery:
         charge = entry.lost_charge(mine, logged)
         for _ in range(MAX_ATTEMPTS):
             there = await self.ledger.find(charge)
-            done = raised_by(Charge.of(there).ops, mine) if there is not None else None
+            done = raised_by(there.ops, mine) if there is not None else None
             if done is not None:  # raised by this recovery (an earlier run, or another at once)
                 return amounts(entry.needs, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
             if (raise_ := raised(there, charge, mine)) is None:

@@ -22,7 +22,7 @@ from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import usd
 from .port import Ended, Used
 from .prices import Price
-from .store import USAGE_TABLE, Op, Row, Store, Where, key_part
+from .store import USAGE_TABLE, Op, Store, Where, key_part
 
 log = logging.getLogger("chatstream")
 
@@ -138,20 +138,19 @@ def raised_by(ops: str, by: str) -> tuple[int, int] | None:
     return None
 
 
-def raised(there: Row | None, charge: Charge, by: str) -> tuple[Charge, Charge] | None:
-    """The one way a row is raised: the write that takes ``there`` (a charge's row as read; None:
-    there is none) to ``charge``, made on that row (its author kept, on its ETag: ``write`` lands it
-    if the row did not change first), its op ``by=tokens/cost`` naming who raised it (a recovery:
-    TAKEOVER + the dead instance; a stream's taker: an id of its own) and what it adds; and what it
-    adds, as a charge of the difference. None if the row holds as much already."""
+def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charge] | None:
+    """The one way a row is raised: the write that takes ``there`` (a charge's row as read,
+    ``Ledger.find``; None: there is none) to ``charge``, made on that row (its author kept, on its
+    ETag: ``write`` lands it if the row did not change first), its op ``by=tokens/cost`` naming who
+    raised it (a recovery: TAKEOVER + the dead instance; a stream's taker: an id of its own) and what
+    it adds; and what it adds, as a charge of the difference. None if the row holds as much already."""
     if there is None:
         adds, cost, write = charge.total_tokens, charge.cost or 0, charge
     else:
-        was = Charge.of(there)
-        adds, cost = charge.total_tokens - was.total_tokens, (charge.cost or 0) - (was.cost or 0)
+        adds, cost = charge.total_tokens - there.total_tokens, (charge.cost or 0) - (there.cost or 0)
         if adds <= 0:
             return None
-        write = replace(charge, author=was.author, ops=was.ops, over=there.etag)
+        write = replace(charge, author=there.author, ops=there.ops, over=there.over)
     write = replace(write, ops=f"{write.ops} {by}={adds}/{cost}".strip())
     return write, replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)
 
@@ -214,14 +213,15 @@ class Ledger:
                 index = exc.index or 0  # (None: the store did not say which)
                 row = chunk.pop(index if 0 <= index < len(chunk) else 0)
                 there = await self.find(charges[row[0]])  # theirs if another wrote it
-                theirs = there is not None and str(there.get("author") or "") != charges[row[0]].author
+                theirs = there is not None and there.author != charges[row[0]].author
                 found.update(dict.fromkeys(row, theirs))
         for row in chunk:
             found.update(dict.fromkeys(row, False))
 
-    async def find(self, charge: Charge) -> Row | None:
-        """The charge's row as the ledger holds it (written by whoever came first)."""
-        return await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
+    async def find(self, charge: Charge) -> Charge | None:
+        """The charge's row as the ledger holds it (written by whoever came first), ``over`` its ETag."""
+        row = await self.store.get(USAGE_TABLE, charge.partition, charge.row_key)
+        return replace(Charge.of(row), over=row.etag) if row is not None else None
 
     async def _raise(self, charge: Charge) -> bool:
         """Write a raise (``raised``) on the row it was made on (``over``; None: inserted): True if
@@ -237,7 +237,7 @@ class Ledger:
             return await self._raise(replace(charge, over=None))
         except (AlreadyExists, Modified):
             there = await self.find(charge)
-            return there is None or charge.ops.split()[-1] in Charge.of(there).ops.split()
+            return there is None or charge.ops.split()[-1] in there.ops.split()
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -852,6 +852,24 @@ async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_
     await a.close()
 
 
+async def test_a_budget_counter_stays_listed_for_listed_seconds_then_the_empty_journal_goes(monkeypatch):
+    """A request settled everywhere leaves its budget counter listed for ``LISTED_SECONDS`` (the
+    caller's next request holds it without a journal write first); once that lapses, the journal,
+    listing nothing, is written again by itself: deleted."""
+    monkeypatch.setattr(journal, "LISTED_SECONDS", 0.6)
+    data = account()
+    a, acc = instance(data, "instance-a")
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=10**9))
+    first, rec = await admit(acc, caller, "first")
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(10, 10))
+    assert await acc.flush(5)
+    doc = journal_doc(data, "instance-a")
+    assert doc is not None and not doc["entries"] and doc["counters"] == [f"{caller.limits_partition}/tokens"]
+    await until(lambda: journal_doc(data, "instance-a") is None, within=3.0, what="the lapse")
+    await a.close()
+
+
 async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_gives_it_back():
     """The first write of a budget's hold lands but its answer is lost: until the row is read back
     the instance does not know it holds anything, yet the journal must go on listing the counter;
@@ -1349,7 +1367,7 @@ async def test_a_row_an_older_versions_recovery_wrote_without_its_raise_op_is_ne
     older = Charge.of(ledger_rows(data)[rec3.id])
     there = await b.ledger.find(older)
     assert there is not None
-    await b.store.replace(USAGE_TABLE, replace(older, ops="").entity(), etag=there.etag)  # no op says what it counted
+    await b.store.replace(USAGE_TABLE, replace(older, ops="").entity(), etag=there.over)  # no op says what it counted
     if died == "before_counting_and_a_taker_raised_it":
         await charged_by_its_taker(b, caller, rec3.id, GENERATED + " It came back at dusk, tired and happy.")
         assert ledger_rows(data)[rec3.id]["completion_tokens"] > older.completion_tokens
