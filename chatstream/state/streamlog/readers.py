@@ -470,8 +470,9 @@ class Reader:
         deadline = loop.time() + self._cfg.past_end_wait_seconds
 
         def waiting() -> bool:
+            gone = self._gone_at is not None or tail.handover  # no ack comes: the reading takes it over
             acked = self._slot.id in tail.acks
-            return self.after > tail.last_id and not acked and self._gone_at is None and loop.time() < deadline
+            return self.after > tail.last_id and not acked and not gone and loop.time() < deadline
 
         read = b""
         if live:
