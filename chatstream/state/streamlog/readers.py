@@ -12,8 +12,9 @@ reads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from ...errors import StoreError
@@ -310,8 +311,9 @@ class Reader:
 
     # -- from the store -------------------------------------------------------------------------
 
-    async def _from_store(self) -> Events:
-        """Until the stream ends, or is produced here (taken over by this instance)."""
+    async def _from_store(self, wanted: Callable[[], bool] = lambda: True) -> Events:
+        """Until the stream ends, or is produced here (taken over by this instance), or ``wanted()``
+        is False (the opening's wait past the end)."""
         ctx, cfg, tail = self._ctx, self._cfg, self.tail
         loop = asyncio.get_running_loop()
         now = last_new = loop.time()
@@ -321,8 +323,8 @@ class Reader:
         ctx.remote_readers += 1
         try:
             while tail.end is None and not tail.broken:
-                if self._streams.producing(self.stream_id) is not None:
-                    return  # taken over here: from memory now
+                if self._streams.producing(self.stream_id) is not None or not wanted():
+                    return  # taken over here (from memory now), or the opening's wait is over
                 wait = max(cadence.poll, ctx.remote_readers / cfg.read_rate)
                 await asyncio.sleep(max(0.2 * wait, now + wait - loop.time()))
                 now = loop.time()
@@ -460,32 +462,23 @@ class Reader:
 
     async def _past_the_end(self, live: bool) -> bytes:
         """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its
-        producer acks this reader with an earlier last id; for a ``live`` stream, waited for (bounded)
-        until the stored log reaches ``after``, or an ack, or the producer is gone. What was read
-        meanwhile is returned (the events after the cursor)."""
-        ctx, cfg, tail = self._ctx, self._cfg, self.tail
-        assert self.record is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.past_end_wait_seconds
-        next_check = loop.time() + cfg.state_seconds
+        producer acks this reader with an earlier last id; a ``live`` stream is followed meanwhile
+        (``_from_store``, at most ``past_end_wait_seconds``) until the stored log reaches ``after``, or
+        the ack, or the producer is found gone, or the reading is over. What was read meanwhile is
+        returned (handed out first)."""
+        tail, loop = self.tail, asyncio.get_running_loop()
+        deadline = loop.time() + self._cfg.past_end_wait_seconds
+
+        def waiting() -> bool:
+            gone = self._gone_at is not None or tail.handover  # no ack comes: the reading takes it over
+            acked = self._slot.id in tail.acks
+            return self.after > tail.last_id and not acked and not gone and loop.time() < deadline
+
         read = b""
-        try:
-            while (
-                live
-                and self.after > tail.last_id
-                and tail.end is None
-                and not tail.broken
-                and self._slot.id not in tail.acks
-                and loop.time() < deadline
-            ):
-                await asyncio.sleep(cfg.poll_seconds / 2)
-                read += await self._poll()
-                if loop.time() >= next_check:
-                    next_check = loop.time() + cfg.state_seconds
-                    if await producer_gone(ctx, self.record, tail, self._grew_at):
-                        break  # it cannot tell any more: the reader follows (a takeover, or stream_lost)
-        except StoreError:
-            pass  # the store cannot tell now: the reader follows (and skips to its id)
+        if live:
+            async with contextlib.aclosing(self._from_store(waiting)) as following:
+                async for out in following:
+                    read += out
         acked = tail.acks.get(self._slot.id)
         if not tail.broken and (
             (tail.end == END and self.after > tail.last_id) or (acked is not None and self.after > acked)

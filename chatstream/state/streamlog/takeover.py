@@ -174,7 +174,6 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.give_up_seconds
     store = ctx.store
-    created = False
     while loop.time() < deadline:
         try:
             await store.append(won.stream_id, epoch_marker(won.epoch, tail.last_id), at=tail.offset)
@@ -195,16 +194,9 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
                     with contextlib.suppress(StoreError):  # else it expires later
                         await store.merge(STREAMS_TABLE, over, etag=won.etag)
                     return False
-        except NotFound:  # it died before it made the blob
-            if created:
-                return None
-            created = True
-            try:
+        except NotFound:  # it died before it made the blob: made here, then fenced
+            with contextlib.suppress(AlreadyExists, StoreError):
                 await store.append_create(won.stream_id)
-            except AlreadyExists:
-                pass
-            except StoreError:
-                await asyncio.sleep(0.25)
         except StoreError:
             await asyncio.sleep(0.25)
     log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
