@@ -344,12 +344,14 @@ class Journal:
             if not (e.state == "settled" and e.written.is_set() and (e.settlement is None or e.settlement.applied()))
         }
         listed = self._listing()
+        # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
+        # waits for the next write, not for this one.
+        self._noted &= set(listed)
         if not self.entries and not listed:
             if self._etag is not None:
                 with contextlib.suppress(StoreError):
                     await self.store.delete_blob(name)
                 self._etag = None
-            self._noted = set()
             if self._busy:
                 self._busy = False
                 self.instances.done()

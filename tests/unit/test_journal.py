@@ -870,6 +870,38 @@ async def test_a_budget_counter_stays_listed_for_listed_seconds_then_the_empty_j
     await a.close()
 
 
+async def test_a_budget_held_again_while_the_write_that_drops_its_counter_is_in_flight_stays_listed(monkeypatch):
+    """A budget counter lapses (``LISTED_SECONDS``): the write that drops it is in flight (a slow
+    delete of the empty journal) when the caller's next request holds the budget again. That hold
+    waits for a journal that lists the counter, not for the write in flight: if the instance dies
+    then, its takeover gives the hold back (it stayed in the row for good)."""
+    monkeypatch.setattr(journal, "LISTED_SECONDS", 0.3)
+    data = account()
+    a, acc = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=10**9))
+    first, rec = await admit(acc, caller, "first")
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(10, 10))
+    assert await acc.flush(5)
+    assert isinstance(a.store, MemoryStore)
+    a.store.inject(Fault("slow", frozenset({"delete_blob"}), table="blob", delay=1.0))
+    await until(lambda: data.calls.get("delete_blob", 0) >= 1, what="the lapse's write in flight")
+    second = asyncio.ensure_future(admit(acc, caller, "second"))
+
+    def held() -> bool:
+        return "instance-a" in parse_holds(counter(data, caller.limits_partition, "tokens").get("holds"))
+
+    await until(held, what="the budget held again")
+    await kill(a)
+    second.cancel()
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    row = counter(data, caller.limits_partition, "tokens")
+    charged = sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger_rows(data).values())
+    assert not held() and row["taken"] == charged, row  # (the second charged as lost if it was listed)
+    await b.close()
+
+
 async def test_a_hold_whose_answer_was_lost_is_listed_until_known_so_a_takeover_gives_it_back():
     """The first write of a budget's hold lands but its answer is lost: until the row is read back
     the instance does not know it holds anything, yet the journal must go on listing the counter;
