@@ -257,6 +257,7 @@ class AzureStore:
         self.calls: dict[str, int] = {}  # requests of each op (tests count them)
         self._session: aiohttp.ClientSession | None = None
         self._first: dict[str | None, asyncio.Future] = {}  # each one's first call, done once it is answered
+        self._date: tuple[str | None, float | None] = (None, None)  # the last Date answered, as read
 
     # --- tables -------------------------------------------------------------------------------
 
@@ -540,7 +541,11 @@ class AzureStore:
                 raise
 
     def _observe(self, headers: Mapping[str, str]) -> None:
-        """Every answer: the store's clock, from its Date header (GMT; none, or garbage: nothing)."""
-        when = parse_http_date(headers.get("Date"))
-        if when is not None:
-            self.clock.observe(when.timestamp())
+        """Every answer: the store's clock, from its Date header (GMT; none, or garbage: nothing),
+        read once a second (its Date again: the same time)."""
+        date = headers.get("Date")
+        if date != self._date[0]:
+            when = parse_http_date(date)
+            self._date = (date, when.timestamp() if when is not None else None)
+        if self._date[1] is not None:
+            self.clock.observe(self._date[1])
