@@ -14,7 +14,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import tokens
@@ -430,7 +430,7 @@ class Accounting:
         settlement = self.counters.adjust(wants, at)
         await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
-        payer = Payer.of(asdict(charge))
+        payer = Payer.of(charge.values())
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
         self.journal.settle(entry, [charge], needs, settlement)
         return entry

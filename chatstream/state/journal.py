@@ -47,7 +47,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -146,7 +146,7 @@ class JournalEntry:
     def _document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "id": self.key,
-            **asdict(self.payer),
+            **self.payer.values(),
             "model": self.model,
             "prompt": self.prompt_tokens,
             "needs": _named(self.needs),
@@ -158,7 +158,7 @@ class JournalEntry:
         if self.stream is not None:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
-            doc["charges"] = [asdict(c) for c in self.charges]
+            doc["charges"] = [c.values() for c in self.charges]
             doc["amounts"] = _named(self.amounts)
             doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
         return doc

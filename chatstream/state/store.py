@@ -199,7 +199,7 @@ def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
         if not isinstance(name, str) or not name or len(name) > 255:
             raise ValueError("a property name is 1 to 255 characters")
         if isinstance(value, str):
-            units = len(value.encode("utf-16-le", "surrogatepass")) // 2
+            units = len(value) if value.isascii() else len(value.encode("utf-16-le", "surrogatepass")) // 2
             if units > 32 * 1024:
                 raise ValueError(f"property {name!r} is over Table storage's 64 KiB ({units} UTF-16 units)")
             size += 2 * units
