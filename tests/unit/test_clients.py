@@ -477,6 +477,9 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         assert ours._build_headers is Reused._build_headers
         assert ours._process_response is Reused._process_response
         assert ours._idempotency_key is Reused._idempotency_key
+        assert ours._send_request is Reused._send_request and ours.custom_auth is Reused.custom_auth
+        assert ours._prepare_options is Reused._prepare_options
+        assert ours._prepare_request is Reused._prepare_request
         # No idempotency header on the SDK's clients: the key the SDK makes per request is never sent.
         made = (
             ours(api_key="k", base_url="http://h.test/v1")
@@ -484,6 +487,16 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
             else ours(api_key="k", azure_endpoint="https://h.test", api_version="1")
         )
         assert made._idempotency_header is None
+        # The auth layers Reused skips when a client has none of them (their attributes, as the SDK keeps them).
+        assert made._provider_runtime is None and made._workload_identity_auth is None and made._plain()
+    provided = _AsyncOpenAI(api_key=lambda: "k", base_url="http://h.test/v1")  # an Entra ID token as the key
+    assert provided._api_key_provider is not None
+    assert "return await self._client.send(request, stream=stream, **kwargs)" in inspect.getsource(
+        AsyncAPIClient._send_request
+    )
+    assert inspect.getsource(AsyncAPIClient._prepare_options).rstrip().endswith("return options")
+    assert inspect.getsource(AsyncAPIClient._prepare_request).rstrip().endswith("return None")
+    assert AsyncAPIClient.custom_auth.fget(made) is None  # type: ignore[attr-defined]
     client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
