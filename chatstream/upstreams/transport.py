@@ -438,6 +438,33 @@ class HttpClient(httpx2.AsyncClient):
         request.read()  # as httpx2 does for a body in hand
         return request
 
+    def with_body(self, request: httpx2.Request, content: bytes) -> httpx2.Request:
+        """A request as ``request`` (one this client built with a body, kept as it was built: see
+        ``keepable``) with ``content`` as its body: its method, URL, headers (with its own
+        ``Content-Length``) and extensions, as ``build_request`` builds it, without building any of
+        them again (Reused keeps one per kind of request a client sends). A new ``httpx2.Request``
+        of the attributes httpx2's own has (test_clients.py checks them)."""
+        headers = request.headers.copied() if isinstance(request.headers, KeptHeaders) else KeptHeaders(request.headers)
+        headers.set_last("Content-Length", str(len(content)))
+        made = httpx2.Request.__new__(httpx2.Request)
+        made.method, made.url, made.headers = request.method, request.url, headers
+        made.extensions = dict(request.extensions)
+        made.stream = httpx2.ByteStream(content)
+        made._content = content  # as ``read`` keeps it
+        return made
+
+    def keepable(self, request: httpx2.Request) -> httpx2.Request | None:
+        """``request`` (just built by this client, not sent yet) as ``with_body`` takes it, kept apart
+        from the request itself (which its sender may change); None when another body would change
+        more than its ``Content-Length`` (no body, or the header not last)."""
+        raw = request.headers.raw
+        if not raw or raw[-1][0] != b"Content-Length" or not request.content or self.cookies:
+            return None
+        kept = httpx2.Request.__new__(httpx2.Request)
+        kept.method, kept.url, kept.headers = request.method, request.url, KeptHeaders(request.headers)
+        kept.extensions = dict(request.extensions)
+        return kept
+
     def _url(self, url: str, params: str | None) -> httpx2.URL | None:
         key = (url, params)
         parsed = self._parsed.get(key)

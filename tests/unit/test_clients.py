@@ -650,7 +650,8 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
 
     def shape(request: httpx2.Request) -> tuple:
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"x-stainless-retry-count"]  # in order
-        return request.method, str(request.url), headers, request.content, request.extensions
+        sent = (request.method, str(request.url), headers, request.content, request.extensions)
+        return (*sent, sorted(vars(request)), request.headers.multi_items(), b"".join(request.stream))
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
@@ -679,15 +680,20 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
             for model in ("m1", "m2", "m1"):
                 for url in ("/chat/completions", "/responses"):
 
-                    def options(url=url, model=model):
+                    def options(url=url, model=model, round_=round_):
                         return FinalRequestOptions.construct(
                             method="post",
                             url=url,
-                            json_data={"model": model, "stream": True},
+                            json_data={"model": model, "stream": True, "input": "é" * len(model) * round_},
                             idempotency_key="stainless-python-retry-1",
                         )
 
-                    assert shape(ours._build_request(options())) == shape(plain._build_request(options()))
+                    for retries in (0, 1):
+                        made = [c._build_request(options(), retries_taken=retries) for c in (ours, plain)]
+                        assert shape(made[0]) == shape(made[1])
+                        made[0].headers["x-changed"] = "by whoever sent it"  # a request's headers are its own
+        # A request of each kind is kept (Reused._build_request), but for a dated API version's (its query).
+        assert bool(ours.__dict__.get("_chatstream_requests")) is not entry.dated
 
 
 def test_http_client_builds_the_request_httpx2_builds():
