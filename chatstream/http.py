@@ -107,6 +107,10 @@ def _finite(text: str) -> float:
     return value
 
 
+# json.loads with these options, built once: json.loads with any option builds a decoder per call.
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite).decode
+
+
 def parse_json_body(raw: bytes) -> object:
     """Strict JSON: UTF-8 only, no NaN/Infinity (nor numbers that overflow to it), no lone
     surrogates, bounded nesting."""
@@ -115,7 +119,9 @@ def parse_json_body(raw: bytes) -> object:
     except UnicodeDecodeError:
         raise invalid_request("the body is not valid UTF-8") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        if text.startswith("\ufeff"):  # as json.loads says it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        data = _STRICT(text)
     except RecursionError:
         raise invalid_request("the body is nested too deeply") from None
     except ValueError as exc:
