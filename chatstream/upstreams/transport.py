@@ -108,6 +108,12 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx2.create_ssl_context()
 
 
+@functools.lru_cache(maxsize=64)
+def _timeout(pool: float | None, connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    """aiohttp's timers for httpx2's (see AiohttpTransport), one object per set (it is frozen)."""
+    return aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
+
+
 def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
     ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
@@ -161,6 +167,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # for a request sent again: new connections
+        self._url_text: dict[int, tuple[httpx2.URL, str]] = {}  # str(url) by URL object (HttpClient keeps them)
 
     def _open(self, fresh: bool = False) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -196,12 +203,16 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         session = self._session or self._open()
         limits = request.extensions.get("timeout") or {}
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=limits.get("pool"), sock_connect=limits.get("connect"), sock_read=limits.get("read")
-        )
+        timeout = _timeout(limits.get("pool"), limits.get("connect"), limits.get("read"))
         content = await request.aread()
         headers: Iterable[tuple[str, str]] = request.headers.multi_items()
-        url = str(request.url)  # yarl keeps the URLs it parsed
+        url = self._url_text.get(id(request.url))  # the text of each URL object kept (they are immutable)
+        if url is None or url[0] is not request.url:
+            url = (request.url, str(request.url))  # yarl keeps the URLs it parsed
+            if len(self._url_text) >= URL_CACHE_SIZE:
+                self._url_text.clear()
+            self._url_text[id(request.url)] = url
+        url = url[1]
         trace: dict[str, bool] = {}
         sent = time.monotonic()
         try:
