@@ -489,7 +489,11 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         assert made._idempotency_header is None
         # The auth layers Reused skips when a client has none of them (their attributes, as the SDK keeps them).
         assert made._provider_runtime is None and made._workload_identity_auth is None and made._plain()
-    provided = _AsyncOpenAI(api_key=lambda: "k", base_url="http://h.test/v1")  # an Entra ID token as the key
+
+    async def token() -> str:
+        return "k"
+
+    provided = _AsyncOpenAI(api_key=token, base_url="http://h.test/v1")  # an Entra ID token as the key
     assert provided._api_key_provider is not None
     assert "return await self._client.send(request, stream=stream, **kwargs)" in inspect.getsource(
         AsyncAPIClient._send_request
@@ -522,13 +526,15 @@ async def test_kept_headers_follow_a_changed_key_token_or_header():
         return next(tokens)
 
     builds = [
-        lambda cls: cls(api_key="sk-1", base_url="http://up.test/v1"),
-        lambda cls: cls(azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1"),
+        lambda cls, http: cls(api_key="sk-1", base_url="http://up.test/v1", http_client=http),
+        lambda cls, http: cls(
+            azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1", http_client=http
+        ),
     ]
     for build, ours_class, sdk_class in zip(
         builds, (_AsyncOpenAI, _AsyncAzureOpenAI), (openai.AsyncOpenAI, openai.AsyncAzureOpenAI), strict=True
     ):
-        ours, theirs = build(ours_class), build(sdk_class)
+        ours, theirs = build(ours_class, HttpClient()), build(sdk_class, openai.DefaultAsyncHttpx2Client())
         for step in range(4):
             for client in (ours, theirs):
                 if step == 1:
@@ -545,12 +551,17 @@ async def test_kept_headers_follow_a_changed_key_token_or_header():
                 for retries in (0, 1):
                     sent = [c._build_headers(made, retries_taken=retries).raw for c in (ours, theirs)]
                     assert sent[0] == sent[1], (step, made.headers, retries)
-    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1")
-    seen = set()
+                    ours_sent, theirs_sent = (c._build_request(made, retries_taken=retries) for c in (ours, theirs))
+                    assert ours_sent.headers.raw == theirs_sent.headers.raw  # ours kept (Reused._build_request)
+                    assert ours_sent.content == theirs_sent.content
+    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1", http_client=HttpClient())
+    seen, sent = set(), set()
     for _ in range(3):
         made = await refreshed._prepare_options(options())
         seen.add(refreshed._build_headers(made)["authorization"])
+        sent.add(refreshed._build_request(made).headers["authorization"])  # the request kept follows the token
     assert seen == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
+    assert sent == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
 
 
 class _Answers(httpx2.AsyncBaseTransport):
