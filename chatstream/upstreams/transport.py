@@ -245,9 +245,12 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1", BODY: body}
         if answer.reason:
             extensions["reason_phrase"] = answer.reason.encode("ascii", "replace")
-        return httpx2.Response(
+        response = httpx2.Response(
             answer.status, headers=answer.raw_headers, stream=body, request=request, extensions=extensions
         )
+        if all(name.isascii() and value.isascii() for name, value in answer.raw_headers):
+            response.headers.encoding = "ascii"  # what httpx2 finds first, by decoding each header in Python
+        return response
 
     async def aclose(self) -> None:
         for session in (self._session, self._fresh):
@@ -387,7 +390,7 @@ class HttpClient(httpx2.AsyncClient):
             )
         try:
             follow = self.follow_redirects if follow_redirects is httpx2.USE_CLIENT_DEFAULT else follow_redirects
-            if response.has_redirect_location:
+            if 300 <= response.status_code < 400 and response.has_redirect_location:  # (its status check is slower)
                 if not follow:
                     with contextlib.suppress(httpx2.RemoteProtocolError):
                         response.next_request = self._build_redirect_request(request, response)

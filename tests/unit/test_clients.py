@@ -320,6 +320,32 @@ async def _streamed(body: bytes) -> list[dict]:
         server.close()
 
 
+@pytest.mark.parametrize("extra", [b"", b"x-note: caf\xc3\xa9\r\n", b"x-note: caf\xe9\r\n"])
+async def test_a_responses_headers_read_as_httpx2_reads_them(extra):
+    """The transport tells httpx2 the encoding of an all-ASCII head (AiohttpTransport): the same one,
+    and the same values, as httpx2 finds for the same header bytes (UTF-8 or Latin-1 ones as well)."""
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(HEAD.replace(b"\r\n\r\n", b"\r\n" + extra + b"x-request-id: r1\r\n\r\n") + _chunked(CHUNK))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1])
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {})
+        headers = stream.response.headers
+        fresh = httpx2.Headers(headers.raw)
+        assert (headers.encoding, headers.multi_items()) == (fresh.encoding, fresh.multi_items())
+        assert stream.request_id == "r1"
+        await stream.close()
+    finally:
+        await client.close()
+        server.close()
+
+
 async def test_chunks_are_read_as_utf8_json_with_whitespace_around_it():
     text = "h\u00e9 \u2713 \U0001f600"
     body = (
