@@ -295,6 +295,16 @@ class KeptHeaders(httpx2.Headers):
             if not pairs[-1][1].isascii():  # the encoding found may have been the old value's
                 self._found = None
 
+    def set_length(self, length: int) -> None:
+        """``self["Content-Length"] = str(length)`` where that header is the last and the only one (a
+        request ``HttpClient.keepable`` kept): its value replaced in place, its pairs kept, without
+        httpx2's search for duplicates."""
+        raw, lower, old = self._list[-1]
+        assert raw == b"Content-Length" and self._pairs is not None and old.isascii()
+        value = str(length)
+        self._list[-1] = (raw, lower, value.encode("ascii"))
+        self._pairs = [*self._pairs[:-1], ("content-length", value)]
+
     def __setitem__(self, key: str, value: str) -> None:
         self._pairs = None
         super().__setitem__(key, value)
@@ -459,7 +469,7 @@ class HttpClient(httpx2.AsyncClient):
         them again (Reused keeps one per kind of request a client sends). A new ``httpx2.Request``
         of the attributes httpx2's own has (test_clients.py checks them)."""
         headers = request.headers.copied() if isinstance(request.headers, KeptHeaders) else KeptHeaders(request.headers)
-        headers.set_last("Content-Length", str(len(content)))
+        headers.set_length(len(content))
         made = httpx2.Request.__new__(httpx2.Request)
         made.method, made.url, made.headers = request.method, request.url, headers
         made.extensions = dict(request.extensions)
@@ -474,6 +484,8 @@ class HttpClient(httpx2.AsyncClient):
         raw = request.headers.raw
         if not raw or raw[-1][0] != b"Content-Length" or not request.content or self.cookies:
             return None
+        if [name.lower() for name, _ in raw].count(b"content-length") != 1:
+            return None  # (KeptHeaders.set_length)
         kept = httpx2.Request.__new__(httpx2.Request)
         kept.method, kept.url, kept.headers = request.method, request.url, KeptHeaders(request.headers)
         kept.extensions = dict(request.extensions)
