@@ -671,6 +671,7 @@ async def stream_response(
             on_close=functools.partial(_close_events, first, events),  # no closure: cells while it waits
             headers={**headers, "x-request-id": record.request_id},  # the upstream's id, once it is known
             listener=gone,
+            closed_by_body=True,  # _body closes the events as it ends
         )
     finally:
         if not listened:

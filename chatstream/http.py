@@ -107,6 +107,10 @@ def _finite(text: str) -> float:
     return value
 
 
+# json.loads with these options, built once: json.loads with any option builds a decoder per call.
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite).decode
+
+
 def parse_json_body(raw: bytes) -> object:
     """Strict JSON: UTF-8 only, no NaN/Infinity (nor numbers that overflow to it), no lone
     surrogates, bounded nesting."""
@@ -115,7 +119,9 @@ def parse_json_body(raw: bytes) -> object:
     except UnicodeDecodeError:
         raise invalid_request("the body is not valid UTF-8") from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        if text.startswith("\ufeff"):  # as json.loads says it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        data = _STRICT(text)
     except RecursionError:
         raise invalid_request("the body is nested too deeply") from None
     except ValueError as exc:
@@ -279,7 +285,10 @@ class EventStreamResponse(StreamingResponse):
     ``listener``: a task already listening for the caller's disconnect on the same ``receive``
     (the endpoint's, while it waited for the first event), which the response listens with instead
     of starting its own: a task, a receive and a cancel fewer per stream, before its first event
-    goes out (~2.5% of the CPU a request takes until then)."""
+    goes out (~2.5% of the CPU a request takes until then). ``closed_by_body``: what ``on_close``
+    closes, the body closes itself when it runs to its end (the endpoint's: its events end with it);
+    once the body was written whole, the close has nothing to do then, and takes no shield (~1% of
+    a short stream's CPU)."""
 
     media_type = "text/event-stream; charset=utf-8"
 
@@ -290,12 +299,15 @@ class EventStreamResponse(StreamingResponse):
         on_close: Callable[[], Awaitable[None]] | None = None,
         headers: dict[str, str] | None = None,
         listener: asyncio.Future | None = None,
+        closed_by_body: bool = False,
     ):
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
         self.content = content
         self.give_up_at = give_up_at
         self.on_close = on_close
         self.listener = listener
+        self.closed_by_body = closed_by_body
+        self.written = False  # the body was written whole (it ran to its end)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -311,6 +323,8 @@ class EventStreamResponse(StreamingResponse):
         Shielded: it runs on the way out of a cancelled task."""
         if self.listener is not None:
             self.listener.cancel()  # a response never served has it still listening
+        if self.written and self.closed_by_body:
+            return
         with anyio.CancelScope(shield=True):
             close = getattr(self.content, "aclose", None)
             if close is not None:
@@ -348,6 +362,7 @@ class EventStreamResponse(StreamingResponse):
         listener.add_done_callback(hung_up)
         try:
             await self.stream_response(send)
+            self.written = True
         except asyncio.CancelledError:
             if not gone:
                 raise

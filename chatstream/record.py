@@ -132,6 +132,10 @@ class Segment:
         }
 
 
+# json.dumps(..., ensure_ascii=False), built once: json.dumps with any option builds an encoder per call.
+_LINE = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _new_id() -> str:
     """A request's own id: 32 random hex digits, as ``uuid4().hex`` was (unique across instances,
     unguessable), for a quarter of its cost (no UUID object: ~0.7 µs a request instead of ~2.7)."""
@@ -291,7 +295,7 @@ class StreamRecord:
         return line
 
     def log_line(self) -> str:
-        return log_safe(json.dumps(self.as_log(), ensure_ascii=False))
+        return log_safe(_LINE(self.as_log()))
 
     def result(self) -> StreamResult:
         return StreamResult(

@@ -553,7 +553,9 @@ async def encoded(
 ) -> AsyncGenerator[bytes]:
     """``first`` and then ``events`` up to the final one, encoded: one piece of bytes per write, the
     chunks marked ``more`` joined with the events that follow them. ``ended``: awaited with the bytes
-    written when it ends, however it ends."""
+    written when it ends, however it ends. After the final event is written, ``events`` is read once
+    more, to its end (a relay's is its ``finally``: the record's end), so that ``ended`` finds it over
+    and has no close to shield (~3% of a short stream's CPU)."""
     pending: list[bytes] = []  # the encoded events of chunks marked ``more``, not written yet
     event = first
     written = 0
@@ -567,6 +569,7 @@ async def encoded(
                     data = b"".join(pending)
                     written += len(data)
                     yield data
+                await anext(events, None)  # the end of the events (nothing follows the final one)
                 return
             if event.more:
                 if data:

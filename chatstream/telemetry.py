@@ -324,9 +324,10 @@ def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
 
 
 def _record_stream(span, record: StreamRecord) -> None:
-    span.set_attributes(_span_attributes(record))
-    if _is_failure(record):
-        span.set_status(Status(StatusCode.ERROR, record.error))
+    if span.is_recording():  # else (no tracing configured, or the span sampled out) nothing would keep them
+        span.set_attributes(_span_attributes(record))
+        if _is_failure(record):
+            span.set_status(Status(StatusCode.ERROR, record.error))
     _record_metrics(record)
 
 

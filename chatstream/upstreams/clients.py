@@ -13,11 +13,12 @@ Azure OpenAI is called on its GA v1 API (``{endpoint}/openai/v1``, OpenAI's path
 the key or Entra ID token as the bearer) unless an entry names a dated ``api_version`` (the SDK's
 Azure client: ``/openai/deployments/{deployment}/...?api-version=``, the key in ``api-key``).
 
-Three private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request
-URLs its ``_prepare_url`` builds, the request options its ``post`` builds (``FinalRequestOptions``)
-and the headers its ``_build_headers`` builds, which it would rebuild for every request
-(requirements.txt pins the SDK's minor version; tests/unit/test_clients.py fails if any changes
-shape, and checks every request against the SDK's own)."""
+Private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request URLs
+its ``_prepare_url`` builds, the request options its ``post`` builds (``FinalRequestOptions``), the
+headers its ``_build_headers`` builds and the requests its ``_build_request`` builds, which it would
+rebuild for every request, and skips its auth layers a client does not use (requirements.txt pins
+the SDK's minor version; tests/unit/test_clients.py fails if any changes shape, and checks every
+request against the SDK's own)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import httpx2
 import openai
 from openai._constants import RAW_RESPONSE_HEADER  # private: the header that asks for the SDK's response wrapper
 from openai._models import FinalRequestOptions  # private: see Reused
+from openai._utils._json import _CustomEncoder  # private: the SDK's JSON body encoder (openapi_dumps)
 
 from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
 from ..settings import Settings
@@ -92,6 +94,10 @@ class Reused:
       token changes; each request gets a copy (the SDK changes its own). ~8% of the CPU a request
       takes before its first delta (tools/bench/burst.py). A client with an idempotency header (a
       new value per request) builds them each time.
+    - ``_build_request``: the request of a JSON body (no query, files or cookies), kept per path and
+      set of header inputs (as above) and given each time with its own body (``HttpClient.with_body``):
+      the SDK's merging of the request's parts, then httpx2's of the client's, are done once. ~6% of
+      the CPU a short stream takes in-process.
 
     - ``_idempotency_key``: a new uuid4 per request for the client's idempotency header, which the
       SDK's OpenAI and Azure clients do not have (nothing sends the key): one unsent constant then;
@@ -99,6 +105,12 @@ class Reused:
       SDK's ``AsyncAPIResponse.parse`` makes it (without the response wrapper, the type-argument
       lookup and two header searches around it); a raw response or a post-parser goes the SDK's way.
       With the idempotency key: ~4% of the CPU a request takes before its first delta.
+    - the layers the SDK's clients put around preparing and sending a request for what none of ours
+      use (a provider runtime, a workload identity, an API key provider: ``openai/lib/_client_auth.py``,
+      each a call and an import per request), skipped when the client has none: the request goes
+      to the HTTP client as the SDK's base client sends it (``_send_request``), with no custom auth,
+      no request hook and the options as they are; an Azure client prepares its options its own way.
+      ~4% of the CPU a stream takes in-process (make bench-quick).
 
     URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
     test_clients.py checks the shapes relied on and that every request is the SDK's own."""
@@ -107,16 +119,7 @@ class Reused:
         build = super()._build_headers  # type: ignore[misc] - the SDK client class after this mixin
         if self._idempotency_header:  # type: ignore[attr-defined] - the SDK client's
             return build(options, retries_taken=retries_taken)
-        timeout = self.timeout if isinstance(options.timeout, openai.NotGiven) else options.timeout  # type: ignore[attr-defined]
-        if isinstance(timeout, httpx2.Timeout):
-            timeout = ("timeout", timeout.connect, timeout.read, timeout.write, timeout.pool)
-        key = (
-            _pairs(self._auth_headers(options.security)),  # type: ignore[attr-defined] - the SDK client's
-            _pairs(self.default_headers),  # type: ignore[attr-defined]
-            _pairs(options.headers or {}),
-            retries_taken,
-            timeout,
-        )
+        key = self._headers_key(options, retries_taken)
         cache = self.__dict__.setdefault("_chatstream_headers", {})
         try:
             kept = cache.get(key)
@@ -129,6 +132,75 @@ class Reused:
             cache[key] = KeptHeaders(kept)
             return kept
         return kept.copied()
+
+    def _headers_key(self, options: FinalRequestOptions, retries_taken: int) -> tuple:
+        """What the SDK builds a request's headers of (without an idempotency header): the same for
+        every request of a client until a key or token changes."""
+        timeout = self.timeout if isinstance(options.timeout, openai.NotGiven) else options.timeout  # type: ignore[attr-defined]
+        if isinstance(timeout, httpx2.Timeout):
+            timeout = ("timeout", timeout.connect, timeout.read, timeout.write, timeout.pool)
+        return (
+            _pairs(self._auth_headers(options.security)),  # type: ignore[attr-defined] - the SDK client's
+            _pairs(self.default_headers),  # type: ignore[attr-defined]
+            _pairs(options.headers or {}),
+            retries_taken,
+            timeout,
+        )
+
+    def _build_request(self, options: FinalRequestOptions, *, retries_taken: int = 0) -> httpx2.Request:
+        build = super()._build_request  # type: ignore[misc] - the SDK client class after this mixin
+        body, client = options.json_data, self._client  # type: ignore[attr-defined] - the SDK client's
+        if (
+            type(body) is not dict
+            or options.method != "post"
+            or options.extra_json is not None
+            or options.files is not None
+            or options.content is not None
+            or options.params
+            or self._idempotency_header  # type: ignore[attr-defined]
+            or not isinstance(client, HttpClient)
+            or client.cookies
+            or self.default_query  # type: ignore[attr-defined]
+            or self._auth_query(options.security)  # type: ignore[attr-defined]
+        ):
+            return build(options, retries_taken=retries_taken)
+        cache = self.__dict__.setdefault("_chatstream_requests", {})
+        base = self._base_url  # type: ignore[attr-defined]
+        try:
+            hit = cache.get(key := (options.url, self._headers_key(options, retries_taken)))
+        except TypeError:  # a value that cannot be compared
+            return build(options, retries_taken=retries_taken)
+        if hit is not None and hit[0] is base:
+            return client.with_body(hit[1], _dumps(body).encode())
+        request = build(options, retries_taken=retries_taken)
+        kept = client.keepable(request)
+        if kept is not None:
+            if len(cache) >= URL_CACHE_SIZE:  # a key or token changed many times: the old ones go
+                cache.clear()
+            cache[key] = (base, kept)
+        return request
+
+    def _plain(self) -> bool:
+        """Whether the client has none of the SDK's auth layers (the request is sent as it is built)."""
+        return self._provider_runtime is None and self._workload_identity_auth is None  # type: ignore[attr-defined]
+
+    @property
+    def custom_auth(self) -> httpx2.Auth | None:
+        return None if self._plain() else super().custom_auth  # type: ignore[misc] - the SDK client class after this mixin
+
+    async def _prepare_options(self, options: FinalRequestOptions) -> FinalRequestOptions:
+        if self._plain() and self._api_key_provider is None and not isinstance(self, openai.AsyncAzureOpenAI):  # type: ignore[attr-defined]
+            return options
+        return await super()._prepare_options(options)  # type: ignore[misc] - the SDK client class after this mixin
+
+    async def _prepare_request(self, request: httpx2.Request) -> None:
+        if not self._plain():
+            await super()._prepare_request(request)  # type: ignore[misc] - the SDK client class after this mixin
+
+    async def _send_request(self, request: httpx2.Request, *, stream: bool, **kwargs: Any) -> httpx2.Response:
+        if self._plain():
+            return await self._client.send(request, stream=stream, **kwargs)  # type: ignore[attr-defined]
+        return await super()._send_request(request, stream=stream, **kwargs)  # type: ignore[misc] - the SDK client class after this mixin
 
     def _prepare_url(self, url: str) -> httpx2.URL:
         cache = self.__dict__.setdefault("_chatstream_urls", {})
@@ -206,6 +278,10 @@ class Reused:
         request = self.request  # type: ignore[attr-defined] - the SDK client's
         return await request(cast_to, kept.model_copy(update={"json_data": body}), stream=stream, stream_cls=stream_cls)
 
+
+# The SDK's request body encoder (openapi_dumps's, private: pinned with the SDK), built once: that
+# builds one per request.
+_dumps = _CustomEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 _OMITTED = ("omitted",)  # an openai.Omit in a key (each is its own object; they all mean the same)
 

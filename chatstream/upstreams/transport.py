@@ -108,6 +108,12 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx2.create_ssl_context()
 
 
+@functools.lru_cache(maxsize=64)
+def _timeout(pool: float | None, connect: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    """aiohttp's timers for httpx2's (see AiohttpTransport), one object per set (it is frozen)."""
+    return aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
+
+
 def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
     ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
@@ -161,6 +167,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # for a request sent again: new connections
+        self._url_text: dict[int, tuple[httpx2.URL, str]] = {}  # str(url) by URL object (HttpClient keeps them)
 
     def _open(self, fresh: bool = False) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -196,12 +203,16 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         session = self._session or self._open()
         limits = request.extensions.get("timeout") or {}
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=limits.get("pool"), sock_connect=limits.get("connect"), sock_read=limits.get("read")
-        )
+        timeout = _timeout(limits.get("pool"), limits.get("connect"), limits.get("read"))
         content = await request.aread()
         headers: Iterable[tuple[str, str]] = request.headers.multi_items()
-        url = str(request.url)  # yarl keeps the URLs it parsed
+        url = self._url_text.get(id(request.url))  # the text of each URL object kept (they are immutable)
+        if url is None or url[0] is not request.url:
+            url = (request.url, str(request.url))  # yarl keeps the URLs it parsed
+            if len(self._url_text) >= URL_CACHE_SIZE:
+                self._url_text.clear()
+            self._url_text[id(request.url)] = url
+        url = url[1]
         trace: dict[str, bool] = {}
         sent = time.monotonic()
         try:
@@ -234,9 +245,12 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1", BODY: body}
         if answer.reason:
             extensions["reason_phrase"] = answer.reason.encode("ascii", "replace")
-        return httpx2.Response(
+        response = httpx2.Response(
             answer.status, headers=answer.raw_headers, stream=body, request=request, extensions=extensions
         )
+        if all(name.isascii() and value.isascii() for name, value in answer.raw_headers):
+            response.headers.encoding = "ascii"  # what httpx2 finds first, by decoding each header in Python
+        return response
 
     async def aclose(self) -> None:
         for session in (self._session, self._fresh):
@@ -280,6 +294,16 @@ class KeptHeaders(httpx2.Headers):
             self._pairs = [*pairs[:-1], (name, value)]  # the others as they were: all ASCII stays ASCII
             if not pairs[-1][1].isascii():  # the encoding found may have been the old value's
                 self._found = None
+
+    def set_length(self, length: int) -> None:
+        """``self["Content-Length"] = str(length)`` where that header is the last and the only one (a
+        request ``HttpClient.keepable`` kept): its value replaced in place, its pairs kept, without
+        httpx2's search for duplicates."""
+        raw, lower, old = self._list[-1]
+        assert raw == b"Content-Length" and self._pairs is not None and old.isascii()
+        value = str(length)
+        self._list[-1] = (raw, lower, value.encode("ascii"))
+        self._pairs = [*self._pairs[:-1], ("content-length", value)]
 
     def __setitem__(self, key: str, value: str) -> None:
         self._pairs = None
@@ -376,7 +400,7 @@ class HttpClient(httpx2.AsyncClient):
             )
         try:
             follow = self.follow_redirects if follow_redirects is httpx2.USE_CLIENT_DEFAULT else follow_redirects
-            if response.has_redirect_location:
+            if 300 <= response.status_code < 400 and response.has_redirect_location:  # (its status check is slower)
                 if not follow:
                     with contextlib.suppress(httpx2.RemoteProtocolError):
                         response.next_request = self._build_redirect_request(request, response)
@@ -437,6 +461,35 @@ class HttpClient(httpx2.AsyncClient):
         request.headers = headers_sent  # (given to Request, they would be copied into plain Headers)
         request.read()  # as httpx2 does for a body in hand
         return request
+
+    def with_body(self, request: httpx2.Request, content: bytes) -> httpx2.Request:
+        """A request as ``request`` (one this client built with a body, kept as it was built: see
+        ``keepable``) with ``content`` as its body: its method, URL, headers (with its own
+        ``Content-Length``) and extensions, as ``build_request`` builds it, without building any of
+        them again (Reused keeps one per kind of request a client sends). A new ``httpx2.Request``
+        of the attributes httpx2's own has (test_clients.py checks them)."""
+        headers = request.headers.copied() if isinstance(request.headers, KeptHeaders) else KeptHeaders(request.headers)
+        headers.set_length(len(content))
+        made = httpx2.Request.__new__(httpx2.Request)
+        made.method, made.url, made.headers = request.method, request.url, headers
+        made.extensions = dict(request.extensions)
+        made.stream = httpx2.ByteStream(content)
+        made._content = content  # as ``read`` keeps it
+        return made
+
+    def keepable(self, request: httpx2.Request) -> httpx2.Request | None:
+        """``request`` (just built by this client, not sent yet) as ``with_body`` takes it, kept apart
+        from the request itself (which its sender may change); None when another body would change
+        more than its ``Content-Length`` (no body, or the header not last)."""
+        raw = request.headers.raw
+        if not raw or raw[-1][0] != b"Content-Length" or not request.content or self.cookies:
+            return None
+        if [name.lower() for name, _ in raw].count(b"content-length") != 1:
+            return None  # (KeptHeaders.set_length)
+        kept = httpx2.Request.__new__(httpx2.Request)
+        kept.method, kept.url, kept.headers = request.method, request.url, KeptHeaders(request.headers)
+        kept.extensions = dict(request.extensions)
+        return kept
 
     def _url(self, url: str, params: str | None) -> httpx2.URL | None:
         key = (url, params)

@@ -320,6 +320,32 @@ async def _streamed(body: bytes) -> list[dict]:
         server.close()
 
 
+@pytest.mark.parametrize("extra", [b"", b"x-note: caf\xc3\xa9\r\n", b"x-note: caf\xe9\r\n"])
+async def test_a_responses_headers_read_as_httpx2_reads_them(extra):
+    """The transport tells httpx2 the encoding of an all-ASCII head (AiohttpTransport): the same one,
+    and the same values, as httpx2 finds for the same header bytes (UTF-8 or Latin-1 ones as well)."""
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(HEAD.replace(b"\r\n\r\n", b"\r\n" + extra + b"x-request-id: r1\r\n\r\n") + _chunked(CHUNK))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = _client(server.sockets[0].getsockname()[1])
+    try:
+        stream = await UpstreamStream.open(client, "/chat/completions", {})
+        headers = stream.response.headers
+        fresh = httpx2.Headers(headers.raw)
+        assert (headers.encoding, headers.multi_items()) == (fresh.encoding, fresh.multi_items())
+        assert stream.request_id == "r1"
+        await stream.close()
+    finally:
+        await client.close()
+        server.close()
+
+
 async def test_chunks_are_read_as_utf8_json_with_whitespace_around_it():
     text = "h\u00e9 \u2713 \U0001f600"
     body = (
@@ -477,6 +503,9 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
         assert ours._build_headers is Reused._build_headers
         assert ours._process_response is Reused._process_response
         assert ours._idempotency_key is Reused._idempotency_key
+        assert ours._send_request is Reused._send_request and ours.custom_auth is Reused.custom_auth
+        assert ours._prepare_options is Reused._prepare_options
+        assert ours._prepare_request is Reused._prepare_request
         # No idempotency header on the SDK's clients: the key the SDK makes per request is never sent.
         made = (
             ours(api_key="k", base_url="http://h.test/v1")
@@ -484,6 +513,20 @@ def test_the_sdk_parts_reused_keep_the_shape_relied_on():
             else ours(api_key="k", azure_endpoint="https://h.test", api_version="1")
         )
         assert made._idempotency_header is None
+        # The auth layers Reused skips when a client has none of them (their attributes, as the SDK keeps them).
+        assert made._provider_runtime is None and made._workload_identity_auth is None and made._plain()
+
+    async def token() -> str:
+        return "k"
+
+    provided = _AsyncOpenAI(api_key=token, base_url="http://h.test/v1")  # an Entra ID token as the key
+    assert provided._api_key_provider is not None
+    assert "return await self._client.send(request, stream=stream, **kwargs)" in inspect.getsource(
+        AsyncAPIClient._send_request
+    )
+    assert inspect.getsource(AsyncAPIClient._prepare_options).rstrip().endswith("return options")
+    assert inspect.getsource(AsyncAPIClient._prepare_request).rstrip().endswith("return None")
+    assert AsyncAPIClient.custom_auth.fget(made) is None  # type: ignore[attr-defined]
     client = _AsyncOpenAI(api_key="k", base_url="http://127.0.0.1:9/v1", http_client=HttpClient())
     client._build_request(FinalRequestOptions.construct(method="post", url="/chat/completions", json_data={}))
     assert "/chat/completions" in client.__dict__["_chatstream_urls"], "the SDK no longer builds URLs with it"
@@ -509,13 +552,15 @@ async def test_kept_headers_follow_a_changed_key_token_or_header():
         return next(tokens)
 
     builds = [
-        lambda cls: cls(api_key="sk-1", base_url="http://up.test/v1"),
-        lambda cls: cls(azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1"),
+        lambda cls, http: cls(api_key="sk-1", base_url="http://up.test/v1", http_client=http),
+        lambda cls, http: cls(
+            azure_endpoint="https://r.test", api_version="2024-10-21", azure_ad_token="t-1", http_client=http
+        ),
     ]
     for build, ours_class, sdk_class in zip(
         builds, (_AsyncOpenAI, _AsyncAzureOpenAI), (openai.AsyncOpenAI, openai.AsyncAzureOpenAI), strict=True
     ):
-        ours, theirs = build(ours_class), build(sdk_class)
+        ours, theirs = build(ours_class, HttpClient()), build(sdk_class, openai.DefaultAsyncHttpx2Client())
         for step in range(4):
             for client in (ours, theirs):
                 if step == 1:
@@ -532,12 +577,17 @@ async def test_kept_headers_follow_a_changed_key_token_or_header():
                 for retries in (0, 1):
                     sent = [c._build_headers(made, retries_taken=retries).raw for c in (ours, theirs)]
                     assert sent[0] == sent[1], (step, made.headers, retries)
-    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1")
-    seen = set()
+                    ours_sent, theirs_sent = (c._build_request(made, retries_taken=retries) for c in (ours, theirs))
+                    assert ours_sent.headers.raw == theirs_sent.headers.raw  # ours kept (Reused._build_request)
+                    assert ours_sent.content == theirs_sent.content
+    refreshed = _AsyncOpenAI(api_key=provider, base_url="http://up.test/v1", http_client=HttpClient())
+    seen, sent = set(), set()
     for _ in range(3):
         made = await refreshed._prepare_options(options())
         seen.add(refreshed._build_headers(made)["authorization"])
+        sent.add(refreshed._build_request(made).headers["authorization"])  # the request kept follows the token
     assert seen == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
+    assert sent == {"Bearer token-0", "Bearer token-1", "Bearer token-2"}
 
 
 class _Answers(httpx2.AsyncBaseTransport):
@@ -637,7 +687,8 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
 
     def shape(request: httpx2.Request) -> tuple:
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"x-stainless-retry-count"]  # in order
-        return request.method, str(request.url), headers, request.content, request.extensions
+        sent = (request.method, str(request.url), headers, request.content, request.extensions)
+        return (*sent, sorted(vars(request)), request.headers.multi_items(), b"".join(request.stream))
 
     for entry in entries:
         ours = make_client(entry, settings, 2)
@@ -666,15 +717,20 @@ def test_cached_urls_build_the_requests_the_sdk_builds():
             for model in ("m1", "m2", "m1"):
                 for url in ("/chat/completions", "/responses"):
 
-                    def options(url=url, model=model):
+                    def options(url=url, model=model, round_=round_):
                         return FinalRequestOptions.construct(
                             method="post",
                             url=url,
-                            json_data={"model": model, "stream": True},
+                            json_data={"model": model, "stream": True, "input": "é" * len(model) * round_},
                             idempotency_key="stainless-python-retry-1",
                         )
 
-                    assert shape(ours._build_request(options())) == shape(plain._build_request(options()))
+                    for retries in (0, 1):
+                        made = [c._build_request(options(), retries_taken=retries) for c in (ours, plain)]
+                        assert shape(made[0]) == shape(made[1])
+                        made[0].headers["x-changed"] = "by whoever sent it"  # a request's headers are its own
+        # A request of each kind is kept (Reused._build_request), but for a dated API version's (its query).
+        assert bool(ours.__dict__.get("_chatstream_requests")) is not entry.dated
 
 
 def test_http_client_builds_the_request_httpx2_builds():

@@ -288,6 +288,48 @@ async def test_a_caller_gone_while_the_body_waits_closes_it_and_a_write_error_is
         await EventStreamResponse(one(), asyncio.get_running_loop().time() + 60)(_scope(), receive, failing_send)
 
 
+async def test_a_body_that_closes_itself_skips_on_close_only_once_written_whole():
+    """``closed_by_body``: after a body written to its end, ``on_close`` is not awaited (the body
+    closed what it closes); a body the caller cut short, or a response never served, still gets it."""
+    import asyncio
+
+    from chatstream.http import EventStreamResponse
+
+    closed = []
+
+    async def on_close():
+        closed.append("on_close")
+
+    async def whole():
+        yield b"data: 1\n\n"
+
+    async def parked():
+        yield b"data: 1\n\n"
+        await asyncio.Event().wait()
+
+    gone = asyncio.Event()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    at = asyncio.get_running_loop().time() + 60
+    await EventStreamResponse(whole(), at, on_close, closed_by_body=True)(_scope(), receive, send)
+    assert closed == []
+    cut = asyncio.ensure_future(
+        EventStreamResponse(parked(), at, on_close, closed_by_body=True)(_scope(), receive, send)
+    )
+    await asyncio.sleep(0.01)
+    gone.set()
+    await asyncio.wait_for(cut, 2)
+    assert closed == ["on_close"]
+    await EventStreamResponse(whole(), at, on_close, closed_by_body=True).close()  # never served
+    assert closed == ["on_close", "on_close"]
+
+
 def test_nesting_is_bounded_at_the_limit_whatever_else_the_text_holds():
     """The depth walk is skipped only where the text has too few brackets to nest too deeply:
     exactly MAX_DEPTH levels pass, one more is a 400, with or without brackets inside strings."""

@@ -4,7 +4,7 @@
     .venv/bin/python tools/bench/quick.py [--rounds 7] [--streams 200] [--long 200] [--deltas 40]
                                           [--variant NAME=git:REF|patch:FILE|DIR|env:NAME=VALUE,...]
                                           [--profile FILE [--profile-streams short]] [--kept]
-                                          [--route chat|openai] [--obfuscated] [--filtered]
+                                          [--route chat|openai] [--obfuscated] [--filtered] [--instructions]
 
 A recorded stream of the scripted upstream (tools/fakeupstream, scenario ``cadence``: a role chunk,
 the content chunks, the finish, the usage, ``[DONE]``; one event per network read) is replayed
@@ -37,6 +37,12 @@ CPU time counts only this process, so the machine's other load moves these figur
 wall-clock ones, but it still does (caches, frequency): compare paths of one run. The other load
 (cores busy with processes not this script's, from /proc/stat) is recorded per round and printed.
 
+``--instructions``: instead of the timed rounds, the instructions one block of each length runs
+(valgrind's callgrind, each path's child under it, counting only the block), per delta and per
+stream as above: counted, not timed, so the machine's other load does not move them (runs of one
+tree repeat within ~0.2%: an A/B of a 1% change, which the timed rounds lose in the noise of a busy
+2-core machine). About 2 minutes for two trees. Needs valgrind.
+
 Then, unless ``--bursts 0``, the first delta under a burst, in-process: ``burst.py`` (300 requests at
 once on one loop, the upstream's cadence, process CPU time) for the app and each git/patch/folder
 ``--variant``, runs alternating: each tree's added time to first delta p99 (the CPU-time share: the
@@ -57,14 +63,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import select
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -279,7 +290,8 @@ async def _streams(serve, n: int, body: bytes, url: str) -> int:
 def child(args: argparse.Namespace) -> None:
     """One path in a process of its own: warms up, says ``ready``, then for each line on stdin,
     ``long`` or ``short``, streams a block of that length and answers the process CPU seconds it took
-    (``KIND FILE``: that block under cProfile, into FILE)."""
+    (``KIND FILE``: that block under cProfile, into FILE; ``KIND count``: that block counted by
+    callgrind, the process running under it with counting off)."""
     import aiohttp
 
     aiohttp.ClientSession = ReplaySession  # type: ignore[misc] - the network, replaced for both paths
@@ -298,7 +310,9 @@ def child(args: argparse.Namespace) -> None:
             kind, _, profile = line.strip().partition(" ")
             ReplaySession.pieces = pieces[kind]
             profiler = None
-            if profile:
+            if profile == "count":
+                _instrument("on")
+            elif profile:
                 import cProfile
 
                 profiler = cProfile.Profile(time.process_time)  # CPU: not the time other processes took
@@ -306,6 +320,8 @@ def child(args: argparse.Namespace) -> None:
             cpu = time.process_time()
             await _streams(serve, args.streams // BLOCKS, body, url)
             took = time.process_time() - cpu
+            if profile == "count":
+                _instrument("off")
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile)
@@ -314,17 +330,25 @@ def child(args: argparse.Namespace) -> None:
     asyncio.run(main())
 
 
+def _instrument(state: str) -> None:
+    """Callgrind's counting on or off for this process (``--instructions``)."""
+    subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], capture_output=True, check=True)
+
+
 # --- the driver --------------------------------------------------------------------------------
 
 
 class _Child:
     """A child process serving one path from one tree."""
 
-    def __init__(self, path: str, tree: Path, settings_env: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self, path: str, tree: Path, settings_env: str, args: argparse.Namespace, under: Sequence[str] = ()
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
         for name in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "UPSTREAMS", "AZURE_OPENAI_ENDPOINT", "AzureWebJobsStorage"):
             env.pop(name, None)
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", path]
+        self.patience = 900.0 if under else 120.0  # seconds an answer may take (valgrind: ~50x slower)
+        command = [*under, sys.executable, str(Path(__file__).resolve()), "--child", path]
         command += ["--streams", str(args.streams), "--long", str(args.long)]
         command += [arg for item in settings_env.split(",") if item for arg in ("--env", item)]
         command += ["--kept"] if args.kept else []
@@ -334,7 +358,7 @@ class _Child:
         self.proc = subprocess.Popen(
             command, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        if self._line(120) != "ready":
+        if self._line(self.patience) != "ready":
             raise SystemExit(f"{self.name} did not start")
 
     def _line(self, timeout: float) -> str:
@@ -352,13 +376,13 @@ class _Child:
         assert self.proc.stdin is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return float(self._line(120))
+        return float(self._line(self.patience))
 
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
-            self.proc.wait(10)
+            self.proc.wait(self.patience / 12)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -416,6 +440,50 @@ def bursts(args: argparse.Namespace, trees: dict[str, Path]) -> None:
         ratio = [row["added p99"] / row["floor"]["added p99"] for row in rows]
         other = statistics.median(row["other"] for row in rows)
         print(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(ratio):.2f}× | {other:.2f} |")
+
+
+def instructions(args: argparse.Namespace, paths: dict[str, tuple[str, Path, str]]) -> None:
+    """``--instructions`` (module docstring): one block of each length per path, each in a child
+    under callgrind, two at a time."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind and callgrind_control)")
+    started = time.monotonic()
+
+    def counted(job: tuple[str, str]) -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "callgrind.out"
+            under = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+            one = _Child(*paths[job[0]], args, under=under)
+            try:
+                one.block(f"{job[1]} count")
+            finally:
+                one.close()
+            totals = re.search(r"^totals: (\d+)", out.read_text(), re.M)
+            if totals is None:
+                raise SystemExit(f"callgrind wrote no totals for {job}")
+            return int(totals[1])
+
+    jobs = [(name, kind) for name in paths for kind in ("long", "short")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        counts = dict(zip(jobs, pool.map(counted, jobs), strict=True))
+    streams = args.streams // BLOCKS
+    figures = {}
+    for name in paths:
+        per_delta = (counts[name, "long"] - counts[name, "short"]) / (streams * (args.long - SHORT))
+        figures[name] = (per_delta, counts[name, "short"] / streams - per_delta * SHORT)
+    print(
+        f"\ninstructions (callgrind), in-process replay ({ROUTES[args.route][0]}): a block of {streams} streams of "
+        f"{args.long} and of {SHORT} deltas per path\n"
+    )
+    print("| path | per delta | per stream | ÷ floor: per delta, per stream |")
+    print("|---|---|---|---|")
+    for name, (delta, stream) in figures.items():
+        floor = figures["floor"]
+        print(f"| {name} | {delta:,.0f} | {stream:,.0f} | {delta / floor[0]:.3f}×, {stream / floor[1]:.3f}× |")
+    for name in list(paths)[2:]:
+        app, other = figures["app"], figures[name]
+        print(f"\napp ÷ {name}: per delta {app[0] / other[0]:.4f}, per stream {app[1] / other[1]:.4f}")
+    print(f"\n({time.monotonic() - started:.0f} s)")
 
 
 def served_pairs(args: argparse.Namespace) -> None:
@@ -498,6 +566,11 @@ def main() -> None:
         default=4,
         help="end-to-end waves per path at 100 and at 300 streams, paired with the floor's (0: none; ~2 minutes)",
     )
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions (valgrind's callgrind) instead of timing: per delta and per stream, once per path",
+    )
     p.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
     p.add_argument("--env", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument(
@@ -541,6 +614,9 @@ def main() -> None:
                 paths[name] = ("app", ROOT, where[4:])
                 continue
             paths[name] = ("app", Path(run.prepare_variant(name, where, BENCH / "out" / "quick")["dir"]), "")
+    if args.instructions:
+        instructions(args, paths)
+        return
     started = time.monotonic()
     names = list(paths)
     children = {name: _Child(*spec, args) for name, spec in paths.items()}
