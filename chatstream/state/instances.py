@@ -238,7 +238,6 @@ class Instances:
     def _start_work(self, key: str | int, what: str, step: Callable[[], Awaitable[object]]) -> None:
         """``step`` in a task, unless the same one is still running."""
         if key not in self._work or self._work[key].done():
-            self._work = {k: task for k, task in self._work.items() if not task.done()}
             self._work[key] = asyncio.ensure_future(self._logged(what, step))
 
     async def _take_over(self, row: dict) -> None:
