@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import secrets
@@ -79,7 +78,6 @@ class Instances:
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
-        self._work: dict[str | int, asyncio.Task] = {}  # the duty's in flight: a takeover by id, a sweep by index
         self._recover = recover
         self._sweeps = [(seconds, sweep, [0.0]) for seconds, sweep in sweeps]
         self._rows: dict[str, tuple[float, asyncio.Future]] = {}
@@ -219,8 +217,7 @@ class Instances:
     async def _duty_tick(self) -> None:
         """The duty, when this instance's id is the lowest among the live rows: every dead instance
         taken over (only when a silence means something, and one taken by us before, whose
-        recovery failed), and the sweeps that are due. Each in a task of its own, not waited for: a
-        long sweep or recovery does not hold up the next dead instance's."""
+        recovery failed), then the sweeps that are due."""
         rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=ROWS_TO), timeout=10.0)
         live = [row["RowKey"] for row in rows if self._past_lease(row) <= 0 and not row.get("taken_by")]
         if min(live, default=None) != self.id:
@@ -228,17 +225,12 @@ class Instances:
         judge = self._can_judge()
         for row in rows:
             if row["RowKey"] not in live and (judge or row.get("taken_by") == self.id):
-                self._start_work(row["RowKey"], "a takeover", functools.partial(self._take_over, row))
+                await self._take_over(row)
         loop = asyncio.get_running_loop()
-        for index, (seconds, sweep, last) in enumerate(self._sweeps):
+        for seconds, sweep, last in self._sweeps:
             if loop.time() - last[0] >= seconds:
                 last[0] = loop.time()
-                self._start_work(index, "a sweep", sweep)
-
-    def _start_work(self, key: str | int, what: str, step: Callable[[], Awaitable[object]]) -> None:
-        """``step`` in a task, unless the same one is still running."""
-        if key not in self._work or self._work[key].done():
-            self._work[key] = asyncio.ensure_future(self._logged(what, step))
+                await self._logged("a sweep", sweep)
 
     async def _take_over(self, row: dict) -> None:
         """A dead instance's row taken (on its ETag: if it was only slow, its next beat fails), what
@@ -265,10 +257,10 @@ class Instances:
         """Stop beating; ``leave``: delete our row (nothing is owed). Without it the row ages and
         the duty holder takes over what this instance still owes (its journal)."""
         self._closed = True
-        tasks = [t for t in (self._beating, self._duty, *self._work.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in (self._beating, self._duty):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._beating, self._duty) if t is not None), return_exceptions=True)
         if leave and self._etag is not None:
             with contextlib.suppress(StoreError):
                 await self.store.delete(STREAMS_TABLE, PARTITION, self.id, etag=self._etag)
