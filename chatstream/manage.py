@@ -197,7 +197,7 @@ class Manage:
                     503, "caller_store_not_configured", "AzureWebJobsStorage is not set: callers need the app's storage"
                 )
             )
-        self.state.instances.need()  # an instance the operators use takes its part in the duty too
+        self.state.instances.serve()  # an instance the operators use takes its part in the duty too
         try:
             return await handler(self.state)
         except ApiError as error:

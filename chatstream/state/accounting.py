@@ -146,7 +146,7 @@ class Accounting:
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
         if self.instances is not None:
-            self.instances.need()  # this instance takes its part in the duty from its first request
+            self.instances.serve()  # this instance takes its part in the duty from its first request
         return await self.registry.authenticate(key)
 
     async def admit(

@@ -1,20 +1,17 @@
 """This process as one instance of the app in the shared store, and the others as it sees them: who
 is alive, who died, and who does the work one instance does for all.
 
-- **Alive.** From its first need (a stream it produces, capacity of a caller's limits, charges not
-  yet written, or serving requests at all) until it stops, an instance beats: its row (table
+- **Alive.** While this instance holds anything another may have to take over (a stream it
+  produces, capacity of a caller's limits, charges not yet written), it beats: its row (table
   ``chatstreamStreams``, partition ``instances``) rewritten every ``beat_seconds`` with ``at``, the
   store's time (``StoreClock``: every instance reads the same clock). A row older than
   ``lease_seconds`` is a dead instance's.
 - **Fenced.** An instance declared dead that was only slow finds its row gone (or taken) at its next
   beat: this incarnation is over (``fenced``: what it held was taken over); it beats on under a new id.
-- **The duty.** Every ``duty_seconds`` each instance reads the partition (one query); the one with
-  the lowest id among the live rows holds the duty: it takes each dead instance over (its row
-  taken, what it owed settled: ``recover``, journal.py; its row deleted) and runs the periodic sweeps
-  (``sweeps``). A dead holder is past its lease within ``lease_seconds``, and the next lowest sees
-  it at its next tick. Two that briefly both think they hold it (one slow, or a store's hiccup) do
-  the same idempotent work twice. (The previous version's ``~duty`` row is not an instance's: the
-  query stops below it.)
+- **The duty.** One instance at a time, whichever takes the ``duty`` row when it is free, finds the
+  dead instances (one query) and takes each over: its row taken, what it owed settled (``recover``:
+  journal.py), its row deleted; and runs the periodic sweeps (``sweeps``). Every instance reads the
+  duty row, one point read per ``duty_seconds``; the holder then rewrites it, under its ETag.
 
 Every store call here is bounded; a failed one is tried again at the next tick, and no loop here
 ends on an error (liveness would go with it): unexpected ones are logged."""
@@ -36,7 +33,7 @@ from .store import STREAMS_TABLE, Store, Where
 log = logging.getLogger("chatstream")
 
 PARTITION = "instances"
-ROWS_TO = "~"  # every instance id sorts before it (ids are [a-z0-9-]); the old ``~duty`` row after
+DUTY = "~duty"  # sorts after every instance id (ids are [a-z0-9-])
 Recover = Callable[[str, str], Awaitable[None]]  # (dead, taker)
 Sweep = tuple[float, Callable[[], Awaitable[object]]]  # (seconds, sweep)
 
@@ -51,7 +48,11 @@ def new_instance_id() -> str:
 class InstanceTiming:
     beat_seconds: float = 1.5
     lease_seconds: float = 4.5  # no beat for this long (by the store's clock): dead
-    duty_seconds: float = 5.0  # each instance's look at who holds the duty, and the holder's work
+    linger_seconds: float = 10.0  # beats go on this long after the last need (a next one needs no first beat)
+    # The duty's tick (the holder's work, the others' look at the duty row). The duty is free when its
+    # holder's own row is past its lease (a holder that beats: found within a lease and a tick, ~10 s),
+    # or when the holder did not refresh the duty for 3 ticks (one that does not beat).
+    duty_seconds: float = 5.0
     fresh_seconds: float = 0.5  # one read of another instance's row serves every question for this long
 
 
@@ -73,6 +74,8 @@ class Instances:
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
         self.fenced = asyncio.Event()  # set when an incarnation of this process was declared dead
+        self._needs = 0
+        self._idle_since: float | None = None
         self._etag: str | None = None
         self._beat = 0
         self._beating: asyncio.Task | None = None
@@ -98,24 +101,38 @@ class Instances:
     # --- being alive ---------------------------------------------------------------------------
 
     def need(self) -> None:
-        """Something here needs this instance to be seen alive, or it serves requests: it beats and
-        takes its part in the duty from now until it closes."""
+        """Something here needs this instance to be seen alive: beat (from now, if not yet)."""
+        self._needs += 1
+        self._idle_since = None
+        self._start()
+
+    def done(self) -> None:
+        self._needs = max(0, self._needs - 1)
+        if self._needs == 0:
+            self._idle_since = self.store.clock.now()
+
+    async def first_beat(self, within: float = 2.0) -> None:
+        """Wait (bounded) until this instance's row is in the store: nobody elsewhere can see
+        something of ours before they can see we are alive."""
+        self._start()
+        if self._first is not None:
+            await asyncio.wait([self._first], timeout=within)
+
+    def serve(self) -> None:
+        """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
+        if not self._closed and (self._duty is None or self._duty.done()):
+            self._duty = asyncio.ensure_future(self._duty_loop())
+
+    def _start(self) -> None:
         if self._closed:
             return
         if self._beating is None or self._beating.done():
             self._first = asyncio.get_running_loop().create_future()
             self._beating = asyncio.ensure_future(self._beat_loop())
-        if self._duty is None or self._duty.done():
-            self._duty = asyncio.ensure_future(self._duty_loop())
-
-    async def first_beat(self, within: float = 2.0) -> None:
-        """Wait (bounded) until this instance's row is in the store: nobody elsewhere can see
-        something of ours before they can see we are alive."""
-        self.need()
-        if self._first is not None:
-            await asyncio.wait([self._first], timeout=within)
+        self.serve()
 
     async def _beat_loop(self) -> None:
+        timing = self.timing
         while not self._closed:
             try:
                 answered = await self._logged("heartbeat", self._beat_once)
@@ -123,7 +140,11 @@ class Instances:
                 if self._first is not None and not self._first.done():
                     self._first.set_result(None)
             # A missed beat reads as death elsewhere: try again soon.
-            await asyncio.sleep(self.timing.beat_seconds if answered else min(self.timing.beat_seconds, 0.25))
+            await asyncio.sleep(timing.beat_seconds if answered else min(timing.beat_seconds, 0.25))
+            idle = self._idle_since
+            if self._needs == 0 and idle is not None and self.store.clock.now() - idle > timing.linger_seconds:
+                await self._leave()
+                return
 
     async def _beat_once(self) -> None:
         self._beat += 1
@@ -168,6 +189,13 @@ class Instances:
         self.fenced.set()
         log.warning("instance %s was declared dead elsewhere (it was too slow to beat); now %s", old, self.id)
 
+    async def _leave(self) -> None:
+        """Nothing is held here any more: the row goes (nobody needs to find us dead)."""
+        if self._etag is not None:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(STREAMS_TABLE, PARTITION, self.id, etag=self._etag)
+            self._etag = None
+
     # --- the others ------------------------------------------------------------------------------
 
     async def alive(self, instance: str) -> bool:
@@ -210,21 +238,46 @@ class Instances:
 
     async def _duty_loop(self) -> None:
         while not self._closed:
-            # A tick first: the rows of the instances that start with this one are in by then.
+            await self._logged("the duty tick", self._duty_tick)
+            if (self._beating is None or self._beating.done()) and not self._sweeps and self._recover is None:
+                return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
-            await self._logged("the duty", self._duty_tick)
 
     async def _duty_tick(self) -> None:
-        """The duty, when this instance's id is the lowest among the live rows: every dead instance
-        taken over (only when a silence means something, and one taken by us before, whose
-        recovery failed), then the sweeps that are due."""
-        rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=ROWS_TO), timeout=10.0)
-        live = [row["RowKey"] for row in rows if self._past_lease(row) <= 0 and not row.get("taken_by")]
-        if min(live, default=None) != self.id:
-            return
+        """Hold the duty (refresh it, or take it when it is free), then do it."""
+        now = self.store.clock.now()
+        row = {"PartitionKey": PARTITION, "RowKey": DUTY, "holder": self.id, "at": now}
+        current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)
+        try:
+            if current is None:
+                await self.store.insert(STREAMS_TABLE, row)
+            elif await self._free(current, now):  # (ours, refreshed; or free, taken)
+                await self.store.replace(STREAMS_TABLE, row, etag=current.etag)
+            else:
+                return
+        except (AlreadyExists, NotFound, Modified):
+            return  # another instance was first
+        await self._do_duty()
+
+    async def _free(self, duty: dict, now: float) -> bool:
+        """Whether the duty is ours to take: the row names us, or its holder did not refresh it for 3
+        ticks, or is a dead instance (its own row past its lease, or taken over; a holder without a
+        row, which holds nothing and so does not beat, is judged by the duty row's age alone)."""
+        holder = str(duty.get("holder") or "")
+        if holder == self.id or now - float(duty.get("at") or 0.0) > 3 * self.timing.duty_seconds:
+            return True
+        if not holder or not self._can_judge():
+            return False
+        return 0.0 < await self.silent_for(holder) < float("inf")  # a taken row's ``at`` is 0: past it
+
+    async def _do_duty(self) -> None:
+        rows = await self.store.query(STREAMS_TABLE, Where(partition=PARTITION, rows_to=DUTY), timeout=10.0)
         judge = self._can_judge()
         for row in rows:
-            if row["RowKey"] not in live and (judge or row.get("taken_by") == self.id):
+            other = row["RowKey"]
+            if other == self.id or (self._past_lease(row) <= 0 and not row.get("taken_by")):
+                continue
+            if judge or row.get("taken_by") == self.id:
                 await self._take_over(row)
         loop = asyncio.get_running_loop()
         for seconds, sweep, last in self._sweeps:
@@ -261,7 +314,5 @@ class Instances:
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(t for t in (self._beating, self._duty) if t is not None), return_exceptions=True)
-        if leave and self._etag is not None:
-            with contextlib.suppress(StoreError):
-                await self.store.delete(STREAMS_TABLE, PARTITION, self.id, etag=self._etag)
-            self._etag = None
+        if leave:
+            await self._leave()

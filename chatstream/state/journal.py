@@ -195,7 +195,8 @@ class Journal:
     def __init__(self, store: Store, ledger: Ledger, instances: Instances, interval: float = JOURNAL_SECONDS):
         self.store = store
         self.ledger = ledger
-        self.instances = instances  # once it holds something, this instance must be seen alive
+        self.instances = instances  # while it holds something, this instance must be seen alive
+        self._busy = False
         self.interval = interval
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
@@ -275,7 +276,8 @@ class Journal:
         return self._next
 
     def changed(self) -> None:
-        if self.entries or self._needed_at:
+        if not self._busy and (self.entries or self._needed_at):
+            self._busy = True
             self.instances.need()
         self._dirty.set()
         if (self._writer is None or self._writer.done()) and not self._closed:
@@ -348,6 +350,9 @@ class Journal:
                     await self.store.delete_blob(name)
                 self._etag = None
             self._noted = set()
+            if self._busy:
+                self._busy = False
+                self.instances.done()
             return
         settled_now = [e for e in self.entries.values() if e.state == "settled" and not e.journaled]
         in_doc = list(self.entries.values())

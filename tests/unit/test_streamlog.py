@@ -431,7 +431,7 @@ async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_stor
             while producer.resumable:
                 await asyncio.sleep(0.05)
         a.store.faults.clear()  # type: ignore[attr-defined]
-        rows = a.store.data.tables.setdefault(STREAMS_TABLE, {})  # type: ignore[attr-defined]
+        rows = a.store.data.tables[STREAMS_TABLE]  # type: ignore[attr-defined]
         async with asyncio.timeout(10):
             while "stream" not in rows.get(producer.id, {}):
                 await asyncio.sleep(0.05)

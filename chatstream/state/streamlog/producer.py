@@ -397,7 +397,8 @@ class Producer:
     async def run(self) -> None:
         """Store the stream; then return at its end (the log knows it until then: readers here,
         cancels and abandonment still need it when it is not stored any more)."""
-        self._ctx.instances.need()
+        instances = self._ctx.instances
+        instances.need()
         try:
             if self._blob or await self._create():  # (a continuation's record is the claim's)
                 await self._write_all()
@@ -408,6 +409,7 @@ class Producer:
             self._stored_all.set()
             self._update_fast()
             self._wake()
+            instances.done()
         while not self.ended and not self.moved.is_set():
             await self.changed()
 

@@ -126,41 +126,45 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
         return False
-    await ctx.instances.first_beat()  # we produce it from now on: this instance is seen alive first
-    won = replace(record, instance=ctx.instances.id, epoch=record.epoch + 1)
+    ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
-        won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
-    except (Modified, NotFound):
-        return True
-    except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
-        log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
-        return False
-    fenced = await _fence(ctx, won, tail, stored)
-    if fenced is None:
-        return False
-    if fenced is False:
-        return True
-    events = split_events(bytes(stored))
-    fences = [*tail.fences, (won.epoch, tail.last_id)]
-    stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-    producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
-    if won.cancelled:
-        producer.request_stop("cancelled")
-    log.warning(
-        "stream %s: its producer (%s) is gone; taken over here after event %d (epoch %d)",
-        tag,
-        record.instance,
-        tail.last_id,
-        won.epoch,
-    )
-    return Claim(
-        request=request,
-        request_id=won.request_id,
-        events=b"".join(events),
-        last_id=tail.last_id,
-        producer=producer,
-        lost_events=producer_events(bytes(stored), tail.epoch),
-    )
+        await ctx.instances.first_beat()
+        won = replace(record, instance=ctx.instances.id, epoch=record.epoch + 1)
+        try:
+            won.etag = await store.replace(STREAMS_TABLE, won.row(), etag=record.etag)
+        except (Modified, NotFound):
+            return True
+        except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
+            log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
+            return False
+        fenced = await _fence(ctx, won, tail, stored)
+        if fenced is None:
+            return False
+        if fenced is False:
+            return True
+        events = split_events(bytes(stored))
+        fences = [*tail.fences, (won.epoch, tail.last_id)]
+        stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
+        producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
+        if won.cancelled:
+            producer.request_stop("cancelled")
+        log.warning(
+            "stream %s: its producer (%s) is gone; taken over here after event %d (epoch %d)",
+            tag,
+            record.instance,
+            tail.last_id,
+            won.epoch,
+        )
+        return Claim(
+            request=request,
+            request_id=won.request_id,
+            events=b"".join(events),
+            last_id=tail.last_id,
+            producer=producer,
+            lost_events=producer_events(bytes(stored), tail.epoch),
+        )
+    finally:
+        ctx.instances.done()  # the producer holds its own need from here on
 
 
 async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
