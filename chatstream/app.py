@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from . import telemetry, worker_fix
+from . import telemetry, tokens, worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
@@ -223,4 +224,8 @@ def create_app(
             ", ".join(f"{e.name} (priority {e.priority}, weight {e.weight:g})" for e in upstreams.pool.entries),
         )
     state = SharedState.from_settings(settings, environ, told=_told)
+    if state is not None and state.accounting is not None:
+        # o200k_base's tables (every current model's) off the first request's path; a model of
+        # another family builds its own on first use (tokens.py).
+        threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
     return ChatApp(settings, pipeline, upstreams, state, host_shutdown_timeout(environ))

@@ -2,14 +2,11 @@
 deleted, or continued (``previous_response_id``) only by the caller that created it
 (docs/callers.md; a resumable stream's owner is in its own record: streamlog/).
 
-Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``), with
-``caller_id`` (the caller's id: a caller deleted and created again under its name
-owns nothing of the old one's), ``charged`` (a response is charged once: by the request that
-created it, or, a background response, when its usage is first seen: ``first_charge`` is true for
-exactly one call, whichever instance makes it), what a background response reserved and the price
-it was admitted at (what it is charged at, whenever its usage is seen), ``context``
-(a finished response's input + output tokens: what a request that continues it carries, so that it
-reserves them) and ``expires`` (the duty deletes the row then: the object's own lifetime). One
+Table ``chatstreamResponses``: PartitionKey the object's id, RowKey its kind (``response``), the
+columns of ``Owned`` (by the caller's id: a caller deleted and created again under its name owns
+nothing of the old one's), ``created`` and ``expires`` (the duty deletes the row then: the object's
+own lifetime). A response is charged once: by the request that created it, or, a background
+response, when its usage is first seen (``first_charge``), at the price it was admitted at. One
 partition per id spreads the load; every call is one or two point operations, bounded."""
 
 from __future__ import annotations

@@ -164,9 +164,8 @@ class Registry:
     # --- the request path -----------------------------------------------------------------------
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
-        """The caller whose key this is; KeyRefused (unknown, revoked, rotated, expired); Unreadable
-        when its row holds no caller; Unavailable when the store must be asked and does not answer
-        (or too many unknown keys are asked now)."""
+        """The caller whose key this is, or why not (port.py; Unavailable also when too many unknown
+        keys are asked now)."""
         if not isinstance(key, str) or not KEY_SHAPE.fullmatch(key):
             return KeyRefused()  # not one of ours: no store read, nothing cached
         index = f"k|{hash_key(key)}"
@@ -214,9 +213,8 @@ class Registry:
         return team
 
     async def prices(self) -> Prices | Unavailable:
-        """Every model's price, by model (a model without one is not in it), cached like keys: one
-        read of the price rows, so that a request is priced, whatever name it is served as (a
-        deployment's), from what its admission read."""
+        """Every model's price (``Prices``), cached like keys: a request is priced, whatever name it
+        is served as (a deployment's), from what its admission read."""
 
         async def read() -> Prices:
             return Prices(await self._all(Price, bound=self.store.clock.patience()))

@@ -10,12 +10,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import tokens
 from ..settings import Settings, SettingsError
 from . import streamlog
 from .accounting import Accounting
@@ -101,9 +99,6 @@ class SharedState:
             accounting = Accounting(
                 registry, counters, journal, ledger, owners, settings.referenced_context_tokens, instances
             )
-            # o200k_base's tables (every current model's) off the first request's path; a model of
-            # another family builds its own on first use (tokens.py).
-            threading.Thread(target=tokens.preload, name="tokenizer-preload", daemon=True).start()
         return cls(store, instances, registry, counters, journal, ledger, accounting, resume)
 
     async def close(self) -> None:

@@ -42,8 +42,7 @@ class Signer:
     query of rows wants the container level on Azurite), made again when a quarter of its life is
     left; the connection string's own ``sas`` as it is; or an OAuth token of an identity's
     ``credential`` (azure-identity's get_token; StoreUnavailable when it gives none, whatever it
-    raised: its ``__cause__``), made again 5 minutes
-    before it expires."""
+    raised: its ``__cause__``), made again 5 minutes before it expires."""
 
     def __init__(self, key: AzureNamedKeyCredential | None = None, sas: str = "", credential: Any = None):
         self._key, self._sas, self._credential = key, sas, credential
