@@ -852,6 +852,16 @@ async def test_a_budgets_first_hold_waits_for_a_journal_write_not_for_the_pause_
     await a.close()
 
 
+async def one_request_settled(a: SharedState, acc: Accounting) -> Caller:
+    """A caller with a token budget, its first request settled everywhere (on instance ``a``)."""
+    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=10**9))
+    first, rec = await admit(acc, caller, "first")
+    assert isinstance(first, Admission)
+    finish(acc, first, rec, usage(10, 10))
+    assert await acc.flush(5)
+    return caller
+
+
 async def test_a_budget_counter_stays_listed_for_listed_seconds_then_the_empty_journal_goes(monkeypatch):
     """A request settled everywhere leaves its budget counter listed for ``LISTED_SECONDS`` (the
     caller's next request holds it without a journal write first); once that lapses, the journal,
@@ -859,11 +869,7 @@ async def test_a_budget_counter_stays_listed_for_listed_seconds_then_the_empty_j
     monkeypatch.setattr(journal, "LISTED_SECONDS", 0.6)
     data = account()
     a, acc = instance(data, "instance-a")
-    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=10**9))
-    first, rec = await admit(acc, caller, "first")
-    assert isinstance(first, Admission)
-    finish(acc, first, rec, usage(10, 10))
-    assert await acc.flush(5)
+    caller = await one_request_settled(a, acc)
     doc = journal_doc(data, "instance-a")
     assert doc is not None and not doc["entries"] and doc["counters"] == [f"{caller.limits_partition}/tokens"]
     await until(lambda: journal_doc(data, "instance-a") is None, within=3.0, what="the lapse")
@@ -879,11 +885,7 @@ async def test_a_budget_held_again_while_the_write_that_drops_its_counter_is_in_
     data = account()
     a, acc = instance(data, "instance-a")
     b, _ = instance(data, "instance-b")
-    caller, _ = await a.registry.create(CallerSpec(name="c", token_budget=10**9))
-    first, rec = await admit(acc, caller, "first")
-    assert isinstance(first, Admission)
-    finish(acc, first, rec, usage(10, 10))
-    assert await acc.flush(5)
+    caller = await one_request_settled(a, acc)
     assert isinstance(a.store, MemoryStore)
     a.store.inject(Fault("slow", frozenset({"delete_blob"}), table="blob", delay=1.0))
     await until(lambda: data.calls.get("delete_blob", 0) >= 1, what="the lapse's write in flight")
