@@ -195,8 +195,12 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
                         await store.merge(STREAMS_TABLE, over, etag=won.etag)
                     return False
         except NotFound:  # it died before it made the blob: made here, then fenced
-            with contextlib.suppress(AlreadyExists, StoreError):
+            try:
                 await store.append_create(won.stream_id)
+            except AlreadyExists:
+                pass
+            except StoreError:
+                await asyncio.sleep(0.25)  # as any failure: not again at once
         except StoreError:
             await asyncio.sleep(0.25)
     log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
