@@ -65,6 +65,25 @@ def test_a_prompt_only_row_of_an_attempt_cut_before_its_upstream_call_is_no_fail
     assert match_lost_requests(rows[:2], two, 1) == {"orphans": 2, "cut_uncalled": 0, "within": 2}
 
 
+def test_a_prompt_only_row_of_a_continuation_that_never_called_the_upstream_is_no_failure():
+    """Seed 804: a request with one upstream call and two rows. Its producer was SIGKILLed; a taker
+    listed a continuation (segment 1) in its journal and was SIGKILLed before calling the upstream;
+    its recovery charged the continuation's prompt (lost, no completion token). That row is set
+    aside; one with completion tokens, an upstream id, or more extra rows than such ones is not."""
+    from tools.chaos.soak import without_uncalled_continuations
+
+    first = {"RowKey": "d|r|0", "segment": 0, "ended": "lost", "completion_tokens": 12, "upstream_id": "up_1"}
+    uncalled = {"RowKey": "d|r|1", "segment": 1, "ended": "lost", "completion_tokens": 0, "upstream_id": ""}
+    assert without_uncalled_continuations([first, uncalled], 1) == ([first], 1)
+    assert without_uncalled_continuations([first, uncalled], 2) == ([first, uncalled], 0)
+    assert without_uncalled_continuations([first, uncalled], 0) == ([first, uncalled], 0)
+    for other in ({"completion_tokens": 3}, {"upstream_id": "up_2"}, {"ended": "completed"}, {"segment": 0}):
+        rows = [first, {**uncalled, **other}]
+        assert without_uncalled_continuations(rows, 1) == (rows, 0)
+    assert without_uncalled_continuations([first, uncalled, dict(uncalled)], 1)[1] == 2
+    assert without_uncalled_continuations([first, {**uncalled, "completion_tokens": 3}, uncalled], 1)[1] == 0
+
+
 def test_rows_linked_to_no_request_are_matched_to_requests_by_amount():
     """Seed 4242's chaos-b (issue #45): 3 requests lost whole with their instance (no row carries an
     upstream id), 3 rows of no request. Two were chat completions their callers had read to the end

@@ -873,6 +873,8 @@ class Checks:
                 counts["requests_with_no_linked_row"] += 1  # only lost segments: matched below
                 wanted.setdefault(result.caller, []).append(lost_bounds(result, calls, streams, answered))
                 continue
+            rows, uncalled = without_uncalled_continuations(rows, len(calls))
+            counts["prompt_only_rows_of_continuations_cut_before_their_upstream_call"] += uncalled
             if len(rows) != len(calls):
                 self.fail(
                     "segments_in_ledger_differ_from_upstream_calls",
@@ -1075,6 +1077,28 @@ class Checks:
                     )
                 if spent > budget:
                     self.fail("budget_passed", {"row": where, "ledger": spent, "budget": budget})
+
+
+def without_uncalled_continuations(rows: list[dict], calls: int) -> tuple[list[dict], int]:
+    """A request's ``rows`` (in segment order) without those of continuations that never called the
+    upstream, and how many: a taker lists a continuation in its journal before the call (journal.py),
+    so one killed between the two leaves a row its recovery charged at the prompt alone (lost, no
+    completion token, no upstream id), as a first attempt's (``match_lost_requests``). Only rows past
+    ``calls`` upstream calls, and only if every one of them is such a row."""
+    extra = len(rows) - calls
+    if calls == 0 or extra <= 0:
+        return rows, 0
+    uncalled = [
+        row
+        for row in rows
+        if row.get("ended") == "lost"
+        and int(row.get("segment") or 0) > 0
+        and not int(row.get("completion_tokens") or 0)
+        and not row.get("upstream_id")
+    ][-extra:]
+    if len(uncalled) < extra:
+        return rows, 0
+    return [row for row in rows if not any(row is u for u in uncalled)], extra
 
 
 def cut_uncalled(result: Result, marker: str, by_marker: dict[str, list[dict]]) -> bool:
