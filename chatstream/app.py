@@ -186,7 +186,7 @@ def _resumable(
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
     log_ = StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
-    return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
+    return Resumable(log_, settings.heartbeat, state.resume.max_stream_seconds, accounting)
 
 
 def _told(route: str, events: bytes) -> str:
