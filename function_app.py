@@ -6,9 +6,8 @@ from azurefunctions.extensions.http.fastapi import Request, Response
 
 from chatstream import memory, telemetry
 from chatstream.app import create_app
-from chatstream.console_page import Console
+from chatstream.pages import Page
 from chatstream.pipeline import Pipeline
-from chatstream.playground_page import Playground
 from chatstream.settings import Settings
 
 settings = Settings.from_env()  # a bad value stops the app here, with a message naming the setting
@@ -20,8 +19,8 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 #   def tag(call): call.params["user"] = "web"
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
-playground_page = Playground.from_settings(settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
-console_page = Console.from_settings(settings)  # the same rule, with CONSOLE_ENABLED
+playground_page = Page.from_settings("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
+console_page = Page.from_settings("console", settings)  # the same rule, with CONSOLE_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 

@@ -110,10 +110,10 @@ class Settings(BaseModel):
     # retryable instance_draining error. At most 230: Azure ends an HTTP response at 230 s anyway.
     drain_seconds: float = Field(20.0, alias="DRAIN_SECONDS", ge=0, le=230)
 
-    # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
+    # The browser playground, GET /api/playground (chatstream/pages.py). Unset: on when
     # running locally, off in Azure; true or false decides either way.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
-    # The operators' console, GET /api/console (chatstream/console_page.py): the same rule.
+    # The operators' console, GET /api/console (chatstream/pages.py): the same rule.
     console_enabled: bool | None = Field(None, alias="CONSOLE_ENABLED")
 
     # Callers (docs/callers.md): ``off`` (anyone with the function key, as before) or ``required``
