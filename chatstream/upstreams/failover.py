@@ -35,7 +35,7 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, log_safe, retry_after_headers
+from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, log_safe, retry_after_headers
 from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
@@ -58,7 +58,6 @@ from .outcomes import (
     Outcome,
     OutcomeKind,
     classify,
-    upstream_field,
     upstream_request_id,
 )
 from .pool import Attempt, Pool, PoolEvent
@@ -213,6 +212,19 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
         fed = await probe.feed(data)
         if (fed.data is not None and fed.output) or probe.done:
             return held
+
+
+async def _reread(
+    client: SdkClient, path: str, query: dict, probe: StreamProtocol, entry: Entry | None = None
+) -> PeekedStream:
+    """A stored event stream (``GET path?query``) read up to its first output; closed if that fails."""
+    stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
+    try:
+        peeked = await _peek(stream, probe)
+    except BaseException:
+        await _close(stream)
+        raise
+    return PeekedStream(stream, peeked, None, "", entry)
 
 
 class _Way:
@@ -512,17 +524,10 @@ class Upstreams:
     async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
         """The event stream of something only entry ``name`` holds (a background response), again,
         read up to its first output: on that entry whatever its health, since no other has it."""
-        stream = None
         try:
-            stream = await UpstreamStream.open(self.clients[name], path, {}, method="get", query=query)
-            peeked = await _peek(stream, probe)
+            return await _reread(self.clients[name], path, query, probe, self.pool.entry(name))
         except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
-            await _close(stream)
             raise classify(exc).error from None
-        except BaseException:
-            await _close(stream)
-            raise
-        return PeekedStream(stream, peeked, None, "", self.pool.entry(name))
 
     async def complete(self, path: str, params: dict, record: StreamRecord) -> dict:
         """A non-streamed call: the first entry that answers it, in the pool's order."""
@@ -567,7 +572,7 @@ class Upstreams:
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 found = classify(exc)
                 if isinstance(exc, openai.NotFoundError):  # not this entry's: the next one may hold it
-                    not_found = ApiError(404, ErrorKind.NOT_FOUND, upstream_field(exc, "message") or "not found")
+                    not_found = ApiError(404, ErrorKind.NOT_FOUND, error_field(exc.body, "message") or "not found")
                 elif found.outcome.failover or found.error.type == ErrorKind.UPSTREAM_TIMEOUT:
                     failure = found
                 else:
@@ -581,17 +586,7 @@ class Upstreams:
     async def reopen(self, path: str, query: dict, protocol: StreamProtocol, attempt_timeout: float) -> UpstreamChunks:
         """The event stream of something one entry holds (a stored response), from the first entry
         that has it (``each``), read up to its first output."""
-
-        async def one(client: SdkClient) -> UpstreamChunks:
-            stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
-            try:
-                peeked = await _peek(stream, protocol.probe())
-            except BaseException:
-                await _close(stream)
-                raise
-            return PeekedStream(stream, peeked, None, "")
-
-        return await self.each(one, attempt_timeout)
+        return await self.each(lambda client: _reread(client, path, query, protocol.probe()), attempt_timeout)
 
     def state(self) -> dict:
         """What GET /api/_pool shows: never a key, only the name of the setting holding it."""
