@@ -63,7 +63,7 @@ CUT_WAIT = 0.5  # the cut streams reach their final event (upstream closed, reco
 CALLBACKS_WAIT = 0.75  # the on_drain callbacks, together
 CLOSE_WAIT = 0.5  # the closing callbacks, together
 
-Callback = Callable[[], Awaitable[None]]
+Callback = Callable[[], Awaitable[object]]  # what it answers is not read
 
 
 def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
@@ -85,7 +85,7 @@ class Stream(Ends):
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
-        before_last: Callback | None,
+        before_last: Callable[[], Awaitable[None]] | None,
     ) -> None:
         super().__init__(on_end, before_last)
         self.life = life
@@ -141,11 +141,9 @@ class _Starting:
 
 
 class Lifecycle:
-    """See the module docstring. ``grace``: how long running streams go on once draining.
-    ``on_drain``: awaited together once the grace is over and the cut streams have ended, before
-    the last stream's final event goes out (bounded by ``CALLBACKS_WAIT``): the hand-over of
-    resumable streams, the charges. ``closing``: awaited at the very end (``ChatApp.close``).
-    ``signals=False``: SIGTERM is not watched (in-process tests start the drain with ``drain()``)."""
+    """See the module docstring: ``grace`` is step 2's, ``on_draining`` step 1's callbacks,
+    ``on_drain`` step 4's, ``closing`` step 5's. ``signals=False``: SIGTERM is not watched
+    (in-process tests start the drain with ``drain()``)."""
 
     def __init__(
         self,
@@ -216,16 +214,13 @@ class Lifecycle:
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
-        before_last: Callback | None = None,
+        before_last: Callable[[], Awaitable[None]] | None = None,
     ) -> Stream:
         """What the relay of a stream whose time limits are ``limits`` tells of its ends (``Ends``):
         ``before_last`` awaited before the upstream's final event goes out, ``on_end`` (the
-        endpoint's record keeping: its log line and charge) once it is over, however it ends. The cut
-        goes through ``limits`` (``Stream.cut_now``): the relay itself ends with one final
-        ``instance_draining`` error. During a drain, the last stream's final event waits for the
-        ``on_drain`` callbacks (its record written first). The stream counts for the drain from its
-        relay's first read on: one closed before that (its handler cancelled first) never ran, so
-        nothing would take it back."""
+        endpoint's record keeping: its log line and charge) once it is over, however it ends. The
+        stream counts for the drain from its relay's first read on: one closed before that (its
+        handler cancelled first) never ran, so nothing would take it back."""
         return Stream(self, record, limits, on_end, before_last)
 
     def _holds(self, stream: Stream) -> bool:
