@@ -116,10 +116,10 @@ async def console(req: Request) -> Response:
 
 
 # The admin API for callers, teams, prices and usage (docs/callers.md): /api/manage/... (the
-# Functions host reserves every route that starts with "admin"). AuthLevel.ADMIN: in Azure only the
-# host's master key opens it; the local hosts (func start, tools/devhost) check no key. Needs the
-# app's storage (AzureWebJobsStorage); without it these routes answer 503 naming the setting, and
-# the rest of the app runs as before.
+# Functions host refuses any route template that starts with "admin", even under the "api" prefix).
+# AuthLevel.ADMIN: in Azure only the host's master key opens it; the local hosts (func start,
+# tools/devhost) check no key. Needs the app's storage (AzureWebJobsStorage); without it these
+# routes answer 503 naming the setting, and the rest of the app runs as before.
 @app.route(route="manage/callers", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_callers(req: Request) -> Response:
     """GET /api/manage/callers lists the callers; POST creates one and answers its key, this once."""

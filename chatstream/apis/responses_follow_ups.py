@@ -127,10 +127,7 @@ class ResponseFollowUps:
 
     async def _handle(self, request: Request, operation: str, answer) -> Response:
         """One follow-up: the id checked, ``answer`` run, one log line, errors in OpenAI's shape."""
-        record = StreamRecord(
-            endpoint=f"responses.{operation}",
-            model="",
-        )
+        record = StreamRecord(endpoint=f"responses.{operation}", model="")
         record.request_id = record.id
         telemetry.begin(record)
         streaming = False
