@@ -156,27 +156,24 @@ class StreamTelemetry:
     """One request's span, from ``start_stream`` to ``end``. ``end`` may be called more than once;
     only the first call counts."""
 
-    __slots__ = ("_ended", "_span")
+    __slots__ = ("_span",)
 
     def __init__(self, span) -> None:
-        self._span = span
-        self._ended = False
+        self._span = span  # None once ended (or never started)
 
     def end(self, record: StreamRecord) -> None:
         """Finish the span and record the metrics from ``record``."""
-        if self._ended:
-            return
-        self._ended = True
-        if self._span is None:
+        span, self._span = self._span, None
+        if span is None:
             return
         end_ns = time.time_ns()
         try:
-            _record_stream(self._span, record)
+            _record_stream(span, record)
         except Exception:
             log.warning("chat stream telemetry failed", exc_info=True)
         finally:
             try:
-                self._span.end(end_time=end_ns)
+                span.end(end_time=end_ns)
             except Exception:
                 log.warning("chat stream span did not end", exc_info=True)
 
