@@ -59,32 +59,14 @@ class OutcomeKind(StrEnum):
     OTHER = "other"  # not an upstream failure (a bug of ours): no effect on the entry
 
 
-FAILOVER = frozenset(
-    {
-        OutcomeKind.RATE_LIMITED,
-        OutcomeKind.QUOTA_EXHAUSTED,
-        OutcomeKind.CONNECT_FAILED,
-        OutcomeKind.CONNECTION_LOST,
-        OutcomeKind.TIMEOUT,
-        OutcomeKind.SERVER_ERROR,
-    }
-)
+# The entry's own failures: they count against its breaker.
 HEALTH_FAILURE = frozenset(
     {OutcomeKind.CONNECT_FAILED, OutcomeKind.CONNECTION_LOST, OutcomeKind.TIMEOUT, OutcomeKind.SERVER_ERROR}
 )
-COOLDOWN = frozenset({OutcomeKind.RATE_LIMITED, OutcomeKind.QUOTA_EXHAUSTED})
+COOLDOWN = frozenset({OutcomeKind.RATE_LIMITED, OutcomeKind.QUOTA_EXHAUSTED})  # the deployment cools down
+FAILOVER = HEALTH_FAILURE | COOLDOWN  # the request moves on to the next candidate
 # The server answered: a probe that gets one of these proves the entry reachable.
-ANSWERED = frozenset(
-    {
-        OutcomeKind.SUCCESS,
-        OutcomeKind.RATE_LIMITED,
-        OutcomeKind.QUOTA_EXHAUSTED,
-        OutcomeKind.AUTH_ERROR,
-        OutcomeKind.CONTEXT_LENGTH,
-        OutcomeKind.CONTENT_FILTER,
-        OutcomeKind.CLIENT_ERROR,
-    }
-)
+ANSWERED = frozenset(OutcomeKind) - HEALTH_FAILURE - {OutcomeKind.OTHER}
 
 
 @dataclass(frozen=True, slots=True)
