@@ -6,14 +6,12 @@ until the API's protocol (a probe of it, without text steps) says the first outp
 first-token limit moves the request to the next entry; a context-length, content-filter, auth or
 quota error goes where ``pool.route`` says (UPSTREAM_ERROR_ROUTES: after a context-length error only
 entries with a larger ``context_window``); anything else (400, 404 …) is the answer, as with a
-single upstream. The stream it returns replays the chunks it read and then goes
-on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
-output the request stays on its entry; a later failure counts against that entry's health, and the
-answer either goes on on another stream (``open_next``: the same walk with the continuation's
-request, the entries that did not fail it first, waiting for a cooling entry when none is free;
-``reattach``: a background response again from its own entry; continuation.py) or ends with the
-final error event. Failures reach the core already explained (``classify``): an
-``ApiError`` for the caller, the ``Outcome`` for the entry.
+single upstream. The stream it returns replays the chunks it read and then goes on with the
+entry's stream, so the stream core sees one ordinary upstream stream. After the first output the
+request stays on its entry; a later failure counts against that entry's health, and the answer
+either goes on on another stream (``open_next``, ``reattach``: continuation.py) or ends with the
+final error event. Failures reach the core already explained (``classify``): an ``ApiError`` for
+the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
 Non-streamed calls walk the candidates the same way, one whole call per entry.
