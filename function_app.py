@@ -46,21 +46,19 @@ async def responses(req: Request) -> Response:
 @app.route(route="v1/responses/{response_id}", methods=["GET", "DELETE"])
 async def response(req: Request) -> Response:
     """GET /api/v1/responses/{id} (also ?stream=true&starting_after=N) and DELETE: relayed upstream."""
-    if req.method == "DELETE":
-        return await chat_app.response_follow_ups.delete(req)
-    return await chat_app.response_follow_ups.retrieve(req)
+    return await chat_app.response_follow_ups(req, "delete" if req.method == "DELETE" else "retrieve")
 
 
 @app.route(route="v1/responses/{response_id}/cancel", methods=["POST"])
 async def cancel_response(req: Request) -> Response:
     """POST /api/v1/responses/{id}/cancel: cancel a background response upstream."""
-    return await chat_app.response_follow_ups.cancel(req)
+    return await chat_app.response_follow_ups(req, "cancel")
 
 
 @app.route(route="v1/responses/{response_id}/input_items", methods=["GET"])
 async def response_input_items(req: Request) -> Response:
     """GET /api/v1/responses/{id}/input_items: the response's input items, from the upstream."""
-    return await chat_app.response_follow_ups.input_items(req)
+    return await chat_app.response_follow_ups(req, "input_items")
 
 
 @app.route(route="v1/models", methods=["GET"])
