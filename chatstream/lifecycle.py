@@ -124,22 +124,6 @@ class Stream(Ends):
         self.limits.cut(instance_draining())
 
 
-class _Starting:
-    """``Lifecycle.starting``'s context manager: counts the requests inside it."""
-
-    __slots__ = ("_life",)
-
-    def __init__(self, life: Lifecycle) -> None:
-        self._life = life
-
-    def __enter__(self) -> None:
-        self._life._starting += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._life._starting -= 1
-        self._life._changed.set()
-
-
 class Lifecycle:
     """See the module docstring: ``grace`` is step 2's, ``on_draining`` step 1's callbacks,
     ``on_drain`` step 4's, ``closing`` step 5's. ``signals=False``: SIGTERM is not watched
@@ -166,7 +150,6 @@ class Lifecycle:
         self.grace_over = asyncio.Event()  # kept work finishes now, with what it has
         self._kept: set[asyncio.Future] = set()
         self._starting = 0  # requests admitted whose stream is not running yet (``starting``)
-        self._starting_guard = _Starting(self)
         self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand, kept work ended
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
@@ -186,14 +169,21 @@ class Lifecycle:
         if self.draining.is_set():
             raise instance_draining()
 
-    def starting(self) -> _Starting:
+    def starting(self) -> Lifecycle:
         """A request, from before ``admit`` until its stream runs (its relay's first read: ``ends``)
         or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
         two requests admitted as SIGTERM came reached their upstream after the two streams then
         running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)
-        One context manager for all of them (it only counts), not a generator and its wrapper per
-        request: two objects fewer for the garbage collector to walk while a request waits."""
-        return self._starting_guard
+        The lifecycle itself is the context manager (it only counts), not a generator and its wrapper
+        per request: two objects fewer for the garbage collector to walk while a request waits."""
+        return self
+
+    def __enter__(self) -> None:
+        self._starting += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._starting -= 1
+        self._changed.set()
 
     def keep(self, work: asyncio.Future) -> None:
         """Work this instance must finish before it goes (a charge nobody else can make): while
