@@ -24,6 +24,7 @@ keys are never recorded. docs/observability.md lists what is emitted and how to 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,17 +140,14 @@ class _Instruments:
         }
 
 
-_instruments: _Instruments | None = None
 # A proxy until an SDK provider is installed (by the worker, configure(), or a test); then it
 # delegates to that provider.
 _tracer = trace.get_tracer(__name__)
 
 
+@functools.cache
 def _get_instruments() -> _Instruments:
-    global _instruments
-    if _instruments is None:
-        _instruments = _Instruments()
-    return _instruments
+    return _Instruments()
 
 
 class StreamTelemetry:
