@@ -104,7 +104,7 @@ def provider_error(body: object) -> ProviderError | None:
     inner = body.get("error", body) if isinstance(body, dict) else None
     if not isinstance(inner, dict) or not any(name in inner for name in ("code", "type", "message")):
         return None
-    return ProviderError(error_field(inner, "code"), error_field(inner, "type"), error_field(inner, "param"))
+    return ProviderError(error_field(body, "code"), error_field(body, "type"), error_field(body, "param"))
 
 
 class ApiError(Exception):
