@@ -44,8 +44,9 @@ class SettingsError(Exception):
 
 
 class Settings(BaseModel):
-    """Every setting, by its app setting's name (the alias). What each does, its default and its
-    bounds: README.md's settings tables, which tests/test_docs.py keeps in step with this class."""
+    """Every setting, by its app setting's name (the alias). What each does and its default:
+    README.md's settings tables, which tests/test_docs.py keeps in step with this class (the names
+    and defaults; the bounds are each Field's, here)."""
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
 
