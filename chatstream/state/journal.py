@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -154,9 +155,8 @@ class JournalEntry:
                     "model": self.model,
                     "prompt": self.prompt_tokens,
                     "needs": _named(self.needs),
-                    "price": self.price.entity() if self.price is not None else None,
                 }
-                self._fixed = _compact(fixed)[:-1]
+                self._fixed = f'{_compact(fixed)[:-1]},"price":{_price_json(self.price)}'
             self._head = (fields, f"{self._fixed},{_compact(self._changing())[1:-1]}")
         return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
 
@@ -615,6 +615,13 @@ def _in_window(window: str | None, day: str | None) -> bool:
         return True
     at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
     return window in {window_of(period, at) for period in ("day", "month", "total")}
+
+
+@functools.lru_cache(maxsize=64)
+def _price_json(price: Price | None) -> str:
+    """A price as a journal entry holds it: made once per price, not per request (every request at
+    that price names it)."""
+    return _compact(price.entity() if price is not None else None)
 
 
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:
