@@ -12,6 +12,7 @@ a stream's taker, accounting.charge_lost). Every row is written by ``write``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -161,7 +162,13 @@ def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charg
 
 
 def day_of(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
+    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): made once a day, not per request."""
+    return _day(int(seconds // 86400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day(days: int) -> str:
+    return datetime.fromtimestamp(days * 86400, UTC).strftime("%Y%m%d")
 
 
 class Ledger:
