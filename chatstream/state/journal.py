@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -74,6 +75,10 @@ WAKE_DELAY = 0.02
 # the caller (or team) holds it again without a journal write first (note_counter). Listed without
 # holding costs a takeover one read of its row, nothing else.
 LISTED_SECONDS = 60.0
+
+
+# The journal's JSON, compact: one encoder (json.dumps with options makes one per call).
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def journal_name(instance: str) -> str:
@@ -108,7 +113,9 @@ class JournalEntry:
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
     seqs: dict[CounterKey, int] = field(default_factory=dict)  # read back: ``settlement.seqs`` as written
-    # (state, segment, stream, epoch) as last serialised, and the JSON of the rest (``serialised``)
+    # The JSON of the fields set once; (state, segment, stream, epoch) as last serialised, and the
+    # JSON of all but the checkpoint then (``serialised``)
+    _fixed: str = field(default="", repr=False)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
     def checkpoint(self) -> int:
@@ -135,24 +142,26 @@ class JournalEntry:
 
     def serialised(self) -> str:
         """Its document in the journal, as JSON. Its fields are set once, but for its state, segment,
-        stream and epoch: the JSON of the rest is kept until one of those changes, and a write
-        serialises only an open request's checkpoint (``generated``, its last field) anew (the
-        journal is written every ``JOURNAL_SECONDS`` with every open request in it: issue #44)."""
+        stream and epoch: their JSON is made once, the rest's again when one of those changes (its
+        settling), and a write serialises only an open request's checkpoint (``generated``, its last
+        field) anew (the journal is written every ``JOURNAL_SECONDS`` with every open request in
+        it, and once more as each settles: issue #44)."""
         fields = (self.state, self.segment, self.stream, self.epoch)
         if self._head[0] != fields:
-            self._head = (fields, json.dumps(self._document(), separators=(",", ":"))[:-1])
+            if not self._fixed:
+                fixed = {
+                    "id": self.key,
+                    **self.payer.values(),
+                    "model": self.model,
+                    "prompt": self.prompt_tokens,
+                    "needs": _named(self.needs),
+                }
+                self._fixed = f'{_compact(fixed)[:-1]},"price":{_price_json(self.price)}'
+            self._head = (fields, f"{self._fixed},{_compact(self._changing())[1:-1]}")
         return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
 
-    def _document(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "id": self.key,
-            **self.payer.values(),
-            "model": self.model,
-            "prompt": self.prompt_tokens,
-            "needs": _named(self.needs),
-            "price": self.price.entity() if self.price is not None else None,
-            "state": self.state,
-        }
+    def _changing(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"state": self.state}
         if self.segment:
             doc["segment"] = self.segment
         if self.stream is not None:
@@ -360,7 +369,7 @@ class Journal:
         in_doc = list(self.entries.values())
         head = {"instance": instance, "at": self.store.clock.now(), "counters": [str(key) for key in listed]}
         entries = ",".join(e.serialised() for e in in_doc)
-        data = f'{json.dumps(head, separators=(",", ":"))[:-1]},"entries":[{entries}]}}'.encode()
+        data = f'{_compact(head)[:-1]},"entries":[{entries}]}}'.encode()
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
@@ -519,7 +528,7 @@ class Recovery:
             doc = json.loads(data)
             doc["sealed_by"] = taker
             try:
-                await self.store.put(name, json.dumps(doc, separators=(",", ":")).encode(), etag=etag)
+                await self.store.put(name, _compact(doc).encode(), etag=etag)
                 return doc
             except (Modified, NotFound):  # written meanwhile (or deleted: the next read says)
                 continue
@@ -606,6 +615,13 @@ def _in_window(window: str | None, day: str | None) -> bool:
         return True
     at = datetime.strptime(day, "%Y%m%d").replace(tzinfo=UTC).timestamp()
     return window in {window_of(period, at) for period in ("day", "month", "total")}
+
+
+@functools.lru_cache(maxsize=64)
+def _price_json(price: Price | None) -> str:
+    """A price as a journal entry holds it: made once per price, not per request (every request at
+    that price names it)."""
+    return _compact(price.entity() if price is not None else None)
 
 
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ a stream's taker, accounting.charge_lost). Every row is written by ``write``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -118,8 +119,11 @@ class Charge(Payer):
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        values = {k: v for k, v in self.values().items() if k not in ("day", "over") and (v or k != "ops")}
-        return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
+        values = {"PartitionKey": self.partition, "RowKey": self.row_key, **self.values()}
+        del values["day"], values["over"]  # the day is in the RowKey; ``over`` is the write's own
+        if not values["ops"]:
+            del values["ops"]
+        return values
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
@@ -161,7 +165,13 @@ def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charg
 
 
 def day_of(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
+    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): made once a day, not per request."""
+    return _day(int(seconds // 86400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day(days: int) -> str:
+    return datetime.fromtimestamp(days * 86400, UTC).strftime("%Y%m%d")
 
 
 class Ledger:

@@ -102,14 +102,18 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
     None values (the store keeps no nulls: ``store.clean``)."""
     body: dict[str, Any] = {}
     for name, value in entity.items():
-        if value is None:
-            continue
-        body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
-        if type(value) is int and name not in ("PartitionKey", "RowKey"):
+        kind = type(value)
+        if kind is int and name != "PartitionKey" and name != "RowKey":
             body[name], body[name + "@odata.type"] = str(value), "Edm.Int64"
-        elif type(value) is float:
-            body[name + "@odata.type"] = "Edm.Double"
-    return json.dumps(body, separators=(",", ":")).encode()
+        elif value is not None:
+            body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
+            if kind is float:
+                body[name + "@odata.type"] = "Edm.Double"
+    return _compact(body).encode()
+
+
+# Rows' JSON, compact: one encoder (json.dumps with options makes one per call).
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def row_of(body: Mapping[str, Any], etag: str) -> Row:

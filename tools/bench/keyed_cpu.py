@@ -1,7 +1,8 @@
 """What a keyed request costs this process in CPU over an unkeyed one (issue #44), in-process:
 
     .venv/bin/python tools/bench/keyed_cpu.py [--rounds 8] [--streams 40] [--concurrency 1]
-        [--first-ms 0 --interval-ms 0] [--profile DIR] [--spy DIR [--spy-blocks 10] [--py-spy BIN]]
+        [--first-ms 0 --interval-ms 0] [--instructions] [--profile DIR]
+        [--spy DIR [--spy-blocks 10] [--py-spy BIN]]
 
 One process serves the app twice, as tools/bench/admission.py builds it: unkeyed and with
 ``CALLER_KEYS=required`` on a real Azurite started here (the caller without limits, the bench's
@@ -15,6 +16,12 @@ process: the upstream and Azurite are apart) up to its background charges writte
 (``Accounting.flush``). Printed per round: CPU per request of each, the garbage collector's passes
 and the keyed app's store calls per request; then the keyed block's extra CPU per request (median
 and range). The keyed app's timers (heartbeats, lease expiry) also run in the unkeyed blocks.
+
+``--instructions``: each block's instructions (valgrind's callgrind: this process runs again under
+it, counting only the blocks, its hash seed fixed, the collector run before each) instead of its
+CPU time: counted, not timed, so the machine's other load does not move them (two runs of one tree
+agree within 0.1%); an A/B of two trees is two runs, one after the other. About a minute with
+``--rounds 2 --streams 20``. Needs valgrind.
 
 ``--profile DIR``: cProfile (process time) of one more block of each kind, ``DIR/plain.prof`` and
 ``DIR/keyed.prof``, and their difference by function (per request; cProfile inflates small calls).
@@ -37,9 +44,14 @@ import gc
 import json
 import os
 import pstats
+import re
 import resource
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from dataclasses import astuple
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -162,6 +174,7 @@ async def _spy(args, paths, counter: list[int]) -> None:
     import signal
 
     spy = args.py_spy or shutil.which("py-spy") or str(ROOT / "tools/bench/.venv/bin/py-spy")
+    args.spy.mkdir(parents=True, exist_ok=True)
     found: dict[str, dict[str, float]] = {}
     for app, key in paths:
         kind = "keyed" if key else "plain"
@@ -198,6 +211,47 @@ async def _spy(args, paths, counter: list[int]) -> None:
         print(f"{k - p:+8.3f}  (keyed {k:.3f}, plain {p:.3f})  {cause}")
 
 
+class _Instructions:
+    """Callgrind's count of this process's instructions a block at a time (``--instructions``: this
+    process runs under callgrind, counting off but in the blocks), read from a dump after each."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out  # callgrind's --callgrind-out-file: its dumps are OUT.1, OUT.2, ...
+        self.dumps = 0
+
+    def _control(self, *args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(os.getpid())], capture_output=True, check=True)
+
+    def start(self) -> None:
+        self._control("--zero")
+        self._control("--instr=on")
+
+    def stop(self) -> int:
+        self._control("--instr=off")
+        self._control("--dump")
+        self.dumps += 1
+        totals = re.search(r"^totals: (\d+)", Path(f"{self.out}.{self.dumps}").read_text(), re.M)
+        assert totals is not None, f"callgrind wrote no totals in {self.out}.{self.dumps}"
+        return int(totals[1])
+
+
+def _under_callgrind(args: argparse.Namespace) -> None:
+    """``--instructions``: this script again, under callgrind (its children, Azurite and the
+    upstream, are not), printing what it prints."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind and callgrind_control)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "callgrind.out")
+        under = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        env = {**os.environ, COUNTED: out, "PYTHONHASHSEED": "0"}
+        done = subprocess.run([*under, sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env)
+    if done.returncode != 0:
+        raise SystemExit(done.returncode)
+
+
+COUNTED = "KEYED_CPU_CALLGRIND_OUT"  # set in the run under callgrind: where its dumps go
+
+
 class _GcTimes:
     """The garbage collector's passes (per generation: count, process time) while a block runs."""
 
@@ -222,15 +276,25 @@ class _GcTimes:
 GC = _GcTimes()
 
 
-def _apps(upstream: str, store: str):
-    """The app unkeyed and keyed (admission.py's settings, without its store instrumentation)."""
+def _apps(upstream: str, store: str, counted: bool = False):
+    """The app unkeyed and keyed (admission.py's settings, without its store instrumentation).
+    ``counted`` (``--instructions``): the keyed app's timers (its heartbeats and duty, the caller
+    cache's expiry) 20 times slower, so that callgrind's slowness does not bring more of their store
+    calls into a block: a block's count is then the same from run to run."""
     from chatstream.app import create_app
     from chatstream.settings import Settings
+    from chatstream.state.instances import InstanceTiming
 
     environ = {"OPENAI_BASE_URL": upstream, "OPENAI_API_KEY": "sk-keyedcpu", "OPENAI_MODEL": MODEL}
     keyed_env = {**environ, "AzureWebJobsStorage": store, "CALLER_KEYS": "required"}
+    if counted:
+        keyed_env["CALLER_CACHE_SECONDS"] = "30"  # (its bound)
     plain = create_app(Settings.from_env(environ), environ=environ)
-    return plain, create_app(Settings.from_env(keyed_env), environ=keyed_env)
+    keyed = create_app(Settings.from_env(keyed_env), environ=keyed_env)
+    if counted:
+        assert keyed.state is not None
+        keyed.state.instances.timing = InstanceTiming(*(20 * s for s in astuple(InstanceTiming())))
+    return plain, keyed
 
 
 def main() -> None:
@@ -241,11 +305,23 @@ def main() -> None:
     parser.add_argument("--deltas", type=int, default=40)
     parser.add_argument("--first-ms", type=float, default=0, help="the upstream's first delta after (bench: 100)")
     parser.add_argument("--interval-ms", type=float, default=0, help="between deltas (bench: 20)")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count each block's instructions (callgrind), not its CPU time"
+    )
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--spy", type=Path, help="py-spy of blocks of each kind into this folder")
     parser.add_argument("--spy-blocks", type=int, default=10)
     parser.add_argument("--py-spy", help="the py-spy binary (default: on PATH, else tools/bench/.venv's)")
     args = parser.parse_args()
+    if args.instructions and COUNTED not in os.environ:
+        _under_callgrind(args)
+        return
+    counting = _Instructions(os.environ[COUNTED]) if args.instructions else None
+    unit = "instructions" if counting is not None else "ms"
+
+    def shown(value: float, sign: str = "") -> str:
+        return format(value, f"{sign},.0f" if counting is not None else f"{sign}.3f")
+
     sys.path.insert(0, str(ROOT / "tools" / "bench"))
     from admission import setup_callers
 
@@ -256,7 +332,7 @@ def main() -> None:
     )
     azurite = Azurite()
     try:
-        plain, keyed = _apps(upstream.base_url, azurite.connection_string)
+        plain, keyed = _apps(upstream.base_url, azurite.connection_string, counting is not None)
 
         async def run() -> None:
             keys = await setup_callers(keyed)
@@ -268,16 +344,22 @@ def main() -> None:
                 await _block(app, k, args.streams, args.concurrency, counter)
             extra = []
             for r in range(args.rounds):
-                times = {}
+                took: dict[bool, float] = {}  # per request: ms of CPU, or instructions
                 order = ((plain, None), (keyed, key)) if r % 2 == 0 else ((keyed, key), (plain, None))
                 gcs, calls, system = {}, {}, {}
                 for app, k in order:
                     GC.clear()
                     before = dict(getattr(store, "calls", {}))
                     sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-                    t = time.process_time()
-                    await _block(app, k, args.streams, args.concurrency, counter)
-                    times[k is not None] = time.process_time() - t
+                    if counting is not None:
+                        gc.collect()  # the collector's passes in the block the same from run to run
+                        counting.start()
+                        await _block(app, k, args.streams, args.concurrency, counter)
+                        took[k is not None] = counting.stop() / args.streams
+                    else:
+                        t = time.process_time()
+                        await _block(app, k, args.streams, args.concurrency, counter)
+                        took[k is not None] = (time.process_time() - t) / args.streams * 1000
                     system[k is not None] = (
                         (resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0) / args.streams * 1000
                     )
@@ -288,20 +370,18 @@ def main() -> None:
                         for op, n in sorted(after.items())
                         if n > before.get(op, 0)
                     )
-                per = (times[True] - times[False]) / args.streams * 1000
-                extra.append(per)
+                extra.append(took[True] - took[False])
                 print(
-                    f"round {r}: plain {times[False] / args.streams * 1000:.3f} ms/req, "
-                    f"keyed {times[True] / args.streams * 1000:.3f} ms/req, extra {per:+.3f} "
-                    f"(of which system time: plain {system[False]:.3f}, keyed {system[True]:.3f}); "
-                    f"gc plain {gcs[False]}, keyed {gcs[True]}; keyed app's store calls per request: "
-                    f"in plain blocks {calls[False] or 0}, in keyed blocks {calls[True]}",
+                    f"round {r}: plain {shown(took[False])} {unit}/req, keyed {shown(took[True])} {unit}/req, "
+                    f"extra {shown(extra[-1], '+')} (of which system time: plain {system[False]:.3f} ms, keyed "
+                    f"{system[True]:.3f} ms); gc plain {gcs[False]}, keyed {gcs[True]}; keyed app's store calls "
+                    f"per request: in plain blocks {calls[False] or 0}, in keyed blocks {calls[True]}",
                     flush=True,
                 )
             print(
-                f"keyed extra CPU per request: median {statistics.median(extra):+.3f} ms "
-                f"(range {min(extra):+.3f} .. {max(extra):+.3f}), {args.rounds} rounds of {args.streams} "
-                f"at concurrency {args.concurrency}"
+                f"keyed extra {unit} per request: median {shown(statistics.median(extra), '+')} "
+                f"(range {shown(min(extra), '+')} .. {shown(max(extra), '+')}), {args.rounds} rounds of "
+                f"{args.streams} at concurrency {args.concurrency}"
             )
             if args.spy:
                 await _spy(args, ((plain, None), (keyed, key)), counter)
