@@ -53,10 +53,22 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class Chunk:
+    """What a protocol makes of one upstream chunk (``StreamProtocol.feed``), and the event the
+    relay forwards: the chunk to forward, whether it is output (the status rule waits for output),
+    whether it counts as a delta, and events released with it (``batch``). ``text``: when ``data`` is
+    the upstream's chunk as it came, the protocol may say choice 0's content in it (a string, or None
+    for none): the chunk is read once, and the continuation and the encoder take the text from
+    here. ``more``: set by the relay. One object per chunk, made once: it runs for every delta."""
+
     data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
-    more: bool = False  # the next event is already in hand: write this one together with it
+    output: bool = False
+    delta: bool = False
     batch: tuple[dict, ...] = ()  # further events released with ``data`` (a held delta, then this one)
-    text: str | None = None  # ``Fed.text``: choice 0's content, when the protocol read it (None: read ``data``)
+    text: str | None = None  # choice 0's content, when the protocol read it (None: read ``data``)
+    more: bool = False  # the next event is already in hand: write this one together with it
+
+
+NOTHING = Chunk({})  # a protocol's answer for an upstream chunk with nothing to forward (never forwarded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,22 +123,6 @@ class Ends:
             self.on_end()
 
 
-@dataclass(slots=True)
-class Fed:
-    """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
-    is output (the status rule waits for output), whether it counts as a delta, and events released
-    with it (``batch``). ``text``: when ``data`` is the upstream's chunk as it came, the protocol may
-    say choice 0's content in it (a string, or None for none): the chunk is read once, and the
-    continuation and the encoder take the text from here. Read-only by convention: one is made for
-    every chunk, and a frozen dataclass's ``__init__`` costs about twice as much."""
-
-    data: dict | None
-    output: bool = False
-    delta: bool = False
-    batch: tuple[dict, ...] = ()
-    text: str | None = None
-
-
 class StreamProtocol(Protocol):
     """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
 
@@ -144,11 +140,11 @@ class StreamProtocol(Protocol):
     def done(self) -> bool: ...  # the answer is complete
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
-    async def feed(self, data: dict) -> Fed: ...
+    async def feed(self, data: dict) -> Chunk: ...  # NOTHING: nothing to forward
     @property
     def plain(
         self,
-    ) -> Callable[[dict], Fed | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
+    ) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
@@ -180,14 +176,14 @@ class Continuation(Protocol):
     (continuation.py): while ``ahead``, ``feed`` gets every upstream chunk before the protocol and
     gives what the protocol is to see (the seam between two streams); else (a stream it passes on as
     it comes: the first) ``saw`` gets each chunk after the protocol, with what the protocol read of it
-    (``Fed.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
+    (``Chunk.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
     ``reopen`` opens the next stream (raising when none could be had), ``summary`` completes the
     final event."""
 
     @property
     def ahead(self) -> bool: ...  # read once per stream (it changes only when ``reopen`` opens one)
     def feed(self, data: dict) -> Sequence[dict]: ...
-    def saw(self, data: dict, fed: Fed) -> None: ...
+    def saw(self, data: dict, fed: Chunk) -> None: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
     async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
@@ -408,12 +404,11 @@ async def relay(
                             fed = await protocol.feed(data)
                         if saw is not None:
                             saw(data, fed)  # after the protocol: what it read of the chunk (read once)
-                        if fed.data is None:
+                        if fed is NOTHING:
                             continue
-                        chunk = Chunk(fed.data, False, fed.batch, fed.text)
                         if record.first_delta_at is None:
                             if not fed.output:
-                                held.append(chunk)
+                                held.append(fed)
                                 continue
                             record.first_output()
                             limits.got_output()
@@ -425,7 +420,7 @@ async def relay(
                         if ready is not None:
                             ready.more = True
                             yield ready
-                        ready = chunk
+                        ready = fed
             except Exception:
                 if ready is not None:  # what was made before the failure still goes out, then the error
                     yield ready
@@ -474,7 +469,7 @@ async def relay(
 
 def _hands(
     continuation: Continuation | None,
-) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Fed], None] | None]:
+) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]:
     """What of ``continuation`` sees the chunks of the stream just opened: its ``feed`` before the
     protocol, or its ``saw`` after it (``Continuation.ahead``). Bound once per stream."""
     if continuation is None:

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from ..errors import UpstreamMalformed
 from ..pipeline import Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
-from ..stream import Done, Fed
+from ..stream import NOTHING, Chunk, Done
 
 TEXT_FIELDS = ("content", "refusal")
-_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._plain forwards as it came
-_NOTHING = Fed(None)
+_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
 
 
 def _index_ok(item: dict) -> bool:
@@ -145,7 +144,7 @@ class CompletionStream:
         # Without text steps a chunk is read without awaiting anything (StreamProtocol.plain); a
         # subclass with a feed of its own is read by it.
         plain = self._make_filter is None and type(self).feed is CompletionStream.feed
-        self.plain: Callable[[dict], Fed | None] | None = self._read_plain if plain else None
+        self.plain: Callable[[dict], Chunk | None] | None = self._read_plain if plain else None
         self.model = self.id = self.created = None
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
@@ -167,9 +166,14 @@ class CompletionStream:
         if data.get("usage"):
             self.usage = data["usage"]
 
-    def _read_plain(self, data: dict) -> Fed | None:
-        """``feed`` without text steps, for the common chunk (``_plain``), without a coroutine: its
-        Fed, or None when ``feed`` is to read it. ``note`` inline: this runs for every delta."""
+    def _read_plain(self, data: dict) -> Chunk | None:
+        """``feed`` without text steps, without a coroutine (``StreamProtocol.plain``): ``note``
+        inline, then the common chunk decided without copying anything: one choice, index 0, whose
+        delta object holds nothing but ``role`` and ``content`` (a string or null). It is forwarded as
+        it came: what the general path would build is an equal copy, and its content goes with it
+        (``Chunk.text``: the continuation and the encoder read no further); kept texts (``keep``: a
+        keyed request's) get what the general path would keep. None: not that shape; ``feed``'s
+        general path decides (and checks the shape). One call: this runs for every delta."""
         get = data.get
         self.model = get("model") or self.model
         self.id = get("id") or self.id
@@ -179,38 +183,7 @@ class CompletionStream:
             self.usage = usage
         choices = get("choices")
         if not choices:
-            return _NOTHING
-        return self._plain(data, choices)
-
-    async def feed(self, data: dict) -> Fed:
-        self.note(data)
-        choices = data.get("choices")
-        if not choices:
-            return Fed(None)
-        if self._make_filter is None:
-            fed = self._plain(data, choices)
-            if fed is not None:
-                return fed
-        if not isinstance(choices, list) or not all(map(_well_formed, choices)):
-            raise UpstreamMalformed("a chunk's choices are not objects with a delta object")
-        kept, substance, finishing = [], False, False
-        for choice in choices:
-            new = await self._choice(choice)
-            if new is not None:
-                kept.append(new)
-                substance = substance or _has_substance(new["delta"])
-                finishing = finishing or bool(new.get("finish_reason"))
-        if not kept:
-            return Fed(None)
-        return Fed({**data, "choices": kept}, output=substance or finishing, delta=substance)
-
-    def _plain(self, data: dict, choices: object) -> Fed | None:
-        """The common chunk, without text steps, decided without copying anything: one choice, index
-        0, whose delta object holds nothing but ``role`` and ``content`` (a string or null). It is
-        forwarded as it came: what the general path would build is an equal copy, and its content
-        goes with it (``Fed.text``: the continuation and the encoder read no further); kept texts
-        (``keep``: a keyed request's) get what the general path would keep. None: not that shape;
-        the general path decides (and checks the shape)."""
+            return NOTHING
         if type(choices) is not list or len(choices) != 1:
             return None
         choice = choices[0]
@@ -225,14 +198,36 @@ class CompletionStream:
         if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):
             return None
         if 0 in self.finished:
-            return _NOTHING  # nothing after a choice's finish_reason is forwarded
+            return NOTHING  # nothing after a choice's finish_reason is forwarded
         if self.generated is not None:  # as _choice keeps them: without text steps, released is generated
             _kept(self.generated, 0).append(content or "")
         if content and self.released is not None:
             _kept(self.released, 0).append(content)
         if reason:
             self._finish(0, reason)
-        return Fed(data, bool(content or reason), bool(content), (), content)  # positional: per delta
+        return Chunk(data, bool(content or reason), bool(content), (), content)  # positional: per delta
+
+    async def feed(self, data: dict) -> Chunk:
+        if self._make_filter is None:
+            fed = self._read_plain(data)
+            if fed is not None:
+                return fed
+        self.note(data)  # (again after _read_plain: the same)
+        choices = data.get("choices")
+        if not choices:
+            return NOTHING
+        if not isinstance(choices, list) or not all(map(_well_formed, choices)):
+            raise UpstreamMalformed("a chunk's choices are not objects with a delta object")
+        kept, substance, finishing = [], False, False
+        for choice in choices:
+            new = await self._choice(choice)
+            if new is not None:
+                kept.append(new)
+                substance = substance or _has_substance(new["delta"])
+                finishing = finishing or bool(new.get("finish_reason"))
+        if not kept:
+            return NOTHING
+        return Chunk({**data, "choices": kept}, output=substance or finishing, delta=substance)
 
     async def _choice(self, choice: dict) -> dict | None:
         index = choice.get("index", 0)
