@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -210,6 +211,8 @@ class TimeLimits:
 
     def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop or asyncio.get_running_loop()
+        # The loop's clock: asyncio's own loop reads time.monotonic (read here without its method).
+        self._clock = time.monotonic if type(self.loop).time is asyncio.BaseEventLoop.time else self.loop.time
         now = self.loop.time()
         self.total_at = now + settings.total_timeout
         self.first_token = settings.first_token_timeout
@@ -255,7 +258,7 @@ class TimeLimits:
         """A chunk came from the upstream (whether or not anything of it is forwarded): the total
         limit is checked (buffered chunks arrive without a wait), and once output has started the
         idle limit runs from now. One clock read for both: this runs for every chunk."""
-        now = self.loop.time()
+        now = self._clock()
         if now >= self.total_at:
             raise self._cut or total_expired()
         if self.output_started:

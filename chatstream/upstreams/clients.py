@@ -39,7 +39,7 @@ from ..settings import Settings
 from ..sse import Parser
 from .config import Entry
 from .outcomes import upstream_field
-from .transport import URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader
+from .transport import RAW_ERRORS, URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader, mapped
 
 # The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
 # private network) gives it this one, which no request carries (NoAuthClient).
@@ -423,7 +423,7 @@ class UpstreamStream(openai.AsyncStream[dict]):
     ``create()`` would first run its type-driven transform over the parameters, about 1 ms per
     request here for plain dicts that need none. The stream is the SDK's with its public iteration
     (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes (from our
-    transport, its body's reader itself: two generators fewer per piece)."""
+    transport, aiohttp's read of its body itself: the layers between cost every piece)."""
 
     ready = 0  # chunks already read from the upstream and not yet handed out (stream.py batches them)
     # A failure reading the stream, as its reader explains it (failover.PeekedStream: the ApiError,
@@ -466,10 +466,14 @@ class UpstreamStream(openai.AsyncStream[dict]):
         # Without a content coding (an event stream normally has none) the raw bytes are the body.
         coded = response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
         direct = None if coded else body_reader(response)
-        pieces = direct or (response.aiter_bytes() if coded else response.aiter_raw())
+        if direct is not None:
+            read = direct.read  # aiohttp's own read (a coroutine fewer per piece): its errors mapped below
+        else:
+            pieces = aiter(response.aiter_bytes() if coded else response.aiter_raw())
+            read = functools.partial(anext, pieces, b"")  # (neither yields an empty piece)
         try:
             try:
-                async for piece in pieces:
+                while piece := await read():  # b"" at the body's end
                     if framer.done:
                         continue  # read to the end of the body, so the connection can be reused
                     payloads = framer.feed(piece)
@@ -483,6 +487,8 @@ class UpstreamStream(openai.AsyncStream[dict]):
                     await response.aclose()  # the body is over: the connection goes back, as aiter_raw does
             except _READ_ERRORS as exc:
                 raise _sdk_error(response, exc) from exc
+            except RAW_ERRORS as exc:  # Body.read's
+                raise _sdk_error(response, mapped(exc)) from exc
         except Exception as exc:
             if self.failure is None:
                 raise
