@@ -22,6 +22,7 @@ from ..stream import NOTHING, Chunk, Done
 
 TEXT_FIELDS = ("content", "refusal")
 _PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
+_ROLE_DELTA = frozenset({"role", "content", "refusal"})  # ...and OpenAI's role chunk's (its refusal null)
 
 
 def _index_ok(item: dict) -> bool:
@@ -169,11 +170,12 @@ class CompletionStream:
     def _read_plain(self, data: dict) -> Chunk | None:
         """``feed`` without text steps, without a coroutine (``StreamProtocol.plain``): ``note``
         inline, then the common chunk decided without copying anything: one choice, index 0, whose
-        delta object holds nothing but ``role`` and ``content`` (a string or null). It is forwarded as
-        it came: what the general path would build is an equal copy, and its content goes with it
-        (``Chunk.text``: the continuation and the encoder read no further); kept texts (``keep``: a
-        keyed request's) get what the general path would keep. None: not that shape; ``feed``'s
-        general path decides (and checks the shape). One call: this runs for every delta."""
+        delta object holds nothing but ``role``, ``content`` (a string or null) and a null
+        ``refusal`` (OpenAI's role chunk has one). It is forwarded as it came: what the general path
+        would build is an equal copy, and its content goes with it (``Chunk.text``: the continuation
+        and the encoder read no further); kept texts (``keep``: a keyed request's) get what the
+        general path would keep. None: not that shape; ``feed``'s general path decides (and checks
+        the shape). One call: this runs for every delta."""
         get = data.get
         self.model = get("model") or self.model
         self.id = get("id") or self.id
@@ -192,7 +194,9 @@ class CompletionStream:
         index = choice.get("index", 0)
         delta = choice.get("delta")
         reason = choice.get("finish_reason")
-        if type(index) is not int or index != 0 or type(delta) is not dict or not _PLAIN_DELTA.issuperset(delta):
+        if type(index) is not int or index != 0 or type(delta) is not dict:
+            return None
+        if not _PLAIN_DELTA.issuperset(delta) and not (_ROLE_DELTA.issuperset(delta) and delta["refusal"] is None):
             return None
         content = delta.get("content")
         if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):

@@ -245,7 +245,7 @@ class ChunkEncoder:
         self.tries = self.TRIES
 
     def __call__(self, item: Event) -> bytes:
-        if type(item) is Chunk and type(item.text) is str:  # a plain chunk (completions.py) with content
+        if type(item) is Chunk and item.text:  # a plain chunk (completions.py) with content
             data = item.data
             choice = data["choices"][0]
             template = self.template

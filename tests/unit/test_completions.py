@@ -106,12 +106,14 @@ async def test_without_text_steps_chunks_are_forwarded_as_they_came():
 
 
 async def test_the_plain_path_gives_what_the_general_path_gives():
-    """Without text steps, the common chunk (one choice, a delta of role and content) is decided
-    without copying (``CompletionStream._read_plain``), with kept texts (``keep=True``: a keyed request's)
-    or without: the same events, flags, state and kept texts as the general path, for plain and
-    other shapes."""
+    """Without text steps, the common chunk (one choice, a delta of role and content, and OpenAI's
+    role chunk with its null refusal) is decided without copying (``CompletionStream._read_plain``),
+    with kept texts (``keep=True``: a keyed request's) or without: the same events, flags, state and
+    kept texts as the general path, for plain and other shapes."""
     chunks = [
         chunk({"role": "assistant", "content": ""}),
+        chunk({"role": "assistant", "content": "", "refusal": None}),
+        chunk({"role": "assistant", "refusal": "no"}),
         chunk({"content": "a"}, logprobs=None),
         chunk({"content": None}),
         chunk({"role": "assistant"}),
@@ -136,7 +138,7 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
     assert plain.summary() == kept.summary() == general.summary()
     assert kept.generated == general.generated and kept.released == general.released
     assert kept.generated is not None and kept.released is not None
-    assert "".join(kept.generated[0]) == "ano indexbc{}" and "".join(kept.released[0]) == "ano indexbc"
+    assert "".join(kept.generated[0]) == "noano indexbc{}" and "".join(kept.released[0]) == "ano indexbc"
     with pytest.raises(UpstreamMalformed):
         await CompletionStream(Pipeline()).feed({"choices": [{"index": 0, "delta": {"content": 5}}]})
 
