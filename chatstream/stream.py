@@ -26,6 +26,7 @@ limit, and all of it within the total one); the protocol and its text steps neve
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -227,6 +228,7 @@ class TimeLimits:
         self._timer_at = 0.0
         self._fired = False  # the timer cancelled the waiting task
         self._cut: ApiError | None = None  # ``cut``'s error
+        self._parked: Callable[[], None] | None = None  # ``on_total``'s callback
 
     def error(self) -> ApiError:
         """The error for the limit in force now."""
@@ -311,8 +313,15 @@ class TimeLimits:
 
     def _fire(self) -> None:
         self._timer = None
-        if self._task is None:
-            return  # not waiting: the next wait arms the timer again
+        if self._task is None:  # not waiting (parked at a yield): the next wait arms the timer again
+            if self._parked is not None:  # ...and at the total limit ``on_total``'s callback is due
+                if self.loop.time() < self.total_at:
+                    self._timer_at = self.total_at
+                    self._timer = self.loop.call_at(self.total_at, self._fire)
+                else:
+                    callback, self._parked = self._parked, None
+                    callback()
+            return
         if self.loop.time() < self.deadline:
             self._arm()  # the deadline moved on since the timer was set
             return
@@ -321,12 +330,18 @@ class TimeLimits:
 
     def close(self) -> None:
         """The stream is over: drop the timer (it holds the last waiting task until it fires)."""
+        self._parked = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def on_total(self, callback: Callable[[], None]) -> asyncio.TimerHandle:
-        return self.loop.call_at(self.total_at, callback)
+    def on_total(self, callback: Callable[[], None]) -> None:
+        """``callback`` at the total limit if the stream is not inside ``wait`` then (a wait ends by
+        itself), once, until ``close``: through the stream's one timer, not one more per stream."""
+        self._parked = callback
+        if self._timer is None:
+            self._timer_at = self.total_at
+            self._timer = self.loop.call_at(self.total_at, self._fire)
 
 
 # --- the relay --------------------------------------------------------------------------------
@@ -359,12 +374,11 @@ async def relay(
     if ends is not None:
         ends.begin()
     current = _Current()
-    watchdog = None
     final: Done | Failed | None = None
     try:
         try:
             stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
-            watchdog = limits.on_total(lambda: _close_parked(current, limits))
+            limits.on_total(functools.partial(_close_parked, current, limits))
             chunks = aiter(stream)
             mend, saw = _hands(continuation)
             plain = protocol.plain
@@ -450,8 +464,6 @@ async def relay(
         finally:
             if final is None:
                 record.hung_up()
-            if watchdog is not None:
-                watchdog.cancel()
             limits.close()
             if current.stream is not None:
                 # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
