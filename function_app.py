@@ -6,9 +6,8 @@ from azurefunctions.extensions.http.fastapi import Request, Response
 
 from chatstream import memory, telemetry
 from chatstream.app import create_app
-from chatstream.console_page import Console
+from chatstream.pages import Page
 from chatstream.pipeline import Pipeline
-from chatstream.playground_page import Playground
 from chatstream.settings import Settings
 
 settings = Settings.from_env()  # a bad value stops the app here, with a message naming the setting
@@ -20,8 +19,8 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 #   def tag(call): call.params["user"] = "web"
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
-playground_page = Playground.from_settings(settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
-console_page = Console.from_settings(settings)  # the same rule, with CONSOLE_ENABLED
+playground_page = Page.from_settings("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
+console_page = Page.from_settings("console", settings)  # the same rule, with CONSOLE_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
@@ -47,21 +46,19 @@ async def responses(req: Request) -> Response:
 @app.route(route="v1/responses/{response_id}", methods=["GET", "DELETE"])
 async def response(req: Request) -> Response:
     """GET /api/v1/responses/{id} (also ?stream=true&starting_after=N) and DELETE: relayed upstream."""
-    if req.method == "DELETE":
-        return await chat_app.response_follow_ups.delete(req)
-    return await chat_app.response_follow_ups.retrieve(req)
+    return await chat_app.response_follow_ups(req, "delete" if req.method == "DELETE" else "retrieve")
 
 
 @app.route(route="v1/responses/{response_id}/cancel", methods=["POST"])
 async def cancel_response(req: Request) -> Response:
     """POST /api/v1/responses/{id}/cancel: cancel a background response upstream."""
-    return await chat_app.response_follow_ups.cancel(req)
+    return await chat_app.response_follow_ups(req, "cancel")
 
 
 @app.route(route="v1/responses/{response_id}/input_items", methods=["GET"])
 async def response_input_items(req: Request) -> Response:
     """GET /api/v1/responses/{id}/input_items: the response's input items, from the upstream."""
-    return await chat_app.response_follow_ups.input_items(req)
+    return await chat_app.response_follow_ups(req, "input_items")
 
 
 @app.route(route="v1/models", methods=["GET"])
@@ -117,10 +114,10 @@ async def console(req: Request) -> Response:
 
 
 # The admin API for callers, teams, prices and usage (docs/callers.md): /api/manage/... (the
-# Functions host reserves every route that starts with "admin"). AuthLevel.ADMIN: in Azure only the
-# host's master key opens it; the local hosts (func start, tools/devhost) check no key. Needs the
-# app's storage (AzureWebJobsStorage); without it these routes answer 503 naming the setting, and
-# the rest of the app runs as before.
+# Functions host refuses any route template that starts with "admin", even under the "api" prefix).
+# AuthLevel.ADMIN: in Azure only the host's master key opens it; the local hosts (func start,
+# tools/devhost) check no key. Needs the app's storage (AzureWebJobsStorage); without it these
+# routes answer 503 naming the setting, and the rest of the app runs as before.
 @app.route(route="manage/callers", methods=["GET", "POST"], auth_level=func.AuthLevel.ADMIN)
 async def manage_callers(req: Request) -> Response:
     """GET /api/manage/callers lists the callers; POST creates one and answers its key, this once."""

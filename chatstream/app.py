@@ -3,6 +3,7 @@ its own pipeline): ``create_app(settings, pipeline)`` gives the handler behind e
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -37,7 +38,7 @@ log = logging.getLogger("chatstream")
 
 
 class ChatApp:
-    """The handlers behind the routes of function_app.py."""
+    """The handlers behind the routes of function_app.py (whose docstrings say what each answers)."""
 
     def __init__(
         self,
@@ -52,21 +53,22 @@ class ChatApp:
         self.pipeline = pipeline
         self.upstreams = upstreams  # one pool for every endpoint
         self.state = state  # the store every instance shares (AzureWebJobsStorage), when there is one
-        accounting = state.accounting if state is not None else None  # CALLER_KEYS=required
-        self.accounting = accounting
-        registry = state.registry if state is not None and accounting is not None else None  # callers and teams
-        self.registry = registry
+        # With CALLER_KEYS=required: callers' keys, limits and charges; callers and teams.
+        self.accounting = accounting = state.accounting if state is not None else None
+        self.registry = registry = state.registry if state is not None and accounting is not None else None
         # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
         # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
         continues = settings.continue_on_upstream_failure
         self.streams = _resumable(settings, state, accounting, self.take_over if continues else None)
-        # The drain on SIGTERM (lifecycle.py): at the grace's end the charges are settled and the
-        # resumable streams handed over; at its end the app closes.
+        # The drain on SIGTERM (lifecycle.py): at the grace's end what this instance charged goes
+        # into the journal, the ledger and the counters (what does not make it before the host kills
+        # the worker, another instance settles from the journal: state/journal.py), and a reader
+        # elsewhere takes each resumable stream still running here over at once; then the app closes.
         drain_steps = []
         if accounting is not None:
-            drain_steps.append(self.settle_charges)
+            drain_steps.append(functools.partial(accounting.flush, within=0.7))
         if self.streams is not None and continues:
-            drain_steps.append(self.hand_over)
+            drain_steps.append(functools.partial(self.streams.streams.drain, timeout=0.7))
         moving = [self.streams.streams.move_readers] if self.streams is not None else []
         life = Lifecycle(
             settings.drain_seconds,
@@ -94,18 +96,6 @@ class ChatApp:
         answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
         await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
-    async def settle_charges(self) -> None:
-        """At a drain: what this instance charged goes into the journal, the ledger and the counters
-        now; what does not make it before the host kills the worker, another instance settles from
-        the journal (state/journal.py)."""
-        assert self.accounting is not None
-        await self.accounting.flush(within=0.7)
-
-    async def hand_over(self) -> None:
-        """At a drain: a reader elsewhere takes each resumable stream still running here over at once."""
-        assert self.streams is not None
-        await self.streams.streams.drain(timeout=0.7)
-
     async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
         """With caller keys required, a 401 for a request without a valid key (the routes without a
         body: models), else None and the models this caller (and its team) may name."""
@@ -121,16 +111,13 @@ class ChatApp:
         return None, tuple(m for m in names if team is None or team.allows(m))
 
     async def pool_state(self, request: Request) -> Response:
-        """GET /api/_pool: each upstream entry's state and counters (never a key)."""
         return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
 
     async def models(self, request: Request) -> Response:
-        """GET /api/v1/models: the models a caller may name."""
         refused, names = await self.authenticated(request)
         return refused or with_request_id(JSONResponse(openai_chat.models_list(names)))
 
     async def model(self, request: Request) -> Response:
-        """GET /api/v1/models/{model}: one of them, or OpenAI's 404."""
         refused, names = await self.authenticated(request)
         if refused is not None:
             return refused
@@ -142,7 +129,6 @@ class ChatApp:
         )
 
     async def not_found(self, request: Request) -> Response:
-        """Any other path under /api/v1/: OpenAI's 404, so SDK callers see a clear NotFoundError."""
         return with_request_id(
             openai_chat.error_response(
                 ApiError(404, ErrorKind.NOT_FOUND, f"Invalid URL ({request.method} {request.url.path})")
@@ -150,13 +136,11 @@ class ChatApp:
         )
 
     async def resume_stream(self, request: Request) -> Response:
-        """GET /api/streams/{stream_id}: a resumable stream again, after Last-Event-ID. An instance
-        that serves only readers drains on SIGTERM too (its readers move: lifecycle.py)."""
+        """An instance that serves only readers drains on SIGTERM too (its readers move: lifecycle.py)."""
         self.lifecycle.install()
         return with_request_id(await self.streams.resume(request) if self.streams else _streams_off())
 
     async def cancel_stream(self, request: Request) -> Response:
-        """POST /api/streams/{stream_id}/cancel: stop a resumable stream, wherever it is produced."""
         return with_request_id(await self.streams.cancel(request) if self.streams else _streams_off())
 
     async def close(self) -> None:
@@ -186,7 +170,7 @@ def _resumable(
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
     log_ = StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
-    return Resumable(log_, settings.heartbeat, settings.total_timeout + 60.0, accounting)
+    return Resumable(log_, settings.heartbeat, state.resume.max_stream_seconds, accounting)
 
 
 def _told(route: str, events: bytes) -> str:

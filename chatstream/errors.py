@@ -3,10 +3,10 @@
     Exception
     ├── ApiError                 a status, an ErrorKind, a message for the caller, retryable, headers
     │   ├── Rejection            a before-step refused the request (its own 4xx)
-    │   ├── StepFailed           a pipeline step raised (500 pipeline_error)
+    │   ├── StepFailed           a pipeline step raised, or left what the endpoint cannot serve (500)
     │   ├── ModerationStop       the moderation check stopped the stream (content_filter)
-    │   ├── TimeLimit            first-token, idle or total limit passed (504)
-    │   ├── UpstreamMalformed    the upstream sent what its API does not allow (502)
+    │   ├── TimeLimit            first-token, idle or total limit passed (504; stream.TimeLimits)
+    │   ├── UpstreamMalformed    the upstream sent what its API does not allow: not JSON, wrong shape (502)
     │   └── UpstreamReported     the upstream's stream carried an error event (502)
     ├── ClientGone               the caller hung up: nobody to tell (logged as a disconnect)
     └── StoreError               the shared store (Azure Tables/Blobs), mapped once at its edge (state/store_azure.py)
@@ -89,19 +89,22 @@ class ProviderError:
     param: str | None = None
 
 
+def error_field(body: object, name: str) -> str | None:
+    """A string field (``message``, ``code``, ``type``, ``param``) of an upstream's error body
+    (``{"error": {...}}`` or the object itself), never with a key the app holds (``redact``); None
+    when it has no such string."""
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    value = inner.get(name) if isinstance(inner, dict) else None
+    return redact(value) if isinstance(value, str) and value else None
+
+
 def provider_error(body: object) -> ProviderError | None:
-    """The ``code``, ``type`` and ``param`` of an upstream's error body (``{"error": {...}}`` or the
-    object itself), each a string or None (vLLM's numeric ``code`` is a status, not a code); None
-    when the body is no error object. Never with a key the app holds (``redact``)."""
+    """The ``code``, ``type`` and ``param`` of an upstream's error body, each a string or None (vLLM's
+    numeric ``code`` is a status, not a code); None when the body is no error object."""
     inner = body.get("error", body) if isinstance(body, dict) else None
     if not isinstance(inner, dict) or not any(name in inner for name in ("code", "type", "message")):
         return None
-
-    def text(name: str) -> str | None:
-        value = inner.get(name)
-        return redact(value) if isinstance(value, str) and value else None
-
-    return ProviderError(text("code"), text("type"), text("param"))
+    return ProviderError(error_field(body, "code"), error_field(body, "type"), error_field(body, "param"))
 
 
 class ApiError(Exception):
@@ -149,15 +152,11 @@ def invalid_request(message: str, param: str | None = None) -> ApiError:
 
 
 class Rejection(ApiError):
-    """Raised by a before-step: the caller gets ``status`` with a JSON error body."""
-
     def __init__(self, status: int, message: str, type: str = ErrorKind.REJECTED, param: str | None = None):
         super().__init__(status, type, message, param)
 
 
 class StepFailed(ApiError):
-    """A pipeline step raised (or left the request in a state the endpoint cannot serve)."""
-
     def __init__(self, step: str, message: str | None = None):
         super().__init__(500, ErrorKind.PIPELINE_ERROR, message or f"the pipeline step {step!r} failed")
         self.step = step
@@ -169,22 +168,16 @@ class ModerationStop(ApiError):
 
 
 class TimeLimit(ApiError):
-    """One of the stream's time limits passed (stream.TimeLimits says which)."""
-
     def __init__(self, type: str, message: str, retryable: bool = True):
         super().__init__(504, type, message, retryable=retryable)
 
 
 class UpstreamMalformed(ApiError):
-    """The upstream sent data that is not what its API promises (not JSON, the wrong shape)."""
-
     def __init__(self, what: str = "the model server sent a malformed chunk"):
         super().__init__(502, ErrorKind.UPSTREAM_MALFORMED, what, retryable=True)
 
 
 class UpstreamReported(ApiError):
-    """The upstream's stream carried an error event of its own (a server-side failure)."""
-
     def __init__(self, message: str, provider: ProviderError | None = None):
         super().__init__(
             502,

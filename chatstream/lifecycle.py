@@ -63,7 +63,7 @@ CUT_WAIT = 0.5  # the cut streams reach their final event (upstream closed, reco
 CALLBACKS_WAIT = 0.75  # the on_drain callbacks, together
 CLOSE_WAIT = 0.5  # the closing callbacks, together
 
-Callback = Callable[[], Awaitable[None]]
+Callback = Callable[[], Awaitable[object]]  # what it answers is not read
 
 
 def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
@@ -85,7 +85,7 @@ class Stream(Ends):
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
-        before_last: Callback | None,
+        before_last: Callable[[], Awaitable[None]] | None,
     ) -> None:
         super().__init__(on_end, before_last)
         self.life = life
@@ -124,28 +124,10 @@ class Stream(Ends):
         self.limits.cut(instance_draining())
 
 
-class _Starting:
-    """``Lifecycle.starting``'s context manager: counts the requests inside it."""
-
-    __slots__ = ("_life",)
-
-    def __init__(self, life: Lifecycle) -> None:
-        self._life = life
-
-    def __enter__(self) -> None:
-        self._life._starting += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._life._starting -= 1
-        self._life._changed.set()
-
-
 class Lifecycle:
-    """See the module docstring. ``grace``: how long running streams go on once draining.
-    ``on_drain``: awaited together once the grace is over and the cut streams have ended, before
-    the last stream's final event goes out (bounded by ``CALLBACKS_WAIT``): the hand-over of
-    resumable streams, the charges. ``closing``: awaited at the very end (``ChatApp.close``).
-    ``signals=False``: SIGTERM is not watched (in-process tests start the drain with ``drain()``)."""
+    """See the module docstring: ``grace`` is step 2's, ``on_draining`` step 1's callbacks,
+    ``on_drain`` step 4's, ``closing`` step 5's. ``signals=False``: SIGTERM is not watched
+    (in-process tests start the drain with ``drain()``)."""
 
     def __init__(
         self,
@@ -168,7 +150,6 @@ class Lifecycle:
         self.grace_over = asyncio.Event()  # kept work finishes now, with what it has
         self._kept: set[asyncio.Future] = set()
         self._starting = 0  # requests admitted whose stream is not running yet (``starting``)
-        self._starting_guard = _Starting(self)
         self._changed = asyncio.Event()  # a stream started, ended or has its final event in hand, kept work ended
         self._settled = asyncio.Event()  # the on_drain callbacks are done
         self._task: asyncio.Task | None = None
@@ -188,14 +169,21 @@ class Lifecycle:
         if self.draining.is_set():
             raise instance_draining()
 
-    def starting(self) -> _Starting:
+    def starting(self) -> Lifecycle:
         """A request, from before ``admit`` until its stream runs (its relay's first read: ``ends``)
         or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
         two requests admitted as SIGTERM came reached their upstream after the two streams then
         running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)
-        One context manager for all of them (it only counts), not a generator and its wrapper per
-        request: two objects fewer for the garbage collector to walk while a request waits."""
-        return self._starting_guard
+        The lifecycle itself is the context manager (it only counts), not a generator and its wrapper
+        per request: two objects fewer for the garbage collector to walk while a request waits."""
+        return self
+
+    def __enter__(self) -> None:
+        self._starting += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._starting -= 1
+        self._changed.set()
 
     def keep(self, work: asyncio.Future) -> None:
         """Work this instance must finish before it goes (a charge nobody else can make): while
@@ -216,16 +204,13 @@ class Lifecycle:
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
-        before_last: Callback | None = None,
+        before_last: Callable[[], Awaitable[None]] | None = None,
     ) -> Stream:
         """What the relay of a stream whose time limits are ``limits`` tells of its ends (``Ends``):
         ``before_last`` awaited before the upstream's final event goes out, ``on_end`` (the
-        endpoint's record keeping: its log line and charge) once it is over, however it ends. The cut
-        goes through ``limits`` (``Stream.cut_now``): the relay itself ends with one final
-        ``instance_draining`` error. During a drain, the last stream's final event waits for the
-        ``on_drain`` callbacks (its record written first). The stream counts for the drain from its
-        relay's first read on: one closed before that (its handler cancelled first) never ran, so
-        nothing would take it back."""
+        endpoint's record keeping: its log line and charge) once it is over, however it ends. The
+        stream counts for the drain from its relay's first read on: one closed before that (its
+        handler cancelled first) never ran, so nothing would take it back."""
         return Stream(self, record, limits, on_end, before_last)
 
     def _holds(self, stream: Stream) -> bool:

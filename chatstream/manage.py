@@ -1,10 +1,7 @@
 """The admin API, under ``/api/manage/`` (docs/callers.md): callers (create, list, read, change,
 delete, rotate a key), teams, prices, and usage (JSON, or CSV for finance).
 
-``/api/admin/...`` would be the obvious path, but the Functions host refuses any route template that
-starts with ``admin`` (its own admin API's), even under the ``api`` prefix. function_app.py declares
-these routes with ``AuthLevel.ADMIN``: in Azure only the host's master key opens them; the local
-hosts (``func start``, tools/devhost) check no key at all.
+Who may call it, and why not ``/api/admin/``: function_app.py, where the routes are declared.
 
 Every answer is JSON with ``Cache-Control: no-store`` (the usage also CSV, with ``Accept: text/csv``
 or ``?format=csv``); errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``),

@@ -60,15 +60,15 @@ TRIM_DELAY_SECONDS = 0.5
 MADV_DONTNEED = 4  # Linux's madvise(2) advice: drop the range's pages (a file mapping's are read again)
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """The C library's ``malloc_trim``, or None where it has none."""
+def _libc(name: str, argtypes: list[type], use_errno: bool = False) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning an int), or None where it has none."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+        function = getattr(ctypes.CDLL(None, use_errno=use_errno), name)  # the process's own C library
     except (OSError, AttributeError):
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
 class Trimmer:
@@ -106,7 +106,7 @@ class Trimmer:
         log.debug("malloc_trim took %.1f ms", (time.perf_counter() - started) * 1000)
 
 
-_trimmer = Trimmer(_malloc_trim())
+_trimmer = Trimmer(_libc("malloc_trim", [ctypes.c_size_t]))
 
 
 def released(nbytes: int) -> None:
@@ -118,16 +118,6 @@ def trim() -> None:
     """Give the C heap's free memory back now: after a one-off build whose temporaries were freed
     (tokens.py's tables)."""
     _trimmer.trim()
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 def _read_only_mappings(path: str) -> list[tuple[int, int, int, int]]:
@@ -149,7 +139,7 @@ def _read_only_mappings(path: str) -> list[tuple[int, int, int, int]]:
 
 def drop_read_pages(path: str) -> int:
     """Give back the resident pages of ``path``'s read-only data (module docstring); the kB dropped."""
-    madvise = _madvise()
+    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], use_errno=True)
     if madvise is None or not os.path.exists("/proc/self/smaps"):
         return 0
     path = os.path.realpath(path)

@@ -44,34 +44,29 @@ class SettingsError(Exception):
 
 
 class Settings(BaseModel):
+    """Every setting, by its app setting's name (the alias). What each does and its default:
+    README.md's settings tables, which tests/test_docs.py keeps in step with this class (the names
+    and defaults; the bounds are each Field's, here)."""
+
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="ignore")
 
-    # Upstream: OpenAI or any OpenAI-compatible server...
+    # The upstream: OpenAI or any OpenAI-compatible server...
     openai_api_key: SecretStr | None = Field(None, alias="OPENAI_API_KEY")
     openai_base_url: str | None = Field(None, alias="OPENAI_BASE_URL")
     openai_model: str = Field("gpt-4o-mini", alias="OPENAI_MODEL", min_length=1)
-    # ...or Azure OpenAI (chosen when AZURE_OPENAI_ENDPOINT is set): with AZURE_OPENAI_API_KEY if
-    # set, otherwise Entra ID through azure-identity's DefaultAzureCredential. Unset API version: Azure's
-    # GA v1 API (/openai/v1, no api-version; infra/main.bicep deploys the same); set: that dated one.
+    # ...or Azure OpenAI (with no key: Entra ID, azure-identity's DefaultAzureCredential)...
     azure_openai_endpoint: str | None = Field(None, alias="AZURE_OPENAI_ENDPOINT")
     azure_openai_deployment: str | None = Field(None, alias="AZURE_OPENAI_DEPLOYMENT", min_length=1)
     azure_openai_api_version: str | None = Field(None, alias="AZURE_OPENAI_API_VERSION", min_length=1)
     azure_openai_api_key: SecretStr | None = Field(None, alias="AZURE_OPENAI_API_KEY")
-    # Several upstreams (docs/pool.md): a JSON list; when set it wins over the settings above.
+    # ...or a pool of several (docs/pool.md; parsed into entries by upstreams/config.py).
     upstreams: str | None = Field(None, alias="UPSTREAMS")
-    # Per pool entry: how long one entry may take to its first output before the request moves to
-    # the next candidate (within FIRST_TOKEN_TIMEOUT_SECONDS); unset: the whole first-token limit.
     entry_first_token_timeout: float | None = Field(None, alias="UPSTREAM_FIRST_TOKEN_TIMEOUT_SECONDS", gt=0, le=3600)
-    # The breaker of a pool entry (docs/pool.md): open this long after it trips, doubled on each failed
-    # probe up to UPSTREAM_PROBE_SECONDS, so an entry that heals serves again within that.
     upstream_open_seconds: float = Field(5.0, alias="UPSTREAM_OPEN_SECONDS", gt=0, le=3600)
     upstream_probe_seconds: float = Field(10.0, alias="UPSTREAM_PROBE_SECONDS", gt=0, le=3600)
-    # Same entry first (docs/pool.md): a 429 whose wait is at most this many seconds is waited out on
-    # its entry, and a 5xx answer tried once more there, before the request moves on (once per entry).
     upstream_retry_after_wait: float = Field(0.0, alias="UPSTREAM_RETRY_AFTER_WAIT_SECONDS", ge=0, le=60)
     upstream_retry_server_error: bool = Field(False, alias="UPSTREAM_RETRY_SERVER_ERROR")
-    # Where a request goes after an upstream error that is no failure of the entry's (docs/pool.md):
-    # comma-separated CLASS=ACTION, overriding ERROR_ROUTES' defaults.
+    # Comma-separated CLASS=ACTION over ERROR_ROUTES' defaults.
     upstream_error_routes: str = Field("", alias="UPSTREAM_ERROR_ROUTES")
     # Models a request may name (comma-separated); empty: any.
     allowed_models: tuple[str, ...] = Field((), alias="ALLOWED_MODELS")
@@ -89,44 +84,30 @@ class Settings(BaseModel):
     heartbeat: float = Field(15.0, alias="HEARTBEAT_SECONDS", gt=0, le=200)
     usage_wait: float = Field(2.0, alias="USAGE_WAIT_SECONDS", ge=0, le=60)
     upstream_max_retries: int = Field(2, alias="UPSTREAM_MAX_RETRIES", ge=0, le=10)
-    # An answer whose upstream fails after output went to the caller goes on on the next healthy
-    # entry (chatstream/continuation.py, docs/pool.md), at most CONTINUE_MAX times per answer.
+    # Continued answers (continuation.py).
     continue_on_upstream_failure: bool = Field(True, alias="CONTINUE_ON_UPSTREAM_FAILURE")
     continue_max: int = Field(2, alias="CONTINUE_MAX", ge=0, le=10)
 
     # Request limits.
     max_body_bytes: int = Field(1_048_576, alias="MAX_BODY_BYTES", gt=0, le=100 * 1_048_576)
 
-    # Resumable streams (docs/resumable.md): off (default) or on. With on, every streamed /api/chat
-    # and /api/v1/chat/completions response is kept in the store (AzureWebJobsStorage) and can be
-    # resumed from any instance; a stream nobody reads for RESUME_ABANDON_SECONDS is cancelled; a
-    # finished one is deleted RESUME_TTL_SECONDS after its end.
+    # Resumable streams (docs/resumable.md), in the app's storage (AzureWebJobsStorage).
     resumable_streams: bool = Field(False, alias="RESUMABLE_STREAMS")
     resume_abandon_seconds: float = Field(30.0, alias="RESUME_ABANDON_SECONDS", gt=0, le=3600)
     resume_ttl_seconds: float = Field(600.0, alias="RESUME_TTL_SECONDS", gt=0, le=7 * 86400)
 
-    # On SIGTERM (a deploy, a restart: chatstream/lifecycle.py) the streams running here go on this long
-    # (bounded by the Functions host's shutdown timeout); those still running then end with a
-    # retryable instance_draining error. At most 230: Azure ends an HTTP response at 230 s anyway.
+    # The drain on SIGTERM (lifecycle.py). At most 230: Azure ends an HTTP response at 230 s anyway.
     drain_seconds: float = Field(20.0, alias="DRAIN_SECONDS", ge=0, le=230)
 
-    # The browser playground, GET /api/playground (chatstream/playground_page.py). Unset: on when
-    # running locally, off in Azure; true or false decides either way.
+    # The browser pages (pages.py). Unset: on when running locally, off in Azure.
     playground_enabled: bool | None = Field(None, alias="PLAYGROUND_ENABLED")
-    # The operators' console, GET /api/console (chatstream/console_page.py): the same rule.
     console_enabled: bool | None = Field(None, alias="CONSOLE_ENABLED")
 
-    # Callers (docs/callers.md): ``off`` (anyone with the function key, as before) or ``required``
-    # (every model route needs a caller key). A revoked or rotated key stops working on every
-    # instance within CALLER_CACHE_SECONDS. DEFAULT_MAX_OUTPUT_TOKENS: the output cap a request that
-    # names none reserves, and gets added to its upstream request (chatstream/tokens.py).
+    # Callers (docs/callers.md): ``required``, every model route needs a caller key.
     caller_keys: Literal["off", "required"] = Field("off", alias="CALLER_KEYS")
     caller_cache_seconds: float = Field(10.0, alias="CALLER_CACHE_SECONDS", gt=0, le=30)
     default_max_output_tokens: int = Field(4096, alias="DEFAULT_MAX_OUTPUT_TOKENS", ge=1, le=1_000_000)
-    # What a Responses request reserves for context it only references (a ``conversation``, an
-    # ``item_reference``, or a previous response whose size is not known yet), settled to the usage.
     referenced_context_tokens: int = Field(16_384, alias="REFERENCED_CONTEXT_TOKENS", ge=0, le=10_000_000)
-    # How long the usage ledger keeps a charge, in days; 0: for ever (docs/callers.md says the cost).
     ledger_retention_days: int = Field(0, alias="LEDGER_RETENTION_DAYS", ge=0, le=36_500)
 
     @field_validator("allowed_models", "blocked_terms", mode="before")

@@ -24,6 +24,7 @@ keys are never recorded. docs/observability.md lists what is emitted and how to 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,40 +39,20 @@ from .record import StreamRecord
 
 log = logging.getLogger("chatstream")
 
-SPAN_NAME = "chat.stream"
-METRIC_TTFD = "chat.stream.time_to_first_delta"
-METRIC_DURATION = "chat.stream.duration"
-METRIC_DELTAS = "chat.stream.deltas"
-METRIC_TOKENS = "chat.stream.tokens"
-METRIC_COST = "chat.stream.cost"  # USD, by model, endpoint, caller and team (CALLER_KEYS=required, priced models)
-# Per pool entry (dimension ``upstream``: entry names come from UPSTREAMS, so they are bounded).
-METRIC_UPSTREAM_REQUESTS = "chat.upstream.requests"
-METRIC_UPSTREAM_FAILOVERS = "chat.upstream.failovers"
-METRIC_UPSTREAM_COOLDOWNS = "chat.upstream.cooldowns"
-METRIC_UPSTREAM_CONTINUATIONS = "chat.upstream.continuations"
-METRIC_UPSTREAM_BREAKER = "chat.upstream.breaker"
+# Every name below is listed, with what it means and its dimensions, in docs/observability.md.
 METRIC_UPSTREAM_NEXT_PROBE = "chat.upstream.next_probe"
-
-# Span attributes beyond the gen_ai.* semantic conventions.
-ATTR_TTFD = "chat.time_to_first_delta_ms"
-ATTR_DURATION = "chat.duration_ms"
-ATTR_DELTAS = "chat.deltas"
-ATTR_DISCONNECTED = "chat.disconnected"
-ATTR_OUTCOME = "chat.outcome"
-ATTR_ENDPOINT = "chat.endpoint"
-# Application Insights drops http.* and error.type from a dependency's customDimensions, and
-# stores the finish reasons array as text: these carry the same facts in a form Kusto reads easily.
-ATTR_STATUS = "chat.status"
-ATTR_ERROR = "chat.error"
-ATTR_FINISH_REASON = "chat.finish_reason"
-ATTR_UPSTREAM = "chat.upstream"  # the pool entry that served the request (or the last one tried)
-ATTR_CALLER = "chat.caller"  # the caller key's name (CALLER_KEYS=required): admin-made, so bounded
-ATTR_TEAM = "chat.team"  # its team's name: admin-made too
-ATTR_COST = "chat.cost_usd"  # what the request cost at the model's price (priced models only)
-ATTR_REQUEST_ID = "chat.request_id"  # x-request-id: the upstream's, else the app's own
-ATTR_ATTEMPTS = "chat.attempts"  # how many entries were tried
-ATTR_CONTINUATIONS = "chat.continuations"  # how often the answer went on on another stream
-ATTR_CONTINUED = "chat.continued"  # those seams as JSON text: [{"from", "to", "after_chars", "reason", ...}]
+# The per-entry counters ``upstream_event`` adds to (dimension ``upstream``: entry names come from
+# UPSTREAMS, so they are bounded): name -> (unit, description).
+_UPSTREAM_COUNTERS = {
+    "requests": ("{request}", "Attempts sent to each upstream entry"),
+    "failovers": ("{request}", "Attempts that moved the request to the next entry (dimension reason: the outcome)"),
+    "cooldowns": ("{cooldown}", "429s that made an entry cool down"),
+    "breaker": ("{change}", "An entry's breaker opening or closing (dimension state: open or closed; reason)"),
+    "continuations": (
+        "{answer}",
+        "Answers that failed mid-answer on an entry and went on on another stream (dimension reason)",
+    ),
+}
 
 # Histogram buckets (ms) for exporters that keep buckets (Application Insights keeps only
 # count/sum/min/max per interval): first tokens take 100 ms to minutes, streams up to 30 min.
@@ -82,7 +63,6 @@ _MAX_MODEL_CHARS = 128
 OTHER_MODEL = "(other)"
 
 ENV_CONNECTION_STRING = "APPLICATIONINSIGHTS_CONNECTION_STRING"
-ENV_WORKER_TELEMETRY = "PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY"
 
 _configured_by_app = False
 
@@ -105,7 +85,7 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     global _configured_by_app
     if not (environ.get(ENV_CONNECTION_STRING) or "").strip():
         return "off"
-    if _true(environ.get(ENV_WORKER_TELEMETRY)):
+    if _true(environ.get("PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY")):
         return "worker"
     if _configured_by_app:
         return "app"
@@ -138,74 +118,60 @@ def _histogram(meter, name: str, description: str):
 class _Instruments:
     def __init__(self) -> None:
         meter = metrics.get_meter(__name__)
-        self.ttfd = _histogram(meter, METRIC_TTFD, "Time from the request to the first delta sent")
-        self.duration = _histogram(meter, METRIC_DURATION, "Time from the request to the end of its stream")
-        self.deltas = meter.create_counter(METRIC_DELTAS, unit="{delta}", description="Content deltas sent to callers")
-        self.cost = meter.create_counter(METRIC_COST, unit="USD", description="What requests cost at the model's price")
+        self.ttfd = _histogram(
+            meter, "chat.stream.time_to_first_delta", "Time from the request to the first delta sent"
+        )
+        self.duration = _histogram(meter, "chat.stream.duration", "Time from the request to the end of its stream")
+        self.deltas = meter.create_counter(
+            "chat.stream.deltas", unit="{delta}", description="Content deltas sent to callers"
+        )
+        # USD, by model, endpoint, caller and team (CALLER_KEYS=required, priced models).
+        self.cost = meter.create_counter(
+            "chat.stream.cost", unit="USD", description="What requests cost at the model's price"
+        )
         self.tokens = meter.create_counter(
-            METRIC_TOKENS, unit="{token}", description="Tokens the upstream reported (gen_ai.token.type input/output)"
+            "chat.stream.tokens",
+            unit="{token}",
+            description="Tokens the upstream reported (gen_ai.token.type input/output)",
         )
-        self.upstream_requests = meter.create_counter(
-            METRIC_UPSTREAM_REQUESTS, unit="{request}", description="Attempts sent to each upstream entry"
-        )
-        self.upstream_failovers = meter.create_counter(
-            METRIC_UPSTREAM_FAILOVERS,
-            unit="{request}",
-            description="Attempts that moved the request to the next entry (dimension reason: the outcome)",
-        )
-        self.upstream_cooldowns = meter.create_counter(
-            METRIC_UPSTREAM_COOLDOWNS, unit="{cooldown}", description="429s that made an entry cool down"
-        )
-        self.upstream_breaker = meter.create_counter(
-            METRIC_UPSTREAM_BREAKER,
-            unit="{change}",
-            description="An entry's breaker opening or closing (dimension state: open or closed; reason)",
-        )
-        self.upstream_continuations = meter.create_counter(
-            METRIC_UPSTREAM_CONTINUATIONS,
-            unit="{answer}",
-            description="Answers that failed mid-answer on an entry and went on on another stream (dimension reason)",
-        )
+        self.upstream = {
+            name: meter.create_counter(f"chat.upstream.{name}", unit=unit, description=description)
+            for name, (unit, description) in _UPSTREAM_COUNTERS.items()
+        }
 
 
-_instruments: _Instruments | None = None
 # A proxy until an SDK provider is installed (by the worker, configure(), or a test); then it
 # delegates to that provider.
 _tracer = trace.get_tracer(__name__)
 
 
+@functools.cache
 def _get_instruments() -> _Instruments:
-    global _instruments
-    if _instruments is None:
-        _instruments = _Instruments()
-    return _instruments
+    return _Instruments()
 
 
 class StreamTelemetry:
     """One request's span, from ``start_stream`` to ``end``. ``end`` may be called more than once;
     only the first call counts."""
 
-    __slots__ = ("_ended", "_span")
+    __slots__ = ("_span",)
 
     def __init__(self, span) -> None:
-        self._span = span
-        self._ended = False
+        self._span = span  # None once ended (or never started)
 
     def end(self, record: StreamRecord) -> None:
         """Finish the span and record the metrics from ``record``."""
-        if self._ended:
-            return
-        self._ended = True
-        if self._span is None:
+        span, self._span = self._span, None
+        if span is None:
             return
         end_ns = time.time_ns()
         try:
-            _record_stream(self._span, record)
+            _record_stream(span, record)
         except Exception:
             log.warning("chat stream telemetry failed", exc_info=True)
         finally:
             try:
-                self._span.end(end_time=end_ns)
+                span.end(end_time=end_ns)
             except Exception:
                 log.warning("chat stream span did not end", exc_info=True)
 
@@ -215,9 +181,9 @@ def start_stream(model: str, endpoint: str | None = None) -> StreamTelemetry:
     outlives the code that starts it); it takes the current context as its parent."""
     attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)}
     if endpoint:
-        attributes[ATTR_ENDPOINT] = endpoint
+        attributes["chat.endpoint"] = endpoint
     try:
-        span = _tracer.start_span(SPAN_NAME, kind=SpanKind.INTERNAL, attributes=attributes)
+        span = _tracer.start_span("chat.stream", kind=SpanKind.INTERNAL, attributes=attributes)
     except Exception:
         log.warning("chat stream span did not start", exc_info=True)
         span = None
@@ -282,8 +248,7 @@ def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:
     continuation elsewhere after a failure mid-answer (``continuations``) of the pool entry
     ``upstream``. Never raises."""
     try:
-        counter = getattr(_get_instruments(), f"upstream_{metric}")
-        counter.add(1, {"upstream": upstream, **dimensions})
+        _get_instruments().upstream[metric].add(1, {"upstream": upstream, **dimensions})
     except Exception:
         log.warning("upstream telemetry failed", exc_info=True)
 
@@ -298,15 +263,6 @@ def outcome(record: StreamRecord) -> str:
     if record.disconnected:
         return "disconnected"
     return "failed" if record.error else "completed"
-
-
-def _is_failure(record: StreamRecord) -> bool:
-    """An error that is ours or the upstream's. A request the caller got wrong (4xx other than 429)
-    and a caller hanging up are not failures."""
-    if not record.error:
-        return False
-    status = record.status
-    return status == 200 or status == 429 or status >= 500
 
 
 def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
@@ -324,72 +280,25 @@ def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
 
 
 def _record_stream(span, record: StreamRecord) -> None:
+    """The span's attributes and status, and the stream's metrics."""
     if span.is_recording():  # else (no tracing configured, or the span sampled out) nothing would keep them
         span.set_attributes(_span_attributes(record))
-        if _is_failure(record):
+        # An error that is ours or the upstream's; not a request the caller got wrong (4xx other
+        # than 429), nor a caller hanging up.
+        if record.error and (record.status in (200, 429) or record.status >= 500):
             span.set_status(Status(StatusCode.ERROR, record.error))
-    _record_metrics(record)
-
-
-def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool | tuple[str, ...]]:
-    model = _model(record.model)
-    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
-    input_tokens, output_tokens = _tokens(record.usage)
-    endpoint = record.endpoint
-    attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
-        "gen_ai.request.model": model,
-        "http.response.status_code": record.status,
-        ATTR_STATUS: record.status,
-        ATTR_DELTAS: record.deltas,
-        ATTR_DISCONNECTED: bool(record.disconnected),
-        ATTR_OUTCOME: outcome(record),
-        ATTR_DURATION: duration_ms,
-    }
-    if endpoint:
-        attributes[ATTR_ENDPOINT] = endpoint
-    if record.finish_reason:
-        attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
-        attributes[ATTR_FINISH_REASON] = record.finish_reason
-    if input_tokens is not None:
-        attributes["gen_ai.usage.input_tokens"] = input_tokens
-    if output_tokens is not None:
-        attributes["gen_ai.usage.output_tokens"] = output_tokens
-    if ttfd_ms is not None:
-        attributes[ATTR_TTFD] = ttfd_ms
-    if record.error:
-        attributes["error.type"] = attributes[ATTR_ERROR] = record.error
-    if record.upstream:
-        attributes[ATTR_UPSTREAM] = record.upstream
-        attributes[ATTR_ATTEMPTS] = record.attempts
-    if record.continued:
-        attributes[ATTR_CONTINUATIONS] = len(record.continued)
-        attributes[ATTR_CONTINUED] = json.dumps(record.continued)
-    if record.caller:
-        attributes[ATTR_CALLER] = record.caller
-    if record.team:
-        attributes[ATTR_TEAM] = record.team
-    if record.cost is not None:
-        attributes[ATTR_COST] = record.cost / 10**12
-    if record.request_id:
-        attributes[ATTR_REQUEST_ID] = record.request_id
-    return attributes
-
-
-def _record_metrics(record: StreamRecord) -> None:
-    model, endpoint, result = _model(record.model), record.endpoint, outcome(record)
-    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
-    input_tokens, output_tokens = _tokens(record.usage)
+    ttfd_ms, (input_tokens, output_tokens) = record.ttfd_ms(), _tokens(record.usage)
     inst = _get_instruments()
     # A caller chooses the model name: only one the app (and its upstream) accepted may become a
     # metric dimension, or anyone could create unbounded series.
-    by_model = {"model": model if record.model_accepted else OTHER_MODEL, "endpoint": endpoint}
+    by_model = {"model": _model(record.model) if record.model_accepted else OTHER_MODEL, "endpoint": record.endpoint}
     if record.caller:  # caller and team names are made by an admin: bounded dimensions
         by_model["caller"] = record.caller
     if record.team:
         by_model["team"] = record.team
     if record.cost:
         inst.cost.add(record.cost / 10**12, by_model)
-    inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": result})
+    inst.duration.record(record.duration_ms(), {**by_model, "status": record.status, "outcome": outcome(record)})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)
     if record.deltas:
@@ -398,3 +307,48 @@ def _record_metrics(record: StreamRecord) -> None:
         inst.tokens.add(input_tokens, {**by_model, "gen_ai.token.type": "input"})
     if output_tokens:
         inst.tokens.add(output_tokens, {**by_model, "gen_ai.token.type": "output"})
+
+
+def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool | tuple[str, ...]]:
+    """The gen_ai.* semantic conventions' attributes, and ours (``chat.*``). Application Insights
+    drops http.* and error.type from a dependency's customDimensions, and stores the finish reasons
+    array as text: ``chat.status``, ``chat.error`` and ``chat.finish_reason`` carry the same facts
+    in a form Kusto reads easily."""
+    ttfd_ms, (input_tokens, output_tokens) = record.ttfd_ms(), _tokens(record.usage)
+    attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
+        "gen_ai.request.model": _model(record.model),
+        "http.response.status_code": record.status,
+        "chat.status": record.status,
+        "chat.deltas": record.deltas,
+        "chat.disconnected": bool(record.disconnected),
+        "chat.outcome": outcome(record),
+        "chat.duration_ms": record.duration_ms(),
+    }
+    if record.endpoint:
+        attributes["chat.endpoint"] = record.endpoint
+    if record.finish_reason:
+        attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
+        attributes["chat.finish_reason"] = record.finish_reason
+    if input_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = input_tokens
+    if output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = output_tokens
+    if ttfd_ms is not None:
+        attributes["chat.time_to_first_delta_ms"] = ttfd_ms
+    if record.error:
+        attributes["error.type"] = attributes["chat.error"] = record.error
+    if record.upstream:  # the pool entry that served the request (or the last one tried), and how many were
+        attributes["chat.upstream"] = record.upstream
+        attributes["chat.attempts"] = record.attempts
+    if record.continued:  # how often the answer went on on another stream, and those seams as JSON text
+        attributes["chat.continuations"] = len(record.continued)
+        attributes["chat.continued"] = json.dumps(record.continued)
+    if record.caller:  # the caller key's name (CALLER_KEYS=required) and its team's: admin-made, so bounded
+        attributes["chat.caller"] = record.caller
+    if record.team:
+        attributes["chat.team"] = record.team
+    if record.cost is not None:  # what the request cost at the model's price (priced models only)
+        attributes["chat.cost_usd"] = record.cost / 10**12
+    if record.request_id:  # x-request-id: the upstream's, else the app's own
+        attributes["chat.request_id"] = record.request_id
+    return attributes

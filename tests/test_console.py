@@ -1,4 +1,4 @@
-r"""The operators' console, GET /api/console (chatstream/console_page.py, chatstream/console/).
+r"""The operators' console, GET /api/console (chatstream/pages.py, chatstream/console/).
 
 Over HTTP: when it is served (CONSOLE_ENABLED, else on locally and off in Azure), which files, with
 which headers, their size, and that the route needs no key. In a browser (Debian's headless Chromium
@@ -54,8 +54,8 @@ from helpers import app_env, function_bindings
 from servers import ROOT, App, Azurite
 from test_callers import callers_env, spoil
 
-from chatstream import console_page
-from chatstream.playground_page import CONTENT_SECURITY_POLICY
+from chatstream import pages
+from chatstream.pages import CONTENT_SECURITY_POLICY
 from chatstream.settings import Settings, SettingsError
 
 FOLDER = ROOT / "chatstream" / "console"
@@ -86,7 +86,7 @@ HTTP_STATUS_NOTE = r"^Failed to load resource: the server responded with a statu
     ],
 )
 def test_enabled_locally_off_in_azure_and_the_setting_decides(environ, on):
-    assert console_page.enabled(Settings.from_env(environ), environ) is on
+    assert pages.enabled("console", Settings.from_env(environ), environ) is on
 
 
 def test_a_bad_setting_stops_the_app_naming_it():

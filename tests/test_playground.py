@@ -1,4 +1,4 @@
-"""The browser playground, GET /api/playground (chatstream/playground_page.py, chatstream/playground/).
+"""The browser playground, GET /api/playground (chatstream/pages.py, chatstream/playground/).
 
 Over HTTP: when it is served (PLAYGROUND_ENABLED, else on locally and off in Azure), which files,
 with which headers, and that the route needs no function key. In a browser: Debian's headless
@@ -32,7 +32,7 @@ from browser_tab import Tab, chromium
 from helpers import function_bindings
 from servers import ROOT
 
-from chatstream import playground_page
+from chatstream import pages
 from chatstream.settings import Settings, SettingsError
 from tools.fakeupstream.scenarios import COMPLETION_TOKENS, TEXTS, count_prompt_tokens, echo_text
 
@@ -63,7 +63,7 @@ SCREENSHOT = ROOT / "docs" / "playground.png"
     ],
 )
 def test_enabled_locally_off_in_azure_and_the_setting_decides(environ, on):
-    assert playground_page.enabled(Settings.from_env(environ), environ) is on
+    assert pages.enabled("playground", Settings.from_env(environ), environ) is on
 
 
 def test_a_bad_setting_stops_the_app_naming_it():

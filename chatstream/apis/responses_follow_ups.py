@@ -50,13 +50,13 @@ log = logging.getLogger("chatstream")
 
 RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
 _OVER = frozenset({"completed", "incomplete", "failed", "cancelled"})  # a response's final statuses
-# The query parameters OpenAI defines for each call; any other is dropped (the Functions key `code`
-# among them, in any case).
-_QUERY = {
-    "retrieve": frozenset({"include", "include[]", "include_obfuscation", "stream", "starting_after"}),
-    "input_items": frozenset({"after", "before", "include", "include[]", "limit", "order"}),
-    "cancel": frozenset(),
-    "delete": frozenset(),
+# Each call: the method and path suffix it is relayed with, and the query parameters OpenAI defines
+# for it; any other is dropped (the Functions key `code` among them, in any case).
+_CALLS = {
+    "retrieve": ("get", "", frozenset({"include", "include[]", "include_obfuscation", "stream", "starting_after"})),
+    "input_items": ("get", "/input_items", frozenset({"after", "before", "include", "include[]", "limit", "order"})),
+    "cancel": ("post", "/cancel", frozenset()),
+    "delete": ("delete", "", frozenset()),
 }
 
 
@@ -83,22 +83,16 @@ class ResponseFollowUps:
             settings.entry_first_token_timeout or settings.first_token_timeout, settings.first_token_timeout
         )
 
-    async def retrieve(self, request: Request) -> Response:
-        query = _query(request, "retrieve")
-        if str(query.get("stream", "")).lower() == "true":
+    async def __call__(self, request: Request, operation: str) -> Response:
+        """``operation`` (``retrieve``, ``delete``, ``cancel``, ``input_items``) on the response the
+        path names."""
+        method, suffix, _ = _CALLS[operation]
+        query = _query(request, operation)
+        if operation == "retrieve" and str(query.get("stream", "")).lower() == "true":
             return await self._handle(
-                request, "retrieve", lambda rid, record, caller: self._restream(request, rid, query, record)
+                request, operation, lambda rid, record, caller: self._restream(request, rid, query, record)
             )
-        return await self._call(request, "retrieve", "get", "", query)
-
-    async def delete(self, request: Request) -> Response:
-        return await self._call(request, "delete", "delete", "", _query(request, "delete"))
-
-    async def cancel(self, request: Request) -> Response:
-        return await self._call(request, "cancel", "post", "/cancel", _query(request, "cancel"))
-
-    async def input_items(self, request: Request) -> Response:
-        return await self._call(request, "input_items", "get", "/input_items", _query(request, "input_items"))
+        return await self._call(request, operation, method, suffix, query)
 
     async def _call(self, request: Request, operation: str, method: str, suffix: str, query: dict) -> Response:
         async def answer(response_id: str, record: StreamRecord, caller: Caller | None) -> Response:
@@ -127,10 +121,7 @@ class ResponseFollowUps:
 
     async def _handle(self, request: Request, operation: str, answer) -> Response:
         """One follow-up: the id checked, ``answer`` run, one log line, errors in OpenAI's shape."""
-        record = StreamRecord(
-            endpoint=f"responses.{operation}",
-            model="",
-        )
+        record = StreamRecord(endpoint=f"responses.{operation}", model="")
         record.request_id = record.id
         telemetry.begin(record)
         streaming = False
@@ -212,7 +203,7 @@ def _finish(record: StreamRecord) -> None:
 
 
 def _query(request: Request, operation: str) -> dict:
-    allowed = _QUERY[operation]
+    allowed = _CALLS[operation][2]
     query: dict[str, Any] = {}
     for key, value in request.query_params.multi_items():
         if key not in allowed:

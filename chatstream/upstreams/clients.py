@@ -35,11 +35,10 @@ from openai._constants import RAW_RESPONSE_HEADER  # private: the header that as
 from openai._models import FinalRequestOptions  # private: see Reused
 from openai._utils._json import _CustomEncoder  # private: the SDK's JSON body encoder (openapi_dumps)
 
-from ..errors import ApiError, ErrorKind, UpstreamMalformed, http_errors, register_secret
+from ..errors import ApiError, ErrorKind, UpstreamMalformed, error_field, http_errors, register_secret
 from ..settings import Settings
 from ..sse import Parser
 from .config import Entry
-from .outcomes import upstream_field
 from .transport import RAW_ERRORS, URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader, mapped
 
 # The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
@@ -686,7 +685,7 @@ class ResponsesClient:
         try:
             return await self.client.post(path_sent, **kwargs)
         except openai.NotFoundError as exc:
-            if path == "/responses" and upstream_field(exc, "code") not in _MODEL_MISSING:
+            if path == "/responses" and error_field(exc.body, "code") not in _MODEL_MISSING:
                 raise no_responses_api() from None
             raise
 

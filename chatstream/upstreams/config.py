@@ -66,14 +66,6 @@ class Entry:
         """An Azure entry on a dated API version (not the v1 API)."""
         return self.kind == "azure" and self.api_version is not None
 
-    @property
-    def base_url(self) -> str | None:
-        return self.url if self.kind == "openai" else None
-
-    @property
-    def azure_endpoint(self) -> str | None:
-        return self.url if self.kind == "azure" else None
-
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
 
@@ -353,18 +345,9 @@ def single_entry(
     if kind == "azure":
         if not endpoint:
             raise PoolConfigError("AZURE_OPENAI_ENDPOINT: required for an Azure OpenAI upstream")
-        return Entry(
-            name=SINGLE_NAME,
-            kind="azure",
-            url=endpoint.rstrip("/"),
-            api_version=api_version,
-            api_key=api_key,
-        )
-    if kind == "openai":
-        # No base_url: the SDK's default, api.openai.com.
-        return Entry(
-            name=SINGLE_NAME, kind="openai", url=(base_url or "https://api.openai.com/v1").rstrip("/"), api_key=api_key
-        )
+        return Entry(SINGLE_NAME, "azure", endpoint.rstrip("/"), api_version, api_key)
+    if kind == "openai":  # no base_url: the SDK's default, api.openai.com
+        return Entry(SINGLE_NAME, "openai", (base_url or "https://api.openai.com/v1").rstrip("/"), api_key=api_key)
     return None
 
 

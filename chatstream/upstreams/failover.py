@@ -6,14 +6,12 @@ until the API's protocol (a probe of it, without text steps) says the first outp
 first-token limit moves the request to the next entry; a context-length, content-filter, auth or
 quota error goes where ``pool.route`` says (UPSTREAM_ERROR_ROUTES: after a context-length error only
 entries with a larger ``context_window``); anything else (400, 404 …) is the answer, as with a
-single upstream. The stream it returns replays the chunks it read and then goes
-on with the entry's stream, so the stream core sees one ordinary upstream stream. After the first
-output the request stays on its entry; a later failure counts against that entry's health, and the
-answer either goes on on another stream (``open_next``: the same walk with the continuation's
-request, the entries that did not fail it first, waiting for a cooling entry when none is free;
-``reattach``: a background response again from its own entry; continuation.py) or ends with the
-final error event. Failures reach the core already explained (``classify``): an
-``ApiError`` for the caller, the ``Outcome`` for the entry.
+single upstream. The stream it returns replays the chunks it read and then goes on with the
+entry's stream, so the stream core sees one ordinary upstream stream. After the first output the
+request stays on its entry; a later failure counts against that entry's health, and the answer
+either goes on on another stream (``open_next``, ``reattach``: continuation.py) or ends with the
+final error event. Failures reach the core already explained (``classify``): an ``ApiError`` for
+the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
 Non-streamed calls walk the candidates the same way, one whole call per entry.
@@ -35,7 +33,7 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, first_token_expired, incomplete, log_safe, retry_after_headers
+from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, log_safe, retry_after_headers
 from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
@@ -58,7 +56,6 @@ from .outcomes import (
     Outcome,
     OutcomeKind,
     classify,
-    upstream_field,
     upstream_request_id,
 )
 from .pool import Attempt, Pool, PoolEvent
@@ -213,6 +210,19 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
         fed = await probe.feed(data)
         if fed.output or probe.done:  # (NOTHING is no output)
             return held
+
+
+async def _reread(
+    client: SdkClient, path: str, query: dict, probe: StreamProtocol, entry: Entry | None = None
+) -> PeekedStream:
+    """A stored event stream (``GET path?query``) read up to its first output; closed if that fails."""
+    stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
+    try:
+        peeked = await _peek(stream, probe)
+    except BaseException:
+        await _close(stream)
+        raise
+    return PeekedStream(stream, peeked, None, "", entry)
 
 
 class _Way:
@@ -512,17 +522,10 @@ class Upstreams:
     async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
         """The event stream of something only entry ``name`` holds (a background response), again,
         read up to its first output: on that entry whatever its health, since no other has it."""
-        stream = None
         try:
-            stream = await UpstreamStream.open(self.clients[name], path, {}, method="get", query=query)
-            peeked = await _peek(stream, probe)
+            return await _reread(self.clients[name], path, query, probe, self.pool.entry(name))
         except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
-            await _close(stream)
             raise classify(exc).error from None
-        except BaseException:
-            await _close(stream)
-            raise
-        return PeekedStream(stream, peeked, None, "", self.pool.entry(name))
 
     async def complete(self, path: str, params: dict, record: StreamRecord) -> dict:
         """A non-streamed call: the first entry that answers it, in the pool's order."""
@@ -567,7 +570,7 @@ class Upstreams:
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 found = classify(exc)
                 if isinstance(exc, openai.NotFoundError):  # not this entry's: the next one may hold it
-                    not_found = ApiError(404, ErrorKind.NOT_FOUND, upstream_field(exc, "message") or "not found")
+                    not_found = ApiError(404, ErrorKind.NOT_FOUND, error_field(exc.body, "message") or "not found")
                 elif found.outcome.failover or found.error.type == ErrorKind.UPSTREAM_TIMEOUT:
                     failure = found
                 else:
@@ -581,17 +584,7 @@ class Upstreams:
     async def reopen(self, path: str, query: dict, protocol: StreamProtocol, attempt_timeout: float) -> UpstreamChunks:
         """The event stream of something one entry holds (a stored response), from the first entry
         that has it (``each``), read up to its first output."""
-
-        async def one(client: SdkClient) -> UpstreamChunks:
-            stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
-            try:
-                peeked = await _peek(stream, protocol.probe())
-            except BaseException:
-                await _close(stream)
-                raise
-            return PeekedStream(stream, peeked, None, "")
-
-        return await self.each(one, attempt_timeout)
+        return await self.each(lambda client: _reread(client, path, query, protocol.probe()), attempt_timeout)
 
     def state(self) -> dict:
         """What GET /api/_pool shows: never a key, only the name of the setting holding it."""

@@ -20,6 +20,7 @@ from ..errors import (
     ApiError,
     ErrorKind,
     TimeLimit,
+    error_field,
     first_token_expired,
     http_errors,
     internal_error,
@@ -58,32 +59,14 @@ class OutcomeKind(StrEnum):
     OTHER = "other"  # not an upstream failure (a bug of ours): no effect on the entry
 
 
-FAILOVER = frozenset(
-    {
-        OutcomeKind.RATE_LIMITED,
-        OutcomeKind.QUOTA_EXHAUSTED,
-        OutcomeKind.CONNECT_FAILED,
-        OutcomeKind.CONNECTION_LOST,
-        OutcomeKind.TIMEOUT,
-        OutcomeKind.SERVER_ERROR,
-    }
-)
+# The entry's own failures: they count against its breaker.
 HEALTH_FAILURE = frozenset(
     {OutcomeKind.CONNECT_FAILED, OutcomeKind.CONNECTION_LOST, OutcomeKind.TIMEOUT, OutcomeKind.SERVER_ERROR}
 )
-COOLDOWN = frozenset({OutcomeKind.RATE_LIMITED, OutcomeKind.QUOTA_EXHAUSTED})
+COOLDOWN = frozenset({OutcomeKind.RATE_LIMITED, OutcomeKind.QUOTA_EXHAUSTED})  # the deployment cools down
+FAILOVER = HEALTH_FAILURE | COOLDOWN  # the request moves on to the next candidate
 # The server answered: a probe that gets one of these proves the entry reachable.
-ANSWERED = frozenset(
-    {
-        OutcomeKind.SUCCESS,
-        OutcomeKind.RATE_LIMITED,
-        OutcomeKind.QUOTA_EXHAUSTED,
-        OutcomeKind.AUTH_ERROR,
-        OutcomeKind.CONTEXT_LENGTH,
-        OutcomeKind.CONTENT_FILTER,
-        OutcomeKind.CLIENT_ERROR,
-    }
-)
+ANSWERED = frozenset(OutcomeKind) - HEALTH_FAILURE - {OutcomeKind.OTHER}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,17 +172,6 @@ def _connect_failure(exc: BaseException | None) -> bool:
     return False
 
 
-def upstream_field(exc: openai.APIStatusError, name: str) -> str | None:
-    """A string field (``message``, ``param``, ``code``) of the upstream's error body, if any; a
-    message never with a key the app holds."""
-    body = exc.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and isinstance(inner.get(name), str):
-            return redact(inner[name])
-    return None
-
-
 def upstream_request_id(exc: BaseException) -> str | None:
     """The ``x-request-id`` of an upstream's error answer, if it sent one (the SDK's ``request_id``)."""
     request_id = getattr(exc, "request_id", None)
@@ -233,7 +205,7 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
             Outcome(OutcomeKind.OTHER),
         )
     if isinstance(exc, openai.APIStatusError):
-        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc), upstream_field(exc, "message"))
+        outcome = outcome_of_status(exc.status_code, exc.response.headers, _code(exc), error_field(exc.body, "message"))
         return Classified(_status_error(exc, model, outcome), outcome)
     if isinstance(exc, openai.APITimeoutError):  # before APIConnectionError: it is a subclass
         kind = OutcomeKind.CONNECT_FAILED if _connect_failure(exc) else OutcomeKind.TIMEOUT
@@ -249,27 +221,13 @@ def classify(exc: BaseException, model: str = "", *, midstream: bool = False) ->
         provider = provider_error(exc.body)
         param = provider.param if provider is not None else None
         if status is not None and _requests_fault(status):  # a 4xx-shaped event: the request's problem
-            return Classified(
-                ApiError(
-                    502,
-                    ErrorKind.UPSTREAM_ERROR,
-                    f"the model server refused the request: {redact(exc.message)}",
-                    param,
-                    provider=provider,
-                ),
-                Outcome(OutcomeKind.CLIENT_ERROR, status),
-            )
-        return Classified(
-            ApiError(
-                502,
-                ErrorKind.UPSTREAM_ERROR,
-                f"the model server reported an error: {redact(exc.message)}",
-                param,
-                retryable=True,
-                provider=provider,
-            ),
-            Outcome(OutcomeKind.SERVER_ERROR, status),
+            message, retryable, kind = "the model server refused the request", False, OutcomeKind.CLIENT_ERROR
+        else:
+            message, retryable, kind = "the model server reported an error", True, OutcomeKind.SERVER_ERROR
+        error = ApiError(
+            502, ErrorKind.UPSTREAM_ERROR, f"{message}: {redact(exc.message)}", param, retryable, provider=provider
         )
+        return Classified(error, Outcome(kind, status))
     return Classified(internal_error(), Outcome(OutcomeKind.OTHER))
 
 
@@ -357,7 +315,7 @@ def _own_outcome(error: ApiError) -> Outcome:
 
 def _code(exc: openai.APIStatusError) -> str | None:
     code = getattr(exc, "code", None)
-    return code if isinstance(code, str) else upstream_field(exc, "code")
+    return code if isinstance(code, str) else error_field(exc.body, "code")
 
 
 def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> ApiError:
@@ -365,7 +323,7 @@ def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> A
     upstream's own ``code``, ``type`` and ``param`` (``provider``) passed on, except for 401/403,
     which are about our credentials, not the caller's."""
     status = exc.status_code
-    message = upstream_field(exc, "message") or redact(exc.message)
+    message = error_field(exc.body, "message") or redact(exc.message)
     if status in (401, 403):
         # Our credentials, not the caller's: said without the upstream's details.
         return ApiError(502, ErrorKind.UPSTREAM_AUTH, "upstream authentication failed")

@@ -13,6 +13,7 @@ from chatstream.errors import (
     ApiError,
     ErrorKind,
     ModerationStop,
+    ProviderError,
     Rejection,
     StepFailed,
     TimeLimit,
@@ -23,6 +24,7 @@ from chatstream.errors import (
     internal_error,
     invalid_request,
     parse_retry_after,
+    provider_error,
     redact,
     register_secret,
     retry_after_headers,
@@ -165,3 +167,13 @@ def test_redact_removes_every_registered_secret():
     register_secret("short")  # too short to redact safely: ignored
     assert redact("Bearer sk-unit-SECRET-1234567890 was refused") == "Bearer [redacted] was refused"
     assert redact("short words stay") == "short words stay"
+
+
+def test_the_provider_error_is_read_from_the_error_object_itself():
+    """The code, type and param of ``{"error": {...}}`` or of the object itself; a field of that
+    object named ``error`` is one of its own, not a further level to read them from."""
+    inner = {"message": "m", "code": "model_not_found", "type": "invalid_request_error", "param": "model"}
+    for body in ({"error": inner}, inner, {"error": {**inner, "error": "NotFoundError"}}):
+        assert provider_error(body) == ProviderError("model_not_found", "invalid_request_error", "model"), body
+    assert provider_error({"error": {"message": "m", "code": 404}}) == ProviderError(None, None, None)
+    assert provider_error({"error": "m"}) is None and provider_error("m") is None

@@ -65,12 +65,7 @@ def test_a_valid_upstreams_value():
         SECRET,
         2.0,
     )
-    assert (oai.kind, oai.base_url, oai.azure_endpoint, oai.key_setting) == (
-        "openai",
-        "https://api.openai.com/v1",
-        None,
-        "OPENAI_KEY",
-    )
+    assert (oai.kind, oai.url, oai.key_setting) == ("openai", "https://api.openai.com/v1", "OPENAI_KEY")
     assert (local.auth, local.priority, local.weight, local.models) == ("none", 4, 1.0, None)
     assert local.deployment("gpt-4o-mini") == "llama-3.1-8b" and local.deployment("gpt-4o") == "gpt-4o"
 

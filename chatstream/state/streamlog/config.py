@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from ... import sse
 from ...errors import StoreError
 from ..instances import Instances
 from ..store import BUSY_TIMEOUT, Store
-from .format import EncodeError
+from .format import EncodeError, LogError
 
 log = logging.getLogger("chatstream")
 
@@ -156,7 +157,7 @@ class Context:
         self.store = store
         self.instances = instances
         self.config = config
-        self.encode_error = encode_error
+        self._encode_error = encode_error
         self.bulk = Turns(config.bulk_calls)
         self.fast_writers = 0
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
@@ -165,6 +166,17 @@ class Context:
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
         self._tasks: set[asyncio.Task] = set()
+
+    def error_event(self, route: str, type: LogError, message: str, number: int | None = None) -> bytes:
+        """One of our error events (format.LogError) in ``route``'s format, numbered ``number``; None:
+        no id, not an event of the stream (a reading's own end: its client asks again after the last
+        id it got, as after a cut)."""
+        data = self._encode_error(route, type, message)
+        return data if number is None else sse.numbered(number, data)
+
+    def moved_event(self, route: str) -> bytes:
+        """What ends a reading (a live caller's, a reader's) once its stream goes on elsewhere."""
+        return self.error_event(route, "stream_moved", "the stream goes on on another instance: resume it")
 
     def now(self) -> float:
         """The store's time (seconds since 1970): every time that crosses instances is on it."""

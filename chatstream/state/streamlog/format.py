@@ -213,25 +213,13 @@ def ack_marker(nonce: str, last_id: int) -> bytes:
     return sse.comment(b"%s%s %d" % (_ACK, nonce.encode(), last_id))
 
 
-# The errors this package writes as events (all retryable): ``stream_lost`` (the stream, or this
-# reader's text, cannot go on), ``stream_moved`` (this reading ends, the stream goes on elsewhere),
-# ``store_unavailable`` (this reading ends).
+# The errors this package writes as events (all retryable, ``Context.error_event``): ``stream_lost``
+# (the stream, or this reader's text, cannot go on), ``stream_moved`` (this reading ends, the stream
+# goes on elsewhere), ``store_unavailable`` (this reading ends).
 LogError = Literal["stream_lost", "stream_moved", "store_unavailable"]
 # The request path's encoder for them: one complete SSE event in the route's format, without an
 # ``id:`` line (route, error, message).
 EncodeError = Callable[[str, LogError, str], bytes]
-
-
-def error_event(encode_error: EncodeError, route: str, type: LogError, message: str, number: int) -> bytes:
-    """An error event of ours, numbered ``number``."""
-    return sse.numbered(number, encode_error(route, type, message))
-
-
-def moved_event(encode_error: EncodeError, route: str) -> bytes:
-    """What ends a reading (a live caller's, a reader's) once its stream goes on elsewhere: a
-    retryable ``stream_moved`` error without an id (it is not an event of the stream), so its client
-    resumes after the last id it got, as after a cut."""
-    return encode_error(route, "stream_moved", "the stream goes on on another instance: resume it")
 
 
 def split_events(data: bytes) -> list[bytes]:

@@ -40,10 +40,8 @@ from .format import (
     Record,
     ack_marker,
     epoch_id,
-    error_event,
     fits_record,
     log_tag,
-    moved_event,
     never_stored,
     position,
     record_over,
@@ -239,8 +237,8 @@ class Producer:
         return await _within(timeout, self._stored_all.wait()) and self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
-        """What ends the live caller's answer once the stream goes on elsewhere (format.moved_event)."""
-        return moved_event(self._ctx.encode_error, self.route)
+        """What ends the live caller's answer once the stream goes on elsewhere."""
+        return self._ctx.moved_event(self.route)
 
     # -- what readers here use ------------------------------------------------------------------
 
@@ -368,7 +366,7 @@ class Producer:
 
     def _end_with_error(self, message: str) -> None:
         at = len(self._events) + 1
-        event = error_event(self._ctx.encode_error, self.route, "stream_lost", message, self._id_at(at))
+        event = self._ctx.error_event(self.route, "stream_lost", message, self._id_at(at))
         self._events.append(event)
         self._size += len(event)
         self._handed = max(self._handed, at)
@@ -688,7 +686,7 @@ class Producer:
         while self._closed is None and self._loop.time() < deadline and not self._ctx.closed:
             number = self._id_at(self._stored + 1)
             message = "the stream stopped being stored"
-            block = error_event(self._ctx.encode_error, self.route, "stream_lost", message, number) + sse.comment(LOST)
+            block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
                 await self._end_record(LOST, deadline - self._loop.time(), block.decode())
                 return

@@ -28,9 +28,7 @@ from .format import (
     RECORD_ROW,
     Record,
     Tail,
-    error_event,
     log_tag,
-    moved_event,
     record_over,
     started_at,
 )
@@ -187,10 +185,10 @@ class Reader:
         return self._done
 
     def moved_event(self) -> bytes:
-        """What ends a reading when this instance stops: the one its producer's live caller gets
-        (format.moved_event); the reading is over."""
+        """What ends a reading when this instance stops: the one its producer's live caller gets; the
+        reading is over."""
         self._done = True
-        return moved_event(self._ctx.encode_error, self.route)
+        return self._ctx.moved_event(self.route)
 
     async def aclose(self) -> None:
         try:
@@ -271,7 +269,7 @@ class Reader:
                 async for chunk in source:
                     if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
                         self._done = True
-                        yield self._ctx.encode_error(self.route, "store_unavailable", SLOT_LOST)
+                        yield self._ctx.error_event(self.route, "store_unavailable", SLOT_LOST)
                         return
                     yield chunk
             finally:
@@ -357,9 +355,8 @@ class Reader:
                 except StoreError:
                     failing_since = failing_since or now
                     if now - failing_since > cfg.give_up_seconds:
-                        # Not an event of the stream: no id, so a client asks again after the cursor.
                         self._done = True
-                        yield ctx.encode_error(self.route, "store_unavailable", "the stream's store is unavailable")
+                        yield ctx.error_event(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
             if ending := self._end(tail.broken, tail.end == LOST, tail.last_id):
                 yield ending
@@ -443,7 +440,7 @@ class Reader:
     def _lost(self, message: str) -> bytes:
         """The reading ends with our stream_lost."""
         self._done = True
-        return error_event(self._ctx.encode_error, self.route, "stream_lost", message, self.tail.cursor + 1)
+        return self._ctx.error_event(self.route, "stream_lost", message, self.tail.cursor + 1)
 
     def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:
         """The reading is over: what it gets besides the events. ``broken``: it is after an id that a
