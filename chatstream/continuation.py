@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 from . import telemetry, tokens
 from .errors import ApiError, ErrorKind
 from .record import Segment, StreamRecord, TextParts
-from .stream import Done, Fed, StreamProtocol, TimeLimits, UpstreamChunks
+from .stream import Chunk, Done, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
 
 if TYPE_CHECKING:
@@ -329,7 +329,7 @@ class ChatContinuation:
         first stream's are passed on as they come: ``saw`` notes each after the protocol read it."""
         return self._seam is not None
 
-    def saw(self, data: dict, fed: Fed) -> None:
+    def saw(self, data: dict, fed: Chunk) -> None:
         """A chunk of the first stream, after the protocol: when it read choice 0's text of the chunk
         as it came (``fed.text``: its plain chunk), that text is all this needs of it besides the
         usage and the ids; else the chunk is read here."""
@@ -608,7 +608,7 @@ class ResponsesReattach:
 
     ahead = True  # every stream's events are checked against the last one passed on
 
-    def saw(self, data: dict, fed: Fed) -> None:
+    def saw(self, data: dict, fed: Chunk) -> None:
         raise AssertionError("ahead: feed sees every event")
 
     def feed(self, data: dict) -> Sequence[dict]:

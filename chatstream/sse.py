@@ -1,5 +1,5 @@
 """Server-sent events on bytes: the one place that knows their syntax. Writing ours: ``event`` (a
-``data:`` payload, optionally named), ``numbered`` (an ``id:`` line put before
+``data:`` payload, optionally named; ``around`` one in pieces), ``numbered`` (an ``id:`` line put before
 a framed event), ``comment``. Reading: ``Parser`` reads anyone's stream (the upstream's, or our own
 stored events) into its ``data`` payloads; ``split`` cuts a stream as we write it (LF line ends, the
 ``id:`` line first) into whole events, which ``event_id``, ``comment_text`` and ``is_comment`` read,
@@ -25,10 +25,11 @@ def event(data: bytes, name: bytes | None = None) -> bytes:
     return b"data: " + data + END_OF_EVENT
 
 
-def wrapped_event(head: bytes, data: bytes, tail: bytes) -> bytes:
-    """``event(head + data + tail)`` in one concatenation: the per-delta path's (a JSON object around
-    a value written apart, without a dict to build and walk for every delta)."""
-    return b"data: " + head + data + tail + END_OF_EVENT
+def around(head: bytes, tail: bytes) -> tuple[bytes, bytes]:
+    """What goes before and after a value written apart: ``before + value + after`` is
+    ``event(head + value + tail)``. The per-delta path's (a JSON object around a value, without a
+    dict to build and walk, or a call to frame it, for every delta)."""
+    return b"data: " + head, tail + END_OF_EVENT
 
 
 def numbered(number: int, framed: bytes) -> bytes:

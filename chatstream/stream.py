@@ -26,7 +26,9 @@ limit, and all of it within the total one); the protocol and its text steps neve
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -53,10 +55,22 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class Chunk:
+    """What a protocol makes of one upstream chunk (``StreamProtocol.feed``), and the event the
+    relay forwards: the chunk to forward, whether it is output (the status rule waits for output),
+    whether it counts as a delta, and events released with it (``batch``). ``text``: when ``data`` is
+    the upstream's chunk as it came, the protocol may say choice 0's content in it (a string, or None
+    for none): the chunk is read once, and the continuation and the encoder take the text from
+    here. ``more``: set by the relay. One object per chunk, made once: it runs for every delta."""
+
     data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
-    more: bool = False  # the next event is already in hand: write this one together with it
+    output: bool = False
+    delta: bool = False
     batch: tuple[dict, ...] = ()  # further events released with ``data`` (a held delta, then this one)
-    text: str | None = None  # ``Fed.text``: choice 0's content, when the protocol read it (None: read ``data``)
+    text: str | None = None  # choice 0's content, when the protocol read it (None: read ``data``)
+    more: bool = False  # the next event is already in hand: write this one together with it
+
+
+NOTHING = Chunk({})  # a protocol's answer for an upstream chunk with nothing to forward (never forwarded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,22 +125,6 @@ class Ends:
             self.on_end()
 
 
-@dataclass(slots=True)
-class Fed:
-    """What a protocol makes of one upstream chunk: the chunk to forward (None: nothing), whether it
-    is output (the status rule waits for output), whether it counts as a delta, and events released
-    with it (``batch``). ``text``: when ``data`` is the upstream's chunk as it came, the protocol may
-    say choice 0's content in it (a string, or None for none): the chunk is read once, and the
-    continuation and the encoder take the text from here. Read-only by convention: one is made for
-    every chunk, and a frozen dataclass's ``__init__`` costs about twice as much."""
-
-    data: dict | None
-    output: bool = False
-    delta: bool = False
-    batch: tuple[dict, ...] = ()
-    text: str | None = None
-
-
 class StreamProtocol(Protocol):
     """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
 
@@ -144,11 +142,11 @@ class StreamProtocol(Protocol):
     def done(self) -> bool: ...  # the answer is complete
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
-    async def feed(self, data: dict) -> Fed: ...
+    async def feed(self, data: dict) -> Chunk: ...  # NOTHING: nothing to forward
     @property
     def plain(
         self,
-    ) -> Callable[[dict], Fed | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
+    ) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
@@ -180,14 +178,14 @@ class Continuation(Protocol):
     (continuation.py): while ``ahead``, ``feed`` gets every upstream chunk before the protocol and
     gives what the protocol is to see (the seam between two streams); else (a stream it passes on as
     it comes: the first) ``saw`` gets each chunk after the protocol, with what the protocol read of it
-    (``Fed.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
+    (``Chunk.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
     ``reopen`` opens the next stream (raising when none could be had), ``summary`` completes the
     final event."""
 
     @property
     def ahead(self) -> bool: ...  # read once per stream (it changes only when ``reopen`` opens one)
     def feed(self, data: dict) -> Sequence[dict]: ...
-    def saw(self, data: dict, fed: Fed) -> None: ...
+    def saw(self, data: dict, fed: Chunk) -> None: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
     async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
@@ -214,6 +212,8 @@ class TimeLimits:
 
     def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop or asyncio.get_running_loop()
+        # The loop's clock: asyncio's own loop reads time.monotonic (read here without its method).
+        self._clock = time.monotonic if type(self.loop).time is asyncio.BaseEventLoop.time else self.loop.time
         now = self.loop.time()
         self.total_at = now + settings.total_timeout
         self.first_token = settings.first_token_timeout
@@ -228,6 +228,7 @@ class TimeLimits:
         self._timer_at = 0.0
         self._fired = False  # the timer cancelled the waiting task
         self._cut: ApiError | None = None  # ``cut``'s error
+        self._parked: Callable[[], None] | None = None  # ``on_total``'s callback
 
     def error(self) -> ApiError:
         """The error for the limit in force now."""
@@ -259,7 +260,7 @@ class TimeLimits:
         """A chunk came from the upstream (whether or not anything of it is forwarded): the total
         limit is checked (buffered chunks arrive without a wait), and once output has started the
         idle limit runs from now. One clock read for both: this runs for every chunk."""
-        now = self.loop.time()
+        now = self._clock()
         if now >= self.total_at:
             raise self._cut or total_expired()
         if self.output_started:
@@ -312,8 +313,15 @@ class TimeLimits:
 
     def _fire(self) -> None:
         self._timer = None
-        if self._task is None:
-            return  # not waiting: the next wait arms the timer again
+        if self._task is None:  # not waiting (parked at a yield): the next wait arms the timer again
+            if self._parked is not None:  # ...and at the total limit ``on_total``'s callback is due
+                if self.loop.time() < self.total_at:
+                    self._timer_at = self.total_at
+                    self._timer = self.loop.call_at(self.total_at, self._fire)
+                else:
+                    callback, self._parked = self._parked, None
+                    callback()
+            return
         if self.loop.time() < self.deadline:
             self._arm()  # the deadline moved on since the timer was set
             return
@@ -322,12 +330,18 @@ class TimeLimits:
 
     def close(self) -> None:
         """The stream is over: drop the timer (it holds the last waiting task until it fires)."""
+        self._parked = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def on_total(self, callback: Callable[[], None]) -> asyncio.TimerHandle:
-        return self.loop.call_at(self.total_at, callback)
+    def on_total(self, callback: Callable[[], None]) -> None:
+        """``callback`` at the total limit if the stream is not inside ``wait`` then (a wait ends by
+        itself), once, until ``close``: through the stream's one timer, not one more per stream."""
+        self._parked = callback
+        if self._timer is None:
+            self._timer_at = self.total_at
+            self._timer = self.loop.call_at(self.total_at, self._fire)
 
 
 # --- the relay --------------------------------------------------------------------------------
@@ -360,12 +374,11 @@ async def relay(
     if ends is not None:
         ends.begin()
     current = _Current()
-    watchdog = None
     final: Done | Failed | None = None
     try:
         try:
             stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
-            watchdog = limits.on_total(lambda: _close_parked(current, limits))
+            limits.on_total(functools.partial(_close_parked, current, limits))
             chunks = aiter(stream)
             mend, saw = _hands(continuation)
             plain = protocol.plain
@@ -408,12 +421,11 @@ async def relay(
                             fed = await protocol.feed(data)
                         if saw is not None:
                             saw(data, fed)  # after the protocol: what it read of the chunk (read once)
-                        if fed.data is None:
+                        if fed is NOTHING:
                             continue
-                        chunk = Chunk(fed.data, False, fed.batch, fed.text)
                         if record.first_delta_at is None:
                             if not fed.output:
-                                held.append(chunk)
+                                held.append(fed)
                                 continue
                             record.first_output()
                             limits.got_output()
@@ -425,7 +437,7 @@ async def relay(
                         if ready is not None:
                             ready.more = True
                             yield ready
-                        ready = chunk
+                        ready = fed
             except Exception:
                 if ready is not None:  # what was made before the failure still goes out, then the error
                     yield ready
@@ -452,8 +464,6 @@ async def relay(
         finally:
             if final is None:
                 record.hung_up()
-            if watchdog is not None:
-                watchdog.cancel()
             limits.close()
             if current.stream is not None:
                 # Shielded: when the caller hung up we run inside a cancelled scope, and the upstream
@@ -474,7 +484,7 @@ async def relay(
 
 def _hands(
     continuation: Continuation | None,
-) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Fed], None] | None]:
+) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]:
     """What of ``continuation`` sees the chunks of the stream just opened: its ``feed`` before the
     protocol, or its ``saw`` after it (``Continuation.ahead``). Bound once per stream."""
     if continuation is None:

@@ -133,6 +133,8 @@ def chat_text(chunk: dict) -> str | None:
 # What ``dumps`` makes of a str, without its encoder's dispatch on the type (json.encoder's C
 # function that JSONEncoder(ensure_ascii=False).encode calls for a str): the per-delta path's.
 _json_text = json.encoder.encode_basestring
+# sse.event(dumps({"delta": text})) is _BEFORE + dumps(text) + _AFTER
+_BEFORE, _AFTER = sse.around(b'{"delta":', b"}")
 
 
 def encode(item: Event, stream_id: str | None = None) -> bytes | None:
@@ -145,8 +147,7 @@ def encode(item: Event, stream_id: str | None = None) -> bytes | None:
             value = _json_text(text).encode("utf-8")  # dumps(text)
         except UnicodeEncodeError:  # a lone surrogate from upstream: dumps escapes it
             value = dumps(text)
-        # the bytes of sse.event(dumps({"delta": text}))
-        return sse.wrapped_event(b'{"delta":', value, b"}")
+        return _BEFORE + value + _AFTER
     if isinstance(item, Done):
         done = {"finish_reason": item.finish_reason, "usage": item.usage, "model": item.model, "id": item.id}
         if item.continued:

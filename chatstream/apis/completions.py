@@ -18,11 +18,11 @@ from collections.abc import Callable
 from ..errors import UpstreamMalformed
 from ..pipeline import Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
-from ..stream import Done, Fed
+from ..stream import NOTHING, Chunk, Done
 
 TEXT_FIELDS = ("content", "refusal")
-_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._plain forwards as it came
-_NOTHING = Fed(None)
+_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
+_ROLE_DELTA = frozenset({"role", "content", "refusal"})  # ...and OpenAI's role chunk's (its refusal null)
 
 
 def _index_ok(item: dict) -> bool:
@@ -145,7 +145,7 @@ class CompletionStream:
         # Without text steps a chunk is read without awaiting anything (StreamProtocol.plain); a
         # subclass with a feed of its own is read by it.
         plain = self._make_filter is None and type(self).feed is CompletionStream.feed
-        self.plain: Callable[[dict], Fed | None] | None = self._read_plain if plain else None
+        self.plain: Callable[[dict], Chunk | None] | None = self._read_plain if plain else None
         self.model = self.id = self.created = None
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
@@ -167,9 +167,15 @@ class CompletionStream:
         if data.get("usage"):
             self.usage = data["usage"]
 
-    def _read_plain(self, data: dict) -> Fed | None:
-        """``feed`` without text steps, for the common chunk (``_plain``), without a coroutine: its
-        Fed, or None when ``feed`` is to read it. ``note`` inline: this runs for every delta."""
+    def _read_plain(self, data: dict) -> Chunk | None:
+        """``feed`` without text steps, without a coroutine (``StreamProtocol.plain``): ``note``
+        inline, then the common chunk decided without copying anything: one choice, index 0, whose
+        delta object holds nothing but ``role``, ``content`` (a string or null) and a null
+        ``refusal`` (OpenAI's role chunk has one). It is forwarded as it came: what the general path
+        would build is an equal copy, and its content goes with it (``Chunk.text``: the continuation
+        and the encoder read no further); kept texts (``keep``: a keyed request's) get what the
+        general path would keep. None: not that shape; ``feed``'s general path decides (and checks
+        the shape). One call: this runs for every delta."""
         get = data.get
         self.model = get("model") or self.model
         self.id = get("id") or self.id
@@ -179,18 +185,41 @@ class CompletionStream:
             self.usage = usage
         choices = get("choices")
         if not choices:
-            return _NOTHING
-        return self._plain(data, choices)
+            return NOTHING
+        if type(choices) is not list or len(choices) != 1:
+            return None
+        choice = choices[0]
+        if type(choice) is not dict:
+            return None
+        index = choice.get("index", 0)
+        delta = choice.get("delta")
+        reason = choice.get("finish_reason")
+        if type(index) is not int or index != 0 or type(delta) is not dict:
+            return None
+        if not _PLAIN_DELTA.issuperset(delta) and not (_ROLE_DELTA.issuperset(delta) and delta["refusal"] is None):
+            return None
+        content = delta.get("content")
+        if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):
+            return None
+        if 0 in self.finished:
+            return NOTHING  # nothing after a choice's finish_reason is forwarded
+        if self.generated is not None:  # as _choice keeps them: without text steps, released is generated
+            _kept(self.generated, 0).append(content or "")
+        if content and self.released is not None:
+            _kept(self.released, 0).append(content)
+        if reason:
+            self._finish(0, reason)
+        return Chunk(data, bool(content or reason), bool(content), (), content)  # positional: per delta
 
-    async def feed(self, data: dict) -> Fed:
-        self.note(data)
-        choices = data.get("choices")
-        if not choices:
-            return Fed(None)
+    async def feed(self, data: dict) -> Chunk:
         if self._make_filter is None:
-            fed = self._plain(data, choices)
+            fed = self._read_plain(data)
             if fed is not None:
                 return fed
+        self.note(data)  # (again after _read_plain: the same)
+        choices = data.get("choices")
+        if not choices:
+            return NOTHING
         if not isinstance(choices, list) or not all(map(_well_formed, choices)):
             raise UpstreamMalformed("a chunk's choices are not objects with a delta object")
         kept, substance, finishing = [], False, False
@@ -201,38 +230,8 @@ class CompletionStream:
                 substance = substance or _has_substance(new["delta"])
                 finishing = finishing or bool(new.get("finish_reason"))
         if not kept:
-            return Fed(None)
-        return Fed({**data, "choices": kept}, output=substance or finishing, delta=substance)
-
-    def _plain(self, data: dict, choices: object) -> Fed | None:
-        """The common chunk, without text steps, decided without copying anything: one choice, index
-        0, whose delta object holds nothing but ``role`` and ``content`` (a string or null). It is
-        forwarded as it came: what the general path would build is an equal copy, and its content
-        goes with it (``Fed.text``: the continuation and the encoder read no further); kept texts
-        (``keep``: a keyed request's) get what the general path would keep. None: not that shape;
-        the general path decides (and checks the shape)."""
-        if type(choices) is not list or len(choices) != 1:
-            return None
-        choice = choices[0]
-        if type(choice) is not dict:
-            return None
-        index = choice.get("index", 0)
-        delta = choice.get("delta")
-        reason = choice.get("finish_reason")
-        if type(index) is not int or index != 0 or type(delta) is not dict or not _PLAIN_DELTA.issuperset(delta):
-            return None
-        content = delta.get("content")
-        if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):
-            return None
-        if 0 in self.finished:
-            return _NOTHING  # nothing after a choice's finish_reason is forwarded
-        if self.generated is not None:  # as _choice keeps them: without text steps, released is generated
-            _kept(self.generated, 0).append(content or "")
-        if content and self.released is not None:
-            _kept(self.released, 0).append(content)
-        if reason:
-            self._finish(0, reason)
-        return Fed(data, bool(content or reason), bool(content), (), content)  # positional: per delta
+            return NOTHING
+        return Chunk({**data, "choices": kept}, output=substance or finishing, delta=substance)
 
     async def _choice(self, choice: dict) -> dict | None:
         index = choice.get("index", 0)

@@ -12,6 +12,7 @@ exception classes (400 BadRequestError, 404 NotFoundError, 413/415/422, 429 Rate
 from __future__ import annotations
 
 import json
+import json.encoder
 from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
@@ -117,12 +118,13 @@ _HOLE_JSON = dumps(_HOLE)
 _PAD = "\ue001chatstream padding\ue001"  # the same for OpenAI's ``obfuscation``: random, in every chunk
 _PAD_JSON = dumps(_PAD)
 VARYING = "obfuscation"  # a top-level string that differs from chunk to chunk (OpenAI's, after choices)
+_json_text = json.encoder.encode_basestring  # what ``dumps`` makes of a str, without its dispatch (chat.py's)
 
 
 class _Template:
-    """The JSON of a usual chunk around its content, for the chunks of one stream that differ from it
-    only there: ``head + dumps(content) + tail`` is what ``dumps(chunk)`` makes of such a chunk, without
-    walking the whole dict for every delta (make bench-quick --route openai has the figures). Made
+    """The event of a usual chunk around its content, for the chunks of one stream that differ from it
+    only there: ``head + dumps(content) + tail`` is what ``sse.event(dumps(chunk))`` makes of such a
+    chunk, without walking the whole dict for every delta (make bench-quick --route openai has the figures). Made
     from a chunk whose values (choices aside) are JSON strings, integers, booleans, nulls, or objects
     and arrays of them (Azure's ``content_filter_results``), and whose one choice's delta is
     ``{"content": str}``; a chunk fits when it and its choice are equal to the template's but for the
@@ -162,6 +164,7 @@ class _Template:
         if self.varying:  # the tail: mid, the padding's JSON, tail
             self.mid, _, self.tail = self.tail.partition(_PAD_JSON)
             self.unique = self.unique and whole.count(_PAD_JSON) == 1 and bool(self.tail)  # after the content
+        self.head, self.tail = sse.around(self.head, self.tail)
 
     @staticmethod
     def of(data: dict) -> _Template | None:
@@ -242,7 +245,7 @@ class ChunkEncoder:
         self.tries = self.TRIES
 
     def __call__(self, item: Event) -> bytes:
-        if type(item) is Chunk and type(item.text) is str:  # a plain chunk (completions.py) with content
+        if type(item) is Chunk and item.text:  # a plain chunk (completions.py) with content
             data = item.data
             choice = data["choices"][0]
             template = self.template
@@ -250,12 +253,13 @@ class ChunkEncoder:
                 self.tries -= 1
                 template = self.template = _Template.of(data)
             if template is not None and template.fits(data, choice):  # the chunk's own values, in its JSON
-                content = dumps(choice["delta"]["content"])
+                try:
+                    content = _json_text(item.text).encode("utf-8")  # dumps(item.text): the delta's content
+                except UnicodeEncodeError:  # a lone surrogate from upstream: dumps escapes it
+                    content = dumps(item.text)
                 if template.varying:
-                    return sse.wrapped_event(
-                        template.head, content, template.mid + dumps(data[VARYING]) + template.tail
-                    )
-                return sse.wrapped_event(template.head, content, template.tail)
+                    return template.head + content + template.mid + dumps(data[VARYING]) + template.tail
+                return template.head + content + template.tail
         return encode(item, self.include_usage)
 
 

@@ -32,7 +32,7 @@ from ..errors import ApiError, ProviderError, UpstreamMalformed, UpstreamReporte
 from ..http import dumps
 from ..pipeline import Pipeline, TextFilter
 from ..record import StreamRecord
-from ..stream import Chunk, Done, Event, Fed
+from ..stream import NOTHING, Chunk, Done, Event
 
 # Events held until the first real output (the status rule waits for output).
 OPENING = frozenset({"response.created", "response.in_progress", "response.queued"})
@@ -136,7 +136,7 @@ class ResponseStream:
             if isinstance(response.get("usage"), dict):
                 self.usage = response["usage"]
 
-    async def feed(self, data: dict) -> Fed:
+    async def feed(self, data: dict) -> Chunk:
         kind = data.get("type")
         if not isinstance(kind, str) or not _EVENT_TYPE.fullmatch(kind):
             raise UpstreamMalformed("the model server sent an event without a valid type")
@@ -155,11 +155,11 @@ class ResponseStream:
         if self._make_filter is None:
             if kind == "response.output_text.delta":
                 self._keep(data.get("delta"))
-            return Fed(data, output=output, delta=delta)
+            return Chunk(data, output=output, delta=delta)
         events = await self._filtered(kind, data)
         if not events:
-            return Fed(None)
-        return Fed(events[0], output=output, delta=delta, batch=tuple(events[1:]))
+            return NOTHING
+        return Chunk(events[0], output=output, delta=delta, batch=tuple(events[1:]))
 
     def summary(self) -> Done:
         return Done(self.status, {}, self.usage, self.model, self.id, self.created)

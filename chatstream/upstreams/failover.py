@@ -208,7 +208,7 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
             raise incomplete() from None
         held.append(data)
         fed = await probe.feed(data)
-        if (fed.data is not None and fed.output) or probe.done:
+        if fed.output or probe.done:  # (NOTHING is no output)
             return held
 
 

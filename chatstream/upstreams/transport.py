@@ -64,25 +64,31 @@ def mapped(exc: aiohttp.ClientError) -> httpx2.TransportError:
     return httpx2.ReadError(message)  # reset, or the body cut short (ClientOSError, ClientPayloadError)
 
 
-class Body(httpx2.AsyncByteStream):
-    """An aiohttp response's body as httpx2 reads it, and as ``UpstreamStream`` reads it directly:
-    ``async for piece in body`` yields what each read brings (aiohttp's ``readany``), errors mapped.
-    ``aclose`` gives the connection back when the body was read to its end, else closes it (which
-    stops the upstream's generation)."""
+# What ``Body.read`` raises (aiohttp's errors): ``mapped`` makes each the httpx2 error it is.
+RAW_ERRORS = aiohttp.ClientError
 
-    __slots__ = ("_content", "_response")
+
+class Body(httpx2.AsyncByteStream):
+    """An aiohttp response's body as httpx2 reads it: ``async for piece in body`` yields what each
+    read brings (aiohttp's ``readany``), errors mapped. ``UpstreamStream`` reads it directly, through
+    ``read`` (aiohttp's ``readany`` itself: b"" at the end, ``RAW_ERRORS`` unmapped), a coroutine
+    fewer per piece. ``aclose`` gives the connection back when the body was read to its end, else
+    closes it (which stops the upstream's generation)."""
+
+    __slots__ = ("_content", "_response", "read")
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self._content = response.content
+        self.read = self._content.readany
 
     def __aiter__(self) -> Body:
         return self
 
     async def __anext__(self) -> bytes:
         try:
-            piece = await self._content.readany()
-        except aiohttp.ClientError as exc:
+            piece = await self.read()
+        except RAW_ERRORS as exc:
             raise mapped(exc) from exc
         if not piece:
             raise StopAsyncIteration

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import socket
 import ssl
 import struct
@@ -19,6 +20,8 @@ import aiohttp
 import httpx2
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chatstream.errors import UpstreamMalformed
 from chatstream.upstreams import transport
@@ -364,6 +367,74 @@ async def test_chunks_are_read_as_utf8_json_with_whitespace_around_it():
 async def test_a_chunk_that_is_not_a_utf8_json_object_is_upstream_malformed(payload):
     with pytest.raises(UpstreamMalformed):
         await _streamed(b"data: " + payload + b"\n\n")
+
+
+def _usual(content: str, **top) -> dict:
+    """A usual delta, as OpenAI streams it (``top``: fields after the choices)."""
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice], **top}
+
+
+async def test_each_chunk_reads_as_json_reads_it_the_usual_delta_through_its_skeleton():
+    """The usual delta is read through the stream's skeleton (clients._Skeleton: the last such
+    chunk's text around its content and obfuscation) and every chunk, fitting or not, is what
+    json.loads makes of its payload: equal, its keys in the same order."""
+    chunks = [
+        {**_usual(""), "choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None}}]},
+        _usual("a"),
+        _usual('b "quoted" \\ back\nslash \u00e9 \U0001f600 h\u00e9 \x00'),
+        _usual("caf\u00e9", model="other"),  # another field differs: decoded whole, a new skeleton
+        _usual("d"),
+        _usual("e", obfuscation="xY"),
+        _usual("f", obfuscation='a"b'),
+        {**_usual("g"), "choices": [{**_usual("g")["choices"][0], "logprobs": {"content": [{"token": "g"}]}}]},
+        _usual("h"),
+        {**_usual(""), "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {**_usual(""), "choices": [], "usage": {"total_tokens": 3}},
+    ]
+    payloads = [json.dumps(chunk, separators=(",", ":"), ensure_ascii=i % 2 == 0) for i, chunk in enumerate(chunks)]
+    payloads.insert(
+        5,
+        '{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+        '"delta":{"content":"i"},"logprobs":null,"finish_reason":null}]} ',
+    )  # whitespace after it
+    body = b"".join(b"data: " + p.encode() + b"\n\n" for p in payloads) + b"data: [DONE]\n\n"
+    got = await _streamed(body)
+    expected = [json.loads(p) for p in payloads]
+    assert got == expected and [json.dumps(g) for g in got] == [json.dumps(e) for e in expected]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    texts=st.lists(st.text(), min_size=2, max_size=4),
+    padded=st.booleans(),
+    ascii_only=st.booleans(),
+)
+def test_a_skeleton_reads_what_json_reads(texts, padded, ascii_only):
+    """Any content (and padding) written by any JSON encoder: a skeleton reads it as json.loads does;
+    a payload that differs anywhere else does not fit."""
+    from chatstream.upstreams.clients import _Skeleton
+
+    def text(content: str, **changes) -> str:
+        chunk = _usual(content, **({"obfuscation": content[::-1]} if padded else {}))
+        return json.dumps({**chunk, **changes}, ensure_ascii=ascii_only, separators=(",", ":"))
+
+    first = text(texts[0])
+    skeleton = _Skeleton.of(first, json.loads(first))
+    assert skeleton is not None
+    for content in texts[1:]:
+        payload = text(content)
+        read = skeleton.read(payload)
+        assert read == json.loads(payload) and list(read or {}) == list(json.loads(payload))
+        assert skeleton.read(text(content, model="n")) is None
+        assert skeleton.read(text(content, created=2)) is None
+
+
+async def test_a_chunk_that_fits_a_skeleton_but_for_a_broken_string_is_upstream_malformed():
+    good = json.dumps(_usual("a"), separators=(",", ":")).encode()
+    broken = good.replace(b'"content":"a"', b'"content":"a\\x"')
+    with pytest.raises(UpstreamMalformed):
+        await _streamed(b"data: " + good + b"\n\ndata: " + broken + b"\n\n")
 
 
 async def test_a_thousand_connections_are_allowed_not_aiohttps_hundred():

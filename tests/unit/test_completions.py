@@ -17,7 +17,7 @@ from chatstream.errors import UpstreamMalformed
 from chatstream.guard import Redactor, redact_whole
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
-from chatstream.stream import Done
+from chatstream.stream import NOTHING, Done
 
 TERMS = ["secret", "sec", "cretin", "é😀"]
 PIECES = ["secret", "sec", "ret", "cre", "tin", "s", "e", "c", "r", "t", "i", "n", " ", "é", "😀", "x", '{"a":']
@@ -49,7 +49,7 @@ async def feed_all(stream: CompletionStream, chunks: list[dict]) -> list[dict]:
         before = copy.deepcopy(data)
         fed = await stream.feed(data)
         assert data == before, "feed changed the upstream's dict"
-        if fed.data is not None:
+        if fed is not NOTHING:
             forwarded.append(fed.data)
     return forwarded
 
@@ -92,7 +92,7 @@ async def test_feed_never_changes_its_input_and_returns_new_dicts(pipeline):
     for data, original in zip(chunks, originals):
         fed = await stream.feed(data)
         assert data == original
-        if fed.data is not None and pipeline.filters_text:
+        if fed is not NOTHING and pipeline.filters_text:
             assert fed.data is not data
             for new, old in zip(fed.data["choices"], data["choices"]):
                 assert new is not old and new.get("delta") is not old.get("delta")
@@ -106,12 +106,14 @@ async def test_without_text_steps_chunks_are_forwarded_as_they_came():
 
 
 async def test_the_plain_path_gives_what_the_general_path_gives():
-    """Without text steps, the common chunk (one choice, a delta of role and content) is decided
-    without copying (``CompletionStream._plain``), with kept texts (``keep=True``: a keyed request's)
-    or without: the same events, flags, state and kept texts as the general path, for plain and
-    other shapes."""
+    """Without text steps, the common chunk (one choice, a delta of role and content, and OpenAI's
+    role chunk with its null refusal) is decided without copying (``CompletionStream._read_plain``),
+    with kept texts (``keep=True``: a keyed request's) or without: the same events, flags, state and
+    kept texts as the general path, for plain and other shapes."""
     chunks = [
         chunk({"role": "assistant", "content": ""}),
+        chunk({"role": "assistant", "content": "", "refusal": None}),
+        chunk({"role": "assistant", "refusal": "no"}),
         chunk({"content": "a"}, logprobs=None),
         chunk({"content": None}),
         chunk({"role": "assistant"}),
@@ -126,7 +128,7 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
         {"id": "c1", "choices": [], "usage": {"total_tokens": 3}},
     ]
     plain, kept, general = (CompletionStream(Pipeline(), keep=keep) for keep in (False, True, True))
-    general._plain = lambda data, choices: None  # the general path only
+    general._read_plain = lambda data: None  # the general path only
     for data in chunks:
         slow = await general.feed(copy.deepcopy(data))
         for stream in (plain, kept):
@@ -136,7 +138,7 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
     assert plain.summary() == kept.summary() == general.summary()
     assert kept.generated == general.generated and kept.released == general.released
     assert kept.generated is not None and kept.released is not None
-    assert "".join(kept.generated[0]) == "ano indexbc{}" and "".join(kept.released[0]) == "ano indexbc"
+    assert "".join(kept.generated[0]) == "noano indexbc{}" and "".join(kept.released[0]) == "ano indexbc"
     with pytest.raises(UpstreamMalformed):
         await CompletionStream(Pipeline()).feed({"choices": [{"index": 0, "delta": {"content": 5}}]})
 
@@ -144,14 +146,14 @@ async def test_the_plain_path_gives_what_the_general_path_gives():
 async def test_fed_flags():
     stream = CompletionStream(Pipeline(), choices=2)
     assert (await stream.feed(chunk({"role": "assistant"}))).output is False
-    assert (await stream.feed({"choices": []})).data is None
+    assert (await stream.feed({"choices": []})) is NOTHING
     fed = await stream.feed(chunk({}, "stop", index=1))
     assert fed.output and not fed.delta
     fed = await stream.feed(chunk({"content": "x"}))
     assert fed.output and fed.delta
     assert not stream.done and stream.finished == {1: "stop"}
     await stream.feed(chunk({"content": "late"}, index=1))
-    assert (await stream.feed(chunk({"content": "late"}, index=1))).data is None
+    assert (await stream.feed(chunk({"content": "late"}, index=1))) is NOTHING
     await stream.feed(chunk({}, "length"))
     assert stream.done
 
@@ -168,7 +170,7 @@ async def test_note_and_summary():
 
 async def test_a_choice_held_back_entirely_is_not_sent_but_its_role_is():
     stream = CompletionStream(redacting())
-    assert (await stream.feed(chunk({"content": "sec"}))).data is None
+    assert (await stream.feed(chunk({"content": "sec"}))) is NOTHING
     fed = await stream.feed(chunk({"role": "assistant", "content": "re"}))
     assert fed.data["choices"][0]["delta"] == {"role": "assistant", "content": ""} and not fed.output
 

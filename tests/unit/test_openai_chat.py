@@ -344,7 +344,7 @@ def _fed(data: dict) -> Chunk:
     assert plain is not None
     fed = plain(data)
     assert fed is not None and fed.data is data
-    return Chunk(fed.data, False, fed.batch, fed.text)
+    return fed
 
 
 def _usual(content: str, **changes) -> dict:
@@ -509,7 +509,7 @@ def test_a_float_anywhere_makes_no_template():
 
 
 def test_a_guarded_chunk_is_written_whole():
-    # A text step's chunk is a new dict without Fed.text: the encoder reads the chunk itself.
+    # A text step's chunk is a new dict without Chunk.text: the encoder reads the chunk itself.
     encoder = ChunkEncoder(False)
     encoder(_fed(_usual("a")))
     replaced = _usual("[blocked]")

@@ -16,7 +16,7 @@ from chatstream.apis.responses_stream import ResponseEncoder, ResponseStream, fi
 from chatstream.guard import Redactor, redact_whole
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
-from chatstream.stream import Chunk, Done
+from chatstream.stream import NOTHING, Chunk, Done
 
 TERMS = ["secret", "sec", "日本", "🙂🚀", "ab"]
 ALPHABET = ["s", "e", "c", "r", "t", "a", "b", " ", "\n", "日", "本", "🙂", "🚀", "é"]
@@ -181,7 +181,7 @@ async def run(events: list[dict], p: Pipeline) -> tuple[list[dict], ResponseStre
     for event in events:
         assert not stream.done
         fed = await stream.feed(event)
-        if fed.data is not None:
+        if fed is not NOTHING:
             out.extend([fed.data, *fed.batch])
     assert stream.done
     return out, stream

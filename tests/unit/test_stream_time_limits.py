@@ -223,16 +223,31 @@ async def test_on_total_calls_back_at_the_total_limit():
     limits = TimeLimits(settings(total=0.03))
     fired = asyncio.Event()
     loop = asyncio.get_running_loop()
-    handle = limits.on_total(lambda: fired.set())
-    assert handle.when() == limits.total_at
+    limits.on_total(lambda: fired.set())
     await asyncio.wait_for(fired.wait(), 5)
     assert loop.time() >= limits.total_at
 
 
-async def test_on_total_can_be_cancelled():
+async def test_on_total_waits_out_a_wait_and_the_deadlines_before_the_total_limit():
+    """The stream's one timer calls back at the total limit, not at an earlier deadline, nor while
+    a wait is in progress (the limit ends that wait itself), and once."""
+    limits = TimeLimits(settings(first=0.02, idle=0.02, total=0.12))
+    fired: list[float] = []
+    loop = asyncio.get_running_loop()
+    limits.on_total(lambda: fired.append(loop.time()))
+    await limits.wait(asyncio.sleep(0.01))  # within the first-token limit
+    limits.got_output()
+    await asyncio.sleep(0.05)  # parked past the idle deadline: not the total limit yet
+    assert fired == []
+    await asyncio.sleep(0.15)
+    assert len(fired) == 1 and fired[0] >= limits.total_at
+
+
+async def test_on_total_ends_with_close():
     limits = TimeLimits(settings(total=0.02))
     fired = []
-    limits.on_total(lambda: fired.append(1)).cancel()
+    limits.on_total(lambda: fired.append(1))
+    limits.close()
     await asyncio.sleep(0.05)
     assert fired == []
 
