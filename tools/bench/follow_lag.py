@@ -28,7 +28,15 @@ stream a reader there opened last (readers.py): 10 deltas, first-delta p99 at 20
 Inbox reads every 50 ms, poll spreading at twice the rate, flushes every 50 ms, and an inbox read
 as each record lands gained 0-20 ms (within the noise) for more calls: the served lag under
 --busy-ms 2 is the store's queue (first-delta p50 ~480 ms before and after, p99 746 -> 586),
-which more calls lengthen."""
+which more calls lengthen.
+2026-12-06: under --busy-ms 2 a third of the 10-delta readers are seen too late (the whole log
+goes into the record at the end) and waited for their record read after an empty blob read: the
+two side by side, 10-delta p99 795 -> 704 (--busy-ms 1: 374 -> 345). Tried and dropped (no
+steady gain side by side): inbox reads overlapping when one takes longer than its interval
+(--busy-ms 2 p99 -25%, --busy-ms 1 +30%), the record read every poll while nothing is stored,
+polls after a miss at 1/6 of poll_seconds with a 0.95 lead, inbox_young_seconds 0.05, bulk_calls
+4 or 64. Without a busy store the lag is the write interval (mean 50 ms), a write, ~20 ms of poll
+phase and a read; fewer ms there takes more writes and polls."""
 
 from __future__ import annotations
 

@@ -366,18 +366,22 @@ class Reader:
     async def _poll(self) -> bytes:
         """The stream's new whole events, read in turn with this instance's other background calls
         (from the record when the whole log is there). While nothing is stored, the record is read
-        again every few polls: the stream may have ended with its whole log in it (its producer did
-        not see this reader in time)."""
+        beside the blob every few polls: the stream may have ended with its whole log in it (its
+        producer did not see this reader in time)."""
         tail, loop = self.tail, asyncio.get_running_loop()
         assert self.record is not None
         data = self.record.log_from(tail.offset)
         if data is None:
+            again = tail.offset == 0 and loop.time() >= self._record_at
             async with self._ctx.bulk:
-                data = await self._ctx.store.read(self.stream_id, tail.offset)
-            if not data and tail.offset == 0 and loop.time() >= self._record_at:
-                self._record_at = loop.time() + 3 * self._cfg.poll_seconds
-                self.record = await self._reread()
-                data = self.record.log_from(0) or b""
+                if not again:
+                    data = await self._ctx.store.read(self.stream_id, tail.offset)
+                else:  # both at once: a reader the producer saw too late waits one call, not two
+                    self._record_at = loop.time() + 3 * self._cfg.poll_seconds
+                    data, record = await asyncio.gather(self._ctx.store.read(self.stream_id, 0), self._reread())
+                    if not data:
+                        self.record = record
+                        data = record.log_from(0) or b""
         out = tail.feed(data)
         if data:
             self._grew_at = loop.time()
