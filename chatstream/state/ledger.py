@@ -119,8 +119,11 @@ class Charge(Payer):
         return f"{self.day}|{key_part(self.request_id)}|{self.segment:02d}"
 
     def entity(self) -> dict[str, Any]:
-        values = {k: v for k, v in self.values().items() if k not in ("day", "over") and (v or k != "ops")}
-        return {"PartitionKey": self.partition, "RowKey": self.row_key, **values}
+        values = {"PartitionKey": self.partition, "RowKey": self.row_key, **self.values()}
+        del values["day"], values["over"]  # the day is in the RowKey; ``over`` is the write's own
+        if not values["ops"]:
+            del values["ops"]
+        return values
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
