@@ -165,8 +165,13 @@ def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charg
 
 
 def day_of(seconds: float) -> str:
-    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): made once a day, not per request."""
-    return _day(int(seconds // 86400))
+    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): made once a day, not per request; as
+    ``window_of`` has it (a request's ledger day is its reservation's day window): datetime rounds
+    to the microsecond, so the last floats before midnight are the next day."""
+    days = int(seconds // 86400)
+    if seconds - days * 86400 > 86400 - 1e-6:
+        return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
+    return _day(days)
 
 
 @functools.lru_cache(maxsize=4)

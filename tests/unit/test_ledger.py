@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import math
 import secrets
 from dataclasses import asdict, replace
 from datetime import UTC, date, datetime
@@ -16,6 +17,7 @@ import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.manage import as_csv, totals
+from chatstream.state.counter_row import window_of
 from chatstream.state.counters import Settlement
 from chatstream.state.journal import JournalEntry
 from chatstream.state.ledger import Charge, Ledger, Payer, day_of, raised, raised_by, summarize
@@ -298,3 +300,15 @@ async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row(
     there = await ledger.find(c)
     assert there is not None and replace(there, over=None) == c  # its day from the RowKey
     assert day_of(datetime(2026, 11, 3, 23, 59, 59, tzinfo=UTC).timestamp()) == "20261103"
+
+
+def test_a_requests_ledger_day_is_its_reservations_day_window_to_the_last_float_before_midnight():
+    """The ledger day of a request (``day_of``) is the day window its reservation was made in
+    (``window_of``: datetime rounds a time to the microsecond, so the last floats before midnight
+    are the next day): a recovery counts a charge only in the window of its ledger day."""
+    midnight = datetime(2026, 12, 7, tzinfo=UTC).timestamp()
+    at = midnight + 1e-6
+    while at > midnight - 1e-6:  # the floats within a microsecond of midnight
+        assert day_of(at) == window_of("day", at)[1:]
+        at = math.nextafter(at, 0)
+    assert day_of(midnight - 1e-3) == "20261206" and day_of(midnight) == "20261207"
