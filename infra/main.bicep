@@ -129,7 +129,7 @@ param instanceMemoryMB int = 2048
 @minValue(1)
 @maxValue(1000)
 @description('Concurrent HTTP invocations (streams) per instance (AZURE_HTTP_PER_INSTANCE_CONCURRENCY); docs/scaling.md derives it from the measured CPU per request and per delta.')
-param httpPerInstanceConcurrency int = 191
+param httpPerInstanceConcurrency int = 121
 
 // Always-ready instances take HTTP requests without a cold start and are billed while idle (the
 // baseline rate); 0: every instance is on demand.
