@@ -20,11 +20,11 @@ from typing import Any
 from .. import tokens
 from ..errors import StoreError
 from .callers import Caller, Team
-from .counter_row import CounterKey
+from .counter_row import CounterKey, day_of
 from .counters import Counters, Reservation, Want
 from .instances import Instances
 from .journal import Journal, JournalEntry, amounts
-from .ledger import TAKEOVER, Charge, Ledger, Payer, day_of, raised
+from .ledger import TAKEOVER, Charge, Ledger, Payer, raised
 from .owners import Owned, Owners
 from .port import (
     AdmissionRequest,

@@ -8,6 +8,7 @@ piled up. Everything reads and writes it through this module."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -41,10 +42,25 @@ def window_of(period: Period, now: float) -> str:
     if period == "minute":
         return f"{int(now // WINDOW_SECONDS):010d}"
     if period == "day":
-        return datetime.fromtimestamp(now, UTC).strftime("d%Y%m%d")
+        return "d" + day_of(now)
     if period == "month":
         return datetime.fromtimestamp(now, UTC).strftime("m%Y%m")
     return "total"
+
+
+def day_of(seconds: float) -> str:
+    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): a day window's, and a request's ledger
+    day (its reservation's day window); made once a day, not per request. As datetime has it (the
+    month window's): it rounds to the microsecond, so the last floats before midnight are the next day."""
+    days = int(seconds // 86400)
+    if seconds - days * 86400 > 86400 - 1e-6:
+        return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
+    return _day(days)
+
+
+@functools.lru_cache(maxsize=4)
+def _day(days: int) -> str:
+    return datetime.fromtimestamp(days * 86400, UTC).strftime("%Y%m%d")
 
 
 def seconds_to_next_minute(now: float) -> float:

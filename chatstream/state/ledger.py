@@ -12,7 +12,6 @@ a stream's taker, accounting.charge_lost). Every row is written by ``write``."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -162,21 +161,6 @@ def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charg
         write = replace(charge, author=there.author, ops=there.ops, over=there.over)
     write = replace(write, ops=f"{write.ops} {by}={adds}/{cost}".strip())
     return write, replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)
-
-
-def day_of(seconds: float) -> str:
-    """The UTC day of ``seconds`` since 1970 (``YYYYMMDD``): made once a day, not per request; as
-    ``window_of`` has it (a request's ledger day is its reservation's day window): datetime rounds
-    to the microsecond, so the last floats before midnight are the next day."""
-    days = int(seconds // 86400)
-    if seconds - days * 86400 > 86400 - 1e-6:
-        return datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%d")
-    return _day(days)
-
-
-@functools.lru_cache(maxsize=4)
-def _day(days: int) -> str:
-    return datetime.fromtimestamp(days * 86400, UTC).strftime("%Y%m%d")
 
 
 class Ledger:

@@ -18,10 +18,10 @@ from chatstream.errors import StoreError
 from chatstream.state import journal
 from chatstream.state.accounting import RAISED_WITHIN, Accounting, Admission
 from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
-from chatstream.state.counter_row import parse_holds
+from chatstream.state.counter_row import day_of, parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge, Payer, day_of, raised_by
+from chatstream.state.ledger import Charge, Payer, raised_by
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState

@@ -17,10 +17,10 @@ import pytest
 from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.manage import as_csv, totals
-from chatstream.state.counter_row import window_of
+from chatstream.state.counter_row import day_of, window_of
 from chatstream.state.counters import Settlement
 from chatstream.state.journal import JournalEntry
-from chatstream.state.ledger import Charge, Ledger, Payer, day_of, raised, raised_by, summarize
+from chatstream.state.ledger import Charge, Ledger, Payer, raised, raised_by, summarize
 from chatstream.state.shared import SharedState
 from chatstream.state.store import USAGE_TABLE
 
@@ -304,11 +304,13 @@ async def test_a_charge_round_trips_through_the_journal_form_and_its_ledger_row(
 
 def test_a_requests_ledger_day_is_its_reservations_day_window_to_the_last_float_before_midnight():
     """The ledger day of a request (``day_of``) is the day window its reservation was made in
-    (``window_of``: datetime rounds a time to the microsecond, so the last floats before midnight
-    are the next day): a recovery counts a charge only in the window of its ledger day."""
-    midnight = datetime(2026, 12, 7, tzinfo=UTC).timestamp()
+    (``window_of``), and both are the day datetime makes of the time, as the month window is
+    (datetime rounds a time to the microsecond, so the last floats before midnight are the next
+    day): a recovery counts a charge only in the windows of its ledger day."""
+    midnight = datetime(2026, 12, 1, tzinfo=UTC).timestamp()  # (a month's first: the month window too)
     at = midnight + 1e-6
     while at > midnight - 1e-6:  # the floats within a microsecond of midnight
-        assert day_of(at) == window_of("day", at)[1:]
+        day = datetime.fromtimestamp(at, UTC).strftime("%Y%m%d")
+        assert day_of(at) == day == window_of("day", at)[1:] and window_of("month", at)[1:] == day[:6]
         at = math.nextafter(at, 0)
-    assert day_of(midnight - 1e-3) == "20261206" and day_of(midnight) == "20261207"
+    assert day_of(midnight - 1e-3) == "20261130" and day_of(midnight) == "20261201"
