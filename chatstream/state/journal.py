@@ -61,7 +61,7 @@ from .instances import Instances
 from .ledger import TAKEOVER, Charge, Ledger, Payer, raised, raised_by
 from .port import Used
 from .prices import Price
-from .store import NEW, Store
+from .store import NEW, Store, compact_json
 from .streamlog.format import producer_events, stored_log
 
 log = logging.getLogger("chatstream")
@@ -75,10 +75,6 @@ WAKE_DELAY = 0.02
 # the caller (or team) holds it again without a journal write first (note_counter). Listed without
 # holding costs a takeover one read of its row, nothing else.
 LISTED_SECONDS = 60.0
-
-
-# The journal's JSON, compact: one encoder (json.dumps with options makes one per call).
-_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def journal_name(instance: str) -> str:
@@ -156,8 +152,8 @@ class JournalEntry:
                     "prompt": self.prompt_tokens,
                     "needs": _named(self.needs),
                 }
-                self._fixed = f'{_compact(fixed)[:-1]},"price":{_price_json(self.price)}'
-            self._head = (fields, f"{self._fixed},{_compact(self._changing())[1:-1]}")
+                self._fixed = f'{compact_json(fixed)[:-1]},"price":{_price_json(self.price)}'
+            self._head = (fields, f"{self._fixed},{compact_json(self._changing())[1:-1]}")
         return f'{self._head[1]},"generated":{self.checkpoint()}}}' if self.state == "open" else self._head[1] + "}"
 
     def _changing(self) -> dict[str, Any]:
@@ -369,7 +365,7 @@ class Journal:
         in_doc = list(self.entries.values())
         head = {"instance": instance, "at": self.store.clock.now(), "counters": [str(key) for key in listed]}
         entries = ",".join(e.serialised() for e in in_doc)
-        data = f'{_compact(head)[:-1]},"entries":[{entries}]}}'.encode()
+        data = f'{compact_json(head)[:-1]},"entries":[{entries}]}}'.encode()
         try:
             self._etag = await self.store.put(name, data, etag=self._etag or NEW)
         except Modified:
@@ -528,7 +524,7 @@ class Recovery:
             doc = json.loads(data)
             doc["sealed_by"] = taker
             try:
-                await self.store.put(name, _compact(doc).encode(), etag=etag)
+                await self.store.put(name, compact_json(doc).encode(), etag=etag)
                 return doc
             except (Modified, NotFound):  # written meanwhile (or deleted: the next read says)
                 continue
@@ -621,7 +617,7 @@ def _in_window(window: str | None, day: str | None) -> bool:
 def _price_json(price: Price | None) -> str:
     """A price as a journal entry holds it: made once per price, not per request (every request at
     that price names it)."""
-    return _compact(price.entity() if price is not None else None)
+    return compact_json(price.entity() if price is not None else None)
 
 
 def _named(per_counter: Mapping[CounterKey, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ checked against Table storage's limits, by both backends (``check_entity``)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import time
@@ -47,6 +48,9 @@ CALL_TIMEOUT = 1.8
 # are slow lately (StoreClock.patience): a busy store (Azurite on a loaded 2-core machine: 2-10 s, its
 # fast answers in between) answers within this.
 BUSY_TIMEOUT = 8.0
+# What the app writes to the store as JSON (rows' bodies, journals), compact and ASCII-escaped: one
+# encoder (json.dumps with options makes one per call).
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 
 

@@ -36,6 +36,7 @@ from .store import (
     check_etag,
     check_key,
     clean,
+    compact_json,
 )
 from .store_account import Account
 
@@ -109,11 +110,7 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
             body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
             if kind is float:
                 body[name + "@odata.type"] = "Edm.Double"
-    return _compact(body).encode()
-
-
-# Rows' JSON, compact: one encoder (json.dumps with options makes one per call).
-_compact = json.JSONEncoder(separators=(",", ":")).encode
+    return compact_json(body).encode()
 
 
 def row_of(body: Mapping[str, Any], etag: str) -> Row:
