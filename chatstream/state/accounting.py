@@ -330,9 +330,9 @@ class Accounting:
             if there is not None and not (there.author.startswith(TAKEOVER) or there.author == made.author):
                 return
             op = secrets.token_hex(6)
-            if (raise_ := raised(there, made, op)) is None:
+            charge, adds = raised(there, made, op)
+            if charge is None:
                 return
-            charge, adds = raise_
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
             admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)

@@ -58,7 +58,7 @@ from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
 from .counters import SLOW_TIMEOUT, Settlement
 from .instances import Instances
-from .ledger import TAKEOVER, Charge, Ledger, Payer, raised, raised_by
+from .ledger import TAKEOVER, Charge, Ledger, Payer, raised
 from .port import Used
 from .prices import Price
 from .store import NEW, Store, compact_json
@@ -561,14 +561,8 @@ class Recovery:
         the part from its log first) is left, counting nothing."""
         charge = entry.lost_charge(mine, logged)
         for _ in range(MAX_ATTEMPTS):
-            there = await self.ledger.find(charge)
-            done = raised_by(there.ops, mine) if there is not None else None
-            if done is not None:  # raised by this recovery (an earlier run, or another at once)
-                return amounts(entry.needs, [replace(charge, prompt_tokens=done[0], completion_tokens=0, cost=done[1])])
-            if (raise_ := raised(there, charge, mine)) is None:
-                return {}
-            write, adds = raise_
-            if await self._write([write]) == [False]:  # (True: the row changed first: read it again)
+            write, adds = raised(await self.ledger.find(charge), charge, mine)
+            if write is None or await self._write([write]) == [False]:  # (True: the row changed first)
                 return amounts(entry.needs, [adds])
         raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 

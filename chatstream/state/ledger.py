@@ -135,29 +135,23 @@ class Charge(Payer):
 TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
-def raised_by(ops: str, by: str) -> tuple[int, int] | None:
-    """What ``by``'s raise of a row counted (tokens, cost), if its op (``raised``) is in ``ops``: a
-    recovery run again, or at once elsewhere, counts what it did, once."""
-    for op in ops.split():
-        who, _, counted = op.rpartition("=")
-        if who == by:
-            tokens, _, cost = counted.partition("/")
-            return int(tokens), int(cost)
-    return None
-
-
-def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge, Charge] | None:
+def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge | None, Charge]:
     """The one way a row is raised: the write that takes ``there`` (a charge's row as read,
     ``Ledger.find``; None: there is none) to ``charge``, made on that row (its author kept, on its
     ETag: ``write`` lands it if the row did not change first), its op ``by=tokens/cost`` naming who
     raised it (a recovery: TAKEOVER + the dead instance; a stream's taker: an id of its own) and what
-    it adds; and what it adds, as a charge of the difference. None if the row holds as much already."""
-    if there is None:
-        adds, cost, write = charge.total_tokens, charge.cost or 0, charge
-    else:
-        adds, cost = charge.total_tokens - there.total_tokens, (charge.cost or 0) - (there.cost or 0)
+    it adds; and what it adds, as a charge of the difference. No write if the row holds as much
+    already (it adds nothing), or if ``by`` raised it already: it adds what that raise did (a
+    recovery run again, or at once elsewhere, counts it once)."""
+    ops = {who: counted for who, _, counted in (op.rpartition("=") for op in there.ops.split())} if there else {}
+    if by in ops:  # (a bare id, a taker's op as an older version wrote it, names no one)
+        tokens, _, cost = ops[by].partition("/")
+        return None, replace(charge, prompt_tokens=int(tokens), completion_tokens=0, cost=int(cost))
+    write, adds, cost = charge, charge.total_tokens, charge.cost or 0
+    if there is not None:
+        adds, cost = adds - there.total_tokens, cost - (there.cost or 0)
         if adds <= 0:
-            return None
+            return None, replace(charge, prompt_tokens=0, completion_tokens=0, cost=0)
         write = replace(charge, author=there.author, ops=there.ops, over=there.over)
     write = replace(write, ops=f"{write.ops} {by}={adds}/{cost}".strip())
     return write, replace(charge, prompt_tokens=adds, completion_tokens=0, cost=cost)

@@ -21,7 +21,7 @@ from chatstream.state.callers import Caller, CallerSpec, Team, TeamSpec
 from chatstream.state.counter_row import day_of, parse_holds
 from chatstream.state.instances import InstanceTiming
 from chatstream.state.journal import Recovery, journal_name
-from chatstream.state.ledger import Charge, Payer, raised_by
+from chatstream.state.ledger import Charge, Payer, raised
 from chatstream.state.port import Unavailable, Used
 from chatstream.state.prices import Price, PriceSpec
 from chatstream.state.shared import SharedState
@@ -476,8 +476,9 @@ async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is
     c.store.replace = replace  # type: ignore[method-assign]
     row = ledger_rows(data)[rec3.id]  # it says what a's recovery counted of it (its raise, or all)
     made = row["prompt_tokens"] + row["completion_tokens"]
-    counted = raised_by(row["ops"], "takeover:instance-a")
-    assert counted is not None and counted[0] == made - (1 + going_on.prompt_tokens if first == "taker" else 0)
+    there = Charge.of(row)
+    write, counted = raised(there, there, "takeover:instance-a")
+    assert write is None and counted.total_tokens == made - (1 + going_on.prompt_tokens if first == "taker" else 0)
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
     going_on.reservation.release()

@@ -20,7 +20,7 @@ from chatstream.manage import as_csv, totals
 from chatstream.state.counter_row import day_of, window_of
 from chatstream.state.counters import Settlement
 from chatstream.state.journal import JournalEntry
-from chatstream.state.ledger import Charge, Ledger, Payer, raised, raised_by, summarize
+from chatstream.state.ledger import Charge, Ledger, Payer, raised, summarize
 from chatstream.state.shared import SharedState
 from chatstream.state.store import USAGE_TABLE
 
@@ -88,17 +88,24 @@ async def test_one_row_per_charge_and_segment_idempotent_by_day_request_and_segm
     row = await ledger.find(first)
     up = raised(row, replace(first, completion_tokens=30, cost=7, author="instance-c"), "op1")
     late = raised(row, replace(first, completion_tokens=25, cost=5), "op2")
-    assert raised(row, first, "op3") is None  # the row holds as much
-    assert up is not None and late is not None and up[1].total_tokens == 10 and up[1].cost == 7
+    held = raised(row, first, "op3")  # the row holds as much: no write, it adds nothing
+    assert held[0] is None and held[1].total_tokens == 0 and held[1].cost == 0
+    assert up[0] is not None and late[0] is not None and up[1].total_tokens == 10 and up[1].cost == 7
     assert await ledger.write([up[0]]) == [False] and await ledger.write([up[0]]) == [False]
     assert await ledger.write([late[0]]) == [True]
     there = await ledger.find(first)
     assert there is not None and there.completion_tokens == 30 and there.author == "instance-a"
-    assert raised_by(there.ops, "op1") == (10, 7) and raised_by(there.ops, "op2") is None
+    # A raise by op1 again (a recovery run again) adds what op1 added, with no write; op2 never landed.
+    higher = replace(first, completion_tokens=99)
+    again = raised(there, higher, "op1")
+    assert again[0] is None and (again[1].total_tokens, again[1].cost) == (10, 7)
+    assert raised(there, higher, "op2")[0] is not None
     # A row as the previous version left it (a taker's op a bare id) is raised the same, and an op of
     # this one reads as no recovery's there (the previous version looks for "takeover:<id>=" only).
-    assert raised_by("a1b2c3 takeover:x=5/7 d4e5f6=1/2", "takeover:x") == (5, 7)
-    assert raised_by("a1b2c3 d4e5f6=1/2", "a1b2c3") is None
+    older = replace(there, ops="a1b2c3 takeover:x=5/7 d4e5f6=1/2")
+    recovered = raised(older, higher, "takeover:x")
+    assert recovered[0] is None and (recovered[1].total_tokens, recovered[1].cost) == (5, 7)
+    assert raised(replace(there, ops="a1b2c3 d4e5f6=1/2"), higher, "a1b2c3")[0] is not None
     # 10 concurrent writes of one request: one row.
     same = await asyncio.gather(*(ledger.write([charge(request_id="same", day="20261104")]) for _ in range(10)))
     assert same == [[False]] * 10
