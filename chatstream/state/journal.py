@@ -103,12 +103,12 @@ class JournalEntry:
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
-    settlement: Settlement | None = None  # settled: its charges in the budget counters, and their numbers
+    settlement: Settlement = field(default_factory=Settlement)  # settled: its charges in the budget counters
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
-    seqs: dict[CounterKey, int] = field(default_factory=dict)  # read back: ``settlement.seqs`` as written
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``settlement.seqs``)
     # The JSON of the fields set once; (state, segment, stream, epoch) as last serialised, and the
     # JSON of all but the checkpoint then (``serialised``)
     _fixed: str = field(default="", repr=False)
@@ -165,7 +165,7 @@ class JournalEntry:
         if self.state == "settled":
             doc["charges"] = [c.values() for c in self.charges]
             doc["amounts"] = _named(self.amounts)
-            doc["seqs"] = _named(self.settlement.seqs) if self.settlement is not None else {}
+            doc["seqs"] = _named(self.seqs)
         return doc
 
     @classmethod
@@ -245,7 +245,7 @@ class Journal:
         entry.state = "settled"
         entry.charges = charges
         entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
-        entry.settlement = settlement
+        entry.settlement, entry.seqs = settlement, settlement.seqs
         entry.generated = None
         self.changed()
 
@@ -346,7 +346,7 @@ class Journal:
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
             for key, e in self.entries.items()
-            if not (e.state == "settled" and e.written.is_set() and (e.settlement is None or e.settlement.applied()))
+            if not (e.state == "settled" and e.written.is_set() and e.settlement.applied())
         }
         listed = self._listing()
         # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
@@ -380,8 +380,7 @@ class Journal:
             entry.listed = True
         for entry in settled_now:
             entry.journaled = True
-            if entry.settlement is not None:
-                entry.settlement.journaled(self.number)
+            entry.settlement.journaled(self.number)
         if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
             self._rows = asyncio.ensure_future(self._write_rows())
 
@@ -412,9 +411,8 @@ class Journal:
                     failed += outcome.count(None)
                     continue
                 entry.written.set()
-                if entry.settlement is not None:
-                    theirs = [c for c, t in zip(entry.charges, outcome, strict=True) if t]
-                    entry.settlement.confirm(amounts(entry.needs, theirs))  # now the counters take them in
+                theirs = [c for c, t in zip(entry.charges, outcome, strict=True) if t]
+                entry.settlement.confirm(amounts(entry.needs, theirs))  # now the counters take them in
             self.changed()  # entries all in leave the journal
             if failed:
                 log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", failed, backoff)
@@ -430,7 +428,7 @@ class Journal:
         for key, entry in list(self.entries.items()):
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
                 entry.orphaned = True
-                if entry.settlement is not None and not entry.journaled:  # settled here since: as in ``settle``
+                if not entry.journaled:  # settled here since (or open: nothing staged): as in ``settle``
                     entry.settlement.confirm(less=entry.amounts)
                 del self.entries[key]
         self._etag = None
