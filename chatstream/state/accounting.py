@@ -295,14 +295,12 @@ class Accounting:
     ) -> None:
         """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
         (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
-        earlier producers' part) and ``floor`` tokens more (events its caller received whose text is
-        not known). Call it right after the admission; again with a longer ``text`` (what its caller
-        was found to have received): the row (none, a recovery's or its own) is raised to it
-        (``ledger.raised``), journaled, written (counting nothing if the row changed meanwhile), then
-        counted. Never raises: a store failure is tried again, and a raise waits for the earlier
-        charge's row, for ``patience`` seconds (nobody else can make it: the dead instance's recovery
-        knows only its checkpoint); within it, a raise whose row changed first is made again on the
-        row as it is then; past it, that recovery charges the part at its checkpoint."""
+        earlier producers' part) and ``floor`` tokens more (events its caller received, text unknown).
+        Call it right after the admission; again with a longer ``text``: the row (none, a recovery's
+        or its own) is raised to it (``ledger.raised``) as a correction (``_correct``). Never raises:
+        for ``patience`` seconds a store failure is tried again, a raise waits for the earlier one's
+        row, and one whose row changed first is made again; past it, the dead instance's recovery
+        charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
         made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
@@ -370,9 +368,8 @@ class Accounting:
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
-        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's
-        block (the continuation, ``admission``, charges from the first of its own), on the stream's
-        day, its prompt the request's and the answer so far (``before``) that producer was sent."""
+        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
+        (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
         admission.entry.segment = segment_base(epoch)
         payer = replace(admission.entry.payer, day=day_of(started))
         prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
@@ -392,13 +389,10 @@ class Accounting:
         before: str = "",
     ) -> Callable[[float], asyncio.Task]:
         """What this taker knows its lost producer generated (``text()`` and ``floor()`` tokens more,
-        growing as its continuation stands in for what that producer's caller received), journaled
-        as that part's checkpoint (``JournalEntry``): if this instance dies before it raised the
+        growing), journaled as that part's checkpoint: if this instance dies before it raised the
         part's row to it, its recovery does. The function returned (given ``charge_lost``'s
-        ``patience``) raises it to what is known then (journaled at once, not at the next interval),
-        and the knowledge leaves the journal and the budget rows: in the background, so that a
-        request cancelled meanwhile (its end, a drain) still makes it; cancelled itself (the process
-        stops), the knowledge stays journaled."""
+        ``patience``) raises it to what is known then, in the background (a request cancelled
+        meanwhile still makes it), and the knowledge leaves the journal and the budget rows."""
         started = started or self.counters.clock()  # read once: the part's day is one, whenever it is raised
         knows = self._lost_part(admission, started, epoch, before)
         knows.generated, knows.floor = lambda: {0: text()}, floor
@@ -425,8 +419,7 @@ class Accounting:
     ) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
-        journal's settled entry ``key``. Journaled once this instance has its entry in each budget
-        row (it may have held none of it; unless the counters' store is down: then it waits no longer)."""
+        journal's settled entry ``key``, once this instance has its entry in each budget row."""
         settlement = self.counters.adjust(wants, at)
         await self.counters.entered(settlement, LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
@@ -436,8 +429,8 @@ class Accounting:
         return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
-        """What the request created (``response`` ``created``) is its caller's. A background
-        response's reservation is recorded, to be corrected when its usage is seen."""
+        """What the request created is its caller's; a background response's reservation is kept,
+        to be corrected when its usage is seen."""
         reserved = (
             max((w.need for w in admission.wants if w.key.row in ("tokens", "tpm")), default=0) if background else 0
         )
@@ -475,9 +468,8 @@ class Accounting:
             log.warning("owners: %s could not be forgotten: %s", kind, exc)
 
     async def charge_seen(self, caller: Caller, kind: str, id: str, model: str, used: Used, endpoint: str) -> None:
-        """A stored response read back (a follow-up), over, that used ``used``: its size is kept (a
-        continuation of it reserves that), and if nobody charged it yet (on any instance), it is
-        charged now, corrected from what it reserved (``_correct``): a background response."""
+        """A stored response read back, over, that used ``used``: its size is kept, and if nobody
+        charged it yet (a background response), it is charged now, corrected from what it reserved."""
         try:
             await self.owners.set_context(kind, id, used.total)
             if not await self.owners.first_charge(kind, id):
@@ -499,9 +491,8 @@ class Accounting:
         await self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
-        """Wait for the charges in flight to be settled and written everywhere (tests, shutdown). The
-        journal and the counters keep the last part of ``within`` (``FLUSH_KEEP``, at most half): a
-        charge or a raise still waiting then is in the journal, which its recovery settles."""
+        """Wait for the charges in flight to be settled and written everywhere (tests, shutdown); the
+        journal and the counters keep the last ``FLUSH_KEEP`` (a raise still waiting is journaled)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         waited = deadline - min(FLUSH_KEEP, within / 2)

@@ -25,11 +25,10 @@ done again by the next duty holder, and two at once charge everything once.
    is theirs to count; a taker's raise of a lost part counts if it is in the row). An open entry's
    row (a request's, or a lost part's its taker knew of), ``ended: lost``, is raised
    (``ledger.raised``) to its checkpoint, or, a resumable stream's, to what its producer's part of
-   the log holds if more (``told``); only what the raise adds is counted here, and the row says it,
-   so a run again, or at once, counts it once. A row an older version's recovery wrote (no op of
-   its own) does not say what that one counted: none of it is counted here, only a raise above it
-   (counting it would count a taker's raise of it again); the budget rows stay below the ledger by
-   its part if that recovery died before step 3.
+   the log holds if more (``told``); only what the raise adds is counted, and the row says it, so
+   a run again, or at once, counts it once (takers count their own raises). A row an older
+   version's recovery wrote (no op of its own) counts nothing here, only a raise above it (the
+   budget rows stay below the ledger by its part if that recovery died before step 3).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -67,13 +66,11 @@ from .streamlog.format import producer_events, stored_log
 log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
-# A write that a request's change wakes (its entry opened, most often) waits this long first, unless
-# something waits for it (``listed``, ``note_counter``): the request's upstream call goes out before
-# the journal's store call, not behind it. Well within JOURNAL_SECONDS: an entry is still written within it.
+# A write a change wakes waits this long first, unless something waits for it (``listed``,
+# ``note_counter``): a request's upstream call goes out before the journal's store call.
 WAKE_DELAY = 0.02
-# A budget counter stays listed this long after this instance last needed it: the next request of
-# the caller (or team) holds it again without a journal write first (note_counter). Listed without
-# holding costs a takeover one read of its row, nothing else.
+# A budget counter stays listed this long after it was last needed: the caller's next request holds
+# it again without a journal write first (note_counter); a takeover reads its row, nothing else.
 LISTED_SECONDS = 60.0
 
 
@@ -84,8 +81,7 @@ def journal_name(instance: str) -> str:
 @dataclass
 class JournalEntry:
     """One request in the journal, open or settled; or a correction of one (``accounting._correct``,
-    settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open: what it is
-    known to hold is its checkpoint, its segment that part's row): one as the other."""
+    settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open)."""
 
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
@@ -109,8 +105,7 @@ class JournalEntry:
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
     seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``settlement.seqs``)
-    # The JSON of the fields set once; (state, segment, stream, epoch) as last serialised, and the
-    # JSON of all but the checkpoint then (``serialised``)
+    # ``serialised``: the JSON of the fields set once; of all but the checkpoint, and for which fields
     _fixed: str = field(default="", repr=False)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
@@ -137,11 +132,8 @@ class JournalEntry:
         return Charge.made(self.payer, self.model, used, self.price, "lost", author, self.segment)
 
     def serialised(self) -> str:
-        """Its document in the journal, as JSON. Its fields are set once, but for its state, segment,
-        stream and epoch: their JSON is made once, the rest's again when one of those changes (its
-        settling), and a write serialises only an open request's checkpoint (``generated``, its last
-        field) anew (the journal is written every ``JOURNAL_SECONDS`` with every open request in
-        it, and once more as each settles: issue #44)."""
+        """Its document in the journal, as JSON: made again only as its state, segment, stream or
+        epoch change, but for an open request's checkpoint (``generated``, its last field; issue #44)."""
         fields = (self.state, self.segment, self.stream, self.epoch)
         if self._head[0] != fields:
             if not self._fixed:
@@ -170,8 +162,7 @@ class JournalEntry:
 
     @classmethod
     def read(cls, doc: Mapping[str, Any]) -> JournalEntry:
-        """An entry as a written journal holds it (``serialised``; an open one's checkpoint as
-        ``counted_tokens``)."""
+        """An entry as a written journal holds it (an open one's checkpoint as ``counted_tokens``)."""
 
         def parsed(named: Mapping[str, Any] | None) -> dict[CounterKey, Any]:
             return {CounterKey.parse(key): value for key, value in (named or {}).items()}
@@ -236,9 +227,8 @@ class Journal:
     def settle(
         self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], settlement: Settlement
     ) -> None:
-        """The request is over, having ``spent`` (per counter; what it reserved of its budget counters
-        is journaled): listed as settled, then its ledger rows, then the counters (module docstring);
-        all in the background."""
+        """The request is over, having ``spent`` (per counter): listed as settled, then its ledger rows,
+        then the counters (module docstring); all in the background."""
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
             settlement.confirm(less=spent)  # all of it less: nothing enters a row here
             return
@@ -250,9 +240,8 @@ class Journal:
         self.changed()
 
     async def listed(self, entry: JournalEntry, within: float) -> None:
-        """Wait until a written journal lists ``entry`` (a request, before its upstream call: if this
-        instance dies after it, the takeover charges it), at most ``within`` seconds. Not while the
-        journal cannot be written (a store outage): the request goes on, listed once it can be."""
+        """Wait until a written journal lists ``entry``, at most ``within`` seconds; not while it cannot
+        be written (a store outage): the request goes on, listed once it can be."""
         if entry.listed or self._failing or self._closed:
             return
         with contextlib.suppress(TimeoutError):
@@ -260,9 +249,8 @@ class Journal:
                 await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
-        """Before this instance holds any of budget counter ``key``: the journal lists it (written:
-        needed now, so listed for ``LISTED_SECONDS``), and goes on listing it while ``holding()``
-        says the counters hold some."""
+        """Before this instance holds any of budget counter ``key``: a written journal lists it, and
+        goes on listing it while ``holding()`` (and ``LISTED_SECONDS`` after)."""
         self._holding[key] = holding
         while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
             self._needed_at[key] = asyncio.get_running_loop().time()
@@ -385,8 +373,8 @@ class Journal:
             self._rows = asyncio.ensure_future(self._write_rows())
 
     def _listing(self) -> list[CounterKey]:
-        """The counters to list: those the counters hold some of or a request needs, and those needed
-        within ``LISTED_SECONDS`` (with no request listed, the writer writes again when they lapse)."""
+        """The counters to list: those held, or needed by a request, within ``LISTED_SECONDS`` (with no
+        request listed, the writer writes again when they lapse)."""
         now = asyncio.get_running_loop().time()
         needed = {key for key, holding in self._holding.items() if holding()}
         needed |= {key for e in self.entries.values() for key in e.needs}
@@ -397,10 +385,9 @@ class Journal:
         return sorted(needed | set(kept))
 
     async def _write_rows(self) -> None:
-        """The ledger rows of the settled requests a written journal lists (ledger.py), tried again
-        until they are in; as a request's rows land, its charges may enter the budget counters, but
-        for segments whose row another instance wrote first (that one counts them). Off the journal
-        writer's path: a request waiting for its listing does not wait for rows."""
+        """The ledger rows of the settled requests a written journal lists, tried again until they are
+        in; then their charges enter the budget counters, but for rows another instance wrote first
+        (that one counts them). Off the writer's path: a listing does not wait for rows."""
         backoff = self.interval
         while waiting := [e for e in self.entries.values() if e.journaled and not e.written.is_set()]:
             landed = iter(await self.ledger.write([c for e in waiting for c in e.charges]))
@@ -437,9 +424,8 @@ class Journal:
         self.number += 1
 
     async def met_seal(self) -> int | None:
-        """A budget row lost this instance's entry (counters.py): once a write since tells whether the
-        journal was sealed (then it is ``_fenced``), this journal's ``number``; None if it could not
-        be written."""
+        """A budget row lost this instance's entry (counters.py): this journal's ``number`` once a write
+        tells whether it was sealed (``_fenced``); None if it could not be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())
         return self.number if self._etag is None or not self._failing else None
@@ -489,8 +475,7 @@ Told = Callable[[str, bytes], str]
 
 
 class Recovery:
-    """Settles a dead instance's journal (module docstring); ``told`` reads a resumable stream's log
-    (None: the checkpoint alone)."""
+    """Settles a dead instance's journal (module docstring); ``told``: None, the checkpoint alone."""
 
     def __init__(self, store: Store, ledger: Ledger, told: Told | None = None):
         self.store = store
@@ -529,8 +514,7 @@ class Recovery:
         raise StoreError("the journal kept changing while it was being sealed")
 
     async def _logged(self, entry: JournalEntry) -> int:
-        """Completion tokens of an open entry's part of its resumable stream's log (0: none, or the
-        store failed: the checkpoint is charged)."""
+        """Completion tokens of an open entry's part of its stream's log (0: none, or not read)."""
         if self.told is None or not entry.stream:
             return 0
         try:
@@ -554,9 +538,7 @@ class Recovery:
         return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
 
     async def _raise(self, entry: JournalEntry, mine: str, logged: int) -> dict[CounterKey, int]:
-        """Step 2 for an open entry: what its raise adds, counted once whatever takers raised the row
-        by since (they count their own); a row at its checkpoint or above (a stream's taker charged
-        the part from its log first) is left, counting nothing."""
+        """Step 2 for an open entry: what its raise adds."""
         charge = entry.lost_charge(mine, logged)
         for _ in range(MAX_ATTEMPTS):
             write, adds = raised(await self.ledger.find(charge), charge, mine)

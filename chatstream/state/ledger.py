@@ -34,9 +34,8 @@ ZEROS = (*SUMMED, "total_tokens", "requests", "unpriced_requests", "cost_picousd
 
 @dataclass(frozen=True, kw_only=True)
 class Payer:
-    """Who pays for which request: the caller and its team (names and ids), the request's id and
-    endpoint, and the UTC day it started (``YYYYMMDD``: its rows' key). Its journal entry holds it
-    (journal.py); each of its charges is made of it."""
+    """Who pays for which request, and the UTC day it started (``YYYYMMDD``: its rows' key). Its
+    journal entry holds it; each of its charges is made of it."""
 
     caller: str
     caller_id: str
@@ -52,8 +51,7 @@ class Payer:
         return cls(**found)
 
     def values(self) -> dict[str, Any]:
-        """Its fields by name: ``asdict`` without its deep copy (every field is a str, an int or
-        None), which cost more than the rest of a charge's making (issue #44)."""
+        """Its fields by name (``asdict``'s deep copy cost more than the rest of a charge: issue #44)."""
         return dict(vars(self))
 
 
@@ -89,8 +87,7 @@ class Charge(Payer):
         segment: int = 0,
         upstream_id: str | None = None,
     ) -> Charge:
-        """The one way a charge is made: one segment of ``payer``'s request, at ``price`` (None:
-        unpriced)."""
+        """One segment of ``payer``'s request, at ``price`` (None: unpriced)."""
         return cls(
             **payer.values(),
             model=model,
@@ -126,8 +123,7 @@ class Charge(Payer):
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> Charge:
-        """A charge as the journal keeps it (``values``: everything, to write it again), or as its
-        ledger row holds it (``entity``: its day in the RowKey)."""
+        """A charge as the journal keeps it (``values``), or as its ledger row holds it (``entity``)."""
         found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
         return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
@@ -136,13 +132,12 @@ TAKEOVER = "takeover:"  # (``Charge.author``)
 
 
 def raised(there: Charge | None, charge: Charge, by: str) -> tuple[Charge | None, Charge]:
-    """The one way a row is raised: the write that takes ``there`` (a charge's row as read,
-    ``Ledger.find``; None: there is none) to ``charge``, made on that row (its author kept, on its
-    ETag: ``write`` lands it if the row did not change first), its op ``by=tokens/cost`` naming who
-    raised it (a recovery: TAKEOVER + the dead instance; a stream's taker: an id of its own) and what
-    it adds; and what it adds, as a charge of the difference. No write if the row holds as much
-    already (it adds nothing), or if ``by`` raised it already: it adds what that raise did (a
-    recovery run again, or at once elsewhere, counts it once)."""
+    """The one way a row is raised: the write that takes ``there`` (``Ledger.find``; None: no row) to
+    ``charge``, made on that row (its author kept; ``write`` lands it if the row did not change
+    first), its op ``by=tokens/cost`` naming who raised it (a recovery: TAKEOVER + the dead instance;
+    a stream's taker: an id of its own); and what it adds, as a charge of the difference. No write
+    if the row holds as much already (adding nothing), or if ``by`` raised it already (adding what
+    that raise did: a recovery run again, or at once elsewhere, counts it once)."""
     ops = {who: counted for who, _, counted in (op.rpartition("=") for op in there.ops.split())} if there else {}
     if by in ops:  # (a bare id, a taker's op as an older version wrote it, names no one)
         tokens, _, cost = ops[by].partition("/")
@@ -164,10 +159,9 @@ class Ledger:
     # --- writing ----------------------------------------------------------------------------
 
     async def write(self, charges: Sequence[Charge]) -> list[bool | None]:
-        """Write ``charges``: per partition, in transactions of up to 100 rows; a raise (``raised``)
-        on its own. Per charge: None if it did not land (the store failed: write it again), else
-        whether its row is another instance's, found there first (that writer counted it), or, of a
-        raise, whether the row changed first (it counts nothing)."""
+        """Write ``charges``: per partition, in transactions of up to 100 rows; a raise on its own. Per
+        charge: None if it did not land (write it again), else whether its row is another instance's,
+        found there first (that writer counted it), or, of a raise, the row changed first."""
         found: dict[int, bool] = {}  # charge (index) -> theirs
         rows: dict[tuple[str, str], list[int]] = {}  # (partition, row key) -> its charges
         for i, charge in enumerate(charges):
@@ -199,9 +193,8 @@ class Ledger:
         return [found.get(i) for i in range(len(charges))]
 
     async def _insert(self, charges: Sequence[Charge], chunk: list[list[int]], found: dict[int, bool]) -> None:
-        """Insert a row per item of ``chunk`` (the charges of one row) as one transaction; a row
-        already there (written before, its answer lost; or another instance's) is taken out and the
-        rest tried again. What landed goes into ``found``."""
+        """Insert a row per item of ``chunk`` (the charges of one row) as one transaction; a row already
+        there (ours, its answer lost; or another's) is taken out and the rest tried again."""
         chunk = list(chunk)
         while chunk:
             try:
@@ -222,9 +215,8 @@ class Ledger:
         return replace(Charge.of(row), over=row.etag) if row is not None else None
 
     async def _raise(self, charge: Charge) -> bool:
-        """Write a raise (``raised``) on the row it was made on (``over``; None: inserted): True if
-        it is in the row, written now or before (its op is in the row's ``ops``); False if the row
-        changed first."""
+        """Write a raise on the row it was made on (``over``): True if it is in the row (now or
+        before); False if the row changed first."""
         try:
             if charge.over is None:
                 await self.store.insert(USAGE_TABLE, charge.entity())
@@ -248,9 +240,9 @@ class Ledger:
         model: str | None = None,
         team_id: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Tokens (prompt, cached, completion), requests (with how they ended) and cost by caller,
-        team, model and UTC day, over the days ``start`` to ``end`` inclusive, optionally of one
-        caller (by id), team (by id; by name: the rows of deleted teams of that name) or model."""
+        """Tokens, requests (with how they ended) and cost by caller, team, model and UTC day, over
+        ``start`` to ``end`` inclusive, optionally of one caller (by id), team (by id; by name: the
+        rows of deleted teams of that name) or model."""
         equal: dict[str, Any] = {}
         if team_id is not None:
             equal["team_id"] = team_id
@@ -268,8 +260,7 @@ class Ledger:
         return summarize(await self.store.query(USAGE_TABLE, where, timeout=USAGE_TIMEOUT))
 
     async def sweep(self, keep_days: int, now: float, limit: int = 1000) -> int:
-        """Delete the charges older than ``keep_days`` days (LEDGER_RETENTION_DAYS): at most ``limit``
-        rows per sweep; the number deleted."""
+        """Delete at most ``limit`` charges older than ``keep_days`` days; the number deleted."""
         cutoff = datetime.fromtimestamp(now, UTC).date() - timedelta(days=keep_days)
         old = await self.store.query(
             USAGE_TABLE, Where(rows_to=f"{cutoff:%Y%m%d}", select=(), limit=limit), timeout=USAGE_TIMEOUT
