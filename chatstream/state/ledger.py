@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError
 from .callers import usd
@@ -46,9 +46,10 @@ class Payer:
     day: str
 
     @classmethod
-    def of(cls, values: Mapping[str, Any]) -> Payer:
-        found: dict[str, Any] = {k: values.get(k) for k in cls.__dataclass_fields__}
-        return cls(**found)
+    def of(cls, values: Mapping[str, Any]) -> Self:
+        """One as the journal keeps it (``values``), or a charge as its ledger row holds it (``entity``)."""
+        found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
     def values(self) -> dict[str, Any]:
         """Its fields by name (``asdict``'s deep copy cost more than the rest of a charge: issue #44)."""
@@ -120,12 +121,6 @@ class Charge(Payer):
         if not values["ops"]:
             del values["ops"]
         return values
-
-    @classmethod
-    def of(cls, values: Mapping[str, Any]) -> Charge:
-        """A charge as the journal keeps it (``values``), or as its ledger row holds it (``entity``)."""
-        found = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
-        return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
 
 TAKEOVER = "takeover:"  # (``Charge.author``)
