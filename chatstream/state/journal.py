@@ -530,21 +530,17 @@ class Recovery:
 
     async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
         """Step 2 for one entry: what it brings into each budget counter, less what others count."""
-        if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part
-            return await self._raise(entry, TAKEOVER + dead, await self._logged(entry))
+        if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part: raised
+            charge = entry.lost_charge(TAKEOVER + dead, await self._logged(entry))
+            for _ in range(MAX_ATTEMPTS):
+                write, adds = raised(await self.ledger.find(charge), charge, charge.author)
+                if write is None or await self._write([write]) == [False]:  # (True: the row changed first)
+                    return amounts(entry.needs, [adds])
+            raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
         theirs = await self._write(entry.charges)  # (a stream's taker charged a part first: it counts it)
         less = amounts(entry.needs, [c for c, t in zip(entry.charges, theirs, strict=True) if t])
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
         return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
-
-    async def _raise(self, entry: JournalEntry, mine: str, logged: int) -> dict[CounterKey, int]:
-        """Step 2 for an open entry: what its raise adds."""
-        charge = entry.lost_charge(mine, logged)
-        for _ in range(MAX_ATTEMPTS):
-            write, adds = raised(await self.ledger.find(charge), charge, mine)
-            if write is None or await self._write([write]) == [False]:  # (True: the row changed first)
-                return amounts(entry.needs, [adds])
-        raise StoreError(f"the ledger row of {charge.request_id} kept changing while it was being recovered")
 
     async def _write(self, charges: list[Charge]) -> list[bool]:
         """``Ledger.write`` for a recovery: each charge's row landed (False) or another's (True)."""
