@@ -20,7 +20,7 @@ exchange before their upstream call. What every instance keeps idle together sta
 
 **Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
 When its answer is lost, nothing is given back on a guess: the row is read again to learn whether
-the write landed (``Lease._resolve``), and until that is known the counter's reservations answer
+the write landed (``Lease._exchange``), and until that is known the counter's reservations answer
 "unavailable". So the row always equals what the instances hold plus what was spent, whatever
 pattern of timeouts the store has.
 
@@ -328,13 +328,12 @@ class Lease:
         if self._has_work():
             self.kick()
 
-    async def _read(self) -> None:
-        self.seen = await counter_row.read(self.counters.store, *self.key, SLOW_TIMEOUT)
-        self.known = True
-
     async def _exchange(self) -> None:
-        """One exchange (module docstring): each attempt reads the row unless it is known, first
-        decides a write whose answer was lost, then writes; a conflict or a takeover tries again."""
+        """One exchange (module docstring): each attempt reads the row unless it is known, then
+        writes; a conflict or a takeover tries again. A write whose answer was lost is decided first:
+        the row changed since its condition, this instance's entry says whether it landed (each write
+        carries the next exchange number); unchanged, the same write is sent again (at most one of
+        the two can land). That serves no waiter: they heard "unavailable" when its answer was lost."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
@@ -342,12 +341,20 @@ class Lease:
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
-                await self._read()
-                fresh = True
-            if self.uncertain is not None and not await self._resolve():
-                self.known = False  # sent again, and the row changed meanwhile: look again
-                continue
+                self.seen = await counter_row.read(counters.store, *self.key, SLOW_TIMEOUT)
+                self.known = fresh = True
             seen = self.seen
+            written, self.uncertain = self.uncertain, None
+            if written is not None and seen.etag == written.etag:
+                await self._send(written)
+                continue
+            if written is not None:
+                mine, wrote = seen.holds.get(counters.instance), written.row.holds.get(counters.instance)
+                if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
+                    landed = mine is None and not counters.instances.fenced.is_set()
+                else:
+                    landed = mine is not None and mine.exchange >= wrote.exchange
+                self._follow(written, landed and seen.window == written.row.window)
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
             same = seen.counts_in(self.window)
@@ -401,14 +408,7 @@ class Lease:
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
-            try:
-                landed = await self._write(written)
-            except StoreError:
-                self.uncertain = written  # did it land? ask the row before anything is given back
-                raise
-            self._follow(written, landed, waiters, chosen)
-            if not landed:  # the row changed since it was read
-                self.known = False
+            if not await self._send(written, waiters, chosen):
                 continue
             if lone is not None and self.hold_share:
                 self._renew_hold()
@@ -431,11 +431,16 @@ class Lease:
             keep = max(keep, self.hold_share)
         return keep
 
-    async def _write(self, written: _Written) -> bool:
-        """Send ``written``: False if its condition failed (the row changed)."""
-        row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
-        if row is not None:
-            self.seen, self.known = row, True
+    async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
+        """Send ``written`` and the books follow it: False if its condition failed (the row changed
+        since it was read); no answer, it stays ``uncertain``: the row is read before anything is given back."""
+        try:
+            row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
+        except StoreError:
+            self.uncertain = written
+            raise
+        self.seen, self.known = (row, True) if row is not None else (self.seen, False)
+        self._follow(written, row is not None, waiters, chosen)
         return row is not None
 
     def _follow(
@@ -471,30 +476,6 @@ class Lease:
             else:
                 part.granted.set_result(False)
         self.waiters = deque(part for part in self.waiters if not part.granted.done())
-
-    async def _resolve(self) -> bool:
-        """Decide a write whose answer was lost (module docstring) on the row just read: this
-        instance's entry says whether it landed (each write carries the next exchange number). The
-        row unchanged since the write's condition: the same write again (at most one can land; False:
-        the row changed meanwhile). It serves no waiter: they were told "unavailable" when its answer
-        was lost (what it granted them stays in the balance)."""
-        written = self.uncertain
-        assert written is not None
-        instance = self.counters.instance
-        mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
-        if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
-            if not await self._write(written):
-                return False  # something landed meanwhile (ours, late, perhaps)
-            landed = True
-        elif self.seen.window != written.row.window:
-            landed = False
-        elif wrote is not None:
-            landed = mine is not None and mine.exchange >= wrote.exchange
-        else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
-            landed = mine is None and not self.counters.instances.fenced.is_set()
-        self.uncertain = None
-        self._follow(written, landed)
-        return True
 
 
 @dataclass
