@@ -140,8 +140,8 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle...
-        self.hold: asyncio.TimerHandle | None = None  # ...while this is pending (when it ends: given back)
+        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle (0: no hold)...
+        self.hold: asyncio.TimerHandle | None = None  # ...until this ends it
         self.top_up = False  # a request served from the hold settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
@@ -173,8 +173,8 @@ class Lease:
             self.waiters.append(part)
             self.kick()
         else:
-            if self._serving():
-                self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+            if self.hold_share:
+                self._hold(self.hold_share)  # served from the hold: it is kept for the next request (a steady pace)
             self._grant(part)
         return part
 
@@ -194,7 +194,7 @@ class Lease:
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self._serving():
+        if self.hold_share:
             self.top_up = True  # what it spent of the hold is taken again, after the request
         return self.charge(spent)
 
@@ -241,35 +241,20 @@ class Lease:
         knowing it yet (a write for waiting reservations, one whose answer was lost)."""
         return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
-    def give_all_back(self) -> bool:
-        """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
-        the hold ends and an exchange starts."""
-        if not (self.balance or self._applicable() or self.uncertain):
-            return False
+    def _hold(self, share: int) -> None:
+        """Hold ``share`` for ``HOLD_SECONDS`` from now; 0: the hold ends, and an exchange gives back
+        what it kept."""
         if self.hold is not None:
             self.hold.cancel()
-            self.hold = None
-        self.kick()
-        return True
-
-    def _serving(self) -> bool:
-        """Whether a request now is served from the hold."""
-        return bool(self.hold_share) and self.hold is not None
-
-    def _renew_hold(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now; when it ends, an exchange gives back what it kept."""
-        if self.hold is not None:
-            self.hold.cancel()
-        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold_over)
-
-    def _hold_over(self) -> None:
-        self.hold = None
-        self.kick()
+        self.hold_share = share
+        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold, 0) if share else None
+        if not share:
+            self.kick()
 
     # --- the single flight ------------------------------------------------------------------
 
     def kick(self) -> None:
-        if self.flight is None and not self.counters.closed:
+        if self.flight is None and not self.counters.closed and self._has_work():
             self.flight = asyncio.ensure_future(self._run())
 
     def _pending(self) -> list[Part]:
@@ -281,14 +266,12 @@ class Lease:
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _has_work(self) -> bool:
-        holding = self.hold is not None
         return (
             self.uncertain is not None
-            or (self.top_up and holding)
+            or (self.top_up and self.hold_share > 0)
             or bool(self._pending())
             or bool(self._applicable())
-            or self.balance < 0  # a charge past the balance: the row pays the rest
-            or self.balance > (self.hold_share if holding else 0)
+            or not 0 <= self.balance <= self.hold_share  # below 0, a charge past the balance: the row pays
             or self.let_go
         )
 
@@ -325,8 +308,7 @@ class Lease:
 
     def _retry(self) -> None:
         self.retry = None
-        if self._has_work():
-            self.kick()
+        self.kick()
 
     async def _exchange(self) -> None:
         """One exchange (module docstring): each attempt reads the row unless it is known, then
@@ -386,7 +368,7 @@ class Lease:
                 continue
             lone = chosen[0].need if self.period == "minute" and len(waiters) == 1 and chosen else None
             others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
+            keep, hold = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
@@ -410,26 +392,28 @@ class Lease:
             self.balance -= written.balance_out
             if not await self._send(written, waiters, chosen):
                 continue
-            if lone is not None and self.hold_share:
-                self._renew_hold()
+            if lone is not None:
+                self._hold(hold)
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _keep(self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None) -> int:
-        """What this instance keeps unassigned after an exchange (the hold). ``room``: what the limit
-        leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of a lone
-        minute request granted now (it takes one more for the next: the hold's share)."""
-        holding = self.hold is not None and not waiting
+    def _keep(
+        self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None
+    ) -> tuple[int, int]:
+        """What this instance keeps unassigned after an exchange, and the hold's share. ``room``: what
+        the limit leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of
+        a lone minute request granted now (it takes one more for the next: the hold's share)."""
+        hold = 0 if waiting else self.hold_share
         # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = max(0, min(self.balance, self.hold_share)) if holding else 0
+        keep = max(0, min(self.balance, hold))
         share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
-        if top_up and holding:
+        if top_up:
             # The hold back to its size, so far as the limit and the other instances' idle shares allow.
-            keep = max(keep, min(self.hold_share, share, room))
+            keep = max(keep, min(hold, share, room))
         if lone is not None:
-            self.hold_share = max(0, min(lone, share, room - granted))
-            keep = max(keep, self.hold_share)
-        return keep
+            hold = max(0, min(lone, share, room - granted))
+            keep = max(keep, hold)
+        return keep, hold
 
     async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
         """Send ``written`` and the books follow it: False if its condition failed (the row changed
@@ -697,10 +681,9 @@ class Counters:
         it got there within ``within`` seconds."""
 
         def done() -> bool:
-            leases = self._leases.values()
-            return all(lease.flight is None for lease in leases) and not [
-                lease for lease in leases if lease.give_all_back()
-            ]
+            for lease in self._leases.values():
+                lease._hold(0)  # (what is left to give back starts an exchange)
+            return all(lease.flight is None for lease in self._leases.values())
 
         return await _until(done, lambda: list(self._leases.values()), within)
 
