@@ -135,7 +135,6 @@ class Lease:
         self.applied = 0  # the last charge in the row
         self.exchange = 0
         self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
-        self.let_go = False  # the last of them let go: the next exchange drops the entry
         self.waiters: deque[Part] = deque()  # parts the next exchange answers
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
@@ -272,8 +271,12 @@ class Lease:
             or bool(self._pending())
             or bool(self._applicable())
             or not 0 <= self.balance <= self.hold_share  # below 0, a charge past the balance: the row pays
-            or self.let_go
+            or self._lingers()
         )
+
+    def _lingers(self) -> bool:
+        """Whether this instance's entry is in a budget row only for lost parts that let go since."""
+        return self.in_row and self.period != "minute" and not (self.kept or self.held or self.staged)
 
     async def _run(self) -> None:
         try:
@@ -319,7 +322,6 @@ class Lease:
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
-        let_go, self.let_go = self.let_go, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
@@ -372,7 +374,7 @@ class Lease:
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
-            lingers = let_go and not (self.kept or self.held or self.staged) and counters.instance in holds
+            lingers = self._lingers()
             if delta == 0 and not applied and not chosen and not lingers:
                 self._answer(waiters, chosen)
                 return
@@ -664,9 +666,7 @@ class Counters:
         def let_go() -> None:
             for lease in leases:
                 lease.kept -= 1
-                if not lease.kept:
-                    lease.let_go = True
-                    lease.kick()
+                lease.kick()
             leases.clear()
 
         return let_go
