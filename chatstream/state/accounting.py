@@ -428,7 +428,7 @@ class Accounting:
         journal's settled entry ``key``. Journaled once this instance has its entry in each budget
         row (it may have held none of it; unless the counters' store is down: then it waits no longer)."""
         settlement = self.counters.adjust(wants, at)
-        await self.counters.entered(settlement, LISTED_WITHIN)
+        await settlement.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))

@@ -94,6 +94,7 @@ class _Written:
 
 @dataclass(eq=False)  # (one charge is in the books or not: ``in`` asks for this one)
 class _Staged:
+    lease: Lease
     seq: int
     amount: int
     confirmed: bool = False  # its ledger row is written: it may enter the row
@@ -188,14 +189,15 @@ class Lease:
             self.balance += part.need
             self.kick()
 
-    def settle(self, part: Part, spent: int) -> _Staged | None:
-        """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
+    def settle(self, part: Part, spent: Mapping[CounterKey, int]) -> _Staged | None:
+        """``part`` spent ``spent[key]`` (a request counts 1 whatever): the rest comes back, and the
+        spending is charged (``charge``)."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
         if self.hold_share:
             self.top_up = True  # what it spent of the hold is taken again, after the request
-        return self.charge(spent)
+        return self.charge(part.need if self.key.row.startswith("rpm") else max(0, int(spent.get(self.key, 0))))
 
     def charge(self, amount: int) -> _Staged | None:
         """``amount`` spent in the books' window (a correction: either sign), paid from the balance.
@@ -207,7 +209,7 @@ class Lease:
             self.held -= amount
         else:
             self.seq += 1
-            staged = _Staged(self.seq, amount)
+            staged = _Staged(self, self.seq, amount)
             self.staged.append(staged)
         self.kick()
         return staged
@@ -469,34 +471,39 @@ class Settlement:
     """What ``Reservation.settle`` (or ``Counters.adjust``) staged in the budget counters: ``confirm()``
     once the charge's ledger row is written, and they enter the rows."""
 
-    staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
+    charges: list[_Staged] = field(default_factory=list)
 
     @property
     def seqs(self) -> dict[CounterKey, int]:
         """Per counter, its charge's number (for the journal)."""
-        return {lease.key: s.seq for lease, s in self.staged}
+        return {charge.lease.key: charge.seq for charge in self.charges}
 
-    def entered(self) -> bool:
-        """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.in_row or staged not in lease.staged for lease, staged in self.staged)
+    async def entered(self, within: float) -> bool:
+        """Wait until each budget counter's row has this instance's entry (``Lease.in_row``; a
+        correction where it held nothing: its first exchange) or the charge in, at most ``within`` seconds."""
+        return await _until(
+            lambda: all(c.lease.in_row or c not in c.lease.staged for c in self.charges),
+            lambda: [charge.lease for charge in self.charges],
+            within,
+        )
 
     def journaled(self, number: int) -> None:
         """A landed write of journal ``number`` lists it settled: a takeover applies it from there."""
-        for _, staged in self.staged:
-            staged.journal = staged.journal or number
+        for charge in self.charges:
+            charge.journal = charge.journal or number
 
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
         taken out first (segments whose ledger row another instance wrote and counted). All of it
         less (a request a takeover charged): its charges let go, whichever books they were staged on
         (left unconfirmed, one would keep this instance's entry in the row until the window ended)."""
-        for lease, staged in self.staged:
-            lease.confirm(staged, (less or {}).get(lease.key, 0))
+        for charge in self.charges:
+            charge.lease.confirm(charge, (less or {}).get(charge.lease.key, 0))
 
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(staged not in lease.staged for lease, staged in self.staged)
+        return all(charge not in charge.lease.staged for charge in self.charges)
 
 
 @dataclass
@@ -511,14 +518,8 @@ class Reservation:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
         parts, self.parts = self.parts, []
-        settlement = Settlement()
-        for part in parts:
-            lease = part.lease
-            amount = part.need if lease.key.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
-            staged = lease.settle(part, amount)
-            if staged is not None:
-                settlement.staged.append((lease, staged))
-        return settlement
+        charges = [part.lease.settle(part, spent) for part in parts]
+        return Settlement([charge for charge in charges if charge is not None])
 
     def release(self) -> None:
         """Nothing is charged: everything reserved (the request too) goes back."""
@@ -649,9 +650,8 @@ class Counters:
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))
-            staged = lease.charge(want.need) if window_of(want.period, at) == lease.window else None
-            if staged is not None:
-                settlement.staged.append((lease, staged))
+            if window_of(want.period, at) == lease.window and (charge := lease.charge(want.need)) is not None:
+                settlement.charges.append(charge)
         return settlement
 
     def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
@@ -670,11 +670,6 @@ class Counters:
             leases.clear()
 
         return let_go
-
-    async def entered(self, settlement: Settlement, within: float) -> bool:
-        """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a
-        correction where it held nothing: its first exchange), at most ``within`` seconds."""
-        return await _until(settlement.entered, lambda: [lease for lease, _ in settlement.staged], within)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if

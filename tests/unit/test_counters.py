@@ -391,7 +391,7 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
 @pytest.mark.parametrize("need", [-150, 150])
 async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
     """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
-    the row: its first exchange puts this instance's entry in the row (``Counters.entered``: then it
+    the row: its first exchange puts this instance's entry in the row (``Settlement.entered``: then it
     may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
     older versions read it too), and then goes."""
     data = MemoryData()
@@ -401,7 +401,7 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
     first.settle({CounterKey("c|1", "tokens"): 200}).confirm()
     assert await a.flush(3) and row(data, "c|1", "tokens")["taken"] == 200
     settlement = b.adjust([want("tokens", 2_400, need, "month")], T0)
-    assert await b.entered(settlement, 3)
+    assert await settlement.entered(3)
     entry = parse_holds(row(data, "c|1", "tokens")["holds"])["b"]
     assert entry.held == need and entry.applied == 0  # what the row took of it, not in yet
     assert row(data, "c|1", "tokens")["taken"] == 200 + need
