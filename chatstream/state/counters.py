@@ -18,10 +18,9 @@ meanwhile waits for the next. A dead instance's entry in a budget row is taken o
 exchange before their upstream call. What every instance keeps idle together stays under
 ``HOLD_SHARE`` of the limit, however many instances there are.
 
-**Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
-When its answer is lost, nothing is given back on a guess: the row is read again to learn whether
-the write landed (``Lease._exchange``), and until that is known the counter's reservations answer
-"unavailable". So the row always equals what the instances hold plus what was spent, whatever
+**Every write is idempotent.** When an exchange's answer is lost, nothing is given back on a guess:
+the next exchange learns from the row whether it landed, and until then the counter's reservations
+answer "unavailable". So the row equals what the instances hold plus what was spent, whatever
 pattern of timeouts the store has.
 
 **What a recovery needs.** This instance's journal lists a budget counter before any of it is held
@@ -166,7 +165,7 @@ class Lease:
         self.applied = 0
 
     def ask(self, need: int, window: str) -> Part:
-        """A part of ``need``, granted from the balance at once, or else by the next exchange."""
+        """Granted from the balance at once, or else by the next exchange."""
         self.advance(window)
         part = Part(self, need, asyncio.get_running_loop().create_future())
         if self.waiters or self.uncertain is not None or self._servable() < need:
@@ -215,8 +214,7 @@ class Lease:
         return staged
 
     def confirm(self, staged: _Staged, less: int) -> None:
-        """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
-        another instance's, which counts it): what that took of the books comes back to the balance."""
+        """``Settlement.confirm``: what ``less`` took of the books comes back to the balance."""
         less = min(less, staged.amount)
         if less > 0 and not staged.confirmed and staged in self.staged:
             staged.amount -= less
@@ -305,8 +303,7 @@ class Lease:
         finally:
             self.flight = None
 
-    def _fail(self) -> None:
-        """The store did not tell: the waiting reservations are unavailable."""
+    def _fail(self) -> None:  # the store did not tell: the waiting reservations are unavailable
         for part in self.waiters:
             part.granted.cancel()
         self.waiters.clear()
@@ -317,10 +314,9 @@ class Lease:
 
     async def _exchange(self) -> None:
         """One exchange (module docstring): each attempt reads the row unless it is known, then
-        writes; a conflict or a takeover tries again. A write whose answer was lost is decided first:
-        the row changed since its condition, this instance's entry says whether it landed (each write
-        carries the next exchange number); unchanged, the same write is sent again (at most one of
-        the two can land). That serves no waiter: they heard "unavailable" when its answer was lost."""
+        writes; a conflict or a takeover tries again. A write whose answer was lost goes first: the
+        row changed since its condition, this instance's entry says whether it landed (each write
+        carries the next exchange number); unchanged, the same write goes again (at most one lands)."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
@@ -420,8 +416,7 @@ class Lease:
         return keep, hold
 
     async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
-        """Send ``written`` and the books follow it: False if its condition failed (the row changed
-        since it was read); no answer, it stays ``uncertain``: the row is read before anything is given back."""
+        """The books follow the write: False if the row changed since it was read; no answer: ``uncertain``."""
         try:
             row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
         except StoreError:
@@ -474,8 +469,7 @@ class Settlement:
     charges: list[_Staged] = field(default_factory=list)
 
     @property
-    def seqs(self) -> dict[CounterKey, int]:
-        """Per counter, its charge's number (for the journal)."""
+    def seqs(self) -> dict[CounterKey, int]:  # per counter, its charge's number (for the journal)
         return {charge.lease.key: charge.seq for charge in self.charges}
 
     async def entered(self, within: float) -> bool:
@@ -528,8 +522,7 @@ class Reservation:
             part.lease.give_back(part)
 
     @property
-    def needs(self) -> dict[CounterKey, int]:
-        """What it holds per budget counter, for the journal."""
+    def needs(self) -> dict[CounterKey, int]:  # what it holds per budget counter, for the journal
         return {p.lease.key: p.need for p in self.parts if p.lease.period != "minute"}
 
 
@@ -714,8 +707,7 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
     return done()
 
 
-def _granted(parts: list[Part]) -> list[Part]:
-    """The parts granted; those still waiting give up (unavailable)."""
+def _granted(parts: list[Part]) -> list[Part]:  # those still waiting give up (unavailable)
     for part in parts:
         part.granted.cancel()
     return [part for part in parts if not part.granted.cancelled() and part.granted.result()]
