@@ -366,9 +366,15 @@ class Lease:
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            lone = chosen[0].need if self.period == "minute" and len(waiters) == 1 and chosen else None
-            others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            keep, hold = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
+            # The hold (module docstring): what this instance keeps unassigned after the exchange.
+            idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
+            share = max(0, int(self.limit * HOLD_SHARE) - idle)
+            lone = self.period == "minute" and len(waiters) == 1 and bool(chosen)
+            if lone:  # it takes one more for the next request, as far as the limit leaves
+                keep = hold = max(0, min(total, share, room - total))
+            else:  # while holding, at most its share stays idle here; after a request it served, that again
+                hold = 0 if waiters else self.hold_share
+                keep = max(0, min(self.balance, hold), min(hold, share, room) if top_up else 0)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
@@ -392,28 +398,10 @@ class Lease:
             self.balance -= written.balance_out
             if not await self._send(written, waiters, chosen):
                 continue
-            if lone is not None:
+            if lone:
                 self._hold(hold)
             return
         raise StoreError("the counter kept changing under this instance")
-
-    def _keep(
-        self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None
-    ) -> tuple[int, int]:
-        """What this instance keeps unassigned after an exchange, and the hold's share. ``room``: what
-        the limit leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of
-        a lone minute request granted now (it takes one more for the next: the hold's share)."""
-        hold = 0 if waiting else self.hold_share
-        # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = max(0, min(self.balance, hold))
-        share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
-        if top_up:
-            # The hold back to its size, so far as the limit and the other instances' idle shares allow.
-            keep = max(keep, min(hold, share, room))
-        if lone is not None:
-            hold = max(0, min(lone, share, room - granted))
-            keep = max(keep, hold)
-        return keep, hold
 
     async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
         """The books follow the write: False if the row changed since it was read; no answer: ``uncertain``."""
