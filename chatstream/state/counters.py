@@ -378,8 +378,7 @@ class Lease:
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
-            lingers = self._lingers()
-            if delta == 0 and not applied and not chosen and not lingers:
+            if delta == 0 and not applied and not chosen and not self._lingers():
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
