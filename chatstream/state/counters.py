@@ -189,8 +189,7 @@ class Lease:
             self.kick()
 
     def settle(self, part: Part, spent: Mapping[CounterKey, int]) -> _Staged | None:
-        """``part`` spent ``spent[key]`` (a request counts 1 whatever): the rest comes back, and the
-        spending is charged (``charge``)."""
+        """``Reservation.settle`` of one part: the rest comes back, the spending is charged."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
