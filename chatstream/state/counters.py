@@ -569,7 +569,7 @@ class Counters:
         now = self.clock()
         for want in wants:
             if want.need > want.limit:
-                return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
+                return Refused(want.ref, want.limit, 0, want.need, _retry_after(want, now), alone=True)
         self._prune(now)
         # What the balances hold is granted at once: a request they all serve needs no loop hop.
         parts = [self._lease(w).ask(w.need, window_of(w.period, now)) for w in wants]
@@ -603,7 +603,7 @@ class Counters:
         order = {"spend": 0, "tokens": 1}
         part, want = min(refused, key=lambda refusal: order.get(refusal[0].lease.key.row, 2))
         lease = part.lease
-        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
+        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry_after(want, now))
 
     def _rates(self, asked: list[tuple[Part, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
@@ -699,5 +699,5 @@ def _granted(parts: list[Part]) -> list[Part]:  # those still waiting give up (u
     return [part for part in parts if not part.granted.cancelled() and part.granted.result()]
 
 
-def _retry(want: Want, now: float) -> float | None:
+def _retry_after(want: Want, now: float) -> float | None:
     return seconds_to_next_minute(now) if want.period == "minute" else None
