@@ -421,7 +421,7 @@ class Accounting:
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
         journal's settled entry ``key``, once this instance has its entry in each budget row."""
         settlement = self.counters.adjust(wants, at)
-        await self.counters.entered(settlement, LISTED_WITHIN)
+        await settlement.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))

@@ -18,10 +18,9 @@ meanwhile waits for the next. A dead instance's entry in a budget row is taken o
 exchange before their upstream call. What every instance keeps idle together stays under
 ``HOLD_SHARE`` of the limit, however many instances there are.
 
-**Every write is idempotent.** An exchange carries this instance's exchange number in its entry.
-When its answer is lost, nothing is given back on a guess: the row is read again to learn whether
-the write landed (``Lease._resolve``), and until that is known the counter's reservations answer
-"unavailable". So the row always equals what the instances hold plus what was spent, whatever
+**Every write is idempotent.** When an exchange's answer is lost, nothing is given back on a guess:
+the next exchange learns from the row whether it landed, and until then the counter's reservations
+answer "unavailable". So the row equals what the instances hold plus what was spent, whatever
 pattern of timeouts the store has.
 
 **What a recovery needs.** This instance's journal lists a budget counter before any of it is held
@@ -94,6 +93,7 @@ class _Written:
 
 @dataclass(eq=False)  # (one charge is in the books or not: ``in`` asks for this one)
 class _Staged:
+    lease: Lease
     seq: int
     amount: int
     confirmed: bool = False  # its ledger row is written: it may enter the row
@@ -135,13 +135,12 @@ class Lease:
         self.applied = 0  # the last charge in the row
         self.exchange = 0
         self.kept = 0  # lost parts this instance's journal knows of (``Counters.keep``): the entry stays
-        self.let_go = False  # the last of them let go: the next exchange drops the entry
         self.waiters: deque[Part] = deque()  # parts the next exchange answers
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle...
-        self.hold: asyncio.TimerHandle | None = None  # ...while this is pending (when it ends: given back)
+        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle (0: no hold)...
+        self.hold: asyncio.TimerHandle | None = None  # ...until this ends it
         self.top_up = False  # a request served from the hold settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
@@ -166,15 +165,15 @@ class Lease:
         self.applied = 0
 
     def ask(self, need: int, window: str) -> Part:
-        """A part of ``need``, granted from the balance at once, or else by the next exchange."""
+        """Granted from the balance at once, or else by the next exchange."""
         self.advance(window)
         part = Part(self, need, asyncio.get_running_loop().create_future())
         if self.waiters or self.uncertain is not None or self._servable() < need:
             self.waiters.append(part)
             self.kick()
         else:
-            if self._serving():
-                self._renew_hold()  # served from the hold: it is kept for the next request (requests at a steady pace)
+            if self.hold_share:
+                self._hold(self.hold_share)  # served from the hold: it is kept for the next request (a steady pace)
             self._grant(part)
         return part
 
@@ -189,14 +188,14 @@ class Lease:
             self.balance += part.need
             self.kick()
 
-    def settle(self, part: Part, spent: int) -> _Staged | None:
-        """``part`` spent ``spent``: the rest comes back, and the spending is charged (``charge``)."""
+    def settle(self, part: Part, spent: Mapping[CounterKey, int]) -> _Staged | None:
+        """``Reservation.settle`` of one part: the rest comes back, the spending is charged."""
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self._serving():
+        if self.hold_share:
             self.top_up = True  # what it spent of the hold is taken again, after the request
-        return self.charge(spent)
+        return self.charge(part.need if self.key.row.startswith("rpm") else max(0, int(spent.get(self.key, 0))))
 
     def charge(self, amount: int) -> _Staged | None:
         """``amount`` spent in the books' window (a correction: either sign), paid from the balance.
@@ -208,14 +207,13 @@ class Lease:
             self.held -= amount
         else:
             self.seq += 1
-            staged = _Staged(self.seq, amount)
+            staged = _Staged(self, self.seq, amount)
             self.staged.append(staged)
         self.kick()
         return staged
 
     def confirm(self, staged: _Staged, less: int) -> None:
-        """A staged charge's ledger row is written: it may enter the row, ``less`` smaller (a row of
-        another instance's, which counts it): what that took of the books comes back to the balance."""
+        """``Settlement.confirm``: what ``less`` took of the books comes back to the balance."""
         less = min(less, staged.amount)
         if less > 0 and not staged.confirmed and staged in self.staged:
             staged.amount -= less
@@ -241,35 +239,20 @@ class Lease:
         knowing it yet (a write for waiting reservations, one whose answer was lost)."""
         return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
-    def give_all_back(self) -> bool:
-        """Whether something is still to go to the row (a balance, a charge, a lost answer): if so,
-        the hold ends and an exchange starts."""
-        if not (self.balance or self._applicable() or self.uncertain):
-            return False
+    def _hold(self, share: int) -> None:
+        """Hold ``share`` for ``HOLD_SECONDS`` from now; 0: the hold ends, and an exchange gives back
+        what it kept."""
         if self.hold is not None:
             self.hold.cancel()
-            self.hold = None
-        self.kick()
-        return True
-
-    def _serving(self) -> bool:
-        """Whether a request now is served from the hold."""
-        return bool(self.hold_share) and self.hold is not None
-
-    def _renew_hold(self) -> None:
-        """The hold lasts ``HOLD_SECONDS`` from now; when it ends, an exchange gives back what it kept."""
-        if self.hold is not None:
-            self.hold.cancel()
-        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold_over)
-
-    def _hold_over(self) -> None:
-        self.hold = None
-        self.kick()
+        self.hold_share = share
+        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold, 0) if share else None
+        if not share:
+            self.kick()
 
     # --- the single flight ------------------------------------------------------------------
 
     def kick(self) -> None:
-        if self.flight is None and not self.counters.closed:
+        if self.flight is None and not self.counters.closed and self._has_work():
             self.flight = asyncio.ensure_future(self._run())
 
     def _pending(self) -> list[Part]:
@@ -281,16 +264,18 @@ class Lease:
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
 
     def _has_work(self) -> bool:
-        holding = self.hold is not None
         return (
             self.uncertain is not None
-            or (self.top_up and holding)
+            or (self.top_up and self.hold_share > 0)
             or bool(self._pending())
             or bool(self._applicable())
-            or self.balance < 0  # a charge past the balance: the row pays the rest
-            or self.balance > (self.hold_share if holding else 0)
-            or self.let_go
+            or not 0 <= self.balance <= self.hold_share  # below 0, a charge past the balance: the row pays
+            or self._lingers()
         )
+
+    def _lingers(self) -> bool:
+        """Whether this instance's entry is in a budget row only for lost parts that let go since."""
+        return self.in_row and self.period != "minute" and not (self.kept or self.held or self.staged)
 
     async def _run(self) -> None:
         try:
@@ -317,37 +302,40 @@ class Lease:
         finally:
             self.flight = None
 
-    def _fail(self) -> None:
-        """The store did not tell: the waiting reservations are unavailable."""
+    def _fail(self) -> None:  # the store did not tell: the waiting reservations are unavailable
         for part in self.waiters:
             part.granted.cancel()
         self.waiters.clear()
 
     def _retry(self) -> None:
         self.retry = None
-        if self._has_work():
-            self.kick()
-
-    async def _read(self) -> None:
-        self.seen = await counter_row.read(self.counters.store, *self.key, SLOW_TIMEOUT)
-        self.known = True
+        self.kick()
 
     async def _exchange(self) -> None:
-        """One exchange (module docstring): each attempt reads the row unless it is known, first
-        decides a write whose answer was lost, then writes; a conflict or a takeover tries again."""
+        """One exchange (module docstring): each attempt reads the row unless it is known, then
+        writes; a conflict or a takeover tries again. A write whose answer was lost goes first: the
+        row changed since its condition, this instance's entry says whether it landed (each write
+        carries the next exchange number); unchanged, the same write goes again (at most one lands)."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
-        let_go, self.let_go = self.let_go, False
         fresh = False
         for _ in range(MAX_ATTEMPTS):
             if not self.known:
-                await self._read()
-                fresh = True
-            if self.uncertain is not None and not await self._resolve():
-                self.known = False  # sent again, and the row changed meanwhile: look again
-                continue
+                self.seen = await counter_row.read(counters.store, *self.key, SLOW_TIMEOUT)
+                self.known = fresh = True
             seen = self.seen
+            written, self.uncertain = self.uncertain, None
+            if written is not None and seen.etag == written.etag:
+                await self._send(written)
+                continue
+            if written is not None:
+                mine, wrote = seen.holds.get(counters.instance), written.row.holds.get(counters.instance)
+                if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
+                    landed = mine is None and not counters.instances.fenced.is_set()
+                else:
+                    landed = mine is not None and mine.exchange >= wrote.exchange
+                self._follow(written, landed and seen.window == written.row.window)
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
             same = seen.counts_in(self.window)
@@ -377,14 +365,19 @@ class Lease:
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            lone = chosen[0].need if self.period == "minute" and len(waiters) == 1 and chosen else None
-            others_idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            keep = self._keep(room, total, others_idle, top_up, bool(waiters), lone)
+            # The hold (module docstring): what this instance keeps unassigned after the exchange.
+            idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
+            share = max(0, int(self.limit * HOLD_SHARE) - idle)
+            lone = self.period == "minute" and len(waiters) == 1 and bool(chosen)
+            if lone:  # it takes one more for the next request, as far as the limit leaves
+                keep = hold = max(0, min(total, share, room - total))
+            else:  # while holding, at most its share stays idle here; after a request it served, that again
+                hold = 0 if waiters else self.hold_share
+                keep = max(0, min(self.balance, hold), min(hold, share, room) if top_up else 0)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
-            lingers = let_go and not (self.kept or self.held or self.staged) and counters.instance in holds
-            if delta == 0 and not applied and not chosen and not lingers:
+            if delta == 0 and not applied and not chosen and not self._lingers():
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
@@ -401,41 +394,22 @@ class Lease:
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
-            try:
-                landed = await self._write(written)
-            except StoreError:
-                self.uncertain = written  # did it land? ask the row before anything is given back
-                raise
-            self._follow(written, landed, waiters, chosen)
-            if not landed:  # the row changed since it was read
-                self.known = False
+            if not await self._send(written, waiters, chosen):
                 continue
-            if lone is not None and self.hold_share:
-                self._renew_hold()
+            if lone:
+                self._hold(hold)
             return
         raise StoreError("the counter kept changing under this instance")
 
-    def _keep(self, room: int, granted: int, others_idle: int, top_up: bool, waiting: bool, lone: int | None) -> int:
-        """What this instance keeps unassigned after an exchange (the hold). ``room``: what the limit
-        leaves plus the balance; ``granted``: what the exchange grants; ``lone``: the need of a lone
-        minute request granted now (it takes one more for the next: the hold's share)."""
-        holding = self.hold is not None and not waiting
-        # While holding, at most this instance's share stays idle here (what came back beyond it goes).
-        keep = max(0, min(self.balance, self.hold_share)) if holding else 0
-        share = max(0, int(self.limit * HOLD_SHARE) - others_idle)
-        if top_up and holding:
-            # The hold back to its size, so far as the limit and the other instances' idle shares allow.
-            keep = max(keep, min(self.hold_share, share, room))
-        if lone is not None:
-            self.hold_share = max(0, min(lone, share, room - granted))
-            keep = max(keep, self.hold_share)
-        return keep
-
-    async def _write(self, written: _Written) -> bool:
-        """Send ``written``: False if its condition failed (the row changed)."""
-        row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
-        if row is not None:
-            self.seen, self.known = row, True
+    async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
+        """The books follow the write: False if the row changed since it was read; no answer: ``uncertain``."""
+        try:
+            row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
+        except StoreError:
+            self.uncertain = written
+            raise
+        self.seen, self.known = (row, True) if row is not None else (self.seen, False)
+        self._follow(written, row is not None, waiters, chosen)
         return row is not None
 
     def _follow(
@@ -472,64 +446,44 @@ class Lease:
                 part.granted.set_result(False)
         self.waiters = deque(part for part in self.waiters if not part.granted.done())
 
-    async def _resolve(self) -> bool:
-        """Decide a write whose answer was lost (module docstring) on the row just read: this
-        instance's entry says whether it landed (each write carries the next exchange number). The
-        row unchanged since the write's condition: the same write again (at most one can land; False:
-        the row changed meanwhile). It serves no waiter: they were told "unavailable" when its answer
-        was lost (what it granted them stays in the balance)."""
-        written = self.uncertain
-        assert written is not None
-        instance = self.counters.instance
-        mine, wrote = self.seen.holds.get(instance), written.row.holds.get(instance)
-        if self.seen.etag == written.etag:  # unchanged: not applied (yet); the same write again
-            if not await self._write(written):
-                return False  # something landed meanwhile (ours, late, perhaps)
-            landed = True
-        elif self.seen.window != written.row.window:
-            landed = False
-        elif wrote is not None:
-            landed = mine is not None and mine.exchange >= wrote.exchange
-        else:  # the write took the entry out: gone now means it landed, unless a takeover took it out
-            landed = mine is None and not self.counters.instances.fenced.is_set()
-        self.uncertain = None
-        self._follow(written, landed)
-        return True
-
 
 @dataclass
 class Settlement:
     """What ``Reservation.settle`` (or ``Counters.adjust``) staged in the budget counters: ``confirm()``
     once the charge's ledger row is written, and they enter the rows."""
 
-    staged: list[tuple[Lease, _Staged]] = field(default_factory=list)
+    charges: list[_Staged] = field(default_factory=list)
 
     @property
-    def seqs(self) -> dict[CounterKey, int]:
-        """Per counter, its charge's number (for the journal)."""
-        return {lease.key: s.seq for lease, s in self.staged}
+    def seqs(self) -> dict[CounterKey, int]:  # per counter, its charge's number (for the journal)
+        return {charge.lease.key: charge.seq for charge in self.charges}
 
-    def entered(self) -> bool:
-        """Whether each budget counter's row has this instance's entry (or the charge is in already)."""
-        return all(lease.in_row or staged not in lease.staged for lease, staged in self.staged)
+    async def entered(self, within: float) -> bool:
+        """Wait until each budget counter's row has this instance's entry (``Lease.in_row``; a
+        correction where it held nothing: its first exchange) or the charge in, at most ``within`` seconds."""
+        return await _until(
+            lambda: all(c.lease.in_row or c not in c.lease.staged for c in self.charges),
+            lambda: [charge.lease for charge in self.charges],
+            within,
+        )
 
     def journaled(self, number: int) -> None:
         """A landed write of journal ``number`` lists it settled: a takeover applies it from there."""
-        for _, staged in self.staged:
-            staged.journal = staged.journal or number
+        for charge in self.charges:
+            charge.journal = charge.journal or number
 
     def confirm(self, less: Mapping[CounterKey, int] | None = None) -> None:
         """The charge's ledger rows are written: its charges enter the rows, ``less`` (per counter)
         taken out first (segments whose ledger row another instance wrote and counted). All of it
         less (a request a takeover charged): its charges let go, whichever books they were staged on
         (left unconfirmed, one would keep this instance's entry in the row until the window ended)."""
-        for lease, staged in self.staged:
-            lease.confirm(staged, (less or {}).get(lease.key, 0))
+        for charge in self.charges:
+            charge.lease.confirm(charge, (less or {}).get(charge.lease.key, 0))
 
     def applied(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
-        return all(staged not in lease.staged for lease, staged in self.staged)
+        return all(charge not in charge.lease.staged for charge in self.charges)
 
 
 @dataclass
@@ -544,14 +498,8 @@ class Reservation:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
         parts, self.parts = self.parts, []
-        settlement = Settlement()
-        for part in parts:
-            lease = part.lease
-            amount = part.need if lease.key.row.startswith("rpm") else max(0, int(spent.get(lease.key, 0)))
-            staged = lease.settle(part, amount)
-            if staged is not None:
-                settlement.staged.append((lease, staged))
-        return settlement
+        charges = [part.lease.settle(part, spent) for part in parts]
+        return Settlement([charge for charge in charges if charge is not None])
 
     def release(self) -> None:
         """Nothing is charged: everything reserved (the request too) goes back."""
@@ -560,8 +508,7 @@ class Reservation:
             part.lease.give_back(part)
 
     @property
-    def needs(self) -> dict[CounterKey, int]:
-        """What it holds per budget counter, for the journal."""
+    def needs(self) -> dict[CounterKey, int]:  # what it holds per budget counter, for the journal
         return {p.lease.key: p.need for p in self.parts if p.lease.period != "minute"}
 
 
@@ -622,7 +569,7 @@ class Counters:
         now = self.clock()
         for want in wants:
             if want.need > want.limit:
-                return Refused(want.ref, want.limit, 0, want.need, _retry(want, now), alone=True)
+                return Refused(want.ref, want.limit, 0, want.need, _retry_after(want, now), alone=True)
         self._prune(now)
         # What the balances hold is granted at once: a request they all serve needs no loop hop.
         parts = [self._lease(w).ask(w.need, window_of(w.period, now)) for w in wants]
@@ -656,7 +603,7 @@ class Counters:
         order = {"spend": 0, "tokens": 1}
         part, want = min(refused, key=lambda refusal: order.get(refusal[0].lease.key.row, 2))
         lease = part.lease
-        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry(want, now))
+        return Refused(want.ref, lease.limit, max(0, lease.used()), want.need, _retry_after(want, now))
 
     def _rates(self, asked: list[tuple[Part, Want]], now: float) -> dict[str, Rate]:
         """The tightest per-minute limit of each kind, for OpenAI's x-ratelimit-* headers."""
@@ -682,9 +629,8 @@ class Counters:
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))
-            staged = lease.charge(want.need) if window_of(want.period, at) == lease.window else None
-            if staged is not None:
-                settlement.staged.append((lease, staged))
+            if window_of(want.period, at) == lease.window and (charge := lease.charge(want.need)) is not None:
+                settlement.charges.append(charge)
         return settlement
 
     def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
@@ -699,27 +645,19 @@ class Counters:
         def let_go() -> None:
             for lease in leases:
                 lease.kept -= 1
-                if not lease.kept:
-                    lease.let_go = True
-                    lease.kick()
+                lease.kick()
             leases.clear()
 
         return let_go
-
-    async def entered(self, settlement: Settlement, within: float) -> bool:
-        """Wait until ``settlement``'s rows have this instance's entry (``Lease.in_row``; a
-        correction where it held nothing: its first exchange), at most ``within`` seconds."""
-        return await _until(settlement.entered, lambda: [lease for lease, _ in settlement.staged], within)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait until this instance holds nothing and has nothing in flight (tests, shutdown): True if
         it got there within ``within`` seconds."""
 
         def done() -> bool:
-            leases = self._leases.values()
-            return all(lease.flight is None for lease in leases) and not [
-                lease for lease in leases if lease.give_all_back()
-            ]
+            for lease in self._leases.values():
+                lease._hold(0)  # (what is left to give back starts an exchange)
+            return all(lease.flight is None for lease in self._leases.values())
 
         return await _until(done, lambda: list(self._leases.values()), within)
 
@@ -755,12 +693,11 @@ async def _until(done: Callable[[], bool], leases: Callable[[], list[Lease]], wi
     return done()
 
 
-def _granted(parts: list[Part]) -> list[Part]:
-    """The parts granted; those still waiting give up (unavailable)."""
+def _granted(parts: list[Part]) -> list[Part]:  # those still waiting give up (unavailable)
     for part in parts:
         part.granted.cancel()
     return [part for part in parts if not part.granted.cancelled() and part.granted.result()]
 
 
-def _retry(want: Want, now: float) -> float | None:
+def _retry_after(want: Want, now: float) -> float | None:
     return seconds_to_next_minute(now) if want.period == "minute" else None

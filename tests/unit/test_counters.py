@@ -299,6 +299,35 @@ async def test_a_give_back_whose_answer_was_lost_is_not_given_back_twice():
     assert row(data, "c|1", "tokens")["taken"] == 300
 
 
+async def test_an_entry_kept_for_a_lost_part_leaves_the_row_once_let_go_though_that_exchange_failed():
+    """``Counters.keep`` holds a's entry in a budget row (holding nothing) while its journal knows a
+    lost part; let go, an exchange takes the entry out: after one that failed too (b changed the row
+    meanwhile, and a's read of it failed)."""
+    data = MemoryData()
+    a, b = counters(data, "a"), counters(data, "b")
+    store = a.store
+    assert isinstance(store, MemoryStore)
+    key = CounterKey("c|1", "tokens")
+    first = await a.reserve([want("tokens", 2_400, 200, "month")])
+    assert isinstance(first, Reservation)
+    let_go = a.keep([key])
+    first.settle({key: 150}).confirm()
+    assert await a.flush(3)
+    assert parse_holds(row(data, "c|1", "tokens")["holds"])["a"].held == 0  # kept, holding nothing
+    other = await b.reserve([want("tokens", 2_400, 100, "month")])
+    assert isinstance(other, Reservation)
+    other.settle({key: 10}).confirm()
+    assert await b.flush(3)
+    store.inject(Fault("unavailable", frozenset({"get"}), times=1))
+    let_go()
+    for _ in range(10):
+        await asyncio.sleep(0.6)
+        if await a.flush(1) and not row(data, "c|1", "tokens").get("holds"):
+            break
+    found = row(data, "c|1", "tokens")
+    assert found["taken"] == 160 and not found.get("holds")
+
+
 async def test_idle_capacity_held_by_many_instances_stays_under_a_tenth_of_the_limit():
     """The probe: a lone request takes one more request's worth for the next, up to 10% of a minute
     limit; over N instances that was N × 10% idle. Now the share is split over the instances that
@@ -391,7 +420,7 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
 @pytest.mark.parametrize("need", [-150, 150])
 async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
     """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
-    the row: its first exchange puts this instance's entry in the row (``Counters.entered``: then it
+    the row: its first exchange puts this instance's entry in the row (``Settlement.entered``: then it
     may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
     older versions read it too), and then goes."""
     data = MemoryData()
@@ -401,7 +430,7 @@ async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stay
     first.settle({CounterKey("c|1", "tokens"): 200}).confirm()
     assert await a.flush(3) and row(data, "c|1", "tokens")["taken"] == 200
     settlement = b.adjust([want("tokens", 2_400, need, "month")], T0)
-    assert await b.entered(settlement, 3)
+    assert await settlement.entered(3)
     entry = parse_holds(row(data, "c|1", "tokens")["holds"])["b"]
     assert entry.held == need and entry.applied == 0  # what the row took of it, not in yet
     assert row(data, "c|1", "tokens")["taken"] == 200 + need
