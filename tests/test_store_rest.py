@@ -193,7 +193,8 @@ def test_a_table_or_the_container_not_there_is_made_and_the_call_goes_on(azurite
         n = next(_prefix)
         assert await store.get(f"gone{n}a", p, "a") is None
         assert await store.query(f"gone{n}b", Where(partition=p)) == []
-        assert await store.batch(f"gone{n}c", [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1})])
+        await store.batch(f"gone{n}c", [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1})])
+        assert await store.get(f"gone{n}c", p, "a") is not None
         await store.delete(f"gone{n}d", p, "a")
         table = f"gone{n}e"
         await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 1})
@@ -343,10 +344,10 @@ def test_streams_rows_round_trip_on_the_streams_table(azurite):
     _run(azurite, body)
 
 
-def test_a_batch_writes_the_rows_the_sdk_writes_and_answers_their_etags(azurite):
+def test_a_batch_writes_the_rows_the_sdk_writes(azurite):
     async def body(store: AzureStore, p: str) -> None:
         await store.insert(T, {"PartitionKey": p, "RowKey": "old", "n": 1})
-        etags = await store.batch(
+        await store.batch(
             T,
             [
                 Op("insert", {"PartitionKey": p, "RowKey": "a", **VALUES, "none": None}),
@@ -354,10 +355,8 @@ def test_a_batch_writes_the_rows_the_sdk_writes_and_answers_their_etags(azurite)
                 Op("merge", {"PartitionKey": p, "RowKey": "old", "pico": 2**40}),
             ],
         )
-        for key, etag in zip(("a", "b", "old"), etags, strict=True):
-            assert etag and etag == (await store.get(T, p, key) or {}).etag
         assert (await store.get(T, p, "old") or {}).get("pico") == 2**40
-        assert await store.batch(T, [Op("delete", {"PartitionKey": p, "RowKey": "old"})]) == [None]
+        await store.batch(T, [Op("delete", {"PartitionKey": p, "RowKey": "old"})])
         assert await store.get(T, p, "old") is None
         _sdk_write(azurite, {"PartitionKey": f"{p}sdk", "RowKey": "a", **VALUES})
         for key in ("a", "b"):

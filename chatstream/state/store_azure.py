@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from aiohttp.helpers import parse_http_date, parse_mimetype
+from aiohttp.helpers import parse_http_date
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -53,6 +54,7 @@ _JSON = {**_TABLE, "Content-Type": "application/json"}
 _BLOB = {"x-ms-version": "2023-11-03"}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
+_STATUS_LINE = re.compile(rb"^HTTP/1\.\d (\d{3}).*$", re.M)
 
 T = TypeVar("T")
 # What a call makes of a success's headers and body, read within the call: a batch's answer may say
@@ -173,70 +175,28 @@ def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
     return {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind], path, {"If-Match": op.etag or "*"}
 
 
-def _http_parts(boundary: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """The HTTP answers (status, headers with lower-case names, body) in a multipart body split by
-    ``boundary``, its line ends LF, in order, those of nested multiparts (the changeset) in their
-    place; the parts' encoding is binary (the only one the Table service writes)."""
-    found: list[tuple[int, dict[str, str], bytes]] = []
-    if not boundary:
-        return found
-    delimiter = b"\n--" + boundary.encode("latin-1")
-    parts: list[bytes] = []
-    for chunk in (b"\n" + data).split(delimiter)[1:]:  # [0]: the preamble
-        line_rest, _, part = chunk.partition(b"\n")
-        line_rest = line_rest.rstrip(b" \t")
-        if line_rest == b"--":  # the close delimiter: the epilogue follows
-            break
-        if not line_rest:
-            parts.append(part)
-        elif parts:  # a line that starts with the delimiter but is not one ("--boundary2")
-            parts[-1] += delimiter + chunk
-    for part in parts:
-        head, _, body = part.partition(b"\n\n")
-        headers = _fields(head)
-        kind = parse_mimetype(headers.get("content-type", "text/plain"))
-        if kind.type == "multipart":
-            found += _http_parts(kind.parameters.get("boundary", ""), body)
-        elif (kind.type, kind.subtype) == ("application", "http"):
-            head, _, body = body.partition(b"\n\n")
-            status_line, _, head = head.partition(b"\n")
-            found.append((int(status_line.split(b" ", 2)[1]), _fields(head), body))
-    return found
-
-
-def _fields(head: bytes) -> dict[str, str]:
-    """The header fields of ``head`` (lines; none folded, as the service writes them)."""
-    fields: dict[str, str] = {}
-    for line in head.decode("latin-1").split("\n"):
-        name, colon, value = line.partition(":")
-        if colon:
-            fields[name.strip().lower()] = value.strip()
-    return fields
-
-
-def _batch_etags(count: int, headers: Mapping[str, str], data: bytes) -> list[str | None]:
-    """The answer of a $batch of ``count`` operations: their ETags, in order; a failed operation
-    raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The specified
-    entity...", as the SDK reads it; 0 when it does not say). Its line ends read as LF (the service
-    writes CRLF, a proxy might not). The multipart is read by ``_http_parts``: the stdlib ``email``
-    parser took five to ten times its CPU (68% of a batch's), aiohttp's MultipartReader more still
-    (git log cb2354b, fc8ade1; tests/unit/test_store_batch.py shows the readings equal)."""
-    found: list[str | None] = []
-    boundary = parse_mimetype(headers.get("Content-Type", "")).parameters.get("boundary", "")
-    for status, fields, body in _http_parts(boundary, data.replace(b"\r\n", b"\n")):
-        if status < 300:
-            found.append(fields.get("etag"))
+def _batch_answer(count: int, headers: Mapping[str, str], data: bytes) -> None:
+    """Read the answer of a $batch of ``count`` operations: its HTTP answers' status lines, in order
+    (the only lines that start with ``HTTP/1.``: the rest is boundaries, headers and one-line JSON
+    bodies). A failed operation raises ``ErrorAnswer`` with its index (the odata.error's message
+    starts with it, "1:The specified entity...", as the SDK reads it; 0 when it does not say), and so
+    does an answer short of operations. Its line ends read as LF (the service writes CRLF, a proxy
+    might not)."""
+    data = data.replace(b"\r\n", b"\n")
+    statuses = list(_STATUS_LINE.finditer(data))
+    for status in statuses:
+        if int(status[1]) < 300:
             continue
+        body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n")[0]
         error: Any = {}
         if body.strip():
             with contextlib.suppress(ValueError):
                 error = json.loads(body).get("odata.error") or {}
         message = error.get("message")
         head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
-        raise ErrorAnswer(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
-    if len(found) != count:
+        raise ErrorAnswer(int(status[1]), str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+    if len(statuses) != count:
         raise ErrorAnswer(0, None, 0)
-    return found
 
 
 def _etag(headers: Mapping[str, str], body: bytes) -> str:
@@ -342,7 +302,7 @@ class AzureStore:
             if row_after := headers.get("x-ms-continuation-NextRowKey"):
                 going += f"&NextRowKey={quote(row_after, safe='')}"
 
-    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> None:
         """An entity-group transaction (checked: store.check_batch): one multipart/mixed POST of
         the operations as the SDK sends them (the Table service's $batch format, written here: no
         library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
@@ -351,7 +311,8 @@ class AzureStore:
         check_batch(ops)
         if len(ops) == 1:
             try:
-                return [await self._write(table, ops[0], timeout, batch=True) or None]  # (a delete: no ETag)
+                await self._write(table, ops[0], timeout, batch=True)
+                return
             except (NotFound, AlreadyExists, Modified) as exc:
                 exc.index = 0
                 raise
@@ -373,8 +334,8 @@ class AzureStore:
             )
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
-        etags = partial(_batch_etags, len(ops))
-        return await self._call("batch", timeout, table, "POST", "$batch", etags, headers, b"".join(parts))
+        read = partial(_batch_answer, len(ops))
+        await self._call("batch", timeout, table, "POST", "$batch", read, headers, b"".join(parts))
 
     # --- blobs --------------------------------------------------------------------------------
 
