@@ -17,9 +17,8 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -55,11 +54,6 @@ _BLOB = {"x-ms-version": "2023-11-03"}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
 _STATUS_LINE = re.compile(rb"^HTTP/1\.\d (\d{3}).*$", re.M)
-
-T = TypeVar("T")
-# What a call makes of a success's headers and body, read within the call: a batch's answer may say
-# that its table is not there, and the call makes it and sends the batch again (``_call``).
-Answer = Callable[[Mapping[str, str], bytes], T]
 
 
 class ErrorAnswer(Exception):
@@ -175,7 +169,7 @@ def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
     return {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind], path, {"If-Match": op.etag or "*"}
 
 
-def _batch_answer(count: int, headers: Mapping[str, str], data: bytes) -> None:
+def _batch_answer(count: int, data: bytes) -> None:
     """Read the answer of a $batch of ``count`` operations: its HTTP answers' status lines, in order
     (the only lines that start with ``HTTP/1.``: the rest is boundaries, headers and one-line JSON
     bodies). A failed operation raises ``ErrorAnswer`` with its index (the odata.error's message
@@ -197,14 +191,6 @@ def _batch_answer(count: int, headers: Mapping[str, str], data: bytes) -> None:
         raise ErrorAnswer(int(status[1]), str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
     if len(statuses) != count:
         raise ErrorAnswer(0, None, 0)
-
-
-def _etag(headers: Mapping[str, str], body: bytes) -> str:
-    return headers.get("ETag", "")
-
-
-def _reply(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], bytes]:
-    return headers, body
 
 
 class AzureStore:
@@ -237,7 +223,7 @@ class AzureStore:
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
         try:
-            headers, body = await self._call("get", timeout, table, "GET", path, _reply, again=True)
+            headers, body = await self._call("get", timeout, table, "GET", path, again=True)
         except NotFound:
             return None
         return row_of(json.loads(body), headers.get("ETag", ""))
@@ -274,7 +260,8 @@ class AzureStore:
         headers = {**(_TABLE if body is None else _JSON), **own}
         again = not batch and op.kind != "insert" and op.etag is None  # no condition (``_send``)
         name = "batch" if batch else op.kind
-        return await self._call(name, timeout, table, method, path, _etag, headers, body, again=again)
+        answered, _ = await self._call(name, timeout, table, method, path, headers, body, again=again)
+        return answered.get("ETag", "")
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
@@ -288,9 +275,7 @@ class AzureStore:
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while True:
-            headers, body = await self._call(
-                "query", ends - loop.time(), table, "GET", path + going, _reply, again=True
-            )
+            headers, body = await self._call("query", ends - loop.time(), table, "GET", path + going, again=True)
             for entity in json.loads(body).get("value") or []:
                 rows.append(row_of(entity, ""))
                 if limit is not None and len(rows) >= limit:
@@ -334,8 +319,7 @@ class AzureStore:
             )
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
-        read = partial(_batch_answer, len(ops))
-        await self._call("batch", timeout, table, "POST", "$batch", read, headers, b"".join(parts))
+        await self._call("batch", timeout, table, "POST", "$batch", headers, b"".join(parts), batch_of=len(ops))
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -344,20 +328,20 @@ class AzureStore:
         out and lands late must not empty the blob."""
         headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         try:
-            await self._call("append_create", timeout, None, "PUT", name, _etag, headers, b"")
+            await self._call("append_create", timeout, None, "PUT", name, headers, b"")
         except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
-        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _etag, headers, data)
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return (await self._call("read", timeout, None, "GET", name, _reply, headers, again=True))[1]
+            return (await self._call("read", timeout, None, "GET", name, headers, again=True))[1]
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -366,20 +350,21 @@ class AzureStore:
         condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
         headers = {**_BLOB, "x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
         try:
-            return await self._call("put", timeout, None, "PUT", name, _etag, headers, data, again=not condition)
+            answered, _ = await self._call("put", timeout, None, "PUT", name, headers, data, again=not condition)
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None
+        return answered.get("ETag", "")
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            headers, body = await self._call("get_blob", timeout, None, "GET", name, _reply, _BLOB, again=True)
+            headers, body = await self._call("get_blob", timeout, None, "GET", name, _BLOB, again=True)
         except NotFound:
             return None
         return body, headers.get("ETag", "")
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
-            await self._call("delete_blob", timeout, None, "DELETE", name, _etag, _BLOB, again=True)
+            await self._call("delete_blob", timeout, None, "DELETE", name, _BLOB, again=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -397,19 +382,19 @@ class AzureStore:
         table: str | None,
         method: str,
         path: str,
-        answer: Answer[T],
         headers: Mapping[str, str] = _TABLE,
         body: bytes | None = None,
         *,
         again: bool = False,
-    ) -> T:
+        batch_of: int = 0,
+    ) -> tuple[Mapping[str, str], bytes]:
         """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, with its
-        query) within ``timeout`` seconds: what ``answer`` makes of its success's headers and body,
-        or the store's error (``store_error``; an outage noted on the clock). A call that finds its
-        table or container missing makes it and goes once more: the service did nothing. The first
-        call on each in this process goes alone: the calls that come meanwhile wait for it (a burst
-        of first calls on one not made yet would all be refused, all make it, then all be sent
-        again)."""
+        query) within ``timeout`` seconds: its success's headers and body (a $batch's of
+        ``batch_of`` operations read by ``_batch_answer``), or the store's error (``store_error``;
+        an outage noted on the clock). A call that finds its table or container missing makes it and
+        goes once more: the service did nothing. The first call on each in this process goes alone:
+        the calls that come meanwhile wait for it (a burst of first calls on one not made yet would
+        all be refused, all make it, then all be sent again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -423,12 +408,12 @@ class AzureStore:
                     await asyncio.shield(gate)
                 url = self.account.url(table, path)
                 try:
-                    result = await self._send(url, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, again, batch_of)
                 except ErrorAnswer as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
                     await self._create(table)
-                    result = await self._send(url, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, again, batch_of)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -450,9 +435,9 @@ class AzureStore:
         method: str,
         headers: Mapping[str, str],
         body: bytes | None,
-        answer: Answer[T],
         again: bool,
-    ) -> T:
+        batch_of: int = 0,
+    ) -> tuple[Mapping[str, str], bytes]:
         """One request to ``url``, signed (store_account.py); ``again``: sent a second time after a
         lost connection or a 5xx (a read or an unconditional write). A
         conditional write (an insert, a write under an ETag or an append position, a batch) is sent
@@ -483,7 +468,10 @@ class AzureStore:
                 if response.status in (401, 403):  # a token refused: a new one next time
                     self.account.signer.refused()
                 raise ErrorAnswer(response.status, response.headers.get("x-ms-error-code"))
-            return answer(response.headers, await response.read())
+            data = await response.read()
+            if batch_of:  # its table may be gone: read here, so that ``_call`` makes it
+                _batch_answer(batch_of, data)
+            return response.headers, data
         finally:
             response.release()
 
@@ -497,7 +485,7 @@ class AzureStore:
             url, method = self.account.url(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
-            await self._send(url, method, headers, body, _etag, again=True)
+            await self._send(url, method, headers, body, again=True)
         except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise

@@ -51,7 +51,7 @@ def by_email(headers: Mapping[str, str], data: bytes) -> list[tuple[int, dict[st
 def outcome(count: int, headers: Mapping[str, str], data: bytes) -> tuple[int, str | None, int | None] | None:
     """What ``_batch_answer`` says of a batch: None (a success), or its error's status, code, index."""
     try:
-        _batch_answer(count, headers, data)
+        _batch_answer(count, data)
     except ErrorAnswer as refused:
         return refused.status, refused.code, refused.index
     return None
@@ -75,7 +75,7 @@ def email_outcome(count: int, headers: Mapping[str, str], data: bytes) -> tuple[
 def test_a_successful_answer_reads_as_one_of_each_operation(lf):
     for name in ("ok1", "ok50", "mixed4"):
         count, headers, body = recorded(name, lf)
-        _batch_answer(count, headers, body)
+        _batch_answer(count, body)
         assert outcome(count + 1, headers, body) == (0, None, 0)  # one short
     assert all(outcome(*recorded(name, lf)) == email_outcome(*recorded(name, lf)) for name in ANSWERS)
 
@@ -91,7 +91,7 @@ def test_a_successful_answer_reads_as_one_of_each_operation(lf):
 @pytest.mark.parametrize("lf", [False, True], ids=["crlf", "lf"])
 def test_a_refused_batch_names_the_failing_operation(name, status, code, index, error, lf):
     with pytest.raises(ErrorAnswer) as refused:
-        _batch_answer(*recorded(name, lf))
+        _batch_answer(*recorded(name, lf)[::2])
     assert (refused.value.status, refused.value.code, refused.value.index) == (status, code, index)
     mapped = store_error(refused.value, "batch")
     assert isinstance(mapped, error) and getattr(mapped, "index", None) == index
@@ -101,7 +101,7 @@ def test_an_error_without_a_body_is_refused():
     count, headers, body = recorded("ok1")
     bare = body.replace(b"HTTP/1.1 204 No Content", b"HTTP/1.1 500 Internal Server Error")
     with pytest.raises(ErrorAnswer) as failed:
-        _batch_answer(count, headers, bare)
+        _batch_answer(count, bare)
     assert (failed.value.status, failed.value.code, failed.value.index) == (500, None, 0)
 
 
