@@ -70,7 +70,7 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     of ours, raised as it is). The message never carries a URL (it may hold a SAS)."""
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
-    if isinstance(exc, StoreError):  # the signer's: no token for the store
+    if isinstance(exc, StoreError):  # the account's: no token for the store
         return exc
     if isinstance(exc, (OSError, aiohttp.ClientError)):
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
@@ -445,7 +445,7 @@ class AzureStore:
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
         journal.py). An error answer raises ``ErrorAnswer``."""
-        url, headers = await self.account.signer.sign(url, headers)
+        url, headers = await self.account.sign(url, headers)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=_TIMEOUT
@@ -466,7 +466,7 @@ class AzureStore:
             self._observe(response.headers)
             if response.status >= 300:
                 if response.status in (401, 403):  # a token refused: a new one next time
-                    self.account.signer.refused()
+                    self.account.refused()
                 raise ErrorAnswer(response.status, response.headers.get("x-ms-error-code"))
             data = await response.read()
             if batch_of:  # its table may be gone: read here, so that ``_call`` makes it
