@@ -153,6 +153,8 @@ def odata_filter(where: Where) -> str:
 
 def _entity_path(table: str, partition: str, row: str) -> str:
     # As the SDK's _prepare_key: a quote doubled inside the key's quotes, then URL-encoded.
+    check_key("PartitionKey", partition)
+    check_key("RowKey", row)
     pk, rk = (quote(key.replace("'", "''"), safe="") for key in (partition, row))
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
@@ -217,8 +219,6 @@ class AzureStore:
         select: Sequence[str] | None = None,
         timeout: float = CALL_TIMEOUT,
     ) -> Row | None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
         path = _entity_path(table, partition, row)
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
@@ -247,8 +247,6 @@ class AzureStore:
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
         with contextlib.suppress(NotFound):  # quiet on a missing row
             await self._write(table, Op("delete", {"PartitionKey": partition, "RowKey": row}, etag), timeout)
 
