@@ -22,6 +22,7 @@ from servers import Azurite
 from store_proxy import StoreProxy
 
 from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
+from chatstream.settings import SettingsError
 from chatstream.state.store import (
     LIMITS_TABLE,
     NEW,
@@ -30,7 +31,7 @@ from chatstream.state.store import (
     StoreClock,
     Where,
 )
-from chatstream.state.store_account import Account, StoreConfigError
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 T = LIMITS_TABLE
@@ -322,7 +323,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
             assert await store.get_blob(f"{p}/b") is None
         finally:
             await store.close()
-        with pytest.raises(StoreConfigError, match="AzureWebJobsStorage: .*AccountKey or a SharedAccessSignature"):
+        with pytest.raises(SettingsError, match="AzureWebJobsStorage: .*AccountKey or a SharedAccessSignature"):
             AzureStore(Account(endpoints))  # before any call
 
     asyncio.run(run())

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import StoreUnavailable
+from ..settings import SettingsError
 from .store import STREAMS_CONTAINER
 
 if TYPE_CHECKING:
@@ -27,11 +28,8 @@ logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(l
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 CONNECTION = "AzureWebJobsStorage"  # the setting, and the prefix of the identity-based ones
+UNUSABLE = f"invalid app settings: {CONNECTION}"  # what a SettingsError of the storage's says first
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
-
-
-class StoreConfigError(Exception):
-    """The storage settings cannot be used (the message names the setting, never a value)."""
 
 
 class Account:
@@ -51,8 +49,7 @@ class Account:
       OAuth token signs (get_token; StoreUnavailable when it gives none, whatever it raised: its
       ``__cause__``), made again 5 minutes before it expires.
 
-    Settings it cannot use raise StoreConfigError (naming the setting, never a value), before any
-    call."""
+    Settings it cannot use raise SettingsError (naming the setting, never a value), before any call."""
 
     def __init__(
         self,
@@ -84,8 +81,8 @@ class Account:
                 table_client = TableServiceClient.from_connection_string(connection_string)
                 blob_client = BlobServiceClient.from_connection_string(connection_string)
             except ValueError:  # its message is the SDK's; ours names the setting, never a value
-                raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature, names "
+                raise SettingsError(
+                    f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature, names "
                     "no account or endpoint for the tables and the blobs, or is malformed"
                 ) from None
             key = table_client.credential
@@ -94,9 +91,7 @@ class Account:
             elif isinstance(key, AzureSasCredential):
                 self._sas = key.signature
             else:
-                raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature"
-                )
+                raise SettingsError(f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature")
             table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
         self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
 
@@ -152,7 +147,7 @@ class Account:
             return None
         for name, url in (("__tableServiceUri", table), ("__blobServiceUri", blob)):
             if url is not None and not url.startswith("https://"):
-                raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
+                raise SettingsError(f"{UNUSABLE}{name}: must be an https:// URL")
         credential = None
         if (get("__credential") or "").lower() == "managedidentity":
             from azure.identity.aio import ManagedIdentityCredential
@@ -164,10 +159,10 @@ class Account:
         """``path`` in the table service, or in the container when ``table`` is None."""
         if table is None:
             if not self.blob_url:
-                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
+                raise SettingsError(f"{UNUSABLE}__blobServiceUri: not set")
             return f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
         if not self.table_url:
-            raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
+            raise SettingsError(f"{UNUSABLE}__tableServiceUri: not set")
         return f"{self.table_url}/{path}"
 
     def describe(self) -> str:

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from chatstream.errors import StoreUnavailable
+from chatstream.settings import SettingsError
 from chatstream.state.store import CALLERS_TABLE
-from chatstream.state.store_account import Account, StoreConfigError
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 
@@ -44,7 +45,7 @@ def test_identity_based_settings_make_service_urls(monkeypatch):
 
 
 def test_a_plain_http_service_uri_is_refused_naming_the_setting():
-    with pytest.raises(StoreConfigError, match="AzureWebJobsStorage__blobServiceUri"):
+    with pytest.raises(SettingsError, match="invalid app settings: AzureWebJobsStorage__blobServiceUri"):
         Account.from_env({"AzureWebJobsStorage__blobServiceUri": "http://x.example"})
 
 
