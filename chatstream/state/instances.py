@@ -74,7 +74,6 @@ class Instances:
         self._needs = 0
         self._idle_since: float | None = None
         self._etag: str | None = None
-        self._beat = 0
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
@@ -144,17 +143,11 @@ class Instances:
                 return
 
     async def _beat_once(self) -> None:
-        self._beat += 1
-        row = {
-            "PartitionKey": PARTITION,
-            "RowKey": self.id,
-            "at": self.store.clock.now(),
-            "beat": self._beat,
-            "lease": self.timing.lease_seconds,
-        }
+        lease = self.timing.lease_seconds
+        row = {"PartitionKey": PARTITION, "RowKey": self.id, "at": self.store.clock.now(), "lease": lease}
         # The beat takes at most half a lease: a busy instance's calls are slow, and a missed lease
         # reads as death elsewhere.
-        bound = self.timing.lease_seconds / 2
+        bound = lease / 2
         if self._etag is None:
             try:
                 self._etag = await self.store.insert(STREAMS_TABLE, row, timeout=bound)

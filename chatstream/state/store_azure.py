@@ -181,16 +181,14 @@ def _batch_answer(count: int, data: bytes) -> None:
     data = data.replace(b"\r\n", b"\n")
     statuses = list(_STATUS_LINE.finditer(data))
     for status in statuses:
-        if int(status[1]) < 300:
-            continue
-        body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n")[0]
-        error: Any = {}
-        if body.strip():
-            with contextlib.suppress(ValueError):
+        if int(status[1]) >= 300:
+            body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n")[0]
+            error: Any = {}
+            with contextlib.suppress(ValueError):  # no body, or not JSON
                 error = json.loads(body).get("odata.error") or {}
-        message = error.get("message")
-        head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
-        raise ErrorAnswer(int(status[1]), str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+            message = error.get("message")
+            head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
+            raise ErrorAnswer(int(status[1]), str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
     if len(statuses) != count:
         raise ErrorAnswer(0, None, 0)
 
