@@ -173,16 +173,15 @@ def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
 
 def _batch_answer(count: int, data: bytes) -> None:
     """Read the answer of a $batch of ``count`` operations: its HTTP answers' status lines, in order
-    (the only lines that start with ``HTTP/1.``: the rest is boundaries, headers and one-line JSON
-    bodies). A failed operation raises ``ErrorAnswer`` with its index (the odata.error's message
-    starts with it, "1:The specified entity...", as the SDK reads it; 0 when it does not say), and so
-    does an answer short of operations. Its line ends read as LF (the service writes CRLF, a proxy
-    might not)."""
+    (the only lines that start with ``HTTP/1.``: the rest is boundaries, headers and JSON bodies). A
+    failed operation raises ``ErrorAnswer`` with its index (the odata.error's message starts with it,
+    "1:The specified entity...", as the SDK reads it; 0 when it does not say), and so does an answer
+    short of operations. Its line ends read as LF (the service writes CRLF, a proxy might not)."""
     data = data.replace(b"\r\n", b"\n")
     statuses = list(_STATUS_LINE.finditer(data))
     for status in statuses:
         if int(status[1]) >= 300:
-            body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n")[0]
+            body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n--")[0]  # to the next boundary
             error: Any = {}
             with contextlib.suppress(ValueError):  # no body, or not JSON
                 error = json.loads(body).get("odata.error") or {}

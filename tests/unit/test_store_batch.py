@@ -145,7 +145,11 @@ def answers(draw: st.DrawFn) -> tuple[int, dict[str, str], bytes, str]:
         status = draw(st.sampled_from([400, 404, 409, 412, 500, 503]))
         said = draw(st.sampled_from(["", f"{index}:", "x:"])) + draw(TEXT)
         error = {"code": draw(TEXT), "message": {"lang": "en-US", "value": said}}
-        body = draw(st.sampled_from(["", json.dumps({"odata.error": error}), "not json"]))
+        said_as = [
+            json.dumps({"odata.error": error}),
+            json.dumps({"odata.error": error}, indent=1),
+        ]  # one line, or many
+        body = draw(st.sampled_from(["", *said_as, "not json"]))
         fields = ["Content-ID: 1"] + (["Content-Type: application/json"] if body else [])
         parts.append(head + lines(f"HTTP/1.1 {status} Failed", *fields, "") + body)
     text = lines(f"--{batch}", f"Content-Type: multipart/mixed; boundary={boundary(changeset)}", "")
