@@ -84,6 +84,7 @@ class Trimmer:
         self._scheduled: asyncio.TimerHandle | None = None
 
     def released(self, nbytes: int) -> None:
+        """An answer that wrote ``nbytes`` is over (written, or its caller gone)."""
         if self._trim is None:
             return
         self.pending += nbytes
@@ -97,6 +98,8 @@ class Trimmer:
         self._scheduled = loop.call_later(self.delay, self.trim)
 
     def trim(self) -> None:
+        """Give the C heap's free memory back now (also after a one-off build whose temporaries were
+        freed: tokens.py's tables)."""
         self._scheduled = None
         self.pending = 0
         if self._trim is None:
@@ -107,17 +110,7 @@ class Trimmer:
 
 
 _trimmer = Trimmer(_libc("malloc_trim", [ctypes.c_size_t]))
-
-
-def released(nbytes: int) -> None:
-    """An answer that wrote ``nbytes`` is over (written, or its caller gone)."""
-    _trimmer.released(nbytes)
-
-
-def trim() -> None:
-    """Give the C heap's free memory back now: after a one-off build whose temporaries were freed
-    (tokens.py's tables)."""
-    _trimmer.trim()
+released, trim = _trimmer.released, _trimmer.trim
 
 
 def _read_only_mappings(path: str) -> list[tuple[int, int, int, int]]:

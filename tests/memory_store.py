@@ -235,11 +235,11 @@ class MemoryStore:
 
         return await self._call("query", table, timeout, work, write=False)
 
-    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> None:
         check_batch(ops)
         prepared = [(op.kind, clean(op.entity) if op.kind != "delete" else dict(op.entity), op.etag) for op in ops]
 
-        def work() -> list[str | None]:
+        def work() -> None:
             for index, (kind, values, etag) in enumerate(prepared):  # all or nothing
                 try:
                     if kind == "delete" and values["RowKey"] not in self._partition(table, values["PartitionKey"]):
@@ -248,9 +248,10 @@ class MemoryStore:
                 except (AlreadyExists, Modified, NotFound) as error:
                     error.index = index
                     raise error from None
-            return [self._apply(table, kind, values) for kind, values, _ in prepared]
+            for kind, values, _ in prepared:
+                self._apply(table, kind, values)
 
-        return await self._call("batch", table, timeout, work, write=True)
+        await self._call("batch", table, timeout, work, write=True)
 
     # --- blobs ----------------------------------------------------------------------------------
 

@@ -132,7 +132,7 @@ async def a_batch_is_all_or_nothing(store: Store, p: str) -> None:
             ],
         )
     assert await store.get(T, p, "a") is None
-    etags = await store.batch(
+    await store.batch(
         T,
         [
             Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1}),
@@ -140,7 +140,6 @@ async def a_batch_is_all_or_nothing(store: Store, p: str) -> None:
             Op("upsert", {"PartitionKey": p, "RowKey": "d", "n": 4}),
         ],
     )
-    assert len(etags) == 3
     rows = {r["RowKey"]: r["n"] for r in await store.query(T, Where(partition=p))}
     assert rows == {"a": 1, "c": 3, "d": 4}
     await store.batch(

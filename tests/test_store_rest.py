@@ -22,6 +22,7 @@ from servers import Azurite
 from store_proxy import StoreProxy
 
 from chatstream.errors import AlreadyExists, Modified, NotFound, StoreTimeout
+from chatstream.settings import SettingsError
 from chatstream.state.store import (
     LIMITS_TABLE,
     NEW,
@@ -30,7 +31,7 @@ from chatstream.state.store import (
     StoreClock,
     Where,
 )
-from chatstream.state.store_account import Account, StoreConfigError
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 T = LIMITS_TABLE
@@ -193,7 +194,8 @@ def test_a_table_or_the_container_not_there_is_made_and_the_call_goes_on(azurite
         n = next(_prefix)
         assert await store.get(f"gone{n}a", p, "a") is None
         assert await store.query(f"gone{n}b", Where(partition=p)) == []
-        assert await store.batch(f"gone{n}c", [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1})])
+        await store.batch(f"gone{n}c", [Op("insert", {"PartitionKey": p, "RowKey": "a", "n": 1})])
+        assert await store.get(f"gone{n}c", p, "a") is not None
         await store.delete(f"gone{n}d", p, "a")
         table = f"gone{n}e"
         await store.insert(table, {"PartitionKey": p, "RowKey": "a", "n": 1})
@@ -321,7 +323,7 @@ def test_a_connection_string_with_a_sas_instead_of_a_key_signs_with_it(azurite):
             assert await store.get_blob(f"{p}/b") is None
         finally:
             await store.close()
-        with pytest.raises(StoreConfigError, match="AzureWebJobsStorage: .*AccountKey or a SharedAccessSignature"):
+        with pytest.raises(SettingsError, match="AzureWebJobsStorage: .*AccountKey or a SharedAccessSignature"):
             AzureStore(Account(endpoints))  # before any call
 
     asyncio.run(run())
@@ -343,10 +345,10 @@ def test_streams_rows_round_trip_on_the_streams_table(azurite):
     _run(azurite, body)
 
 
-def test_a_batch_writes_the_rows_the_sdk_writes_and_answers_their_etags(azurite):
+def test_a_batch_writes_the_rows_the_sdk_writes(azurite):
     async def body(store: AzureStore, p: str) -> None:
         await store.insert(T, {"PartitionKey": p, "RowKey": "old", "n": 1})
-        etags = await store.batch(
+        await store.batch(
             T,
             [
                 Op("insert", {"PartitionKey": p, "RowKey": "a", **VALUES, "none": None}),
@@ -354,10 +356,8 @@ def test_a_batch_writes_the_rows_the_sdk_writes_and_answers_their_etags(azurite)
                 Op("merge", {"PartitionKey": p, "RowKey": "old", "pico": 2**40}),
             ],
         )
-        for key, etag in zip(("a", "b", "old"), etags, strict=True):
-            assert etag and etag == (await store.get(T, p, key) or {}).etag
         assert (await store.get(T, p, "old") or {}).get("pico") == 2**40
-        assert await store.batch(T, [Op("delete", {"PartitionKey": p, "RowKey": "old"})]) == [None]
+        await store.batch(T, [Op("delete", {"PartitionKey": p, "RowKey": "old"})])
         assert await store.get(T, p, "old") is None
         _sdk_write(azurite, {"PartitionKey": f"{p}sdk", "RowKey": "a", **VALUES})
         for key in ("a", "b"):

@@ -49,10 +49,7 @@ class InstanceTiming:
     beat_seconds: float = 1.5
     lease_seconds: float = 4.5  # no beat for this long (by the store's clock): dead
     linger_seconds: float = 10.0  # beats go on this long after the last need (a next one needs no first beat)
-    # The duty's tick (the holder's work, the others' look at the duty row). The duty is free when its
-    # holder's own row is past its lease (a holder that beats: found within a lease and a tick, ~10 s),
-    # or when the holder did not refresh the duty for 3 ticks (one that does not beat).
-    duty_seconds: float = 5.0
+    duty_seconds: float = 5.0  # the duty's tick: the holder's work, the others' look at the duty row
     fresh_seconds: float = 0.5  # one read of another instance's row serves every question for this long
 
 
@@ -77,7 +74,6 @@ class Instances:
         self._needs = 0
         self._idle_since: float | None = None
         self._etag: str | None = None
-        self._beat = 0
         self._beating: asyncio.Task | None = None
         self._first: asyncio.Future | None = None
         self._duty: asyncio.Task | None = None
@@ -147,17 +143,11 @@ class Instances:
                 return
 
     async def _beat_once(self) -> None:
-        self._beat += 1
-        row = {
-            "PartitionKey": PARTITION,
-            "RowKey": self.id,
-            "at": self.store.clock.now(),
-            "beat": self._beat,
-            "lease": self.timing.lease_seconds,
-        }
+        lease = self.timing.lease_seconds
+        row = {"PartitionKey": PARTITION, "RowKey": self.id, "at": self.store.clock.now(), "lease": lease}
         # The beat takes at most half a lease: a busy instance's calls are slow, and a missed lease
         # reads as death elsewhere.
-        bound = self.timing.lease_seconds / 2
+        bound = lease / 2
         if self._etag is None:
             try:
                 self._etag = await self.store.insert(STREAMS_TABLE, row, timeout=bound)
@@ -275,7 +265,7 @@ class Instances:
         judge = self._can_judge()
         for row in rows:
             other = row["RowKey"]
-            if other == self.id or (self._past_lease(row) <= 0 and not row.get("taken_by")):
+            if other == self.id or self._past_lease(row) <= 0:  # (a taken row's ``at`` is 0: past it)
                 continue
             if judge or row.get("taken_by") == self.id:
                 await self._take_over(row)

@@ -24,7 +24,7 @@ from .ledger import Ledger
 from .owners import Owners
 from .registry import Registry
 from .store import Store, StoreClock
-from .store_account import Account, StoreConfigError
+from .store_account import Account
 from .streamlog import ResumeConfig
 
 log = logging.getLogger("chatstream")
@@ -48,26 +48,23 @@ class SharedState:
         cls, settings: Settings, environ: Mapping[str, str] = os.environ, told: Told | None = None
     ) -> SharedState | None:
         """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
-        try:
-            account = Account.from_env(environ)
-            if account is None:
-                for needs, on in (
-                    ("CALLER_KEYS=required", settings.caller_keys == "required"),
-                    ("RESUMABLE_STREAMS=on", settings.resumable_streams),
-                ):
-                    if on:
-                        raise SettingsError(
-                            f"invalid app settings: {needs} needs the app's storage: set "
-                            "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-                        )
-                return None
-            from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
+        account = Account.from_env(environ)
+        if account is None:
+            for needs, on in (
+                ("CALLER_KEYS=required", settings.caller_keys == "required"),
+                ("RESUMABLE_STREAMS=on", settings.resumable_streams),
+            ):
+                if on:
+                    raise SettingsError(
+                        f"invalid app settings: {needs} needs the app's storage: set "
+                        "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
+                    )
+            return None
+        from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
 
-            # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
-            offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
-            store = AzureStore(account, StoreClock(wall=lambda: time.time() + offset) if offset else None)
-        except StoreConfigError as exc:
-            raise SettingsError(f"invalid app settings: {exc}") from None
+        # Tests only: this instance's own clock runs this many seconds off (the store's clock must rule).
+        offset = float(environ.get("CHATSTREAM_TEST_CLOCK_OFFSET_SECONDS") or 0.0)
+        store = AzureStore(account, StoreClock(wall=lambda: time.time() + offset) if offset else None)
         log.info("shared state: %s", store.account.describe())
         return cls.on(store, settings, told=told)
 

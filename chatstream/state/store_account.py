@@ -1,8 +1,7 @@
 """Where the store is and what signs its requests: the storage account the settings name
-(``Account``) and its ``Signer``. Nothing is signed by hand: the azure SDKs read the connection
-string and make the SAS or the identity's token; store_azure.py sends every request itself. With an
-identity the storage SDKs never load (with a key, their SAS helper and connection-string readers
-do)."""
+(``Account``). Nothing is signed by hand: the azure SDKs read the connection string and make the SAS
+or the identity's token; store_azure.py sends every request itself. With an identity the storage
+SDKs never load (with a key, their SAS helper and connection-string readers do)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import StoreUnavailable
+from ..settings import SettingsError
 from .store import STREAMS_CONTAINER
 
 if TYPE_CHECKING:
@@ -28,27 +28,72 @@ logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(l
 SAS_LIFETIME = timedelta(hours=2)
 RENEW_BEFORE = timedelta(minutes=30)  # and a start 5 minutes back: other clocks may be behind
 CONNECTION = "AzureWebJobsStorage"  # the setting, and the prefix of the identity-based ones
+UNUSABLE = f"invalid app settings: {CONNECTION}"  # what a SettingsError of the storage's says first
 TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms-version 2019-02-02 on)
 
 
-class StoreConfigError(Exception):
-    """The storage settings cannot be used (the message names the setting, never a value)."""
+class Account:
+    """The storage account, named by the settings as the Functions host itself reads them
+    (``from_env``): each service's URL, and what signs every request (``sign``), kept until it is to
+    be made again or the service refused it (``refused``):
 
+    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
+      an account key's or a SAS's). An account ``key`` signs with an account SAS made from it
+      (azure-storage-blob's generate_account_sas) for both services, at every level of them (a
+      table's own SAS is refused on the account's ``$batch``, and a query of rows wants the
+      container level on Azurite), made again when a quarter of its life is left; a ``sas`` as it is.
+    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
+      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
+      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
+      azure-identity's DefaultAzureCredential (a developer's ``az login``). Its ``credential``'s
+      OAuth token signs (get_token; StoreUnavailable when it gives none, whatever it raised: its
+      ``__cause__``), made again 5 minutes before it expires.
 
-class Signer:
-    """What signs every request, kept until it is to be made again (or the service refused it): an
-    account SAS made from the account's ``key`` (azure-storage-blob's generate_account_sas) for both
-    services, at every level of them (a table's own SAS is refused on the account's ``$batch``, and a
-    query of rows wants the container level on Azurite), made again when a quarter of its life is
-    left; the connection string's own ``sas`` as it is; or an OAuth token of an identity's
-    ``credential`` (azure-identity's get_token; StoreUnavailable when it gives none, whatever it
-    raised: its ``__cause__``), made again 5 minutes before it expires."""
+    Settings it cannot use raise SettingsError (naming the setting, never a value), before any call."""
 
-    def __init__(self, key: AzureNamedKeyCredential | None = None, sas: str = "", credential: Any = None):
-        self._key, self._sas, self._credential = key, sas, credential
+    def __init__(
+        self,
+        connection_string: str | None = None,
+        *,
+        table_url: str | None = None,
+        blob_url: str | None = None,
+        credential: Any = None,  # azure-identity's; None: DefaultAzureCredential (without a connection string)
+    ):
+        self.credential = credential
+        self._key: AzureNamedKeyCredential | None = None
+        self._sas = ""
         self._token: str | None = None
         self._renew = 0.0  # when to make it again (seconds since 1970)
         self._lock = asyncio.Lock()
+        if connection_string is None:
+            if credential is None:
+                from azure.identity.aio import DefaultAzureCredential
+
+                self.credential = DefaultAzureCredential()
+        else:
+            # The SDKs' clients read the connection string (they make no request): its one key or
+            # SAS (the table client's credential) serves both services, at each one's URL.
+            from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+            from azure.data.tables import TableServiceClient
+            from azure.storage.blob import BlobServiceClient
+
+            try:
+                table_client = TableServiceClient.from_connection_string(connection_string)
+                blob_client = BlobServiceClient.from_connection_string(connection_string)
+            except ValueError:  # its message is the SDK's; ours names the setting, never a value
+                raise SettingsError(
+                    f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature, names "
+                    "no account or endpoint for the tables and the blobs, or is malformed"
+                ) from None
+            key = table_client.credential
+            if isinstance(key, AzureNamedKeyCredential):
+                self._key = key
+            elif isinstance(key, AzureSasCredential):
+                self._sas = key.signature
+            else:
+                raise SettingsError(f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature")
+            table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
+        self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
 
     async def sign(self, url: str, headers: Mapping[str, str]) -> tuple[str, Mapping[str, str]]:
         """A request's URL and headers, signed."""
@@ -56,20 +101,20 @@ class Signer:
             async with self._lock:
                 if self._token is None or time.time() >= self._renew:
                     self._token, self._renew = await self._make()
-        if self._credential is None:
+        if self.credential is None:
             return f"{url}{'&' if '?' in url else '?'}{self._token}", headers
         # x-ms-date: the services want one on every request not signed by a SAS.
         date = email.utils.formatdate(usegmt=True)
         return url, {**headers, "Authorization": f"Bearer {self._token}", "x-ms-date": date}
 
     def refused(self) -> None:
-        """The service refused it (401, 403): a new one next time."""
+        """The service refused what signed (401, 403): a new one next time."""
         self._token = None
 
     async def _make(self) -> tuple[str, float]:
-        if self._credential is not None:
+        if self.credential is not None:
             try:
-                token = await self._credential.get_token(TOKEN_SCOPE)
+                token = await self.credential.get_token(TOKEN_SCOPE)
             except Exception as exc:  # whatever azure-identity raises: no token
                 raise StoreUnavailable(f"no token for the store ({type(exc).__name__})") from exc
             return token.token, token.expires_on - 300.0
@@ -85,66 +130,6 @@ class Signer:
         resources = ResourceTypes(container=True, object=True)
         sas = generate_account_sas(*self._key.named_key, resources, rights, expiry, start, services="bt")
         return sas, (expiry - RENEW_BEFORE).timestamp()
-
-
-class Account:
-    """The storage account, named by the settings as the Functions host itself reads them
-    (``from_env``), with each service's URL and what signs its requests (``signer``):
-
-    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
-      an account key's or a SAS's); or
-    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
-      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
-      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
-      azure-identity's DefaultAzureCredential (a developer's ``az login``).
-
-    Settings it cannot use raise StoreConfigError (naming the setting, never a value), before any
-    call."""
-
-    def __init__(
-        self,
-        connection_string: str | None = None,
-        *,
-        table_url: str | None = None,
-        blob_url: str | None = None,
-        credential: str | None = None,  # ``managedidentity``, or None for DefaultAzureCredential
-        client_id: str | None = None,
-    ):
-        self.credential: Any = None  # the identity's (azure-identity), None with a connection string
-        if connection_string is None:
-            from azure.identity.aio import DefaultAzureCredential, ManagedIdentityCredential
-
-            if (credential or "").lower() == "managedidentity":
-                self.credential = ManagedIdentityCredential(client_id=client_id)
-            else:
-                self.credential = DefaultAzureCredential()
-            self.signer = Signer(credential=self.credential)
-        else:
-            # The SDKs' clients read the connection string (they make no request): its one key or
-            # SAS (the table client's credential) serves both services, at each one's URL.
-            from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
-            from azure.data.tables import TableServiceClient
-            from azure.storage.blob import BlobServiceClient
-
-            try:
-                table_client = TableServiceClient.from_connection_string(connection_string)
-                blob_client = BlobServiceClient.from_connection_string(connection_string)
-            except ValueError:  # its message is the SDK's; ours names the setting, never a value
-                raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature, names "
-                    "no account or endpoint for the tables and the blobs, or is malformed"
-                ) from None
-            key = table_client.credential
-            if isinstance(key, AzureNamedKeyCredential):
-                self.signer = Signer(key)
-            elif isinstance(key, AzureSasCredential):
-                self.signer = Signer(sas=key.signature)
-            else:
-                raise StoreConfigError(
-                    f"{CONNECTION}: the connection string has no AccountKey or a SharedAccessSignature"
-                )
-            table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
-        self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Account | None:
@@ -162,17 +147,22 @@ class Account:
             return None
         for name, url in (("__tableServiceUri", table), ("__blobServiceUri", blob)):
             if url is not None and not url.startswith("https://"):
-                raise StoreConfigError(f"{CONNECTION}{name}: must be an https:// URL")
-        return cls(table_url=table, blob_url=blob, credential=get("__credential"), client_id=get("__clientId"))
+                raise SettingsError(f"{UNUSABLE}{name}: must be an https:// URL")
+        credential = None
+        if (get("__credential") or "").lower() == "managedidentity":
+            from azure.identity.aio import ManagedIdentityCredential
+
+            credential = ManagedIdentityCredential(client_id=get("__clientId"))
+        return cls(table_url=table, blob_url=blob, credential=credential)
 
     def url(self, table: str | None, path: str) -> str:
         """``path`` in the table service, or in the container when ``table`` is None."""
         if table is None:
             if not self.blob_url:
-                raise StoreConfigError(f"{CONNECTION}__blobServiceUri: not set")
+                raise SettingsError(f"{UNUSABLE}__blobServiceUri: not set")
             return f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
         if not self.table_url:
-            raise StoreConfigError(f"{CONNECTION}__tableServiceUri: not set")
+            raise SettingsError(f"{UNUSABLE}__tableServiceUri: not set")
         return f"{self.table_url}/{path}"
 
     def describe(self) -> str:

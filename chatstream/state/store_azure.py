@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-from aiohttp.helpers import parse_http_date, parse_mimetype
+from aiohttp.helpers import parse_http_date
 
 from ..errors import AlreadyExists, Modified, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from .store import (
@@ -53,11 +53,7 @@ _JSON = {**_TABLE, "Content-Type": "application/json"}
 _BLOB = {"x-ms-version": "2023-11-03"}
 # The error codes of a table or the container itself not there (deleted under us), and which it is.
 GONE = {"TableNotFound": "table", "ContainerNotFound": "container"}
-
-T = TypeVar("T")
-# What a call makes of a success's headers and body, read within the call: a batch's answer may say
-# that its table is not there, and the call makes it and sends the batch again (``_call``).
-Answer = Callable[[Mapping[str, str], bytes], T]
+_STATUS_LINE = re.compile(rb"^HTTP/1\.\d (\d{3}).*$", re.M)
 
 
 class ErrorAnswer(Exception):
@@ -74,7 +70,7 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
     of ours, raised as it is). The message never carries a URL (it may hold a SAS)."""
     if isinstance(exc, TimeoutError):
         return StoreTimeout(f"the store did not answer in time ({what})")
-    if isinstance(exc, StoreError):  # the signer's: no token for the store
+    if isinstance(exc, StoreError):  # the account's: no token for the store
         return exc
     if isinstance(exc, (OSError, aiohttp.ClientError)):
         return StoreUnavailable(f"the store did not answer ({type(exc).__name__})")
@@ -157,6 +153,8 @@ def odata_filter(where: Where) -> str:
 
 def _entity_path(table: str, partition: str, row: str) -> str:
     # As the SDK's _prepare_key: a quote doubled inside the key's quotes, then URL-encoded.
+    check_key("PartitionKey", partition)
+    check_key("RowKey", row)
     pk, rk = (quote(key.replace("'", "''"), safe="") for key in (partition, row))
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
@@ -173,78 +171,25 @@ def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
     return {"delete": "DELETE", "replace": "PUT", "merge": "MERGE"}[op.kind], path, {"If-Match": op.etag or "*"}
 
 
-def _http_parts(boundary: str, data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
-    """The HTTP answers (status, headers with lower-case names, body) in a multipart body split by
-    ``boundary``, its line ends LF, in order, those of nested multiparts (the changeset) in their
-    place; the parts' encoding is binary (the only one the Table service writes)."""
-    found: list[tuple[int, dict[str, str], bytes]] = []
-    if not boundary:
-        return found
-    delimiter = b"\n--" + boundary.encode("latin-1")
-    parts: list[bytes] = []
-    for chunk in (b"\n" + data).split(delimiter)[1:]:  # [0]: the preamble
-        line_rest, _, part = chunk.partition(b"\n")
-        line_rest = line_rest.rstrip(b" \t")
-        if line_rest == b"--":  # the close delimiter: the epilogue follows
-            break
-        if not line_rest:
-            parts.append(part)
-        elif parts:  # a line that starts with the delimiter but is not one ("--boundary2")
-            parts[-1] += delimiter + chunk
-    for part in parts:
-        head, _, body = part.partition(b"\n\n")
-        headers = _fields(head)
-        kind = parse_mimetype(headers.get("content-type", "text/plain"))
-        if kind.type == "multipart":
-            found += _http_parts(kind.parameters.get("boundary", ""), body)
-        elif (kind.type, kind.subtype) == ("application", "http"):
-            head, _, body = body.partition(b"\n\n")
-            status_line, _, head = head.partition(b"\n")
-            found.append((int(status_line.split(b" ", 2)[1]), _fields(head), body))
-    return found
-
-
-def _fields(head: bytes) -> dict[str, str]:
-    """The header fields of ``head`` (lines; none folded, as the service writes them)."""
-    fields: dict[str, str] = {}
-    for line in head.decode("latin-1").split("\n"):
-        name, colon, value = line.partition(":")
-        if colon:
-            fields[name.strip().lower()] = value.strip()
-    return fields
-
-
-def _batch_etags(count: int, headers: Mapping[str, str], data: bytes) -> list[str | None]:
-    """The answer of a $batch of ``count`` operations: their ETags, in order; a failed operation
-    raises ``ErrorAnswer`` with its index (the odata.error's message starts with it, "1:The specified
-    entity...", as the SDK reads it; 0 when it does not say). Its line ends read as LF (the service
-    writes CRLF, a proxy might not). The multipart is read by ``_http_parts``: the stdlib ``email``
-    parser took five to ten times its CPU (68% of a batch's), aiohttp's MultipartReader more still
-    (git log cb2354b, fc8ade1; tests/unit/test_store_batch.py shows the readings equal)."""
-    found: list[str | None] = []
-    boundary = parse_mimetype(headers.get("Content-Type", "")).parameters.get("boundary", "")
-    for status, fields, body in _http_parts(boundary, data.replace(b"\r\n", b"\n")):
-        if status < 300:
-            found.append(fields.get("etag"))
-            continue
-        error: Any = {}
-        if body.strip():
-            with contextlib.suppress(ValueError):
+def _batch_answer(count: int, data: bytes) -> None:
+    """Read the answer of a $batch of ``count`` operations: its HTTP answers' status lines, in order
+    (the only lines that start with ``HTTP/1.``: the rest is boundaries, headers and JSON bodies). A
+    failed operation raises ``ErrorAnswer`` with its index (the odata.error's message starts with it,
+    "1:The specified entity...", as the SDK reads it; 0 when it does not say), and so does an answer
+    short of operations. Its line ends read as LF (the service writes CRLF, a proxy might not)."""
+    data = data.replace(b"\r\n", b"\n")
+    statuses = list(_STATUS_LINE.finditer(data))
+    for status in statuses:
+        if int(status[1]) >= 300:
+            body = data[status.end() :].partition(b"\n\n")[2].partition(b"\n--")[0]  # to the next boundary
+            error: Any = {}
+            with contextlib.suppress(ValueError):  # no body, or not JSON
                 error = json.loads(body).get("odata.error") or {}
-        message = error.get("message")
-        head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
-        raise ErrorAnswer(status, str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
-    if len(found) != count:
+            message = error.get("message")
+            head = str(message.get("value", "") if isinstance(message, Mapping) else message or "").split(":", 1)[0]
+            raise ErrorAnswer(int(status[1]), str(error.get("code", "")) or None, int(head) if head.isdigit() else 0)
+    if len(statuses) != count:
         raise ErrorAnswer(0, None, 0)
-    return found
-
-
-def _etag(headers: Mapping[str, str], body: bytes) -> str:
-    return headers.get("ETag", "")
-
-
-def _reply(headers: Mapping[str, str], body: bytes) -> tuple[Mapping[str, str], bytes]:
-    return headers, body
 
 
 class AzureStore:
@@ -271,13 +216,11 @@ class AzureStore:
         select: Sequence[str] | None = None,
         timeout: float = CALL_TIMEOUT,
     ) -> Row | None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
         path = _entity_path(table, partition, row)
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
         try:
-            headers, body = await self._call("get", timeout, table, "GET", path, _reply, again=True)
+            headers, body = await self._call("get", timeout, table, "GET", path, again=True)
         except NotFound:
             return None
         return row_of(json.loads(body), headers.get("ETag", ""))
@@ -301,8 +244,6 @@ class AzureStore:
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
         with contextlib.suppress(NotFound):  # quiet on a missing row
             await self._write(table, Op("delete", {"PartitionKey": partition, "RowKey": row}, etag), timeout)
 
@@ -314,7 +255,8 @@ class AzureStore:
         headers = {**(_TABLE if body is None else _JSON), **own}
         again = not batch and op.kind != "insert" and op.etag is None  # no condition (``_send``)
         name = "batch" if batch else op.kind
-        return await self._call(name, timeout, table, method, path, _etag, headers, body, again=again)
+        answered, _ = await self._call(name, timeout, table, method, path, headers, body, again=again)
+        return answered.get("ETag", "")
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
         """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
@@ -328,9 +270,7 @@ class AzureStore:
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while True:
-            headers, body = await self._call(
-                "query", ends - loop.time(), table, "GET", path + going, _reply, again=True
-            )
+            headers, body = await self._call("query", ends - loop.time(), table, "GET", path + going, again=True)
             for entity in json.loads(body).get("value") or []:
                 rows.append(row_of(entity, ""))
                 if limit is not None and len(rows) >= limit:
@@ -342,7 +282,7 @@ class AzureStore:
             if row_after := headers.get("x-ms-continuation-NextRowKey"):
                 going += f"&NextRowKey={quote(row_after, safe='')}"
 
-    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> list[str | None]:
+    async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> None:
         """An entity-group transaction (checked: store.check_batch): one multipart/mixed POST of
         the operations as the SDK sends them (the Table service's $batch format, written here: no
         library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
@@ -351,7 +291,8 @@ class AzureStore:
         check_batch(ops)
         if len(ops) == 1:
             try:
-                return [await self._write(table, ops[0], timeout, batch=True) or None]  # (a delete: no ETag)
+                await self._write(table, ops[0], timeout, batch=True)
+                return
             except (NotFound, AlreadyExists, Modified) as exc:
                 exc.index = 0
                 raise
@@ -373,8 +314,7 @@ class AzureStore:
             )
         parts.append(f"--{changeset}--\r\n--{batch}--\r\n".encode())
         headers = {**_TABLE, "Content-Type": f"multipart/mixed; boundary={batch}"}
-        etags = partial(_batch_etags, len(ops))
-        return await self._call("batch", timeout, table, "POST", "$batch", etags, headers, b"".join(parts))
+        await self._call("batch", timeout, table, "POST", "$batch", headers, b"".join(parts), batch_of=len(ops))
 
     # --- blobs --------------------------------------------------------------------------------
 
@@ -383,20 +323,20 @@ class AzureStore:
         out and lands late must not empty the blob."""
         headers = {**_BLOB, "x-ms-blob-type": "AppendBlob", "If-None-Match": "*"}
         try:
-            await self._call("append_create", timeout, None, "PUT", name, _etag, headers, b"")
+            await self._call("append_create", timeout, None, "PUT", name, headers, b"")
         except Modified:  # If-None-Match: * (Azure answers 409, Azurite 412)
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
         """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
-        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", _etag, headers, data)
+        await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
 
     async def read(self, name: str, offset: int = 0, *, timeout: float = CALL_TIMEOUT) -> bytes:
         headers = {**_BLOB, "x-ms-range": f"bytes={offset}-"}
         try:
-            return (await self._call("read", timeout, None, "GET", name, _reply, headers, again=True))[1]
+            return (await self._call("read", timeout, None, "GET", name, headers, again=True))[1]
         except NotFound:  # no blob, or nothing past offset (416: Azure; Azurite answers empty)
             return b""
 
@@ -405,20 +345,21 @@ class AzureStore:
         condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
         headers = {**_BLOB, "x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
         try:
-            return await self._call("put", timeout, None, "PUT", name, _etag, headers, data, again=not condition)
+            answered, _ = await self._call("put", timeout, None, "PUT", name, headers, data, again=not condition)
         except (AlreadyExists, NotFound):
             raise Modified("the blob changed") from None
+        return answered.get("ETag", "")
 
     async def get_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> tuple[bytes, str] | None:
         try:
-            headers, body = await self._call("get_blob", timeout, None, "GET", name, _reply, _BLOB, again=True)
+            headers, body = await self._call("get_blob", timeout, None, "GET", name, _BLOB, again=True)
         except NotFound:
             return None
         return body, headers.get("ETag", "")
 
     async def delete_blob(self, name: str, *, timeout: float = CALL_TIMEOUT) -> None:
         with contextlib.suppress(NotFound):
-            await self._call("delete_blob", timeout, None, "DELETE", name, _etag, _BLOB, again=True)
+            await self._call("delete_blob", timeout, None, "DELETE", name, _BLOB, again=True)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -436,19 +377,19 @@ class AzureStore:
         table: str | None,
         method: str,
         path: str,
-        answer: Answer[T],
         headers: Mapping[str, str] = _TABLE,
         body: bytes | None = None,
         *,
         again: bool = False,
-    ) -> T:
+        batch_of: int = 0,
+    ) -> tuple[Mapping[str, str], bytes]:
         """One request ``op`` of ``table``'s (of the container's when None; ``path`` in it, with its
-        query) within ``timeout`` seconds: what ``answer`` makes of its success's headers and body,
-        or the store's error (``store_error``; an outage noted on the clock). A call that finds its
-        table or container missing makes it and goes once more: the service did nothing. The first
-        call on each in this process goes alone: the calls that come meanwhile wait for it (a burst
-        of first calls on one not made yet would all be refused, all make it, then all be sent
-        again)."""
+        query) within ``timeout`` seconds: its success's headers and body (a $batch's of
+        ``batch_of`` operations read by ``_batch_answer``), or the store's error (``store_error``;
+        an outage noted on the clock). A call that finds its table or container missing makes it and
+        goes once more: the service did nothing. The first call on each in this process goes alone:
+        the calls that come meanwhile wait for it (a burst of first calls on one not made yet would
+        all be refused, all make it, then all be sent again)."""
         self.calls[op] = self.calls.get(op, 0) + 1
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -462,12 +403,12 @@ class AzureStore:
                     await asyncio.shield(gate)
                 url = self.account.url(table, path)
                 try:
-                    result = await self._send(url, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, again, batch_of)
                 except ErrorAnswer as exc:
                     if exc.status != 404 or exc.code not in GONE:
                         raise
                     await self._create(table)
-                    result = await self._send(url, method, headers, body, answer, again)
+                    result = await self._send(url, method, headers, body, again, batch_of)
         except Exception as exc:  # store_error says which are the store's; the rest raise as they are
             error = store_error(exc, op)
             if error is None:
@@ -489,9 +430,9 @@ class AzureStore:
         method: str,
         headers: Mapping[str, str],
         body: bytes | None,
-        answer: Answer[T],
         again: bool,
-    ) -> T:
+        batch_of: int = 0,
+    ) -> tuple[Mapping[str, str], bytes]:
         """One request to ``url``, signed (store_account.py); ``again``: sent a second time after a
         lost connection or a 5xx (a read or an unconditional write). A
         conditional write (an insert, a write under an ETag or an append position, a batch) is sent
@@ -499,7 +440,7 @@ class AzureStore:
         "someone else wrote" of our own write (a counter exchange read that way gave back capacity
         it had already given back). The caller decides after a timeout, by reading (counters.py,
         journal.py). An error answer raises ``ErrorAnswer``."""
-        url, headers = await self.account.signer.sign(url, headers)
+        url, headers = await self.account.sign(url, headers)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), timeout=_TIMEOUT
@@ -520,9 +461,12 @@ class AzureStore:
             self._observe(response.headers)
             if response.status >= 300:
                 if response.status in (401, 403):  # a token refused: a new one next time
-                    self.account.signer.refused()
+                    self.account.refused()
                 raise ErrorAnswer(response.status, response.headers.get("x-ms-error-code"))
-            return answer(response.headers, await response.read())
+            data = await response.read()
+            if batch_of:  # its table may be gone: read here, so that ``_call`` makes it
+                _batch_answer(batch_of, data)
+            return response.headers, data
         finally:
             response.release()
 
@@ -536,7 +480,7 @@ class AzureStore:
             url, method = self.account.url(table, "Tables"), "POST"
             headers, body = {**_JSON, "Prefer": "return-no-content"}, json.dumps({"TableName": table}).encode()
         try:
-            await self._send(url, method, headers, body, _etag, again=True)
+            await self._send(url, method, headers, body, again=True)
         except ErrorAnswer as exc:
             if exc.status not in (403, 409):
                 raise

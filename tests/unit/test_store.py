@@ -9,8 +9,9 @@ import time
 import pytest
 
 from chatstream.errors import StoreUnavailable
+from chatstream.settings import SettingsError
 from chatstream.state.store import CALLERS_TABLE
-from chatstream.state.store_account import Account, StoreConfigError
+from chatstream.state.store_account import Account
 from chatstream.state.store_azure import AzureStore
 
 
@@ -44,7 +45,7 @@ def test_identity_based_settings_make_service_urls(monkeypatch):
 
 
 def test_a_plain_http_service_uri_is_refused_naming_the_setting():
-    with pytest.raises(StoreConfigError, match="AzureWebJobsStorage__blobServiceUri"):
+    with pytest.raises(SettingsError, match="invalid app settings: AzureWebJobsStorage__blobServiceUri"):
         Account.from_env({"AzureWebJobsStorage__blobServiceUri": "http://x.example"})
 
 
@@ -128,7 +129,7 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     assert isinstance(store_error(TimeoutError(), "get"), StoreTimeout)
     for foreign in (aiohttp.ClientConnectionError(), ConnectionResetError()):
         assert type(store_error(foreign)) is StoreUnavailable
-    no_token = StoreUnavailable("no token for the store (E)")  # the signer's: as it is, never a NotFound
+    no_token = StoreUnavailable("no token for the store (E)")  # the account's: as it is, never a NotFound
     assert store_error(no_token) is no_token
     assert store_error(ValueError("a bug of ours")) is None
 
@@ -155,8 +156,6 @@ async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
     or after the service refused it; a credential that fails is the store's outage. A SAS goes on the query."""
     from azure.core.credentials import AccessToken
 
-    from chatstream.state.store_account import Signer
-
     class Credential:
         def __init__(self, lifetime: float):
             self.asked, self.lifetime = 0, lifetime
@@ -168,7 +167,7 @@ async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
             return AccessToken(f"t{self.asked}", int(time.time() + self.lifetime))
 
     lasting = Credential(3600)
-    signer = Signer(credential=lasting)
+    signer = Account(table_url="https://t.example", credential=lasting)
     url, headers = await signer.sign("https://t.example/x?q=1", {"Accept": "a"})
     assert url == "https://t.example/x?q=1" and headers["Authorization"] == "Bearer t1" and "x-ms-date" in headers
     assert headers["Accept"] == "a"
@@ -176,12 +175,13 @@ async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():
     signer.refused()
     assert (await signer.sign("u", {}))[1]["Authorization"] == "Bearer t2"
     expiring = Credential(200)  # within 5 minutes of its expiry: asked for every time
-    signer = Signer(credential=expiring)
+    signer = Account(table_url="https://t.example", credential=expiring)
     await signer.sign("u", {})
     await signer.sign("u", {})
     assert expiring.asked == 2
     with pytest.raises(StoreUnavailable, match="no token for the store \\(RuntimeError\\)"):
-        await Signer(credential=Credential(-1)).sign("u", {})
-    sas = Signer(sas="sv=1&sig=S")  # the connection string's own SAS, on the query
+        await Account(table_url="https://t.example", credential=Credential(-1)).sign("u", {})
+    endpoints = "TableEndpoint=https://t.example/a;BlobEndpoint=https://b.example/a"
+    sas = Account(f"{endpoints};SharedAccessSignature=sv=1&sig=S")  # the connection string's own, on the query
     assert await sas.sign("https://b.example/c/x", {}) == ("https://b.example/c/x?sv=1&sig=S", {})
     assert (await sas.sign("https://b.example/c/x?comp=appendblock", {}))[0].endswith("?comp=appendblock&sv=1&sig=S")

@@ -62,7 +62,7 @@ async def test_a_thousand_streams_on_one_instance_write_only_rows_within_table_s
         for row in rows:
             check_entity(row)  # what Table storage would refuse: none
         instance_row = data.tables[STREAMS_TABLE]["instances"][a.instances.id][0]
-        assert set(instance_row) == {"PartitionKey", "RowKey", "at", "beat", "lease"}
+        assert set(instance_row) == {"PartitionKey", "RowKey", "at", "lease"}
         assert await b.instances.alive(a.instances.id)
         assert all(p.resumable for p in producers)
         reader = await b.open_reader(producers[-1].id, None, "caller999")
