@@ -18,20 +18,10 @@ from memory_store import Fault, MemoryData
 from chatstream import sse
 from chatstream.state.instances import PARTITION, Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
-from chatstream.state.streamlog import (
-    PastTheEnd,
-    ResumeConfig,
-    StreamLog,
-    StreamNotFound,
-    TooManyReaders,
-    Unavailable,
-    check_stream_id,
-    new_stream_id,
-    started_at,
-    sweep,
-)
-from chatstream.state.streamlog.config import Turns
-from chatstream.state.streamlog.format import Record
+from chatstream.state.streamlog.config import ResumeConfig, Turns
+from chatstream.state.streamlog.errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from chatstream.state.streamlog.format import Record, check_stream_id, new_stream_id, started_at
+from chatstream.state.streamlog.log import StreamLog, sweep
 
 from .streamlog_helpers import (
     DONE,
