@@ -861,11 +861,11 @@ async def test_a_write_a_reader_waits_for_takes_its_turn_first():
     order: list[str] = []
 
     async def call(name: str, first: bool = False) -> None:
-        async with turns.first() if first else turns:
+        async with turns(first=first):
             order.append(name)
             await asyncio.sleep(0.01)
 
-    async with turns:  # the one turn is taken: everyone below waits
+    async with turns():  # the one turn is taken: everyone below waits
         tasks = [asyncio.ensure_future(call(n)) for n in ("end 1", "end 2")]
         tasks.append(asyncio.ensure_future(call("for a reader", first=True)))
         gone = asyncio.ensure_future(call("cancelled"))
@@ -874,12 +874,12 @@ async def test_a_write_a_reader_waits_for_takes_its_turn_first():
     await asyncio.gather(*tasks)
     assert order == ["for a reader", "end 1", "end 2"]
     late = asyncio.ensure_future(call("given, then cancelled"))
-    async with turns:
+    async with turns():
         await asyncio.sleep(0)
     late.cancel()  # its turn was given as the block above ended, before it could run
     await asyncio.gather(late, return_exceptions=True)
     async with asyncio.timeout(1):
-        async with turns:
+        async with turns():
             pass
 
 

@@ -448,7 +448,7 @@ class Producer:
             bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
             try:
                 if self._large_request is not None:
-                    async with ctx.bulk:
+                    async with ctx.bulk():
                         with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
                             await ctx.store.put(
                                 request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
@@ -559,10 +559,8 @@ class Producer:
         answer was lost, perhaps). _Fenced: someone else's bytes are there."""
         store = self._ctx.store
         offset = self._stored_bytes
-        # A reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls).
-        turn = self._ctx.bulk.first() if self._following or attempt.acks else self._ctx.bulk
-        try:
-            async with turn:
+        try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
+            async with self._ctx.bulk(first=self._following or bool(attempt.acks)):
                 try:
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:
@@ -665,7 +663,7 @@ class Producer:
                 # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
                 if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
                     return False
-                async with ctx.bulk:
+                async with ctx.bulk():
                     record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
