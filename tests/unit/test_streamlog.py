@@ -643,7 +643,7 @@ async def test_a_short_stream_nobody_follows_is_stored_in_its_record_alone():
         assert a.store.counts.get(f"append:{producer.id}", 0) == 0  # type: ignore[attr-defined]
         assert producer.id not in a.store.data.blobs  # type: ignore[attr-defined]
         row = a.store.data.tables[STREAMS_TABLE][producer.id]["stream"][0]  # type: ignore[attr-defined]
-        assert row["size"] == len(row["events"].encode())  # bytes, as a blob's size is
+        assert row["events"].encode() == live + b": end\n\n"  # the whole log, its end marker last
         for streams in (a, b):
             assert await read_all(await streams.open_reader(producer.id, None, None)) == live
         assert await read_all(await b.open_reader(producer.id, 20, None)) == live[live.index(b"id: 21\n") :]

@@ -481,9 +481,7 @@ class Producer:
             return True
 
     async def _write_all(self) -> None:
-        """Write what is due (``_due``) at the stored end until the log is closed, then record its
-        end; stop for good when the store fails for ``give_up_seconds`` (or refuses), or when the
-        stream goes on elsewhere (fenced: taken over; the hand-over marker stored)."""
+        """The storing loop (module docstring), from the record's insert to the record's end."""
         failing_since: float | None = None
         while self._closed is None:
             self._kick.clear()
@@ -650,15 +648,9 @@ class Producer:
         record is another producer's (taken over); None: the store failed throughout."""
         ctx, store, record = self._ctx, self._ctx.store, self._record
         deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
+        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
-            now = ctx.now()
-            state = "ended" if closes == END else "lost"
-            last = self._id_at(len(self._events) if self.resumable else self._stored)
-            size = len(whole.encode()) if whole is not None else self._stored_bytes
-            more = {} if whole is None else {"events": whole}
-            fields = record_over(
-                self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
-            )
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
             try:
                 # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
                 if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
