@@ -616,21 +616,17 @@ class Producer:
         is read once more after the end to tell), its whole log goes into the record with the
         record's end, and no blob is made. False: write the blob as usual."""
         self._end_seen_at = self._loop.time()  # (tried once)
-        if self._following or self._acks or self._handing_over:
-            return False
-        # A reader registered before the end is seen by an inbox read begun after it (its rows are
-        # delivered before the producers tick); one that came later reads this record first.
-        await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
-        attempt = self._compose()
-        if self._following or self._acks or self._handing_over or self._stored or attempt.count < len(self._events):
-            return False
+        if not (self._following or self._acks):
+            # A reader registered before the end is seen by an inbox read begun after it (its rows are
+            # delivered before the producers tick); one that came later reads this record first.
+            await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
+        attempt = self._compose()  # (never handing over: the stream ended)
         try:
             text = attempt.block.decode()
         except UnicodeDecodeError:
             return False
-        if not fits_record(text):
-            return False
-        assert attempt.closes is not None
+        if self._following or self._acks or attempt.closes is None or not fits_record(text):
+            return False  # (closes None: more than one block)
         ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
         if ended is None:
             self._give_up("the store is unavailable")
