@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -223,8 +222,9 @@ class Producer:
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until storing is done; True if the whole stream is stored."""
-        done = await _within(timeout, self._stored_all.wait())
-        return done and self.resumable and self._stored == len(self._events) and self.ended
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        return self._stored_all.is_set() and self.resumable and self._stored == len(self._events) and self.ended
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
@@ -234,7 +234,9 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        return await _within(timeout, self._stored_all.wait()) and self._closed == HANDOVER
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        return self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere."""
@@ -619,7 +621,8 @@ class Producer:
         if not (self._following or self._acks):
             # A reader registered before the end is seen by an inbox read begun after it (its rows are
             # delivered before the producers tick); one that came later reads this record first.
-            await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inbox_read.wait(), self._cfg.inbox_seconds + 1.0)
         attempt = self._compose()  # (never handing over: the stream ended)
         try:
             text = attempt.block.decode()
@@ -686,12 +689,3 @@ class Producer:
         if self._closed in (END, LOST):
             await self._end_record(self._closed, deadline - self._loop.time())
 
-
-async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
-    """Whether ``done`` came within ``timeout`` seconds (None: no limit)."""
-    try:
-        async with asyncio.timeout(timeout):
-            await done
-    except TimeoutError:
-        return False
-    return True
