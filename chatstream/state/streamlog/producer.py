@@ -623,7 +623,7 @@ class Producer:
             # delivered before the producers tick); one that came later reads this record first.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox_read.wait(), self._cfg.inbox_seconds + 1.0)
-        attempt = self._compose()  # (never handing over: the stream ended)
+        attempt = self._compose()  # (ended: its marker is END or LOST, a hand-over's too)
         try:
             text = attempt.block.decode()
         except UnicodeDecodeError:
