@@ -31,7 +31,8 @@ from .settings import Settings
 from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
-from .state.streamlog import Claim, StreamLog, TakeOverHook
+from .state.streamlog.log import StreamLog, TakeOverHook
+from .state.streamlog.takeover import Claim
 from .upstreams.failover import Upstreams
 
 log = logging.getLogger("chatstream")

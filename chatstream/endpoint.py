@@ -47,7 +47,8 @@ from .sse import KEEP_ALIVE
 from .state.accounting import RAISED_WITHIN, Accounting, Admission
 from .state.callers import Caller
 from .state.registry import Registry
-from .state.streamlog import Claim, started_at
+from .state.streamlog.format import started_at
+from .state.streamlog.takeover import Claim
 from .stream import Continuation, Ends, Event, Failed, StreamProtocol, TimeLimits, encoded, relay
 from .upstreams.failover import Upstreams
 

@@ -32,21 +32,18 @@ from .http import EventStreamResponse
 from .record import StreamRecord
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting
-from .state.streamlog import (
-    MOVED,
-    EncodeError,
-    LogError,
+from .state.streamlog.errors import (
     PastTheEnd,
-    Producer,
-    Reader,
-    StreamLog,
     StreamLogError,
     StreamNotFound,
     TooManyReaders,
     TooManyStreams,
     Unavailable,
-    log_tag,
 )
+from .state.streamlog.format import EncodeError, LogError, log_tag
+from .state.streamlog.log import StreamLog
+from .state.streamlog.producer import MOVED, Producer
+from .state.streamlog.readers import Reader
 from .stream import Chunk, Done, Event, Failed, StreamProtocol, TimeLimits
 
 log = logging.getLogger("chatstream")

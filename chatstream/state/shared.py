@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..settings import Settings, SettingsError
-from . import streamlog
 from .accounting import Accounting
 from .counters import Counters
 from .instances import Instances, InstanceTiming, Sweep
@@ -25,7 +24,8 @@ from .owners import Owners
 from .registry import Registry
 from .store import Store, StoreClock
 from .store_account import Account
-from .streamlog import ResumeConfig
+from .streamlog import log as streamlog
+from .streamlog.config import ResumeConfig
 
 log = logging.getLogger("chatstream")
 

@@ -24,8 +24,11 @@ from chatstream import sse
 from chatstream.http import dumps
 from chatstream.state.instances import Instances, InstanceTiming
 from chatstream.state.store import StoreClock, Where
-from chatstream.state.streamlog import Claim, ResumeConfig, StreamLog, StreamNotFound, Unavailable, sweep
+from chatstream.state.streamlog.config import ResumeConfig
+from chatstream.state.streamlog.errors import StreamNotFound, Unavailable
 from chatstream.state.streamlog.format import epoch_id, position
+from chatstream.state.streamlog.log import StreamLog, sweep
+from chatstream.state.streamlog.takeover import Claim
 
 ROOT = Path(__file__).resolve().parents[2]
 

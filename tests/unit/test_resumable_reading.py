@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from chatstream.resumable import _with_keep_alives
 from chatstream.sse import KEEP_ALIVE
-from chatstream.state.streamlog import Reader
+from chatstream.state.streamlog.readers import Reader
 
 MOVED = b"event: error\ndata: stream_moved\n\n"
 

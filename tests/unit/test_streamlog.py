@@ -18,20 +18,10 @@ from memory_store import Fault, MemoryData
 from chatstream import sse
 from chatstream.state.instances import PARTITION, Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock
-from chatstream.state.streamlog import (
-    PastTheEnd,
-    ResumeConfig,
-    StreamLog,
-    StreamNotFound,
-    TooManyReaders,
-    Unavailable,
-    check_stream_id,
-    new_stream_id,
-    started_at,
-    sweep,
-)
-from chatstream.state.streamlog.config import Turns
-from chatstream.state.streamlog.format import Record
+from chatstream.state.streamlog.config import ResumeConfig, Turns
+from chatstream.state.streamlog.errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from chatstream.state.streamlog.format import Record, check_stream_id, new_stream_id, started_at
+from chatstream.state.streamlog.log import StreamLog, sweep
 
 from .streamlog_helpers import (
     DONE,
@@ -653,7 +643,7 @@ async def test_a_short_stream_nobody_follows_is_stored_in_its_record_alone():
         assert a.store.counts.get(f"append:{producer.id}", 0) == 0  # type: ignore[attr-defined]
         assert producer.id not in a.store.data.blobs  # type: ignore[attr-defined]
         row = a.store.data.tables[STREAMS_TABLE][producer.id]["stream"][0]  # type: ignore[attr-defined]
-        assert row["size"] == len(row["events"].encode())  # bytes, as a blob's size is
+        assert row["events"].encode() == live + b": end\n\n"  # the whole log, its end marker last
         for streams in (a, b):
             assert await read_all(await streams.open_reader(producer.id, None, None)) == live
         assert await read_all(await b.open_reader(producer.id, 20, None)) == live[live.index(b"id: 21\n") :]
@@ -871,11 +861,11 @@ async def test_a_write_a_reader_waits_for_takes_its_turn_first():
     order: list[str] = []
 
     async def call(name: str, first: bool = False) -> None:
-        async with turns.first() if first else turns:
+        async with turns(first=first):
             order.append(name)
             await asyncio.sleep(0.01)
 
-    async with turns:  # the one turn is taken: everyone below waits
+    async with turns():  # the one turn is taken: everyone below waits
         tasks = [asyncio.ensure_future(call(n)) for n in ("end 1", "end 2")]
         tasks.append(asyncio.ensure_future(call("for a reader", first=True)))
         gone = asyncio.ensure_future(call("cancelled"))
@@ -884,12 +874,12 @@ async def test_a_write_a_reader_waits_for_takes_its_turn_first():
     await asyncio.gather(*tasks)
     assert order == ["for a reader", "end 1", "end 2"]
     late = asyncio.ensure_future(call("given, then cancelled"))
-    async with turns:
+    async with turns():
         await asyncio.sleep(0)
     late.cancel()  # its turn was given as the block above ended, before it could run
     await asyncio.gather(late, return_exceptions=True)
     async with asyncio.timeout(1):
-        async with turns:
+        async with turns():
             pass
 
 

@@ -17,8 +17,11 @@ from memory_store import Fault, MemoryData
 
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
-from chatstream.state.streamlog import Claim, PastTheEnd, Producer, StreamLog, StreamNotFound, started_at
-from chatstream.state.streamlog.format import epoch_id, position
+from chatstream.state.streamlog.errors import PastTheEnd, StreamNotFound
+from chatstream.state.streamlog.format import epoch_id, position, started_at
+from chatstream.state.streamlog.log import StreamLog
+from chatstream.state.streamlog.producer import Producer
+from chatstream.state.streamlog.takeover import Claim
 
 from .streamlog_helpers import (
     DONE,

@@ -114,7 +114,8 @@ async def main_async(args) -> dict:
 
     from chatstream.state.instances import Instances
     from chatstream.state.store import StoreClock
-    from chatstream.state.streamlog import ResumeConfig, StreamLog
+    from chatstream.state.streamlog.config import ResumeConfig
+    from chatstream.state.streamlog.log import StreamLog
 
     rng = random.Random(args.seed)
     server = asyncio.Lock()  # --busy-ms: the store serves one call at a time (Azurite's one thread)

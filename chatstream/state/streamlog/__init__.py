@@ -1,7 +1,7 @@
 """Resumable streams' storage (docs/resumable.md): a stream's SSE events numbered, kept in the shared
 store, replayed on any instance, followed live, cancelled from any instance, taken over by another
 instance when its producer dies or drains, and deleted after their TTL. The request path drives it
-through ``StreamLog`` (log.py, with its contract); everything it imports is named here.
+through ``StreamLog`` (log.py, with its contract).
 
 One module per concept, each one's docstring saying more: format.py, what is stored and what names
 it; producer.py, a stream produced here (``Producer``); readers.py, following a stream from here or
@@ -10,41 +10,3 @@ slot); takeover.py, one winner for a stream whose producer is gone (``Claim``); 
 tuning and what the parts share; errors.py, the domain errors. Liveness is ``Instances``
 (state/instances.py): one heartbeat row per instance, nothing per stream; every time that crosses
 instances is the store's clock; sweeps run on the duty holder (``Instances.every``)."""
-
-from .config import ResumeConfig
-from .errors import (
-    PastTheEnd,
-    StreamLogError,
-    StreamNotFound,
-    TooManyReaders,
-    TooManyStreams,
-    Unavailable,
-)
-from .format import EncodeError, LogError, check_stream_id, log_tag, new_stream_id, started_at
-from .log import StreamLog, TakeOverHook, sweep
-from .producer import MOVED, Producer
-from .readers import Reader
-from .takeover import Claim
-
-__all__ = [
-    "MOVED",
-    "Claim",
-    "EncodeError",
-    "LogError",
-    "PastTheEnd",
-    "Producer",
-    "Reader",
-    "ResumeConfig",
-    "StreamLog",
-    "StreamLogError",
-    "StreamNotFound",
-    "TakeOverHook",
-    "TooManyReaders",
-    "TooManyStreams",
-    "Unavailable",
-    "check_stream_id",
-    "log_tag",
-    "new_stream_id",
-    "started_at",
-    "sweep",
-]

@@ -102,26 +102,31 @@ class ResumeConfig:
 
 
 class Turns:
-    """At most ``calls`` background store calls at once (``async with turns:``); a call that a reader
-    waits for (``async with turns.first():``, a write of a stream someone follows) goes ahead of the
-    others that wait (the other streams' checkpoints and ends): their turns are in order."""
+    """At most ``calls`` background store calls at once (``async with turns():``); a call that a reader
+    waits for (``turns(first=True)``, a write of a stream someone follows) goes ahead of the others that
+    wait (the other streams' checkpoints and ends): their turns are in order."""
 
     def __init__(self, calls: int):
         self._free = calls
         self._waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
 
-    async def _take(self, first: bool) -> None:
+    @contextlib.asynccontextmanager
+    async def __call__(self, first: bool = False) -> AsyncIterator[None]:
         if self._free > 0 and not (self._waiting[0] or self._waiting[1]):
             self._free -= 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        self._waiting[0 if first else 1].append(turn)
+        else:
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting[0 if first else 1].append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._give()  # given just as it was cancelled: to the next one
+                raise
         try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self._give()  # given just as it was cancelled: to the next one
-            raise
+            yield
+        finally:
+            self._give()
 
     def _give(self) -> None:
         for waiting in self._waiting:
@@ -131,20 +136,6 @@ class Turns:
                     turn.set_result(None)
                     return
         self._free += 1
-
-    @contextlib.asynccontextmanager
-    async def first(self) -> AsyncIterator[None]:
-        await self._take(True)
-        try:
-            yield
-        finally:
-            self._give()
-
-    async def __aenter__(self) -> None:
-        await self._take(False)
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._give()
 
 
 class Context:

@@ -127,9 +127,7 @@ class Record:
     request: str | None = None  # the request JSON, when it is small enough to be here
     request_stored: bool = False  # ...or it is in the blob request_blob(id)
     cancelled: bool = False  # cancelled while nobody produced it: a takeover stops at once
-    # The whole log, end marker included, when the stream ended before its blob was made (then
-    # there is no blob): written with the record's end, never with ``row``.
-    events: str | None = None
+    events: str | None = None  # the whole log when no blob was made (module docstring): not in ``row``
     etag: str = ""
 
     def row(self) -> dict[str, Any]:

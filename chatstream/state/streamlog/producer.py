@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -223,8 +222,9 @@ class Producer:
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until storing is done; True if the whole stream is stored."""
-        done = await _within(timeout, self._stored_all.wait())
-        return done and self.resumable and self._stored == len(self._events) and self.ended
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        return self._stored_all.is_set() and self.resumable and self._stored == len(self._events) and self.ended
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
@@ -234,7 +234,9 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        return await _within(timeout, self._stored_all.wait()) and self._closed == HANDOVER
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        return self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
         """What ends the live caller's answer once the stream goes on elsewhere."""
@@ -448,7 +450,7 @@ class Producer:
             bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
             try:
                 if self._large_request is not None:
-                    async with ctx.bulk:
+                    async with ctx.bulk():
                         with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
                             await ctx.store.put(
                                 request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
@@ -481,9 +483,7 @@ class Producer:
             return True
 
     async def _write_all(self) -> None:
-        """Write what is due (``_due``) at the stored end until the log is closed, then record its
-        end; stop for good when the store fails for ``give_up_seconds`` (or refuses), or when the
-        stream goes on elsewhere (fenced: taken over; the hand-over marker stored)."""
+        """The storing loop (module docstring), from the record's insert to the record's end."""
         failing_since: float | None = None
         while self._closed is None:
             self._kick.clear()
@@ -559,10 +559,8 @@ class Producer:
         answer was lost, perhaps). _Fenced: someone else's bytes are there."""
         store = self._ctx.store
         offset = self._stored_bytes
-        # A reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls).
-        turn = self._ctx.bulk.first() if self._following or attempt.acks else self._ctx.bulk
-        try:
-            async with turn:
+        try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
+            async with self._ctx.bulk(first=self._following or bool(attempt.acks)):
                 try:
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:
@@ -620,21 +618,18 @@ class Producer:
         is read once more after the end to tell), its whole log goes into the record with the
         record's end, and no blob is made. False: write the blob as usual."""
         self._end_seen_at = self._loop.time()  # (tried once)
-        if self._following or self._acks or self._handing_over:
-            return False
-        # A reader registered before the end is seen by an inbox read begun after it (its rows are
-        # delivered before the producers tick); one that came later reads this record first.
-        await _within(self._cfg.inbox_seconds + 1.0, self._inbox_read.wait())
-        attempt = self._compose()
-        if self._following or self._acks or self._handing_over or self._stored or attempt.count < len(self._events):
-            return False
+        if not (self._following or self._acks):
+            # A reader registered before the end is seen by an inbox read begun after it (its rows are
+            # delivered before the producers tick); one that came later reads this record first.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inbox_read.wait(), self._cfg.inbox_seconds + 1.0)
+        attempt = self._compose()  # (ended: its marker is END or LOST, a hand-over's too)
         try:
             text = attempt.block.decode()
         except UnicodeDecodeError:
             return False
-        if not fits_record(text):
-            return False
-        assert attempt.closes is not None
+        if self._following or self._acks or attempt.closes is None or not fits_record(text):
+            return False  # (closes None: more than one block)
         ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
         if ended is None:
             self._give_up("the store is unavailable")
@@ -652,20 +647,14 @@ class Producer:
         record is another producer's (taken over); None: the store failed throughout."""
         ctx, store, record = self._ctx, self._ctx.store, self._record
         deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
+        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
-            now = ctx.now()
-            state = "ended" if closes == END else "lost"
-            last = self._id_at(len(self._events) if self.resumable else self._stored)
-            size = len(whole.encode()) if whole is not None else self._stored_bytes
-            more = {} if whole is None else {"events": whole}
-            fields = record_over(
-                self.id, state, now + self._cfg.ttl_seconds, finished=now, last_id=last, size=size, **more
-            )
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
             try:
                 # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
                 if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
                     return False
-                async with ctx.bulk:
+                async with ctx.bulk():
                     record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
@@ -699,13 +688,3 @@ class Producer:
                 pause = min(5.0, pause * 2)
         if self._closed in (END, LOST):
             await self._end_record(self._closed, deadline - self._loop.time())
-
-
-async def _within(timeout: float | None, done: Awaitable[object]) -> bool:  # noqa: ASYNC109
-    """Whether ``done`` came within ``timeout`` seconds (None: no limit)."""
-    try:
-        async with asyncio.timeout(timeout):
-            await done
-    except TimeoutError:
-        return False
-    return True
