@@ -28,7 +28,6 @@ from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings
-from .state.accounting import Accounting
 from .state.callers import Caller, Team
 from .state.shared import SharedState
 from .state.streamlog import Claim, StreamLog, TakeOverHook
@@ -59,7 +58,8 @@ class ChatApp:
         # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
         # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
         continues = settings.continue_on_upstream_failure
-        self.streams = _resumable(settings, state, accounting, self.take_over if continues else None)
+        self.stream_log = _stream_log(state, self.take_over if continues else None)
+        self.streams = Resumable(self.stream_log, settings.heartbeat, accounting) if self.stream_log else None
         # The drain on SIGTERM (lifecycle.py): at the grace's end what this instance charged goes
         # into the journal, the ledger and the counters (what does not make it before the host kills
         # the worker, another instance settles from the journal: state/journal.py), and a reader
@@ -67,9 +67,9 @@ class ChatApp:
         drain_steps = []
         if accounting is not None:
             drain_steps.append(functools.partial(accounting.flush, within=0.7))
-        if self.streams is not None and continues:
-            drain_steps.append(functools.partial(self.streams.streams.drain, timeout=0.7))
-        moving = [self.streams.streams.move_readers] if self.streams is not None else []
+        if self.stream_log is not None and continues:
+            drain_steps.append(functools.partial(self.stream_log.drain, timeout=0.7))
+        moving = [self.stream_log.move_readers] if self.stream_log is not None else []
         life = Lifecycle(
             settings.drain_seconds,
             host_timeout,
@@ -146,8 +146,8 @@ class ChatApp:
     async def close(self) -> None:
         """Close the upstream clients (their connection pools) and the stores, when the app shuts down."""
         await self.upstreams.close()
-        if self.streams is not None:
-            await self.streams.close()
+        if self.stream_log is not None:
+            await self.stream_log.close()  # its store and instance are the shared state's, closed with it
         if self.state is not None:
             await self.state.close()
 
@@ -162,15 +162,12 @@ def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tupl
     return caller.models
 
 
-def _resumable(
-    settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
-) -> Resumable | None:
+def _stream_log(state: SharedState | None, take_over: TakeOverHook | None) -> StreamLog | None:
     if state is None or state.resume is None:  # without storage: refused at start-up (shared.py)
         return None
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
-    log_ = StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
-    return Resumable(log_, settings.heartbeat, state.resume.max_stream_seconds, accounting)
+    return StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
 
 
 def _told(route: str, events: bytes) -> str:
