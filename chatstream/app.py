@@ -17,7 +17,7 @@ from . import telemetry, tokens, worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
-from .apis.refusals import authenticated
+from .apis.refusals import authenticated, error
 from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
@@ -28,7 +28,8 @@ from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings
-from .state.callers import Caller, Team
+from .state.callers import Caller
+from .state.port import Unavailable, Unreadable
 from .state.shared import SharedState
 from .state.streamlog import Claim, StreamLog, TakeOverHook
 from .upstreams.failover import Upstreams
@@ -104,9 +105,10 @@ class ChatApp:
         try:
             caller = await authenticated(self.accounting, request.headers)
             team = await self.registry.team_of(caller)
-        except ApiError as error:
-            return with_request_id(openai_chat.error_response(error)), ()
-        team = team if isinstance(team, Team) else None
+            if isinstance(team, Unavailable | Unreadable):  # as a model route answers it: 503
+                raise error(team)
+        except ApiError as refused:
+            return with_request_id(openai_chat.error_response(refused)), ()
         names = _caller_models(self.model_names, self.models_listed, caller)
         return None, tuple(m for m in names if team is None or team.allows(m))
 
