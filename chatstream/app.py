@@ -104,11 +104,12 @@ class ChatApp:
             return None, self.model_names
         try:
             caller = await authenticated(self.accounting, request.headers)
-            team = await self.registry.team_of(caller)
-            if isinstance(team, Unavailable | Unreadable):  # as a model route answers it: 503
-                raise error(team)
+            terms = await self.registry.terms(caller)
+            if isinstance(terms, Unavailable | Unreadable):  # as a model route answers it: 503
+                raise error(terms)
         except ApiError as refused:
             return with_request_id(openai_chat.error_response(refused)), ()
+        team = terms[0]
         names = _caller_models(self.model_names, self.models_listed, caller)
         return None, tuple(m for m in names if team is None or team.allows(m))
 

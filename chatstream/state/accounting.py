@@ -40,7 +40,7 @@ from .port import (
     Usage,
     Used,
 )
-from .prices import Price
+from .prices import Price, Prices
 from .registry import Registry
 from .store import key_part
 
@@ -157,15 +157,12 @@ class Accounting:
         model = asked.model
         if not caller.allows(model):
             return ModelRefused(model)
-        # The team and the prices (each a store read only when its cached answer ran out).
-        team = await self.registry.team_of(caller)
-        if isinstance(team, Unavailable | Unreadable):
-            return team
+        terms = await self.registry.terms(caller)  # (a store read only when a cached answer ran out)
+        if isinstance(terms, Unavailable | Unreadable):
+            return terms
+        team, prices = terms
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
-        prices = await self.registry.prices()
-        if isinstance(prices, Unavailable):
-            return prices
         if model in prices.unreadable:
             return ModelRefused(model, unreadable=True)
         price = prices.get(model)
@@ -356,11 +353,11 @@ class Accounting:
     async def _charge_refused(
         self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
     ) -> None:
-        team = await self.registry.team_of(caller)
-        prices = await self.registry.prices()
-        if isinstance(team, Unavailable | Unreadable) or isinstance(prices, Unavailable):
+        terms = await self.registry.terms(caller)
+        if isinstance(terms, Unavailable | Unreadable):
             log.warning("a taken-over stream's first part is left to its instance's recovery: team or prices not read")
             return
+        team, prices = terms
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
         wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
@@ -478,11 +475,10 @@ class Accounting:
         except StoreError as exc:
             log.warning("owners: a background response could not be charged now: %s", exc)
             return
-        team = await self.registry.team_of(caller)
-        team = team if isinstance(team, Team) else None
+        terms = await self.registry.terms(caller)
+        team, prices = terms if isinstance(terms, tuple) else (None, Prices())  # not read: no team, no price
         price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
-        if price is None and not isinstance(prices := await self.registry.prices(), Unavailable):
-            price = prices.get(model)
+        price = price if price is not None else prices.get(model)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)

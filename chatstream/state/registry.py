@@ -1,8 +1,8 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
 (manage.py) keeps all three on one path, named by their class: ``create``, ``list``, ``get``,
 ``update``, ``delete`` (and a caller's ``rotate``, a price's ``set_price``); the request path asks
-``authenticate`` for every caller key, ``team_of`` for its team and ``prices`` for every model's
-price (one read of them all), each answer cached per instance for ``cache_seconds``: a revoked or
+``authenticate`` for every caller key and ``terms`` for its team and every model's price (one read
+of them all), each answer cached per instance for ``cache_seconds``: a revoked or
 rotated key, a changed limit, a new price take effect on every instance within that time, exactly,
 and cost a store read only once per key, team or the prices, instance and period (in the last
 ``AHEAD`` of it, a request that uses the answer has it read again in the background: a key, team or
@@ -199,27 +199,25 @@ class Registry:
 
         return await self.cache.get(row_key, read, what)
 
-    async def team_of(self, caller: Caller) -> Team | Unreadable | Unavailable | None:
-        """The caller's team (None: it has none, or it is gone: a team with callers cannot be
-        deleted, so only a race leaves one without it; Unreadable: its row holds none), cached like keys."""
-        if caller.team is None:
-            return None
-        team = await self._cached(Team, _row_key(Team, caller.team), "team read")
-        if isinstance(team, Unreadable):
-            return team
-        if team is None or (isinstance(team, Team) and team.id != caller.team_id):
-            log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
-            return None
-        return team
-
-    async def prices(self) -> Prices | Unavailable:
-        """Every model's price (``Prices``), cached like keys: a request is priced, whatever name it
-        is served as (a deployment's), from what its admission read."""
+    async def terms(self, caller: Caller) -> tuple[Team | None, Prices] | Unreadable | Unavailable:
+        """What ``caller``'s requests are admitted and charged under, each cached like keys: its team
+        (None: it has none, or it is gone: a team with callers cannot be deleted, so only a race
+        leaves one without it; Unreadable: its row holds none) and every model's price (a request is
+        priced, whatever name it is served as, a deployment's, from what its admission read)."""
+        team = None
+        if caller.team is not None:
+            team = await self._cached(Team, _row_key(Team, caller.team), "team read")
+            if isinstance(team, Unreadable | Unavailable):
+                return team
+            if team is None or team.id != caller.team_id:
+                log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
+                team = None
 
         async def read() -> Prices:
             return Prices(await self._all(Price, bound=self.store.clock.patience()))
 
-        return await self.cache.get(PRICES, read, "price read")
+        prices = await self.cache.get(PRICES, read, "price read")
+        return prices if isinstance(prices, Unavailable) else (team, prices)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
