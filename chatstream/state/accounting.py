@@ -33,7 +33,6 @@ from .port import (
     ModelRefused,
     Rate,
     Refused,
-    Scope,
     Unavailable,
     Unknown,
     Unreadable,
@@ -98,18 +97,16 @@ def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spen
     """What a request needs of every limit of its caller and of its team (the one list of them):
     one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
     differences of the same list."""
-    wants = _limit_wants(caller, "caller", model, tokens_need, spend_need)
-    if team is not None:
-        wants += _limit_wants(team, "team", model, tokens_need, spend_need)
-    return wants
+    owners = (caller, team) if team is not None else (caller,)
+    return [want for owner in owners for want in _limit_wants(owner, model, tokens_need, spend_need)]
 
 
-def _limit_wants(owner: Caller | Team, scope: Scope, model: str, tokens_need: int, spend_need: int) -> list[Want]:
+def _limit_wants(owner: Caller | Team, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     wants: list[Want] = []
 
     def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
         if limit:
-            ref = LimitRef(scope, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
+            ref = LimitRef(owner.SCOPE, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
             wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
 
     want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
