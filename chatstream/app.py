@@ -28,7 +28,6 @@ from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings
-from .state.callers import Caller
 from .state.port import Unavailable, Unreadable
 from .state.shared import SharedState
 from .state.streamlog import Claim, StreamLog, TakeOverHook
@@ -97,39 +96,37 @@ class ChatApp:
         answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
         await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
-    async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
-        """With caller keys required, a 401 for a request without a valid key (the routes without a
-        body: models), else None and the models this caller (and its team) may name."""
+    async def _models(self, request: Request) -> tuple[str, ...]:
+        """The models the request's caller may name: the app's (its caller's list itself when the app
+        names none: any model goes to the upstream) that the caller and its team allow; with caller
+        keys required, the ApiError that refuses it as a model route would (401, 503)."""
         if self.accounting is None or self.registry is None:
-            return None, self.model_names
-        try:
-            caller = await authenticated(self.accounting, request.headers)
-            terms = await self.registry.terms(caller)
-            if isinstance(terms, Unavailable | Unreadable):  # as a model route answers it: 503
-                raise error(terms)
-        except ApiError as refused:
-            return with_request_id(openai_chat.error_response(refused)), ()
+            return self.model_names
+        caller = await authenticated(self.accounting, request.headers)
+        terms = await self.registry.terms(caller)
+        if isinstance(terms, Unavailable | Unreadable):
+            raise error(terms)
         team = terms[0]
-        names = _caller_models(self.model_names, self.models_listed, caller)
-        return None, tuple(m for m in names if team is None or team.allows(m))
+        names = self.model_names if self.models_listed or caller.models is None else caller.models
+        return tuple(m for m in names if caller.allows(m) and (team is None or team.allows(m)))
 
     async def pool_state(self, request: Request) -> Response:
         return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
 
     async def models(self, request: Request) -> Response:
-        refused, names = await self.authenticated(request)
-        return refused or with_request_id(JSONResponse(openai_chat.models_list(names)))
+        try:
+            return with_request_id(JSONResponse(openai_chat.models_list(await self._models(request))))
+        except ApiError as refused:
+            return with_request_id(openai_chat.error_response(refused))
 
     async def model(self, request: Request) -> Response:
-        refused, names = await self.authenticated(request)
-        if refused is not None:
-            return refused
         name = request.path_params.get("model", "")
-        if name in names:
+        try:
+            if name not in await self._models(request):
+                raise ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist")
             return with_request_id(JSONResponse(openai_chat.model_object(name)))
-        return with_request_id(
-            openai_chat.error_response(ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist"))
-        )
+        except ApiError as refused:
+            return with_request_id(openai_chat.error_response(refused))
 
     async def not_found(self, request: Request) -> Response:
         return with_request_id(
@@ -153,16 +150,6 @@ class ChatApp:
             await self.stream_log.close()  # its store and instance are the shared state's, closed with it
         if self.state is not None:
             await self.state.close()
-
-
-def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tuple[str, ...]:
-    """The models a caller may name: the app's that its own list allows; when the app names no list
-    of its own (any model goes to the upstream), the caller's list itself."""
-    if caller.models is None:
-        return names
-    if listed:
-        return tuple(m for m in names if m in caller.models)
-    return caller.models
 
 
 def _stream_log(state: SharedState | None, take_over: TakeOverHook | None) -> StreamLog | None:
