@@ -623,7 +623,8 @@ async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGen
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
     """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    return {"x-request-id": record.request_id, **(rate_headers(admission.rates) if admission is not None else {})}
+    rates = admission.reservation.rates if admission is not None else {}
+    return {"x-request-id": record.request_id, **rate_headers(rates)}
 
 
 async def stream_response(

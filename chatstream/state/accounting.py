@@ -31,7 +31,6 @@ from .port import (
     KeyRefused,
     LimitRef,
     ModelRefused,
-    Rate,
     Refused,
     Unavailable,
     Unknown,
@@ -72,11 +71,6 @@ class Admission:
     @property
     def price(self) -> Price | None:
         return self.entry.price
-
-    @property
-    def rates(self) -> dict[str, Rate]:
-        """The per-minute limits for OpenAI's ``x-ratelimit-*`` headers (``tokens``, ``requests``)."""
-        return self.reservation.rates
 
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store

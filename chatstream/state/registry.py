@@ -284,16 +284,13 @@ class Registry:
             if "expires_at" in given and data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
                 raise Invalid("expires_at: must be in the future", "expires_at")
             if "team" in given:
-                values["team"], values["team_id"] = await self._team_ref(data.team)
+                values["team"], values["team_id"] = data.team, None
+                if data.team is not None:
+                    team = await self.store.get(CALLERS_TABLE, TEAMS, _row_key(Team, data.team), timeout=ADMIN_TIMEOUT)
+                    if team is None:
+                        raise Invalid(f"team: no team named {data.team!r}", "team")
+                    values["team_id"] = team["id"]
         return values
-
-    async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
-        if name is None:
-            return None, None
-        team = await self.store.get(CALLERS_TABLE, TEAMS, _row_key(Team, name), timeout=ADMIN_TIMEOUT)
-        if team is None:
-            raise Invalid(f"team: no team named {name!r}", "team")
-        return name, team["id"]
 
     async def _load(self, cls: type[Kept], name: str) -> tuple[Kept | Unreadable, str, str]:
         """The caller, team or price ``name`` (Unreadable: its row holds none), its key hash (a
