@@ -17,7 +17,7 @@ from . import telemetry, tokens, worker_fix
 from .apis import chat, openai_chat
 from .apis.chat import ChatApi
 from .apis.openai_chat import OpenAIChatApi
-from .apis.refusals import authenticated
+from .apis.refusals import authenticated, error
 from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
@@ -28,8 +28,7 @@ from .manage import Manage
 from .pipeline import Pipeline
 from .resumable import Resumable, encode_error
 from .settings import Settings
-from .state.accounting import Accounting
-from .state.callers import Caller, Team
+from .state.port import Unavailable, Unreadable
 from .state.shared import SharedState
 from .state.streamlog.log import StreamLog, TakeOverHook
 from .state.streamlog.takeover import Claim
@@ -60,7 +59,8 @@ class ChatApp:
         # RESUMABLE_STREAMS=on. A stream whose producer was lost goes on here, on its route's
         # endpoint (take_over); with continuations off it cannot (its readers get stream_lost).
         continues = settings.continue_on_upstream_failure
-        self.streams = _resumable(settings, state, accounting, self.take_over if continues else None)
+        self.stream_log = _stream_log(state, self.take_over if continues else None)
+        self.streams = Resumable(self.stream_log, settings.heartbeat, accounting) if self.stream_log else None
         # The drain on SIGTERM (lifecycle.py): at the grace's end what this instance charged goes
         # into the journal, the ledger and the counters (what does not make it before the host kills
         # the worker, another instance settles from the journal: state/journal.py), and a reader
@@ -68,9 +68,9 @@ class ChatApp:
         drain_steps = []
         if accounting is not None:
             drain_steps.append(functools.partial(accounting.flush, within=0.7))
-        if self.streams is not None and continues:
-            drain_steps.append(functools.partial(self.streams.streams.drain, timeout=0.7))
-        moving = [self.streams.streams.move_readers] if self.streams is not None else []
+        if self.stream_log is not None and continues:
+            drain_steps.append(functools.partial(self.stream_log.drain, timeout=0.7))
+        moving = [self.stream_log.move_readers] if self.stream_log is not None else []
         life = Lifecycle(
             settings.drain_seconds,
             host_timeout,
@@ -97,37 +97,37 @@ class ChatApp:
         answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
         await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
-    async def authenticated(self, request: Request) -> tuple[Response | None, tuple[str, ...]]:
-        """With caller keys required, a 401 for a request without a valid key (the routes without a
-        body: models), else None and the models this caller (and its team) may name."""
+    async def _models(self, request: Request) -> tuple[str, ...]:
+        """The models the request's caller may name: the app's (its caller's list itself when the app
+        names none: any model goes to the upstream) that the caller and its team allow; with caller
+        keys required, the ApiError that refuses it as a model route would (401, 503)."""
         if self.accounting is None or self.registry is None:
-            return None, self.model_names
-        try:
-            caller = await authenticated(self.accounting, request.headers)
-            team = await self.registry.team_of(caller)
-        except ApiError as error:
-            return with_request_id(openai_chat.error_response(error)), ()
-        team = team if isinstance(team, Team) else None
-        names = _caller_models(self.model_names, self.models_listed, caller)
-        return None, tuple(m for m in names if team is None or team.allows(m))
+            return self.model_names
+        caller = await authenticated(self.accounting, request.headers)
+        terms = await self.registry.terms(caller)
+        if isinstance(terms, Unavailable | Unreadable):
+            raise error(terms)
+        team = terms[0]
+        names = self.model_names if self.models_listed or caller.models is None else caller.models
+        return tuple(m for m in names if caller.allows(m) and (team is None or team.allows(m)))
 
     async def pool_state(self, request: Request) -> Response:
         return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
 
     async def models(self, request: Request) -> Response:
-        refused, names = await self.authenticated(request)
-        return refused or with_request_id(JSONResponse(openai_chat.models_list(names)))
+        try:
+            return with_request_id(JSONResponse(openai_chat.models_list(await self._models(request))))
+        except ApiError as refused:
+            return with_request_id(openai_chat.error_response(refused))
 
     async def model(self, request: Request) -> Response:
-        refused, names = await self.authenticated(request)
-        if refused is not None:
-            return refused
         name = request.path_params.get("model", "")
-        if name in names:
+        try:
+            if name not in await self._models(request):
+                raise ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist")
             return with_request_id(JSONResponse(openai_chat.model_object(name)))
-        return with_request_id(
-            openai_chat.error_response(ApiError(404, ErrorKind.MODEL_NOT_FOUND, f"The model '{name}' does not exist"))
-        )
+        except ApiError as refused:
+            return with_request_id(openai_chat.error_response(refused))
 
     async def not_found(self, request: Request) -> Response:
         return with_request_id(
@@ -147,31 +147,18 @@ class ChatApp:
     async def close(self) -> None:
         """Close the upstream clients (their connection pools) and the stores, when the app shuts down."""
         await self.upstreams.close()
-        if self.streams is not None:
-            await self.streams.close()
+        if self.stream_log is not None:
+            await self.stream_log.close()  # its store and instance are the shared state's, closed with it
         if self.state is not None:
             await self.state.close()
 
 
-def _caller_models(names: tuple[str, ...], listed: bool, caller: Caller) -> tuple[str, ...]:
-    """The models a caller may name: the app's that its own list allows; when the app names no list
-    of its own (any model goes to the upstream), the caller's list itself."""
-    if caller.models is None:
-        return names
-    if listed:
-        return tuple(m for m in names if m in caller.models)
-    return caller.models
-
-
-def _resumable(
-    settings: Settings, state: SharedState | None, accounting: Accounting | None, take_over: TakeOverHook | None
-) -> Resumable | None:
+def _stream_log(state: SharedState | None, take_over: TakeOverHook | None) -> StreamLog | None:
     if state is None or state.resume is None:  # without storage: refused at start-up (shared.py)
         return None
     encoders = {"chat": chat.encode, "openai": lambda item: openai_chat.encode(item, False)}
     # One store and one instance per process: the stream log beats with the callers' state (instances.py).
-    log_ = StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
-    return Resumable(log_, settings.heartbeat, state.resume.max_stream_seconds, accounting)
+    return StreamLog(state.store, state.instances, encode_error(encoders), state.resume, take_over)
 
 
 def _told(route: str, events: bytes) -> str:

@@ -431,37 +431,25 @@ class Endpoint:
             await raising
 
     async def _admit_taken_over(self, claim: Claim, call: CallRequest, record: StreamRecord, known: Known) -> Admission:
-        """The taken-over stream's caller, admitted for the continuation; the lost part charged."""
+        """The taken-over stream's caller, admitted for the continuation; the lost part charged at
+        what the log holds of it, admitted or refused (a budget spent, the model)."""
         assert self.accounting is not None and self.registry is not None and claim.producer.owner is not None
         caller = await self.registry.caller_by_id(claim.producer.owner)
         if not isinstance(caller, Caller):
             raise ApiError(502, ErrorKind.STREAM_LOST, "the stream's caller is gone", retryable=False)
         record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
         default_max = self.settings.default_max_output_tokens
+        lost, before = self._lost(claim, known)
+        started, epoch = started_at(claim.producer.id), claim.producer.epoch
         try:
             admission = await admitted(self.accounting, caller, call, record, default_max)
-        except ApiError:  # refused (a budget spent, the model): the lost part is charged all the same
-            lost, before = self._lost(claim, known)
-            self.accounting.charge_refused(
-                caller,
-                admission_request(call, record, default_max),
-                started_at(claim.producer.id),
-                lost.text,
-                claim.producer.epoch,
-                before,
-                self._unknown(claim)[1],  # nothing stands in for what its caller had past the stored end
-            )
+        except ApiError:
+            asked = admission_request(call, record, default_max)
+            floor = self._unknown(claim)[1]  # nothing stands in for what its caller had past the stored end
+            self.accounting.charge_refused(caller, asked, started, lost.text, epoch, before, floor)
             raise
-        await self._charge_lost(claim, known, admission)
+        await self.accounting.charge_lost(admission, started, lost.text, epoch, before)
         return admission
-
-    async def _charge_lost(self, claim: Claim, known: Known, admission: Admission) -> None:
-        """Charge the lost producer's part at what the log holds of it."""
-        assert self.accounting is not None
-        lost, before = self._lost(claim, known)
-        await self.accounting.charge_lost(
-            admission, started_at(claim.producer.id), lost.text, claim.producer.epoch, before
-        )
 
     def _lost(self, claim: Claim, known: Known) -> tuple[Known, str]:
         """What the log holds of the lost producer's part, and of the earlier producers' before it."""
@@ -624,7 +612,8 @@ async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGen
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
     """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    return {"x-request-id": record.request_id, **(rate_headers(admission.rates) if admission is not None else {})}
+    rates = admission.reservation.rates if admission is not None else {}
+    return {"x-request-id": record.request_id, **rate_headers(rates)}
 
 
 async def stream_response(

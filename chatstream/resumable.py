@@ -65,10 +65,9 @@ END_STORED_WITHIN = 2.0
 class Resumable:
     """The producing side (``respond``) and the two routes (``resume``, ``cancel``)."""
 
-    def __init__(self, streams: StreamLog, heartbeat: float, total_timeout: float, accounting: Accounting | None):
+    def __init__(self, streams: StreamLog, heartbeat: float, accounting: Accounting | None):
         self.streams = streams
         self.heartbeat = heartbeat
-        self.total_timeout = total_timeout  # a resumed stream follows its producer, bounded by the same limit
         self.accounting = accounting  # caller keys: a stream is resumed or cancelled by its own caller only
         self._producing: set[asyncio.Task] = set()
 
@@ -195,7 +194,8 @@ class Resumable:
             reader = await self.streams.open_reader(request.path_params.get("stream_id", ""), after, caller)
         except (ApiError, StreamLogError) as error:
             return _error(error)
-        give_up = asyncio.get_running_loop().time() + self.total_timeout
+        # A resumed stream follows its producer, bounded by the same limit.
+        give_up = asyncio.get_running_loop().time() + self.streams.config.max_stream_seconds
         return EventStreamResponse(_with_keep_alives(reader, self.heartbeat), give_up, on_close=reader.aclose)
 
     async def cancel(self, request: Request) -> Response:
@@ -215,9 +215,6 @@ class Resumable:
         if self.accounting is None:
             return None  # without caller keys the stream id is the capability
         return (await authenticated(self.accounting, request.headers)).id
-
-    async def close(self) -> None:
-        await self.streams.close()  # its store and instance are the shared state's, closed with it
 
 
 async def _stopped(

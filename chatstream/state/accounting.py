@@ -31,16 +31,14 @@ from .port import (
     KeyRefused,
     LimitRef,
     ModelRefused,
-    Rate,
     Refused,
-    Scope,
     Unavailable,
     Unknown,
     Unreadable,
     Usage,
     Used,
 )
-from .prices import Price
+from .prices import Price, Prices
 from .registry import Registry
 from .store import key_part
 
@@ -74,11 +72,6 @@ class Admission:
     def price(self) -> Price | None:
         return self.entry.price
 
-    @property
-    def rates(self) -> dict[str, Rate]:
-        """The per-minute limits for OpenAI's ``x-ratelimit-*`` headers (``tokens``, ``requests``)."""
-        return self.reservation.rates
-
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
@@ -98,18 +91,16 @@ def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spen
     """What a request needs of every limit of its caller and of its team (the one list of them):
     one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
     differences of the same list."""
-    wants = _limit_wants(caller, "caller", model, tokens_need, spend_need)
-    if team is not None:
-        wants += _limit_wants(team, "team", model, tokens_need, spend_need)
-    return wants
+    owners = (caller, team) if team is not None else (caller,)
+    return [want for owner in owners for want in _limit_wants(owner, model, tokens_need, spend_need)]
 
 
-def _limit_wants(owner: Caller | Team, scope: Scope, model: str, tokens_need: int, spend_need: int) -> list[Want]:
+def _limit_wants(owner: Caller | Team, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     wants: list[Want] = []
 
     def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
         if limit:
-            ref = LimitRef(scope, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
+            ref = LimitRef(owner.SCOPE, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
             wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
 
     want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
@@ -157,15 +148,12 @@ class Accounting:
         model = asked.model
         if not caller.allows(model):
             return ModelRefused(model)
-        # The team and the prices (each a store read only when its cached answer ran out).
-        team = await self.registry.team_of(caller)
-        if isinstance(team, Unavailable | Unreadable):
-            return team
+        terms = await self.registry.terms(caller)  # (a store read only when a cached answer ran out)
+        if isinstance(terms, Unavailable | Unreadable):
+            return terms
+        team, prices = terms
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
-        prices = await self.registry.prices()
-        if isinstance(prices, Unavailable):
-            return prices
         if model in prices.unreadable:
             return ModelRefused(model, unreadable=True)
         price = prices.get(model)
@@ -356,11 +344,11 @@ class Accounting:
     async def _charge_refused(
         self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
     ) -> None:
-        team = await self.registry.team_of(caller)
-        prices = await self.registry.prices()
-        if isinstance(team, Unavailable | Unreadable) or isinstance(prices, Unavailable):
+        terms = await self.registry.terms(caller)
+        if isinstance(terms, Unavailable | Unreadable):
             log.warning("a taken-over stream's first part is left to its instance's recovery: team or prices not read")
             return
+        team, prices = terms
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
         wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
@@ -478,11 +466,10 @@ class Accounting:
         except StoreError as exc:
             log.warning("owners: a background response could not be charged now: %s", exc)
             return
-        team = await self.registry.team_of(caller)
-        team = team if isinstance(team, Team) else None
+        terms = await self.registry.terms(caller)
+        team, prices = terms if isinstance(terms, tuple) else (None, Prices())  # not read: no team, no price
         price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
-        if price is None and not isinstance(prices := await self.registry.prices(), Unavailable):
-            price = prices.get(model)
+        price = price if price is not None else prices.get(model)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)

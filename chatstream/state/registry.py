@@ -1,12 +1,11 @@
 """The registry in the store (``Registry``): callers and their keys, teams, prices. The admin API
-(manage.py) keeps all three on one path, named by their class: ``create``, ``list``, ``get``,
-``update``, ``delete`` (and a caller's ``rotate``, a price's ``set_price``); the request path asks
-``authenticate`` for every caller key, ``team_of`` for its team and ``prices`` for every model's
-price (one read of them all), each answer cached per instance for ``cache_seconds``: a revoked or
-rotated key, a changed limit, a new price take effect on every instance within that time, exactly,
-and cost a store read only once per key, team or the prices, instance and period (in the last
-``AHEAD`` of it, a request that uses the answer has it read again in the background: a key, team or
-the prices in steady use are never read on a request's path).
+(manage.py) keeps all three on one path, named by their class (``create``, ``list``, ``get``,
+``update``, ``delete``; ``rotate`` a key, ``set_price``). A request asks ``authenticate`` for its
+key's caller, then ``terms`` for its team and every model's price, each answer cached per instance
+for ``cache_seconds``: a revoked or rotated key, a changed limit, a new price take effect on every
+instance within that time, exactly, and cost a store read once per key, team or the prices, instance
+and period (in the last ``AHEAD`` of it a request that uses the answer has it read again in the
+background: an answer in steady use is never read on a request's path).
 
 Table ``chatstreamCallers``:
 
@@ -199,47 +198,46 @@ class Registry:
 
         return await self.cache.get(row_key, read, what)
 
-    async def team_of(self, caller: Caller) -> Team | Unreadable | Unavailable | None:
-        """The caller's team (None: it has none, or it is gone: a team with callers cannot be
-        deleted, so only a race leaves one without it; Unreadable: its row holds none), cached like keys."""
-        if caller.team is None:
-            return None
-        team = await self._cached(Team, _row_key(Team, caller.team), "team read")
-        if isinstance(team, Unreadable):
-            return team
-        if team is None or (isinstance(team, Team) and team.id != caller.team_id):
-            log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
-            return None
-        return team
-
-    async def prices(self) -> Prices | Unavailable:
-        """Every model's price (``Prices``), cached like keys: a request is priced, whatever name it
-        is served as (a deployment's), from what its admission read."""
+    async def terms(self, caller: Caller) -> tuple[Team | None, Prices] | Unreadable | Unavailable:
+        """What ``caller``'s requests are admitted and charged under, cached like keys: its team (None:
+        none, or gone: only a race leaves a caller without it, as a team with callers cannot be
+        deleted; Unreadable: its row holds none) and every model's price."""
+        team = None
+        if caller.team is not None:
+            team = await self._cached(Team, _row_key(Team, caller.team), "team read")
+            if isinstance(team, Unreadable | Unavailable):
+                return team
+            if team is None or team.id != caller.team_id:
+                log.warning("caller %s: its team %s is gone; its team limits do not apply", caller.name, caller.team)
+                team = None
 
         async def read() -> Prices:
-            return Prices(await self._all(Price, bound=self.store.clock.patience()))
+            return Prices(await self.list(Price, bound=self.store.clock.patience()))
 
-        return await self.cache.get(PRICES, read, "price read")
+        prices = await self.cache.get(PRICES, read, "price read")
+        return prices if isinstance(prices, Unavailable) else (team, prices)
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner
         by id). A scan of the callers: rare, and bounded by the number of callers."""
         try:
-            found = await self._all(Caller, {"id": caller_id}, self.store.clock.patience())
+            found = await self.list(Caller, {"id": caller_id}, self.store.clock.patience())
         except StoreError:
             return Unavailable()
         return next((c for c in found if isinstance(c, Caller)), None)
 
     # --- the admin API: one path for callers, teams and prices -------------------------------------
 
-    async def _all(
+    async def list(
         self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT
     ) -> list[Kept | Unreadable]:
-        """Every caller, team or price (with the properties ``equal``); a row that holds none (a hand
-        edit, an older write: prices.py) as Unreadable."""
+        """Every caller, team or price (with the properties ``equal``), by name (model); one whose row
+        holds none (a hand edit, an older write: prices.py) as Unreadable (an admin sees it, and
+        deletes it)."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
-        return [self._read(cls, row) for row in await self.store.query(CALLERS_TABLE, where, timeout=bound)]
+        rows = await self.store.query(CALLERS_TABLE, where, timeout=bound)
+        return sorted((self._read(cls, row) for row in rows), key=_name_of)
 
     def _read(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
         """The caller, team or price ``row`` keeps; Unreadable when it holds none, logged once per
@@ -286,16 +284,13 @@ class Registry:
             if "expires_at" in given and data.expires_at is not None and data.expires_at.timestamp() <= self.clock():
                 raise Invalid("expires_at: must be in the future", "expires_at")
             if "team" in given:
-                values["team"], values["team_id"] = await self._team_ref(data.team)
+                values["team"], values["team_id"] = data.team, None
+                if data.team is not None:
+                    team = await self.store.get(CALLERS_TABLE, TEAMS, _row_key(Team, data.team), timeout=ADMIN_TIMEOUT)
+                    if team is None:
+                        raise Invalid(f"team: no team named {data.team!r}", "team")
+                    values["team_id"] = team["id"]
         return values
-
-    async def _team_ref(self, name: str | None) -> tuple[str | None, str | None]:
-        if name is None:
-            return None, None
-        team = await self.store.get(CALLERS_TABLE, TEAMS, _row_key(Team, name), timeout=ADMIN_TIMEOUT)
-        if team is None:
-            raise Invalid(f"team: no team named {name!r}", "team")
-        return name, team["id"]
 
     async def _load(self, cls: type[Kept], name: str) -> tuple[Kept | Unreadable, str, str]:
         """The caller, team or price ``name`` (Unreadable: its row holds none), its key hash (a
@@ -348,11 +343,6 @@ class Registry:
         log.info("%s %s created%s", kind, made.name, f" (key …{key[-4:]})" if key else "")
         return made, key
 
-    async def list(self, cls: type[Kept]) -> list[Kept | Unreadable]:
-        """Every caller, team or price, by name (model); one whose row holds none as Unreadable (an
-        admin sees it, and deletes it)."""
-        return sorted(await self._all(cls), key=_name_of)
-
     async def get(self, cls: type[Kept], name: str) -> Kept | Unreadable:
         """The caller, team or price (``name``: its model); Unreadable when its row holds none;
         Missing when there is none."""
@@ -379,7 +369,7 @@ class Registry:
 
         async def change(kept: Kept | Unreadable, key_hash: str, etag: str) -> tuple[list[Op], Kept | Unreadable]:
             # (an unreadable caller row of the team's counts too)
-            if cls is Team and (members := await self._all(Caller, {"team": name})):
+            if cls is Team and (members := await self.list(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
             ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
             if cls is Caller:  # its key index: the one its row names, else (unreadable) any that names it

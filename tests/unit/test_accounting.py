@@ -42,8 +42,8 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
     prompt = tokens.count_prompt(MODEL, request.params)
     assert admitted.prompt_tokens == prompt
     assert [w.need for w in admitted.wants] == [1, prompt + 2 * 4096]
-    assert admitted.rates["tokens"].limit == 50_000 and admitted.rates["requests"].limit == 10
-    assert admitted.rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
+    assert admitted.reservation.rates["tokens"].limit == 50_000 and admitted.reservation.rates["requests"].limit == 10
+    assert admitted.reservation.rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
     capped = await acc.admit(caller, asked(call("hi", max_tokens=7), record()))
     assert isinstance(capped, Admission) and capped.wants[1].need == capped.prompt_tokens + 7
     assert "max_completion_tokens" not in call("hi", max_tokens=7).params

@@ -87,3 +87,34 @@ def test_the_clients_are_closed_with_the_loop_that_used_them():
 
     asyncio.run(use())
     assert client.is_closed()
+
+
+async def test_models_answer_503_when_the_callers_team_cannot_be_read():
+    """The caller's team (its model list) not read, the store unavailable: a 503 to retry, as a
+    model route answers then, not the app's models unfiltered by the team."""
+    from memory_store import Fault, MemoryStore
+
+    from chatstream.app import ChatApp
+    from chatstream.pipeline import Pipeline
+    from chatstream.state.callers import CallerSpec, TeamSpec
+    from chatstream.state.store import CALLERS_TABLE
+    from chatstream.upstreams.failover import Upstreams
+
+    from .state_helpers import account, instance
+
+    state, _ = instance(account(), "a")
+    settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "ALLOWED_MODELS": "m-1,m-2"})
+    app = ChatApp(settings, Pipeline(), Upstreams.from_settings(settings, {}), state, signals=False)
+    await state.registry.create(TeamSpec(name="t", models=["m-1"]))
+    _, key = await state.registry.create(CallerSpec(name="c", team="t"))
+    headers = {"api-key": key}
+    async with client_for(app) as client:
+        assert [m["id"] for m in (await client.get("/api/v1/models", headers=headers)).json()["data"]] == ["m-1"]
+        state.registry.cache.forget("t|t")  # the team's answer ran out; the key's is still kept
+        assert isinstance(state.store, MemoryStore)
+        state.store.inject(Fault("unavailable", frozenset({"get"}), table=CALLERS_TABLE, times=10**9))
+        for path in ("/api/v1/models", "/api/v1/models/m-2"):
+            refused = await client.get(path, headers=headers)
+            assert refused.status_code == 503 and refused.headers["x-should-retry"] == "true", refused.text
+            assert refused.json()["error"]["code"] == "caller_store_unavailable" and "retry-after" in refused.headers
+    await app.close()

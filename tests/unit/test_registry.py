@@ -18,7 +18,7 @@ from chatstream.errors import ApiError, StoreError
 from chatstream.manage import caller_json, price_json, team_json, validate
 from chatstream.state.callers import Caller, CallerPatch, CallerSpec, Team, TeamPatch, TeamSpec, hash_key
 from chatstream.state.port import Conflict, Invalid, KeyRefused, Missing, Unavailable, Unreadable
-from chatstream.state.prices import Price, PriceSpec
+from chatstream.state.prices import Price, Prices, PriceSpec
 from chatstream.state.registry import AHEAD_DELAY, LOOKUPS_PER_SECOND, Registry
 from chatstream.state.store import CALLERS_TABLE, LIMITS_TABLE
 
@@ -41,6 +41,20 @@ def reads(data: MemoryData) -> int:
     """The store's point reads: here, the key checks that reached it (a caller without a team is
     created without one)."""
     return data.calls.get("get", 0)
+
+
+async def team_of(reg: Registry, caller: Caller | Unreadable) -> Team | Unreadable | Unavailable | None:
+    """The caller's team as the request path reads it (``terms``)."""
+    assert isinstance(caller, Caller)
+    terms = await reg.terms(caller)
+    return terms if isinstance(terms, Unreadable | Unavailable) else terms[0]
+
+
+async def prices_of(reg: Registry) -> Prices | Unavailable:
+    """Every model's price as the request path reads it (``terms``, for a caller without a team)."""
+    terms = await reg.terms(Caller(name="p", id="p", created_at=datetime.now(UTC)))
+    assert not isinstance(terms, Unreadable)
+    return terms if isinstance(terms, Unavailable) else terms[1]
 
 
 def made_up() -> str:
@@ -339,7 +353,7 @@ async def test_teams_create_get_patch_and_delete_once_they_have_no_callers():
     assert info.value.param == "team"
     caller, _ = await reg.create(CallerSpec(name="a", team="search"))
     assert caller.team == "search" and caller.team_id == team.id
-    assert await reg.team_of(caller) == patched
+    assert await team_of(reg, caller) == patched
     with pytest.raises(Conflict):
         await reg.delete(Team, "search")
     moved = await reg.update(Caller, "a", CallerPatch(team=None))
@@ -357,13 +371,13 @@ async def test_a_team_deleted_and_made_again_is_a_new_team_to_its_old_callers():
     reg = registry(cache=1.0, clock=clock)
     await reg.create(TeamSpec(name="t", token_budget=10))
     caller, _ = await reg.create(CallerSpec(name="a", team="t"))
-    assert await reg.team_of(caller) is not None
+    assert await team_of(reg, caller) is not None
     # A race left the caller without its team (deleted as the caller was made): its limits don't apply.
     await reg.store.delete(CALLERS_TABLE, "teams", "t|t")
     await reg.create(TeamSpec(name="t", token_budget=99))
     clock.now += 1.1
-    assert await reg.team_of(caller) is None
-    assert await reg.team_of(await reg.get(Caller, "a")) is None  # its stored team id is the old one's
+    assert await team_of(reg, caller) is None
+    assert await team_of(reg, await reg.get(Caller, "a")) is None  # its stored team id is the old one's
 
 
 async def test_team_answers_are_cached_like_keys():
@@ -372,15 +386,15 @@ async def test_team_answers_are_cached_like_keys():
     admin, other = registry(data, 5.0, clock), registry(data, 5.0, clock)
     await admin.create(TeamSpec(name="t", tokens_per_minute=10))
     caller, _ = await admin.create(CallerSpec(name="a", team="t"))
-    first = await other.team_of(caller)
+    first = await team_of(other, caller)
     assert first is not None and not isinstance(first, Unavailable) and first.tokens_per_minute == 10
     await admin.update(Team, "t", TeamPatch(tokens_per_minute=20))
     gets = data.calls["get"]
-    cached = await other.team_of(caller)
+    cached = await team_of(other, caller)
     assert cached is not None and not isinstance(cached, Unavailable) and cached.tokens_per_minute == 10
     assert data.calls["get"] == gets
     clock.now += 5.1
-    fresh = await other.team_of(caller)
+    fresh = await team_of(other, caller)
     assert fresh is not None and not isinstance(fresh, Unavailable) and fresh.tokens_per_minute == 20
 
 
@@ -388,8 +402,8 @@ async def test_team_answers_are_cached_like_keys():
 
 
 async def price_of(reg: Registry, model: str) -> Price | None:
-    """The model's price as the request path reads it (``prices``: every model's, in one read)."""
-    prices = await reg.prices()
+    """The model's price as the request path reads it (``terms``: every model's, in one read)."""
+    prices = await prices_of(reg)
     assert not isinstance(prices, Unavailable)
     return prices.get(model)
 
@@ -489,7 +503,7 @@ async def test_an_unreadable_price_row_costs_only_its_model_and_is_logged_once_w
     await write_raw_price(data, "whole", input=150_000.0)  # a Double that is a whole number reads as one
     with caplog.at_level(logging.WARNING, logger="chatstream"):
         for _ in range(3):  # every read of the prices finds it: logged the first time only
-            prices = await reg.prices()
+            prices = await prices_of(reg)
             assert not isinstance(prices, Unavailable)
             assert prices["good"] == good and prices["whole"].input == 150_000 and "broken" not in prices
             assert prices.unreadable == {"broken"}
@@ -500,7 +514,7 @@ async def test_an_unreadable_price_row_costs_only_its_model_and_is_logged_once_w
     logged = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
     assert len(logged) == 1 and "price row 'p|broken'" in logged[0], logged
     await reg.set_price("broken", PriceSpec(input=3, output=4))  # an admin sets it again: it is read
-    prices = await reg.prices()
+    prices = await prices_of(reg)
     assert not isinstance(prices, Unavailable) and prices["broken"].input == 3_000_000 and not prices.unreadable
 
 
@@ -590,7 +604,7 @@ async def test_an_unreadable_team_refuses_its_callers_saying_so_and_is_deleted_o
     await spoil(data, "t|t", tokens_per_minute=1.5)
     found = await reg.authenticate(key)
     assert isinstance(found, Caller)
-    answer = await reg.team_of(found)
+    answer = await team_of(reg, found)
     assert isinstance(answer, Unreadable) and (answer.scope, answer.name, answer.id) == ("team", "t", team.id)
     assert isinstance(await reg.get(Team, "t"), Unreadable)
     with pytest.raises(Conflict, match="unreadable"):

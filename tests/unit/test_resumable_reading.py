@@ -115,7 +115,7 @@ async def _relayed_with_slow_writes(endpoint: str, answer, protocol) -> list[tup
         events = answer()
         first = asyncio.ensure_future(anext(events))
         limits = SimpleNamespace(total_at=asyncio.get_running_loop().time() + 60)
-        resumable = Resumable(a, heartbeat=5, total_timeout=60, accounting=None)
+        resumable = Resumable(a, heartbeat=5, accounting=None)
         response = resumable.respond(
             producer,
             first,
