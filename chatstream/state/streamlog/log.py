@@ -12,9 +12,9 @@ from typing import Any
 from ...errors import StoreError
 from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
-from . import inbox, readers, takeover
+from . import inbox, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyStreams, Unavailable
+from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
 from .format import (
     RECORD_ROW,
     EncodeError,
@@ -147,7 +147,9 @@ class StreamLog:
             raise ValueError("an event id is never negative")
         if self._ctx.closed:
             raise Unavailable("the stream log is closed")
-        return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller)
+        if self._ctx.readers >= self.config.max_readers:
+            raise TooManyReaders("too many readers on this instance")
+        return await Reader(self._ctx, self, stream_id, after or 0).opened(caller)
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,

@@ -1,13 +1,10 @@
-"""Readers of resumable streams on this instance: ``open_reader`` (``StreamLog.open_reader``'s) checks,
-takes a slot and returns a ``Reader``, which follows the stream to its final event
-wherever it is produced: from its producer's memory when that is here (what is stored of it, woken
-on every write: format.EPOCH_IDS), else from the store (the blob polled as it grows, the reader
-registered in the producer's inbox so that it writes fast, its instance's liveness checked). A
-reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
-and follows the continuation: one answer, ids going on, one final event. A reader after an id its
-dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it
-reads."""
+"""Readers of resumable streams on this instance (``StreamLog.open_reader``): a ``Reader`` follows
+the stream to its final event wherever it is produced: from its producer's memory when that is
+here (what is stored of it, woken on every write), else from the store (the blob polled as it
+grows, the reader registered in the producer's inbox so that it writes fast, its instance's
+liveness checked). A reader that finds the producer gone asks its log to take the stream over
+(``StreamLog.take_over``) and follows the continuation: one answer, ids going on, one final event.
+Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it reads."""
 
 from __future__ import annotations
 
@@ -15,12 +12,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from .errors import PastTheEnd, StreamNotFound, Unavailable
 from .format import (
     END,
     LOST,
@@ -36,38 +33,17 @@ from .inbox import Slot
 from .producer import Producer
 from .takeover import producer_gone
 
+if TYPE_CHECKING:
+    from .log import StreamLog  # (which imports this module)
+
 # A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
 # with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
 SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 
-class StreamLog(Protocol):
-    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
-
-    def producing(self, stream_id: str) -> Producer | None: ...
-
-    async def take_over(self, stream_id: str, received: int) -> bool: ...
-
-
 log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
-
-
-async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
-    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``), counted in ``ctx.readers``
-    from now (opens run at once) until it is released. A store that fails: Unavailable (ask again)."""
-    if ctx.readers >= ctx.config.max_readers:
-        raise TooManyReaders("too many readers on this instance")
-    reader = Reader(ctx, streams, stream_id, start)
-    try:
-        await reader._open(caller)
-    except BaseException as exc:
-        reader._release()
-        if isinstance(exc, StoreError):
-            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        raise
-    return reader
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -141,7 +117,7 @@ class Reader:
     ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
     the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
     the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
-    its end."""
+    its end. It counts in ``ctx.readers`` from its making (opens run at once) until released."""
 
     def __init__(self, ctx: Context, streams: StreamLog, stream_id: str, after: int):
         ctx.readers += 1
@@ -155,7 +131,7 @@ class Reader:
         self._slot = Slot(ctx, stream_id)
         self.record: Record | None = None
         self.tail = Tail(after)
-        self._done = False
+        self.over = False  # the reading has handed out its end (its final event, or its own error)
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
         self._record_at = asyncio.get_running_loop().time() + 3 * self._cfg.poll_seconds  # (_poll)
@@ -179,15 +155,10 @@ class Reader:
         it is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes)."""
         return self._ctx.leaving
 
-    @property
-    def over(self) -> bool:
-        """The reading has handed out its end (its final event, or its own error)."""
-        return self._done
-
     def moved_event(self) -> bytes:
         """What ends a reading when this instance stops: the one its producer's live caller gets; the
         reading is over."""
-        self._done = True
+        self.over = True
         return self._ctx.moved_event(self.route)
 
     async def aclose(self) -> None:
@@ -208,8 +179,20 @@ class Reader:
 
     # -- opening -------------------------------------------------------------------------------
 
+    async def opened(self, caller: str | None) -> Reader:
+        """This reader, opened: checked, its slot held, what is stored read; else released (a store
+        that fails: Unavailable)."""
+        try:
+            await self._open(caller)
+        except BaseException as exc:
+            self._release()
+            if isinstance(exc, StoreError):
+                raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+            raise
+        return self
+
     async def _open(self, caller: str | None) -> None:
-        """From the producer here, when it is here (else ``_open_stored``): checked, its slot held."""
+        """From the producer here, when it is here (else ``_open_stored``)."""
         producer = self._streams.producing(self.stream_id)
         if producer is None:
             return await self._open_stored(caller)
@@ -262,13 +245,13 @@ class Reader:
         first, self._first = self._first, b""
         if first:
             yield first
-        while not self._done:
+        while not self.over:
             producer = self._streams.producing(self.stream_id)
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
                     if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
-                        self._done = True
+                        self.over = True
                         yield self._ctx.error_event(self.route, "store_unavailable", SLOT_LOST)
                         return
                     yield chunk
@@ -283,7 +266,7 @@ class Reader:
         try:
             await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.tail.cursor):
-                yield self._end(broken=True)
+                yield self._broken()
                 return
             while True:
                 kept = producer.kept
@@ -343,7 +326,7 @@ class Reader:
                         if await self._gone(now):
                             if out := await self._producer_gone():
                                 yield out
-                            if self._done:
+                            if self.over:
                                 return
                         if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
                             last_new = now
@@ -355,10 +338,10 @@ class Reader:
                 except StoreError:
                     failing_since = failing_since or now
                     if now - failing_since > cfg.give_up_seconds:
-                        self._done = True
+                        self.over = True
                         yield ctx.error_event(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            if ending := self._end(tail.broken, tail.end == LOST, tail.last_id):
+            if ending := self._broken() if tail.broken else self._end(tail.end == LOST, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -443,23 +426,24 @@ class Reader:
 
     def _lost(self, message: str) -> bytes:
         """The reading ends with our stream_lost."""
-        self._done = True
+        self.over = True
         return self._ctx.error_event(self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:
-        """The reading is over: what it gets besides the events. ``broken``: it is after an id that a
-        producer, gone since, handed out but never stored; what follows was made again by another
-        producer and is other text (a model does not say the same twice): the client cannot be given
-        the rest of its own. ``lost``: the log ended lost (our stream_lost, unless the client has
-        just got it: its last event, ``last_id``)."""
-        self._done = True
+    def _end(self, lost: bool, last_id: int) -> bytes:
+        """The stream is over: what the reading gets besides the events. ``lost``: the log ended lost
+        (our stream_lost, unless the client has just got it: its last event, ``last_id``)."""
+        self.over = True
         cursor = self.tail.cursor
-        if broken:
-            log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
-            return self._lost("the events after this one were lost with the instance that produced them")
         if lost and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
+
+    def _broken(self) -> bytes:
+        """The reading is after an id that a producer, gone since, handed out but never stored; what
+        follows was made again by another producer and is other text (a model does not say the same
+        twice): the client cannot be given the rest of its own."""
+        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def _past_the_end(self, live: bool) -> bytes:
         """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its
