@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
@@ -33,12 +33,17 @@ from .inbox import Slot
 from .producer import Producer
 from .takeover import producer_gone
 
-if TYPE_CHECKING:
-    from .log import StreamLog  # (which imports this module)
-
 # A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
 # with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
 SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
+
+
+class StreamLog(Protocol):
+    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
+
+    def producing(self, stream_id: str) -> Producer | None: ...
+
+    async def take_over(self, stream_id: str, received: int) -> bool: ...
 
 
 log = logging.getLogger("chatstream")
