@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
@@ -46,12 +48,15 @@ class Claim:
     request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
     ``id``, ``route``, ``owner`` and ``epoch`` are the producer's."""
 
-    request: bytes  # the route's params as JSON, as the original request stored them
+    request: dict[str, Any]  # the route's params, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
     last_id: int
     producer: Producer
-    lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
+    lost_events: bytes  # the stored events of the lost producer itself (after the previous takeover)
+    # How many events the reader that asked for the takeover held past the stored end (the lost
+    # producer's, unstored: ``stand_ins``).
+    past_stored: int
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for what the reader that asked for the takeover
@@ -64,14 +69,9 @@ class Claim:
         ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
-    def past_stored(self) -> int:
-        """How many events the reader that asked for the takeover held past the stored end (the
-        lost producer's, unstored)."""
-        return max(0, self.producer.unstored - position(self.last_id)) if self.producer.unstored else 0
-
     def unstood(self) -> int:
         """How many of those the continuation has not stood in for yet (``stand_ins``)."""
-        return max(0, self.past_stored() - len(sse.split(self.stand_ins())[0]))
+        return max(0, self.past_stored - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
         """Wait until every one is stood in for: what the stand-ins charge is known then, not only at
@@ -123,8 +123,9 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
             return False
-    except StoreError as exc:
-        log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
+        params = json.loads(request)
+    except (StoreError, ValueError) as exc:
+        log.warning("stream %s: its producer is gone, and its takeover failed: %s", tag, exc)
         return False
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
@@ -156,12 +157,13 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             won.epoch,
         )
         return Claim(
-            request=request,
+            request=params,
             request_id=won.request_id,
             events=b"".join(events),
             last_id=tail.last_id,
             producer=producer,
             lost_events=producer_events(bytes(stored), tail.epoch),
+            past_stored=max(0, producer.unstored - position(tail.last_id)) if producer.unstored else 0,
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
