@@ -86,35 +86,14 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     return record
 
 
-# After new bytes the next poll begins a little less than poll_seconds after this one began, so that
-# the polls drift earlier until one comes just before a write lands and finds nothing (then a third
-# of poll_seconds later: that write waits ~33 ms, not 100): they stay close behind the producer's
-# writes. Paced from the end of a read, or at exactly the producer's interval, they kept whatever
-# distance behind its writes they happened to have (a read's time later each poll: ~50 ms on average).
+# A reader from the store polls the blob a third of poll_seconds apart while nothing comes (after
+# three such polls, slower and slower, to max_poll_seconds). After new bytes the next poll begins a
+# little less than poll_seconds after this one began, so that the polls drift earlier until one
+# comes just before a write lands and finds nothing (then a third of poll_seconds later: that write
+# waits ~33 ms, not 100): they stay close behind the producer's writes. Paced from the end of a
+# read, or at exactly the producer's interval, they kept whatever distance behind its writes they
+# happened to have (a read's time later each poll: ~50 ms on average).
 _LEAD = 0.9
-
-
-class _Cadence:
-    """When a reader from the store next polls the blob (``poll``: seconds after the last poll began)."""
-
-    def __init__(self, ctx: Context, now: float):
-        self._cfg = ctx.config
-        self.poll = self._cfg.poll_seconds / 3  # a write is on its way (the reader just registered)
-        self._idle = 1
-        # ...and until it comes, polls stay quick for as long as the producer may take to see this
-        # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
-        self._first_until: float | None = now + self._cfg.inbox_seconds + 0.5  # (None once a write came)
-
-    def read(self, got: bool) -> None:
-        """After a read that ``got`` bytes or not (see _LEAD)."""
-        cfg = self._cfg
-        if got:
-            self.poll, self._idle, self._first_until = cfg.poll_seconds * _LEAD, 0, None
-            return
-        if self._first_until is None or asyncio.get_running_loop().time() >= self._first_until:
-            self._idle += 1
-        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (self._idle - 3))
-        self.poll = cfg.poll_seconds / 3 if self._idle <= 3 else slower
 
 
 class Reader:
@@ -173,7 +152,6 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        """Give back the slot and the inbox row, and its count here (once)."""
         self._slot.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
@@ -214,8 +192,7 @@ class Reader:
         reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
         stream's row goes to the inbox of the instance whose stream a reader here opened last as the
         record is read: the producer, most often (two instances: always), sees the reader one record
-        read sooner; when the record names another, the row moves there (``Slot.follow``). (What it
-        holds when this fails is given back with the reader.)"""
+        read sooner; when the record names another, the row moves there (``Slot.follow``)."""
         ctx, slot, stream_id = self._ctx, self._slot, self.stream_id
         guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
         record, _ = await asyncio.gather(
@@ -246,7 +223,6 @@ class Reader:
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read(self) -> Events:
-        """(Released by ``__anext__`` when it ends, however it ends.)"""
         first, self._first = self._first, b""
         if first:
             yield first
@@ -303,7 +279,10 @@ class Reader:
         ctx, cfg, tail = self._ctx, self._cfg, self.tail
         loop = asyncio.get_running_loop()
         now = last_new = loop.time()
-        cadence = _Cadence(ctx, now)
+        # (_LEAD.) The polls stay quick until a write comes (one is on its way: the reader just
+        # registered) for as long as the producer may take to see this reader (an inbox read, then its
+        # write): a slower poll would add up to max_poll_seconds.
+        poll, idle, quick_until = cfg.poll_seconds / 3, 1, now + cfg.inbox_seconds + 0.5
         state_at = now + cfg.state_seconds  # the producer's next check
         failing_since: float | None = None
         ctx.remote_readers += 1
@@ -311,7 +290,7 @@ class Reader:
             while tail.end is None and not tail.broken:
                 if self._streams.producing(self.stream_id) is not None or not wanted():
                     return  # taken over here (from memory now), or the opening's wait is over
-                wait = max(cadence.poll, ctx.remote_readers / cfg.read_rate)
+                wait = max(poll, ctx.remote_readers / cfg.read_rate)
                 await asyncio.sleep(max(0.2 * wait, now + wait - loop.time()))
                 now = loop.time()
                 try:
@@ -320,10 +299,13 @@ class Reader:
                     await self._slot.follow(self.record.instance if self.record.state == "live" else None)
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
-                    cadence.read(bool(out))
                     if out:
-                        last_new = now
+                        poll, idle, quick_until, last_new = cfg.poll_seconds * _LEAD, 0, 0.0, now
                         yield out
+                    else:
+                        idle += loop.time() >= quick_until
+                        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
+                        poll = cfg.poll_seconds / 3 if idle <= 3 else slower
                     if tail.end is not None or tail.broken:
                         break
                     if now >= state_at:

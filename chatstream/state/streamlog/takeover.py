@@ -42,11 +42,10 @@ log = logging.getLogger("chatstream")
 
 @dataclass(frozen=True)
 class Claim:
-    """A stream taken over by this instance: what the request path needs to continue the answer.
-    ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
-    with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
-    request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
-    ``id``, ``route``, ``owner`` and ``epoch`` are the producer's."""
+    """A stream taken over by this instance: what the request path needs to continue the answer on
+    ``producer`` (the stream's ``id``, ``route``, ``owner`` and ``epoch`` are its), driven to its end
+    as a new stream's. ``events`` are the stored events (as a reader replays them), the last with id
+    ``last_id``; the producer's first event gets ``last_id + 1``."""
 
     request: dict[str, Any]  # the route's params, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
@@ -74,9 +73,8 @@ class Claim:
         return max(0, self.past_stored - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
-        """Wait until every one is stood in for: what the stand-ins charge is known then, not only at
-        the continuation's end, which this instance may not live to see. Waits for ever if the
-        continuation ends short: cancel it then."""
+        """Wait until every one is stood in for (the continuation's end may never come here); for ever
+        if the continuation ends short: cancel it then."""
         while self.unstood():
             await self.producer.changed()
 
@@ -98,10 +96,9 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
 
 
 async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
-    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
-    the claim's producer is made here, not yet run (``StreamLog`` runs it). Else True: it goes on
-    without this claim (another instance won it, its producer lives, or it is over: read its record
-    again), False: it cannot be continued (no request stored, the store failing: stream_lost)."""
+    """Take ``stream_id`` over for a reader that has the events up to ``received``: the claim, its
+    producer not yet run (``StreamLog`` runs it). Else True: it goes on without this claim (another
+    instance won it, its producer lives, or it is over), False: it cannot be continued (stream_lost)."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -170,9 +167,9 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
 
 
 async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
-    """Append the epoch marker at the stored end. True: fenced; False: the old producer stored the
-    end meanwhile (the stream is over: the record, ours now, says so); None: the store failed for
-    ``give_up_seconds``. ``tail`` and ``stored`` grow with what the old producer still stored before the fence."""
+    """Append the epoch marker at the stored end (``tail`` and ``stored`` grow with what the old
+    producer stored before it). True: fenced; False: the old producer stored the end meanwhile (the
+    record, ours now, says it is over); None: the store failed for ``give_up_seconds``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.give_up_seconds
     store = ctx.store
