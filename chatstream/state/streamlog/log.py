@@ -193,17 +193,16 @@ class StreamLog:
             return True
         pending = self._claims.get(stream_id)
         if pending is None:
-            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id, received))
+            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim(stream_id, received))
             pending.add_done_callback(lambda _: self._claims.pop(stream_id, None))
         return await asyncio.shield(pending)
 
-    async def _claim_and_continue(self, stream_id: str, received: int) -> bool:
+    async def _claim(self, stream_id: str, received: int) -> bool:
         won = await takeover.claim(self._ctx, stream_id, received)
-        if not isinstance(won, Claim):
-            return won
-        self._run(won.producer)
-        self._ctx.spawn(self._continue(won))
-        return True
+        if isinstance(won, Claim):
+            self._run(won.producer)
+            self._ctx.spawn(self._continue(won))
+        return won is not False
 
     async def _continue(self, won: Claim) -> None:
         assert self._take_over is not None
