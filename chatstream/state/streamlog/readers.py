@@ -3,8 +3,7 @@ the stream to its final event wherever it is produced: from its producer's memor
 here (what is stored of it, woken on every write), else from the store (the blob polled as it
 grows, the reader registered in the producer's inbox so that it writes fast, its instance's
 liveness checked). A reader that finds the producer gone asks its log to take the stream over
-(``StreamLog.take_over``) and follows the continuation: one answer, ids going on, one final event.
-Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it reads."""
+(``StreamLog.take_over``) and follows the continuation: one answer, ids going on, one final event."""
 
 from __future__ import annotations
 
@@ -100,8 +99,8 @@ class Reader:
     """A resumed stream (module docstring): an async iterator of bytes, the stored events after
     ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
     the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
-    the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
-    its end. It counts in ``ctx.readers`` from its making (opens run at once) until released."""
+    the caller goes; it holds a slot among the stream's readers with its inbox row (inbox.py), and
+    counts in ``ctx.readers`` from its making (opens run at once), until closed or read to its end."""
 
     def __init__(self, ctx: Context, streams: StreamLog, stream_id: str, after: int):
         ctx.readers += 1
@@ -116,6 +115,9 @@ class Reader:
         self.record: Record | None = None
         self.tail = Tail(after)
         self.over = False  # the reading has handed out its end (its final event, or its own error)
+        # Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless it
+        # is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes).
+        self.leaving = ctx.leaving
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
         self._record_at = asyncio.get_running_loop().time() + 3 * self._cfg.poll_seconds  # (_poll)
@@ -132,12 +134,6 @@ class Reader:
         except BaseException:
             await self.aclose()
             raise
-
-    @property
-    def leaving(self) -> asyncio.Event:
-        """Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless
-        it is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes)."""
-        return self._ctx.leaving
 
     def moved_event(self) -> bytes:
         """What ends a reading when this instance stops: the one its producer's live caller gets; the
@@ -261,7 +257,7 @@ class Reader:
                         yield ending
                     return
                 if producer.moved.is_set():
-                    if self._ctx.leaving.is_set():  # handed over as this instance stops: read it elsewhere
+                    if self.leaving.is_set():  # handed over as this instance stops: read it elsewhere
                         yield self.moved_event()
                         return
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
