@@ -149,7 +149,7 @@ class StreamLog:
             raise Unavailable("the stream log is closed")
         if self._ctx.readers >= self.config.max_readers:
             raise TooManyReaders("too many readers on this instance")
-        return await Reader(self._ctx, self, stream_id, after or 0).opened(caller)
+        return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,

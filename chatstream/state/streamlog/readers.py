@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
@@ -35,14 +34,6 @@ from .takeover import producer_gone
 # A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
 # with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
 SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
-
-
-class StreamLog(Protocol):
-    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
-
-    def producing(self, stream_id: str) -> Producer | None: ...
-
-    async def take_over(self, stream_id: str, received: int) -> bool: ...
 
 
 log = logging.getLogger("chatstream")
@@ -102,12 +93,19 @@ class Reader:
     the caller goes; it holds a slot among the stream's readers with its inbox row (inbox.py), and
     counts in ``ctx.readers`` from its making (opens run at once), until closed or read to its end."""
 
-    def __init__(self, ctx: Context, streams: StreamLog, stream_id: str, after: int):
+    def __init__(
+        self,
+        ctx: Context,
+        stream_id: str,
+        after: int,
+        producing: Callable[[str], Producer | None],  # (``StreamLog.producing``)
+        take_over: Callable[[str, int], Awaitable[bool]],  # (``StreamLog.take_over``)
+    ):
         ctx.readers += 1
         self._counted = True  # (until released: it holds one of ``ctx.readers``)
         self._ctx = ctx
         self._cfg = ctx.config
-        self._streams = streams
+        self._producing, self._take_over = producing, take_over
         self.stream_id = stream_id
         self.route = ""  # (known once opened)
         self.after = after
@@ -172,7 +170,7 @@ class Reader:
 
     async def _open(self, caller: str | None) -> None:
         """From the producer here, when it is here (else ``_open_stored``)."""
-        producer = self._streams.producing(self.stream_id)
+        producer = self._producing(self.stream_id)
         if producer is None:
             return await self._open_stored(caller)
         if producer.owner is not None and producer.owner != caller:
@@ -223,7 +221,7 @@ class Reader:
         if first:
             yield first
         while not self.over:
-            producer = self._streams.producing(self.stream_id)
+            producer = self._producing(self.stream_id)
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
@@ -284,7 +282,7 @@ class Reader:
         ctx.remote_readers += 1
         try:
             while tail.end is None and not tail.broken:
-                if self._streams.producing(self.stream_id) is not None or not wanted():
+                if self._producing(self.stream_id) is not None or not wanted():
                     return  # taken over here (from memory now), or the opening's wait is over
                 wait = max(poll, ctx.remote_readers / cfg.read_rate)
                 await asyncio.sleep(max(0.2 * wait, now + wait - loop.time()))
@@ -398,7 +396,7 @@ class Reader:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out
-        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, tail.cursor):
+        if fresh.state != "live" or not await self._take_over(self.stream_id, tail.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
