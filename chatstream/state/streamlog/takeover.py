@@ -121,8 +121,11 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
             return False
         params = json.loads(request)
-    except (StoreError, ValueError) as exc:
-        log.warning("stream %s: its producer is gone, and its takeover failed: %s", tag, exc)
+    except ValueError:  # (never stored so)
+        log.warning("stream %s: its producer is gone and its request does not parse: it cannot be continued", tag)
+        return False
+    except StoreError as exc:
+        log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
         return False
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
