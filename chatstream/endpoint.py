@@ -23,7 +23,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -383,7 +382,7 @@ class Endpoint:
         reader that asked for the takeover had received (``_charge_received``), and the
         continuation at its usage; a limit that refuses the continuation ends the stream with that
         refusal, the lost part charged all the same (``Accounting.charge_refused``)."""
-        stored = json.loads(claim.request)
+        stored = claim.request
         call = CallRequest(
             params=stored["params"], endpoint=self.api.name, include_usage=bool(stored.get("include_usage"))
         )
@@ -518,7 +517,7 @@ class Endpoint:
                 "in for by the continuation: charged at %d token(s) (their floor)",
                 admission.entry.payer.request_id,
                 claim.producer.id,
-                claim.past_stored(),
+                claim.past_stored,
                 unknown,
                 floor,
             )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -195,7 +194,7 @@ async def produce(producer, events: list[bytes], gap: float = 0.01, final: bytes
     return b"".join(live)
 
 
-def regenerating(deltas_of=lambda request: json.loads(request)["deltas"], gap: float = 0.01, calls=None):
+def regenerating(deltas_of=lambda request: request["deltas"], gap: float = 0.01, calls=None):
     """A request path's continuation for these tests: the stored request says how many deltas the
     answer has, and the rest is regenerated exactly after the stored ones (as the scripted upstream
     does): delta(i) for the event with id i + 1."""

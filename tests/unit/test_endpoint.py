@@ -279,7 +279,7 @@ async def test_a_takeover_that_cannot_go_on_ends_with_one_stream_lost_event_and_
     producer = SimpleNamespace(id="s-1", owner=None, epoch=0, unstored=False)
     request = {"params": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}}
     events = f"data: {json.dumps(stored)}\n\n".encode()
-    claim = SimpleNamespace(request=json.dumps(request), producer=producer, request_id="r-1", events=events)
+    claim = SimpleNamespace(request=request, producer=producer, request_id="r-1", events=events)
     upstream, producing = ScriptedClient(), Producing()
     upstreams = pooled({"a": upstream})
     chat = Endpoint(OpenAIChatApi(), upstreams.settings, upstreams, Pipeline(), None, producing)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ class ResumeConfig:
     flush_bytes: int = 512 * 1024
     max_stream_bytes: int = 16 * 1024 * 1024  # kept (memory, blob) per stream; beyond it: not resumable
     # A remote reader polls the blob about every poll_seconds (the producer's fast writes) while bytes
-    # flow, then slower, to max_poll_seconds (readers._Cadence).
+    # flow, then slower, to max_poll_seconds (readers.Reader._from_store).
     poll_seconds: float = 0.1
     max_poll_seconds: float = 0.5
     # Many streams followed at once: the instance's fast writes and remote polls are spread so that

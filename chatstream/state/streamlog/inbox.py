@@ -167,8 +167,7 @@ class Slot:
         raise TooManyReaders("too many readers of this stream")
 
     async def _write(self, key: str, etag: str | None) -> None:
-        """Take the slot ``key`` (an insert; on ``etag``, a replace), or refresh it: it is this
-        reader's until ``slot_seconds`` from now."""
+        """Take the slot ``key`` (an insert; on ``etag``, a replace: also a refresh) for ``slot_seconds``."""
         until = self._ctx.now() + self._ctx.config.slot_seconds
         row = {"PartitionKey": self._stream_id, "RowKey": key, "holder": self.id, "until": until, "expires": until}
         store = self._ctx.store
@@ -237,8 +236,7 @@ class Slot:
         return self._etag is not None
 
     def release(self, read_to_end: bool = False) -> None:
-        """Give both back (once). A reader that read the stream to its end deletes its inbox row;
-        one that left says when (the producer's abandonment clock starts then)."""
+        """Give both back (once; the inbox row: ``_leave``)."""
         if self._keeping is not None:
             self._keeping.cancel()
             self._keeping = None
@@ -271,7 +269,7 @@ class Slot:
 
     async def _give_back(self, key: str, etag: str | None = None) -> None:
         """Free the slot ``key`` if this reader holds it (a conditional delete: never someone else's):
-        on ``etag``, its last write's, else (or a refresh landed as it was cancelled) if it names this reader."""
+        on ``etag``, its last write's, else (or a refresh landed as it was cancelled) if it names it."""
         if etag is not None:
             with contextlib.suppress(Modified):
                 return await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, key, etag=etag)
@@ -280,6 +278,5 @@ class Slot:
             await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, key, etag=row.etag)
 
     async def _held(self, key: str) -> Row | None:
-        """The slot row ``key`` if it names this reader."""
         row = await self._ctx.store.get(STREAMS_TABLE, self._stream_id, key, select=("holder", "until"))
         return row if row is not None and row.get("holder") == self.id else None

@@ -12,9 +12,9 @@ from typing import Any
 from ...errors import StoreError
 from ..instances import Instances
 from ..store import STREAMS_TABLE, Store, Where
-from . import inbox, readers, takeover
+from . import inbox, takeover
 from .config import Context, ResumeConfig
-from .errors import StreamNotFound, TooManyStreams, Unavailable
+from .errors import StreamNotFound, TooManyReaders, TooManyStreams, Unavailable
 from .format import (
     RECORD_ROW,
     EncodeError,
@@ -147,7 +147,9 @@ class StreamLog:
             raise ValueError("an event id is never negative")
         if self._ctx.closed:
             raise Unavailable("the stream log is closed")
-        return await readers.open_reader(self._ctx, self, stream_id, after or 0, caller)
+        if self._ctx.readers >= self.config.max_readers:
+            raise TooManyReaders("too many readers on this instance")
+        return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
 
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
@@ -191,17 +193,16 @@ class StreamLog:
             return True
         pending = self._claims.get(stream_id)
         if pending is None:
-            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim_and_continue(stream_id, received))
+            pending = self._claims[stream_id] = asyncio.ensure_future(self._claim(stream_id, received))
             pending.add_done_callback(lambda _: self._claims.pop(stream_id, None))
         return await asyncio.shield(pending)
 
-    async def _claim_and_continue(self, stream_id: str, received: int) -> bool:
+    async def _claim(self, stream_id: str, received: int) -> bool:
         won = await takeover.claim(self._ctx, stream_id, received)
-        if not isinstance(won, Claim):
-            return won
-        self._run(won.producer)
-        self._ctx.spawn(self._continue(won))
-        return True
+        if isinstance(won, Claim):
+            self._run(won.producer)
+            self._ctx.spawn(self._continue(won))
+        return won is not False
 
     async def _continue(self, won: Claim) -> None:
         assert self._take_over is not None

@@ -1,26 +1,21 @@
-"""Readers of resumable streams on this instance: ``open_reader`` (``StreamLog.open_reader``'s) checks,
-takes a slot and returns a ``Reader``, which follows the stream to its final event
-wherever it is produced: from its producer's memory when that is here (what is stored of it, woken
-on every write: format.EPOCH_IDS), else from the store (the blob polled as it grows, the reader
-registered in the producer's inbox so that it writes fast, its instance's liveness checked). A
-reader that finds the producer gone asks its log to take the stream over (``StreamLog.take_over``)
-and follows the continuation: one answer, ids going on, one final event. A reader after an id its
-dead producer never stored ends with ``stream_lost`` (``Tail.broken``): the continuation is other
-text. Each reader holds a slot among the stream's readers, with its inbox row (inbox.py), while it
-reads."""
+"""Readers of resumable streams on this instance (``StreamLog.open_reader``): a ``Reader`` follows
+the stream to its final event wherever it is produced: from its producer's memory when that is
+here (what is stored of it, woken on every write), else from the store (the blob polled as it
+grows, the reader registered in the producer's inbox so that it writes fast, its instance's
+liveness checked). A reader that finds the producer gone asks its log to take the stream over
+(``StreamLog.take_over``) and follows the continuation: one answer, ids going on, one final event."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from ...errors import StoreError
 from ..store import STREAMS_TABLE
 from .config import Context
-from .errors import PastTheEnd, StreamNotFound, TooManyReaders, Unavailable
+from .errors import PastTheEnd, StreamNotFound, Unavailable
 from .format import (
     END,
     LOST,
@@ -41,33 +36,9 @@ from .takeover import producer_gone
 SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 
-class StreamLog(Protocol):
-    """What a reader asks of its instance's log (log.py's, which imports its readers)."""
-
-    def producing(self, stream_id: str) -> Producer | None: ...
-
-    async def take_over(self, stream_id: str, received: int) -> bool: ...
-
-
 log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
-
-
-async def open_reader(ctx: Context, streams: StreamLog, stream_id: str, start: int, caller: str | None) -> Reader:
-    """A reader of ``stream_id`` after ``start`` (``StreamLog.open_reader``), counted in ``ctx.readers``
-    from now (opens run at once) until it is released. A store that fails: Unavailable (ask again)."""
-    if ctx.readers >= ctx.config.max_readers:
-        raise TooManyReaders("too many readers on this instance")
-    reader = Reader(ctx, streams, stream_id, start)
-    try:
-        await reader._open(caller)
-    except BaseException as exc:
-        reader._release()
-        if isinstance(exc, StoreError):
-            raise Unavailable(f"the stream's store is unavailable ({exc})") from None
-        raise
-    return reader
 
 
 async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Record:
@@ -105,57 +76,46 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
     return record
 
 
-# After new bytes the next poll begins a little less than poll_seconds after this one began, so that
-# the polls drift earlier until one comes just before a write lands and finds nothing (then a third
-# of poll_seconds later: that write waits ~33 ms, not 100): they stay close behind the producer's
-# writes. Paced from the end of a read, or at exactly the producer's interval, they kept whatever
-# distance behind its writes they happened to have (a read's time later each poll: ~50 ms on average).
+# A reader from the store polls the blob a third of poll_seconds apart while nothing comes (after
+# three such polls, slower and slower, to max_poll_seconds). After new bytes the next poll begins a
+# little less than poll_seconds after this one began, so that the polls drift earlier until one
+# comes just before a write lands and finds nothing (then a third of poll_seconds later: that write
+# waits ~33 ms, not 100): they stay close behind the producer's writes. Paced from the end of a
+# read, or at exactly the producer's interval, they kept whatever distance behind its writes they
+# happened to have (a read's time later each poll: ~50 ms on average).
 _LEAD = 0.9
-
-
-class _Cadence:
-    """When a reader from the store next polls the blob (``poll``: seconds after the last poll began)."""
-
-    def __init__(self, ctx: Context, now: float):
-        self._cfg = ctx.config
-        self.poll = self._cfg.poll_seconds / 3  # a write is on its way (the reader just registered)
-        self._idle = 1
-        # ...and until it comes, polls stay quick for as long as the producer may take to see this
-        # reader (an inbox read, then its write): a slower poll would add up to max_poll_seconds.
-        self._first_until: float | None = now + self._cfg.inbox_seconds + 0.5  # (None once a write came)
-
-    def read(self, got: bool) -> None:
-        """After a read that ``got`` bytes or not (see _LEAD)."""
-        cfg = self._cfg
-        if got:
-            self.poll, self._idle, self._first_until = cfg.poll_seconds * _LEAD, 0, None
-            return
-        if self._first_until is None or asyncio.get_running_loop().time() >= self._first_until:
-            self._idle += 1
-        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (self._idle - 3))
-        self.poll = cfg.poll_seconds / 3 if self._idle <= 3 else slower
 
 
 class Reader:
     """A resumed stream (module docstring): an async iterator of bytes, the stored events after
     ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
     the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
-    the caller goes; it is released (its slot, its inbox row, its count here) once closed or read to
-    its end."""
+    the caller goes; it holds a slot among the stream's readers with its inbox row (inbox.py), and
+    counts in ``ctx.readers`` from its making (opens run at once), until closed or read to its end."""
 
-    def __init__(self, ctx: Context, streams: StreamLog, stream_id: str, after: int):
+    def __init__(
+        self,
+        ctx: Context,
+        stream_id: str,
+        after: int,
+        producing: Callable[[str], Producer | None],  # (``StreamLog.producing``)
+        take_over: Callable[[str, int], Awaitable[bool]],  # (``StreamLog.take_over``)
+    ):
         ctx.readers += 1
         self._counted = True  # (until released: it holds one of ``ctx.readers``)
         self._ctx = ctx
         self._cfg = ctx.config
-        self._streams = streams
+        self._producing, self._take_over = producing, take_over
         self.stream_id = stream_id
         self.route = ""  # (known once opened)
         self.after = after
         self._slot = Slot(ctx, stream_id)
         self.record: Record | None = None
         self.tail = Tail(after)
-        self._done = False
+        self.over = False  # the reading has handed out its end (its final event, or its own error)
+        # Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless it
+        # is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes).
+        self.leaving = ctx.leaving
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
         self._record_at = asyncio.get_running_loop().time() + 3 * self._cfg.poll_seconds  # (_poll)
@@ -173,21 +133,10 @@ class Reader:
             await self.aclose()
             raise
 
-    @property
-    def leaving(self) -> asyncio.Event:
-        """Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless
-        it is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes)."""
-        return self._ctx.leaving
-
-    @property
-    def over(self) -> bool:
-        """The reading has handed out its end (its final event, or its own error)."""
-        return self._done
-
     def moved_event(self) -> bytes:
         """What ends a reading when this instance stops: the one its producer's live caller gets; the
         reading is over."""
-        self._done = True
+        self.over = True
         return self._ctx.moved_event(self.route)
 
     async def aclose(self) -> None:
@@ -197,7 +146,6 @@ class Reader:
             self._release()
 
     def _release(self) -> None:
-        """Give back the slot and the inbox row, and its count here (once)."""
         self._slot.release(read_to_end=self.tail.end is not None)
         if self._counted:
             self._counted = False
@@ -208,9 +156,21 @@ class Reader:
 
     # -- opening -------------------------------------------------------------------------------
 
+    async def opened(self, caller: str | None) -> Reader:
+        """This reader, opened: checked, its slot held, what is stored read; else released (a store
+        that fails: Unavailable)."""
+        try:
+            await self._open(caller)
+        except BaseException as exc:
+            self._release()
+            if isinstance(exc, StoreError):
+                raise Unavailable(f"the stream's store is unavailable ({exc})") from None
+            raise
+        return self
+
     async def _open(self, caller: str | None) -> None:
-        """From the producer here, when it is here (else ``_open_stored``): checked, its slot held."""
-        producer = self._streams.producing(self.stream_id)
+        """From the producer here, when it is here (else ``_open_stored``)."""
+        producer = self._producing(self.stream_id)
         if producer is None:
             return await self._open_stored(caller)
         if producer.owner is not None and producer.owner != caller:
@@ -226,8 +186,7 @@ class Reader:
         reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
         stream's row goes to the inbox of the instance whose stream a reader here opened last as the
         record is read: the producer, most often (two instances: always), sees the reader one record
-        read sooner; when the record names another, the row moves there (``Slot.follow``). (What it
-        holds when this fails is given back with the reader.)"""
+        read sooner; when the record names another, the row moves there (``Slot.follow``)."""
         ctx, slot, stream_id = self._ctx, self._slot, self.stream_id
         guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
         record, _ = await asyncio.gather(
@@ -258,17 +217,16 @@ class Reader:
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read(self) -> Events:
-        """(Released by ``__anext__`` when it ends, however it ends.)"""
         first, self._first = self._first, b""
         if first:
             yield first
-        while not self._done:
-            producer = self._streams.producing(self.stream_id)
+        while not self.over:
+            producer = self._producing(self.stream_id)
             source = self._from_memory(producer) if producer is not None else self._from_store()
             try:
                 async for chunk in source:
                     if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
-                        self._done = True
+                        self.over = True
                         yield self._ctx.error_event(self.route, "store_unavailable", SLOT_LOST)
                         return
                     yield chunk
@@ -283,7 +241,7 @@ class Reader:
         try:
             await self._slot.follow(None)  # (a stream taken over here)
             if producer.never_stored(self.tail.cursor):
-                yield self._end(broken=True)
+                yield self._broken()
                 return
             while True:
                 kept = producer.kept
@@ -297,7 +255,7 @@ class Reader:
                         yield ending
                     return
                 if producer.moved.is_set():
-                    if self._ctx.leaving.is_set():  # handed over as this instance stops: read it elsewhere
+                    if self.leaving.is_set():  # handed over as this instance stops: read it elsewhere
                         yield self.moved_event()
                         return
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
@@ -315,15 +273,18 @@ class Reader:
         ctx, cfg, tail = self._ctx, self._cfg, self.tail
         loop = asyncio.get_running_loop()
         now = last_new = loop.time()
-        cadence = _Cadence(ctx, now)
+        # (_LEAD.) The polls stay quick until a write comes (one is on its way: the reader just
+        # registered) for as long as the producer may take to see this reader (an inbox read, then its
+        # write): a slower poll would add up to max_poll_seconds.
+        poll, idle, quick_until = cfg.poll_seconds / 3, 1, now + cfg.inbox_seconds + 0.5
         state_at = now + cfg.state_seconds  # the producer's next check
         failing_since: float | None = None
         ctx.remote_readers += 1
         try:
             while tail.end is None and not tail.broken:
-                if self._streams.producing(self.stream_id) is not None or not wanted():
+                if self._producing(self.stream_id) is not None or not wanted():
                     return  # taken over here (from memory now), or the opening's wait is over
-                wait = max(cadence.poll, ctx.remote_readers / cfg.read_rate)
+                wait = max(poll, ctx.remote_readers / cfg.read_rate)
                 await asyncio.sleep(max(0.2 * wait, now + wait - loop.time()))
                 now = loop.time()
                 try:
@@ -332,10 +293,13 @@ class Reader:
                     await self._slot.follow(self.record.instance if self.record.state == "live" else None)
                     # Every read is handed out before any other store call: nothing read is lost.
                     out = await self._poll()
-                    cadence.read(bool(out))
                     if out:
-                        last_new = now
+                        poll, idle, quick_until, last_new = cfg.poll_seconds * _LEAD, 0, 0.0, now
                         yield out
+                    else:
+                        idle += loop.time() >= quick_until
+                        slower = min(cfg.max_poll_seconds, cfg.poll_seconds * 1.5 ** (idle - 3))
+                        poll = cfg.poll_seconds / 3 if idle <= 3 else slower
                     if tail.end is not None or tail.broken:
                         break
                     if now >= state_at:
@@ -343,7 +307,7 @@ class Reader:
                         if await self._gone(now):
                             if out := await self._producer_gone():
                                 yield out
-                            if self._done:
+                            if self.over:
                                 return
                         if self._gone_at is None and now - last_new > cfg.give_up_seconds:  # still stored?
                             last_new = now
@@ -355,10 +319,10 @@ class Reader:
                 except StoreError:
                     failing_since = failing_since or now
                     if now - failing_since > cfg.give_up_seconds:
-                        self._done = True
+                        self.over = True
                         yield ctx.error_event(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            if ending := self._end(tail.broken, tail.end == LOST, tail.last_id):
+            if ending := self._broken() if tail.broken else self._end(tail.end == LOST, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -432,7 +396,7 @@ class Reader:
         ):
             self.record = fresh  # another producer since (follow it), or over (read on to the end)
             return out
-        if fresh.state != "live" or not await self._streams.take_over(self.stream_id, tail.cursor):
+        if fresh.state != "live" or not await self._take_over(self.stream_id, tail.cursor):
             log.warning("stream %s: its producer is gone and it cannot be continued", self._tag)
             # Nobody produces it any more: it is deleted ttl_seconds from now, like a stream that ended.
             over = record_over(self.stream_id, "lost", self._ctx.now() + self._cfg.ttl_seconds)
@@ -443,23 +407,24 @@ class Reader:
 
     def _lost(self, message: str) -> bytes:
         """The reading ends with our stream_lost."""
-        self._done = True
+        self.over = True
         return self._ctx.error_event(self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _end(self, broken: bool = False, lost: bool = False, last_id: int = 0) -> bytes:
-        """The reading is over: what it gets besides the events. ``broken``: it is after an id that a
-        producer, gone since, handed out but never stored; what follows was made again by another
-        producer and is other text (a model does not say the same twice): the client cannot be given
-        the rest of its own. ``lost``: the log ended lost (our stream_lost, unless the client has
-        just got it: its last event, ``last_id``)."""
-        self._done = True
+    def _end(self, lost: bool, last_id: int) -> bytes:
+        """The stream is over: what the reading gets besides the events. ``lost``: the log ended lost
+        (our stream_lost, unless the client has just got it: its last event, ``last_id``)."""
+        self.over = True
         cursor = self.tail.cursor
-        if broken:
-            log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
-            return self._lost("the events after this one were lost with the instance that produced them")
         if lost and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
+
+    def _broken(self) -> bytes:
+        """The reading is after an id that a producer, gone since, handed out but never stored; what
+        follows was made again by another producer and is other text (a model does not say the same
+        twice): the client cannot be given the rest of its own."""
+        log.warning("stream %s: a reader after an event its lost producer never stored: stream_lost", self._tag)
+        return self._lost("the events after this one were lost with the instance that produced them")
 
     async def _past_the_end(self, live: bool) -> bytes:
         """``after`` is past what is stored: PastTheEnd when the stream ended before it, or when its

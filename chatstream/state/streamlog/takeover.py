@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
@@ -40,18 +42,20 @@ log = logging.getLogger("chatstream")
 
 @dataclass(frozen=True)
 class Claim:
-    """A stream taken over by this instance: what the request path needs to continue the answer.
-    ``events`` are the stored events (SSE bytes with their ids, as a reader replays them), the last
-    with id ``last_id``; ``producer`` appends after it (its first event gets ``last_id + 1``). The
-    request path must drive it to its end (``append``... ``finish``), as for a new stream; the stream's
-    ``id``, ``route``, ``owner`` and ``epoch`` are the producer's."""
+    """A stream taken over by this instance: what the request path needs to continue the answer on
+    ``producer`` (the stream's ``id``, ``route``, ``owner`` and ``epoch`` are its), driven to its end
+    as a new stream's. ``events`` are the stored events (as a reader replays them), the last with id
+    ``last_id``; the producer's first event gets ``last_id + 1``."""
 
-    request: bytes  # the route's params as JSON, as the original request stored them
+    request: dict[str, Any]  # the route's params, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
     events: bytes
     last_id: int
     producer: Producer
-    lost_events: bytes = b""  # the stored events of the lost producer itself (after the previous takeover)
+    lost_events: bytes  # the stored events of the lost producer itself (after the previous takeover)
+    # How many events the reader that asked for the takeover held past the stored end (the lost
+    # producer's, unstored: ``stand_ins``).
+    past_stored: int
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for what the reader that asked for the takeover
@@ -64,19 +68,13 @@ class Claim:
         ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
-    def past_stored(self) -> int:
-        """How many events the reader that asked for the takeover held past the stored end (the
-        lost producer's, unstored)."""
-        return max(0, self.producer.unstored - position(self.last_id)) if self.producer.unstored else 0
-
     def unstood(self) -> int:
         """How many of those the continuation has not stood in for yet (``stand_ins``)."""
-        return max(0, self.past_stored() - len(sse.split(self.stand_ins())[0]))
+        return max(0, self.past_stored - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
-        """Wait until every one is stood in for: what the stand-ins charge is known then, not only at
-        the continuation's end, which this instance may not live to see. Waits for ever if the
-        continuation ends short: cancel it then."""
+        """Wait until every one is stood in for (the continuation's end may never come here); for ever
+        if the continuation ends short: cancel it then."""
         while self.unstood():
             await self.producer.changed()
 
@@ -98,10 +96,9 @@ async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float
 
 
 async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
-    """Take ``stream_id`` over (module docstring), for a reader that has the events up to ``received``:
-    the claim's producer is made here, not yet run (``StreamLog`` runs it). Else True: it goes on
-    without this claim (another instance won it, its producer lives, or it is over: read its record
-    again), False: it cannot be continued (no request stored, the store failing: stream_lost)."""
+    """Take ``stream_id`` over for a reader that has the events up to ``received``: the claim, its
+    producer not yet run (``StreamLog`` runs it). Else True: it goes on without this claim (another
+    instance won it, its producer lives, or it is over), False: it cannot be continued (stream_lost)."""
     store = ctx.store
     tag = log_tag(stream_id)
     try:
@@ -123,6 +120,10 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
             return False
+        params = json.loads(request)
+    except ValueError:  # (never stored so)
+        log.warning("stream %s: its producer is gone and its request does not parse: it cannot be continued", tag)
+        return False
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
         return False
@@ -156,21 +157,22 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             won.epoch,
         )
         return Claim(
-            request=request,
+            request=params,
             request_id=won.request_id,
             events=b"".join(events),
             last_id=tail.last_id,
             producer=producer,
             lost_events=producer_events(bytes(stored), tail.epoch),
+            past_stored=max(0, producer.unstored - position(tail.last_id)) if producer.unstored else 0,
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
 
 
 async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
-    """Append the epoch marker at the stored end. True: fenced; False: the old producer stored the
-    end meanwhile (the stream is over: the record, ours now, says so); None: the store failed for
-    ``give_up_seconds``. ``tail`` and ``stored`` grow with what the old producer still stored before the fence."""
+    """Append the epoch marker at the stored end (``tail`` and ``stored`` grow with what the old
+    producer stored before it). True: fenced; False: the old producer stored the end meanwhile (the
+    record, ours now, says it is over); None: the store failed for ``give_up_seconds``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.give_up_seconds
     store = ctx.store
