@@ -154,6 +154,8 @@ class Accounting:
         team, prices = terms
         if team is not None and not team.allows(model):
             return ModelRefused(model, scope="team")
+        if isinstance(prices, Unavailable):
+            return prices
         if model in prices.unreadable:
             return ModelRefused(model, unreadable=True)
         price = prices.get(model)
@@ -345,10 +347,10 @@ class Accounting:
         self, caller: Caller, asked: AdmissionRequest, started: float, text: str, epoch: int, before: str, floor: int
     ) -> None:
         terms = await self.registry.terms(caller)
-        if isinstance(terms, Unavailable | Unreadable):
+        team, prices = terms if isinstance(terms, tuple) else (None, terms)
+        if isinstance(prices, Unavailable | Unreadable):
             log.warning("a taken-over stream's first part is left to its instance's recovery: team or prices not read")
             return
-        team, prices = terms
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
         wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
@@ -467,9 +469,10 @@ class Accounting:
             log.warning("owners: a background response could not be charged now: %s", exc)
             return
         terms = await self.registry.terms(caller)
-        team, prices = terms if isinstance(terms, tuple) else (None, Prices())  # not read: no team, no price
+        team, prices = terms if isinstance(terms, tuple) else (None, None)  # not read: no team, no price
         price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
-        price = price if price is not None else prices.get(model)
+        if price is None and isinstance(prices, Prices):
+            price = prices.get(model)
         started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)

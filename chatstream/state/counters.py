@@ -327,7 +327,7 @@ class Lease:
             seen = self.seen
             written, self.uncertain = self.uncertain, None
             if written is not None and seen.etag == written.etag:
-                await self._send(written)
+                await self._send(written, again=True)
                 continue
             if written is not None:
                 mine, wrote = seen.holds.get(counters.instance), written.row.holds.get(counters.instance)
@@ -401,14 +401,21 @@ class Lease:
             return
         raise StoreError("the counter kept changing under this instance")
 
-    async def _send(self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = ()) -> bool:
-        """The books follow the write: False if the row changed since it was read; no answer: ``uncertain``."""
+    async def _send(
+        self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = (), *, again: bool = False
+    ) -> bool:
+        """The books follow the write: False if the row changed since it was read; no answer:
+        ``uncertain``. Sent ``again`` (its answer was lost), a changed row says nothing of the first
+        sending, which may have landed meanwhile: it stays ``uncertain``, for the next read to decide."""
         try:
             row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
         except StoreError:
             self.uncertain = written
             raise
         self.seen, self.known = (row, True) if row is not None else (self.seen, False)
+        if row is None and again:
+            self.uncertain = written
+            return False
         self._follow(written, row is not None, waiters, chosen)
         return row is not None
 

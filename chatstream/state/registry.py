@@ -198,10 +198,11 @@ class Registry:
 
         return await self.cache.get(row_key, read, what)
 
-    async def terms(self, caller: Caller) -> tuple[Team | None, Prices] | Unreadable | Unavailable:
+    async def terms(self, caller: Caller) -> tuple[Team | None, Prices | Unavailable] | Unreadable | Unavailable:
         """What ``caller``'s requests are admitted and charged under, cached like keys: its team (None:
         none, or gone: only a race leaves a caller without it, as a team with callers cannot be
-        deleted; Unreadable: its row holds none) and every model's price."""
+        deleted; Unreadable: its row holds none) and every model's price (Unavailable apart: the
+        team is known without them, and a team's refusal, the models it lists, come first)."""
         team = None
         if caller.team is not None:
             team = await self._cached(Team, _row_key(Team, caller.team), "team read")
@@ -214,8 +215,7 @@ class Registry:
         async def read() -> Prices:
             return Prices(await self.list(Price, bound=self.store.clock.patience()))
 
-        prices = await self.cache.get(PRICES, read, "price read")
-        return prices if isinstance(prices, Unavailable) else (team, prices)
+        return team, await self.cache.get(PRICES, read, "price read")
 
     async def caller_by_id(self, caller_id: str) -> Caller | Unavailable | None:
         """The caller with this id (None: gone), for a stream taken over (its record names its owner

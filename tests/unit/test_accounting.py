@@ -405,6 +405,30 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     await b.close()
 
 
+async def test_the_prices_not_read_leave_the_team_known_its_refusal_and_its_budget():
+    """The prices' read failing (the store's queries), the team's answer still kept: a model the team
+    does not allow is refused as the team's (not "unavailable"), and a background response seen
+    then is corrected in the team's budget too (on c769786 both lost the team with the prices)."""
+    data = account()
+    state, acc = instance(data, "a")
+    team, _ = await state.registry.create(TeamSpec(name="t", models=[MODEL], token_budget=100_000))
+    caller, _ = await state.registry.create(CallerSpec(name="c", team="t"))
+    admitted, rec = await admit(acc, caller, max_output_tokens=1000, background=True)
+    assert isinstance(admitted, Admission)
+    await acc.claim("response", "resp_bg", admitted, background=True)
+    finish(acc, admitted, rec, None)
+    assert await acc.flush(5)
+    state.registry.cache.forget("prices")  # their answer ran out; the team's is still kept
+    assert isinstance(state.store, MemoryStore)
+    state.store.inject(Fault("unavailable", frozenset({"query"}), table=CALLERS_TABLE, times=10**9))
+    assert (await admit(acc, caller, model="o1"))[0] == ModelRefused("o1", scope="team")
+    assert isinstance((await admit(acc, caller))[0], Unavailable)  # a model it allows needs its price
+    await acc.charge_seen(caller, "response", "resp_bg", MODEL, Used(40, 0, 60), "responses")
+    assert await acc.flush(5)
+    await until(lambda: counter(data, team.limits_partition, "tokens")["taken"] == 100, what="the team's")
+    await state.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 async def test_a_response_its_request_charged_is_not_charged_again_when_read_back(background):
     """A stored response (or a background one streamed to its end) has its usage in the request

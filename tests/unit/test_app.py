@@ -118,3 +118,35 @@ async def test_models_answer_503_when_the_callers_team_cannot_be_read():
             assert refused.status_code == 503 and refused.headers["x-should-retry"] == "true", refused.text
             assert refused.json()["error"]["code"] == "caller_store_unavailable" and "retry-after" in refused.headers
     await app.close()
+
+
+async def test_models_need_no_price_and_list_the_teams_while_the_prices_cannot_be_read():
+    """The prices' read failing, the team's answer kept: the models routes answer from the team as
+    before (on c769786 they answered 503: the prices were read with the team, and their failure
+    stood for both)."""
+    from memory_store import Fault, MemoryStore
+
+    from chatstream.app import ChatApp
+    from chatstream.pipeline import Pipeline
+    from chatstream.state.callers import CallerSpec, TeamSpec
+    from chatstream.state.store import CALLERS_TABLE
+    from chatstream.upstreams.failover import Upstreams
+
+    from .state_helpers import account, instance
+
+    state, _ = instance(account(), "a")
+    settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "ALLOWED_MODELS": "m-1,m-2"})
+    app = ChatApp(settings, Pipeline(), Upstreams.from_settings(settings, {}), state, signals=False)
+    await state.registry.create(TeamSpec(name="t", models=["m-1"]))
+    _, key = await state.registry.create(CallerSpec(name="c", team="t"))
+    headers = {"api-key": key}
+    async with client_for(app) as client:
+        assert (await client.get("/api/v1/models", headers=headers)).status_code == 200
+        state.registry.cache.forget("prices")
+        assert isinstance(state.store, MemoryStore)
+        state.store.inject(Fault("unavailable", frozenset({"query"}), table=CALLERS_TABLE, times=10**9))
+        listed = await client.get("/api/v1/models", headers=headers)
+        assert [m["id"] for m in listed.json()["data"]] == ["m-1"], listed.text
+        assert (await client.get("/api/v1/models/m-1", headers=headers)).status_code == 200
+        assert (await client.get("/api/v1/models/m-2", headers=headers)).status_code == 404
+    await app.close()

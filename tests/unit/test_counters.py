@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 import idle_clock  # waits with nothing to do skipped (tests/idle_clock.py)
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_store import Fault, MemoryData, MemoryStore
 
+from chatstream.errors import StoreTimeout
 from chatstream.state.accounting import Admission
 from chatstream.state.callers import Caller, CallerSpec
 from chatstream.state.counter_row import CounterKey, parse_holds, window_of
@@ -20,7 +22,7 @@ from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.port import LimitRef, Refused, Unavailable, Used
-from chatstream.state.store import LIMITS_TABLE, USAGE_TABLE
+from chatstream.state.store import CALL_TIMEOUT, LIMITS_TABLE, USAGE_TABLE, clean
 
 from .state_helpers import account, admit, counter, finish, instance, until, usage
 
@@ -297,6 +299,49 @@ async def test_a_give_back_whose_answer_was_lost_is_not_given_back_twice():
     second.settle({CounterKey("c|1", "tokens"): 150}).confirm()
     assert await c.flush(3)
     assert row(data, "c|1", "tokens")["taken"] == 300
+
+
+class _LandsLate(MemoryStore):
+    """A store whose next replace times out unapplied and lands just after the next read of its row:
+    the write sent again after that read finds its condition failed."""
+
+    late: Callable[[], object] | None = None
+
+    async def replace(self, table, entity, *, etag=None, timeout=CALL_TIMEOUT):
+        if self.late is None:
+            values = clean(entity)
+            self.late = lambda: self._write(table, "replace", values, etag)
+            raise StoreTimeout("the store did not answer in time (it lands later)")
+        return await super().replace(table, entity, etag=etag, timeout=timeout)
+
+    async def get(self, table, partition, row, *, select=None, timeout=CALL_TIMEOUT):
+        found = await super().get(table, partition, row, select=select, timeout=timeout)
+        if self.late is not None:
+            late, self.late = self.late, lambda: None
+            late()
+        return found
+
+
+async def test_a_lost_write_that_lands_as_it_is_sent_again_is_found_landed_not_counted_twice():
+    """A write whose answer was lost, the row unchanged when read: the same write goes again and
+    its condition fails, because the first one landed meanwhile. That failure says nothing of the
+    first: the row is read again and the entry decides (on c769786 the give-back and the charge it
+    carried were taken for not landed, the entry for taken over, and the charge applied twice)."""
+    data = MemoryData()
+    store = _LandsLate(data)
+    store.late = lambda: None  # (the first replace goes through)
+    c = Counters(store, Instances(store, instance_id="a"), clock=Clock())
+    first = await c.reserve([want("tokens", 2_400, 200, "month")])
+    assert isinstance(first, Reservation)
+    assert await c.flush(3)
+    store.late = None  # the next replace: its answer is lost, it lands late
+    first.settle({CounterKey("c|1", "tokens"): 150}).confirm()  # gives 50 back, applies 150
+    for _ in range(10):
+        if await c.flush(1):
+            break
+        await asyncio.sleep(0.6)
+    found = row(data, "c|1", "tokens")
+    assert found["taken"] == 150 and not found.get("holds"), found
 
 
 async def test_an_entry_kept_for_a_lost_part_leaves_the_row_once_let_go_though_that_exchange_failed():

@@ -579,6 +579,7 @@ class Producer:
             self._uncertain.append(attempt)
             raise
         except Modified:
+            self._blob = True  # (made elsewhere, by a reader as it registered perhaps: something stored is in it)
             found = await store.read(self.id, offset, timeout=BUSY_TIMEOUT)
             landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
             if landed is None:
