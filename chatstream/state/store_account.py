@@ -1,7 +1,21 @@
-"""Where the store is and what signs its requests: the storage account the settings name
-(``Account``). Nothing is signed by hand: the azure SDKs read the connection string and make the SAS
-or the identity's token; store_azure.py sends every request itself. With an identity the storage
-SDKs never load (with a key, their SAS helper and connection-string readers do)."""
+"""Where the store is and what signs its requests (``Account``), as the Functions host itself reads
+the settings (``from_env``). Nothing is signed by hand: the azure SDKs read the connection string and
+make the SAS or the identity's token; store_azure.py sends every request itself.
+
+- ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or an
+  account key's or a SAS's). An account key signs with an account SAS made from it (azure-storage-blob's
+  generate_account_sas) for both services, at every level of them (a table's own SAS is refused on
+  the account's ``$batch``, and a query of rows wants the container level on Azurite), made again
+  when a quarter of its life is left; a SAS as it is.
+- identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
+  ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
+  ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
+  azure-identity's DefaultAzureCredential (a developer's ``az login``). Its OAuth token signs (no
+  token: StoreUnavailable, whatever azure-identity raised as its ``__cause__``), made again 5 minutes
+  before it expires; the storage SDKs never load.
+
+What signs is kept until it is to be made again or the service refused it (``refused``). Settings it
+cannot use raise SettingsError (naming the setting, never a value), before any call."""
 
 from __future__ import annotations
 
@@ -33,23 +47,7 @@ TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms
 
 
 class Account:
-    """The storage account, named by the settings as the Functions host itself reads them
-    (``from_env``): each service's URL, and what signs every request (``sign``), kept until it is to
-    be made again or the service refused it (``refused``):
-
-    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
-      an account key's or a SAS's). An account ``key`` signs with an account SAS made from it
-      (azure-storage-blob's generate_account_sas) for both services, at every level of them (a
-      table's own SAS is refused on the account's ``$batch``, and a query of rows wants the
-      container level on Azurite), made again when a quarter of its life is left; a ``sas`` as it is.
-    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
-      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
-      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
-      azure-identity's DefaultAzureCredential (a developer's ``az login``). Its ``credential``'s
-      OAuth token signs (get_token; StoreUnavailable when it gives none, whatever it raised: its
-      ``__cause__``), made again 5 minutes before it expires.
-
-    Settings it cannot use raise SettingsError (naming the setting, never a value), before any call."""
+    """The storage account the settings name (module docstring)."""
 
     def __init__(
         self,
