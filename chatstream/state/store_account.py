@@ -59,9 +59,8 @@ class Account:
     ):
         self.credential = credential
         self._key: AzureNamedKeyCredential | None = None
-        self._sas = ""
-        self._token: str | None = None
-        self._renew = 0.0  # when to make it again (seconds since 1970)
+        self._token = ""  # what signs: a SAS (the connection string's, or made from its key) or a token
+        self._renew = 0.0  # when to make it again (seconds since 1970; a SAS as it is: never)
         self._lock = asyncio.Lock()
         if connection_string is None:
             if credential is None:
@@ -87,7 +86,7 @@ class Account:
             if isinstance(key, AzureNamedKeyCredential):
                 self._key = key
             elif isinstance(key, AzureSasCredential):
-                self._sas = key.signature
+                self._token, self._renew = key.signature, math.inf
             else:
                 raise SettingsError(f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature")
             table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
@@ -95,9 +94,9 @@ class Account:
 
     async def sign(self, url: str, headers: Mapping[str, str]) -> tuple[str, Mapping[str, str]]:
         """A request's URL and headers, signed."""
-        if self._token is None or time.time() >= self._renew:
+        if time.time() >= self._renew:
             async with self._lock:
-                if self._token is None or time.time() >= self._renew:
+                if time.time() >= self._renew:
                     self._token, self._renew = await self._make()
         if self.credential is None:
             return f"{url}{'&' if '?' in url else '?'}{self._token}", headers
@@ -107,7 +106,7 @@ class Account:
 
     def refused(self) -> None:
         """The service refused what signed (401, 403): a new one next time."""
-        self._token = None
+        self._renew = 0.0
 
     async def _make(self) -> tuple[str, float]:
         if self.credential is not None:
@@ -117,7 +116,7 @@ class Account:
                 raise StoreUnavailable(f"no token for the store ({type(exc).__name__})") from exc
             return token.token, token.expires_on - 300.0
         if self._key is None:
-            return self._sas, math.inf
+            return self._token, math.inf
         # Imported here: only an account key needs it (azure-storage-blob brings requests and
         # cryptography: ~15 MB resident that an identity's instance never loads).
         from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
