@@ -83,8 +83,7 @@ class Instances:
         self._closed = False
 
     async def _logged(self, what: str, step: Callable[[], Awaitable[object]]) -> bool:
-        """Run ``step``; a failure logged, never raised (a bug of ours too: the loops here go on).
-        False when the store did not answer."""
+        """Run ``step``, a failure logged, never raised (module docstring); False: the store did not answer."""
         try:
             await step()
         except StoreError as exc:
@@ -148,11 +147,8 @@ class Instances:
         # The beat takes at most half a lease: a busy instance's calls are slow, and a missed lease
         # reads as death elsewhere.
         bound = lease / 2
-        if self._etag is None:
-            try:
-                self._etag = await self.store.insert(STREAMS_TABLE, row, timeout=bound)
-            except AlreadyExists:  # our own insert landed, its answer lost: take the row over
-                self._etag = await self.store.replace(STREAMS_TABLE, row, timeout=bound)
+        if self._etag is None:  # a new id's row (an earlier try of ours may have landed, its answer lost)
+            self._etag = await self.store.upsert(STREAMS_TABLE, row, timeout=bound)
             return
         try:
             self._etag = await self.store.replace(STREAMS_TABLE, row, etag=self._etag, timeout=bound)
@@ -171,8 +167,6 @@ class Instances:
         return self.store.clock.quiet_for() >= self.timing.lease_seconds + self.timing.beat_seconds
 
     def _incarnate(self) -> None:
-        """This incarnation was declared dead (its row deleted or taken): the process goes on as a new
-        instance."""
         old = self.id
         self.id = new_instance_id()
         self._etag = None
@@ -180,7 +174,7 @@ class Instances:
         log.warning("instance %s was declared dead elsewhere (it was too slow to beat); now %s", old, self.id)
 
     async def _leave(self) -> None:
-        """Nothing is held here any more: the row goes (nobody needs to find us dead)."""
+        """The row goes: nothing is held here, nobody needs to find us dead."""
         if self._etag is not None:
             with contextlib.suppress(StoreError):
                 await self.store.delete(STREAMS_TABLE, PARTITION, self.id, etag=self._etag)
@@ -206,8 +200,7 @@ class Instances:
         return float("inf") if row is None else max(0.0, self._past_lease(row))
 
     async def _row_of(self, instance: str) -> dict | None:
-        """Another instance's row (None: it has none); one read serves every question about it for
-        ``fresh_seconds``."""
+        """Another instance's row (None: none); one read serves every question for ``fresh_seconds``."""
         now = asyncio.get_running_loop().time()
         held = self._rows.get(instance)
         if held is None or (held[1].done() and (now - held[0] > self.timing.fresh_seconds or held[1].exception())):
@@ -220,7 +213,7 @@ class Instances:
         return await asyncio.shield(held[1])  # a reader that leaves does not cancel it for the others
 
     def _past_lease(self, row: dict) -> float:
-        """How long ago an instance's row ran past its lease, by the store's clock (<= 0: it beats)."""
+        """How long ago ``row`` ran past its lease, by the store's clock (<= 0: it beats)."""
         lease = float(row.get("lease") or self.timing.lease_seconds)
         return self.store.clock.now() - float(row.get("at") or 0.0) - lease
 
@@ -234,7 +227,6 @@ class Instances:
             await asyncio.sleep(self.timing.duty_seconds)
 
     async def _duty_tick(self) -> None:
-        """Hold the duty (refresh it, or take it when it is free), then do it."""
         now = self.store.clock.now()
         row = {"PartitionKey": PARTITION, "RowKey": DUTY, "holder": self.id, "at": now}
         current = await self.store.get(STREAMS_TABLE, PARTITION, DUTY)

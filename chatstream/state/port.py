@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-LimitKind = Literal["requests_per_minute", "tokens_per_minute", "token_budget", "spend_budget"]
 Scope = Literal["caller", "team"]
 
 
@@ -75,7 +74,7 @@ class LimitRef:
 
     scope: Scope
     owner: str
-    kind: LimitKind
+    kind: Literal["requests_per_minute", "tokens_per_minute", "token_budget", "spend_budget"]
     model: str | None = None
     period: str | None = None  # day, month, total: budgets
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, field_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
 from .callers import PICO, Stored, usd_amount
@@ -60,15 +60,12 @@ class PriceSpec(BaseModel):
     output: Any
     cached_input: Any = None
 
-    @field_validator("input", "output")
+    @field_validator("input", "output", "cached_input")
     @classmethod
-    def _amount(cls, value: object) -> Decimal:
-        return usd_amount(value, MAX_PRICE)  # null is not a price: "must be a number"
-
-    @field_validator("cached_input")
-    @classmethod
-    def _cached(cls, value: object) -> Decimal | None:
-        return None if value is None else usd_amount(value, MAX_PRICE)  # null: the input price
+    def _amount(cls, value: object, info: ValidationInfo) -> Decimal | None:
+        if value is None and info.field_name == "cached_input":
+            return None  # the input price (null is not a price: "must be a number")
+        return usd_amount(value, MAX_PRICE)
 
     def price(self, model: str, now: datetime) -> Price:
         cached = self.cached_input if self.cached_input is not None else self.input

@@ -105,9 +105,8 @@ class _Cache:
 
     async def get(self, key: str, read: Callable[[], Awaitable[T]], what: str) -> T | Unavailable:
         """The answer for ``key``: the one kept in its time (at once: no task, no loop hop on the
-        request's path), else read (Unavailable, logged, when the store does not answer). An answer
-        in the last ``AHEAD`` of its time is read again in the background (module docstring),
-        ``AHEAD_DELAY`` later: the request's upstream call goes first."""
+        request's path; read ahead near its end: module docstring), else read (Unavailable, logged,
+        when the store does not answer)."""
         kept = self._kept.get(key)
         if kept is not None and kept[0] > self.clock():
             self._kept.move_to_end(key)
@@ -189,8 +188,7 @@ class Registry:
         return True
 
     async def _cached(self, cls: type[Kept], row_key: str, what: str) -> Kept | Unreadable | Unavailable | None:
-        """The ``cls`` in row ``row_key`` (None: none; Unreadable: its row holds none), from the
-        cache or read into it."""
+        """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
 
         async def read() -> Kept | Unreadable | None:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
@@ -232,8 +230,7 @@ class Registry:
         self, cls: type[Kept], equal: dict | None = None, bound: float = ADMIN_TIMEOUT
     ) -> list[Kept | Unreadable]:
         """Every caller, team or price (with the properties ``equal``), by name (model); one whose row
-        holds none (a hand edit, an older write: prices.py) as Unreadable (an admin sees it, and
-        deletes it)."""
+        holds none as Unreadable (an admin sees it, and deletes it)."""
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
         rows = await self.store.query(CALLERS_TABLE, where, timeout=bound)
@@ -344,8 +341,7 @@ class Registry:
         return made, key
 
     async def get(self, cls: type[Kept], name: str) -> Kept | Unreadable:
-        """The caller, team or price (``name``: its model); Unreadable when its row holds none;
-        Missing when there is none."""
+        """The caller, team or price (``name``: its model), as ``_load`` reads it."""
         return (await self._load(cls, name))[0]
 
     async def update(self, cls: type[Kept], name: str, data: CallerPatch | TeamPatch) -> Kept:

@@ -50,15 +50,12 @@ class SharedState:
         """``told``: how the API layer reads a resumable stream's stored events (journal.Recovery)."""
         account = Account.from_env(environ)
         if account is None:
-            for needs, on in (
-                ("CALLER_KEYS=required", settings.caller_keys == "required"),
-                ("RESUMABLE_STREAMS=on", settings.resumable_streams),
-            ):
-                if on:
-                    raise SettingsError(
-                        f"invalid app settings: {needs} needs the app's storage: set "
-                        "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
-                    )
+            needs = "CALLER_KEYS=required" if settings.caller_keys == "required" else "RESUMABLE_STREAMS=on"
+            if settings.caller_keys == "required" or settings.resumable_streams:
+                raise SettingsError(
+                    f"invalid app settings: {needs} needs the app's storage: set "
+                    "AzureWebJobsStorage (locally, make serve starts Azurite for it)"
+                )
             return None
         from .store_azure import AzureStore  # the storage SDKs load only when a store is configured
 

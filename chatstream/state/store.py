@@ -55,8 +55,7 @@ _BAD_KEY = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 
 
 class Row(dict):
-    """A row as the store answered it: its properties (PartitionKey and RowKey included; numbers as
-    int or float) and its ETag."""
+    """A row as the store answered it: its properties (keys included; numbers int or float), its ETag."""
 
     etag: str = ""
 
@@ -123,11 +122,9 @@ class StoreClock:
         return busy if self.latency > bound / 4 else bound
 
     def failed(self) -> None:
-        """A call got no usable answer (the store is down or slow past a bound)."""
         self.failed_at = self._monotonic()
 
     def quiet_for(self) -> float:
-        """Seconds since a call last failed (infinite when none has)."""
         return self._monotonic() - self.failed_at
 
     def observe(self, date_seconds: float) -> None:
@@ -144,8 +141,6 @@ class StoreClock:
 
 
 class Store(Protocol):
-    """What the shared state asks of the store (see the module docstring)."""
-
     clock: StoreClock
 
     async def get(

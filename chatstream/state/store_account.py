@@ -1,7 +1,21 @@
-"""Where the store is and what signs its requests: the storage account the settings name
-(``Account``). Nothing is signed by hand: the azure SDKs read the connection string and make the SAS
-or the identity's token; store_azure.py sends every request itself. With an identity the storage
-SDKs never load (with a key, their SAS helper and connection-string readers do)."""
+"""Where the store is and what signs its requests (``Account``), as the Functions host itself reads
+the settings (``from_env``). Nothing is signed by hand: the azure SDKs read the connection string and
+make the SAS or the identity's token; store_azure.py sends every request itself.
+
+- ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or an
+  account key's or a SAS's). An account key signs with an account SAS made from it (azure-storage-blob's
+  generate_account_sas) for both services, at every level of them (a table's own SAS is refused on
+  the account's ``$batch``, and a query of rows wants the container level on Azurite), made again
+  when a quarter of its life is left; a SAS as it is.
+- identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
+  ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
+  ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
+  azure-identity's DefaultAzureCredential (a developer's ``az login``). Its OAuth token signs (no
+  token: StoreUnavailable, whatever azure-identity raised as its ``__cause__``), made again 5 minutes
+  before it expires; the storage SDKs never load.
+
+What signs is kept until it is to be made again or the service refused it (``refused``). Settings it
+cannot use raise SettingsError (naming the setting, never a value), before any call."""
 
 from __future__ import annotations
 
@@ -33,23 +47,7 @@ TOKEN_SCOPE = "https://storage.azure.com/.default"  # Blob and Table alike (x-ms
 
 
 class Account:
-    """The storage account, named by the settings as the Functions host itself reads them
-    (``from_env``): each service's URL, and what signs every request (``sign``), kept until it is to
-    be made again or the service refused it (``refused``):
-
-    - ``AzureWebJobsStorage``: a connection string (Azurite's, ``UseDevelopmentStorage=true``, or
-      an account key's or a SAS's). An account ``key`` signs with an account SAS made from it
-      (azure-storage-blob's generate_account_sas) for both services, at every level of them (a
-      table's own SAS is refused on the account's ``$batch``, and a query of rows wants the
-      container level on Azurite), made again when a quarter of its life is left; a ``sas`` as it is.
-    - identity-based: ``AzureWebJobsStorage__tableServiceUri`` / ``__blobServiceUri`` (or
-      ``__accountName``, from which both are made), with ``__credential=managedidentity`` and
-      ``__clientId`` for a user-assigned identity (what infra/ deploys); without ``__credential``,
-      azure-identity's DefaultAzureCredential (a developer's ``az login``). Its ``credential``'s
-      OAuth token signs (get_token; StoreUnavailable when it gives none, whatever it raised: its
-      ``__cause__``), made again 5 minutes before it expires.
-
-    Settings it cannot use raise SettingsError (naming the setting, never a value), before any call."""
+    """The storage account the settings name (module docstring)."""
 
     def __init__(
         self,
@@ -61,9 +59,8 @@ class Account:
     ):
         self.credential = credential
         self._key: AzureNamedKeyCredential | None = None
-        self._sas = ""
-        self._token: str | None = None
-        self._renew = 0.0  # when to make it again (seconds since 1970)
+        self._token = ""  # what signs: a SAS (the connection string's, or made from its key) or a token
+        self._renew = 0.0  # when to make it again (seconds since 1970; a SAS as it is: never)
         self._lock = asyncio.Lock()
         if connection_string is None:
             if credential is None:
@@ -89,7 +86,7 @@ class Account:
             if isinstance(key, AzureNamedKeyCredential):
                 self._key = key
             elif isinstance(key, AzureSasCredential):
-                self._sas = key.signature
+                self._token, self._renew = key.signature, math.inf
             else:
                 raise SettingsError(f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature")
             table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
@@ -97,9 +94,9 @@ class Account:
 
     async def sign(self, url: str, headers: Mapping[str, str]) -> tuple[str, Mapping[str, str]]:
         """A request's URL and headers, signed."""
-        if self._token is None or time.time() >= self._renew:
+        if time.time() >= self._renew:
             async with self._lock:
-                if self._token is None or time.time() >= self._renew:
+                if time.time() >= self._renew:
                     self._token, self._renew = await self._make()
         if self.credential is None:
             return f"{url}{'&' if '?' in url else '?'}{self._token}", headers
@@ -109,7 +106,7 @@ class Account:
 
     def refused(self) -> None:
         """The service refused what signed (401, 403): a new one next time."""
-        self._token = None
+        self._renew = 0.0
 
     async def _make(self) -> tuple[str, float]:
         if self.credential is not None:
@@ -119,7 +116,7 @@ class Account:
                 raise StoreUnavailable(f"no token for the store ({type(exc).__name__})") from exc
             return token.token, token.expires_on - 300.0
         if self._key is None:
-            return self._sas, math.inf
+            return self._token, math.inf
         # Imported here: only an account key needs it (azure-storage-blob brings requests and
         # cryptography: ~15 MB resident that an identity's instance never loads).
         from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas

@@ -110,9 +110,8 @@ def entity_json(entity: Mapping[str, Any]) -> bytes:
 
 
 def row_of(body: Mapping[str, Any], etag: str) -> Row:
-    """An entity of the service's JSON (minimal metadata) as the store's Row, no Timestamp, as the SDK
-    reads it: Int64 (sent as a string) an int, Double a float; strings, bools and Int32 are JSON's
-    own (the app writes no other type)."""
+    """An entity of the service's JSON (minimal metadata) as the SDK reads it (module docstring), no
+    Timestamp: Int64 (a string) an int, Double a float, the rest JSON's own."""
     values: dict[str, Any] = {}
     for name, value in body.items():
         if name.startswith("odata.") or name.endswith("@odata.type") or name == "Timestamp":
@@ -248,7 +247,7 @@ class AzureStore:
             await self._write(table, Op("delete", {"PartitionKey": partition, "RowKey": row}, etag), timeout)
 
     async def _write(self, table: str, op: Op, timeout: float, batch: bool = False) -> str:
-        """``op`` as a request of its own; of a ``batch``, sent once as a batch is."""
+        """``op`` as a request of its own (of a ``batch``: sent once, as a batch is)."""
         check_etag(op.etag)
         method, path, own = _request(table, op)
         body = None if op.kind == "delete" else entity_json(op.entity)
@@ -259,8 +258,7 @@ class AzureStore:
         return answered.get("ETag", "")
 
     async def query(self, table: str, where: Where, *, timeout: float = CALL_TIMEOUT) -> list[Row]:
-        """The rows ``where`` answers, page by page (a continuation after each), at most its limit,
-        all within ``timeout``."""
+        """The rows ``where`` answers, page by page, all within ``timeout``."""
         limit = where.limit
         path = f"{table}()?$filter={quote(odata_filter(where), safe='')}&$top={min(1000, limit) if limit else 1000}"
         if where.select is not None:
