@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from . import memory
+from . import memory, sse
 from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 
 log = logging.getLogger("chatstream")
@@ -274,6 +274,20 @@ def dumps(payload: Any) -> bytes:
         return _COMPACT(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
         return _ESCAPED(payload).encode("ascii")
+
+
+def stored_objects(events: bytes) -> list[dict]:
+    """The JSON objects of events as we wrote them (a resumable stream's stored ones); a payload
+    that is no JSON object is skipped."""
+    objects = []
+    for payload in sse.Parser().feed(events):
+        try:
+            value = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            objects.append(value)
+    return objects
 
 
 class EventStreamResponse(StreamingResponse):

@@ -29,7 +29,7 @@ from ..record import StreamRecord
 from ..stream import StreamProtocol
 from ..upstreams.failover import Upstreams
 from .fields import ResponsesFields, type_problem
-from .openai_chat import describe, error_response
+from .openai_chat import describe, error_response, passed_on
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
 
@@ -68,11 +68,7 @@ class ResponsesApi:
 
     def parse(self, data: object, default_model: str) -> CallRequest:
         validate(data)
-        assert isinstance(data, dict)  # validate refuses anything else
-        params = dict(data)  # every field passes on unchanged; only a missing model gets the default
-        if params.get("model") is None:
-            params["model"] = default_model
-        return CallRequest(params=params, endpoint=self.name)
+        return CallRequest(params=passed_on(data, default_model), endpoint=self.name)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> ResponseStream:
         return ResponseStream(pipeline, keep=keep)
