@@ -39,11 +39,6 @@ class StreamOptions(BaseModel):
 
 
 class OpenAIChatRequest(ChatFields):
-    """The fields the relay reads or limits, and the types of OpenAI's others (fields.py); any other
-    field is kept and passed on as it came."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=1000)]
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     stream: StrictBool | None = None

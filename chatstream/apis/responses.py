@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictBool
+from pydantic import Field, StrictBool
 
 from ..continuation import ResponsesReattach
 from ..http import validate_object
@@ -34,11 +34,6 @@ from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
 
 class ResponsesRequest(ResponsesFields):
-    """The fields the relay reads, and the types of OpenAI's others (fields.py); any other field is
-    kept and passed on as it came."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
