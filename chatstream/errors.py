@@ -189,9 +189,7 @@ class UpstreamReported(ApiError):
         )
 
 
-class ClientGone(Exception):
-    """The caller hung up (while sending its body, or while waiting). Not an error of anyone's to
-    report: it is logged and counted as a disconnect."""
+class ClientGone(Exception): ...
 
 
 class StoreError(Exception):
@@ -202,24 +200,19 @@ class StoreError(Exception):
     index: int | None = None
 
 
-class StoreUnavailable(StoreError):
-    """No usable answer: the store is down, slow past the bound, throttling, or refuses us."""
+class StoreUnavailable(StoreError): ...
 
 
-class StoreTimeout(StoreUnavailable):
-    """No answer within the call's bound. A write may still land later: writes are idempotent."""
+class StoreTimeout(StoreUnavailable): ...  # a write may still land later: writes are idempotent
 
 
-class NotFound(StoreError):
-    """The row or blob does not exist."""
+class NotFound(StoreError): ...
 
 
-class AlreadyExists(StoreError):
-    """An insert (or a blob create) found it there already."""
+class AlreadyExists(StoreError): ...
 
 
-class Modified(StoreError):
-    """A condition failed: the row's ETag changed, or an append blob is not at the expected length."""
+class Modified(StoreError): ...
 
 
 def first_token_expired() -> TimeLimit:

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from . import memory
+from . import memory, sse
 from .errors import ApiError, ClientGone, ErrorKind, invalid_request
 
 log = logging.getLogger("chatstream")
@@ -70,13 +70,13 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, ErrorKind.REQUEST_TOO_LARGE, f"the body exceeds {limit} bytes")
 
 
-def _too_deep(value: object) -> bool:
-    """Whether ``value`` nests deeper than MAX_DEPTH (iterative: it must not recurse itself)."""
+def too_deep(value: object, limit: int = MAX_DEPTH) -> bool:
+    """Whether parsed JSON nests deeper than ``limit`` (iterative: it must not recurse itself)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, (list, dict)):
-            if depth > MAX_DEPTH:
+            if depth > limit:
                 return True
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return False
@@ -129,7 +129,7 @@ def parse_json_body(raw: bytes) -> object:
     # Each walk only where the text allows what it looks for: no deeper nesting than the text has
     # brackets (strings' included), and no surrogate but from a \u escape (strict UTF-8 has none).
     # A request's messages are walked twice otherwise, before its upstream call is made.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _too_deep(data):
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and too_deep(data):
         raise invalid_request(f"the body is nested deeper than {MAX_DEPTH} levels")
     if b"\\u" in raw and _has_lone_surrogate(data):
         raise invalid_request("the body contains an unpaired UTF-16 surrogate escape")
@@ -274,6 +274,20 @@ def dumps(payload: Any) -> bytes:
         return _COMPACT(payload).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from upstream: escape it rather than fail
         return _ESCAPED(payload).encode("ascii")
+
+
+def stored_objects(events: bytes) -> list[dict]:
+    """The JSON objects of events as we wrote them (a resumable stream's stored ones); a payload
+    that is no JSON object is skipped."""
+    objects = []
+    for payload in sse.Parser().feed(events):
+        try:
+            value = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            objects.append(value)
+    return objects
 
 
 class EventStreamResponse(StreamingResponse):

@@ -199,11 +199,10 @@ class Manage:
             return await handler(self.state)
         except ApiError as error:
             return error_response(error)
-        except (Invalid, Missing, Conflict) as error:
-            return error_response(_admin_error(error))
-        except StoreError as error:  # the registry's or a read made here: nothing was changed, or the
-            # change may be retried (every admin write is idempotent or conditional)
-            log.warning("admin API: the store did not answer: %s", error)
+        except (Invalid, Missing, Conflict, StoreError) as error:
+            if isinstance(error, StoreError):  # the registry's or a read made here: nothing was
+                # changed, or the change may be retried (every admin write is idempotent or conditional)
+                log.warning("admin API: the store did not answer: %s", error)
             return error_response(_admin_error(error))
         except ClientGone:
             return error_response(invalid_request("the body was not sent completely"))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from .. import sse
 from ..continuation import ChatContinuation, Known, chat_continuation
 from ..errors import ApiError, error_headers
-from ..http import dumps, validate_object
+from ..http import dumps, stored_objects, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, Failed, StreamProtocol
@@ -188,12 +188,5 @@ class ChatApi:
 
     def known(self, events: bytes) -> Known:
         """What stored /api/chat events (a resumable stream's) told the caller: the text."""
-        text = []
-        for payload in sse.Parser().feed(events):
-            try:
-                delta = json.loads(payload).get("delta")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(delta, str):
-                text.append(delta)
-        return Known("".join(text))
+        deltas = [event.get("delta") for event in stored_objects(events)]
+        return Known("".join(delta for delta in deltas if isinstance(delta, str)))

@@ -95,22 +95,18 @@ class ChoiceFilters:
             else:
                 delta[channel] = (delta.get(channel) or "") + tail
 
-    async def filter_call(self, call):
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(function, dict)
-            or not isinstance(function.get("arguments"), str)
-            or not function["arguments"]
-        ):
-            return call
-        arguments = await self.feed(("tool", call.get("index", 0)), function["arguments"])
-        return {**call, "function": {**function, "arguments": arguments}}
-
-    async def filter_function_call(self, call: dict) -> dict:
-        """The legacy ``function_call`` (the ``functions`` API): its arguments are model output too."""
+    async def _arguments(self, channel, call: dict) -> dict:
+        """``call`` (a tool call's ``function``, or a legacy ``function_call``) with its arguments,
+        model output too, through ``channel``'s filter."""
         if not isinstance(call.get("arguments"), str) or not call["arguments"]:
             return call
-        return {**call, "arguments": await self.feed("function_call", call["arguments"])}
+        return {**call, "arguments": await self.feed(channel, call["arguments"])}
+
+    async def filter_call(self, call):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return call
+        return {**call, "function": await self._arguments(("tool", call.get("index", 0)), function)}
 
     async def filter_delta(self, delta: dict, final: bool) -> dict:
         """A new delta with every text through the filters (and, when ``final``, what they held)."""
@@ -119,7 +115,7 @@ class ChoiceFilters:
             if delta.get(field):
                 new[field] = await self.feed(field, delta[field])
         if delta.get("function_call"):
-            new["function_call"] = await self.filter_function_call(delta["function_call"])
+            new["function_call"] = await self._arguments("function_call", delta["function_call"])
         if delta.get("tool_calls"):
             calls = [await self.filter_call(c) for c in delta["tool_calls"]]
             new["tool_calls"] = [c for c in calls if not _empty_call(c)]
@@ -213,10 +209,11 @@ class CompletionStream:
 
     async def feed(self, data: dict) -> Chunk:
         if self._make_filter is None:
-            fed = self._read_plain(data)
+            fed = self._read_plain(data)  # (which notes the chunk)
             if fed is not None:
                 return fed
-        self.note(data)  # (again after _read_plain: the same)
+        else:
+            self.note(data)
         choices = data.get("choices")
         if not choices:
             return NOTHING

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from .. import sse
 from ..continuation import ChatContinuation, Known, chat_continuation, known_from_chunks
 from ..errors import ApiError, ErrorKind, error_headers
-from ..http import dumps, validate_object
+from ..http import dumps, stored_objects, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, StreamProtocol
@@ -39,11 +39,6 @@ class StreamOptions(BaseModel):
 
 
 class OpenAIChatRequest(ChatFields):
-    """The fields the relay reads or limits, and the types of OpenAI's others (fields.py); any other
-    field is kept and passed on as it came."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=1000)]
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     stream: StrictBool | None = None
@@ -77,6 +72,16 @@ def validate(data: object) -> OpenAIChatRequest:
     return validate_object(
         OpenAIChatRequest, data, lambda first: type_problem(OpenAIChatRequest, first) or describe(first)
     )
+
+
+def passed_on(data: object, default_model: str) -> dict:
+    """The parameters of a request ``data`` that was validated: every field unchanged (those the
+    relay does not read too), a missing model the default."""
+    assert isinstance(data, dict)  # validation refuses anything else
+    params = dict(data)
+    if params.get("model") is None:
+        params["model"] = default_model
+    return params
 
 
 _TYPE_BY_STATUS = {429: "rate_limit_error", 401: "authentication_error", 403: "permission_error"}
@@ -303,11 +308,7 @@ class OpenAIChatApi:
 
     def parse(self, data: object, default_model: str) -> CallRequest:
         validate(data)
-        assert isinstance(data, dict)  # validate refuses anything else
-        # Fields the relay does not read pass through unchanged; only a missing model gets the default.
-        params = dict(data)
-        if params.get("model") is None:
-            params["model"] = default_model
+        params = passed_on(data, default_model)
         include_usage = False
         if params.get("stream"):
             # Usage is always asked for (the log line needs it); the caller gets it only if asked.
@@ -331,15 +332,7 @@ class OpenAIChatApi:
 
     def known(self, events: bytes) -> Known:
         """What stored chat-completions events (a resumable stream's) told the caller."""
-        chunks = []
-        for payload in sse.Parser().feed(events):
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                continue
-            if isinstance(chunk, dict):
-                chunks.append(chunk)
-        return known_from_chunks(chunks)
+        return known_from_chunks(stored_objects(events))
 
 
 def models_list(names) -> dict:

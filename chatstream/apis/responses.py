@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictBool
+from pydantic import Field, StrictBool
 
 from ..continuation import ResponsesReattach
 from ..http import validate_object
@@ -29,16 +29,11 @@ from ..record import StreamRecord
 from ..stream import StreamProtocol
 from ..upstreams.failover import Upstreams
 from .fields import ResponsesFields, type_problem
-from .openai_chat import describe, error_response
+from .openai_chat import describe, error_response, passed_on
 from .responses_stream import ResponseEncoder, ResponseStream, filter_response
 
 
 class ResponsesRequest(ResponsesFields):
-    """The fields the relay reads, and the types of OpenAI's others (fields.py); any other field is
-    kept and passed on as it came."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -68,11 +63,7 @@ class ResponsesApi:
 
     def parse(self, data: object, default_model: str) -> CallRequest:
         validate(data)
-        assert isinstance(data, dict)  # validate refuses anything else
-        params = dict(data)  # every field passes on unchanged; only a missing model gets the default
-        if params.get("model") is None:
-            params["model"] = default_model
-        return CallRequest(params=params, endpoint=self.name)
+        return CallRequest(params=passed_on(data, default_model), endpoint=self.name)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> ResponseStream:
         return ResponseStream(pipeline, keep=keep)

@@ -203,13 +203,8 @@ def _finish(record: StreamRecord) -> None:
 
 
 def _query(request: Request, operation: str) -> dict:
-    allowed = _CALLS[operation][2]
-    query: dict[str, Any] = {}
-    for key, value in request.query_params.multi_items():
-        if key not in allowed:
-            continue
-        if key in query:
-            query[key] = [*query[key], value] if isinstance(query[key], list) else [query[key], value]
-        else:
-            query[key] = value
-    return query
+    """The query parameters OpenAI defines for ``operation``, in the caller's order; a repeated one
+    as the list of its values."""
+    params, allowed = request.query_params, _CALLS[operation][2]
+    lists = {key: params.getlist(key) for key in params if key in allowed}
+    return {key: values[0] if len(values) == 1 else values for key, values in lists.items()}

@@ -13,12 +13,9 @@ Azure OpenAI is called on its GA v1 API (``{endpoint}/openai/v1``, OpenAI's path
 the key or Entra ID token as the bearer) unless an entry names a dated ``api_version`` (the SDK's
 Azure client: ``/openai/deployments/{deployment}/...?api-version=``, the key in ``api-key``).
 
-Private parts of the SDK are used, where nothing public serves: ``Reused`` keeps the request URLs
-its ``_prepare_url`` builds, the request options its ``post`` builds (``FinalRequestOptions``), the
-headers its ``_build_headers`` builds and the requests its ``_build_request`` builds, which it would
-rebuild for every request, and skips its auth layers a client does not use (requirements.txt pins
-the SDK's minor version; tests/unit/test_clients.py fails if any changes shape, and checks every
-request against the SDK's own)."""
+Private parts of the SDK are used where nothing public serves (``Reused``: what the SDK would
+rebuild for every request, kept; requirements.txt pins the SDK's minor version, and
+tests/unit/test_clients.py fails if any changes shape and checks every request against the SDK's own)."""
 
 from __future__ import annotations
 
@@ -112,8 +109,7 @@ class Reused:
       no request hook and the options as they are; an Azure client prepares its options its own way.
       ~4% of the CPU a stream takes in-process (make bench-quick).
 
-    URL objects are immutable. openai is pinned to the minor version tested (requirements.txt);
-    test_clients.py checks the shapes relied on and that every request is the SDK's own."""
+    URL objects are immutable."""
 
     def _build_headers(self, options: FinalRequestOptions, *, retries_taken: int = 0) -> httpx2.Headers:
         build = super()._build_headers  # type: ignore[misc] - the SDK client class after this mixin

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
+from ..http import too_deep
 from ..settings import Settings
 
 SETTING = "UPSTREAMS"
@@ -195,42 +196,22 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
-def _depth(raw: str) -> int:
-    """How deep ``raw``'s brackets nest, outside strings (so that a value nested thousands deep is
-    refused before the JSON parser recurses into it)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for char in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
-
-
 def _load(raw: str) -> list:
     if len(raw) > MAX_CHARS:
         raise PoolConfigError(f"{SETTING}: longer than {MAX_CHARS} characters")
-    if _depth(raw) > MAX_DEPTH:
-        raise PoolConfigError(f"{SETTING}: nested deeper than {MAX_DEPTH} levels")
+    deep = PoolConfigError(f"{SETTING}: nested deeper than {MAX_DEPTH} levels")
     try:
         data = json.loads(raw, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except RecursionError:
+        raise deep from None
     except json.JSONDecodeError as exc:
         raise PoolConfigError(
             f"{SETTING}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
     except ValueError as exc:  # from the hooks: the message is ours and quotes no value
         raise PoolConfigError(f"{SETTING}: not valid JSON ({exc})") from None
+    if too_deep(data, MAX_DEPTH):
+        raise deep
     if not isinstance(data, list):
         raise PoolConfigError(f"{SETTING}: must be a JSON list of upstream objects")
     if not data:

@@ -336,22 +336,11 @@ class Upstreams:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
         blocked = self.pool.unavailable(model)
         headers = retry_after_headers(blocked.retry_after if blocked else 1.0)
-        which = "every upstream" if self.pooled else "the upstream"
+        status, kind, message = 503, ErrorKind.UPSTREAM_UNAVAILABLE, "no upstream serving this model is available now"
         if blocked is not None and blocked.reason == "rate_limited":
-            return ApiError(
-                429,
-                ErrorKind.RATE_LIMITED,
-                f"{which} serving this model is rate limited; retry later",
-                retryable=True,
-                headers=headers,
-            )
-        return ApiError(
-            503,
-            ErrorKind.UPSTREAM_UNAVAILABLE,
-            "no upstream serving this model is available now; retry later",
-            retryable=True,
-            headers=headers,
-        )
+            which = "every upstream" if self.pooled else "the upstream"
+            status, kind, message = 429, ErrorKind.RATE_LIMITED, f"{which} serving this model is rate limited"
+        return ApiError(status, kind, message + "; retry later", retryable=True, headers=headers)
 
     def _attempts(
         self, model: str, record: StreamRecord, way: _Way, candidates: list[Entry] | None = None

@@ -356,6 +356,6 @@ def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> A
         ErrorKind.UPSTREAM_ERROR,
         f"the model server failed (HTTP {status})",
         param,
-        retryable=status >= 500 or status in (408, 409),
+        retryable=outcome.kind is OutcomeKind.SERVER_ERROR,
         provider=provider,
     )

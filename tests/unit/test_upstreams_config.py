@@ -8,7 +8,7 @@ import json
 import pytest
 
 from chatstream.settings import Settings
-from chatstream.upstreams.config import MAX_ENTRIES, PoolConfigError, entries, parse_upstreams
+from chatstream.upstreams.config import MAX_DEPTH, MAX_ENTRIES, PoolConfigError, entries, parse_upstreams
 from chatstream.upstreams.pool import Pool
 
 from .upstream_helpers import SECRET, make_pool, names, retry_after
@@ -273,6 +273,8 @@ def test_upstreams_is_bounded_in_entries_and_nesting():
     assert len(parse_upstreams(json.dumps(json.loads(many)[:MAX_ENTRIES]), {})) == MAX_ENTRIES
     with pytest.raises(PoolConfigError, match="UPSTREAMS: nested deeper than"):
         parse_upstreams("[" * 30_000 + "]" * 30_000, {})
+    with pytest.raises(PoolConfigError, match=f"UPSTREAMS: nested deeper than {MAX_DEPTH} levels"):
+        parse_upstreams("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), {})  # parsed, then too deep
     with pytest.raises(PoolConfigError, match="UPSTREAMS: longer than"):
         parse_upstreams(" " * 300_000 + "[]", {})
 
