@@ -120,17 +120,6 @@ class Segment:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def as_dict(self) -> dict:
-        return {
-            "upstream": self.upstream,
-            "usage": self.usage,
-            "text": self.text,
-            "answered": self.answered,
-            "request_id": self.request_id,
-            "prompt_tokens": self.prompt_tokens,
-            "model": self.model,
-        }
-
 
 # json.dumps(..., ensure_ascii=False), built once: json.dumps with any option builds an encoder per call.
 _LINE = json.JSONEncoder(ensure_ascii=False).encode
