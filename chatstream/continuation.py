@@ -283,8 +283,6 @@ class ChatContinuation:
         self.protocol = protocol
         self.record = record
         self.most = most
-        self.continued: list[dict] = []
-        self._reopened = 0
         # choice 0's content so far, as the protocol got it (raw); None: the first stream's, which is
         # its segment's text (kept once)
         self._passed: TextParts | None = None
@@ -294,7 +292,7 @@ class ChatContinuation:
         self._seam: Seam | None = None  # on a continuation: its seam with the text so far
         self._id: object = None  # the answer's id and created, from its first stream
         self._created: object = None
-        self._lost_on: str | None = None  # a takeover: the entry of the stream the lost producer read
+        self._lost: ApiError | None = None  # a takeover: what lost the answer (``open``)
         # The caller has its role chunk (the first stream's, or a taken-over log's): a continuation's
         # is dropped. A takeover from a log without it passes the continuation's, as event 1 (chat
         # completions number it: the ids must name the same event on every instance).
@@ -310,17 +308,23 @@ class ChatContinuation:
         record: StreamRecord,
         most: int,
         known: Known,
-        lost_on: str | None,
+        lost: ApiError,
     ) -> ChatContinuation:
         """The continuation of an answer another instance began and lost (a takeover): the caller
-        has ``known``; the first stream opened (``Resumed``) is already a continuation after it, and
-        ``most`` more may follow. ``lost_on``: the pool entry the lost producer was reading."""
+        has ``known``; it is also the stream core's ``Upstream`` for it, whose first stream (``open``)
+        is already a continuation after ``known``, on ``lost``; ``most`` more may follow."""
         plan = cls(upstreams, path, params, protocol, record, most + 1)
         plan._passed = TextParts([known.text])
         plan._id, plan._created = known.id, known.created
-        plan._lost_on = lost_on
+        plan._lost = lost
         plan._role_sent = known.role_sent
         return plan
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        assert self._lost is not None, "only a takeover's continuation is its Upstream (``resuming``)"
+        return await self.reopen(self._lost, limits)
 
     # -- every chunk
     @property
@@ -406,7 +410,7 @@ class ChatContinuation:
             pieces = seam.feed(None, "", final=True)
         pieces += seam.feed(data, content, final=bool(finish or other))
         if pieces and seam.dedupe:  # decided: what it dropped goes in the answer's ``continued``
-            self.continued[-1]["dropped"] = seam.dropped
+            self.record.continued[-1]["dropped"] = seam.dropped
         out = []
         for carrier, text in pieces:
             if not isinstance(carrier, dict):
@@ -426,7 +430,7 @@ class ChatContinuation:
                 choice["logprobs"] = _trimmed_logprobs(choice["logprobs"], dropped)
         new = self._named({**data, "choices": [choice]})
         if choice.get("finish_reason"):
-            new["continued"] = list(self.continued)
+            new["continued"] = list(self.record.continued)
         return new
 
     def _named(self, data: dict) -> dict:
@@ -445,16 +449,16 @@ class ChatContinuation:
 
     # -- a failure
     def may_continue(self, error: ApiError) -> bool:
-        if not may_continue(error) or self._reopened >= self.most:
+        if not may_continue(error) or len(self.record.continued) >= self.most:
             return False
         if self._blocked is not None:
             log.info("an answer with a %s in it is not continued after %s", self._blocked, error.type)
             return False
         return True
 
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
-        self._reopened += 1
-        failed = self._segment.upstream if self._segment is not None else (self._lost_on or record.upstream)
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
+        record = self.record
+        failed = self._segment.upstream if self._segment is not None else record.upstream
         if failed is not None:
             self._failed.add(failed)
         if self._passed is None:  # the first stream failed: the text so far is its segment's
@@ -486,7 +490,6 @@ class ChatContinuation:
             "seam": "matched" if self._seam.dedupe else "prefix",
             "dropped": 0,
         }
-        self.continued.append(seam)
         record.continued_on(seam)
         telemetry.upstream_event("continuations", failed or "", reason=str(error.type))
         log.info(
@@ -500,7 +503,7 @@ class ChatContinuation:
 
     # -- the end
     def summary(self, done: Done) -> Done:
-        if not self.continued:
+        if not self.record.continued:
             return done
         usage = None
         for segment in self.record.segments:
@@ -508,7 +511,7 @@ class ChatContinuation:
         return replace(
             done,
             usage=usage,
-            continued=tuple(self.continued),
+            continued=tuple(self.record.continued),
             id=self._id if isinstance(self._id, str) else done.id,
             created=self._created if isinstance(self._created, int) else done.created,
         )
@@ -558,20 +561,6 @@ def known_from_chunks(chunks: Sequence[dict]) -> Known:
     return Known("".join(text), answer_id, created, blocked, role_sent)
 
 
-class Resumed:
-    """The stream core's ``Upstream`` for an answer another instance began (a takeover): its first
-    stream is already a continuation of the text so far (``ChatContinuation.resuming``)."""
-
-    def __init__(self, continuation: ChatContinuation, reason: ApiError):
-        self.continuation = continuation
-        self.reason = reason
-
-    async def open(
-        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
-        return await self.continuation.reopen(self.reason, limits, record)
-
-
 def chat_continuation(
     upstreams: Upstreams, path: str, params: dict, protocol: StreamProtocol, record: StreamRecord, most: int
 ) -> ChatContinuation | None:
@@ -600,11 +589,9 @@ class ResponsesReattach:
         self.probe = probe  # a fresh protocol that reads a re-stream (``ResponseStream(None, resumed=True)``)
         self.record = record
         self.most = most
-        self.continued: list[dict] = []
         self._last = -1  # the last sequence_number passed on
         self._id: str | None = None
         self._chars = 0  # text passed on (output_text deltas)
-        self._reopened = 0
 
     ahead = True  # every stream's events are checked against the last one passed on
 
@@ -622,8 +609,8 @@ class ResponsesReattach:
             self._id = response["id"]
         if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
             self._chars += len(data["delta"])
-        if self.continued and data.get("type") in _TERMINAL:
-            return ({**data, "continued": list(self.continued)},)
+        if self.record.continued and data.get("type") in _TERMINAL:
+            return ({**data, "continued": list(self.record.continued)},)
         return (data,)
 
     def note(self, data: dict) -> None:
@@ -632,26 +619,26 @@ class ResponsesReattach:
     def may_continue(self, error: ApiError) -> bool:
         return (
             self._id is not None
-            and self._reopened < self.most
+            and len(self.record.continued) < self.most
             and may_continue(error)
             and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
         )
 
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
-        self._reopened += 1
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
+        record = self.record
         entry = record.upstream
         assert entry is not None and self._id is not None
         query = {"stream": "true", "starting_after": str(self._last)}
         stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, self.probe())
         seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
-        self.continued.append(seam)
         record.continued_on(seam)
         telemetry.upstream_event("continuations", entry, reason=str(error.type))
         log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
         return stream
 
     def summary(self, done: Done) -> Done:
-        return replace(done, continued=tuple(self.continued)) if self.continued else done
+        continued = self.record.continued
+        return replace(done, continued=tuple(continued)) if continued else done
 
 
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -188,7 +188,7 @@ class Continuation(Protocol):
     def saw(self, data: dict, fed: Chunk) -> None: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks: ...
     def summary(self, done: Done) -> Done: ...
 
 
@@ -407,7 +407,7 @@ async def relay(
                         if ready is not None:  # what is in hand goes out before the wait for the next stream
                             yield ready
                             ready = None
-                        stream = await _reopen(current, continuation, failure, limits, record)
+                        stream = await _reopen(current, continuation, failure, limits)
                         chunks = aiter(stream)
                         mend, saw = _hands(continuation)
                         continue
@@ -495,7 +495,7 @@ def _hands(
 
 
 async def _reopen(
-    current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits, record: StreamRecord
+    current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits
 ) -> UpstreamChunks:
     """The stream the answer goes on from after ``failure``; when none could be had, ``failure``
     ends the answer (or the total limit, or the drain's cut, when that is what ended the wait)."""
@@ -505,7 +505,7 @@ async def _reopen(
             await failed.close()  # a stalled stream still generates: stop it
     limits.continuing()
     try:
-        stream = await limits.wait(continuation.reopen(failure, limits, record))
+        stream = await limits.wait(continuation.reopen(failure, limits))
     except ApiError as exc:
         # the total limit, or the drain's cut (TimeLimits.cut), ends it as itself
         raise (exc if exc.type in (ErrorKind.TOTAL_TIMEOUT, ErrorKind.INSTANCE_DRAINING) else failure) from None
