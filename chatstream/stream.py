@@ -30,7 +30,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import anyio
@@ -81,7 +81,6 @@ class Done:
     model: str | None
     id: str | None
     created: int | None
-    texts: dict[int, str] = field(default_factory=dict)  # what was generated (before text steps), per choice
     continued: tuple[dict, ...] = ()  # the seams of a continued answer (continuation.py)
 
 

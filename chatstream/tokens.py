@@ -88,7 +88,9 @@ def _bindings():
     return module
 
 
-def _load(name: str) -> PyTokenizer:
+def encoding_for(model: str | None) -> PyTokenizer:
+    """The tokenizer of ``model``'s encoding (``encode``, ``count``), built on first use and kept."""
+    name = encoding_name(model)
     tokenizer = _tokenizers.get(name)
     if tokenizer is None:
         built = None
@@ -101,11 +103,6 @@ def _load(name: str) -> PyTokenizer:
             memory.drop_read_pages(built.__file__)  # out of the lock: a count need not wait for it
             memory.trim()  # and the build's freed temporaries
     return tokenizer
-
-
-def encoding_for(model: str | None) -> PyTokenizer:
-    """The tokenizer of ``model``'s encoding (``encode``, ``count``), built on first use and kept."""
-    return _load(encoding_name(model))
 
 
 def preload(model: str | None = None) -> None:
