@@ -23,11 +23,9 @@ choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
   (``max_tokens``, ``max_completion_tokens``) is lowered by the tokens already generated.
 - **The seam** (``Seam``). Models asked to go on often start again (after a " " or a "\n"), repeat
   the last sentence or words, or begin the cut word again. The continuation's first text is held
-  while it could still be a repeat (``overlap``: all of the text so far, a suffix of at least
-  ``MIN_OVERLAP`` characters, either after up to ``LEADING_SPACE`` whitespace characters, or, with
-  no whitespace first, a suffix from the start of the cut word: "were pl" + "playing"); then the
-  longest repeat it starts with is dropped and the rest goes on. The hold is bounded by the length
-  of the text so far (and that whitespace). What it cannot tell: a restart in other words shows
+  while it could still be a repeat (``overlap`` says what counts as one); then the longest repeat
+  it starts with is dropped and the rest goes on. The hold is bounded by the length of the text so
+  far (and up to ``LEADING_SPACE`` whitespace characters). What it cannot tell: a restart in other words shows
   both wordings, new text that begins with a long enough tail of the old loses it, and a word that
   begins with its own cut fragment ("co" + "conut") loses the fragment. A prefix continuation is
   passed on as it comes. Text steps (the guard) see one text across the seam, on the raw deltas
@@ -329,8 +327,7 @@ class ChatContinuation:
     # -- every chunk
     @property
     def ahead(self) -> bool:
-        """A continuation's stream: its chunks go through the seam before the protocol sees them. The
-        first stream's are passed on as they come: ``saw`` notes each after the protocol read it."""
+        """A continuation's stream (the first's are passed on as they come)."""
         return self._seam is not None
 
     def saw(self, data: dict, fed: Chunk) -> None:

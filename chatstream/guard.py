@@ -110,12 +110,8 @@ def redact_whole(text: str, terms: Iterable[str], replacement: str = REPLACEMENT
 
 
 class Redactor:
-    """Streaming redactor for one stream of text: ``feed`` each delta, ``flush`` at the end.
-
-    ``"".join(r.feed(d) for d in deltas) + r.flush() == redact_whole("".join(deltas), terms)`` for
-    every split of the text, and each ``feed`` releases all text whose redaction is already decided
-    (the invariant is in the module docstring). After ``flush`` the redactor is empty and can take
-    a new stream.
+    """Streaming redactor for one stream of text: ``feed`` each delta, ``flush`` at the end (what
+    each releases: the module docstring). After ``flush`` it is empty and can take a new stream.
 
     Matching walks a trie of the terms from each scan position that can begin a term; runs of
     characters that cannot begin a term are skipped with one regex search, in C. A ``feed`` costs
