@@ -105,11 +105,10 @@ def encoding_for(model: str | None) -> PyTokenizer:
     return tokenizer
 
 
-def preload(model: str | None = None) -> None:
-    """Build ``model``'s encoding now (unnamed: o200k_base, every current model's): call it at
-    start-up, in a thread, so that the first request does not pay for it. Another family's is built
-    on its first use."""
-    encoding_for(model)
+def preload() -> None:
+    """Build o200k_base's tables now (every current model's): call it at start-up, in a thread, so
+    that the first request does not pay for it. Another family's is built on its first use."""
+    encoding_for(None)
 
 
 def count_text(model: str | None, text: str | None) -> int:
