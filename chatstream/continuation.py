@@ -23,11 +23,9 @@ choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
   (``max_tokens``, ``max_completion_tokens``) is lowered by the tokens already generated.
 - **The seam** (``Seam``). Models asked to go on often start again (after a " " or a "\n"), repeat
   the last sentence or words, or begin the cut word again. The continuation's first text is held
-  while it could still be a repeat (``overlap``: all of the text so far, a suffix of at least
-  ``MIN_OVERLAP`` characters, either after up to ``LEADING_SPACE`` whitespace characters, or, with
-  no whitespace first, a suffix from the start of the cut word: "were pl" + "playing"); then the
-  longest repeat it starts with is dropped and the rest goes on. The hold is bounded by the length
-  of the text so far (and that whitespace). What it cannot tell: a restart in other words shows
+  while it could still be a repeat (``overlap`` says what counts as one); then the longest repeat
+  it starts with is dropped and the rest goes on. The hold is bounded by the length of the text so
+  far (and up to ``LEADING_SPACE`` whitespace characters). What it cannot tell: a restart in other words shows
   both wordings, new text that begins with a long enough tail of the old loses it, and a word that
   begins with its own cut fragment ("co" + "conut") loses the fragment. A prefix continuation is
   passed on as it comes. Text steps (the guard) see one text across the seam, on the raw deltas
@@ -283,8 +281,6 @@ class ChatContinuation:
         self.protocol = protocol
         self.record = record
         self.most = most
-        self.continued: list[dict] = []
-        self._reopened = 0
         # choice 0's content so far, as the protocol got it (raw); None: the first stream's, which is
         # its segment's text (kept once)
         self._passed: TextParts | None = None
@@ -294,7 +290,7 @@ class ChatContinuation:
         self._seam: Seam | None = None  # on a continuation: its seam with the text so far
         self._id: object = None  # the answer's id and created, from its first stream
         self._created: object = None
-        self._lost_on: str | None = None  # a takeover: the entry of the stream the lost producer read
+        self._lost: ApiError | None = None  # a takeover: what lost the answer (``open``)
         # The caller has its role chunk (the first stream's, or a taken-over log's): a continuation's
         # is dropped. A takeover from a log without it passes the continuation's, as event 1 (chat
         # completions number it: the ids must name the same event on every instance).
@@ -310,23 +306,28 @@ class ChatContinuation:
         record: StreamRecord,
         most: int,
         known: Known,
-        lost_on: str | None,
+        lost: ApiError,
     ) -> ChatContinuation:
         """The continuation of an answer another instance began and lost (a takeover): the caller
-        has ``known``; the first stream opened (``Resumed``) is already a continuation after it, and
-        ``most`` more may follow. ``lost_on``: the pool entry the lost producer was reading."""
+        has ``known``; it is also the stream core's ``Upstream`` for it, whose first stream (``open``)
+        is already a continuation after ``known``, on ``lost``; ``most`` more may follow."""
         plan = cls(upstreams, path, params, protocol, record, most + 1)
         plan._passed = TextParts([known.text])
         plan._id, plan._created = known.id, known.created
-        plan._lost_on = lost_on
+        plan._lost = lost
         plan._role_sent = known.role_sent
         return plan
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        assert self._lost is not None, "only a takeover's continuation is its Upstream (``resuming``)"
+        return await self.reopen(self._lost, limits)
 
     # -- every chunk
     @property
     def ahead(self) -> bool:
-        """A continuation's stream: its chunks go through the seam before the protocol sees them. The
-        first stream's are passed on as they come: ``saw`` notes each after the protocol read it."""
+        """A continuation's stream (the first's are passed on as they come)."""
         return self._seam is not None
 
     def saw(self, data: dict, fed: Chunk) -> None:
@@ -406,7 +407,7 @@ class ChatContinuation:
             pieces = seam.feed(None, "", final=True)
         pieces += seam.feed(data, content, final=bool(finish or other))
         if pieces and seam.dedupe:  # decided: what it dropped goes in the answer's ``continued``
-            self.continued[-1]["dropped"] = seam.dropped
+            self.record.continued[-1]["dropped"] = seam.dropped
         out = []
         for carrier, text in pieces:
             if not isinstance(carrier, dict):
@@ -426,7 +427,7 @@ class ChatContinuation:
                 choice["logprobs"] = _trimmed_logprobs(choice["logprobs"], dropped)
         new = self._named({**data, "choices": [choice]})
         if choice.get("finish_reason"):
-            new["continued"] = list(self.continued)
+            new["continued"] = list(self.record.continued)
         return new
 
     def _named(self, data: dict) -> dict:
@@ -445,16 +446,16 @@ class ChatContinuation:
 
     # -- a failure
     def may_continue(self, error: ApiError) -> bool:
-        if not may_continue(error) or self._reopened >= self.most:
+        if not may_continue(error) or len(self.record.continued) >= self.most:
             return False
         if self._blocked is not None:
             log.info("an answer with a %s in it is not continued after %s", self._blocked, error.type)
             return False
         return True
 
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
-        self._reopened += 1
-        failed = self._segment.upstream if self._segment is not None else (self._lost_on or record.upstream)
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
+        record = self.record
+        failed = self._segment.upstream if self._segment is not None else record.upstream
         if failed is not None:
             self._failed.add(failed)
         if self._passed is None:  # the first stream failed: the text so far is its segment's
@@ -486,7 +487,6 @@ class ChatContinuation:
             "seam": "matched" if self._seam.dedupe else "prefix",
             "dropped": 0,
         }
-        self.continued.append(seam)
         record.continued_on(seam)
         telemetry.upstream_event("continuations", failed or "", reason=str(error.type))
         log.info(
@@ -500,7 +500,7 @@ class ChatContinuation:
 
     # -- the end
     def summary(self, done: Done) -> Done:
-        if not self.continued:
+        if not self.record.continued:
             return done
         usage = None
         for segment in self.record.segments:
@@ -508,7 +508,7 @@ class ChatContinuation:
         return replace(
             done,
             usage=usage,
-            continued=tuple(self.continued),
+            continued=tuple(self.record.continued),
             id=self._id if isinstance(self._id, str) else done.id,
             created=self._created if isinstance(self._created, int) else done.created,
         )
@@ -558,20 +558,6 @@ def known_from_chunks(chunks: Sequence[dict]) -> Known:
     return Known("".join(text), answer_id, created, blocked, role_sent)
 
 
-class Resumed:
-    """The stream core's ``Upstream`` for an answer another instance began (a takeover): its first
-    stream is already a continuation of the text so far (``ChatContinuation.resuming``)."""
-
-    def __init__(self, continuation: ChatContinuation, reason: ApiError):
-        self.continuation = continuation
-        self.reason = reason
-
-    async def open(
-        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
-        return await self.continuation.reopen(self.reason, limits, record)
-
-
 def chat_continuation(
     upstreams: Upstreams, path: str, params: dict, protocol: StreamProtocol, record: StreamRecord, most: int
 ) -> ChatContinuation | None:
@@ -600,11 +586,9 @@ class ResponsesReattach:
         self.probe = probe  # a fresh protocol that reads a re-stream (``ResponseStream(None, resumed=True)``)
         self.record = record
         self.most = most
-        self.continued: list[dict] = []
         self._last = -1  # the last sequence_number passed on
         self._id: str | None = None
         self._chars = 0  # text passed on (output_text deltas)
-        self._reopened = 0
 
     ahead = True  # every stream's events are checked against the last one passed on
 
@@ -622,8 +606,8 @@ class ResponsesReattach:
             self._id = response["id"]
         if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
             self._chars += len(data["delta"])
-        if self.continued and data.get("type") in _TERMINAL:
-            return ({**data, "continued": list(self.continued)},)
+        if self.record.continued and data.get("type") in _TERMINAL:
+            return ({**data, "continued": list(self.record.continued)},)
         return (data,)
 
     def note(self, data: dict) -> None:
@@ -632,26 +616,26 @@ class ResponsesReattach:
     def may_continue(self, error: ApiError) -> bool:
         return (
             self._id is not None
-            and self._reopened < self.most
+            and len(self.record.continued) < self.most
             and may_continue(error)
             and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
         )
 
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks:
-        self._reopened += 1
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
+        record = self.record
         entry = record.upstream
         assert entry is not None and self._id is not None
         query = {"stream": "true", "starting_after": str(self._last)}
         stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, self.probe())
         seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
-        self.continued.append(seam)
         record.continued_on(seam)
         telemetry.upstream_event("continuations", entry, reason=str(error.type))
         log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
         return stream
 
     def summary(self, done: Done) -> Done:
-        return replace(done, continued=tuple(self.continued)) if self.continued else done
+        continued = self.record.continued
+        return replace(done, continued=tuple(continued)) if continued else done
 
 
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

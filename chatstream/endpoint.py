@@ -34,7 +34,7 @@ from fastapi.responses import Response
 from . import memory, telemetry, tokens
 from .apis.refusals import admitted, authenticated, rate_headers
 from .apis.usage import admission_request, request_usage
-from .continuation import ChatContinuation, Known, Resumed, turned_off
+from .continuation import ChatContinuation, Known, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle
@@ -409,10 +409,10 @@ class Endpoint:
                 self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
-                self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, None
+                self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, lost
             )
             limits = TimeLimits(self.settings)
-            events = relay(Resumed(plan, lost), self.api.path, call.params, protocol, limits, record, plan, ends)
+            events = relay(plan, self.api.path, call.params, protocol, limits, record, plan, ends)
         except ApiError as error:
             events = _failed(error, record, ends)
         assert self.resumable is not None

@@ -110,12 +110,8 @@ def redact_whole(text: str, terms: Iterable[str], replacement: str = REPLACEMENT
 
 
 class Redactor:
-    """Streaming redactor for one stream of text: ``feed`` each delta, ``flush`` at the end.
-
-    ``"".join(r.feed(d) for d in deltas) + r.flush() == redact_whole("".join(deltas), terms)`` for
-    every split of the text, and each ``feed`` releases all text whose redaction is already decided
-    (the invariant is in the module docstring). After ``flush`` the redactor is empty and can take
-    a new stream.
+    """Streaming redactor for one stream of text: ``feed`` each delta, ``flush`` at the end (what
+    each releases: the module docstring). After ``flush`` it is empty and can take a new stream.
 
     Matching walks a trie of the terms from each scan position that can begin a term; runs of
     characters that cannot begin a term are skipped with one regex search, in C. A ``feed`` costs
@@ -218,8 +214,8 @@ class Redactor:
 
 
 Verdict = bool | str
-"""What a moderation check returns: ``True`` = carry on; ``False`` = stop (default reason); a string =
-stop, the string is the reason (an empty string gets the default reason)."""
+"""What a moderation check returns: ``True`` = carry on; ``False`` = stop, "blocked by moderation"; a
+string = stop, the string is the reason (an empty string: as ``False``)."""
 
 
 class ModerationGate:
@@ -234,16 +230,13 @@ class ModerationGate:
     characters; that choice is the caller's.
     """
 
-    __slots__ = ("_check", "_checked", "_default_reason", "_every", "_parts", "_reason", "_released")
+    __slots__ = ("_check", "_checked", "_every", "_parts", "_reason", "_released")
 
-    def __init__(
-        self, check: Callable[[str], Awaitable[Verdict]], every: int, default_reason: str = "blocked by moderation"
-    ) -> None:
+    def __init__(self, check: Callable[[str], Awaitable[Verdict]], every: int) -> None:
         if every < 1:
             raise ValueError("every must be at least 1")
         self._check = check
         self._every = every
-        self._default_reason = default_reason
         self._parts: list[str] = []
         self._released = 0  # characters released so far
         self._checked = 0  # characters covered by the last check
@@ -277,7 +270,7 @@ class ModerationGate:
         if verdict is True:
             return
         if verdict is False or verdict == "":
-            self._reason = self._default_reason
+            self._reason = "blocked by moderation"
         elif isinstance(verdict, str):
             self._reason = verdict
         else:

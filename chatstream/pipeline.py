@@ -196,7 +196,7 @@ class Pipeline:
     def text_filter(self) -> TextFilter | None:
         if not self.filters_text:
             return None
-        gate = ModerationGate(self._moderation[0], self._moderation[1]) if self._moderation else None
+        gate = ModerationGate(*self._moderation) if self._moderation else None
         steps = [f() for f in self._text]
         return TextFilter([(type(step).__qualname__, step) for step in steps], gate)
 

@@ -120,17 +120,6 @@ class Segment:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def as_dict(self) -> dict:
-        return {
-            "upstream": self.upstream,
-            "usage": self.usage,
-            "text": self.text,
-            "answered": self.answered,
-            "request_id": self.request_id,
-            "prompt_tokens": self.prompt_tokens,
-            "model": self.model,
-        }
-
 
 # json.dumps(..., ensure_ascii=False), built once: json.dumps with any option builds an encoder per call.
 _LINE = json.JSONEncoder(ensure_ascii=False).encode
@@ -169,9 +158,9 @@ class StreamRecord:
     stream_id: str | None = None  # a resumable stream's id
     stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
-    # A streamed chat answer read through a continuation plan (continuation.py): each upstream stream
-    # it was read from, and each seam (``{"from", "to", "after_chars", "reason"}``). ``usage`` is then
-    # the sum of the segments' usage. Empty for every other answer.
+    # A streamed answer with a continuation (continuation.py): each seam (``{"from", "to",
+    # "after_chars", "reason"}``), and for a chat answer each upstream stream it was read from (its
+    # ``usage`` is then their sum). Empty for every other answer.
     segments: list[Segment] = field(default_factory=list)
     continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them

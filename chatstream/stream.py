@@ -14,14 +14,9 @@ them are marked ``more``: the endpoint sends them in one write with the chunk th
 is already in hand (nothing that is ready waits for the network, nor for a moderation check: with
 one, each chunk goes out on its own).
 
-The seams, typed: ``StreamProtocol`` is what differs per upstream API (chat completions,
-responses: apis/completions.py, apis/responses_stream.py); ``Upstream`` is what the core asks for a
-stream (upstreams/failover.py: the pool, opened up to the first output); ``UpstreamChunks`` is the
-stream it gets (upstreams/clients.py); ``Continuation`` (continuation.py), when the answer has one,
-sees every upstream chunk (before the protocol where it mends a seam, else after it, with what the
-protocol read of it) and, when the upstream fails after output went to the caller, opens the next
-stream the answer goes on from (within the limits: its first output is due within the first-token
-limit, and all of it within the total one); the protocol and its text steps never see the seam."""
+The seams are the protocols below: what differs per upstream API (``StreamProtocol``), the pool
+(``Upstream``, ``UpstreamChunks``), how an answer goes on after its upstream failed mid-answer
+(``Continuation``); the protocol and its text steps never see a continuation's seam."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import anyio
@@ -56,18 +51,16 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class Chunk:
     """What a protocol makes of one upstream chunk (``StreamProtocol.feed``), and the event the
-    relay forwards: the chunk to forward, whether it is output (the status rule waits for output),
-    whether it counts as a delta, and events released with it (``batch``). ``text``: when ``data`` is
-    the upstream's chunk as it came, the protocol may say choice 0's content in it (a string, or None
-    for none): the chunk is read once, and the continuation and the encoder take the text from
-    here. ``more``: set by the relay. One object per chunk, made once: it runs for every delta."""
+    relay forwards. One object per chunk, made once: it runs for every delta."""
 
-    data: dict  # an upstream chunk (chat.completion.chunk, or a Responses event)
-    output: bool = False
-    delta: bool = False
+    data: dict  # the chunk to forward (a chat.completion.chunk, or a Responses event)
+    output: bool = False  # it is output (the status rule waits for output)
+    delta: bool = False  # it counts as a delta
     batch: tuple[dict, ...] = ()  # further events released with ``data`` (a held delta, then this one)
-    text: str | None = None  # choice 0's content, when the protocol read it (None: read ``data``)
-    more: bool = False  # the next event is already in hand: write this one together with it
+    # ``data`` is the upstream's chunk as it came and this is choice 0's content in it (None: read
+    # ``data``): the chunk is read once, the continuation and the encoder take the text from here
+    text: str | None = None
+    more: bool = False  # set by the relay: the next event is already in hand, write this one with it
 
 
 NOTHING = Chunk({})  # a protocol's answer for an upstream chunk with nothing to forward (never forwarded)
@@ -81,7 +74,6 @@ class Done:
     model: str | None
     id: str | None
     created: int | None
-    texts: dict[int, str] = field(default_factory=dict)  # what was generated (before text steps), per choice
     continued: tuple[dict, ...] = ()  # the seams of a continued answer (continuation.py)
 
 
@@ -130,12 +122,11 @@ class StreamProtocol(Protocol):
 
     @property
     def feed_waits(self) -> bool: ...  # ``feed`` may wait (on a moderation check): chunks in hand are not held
+    # Per choice, when kept: what the text steps released, and what the model generated (before them).
     @property
-    def released(self) -> dict[int, list[str]] | None: ...  # what the text steps released per choice, if kept
+    def released(self) -> dict[int, list[str]] | None: ...
     @property
-    def generated(
-        self,
-    ) -> dict[int, list[str]] | None: ...  # what the model generated per choice (before the text steps), if kept
+    def generated(self) -> dict[int, list[str]] | None: ...
     @property
     def id(self) -> str | None: ...  # the answer's id, once the upstream said it
     @property
@@ -144,9 +135,7 @@ class StreamProtocol(Protocol):
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
     async def feed(self, data: dict) -> Chunk: ...  # NOTHING: nothing to forward
     @property
-    def plain(
-        self,
-    ) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting, when it can (None: it cannot)
+    def plain(self) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting (None: it cannot)
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
@@ -188,7 +177,7 @@ class Continuation(Protocol):
     def saw(self, data: dict, fed: Chunk) -> None: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
-    async def reopen(self, error: ApiError, limits: TimeLimits, record: StreamRecord) -> UpstreamChunks: ...
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks: ...
     def summary(self, done: Done) -> Done: ...
 
 
@@ -407,7 +396,7 @@ async def relay(
                         if ready is not None:  # what is in hand goes out before the wait for the next stream
                             yield ready
                             ready = None
-                        stream = await _reopen(current, continuation, failure, limits, record)
+                        stream = await _reopen(current, continuation, failure, limits)
                         chunks = aiter(stream)
                         mend, saw = _hands(continuation)
                         continue
@@ -495,7 +484,7 @@ def _hands(
 
 
 async def _reopen(
-    current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits, record: StreamRecord
+    current: _Current, continuation: Continuation, failure: ApiError, limits: TimeLimits
 ) -> UpstreamChunks:
     """The stream the answer goes on from after ``failure``; when none could be had, ``failure``
     ends the answer (or the total limit, or the drain's cut, when that is what ended the wait)."""
@@ -505,7 +494,7 @@ async def _reopen(
             await failed.close()  # a stalled stream still generates: stop it
     limits.continuing()
     try:
-        stream = await limits.wait(continuation.reopen(failure, limits, record))
+        stream = await limits.wait(continuation.reopen(failure, limits))
     except ApiError as exc:
         # the total limit, or the drain's cut (TimeLimits.cut), ends it as itself
         raise (exc if exc.type in (ErrorKind.TOTAL_TIMEOUT, ErrorKind.INSTANCE_DRAINING) else failure) from None

@@ -88,7 +88,9 @@ def _bindings():
     return module
 
 
-def _load(name: str) -> PyTokenizer:
+def encoding_for(model: str | None) -> PyTokenizer:
+    """The tokenizer of ``model``'s encoding (``encode``, ``count``), built on first use and kept."""
+    name = encoding_name(model)
     tokenizer = _tokenizers.get(name)
     if tokenizer is None:
         built = None
@@ -103,16 +105,10 @@ def _load(name: str) -> PyTokenizer:
     return tokenizer
 
 
-def encoding_for(model: str | None) -> PyTokenizer:
-    """The tokenizer of ``model``'s encoding (``encode``, ``count``), built on first use and kept."""
-    return _load(encoding_name(model))
-
-
-def preload(model: str | None = None) -> None:
-    """Build ``model``'s encoding now (unnamed: o200k_base, every current model's): call it at
-    start-up, in a thread, so that the first request does not pay for it. Another family's is built
-    on its first use."""
-    encoding_for(model)
+def preload() -> None:
+    """Build o200k_base's tables now (every current model's): call it at start-up, in a thread, so
+    that the first request does not pay for it. Another family's is built on its first use."""
+    encoding_for(None)
 
 
 def count_text(model: str | None, text: str | None) -> int:
