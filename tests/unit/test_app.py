@@ -89,15 +89,12 @@ def test_the_clients_are_closed_with_the_loop_that_used_them():
     assert client.is_closed()
 
 
-async def test_models_answer_503_when_the_callers_team_cannot_be_read():
-    """The caller's team (its model list) not read, the store unavailable: a 503 to retry, as a
-    model route answers then, not the app's models unfiltered by the team."""
-    from memory_store import Fault, MemoryStore
-
+async def _team_app():
+    """An app on an in-memory store, the models m-1 and m-2, a caller "c" of a team "t" that may
+    use m-1: the app, its state and the caller's headers."""
     from chatstream.app import ChatApp
     from chatstream.pipeline import Pipeline
     from chatstream.state.callers import CallerSpec, TeamSpec
-    from chatstream.state.store import CALLERS_TABLE
     from chatstream.upstreams.failover import Upstreams
 
     from .state_helpers import account, instance
@@ -107,7 +104,17 @@ async def test_models_answer_503_when_the_callers_team_cannot_be_read():
     app = ChatApp(settings, Pipeline(), Upstreams.from_settings(settings, {}), state, signals=False)
     await state.registry.create(TeamSpec(name="t", models=["m-1"]))
     _, key = await state.registry.create(CallerSpec(name="c", team="t"))
-    headers = {"api-key": key}
+    return app, state, {"api-key": key}
+
+
+async def test_models_answer_503_when_the_callers_team_cannot_be_read():
+    """The caller's team (its model list) not read, the store unavailable: a 503 to retry, as a
+    model route answers then, not the app's models unfiltered by the team."""
+    from memory_store import Fault, MemoryStore
+
+    from chatstream.state.store import CALLERS_TABLE
+
+    app, state, headers = await _team_app()
     async with client_for(app) as client:
         assert [m["id"] for m in (await client.get("/api/v1/models", headers=headers)).json()["data"]] == ["m-1"]
         state.registry.cache.forget("t|t")  # the team's answer ran out; the key's is still kept
@@ -122,24 +129,12 @@ async def test_models_answer_503_when_the_callers_team_cannot_be_read():
 
 async def test_models_need_no_price_and_list_the_teams_while_the_prices_cannot_be_read():
     """The prices' read failing, the team's answer kept: the models routes answer from the team as
-    before (on c769786 they answered 503: the prices were read with the team, and their failure
-    stood for both)."""
+    before (a failure of the prices' read must not stand for the team's)."""
     from memory_store import Fault, MemoryStore
 
-    from chatstream.app import ChatApp
-    from chatstream.pipeline import Pipeline
-    from chatstream.state.callers import CallerSpec, TeamSpec
     from chatstream.state.store import CALLERS_TABLE
-    from chatstream.upstreams.failover import Upstreams
 
-    from .state_helpers import account, instance
-
-    state, _ = instance(account(), "a")
-    settings = Settings.from_env({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "ALLOWED_MODELS": "m-1,m-2"})
-    app = ChatApp(settings, Pipeline(), Upstreams.from_settings(settings, {}), state, signals=False)
-    await state.registry.create(TeamSpec(name="t", models=["m-1"]))
-    _, key = await state.registry.create(CallerSpec(name="c", team="t"))
-    headers = {"api-key": key}
+    app, state, headers = await _team_app()
     async with client_for(app) as client:
         assert (await client.get("/api/v1/models", headers=headers)).status_code == 200
         state.registry.cache.forget("prices")
