@@ -60,18 +60,6 @@ class Admission:
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
-    @property
-    def model(self) -> str:
-        return self.entry.model
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.entry.prompt_tokens
-
-    @property
-    def price(self) -> Price | None:
-        return self.entry.price
-
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
@@ -240,12 +228,13 @@ class Accounting:
         """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
         log line says; a segment served under another name (an entry's ``deployments``) that had a
         price of its own when the request was admitted: at that price, under that name."""
-        payer, author, base = admission.entry.payer, self.counters.instance, admission.entry.segment
+        entry, author = admission.entry, self.counters.instance
         charges = []
         for i, u in enumerate(usage.segments):
             own = admission.prices.get(u.model) if u.model else None
-            model, price = (u.model, own) if u.model and own is not None else (admission.model, admission.price)
-            charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
+            model, price = (u.model, own) if u.model and own is not None else (entry.model, entry.price)
+            segment = entry.segment + i
+            charges.append(Charge.made(entry.payer, model, u, price, usage.ended, author, segment, usage.upstream_id))
         return charges
 
     async def _charge(self, admission: Admission, usage: Usage, charges: list[Charge]) -> None:
@@ -291,7 +280,7 @@ class Accounting:
         charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
-        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
+        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.entry.model, text) + floor)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
         again = False
@@ -321,7 +310,9 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
+            admission.lost = await self._correct(
+                f"{made.request_id}/{op}", charge, admission.entry.price, wants, started
+            )
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -358,14 +349,13 @@ class Accounting:
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
         """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
         (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
-        admission.entry.segment = segment_base(epoch)
-        payer = replace(admission.entry.payer, day=day_of(started))
-        prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
+        entry = admission.entry
+        entry.segment = segment_base(epoch)
+        payer = replace(entry.payer, day=day_of(started))
+        prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
         key = f"{payer.request_id}/lost{epoch}"
-        return JournalEntry(
-            key, payer, admission.model, prompt, needs, admission.price, segment=segment_base(epoch - 1)
-        )
+        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=segment_base(epoch - 1))
 
     def regenerating(
         self,
@@ -429,7 +419,7 @@ class Accounting:
                 reserved=reserved,
                 reserved_spend=spend,
                 reserved_at=admission.started,
-                price=admission.price if background else None,  # what it is charged at when its usage is seen
+                price=admission.entry.price if background else None,  # what it is charged at when its usage is seen
                 charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
             await self.owners.claim(kind, created, owned)
