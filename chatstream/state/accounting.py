@@ -398,12 +398,12 @@ class Accounting:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
         journal's settled entry ``key``, once this instance has its entry in each budget row."""
-        settlement = self.counters.adjust(wants, at)
-        await settlement.entered(LISTED_WITHIN)
+        adjusted = self.counters.adjust(wants, at)
+        await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
-        self.journal.settle(entry, [charge], needs, settlement)
+        self.journal.settle(entry, [charge], needs, adjusted)
         return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:

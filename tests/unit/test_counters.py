@@ -420,7 +420,7 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
 @pytest.mark.parametrize("need", [-150, 150])
 async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
     """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
-    the row: its first exchange puts this instance's entry in the row (``Settlement.entered``: then it
+    the row: its first exchange puts this instance's entry in the row (``Reservation.entered``: then it
     may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
     older versions read it too), and then goes."""
     data = MemoryData()
