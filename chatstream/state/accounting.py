@@ -249,16 +249,15 @@ class Accounting:
                 except StoreError as exc:  # not known: held, so that reading it back later charges it once
                     log.warning("owners: a background response's charge could not be marked: %s", exc)
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
-                self._settle(admission, [], {w.key: w.need for w in admission.wants})
+                spent = {w.key: w.need for w in admission.wants}
+                self.journal.settle(admission.entry, [], spent, admission.reservation)
                 return
         if not usage.segments:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
-
-    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
-        self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
+        spent = amounts([w.key for w in admission.wants], charges)
+        self.journal.settle(admission.entry, charges, spent, admission.reservation)
 
     async def charge_lost(
         self,

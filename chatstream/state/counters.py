@@ -461,7 +461,7 @@ class Reservation:
         """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
         goes back; more is taken, past the limit if need be (it was spent). Once only."""
         parts, self.parts = self.parts, []
-        self.charges = [c for part in parts if (c := part.lease.settle(part, spent)) is not None]
+        self.charges += [c for part in parts if (c := part.lease.settle(part, spent)) is not None]
         return self
 
     def release(self) -> None:

@@ -227,8 +227,9 @@ class Journal:
     def settle(
         self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], reservation: Reservation
     ) -> None:
-        """The request is over, having ``spent`` (per counter): listed as settled, then its ledger rows,
-        then the counters (module docstring); all in the background."""
+        """The request is over, having ``spent`` (per counter): its ``reservation`` settled, listed as
+        settled, then its ledger rows, then the counters (module docstring); all in the background."""
+        reservation.settle(spent)
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
             reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
