@@ -79,26 +79,21 @@ def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spen
     """What a request needs of every limit of its caller and of its team (the one list of them):
     one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
     differences of the same list."""
-    owners = (caller, team) if team is not None else (caller,)
-    return [want for owner in owners for want in _limit_wants(owner, model, tokens_need, spend_need)]
-
-
-def _limit_wants(owner: Caller | Team, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     wants: list[Want] = []
-
-    def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
-        if limit:
-            ref = LimitRef(owner.SCOPE, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
-            wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
-
-    want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
-    want("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute")
-    want("tokens", "token_budget", owner.token_budget, tokens_need, owner.budget_period)
-    want("spend", "spend_budget", owner.spend_budget, spend_need, owner.budget_period)
-    per_model = owner.model_limits.get(model)
-    if per_model is not None:
-        want(f"rpm@{key_part(model)}", "requests_per_minute", per_model.requests_per_minute, 1, "minute", model)
-        want(f"tpm@{key_part(model)}", "tokens_per_minute", per_model.tokens_per_minute, tokens_need, "minute", model)
+    for owner in (caller, team) if team is not None else (caller,):
+        per_model = owner.model_limits.get(model)
+        rpm, tpm = (per_model.requests_per_minute, per_model.tokens_per_minute) if per_model else (None, None)
+        for row, kind, limit, need, period, named in (
+            ("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute", None),
+            ("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute", None),
+            ("tokens", "token_budget", owner.token_budget, tokens_need, owner.budget_period, None),
+            ("spend", "spend_budget", owner.spend_budget, spend_need, owner.budget_period, None),
+            (f"rpm@{key_part(model)}", "requests_per_minute", rpm, 1, "minute", model),
+            (f"tpm@{key_part(model)}", "tokens_per_minute", tpm, tokens_need, "minute", model),
+        ):
+            if limit:
+                ref = LimitRef(owner.SCOPE, owner.name, kind, named, None if period == "minute" else period)  # type: ignore[arg-type]
+                wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
     return wants
 
 

@@ -507,10 +507,8 @@ class Reservation:
 
 
 class WriteAhead(Protocol):
-    """What the counters need of this instance's journal (journal.py): a budget counter is listed
-    before any of it is held here (``note_counter``, then while ``holding()``); ``changed``: charges
-    entered a row (it may drop them). A takeover: ``met_seal``, once the journal knows whether it
-    was sealed, its number (``Reservation.journaled``), then past the sealed one's."""
+    """What the counters need of this instance's journal: ``Journal``'s methods of these names
+    (journal.py); ``changed``: charges entered a row (it may drop them)."""
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
