@@ -264,14 +264,13 @@ class Accounting:
         patience: float = 0.0,
         floor: int = 0,
     ) -> None:
-        """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
-        (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
-        earlier producers' part) and ``floor`` tokens more (events its caller received, text unknown).
-        Call it right after the admission; again with a longer ``text``: the row (none, a recovery's
-        or its own) is raised to it (``ledger.raised``) as a correction (``_correct``). Never raises:
-        for ``patience`` seconds a store failure is tried again, a raise waits for the earlier one's
-        row, and one whose row changed first is made again; past it, the dead instance's recovery
-        charges the part at its checkpoint."""
+        """A resumable stream taken over here as its ``epoch``-th producer (call it right after the
+        admission, again as ``text`` grows): the lost part's row (none, a recovery's or its own) raised
+        (``ledger.raised``), as a correction (``_correct``), to ``text`` (what the log shows the lost
+        producer generated after ``before``) and ``floor`` tokens more (events its caller received, text
+        unknown). Never raises: for ``patience`` seconds a store failure is tried again, a raise waits
+        for the earlier one's row, and one whose row changed first is made again; past it, the dead
+        instance's recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
         made = part.lost_charge(self.counters.instance, tokens.count_text(admission.entry.model, text) + floor)
