@@ -532,7 +532,7 @@ class Endpoint:
         the answer: a continuation of it, sent at once to any instance, reserves that."""
         if self.accounting is not None and admission is not None and admission.created is not None and record.usage:
             await self.accounting.keep_context(
-                admission, request_usage(admission.model, admission.prompt_tokens, record, None)
+                admission, request_usage(admission.entry.model, admission.entry.prompt_tokens, record, None)
             )
 
     def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None) -> None:
@@ -546,7 +546,7 @@ class Endpoint:
         if not record.report():
             return
         if self.accounting is not None and admission is not None:
-            used = request_usage(admission.model, admission.prompt_tokens, record, generated)
+            used = request_usage(admission.entry.model, admission.entry.prompt_tokens, record, generated)
             record.cost = self.accounting.charge(admission, used)  # in the background: after the log line and the span
         log.info(record.log_line())
         telemetry.finish(record)

@@ -60,18 +60,6 @@ class Admission:
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
     lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
 
-    @property
-    def model(self) -> str:
-        return self.entry.model
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.entry.prompt_tokens
-
-    @property
-    def price(self) -> Price | None:
-        return self.entry.price
-
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
 RETRY_SECONDS = 0.5  # ...trying again this often
@@ -91,26 +79,21 @@ def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spen
     """What a request needs of every limit of its caller and of its team (the one list of them):
     one request, ``tokens_need`` tokens, ``spend_need`` pico-USD; a charge's correction needs the
     differences of the same list."""
-    owners = (caller, team) if team is not None else (caller,)
-    return [want for owner in owners for want in _limit_wants(owner, model, tokens_need, spend_need)]
-
-
-def _limit_wants(owner: Caller | Team, model: str, tokens_need: int, spend_need: int) -> list[Want]:
     wants: list[Want] = []
-
-    def want(row: str, kind: str, limit: int | None, need: int, period: str, model_name: str | None = None) -> None:
-        if limit:
-            ref = LimitRef(owner.SCOPE, owner.name, kind, model_name, None if period == "minute" else period)  # type: ignore[arg-type]
-            wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
-
-    want("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute")
-    want("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute")
-    want("tokens", "token_budget", owner.token_budget, tokens_need, owner.budget_period)
-    want("spend", "spend_budget", owner.spend_budget, spend_need, owner.budget_period)
-    per_model = owner.model_limits.get(model)
-    if per_model is not None:
-        want(f"rpm@{key_part(model)}", "requests_per_minute", per_model.requests_per_minute, 1, "minute", model)
-        want(f"tpm@{key_part(model)}", "tokens_per_minute", per_model.tokens_per_minute, tokens_need, "minute", model)
+    for owner in (caller, team) if team is not None else (caller,):
+        per_model = owner.model_limits.get(model)
+        rpm, tpm = (per_model.requests_per_minute, per_model.tokens_per_minute) if per_model else (None, None)
+        for row, kind, limit, need, period, named in (
+            ("rpm", "requests_per_minute", owner.requests_per_minute, 1, "minute", None),
+            ("tpm", "tokens_per_minute", owner.tokens_per_minute, tokens_need, "minute", None),
+            ("tokens", "token_budget", owner.token_budget, tokens_need, owner.budget_period, None),
+            ("spend", "spend_budget", owner.spend_budget, spend_need, owner.budget_period, None),
+            (f"rpm@{key_part(model)}", "requests_per_minute", rpm, 1, "minute", model),
+            (f"tpm@{key_part(model)}", "tokens_per_minute", tpm, tokens_need, "minute", model),
+        ):
+            if limit:
+                ref = LimitRef(owner.SCOPE, owner.name, kind, named, None if period == "minute" else period)  # type: ignore[arg-type]
+                wants.append(Want(CounterKey(owner.limits_partition, row), ref, limit, need))
     return wants
 
 
@@ -242,12 +225,13 @@ class Accounting:
         """The answer's segments' charges: each at the price it was admitted (and reserved) at, as its
         log line says; a segment served under another name (an entry's ``deployments``) that had a
         price of its own when the request was admitted: at that price, under that name."""
-        payer, author, base = admission.entry.payer, self.counters.instance, admission.entry.segment
+        entry, author = admission.entry, self.counters.instance
         charges = []
         for i, u in enumerate(usage.segments):
             own = admission.prices.get(u.model) if u.model else None
-            model, price = (u.model, own) if u.model and own is not None else (admission.model, admission.price)
-            charges.append(Charge.made(payer, model, u, price, usage.ended, author, base + i, usage.upstream_id))
+            model, price = (u.model, own) if u.model and own is not None else (entry.model, entry.price)
+            segment = entry.segment + i
+            charges.append(Charge.made(entry.payer, model, u, price, usage.ended, author, segment, usage.upstream_id))
         return charges
 
     async def _charge(self, admission: Admission, usage: Usage, charges: list[Charge]) -> None:
@@ -262,16 +246,15 @@ class Accounting:
                 except StoreError as exc:  # not known: held, so that reading it back later charges it once
                     log.warning("owners: a background response's charge could not be marked: %s", exc)
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
-                self._settle(admission, [], {w.key: w.need for w in admission.wants})
+                spent = {w.key: w.need for w in admission.wants}
+                self.journal.settle(admission.entry, [], spent, admission.reservation)
                 return
         if not usage.segments:
             admission.reservation.release()
             self.journal.drop(admission.entry)
             return
-        self._settle(admission, charges, amounts([w.key for w in admission.wants], charges))
-
-    def _settle(self, admission: Admission, charges: list[Charge], spent: dict[CounterKey, int]) -> None:
-        self.journal.settle(admission.entry, charges, spent, admission.reservation.settle(spent))
+        spent = amounts([w.key for w in admission.wants], charges)
+        self.journal.settle(admission.entry, charges, spent, admission.reservation)
 
     async def charge_lost(
         self,
@@ -283,17 +266,16 @@ class Accounting:
         patience: float = 0.0,
         floor: int = 0,
     ) -> None:
-        """A resumable stream taken over here as its ``epoch``-th producer: the lost producer's part
-        (``_lost_part``) charged at ``text`` (what the log shows it generated after ``before``, the
-        earlier producers' part) and ``floor`` tokens more (events its caller received, text unknown).
-        Call it right after the admission; again with a longer ``text``: the row (none, a recovery's
-        or its own) is raised to it (``ledger.raised``) as a correction (``_correct``). Never raises:
-        for ``patience`` seconds a store failure is tried again, a raise waits for the earlier one's
-        row, and one whose row changed first is made again; past it, the dead instance's recovery
-        charges the part at its checkpoint."""
+        """A resumable stream taken over here as its ``epoch``-th producer (call it right after the
+        admission, again as ``text`` grows): the lost part's row (none, a recovery's or its own) raised
+        (``ledger.raised``), as a correction (``_correct``), to ``text`` (what the log shows the lost
+        producer generated after ``before``) and ``floor`` tokens more (events its caller received, text
+        unknown). Never raises: for ``patience`` seconds a store failure is tried again, a raise waits
+        for the earlier one's row, and one whose row changed first is made again; past it, the dead
+        instance's recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
-        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.model, text) + floor)
+        made = part.lost_charge(self.counters.instance, tokens.count_text(admission.entry.model, text) + floor)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + patience
         again = False
@@ -323,7 +305,9 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, admission.price, wants, started)
+            admission.lost = await self._correct(
+                f"{made.request_id}/{op}", charge, admission.entry.price, wants, started
+            )
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -360,14 +344,13 @@ class Accounting:
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
         """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
         (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
-        admission.entry.segment = segment_base(epoch)
-        payer = replace(admission.entry.payer, day=day_of(started))
-        prompt = admission.prompt_tokens + (tokens.count_text(admission.model, before) if before else 0)
+        entry = admission.entry
+        entry.segment = segment_base(epoch)
+        payer = replace(entry.payer, day=day_of(started))
+        prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
         key = f"{payer.request_id}/lost{epoch}"
-        return JournalEntry(
-            key, payer, admission.model, prompt, needs, admission.price, segment=segment_base(epoch - 1)
-        )
+        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=segment_base(epoch - 1))
 
     def regenerating(
         self,
@@ -410,12 +393,12 @@ class Accounting:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
         journal's settled entry ``key``, once this instance has its entry in each budget row."""
-        settlement = self.counters.adjust(wants, at)
-        await settlement.entered(LISTED_WITHIN)
+        adjusted = self.counters.adjust(wants, at)
+        await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
         entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
-        self.journal.settle(entry, [charge], needs, settlement)
+        self.journal.settle(entry, [charge], needs, adjusted)
         return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
@@ -431,7 +414,7 @@ class Accounting:
                 reserved=reserved,
                 reserved_spend=spend,
                 reserved_at=admission.started,
-                price=admission.price if background else None,  # what it is charged at when its usage is seen
+                price=admission.entry.price if background else None,  # what it is charged at when its usage is seen
                 charged=not background,  # charged by this request when it ends: reading it back adds nothing
             )
             await self.owners.claim(kind, created, owned)

@@ -25,7 +25,7 @@ pattern of timeouts the store has.
 
 **What a recovery needs.** This instance's journal lists a budget counter before any of it is held
 here (``WriteAhead``), and a charge enters a budget's row only once its ledger row is written
-(``Settlement.confirm``), in the order charges were made; the entry stays while a charge is not in
+(``Reservation.confirm``), in the order charges were made; the entry stays while a charge is not in
 yet, or while the journal knows a lost part (``Counters.keep``).
 
 Admission is exact per window, refused on a fresh read; a spent charge may take a row past its
@@ -213,7 +213,7 @@ class Lease:
         return staged
 
     def confirm(self, staged: _Staged, less: int) -> None:
-        """``Settlement.confirm``: what ``less`` took of the books comes back to the balance."""
+        """``Reservation.confirm``: what ``less`` took of the books comes back to the balance."""
         less = min(less, staged.amount)
         if less > 0 and not staged.confirmed and staged in self.staged:
             staged.amount -= less
@@ -455,11 +455,31 @@ class Lease:
 
 
 @dataclass
-class Settlement:
-    """What ``Reservation.settle`` (or ``Counters.adjust``) staged in the budget counters: ``confirm()``
-    once the charge's ledger row is written, and they enter the rows."""
+class Reservation:
+    """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
+    it never ran. Settled (or made by ``Counters.adjust``), its charges wait in the budget counters
+    until ``confirm()`` (their ledger rows written), then enter the rows."""
 
-    charges: list[_Staged] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)  # what it holds (settled or released: nothing)
+    rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
+    charges: list[_Staged] = field(default_factory=list)  # settled: staged in the budget counters
+
+    def settle(self, spent: Mapping[CounterKey, int]) -> Reservation:
+        """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
+        goes back; more is taken, past the limit if need be (it was spent). Once only."""
+        parts, self.parts = self.parts, []
+        self.charges += [c for part in parts if (c := part.lease.settle(part, spent)) is not None]
+        return self
+
+    def release(self) -> None:
+        """Nothing is charged: everything reserved (the request too) goes back."""
+        parts, self.parts = self.parts, []
+        for part in parts:
+            part.lease.give_back(part)
+
+    @property
+    def needs(self) -> dict[CounterKey, int]:  # what it holds per budget counter, for the journal
+        return {p.lease.key: p.need for p in self.parts if p.lease.period != "minute"}
 
     @property
     def seqs(self) -> dict[CounterKey, int]:  # per counter, its charge's number (for the journal)
@@ -493,37 +513,9 @@ class Settlement:
         return all(charge not in charge.lease.staged for charge in self.charges)
 
 
-@dataclass
-class Reservation:
-    """What one admitted request holds: ``settle`` it once its usage is known, or ``release`` it if
-    it never ran."""
-
-    parts: list[Part]  # what it holds (settled or released: nothing)
-    rates: dict[str, Rate] = field(default_factory=dict)  # tokens, requests per minute, when limited: x-ratelimit-*
-
-    def settle(self, spent: Mapping[CounterKey, int]) -> Settlement:
-        """Charge what was spent per counter (``spent[key]``; requests count 1 whatever): the rest
-        goes back; more is taken, past the limit if need be (it was spent). Once only."""
-        parts, self.parts = self.parts, []
-        charges = [part.lease.settle(part, spent) for part in parts]
-        return Settlement([charge for charge in charges if charge is not None])
-
-    def release(self) -> None:
-        """Nothing is charged: everything reserved (the request too) goes back."""
-        parts, self.parts = self.parts, []
-        for part in parts:
-            part.lease.give_back(part)
-
-    @property
-    def needs(self) -> dict[CounterKey, int]:  # what it holds per budget counter, for the journal
-        return {p.lease.key: p.need for p in self.parts if p.lease.period != "minute"}
-
-
 class WriteAhead(Protocol):
-    """What the counters need of this instance's journal (journal.py): a budget counter is listed
-    before any of it is held here (``note_counter``, then while ``holding()``); ``changed``: charges
-    entered a row (it may drop them). A takeover: ``met_seal``, once the journal knows whether it
-    was sealed, its number (``Settlement.journaled``), then past the sealed one's."""
+    """What the counters need of this instance's journal: ``Journal``'s methods of these names
+    (journal.py); ``changed``: charges entered a row (it may drop them)."""
 
     async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
@@ -625,20 +617,20 @@ class Counters:
                 rates[kind] = rate
         return rates
 
-    def adjust(self, wants: Sequence[Want], at: float) -> Settlement:
+    def adjust(self, wants: Sequence[Want], at: float) -> Reservation:
         """Correct what a reservation made at ``at`` spent, by each want's ``need`` (either sign), in
         the windows it was made in when they are still current (``Lease.charge``): the corrections
-        wait for ``Settlement.confirm`` (their ledger row written), as a settle's charges do."""
+        wait for ``Reservation.confirm`` (their ledger row written), as a settle's charges do."""
         now = self.clock()
-        settlement = Settlement()
+        adjusted = Reservation()
         for want in wants:
             if not want.need or want.key.row.startswith("rpm"):
                 continue
             lease = self._lease(want)
             lease.advance(window_of(want.period, now))
             if window_of(want.period, at) == lease.window and (charge := lease.charge(want.need)) is not None:
-                settlement.charges.append(charge)
-        return settlement
+                adjusted.charges.append(charge)
+        return adjusted
 
     def keep(self, keys: Iterable[CounterKey]) -> Callable[[], None]:
         """A lost part this instance's journal knows of, whose raise a takeover of this instance would

@@ -55,7 +55,7 @@ from .. import tokens
 from ..errors import Modified, NotFound, StoreError
 from . import counter_row
 from .counter_row import MAX_ATTEMPTS, CounterKey, window_of
-from .counters import SLOW_TIMEOUT, Settlement
+from .counters import SLOW_TIMEOUT, Reservation
 from .instances import Instances
 from .ledger import TAKEOVER, Charge, Ledger, Payer, raised
 from .port import Used
@@ -99,12 +99,12 @@ class JournalEntry:
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
-    settlement: Settlement = field(default_factory=Settlement)  # settled: its charges in the budget counters
+    reservation: Reservation = field(default_factory=Reservation)  # settled: its charges in the budget counters
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
-    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``settlement.seqs``)
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
     # ``serialised``: the JSON of the fields set once; of all but the checkpoint, and for which fields
     _fixed: str = field(default="", repr=False)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
@@ -225,17 +225,18 @@ class Journal:
             self.changed()
 
     def settle(
-        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], settlement: Settlement
+        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], reservation: Reservation
     ) -> None:
-        """The request is over, having ``spent`` (per counter): listed as settled, then its ledger rows,
-        then the counters (module docstring); all in the background."""
+        """The request is over, having ``spent`` (per counter): its ``reservation`` settled, listed as
+        settled, then its ledger rows, then the counters (module docstring); all in the background."""
+        reservation.settle(spent)
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
-            settlement.confirm(less=spent)  # all of it less: nothing enters a row here
+            reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
         entry.charges = charges
         entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
-        entry.settlement, entry.seqs = settlement, settlement.seqs
+        entry.reservation, entry.seqs = reservation, reservation.seqs
         entry.generated = None
         self.changed()
 
@@ -334,7 +335,7 @@ class Journal:
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
             for key, e in self.entries.items()
-            if not (e.state == "settled" and e.written.is_set() and e.settlement.applied())
+            if not (e.state == "settled" and e.written.is_set() and e.reservation.applied())
         }
         listed = self._listing()
         # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
@@ -368,7 +369,7 @@ class Journal:
             entry.listed = True
         for entry in settled_now:
             entry.journaled = True
-            entry.settlement.journaled(self.number)
+            entry.reservation.journaled(self.number)
         if settled_now and (self._rows is None or self._rows.done()) and not self._closed:
             self._rows = asyncio.ensure_future(self._write_rows())
 
@@ -399,7 +400,7 @@ class Journal:
                     continue
                 entry.written.set()
                 theirs = [c for c, t in zip(entry.charges, outcome, strict=True) if t]
-                entry.settlement.confirm(amounts(entry.needs, theirs))  # now the counters take them in
+                entry.reservation.confirm(amounts(entry.needs, theirs))  # now the counters take them in
             self.changed()  # entries all in leave the journal
             if failed:
                 log.warning("usage ledger: %d charge(s) wait for the store; retrying in %.1f s", failed, backoff)
@@ -416,7 +417,7 @@ class Journal:
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
                 entry.orphaned = True
                 if not entry.journaled:  # settled here since (or open: nothing staged): as in ``settle``
-                    entry.settlement.confirm(less=entry.amounts)
+                    entry.reservation.confirm(less=entry.amounts)
                 del self.entries[key]
         self._etag = None
         self._noted = set()

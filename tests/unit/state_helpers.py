@@ -92,7 +92,7 @@ def charge(
     segments: list[Segment] | None = None,
 ) -> None:
     """The request is over: its charge, and its cost for its log line, as the endpoint asks them."""
-    used = request_usage(admission.model, admission.prompt_tokens, rec, generated, segments)
+    used = request_usage(admission.entry.model, admission.entry.prompt_tokens, rec, generated, segments)
     rec.cost = accounting.charge(admission, used)
 
 

@@ -40,12 +40,12 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
     assert isinstance(admitted, Admission)
     assert request.params["max_completion_tokens"] == 4096  # the default cap, sent to the upstream
     prompt = tokens.count_prompt(MODEL, request.params)
-    assert admitted.prompt_tokens == prompt
+    assert admitted.entry.prompt_tokens == prompt
     assert [w.need for w in admitted.wants] == [1, prompt + 2 * 4096]
     assert admitted.reservation.rates["tokens"].limit == 50_000 and admitted.reservation.rates["requests"].limit == 10
     assert admitted.reservation.rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
     capped = await acc.admit(caller, asked(call("hi", max_tokens=7), record()))
-    assert isinstance(capped, Admission) and capped.wants[1].need == capped.prompt_tokens + 7
+    assert isinstance(capped, Admission) and capped.wants[1].need == capped.entry.prompt_tokens + 7
     assert "max_completion_tokens" not in call("hi", max_tokens=7).params
     await state.close()
 
@@ -141,7 +141,7 @@ async def test_an_unpriced_model_is_refused_to_a_spend_budget_and_free_for_every
     assert (await admit(acc, spender, model="local"))[0] == ModelRefused("local", unpriced=True, scope="caller")
     assert (await admit(acc, member, model="local"))[0] == ModelRefused("local", unpriced=True, scope="team")
     admitted, rec = await admit(acc, free, model="local")
-    assert isinstance(admitted, Admission) and admitted.price is None
+    assert isinstance(admitted, Admission) and admitted.entry.price is None
     finish(acc, admitted, rec, usage(10, 10))
     assert await acc.flush(5)
     assert rec.cost is None
@@ -164,7 +164,7 @@ async def test_an_unreadable_price_refuses_only_its_model_whatever_the_budget():
     for caller in (spender, free):
         assert (await admit(acc, caller, model="broken"))[0] == ModelRefused("broken", unreadable=True)
         admitted, rec = await admit(acc, caller, max_tokens=10)
-        assert isinstance(admitted, Admission) and admitted.price is not None
+        assert isinstance(admitted, Admission) and admitted.entry.price is not None
         finish(acc, admitted, rec, usage(10, 10))
     assert await acc.flush(5)
     await state.close()
@@ -178,8 +178,8 @@ async def test_a_spend_budget_reserves_the_most_the_request_may_cost_and_settles
     admitted, rec = await admit(acc, caller, "some prompt", max_tokens=1000)
     assert isinstance(admitted, Admission)
     [spend] = admitted.wants
-    assert spend.key.row == "spend" and spend.need == price.most(admitted.prompt_tokens, 1000)
-    assert spend.need == admitted.prompt_tokens * 2_500_000 + 1000 * 10_000_000
+    assert spend.key.row == "spend" and spend.need == price.most(admitted.entry.prompt_tokens, 1000)
+    assert spend.need == admitted.entry.prompt_tokens * 2_500_000 + 1000 * 10_000_000
     refused, _ = await admit(acc, caller, "some prompt", max_tokens=5000)  # 5000 × $10/M = $0.05 alone
     assert isinstance(refused, Refused) and refused.alone and refused.limit.kind == "spend_budget"
     finish(acc, admitted, rec, usage(1_000, 300, cached=600))
@@ -226,9 +226,9 @@ async def test_a_partial_answer_is_charged_its_prompt_and_the_text_generated_of_
     assert await acc.flush(5)
     [row] = ledger_rows(data)
     completion = tokens.count_text(MODEL, "".join(texts))
-    assert (row["prompt_tokens"], row["completion_tokens"]) == (admitted.prompt_tokens, completion)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (admitted.entry.prompt_tokens, completion)
     assert row["ended"] == "disconnected" and row["upstream"] == "main"
-    assert counter(data, caller.limits_partition, "tokens")["taken"] == admitted.prompt_tokens + completion
+    assert counter(data, caller.limits_partition, "tokens")["taken"] == admitted.entry.prompt_tokens + completion
     await state.close()
 
 
@@ -295,7 +295,7 @@ async def test_a_segment_without_usage_is_charged_the_prompt_it_was_sent():
     assert await acc.flush(5)
     found = sorted(ledger_rows(data), key=lambda r: r["segment"])
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in found] == [
-        (admitted.prompt_tokens, tokens.count_text(MODEL, "Once upon a time")),
+        (admitted.entry.prompt_tokens, tokens.count_text(MODEL, "Once upon a time")),
         (87, tokens.count_text(MODEL, "Once upon")),
         (95, 20),  # reported: the upstream's own count
     ]
@@ -339,7 +339,7 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     assert (await admit(acc, bob, previous_response_id="resp_nobody"))[0] == Unknown("response", "resp_nobody")
     follow, _ = await admit(acc, alice, previous_response_id="resp_1", max_tokens=10)
     assert isinstance(follow, Admission)
-    assert follow.prompt_tokens == tokens.count_prompt(MODEL, call(previous_response_id="resp_1").params) + 5_000
+    assert follow.entry.prompt_tokens == tokens.count_prompt(MODEL, call(previous_response_id="resp_1").params) + 5_000
     assert await acc.owned(alice, "response", "resp_1") is True
     assert await acc.owned(bob, "response", "resp_1") is False
     await state.close()
@@ -357,10 +357,10 @@ async def test_a_conversation_or_stored_items_reserve_the_referenced_context_onc
     items = [{"type": "item_reference", "id": "msg_1"}]
     both = await acc.admit(caller, asked(call(max_tokens=10, conversation="conv_1", input=items), record()))
     assert isinstance(plain, Admission) and isinstance(talk, Admission) and isinstance(both, Admission)
-    assert talk.prompt_tokens == plain.prompt_tokens  # counted: what a partial answer is charged
+    assert talk.entry.prompt_tokens == plain.entry.prompt_tokens  # counted: what a partial answer is charged
     [need] = [w.need for w in talk.wants]
     assert need == plain.wants[0].need + 16_384
-    assert both.wants[0].need == both.prompt_tokens + 10 + 16_384
+    assert both.wants[0].need == both.entry.prompt_tokens + 10 + 16_384
     await state.close()
 
 
@@ -400,7 +400,7 @@ async def test_a_background_response_is_charged_once_when_seen_on_any_instance()
     assert len(ledger_rows(data)) == 1
     # Its size is kept: continuing it reserves it.
     follow, _ = await admit(acc_b, caller, previous_response_id="resp_bg", max_tokens=1)
-    assert isinstance(follow, Admission) and follow.prompt_tokens >= 100
+    assert isinstance(follow, Admission) and follow.entry.prompt_tokens >= 100
     await a.close()
     await b.close()
 

@@ -465,7 +465,7 @@ async def test_a_refusal_by_one_limit_after_another_granted_gives_the_granted_pa
 @pytest.mark.parametrize("need", [-150, 150])
 async def test_a_correction_where_nothing_is_held_enters_with_an_entry_that_stays_until_it_is_in(need: int):
     """A budget correction (``need`` -150: a give-back; 150: more) on an instance that holds nothing of
-    the row: its first exchange puts this instance's entry in the row (``Settlement.entered``: then it
+    the row: its first exchange puts this instance's entry in the row (``Reservation.entered``: then it
     may be journaled), the entry stays until the correction is confirmed and in (held 0 or below, as
     older versions read it too), and then goes."""
     data = MemoryData()
@@ -578,7 +578,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
     await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
-    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 5))  # its exchange finds a's entry gone
+    finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))  # its exchange finds a's entry gone
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # the background response, r0 at its checkpoint (b's)
@@ -619,7 +619,7 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
     await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
-    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 5))
+    finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # the background response (a's), r0 at its checkpoint (b's)
@@ -642,7 +642,7 @@ async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_
     r1, rec1 = await admit(acc_a, caller, "one", max_output_tokens=100)
     assert isinstance(r0, Admission) and isinstance(r1, Admission) and isinstance(a.store, MemoryStore)
     counters_down = a.store.inject(Fault("unavailable", table=LIMITS_TABLE, times=10**9))
-    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 40))
+    finish(acc_a, r1, rec1, usage(r1.entry.prompt_tokens, 40))
     await until(lambda: r1.entry.written.is_set(), what="r1 journaled and its ledger row written")
     await asyncio.sleep(1.0)  # a's journal writes once more (r1's row in), then has nothing to write
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")

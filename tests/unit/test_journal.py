@@ -124,14 +124,14 @@ async def three_requests(data: MemoryData):
     await kill(a)
     assert set(ledger_rows(data)) == {rec1.id}
     held = parse_holds(counter(data, caller.limits_partition, "tokens")["holds"])
-    assert held["instance-a"].held >= r3.prompt_tokens + 4096  # r3's reservation stays in the row
+    assert held["instance-a"].held >= r3.entry.prompt_tokens + 4096  # r3's reservation stays in the row
     generated = tokens.count_text(MODEL, GENERATED)
     costs = (
         price.cost(100, 20, 50),
         price.cost(200, 0, 80),
-        price.cost(r3.prompt_tokens, 0, generated),
+        price.cost(r3.entry.prompt_tokens, 0, generated),
     )
-    return a, b, caller, (rec1, rec2, rec3), (150, 280, r3.prompt_tokens + generated), costs
+    return a, b, caller, (rec1, rec2, rec3), (150, 280, r3.entry.prompt_tokens + generated), costs
 
 
 async def test_a_dead_instance_is_recovered_exactly_and_a_second_takeover_adds_nothing():
@@ -478,7 +478,9 @@ async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is
     made = row["prompt_tokens"] + row["completion_tokens"]
     there = Charge.of(row)
     write, counted = raised(there, there, "takeover:instance-a")
-    assert write is None and counted.total_tokens == made - (1 + going_on.prompt_tokens if first == "taker" else 0)
+    assert write is None and counted.total_tokens == made - (
+        1 + going_on.entry.prompt_tokens if first == "taker" else 0
+    )
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
     going_on.reservation.release()
@@ -725,7 +727,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     lost = ledger_rows(data)[rec1.id]
     assert lost["ended"] == "lost"
     # a wakes up: r1 ends with the upstream's usage; a must not charge it (b did), nor hold for it.
-    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
+    finish(acc_a, r1, rec1, usage(r1.entry.prompt_tokens, 500))
     await until(lambda: r1.entry.orphaned, what="a learns its journal was sealed: r1 is not its own any more")
     r2, rec2 = await admit(acc_a, caller, "two")  # what comes after is a's, under a new journal
     assert isinstance(r2, Admission)
@@ -762,9 +764,9 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
     if first == "journal":
         blocked.times = 0
         await until(lambda: r0.entry.orphaned and r1.entry.orphaned, what="a's journal meets the seal")
-    finish(acc_a, r0, rec0, usage(r0.prompt_tokens, 3))  # its settle's exchange finds a's entry gone
+    finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 3))  # its settle's exchange finds a's entry gone
     await until(lambda: "was taken over from this instance elsewhere" in caplog.text, what="a's counters learn")
-    finish(acc_a, r1, rec1, usage(r1.prompt_tokens, 500))
+    finish(acc_a, r1, rec1, usage(r1.entry.prompt_tokens, 500))
     if first == "counters":
         await until(lambda: r1.entry.state == "settled", what="r1 settled before the journal can tell a of the seal")
         blocked.times = 0
@@ -794,7 +796,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     await until(lambda: "instance-a" not in instances, what="b takes a over (its row goes once it is settled)")
     row = counter(data, caller.limits_partition, "tokens")
     assert not parse_holds(row.get("holds"))
-    assert row["taken"] == r1.prompt_tokens + tokens.count_text(MODEL, GENERATED)
+    assert row["taken"] == r1.entry.prompt_tokens + tokens.count_text(MODEL, GENERATED)
     assert ledger_rows(data)[rec1.id]["ended"] == "lost"
     b.instances.done()
     await b.close()
@@ -1301,7 +1303,7 @@ async def test_a_charge_whose_window_ended_before_it_entered_its_row_is_not_appl
     assert set(rows) == {rec1.id, rec2.id}
     assert rows[rec1.id]["author"] == "instance-a" and rows[rec1.id]["prompt_tokens"] == 100
     spent_as_the_ledger(data, caller, team, [rows[rec2.id]])  # r2's checkpoint alone
-    assert rows[rec2.id]["cost"] == price.cost(r2.prompt_tokens, 0, 0)
+    assert rows[rec2.id]["cost"] == price.cost(r2.entry.prompt_tokens, 0, 0)
     await b.close()
 
 
