@@ -17,7 +17,7 @@ from memory_store import Fault, MemoryData
 from chatstream.state.instances import Instances
 from chatstream.state.store import STREAMS_TABLE, StoreClock, check_entity
 from chatstream.state.streamlog.errors import PastTheEnd, StreamNotFound
-from chatstream.state.streamlog.format import epoch_id, position, started_at
+from chatstream.state.streamlog.format import RECORD_ROW, epoch_id, position, started_at
 from chatstream.state.streamlog.log import StreamLog
 from chatstream.state.streamlog.producer import Producer
 from chatstream.state.streamlog.takeover import Claim
@@ -375,6 +375,24 @@ async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_cont
         kill(a)
         events = events_of(await read_all(reader))
         assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+
+
+async def test_a_stored_request_that_does_not_parse_ends_the_readers_with_stream_lost():
+    """(Never stored so: a hand edit.) Nothing is claimed (the record keeps its epoch); the readers
+    end with stream_lost, the record says lost."""
+    calls: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 10})
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.2)
+        await b.store.merge(STREAMS_TABLE, {"PartitionKey": producer.id, "RowKey": RECORD_ROW, "request": "{"})
+        kill(a)
+        events = events_of(await read_all(reader))
+        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+        await asyncio.sleep(0.2)
+        record = await b.store.get(STREAMS_TABLE, producer.id, RECORD_ROW)
+        assert record is not None and record.get("epoch", 0) == producer.epoch and record["state"] == "lost"
 
 
 async def test_a_store_failing_during_the_takeover_ends_the_readers_with_one_final_error():
