@@ -120,12 +120,13 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if request is None:
             log.warning("stream %s: its producer is gone and its request was not stored: it cannot be continued", tag)
             return False
-        params = json.loads(request)
-    except ValueError:  # (never stored so)
-        log.warning("stream %s: its producer is gone and its request does not parse: it cannot be continued", tag)
-        return False
     except StoreError as exc:
         log.warning("stream %s: its producer is gone, and the store failed on the takeover: %s", tag, exc)
+        return False
+    try:
+        params = json.loads(request)
+    except (ValueError, RecursionError):  # (never stored so)
+        log.warning("stream %s: its producer is gone and its request does not parse: it cannot be continued", tag)
         return False
     ctx.instances.need()  # we produce it from now on: this instance is seen alive first
     try:
