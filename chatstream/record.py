@@ -11,7 +11,8 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+
+from opentelemetry.trace import Span
 
 from .errors import log_safe, redact
 
@@ -31,12 +32,6 @@ class _Redacting(logging.Filter):
 
 
 logging.getLogger("chatstream").addFilter(_Redacting())
-
-
-class Span(Protocol):
-    """The request's telemetry handle (telemetry.StreamTelemetry)."""
-
-    def end(self, record: StreamRecord) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +159,7 @@ class StreamRecord:
     segments: list[Segment] = field(default_factory=list)
     continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them
-    telemetry: Span | None = field(default=None, repr=False)
+    telemetry: Span | None = field(default=None, repr=False)  # its span, from telemetry.begin to finish
     reported: bool = False  # its log line is written
 
     # -- the endpoint's facts

@@ -150,58 +150,34 @@ def _get_instruments() -> _Instruments:
     return _Instruments()
 
 
-class StreamTelemetry:
-    """One request's span, from ``start_stream`` to ``end``. ``end`` may be called more than once;
-    only the first call counts."""
-
-    __slots__ = ("_span",)
-
-    def __init__(self, span) -> None:
-        self._span = span  # None once ended (or never started)
-
-    def end(self, record: StreamRecord) -> None:
-        """Finish the span and record the metrics from ``record``."""
-        span, self._span = self._span, None
-        if span is None:
-            return
-        end_ns = time.time_ns()
-        try:
-            _record_stream(span, record)
-        except Exception:
-            log.warning("chat stream telemetry failed", exc_info=True)
-        finally:
-            try:
-                span.end(end_time=end_ns)
-            except Exception:
-                log.warning("chat stream span did not end", exc_info=True)
-
-
-def start_stream(model: str, endpoint: str | None = None) -> StreamTelemetry:
-    """Start the ``chat.stream`` span of one request. It is not made the current span (the stream
-    outlives the code that starts it); it takes the current context as its parent."""
-    attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(model)}
-    if endpoint:
-        attributes["chat.endpoint"] = endpoint
+def begin(record: StreamRecord) -> None:
+    """Start the ``chat.stream`` span of the request ``record`` (a fresh one) describes; the span
+    travels on the record until ``finish``."""
+    attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": _model(record.model)}
+    if record.endpoint:
+        attributes["chat.endpoint"] = record.endpoint
     try:
-        span = _tracer.start_span("chat.stream", kind=SpanKind.INTERNAL, attributes=attributes)
+        record.telemetry = _tracer.start_span("chat.stream", kind=SpanKind.INTERNAL, attributes=attributes)
     except Exception:
         log.warning("chat stream span did not start", exc_info=True)
-        span = None
-    return StreamTelemetry(span)
-
-
-def begin(record: StreamRecord) -> StreamTelemetry:
-    """``start_stream`` for the request that ``record`` (a fresh one) describes; the handle travels
-    on the record until ``finish``."""
-    record.telemetry = start_stream(record.model, record.endpoint)
-    return record.telemetry
 
 
 def finish(record: StreamRecord) -> None:
     """End the span started by ``begin(record)`` and record the metrics. Only the first call counts;
     a record that never went through ``begin`` is ignored."""
-    if record.telemetry is not None:
-        record.telemetry.end(record)
+    span, record.telemetry = record.telemetry, None
+    if span is None:
+        return
+    end_ns = time.time_ns()
+    try:
+        _record_stream(span, record)
+    except Exception:
+        log.warning("chat stream telemetry failed", exc_info=True)
+    finally:
+        try:
+            span.end(end_time=end_ns)
+        except Exception:
+            log.warning("chat stream span did not end", exc_info=True)
 
 
 _watched: list[weakref.WeakMethod] = []

@@ -95,16 +95,22 @@ def finished_record(model: str, *, ttfd: float = 0.05, deltas: int = 3) -> Strea
     return record
 
 
+def ended(record: StreamRecord) -> None:
+    """A request's whole span at once: ``begin`` then ``finish``."""
+    telemetry.begin(record)
+    telemetry.finish(record)
+
+
 # ---------------------------------------------------------------------------------------------
 # The module on its own
 # ---------------------------------------------------------------------------------------------
 
 
 def test_completed_stream_gives_one_span_with_gen_ai_attributes(otel, model):
-    stream = telemetry.start_stream(model)
     record = finished_record(model)
+    telemetry.begin(record)
     time.sleep(0.12)
-    stream.end(record)
+    telemetry.finish(record)
 
     (span,) = spans_of(model)
     assert span.name == "chat.stream"
@@ -125,14 +131,14 @@ def test_completed_stream_gives_one_span_with_gen_ai_attributes(otel, model):
     assert a["chat.time_to_first_delta_ms"] == pytest.approx(50.0, abs=0.11)
     assert a["chat.duration_ms"] >= 120
     assert "error.type" not in a and "chat.error" not in a
-    # The span lasts from start_stream to end: the stream's duration.
+    # The span lasts from begin to finish: the stream's duration.
     assert (span.end_time - span.start_time) / 1e6 == pytest.approx(a["chat.duration_ms"], abs=20)
 
 
 def test_a_callers_request_names_the_caller_and_the_request_id(otel, model):
     record = finished_record(model)
     record.caller, record.request_id = "team-a", "req_42"
-    telemetry.start_stream(model).end(record)
+    ended(record)
     (span,) = spans_of(model)
     assert span.attributes["chat.caller"] == "team-a" and span.attributes["chat.request_id"] == "req_42"
     tokens = points_of(model)["chat.stream.tokens"]
@@ -144,7 +150,7 @@ def test_a_callers_request_names_the_caller_and_the_request_id(otel, model):
 def test_a_teams_request_carries_its_team_and_cost(otel, model):
     record = finished_record(model)
     record.caller, record.team, record.cost = "search-prod", "search", 313_200_000  # pico-USD
-    telemetry.start_stream(model).end(record)
+    ended(record)
     (span,) = spans_of(model)
     assert span.attributes["chat.team"] == "search" and span.attributes["chat.cost_usd"] == pytest.approx(0.0003132)
     points = points_of(model)
@@ -154,7 +160,7 @@ def test_a_teams_request_carries_its_team_and_cost(otel, model):
 
 
 def test_completed_stream_records_metrics(otel, model):
-    telemetry.start_stream(model).end(finished_record(model, ttfd=0.25, deltas=4))
+    ended(finished_record(model, ttfd=0.25, deltas=4))
 
     points = points_of(model)
     (ttfd,) = points["chat.stream.time_to_first_delta"]
@@ -173,7 +179,7 @@ def test_refused_models_are_not_metric_dimensions(otel, model):
     does not exist) must not create a metric series of its own (hardening item 9)."""
     record = finished_record(model)
     record.model_accepted = False
-    telemetry.start_stream(model).end(record)
+    ended(record)
     assert points_of(model) == {}, "a refused model name became a metric dimension"
     assert points_of(telemetry.OTHER_MODEL)["chat.stream.duration"]
     (span,) = spans_of(model)  # the span still says what was asked (bounded in length)
@@ -182,7 +188,7 @@ def test_refused_models_are_not_metric_dimensions(otel, model):
 
 def test_metrics_add_up_over_streams(otel, model):
     for ttfd in (0.1, 0.3):
-        telemetry.start_stream(model).end(finished_record(model, ttfd=ttfd, deltas=2))
+        ended(finished_record(model, ttfd=ttfd, deltas=2))
     points = points_of(model)
     (ttfd,) = points["chat.stream.time_to_first_delta"]
     assert ttfd.count == 2 and ttfd.sum == pytest.approx(400.0, abs=0.2)
@@ -191,12 +197,12 @@ def test_metrics_add_up_over_streams(otel, model):
 
 
 def test_caller_hanging_up_is_marked_disconnected_not_failed(otel, model):
-    stream = telemetry.start_stream(model)
     record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
+    telemetry.begin(record)
     record.first_delta_at = record.started + 0.01
     record.deltas = 2
     record.disconnected = True
-    stream.end(record)
+    telemetry.finish(record)
 
     (span,) = spans_of(model)
     assert span.attributes["chat.disconnected"] is True
@@ -211,7 +217,7 @@ def test_caller_hanging_up_is_marked_disconnected_not_failed(otel, model):
 def test_hang_up_before_the_first_token(otel, model):
     record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.status, record.disconnected = 499, True
-    telemetry.start_stream(model).end(record)
+    ended(record)
     (span,) = spans_of(model)
     assert span.attributes["http.response.status_code"] == 499
     assert span.attributes["chat.disconnected"] is True
@@ -232,7 +238,7 @@ def test_hang_up_before_the_first_token(otel, model):
 def test_errors(otel, model, status, error, failed):
     record = StreamRecord(endpoint="chat", model=model, model_accepted=True)
     record.status, record.error = status, error
-    telemetry.start_stream(model).end(record)
+    ended(record)
     (span,) = spans_of(model)
     assert span.attributes["error.type"] == span.attributes["chat.error"] == error
     assert span.attributes["chat.status"] == status
@@ -241,18 +247,19 @@ def test_errors(otel, model, status, error, failed):
 
 
 def test_model_named_by_the_request_replaces_the_default(otel, model):
-    stream = telemetry.start_stream("the-default-model")
-    record = finished_record(model)
-    stream.end(record)
+    record = finished_record("the-default-model")
+    telemetry.begin(record)
+    record.model = model
+    telemetry.finish(record)
     (span,) = spans_of(model)
     assert span.attributes["gen_ai.request.model"] == model
 
 
-def test_end_counts_once(otel, model):
-    stream = telemetry.start_stream(model)
+def test_finish_counts_once(otel, model):
     record = finished_record(model)
-    stream.end(record)
-    stream.end(record)
+    telemetry.begin(record)
+    telemetry.finish(record)
+    telemetry.finish(record)
     assert len(spans_of(model)) == 1
     assert counter_value(points_of(model)["chat.stream.deltas"]) == 3
 
@@ -274,14 +281,13 @@ def test_finish_without_begin_is_ignored(otel, model):
 
 
 def test_broken_record_still_ends_the_span_and_never_raises(otel, model, caplog):
-    class Broken:
-        model = "x"
-
-        def as_log(self):
+    class Broken(StreamRecord):
+        def ttfd_ms(self):
             raise RuntimeError("boom")
 
-    stream = telemetry.start_stream(model)
-    stream.end(Broken())  # must not raise
+    record = Broken(endpoint="chat", model=model)
+    telemetry.begin(record)
+    telemetry.finish(record)  # must not raise
     (span,) = spans_of(model)
     assert span.end_time is not None
     assert "chat stream telemetry failed" in caplog.text
@@ -290,7 +296,7 @@ def test_broken_record_still_ends_the_span_and_never_raises(otel, model, caplog)
 def test_odd_usage_shapes(otel, model):
     record = finished_record(model)
     record.usage = {"prompt_tokens": True, "completion_tokens": "7"}
-    telemetry.start_stream(model).end(record)
+    ended(record)
     (span,) = spans_of(model)
     assert "gen_ai.usage.input_tokens" not in span.attributes
     assert "gen_ai.usage.output_tokens" not in span.attributes
@@ -307,7 +313,7 @@ def test_what_application_insights_receives(otel, model):
     to_metric = getattr(metric_exporter, "_convert_point_to_envelope", None)
     if to_dependency is None or to_metric is None:
         pytest.skip("the exporter's private conversion functions moved")
-    telemetry.start_stream(model).end(finished_record(model, ttfd=0.05))
+    ended(finished_record(model, ttfd=0.05))
 
     (span,) = spans_of(model)
     envelope = to_dependency(span)
@@ -350,7 +356,7 @@ def test_no_sdk_means_no_cost_and_no_error():
         "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
         "assert 'opentelemetry.sdk' not in sys.modules\n"
         "assert telemetry.configure({}) == 'off'\n"
-        "s = telemetry.start_stream('m'); r = StreamRecord(endpoint='chat', model='m'); r.deltas = 1; s.end(r)\n"
+        "r = StreamRecord(endpoint='chat', model='m'); telemetry.begin(r); r.deltas = 1; telemetry.finish(r)\n"
         "assert 'azure.monitor.opentelemetry' not in sys.modules\n"
         "print('ok')\n"
     )
