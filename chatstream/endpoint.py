@@ -37,7 +37,7 @@ from .apis.usage import admission_request, request_usage
 from .continuation import ChatContinuation, Known, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
 from .http import EventStreamResponse, JsonAnswer, read_json
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, Stream
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
 from .resumable import Resumable, Route
@@ -306,7 +306,7 @@ class Endpoint:
         before_last = ending.before_last if admission is not None else None
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         ends = (
-            self.lifecycle.ends(record, limits, ending.finish, before_last)
+            Stream(self.lifecycle, record, limits, ending.finish, before_last)
             if self.lifecycle is not None
             else Ends(ending.finish, before_last)
         )
@@ -502,7 +502,7 @@ class Endpoint:
                 if life is None:
                     await _any(claim.stood_in(), over.wait())
                 elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
-                    self.accounting.checkpoint()
+                    self.accounting.journal.urgent()
                     await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
                 else:
                     await _any(claim.stood_in(), over.wait(), life.draining.wait())

@@ -74,8 +74,12 @@ def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
 
 
 class Stream(Ends):
-    """One stream running on this instance, as the drain sees it, and its ends as its relay tells
-    them (``Lifecycle.ends``)."""
+    """One stream running on this instance, as the drain sees it: what the relay of a stream whose
+    time limits are ``limits`` tells of its ends (``Ends``). ``before_last`` is awaited before the
+    upstream's final event goes out, ``on_end`` (the endpoint's record keeping: its log line and
+    charge) once it is over, however it ends. The stream counts for the drain from its relay's
+    first read on: one closed before that (its handler cancelled first) never ran, so nothing would
+    take it back."""
 
     __slots__ = ("cut", "ending", "life", "limits", "record")
 
@@ -85,7 +89,7 @@ class Stream(Ends):
         record: StreamRecord,
         limits: TimeLimits,
         on_end: Callable[[], None],
-        before_last: Callable[[], Awaitable[None]] | None,
+        before_last: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(on_end, before_last)
         self.life = life
@@ -170,7 +174,7 @@ class Lifecycle:
             raise instance_draining()
 
     def starting(self) -> Lifecycle:
-        """A request, from before ``admit`` until its stream runs (its relay's first read: ``ends``)
+        """A request, from before ``admit`` until its stream runs (its relay's first read: ``Stream``)
         or it is answered: the drain waits for it within the grace as for a stream. (Chaos seed 97:
         two requests admitted as SIGTERM came reached their upstream after the two streams then
         running had ended; the drain, seeing none, closed the app under them: upstream_timeout.)
@@ -198,20 +202,6 @@ class Lifecycle:
     def _unkeep(self, work: asyncio.Future) -> None:
         self._kept.discard(work)
         self._changed.set()
-
-    def ends(
-        self,
-        record: StreamRecord,
-        limits: TimeLimits,
-        on_end: Callable[[], None],
-        before_last: Callable[[], Awaitable[None]] | None = None,
-    ) -> Stream:
-        """What the relay of a stream whose time limits are ``limits`` tells of its ends (``Ends``):
-        ``before_last`` awaited before the upstream's final event goes out, ``on_end`` (the
-        endpoint's record keeping: its log line and charge) once it is over, however it ends. The
-        stream counts for the drain from its relay's first read on: one closed before that (its
-        handler cancelled first) never ran, so nothing would take it back."""
-        return Stream(self, record, limits, on_end, before_last)
 
     def _holds(self, stream: Stream) -> bool:
         """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While

@@ -383,10 +383,6 @@ class Accounting:
 
         return raise_now
 
-    def checkpoint(self) -> None:
-        """The journal is written now with every checkpoint (this instance is stopping)."""
-        self.journal.urgent()
-
     async def _correct(
         self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float
     ) -> JournalEntry:

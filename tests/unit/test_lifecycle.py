@@ -21,7 +21,7 @@ from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import OpenAIChatApi
 from chatstream.endpoint import Endpoint
 from chatstream.errors import ApiError, ErrorKind, instance_draining
-from chatstream.lifecycle import AFTER_GRACE, CALLBACKS_WAIT, Lifecycle, host_shutdown_timeout
+from chatstream.lifecycle import AFTER_GRACE, CALLBACKS_WAIT, Lifecycle, Stream, host_shutdown_timeout
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings, SettingsError
@@ -68,7 +68,7 @@ async def events(count: int, every: float, record: StreamRecord, log: list[str],
 def guarded(life: Lifecycle, count: int, every: float, record: StreamRecord, log: list[str] | None = None):
     """``events`` with the drain's ends, with the stream's time limits."""
     limits = TimeLimits(Settings.from_env({}))
-    ends = life.ends(record, limits, lambda: None)
+    ends = Stream(life, record, limits, lambda: None)
     return events(count, every, record, [] if log is None else log, limits, ends)
 
 
