@@ -535,11 +535,6 @@ class Endpoint:
                 admission, request_usage(admission.entry.model, admission.entry.prompt_tokens, record, None)
             )
 
-    def _finish_stream(self, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None) -> None:
-        if protocol.released is not None:
-            record.texts = protocol.released
-        self._finish(record, admission, protocol.generated)
-
     def _finish(
         self, record: StreamRecord, admission: Admission | None = None, generated: dict[int, list[str]] | None = None
     ) -> None:
@@ -573,7 +568,9 @@ class _Ending:
         self.admission = admission
 
     def finish(self) -> None:
-        self.endpoint._finish_stream(self.protocol, self.record, self.admission)
+        if self.protocol.released is not None:
+            self.record.texts = self.protocol.released
+        self.endpoint._finish(self.record, self.admission, self.protocol.generated)
 
     async def before_last(self) -> None:
         await self.endpoint._keep_context(self.record, self.admission)
