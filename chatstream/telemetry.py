@@ -67,10 +67,6 @@ ENV_CONNECTION_STRING = "APPLICATIONINSIGHTS_CONNECTION_STRING"
 _configured_by_app = False
 
 
-def _true(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes")
-
-
 def configure(environ: Mapping[str, str] = os.environ) -> str:
     """Set up export to Application Insights if asked to. Returns how telemetry leaves the process:
 
@@ -85,7 +81,7 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     global _configured_by_app
     if not (environ.get(ENV_CONNECTION_STRING) or "").strip():
         return "off"
-    if _true(environ.get("PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY")):
+    if (environ.get("PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY") or "").strip().lower() in ("1", "true", "yes"):
         return "worker"
     if _configured_by_app:
         return "app"
