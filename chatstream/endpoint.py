@@ -502,7 +502,7 @@ class Endpoint:
                 if life is None:
                     await _any(claim.stood_in(), over.wait())
                 elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
-                    self.accounting.journal.urgent()
+                    self.accounting.checkpoint()
                     await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
                 else:
                     await _any(claim.stood_in(), over.wait(), life.draining.wait())

@@ -206,6 +206,10 @@ class Accounting:
         admission.entry.stream, admission.entry.epoch = stream_id, epoch
         self.journal.changed()
 
+    def checkpoint(self) -> None:
+        """The journal is written now with every checkpoint (this instance is stopping)."""
+        self.journal.urgent()
+
     def charge(self, admission: Admission, usage: Usage) -> int | None:
         """Settle the admission once the request is over (module docstring), in the background; what
         it costs (pico-USD; None: no price), for its log line, span and metrics."""
