@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from chatstream.settings import Settings, SettingsError
-from chatstream.upstreams.config import Entry, single_entry
+from chatstream.upstreams.config import Entry
 from chatstream.upstreams.outcomes import (
     SUCCESS,
     Outcome,
@@ -383,7 +383,7 @@ def test_state_reports_each_entry_without_any_key():
         models=("gpt-4o",),
         deployments={"gpt-4o": "gpt4o-ptu"},
     )
-    openai_entry = single_entry("openai", api_key=SecretStr(SECRET), base_url="https://user:pw@api.openai.com/v1")
+    openai_entry = Entry("default", "openai", "https://user:pw@api.openai.com/v1", api_key=SecretStr(SECRET))
     pool, clock = make_pool(ptu, openai_entry)
     attempt(pool, "ptu", outcome=outcome_of_status(429, {"retry-after": "30"}))
     attempt(pool, "default", outcome=SERVER_ERROR)
