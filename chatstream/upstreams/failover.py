@@ -249,11 +249,11 @@ class _Way:
 class Upstreams:
     """The pool and one client per entry; shared by every endpoint of the app (``stream.Upstream``)."""
 
-    def __init__(self, settings: Settings, pool: Pool, clients: Mapping[str, SdkClient], pooled: bool):
+    def __init__(self, settings: Settings, pool: Pool, clients: Mapping[str, SdkClient]):
         self.settings = settings
         self.pool = pool
         self.clients = dict(clients)
-        self.pooled = pooled  # from UPSTREAMS (else the single-upstream settings)
+        self.pooled = settings.pooled  # from UPSTREAMS (else the single-upstream settings)
         self.configured = bool(pool.entries)
         self._azure = any(e.kind == "azure" for e in pool.entries)
         self._closer: AsyncIterator[None] | None = None
@@ -286,13 +286,13 @@ class Upstreams:
         if any(e.kind == "azure" and e.api_key is None for e in entries):
             provider = entra_token_provider(credential)
         clients = {e.name: make_client(e, settings, retries, provider) for e in entries}
-        return cls(settings, Pool(entries, **pool_args), clients, pooled=settings.pooled)
+        return cls(settings, Pool(entries, **pool_args), clients)
 
     def for_responses(self) -> Upstreams:
         """The same pool (one health, one set of counters) with each client as the Responses API
         calls it (Azure's v1 paths for an entry on a dated API version)."""
         clients = {e.name: ResponsesClient(self.clients[e.name], dated=e.dated) for e in self.pool.entries}
-        return Upstreams(self.settings, self.pool, clients, self.pooled)
+        return Upstreams(self.settings, self.pool, clients)
 
     async def close(self) -> None:
         for client in self.clients.values():
