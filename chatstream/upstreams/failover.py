@@ -108,16 +108,9 @@ class PeekedStream:
     Its own iterator, with a plain ``__anext__``: after the chunks given again it hands out the
     stream's own reads (a generator around them cost every chunk)."""
 
-    def __init__(
-        self,
-        stream: UpstreamStream,
-        peeked: list[dict],
-        attempt: Attempt | None,
-        model: str,
-        entry: Entry | None = None,
-    ):
+    def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
         self._stream = stream
-        self._entry = entry or (attempt.entry if attempt is not None else None)
+        self._entry = attempt.entry if attempt is not None else None
         self._peeked = peeked
         self._given = 0  # peeked chunks given again
         self._midstream = stream.failure = _Midstream(attempt, model)
@@ -147,7 +140,7 @@ class PeekedStream:
 
     @property
     def entry(self) -> Entry | None:
-        """The pool entry this stream comes from (None for a follow-up's re-stream)."""
+        """The pool entry this stream comes from (None for a stored stream read again)."""
         return self._entry
 
     async def close(self) -> None:
@@ -212,9 +205,7 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
             return held
 
 
-async def _reread(
-    client: SdkClient, path: str, query: dict, probe: StreamProtocol, entry: Entry | None = None
-) -> PeekedStream:
+async def _reread(client: SdkClient, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
     """A stored event stream (``GET path?query``) read up to its first output; closed if that fails."""
     stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
     try:
@@ -222,7 +213,7 @@ async def _reread(
     except BaseException:
         await _close(stream)
         raise
-    return PeekedStream(stream, peeked, None, "", entry)
+    return PeekedStream(stream, peeked, None, "")
 
 
 class _Way:
@@ -512,7 +503,7 @@ class Upstreams:
         """The event stream of something only entry ``name`` holds (a background response), again,
         read up to its first output: on that entry whatever its health, since no other has it."""
         try:
-            return await _reread(self.clients[name], path, query, probe, self.pool.entry(name))
+            return await _reread(self.clients[name], path, query, probe)
         except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
             raise classify(exc).error from None
 

@@ -132,12 +132,6 @@ class Pool:
         chosen = {**ERROR_ROUTES, **(routes or {})}
         self.routes: dict[OutcomeKind, Route] = {kind: cast(Route, chosen[name]) for name, kind in ROUTED.items()}
 
-    def entry(self, name: str) -> Entry:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        raise KeyError(name)
-
     def serves(self, model: str) -> bool:
         """Whether any entry serves ``model`` (if not: a 400 naming the model, no upstream call)."""
         return any(e.serves(model) for e in self.entries)
