@@ -110,7 +110,6 @@ class PeekedStream:
 
     def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
         self._stream = stream
-        self._entry = attempt.entry if attempt is not None else None
         self._peeked = peeked
         self._given = 0  # peeked chunks given again
         self._midstream = stream.failure = _Midstream(attempt, model)
@@ -141,7 +140,8 @@ class PeekedStream:
     @property
     def entry(self) -> Entry | None:
         """The pool entry this stream comes from (None for a stored stream read again)."""
-        return self._entry
+        attempt = self._midstream.attempt
+        return attempt.entry if attempt is not None else None
 
     async def close(self) -> None:
         self._midstream.closed = True
