@@ -14,10 +14,8 @@ final error event. Failures reach the core already explained (``classify``): an 
 the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
-Non-streamed calls walk the candidates the same way, one whole call per entry.
-
-Without ``UPSTREAMS`` the single-upstream settings form a pool of one entry, ``default``: it has no
-breaker, and it cools down only for as long as its own 429 asked (health.SINGLE)."""
+Non-streamed calls walk the candidates the same way, one whole call per entry. Without
+``UPSTREAMS`` the single-upstream settings form a pool of one entry, ``default`` (health.SINGLE)."""
 
 from __future__ import annotations
 

@@ -106,8 +106,7 @@ def _weighted_order(entries: list[Entry], rng: random.Random) -> list[Entry]:
 
 class Pool:
     """The entries and their health. ``now`` is a monotonic clock, ``rng`` the random source for the
-    weighted order; ``on_event`` hears of cooldowns, breakers opening and closing, and
-    configuration problems (for log lines)."""
+    weighted order; ``on_event`` hears of each ``PoolEvent``."""
 
     def __init__(
         self,
