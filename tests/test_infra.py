@@ -678,14 +678,15 @@ def check_api_version(infra: Infra) -> None:
     """Azure OpenAI's GA v1 API by default, in the template as in the app: no api-version (empty in
     the template and azd, unset in the app), which the app calls as /openai/v1. deploy.md says so."""
     from chatstream.settings import Settings
-    from chatstream.upstreams.config import single_entry
+    from chatstream.upstreams.config import entries
 
     version = infra.main_defaults()["azureOpenAiApiVersion"]
     assert version == "", f"azureOpenAiApiVersion defaults to {version!r}: the GA v1 API needs none"
     assert Settings.model_fields["azure_openai_api_version"].default is None
     assert Settings.from_env({"AZURE_OPENAI_API_VERSION": version}).azure_openai_api_version is None
-    entry = single_entry("azure", endpoint="https://x.openai.azure.com", api_version=None)
-    assert entry is not None and not entry.dated, "no api-version must mean the v1 API"
+    azure = {"AZURE_OPENAI_ENDPOINT": "https://x.openai.azure.com", "AZURE_OPENAI_DEPLOYMENT": "gpt-4o"}
+    (entry,) = entries(Settings.from_env({**azure, "AZURE_OPENAI_API_VERSION": version}), {})
+    assert not entry.dated, "no api-version must mean the v1 API"
     assert _azd_value(infra, "azureOpenAiApiVersion") == "${AZURE_OPENAI_API_VERSION}"
     assert infra.app_settings("azureOpenAI").get("AZURE_OPENAI_API_VERSION") == version
     row = next(

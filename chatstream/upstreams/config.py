@@ -1,6 +1,6 @@
 """``UPSTREAMS``: the schema of one upstream entry, and the setting parsed into entries (once, at
 start-up). The single-upstream settings (``OPENAI_*`` / ``AZURE_OPENAI_*``) describe one entry the
-same way (``single_entry``), so the rest of the app sees one kind of upstream either way."""
+same way, so the rest of the app sees one kind of upstream either way."""
 
 from __future__ import annotations
 
@@ -301,35 +301,14 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> tuple[Entry, ...]
         problem = url_problem(url) if url is not None else None
         if problem:
             raise PoolConfigError(f"invalid app settings: {name}: {problem}")
-    key = settings.azure_openai_api_key if settings.upstream_kind == "azure" else settings.openai_api_key
-    entry = single_entry(
-        settings.upstream_kind,
-        base_url=settings.openai_base_url,
-        endpoint=settings.azure_openai_endpoint,
-        api_version=settings.azure_openai_api_version,
-        api_key=key,
-    )
-    return (entry,) if entry is not None else ()
-
-
-def single_entry(
-    kind: str,
-    *,
-    base_url: str | None = None,
-    endpoint: str | None = None,
-    api_version: str | None = None,
-    api_key: SecretStr | None = None,
-) -> Entry | None:
-    """The one entry the single-upstream settings describe (``kind`` as Settings.upstream_kind:
-    ``openai``, ``azure`` or ``none``); None for ``none``. It serves any model, so a request may
-    name another model (or Azure deployment) as before."""
-    if kind == "azure":
-        if not endpoint:
-            raise PoolConfigError("AZURE_OPENAI_ENDPOINT: required for an Azure OpenAI upstream")
-        return Entry(SINGLE_NAME, "azure", endpoint.rstrip("/"), api_version, api_key)
-    if kind == "openai":  # no base_url: the SDK's default, api.openai.com
-        return Entry(SINGLE_NAME, "openai", (base_url or "https://api.openai.com/v1").rstrip("/"), api_key=api_key)
-    return None
+    # One entry that serves any model, so a request may name another model (or Azure deployment).
+    if settings.azure_openai_endpoint:
+        url = settings.azure_openai_endpoint.rstrip("/")
+        return (Entry(SINGLE_NAME, "azure", url, settings.azure_openai_api_version, settings.azure_openai_api_key),)
+    if settings.upstream_kind == "openai":  # no OPENAI_BASE_URL: the SDK's default, api.openai.com
+        url = settings.openai_base_url or "https://api.openai.com/v1"
+        return (Entry(SINGLE_NAME, "openai", url.rstrip("/"), api_key=settings.openai_api_key),)
+    return ()
 
 
 def display_url(url: str) -> str:

@@ -14,10 +14,8 @@ final error event. Failures reach the core already explained (``classify``): an 
 the caller, the ``Outcome`` for the entry.
 
 The whole walk is one wait of the core, so it stays within ``FIRST_TOKEN_TIMEOUT_SECONDS``.
-Non-streamed calls walk the candidates the same way, one whole call per entry.
-
-Without ``UPSTREAMS`` the single-upstream settings form a pool of one entry, ``default``: it has no
-breaker, and it cools down only for as long as its own 429 asked (health.SINGLE)."""
+Non-streamed calls walk the candidates the same way, one whole call per entry. Without
+``UPSTREAMS`` the single-upstream settings form a pool of one entry, ``default`` (health.SINGLE)."""
 
 from __future__ import annotations
 
@@ -108,16 +106,8 @@ class PeekedStream:
     Its own iterator, with a plain ``__anext__``: after the chunks given again it hands out the
     stream's own reads (a generator around them cost every chunk)."""
 
-    def __init__(
-        self,
-        stream: UpstreamStream,
-        peeked: list[dict],
-        attempt: Attempt | None,
-        model: str,
-        entry: Entry | None = None,
-    ):
+    def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
         self._stream = stream
-        self._entry = entry or (attempt.entry if attempt is not None else None)
         self._peeked = peeked
         self._given = 0  # peeked chunks given again
         self._midstream = stream.failure = _Midstream(attempt, model)
@@ -147,8 +137,9 @@ class PeekedStream:
 
     @property
     def entry(self) -> Entry | None:
-        """The pool entry this stream comes from (None for a follow-up's re-stream)."""
-        return self._entry
+        """The pool entry this stream comes from (None for a stored stream read again)."""
+        attempt = self._midstream.attempt
+        return attempt.entry if attempt is not None else None
 
     async def close(self) -> None:
         self._midstream.closed = True
@@ -212,9 +203,7 @@ async def _peek(stream: UpstreamStream, probe: StreamProtocol) -> list[dict]:
             return held
 
 
-async def _reread(
-    client: SdkClient, path: str, query: dict, probe: StreamProtocol, entry: Entry | None = None
-) -> PeekedStream:
+async def _reread(client: SdkClient, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
     """A stored event stream (``GET path?query``) read up to its first output; closed if that fails."""
     stream = await UpstreamStream.open(client, path, {}, method="get", query=query)
     try:
@@ -222,7 +211,7 @@ async def _reread(
     except BaseException:
         await _close(stream)
         raise
-    return PeekedStream(stream, peeked, None, "", entry)
+    return PeekedStream(stream, peeked, None, "")
 
 
 class _Way:
@@ -249,11 +238,11 @@ class _Way:
 class Upstreams:
     """The pool and one client per entry; shared by every endpoint of the app (``stream.Upstream``)."""
 
-    def __init__(self, settings: Settings, pool: Pool, clients: Mapping[str, SdkClient], pooled: bool):
+    def __init__(self, settings: Settings, pool: Pool, clients: Mapping[str, SdkClient]):
         self.settings = settings
         self.pool = pool
         self.clients = dict(clients)
-        self.pooled = pooled  # from UPSTREAMS (else the single-upstream settings)
+        self.pooled = settings.pooled  # from UPSTREAMS (else the single-upstream settings)
         self.configured = bool(pool.entries)
         self._azure = any(e.kind == "azure" for e in pool.entries)
         self._closer: AsyncIterator[None] | None = None
@@ -286,13 +275,13 @@ class Upstreams:
         if any(e.kind == "azure" and e.api_key is None for e in entries):
             provider = entra_token_provider(credential)
         clients = {e.name: make_client(e, settings, retries, provider) for e in entries}
-        return cls(settings, Pool(entries, **pool_args), clients, pooled=settings.pooled)
+        return cls(settings, Pool(entries, **pool_args), clients)
 
     def for_responses(self) -> Upstreams:
         """The same pool (one health, one set of counters) with each client as the Responses API
         calls it (Azure's v1 paths for an entry on a dated API version)."""
         clients = {e.name: ResponsesClient(self.clients[e.name], dated=e.dated) for e in self.pool.entries}
-        return Upstreams(self.settings, self.pool, clients, self.pooled)
+        return Upstreams(self.settings, self.pool, clients)
 
     async def close(self) -> None:
         for client in self.clients.values():
@@ -512,7 +501,7 @@ class Upstreams:
         """The event stream of something only entry ``name`` holds (a background response), again,
         read up to its first output: on that entry whatever its health, since no other has it."""
         try:
-            return await _reread(self.clients[name], path, query, probe, self.pool.entry(name))
+            return await _reread(self.clients[name], path, query, probe)
         except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
             raise classify(exc).error from None
 

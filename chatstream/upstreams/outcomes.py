@@ -281,9 +281,7 @@ _CONTINUABLE = frozenset(
 
 def may_continue(error: ApiError) -> bool:
     """Whether an answer that failed with ``error`` after output went to the caller may go on on
-    another entry: a lost connection, a 5xx-shaped error event, the idle limit, undecodable data or a
-    stream ended early; not the total limit, a caller's hang-up, a moderation stop, a 4xx-shaped error
-    event or a failure of ours."""
+    another entry (``_CONTINUABLE``)."""
     return error.retryable and error.type in _CONTINUABLE
 
 
@@ -325,7 +323,6 @@ def _status_error(exc: openai.APIStatusError, model: str, outcome: Outcome) -> A
     status = exc.status_code
     message = error_field(exc.body, "message") or redact(exc.message)
     if status in (401, 403):
-        # Our credentials, not the caller's: said without the upstream's details.
         return ApiError(502, ErrorKind.UPSTREAM_AUTH, "upstream authentication failed")
     provider = provider_error(exc.body)
     param = provider.param if provider is not None else None

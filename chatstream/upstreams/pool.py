@@ -106,8 +106,7 @@ def _weighted_order(entries: list[Entry], rng: random.Random) -> list[Entry]:
 
 class Pool:
     """The entries and their health. ``now`` is a monotonic clock, ``rng`` the random source for the
-    weighted order; ``on_event`` hears of cooldowns, breakers opening and closing, and
-    configuration problems (for log lines)."""
+    weighted order; ``on_event`` hears of each ``PoolEvent``."""
 
     def __init__(
         self,
@@ -132,12 +131,6 @@ class Pool:
         chosen = {**ERROR_ROUTES, **(routes or {})}
         self.routes: dict[OutcomeKind, Route] = {kind: cast(Route, chosen[name]) for name, kind in ROUTED.items()}
 
-    def entry(self, name: str) -> Entry:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        raise KeyError(name)
-
     def serves(self, model: str) -> bool:
         """Whether any entry serves ``model`` (if not: a 400 naming the model, no upstream call)."""
         return any(e.serves(model) for e in self.entries)
@@ -149,11 +142,7 @@ class Pool:
         down, breaker not open, no probe of theirs in flight); lowest priority number first, a
         weighted random order within a priority."""
         now = self._now()
-        free = [
-            e
-            for e in self.entries
-            if e.serves(model) and self.health[e.name].wait(e.deployment(model), now, self.policy) is None
-        ]
+        free = [e for e in self.entries if e.serves(model) and self._waits(e, model, now) is None]
         if self._ordered:
             return sorted(free, key=lambda e: e.priority)
         ordered: list[Entry] = []
@@ -166,7 +155,7 @@ class Pool:
         since ``candidates``). A half-open entry gives its one probe slot to this attempt; None when
         the entry is no longer free."""
         health = self.health[entry.name]
-        if not entry.serves(model) or health.wait(entry.deployment(model), self._now(), self.policy) is not None:
+        if not entry.serves(model) or self._waits(entry, model, self._now()) is not None:
             return None
         probe = health.open_until is not None  # free and open_until set: half-open
         if probe:
@@ -176,8 +165,11 @@ class Pool:
 
     def wait(self, entry: Entry, model: str) -> float | None:
         """Seconds until ``entry`` can take a request for ``model`` again; None: it can now."""
-        wait = self.health[entry.name].wait(entry.deployment(model), self._now(), self.policy)
+        wait = self._waits(entry, model, self._now())
         return wait[0] if wait is not None else None
+
+    def _waits(self, entry: Entry, model: str, now: float) -> tuple[float, str] | None:
+        return self.health[entry.name].wait(entry.deployment(model), now, self.policy)
 
     def route(self, outcome: Outcome) -> Route:
         """Where a request goes after a failed attempt: ``next`` candidate, only those with a
@@ -195,7 +187,7 @@ class Pool:
         waits = []
         for entry in self.entries:
             if entry.serves(model):
-                wait = self.health[entry.name].wait(entry.deployment(model), now, self.policy)
+                wait = self._waits(entry, model, now)
                 if wait is None:
                     return None
                 waits.append(wait)

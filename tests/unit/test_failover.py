@@ -120,14 +120,12 @@ def params(stream: bool = True) -> dict:
 def pooled(clients: dict[str, ScriptedClient], **settings_env: str) -> Upstreams:
     raw = json.dumps([{"name": n, "base_url": f"http://{n}/v1", "priority": i} for i, n in enumerate(clients)])
     settings = Settings.from_env({"UPSTREAMS": raw, **settings_env})
-    return Upstreams(settings, Pool(entries(settings, {}), now=Clock()), clients, pooled=True)
+    return Upstreams(settings, Pool(entries(settings, {}), now=Clock()), clients)
 
 
 def single(client: ScriptedClient, clock: Clock | None = None) -> Upstreams:
     settings = Settings.from_env({"OPENAI_BASE_URL": "http://up.test/v1"})
-    return Upstreams(
-        settings, Pool(entries(settings, {}), now=clock or Clock(), policy=SINGLE), {"default": client}, pooled=False
-    )
+    return Upstreams(settings, Pool(entries(settings, {}), now=clock or Clock(), policy=SINGLE), {"default": client})
 
 
 async def run(upstreams: Upstreams, continue_max: int = 0) -> tuple[list, StreamRecord]:
@@ -253,7 +251,7 @@ async def test_weights_split_first_attempts_within_a_priority():
     clients = {
         e.name: ScriptedClient({"object": "chat.completion", "choices": []}, name=e.name) for e in entries(settings, {})
     }
-    upstreams = Upstreams(settings, Pool(entries(settings, {}), rng=random.Random(1414)), clients, pooled=True)
+    upstreams = Upstreams(settings, Pool(entries(settings, {}), rng=random.Random(1414)), clients)
     for _ in range(800):
         await upstreams.complete("/chat/completions", params(False), StreamRecord(endpoint="openai", model="gpt-test"))
     share = clients["heavy"].calls / 800
@@ -433,7 +431,7 @@ class CoolingStream(ScriptedStream):
 async def test_the_only_entry_is_waited_for_while_it_cools_down():
     settings = Settings.from_env({"OPENAI_BASE_URL": "http://up.test/v1"})
     client = ScriptedClient()
-    upstreams = Upstreams(settings, Pool(entries(settings, {}), policy=SINGLE), {"default": client}, pooled=False)
+    upstreams = Upstreams(settings, Pool(entries(settings, {}), policy=SINGLE), {"default": client})
     client.answers = [
         CoolingStream([chunk("Wait "), chunk("for it")], upstreams, 0.5),
         ScriptedStream([chunk("Wait for it"), chunk("..."), chunk(finish="stop")]),

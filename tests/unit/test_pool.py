@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from chatstream.settings import Settings, SettingsError
-from chatstream.upstreams.config import Entry, single_entry
+from chatstream.upstreams.config import Entry
 from chatstream.upstreams.outcomes import (
     SUCCESS,
     Outcome,
@@ -32,6 +32,7 @@ from .upstream_helpers import (
     attempt,
     entry,
     make_pool,
+    named,
     names,
     outcome_of,
     retry_after,
@@ -261,7 +262,7 @@ def test_only_one_probe_at_a_time():
     assert state["state"] == "half_open" and state["probing"]
     probe.report(SUCCESS)
     assert names(pool.candidates("gpt-4o")) == ["a", "b"]
-    assert pool.acquire(pool.entry("a"), "gpt-4o").probe is False
+    assert pool.acquire(named(pool, "a"), "gpt-4o").probe is False
 
 
 def test_when_the_only_entry_is_being_probed_retry_after_is_short():
@@ -280,7 +281,7 @@ def test_a_cancelled_probe_frees_its_slot_and_the_entry_stays_half_open():
     pool, clock = make_pool(entry("a"), entry("b", 2))
     attempt(pool, "a", outcome=CONNECT_FAILED)
     clock.advance(5)
-    probe = pool.acquire(pool.entry("a"), "gpt-4o")
+    probe = pool.acquire(named(pool, "a"), "gpt-4o")
     with pytest.raises(KeyboardInterrupt):  # any BaseException, as asyncio.CancelledError is
         try:
             assert probe.probe
@@ -289,11 +290,11 @@ def test_a_cancelled_probe_frees_its_slot_and_the_entry_stays_half_open():
             probe.release()  # as the request path does when it is cancelled
     assert pool.state()[0]["state"] == "half_open" and not pool.state()[0]["probing"]
     assert names(pool.candidates("gpt-4o")) == ["a", "b"]
-    again = pool.acquire(pool.entry("a"), "gpt-4o")
+    again = pool.acquire(named(pool, "a"), "gpt-4o")
     assert again.probe
     again.release()
     again.release()  # idempotent
-    assert pool.acquire(pool.entry("a"), "gpt-4o").probe
+    assert pool.acquire(named(pool, "a"), "gpt-4o").probe
 
 
 def test_a_probe_slot_is_released_when_the_task_is_cancelled():
@@ -305,7 +306,7 @@ def test_a_probe_slot_is_released_when_the_task_is_cancelled():
         started = asyncio.Event()
 
         async def request():
-            probe = pool.acquire(pool.entry("a"), "gpt-4o")
+            probe = pool.acquire(named(pool, "a"), "gpt-4o")
             try:
                 started.set()
                 await asyncio.sleep(3600)
@@ -383,7 +384,7 @@ def test_state_reports_each_entry_without_any_key():
         models=("gpt-4o",),
         deployments={"gpt-4o": "gpt4o-ptu"},
     )
-    openai_entry = single_entry("openai", api_key=SecretStr(SECRET), base_url="https://user:pw@api.openai.com/v1")
+    openai_entry = Entry("default", "openai", "https://user:pw@api.openai.com/v1", api_key=SecretStr(SECRET))
     pool, clock = make_pool(ptu, openai_entry)
     attempt(pool, "ptu", outcome=outcome_of_status(429, {"retry-after": "30"}))
     attempt(pool, "default", outcome=SERVER_ERROR)
@@ -478,7 +479,7 @@ def test_a_report_after_release_is_not_taken_for_the_probe():
     pool, clock = make_pool(entry("a"))
     attempt(pool, "a", outcome=CONNECT_FAILED)
     clock.advance(5)
-    cancelled_probe = pool.acquire(pool.entry("a"), "gpt-4o")
+    cancelled_probe = pool.acquire(named(pool, "a"), "gpt-4o")
     cancelled_probe.release()
     probe = attempt(pool, "a")
     cancelled_probe.report(SUCCESS)  # late, after its slot was given back: no effect

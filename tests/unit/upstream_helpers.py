@@ -47,8 +47,12 @@ def names(entries) -> list[str]:
     return [e.name for e in entries]
 
 
+def named(pool: Pool, name: str) -> Entry:
+    return next(e for e in pool.entries if e.name == name)
+
+
 def attempt(pool: Pool, name: str, model: str = "gpt-4o", outcome: Outcome | None = None):
-    a = pool.acquire(pool.entry(name), model)
+    a = pool.acquire(named(pool, name), model)
     assert a is not None, f"{name} is not free"
     if outcome is not None:
         a.report(outcome)
