@@ -173,6 +173,37 @@ def test_a_cut_stream_nothing_continued_is_charged_at_least_its_journal_record()
     assert checks.failures["segment_charged_less_than_generated"] == 2
 
 
+def test_a_cut_stream_whose_taker_died_too_is_charged_at_least_the_takers_journal_record():
+    """Seed 812, k812-9-52 (chat completions): its caller read 19 tokens live, then its instance
+    died with one event stored; the taker's continuation stood in for them and was killed too,
+    0.1-0.35 s after its last stand-in, before its journal recorded it: the taker's recovery charged
+    its journal's last record, 18 (docs/callers.md). The bound is the larger of the two journals'
+    records; a charge below what the taker sent ``JOURNAL_LAG_SECONDS`` before its kill fails."""
+    from collections import Counter
+
+    from tools.chaos.soak import EXPECTED, JOURNAL_LAG_SECONDS, Checks, Result
+
+    checks = Checks.__new__(Checks)  # (no store: only the ledger rule)
+    checks.failures, checks.examples = Counter(), {}
+    cut = Result(marker="m", kind="chat_completions", caller="c", status=200, text=EXPECTED[:116], cuts=[116])
+    cut.finals, cut.outcome = ["error:stream_lost"], "expected:stream_lost_unstored"
+    first = {"content_sent_at": [226.011 + 0.05 * i for i in range(18)], "ended_at": 226.903}
+    sent = [235.79 + 0.05 * i for i in range(24)]
+    taker = {"content_sent_at": sent, "ended_at": 236.971, "outcome": "client_disconnected"}
+    row = {"RowKey": "r", "completion_tokens": 18, "ended": "lost", "segment": 0, "upstream_id": ""}
+    counts: Counter = Counter()
+    checks.check_segment("m", {"id": "req_614"}, first, row, counts, cut, 2)
+    assert dict(checks.failures) == {"segment_charged_less_than_generated": 1}  # (no taker: what the caller read)
+    checks.check_segment("m", {"id": "req_614"}, first, row, counts, cut, 2, taker)
+    assert checks.failures["segment_charged_less_than_generated"] == 1
+    assert counts["lost_parts_charged_at_least_what_their_caller_received"] == 1
+    # A taker killed long after its stand-ins: its journal had them all, 3 is short.
+    late = {**taker, "ended_at": sent[-1] + JOURNAL_LAG_SECONDS + 0.1}
+    short = {**row, "completion_tokens": 3}
+    checks.check_segment("m", {"id": "req_614"}, first, short, counts, cut, 2, late)
+    assert checks.failures["segment_charged_less_than_generated"] == 2
+
+
 def test_a_continuation_lost_with_its_instance_and_read_by_nobody_is_charged_at_least_its_journal_record():
     """Seed 2027, k2027-7-75: its continuation (segment 20; its asking reader was told stream_lost,
     nobody else read it) was lost with its instance 1.9 s in, 36 deltas sent (38 tokens), and

@@ -893,9 +893,12 @@ class Checks:
                 else:
                     unlinked_calls.append(call)
             # A segment lost with its instance is charged without the upstream's id: in call order.
-            for call, row in zip(unlinked_calls, unlinked_rows, strict=False):
+            lost = list(zip(unlinked_calls, unlinked_rows, strict=False))
+            for i, (call, row) in enumerate(lost):
                 counts["segments_charged_without_upstream_id"] += 1
-                self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts, result, read)
+                # The continuation that stood in for this part, when it was lost with its instance too.
+                taker = streams.get(lost[i + 1][0]["id"]) if i + 1 < len(lost) else None
+                self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts, result, read, taker)
             for row in rows:
                 if row.get("caller") != result.caller:
                     self.fail("charged_to_another_caller", {"marker": marker, "row": row["RowKey"]})
@@ -938,6 +941,7 @@ class Checks:
         counts: Counter,
         result: Result | None = None,
         calls: int = 1,
+        taker: dict | None = None,
     ) -> None:
         """One upstream call's charge: at the upstream's usage when the call completed and was
         settled so; otherwise (cut, stalled, its instance dead) at what the upstream sent on it,
@@ -952,7 +956,9 @@ class Checks:
         at most ``IN_FLIGHT`` tokens or ``IN_FLIGHT_SECONDS`` of its deltas fewer (what was in the
         socket, or not yet read by a busy worker), or, when the upstream had
         finished meanwhile, the whole text counted as the app counts it (its usage never read).
-        ``calls``: the upstream calls of the attempt (0: one its caller got no answer from)."""
+        ``calls``: the upstream calls of the attempt (0: one its caller got no answer from);
+        ``taker``: the upstream's record of the continuation that stood in for this part, when that
+        continuation was lost with its instance too (``received_from_the_lost_instance``)."""
         where = {"marker": marker, "call": call["id"], "row": row["RowKey"], "ended": row.get("ended")}
         charged = int(row["completion_tokens"])
         sent = len(stream["content_sent_at"]) if "content_sent_at" in stream else None
@@ -989,7 +995,7 @@ class Checks:
             counts["segments_unchecked_responses_cut"] += 1
             return
         generated = tokens.count_text(MODEL, cadence_text(sent))
-        received = received_from_the_lost_instance(result, row, calls, stream)
+        received = received_from_the_lost_instance(result, row, calls, stream, taker)
         recorded = journal_record(stream) if row.get("ended") == "lost" else None
         if charged < generated and received is not None and charged >= received:
             counts["lost_parts_charged_at_least_what_their_caller_received"] += 1
@@ -1109,7 +1115,7 @@ def cut_uncalled(result: Result, marker: str, by_marker: dict[str, list[dict]]) 
 
 
 def received_from_the_lost_instance(
-    result: Result | None, row: dict, calls: int, stream: dict | None = None
+    result: Result | None, row: dict, calls: int, stream: dict | None = None, taker: dict | None = None
 ) -> int | None:
     """Completion tokens a resumable stream's caller had got from the instance its first part was
     lost with (``row``: that part, ``lost``, segment 0), counted as the app counts text: what it had
@@ -1120,12 +1126,17 @@ def received_from_the_lost_instance(
     Cut, with one upstream call: nothing continued the stream (its taker's continuation refused,
     e.g. the caller's budget spent), so no continuation stands for what the caller held unstored
     (endpoint.take_over): docs/callers.md promises the journal's last record, at most
-    ``JOURNAL_LAG_SECONDS`` before the call (``stream``, the upstream's record) was closed."""
+    ``JOURNAL_LAG_SECONDS`` before the call (``stream``, the upstream's record) was closed. Cut, and
+    continued by a taker that died too (``taker``: its continuation's record): what the taker knew of
+    the caller's part (its stand-ins) reached only its journal, so the larger of the two journals'
+    last records (docs/callers.md)."""
     if result is None or calls == 0 or row.get("ended") != "lost" or int(row.get("segment") or 0) != 0:
         return None
     if result.cuts:
         got = tokens.count_text(MODEL, result.text[: result.cuts[0]])
         recorded = journal_record(stream) if calls == 1 else None
+        if calls > 1 and taker is not None:
+            recorded = max(journal_record(stream) or 0, journal_record(taker) or 0)
         return got if recorded is None else min(got, recorded)
     if result.kind in RESUMABLE and calls == 1 and result.text:
         return tokens.count_text(MODEL, result.text)
