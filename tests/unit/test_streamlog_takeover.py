@@ -10,6 +10,7 @@ import random
 import re
 import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from memory_store import Fault, MemoryData
@@ -377,35 +378,40 @@ async def test_without_its_request_stored_a_dead_producers_stream_cannot_be_cont
         assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
 
 
+async def _ended_by_a_takeover_that_fails(sabotage) -> tuple[Any, Any]:
+    """Two instances; a producer on the first with a request, a reader on the second; ``sabotage(b,
+    producer)`` then the first killed: the reader's events end with stream_lost, nothing claimed; the
+    record and the producer after."""
+    calls: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 10})
+        producer.append(delta(0))
+        reader = await open_when_visible(b, producer.id, None)
+        await asyncio.sleep(0.2)
+        await sabotage(b, producer)
+        kill(a)
+        events = events_of(await read_all(reader))
+        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+        await asyncio.sleep(0.2)
+        return await b.store.get(STREAMS_TABLE, producer.id, RECORD_ROW), producer
+
+
 async def test_a_stored_request_that_does_not_parse_ends_the_readers_with_stream_lost():
     """(Never stored so: a hand edit.) Nothing is claimed (the record keeps its epoch); the readers
     end with stream_lost, the record says lost."""
-    calls: list[Claim] = []
-    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 10})
-        producer.append(delta(0))
-        reader = await open_when_visible(b, producer.id, None)
-        await asyncio.sleep(0.2)
+
+    async def unparsable(b, producer) -> None:
         await b.store.merge(STREAMS_TABLE, {"PartitionKey": producer.id, "RowKey": RECORD_ROW, "request": "{"})
-        kill(a)
-        events = events_of(await read_all(reader))
-        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
-        await asyncio.sleep(0.2)
-        record = await b.store.get(STREAMS_TABLE, producer.id, RECORD_ROW)
-        assert record is not None and record.get("epoch", 0) == producer.epoch and record["state"] == "lost"
+
+    record, producer = await _ended_by_a_takeover_that_fails(unparsable)
+    assert record is not None and record.get("epoch", 0) == producer.epoch and record["state"] == "lost"
 
 
 async def test_a_store_failing_during_the_takeover_ends_the_readers_with_one_final_error():
-    calls: list[Claim] = []
-    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
-        producer = a.start("chat", None, request={"deltas": 10})
-        producer.append(delta(0))
-        reader = await open_when_visible(b, producer.id, None)
-        await asyncio.sleep(0.2)
-        b.store.inject(Fault("unavailable", ops=frozenset({"replace"}), table=STREAMS_TABLE, times=10**9))  # type: ignore[attr-defined]
-        kill(a)
-        events = events_of(await read_all(reader))
-        assert [n for n, _ in events] == [1, 2] and b'"stream_lost"' in events[-1][1] and not calls
+    async def failing(b, producer) -> None:
+        b.store.inject(Fault("unavailable", ops=frozenset({"replace"}), table=STREAMS_TABLE, times=10**9))
+
+    await _ended_by_a_takeover_that_fails(failing)
 
 
 async def test_a_continued_stream_is_cancelled_abandoned_and_swept_like_any_other():
