@@ -897,7 +897,8 @@ class Checks:
             for i, (call, row) in enumerate(lost):
                 counts["segments_charged_without_upstream_id"] += 1
                 # The continuation that stood in for this part, when it was lost with its instance too.
-                taker = streams.get(lost[i + 1][0]["id"]) if i + 1 < len(lost) else None
+                after = lost[i + 1] if i + 1 < len(lost) else None
+                taker = streams.get(after[0]["id"]) if after is not None and after[1].get("ended") == "lost" else None
                 self.check_segment(marker, call, streams.get(call["id"]) or {}, row, counts, result, read, taker)
             for row in rows:
                 if row.get("caller") != result.caller:
