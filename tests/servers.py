@@ -92,7 +92,9 @@ class Upstream(Served):
 
     def __init__(self, *extra: str):
         super().__init__(["-m", "tools.fakeupstream", "--port", "0", *extra])
-        self.http = httpx.Client(base_url=self.url, timeout=10)
+        # httpx keeps an idle connection 5 s by default, exactly uvicorn's keep-alive timeout: a control call
+        # after ~5 s idle could reuse a connection the server was closing (CI: "Connection reset by peer").
+        self.http = httpx.Client(base_url=self.url, timeout=10, limits=httpx.Limits(keepalive_expiry=1.0))
 
     @property
     def base_url(self) -> str:
