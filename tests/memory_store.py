@@ -26,9 +26,6 @@ from chatstream.state.store import (
     StoreClock,
     Where,
     check_batch,
-    check_etag,
-    check_key,
-    clean,
 )
 
 # ``not_found``: the store answers 404 for the table itself (one deleted under the app, before the
@@ -160,31 +157,29 @@ class MemoryStore:
         return await self._call("get", table, timeout, work, write=False)
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = clean(entity)
+        values = stored(Op("insert", entity))
         return await self._call("insert", table, timeout, lambda: self._write(table, "insert", values, None), True)
 
     async def replace(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        values = clean(entity)
+        values = stored(Op("replace", entity, etag))
         return await self._call("replace", table, timeout, lambda: self._write(table, "replace", values, etag), True)
 
     async def merge(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        values = clean(entity)
+        values = stored(Op("merge", entity, etag))
         return await self._call("merge", table, timeout, lambda: self._write(table, "merge", values, etag), True)
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        values = clean(entity)
+        values = stored(Op("upsert", entity))
         return await self._call("upsert", table, timeout, lambda: self._write(table, "upsert", values, None), True)
 
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> None:
-        check_key("PartitionKey", partition)
-        check_key("RowKey", row)
-        keys = {"PartitionKey": partition, "RowKey": row}
+        keys = stored(Op("delete", {"PartitionKey": partition, "RowKey": row}, etag))
         await self._call("delete", table, timeout, lambda: self._write(table, "delete", keys, etag), True)
 
     def _check(self, table: str, kind: str, values: Mapping[str, Any], etag: str | None) -> None:
@@ -194,7 +189,6 @@ class MemoryStore:
             raise AlreadyExists("the row exists")
         if kind == "delete" and found is None:
             return  # a delete of a row that is not there is quiet, as the service's SDK makes it
-        check_etag(etag)
         if kind in ("replace", "merge", "delete"):  # the row must be there (If-Match: * without an etag)
             if found is None:
                 raise NotFound("no such row")
@@ -237,7 +231,7 @@ class MemoryStore:
 
     async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> None:
         check_batch(ops)
-        prepared = [(op.kind, clean(op.entity) if op.kind != "delete" else dict(op.entity), op.etag) for op in ops]
+        prepared = [(op.kind, stored(op), op.etag) for op in ops]
 
         def work() -> None:
             for index, (kind, values, etag) in enumerate(prepared):  # all or nothing
@@ -318,6 +312,11 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+
+def stored(op: Op) -> dict[str, Any]:
+    """What the store keeps of a (checked) write: no None values."""
+    return {k: v for k, v in op.entity.items() if v is not None}
 
 
 def _select(values: Mapping[str, Any], select: Sequence[str] | None) -> dict[str, Any]:

@@ -86,12 +86,19 @@ OpKind = Literal["insert", "replace", "merge", "upsert", "delete"]
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of a ``batch``: ``replace``/``merge``/``delete`` with ``etag`` are conditional
-    (None: unconditional); ``delete`` needs only the keys in ``entity``."""
+    """A write of a row, alone or in a ``batch``, checked when it is made (``check_entity``; a
+    ValueError): ``replace``/``merge``/``delete`` with ``etag`` are conditional (None: any version;
+    an empty one is a bug, a row never read: one store would send it as any version, another fail
+    it); ``delete`` needs only the keys in ``entity``."""
 
     kind: OpKind
     entity: Mapping[str, Any]
     etag: str | None = None
+
+    def __post_init__(self) -> None:
+        check_entity(self.entity, keys_only=self.kind == "delete")
+        if self.etag == "":
+            raise ValueError("an empty ETag (None: any version)")
 
 
 class StoreClock:
@@ -183,13 +190,14 @@ def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
     """Table storage's limits (Azurite does not enforce them all), a ValueError for each: a string
     property of at most 32,768 UTF-16 code units, at most 252 properties of our own (besides the
     keys and Timestamp), an entity under 1 MiB, keys of at most 1 KiB without ``/ \\ # ?`` or
-    control characters. Breaking one is a bug of ours
+    control characters. None values are not stored (the store keeps no nulls): not counted. Breaking
+    one is a bug of ours
     (https://learn.microsoft.com/rest/api/storageservices/understanding-the-table-service-data-model)."""
     check_key("PartitionKey", entity.get("PartitionKey"))
     check_key("RowKey", entity.get("RowKey"))
     if keys_only:
         return
-    own = [k for k in entity if k not in ("PartitionKey", "RowKey")]
+    own = [k for k, v in entity.items() if v is not None and k not in ("PartitionKey", "RowKey")]
     if len(own) > 252:
         raise ValueError("an entity has at most 252 properties of our own")
     size = 0
@@ -202,7 +210,7 @@ def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
             if units > 32 * 1024:
                 raise ValueError(f"property {name!r} is over Table storage's 64 KiB ({units} UTF-16 units)")
             size += 2 * units
-        elif isinstance(value, bool) or value is None:
+        elif isinstance(value, bool):
             size += 1
         elif isinstance(value, int):
             if not -(2**63) <= value < 2**63:
@@ -219,13 +227,6 @@ def check_entity(entity: Mapping[str, Any], keys_only: bool = False) -> None:
         raise ValueError("an entity is over Table storage's 1 MiB")
 
 
-def clean(entity: Mapping[str, Any]) -> dict[str, Any]:
-    """``entity`` without None values (the store keeps no nulls), checked against the limits."""
-    out = {k: v for k, v in entity.items() if v is not None}
-    check_entity(out)
-    return out
-
-
 def key_part(text: str) -> str:
     """``text`` as part of a PartitionKey/RowKey: the characters the service refuses (``/ \\ # ?``,
     control characters), ``%`` and ``|`` (our separator) percent-encoded; a long one shortened with
@@ -236,13 +237,6 @@ def key_part(text: str) -> str:
     return encoded
 
 
-def check_etag(etag: str | None) -> None:
-    """A condition on a row's version: its ETag, or None for any version. An empty one is a bug
-    (a row never read): one store would send it as any version, another fail it."""
-    if etag == "":
-        raise ValueError("an empty ETag (None: any version)")
-
-
 def check_batch(ops: Sequence[Op]) -> None:
     """A batch's operations: 1 to 100, one partition, each row once."""
     if not 1 <= len(ops) <= 100:
@@ -251,6 +245,3 @@ def check_batch(ops: Sequence[Op]) -> None:
     rows = [op.entity.get("RowKey") for op in ops]
     if len(partitions) != 1 or len(set(rows)) != len(rows):
         raise ValueError("a batch is one partition, each row once")
-    for op in ops:
-        check_entity(op.entity, keys_only=op.kind == "delete")
-        check_etag(op.etag)

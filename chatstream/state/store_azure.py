@@ -33,9 +33,7 @@ from .store import (
     StoreClock,
     Where,
     check_batch,
-    check_etag,
     check_key,
-    clean,
     compact_json,
 )
 from .store_account import Account
@@ -95,15 +93,15 @@ def store_error(exc: BaseException, what: str = "call") -> StoreError | None:
 
 
 def entity_json(entity: Mapping[str, Any]) -> bytes:
-    """A checked entity (``store.check_entity``) as the SDK sends it (module docstring), without its
-    None values (the store keeps no nulls: ``store.clean``)."""
+    """An ``Op``'s entity as the SDK sends it (module docstring), without its None values (the store
+    keeps no nulls)."""
     body: dict[str, Any] = {}
     for name, value in entity.items():
         kind = type(value)
         if kind is int and name != "PartitionKey" and name != "RowKey":
             body[name], body[name + "@odata.type"] = str(value), "Edm.Int64"
         elif value is not None:
-            body[name] = value  # a str or a bool as it is (check_entity lets nothing else through)
+            body[name] = value  # a str or a bool as it is (Op's check lets nothing else through)
             if kind is float:
                 body[name + "@odata.type"] = "Edm.Double"
     return compact_json(body).encode()
@@ -152,8 +150,6 @@ def odata_filter(where: Where) -> str:
 
 def _entity_path(table: str, partition: str, row: str) -> str:
     # As the SDK's _prepare_key: a quote doubled inside the key's quotes, then URL-encoded.
-    check_key("PartitionKey", partition)
-    check_key("RowKey", row)
     pk, rk = (quote(key.replace("'", "''"), safe="") for key in (partition, row))
     return f"{table}(PartitionKey='{pk}',RowKey='{rk}')"
 
@@ -215,6 +211,8 @@ class AzureStore:
         select: Sequence[str] | None = None,
         timeout: float = CALL_TIMEOUT,
     ) -> Row | None:
+        check_key("PartitionKey", partition)
+        check_key("RowKey", row)
         path = _entity_path(table, partition, row)
         if select:
             path += f"?$select={','.join(['PartitionKey', 'RowKey', *select])}"
@@ -225,20 +223,20 @@ class AzureStore:
         return row_of(json.loads(body), headers.get("ETag", ""))
 
     async def insert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        return await self._write(table, Op("insert", clean(entity)), timeout)
+        return await self._write(table, Op("insert", entity), timeout)
 
     async def replace(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write(table, Op("replace", clean(entity), etag), timeout)
+        return await self._write(table, Op("replace", entity, etag), timeout)
 
     async def merge(
         self, table: str, entity: Mapping[str, Any], *, etag: str | None = None, timeout: float = CALL_TIMEOUT
     ) -> str:
-        return await self._write(table, Op("merge", clean(entity), etag), timeout)
+        return await self._write(table, Op("merge", entity, etag), timeout)
 
     async def upsert(self, table: str, entity: Mapping[str, Any], *, timeout: float = CALL_TIMEOUT) -> str:
-        return await self._write(table, Op("upsert", clean(entity)), timeout)
+        return await self._write(table, Op("upsert", entity), timeout)
 
     async def delete(
         self, table: str, partition: str, row: str, *, etag: str | None = None, timeout: float = CALL_TIMEOUT
@@ -248,7 +246,6 @@ class AzureStore:
 
     async def _write(self, table: str, op: Op, timeout: float, batch: bool = False) -> str:
         """``op`` as a request of its own (of a ``batch``: sent once, as a batch is)."""
-        check_etag(op.etag)
         method, path, own = _request(table, op)
         body = None if op.kind == "delete" else entity_json(op.entity)
         headers = {**(_TABLE if body is None else _JSON), **own}
@@ -281,7 +278,7 @@ class AzureStore:
                 going += f"&NextRowKey={quote(row_after, safe='')}"
 
     async def batch(self, table: str, ops: Sequence[Op], *, timeout: float = CALL_TIMEOUT) -> None:
-        """An entity-group transaction (checked: store.check_batch): one multipart/mixed POST of
+        """An entity-group transaction (``store.check_batch``): one multipart/mixed POST of
         the operations as the SDK sends them (the Table service's $batch format, written here: no
         library makes it but the SDK's pipeline). Sent once; all or nothing: a refusal names the
         failing operation (the error's ``index``). One operation goes as its own request: the
@@ -300,8 +297,6 @@ class AzureStore:
         for op in ops:
             method, path, own = _request(table, op)
             headers = "".join(f"{name}: {value}\r\n" for name, value in own.items())
-            # Checked once, by check_batch: the entity with its None values, which count against the
-            # limits (check_entity), so the entity without them (clean's check) passes too.
             body = b"" if op.kind == "delete" else entity_json(op.entity)
             parts.append(
                 f"--{changeset}\r\nContent-Type: application/http\r\nContent-Transfer-Encoding: binary\r\n\r\n"

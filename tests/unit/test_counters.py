@@ -12,7 +12,7 @@ import idle_clock  # waits with nothing to do skipped (tests/idle_clock.py)
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from memory_store import Fault, MemoryData, MemoryStore
+from memory_store import Fault, MemoryData, MemoryStore, stored
 
 from chatstream.errors import StoreTimeout
 from chatstream.state.accounting import Admission
@@ -22,7 +22,7 @@ from chatstream.state.counters import Counters, Reservation, Want
 from chatstream.state.instances import Instances
 from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.port import LimitRef, Refused, Unavailable, Used
-from chatstream.state.store import CALL_TIMEOUT, LIMITS_TABLE, USAGE_TABLE, clean
+from chatstream.state.store import CALL_TIMEOUT, LIMITS_TABLE, USAGE_TABLE, Op
 
 from .state_helpers import account, admit, counter, finish, instance, until, usage
 
@@ -309,7 +309,7 @@ class _LandsLate(MemoryStore):
 
     async def replace(self, table, entity, *, etag=None, timeout=CALL_TIMEOUT):
         if self.late is None:
-            values = clean(entity)
+            values = stored(Op("replace", entity, etag))
             self.late = lambda: self._write(table, "replace", values, etag)
             raise StoreTimeout("the store did not answer in time (it lands later)")
         return await super().replace(table, entity, etag=etag, timeout=timeout)

@@ -134,21 +134,23 @@ def test_what_a_call_raises_is_mapped_into_the_stores_errors_in_one_place():
     assert store_error(ValueError("a bug of ours")) is None
 
 
-def test_an_entity_goes_without_its_none_values_and_a_checked_one_passes_clean_too():
-    """A batch checks each entity once (store.check_batch, None values counted against the limits)
-    and writes it with entity_json, which leaves the None values out as store.clean does."""
+def test_an_entitys_none_values_are_neither_sent_nor_counted_against_the_limits():
+    """The store keeps no nulls: entity_json leaves the None values out, and a write's check (``Op``,
+    store.check_entity) does not count them, in a batch as alone."""
     import json
 
-    from chatstream.state.store import check_entity, clean
+    from chatstream.state.store import Op
     from chatstream.state.store_azure import entity_json
 
     entity = {"PartitionKey": "p", "RowKey": "r", "n": 1, "gone": None, "s": "x", "f": 0.5, "b": True}
-    assert json.loads(entity_json(entity)) == json.loads(entity_json(clean(entity)))
-    assert "gone" not in json.loads(entity_json(entity))
+    assert json.loads(entity_json(entity)) == {
+        "PartitionKey": "p", "RowKey": "r", "n": "1", "n@odata.type": "Edm.Int64", "s": "x",
+        "f": 0.5, "f@odata.type": "Edm.Double", "b": True,
+    }  # fmt: skip
     full = {"PartitionKey": "p", "RowKey": "r", **{f"p{i}": i for i in range(252)}, "x": None}
-    check_entity(clean(full))  # without its None: within the limits
-    with pytest.raises(ValueError):
-        check_entity(full)  # the check with the None values is the stricter one
+    Op("insert", full)  # 252 properties of our own and a None: within the limits
+    with pytest.raises(ValueError, match="252"):
+        Op("insert", {**full, "x": 1})
 
 
 async def test_an_identitys_token_signs_until_near_its_expiry_or_a_refusal():

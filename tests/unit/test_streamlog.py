@@ -435,7 +435,7 @@ async def test_a_producer_whose_record_is_another_producers_never_overwrites_it(
     """Issue #45: the record's insert refused until another producer's record is there (a takeover
     racing the first write): the producer gives up ("its record is someone else's"), and its
     stream_lost never lands on that record (it merged with the empty ETag of a record it never
-    read: store_azure sent that as any version; both stores now refuse it, store.check_etag)."""
+    read: store_azure sent that as any version; both stores now refuse it, store.Op)."""
     async with instances(2, **{**QUICK, "give_up_seconds": 5.0}) as (a, b):
         refused = Fault("unavailable", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=10**9)
         a.store.inject(refused)  # type: ignore[attr-defined]
