@@ -145,6 +145,8 @@ class Account:
         for name, url in (("__tableServiceUri", table), ("__blobServiceUri", blob)):
             if url is not None and not url.startswith("https://"):
                 raise SettingsError(f"{UNUSABLE}{name}: must be an https:// URL")
+        if table is None or blob is None:  # the app keeps its state in both
+            raise SettingsError(f"{UNUSABLE}__{'table' if table is None else 'blob'}ServiceUri: not set")
         credential = None
         if (get("__credential") or "").lower() == "managedidentity":
             from azure.identity.aio import ManagedIdentityCredential
@@ -155,17 +157,12 @@ class Account:
     def url(self, table: str | None, path: str) -> str:
         """``path`` in the table service, or in the container when ``table`` is None."""
         if table is None:
-            if not self.blob_url:
-                raise SettingsError(f"{UNUSABLE}__blobServiceUri: not set")
             return f"{self.blob_url}/{STREAMS_CONTAINER}/{path}"
-        if not self.table_url:
-            raise SettingsError(f"{UNUSABLE}__tableServiceUri: not set")
         return f"{self.table_url}/{path}"
 
     def describe(self) -> str:
         """Where the store is, for a log line (a URL without a key or a SAS)."""
-        where = self.table_url or self.blob_url
-        return f"{where} (identity-based)" if self.credential is not None else where
+        return f"{self.table_url} (identity-based)" if self.credential is not None else self.table_url
 
     async def close(self) -> None:
         if self.credential is not None:

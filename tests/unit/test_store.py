@@ -39,9 +39,22 @@ def test_identity_based_settings_make_service_urls(monkeypatch):
     assert account.table_url == "https://acct.table.core.windows.net"
     assert account.blob_url == "https://acct.blob.core.windows.net"
     assert isinstance(account.credential, ManagedIdentity) and account.credential.client_id == "id-1"
-    explicit = Account.from_env({"AzureWebJobsStorage__tableServiceUri": "https://t.example/"})
-    assert explicit is not None and explicit.table_url == "https://t.example" and explicit.blob_url == ""
+    explicit = Account.from_env(
+        {
+            "AzureWebJobsStorage__tableServiceUri": "https://t.example/",
+            "AzureWebJobsStorage__blobServiceUri": "https://b.x",
+        }
+    )
+    assert explicit is not None and explicit.table_url == "https://t.example" and explicit.blob_url == "https://b.x"
     assert type(explicit.credential).__name__ == "DefaultAzureCredential"  # no __credential: a developer's
+
+
+def test_a_service_uri_not_set_is_refused_at_start_up_naming_the_setting():
+    """Before, the missing one was refused at its first call, as a bug of ours (a 500), not at start-up."""
+    with pytest.raises(SettingsError, match="invalid app settings: AzureWebJobsStorage__blobServiceUri: not set"):
+        Account.from_env({"AzureWebJobsStorage__tableServiceUri": "https://t.example/"})
+    with pytest.raises(SettingsError, match="invalid app settings: AzureWebJobsStorage__tableServiceUri: not set"):
+        Account.from_env({"AzureWebJobsStorage__blobServiceUri": "https://b.example/"})
 
 
 def test_a_plain_http_service_uri_is_refused_naming_the_setting():
