@@ -18,8 +18,8 @@ own errors (errors.py: ``StoreError`` and its family). What a call answers:
   (``put``/``get_blob``: an instance's journal); ``delete_blob`` is quiet when it is not there.
 
 The store also keeps the time (``clock``): what crosses instances (windows, expiries, the age of a
-stream) is decided on the store's clock, not on two machines' wall clocks. And every write is
-checked against Table storage's limits, by both backends (``check_entity``)."""
+stream) is decided on the store's clock, not on two machines' wall clocks. And every write (``Op``)
+is checked against Table storage's limits, by both backends (``check_entity``)."""
 
 from __future__ import annotations
 
@@ -86,10 +86,9 @@ OpKind = Literal["insert", "replace", "merge", "upsert", "delete"]
 
 @dataclass(frozen=True)
 class Op:
-    """A write of a row, alone or in a ``batch``, checked when it is made (``check_entity``; a
-    ValueError): ``replace``/``merge``/``delete`` with ``etag`` are conditional (None: any version;
-    an empty one is a bug, a row never read: one store would send it as any version, another fail
-    it); ``delete`` needs only the keys in ``entity``."""
+    """A write of a row, alone or in a ``batch``, checked when made (``check_entity``, a ValueError):
+    ``replace``/``merge``/``delete`` under ``etag`` (None: any version; "", a row never read, is a
+    bug: one store would send it as any version, another fail it); ``delete`` needs only the keys."""
 
     kind: OpKind
     entity: Mapping[str, Any]
@@ -123,10 +122,10 @@ class StoreClock:
         """A call was answered after ``seconds``: a busy store answers late, a stopped one not at all."""
         self.latency += 0.2 * (seconds - self.latency)
 
-    def patience(self, bound: float = CALL_TIMEOUT, busy: float = BUSY_TIMEOUT) -> float:
-        """How long a call on a request's path may wait: ``bound``, or ``busy`` while the store's
-        answers are slow lately (a busy store is not a stopped one)."""
-        return busy if self.latency > bound / 4 else bound
+    def patience(self, bound: float = CALL_TIMEOUT) -> float:
+        """How long a call on a request's path may wait: ``bound``, or ``BUSY_TIMEOUT`` while the
+        store's answers are slow lately (a busy store is not a stopped one)."""
+        return BUSY_TIMEOUT if self.latency > bound / 4 else bound
 
     def failed(self) -> None:
         self.failed_at = self._monotonic()

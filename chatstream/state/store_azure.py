@@ -155,9 +155,8 @@ def _entity_path(table: str, partition: str, row: str) -> str:
 
 
 def _request(table: str, op: Op) -> tuple[str, str, dict[str, str]]:
-    """An operation's method, path and own headers, alone or in a batch: an insert is a POST to the
-    table; the rest go to the row, a replace, a merge or a delete only if the row is there (under
-    ``op.etag``, or any version: If-Match: *), an upsert whether it is or not."""
+    """An operation's method, path and own headers, alone or in a batch: a replace, a merge or a
+    delete only if the row is there (under ``op.etag``, or any version: If-Match: *)."""
     if op.kind == "insert":
         return "POST", table, {"Prefer": "return-no-content"}
     path = _entity_path(table, op.entity["PartitionKey"], op.entity["RowKey"])
@@ -188,9 +187,8 @@ def _batch_answer(count: int, data: bytes) -> None:
 
 
 class AzureStore:
-    """The store on an Azure Storage account (module docstring), on one aiohttp session, uncapped:
-    no connection limit (aiohttp's default of 100 would queue calls behind each other) and no proxy
-    settings read per request (trust_env off), on ``account`` (store_account.py)."""
+    """The store on ``account``'s storage (module docstring), on one aiohttp session with no
+    connection limit (aiohttp's default of 100 would queue calls behind each other)."""
 
     def __init__(self, account: Account, clock: StoreClock | None = None):
         self.account = account
@@ -418,13 +416,7 @@ class AzureStore:
         return result
 
     async def _send(
-        self,
-        url: str,
-        method: str,
-        headers: Mapping[str, str],
-        body: bytes | None,
-        again: bool,
-        batch_of: int = 0,
+        self, url: str, method: str, headers: Mapping[str, str], body: bytes | None, again: bool, batch_of: int = 0
     ) -> tuple[Mapping[str, str], bytes]:
         """One request to ``url``, signed (store_account.py); ``again``: sent a second time after a
         lost connection or a 5xx (a read or an unconditional write). A
