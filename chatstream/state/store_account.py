@@ -69,8 +69,9 @@ class Account:
                 self.credential = DefaultAzureCredential()
         else:
             # The SDKs' clients read the connection string (they make no request): its one key or
-            # SAS (the table client's credential) serves both services, at each one's URL.
-            from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+            # SAS (the table client's credential; it refuses a string with neither) serves both
+            # services, at each one's URL.
+            from azure.core.credentials import AzureNamedKeyCredential
             from azure.data.tables import TableServiceClient
             from azure.storage.blob import BlobServiceClient
 
@@ -85,10 +86,8 @@ class Account:
             key = table_client.credential
             if isinstance(key, AzureNamedKeyCredential):
                 self._key = key
-            elif isinstance(key, AzureSasCredential):
+            elif key is not None:
                 self._token, self._renew = key.signature, math.inf
-            else:
-                raise SettingsError(f"{UNUSABLE}: the connection string has no AccountKey or a SharedAccessSignature")
             table_url, blob_url = table_client.url, urlsplit(blob_client.url)._replace(query="").geturl()
         self.table_url, self.blob_url = (table_url or "").rstrip("/"), (blob_url or "").rstrip("/")
 

@@ -419,12 +419,12 @@ class AzureStore:
         self, url: str, method: str, headers: Mapping[str, str], body: bytes | None, again: bool, batch_of: int = 0
     ) -> tuple[Mapping[str, str], bytes]:
         """One request to ``url``, signed (store_account.py); ``again``: sent a second time after a
-        lost connection or a 5xx (a read or an unconditional write). A
-        conditional write (an insert, a write under an ETag or an append position, a batch) is sent
-        once: a copy sent after a timeout whose first try landed would get a 409/412 that says
-        "someone else wrote" of our own write (a counter exchange read that way gave back capacity
-        it had already given back). The caller decides after a timeout, by reading (counters.py,
-        journal.py). An error answer raises ``ErrorAnswer``."""
+        lost connection or a 5xx (a read or an unconditional write). A conditional write (an insert,
+        a write under an ETag or an append position, a batch) is sent once: a copy sent after a
+        timeout whose first try landed would get a 409/412 that says "someone else wrote" of our own
+        write (a counter exchange read that way gave back capacity it had already given back). The
+        caller decides after a timeout, by reading (counters.py, journal.py). An error answer raises
+        ``ErrorAnswer``."""
         url, headers = await self.account.sign(url, headers)
         if self._session is None:
             self._session = aiohttp.ClientSession(
