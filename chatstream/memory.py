@@ -148,8 +148,6 @@ def drop_read_pages(path: str) -> int:
 
 
 def started() -> None:
-    """Start-up is over: its objects are kept out of the garbage collector's walks from now on, and
-    young collections run every ``YOUNG_COLLECTION`` allocations, middle ones every
-    ``MIDDLE_COLLECTION`` young ones (module docstring)."""
+    """Start-up is over: its objects are frozen, collections spaced out (module docstring)."""
     gc.freeze()
     gc.set_threshold(YOUNG_COLLECTION, MIDDLE_COLLECTION, gc.get_threshold()[2])

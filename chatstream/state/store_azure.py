@@ -319,7 +319,6 @@ class AzureStore:
             raise AlreadyExists("the blob exists") from None
 
     async def append(self, name: str, data: bytes, *, at: int, timeout: float = CALL_TIMEOUT) -> int:
-        """``data`` at the end of an append blob that is ``at`` bytes long (Modified when it is not)."""
         headers = {**_BLOB, "x-ms-blob-condition-appendpos": str(at)}
         await self._call("append", timeout, None, "PUT", f"{name}?comp=appendblock", headers, data)
         return at + len(data)  # the append position condition held: the blob is now this long
@@ -332,7 +331,6 @@ class AzureStore:
             return b""
 
     async def put(self, name: str, data: bytes, *, etag: str | None = None, timeout: float = CALL_TIMEOUT) -> str:
-        """A block blob's whole content: a new one (``etag`` NEW), under ``etag``, or any (None)."""
         condition = {"If-None-Match": "*"} if etag == NEW else {"If-Match": etag} if etag is not None else {}
         headers = {**_BLOB, "x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream", **condition}
         try:
