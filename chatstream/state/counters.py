@@ -38,7 +38,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..errors import StoreError
@@ -389,7 +389,7 @@ class Lease:
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
-            row = CounterRow(None, window, max(0, taken + delta), holds)
+            row = replace(seen, window=window, taken=max(0, taken + delta), holds=holds)
             written = _Written(seen.etag, row, delta, applied, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
