@@ -102,10 +102,6 @@ def parse_holds(text: str | None) -> dict[str, Entry]:
     return dict(entry for item in (text or "").split() if (entry := _entry(item)) is not None)
 
 
-def format_holds(entries: Mapping[str, Entry]) -> str:
-    return " ".join(f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(entries.items()))
-
-
 @dataclass(frozen=True)
 class CounterRow:
     """A counter row as read or written (``etag`` None: not there)."""
@@ -144,24 +140,23 @@ async def read(store: Store, partition: str, key: str, bound: float) -> CounterR
     return CounterRow.of(await store.get(LIMITS_TABLE, partition, key, timeout=bound))
 
 
-async def write(
-    store: Store, partition: str, key: str, row: CounterRow, condition: str | None, bound: float
-) -> CounterRow | None:
-    """Write ``row`` conditioned on the ETag ``condition`` (None: an insert): the row as written, or
-    None when the condition failed (the row changed, or was inserted or deleted, since)."""
+async def write(store: Store, partition: str, key: str, row: CounterRow, bound: float) -> CounterRow | None:
+    """Write ``row`` conditioned on its ETag, the row's it was made on (None: an insert): the row as
+    written, or None when the condition failed (the row changed, or was inserted or deleted, since)."""
+    entries = [f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(row.holds.items())]
     entity = {
         **row.columns,
         "PartitionKey": partition,
         "RowKey": key,
         "window": row.window,
         "taken": row.taken,
-        "holds": " ".join([format_holds(row.holds), *row.foreign]).strip(),
+        "holds": " ".join([*entries, *row.foreign]),
     }
     try:
-        if condition is None:
+        if row.etag is None:
             etag = await store.insert(LIMITS_TABLE, entity, timeout=bound)
         else:
-            etag = await store.replace(LIMITS_TABLE, entity, etag=condition, timeout=bound)
+            etag = await store.replace(LIMITS_TABLE, entity, etag=row.etag, timeout=bound)
     except (Modified, AlreadyExists, NotFound):
         return None
     return replace(row, etag=etag)
