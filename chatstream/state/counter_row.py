@@ -7,10 +7,10 @@ after their next write). A row whose window is older than now counts as empty: r
 piled up. Everything reads and writes it through this module.
 
 **What a later version may add.** A ``holds`` item that is not an entry of that form (``op:x=...``,
-``x=1/2/3/4/5``) and any other column are another version's: every write of the row keeps them
-verbatim, whatever the window (a new window's first write too), and this version never counts them
-in ``taken`` or takes them for an instance's share; their writer owns their lifetime. So an item a
-later version adds must not parse as an entry here."""
+``x=1/2/3/4/5``) and any other column (a str, int, float or bool, as the store writes them) are
+another version's: every write of the row keeps them verbatim, whatever the window (a new window's
+first write too), and this version never counts them in ``taken`` or takes them for an instance's
+share; their writer owns their lifetime. So an item a later version adds must not parse as an entry."""
 
 from __future__ import annotations
 
