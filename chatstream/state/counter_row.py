@@ -4,7 +4,13 @@
 that window is out: spent, or held by instances) and ``holds``: each holding instance's share,
 ``<instance>=<held>/<applied>/<exchange>/<idle>`` (older rows' ``limit`` column is ignored, and gone
 after their next write). A row whose window is older than now counts as empty: rows are reused, never
-piled up. Everything reads and writes it through this module."""
+piled up. Everything reads and writes it through this module.
+
+**What a later version may add.** A ``holds`` item that is not an entry of that form (``op:x=...``,
+``x=1/2/3/4/5``) and any other column (a str, int, float or bool, as the store writes them) are
+another version's: every write of the row keeps them verbatim, whatever the window (a new window's
+first write too), and this version never counts them in ``taken`` or takes them for an instance's
+share; their writer owns their lifetime. So an item a later version adds must not parse as an entry."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import AlreadyExists, Modified, NotFound
 from .store import LIMITS_TABLE, Row, Store, Where
@@ -20,6 +26,7 @@ from .store import LIMITS_TABLE, Row, Store, Where
 WINDOW_SECONDS = 60
 MAX_ATTEMPTS = 50  # conflicting writes one change of a row retries (each after a fresh read)
 Period = str  # "minute", "day", "month", "total"
+_OWN = {"PartitionKey", "RowKey", "window", "taken", "holds", "limit"}  # this version's columns, and the retired one
 
 
 class CounterKey(NamedTuple):
@@ -83,18 +90,16 @@ class Entry:
     idle: int = 0
 
 
+def _entry(item: str) -> tuple[str, Entry] | None:
+    name, _, values = item.partition("=")
+    parts = values.split("/")
+    if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
+        return name, Entry(*(int(p) for p in parts))
+    return None
+
+
 def parse_holds(text: str | None) -> dict[str, Entry]:
-    entries: dict[str, Entry] = {}
-    for item in (text or "").split():
-        name, _, values = item.partition("=")
-        parts = values.split("/")
-        if name and len(parts) in (3, 4) and all(p.lstrip("-").isdigit() for p in parts):
-            entries[name] = Entry(*(int(p) for p in parts))
-    return entries
-
-
-def format_holds(entries: Mapping[str, Entry]) -> str:
-    return " ".join(f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(entries.items()))
+    return dict(entry for item in (text or "").split() if (entry := _entry(item)) is not None)
 
 
 @dataclass(frozen=True)
@@ -105,12 +110,22 @@ class CounterRow:
     window: str | None = None
     taken: int = 0
     holds: Mapping[str, Entry] = field(default_factory=dict)
+    foreign: tuple[str, ...] = ()  # a later version's holds items (module docstring), kept verbatim
+    columns: Mapping[str, Any] = field(default_factory=dict)  # ...and its columns
 
     @classmethod
     def of(cls, row: Row | None) -> CounterRow:
         if row is None:
             return cls()
-        return cls(row.etag, row.get("window"), int(row.get("taken") or 0), parse_holds(row.get("holds")))
+        items = (row.get("holds") or "").split()
+        return cls(
+            row.etag,
+            row.get("window"),
+            int(row.get("taken") or 0),
+            parse_holds(row.get("holds")),
+            tuple(item for item in items if _entry(item) is None),
+            {name: value for name, value in row.items() if name not in _OWN},
+        )
 
     def counts_in(self, window: str | None) -> bool:
         """Whether the row is there and is ``window``'s (else it counts as empty)."""
@@ -125,23 +140,23 @@ async def read(store: Store, partition: str, key: str, bound: float) -> CounterR
     return CounterRow.of(await store.get(LIMITS_TABLE, partition, key, timeout=bound))
 
 
-async def write(
-    store: Store, partition: str, key: str, row: CounterRow, condition: str | None, bound: float
-) -> CounterRow | None:
-    """Write ``row`` conditioned on the ETag ``condition`` (None: an insert): the row as written, or
-    None when the condition failed (the row changed, or was inserted or deleted, since)."""
+async def write(store: Store, partition: str, key: str, row: CounterRow, bound: float) -> CounterRow | None:
+    """Write ``row`` conditioned on its ETag, the row's it was made on (None: an insert): the row as
+    written, or None when the condition failed (the row changed, or was inserted or deleted, since)."""
+    entries = [f"{name}={e.held}/{e.applied}/{e.exchange}/{e.idle}" for name, e in sorted(row.holds.items())]
     entity = {
+        **row.columns,
         "PartitionKey": partition,
         "RowKey": key,
         "window": row.window,
         "taken": row.taken,
-        "holds": format_holds(row.holds),
+        "holds": " ".join([*entries, *row.foreign]),
     }
     try:
-        if condition is None:
+        if row.etag is None:
             etag = await store.insert(LIMITS_TABLE, entity, timeout=bound)
         else:
-            etag = await store.replace(LIMITS_TABLE, entity, etag=condition, timeout=bound)
+            etag = await store.replace(LIMITS_TABLE, entity, etag=row.etag, timeout=bound)
     except (Modified, AlreadyExists, NotFound):
         return None
     return replace(row, etag=etag)

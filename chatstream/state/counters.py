@@ -38,7 +38,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ..errors import StoreError
@@ -84,8 +84,7 @@ class Want:
 class _Written:
     """One exchange's write (``Lease.uncertain`` while its answer is lost)."""
 
-    etag: str | None  # the ETag it was conditioned on (None: an insert)
-    row: CounterRow  # what it writes
+    row: CounterRow  # what it writes (conditioned on its ETag: counter_row.write)
     delta: int  # what it takes of the row (negative: gives back)
     applied: list[_Staged]  # the charges it applies
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
@@ -326,7 +325,7 @@ class Lease:
                 self.known = fresh = True
             seen = self.seen
             written, self.uncertain = self.uncertain, None
-            if written is not None and seen.etag == written.etag:
+            if written is not None and seen.etag == written.row.etag:
                 await self._send(written, again=True)
                 continue
             if written is not None:
@@ -389,8 +388,8 @@ class Lease:
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
-            row = CounterRow(None, window, max(0, taken + delta), holds)
-            written = _Written(seen.etag, row, delta, applied, self.balance)
+            row = replace(seen, window=window, taken=max(0, taken + delta), holds=holds)
+            written = _Written(row, delta, applied, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -408,7 +407,7 @@ class Lease:
         ``uncertain``. Sent ``again`` (its answer was lost), a changed row says nothing of the first
         sending, which may have landed meanwhile: it stays ``uncertain``, for the next read to decide."""
         try:
-            row = await counter_row.write(self.counters.store, *self.key, written.row, written.etag, SLOW_TIMEOUT)
+            row = await counter_row.write(self.counters.store, *self.key, written.row, SLOW_TIMEOUT)
         except StoreError:
             self.uncertain = written
             raise

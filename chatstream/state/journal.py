@@ -570,7 +570,7 @@ class Recovery:
             )
             taken = max(0, found.taken - held.held + unapplied)
             changed = replace(found, taken=taken, holds=holds)
-            if await counter_row.write(self.store, partition, row, changed, found.etag, SLOW_TIMEOUT) is not None:
+            if await counter_row.write(self.store, partition, row, changed, SLOW_TIMEOUT) is not None:
                 return
         raise StoreError(f"the counter {key} kept changing while it was being recovered")
 

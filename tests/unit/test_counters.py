@@ -24,7 +24,7 @@ from chatstream.state.journal import Recovery, journal_name
 from chatstream.state.port import LimitRef, Refused, Unavailable, Used
 from chatstream.state.store import CALL_TIMEOUT, LIMITS_TABLE, USAGE_TABLE, Op
 
-from .state_helpers import account, admit, counter, finish, instance, until, usage
+from .state_helpers import account, admit, counter, finish, instance, kill, until, usage
 
 # Waits with nothing to do are skipped, not slept (tests/idle_clock.py): timers, limits and
 # leases fire in the order real time gives them.
@@ -654,4 +654,63 @@ async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_
     assert len(ledger) == 2  # r1 (a's), r0 at its checkpoint (b's)
     _row_equals_ledger(data, caller.limits_partition, "tokens")
     await a.close()
+    await b.close()
+
+
+FOREIGN_ITEMS = ("op:x=1/2/3/4/5", "y=1/2/3/4/5")  # (counter_row.py: a later version's holds items)
+FOREIGN_COLUMNS = {"later": "kept", "count": 7}
+
+
+async def _add_foreign(data: MemoryData, partition: str, key: str, **found: object) -> None:
+    """A later version's holds items and columns in the row (inserted with ``found`` if not there)."""
+    store = MemoryStore(data)
+    old = await store.get(LIMITS_TABLE, partition, key)
+    entity = {"PartitionKey": partition, "RowKey": key, **(old or found), **FOREIGN_COLUMNS}
+    entity["holds"] = " ".join([str(entity.get("holds") or ""), *FOREIGN_ITEMS]).strip()
+    if old is None:
+        await store.insert(LIMITS_TABLE, entity)
+    else:
+        await store.replace(LIMITS_TABLE, entity, etag=old.etag)
+
+
+def _kept_foreign(found: dict) -> bool:
+    return set(FOREIGN_ITEMS) <= set(found["holds"].split()) and FOREIGN_COLUMNS.items() <= found.items()
+
+
+async def test_a_later_versions_holds_items_and_columns_survive_every_write_of_the_row():
+    """Step 1 of a two-deploy change (counter_row.py): holds items this version does not parse and
+    columns it does not know are kept verbatim by an exchange, by the first write of a new window and
+    by a recovery taking a dead instance's entry out, and never counted. Before, each write dropped them."""
+    data = MemoryData()
+    clock = Clock()
+    c = counters(data, "a", clock)
+    month = window_of("month", T0)
+    await _add_foreign(data, "c|1", "tokens", window=month, taken=300)
+    reserved = await c.reserve([want("tokens", 1000, 100, "month")])
+    assert isinstance(reserved, Reservation)
+    reserved.settle({CounterKey("c|1", "tokens"): 60}).confirm()
+    assert await c.flush(3)
+    found = row(data, "c|1", "tokens")
+    assert _kept_foreign(found) and found["taken"] == 360 and parse_holds(found["holds"]) == {}
+    await _add_foreign(data, "c|1", "rpm", window=window_of("minute", T0 - 60), taken=5)
+    assert isinstance(await c.reserve([want("rpm", 10, 1)]), Reservation)  # a new window's first write
+    assert await c.flush(5)
+    found = row(data, "c|1", "rpm")
+    assert _kept_foreign(found) and (found["window"], found["taken"]) == (window_of("minute", T0), 1)
+
+    data = account()
+    a, acc_a = instance(data, "instance-a")
+    b, _ = instance(data, "instance-b")
+    await a.registry.create(CallerSpec(name="c", token_budget=100_000, budget_period="month"))
+    caller = await a.registry.get(Caller, "c")
+    admitted, rec = await admit(acc_a, caller, "open when a dies")
+    assert isinstance(admitted, Admission)
+    await until(lambda: rec.id.encode() in bytes(data.blobs[journal_name("instance-a")][0]), what="journaled")
+    await kill(a)
+    await _add_foreign(data, caller.limits_partition, "tokens")
+    await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
+    found = counter(data, caller.limits_partition, "tokens")
+    ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
+    assert _kept_foreign(found) and parse_holds(found["holds"]) == {}
+    assert found["taken"] == sum(r["prompt_tokens"] + r["completion_tokens"] for r in ledger) > 0
     await b.close()
