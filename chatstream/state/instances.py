@@ -106,12 +106,12 @@ class Instances:
         if self._needs == 0:
             self._idle_since = self.store.clock.now()
 
-    async def first_beat(self, within: float = 2.0) -> None:
-        """Wait (bounded) until this instance's row is in the store: nobody elsewhere can see
+    async def first_beat(self) -> None:
+        """Wait (at most 2 s) until this instance's row is in the store: nobody elsewhere can see
         something of ours before they can see we are alive."""
         self._start()
         if self._first is not None:
-            await asyncio.wait([self._first], timeout=within)
+            await asyncio.wait([self._first], timeout=2.0)
 
     def serve(self) -> None:
         """This instance is serving: it takes its part in the duty, whether it holds anything or not."""

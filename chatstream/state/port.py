@@ -78,10 +78,6 @@ class LimitRef:
     model: str | None = None
     period: str | None = None  # day, month, total: budgets
 
-    @property
-    def per_minute(self) -> bool:
-        return self.kind in ("requests_per_minute", "tokens_per_minute")
-
 
 @dataclass(frozen=True)
 class Refused:
@@ -159,7 +155,6 @@ class Invalid(Exception):
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
-        self.message = message
         self.param = param
 
 

@@ -90,10 +90,9 @@ class _Cache:
     index's or a team's; ``prices`` for every price), one store read at a time per key: concurrent
     first requests share it."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float], size: int = MAX_CACHED):
+    def __init__(self, seconds: float, clock: Callable[[], float]):
         self.seconds = seconds
         self.clock = clock
-        self.size = size
         self._kept: OrderedDict[str, tuple[float, Any]] = OrderedDict()
         self._pending: dict[str, asyncio.Future] = {}
 
@@ -127,7 +126,7 @@ class _Cache:
                 return Unavailable()
             self._kept[key] = (asked + self.seconds, value)
             self._kept.move_to_end(key)
-            while len(self._kept) > self.size:
+            while len(self._kept) > MAX_CACHED:
                 self._evict()
             return value
 
