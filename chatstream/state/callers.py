@@ -182,8 +182,7 @@ def iso(value: datetime | None) -> str | None:
 
 
 def usd_amount(value: object, maximum: Decimal) -> Decimal:
-    """A USD amount as a decimal: a JSON number (not a string or a bool), at least 0, at most
-    ``maximum``, with at most 6 decimal places."""
+    """A USD amount (a JSON number) as a decimal; ValueError why it is not one."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")
     amount = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
@@ -198,8 +197,7 @@ def usd_amount(value: object, maximum: Decimal) -> Decimal:
 
 
 def model_name(model: str) -> bool:
-    """Whether ``model`` can name a model, in a caller's or team's models and model limits as in a
-    price: 1 to 256 characters, no control characters, no surrounding spaces."""
+    """Whether ``model`` can name a model (in a price, and a caller's or team's models and limits)."""
     return 0 < len(model) <= MAX_MODEL_NAME and model == model.strip() and not _CONTROL.search(model)
 
 
