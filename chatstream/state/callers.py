@@ -221,7 +221,8 @@ class TeamPatch(BaseModel):
     requests_per_minute: PositiveRequests | None = None
     token_budget: PositiveBudget | None = None
     spend_budget: Any = None
-    budget_period: Period = "total"
+    # null: the default period, in a new caller as in a patch
+    budget_period: Annotated[Period, BeforeValidator(lambda period: "total" if period is None else period)] = "total"
     models: Annotated[list[str], Field(min_length=1, max_length=MAX_MODELS)] | None = None
     model_limits: Annotated[dict[str, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
@@ -234,11 +235,6 @@ class TeamPatch(BaseModel):
         if amount <= 0:
             raise ValueError("must be more than 0")
         return int(amount * PICO)
-
-    @field_validator("budget_period", mode="before")
-    @classmethod
-    def _period(cls, value: object) -> object:
-        return "total" if value is None else value  # null: the default, in a new caller as in a patch
 
     @field_validator("models")
     @classmethod
