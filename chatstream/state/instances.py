@@ -221,8 +221,6 @@ class Instances:
     async def _duty_loop(self) -> None:
         while not self._closed:
             await self._logged("the duty tick", self._duty_tick)
-            if (self._beating is None or self._beating.done()) and not self._sweeps and self._recover is None:
-                return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
 
     async def _duty_tick(self) -> None:
