@@ -167,7 +167,7 @@ def validate(model: type[S], data: object) -> S:
 
 def _admin_error(error: Exception) -> ApiError:
     if isinstance(error, Invalid):
-        return invalid_request(error.message, error.param)
+        return invalid_request(str(error), error.param)
     if isinstance(error, Missing):
         return ApiError(404, f"{error.kind.split()[0]}_not_found", str(error)[:200], "name")
     if isinstance(error, Conflict):

@@ -156,7 +156,7 @@ def error(answer: object) -> ApiError:
 def _refused(refused: Refused) -> ApiError:
     limit = refused.limit
     name = _LIMIT_NAME[limit.kind]
-    if limit.per_minute:
+    if limit.kind.endswith("_per_minute"):
         if refused.alone:
             return ApiError(
                 429,

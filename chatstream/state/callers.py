@@ -3,10 +3,7 @@ when it is created or rotated; the store keeps only the key's SHA-256), its team
 all of its callers together), and the limits a request must fit, all of its caller's and its team's
 or nothing (counters.py); and what an admin may say about them: the typed requests (``CallerSpec``,
 ``CallerPatch``, ``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands
-the registry (registry.py), which keeps them.
-
-Money is exact: USD amounts of at most 6 decimal places, kept as integers of pico-dollars (10⁻¹²
-USD, ``PICO``; prices.py)."""
+the registry (registry.py), which keeps them. How money is kept exactly: prices.py."""
 
 from __future__ import annotations
 
@@ -182,8 +179,7 @@ def iso(value: datetime | None) -> str | None:
 
 
 def usd_amount(value: object, maximum: Decimal) -> Decimal:
-    """A USD amount as a decimal: a JSON number (not a string or a bool), at least 0, at most
-    ``maximum``, with at most 6 decimal places."""
+    """A USD amount (a JSON number) as a decimal; ValueError why it is not one."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")
     amount = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
@@ -198,8 +194,7 @@ def usd_amount(value: object, maximum: Decimal) -> Decimal:
 
 
 def model_name(model: str) -> bool:
-    """Whether ``model`` can name a model, in a caller's or team's models and model limits as in a
-    price: 1 to 256 characters, no control characters, no surrounding spaces."""
+    """Whether ``model`` can name a model (in a price, and a caller's or team's models and limits)."""
     return 0 < len(model) <= MAX_MODEL_NAME and model == model.strip() and not _CONTROL.search(model)
 
 
@@ -223,7 +218,8 @@ class TeamPatch(BaseModel):
     requests_per_minute: PositiveRequests | None = None
     token_budget: PositiveBudget | None = None
     spend_budget: Any = None
-    budget_period: Period = "total"
+    # null: the default period, in a new caller as in a patch
+    budget_period: Annotated[Period, BeforeValidator(lambda period: "total" if period is None else period)] = "total"
     models: Annotated[list[str], Field(min_length=1, max_length=MAX_MODELS)] | None = None
     model_limits: Annotated[dict[str, ModelLimit], Field(max_length=MAX_MODEL_LIMITS)] | None = {}
 
@@ -236,11 +232,6 @@ class TeamPatch(BaseModel):
         if amount <= 0:
             raise ValueError("must be more than 0")
         return int(amount * PICO)
-
-    @field_validator("budget_period", mode="before")
-    @classmethod
-    def _period(cls, value: object) -> object:
-        return "total" if value is None else value  # null: the default, in a new caller as in a patch
 
     @field_validator("models")
     @classmethod

@@ -64,9 +64,8 @@ class Instances:
         recover: Recover | None = None,
         sweeps: Sequence[Sweep] = (),
     ):
-        """``recover(dead, taker)``: what the duty holder does with each instance it finds dead
-        (idempotent: it may run again for the same one); ``sweeps``: ``(seconds, sweep)``, each
-        ``sweep`` run about every ``seconds`` on whichever instance holds the duty."""
+        """``recover(dead, taker)``: the duty holder's settling of one dead instance (it may run again
+        for the same one); each of ``sweeps`` runs about every ``seconds`` on the duty holder."""
         self.store = store
         self.timing = timing or InstanceTiming()
         self.id = instance_id or new_instance_id()
@@ -106,12 +105,12 @@ class Instances:
         if self._needs == 0:
             self._idle_since = self.store.clock.now()
 
-    async def first_beat(self, within: float = 2.0) -> None:
-        """Wait (bounded) until this instance's row is in the store: nobody elsewhere can see
+    async def first_beat(self) -> None:
+        """Wait (at most 2 s) until this instance's row is in the store: nobody elsewhere can see
         something of ours before they can see we are alive."""
         self._start()
         if self._first is not None:
-            await asyncio.wait([self._first], timeout=within)
+            await asyncio.wait([self._first], timeout=2.0)
 
     def serve(self) -> None:
         """This instance is serving: it takes its part in the duty, whether it holds anything or not."""
@@ -200,7 +199,7 @@ class Instances:
         return float("inf") if row is None else max(0.0, self._past_lease(row))
 
     async def _row_of(self, instance: str) -> dict | None:
-        """Another instance's row (None: none); one read serves every question for ``fresh_seconds``."""
+        """Another instance's row (None: none), read at most once per ``fresh_seconds``."""
         now = asyncio.get_running_loop().time()
         held = self._rows.get(instance)
         if held is None or (held[1].done() and (now - held[0] > self.timing.fresh_seconds or held[1].exception())):
@@ -222,8 +221,6 @@ class Instances:
     async def _duty_loop(self) -> None:
         while not self._closed:
             await self._logged("the duty tick", self._duty_tick)
-            if (self._beating is None or self._beating.done()) and not self._sweeps and self._recover is None:
-                return  # nothing to do here any more until something is needed again
             await asyncio.sleep(self.timing.duty_seconds)
 
     async def _duty_tick(self) -> None:
@@ -268,8 +265,7 @@ class Instances:
                 await self._logged("a sweep", sweep)
 
     async def _take_over(self, row: dict) -> None:
-        """A dead instance's row taken (on its ETag: if it was only slow, its next beat fails), what
-        it owed settled, its row deleted. A failure leaves the row taken: the next tick tries again."""
+        """Take (on its ETag: if it was only slow, its next beat fails), settle and delete a dead row."""
         other = row["RowKey"]
         etag = getattr(row, "etag", None)
         if row.get("taken_by") != self.id:

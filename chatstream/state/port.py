@@ -1,16 +1,9 @@
-"""What the request path and the admin API tell the shared state, and what it answers: domain values,
-in the state's own words. Only the HTTP layer turns requests into them (apis/usage.py) and them into
-statuses, OpenAI's codes and messages, and headers (apis/refusals.py, manage.py, resumable.py).
-
-For a request (accounting.py)::
-
-    found = await accounting.authenticate(key)         # Caller | KeyRefused | Unreadable | Unavailable
-    admitted = await accounting.admit(caller, asked)   # Admission | Refused | ModelRefused | Unknown | Unreadable
-                                                       #   | Unavailable
-    accounting.charge(admission, usage)                # Usage: in the background; never lost (journal.py)
-
-For the admin API (registry.py): the object, or raised: ``Invalid`` (which field,
-why: never the value), ``Missing``, ``Conflict``; or the store's StoreError, when it did not answer."""
+"""What the request path (accounting.py: ``authenticate``, ``admit``, ``charge``) and the admin API
+(registry.py) tell the shared state, and what it answers: domain values, in the state's own words.
+Only the HTTP layer turns requests into them (apis/usage.py) and them into statuses, OpenAI's codes
+and messages, and headers (apis/refusals.py, manage.py, resumable.py). The admin API answers the
+object, or raises ``Invalid`` (which field, why: never the value), ``Missing``, ``Conflict``; or the
+store's StoreError, when it did not answer."""
 
 from __future__ import annotations
 
@@ -77,10 +70,6 @@ class LimitRef:
     kind: Literal["requests_per_minute", "tokens_per_minute", "token_budget", "spend_budget"]
     model: str | None = None
     period: str | None = None  # day, month, total: budgets
-
-    @property
-    def per_minute(self) -> bool:
-        return self.kind in ("requests_per_minute", "tokens_per_minute")
 
 
 @dataclass(frozen=True)
@@ -159,7 +148,6 @@ class Invalid(Exception):
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
-        self.message = message
         self.param = param
 
 
