@@ -89,6 +89,9 @@ class Producer:
         self.id = record.stream_id
         self.route = record.route
         self.owner = record.owner
+        # Set when the relay must stop (module docstring): it closes the upstream at once and appends
+        # the route's final event, finish_reason ``cancelled``; but with ``stop_reason`` in MOVED the
+        # stream goes on elsewhere, and the live caller's answer ends with ``moved_event()``.
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
@@ -435,8 +438,8 @@ class Producer:
 
     async def _create(self) -> bool:
         """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease), the large request's own blob before it. The log's blob waits for the
-        first write (a takeover makes it when the stream's producer died before)."""
+        producer's lease). The log's blob waits for the first write (a takeover makes it when the
+        stream's producer died before)."""
         ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
@@ -444,35 +447,53 @@ class Producer:
         record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
+        written = await self._write_record(None, deadline - self._loop.time())
+        if not written:
+            self._give_up("the store is unavailable" if written is None else "its record is someone else's")
+        return bool(written)
+
+    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | None:
+        """This producer's own record: inserted until that lands; with ``closes`` (the log's last
+        marker, END or LOST), the stream's end then merged on its ETag (``whole``: the whole log, when
+        no blob holds it), and carried by the insert when that had not landed (given up: readers wait
+        for it, ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: written;
+        False: the record is another producer's (taken over); None: the store failed throughout."""
+        ctx, store, record = self._ctx, self._ctx.store, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.25, False
+        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
             # A busy store's bound, not past the deadline: a reader elsewhere waits for the record
             # only that long (readers.read_record).
             bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more) if closes else {}
             try:
-                if self._large_request is not None:
-                    async with ctx.bulk():
-                        with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                            await ctx.store.put(
-                                request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
-                            )
-                    self._large_request = None
-                # The insert is the request's own (it makes the stream resumable, and a reader
-                # elsewhere waits for it): it does not queue behind other streams' writes.
-                if await self._insert_record({}, bound):
-                    return True
-                self._give_up("its record is someone else's")
-                return False
-            except StoreError as exc:
-                if self._loop.time() > deadline:
-                    self._give_up(f"the store is unavailable ({exc})")
+                if not record.etag and not await self._insert(fields, bound):
                     return False
-                await asyncio.sleep(0.25)
+                if fields:
+                    async with ctx.bulk():
+                        record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
+                return True
+            except (Modified, NotFound):
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
+            except StoreError as exc:
+                unanswered = unanswered or isinstance(exc, StoreUnavailable)
+                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
+                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
+                    return None
+                await asyncio.sleep(pause)
+                pause = 0.25 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
-    async def _insert_record(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
-        """Insert the record, with ``fields``. False: the record there is not this producer's (one
-        of its own, an earlier insert whose answer was lost, is: its ETag is kept). StoreError."""
+    async def _insert(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
+        """Insert the record with ``fields``, the large request's own blob first. False: the record
+        there is not this producer's (one of its own, an earlier insert whose answer was lost, is:
+        its ETag is kept). StoreError."""
         store, record = self._ctx.store, self._record
-        try:
+        if self._large_request is not None:
+            async with self._ctx.bulk():
+                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=timeout)
+            self._large_request = None
+        try:  # the request's own call (a reader elsewhere waits for it): not behind other streams' writes
             record.etag = await store.insert(STREAMS_TABLE, {**record.row(), **fields}, timeout=timeout)
             return True
         except AlreadyExists:
@@ -520,7 +541,7 @@ class Producer:
                 await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
         if self._closed == HANDOVER:
             self._moved("handed_over")
-        elif await self._end_record(self._closed, self._cfg.give_up_seconds) is None:
+        elif await self._write_record(self._closed, self._cfg.give_up_seconds) is None:
             # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
 
@@ -631,7 +652,7 @@ class Producer:
             return False
         if self._following or self._acks or attempt.closes is None or not fits_record(text):
             return False  # (closes None: more than one block)
-        ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
+        ended = await self._write_record(attempt.closes, self._cfg.give_up_seconds, text)
         if ended is None:
             self._give_up("the store is unavailable")
         elif not ended:
@@ -639,34 +660,6 @@ class Producer:
         else:
             self._confirm(attempt, 0)
         return True
-
-    async def _end_record(self, closes: bytes, patience: float, whole: str | None = None) -> bool | None:
-        """Say in the record that the stream is over (``closes``: the log's last marker, END or LOST;
-        ``whole``: the whole log, when no blob holds it), on this producer's own record only: on its
-        ETag, or inserted when its insert never landed (given up: readers wait for it,
-        ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: recorded; False: the
-        record is another producer's (taken over); None: the store failed throughout."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
-        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
-        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
-        while True:
-            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
-            try:
-                # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
-                if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
-                    return False
-                async with ctx.bulk():
-                    record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
-                return True
-            except (Modified, NotFound):
-                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
-            except StoreError as exc:
-                unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
-                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
-                    return None
-                await asyncio.sleep(pause)
-                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _store_lost(self) -> None:
         """Given up: as soon as the store lets it (within the stream's cap), close the stored log with
@@ -678,7 +671,7 @@ class Producer:
             message = "the stream stopped being stored"
             block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
-                await self._end_record(LOST, deadline - self._loop.time(), block.decode())
+                await self._write_record(LOST, deadline - self._loop.time(), block.decode())
                 return
             try:  # (one of the writes whose answer was lost may land first: then after it)
                 await self._write_block(_Attempt(0, block, LOST, ()))
@@ -688,4 +681,4 @@ class Producer:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
         if self._closed in (END, LOST):
-            await self._end_record(self._closed, deadline - self._loop.time())
+            await self._write_record(self._closed, deadline - self._loop.time())
