@@ -156,7 +156,7 @@ class Context:
         self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()
 
     def error_event(self, route: str, type: LogError, message: str, number: int | None = None) -> bytes:
         """One of our error events (format.LogError) in ``route``'s format, numbered ``number``; None:
@@ -183,7 +183,7 @@ class Context:
             coro.close()
             return None
         task = loop.create_task(coro)
-        self._tasks.add(task)
+        self.tasks.add(task)
         task.add_done_callback(self._ended)
         return task
 
@@ -197,17 +197,13 @@ class Context:
         self.spawn(run())
 
     def _ended(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("resumable streams: a background task failed", exc_info=task.exception())
 
-    @property
-    def tasks(self) -> frozenset[asyncio.Task]:
-        return frozenset(self._tasks)
-
     async def close(self) -> None:
         self.closed = True
-        for task in list(self._tasks):
+        for task in list(self.tasks):
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

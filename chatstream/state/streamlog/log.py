@@ -234,7 +234,7 @@ class StreamLog:
     @property
     def tasks(self) -> frozenset[asyncio.Task]:
         """This log's background tasks (tests: kill an instance by cancelling them)."""
-        return self._ctx.tasks
+        return frozenset(self._ctx.tasks)
 
     @property
     def readers(self) -> int:

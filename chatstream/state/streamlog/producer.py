@@ -237,8 +237,7 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        await self.wait_stored(timeout)
         return self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
@@ -667,8 +666,7 @@ class Producer:
         record its end: readers elsewhere end there instead of waiting."""
         deadline, pause = self._loop.time() + self._cfg.max_stream_seconds, 0.5
         while self._closed is None and self._loop.time() < deadline and not self._ctx.closed:
-            number = self._id_at(self._stored + 1)
-            message = "the stream stopped being stored"
+            message, number = "the stream stopped being stored", self._id_at(self._stored + 1)
             block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
                 await self._write_record(LOST, deadline - self._loop.time(), block.decode())
