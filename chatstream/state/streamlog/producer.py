@@ -65,10 +65,6 @@ class _Attempt:
     acks: tuple[str, ...]
 
 
-class _Fenced(Exception):
-    """The blob holds someone else's bytes at this producer's position: the stream was taken over."""
-
-
 class Producer:
     """One stream produced on this instance. Made by ``StreamLog.start`` (a new stream) or by a claim
     (a stream taken over: its stored events are kept here, and ids go on after them); see
@@ -529,7 +525,7 @@ class Producer:
             try:
                 await self._write_block(self._compose())
                 failing_since = None
-            except _Fenced:
+            except Modified:  # someone else's bytes at its position (_write_block)
                 self._moved("taken_over")
                 return
             except StoreError as exc:
@@ -576,7 +572,7 @@ class Producer:
 
     async def _write_block(self, attempt: _Attempt) -> _Attempt:
         """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
-        answer was lost, perhaps). _Fenced: someone else's bytes are there."""
+        answer was lost, perhaps). Modified: someone else's bytes are there (a takeover's fence)."""
         store = self._ctx.store
         offset = self._stored_bytes
         try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
@@ -603,10 +599,10 @@ class Producer:
             found = await store.read(self.id, offset, timeout=BUSY_TIMEOUT)
             landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
             if landed is None:
-                raise _Fenced() from None
+                raise
             if len(found) > len(landed.block):
                 self._confirm(landed, offset)
-                raise _Fenced() from None
+                raise
             attempt = landed
         self._confirm(attempt, offset)
         return attempt
@@ -673,7 +669,7 @@ class Producer:
                 return
             try:  # (one of the writes whose answer was lost may land first: then after it)
                 await self._write_block(_Attempt(0, block, LOST, ()))
-            except (_Fenced, Modified, NotFound):
+            except (Modified, NotFound):
                 return  # the log is someone else's now, or gone
             except StoreError:
                 await asyncio.sleep(pause)
