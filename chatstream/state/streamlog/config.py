@@ -140,23 +140,22 @@ class Turns:
 
 class Context:
     """What the parts of one stream log share: the store, this instance (``instances``: its id, its
-    heartbeat, the others' liveness), the settings, the error encoder, the turn background calls take
-    at the store (``bulk``: Turns), how many producers write fast and readers follow from the store here
-    (each one's cadence grows with their number), and the background tasks (none after close)."""
+    heartbeat, the others' liveness), the settings, the error encoder, and the rest below."""
 
     def __init__(self, store: Store, instances: Instances, config: ResumeConfig, encode_error: EncodeError):
         self.store = store
         self.instances = instances
         self.config = config
         self._encode_error = encode_error
-        self.bulk = Turns(config.bulk_calls)
-        self.fast_writers = 0
+        self.bulk = Turns(config.bulk_calls)  # the turns background calls take at the store
+        # The producers writing fast and the readers following from the store here: each one's
+        # cadence grows with their number.
+        self.fast_writers = self.remote_readers = 0
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
-        self.remote_readers = 0
         self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()  # the background tasks (none after close)
 
     def error_event(self, route: str, type: LogError, message: str, number: int | None = None) -> bytes:
         """One of our error events (format.LogError) in ``route``'s format, numbered ``number``; None:

@@ -9,11 +9,7 @@ appended at the stored end, then the record's end (the whole log in it when no b
 format.py). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it).
 A store failing for ``give_up_seconds`` stops the storing (the live stream goes on; the log is
 closed with a ``stream_lost`` error as soon as the store lets it); someone else's bytes at the
-append position stop it for good: another instance took the stream over.
-
-Also where a stop is requested (``stop_requested``, ``stop_reason``): a cancel (from any instance,
-via the inbox), nobody reading for ``abandon_seconds``, the time cap, or the stream going on
-elsewhere (``moved``: taken over, or handed over by ``hand_over`` when this instance drains)."""
+append position stop it for good: another instance took the stream over."""
 
 from __future__ import annotations
 
@@ -85,9 +81,11 @@ class Producer:
         self.id = record.stream_id
         self.route = record.route
         self.owner = record.owner
-        # Set when the relay must stop (module docstring): it closes the upstream at once and appends
-        # the route's final event, finish_reason ``cancelled``; but with ``stop_reason`` in MOVED the
-        # stream goes on elsewhere, and the live caller's answer ends with ``moved_event()``.
+        # Set when the relay must stop (``stop_reason``: a cancel from any instance, via the inbox;
+        # nobody reading for abandon_seconds; the time cap; or MOVED, the stream going on elsewhere:
+        # taken over, or handed over as this instance drains). It closes the upstream at once and
+        # appends the route's final event, finish_reason ``cancelled``; MOVED: the live caller's
+        # answer ends with ``moved_event()`` instead.
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
@@ -194,7 +192,7 @@ class Producer:
         if self._waiters:  # (a call and a list fewer per event when nobody here waits)
             self._wake()
         # An idle storing starts its checkpoint wait now; a fast one, or one with flush_bytes waiting, writes.
-        if self._idle or self._fast or self._unstored_bytes() >= self._cfg.flush_bytes:
+        if self._idle or self._fast or self._size - self._stored_size >= self._cfg.flush_bytes:
             self._kick.set()
         return out[0] if len(out) == 1 else b"".join(out)
 
@@ -420,9 +418,6 @@ class Producer:
             if fast:
                 self._kick.set()
 
-    def _unstored_bytes(self) -> int:
-        return self._size - self._stored_size
-
     def _give_up(self, why: str) -> None:
         if not self.resumable:
             return
@@ -544,7 +539,7 @@ class Producer:
         """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
         if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
             return math.inf
-        if self.ended or self._handing_over or self._acks or self._unstored_bytes() >= self._cfg.flush_bytes:
+        if self.ended or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
             return 0.0
         interval = self._cfg.checkpoint_seconds
         if self._fast:
