@@ -140,23 +140,22 @@ class Turns:
 
 class Context:
     """What the parts of one stream log share: the store, this instance (``instances``: its id, its
-    heartbeat, the others' liveness), the settings, the error encoder, the turn background calls take
-    at the store (``bulk``: Turns), how many producers write fast and readers follow from the store here
-    (each one's cadence grows with their number), and the background tasks (none after close)."""
+    heartbeat, the others' liveness), the settings, the error encoder, and the rest below."""
 
     def __init__(self, store: Store, instances: Instances, config: ResumeConfig, encode_error: EncodeError):
         self.store = store
         self.instances = instances
         self.config = config
         self._encode_error = encode_error
-        self.bulk = Turns(config.bulk_calls)
-        self.fast_writers = 0
+        self.bulk = Turns(config.bulk_calls)  # the turns background calls take at the store
+        # The producers writing fast and the readers following from the store here: each one's
+        # cadence grows with their number.
+        self.fast_writers = self.remote_readers = 0
         self.readers = 0  # the readers this instance serves (at most max_readers; the log counts them)
-        self.remote_readers = 0
         self.last_producer: str | None = None  # the instance whose stream a reader here opened last (readers.py)
         self.closed = False
         self.leaving = asyncio.Event()  # this instance stops: every reading here ends with stream_moved
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()  # the background tasks (none after close)
 
     def error_event(self, route: str, type: LogError, message: str, number: int | None = None) -> bytes:
         """One of our error events (format.LogError) in ``route``'s format, numbered ``number``; None:
@@ -183,7 +182,7 @@ class Context:
             coro.close()
             return None
         task = loop.create_task(coro)
-        self._tasks.add(task)
+        self.tasks.add(task)
         task.add_done_callback(self._ended)
         return task
 
@@ -197,17 +196,13 @@ class Context:
         self.spawn(run())
 
     def _ended(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("resumable streams: a background task failed", exc_info=task.exception())
 
-    @property
-    def tasks(self) -> frozenset[asyncio.Task]:
-        return frozenset(self._tasks)
-
     async def close(self) -> None:
         self.closed = True
-        for task in list(self._tasks):
+        for task in list(self.tasks):
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

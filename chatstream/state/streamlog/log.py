@@ -35,35 +35,22 @@ TakeOverHook = Callable[[Claim], Awaitable[None]]
 
 
 class StreamLog:
-    """The resumable streams of one instance (one per process). The request path's contract:
+    """The resumable streams of one instance (one per process); resumable.py is the request path's
+    use of it (a streamed /api/chat or /api/v1/chat/completions response, RESUMABLE_STREAMS on).
 
-    Producing (a streamed /api/chat or /api/v1/chat/completions response, RESUMABLE_STREAMS on):
-      1. ``producer = log.start(route, owner, request=params, request_id=...)`` before the response
-         starts; send the header ``x-stream-id: producer.id``. (TooManyStreams: stream it without
-         resumability.) ``request``: what a continuation needs to go on (the route's params, JSON).
-      2. For each encoded piece: ``out = producer.append(data, final=...)``, and send ``out``
-         (not ``data``) to the live caller; ``final=True`` with the route's last event(s).
-      3. The relay must outlive the HTTP response: on a hang-up call ``producer.caller_gone()`` and
-         keep relaying (appending) to the end; do not close the upstream.
-      4. Watch ``producer.stop_requested`` (cancel on any instance, nobody reading for
-         RESUME_ABANDON_SECONDS, the time cap): close the upstream at once and append the route's
-         final event with finish_reason ``cancelled`` (final=True); but when ``stop_reason`` is
-         ``taken_over`` or ``handed_over`` the stream goes on elsewhere: close the upstream and end
-         the live caller's answer with ``producer.moved_event()``.
-      5. ``producer.finish()`` in ``finally``.
-      The store is never waited on: if it fails, the live stream is unaffected and
-      ``producer.resumable`` turns False (readers elsewhere get ``stream_lost``).
+    Producing: ``producer = log.start(...)`` before the response starts (send ``x-stream-id:
+    producer.id``); each encoded piece through ``producer.append`` (send what it returns); on a
+    hang-up ``producer.caller_gone()``, and relaying goes on; ``producer.stop_requested`` watched;
+    ``producer.finish()`` in ``finally``. Each one's docstring says how. The store is never waited
+    on: if it fails, the live stream is unaffected and ``producer.resumable`` turns False.
 
-    Resuming: ``reader = await log.open_reader(id, after, caller)`` (``after``: the last event id the
-    caller has, None: from the start), then stream ``reader`` (an SSE body in ``reader.route``'s
-    format). Cancelling: ``await log.cancel(id, caller)``. Errors (errors.py): StreamNotFound
-    (unknown, expired, malformed, another caller's), PastTheEnd, TooManyReaders, Unavailable.
-
-    Taking over: with ``take_over`` given, a reader that finds the producer gone claims the stream
-    (``claim``) and runs ``take_over(claim)`` as a task: the request path continues the answer on
-    ``claim.producer`` as in steps 2-5; every reader follows it. Without it, such readers end with
-    ``stream_lost``. When this instance stops (SIGTERM): ``move_readers()``, then ``drain()``, and
-    ``close()`` at shutdown. The store and ``instances`` stay their owner's to close."""
+    Resuming: ``reader = await log.open_reader(id, after, caller)``, then stream ``reader`` (an SSE
+    body in ``reader.route``'s format). Cancelling: ``await log.cancel(id, caller)``. Errors:
+    errors.py. Taking over: with ``take_over`` given, a reader that finds the producer gone claims
+    the stream and runs ``take_over(claim)`` as a task, which continues the answer on
+    ``claim.producer`` as a new stream's; without it, such readers end with ``stream_lost``. When
+    this instance stops (SIGTERM): ``move_readers()``, then ``drain()``, and ``close()`` at
+    shutdown. The store and ``instances`` stay their owner's to close."""
 
     def __init__(
         self,
@@ -89,7 +76,9 @@ class StreamLog:
         self, route: str, owner: str | None, request: Mapping[str, Any] | None = None, request_id: str | None = None
     ) -> Producer:
         """A new resumable stream produced here (no I/O: storing starts in the background).
-        ``route``: the request path's name for its events' format (given back with a ``Claim``)."""
+        ``route``: the request path's name for its events' format (given back with a ``Claim``);
+        ``request``: what a continuation needs to go on (the route's params, JSON). TooManyStreams:
+        stream it without resumability."""
         ctx, cfg = self._ctx, self.config
         if ctx.closed:
             raise RuntimeError("the stream log is closed")
@@ -140,8 +129,10 @@ class StreamLog:
     # -- reading and cancelling -----------------------------------------------------------------
 
     async def open_reader(self, stream_id: str, after: int | None, caller: str | None) -> Reader:
-        """The events of ``stream_id`` after event ``after`` (None: from the start), then the live
-        ones to the final event. Raises before anything is sent (see the class docstring)."""
+        """The events of ``stream_id`` after event ``after`` (the last id the caller has; None: from
+        the start), then the live ones to the final event. Raises before anything is sent:
+        StreamNotFound (unknown, expired, malformed, another caller's), PastTheEnd, TooManyReaders,
+        Unavailable."""
         check_stream_id(stream_id)
         if after is not None and after < 0:
             raise ValueError("an event id is never negative")
@@ -243,7 +234,7 @@ class StreamLog:
     @property
     def tasks(self) -> frozenset[asyncio.Task]:
         """This log's background tasks (tests: kill an instance by cancelling them)."""
-        return self._ctx.tasks
+        return frozenset(self._ctx.tasks)
 
     @property
     def readers(self) -> int:

@@ -9,11 +9,7 @@ appended at the stored end, then the record's end (the whole log in it when no b
 format.py). Each call waits as long as a busy store takes (``BUSY_TIMEOUT``: nobody waits on it).
 A store failing for ``give_up_seconds`` stops the storing (the live stream goes on; the log is
 closed with a ``stream_lost`` error as soon as the store lets it); someone else's bytes at the
-append position stop it for good: another instance took the stream over.
-
-Also where a stop is requested (``stop_requested``, ``stop_reason``): a cancel (from any instance,
-via the inbox), nobody reading for ``abandon_seconds``, the time cap, or the stream going on
-elsewhere (``moved``: taken over, or handed over by ``hand_over`` when this instance drains)."""
+append position stop it for good: another instance took the stream over."""
 
 from __future__ import annotations
 
@@ -65,10 +61,6 @@ class _Attempt:
     acks: tuple[str, ...]
 
 
-class _Fenced(Exception):
-    """The blob holds someone else's bytes at this producer's position: the stream was taken over."""
-
-
 class Producer:
     """One stream produced on this instance. Made by ``StreamLog.start`` (a new stream) or by a claim
     (a stream taken over: its stored events are kept here, and ids go on after them); see
@@ -89,6 +81,11 @@ class Producer:
         self.id = record.stream_id
         self.route = record.route
         self.owner = record.owner
+        # Set when the relay must stop (``stop_reason``: a cancel from any instance, via the inbox;
+        # nobody reading for abandon_seconds; the time cap; or MOVED, the stream going on elsewhere:
+        # taken over, or handed over as this instance drains). It closes the upstream at once and
+        # appends the route's final event, finish_reason ``cancelled``; MOVED: the live caller's
+        # answer ends with ``moved_event()`` instead.
         self.stop_requested = asyncio.Event()
         self.stop_reason: StopReason | None = None
         self.moved = asyncio.Event()
@@ -195,7 +192,7 @@ class Producer:
         if self._waiters:  # (a call and a list fewer per event when nobody here waits)
             self._wake()
         # An idle storing starts its checkpoint wait now; a fast one, or one with flush_bytes waiting, writes.
-        if self._idle or self._fast or self._unstored_bytes() >= self._cfg.flush_bytes:
+        if self._idle or self._fast or self._size - self._stored_size >= self._cfg.flush_bytes:
             self._kick.set()
         return out[0] if len(out) == 1 else b"".join(out)
 
@@ -234,8 +231,7 @@ class Producer:
             return False
         self._handing_over = True
         self._kick.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stored_all.wait(), timeout)
+        await self.wait_stored(timeout)
         return self._closed == HANDOVER
 
     def moved_event(self) -> bytes:
@@ -422,9 +418,6 @@ class Producer:
             if fast:
                 self._kick.set()
 
-    def _unstored_bytes(self) -> int:
-        return self._size - self._stored_size
-
     def _give_up(self, why: str) -> None:
         if not self.resumable:
             return
@@ -435,8 +428,8 @@ class Producer:
 
     async def _create(self) -> bool:
         """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease), the large request's own blob before it. The log's blob waits for the
-        first write (a takeover makes it when the stream's producer died before)."""
+        producer's lease). The log's blob waits for the first write (a takeover makes it when the
+        stream's producer died before)."""
         ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
@@ -444,35 +437,53 @@ class Producer:
         record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
+        written = await self._write_record(None, deadline - self._loop.time())
+        if not written:
+            self._give_up("the store is unavailable" if written is None else "its record is someone else's")
+        return bool(written)
+
+    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | None:
+        """This producer's own record: inserted until that lands; with ``closes`` (the log's last
+        marker, END or LOST), the stream's end then merged on its ETag (``whole``: the whole log, when
+        no blob holds it), and carried by the insert when that had not landed (given up: readers wait
+        for it, ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: written;
+        False: the record is another producer's (taken over); None: the store failed throughout."""
+        ctx, store, record = self._ctx, self._ctx.store, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.25, False
+        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
             # A busy store's bound, not past the deadline: a reader elsewhere waits for the record
             # only that long (readers.read_record).
             bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more) if closes else {}
             try:
-                if self._large_request is not None:
-                    async with ctx.bulk():
-                        with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
-                            await ctx.store.put(
-                                request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=bound
-                            )
-                    self._large_request = None
-                # The insert is the request's own (it makes the stream resumable, and a reader
-                # elsewhere waits for it): it does not queue behind other streams' writes.
-                if await self._insert_record({}, bound):
-                    return True
-                self._give_up("its record is someone else's")
-                return False
-            except StoreError as exc:
-                if self._loop.time() > deadline:
-                    self._give_up(f"the store is unavailable ({exc})")
+                if not record.etag and not await self._insert(fields, bound):
                     return False
-                await asyncio.sleep(0.25)
+                if fields:
+                    async with ctx.bulk():
+                        record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
+                return True
+            except (Modified, NotFound):
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
+            except StoreError as exc:
+                unanswered = unanswered or isinstance(exc, StoreUnavailable)
+                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
+                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
+                    return None
+                await asyncio.sleep(pause)
+                pause = 0.25 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
-    async def _insert_record(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
-        """Insert the record, with ``fields``. False: the record there is not this producer's (one
-        of its own, an earlier insert whose answer was lost, is: its ETag is kept). StoreError."""
+    async def _insert(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
+        """Insert the record with ``fields``, the large request's own blob first. False: the record
+        there is not this producer's (one of its own, an earlier insert whose answer was lost, is:
+        its ETag is kept). StoreError."""
         store, record = self._ctx.store, self._record
-        try:
+        if self._large_request is not None:
+            async with self._ctx.bulk():
+                with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
+                    await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=timeout)
+            self._large_request = None
+        try:  # the request's own call (a reader elsewhere waits for it): not behind other streams' writes
             record.etag = await store.insert(STREAMS_TABLE, {**record.row(), **fields}, timeout=timeout)
             return True
         except AlreadyExists:
@@ -509,7 +520,7 @@ class Producer:
             try:
                 await self._write_block(self._compose())
                 failing_since = None
-            except _Fenced:
+            except Modified:  # someone else's bytes at its position (_write_block)
                 self._moved("taken_over")
                 return
             except StoreError as exc:
@@ -520,7 +531,7 @@ class Producer:
                 await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
         if self._closed == HANDOVER:
             self._moved("handed_over")
-        elif await self._end_record(self._closed, self._cfg.give_up_seconds) is None:
+        elif await self._write_record(self._closed, self._cfg.give_up_seconds) is None:
             # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
 
@@ -528,7 +539,7 @@ class Producer:
         """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
         if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
             return math.inf
-        if self.ended or self._handing_over or self._acks or self._unstored_bytes() >= self._cfg.flush_bytes:
+        if self.ended or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
             return 0.0
         interval = self._cfg.checkpoint_seconds
         if self._fast:
@@ -556,7 +567,7 @@ class Producer:
 
     async def _write_block(self, attempt: _Attempt) -> _Attempt:
         """Append ``attempt`` at the stored end; the attempt that landed there (an earlier one whose
-        answer was lost, perhaps). _Fenced: someone else's bytes are there."""
+        answer was lost, perhaps). Modified: someone else's bytes are there (a takeover's fence)."""
         store = self._ctx.store
         offset = self._stored_bytes
         try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
@@ -583,10 +594,10 @@ class Producer:
             found = await store.read(self.id, offset, timeout=BUSY_TIMEOUT)
             landed = next((a for a in (attempt, *self._uncertain) if found.startswith(a.block)), None)
             if landed is None:
-                raise _Fenced() from None
+                raise
             if len(found) > len(landed.block):
                 self._confirm(landed, offset)
-                raise _Fenced() from None
+                raise
             attempt = landed
         self._confirm(attempt, offset)
         return attempt
@@ -631,7 +642,7 @@ class Producer:
             return False
         if self._following or self._acks or attempt.closes is None or not fits_record(text):
             return False  # (closes None: more than one block)
-        ended = await self._end_record(attempt.closes, self._cfg.give_up_seconds, text)
+        ended = await self._write_record(attempt.closes, self._cfg.give_up_seconds, text)
         if ended is None:
             self._give_up("the store is unavailable")
         elif not ended:
@@ -640,52 +651,23 @@ class Producer:
             self._confirm(attempt, 0)
         return True
 
-    async def _end_record(self, closes: bytes, patience: float, whole: str | None = None) -> bool | None:
-        """Say in the record that the stream is over (``closes``: the log's last marker, END or LOST;
-        ``whole``: the whole log, when no blob holds it), on this producer's own record only: on its
-        ETag, or inserted when its insert never landed (given up: readers wait for it,
-        ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: recorded; False: the
-        record is another producer's (taken over); None: the store failed throughout."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
-        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
-        state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
-        while True:
-            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
-            try:
-                # Not inserted yet: readers wait for it (it does not queue behind other streams' writes).
-                if not record.etag and not await self._insert_record(fields, BUSY_TIMEOUT):
-                    return False
-                async with ctx.bulk():
-                    record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
-                return True
-            except (Modified, NotFound):
-                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
-            except StoreError as exc:
-                unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
-                if self._loop.time() > deadline or (ctx.closed and not self.resumable):
-                    return None
-                await asyncio.sleep(pause)
-                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
-
     async def _store_lost(self) -> None:
         """Given up: as soon as the store lets it (within the stream's cap), close the stored log with
         a ``stream_lost`` error at the stored position (in the record when there is no blob), and
         record its end: readers elsewhere end there instead of waiting."""
         deadline, pause = self._loop.time() + self._cfg.max_stream_seconds, 0.5
         while self._closed is None and self._loop.time() < deadline and not self._ctx.closed:
-            number = self._id_at(self._stored + 1)
-            message = "the stream stopped being stored"
+            message, number = "the stream stopped being stored", self._id_at(self._stored + 1)
             block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
-                await self._end_record(LOST, deadline - self._loop.time(), block.decode())
+                await self._write_record(LOST, deadline - self._loop.time(), block.decode())
                 return
             try:  # (one of the writes whose answer was lost may land first: then after it)
                 await self._write_block(_Attempt(0, block, LOST, ()))
-            except (_Fenced, Modified, NotFound):
+            except (Modified, NotFound):
                 return  # the log is someone else's now, or gone
             except StoreError:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
         if self._closed in (END, LOST):
-            await self._end_record(self._closed, deadline - self._loop.time())
+            await self._write_record(self._closed, deadline - self._loop.time())
