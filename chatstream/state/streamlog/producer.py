@@ -438,16 +438,17 @@ class Producer:
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
         written = await self._write_record(None, deadline - self._loop.time())
-        if not written:
-            self._give_up("the store is unavailable" if written is None else "its record is someone else's")
-        return bool(written)
+        if written is not True:
+            self._give_up(f"the store is unavailable ({written})" if written else "its record is someone else's")
+        return written is True
 
-    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | None:
+    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | StoreError:
         """This producer's own record: inserted until that lands; with ``closes`` (the log's last
         marker, END or LOST), the stream's end then merged on its ETag (``whole``: the whole log, when
         no blob holds it), and carried by the insert when that had not landed (given up: readers wait
         for it, ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: written;
-        False: the record is another producer's (taken over); None: the store failed throughout."""
+        False: the record is another producer's (taken over); a StoreError: the store failed throughout
+        (its last)."""
         ctx, store, record = self._ctx, self._ctx.store, self._record
         deadline, pause, unanswered = self._loop.time() + patience, 0.25, False
         state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
@@ -469,7 +470,7 @@ class Producer:
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
                 # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
                 if self._loop.time() > deadline or (ctx.closed and not self.resumable):
-                    return None
+                    return exc
                 await asyncio.sleep(pause)
                 pause = 0.25 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
@@ -531,9 +532,9 @@ class Producer:
                 await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
         if self._closed == HANDOVER:
             self._moved("handed_over")
-        elif await self._write_record(self._closed, self._cfg.give_up_seconds) is None:
+        elif isinstance(failed := await self._write_record(self._closed, self._cfg.give_up_seconds), StoreError):
             # When that fails the end is still in the log (the record is deleted at its first expiry).
-            log.warning("stream %s: its end could not be recorded; it is deleted later", self._tag)
+            log.warning("stream %s: its end could not be recorded (%s); it is deleted later", self._tag, failed)
 
     def _due(self) -> float:
         """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
@@ -643,8 +644,8 @@ class Producer:
         if self._following or self._acks or attempt.closes is None or not fits_record(text):
             return False  # (closes None: more than one block)
         ended = await self._write_record(attempt.closes, self._cfg.give_up_seconds, text)
-        if ended is None:
-            self._give_up("the store is unavailable")
+        if isinstance(ended, StoreError):
+            self._give_up(f"the store is unavailable ({ended})")
         elif not ended:
             self._moved("taken_over")  # the record is another producer's: nothing of this one is stored
         else:
