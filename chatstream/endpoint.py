@@ -608,7 +608,7 @@ async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGen
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
     """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    rates = admission.reservation.rates if admission is not None else {}
+    rates = admission.entry.reservation.rates if admission is not None else {}
     return {"x-request-id": record.request_id, **rate_headers(rates)}
 
 

@@ -47,12 +47,11 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
-    entry (who pays, the model, the counted prompt and the price)."""
+    """What one admitted request holds: its caller, and its journal entry (who pays, the model, the
+    counted prompt, the price, and its reservation of ``wants``)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
-    reservation: Reservation
     entry: JournalEntry
     started: float
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
@@ -158,7 +157,8 @@ class Accounting:
         if not isinstance(reserved, Reservation):
             return reserved
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
-        entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
+        entry = JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price, reservation=reserved)
+        self.journal.open(entry)
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         try:
             await self.journal.listed(entry, LISTED_WITHIN)
@@ -166,7 +166,7 @@ class Accounting:
             reserved.release()
             self.journal.drop(entry)
             raise
-        return Admission(caller, wants, reserved, entry, started, prices)
+        return Admission(caller, wants, entry, started, prices)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -251,14 +251,14 @@ class Accounting:
                     log.warning("owners: a background response's charge could not be marked: %s", exc)
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
                 spent = {w.key: w.need for w in admission.wants}
-                self.journal.settle(admission.entry, [], spent, admission.reservation)
+                self.journal.settle(admission.entry, [], spent)
                 return
         if not usage.segments:
-            admission.reservation.release()
+            admission.entry.reservation.release()
             self.journal.drop(admission.entry)
             return
         spent = amounts([w.key for w in admission.wants], charges)
-        self.journal.settle(admission.entry, charges, spent, admission.reservation)
+        self.journal.settle(admission.entry, charges, spent)
 
     async def charge_lost(
         self,
@@ -342,7 +342,7 @@ class Accounting:
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
         wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
-        admission = Admission(caller, wants, Reservation([]), entry, started, prices)
+        admission = Admission(caller, wants, entry, started, prices)
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
@@ -397,8 +397,8 @@ class Accounting:
         await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
-        entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
-        self.journal.settle(entry, [charge], needs, adjusted)
+        entry = JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price, reservation=adjusted)
+        self.journal.settle(self.journal.open(entry), [charge], needs)
         return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:

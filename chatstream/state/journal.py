@@ -99,7 +99,7 @@ class JournalEntry:
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
-    reservation: Reservation = field(default_factory=Reservation)  # settled: its charges in the budget counters
+    reservation: Reservation = field(default_factory=Reservation)  # what it holds; settled: its charges there
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
@@ -224,19 +224,17 @@ class Journal:
         if self.entries.pop(entry.key, None) is not None:
             self.changed()
 
-    def settle(
-        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], reservation: Reservation
-    ) -> None:
-        """The request is over, having ``spent`` (per counter): its ``reservation`` settled, listed as
+    def settle(self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int]) -> None:
+        """The request is over, having ``spent`` (per counter): its reservation settled, listed as
         settled, then its ledger rows, then the counters (module docstring); all in the background."""
-        reservation.settle(spent)
+        entry.reservation.settle(spent)
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
-            reservation.confirm(less=spent)  # all of it less: nothing enters a row here
+            entry.reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
         entry.charges = charges
         entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
-        entry.reservation, entry.seqs = reservation, reservation.seqs
+        entry.seqs = entry.reservation.seqs
         entry.generated = None
         self.changed()
 
