@@ -66,12 +66,9 @@ LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal writ
 # A flush waits for the charges in flight (and a taker's raises) until this long before its end: the
 # journal's and the counters' writes then have it (a drain's flush has 0.7 s: app.py).
 FLUSH_KEEP = 0.3
-SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
-
-
-def segment_base(epoch: int) -> int:
-    """The first ledger segment of a resumable stream's ``epoch``-th producer (1: the original)."""
-    return (max(1, epoch) - 1) * SEGMENTS_PER_PRODUCER
+# A resumable stream's n-th producer charges from ledger segment (n - 1) * this: more than an answer's
+# segments on one producer (CONTINUE_MAX <= 10).
+SEGMENTS_PER_PRODUCER = 20
 
 
 def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spend_need: int) -> list[Want]:
@@ -195,10 +192,6 @@ class Accounting:
                 await self.owners.set_context(*admission.created, usage.segments[-1].total)
             except StoreError as exc:  # a continuation then reserves the estimate
                 log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
-
-    def progress(self, admission: Admission, generated) -> None:
-        """How the journal reads what the request has generated so far (its checkpoints)."""
-        admission.entry.generated = generated
 
     def streams(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
         """The request produces resumable stream ``stream_id`` (as its ``epoch``-th producer): a
@@ -348,13 +341,13 @@ class Accounting:
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
         """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
         (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
-        entry = admission.entry
-        entry.segment = segment_base(epoch)
+        entry, lost = admission.entry, (max(2, epoch) - 2) * SEGMENTS_PER_PRODUCER
+        entry.segment = lost + SEGMENTS_PER_PRODUCER
         payer = replace(entry.payer, day=day_of(started))
         prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
         key = f"{payer.request_id}/lost{epoch}"
-        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=segment_base(epoch - 1))
+        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=lost)
 
     def regenerating(
         self,

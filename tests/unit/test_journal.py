@@ -113,7 +113,7 @@ async def three_requests(data: MemoryData):
     r2, rec2 = await admit(acc_a, caller, "two")
     r3, rec3 = await admit(acc_a, caller, "three")
     assert isinstance(r2, Admission) and isinstance(r3, Admission)
-    acc_a.progress(r3, lambda: {0: GENERATED})
+    r3.entry.generated = lambda: {0: GENERATED}
     finish(acc_a, r2, rec2, usage(200, 80))
 
     def journaled() -> bool:
@@ -720,7 +720,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     team = (await b.registry.get(Team, "t")).limits_partition
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     # a is only slow: b finds it dead and takes it over (r1 is charged as lost at its checkpoint).
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
@@ -754,7 +754,7 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
     r0, rec0 = await admit(acc_a, caller, "zero")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r0, Admission) and isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     assert isinstance(a.store, MemoryStore)
     blocked = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
@@ -787,7 +787,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     caller = await a.registry.get(Caller, "c")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     b.instances.need()  # b is alive too (it holds something, or serves a stream)
     await kill(a)
@@ -950,11 +950,11 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
         assert journal_doc(data, "instance-a") is not None  # left there
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="listed")
     if fault == "lose_answer":
         lost = a.store.inject(Fault("lose_answer", frozenset({"put"})))
-        acc_a.progress(r1, lambda: {0: GENERATED + " more"})  # the next checkpoint's write: its answer is lost
+        r1.entry.generated = lambda: {0: GENERATED + " more"}  # the next checkpoint's write: its answer is lost
         await until(lambda: lost.times == 0, what="the lost write")
     finish(acc_a, r1, rec1, usage(50, 20))
     assert await acc_a.flush(5)
@@ -1036,7 +1036,7 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
     a, acc_a, b, _, caller, _ = await setup(data)
     r, rec = await admit(acc_a, caller, "tell")
     assert isinstance(r, Admission)
-    acc_a.progress(r, lambda: {0: checkpoint})
+    r.entry.generated = lambda: {0: checkpoint}
     if epoch > 1:  # a took the stream over (Endpoint.take_over): its own block of segments
         r.entry.segment = (epoch - 1) * 20
     acc_a.streams(r, STREAM, epoch)
