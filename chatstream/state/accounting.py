@@ -171,7 +171,7 @@ class Accounting:
         Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
-            owned = await self._owned(caller, "response", asked.previous)
+            owned = await self.owned(caller, "response", asked.previous)
             if isinstance(owned, Unavailable):
                 return owned
             if owned is None:
@@ -415,12 +415,8 @@ class Accounting:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background
 
-    async def owned(self, caller: Caller, kind: str, id: str) -> bool | Unavailable:
-        """Whether ``kind``/``id`` is ``caller``'s (follow-ups answer 404 to anyone else)."""
-        owned = await self._owned(caller, kind, id)
-        return owned if isinstance(owned, Unavailable) else owned is not None
-
-    async def _owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
+    async def owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
+        """``kind``/``id``'s owner row if it is ``caller``'s, else None (follow-ups answer 404 to anyone else)."""
         try:
             owned = await self.owners.owned(kind, id)
         except StoreError:

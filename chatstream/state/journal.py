@@ -188,12 +188,12 @@ class JournalEntry:
 class Journal:
     """This instance's journal (module docstring)."""
 
-    def __init__(self, store: Store, ledger: Ledger, instances: Instances, interval: float = JOURNAL_SECONDS):
+    def __init__(self, store: Store, ledger: Ledger, instances: Instances):
         self.store = store
         self.ledger = ledger
         self.instances = instances  # while it holds something, this instance must be seen alive
         self._busy = False
-        self.interval = interval
+        self.interval = JOURNAL_SECONDS
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal

@@ -341,8 +341,8 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     follow, _ = await admit(acc, alice, previous_response_id="resp_1", max_tokens=10)
     assert isinstance(follow, Admission)
     assert follow.entry.prompt_tokens == tokens.count_prompt(MODEL, call(previous_response_id="resp_1").params) + 5_000
-    assert await acc.owned(alice, "response", "resp_1") is True
-    assert await acc.owned(bob, "response", "resp_1") is False
+    assert await acc.owned(alice, "response", "resp_1") is not None
+    assert await acc.owned(bob, "response", "resp_1") is None
     await state.close()
 
 
