@@ -302,9 +302,7 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(
-                f"{made.request_id}/{op}", charge, admission.entry.price, wants, started
-            )
+            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -380,9 +378,7 @@ class Accounting:
 
         return raise_now
 
-    async def _correct(
-        self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float
-    ) -> JournalEntry:
+    async def _correct(self, key: str, charge: Charge, wants: list[Want], at: float) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
         journal's settled entry ``key``, once this instance has its entry in each budget row."""
@@ -390,7 +386,7 @@ class Accounting:
         await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
-        entry = JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price, reservation=adjusted)
+        entry = JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, reservation=adjusted)
         self.journal.settle(self.journal.open(entry), [charge], needs)
         return entry
 
@@ -450,7 +446,7 @@ class Accounting:
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
         tokens_diff = used.total - (owned.reserved if owned is not None else 0)
         spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
-        await self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
+        await self._correct(f"{id}/seen", charge, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait for the charges in flight to be settled and written everywhere (tests, shutdown); the

@@ -88,7 +88,7 @@ class JournalEntry:
     model: str
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
-    price: Price | None = None
+    price: Price | None = None  # what an open entry's checkpoint is charged at (a settled one: its charges)
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
     counted_chars: dict[int, int] = field(default_factory=dict)
