@@ -101,8 +101,8 @@ class Accounting:
         journal: Journal,
         ledger: Ledger,
         owners: Owners,
-        referenced_context: int = 16_384,
-        instances: Instances | None = None,
+        referenced_context: int,
+        instances: Instances,
     ):
         self.instances = instances
         self.registry = registry
@@ -115,8 +115,7 @@ class Accounting:
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
-        if self.instances is not None:
-            self.instances.serve()  # this instance takes its part in the duty from its first request
+        self.instances.serve()  # this instance takes its part in the duty from its first request
         return await self.registry.authenticate(key)
 
     async def admit(
