@@ -431,20 +431,19 @@ class Accounting:
             await self.owners.set_context(kind, id, used.total)
             if not await self.owners.first_charge(kind, id):
                 return
-            owned = await self.owners.owned(kind, id)
+            owned = await self.owners.owned(kind, id) or Owned(caller.id)  # (no row: nothing reserved)
         except StoreError as exc:
             log.warning("owners: a background response could not be charged now: %s", exc)
             return
         terms = await self.registry.terms(caller)
         team, prices = terms if isinstance(terms, tuple) else (None, None)  # not read: no team, no price
-        price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
+        price = owned.price  # admitted at (rows before it: as of now)
         if price is None and isinstance(prices, Prices):
             price = prices.get(model)
-        started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
+        started = owned.reserved_at or self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
-        tokens_diff = used.total - (owned.reserved if owned is not None else 0)
-        spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
+        tokens_diff, spend_diff = used.total - owned.reserved, (charge.cost or 0) - owned.reserved_spend
         await self._correct(f"{id}/seen", charge, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
