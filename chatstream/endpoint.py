@@ -298,9 +298,9 @@ class Endpoint:
         limits = TimeLimits(self.settings)
         protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
         ending = _Ending(self, protocol, record, admission)
-        if admission is not None and self.accounting is not None:
+        if admission is not None:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
-            self.accounting.progress(admission, ending.generated)
+            admission.entry.generated = ending.generated
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
         # Without an admission there is no context to keep before the final event.
         before_last = ending.before_last if admission is not None else None
@@ -405,7 +405,7 @@ class Endpoint:
                 )
             if self.accounting is not None and claim.producer.owner is not None:
                 admission = ending.admission = await self._admit_taken_over(claim, call, record, known)
-                self.accounting.progress(admission, ending.generated)
+                admission.entry.generated = ending.generated
                 self.accounting.streams(admission, claim.producer.id, claim.producer.epoch)
             lost = ApiError(502, ErrorKind.STREAM_LOST, "the instance producing the stream was lost", retryable=True)
             plan = ChatContinuation.resuming(
@@ -608,7 +608,7 @@ async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGen
 
 def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
     """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    rates = admission.reservation.rates if admission is not None else {}
+    rates = admission.entry.reservation.rates if admission is not None else {}
     return {"x-request-id": record.request_id, **rate_headers(rates)}
 
 

@@ -50,7 +50,7 @@ def test_two_instances_recovering_the_same_dead_one_at_once_charge_everything_on
             opened = [await admit(acc, caller, text) for text in ("two", "three")]
             for admission, _ in opened:
                 assert isinstance(admission, Admission)
-                acc.progress(admission, lambda: {0: GENERATED})
+                admission.entry.generated = lambda: {0: GENERATED}
             for _ in range(100):  # the journal lists both with their checkpoints
                 found = await a.store.get_blob(journal_name(names[0]))
                 entries = json.loads(found[0])["entries"] if found else []

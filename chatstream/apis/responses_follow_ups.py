@@ -135,7 +135,7 @@ class ResponseFollowUps:
                 owned = await self.accounting.owned(caller, "response", response_id)
                 if isinstance(owned, Unavailable):
                     raise store_unavailable()
-                if not owned:  # not revealed to others
+                if owned is None:  # not revealed to others
                     raise ApiError(404, ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.")
             response = await answer(response_id, record, caller)
             streaming = isinstance(response, EventStreamResponse)  # its log line comes when it ends

@@ -47,12 +47,11 @@ log = logging.getLogger("chatstream")
 
 @dataclass
 class Admission:
-    """What one admitted request holds: its caller, its reservation (of ``wants``) and its journal
-    entry (who pays, the model, the counted prompt and the price)."""
+    """What one admitted request holds: its caller, and its journal entry (who pays, the model, the
+    counted prompt, the price, and its reservation of ``wants``)."""
 
     caller: Caller
     wants: list[Want]  # what it needs of every limit of its caller and team
-    reservation: Reservation
     entry: JournalEntry
     started: float
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
@@ -67,12 +66,9 @@ LISTED_WITHIN = 2.0  # an admission waits at most this long for the journal writ
 # A flush waits for the charges in flight (and a taker's raises) until this long before its end: the
 # journal's and the counters' writes then have it (a drain's flush has 0.7 s: app.py).
 FLUSH_KEEP = 0.3
-SEGMENTS_PER_PRODUCER = 20  # more than an answer's segments on one producer (CONTINUE_MAX <= 10)
-
-
-def segment_base(epoch: int) -> int:
-    """The first ledger segment of a resumable stream's ``epoch``-th producer (1: the original)."""
-    return (max(1, epoch) - 1) * SEGMENTS_PER_PRODUCER
+# A resumable stream's n-th producer charges from ledger segment (n - 1) * this: more than an answer's
+# segments on one producer (CONTINUE_MAX <= 10).
+SEGMENTS_PER_PRODUCER = 20
 
 
 def _wants(caller: Caller, team: Team | None, model: str, tokens_need: int, spend_need: int) -> list[Want]:
@@ -105,8 +101,8 @@ class Accounting:
         journal: Journal,
         ledger: Ledger,
         owners: Owners,
-        referenced_context: int = 16_384,
-        instances: Instances | None = None,
+        referenced_context: int,
+        instances: Instances,
     ):
         self.instances = instances
         self.registry = registry
@@ -119,8 +115,7 @@ class Accounting:
 
     async def authenticate(self, key: str | None) -> Caller | KeyRefused | Unreadable | Unavailable:
         """The caller of a request's key (None: the request carried none)."""
-        if self.instances is not None:
-            self.instances.serve()  # this instance takes its part in the duty from its first request
+        self.instances.serve()  # this instance takes its part in the duty from its first request
         return await self.registry.authenticate(key)
 
     async def admit(
@@ -158,7 +153,8 @@ class Accounting:
         if not isinstance(reserved, Reservation):
             return reserved
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
-        entry = self.journal.open(JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price))
+        entry = JournalEntry(asked.request_id, payer, model, counted, reserved.needs, price, reservation=reserved)
+        self.journal.open(entry)
         # Listed before the upstream is asked (journal.py): a death from here on is settled from there.
         try:
             await self.journal.listed(entry, LISTED_WITHIN)
@@ -166,7 +162,7 @@ class Accounting:
             reserved.release()
             self.journal.drop(entry)
             raise
-        return Admission(caller, wants, reserved, entry, started, prices)
+        return Admission(caller, wants, entry, started, prices)
 
     async def _context(self, caller: Caller, asked: AdmissionRequest) -> tuple[int, int] | Unknown | Unavailable:
         """The tokens a request carries by reference, (known, estimated): a previous response (the
@@ -174,7 +170,7 @@ class Accounting:
         Both are reserved; a partial answer without the upstream's usage is charged the known part."""
         known = extra = 0
         if asked.previous:
-            owned = await self._owned(caller, "response", asked.previous)
+            owned = await self.owned(caller, "response", asked.previous)
             if isinstance(owned, Unavailable):
                 return owned
             if owned is None:
@@ -195,10 +191,6 @@ class Accounting:
                 await self.owners.set_context(*admission.created, usage.segments[-1].total)
             except StoreError as exc:  # a continuation then reserves the estimate
                 log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
-
-    def progress(self, admission: Admission, generated) -> None:
-        """How the journal reads what the request has generated so far (its checkpoints)."""
-        admission.entry.generated = generated
 
     def streams(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
         """The request produces resumable stream ``stream_id`` (as its ``epoch``-th producer): a
@@ -251,14 +243,14 @@ class Accounting:
                     log.warning("owners: a background response's charge could not be marked: %s", exc)
             if not first:  # what it reserved is spent until its usage is seen; not in the ledger until then
                 spent = {w.key: w.need for w in admission.wants}
-                self.journal.settle(admission.entry, [], spent, admission.reservation)
+                self.journal.settle(admission.entry, [], spent)
                 return
         if not usage.segments:
-            admission.reservation.release()
+            admission.entry.reservation.release()
             self.journal.drop(admission.entry)
             return
         spent = amounts([w.key for w in admission.wants], charges)
-        self.journal.settle(admission.entry, charges, spent, admission.reservation)
+        self.journal.settle(admission.entry, charges, spent)
 
     async def charge_lost(
         self,
@@ -309,9 +301,7 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(
-                f"{made.request_id}/{op}", charge, admission.entry.price, wants, started
-            )
+            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -342,19 +332,19 @@ class Accounting:
         payer = _payer(caller, team, asked.request_id, asked.endpoint, started)
         entry = JournalEntry(asked.request_id, payer, asked.model, asked.prompt_tokens, {}, prices.get(asked.model))
         wants = _wants(caller, team, asked.model, 0, 0)  # the limits its charge corrects
-        admission = Admission(caller, wants, Reservation([]), entry, started, prices)
+        admission = Admission(caller, wants, entry, started, prices)
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
         """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
         (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
-        entry = admission.entry
-        entry.segment = segment_base(epoch)
+        entry, lost = admission.entry, (max(2, epoch) - 2) * SEGMENTS_PER_PRODUCER
+        entry.segment = lost + SEGMENTS_PER_PRODUCER
         payer = replace(entry.payer, day=day_of(started))
         prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters
         key = f"{payer.request_id}/lost{epoch}"
-        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=segment_base(epoch - 1))
+        return JournalEntry(key, payer, entry.model, prompt, needs, entry.price, segment=lost)
 
     def regenerating(
         self,
@@ -387,9 +377,7 @@ class Accounting:
 
         return raise_now
 
-    async def _correct(
-        self, key: str, charge: Charge, price: Price | None, wants: list[Want], at: float
-    ) -> JournalEntry:
+    async def _correct(self, key: str, charge: Charge, wants: list[Want], at: float) -> JournalEntry:
         """A charge made after its request was settled (a stream's lost part, a background response's
         usage seen): the budgets corrected by each want's need in the windows of ``at``, as the
         journal's settled entry ``key``, once this instance has its entry in each budget row."""
@@ -397,8 +385,8 @@ class Accounting:
         await adjusted.entered(LISTED_WITHIN)
         needs = {w.key: w.need for w in wants if w.period != "minute"}
         payer = Payer.of(charge.values())
-        entry = self.journal.open(JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, price))
-        self.journal.settle(entry, [charge], needs, adjusted)
+        entry = JournalEntry(key, payer, charge.model, charge.prompt_tokens, needs, reservation=adjusted)
+        self.journal.settle(self.journal.open(entry), [charge], needs)
         return entry
 
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
@@ -422,12 +410,8 @@ class Accounting:
             log.warning("owners: %s %s could not be claimed: %s", kind, created[:12], exc)
         admission.created, admission.background = (kind, created), background
 
-    async def owned(self, caller: Caller, kind: str, id: str) -> bool | Unavailable:
-        """Whether ``kind``/``id`` is ``caller``'s (follow-ups answer 404 to anyone else)."""
-        owned = await self._owned(caller, kind, id)
-        return owned if isinstance(owned, Unavailable) else owned is not None
-
-    async def _owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
+    async def owned(self, caller: Caller, kind: str, id: str) -> Owned | Unavailable | None:
+        """``kind``/``id``'s owner row if it is ``caller``'s, else None (follow-ups answer 404 to anyone else)."""
         try:
             owned = await self.owners.owned(kind, id)
         except StoreError:
@@ -447,21 +431,20 @@ class Accounting:
             await self.owners.set_context(kind, id, used.total)
             if not await self.owners.first_charge(kind, id):
                 return
-            owned = await self.owners.owned(kind, id)
+            owned = await self.owners.owned(kind, id) or Owned(caller.id)  # (no row: nothing reserved)
         except StoreError as exc:
             log.warning("owners: a background response could not be charged now: %s", exc)
             return
         terms = await self.registry.terms(caller)
         team, prices = terms if isinstance(terms, tuple) else (None, None)  # not read: no team, no price
-        price = owned.price if owned is not None else None  # admitted at (rows before it: as of now)
+        price = owned.price  # admitted at (rows before it: as of now)
         if price is None and isinstance(prices, Prices):
             price = prices.get(model)
-        started = owned.reserved_at if owned is not None and owned.reserved_at else self.counters.clock()
+        started = owned.reserved_at or self.counters.clock()
         payer = _payer(caller, team, id, endpoint, started)
         charge = Charge.made(payer, model, used, price, "background", self.counters.instance)
-        tokens_diff = used.total - (owned.reserved if owned is not None else 0)
-        spend_diff = (charge.cost or 0) - (owned.reserved_spend if owned is not None else 0)
-        await self._correct(f"{id}/seen", charge, price, _wants(caller, team, model, tokens_diff, spend_diff), started)
+        tokens_diff, spend_diff = used.total - owned.reserved, (charge.cost or 0) - owned.reserved_spend
+        await self._correct(f"{id}/seen", charge, _wants(caller, team, model, tokens_diff, spend_diff), started)
 
     async def flush(self, within: float = 5.0) -> bool:
         """Wait for the charges in flight to be settled and written everywhere (tests, shutdown); the

@@ -88,7 +88,7 @@ class JournalEntry:
     model: str
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
-    price: Price | None = None
+    price: Price | None = None  # what an open entry's checkpoint is charged at (a settled one: its charges)
     generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
     floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
     counted_chars: dict[int, int] = field(default_factory=dict)
@@ -99,7 +99,7 @@ class JournalEntry:
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
-    reservation: Reservation = field(default_factory=Reservation)  # settled: its charges in the budget counters
+    reservation: Reservation = field(default_factory=Reservation)  # what it holds; settled: its charges there
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
@@ -188,12 +188,12 @@ class JournalEntry:
 class Journal:
     """This instance's journal (module docstring)."""
 
-    def __init__(self, store: Store, ledger: Ledger, instances: Instances, interval: float = JOURNAL_SECONDS):
+    def __init__(self, store: Store, ledger: Ledger, instances: Instances):
         self.store = store
         self.ledger = ledger
         self.instances = instances  # while it holds something, this instance must be seen alive
         self._busy = False
-        self.interval = interval
+        self.interval = JOURNAL_SECONDS
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
         self._noted: set[CounterKey] = set()  # budget counters in the last written journal
@@ -224,19 +224,17 @@ class Journal:
         if self.entries.pop(entry.key, None) is not None:
             self.changed()
 
-    def settle(
-        self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int], reservation: Reservation
-    ) -> None:
-        """The request is over, having ``spent`` (per counter): its ``reservation`` settled, listed as
+    def settle(self, entry: JournalEntry, charges: list[Charge], spent: Mapping[CounterKey, int]) -> None:
+        """The request is over, having ``spent`` (per counter): its reservation settled, listed as
         settled, then its ledger rows, then the counters (module docstring); all in the background."""
-        reservation.settle(spent)
+        entry.reservation.settle(spent)
         if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
-            reservation.confirm(less=spent)  # all of it less: nothing enters a row here
+            entry.reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
         entry.charges = charges
         entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
-        entry.reservation, entry.seqs = reservation, reservation.seqs
+        entry.seqs = entry.reservation.seqs
         entry.generated = None
         self.changed()
 

@@ -6,9 +6,8 @@ again under its name starts a new one), RowKey ``<day>|<request id>|<segment>``:
 request started, the app's request id, and the segment (an answer continued on another upstream is
 charged per segment). The key is fixed by the request, so writing a charge again (a retry after a
 lost answer, another instance settling a dead one's request) adds nothing, and only the writer whose
-row landed counts it in the budget counters. A row holds a ``Charge``, and the raises it holds
-(``ops``: ``raised``, the one way a row is raised: by a dead instance's recovery, journal.py, or by
-a stream's taker, accounting.charge_lost). Every row is written by ``write``."""
+row landed counts it in the budget counters. A row holds a ``Charge`` and the raises made on it
+(``ops``: ``raised``); every row is written by ``write``."""
 
 from __future__ import annotations
 

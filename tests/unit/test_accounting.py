@@ -42,8 +42,9 @@ async def test_an_admission_reserves_the_prompt_and_the_output_cap_and_says_the_
     prompt = tokens.count_prompt(MODEL, request.params)
     assert admitted.entry.prompt_tokens == prompt
     assert [w.need for w in admitted.wants] == [1, prompt + 2 * 4096]
-    assert admitted.reservation.rates["tokens"].limit == 50_000 and admitted.reservation.rates["requests"].limit == 10
-    assert admitted.reservation.rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
+    rates = admitted.entry.reservation.rates
+    assert rates["tokens"].limit == 50_000 and rates["requests"].limit == 10
+    assert rates["tokens"].remaining <= 50_000 - prompt - 2 * 4096
     capped = await acc.admit(caller, asked(call("hi", max_tokens=7), record()))
     assert isinstance(capped, Admission) and capped.wants[1].need == capped.entry.prompt_tokens + 7
     assert "max_completion_tokens" not in call("hi", max_tokens=7).params
@@ -66,7 +67,7 @@ async def test_caller_and_team_limits_hold_all_or_nothing():
     assert (refused.limit.scope, refused.limit.owner, refused.limit.kind) == ("team", "t", "requests_per_minute")
     assert refused.retry_after is not None and 0 < refused.retry_after <= 60
     for admission in held:
-        admission.reservation.release()
+        admission.entry.reservation.release()
     assert await acc.flush(5)
     # The refused request's caller budget came back at once (a leak would stay held in the row).
     assert counter(data, caller.limits_partition, "tokens").get("taken", 0) == 0
@@ -340,8 +341,8 @@ async def test_a_previous_response_of_another_caller_is_unknown_and_ones_own_res
     follow, _ = await admit(acc, alice, previous_response_id="resp_1", max_tokens=10)
     assert isinstance(follow, Admission)
     assert follow.entry.prompt_tokens == tokens.count_prompt(MODEL, call(previous_response_id="resp_1").params) + 5_000
-    assert await acc.owned(alice, "response", "resp_1") is True
-    assert await acc.owned(bob, "response", "resp_1") is False
+    assert await acc.owned(alice, "response", "resp_1") is not None
+    assert await acc.owned(bob, "response", "resp_1") is None
     await state.close()
 
 

@@ -113,7 +113,7 @@ async def three_requests(data: MemoryData):
     r2, rec2 = await admit(acc_a, caller, "two")
     r3, rec3 = await admit(acc_a, caller, "three")
     assert isinstance(r2, Admission) and isinstance(r3, Admission)
-    acc_a.progress(r3, lambda: {0: GENERATED})
+    r3.entry.generated = lambda: {0: GENERATED}
     finish(acc_a, r2, rec2, usage(200, 80))
 
     def journaled() -> bool:
@@ -282,7 +282,7 @@ async def charged_by_its_taker(b: SharedState, caller: Caller, request_id: str, 
     shows, ``shown``; the continuation admitted and let go. b's accounting."""
     acc_b, going_on = await taking_over(b, caller, request_id)
     await acc_b.charge_lost(going_on, going_on.started, shown, epoch=2)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     return acc_b
@@ -338,7 +338,7 @@ async def test_a_takers_part_raised_to_what_its_caller_received_is_counted_once(
     await acc_b.charge_lost(going_on, going_on.started, "The", epoch=2)
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)  # as the endpoint
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     row = ledger_rows(data)[rec3.id]
@@ -363,7 +363,7 @@ async def test_a_takers_raise_to_what_its_caller_received_outlasts_a_store_freez
     received = GENERATED + " It came back at dusk, tired and happy."
     b.store.inject(Fault("unavailable", frozenset({"get"}), table=USAGE_TABLE, times=3))
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=5.0)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
@@ -399,7 +399,7 @@ async def test_a_takers_raise_waits_out_a_store_outage_that_also_holds_its_first
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=60.0)
     await ending
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(30)
     assert ledger_rows(data)[rec3.id]["completion_tokens"] == tokens.count_text(MODEL, received)
@@ -436,7 +436,7 @@ async def test_a_takers_raise_whose_row_the_dead_instances_recovery_rewrites_mea
     b.store.replace = recovery_first  # type: ignore[method-assign]
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=5.0)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     assert recovered == [rec3.id]
@@ -483,7 +483,7 @@ async def test_a_takers_raise_between_two_runs_of_a_recovery_that_died_midway_is
     )
     received = GENERATED + " It came back at dusk, tired and happy."
     await acc_b.charge_lost(going_on, going_on.started, received, epoch=2, patience=RAISED_WITHIN)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     await Recovery(c.store, c.ledger).recover("instance-a", "instance-c")
@@ -643,7 +643,7 @@ async def test_a_takers_raise_made_by_its_recovery_counts_in_the_budgets_after_i
         return (entry_of(data, "instance-b", f"{rec3.id}/lost2") or {}).get("generated") == raised
 
     await until(knows, what="b's journal knows the part")
-    going_on.reservation.release()  # the continuation is over (let go: charged_by_its_taker)
+    going_on.entry.reservation.release()  # the continuation is over (let go: charged_by_its_taker)
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     await kill(b)
@@ -668,7 +668,7 @@ async def test_a_takers_entry_kept_for_its_lost_part_leaves_the_budget_rows_once
     assert await acc_b.flush(5)
     received = GENERATED + " It came back at dusk, tired and happy."
     regenerated = acc_b.regenerating(going_on, going_on.started, lambda: received, lambda: 2)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     for _ in range(2):  # its continuation let go, then its raise in (not yet regenerated)
         assert await acc_b.flush(5)
@@ -720,7 +720,7 @@ async def test_a_slow_instance_whose_journal_was_sealed_stops_owning_what_it_had
     team = (await b.registry.get(Team, "t")).limits_partition
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     # a is only slow: b finds it dead and takes it over (r1 is charged as lost at its checkpoint).
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
@@ -754,7 +754,7 @@ async def test_a_slow_instance_that_learns_of_its_takeover_before_a_listed_reque
     r0, rec0 = await admit(acc_a, caller, "zero")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r0, Admission) and isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     assert isinstance(a.store, MemoryStore)
     blocked = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
@@ -787,7 +787,7 @@ async def test_the_duty_holder_takes_a_dead_instance_over_by_itself():
     caller = await a.registry.get(Caller, "c")
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="checkpoint")
     b.instances.need()  # b is alive too (it holds something, or serves a stream)
     await kill(a)
@@ -950,11 +950,11 @@ async def test_a_journal_write_whose_answer_was_lost_is_not_taken_for_a_seal(fau
         assert journal_doc(data, "instance-a") is not None  # left there
     r1, rec1 = await admit(acc_a, caller, "one")
     assert isinstance(r1, Admission)
-    acc_a.progress(r1, lambda: {0: GENERATED})
+    r1.entry.generated = lambda: {0: GENERATED}
     await until(lambda: bool((entry_of(data, "instance-a", rec1.id) or {}).get("generated")), what="listed")
     if fault == "lose_answer":
         lost = a.store.inject(Fault("lose_answer", frozenset({"put"})))
-        acc_a.progress(r1, lambda: {0: GENERATED + " more"})  # the next checkpoint's write: its answer is lost
+        r1.entry.generated = lambda: {0: GENERATED + " more"}  # the next checkpoint's write: its answer is lost
         await until(lambda: lost.times == 0, what="the lost write")
     finish(acc_a, r1, rec1, usage(50, 20))
     assert await acc_a.flush(5)
@@ -1036,7 +1036,7 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
     a, acc_a, b, _, caller, _ = await setup(data)
     r, rec = await admit(acc_a, caller, "tell")
     assert isinstance(r, Admission)
-    acc_a.progress(r, lambda: {0: checkpoint})
+    r.entry.generated = lambda: {0: checkpoint}
     if epoch > 1:  # a took the stream over (Endpoint.take_over): its own block of segments
         r.entry.segment = (epoch - 1) * 20
     acc_a.streams(r, STREAM, epoch)
@@ -1364,7 +1364,7 @@ async def test_a_takers_raise_to_what_its_caller_received_cancelled_while_it_wai
         raising.cancel()
         with pytest.raises(asyncio.CancelledError):
             await raising
-        going_on.reservation.release()  # the continuation is over
+        going_on.entry.reservation.release()  # the continuation is over
         acc_b.journal.drop(going_on.entry)
         assert await acc_b.flush(5)
         assert knows not in acc_b.journal.entries and not (journal_doc(data, "instance-b") or {}).get("entries")
@@ -1438,7 +1438,7 @@ async def test_a_lost_part_raised_after_midnight_is_charged_on_the_day_its_taker
     acc_b.counters.clock = lambda: next(readings, after)
     raise_it = acc_b.regenerating(going_on, None, lambda: "The end of the tale.", lambda: 0)
     await raise_it(0.0)
-    going_on.reservation.release()
+    going_on.entry.reservation.release()
     acc_b.journal.drop(going_on.entry)
     assert await acc_b.flush(5)
     row = ledger_rows(data)["req-midnight"]

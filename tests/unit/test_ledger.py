@@ -18,7 +18,6 @@ from memory_store import Fault, MemoryData, MemoryStore
 
 from chatstream.manage import as_csv, totals
 from chatstream.state.counter_row import day_of, window_of
-from chatstream.state.counters import Reservation
 from chatstream.state.journal import JournalEntry
 from chatstream.state.ledger import Charge, Ledger, Payer, raised, summarize
 from chatstream.state.shared import SharedState
@@ -118,7 +117,7 @@ async def settled(state: SharedState, charges: list[Charge]) -> list[JournalEntr
     for c in charges:
         payer = Payer.of(asdict(c))
         entry = state.journal.open(JournalEntry(c.request_id, payer, c.model, c.prompt_tokens, {}))
-        state.journal.settle(entry, [c], {}, Reservation())
+        state.journal.settle(entry, [c], {})
         entries.append(entry)
     return entries
 
