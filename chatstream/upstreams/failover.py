@@ -31,7 +31,7 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, log_safe, retry_after_headers
+from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, retry_after_headers
 from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
@@ -56,7 +56,7 @@ from .outcomes import (
     classify,
     upstream_request_id,
 )
-from .pool import Attempt, Pool, PoolEvent
+from .pool import Attempt, Pool
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
@@ -66,35 +66,6 @@ _TIMER_SLACK = 0.01
 # An entry with no first-output limit of its own (the last one, or no ENTRY_FIRST_TOKEN_TIMEOUT):
 # its call goes without a timeout scope (one object fewer while it waits for its first chunk).
 _NO_LIMIT = contextlib.nullcontext()
-
-
-def _log_event(event: PoolEvent) -> None:
-    """The pool's changes as log lines and metrics."""
-    if event.event == "cooldown":
-        telemetry.upstream_event("cooldowns", event.entry)
-        log.warning(
-            "upstream %s: %s, cooling down %.1fs for %s",
-            event.entry,
-            event.reason,
-            event.seconds or 0,
-            log_safe(event.deployment or ""),
-        )
-    elif event.event == "open":
-        telemetry.upstream_event("breaker", event.entry, state="open", reason=event.reason)
-        log.warning(
-            "upstream %s: %s, breaker open: skipped, next probe in %.1fs", event.entry, event.reason, event.seconds or 0
-        )
-    elif event.event == "closed":
-        telemetry.upstream_event("breaker", event.entry, state="closed", reason=event.reason)
-        log.info("upstream %s: answered again (breaker closed)", event.entry)
-    elif event.reason == OutcomeKind.QUOTA_EXHAUSTED:
-        log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", event.entry)
-    else:
-        log.error(
-            "upstream %s: authentication failed: check its key (api_key_setting) or, for Entra ID, "
-            "the app identity's role on that resource",
-            event.entry,
-        )
 
 
 class PeekedStream:
@@ -255,7 +226,6 @@ class Upstreams:
         SettingsError naming the setting and the entry), each with a client. ``environ``: where the
         keys ``api_key_setting`` names are read (default: the process environment); ``credential``:
         for Entra ID (default: DefaultAzureCredential); ``pool_args``: ``now``, ``rng``, ``policy``."""
-        pool_args.setdefault("on_event", _log_event)
         try:
             entries = config.entries(settings, os.environ if environ is None else environ)
         except config.PoolConfigError as exc:

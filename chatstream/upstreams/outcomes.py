@@ -73,18 +73,15 @@ ANSWERED = frozenset(OutcomeKind) - HEALTH_FAILURE - {OutcomeKind.OTHER}
 class Outcome:
     """What one attempt on an entry came to. ``cooldown``: for a 429, the seconds its headers ask
     for (None when they said nothing usable). ``failover``: the request goes on to the next
-    candidate (only before the first output); ``config_problem``: worth an error log naming the
-    entry (our key or role is wrong, or the account has no quota left)."""
+    candidate (only before the first output)."""
 
     kind: OutcomeKind
     status: int | None = None
     cooldown: float | None = None
     failover: bool = field(init=False)
-    config_problem: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failover", self.kind in FAILOVER)
-        object.__setattr__(self, "config_problem", self.kind in (OutcomeKind.AUTH_ERROR, OutcomeKind.QUOTA_EXHAUSTED))
 
 
 SUCCESS = Outcome(OutcomeKind.SUCCESS)
