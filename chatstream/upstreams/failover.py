@@ -31,7 +31,7 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, retry_after_headers
+from ..errors import ApiError, ErrorKind, error_field, incomplete, retry_after_headers
 from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
@@ -321,19 +321,26 @@ class Upstreams:
                     break
                 way.again = False
 
-    async def _failed(self, attempt: Attempt, failure: Classified, record: StreamRecord, way: _Way) -> bool:
-        """Report a failed attempt; whether the request goes on: on the same entry once more (the
-        same-entry policy, after waiting), or on the next candidate that ``pool.route`` allows."""
+    async def _failed(
+        self, attempt: Attempt, exc: Exception, record: StreamRecord, way: _Way, first: bool = True
+    ) -> Classified:
+        """A failed attempt, explained (``classify``: a bug of ours included) and reported. The request
+        goes on (the failure returned) on the same entry once more (the same-entry policy, after
+        waiting), or on the next candidate that ``pool.route`` allows; else the failure's error is
+        raised. ``first``: the answer's first call, whose ``x-request-id`` the caller gets."""
+        if first:
+            record.request_id = upstream_request_id(exc) or record.request_id
+        failure = classify(exc, attempt.model)
         attempt.report(failure.outcome)
         record.attempt_failed(attempt.entry.name, failure.error.type)
         route = self.pool.route(failure.outcome)
         if route == "stop":
-            return False
+            raise failure.error from None
         if len(self.pool.entries) > 1:
             if route == "larger":
                 way.larger_than(attempt.entry)
             elif await self._again(attempt, failure.outcome, way):
-                return True
+                return failure
             telemetry.upstream_event("failovers", attempt.entry.name, reason=failure.outcome.kind.value)
             log.info(
                 "upstream %s: %s before any output; the request moves on to the next free entry%s, if any",
@@ -341,7 +348,7 @@ class Upstreams:
                 failure.outcome.kind.value,
                 " with a larger context_window" if route == "larger" else "",
             )
-        return True
+        return failure
 
     async def _again(self, attempt: Attempt, outcome: Outcome, way: _Way) -> bool:
         """The same-entry policy: after a 429 whose cooldown is at most
@@ -453,19 +460,13 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
-                if first:
-                    record.request_id = upstream_request_id(exc) or record.request_id
-                last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
-                if await self._failed(attempt, last, record, way):
-                    continue
-                raise last.error from None
+                last = await self._failed(attempt, exc, record, way, first)
+                continue
             attempt.report(SUCCESS)
             if first:
                 record.request_id = stream.request_id or record.request_id
             return PeekedStream(stream, peeked, attempt, model)
-        if last is None:
-            raise self._unavailable(model)
-        raise last.error
+        raise last.error if last is not None else self._unavailable(model)
 
     async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
         """The event stream of something only entry ``name`` holds (a background response), again,
@@ -490,18 +491,13 @@ class Upstreams:
                 record.cut_short()  # the caller left with the call in flight: the upstream has its prompt
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
-                record.request_id = upstream_request_id(exc) or record.request_id
-                last = classify(exc, model)
-                if await self._failed(attempt, last, record, way):
-                    continue
-                raise last.error from None
+                last = await self._failed(attempt, exc, record, way)
+                continue
             attempt.report(SUCCESS)
             record.upstream_answered()
             record.request_id = request_id or record.request_id
             return body
-        if last is None:
-            raise self._unavailable(model)
-        raise last.error
+        raise last.error if last is not None else self._unavailable(model)
 
     async def each(self, call: Callable[[SdkClient], Awaitable[T]], attempt_timeout: float) -> T:
         """``call`` on each entry in priority order, health aside, for something only the entry that
