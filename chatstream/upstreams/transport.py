@@ -291,20 +291,10 @@ class KeptHeaders(httpx2.Headers):
             return super().multi_items()
         return list(self._pairs)
 
-    def set_last(self, key: str, value: str) -> None:
-        """``self[key] = value`` where the last header is ``key`` (its pairs kept, with the new value)."""
-        pairs = self._pairs
-        self[key] = value
-        name = key.lower()
-        if pairs and pairs[-1][0] == name and len(self) == len(pairs) and value.isascii():
-            self._pairs = [*pairs[:-1], (name, value)]  # the others as they were: all ASCII stays ASCII
-            if not pairs[-1][1].isascii():  # the encoding found may have been the old value's
-                self._found = None
-
     def set_length(self, length: int) -> None:
-        """``self["Content-Length"] = str(length)`` where that header is the last and the only one (a
-        request ``HttpClient.keepable`` kept): its value replaced in place, its pairs kept, without
-        httpx2's search for duplicates."""
+        """``self["Content-Length"] = str(length)`` where that header is the last and the only one
+        (``length_last``): its value replaced in place, its pairs kept, without httpx2's search for
+        duplicates."""
         raw, lower, old = self._list[-1]
         assert raw == b"Content-Length" and self._pairs is not None and old.isascii()
         value = str(length)
@@ -329,6 +319,11 @@ class KeptHeaders(httpx2.Headers):
     def encoding(self, value: str) -> None:
         self._pairs = None
         self._encoding = value
+
+
+def length_last(raw: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's one ``Content-Length`` header is its last (``KeptHeaders.set_length``)."""
+    return bool(raw) and raw[-1][0] == b"Content-Length" and [n.lower() for n, _ in raw].count(b"content-length") == 1
 
 
 class HttpClient(httpx2.AsyncClient):
@@ -455,14 +450,14 @@ class HttpClient(httpx2.AsyncClient):
             named = {name.lower() for name, _ in headers}
             own = [(name, value) for name, value in self.headers.raw if name.lower().decode("latin-1") not in named]
             request = httpx2.Request(method, url, content=content, headers=own + headers, extensions=extensions)
-            if not content or request.headers.raw[-1][0] == b"Content-Length":
+            if not content or length_last(request.headers.raw):
                 if len(self._prepared) >= URL_CACHE_SIZE:  # an Entra token changes hourly: old ones go
                     self._prepared.clear()
                 self._prepared[key] = KeptHeaders(request.headers)
             return request
         headers_sent = kept.copied()  # no header is parsed again
         if content:
-            headers_sent.set_last("Content-Length", str(len(content)))  # in its place: the last one
+            headers_sent.set_length(len(content))
         request = httpx2.Request(method, url, stream=httpx2.ByteStream(content or b""), extensions=extensions)
         request.headers = headers_sent  # (given to Request, they would be copied into plain Headers)
         request.read()  # as httpx2 does for a body in hand
@@ -487,11 +482,8 @@ class HttpClient(httpx2.AsyncClient):
         """``request`` (just built by this client, not sent yet) as ``with_body`` takes it, kept apart
         from the request itself (which its sender may change); None when another body would change
         more than its ``Content-Length`` (no body, or the header not last)."""
-        raw = request.headers.raw
-        if not raw or raw[-1][0] != b"Content-Length" or not request.content or self.cookies:
+        if not request.content or self.cookies or not length_last(request.headers.raw):
             return None
-        if [name.lower() for name, _ in raw].count(b"content-length") != 1:
-            return None  # (KeptHeaders.set_length)
         kept = httpx2.Request.__new__(httpx2.Request)
         kept.method, kept.url, kept.headers = request.method, request.url, KeptHeaders(request.headers)
         kept.extensions = dict(request.extensions)

@@ -928,22 +928,21 @@ async def test_http_client_sends_as_httpx2_sends():
 
 def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
     """KeptHeaders hand out the pairs they decoded once: a copy's, and after any change (a header
-    set, replaced last, removed, popped, an encoding set, a value that is not ASCII) the pairs are
-    httpx2's own for the same headers; so is the encoding found."""
-    from chatstream.upstreams.transport import KeptHeaders
+    set, the length replaced, removed, popped, an encoding set) the pairs are httpx2's own for the
+    same headers; so is the encoding found."""
+    from chatstream.upstreams.transport import KeptHeaders, length_last
 
-    def set_last(headers: httpx2.Headers, key: str, value: str) -> None:
+    def set_length(headers: httpx2.Headers, length: int) -> None:
         if isinstance(headers, KeptHeaders):
-            headers.set_last(key, value)
+            assert length_last(headers.raw)
+            headers.set_length(length)
         else:
-            headers[key] = value
+            headers["Content-Length"] = str(length)
 
     base = [("Accept", "application/json"), ("X-A", "1"), ("x-a", "2"), ("Content-Length", "2")]
     changes = [
         lambda h: None,
-        lambda h: set_last(h, "Content-Length", "123"),
-        lambda h: set_last(h, "Content-Length", "\u00e9"),
-        lambda h: set_last(h, "X-A", "3"),  # not the last one: both x-a go, one is set
+        lambda h: set_length(h, 123),
         lambda h: h.__setitem__("x-new", "v"),
         lambda h: h.__delitem__("accept"),
         lambda h: h.pop("x-a"),
@@ -953,7 +952,7 @@ def test_kept_headers_decode_as_httpx2_headers_do_until_changed():
         kept = KeptHeaders(
             httpx2.Headers([(k.encode(), v.encode()) for k, v in base[:-1]] + [(b"Content-Length", last)])
         )
-        for change in changes:
+        for change in changes if last.isascii() else changes[:1] + changes[2:]:  # (a length is ASCII)
             for read_first in (False, True):  # the kept ones' encoding known before the copy, or not
                 if read_first:
                     assert kept.encoding == httpx2.Headers(kept).encoding
