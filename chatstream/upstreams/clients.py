@@ -386,12 +386,11 @@ class UpstreamStream(openai.AsyncStream[dict]):
     connection is reused), or the end of the body; ``close()`` drops the connection (stopping the
     generation).
 
-    The request goes through the SDK's documented low-level ``client.post`` (retries, timeouts,
-    typed errors, Azure's deployment URLs and auth all apply), with this class as its ``stream_cls``;
-    ``create()`` would first run its type-driven transform over the parameters, about 1 ms per
-    request here for plain dicts that need none. The stream is the SDK's with its public iteration
-    (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes (from our
-    transport, aiohttp's read of its body itself: the layers between cost every piece)."""
+    The request goes through the SDK's documented low-level ``client.post``, with this class as its
+    ``stream_cls``; ``create()`` would first run its type-driven transform over the parameters, about
+    1 ms per request here for plain dicts that need none. The stream is the SDK's with its public
+    iteration (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes
+    (from our transport, aiohttp's read of its body itself: the layers between cost every piece)."""
 
     ready = 0  # chunks already read from the upstream and not yet handed out (stream.py batches them)
     # A failure reading the stream, as its reader explains it (failover.PeekedStream: the ApiError,
@@ -618,14 +617,6 @@ _READ_ERRORS = _TIMEOUT_ERRORS + http_errors("TransportError")
 # --- the Responses API's view of a client ---------------------------------------------------
 
 
-def no_responses_api() -> ApiError:
-    return ApiError(
-        501,
-        ErrorKind.RESPONSES_NOT_SUPPORTED,
-        "the upstream has no Responses API (POST /responses answered 404); use /api/v1/chat/completions",
-    )
-
-
 class ResponsesClient:
     """An SDK client as the Responses API calls need it: an Azure client on a dated API version
     (``dated``) calls the v1 API (``/openai/v1/responses``, no ``api-version``), which has it; an
@@ -653,7 +644,11 @@ class ResponsesClient:
             return await self.client.post(path_sent, **kwargs)
         except openai.NotFoundError as exc:
             if path == "/responses" and error_field(exc.body, "code") not in _MODEL_MISSING:
-                raise no_responses_api() from None
+                raise ApiError(
+                    501,
+                    ErrorKind.RESPONSES_NOT_SUPPORTED,
+                    "the upstream has no Responses API (POST /responses answered 404); use /api/v1/chat/completions",
+                ) from None
             raise
 
     async def get(self, path: str, **kwargs: Any) -> Any:

@@ -69,13 +69,9 @@ _NO_LIMIT = contextlib.nullcontext()
 
 
 class PeekedStream:
-    """An upstream stream whose first chunks were already read (up to the first output): iterating
-    it gives those chunks again, then the rest of the stream. A failure after them is reported to
-    the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
-    core as the ApiError it means (``_Midstream``, which the stream's own reader calls).
-
-    Its own iterator, with a plain ``__anext__``: after the chunks given again it hands out the
-    stream's own reads (a generator around them cost every chunk)."""
+    """An upstream stream read up to its first output (``_peek``): the chunks read, then the rest of
+    the stream; a failure after them goes through ``_Midstream``. Its own iterator, with a plain
+    ``__anext__`` handing out the stream's own reads (a generator around them cost every chunk)."""
 
     def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
         self._stream = stream
@@ -215,7 +211,6 @@ class Upstreams:
         self.clients = dict(clients)
         self.pooled = settings.pooled  # from UPSTREAMS (else the single-upstream settings)
         self.configured = bool(pool.entries)
-        self._azure = any(e.kind == "azure" for e in pool.entries)
         self._closer: AsyncIterator[None] | None = None
 
     @classmethod
@@ -286,10 +281,9 @@ class Upstreams:
             raise ApiError(
                 400, ErrorKind.MODEL_NOT_ALLOWED, f"model {model!r} is not served by any upstream here", "model"
             )
-        if self._azure:
-            for entry in self.pool.entries:
-                if entry.serves(model) and entry.kind == "azure":
-                    check_deployment_name(entry.deployment(model))
+        for entry in self.pool.entries:
+            if entry.kind == "azure" and entry.serves(model):
+                check_deployment_name(entry.deployment(model))
 
     def _unavailable(self, model: str) -> ApiError:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""

@@ -263,8 +263,6 @@ def _requests_fault(status: int) -> bool:
     return 400 <= status < 500 and status not in (408, 409, 429)
 
 
-# What an answer that already reached its caller may be continued after (continuation.py): the
-# upstream's own failures, never a time limit of the caller's, a moderation stop or a bug of ours.
 _CONTINUABLE = frozenset(
     {
         ErrorKind.UPSTREAM_DISCONNECTED,  # the connection broke
@@ -278,7 +276,8 @@ _CONTINUABLE = frozenset(
 
 def may_continue(error: ApiError) -> bool:
     """Whether an answer that failed with ``error`` after output went to the caller may go on on
-    another entry (``_CONTINUABLE``)."""
+    another entry (continuation.py): after the upstream's own failures, never a time limit of the
+    caller's, a moderation stop or a bug of ours."""
     return error.retryable and error.type in _CONTINUABLE
 
 

@@ -124,9 +124,8 @@ def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
     ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
     whether a head was begun nor how long the server had the request (aiohttp's ClientOSError keeps
-    no more): any reset before the head is whole counts; the caller bounds how long after the
-    sending (``RESEND_WITHIN``), so a server that worked on the request a while and reset does not
-    get it again (tests/unit/test_clients.py, its ``reset`` and ``reset_late`` cases)."""
+    no more): any reset before the head is whole counts, and the caller bounds the time
+    (``RESEND_WITHIN``; tests/unit/test_clients.py, its ``reset`` and ``reset_late`` cases)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return isinstance(exc.message, str)  # else the part of the head that came
     return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
