@@ -54,7 +54,6 @@ from .outcomes import (
     Outcome,
     OutcomeKind,
     classify,
-    upstream_request_id,
 )
 from .pool import Attempt, Pool
 
@@ -322,8 +321,9 @@ class Upstreams:
         goes on (the failure returned) on the same entry once more (the same-entry policy, after
         waiting), or on the next candidate that ``pool.route`` allows; else the failure's error is
         raised. ``first``: the answer's first call, whose ``x-request-id`` the caller gets."""
-        if first:
-            record.request_id = upstream_request_id(exc) or record.request_id
+        request_id = getattr(exc, "request_id", None)  # the SDK's: an error answer's x-request-id
+        if first and isinstance(request_id, str) and request_id:
+            record.request_id = request_id
         failure = classify(exc, attempt.model)
         attempt.report(failure.outcome)
         record.attempt_failed(attempt.entry.name, failure.error.type)

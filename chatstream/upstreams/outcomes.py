@@ -169,12 +169,6 @@ def _connect_failure(exc: BaseException | None) -> bool:
     return False
 
 
-def upstream_request_id(exc: BaseException) -> str | None:
-    """The ``x-request-id`` of an upstream's error answer, if it sent one (the SDK's ``request_id``)."""
-    request_id = getattr(exc, "request_id", None)
-    return request_id if isinstance(request_id, str) and request_id else None
-
-
 @dataclass(frozen=True, slots=True)
 class Classified:
     error: ApiError  # what the caller is told

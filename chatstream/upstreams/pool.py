@@ -84,9 +84,6 @@ class Attempt:
             if self.probe:
                 self.pool.health[self.entry.name].probing = False
 
-    def __repr__(self) -> str:
-        return f"Attempt({self.entry.name!r}, {self.deployment!r}, probe={self.probe})"
-
 
 def _weighted_order(entries: list[Entry], rng: random.Random) -> list[Entry]:
     """Weighted sampling without replacement: each entry draws an exponential clock with rate

@@ -160,14 +160,13 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     through a second session whose connections are always new and closed after use (made when first
     needed). Browsers do so for any method (the server never read it; the SDK's own retries resend
     any request that lost its connection). It costs no retry of ours and no failure in the pool's
-    health. A new connection cut so, or one that ended later than ``RESEND_WITHIN`` after the
-    request went (a reset after the server worked on it), is the upstream's failure: not sent again. The idle lifetime
-    stays the SDK's 5 s: a shorter one would spare 5 s servers the race but not those with shorter
-    timeouts (gunicorn's 2 s), and cost a new connection (a TLS handshake) for each request 4-5 s
-    after the last to servers that keep them longer; the resend covers every server."""
+    health. Anything else (a new connection cut so, or later than ``RESEND_WITHIN``) is the
+    upstream's failure. The idle lifetime stays the SDK's 5 s: a shorter one would spare 5 s servers
+    the race but not those with shorter timeouts (gunicorn's 2 s), and cost a new connection (a TLS
+    handshake) for each request 4-5 s after the last to servers that keep them longer; the resend
+    covers every server."""
 
-    def __init__(self, limits: httpx2.Limits = openai.DEFAULT_CONNECTION_LIMITS) -> None:
-        self._limits = limits
+    def __init__(self) -> None:
         self._proxies = urllib.request.getproxies()  # the environment's, as httpx2 would read them
         self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -176,8 +175,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 
     def _open(self, fresh: bool = False) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
-            limit=self._limits.max_connections or 0,
-            keepalive_timeout=None if fresh else self._limits.keepalive_expiry,
+            limit=openai.DEFAULT_CONNECTION_LIMITS.max_connections or 0,
+            keepalive_timeout=None if fresh else openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
             force_close=fresh,
             ssl=_ssl_context(),
         )
