@@ -388,10 +388,7 @@ class Upstreams:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
         last failure (or 429/503 with Retry-After when no entry could be tried). Awaited as a
         coroutine function's call (it is the walk's: one coroutine fewer waiting a request)."""
-        model = params["model"]
-        way = _Way(limits.deadline)
-        attempts = self._attempts(model, record, way)
-        return self._walk(path, model, params, protocol, limits, record, attempts, way, first=True)
+        return self._walk(path, params["model"], params, protocol, limits, record, None)
 
     async def open_next(
         self,
@@ -412,9 +409,7 @@ class Upstreams:
             blocked = self.pool.unavailable(model)
             await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
         ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
-        way = _Way(limits.deadline)
-        attempts = self._attempts(model, record, way, ordered)
-        return await self._walk(path, model, request, protocol, limits, record, attempts, way, first=False)
+        return await self._walk(path, model, request, protocol, limits, record, ordered)
 
     async def _walk(
         self,
@@ -424,15 +419,15 @@ class Upstreams:
         protocol: StreamProtocol,
         limits: TimeLimits,
         record: StreamRecord,
-        attempts: Iterator[tuple[Entry, Attempt, bool]],
-        way: _Way,
-        first: bool,
+        candidates: list[Entry] | None,
     ) -> PeekedStream:
         """The walk itself. ``request``: the parameters for every entry, or how each entry's are
-        made. ``first``: the answer's first stream, whose ``x-request-id`` the caller gets (a
-        continuation's stays on its segment)."""
+        made; ``candidates``: a continuation's order (None: the pool's, for the answer's first
+        stream, whose ``x-request-id`` the caller gets; a continuation's stays on its segment)."""
+        first = candidates is None
+        way = _Way(limits.deadline)
         last: Classified | None = None
-        for entry, attempt, is_last in attempts:
+        for entry, attempt, is_last in self._attempts(model, record, way, candidates):
             stream = None
             try:
                 deadline = self._entry_deadline(limits, is_last)
