@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from _json import scanstring  # json.decoder's, without the module's attribute typeshed does not declare
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -42,9 +41,6 @@ from .transport import RAW_ERRORS, URL_CACHE_SIZE, HttpClient, KeptHeaders, body
 # private network) gives it this one, which no request carries (its client omits Authorization).
 NO_KEY = "not-needed"
 ENTRA_SCOPE = "https://cognitiveservices.azure.com/.default"
-# Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
-# plain path segment may go there ("." or ".." would change the path the SDK builds).
-DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # What the SDK's options carry as their idempotency key when the client has no header to send it in.
 UNSENT_IDEMPOTENCY_KEY = "unsent"
 # Upstream 404 codes that mean the model (Azure: the deployment) is unknown, not the API.
@@ -368,13 +364,6 @@ def entra_token_provider(credential: Any = None) -> TokenProvider:
         return value
 
     return token
-
-
-def check_deployment_name(model: str) -> None:
-    if not DEPLOYMENT_NAME.fullmatch(model):
-        raise ApiError(
-            400, ErrorKind.INVALID_REQUEST, f"model {model!r} is not a valid Azure OpenAI deployment name", "model"
-        )
 
 
 # --- calls ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Iterator, Mapping
 from types import CoroutineType
 from typing import Any, TypeVar
@@ -40,7 +41,6 @@ from .clients import (
     ResponsesClient,
     SdkClient,
     UpstreamStream,
-    check_deployment_name,
     complete,
     entra_token_provider,
     make_client,
@@ -65,6 +65,9 @@ _TIMER_SLACK = 0.01
 # An entry with no first-output limit of its own (the last one, or no ENTRY_FIRST_TOKEN_TIMEOUT):
 # its call goes without a timeout scope (one object fewer while it waits for its first chunk).
 _NO_LIMIT = contextlib.nullcontext()
+# Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
+# plain path segment may go there ("." or ".." would change the path the SDK builds).
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class PeekedStream:
@@ -281,8 +284,14 @@ class Upstreams:
                 400, ErrorKind.MODEL_NOT_ALLOWED, f"model {model!r} is not served by any upstream here", "model"
             )
         for entry in self.pool.entries:
-            if entry.kind == "azure" and entry.serves(model):
-                check_deployment_name(entry.deployment(model))
+            deployment = entry.deployment(model)
+            if entry.kind == "azure" and entry.serves(model) and not DEPLOYMENT_NAME.fullmatch(deployment):
+                raise ApiError(
+                    400,
+                    ErrorKind.INVALID_REQUEST,
+                    f"model {deployment!r} is not a valid Azure OpenAI deployment name",
+                    "model",
+                )
 
     def _unavailable(self, model: str) -> ApiError:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
