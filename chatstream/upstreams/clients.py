@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from _json import scanstring  # json.decoder's, without the module's attribute typeshed does not declare
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -39,12 +38,9 @@ from .config import Entry
 from .transport import RAW_ERRORS, URL_CACHE_SIZE, HttpClient, KeptHeaders, body_reader, mapped
 
 # The SDK will not start without a key: an entry that takes none (a vLLM or Ollama server in a
-# private network) gives it this one, which no request carries (NoAuthClient).
+# private network) gives it this one, which no request carries (its client omits Authorization).
 NO_KEY = "not-needed"
 ENTRA_SCOPE = "https://cognitiveservices.azure.com/.default"
-# Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
-# plain path segment may go there ("." or ".." would change the path the SDK builds).
-DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # What the SDK's options carry as their idempotency key when the client has no header to send it in.
 UNSENT_IDEMPOTENCY_KEY = "unsent"
 # Upstream 404 codes that mean the model (Azure: the deployment) is unknown, not the API.
@@ -109,7 +105,9 @@ class Reused:
       no request hook and the options as they are; an Azure client prepares its options its own way.
       ~4% of the CPU a stream takes in-process (make bench-quick).
 
-    URL objects are immutable."""
+    And ``_validate_headers`` lets a client omit ``Authorization`` in its own default headers (an
+    entry without a key: make_client), where the SDK accepts the omission only per request. URL
+    objects are immutable."""
 
     def _build_headers(self, options: FinalRequestOptions, *, retries_taken: int = 0) -> httpx2.Headers:
         build = super()._build_headers  # type: ignore[misc] - the SDK client class after this mixin
@@ -208,6 +206,10 @@ class Reused:
         if len(cache) < URL_CACHE_SIZE:
             cache[url] = (base, prepared)
         return prepared
+
+    def _validate_headers(self, headers: Any, custom_headers: Any) -> None:
+        if not isinstance(self._custom_headers.get("Authorization"), openai.Omit):  # type: ignore[attr-defined]
+            super()._validate_headers(headers, custom_headers)  # type: ignore[misc] - the SDK client class after this mixin
 
     def _idempotency_key(self) -> str:
         if self._idempotency_header:  # type: ignore[attr-defined] - the SDK client's
@@ -317,8 +319,7 @@ def make_client(
     """The SDK client for one upstream entry (``UPSTREAMS``, or the single upstream): its URL and key,
     the app's time limits, and ``max_retries`` (0 when the pool has other entries to move to). An
     Azure entry calls the v1 API unless it names a dated ``api_version``, and without a key uses
-    ``token_provider`` (Entra ID); any other entry without a key sends no Authorization header
-    (``NoAuthClient``)."""
+    ``token_provider`` (Entra ID); any other entry without a key sends no Authorization header."""
     # The relay enforces first-token, idle and total limits itself; the SDK's read timeout is only
     # a backstop for non-streamed calls, so it sits above both.
     read = max(settings.first_token_timeout, settings.idle_timeout) + 5
@@ -345,43 +346,9 @@ def make_client(
             azure_ad_token_provider=token_provider or entra_token_provider(),
             **common,
         )
-    if key is None:
-        return NoAuthClient(_AsyncOpenAI(api_key=NO_KEY, base_url=entry.url, **common))
-    return _AsyncOpenAI(api_key=key, base_url=entry.url, **common)
-
-
-class NoAuthClient:
-    """An SDK client for an upstream that takes no key: every request goes without an Authorization
-    header, the SDK's own way (the header set to ``openai.omit`` in the request's options; the SDK
-    refuses a request with no credentials otherwise)."""
-
-    def __init__(self, client: openai.AsyncOpenAI) -> None:
-        self.client = client
-
-    @property
-    def timeout(self) -> float | httpx2.Timeout | None:
-        return self.client.timeout
-
-    async def post(self, path: str, **kwargs: Any) -> Any:
-        return await self.client.post(path, **_without_auth(kwargs))
-
-    async def get(self, path: str, **kwargs: Any) -> Any:
-        return await self.client.get(path, **_without_auth(kwargs))
-
-    async def delete(self, path: str, **kwargs: Any) -> Any:
-        return await self.client.delete(path, **_without_auth(kwargs))
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    def is_closed(self) -> bool:
-        return self.client.is_closed()
-
-
-def _without_auth(kwargs: dict) -> dict:
-    options = dict(kwargs.get("options") or {})
-    options["headers"] = {**(options.get("headers") or {}), "Authorization": openai.omit}
-    return {**kwargs, "options": options}
+    if key is None:  # the SDK's own way to send no Authorization header (Reused._validate_headers)
+        common["default_headers"] = {"Authorization": openai.omit}
+    return _AsyncOpenAI(api_key=key or NO_KEY, base_url=entry.url, **common)
 
 
 def entra_token_provider(credential: Any = None) -> TokenProvider:
@@ -399,13 +366,6 @@ def entra_token_provider(credential: Any = None) -> TokenProvider:
     return token
 
 
-def check_deployment_name(model: str) -> None:
-    if not DEPLOYMENT_NAME.fullmatch(model):
-        raise ApiError(
-            400, ErrorKind.INVALID_REQUEST, f"model {model!r} is not a valid Azure OpenAI deployment name", "model"
-        )
-
-
 # --- calls ------------------------------------------------------------------------------------
 
 
@@ -415,12 +375,11 @@ class UpstreamStream(openai.AsyncStream[dict]):
     connection is reused), or the end of the body; ``close()`` drops the connection (stopping the
     generation).
 
-    The request goes through the SDK's documented low-level ``client.post`` (retries, timeouts,
-    typed errors, Azure's deployment URLs and auth all apply), with this class as its ``stream_cls``;
-    ``create()`` would first run its type-driven transform over the parameters, about 1 ms per
-    request here for plain dicts that need none. The stream is the SDK's with its public iteration
-    (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes (from our
-    transport, aiohttp's read of its body itself: the layers between cost every piece)."""
+    The request goes through the SDK's documented low-level ``client.post``, with this class as its
+    ``stream_cls``; ``create()`` would first run its type-driven transform over the parameters, about
+    1 ms per request here for plain dicts that need none. The stream is the SDK's with its public
+    iteration (``__aiter__``, ``__anext__``) reading the public ``response`` here, from the raw bytes
+    (from our transport, aiohttp's read of its body itself: the layers between cost every piece)."""
 
     ready = 0  # chunks already read from the upstream and not yet handed out (stream.py batches them)
     # A failure reading the stream, as its reader explains it (failover.PeekedStream: the ApiError,
@@ -647,14 +606,6 @@ _READ_ERRORS = _TIMEOUT_ERRORS + http_errors("TransportError")
 # --- the Responses API's view of a client ---------------------------------------------------
 
 
-def no_responses_api() -> ApiError:
-    return ApiError(
-        501,
-        ErrorKind.RESPONSES_NOT_SUPPORTED,
-        "the upstream has no Responses API (POST /responses answered 404); use /api/v1/chat/completions",
-    )
-
-
 class ResponsesClient:
     """An SDK client as the Responses API calls need it: an Azure client on a dated API version
     (``dated``) calls the v1 API (``/openai/v1/responses``, no ``api-version``), which has it; an
@@ -682,7 +633,11 @@ class ResponsesClient:
             return await self.client.post(path_sent, **kwargs)
         except openai.NotFoundError as exc:
             if path == "/responses" and error_field(exc.body, "code") not in _MODEL_MISSING:
-                raise no_responses_api() from None
+                raise ApiError(
+                    501,
+                    ErrorKind.RESPONSES_NOT_SUPPORTED,
+                    "the upstream has no Responses API (POST /responses answered 404); use /api/v1/chat/completions",
+                ) from None
             raise
 
     async def get(self, path: str, **kwargs: Any) -> Any:

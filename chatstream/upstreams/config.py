@@ -289,9 +289,8 @@ def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
 
 
 def entries(settings: Settings, environ: Mapping[str, str]) -> tuple[Entry, ...]:
-    """The upstream entries the settings describe: ``UPSTREAMS``' (each key read from the setting its
-    ``api_key_setting`` names in ``environ``), else the one of the single-upstream settings; none when
-    nothing is configured. Raises PoolConfigError naming the setting, never quoting a value."""
+    """The upstream entries the settings describe: ``UPSTREAMS``' (``parse_upstreams``), else the one
+    of the single-upstream settings; none when nothing is configured."""
     if settings.pooled:
         return tuple(parse_upstreams(settings.upstreams or "", environ))
     for name, url in (

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator, Iterator, Mapping
 from types import CoroutineType
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ import anyio
 import openai
 
 from .. import telemetry
-from ..errors import ApiError, ErrorKind, error_field, first_token_expired, incomplete, log_safe, retry_after_headers
+from ..errors import ApiError, ErrorKind, error_field, incomplete, retry_after_headers
 from ..record import StreamRecord
 from ..settings import Settings, SettingsError
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
@@ -40,7 +41,6 @@ from .clients import (
     ResponsesClient,
     SdkClient,
     UpstreamStream,
-    check_deployment_name,
     complete,
     entra_token_provider,
     make_client,
@@ -54,9 +54,8 @@ from .outcomes import (
     Outcome,
     OutcomeKind,
     classify,
-    upstream_request_id,
 )
-from .pool import Attempt, Pool, PoolEvent
+from .pool import Attempt, Pool
 
 log = logging.getLogger("chatstream")
 T = TypeVar("T")
@@ -66,45 +65,15 @@ _TIMER_SLACK = 0.01
 # An entry with no first-output limit of its own (the last one, or no ENTRY_FIRST_TOKEN_TIMEOUT):
 # its call goes without a timeout scope (one object fewer while it waits for its first chunk).
 _NO_LIMIT = contextlib.nullcontext()
-
-
-def _log_event(event: PoolEvent) -> None:
-    """The pool's changes as log lines and metrics."""
-    if event.event == "cooldown":
-        telemetry.upstream_event("cooldowns", event.entry)
-        log.warning(
-            "upstream %s: %s, cooling down %.1fs for %s",
-            event.entry,
-            event.reason,
-            event.seconds or 0,
-            log_safe(event.deployment or ""),
-        )
-    elif event.event == "open":
-        telemetry.upstream_event("breaker", event.entry, state="open", reason=event.reason)
-        log.warning(
-            "upstream %s: %s, breaker open: skipped, next probe in %.1fs", event.entry, event.reason, event.seconds or 0
-        )
-    elif event.event == "closed":
-        telemetry.upstream_event("breaker", event.entry, state="closed", reason=event.reason)
-        log.info("upstream %s: answered again (breaker closed)", event.entry)
-    elif event.reason == OutcomeKind.QUOTA_EXHAUSTED:
-        log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", event.entry)
-    else:
-        log.error(
-            "upstream %s: authentication failed: check its key (api_key_setting) or, for Entra ID, "
-            "the app identity's role on that resource",
-            event.entry,
-        )
+# Azure OpenAI puts the model (the deployment name) in the URL path, so only a name that is one
+# plain path segment may go there ("." or ".." would change the path the SDK builds).
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class PeekedStream:
-    """An upstream stream whose first chunks were already read (up to the first output): iterating
-    it gives those chunks again, then the rest of the stream. A failure after them is reported to
-    the entry's attempt (it counts against the entry's health, never as a failover) and reaches the
-    core as the ApiError it means (``_Midstream``, which the stream's own reader calls).
-
-    Its own iterator, with a plain ``__anext__``: after the chunks given again it hands out the
-    stream's own reads (a generator around them cost every chunk)."""
+    """An upstream stream read up to its first output (``_peek``): the chunks read, then the rest of
+    the stream; a failure after them goes through ``_Midstream``. Its own iterator, with a plain
+    ``__anext__`` handing out the stream's own reads (a generator around them cost every chunk)."""
 
     def __init__(self, stream: UpstreamStream, peeked: list[dict], attempt: Attempt | None, model: str):
         self._stream = stream
@@ -244,7 +213,6 @@ class Upstreams:
         self.clients = dict(clients)
         self.pooled = settings.pooled  # from UPSTREAMS (else the single-upstream settings)
         self.configured = bool(pool.entries)
-        self._azure = any(e.kind == "azure" for e in pool.entries)
         self._closer: AsyncIterator[None] | None = None
 
     @classmethod
@@ -255,7 +223,6 @@ class Upstreams:
         SettingsError naming the setting and the entry), each with a client. ``environ``: where the
         keys ``api_key_setting`` names are read (default: the process environment); ``credential``:
         for Entra ID (default: DefaultAzureCredential); ``pool_args``: ``now``, ``rng``, ``policy``."""
-        pool_args.setdefault("on_event", _log_event)
         try:
             entries = config.entries(settings, os.environ if environ is None else environ)
         except config.PoolConfigError as exc:
@@ -316,10 +283,15 @@ class Upstreams:
             raise ApiError(
                 400, ErrorKind.MODEL_NOT_ALLOWED, f"model {model!r} is not served by any upstream here", "model"
             )
-        if self._azure:
-            for entry in self.pool.entries:
-                if entry.serves(model) and entry.kind == "azure":
-                    check_deployment_name(entry.deployment(model))
+        for entry in self.pool.entries:
+            deployment = entry.deployment(model)
+            if entry.kind == "azure" and entry.serves(model) and not DEPLOYMENT_NAME.fullmatch(deployment):
+                raise ApiError(
+                    400,
+                    ErrorKind.INVALID_REQUEST,
+                    f"model {deployment!r} is not a valid Azure OpenAI deployment name",
+                    "model",
+                )
 
     def _unavailable(self, model: str) -> ApiError:
         """Every entry serving ``model`` is cooling down or out: answered without an upstream call."""
@@ -351,19 +323,27 @@ class Upstreams:
                     break
                 way.again = False
 
-    async def _failed(self, attempt: Attempt, failure: Classified, record: StreamRecord, way: _Way) -> bool:
-        """Report a failed attempt; whether the request goes on: on the same entry once more (the
-        same-entry policy, after waiting), or on the next candidate that ``pool.route`` allows."""
+    async def _failed(
+        self, attempt: Attempt, exc: Exception, record: StreamRecord, way: _Way, first: bool = True
+    ) -> Classified:
+        """A failed attempt, explained (``classify``: a bug of ours included) and reported. The request
+        goes on (the failure returned) on the same entry once more (the same-entry policy, after
+        waiting), or on the next candidate that ``pool.route`` allows; else the failure's error is
+        raised. ``first``: the answer's first call, whose ``x-request-id`` the caller gets."""
+        request_id = getattr(exc, "request_id", None)  # the SDK's: an error answer's x-request-id
+        if first and isinstance(request_id, str) and request_id:
+            record.request_id = request_id
+        failure = classify(exc, attempt.model)
         attempt.report(failure.outcome)
         record.attempt_failed(attempt.entry.name, failure.error.type)
         route = self.pool.route(failure.outcome)
         if route == "stop":
-            return False
+            raise failure.error from None
         if len(self.pool.entries) > 1:
             if route == "larger":
                 way.larger_than(attempt.entry)
             elif await self._again(attempt, failure.outcome, way):
-                return True
+                return failure
             telemetry.upstream_event("failovers", attempt.entry.name, reason=failure.outcome.kind.value)
             log.info(
                 "upstream %s: %s before any output; the request moves on to the next free entry%s, if any",
@@ -371,7 +351,7 @@ class Upstreams:
                 failure.outcome.kind.value,
                 " with a larger context_window" if route == "larger" else "",
             )
-        return True
+        return failure
 
     async def _again(self, attempt: Attempt, outcome: Outcome, way: _Way) -> bool:
         """The same-entry policy: after a 429 whose cooldown is at most
@@ -417,10 +397,7 @@ class Upstreams:
         """The first entry, in the pool's order, whose stream reaches its first output; else the
         last failure (or 429/503 with Retry-After when no entry could be tried). Awaited as a
         coroutine function's call (it is the walk's: one coroutine fewer waiting a request)."""
-        model = params["model"]
-        way = _Way(limits.deadline)
-        attempts = self._attempts(model, record, way)
-        return self._walk(path, model, params, protocol, limits, record, attempts, way, first=True)
+        return self._walk(path, params["model"], params, protocol, limits, record, None)
 
     async def open_next(
         self,
@@ -441,9 +418,7 @@ class Upstreams:
             blocked = self.pool.unavailable(model)
             await asyncio.sleep(max(0.05, blocked.retry_after if blocked is not None else 1.0))
         ordered = [e for e in candidates if e.name not in failed] + [e for e in candidates if e.name in failed]
-        way = _Way(limits.deadline)
-        attempts = self._attempts(model, record, way, ordered)
-        return await self._walk(path, model, request, protocol, limits, record, attempts, way, first=False)
+        return await self._walk(path, model, request, protocol, limits, record, ordered)
 
     async def _walk(
         self,
@@ -453,15 +428,15 @@ class Upstreams:
         protocol: StreamProtocol,
         limits: TimeLimits,
         record: StreamRecord,
-        attempts: Iterator[tuple[Entry, Attempt, bool]],
-        way: _Way,
-        first: bool,
+        candidates: list[Entry] | None,
     ) -> PeekedStream:
         """The walk itself. ``request``: the parameters for every entry, or how each entry's are
-        made. ``first``: the answer's first stream, whose ``x-request-id`` the caller gets (a
-        continuation's stays on its segment)."""
+        made; ``candidates``: a continuation's order (None: the pool's, for the answer's first
+        stream, whose ``x-request-id`` the caller gets; a continuation's stays on its segment)."""
+        first = candidates is None
+        way = _Way(limits.deadline)
         last: Classified | None = None
-        for entry, attempt, is_last in attempts:
+        for entry, attempt, is_last in self._attempts(model, record, way, candidates):
             stream = None
             try:
                 deadline = self._entry_deadline(limits, is_last)
@@ -483,19 +458,13 @@ class Upstreams:
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
                 await _close(stream)
-                if first:
-                    record.request_id = upstream_request_id(exc) or record.request_id
-                last = classify(first_token_expired() if isinstance(exc, TimeoutError) else exc, model)
-                if await self._failed(attempt, last, record, way):
-                    continue
-                raise last.error from None
+                last = await self._failed(attempt, exc, record, way, first)
+                continue
             attempt.report(SUCCESS)
             if first:
                 record.request_id = stream.request_id or record.request_id
             return PeekedStream(stream, peeked, attempt, model)
-        if last is None:
-            raise self._unavailable(model)
-        raise last.error
+        raise last.error if last is not None else self._unavailable(model)
 
     async def reattach(self, name: str, path: str, query: dict, probe: StreamProtocol) -> PeekedStream:
         """The event stream of something only entry ``name`` holds (a background response), again,
@@ -520,18 +489,13 @@ class Upstreams:
                 record.cut_short()  # the caller left with the call in flight: the upstream has its prompt
                 raise
             except Exception as exc:  # noqa: BLE001 - classify() explains any failure, a bug of ours included
-                record.request_id = upstream_request_id(exc) or record.request_id
-                last = classify(exc, model)
-                if await self._failed(attempt, last, record, way):
-                    continue
-                raise last.error from None
+                last = await self._failed(attempt, exc, record, way)
+                continue
             attempt.report(SUCCESS)
             record.upstream_answered()
             record.request_id = request_id or record.request_id
             return body
-        if last is None:
-            raise self._unavailable(model)
-        raise last.error
+        raise last.error if last is not None else self._unavailable(model)
 
     async def each(self, call: Callable[[SdkClient], Awaitable[T]], attempt_timeout: float) -> T:
         """``call`` on each entry in priority order, health aside, for something only the entry that

@@ -73,18 +73,15 @@ ANSWERED = frozenset(OutcomeKind) - HEALTH_FAILURE - {OutcomeKind.OTHER}
 class Outcome:
     """What one attempt on an entry came to. ``cooldown``: for a 429, the seconds its headers ask
     for (None when they said nothing usable). ``failover``: the request goes on to the next
-    candidate (only before the first output); ``config_problem``: worth an error log naming the
-    entry (our key or role is wrong, or the account has no quota left)."""
+    candidate (only before the first output)."""
 
     kind: OutcomeKind
     status: int | None = None
     cooldown: float | None = None
     failover: bool = field(init=False)
-    config_problem: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failover", self.kind in FAILOVER)
-        object.__setattr__(self, "config_problem", self.kind in (OutcomeKind.AUTH_ERROR, OutcomeKind.QUOTA_EXHAUSTED))
 
 
 SUCCESS = Outcome(OutcomeKind.SUCCESS)
@@ -170,12 +167,6 @@ def _connect_failure(exc: BaseException | None) -> bool:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False
-
-
-def upstream_request_id(exc: BaseException) -> str | None:
-    """The ``x-request-id`` of an upstream's error answer, if it sent one (the SDK's ``request_id``)."""
-    request_id = getattr(exc, "request_id", None)
-    return request_id if isinstance(request_id, str) and request_id else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +257,6 @@ def _requests_fault(status: int) -> bool:
     return 400 <= status < 500 and status not in (408, 409, 429)
 
 
-# What an answer that already reached its caller may be continued after (continuation.py): the
-# upstream's own failures, never a time limit of the caller's, a moderation stop or a bug of ours.
 _CONTINUABLE = frozenset(
     {
         ErrorKind.UPSTREAM_DISCONNECTED,  # the connection broke
@@ -281,7 +270,8 @@ _CONTINUABLE = frozenset(
 
 def may_continue(error: ApiError) -> bool:
     """Whether an answer that failed with ``error`` after output went to the caller may go on on
-    another entry (``_CONTINUABLE``)."""
+    another entry (continuation.py): after the upstream's own failures, never a time limit of the
+    caller's, a moderation stop or a bug of ours."""
     return error.retryable and error.type in _CONTINUABLE
 
 

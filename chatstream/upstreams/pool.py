@@ -1,8 +1,9 @@
 """The pool: which entries may serve a request, in which order they are tried, and what each
-attempt's outcome does to its entry (through the entry's ``Health``: 429 cooldowns, the breaker).
+attempt's outcome does to its entry (through the entry's ``Health``: 429 cooldowns, the breaker),
+logged and counted as it happens.
 
-Pure logic: no HTTP, no settings object; the clock and the random source are injectable, so it is
-tested in-process with a fake clock. It runs on one asyncio loop, so it has no locks; nothing here
+No HTTP, no settings object; the clock and the random source are injectable, so it is tested
+in-process with a fake clock. It runs on one asyncio loop, so it has no locks; nothing here
 awaits. The request path (failover.py) uses it like this (see docs/pool.md)::
 
     for entry in pool.candidates(model):
@@ -16,6 +17,7 @@ awaits. The request path (failover.py) uses it like this (see docs/pool.md)::
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -23,11 +25,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from .. import telemetry
+from ..errors import log_safe
 from ..settings import ERROR_ROUTES
-from .config import Entry, PoolConfigError, display_url
+from .config import Entry, display_url
 from .health import Health, Policy
 from .outcomes import COOLDOWN, HEALTH_FAILURE, Outcome, OutcomeKind
 
+log = logging.getLogger("chatstream")
 Route = Literal["next", "larger", "stop"]
 # The error classes of UPSTREAM_ERROR_ROUTES: upstream errors that say nothing about the entry's
 # health, and whose right next step depends on the pool (settings.ERROR_ROUTES has the defaults).
@@ -37,18 +42,6 @@ ROUTED = {
     "auth": OutcomeKind.AUTH_ERROR,
     "quota": OutcomeKind.QUOTA_EXHAUSTED,
 }
-
-
-@dataclass(frozen=True)
-class PoolEvent:
-    """A change worth a log line: ``cooldown`` (seconds, deployment), ``open`` (seconds),
-    ``closed``, ``config_problem``."""
-
-    entry: str
-    event: str
-    reason: str
-    seconds: float | None = None
-    deployment: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,9 +84,6 @@ class Attempt:
             if self.probe:
                 self.pool.health[self.entry.name].probing = False
 
-    def __repr__(self) -> str:
-        return f"Attempt({self.entry.name!r}, {self.deployment!r}, probe={self.probe})"
-
 
 def _weighted_order(entries: list[Entry], rng: random.Random) -> list[Entry]:
     """Weighted sampling without replacement: each entry draws an exponential clock with rate
@@ -106,7 +96,7 @@ def _weighted_order(entries: list[Entry], rng: random.Random) -> list[Entry]:
 
 class Pool:
     """The entries and their health. ``now`` is a monotonic clock, ``rng`` the random source for the
-    weighted order; ``on_event`` hears of each ``PoolEvent``."""
+    weighted order."""
 
     def __init__(
         self,
@@ -115,17 +105,12 @@ class Pool:
         policy: Policy | None = None,
         now: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        on_event: Callable[[PoolEvent], None] | None = None,
         routes: Mapping[str, str] | None = None,
     ) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
-        names = [e.name for e in self.entries]
-        if len(set(names)) != len(names):
-            raise PoolConfigError("UPSTREAMS: entry names must be unique")
         self.policy = policy or Policy()
         self._now = now
         self._rng = rng or random.Random()
-        self._on_event = on_event
         self.health: dict[str, Health] = {e.name: Health() for e in self.entries}
         self._ordered = len({e.priority for e in self.entries}) == len(self.entries)  # no ties: no draw
         chosen = {**ERROR_ROUTES, **(routes or {})}
@@ -200,15 +185,25 @@ class Pool:
 
     def record(self, attempt: Attempt, outcome: Outcome) -> None:
         """An attempt's outcome (use ``attempt.report``): counters, cooldowns, the breaker."""
-        entry, health = attempt.entry, self.health[attempt.entry.name]
+        name, health = attempt.entry.name, self.health[attempt.entry.name]
+        reason = outcome.kind.value
         now = self._now()
         if self.route(outcome) != "stop" and not attempt.delivered and len(self.entries) > 1:  # somewhere to go
             health.counters.failovers += 1
-        if outcome.config_problem:
-            self._emit(PoolEvent(entry.name, "config_problem", outcome.kind.value, deployment=attempt.deployment))
+        if outcome.kind is OutcomeKind.AUTH_ERROR:
+            log.error(
+                "upstream %s: authentication failed: check its key (api_key_setting) or, for Entra ID, "
+                "the app identity's role on that resource",
+                name,
+            )
+        elif outcome.kind is OutcomeKind.QUOTA_EXHAUSTED:
+            log.error("upstream %s: its quota is used up (insufficient_quota): check the account's billing", name)
         if outcome.kind in COOLDOWN:
             seconds = health.cool_down(attempt.deployment, outcome, now, self.policy)
-            self._emit(PoolEvent(entry.name, "cooldown", outcome.kind.value, seconds, attempt.deployment))
+            telemetry.upstream_event("cooldowns", name)
+            log.warning(
+                "upstream %s: %s, cooling down %.1fs for %s", name, reason, seconds, log_safe(attempt.deployment)
+            )
         elif outcome.kind is OutcomeKind.SUCCESS:
             health.counters.successes += 1
         elif outcome.kind in HEALTH_FAILURE:
@@ -218,15 +213,15 @@ class Pool:
         probe = attempt.probe and not attempt.released  # its first report, slot still held
         if probe or (health.open_until is None and attempt.generation == health.generation):
             change = health.breaker(outcome, now, self.policy, probe)
+            if change is not None:
+                telemetry.upstream_event("breaker", name, state=change, reason=reason)
             if change == "open":
                 assert health.open_until is not None
-                self._emit(PoolEvent(entry.name, "open", outcome.kind.value, health.open_until - now))
+                log.warning(
+                    "upstream %s: %s, breaker open: skipped, next probe in %.1fs", name, reason, health.open_until - now
+                )
             elif change == "closed":
-                self._emit(PoolEvent(entry.name, "closed", outcome.kind.value))
-
-    def _emit(self, event: PoolEvent) -> None:
-        if self._on_event is not None:
-            self._on_event(event)
+                log.info("upstream %s: answered again (breaker closed)", name)
 
     # --- reporting --------------------------------------------------------------------------
 

@@ -124,9 +124,8 @@ def _unanswered(exc: aiohttp.ClientError) -> bool:
     """Whether ``exc``, raised sending a request and waiting for its answer's head, means the connection
     ended unanswered: closed before any byte of a status line came, or reset. A reset says neither
     whether a head was begun nor how long the server had the request (aiohttp's ClientOSError keeps
-    no more): any reset before the head is whole counts; the caller bounds how long after the
-    sending (``RESEND_WITHIN``), so a server that worked on the request a while and reset does not
-    get it again (tests/unit/test_clients.py, its ``reset`` and ``reset_late`` cases)."""
+    no more): any reset before the head is whole counts, and the caller bounds the time
+    (``RESEND_WITHIN``; tests/unit/test_clients.py, its ``reset`` and ``reset_late`` cases)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return isinstance(exc.message, str)  # else the part of the head that came
     return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
@@ -161,14 +160,13 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     through a second session whose connections are always new and closed after use (made when first
     needed). Browsers do so for any method (the server never read it; the SDK's own retries resend
     any request that lost its connection). It costs no retry of ours and no failure in the pool's
-    health. A new connection cut so, or one that ended later than ``RESEND_WITHIN`` after the
-    request went (a reset after the server worked on it), is the upstream's failure: not sent again. The idle lifetime
-    stays the SDK's 5 s: a shorter one would spare 5 s servers the race but not those with shorter
-    timeouts (gunicorn's 2 s), and cost a new connection (a TLS handshake) for each request 4-5 s
-    after the last to servers that keep them longer; the resend covers every server."""
+    health. Anything else (a new connection cut so, or later than ``RESEND_WITHIN``) is the
+    upstream's failure. The idle lifetime stays the SDK's 5 s: a shorter one would spare 5 s servers
+    the race but not those with shorter timeouts (gunicorn's 2 s), and cost a new connection (a TLS
+    handshake) for each request 4-5 s after the last to servers that keep them longer; the resend
+    covers every server."""
 
-    def __init__(self, limits: httpx2.Limits = openai.DEFAULT_CONNECTION_LIMITS) -> None:
-        self._limits = limits
+    def __init__(self) -> None:
         self._proxies = urllib.request.getproxies()  # the environment's, as httpx2 would read them
         self._proxy_of: dict[tuple[str, str, int | None], str | None] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -177,8 +175,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 
     def _open(self, fresh: bool = False) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
-            limit=self._limits.max_connections or 0,
-            keepalive_timeout=None if fresh else self._limits.keepalive_expiry,
+            limit=openai.DEFAULT_CONNECTION_LIMITS.max_connections or 0,
+            keepalive_timeout=None if fresh else openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
             force_close=fresh,
             ssl=_ssl_context(),
         )
@@ -291,20 +289,10 @@ class KeptHeaders(httpx2.Headers):
             return super().multi_items()
         return list(self._pairs)
 
-    def set_last(self, key: str, value: str) -> None:
-        """``self[key] = value`` where the last header is ``key`` (its pairs kept, with the new value)."""
-        pairs = self._pairs
-        self[key] = value
-        name = key.lower()
-        if pairs and pairs[-1][0] == name and len(self) == len(pairs) and value.isascii():
-            self._pairs = [*pairs[:-1], (name, value)]  # the others as they were: all ASCII stays ASCII
-            if not pairs[-1][1].isascii():  # the encoding found may have been the old value's
-                self._found = None
-
     def set_length(self, length: int) -> None:
-        """``self["Content-Length"] = str(length)`` where that header is the last and the only one (a
-        request ``HttpClient.keepable`` kept): its value replaced in place, its pairs kept, without
-        httpx2's search for duplicates."""
+        """``self["Content-Length"] = str(length)`` where that header is the last and the only one
+        (``length_last``): its value replaced in place, its pairs kept, without httpx2's search for
+        duplicates."""
         raw, lower, old = self._list[-1]
         assert raw == b"Content-Length" and self._pairs is not None and old.isascii()
         value = str(length)
@@ -329,6 +317,11 @@ class KeptHeaders(httpx2.Headers):
     def encoding(self, value: str) -> None:
         self._pairs = None
         self._encoding = value
+
+
+def length_last(raw: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's one ``Content-Length`` header is its last (``KeptHeaders.set_length``)."""
+    return bool(raw) and raw[-1][0] == b"Content-Length" and [n.lower() for n, _ in raw].count(b"content-length") == 1
 
 
 class HttpClient(httpx2.AsyncClient):
@@ -455,14 +448,14 @@ class HttpClient(httpx2.AsyncClient):
             named = {name.lower() for name, _ in headers}
             own = [(name, value) for name, value in self.headers.raw if name.lower().decode("latin-1") not in named]
             request = httpx2.Request(method, url, content=content, headers=own + headers, extensions=extensions)
-            if not content or request.headers.raw[-1][0] == b"Content-Length":
+            if not content or length_last(request.headers.raw):
                 if len(self._prepared) >= URL_CACHE_SIZE:  # an Entra token changes hourly: old ones go
                     self._prepared.clear()
                 self._prepared[key] = KeptHeaders(request.headers)
             return request
         headers_sent = kept.copied()  # no header is parsed again
         if content:
-            headers_sent.set_last("Content-Length", str(len(content)))  # in its place: the last one
+            headers_sent.set_length(len(content))
         request = httpx2.Request(method, url, stream=httpx2.ByteStream(content or b""), extensions=extensions)
         request.headers = headers_sent  # (given to Request, they would be copied into plain Headers)
         request.read()  # as httpx2 does for a body in hand
@@ -487,11 +480,8 @@ class HttpClient(httpx2.AsyncClient):
         """``request`` (just built by this client, not sent yet) as ``with_body`` takes it, kept apart
         from the request itself (which its sender may change); None when another body would change
         more than its ``Content-Length`` (no body, or the header not last)."""
-        raw = request.headers.raw
-        if not raw or raw[-1][0] != b"Content-Length" or not request.content or self.cookies:
+        if not request.content or self.cookies or not length_last(request.headers.raw):
             return None
-        if [name.lower() for name, _ in raw].count(b"content-length") != 1:
-            return None  # (KeptHeaders.set_length)
         kept = httpx2.Request.__new__(httpx2.Request)
         kept.method, kept.url, kept.headers = request.method, request.url, KeptHeaders(request.headers)
         kept.extensions = dict(request.extensions)

@@ -65,12 +65,6 @@ def test_classify_reads_the_429_headers_of_the_response_and_extra_ones():
     assert TIMED_OUT.failover
 
 
-def test_401_and_403_are_flagged_as_configuration_problems():
-    assert outcome_of(status_error(401)).config_problem
-    assert outcome_of(status_error(403)).config_problem
-    assert not outcome_of(status_error(500)).config_problem
-
-
 def test_an_error_event_in_the_stream_is_the_entrys_failure_for_every_api():
     """Chat completions' error event arrives as openai.APIError; the Responses API's `error` event as
     UpstreamReported: both move the request on and count against the entry (review finding: the

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import email.utils
 import json
+import logging
 
 import pytest
 from hypothesis import given, settings
@@ -175,15 +176,18 @@ def test_when_every_entry_is_cooling_down_retry_after_is_the_soonest():
     assert names(pool.candidates("gpt-4o")) == ["b"]
 
 
-def test_an_insufficient_quota_429_cools_down_for_the_maximum_and_is_a_config_problem():
-    events = []
+def test_an_insufficient_quota_429_cools_down_for_the_maximum_and_is_a_config_problem(caplog):
     clock = Clock()
-    pool = Pool([entry("openai")], now=clock, on_event=events.append)
+    pool = Pool([entry("openai")], now=clock)
     outcome = outcome_of(status_error(429, {"retry-after": "1"}, body={"code": "insufficient_quota"}))
-    assert outcome.kind is OutcomeKind.QUOTA_EXHAUSTED and outcome.failover and outcome.config_problem
-    attempt(pool, "openai", outcome=outcome)
+    assert outcome.kind is OutcomeKind.QUOTA_EXHAUSTED and outcome.failover
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        attempt(pool, "openai", outcome=outcome)
     assert retry_after(pool, "gpt-4o") == pytest.approx(300)
-    assert [e.event for e in events] == ["config_problem", "cooldown"]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "upstream openai: its quota is used up (insufficient_quota): check the account's billing"),
+        ("WARNING", "upstream openai: quota_exhausted, cooling down 300.0s for gpt-4o"),
+    ]
 
 
 # --- the breaker ------------------------------------------------------------------------------
@@ -351,16 +355,18 @@ def test_attempts_started_before_the_breaker_opened_do_not_move_it():
     assert pool.state()[0]["consecutive_failures"] == 0
 
 
-def test_client_errors_and_auth_errors_do_not_touch_the_entrys_health():
-    events = []
+def test_client_errors_and_auth_errors_do_not_touch_the_entrys_health(caplog):
+    """401 and 403 are our configuration's problem: an error log naming the entry, nothing else."""
     clock = Clock()
-    pool = Pool([entry("a")], now=clock, on_event=events.append)
-    for status in (400, 401, 403, 404, 413, 422) * 3:
-        attempt(pool, "a", outcome=outcome_of(status_error(status)))
+    pool = Pool([entry("a")], now=clock)
+    with caplog.at_level(logging.INFO, logger="chatstream"):
+        for status in (400, 401, 403, 404, 413, 422) * 3:
+            attempt(pool, "a", outcome=outcome_of(status_error(status)))
     state = pool.state()[0]
     assert state["state"] == "ok" and state["consecutive_failures"] == 0
     assert state["counters"]["failures"] == 0 and state["counters"]["failovers"] == 0
-    assert [e.reason for e in events] == ["auth_error", "auth_error"] * 3
+    auth = "upstream a: authentication failed: check its key (api_key_setting) or, for Entra ID, the app"
+    assert [(r.levelname, r.getMessage()[: len(auth)]) for r in caplog.records] == [("ERROR", auth)] * 6
 
 
 def test_a_mid_stream_failure_counts_against_the_entry_but_not_as_a_failover():
