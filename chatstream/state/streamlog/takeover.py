@@ -79,18 +79,15 @@ class Claim:
             await self.producer.changed()
 
 
-async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
+async def producer_gone(ctx: Context, record: Record, tail: Tail, growing: bool = False) -> bool:
     """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
-    the store's clock. Not while the log grew within a lease (``grew_at``: when the reader last saw
-    it grow, on this process's clock: a growing log is proof of life whatever the beats say, and a
-    busy instance's beats are late), nor while the stream is younger than a lease (its producer's
-    first beat may still be on its way). StoreError when the store cannot tell."""
+    the store's clock. Not while the log is ``growing`` (a reader saw it grow within a lease: proof
+    of life whatever the beats say, and a busy instance's beats are late), nor while the stream is
+    younger than a lease (its producer's first beat may still be on its way). StoreError when the
+    store cannot tell."""
     if tail.handover or not record.instance:
         return True
-    lease = ctx.instances.timing.lease_seconds
-    if grew_at is not None and asyncio.get_running_loop().time() - grew_at < lease:
-        return False
-    if ctx.now() - record.created < lease:
+    if growing or ctx.now() - record.created < ctx.instances.timing.lease_seconds:
         return False
     return not await ctx.instances.alive(record.instance)
 
