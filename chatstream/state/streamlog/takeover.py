@@ -44,8 +44,7 @@ log = logging.getLogger("chatstream")
 class Claim:
     """A stream taken over by this instance: what the request path needs to continue the answer on
     ``producer`` (the stream's ``id``, ``route``, ``owner`` and ``epoch`` are its), driven to its end
-    as a new stream's. ``events`` are the stored events (as a reader replays them), the last with id
-    ``last_id``; the producer's first event gets ``last_id + 1``."""
+    as a new stream's, after the stored ``events`` (as a reader replays them; the last: ``last_id``)."""
 
     request: dict[str, Any]  # the route's params, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
@@ -58,10 +57,9 @@ class Claim:
     past_stored: int
 
     def stand_ins(self) -> bytes:
-        """The continuation's events that stand for what the reader that asked for the takeover
-        received from the lost producer and the log never held (b"" when it had nothing unstored):
-        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree),
-        stored or not: read when the continuation ends, its last write may still be on its way."""
+        """The continuation's events that stand for the ``past_stored`` ones (b"" when none): those of
+        the positions up to ``producer.unstored`` (ids differ per producer; positions agree), stored
+        or not (when the continuation ends, its last write may still be on its way)."""
         unstored = self.producer.unstored
         if not unstored:
             return b""
@@ -69,7 +67,7 @@ class Claim:
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
     def unstood(self) -> int:
-        """How many of those the continuation has not stood in for yet (``stand_ins``)."""
+        """How many of the ``past_stored`` it has not stood in for yet."""
         return max(0, self.past_stored - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
