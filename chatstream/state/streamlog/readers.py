@@ -242,10 +242,7 @@ class Reader:
                     if ending := self._end(lost=producer.ended_lost, last_id=kept):
                         yield ending
                     return
-                if producer.moved.is_set():
-                    if self.leaving.is_set():  # handed over as this instance stops: read it elsewhere
-                        yield self.moved_event()
-                        return
+                if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
                     self.tail, self.record = Tail(self.tail.cursor), None  # read both again from the store
                     return
