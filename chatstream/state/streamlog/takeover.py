@@ -104,8 +104,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if record.state != "live":
             return True
         tail = Tail(0)
-        stored = bytearray(await store.read(stream_id))
-        tail.feed(bytes(stored))
+        events = bytearray(tail.feed(await store.read(stream_id)))  # (all of them: after id 0)
         if tail.end is not None or record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
             return True
         request = record.request.encode() if record.request is not None else None
@@ -134,15 +133,15 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
             return False
-        fenced = await _fence(ctx, won, tail, stored)
+        fenced = await _fence(ctx, won, tail, events)
         if fenced is None:
             return False
         if fenced is False:
             return True
-        events = split_events(bytes(stored))
+        stored = split_events(bytes(events))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-        producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
+        producer = Producer(ctx, won, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -155,18 +154,18 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         return Claim(
             request=params,
             request_id=won.request_id,
-            events=b"".join(events),
+            events=bytes(events),
             last_id=tail.last_id,
             producer=producer,
-            lost_events=producer_events(bytes(stored), tail.epoch),
-            past_stored=max(0, producer.unstored - position(tail.last_id)) if producer.unstored else 0,
+            lost_events=producer_events(bytes(events), tail.epoch),
+            past_stored=max(0, producer.unstored - position(tail.last_id)),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
 
 
-async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
-    """Append the epoch marker at the stored end (``tail`` and ``stored`` grow with what the old
+async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bool | None:
+    """Append the epoch marker at the stored end (``tail`` and its ``events`` grow with what the old
     producer stored before it). True: fenced; False: the old producer stored the end meanwhile (the
     record, ours now, says it is over); None: the store failed for ``give_up_seconds``."""
     loop = asyncio.get_running_loop()
@@ -181,8 +180,7 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             with contextlib.suppress(StoreError):
                 more = await store.read(won.stream_id, tail.offset)
             if more:
-                stored.extend(more)
-                tail.feed(more)
+                events.extend(tail.feed(more))
                 if tail.end is not None:
                     now = ctx.now()
                     state = "lost" if tail.end == LOST else "ended"
