@@ -204,6 +204,39 @@ async def test_a_slow_producer_declared_dead_is_fenced_and_stores_nothing_after_
         assert producer.moved_event().startswith(b"event: error\n")  # what A's live caller is told
 
 
+async def test_a_last_write_of_the_dead_producer_landing_as_the_claim_is_made_is_fenced_after():
+    """The dead producer's last write lands between the claim's read of the log and its fence: the
+    fence fails on its position, goes after that write, and the claim counts it as stored (its
+    events, its last id), so that the continuation goes on from it: one whole answer."""
+    calls: list[Claim] = []
+    async with instances(2, take_over=regenerating(calls=calls), **QUICK) as (a, b):
+        producer = a.start("chat", None, request={"deltas": 40})
+        for i in range(10):
+            producer.append(delta(i))
+        reader = await open_when_visible(b, producer.id, None)
+        got = b""
+        async with asyncio.timeout(5):
+            while len(events_of(got)) < 10:
+                got += await anext(reader)
+        kill(a)
+        replace = b.store.replace
+
+        async def landing_first(table: str, entity: Any, **kw: Any) -> str:
+            if entity.get("RowKey") == RECORD_ROW:
+                b.store.replace = replace  # type: ignore[method-assign]
+                blob = b.store.data.blobs[producer.id][0]  # type: ignore[attr-defined]
+                await b.store.append(producer.id, numbered([delta(10)], first=11), at=len(blob))
+            return await replace(table, entity, **kw)
+
+        b.store.replace = landing_first  # type: ignore[method-assign]
+        got += await read_all(reader)
+        assert got == numbered([delta(i) for i in range(40)] + [DONE], seam=11)
+        assert len(calls) == 1 and calls[0].last_id == 11
+        assert calls[0].events == numbered([delta(i) for i in range(11)])
+        blob = bytes(b.store.data.blobs[producer.id][0])  # type: ignore[attr-defined]
+        assert ids_in(blob.partition(b": epoch 2 11\n")[0]) == list(range(1, 12))
+
+
 async def test_a_handed_over_stream_is_taken_over_at_once_without_a_lease_to_wait_for():
     life = replace(LIFE, lease_seconds=5.0)
     async with instances(2, take_over=regenerating(), life=life, **QUICK) as (a, b):

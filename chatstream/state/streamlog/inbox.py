@@ -17,10 +17,10 @@ per stream hold across instances: each reader holds one of the stream's ``max_re
 slot rows (partition ``{id}``, RowKeys ``slot-00``…), taken with an insert (or, when its holder
 stopped refreshing it, a conditional replace), so the check and the taking are one write.
 
-A slot is a lease: its row says until when (``until``, the store's time). Another reader may take it
-once that has passed, so its holder hands out nothing past it (``holding``) until a refresh has
-landed (a replace on its ETag: nobody took it meanwhile); a holder whose slot was taken (a store too
-slow to refresh it in time, under load) stops, and the limit holds at every moment."""
+A slot is a lease until ``until`` (the store's time); another reader may take it after that, so
+its holder hands out nothing past it (``holding``) until a refresh has landed (a replace on its
+ETag: nobody took it meanwhile); a holder whose slot was taken (a store too slow under load) stops:
+the limit holds at every moment."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def inbox_partition(instance: str) -> str:
 
 
 async def serve(ctx: Context, producers: Mapping[str, Producer]) -> None:
-    """Read the inbox, deliver its rows to ``producers`` (the log's: the streams produced here, by
-    id) and tick them, while there are any (``StreamLog`` runs it when there are again)."""
+    """Read the inbox, deliver its rows to ``producers`` (the streams produced here, by id) and tick
+    them, while there are any."""
     cfg, loop = ctx.config, asyncio.get_running_loop()
     warned_at = -60.0
     while producers:
@@ -103,8 +103,8 @@ HOLD_MARGIN = 1.0  # seconds: the store's time is known to a second (whole-secon
 
 
 class Slot:
-    """A reader's slot, and its inbox row while the stream is produced elsewhere (module docstring).
-    ``id`` names both (and the producer's ack of it: ``Tail.acks``)."""
+    """A reader's slot, and its inbox row while the stream is produced elsewhere (module docstring);
+    ``id`` names both, and the producer's ack (``Tail.acks``)."""
 
     def __init__(self, ctx: Context, stream_id: str):
         self._ctx = ctx
@@ -119,13 +119,11 @@ class Slot:
 
     async def hold(self, at: str | None) -> None:
         """A free slot, with the reader's row in the inbox of ``at`` (the producing instance, when
-        another one) written at once, unless ``follow`` put it there already: the producer writes
-        what it holds as soon as it sees the row. TooManyReaders when no slot is left; StoreError
-        (then nothing is held)."""
+        another one) at once. TooManyReaders when no slot is left; StoreError (then nothing is held)."""
         answers = await asyncio.gather(self._take(), self.follow(at), return_exceptions=True)
         failed = next((a for a in answers if isinstance(a, BaseException)), None)
         if failed is not None:
-            if at is not None and at != self._at:  # (a write whose answer was lost may have landed)
+            if at is not None and at != self._at:  # (its answer lost: it may have landed)
                 self._ctx.spawn(self._leave(at, quietly=True))
             self.release()
             raise failed
@@ -134,8 +132,7 @@ class Slot:
     async def _take(self) -> None:
         """One insert into a random slot; if it is taken, one look at them all, then two free or
         expired ones at most, twice. TooManyReaders when none is left (or the others were quicker:
-        never one too many); StoreError. A write whose answer was lost may have taken a slot: it is
-        given back (its row names this reader)."""
+        never one too many); StoreError."""
         ctx, store = self._ctx, self._ctx.store
         keys = [f"slot-{i:02d}" for i in range(ctx.config.max_readers_per_stream)]
         random.shuffle(keys)
@@ -143,7 +140,7 @@ class Slot:
         async def write(key: str, etag: str | None) -> None:
             try:
                 await self._write(key, etag)
-            except StoreUnavailable:
+            except StoreUnavailable:  # its answer lost: it may have taken the slot
                 ctx.later(lambda: self._give_back(key))
                 raise
 
@@ -178,8 +175,8 @@ class Slot:
         self._key, self._until = key, until
 
     async def follow(self, at: str | None) -> None:
-        """The stream is produced on ``at`` now (None: here, or by nobody): the inbox row moves
-        there; the one it leaves is deleted (nobody reads it for this stream any more). StoreError."""
+        """The stream is produced on ``at`` now (None: here, or by nobody): the inbox row moves there
+        (the one it leaves is deleted). StoreError."""
         if at == self._at:
             return
         if at is not None:
@@ -221,10 +218,9 @@ class Slot:
         return max(0.05, min(refresh, (self._until - HOLD_MARGIN - self._ctx.now()) / 3))
 
     async def holding(self) -> bool:
-        """Whether this reader may hand out more: at once while its slot's time runs; past it (a
-        refresh that did not land in time), once the next refresh says (it lands only if nobody took
-        the slot), waiting at most ``give_up_seconds``. False: another reader took the slot, or the
-        store did not answer that long; the reading ends (readers.py)."""
+        """Whether this reader may hand out more: at once while its slot's time runs; past it, once
+        the next refresh lands (only if nobody took the slot), waiting at most ``give_up_seconds``.
+        False: another reader took the slot, or the store did not answer that long."""
         ctx = self._ctx
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ctx.config.give_up_seconds
@@ -248,9 +244,9 @@ class Slot:
             self._at = None
 
     async def _leave(self, at: str, *, quietly: bool) -> None:
-        """Say in the inbox of ``at`` when this reader left (the abandonment clock starts then; the
-        producer deletes the row); ``quietly``: delete the row (the reader read the stream to its end,
-        or the stream went on elsewhere: nobody needs it). A row left behind expires and is swept."""
+        """Say in the inbox of ``at`` when this reader left (the abandonment clock starts then);
+        ``quietly``: delete the row (read to its end, or the stream went on elsewhere). A row left
+        behind expires and is swept."""
         with contextlib.suppress(StoreError):
             if quietly:
                 await self._ctx.store.delete(STREAMS_TABLE, inbox_partition(at), f"r-{self._stream_id}-{self.id}")
@@ -268,8 +264,8 @@ class Slot:
         }
 
     async def _give_back(self, key: str, etag: str | None = None) -> None:
-        """Free the slot ``key`` if this reader holds it (a conditional delete: never someone else's):
-        on ``etag``, its last write's, else (or a refresh landed as it was cancelled) if it names it."""
+        """Free the slot ``key`` if this reader holds it (on ``etag``, its last write's, else if it
+        names it): never someone else's."""
         if etag is not None:
             with contextlib.suppress(Modified):
                 return await self._ctx.store.delete(STREAMS_TABLE, self._stream_id, key, etag=etag)

@@ -31,11 +31,6 @@ from .inbox import Slot
 from .producer import Producer
 from .takeover import producer_gone
 
-# A reading whose place among the stream's readers was taken (the store too slow to keep it) ends
-# with this, as one the store failed: the client asks again (a 429 while the stream has all its readers).
-SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
-
-
 log = logging.getLogger("chatstream")
 
 Events = AsyncGenerator[bytes, None]
@@ -78,20 +73,19 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
 
 # A reader from the store polls the blob a third of poll_seconds apart while nothing comes (after
 # three such polls, slower and slower, to max_poll_seconds). After new bytes the next poll begins a
-# little less than poll_seconds after this one began, so that the polls drift earlier until one
-# comes just before a write lands and finds nothing (then a third of poll_seconds later: that write
-# waits ~33 ms, not 100): they stay close behind the producer's writes. Paced from the end of a
-# read, or at exactly the producer's interval, they kept whatever distance behind its writes they
-# happened to have (a read's time later each poll: ~50 ms on average).
+# little less than poll_seconds after this one began: the polls drift earlier until one comes just
+# before a write lands and finds nothing (then a third of poll_seconds later: that write waits
+# ~33 ms, not 100), so they stay close behind the producer's writes, not at whatever distance
+# behind them they happened to start (~50 ms on average).
 _LEAD = 0.9
+_SLOT_LOST = "the store did not answer in time to keep this reading's place among the stream's readers: ask again"
 
 
 class Reader:
-    """A resumed stream (module docstring): an async iterator of bytes, the stored events after
-    ``after``, then the live ones up to the final event, in the format ``route``; ``tail.cursor`` is
-    the last id the client has. Close it with ``aclose`` (Starlette's StreamingResponse does) when
-    the caller goes; it holds a slot among the stream's readers with its inbox row (inbox.py), and
-    counts in ``ctx.readers`` from its making (opens run at once), until closed or read to its end."""
+    """A resumed stream (module docstring): the bytes after event ``after`` to the final event, in
+    ``route``'s format; ``tail.cursor`` is the last id the client has. Close it with ``aclose``
+    (Starlette's StreamingResponse does): until then, or its end, it holds a slot (inbox.py) and
+    counts in ``ctx.readers``."""
 
     def __init__(
         self,
@@ -102,7 +96,7 @@ class Reader:
         take_over: Callable[[str, int], Awaitable[bool]],  # (``StreamLog.take_over``)
     ):
         ctx.readers += 1
-        self._counted = True  # (until released: it holds one of ``ctx.readers``)
+        self._counted = True  # (until released)
         self._ctx = ctx
         self._cfg = ctx.config
         self._producing, self._take_over = producing, take_over
@@ -113,8 +107,7 @@ class Reader:
         self.record: Record | None = None
         self.tail = Tail(after)
         self.over = False  # the reading has handed out its end (its final event, or its own error)
-        # Set when this instance stops (``StreamLog.move_readers``): the reading ends now, unless it
-        # is over, with ``moved_event()`` (the HTTP layer waits for it beside the next bytes).
+        # Set when this instance stops: the reading ends now, unless it is over, with ``moved_event()``.
         self.leaving = ctx.leaving
         self._grew_at: float | None = None  # when this reader last saw the log grow (this process's clock)
         self._gone_at: float | None = None  # when it first found the producer gone
@@ -134,8 +127,7 @@ class Reader:
             raise
 
     def moved_event(self) -> bytes:
-        """What ends a reading when this instance stops: the one its producer's live caller gets; the
-        reading is over."""
+        """What ends a reading when this instance stops (its producer's live caller gets the same)."""
         self.over = True
         return self._ctx.moved_event(self.route)
 
@@ -157,10 +149,20 @@ class Reader:
     # -- opening -------------------------------------------------------------------------------
 
     async def opened(self, caller: str | None) -> Reader:
-        """This reader, opened: checked, its slot held, what is stored read; else released (a store
-        that fails: Unavailable)."""
+        """This reader, opened: checked, its slot held, what is stored read (from the producer when it
+        is here, else ``_open_stored``); else released (a store that fails: Unavailable)."""
         try:
-            await self._open(caller)
+            producer = self._producing(self.stream_id)
+            if producer is None:
+                await self._open_stored(caller)
+                return self
+            if producer.owner is not None and producer.owner != caller:
+                raise StreamNotFound("no such stream")
+            never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
+            if self.after > producer.last_id and not producer.ended_lost and not never_stored:
+                raise PastTheEnd(self.after, producer.last_id)
+            self.route = producer.route
+            await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
         except BaseException as exc:
             self._release()
             if isinstance(exc, StoreError):
@@ -168,25 +170,11 @@ class Reader:
             raise
         return self
 
-    async def _open(self, caller: str | None) -> None:
-        """From the producer here, when it is here (else ``_open_stored``)."""
-        producer = self._producing(self.stream_id)
-        if producer is None:
-            return await self._open_stored(caller)
-        if producer.owner is not None and producer.owner != caller:
-            raise StreamNotFound("no such stream")
-        never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
-        if self.after > producer.last_id and not producer.ended_lost and not never_stored:
-            raise PastTheEnd(self.after, producer.last_id)
-        self.route = producer.route
-        await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
-
     async def _open_stored(self, caller: str | None) -> None:
-        """A stream produced elsewhere (or by nobody any more): its record, then its slot with the
-        reader's inbox row (``Slot.hold``) and the stored log at once, then ``after`` checked. A young
-        stream's row goes to the inbox of the instance whose stream a reader here opened last as the
-        record is read: the producer, most often (two instances: always), sees the reader one record
-        read sooner; when the record names another, the row moves there (``Slot.follow``)."""
+        """A stream produced elsewhere (or by nobody any more): its record, then its slot and the
+        stored log at once, then ``after`` checked. A young stream's inbox row is written as the
+        record is read, to the instance whose stream a reader here opened last: most often (two
+        instances: always) the producer, which then sees the reader one record read sooner."""
         ctx, slot, stream_id = self._ctx, self._slot, self.stream_id
         guess = ctx.last_producer if ctx.now() - started_at(stream_id) < ctx.config.young_seconds else None
         record, _ = await asyncio.gather(
@@ -226,8 +214,8 @@ class Reader:
             try:
                 async for chunk in source:
                     if not await self._slot.holding():  # its slot was taken (inbox.py): the limit holds
-                        self.over = True
-                        yield self._ctx.error_event(self.route, "store_unavailable", SLOT_LOST)
+                        self.over = True  # as if the store failed: the client asks again (429 while it is full)
+                        yield self._ctx.error_event(self.route, "store_unavailable", _SLOT_LOST)
                         return
                     yield chunk
             finally:
@@ -254,10 +242,7 @@ class Reader:
                     if ending := self._end(lost=producer.ended_lost, last_id=kept):
                         yield ending
                     return
-                if producer.moved.is_set():
-                    if self.leaving.is_set():  # handed over as this instance stops: read it elsewhere
-                        yield self.moved_event()
-                        return
+                if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)
                     log.info("stream %s: a reader here follows it on another instance now", self._tag)
                     self.tail, self.record = Tail(self.tail.cursor), None  # read both again from the store
                     return
@@ -358,15 +343,16 @@ class Reader:
         return Record.of(row)
 
     async def _gone(self, now: float) -> bool:
-        """Whether the producer is gone for good: handed over, or found gone twice, a check apart (a
-        producer renamed under load, Instances fenced it, says so in the record meanwhile; a dead one
-        stays gone). A reader ahead of the log (its client has ids not stored yet) waits longer: a
-        takeover ends it with stream_lost, and a producer only slow stores them; not when its
-        instance has been silent that long already (a reader that comes late, after other readings
-        of it were cut: chaos seed 7)."""
+        """Whether the producer is gone for good (``producer_gone``): handed over, or found gone twice,
+        a check apart (a producer renamed under load, Instances fenced it, says so in the record
+        meanwhile; a dead one stays gone). A reader ahead of the log (its client has ids not stored
+        yet) waits longer: a takeover ends it with stream_lost, and a producer only slow stores
+        them; not when its instance has been silent that long already (a reader that comes late,
+        after other readings of it were cut: chaos seed 7)."""
         record, tail, patience = self.record, self.tail, self._cfg.give_up_seconds
         assert record is not None
-        if not await producer_gone(self._ctx, record, tail, self._grew_at):
+        growing = self._grew_at is not None and now - self._grew_at < self._ctx.instances.timing.lease_seconds
+        if not await producer_gone(self._ctx, record, tail, growing):
             self._gone_at = None
             return False
         if not tail.handover:

@@ -44,8 +44,7 @@ log = logging.getLogger("chatstream")
 class Claim:
     """A stream taken over by this instance: what the request path needs to continue the answer on
     ``producer`` (the stream's ``id``, ``route``, ``owner`` and ``epoch`` are its), driven to its end
-    as a new stream's. ``events`` are the stored events (as a reader replays them), the last with id
-    ``last_id``; the producer's first event gets ``last_id + 1``."""
+    as a new stream's, after the stored ``events`` (as a reader replays them; the last: ``last_id``)."""
 
     request: dict[str, Any]  # the route's params, as the original request stored them
     request_id: str | None  # the app's request id of the original request (its charges)
@@ -58,10 +57,9 @@ class Claim:
     past_stored: int
 
     def stand_ins(self) -> bytes:
-        """The continuation's events that stand for what the reader that asked for the takeover
-        received from the lost producer and the log never held (b"" when it had nothing unstored):
-        those of the positions up to ``producer.unstored`` (ids differ per producer; positions agree),
-        stored or not: read when the continuation ends, its last write may still be on its way."""
+        """The continuation's events that stand for the ``past_stored`` ones (b"" when none): those of
+        the positions up to ``producer.unstored`` (ids differ per producer; positions agree), stored
+        or not (when the continuation ends, its last write may still be on its way)."""
         unstored = self.producer.unstored
         if not unstored:
             return b""
@@ -69,7 +67,7 @@ class Claim:
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
     def unstood(self) -> int:
-        """How many of those the continuation has not stood in for yet (``stand_ins``)."""
+        """How many of the ``past_stored`` it has not stood in for yet."""
         return max(0, self.past_stored - len(sse.split(self.stand_ins())[0]))
 
     async def stood_in(self) -> None:
@@ -79,18 +77,15 @@ class Claim:
             await self.producer.changed()
 
 
-async def producer_gone(ctx: Context, record: Record, tail: Tail, grew_at: float | None = None) -> bool:
+async def producer_gone(ctx: Context, record: Record, tail: Tail, growing: bool = False) -> bool:
     """Whether nobody produces the stream any more: it was handed over, or its instance is dead by
-    the store's clock. Not while the log grew within a lease (``grew_at``: when the reader last saw
-    it grow, on this process's clock: a growing log is proof of life whatever the beats say, and a
-    busy instance's beats are late), nor while the stream is younger than a lease (its producer's
-    first beat may still be on its way). StoreError when the store cannot tell."""
+    the store's clock. Not while the log is ``growing`` (a reader saw it grow within a lease: proof
+    of life whatever the beats say, and a busy instance's beats are late), nor while the stream is
+    younger than a lease (its producer's first beat may still be on its way). StoreError when the
+    store cannot tell."""
     if tail.handover or not record.instance:
         return True
-    lease = ctx.instances.timing.lease_seconds
-    if grew_at is not None and asyncio.get_running_loop().time() - grew_at < lease:
-        return False
-    if ctx.now() - record.created < lease:
+    if growing or ctx.now() - record.created < ctx.instances.timing.lease_seconds:
         return False
     return not await ctx.instances.alive(record.instance)
 
@@ -109,8 +104,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         if record.state != "live":
             return True
         tail = Tail(0)
-        stored = bytearray(await store.read(stream_id))
-        tail.feed(bytes(stored))
+        events = bytearray(tail.feed(await store.read(stream_id)))  # (all of them: after id 0)
         if tail.end is not None or record.instance == ctx.instances.id or not await producer_gone(ctx, record, tail):
             return True
         request = record.request.encode() if record.request is not None else None
@@ -139,15 +133,15 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         except StoreError as exc:  # perhaps applied: then nobody produces it until its expiry
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
             return False
-        fenced = await _fence(ctx, won, tail, stored)
+        fenced = await _fence(ctx, won, tail, events)
         if fenced is None:
             return False
         if fenced is False:
             return True
-        events = split_events(bytes(stored))
+        stored = split_events(bytes(events))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
-        producer = Producer(ctx, won, stored=events, stored_bytes=stored_bytes, fences=fences, received=received)
+        producer = Producer(ctx, won, stored=stored, stored_bytes=stored_bytes, fences=fences, received=received)
         if won.cancelled:
             producer.request_stop("cancelled")
         log.warning(
@@ -160,18 +154,18 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
         return Claim(
             request=params,
             request_id=won.request_id,
-            events=b"".join(events),
+            events=bytes(events),
             last_id=tail.last_id,
             producer=producer,
-            lost_events=producer_events(bytes(stored), tail.epoch),
-            past_stored=max(0, producer.unstored - position(tail.last_id)) if producer.unstored else 0,
+            lost_events=producer_events(bytes(events), tail.epoch),
+            past_stored=max(0, producer.unstored - position(tail.last_id)),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
 
 
-async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bool | None:
-    """Append the epoch marker at the stored end (``tail`` and ``stored`` grow with what the old
+async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bool | None:
+    """Append the epoch marker at the stored end (``tail`` and its ``events`` grow with what the old
     producer stored before it). True: fenced; False: the old producer stored the end meanwhile (the
     record, ours now, says it is over); None: the store failed for ``give_up_seconds``."""
     loop = asyncio.get_running_loop()
@@ -186,8 +180,7 @@ async def _fence(ctx: Context, won: Record, tail: Tail, stored: bytearray) -> bo
             with contextlib.suppress(StoreError):
                 more = await store.read(won.stream_id, tail.offset)
             if more:
-                stored.extend(more)
-                tail.feed(more)
+                events.extend(tail.feed(more))
                 if tail.end is not None:
                     now = ctx.now()
                     state = "lost" if tail.end == LOST else "ended"
