@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 import uuid
 
 import httpx
@@ -214,25 +215,29 @@ def test_a_teams_limit_holds_over_its_callers_and_names_the_team_not_another_cal
 
 @pytest.mark.alone
 def test_a_team_spend_budget_holds_over_300_concurrent_requests_on_two_instances(upstream, azurite, start_app):
-    """Two callers of one team, 300 requests at once over two instances, a team budget that holds about
-    30 of them in flight: the ledger's costs never pass the budget, every refused request made no
-    upstream call, every admitted one is in the ledger with the cost the price table gives."""
+    """Two callers of one team, 300 requests at once over two instances, a team budget that holds 30
+    of them in flight: at most 30 are admitted, the ledger's costs never pass the budget, every refused
+    request made no upstream call, every admitted one is in the ledger with the cost the price table
+    gives. The upstream holds every admitted answer (``held``) until all 300 are admitted or refused:
+    every admission comes before any end, however long a loaded machine takes to admit them (with
+    answers of a fixed length, early ones ended and freed their reservations while later ones were
+    still being admitted: 53 admitted, rightly)."""
     a = start_app(**env(upstream, azurite))
     b = start_app(**env(upstream, azurite))
     model = name("priced")
     admin(a, "PUT", f"prices/{model}", {"input": 1, "output": 10})
-    reserve_each = 0
     marker = uuid.uuid4().hex
-    body = ask(f"[scenario:slow] {marker}", model=model, max_tokens=100, stream=True)
+    body = ask(f"[scenario:held] {marker}", model=model, max_tokens=100, stream=True)
     from chatstream.tokens import count_prompt
 
     reserve_each = count_prompt(model, body) * pico_per_token(1) + 100 * pico_per_token(10)
     budget_usd = round(30 * reserve_each / PICO, 6)
     squad = team(a, spend_budget=budget_usd, budget_period="month")
     keys = [caller(a, team=squad)[1], caller(a, team=squad)[1]]
-    statuses = asyncio.run(_burst([a.url, b.url], keys, body, 300))
+    statuses, released = asyncio.run(_burst([a.url, b.url], keys, body, 300, upstream.url))
     admitted = statuses.count(200)
     assert admitted + statuses.count(429) == 300, statuses
+    assert released == admitted, "every admitted answer was still running when the last request was decided"
     assert 20 <= admitted <= 30, admitted
     sent = [r for r in upstream.requests(last=700) if marker in json.dumps(r.get("json"))]
     assert len(sent) == admitted, "a refused request is never sent upstream"
@@ -244,9 +249,11 @@ def test_a_team_spend_budget_holds_over_300_concurrent_requests_on_two_instances
     assert sum(r["cost"] for r in rows) <= budget_usd * PICO
 
 
-async def _burst(urls: list[str], keys: list[str], body: dict, n: int) -> list[int]:
+async def _burst(urls: list[str], keys: list[str], body: dict, n: int, upstream: str) -> tuple[list[int], int]:
+    """The n requests' statuses, sent at once to ``urls`` in turn; their ``held`` answers are released
+    once every request is answered (refused) or held upstream (admitted); and how many were released."""
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=180, limits=limits) as client:
 
         async def one(i: int) -> int:
             url = urls[i % len(urls)] + "/api/v1/chat/completions"
@@ -254,7 +261,18 @@ async def _burst(urls: list[str], keys: list[str], body: dict, n: int) -> list[i
                 await response.aread()
                 return response.status_code
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        deadline = time.monotonic() + 120
+        while True:
+            held = (await client.get(f"{upstream}/_scripted/release")).json()["held"]
+            answered = sum(task.done() for task in tasks)
+            if held + answered >= n or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        released = (await client.post(f"{upstream}/_scripted/release")).json()["released"]
+        statuses = list(await asyncio.gather(*tasks))
+        assert held + answered == n, f"in 120 s, {answered} of {n} requests answered and {held} held upstream"
+        return statuses, released
 
 
 def test_a_continued_response_reserves_what_it_carries(keyed, azurite):

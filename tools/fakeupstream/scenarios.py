@@ -156,6 +156,7 @@ class Scenario:
     role_chunk: bool = True
     style: str = "openai"  # "openai" | "azure" | "tool_calls"
     split_writes: bool = False  # cut the byte stream inside UTF-8 characters
+    held: bool = False  # after the role chunk, nothing until POST /_scripted/release
     error: HttpError | None = None
 
     @property
@@ -176,6 +177,12 @@ _LIST = [
     Scenario("normal", "multi-line text with blank lines, emoji, CJK, accents; 10 deltas 10 ms apart", NORMAL_DELTAS),
     Scenario(
         "slow", "10 deltas, 200 ms apart, first after 200 ms (2 s in all)", SLOW_DELTAS, first_s=0.2, interval_s=0.2
+    ),
+    Scenario(
+        "held",
+        "the role chunk, then nothing until POST /_scripted/release, then the `slow` text at once",
+        SLOW_DELTAS,
+        held=True,
     ),
     Scenario(
         "slow_normal",
@@ -457,6 +464,7 @@ def usage(req: Request, completion_tokens: int) -> dict:
 
 RESET = object()  # drop the connection here
 STALL = object()  # send nothing more, until the client hangs up
+HOLD = object()  # send nothing more until POST /_scripted/release (the server's)
 DONE = b"data: [DONE]\n\n"
 
 _NULLS = '"logprobs":null,"finish_reason":null}'
@@ -539,6 +547,8 @@ def _openai_plan(scn: Scenario, req: Request, deltas: tuple[str, ...]) -> list[t
     if scn.role_chunk:
         for i in range(n):
             f.chunk(0.0, _tool_header_choice(i) if tools else _role_choice(i))
+    if scn.held:
+        f.add(0.0, HOLD)
     per_choice = [_choice_deltas(deltas, i) for i in range(n)]
     t = 0.0
     for k in range(len(deltas)):

@@ -6,13 +6,14 @@ A plain ASGI callable (no framework) so that the per-chunk path is just
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import re
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -82,6 +83,8 @@ class FakeUpstream:
         # /_scripted/stale: requests on kept-alive connections closed unanswered (keepalive.py; served
         # by __main__ with its protocol, in-process without it).
         self.stale = StaleConnections()
+        # The `held` streams waiting for POST /_scripted/release.
+        self.held: set[asyncio.Future] = set()
         # The Responses API (responses.py); None answers its routes with 404, as servers without it do.
         self.responses = ResponsesApi(self, cadence, max_records) if responses else None
         self._models = {
@@ -239,6 +242,15 @@ class FakeUpstream:
                     return
                 self.stale.arm(times, connections == "any")
             await send_json(send, 200, self.stale.as_dict())
+        elif path == "/_scripted/release" and method in ("GET", "POST"):
+            if method == "GET":
+                await send_json(send, 200, {"held": len(self.held)})
+                return
+            released, self.held = self.held, set()
+            for waiter in released:
+                if not waiter.done():  # (cancelled: its client hung up)
+                    waiter.set_result(None)
+            await send_json(send, 200, {"released": len(released)})
         elif path == "/_scripted/error_headers" and method in ("GET", "POST"):
             if method == "POST":
                 headers = _json_field(body, None)
@@ -394,7 +406,20 @@ class FakeUpstream:
             if len(sent_at) < CONTENT_TIMES and _CONTENT.search(item):
                 sent_at.append(time.time())
 
-        await play(receive, send, record, timed(plan), headers, sent)
+        await play(receive, send, record, self._released(timed(plan)), headers, sent)
+
+    async def _released(self, source: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The source's items, each ``HOLD`` waited out until POST /_scripted/release."""
+        async for item in source:
+            if item is not sc.HOLD:
+                yield item
+                continue
+            waiter = asyncio.get_running_loop().create_future()
+            self.held.add(waiter)
+            try:
+                await waiter
+            finally:
+                self.held.discard(waiter)
 
 
 # What a follow-up (retrieve, re-stream, cancel, delete, input_items) can play instead of its answer.

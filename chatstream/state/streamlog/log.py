@@ -250,19 +250,30 @@ class StreamLog:
 async def sweep(store: Store, config: ResumeConfig) -> int:
     """The duty's sweep of resumable streams (``config.sweep_seconds`` apart; shared.py gives it to
     ``Instances``): delete what has expired, a stream's blobs, then its rows; the number of rows
-    deleted (at most ``config.max_sweep``)."""
-    where = Where(less={"expires": store.clock.now()}, select=("expires", "request_blob"), limit=config.max_sweep)
+    deleted (at most ``config.max_sweep``). A stream's record is only marked ``swept`` with its
+    blobs' first delete, and deleted at the next sweep, after its blobs' second: a blob made by a
+    create the store applied late (a producer's or a reader's, sent while the stream was live, queued
+    in a busy store past the TTL) lands after the first delete, and with the record gone nothing
+    would find it again."""
+    where = Where(
+        less={"expires": store.clock.now()}, select=("expires", "request_blob", "swept"), limit=config.max_sweep
+    )
     rows = await store.query(STREAMS_TABLE, where, timeout=10.0)
     gate = asyncio.Semaphore(8)
 
     async def delete(row: Any) -> int:
+        stream_id = row["PartitionKey"]
         async with gate:
             try:
                 if row["RowKey"] == RECORD_ROW:
                     if row.get("request_blob"):
-                        await store.delete_blob(request_blob(row["PartitionKey"]))
-                    await store.delete_blob(row["PartitionKey"])
-                await store.delete(STREAMS_TABLE, row["PartitionKey"], row["RowKey"], etag=row.etag)
+                        await store.delete_blob(request_blob(stream_id))
+                    await store.delete_blob(stream_id)
+                    if not row.get("swept"):
+                        swept = {"PartitionKey": stream_id, "RowKey": RECORD_ROW, "swept": True}
+                        await store.merge(STREAMS_TABLE, swept, etag=row.etag)
+                        return 0
+                await store.delete(STREAMS_TABLE, stream_id, row["RowKey"], etag=row.etag)
                 return 1
             except StoreError:
                 return 0
