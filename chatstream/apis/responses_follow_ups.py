@@ -60,19 +60,10 @@ _CALLS = {
 }
 
 
-class _Stored:
-    """A stored response's event stream, from whichever entry holds it (``stream.Upstream``)."""
-
-    def __init__(self, upstreams: Upstreams, query: dict, attempt_timeout: float):
-        self.upstreams, self.query, self.attempt_timeout = upstreams, query, attempt_timeout
-
-    async def open(
-        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
-        return await self.upstreams.reopen(path, self.query, protocol, self.attempt_timeout)
-
-
 class ResponseFollowUps:
+    """The four calls, and a re-stream's ``stream.Upstream``: a stored response's events from
+    whichever entry holds it (``open``, its query as the relay's ``params``)."""
+
     def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, accounting: Accounting | None):
         self.settings = settings
         self.upstreams = upstreams
@@ -82,6 +73,11 @@ class ResponseFollowUps:
         self.attempt_timeout = min(
             settings.entry_first_token_timeout or settings.first_token_timeout, settings.first_token_timeout
         )
+
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        return await self.upstreams.reopen(path, params, protocol, self.attempt_timeout)
 
     async def __call__(self, request: Request, operation: str) -> Response:
         """``operation`` (``retrieve``, ``delete``, ``cancel``, ``input_items``) on the response the
@@ -176,9 +172,9 @@ class ResponseFollowUps:
         limits = TimeLimits(self.settings)
         protocol = ResponseStream(self.pipeline if self.pipeline.filters_text else None, resumed=True)
         events = relay(
-            _Stored(self.upstreams, query, self.attempt_timeout),
+            self,
             f"/responses/{response_id}",
-            {},
+            query,
             protocol,
             limits,
             record,
