@@ -120,22 +120,19 @@ class Ends:
 class StreamProtocol(Protocol):
     """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
 
-    @property
-    def feed_waits(self) -> bool: ...  # ``feed`` may wait (on a moderation check): chunks in hand are not held
+    feed_waits: bool  # ``feed`` may wait (on a moderation check): chunks in hand are not held
     # Per choice, when kept: what the text steps released, and what the model generated (before them).
-    @property
-    def released(self) -> dict[int, list[str]] | None: ...
-    @property
-    def generated(self) -> dict[int, list[str]] | None: ...
-    @property
-    def id(self) -> str | None: ...  # the answer's id, once the upstream said it
+    released: dict[int, list[str]] | None
+    generated: dict[int, list[str]] | None
+    id: str | None  # the answer's id, once the upstream said it
+    plain: Callable[[dict], Chunk | None] | None  # ``feed`` without awaiting (None: it cannot)
+
     @property
     def done(self) -> bool: ...  # the answer is complete
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
     async def feed(self, data: dict) -> Chunk: ...  # NOTHING: nothing to forward
-    @property
-    def plain(self) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting (None: it cannot)
+
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
