@@ -272,27 +272,16 @@ def encode(item: Event, include_usage: bool) -> bytes:
     if isinstance(item, Chunk):
         return sse.event(dumps(item.data))
     if isinstance(item, Done):
+        last = {"id": item.id, "object": "chat.completion.chunk", "created": item.created, "model": item.model}
         if item.finish_reason == "cancelled":  # a resumable stream stopped: its choices end "cancelled"
-            stopped = {
-                "id": item.id,
-                "object": "chat.completion.chunk",
-                "created": item.created,
-                "model": item.model,
-                "choices": [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons],
-            }
-            return sse.event(dumps(stopped)) + OPENAI_DONE
-        if include_usage:
-            usage = {
-                "id": item.id,
-                "object": "chat.completion.chunk",
-                "created": item.created,
-                "model": item.model,
-                "choices": [],
-                "usage": item.usage,
-                **({"continued": list(item.continued)} if item.continued else {}),
-            }
-            return sse.event(dumps(usage)) + OPENAI_DONE
-        return OPENAI_DONE
+            last["choices"] = [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons]
+        elif include_usage:
+            last |= {"choices": [], "usage": item.usage}
+            if item.continued:
+                last["continued"] = list(item.continued)
+        else:
+            return OPENAI_DONE
+        return sse.event(dumps(last)) + OPENAI_DONE
     return sse.event(dumps(error_body(item.error)))
 
 
