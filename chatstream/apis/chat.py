@@ -69,30 +69,23 @@ class ChatRequest(BaseModel):
         return self
 
     def to_params(self, default_model: str) -> dict:
-        """The chat.completions parameters for this request (always streamed, with usage)."""
-        return {
-            "model": self.model or default_model,
-            "messages": self.upstream_messages(),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **self.sampling(),
-        }
-
-    def upstream_messages(self) -> list[dict]:
+        """The chat.completions parameters for this request (always streamed, with usage), with the
+        optional ones the caller set."""
         if self.prompt is not None:
-            return [{"role": "user", "content": self.prompt}]
-        return [{"role": m.role, "content": m.content} for m in self.messages or ()]
-
-    def sampling(self) -> dict:
-        """The optional parameters the caller set, as keyword arguments for the SDK."""
-        values = {
+            messages = [{"role": "user", "content": self.prompt}]
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in self.messages or ()]
+        params = {"model": self.model or default_model, "messages": messages, "stream": True}
+        params["stream_options"] = {"include_usage": True}
+        sampling = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "seed": self.seed,
             "stop": self.stop,
         }  # model_dump(include=..., exclude_none=True) reads the same, in field order, for ~5x the CPU
-        return {name: value for name, value in values.items() if value is not None}
+        params.update((name, value) for name, value in sampling.items() if value is not None)
+        return params
 
 
 def _param(loc: tuple, error_type: str) -> str | None:
