@@ -58,10 +58,6 @@ def _describe(first: dict) -> tuple[str, str | None]:
     return message, param
 
 
-def validate(data: object) -> ResponsesRequest:
-    return validate_object(ResponsesRequest, data, _describe)
-
-
 class ResponsesApi:
     name = "responses"
     owns: str | None = "response"  # a stored or background response is its caller's (follow-ups check it)
@@ -69,7 +65,7 @@ class ResponsesApi:
     completes = True
 
     def parse(self, data: object, default_model: str) -> CallRequest:
-        validate(data)
+        validate_object(ResponsesRequest, data, _describe)
         return CallRequest(params=passed_on(data, default_model), endpoint=self.name)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> ResponseStream:
