@@ -555,13 +555,3 @@ def known_from_chunks(chunks: Sequence[dict]) -> Known:
                 text.append(delta["content"])
             blocked = blocked or next((name for name in _SUBSTANCE if delta.get(name)), None)
     return Known("".join(text), answer_id, created, blocked, role_sent)
-
-
-def chat_continuation(
-    upstreams: Upstreams, path: str, params: dict, protocol: StreamProtocol, record: StreamRecord, most: int
-) -> ChatContinuation | None:
-    """The continuation plan of a chat completion, when it can have one: streamed, ``n`` 1 (with
-    more choices an answer cannot be continued choice by choice: it fails as before)."""
-    if most <= 0 or params.get("n") not in (None, 1):
-        return None
-    return ChatContinuation(upstreams, path, params, protocol, record, most)

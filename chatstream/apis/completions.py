@@ -14,11 +14,16 @@ or finishes a choice."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from ..continuation import ChatContinuation
 from ..errors import UpstreamMalformed
-from ..pipeline import Pipeline, TextFilter
+from ..pipeline import CallRequest, Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
-from ..stream import NOTHING, Chunk, Done
+from ..stream import NOTHING, Chunk, Done, StreamProtocol
+
+if TYPE_CHECKING:
+    from ..upstreams.failover import Upstreams
 
 TEXT_FIELDS = ("content", "refusal")
 _PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
@@ -324,3 +329,21 @@ async def _filter_message(message: dict, pipeline: Pipeline) -> dict:
                 call = {**call, "function": {**function, "arguments": await _whole(pipeline, function["arguments"])}}
             new["tool_calls"].append(call)
     return new
+
+
+class CompletionsApi:
+    """What the two APIs on the upstream's chat completions share (apis/chat.py, apis/openai_chat.py):
+    the upstream call, its stream and its continuation."""
+
+    owns: str | None = None
+    path = "/chat/completions"
+
+    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
+        return CompletionStream(pipeline, call.params.get("n") or 1, keep)
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> ChatContinuation | None:
+        if most <= 0 or call.params.get("n") not in (None, 1):
+            return None  # with more choices an answer cannot be continued choice by choice: it fails as before
+        return ChatContinuation(upstreams, self.path, call.params, protocol, record, most)
