@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from . import telemetry, tokens
 from .errors import ApiError
 from .record import Segment, StreamRecord, TextParts
-from .stream import Chunk, Done, StreamProtocol, TimeLimits, UpstreamChunks
+from .stream import Chunk, Done, Hands, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
 
 if TYPE_CHECKING:
@@ -324,10 +324,10 @@ class ChatContinuation:
         return await self.reopen(self._lost, limits)
 
     # -- every chunk
-    @property
-    def ahead(self) -> bool:
-        """A continuation's stream (the first's are passed on as they come)."""
-        return self._seam is not None
+    def hands(self) -> Hands:
+        """A continuation's stream goes through the seam (``feed``); the first's is passed on as it
+        comes (``saw``)."""
+        return (self.feed, None) if self._seam is not None else (None, self.saw)
 
     def saw(self, data: dict, fed: Chunk) -> None:
         """A chunk of the first stream, after the protocol: when it read choice 0's text of the chunk
@@ -351,7 +351,7 @@ class ChatContinuation:
             self._passed.append(text)
 
     def feed(self, data: dict) -> Sequence[dict]:
-        """A chunk of a continuation's stream (``ahead``), before the protocol: through the seam."""
+        """A chunk of a continuation's stream, before the protocol: through the seam."""
         choice, delta, content = self._look(data)
         if choice is None or delta is None:  # no choice (a usage frame), or the protocol's to judge
             return (self._named(data),)

@@ -83,6 +83,9 @@ class Failed:
 
 
 Event = Chunk | Done | Failed
+# A continuation's hooks on a stream's chunks: one before the protocol (``mend``), or one after it
+# (``saw``), or neither (``Continuation.hands``).
+Hands = tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]
 
 
 class Ends:
@@ -161,17 +164,14 @@ class Upstream(Protocol):
 
 class Continuation(Protocol):
     """How one answer goes on when its upstream fails after output went to the caller
-    (continuation.py): while ``ahead``, ``feed`` gets every upstream chunk before the protocol and
-    gives what the protocol is to see (the seam between two streams); else (a stream it passes on as
-    it comes: the first) ``saw`` gets each chunk after the protocol, with what the protocol read of it
-    (``Chunk.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
-    ``reopen`` opens the next stream (raising when none could be had), ``summary`` completes the
-    final event."""
+    (continuation.py): ``hands`` says, once per stream, what of it sees that stream's chunks: a
+    ``mend`` that gets every chunk before the protocol and gives what the protocol is to see (the
+    seam between two streams), or (a stream it passes on as it comes: the first) a ``saw`` that gets
+    each chunk after the protocol, with what the protocol read of it (``Chunk.text``); ``note`` a
+    chunk after the answer (the usage); ``may_continue`` judges a failure, ``reopen`` opens the next
+    stream (raising when none could be had), ``summary`` completes the final event."""
 
-    @property
-    def ahead(self) -> bool: ...  # read once per stream (it changes only when ``reopen`` opens one)
-    def feed(self, data: dict) -> Sequence[dict]: ...
-    def saw(self, data: dict, fed: Chunk) -> None: ...
+    def hands(self) -> Hands: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
     async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks: ...
@@ -366,7 +366,7 @@ async def relay(
             stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
             limits.on_total(functools.partial(_close_parked, current, limits))
             chunks = aiter(stream)
-            mend, saw = _hands(continuation)
+            mend, saw = continuation.hands() if continuation is not None else (None, None)
             plain = protocol.plain
             held: list[Chunk] = []  # chunks before the first output
             ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
@@ -395,7 +395,7 @@ async def relay(
                             ready = None
                         stream = await _reopen(current, continuation, failure, limits)
                         chunks = aiter(stream)
-                        mend, saw = _hands(continuation)
+                        mend, saw = continuation.hands()
                         continue
                     # The total limit (buffered chunks arrive without a wait, and the caller may have read
                     # slowly while we were parked at yield), the idle one from now.
@@ -466,18 +466,6 @@ async def relay(
     finally:
         if ends is not None:
             ends.over()
-
-
-def _hands(
-    continuation: Continuation | None,
-) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]:
-    """What of ``continuation`` sees the chunks of the stream just opened: its ``feed`` before the
-    protocol, or its ``saw`` after it (``Continuation.ahead``). Bound once per stream."""
-    if continuation is None:
-        return None, None
-    if continuation.ahead:
-        return continuation.feed, None
-    return None, continuation.saw
 
 
 async def _reopen(

@@ -30,7 +30,7 @@ from ..errors import ApiError, ErrorKind
 from ..http import validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
-from ..stream import Chunk, Done, StreamProtocol, TimeLimits, UpstreamChunks
+from ..stream import Done, Hands, StreamProtocol, TimeLimits, UpstreamChunks
 from ..upstreams.failover import Upstreams
 from ..upstreams.outcomes import may_continue
 from .fields import ResponsesFields, type_problem
@@ -103,10 +103,8 @@ class ResponsesReattach:
         self._id: str | None = None
         self._chars = 0  # text passed on (output_text deltas)
 
-    ahead = True  # every stream's events are checked against the last one passed on
-
-    def saw(self, data: dict, fed: Chunk) -> None:
-        raise AssertionError("ahead: feed sees every event")
+    def hands(self) -> Hands:
+        return self.feed, None  # every stream's events are checked against the last one passed on
 
     def feed(self, data: dict) -> Sequence[dict]:
         number = data.get("sequence_number")
