@@ -244,7 +244,9 @@ class CompletionStream:
         if self.generated is not None:
             _kept(self.generated, index).append(_generated(delta))
         if self._make_filter is not None:
-            filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
+            if index not in self._filters:
+                self._filters[index] = ChoiceFilters(self._make_filter)
+            filtered = await self._filters[index].filter_delta(delta, final=bool(reason))
             if (
                 not reason
                 and _has_substance(delta)
@@ -258,12 +260,6 @@ class CompletionStream:
         if reason:
             self._finish(index, reason)
         return {**choice, "delta": delta}
-
-    def _choice_filters(self, index: int) -> ChoiceFilters:
-        if index not in self._filters:
-            assert self._make_filter is not None
-            self._filters[index] = ChoiceFilters(self._make_filter)
-        return self._filters[index]
 
     def summary(self) -> Done:
         return Done(self.finished.get(0), dict(self.finished), self.usage, self.model, self.id, self.created)
