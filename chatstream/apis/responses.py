@@ -1,7 +1,8 @@
 """POST /api/v1/responses: OpenAI's Responses API, for the OpenAI SDKs' ``client.responses``, the
 Agents SDK and the Vercel AI SDK's default ``openai()`` provider (docs/openai.md, "Responses"). Its
-request contract and the adapter the endpoint uses; the stream itself is responses_stream.py, the
-calls about a stored response (GET, DELETE, cancel, input_items) responses_follow_ups.py.
+request contract, the adapter the endpoint uses and a background stream's re-attachment; the stream
+itself is responses_stream.py, the calls about a stored response (GET, DELETE, cancel, input_items)
+responses_follow_ups.py.
 
 Forward-compatible like chat completions: the relay checks the fields it reads (``model``,
 ``input``, ``instructions``, ``stream``, ``background``, ``tools``) and the types of OpenAI's others
@@ -86,14 +87,13 @@ class ResponsesApi:
 
 
 class ResponsesReattach:
-    """The stream core's ``Continuation`` for a streamed background response (``/api/v1/responses``
-    with ``background`` and ``stream``): the response goes on generating at its entry whatever
-    happens to our connection, so a connection lost (or silent past the idle limit, or ended early)
-    is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that same entry, N
-    the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to mend: an
-    event at or before N is dropped all the same. The terminal event carries ``continued``. Any other
-    response is not continued (a foreground one stops when its stream does, and chat models have no
-    prefill for a Responses ``input`` either)."""
+    """The stream core's ``Continuation`` for a streamed background response: it goes on at its
+    entry whatever happens to our connection, so a connection lost (or silent past the idle limit,
+    or ended early) is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that
+    same entry, N the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to
+    mend: an event at or before N is dropped all the same. The terminal event carries ``continued``.
+    Any other response is not continued (a foreground one stops when its stream does, and chat
+    models have no prefill for a Responses ``input`` either)."""
 
     def __init__(self, upstreams: Upstreams, record: StreamRecord, most: int):
         self.upstreams = upstreams
