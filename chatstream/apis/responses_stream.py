@@ -317,9 +317,7 @@ class ResponseEncoder:
             return b"".join(out)
         if isinstance(item, Done):
             return None  # the terminal event was forwarded: nothing more to say
-        return self.error(item.error)
-
-    def error(self, error: ApiError) -> bytes:
+        error = item.error
         self.last_sequence += 1
         body = {
             "type": "error",
