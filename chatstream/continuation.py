@@ -1,7 +1,6 @@
 """An answer whose upstream fails after output went to the caller goes on on another stream, and
-the caller gets every character once (``CONTINUE_ON_UPSTREAM_FAILURE``, docs/pool.md).
-``ResponsesReattach`` does it for a background response of the Responses API: the same stream again,
-exactly, from the entry that holds it.
+the caller gets every character once (``CONTINUE_ON_UPSTREAM_FAILURE``, docs/pool.md); a
+background response of the Responses API is re-attached instead (apis/responses.py).
 
 ``ChatContinuation`` is the stream core's ``Continuation`` for a streamed chat completion with one
 choice (``/api/chat``, ``/api/v1/chat/completions`` with ``n`` 1):
@@ -45,9 +44,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from . import telemetry, tokens
-from .errors import ApiError, ErrorKind
+from .errors import ApiError
 from .record import Segment, StreamRecord, TextParts
-from .stream import Chunk, Done, StreamProtocol, TimeLimits, UpstreamChunks
+from .stream import Chunk, Done, Hands, StreamProtocol, TimeLimits, UpstreamChunks
 from .upstreams.outcomes import may_continue
 
 if TYPE_CHECKING:
@@ -325,10 +324,10 @@ class ChatContinuation:
         return await self.reopen(self._lost, limits)
 
     # -- every chunk
-    @property
-    def ahead(self) -> bool:
-        """A continuation's stream (the first's are passed on as they come)."""
-        return self._seam is not None
+    def hands(self) -> Hands:
+        """A continuation's stream goes through the seam (``feed``); the first's is passed on as it
+        comes (``saw``)."""
+        return (self.feed, None) if self._seam is not None else (None, self.saw)
 
     def saw(self, data: dict, fed: Chunk) -> None:
         """A chunk of the first stream, after the protocol: when it read choice 0's text of the chunk
@@ -352,7 +351,7 @@ class ChatContinuation:
             self._passed.append(text)
 
     def feed(self, data: dict) -> Sequence[dict]:
-        """A chunk of a continuation's stream (``ahead``), before the protocol: through the seam."""
+        """A chunk of a continuation's stream, before the protocol: through the seam."""
         choice, delta, content = self._look(data)
         if choice is None or delta is None:  # no choice (a usage frame), or the protocol's to judge
             return (self._named(data),)
@@ -556,86 +555,3 @@ def known_from_chunks(chunks: Sequence[dict]) -> Known:
                 text.append(delta["content"])
             blocked = blocked or next((name for name in _SUBSTANCE if delta.get(name)), None)
     return Known("".join(text), answer_id, created, blocked, role_sent)
-
-
-def chat_continuation(
-    upstreams: Upstreams, path: str, params: dict, protocol: StreamProtocol, record: StreamRecord, most: int
-) -> ChatContinuation | None:
-    """The continuation plan of a chat completion, when it can have one: streamed, ``n`` 1 (with
-    more choices an answer cannot be continued choice by choice: it fails as before)."""
-    if most <= 0 or params.get("n") not in (None, 1):
-        return None
-    return ChatContinuation(upstreams, path, params, protocol, record, most)
-
-
-# --- the Responses API ---------------------------------------------------------------------------
-
-
-class ResponsesReattach:
-    """The stream core's ``Continuation`` for a streamed background response (``/api/v1/responses``
-    with ``background`` and ``stream``): the response goes on generating at its entry whatever
-    happens to our connection, so a connection lost (or silent past the idle limit, or ended early)
-    is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that same entry, N
-    the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to mend: an
-    event at or before N is dropped all the same. The terminal event carries ``continued``. Any other
-    response is not continued (a foreground one stops when its stream does, and chat models have no
-    prefill for a Responses ``input`` either)."""
-
-    def __init__(self, upstreams: Upstreams, probe, record: StreamRecord, most: int):
-        self.upstreams = upstreams
-        self.probe = probe  # a fresh protocol that reads a re-stream (``ResponseStream(None, resumed=True)``)
-        self.record = record
-        self.most = most
-        self._last = -1  # the last sequence_number passed on
-        self._id: str | None = None
-        self._chars = 0  # text passed on (output_text deltas)
-
-    ahead = True  # every stream's events are checked against the last one passed on
-
-    def saw(self, data: dict, fed: Chunk) -> None:
-        raise AssertionError("ahead: feed sees every event")
-
-    def feed(self, data: dict) -> Sequence[dict]:
-        number = data.get("sequence_number")
-        if isinstance(number, int) and not isinstance(number, bool):
-            if number <= self._last:
-                return ()  # already passed on
-            self._last = number
-        response = data.get("response")
-        if self._id is None and isinstance(response, dict) and isinstance(response.get("id"), str):
-            self._id = response["id"]
-        if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
-            self._chars += len(data["delta"])
-        if self.record.continued and data.get("type") in _TERMINAL:
-            return ({**data, "continued": list(self.record.continued)},)
-        return (data,)
-
-    def note(self, data: dict) -> None:
-        pass
-
-    def may_continue(self, error: ApiError) -> bool:
-        return (
-            self._id is not None
-            and len(self.record.continued) < self.most
-            and may_continue(error)
-            and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
-        )
-
-    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
-        record = self.record
-        entry = record.upstream
-        assert entry is not None and self._id is not None
-        query = {"stream": "true", "starting_after": str(self._last)}
-        stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, self.probe())
-        seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
-        record.continued_on(seam)
-        telemetry.upstream_event("continuations", entry, reason=str(error.type))
-        log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
-        return stream
-
-    def summary(self, done: Done) -> Done:
-        continued = self.record.continued
-        return replace(done, continued=tuple(continued)) if continued else done
-
-
-_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -83,6 +83,9 @@ class Failed:
 
 
 Event = Chunk | Done | Failed
+# A continuation's hooks on a stream's chunks: one before the protocol (``mend``), or one after it
+# (``saw``), or neither (``Continuation.hands``).
+Hands = tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]
 
 
 class Ends:
@@ -120,22 +123,19 @@ class Ends:
 class StreamProtocol(Protocol):
     """One upstream API's stream, seen by the core (apis/completions.py, apis/responses_stream.py)."""
 
-    @property
-    def feed_waits(self) -> bool: ...  # ``feed`` may wait (on a moderation check): chunks in hand are not held
+    feed_waits: bool  # ``feed`` may wait (on a moderation check): chunks in hand are not held
     # Per choice, when kept: what the text steps released, and what the model generated (before them).
-    @property
-    def released(self) -> dict[int, list[str]] | None: ...
-    @property
-    def generated(self) -> dict[int, list[str]] | None: ...
-    @property
-    def id(self) -> str | None: ...  # the answer's id, once the upstream said it
+    released: dict[int, list[str]] | None
+    generated: dict[int, list[str]] | None
+    id: str | None  # the answer's id, once the upstream said it
+    plain: Callable[[dict], Chunk | None] | None  # ``feed`` without awaiting (None: it cannot)
+
     @property
     def done(self) -> bool: ...  # the answer is complete
     @property
     def finished(self) -> object: ...  # truthy once some part of it finished (a choice, say)
     async def feed(self, data: dict) -> Chunk: ...  # NOTHING: nothing to forward
-    @property
-    def plain(self) -> Callable[[dict], Chunk | None] | None: ...  # ``feed`` without awaiting (None: it cannot)
+
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
     def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
@@ -164,17 +164,14 @@ class Upstream(Protocol):
 
 class Continuation(Protocol):
     """How one answer goes on when its upstream fails after output went to the caller
-    (continuation.py): while ``ahead``, ``feed`` gets every upstream chunk before the protocol and
-    gives what the protocol is to see (the seam between two streams); else (a stream it passes on as
-    it comes: the first) ``saw`` gets each chunk after the protocol, with what the protocol read of it
-    (``Chunk.text``); ``note`` a chunk after the answer (the usage); ``may_continue`` judges a failure,
-    ``reopen`` opens the next stream (raising when none could be had), ``summary`` completes the
-    final event."""
+    (continuation.py): ``hands`` says, once per stream, what of it sees that stream's chunks: a
+    ``mend`` that gets every chunk before the protocol and gives what the protocol is to see (the
+    seam between two streams), or (a stream it passes on as it comes: the first) a ``saw`` that gets
+    each chunk after the protocol, with what the protocol read of it (``Chunk.text``); ``note`` a
+    chunk after the answer (the usage); ``may_continue`` judges a failure, ``reopen`` opens the next
+    stream (raising when none could be had), ``summary`` completes the final event."""
 
-    @property
-    def ahead(self) -> bool: ...  # read once per stream (it changes only when ``reopen`` opens one)
-    def feed(self, data: dict) -> Sequence[dict]: ...
-    def saw(self, data: dict, fed: Chunk) -> None: ...
+    def hands(self) -> Hands: ...
     def note(self, data: dict) -> None: ...
     def may_continue(self, error: ApiError) -> bool: ...
     async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks: ...
@@ -369,7 +366,7 @@ async def relay(
             stream = current.stream = await limits.wait(upstream.open(path, params, protocol, limits, record))
             limits.on_total(functools.partial(_close_parked, current, limits))
             chunks = aiter(stream)
-            mend, saw = _hands(continuation)
+            mend, saw = continuation.hands() if continuation is not None else (None, None)
             plain = protocol.plain
             held: list[Chunk] = []  # chunks before the first output
             ready: Chunk | None = None  # the last chunk made, kept until we know whether another follows at once
@@ -398,7 +395,7 @@ async def relay(
                             ready = None
                         stream = await _reopen(current, continuation, failure, limits)
                         chunks = aiter(stream)
-                        mend, saw = _hands(continuation)
+                        mend, saw = continuation.hands()
                         continue
                     # The total limit (buffered chunks arrive without a wait, and the caller may have read
                     # slowly while we were parked at yield), the idle one from now.
@@ -469,18 +466,6 @@ async def relay(
     finally:
         if ends is not None:
             ends.over()
-
-
-def _hands(
-    continuation: Continuation | None,
-) -> tuple[Callable[[dict], Sequence[dict]] | None, Callable[[dict, Chunk], None] | None]:
-    """What of ``continuation`` sees the chunks of the stream just opened: its ``feed`` before the
-    protocol, or its ``saw`` after it (``Continuation.ahead``). Bound once per stream."""
-    if continuation is None:
-        return None, None
-    if continuation.ahead:
-        return continuation.feed, None
-    return None, continuation.saw
 
 
 async def _reopen(

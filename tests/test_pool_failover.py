@@ -1007,7 +1007,8 @@ def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
     from test_telemetry import READER, SPANS, _install_providers
 
     from chatstream import telemetry
-    from chatstream.continuation import chat_continuation
+    from chatstream.apis.completions import CompletionsApi
+    from chatstream.pipeline import CallRequest
 
     _install_providers()
     a, b, c = ups
@@ -1019,7 +1020,8 @@ def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
         record = StreamRecord(endpoint="chat", model=f"continued-{first}")
         telemetry.begin(record)
         protocol = CompletionStream(Pipeline())
-        continuation = chat_continuation(pool, "/chat/completions", params(True), protocol, record, 2)
+        call = CallRequest(params=params(True), endpoint="chat")
+        continuation = CompletionsApi().continuation(call, pool, protocol, record, 2)
         limits = TimeLimits(pool.settings)
         events = [
             e async for e in relay(pool, "/chat/completions", params(True), protocol, limits, record, continuation)

@@ -16,14 +16,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from .. import sse
-from ..continuation import ChatContinuation, Known, chat_continuation
+from ..continuation import Known
 from ..errors import ApiError, error_headers
 from ..http import dumps, stored_objects, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
-from ..stream import Chunk, Done, Event, Failed, StreamProtocol
-from ..upstreams.failover import Upstreams
-from .completions import CompletionStream
+from ..stream import Chunk, Done, Event, Failed
+from .completions import CompletionsApi
 
 MAX_MESSAGES = 1000
 MAX_STOP = 4
@@ -69,30 +68,23 @@ class ChatRequest(BaseModel):
         return self
 
     def to_params(self, default_model: str) -> dict:
-        """The chat.completions parameters for this request (always streamed, with usage)."""
-        return {
-            "model": self.model or default_model,
-            "messages": self.upstream_messages(),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **self.sampling(),
-        }
-
-    def upstream_messages(self) -> list[dict]:
+        """The chat.completions parameters for this request (always streamed, with usage), with the
+        optional ones the caller set."""
         if self.prompt is not None:
-            return [{"role": "user", "content": self.prompt}]
-        return [{"role": m.role, "content": m.content} for m in self.messages or ()]
-
-    def sampling(self) -> dict:
-        """The optional parameters the caller set, as keyword arguments for the SDK."""
-        values = {
+            messages = [{"role": "user", "content": self.prompt}]
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in self.messages or ()]
+        params = {"model": self.model or default_model, "messages": messages, "stream": True}
+        params["stream_options"] = {"include_usage": True}
+        sampling = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "seed": self.seed,
             "stop": self.stop,
         }  # model_dump(include=..., exclude_none=True) reads the same, in field order, for ~5x the CPU
-        return {name: value for name, value in values.items() if value is not None}
+        params.update((name, value) for name, value in sampling.items() if value is not None)
+        return params
 
 
 def _param(loc: tuple, error_type: str) -> str | None:
@@ -158,17 +150,12 @@ def encode(item: Event, stream_id: str | None = None) -> bytes | None:
     return sse.event(dumps({**body, "stream_id": stream_id} if stream_id else body), b"error")
 
 
-class ChatApi:
+class ChatApi(CompletionsApi):
     name = "chat"
-    owns: str | None = None
-    path = "/chat/completions"
     completes = False  # always streamed
 
     def parse(self, data: object, default_model: str) -> CallRequest:
         return CallRequest(params=validate_chat_request(data).to_params(default_model), endpoint=self.name)
-
-    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
-        return CompletionStream(pipeline, 1, keep)
 
     def encoder(self, call: CallRequest) -> Callable[[Event], bytes | None]:
         if call.stream_id is None:
@@ -180,11 +167,6 @@ class ChatApi:
 
     async def completion(self, body: dict, pipeline: Pipeline, record: StreamRecord) -> dict:
         raise AssertionError("/api/chat is always streamed")
-
-    def continuation(
-        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
-    ) -> ChatContinuation | None:
-        return chat_continuation(upstreams, self.path, call.params, protocol, record, most)
 
     def known(self, events: bytes) -> Known:
         """What stored /api/chat events (a resumable stream's) told the caller: the text."""

@@ -14,11 +14,16 @@ or finishes a choice."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from ..continuation import ChatContinuation
 from ..errors import UpstreamMalformed
-from ..pipeline import Pipeline, TextFilter
+from ..pipeline import CallRequest, Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
-from ..stream import NOTHING, Chunk, Done
+from ..stream import NOTHING, Chunk, Done, StreamProtocol
+
+if TYPE_CHECKING:
+    from ..upstreams.failover import Upstreams
 
 TEXT_FIELDS = ("content", "refusal")
 _PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
@@ -239,7 +244,9 @@ class CompletionStream:
         if self.generated is not None:
             _kept(self.generated, index).append(_generated(delta))
         if self._make_filter is not None:
-            filtered = await self._choice_filters(index).filter_delta(delta, final=bool(reason))
+            if index not in self._filters:
+                self._filters[index] = ChoiceFilters(self._make_filter)
+            filtered = await self._filters[index].filter_delta(delta, final=bool(reason))
             if (
                 not reason
                 and _has_substance(delta)
@@ -253,12 +260,6 @@ class CompletionStream:
         if reason:
             self._finish(index, reason)
         return {**choice, "delta": delta}
-
-    def _choice_filters(self, index: int) -> ChoiceFilters:
-        if index not in self._filters:
-            assert self._make_filter is not None
-            self._filters[index] = ChoiceFilters(self._make_filter)
-        return self._filters[index]
 
     def summary(self) -> Done:
         return Done(self.finished.get(0), dict(self.finished), self.usage, self.model, self.id, self.created)
@@ -324,3 +325,21 @@ async def _filter_message(message: dict, pipeline: Pipeline) -> dict:
                 call = {**call, "function": {**function, "arguments": await _whole(pipeline, function["arguments"])}}
             new["tool_calls"].append(call)
     return new
+
+
+class CompletionsApi:
+    """What the two APIs on the upstream's chat completions share (apis/chat.py, apis/openai_chat.py):
+    the upstream call, its stream and its continuation."""
+
+    owns: str | None = None
+    path = "/chat/completions"
+
+    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
+        return CompletionStream(pipeline, call.params.get("n") or 1, keep)
+
+    def continuation(
+        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
+    ) -> ChatContinuation | None:
+        if most <= 0 or call.params.get("n") not in (None, 1):
+            return None  # with more choices an answer cannot be continued choice by choice: it fails as before
+        return ChatContinuation(upstreams, self.path, call.params, protocol, record, most)

@@ -17,8 +17,6 @@ Object = dict[str, Any]
 
 
 class SharedFields(BaseModel):
-    """The fields both APIs have."""
-
     model_config = ConfigDict(extra="allow", strict=True)
 
     metadata: Object | None = None
@@ -36,8 +34,6 @@ class SharedFields(BaseModel):
 
 
 class ChatFields(SharedFields):
-    """Chat completions' own."""
-
     audio: Object | None = None
     frequency_penalty: Number | None = None
     function_call: StrictStr | Object | None = None
@@ -58,8 +54,6 @@ class ChatFields(SharedFields):
 
 
 class ResponsesFields(SharedFields):
-    """The Responses API's own."""
-
     conversation: StrictStr | Object | None = None
     include: list[StrictStr] | None = None
     max_output_tokens: StrictInt | None = None

@@ -19,14 +19,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from .. import sse
-from ..continuation import ChatContinuation, Known, chat_continuation, known_from_chunks
+from ..continuation import Known, known_from_chunks
 from ..errors import ApiError, ErrorKind, error_headers
 from ..http import dumps, stored_objects, validate_object
-from ..pipeline import CallRequest, Pipeline
-from ..record import StreamRecord
-from ..stream import Chunk, Done, Event, StreamProtocol
-from ..upstreams.failover import Upstreams
-from .completions import CompletionStream, filter_completion
+from ..pipeline import CallRequest
+from ..stream import Chunk, Done, Event
+from .completions import CompletionsApi, filter_completion
 from .fields import ChatFields, type_problem
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -272,27 +270,16 @@ def encode(item: Event, include_usage: bool) -> bytes:
     if isinstance(item, Chunk):
         return sse.event(dumps(item.data))
     if isinstance(item, Done):
+        last = {"id": item.id, "object": "chat.completion.chunk", "created": item.created, "model": item.model}
         if item.finish_reason == "cancelled":  # a resumable stream stopped: its choices end "cancelled"
-            stopped = {
-                "id": item.id,
-                "object": "chat.completion.chunk",
-                "created": item.created,
-                "model": item.model,
-                "choices": [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons],
-            }
-            return sse.event(dumps(stopped)) + OPENAI_DONE
-        if include_usage:
-            usage = {
-                "id": item.id,
-                "object": "chat.completion.chunk",
-                "created": item.created,
-                "model": item.model,
-                "choices": [],
-                "usage": item.usage,
-                **({"continued": list(item.continued)} if item.continued else {}),
-            }
-            return sse.event(dumps(usage)) + OPENAI_DONE
-        return OPENAI_DONE
+            last["choices"] = [{"index": i, "delta": {}, "finish_reason": "cancelled"} for i in item.finish_reasons]
+        elif include_usage:
+            last |= {"choices": [], "usage": item.usage}
+            if item.continued:
+                last["continued"] = list(item.continued)
+        else:
+            return OPENAI_DONE
+        return sse.event(dumps(last)) + OPENAI_DONE
     return sse.event(dumps(error_body(item.error)))
 
 
@@ -300,10 +287,8 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=status_for(error), headers=error_headers(error))
 
 
-class OpenAIChatApi:
+class OpenAIChatApi(CompletionsApi):
     name = "openai"
-    owns: str | None = None
-    path = "/chat/completions"
     completes = True
 
     def parse(self, data: object, default_model: str) -> CallRequest:
@@ -316,19 +301,11 @@ class OpenAIChatApi:
             params["stream_options"] = {**(params.get("stream_options") or {}), "include_usage": True}
         return CallRequest(params=params, endpoint=self.name, include_usage=include_usage)
 
-    def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
-        return CompletionStream(pipeline, call.params.get("n") or 1, keep)
-
     def encoder(self, call: CallRequest) -> ChunkEncoder:
         return ChunkEncoder(call.include_usage)
 
     error_response = staticmethod(error_response)
     completion = staticmethod(filter_completion)
-
-    def continuation(
-        self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
-    ) -> ChatContinuation | None:
-        return chat_continuation(upstreams, self.path, call.params, protocol, record, most)
 
     def known(self, events: bytes) -> Known:
         """What stored chat-completions events (a resumable stream's) told the caller."""

@@ -1,7 +1,8 @@
 """POST /api/v1/responses: OpenAI's Responses API, for the OpenAI SDKs' ``client.responses``, the
 Agents SDK and the Vercel AI SDK's default ``openai()`` provider (docs/openai.md, "Responses"). Its
-request contract and the adapter the endpoint uses; the stream itself is responses_stream.py, the
-calls about a stored response (GET, DELETE, cancel, input_items) responses_follow_ups.py.
+request contract, the adapter the endpoint uses and a background stream's re-attachment; the stream
+itself is responses_stream.py, the calls about a stored response (GET, DELETE, cancel, input_items)
+responses_follow_ups.py.
 
 Forward-compatible like chat completions: the relay checks the fields it reads (``model``,
 ``input``, ``instructions``, ``stream``, ``background``, ``tools``) and the types of OpenAI's others
@@ -18,19 +19,26 @@ deployment name as ``model`` in the body and no ``api-version`` (upstreams/clien
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool
 
-from ..continuation import ResponsesReattach
+from .. import telemetry
+from ..errors import ApiError, ErrorKind
 from ..http import validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
-from ..stream import StreamProtocol
+from ..stream import Done, Hands, StreamProtocol, TimeLimits, UpstreamChunks
 from ..upstreams.failover import Upstreams
+from ..upstreams.outcomes import may_continue
 from .fields import ResponsesFields, type_problem
 from .openai_chat import describe, error_response, passed_on
-from .responses_stream import ResponseEncoder, ResponseStream, filter_response
+from .responses_stream import TERMINAL, ResponseEncoder, ResponseStream, filter_response
+
+log = logging.getLogger("chatstream")
 
 
 class ResponsesRequest(ResponsesFields):
@@ -51,10 +59,6 @@ def _describe(first: dict) -> tuple[str, str | None]:
     return message, param
 
 
-def validate(data: object) -> ResponsesRequest:
-    return validate_object(ResponsesRequest, data, _describe)
-
-
 class ResponsesApi:
     name = "responses"
     owns: str | None = "response"  # a stored or background response is its caller's (follow-ups check it)
@@ -62,7 +66,7 @@ class ResponsesApi:
     completes = True
 
     def parse(self, data: object, default_model: str) -> CallRequest:
-        validate(data)
+        validate_object(ResponsesRequest, data, _describe)
         return CallRequest(params=passed_on(data, default_model), endpoint=self.name)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> ResponseStream:
@@ -77,7 +81,70 @@ class ResponsesApi:
     def continuation(
         self, call: CallRequest, upstreams: Upstreams, protocol: StreamProtocol, record: StreamRecord, most: int
     ) -> ResponsesReattach | None:
-        """A background response's stream is re-attached where it dropped; no other is continued."""
         if most <= 0 or call.params.get("background") is not True:
             return None
-        return ResponsesReattach(upstreams, lambda: ResponseStream(None, resumed=True), record, most)
+        return ResponsesReattach(upstreams, record, most)
+
+
+class ResponsesReattach:
+    """The stream core's ``Continuation`` for a streamed background response: it goes on at its
+    entry whatever happens to our connection, so a connection lost (or silent past the idle limit,
+    or ended early) is re-attached with ``GET /responses/{id}?stream=true&starting_after=N`` on that
+    same entry, N the last ``sequence_number`` passed on. Nothing is repeated, so there is no seam to
+    mend: an event at or before N is dropped all the same. The terminal event carries ``continued``.
+    Any other response is not continued (a foreground one stops when its stream does, and chat
+    models have no prefill for a Responses ``input`` either)."""
+
+    def __init__(self, upstreams: Upstreams, record: StreamRecord, most: int):
+        self.upstreams = upstreams
+        self.record = record
+        self.most = most
+        self._last = -1  # the last sequence_number passed on
+        self._id: str | None = None
+        self._chars = 0  # text passed on (output_text deltas)
+
+    def hands(self) -> Hands:
+        return self.feed, None  # every stream's events are checked against the last one passed on
+
+    def feed(self, data: dict) -> Sequence[dict]:
+        number = data.get("sequence_number")
+        if isinstance(number, int) and not isinstance(number, bool):
+            if number <= self._last:
+                return ()  # already passed on
+            self._last = number
+        response = data.get("response")
+        if self._id is None and isinstance(response, dict) and isinstance(response.get("id"), str):
+            self._id = response["id"]
+        if data.get("type") == "response.output_text.delta" and isinstance(data.get("delta"), str):
+            self._chars += len(data["delta"])
+        if self.record.continued and data.get("type") in TERMINAL:
+            return ({**data, "continued": list(self.record.continued)},)
+        return (data,)
+
+    def note(self, data: dict) -> None:
+        pass
+
+    def may_continue(self, error: ApiError) -> bool:
+        return (
+            self._id is not None
+            and len(self.record.continued) < self.most
+            and may_continue(error)
+            and error.type != ErrorKind.UPSTREAM_ERROR  # an error event: the response itself failed
+        )
+
+    async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
+        record = self.record
+        entry = record.upstream
+        assert entry is not None and self._id is not None
+        query = {"stream": "true", "starting_after": str(self._last)}
+        probe = ResponseStream(None, resumed=True)  # a re-stream's deltas are only the end of each text
+        stream = await self.upstreams.reattach(entry, f"/responses/{self._id}", query, probe)
+        seam = {"from": entry, "to": entry, "after_chars": self._chars, "reason": str(error.type)}
+        record.continued_on(seam)
+        telemetry.upstream_event("continuations", entry, reason=str(error.type))
+        log.info("upstream %s: %s; background response re-attached after event %d", entry, error.type, self._last)
+        return stream
+
+    def summary(self, done: Done) -> Done:
+        continued = self.record.continued
+        return replace(done, continued=tuple(continued)) if continued else done

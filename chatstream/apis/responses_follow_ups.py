@@ -60,19 +60,10 @@ _CALLS = {
 }
 
 
-class _Stored:
-    """A stored response's event stream, from whichever entry holds it (``stream.Upstream``)."""
-
-    def __init__(self, upstreams: Upstreams, query: dict, attempt_timeout: float):
-        self.upstreams, self.query, self.attempt_timeout = upstreams, query, attempt_timeout
-
-    async def open(
-        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
-    ) -> UpstreamChunks:
-        return await self.upstreams.reopen(path, self.query, protocol, self.attempt_timeout)
-
-
 class ResponseFollowUps:
+    """The four calls, and a re-stream's ``stream.Upstream``: a stored response's events from
+    whichever entry holds it (``open``, its query as the relay's ``params``)."""
+
     def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, accounting: Accounting | None):
         self.settings = settings
         self.upstreams = upstreams
@@ -83,44 +74,15 @@ class ResponseFollowUps:
             settings.entry_first_token_timeout or settings.first_token_timeout, settings.first_token_timeout
         )
 
+    async def open(
+        self, path: str, params: dict, protocol: StreamProtocol, limits: TimeLimits, record: StreamRecord
+    ) -> UpstreamChunks:
+        return await self.upstreams.reopen(path, params, protocol, self.attempt_timeout)
+
     async def __call__(self, request: Request, operation: str) -> Response:
         """``operation`` (``retrieve``, ``delete``, ``cancel``, ``input_items``) on the response the
-        path names."""
-        method, suffix, _ = _CALLS[operation]
+        path names: the id checked, the call made, one log line, errors in OpenAI's shape."""
         query = _query(request, operation)
-        if operation == "retrieve" and str(query.get("stream", "")).lower() == "true":
-            return await self._handle(
-                request, operation, lambda rid, record, caller: self._restream(request, rid, query, record)
-            )
-        return await self._call(request, operation, method, suffix, query)
-
-    async def _call(self, request: Request, operation: str, method: str, suffix: str, query: dict) -> Response:
-        async def answer(response_id: str, record: StreamRecord, caller: Caller | None) -> Response:
-            path = f"/responses/{response_id}{suffix}"
-
-            async def call(client: SdkClient) -> Any:
-                return await getattr(client, method)(path, cast_to=object, options={"params": query})
-
-            first_token, total = self.settings.first_token_timeout, self.settings.total_timeout
-            expired = first_token_expired if first_token < total else total_expired
-            body = await unless_gone(
-                request, self.upstreams.each(call, self.attempt_timeout), min(first_token, total), expired
-            )
-            if not isinstance(body, dict):
-                raise ApiError(
-                    502, ErrorKind.UPSTREAM_MALFORMED, "the model server sent a malformed answer", retryable=True
-                )
-            if self.pipeline.filters_text and body.get("object") == "response":
-                body = await filter_response(body, self.pipeline, StreamRecord(endpoint="responses", model=""))
-            record.ended(body.get("status") if isinstance(body.get("status"), str) else None, None)
-            if self.accounting is not None and caller is not None:
-                await self._account(operation, response_id, body, record, caller)
-            return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
-
-        return await self._handle(request, operation, answer)
-
-    async def _handle(self, request: Request, operation: str, answer) -> Response:
-        """One follow-up: the id checked, ``answer`` run, one log line, errors in OpenAI's shape."""
         record = StreamRecord(endpoint=f"responses.{operation}", model="")
         record.request_id = record.id
         telemetry.begin(record)
@@ -137,7 +99,10 @@ class ResponseFollowUps:
                     raise store_unavailable()
                 if owned is None:  # not revealed to others
                     raise ApiError(404, ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.")
-            response = await answer(response_id, record, caller)
+            if operation == "retrieve" and str(query.get("stream", "")).lower() == "true":
+                response = await self._restream(request, response_id, query, record)
+            else:
+                response = await self._answer(request, operation, response_id, query, record, caller)
             streaming = isinstance(response, EventStreamResponse)  # its log line comes when it ends
             return response
         except ClientGone:
@@ -151,6 +116,37 @@ class ResponseFollowUps:
         finally:
             if not streaming:
                 _finish(record)
+
+    async def _answer(
+        self,
+        request: Request,
+        operation: str,
+        response_id: str,
+        query: dict,
+        record: StreamRecord,
+        caller: Caller | None,
+    ) -> Response:
+        method, suffix, _ = _CALLS[operation]
+        path = f"/responses/{response_id}{suffix}"
+
+        async def call(client: SdkClient) -> Any:
+            return await getattr(client, method)(path, cast_to=object, options={"params": query})
+
+        first_token, total = self.settings.first_token_timeout, self.settings.total_timeout
+        expired = first_token_expired if first_token < total else total_expired
+        body = await unless_gone(
+            request, self.upstreams.each(call, self.attempt_timeout), min(first_token, total), expired
+        )
+        if not isinstance(body, dict):
+            raise ApiError(
+                502, ErrorKind.UPSTREAM_MALFORMED, "the model server sent a malformed answer", retryable=True
+            )
+        if self.pipeline.filters_text and body.get("object") == "response":
+            body = await filter_response(body, self.pipeline, StreamRecord(endpoint="responses", model=""))
+        record.ended(body.get("status") if isinstance(body.get("status"), str) else None, None)
+        if self.accounting is not None and caller is not None:
+            await self._account(operation, response_id, body, record, caller)
+        return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
 
     async def _account(
         self, operation: str, response_id: str, body: dict, record: StreamRecord, caller: Caller
@@ -176,9 +172,9 @@ class ResponseFollowUps:
         limits = TimeLimits(self.settings)
         protocol = ResponseStream(self.pipeline if self.pipeline.filters_text else None, resumed=True)
         events = relay(
-            _Stored(self.upstreams, query, self.attempt_timeout),
+            self,
             f"/responses/{response_id}",
-            {},
+            query,
             protocol,
             limits,
             record,

@@ -95,7 +95,7 @@ class ResponseStream:
             pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
         )
         self.feed_waits = pipeline is not None and pipeline.moderates
-        self.plain = None  # every event is read by ``feed`` (StreamProtocol.plain)
+        self.plain: Callable[[dict], Chunk | None] | None = None  # every event is read by ``feed``
         self.usage: dict | None = None
         self.released: dict[int, list[str]] | None = {} if keep else None
         self.generated: dict[int, list[str]] | None = {0: []} if keep else None
@@ -175,7 +175,9 @@ class ResponseStream:
         if kind in TEXT_DELTAS and key is not None:
             if key in self._flushed:  # a delta after its part was done: nothing more may go out
                 return [*self._release(), {**data, "delta": ""}]
-            text = await self._filter(key).feed(data["delta"])
+            if key not in self._filters:
+                self._filters[key] = self._new_filter()
+            text = await self._filters[key].feed(data["delta"])
             self._released[key] = self._released.get(key, "") + text
             new = {**data, "delta": text}
             events = self._release()
@@ -196,11 +198,6 @@ class ResponseStream:
         _, event = self._pending
         self._pending = None
         return [event]
-
-    def _filter(self, key: tuple) -> TextFilter:
-        if key not in self._filters:
-            self._filters[key] = self._new_filter()
-        return self._filters[key]
 
     def _new_filter(self) -> TextFilter:
         made = self._make_filter() if self._make_filter is not None else None
@@ -320,9 +317,7 @@ class ResponseEncoder:
             return b"".join(out)
         if isinstance(item, Done):
             return None  # the terminal event was forwarded: nothing more to say
-        return self.error(item.error)
-
-    def error(self, error: ApiError) -> bytes:
+        error = item.error
         self.last_sequence += 1
         body = {
             "type": "error",

@@ -7,6 +7,7 @@ reads a request body, a usage object or an error code: this module does, for eve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from .. import tokens
 from ..errors import ErrorKind
@@ -83,16 +84,13 @@ def request_usage(
     if segments:
         used = []
         for segment in segments:
-            served = _served(model, segment.model)
             found = usage_of(segment.usage)
-            if found is not None:
-                used.append(
-                    Used(found.prompt, found.cached, found.completion, segment.upstream, segment.request_id, served)
-                )
-            elif segment.answered:
+            if found is None and segment.answered:
                 prompt = segment.prompt_tokens if segment.prompt_tokens is not None else prompt_tokens
-                completion = tokens.count_text(model, segment.text)
-                used.append(Used(prompt, 0, completion, segment.upstream, segment.request_id, served))
+                found = Used(prompt, 0, tokens.count_text(model, segment.text))
+            if found is not None:
+                served = _served(model, segment.model)
+                used.append(replace(found, upstream=segment.upstream, request_id=segment.request_id, model=served))
     else:
         served = _served(model, record.upstream_model)
         if reported is not None:

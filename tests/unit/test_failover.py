@@ -13,10 +13,10 @@ import httpx2
 import openai
 import pytest
 
-from chatstream.apis.completions import CompletionStream
-from chatstream.continuation import CONTINUE_PROMPT, chat_continuation
+from chatstream.apis.completions import CompletionsApi, CompletionStream
+from chatstream.continuation import CONTINUE_PROMPT
 from chatstream.errors import ApiError, UpstreamReported
-from chatstream.pipeline import Pipeline
+from chatstream.pipeline import CallRequest, Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
 from chatstream.stream import Done, Failed, TimeLimits, relay
@@ -131,7 +131,8 @@ def single(client: ScriptedClient, clock: Clock | None = None) -> Upstreams:
 async def run(upstreams: Upstreams, continue_max: int = 0) -> tuple[list, StreamRecord]:
     record = StreamRecord(endpoint="chat", model="gpt-test")
     protocol = CompletionStream(Pipeline())
-    continuation = chat_continuation(upstreams, "/chat/completions", params(), protocol, record, continue_max)
+    call = CallRequest(params=params(), endpoint="chat")
+    continuation = CompletionsApi().continuation(call, upstreams, protocol, record, continue_max)
     events = [
         e
         async for e in relay(
