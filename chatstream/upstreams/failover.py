@@ -9,7 +9,7 @@ entries with a larger ``context_window``); anything else (400, 404 …) is the a
 single upstream. The stream it returns replays the chunks it read and then goes on with the
 entry's stream, so the stream core sees one ordinary upstream stream. After the first output the
 request stays on its entry; a later failure counts against that entry's health, and the answer
-either goes on on another stream (``open_next``, ``reattach``: continuation.py) or ends with the
+either goes on on another stream (``open_next``: continuation.py; ``reattach``: apis/responses.py) or ends with the
 final error event. Failures reach the core already explained (``classify``): an ``ApiError`` for
 the caller, the ``Outcome`` for the entry.
 
