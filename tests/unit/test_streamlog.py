@@ -684,6 +684,25 @@ async def test_a_short_stream_that_ends_as_its_instance_closes_is_recorded_whole
         assert await read_all(await b.open_reader(producer.id, None, None), limit=5) == live
 
 
+async def test_a_failing_stores_record_end_is_tried_every_half_second_as_before():
+    """A stream's end, recorded in its record while the store refuses every merge: tried every 0.5 s
+    for give_up_seconds, each call bounded by BUSY_TIMEOUT, as the end's own loop did before one
+    record-write loop served the insert too (the insert's cadence, every 0.25 s, is the request's
+    own: a reader elsewhere waits for it)."""
+    async with instances(1, **{**QUICK, "give_up_seconds": 2.0}) as (a,):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        async with asyncio.timeout(5):
+            while producer.id not in a.store.data.blobs:  # type: ignore[attr-defined] - the log's blob is there
+                await asyncio.sleep(0.02)
+        refused = Fault("unavailable", ops=frozenset({"merge"}), table=STREAMS_TABLE, times=10**9)
+        a.store.inject(refused)  # type: ignore[attr-defined]
+        producer.append(DONE, final=True)
+        producer.finish()
+        await producer.wait_stored(10)  # (False: its end is not recorded)
+        assert 10**9 - refused.times <= 5  # 0, 0.5, 1, 1.5, 2 s (every 0.25 s: 9)
+
+
 async def test_a_reader_elsewhere_that_comes_as_a_short_stream_ends_gets_it_exactly():
     """A reader elsewhere registered just before the end (seen or not by the producer): it gets the
     whole stream, from the blob or from the record, and soon."""
