@@ -431,6 +431,18 @@ async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_stor
             assert len(got) == 1 and b'"stream_lost"' in got[0][1], got
 
 
+async def test_a_records_insert_meeting_a_missing_table_is_tried_again():
+    """The streams table answers 404 (deleted under the app, re-created by the edge) to the record's
+    first inserts: the insert is tried again until give_up_seconds, as any store failure, and the
+    stream stays resumable (not given up at once as "its record is someone else's")."""
+    async with instances(2, **{**QUICK, "give_up_seconds": 5.0}) as (a, b):
+        a.store.inject(Fault("not_found", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=2))  # type: ignore[attr-defined]
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(3)])
+        assert await producer.wait_stored(5)
+        assert await read_all(await b.open_reader(producer.id, None, None), limit=5) == live
+
+
 async def test_a_producer_whose_record_is_another_producers_never_overwrites_it():
     """Issue #45: the record's insert refused until another producer's record is there (a takeover
     racing the first write): the producer gives up ("its record is someone else's"), and its

@@ -466,9 +466,10 @@ class Producer:
                     async with ctx.bulk():
                         record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
                 return True
-            except (Modified, NotFound):
-                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
+                # (The insert alone tries those again, as any failure: a table 404s while it is made again.)
+                if closes and isinstance(exc, Modified | NotFound):
+                    return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
                 # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
                 if self._loop.time() > deadline or (ctx.closed and not self.resumable):
