@@ -449,6 +449,18 @@ async def test_a_stream_whose_record_never_landed_is_recorded_lost_once_the_stor
             assert len(got) == 1 and b'"stream_lost"' in got[0][1], got
 
 
+async def test_a_records_insert_meeting_a_missing_table_is_tried_again():
+    """The streams table answers 404 (deleted under the app, re-created by the edge) to the record's
+    first inserts: the insert is tried again until give_up_seconds, as any store failure, and the
+    stream stays resumable (not given up at once as "its record is someone else's")."""
+    async with instances(2, **{**QUICK, "give_up_seconds": 5.0}) as (a, b):
+        a.store.inject(Fault("not_found", ops=frozenset({"insert"}), table=STREAMS_TABLE, times=2))  # type: ignore[attr-defined]
+        producer = a.start("chat", None)
+        live = await produce(producer, [delta(i) for i in range(3)])
+        assert await producer.wait_stored(5)
+        assert await read_all(await b.open_reader(producer.id, None, None), limit=5) == live
+
+
 async def test_a_producer_whose_record_is_another_producers_never_overwrites_it():
     """Issue #45: the record's insert refused until another producer's record is there (a takeover
     racing the first write): the producer gives up ("its record is someone else's"), and its
@@ -700,6 +712,25 @@ async def test_a_short_stream_that_ends_as_its_instance_closes_is_recorded_whole
         row = a.store.data.tables[STREAMS_TABLE][producer.id]["stream"][0]  # type: ignore[attr-defined]
         assert (row["state"], row.get("events") is not None) == ("ended", True)
         assert await read_all(await b.open_reader(producer.id, None, None), limit=5) == live
+
+
+async def test_a_failing_stores_record_end_is_tried_every_half_second_as_before():
+    """A stream's end, recorded in its record while the store refuses every merge: tried every 0.5 s
+    for give_up_seconds, each call bounded by BUSY_TIMEOUT, as the end's own loop did before one
+    record-write loop served the insert too (the insert's cadence, every 0.25 s, is the request's
+    own: a reader elsewhere waits for it)."""
+    async with instances(1, **{**QUICK, "give_up_seconds": 2.0}) as (a,):
+        producer = a.start("chat", None)
+        producer.append(delta(0))
+        async with asyncio.timeout(5):
+            while producer.id not in a.store.data.blobs:  # type: ignore[attr-defined] - the log's blob is there
+                await asyncio.sleep(0.02)
+        refused = Fault("unavailable", ops=frozenset({"merge"}), table=STREAMS_TABLE, times=10**9)
+        a.store.inject(refused)  # type: ignore[attr-defined]
+        producer.append(DONE, final=True)
+        producer.finish()
+        await producer.wait_stored(10)  # (False: its end is not recorded)
+        assert 10**9 - refused.times <= 5  # 0, 0.5, 1, 1.5, 2 s (every 0.25 s: 9)
 
 
 async def test_a_reader_elsewhere_that_comes_as_a_short_stream_ends_gets_it_exactly():

@@ -450,12 +450,14 @@ class Producer:
         False: the record is another producer's (taken over); a StoreError: the store failed throughout
         (its last)."""
         ctx, store, record = self._ctx, self._ctx.store, self._record
-        deadline, pause, unanswered = self._loop.time() + patience, 0.25, False
+        # The insert alone is the request's: tried every 0.25 s, each call within the deadline (a
+        # reader elsewhere waits for the record only that long: readers.read_record); an end every
+        # 0.5 s, each call as long as a busy store takes.
+        deadline, first, unanswered = self._loop.time() + patience, 0.25 if closes is None else 0.5, False
+        pause = first
         state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
-            # A busy store's bound, not past the deadline: a reader elsewhere waits for the record
-            # only that long (readers.read_record).
-            bound = min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
+            bound = BUSY_TIMEOUT if closes else min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
             fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more) if closes else {}
             try:
                 if not record.etag and not await self._insert(fields, bound):
@@ -464,15 +466,16 @@ class Producer:
                     async with ctx.bulk():
                         record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
                 return True
-            except (Modified, NotFound):
-                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
+                # (The insert alone tries those again, as any failure: a table 404s while it is made again.)
+                if closes and isinstance(exc, Modified | NotFound):
+                    return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
                 # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
                 if self._loop.time() > deadline or (ctx.closed and not self.resumable):
                     return exc
                 await asyncio.sleep(pause)
-                pause = 0.25 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
+                pause = first if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _insert(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
         """Insert the record with ``fields``, the large request's own blob first. False: the record
