@@ -177,7 +177,7 @@ class Endpoint:
         pipeline: Pipeline,
         accounting: Accounting | None,
         resumable: Resumable | None = None,
-        lifecycle: Lifecycle | None = None,
+        lifecycle: Lifecycle | None = None,  # (none: one never drained)
         registry: Registry | None = None,
     ):
         self.api = api
@@ -186,14 +186,13 @@ class Endpoint:
         self.pipeline = pipeline
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
-        self.lifecycle = lifecycle  # the drain on SIGTERM: no new stream, the running ones ended in time
+        # The drain on SIGTERM: no new stream, the running ones ended in time.
+        self.lifecycle = lifecycle or Lifecycle(settings.drain_seconds, signals=False)
         self.registry = registry  # with accounting: a taken-over stream's caller, by its id
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
-        if self.lifecycle is None:
-            return await self._serve(request)
         with self.lifecycle.starting():  # a drain beginning now waits for its stream
             return await self._serve(request)
 
@@ -203,8 +202,7 @@ class Endpoint:
         telemetry.begin(record)
         admission: Admission | None = None
         try:
-            if self.lifecycle is not None:
-                self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
+            self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
             caller = await authenticated(self.accounting, request.headers) if self.accounting else None
             call = await self._prepare(request, record)
             if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
@@ -305,11 +303,7 @@ class Endpoint:
         # Without an admission there is no context to keep before the final event.
         before_last = ending.before_last if admission is not None else None
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
-        ends = (
-            Stream(self.lifecycle, record, limits, ending.finish, before_last)
-            if self.lifecycle is not None
-            else Ends(ending.finish, before_last)
-        )
+        ends = Stream(self.lifecycle, record, limits, ending.finish, before_last)
         events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation, ends)
         encode = self.api.encoder(call)
         headers = _headers(record, admission)
@@ -420,8 +414,7 @@ class Endpoint:
         over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
         if admission is not None and claim.producer.unstored:
             raising = asyncio.ensure_future(self._charge_received(claim, known, admission, over))
-            if self.lifecycle is not None:
-                self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
+            self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
         try:
             await self.resumable.produce(claim.producer, events, encode, protocol, record)
         finally:
@@ -498,10 +491,8 @@ class Endpoint:
             before,
         )
         try:
-            while claim.unstood() and not (over.is_set() or (life is not None and life.grace_over.is_set())):
-                if life is None:
-                    await _any(claim.stood_in(), over.wait())
-                elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
+            while claim.unstood() and not (over.is_set() or life.grace_over.is_set()):
+                if life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
                     self.accounting.checkpoint()
                     await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
                 else:
