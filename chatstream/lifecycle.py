@@ -212,7 +212,7 @@ class Lifecycle:
         self._changed.set()
         if not self.draining.is_set() or stream.resumable or stream.record.first_delta_at is None:
             return False
-        return not any(not s.ending and not s.resumable for s in self._streams)
+        return self._cut_ending()
 
     async def _wait_settled(self) -> None:
         try:
@@ -278,7 +278,9 @@ class Lifecycle:
             HOST_SHUTDOWN_TIMEOUT,
         )
         # Resumable streams too (they may end here), and the kept work.
-        await self._until(lambda: self._all_ending() and not self._kept and not self._starting, started + self.grace)
+        await self._until(
+            lambda: all(s.ending for s in self._streams) and not self._kept and not self._starting, started + self.grace
+        )
         self.grace_over.set()
         cut = [s for s in self._streams if not s.ending and not s.resumable]
         for stream in cut:
@@ -298,9 +300,6 @@ class Lifecycle:
         self.drained.set()
         if self._signalled:
             self._pass_on()
-
-    def _all_ending(self) -> bool:
-        return all(s.ending for s in self._streams)
 
     def _cut_ending(self) -> bool:
         return all(s.ending or s.resumable for s in self._streams)
