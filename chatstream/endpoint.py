@@ -194,41 +194,38 @@ class Endpoint:
 
     async def __call__(self, request: Request) -> Response:
         with self.lifecycle.starting():  # a drain beginning now waits for its stream
-            return await self._serve(request)
-
-    async def _serve(self, request: Request) -> Response:
-        record = StreamRecord(endpoint=self.api.name, model=self.default_model)
-        record.request_id = record.id  # until the upstream says its own
-        telemetry.begin(record)
-        ending = _Ending(self, record)
-        try:
-            self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
-            caller = await authenticated(self.accounting, request.headers) if self.accounting else None
-            call = await self._prepare(request, record)
-            if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
-                record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-                # Stopped if the caller hangs up while a slow store holds it (what it reserved comes back).
-                ending.admission = await unless_gone(
-                    request,
-                    admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens),
-                    self.settings.total_timeout,
-                )
-            if call.params.get("stream"):
-                return await self._stream(request, call, ending)
-            return await self._complete(request, call, ending)
-        except ClientGone:
-            record.hung_up(499)  # nginx's "client closed request"
-            ending.finish()
-            return Response(status_code=499)
-        except ApiError as error:
-            return ending.refuse(error)
-        except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
-            log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
-            return ending.refuse(internal_error())
-        except BaseException:  # cancelled: nobody gets an answer; what was admitted is settled (once: finish)
-            record.hung_up(499)
-            ending.finish()
-            raise
+            record = StreamRecord(endpoint=self.api.name, model=self.default_model)
+            record.request_id = record.id  # until the upstream says its own
+            telemetry.begin(record)
+            ending = _Ending(self, record)
+            try:
+                self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
+                caller = await authenticated(self.accounting, request.headers) if self.accounting else None
+                call = await self._prepare(request, record)
+                if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
+                    record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
+                    # Stopped if the caller hangs up while a slow store holds it (what it reserved comes back).
+                    ending.admission = await unless_gone(
+                        request,
+                        admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens),
+                        self.settings.total_timeout,
+                    )
+                if call.params.get("stream"):
+                    return await self._stream(request, call, ending)
+                return await self._complete(request, call, ending)
+            except ClientGone:
+                record.hung_up(499)  # nginx's "client closed request"
+                ending.finish()
+                return Response(status_code=499)
+            except ApiError as error:
+                return ending.refuse(error)
+            except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
+                log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
+                return ending.refuse(internal_error())
+            except BaseException:  # cancelled: nobody gets an answer; what was admitted is settled (once: finish)
+                record.hung_up(499)
+                ending.finish()
+                raise
 
     async def _prepare(self, request: Request, record: StreamRecord) -> CallRequest:
         """The request, read, checked and through the before-steps; or an ApiError."""
@@ -294,7 +291,7 @@ class Endpoint:
         events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation, ends)
         encode = self.api.encoder(call)
         headers = ending.headers()
-        respond = self._resumable(call, protocol, limits, record, headers, admission)
+        respond = self._resumable(call, limits, headers, ending)
         response = await stream_response(
             request,
             events,
@@ -324,17 +321,12 @@ class Endpoint:
         return self.settings.continue_max
 
     def _resumable(
-        self,
-        call: CallRequest,
-        protocol: StreamProtocol,
-        limits: TimeLimits,
-        record: StreamRecord,
-        headers: dict[str, str],
-        admission: Admission | None,
+        self, call: CallRequest, limits: TimeLimits, headers: dict[str, str], ending: _Ending
     ) -> Callable[[asyncio.Future, AsyncGenerator[Event]], Response | None] | None:
         """With RESUMABLE_STREAMS=on, how a streamed /api/chat or chat-completions answer is made once its
         first event is in hand: produced by a task of its own, resumable (resumable.py)."""
-        resumable = self.resumable
+        resumable, record, admission, protocol = self.resumable, ending.record, ending.admission, ending.protocol
+        assert protocol is not None
         if resumable is None or self.api.name not in ("chat", "openai"):
             return None
         route: Route = "chat" if self.api.name == "chat" else "openai"
@@ -375,7 +367,6 @@ class Endpoint:
         telemetry.begin(record)
         encode = self.api.encoder(call)
         protocol = self.api.protocol(call, self.pipeline, True)
-        admission: Admission | None = None
         known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
         ending = _Ending(self, record, protocol)
         ends = Ends(ending.finish)
@@ -399,8 +390,8 @@ class Endpoint:
         assert self.resumable is not None
         raising: asyncio.Task | None = None
         over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
-        if admission is not None and claim.producer.unstored:
-            raising = asyncio.ensure_future(self._charge_received(claim, known, admission, over))
+        if ending.admission is not None and claim.producer.unstored:
+            raising = asyncio.ensure_future(self._charge_received(claim, known, ending.admission, over))
             self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
         try:
             await self.resumable.produce(claim.producer, events, encode, protocol, record)
