@@ -313,9 +313,7 @@ class Endpoint:
         return response
 
     def _continuations(self, request: Request) -> int:
-        """How often a streamed answer may go on on another stream after its upstream failed
-        mid-answer: CONTINUE_MAX, unless CONTINUE_ON_UPSTREAM_FAILURE is off or the request says
-        ``x-chatstream-continue: off``."""
+        """How often a streamed answer may go on on another stream after its upstream failed mid-answer."""
         if not self.settings.continue_on_upstream_failure or turned_off(request.headers):
             return 0
         return self.settings.continue_max
