@@ -71,7 +71,7 @@ class ChatApp:
         if self.stream_log is not None and continues:
             drain_steps.append(functools.partial(self.stream_log.drain, timeout=0.7))
         moving = [self.stream_log.move_readers] if self.stream_log is not None else []
-        life = Lifecycle(
+        self.lifecycle = life = Lifecycle(
             settings.drain_seconds,
             host_timeout,
             on_drain=drain_steps,
@@ -79,7 +79,6 @@ class ChatApp:
             on_draining=moving,
             signals=signals,
         )
-        self.lifecycle = life
         self.chat = Endpoint(ChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry)
         self.chat_completions = Endpoint(
             OpenAIChatApi(), settings, upstreams, pipeline, accounting, self.streams, life, registry
@@ -93,8 +92,7 @@ class ChatApp:
         self.models_listed = bool(settings.allowed_models or upstreams.model_names())  # others are refused
 
     async def take_over(self, claim: Claim) -> None:
-        """A resumable stream whose producer was lost (its instance died, or handed it over): the
-        answer goes on here, on its route's endpoint (``Endpoint.take_over``)."""
+        """A resumable stream whose producer was lost goes on here, on its route's endpoint."""
         await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
     async def _models(self, request: Request) -> tuple[str, ...]:

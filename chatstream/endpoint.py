@@ -177,7 +177,7 @@ class Endpoint:
         pipeline: Pipeline,
         accounting: Accounting | None,
         resumable: Resumable | None = None,
-        lifecycle: Lifecycle | None = None,
+        lifecycle: Lifecycle | None = None,  # (none: one never drained)
         registry: Registry | None = None,
     ):
         self.api = api
@@ -186,51 +186,46 @@ class Endpoint:
         self.pipeline = pipeline
         self.accounting = accounting  # CALLER_KEYS=required: callers' keys, limits and charges
         self.resumable = resumable  # RESUMABLE_STREAMS=on: streams outlive their caller's connection
-        self.lifecycle = lifecycle  # the drain on SIGTERM: no new stream, the running ones ended in time
+        # The drain on SIGTERM: no new stream, the running ones ended in time.
+        self.lifecycle = lifecycle or Lifecycle(settings.drain_seconds, signals=False)
         self.registry = registry  # with accounting: a taken-over stream's caller, by its id
         self.default_model = settings.default_model
         self.allowed = frozenset(settings.allowed_models)
 
     async def __call__(self, request: Request) -> Response:
-        if self.lifecycle is None:
-            return await self._serve(request)
         with self.lifecycle.starting():  # a drain beginning now waits for its stream
-            return await self._serve(request)
-
-    async def _serve(self, request: Request) -> Response:
-        record = StreamRecord(endpoint=self.api.name, model=self.default_model)
-        record.request_id = record.id  # until the upstream says its own
-        telemetry.begin(record)
-        admission: Admission | None = None
-        try:
-            if self.lifecycle is not None:
+            record = StreamRecord(endpoint=self.api.name, model=self.default_model)
+            record.request_id = record.id  # until the upstream says its own
+            telemetry.begin(record)
+            ending = _Ending(self, record)
+            try:
                 self.lifecycle.admit()  # while draining: 503 instance_draining, before any other work
-            caller = await authenticated(self.accounting, request.headers) if self.accounting else None
-            call = await self._prepare(request, record)
-            if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
-                record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
-                # Stopped if the caller hangs up while a slow store holds it (what it reserved comes back).
-                admission = await unless_gone(
-                    request,
-                    admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens),
-                    self.settings.total_timeout,
-                )
-            if call.params.get("stream"):
-                return await self._stream(request, call, record, admission)
-            return await self._complete(request, call, record, admission)
-        except ClientGone:
-            record.hung_up(499)  # nginx's "client closed request"
-            self._finish(record, admission)
-            return Response(status_code=499)
-        except ApiError as error:
-            return self._refuse(record, error, admission)
-        except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
-            log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
-            return self._refuse(record, internal_error(), admission)
-        except BaseException:  # cancelled: nobody gets an answer; what was admitted is settled (once: _finish)
-            record.hung_up(499)
-            self._finish(record, admission)
-            raise
+                caller = await authenticated(self.accounting, request.headers) if self.accounting else None
+                call = await self._prepare(request, record)
+                if caller is not None and self.accounting is not None:  # CALLER_KEYS=required
+                    record.caller, record.caller_id, record.team = caller.name, caller.id, caller.team
+                    # Stopped if the caller hangs up while a slow store holds it (what it reserved comes back).
+                    ending.admission = await unless_gone(
+                        request,
+                        admitted(self.accounting, caller, call, record, self.settings.default_max_output_tokens),
+                        self.settings.total_timeout,
+                    )
+                if call.params.get("stream"):
+                    return await self._stream(request, call, ending)
+                return await self._complete(request, call, ending)
+            except ClientGone:
+                record.hung_up(499)  # nginx's "client closed request"
+                ending.finish()
+                return Response(status_code=499)
+            except ApiError as error:
+                return ending.refuse(error)
+            except Exception:  # a bug of ours: still a JSON answer, a log line, an ended span
+                log.exception("request failed before the stream (endpoint=%s)", record.endpoint)
+                return ending.refuse(internal_error())
+            except BaseException:  # cancelled: nobody gets an answer; what was admitted is settled (once: finish)
+                record.hung_up(499)
+                ending.finish()
+                raise
 
     async def _prepare(self, request: Request, record: StreamRecord) -> CallRequest:
         """The request, read, checked and through the before-steps; or an ApiError."""
@@ -264,21 +259,9 @@ class Endpoint:
         record.chose_model(model, bool(self.allowed) or model == self.default_model)
         return call
 
-    def _refuse(self, record: StreamRecord, error: ApiError, admission: Admission | None = None) -> Response:
-        response = self._error_response(error, record, admission)
-        record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
-        self._finish(record, admission)
-        return response
-
-    def _error_response(self, error: ApiError, record: StreamRecord, admission: Admission | None) -> Response:
-        response = self.api.error_response(as_status(error))
-        response.headers.update(_headers(record, admission))
-        return response
-
-    async def _complete(
-        self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
-    ) -> Response:
+    async def _complete(self, request: Request, call: CallRequest, ending: _Ending) -> Response:
         """A non-streamed answer: the upstream's JSON, its texts through the pipeline's text steps."""
+        record, admission = ending.record, ending.admission
         give_up_at = asyncio.get_running_loop().time() + self.settings.total_timeout
         work = self.upstreams.complete(self.api.path, call.params, record)
         body = await unless_gone(request, work, self.settings.total_timeout)
@@ -288,32 +271,27 @@ class Endpoint:
         body = await self.api.completion(body, self.pipeline, record)
         if admission is not None and isinstance(body.get("id"), str):
             await self._claim(admission, body["id"], call)
-            await self._keep_context(record, admission)
-        self._finish(record, admission)
-        return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **_headers(record, admission)})
+            await ending.keep_context()
+        ending.finish()
+        return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **ending.headers()})
 
-    async def _stream(
-        self, request: Request, call: CallRequest, record: StreamRecord, admission: Admission | None
-    ) -> Response:
+    async def _stream(self, request: Request, call: CallRequest, ending: _Ending) -> Response:
+        record, admission = ending.record, ending.admission
         limits = TimeLimits(self.settings)
         protocol = self.api.protocol(call, self.pipeline, self.pipeline.wants_result or admission is not None)
-        ending = _Ending(self, protocol, record, admission)
+        ending.protocol = protocol
         if admission is not None:
             # What it has generated so far: the journal's checkpoints (what a takeover charges if we die).
             admission.entry.generated = ending.generated
         continuation = self.api.continuation(call, self.upstreams, protocol, record, self._continuations(request))
         # Without an admission there is no context to keep before the final event.
-        before_last = ending.before_last if admission is not None else None
+        before_last = ending.keep_context if admission is not None else None
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
-        ends = (
-            Stream(self.lifecycle, record, limits, ending.finish, before_last)
-            if self.lifecycle is not None
-            else Ends(ending.finish, before_last)
-        )
+        ends = Stream(self.lifecycle, record, limits, ending.finish, before_last)
         events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation, ends)
         encode = self.api.encoder(call)
-        headers = _headers(record, admission)
-        respond = self._resumable(call, protocol, limits, record, headers, admission)
+        headers = ending.headers()
+        respond = self._resumable(call, limits, headers, ending)
         response = await stream_response(
             request,
             events,
@@ -335,25 +313,18 @@ class Endpoint:
         return response
 
     def _continuations(self, request: Request) -> int:
-        """How often a streamed answer may go on on another stream after its upstream failed
-        mid-answer: CONTINUE_MAX, unless CONTINUE_ON_UPSTREAM_FAILURE is off or the request says
-        ``x-chatstream-continue: off``."""
+        """How often a streamed answer may go on on another stream after its upstream failed mid-answer."""
         if not self.settings.continue_on_upstream_failure or turned_off(request.headers):
             return 0
         return self.settings.continue_max
 
     def _resumable(
-        self,
-        call: CallRequest,
-        protocol: StreamProtocol,
-        limits: TimeLimits,
-        record: StreamRecord,
-        headers: dict[str, str],
-        admission: Admission | None,
+        self, call: CallRequest, limits: TimeLimits, headers: dict[str, str], ending: _Ending
     ) -> Callable[[asyncio.Future, AsyncGenerator[Event]], Response | None] | None:
         """With RESUMABLE_STREAMS=on, how a streamed /api/chat or chat-completions answer is made once its
         first event is in hand: produced by a task of its own, resumable (resumable.py)."""
-        resumable = self.resumable
+        resumable, record, admission, protocol = self.resumable, ending.record, ending.admission, ending.protocol
+        assert protocol is not None
         if resumable is None or self.api.name not in ("chat", "openai"):
             return None
         route: Route = "chat" if self.api.name == "chat" else "openai"
@@ -394,9 +365,8 @@ class Endpoint:
         telemetry.begin(record)
         encode = self.api.encoder(call)
         protocol = self.api.protocol(call, self.pipeline, True)
-        admission: Admission | None = None
         known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
-        ending = _Ending(self, protocol, record, None)
+        ending = _Ending(self, record, protocol)
         ends = Ends(ending.finish)
         try:
             if known.blocked is not None:
@@ -418,10 +388,9 @@ class Endpoint:
         assert self.resumable is not None
         raising: asyncio.Task | None = None
         over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
-        if admission is not None and claim.producer.unstored:
-            raising = asyncio.ensure_future(self._charge_received(claim, known, admission, over))
-            if self.lifecycle is not None:
-                self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
+        if ending.admission is not None and claim.producer.unstored:
+            raising = asyncio.ensure_future(self._charge_received(claim, known, ending.admission, over))
+            self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
         try:
             await self.resumable.produce(claim.producer, events, encode, protocol, record)
         finally:
@@ -498,10 +467,8 @@ class Endpoint:
             before,
         )
         try:
-            while claim.unstood() and not (over.is_set() or (life is not None and life.grace_over.is_set())):
-                if life is None:
-                    await _any(claim.stood_in(), over.wait())
-                elif life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
+            while claim.unstood() and not (over.is_set() or life.grace_over.is_set()):
+                if life.draining.is_set():  # stopping: the journal says at once what is known, as it grows
                     self.accounting.checkpoint()
                     await _any(claim.producer.changed(), over.wait(), life.grace_over.wait())
                 else:
@@ -527,59 +494,68 @@ class Endpoint:
         if self.accounting is not None and self.api.owns is not None:
             await self.accounting.claim(self.api.owns, created, admission, bool(call.params.get("background")))
 
-    async def _keep_context(self, record: StreamRecord, admission: Admission | None) -> None:
-        """What a response this request created carries is in its owner row before the caller has
-        the answer: a continuation of it, sent at once to any instance, reserves that."""
-        if self.accounting is not None and admission is not None and admission.created is not None and record.usage:
-            await self.accounting.keep_context(
-                admission, request_usage(admission.entry.model, admission.entry.prompt_tokens, record, None)
-            )
-
-    def _finish(
-        self, record: StreamRecord, admission: Admission | None = None, generated: dict[int, list[str]] | None = None
-    ) -> None:
-        if not record.report():
-            return
-        if self.accounting is not None and admission is not None:
-            used = request_usage(admission.entry.model, admission.entry.prompt_tokens, record, generated)
-            record.cost = self.accounting.charge(admission, used)  # in the background: after the log line and the span
-        log.info(record.log_line())
-        telemetry.finish(record)
-        if self.pipeline.wants_result:
-            self.pipeline.run_after(record.result())
-
 
 class _Ending:
-    """How one streamed answer ends, for the parts that call back into the endpoint: its record kept
-    (the log line, the charge, the span: ``finish``), what a response it created carries kept before
-    the final event (``before_last``), an error before any output answered as the API does
-    (``error_response``), and what it has generated so far (``generated``, for a keyed request's
-    journal). One object, not a closure each: a closure and each variable it shares are objects the
-    garbage collector walks while the request waits for its first event (six of them)."""
+    """How one request ends, for every part that takes part in it: its record kept (the log line,
+    the charge, the span, once: ``finish``), an error answered as the API does (``error_response``,
+    ``refuse``), what a response it created carries kept before the caller has the answer
+    (``keep_context``), and, once it streams (``protocol``), what it has generated so far
+    (``generated``, for a keyed request's journal). One object, not a closure each: a closure and
+    each variable it shares are objects the garbage collector walks while the request waits for its
+    first event (six of them)."""
 
     __slots__ = ("admission", "endpoint", "protocol", "record")
 
-    def __init__(
-        self, endpoint: Endpoint, protocol: StreamProtocol, record: StreamRecord, admission: Admission | None
-    ) -> None:
+    def __init__(self, endpoint: Endpoint, record: StreamRecord, protocol: StreamProtocol | None = None) -> None:
         self.endpoint = endpoint
-        self.protocol = protocol
         self.record = record
-        self.admission = admission
+        self.protocol = protocol
+        self.admission: Admission | None = None  # with caller keys, once admitted
 
     def finish(self) -> None:
-        if self.protocol.released is not None:
-            self.record.texts = self.protocol.released
-        self.endpoint._finish(self.record, self.admission, self.protocol.generated)
+        record, admission, protocol = self.record, self.admission, self.protocol
+        if protocol is not None and protocol.released is not None:
+            record.texts = protocol.released
+        if not record.report():
+            return
+        accounting = self.endpoint.accounting
+        if accounting is not None and admission is not None:
+            generated = protocol.generated if protocol is not None else None
+            used = request_usage(admission.entry.model, admission.entry.prompt_tokens, record, generated)
+            record.cost = accounting.charge(admission, used)  # in the background: after the log line and the span
+        log.info(record.log_line())
+        telemetry.finish(record)
+        if self.endpoint.pipeline.wants_result:
+            self.endpoint.pipeline.run_after(record.result())
 
-    async def before_last(self) -> None:
-        await self.endpoint._keep_context(self.record, self.admission)
+    def refuse(self, error: ApiError) -> Response:
+        response = self.error_response(error)
+        self.record.refused(response.status_code, error.type, model_refused=error.type in _MODEL_REFUSED)
+        self.finish()
+        return response
 
     def error_response(self, error: ApiError) -> Response:
-        return self.endpoint._error_response(error, self.record, self.admission)
+        response = self.endpoint.api.error_response(as_status(error))
+        response.headers.update(self.headers())
+        return response
+
+    def headers(self) -> dict[str, str]:
+        """The headers every answer carries: its request id, and the caller's rate-limit headers."""
+        rates = self.admission.entry.reservation.rates if self.admission is not None else {}
+        return {"x-request-id": self.record.request_id, **rate_headers(rates)}
+
+    async def keep_context(self) -> None:
+        """What a response this request created carries is in its owner row before the caller has
+        the answer: a continuation of it, sent at once to any instance, reserves that."""
+        accounting, admission, record = self.endpoint.accounting, self.admission, self.record
+        if accounting is not None and admission is not None and admission.created is not None and record.usage:
+            await accounting.keep_context(
+                admission, request_usage(admission.entry.model, admission.entry.prompt_tokens, record, None)
+            )
 
     def generated(self) -> dict[int, str]:
-        return {i: "".join(p) for i, p in (self.protocol.generated or {}).items()}
+        generated = self.protocol.generated if self.protocol is not None else None
+        return {i: "".join(p) for i, p in (generated or {}).items()}
 
 
 async def _any(*waits: Awaitable[object]) -> None:
@@ -604,12 +580,6 @@ async def _failed(error: ApiError, record: StreamRecord, ends: Ends) -> AsyncGen
         yield final
     finally:
         ends.over()
-
-
-def _headers(record: StreamRecord, admission: Admission | None) -> dict[str, str]:
-    """The headers every answer carries: its request id, and the caller's rate-limit headers."""
-    rates = admission.entry.reservation.rates if admission is not None else {}
-    return {"x-request-id": record.request_id, **rate_headers(rates)}
 
 
 async def stream_response(

@@ -74,12 +74,9 @@ def host_shutdown_timeout(environ: Mapping[str, str] = os.environ) -> float:
 
 
 class Stream(Ends):
-    """One stream running on this instance, as the drain sees it: what the relay of a stream whose
-    time limits are ``limits`` tells of its ends (``Ends``). ``before_last`` is awaited before the
-    upstream's final event goes out, ``on_end`` (the endpoint's record keeping: its log line and
-    charge) once it is over, however it ends. The stream counts for the drain from its relay's
-    first read on: one closed before that (its handler cancelled first) never ran, so nothing would
-    take it back."""
+    """One stream running on this instance, as the drain sees it: its ends (``Ends``), its time
+    limits (``limits``, which the drain cuts). It counts for the drain from its relay's first read
+    on: one closed before that (its handler cancelled first) never ran, so nothing would take it back."""
 
     __slots__ = ("cut", "ending", "life", "limits", "record")
 
@@ -190,10 +187,9 @@ class Lifecycle:
         self._changed.set()
 
     def keep(self, work: asyncio.Future) -> None:
-        """Work this instance must finish before it goes (a charge nobody else can make): while
-        draining it is waited for within the grace as a stream is, then (``grace_over``) for
-        ``CUT_WAIT`` more, and it is done before the ``on_drain`` callbacks settle the charges.
-        Whatever it does past that is cut with the process: it says so itself."""
+        """Work this instance must finish before it goes (a charge nobody else can make): waited
+        for as the module docstring's step 4 says; whatever it does past that is cut with the
+        process: it says so itself."""
         if work.done():
             return
         self._kept.add(work)
@@ -204,15 +200,14 @@ class Lifecycle:
         self._changed.set()
 
     def _holds(self, stream: Stream) -> bool:
-        """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks. While
-        draining the last stream running does (the host ends the worker once its last request is
-        over), once its output has started (then no status answer follows the final event, so its
-        record may be written before it goes out)."""
+        """A stream's final event is in hand: whether it waits for the ``on_drain`` callbacks (step
+        4): while draining, the last stream running does once its output has started (then no status
+        answer follows the final event, so its record may be written before it goes out)."""
         stream.ending = True
         self._changed.set()
         if not self.draining.is_set() or stream.resumable or stream.record.first_delta_at is None:
             return False
-        return not any(not s.ending and not s.resumable for s in self._streams)
+        return self._cut_ending()
 
     async def _wait_settled(self) -> None:
         try:
@@ -278,7 +273,9 @@ class Lifecycle:
             HOST_SHUTDOWN_TIMEOUT,
         )
         # Resumable streams too (they may end here), and the kept work.
-        await self._until(lambda: self._all_ending() and not self._kept and not self._starting, started + self.grace)
+        await self._until(
+            lambda: all(s.ending for s in self._streams) and not self._kept and not self._starting, started + self.grace
+        )
         self.grace_over.set()
         cut = [s for s in self._streams if not s.ending and not s.resumable]
         for stream in cut:
@@ -298,9 +295,6 @@ class Lifecycle:
         self.drained.set()
         if self._signalled:
             self._pass_on()
-
-    def _all_ending(self) -> bool:
-        return all(s.ending for s in self._streams)
 
     def _cut_ending(self) -> bool:
         return all(s.ending or s.resumable for s in self._streams)

@@ -4,7 +4,7 @@ The app calls this module in three places::
 
     telemetry.configure()          # once, at start-up (function_app.py)
     telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
-    telemetry.finish(record)       # when its stream is over (Endpoint._finish)
+    telemetry.finish(record)       # when its stream is over (endpoint._Ending.finish)
 
 ``record`` is the request's ``record.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
 ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. The span

@@ -2,7 +2,7 @@
 OpenTelemetry SDK's in-memory span exporter and metric reader installed as the global providers.
 
 Two layers:
-- ``telemetry`` driven directly with ``record.StreamRecord``s (what ``endpoint._finish`` hands it);
+- ``telemetry`` driven directly with ``record.StreamRecord``s (what ``endpoint._Ending.finish`` hands it);
 - end to end: the app's real /api/chat endpoint served by uvicorn on 127.0.0.1 in this process (the exporter
   has to live in the app's process), talking to the real scripted upstream (``fakeupstream``, a
   subprocess), called over HTTP, including a caller that hangs up mid-stream.
