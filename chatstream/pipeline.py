@@ -193,9 +193,7 @@ class Pipeline:
                 log.exception("pipeline before-step %s failed", _name(step))
                 raise StepFailed(_name(step)) from None
 
-    def text_filter(self) -> TextFilter | None:
-        if not self.filters_text:
-            return None
+    def text_filter(self) -> TextFilter:
         gate = ModerationGate(*self._moderation) if self._moderation else None
         steps = [f() for f in self._text]
         return TextFilter([(type(step).__qualname__, step) for step in steps], gate)
