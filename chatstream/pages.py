@@ -55,14 +55,10 @@ HEADERS = {
 }
 
 
-def running_in_azure(environ: Mapping[str, str] = os.environ) -> bool:
-    return any(environ.get(name) for name in AZURE_MARKERS)
-
-
 def enabled(name: Name, settings: Settings, environ: Mapping[str, str] = os.environ) -> bool:
     """PLAYGROUND_ENABLED (CONSOLE_ENABLED) when set; otherwise on locally and off in Azure."""
     setting = settings.playground_enabled if name == "playground" else settings.console_enabled
-    return setting if setting is not None else not running_in_azure(environ)
+    return setting if setting is not None else not any(environ.get(marker) for marker in AZURE_MARKERS)
 
 
 class Page:
