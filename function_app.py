@@ -19,8 +19,8 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 #   def tag(call): call.params["user"] = "web"
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
-playground_page = Page.from_settings("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
-console_page = Page.from_settings("console", settings)  # the same rule, with CONSOLE_ENABLED
+playground_page = Page("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
+console_page = Page("console", settings)  # the same rule, with CONSOLE_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
