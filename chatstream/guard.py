@@ -70,8 +70,6 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable
 
-__all__ = ["REPLACEMENT", "ModerationGate", "Redactor", "redact_whole"]
-
 REPLACEMENT = "[redacted]"
 
 # A trie node is a dict: one-character keys lead to child nodes; the key _END (never a one-character

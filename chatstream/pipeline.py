@@ -42,20 +42,6 @@ from .guard import ModerationGate, Redactor
 from .record import StreamResult
 from .settings import Settings
 
-__all__ = [
-    "CallRequest",
-    "ModerationStop",
-    "Pipeline",
-    "Rejection",
-    "StepFailed",
-    "StreamResult",
-    "TextFilter",
-    "TextStep",
-    "max_prompt_chars",
-    "prompt_chars",
-    "system_prompt",
-]
-
 log = logging.getLogger("chatstream")
 
 
