@@ -19,8 +19,8 @@ telemetry.configure()  # Application Insights export, only when APPLICATIONINSIG
 #   def tag(call): call.params["user"] = "web"
 pipeline = Pipeline.from_settings(settings)
 chat_app = create_app(settings, pipeline)
-playground_page = Page.from_settings("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
-console_page = Page.from_settings("console", settings)  # the same rule, with CONSOLE_ENABLED
+playground_page = Page("playground", settings)  # on locally, off in Azure unless PLAYGROUND_ENABLED
+console_page = Page("console", settings)  # the same rule, with CONSOLE_ENABLED
 
 app = func.FunctionApp(http_auth_level=func.AuthLevel.FUNCTION)
 
@@ -162,8 +162,9 @@ async def manage_price(req: Request) -> Response:
 
 @app.route(route="manage/usage", methods=["GET"], auth_level=func.AuthLevel.ADMIN)
 async def manage_usage(req: Request) -> Response:
-    """GET /api/manage/usage?caller=&team=&model=&from=&to=: tokens, requests and cost by caller, team,
-    model and day (Accept: text/csv for CSV)."""
+    """GET /api/manage/usage?caller=&team=&model=&from=&to= (YYYY-MM-DD; default: the 30 days up to
+    today, at most 366): tokens, requests and cost by caller, team, model and UTC day (CSV with
+    Accept: text/csv or ?format=csv)."""
     return await chat_app.manage.usage(req)
 
 

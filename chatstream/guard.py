@@ -70,8 +70,6 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable
 
-__all__ = ["REPLACEMENT", "ModerationGate", "Redactor", "redact_whole"]
-
 REPLACEMENT = "[redacted]"
 
 # A trie node is a dict: one-character keys lead to child nodes; the key _END (never a one-character
@@ -92,7 +90,7 @@ def _terms(terms: Iterable[str]) -> list[str]:
     return sorted(set(unique))
 
 
-def redact_whole(text: str, terms: Iterable[str], replacement: str = REPLACEMENT) -> str:
+def redact_whole(text: str, terms: Iterable[str]) -> str:
     """The definition, on a whole text (see the module docstring). Written to be obviously right,
     not fast: it is the specification the streaming :class:`Redactor` is tested against."""
     candidates = _terms(terms)
@@ -101,7 +99,7 @@ def redact_whole(text: str, terms: Iterable[str], replacement: str = REPLACEMENT
     while i < len(text):
         starting_here = [t for t in candidates if text.startswith(t, i)]
         if starting_here:
-            out.append(replacement)
+            out.append(REPLACEMENT)
             i += max(map(len, starting_here))
         else:
             out.append(text[i])
@@ -123,20 +121,15 @@ class Redactor:
     overlapping match and would need the leftmost-longest selection and the hold logic on top.
     """
 
-    __slots__ = ("_held", "_longest", "_replacement", "_root", "_starts")
+    __slots__ = ("_held", "_root", "_starts")
 
-    def __init__(self, terms: Iterable[str], replacement: str = REPLACEMENT) -> None:
-        if not isinstance(replacement, str):
-            raise TypeError("replacement must be a str")
-        unique = _terms(terms)
-        self._replacement = replacement
+    def __init__(self, terms: Iterable[str]) -> None:
         self._root: _Node = {}
-        for term in unique:
+        for term in _terms(terms):
             node = self._root
             for ch in term:
                 node = node.setdefault(ch, {})
             node[_END] = True
-        self._longest = max(map(len, unique), default=0)
         # Finds the next character that begins some term; None when there are no terms.
         self._starts = (
             re.compile("[" + "".join(map(re.escape, sorted(self._root))) + "]").search if self._root else None
@@ -147,11 +140,6 @@ class Redactor:
     def held(self) -> int:
         """Number of characters (code points) received but not yet released; ``<= longest - 1``."""
         return len(self._held)
-
-    @property
-    def longest(self) -> int:
-        """Length of the longest term (0 without terms)."""
-        return self._longest
 
     def feed(self, text: str) -> str:
         """Take the next delta; return the text that can be released now (possibly "")."""
@@ -175,7 +163,6 @@ class Redactor:
         starts = self._starts
         assert starts is not None, "only called with terms"
         root = self._root
-        replacement = self._replacement
         n = len(buf)
         out: list[str] = []
         q = 0
@@ -205,7 +192,7 @@ class Redactor:
                 # decides what happens at q, so hold from q.
                 break
             if end:
-                out.append(replacement)
+                out.append(REPLACEMENT)
                 q = end
             else:
                 out.append(buf[q])
@@ -241,11 +228,6 @@ class ModerationGate:
         self._released = 0  # characters released so far
         self._checked = 0  # characters covered by the last check
         self._reason: str | None = None
-
-    @property
-    def stopped(self) -> str | None:
-        """The reason to stop, once a check said so."""
-        return self._reason
 
     async def push(self, released: str) -> str | None:
         """Record released text; run the check if ``every`` characters have built up."""

@@ -166,12 +166,19 @@ def validate(model: type[S], data: object) -> S:
 
 
 def _admin_error(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
     if isinstance(error, Invalid):
         return invalid_request(str(error), error.param)
     if isinstance(error, Missing):
         return ApiError(404, f"{error.kind.split()[0]}_not_found", str(error)[:200], "name")
     if isinstance(error, Conflict):
         return ApiError(409, "conflict", str(error))
+    if isinstance(error, ClientGone):
+        return invalid_request("the body was not sent completely")
+    # A StoreError, the registry's or a read made here: nothing was changed, or the change may be
+    # retried (every admin write is idempotent or conditional).
+    log.warning("admin API: the store did not answer: %s", error)
     return ApiError(
         503, ErrorKind.CALLER_STORE_UNAVAILABLE, "the app's store did not answer in time; try again", retryable=True
     )
@@ -185,30 +192,17 @@ class Manage:
         self.state = state
 
     async def _answer(self, handler: Callable[[SharedState], Awaitable[Response]]) -> Response:
-        return with_request_id(await self._answered(handler))
-
-    async def _answered(self, handler: Callable[[SharedState], Awaitable[Response]]) -> Response:
-        if self.state is None:
-            return error_response(
-                ApiError(
-                    503, "caller_store_not_configured", "AzureWebJobsStorage is not set: callers need the app's storage"
-                )
-            )
-        self.state.instances.serve()  # an instance the operators use takes its part in the duty too
         try:
-            return await handler(self.state)
-        except ApiError as error:
-            return error_response(error)
-        except (Invalid, Missing, Conflict, StoreError) as error:
-            if isinstance(error, StoreError):  # the registry's or a read made here: nothing was
-                # changed, or the change may be retried (every admin write is idempotent or conditional)
-                log.warning("admin API: the store did not answer: %s", error)
-            return error_response(_admin_error(error))
-        except ClientGone:
-            return error_response(invalid_request("the body was not sent completely"))
+            if self.state is None:
+                message = "AzureWebJobsStorage is not set: callers need the app's storage"
+                raise ApiError(503, "caller_store_not_configured", message)
+            self.state.instances.serve()  # an instance the operators use takes its part in the duty too
+            return with_request_id(await handler(self.state))
+        except (ApiError, Invalid, Missing, Conflict, ClientGone, StoreError) as error:
+            return with_request_id(error_response(_admin_error(error)))
         except Exception:
             log.exception("admin API: the request failed")
-            return error_response(ApiError(500, "internal_error", "the request failed unexpectedly"))
+            return with_request_id(error_response(ApiError(500, "internal_error", "the request failed unexpectedly")))
 
     async def _body(self, request: Request, model: type[S]) -> S:
         """The body as the registry's typed request (Invalid, naming the field, if it is not one)."""
@@ -218,8 +212,6 @@ class Manage:
     # --- callers, teams and prices: one path (function_app.py names the collection) ----------------
 
     async def collection(self, request: Request, kind: str) -> Response:
-        """``/api/manage/{kind}``: GET lists; POST creates (callers, teams: a caller's key is in
-        this answer only)."""
         admin = COLLECTIONS[kind]
 
         async def run(state: SharedState) -> Response:
@@ -231,8 +223,6 @@ class Manage:
         return await self._answer(run)
 
     async def item(self, request: Request, kind: str) -> Response:
-        """``/api/manage/{kind}/{name}`` (prices: ``{model}``): GET; PATCH (callers, teams) or PUT
-        (prices: USD per million tokens); DELETE."""
         admin = COLLECTIONS[kind]
         name = request.path_params.get(admin.param) or ""
 
@@ -253,8 +243,6 @@ class Manage:
         return await self._answer(run)
 
     async def rotate(self, request: Request) -> Response:
-        """``/api/manage/callers/{name}/rotate``: a new key, in this answer only."""
-
         async def run(state: SharedState) -> Response:
             caller, key = await state.registry.rotate(request.path_params.get("name") or "")
             return _json({**caller_json(caller), "key": key})
@@ -264,10 +252,6 @@ class Manage:
     # --- usage --------------------------------------------------------------------------------
 
     async def usage(self, request: Request) -> Response:
-        """``GET /api/manage/usage?caller=&team=&model=&from=YYYY-MM-DD&to=YYYY-MM-DD``: tokens,
-        requests and cost by caller, team, model and UTC day (default: the 30 days up to today; at
-        most 366 days); CSV with ``Accept: text/csv`` or ``format=csv``."""
-
         async def run(state: SharedState) -> Response:
             query = request.query_params
             caller = _filter(query.get("caller"), "caller")

@@ -55,14 +55,10 @@ HEADERS = {
 }
 
 
-def running_in_azure(environ: Mapping[str, str] = os.environ) -> bool:
-    return any(environ.get(name) for name in AZURE_MARKERS)
-
-
 def enabled(name: Name, settings: Settings, environ: Mapping[str, str] = os.environ) -> bool:
     """PLAYGROUND_ENABLED (CONSOLE_ENABLED) when set; otherwise on locally and off in Azure."""
     setting = settings.playground_enabled if name == "playground" else settings.console_enabled
-    return setting if setting is not None else not running_in_azure(environ)
+    return setting if setting is not None else not any(environ.get(marker) for marker in AZURE_MARKERS)
 
 
 class Page:
@@ -70,9 +66,9 @@ class Page:
     no data: every call it makes goes to the app's API (the console's to the admin API, which needs
     the master key in Azure)."""
 
-    def __init__(self, name: Name, on: bool, folder: Path | None = None):
+    def __init__(self, name: Name, settings: Settings):
         self.name = name
-        self.enabled = on
+        self.enabled = enabled(name, settings)
         # The only files there are: route parameter → (file name, content type). Anything else is a
         # 404, so nothing a request sends ever reaches the file system as a path.
         self.files: dict[str | None, tuple[str, str]] = {
@@ -81,13 +77,11 @@ class Page:
             f"{name}.css": (f"{name}.css", "text/css; charset=utf-8"),
             "favicon.svg": ("favicon.svg", "image/svg+xml"),
         }
-        folder = folder or Path(__file__).parent / name
+        folder = Path(__file__).parent / name
         # Read once, at start-up: a missing file stops the app here rather than failing a request.
-        self._bodies = {key: (folder / file).read_bytes() for key, (file, _) in self.files.items()} if on else {}
-
-    @classmethod
-    def from_settings(cls, name: Name, settings: Settings, environ: Mapping[str, str] = os.environ) -> Page:
-        return cls(name, enabled(name, settings, environ))
+        self._bodies = (
+            {key: (folder / file).read_bytes() for key, (file, _) in self.files.items()} if self.enabled else {}
+        )
 
     def __call__(self, file: str | None, path: str) -> Response:
         """``file``: the route parameter (None for the page itself); ``path``: the request's path."""

@@ -42,20 +42,6 @@ from .guard import ModerationGate, Redactor
 from .record import StreamResult
 from .settings import Settings
 
-__all__ = [
-    "CallRequest",
-    "ModerationStop",
-    "Pipeline",
-    "Rejection",
-    "StepFailed",
-    "StreamResult",
-    "TextFilter",
-    "TextStep",
-    "max_prompt_chars",
-    "prompt_chars",
-    "system_prompt",
-]
-
 log = logging.getLogger("chatstream")
 
 
@@ -94,19 +80,19 @@ def _name(step) -> str:
 class TextFilter:
     """One choice's text path: the text steps in order, then the moderation gate."""
 
-    def __init__(self, steps: list[tuple[str, TextStep]], gate: ModerationGate | None):
+    def __init__(self, steps: list[TextStep], gate: ModerationGate | None):
         self.steps = steps
         self.gate = gate
 
     def _through(self, text: str) -> str:
-        for name, step in self.steps:
+        for step in self.steps:
             if not text:
                 return ""
             try:
                 text = step.feed(text)
             except Exception:
-                log.exception("pipeline text step %s failed", name)
-                raise StepFailed(name) from None
+                log.exception("pipeline text step %s failed", type(step).__qualname__)
+                raise StepFailed(type(step).__qualname__) from None
         return text
 
     async def feed(self, text: str) -> str:
@@ -120,12 +106,12 @@ class TextFilter:
     async def flush(self) -> str:
         """The choice finished: each step releases what it held, passed through the steps after it."""
         carry = ""
-        for name, step in self.steps:
+        for step in self.steps:
             try:
                 carry = (step.feed(carry) if carry else "") + step.flush()
             except Exception:
-                log.exception("pipeline text step %s failed", name)
-                raise StepFailed(name) from None
+                log.exception("pipeline text step %s failed", type(step).__qualname__)
+                raise StepFailed(type(step).__qualname__) from None
         if self.gate is not None:
             reason = (await self.gate.push(carry)) if carry else None
             reason = reason or await self.gate.close()
@@ -193,12 +179,9 @@ class Pipeline:
                 log.exception("pipeline before-step %s failed", _name(step))
                 raise StepFailed(_name(step)) from None
 
-    def text_filter(self) -> TextFilter | None:
-        if not self.filters_text:
-            return None
+    def text_filter(self) -> TextFilter:
         gate = ModerationGate(*self._moderation) if self._moderation else None
-        steps = [f() for f in self._text]
-        return TextFilter([(type(step).__qualname__, step) for step in steps], gate)
+        return TextFilter([f() for f in self._text], gate)
 
     def run_after(self, result: StreamResult) -> None:
         if not self._after:

@@ -189,9 +189,7 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
-        """The settings from ``environ``: a bad value raises SettingsError naming the setting, never
-        quoting a value. (``UPSTREAMS`` and the upstream URLs are parsed once, into the upstream
-        entries, when the app is built: upstreams/config.py.)"""
+        """The settings from ``environ`` (an empty value is unset), or SettingsError."""
         names = {f.alias for f in cls.model_fields.values() if f.alias}
         values = {k: v for k, v in environ.items() if k in names and v != ""}
         try:

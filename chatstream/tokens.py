@@ -310,14 +310,12 @@ def choices(params: Mapping[str, Any]) -> int:
     return n if type(n) is int and n > 0 else 1
 
 
-def with_default_cap(params: dict[str, Any], default_max: int, field: str | None = None) -> dict[str, Any]:
+def with_default_cap(params: dict[str, Any], default_max: int) -> dict[str, Any]:
     """``params`` with the default output cap added when the request names none, so the reservation
-    bounds what the model may generate. The field: ``max_output_tokens`` for a Responses body
-    (``input``), otherwise ``max_completion_tokens`` (OpenAI's and Azure OpenAI's current field; the
-    o-series refuse ``max_tokens``), unless ``field`` says otherwise (``max_tokens`` for a server that
-    only knows that one)."""
+    bounds what the model may generate: ``max_output_tokens`` for a Responses body (``input``),
+    otherwise ``max_completion_tokens`` (OpenAI's and Azure OpenAI's current field; the o-series
+    refuse ``max_tokens``)."""
     if output_cap(params) is not None:
         return params
-    if field is None:
-        field = "max_completion_tokens" if "messages" in params else "max_output_tokens"
+    field = "max_completion_tokens" if "messages" in params else "max_output_tokens"
     return {**params, field: default_max}

@@ -144,7 +144,7 @@ class Bomb:
 
 def test_without_text_steps_nothing_is_filtered():
     pipeline = Pipeline()
-    assert not pipeline.filters_text and pipeline.text_filter() is None
+    assert not pipeline.filters_text
 
 
 async def test_text_steps_run_in_order_and_the_flush_goes_through_the_later_steps():

@@ -203,7 +203,6 @@ def test_a_prompt_counts_its_message_and_the_reply_primer():
 def test_the_default_cap_is_added_only_when_none_is_named():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert tokens.with_default_cap(chat, 4096) == {**chat, "max_completion_tokens": 4096}
-    assert tokens.with_default_cap(chat, 4096, field="max_tokens") == {**chat, "max_tokens": 4096}
     assert tokens.with_default_cap({**chat, "max_tokens": 9}, 4096) == {**chat, "max_tokens": 9}
     assert tokens.with_default_cap({"input": "hi"}, 4096) == {"input": "hi", "max_output_tokens": 4096}
     assert "max_completion_tokens" not in chat  # the caller's dict is not changed
