@@ -303,7 +303,6 @@ async def filter_completion(body: dict, pipeline: Pipeline, record: StreamRecord
 
 async def _whole(pipeline: Pipeline, text: str) -> str:
     text_filter = pipeline.text_filter()
-    assert text_filter is not None
     return await text_filter.feed(text) + await text_filter.flush()
 
 
