@@ -223,14 +223,6 @@ def _model(model: str | None) -> str:
     return (model or "")[:_MAX_MODEL_CHARS]
 
 
-def outcome(record: StreamRecord) -> str:
-    """``disconnected`` (the caller hung up first), ``failed`` (an error ended it, before or after
-    the headers), or ``completed``."""
-    if record.disconnected:
-        return "disconnected"
-    return "failed" if record.error else "completed"
-
-
 def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
     if not isinstance(usage, Mapping):
         return None, None
@@ -251,7 +243,9 @@ def _record_stream(span, record: StreamRecord) -> None:
     Application Insights drops http.* and error.type from a dependency's customDimensions, and
     stores the finish reasons array as text: ``chat.status``, ``chat.error`` and
     ``chat.finish_reason`` carry the same facts in a form Kusto reads easily."""
-    ttfd_ms, duration_ms, ended = record.ttfd_ms(), record.duration_ms(), outcome(record)
+    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
+    # The caller hung up first, an error ended it (before or after the headers), or neither.
+    ended = "disconnected" if record.disconnected else "failed" if record.error else "completed"
     input_tokens, output_tokens = _tokens(record.usage)
     if span.is_recording():  # else (no tracing configured, or the span sampled out) nothing would keep them
         attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
@@ -262,9 +256,7 @@ def _record_stream(span, record: StreamRecord) -> None:
             "chat.disconnected": bool(record.disconnected),
             "chat.outcome": ended,
             "chat.duration_ms": duration_ms,
-        }
-        if record.endpoint:
-            attributes["chat.endpoint"] = record.endpoint
+        }  # and what ``begin`` set: the endpoint (the model again: a before-step may have chosen another)
         if record.finish_reason:
             attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
             attributes["chat.finish_reason"] = record.finish_reason
