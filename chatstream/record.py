@@ -153,9 +153,9 @@ class StreamRecord:
     stream_id: str | None = None  # a resumable stream's id
     stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
-    # A streamed answer with a continuation (continuation.py): each seam (``{"from", "to",
-    # "after_chars", "reason"}``), and for a chat answer each upstream stream it was read from (its
-    # ``usage`` is then their sum). Empty for every other answer.
+    # A streamed answer with a continuation (continuation.py): each seam (``continued``: from, to,
+    # after_chars, reason, seam, dropped) and, for a chat answer, each upstream stream it was read
+    # from (its ``usage`` is then their sum; the first is kept from the start, in case of a seam).
     segments: list[Segment] = field(default_factory=list)
     continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them

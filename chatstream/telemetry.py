@@ -1,23 +1,17 @@
-"""OpenTelemetry for chat streams: one span and a few metrics per request.
+"""OpenTelemetry for chat streams: one span and a few metrics per request, and the pool's counters.
 
-The app calls this module in three places::
-
-    telemetry.configure()          # once, at start-up (function_app.py)
-    telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
+    telemetry.configure()          # once, at start-up (function_app.py): export, when asked for
+    telemetry.begin(record)        # when a request starts (Endpoint._serve, after its StreamRecord)
     telemetry.finish(record)       # when its stream is over (Endpoint._finish)
 
 ``record`` is the request's ``record.StreamRecord``. The span ``chat.stream`` starts in ``begin`` and
 ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. The span
 is not made current (the stream outlives the code that starts it, and the relay runs in other
 tasks); it takes the current context as parent, so when the worker has attached the host's trace
-context the span belongs to the invocation's operation. Spans and
-metrics go to the global OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with
-no SDK configured those are no-ops, so the calls cost next to nothing.
-
-Export to Application Insights only happens when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is set:
-either the Python worker already configured azure-monitor-opentelemetry
-(``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY=true``, what infra/ deploys) or ``configure()`` does
-it. The azure monitor package is imported only then, never at import time.
+context the span belongs to the invocation's operation. Spans and metrics go to the global
+OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with no SDK configured those
+are no-ops, so the calls cost next to nothing. The pool counts through ``upstream_event`` and
+``watch_probes``.
 
 Telemetry never breaks a request: errors here are logged and swallowed. Prompts, completions and
 keys are never recorded. docs/observability.md lists what is emitted and how to query it."""
@@ -71,13 +65,12 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     """Set up export to Application Insights if asked to. Returns how telemetry leaves the process:
 
     - ``"off"``: no ``APPLICATIONINSIGHTS_CONNECTION_STRING``; nothing is imported or exported;
-    - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true, so the Functions
-      Python worker has called ``configure_azure_monitor`` before loading the app; doing it again
-      would export everything twice;
+    - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true (what infra/ deploys), so
+      the Functions Python worker has called ``configure_azure_monitor`` before loading the app;
+      doing it again would export everything twice;
     - ``"app"``: this call ran ``configure_azure_monitor()`` with the connection string (for Entra
-      ingestion the exporter reads ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` itself).
-
-    Never raises: a broken telemetry setup must not stop the app."""
+      ingestion the exporter reads ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` itself); the azure
+      monitor package is imported only then, never at import time."""
     global _configured_by_app
     if not (environ.get(ENV_CONNECTION_STRING) or "").strip():
         return "off"
@@ -178,7 +171,7 @@ def watch_probes(probes: Callable[[], Iterable[tuple[str, float | None]]]) -> No
     """Report ``probes()`` (a pool's ``Pool.probes``: entry, seconds to its next probe or None when
     closed) as the gauge ``chat.upstream.next_probe``, dimensions ``upstream`` and ``breaker``
     (``closed``, ``open``, ``half_open``; closed entries report 0). Read on the exporter's thread;
-    a pool no longer referenced stops being reported. Never raises."""
+    a pool no longer referenced stops being reported."""
     global _probe_gauge
     try:
         _watched.append(weakref.WeakMethod(probes))
@@ -212,7 +205,7 @@ def _observe_probes(options: object) -> Iterable[metrics.Observation]:
 def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:
     """Count one attempt (``requests``), failover (``failovers``), cooldown (``cooldowns``) or
     continuation elsewhere after a failure mid-answer (``continuations``) of the pool entry
-    ``upstream``. Never raises."""
+    ``upstream``."""
     try:
         _instruments().upstream[metric].add(1, {"upstream": upstream, **dimensions})
     except Exception:
