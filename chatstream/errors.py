@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import email.utils
 import importlib
+import logging
 import math
 import re
 import time
@@ -375,6 +376,22 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+class _Redacting(logging.Filter):
+    """``redact`` on every message and traceback the app's logger writes (exceptions included)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+logging.getLogger("chatstream").addFilter(_Redacting())
 
 
 # Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON
