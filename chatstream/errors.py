@@ -20,8 +20,8 @@ Before the first output an endpoint answers an ApiError as an HTTP status with t
 after it, as the stream's final error event, each API in its own wire format. Messages never carry
 a secret. What the upstream SDK raises becomes an ApiError in one place, ``upstreams/outcomes.py``
 (``classify``), which also says what the failure means for the pool entry. What the storage SDKs
-raise becomes a StoreError in one place, ``state/store_azure.py`` (``store_error``); the state layer answers the request
-path in domain results (``state/port.py``), and only the HTTP layer turns those into statuses.
+raise becomes a StoreError in one place, ``state/store_azure.py`` (``store_error``); the state layer
+answers the request path in domain results (``state/port.py``), only the HTTP layer in statuses.
 Anything else that escapes our code is a bug: answered as 500 ``internal_error``, logged with its
 traceback."""
 
@@ -194,8 +194,7 @@ class ClientGone(Exception): ...
 
 
 class StoreError(Exception):
-    """The shared store answered something other than success, or nothing: raised by the store
-    (state/store_azure.py), and by the state modules when a row kept changing under them. The
+    """Raised by the store, and by the state modules when a row kept changing under them; its
     message never carries a key or a SAS. A batch's error says which operation failed (``index``)."""
 
     index: int | None = None
