@@ -20,8 +20,8 @@ Before the first output an endpoint answers an ApiError as an HTTP status with t
 after it, as the stream's final error event, each API in its own wire format. Messages never carry
 a secret. What the upstream SDK raises becomes an ApiError in one place, ``upstreams/outcomes.py``
 (``classify``), which also says what the failure means for the pool entry. What the storage SDKs
-raise becomes a StoreError in one place, ``state/store_azure.py`` (``store_error``); the state layer answers the request
-path in domain results (``state/port.py``), and only the HTTP layer turns those into statuses.
+raise becomes a StoreError in one place, ``state/store_azure.py`` (``store_error``); the state layer
+answers the request path in domain results (``state/port.py``), only the HTTP layer in statuses.
 Anything else that escapes our code is a bug: answered as 500 ``internal_error``, logged with its
 traceback."""
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import email.utils
 import importlib
+import logging
 import math
 import re
 import time
@@ -193,8 +194,7 @@ class ClientGone(Exception): ...
 
 
 class StoreError(Exception):
-    """The shared store answered something other than success, or nothing: raised by the store
-    (state/store_azure.py), and by the state modules when a row kept changing under them. The
+    """Raised by the store, and by the state modules when a row kept changing under them; its
     message never carries a key or a SAS. A batch's error says which operation failed (``index``)."""
 
     index: int | None = None
@@ -375,6 +375,22 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+class _Redacting(logging.Filter):
+    """``redact`` on every message and traceback the app's logger writes (exceptions included)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+logging.getLogger("chatstream").addFilter(_Redacting())
 
 
 # Characters that could forge or garble a log line: C0 and C1 controls (newlines among them; JSON

@@ -261,8 +261,6 @@ class JsonAnswer(Response):
 
 # --- JSON out, the event-stream response ------------------------------------------------------
 
-SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-
 # Built once: json.dumps with any option builds a new encoder per call.
 _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _ESCAPED = json.JSONEncoder(separators=(",", ":")).encode
@@ -315,8 +313,7 @@ class EventStreamResponse(StreamingResponse):
         listener: asyncio.Future | None = None,
         closed_by_body: bool = False,
     ):
-        super().__init__(content, headers={**SSE_HEADERS, **(headers or {})})
-        self.content = content
+        super().__init__(content, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no", **(headers or {})})
         self.give_up_at = give_up_at
         self.on_close = on_close
         self.listener = listener
@@ -340,7 +337,7 @@ class EventStreamResponse(StreamingResponse):
         if self.written and self.closed_by_body:
             return
         with anyio.CancelScope(shield=True):
-            close = getattr(self.content, "aclose", None)
+            close = getattr(self.body_iterator, "aclose", None)  # the events as given
             if close is not None:
                 await close()
             if self.on_close is not None:

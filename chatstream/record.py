@@ -7,31 +7,13 @@ first output, the deltas, how the stream ended). It is read once the request is 
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from .errors import log_safe, redact
-
-
-class _Redacting(logging.Filter):
-    """On the app's logger: no upstream key or Entra ID token in any message or traceback it writes
-    (an upstream may quote them in an error message that ends up in an exception)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        clean = redact(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
-        return True
-
-
-logging.getLogger("chatstream").addFilter(_Redacting())
+from .errors import log_safe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,9 +135,9 @@ class StreamRecord:
     stream_id: str | None = None  # a resumable stream's id
     stop_reason: str | None = None  # a resumable stream stopped: cancelled, abandoned
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
-    # A streamed answer with a continuation (continuation.py): each seam (``{"from", "to",
-    # "after_chars", "reason"}``), and for a chat answer each upstream stream it was read from (its
-    # ``usage`` is then their sum). Empty for every other answer.
+    # A streamed answer with a continuation (continuation.py): each seam (``continued``: from, to,
+    # after_chars, reason, seam, dropped) and, for a chat answer, each upstream stream it was read
+    # from (its ``usage`` is then their sum; the first is kept from the start, in case of a seam).
     segments: list[Segment] = field(default_factory=list)
     continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them

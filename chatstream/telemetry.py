@@ -1,8 +1,6 @@
-"""OpenTelemetry for chat streams: one span and a few metrics per request.
+"""OpenTelemetry for chat streams: one span and a few metrics per request, and the pool's counters.
 
-The app calls this module in three places::
-
-    telemetry.configure()          # once, at start-up (function_app.py)
+    telemetry.configure()          # once, at start-up (function_app.py): export, when asked for
     telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
     telemetry.finish(record)       # when its stream is over (endpoint._Ending.finish)
 
@@ -10,14 +8,10 @@ The app calls this module in three places::
 ends in ``finish``, so its duration is the stream's; ``finish`` also records the metrics. The span
 is not made current (the stream outlives the code that starts it, and the relay runs in other
 tasks); it takes the current context as parent, so when the worker has attached the host's trace
-context the span belongs to the invocation's operation. Spans and
-metrics go to the global OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with
-no SDK configured those are no-ops, so the calls cost next to nothing.
-
-Export to Application Insights only happens when ``APPLICATIONINSIGHTS_CONNECTION_STRING`` is set:
-either the Python worker already configured azure-monitor-opentelemetry
-(``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY=true``, what infra/ deploys) or ``configure()`` does
-it. The azure monitor package is imported only then, never at import time.
+context the span belongs to the invocation's operation. Spans and metrics go to the global
+OpenTelemetry providers (``trace.get_tracer`` / ``metrics.get_meter``): with no SDK configured those
+are no-ops, so the calls cost next to nothing. The pool counts through ``upstream_event`` and
+``watch_probes``.
 
 Telemetry never breaks a request: errors here are logged and swallowed. Prompts, completions and
 keys are never recorded. docs/observability.md lists what is emitted and how to query it."""
@@ -71,13 +65,12 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
     """Set up export to Application Insights if asked to. Returns how telemetry leaves the process:
 
     - ``"off"``: no ``APPLICATIONINSIGHTS_CONNECTION_STRING``; nothing is imported or exported;
-    - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true, so the Functions
-      Python worker has called ``configure_azure_monitor`` before loading the app; doing it again
-      would export everything twice;
+    - ``"worker"``: ``PYTHON_APPLICATIONINSIGHTS_ENABLE_TELEMETRY`` is true (what infra/ deploys), so
+      the Functions Python worker has called ``configure_azure_monitor`` before loading the app;
+      doing it again would export everything twice;
     - ``"app"``: this call ran ``configure_azure_monitor()`` with the connection string (for Entra
-      ingestion the exporter reads ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` itself).
-
-    Never raises: a broken telemetry setup must not stop the app."""
+      ingestion the exporter reads ``APPLICATIONINSIGHTS_AUTHENTICATION_STRING`` itself); the azure
+      monitor package is imported only then, never at import time."""
     global _configured_by_app
     if not (environ.get(ENV_CONNECTION_STRING) or "").strip():
         return "off"
@@ -103,12 +96,9 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
 
 
 def _histogram(meter, name: str, description: str):
-    try:
-        return meter.create_histogram(
-            name, unit="ms", description=description, explicit_bucket_boundaries_advisory=_MS_BUCKETS
-        )
-    except TypeError:  # opentelemetry-api older than 1.23 has no bucket advice
-        return meter.create_histogram(name, unit="ms", description=description)
+    return meter.create_histogram(
+        name, unit="ms", description=description, explicit_bucket_boundaries_advisory=_MS_BUCKETS
+    )  # bucket advice: opentelemetry-api 1.23 on (requirements.txt)
 
 
 class _Instruments:
@@ -136,14 +126,11 @@ class _Instruments:
         }
 
 
+_instruments = functools.cache(_Instruments)  # made on first use
+
 # A proxy until an SDK provider is installed (by the worker, configure(), or a test); then it
 # delegates to that provider.
 _tracer = trace.get_tracer(__name__)
-
-
-@functools.cache
-def _get_instruments() -> _Instruments:
-    return _Instruments()
 
 
 def begin(record: StreamRecord) -> None:
@@ -184,7 +171,7 @@ def watch_probes(probes: Callable[[], Iterable[tuple[str, float | None]]]) -> No
     """Report ``probes()`` (a pool's ``Pool.probes``: entry, seconds to its next probe or None when
     closed) as the gauge ``chat.upstream.next_probe``, dimensions ``upstream`` and ``breaker``
     (``closed``, ``open``, ``half_open``; closed entries report 0). Read on the exporter's thread;
-    a pool no longer referenced stops being reported. Never raises."""
+    a pool no longer referenced stops being reported."""
     global _probe_gauge
     try:
         _watched.append(weakref.WeakMethod(probes))
@@ -218,23 +205,15 @@ def _observe_probes(options: object) -> Iterable[metrics.Observation]:
 def upstream_event(metric: str, upstream: str, **dimensions: str) -> None:
     """Count one attempt (``requests``), failover (``failovers``), cooldown (``cooldowns``) or
     continuation elsewhere after a failure mid-answer (``continuations``) of the pool entry
-    ``upstream``. Never raises."""
+    ``upstream``."""
     try:
-        _get_instruments().upstream[metric].add(1, {"upstream": upstream, **dimensions})
+        _instruments().upstream[metric].add(1, {"upstream": upstream, **dimensions})
     except Exception:
         log.warning("upstream telemetry failed", exc_info=True)
 
 
 def _model(model: str | None) -> str:
     return (model or "")[:_MAX_MODEL_CHARS]
-
-
-def outcome(record: StreamRecord) -> str:
-    """``disconnected`` (the caller hung up first), ``failed`` (an error ended it, before or after
-    the headers), or ``completed``."""
-    if record.disconnected:
-        return "disconnected"
-    return "failed" if record.error else "completed"
 
 
 def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
@@ -252,15 +231,56 @@ def _tokens(usage: Mapping | None) -> tuple[int | None, int | None]:
 
 
 def _record_stream(span, record: StreamRecord) -> None:
-    """The span's attributes and status, and the stream's metrics."""
+    """The span's attributes and status, and the stream's metrics, from one reading of ``record``.
+    The span carries the gen_ai.* semantic conventions' attributes, and ours (``chat.*``):
+    Application Insights drops http.* and error.type from a dependency's customDimensions, and
+    stores the finish reasons array as text: ``chat.status``, ``chat.error`` and
+    ``chat.finish_reason`` carry the same facts in a form Kusto reads easily."""
+    ttfd_ms, duration_ms = record.ttfd_ms(), record.duration_ms()
+    # The caller hung up first, an error ended it (before or after the headers), or neither.
+    ended = "disconnected" if record.disconnected else "failed" if record.error else "completed"
+    input_tokens, output_tokens = _tokens(record.usage)
     if span.is_recording():  # else (no tracing configured, or the span sampled out) nothing would keep them
-        span.set_attributes(_span_attributes(record))
+        attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
+            "gen_ai.request.model": _model(record.model),
+            "http.response.status_code": record.status,
+            "chat.status": record.status,
+            "chat.deltas": record.deltas,
+            "chat.disconnected": bool(record.disconnected),
+            "chat.outcome": ended,
+            "chat.duration_ms": duration_ms,
+        }  # and what ``begin`` set: the endpoint (the model again: a before-step may have chosen another)
+        if record.finish_reason:
+            attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
+            attributes["chat.finish_reason"] = record.finish_reason
+        if input_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = input_tokens
+        if output_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = output_tokens
+        if ttfd_ms is not None:
+            attributes["chat.time_to_first_delta_ms"] = ttfd_ms
+        if record.error:
+            attributes["error.type"] = attributes["chat.error"] = record.error
+        if record.upstream:  # the pool entry that served the request (or the last one tried), and how many were
+            attributes["chat.upstream"] = record.upstream
+            attributes["chat.attempts"] = record.attempts
+        if record.continued:  # how often the answer went on on another stream, and those seams as JSON text
+            attributes["chat.continuations"] = len(record.continued)
+            attributes["chat.continued"] = json.dumps(record.continued)
+        if record.caller:  # the caller key's name (CALLER_KEYS=required) and its team's: admin-made, so bounded
+            attributes["chat.caller"] = record.caller
+        if record.team:
+            attributes["chat.team"] = record.team
+        if record.cost is not None:  # what the request cost at the model's price (priced models only)
+            attributes["chat.cost_usd"] = record.cost / 10**12
+        if record.request_id:  # x-request-id: the upstream's, else the app's own
+            attributes["chat.request_id"] = record.request_id
+        span.set_attributes(attributes)
         # An error that is ours or the upstream's; not a request the caller got wrong (4xx other
         # than 429), nor a caller hanging up.
         if record.error and (record.status in (200, 429) or record.status >= 500):
             span.set_status(Status(StatusCode.ERROR, record.error))
-    ttfd_ms, (input_tokens, output_tokens) = record.ttfd_ms(), _tokens(record.usage)
-    inst = _get_instruments()
+    inst = _instruments()
     # A caller chooses the model name: only one the app (and its upstream) accepted may become a
     # metric dimension, or anyone could create unbounded series.
     by_model = {"model": _model(record.model) if record.model_accepted else OTHER_MODEL, "endpoint": record.endpoint}
@@ -270,7 +290,7 @@ def _record_stream(span, record: StreamRecord) -> None:
         by_model["team"] = record.team
     if record.cost:
         inst.cost.add(record.cost / 10**12, by_model)
-    inst.duration.record(record.duration_ms(), {**by_model, "status": record.status, "outcome": outcome(record)})
+    inst.duration.record(duration_ms, {**by_model, "status": record.status, "outcome": ended})
     if ttfd_ms is not None:
         inst.ttfd.record(ttfd_ms, by_model)
     if record.deltas:
@@ -279,48 +299,3 @@ def _record_stream(span, record: StreamRecord) -> None:
         inst.tokens.add(input_tokens, {**by_model, "gen_ai.token.type": "input"})
     if output_tokens:
         inst.tokens.add(output_tokens, {**by_model, "gen_ai.token.type": "output"})
-
-
-def _span_attributes(record: StreamRecord) -> dict[str, str | int | float | bool | tuple[str, ...]]:
-    """The gen_ai.* semantic conventions' attributes, and ours (``chat.*``). Application Insights
-    drops http.* and error.type from a dependency's customDimensions, and stores the finish reasons
-    array as text: ``chat.status``, ``chat.error`` and ``chat.finish_reason`` carry the same facts
-    in a form Kusto reads easily."""
-    ttfd_ms, (input_tokens, output_tokens) = record.ttfd_ms(), _tokens(record.usage)
-    attributes: dict[str, str | int | float | bool | tuple[str, ...]] = {
-        "gen_ai.request.model": _model(record.model),
-        "http.response.status_code": record.status,
-        "chat.status": record.status,
-        "chat.deltas": record.deltas,
-        "chat.disconnected": bool(record.disconnected),
-        "chat.outcome": outcome(record),
-        "chat.duration_ms": record.duration_ms(),
-    }
-    if record.endpoint:
-        attributes["chat.endpoint"] = record.endpoint
-    if record.finish_reason:
-        attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
-        attributes["chat.finish_reason"] = record.finish_reason
-    if input_tokens is not None:
-        attributes["gen_ai.usage.input_tokens"] = input_tokens
-    if output_tokens is not None:
-        attributes["gen_ai.usage.output_tokens"] = output_tokens
-    if ttfd_ms is not None:
-        attributes["chat.time_to_first_delta_ms"] = ttfd_ms
-    if record.error:
-        attributes["error.type"] = attributes["chat.error"] = record.error
-    if record.upstream:  # the pool entry that served the request (or the last one tried), and how many were
-        attributes["chat.upstream"] = record.upstream
-        attributes["chat.attempts"] = record.attempts
-    if record.continued:  # how often the answer went on on another stream, and those seams as JSON text
-        attributes["chat.continuations"] = len(record.continued)
-        attributes["chat.continued"] = json.dumps(record.continued)
-    if record.caller:  # the caller key's name (CALLER_KEYS=required) and its team's: admin-made, so bounded
-        attributes["chat.caller"] = record.caller
-    if record.team:
-        attributes["chat.team"] = record.team
-    if record.cost is not None:  # what the request cost at the model's price (priced models only)
-        attributes["chat.cost_usd"] = record.cost / 10**12
-    if record.request_id:  # x-request-id: the upstream's, else the app's own
-        attributes["chat.request_id"] = record.request_id
-    return attributes
