@@ -1,5 +1,7 @@
 """OpenTelemetry for chat streams: one span and a few metrics per request, and the pool's counters.
 
+The app calls this module in three places::
+
     telemetry.configure()          # once, at start-up (function_app.py): export, when asked for
     telemetry.begin(record)        # when a request starts (Endpoint.__call__, after its StreamRecord)
     telemetry.finish(record)       # when its stream is over (endpoint._Ending.finish)
