@@ -112,14 +112,16 @@ def test_first_token_limit_before_the_first_heartbeat_is_a_504_status(start_app)
 
 
 def test_total_limit_ends_a_live_stream(start_app):
-    app = start_app(TOTAL_TIMEOUT_SECONDS="1", IDLE_TIMEOUT_SECONDS="5")
+    # `slow` answers 0.2 s to 2.0 s: 1.5 s leaves a loaded machine 1.3 s for the first delta (at 1 s, a
+    # CI run beside a chaos soak got none in time: a 504, not the cut this test is about).
+    app = start_app(TOTAL_TIMEOUT_SECONDS="1.5", IDLE_TIMEOUT_SECONDS="5")
     result = chat(app.chat_url, prompt("slow"))
     assert result.status == 200
     ends_once(result)
     assert result.last[0] == "error"
     assert result.last[1]["error"]["type"] == "total_timeout"
     assert 0 < len(result.deltas) < len(TEXTS["slow"].split())
-    assert result.events[-1][0] < 2.0
+    assert result.events[-1][0] < 2.5
 
 
 # ----------------------------------------------------------------------------- upstream failures
