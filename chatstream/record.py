@@ -81,14 +81,13 @@ class Segment:
     """One upstream stream an answer was read from: the first, then one per continuation
     (continuation.py). ``text``: what it generated for choice 0 before the text steps, a repeat the
     seam dropped included (what the upstream charges for); ``usage``: what it reported, if anything
-    (a stream that failed mid-answer usually reports none); ``answered``: the upstream took it (200);
-    ``prompt_tokens``: a continuation's prompt as sent, counted (the text so far and the instruction
-    to go on: what it is charged when it reports no usage); None: the request's own prompt."""
+    (a stream that failed mid-answer usually reports none); ``prompt_tokens``: a continuation's
+    prompt as sent, counted (the text so far and the instruction to go on: what it is charged when
+    it reports no usage); None: the request's own prompt."""
 
     upstream: str | None
     usage: dict | None = None
     parts: list[str] = field(default_factory=TextParts)  # ``text``, as it came (kept compactly)
-    answered: bool = True
     request_id: str | None = None  # the upstream's x-request-id for it
     prompt_tokens: int | None = None
     model: str | None = None  # the model name its upstream was sent (``StreamRecord.upstream_model``)

@@ -85,12 +85,11 @@ def request_usage(
         used = []
         for segment in segments:
             found = usage_of(segment.usage)
-            if found is None and segment.answered:
+            if found is None:
                 prompt = segment.prompt_tokens if segment.prompt_tokens is not None else prompt_tokens
                 found = Used(prompt, 0, tokens.count_text(model, segment.text))
-            if found is not None:
-                served = _served(model, segment.model)
-                used.append(replace(found, upstream=segment.upstream, request_id=segment.request_id, model=served))
+            served = _served(model, segment.model)
+            used.append(replace(found, upstream=segment.upstream, request_id=segment.request_id, model=served))
     else:
         served = _served(model, record.upstream_model)
         if reported is not None:
