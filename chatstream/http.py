@@ -159,6 +159,8 @@ def with_request_id(response: R) -> R:
     return response
 
 
+# An answer no cache may keep (a stream, a state read, an admin answer, a page).
+NO_STORE = {"Cache-Control": "no-store"}
 # After the total limit, how long a response blocked by a caller who stopped reading may still try
 # to write its final event before the connection is dropped.
 WRITE_GRACE_SECONDS = 2.0
@@ -313,7 +315,7 @@ class EventStreamResponse(StreamingResponse):
         listener: asyncio.Future | None = None,
         closed_by_body: bool = False,
     ):
-        super().__init__(content, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no", **(headers or {})})
+        super().__init__(content, headers={**NO_STORE, "X-Accel-Buffering": "no", **(headers or {})})
         self.give_up_at = give_up_at
         self.on_close = on_close
         self.listener = listener

@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
-from .http import parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
+from .http import NO_STORE, parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
 from .state import counter_row
 from .state.callers import (
     NAME_PATTERN,
@@ -48,7 +48,6 @@ from .state.shared import SharedState
 log = logging.getLogger("chatstream")
 
 MAX_ADMIN_BODY = 64 * 1024  # a caller's definition is a few hundred bytes
-NO_STORE = {"Cache-Control": "no-store"}
 S = TypeVar("S", bound=BaseModel)
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 from fastapi.responses import Response
 
-from .http import with_request_id
+from .http import NO_STORE, with_request_id
 from .settings import Settings
 
 Name = Literal["playground", "console"]
@@ -45,7 +45,6 @@ CONTENT_SECURITY_POLICY = "; ".join(
         "frame-ancestors 'none'",
     )
 )
-NO_STORE = {"Cache-Control": "no-store"}
 HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
