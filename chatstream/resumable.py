@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .apis.refusals import authenticated
-from .errors import ApiError, ErrorKind, error_headers, invalid_request
+from .errors import ApiError, ErrorKind, error_headers, invalid_request, log_safe
 from .http import EventStreamResponse
 from .record import StreamRecord
 from .sse import KEEP_ALIVE
@@ -188,12 +188,13 @@ class Resumable:
     async def resume(self, request: Request) -> Response:
         """``GET /api/streams/{id}``: the events after ``Last-Event-ID`` (or ``?last_event_id``), then
         the live ones to the final event."""
+        stream_id = request.path_params.get("stream_id", "")
         try:
             caller = await self._caller(request)
             after = last_event_id(request.headers.get("last-event-id"), request.query_params.get("last_event_id"))
-            reader = await self.streams.open_reader(request.path_params.get("stream_id", ""), after, caller)
+            reader = await self.streams.open_reader(stream_id, after, caller)
         except (ApiError, StreamLogError) as error:
-            return _error(error)
+            return _error(error, stream_id)
         # A resumed stream follows its producer, bounded by the same limit.
         give_up = asyncio.get_running_loop().time() + self.streams.config.max_stream_seconds
         return EventStreamResponse(_with_keep_alives(reader, self.heartbeat), give_up, on_close=reader.aclose)
@@ -206,7 +207,7 @@ class Resumable:
             caller = await self._caller(request)
             live = await self.streams.cancel(stream_id, caller)
         except (ApiError, StreamLogError) as error:
-            return _error(error)
+            return _error(error, stream_id)
         return JSONResponse(
             {"id": stream_id, "object": "stream.cancel", "cancelled": live}, headers={"Cache-Control": "no-store"}
         )
@@ -322,10 +323,13 @@ _STATUSES: tuple[tuple[type[StreamLogError], int, ErrorKind], ...] = (
 )
 
 
-def _error(error: ApiError | StreamLogError) -> Response:
+def _error(error: ApiError | StreamLogError, stream_id: str) -> Response:
     """An error of the stream routes. A stream's route is not known before it is found, so the body
     is both shapes at once: /api/chat's (``type``, ``message``, ``retryable``) and OpenAI's
-    (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind."""
+    (``message``, ``type``, ``code``, ``param``): ``type`` and ``code`` carry our kind. A stream not
+    found is logged with the reason, which its body does not tell."""
+    if isinstance(error, StreamNotFound):
+        log.info("stream %s: not found (%s)", log_safe(log_tag(stream_id)), error.reason)
     if isinstance(error, PastTheEnd):
         error = invalid_request(f"Last-Event-ID {error.after} is past the end of the stream ({error.last})")
     if not isinstance(error, ApiError):

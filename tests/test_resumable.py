@@ -307,6 +307,7 @@ def test_past_the_end_and_unknown_ids_are_4xx_never_5xx(pair):
     for bad in ("nope", "A" * 30, "A" * 200, "A%20B"):
         answer = httpx.get(f"{a.url}/api/streams/{bad}", timeout=30)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", bad
+    a.wait_log(r"not found \(malformed id\)")  # the reason, which the body does not tell
     for bad in ("A%0D%0AB", "%2E%2E", "..%2F..%2Fetc", "a/b"):  # no route matches: the host's own 404, never a 5xx
         assert httpx.get(f"{a.url}/api/streams/{bad}", timeout=30).status_code == 404
     assert httpx.post(f"{a.url}/api/streams/{'A' * 22}/cancel", timeout=30).status_code == 404
@@ -331,6 +332,7 @@ def test_with_caller_keys_only_the_streams_caller_resumes_or_cancels_it(slow_ups
     stream_id, first = read_some(app.chat_url, {"prompt": "mine"}, 2, headers=mine)
     assert resume(app, stream_id, 2, headers=theirs).status_code == 404
     assert httpx.post(f"{app.url}/api/streams/{stream_id}/cancel", headers=theirs, timeout=30).status_code == 404
+    app.wait_log(rf"stream {stream_id[8:14]}…: not found \(another caller's\)")  # its tag, never its id
     assert resume(app, stream_id, 2).status_code == 401
     rest = events(resume(app, stream_id, 2, headers=mine).text)
     assert chat_text(first + rest) == cadence_text(DELTAS)

@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from memory_store import MemoryData, MemoryStore
 
 from chatstream import sse
@@ -181,6 +183,13 @@ async def open_when_visible(streams: StreamLog, stream_id: str, after, caller=No
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.02)
+
+
+async def not_found(call: Awaitable) -> str:
+    """Why ``call`` (an open_reader or a cancel) raised StreamNotFound: its ``reason``."""
+    with pytest.raises(StreamNotFound) as raised:
+        await call
+    return raised.value.reason
 
 
 async def produce(producer, events: list[bytes], gap: float = 0.01, final: bytes = DONE) -> bytes:

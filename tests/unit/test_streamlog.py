@@ -34,6 +34,7 @@ from .streamlog_helpers import (
     events_of,
     instances,
     kill,
+    not_found,
     numbered,
     open_when_visible,
     produce,
@@ -53,8 +54,9 @@ def test_ids_are_128_bit_url_safe_and_anything_else_is_refused():
     assert len(ids) == 1000 and all(len(i) == 30 and check_stream_id(i) == i for i in ids)
     assert all(abs(started_at(i) - now) < 0.01 for i in ids) and len({i[8:] for i in ids}) == 1000
     for bad in ["", "../../etc/passwd", "a/b", "x" * 29, "x" * 31, "%2e%2e%2f" + "x" * 21, "x" * 29 + "é", None, 12]:
-        with pytest.raises(StreamNotFound):
+        with pytest.raises(StreamNotFound) as raised:
             check_stream_id(bad)  # type: ignore[arg-type] - wrong types on purpose
+        assert raised.value.reason == "malformed id"
 
 
 def test_the_errors_carry_no_http_status():
@@ -165,10 +167,8 @@ async def test_only_the_owner_may_read_or_cancel():
         await (await open_when_visible(b, producer.id, None, "alice")).aclose()
         for streams in (a, b):
             for caller in ("bob", None):
-                with pytest.raises(StreamNotFound):
-                    await streams.open_reader(producer.id, None, caller)
-                with pytest.raises(StreamNotFound):
-                    await streams.cancel(producer.id, caller)
+                assert await not_found(streams.open_reader(producer.id, None, caller)) == "another caller's"
+                assert await not_found(streams.cancel(producer.id, caller)) == "another caller's"
         assert not producer.stop_requested.is_set()
         unowned = a.start("chat", None)  # caller keys off: the id is the capability
         unowned.append(delta(0))
@@ -185,14 +185,11 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors():
         unknown = new_stream_id(time.time() - 3600)  # an hour old: no record means none, at once
         for streams in (a, b):
             started = time.monotonic()
-            with pytest.raises(StreamNotFound):
-                await streams.open_reader(unknown, None, None)
+            assert await not_found(streams.open_reader(unknown, None, None)) == "no record"
             calls = sum(streams.store.counts.values())  # type: ignore[attr-defined] - the counting store's
-            with pytest.raises(StreamNotFound):
-                await streams.open_reader("../" + "x" * 27, None, None)
+            assert await not_found(streams.open_reader("../" + "x" * 27, None, None)) == "malformed id"
             assert sum(streams.store.counts.values()) == calls  # type: ignore[attr-defined] - never looked up
-            with pytest.raises(StreamNotFound):
-                await streams.cancel(unknown, None)
+            assert await not_found(streams.cancel(unknown, None)) == "no record"
             assert time.monotonic() - started < 1
             with pytest.raises(ValueError):  # an event id, which the API layer read from Last-Event-ID
                 await streams.open_reader(new_stream_id(time.time()), -1, None)
@@ -219,8 +216,7 @@ async def test_unknown_malformed_and_past_the_end_are_clear_errors():
     # lost_record_seconds + 2 s).
     async with instances(1, give_up_seconds=0.1, lost_record_seconds=0.0, young_poll_seconds=0.05) as (c,):
         started = time.monotonic()
-        with pytest.raises(StreamNotFound):
-            await c.open_reader(new_stream_id(time.time()), None, None)
+        assert await not_found(c.open_reader(new_stream_id(time.time()), None, None)) == "no record"
         assert 1.6 < time.monotonic() - started < 0.1 + 2 + 1.5
 
 
@@ -324,8 +320,7 @@ async def test_a_finished_stream_expires_after_its_ttl_and_the_sweep_deletes_it(
         assert await read_all(reader) == numbered([delta(i) for i in range(3)] + [DONE])
         await asyncio.sleep(0.7)
         for streams in (a, b):  # expired: not found even before any sweep
-            with pytest.raises(StreamNotFound):
-                await streams.open_reader(producer.id, None, None)
+            assert await not_found(streams.open_reader(producer.id, None, None)) == "expired"
         data = a.store.data  # type: ignore[attr-defined] - the memory store's account
         assert f"{producer.id}.request" in data.blobs  # the large request's own blob
         assert producer.id not in data.blobs  # ended before its first write: its log is in the record

@@ -10,7 +10,12 @@ class StreamLogError(Exception):
 
 class StreamNotFound(StreamLogError):
     """Unknown, expired, started by another caller (the same answer, so nothing leaks), or not an id
-    this package makes (wrong length, path characters...: never looked up)."""
+    this package makes (wrong length, path characters...: never looked up). ``reason``: which, for
+    the log (the caller's message is the same for all)."""
+
+    def __init__(self, reason: str):
+        super().__init__("no such stream")
+        self.reason = reason
 
 
 class PastTheEnd(StreamLogError):

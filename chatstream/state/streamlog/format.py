@@ -65,7 +65,7 @@ def log_tag(stream_id: str) -> str:
 
 def check_stream_id(stream_id: str) -> str:
     if not isinstance(stream_id, str) or _ID.fullmatch(stream_id) is None:
-        raise StreamNotFound("no such stream")
+        raise StreamNotFound("malformed id")
     return stream_id
 
 

@@ -149,7 +149,7 @@ class StreamLog:
         producer = self.producing(stream_id)
         if producer is not None:
             if producer.owner is not None and producer.owner != caller:
-                raise StreamNotFound("no such stream")
+                raise StreamNotFound("another caller's")
             if producer.ended:
                 return False
             producer.request_stop("cancelled")

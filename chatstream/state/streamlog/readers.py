@@ -59,15 +59,17 @@ async def read_record(ctx: Context, stream_id: str, caller: str | None) -> Recor
         pause = min(then, (loop.time() - sent) / 2) if pause is None else pause
         now = ctx.now()
         if now + pause > young_until or born > now + 2.0:
-            raise StreamNotFound("no such stream")
+            raise StreamNotFound("no record")
         await asyncio.sleep(pause)
         # Longer each time: a record that is late is late because the store is busy; polling it
         # faster would only add to that. But not past 0.1 s in the stream's first second, when the
         # record is normally on its way.
         pause, then = then, min(1.0 if now > born + 1.0 else 0.1, then * 1.5)
     record = Record.of(row)
-    if record.expires < ctx.now() or (record.owner is not None and record.owner != caller):
-        raise StreamNotFound("no such stream")
+    if record.expires < ctx.now():
+        raise StreamNotFound("expired")
+    if record.owner is not None and record.owner != caller:
+        raise StreamNotFound("another caller's")
     return record
 
 
@@ -157,7 +159,7 @@ class Reader:
                 await self._open_stored(caller)
                 return self
             if producer.owner is not None and producer.owner != caller:
-                raise StreamNotFound("no such stream")
+                raise StreamNotFound("another caller's")
             never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
             if self.after > producer.last_id and not producer.ended_lost and not never_stored:
                 raise PastTheEnd(self.after, producer.last_id)
