@@ -98,8 +98,20 @@ def _entry(item: str) -> tuple[str, Entry] | None:
     return None
 
 
+def _split_holds(text: str | None) -> tuple[dict[str, Entry], tuple[str, ...]]:
+    """The entries of a ``holds`` text, and the items that are not (a later version's), each item parsed once."""
+    entries: dict[str, Entry] = {}
+    foreign: list[str] = []
+    for item in (text or "").split():
+        if (entry := _entry(item)) is None:
+            foreign.append(item)
+        else:
+            entries[entry[0]] = entry[1]
+    return entries, tuple(foreign)
+
+
 def parse_holds(text: str | None) -> dict[str, Entry]:
-    return dict(entry for item in (text or "").split() if (entry := _entry(item)) is not None)
+    return _split_holds(text)[0]
 
 
 @dataclass(frozen=True)
@@ -117,15 +129,9 @@ class CounterRow:
     def of(cls, row: Row | None) -> CounterRow:
         if row is None:
             return cls()
-        items = (row.get("holds") or "").split()
-        return cls(
-            row.etag,
-            row.get("window"),
-            int(row.get("taken") or 0),
-            parse_holds(row.get("holds")),
-            tuple(item for item in items if _entry(item) is None),
-            {name: value for name, value in row.items() if name not in _OWN},
-        )
+        holds, foreign = _split_holds(row.get("holds"))
+        columns = {name: value for name, value in row.items() if name not in _OWN}
+        return cls(row.etag, row.get("window"), int(row.get("taken") or 0), holds, foreign, columns)
 
     def counts_in(self, window: str | None) -> bool:
         """Whether the row is there and is ``window``'s (else it counts as empty)."""
