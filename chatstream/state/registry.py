@@ -269,6 +269,9 @@ class Registry:
         for op in ops:
             self.cache.forget(PRICES if op.entity["PartitionKey"] == PRICES else op.entity["RowKey"])
 
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), UTC)
+
     async def _values(self, data: TeamPatch, given: Iterable[str]) -> dict[str, Any]:
         """The fields ``given`` of what an admin said as a caller's or team's values, the one reading
         of it: a caller's expiry in the future, its team one that exists (and its id)."""
@@ -325,7 +328,7 @@ class Registry:
     async def create(self, data: CallerSpec | TeamSpec) -> tuple[Caller | Team, str]:
         """A new caller and its key (shown this once), or a new team (and no key: "")."""
         said = await self._values(data, type(data).model_fields)
-        values = {"id": secrets.token_hex(6), "created_at": datetime.fromtimestamp(self.clock(), UTC), **said}
+        values = {"id": secrets.token_hex(6), "created_at": self._now(), **said}
         key = new_key() if isinstance(data, CallerSpec) else ""
         made = Caller(**values, key_hint=key[-4:]) if isinstance(data, CallerSpec) else Team(**values)
         kind = type(made).__name__.lower()
@@ -364,9 +367,13 @@ class Registry:
             if cls is Team and (members := await self.list(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
             ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
-            if cls is Caller:  # its key index: any that names it (its row may be unreadable)
-                where = Where(partition=CALLERS, rows_from="k|", rows_to="k}", equal={"name": name})
-                indexes = await self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT)
+            if cls is Caller:  # its key index: the one its row names, else (unreadable) any that names it
+                if key_hash:
+                    index = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=ADMIN_TIMEOUT)
+                    indexes = [index] if index is not None else []
+                else:
+                    where = Where(partition=CALLERS, rows_from="k|", rows_to="k}", equal={"name": name})
+                    indexes = await self.store.query(CALLERS_TABLE, where, timeout=ADMIN_TIMEOUT)
                 ops += [Op("delete", {"PartitionKey": CALLERS, "RowKey": r["RowKey"]}, etag=r.etag) for r in indexes]
             return ops, kept
 
@@ -402,7 +409,7 @@ class Registry:
         """The model's price, as given (a new one, or in place of the one it had)."""
         if not isinstance(model, str) or not model_name(model):
             raise Invalid("model: not a model name", "model")
-        price = data.price(model, datetime.fromtimestamp(self.clock(), UTC))
+        price = data.price(model, self._now())
         await self._write(_ops("upsert", price))
         log.info("price of %s set", log_safe(model)[:80])
         return price
