@@ -22,7 +22,7 @@ from .apis.responses import ResponsesApi
 from .apis.responses_follow_ups import ResponseFollowUps
 from .endpoint import Endpoint
 from .errors import ApiError, ErrorKind
-from .http import with_request_id
+from .http import NO_STORE, with_request_id
 from .lifecycle import HOST_DEFAULT_SHUTDOWN, Lifecycle, host_shutdown_timeout
 from .manage import Manage
 from .pipeline import Pipeline
@@ -110,7 +110,7 @@ class ChatApp:
         return tuple(m for m in names if caller.allows(m) and (team is None or team.allows(m)))
 
     async def pool_state(self, request: Request) -> Response:
-        return with_request_id(JSONResponse(self.upstreams.state(), headers={"Cache-Control": "no-store"}))
+        return with_request_id(JSONResponse(self.upstreams.state(), headers=NO_STORE))
 
     async def models(self, request: Request) -> Response:
         try:

@@ -36,7 +36,7 @@ from .apis.refusals import admitted, authenticated, rate_headers
 from .apis.usage import admission_request, request_usage
 from .continuation import ChatContinuation, Known, turned_off
 from .errors import ApiError, ClientGone, ErrorKind, StepFailed, as_status, internal_error, total_expired
-from .http import EventStreamResponse, JsonAnswer, read_json
+from .http import NO_STORE, EventStreamResponse, JsonAnswer, read_json
 from .lifecycle import Lifecycle, Stream
 from .pipeline import CallRequest, Pipeline
 from .record import StreamRecord
@@ -273,7 +273,7 @@ class Endpoint:
             await self._claim(admission, body["id"], call)
             await ending.keep_context()
         ending.finish()
-        return JsonAnswer(body, give_up_at, headers={"Cache-Control": "no-store", **ending.headers()})
+        return JsonAnswer(body, give_up_at, headers={**NO_STORE, **ending.headers()})
 
     async def _stream(self, request: Request, call: CallRequest, ending: _Ending) -> Response:
         record, admission = ending.record, ending.admission

@@ -283,12 +283,6 @@ def as_status(error: ApiError) -> ApiError:
     )  # the upstream's own code, type and param kept
 
 
-def error_headers(error: ApiError) -> dict[str, str]:
-    """The headers of every error status: the error's own (``Retry-After``), ``no-store``, and
-    ``x-should-retry`` saying what the body's ``retryable`` says (the OpenAI SDKs retry on it)."""
-    return {**error.headers, "Cache-Control": "no-store", "x-should-retry": "true" if error.retryable else "false"}
-
-
 def http_errors(*names: str) -> tuple[type[BaseException], ...]:
     """The named exception classes of the SDK's HTTP library (httpx2 in openai 3.x, httpx before):
     the first of the two found, so that httpx, which only the tests use beside openai 3.x, is not

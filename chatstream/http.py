@@ -161,6 +161,14 @@ def with_request_id(response: R) -> R:
 
 # An answer no cache may keep (a stream, a state read, an admin answer, a page).
 NO_STORE = {"Cache-Control": "no-store"}
+
+
+def error_headers(error: ApiError) -> dict[str, str]:
+    """The headers of every error status: the error's own (``Retry-After``), ``no-store``, and
+    ``x-should-retry`` saying what the body's ``retryable`` says (the OpenAI SDKs retry on it)."""
+    return {**error.headers, **NO_STORE, "x-should-retry": "true" if error.retryable else "false"}
+
+
 # After the total limit, how long a response blocked by a caller who stopped reading may still try
 # to write its final event before the connection is dropped.
 WRITE_GRACE_SECONDS = 2.0

@@ -27,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .apis.refusals import authenticated
-from .errors import ApiError, ErrorKind, error_headers, invalid_request, log_safe
-from .http import EventStreamResponse
+from .errors import ApiError, ErrorKind, invalid_request, log_safe
+from .http import NO_STORE, EventStreamResponse, error_headers
 from .record import StreamRecord
 from .sse import KEEP_ALIVE
 from .state.accounting import Accounting
@@ -208,9 +208,7 @@ class Resumable:
             live = await self.streams.cancel(stream_id, caller)
         except (ApiError, StreamLogError) as error:
             return _error(error, stream_id)
-        return JSONResponse(
-            {"id": stream_id, "object": "stream.cancel", "cancelled": live}, headers={"Cache-Control": "no-store"}
-        )
+        return JSONResponse({"id": stream_id, "object": "stream.cancel", "cancelled": live}, headers=NO_STORE)
 
     async def _caller(self, request: Request) -> str | None:
         if self.accounting is None:

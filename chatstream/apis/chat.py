@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from .. import sse
 from ..continuation import Known
-from ..errors import ApiError, error_headers
-from ..http import dumps, stored_objects, validate_object
+from ..errors import ApiError
+from ..http import dumps, error_headers, stored_objects, validate_object
 from ..pipeline import CallRequest, Pipeline
 from ..record import StreamRecord
 from ..stream import Chunk, Done, Event, Failed

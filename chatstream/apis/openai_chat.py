@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from .. import sse
 from ..continuation import Known, known_from_chunks
-from ..errors import ApiError, ErrorKind, error_headers
-from ..http import dumps, stored_objects, validate_object
+from ..errors import ApiError, ErrorKind
+from ..http import dumps, error_headers, stored_objects, validate_object
 from ..pipeline import CallRequest
 from ..stream import Chunk, Done, Event
 from .completions import CompletionsApi, filter_completion

@@ -31,7 +31,7 @@ from ..errors import (
     invalid_request,
     total_expired,
 )
-from ..http import EventStreamResponse
+from ..http import NO_STORE, EventStreamResponse
 from ..pipeline import Pipeline
 from ..record import StreamRecord
 from ..settings import Settings
@@ -146,7 +146,7 @@ class ResponseFollowUps:
         record.ended(body.get("status") if isinstance(body.get("status"), str) else None, None)
         if self.accounting is not None and caller is not None:
             await self._account(operation, response_id, body, record, caller)
-        return JSONResponse(body, headers={"Cache-Control": "no-store", "x-request-id": record.request_id})
+        return JSONResponse(body, headers={**NO_STORE, "x-request-id": record.request_id})
 
     async def _account(
         self, operation: str, response_id: str, body: dict, record: StreamRecord, caller: Caller

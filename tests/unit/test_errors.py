@@ -19,7 +19,6 @@ from chatstream.errors import (
     TimeLimit,
     UpstreamMalformed,
     as_status,
-    error_headers,
     instance_draining,
     internal_error,
     invalid_request,
@@ -29,6 +28,7 @@ from chatstream.errors import (
     register_secret,
     retry_after_headers,
 )
+from chatstream.http import error_headers
 
 # ------------------------------------------------------------------------------------ the shapes
 

@@ -10,7 +10,8 @@ import pytest
 from chatstream.apis.chat import ChatApi
 from chatstream.apis.openai_chat import error_response
 from chatstream.apis.refusals import caller_key, duration, error, rate_headers
-from chatstream.errors import as_status, error_headers
+from chatstream.errors import as_status
+from chatstream.http import error_headers
 from chatstream.state.port import KeyRefused, LimitRef, ModelRefused, Rate, Refused, Unavailable, Unknown
 
 
