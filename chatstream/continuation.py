@@ -259,7 +259,7 @@ def continuation_request(params: dict, text: str, entry: Entry) -> dict:
 
 
 _SUBSTANCE = ("tool_calls", "function_call", "refusal")
-_TEXT_ONLY = frozenset({"role", "content"})  # a delta with nothing that blocks a continuation
+TEXT_DELTA = frozenset({"role", "content"})  # a chat delta of text alone: blocks no continuation, read plain
 
 
 class ChatContinuation:
@@ -384,7 +384,7 @@ class ChatContinuation:
             segment.parts.append(content)
         if (
             self._blocked is None
-            and not _TEXT_ONLY.issuperset(delta)  # one look for the common delta, not three
+            and not TEXT_DELTA.issuperset(delta)  # one look for the common delta, not three
             and (delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"))
         ):
             self._blocked = next(name for name in _SUBSTANCE if delta.get(name))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..continuation import ChatContinuation
+from ..continuation import TEXT_DELTA, ChatContinuation
 from ..errors import UpstreamMalformed
 from ..pipeline import CallRequest, Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from ..upstreams.failover import Upstreams
 
 TEXT_FIELDS = ("content", "refusal")
-_PLAIN_DELTA = frozenset({"role", "content"})  # a delta CompletionStream._read_plain forwards as it came
-_ROLE_DELTA = frozenset({"role", "content", "refusal"})  # ...and OpenAI's role chunk's (its refusal null)
+_ROLE_DELTA = TEXT_DELTA | {"refusal"}  # OpenAI's role chunk's delta (its refusal null)
 
 
 def _index_ok(item: dict) -> bool:
@@ -197,7 +196,7 @@ class CompletionStream:
         reason = choice.get("finish_reason")
         if type(index) is not int or index != 0 or type(delta) is not dict:
             return None
-        if not _PLAIN_DELTA.issuperset(delta) and not (_ROLE_DELTA.issuperset(delta) and delta["refusal"] is None):
+        if not TEXT_DELTA.issuperset(delta) and not (_ROLE_DELTA.issuperset(delta) and delta["refusal"] is None):
             return None
         content = delta.get("content")
         if (content is not None and type(content) is not str) or (reason is not None and type(reason) is not str):
