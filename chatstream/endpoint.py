@@ -288,7 +288,7 @@ class Endpoint:
         before_last = ending.keep_context if admission is not None else None
         # The drain (lifecycle.py) may cut the stream, and hold the last one's final event.
         ends = Stream(self.lifecycle, record, limits, ending.finish, before_last)
-        events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, continuation, ends)
+        events = relay(self.upstreams, self.api.path, call.params, protocol, limits, record, ends, continuation)
         encode = self.api.encoder(call)
         headers = ending.headers()
         respond = self._resumable(call, limits, headers, ending)
@@ -382,7 +382,7 @@ class Endpoint:
                 self.upstreams, self.api.path, call.params, protocol, record, self.settings.continue_max, known, lost
             )
             limits = TimeLimits(self.settings)
-            events = relay(plan, self.api.path, call.params, protocol, limits, record, plan, ends)
+            events = relay(plan, self.api.path, call.params, protocol, limits, record, ends, plan)
         except ApiError as error:
             events = _failed(error, record, ends)
         assert self.resumable is not None

@@ -349,16 +349,15 @@ async def relay(
     protocol: StreamProtocol,
     limits: TimeLimits,
     record: StreamRecord,
+    ends: Ends,
     continuation: Continuation | None = None,
-    ends: Ends | None = None,
 ) -> AsyncGenerator[Event]:
     """The events of one streamed call: ``upstream.open`` up to the first output, then each chunk
     through ``protocol`` (and, with a ``continuation``, on other streams after a failure mid-answer),
     then exactly one ``Done`` or ``Failed``, its upstream closed before it goes out; ``ends`` told of
     each end (``Ends``). One generator: every layer between the upstream and the caller costs every
     delta."""
-    if ends is not None:
-        ends.begin()
+    ends.begin()
     current = _Current()
     final: Done | Failed | None = None
     try:
@@ -460,12 +459,10 @@ async def relay(
                     except Exception:  # the final event goes out all the same (it did before the close)
                         log.exception("closing the upstream stream failed (endpoint=%s)", record.endpoint)
         assert final is not None  # else what ended the stream goes on up from the finally above
-        if ends is not None:
-            await ends.last(final)
+        await ends.last(final)
         yield final
     finally:
-        if ends is not None:
-            ends.over()
+        ends.over()
 
 
 async def _reopen(

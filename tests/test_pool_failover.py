@@ -27,7 +27,7 @@ from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Done, Failed, TimeLimits, relay
+from chatstream.stream import Done, Ends, Failed, TimeLimits, relay
 from chatstream.upstreams.failover import Upstreams
 from tools.fakeupstream.scenarios import (
     NORMAL_DELTAS,
@@ -527,7 +527,9 @@ def test_per_entry_metrics_and_the_span_name_the_entry(ups):
 async def stream_once_with(pool: Upstreams, record: StreamRecord):
     limits = TimeLimits(pool.settings)
     final = None
-    async for event in relay(pool, "/chat/completions", params(True), CompletionStream(Pipeline()), limits, record):
+    async for event in relay(
+        pool, "/chat/completions", params(True), CompletionStream(Pipeline()), limits, record, Ends(lambda: None)
+    ):
         final = event
     return final, record
 
@@ -1024,7 +1026,10 @@ def test_the_span_and_the_metrics_say_where_an_answer_was_continued(ups):
         continuation = CompletionsApi().continuation(call, pool, protocol, record, 2)
         limits = TimeLimits(pool.settings)
         events = [
-            e async for e in relay(pool, "/chat/completions", params(True), protocol, limits, record, continuation)
+            e
+            async for e in relay(
+                pool, "/chat/completions", params(True), protocol, limits, record, Ends(lambda: None), continuation
+            )
         ]
         telemetry.finish(record)
         await asyncio.gather(*(cl.close() for cl in pool.clients.values()))

@@ -178,7 +178,7 @@ class ResponseFollowUps:
             protocol,
             limits,
             record,
-            ends=Ends(functools.partial(_finish, record)),
+            Ends(functools.partial(_finish, record)),
         )
         return await stream_response(
             request,

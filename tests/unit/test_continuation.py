@@ -33,7 +33,7 @@ from chatstream.guard import Redactor
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Done, Failed, TimeLimits, relay
+from chatstream.stream import Chunk, Done, Ends, Failed, TimeLimits, relay
 from chatstream.upstreams.config import Entry
 from chatstream.upstreams.outcomes import classify
 from tools.fakeupstream.scenarios import TEXTS
@@ -331,7 +331,12 @@ async def run(pool: Pool, pipeline=None, most: int = 2, settings=None, params=No
     params = params or {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     continuation = ChatContinuation(pool, "/chat/completions", params, protocol, record, most)  # type: ignore[arg-type]
     limits = TimeLimits(settings or limits_settings())
-    events = [e async for e in relay(pool, "/chat/completions", params, protocol, limits, record, continuation)]
+    events = [
+        e
+        async for e in relay(
+            pool, "/chat/completions", params, protocol, limits, record, Ends(lambda: None), continuation
+        )
+    ]
     return events, record
 
 

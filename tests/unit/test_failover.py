@@ -19,7 +19,7 @@ from chatstream.errors import ApiError, UpstreamReported
 from chatstream.pipeline import CallRequest, Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Done, Failed, TimeLimits, relay
+from chatstream.stream import Done, Ends, Failed, TimeLimits, relay
 from chatstream.upstreams.config import entries
 from chatstream.upstreams.failover import Upstreams
 from chatstream.upstreams.health import SINGLE
@@ -142,6 +142,7 @@ async def run(upstreams: Upstreams, continue_max: int = 0) -> tuple[list, Stream
             protocol,
             TimeLimits(upstreams.settings),
             record,
+            Ends(lambda: None),
             continuation,
         )
     ]

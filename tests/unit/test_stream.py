@@ -140,7 +140,7 @@ class Run:
     def events(self, ends: Ends | None = None):
         self.limits = TimeLimits(self.settings)
         path, protocol = "/chat/completions", self.protocol
-        return relay(Opener(self.open_stream), path, {}, protocol, self.limits, self.record, ends=ends)
+        return relay(Opener(self.open_stream), path, {}, protocol, self.limits, self.record, ends or Ends(lambda: None))
 
     async def all(self) -> list:
         return [event async for event in self.events()]

@@ -13,7 +13,7 @@ from chatstream.apis.completions import CompletionStream
 from chatstream.pipeline import Pipeline
 from chatstream.record import StreamRecord
 from chatstream.settings import Settings
-from chatstream.stream import Chunk, Failed, TimeLimits, relay
+from chatstream.stream import Chunk, Ends, Failed, TimeLimits, relay
 
 from .stream_helpers import Opener
 
@@ -66,7 +66,9 @@ def start(upstream: EndlessUpstream, total: float):
     async def open_stream():
         return upstream
 
-    return relay(Opener(open_stream), "/chat/completions", {}, CompletionStream(Pipeline()), limits, record), record
+    return relay(
+        Opener(open_stream), "/chat/completions", {}, CompletionStream(Pipeline()), limits, record, Ends(lambda: None)
+    ), record
 
 
 def test_a_caller_that_stops_reading_does_not_keep_the_upstream_open_past_the_total_limit():
