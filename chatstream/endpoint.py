@@ -25,13 +25,14 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
 from . import memory, telemetry, tokens
+from .apis.completions import CompletionsApi
 from .apis.refusals import admitted, authenticated, rate_headers
 from .apis.usage import admission_request, request_usage
 from .continuation import ChatContinuation, Known, turned_off
@@ -56,14 +57,6 @@ T = TypeVar("T")
 
 # Errors that mean the upstream did not take the model: the name must not become a metric dimension.
 _MODEL_REFUSED = frozenset({ErrorKind.MODEL_NOT_FOUND, ErrorKind.INVALID_REQUEST})
-
-
-@runtime_checkable
-class Resumes(Protocol):
-    """An API whose streams can be taken over (apis/chat.py, apis/openai_chat.py): what its stored
-    events told the caller."""
-
-    def known(self, events: bytes) -> Known: ...
 
 
 class Api(Protocol):
@@ -365,7 +358,7 @@ class Endpoint:
         telemetry.begin(record)
         encode = self.api.encoder(call)
         protocol = self.api.protocol(call, self.pipeline, True)
-        known = self.api.known(claim.events) if isinstance(self.api, Resumes) else Known("")
+        known = self.api.known(claim.events) if isinstance(self.api, CompletionsApi) else Known("")
         ending = _Ending(self, record, protocol)
         ends = Ends(ending.finish)
         try:
@@ -421,7 +414,7 @@ class Endpoint:
 
     def _lost(self, claim: Claim, known: Known) -> tuple[Known, str]:
         """What the log holds of the lost producer's part, and of the earlier producers' before it."""
-        lost = self.api.known(claim.lost_events) if isinstance(self.api, Resumes) else known
+        lost = self.api.known(claim.lost_events) if isinstance(self.api, CompletionsApi) else known
         return lost, known.text[: len(known.text) - len(lost.text)] if known.text.endswith(lost.text) else ""
 
     def _unknown(self, claim: Claim) -> tuple[int, int]:
@@ -450,7 +443,7 @@ class Endpoint:
         recovery raises the part to it (chaos seed 2027: a taker killed before the raise left 10 of
         12 tokens charged). A drain (SIGTERM; ``Lifecycle.keep``) writes the journal at once and as
         the stand-ins come in: the host kills a worker with no request in flight ~0.5 s after it."""
-        if not isinstance(self.api, Resumes) or self.accounting is None:
+        if not isinstance(self.api, CompletionsApi) or self.accounting is None:
             return
         api, life = self.api, self.lifecycle
         lost, before = self._lost(claim, known)

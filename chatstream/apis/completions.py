@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..continuation import TEXT_DELTA, ChatContinuation
+from ..continuation import TEXT_DELTA, ChatContinuation, Known
 from ..errors import UpstreamMalformed
 from ..pipeline import CallRequest, Pipeline, TextFilter
 from ..record import StreamRecord, TextParts
@@ -331,6 +331,7 @@ class CompletionsApi:
 
     owns: str | None = None
     path = "/chat/completions"
+    known: Callable[[bytes], Known]  # what a resumable stream's stored events told the caller (a takeover's)
 
     def protocol(self, call: CallRequest, pipeline: Pipeline, keep: bool) -> CompletionStream:
         return CompletionStream(pipeline, call.params.get("n") or 1, keep)
