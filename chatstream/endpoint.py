@@ -9,12 +9,8 @@ the API's final error event. Once the headers are out without output, ``: keep-a
 out every ``HEARTBEAT_SECONDS`` until the first output. A caller that hangs up at any point closes
 the upstream.
 
-An error status's ``x-should-retry`` says what its body's ``retryable`` says (errors.py,
-``as_status``): false for an upstream failure, as the app has already spent its own upstream retries
-(``UPSTREAM_MAX_RETRIES``) and the OpenAI SDKs would otherwise retry the whole chain again (3 × 3
-upstream calls for one SDK call); true where a retry can succeed (a per-minute limit, the store, a
-draining instance). ``Retry-After`` still says when to come back. Every
-response carries ``x-request-id``: the upstream's when it sent one, else the app's own."""
+An error status's headers (``x-should-retry``, ``Retry-After``): errors.as_status and
+http.error_headers; every answer's ``x-request-id``: http.with_request_id."""
 
 from __future__ import annotations
 
