@@ -361,7 +361,6 @@ class ChatContinuation:
         segment = self._segment = Segment(
             self.record.upstream, request_id=self.record.request_id or None, model=self.record.upstream_model
         )
-        self.record.segment(segment)
         return segment
 
     def _look(self, data: dict) -> tuple[dict | None, dict | None, str]:
@@ -453,12 +452,12 @@ class ChatContinuation:
         return True
 
     async def reopen(self, error: ApiError, limits: TimeLimits) -> UpstreamChunks:
-        record = self.record
-        failed = self._segment.upstream if self._segment is not None else record.upstream
+        record, ended = self.record, self._segment
+        failed = ended.upstream if ended is not None else record.upstream
         if failed is not None:
             self._failed.add(failed)
         if self._passed is None:  # the first stream failed: the text so far is its segment's
-            self._passed = TextParts([self._segment.text] if self._segment is not None else [])
+            self._passed = TextParts([ended.text] if ended is not None else [])
         known = "".join(self._passed)
         sent: list[dict] = []  # the request each entry tried was sent: the last one answered
 
@@ -477,6 +476,8 @@ class ChatContinuation:
             prompt_tokens=tokens.count_prompt(self.params.get("model"), sent[-1]) if sent else None,
             model=entry.deployment(self.params["model"]) if entry is not None else None,
         )
+        if ended is not None and not record.segments:  # the first stream's: one of several now
+            record.segment(ended)
         record.segment(self._segment)
         seam = {
             "from": failed,

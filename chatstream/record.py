@@ -136,7 +136,7 @@ class StreamRecord:
     attempt_errors: list[dict] = field(default_factory=list)  # each failed attempt: entry and error
     # A streamed answer with a continuation (continuation.py): each seam (``continued``: from, to,
     # after_chars, reason, seam, dropped) and, for a chat answer, each upstream stream it was read
-    # from (its ``usage`` is then their sum; the first is kept from the start, in case of a seam).
+    # from (its ``usage`` is then their sum). An answer read from one stream has no segment.
     segments: list[Segment] = field(default_factory=list)
     continued: list[dict] = field(default_factory=list)
     texts: dict[int, list[str]] | None = None  # kept only when an after-step wants them

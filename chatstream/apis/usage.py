@@ -12,7 +12,7 @@ from dataclasses import replace
 from .. import tokens
 from ..errors import ErrorKind
 from ..pipeline import CallRequest
-from ..record import Segment, StreamRecord
+from ..record import StreamRecord
 from ..state.port import AdmissionRequest, Ended, Usage, Used
 
 
@@ -71,19 +71,16 @@ def request_usage(
     prompt_tokens: int,
     record: StreamRecord,
     generated: Mapping[int, Sequence[str]] | None,
-    segments: Sequence[Segment] | None = None,
 ) -> Usage:
     """What the request for ``model``, its prompt counted as ``prompt_tokens``, used: each segment's
     reported usage; else, when its upstream took it, its prompt as sent (a continuation's carries the
     text before it and the instruction to go on, ``Segment.prompt_tokens``) and the tokens it
     generated (``generated``: each choice's text, before the text steps); a non-streamed call
     abandoned in flight, its prompt (the upstream has read it); nothing when no upstream took it."""
-    if segments is None and record.continued:
-        segments = record.segments
     reported = usage_of(record.usage)
-    if segments:
+    if record.segments:
         used = []
-        for segment in segments:
+        for segment in record.segments:
             found = usage_of(segment.usage)
             if found is None:
                 prompt = segment.prompt_tokens if segment.prompt_tokens is not None else prompt_tokens

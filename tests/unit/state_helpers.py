@@ -91,8 +91,10 @@ def charge(
     generated: Mapping[int, list[str]] | None = None,
     segments: list[Segment] | None = None,
 ) -> None:
-    """The request is over: its charge, and its cost for its log line, as the endpoint asks them."""
-    used = request_usage(admission.entry.model, admission.entry.prompt_tokens, rec, generated, segments)
+    """The request is over: its charge, and its cost for its log line, as the endpoint asks them;
+    ``segments``: the streams a continued answer was read from."""
+    rec.segments.extend(segments or ())
+    used = request_usage(admission.entry.model, admission.entry.prompt_tokens, rec, generated)
     rec.cost = accounting.charge(admission, used)
 
 
