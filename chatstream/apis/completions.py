@@ -71,15 +71,13 @@ class ChoiceFilters:
     """The text filters of one choice, one per text channel: ``content``, ``refusal`` and
     ``("tool", i)`` for the arguments of tool call ``i``."""
 
-    def __init__(self, make: Callable[[], TextFilter | None]):
+    def __init__(self, make: Callable[[], TextFilter]):
         self._make = make
         self._filters: dict[object, TextFilter] = {}
 
     async def feed(self, channel, text: str) -> str:
         if channel not in self._filters:
-            made = self._make()
-            assert made is not None, "a text filter is made only when the pipeline filters text"
-            self._filters[channel] = made
+            self._filters[channel] = self._make()
         return await self._filters[channel].feed(text)
 
     async def flush_into(self, delta: dict) -> None:

@@ -91,9 +91,7 @@ class ResponseStream:
     is charged)."""
 
     def __init__(self, pipeline: Pipeline | None, resumed: bool = False, keep: bool = False):
-        self._make_filter: Callable[[], TextFilter | None] | None = (
-            pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
-        )
+        self._make_filter = pipeline.text_filter if pipeline is not None and pipeline.filters_text else None
         self.feed_waits = pipeline is not None and pipeline.moderates
         self.plain: Callable[[dict], Chunk | None] | None = None  # every event is read by ``feed``
         self.usage: dict | None = None
@@ -200,9 +198,8 @@ class ResponseStream:
         return [event]
 
     def _new_filter(self) -> TextFilter:
-        made = self._make_filter() if self._make_filter is not None else None
-        assert made is not None, "a text filter is made only when the pipeline filters text"
-        return made
+        assert self._make_filter is not None, "a text filter is made only when the pipeline filters text"
+        return self._make_filter()
 
     async def _full(self, key: tuple, text: str) -> str:
         """The text of a whole part: what was released for it (its held tail flushed into its last
