@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
 from ..http import too_deep
-from ..settings import Settings
+from ..settings import Settings, SettingsError
 
 SETTING = "UPSTREAMS"
 SINGLE_NAME = "default"
@@ -22,11 +22,6 @@ SINGLE_NAME = "default"
 MAX_ENTRIES = 64
 MAX_CHARS = 256 * 1024
 MAX_DEPTH = 8  # a list of entry objects holding lists and maps: three levels are all a valid value uses
-
-
-class PoolConfigError(Exception):
-    """``UPSTREAMS`` (or a setting it names) has a value the app cannot run with. The message names
-    the setting and the entry, never a value that could be a key."""
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -198,40 +193,36 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 def _load(raw: str) -> list:
     if len(raw) > MAX_CHARS:
-        raise PoolConfigError(f"{SETTING}: longer than {MAX_CHARS} characters")
-    deep = PoolConfigError(f"{SETTING}: nested deeper than {MAX_DEPTH} levels")
+        raise SettingsError(f"{SETTING}: longer than {MAX_CHARS} characters")
+    deep = SettingsError(f"{SETTING}: nested deeper than {MAX_DEPTH} levels")
     try:
         data = json.loads(raw, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
     except RecursionError:
         raise deep from None
     except json.JSONDecodeError as exc:
-        raise PoolConfigError(
-            f"{SETTING}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
+        raise SettingsError(f"{SETTING}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except ValueError as exc:  # from the hooks: the message is ours and quotes no value
-        raise PoolConfigError(f"{SETTING}: not valid JSON ({exc})") from None
+        raise SettingsError(f"{SETTING}: not valid JSON ({exc})") from None
     if too_deep(data, MAX_DEPTH):
         raise deep
     if not isinstance(data, list):
-        raise PoolConfigError(f"{SETTING}: must be a JSON list of upstream objects")
+        raise SettingsError(f"{SETTING}: must be a JSON list of upstream objects")
     if not data:
-        raise PoolConfigError(
-            f"{SETTING}: the list is empty (leave the setting out to use the single upstream settings)"
-        )
+        raise SettingsError(f"{SETTING}: the list is empty (leave the setting out to use the single upstream settings)")
     if len(data) > MAX_ENTRIES:
-        raise PoolConfigError(f"{SETTING}: {len(data)} entries; at most {MAX_ENTRIES}")
+        raise SettingsError(f"{SETTING}: {len(data)} entries; at most {MAX_ENTRIES}")
     return data
 
 
 def _key(spec: _EntrySpec, where: str, environ: Mapping[str, str]) -> SecretStr | None:
-    """The entry's key from the setting it names; PoolConfigError (never quoting the value) if unusable."""
+    """The entry's key from the setting it names; SettingsError (never quoting the value) if unusable."""
     if spec.api_key_setting is None:
         return None
     value = environ.get(spec.api_key_setting, "")
     if not value.strip():
-        raise PoolConfigError(f"{where}: api_key_setting: the app setting {spec.api_key_setting} is not set or empty")
+        raise SettingsError(f"{where}: api_key_setting: the app setting {spec.api_key_setting} is not set or empty")
     if value.startswith(_KEY_VAULT_REFERENCE):
-        raise PoolConfigError(
+        raise SettingsError(
             f"{where}: api_key_setting: the app setting {spec.api_key_setting} holds an unresolved "
             "Key Vault reference (check the app's identity can read the secret)"
         )
@@ -258,7 +249,7 @@ def _entry(spec: _EntrySpec, key: SecretStr | None) -> Entry:
 
 def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
     """``UPSTREAMS`` → its entries, each key read from the setting its ``api_key_setting`` names.
-    Raises PoolConfigError listing every problem found."""
+    Raises SettingsError listing every problem found."""
     problems: list[str] = []
     entries: list[Entry] = []
     names: dict[str, int] = {}
@@ -281,10 +272,10 @@ def parse_upstreams(raw: str, environ: Mapping[str, str]) -> list[Entry]:
         names[folded] = index
         try:
             entries.append(_entry(spec, _key(spec, where, environ)))
-        except PoolConfigError as exc:
+        except SettingsError as exc:
             problems.append(str(exc))
     if problems:
-        raise PoolConfigError("invalid app settings: " + "; ".join(problems))
+        raise SettingsError("invalid app settings: " + "; ".join(problems))
     return entries
 
 
@@ -299,7 +290,7 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> tuple[Entry, ...]
     ):
         problem = url_problem(url) if url is not None else None
         if problem:
-            raise PoolConfigError(f"invalid app settings: {name}: {problem}")
+            raise SettingsError(f"invalid app settings: {name}: {problem}")
     # One entry that serves any model, so a request may name another model (or Azure deployment).
     if settings.azure_openai_endpoint:
         url = settings.azure_openai_endpoint.rstrip("/")

@@ -34,7 +34,7 @@ import openai
 from .. import telemetry
 from ..errors import ApiError, ErrorKind, error_field, incomplete, retry_after_headers
 from ..record import StreamRecord
-from ..settings import Settings, SettingsError
+from ..settings import Settings
 from ..stream import StreamProtocol, TimeLimits, UpstreamChunks
 from . import config
 from .clients import (
@@ -223,10 +223,7 @@ class Upstreams:
         SettingsError naming the setting and the entry), each with a client. ``environ``: where the
         keys ``api_key_setting`` names are read (default: the process environment); ``credential``:
         for Entra ID (default: DefaultAzureCredential); ``pool_args``: ``now``, ``rng``, ``policy``."""
-        try:
-            entries = config.entries(settings, os.environ if environ is None else environ)
-        except config.PoolConfigError as exc:
-            raise SettingsError(str(exc)) from None
+        entries = config.entries(settings, os.environ if environ is None else environ)
         if not settings.pooled:
             pool_args.setdefault("policy", SINGLE)
         else:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from chatstream.settings import Settings
-from chatstream.upstreams.config import MAX_DEPTH, MAX_ENTRIES, PoolConfigError, entries, parse_upstreams
+from chatstream.settings import Settings, SettingsError
+from chatstream.upstreams.config import MAX_DEPTH, MAX_ENTRIES, entries, parse_upstreams
 from chatstream.upstreams.pool import Pool
 
 from .upstream_helpers import SECRET, make_pool, names, retry_after
@@ -182,7 +182,7 @@ BAD = [
 def test_bad_upstreams_values_are_refused_with_a_clear_message(value, expected):
     raw = value if isinstance(value, str) else json.dumps(value)
     env = dict(ENV, EMPTY="", KV="@Microsoft.KeyVault(SecretUri=https://kv.vault.azure.net/secrets/k/)")
-    with pytest.raises(PoolConfigError) as caught:
+    with pytest.raises(SettingsError) as caught:
         parse_upstreams(raw, env)
     message = str(caught.value)
     assert expected in message
@@ -199,7 +199,7 @@ def test_every_problem_is_listed_at_once():
             {"name": "c", "azure_endpoint": "https://c", "api_key_setting": "C_KEY"},
         ]
     )
-    with pytest.raises(PoolConfigError) as caught:
+    with pytest.raises(SettingsError) as caught:
         parse_upstreams(raw, {})
     assert 'UPSTREAMS[0] ("a"): weight' in str(caught.value)
     assert 'UPSTREAMS[2] ("c"): api_key_setting' in str(caught.value)
@@ -261,21 +261,21 @@ def test_the_examples_in_docs_pool_md_are_valid():
 )
 def test_the_single_upstream_url_is_checked_like_an_upstreams_entry(name, url):
     env = {name: url, "AZURE_OPENAI_DEPLOYMENT": "d"}
-    with pytest.raises(PoolConfigError) as caught:
+    with pytest.raises(SettingsError) as caught:
         entries(Settings.from_env(env), env)
     assert name in str(caught.value) and "SECRET" not in str(caught.value) and "pass" not in str(caught.value)
 
 
 def test_upstreams_is_bounded_in_entries_and_nesting():
     many = json.dumps([{"name": f"e{i}", "base_url": f"http://e{i}/v1"} for i in range(MAX_ENTRIES + 1)])
-    with pytest.raises(PoolConfigError, match=f"UPSTREAMS: {MAX_ENTRIES + 1} entries; at most {MAX_ENTRIES}"):
+    with pytest.raises(SettingsError, match=f"UPSTREAMS: {MAX_ENTRIES + 1} entries; at most {MAX_ENTRIES}"):
         parse_upstreams(many, {})
     assert len(parse_upstreams(json.dumps(json.loads(many)[:MAX_ENTRIES]), {})) == MAX_ENTRIES
-    with pytest.raises(PoolConfigError, match="UPSTREAMS: nested deeper than"):
+    with pytest.raises(SettingsError, match="UPSTREAMS: nested deeper than"):
         parse_upstreams("[" * 30_000 + "]" * 30_000, {})
-    with pytest.raises(PoolConfigError, match=f"UPSTREAMS: nested deeper than {MAX_DEPTH} levels"):
+    with pytest.raises(SettingsError, match=f"UPSTREAMS: nested deeper than {MAX_DEPTH} levels"):
         parse_upstreams("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), {})  # parsed, then too deep
-    with pytest.raises(PoolConfigError, match="UPSTREAMS: longer than"):
+    with pytest.raises(SettingsError, match="UPSTREAMS: longer than"):
         parse_upstreams(" " * 300_000 + "[]", {})
 
 
@@ -291,5 +291,5 @@ def test_an_entry_may_declare_its_context_window():
     )
     assert (small.context_window, large.context_window) == (8192, None)
     for bad in (0, "8k", 1.5):
-        with pytest.raises(PoolConfigError, match="context_window"):
+        with pytest.raises(SettingsError, match="context_window"):
             parse_upstreams(json.dumps([{"name": "a", "base_url": "http://a", "context_window": bad}]), ENV)
