@@ -138,7 +138,7 @@ class StreamProtocol(Protocol):
 
     def note(self, data: dict) -> None: ...  # a chunk after the answer (the usage)
     def summary(self) -> Done: ...
-    def probe(self) -> StreamProtocol: ...  # a fresh protocol of the same kind, without text steps
+    def probe(self) -> StreamProtocol: ...  # the same kind, without text steps: the pool's look for the first output
 
 
 class UpstreamChunks(Protocol):

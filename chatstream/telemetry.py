@@ -88,7 +88,6 @@ def configure(environ: Mapping[str, str] = os.environ) -> str:
         )
         return "off"
     try:
-        # The exporter reads APPLICATIONINSIGHTS_AUTHENTICATION_STRING from the process environment.
         configure_azure_monitor(connection_string=environ[ENV_CONNECTION_STRING].strip())
     except Exception as exc:  # noqa: BLE001 - telemetry must never stop the app; never log the message: it may quote the connection string
         log.warning("could not configure Azure Monitor export (%s): no telemetry export", type(exc).__name__)

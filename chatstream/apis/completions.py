@@ -150,7 +150,6 @@ class CompletionStream:
         self.generated: dict[int, list[str]] | None = {} if keep else None
 
     def probe(self) -> CompletionStream:
-        """The same kind of stream without text steps (the pool's look for the first output)."""
         return CompletionStream(None, self._wanted)
 
     def _finish(self, index: int, reason: str) -> None:

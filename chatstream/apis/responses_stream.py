@@ -112,7 +112,6 @@ class ResponseStream:
 
     # -- the core's protocol
     def probe(self) -> ResponseStream:
-        """The same kind of stream without text steps (the pool's look for the first output)."""
         return ResponseStream(None, resumed=self._resumed)
 
     @property
