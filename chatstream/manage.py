@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from .apis.openai_chat import error_response
 from .errors import ApiError, ClientGone, ErrorKind, StoreError, invalid_request
-from .http import NO_STORE, parse_json_body, read_body, require_json_content_type, validate_object, with_request_id
+from .http import NO_STORE, read_json, validate_object, with_request_id
 from .state import counter_row
 from .state.callers import (
     NAME_PATTERN,
@@ -205,8 +205,7 @@ class Manage:
 
     async def _body(self, request: Request, model: type[S]) -> S:
         """The body as the registry's typed request (Invalid, naming the field, if it is not one)."""
-        require_json_content_type(request.headers.get("content-type"))
-        return validate(model, parse_json_body(await read_body(request, MAX_ADMIN_BODY)))
+        return validate(model, await read_json(request, MAX_ADMIN_BODY))
 
     # --- callers, teams and prices: one path (function_app.py names the collection) ----------------
 
