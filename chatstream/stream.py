@@ -267,7 +267,7 @@ class TimeLimits:
         cancelling = task.cancelling()
         self._task, self.waiting = task, True
         if self._timer is None or self._timer_at > self.deadline:
-            self._arm()
+            self._arm(self.deadline)
         try:
             return await awaitable
         except asyncio.CancelledError:
@@ -291,25 +291,24 @@ class TimeLimits:
             self._fired = True
             self._task.cancel()  # taken back by ``wait``, as the timer's
 
-    def _arm(self) -> None:
+    def _arm(self, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer_at = self.deadline
-        self._timer = self.loop.call_at(self.deadline, self._fire)
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         if self._task is None:  # not waiting (parked at a yield): the next wait arms the timer again
             if self._parked is not None:  # ...and at the total limit ``on_total``'s callback is due
                 if self.loop.time() < self.total_at:
-                    self._timer_at = self.total_at
-                    self._timer = self.loop.call_at(self.total_at, self._fire)
+                    self._arm(self.total_at)
                 else:
                     callback, self._parked = self._parked, None
                     callback()
             return
         if self.loop.time() < self.deadline:
-            self._arm()  # the deadline moved on since the timer was set
+            self._arm(self.deadline)  # the deadline moved on since the timer was set
             return
         self._fired = True
         self._task.cancel()
@@ -326,8 +325,7 @@ class TimeLimits:
         itself), once, until ``close``: through the stream's one timer, not one more per stream."""
         self._parked = callback
         if self._timer is None:
-            self._timer_at = self.total_at
-            self._timer = self.loop.call_at(self.total_at, self._fire)
+            self._arm(self.total_at)
 
 
 # --- the relay --------------------------------------------------------------------------------
