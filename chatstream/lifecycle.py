@@ -299,20 +299,15 @@ class Lifecycle:
     def _cut_ending(self) -> bool:
         return all(s.ending or s.resumable for s in self._streams)
 
-    async def _until(self, condition: Callable[[], bool], deadline: float) -> bool:
+    async def _until(self, condition: Callable[[], bool], deadline: float) -> None:
         """Wait until ``condition()`` (checked whenever a stream changes), or ``deadline``."""
-        loop = asyncio.get_running_loop()
-        while not condition():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            try:
-                async with asyncio.timeout(remaining):
+        try:
+            async with asyncio.timeout_at(deadline):
+                while not condition():
+                    self._changed.clear()
                     await self._changed.wait()
-            except TimeoutError:
-                return condition()
-        return True
+        except TimeoutError:
+            pass
 
 
 async def _bounded(what: str, callbacks: list[Callback], limit: float) -> None:
