@@ -92,7 +92,6 @@ class ChatApp:
         self.models_listed = bool(settings.allowed_models or upstreams.model_names())  # others are refused
 
     async def take_over(self, claim: Claim) -> None:
-        """A resumable stream whose producer was lost goes on here, on its route's endpoint."""
         await (self.chat if claim.producer.route == "chat" else self.chat_completions).take_over(claim)
 
     async def _models(self, request: Request) -> tuple[str, ...]:

@@ -169,6 +169,5 @@ class ChatApi(CompletionsApi):
         raise AssertionError("/api/chat is always streamed")
 
     def known(self, events: bytes) -> Known:
-        """What stored /api/chat events (a resumable stream's) told the caller: the text."""
         deltas = [event.get("delta") for event in stored_objects(events)]
         return Known("".join(delta for delta in deltas if isinstance(delta, str)))

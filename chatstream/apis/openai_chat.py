@@ -308,7 +308,6 @@ class OpenAIChatApi(CompletionsApi):
     completion = staticmethod(filter_completion)
 
     def known(self, events: bytes) -> Known:
-        """What stored chat-completions events (a resumable stream's) told the caller."""
         return known_from_chunks(stored_objects(events))
 
 
