@@ -331,8 +331,8 @@ class ChatContinuation:
 
     def saw(self, data: dict, fed: Chunk) -> None:
         """A chunk of the first stream, after the protocol: when it read choice 0's text of the chunk
-        as it came (``fed.text``: its plain chunk), that text is all this needs of it besides the
-        usage and the ids; else the chunk is read here."""
+        as it came (``fed.text``: its plain chunk), that text is all this needs of it besides the ids
+        (its usage is the protocol's: ``reopen``); else the chunk is read here."""
         text = fed.text
         if text is None:
             choice, _, text = self._look(data)
@@ -340,9 +340,6 @@ class ChatContinuation:
                 return
         else:
             segment = self._segment or self._first_segment()
-            usage = data.get("usage")
-            if usage and isinstance(usage, dict):
-                segment.usage = usage
             if text:
                 segment.parts.append(text)
         if self._id is None:
@@ -458,6 +455,9 @@ class ChatContinuation:
             self._failed.add(failed)
         if self._passed is None:  # the first stream failed: the text so far is its segment's
             self._passed = TextParts([ended.text] if ended is not None else [])
+        if ended is not None and self._seam is None:  # the first stream's usage, as its protocol read it
+            usage = self.protocol.usage
+            ended.usage = usage if isinstance(usage, dict) else None
         known = "".join(self._passed)
         sent: list[dict] = []  # the request each entry tried was sent: the last one answered
 

@@ -128,6 +128,7 @@ class StreamProtocol(Protocol):
     released: dict[int, list[str]] | None
     generated: dict[int, list[str]] | None
     id: str | None  # the answer's id, once the upstream said it
+    usage: dict | None  # the last usage the upstream reported
     plain: Callable[[dict], Chunk | None] | None  # ``feed`` without awaiting (None: it cannot)
 
     @property
