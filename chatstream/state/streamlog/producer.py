@@ -428,8 +428,9 @@ class Producer:
 
     async def _create(self) -> bool:
         """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease). The log's blob waits for the first write (a takeover makes it when the
-        stream's producer died before)."""
+        producer's lease), tried every 0.25 s for ``give_up_seconds``, each call within that time (a
+        reader elsewhere waits for the record only that long: readers.read_record). The log's blob
+        waits for the first write (a takeover makes it when the stream's producer died before)."""
         ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
@@ -437,45 +438,45 @@ class Producer:
         record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
-        written = await self._write_record(None, deadline - self._loop.time())
-        if written is not True:
-            self._give_up(f"the store is unavailable ({written})" if written else "its record is someone else's")
-        return written is True
+        while True:
+            try:
+                if await self._insert({}, min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))):
+                    return True
+                self._give_up("its record is someone else's")
+                return False
+            except StoreError as exc:  # any failure tried again (a table 404s while it is made again)
+                if self._loop.time() > deadline:
+                    self._give_up(f"the store is unavailable ({exc})")
+                    return False
+                await asyncio.sleep(0.25)
 
-    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | StoreError:
-        """This producer's own record: inserted until that lands; with ``closes`` (the log's last
-        marker, END or LOST), the stream's end then merged on its ETag (``whole``: the whole log, when
-        no blob holds it), and carried by the insert when that had not landed (given up: readers wait
-        for it, ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: written;
-        False: the record is another producer's (taken over); a StoreError: the store failed throughout
-        (its last)."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
-        # The insert alone is the request's: tried every 0.25 s, each call within the deadline (a
-        # reader elsewhere waits for the record only that long: readers.read_record); an end every
-        # 0.5 s, each call as long as a busy store takes.
-        deadline, first, unanswered = self._loop.time() + patience, 0.25 if closes is None else 0.5, False
-        pause = first
+    async def _write_end(self, closes: bytes, patience: float, whole: str | None = None) -> bool | StoreError:
+        """The stream's end in its record (``closes``: the log's last marker, END or LOST; ``whole``:
+        the whole log, when no blob holds it), merged on its ETag, or carried by its insert when the
+        create never landed (given up: readers wait for it, ResumeConfig.lost_record_seconds). Tried
+        every 0.5 s (given up: twice as long each time, to 5 s, and no more once the log closes) for
+        ``patience`` seconds. True: written; False: the record is another producer's (taken over); a
+        StoreError: the store failed throughout (its last)."""
+        ctx, record = self._ctx, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
         state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
-            bound = BUSY_TIMEOUT if closes else min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
-            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more) if closes else {}
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
             try:
-                if not record.etag and not await self._insert(fields, bound):
+                # (An insert that found an earlier one of its own, without the end, merges it too.)
+                if not record.etag and not await self._insert(fields, BUSY_TIMEOUT):
                     return False
-                if fields:
-                    async with ctx.bulk():
-                        record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
+                async with ctx.bulk():
+                    record.etag = await ctx.store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
+            except (Modified, NotFound):
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
-                # (The insert alone tries those again, as any failure: a table 404s while it is made again.)
-                if closes and isinstance(exc, Modified | NotFound):
-                    return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
                 if self._loop.time() > deadline or (ctx.closed and not self.resumable):
                     return exc
                 await asyncio.sleep(pause)
-                pause = first if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
+                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _insert(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
         """Insert the record with ``fields``, the large request's own blob first. False: the record
@@ -535,7 +536,7 @@ class Producer:
                 await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
         if self._closed == HANDOVER:
             self._moved("handed_over")
-        elif isinstance(failed := await self._write_record(self._closed, self._cfg.give_up_seconds), StoreError):
+        elif isinstance(failed := await self._write_end(self._closed, self._cfg.give_up_seconds), StoreError):
             # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded (%s); it is deleted later", self._tag, failed)
 
@@ -646,7 +647,7 @@ class Producer:
             return False
         if self._following or self._acks or attempt.closes is None or not fits_record(text):
             return False  # (closes None: more than one block)
-        ended = await self._write_record(attempt.closes, self._cfg.give_up_seconds, text)
+        ended = await self._write_end(attempt.closes, self._cfg.give_up_seconds, text)
         if isinstance(ended, StoreError):
             self._give_up(f"the store is unavailable ({ended})")
         elif not ended:
@@ -664,7 +665,7 @@ class Producer:
             message, number = "the stream stopped being stored", self._id_at(self._stored + 1)
             block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
-                await self._write_record(LOST, deadline - self._loop.time(), block.decode())
+                await self._write_end(LOST, deadline - self._loop.time(), block.decode())
                 return
             try:  # (one of the writes whose answer was lost may land first: then after it)
                 await self._write_block(_Attempt(0, block, LOST, ()))
@@ -674,4 +675,4 @@ class Producer:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
         if self._closed in (END, LOST):
-            await self._write_record(self._closed, deadline - self._loop.time())
+            await self._write_end(self._closed, deadline - self._loop.time())
