@@ -182,11 +182,8 @@ async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bo
             if more:
                 events.extend(tail.feed(more))
                 if tail.end is not None:
-                    now = ctx.now()
                     state = "lost" if tail.end == LOST else "ended"
-                    over = record_over(
-                        won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id
-                    )
+                    over = record_over(won.stream_id, state, ctx.now() + ctx.config.ttl_seconds)
                     with contextlib.suppress(StoreError):  # else it expires later
                         await store.merge(STREAMS_TABLE, over, etag=won.etag)
                     return False
