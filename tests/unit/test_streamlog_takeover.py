@@ -389,7 +389,7 @@ async def test_a_continuations_stand_ins_are_known_as_soon_as_it_has_them_not_on
         assert [(position(n), e) for n, e in events_of(claim.stand_ins())] == [
             (i + 1, delta(i)[:-2]) for i in range(10, 15)
         ]
-        assert not claim.producer.stored_end and not claim.producer.stop_requested.is_set()  # it goes on
+        assert not claim.producer.end_readable and not claim.producer.stop_requested.is_set()  # it goes on
     short: list[Claim] = []
     async with instances(2, take_over=regenerating(calls=short), **{**QUICK, "checkpoint_seconds": 30.0}) as (a, b):
         producer = await stored_to_ten_then_killed(a, 13)  # the continuation ends at 13, short of 15

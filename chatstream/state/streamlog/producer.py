@@ -128,7 +128,7 @@ class Producer:
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
         self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
         self._inbox_read = asyncio.Event()
-        self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
+        self._storing_over = asyncio.Event()  # storing finished (stored, given up, or moved)
         self._kick = asyncio.Event()  # wakes the storing
         self._stored = len(self._events)  # events in the blob
         self._stored_bytes = stored_bytes  # the blob's length
@@ -220,14 +220,14 @@ class Producer:
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until storing is done; True if the whole stream is stored."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stored_all.wait(), timeout)
-        return self._stored_all.is_set() and self.resumable and self._stored == len(self._events) and self.ended
+            await asyncio.wait_for(self._storing_over.wait(), timeout)
+        return self._storing_over.is_set() and self.resumable and self._stored == len(self._events) and self.ended
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
-        if self.ended or not self.resumable or self._stored_all.is_set():
+        if self.ended or not self.resumable or self._storing_over.is_set():
             return False
         self._handing_over = True
         self._kick.set()
@@ -245,19 +245,19 @@ class Producer:
         good nobody else can go on with the stream, so what is kept."""
         return self._stored if self.resumable else len(self._events)
 
-    def events_after(self, cursor: int, *, unstored: bool = False) -> bytes:
-        """The readable events after id ``cursor`` (b"" when there are none yet); ``unstored``: all
+    def events_after(self, cursor: int, *, all_kept: bool = False) -> bytes:
+        """The readable events after id ``cursor`` (b"" when there are none yet); ``all_kept``: all
         it kept, stored or not (what it generated: ``Claim.stand_ins``)."""
-        at, end = position(cursor), len(self._events) if unstored else self._readable()
+        at, end = position(cursor), len(self._events) if all_kept else self._readable()
         return b"".join(self._events[at:end]) if at < end else b""
 
     @property
-    def kept(self) -> int:
+    def last_readable(self) -> int:
         """The id of the last readable event (0: none)."""
         return self._id_at(self._readable())
 
     @property
-    def stored_end(self) -> bool:
+    def end_readable(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
         return self.ended and (self._closed in (END, LOST) or not self.resumable)
 
@@ -355,7 +355,7 @@ class Producer:
                 "stream %s is over %d bytes: it is not resumable past event %d",
                 self._tag,
                 self._cfg.max_stream_bytes,
-                self.kept,
+                self.last_readable,
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
@@ -402,7 +402,7 @@ class Producer:
             log.exception("stream %s: storing failed", self._tag)
             self._give_up("internal error")
         finally:
-            self._stored_all.set()
+            self._storing_over.set()
             self._update_fast()
             self._wake()
             instances.done()
@@ -411,7 +411,7 @@ class Producer:
 
     def _update_fast(self) -> None:
         following = self._following or self._attached > self._caller_here
-        fast = (following or self._loop.time() < self._fast_until) and not self._stored_all.is_set()
+        fast = (following or self._loop.time() < self._fast_until) and not self._storing_over.is_set()
         if fast != self._fast:
             self._ctx.fast_writers += 1 if fast else -1
             self._fast = fast

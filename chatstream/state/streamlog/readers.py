@@ -234,14 +234,14 @@ class Reader:
                 yield self._broken()
                 return
             while True:
-                kept = producer.kept
-                if kept > self.tail.cursor:
+                readable = producer.last_readable
+                if readable > self.tail.cursor:
                     data = producer.events_after(self.tail.cursor)
-                    self.tail.cursor = kept
+                    self.tail.cursor = readable
                     yield data
                     continue
-                if producer.stored_end:
-                    if ending := self._end(lost=producer.ended_lost, last_id=kept):
+                if producer.end_readable:
+                    if ending := self._end(lost=producer.ended_lost, last_id=readable):
                         yield ending
                     return
                 if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)

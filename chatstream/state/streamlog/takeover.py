@@ -63,7 +63,7 @@ class Claim:
         unstored = self.producer.unstored
         if not unstored:
             return b""
-        ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
+        ours = sse.split(self.producer.events_after(self.last_id, all_kept=True))[0]
         return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
 
     def unstood(self) -> int:
