@@ -191,7 +191,7 @@ class Registry:
 
         async def read() -> Kept | Unreadable | None:
             row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-            return self._read(cls, row) if row is not None else None
+            return self._parse(cls, row) if row is not None else None
 
         return await self.cache.get(row_key, read, what)
 
@@ -233,9 +233,9 @@ class Registry:
         partition, prefix = _PLACE[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
         rows = await self.store.query(CALLERS_TABLE, where, timeout=bound)
-        return sorted((self._read(cls, row) for row in rows), key=_name_of)
+        return sorted((self._parse(cls, row) for row in rows), key=_name_of)
 
-    def _read(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
+    def _parse(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
         """The caller, team or price ``row`` keeps; Unreadable when it holds none, logged once per
         version of the row (not at every read)."""
         try:
@@ -298,7 +298,7 @@ class Registry:
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
         key_hash = row.get("key_hash")
-        return self._read(cls, row), key_hash if isinstance(key_hash, str) else "", row.etag
+        return self._parse(cls, row), key_hash if isinstance(key_hash, str) else "", row.etag
 
     async def _change(
         self,
