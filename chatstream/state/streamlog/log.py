@@ -150,7 +150,7 @@ class StreamLog:
         if producer is not None:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("another caller's")
-            if producer.ended:
+            if producer.end is not None:
                 return False
             producer.request_stop("cancelled")
             return True

@@ -103,8 +103,7 @@ class Producer:
         self._seam = len(self._events)  # the positions stored by earlier producers
         self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
-        self.ended = False  # the final event is kept...
-        self.ended_lost = False  # ...and it is our stream_lost
+        self.end: bytes | None = None  # the final event is kept: END (the route's) or LOST (our stream_lost)
         self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
         self._handed = len(self._events)  # positions handed out (to the live caller)
         self._waiters: list[asyncio.Future] = []
@@ -186,8 +185,8 @@ class Producer:
             self._keep(event)
         if final:
             self._final_by_caller = True
-            if not self.ended:
-                self.ended = True
+            if self.end is None:
+                self.end = END
                 self._kick.set()
         if self._waiters:  # (a call and a list fewer per event when nobody here waits)
             self._wake()
@@ -203,7 +202,7 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        if not self.ended:  # (read to its end: nothing more comes, and the end is written at once)
+        if self.end is None:  # (read to its end: nothing more comes, and the end is written at once)
             self._last_write = -math.inf  # what is in hand is written now
             self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
             self._update_fast()
@@ -213,7 +212,7 @@ class Producer:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
         stored stream ends with a ``stream_lost`` error. Returns at once; the last write goes on in
         the background (``wait_stored``)."""
-        if not self.ended and not self._handing_over:
+        if self.end is None and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
         self._kick.set()
 
@@ -221,13 +220,14 @@ class Producer:
         """Wait until storing is done; True if the whole stream is stored."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._storing_over.wait(), timeout)
-        return self._storing_over.is_set() and self.resumable and self._stored == len(self._events) and self.ended
+        stored_all = self.end is not None and self._stored == len(self._events)
+        return self._storing_over.is_set() and self.resumable and stored_all
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
-        if self.ended or not self.resumable or self._storing_over.is_set():
+        if self.end is not None or not self.resumable or self._storing_over.is_set():
             return False
         self._handing_over = True
         self._kick.set()
@@ -259,7 +259,7 @@ class Producer:
     @property
     def end_readable(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self.ended and (self._closed in (END, LOST) or not self.resumable)
+        return self.end is not None and (self._closed in (END, LOST) or not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -314,7 +314,7 @@ class Producer:
             self._inbox_read.set()
         self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
         self._update_fast()
-        if self.ended or self.moved.is_set():
+        if self.end is not None or self.moved.is_set():
             return
         if now - self._started > cfg.max_stream_seconds:
             log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
@@ -347,7 +347,7 @@ class Producer:
         return sse.event_id(self._events[at - 1]) or 0 if at else 0
 
     def _keep(self, event: bytes) -> None:
-        if self.ended:
+        if self.end is not None:
             return  # the live caller only: past the kept end
         too_long = self._size + len(event) > self._cfg.max_stream_bytes or len(self._events) >= EPOCH_IDS - 2
         if too_long or len(event) > BLOCK_LIMIT - 64:
@@ -368,7 +368,7 @@ class Producer:
         self._events.append(event)
         self._size += len(event)
         self._handed = max(self._handed, at)
-        self.ended = self.ended_lost = True
+        self.end = LOST
         self._wake()
         self._kick.set()
 
@@ -406,7 +406,7 @@ class Producer:
             self._update_fast()
             self._wake()
             instances.done()
-        while not self.ended and not self.moved.is_set():
+        while self.end is None and not self.moved.is_set():
             await self.changed()
 
     def _update_fast(self) -> None:
@@ -517,7 +517,7 @@ class Producer:
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self._give_up("the stream has too many blocks")
                 return
-            if self.ended and not self._blob and self._end_seen_at is None:
+            if self.end is not None and not self._blob and self._end_seen_at is None:
                 if await self._end_inline():
                     return
                 continue
@@ -542,9 +542,9 @@ class Producer:
 
     def _due(self) -> float:
         """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
-        if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
+        if not (len(self._events) > self._stored or self.end or self._acks or self._handing_over):
             return math.inf
-        if self.ended or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
+        if self.end or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
             return 0.0
         interval = self._cfg.checkpoint_seconds
         if self._fast:
@@ -565,8 +565,8 @@ class Producer:
         acks = tuple(self._acks) if whole else ()
         parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
         closes = None
-        if whole and (self.ended or self._handing_over):
-            closes = HANDOVER if not self.ended else LOST if self.ended_lost else END
+        if whole and (self.end or self._handing_over):
+            closes = self.end or HANDOVER
             parts.append(sse.comment(closes))
         return _Attempt(count, b"".join(parts), closes, acks)
 

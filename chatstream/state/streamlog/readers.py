@@ -161,7 +161,7 @@ class Reader:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("another caller's")
             never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
-            if self.after > producer.last_id and not producer.ended_lost and not never_stored:
+            if self.after > producer.last_id and producer.end != LOST and not never_stored:
                 raise PastTheEnd(self.after, producer.last_id)
             self.route = producer.route
             await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
@@ -241,7 +241,7 @@ class Reader:
                     yield data
                     continue
                 if producer.end_readable:
-                    if ending := self._end(lost=producer.ended_lost, last_id=readable):
+                    if ending := self._end(lost=producer.end == LOST, last_id=readable):
                         yield ending
                     return
                 if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)
