@@ -142,6 +142,11 @@ class StreamLog:
             raise TooManyReaders("too many readers on this instance")
         return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
 
+    def producing(self, stream_id: str) -> Producer | None:
+        """The stream's producer here, unless it went on elsewhere (for readers)."""
+        producer = self._producers.get(stream_id)
+        return producer if producer is not None and not producer.moved.is_set() else None
+
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
         False if it had already ended. StreamNotFound / Unavailable as for open_reader."""
@@ -167,11 +172,6 @@ class StreamLog:
         return True
 
     # -- taking over ----------------------------------------------------------------------------
-
-    def producing(self, stream_id: str) -> Producer | None:
-        """The stream's producer here, unless it went on elsewhere (for readers)."""
-        producer = self._producers.get(stream_id)
-        return producer if producer is not None and not producer.moved.is_set() else None
 
     async def take_over(self, stream_id: str, received: int) -> bool:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
