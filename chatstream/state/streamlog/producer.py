@@ -97,30 +97,30 @@ class Producer:
         # Started by the store's clock: a continuation's cap counts from the stream's own start.
         self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
         self._born = self._loop.time()
-        # What is kept, by position (1, 2, …): the stored events of earlier producers first.
+        # -- in memory: what is kept, by position (1, 2, …), the stored events of earlier producers first
         self._events = list(stored or ())
         self._size = sum(map(len, self._events))
         self._seam = len(self._events)  # the positions stored by earlier producers
         self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
-        self.end: bytes | None = None  # the final event is kept: END (the route's) or LOST (our stream_lost)
-        self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
         self._handed = len(self._events)  # positions handed out (to the live caller)
-        self._waiters: list[asyncio.Future] = []
-        self._final_by_caller = False
+        self.end: bytes | None = None  # the final event is kept: END (the route's) or LOST (our stream_lost)
+        self._final_by_caller = False  # the route appended its final event: it appends no more
+        self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
+        self._waiters: list[asyncio.Future] = []  # readers here waiting for a change (``changed``)
+        # -- who reads it: abandonment, fast writes
         self._caller_here = not continuing  # the original caller (a continuation has none)
         self._attached = int(self._caller_here)  # ...and the readers here
         self._alone_since = self._loop.time()
         self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
         self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
-        self._acked: set[str] = set()
-        # A continuation whose asking reader's client holds events its log never had (that reader
-        # ended with stream_lost): the position it reached, which the continuation is run to even
-        # with nobody reading, since its events up to there are what that client is charged
-        # (Claim.stand_ins); 0: none.
+        self._following = False  # a reader elsewhere follows
+        # A continuation whose asking reader's client holds events its log never had (that reader ended
+        # with stream_lost): the position it reached, which the continuation is run to even with nobody
+        # reading, since its events up to there are what that client is charged (Claim.stand_ins); 0: none.
         reached = position(received)
         self.unstored = reached if reached > len(self._events) else 0
-        # -- storing (module docstring) --
+        # -- storing (module docstring)
         # False once storing failed for good (the live stream goes on; readers elsewhere get stream_lost).
         self.resumable = True
         self._large_request = large_request
@@ -133,11 +133,11 @@ class Producer:
         self._stored_bytes = stored_bytes  # the blob's length
         self._stored_size = self._size  # the bytes of the events in it (markers aside)
         self._closed: bytes | None = None  # the marker that closed the stored log (_Attempt.closes)
-        self._blocks = 0
+        self._blocks = 0  # appended to the blob (at most BLOCKS_LIMIT)
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
-        self._acks: list[str] = []  # acks to store with the next write
+        self._acks: list[str] = []  # acks to store with the next write...
+        self._acked: set[str] = set()  # ...and every one asked for (each is stored once)
         self._fast = False
-        self._following = False  # a reader elsewhere follows
         self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
         self._idle = False
         self._last_write = self._started if not continuing else 0.0  # the first checkpoint is one interval in
