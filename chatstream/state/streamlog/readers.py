@@ -241,7 +241,7 @@ class Reader:
                     yield data
                     continue
                 if producer.end_readable:
-                    if ending := self._end(lost=producer.end == LOST, last_id=readable):
+                    if ending := self._end(producer.end, readable):
                         yield ending
                     return
                 if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)
@@ -309,7 +309,7 @@ class Reader:
                         self.over = True
                         yield ctx.error_event(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            if ending := self._broken() if tail.broken else self._end(tail.end == LOST, tail.last_id):
+            if ending := self._broken() if tail.broken else self._end(tail.end, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -398,12 +398,12 @@ class Reader:
         self.over = True
         return self._ctx.error_event(self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _end(self, lost: bool, last_id: int) -> bytes:
-        """The stream is over: what the reading gets besides the events. ``lost``: the log ended lost
-        (our stream_lost, unless the client has just got it: its last event, ``last_id``)."""
+    def _end(self, end: bytes | None, last_id: int) -> bytes:
+        """The stream is over (``end``, its log's marker): what the reading gets besides the events. LOST:
+        our stream_lost, unless the client has just got it (its last event, ``last_id``)."""
         self.over = True
         cursor = self.tail.cursor
-        if lost and not (cursor == last_id and cursor > self.after):
+        if end == LOST and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
 
