@@ -167,10 +167,10 @@ class Producer:
             # (its resume there would hold ids never stored), and the final event tells it to resume.
             self._final_by_caller = final
             return self.moved_event() if final else b""
-        end = len(data) - 2
-        if end <= 0:
+        last_blank = len(data) - 2
+        if last_blank <= 0:
             return data
-        if data.find(sse.END_OF_EVENT) == end:  # one event: the common case
+        if data.find(sse.END_OF_EVENT) == last_blank:  # one event: the common case
             parts = [data]
         else:
             parts = [part + sse.END_OF_EVENT for part in sse.split(data)[0] if part]
