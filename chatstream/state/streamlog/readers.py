@@ -129,7 +129,7 @@ class Reader:
             raise
 
     def moved_event(self) -> bytes:
-        """What ends a reading when this instance stops (its producer's live caller gets the same)."""
+        """The reading's end when this instance stops (as its producer's live caller's): it is ``over``."""
         self.over = True
         return self._ctx.moved_event(self.route)
 
