@@ -466,7 +466,7 @@ class Producer:
                 # (An insert that found an earlier one of its own, without the end, merges it too.)
                 if not record.etag and not await self._insert(fields, BUSY_TIMEOUT):
                     return False
-                async with ctx.bulk():
+                async with ctx.turns():
                     record.etag = await ctx.store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
             except (Modified, NotFound):
@@ -484,7 +484,7 @@ class Producer:
         its ETag is kept). StoreError."""
         store, record = self._ctx.store, self._record
         if self._large_request is not None:
-            async with self._ctx.bulk():
+            async with self._ctx.turns():
                 with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
                     await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=timeout)
             self._large_request = None
@@ -576,7 +576,7 @@ class Producer:
         store = self._ctx.store
         offset = self._stored_bytes
         try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
-            async with self._ctx.bulk(first=self._following or bool(attempt.acks)):
+            async with self._ctx.turns(first=self._following or bool(attempt.acks)):
                 try:
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:

@@ -324,7 +324,7 @@ class Reader:
         data = self.record.log_from(tail.offset)
         if data is None:
             again = tail.offset == 0 and loop.time() >= self._record_at
-            async with self._ctx.bulk():
+            async with self._ctx.turns():
                 if not again:
                     data = await self._ctx.store.read(self.stream_id, tail.offset)
                 else:  # both at once: a reader the producer saw too late waits one call, not two
