@@ -499,7 +499,7 @@ class Producer:
             return True
 
     async def _write_all(self) -> None:
-        """The storing loop (module docstring), from the record's insert to the record's end."""
+        """The storing loop (module docstring): after the record's insert, to the record's end."""
         failing_since: float | None = None
         while self._closed is None:
             self._kick.clear()
