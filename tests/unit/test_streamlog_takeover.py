@@ -335,7 +335,7 @@ async def test_a_continuation_only_a_stream_lost_reader_asked_for_stops_once_pas
         got = events_of(await read_all(await b.open_reader(producer.id, 15, None)))
         assert [n for n, _ in got] == [16] and b'"type":"stream_lost"' in got[0][1], got
         continuation = b.producing(producer.id)
-        assert continuation is not None and continuation.unstored == 15
+        assert continuation is not None and continuation.stand_in_to == 15
         async with asyncio.timeout(5):
             await continuation.stop_requested.wait()
         assert continuation.stop_reason == "abandoned"

@@ -175,7 +175,7 @@ class StreamLog:
 
     async def take_over(self, stream_id: str, received: int) -> bool:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``).
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.stand_in_to``).
         True: the stream goes on (here, elsewhere, over; or another instance takes it: this one
         drains or is full); False: it cannot be continued (stream_lost)."""
         if self._take_over is None:

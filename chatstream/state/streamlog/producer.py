@@ -119,7 +119,7 @@ class Producer:
         # with stream_lost): the position it reached, which the continuation is run to even with nobody
         # reading, since its events up to there are what that client is charged (Claim.stand_ins); 0: none.
         reached = position(received)
-        self.unstored = reached if reached > len(self._events) else 0
+        self.stand_in_to = reached if reached > len(self._events) else 0
         # -- storing (module docstring)
         # False once storing failed for good (the live stream goes on; readers elsewhere get stream_lost).
         self.resumable = True
@@ -329,11 +329,11 @@ class Producer:
 
     def _unwanted(self, now_store: float) -> bool:
         """A continuation nobody can use any more: its log holds what stands for the unstored events
-        its asking reader's client had (``unstored``), nobody here reads it (the caller checks), no
+        its asking reader's client had (``stand_in_to``), nobody here reads it (the caller checks), no
         reader elsewhere was seen lately, and it is past its young seconds (readers elsewhere find
         a takeover's new instance within about one of their polls and state checks)."""
         return (
-            0 < self.unstored <= self._readable()
+            0 < self.stand_in_to <= self._readable()
             and now_store - self._remote_read_at >= self._cfg.read_fresh_seconds
             and not self.young()
         )

@@ -58,13 +58,13 @@ class Claim:
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for the ``past_stored`` ones (b"" when none): those of
-        the positions up to ``producer.unstored`` (ids differ per producer; positions agree), stored
+        the positions up to ``producer.stand_in_to`` (ids differ per producer; positions agree), stored
         or not (when the continuation ends, its last write may still be on its way)."""
-        unstored = self.producer.unstored
-        if not unstored:
+        stand_in_to = self.producer.stand_in_to
+        if not stand_in_to:
             return b""
         ours = sse.split(self.producer.events_after(self.last_id, all_kept=True))[0]
-        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
+        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= stand_in_to)
 
     def unstood(self) -> int:
         """How many of the ``past_stored`` it has not stood in for yet."""
@@ -156,7 +156,7 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             last_id=tail.last_id,
             producer=producer,
             lost_events=producer_events(bytes(events), tail.epoch),
-            past_stored=max(0, producer.unstored - position(tail.last_id)),
+            past_stored=max(0, producer.stand_in_to - position(tail.last_id)),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
