@@ -377,7 +377,7 @@ class Endpoint:
         assert self.resumable is not None
         raising: asyncio.Task | None = None
         over = asyncio.Event()  # the continuation ended (short, perhaps: then the raise is made with what it has)
-        if ending.admission is not None and claim.producer.unstored:
+        if ending.admission is not None and claim.producer.stand_in_to:
             raising = asyncio.ensure_future(self._charge_received(claim, known, ending.admission, over))
             self.lifecycle.keep(raising)  # a drain waits for it (nobody else can make it)
         try:

@@ -3,7 +3,8 @@ when it is created or rotated; the store keeps only the key's SHA-256), its team
 all of its callers together), and the limits a request must fit, all of its caller's and its team's
 or nothing (counters.py); and what an admin may say about them: the typed requests (``CallerSpec``,
 ``CallerPatch``, ``TeamSpec``, ``TeamPatch``) the admin API reads a body into (manage.py) and hands
-the registry (registry.py), which keeps them. How money is kept exactly: prices.py."""
+the registry (registry.py), which keeps them. Here too: ``Stored``, the row codec of callers, teams,
+prices and owner rows, and pico-USD (``PICO``, ``usd``); how money is kept exactly: prices.py."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ T = TypeVar("T")
 Kept = TypeVar("Kept", bound=Caller | Team | Price)
 
 CALLERS, TEAMS, PRICES = "callers", "teams", "prices"
-_PLACE: dict[type, tuple[str, str]] = {Caller: (CALLERS, "c|"), Team: (TEAMS, "t|"), Price: (PRICES, "p|")}
+_PARTITION: dict[type, str] = {Caller: CALLERS, Team: TEAMS, Price: PRICES}
+_PREFIX: dict[type, str] = {Caller: "c|", Team: "t|", Price: "p|"}  # of their row keys
 AHEAD = 0.2  # of an answer's time: in its last part, a request that uses it has it read again, in the background
 AHEAD_DELAY = 0.02  # ...starting this much later: the request's upstream call goes out first, not behind the read
 MAX_CACHED = 10_000  # answers (callers, teams, prices, and "no such key") kept per instance, least recent dropped
@@ -69,7 +70,7 @@ _TRIES = 5  # an admin change that meets another admin's: read again and reapply
 
 
 def _row_key(cls: type, name: str) -> str:
-    return _PLACE[cls][1] + key_part(name)  # a caller's or team's name is its own key part
+    return _PREFIX[cls] + key_part(name)  # a caller's or team's name is its own key part
 
 
 def _name_of(value: Caller | Team | Price | Unreadable) -> str:
@@ -79,7 +80,7 @@ def _name_of(value: Caller | Team | Price | Unreadable) -> str:
 def _ops(kind: OpKind, owner: Caller | Team | Price, key_hash: str = "", etag: str | None = None) -> list[Op]:
     """The operations that write (``kind``) a team's or price's row (under ``etag``), or a caller's
     row (under ``etag``) and its key index, a copy of it: one entity-group transaction."""
-    row = {"PartitionKey": _PLACE[type(owner)][0], "RowKey": _row_key(type(owner), _name_of(owner)), **owner.entity()}
+    row = {"PartitionKey": _PARTITION[type(owner)], "RowKey": _row_key(type(owner), _name_of(owner)), **owner.entity()}
     row |= {"key_hash": key_hash} if key_hash else {}
     index = [Op(kind, {**row, "RowKey": f"k|{key_hash}"})] if key_hash else []
     return [Op(kind, row, etag=etag), *index]
@@ -190,8 +191,8 @@ class Registry:
         """The ``cls`` in row ``row_key`` (None: none), from the cache or read into it."""
 
         async def read() -> Kept | Unreadable | None:
-            row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], row_key, timeout=self.store.clock.patience())
-            return self._read(cls, row) if row is not None else None
+            row = await self.store.get(CALLERS_TABLE, _PARTITION[cls], row_key, timeout=self.store.clock.patience())
+            return self._parse(cls, row) if row is not None else None
 
         return await self.cache.get(row_key, read, what)
 
@@ -230,12 +231,12 @@ class Registry:
     ) -> list[Kept | Unreadable]:
         """Every caller, team or price (with the properties ``equal``), by name (model); one whose row
         holds none as Unreadable (an admin sees it, and deletes it)."""
-        partition, prefix = _PLACE[cls]
+        partition, prefix = _PARTITION[cls], _PREFIX[cls]
         where = Where(partition=partition, rows_from=prefix, rows_to=prefix[:-1] + "}", equal=equal or {})
         rows = await self.store.query(CALLERS_TABLE, where, timeout=bound)
-        return sorted((self._read(cls, row) for row in rows), key=_name_of)
+        return sorted((self._parse(cls, row) for row in rows), key=_name_of)
 
-    def _read(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
+    def _parse(self, cls: type[Kept], row: Row) -> Kept | Unreadable:
         """The caller, team or price ``row`` keeps; Unreadable when it holds none, logged once per
         version of the row (not at every read)."""
         try:
@@ -294,11 +295,11 @@ class Registry:
         looked up)."""
         row = None
         if model_name(name) if cls is Price else NAME_PATTERN.fullmatch(name):
-            row = await self.store.get(CALLERS_TABLE, _PLACE[cls][0], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
+            row = await self.store.get(CALLERS_TABLE, _PARTITION[cls], _row_key(cls, name), timeout=ADMIN_TIMEOUT)
         if row is None:
             raise Missing("price for model" if cls is Price else cls.__name__.lower(), log_safe(name)[:80])
         key_hash = row.get("key_hash")
-        return self._read(cls, row), key_hash if isinstance(key_hash, str) else "", row.etag
+        return self._parse(cls, row), key_hash if isinstance(key_hash, str) else "", row.etag
 
     async def _change(
         self,
@@ -366,7 +367,7 @@ class Registry:
             # (an unreadable caller row of the team's counts too)
             if cls is Team and (members := await self.list(Caller, {"team": name})):
                 raise Conflict(f"team {name!r} still has {len(members)} caller(s): move or delete them first")
-            ops = [Op("delete", {"PartitionKey": _PLACE[cls][0], "RowKey": _row_key(cls, name)}, etag=etag)]
+            ops = [Op("delete", {"PartitionKey": _PARTITION[cls], "RowKey": _row_key(cls, name)}, etag=etag)]
             if cls is Caller:  # its key index: the one its row names, else (unreadable) any that names it
                 if key_hash:
                     index = await self.store.get(CALLERS_TABLE, CALLERS, f"k|{key_hash}", timeout=ADMIN_TIMEOUT)

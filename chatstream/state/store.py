@@ -48,6 +48,8 @@ CALL_TIMEOUT = 1.8
 # are slow lately (StoreClock.patience): a busy store (Azurite on a loaded 2-core machine: 2-10 s, its
 # fast answers in between) answers within this.
 BUSY_TIMEOUT = 8.0
+# ``put``'s etag for "only if the blob does not exist yet".
+NEW = "*new"
 # What the app writes to the store as JSON (rows' bodies, journals), compact and ASCII-escaped: one
 # encoder (json.dumps with options makes one per call).
 compact_json = json.JSONEncoder(separators=(",", ":")).encode
@@ -174,10 +176,6 @@ class Store(Protocol):
     async def delete_blob(self, name: str, *, timeout: float = ...) -> None: ...
 
     async def close(self) -> None: ...
-
-
-# ``put``'s etag for "only if the blob does not exist yet".
-NEW = "*new"
 
 
 def check_key(name: str, value: object) -> None:

@@ -276,7 +276,7 @@ async def test_a_takeover_that_cannot_go_on_ends_with_one_stream_lost_event_and_
     call, one final ``stream_lost``, and the stream's record written once."""
     tool_call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}
     stored = {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [tool_call]}}]}
-    producer = SimpleNamespace(id="s-1", owner=None, epoch=0, unstored=False)
+    producer = SimpleNamespace(id="s-1", owner=None, epoch=0, stand_in_to=False)
     request = {"params": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}}
     events = f"data: {json.dumps(stored)}\n\n".encode()
     claim = SimpleNamespace(request=request, producer=producer, request_id="r-1", events=events)

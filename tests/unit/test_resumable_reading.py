@@ -129,7 +129,7 @@ async def _relayed_with_slow_writes(endpoint: str, answer, protocol) -> list[tup
         seen = []
         async with asyncio.timeout(10):
             async for data in response.body_iterator:  # type: ignore[attr-defined]
-                seen.append((data, producer.stored_end))
+                seen.append((data, producer.end_readable))
         await producer.wait_stored(5)
     return [(data, bool(stored)) for data, stored in seen if not data.startswith(b":")]
 

@@ -403,7 +403,7 @@ async def test_a_stream_lost_end_whose_answer_was_lost_is_not_taken_for_a_takeov
         producer = a.start("chat", None)
         producer.append(delta(0))
         async with asyncio.timeout(5):
-            while producer.kept == 0:  # stored: the blob exists
+            while producer.last_readable == 0:  # stored: the blob exists
                 await asyncio.sleep(0.02)
         a.store.inject(Fault("unavailable", times=10**9))  # type: ignore[attr-defined]
         producer.append(delta(1))
@@ -685,7 +685,7 @@ async def test_a_stream_whose_first_block_landed_unanswered_in_a_blob_made_elsew
         a.store.inject(Fault("lose_answer", ops=frozenset({"append"}), table="blob"))  # type: ignore[attr-defined]
         first = producer.append(delta(0))
         async with asyncio.timeout(5):
-            while producer.kept == 0:  # stored, though its answer was lost
+            while producer.last_readable == 0:  # stored, though its answer was lost
                 await asyncio.sleep(0.02)
         live = first + await produce(producer, [delta(i) for i in range(1, 5)], gap=0.001)
         assert await producer.wait_stored(5)

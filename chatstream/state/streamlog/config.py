@@ -147,7 +147,7 @@ class Context:
         self.instances = instances
         self.config = config
         self._encode_error = encode_error
-        self.bulk = Turns(config.bulk_calls)  # the turns background calls take at the store
+        self.turns = Turns(config.bulk_calls)  # the turns background calls take at the store
         # The producers writing fast and the readers following from the store here: each one's
         # cadence grows with their number.
         self.fast_writers = self.remote_readers = 0

@@ -113,7 +113,7 @@ class Slot:
         self._key = ""
         self._etag: str | None = None  # while the slot is this reader's
         self._at: str | None = None  # the instance whose inbox holds this reader's row
-        self._keeping: asyncio.Task | None = None
+        self._refreshing: asyncio.Task | None = None
         self._until = 0.0  # the slot is this reader's until then (its last write that landed)
         self._news = asyncio.Event()  # set (and replaced) after each refresh: ``holding`` waits on it
 
@@ -127,7 +127,7 @@ class Slot:
                 self._ctx.spawn(self._leave(at, quietly=True))
             self.release()
             raise failed
-        self._keeping = self._ctx.spawn(self._keep())
+        self._refreshing = self._ctx.spawn(self._refresh())
 
     async def _take(self) -> None:
         """One insert into a random slot; if it is taken, one look at them all, then two free or
@@ -185,7 +185,7 @@ class Slot:
             self._ctx.spawn(self._leave(self._at, quietly=True))
         self._at = at
 
-    async def _keep(self) -> None:
+    async def _refresh(self) -> None:
         refresh = self._ctx.config.read_refresh_seconds
         pause = self._pause(refresh)
         while True:
@@ -225,7 +225,7 @@ class Slot:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ctx.config.give_up_seconds
         while self._etag is not None and ctx.now() >= self._until - HOLD_MARGIN:
-            if self._keeping is None or loop.time() >= deadline:
+            if self._refreshing is None or loop.time() >= deadline:
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._news.wait(), deadline - loop.time())
@@ -233,9 +233,9 @@ class Slot:
 
     def release(self, read_to_end: bool = False) -> None:
         """Give both back (once; the inbox row: ``_leave``)."""
-        if self._keeping is not None:
-            self._keeping.cancel()
-            self._keeping = None
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            self._refreshing = None
         if self._etag is not None:
             etag, self._etag = self._etag, None
             self._ctx.later(lambda: self._give_back(self._key, etag))

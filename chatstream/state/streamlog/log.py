@@ -142,6 +142,11 @@ class StreamLog:
             raise TooManyReaders("too many readers on this instance")
         return await Reader(self._ctx, stream_id, after or 0, self.producing, self.take_over).opened(caller)
 
+    def producing(self, stream_id: str) -> Producer | None:
+        """The stream's producer here, unless it went on elsewhere (for readers)."""
+        producer = self._producers.get(stream_id)
+        return producer if producer is not None and not producer.moved.is_set() else None
+
     async def cancel(self, stream_id: str, caller: str | None) -> bool:
         """Ask the stream's producer (on whatever instance) to stop. True if the stream was live,
         False if it had already ended. StreamNotFound / Unavailable as for open_reader."""
@@ -150,7 +155,7 @@ class StreamLog:
         if producer is not None:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("another caller's")
-            if producer.ended:
+            if producer.end is not None:
                 return False
             producer.request_stop("cancelled")
             return True
@@ -168,14 +173,9 @@ class StreamLog:
 
     # -- taking over ----------------------------------------------------------------------------
 
-    def producing(self, stream_id: str) -> Producer | None:
-        """The stream's producer here, unless it went on elsewhere (for readers)."""
-        producer = self._producers.get(stream_id)
-        return producer if producer is not None and not producer.moved.is_set() else None
-
     async def take_over(self, stream_id: str, received: int) -> bool:
         """A reader here found the producer gone: claim the stream and continue it with the hook.
-        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.unstored``).
+        Concurrent readers here share one attempt (the first one's ``received``: ``Producer.stand_in_to``).
         True: the stream goes on (here, elsewhere, over; or another instance takes it: this one
         drains or is full); False: it cannot be continued (stream_lost)."""
         if self._take_over is None:

@@ -97,48 +97,47 @@ class Producer:
         # Started by the store's clock: a continuation's cap counts from the stream's own start.
         self._started = self._loop.time() - max(0.0, ctx.now() - record.created)
         self._born = self._loop.time()
-        # What is kept, by position (1, 2, …): the stored events of earlier producers first.
+        # -- in memory: what is kept, by position (1, 2, …), the stored events of earlier producers first
         self._events = list(stored or ())
         self._size = sum(map(len, self._events))
         self._seam = len(self._events)  # the positions stored by earlier producers
         self.epoch = record.epoch  # the stream's producers so far, this one included (Record.epoch)
         self._fences = list(fences or ())  # the takeovers before this producer (format.never_stored)
-        self.ended = False  # the final event is kept...
-        self.ended_lost = False  # ...and it is our stream_lost
-        self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
         self._handed = len(self._events)  # positions handed out (to the live caller)
-        self._waiters: list[asyncio.Future] = []
-        self._final_by_caller = False
+        self.end: bytes | None = None  # the final event is kept: END (the route's) or LOST (our stream_lost)
+        self._final_by_caller = False  # the route appended its final event: it appends no more
+        self._handing_over = False  # nothing more is kept: the stream goes on elsewhere
+        self._waiters: list[asyncio.Future] = []  # readers here waiting for a change (``changed``)
+        # -- who reads it: abandonment, fast writes
         self._caller_here = not continuing  # the original caller (a continuation has none)
         self._attached = int(self._caller_here)  # ...and the readers here
         self._alone_since = self._loop.time()
         self._remote_read_at = 0.0  # the store's time a reader elsewhere was last seen (abandonment)
         self._remote_follow_at = 0.0  # ...and last seen still following (fast writes)
-        self._acked: set[str] = set()
-        # A continuation whose asking reader's client holds events its log never had (that reader
-        # ended with stream_lost): the position it reached, which the continuation is run to even
-        # with nobody reading, since its events up to there are what that client is charged
-        # (Claim.stand_ins); 0: none.
+        self._following = False  # a reader elsewhere follows
+        # A continuation whose asking reader's client holds events its log never had (that reader ended
+        # with stream_lost): the position it reached, which the continuation is run to even with nobody
+        # reading, since its events up to there are what that client is charged (Claim.stand_ins); 0: none.
         reached = position(received)
-        self.unstored = reached if reached > len(self._events) else 0
-        # -- storing (module docstring) --
+        self.stand_in_to = reached if reached > len(self._events) else 0
+        # -- storing (module docstring)
         # False once storing failed for good (the live stream goes on; readers elsewhere get stream_lost).
         self.resumable = True
         self._large_request = large_request
         self._blob = continuing  # the blob exists (a continuation's: the takeover's fence made it)
         self._end_seen_at: float | None = None  # the end, with no blob yet: it waits for an inbox read begun after it
         self._inbox_read = asyncio.Event()
-        self._stored_all = asyncio.Event()  # storing finished (stored, given up, or moved)
+        self._storing_over = asyncio.Event()  # storing finished (stored, given up, or moved)
         self._kick = asyncio.Event()  # wakes the storing
         self._stored = len(self._events)  # events in the blob
         self._stored_bytes = stored_bytes  # the blob's length
         self._stored_size = self._size  # the bytes of the events in it (markers aside)
         self._closed: bytes | None = None  # the marker that closed the stored log (_Attempt.closes)
-        self._blocks = 0
+        self._blocks = 0  # appended to the blob (at most BLOCKS_LIMIT)
         self._uncertain: list[_Attempt] = []  # appends not answered since the last confirmed one
-        self._acks: list[str] = []  # acks to store with the next write
+        self._acks: list[str] = []  # acks to store with the next write...
+        self._acked: set[str] = set()  # ...and every one asked for (each is stored once)
         self._fast = False
-        self._following = False  # a reader elsewhere follows
         self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds if continuing else 0.0
         self._idle = False
         self._last_write = self._started if not continuing else 0.0  # the first checkpoint is one interval in
@@ -168,10 +167,10 @@ class Producer:
             # (its resume there would hold ids never stored), and the final event tells it to resume.
             self._final_by_caller = final
             return self.moved_event() if final else b""
-        end = len(data) - 2
-        if end <= 0:
+        last_blank = len(data) - 2
+        if last_blank <= 0:
             return data
-        if data.find(sse.END_OF_EVENT) == end:  # one event: the common case
+        if data.find(sse.END_OF_EVENT) == last_blank:  # one event: the common case
             parts = [data]
         else:
             parts = [part + sse.END_OF_EVENT for part in sse.split(data)[0] if part]
@@ -186,8 +185,8 @@ class Producer:
             self._keep(event)
         if final:
             self._final_by_caller = True
-            if not self.ended:
-                self.ended = True
+            if self.end is None:
+                self.end = END
                 self._kick.set()
         if self._waiters:  # (a call and a list fewer per event when nobody here waits)
             self._wake()
@@ -203,7 +202,7 @@ class Producer:
         if self._caller_here:
             self._caller_here = False
             self.detach()
-        if not self.ended:  # (read to its end: nothing more comes, and the end is written at once)
+        if self.end is None:  # (read to its end: nothing more comes, and the end is written at once)
             self._last_write = -math.inf  # what is in hand is written now
             self._fast_until = self._loop.time() + self._cfg.read_fresh_seconds
             self._update_fast()
@@ -213,21 +212,22 @@ class Producer:
         """The stream is over (call it in ``finally``, once). If no final event was appended, the
         stored stream ends with a ``stream_lost`` error. Returns at once; the last write goes on in
         the background (``wait_stored``)."""
-        if not self.ended and not self._handing_over:
+        if self.end is None and not self._handing_over:
             self._end_with_error("the stream ended without its final event")
         self._kick.set()
 
     async def wait_stored(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109 - the documented interface
         """Wait until storing is done; True if the whole stream is stored."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stored_all.wait(), timeout)
-        return self._stored_all.is_set() and self.resumable and self._stored == len(self._events) and self.ended
+            await asyncio.wait_for(self._storing_over.wait(), timeout)
+        stored_all = self.end is not None and self._stored == len(self._events)
+        return self._storing_over.is_set() and self.resumable and stored_all
 
     async def hand_over(self, timeout: float) -> bool:  # noqa: ASYNC109 - the documented interface
         """Store what is kept with a ``: handover`` marker, then store nothing more: a reader on
         another instance takes the stream over at once (no lease to wait for). The live caller gets
         nothing more (``append``). True once the marker is stored."""
-        if self.ended or not self.resumable or self._stored_all.is_set():
+        if self.end is not None or not self.resumable or self._storing_over.is_set():
             return False
         self._handing_over = True
         self._kick.set()
@@ -245,21 +245,21 @@ class Producer:
         good nobody else can go on with the stream, so what is kept."""
         return self._stored if self.resumable else len(self._events)
 
-    def events_after(self, cursor: int, *, unstored: bool = False) -> bytes:
-        """The readable events after id ``cursor`` (b"" when there are none yet); ``unstored``: all
+    def events_after(self, cursor: int, *, all_kept: bool = False) -> bytes:
+        """The readable events after id ``cursor`` (b"" when there are none yet); ``all_kept``: all
         it kept, stored or not (what it generated: ``Claim.stand_ins``)."""
-        at, end = position(cursor), len(self._events) if unstored else self._readable()
+        at, end = position(cursor), len(self._events) if all_kept else self._readable()
         return b"".join(self._events[at:end]) if at < end else b""
 
     @property
-    def kept(self) -> int:
+    def last_readable(self) -> int:
         """The id of the last readable event (0: none)."""
         return self._id_at(self._readable())
 
     @property
-    def stored_end(self) -> bool:
+    def end_readable(self) -> bool:
         """The final event is readable (the last of ``events_after``)."""
-        return self.ended and (self._closed in (END, LOST) or not self.resumable)
+        return self.end is not None and (self._closed in (END, LOST) or not self.resumable)
 
     async def changed(self) -> None:
         """Wait for the next change: an event kept or stored, the end, a move."""
@@ -314,7 +314,7 @@ class Producer:
             self._inbox_read.set()
         self._following = now_store - self._remote_follow_at < cfg.read_fresh_seconds
         self._update_fast()
-        if self.ended or self.moved.is_set():
+        if self.end is not None or self.moved.is_set():
             return
         if now - self._started > cfg.max_stream_seconds:
             log.warning("stream %s ran past %.0f s without finishing: ended here", self._tag, cfg.max_stream_seconds)
@@ -329,11 +329,11 @@ class Producer:
 
     def _unwanted(self, now_store: float) -> bool:
         """A continuation nobody can use any more: its log holds what stands for the unstored events
-        its asking reader's client had (``unstored``), nobody here reads it (the caller checks), no
+        its asking reader's client had (``stand_in_to``), nobody here reads it (the caller checks), no
         reader elsewhere was seen lately, and it is past its young seconds (readers elsewhere find
         a takeover's new instance within about one of their polls and state checks)."""
         return (
-            0 < self.unstored <= self._readable()
+            0 < self.stand_in_to <= self._readable()
             and now_store - self._remote_read_at >= self._cfg.read_fresh_seconds
             and not self.young()
         )
@@ -347,7 +347,7 @@ class Producer:
         return sse.event_id(self._events[at - 1]) or 0 if at else 0
 
     def _keep(self, event: bytes) -> None:
-        if self.ended:
+        if self.end is not None:
             return  # the live caller only: past the kept end
         too_long = self._size + len(event) > self._cfg.max_stream_bytes or len(self._events) >= EPOCH_IDS - 2
         if too_long or len(event) > BLOCK_LIMIT - 64:
@@ -355,7 +355,7 @@ class Producer:
                 "stream %s is over %d bytes: it is not resumable past event %d",
                 self._tag,
                 self._cfg.max_stream_bytes,
-                self.kept,
+                self.last_readable,
             )
             self._end_with_error("the stream is too long to be resumed")  # in this event's place
             return
@@ -368,7 +368,7 @@ class Producer:
         self._events.append(event)
         self._size += len(event)
         self._handed = max(self._handed, at)
-        self.ended = self.ended_lost = True
+        self.end = LOST
         self._wake()
         self._kick.set()
 
@@ -402,16 +402,16 @@ class Producer:
             log.exception("stream %s: storing failed", self._tag)
             self._give_up("internal error")
         finally:
-            self._stored_all.set()
+            self._storing_over.set()
             self._update_fast()
             self._wake()
             instances.done()
-        while not self.ended and not self.moved.is_set():
+        while self.end is None and not self.moved.is_set():
             await self.changed()
 
     def _update_fast(self) -> None:
         following = self._following or self._attached > self._caller_here
-        fast = (following or self._loop.time() < self._fast_until) and not self._stored_all.is_set()
+        fast = (following or self._loop.time() < self._fast_until) and not self._storing_over.is_set()
         if fast != self._fast:
             self._ctx.fast_writers += 1 if fast else -1
             self._fast = fast
@@ -428,8 +428,9 @@ class Producer:
 
     async def _create(self) -> bool:
         """The record (after this instance's first beat: nobody must see a stream before its
-        producer's lease). The log's blob waits for the first write (a takeover makes it when the
-        stream's producer died before)."""
+        producer's lease), tried every 0.25 s for ``give_up_seconds``, each call within that time (a
+        reader elsewhere waits for the record only that long: readers.read_record). The log's blob
+        waits for the first write (a takeover makes it when the stream's producer died before)."""
         ctx, record = self._ctx, self._record
         deadline = self._loop.time() + self._cfg.give_up_seconds
         await ctx.instances.first_beat()
@@ -437,45 +438,45 @@ class Producer:
         record.created = ctx.now() - (self._loop.time() - self._started)
         record.expires = record.created + self._cfg.max_stream_seconds + self._cfg.ttl_seconds
         record.instance = ctx.instances.id
-        written = await self._write_record(None, deadline - self._loop.time())
-        if written is not True:
-            self._give_up(f"the store is unavailable ({written})" if written else "its record is someone else's")
-        return written is True
+        while True:
+            try:
+                if await self._insert({}, min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))):
+                    return True
+                self._give_up("its record is someone else's")
+                return False
+            except StoreError as exc:  # any failure tried again (a table 404s while it is made again)
+                if self._loop.time() > deadline:
+                    self._give_up(f"the store is unavailable ({exc})")
+                    return False
+                await asyncio.sleep(0.25)
 
-    async def _write_record(self, closes: bytes | None, patience: float, whole: str | None = None) -> bool | StoreError:
-        """This producer's own record: inserted until that lands; with ``closes`` (the log's last
-        marker, END or LOST), the stream's end then merged on its ETag (``whole``: the whole log, when
-        no blob holds it), and carried by the insert when that had not landed (given up: readers wait
-        for it, ResumeConfig.lost_record_seconds). Tried for ``patience`` seconds. True: written;
-        False: the record is another producer's (taken over); a StoreError: the store failed throughout
-        (its last)."""
-        ctx, store, record = self._ctx, self._ctx.store, self._record
-        # The insert alone is the request's: tried every 0.25 s, each call within the deadline (a
-        # reader elsewhere waits for the record only that long: readers.read_record); an end every
-        # 0.5 s, each call as long as a busy store takes.
-        deadline, first, unanswered = self._loop.time() + patience, 0.25 if closes is None else 0.5, False
-        pause = first
+    async def _write_end(self, closes: bytes, patience: float, whole: str | None = None) -> bool | StoreError:
+        """The stream's end in its record (``closes``: the log's last marker, END or LOST; ``whole``:
+        the whole log, when no blob holds it), merged on its ETag, or carried by its insert when the
+        create never landed (given up: readers wait for it, ResumeConfig.lost_record_seconds). Tried
+        every 0.5 s (given up: twice as long each time, to 5 s, and no more once the log closes) for
+        ``patience`` seconds. True: written; False: the record is another producer's (taken over); a
+        StoreError: the store failed throughout (its last)."""
+        ctx, record = self._ctx, self._record
+        deadline, pause, unanswered = self._loop.time() + patience, 0.5, False
         state, more = "ended" if closes == END else "lost", {} if whole is None else {"events": whole}
         while True:
-            bound = BUSY_TIMEOUT if closes else min(BUSY_TIMEOUT, max(CALL_TIMEOUT, deadline - self._loop.time()))
-            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more) if closes else {}
+            fields = record_over(self.id, state, ctx.now() + self._cfg.ttl_seconds, **more)
             try:
-                if not record.etag and not await self._insert(fields, bound):
+                # (An insert that found an earlier one of its own, without the end, merges it too.)
+                if not record.etag and not await self._insert(fields, BUSY_TIMEOUT):
                     return False
-                if fields:
-                    async with ctx.bulk():
-                        record.etag = await store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=bound)
+                async with ctx.turns():
+                    record.etag = await ctx.store.merge(STREAMS_TABLE, fields, etag=record.etag, timeout=BUSY_TIMEOUT)
                 return True
+            except (Modified, NotFound):
+                return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
             except StoreError as exc:
-                # (The insert alone tries those again, as any failure: a table 404s while it is made again.)
-                if closes and isinstance(exc, Modified | NotFound):
-                    return unanswered  # True: an earlier attempt landed (its answer lost) and changed the ETag
                 unanswered = unanswered or isinstance(exc, StoreUnavailable)
-                # A closing log waits for a normal end (StreamLog.close); a given-up one's stops.
                 if self._loop.time() > deadline or (ctx.closed and not self.resumable):
                     return exc
                 await asyncio.sleep(pause)
-                pause = first if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
+                pause = 0.5 if self.resumable else min(5.0, pause * 2)  # (given up: the store is down)
 
     async def _insert(self, fields: dict, timeout: float) -> bool:  # noqa: ASYNC109 - a store call's bound
         """Insert the record with ``fields``, the large request's own blob first. False: the record
@@ -483,7 +484,7 @@ class Producer:
         its ETag is kept). StoreError."""
         store, record = self._ctx.store, self._record
         if self._large_request is not None:
-            async with self._ctx.bulk():
+            async with self._ctx.turns():
                 with contextlib.suppress(Modified):  # Modified: an earlier attempt landed
                     await store.put(request_blob(self.id), self._large_request.encode(), etag=NEW, timeout=timeout)
             self._large_request = None
@@ -498,7 +499,7 @@ class Producer:
             return True
 
     async def _write_all(self) -> None:
-        """The storing loop (module docstring), from the record's insert to the record's end."""
+        """The storing loop (module docstring): after the record's insert, to the record's end."""
         failing_since: float | None = None
         while self._closed is None:
             self._kick.clear()
@@ -516,7 +517,7 @@ class Producer:
             if self._blocks >= BLOCKS_LIMIT - 2:
                 self._give_up("the stream has too many blocks")
                 return
-            if self.ended and not self._blob and self._end_seen_at is None:
+            if self.end is not None and not self._blob and self._end_seen_at is None:
                 if await self._end_inline():
                     return
                 continue
@@ -535,15 +536,15 @@ class Producer:
                 await asyncio.sleep(min(0.5, max(self._cfg.fast_flush_seconds, now - failing_since)))
         if self._closed == HANDOVER:
             self._moved("handed_over")
-        elif isinstance(failed := await self._write_record(self._closed, self._cfg.give_up_seconds), StoreError):
+        elif isinstance(failed := await self._write_end(self._closed, self._cfg.give_up_seconds), StoreError):
             # When that fails the end is still in the log (the record is deleted at its first expiry).
             log.warning("stream %s: its end could not be recorded (%s); it is deleted later", self._tag, failed)
 
     def _due(self) -> float:
         """How long until the next write is due: 0, now; inf, nothing to write (an append wakes it)."""
-        if not (len(self._events) > self._stored or self.ended or self._acks or self._handing_over):
+        if not (len(self._events) > self._stored or self.end or self._acks or self._handing_over):
             return math.inf
-        if self.ended or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
+        if self.end or self._handing_over or self._acks or self._size - self._stored_size >= self._cfg.flush_bytes:
             return 0.0
         interval = self._cfg.checkpoint_seconds
         if self._fast:
@@ -564,8 +565,8 @@ class Producer:
         acks = tuple(self._acks) if whole else ()
         parts.extend(ack_marker(nonce, self._id_at(first + count)) for nonce in acks)
         closes = None
-        if whole and (self.ended or self._handing_over):
-            closes = HANDOVER if not self.ended else LOST if self.ended_lost else END
+        if whole and (self.end or self._handing_over):
+            closes = self.end or HANDOVER
             parts.append(sse.comment(closes))
         return _Attempt(count, b"".join(parts), closes, acks)
 
@@ -575,7 +576,7 @@ class Producer:
         store = self._ctx.store
         offset = self._stored_bytes
         try:  # a reader elsewhere waits for it: ahead of the other streams' writes (ResumeConfig.bulk_calls)
-            async with self._ctx.bulk(first=self._following or bool(attempt.acks)):
+            async with self._ctx.turns(first=self._following or bool(attempt.acks)):
                 try:
                     await store.append(self.id, attempt.block, at=offset, timeout=BUSY_TIMEOUT)
                 except NotFound:
@@ -646,7 +647,7 @@ class Producer:
             return False
         if self._following or self._acks or attempt.closes is None or not fits_record(text):
             return False  # (closes None: more than one block)
-        ended = await self._write_record(attempt.closes, self._cfg.give_up_seconds, text)
+        ended = await self._write_end(attempt.closes, self._cfg.give_up_seconds, text)
         if isinstance(ended, StoreError):
             self._give_up(f"the store is unavailable ({ended})")
         elif not ended:
@@ -664,7 +665,7 @@ class Producer:
             message, number = "the stream stopped being stored", self._id_at(self._stored + 1)
             block = self._ctx.error_event(self.route, "stream_lost", message, number) + sse.comment(LOST)
             if not self._blob:
-                await self._write_record(LOST, deadline - self._loop.time(), block.decode())
+                await self._write_end(LOST, deadline - self._loop.time(), block.decode())
                 return
             try:  # (one of the writes whose answer was lost may land first: then after it)
                 await self._write_block(_Attempt(0, block, LOST, ()))
@@ -674,4 +675,4 @@ class Producer:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
         if self._closed in (END, LOST):
-            await self._write_record(self._closed, deadline - self._loop.time())
+            await self._write_end(self._closed, deadline - self._loop.time())

@@ -129,7 +129,7 @@ class Reader:
             raise
 
     def moved_event(self) -> bytes:
-        """What ends a reading when this instance stops (its producer's live caller gets the same)."""
+        """The reading's end when this instance stops (as its producer's live caller's): it is ``over``."""
         self.over = True
         return self._ctx.moved_event(self.route)
 
@@ -161,7 +161,7 @@ class Reader:
             if producer.owner is not None and producer.owner != caller:
                 raise StreamNotFound("another caller's")
             never_stored = producer.never_stored(self.after)  # the reader ends with stream_lost at once
-            if self.after > producer.last_id and not producer.ended_lost and not never_stored:
+            if self.after > producer.last_id and producer.end != LOST and not never_stored:
                 raise PastTheEnd(self.after, producer.last_id)
             self.route = producer.route
             await self._slot.hold(None)  # even here: the limit is the stream's, on all instances
@@ -234,14 +234,14 @@ class Reader:
                 yield self._broken()
                 return
             while True:
-                kept = producer.kept
-                if kept > self.tail.cursor:
+                readable = producer.last_readable
+                if readable > self.tail.cursor:
                     data = producer.events_after(self.tail.cursor)
-                    self.tail.cursor = kept
+                    self.tail.cursor = readable
                     yield data
                     continue
-                if producer.stored_end:
-                    if ending := self._end(lost=producer.ended_lost, last_id=kept):
+                if producer.end_readable:
+                    if ending := self._end(producer.end, readable):
                         yield ending
                     return
                 if producer.moved.is_set():  # (as this instance stops, the reading ends with ``leaving``)
@@ -309,7 +309,7 @@ class Reader:
                         self.over = True
                         yield ctx.error_event(self.route, "store_unavailable", "the stream's store is unavailable")
                         return
-            if ending := self._broken() if tail.broken else self._end(tail.end == LOST, tail.last_id):
+            if ending := self._broken() if tail.broken else self._end(tail.end, tail.last_id):
                 yield ending
         finally:
             ctx.remote_readers -= 1
@@ -324,7 +324,7 @@ class Reader:
         data = self.record.log_from(tail.offset)
         if data is None:
             again = tail.offset == 0 and loop.time() >= self._record_at
-            async with self._ctx.bulk():
+            async with self._ctx.turns():
                 if not again:
                     data = await self._ctx.store.read(self.stream_id, tail.offset)
                 else:  # both at once: a reader the producer saw too late waits one call, not two
@@ -398,12 +398,12 @@ class Reader:
         self.over = True
         return self._ctx.error_event(self.route, "stream_lost", message, self.tail.cursor + 1)
 
-    def _end(self, lost: bool, last_id: int) -> bytes:
-        """The stream is over: what the reading gets besides the events. ``lost``: the log ended lost
-        (our stream_lost, unless the client has just got it: its last event, ``last_id``)."""
+    def _end(self, end: bytes | None, last_id: int) -> bytes:
+        """The stream is over (``end``, its log's marker): what the reading gets besides the events. LOST:
+        our stream_lost, unless the client has just got it (its last event, ``last_id``)."""
         self.over = True
         cursor = self.tail.cursor
-        if lost and not (cursor == last_id and cursor > self.after):
+        if end == LOST and not (cursor == last_id and cursor > self.after):
             return self._lost("the stream was lost before its end")
         return b""
 

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from ... import sse
 from ...errors import AlreadyExists, Modified, NotFound, StoreError
@@ -58,13 +58,13 @@ class Claim:
 
     def stand_ins(self) -> bytes:
         """The continuation's events that stand for the ``past_stored`` ones (b"" when none): those of
-        the positions up to ``producer.unstored`` (ids differ per producer; positions agree), stored
+        the positions up to ``producer.stand_in_to`` (ids differ per producer; positions agree), stored
         or not (when the continuation ends, its last write may still be on its way)."""
-        unstored = self.producer.unstored
-        if not unstored:
+        stand_in_to = self.producer.stand_in_to
+        if not stand_in_to:
             return b""
-        ours = sse.split(self.producer.events_after(self.last_id, unstored=True))[0]
-        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= unstored)
+        ours = sse.split(self.producer.events_after(self.last_id, all_kept=True))[0]
+        return sse.join(e for e in ours if position(sse.event_id(e) or 0) <= stand_in_to)
 
     def unstood(self) -> int:
         """How many of the ``past_stored`` it has not stood in for yet."""
@@ -134,10 +134,8 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             log.warning("stream %s: the takeover's record write failed: %s", tag, exc)
             return False
         fenced = await _fence(ctx, won, tail, events)
-        if fenced is None:
-            return False
-        if fenced is False:
-            return True
+        if fenced != "fenced":
+            return fenced == "over"
         stored = split_events(bytes(events))
         fences = [*tail.fences, (won.epoch, tail.last_id)]
         stored_bytes = tail.offset + len(epoch_marker(won.epoch, tail.last_id))
@@ -158,23 +156,23 @@ async def claim(ctx: Context, stream_id: str, received: int) -> Claim | bool:
             last_id=tail.last_id,
             producer=producer,
             lost_events=producer_events(bytes(events), tail.epoch),
-            past_stored=max(0, producer.unstored - position(tail.last_id)),
+            past_stored=max(0, producer.stand_in_to - position(tail.last_id)),
         )
     finally:
         ctx.instances.done()  # the producer holds its own need from here on
 
 
-async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bool | None:
+async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> Literal["fenced", "over", "failed"]:
     """Append the epoch marker at the stored end (``tail`` and its ``events`` grow with what the old
-    producer stored before it). True: fenced; False: the old producer stored the end meanwhile (the
-    record, ours now, says it is over); None: the store failed for ``give_up_seconds``."""
+    producer stored before it). "over": the old producer stored the end meanwhile (the record, ours
+    now, says so); "failed": the store failed for ``give_up_seconds``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.config.give_up_seconds
     store = ctx.store
     while loop.time() < deadline:
         try:
             await store.append(won.stream_id, epoch_marker(won.epoch, tail.last_id), at=tail.offset)
-            return True
+            return "fenced"
         except Modified:  # the old producer's last write landed: fence after it
             more = b""
             with contextlib.suppress(StoreError):
@@ -182,14 +180,11 @@ async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bo
             if more:
                 events.extend(tail.feed(more))
                 if tail.end is not None:
-                    now = ctx.now()
                     state = "lost" if tail.end == LOST else "ended"
-                    over = record_over(
-                        won.stream_id, state, now + ctx.config.ttl_seconds, finished=now, last_id=tail.last_id
-                    )
+                    over = record_over(won.stream_id, state, ctx.now() + ctx.config.ttl_seconds)
                     with contextlib.suppress(StoreError):  # else it expires later
                         await store.merge(STREAMS_TABLE, over, etag=won.etag)
-                    return False
+                    return "over"
         except NotFound:  # it died before it made the blob: made here, then fenced
             try:
                 await store.append_create(won.stream_id)
@@ -200,4 +195,4 @@ async def _fence(ctx: Context, won: Record, tail: Tail, events: bytearray) -> bo
         except StoreError:
             await asyncio.sleep(0.25)
     log.warning("stream %s: the takeover could not fence the log (the store failed)", log_tag(won.stream_id))
-    return None
+    return "failed"
