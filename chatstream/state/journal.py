@@ -21,14 +21,12 @@ done again by the next duty holder, and two at once charge everything once.
 
 1. **Seal** the journal (``sealed_by``, on its ETag): the dead instance, if it was only slow, cannot
    write it again and learns it was taken over.
-2. **Ledger**: every settled charge's row is written (``Ledger.write``: one someone else wrote first
-   is theirs to count; a taker's raise of a lost part counts if it is in the row). An open entry's
-   row (a request's, or a lost part's its taker knew of), ``ended: lost``, is raised
-   (``ledger.raised``) to its checkpoint, or, a resumable stream's, to what its producer's part of
-   the log holds if more (``told``); only what the raise adds is counted, and the row says it, so
-   a run again, or at once, counts it once (takers count their own raises). A row an older
-   version's recovery wrote (no op of its own) counts nothing here, only a raise above it (the
-   budget rows stay below the ledger by its part if that recovery died before step 3).
+2. **Ledger**: every settled charge's row is written (one someone else wrote first is theirs to
+   count; a taker's raise of a lost part counts if it is in the row). An open entry (a request, or
+   a lost part its taker knew of) is charged ``ended: lost``: its row raised (``ledger.raised``) to
+   its checkpoint, or to what its producer's part of the stream's log holds if more (``told``).
+   Only what the raise adds is counted, and the row records the raise, so a recovery run again,
+   or twice at once, counts it once (a taker counts its own raises).
 3. **Counters**: in each budget counter row it held (counter_row.py), the dead instance's entry goes
    out: ``taken`` loses what it held and gains what it spent that the row does not have yet (its
    charges after the entry's ``applied`` number, its open requests at their checkpoint), if of the
@@ -105,7 +103,8 @@ class JournalEntry:
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
     seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
-    # ``serialised``: the JSON of the fields set once; of all but the checkpoint, and for which fields
+    # ``serialised``'s caches: the JSON of the fields set at opening; of all but the checkpoint, with
+    # the (state, segment, stream, epoch) it was made of
     _fixed: str = field(default="", repr=False)
     _head: tuple[tuple, str] = field(default=((), ""), repr=False)
 
@@ -132,8 +131,9 @@ class JournalEntry:
         return Charge.made(self.payer, self.model, used, self.price, "lost", author, self.segment)
 
     def serialised(self) -> str:
-        """Its document in the journal, as JSON: made again only as its state, segment, stream or
-        epoch change, but for an open request's checkpoint (``generated``, its last field; issue #44)."""
+        """Its document in the journal, as JSON. Only an open request's checkpoint (``generated``, its
+        last field) is encoded at every write; the rest is kept until its state, segment, stream or
+        epoch changes."""
         fields = (self.state, self.segment, self.stream, self.epoch)
         if self._head[0] != fields:
             if not self._fixed:

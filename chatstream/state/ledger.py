@@ -51,7 +51,7 @@ class Payer:
         return cls(**{"day": str(values.get("RowKey") or "")[:8], **found})
 
     def values(self) -> dict[str, Any]:
-        """Its fields by name (``asdict``'s deep copy cost more than the rest of a charge: issue #44)."""
+        """Its fields by name (not ``asdict``: its deep copy cost more than the rest of a charge)."""
         return dict(vars(self))
 
 
