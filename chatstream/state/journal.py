@@ -490,7 +490,7 @@ class Recovery:
         owed = [(entry, await self._charge(entry, dead)) for entry in entries]  # 2.
         counters = [CounterKey.parse(key) for key in doc.get("counters") or []]
         for key in counters:  # 3.
-            await self._give_back(key, dead, owed)
+            await self._settle_counter(key, dead, owed)
         with contextlib.suppress(StoreError):  # 4. (if it fails, a next run finds every step done)
             await self.store.delete_blob(journal_name(dead))
         log.info("journal of %s taken over: %d request(s), %d counter(s)", dead, len(entries), len(counters))
@@ -512,7 +512,7 @@ class Recovery:
                 continue
         raise StoreError("the journal kept changing while it was being sealed")
 
-    async def _logged(self, entry: JournalEntry) -> int:
+    async def _logged_tokens(self, entry: JournalEntry) -> int:
         """Completion tokens of an open entry's part of its stream's log (0: none, or not read)."""
         if self.told is None or not entry.stream:
             return 0
@@ -530,7 +530,7 @@ class Recovery:
     async def _charge(self, entry: JournalEntry, dead: str) -> dict[CounterKey, int]:
         """Step 2 for one entry: what it brings into each budget counter, less what others count."""
         if entry.state != "settled":  # an open request, or a taker's knowledge of a lost part: raised
-            charge = entry.lost_charge(TAKEOVER + dead, await self._logged(entry))
+            charge = entry.lost_charge(TAKEOVER + dead, await self._logged_tokens(entry))
             for _ in range(MAX_ATTEMPTS):
                 write, adds = raised(await self.ledger.find(charge), charge, charge.author)
                 if write is None or await self._write([write]) == [False]:  # (True: the row changed first)
@@ -548,7 +548,7 @@ class Recovery:
             raise StoreError("the usage ledger could not be written")
         return [bool(t) for t in theirs]
 
-    async def _give_back(
+    async def _settle_counter(
         self, key: CounterKey, dead: str, owed: list[tuple[JournalEntry, dict[CounterKey, int]]]
     ) -> None:
         """Step 3 for one budget counter row; a conflict re-reads."""
