@@ -13,10 +13,10 @@ entry's ``applied`` is the last in). ONE exchange per counter and instance is in
 meanwhile waits for the next. A dead instance's entry in a budget row is taken out by its recovery
 (journal.py); minute windows end.
 
-**A lone request's hold.** A lone request takes one more request's worth for the next one, kept
-``HOLD_SECONDS`` from the last request it served, so that requests at a steady pace need no
+**A lone request's spare.** A lone request takes one more request's worth for the next one, kept
+``SPARE_SECONDS`` from the last request it served, so that requests at a steady pace need no
 exchange before their upstream call. What every instance keeps idle together stays under
-``HOLD_SHARE`` of the limit, however many instances there are.
+``SPARE_SHARE`` of the limit, however many instances there are.
 
 **Every write is idempotent.** When an exchange's answer is lost, nothing is given back on a guess:
 the next exchange learns from the row whether it landed, and until then the counter's reservations
@@ -61,8 +61,8 @@ log = logging.getLogger("chatstream")
 
 RESERVE_TIMEOUT = CALL_TIMEOUT  # a reservation that needs the store and hears nothing this long: unavailable
 SLOW_TIMEOUT = 8.0  # ...but one whose exchange is answering slowly waits this long before giving up
-HOLD_SECONDS = 3.0  # a lone request's hold outlives a pause of a few seconds between requests
-HOLD_SHARE = 0.1
+SPARE_SECONDS = 3.0  # a lone request's spare outlives a pause of a few seconds between requests
+SPARE_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,9 @@ class Lease:
         self.flight: asyncio.Task | None = None
         self.retry: asyncio.TimerHandle | None = None
         self.backoff = 0.5
-        self.hold_share = 0  # a lone request's hold (module docstring): what it may keep idle (0: no hold)...
-        self.hold: asyncio.TimerHandle | None = None  # ...until this ends it
-        self.top_up = False  # a request served from the hold settled since: take that again
+        self.spare = 0  # a lone request's spare (module docstring): what it may keep idle (0: none)...
+        self.spare_ends: asyncio.TimerHandle | None = None  # ...until this ends it
+        self.top_up = False  # a request served from the spare settled since: take that again
         self.uncertain: _Written | None = None
         self.seen = CounterRow()  # the row as this instance last read or wrote it
         self.known = False  # ...and whether that is still worth acting on
@@ -171,8 +171,8 @@ class Lease:
             self.waiters.append(part)
             self.kick()
         else:
-            if self.hold_share:
-                self._hold(self.hold_share)  # served from the hold: it is kept for the next request (a steady pace)
+            if self.spare:
+                self._keep_spare(self.spare)  # served from the spare: it is kept for the next request (a steady pace)
             self._grant(part)
         return part
 
@@ -192,8 +192,8 @@ class Lease:
         if part.window != self.window:
             return None  # a window that is over needs nothing
         self.give_back(part)  # (books dropped since, taken over elsewhere: the row pays all of the charge)
-        if self.hold_share:
-            self.top_up = True  # what it spent of the hold is taken again, after the request
+        if self.spare:
+            self.top_up = True  # what it spent of the spare is taken again, after the request
         return self.charge(part.need if self.key.row.startswith("rpm") else max(0, int(spent.get(self.key, 0))))
 
     def charge(self, amount: int) -> _Staged | None:
@@ -233,19 +233,19 @@ class Lease:
         (more was spent than reserved) only what the limit leaves: the next exchange decides."""
         return min(self.balance, self.remaining())
 
-    def holds(self) -> bool:
+    def in_use(self) -> bool:
         """Whether this instance has books on the counter, or may hold some of it in the row without
         knowing it yet (a write for waiting reservations, one whose answer was lost)."""
         return any((self.held, self.balance, self.staged, self.waiters, self.uncertain, self.kept))
 
-    def _hold(self, share: int) -> None:
-        """Hold ``share`` for ``HOLD_SECONDS`` from now; 0: the hold ends, and an exchange gives back
+    def _keep_spare(self, spare: int) -> None:
+        """Keep ``spare`` for ``SPARE_SECONDS`` from now; 0: the spare ends, and an exchange gives back
         what it kept."""
-        if self.hold is not None:
-            self.hold.cancel()
-        self.hold_share = share
-        self.hold = asyncio.get_running_loop().call_later(HOLD_SECONDS, self._hold, 0) if share else None
-        if not share:
+        if self.spare_ends is not None:
+            self.spare_ends.cancel()
+        self.spare = spare
+        self.spare_ends = asyncio.get_running_loop().call_later(SPARE_SECONDS, self._keep_spare, 0) if spare else None
+        if not spare:
             self.kick()
 
     # --- the single flight ------------------------------------------------------------------
@@ -265,10 +265,10 @@ class Lease:
     def _has_work(self) -> bool:
         return (
             self.uncertain is not None
-            or (self.top_up and self.hold_share > 0)
+            or (self.top_up and self.spare > 0)
             or bool(self._pending())
             or bool(self._applicable())
-            or not 0 <= self.balance <= self.hold_share  # below 0, a charge past the balance: the row pays
+            or not 0 <= self.balance <= self.spare  # below 0, a charge past the balance: the row pays
             or self._lingers()
         )
 
@@ -356,7 +356,7 @@ class Lease:
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
                 # row has our entry, so a takeover of this instance finds it.
-                await counters.journal.note_counter(self.key, self.holds)
+                await counters.journal.note_counter(self.key, self.in_use)
                 waiters = self._pending()
             room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
             chosen = _fitting(waiters, room)
@@ -364,15 +364,15 @@ class Lease:
             if len(chosen) < len(waiters) and not fresh:
                 self.known = False  # refuse only on what the store says now
                 continue
-            # The hold (module docstring): what this instance keeps unassigned after the exchange.
+            # The spare (module docstring): what this instance keeps unassigned after the exchange.
             idle = sum(e.idle for name, e in holds.items() if name != counters.instance)
-            share = max(0, int(self.limit * HOLD_SHARE) - idle)
+            spare_room = max(0, int(self.limit * SPARE_SHARE) - idle)
             lone = self.period == "minute" and len(waiters) == 1 and bool(chosen)
             if lone:  # it takes one more for the next request, as far as the limit leaves
-                keep = hold = max(0, min(total, share, room - total))
-            else:  # while holding, at most its share stays idle here; after a request it served, that again
-                hold = 0 if waiters else self.hold_share
-                keep = max(0, min(self.balance, hold), min(hold, share, room) if top_up else 0)
+                keep = spare = max(0, min(total, spare_room, room - total))
+            else:  # while it has a spare, at most that stays idle here; after a request it served, that again
+                spare = 0 if waiters else self.spare
+                keep = max(0, min(self.balance, spare), min(spare, spare_room, room) if top_up else 0)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
             applied = self._applicable()
             spent = sum(staged.amount for staged in applied)
@@ -396,7 +396,7 @@ class Lease:
             if not await self._send(written, waiters, chosen):
                 continue
             if lone:
-                self._hold(hold)
+                self._keep_spare(spare)
             return
         raise StoreError("the counter kept changing under this instance")
 
@@ -558,7 +558,7 @@ class Counters:
         minute = window_of("minute", now)
         if minute != self._pruned_at:
             self._pruned_at = minute
-            for key in [k for k, lease in self._leases.items() if lease.flight is None and not lease.holds()]:
+            for key in [k for k, lease in self._leases.items() if lease.flight is None and not lease.in_use()]:
                 del self._leases[key]
 
     async def reserve(self, wants: Sequence[Want]) -> Reservation | Refused | Unavailable:
@@ -654,7 +654,7 @@ class Counters:
 
         def done() -> bool:
             for lease in self._leases.values():
-                lease._hold(0)  # (what is left to give back starts an exchange)
+                lease._keep_spare(0)  # (what is left to give back starts an exchange)
             return all(lease.flight is None for lease in self._leases.values())
 
         return await _until(done, lambda: list(self._leases.values()), within)
