@@ -57,7 +57,7 @@ class Admission:
     prices: Mapping[str, Price]  # every model's, as admitted: what its answer is charged at (``_charges``)
     created: tuple[str, str] | None = None  # (kind, id) of what the request created, once claimed
     background: bool = False  # a background response: charged when its usage is seen (``charge_seen``)
-    lost: JournalEntry | None = None  # the last charge of its lost part (``charge_lost``)
+    lost_raise: JournalEntry | None = None  # its last raise of a taken-over stream's lost part (``charge_lost``)
 
 
 RAISED_WITHIN = 60.0  # a raise to what a caller received waits at most this long for a failing store
@@ -262,12 +262,13 @@ class Accounting:
         patience: float = 0.0,
         floor: int = 0,
     ) -> None:
-        """A resumable stream taken over here as its ``epoch``-th producer (call it right after the
-        admission, again as ``text`` grows): the lost part's row (none, a recovery's or its own) raised
-        (``ledger.raised``), as a correction (``_correct``), to ``text`` (what the log shows the lost
-        producer generated after ``before``) and ``floor`` tokens more (events its caller received, text
-        unknown). Never raises: for ``patience`` seconds a store failure is tried again, a raise waits
-        for the earlier one's row, and one whose row changed first is made again; past it, the dead
+        """Charge the lost part of a resumable stream taken over here as its ``epoch``-th producer: at
+        least ``text`` (what the log shows the lost producer generated after ``before``) and ``floor``
+        tokens more (events its caller received, text unknown). Call it right after the admission, and
+        again as ``text`` grows. The part's ledger row (none, a recovery's, or an earlier raise's) is
+        raised to that (``ledger.raised``), what the raise adds counted as a correction (``_correct``).
+        Never raises: for ``patience`` seconds a store failure is tried again, a raise waits for the
+        previous one's row, and one whose row changed first is made again; after that, the dead
         instance's recovery charges the part at its checkpoint."""
         started = started or self.counters.clock()  # when the stream started (unknown: now)
         part = self._lost_part(admission, started, epoch, before)
@@ -276,11 +277,11 @@ class Accounting:
         give_up = loop.time() + patience
         again = False
         while True:
-            if admission.lost is not None:  # the earlier charge of it lands first: this one is made on it
+            if admission.lost_raise is not None:  # the previous raise lands first: this one is made on it
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(give_up):  # (a failing store holds it too)
-                        await admission.lost.written.wait()
-                if again and not admission.lost.written.is_set():
+                        await admission.lost_raise.written.wait()
+                if again and not admission.lost_raise.written.is_set():
                     return  # journaled: it lands, or counts nothing if the row changed first
             try:
                 there = await self.ledger.find(made)
@@ -290,10 +291,9 @@ class Accounting:
                     return
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            # Charged already: by the dead instance's takeover at its journal's checkpoint, or by this
-            # call before (raised to what the log shows, the difference counted); or by the producer
-            # itself (a hand-over: it counted it).
-            if there is not None and not (there.author.startswith(TAKEOVER) or there.author == made.author):
+            # A row the lost producer wrote itself (a hand-over) is counted by it; a row of the dead
+            # instance's recovery (its journal's checkpoint) or of an earlier raise here is raised.
+            if there is not None and not there.author.startswith(TAKEOVER) and there.author != made.author:
                 return
             op = secrets.token_hex(6)
             charge, adds = raised(there, made, op)
@@ -301,7 +301,7 @@ class Accounting:
                 return
             spent = amounts([w.key for w in admission.wants], [adds])
             wants = [replace(w, need=spent[w.key]) for w in admission.wants]  # its limits, by what it adds
-            admission.lost = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
+            admission.lost_raise = await self._correct(f"{made.request_id}/{op}", charge, wants, started)
             if loop.time() >= give_up:
                 return
             again = True  # once its row is written: the row read again, raised again if it changed first
@@ -336,10 +336,10 @@ class Accounting:
         await self.charge_lost(admission, started, text, epoch, before, RAISED_WITHIN, floor)
 
     def _lost_part(self, admission: Admission, started: float, epoch: int, before: str) -> JournalEntry:
-        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block
-        (``admission`` charges from its own), on the stream's day, its prompt with ``before``."""
+        """A taken-over stream's lost part: the first segment of its ``epoch - 1``-th producer's block,
+        on the stream's day, its prompt with ``before``. Sets ``admission`` to charge from its own block."""
         entry, lost = admission.entry, (max(2, epoch) - 2) * SEGMENTS_PER_PRODUCER
-        entry.segment = lost + SEGMENTS_PER_PRODUCER
+        entry.segment = lost + SEGMENTS_PER_PRODUCER  # (the next block: this producer's)
         payer = replace(entry.payer, day=day_of(started))
         prompt = entry.prompt_tokens + (tokens.count_text(entry.model, before) if before else 0)
         needs = {w.key: 0 for w in admission.wants if w.period != "minute"}  # the rows a raise enters

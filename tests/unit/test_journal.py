@@ -701,8 +701,8 @@ async def test_a_part_settled_by_its_live_producer_after_its_taker_charged_it_is
     going_on = await acc_b.admit(caller, asked(call("a story"), taken))
     assert isinstance(going_on, Admission)
     await acc_b.charge_lost(going_on, first.started, "Once upon a time", epoch=2)
-    assert going_on.lost is not None
-    await asyncio.wait_for(going_on.lost.written.wait(), 5)  # journaled, then in the ledger
+    assert going_on.lost_raise is not None
+    await asyncio.wait_for(going_on.lost_raise.written.wait(), 5)  # journaled, then in the ledger
     rec.hung_up()
     finish(acc_a, first, rec, None, generated={0: ["Once upon a time there was a fox"]})
     finish(acc_b, going_on, taken, usage(40, 12))
