@@ -86,7 +86,7 @@ class _Written:
 
     row: CounterRow  # what it writes (conditioned on its ETag: counter_row.write)
     delta: int  # what it takes of the row (negative: gives back)
-    applied: list[_Staged]  # the charges it applies
+    charges: list[_Staged]  # the charges it applies
     balance_out: int  # the balance it took out of the books while in flight (it keeps ``delta`` more)
 
 
@@ -257,7 +257,7 @@ class Lease:
     def _pending(self) -> list[Part]:
         return [part for part in self.waiters if not part.granted.done()]
 
-    def _applicable(self) -> list[_Staged]:
+    def _confirmed(self) -> list[_Staged]:
         """The staged charges that may enter the row now: confirmed, in order (a charge waits for
         every earlier one, so ``applied`` is a prefix)."""
         return list(itertools.takewhile(lambda staged: staged.confirmed, self.staged))
@@ -267,7 +267,7 @@ class Lease:
             self.uncertain is not None
             or (self.top_up and self.spare > 0)
             or bool(self._pending())
-            or bool(self._applicable())
+            or bool(self._confirmed())
             or not 0 <= self.balance <= self.spare  # below 0, a charge past the balance: the row pays
             or self._lingers()
         )
@@ -374,22 +374,22 @@ class Lease:
                 spare = 0 if waiters else self.spare
                 keep = max(0, min(self.balance, spare), min(spare, spare_room, room) if top_up else 0)
             delta = total + keep - self.balance  # a balance below 0 (charged past it): the row pays
-            applied = self._applicable()
-            spent = sum(staged.amount for staged in applied)
-            if delta == 0 and not applied and not chosen and not self._lingers():
+            entering = self._confirmed()
+            spent = sum(staged.amount for staged in entering)
+            if delta == 0 and not entering and not chosen and not self._lingers():
                 self._answer(waiters, chosen)
                 return
             self.exchange += 1  # this write's number, in the entry (the same if it is sent again)
             held = self.held + delta - spent
             kept = self.kept and counters.instance in holds  # a lost part's raise may enter here (``kept``)
-            if held > 0 or len(self.staged) > len(applied) or kept:  # a charge not in yet: the entry stays
+            if held > 0 or len(self.staged) > len(entering) or kept:  # a charge not in yet: the entry stays
                 holds[counters.instance] = Entry(
-                    held, applied[-1].seq if applied else self.applied, self.exchange, keep
+                    held, entering[-1].seq if entering else self.applied, self.exchange, keep
                 )
             else:
                 holds.pop(counters.instance, None)  # nothing held here: nothing to take over
             row = replace(seen, window=window, taken=max(0, taken + delta), holds=holds)
-            written = _Written(row, delta, applied, self.balance)
+            written = _Written(row, delta, entering, self.balance)
             # What this write settles leaves the books while it is in flight, so that nothing serves a
             # reservation from capacity on its way back to the store (a give-back meanwhile stays).
             self.balance -= written.balance_out
@@ -423,17 +423,17 @@ class Lease:
     ) -> None:
         """The books follow a write: landed, the ``chosen`` waiters it granted are served; not (and
         never will), what it took out of the balance comes back."""
-        if landed and written.applied and self.counters.journal is not None:
+        if landed and written.charges and self.counters.journal is not None:
             self.counters.journal.changed()  # it may drop the charges now in the row
         if written.row.window != self.window:
             return
         if not landed:
             self.balance += written.balance_out
             return
-        self.held += written.delta - sum(staged.amount for staged in written.applied)
+        self.held += written.delta - sum(staged.amount for staged in written.charges)
         self.in_row = self.counters.instance in written.row.holds
         self.balance += written.balance_out + written.delta  # what it keeps, and what it grants (served next)
-        for staged in written.applied:
+        for staged in written.charges:
             if self.staged and self.staged[0] is staged:
                 self.staged.popleft()
             self.applied = staged.seq
@@ -506,7 +506,7 @@ class Reservation:
         for charge in self.charges:
             charge.lease.confirm(charge, (less or {}).get(charge.lease.key, 0))
 
-    def applied(self) -> bool:
+    def counted(self) -> bool:
         """Whether every budget charge is in its row (or needs nothing any more: its window is over,
         or the counter was taken over elsewhere)."""
         return all(charge not in charge.lease.staged for charge in self.charges)

@@ -333,7 +333,7 @@ class Journal:
         self.entries = {  # settled requests whose ledger rows and counter charges are all in leave it
             key: e
             for key, e in self.entries.items()
-            if not (e.state == "settled" and e.written.is_set() and e.reservation.applied())
+            if not (e.state == "settled" and e.written.is_set() and e.reservation.counted())
         }
         listed = self._listing()
         # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
