@@ -192,13 +192,13 @@ class Accounting:
             except StoreError as exc:  # a continuation then reserves the estimate
                 log.warning("owners: %s %s: its size could not be kept: %s", *admission.created, exc)
 
-    def streams(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
+    def produces(self, admission: Admission, stream_id: str, epoch: int = 1) -> None:
         """The request produces resumable stream ``stream_id`` (as its ``epoch``-th producer): a
         recovery charges it at least what that producer's part of the log holds (journal.py)."""
         admission.entry.stream, admission.entry.epoch = stream_id, epoch
         self.journal.changed()
 
-    def checkpoint(self) -> None:
+    def write_checkpoints(self) -> None:
         """The journal is written now with every checkpoint (this instance is stopping)."""
         self.journal.urgent()
 

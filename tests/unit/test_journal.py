@@ -1039,7 +1039,7 @@ async def streaming_on_a(data: MemoryData, checkpoint: str, epoch: int = 1):
     r.entry.generated = lambda: {0: checkpoint}
     if epoch > 1:  # a took the stream over (Endpoint.take_over): its own block of segments
         r.entry.segment = (epoch - 1) * 20
-    acc_a.streams(r, STREAM, epoch)
+    acc_a.produces(r, STREAM, epoch)
 
     def journaled() -> bool:
         entry = entry_of(data, "instance-a", rec.id)
