@@ -101,7 +101,7 @@ class JournalEntry:
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
-    orphaned: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
+    taken_over: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
     seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
     # ``serialised``'s caches: the JSON of the fields set at opening; of all but the checkpoint, with
     # the (state, segment, stream, epoch) it was made of
@@ -210,7 +210,7 @@ class Journal:
         self._quiet.set()
         self._closed = False
         self._failing = False  # the last write failed: requests do not wait for a listing
-        self.number = 1  # which journal of this process: one more each time one was found sealed (_fenced)
+        self.number = 1  # which journal of this process: one more each time one was found sealed (_taken_over)
 
     # --- what the request path tells it ----------------------------------------------------------
 
@@ -228,7 +228,7 @@ class Journal:
         """The request is over, having ``spent`` (per counter): its reservation settled, listed as
         settled, then its ledger rows, then the counters (module docstring); all in the background."""
         entry.reservation.settle(spent)
-        if entry.orphaned:  # taken over, the journal learnt it first: its taker charged it
+        if entry.taken_over:  # taken over, the journal learnt it first: its taker charged it
             entry.reservation.confirm(less=spent)  # all of it less: nothing enters a row here
             return
         entry.state = "settled"
@@ -358,7 +358,7 @@ class Journal:
         except Modified:
             found = await self.store.get_blob(name)
             if found is None or json.loads(found[0]).get("sealed_by"):
-                self._fenced()  # sealed (or taken over and deleted) by another instance
+                self._taken_over()  # sealed (or taken over and deleted) by another instance
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
@@ -407,13 +407,13 @@ class Journal:
             else:
                 backoff = self.interval
 
-    def _fenced(self) -> None:
+    def _taken_over(self) -> None:
         """The journal was sealed elsewhere: this instance was taken over (too slow to beat). What it
         listed is the taker's now; what came after goes on under the new incarnation's journal."""
         log.warning("journal: sealed by another instance (this one was taken over); starting a new one")
         for key, entry in list(self.entries.items()):
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
-                entry.orphaned = True
+                entry.taken_over = True
                 if not entry.journaled:  # settled here since (or open: nothing staged): as in ``settle``
                     entry.reservation.confirm(less=entry.amounts)
                 del self.entries[key]
@@ -424,7 +424,7 @@ class Journal:
 
     async def met_seal(self) -> int | None:
         """A budget row lost this instance's entry (counters.py): this journal's ``number`` once a write
-        tells whether it was sealed (``_fenced``); None if it could not be written."""
+        tells whether it was sealed (``_taken_over``); None if it could not be written."""
         if self._etag is not None and not self._closed:  # (None: nothing written since the last seal met)
             await asyncio.shield(self._next_write())
         return self.number if self._etag is None or not self._failing else None

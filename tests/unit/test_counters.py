@@ -577,7 +577,7 @@ async def test_an_entry_holding_0_with_a_charge_not_in_yet_learns_of_its_takeove
     journal_down = a.store.inject(Fault("unavailable", frozenset({"put"}), table="blob", times=10**9))
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    await until(lambda: r0.entry.taken_over, what="a's journal meets the seal")
     finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))  # its exchange finds a's entry gone
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
@@ -618,7 +618,7 @@ async def test_a_correction_the_sealed_journal_did_not_list_still_enters_the_row
     await acc_a.charge_seen(caller, "response", "resp_bg", "gpt-4o", Used(10, 0, 5000), "responses")
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
     journal_down.times = ledger_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's journal meets the seal")
+    await until(lambda: r0.entry.taken_over, what="a's journal meets the seal")
     finish(acc_a, r0, rec0, usage(r0.entry.prompt_tokens, 5))
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
@@ -646,9 +646,9 @@ async def test_a_charge_the_sealed_journal_listed_is_not_applied_again_when_the_
     await until(lambda: r1.entry.written.is_set(), what="r1 journaled and its ledger row written")
     await asyncio.sleep(1.0)  # a's journal writes once more (r1's row in), then has nothing to write
     await Recovery(b.store, b.ledger).recover("instance-a", "instance-b")
-    assert not r0.entry.orphaned  # a's journal has not met the seal yet
+    assert not r0.entry.taken_over  # a's journal has not met the seal yet
     counters_down.times = 0
-    await until(lambda: r0.entry.orphaned, what="a's counters have a's journal meet the seal")
+    await until(lambda: r0.entry.taken_over, what="a's counters have a's journal meet the seal")
     assert await acc_a.flush(5)
     ledger = [v for p in data.tables[USAGE_TABLE].values() for v, _ in p.values()]
     assert len(ledger) == 2  # r1 (a's), r0 at its checkpoint (b's)
