@@ -96,7 +96,7 @@ class JournalEntry:
     epoch: int = 1  # which producer of that stream this request is (1: the original)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
-    amounts: dict[CounterKey, int] = field(default_factory=dict)  # settled: charged of each budget counter
+    spent: dict[CounterKey, int] = field(default_factory=dict)  # settled: of each budget counter (stored "amounts")
     reservation: Reservation = field(default_factory=Reservation)  # what it holds; settled: its charges there
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
@@ -156,7 +156,7 @@ class JournalEntry:
             doc["stream"], doc["epoch"] = self.stream, self.epoch
         if self.state == "settled":
             doc["charges"] = [c.values() for c in self.charges]
-            doc["amounts"] = _named(self.amounts)
+            doc["amounts"] = _named(self.spent)
             doc["seqs"] = _named(self.seqs)
         return doc
 
@@ -180,7 +180,7 @@ class JournalEntry:
             epoch=int(doc.get("epoch") or 1),
             state=doc.get("state") or "open",
             charges=[Charge.of(c) for c in doc.get("charges") or []],
-            amounts=parsed(doc.get("amounts")),
+            spent=parsed(doc.get("amounts")),
             seqs=parsed(doc.get("seqs")),
         )
 
@@ -233,7 +233,7 @@ class Journal:
             return
         entry.state = "settled"
         entry.charges = charges
-        entry.amounts = {key: spent.get(key, 0) for key in entry.needs}
+        entry.spent = {key: spent.get(key, 0) for key in entry.needs}
         entry.seqs = entry.reservation.seqs
         entry.generated = None
         self.changed()
@@ -415,7 +415,7 @@ class Journal:
             if entry.listed:  # the taker settled it from the sealed journal: not ours any more
                 entry.taken_over = True
                 if not entry.journaled:  # settled here since (or open: nothing staged): as in ``settle``
-                    entry.reservation.confirm(less=entry.amounts)
+                    entry.reservation.confirm(less=entry.spent)
                 del self.entries[key]
         self._etag = None
         self._noted = set()
@@ -539,7 +539,7 @@ class Recovery:
         theirs = await self._write(entry.charges)  # (a stream's taker charged a part first: it counts it)
         less = amounts(entry.needs, [c for c, t in zip(entry.charges, theirs, strict=True) if t])
         # Less what others count, at most all of it; a correction's give-back (negative) as it is.
-        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.amounts.items()}
+        return {k: min(v, max(0, v - less.get(k, 0))) for k, v in entry.spent.items()}
 
     async def _write(self, charges: list[Charge]) -> list[bool]:
         """``Ledger.write`` for a recovery: each charge's row landed (False) or another's (True)."""
