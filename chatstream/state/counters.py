@@ -356,7 +356,7 @@ class Lease:
             if self.period != "minute" and self.held == 0 and (waiters or self.staged) and counters.journal is not None:
                 # A budget's first capacity (or charge) here: the journal lists the counter before the
                 # row has our entry, so a takeover of this instance finds it.
-                await counters.journal.note_counter(self.key, self.in_use)
+                await counters.journal.list_counter(self.key, self.in_use)
                 waiters = self._pending()
             room = self.limit - taken + self.balance  # a row in debt: the balance pays it first
             chosen = _fitting(waiters, room)
@@ -516,7 +516,7 @@ class WriteAhead(Protocol):
     """What the counters need of this instance's journal: ``Journal``'s methods of these names
     (journal.py); ``changed``: charges entered a row (it may drop them)."""
 
-    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
+    async def list_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None: ...
 
     async def met_seal(self) -> int | None: ...
 

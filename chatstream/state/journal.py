@@ -65,10 +65,10 @@ log = logging.getLogger("chatstream")
 
 JOURNAL_SECONDS = 0.5
 # A write a change wakes waits this long first, unless something waits for it (``listed``,
-# ``note_counter``): a request's upstream call goes out before the journal's store call.
+# ``list_counter``): a request's upstream call goes out before the journal's store call.
 WAKE_DELAY = 0.02
 # A budget counter stays listed this long after it was last needed: the caller's next request holds
-# it again without a journal write first (note_counter); a takeover reads its row, nothing else.
+# it again without a journal write first (list_counter); a takeover reads its row, nothing else.
 LISTED_SECONDS = 60.0
 
 
@@ -196,7 +196,7 @@ class Journal:
         self.interval = JOURNAL_SECONDS
         self.entries: dict[str, JournalEntry] = {}
         self._holding: dict[CounterKey, Callable[[], bool]] = {}  # budget counter -> whether the counters hold some
-        self._noted: set[CounterKey] = set()  # budget counters in the last written journal
+        self._listed_counters: set[CounterKey] = set()  # budget counters in the last written journal
         self._needed_at: dict[CounterKey, float] = {}  # budget counter -> when it was last needed (LISTED_SECONDS)
         self._lapse: float | None = None  # when the first counter listed but not needed lapses (_listing)
         self._next: asyncio.Future[None] | None = None  # done when the next write to start ends
@@ -247,11 +247,11 @@ class Journal:
             async with asyncio.timeout(within):
                 await asyncio.shield(self._next_write())  # opened before: the next write lists it
 
-    async def note_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
+    async def list_counter(self, key: CounterKey, holding: Callable[[], bool]) -> None:
         """Before this instance holds any of budget counter ``key``: a written journal lists it, and
         goes on listing it while ``holding()`` (and ``LISTED_SECONDS`` after)."""
         self._holding[key] = holding
-        while key not in self._noted and not self._closed:  # a write that failed (or was fenced): the next
+        while key not in self._listed_counters and not self._closed:  # a write that failed (or was fenced): the next
             self._needed_at[key] = asyncio.get_running_loop().time()
             await asyncio.shield(self._next_write())
 
@@ -336,9 +336,9 @@ class Journal:
             if not (e.state == "settled" and e.written.is_set() and e.reservation.counted())
         }
         listed = self._listing()
-        # A counter this write drops is not listed once it lands: one held again meanwhile (note_counter)
+        # A counter this write drops is not listed once it lands: one held again meanwhile (list_counter)
         # waits for the next write, not for this one.
-        self._noted &= set(listed)
+        self._listed_counters &= set(listed)
         if not self.entries and not listed:
             if self._etag is not None:
                 with contextlib.suppress(StoreError):
@@ -362,7 +362,7 @@ class Journal:
                 return
             # Our own journal: a write of ours landed with its answer lost, or a delete of it failed.
             self._etag = await self.store.put(name, data, etag=found[1])
-        self._noted = set(listed)
+        self._listed_counters = set(listed)
         for entry in in_doc:
             entry.listed = True
         for entry in settled_now:
@@ -418,7 +418,7 @@ class Journal:
                     entry.reservation.confirm(less=entry.spent)
                 del self.entries[key]
         self._etag = None
-        self._noted = set()
+        self._listed_counters = set()
         self._needed_at.clear()
         self.number += 1
 
