@@ -313,8 +313,7 @@ class Lease:
     async def _exchange(self) -> None:
         """One exchange (module docstring): each attempt reads the row unless it is known, then
         writes; a conflict or a takeover tries again. A write whose answer was lost goes first: the
-        row changed since its condition, this instance's entry says whether it landed (each write
-        carries the next exchange number); unchanged, the same write goes again (at most one lands)."""
+        row unchanged since its condition, it is sent again (at most one lands); else ``_landed``."""
         counters = self.counters
         self.advance(window_of(self.period, counters.clock()))
         top_up, self.top_up = self.top_up, False
@@ -329,12 +328,7 @@ class Lease:
                 await self._send(written, again=True)
                 continue
             if written is not None:
-                mine, wrote = seen.holds.get(counters.instance), written.row.holds.get(counters.instance)
-                if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
-                    landed = mine is None and not counters.instances.fenced.is_set()
-                else:
-                    landed = mine is not None and mine.exchange >= wrote.exchange
-                self._follow(written, landed and seen.window == written.row.window)
+                self._follow(written, self._landed(written, seen))
             if seen.etag is not None and newer(seen.window, self.window):
                 self.advance(seen.window)  # another instance's clock is a little ahead: follow it
             same = seen.counts_in(self.window)
@@ -399,6 +393,16 @@ class Lease:
                 self._keep_spare(spare)
             return
         raise StoreError("the counter kept changing under this instance")
+
+    def _landed(self, written: _Written, seen: CounterRow) -> bool:
+        """Whether ``written``, whose answer was lost, landed, by the row read since (it changed):
+        this instance's entry says (each write carries the next exchange number)."""
+        mine, wrote = seen.holds.get(self.counters.instance), written.row.holds.get(self.counters.instance)
+        if seen.window != written.row.window:
+            return False
+        if wrote is None:  # it took the entry out: gone means it landed, unless a takeover took it
+            return mine is None and not self.counters.instances.fenced.is_set()
+        return mine is not None and mine.exchange >= wrote.exchange
 
     async def _send(
         self, written: _Written, waiters: Sequence[Part] = (), chosen: Sequence[Part] = (), *, again: bool = False
