@@ -335,15 +335,7 @@ class Lease:
             taken = seen.taken if same else 0
             holds = dict(seen.holds) if same else {}
             if self.in_row and counters.instance not in holds and same:
-                # Our entry is gone (holding 0 too: a charge not in yet): another instance took this
-                # one over (we were too slow to beat) and settled it from our journal. These books
-                # start again, with the charges no sealed journal listed (the taker did not apply
-                # them: once the journal has met the seal, those of a journal before its own).
-                log.warning("limits: %s was taken over from this instance elsewhere", self.key)
-                number = await counters.journal.met_seal() if counters.journal is not None else 1
-                if number is None:
-                    raise StoreError("this instance's journal could not be written to meet its seal")
-                self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
+                await self._taken_over()
                 continue
             window = self.window  # (the window ``taken`` and ``holds`` are of, whatever the awaits below)
             waiters = self._pending()
@@ -393,6 +385,17 @@ class Lease:
                 self._keep_spare(spare)
             return
         raise StoreError("the counter kept changing under this instance")
+
+    async def _taken_over(self) -> None:
+        """This instance's entry left the row (holding 0 too: a charge not in yet): another instance
+        took this one over (it was too slow to beat) and settled it from its journal. The books start
+        again, with the charges no sealed journal listed (the taker did not apply them: once the
+        journal has met the seal, those of a journal before its own)."""
+        log.warning("limits: %s was taken over from this instance elsewhere", self.key)
+        number = await self.counters.journal.met_seal() if self.counters.journal is not None else 1
+        if number is None:
+            raise StoreError("this instance's journal could not be written to meet its seal")
+        self._drop_books([staged for staged in self.staged if not 0 < staged.journal < number])
 
     def _landed(self, written: _Written, seen: CounterRow) -> bool:
         """Whether ``written``, whose answer was lost, landed, by the row read since (it changed):
