@@ -1,11 +1,16 @@
-"""A caller's request, admitted and charged (``CALLER_KEYS=required``): what the endpoints call
-(``authenticate``, ``admit``, ``charge``), in the state's own words (port.py). What a request
-reserves and what it is charged, at which price: docs/callers.md.
+"""A caller's request, admitted and charged (``CALLER_KEYS=required``), in the state's own words
+(port.py). What a request reserves and what it is charged, at which price: docs/callers.md.
 
-``admit`` reserves against every limit of the caller and of its team at once (counters.py: all or
-nothing). ``charge`` settles it, each segment of the answer one ledger row; an answer no upstream
-took writes no row and releases the reservation. The charge is in the journal first, then the
-ledger, then the counters (journal.py): never lost, never counted twice."""
+- A request: ``authenticate``; ``admit`` reserves against every limit of the caller and of its team
+  at once (counters.py: all or nothing); ``charge`` settles it, each segment of the answer one ledger
+  row (an answer no upstream took writes no row and releases the reservation).
+- A resumable stream: ``produces`` names it; taken over, the lost producer's part is charged by
+  ``charge_lost`` (``charge_refused``: its continuation refused; ``regenerating``: still growing).
+- What a request created: ``claim``, ``owned``, ``forget``, ``keep_context``; ``charge_seen``
+  charges a background response once its usage is read back.
+
+Every charge is in the journal first, then the ledger, then the counters (journal.py): never lost,
+never counted twice."""
 
 from __future__ import annotations
 
