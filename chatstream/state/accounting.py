@@ -397,10 +397,9 @@ class Accounting:
     async def claim(self, kind: str, created: str, admission: Admission, background: bool) -> None:
         """What the request created is its caller's; a background response's reservation is kept,
         to be corrected when its usage is seen."""
-        reserved = (
-            max((w.need for w in admission.wants if w.key.row in ("tokens", "tpm")), default=0) if background else 0
-        )
-        spend = max((w.need for w in admission.wants if w.key.row == "spend"), default=0) if background else 0
+        wants = admission.wants if background else []  # (a request charged when it ends keeps nothing)
+        reserved = max((w.need for w in wants if w.key.row in ("tokens", "tpm")), default=0)
+        spend = max((w.need for w in wants if w.key.row == "spend"), default=0)
         try:
             owned = Owned(
                 admission.caller.id,
