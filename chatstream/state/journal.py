@@ -81,28 +81,30 @@ class JournalEntry:
     """One request in the journal, open or settled; or a correction of one (``accounting._correct``,
     settled), or a taker's knowledge of a lost part (``accounting.regenerating``, open)."""
 
+    # In its journal document (``serialised``):
     key: str  # its request's id; a correction (accounting._correct): that and what it corrects
     payer: Payer
     model: str
     prompt_tokens: int  # counted: what a partial answer is charged as its prompt
     needs: dict[CounterKey, int]  # reserved of each budget counter
     price: Price | None = None  # what an open entry's checkpoint is charged at (a settled one: its charges)
-    generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
-    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
-    counted_chars: dict[int, int] = field(default_factory=dict)
-    counted_tokens: int = 0
     segment: int = 0  # its first segment: a stream's takeover charges in a block of its own (accounting.py)
     stream: str | None = None  # a resumable stream's id: its log shows what its caller was sent
     epoch: int = 1  # which producer of that stream this request is (1: the original)
     state: str = "open"  # open | settled
     charges: list[Charge] = field(default_factory=list)
     spent: dict[CounterKey, int] = field(default_factory=dict)  # settled: of each budget counter (stored "amounts")
+    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
+    counted_tokens: int = 0  # of the checkpoint, counted so far (read back: all of it, ``generated``)
+    # The request path's, never in the journal:
+    generated: Callable[[], Mapping[int, str]] | None = None  # the text so far per choice (checkpoints)
+    floor: Callable[[], int] | None = None  # tokens known generated besides that text (a checkpoint's part)
+    counted_chars: dict[int, int] = field(default_factory=dict)  # per choice: the text ``counted_tokens`` has
     reservation: Reservation = field(default_factory=Reservation)  # what it holds; settled: its charges there
     listed: bool = False  # it is in a written journal (as it was then)
     journaled: bool = False  # its settled form is in a written journal
     written: asyncio.Event = field(default_factory=asyncio.Event)  # its ledger rows are in
     taken_over: bool = False  # taken over elsewhere (this instance was declared dead): not ours to charge
-    seqs: dict[CounterKey, int] = field(default_factory=dict)  # settled: their numbers there (``reservation.seqs``)
     # ``serialised``'s caches: the JSON of the fields set at opening; of all but the checkpoint, with
     # the (state, segment, stream, epoch) it was made of
     _fixed: str = field(default="", repr=False)
